@@ -1,0 +1,45 @@
+"""Type stubs of the Rust extension ``hetcoll._core`` (checked by ``mypy.stubtest``)."""
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["__version__", "finish_times", "num_threads", "split", "weighted_sum_into"]
+__version__: str
+
+def split(
+    total: int,
+    speeds: Sequence[float],
+    *,
+    latency: Sequence[float] | None = None,
+    capacity: Sequence[int] | None = None,
+    multiple_of: int = 1,
+    minimum: int = 0,
+) -> list[int]:
+    """Integer shares with sum ``total`` minimising ``max_i(latency[i] + shares[i] / speeds[i])``.
+
+    Constraints: ``minimum <= shares[i] <= capacity[i]`` and ``shares[i] % multiple_of == 0``.
+    Exact (greedy over unit increments, found by bisection); among optimal splits it returns the
+    one that gives each unit to the rank finishing earliest after taking it, lowest rank on ties.
+    Malformed or infeasible input raises ``ValueError`` naming the argument.
+
+    >>> split(100, [3.0, 1.0])
+    [75, 25]
+    """
+
+def finish_times(
+    shares: Sequence[int], speeds: Sequence[float], *, latency: Sequence[float] | None = None
+) -> list[float]:
+    """Seconds at which each rank finishes: ``latency[i] + shares[i] / speeds[i]``."""
+
+def weighted_sum_into(
+    arrays: Sequence[np.ndarray],
+    weights: Sequence[float],
+    out: np.ndarray,
+    *,
+    bfloat16: bool = False,
+) -> None:
+    """``out[k] = sum_i weights[i] * arrays[i][k]``; ``out`` may be one of ``arrays``."""
+
+def num_threads() -> int:
+    """Threads the kernels use: ``HETCOLL_NUM_THREADS`` if set, else every core."""

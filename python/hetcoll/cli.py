@@ -1,0 +1,103 @@
+"""The ``hetcoll`` command: ``split`` (and, as the library grows, ``demo``, ``plan``, ``bench``).
+
+Each subcommand is a thin shell over the public API; nothing here computes anything the library
+does not expose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+import hetcoll
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from e
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+
+
+def _cmd_split(args: argparse.Namespace) -> int:
+    shares = hetcoll.split(
+        args.total,
+        args.speeds,
+        latency=args.latency,
+        capacity=args.capacity,
+        multiple_of=args.multiple_of,
+        minimum=args.minimum,
+    )
+    finish = hetcoll.finish_times(shares, args.speeds, latency=args.latency)
+    # The even split is what a framework without balancing does: the comparison users ask for.
+    p = len(args.speeds)
+    even = [args.total // p + (1 if r < args.total % p else 0) for r in range(p)]
+    even_finish = hetcoll.finish_times(even, args.speeds, latency=args.latency)
+    if args.json:
+        json.dump(
+            {
+                "shares": shares,
+                "finish_seconds": finish,
+                "makespan_seconds": max(finish),
+                "even_shares": even,
+                "even_makespan_seconds": max(even_finish),
+            },
+            sys.stdout,
+        )
+        print()
+        return 0
+    print(f"{'rank':>4} {'speed':>12} {'share':>10} {'finish (s)':>12}")
+    for r, (s, b, t) in enumerate(zip(args.speeds, shares, finish)):
+        print(f"{r:>4} {s:>12.6g} {b:>10} {t:>12.6g}")
+    print(f"makespan {max(finish):.6g} s; an even split would take {max(even_finish):.6g} s "
+          f"({max(even_finish) / max(finish):.2f}x longer)")
+    return 0
+
+
+def _add_split(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "split",
+        help="integer shares that minimise the slowest rank's finish time",
+        description="Split TOTAL units (samples, filters, bytes) over ranks of the given speeds "
+        "so that the slowest rank finishes as early as possible. Exact.",
+    )
+    p.add_argument("total", type=int, help="units to split (an integer)")
+    p.add_argument("--speeds", type=_floats, required=True, help="units per second, e.g. 4,1,0.5")
+    p.add_argument("--latency", type=_floats, help="start-up seconds per rank")
+    p.add_argument("--capacity", type=_ints, help="most units each rank can hold")
+    p.add_argument("--multiple-of", type=int, default=1, help="every share a multiple of this")
+    p.add_argument("--minimum", type=int, default=0, help="smallest share of any rank")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_split)
+
+
+_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_split]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="hetcoll",
+        description="Balanced collective training on workers of unequal speed.",
+    )
+    parser.add_argument("--version", action="version", version=hetcoll.__version__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in _SUBCOMMANDS:
+        add(sub)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ValueError as e:
+        parser.exit(2, f"hetcoll {args.command}: error: {e}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Fused kernels on numpy arrays and CPU torch tensors, without copies.
+
+The Rust kernels take numpy buffers; this module hands them zero-copy numpy views of torch
+tensors (bfloat16 as its raw 16-bit patterns, which numpy has no type for) and gives back the
+caller's own object.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from hetcoll import _core
+
+ArrayT = TypeVar("ArrayT")
+
+
+def _is_tensor(x: object) -> bool:
+    # Checked without importing torch: most callers of the numpy path never load it.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _numpy_view(x: Any, argument: str) -> tuple[np.ndarray, bool]:
+    """A numpy view sharing ``x``'s memory, and whether it holds bfloat16 bit patterns."""
+    if isinstance(x, np.ndarray):
+        return x, False
+    if _is_tensor(x):
+        import torch
+
+        if x.device.type != "cpu":
+            raise TypeError(
+                f"{argument}: is on {x.device}; weighted_sum runs on CPU tensors "
+                "(use torch ops on device tensors)"
+            )
+        t = x.detach()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(np.uint16), True
+        if t.dtype not in (torch.float32, torch.float64, torch.float16):
+            raise TypeError(
+                f"{argument}: dtype {t.dtype} is not supported (float32, float64, float16, "
+                "bfloat16)"
+            )
+        return t.numpy(), False
+    raise TypeError(
+        f"{argument}: must be a numpy array or a CPU torch tensor, got {type(x).__name__}"
+    )
+
+
+def weighted_sum(
+    arrays: Sequence[ArrayT], weights: Sequence[float], *, out: ArrayT | None = None
+) -> ArrayT:
+    """``out[k] = sum_i weights[i] * arrays[i][k]`` in one fused, multi-threaded pass.
+
+    ``arrays`` are numpy arrays or CPU torch tensors of one shape and dtype (float32, float64,
+    float16, or bfloat16 tensors; 16-bit types accumulate in float32). ``out`` may be one of
+    ``arrays`` (in-place accumulation); when omitted a new array like ``arrays[0]`` is returned.
+    The GIL is released; ``HETCOLL_NUM_THREADS`` sets the thread count (default: every core) and
+    the result is bitwise the same for any thread count.
+
+    >>> import numpy as np, hetcoll
+    >>> hetcoll.weighted_sum([np.ones(3), np.arange(3.0)], [2.0, 0.5])
+    array([2. , 2.5, 3. ])
+    """
+    if isinstance(arrays, (np.ndarray, str, bytes)) or _is_tensor(arrays):
+        raise TypeError("arrays: must be a sequence of arrays, not a single array")
+    arrays = list(arrays)
+    if not arrays:
+        raise ValueError("arrays: must hold at least one array")
+    views = [_numpy_view(a, f"arrays[{i}]") for i, a in enumerate(arrays)]
+    if out is None:
+        first = arrays[0]
+        if _is_tensor(first):
+            import torch
+
+            out = torch.empty_like(first, memory_format=torch.contiguous_format)
+        else:
+            out = np.empty_like(first, order="C")
+    out_view, out_bf16 = _numpy_view(out, "out")
+    for i, (_, bf16) in enumerate(views):
+        if bf16 != out_bf16:
+            kinds = {True: "bfloat16", False: "not bfloat16"}
+            raise TypeError(f"arrays[{i}]: is {kinds[bf16]} but out is {kinds[out_bf16]}")
+    _core.weighted_sum_into([v for v, _ in views], weights, out_view, bfloat16=out_bf16)
+    return out
+
+
+def num_threads() -> int:
+    """Threads the kernels use: ``HETCOLL_NUM_THREADS`` if set, else every core."""
+    return _core.num_threads()

@@ -1,0 +1,9 @@
+//! Memory-bound kernels that combine uneven work.
+//!
+//! - [`weighted_sum`]: `out[k] = Σ_i w_i · a_i[k]` in one fused pass, multi-threaded.
+
+pub mod element;
+pub mod weighted_sum;
+
+pub use element::Element;
+pub use weighted_sum::{default_threads, weighted_sum, Source};

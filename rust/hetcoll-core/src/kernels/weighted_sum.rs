@@ -1,0 +1,240 @@
+//! `out[k] = Σ_i w_i · a_i[k]`: the sample-weighted combination at the heart of balanced data
+//! parallelism, fused into one pass over memory.
+//!
+//! The buffer is cut into blocks of [`BLOCK`] elements that fit in L1; each block of `out` is
+//! accumulated from every source in turn and written once, so memory sees `K` streaming reads and
+//! one streaming write, with no full-size temporary. Threads take contiguous runs of blocks. Every
+//! element is computed by the same sequence of operations in the same order whatever the thread
+//! count, so the output is bitwise identical for any number of threads.
+
+use std::thread;
+
+use super::element::Element;
+use crate::error::{CoreError, Result};
+
+/// Elements per block: the accumulator and its scratch stay in L1.
+pub const BLOCK: usize = 2048;
+/// Fewer elements than this per thread are not worth a thread.
+pub const MIN_PER_THREAD: usize = 1 << 16;
+
+/// One term of the sum.
+#[derive(Debug, Clone, Copy)]
+pub enum Source<'a, T> {
+    /// A buffer of the same length as `out`.
+    Slice(&'a [T]),
+    /// `out` itself (in-place accumulation: `out = w_0 · out + ...`).
+    Out,
+}
+
+/// Threads the kernels use: `HETCOLL_NUM_THREADS` if set, else every core.
+pub fn default_threads() -> Result<usize> {
+    match std::env::var("HETCOLL_NUM_THREADS") {
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if n >= 1 => Ok(n),
+            _ => Err(CoreError::invalid(
+                "HETCOLL_NUM_THREADS",
+                format!("must be a whole number >= 1, got {v:?}"),
+            )),
+        },
+        Err(_) => Ok(thread::available_parallelism().map_or(1, |n| n.get())),
+    }
+}
+
+/// `out[k] = Σ_i weights[i] · sources[i][k]` on up to `threads` threads.
+///
+/// `Source::Out` reads `out` as it was before the call, wherever it appears in `sources`.
+/// Errors name the argument: empty `sources`, a `weights` length that differs, a source whose
+/// length differs from `out`'s, a non-finite weight, `threads == 0`.
+///
+/// ```
+/// use hetcoll_core::kernels::{weighted_sum, Source};
+/// let a = [1.0f32, 2.0];
+/// let mut out = [10.0f32, 20.0];
+/// weighted_sum(&[Source::Out, Source::Slice(&a)], &[0.5, 2.0], &mut out, 1).unwrap();
+/// assert_eq!(out, [7.0, 14.0]);
+/// ```
+pub fn weighted_sum<T: Element>(
+    sources: &[Source<'_, T>],
+    weights: &[f64],
+    out: &mut [T],
+    threads: usize,
+) -> Result<()> {
+    if sources.is_empty() {
+        return Err(CoreError::invalid("arrays", "must hold at least one array"));
+    }
+    if weights.len() != sources.len() {
+        return Err(CoreError::invalid(
+            "weights",
+            format!(
+                "has {} entries but arrays has {}",
+                weights.len(),
+                sources.len()
+            ),
+        ));
+    }
+    for (i, s) in sources.iter().enumerate() {
+        if let Source::Slice(s) = s {
+            if s.len() != out.len() {
+                return Err(CoreError::invalid(
+                    format!("arrays[{i}]"),
+                    format!("has {} elements but out has {}", s.len(), out.len()),
+                ));
+            }
+        }
+    }
+    if let Some(i) = weights.iter().position(|w| !w.is_finite()) {
+        return Err(CoreError::invalid(
+            format!("weights[{i}]"),
+            format!("must be finite, got {}", weights[i]),
+        ));
+    }
+    if threads == 0 {
+        return Err(CoreError::invalid("threads", "must be at least 1"));
+    }
+    let w: Vec<T::Acc> = weights.iter().map(|&x| T::weight(x)).collect();
+    let n = out.len();
+    let threads = threads.min(n.div_ceil(MIN_PER_THREAD)).max(1);
+    if threads == 1 {
+        run(sources, &w, 0, out);
+        return Ok(());
+    }
+    // Contiguous runs of whole blocks; the last thread takes the tail.
+    let per = n.div_ceil(threads).div_ceil(BLOCK) * BLOCK;
+    thread::scope(|scope| {
+        let mut rest = &mut out[..];
+        let mut start = 0;
+        let mut mine = None;
+        while !rest.is_empty() {
+            let take = per.min(rest.len());
+            let (chunk, tail) = rest.split_at_mut(take);
+            rest = tail;
+            if mine.is_none() {
+                mine = Some((start, chunk));
+            } else {
+                let w = &w;
+                scope.spawn(move || run(sources, w, start, chunk));
+            }
+            start += take;
+        }
+        if let Some((s, chunk)) = mine {
+            run(sources, &w, s, chunk);
+        }
+    });
+    Ok(())
+}
+
+/// One thread's run: `out` is the slice of the whole output that starts at element `start`.
+fn run<T: Element>(sources: &[Source<'_, T>], w: &[T::Acc], start: usize, out: &mut [T]) {
+    let mut acc = [T::Acc::default(); BLOCK];
+    let mut widened = [T::Acc::default(); BLOCK];
+    let mut pos = 0;
+    for out_block in out.chunks_mut(BLOCK) {
+        let len = out_block.len();
+        let (acc, widened) = (&mut acc[..len], &mut widened[..len]);
+        let at = start + pos;
+        for (i, source) in sources.iter().enumerate() {
+            let src: &[T] = match source {
+                Source::Slice(s) => &s[at..at + len],
+                Source::Out => out_block,
+            };
+            if i == 0 {
+                T::first(acc, src, w[i], widened);
+            } else {
+                T::add(acc, src, w[i], widened);
+            }
+        }
+        T::store(acc, out_block);
+        pos += len;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+
+    fn reference(sources: &[Vec<f64>], w: &[f64]) -> Vec<f64> {
+        let n = sources[0].len();
+        (0..n)
+            .map(|k| {
+                let mut a = w[0] * sources[0][k];
+                for i in 1..sources.len() {
+                    a += w[i] * sources[i][k];
+                }
+                a
+            })
+            .collect()
+    }
+
+    #[test]
+    fn f64_matches_reference_for_any_thread_count() {
+        let n = 3 * MIN_PER_THREAD + 17;
+        let srcs: Vec<Vec<f64>> = (0..3)
+            .map(|i| (0..n).map(|k| ((k * 7 + i) % 13) as f64 * 0.1).collect())
+            .collect();
+        let w = [0.25, -1.5, 3.0];
+        let expected = reference(&srcs, &w);
+        for threads in [1, 2, 3, 8] {
+            let mut out = vec![0.0f64; n];
+            let s: Vec<Source<f64>> = srcs.iter().map(|v| Source::Slice(v)).collect();
+            weighted_sum(&s, &w, &mut out, threads).unwrap();
+            assert_eq!(out, expected);
+        }
+    }
+
+    #[test]
+    fn out_aliases_any_position() {
+        let a = vec![1.0f32, 2.0, 3.0];
+        let b = vec![4.0f32, 5.0, 6.0];
+        for pos in 0..3 {
+            let mut out = vec![7.0f32, 8.0, 9.0];
+            let mut srcs = vec![Source::Slice(&a[..]), Source::Slice(&b[..])];
+            srcs.insert(pos, Source::Out);
+            let mut all = vec![a.clone(), b.clone()];
+            all.insert(pos, vec![7.0, 8.0, 9.0]);
+            let w = [0.5, 2.0, -1.0];
+            weighted_sum(&srcs, &w, &mut out, 1).unwrap();
+            for k in 0..3 {
+                let mut e = w[0] as f32 * all[0][k];
+                e += w[1] as f32 * all[1][k];
+                e += w[2] as f32 * all[2][k];
+                assert_eq!(out[k], e);
+            }
+        }
+    }
+
+    #[test]
+    fn half_types_accumulate_in_f32() {
+        // 2048 + 1 + (-2048) in f16 steps loses the 1; accumulating in f32 keeps it.
+        let a = [f16::from_f32(2048.0)];
+        let b = [f16::from_f32(1.0)];
+        let mut out = [f16::ZERO];
+        let s = [Source::Slice(&a[..]), Source::Slice(&b[..]), Source::Slice(&a[..])];
+        weighted_sum(&s, &[1.0, 1.0, -1.0], &mut out, 1).unwrap();
+        assert_eq!(out[0].to_f32(), 1.0);
+        let a = [bf16::from_f32(256.0)];
+        let b = [bf16::from_f32(1.0)];
+        let mut out = [bf16::ZERO];
+        let s = [Source::Slice(&a[..]), Source::Slice(&b[..]), Source::Slice(&a[..])];
+        weighted_sum(&s, &[1.0, 1.0, -1.0], &mut out, 1).unwrap();
+        assert_eq!(out[0].to_f32(), 1.0);
+    }
+
+    #[test]
+    fn errors_name_the_argument() {
+        let a = [1.0f32; 4];
+        let b = [1.0f32; 3];
+        let mut out = [0.0f32; 4];
+        let e = |r: Result<()>| r.unwrap_err().argument().to_string();
+        assert_eq!(e(weighted_sum::<f32>(&[], &[], &mut out, 1)), "arrays");
+        assert_eq!(e(weighted_sum(&[Source::Slice(&a)], &[1.0, 2.0], &mut out, 1)), "weights");
+        assert_eq!(
+            e(weighted_sum(&[Source::Slice(&a), Source::Slice(&b)], &[1.0, 2.0], &mut out, 1)),
+            "arrays[1]"
+        );
+        assert_eq!(
+            e(weighted_sum(&[Source::Slice(&a)], &[f64::NAN], &mut out, 1)),
+            "weights[0]"
+        );
+    }
+}

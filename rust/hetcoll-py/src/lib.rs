@@ -1,0 +1,19 @@
+//! `hetcoll._core`: the PyO3 face of `hetcoll-core`. This crate only converts arguments, releases
+//! the GIL around work and maps errors (all in `errors`); the algorithms live in the core crate.
+
+use pyo3::prelude::*;
+
+mod convert;
+mod errors;
+mod kernels;
+mod solvers;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(solvers::split, m)?)?;
+    m.add_function(wrap_pyfunction!(solvers::finish_times, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::weighted_sum_into, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::num_threads, m)?)?;
+    Ok(())
+}
