@@ -58,8 +58,10 @@ def _cmd_split(args: argparse.Namespace) -> int:
     print(f"{'rank':>4} {'speed':>12} {'share':>10} {'finish (s)':>12}")
     for r, (s, b, t) in enumerate(zip(args.speeds, shares, finish)):
         print(f"{r:>4} {s:>12.6g} {b:>10} {t:>12.6g}")
-    print(f"makespan {max(finish):.6g} s; an even split would take {max(even_finish):.6g} s "
-          f"({max(even_finish) / max(finish):.2f}x longer)")
+    print(
+        f"makespan {max(finish):.6g} s; an even split would take {max(even_finish):.6g} s "
+        f"({max(even_finish) / max(finish):.2f}x longer)"
+    )
     return 0
 
 

@@ -1,0 +1,189 @@
+"""Launch local ranks: torch.distributed (gloo) workers in processes, or an MPI job by mpiexec.
+
+Used by ``hetcoll demo``, the benchmarks and the multi-process tests; handy for users who want to
+try a distributed job on one machine before they book a cluster. Results and errors come back to
+the caller: a rank that raises makes :func:`spawn` raise with that rank's traceback, and a rank
+that hangs past ``timeout`` is killed and reported, never waited on forever.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+
+class RankFailed(RuntimeError):
+    """One or more ranks of a local launch raised, crashed or timed out."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    threads: int,
+    args: tuple[Any, ...],
+    result_path: str,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS=str(threads),
+    )
+    outcome: tuple[str, Any]
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        try:
+            outcome = ("ok", fn(rank, world_size, *args))
+        finally:
+            try:
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
+    except BaseException as e:  # every failure goes back to the parent
+        outcome = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    with open(result_path, "wb") as f:
+        pickle.dump(outcome, f)
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes joined in one
+    torch.distributed process group; return each rank's result, in rank order.
+
+    ``fn`` must be importable (defined at module level). A rank that raises or dies makes this
+    raise :class:`RankFailed` naming it; ranks still running after ``timeout`` seconds are killed.
+
+    >>> spawn(my_fn, 2)  # doctest: +SKIP
+    """
+    import torch.multiprocessing as mp
+
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: must be an integer >= 1, got {world_size!r}")
+    if timeout <= 0:
+        raise ValueError(f"timeout: must be > 0 seconds, got {timeout!r}")
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="hetcoll-spawn-") as tmp:
+        paths = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(fn, r, world_size, port, backend, timeout, threads_per_rank, args, paths[r]),
+                daemon=False,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        # One shared deadline (plus start-up slack) for all ranks.
+        deadline = time.monotonic() + timeout + 60.0
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        failures = []
+        for r, p in enumerate(procs):
+            if p.is_alive():
+                p.kill()
+                p.join()
+                failures.append(f"rank {r}: still running after {timeout:.0f} s, killed")
+        results = []
+        for r, (p, path) in enumerate(zip(procs, paths)):
+            if not os.path.exists(path):
+                if not any(f.startswith(f"rank {r}:") for f in failures):
+                    failures.append(f"rank {r}: exited with code {p.exitcode} and no result")
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                failures.append(f"rank {r}: {value}")
+            results.append(value)
+        if failures:
+            raise RankFailed("\n".join(failures))
+        return results
+
+
+def mpiexec_path() -> str:
+    """The ``mpiexec`` next to this Python (a venv with the ``mpich`` wheel), else on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise FileNotFoundError(
+            "mpiexec: not found next to this Python or on PATH (pip install mpich mpi4py)"
+        )
+    return found
+
+
+def mpiexec(
+    nprocs: int,
+    argv: Sequence[str],
+    *,
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+    capture: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``mpiexec -n nprocs <this python> argv...``; raise :class:`RankFailed` on a non-zero
+    exit or after ``timeout`` seconds (the job is killed)."""
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs: must be an integer >= 1, got {nprocs!r}")
+    full_env = dict(os.environ)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.update(env or {})
+    cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, *argv]
+    try:
+        proc = subprocess.run(
+            cmd,
+            env=full_env,
+            capture_output=capture,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as e:
+        raise RankFailed(f"{' '.join(cmd)}: still running after {timeout:.0f} s, killed") from e
+    if proc.returncode != 0:
+        raise RankFailed(
+            f"{' '.join(cmd)} exited with code {proc.returncode}\n"
+            f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
+        )
+    return proc
