@@ -22,8 +22,106 @@ pub trait Element: Copy + Default + Send + Sync + 'static {
     fn first(acc: &mut [Self::Acc], src: &[Self], w: Self::Acc, widened: &mut [Self::Acc]);
     /// `acc[j] += w · src[j]`; `widened` is scratch of the same length.
     fn add(acc: &mut [Self::Acc], src: &[Self], w: Self::Acc, widened: &mut [Self::Acc]);
-    /// `dst[j] = acc[j]`, rounded to the storage type.
-    fn store(acc: &[Self::Acc], dst: &mut [Self]);
+    /// `dst[j] = acc[j]`, rounded to the storage type. `streaming` asks for stores that bypass
+    /// the cache (large outputs that will not be read again soon); a hint, not a promise.
+    fn store(acc: &[Self::Acc], dst: &mut [Self], streaming: bool);
+
+    /// `acc[j] = Σ_i w[i] · srcs[i][j]`, summed left to right. The default goes through
+    /// [`Element::first`] and [`Element::add`]; native types keep partial sums in registers.
+    #[inline]
+    fn accumulate(
+        acc: &mut [Self::Acc],
+        srcs: &[&[Self]],
+        w: &[Self::Acc],
+        widened: &mut [Self::Acc],
+    ) {
+        Self::first(acc, srcs[0], w[0], widened);
+        for (s, &wi) in srcs[1..].iter().zip(&w[1..]) {
+            Self::add(acc, s, wi, widened);
+        }
+    }
+}
+
+/// Sources in groups of up to four, each group one pass over the L1-resident accumulator with
+/// the partial sum in a register, left to right: `((acc + w0·s0) + w1·s1) + ...`, the same order
+/// as one source at a time. Zipped iterators let the compiler drop bounds checks and vectorise.
+#[inline(always)]
+fn accumulate_native<T>(acc: &mut [T], srcs: &[&[T]], w: &[T])
+where
+    T: Copy + std::ops::Add<Output = T> + std::ops::Mul<Output = T>,
+{
+    let mut i = 0;
+    while i < srcs.len() {
+        let (s, w) = (&srcs[i..], &w[i..]);
+        let g = (srcs.len() - i).min(4);
+        let a = acc.iter_mut();
+        match (i == 0, g) {
+            (true, 1) => a.zip(s[0]).for_each(|(a, &x0)| *a = w[0] * x0),
+            (false, 1) => a.zip(s[0]).for_each(|(a, &x0)| *a = *a + w[0] * x0),
+            (true, 2) => a
+                .zip(s[0])
+                .zip(s[1])
+                .for_each(|((a, &x0), &x1)| *a = w[0] * x0 + w[1] * x1),
+            (false, 2) => a
+                .zip(s[0])
+                .zip(s[1])
+                .for_each(|((a, &x0), &x1)| *a = *a + w[0] * x0 + w[1] * x1),
+            (true, 3) => a
+                .zip(s[0])
+                .zip(s[1])
+                .zip(s[2])
+                .for_each(|(((a, &x0), &x1), &x2)| *a = w[0] * x0 + w[1] * x1 + w[2] * x2),
+            (false, 3) => a
+                .zip(s[0])
+                .zip(s[1])
+                .zip(s[2])
+                .for_each(|(((a, &x0), &x1), &x2)| *a = *a + w[0] * x0 + w[1] * x1 + w[2] * x2),
+            (true, _) => a.zip(s[0]).zip(s[1]).zip(s[2]).zip(s[3]).for_each(
+                |((((a, &x0), &x1), &x2), &x3)| *a = w[0] * x0 + w[1] * x1 + w[2] * x2 + w[3] * x3,
+            ),
+            (false, _) => a.zip(s[0]).zip(s[1]).zip(s[2]).zip(s[3]).for_each(
+                |((((a, &x0), &x1), &x2), &x3)| {
+                    *a = *a + w[0] * x0 + w[1] * x1 + w[2] * x2 + w[3] * x3
+                },
+            ),
+        }
+        i += g;
+    }
+}
+
+/// Copy `src` to `dst` with non-temporal stores where the platform has them and `dst` is
+/// 16-byte aligned: the output of a large weighted sum is not read back soon, and skipping the
+/// read-for-ownership saves a sixth of the memory traffic of a 4-source sum.
+#[inline]
+fn store_bytes<T: Copy>(src: &[T], dst: &mut [T], streaming: bool) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        let bytes = std::mem::size_of_val(dst);
+        if streaming && (dst.as_ptr() as usize) % 16 == 0 && bytes % 16 == 0 {
+            let d = dst.as_mut_ptr() as *mut __m128i;
+            let s = src.as_ptr() as *const __m128i;
+            for k in 0..bytes / 16 {
+                // SAFETY: SSE2 is part of the x86_64 baseline; `src` and `dst` have the same
+                // length (`bytes`), `d` is 16-byte aligned (checked above) and `s` is read
+                // unaligned; `k < bytes / 16` keeps both in bounds.
+                unsafe { _mm_stream_si128(d.add(k), _mm_loadu_si128(s.add(k))) };
+            }
+            return;
+        }
+    }
+    let _ = streaming;
+    dst.copy_from_slice(src);
+}
+
+/// Make streamed stores visible to other threads before the kernel returns.
+#[inline]
+pub fn store_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE is part of the x86_64 baseline; a fence has no memory-safety preconditions.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
 }
 
 macro_rules! native {
@@ -48,8 +146,12 @@ macro_rules! native {
                 }
             }
             #[inline]
-            fn store(acc: &[$t], dst: &mut [$t]) {
-                dst.copy_from_slice(acc);
+            fn store(acc: &[$t], dst: &mut [$t], streaming: bool) {
+                store_bytes(acc, dst, streaming);
+            }
+            #[inline]
+            fn accumulate(acc: &mut [$t], srcs: &[&[$t]], w: &[$t], _: &mut [$t]) {
+                accumulate_native(acc, srcs, w);
             }
         }
     };
@@ -77,7 +179,7 @@ macro_rules! half_float {
                 <f32 as Element>::add(acc, widened, w, &mut []);
             }
             #[inline]
-            fn store(acc: &[f32], dst: &mut [$t]) {
+            fn store(acc: &[f32], dst: &mut [$t], _streaming: bool) {
                 dst.convert_from_f32_slice(acc);
             }
         }

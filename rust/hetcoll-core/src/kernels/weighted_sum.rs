@@ -9,7 +9,7 @@
 
 use std::thread;
 
-use super::element::Element;
+use super::element::{self, Element};
 use crate::error::{CoreError, Result};
 
 /// Elements per block: the accumulator and its scratch stay in L1.
@@ -123,8 +123,22 @@ pub fn weighted_sum<T: Element>(
     Ok(())
 }
 
+/// Outputs at least this large (bytes) are written with streaming stores: they exceed the
+/// caches, so keeping them there would only evict the inputs.
+pub const STREAMING_BYTES: usize = 4 << 20;
+
+/// The block `[at, at + len)` of a source; `Source::Out` reads the output block itself.
+#[inline]
+fn pick<'b, T>(source: &Source<'b, T>, at: usize, len: usize, out_block: &'b [T]) -> &'b [T] {
+    match *source {
+        Source::Slice(s) => &s[at..at + len],
+        Source::Out => out_block,
+    }
+}
+
 /// One thread's run: `out` is the slice of the whole output that starts at element `start`.
 fn run<T: Element>(sources: &[Source<'_, T>], w: &[T::Acc], start: usize, out: &mut [T]) {
+    let streaming = std::mem::size_of_val(out) >= STREAMING_BYTES;
     let mut acc = [T::Acc::default(); BLOCK];
     let mut widened = [T::Acc::default(); BLOCK];
     let mut pos = 0;
@@ -132,19 +146,25 @@ fn run<T: Element>(sources: &[Source<'_, T>], w: &[T::Acc], start: usize, out: &
         let len = out_block.len();
         let (acc, widened) = (&mut acc[..len], &mut widened[..len]);
         let at = start + pos;
-        for (i, source) in sources.iter().enumerate() {
-            let src: &[T] = match source {
-                Source::Slice(s) => &s[at..at + len],
-                Source::Out => out_block,
-            };
-            if i == 0 {
-                T::first(acc, src, w[i], widened);
+        {
+            let out_ro: &[T] = out_block;
+            // Up to eight sources on the stack; more is rare enough for a small allocation.
+            if sources.len() <= 8 {
+                let mut srcs: [&[T]; 8] = [&[]; 8];
+                for (slot, source) in srcs.iter_mut().zip(sources) {
+                    *slot = pick(source, at, len, out_ro);
+                }
+                T::accumulate(acc, &srcs[..sources.len()], w, widened);
             } else {
-                T::add(acc, src, w[i], widened);
+                let srcs: Vec<&[T]> = sources.iter().map(|s| pick(s, at, len, out_ro)).collect();
+                T::accumulate(acc, &srcs, w, widened);
             }
         }
-        T::store(acc, out_block);
+        T::store(acc, out_block, streaming);
         pos += len;
+    }
+    if streaming {
+        element::store_fence();
     }
 }
 
@@ -209,13 +229,21 @@ mod tests {
         let a = [f16::from_f32(2048.0)];
         let b = [f16::from_f32(1.0)];
         let mut out = [f16::ZERO];
-        let s = [Source::Slice(&a[..]), Source::Slice(&b[..]), Source::Slice(&a[..])];
+        let s = [
+            Source::Slice(&a[..]),
+            Source::Slice(&b[..]),
+            Source::Slice(&a[..]),
+        ];
         weighted_sum(&s, &[1.0, 1.0, -1.0], &mut out, 1).unwrap();
         assert_eq!(out[0].to_f32(), 1.0);
         let a = [bf16::from_f32(256.0)];
         let b = [bf16::from_f32(1.0)];
         let mut out = [bf16::ZERO];
-        let s = [Source::Slice(&a[..]), Source::Slice(&b[..]), Source::Slice(&a[..])];
+        let s = [
+            Source::Slice(&a[..]),
+            Source::Slice(&b[..]),
+            Source::Slice(&a[..]),
+        ];
         weighted_sum(&s, &[1.0, 1.0, -1.0], &mut out, 1).unwrap();
         assert_eq!(out[0].to_f32(), 1.0);
     }
@@ -227,9 +255,17 @@ mod tests {
         let mut out = [0.0f32; 4];
         let e = |r: Result<()>| r.unwrap_err().argument().to_string();
         assert_eq!(e(weighted_sum::<f32>(&[], &[], &mut out, 1)), "arrays");
-        assert_eq!(e(weighted_sum(&[Source::Slice(&a)], &[1.0, 2.0], &mut out, 1)), "weights");
         assert_eq!(
-            e(weighted_sum(&[Source::Slice(&a), Source::Slice(&b)], &[1.0, 2.0], &mut out, 1)),
+            e(weighted_sum(&[Source::Slice(&a)], &[1.0, 2.0], &mut out, 1)),
+            "weights"
+        );
+        assert_eq!(
+            e(weighted_sum(
+                &[Source::Slice(&a), Source::Slice(&b)],
+                &[1.0, 2.0],
+                &mut out,
+                1
+            )),
             "arrays[1]"
         );
         assert_eq!(
