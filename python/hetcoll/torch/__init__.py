@@ -1,0 +1,20 @@
+"""PyTorch integration: balanced data parallelism (speed probe, sampler, exact sample-weighted
+gradient averaging for DDP and for MPI, rebalancing) and emulated heterogeneity for trying it on
+one machine."""
+
+from hetcoll.torch.emulate import EmulatedSpeed
+from hetcoll.torch.hooks import WeightedAllreduceState, weighted_allreduce_hook
+from hetcoll.torch.rebalance import Rebalancer
+from hetcoll.torch.sampler import BalancedSampler
+from hetcoll.torch.speed import SpeedFit, gather_speeds, measure_speed
+
+__all__ = [
+    "BalancedSampler",
+    "EmulatedSpeed",
+    "Rebalancer",
+    "SpeedFit",
+    "WeightedAllreduceState",
+    "gather_speeds",
+    "measure_speed",
+    "weighted_allreduce_hook",
+]

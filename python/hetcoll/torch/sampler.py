@@ -1,0 +1,211 @@
+"""BalancedSampler: each rank's batch is its share of every global step.
+
+Per epoch a seeded permutation of the dataset is cut into global steps of ``B = sum(shares)``
+consecutive indices; inside a step rank ``r`` takes the contiguous piece of length
+``shares[r]`` that starts after the pieces of ranks ``0..r-1``. Every rank therefore runs the
+same number of steps, with batch size equal to its share, and the union over ranks of one epoch
+is the dataset exactly once.
+
+The remainder (fewer than ``B`` samples left at the end of an epoch) is a last, smaller global
+step split over the ranks in proportion to their shares with :func:`hetcoll.split` (each rank at
+least one sample). When the remainder has fewer samples than there are ranks it is padded with
+samples from the start of the epoch, as ``DistributedSampler`` pads, so no rank has an empty
+step; ``drop_last=True`` drops the remainder instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+import hetcoll
+
+
+def _validate_shares(shares: Sequence[int], argument: str = "shares") -> list[int]:
+    if isinstance(shares, (str, bytes)) or not hasattr(shares, "__iter__"):
+        raise ValueError(f"{argument}: must be a sequence of positive integers, got {shares!r}")
+    out = []
+    for i, s in enumerate(shares):
+        if isinstance(s, bool) or not hasattr(s, "__index__"):
+            raise ValueError(f"{argument}[{i}]: must be a positive integer, got {s!r}")
+        s = int(s.__index__())
+        if s < 1:
+            raise ValueError(f"{argument}[{i}]: must be a positive integer, got {s}")
+        out.append(s)
+    if not out:
+        raise ValueError(f"{argument}: must not be empty")
+    return out
+
+
+def _verify_agreement(values: list[int], what: str) -> None:
+    """When a process group is up, make every rank check that all ranks passed the same values:
+    a rank that disagrees would otherwise run a different number of steps and hang the others."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, values)
+    if any(g != values for g in gathered):
+        raise ValueError(
+            f"{what}: ranks disagree: "
+            + "; ".join(f"rank {r} has {g}" for r, g in enumerate(gathered))
+        )
+
+
+class BalancedSampler(Sampler[int]):
+    """Drop-in for ``DistributedSampler`` with uneven per-rank batch sizes.
+
+    ``shares[r]`` is rank ``r``'s batch size per step (integers, e.g. from
+    :func:`hetcoll.split` over measured speeds). Use it with
+    ``DataLoader(dataset, batch_size=shares[rank], sampler=sampler)``, or pass
+    ``sampler.batch_sampler()`` as ``batch_sampler=`` to let :meth:`set_shares` take effect at
+    the next step instead of the next epoch.
+
+    ``verify`` (default on) checks across ranks, when torch.distributed is initialised, that
+    every rank passed the same shares, and raises on every rank if not.
+
+    >>> s = BalancedSampler(range(10), [3, 1], rank=0, shuffle=False, verify=False)
+    >>> list(s)
+    [0, 1, 2, 4, 5, 6, 8]
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        shares: Sequence[int],
+        rank: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        verify: bool = True,
+    ) -> None:
+        self.shares = _validate_shares(shares)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(self.shares):
+            raise ValueError(
+                f"rank: must be an integer in [0, {len(self.shares)}) (one share per rank), "
+                f"got {rank!r}"
+            )
+        try:
+            self.num_samples_total = len(dataset)
+        except TypeError as e:
+            raise TypeError("dataset: must have a length (a map-style dataset)") from e
+        self.rank = rank
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+        if verify:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                world = dist.get_world_size()
+                if world != len(self.shares):
+                    raise ValueError(
+                        f"shares: has {len(self.shares)} entries but the process group has "
+                        f"{world} ranks"
+                    )
+            _verify_agreement(self.shares, "shares")
+
+    # -- the epoch plan ---------------------------------------------------------------------
+
+    def _permutation(self) -> list[int]:
+        n = self.num_samples_total
+        if not self.shuffle:
+            return list(range(n))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(n, generator=g).tolist()
+
+    def _last_step(self, remaining: int, shares: list[int]) -> list[int] | None:
+        """Per-rank sizes of the final, smaller step (None when it is dropped)."""
+        if remaining == 0 or self.drop_last:
+            return None
+        p = len(shares)
+        padded = max(remaining, p)
+        return hetcoll.split(padded, shares, minimum=1)
+
+    def _steps(self, shares_of_step: Any) -> Iterator[list[int]]:
+        """This rank's indices step by step; ``shares_of_step()`` is re-read at each step so that
+        :meth:`set_shares` applies from the next step on."""
+        perm = self._permutation()
+        n = len(perm)
+        pos = 0
+        while pos < n:
+            shares = shares_of_step()
+            total = sum(shares)
+            if n - pos >= total:
+                sizes = shares
+            else:
+                last = self._last_step(n - pos, shares)
+                if last is None:
+                    return
+                sizes = last
+            start = pos + sum(sizes[: self.rank])
+            idx = [perm[i % n] for i in range(start, start + sizes[self.rank])]
+            pos += sum(sizes)
+            yield idx
+
+    def __iter__(self) -> Iterator[int]:
+        shares = list(self.shares)  # fixed for the epoch: DataLoader batches by a fixed size
+        for step in self._steps(lambda: shares):
+            yield from step
+
+    def batch_sampler(self) -> _BatchView:
+        """An iterable of per-step index lists for ``DataLoader(batch_sampler=...)``; shares set
+        with :meth:`set_shares` apply from the next step."""
+        return _BatchView(self)
+
+    def __len__(self) -> int:
+        """Samples this rank draws in one epoch (at the current shares)."""
+        return sum(len(s) for s in self._plan_sizes())
+
+    def _plan_sizes(self) -> list[range]:
+        n, total = self.num_samples_total, sum(self.shares)
+        full, rem = divmod(n, total)
+        sizes = [range(self.shares[self.rank])] * full
+        last = self._last_step(rem, self.shares)
+        if last is not None:
+            sizes.append(range(last[self.rank]))
+        return sizes
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global steps in one epoch (the same on every rank)."""
+        return len(self._plan_sizes())
+
+    @property
+    def batch_size(self) -> int:
+        """This rank's batch size in a full step."""
+        return self.shares[self.rank]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reseed the shuffle, as ``DistributedSampler.set_epoch``: call it on every rank."""
+        self.epoch = int(epoch)
+
+    def set_shares(self, shares: Sequence[int]) -> None:
+        """New per-rank batch sizes (call on every rank with the same values, e.g. from a
+        :class:`~hetcoll.torch.Rebalancer`)."""
+        shares = _validate_shares(shares)
+        if len(shares) != len(self.shares):
+            raise ValueError(
+                f"shares: has {len(shares)} entries but the sampler has {len(self.shares)} ranks"
+            )
+        self.shares = shares
+
+
+class _BatchView:
+    """Per-step index lists of a :class:`BalancedSampler`, honouring ``set_shares`` each step."""
+
+    def __init__(self, sampler: BalancedSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self.sampler._steps(lambda: self.sampler.shares)
+
+    def __len__(self) -> int:
+        return self.sampler.steps_per_epoch

@@ -1,0 +1,240 @@
+"""Balanced data parallelism on real gloo processes: the weighted DDP hook gives exactly the
+single-process full-batch update; the sampler and the rebalancer behave as documented."""
+
+from __future__ import annotations
+
+import hetcoll
+import pytest
+import torch
+import torch.distributed as dist
+from hetcoll.launch import RankFailed, spawn
+from hetcoll.torch import (
+    BalancedSampler,
+    Rebalancer,
+    WeightedAllreduceState,
+    weighted_allreduce_hook,
+)
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+pytestmark = pytest.mark.multiproc
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 3),
+    ).double()
+
+
+def make_data(n: int):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 1, 6, 6, generator=g, dtype=torch.float64), torch.randint(
+        0, 3, (n,), generator=g
+    )
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / max(b.norm(), 1e-300))
+
+
+# -- one step ------------------------------------------------------------------------------------
+
+
+def _one_step(rank, world, shares):
+    return [_one_step_with(rank, shares, weighted) for weighted in (True, False)]
+
+
+def _one_step_with(rank, shares, weighted):
+    x, y = make_data(sum(shares))
+    start = sum(shares[:rank])
+    xs, ys = x[start : start + shares[rank]], y[start : start + shares[rank]]
+    ddp = DDP(make_model())
+    if weighted:
+        ddp.register_comm_hook(WeightedAllreduceState(None, shares[rank]), weighted_allreduce_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    nn.functional.cross_entropy(ddp(xs), ys).backward()
+    grads = [p.grad.clone() for p in ddp.parameters()]
+    opt.step()
+    return grads, [p.detach().clone() for p in ddp.parameters()]
+
+
+def _reference_step(n):
+    x, y = make_data(n)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    nn.functional.cross_entropy(model(x), y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    return grads, [p.detach().clone() for p in model.parameters()]
+
+
+def test_weighted_hook_equals_full_batch_and_plain_ddp_does_not():
+    shares = [3, 5, 8]
+    ref_grads, ref_params = _reference_step(sum(shares))
+    results = spawn(_one_step, 3, shares)
+    for (grads, params), _ in results:
+        for g, r in zip(grads, ref_grads):
+            assert rel_err(g, r) <= 1e-10
+        for p, r in zip(params, ref_params):
+            assert rel_err(p, r) <= 1e-10
+    # DDP's own averaging (divide by world size) is not the full-batch gradient here.
+    grads, _ = results[0][1]
+    assert max(rel_err(g, r) for g, r in zip(grads, ref_grads)) > 1e-3
+
+
+# -- a whole epoch: ragged last step and a share change mid-run ----------------------------------
+
+N_EPOCH, CHANGE_AT = 53, 2
+
+
+def _epoch_batches(shares_before, shares_after, world):
+    """Every rank's index batches, step by step, as BalancedSampler plans them (same process)."""
+    samplers = [
+        BalancedSampler(range(N_EPOCH), shares_before, r, seed=3, verify=False)
+        for r in range(world)
+    ]
+    iters = [iter(s.batch_sampler()) for s in samplers]
+    steps = []
+    while True:
+        if len(steps) == CHANGE_AT:
+            for s in samplers:
+                s.set_shares(shares_after)
+        batch = [next(it, None) for it in iters]
+        if batch[0] is None:
+            assert all(b is None for b in batch)
+            return steps
+        steps.append(batch)
+
+
+def _epoch(rank, world, shares_before, shares_after):
+    x, y = make_data(N_EPOCH)
+    sampler = BalancedSampler(range(N_EPOCH), shares_before, rank, seed=3)
+    ddp = DDP(make_model())
+    state = WeightedAllreduceState(None, shares_before[rank])
+    ddp.register_comm_hook(state, weighted_allreduce_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    sizes = []
+    for step, idx in enumerate(sampler.batch_sampler()):
+        if step + 1 == CHANGE_AT:
+            sampler.set_shares(shares_after)  # applies from the next step on
+        state.local_batch = len(idx)
+        sizes.append(len(idx))
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x[idx]), y[idx]).backward()
+        opt.step()
+    return sizes, [p.detach().clone() for p in ddp.parameters()]
+
+
+def test_full_epoch_with_ragged_last_step_and_share_change():
+    before, after = [3, 5, 8], [6, 1, 2]
+    world = 3
+    steps = _epoch_batches(before, after, world)
+    # The plan really has a change and a ragged tail.
+    assert [len(b) for b in steps[0]] == before and [len(b) for b in steps[CHANGE_AT]] == after
+    assert sum(len(b) for b in steps[-1]) < sum(after)
+    assert sorted(i for step in steps for b in step for i in b) == list(range(N_EPOCH))
+
+    x, y = make_data(N_EPOCH)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in steps:
+        idx = [i for b in step for i in b]
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+    results = spawn(_epoch, world, before, after)
+    for rank, (sizes, params) in enumerate(results):
+        assert sizes == [len(step[rank]) for step in steps]
+        for p, r in zip(params, model.parameters()):
+            assert rel_err(p, r.detach()) <= 1e-10
+
+
+# -- rebalancing ---------------------------------------------------------------------------------
+
+
+def _rebalance(rank, world, true_speeds_before, true_speeds_after, switch_step):
+    sampler = BalancedSampler(range(10_000), [16] * world, rank, verify=True)
+    reb = Rebalancer(sampler, every=4, smoothing=0.5, threshold=0.02)
+    shares_seen = []
+    for step in range(60):
+        speeds = true_speeds_before if step < switch_step else true_speeds_after
+        b = sampler.shares[rank]
+        # This rank's compute time at its emulated speed: b samples at speeds[rank] samples/s.
+        reb.observe(b, b / speeds[rank])
+        shares_seen.append(list(sampler.shares))
+    return shares_seen, [e.applied for e in reb.history]
+
+
+def test_rebalancer_converges_to_the_new_optimum():
+    before, after = [100.0, 25.0], [40.0, 80.0]
+    seen, applied = spawn(_rebalance, 2, before, after, 20)[0]
+    assert seen[19] == hetcoll.split(32, before, minimum=1)  # settled on the first optimum
+    assert seen[-1] == hetcoll.split(32, after, minimum=1)  # and followed the drift
+    assert 2 <= sum(applied) <= 8  # changes when it pays, no thrashing once settled
+    assert seen[-1] == seen[-20]
+
+
+# -- bad input: clear errors on every rank, no hang ----------------------------------------------
+
+
+def _bad_cases(rank, world):
+    out = {}
+    for case in BAD_CASES:
+        try:
+            if case == "world":
+                BalancedSampler(range(10), [1, 2, 3], rank)
+            elif case == "disagree":
+                BalancedSampler(range(10), [1, 2] if rank == 0 else [2, 1], rank)
+            elif case == "hook_state":
+                ddp = DDP(make_model())
+                ddp.register_comm_hook(None, weighted_allreduce_hook)
+                x, y = make_data(2)
+                nn.functional.cross_entropy(ddp(x), y).backward()
+            out[case] = "no error"
+        except (ValueError, TypeError, RuntimeError) as e:
+            out[case] = f"{type(e).__name__}: {e}"
+    return out
+
+
+BAD_CASES = {
+    "world": "shares: has 3 entries",
+    "disagree": "ranks disagree",
+    "hook_state": "state: weighted_allreduce_hook needs a WeightedAllreduceState",
+}
+
+
+def test_bad_input_raises_on_every_rank():
+    for per_rank in spawn(_bad_cases, 2, timeout=60):
+        for case, pattern in BAD_CASES.items():
+            assert pattern in per_rank[case], case
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"shares": [3, 0]}, r"shares\[1\]"),
+        ({"shares": [3, -1]}, r"shares\[1\]"),
+        ({"shares": []}, "shares"),
+        ({"shares": [2.5, 1]}, r"shares\[0\]"),
+        ({"shares": [1, 2], "rank": 2}, "rank"),
+    ],
+)
+def test_sampler_bad_input(kwargs, pattern):
+    args = {"shares": [1, 1], "rank": 0} | kwargs
+    with pytest.raises(ValueError, match=pattern):
+        BalancedSampler(range(4), args["shares"], args["rank"])
+
+
+def test_spawn_reports_a_failing_rank():
+    with pytest.raises(RankFailed, match="rank 1"):
+        spawn(_fail_on_rank_one, 2, timeout=60)
+
+
+def _fail_on_rank_one(rank, world):
+    if rank == 1:
+        raise ValueError("boom")
+    return dist.get_rank()
