@@ -63,5 +63,5 @@ def test_epochs_reshuffle_and_last_step_is_proportional():
     s.set_epoch(1)
     assert list(s) != first
     # 1000 = 25 * 40; 1010 leaves 10 -> split 3:1 -> [8, 2] (exact makespan split).
-    s0, b0 = plans(1010, [30, 10], shuffle=False)
+    _, b0 = plans(1010, [30, 10], shuffle=False)
     assert [len(b[-1]) for b in b0] == [8, 2]
