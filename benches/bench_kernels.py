@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 
-import hetcoll
 import numpy as np
 import pytest
 import torch
+
+import hetcoll
 
 K, N = 4, 1 << 25
 THREADS = os.cpu_count() or 1

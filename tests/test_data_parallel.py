@@ -3,10 +3,13 @@ single-process full-batch update; the sampler and the rebalancer behave as docum
 
 from __future__ import annotations
 
-import hetcoll
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hetcoll
 from hetcoll.launch import RankFailed, spawn
 from hetcoll.torch import (
     BalancedSampler,
@@ -14,31 +17,20 @@ from hetcoll.torch import (
     WeightedAllreduceState,
     weighted_allreduce_hook,
 )
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dp_common import (
+    CHANGE_AT,
+    EPOCH_SEED,
+    N_EPOCH,
+    epoch_plan,
+    make_data,
+    make_model,
+    reference_epoch,
+    reference_step,
+    rel_err,
+)
 
 pytestmark = pytest.mark.multiproc
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(4 * 6 * 6, 3),
-    ).double()
-
-
-def make_data(n: int):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 1, 6, 6, generator=g, dtype=torch.float64), torch.randint(
-        0, 3, (n,), generator=g
-    )
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / max(b.norm(), 1e-300))
 
 
 # -- one step ------------------------------------------------------------------------------------
@@ -62,19 +54,9 @@ def _one_step_with(rank, shares, weighted):
     return grads, [p.detach().clone() for p in ddp.parameters()]
 
 
-def _reference_step(n):
-    x, y = make_data(n)
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    nn.functional.cross_entropy(model(x), y).backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    opt.step()
-    return grads, [p.detach().clone() for p in model.parameters()]
-
-
 def test_weighted_hook_equals_full_batch_and_plain_ddp_does_not():
     shares = [3, 5, 8]
-    ref_grads, ref_params = _reference_step(sum(shares))
+    ref_grads, ref_params = reference_step(sum(shares))
     results = spawn(_one_step, 3, shares)
     for (grads, params), _ in results:
         for g, r in zip(grads, ref_grads):
@@ -88,31 +70,10 @@ def test_weighted_hook_equals_full_batch_and_plain_ddp_does_not():
 
 # -- a whole epoch: ragged last step and a share change mid-run ----------------------------------
 
-N_EPOCH, CHANGE_AT = 53, 2
-
-
-def _epoch_batches(shares_before, shares_after, world):
-    """Every rank's index batches, step by step, as BalancedSampler plans them (same process)."""
-    samplers = [
-        BalancedSampler(range(N_EPOCH), shares_before, r, seed=3, verify=False)
-        for r in range(world)
-    ]
-    iters = [iter(s.batch_sampler()) for s in samplers]
-    steps = []
-    while True:
-        if len(steps) == CHANGE_AT:
-            for s in samplers:
-                s.set_shares(shares_after)
-        batch = [next(it, None) for it in iters]
-        if batch[0] is None:
-            assert all(b is None for b in batch)
-            return steps
-        steps.append(batch)
-
 
 def _epoch(rank, world, shares_before, shares_after):
     x, y = make_data(N_EPOCH)
-    sampler = BalancedSampler(range(N_EPOCH), shares_before, rank, seed=3)
+    sampler = BalancedSampler(range(N_EPOCH), shares_before, rank, seed=EPOCH_SEED)
     ddp = DDP(make_model())
     state = WeightedAllreduceState(None, shares_before[rank])
     ddp.register_comm_hook(state, weighted_allreduce_hook)
@@ -132,25 +93,18 @@ def _epoch(rank, world, shares_before, shares_after):
 def test_full_epoch_with_ragged_last_step_and_share_change():
     before, after = [3, 5, 8], [6, 1, 2]
     world = 3
-    steps = _epoch_batches(before, after, world)
+    steps = epoch_plan(before, after, world)
     # The plan really has a change and a ragged tail.
     assert [len(b) for b in steps[0]] == before and [len(b) for b in steps[CHANGE_AT]] == after
     assert sum(len(b) for b in steps[-1]) < sum(after)
     assert sorted(i for step in steps for b in step for i in b) == list(range(N_EPOCH))
 
-    x, y = make_data(N_EPOCH)
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in steps:
-        idx = [i for b in step for i in b]
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-        opt.step()
+    ref = reference_epoch(steps)
     results = spawn(_epoch, world, before, after)
     for rank, (sizes, params) in enumerate(results):
         assert sizes == [len(step[rank]) for step in steps]
-        for p, r in zip(params, model.parameters()):
-            assert rel_err(p, r.detach()) <= 1e-10
+        for p, r in zip(params, ref):
+            assert rel_err(p, r) <= 1e-10
 
 
 # -- rebalancing ---------------------------------------------------------------------------------

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hetcoll.torch import BalancedSampler
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from hetcoll.torch import BalancedSampler
 
 
 def plans(n, shares, **kw):

@@ -7,10 +7,11 @@ import itertools
 import math
 import random
 
-import hetcoll
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import hetcoll
 
 
 def finish(lat: float, speed: float, share: int) -> float:

@@ -3,13 +3,14 @@ torch buffers without copies, clear errors."""
 
 from __future__ import annotations
 
-import hetcoll
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+
+import hetcoll
 
 BIG = 3 * (1 << 16) + 12345  # several threads' worth, and a ragged tail
 

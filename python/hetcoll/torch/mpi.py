@@ -106,11 +106,7 @@ class DistributedOptimizer:
         size = 0
         for g in grads:
             nbytes = g.numel() * g.element_size()
-            if (
-                not buckets
-                or buckets[-1][0].dtype != g.dtype
-                or size + nbytes > self.fusion_bytes
-            ):
+            if not buckets or buckets[-1][0].dtype != g.dtype or size + nbytes > self.fusion_bytes:
                 buckets.append([])
                 size = 0
             buckets[-1].append(g)

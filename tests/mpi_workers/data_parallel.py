@@ -1,0 +1,82 @@
+"""MPI worker for tests/test_data_parallel_mpi.py: run under mpiexec; prints one JSON line per
+rank with the largest relative errors against the single-process references."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from hetcoll.torch import BalancedSampler, DistributedOptimizer, broadcast_parameters
+
+from dp_common import (
+    CHANGE_AT,
+    EPOCH_SEED,
+    N_EPOCH,
+    epoch_plan,
+    make_data,
+    make_model,
+    reference_epoch,
+    reference_step,
+    rel_err,
+)
+
+torch.set_num_threads(1)
+comm = MPI.COMM_WORLD
+rank, world = comm.Get_rank(), comm.Get_size()
+result = {"rank": rank}
+
+# One step with shares [3, 5, 8][:world].
+shares = [3, 5, 8][:world]
+x, y = make_data(sum(shares))
+start = sum(shares[:rank])
+model = make_model()
+broadcast_parameters(model)
+opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), local_batch=shares[rank])
+nn.functional.cross_entropy(
+    model(x[start : start + shares[rank]]), y[start : start + shares[rank]]
+).backward()
+opt.synchronize()
+grads = [p.grad.clone() for p in model.parameters()]
+opt.optimizer.step()
+ref_grads, ref_params = reference_step(sum(shares))
+result["step_grad"] = max(rel_err(g, r) for g, r in zip(grads, ref_grads))
+result["step_param"] = max(rel_err(p.detach(), r) for p, r in zip(model.parameters(), ref_params))
+
+# A whole epoch: ragged last step, shares changed mid-run.
+before, after = [3, 5, 8][:world], [6, 1, 2][:world]
+steps = epoch_plan(before, after, world)
+x, y = make_data(N_EPOCH)
+model = make_model()
+sampler = BalancedSampler(range(N_EPOCH), before, rank, seed=EPOCH_SEED, verify=False)
+opt = DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+    local_batch=before[rank],
+    fusion_bytes=512,  # several buckets even for this small model
+)
+for step, idx in enumerate(sampler.batch_sampler()):
+    if step + 1 == CHANGE_AT:
+        sampler.set_shares(after)
+    opt.local_batch = len(idx)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+    opt.step()
+ref = reference_epoch(steps)
+result["epoch_param"] = max(rel_err(p.detach(), r) for p, r in zip(model.parameters(), ref))
+
+# Ranks that disagree on the gradients raise on every rank instead of hanging.
+extra = [nn.Parameter(torch.zeros(3, dtype=torch.float64))] if rank == 0 else []
+bad = DistributedOptimizer(
+    torch.optim.SGD([*make_model().parameters(), *extra], lr=0.1), local_batch=1
+)
+try:
+    bad.synchronize()
+    result["disagree"] = "no error"
+except ValueError as e:
+    result["disagree"] = str(e)
+
+print(json.dumps(result), flush=True)
