@@ -82,7 +82,14 @@ def _add_split(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_split)
 
 
-_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_split]
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    # Imported here: the demo pulls in torch, which `hetcoll split` should not pay for.
+    from hetcoll.demo import add_parser
+
+    add_parser(sub)
+
+
+_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_split]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

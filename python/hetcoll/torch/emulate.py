@@ -2,11 +2,16 @@
 
 On one machine every rank runs on the same kind of core, so to show (and test) balancing we slow
 some ranks down on purpose. :class:`EmulatedSpeed` wraps a module; after each real forward pass
-it sleeps ``(1/speed - 1) * t_forward * (1 + backward_ratio)`` seconds, so the rank's forward +
-backward takes ``1/speed`` times as long as the real computation (``backward_ratio`` is the
-backward/forward time ratio; :func:`backward_ratio` measures it). Sleeping frees the core, so
-ranks do not steal compute from each other. Every figure obtained this way is *emulated*
-heterogeneity and hetcoll's README and demo say so.
+it sleeps so that the rank's forward + backward takes ``1/speed`` times as long as the real
+computation:
+
+- with ``cost`` (a :class:`~hetcoll.torch.SpeedFit` of the *real* model, measured once), it sleeps
+  ``(1/speed - 1) * cost.predict(batch)``: a deterministic delay that does not amplify noise;
+- without it, ``(1/speed - 1) * t_forward * (1 + backward_ratio)`` from the forward pass it just
+  timed (``backward_ratio`` is the backward/forward time ratio, :func:`backward_ratio`).
+
+Sleeping frees the core, so ranks do not steal compute from each other. Every figure obtained
+this way is *emulated* heterogeneity, and hetcoll's README and demo say so.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetcoll.torch.speed import SpeedFit
+
 
 class EmulatedSpeed(nn.Module):
     """``module`` running at ``speed`` times its real speed (``0 < speed <= 1``).
@@ -30,7 +37,14 @@ class EmulatedSpeed(nn.Module):
     >>> slow = EmulatedSpeed(nn.Linear(4, 2), speed=0.25)
     """
 
-    def __init__(self, module: nn.Module, speed: float, *, backward_ratio: float = 2.0) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        speed: float,
+        *,
+        backward_ratio: float = 2.0,
+        cost: SpeedFit | None = None,
+    ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module: must be a torch.nn.Module, got {type(module).__name__}")
@@ -44,16 +58,29 @@ class EmulatedSpeed(nn.Module):
         self.module = module
         self.speed = speed
         self.backward_ratio = float(backward_ratio)
+        self.cost = cost
         self.last_forward_seconds = 0.0
+
+    def _delay(self, compute_s: float, batch: int) -> float:
+        """Seconds to sleep after a forward that took ``compute_s`` on ``batch`` samples."""
+        if self.speed >= 1.0:
+            return 0.0
+        if self.cost is not None:
+            step = self.cost.predict(batch)  # forward + backward of the real model
+        else:
+            step = compute_s * (1.0 + self.backward_ratio)
+        if not torch.is_grad_enabled():
+            step /= 1.0 + self.backward_ratio  # no backward will follow
+        return (1.0 / self.speed - 1.0) * step
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         out = self.module(*args, **kwargs)
         compute = time.perf_counter() - t0
-        if self.speed < 1.0 and torch.is_grad_enabled():
-            time.sleep((1.0 / self.speed - 1.0) * compute * (1.0 + self.backward_ratio))
-        elif self.speed < 1.0:
-            time.sleep((1.0 / self.speed - 1.0) * compute)
+        batch = len(args[0]) if args and hasattr(args[0], "__len__") else 1
+        delay = self._delay(compute, batch)
+        if delay > 0:
+            time.sleep(delay)
         self.last_forward_seconds = time.perf_counter() - t0
         return out
 

@@ -1,0 +1,490 @@
+"""``hetcoll demo``: the main job. Trains a small CNN on scikit-learn's bundled digits on local
+ranks of unequal (emulated) speed, twice:
+
+- **unbalanced**: equal batches and plain averaging, as DDP / DistributedSampler do today;
+- **balanced**: each rank's speed measured, the global batch split with :func:`hetcoll.split`,
+  :class:`~hetcoll.torch.BalancedSampler` and exact sample-weighted averaging (the DDP comm hook
+  on gloo, the MPI :class:`~hetcoll.torch.DistributedOptimizer` with ``--backend mpi``).
+
+Both runs see the same global batches in the same order, so they learn the same model; only the
+time differs. Speeds are *emulated* (a slow rank sleeps in proportion to its real compute, see
+:mod:`hetcoll.torch.emulate`). Prints a table, writes a PNG plot and, with ``--json``, a
+machine-readable result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import hetcoll
+from hetcoll.torch import (
+    BalancedSampler,
+    EmulatedSpeed,
+    Rebalancer,
+    SpeedFit,
+    measure_speed,
+)
+
+
+@dataclass
+class DemoConfig:
+    """Everything a demo run depends on (defaults finish in about two minutes on 2 cores)."""
+
+    speeds: tuple[float, ...] = (1.0, 0.25)
+    epochs: int = 10
+    global_batch: int = 128
+    lr: float = 0.05
+    backend: str = "gloo"
+    seed: int = 0
+    rebalance: bool = False
+    progress: bool = True
+    runs: tuple[str, ...] = ("unbalanced", "balanced")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.speeds)
+
+    def validate(self) -> None:
+        if not self.speeds or any(not 0 < s <= 1 for s in self.speeds):
+            raise ValueError(f"speeds: each must be in (0, 1], got {list(self.speeds)}")
+        if self.global_batch < self.world_size:
+            raise ValueError(
+                f"global_batch: must be at least the number of ranks ({self.world_size})"
+            )
+        if self.epochs < 1:
+            raise ValueError(f"epochs: must be >= 1, got {self.epochs}")
+        if self.backend not in ("gloo", "mpi"):
+            raise ValueError(f"backend: must be 'gloo' or 'mpi', got {self.backend!r}")
+
+
+class DemoNet(nn.Sequential):
+    """Two 3x3 convolutions, a pooling layer and two linear layers for 8x8 digits."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Conv2d(1, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(64 * 4 * 4, 128),
+            nn.ReLU(),
+            nn.Linear(128, 10),
+        )
+
+
+def load_digits(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scikit-learn's bundled 8x8 digits (1,797 images, no download): 80% train, 20% test."""
+    from sklearn.datasets import load_digits as sk_digits
+
+    d = sk_digits()
+    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(d.target, dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(len(y), generator=g)
+    cut = int(0.8 * len(y))
+    return x[perm[:cut]], y[perm[:cut]], x[perm[cut:]], y[perm[cut:]]
+
+
+# -- the two engines ------------------------------------------------------------------------------
+
+
+class _Engine:
+    """What differs between torch.distributed and MPI: collectives and gradient averaging."""
+
+    rank: int
+    world: int
+
+    def barrier(self) -> None: ...
+    def allgather(self, obj: Any) -> list[Any]: ...
+    def prepare(
+        self, model: nn.Module, local_batch: int, weighted: bool, lr: float
+    ) -> tuple[nn.Module, Any, Callable[[int], None]]: ...
+
+
+class _Gloo(_Engine):
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def barrier(self) -> None:
+        torch.distributed.barrier()
+
+    def allgather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def prepare(self, model, local_batch, weighted, lr):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from hetcoll.torch import WeightedAllreduceState, weighted_allreduce_hook
+
+        ddp = DDP(model)
+        state = WeightedAllreduceState(None, local_batch)
+        if weighted:
+            ddp.register_comm_hook(state, weighted_allreduce_hook)
+
+        def set_batch(n: int) -> None:
+            state.local_batch = n
+
+        return ddp, torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9), set_batch
+
+
+class _Mpi(_Engine):
+    def __init__(self) -> None:
+        from mpi4py import MPI
+
+        self.comm = MPI.COMM_WORLD
+        self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return self.comm.allgather(obj)
+
+    def prepare(self, model, local_batch, weighted, lr):
+        from hetcoll.torch import DistributedOptimizer, broadcast_parameters
+
+        broadcast_parameters(model, self.comm)
+        # Equal shares make the weighted mean the plain mean, as in the unbalanced run.
+        opt = DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
+            self.comm,
+            local_batch=local_batch,
+        )
+
+        def set_batch(n: int) -> None:
+            opt.local_batch = n
+
+        return model, opt, set_batch
+
+
+# -- one rank's work ------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    name: str
+    shares: list[int]
+    epochs: list[dict[str, float]] = field(default_factory=list)
+    rebalances: int = 0
+
+
+def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)
+        loss = float(nn.functional.cross_entropy(logits, y))
+        acc = float((logits.argmax(1) == y).float().mean())
+    model.train()
+    return loss, acc
+
+
+def _train(engine: _Engine, cfg: DemoConfig, name: str, shares: list[int], real: SpeedFit):
+    rank = engine.rank
+    xtr, ytr, xte, yte = load_digits(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    net = DemoNet()
+    model = EmulatedSpeed(net, cfg.speeds[rank], cost=real)
+    weighted = name == "balanced"
+    wrapped, opt, set_batch = engine.prepare(model, shares[rank], weighted, cfg.lr)
+    sampler = BalancedSampler(
+        range(len(ytr)), shares, rank, seed=cfg.seed, verify=cfg.backend == "gloo"
+    )
+    rebalancer = (
+        Rebalancer(sampler, every=10, threshold=0.05)
+        if cfg.rebalance and weighted and cfg.backend == "gloo"
+        else None
+    )
+    result = RunResult(name, list(shares))
+    wall = 0.0
+    for epoch in range(cfg.epochs):
+        sampler.set_epoch(epoch)
+        steps = sampler.batch_sampler()
+        bar = None
+        if cfg.progress and rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(
+                total=len(steps),
+                desc=f"{name:>10} epoch {epoch + 1}/{cfg.epochs}",
+                file=sys.stderr,
+                leave=True,
+                dynamic_ncols=True,
+            )
+        engine.barrier()
+        t0 = time.perf_counter()
+        samples = 0
+        for idx in steps:
+            set_batch(len(idx))
+            opt.zero_grad()
+            nn.functional.cross_entropy(wrapped(xtr[idx]), ytr[idx]).backward()
+            opt.step()
+            samples += len(idx)
+            if rebalancer is not None and rebalancer.observe(len(idx), model.last_forward_seconds):
+                result.rebalances += 1
+            if bar is not None:
+                bar.update(1)
+        engine.barrier()
+        seconds = time.perf_counter() - t0
+        wall += seconds
+        total_samples = sum(engine.allgather(samples))
+        if bar is not None:
+            bar.close()
+        loss, acc = _evaluate(net, xte, yte)
+        result.epochs.append(
+            {
+                "epoch": epoch + 1,
+                "train_seconds": seconds,
+                "wall_seconds": wall,
+                "samples": total_samples,
+                "samples_per_s": total_samples / seconds,
+                "test_loss": loss,
+                "test_accuracy": acc,
+            }
+        )
+    result.shares = list(sampler.shares)
+    return result
+
+
+def _probe(engine: _Engine, cfg: DemoConfig) -> tuple[list[SpeedFit], SpeedFit]:
+    """Each rank measures its real speed once (the cost the emulation scales), then its emulated
+    speed, which is what the balanced split is solved from; every rank gets everybody's fit."""
+    xtr, ytr, _, _ = load_digits(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    net = DemoNet()
+
+    def make_batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return xtr[:b], ytr[:b]
+
+    loss = nn.functional.cross_entropy
+    top = max(8, cfg.global_batch)
+    sizes = sorted({max(1, top // 8), max(2, top // 4), max(3, top // 2), top})
+    real = measure_speed(net, make_batch, loss, batch_sizes=sizes, warmup=2, repeats=5)
+    emulated = EmulatedSpeed(net, cfg.speeds[engine.rank], cost=real)
+    fit = measure_speed(emulated, make_batch, loss, batch_sizes=sizes, warmup=1, repeats=3)
+    return engine.allgather(fit), real
+
+
+def run_rank(engine: _Engine, cfg: DemoConfig) -> dict[str, Any] | None:
+    """Both runs on this rank; rank 0 returns the report."""
+    torch.set_num_threads(1)
+    fits, real = _probe(engine, cfg)
+    speeds = [f.samples_per_s for f in fits]
+    latency = [f.latency_s for f in fits]
+    plans = {
+        "unbalanced": hetcoll.split(cfg.global_batch, [1.0] * engine.world),
+        "balanced": hetcoll.split(cfg.global_batch, speeds, latency=latency, minimum=1),
+    }
+    runs = [_train(engine, cfg, name, plans[name], real) for name in cfg.runs]
+    if engine.rank != 0:
+        return None
+    balanced = plans["balanced"]
+    ideal = sum(b / f.predict(b) for b, f in zip(balanced, fits))
+    return {
+        "config": dataclasses.asdict(cfg),
+        "emulated": True,
+        "ranks": [
+            {
+                "rank": r,
+                "emulated_speed": cfg.speeds[r],
+                "measured_samples_per_s": f.samples_per_s,
+                "measured_latency_s": f.latency_s,
+                "points": f.points,
+            }
+            for r, f in enumerate(fits)
+        ],
+        "ideal_samples_per_s": ideal,
+        "predicted_balanced_step_s": max(f.predict(b) for b, f in zip(balanced, fits)),
+        "runs": {r.name: dataclasses.asdict(r) for r in runs},
+    }
+
+
+def _gloo_rank(rank: int, world: int, cfg: DemoConfig) -> dict[str, Any] | None:
+    return run_rank(_Gloo(rank, world), cfg)
+
+
+# -- the launcher and the report ------------------------------------------------------------------
+
+
+def run(cfg: DemoConfig) -> dict[str, Any]:
+    """Launch the ranks (gloo processes, or mpiexec for ``backend="mpi"``); return the report."""
+    cfg.validate()
+    from hetcoll.launch import mpiexec, spawn
+
+    if cfg.backend == "gloo":
+        return spawn(_gloo_rank, cfg.world_size, cfg, timeout=1800)[0]
+    with tempfile.TemporaryDirectory(prefix="hetcoll-demo-") as tmp:
+        path = os.path.join(tmp, "report.json")
+        argv = ["-m", "hetcoll.demo", "--mpi-rank", json.dumps(dataclasses.asdict(cfg)), path]
+        mpiexec(cfg.world_size, argv, timeout=1800, capture=False)
+        with open(path) as f:
+            return json.load(f)
+
+
+def _mpi_main(config_json: str, path: str) -> None:
+    raw = json.loads(config_json)
+    cfg = DemoConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+    report = run_rank(_Mpi(), cfg)
+    if report is not None:
+        with open(path, "w") as f:
+            json.dump(report, f)
+
+
+def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per run: seconds per epoch, samples/s, share of the ideal, final loss/accuracy.
+    Epoch 1 is left out of the timing (warm-up)."""
+    rows = []
+    ideal = report["ideal_samples_per_s"]
+    for name, run_ in report["runs"].items():
+        timed = run_["epochs"][1:] or run_["epochs"]
+        secs = sum(e["train_seconds"] for e in timed)
+        samples = sum(e["samples"] for e in timed)
+        last = run_["epochs"][-1]
+        rows.append(
+            {
+                "run": name,
+                "shares": run_["shares"],
+                "seconds_per_epoch": secs / len(timed),
+                "samples_per_s": samples / secs,
+                "ideal_samples_per_s": ideal,
+                "fraction_of_ideal": samples / secs / ideal,
+                "test_loss": last["test_loss"],
+                "test_accuracy": last["test_accuracy"],
+            }
+        )
+    return rows
+
+
+def format_table(report: dict[str, Any]) -> str:
+    rows = summary_rows(report)
+    lines = [
+        "Emulated heterogeneity: rank speeds "
+        + ", ".join(f"{r['emulated_speed']:g}" for r in report["ranks"])
+        + " (measured "
+        + ", ".join(f"{r['measured_samples_per_s']:.0f}" for r in report["ranks"])
+        + " samples/s)",
+        f"{'run':<11} {'shares':<12} {'s/epoch':>8} {'samples/s':>10} {'ideal':>8} "
+        f"{'of ideal':>9} {'loss':>7} {'accuracy':>9}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['run']:<11} {','.join(map(str, r['shares'])):<12} {r['seconds_per_epoch']:8.2f} "
+            f"{r['samples_per_s']:10.0f} {r['ideal_samples_per_s']:8.0f} "
+            f"{r['fraction_of_ideal']:8.0%} {r['test_loss']:7.3f} {r['test_accuracy']:9.2%}"
+        )
+    by = {r["run"]: r for r in rows}
+    if "balanced" in by and "unbalanced" in by:
+        lines.append(
+            f"balanced / unbalanced throughput: "
+            f"{by['balanced']['samples_per_s'] / by['unbalanced']['samples_per_s']:.2f}x; "
+            f"accuracy difference: "
+            f"{100 * (by['balanced']['test_accuracy'] - by['unbalanced']['test_accuracy']):+.1f}"
+            " points"
+        )
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """Throughput and test accuracy against wall time, both runs, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, run_ in report["runs"].items():
+        t = [e["wall_seconds"] for e in run_["epochs"]]
+        ax1.plot(t, [e["samples_per_s"] for e in run_["epochs"]], marker="o", label=name)
+        ax2.plot(t, [100 * e["test_accuracy"] for e in run_["epochs"]], marker="o", label=name)
+    ax1.axhline(report["ideal_samples_per_s"], ls="--", c="gray", label="ideal (sum of speeds)")
+    ax1.set(xlabel="training wall time (s)", ylabel="samples / s", title="throughput per epoch")
+    ax2.set(xlabel="training wall time (s)", ylabel="test accuracy (%)", title="accuracy")
+    speeds = ", ".join(f"{r['emulated_speed']:g}" for r in report["ranks"])
+    fig.suptitle(f"hetcoll demo: {len(report['ranks'])} ranks, emulated speeds {speeds}")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="train a CNN on ranks of unequal (emulated) speed, unbalanced vs balanced",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    d = DemoConfig()
+    p.add_argument(
+        "--speeds",
+        default=",".join(map(str, d.speeds)),
+        help="emulated speed of each rank as a fraction of real speed (default 1,0.25)",
+    )
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--batch", type=int, default=d.global_batch, help="global batch per step")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--backend", choices=["gloo", "mpi"], default=d.backend)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--rebalance",
+        action="store_true",
+        help="also re-solve the split every 10 steps from measured compute times",
+    )
+    p.add_argument("--out", default="demo-out", help="directory for demo.png (and demo.json)")
+    p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    try:
+        speeds = tuple(float(s) for s in args.speeds.split(",") if s.strip())
+    except ValueError:
+        raise ValueError(f"speeds: expected comma-separated numbers, got {args.speeds!r}") from None
+    cfg = DemoConfig(
+        speeds=speeds,
+        epochs=args.epochs,
+        global_batch=args.batch,
+        lr=args.lr,
+        backend=args.backend,
+        seed=args.seed,
+        rebalance=args.rebalance,
+        progress=not args.no_progress,
+    )
+    report = run(cfg)
+    os.makedirs(args.out, exist_ok=True)
+    png = os.path.join(args.out, "demo.png")
+    plot(report, png)
+    with open(os.path.join(args.out, "demo.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    if args.json:
+        json.dump(report, sys.stdout)
+        print()
+    else:
+        print(format_table(report))
+        print(f"plot: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--mpi-rank":
+        _mpi_main(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit("usage: hetcoll demo (this module's entry point is for mpiexec workers)")

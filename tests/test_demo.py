@@ -1,0 +1,71 @@
+"""The main job end to end on real processes (small settings): both runs learn the same model,
+the report and the plot are complete. Throughput is a benchmark matter (benches/), not tested."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hetcoll.demo import DemoConfig, format_table, plot, run, summary_rows
+
+pytestmark = pytest.mark.multiproc
+
+
+def test_demo_gloo_runs_learn_the_same_model(tmp_path):
+    cfg = DemoConfig(speeds=(1.0, 0.5), epochs=2, global_batch=48, progress=False)
+    report = run(cfg)
+    assert report["emulated"] is True
+    rows = {r["run"]: r for r in summary_rows(report)}
+    assert rows["unbalanced"]["shares"] == [24, 24]
+    balanced = rows["balanced"]["shares"]
+    assert sum(balanced) == 48 and balanced[0] > balanced[1]  # the faster rank takes more
+    # Same global batches in the same order; only DDP's plain mean on the ragged last step of
+    # the unbalanced run differs from the exact mean, so both learn nearly the same model.
+    # (Exactness itself is tested in test_data_parallel.py.)
+    b, u = rows["balanced"], rows["unbalanced"]
+    assert abs(b["test_loss"] - u["test_loss"]) < 0.1 * u["test_loss"]
+    assert abs(b["test_accuracy"] - u["test_accuracy"]) <= 0.03
+    for r in report["runs"].values():
+        assert [e["samples"] for e in r["epochs"]] == [1437, 1437]
+    assert "balanced / unbalanced throughput" in format_table(report)
+    png = tmp_path / "demo.png"
+    plot(report, str(png))
+    assert png.stat().st_size > 10_000
+
+
+def test_demo_cli_mpi_json(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetcoll.cli",
+            "demo",
+            "--backend",
+            "mpi",
+            "--epochs",
+            "1",
+            "--batch",
+            "32",
+            "--speeds",
+            "1,0.5",
+            "--json",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    assert set(report["runs"]) == {"unbalanced", "balanced"}
+    assert (tmp_path / "demo.png").exists() and (tmp_path / "demo.json").exists()
+
+
+def test_demo_rejects_bad_config():
+    with pytest.raises(ValueError, match="speeds"):
+        run(DemoConfig(speeds=(1.0, 0.0)))
+    with pytest.raises(ValueError, match="global_batch"):
+        run(DemoConfig(speeds=(1.0, 1.0, 1.0), global_batch=2))
