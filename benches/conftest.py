@@ -22,6 +22,17 @@ class Entry:
 
 _RESULTS: dict[str, dict[str, Entry]] = defaultdict(dict)
 _PEERS: dict[str, str] = {}
+_FIGURES: dict[str, list[tuple[str, str]]] = defaultdict(list)
+
+
+@pytest.fixture
+def figure():
+    """figure(group, name, text): a derived figure (a ratio, a fraction) for the final report."""
+
+    def _figure(group, name, text):
+        _FIGURES[group].append((name, text))
+
+    return _figure
 
 
 @pytest.fixture
@@ -38,9 +49,11 @@ def record():
 
 
 def pytest_terminal_summary(terminalreporter):
-    if not _RESULTS:
-        return
     tr = terminalreporter
+    for group, rows in _FIGURES.items():
+        tr.write_sep("-", group)
+        for name, text in rows:
+            tr.write_line(f"{name:<56} {text}")
     for group, entries in _RESULTS.items():
         peer = _PEERS.get(group)
         tr.write_sep("-", f"{group} (ratios: peer time / entry time; >1 means faster than peer)")
