@@ -14,7 +14,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "mpi_workers", "data_parallel.p
 @pytest.mark.parametrize("world", [2, 3])
 def test_mpi_optimizer_matches_single_process(world):
     out = mpiexec(world, [WORKER], timeout=240).stdout
-    results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    results = json.loads(next(line for line in out.splitlines() if line.startswith("[")))
     assert sorted(r["rank"] for r in results) == list(range(world))
     for r in results:
         assert r["step_grad"] <= 1e-10

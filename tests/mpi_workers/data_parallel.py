@@ -79,4 +79,7 @@ try:
 except ValueError as e:
     result["disagree"] = str(e)
 
-print(json.dumps(result), flush=True)
+# One line from rank 0: lines printed by several ranks can interleave on mpiexec's stdout.
+results = comm.gather(result, root=0)
+if rank == 0:
+    print(json.dumps(results), flush=True)
