@@ -4,7 +4,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["__version__", "finish_times", "num_threads", "split", "weighted_sum_into"]
+__all__ = [
+    "__version__",
+    "finish_times",
+    "num_threads",
+    "pack_into",
+    "split",
+    "unpack_from",
+    "weighted_sum_into",
+]
 __version__: str
 
 def split(
@@ -43,3 +51,13 @@ def weighted_sum_into(
 
 def num_threads() -> int:
     """Threads the kernels use: ``HETCOLL_NUM_THREADS`` if set, else every core."""
+
+def pack_into(
+    arrays: Sequence[np.ndarray], out: np.ndarray, *, scale: float = 1.0, bfloat16: bool = False
+) -> None:
+    """``out = scale * concat(arrays)``; ``arrays`` C-contiguous, any shape, ``out``'s dtype."""
+
+def unpack_from(
+    flat: np.ndarray, arrays: Sequence[np.ndarray], *, scale: float = 1.0, bfloat16: bool = False
+) -> None:
+    """``arrays[i] = scale * flat[o_i : o_i + arrays[i].size]`` in place, ``o_i`` running sizes."""

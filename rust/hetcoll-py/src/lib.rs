@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 
 mod convert;
 mod errors;
+mod fusion;
 mod kernels;
 mod solvers;
 
@@ -15,5 +16,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(solvers::finish_times, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::weighted_sum_into, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::num_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(fusion::pack_into, m)?)?;
+    m.add_function(wrap_pyfunction!(fusion::unpack_from, m)?)?;
     Ok(())
 }
