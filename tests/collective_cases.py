@@ -10,6 +10,7 @@ check raises, which fails the rank and so the launch.
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any
 
 import hetcoll
@@ -53,7 +54,7 @@ def _digest(buf: Any) -> str:
 
 def _same_everywhere(comm: Communicator, digest: str, what: str) -> None:
     raw = np.frombuffer(bytes.fromhex(digest), dtype=np.int64)
-    rows = comm.allgather_int64(raw, None)
+    rows = comm.allgather_int64(raw, time.monotonic() + 60)
     if not (rows == rows[0]).all():
         raise AssertionError(f"{what}: results differ between ranks")
 
@@ -221,6 +222,38 @@ def run_all(comm_obj: Any) -> dict[str, int]:
     }
 
 
-def run_torch(rank: int, world_size: int) -> dict[str, int]:
-    """Entry point for :func:`hetcoll.launch.spawn` (gloo)."""
-    return run_all(None)
+# Groups of 4, 3 and 2 of the 4 launched processes, so one launch covers every size: ranks in
+# a group are numbered from 0 in the order listed, unlike their numbers in the world.
+GROUPS = {4: [0, 1, 2, 3], 3: [1, 2, 3], 2: [0, 3]}
+
+
+def run_mpi(world: Any) -> dict[int, dict[str, int]]:
+    """Entry point of tests/mpi_workers/collectives.py: every case on every group size."""
+    results = {}
+    for p, members in GROUPS.items():
+        me = world.Get_rank()
+        color = 0 if me in members else 1
+        sub = world.Split(color, members.index(me) if me in members else me)
+        if color == 0:
+            results[p] = run_all(sub)
+        sub.Free()
+        # Ranks outside the group wait here; MPI_Barrier would spin and starve the group's
+        # ranks of the 2 cores, so poll a non-blocking barrier with sleeps instead.
+        done = world.Ibarrier()
+        while not done.Test():
+            time.sleep(0.005)
+    return results
+
+
+def run_torch(rank: int, world_size: int) -> dict[int, dict[str, int]]:
+    """Entry point for :func:`hetcoll.launch.spawn` (gloo): every case on every group size,
+    the whole world as the default group (None), the others as ProcessGroups."""
+    import torch.distributed as dist
+
+    results = {}
+    for p, members in GROUPS.items():
+        group = None if p == world_size else dist.new_group(members)
+        if rank in members:
+            results[p] = run_all(group)
+        dist.barrier()
+    return results

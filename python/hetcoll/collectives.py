@@ -20,6 +20,7 @@ on every rank when they differ.
 from __future__ import annotations
 
 import math
+import threading
 import time
 import zlib
 from collections.abc import Sequence
@@ -161,6 +162,22 @@ def allreduce(
     return buf
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(slot: int, n: int, dtype: np.dtype) -> np.ndarray:
+    """``n`` elements of reusable scratch: a fresh buffer each call would page-fault its whole
+    size again (tens of ms for the chunks of a 256 MB allreduce)."""
+    pool: dict[int, np.ndarray] | None = getattr(_SCRATCH, "pool", None)
+    if pool is None:
+        pool = _SCRATCH.pool = {}
+    nbytes = n * dtype.itemsize
+    buf = pool.get(slot)
+    if buf is None or buf.nbytes < nbytes:
+        buf = pool[slot] = np.empty(nbytes, np.uint8)
+    return buf[:nbytes].view(dtype)
+
+
 def _ring(
     c: Communicator,
     flat: np.ndarray,
@@ -180,7 +197,7 @@ def _ring(
     right, left = (r + 1) % p, (r - 1) % p
     steps = _core.ring_schedule(counts, r, segment)
     biggest = max(counts)
-    scratch = [np.empty(biggest, flat.dtype), np.empty(biggest, flat.dtype)]
+    scratch = [_scratch(0, biggest, flat.dtype), _scratch(1, biggest, flat.dtype)]
 
     def post(t: int) -> list[Request]:
         reduce, _, recv = steps[t]
@@ -193,7 +210,7 @@ def _ring(
     # the only place the weight is not fused into a reduction.
     _, send0, _ = steps[0]
     lo0, hi0 = send0[0][0], send0[-1][1]
-    first = np.empty(hi0 - lo0, flat.dtype)
+    first = _scratch(2, hi0 - lo0, flat.dtype)
     if hi0 > lo0:
         _core.weighted_sum_into([flat[lo0:hi0]], [w], first, bfloat16=bf16)
     sends = [c.isend(first[a - lo0 : b - lo0], right, _TAG) for a, b in send0]
@@ -255,11 +272,15 @@ def allgatherv(local: ArrayT, comm: Any = None, *, timeout: float | None = None)
     >>> allgatherv(np.arange(rank + 1.0), comm)  # on 3 ranks  # doctest: +SKIP
     array([0., 0., 1., 0., 1., 2.])
     """
-    deadline = _deadline(timeout)
-    if _is_tensor(local) and local.device.type != "cpu":  # type: ignore[attr-defined]
-        return _allgatherv_device(local, comm, deadline)  # type: ignore[no-any-return]
+    return _gather(local, comm, _deadline(timeout))[0]  # type: ignore[no-any-return]
+
+
+def _gather(local: Any, comm: Any, deadline: float | None) -> tuple[Any, list[int]]:
+    """:func:`allgatherv`, plus every rank's length along axis 0."""
+    if _is_tensor(local) and local.device.type != "cpu":
+        return _allgatherv_device(local, comm, deadline)
     if _is_tensor(local):
-        local = local.detach().contiguous()  # type: ignore[attr-defined]
+        local = local.detach().contiguous()
         view, _ = _numpy_view(local, "local")
     elif isinstance(local, np.ndarray):
         view = np.ascontiguousarray(local)
@@ -274,15 +295,15 @@ def allgatherv(local: ArrayT, comm: Any = None, *, timeout: float | None = None)
     row_bytes = view.itemsize * math.prod(view.shape[1:])
     out_view = np.empty((int(rows.sum()), *view.shape[1:]), dtype=view.dtype)
     counts = [int(n) * row_bytes for n in rows]
-    c.iallgatherv(
-        view.reshape(-1).view(np.uint8), out_view.reshape(-1).view(np.uint8), counts
-    ).wait(deadline)
+    send, recv = view.reshape(-1).view(np.uint8), out_view.reshape(-1).view(np.uint8)
+    c.iallgatherv(send, recv, counts).wait(deadline)
+    lengths = [int(n) for n in rows]
     if _is_tensor(local):
         import torch
 
         t = torch.from_numpy(out_view)
-        return t.view(torch.bfloat16) if local.dtype == torch.bfloat16 else t  # type: ignore
-    return out_view  # type: ignore[return-value]
+        return (t.view(torch.bfloat16) if local.dtype == torch.bfloat16 else t), lengths
+    return out_view, lengths
 
 
 def _exchange_shapes(
@@ -301,7 +322,7 @@ def _exchange_shapes(
     return rows[:, 0]
 
 
-def _allgatherv_device(local: Any, comm: Any, deadline: float | None) -> Any:
+def _allgatherv_device(local: Any, comm: Any, deadline: float | None) -> tuple[Any, list[int]]:
     """NCCL path: the same all_to_all_single exchange on device tensors."""
     import torch
     import torch.distributed as dist
@@ -324,7 +345,7 @@ def _allgatherv_device(local: Any, comm: Any, deadline: float | None) -> Any:
         async_op=True,
     )
     _TorchRequest(work, "all_to_all_single (allgatherv)").wait(deadline)
-    return out
+    return out, [int(n) for n in rows]
 
 
 def allgatherv_autograd(tensor: Any, comm: Any = None, *, timeout: float | None = None) -> Any:
@@ -349,11 +370,9 @@ def _make_function() -> Any:
     class AllgathervFn(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, tensor: Any, comm: Communicator, timeout: float | None) -> Any:
-            out = allgatherv(tensor.detach(), comm, timeout=timeout)
+            out, ctx.counts = _gather(tensor.detach(), comm, _deadline(timeout))
             ctx.comm, ctx.timeout = comm, timeout
             ctx.local_shape = tuple(tensor.shape)
-            ctx.rows = out.shape[0]
-            ctx.counts = _row_counts(comm, tensor.shape[0], timeout)
             return out
 
         @staticmethod
@@ -386,11 +405,6 @@ def _make_function() -> Any:
             return result, None, None
 
     return AllgathervFn
-
-
-def _row_counts(comm: Communicator, n: int, timeout: float | None) -> list[int]:
-    rows = comm.allgather_int64(np.array([n], np.int64), _deadline(timeout))
-    return [int(x) for x in rows[:, 0]]
 
 
 class _Lazy:

@@ -124,6 +124,10 @@ class _MpiRequest(Request):
             raise CollectiveTimeout(f"{self._what}: the engine lost a peer: {e}") from e
 
 
+# One user op per 16-bit kind for the whole process: mpi4py has only a few slots for them.
+_HALF_SUM_OPS: dict[str, Any] = {}
+
+
 class MpiCommunicator(Communicator):
     """A :class:`Communicator` over an mpi4py ``Comm`` (intracommunicator)."""
 
@@ -132,7 +136,6 @@ class MpiCommunicator(Communicator):
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.engine = "mpi"
-        self._ops: dict[str, Any] = {}
 
     @staticmethod
     def _type(kind: str) -> Any:
@@ -152,7 +155,7 @@ class MpiCommunicator(Communicator):
 
         if kind not in ("float16", "bfloat16"):
             return MPI.SUM
-        op = self._ops.get(kind)
+        op = _HALF_SUM_OPS.get(kind)
         if op is None:
             bf16 = kind == "bfloat16"
             np_type = np.uint16 if bf16 else np.float16
@@ -163,7 +166,7 @@ class MpiCommunicator(Communicator):
                 _core.weighted_sum_into([b, a], [1.0, 1.0], b, bfloat16=bf16)
 
             op = MPI.Op.Create(add, commute=True)
-            self._ops[kind] = op
+            _HALF_SUM_OPS[kind] = op
         return op
 
     def isend(self, buf: np.ndarray, dest: int, tag: int) -> Request:
