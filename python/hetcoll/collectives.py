@@ -33,7 +33,15 @@ from hetcoll.comm import Communicator, Request, wait_all, wrap
 from hetcoll.errors import CollectiveMismatchError
 from hetcoll.kernels import _is_tensor, _numpy_view
 
-__all__ = ["ALGORITHMS", "allgatherv", "allgatherv_autograd", "allreduce"]
+__all__ = [
+    "ALGORITHMS",
+    "GATHER_RING_CROSSOVER_BYTES",
+    "RING_CROSSOVER_BYTES",
+    "SEGMENT_BYTES",
+    "allgatherv",
+    "allgatherv_autograd",
+    "allreduce",
+]
 
 ArrayT = TypeVar("ArrayT")
 
@@ -41,11 +49,17 @@ ALGORITHMS = ("auto", "ring", "native")
 #: Ring segment: large enough that per-message overhead is small next to 1 MiB at ~1 GB/s,
 #: small enough that reducing one segment overlaps receiving the next (gloo uses <= 1 MiB).
 SEGMENT_BYTES = 1 << 20
-#: Message size above which "auto" picks the ring, per engine. The engines' own allreduce was
-#: faster than (or level with) the ring at every size measured by benches/bench_collectives.py
-#: on one 2-core machine, so "auto" stays native unless chunk ``speeds`` ask for uneven chunks.
-RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": math.inf, "gloo": math.inf}
-_TAG = 4831  # ring messages: _TAG + step
+#: Message size above which "auto" picks the ring, per engine, from
+#: benches/bench_collectives.py on one 2-core host: with MPICH the weighted ring took 0.55-0.64x
+#: the time of MPI_Allreduce at 64 and 256 MiB (p = 2 and 4) but more below 16 MiB; gloo's own
+#: ring was as fast or faster at every size. "auto" with chunk ``speeds`` is always the ring.
+RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 64 << 20, "gloo": math.inf}
+#: Total output size above which "auto" allgatherv takes the ring. MPICH's Allgatherv with
+#: uneven pieces took seconds where Allgather of the same bytes took tens of milliseconds
+#: (64 MiB, 4 ranks, one host); gloo's all_to_all_single needs the piece repeated p times.
+GATHER_RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 1 << 20}
+_TAG = 4831  # ring allreduce messages: _TAG + step
+_TAG_GATHER = 14831  # ring allgatherv messages: _TAG_GATHER + step
 _KIND_CODE = {"float32": 1, "float64": 2, "float16": 3, "bfloat16": 4}
 _ALGO_CODE = {"ring": 1, "native": 2}
 
@@ -233,6 +247,40 @@ def _ring(
     wait_all(sends, deadline)
 
 
+def _ring_allgather(
+    c: Communicator,
+    send: np.ndarray,
+    out: np.ndarray,
+    counts: list[int],
+    segment: int,
+    deadline: float | None,
+) -> None:
+    """The allgather half of the ring (``schedules/ring.rs``) on bytes: rank r's piece is chunk
+    r of ``out``; each step forwards, segment by segment, what the previous step received."""
+    p, r = c.size, c.rank
+    right, left = (r + 1) % p, (r - 1) % p
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    out[bounds[r] : bounds[r + 1]] = send
+    steps = _core.ring_schedule(counts, r, segment)[p - 1 :]
+    last = len(steps) - 1
+
+    def post(t: int) -> list[Request]:
+        return [c.irecv(out[a:b], left, _TAG_GATHER + t) for a, b in steps[t][2]]
+
+    sends = [c.isend(out[a:b], right, _TAG_GATHER) for a, b in steps[0][1]]
+    recvs = post(0)
+    for t, (_, _, recv) in enumerate(steps):
+        next_recvs = post(t + 1) if t < last else []
+        next_sends: list[Request] = []
+        for j, (a, b) in enumerate(recv):
+            recvs[j].wait(deadline)
+            if t < last:
+                next_sends.append(c.isend(out[a:b], right, _TAG_GATHER + t + 1))
+        wait_all(sends, deadline)
+        sends, recvs = next_sends, next_recvs
+    wait_all(sends, deadline)
+
+
 def _allreduce_device(
     buf: Any, comm: Any, w: float, algorithm: str, check: bool, deadline: float | None
 ) -> Any:
@@ -261,21 +309,43 @@ def _shape_code(shape: Sequence[int]) -> int:
     return zlib.crc32(np.asarray(shape, np.int64).tobytes())
 
 
-def allgatherv(local: ArrayT, comm: Any = None, *, timeout: float | None = None) -> ArrayT:
+def allgatherv(
+    local: ArrayT,
+    comm: Any = None,
+    *,
+    algorithm: str = "auto",
+    timeout: float | None = None,
+    segment_bytes: int = SEGMENT_BYTES,
+) -> ArrayT:
     """Concatenation along axis 0 of every rank's ``local``, pieces of different lengths.
 
     ``local`` is a numpy array (any dtype) or a CPU torch tensor (float types) with at least one
     dimension; the other dimensions and the dtype must match on every rank (else
     :class:`hetcoll.CollectiveMismatchError` on every rank). Returns a new array of the same
-    kind. MPI: MPI_Allgatherv; torch: all_to_all_single with uneven splits.
+    kind. ``algorithm``: "native" is MPI_Allgatherv, or on torch all_to_all_single with uneven
+    splits (gloo's all_gather rejects uneven pieces); "ring" passes the pieces around the ring
+    with the engine's send/recv straight into the output, segment by segment; "auto" picks by
+    total size (:data:`GATHER_RING_CROSSOVER_BYTES`).
 
     >>> allgatherv(np.arange(rank + 1.0), comm)  # on 3 ranks  # doctest: +SKIP
     array([0., 0., 1., 0., 1., 2.])
     """
-    return _gather(local, comm, _deadline(timeout))[0]  # type: ignore[no-any-return]
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
+    if not isinstance(segment_bytes, int) or segment_bytes < 1:
+        raise ValueError(f"segment_bytes: must be an integer >= 1, got {segment_bytes!r}")
+    deadline = _deadline(timeout)
+    out, _ = _gather(local, comm, deadline, algorithm, segment_bytes)
+    return out  # type: ignore[no-any-return]
 
 
-def _gather(local: Any, comm: Any, deadline: float | None) -> tuple[Any, list[int]]:
+def _gather(
+    local: Any,
+    comm: Any,
+    deadline: float | None,
+    algorithm: str = "auto",
+    segment_bytes: int = SEGMENT_BYTES,
+) -> tuple[Any, list[int]]:
     """:func:`allgatherv`, plus every rank's length along axis 0."""
     if _is_tensor(local) and local.device.type != "cpu":
         return _allgatherv_device(local, comm, deadline)
@@ -296,7 +366,13 @@ def _gather(local: Any, comm: Any, deadline: float | None) -> tuple[Any, list[in
     out_view = np.empty((int(rows.sum()), *view.shape[1:]), dtype=view.dtype)
     counts = [int(n) * row_bytes for n in rows]
     send, recv = view.reshape(-1).view(np.uint8), out_view.reshape(-1).view(np.uint8)
-    c.iallgatherv(send, recv, counts).wait(deadline)
+    if algorithm == "auto":
+        crossover = GATHER_RING_CROSSOVER_BYTES.get(c.engine, math.inf)
+        algorithm = "ring" if recv.nbytes >= crossover else "native"
+    if algorithm == "native" or c.size == 1:
+        c.iallgatherv(send, recv, counts).wait(deadline)
+    else:
+        _ring_allgather(c, send, recv, counts, segment_bytes, deadline)
     lengths = [int(n) for n in rows]
     if _is_tensor(local):
         import torch
