@@ -109,6 +109,46 @@ def check_allreduce(comm: Communicator, native: Any) -> int:
     return done
 
 
+def check_random_sweep(comm: Communicator, native: Any) -> int:
+    """Property sweep: random lengths, dtypes, algorithms, weights, chunk speeds and segment
+    sizes (the same draws on every rank), each against the float64 reference."""
+    p, r = comm.size, comm.rank
+    rng = np.random.default_rng(2024 + p)
+    cases = 12
+    for case in range(cases):
+        kind = DTYPES[rng.integers(len(DTYPES))]
+        n = int(rng.integers(0, 5000))
+        algorithm = ("ring", "native", "auto")[rng.integers(3)]
+        weights = rng.uniform(-2, 2, p)
+        speeds = rng.uniform(0.1, 5, p).tolist() if rng.integers(2) else None
+        segment_bytes = int(rng.integers(1, 4096))
+        seed = 10_000 + case
+        buf, _ = _input(kind, n, r, seed, True)
+        hetcoll.allreduce(
+            buf,
+            native,
+            weight=float(weights[r]),
+            algorithm=algorithm,
+            speeds=speeds,
+            segment_bytes=segment_bytes,
+            check=True,
+            timeout=60,
+        )
+        ref, scale = np.zeros(n), np.zeros(n)
+        for q in range(p):
+            _, x = _input(kind, n, q, seed, True)
+            ref += weights[q] * x
+            scale += abs(weights[q] * x)
+        err = np.abs(_as_f64(buf) - ref)
+        if (err > RTOL[kind] * scale * (p + 1)).any():
+            raise AssertionError(
+                f"sweep case {case}: {kind} {algorithm} n={n} speeds={speeds} "
+                f"segment_bytes={segment_bytes}: off the reference on rank {r}"
+            )
+        _same_everywhere(comm, _digest(buf), f"sweep case {case}")
+    return cases
+
+
 def check_aliasing_and_shapes(comm: Communicator, native: Any) -> int:
     p, r = comm.size, comm.rank
     for algorithm in ("ring", "native"):
@@ -218,6 +258,7 @@ def run_all(comm_obj: Any) -> dict[str, int]:
     comm = hetcoll.comm.wrap(comm_obj)
     return {
         "allreduce": check_allreduce(comm, comm_obj),
+        "sweep": check_random_sweep(comm, comm_obj),
         "aliasing": check_aliasing_and_shapes(comm, comm_obj),
         "mismatch": check_mismatch(comm, comm_obj),
         "allgatherv": check_allgatherv(comm, comm_obj),

@@ -26,7 +26,14 @@ import torch
 from hetcoll import launch
 
 HERE = Path(__file__).resolve().parent
-EXPECTED = {"allreduce": 80, "aliasing": 3, "mismatch": 4, "allgatherv": 17, "autograd": 1}
+EXPECTED = {
+    "allreduce": 80,
+    "sweep": 12,
+    "aliasing": 3,
+    "mismatch": 4,
+    "allgatherv": 17,
+    "autograd": 1,
+}
 
 
 def _expected_per_rank() -> list[dict[int, dict[str, int]]]:
@@ -73,8 +80,9 @@ def test_mpi_dead_peer_raises_timeout_on_survivors():
     assert [x.split(" after")[0] for x in lines] == [
         f"rank {r} {a}: CollectiveTimeout" for r in (0, 1) for a in ("native", "ring")
     ], proc.stdout + proc.stderr
+    # Within the 2 s timeout plus slack; earlier is right too when MPI reports the lost peer.
     for x in lines:
-        assert 1.9 <= float(x.split("after ")[1].split(" s")[0]) < 5.0
+        assert float(x.split("after ")[1].split(" s")[0]) < 5.0, proc.stdout
     assert elapsed < 40
 
 
