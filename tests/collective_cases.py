@@ -218,6 +218,12 @@ def check_allgatherv(comm: Communicator, native: Any) -> int:
             ]
         )
         assert out_t.dtype == torch.bfloat16 and torch.equal(out_t, want)
+        ints = torch.arange(rows_of(r), dtype=torch.int64) * 10 + r
+        got = hetcoll.allgatherv(ints, native, timeout=60)
+        want_ints = torch.cat(
+            [torch.arange(rows_of(q), dtype=torch.int64) * 10 + q for q in range(p)]
+        )
+        assert got.dtype == torch.int64 and torch.equal(got, want_ints)
         done += 1
     # large, uneven 1-D
     n_of = [100_003 * (q + 1) for q in range(p)]

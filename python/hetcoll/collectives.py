@@ -321,7 +321,7 @@ def allgatherv(
 ) -> ArrayT:
     """Concatenation along axis 0 of every rank's ``local``, pieces of different lengths.
 
-    ``local`` is a numpy array (any dtype) or a CPU torch tensor (float types) with at least one
+    ``local`` is a numpy array or a CPU torch tensor (any dtype) with at least one
     dimension; the other dimensions and the dtype must match on every rank (else
     :class:`hetcoll.CollectiveMismatchError` on every rank). Returns a new array of the same
     kind. ``algorithm``: "native" is MPI_Allgatherv, or on torch all_to_all_single with uneven
@@ -354,8 +354,11 @@ def _gather(
     if _is_tensor(local) and local.device.type != "cpu":
         return _allgatherv_device(local, comm, deadline)
     if _is_tensor(local):
+        import torch
+
         local = local.detach().contiguous()
-        view, _ = _numpy_view(local, "local")
+        # Any dtype travels as bytes; bfloat16 (unknown to numpy) as its 16-bit patterns.
+        view = local.view(torch.int16).numpy() if local.dtype == torch.bfloat16 else local.numpy()
     elif isinstance(local, np.ndarray):
         view = np.ascontiguousarray(local)
     else:
