@@ -1,0 +1,272 @@
+"""Weighted allreduce and allgatherv against the engines' own collectives, same buffers, one run.
+
+    python benches/bench_collectives.py --engines mpi gloo --ranks 2 4 --max-mib 256
+
+For each engine (MPI through mpi4py/MPICH, torch.distributed gloo), each rank count and each
+buffer size (float32, 4 KiB .. max), every rank times each operation after a barrier; the time
+of a repeat is the slowest rank's, and the figure is the median over repeats. Printed per size:
+algorithmic bandwidth N / t of the engine's allreduce (MPI_Allreduce / dist.all_reduce), and
+times relative to it of hetcoll's native allreduce unweighted and weighted (weight fused into a
+Rust pre-scale) and of the weighted ring; the ring lower bound 2(p-1)/p * N / B with B from a
+ping-pong between ranks 0 and 1, and the ring's time over that bound. Then allgatherv of pieces
+of different lengths (rank r holds r+1 shares) against an all_gather of equal pieces with the
+same total bytes. Ranks share the machine's cores, so absolute figures are those of one host
+(shared memory transport); compare the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+KIB = 1024
+
+
+def _sizes(max_mib: int) -> list[int]:
+    sizes, s = [], 4 * KIB
+    while s <= max_mib * KIB * KIB:
+        sizes.append(s)
+        s *= 4
+    return sizes
+
+
+def _repeats(nbytes: int) -> int:
+    return (
+        30
+        if nbytes <= 64 * KIB
+        else 10
+        if nbytes <= 4 * KIB * KIB
+        else 5
+        if nbytes <= 64 * KIB * KIB
+        else 3
+    )
+
+
+class _Engine:
+    """The raw engine calls the benchmark compares against."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        if kind == "mpi":
+            from mpi4py import MPI
+
+            self.MPI = MPI
+            self.native: Any = MPI.COMM_WORLD
+            self.rank, self.size = self.native.Get_rank(), self.native.Get_size()
+        else:
+            import torch.distributed as dist
+
+            self.dist = dist
+            self.native = None
+            self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def barrier(self) -> None:
+        if self.kind == "mpi":
+            self.native.Barrier()
+        else:
+            self.dist.barrier()
+
+    def slowest(self, seconds: float) -> float:
+        if self.kind == "mpi":
+            return float(self.native.allreduce(seconds, op=self.MPI.MAX))
+        import torch
+
+        t = torch.tensor([seconds], dtype=torch.float64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def allreduce(self, buf: np.ndarray) -> None:
+        if self.kind == "mpi":
+            self.native.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+        else:
+            import torch
+
+            self.dist.all_reduce(torch.from_numpy(buf))
+
+    def allgather(self, piece: np.ndarray, out: np.ndarray) -> None:
+        if self.kind == "mpi":
+            self.native.Allgather(piece, out)
+        else:
+            import torch
+
+            self.dist.all_gather_into_tensor(torch.from_numpy(out), torch.from_numpy(piece))
+
+    def pingpong_bytes_per_s(self, nbytes: int = 16 * KIB * KIB, repeats: int = 5) -> float:
+        buf = np.zeros(nbytes // 4, np.float32)
+        times = []
+        for _ in range(repeats):
+            self.barrier()
+            t0 = time.perf_counter()
+            if self.rank == 0:
+                self._send(buf, 1)
+                self._recv(buf, 1)
+            elif self.rank == 1:
+                self._recv(buf, 0)
+                self._send(buf, 0)
+            times.append(self.slowest(time.perf_counter() - t0 if self.rank < 2 else 0.0))
+        return nbytes / (statistics.median(times) / 2)
+
+    def _send(self, buf: np.ndarray, dest: int) -> None:
+        if self.kind == "mpi":
+            self.native.Send(buf, dest=dest)
+        else:
+            import torch
+
+            self.dist.send(torch.from_numpy(buf), dest)
+
+    def _recv(self, buf: np.ndarray, source: int) -> None:
+        if self.kind == "mpi":
+            self.native.Recv(buf, source=source)
+        else:
+            import torch
+
+            self.dist.recv(torch.from_numpy(buf), source)
+
+
+def _median_times(e: _Engine, fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median over repeats of each operation's time (slowest rank). Operations take turns within
+    a repeat, so a burst of load from elsewhere on the host hits them alike."""
+    for fn in fns.values():
+        fn()  # warm-up: connections, page faults, scratch buffers
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            e.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(e.slowest(time.perf_counter() - t0))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _operations(
+    e: _Engine,
+    comm: Any,
+    buf: np.ndarray,
+    w: float,
+    piece_v: np.ndarray,
+    piece_eq: np.ndarray,
+    out_eq: np.ndarray,
+) -> dict[str, Callable[[], None]]:
+    import hetcoll
+
+    return {
+        "engine": lambda: e.allreduce(buf),
+        "native": lambda: hetcoll.allreduce(buf, comm, algorithm="native"),
+        "native_w": lambda: hetcoll.allreduce(buf, comm, weight=w, algorithm="native"),
+        "ring_w": lambda: hetcoll.allreduce(buf, comm, weight=w, algorithm="ring"),
+        "allgatherv": lambda: hetcoll.allgatherv(piece_v, comm, algorithm="native"),
+        "allgatherv_ring": lambda: hetcoll.allgatherv(piece_v, comm, algorithm="ring"),
+        "allgather": lambda: e.allgather(piece_eq, out_eq),
+    }
+
+
+def measure(kind: str, max_mib: int) -> dict[str, Any]:
+    """Run on every rank; rank 0's return value holds the table rows."""
+    e = _Engine(kind)
+    comm = e.native
+    p, r = e.size, e.rank
+    bandwidth = e.pingpong_bytes_per_s()
+    rows = []
+    for nbytes in _sizes(max_mib):
+        n = nbytes // 4
+        buf = np.ones(n, np.float32)
+        reps = _repeats(nbytes)
+        # Weights differ by rank and sum to 1, so repeated weighted calls keep the values
+        # normal (subnormal floats would slow the arithmetic down and skew the figures).
+        w = (r + 1) / (p * (p + 1) / 2)
+        unit = max(1, n // (p * (p + 1) // 2))
+        piece_v = np.ones(unit * (r + 1), np.float32)  # rank q holds q+1 shares
+        total = unit * p * (p + 1) // 2
+        piece_eq = np.ones(total // p, np.float32)  # equal pieces, same total bytes
+        out_eq = np.empty(total // p * p, np.float32)
+        t = _median_times(e, _operations(e, comm, buf, w, piece_v, piece_eq, out_eq), reps)
+        t_engine = t["engine"]
+        lower = 2 * (p - 1) / p * nbytes / bandwidth
+        rows.append(
+            dict(
+                bytes=nbytes,
+                engine_GBps=nbytes / t_engine / 1e9,
+                native=t["native"] / t_engine,
+                native_weighted=t["native_w"] / t_engine,
+                ring_weighted=t["ring_w"] / t_engine,
+                ring_over_bound=t["ring_w"] / lower,
+                allgatherv_over_allgather=t["allgatherv"] / t["allgather"],
+                allgatherv_ring_over_allgather=t["allgatherv_ring"] / t["allgather"],
+            )
+        )
+    return dict(engine=kind, ranks=p, pingpong_GBps=bandwidth / 1e9, rows=rows)
+
+
+def _gloo_rank(rank: int, world: int, max_mib: int) -> dict[str, Any]:
+    return measure("gloo", max_mib)
+
+
+def _table(result: dict[str, Any]) -> str:
+    peer = "MPI_Allreduce" if result["engine"] == "mpi" else "dist.all_reduce"
+    gather = "MPI_Allgather" if result["engine"] == "mpi" else "all_gather"
+    lines = [
+        f"\n{result['engine']}, p = {result['ranks']}, ping-pong B = "
+        f"{result['pingpong_GBps']:.2f} GB/s; times relative to {peer} (lower is better)\n",
+        f"| size | {peer} GB/s | native | native weighted | ring weighted | ring / lower bound "
+        f"| allgatherv native / {gather} | allgatherv ring / {gather} |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in result["rows"]:
+        b = row["bytes"]
+        size = f"{b // KIB} KiB" if b < KIB * KIB else f"{b // (KIB * KIB)} MiB"
+        lines.append(
+            f"| {size} | {row['engine_GBps']:.3f} | {row['native']:.2f}x "
+            f"| {row['native_weighted']:.2f}x | {row['ring_weighted']:.2f}x "
+            f"| {row['ring_over_bound']:.2f}x | {row['allgatherv_over_allgather']:.2f}x "
+            f"| {row['allgatherv_ring_over_allgather']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", nargs="+", default=["mpi", "gloo"], choices=["mpi", "gloo"])
+    parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--max-mib", type=int, default=256)
+    parser.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    # One kernel thread per rank: the ranks already fill the cores, and a rank's extra thread
+    # would compete with the peers it waits for.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("HETCOLL_NUM_THREADS", "1")
+    if args.mpi_worker:
+        result = measure("mpi", args.max_mib)
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+        return
+    from hetcoll import launch
+
+    for engine in args.engines:
+        for p in args.ranks:
+            if engine == "mpi":
+                proc = launch.mpiexec(
+                    p,
+                    [str(Path(__file__).resolve()), "--mpi-worker", "--max-mib", str(args.max_mib)],
+                    timeout=3600,
+                )
+                line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+                result = json.loads(line[len("RESULT ") :])
+            else:
+                result = launch.spawn(_gloo_rank, p, args.max_mib, timeout=3600)[0]
+            print(_table(result), flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main()

@@ -1,0 +1,167 @@
+"""Weighted allreduce and allgatherv on real MPI and gloo jobs of 2, 3 and 4 processes.
+
+The cases themselves live in tests/collective_cases.py and run inside every rank (each rank
+checks against a float64 reference and the ranks compare digests for bitwise equality); here
+we launch the jobs and check that every case ran. Single-process argument errors are checked
+directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import collective_cases
+import hetcoll
+import numpy as np
+import pytest
+import torch
+from hetcoll import launch
+
+HERE = Path(__file__).resolve().parent
+EXPECTED = {
+    "allreduce": 80,
+    "sweep": 12,
+    "aliasing": 3,
+    "mismatch": 4,
+    "allgatherv": 17,
+    "autograd": 1,
+}
+
+
+def _expected_per_rank() -> list[dict[int, dict[str, int]]]:
+    return [
+        {p: EXPECTED for p, members in collective_cases.GROUPS.items() if r in members}
+        for r in range(4)
+    ]
+
+
+@pytest.mark.multiproc
+def test_mpi_all_cases_on_2_3_and_4_ranks():
+    proc = launch.mpiexec(4, [str(HERE / "mpi_workers" / "collectives.py")], timeout=240)
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    got = {x["rank"]: {int(p): c for p, c in x["counts"].items()} for x in lines}
+    assert [got[r] for r in range(4)] == _expected_per_rank()
+
+
+@pytest.mark.multiproc
+def test_gloo_all_cases_on_2_3_and_4_ranks():
+    assert launch.spawn(collective_cases.run_torch, 4, timeout=240) == _expected_per_rank()
+
+
+def _timeout_lines(stdout: str) -> list[str]:
+    return sorted(x for x in stdout.splitlines() if x.startswith("rank"))
+
+
+@pytest.mark.multiproc
+def test_mpi_dead_peer_raises_timeout_on_survivors():
+    # Hydra kills the whole job when one rank dies unless told not to; with auto-cleanup off the
+    # survivors must notice by themselves, through the timeout.
+    cmd = [
+        launch.mpiexec_path(),
+        "-disable-auto-cleanup",
+        "-n",
+        "3",
+        sys.executable,
+        str(HERE / "mpi_workers" / "dead_peer.py"),
+        "2",
+    ]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    elapsed = time.monotonic() - start
+    lines = _timeout_lines(proc.stdout)
+    assert [x.split(" after")[0] for x in lines] == [
+        f"rank {r} {a}: CollectiveTimeout" for r in (0, 1) for a in ("native", "ring")
+    ], proc.stdout + proc.stderr
+    # Within the 2 s timeout plus slack; earlier is right too when MPI reports the lost peer.
+    for x in lines:
+        assert float(x.split("after ")[1].split(" s")[0]) < 5.0, proc.stdout
+    assert elapsed < 40
+
+
+def _dead_peer_rank(rank, world, port, result_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    buf = hetcoll.allreduce(np.ones(1000), None)  # everybody alive: works
+    if rank == world - 1:
+        os._exit(3)  # dies without a word, like a killed process
+    time.sleep(0.5)
+    outcomes = []
+    for algorithm in ("ring", "native"):
+        start = time.monotonic()
+        try:
+            hetcoll.allreduce(buf, None, algorithm=algorithm, timeout=2.0)
+            outcomes.append(("completed", time.monotonic() - start))
+        except hetcoll.CollectiveTimeout:
+            outcomes.append(("CollectiveTimeout", time.monotonic() - start))
+    with open(result_path, "wb") as f:
+        pickle.dump(outcomes, f)
+
+
+@pytest.mark.multiproc
+def test_gloo_dead_peer_raises_timeout_on_survivors():
+    ctx = torch.multiprocessing.get_context("spawn")
+    port = launch.free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [os.path.join(tmp, f"{r}.pkl") for r in range(3)]
+        procs = [ctx.Process(target=_dead_peer_rank, args=(r, 3, port, paths[r])) for r in range(3)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(90)
+        alive = [p.is_alive() for p in procs]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        assert alive == [False] * 3
+        assert [p.exitcode for p in procs] == [0, 0, 3]
+        for path in paths[:2]:
+            with open(path, "rb") as f:
+                outcomes = pickle.load(f)
+            # gloo notices the closed connection at once; the timeout bounds the wait otherwise
+            assert [o for o, _ in outcomes] == ["CollectiveTimeout"] * 2
+            assert all(seconds < 5.0 for _, seconds in outcomes)
+
+
+def test_single_process_argument_errors():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="comm"):
+        hetcoll.allreduce(np.ones(3), None)
+    with pytest.raises(TypeError, match="comm"):
+        hetcoll.allreduce(np.ones(3), "world")
+    with pytest.raises(ValueError, match="algorithm"):
+        hetcoll.allreduce(np.ones(3), None, algorithm="tree")
+    with pytest.raises(ValueError, match="weight"):
+        hetcoll.allreduce(np.ones(3), None, weight=float("inf"))
+    with pytest.raises(ValueError, match="timeout"):
+        hetcoll.allreduce(np.ones(3), None, timeout=0)
+    with pytest.raises(TypeError, match="buf"):
+        hetcoll.allreduce([1.0, 2.0], None)
+    with pytest.raises(ValueError, match="buf: must be C-contiguous"):
+        hetcoll.allreduce(np.ones((4, 4))[:, ::2], None)
+    with pytest.raises(TypeError, match="buf"):
+        hetcoll.allreduce(np.ones(3, np.int32), None)
+    with pytest.raises(TypeError, match="local"):
+        hetcoll.allgatherv([1, 2], None)
+
+
+def test_ring_schedule_errors_name_the_argument():
+    from hetcoll import _core
+
+    with pytest.raises(ValueError, match="counts"):
+        _core.ring_schedule([], 0, 1)
+    with pytest.raises(ValueError, match="rank"):
+        _core.ring_schedule([1, 2], 2, 1)
+    with pytest.raises(ValueError, match="segment"):
+        _core.ring_schedule([1, 2], 0, 0)
