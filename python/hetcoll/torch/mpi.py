@@ -3,7 +3,8 @@ torch.distributed: wrap the optimizer, nothing else in the training loop changes
 ``DistributedOptimizer`` pattern, with the weighting Horovod never had).
 
 ``step()`` packs every gradient into fusion buffers of at most ``fusion_bytes`` (the Rust kernel
-scales each by ``n_r / N`` while it copies), sums them with ``MPI_Allreduce`` in place, unpacks,
+scales each by ``n_r / N`` while it copies), sums them in place with :func:`hetcoll.allreduce` (``MPI_Allreduce``, or hetcoll's ring for large
+buffers), unpacks,
 and only then runs the wrapped optimizer, so every rank applies the exact full-batch gradient
 ``sum_r n_r g_r / N``. ``N`` and an agreement check (every rank must hold the same number of
 gradient elements, or all ranks raise) travel in one small ``MPI_Allgather`` per step.
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from hetcoll import fusion
+from hetcoll.collectives import allreduce
 
 _SUPPORTED = (torch.float32, torch.float64)
 
@@ -50,7 +52,6 @@ class DistributedOptimizer:
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self.local_batch = local_batch
         self.fusion_bytes = int(fusion_bytes)
-        self._mpi = MPI
 
     @property
     def local_batch(self) -> int:
@@ -96,7 +97,7 @@ class DistributedOptimizer:
         scale = self.local_batch / total
         for bucket in self._buckets(grads):
             flat = fusion.pack(bucket, scale=scale)
-            self.comm.Allreduce(self._mpi.IN_PLACE, flat.numpy(), op=self._mpi.SUM)
+            allreduce(flat, self.comm)  # the engine's allreduce or hetcoll's ring, by size
             fusion.unpack(flat, bucket)
 
     def _buckets(self, grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
