@@ -13,9 +13,10 @@ import hashlib
 import time
 from typing import Any
 
-import hetcoll
 import numpy as np
 import torch
+
+import hetcoll
 from hetcoll import collectives, fusion
 from hetcoll.comm import Communicator
 

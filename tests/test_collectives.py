@@ -19,10 +19,11 @@ from datetime import timedelta
 from pathlib import Path
 
 import collective_cases
-import hetcoll
 import numpy as np
 import pytest
 import torch
+
+import hetcoll
 from hetcoll import launch
 
 HERE = Path(__file__).resolve().parent

@@ -9,9 +9,10 @@ import os
 import sys
 import time
 
-import hetcoll
 import numpy as np
 from mpi4py import MPI
+
+import hetcoll
 
 timeout = float(sys.argv[1])
 comm = MPI.COMM_WORLD

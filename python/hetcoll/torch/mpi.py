@@ -3,9 +3,9 @@ torch.distributed: wrap the optimizer, nothing else in the training loop changes
 ``DistributedOptimizer`` pattern, with the weighting Horovod never had).
 
 ``step()`` packs every gradient into fusion buffers of at most ``fusion_bytes`` (the Rust kernel
-scales each by ``n_r / N`` while it copies), sums them in place with :func:`hetcoll.allreduce` (``MPI_Allreduce``, or hetcoll's ring for large
-buffers), unpacks,
-and only then runs the wrapped optimizer, so every rank applies the exact full-batch gradient
+scales each by ``n_r / N`` while it copies), sums them in place with :func:`hetcoll.allreduce`
+(``MPI_Allreduce``, or hetcoll's ring for large buffers), unpacks, and only then runs the
+wrapped optimizer, so every rank applies the exact full-batch gradient
 ``sum_r n_r g_r / N``. ``N`` and an agreement check (every rank must hold the same number of
 gradient elements, or all ranks raise) travel in one small ``MPI_Allgather`` per step.
 """
