@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hetcoll import fusion
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from hetcoll import fusion
 
 NUMPY_DTYPES = [np.float32, np.float64, np.float16]
 TORCH_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]

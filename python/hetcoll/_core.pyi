@@ -9,6 +9,7 @@ __all__ = [
     "finish_times",
     "num_threads",
     "pack_into",
+    "ring_schedule",
     "split",
     "unpack_from",
     "weighted_sum_into",
@@ -61,3 +62,12 @@ def unpack_from(
     flat: np.ndarray, arrays: Sequence[np.ndarray], *, scale: float = 1.0, bfloat16: bool = False
 ) -> None:
     """``arrays[i] = scale * flat[o_i : o_i + arrays[i].size]`` in place, ``o_i`` running sizes."""
+
+def ring_schedule(
+    counts: Sequence[int], rank: int, segment: int
+) -> list[tuple[bool, list[tuple[int, int]], list[tuple[int, int]]]]:
+    """The ``2 (p - 1)`` ring-allreduce steps of ``rank``: (reduce?, sent, received segments).
+
+    Chunk ``c`` is ``counts[c]`` elements; segments are element ranges ``[lo, hi)`` of at most
+    ``segment`` elements. Reduce-scatter steps come first; afterwards rank ``r`` owns chunk ``r``.
+    """

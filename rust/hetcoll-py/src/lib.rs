@@ -7,6 +7,7 @@ mod convert;
 mod errors;
 mod fusion;
 mod kernels;
+mod schedules;
 mod solvers;
 
 #[pymodule]
@@ -18,5 +19,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernels::num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(fusion::pack_into, m)?)?;
     m.add_function(wrap_pyfunction!(fusion::unpack_from, m)?)?;
+    m.add_function(wrap_pyfunction!(schedules::ring_schedule, m)?)?;
     Ok(())
 }

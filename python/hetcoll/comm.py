@@ -1,0 +1,362 @@
+"""One small Communicator over the engines hetcoll runs on: MPI (mpi4py) and torch.distributed.
+
+The collectives in :mod:`hetcoll.collectives` need only this: rank and size, non-blocking
+point-to-point messages, a non-blocking allreduce SUM, an allgather of pieces of different
+lengths and a reduce-scatter of pieces of different lengths. Buffers are 1-D numpy arrays (the
+zero-copy views :mod:`hetcoll.kernels` makes of numpy arrays and CPU tensors) together with
+the element ``kind`` ("float32", "float64", "float16", "bfloat16", "int64"), because bfloat16
+travels as raw 16-bit patterns that only the engine's reduction must know the meaning of.
+
+Every wait takes an absolute ``deadline`` (``time.monotonic()`` seconds, or None to block): a
+peer that does not answer in time, or that the engine reports lost, raises
+:class:`hetcoll.CollectiveTimeout` instead of hanging.
+
+>>> from mpi4py import MPI  # doctest: +SKIP
+>>> comm = wrap(MPI.COMM_WORLD)  # doctest: +SKIP
+>>> comm.rank, comm.size  # doctest: +SKIP
+(0, 4)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from hetcoll import _core
+from hetcoll.errors import CollectiveTimeout
+
+__all__ = ["Communicator", "MpiCommunicator", "Request", "TorchCommunicator", "wait_all", "wrap"]
+
+KINDS = ("float32", "float64", "float16", "bfloat16", "int64")
+
+
+class Request(ABC):
+    """A message or collective in flight."""
+
+    @abstractmethod
+    def wait(self, deadline: float | None) -> None:
+        """Block until done; raise :class:`CollectiveTimeout` past ``deadline`` or on peer loss."""
+
+
+def wait_all(requests: Sequence[Request], deadline: float | None) -> None:
+    """Wait for every request, in order, against one deadline."""
+    for r in requests:
+        r.wait(deadline)
+
+
+class Communicator(ABC):
+    """Rank, size and the transfers the collectives are built from.
+
+    ``engine`` names the engine ("mpi", "gloo", "nccl", ...); ``native`` is the wrapped object.
+    """
+
+    rank: int
+    size: int
+    engine: str
+    native: Any
+
+    @abstractmethod
+    def isend(self, buf: np.ndarray, dest: int, tag: int) -> Request:
+        """Start sending the bytes of ``buf`` to rank ``dest``."""
+
+    @abstractmethod
+    def irecv(self, buf: np.ndarray, source: int, tag: int) -> Request:
+        """Start receiving into ``buf`` from rank ``source`` (same byte count as sent)."""
+
+    @abstractmethod
+    def iallreduce_sum(self, buf: np.ndarray, kind: str) -> Request:
+        """Start ``buf <- sum over ranks of buf``, in place."""
+
+    @abstractmethod
+    def iallgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> Request:
+        """Start ``recv <- concat over ranks r of send_r``, as bytes: ``send`` and ``recv`` are
+        uint8 arrays, ``counts[r]`` the byte count of rank r's piece."""
+
+    @abstractmethod
+    def ireduce_scatterv(
+        self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], kind: str
+    ) -> Request:
+        """Start ``recv <- (sum over ranks of send)[o_r : o_r + counts[r]]`` on rank r."""
+
+    def allgather_int64(self, values: np.ndarray, deadline: float | None) -> np.ndarray:
+        """Every rank's ``values`` (1-D int64, one length on every rank), as rows of a matrix."""
+        values = np.ascontiguousarray(values, dtype=np.int64)
+        out = np.empty(self.size * values.size, dtype=np.int64)
+        counts = [values.nbytes] * self.size
+        self.iallgatherv(values.view(np.uint8), out.view(np.uint8), counts).wait(deadline)
+        return out.reshape(self.size, values.size)
+
+
+# ----------------------------------------------------------------------------------------------
+# MPI
+
+
+class _MpiRequest(Request):
+    def __init__(self, req: Any, what: str) -> None:
+        self._req = req
+        self._what = what
+
+    def wait(self, deadline: float | None) -> None:
+        from mpi4py import MPI
+
+        try:
+            if deadline is None:
+                self._req.Wait()
+                return
+            # MPI has no timed wait: poll, backing off so oversubscribed ranks leave the cores
+            # to the peers they are waiting for.
+            pause = 1e-6
+            while not self._req.Test():
+                if time.monotonic() > deadline:
+                    raise CollectiveTimeout(
+                        f"{self._what}: no completion before the timeout; a peer may be dead"
+                    )
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+        except MPI.Exception as e:
+            raise CollectiveTimeout(f"{self._what}: the engine lost a peer: {e}") from e
+
+
+class MpiCommunicator(Communicator):
+    """A :class:`Communicator` over an mpi4py ``Comm`` (intracommunicator)."""
+
+    def __init__(self, comm: Any) -> None:
+        self.native = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.engine = "mpi"
+        self._ops: dict[str, Any] = {}
+
+    @staticmethod
+    def _type(kind: str) -> Any:
+        from mpi4py import MPI
+
+        return {
+            "float32": MPI.FLOAT,
+            "float64": MPI.DOUBLE,
+            "float16": MPI.UINT16_T,
+            "bfloat16": MPI.UINT16_T,
+            "int64": MPI.INT64_T,
+        }[kind]
+
+    def _sum(self, kind: str) -> Any:
+        """MPI_SUM, or for 16-bit floats (no MPI type) a commutative user op in Rust."""
+        from mpi4py import MPI
+
+        if kind not in ("float16", "bfloat16"):
+            return MPI.SUM
+        op = self._ops.get(kind)
+        if op is None:
+            bf16 = kind == "bfloat16"
+            np_type = np.uint16 if bf16 else np.float16
+
+            def add(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+                a = np.frombuffer(inbuf, dtype=np_type)
+                b = np.frombuffer(inoutbuf, dtype=np_type)
+                _core.weighted_sum_into([b, a], [1.0, 1.0], b, bfloat16=bf16)
+
+            op = MPI.Op.Create(add, commute=True)
+            self._ops[kind] = op
+        return op
+
+    def isend(self, buf: np.ndarray, dest: int, tag: int) -> Request:
+        return _MpiRequest(self.native.Isend(buf, dest=dest, tag=tag), f"send to rank {dest}")
+
+    def irecv(self, buf: np.ndarray, source: int, tag: int) -> Request:
+        return _MpiRequest(
+            self.native.Irecv(buf, source=source, tag=tag), f"receive from rank {source}"
+        )
+
+    def iallreduce_sum(self, buf: np.ndarray, kind: str) -> Request:
+        from mpi4py import MPI
+
+        req = self.native.Iallreduce(MPI.IN_PLACE, [buf, self._type(kind)], op=self._sum(kind))
+        return _MpiRequest(req, "MPI_Iallreduce")
+
+    def iallgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> Request:
+        from mpi4py import MPI
+
+        displs = [0]
+        for c in counts[:-1]:
+            displs.append(displs[-1] + int(c))
+        req = self.native.Iallgatherv(
+            [send, MPI.BYTE], [recv, [int(c) for c in counts], displs, MPI.BYTE]
+        )
+        return _MpiRequest(req, "MPI_Iallgatherv")
+
+    def ireduce_scatterv(
+        self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], kind: str
+    ) -> Request:
+        t = self._type(kind)
+        req = self.native.Ireduce_scatter([send, t], [recv, t], list(counts), op=self._sum(kind))
+        return _MpiRequest(req, "MPI_Ireduce_scatter")
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.distributed
+
+
+class _TorchRequest(Request):
+    def __init__(self, work: Any, what: str, keep: Any = None) -> None:
+        self._work = work
+        self._what = what
+        self._keep = keep  # tensors the engine still reads or writes
+
+    def wait(self, deadline: float | None) -> None:
+        try:
+            if deadline is None:
+                self._work.wait()
+            else:
+                # gloo closes the connection when a timed wait expires: the group is then
+                # broken on every rank, which is what a dead peer means anyway.
+                left = max(deadline - time.monotonic(), 1e-3)
+                self._work.wait(timedelta(seconds=left))
+        except Exception as e:
+            raise CollectiveTimeout(
+                f"{self._what}: no completion before the timeout, or a peer was lost: {e}"
+            ) from e
+        self._keep = None
+
+
+@contextmanager
+def _lost_peer(what: str) -> Iterator[None]:
+    """Starting a transfer to a dead peer fails at once on gloo ("connection closed"): that is
+    the same event a timed wait reports, so it raises the same exception."""
+    try:
+        yield
+    except (RuntimeError, ConnectionError) as e:
+        raise CollectiveTimeout(f"{what}: the engine failed, a peer may be lost: {e}") from e
+
+
+def _tensor(buf: np.ndarray, kind: str) -> Any:
+    """A torch tensor sharing ``buf``'s memory, of the element type ``kind`` says."""
+    import torch
+
+    if kind == "bfloat16":
+        return torch.from_numpy(buf.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(buf)
+
+
+def _bytes(buf: np.ndarray) -> Any:
+    """The bytes of ``buf`` as a tensor type every torch backend can send."""
+    import torch
+
+    if buf.dtype.itemsize == 2:
+        return torch.from_numpy(buf.view(np.int16))
+    return torch.from_numpy(buf)
+
+
+class TorchCommunicator(Communicator):
+    """A :class:`Communicator` over a torch.distributed process group (None: the default one)."""
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ValueError(
+                "comm: torch.distributed is not initialized (call init_process_group first)"
+            )
+        self.native = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.engine = str(dist.get_backend(group))
+        self._global = [
+            r if group is None else dist.get_global_rank(group, r) for r in range(self.size)
+        ]
+
+    def isend(self, buf: np.ndarray, dest: int, tag: int) -> Request:
+        import torch.distributed as dist
+
+        t = _bytes(buf)
+        with _lost_peer(f"send to rank {dest}"):
+            work = dist.isend(t, self._global[dest], group=self.native, tag=tag)
+        return _TorchRequest(work, f"send to rank {dest}", t)
+
+    def irecv(self, buf: np.ndarray, source: int, tag: int) -> Request:
+        import torch.distributed as dist
+
+        t = _bytes(buf)
+        with _lost_peer(f"receive from rank {source}"):
+            work = dist.irecv(t, self._global[source], group=self.native, tag=tag)
+        return _TorchRequest(work, f"receive from rank {source}", t)
+
+    def iallreduce_sum(self, buf: np.ndarray, kind: str) -> Request:
+        import torch.distributed as dist
+
+        t = _tensor(buf, kind)
+        with _lost_peer("all_reduce"):
+            work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.native, async_op=True)
+        return _TorchRequest(work, "all_reduce", t)
+
+    def iallgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> Request:
+        import torch
+        import torch.distributed as dist
+
+        # gloo's all_gather rejects pieces of different sizes; all_to_all_single with uneven
+        # splits moves the same bytes: every rank sends its piece to each rank.
+        out = torch.from_numpy(recv)
+        # repeat() copies, so a read-only send buffer is safe; torch warns on those, though.
+        send = send if send.flags.writeable else send.copy()
+        inp = torch.from_numpy(send).repeat(self.size)
+        with _lost_peer("all_to_all_single (allgatherv)"):
+            work = dist.all_to_all_single(
+                out,
+                inp,
+                output_split_sizes=[int(c) for c in counts],
+                input_split_sizes=[send.size] * self.size,
+                group=self.native,
+                async_op=True,
+            )
+        return _TorchRequest(work, "all_to_all_single (allgatherv)", (out, inp))
+
+    def ireduce_scatterv(
+        self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], kind: str
+    ) -> Request:
+        import torch.distributed as dist
+
+        src = _tensor(send, kind)
+        out = _tensor(recv, kind)
+        pieces = list(src.split(list(counts)))
+        with _lost_peer("reduce_scatter"):
+            work = dist.reduce_scatter(
+                out, pieces, op=dist.ReduceOp.SUM, group=self.native, async_op=True
+            )
+        return _TorchRequest(work, "reduce_scatter", (out, pieces))
+
+
+def _is_mpi_comm(x: object) -> bool:
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and isinstance(x, mpi.Comm)
+
+
+def wrap(x: Any = None) -> Communicator:
+    """A :class:`Communicator` over ``x``: an mpi4py communicator, a torch.distributed process
+    group, None (torch's default group), or a Communicator (returned as is).
+
+    >>> import torch.distributed as dist  # doctest: +SKIP
+    >>> wrap(None).size == dist.get_world_size()  # doctest: +SKIP
+    True
+    """
+    if isinstance(x, Communicator):
+        return x
+    if _is_mpi_comm(x):
+        mpi = sys.modules["mpi4py.MPI"]
+        if not isinstance(x, mpi.Intracomm):
+            raise TypeError("comm: an MPI intercommunicator is not supported")
+        return MpiCommunicator(x)
+    if x is None:
+        return TorchCommunicator(None)
+    torch_dist = sys.modules.get("torch.distributed")
+    if torch_dist is not None and isinstance(x, torch_dist.ProcessGroup):
+        return TorchCommunicator(x)
+    raise TypeError(
+        "comm: must be an mpi4py communicator, a torch.distributed ProcessGroup, None or a "
+        f"hetcoll Communicator, got {type(x).__name__}"
+    )

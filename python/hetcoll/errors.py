@@ -1,0 +1,14 @@
+"""Exceptions of the collectives: raised on every rank, so no rank corrupts data or hangs."""
+
+from __future__ import annotations
+
+
+class CollectiveMismatchError(ValueError):
+    """Ranks called one collective with arguments that disagree (length, dtype, algorithm,
+    chunk shares). Raised on every rank by the agreement check, before any data moves."""
+
+
+class CollectiveTimeout(TimeoutError):
+    """A collective did not complete within its ``timeout`` (seconds), or the engine reported a
+    lost peer. The communicator should be treated as broken afterwards: a peer may be dead and
+    messages may be in flight."""

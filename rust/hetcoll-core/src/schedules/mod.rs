@@ -1,0 +1,5 @@
+//! Communication schedules: who sends which element range to whom, step by step.
+//!
+//! - [`ring`]: ring allreduce (reduce-scatter + allgather) over chunks of unequal sizes.
+
+pub mod ring;

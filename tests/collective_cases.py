@@ -1,0 +1,226 @@
+"""The multi-rank cases of tests/test_collectives.py, run inside every rank of a real job.
+
+One function per engine entry (:func:`run_all`) runs many cases per launch, because process
+start-up (torch import) is the cost. Each rank checks its own results against a float64
+reference it can compute itself (every rank's input is a deterministic function of its rank),
+and the ranks compare digests of their results to prove they are bitwise identical. A failing
+check raises, which fails the rank and so the launch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import hetcoll
+import numpy as np
+import torch
+from hetcoll import collectives, fusion
+from hetcoll.comm import Communicator
+
+DTYPES = ["float32", "float64", "float16", "bfloat16"]
+# relative tolerance against sum_r |w_r x_r| (16-bit types are rounded at every ring hop)
+RTOL = {"float32": 2e-6, "float64": 1e-14, "float16": 4e-3, "bfloat16": 3e-2}
+
+
+def _input(kind: str, n: int, rank: int, seed: int, as_tensor: bool) -> tuple[Any, np.ndarray]:
+    """This rank's buffer and its exact value in float64."""
+    rng = np.random.default_rng(seed * 1000 + rank)
+    x = rng.standard_normal(n)
+    if kind == "bfloat16":
+        t = torch.from_numpy(x).to(torch.bfloat16)
+        return t, t.double().numpy()
+    if as_tensor:
+        t = torch.from_numpy(x).to(getattr(torch, kind))
+        return t, t.double().numpy()
+    a = x.astype(kind)
+    return a, a.astype(np.float64)
+
+
+def _as_f64(buf: Any) -> np.ndarray:
+    if isinstance(buf, torch.Tensor):
+        return buf.double().numpy()
+    return np.asarray(buf, dtype=np.float64)
+
+
+def _digest(buf: Any) -> str:
+    if isinstance(buf, torch.Tensor):
+        data = buf.contiguous().view(torch.uint8).numpy().tobytes() if buf.numel() else b""
+    else:
+        data = np.ascontiguousarray(buf).tobytes()
+    return hashlib.sha256(data).hexdigest()
+
+
+def _same_everywhere(comm: Communicator, digest: str, what: str) -> None:
+    raw = np.frombuffer(bytes.fromhex(digest), dtype=np.int64)
+    rows = comm.allgather_int64(raw, None)
+    if not (rows == rows[0]).all():
+        raise AssertionError(f"{what}: results differ between ranks")
+
+
+def _weight(rank: int, case: int) -> float:
+    return [1.0, 0.5 + 0.25 * rank, -1.5 + rank, 1.0 / (rank + 3)][case % 4]
+
+
+def check_allreduce(comm: Communicator, native: Any) -> int:
+    p, r = comm.size, comm.rank
+    lengths = [0, 1, p - 1, 13, 1009, 65_537, 300_007]
+    done = 0
+    for kind in DTYPES:
+        for algorithm in ("ring", "native", "auto"):
+            for i, n in enumerate(lengths):
+                if kind in ("float16", "bfloat16") and n > 65_537 and algorithm != "ring":
+                    continue  # the 16-bit MPI sum is a Python-level user op: keep the run short
+                as_tensor = (i % 2 == 1) or kind == "bfloat16"
+                seed = 7 * i + len(kind)
+                w = _weight(r, i)
+                buf, _ = _input(kind, n, r, seed, as_tensor)
+                speeds = [1.0 + (q % 3) for q in range(p)] if i % 3 == 2 else None
+                segment = 4096 if i % 2 else collectives.SEGMENT_BYTES
+                out = hetcoll.allreduce(
+                    buf,
+                    native,
+                    weight=w,
+                    algorithm=algorithm,
+                    speeds=speeds,
+                    check=(i % 2 == 0),
+                    timeout=60,
+                    segment_bytes=segment,
+                )
+                assert out is buf
+                ref = np.zeros(n)
+                scale = np.zeros(n)
+                for q in range(p):
+                    _, x = _input(kind, n, q, seed, as_tensor)
+                    ref += _weight(q, i) * x
+                    scale += abs(_weight(q, i) * x)
+                got = _as_f64(buf)
+                err = np.abs(got - ref)
+                bound = RTOL[kind] * (scale + 1e-300) * (p + 1)
+                if (err > bound).any():
+                    k = int(np.argmax(err - bound))
+                    raise AssertionError(
+                        f"allreduce {kind} {algorithm} n={n} rank {r}: element {k} is {got[k]}, "
+                        f"reference {ref[k]}"
+                    )
+                _same_everywhere(comm, _digest(buf), f"allreduce {kind} {algorithm} n={n}")
+                done += 1
+    return done
+
+
+def check_aliasing_and_shapes(comm: Communicator, native: Any) -> int:
+    p, r = comm.size, comm.rank
+    for algorithm in ("ring", "native"):
+        # A view into a larger buffer: only the view changes.
+        big = np.full(40, 100.0 + r)
+        view = big[5:35].reshape(5, 6)
+        view[...] = np.arange(30.0).reshape(5, 6) * (r + 1)
+        hetcoll.allreduce(view, native, weight=2.0, algorithm=algorithm, segment_bytes=64)
+        want = np.arange(30.0).reshape(5, 6) * 2.0 * sum(q + 1 for q in range(p))
+        np.testing.assert_array_equal(view, want)
+        np.testing.assert_array_equal(big[:5], 100.0 + r)
+        np.testing.assert_array_equal(big[35:], 100.0 + r)
+    # Fusion buffer path of the data-parallel optimizer: pack scaled, allreduce, unpack.
+    grads = [np.full((3, 2), r + 1.0, np.float32), np.full(5, -(r + 1.0), np.float32)]
+    flat = fusion.pack(grads, scale=float(r + 1))
+    hetcoll.allreduce(flat, native, algorithm="ring")
+    fusion.unpack(flat, grads, scale=0.5)
+    total = 0.5 * sum((q + 1.0) ** 2 for q in range(p))
+    np.testing.assert_array_equal(grads[0], total)
+    np.testing.assert_array_equal(grads[1], -total)
+    return 3
+
+
+def check_mismatch(comm: Communicator, native: Any) -> int:
+    r = comm.rank
+    cases = [
+        dict(buf=np.ones(10 + (r == comm.size - 1)), algorithm="ring"),
+        dict(buf=np.ones(10, np.float32 if r == 0 else np.float64), algorithm="native"),
+        dict(buf=np.ones(10), algorithm="ring" if r == 0 else "native"),
+    ]
+    for kw in cases:
+        try:
+            hetcoll.allreduce(kw["buf"], native, algorithm=kw["algorithm"], check=True, timeout=30)
+        except hetcoll.CollectiveMismatchError:
+            continue
+        raise AssertionError(f"rank {r}: no CollectiveMismatchError for {kw}")
+    try:
+        hetcoll.allgatherv(np.ones((2, 3 + (r == 0))), native, timeout=30)
+    except hetcoll.CollectiveMismatchError:
+        return len(cases) + 1
+    raise AssertionError(f"rank {r}: allgatherv accepted pieces of different widths")
+
+
+def check_allgatherv(comm: Communicator, native: Any) -> int:
+    p, r = comm.size, comm.rank
+    done = 0
+    row_sets = [lambda q: q + 1, lambda q: 0 if q == 1 else 2 * q + 1, lambda q: 0]
+    for rows_of in row_sets:
+        for dtype in ("float32", "float64", "int64", "float16"):
+            pieces = [
+                np.arange(rows_of(q) * 3, dtype=dtype).reshape(rows_of(q), 3) + 100 * q
+                for q in range(p)
+            ]
+            out = hetcoll.allgatherv(pieces[r], native, timeout=60)
+            np.testing.assert_array_equal(out, np.concatenate(pieces))
+            assert out.dtype == np.dtype(dtype)
+            done += 1
+        t = torch.arange(rows_of(r) * 2, dtype=torch.float32).to(torch.bfloat16).view(-1, 2) + r
+        out_t = hetcoll.allgatherv(t, native, timeout=60)
+        want = torch.cat(
+            [
+                torch.arange(rows_of(q) * 2, dtype=torch.float32).to(torch.bfloat16).view(-1, 2) + q
+                for q in range(p)
+            ]
+        )
+        assert out_t.dtype == torch.bfloat16 and torch.equal(out_t, want)
+        done += 1
+    # large, uneven 1-D
+    n_of = [100_003 * (q + 1) for q in range(p)]
+    mine = np.full(n_of[r], float(r), np.float32)
+    out = hetcoll.allgatherv(mine, native)
+    np.testing.assert_array_equal(
+        out, np.concatenate([np.full(n, q, np.float32) for q, n in enumerate(n_of)])
+    )
+    return done + 1
+
+
+def check_autograd(comm: Communicator, native: Any) -> int:
+    p, r = comm.size, comm.rank
+    rows = [q % 3 + 1 for q in range(p)]
+    total = sum(rows)
+    x = torch.randn(rows[r], 4, dtype=torch.float64, generator=torch.Generator().manual_seed(r))
+    x.requires_grad_(True)
+    y = collectives.allgatherv_autograd(x, native, timeout=60)
+    assert tuple(y.shape) == (total, 4)
+    coeff = [
+        torch.arange(total * 4, dtype=torch.float64).view(total, 4) * (q + 1) for q in range(p)
+    ]
+    (y * coeff[r]).sum().backward()
+    start = sum(rows[:r])
+    want = sum(c[start : start + rows[r]] for c in coeff)
+    assert x.grad is not None and torch.equal(x.grad, want), (x.grad, want)
+    # forward values: every rank's piece
+    for q in range(p):
+        xq = torch.randn(
+            rows[q], 4, dtype=torch.float64, generator=torch.Generator().manual_seed(q)
+        )
+        assert torch.equal(y[sum(rows[:q]) : sum(rows[: q + 1])].detach(), xq)
+    return 1
+
+
+def run_all(comm_obj: Any) -> dict[str, int]:
+    """Every case on this rank; returns how many of each ran."""
+    comm = hetcoll.comm.wrap(comm_obj)
+    return {
+        "allreduce": check_allreduce(comm, comm_obj),
+        "aliasing": check_aliasing_and_shapes(comm, comm_obj),
+        "mismatch": check_mismatch(comm, comm_obj),
+        "allgatherv": check_allgatherv(comm, comm_obj),
+        "autograd": check_autograd(comm, comm_obj),
+    }
+
+
+def run_torch(rank: int, world_size: int) -> dict[str, int]:
+    """Entry point for :func:`hetcoll.launch.spawn` (gloo)."""
+    return run_all(None)
