@@ -17,6 +17,7 @@ import pytest
 from torch import nn
 
 from hetcoll import launch
+from hetcoll.demo import DemoConfig, format_table, run, summary_rows
 from hetcoll.torch import FilterParallelLinear, filter_parallel, set_emulated_speed
 
 HERE = Path(__file__).resolve().parent
@@ -59,3 +60,23 @@ def test_bad_arguments_without_a_group():
     # torch.distributed is not initialised in this process: the group is refused by name.
     with pytest.raises(ValueError, match=r"comm: torch.distributed is not initialized"):
         filter_parallel(model, [1.0], None)
+
+
+@pytest.mark.multiproc
+def test_demo_filter_strategy_learns_the_same_model_with_either_split():
+    cfg = DemoConfig(
+        speeds=(1.0, 0.25), epochs=1, global_batch=256, progress=False, strategy="filter"
+    )
+    report = run(cfg)
+    assert report["emulated"] is True and report["strategy"] == "filter"
+    rows = {r["run"]: r for r in summary_rows(report)}
+    assert rows["unbalanced"]["shares"] == [16, 16]  # conv1's 32 filters, even
+    fast, slow = rows["balanced"]["shares"]
+    assert fast + slow == 32 and fast > slow
+    for layer, shares in report["layer_shares"]["balanced"].items():
+        assert shares[0] > shares[1], layer
+    # Same data, same initial weights; the splits differ only in float32 summation order.
+    b, u = rows["balanced"], rows["unbalanced"]
+    assert abs(b["test_loss"] - u["test_loss"]) <= 1e-4 * u["test_loss"]
+    assert b["test_accuracy"] == u["test_accuracy"]
+    assert "balanced / unbalanced throughput" in format_table(report)
