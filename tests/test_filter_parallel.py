@@ -65,7 +65,7 @@ def test_bad_arguments_without_a_group():
 @pytest.mark.multiproc
 def test_demo_filter_strategy_learns_the_same_model_with_either_split():
     cfg = DemoConfig(
-        speeds=(1.0, 0.25), epochs=1, global_batch=256, progress=False, strategy="filter"
+        speeds=(1.0, 0.25), epochs=1, global_batch=128, progress=False, strategy="filter"
     )
     report = run(cfg)
     assert report["emulated"] is True and report["strategy"] == "filter"
