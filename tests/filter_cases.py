@@ -170,6 +170,18 @@ def memory_proportional(group) -> None:
     assert m.shares == layers["0"].shares
     assert m.weight.numel() * sum(m.shares) == full["2.weight"] * m.shares[c.rank]
     assert m.bias.numel() == full["2.bias"]
+    # multiple_of: every share a multiple of it (and at least it), from the same speeds.
+    aligned = filter_parallel(
+        nn.Sequential(nn.Conv2d(3, 64, 3), nn.Flatten(), nn.Linear(64, 32)),
+        speeds,
+        group,
+        multiple_of=8,
+        avoid_gathers=False,
+    )
+    for m in aligned.modules():
+        if isinstance(m, _FilterParallelLayer):
+            assert all(s % 8 == 0 and s >= 8 for s in m.shares), m.shares
+            assert m.shares[0] > m.shares[-1], m.shares
     opt = torch.optim.Adam(split.parameters())
     split(torch.randn(2, 3, 9, 9)).sum().backward()
     opt.step()
