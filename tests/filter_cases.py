@@ -9,6 +9,7 @@ buffers after several optimizer steps. A failing check raises, which fails the l
 from __future__ import annotations
 
 import copy
+import random
 import re
 
 import torch
@@ -265,6 +266,60 @@ def standalone_layers(group) -> None:
     assert_close(fb.bias.grad, b.bias.grad, 1e-12, "split-input bias gradient")
 
 
+def random_shares(rng: random.Random, total: int, p: int) -> list[int]:
+    cuts = sorted(rng.sample(range(1, total), p - 1))
+    return [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+
+
+def random_pairs(group, trials: int = 12) -> int:
+    """Random conv pairs (channels, kernel, stride, padding, bias, shares drawn from one seed,
+    the same on every rank): a gather-mode conv, and a split-output conv feeding a split-input
+    one, each against the unsplit layers: output, input gradient, weight and bias gradients."""
+    c = wrap(group)
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(trials):
+        cin, mid, cout = (rng.randint(c.size, 23) for _ in range(3))
+        k, stride, pad = rng.randint(1, 3), rng.randint(1, 2), rng.randint(0, 2)
+        bias = rng.random() < 0.5
+        torch.manual_seed(rng.randint(0, 1000))
+        a = nn.Conv2d(cin, mid, k, stride=stride, padding=pad, bias=bias).double()
+        b = nn.Conv2d(mid, cout, 3, padding=1, bias=not bias).double()
+        shares = random_shares(rng, mid, c.size)
+        x = torch.randn(2, cin, 7, 7, dtype=torch.float64, requires_grad=True)
+        ref = b(torch.relu(a(x)))
+        (ref * ref).sum().backward()
+        want = {"x": x.grad, "a": a.weight.grad, "b": b.weight.grad}
+        for pair in (True, False):
+            x.grad = None
+            fa = FilterParallelConv2d.from_module(
+                a, shares, group, mode="split-output" if pair else "gather"
+            )
+            fb = FilterParallelConv2d.from_module(
+                b,
+                shares if pair else random_shares(rng, cout, c.size),
+                group,
+                mode="split-input" if pair else "gather",
+            )
+            out = fb(torch.relu(fa(x)))
+            assert_close(out, ref, 1e-12, f"pair={pair}: output")
+            (out * out).sum().backward()
+            assert_close(x.grad, want["x"], 1e-12, f"pair={pair}: input gradient")
+            for name, m, full in (("a", fa, a), ("b", fb, b)):
+                spec = m.split_spec()
+                dim, _ = spec["weight"]
+                lo, n = m.offset, m.shares[c.rank]
+                expect = full.weight.grad.narrow(dim, lo, n)
+                assert_close(m.weight.grad, expect, 1e-12, f"pair={pair}: {name} weight grad")
+                if m.bias is not None:
+                    fb_grad = full.bias.grad
+                    if "bias" in spec:
+                        fb_grad = fb_grad.narrow(0, lo, n)
+                    assert_close(m.bias.grad, fb_grad, 1e-12, f"pair={pair}: {name} bias grad")
+            checked += 1
+    return checked
+
+
 def run_all(group) -> dict[str, object]:
     """Every case on this job's ranks; returns what rank 0 reports."""
     p = wrap(group).size
@@ -288,7 +343,7 @@ def run_all(group) -> dict[str, object]:
     load_full_state(group)
     memory_proportional(group)
     standalone_layers(group)
-    return {"equal": 3, "errors": bad_input(group)}
+    return {"equal": 3, "random": random_pairs(group), "errors": bad_input(group)}
 
 
 def run_torch(rank: int, world: int) -> dict[str, object]:

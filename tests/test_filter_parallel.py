@@ -21,7 +21,7 @@ from hetcoll.demo import DemoConfig, format_table, run, summary_rows
 from hetcoll.torch import FilterParallelLinear, filter_parallel, set_emulated_speed
 
 HERE = Path(__file__).resolve().parent
-EXPECTED = {"equal": 3, "errors": 8}
+EXPECTED = {"equal": 3, "random": 24, "errors": 8}
 
 
 @pytest.mark.multiproc
