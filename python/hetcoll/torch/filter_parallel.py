@@ -72,7 +72,7 @@ def _is_int(x: object) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
-def check_shares(shares: object, total: int, size: int, argument: str, what: str) -> list[int]:
+def _check_shares(shares: object, total: int, size: int, argument: str, what: str) -> list[int]:
     """``shares`` as a list of positive ints, one per rank, summing to ``total``."""
     if isinstance(shares, (str, bytes)) or not isinstance(shares, Sequence):
         raise TypeError(f"{argument}: must be a sequence of integers, got {type(shares).__name__}")
@@ -130,7 +130,7 @@ def _resolve(
 ) -> list[int]:
     if speeds is not None:
         return _speeds_to_shares(speeds, total, size, int(multiple_of), "speeds", what)
-    return check_shares(shares, total, size, "shares", what)
+    return _check_shares(shares, total, size, "shares", what)
 
 
 def _check_mode(mode: str) -> None:
@@ -641,7 +641,7 @@ class _SplitBatchNorm(_ChannelSplit):
         >>> FilterParallelBatchNorm2d.from_module(nn.BatchNorm2d(37), [29, 7, 1])  # doctest: +SKIP
         """
         comm = wrap(group)
-        counts = check_shares(shares, bn.num_features, comm.size, "shares", "the BatchNorm")
+        counts = _check_shares(shares, bn.num_features, comm.size, "shares", "the BatchNorm")
         off, n = sum(counts[: comm.rank]), counts[comm.rank]
         w = bn.weight
         new: Any = cls(  # type: ignore[call-arg]
@@ -893,10 +893,12 @@ def filter_parallel(
                 if modes[name] == "split-input":
                     continue
                 raise ValueError(f"shares_or_speeds: gives no shares for {what}")
-            shares[name] = check_shares(per_layer[name], total, comm.size, "shares_or_speeds", what)
+            shares[name] = _check_shares(
+                per_layer[name], total, comm.size, "shares_or_speeds", what
+            )
         elif all(_is_int(s) for s in shares_or_speeds):  # type: ignore[union-attr]
             if modes[name] != "split-input":
-                shares[name] = check_shares(
+                shares[name] = _check_shares(
                     shares_or_speeds, total, comm.size, "shares_or_speeds", what
                 )
         elif modes[name] != "split-input":
