@@ -265,6 +265,23 @@ def standalone_layers(group) -> None:
     assert_close(x.grad, x2.grad, 1e-12, "linear pair input gradient")
     assert_close(fb.bias.grad, b.bias.grad, 1e-12, "split-input bias gradient")
 
+    # Linear -> BatchNorm1d -> ReLU -> Linear: paired, the BatchNorm1d split with them.
+    torch.manual_seed(6)
+    mlp = nn.Sequential(nn.Linear(10, 11), nn.BatchNorm1d(11), nn.ReLU(), nn.Linear(11, 3))
+    mlp = mlp.double()
+    split = filter_parallel(copy.deepcopy(mlp), speeds, group)
+    assert type(split[1]).__name__ == "FilterParallelBatchNorm1d"
+    assert (split[0].mode, split[3].mode) == ("split-output", "split-input")
+    x = torch.randn(5, 10, dtype=torch.float64)
+    out, ref = split(x), mlp(x)
+    assert_close(out, ref, 1e-12, "mlp with BatchNorm1d forward")
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    grads = gather_gradients(split, dst=None)
+    floor = 1e-2 * max(float(p.grad.abs().max()) for p in mlp.parameters())  # bias before BN
+    for n, p in mlp.named_parameters():
+        assert_close(grads[n], p.grad, 1e-10, f"mlp gradient of {n}", floor)
+
 
 def random_shares(rng: random.Random, total: int, p: int) -> list[int]:
     cuts = sorted(rng.sample(range(1, total), p - 1))
