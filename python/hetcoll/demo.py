@@ -51,6 +51,7 @@ class DemoConfig:
     rebalance: bool = False
     progress: bool = True
     runs: tuple[str, ...] = ("unbalanced", "balanced")
+    strategy: str = "data"  # "filter": hetcoll.torch.filter_demo
 
     @property
     def world_size(self) -> int:
@@ -67,6 +68,8 @@ class DemoConfig:
             raise ValueError(f"epochs: must be >= 1, got {self.epochs}")
         if self.backend not in ("gloo", "mpi"):
             raise ValueError(f"backend: must be 'gloo' or 'mpi', got {self.backend!r}")
+        if self.strategy not in ("data", "filter"):
+            raise ValueError(f"strategy: must be 'data' or 'filter', got {self.strategy!r}")
 
 
 class DemoNet(nn.Sequential):
@@ -282,6 +285,10 @@ def _probe(engine: _Engine, cfg: DemoConfig) -> tuple[list[SpeedFit], SpeedFit]:
 
 def run_rank(engine: _Engine, cfg: DemoConfig) -> dict[str, Any] | None:
     """Both runs on this rank; rank 0 returns the report."""
+    if cfg.strategy == "filter":
+        from hetcoll.torch.filter_demo import run_rank as run_filter_rank
+
+        return run_filter_rank(engine, cfg)
     torch.set_num_threads(1)
     fits, real = _probe(engine, cfg)
     speeds = [f.samples_per_s for f in fits]
@@ -441,6 +448,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=d.global_batch, help="global batch per step")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--backend", choices=["gloo", "mpi"], default=d.backend)
+    p.add_argument(
+        "--strategy",
+        choices=["data", "filter"],
+        default=d.strategy,
+        help="data: balanced batches (default); filter: layers split by speed (filter parallel)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
         "--rebalance",
@@ -464,6 +477,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         global_batch=args.batch,
         lr=args.lr,
         backend=args.backend,
+        strategy=args.strategy,
         seed=args.seed,
         rebalance=args.rebalance,
         progress=not args.no_progress,

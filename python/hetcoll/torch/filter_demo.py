@@ -1,0 +1,131 @@
+"""``hetcoll demo --strategy filter``: the demo CNN trained filter-parallel on ranks of unequal
+(emulated) speed, twice:
+
+- **unbalanced**: every split layer divided evenly, as torch.chunk or Mesh-TensorFlow would;
+- **balanced**: each rank's speed measured (the same probe as the data-parallel demo), every
+  split layer divided with :func:`hetcoll.split` in proportion.
+
+Every rank sees every sample of the global batch (model parallelism); each holds and computes
+only its share of the filters of DemoNet's four layers (paired conv1 -> conv2 and fc1 -> fc2:
+two allreduces of partial sums forward, one of fc1's input gradient backward, no gathers). Both
+runs compute the same model up to float32 rounding; only the time differs. Speeds are
+*emulated*: each split layer sleeps ``(1/speed - 1)`` times its measured local compute, forward
+and backward (:func:`hetcoll.torch.set_emulated_speed`); the replicated parts (activations,
+pooling, loss, optimizer) run at full speed on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetcoll.demo import (
+    DemoConfig,
+    DemoNet,
+    RunResult,
+    _Engine,
+    _evaluate,
+    _probe,
+    load_digits,
+)
+from hetcoll.torch.filter_parallel import (
+    _FilterParallelLayer,
+    filter_parallel,
+    set_emulated_speed,
+)
+
+
+def _train(engine: _Engine, group: Any, cfg: DemoConfig, name: str, speeds: list[float]):
+    rank = engine.rank
+    xtr, ytr, xte, yte = load_digits(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = filter_parallel(DemoNet(), speeds, group)
+    set_emulated_speed(model, cfg.speeds[rank])
+    split = [m for m in model.modules() if isinstance(m, _FilterParallelLayer)]
+    result = RunResult(name, list(split[0].shares))
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    wall = 0.0
+    for epoch in range(cfg.epochs):
+        # The same permutation on every rank: every rank trains on the whole global batch.
+        perm = torch.randperm(len(ytr), generator=gen)
+        steps = list(perm.split(cfg.global_batch))
+        bar = None
+        if cfg.progress and rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(
+                total=len(steps),
+                desc=f"{name:>10} epoch {epoch + 1}/{cfg.epochs}",
+                file=sys.stderr,
+                leave=True,
+                dynamic_ncols=True,
+            )
+        engine.barrier()
+        t0 = time.perf_counter()
+        for idx in steps:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+            opt.step()
+            if bar is not None:
+                bar.update(1)
+        engine.barrier()
+        seconds = time.perf_counter() - t0
+        wall += seconds
+        if bar is not None:
+            bar.close()
+        loss, acc = _evaluate(model, xte, yte)
+        result.epochs.append(
+            {
+                "epoch": epoch + 1,
+                "train_seconds": seconds,
+                "wall_seconds": wall,
+                "samples": len(ytr),
+                "samples_per_s": len(ytr) / seconds,
+                "test_loss": loss,
+                "test_accuracy": acc,
+            }
+        )
+    layer_shares = {f"{type(m).__name__}[{i}]": list(m.shares) for i, m in enumerate(split)}
+    return result, layer_shares
+
+
+def run_rank(engine: _Engine, cfg: DemoConfig) -> dict[str, Any] | None:
+    """Both filter-parallel runs on this rank; rank 0 returns the report (the data-parallel
+    demo's format, plus the shares of every split layer)."""
+    torch.set_num_threads(1)
+    group = getattr(engine, "comm", None)  # MPI communicator, or torch's default group
+    fits, _ = _probe(engine, cfg)
+    measured = [f.samples_per_s for f in fits]
+    plans = {"unbalanced": [1.0] * engine.world, "balanced": measured}
+    runs, shares = [], {}
+    for name in cfg.runs:
+        result, shares[name] = _train(engine, group, cfg, name, plans[name])
+        runs.append(result)
+    if engine.rank != 0:
+        return None
+    return {
+        "config": dataclasses.asdict(cfg),
+        "strategy": "filter",
+        "emulated": True,
+        "ranks": [
+            {
+                "rank": r,
+                "emulated_speed": cfg.speeds[r],
+                "measured_samples_per_s": f.samples_per_s,
+                "measured_latency_s": f.latency_s,
+                "points": f.points,
+            }
+            for r, f in enumerate(fits)
+        ],
+        # Every rank's measured throughput on the whole model, added up: what the ranks could
+        # reach together with perfect balance and free communication.
+        "ideal_samples_per_s": sum(measured),
+        "layer_shares": shares,
+        "runs": {r.name: dataclasses.asdict(r) for r in runs},
+    }

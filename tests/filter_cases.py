@@ -1,0 +1,368 @@
+"""Filter-parallel cases that run inside every rank of a real job (gloo or MPI).
+
+Each rank builds the same unsplit model from the same seed, splits a copy with
+:func:`hetcoll.torch.filter_parallel`, and checks against the unsplit model run on this one
+process: forward output, loss, every parameter gradient (gathered), parameters and BatchNorm
+buffers after several optimizer steps. A failing check raises, which fails the launch.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import re
+
+import torch
+from torch import nn
+
+from hetcoll.comm import wrap
+from hetcoll.torch import (
+    FilterParallelConv2d,
+    FilterParallelLinear,
+    filter_parallel,
+    gather_gradients,
+    gather_state_dict,
+)
+from hetcoll.torch.filter_parallel import _FilterParallelLayer
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def awkward_cnn(bias: bool = True) -> nn.Sequential:
+    """37, 61 and 5 filters; stride, padding, bias on/off, a BatchNorm after a split layer,
+    pooling and a Flatten between a conv and a linear layer; input 3 x 12 x 12."""
+    return nn.Sequential(
+        nn.Conv2d(3, 37, 3, stride=2, padding=1, bias=bias),  # 0 -> 6x6
+        nn.BatchNorm2d(37),  # 1
+        nn.ReLU(),  # 2
+        nn.Conv2d(37, 61, 3, padding=1, bias=False),  # 3
+        nn.ReLU(),  # 4
+        nn.MaxPool2d(2),  # 5 -> 3x3
+        nn.Conv2d(61, 5, 3, padding=1, bias=bias),  # 6
+        nn.Flatten(),  # 7
+        nn.Linear(45, 13),  # 8
+        nn.Tanh(),  # 9
+        nn.Linear(13, 7, bias=bias),  # 10
+    )
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """max |a - b| / max |b|; ``floor`` bounds the denominator from below for tensors that are
+    zero up to rounding (a conv bias before a BatchNorm gets a gradient of ~1e-17)."""
+    a, b = a.detach(), b.detach()
+    scale = max(float(b.abs().max()), floor)
+    return float((a - b).abs().max()) / (scale if scale > 0 else 1.0)
+
+
+def assert_close(
+    a: torch.Tensor, b: torch.Tensor, tol: float, what: str, floor: float = 0.0
+) -> None:
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    err = rel_err(a, b, floor)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:g}"
+
+
+def _batches(dtype: torch.dtype, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randn(6, 3, 12, 12, generator=g, dtype=dtype),
+            torch.randint(0, 7, (6,), generator=g),
+        )
+        for _ in range(steps)
+    ]
+
+
+def equals_unsplit(
+    group, spec, dtype, *, bias=True, avoid_gathers=True, optimizer="sgd", steps=3
+) -> dict[str, str]:
+    """Train the split and the unsplit model side by side; every figure must agree. Returns the
+    modes chosen, by layer name."""
+    torch.manual_seed(0)
+    ref = awkward_cnn(bias).to(dtype)
+    split = filter_parallel(copy.deepcopy(ref), spec, group, avoid_gathers=avoid_gathers)
+    tol = TOL[dtype]
+
+    def make(m):
+        if optimizer == "sgd":
+            return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+        return torch.optim.Adam(m.parameters(), lr=1e-2)
+
+    opt_ref, opt_split = make(ref), make(split)
+    for step, (x, y) in enumerate(_batches(dtype, steps)):
+        out_ref = ref(x)
+        out = split(x)
+        assert_close(out, out_ref, tol, f"step {step}: output")
+        loss_ref = nn.functional.cross_entropy(out_ref, y)
+        loss = nn.functional.cross_entropy(out, y)
+        assert_close(loss, loss_ref, tol, f"step {step}: loss")
+        opt_ref.zero_grad()
+        opt_split.zero_grad()
+        loss_ref.backward()
+        loss.backward()
+        grads = gather_gradients(split, dst=None)
+        expected = {n: p.grad for n, p in ref.named_parameters()}
+        assert grads is not None and set(grads) == set(expected), (set(grads), set(expected))
+        # Gradients that vanish mathematically (a conv bias right before a BatchNorm) are
+        # rounding noise: their error is measured against 1% of the largest gradient.
+        floor = 1e-2 * max(float(g.abs().max()) for g in expected.values())
+        for n, g in expected.items():
+            assert_close(grads[n], g, tol, f"step {step}: gradient of {n}", floor)
+        opt_ref.step()
+        opt_split.step()
+    full = gather_state_dict(split, dst=0)
+    if wrap(group).rank == 0:
+        assert full is not None
+        ref_state = ref.state_dict()
+        assert list(full) == list(ref_state)
+        for n, t in ref_state.items():
+            if t.is_floating_point():
+                assert_close(full[n], t, tol, f"after {steps} steps: {n}")
+            else:
+                assert torch.equal(full[n], t), n
+    else:
+        assert full is None
+    # Evaluation mode (BatchNorm from running statistics) agrees too.
+    ref.eval()
+    split.eval()
+    with torch.no_grad():
+        x = _batches(dtype, 1)[0][0]
+        assert_close(split(x), ref(x), tol, "eval output")
+    return {n: m.mode for n, m in split.named_modules() if isinstance(m, _FilterParallelLayer)}
+
+
+def load_full_state(group) -> None:
+    """A full (unsplit) state dict loads into a split model; gathering gives it back."""
+    torch.manual_seed(3)
+    src = awkward_cnn().double()
+    torch.manual_seed(4)
+    split = filter_parallel(awkward_cnn().double(), [2.0, 1.0, 1.0][: wrap(group).size], group)
+    split.load_state_dict(src.state_dict())
+    back = gather_state_dict(split, dst=None)
+    assert back is not None
+    for n, t in src.state_dict().items():
+        assert torch.equal(back[n], t), n
+    x = _batches(torch.float64, 1)[0][0]
+    src.eval()
+    split.eval()
+    with torch.no_grad():
+        assert_close(split(x), src(x), 1e-12, "output after load_state_dict")
+
+
+def memory_proportional(group) -> None:
+    """Parameter elements per rank: split layers hold exactly their share of the channels;
+    Adam's state follows the parameters."""
+    c = wrap(group)
+    speeds = [4.0, 2.0, 1.0][: c.size]
+    model = nn.Sequential(
+        nn.Conv2d(3, 60, 3), nn.ReLU(), nn.Conv2d(60, 90, 3), nn.ReLU(), nn.Conv2d(90, 30, 3)
+    )
+    full = {n: p.numel() for n, p in model.named_parameters()}
+    split = filter_parallel(model, speeds, group)
+    modes = {n: m.mode for n, m in split.named_modules() if isinstance(m, _FilterParallelLayer)}
+    assert modes == {"0": "split-output", "2": "split-input", "4": "gather"}, modes
+    layers = dict(split.named_modules())
+    for name in ("0", "4"):
+        m = layers[name]
+        share, total = m.shares[c.rank], sum(m.shares)
+        assert m.weight.numel() * total == full[f"{name}.weight"] * share
+        assert m.bias.numel() * total == full[f"{name}.bias"] * share
+    m = layers["2"]  # split-input: its input channels, the shares of layer 0; bias replicated
+    assert m.shares == layers["0"].shares
+    assert m.weight.numel() * sum(m.shares) == full["2.weight"] * m.shares[c.rank]
+    assert m.bias.numel() == full["2.bias"]
+    # multiple_of: every share a multiple of it (and at least it), from the same speeds.
+    aligned = filter_parallel(
+        nn.Sequential(nn.Conv2d(3, 64, 3), nn.Flatten(), nn.Linear(64, 32)),
+        speeds,
+        group,
+        multiple_of=8,
+        avoid_gathers=False,
+    )
+    for m in aligned.modules():
+        if isinstance(m, _FilterParallelLayer):
+            assert all(s % 8 == 0 and s >= 8 for s in m.shares), m.shares
+            assert m.shares[0] > m.shares[-1], m.shares
+    opt = torch.optim.Adam(split.parameters())
+    split(torch.randn(2, 3, 9, 9)).sum().backward()
+    opt.step()
+    for p in split.parameters():
+        state = opt.state[p]
+        assert state["exp_avg"].numel() == state["exp_avg_sq"].numel() == p.numel()
+
+
+def bad_input(group) -> int:
+    """Every rank raises the same clear error, before any collective: a collective right after
+    each one still works."""
+    c = wrap(group)
+    p = c.size
+    cases = [
+        ([*[29, 7, 1][: p - 1], 0], r"rank \d has a share of 0"),
+        ([30] + [1] * (p - 1), r"shares sum to \d+ but layer '0' has 37 channels"),
+        ([37 - p] + [1] * p, rf"has {p + 1} shares but the group has {p} ranks"),
+        ([1.0] * (p + 1), rf"has {p + 1} speeds but the group has {p} ranks"),
+    ]
+    raised = 0
+    for spec, pattern in cases:
+        model = nn.Sequential(nn.Conv2d(3, 37, 3), nn.ReLU())
+        try:
+            filter_parallel(model, spec, group)
+        except ValueError as e:
+            assert re.search(pattern, str(e)), (str(e), pattern)
+            assert "shares_or_speeds" in str(e)
+            raised += 1
+        c.allgather_int64(torch.zeros(1, dtype=torch.int64).numpy(), None)
+    grouped = nn.Sequential(nn.Conv2d(4, 8, 3, groups=2))
+    try:
+        filter_parallel(grouped, [1.0] * p, group)
+    except ValueError as e:
+        assert "grouped convolution (groups=2)" in str(e) and "'0'" in str(e), str(e)
+        raised += 1
+    for build in (
+        lambda: FilterParallelConv2d(4, 8, 3, groups=2, speeds=[1.0] * p, group=group),
+        lambda: FilterParallelLinear(4, 8, shares=[8] + [0] * (p - 1), group=group),
+        lambda: FilterParallelLinear(4, 8, shares=[4] * (p + 1), group=group),
+    ):
+        try:
+            build()
+        except ValueError:
+            raised += 1
+    c.allgather_int64(torch.zeros(1, dtype=torch.int64).numpy(), None)
+    return raised
+
+
+def standalone_layers(group) -> None:
+    """The layers on their own: a gather-mode conv, a split-output linear feeding a split-input
+    one, built by their constructors (same seed on every rank = same full layer)."""
+    c = wrap(group)
+    speeds = [3.0, 1.0, 1.0][: c.size]
+    torch.manual_seed(5)
+    ref_conv = nn.Conv2d(4, 9, 3, padding=1, padding_mode="reflect", dtype=torch.float64)
+    torch.manual_seed(5)
+    conv = FilterParallelConv2d(
+        4, 9, 3, padding=1, padding_mode="reflect", speeds=speeds, group=group, dtype=torch.float64
+    )
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    assert_close(conv(x), ref_conv(x2), 1e-12, "conv forward")
+    conv(x).square().sum().backward()
+    ref_conv(x2).square().sum().backward()
+    assert_close(x.grad, x2.grad, 1e-12, "conv input gradient")
+
+    a = nn.Linear(10, 11, dtype=torch.float64)
+    b = nn.Linear(11, 3, dtype=torch.float64)
+    shares = [5, 3, 3][: c.size] if c.size == 3 else [8, 3]
+    fa = FilterParallelLinear.from_module(a, shares, group, mode="split-output")
+    fb = FilterParallelLinear.from_module(b, shares, group, mode="split-input")
+    assert fb.weight.shape == (3, shares[c.rank])
+    x = torch.randn(4, 10, dtype=torch.float64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out = fb(torch.relu(fa(x)))
+    ref = b(torch.relu(a(x2)))
+    assert_close(out, ref, 1e-12, "linear pair forward")
+    out.sum().backward()
+    ref.sum().backward()
+    assert_close(x.grad, x2.grad, 1e-12, "linear pair input gradient")
+    assert_close(fb.bias.grad, b.bias.grad, 1e-12, "split-input bias gradient")
+
+    # Linear -> BatchNorm1d -> ReLU -> Linear: paired, the BatchNorm1d split with them.
+    torch.manual_seed(6)
+    mlp = nn.Sequential(nn.Linear(10, 11), nn.BatchNorm1d(11), nn.ReLU(), nn.Linear(11, 3))
+    mlp = mlp.double()
+    split = filter_parallel(copy.deepcopy(mlp), speeds, group)
+    assert type(split[1]).__name__ == "FilterParallelBatchNorm1d"
+    assert (split[0].mode, split[3].mode) == ("split-output", "split-input")
+    x = torch.randn(5, 10, dtype=torch.float64)
+    out, ref = split(x), mlp(x)
+    assert_close(out, ref, 1e-12, "mlp with BatchNorm1d forward")
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    grads = gather_gradients(split, dst=None)
+    floor = 1e-2 * max(float(p.grad.abs().max()) for p in mlp.parameters())  # bias before BN
+    for n, p in mlp.named_parameters():
+        assert_close(grads[n], p.grad, 1e-10, f"mlp gradient of {n}", floor)
+
+
+def random_shares(rng: random.Random, total: int, p: int) -> list[int]:
+    cuts = sorted(rng.sample(range(1, total), p - 1))
+    return [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+
+
+def random_pairs(group, trials: int = 12) -> int:
+    """Random conv pairs (channels, kernel, stride, padding, bias, shares drawn from one seed,
+    the same on every rank): a gather-mode conv, and a split-output conv feeding a split-input
+    one, each against the unsplit layers: output, input gradient, weight and bias gradients."""
+    c = wrap(group)
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(trials):
+        cin, mid, cout = (rng.randint(c.size, 23) for _ in range(3))
+        k, stride, pad = rng.randint(1, 3), rng.randint(1, 2), rng.randint(0, 2)
+        bias = rng.random() < 0.5
+        torch.manual_seed(rng.randint(0, 1000))
+        a = nn.Conv2d(cin, mid, k, stride=stride, padding=pad, bias=bias).double()
+        b = nn.Conv2d(mid, cout, 3, padding=1, bias=not bias).double()
+        shares = random_shares(rng, mid, c.size)
+        x = torch.randn(2, cin, 7, 7, dtype=torch.float64, requires_grad=True)
+        ref = b(torch.relu(a(x)))
+        (ref * ref).sum().backward()
+        want = {"x": x.grad, "a": a.weight.grad, "b": b.weight.grad}
+        for pair in (True, False):
+            x.grad = None
+            fa = FilterParallelConv2d.from_module(
+                a, shares, group, mode="split-output" if pair else "gather"
+            )
+            fb = FilterParallelConv2d.from_module(
+                b,
+                shares if pair else random_shares(rng, cout, c.size),
+                group,
+                mode="split-input" if pair else "gather",
+            )
+            out = fb(torch.relu(fa(x)))
+            assert_close(out, ref, 1e-12, f"pair={pair}: output")
+            (out * out).sum().backward()
+            assert_close(x.grad, want["x"], 1e-12, f"pair={pair}: input gradient")
+            for name, m, full in (("a", fa, a), ("b", fb, b)):
+                spec = m.split_spec()
+                dim, _ = spec["weight"]
+                lo, n = m.offset, m.shares[c.rank]
+                expect = full.weight.grad.narrow(dim, lo, n)
+                assert_close(m.weight.grad, expect, 1e-12, f"pair={pair}: {name} weight grad")
+                if m.bias is not None:
+                    fb_grad = full.bias.grad
+                    if "bias" in spec:
+                        fb_grad = fb_grad.narrow(0, lo, n)
+                    assert_close(m.bias.grad, fb_grad, 1e-12, f"pair={pair}: {name} bias grad")
+            checked += 1
+    return checked
+
+
+def run_all(group) -> dict[str, object]:
+    """Every case on this job's ranks; returns what rank 0 reports."""
+    p = wrap(group).size
+    speeds = [29.0, 7.0, 1.0][:p]  # 37 filters -> [29, 7, 1] on 3 ranks
+    modes = equals_unsplit(group, speeds, torch.float64)
+    assert modes == {
+        "0": "split-output",
+        "3": "split-input",
+        "6": "split-output",
+        "8": "split-input",
+        "10": "gather",
+    }, modes
+    equals_unsplit(group, speeds, torch.float64, bias=False, optimizer="adam")
+    # Explicit uneven shares, every layer gathering, BatchNorm replicated; float32.
+    shares = {"0": [29, 7, 1], "3": [40, 20, 1], "6": [3, 1, 1], "8": [10, 2, 1], "10": [5, 1, 1]}
+    if p == 2:
+        shares = {"0": [29, 8], "3": [40, 21], "6": [4, 1], "8": [10, 3], "10": [6, 1]}
+    # (SGD: Adam would turn the rounding noise of the bias before the BatchNorm into steps.)
+    gathered = equals_unsplit(group, shares, torch.float32, avoid_gathers=False)
+    assert set(gathered.values()) == {"gather"}
+    load_full_state(group)
+    memory_proportional(group)
+    standalone_layers(group)
+    return {"equal": 3, "random": random_pairs(group), "errors": bad_input(group)}
+
+
+def run_torch(rank: int, world: int) -> dict[str, object]:
+    torch.set_num_threads(1)
+    return run_all(None)
