@@ -7,6 +7,7 @@
 //! element is computed by the same sequence of operations in the same order whatever the thread
 //! count, so the output is bitwise identical for any number of threads.
 
+use std::sync::Mutex;
 use std::thread;
 
 use super::element::{self, Element};
@@ -94,34 +95,31 @@ pub fn weighted_sum<T: Element>(
     let w: Vec<T::Acc> = weights.iter().map(|&x| T::weight(x)).collect();
     let n = out.len();
     let threads = threads.min(n.div_ceil(MIN_PER_THREAD)).max(1);
+    let streaming = std::mem::size_of_val(out) >= STREAMING_BYTES;
     if threads == 1 {
-        run(sources, &w, 0, out);
+        run(sources, &w, 0, out, streaming);
         return Ok(());
     }
-    // Contiguous runs of whole blocks; the last thread takes the tail.
-    let per = n.div_ceil(threads).div_ceil(BLOCK) * BLOCK;
+    // Threads take chunks from a shared queue rather than one fixed run each: on a shared
+    // machine a thread whose core is busy then does less, instead of holding everyone up.
+    // Every element is still computed by the same operations, so the bytes do not change.
+    let queue = Mutex::new(out.chunks_mut(CHUNK).enumerate());
+    let work = || loop {
+        let next = queue.lock().map(|mut q| q.next()).unwrap_or(None);
+        let Some((i, chunk)) = next else { break };
+        run(sources, &w, i * CHUNK, chunk, streaming);
+    };
     thread::scope(|scope| {
-        let mut rest = &mut out[..];
-        let mut start = 0;
-        let mut mine = None;
-        while !rest.is_empty() {
-            let take = per.min(rest.len());
-            let (chunk, tail) = rest.split_at_mut(take);
-            rest = tail;
-            if mine.is_none() {
-                mine = Some((start, chunk));
-            } else {
-                let w = &w;
-                scope.spawn(move || run(sources, w, start, chunk));
-            }
-            start += take;
+        for _ in 1..threads {
+            scope.spawn(work);
         }
-        if let Some((s, chunk)) = mine {
-            run(sources, &w, s, chunk);
-        }
+        work();
     });
     Ok(())
 }
+
+/// Elements per unit of work handed to a thread (a whole number of blocks).
+pub const CHUNK: usize = 32 * BLOCK;
 
 /// Outputs at least this large (bytes) are written with streaming stores: they exceed the
 /// caches, so keeping them there would only evict the inputs.
@@ -136,9 +134,14 @@ fn pick<'b, T>(source: &Source<'b, T>, at: usize, len: usize, out_block: &'b [T]
     }
 }
 
-/// One thread's run: `out` is the slice of the whole output that starts at element `start`.
-fn run<T: Element>(sources: &[Source<'_, T>], w: &[T::Acc], start: usize, out: &mut [T]) {
-    let streaming = std::mem::size_of_val(out) >= STREAMING_BYTES;
+/// One run of blocks: `out` is the slice of the whole output that starts at element `start`.
+fn run<T: Element>(
+    sources: &[Source<'_, T>],
+    w: &[T::Acc],
+    start: usize,
+    out: &mut [T],
+    streaming: bool,
+) {
     let mut acc = [T::Acc::default(); BLOCK];
     let mut widened = [T::Acc::default(); BLOCK];
     let mut pos = 0;
