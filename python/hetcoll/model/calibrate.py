@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -25,9 +26,23 @@ from hetcoll.model.hardware import Cluster, Device, Link, Node, dumps_cluster
 PING_PONG_BYTES = (8, 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024, 32 * 1024 * 1024)
 
 
+# How repeated timings are summarised: "best" (the machine's capability, what `calibrate` writes)
+# or "median" (the machine as loaded right now, what the validation predicts with, since its
+# ranks share the cores with each other and with whatever else runs).
+_STATISTIC = {"best": min, "median": statistics.median}
+_statistic = "best"
+
+
+def set_statistic(name: str) -> None:
+    """Summarise repeated timings by ``"best"`` (default) or ``"median"``."""
+    global _statistic
+    if name not in _STATISTIC:
+        raise ValueError(f"name: expected 'best' or 'median', got {name!r}")
+    _statistic = name
+
+
 def _best_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Fastest of ``repeats`` timed calls: the machine's capability, not the load that other
-    processes add at the moment (the validation measures steps the same way)."""
+    """``repeats`` timed calls summarised by the current statistic (see :func:`set_statistic`)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -35,7 +50,7 @@ def _best_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> fl
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return float(_STATISTIC[_statistic](times))
 
 
 def measure_gemm_flops_per_s(size: int = 384, repeats: int = 7) -> float:
@@ -193,6 +208,48 @@ def measure_gloo_link(sizes: Sequence[int] = PING_PONG_BYTES, repeats: int = 9) 
     times = spawn(_gloo_ping_pong, 2, list(sizes), repeats, timeout=120.0)[0]
     alpha, bw = fit_alpha_beta(sizes, times)
     return LinkFit(alpha, bw, tuple(sizes), tuple(times))
+
+
+def gloo_allreduce_seconds(
+    rank: int, world: int, sizes: Sequence[int], repeats: int
+) -> list[float]:
+    """Median seconds of a gloo ``all_reduce`` of each size over the current process group
+    (every rank calls it; the slowest rank's view is what the caller should keep)."""
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for size in sizes:
+        buf = torch.zeros(max(1, size // 4))
+        times = []
+        for i in range(repeats + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            if i >= 1:
+                times.append(time.perf_counter() - t0)
+        out.append(statistics.median(times))
+    return out
+
+
+def fit_ring_allreduce(
+    num_ranks: int, sizes_bytes: Sequence[int], seconds: Sequence[float]
+) -> tuple[float, float]:
+    """Effective (latency_s, bytes_per_s) of a link from measured allreduce times, inverting the
+    ring model ``2(p-1) alpha + 2(p-1)/p n / B`` (reduction folded into B): alpha from the
+    smallest message, B from the largest.
+
+    >>> fit_ring_allreduce(2, [8, 2**20], [2e-6, 2e-6 + 2**20 / 1e9])
+    (1e-06, 1000000000.0)
+    """
+    p = num_ranks
+    if p < 2:
+        raise ValueError(f"num_ranks: a ring needs at least 2 ranks, got {p}")
+    i_small, i_large = int(np.argmin(sizes_bytes)), int(np.argmax(sizes_bytes))
+    alpha = seconds[i_small] / (2 * (p - 1))
+    rest = max(seconds[i_large] - seconds[i_small], 1e-12)
+    bw = 2 * (p - 1) / p * (sizes_bytes[i_large] - sizes_bytes[i_small]) / rest
+    return float(alpha), round(float(bw), 6)
 
 
 def _mpi_ping_pong(sizes: Sequence[int], repeats: int) -> list[float] | None:

@@ -7,8 +7,9 @@ time after each step (:func:`emulate_speed`), and the model sees a device whose 
 bandwidth and kernel overhead are scaled by f. The device and link figures come either from a
 calibration file (ranks beyond the number of cores then share cores: each rank's device is
 slowed by cores / ranks) or, by default, from the same microbenchmarks run inside the ranks
-right before the steps - on a shared machine that is the only way to predict under the load the
-steps will see.
+right before the steps (medians, all ranks at once; the link fitted to gloo allreduce times by
+the ring model) - on a shared machine that is the only way to predict under the load the steps
+will see.
 
 Filter-parallel validation waits for the filter-parallel layers (hetcoll.torch); it is not run.
 """
@@ -52,7 +53,7 @@ def _validation_rank(
     steps: int,
     warmup: int,
     calibrate_here: bool,
-    steps_per_window: int = 3,
+    steps_per_window: int = 1,
 ) -> dict[str, object]:
     import torch
     import torch.nn.functional as F
@@ -67,14 +68,14 @@ def _validation_rank(
         # the steps).
         from hetcoll.model import calibrate
 
+        calibrate.set_statistic("median")
         torch.distributed.barrier()
         dev = calibrate.measure_device(f"rank{rank}", 1e12, quick=True)
         measured["device"] = dev
         if world > 1:
-            sizes = (8, 1024, 1024 * 1024, 4 * 1024 * 1024)
-            one_way = calibrate._gloo_ping_pong(rank, world, sizes, 5)
-            if rank == 0:
-                measured["link"] = calibrate.fit_alpha_beta(sizes, one_way)
+            # The link as the DDP allreduce sees it: all ranks at once, sharing the cores.
+            sizes = (1024, 8 * 1024 * 1024)
+            measured["allreduce_s"] = calibrate.gloo_allreduce_seconds(rank, world, sizes, 3)
     torch.manual_seed(0)
     model = networks.build(model_name, input_shape)
     ddp = DDP(model)
@@ -96,13 +97,12 @@ def _validation_rank(
             local_step()
         if i >= warmup:
             own.append(time.perf_counter() - t0)
-    compute_s = min(own)
+    compute_s = statistics.median(own)
     torch.distributed.barrier()
     for _ in range(warmup):
         local_step()
         emulate_speed(compute_s, speeds[rank])
-    # Steps in a few windows; the caller keeps the best window (max over ranks), which load
-    # bursts from other processes on a shared machine affect least.
+    # Steps timed one by one; the caller takes the slowest rank per step and the median step.
     windows = []
     for _ in range(max(1, steps // steps_per_window)):
         torch.distributed.barrier()
@@ -216,7 +216,7 @@ def run_validation(
             timeout=300.0,
         )
         windows = zip(*(r["window_step_s"] for r in runs))  # type: ignore[call-overload]
-        measured = min(max(w) for w in windows)
+        measured = statistics.median([max(w) for w in windows])
         if device is not None:
             devs, cores_arg = [device] * p, cores
         else:
@@ -224,8 +224,11 @@ def run_validation(
         if link is not None:
             lk = link
         elif p > 1:
-            alpha, bw = runs[0]["link"]  # type: ignore[misc]
-            lk = Link("gloo-measured", alpha, bw)
+            from hetcoll.model.calibrate import fit_ring_allreduce
+
+            slowest = [max(t) for t in zip(*(r["allreduce_s"] for r in runs))]  # type: ignore[call-overload]
+            alpha, bw = fit_ring_allreduce(p, (1024, 8 * 1024 * 1024), slowest)
+            lk = Link("gloo-allreduce", alpha, bw)
         else:
             lk = Link("none", 0.0, 1.0)
         cluster = validation_cluster(devs, lk, speeds, cores_arg)  # type: ignore[arg-type]
