@@ -374,27 +374,28 @@ def test_pipeline_prediction_has_bubble_and_checks_layers(cnn_costs) -> None:  #
 _speeds = st.lists(st.tuples(st.floats(1e9, 1e12), st.floats(1e9, 1e11)), min_size=1, max_size=5)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(devs=_speeds, factor=st.floats(1.0, 100.0), batch=st.integers(1, 256))
 def test_more_bandwidth_or_flops_is_never_slower(cnn_costs, devs, factor, batch) -> None:  # type: ignore[no-untyped-def]
+    # For a fixed plan (shares, filter split, stages), faster links, arithmetic or memory never
+    # make a step slower. (The planner's choices are re-optimised per cluster; its pipeline
+    # stages minimise the slowest stage, not the whole step, so only fixed plans are compared.)
     base = _cluster(devs)
     shares = even_batch_shares(batch, base.num_devices)
     speeds = [d.flops_per_s for d in base.devices]
+    stages = pipeline(cnn_costs, base, batch, 1).shares
     for faster in (
         base.scaled(link_bw=factor),
         base.scaled(flops=factor),
         base.scaled(mem_bw=factor),
     ):
-        assert data_parallel(cnn_costs, faster, shares).step_s <= data_parallel(
-            cnn_costs, base, shares
-        ).step_s * (1 + 1e-12)
-        assert filter_parallel(cnn_costs, faster, batch, speeds).step_s <= filter_parallel(
-            cnn_costs, base, batch, speeds
-        ).step_s * (1 + 1e-12)
-        # The planner's best plan (re-optimised on the faster cluster) is never slower either.
-        assert plan(cnn_costs, faster, batch)[0].step_s <= plan(cnn_costs, base, batch)[
-            0
-        ].step_s * (1 + 1e-9)
+        for predict in (
+            lambda c: data_parallel(cnn_costs, c, shares),
+            lambda c: data_parallel(cnn_costs, c, shares, overlap=False),
+            lambda c: filter_parallel(cnn_costs, c, batch, speeds),
+            lambda c: pipeline(cnn_costs, c, batch, 1, layers_per_device=stages),
+        ):
+            assert predict(faster).step_s <= predict(base).step_s * (1 + 1e-12)
 
 
 def test_data_parallel_bad_shares(cnn_costs) -> None:  # type: ignore[no-untyped-def]
@@ -513,10 +514,10 @@ def test_calibrate_measures_gloo_and_mpi_links(tmp_path: Path) -> None:
 def test_validation_subset_predicts_real_ddp_steps() -> None:
     from hetcoll.model.validate import run_validation
 
-    # One rank, and two ranks of emulated speeds 1 and 0.5 with balanced shares.
-    results = run_validation([("cnn", [16], [1.0]), ("cnn", [21, 11], [1.0, 0.5])], steps=6)
-    assert [r.ranks for r in results] == [1, 2]
-    for r in results:
-        assert r.measured_s > 0 and r.predicted_s > 0
-        # Loose bound: the shared 2-core machine is noisy; the full run reports the real errors.
-        assert abs(r.error) < 0.6, r
+    # Two ranks of emulated speeds 1 and 0.5 with balanced shares: DDP, the speed emulation,
+    # the in-run calibration and the prediction, end to end.
+    (r,) = run_validation([("cnn", [21, 11], [1.0, 0.5])], steps=6)
+    assert r.ranks == 2 and r.measured_s > 0 and r.predicted_s > 0
+    # Loose bound: the shared 2-core machine is noisy; `hetcoll model validate` reports the
+    # real errors over 10 configurations.
+    assert abs(r.error) < 0.6, r
