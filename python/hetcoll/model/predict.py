@@ -501,14 +501,22 @@ def _partition_chain_private(
     valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
     best = np.full(n + 1, np.inf)
     best[0] = 0.0
-    choice = np.zeros((p, n + 1), dtype=np.int64)
+    settled = False
+    idle = np.arange(n + 1)
+    choice = np.tile(idle, (p, 1))  # default: a device takes nothing
     for d in range(p):
+        if d > 0 and speeds[d] == speeds[d - 1] and settled:
+            # A run of identical devices reached a fixed point: the rest of the run changes
+            # nothing (this keeps 1,024-device clusters of few device types cheap).
+            continue
         stage = np.where(valid, seg / speeds[d] + hand[None, :], np.inf)
         cand = np.maximum(best[:, None], stage)  # cand[j, i]: device d takes layers j..i-1
-        cand[np.arange(n + 1), np.arange(n + 1)] = best  # device d takes nothing
+        cand[idle, idle] = best  # device d takes nothing
         j = np.argmin(cand, axis=0)
         choice[d] = j
-        best = cand[j, np.arange(n + 1)]
+        new_best = cand[j, idle]
+        settled = bool(np.array_equal(new_best, best))
+        best = new_best
     out = [0] * p
     i = n
     for d in range(p - 1, -1, -1):
