@@ -29,7 +29,7 @@ PING_PONG_BYTES = (8, 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024, 32 * 1024 *
 # How repeated timings are summarised: "best" (the machine's capability, what `calibrate` writes)
 # or "median" (the machine as loaded right now, what the validation predicts with, since its
 # ranks share the cores with each other and with whatever else runs).
-_STATISTIC = {"best": min, "median": statistics.median}
+_STATISTIC: dict[str, Callable[[list[float]], float]] = {"best": min, "median": statistics.median}
 _statistic = "best"
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -210,7 +210,7 @@ class Cluster:
         return Cluster(nodes, self.network if len(nodes) > 1 else None, self.source)
 
 
-def _slowest(links: list[Link | None]) -> Link:
+def _slowest(links: Sequence[Link | None]) -> Link:
     real = [x for x in links if x is not None]
     return Link(
         "+".join(x.name for x in real),

@@ -64,11 +64,13 @@ def plan(
         raise ValueError(f"batch: must be an integer >= 1, got {batch!r}")
     p = cluster.num_devices
     out: list[Prediction] = []
-    kw = {"optimizer_state_copies": optimizer_state_copies}
+    s = optimizer_state_copies
     try:
-        shares = predict.balanced_batch_shares(costs, cluster, batch, **kw)
+        shares = predict.balanced_batch_shares(costs, cluster, batch, optimizer_state_copies=s)
         out.append(
-            predict.data_parallel(costs, cluster, shares, strategy="data parallel, balanced", **kw)
+            predict.data_parallel(
+                costs, cluster, shares, strategy="data parallel, balanced", optimizer_state_copies=s
+            )
         )
     except ValueError as e:
         out.append(_infeasible("data parallel, balanced", batch, p, "samples", str(e)))
@@ -78,21 +80,31 @@ def plan(
             cluster,
             predict.even_batch_shares(batch, p),
             strategy="data parallel, even",
-            **kw,
+            optimizer_state_copies=s,
         )
     )
     if p > 1:
         speeds = _device_speeds(costs, cluster, batch)
         out.append(
             predict.filter_parallel(
-                costs, cluster, batch, speeds, strategy="filter parallel, balanced", **kw
+                costs,
+                cluster,
+                batch,
+                speeds,
+                strategy="filter parallel, balanced",
+                optimizer_state_copies=s,
             )
         )
         for m in micro_batches:
             if m <= batch:
                 out.append(
                     predict.pipeline(
-                        costs, cluster, batch, m, strategy=f"pipeline, {m} micro-batches", **kw
+                        costs,
+                        cluster,
+                        batch,
+                        m,
+                        strategy=f"pipeline, {m} micro-batches",
+                        optimizer_state_copies=s,
                     )
                 )
     out.sort(key=lambda x: (not x.feasible, x.step_s))

@@ -118,12 +118,17 @@ def _kernel_table(costs: ModelCosts) -> _KernelTable:
     cols = list(zip(*rows)) if rows else [()] * 9
     onehot = np.zeros((len(costs.layers), len(rows)))
     onehot[np.asarray(cols[0], dtype=np.int64), np.arange(len(rows))] = 1.0
+    floats = [np.asarray(c, dtype=np.float64) for c in cols[2:7]]
     return _KernelTable(
-        np.asarray(cols[0], dtype=np.int64),
-        np.asarray(cols[1], dtype=bool),
-        *(np.asarray(c, dtype=np.float64) for c in cols[2:7]),
-        np.asarray(cols[7], dtype=bool),
-        np.asarray(cols[8], dtype=bool),
+        layer=np.asarray(cols[0], dtype=np.int64),
+        forward=np.asarray(cols[1], dtype=bool),
+        flops_ps=floats[0],
+        bytes_ps=floats[1],
+        bytes_fixed=floats[2],
+        fbytes_ps=floats[3],
+        fbytes_fixed=floats[4],
+        scales=np.asarray(cols[7], dtype=bool),
+        gemm=np.asarray(cols[8], dtype=bool),
         num_layers=len(costs.layers),
         onehot=onehot,
     )
@@ -266,8 +271,10 @@ def data_parallel(
     lt = _layer_times(costs, dev, b)
     fwd_total = lt.forward_s.sum(axis=0)
     compute = fwd_total + lt.backward_s.sum(axis=0)
-    opt = terms.optimizer_update_seconds(
-        costs.param_bytes, dev.mem_bytes_per_s, optimizer_state_copies
+    opt = np.asarray(
+        terms.optimizer_update_seconds(
+            costs.param_bytes, dev.mem_bytes_per_s, optimizer_state_copies
+        )
     )
     link = cluster.ring_link()
     p = len(devices)
@@ -443,7 +450,9 @@ def filter_parallel(
     per_layer = (lt.forward_s + lt.backward_s).max(axis=1)
     # phi is 1 for replicated layers: each device owns its filters' weights and all the rest.
     owned = (np.array([x.param_bytes for x in costs.layers])[:, None] * phi).sum(axis=0)
-    opt = terms.optimizer_update_seconds(owned, dev.mem_bytes_per_s, optimizer_state_copies)
+    opt = np.asarray(
+        terms.optimizer_update_seconds(owned, dev.mem_bytes_per_s, optimizer_state_copies)
+    )
     step = float(per_layer.sum()) + comm + float(opt.max())
     crit = np.argmax(lt.forward_s + lt.backward_s, axis=1)
     rows = np.arange(n_layers)
@@ -595,7 +604,9 @@ def pipeline(
         lo, hi = int(starts[d]), int(starts[d + 1])
         param_bytes[d] = sum(x.param_bytes for x in costs.layers[lo:hi])
         saved[d] = sum(x.saved_bytes_per_sample for x in costs.layers[lo:hi])
-    opt = terms.optimizer_update_seconds(param_bytes, dev.mem_bytes_per_s, optimizer_state_copies)
+    opt = np.asarray(
+        terms.optimizer_update_seconds(param_bytes, dev.mem_bytes_per_s, optimizer_state_copies)
+    )
     step = float(terms.pipeline_seconds(slow_s, n_st, micro_batches)) + float(opt.max())
     lo, hi = int(starts[slowest]), int(starts[slowest + 1])
     m = micro_batches

@@ -10,19 +10,18 @@ planner evaluates one term for 1,024 devices in one vectorised call.
 
 from __future__ import annotations
 
-from typing import TypeVar
-
 import numpy as np
 
-Num = TypeVar("Num", float, np.ndarray)
+# A float, or a numpy array of them (one per device); results follow numpy broadcasting.
+Num = float | np.ndarray
 
 
 def roofline_seconds(
     flops: Num,
     moved_bytes: Num,
-    flops_per_s: Num | float,
-    mem_bytes_per_s: Num | float,
-    overhead_s: Num | float = 0.0,
+    flops_per_s: Num,
+    mem_bytes_per_s: Num,
+    overhead_s: Num = 0.0,
 ) -> Num:
     """Seconds of one kernel under the roofline: ``overhead_s + max(flops / flops_per_s,
     moved_bytes / mem_bytes_per_s)``.
@@ -35,7 +34,7 @@ def roofline_seconds(
     >>> float(roofline_seconds(2e9, 1e6, 1e9, 1e9))
     2.0
     """
-    return overhead_s + np.maximum(flops / flops_per_s, moved_bytes / mem_bytes_per_s)  # type: ignore[no-any-return]
+    return overhead_s + np.maximum(flops / flops_per_s, moved_bytes / mem_bytes_per_s)
 
 
 def gemm_flops(m: float, n: float, k: float) -> float:
@@ -71,10 +70,10 @@ def ring_allreduce_seconds(
     """
     p = num_ranks
     if p <= 1:
-        return 0.0 * message_bytes  # type: ignore[return-value]
+        return 0.0 * message_bytes
     elems = message_bytes / itemsize_bytes
     reduce_s = roofline_seconds(elems, 3.0 * message_bytes, reduce_flops_per_s, reduce_bytes_per_s)
-    return (  # type: ignore[no-any-return]
+    return (
         2.0 * (p - 1) * latency_s
         + 2.0 * (p - 1) / p * message_bytes / link_bytes_per_s
         + (p - 1) / p * reduce_s
@@ -96,8 +95,8 @@ def ring_allgatherv_seconds(
     """
     p = num_ranks
     if p <= 1:
-        return 0.0 * largest_piece_bytes  # type: ignore[return-value]
-    return (p - 1) * (latency_s + largest_piece_bytes / link_bytes_per_s)  # type: ignore[no-any-return]
+        return 0.0 * largest_piece_bytes
+    return (p - 1) * (latency_s + largest_piece_bytes / link_bytes_per_s)
 
 
 def point_to_point_seconds(message_bytes: Num, latency_s: float, link_bytes_per_s: float) -> Num:
@@ -107,12 +106,10 @@ def point_to_point_seconds(message_bytes: Num, latency_s: float, link_bytes_per_
     >>> point_to_point_seconds(1e6, 1e-3, 1e9)
     0.002
     """
-    return latency_s + message_bytes / link_bytes_per_s  # type: ignore[no-any-return]
+    return latency_s + message_bytes / link_bytes_per_s
 
 
-def optimizer_update_seconds(
-    param_bytes: Num, mem_bytes_per_s: Num | float, state_copies: int = 1
-) -> Num:
+def optimizer_update_seconds(param_bytes: Num, mem_bytes_per_s: Num, state_copies: int = 1) -> Num:
     """Seconds of an element-wise optimizer step (memory-bound): it reads weights, gradients and
     ``state_copies`` state tensors and writes weights and state, ``(3 + 2 s) * param_bytes``
     bytes (SGD s=0, SGD with momentum s=1, Adam s=2). Not in PyDTNN (its model ends at the
@@ -121,7 +118,7 @@ def optimizer_update_seconds(
     >>> optimizer_update_seconds(1e9, 5e9, state_copies=1)
     1.0
     """
-    return (3.0 + 2.0 * state_copies) * param_bytes / mem_bytes_per_s  # type: ignore[no-any-return]
+    return (3.0 + 2.0 * state_copies) * param_bytes / mem_bytes_per_s
 
 
 def pipeline_seconds(slowest_stage_s: Num, num_stages: int, micro_batches: int) -> Num:
@@ -133,9 +130,9 @@ def pipeline_seconds(slowest_stage_s: Num, num_stages: int, micro_batches: int) 
     >>> pipeline_seconds(1.0, 4, 4)
     7.0
     """
-    return (micro_batches + num_stages - 1) * slowest_stage_s  # type: ignore[no-any-return]
+    return (micro_batches + num_stages - 1) * slowest_stage_s
 
 
 def pipeline_bubble_seconds(slowest_stage_s: Num, num_stages: int) -> Num:
     """The idle part of :func:`pipeline_seconds`: ``(S - 1) * slowest``."""
-    return (num_stages - 1) * slowest_stage_s  # type: ignore[no-any-return]
+    return (num_stages - 1) * slowest_stage_s
