@@ -11,6 +11,7 @@ and prints the fit as JSON (that is how :func:`measure_mpi_link` runs it).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -84,8 +85,6 @@ def measure_kernel_overhead_s(depth: int = 24, repeats: int = 20) -> float:
     import torch
     from torch import nn
 
-    from hetcoll.model.costs import layer_costs
-
     layers: list[nn.Module] = []
     for _ in range(depth):
         layers += [nn.Linear(4, 4), nn.ReLU()]
@@ -97,9 +96,20 @@ def measure_kernel_overhead_s(depth: int = 24, repeats: int = 20) -> float:
         model(x).sum().backward()
 
     t = _best_seconds(step, repeats, warmup=3)
-    costs = layer_costs(model, (4,))
-    kernels = sum(len(x.forward) + len(x.backward) for x in costs.layers)
-    return t / kernels
+    return t / _kernel_count(depth)
+
+
+@functools.lru_cache(maxsize=4)
+def _kernel_count(depth: int) -> int:
+    from torch import nn
+
+    from hetcoll.model.costs import layer_costs
+
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(4, 4), nn.ReLU()]
+    costs = layer_costs(nn.Sequential(*layers), (4,))
+    return sum(len(x.forward) + len(x.backward) for x in costs.layers)
 
 
 def measure_elementwise_bytes_per_s(batch: int = 16, repeats: int = 5) -> float:
@@ -109,8 +119,6 @@ def measure_elementwise_bytes_per_s(batch: int = 16, repeats: int = 5) -> float:
     import torch
     from torch import nn
 
-    from hetcoll.model.costs import layer_costs
-
     model = nn.Sequential(nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2))
     x = torch.randn(batch, 32, 32, 32, requires_grad=True)
 
@@ -119,11 +127,24 @@ def measure_elementwise_bytes_per_s(batch: int = 16, repeats: int = 5) -> float:
         model(x).sum().backward()
 
     t = _best_seconds(step, repeats, warmup=1)
+    return _elementwise_bytes(batch) / t
+
+
+@functools.lru_cache(maxsize=4)
+def _elementwise_bytes(batch: int) -> float:
+    from torch import nn
+
+    from hetcoll.model.costs import layer_costs
+
+    model = nn.Sequential(nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2))
     costs = layer_costs(model, (32, 32, 32))
-    moved = sum(
-        k.moved_bytes(batch) for layer in costs.layers for k in (*layer.forward, *layer.backward)
+    return float(
+        sum(
+            k.moved_bytes(batch)
+            for layer in costs.layers
+            for k in (*layer.forward, *layer.backward)
+        )
     )
-    return moved / t
 
 
 def measure_device(name: str, memory_bytes: float, *, quick: bool = False) -> Device:

@@ -64,10 +64,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             print()
         else:
             print(f"predicted samples/s, best plan of each strategy, along {args.sweep}")
-            print(f"{args.sweep:>10} " + " ".join(f"{f[:24]:>24}" for f in families))
+            print(f"{args.sweep:>10} " + " ".join(f"{f[:26]:>26}" for f in families))
             for pt in points:
                 cells = [
-                    f"{pt.best[f].samples_per_s:>24.4g}" if f in pt.best else f"{'-':>24}"
+                    f"{pt.best[f].samples_per_s:>26.4g}" if f in pt.best else f"{'-':>26}"
                     for f in families
                 ]
                 print(f"{pt.value:>10g} " + " ".join(cells))

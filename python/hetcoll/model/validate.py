@@ -53,7 +53,6 @@ def _validation_rank(
     steps: int,
     warmup: int,
     calibrate_here: bool,
-    steps_per_window: int = 1,
 ) -> dict[str, object]:
     import torch
     import torch.nn.functional as F
@@ -63,17 +62,11 @@ def _validation_rank(
 
     measured: dict[str, object] = {}
     if calibrate_here:
-        # The device and link figures, measured in these processes right before the steps, under
-        # whatever else the machine runs (every rank at once, so they share the cores as in
-        # the steps).
+        # The link as the DDP allreduce sees it: all ranks at once, sharing the cores.
         from hetcoll.model import calibrate
 
         calibrate.set_statistic("median")
-        torch.distributed.barrier()
-        dev = calibrate.measure_device(f"rank{rank}", 1e12, quick=True)
-        measured["device"] = dev
         if world > 1:
-            # The link as the DDP allreduce sees it: all ranks at once, sharing the cores.
             sizes = (1024, 8 * 1024 * 1024)
             measured["allreduce_s"] = calibrate.gloo_allreduce_seconds(rank, world, sizes, 3)
     torch.manual_seed(0)
@@ -102,16 +95,20 @@ def _validation_rank(
     for _ in range(warmup):
         local_step()
         emulate_speed(compute_s, speeds[rank])
-    # Steps timed one by one; the caller takes the slowest rank per step and the median step.
-    windows = []
-    for _ in range(max(1, steps // steps_per_window)):
+    # Steps timed one by one, each right after the device figures are measured again by every
+    # rank at once (so the prediction for step k sees the load step k sees: on a shared machine
+    # the load changes within seconds). The caller pairs them and takes medians.
+    step_s, devices = [], []
+    for _ in range(steps):
+        if calibrate_here:
+            torch.distributed.barrier()
+            devices.append(calibrate.measure_device(f"rank{rank}", 1e12, quick=True))
         torch.distributed.barrier()
         t0 = time.perf_counter()
-        for _ in range(steps_per_window):
-            local_step()
-            emulate_speed(compute_s, speeds[rank])
-        windows.append((time.perf_counter() - t0) / steps_per_window)
-    return {"window_step_s": windows, "compute_s": compute_s, **measured}
+        local_step()
+        emulate_speed(compute_s, speeds[rank])
+        step_s.append(time.perf_counter() - t0)
+    return {"step_s": step_s, "compute_s": compute_s, "devices": devices, **measured}
 
 
 @dataclass
@@ -187,8 +184,10 @@ def run_validation(
     """Run each configuration for real and predict it; return both per configuration.
 
     Without ``device`` / ``link`` (a calibration file's), each configuration measures them in
-    its own rank processes just before its steps (GEMM, copy, kernel overhead, element-wise
-    layers, gloo ping-pong), so the prediction sees the machine as loaded as the steps do.
+    its own rank processes: the device before every step (GEMM, copy, kernel overhead,
+    element-wise layers; every rank at once), the link once (gloo allreduce of 1 KiB and 8 MiB,
+    fitted by the ring model). Step k is predicted from the figures measured just before it;
+    the result pairs the median prediction with the median measured step (slowest rank).
     """
     from hetcoll.launch import spawn
     from hetcoll.model import networks
@@ -215,12 +214,8 @@ def run_validation(
             here,
             timeout=300.0,
         )
-        windows = zip(*(r["window_step_s"] for r in runs))  # type: ignore[call-overload]
-        measured = statistics.median([max(w) for w in windows])
-        if device is not None:
-            devs, cores_arg = [device] * p, cores
-        else:
-            devs, cores_arg = [r["device"] for r in runs], None  # type: ignore[misc]
+        per_step = [max(t) for t in zip(*(r["step_s"] for r in runs))]  # type: ignore[call-overload]
+        measured = statistics.median(per_step)
         if link is not None:
             lk = link
         elif p > 1:
@@ -231,8 +226,19 @@ def run_validation(
             lk = Link("gloo-allreduce", alpha, bw)
         else:
             lk = Link("none", 0.0, 1.0)
-        cluster = validation_cluster(devs, lk, speeds, cores_arg)  # type: ignore[arg-type]
-        predicted = data_parallel(costs_of[model], cluster, shares).step_s
+        if device is not None:
+            cluster = validation_cluster([device] * p, lk, speeds, cores)
+            predicted = data_parallel(costs_of[model], cluster, shares).step_s
+        else:
+            per_step_devices = zip(*(r["devices"] for r in runs))  # type: ignore[call-overload]
+            predicted = statistics.median(
+                [
+                    data_parallel(
+                        costs_of[model], validation_cluster(list(devs), lk, speeds), shares
+                    ).step_s
+                    for devs in per_step_devices
+                ]
+            )
         res = ValidationResult(model, p, list(shares), list(speeds), predicted, measured)
         results.append(res)
         if progress:
