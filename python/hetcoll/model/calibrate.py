@@ -391,17 +391,7 @@ class Calibration:
     def to_toml(self) -> str:
         """The cluster file text, with the links the cluster does not use appended."""
         text = "# Written by `hetcoll model calibrate` on this machine.\n"
-        text += dumps_cluster(self.cluster, self.comments)
-        used = {n.link.name for n in self.cluster.nodes if n.link is not None}
-        for link in self.links:
-            if link.name in used:
-                continue
-            if link.name in self.comments:
-                text += f"# {self.comments[link.name]}\n"
-            text += (
-                f'[links."{link.name}"]\nlatency_s = {link.latency_s:.6g}\n'
-                f"bytes_per_s = {link.bytes_per_s:.6g}\n\n"
-            )
+        text += dumps_cluster(self.cluster, self.comments, self.links)
         return text
 
 

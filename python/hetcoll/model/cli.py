@@ -217,13 +217,17 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 "predicted_s": r.predicted_s,
                 "measured_s": r.measured_s,
                 "error": r.error,
+                "overlap": r.overlap,
+                "predicted_other_overlap_s": r.predicted_other_s,
             }
         )
         if not args.json:
             speeds = ",".join(f"{s:g}" for s in r.speeds)
+            other = (r.predicted_other_s - r.measured_s) / r.measured_s
             print(
                 f"{r.ranks:>5} {_shares_text(r.shares):>14} {speeds:>18}"
-                f" {r.predicted_s * 1e3:>12.1f} {r.measured_s * 1e3:>12.1f} {r.error:>+8.0%}",
+                f" {r.predicted_s * 1e3:>12.1f} {r.measured_s * 1e3:>12.1f} {r.error:>+8.0%}"
+                f" {'yes' if r.overlap else 'no':>8} {other:>+12.0%}",
                 flush=True,
             )
 
@@ -232,8 +236,17 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             f"data parallel, plain torch DDP on gloo, {args.model}, emulated speeds "
             "(a rank of speed f sleeps (1/f - 1) x its compute time per step)"
         )
-        head = ("ranks", "shares", "speeds", "pred (ms)", "meas (ms)", "error")
-        widths = (5, 14, 18, 12, 12, 8)
+        head = (
+            "ranks",
+            "shares",
+            "speeds",
+            "pred (ms)",
+            "meas (ms)",
+            "error",
+            "overlap",
+            "other error",
+        )
+        widths = (5, 14, 18, 12, 12, 8, 8, 12)
         print(" ".join(f"{h:>{w}}" for h, w in zip(head, widths)))
     results = run_validation(configs, device=device, link=link, steps=args.steps, progress=show)
     med, worst = summary(results)
@@ -242,6 +255,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print()
     else:
         print(f"median |error| {med:.1%}, worst {worst:.1%} (target: 15% / 30%)")
+        print(
+            "overlap: DDP's allreduce overlapped with the backward in the model (only while the "
+            "ranks leave cores free); other error: the prediction with the other setting"
+        )
         print("filter parallel: not validated (the filter-parallel layers are not built yet)")
     return 0
 

@@ -367,8 +367,12 @@ def load_cluster(path: str | Path) -> Cluster:
     return cluster_from_dict(doc, str(p))
 
 
-def dumps_cluster(cluster: Cluster, comments: Mapping[str, str] | None = None) -> str:
-    """The TOML text of ``cluster`` (nodes of one device type and link; repeats unrolled);
+def dumps_cluster(
+    cluster: Cluster,
+    comments: Mapping[str, str] | None = None,
+    extra_links: Sequence[Link] = (),
+) -> str:
+    """The TOML text of ``cluster`` (repeats unrolled), plus ``extra_links`` the nodes do not use;
     ``comments`` maps a device or link name to a comment line written above its table."""
     comments = comments or {}
     out: list[str] = []
@@ -380,6 +384,8 @@ def dumps_cluster(cluster: Cluster, comments: Mapping[str, str] | None = None) -
             seen_link.setdefault(n.link.name, n.link)
     if cluster.network is not None:
         seen_link.setdefault(cluster.network.name, cluster.network)
+    for link in extra_links:
+        seen_link.setdefault(link.name, link)
     for d in seen_dev.values():
         if d.name in comments:
             out.append(f"# {comments[d.name]}")

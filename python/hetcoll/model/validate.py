@@ -121,6 +121,8 @@ class ValidationResult:
     speeds: list[float]
     predicted_s: float
     measured_s: float
+    overlap: bool = True
+    predicted_other_s: float = 0.0  # the prediction with the other overlap setting
 
     @property
     def error(self) -> float:
@@ -226,20 +228,34 @@ def run_validation(
             lk = Link("gloo-allreduce", alpha, bw)
         else:
             lk = Link("none", 0.0, 1.0)
+        # DDP overlaps the allreduce with the backward pass, but on a CPU host gloo's copies and
+        # reductions run on the same cores as the compute: once the ranks fill the cores there
+        # is nothing to overlap with, so the model runs them one after the other.
+        overlap = p < cores
+
+        def predict(
+            devs: Sequence[Device],
+            cores_arg: int | None,
+            ov: bool,
+            lk: Link = lk,
+            speeds: list[float] = speeds,
+            costs: ModelCosts = costs_of[model],
+            shares: list[int] = shares,
+        ) -> float:
+            cluster = validation_cluster(devs, lk, speeds, cores_arg)
+            return data_parallel(costs, cluster, shares, overlap=ov).step_s
+
         if device is not None:
-            cluster = validation_cluster([device] * p, lk, speeds, cores)
-            predicted = data_parallel(costs_of[model], cluster, shares).step_s
+            predicted, other = (predict([device] * p, cores, ov) for ov in (overlap, not overlap))
         else:
-            per_step_devices = zip(*(r["devices"] for r in runs))  # type: ignore[call-overload]
-            predicted = statistics.median(
-                [
-                    data_parallel(
-                        costs_of[model], validation_cluster(list(devs), lk, speeds), shares
-                    ).step_s
-                    for devs in per_step_devices
-                ]
+            steps_devices = list(zip(*(r["devices"] for r in runs)))  # type: ignore[call-overload]
+            predicted, other = (
+                statistics.median([predict(list(d), None, ov) for d in steps_devices])
+                for ov in (overlap, not overlap)
             )
-        res = ValidationResult(model, p, list(shares), list(speeds), predicted, measured)
+        res = ValidationResult(
+            model, p, list(shares), list(speeds), predicted, measured, overlap, other
+        )
         results.append(res)
         if progress:
             progress(res)
