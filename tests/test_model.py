@@ -483,6 +483,25 @@ def test_cli_model_costs(capsys: pytest.CaptureFixture[str]) -> None:
     assert row["forward_flops_per_sample"] == 2 * 4 * 4 * 8
 
 
+@pytest.mark.parametrize(
+    "module", ["costs", "hardware", "networks", "terms", "calibrate", "validate"]
+)
+def test_docstring_examples(module: str) -> None:
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(f"hetcoll.model.{module}"))
+    assert result.failed == 0
+
+
+def test_readme_section_examples(monkeypatch: pytest.MonkeyPatch) -> None:
+    import doctest
+
+    monkeypatch.chdir(ROOT)
+    result = doctest.testfile(str(ROOT / "docs" / "readme" / "model.md"), module_relative=False)
+    assert result.attempted > 0 and result.failed == 0
+
+
 # ---------------------------------------------------------------- real processes
 
 

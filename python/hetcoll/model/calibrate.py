@@ -260,7 +260,7 @@ def fit_ring_allreduce(
     ring model ``2(p-1) alpha + 2(p-1)/p n / B`` (reduction folded into B): alpha from the
     smallest message, B from the largest.
 
-    >>> fit_ring_allreduce(2, [8, 2**20], [2e-6, 2e-6 + 2**20 / 1e9])
+    >>> fit_ring_allreduce(2, [0, 2**20], [2e-6, 2e-6 + 2**20 / 1e9])
     (1e-06, 1000000000.0)
     """
     p = num_ranks
