@@ -301,6 +301,13 @@ def test_ddp_overlap_hides_communication_and_buckets_follow_ddp(cnn_costs) -> No
     )
 
 
+def test_devices_without_samples_sit_out(cnn_costs) -> None:  # type: ignore[no-untyped-def]
+    three = data_parallel(cnn_costs, _cluster([(1e11, 2e10)] * 3), [16, 16, 0])
+    two = data_parallel(cnn_costs, _cluster([(1e11, 2e10)] * 2), [16, 16])
+    assert three.step_s == pytest.approx(two.step_s)
+    assert three.memory_bytes[2] == 0.0
+
+
 def test_balanced_shares_beat_even_shares_on_unequal_devices(cnn_costs) -> None:  # type: ignore[no-untyped-def]
     cluster = _cluster([(1e11, 2e10), (2.5e10, 5e9)])
     ranked = plan(cnn_costs, cluster, 128)

@@ -260,7 +260,7 @@ def data_parallel(
     """One data-parallel step: device d runs forward + backward on ``shares[d]`` samples; the
     gradients are allreduced by a ring in DDP buckets, each starting once every device has
     produced it (``overlap=True``, as DDP does) or all after the backward (``overlap=False``);
-    then the optimizer updates every replica.
+    then the optimizer updates every replica. Devices with no samples sit the step out.
 
     >>> from hetcoll.model import layer_costs, networks, hardware  # doctest: +SKIP
     >>> data_parallel(costs, cluster, [48, 16]).step_s  # doctest: +SKIP
@@ -271,13 +271,17 @@ def data_parallel(
     lt = _layer_times(costs, dev, b)
     fwd_total = lt.forward_s.sum(axis=0)
     compute = fwd_total + lt.backward_s.sum(axis=0)
-    opt = np.asarray(
+    opt = np.where(
+        b > 0,
         terms.optimizer_update_seconds(
             costs.param_bytes, dev.mem_bytes_per_s, optimizer_state_copies
-        )
+        ),
+        0.0,
     )
     link = cluster.ring_link()
-    p = len(devices)
+    # Devices given no samples sit the step out (a plan would not start them), so the ring
+    # runs over the others only.
+    p = max(1, int((b > 0).sum()))
     buckets = ddp_buckets(costs, first_bucket_bytes, bucket_bytes)
     reduce_bw = float(dev.mem_bytes_per_s.min())
     comm_each = [
@@ -310,7 +314,7 @@ def data_parallel(
     }
     breakdown["communication"] = max(0.0, step - sum(breakdown.values()))
     memory = _memory_common(costs, optimizer_state_copies) + costs.param_bytes  # + DDP bucket copy
-    mem = memory + b * costs.saved_bytes_per_sample()
+    mem = np.where(b > 0, memory + b * costs.saved_bytes_per_sample(), 0.0)
     over = np.nonzero(mem > dev.memory_bytes)[0]
     reason = ""
     if len(over):
