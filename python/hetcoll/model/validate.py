@@ -7,9 +7,10 @@ time after each step (:func:`emulate_speed`), and the model sees a device whose 
 bandwidth and kernel overhead are scaled by f. The device and link figures come either from a
 calibration file (ranks beyond the number of cores then share cores: each rank's device is
 slowed by cores / ranks) or, by default, from the same microbenchmarks run inside the ranks
-right before the steps (medians, all ranks at once; the link fitted to gloo allreduce times by
+before every step (medians, all ranks at once; the link fitted once to gloo allreduce times by
 the ring model) - on a shared machine that is the only way to predict under the load the steps
-will see.
+see. DDP's overlap of allreduce and backward is modelled only while the ranks leave cores free
+(gloo's copies and reductions need the cores the compute uses).
 
 Filter-parallel validation waits for the filter-parallel layers (hetcoll.torch); it is not run.
 """
