@@ -106,8 +106,12 @@ def _validation_rank(
             devices.append(calibrate.measure_device(f"rank{rank}", 1e12, quick=True))
         torch.distributed.barrier()
         t0 = time.perf_counter()
-        local_step()
+        # The pause "after step k-1" is taken here, after the barrier, at the start of step k:
+        # that way it delays this rank's arrival at the allreduce as a slower device would.
+        # (Taken after the step it would sit behind the allreduce, where no device's slowness
+        # can be, and the barrier would put it on every step's critical path.)
         emulate_speed(compute_s, speeds[rank])
+        local_step()
         step_s.append(time.perf_counter() - t0)
     return {"step_s": step_s, "compute_s": compute_s, "devices": devices, **measured}
 
