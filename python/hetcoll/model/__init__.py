@@ -39,7 +39,9 @@ if TYPE_CHECKING:
         pipeline,
     )
 
-    # from hetcoll.model.hypergraph import network_hypergraph  (added by the hypergraph helper)
+    # Room for the hypergraph helper: from hetcoll.model.hypergraph import network_hypergraph
+    # (and "network_hypergraph": "hetcoll.model.hypergraph" in _WHERE and __all__ below; a
+    # plain import at module level works too, if hypergraph.py does not import torch).
 
 _WHERE = {
     "networks": "hetcoll.model.networks",
