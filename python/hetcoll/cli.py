@@ -92,6 +92,17 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_split]
 
 
+def _add_model_commands(sub: argparse._SubParsersAction) -> None:
+    # Imported on use: the model pulls in torch, which `hetcoll split` does not need.
+    from hetcoll.model.cli import _add_model, _add_plan
+
+    _add_plan(sub)
+    _add_model(sub)
+
+
+_SUBCOMMANDS.append(_add_model_commands)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="hetcoll",

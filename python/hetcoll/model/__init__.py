@@ -1,0 +1,101 @@
+"""hetcoll.model: the performance model and planner.
+
+Per-layer costs of a torch model (:func:`layer_costs`), a hardware description read from TOML
+(:func:`load_cluster`), predicted step time and memory of data-, filter- and pipeline-parallel
+training at given shares (:func:`data_parallel`, :func:`filter_parallel`, :func:`pipeline`), and
+the planner that ranks them (:func:`plan`, :func:`sweep`). Calibration and validation on this
+machine live in :mod:`hetcoll.model.calibrate` and :mod:`hetcoll.model.validate`.
+
+Names are imported on first use, so ``hetcoll`` commands that do not plan never import torch.
+
+>>> from hetcoll.model import layer_costs, load_cluster, plan, networks  # doctest: +SKIP
+>>> costs = layer_costs(networks.build("cnn", (3, 32, 32)), (3, 32, 32))  # doctest: +SKIP
+>>> plan(costs, load_cluster("examples/clusters/a100_v100_cpu.toml"), 512)[0]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hetcoll.model import networks, terms
+    from hetcoll.model.costs import Kernel, LayerCost, ModelCosts, layer_costs, parse_shape
+    from hetcoll.model.hardware import (
+        Cluster,
+        Device,
+        Link,
+        Node,
+        cluster_from_dict,
+        load_cluster,
+    )
+    from hetcoll.model.planner import plan, sweep
+    from hetcoll.model.predict import (
+        Prediction,
+        balanced_batch_shares,
+        data_parallel,
+        even_batch_shares,
+        filter_parallel,
+        pipeline,
+    )
+
+    # Room for the hypergraph helper: from hetcoll.model.hypergraph import network_hypergraph
+    # (and "network_hypergraph": "hetcoll.model.hypergraph" in _WHERE and __all__ below; a
+    # plain import at module level works too, if hypergraph.py does not import torch).
+
+_WHERE = {
+    "networks": "hetcoll.model.networks",
+    "terms": "hetcoll.model.terms",
+    "Kernel": "hetcoll.model.costs",
+    "LayerCost": "hetcoll.model.costs",
+    "ModelCosts": "hetcoll.model.costs",
+    "layer_costs": "hetcoll.model.costs",
+    "parse_shape": "hetcoll.model.costs",
+    "Cluster": "hetcoll.model.hardware",
+    "Device": "hetcoll.model.hardware",
+    "Link": "hetcoll.model.hardware",
+    "Node": "hetcoll.model.hardware",
+    "cluster_from_dict": "hetcoll.model.hardware",
+    "load_cluster": "hetcoll.model.hardware",
+    "plan": "hetcoll.model.planner",
+    "sweep": "hetcoll.model.planner",
+    "Prediction": "hetcoll.model.predict",
+    "balanced_batch_shares": "hetcoll.model.predict",
+    "data_parallel": "hetcoll.model.predict",
+    "even_batch_shares": "hetcoll.model.predict",
+    "filter_parallel": "hetcoll.model.predict",
+    "pipeline": "hetcoll.model.predict",
+}
+
+__all__ = [
+    "Cluster",
+    "Device",
+    "Kernel",
+    "LayerCost",
+    "Link",
+    "ModelCosts",
+    "Node",
+    "Prediction",
+    "balanced_batch_shares",
+    "cluster_from_dict",
+    "data_parallel",
+    "even_batch_shares",
+    "filter_parallel",
+    "layer_costs",
+    "load_cluster",
+    "networks",
+    "parse_shape",
+    "pipeline",
+    "plan",
+    "sweep",
+    "terms",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'hetcoll.model' has no attribute {name!r}")
+    module = importlib.import_module(_WHERE[name])
+    value = module if _WHERE[name].endswith("." + name) else getattr(module, name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,402 @@
+"""Measure this machine for the performance model: GEMM FLOP/s, memory bandwidth and per-kernel
+overhead of one rank (one thread), and the latency and bandwidth of the link between two local
+ranks through gloo (:func:`hetcoll.launch.spawn`) and MPI (:func:`hetcoll.launch.mpiexec`).
+
+The result is a cluster file (one node of as many one-thread ranks as there are cores) that
+``hetcoll plan`` and ``hetcoll model validate`` read like any hand-written one.
+
+Run as ``python -m hetcoll.model.calibrate`` under ``mpiexec -n 2`` it does the MPI ping-pong
+and prints the fit as JSON (that is how :func:`measure_mpi_link` runs it).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetcoll.model.hardware import Cluster, Device, Link, Node, dumps_cluster
+
+PING_PONG_BYTES = (8, 1024, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024, 32 * 1024 * 1024)
+
+
+# How repeated timings are summarised: "best" (the machine's capability, what `calibrate` writes)
+# or "median" (the machine as loaded right now, what the validation predicts with, since its
+# ranks share the cores with each other and with whatever else runs).
+_STATISTIC: dict[str, Callable[[list[float]], float]] = {"best": min, "median": statistics.median}
+_statistic = "best"
+
+
+def set_statistic(name: str) -> None:
+    """Summarise repeated timings by ``"best"`` (default) or ``"median"``."""
+    global _statistic
+    if name not in _STATISTIC:
+        raise ValueError(f"name: expected 'best' or 'median', got {name!r}")
+    _statistic = name
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """``repeats`` timed calls summarised by the current statistic (see :func:`set_statistic`)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(_STATISTIC[_statistic](times))
+
+
+def measure_gemm_flops_per_s(size: int = 384, repeats: int = 7) -> float:
+    """float32 FLOP/s of a ``size`` x ``size`` torch matmul on this thread: 2 n^3 / best time.
+
+    >>> measure_gemm_flops_per_s() > 1e8  # doctest: +SKIP
+    True
+    """
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    out = torch.empty(size, size)
+    t = _best_seconds(lambda: torch.mm(a, b, out=out), repeats, warmup=2)
+    return 2.0 * size**3 / t
+
+
+def measure_mem_bytes_per_s(nbytes: int = 64 * 1024 * 1024, repeats: int = 5) -> float:
+    """Memory bandwidth in bytes/s: a float32 tensor copy reads and writes ``nbytes`` each."""
+    import torch
+
+    n = nbytes // 4
+    src, dst = torch.ones(n), torch.empty(n)
+    t = _best_seconds(lambda: dst.copy_(src), repeats, warmup=1)
+    return 2.0 * nbytes / t
+
+
+def measure_kernel_overhead_s(depth: int = 24, repeats: int = 20) -> float:
+    """Seconds per kernel of a training step with next to no arithmetic: forward + backward of a
+    chain of ``depth`` tiny linear + ReLU layers on one sample, divided by the number of kernels
+    the cost model counts for it (dispatch, autograd and allocation, per kernel)."""
+    import torch
+    from torch import nn
+
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(4, 4), nn.ReLU()]
+    model = nn.Sequential(*layers)
+    x = torch.randn(1, 4)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+
+    t = _best_seconds(step, repeats, warmup=3)
+    return t / _kernel_count(depth)
+
+
+@functools.lru_cache(maxsize=4)
+def _kernel_count(depth: int) -> int:
+    from torch import nn
+
+    from hetcoll.model.costs import layer_costs
+
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(4, 4), nn.ReLU()]
+    costs = layer_costs(nn.Sequential(*layers), (4,))
+    return sum(len(x.forward) + len(x.backward) for x in costs.layers)
+
+
+def measure_elementwise_bytes_per_s(batch: int = 16, repeats: int = 5) -> float:
+    """Bytes/s the non-GEMM layers of a CNN reach on this thread: forward + backward of batch
+    norm, ReLU and max pooling on a [batch, 32, 32, 32] tensor, the bytes counted by the cost
+    model itself (so the rate and the accounting agree)."""
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2))
+    x = torch.randn(batch, 32, 32, 32, requires_grad=True)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+
+    t = _best_seconds(step, repeats, warmup=1)
+    return _elementwise_bytes(batch) / t
+
+
+@functools.lru_cache(maxsize=4)
+def _elementwise_bytes(batch: int) -> float:
+    from torch import nn
+
+    from hetcoll.model.costs import layer_costs
+
+    model = nn.Sequential(nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2))
+    costs = layer_costs(model, (32, 32, 32))
+    return float(
+        sum(
+            k.moved_bytes(batch)
+            for layer in costs.layers
+            for k in (*layer.forward, *layer.backward)
+        )
+    )
+
+
+def measure_device(name: str, memory_bytes: float, *, quick: bool = False) -> Device:
+    """Every per-rank figure of this machine as a :class:`Device` (one thread)."""
+    r = 3 if quick else 7
+    return Device(
+        name,
+        flops_per_s=measure_gemm_flops_per_s(repeats=r),
+        mem_bytes_per_s=measure_mem_bytes_per_s(
+            nbytes=(16 if quick else 64) * 1024 * 1024, repeats=r
+        ),
+        memory_bytes=memory_bytes,
+        kernel_overhead_s=measure_kernel_overhead_s(repeats=10 if quick else 20),
+        elementwise_bytes_per_s=measure_elementwise_bytes_per_s(repeats=r),
+    )
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """alpha-beta fit of one-way message times: ``latency_s + bytes / bytes_per_s``."""
+
+    latency_s: float
+    bytes_per_s: float
+    sizes_bytes: tuple[int, ...]
+    one_way_s: tuple[float, ...]
+
+
+def fit_alpha_beta(sizes_bytes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """(latency_s, bytes_per_s) of ``t = latency + n / bandwidth``: latency is the fastest
+    message of at most 1 KiB (start-up only), bandwidth the least-squares slope of the messages
+    of at least 1 MiB with that latency fixed (the sizes gradient buckets have).
+
+    >>> fit_alpha_beta([8, 2**20, 2**21], [1e-6, 1e-6 + 2**20 / 1e9, 1e-6 + 2**21 / 1e9])
+    (1e-06, 1000000000.0)
+    """
+    n = np.asarray(sizes_bytes, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    small, large = n <= 1024, n >= 1024 * 1024
+    if not small.any() or not large.any():
+        raise ValueError("sizes_bytes: need messages of at most 1 KiB and of at least 1 MiB")
+    alpha = float(t[small].min())
+    x, y = n[large], np.maximum(t[large] - alpha, 1e-12)
+    beta = float((x * y).sum() / (x * x).sum())
+    return alpha, round(1.0 / beta, 6)
+
+
+def _gloo_ping_pong(rank: int, world: int, sizes: Sequence[int], repeats: int) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    warm = torch.zeros(1)
+    for _ in range(5):  # the first messages of a gloo pair pay for connection set-up
+        if rank == 0:
+            dist.send(warm, 1)
+            dist.recv(warm, 1)
+        elif rank == 1:
+            dist.recv(warm, 0)
+            dist.send(warm, 0)
+    for size in sizes:
+        buf = torch.zeros(max(1, size // 4))
+        times = []
+        for i in range(repeats + 2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            if i >= 2:
+                times.append((time.perf_counter() - t0) / 2)
+        out.append(min(times))
+    return out
+
+
+def measure_gloo_link(sizes: Sequence[int] = PING_PONG_BYTES, repeats: int = 9) -> LinkFit:
+    """Ping-pong between two local gloo ranks; one-way time fitted to alpha-beta."""
+    from hetcoll.launch import spawn
+
+    times = spawn(_gloo_ping_pong, 2, list(sizes), repeats, timeout=120.0)[0]
+    alpha, bw = fit_alpha_beta(sizes, times)
+    return LinkFit(alpha, bw, tuple(sizes), tuple(times))
+
+
+def gloo_allreduce_seconds(
+    rank: int, world: int, sizes: Sequence[int], repeats: int
+) -> list[float]:
+    """Median seconds of a gloo ``all_reduce`` of each size over the current process group
+    (every rank calls it; the slowest rank's view is what the caller should keep)."""
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for size in sizes:
+        buf = torch.zeros(max(1, size // 4))
+        times = []
+        for i in range(repeats + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            if i >= 1:
+                times.append(time.perf_counter() - t0)
+        out.append(statistics.median(times))
+    return out
+
+
+def fit_ring_allreduce(
+    num_ranks: int, sizes_bytes: Sequence[int], seconds: Sequence[float]
+) -> tuple[float, float]:
+    """Effective (latency_s, bytes_per_s) of a link from measured allreduce times, inverting the
+    ring model ``2(p-1) alpha + 2(p-1)/p n / B`` (reduction folded into B): alpha from the
+    smallest message, B from the largest.
+
+    >>> fit_ring_allreduce(2, [0, 2**20], [2e-6, 2e-6 + 2**20 / 1e9])
+    (1e-06, 1000000000.0)
+    """
+    p = num_ranks
+    if p < 2:
+        raise ValueError(f"num_ranks: a ring needs at least 2 ranks, got {p}")
+    i_small, i_large = int(np.argmin(sizes_bytes)), int(np.argmax(sizes_bytes))
+    alpha = seconds[i_small] / (2 * (p - 1))
+    rest = max(seconds[i_large] - seconds[i_small], 1e-12)
+    bw = 2 * (p - 1) / p * (sizes_bytes[i_large] - sizes_bytes[i_small]) / rest
+    return float(alpha), round(float(bw), 6)
+
+
+def _mpi_ping_pong(sizes: Sequence[int], repeats: int) -> list[float] | None:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    out = []
+    for size in sizes:
+        buf = np.zeros(max(1, size // 4), dtype=np.float32)
+        times = []
+        for i in range(repeats + 2):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                comm.Send(buf, 1)
+                comm.Recv(buf, 1)
+            elif rank == 1:
+                comm.Recv(buf, 0)
+                comm.Send(buf, 0)
+            if i >= 2:
+                times.append((time.perf_counter() - t0) / 2)
+        out.append(min(times))
+    return out if rank == 0 else None
+
+
+def measure_mpi_link(sizes: Sequence[int] = PING_PONG_BYTES, repeats: int = 9) -> LinkFit:
+    """Ping-pong between two local MPI ranks (``mpiexec -n 2``); one-way time fitted to
+    alpha-beta."""
+    from pathlib import Path
+
+    from hetcoll.launch import mpiexec, mpiexec_path
+
+    # The MPI library of the `mpich` wheel sits in <venv>/lib next to mpiexec; a Python whose
+    # own prefix lacks it (a venv layered on another) finds it only through the loader path.
+    lib = str(Path(mpiexec_path()).resolve().parent.parent / "lib")
+    env = {
+        "LD_LIBRARY_PATH": os.pathsep.join(x for x in (lib, os.environ.get("LD_LIBRARY_PATH")) if x)
+    }
+    proc = mpiexec(
+        2,
+        ["-m", "hetcoll.model.calibrate", json.dumps({"sizes": list(sizes), "repeats": repeats})],
+        timeout=120.0,
+        env=env,
+    )
+    line = [x for x in proc.stdout.splitlines() if x.startswith("{")][-1]
+    times = json.loads(line)["one_way_s"]
+    alpha, bw = fit_alpha_beta(sizes, times)
+    return LinkFit(alpha, bw, tuple(sizes), tuple(times))
+
+
+def _memory_per_rank_bytes(ranks: int) -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024 / ranks
+    except OSError:
+        pass
+    return 4e9
+
+
+def calibrate(
+    *,
+    ranks: int | None = None,
+    links: Sequence[str] = ("gloo", "mpi"),
+    transport: str = "gloo",
+    progress: Callable[[str], None] | None = None,
+) -> Calibration:
+    """Measure this machine: a one-node cluster of ``ranks`` one-thread ranks (default: one per
+    core) joined by the ``transport`` link, every measured link, and comments describing each
+    measurement.
+    """
+    say = progress or (lambda s: None)
+    ranks = ranks or os.cpu_count() or 1
+    if transport not in links:
+        raise ValueError(
+            f"transport: must be one of the measured links {list(links)}, got {transport!r}"
+        )
+    say("device (GEMM, copy, kernel overhead, element-wise layers) ...")
+    device = measure_device("this-machine-1-thread", _memory_per_rank_bytes(ranks))
+    say(
+        f"  {device.flops_per_s / 1e9:.2f} GFLOP/s, {device.mem_bytes_per_s / 1e9:.2f} GB/s, "
+        f"{device.kernel_overhead_s * 1e6:.1f} us/kernel, element-wise "
+        f"{device.elementwise_rate / 1e9:.2f} GB/s"
+    )
+    comments = {
+        device.name: "measured by `hetcoll model calibrate`, one thread: torch.mm 384^3 float32; "
+        "copy of 64 MiB; per-kernel overhead of a tiny training step; batch norm + ReLU + max "
+        "pool forward/backward",
+    }
+    measured: dict[str, Link] = {}
+    for name in links:
+        say(f"{name} ping-pong ...")
+        fit = measure_gloo_link() if name == "gloo" else measure_mpi_link()
+        link = Link(f"{name}-local", fit.latency_s, fit.bytes_per_s)
+        measured[name] = link
+        comments[link.name] = (
+            f"measured: {name} ping-pong between 2 local ranks, one-way seconds "
+            + ", ".join(f"{s}B:{t:.3g}" for s, t in zip(fit.sizes_bytes, fit.one_way_s))
+        )
+        say(f"  latency {link.latency_s * 1e6:.1f} us, {link.bytes_per_s / 1e9:.2f} GB/s")
+    if transport not in measured:
+        raise ValueError(f"transport: {transport!r} was not measured")
+    node = Node("this-machine", device, ranks, measured[transport] if ranks > 1 else None)
+    cluster = Cluster([node], None, "<calibrated>")
+    return Calibration(cluster, list(measured.values()), comments)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What :func:`calibrate` measured: the cluster, every link, and a comment per entry."""
+
+    cluster: Cluster
+    links: list[Link]
+    comments: dict[str, str]
+
+    def to_toml(self) -> str:
+        """The cluster file text, with the links the cluster does not use appended."""
+        text = "# Written by `hetcoll model calibrate` on this machine.\n"
+        text += dumps_cluster(self.cluster, self.comments, self.links)
+        return text
+
+
+if __name__ == "__main__":  # the MPI side of measure_mpi_link, under mpiexec -n 2
+    cfg = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    result = _mpi_ping_pong(cfg.get("sizes", PING_PONG_BYTES), cfg.get("repeats", 9))
+    if result is not None:
+        print(json.dumps({"one_way_s": result}), flush=True)

@@ -1,0 +1,422 @@
+"""Hardware description for the performance model: devices, links, and clusters that mix them.
+
+A cluster file is a small TOML document (see ``examples/clusters/``)::
+
+    [devices.a100]                 # one rank's compute device
+    flops_per_s = 19.5e12          # sustained arithmetic rate, float32 FLOP/s
+    mem_bytes_per_s = 1.555e12     # memory bandwidth, bytes/s
+    memory_bytes = 40e9            # memory capacity, bytes
+    kernel_overhead_s = 5e-6       # optional: fixed cost of launching one kernel, seconds
+    elementwise_bytes_per_s = 1e12 # optional: bandwidth element-wise kernels (norm, pooling,
+                                   # activations) reach; default mem_bytes_per_s
+
+    [links.nvlink3]
+    latency_s = 2e-6               # one-message start-up, seconds (alpha)
+    bytes_per_s = 300e9            # one direction, bytes/s (B)
+
+    [[nodes]]                      # a group of identical devices joined by one link
+    name = "dgx-a100"
+    device = "a100"
+    count = 8                      # devices per node
+    link = "nvlink3"               # link between devices of this node (needed when count > 1)
+    repeat = 1                     # optional: this many identical nodes
+
+    [network]
+    link = "hdr200"                # link between nodes (needed when there are several nodes)
+
+Devices are listed in file order (node by node), which is also the order of pipeline stages and
+of the ring. Every error raised while reading a file names the file and the field.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 only
+    import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class Device:
+    """One rank's compute device.
+
+    ``flops_per_s``: sustained float32 FLOP/s; ``mem_bytes_per_s``: memory bandwidth in bytes/s;
+    ``memory_bytes``: capacity in bytes; ``kernel_overhead_s``: fixed seconds per kernel launch;
+    ``elementwise_bytes_per_s``: bandwidth non-GEMM kernels reach (0: same as
+    ``mem_bytes_per_s``; lower on CPUs whose norm and pooling kernels are not bandwidth-bound).
+
+    >>> Device("v100", flops_per_s=15.7e12, mem_bytes_per_s=900e9, memory_bytes=32e9).name
+    'v100'
+    """
+
+    name: str
+    flops_per_s: float
+    mem_bytes_per_s: float
+    memory_bytes: float
+    kernel_overhead_s: float = 0.0
+    elementwise_bytes_per_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for attr in ("flops_per_s", "mem_bytes_per_s", "memory_bytes"):
+            _check_positive(getattr(self, attr), f"Device {self.name!r}: {attr}")
+        _check_nonnegative(self.kernel_overhead_s, f"Device {self.name!r}: kernel_overhead_s")
+        _check_nonnegative(
+            self.elementwise_bytes_per_s, f"Device {self.name!r}: elementwise_bytes_per_s"
+        )
+
+    @property
+    def elementwise_rate(self) -> float:
+        """Bytes/s of element-wise kernels (``elementwise_bytes_per_s`` or the memory bandwidth)."""
+        return self.elementwise_bytes_per_s or self.mem_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network or bus link: ``latency_s`` seconds per message (alpha) and ``bytes_per_s`` in one
+    direction (B, so 1/B is beta).
+
+    >>> Link("hdr200", latency_s=0.6e-6, bytes_per_s=25e9).bytes_per_s
+    25000000000.0
+    """
+
+    name: str
+    latency_s: float
+    bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        _check_nonnegative(self.latency_s, f"Link {self.name!r}: latency_s")
+        # inf is allowed here (a device talking to itself), never in a file.
+        if not (isinstance(self.bytes_per_s, (int, float)) and self.bytes_per_s > 0):
+            raise ValueError(f"Link {self.name!r}: bytes_per_s: must be a number > 0")
+
+
+@dataclass(frozen=True)
+class Node:
+    """``count`` identical devices joined by ``link`` (``None`` when the node has one device)."""
+
+    name: str
+    device: Device
+    count: int
+    link: Link | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.count, int) or isinstance(self.count, bool) or self.count < 1:
+            raise ValueError(
+                f"Node {self.name!r}: count must be an integer >= 1, got {self.count!r}"
+            )
+        if self.count > 1 and self.link is None:
+            raise ValueError(f"Node {self.name!r}: link is required when count > 1")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Nodes in order, joined by ``network`` (``None`` for a single node).
+
+    >>> d = Device("cpu", 1e11, 2e10, 8e9)
+    >>> Cluster([Node("n", d, 2, Link("shm", 1e-6, 5e9))]).num_devices
+    2
+    """
+
+    nodes: list[Node]
+    network: Link | None = None
+    source: str = field(default="<memory>", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise ValueError(f"{self.source}: nodes: a cluster needs at least one node")
+        if len(self.nodes) > 1 and self.network is None:
+            raise ValueError(f"{self.source}: network.link is required with several nodes")
+
+    @property
+    def devices(self) -> list[Device]:
+        """Every device in order (node by node)."""
+        return [n.device for n in self.nodes for _ in range(n.count)]
+
+    @property
+    def node_of_device(self) -> list[int]:
+        """Index of the node holding each device."""
+        return [i for i, n in enumerate(self.nodes) for _ in range(n.count)]
+
+    @property
+    def num_devices(self) -> int:
+        return sum(n.count for n in self.nodes)
+
+    def link_between(self, a: int, b: int) -> Link:
+        """The link a message from device ``a`` to device ``b`` crosses (its slowest hop)."""
+        nodes = self.node_of_device
+        if nodes[a] == nodes[b]:
+            link = self.nodes[nodes[a]].link
+            if link is None:  # a == b on a one-device node: no transfer at all
+                return Link("local", 0.0, math.inf)
+            return link
+        assert self.network is not None
+        return _slowest([self.network, self.nodes[nodes[a]].link, self.nodes[nodes[b]].link])
+
+    def ring_link(self) -> Link:
+        """The bottleneck of a ring through every device in order: the largest latency and the
+        smallest bandwidth of any link the ring crosses (a ring moves in lock step)."""
+        links = [n.link for n in self.nodes if n.count > 1 and n.link is not None]
+        if len(self.nodes) > 1 and self.network is not None:
+            links.append(self.network)
+        if not links:
+            return Link("local", 0.0, math.inf)
+        return _slowest(links)
+
+    def scaled(
+        self,
+        *,
+        flops: float = 1.0,
+        mem_bw: float = 1.0,
+        link_bw: float = 1.0,
+    ) -> Cluster:
+        """The same cluster with every device's FLOP/s, memory bandwidth and every link's
+        bandwidth multiplied by the given factors (for the scaling sweeps)."""
+
+        def dev(d: Device) -> Device:
+            return replace(
+                d,
+                flops_per_s=d.flops_per_s * flops,
+                mem_bytes_per_s=d.mem_bytes_per_s * mem_bw,
+                elementwise_bytes_per_s=d.elementwise_bytes_per_s * mem_bw,
+            )
+
+        def lnk(link: Link | None) -> Link | None:
+            return None if link is None else replace(link, bytes_per_s=link.bytes_per_s * link_bw)
+
+        return Cluster(
+            [replace(n, device=dev(n.device), link=lnk(n.link)) for n in self.nodes],
+            lnk(self.network),
+            self.source,
+        )
+
+    def first_devices(self, num_devices: int) -> Cluster:
+        """The first ``num_devices`` devices of this cluster, node by node (the ``nodes`` sweep)."""
+        if num_devices < 1 or num_devices > self.num_devices:
+            raise ValueError(f"num_devices: must be in 1..{self.num_devices}, got {num_devices!r}")
+        nodes, left = [], num_devices
+        for n in self.nodes:
+            if left == 0:
+                break
+            take = min(left, n.count)
+            nodes.append(replace(n, count=take))
+            left -= take
+        return Cluster(nodes, self.network if len(nodes) > 1 else None, self.source)
+
+
+def _slowest(links: Sequence[Link | None]) -> Link:
+    real = [x for x in links if x is not None]
+    return Link(
+        "+".join(x.name for x in real),
+        max(x.latency_s for x in real),
+        min(x.bytes_per_s for x in real),
+    )
+
+
+def _check_positive(value: object, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{what}: must be a number > 0, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{what}: must be finite, got {value!r}")
+
+
+def _check_nonnegative(value: object, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{what}: must be a number >= 0, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{what}: must be finite, got {value!r}")
+
+
+_DEVICE_FIELDS = {
+    "flops_per_s",
+    "mem_bytes_per_s",
+    "memory_bytes",
+    "kernel_overhead_s",
+    "elementwise_bytes_per_s",
+}
+_LINK_FIELDS = {"latency_s", "bytes_per_s"}
+_NODE_FIELDS = {"name", "device", "count", "link", "repeat"}
+
+
+def _number(table: Mapping[str, Any], key: str, where: str, *, required: bool = True) -> Any:
+    if key not in table:
+        if required:
+            raise ValueError(f"{where}.{key}: missing")
+        return None
+    value = table[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}.{key}: must be a number, got {value!r}")
+    return value
+
+
+def _unknown(table: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    extra = sorted(set(table) - allowed)
+    if extra:
+        raise ValueError(f"{where}: unknown field {extra[0]!r} (allowed: {sorted(allowed)})")
+
+
+def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster:
+    """Build a :class:`Cluster` from a parsed TOML document; errors name ``source`` and the field.
+
+    >>> cluster_from_dict({"devices": {"c": {"flops_per_s": 1e11, "mem_bytes_per_s": 2e10,
+    ...     "memory_bytes": 8e9}}, "nodes": [{"name": "n", "device": "c", "count": 1}]}).num_devices
+    1
+    """
+    _unknown(doc, {"devices", "links", "nodes", "network"}, source)
+    devices: dict[str, Device] = {}
+    links: dict[str, Link] = {}
+    raw_devices = doc.get("devices", {})
+    if not isinstance(raw_devices, Mapping) or not raw_devices:
+        raise ValueError(f"{source}: devices: need at least one [devices.NAME] table")
+    for name, t in raw_devices.items():
+        where = f"{source}: devices.{name}"
+        if not isinstance(t, Mapping):
+            raise ValueError(f"{where}: must be a table")
+        _unknown(t, _DEVICE_FIELDS, where)
+        values = {
+            k: _number(t, k, where) for k in ("flops_per_s", "mem_bytes_per_s", "memory_bytes")
+        }
+        for k, v in values.items():
+            _check_positive(v, f"{where}.{k}")
+        optional = {
+            k: _number(t, k, where, required=False) or 0.0
+            for k in ("kernel_overhead_s", "elementwise_bytes_per_s")
+        }
+        for k, v in optional.items():
+            _check_nonnegative(v, f"{where}.{k}")
+        devices[name] = Device(name, **values, **optional)
+    raw_links = doc.get("links", {})
+    if not isinstance(raw_links, Mapping):
+        raise ValueError(f"{source}: links: must be a table of [links.NAME] tables")
+    for name, t in raw_links.items():
+        where = f"{source}: links.{name}"
+        if not isinstance(t, Mapping):
+            raise ValueError(f"{where}: must be a table")
+        _unknown(t, _LINK_FIELDS, where)
+        latency, bandwidth = _number(t, "latency_s", where), _number(t, "bytes_per_s", where)
+        _check_nonnegative(latency, f"{where}.latency_s")
+        _check_positive(bandwidth, f"{where}.bytes_per_s")
+        links[name] = Link(name, latency, bandwidth)
+
+    def link_named(value: Any, where: str) -> Link:
+        if not isinstance(value, str) or value not in links:
+            raise ValueError(f"{where}: unknown link {value!r} (defined: {sorted(links)})")
+        return links[value]
+
+    raw_nodes = doc.get("nodes")
+    if not isinstance(raw_nodes, list) or not raw_nodes:
+        raise ValueError(f"{source}: nodes: need at least one [[nodes]] table")
+    nodes: list[Node] = []
+    for i, t in enumerate(raw_nodes):
+        where = f"{source}: nodes[{i}]"
+        if not isinstance(t, Mapping):
+            raise ValueError(f"{where}: must be a table")
+        _unknown(t, _NODE_FIELDS, where)
+        dev = t.get("device")
+        if not isinstance(dev, str) or dev not in devices:
+            raise ValueError(f"{where}.device: unknown device {dev!r} (defined: {sorted(devices)})")
+        count, repeat = t.get("count", 1), t.get("repeat", 1)
+        for key, value in (("count", count), ("repeat", repeat)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{where}.{key}: must be an integer >= 1, got {value!r}")
+        link = link_named(t["link"], f"{where}.link") if "link" in t else None
+        if count > 1 and link is None:
+            raise ValueError(f"{where}.link: missing (required when count > 1)")
+        name = t.get("name", f"node{i}")
+        if not isinstance(name, str):
+            raise ValueError(f"{where}.name: must be a string, got {name!r}")
+        nodes.extend(
+            Node(name if repeat == 1 else f"{name}[{j}]", devices[dev], count, link)
+            for j in range(repeat)
+        )
+    network = None
+    if "network" in doc:
+        t = doc["network"]
+        if not isinstance(t, Mapping):
+            raise ValueError(f"{source}: network: must be a table")
+        _unknown(t, {"link"}, f"{source}: network")
+        if "link" not in t:
+            raise ValueError(f"{source}: network.link: missing")
+        network = link_named(t["link"], f"{source}: network.link")
+    if len(nodes) > 1 and network is None:
+        raise ValueError(f"{source}: network.link: missing (required with several nodes)")
+    return Cluster(nodes, network, source)
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read a cluster TOML file (format in this module's docstring).
+
+    >>> load_cluster("examples/clusters/a100_v100_cpu.toml").num_devices  # doctest: +SKIP
+    18
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ValueError(f"{p}: cannot read cluster file: {e.strerror}") from None
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{p}: not valid TOML: {e}") from None
+    return cluster_from_dict(doc, str(p))
+
+
+def dumps_cluster(
+    cluster: Cluster,
+    comments: Mapping[str, str] | None = None,
+    extra_links: Sequence[Link] = (),
+) -> str:
+    """The TOML text of ``cluster`` (repeats unrolled), plus ``extra_links`` the nodes do not use;
+    ``comments`` maps a device or link name to a comment line written above its table."""
+    comments = comments or {}
+    out: list[str] = []
+    seen_dev: dict[str, Device] = {}
+    seen_link: dict[str, Link] = {}
+    for n in cluster.nodes:
+        seen_dev.setdefault(n.device.name, n.device)
+        if n.link is not None:
+            seen_link.setdefault(n.link.name, n.link)
+    if cluster.network is not None:
+        seen_link.setdefault(cluster.network.name, cluster.network)
+    for link in extra_links:
+        seen_link.setdefault(link.name, link)
+    for d in seen_dev.values():
+        if d.name in comments:
+            out.append(f"# {comments[d.name]}")
+        out += [
+            f'[devices."{d.name}"]',
+            f"flops_per_s = {d.flops_per_s:.6g}",
+            f"mem_bytes_per_s = {d.mem_bytes_per_s:.6g}",
+            f"memory_bytes = {d.memory_bytes:.6g}",
+            f"kernel_overhead_s = {d.kernel_overhead_s:.6g}",
+            f"elementwise_bytes_per_s = {d.elementwise_rate:.6g}",
+            "",
+        ]
+    for lk in seen_link.values():
+        if lk.name in comments:
+            out.append(f"# {comments[lk.name]}")
+        out += [
+            f'[links."{lk.name}"]',
+            f"latency_s = {lk.latency_s:.6g}",
+            f"bytes_per_s = {lk.bytes_per_s:.6g}",
+            "",
+        ]
+    for n in cluster.nodes:
+        out += [
+            "[[nodes]]",
+            f'name = "{n.name}"',
+            f'device = "{n.device.name}"',
+            f"count = {n.count}",
+        ]
+        if n.link is not None:
+            out.append(f'link = "{n.link.name}"')
+        out.append("")
+    if cluster.network is not None:
+        out += ["[network]", f'link = "{cluster.network.name}"', ""]
+    return "\n".join(out)

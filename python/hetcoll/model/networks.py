@@ -1,0 +1,161 @@
+"""Built-in networks for the planner and the validation runs (no torchvision needed).
+
+``cnn``: a small CIFAR-style CNN in the style of seed 003 / PyDTNN's examples (3x3 convs, batch
+norm, ReLU, max pooling, two dense layers). ``vgg``: a VGG-11-like stack for 32x32 inputs.
+``resnet``: a ResNet-18-like network of basic blocks for 32x32 inputs. ``mlp``: three dense
+layers. Each takes the sample shape (channels first) and the number of classes.
+
+Users name their own model as ``module:attr``, where ``attr`` is an ``nn.Module`` or a callable
+that returns one (called with no arguments).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Sequence
+
+from torch import Tensor, nn
+
+
+def cnn(input_shape: Sequence[int] = (3, 32, 32), classes: int = 10) -> nn.Module:
+    """Seed-003-style CNN: conv(32)x2, pool, conv(64)x2, pool, dense(512), dense(classes)."""
+    c, h, w = _image(input_shape)
+    return nn.Sequential(
+        nn.Conv2d(c, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.Conv2d(64, 64, 3, padding=1),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * (h // 4) * (w // 4), 512),
+        nn.ReLU(),
+        nn.Linear(512, classes),
+    )
+
+
+_VGG11 = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
+
+
+def vgg(input_shape: Sequence[int] = (3, 32, 32), classes: int = 10) -> nn.Module:
+    """VGG-11-like: 8 conv layers (64..512 filters, 3x3) with batch norm, 5 max pools, 3 dense."""
+    c, h, w = _image(input_shape)
+    layers: list[nn.Module] = []
+    for v in _VGG11:
+        if v == "M":
+            layers.append(nn.MaxPool2d(2))
+            h, w = h // 2, w // 2
+        else:
+            layers += [nn.Conv2d(c, int(v), 3, padding=1), nn.BatchNorm2d(int(v)), nn.ReLU()]
+            c = int(v)
+    if h < 1 or w < 1:
+        raise ValueError(f"input_shape: vgg needs images of at least 32x32, got {input_shape!r}")
+    layers += [
+        nn.Flatten(),
+        nn.Linear(c * h * w, 512),
+        nn.ReLU(),
+        nn.Linear(512, 512),
+        nn.ReLU(),
+        nn.Linear(512, classes),
+    ]
+    return nn.Sequential(*layers)
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.relu1 = nn.ReLU()
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out)
+            )
+        self.relu2 = nn.ReLU()
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.bn2(self.conv2(self.relu1(self.bn1(self.conv1(x)))))
+        return self.relu2(y + self.shortcut(x))
+
+
+def resnet(input_shape: Sequence[int] = (3, 32, 32), classes: int = 10) -> nn.Module:
+    """ResNet-18-like for small images: a 3x3 stem, 4 stages of 2 basic blocks (64..512)."""
+    c, _, _ = _image(input_shape)
+    blocks: list[nn.Module] = [
+        nn.Conv2d(c, 64, 3, padding=1, bias=False),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+    ]
+    c_in = 64
+    for c_out, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        blocks += [_BasicBlock(c_in, c_out, stride), _BasicBlock(c_out, c_out, 1)]
+        c_in = c_out
+    blocks += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes)]
+    return nn.Sequential(*blocks)
+
+
+def mlp(input_shape: Sequence[int] = (784,), classes: int = 10) -> nn.Module:
+    """Three dense layers (1024, 1024, classes) on the flattened sample."""
+    n = math.prod(input_shape)
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(n, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, classes),
+    )
+
+
+BUILTIN: dict[str, Callable[..., nn.Module]] = {
+    "cnn": cnn,
+    "vgg": vgg,
+    "resnet": resnet,
+    "mlp": mlp,
+}
+
+
+def _image(shape: Sequence[int]) -> tuple[int, int, int]:
+    if len(shape) != 3:
+        raise ValueError(f"input_shape: expected channels x height x width, got {tuple(shape)!r}")
+    c, h, w = (int(s) for s in shape)
+    return c, h, w
+
+
+def build(name: str, input_shape: Sequence[int], classes: int = 10) -> nn.Module:
+    """A built-in network by name (``cnn``, ``vgg``, ``resnet``, ``mlp``) or a user model as
+    ``module:attr`` (an ``nn.Module``, or a callable returning one).
+
+    >>> type(build("cnn", (3, 32, 32))).__name__
+    'Sequential'
+    """
+    if name in BUILTIN:
+        return BUILTIN[name](input_shape, classes)
+    if ":" not in name:
+        raise ValueError(
+            f"model: unknown built-in {name!r} (built-ins: {sorted(BUILTIN)}; or module:attr)"
+        )
+    mod_name, attr = name.split(":", 1)
+    try:
+        obj = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"model: cannot load {name!r}: {e}") from None
+    if isinstance(obj, nn.Module):
+        return obj
+    if callable(obj):
+        made = obj()
+        if isinstance(made, nn.Module):
+            return made
+    raise ValueError(f"model: {name!r} is neither an nn.Module nor a callable returning one")

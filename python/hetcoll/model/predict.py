@@ -1,0 +1,646 @@
+"""Predicted time and memory of one training step for a model on a cluster at given shares.
+
+Three strategies, each evaluated with the terms of :mod:`hetcoll.model.terms`:
+
+- data parallel (:func:`data_parallel`): device d trains ``shares[d]`` samples of the batch, then
+  the gradients are summed by a ring allreduce in DDP-style buckets that overlap the backward pass;
+- filter parallel (:func:`filter_parallel`): every conv / linear layer's output channels are split
+  over the devices; the outputs are gathered after each such layer (allgatherv) and the input
+  gradients summed (allreduce) in the backward pass;
+- pipeline (:func:`pipeline`): contiguous stages of layers on the devices in order, GPipe
+  micro-batches, with the bubble.
+
+Every prediction carries the breakdown of the step on its critical path (compute, memory stalls,
+kernel overheads, exposed communication, optimizer, bubble - they add up to the step time), the
+bytes each device holds, and whether that fits (infeasible plans are kept and marked, so the
+planner can say why a strategy lost). Everything is vectorised over devices: a 1,024-device
+cluster costs a few numpy calls per strategy.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import hetcoll
+from hetcoll.model import terms
+from hetcoll.model.costs import ModelCosts
+from hetcoll.model.hardware import Cluster, Device
+
+# torch DDP's defaults: the first bucket is capped at 1 MiB (so communication starts early), the
+# others at bucket_cap_mb = 25 MiB.
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+@dataclass
+class Prediction:
+    """Predicted step of one strategy at given shares.
+
+    ``shares``: integers per device in ``share_unit`` (samples, filters of the widest split
+    layer, or layers). ``breakdown``: seconds on the critical path by cause, summing to
+    ``step_s``. ``memory_bytes``: what each device holds; ``feasible`` is False when any device
+    holds more than its memory, or the plan cannot run at all (``reason`` says which).
+    """
+
+    strategy: str
+    shares: list[int]
+    share_unit: str
+    step_s: float
+    breakdown: dict[str, float]
+    memory_bytes: list[float]
+    feasible: bool
+    reason: str = ""
+    batch: int = 0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.batch / self.step_s if self.step_s > 0 and math.isfinite(self.step_s) else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "shares": self.shares,
+            "share_unit": self.share_unit,
+            "step_s": self.step_s,
+            "samples_per_s": self.samples_per_s,
+            "breakdown_s": self.breakdown,
+            "memory_bytes": self.memory_bytes,
+            "feasible": self.feasible,
+            "reason": self.reason,
+            "batch": self.batch,
+            **({"detail": self.detail} if self.detail else {}),
+        }
+
+
+@dataclass(frozen=True)
+class _KernelTable:
+    """Every kernel of a model as flat arrays (one row per kernel), for vectorised timing."""
+
+    layer: np.ndarray  # layer index of each kernel
+    forward: np.ndarray  # True for forward kernels
+    flops_ps: np.ndarray
+    bytes_ps: np.ndarray
+    bytes_fixed: np.ndarray
+    fbytes_ps: np.ndarray
+    fbytes_fixed: np.ndarray
+    scales: np.ndarray
+    gemm: np.ndarray  # True for GEMM-class kernels (memory at mem_bytes_per_s), else element-wise
+    num_layers: int
+    onehot: np.ndarray  # (layers, kernels): 1 where the kernel belongs to the layer
+
+
+@functools.lru_cache(maxsize=16)
+def _kernel_table(costs: ModelCosts) -> _KernelTable:
+    rows: list[tuple[int, bool, float, float, float, float, float, bool, bool]] = []
+    for i, layer in enumerate(costs.layers):
+        for fwd, kernels in ((True, layer.forward), (False, layer.backward)):
+            for k in kernels:
+                rows.append(
+                    (
+                        i,
+                        fwd,
+                        k.flops_per_sample,
+                        k.bytes_per_sample,
+                        k.bytes_fixed,
+                        k.filter_bytes_per_sample,
+                        k.filter_bytes_fixed,
+                        k.scales_with_filters,
+                        not k.elementwise,
+                    )
+                )
+    cols = list(zip(*rows)) if rows else [()] * 9
+    onehot = np.zeros((len(costs.layers), len(rows)))
+    onehot[np.asarray(cols[0], dtype=np.int64), np.arange(len(rows))] = 1.0
+    floats = [np.asarray(c, dtype=np.float64) for c in cols[2:7]]
+    return _KernelTable(
+        layer=np.asarray(cols[0], dtype=np.int64),
+        forward=np.asarray(cols[1], dtype=bool),
+        flops_ps=floats[0],
+        bytes_ps=floats[1],
+        bytes_fixed=floats[2],
+        fbytes_ps=floats[3],
+        fbytes_fixed=floats[4],
+        scales=np.asarray(cols[7], dtype=bool),
+        gemm=np.asarray(cols[8], dtype=bool),
+        num_layers=len(costs.layers),
+        onehot=onehot,
+    )
+
+
+@dataclass(frozen=True)
+class _DeviceArrays:
+    flops_per_s: np.ndarray
+    mem_bytes_per_s: np.ndarray
+    elementwise_bytes_per_s: np.ndarray
+    overhead_s: np.ndarray
+    memory_bytes: np.ndarray
+
+
+def _device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
+    return _DeviceArrays(
+        np.array([d.flops_per_s for d in devices]),
+        np.array([d.mem_bytes_per_s for d in devices]),
+        np.array([d.elementwise_rate for d in devices]),
+        np.array([d.kernel_overhead_s for d in devices]),
+        np.array([d.memory_bytes for d in devices]),
+    )
+
+
+@dataclass(frozen=True)
+class _LayerTimes:
+    """Seconds per layer (rows) and device (columns), split by cause."""
+
+    forward_s: np.ndarray
+    backward_s: np.ndarray
+    compute_s: np.ndarray  # flops / flops_per_s, forward + backward
+    memory_s: np.ndarray  # roofline excess of memory-bound kernels
+    overhead_s: np.ndarray  # kernel launch overheads
+
+
+def _layer_times(
+    costs: ModelCosts,
+    dev: _DeviceArrays,
+    batch: np.ndarray,
+    filter_fraction: np.ndarray | None = None,
+) -> _LayerTimes:
+    """Roofline time of every layer on every device for per-device batches ``batch`` (and, for
+    filter parallelism, per-layer-and-device filter fractions ``filter_fraction``)."""
+    t = _kernel_table(costs)
+    n_dev = len(batch)
+    b = batch[None, :].astype(np.float64)
+    phi = np.ones((len(t.layer), n_dev)) if filter_fraction is None else filter_fraction[t.layer, :]
+    flops = t.flops_ps[:, None] * b * np.where(t.scales[:, None], phi, 1.0)
+    moved = (t.bytes_ps[:, None] + phi * t.fbytes_ps[:, None]) * b + (
+        t.bytes_fixed[:, None] + phi * t.fbytes_fixed[:, None]
+    )
+    # A kernel runs on a device only if the device has work for it (samples and, for split
+    # kernels, filters).
+    runs = (b > 0) & np.where(t.scales[:, None], phi > 0, True)
+    bandwidth = np.where(
+        t.gemm[:, None], dev.mem_bytes_per_s[None, :], dev.elementwise_bytes_per_s[None, :]
+    )
+    comp = np.where(runs, flops / dev.flops_per_s[None, :], 0.0)
+    mem = np.where(runs, moved / bandwidth, 0.0)
+    ovh = np.where(runs, np.broadcast_to(dev.overhead_s[None, :], comp.shape), 0.0)
+    total = terms.roofline_seconds(flops, moved, dev.flops_per_s[None, :], bandwidth)
+    total = np.where(runs, total + ovh, 0.0)
+
+    def per_layer(x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        rows = x if mask is None else x * mask[:, None]
+        return t.onehot @ rows  # type: ignore[no-any-return]
+
+    return _LayerTimes(
+        per_layer(total, t.forward),
+        per_layer(total, ~t.forward),
+        per_layer(comp),
+        per_layer(np.maximum(mem - comp, 0.0)),
+        per_layer(ovh),
+    )
+
+
+def _check_shares(shares: Sequence[int], num_devices: int, argument: str = "shares") -> np.ndarray:
+    if len(shares) != num_devices:
+        raise ValueError(
+            f"{argument}: expected {num_devices} values (one per device), got {len(shares)}"
+        )
+    for s in shares:
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0:
+            raise ValueError(f"{argument}: expected integers >= 0, got {s!r}")
+    return np.asarray(shares, dtype=np.int64)
+
+
+def ddp_buckets(
+    costs: ModelCosts,
+    first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
+    bucket_bytes: float = DDP_BUCKET_BYTES,
+) -> list[tuple[int, float]]:
+    """DDP's gradient buckets as (index of the earliest layer in the bucket, bytes): layers in
+    reverse order (the order backward produces gradients), a bucket closed once it reaches its
+    cap (1 MiB for the first, then 25 MiB). A bucket is ready when its earliest layer's backward
+    is done."""
+    buckets: list[tuple[int, float]] = []
+    size, cap, last = 0.0, first_bucket_bytes, -1
+    for i in range(len(costs.layers) - 1, -1, -1):
+        g = costs.layers[i].gradient_bytes
+        if g <= 0:
+            continue
+        size += g
+        last = i
+        if size >= cap:
+            buckets.append((last, size))
+            size, cap = 0.0, bucket_bytes
+    if size > 0:
+        buckets.append((last, size))
+    return buckets
+
+
+def _memory_common(costs: ModelCosts, state_copies: int) -> float:
+    # weights + gradients + optimizer state
+    return costs.param_bytes * (2 + state_copies)
+
+
+def data_parallel(
+    costs: ModelCosts,
+    cluster: Cluster,
+    shares: Sequence[int],
+    *,
+    overlap: bool = True,
+    optimizer_state_copies: int = 1,
+    first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
+    bucket_bytes: float = DDP_BUCKET_BYTES,
+    strategy: str = "data parallel",
+) -> Prediction:
+    """One data-parallel step: device d runs forward + backward on ``shares[d]`` samples; the
+    gradients are allreduced by a ring in DDP buckets, each starting once every device has
+    produced it (``overlap=True``, as DDP does) or all after the backward (``overlap=False``);
+    then the optimizer updates every replica. Devices with no samples sit the step out.
+
+    >>> from hetcoll.model import layer_costs, networks, hardware  # doctest: +SKIP
+    >>> data_parallel(costs, cluster, [48, 16]).step_s  # doctest: +SKIP
+    """
+    devices = cluster.devices
+    b = _check_shares(shares, len(devices))
+    dev = _device_arrays(devices)
+    lt = _layer_times(costs, dev, b)
+    fwd_total = lt.forward_s.sum(axis=0)
+    compute = fwd_total + lt.backward_s.sum(axis=0)
+    opt = np.where(
+        b > 0,
+        terms.optimizer_update_seconds(
+            costs.param_bytes, dev.mem_bytes_per_s, optimizer_state_copies
+        ),
+        0.0,
+    )
+    link = cluster.ring_link()
+    # Devices given no samples sit the step out (a plan would not start them), so the ring
+    # runs over the others only.
+    p = max(1, int((b > 0).sum()))
+    buckets = ddp_buckets(costs, first_bucket_bytes, bucket_bytes)
+    reduce_bw = float(dev.mem_bytes_per_s.min())
+    comm_each = [
+        float(
+            terms.ring_allreduce_seconds(
+                nbytes, p, link.latency_s, link.bytes_per_s, reduce_bw, costs.itemsize
+            )
+        )
+        for _, nbytes in buckets
+    ]
+    # Backward runs layers last to first: cumulative backward time after layer i's backward.
+    bwd_rev_cum = np.cumsum(lt.backward_s[::-1, :], axis=0)[::-1, :]
+    end = 0.0
+    for (first_layer, _), c in zip(buckets, comm_each):
+        ready = (
+            float((fwd_total + bwd_rev_cum[first_layer, :]).max())
+            if overlap
+            else float(compute.max())
+        )
+        end = max(end, ready) + c
+    slowest = int(np.argmax(compute + opt))
+    busy = float(compute.max())
+    step = max(busy, end) + float(opt.max())
+    breakdown = {
+        "compute": float(lt.compute_s[:, slowest].sum()),
+        "memory": float(lt.memory_s[:, slowest].sum()),
+        "overhead": float(lt.overhead_s[:, slowest].sum()),
+        "communication": 0.0,
+        "optimizer": float(opt[slowest]),
+    }
+    breakdown["communication"] = max(0.0, step - sum(breakdown.values()))
+    memory = _memory_common(costs, optimizer_state_copies) + costs.param_bytes  # + DDP bucket copy
+    mem = np.where(b > 0, memory + b * costs.saved_bytes_per_sample(), 0.0)
+    over = np.nonzero(mem > dev.memory_bytes)[0]
+    reason = ""
+    if len(over):
+        d = int(over[0])
+        reason = (
+            f"device {d} ({devices[d].name}) needs {mem[d] / 1e9:.3g} GB of "
+            f"{devices[d].memory_bytes / 1e9:.3g} GB"
+        )
+    return Prediction(
+        strategy,
+        [int(x) for x in b],
+        "samples",
+        step,
+        breakdown,
+        [float(x) for x in mem],
+        not len(over),
+        reason,
+        int(b.sum()),
+        {
+            "allreduce_s": float(sum(comm_each)),
+            "buckets": len(buckets),
+            "compute_s_per_device": [float(x) for x in compute] if p <= 64 else None,
+        },
+    )
+
+
+def compute_seconds(costs: ModelCosts, device: Device, batch: int) -> float:
+    """Forward + backward seconds of the whole model on one device at ``batch`` samples."""
+    dev = _device_arrays([device])
+    lt = _layer_times(costs, dev, np.array([batch]))
+    return float(lt.forward_s.sum() + lt.backward_s.sum())
+
+
+def _linear_fit(costs: ModelCosts, dev: _DeviceArrays, b_ref: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-device t(b) ~ a + c b through the predicted compute times at b_ref and 2 b_ref."""
+    n = len(dev.flops_per_s)
+    t1 = _layer_times(costs, dev, np.full(n, b_ref))
+    t2 = _layer_times(costs, dev, np.full(n, 2 * b_ref))
+    y1 = t1.forward_s.sum(0) + t1.backward_s.sum(0)
+    y2 = t2.forward_s.sum(0) + t2.backward_s.sum(0)
+    c = np.maximum((y2 - y1) / b_ref, 1e-30)
+    a = np.maximum(y1 - c * b_ref, 0.0)
+    return a, c
+
+
+def balanced_batch_shares(
+    costs: ModelCosts,
+    cluster: Cluster,
+    batch: int,
+    *,
+    optimizer_state_copies: int = 1,
+    respect_memory: bool = True,
+) -> list[int]:
+    """Samples per device that minimise the slowest device's compute time, from
+    :func:`hetcoll.split` on the model's per-device speed (samples/s) and start-up seconds, and
+    capped by what fits in each device's memory.
+
+    Raises ValueError (naming ``batch``) when the batch cannot fit in the cluster's memory.
+    """
+    devices = cluster.devices
+    dev = _device_arrays(devices)
+    a, c = _linear_fit(costs, dev, max(1, batch // max(1, len(devices))))
+    capacity = None
+    if respect_memory:
+        fixed = _memory_common(costs, optimizer_state_copies) + costs.param_bytes
+        per = max(costs.saved_bytes_per_sample(), 1e-9)
+        caps = np.floor((dev.memory_bytes - fixed) / per)
+        capacity = [int(min(max(x, 0), batch)) for x in caps]
+        if sum(capacity) < batch:
+            raise ValueError(
+                f"batch: {batch} samples do not fit in the cluster's memory "
+                f"(at most {sum(capacity)})"
+            )
+    return hetcoll.split(batch, list(1.0 / c), latency=list(a), capacity=capacity)
+
+
+def even_batch_shares(batch: int, num_devices: int) -> list[int]:
+    """What a framework without balancing does: B // p each, the remainder to the first ranks."""
+    return [
+        batch // num_devices + (1 if r < batch % num_devices else 0) for r in range(num_devices)
+    ]
+
+
+def filter_parallel(
+    costs: ModelCosts,
+    cluster: Cluster,
+    batch: int,
+    parts: Sequence[float],
+    *,
+    optimizer_state_copies: int = 1,
+    strategy: str = "filter parallel",
+) -> Prediction:
+    """One filter-parallel step on the whole ``batch``: each conv / linear layer's F filters are
+    split over the devices by :func:`hetcoll.split` in proportion to ``parts`` (speeds or
+    weights, one per device); every other layer is replicated. After each split layer the
+    output pieces are gathered (ring allgatherv, forward), and in the backward pass the partial
+    input gradients are summed (ring allreduce). No gradient allreduce: each device owns its
+    filters, and replicated layers see the same full data everywhere.
+    """
+    devices = cluster.devices
+    n_dev = len(devices)
+    if len(parts) != n_dev or any(not (float(x) > 0) for x in parts):
+        raise ValueError(f"parts: expected {n_dev} positive numbers (one per device)")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch: must be an integer >= 1, got {batch!r}")
+    dev = _device_arrays(devices)
+    n_layers = len(costs.layers)
+    phi = np.ones((n_layers, n_dev))
+    filters_of: dict[int, list[int]] = {}
+    for i, layer in enumerate(costs.layers):
+        if layer.filters > 0 and n_dev > 1:
+            f = hetcoll.split(layer.filters, [float(x) for x in parts])
+            filters_of[i] = f
+            phi[i, :] = np.asarray(f, dtype=np.float64) / layer.filters
+    lt = _layer_times(costs, dev, np.full(n_dev, batch), phi)
+    link = cluster.ring_link()
+    reduce_bw = float(dev.mem_bytes_per_s.min())
+    comm = 0.0
+    for i in filters_of:
+        layer = costs.layers[i]
+        largest = float(phi[i].max()) * layer.out_bytes_per_sample * batch
+        comm += float(
+            terms.ring_allgatherv_seconds(largest, n_dev, link.latency_s, link.bytes_per_s)
+        )
+        if any(k.name == "gemm-dX" for k in layer.backward):
+            comm += float(
+                terms.ring_allreduce_seconds(
+                    layer.in_bytes_per_sample * batch,
+                    n_dev,
+                    link.latency_s,
+                    link.bytes_per_s,
+                    reduce_bw,
+                    costs.itemsize,
+                )
+            )
+    # Layers run in lock step (every layer ends in a collective): the slowest device per layer.
+    per_layer = (lt.forward_s + lt.backward_s).max(axis=1)
+    # phi is 1 for replicated layers: each device owns its filters' weights and all the rest.
+    owned = (np.array([x.param_bytes for x in costs.layers])[:, None] * phi).sum(axis=0)
+    opt = np.asarray(
+        terms.optimizer_update_seconds(owned, dev.mem_bytes_per_s, optimizer_state_copies)
+    )
+    step = float(per_layer.sum()) + comm + float(opt.max())
+    crit = np.argmax(lt.forward_s + lt.backward_s, axis=1)
+    rows = np.arange(n_layers)
+    breakdown = {
+        "compute": float(lt.compute_s[rows, crit].sum()),
+        "memory": float(lt.memory_s[rows, crit].sum()),
+        "overhead": float(lt.overhead_s[rows, crit].sum()),
+        "communication": comm,
+        "optimizer": float(opt.max()),
+    }
+    mem = owned * (2 + optimizer_state_copies) + batch * costs.saved_bytes_per_sample()
+    over = np.nonzero(mem > dev.memory_bytes)[0]
+    reason = ""
+    if not filters_of and n_dev > 1:
+        reason = "the model has no conv or linear layer to split"
+    elif len(over):
+        d = int(over[0])
+        reason = (
+            f"device {d} ({devices[d].name}) needs {mem[d] / 1e9:.3g} GB of "
+            f"{devices[d].memory_bytes / 1e9:.3g} GB"
+        )
+    widest = max(filters_of, key=lambda i: costs.layers[i].filters) if filters_of else None
+    return Prediction(
+        strategy,
+        filters_of[widest] if widest is not None else [0] * n_dev,
+        f"filters of {costs.layers[widest].name}" if widest is not None else "filters",
+        step,
+        breakdown,
+        [float(x) for x in mem],
+        not reason,
+        reason,
+        batch,
+        {"split_layers": len(filters_of)},
+    )
+
+
+def _partition_chain_private(
+    costs: Sequence[float],
+    speeds: Sequence[float],
+    boundary_bytes: Sequence[float] | None = None,
+    bandwidth: float | None = None,
+) -> list[int]:
+    """Layers per device for contiguous stages in device order minimising the slowest stage
+    ``sum(costs of its layers) / speed + boundary_bytes[last layer] / bandwidth`` (no hand-off
+    after the last layer); devices may get no layer. Exact (dynamic programme, O(p n^2)).
+
+    PRIVATE stand-in: replace with hetcoll.partition_chain once merged (same contract).
+    """
+    n, p = len(costs), len(speeds)
+    c = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
+    hand = np.zeros(n + 1)
+    if boundary_bytes is not None and bandwidth:
+        hand[1:n] = np.asarray(boundary_bytes[: n - 1], dtype=np.float64) / bandwidth
+    seg = c[None, :] - c[:, None]  # seg[j, i]: cost of layers j..i-1
+    valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    settled = False
+    idle = np.arange(n + 1)
+    choice = np.tile(idle, (p, 1))  # default: a device takes nothing
+    for d in range(p):
+        if d > 0 and speeds[d] == speeds[d - 1] and settled:
+            # A run of identical devices reached a fixed point: the rest of the run changes
+            # nothing (this keeps 1,024-device clusters of few device types cheap).
+            continue
+        stage = np.where(valid, seg / speeds[d] + hand[None, :], np.inf)
+        cand = np.maximum(best[:, None], stage)  # cand[j, i]: device d takes layers j..i-1
+        cand[idle, idle] = best  # device d takes nothing
+        j = np.argmin(cand, axis=0)
+        choice[d] = j
+        new_best = cand[j, idle]
+        settled = bool(np.array_equal(new_best, best))
+        best = new_best
+    out = [0] * p
+    i = n
+    for d in range(p - 1, -1, -1):
+        j = int(choice[d, i])
+        out[d] = i - j
+        i = j
+    return out
+
+
+def pipeline(
+    costs: ModelCosts,
+    cluster: Cluster,
+    batch: int,
+    micro_batches: int,
+    *,
+    layers_per_device: Sequence[int] | None = None,
+    optimizer_state_copies: int = 1,
+    strategy: str = "pipeline",
+) -> Prediction:
+    """One GPipe step: ``batch`` in ``micro_batches`` micro-batches through contiguous stages
+    (``layers_per_device``, default: the exact chain partition on the devices' speeds for this
+    model); each stage hands its output forward and the gradient back over the link to the next
+    non-empty device. Step = (m + S - 1) x slowest stage + optimizer; the bubble is the S - 1.
+    """
+    devices = cluster.devices
+    n_dev, n_layers = len(devices), len(costs.layers)
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches: must be an integer >= 1, got {micro_batches!r}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < micro_batches:
+        raise ValueError(
+            f"batch: must be an integer >= micro_batches ({micro_batches}), got {batch!r}"
+        )
+    micro = math.ceil(batch / micro_batches)
+    dev = _device_arrays(devices)
+    lt = _layer_times(costs, dev, np.full(n_dev, micro))
+    per_layer_dev = lt.forward_s + lt.backward_s  # (layers, devices), one micro-batch
+    if layers_per_device is None:
+        layer_flops = [x.forward_flops(micro) + x.backward_flops(micro) for x in costs.layers]
+        total_flops = max(sum(layer_flops), 1e-30)
+        speeds = [total_flops / max(float(per_layer_dev[:, d].sum()), 1e-30) for d in range(n_dev)]
+        link = cluster.ring_link()
+        layers_per_device = _partition_chain_private(
+            layer_flops,
+            speeds,
+            [2 * x.out_bytes_per_sample * micro for x in costs.layers],
+            link.bytes_per_s if math.isfinite(link.bytes_per_s) else None,
+        )
+    counts = _check_shares(layers_per_device, n_dev, "layers_per_device")
+    if int(counts.sum()) != n_layers:
+        raise ValueError(
+            f"layers_per_device: must sum to {n_layers} layers, got {int(counts.sum())}"
+        )
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    stages = [d for d in range(n_dev) if counts[d] > 0]
+    stage_s, hand_s = {}, {}
+    for k, d in enumerate(stages):
+        lo, hi = int(starts[d]), int(starts[d + 1])
+        stage_s[d] = float(per_layer_dev[lo:hi, d].sum())
+        hand_s[d] = 0.0
+        if k + 1 < len(stages):
+            link_k = cluster.link_between(d, stages[k + 1])
+            # activation forward, its gradient backward
+            hand_s[d] = 2 * float(
+                terms.point_to_point_seconds(
+                    costs.layers[hi - 1].out_bytes_per_sample * micro,
+                    link_k.latency_s,
+                    link_k.bytes_per_s,
+                )
+            )
+    slowest = max(stages, key=lambda d: stage_s[d] + hand_s[d])
+    slow_s = stage_s[slowest] + hand_s[slowest]
+    n_st = len(stages)
+    param_bytes = np.zeros(n_dev)
+    saved = np.zeros(n_dev)
+    for d in stages:
+        lo, hi = int(starts[d]), int(starts[d + 1])
+        param_bytes[d] = sum(x.param_bytes for x in costs.layers[lo:hi])
+        saved[d] = sum(x.saved_bytes_per_sample for x in costs.layers[lo:hi])
+    opt = np.asarray(
+        terms.optimizer_update_seconds(param_bytes, dev.mem_bytes_per_s, optimizer_state_copies)
+    )
+    step = float(terms.pipeline_seconds(slow_s, n_st, micro_batches)) + float(opt.max())
+    lo, hi = int(starts[slowest]), int(starts[slowest + 1])
+    m = micro_batches
+    breakdown = {
+        "compute": m * float(lt.compute_s[lo:hi, slowest].sum()),
+        "memory": m * float(lt.memory_s[lo:hi, slowest].sum()),
+        "overhead": m * float(lt.overhead_s[lo:hi, slowest].sum()),
+        "communication": m * hand_s[slowest],
+        "bubble": float(terms.pipeline_bubble_seconds(slow_s, n_st)),
+        "optimizer": float(opt.max()),
+    }
+    # GPipe keeps every micro-batch's activations until its backward.
+    mem = param_bytes * (2 + optimizer_state_copies) + saved * micro * micro_batches
+    over = np.nonzero(mem > dev.memory_bytes)[0]
+    reason = ""
+    if len(over):
+        d = int(over[0])
+        reason = (
+            f"device {d} ({devices[d].name}) needs {mem[d] / 1e9:.3g} GB of "
+            f"{devices[d].memory_bytes / 1e9:.3g} GB"
+        )
+    return Prediction(
+        strategy,
+        [int(x) for x in counts],
+        "layers",
+        step,
+        breakdown,
+        [float(x) for x in mem],
+        not reason,
+        reason,
+        batch,
+        {"micro_batches": micro_batches, "stages": n_st},
+    )

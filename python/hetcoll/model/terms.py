@@ -1,0 +1,138 @@
+"""Cost terms of the performance model: one function per term, each citing what it models.
+
+The terms follow seed 003 (Castelló et al., "Performance Modeling for Distributed Training of
+Convolutional Neural Networks", PDP 2021) as implemented in PyDTNN
+(github hpca-uji/PyDTNN, ``pydtnn/performance_models.py``); where we deviate, the docstring says
+why. Units are in the names: ``*_flops`` (floating-point operations), ``*_bytes``, ``*_s``
+(seconds), ``*_per_s`` (rates). Every function accepts numpy arrays as well as floats, so the
+planner evaluates one term for 1,024 devices in one vectorised call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# A float, or a numpy array of them (one per device); results follow numpy broadcasting.
+Num = float | np.ndarray
+
+
+def roofline_seconds(
+    flops: Num,
+    moved_bytes: Num,
+    flops_per_s: Num,
+    mem_bytes_per_s: Num,
+    overhead_s: Num = 0.0,
+) -> Num:
+    """Seconds of one kernel under the roofline: ``overhead_s + max(flops / flops_per_s,
+    moved_bytes / mem_bytes_per_s)``.
+
+    Models PyDTNN ``roofline`` + ``flops2time``: speed = min(C, mem_bw * flops / bytes), time =
+    flops / speed, which is the max above; written as a max it also charges pure data movement
+    (flops = 0), which PyDTNN's form turns into zero seconds. ``overhead_s`` is the fixed launch
+    cost of a kernel (not in PyDTNN; it dominates small CPU kernels in PyTorch).
+
+    >>> float(roofline_seconds(2e9, 1e6, 1e9, 1e9))
+    2.0
+    """
+    return overhead_s + np.maximum(flops / flops_per_s, moved_bytes / mem_bytes_per_s)
+
+
+def gemm_flops(m: float, n: float, k: float) -> float:
+    """FLOPs of C[m,n] += A[m,k] B[k,n]: ``2 m n k`` (PyDTNN ``matmul_time``)."""
+    return 2.0 * m * n * k
+
+
+def gemm_bytes(m: float, n: float, k: float, itemsize_bytes: int) -> float:
+    """Bytes a GEMM moves at least once: ``(m n + m k + n k) * itemsize`` (PyDTNN
+    ``matmul_time`` memops, times the element size as in ``flops2time``)."""
+    return (m * n + m * k + n * k) * float(itemsize_bytes)
+
+
+def ring_allreduce_seconds(
+    message_bytes: Num,
+    num_ranks: int,
+    latency_s: float,
+    link_bytes_per_s: float,
+    reduce_bytes_per_s: float,
+    itemsize_bytes: int = 4,
+    reduce_flops_per_s: float = float("inf"),
+) -> Num:
+    """Seconds of a ring allreduce of ``message_bytes`` over ``num_ranks`` ranks (alpha-beta):
+    ``2(p-1) alpha + 2(p-1)/p * n b / B + (p-1)/p * reduce(n)``.
+
+    Models seed 003's ring allreduce (REFERENCES.md) and PyDTNN ``allreduce_time`` (whose "bta"
+    variant has 2 log2(p) alpha for the latency term; the ring has 2(p-1) start-ups). The
+    reduction term n/C is evaluated with the roofline: a reduction reads two operands and writes
+    one (3 n b bytes, n flops), so on real parts it is memory-bound, not FLOP-bound.
+
+    >>> float(ring_allreduce_seconds(1e6, 2, 0.0, 1e6, float("inf")))
+    1.0
+    """
+    p = num_ranks
+    if p <= 1:
+        return 0.0 * message_bytes
+    elems = message_bytes / itemsize_bytes
+    reduce_s = roofline_seconds(elems, 3.0 * message_bytes, reduce_flops_per_s, reduce_bytes_per_s)
+    return (
+        2.0 * (p - 1) * latency_s
+        + 2.0 * (p - 1) / p * message_bytes / link_bytes_per_s
+        + (p - 1) / p * reduce_s
+    )
+
+
+def ring_allgatherv_seconds(
+    largest_piece_bytes: Num, num_ranks: int, latency_s: float, link_bytes_per_s: float
+) -> Num:
+    """Seconds of a ring allgather(v) whose largest piece has ``largest_piece_bytes``:
+    ``(p-1) (alpha + largest / B)``.
+
+    Models PyDTNN ``allgather_time`` ("bta": (p-1) alpha + (p-1)/p n/B). With even pieces
+    largest = n/p and the two agree; with uneven pieces every ring step waits for the largest
+    piece in flight, so the largest piece, not the mean, sets the time.
+
+    >>> ring_allgatherv_seconds(1e6, 3, 0.0, 1e6)
+    2.0
+    """
+    p = num_ranks
+    if p <= 1:
+        return 0.0 * largest_piece_bytes
+    return (p - 1) * (latency_s + largest_piece_bytes / link_bytes_per_s)
+
+
+def point_to_point_seconds(message_bytes: Num, latency_s: float, link_bytes_per_s: float) -> Num:
+    """Seconds of one message: ``alpha + n / B`` (the alpha-beta model of every PyDTNN
+    collective for p = 2; here the activation hand-off between pipeline stages).
+
+    >>> point_to_point_seconds(1e6, 1e-3, 1e9)
+    0.002
+    """
+    return latency_s + message_bytes / link_bytes_per_s
+
+
+def optimizer_update_seconds(param_bytes: Num, mem_bytes_per_s: Num, state_copies: int = 1) -> Num:
+    """Seconds of an element-wise optimizer step (memory-bound): it reads weights, gradients and
+    ``state_copies`` state tensors and writes weights and state, ``(3 + 2 s) * param_bytes``
+    bytes (SGD s=0, SGD with momentum s=1, Adam s=2). Not in PyDTNN (its model ends at the
+    allreduce); measurable on small CNNs, whose update moves more bytes than a GEMM.
+
+    >>> optimizer_update_seconds(1e9, 5e9, state_copies=1)
+    1.0
+    """
+    return (3.0 + 2.0 * state_copies) * param_bytes / mem_bytes_per_s
+
+
+def pipeline_seconds(slowest_stage_s: Num, num_stages: int, micro_batches: int) -> Num:
+    """Seconds of one GPipe step (all forwards, then all backwards) whose slowest stage takes
+    ``slowest_stage_s`` per micro-batch (forward + backward + hand-off):
+    ``(m + S - 1) * slowest``. The bubble is the ``(S - 1) * slowest`` part; seed 003 models
+    model parallelism layer by layer (no micro-batches), the m = 1 case.
+
+    >>> pipeline_seconds(1.0, 4, 4)
+    7.0
+    """
+    return (micro_batches + num_stages - 1) * slowest_stage_s
+
+
+def pipeline_bubble_seconds(slowest_stage_s: Num, num_stages: int) -> Num:
+    """The idle part of :func:`pipeline_seconds`: ``(S - 1) * slowest``."""
+    return (num_stages - 1) * slowest_stage_s
