@@ -11,6 +11,7 @@ import contextlib
 from pathlib import Path
 
 import pytest
+
 from hetcoll.model import layer_costs, load_cluster, networks, plan
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "clusters"

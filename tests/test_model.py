@@ -12,6 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
 from hetcoll.cli import main
 from hetcoll.model import (
     Cluster,
@@ -29,9 +33,6 @@ from hetcoll.model import (
     terms,
 )
 from hetcoll.model.predict import _partition_chain_private, ddp_buckets, even_batch_shares
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "clusters"
