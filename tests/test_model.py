@@ -506,7 +506,7 @@ def test_readme_section_examples(monkeypatch: pytest.MonkeyPatch) -> None:
     import doctest
 
     monkeypatch.chdir(ROOT)
-    result = doctest.testfile(str(ROOT / "docs" / "readme" / "model.md"), module_relative=False)
+    result = doctest.testfile(str(ROOT / "docs" / "model.md"), module_relative=False)
     assert result.attempted > 0 and result.failed == 0
 
 
