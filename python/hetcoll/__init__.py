@@ -4,13 +4,25 @@ Decide who does how much (:func:`split`), combine uneven work exactly (:func:`we
 and the collectives and PyTorch integration in submodules), and predict before running.
 """
 
-from hetcoll._core import __version__, finish_times, split
+from hetcoll._core import (
+    __version__,
+    chain_stage_times,
+    finish_times,
+    km1,
+    partition_chain,
+    partition_hypergraph,
+    split,
+)
 from hetcoll.kernels import num_threads, weighted_sum
 
 __all__ = [
     "__version__",
+    "chain_stage_times",
     "finish_times",
+    "km1",
     "num_threads",
+    "partition_chain",
+    "partition_hypergraph",
     "split",
     "weighted_sum",
 ]

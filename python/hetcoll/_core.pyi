@@ -4,7 +4,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["__version__", "finish_times", "num_threads", "split", "weighted_sum_into"]
+__all__ = [
+    "__version__",
+    "chain_stage_times",
+    "finish_times",
+    "km1",
+    "num_threads",
+    "partition_chain",
+    "partition_hypergraph",
+    "split",
+    "weighted_sum_into",
+]
 __version__: str
 
 def split(
@@ -43,3 +53,62 @@ def weighted_sum_into(
 
 def num_threads() -> int:
     """Threads the kernels use: ``HETCOLL_NUM_THREADS`` if set, else every core."""
+
+def partition_chain(
+    costs: Sequence[float],
+    speeds: Sequence[float],
+    *,
+    boundary_bytes: Sequence[float] | None = None,
+    bandwidth: float | None = None,
+) -> list[int]:
+    """Layers per device (in device order) of contiguous pipeline stages, smallest bottleneck.
+
+    Stage ``d`` holding layers ``[i, j)`` takes ``sum(costs[i:j]) / speeds[d]`` seconds plus, when
+    ``j < len(costs)``, ``boundary_bytes[j - 1] / bandwidth`` to send its output on (the last stage
+    sends nothing). A device may get 0 layers (its stage is skipped). Exact: probe + bisection
+    (Pinar & Aykanat 2004) over the bit patterns of doubles, so the bottleneck equals the brute-force
+    optimum as computed in floating point. ``boundary_bytes`` (``len(costs) - 1`` entries, bytes) and
+    ``bandwidth`` (bytes per second) come together or not at all.
+
+    >>> partition_chain([1.0] * 8, [3.0, 1.0])
+    [6, 2]
+    """
+
+def chain_stage_times(
+    costs: Sequence[float],
+    speeds: Sequence[float],
+    layers: Sequence[int],
+    *,
+    boundary_bytes: Sequence[float] | None = None,
+    bandwidth: float | None = None,
+) -> list[float]:
+    """Seconds of each stage for ``layers`` per device, in the cost model of ``partition_chain``."""
+
+def partition_hypergraph(
+    num_vertices: int,
+    nets: Sequence[Sequence[int]],
+    targets: Sequence[float],
+    *,
+    vertex_weights: Sequence[float] | None = None,
+    net_weights: Sequence[float] | None = None,
+    epsilon: float = 0.03,
+    seed: int = 0,
+) -> np.ndarray:
+    """Block (``int64``) of each vertex of a k-way partition, ``k = len(targets)``.
+
+    Block ``b`` weighs at most ``(1 + epsilon) * targets[b] * sum(vertex_weights)`` (targets are
+    positive and sum to 1); among such partitions it seeks a small connectivity minus one
+    (``km1``). Multilevel (heavy-edge clustering, recursive-bisection initial partitions, label
+    propagation and FM refinement), deterministic for a ``seed``, GIL released. Balance is never
+    violated: if no balanced partition exists (or none is found) ``ValueError`` says so.
+
+    >>> partition_hypergraph(4, [[0, 1], [2, 3], [1, 2]], [0.5, 0.5]).tolist()
+    [0, 0, 1, 1]
+    """
+
+def km1(
+    nets: Sequence[Sequence[int]],
+    parts: Sequence[int] | np.ndarray,
+    net_weights: Sequence[float] | None = None,
+) -> float:
+    """``sum_e net_weights[e] * (number of blocks net e touches - 1)``."""

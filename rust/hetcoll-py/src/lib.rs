@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 mod convert;
 mod errors;
 mod kernels;
+mod partition;
 mod solvers;
 
 #[pymodule]
@@ -15,5 +16,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(solvers::finish_times, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::weighted_sum_into, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::num_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(partition::partition_chain, m)?)?;
+    m.add_function(wrap_pyfunction!(partition::chain_stage_times, m)?)?;
+    m.add_function(wrap_pyfunction!(partition::partition_hypergraph, m)?)?;
+    m.add_function(wrap_pyfunction!(partition::km1, m)?)?;
     Ok(())
 }
