@@ -8,9 +8,7 @@ use hetcoll_core::solvers::{split, SplitOptions};
 
 fn bench_split(c: &mut Criterion) {
     let p = 10_000;
-    let speeds: Vec<f64> = (0..p)
-        .map(|i| 1.0 + (i * 7919 % 1000) as f64 / 100.0)
-        .collect();
+    let speeds: Vec<f64> = (0..p).map(|i| 1.0 + (i * 7919 % 1000) as f64 / 100.0).collect();
     let latency: Vec<f64> = (0..p).map(|i| (i * 104_729 % 1000) as f64 / 1e5).collect();
     c.bench_function("split/10k_ranks_total_1e7", |b| {
         b.iter(|| {

@@ -42,8 +42,9 @@ impl CoreError {
     /// The name of the argument the error is about.
     pub fn argument(&self) -> &str {
         match self {
-            CoreError::InvalidArgument { argument, .. }
-            | CoreError::Infeasible { argument, .. } => argument,
+            CoreError::InvalidArgument { argument, .. } | CoreError::Infeasible { argument, .. } => {
+                argument
+            }
         }
     }
 }

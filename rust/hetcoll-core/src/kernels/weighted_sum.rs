@@ -209,21 +209,13 @@ mod tests {
         let a = [f16::from_f32(2048.0)];
         let b = [f16::from_f32(1.0)];
         let mut out = [f16::ZERO];
-        let s = [
-            Source::Slice(&a[..]),
-            Source::Slice(&b[..]),
-            Source::Slice(&a[..]),
-        ];
+        let s = [Source::Slice(&a[..]), Source::Slice(&b[..]), Source::Slice(&a[..])];
         weighted_sum(&s, &[1.0, 1.0, -1.0], &mut out, 1).unwrap();
         assert_eq!(out[0].to_f32(), 1.0);
         let a = [bf16::from_f32(256.0)];
         let b = [bf16::from_f32(1.0)];
         let mut out = [bf16::ZERO];
-        let s = [
-            Source::Slice(&a[..]),
-            Source::Slice(&b[..]),
-            Source::Slice(&a[..]),
-        ];
+        let s = [Source::Slice(&a[..]), Source::Slice(&b[..]), Source::Slice(&a[..])];
         weighted_sum(&s, &[1.0, 1.0, -1.0], &mut out, 1).unwrap();
         assert_eq!(out[0].to_f32(), 1.0);
     }
@@ -235,17 +227,9 @@ mod tests {
         let mut out = [0.0f32; 4];
         let e = |r: Result<()>| r.unwrap_err().argument().to_string();
         assert_eq!(e(weighted_sum::<f32>(&[], &[], &mut out, 1)), "arrays");
+        assert_eq!(e(weighted_sum(&[Source::Slice(&a)], &[1.0, 2.0], &mut out, 1)), "weights");
         assert_eq!(
-            e(weighted_sum(&[Source::Slice(&a)], &[1.0, 2.0], &mut out, 1)),
-            "weights"
-        );
-        assert_eq!(
-            e(weighted_sum(
-                &[Source::Slice(&a), Source::Slice(&b)],
-                &[1.0, 2.0],
-                &mut out,
-                1
-            )),
+            e(weighted_sum(&[Source::Slice(&a), Source::Slice(&b)], &[1.0, 2.0], &mut out, 1)),
             "arrays[1]"
         );
         assert_eq!(
