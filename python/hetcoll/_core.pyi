@@ -66,9 +66,9 @@ def partition_chain(
     Stage ``d`` holding layers ``[i, j)`` takes ``sum(costs[i:j]) / speeds[d]`` seconds plus, when
     ``j < len(costs)``, ``boundary_bytes[j - 1] / bandwidth`` to send its output on (the last stage
     sends nothing). A device may get 0 layers (its stage is skipped). Exact: probe + bisection
-    (Pinar & Aykanat 2004) over the bit patterns of doubles, so the bottleneck equals the brute-force
-    optimum as computed in floating point. ``boundary_bytes`` (``len(costs) - 1`` entries, bytes) and
-    ``bandwidth`` (bytes per second) come together or not at all.
+    (Pinar & Aykanat 2004) over the bit patterns of doubles, so the bottleneck equals the
+    brute-force optimum as computed in floating point. ``boundary_bytes`` (``len(costs) - 1``
+    entries, bytes) and ``bandwidth`` (bytes per second) come together or not at all.
 
     >>> partition_chain([1.0] * 8, [3.0, 1.0])
     [6, 2]

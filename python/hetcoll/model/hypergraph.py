@@ -149,7 +149,9 @@ def network_hypergraph(
             in_per_group, out_per_group = in_c // g, out_c // g
             for c, p in enumerate(producers):
                 group = c // in_per_group
-                readers = np.arange(first + group * out_per_group, first + (group + 1) * out_per_group)
+                readers = np.arange(
+                    first + group * out_per_group, first + (group + 1) * out_per_group
+                )
                 _add_net(nets, net_weights, p, readers, per_channel * bytes_per_element)
             layers.append((name, first, out_c))
             producers = list(range(first, first + out_c))
@@ -204,7 +206,7 @@ def _regroup(producers: list, per_channel: int, channels: int, name: str) -> tup
     """The same values seen as ``channels`` maps (e.g. a reshape): each new map's producer is the
     producer of its first value; only exact refinements of the old grouping are supported."""
     total = len(producers) * per_channel
-    if total % channels or (total // channels) and per_channel % (total // channels):
+    if total % channels or ((total // channels) and per_channel % (total // channels)):
         raise ValueError(f"model: cannot follow the channels into layer {name}")
     size = total // channels
     return [producers[(i * size) // per_channel] for i in range(channels)], size

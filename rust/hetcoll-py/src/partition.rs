@@ -59,7 +59,10 @@ pub fn chain_stage_times(
 
 /// Block of each vertex of a multilevel k-way partition with heterogeneous targets (km1 objective).
 #[pyfunction]
-#[pyo3(signature = (num_vertices, nets, targets, *, vertex_weights=None, net_weights=None, epsilon=None, seed=None))]
+#[pyo3(
+    signature = (num_vertices, nets, targets, *, vertex_weights=None, net_weights=None, epsilon=None, seed=None),
+    text_signature = "(num_vertices, nets, targets, *, vertex_weights=None, net_weights=None, epsilon=0.03, seed=0)"
+)]
 #[allow(clippy::too_many_arguments)]
 pub fn partition_hypergraph<'py>(
     py: Python<'py>,
