@@ -62,10 +62,7 @@ pub fn counts(obj: &Bound<'_, PyAny>, argument: &str) -> PyResult<Vec<u64>> {
 
 fn items<'py>(obj: &Bound<'py, PyAny>, argument: &str) -> PyResult<Vec<Bound<'py, PyAny>>> {
     if obj.is_instance_of::<PyString>() {
-        return Err(invalid(
-            argument,
-            "must be a sequence of numbers, got a str",
-        ));
+        return Err(invalid(argument, "must be a sequence of numbers, got a str"));
     }
     let iter = obj.try_iter().map_err(|_| {
         invalid(

@@ -4,8 +4,8 @@ use half::slice::HalfBitsSliceExt;
 use half::{bf16, f16};
 use hetcoll_core::kernels::{self, Element, Source};
 use numpy::{
-    dtype, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArray,
-    PyUntypedArrayMethods,
+    dtype, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
+    PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -37,14 +37,9 @@ pub fn weighted_sum_into(
                 "out: bfloat16=True needs uint16 buffers holding bfloat16 bits",
             ));
         }
-        run::<u16, bf16>(
-            py,
-            &arrays,
-            &weights,
-            out,
-            |s| s.reinterpret_cast(),
-            |s| s.reinterpret_cast_mut(),
-        )
+        run::<u16, bf16>(py, &arrays, &weights, out, |s| s.reinterpret_cast(), |s| {
+            s.reinterpret_cast_mut()
+        })
     } else if d.is_equiv_to(&dtype::<f32>(py)) {
         run::<f32, f32>(py, &arrays, &weights, out, |s| s, |s| s)
     } else if d.is_equiv_to(&dtype::<f64>(py)) {

@@ -129,10 +129,7 @@ pub fn split(total: u64, speeds: &[f64], options: &SplitOptions<'_>) -> Result<V
     }
     let q = options.multiple_of;
     if q == 0 {
-        return Err(CoreError::invalid(
-            "multiple_of",
-            "must be at least 1, got 0",
-        ));
+        return Err(CoreError::invalid("multiple_of", "must be at least 1, got 0"));
     }
     if total % q != 0 {
         return Err(CoreError::infeasible(
@@ -192,7 +189,11 @@ pub fn split(total: u64, speeds: &[f64], options: &SplitOptions<'_>) -> Result<V
         return Ok(hi.iter().map(|&u| u * q).collect());
     }
     let extra = solver.allocate(remaining);
-    Ok(lo.iter().zip(&extra).map(|(&l, &k)| (l + k) * q).collect())
+    Ok(lo
+        .iter()
+        .zip(&extra)
+        .map(|(&l, &k)| (l + k) * q)
+        .collect())
 }
 
 /// The increments of every rank above its floor, and the greedy over them.
@@ -216,8 +217,8 @@ impl Increments<'_> {
     #[inline]
     fn count(&self, i: usize, t: f64) -> u64 {
         let room = self.hi[i] - self.lo[i];
-        let estimate =
-            ((t - self.latency[i]) * self.speeds[i] / self.q as f64).floor() - self.lo[i] as f64;
+        let estimate = ((t - self.latency[i]) * self.speeds[i] / self.q as f64).floor()
+            - self.lo[i] as f64;
         let mut k = if estimate.is_nan() || estimate <= 0.0 {
             0
         } else if estimate >= room as f64 {
@@ -465,10 +466,7 @@ mod tests {
     fn errors_name_the_argument() {
         let d = SplitOptions::default();
         assert_eq!(split(1, &[], &d).unwrap_err().argument(), "speeds");
-        assert_eq!(
-            split(1, &[1.0, f64::NAN], &d).unwrap_err().argument(),
-            "speeds[1]"
-        );
+        assert_eq!(split(1, &[1.0, f64::NAN], &d).unwrap_err().argument(), "speeds[1]");
         assert_eq!(split(1, &[0.0], &d).unwrap_err().argument(), "speeds[0]");
         let e = split(
             5,
