@@ -61,8 +61,20 @@ def cnn_instances() -> list[tuple[str, int, list[np.ndarray], np.ndarray, np.nda
         torch.nn.ReLU(),
         torch.nn.Linear(256, 10),
     )
+    # The seed-000 network: 8 conv layers of 60..480 3x3 filters, pooling every second layer.
+    layers: list[torch.nn.Module] = []
+    channels = 3
+    for i, width in enumerate([60, 60, 120, 120, 240, 240, 480, 480]):
+        layers += [torch.nn.Conv2d(channels, width, 3, padding=1), torch.nn.ReLU()]
+        if i % 2:
+            layers.append(torch.nn.MaxPool2d(2))
+        channels = width
+    seed000 = torch.nn.Sequential(*layers, torch.nn.Flatten(), torch.nn.Linear(480 * 2 * 2, 10))
     out = []
-    for name, model, shape in [("cnn-cifar (seed-002)", small, (1, 3, 32, 32))]:
+    for name, model, shape in [
+        ("cnn-cifar small", small, (3, 32, 32)),
+        ("cnn seed-000 8 conv", seed000, (3, 32, 32)),
+    ]:
         h = network_hypergraph(model, shape)
         out.append((name, h.num_vertices, h.nets, h.vertex_weights, h.net_weights))
     return out

@@ -7,7 +7,7 @@ use super::refine::{fm, rebalance, State};
 use super::{Hypergraph, Rng};
 
 /// Tries per bisection: greedy growing from random seeds alternating with random assignments.
-const TRIES: usize = 12;
+const TRIES: usize = 8;
 
 /// Blocks `0..targets.len()` of the vertices of `hg` by recursive bisection. Each bisection gets
 /// an adaptive imbalance `ε'` such that the imbalances compound to at most the final `ε` over the
@@ -98,7 +98,8 @@ fn bisect(hg: &Hypergraph, caps: &[f64; 2], rng: &mut Rng) -> Vec<u32> {
     let mut best: Option<(bool, f64, Vec<u32>)> = None;
     let total = hg.total_weight();
     let ideal_right = total * caps[1] / (caps[0] + caps[1]);
-    for attempt in 0..TRIES {
+    let tries = if n < super::SMALL { 2 * TRIES } else { TRIES };
+    for attempt in 0..tries {
         let start = if attempt % 3 == 2 {
             random_split(hg, ideal_right, rng)
         } else {

@@ -167,7 +167,7 @@ proptest! {
 }
 
 /// On 300 seeded random tiny instances (k = 2..4, unequal targets) the partitioner must find the
-/// brute-force optimum in at least 75% of the cases (it reaches 81%: local search cannot swap
+/// brute-force optimum in at least 75% of the cases (it reaches 83%: local search cannot swap
 /// heavy vertices between tight blocks).
 #[test]
 fn near_optimal_on_tiny_instances() {
