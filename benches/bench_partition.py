@@ -81,8 +81,9 @@ def test_chain_numpy_peer(benchmark, record):
 def random_hypergraph(n: int = 10_000, per_row: int = 5):
     import scipy.sparse as sp
 
-    m = sp.random(n, n, density=per_row / n, format="csc", random_state=n) + sp.eye(n, format="csc")
-    m = sp.csc_matrix(m)
+    rng = np.random.default_rng(n)
+    m = sp.random(n, n, density=per_row / n, format="csc", random_state=rng)
+    m = sp.csc_matrix(m + sp.eye(n, format="csc"))
     nets = [m.indices[m.indptr[j] : m.indptr[j + 1]].astype(np.int64) for j in range(n)]
     return n, [e for e in nets if len(e) >= 2]
 

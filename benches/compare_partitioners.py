@@ -32,7 +32,8 @@ def column_net(matrix: sp.spmatrix) -> list[np.ndarray]:
 
 
 def random_matrix(n: int, nnz_per_row: int, seed: int) -> sp.spmatrix:
-    return sp.random(n, n, density=nnz_per_row / n, format="csr", random_state=seed) + sp.eye(n)
+    rng = np.random.default_rng(seed)
+    return sp.random(n, n, density=nnz_per_row / n, format="csr", random_state=rng) + sp.eye(n)
 
 
 def stencil(side: int) -> sp.spmatrix:
