@@ -116,5 +116,6 @@ def test_hypergraph_mtkahypar(benchmark, record):
         benchmark,
         HYPER,
         "Mt-KaHyPar default (1 thread)",
+        peer=True,
         note=f"km1 {hetcoll.km1(nets, parts):.0f}",
     )

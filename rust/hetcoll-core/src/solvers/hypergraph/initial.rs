@@ -256,35 +256,67 @@ fn extract(hg: &Hypergraph, ids: &[u32], parts: &[u32], side: u32) -> (Hypergrap
     )
 }
 
-/// Weight-only packing, heaviest vertex first, tried two ways: into the block with the most room
-/// left (worst fit) and into the block with the least room that still fits (best fit). `None` if
-/// both leave some vertex without a block.
+/// Weight-only packing, heaviest vertex first, tried several ways: into the block with the most
+/// room left (worst fit), with the least room that still fits (best fit), the first that fits
+/// with blocks by decreasing capacity (first fit), then first fit over shuffled block orders and
+/// shuffled ties. `None` if every way leaves some vertex without a block (bin packing is NP-hard:
+/// this can miss a packing that exists).
 pub(super) fn pack(hg: &Hypergraph, caps: &[f64]) -> Option<Vec<u32>> {
     let n = hg.num_vertices();
+    let k = caps.len();
     let mut order: Vec<u32> = (0..n as u32).collect();
     order.sort_by(|&a, &b| {
         hg.vertex_weights[b as usize]
             .total_cmp(&hg.vertex_weights[a as usize])
             .then(a.cmp(&b))
     });
-    'strategy: for best_fit in [false, true] {
+    let mut by_capacity: Vec<usize> = (0..k).collect();
+    by_capacity.sort_by(|&a, &b| caps[b].total_cmp(&caps[a]).then(a.cmp(&b)));
+    let mut rng = Rng::new(0x9ac4);
+    for attempt in 0..3 + PACKING_RESTARTS {
+        let mut blocks = by_capacity.clone();
+        if attempt >= 3 {
+            rng.shuffle(&mut blocks);
+            shuffle_ties(hg, &mut order, &mut rng);
+        }
         let mut room = caps.to_vec();
         let mut parts = vec![0u32; n];
+        let mut ok = true;
         for &v in &order {
             let w = hg.vertex_weights[v as usize];
-            let fits = room.iter().copied().enumerate().filter(|&(_, r)| w <= r);
-            let chosen = if best_fit {
-                fits.min_by(|x, y| x.1.total_cmp(&y.1).then(x.0.cmp(&y.0)))
-            } else {
-                fits.max_by(|x, y| x.1.total_cmp(&y.1).then(y.0.cmp(&x.0)))
+            let fits = blocks.iter().copied().filter(|&b| w <= room[b]);
+            let chosen = match attempt {
+                0 => fits.max_by(|&x, &y| room[x].total_cmp(&room[y]).then(y.cmp(&x))),
+                1 => fits.min_by(|&x, &y| room[x].total_cmp(&room[y]).then(x.cmp(&y))),
+                _ => fits.into_iter().next(),
             };
-            let Some((b, _)) = chosen else {
-                continue 'strategy;
+            let Some(b) = chosen else {
+                ok = false;
+                break;
             };
             parts[v as usize] = b as u32;
             room[b] -= w;
         }
-        return Some(parts);
+        if ok {
+            return Some(parts);
+        }
     }
     None
+}
+
+/// Randomised first-fit restarts of [`pack`] after its three fixed rules.
+const PACKING_RESTARTS: usize = 64;
+
+/// Shuffle runs of equal weight in `order` (sorted by decreasing weight), keeping the sort.
+fn shuffle_ties(hg: &Hypergraph, order: &mut [u32], rng: &mut Rng) {
+    let mut start = 0;
+    while start < order.len() {
+        let w = hg.vertex_weights[order[start] as usize];
+        let mut end = start + 1;
+        while end < order.len() && hg.vertex_weights[order[end] as usize] == w {
+            end += 1;
+        }
+        rng.shuffle(&mut order[start..end]);
+        start = end;
+    }
 }
