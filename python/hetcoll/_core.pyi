@@ -86,11 +86,11 @@ def chain_stage_times(
 
 def partition_hypergraph(
     num_vertices: int,
-    nets: Sequence[Sequence[int]],
-    targets: Sequence[float],
+    nets: Sequence[Sequence[int]] | Sequence[np.ndarray],
+    targets: Sequence[float] | np.ndarray,
     *,
-    vertex_weights: Sequence[float] | None = None,
-    net_weights: Sequence[float] | None = None,
+    vertex_weights: Sequence[float] | np.ndarray | None = None,
+    net_weights: Sequence[float] | np.ndarray | None = None,
     epsilon: float = 0.03,
     seed: int = 0,
 ) -> np.ndarray:
@@ -107,8 +107,8 @@ def partition_hypergraph(
     """
 
 def km1(
-    nets: Sequence[Sequence[int]],
+    nets: Sequence[Sequence[int]] | Sequence[np.ndarray],
     parts: Sequence[int] | np.ndarray,
-    net_weights: Sequence[float] | None = None,
+    net_weights: Sequence[float] | np.ndarray | None = None,
 ) -> float:
     """``sum_e net_weights[e] * (number of blocks net e touches - 1)``."""

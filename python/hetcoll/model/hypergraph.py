@@ -268,7 +268,12 @@ def partition_report(
     >>> [s.name for s in r.strategies][0]
     'hypergraph partition'
     """
-    h = model if isinstance(model, NetworkHypergraph) else network_hypergraph(model, input_shape)
+    if isinstance(model, NetworkHypergraph):
+        h = model
+    elif input_shape is None:
+        raise ValueError("input_shape: is required when model is a torch module")
+    else:
+        h = network_hypergraph(model, input_shape)
     speeds = [float(s) for s in speeds]
     if not speeds or any(not math.isfinite(s) or s <= 0 for s in speeds):
         raise ValueError(f"speeds: must be finite and > 0, got {speeds}")
