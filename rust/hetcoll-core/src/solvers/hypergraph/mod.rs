@@ -15,10 +15,13 @@
 //!    vertices remain; single-pin nets dropped and parallel nets merged.
 //! 2. [`initial`]: recursive bisection of the coarsest hypergraph with adaptive imbalance per level;
 //!    each bisection takes the best of several tries (greedy hypergraph growing from random seeds,
-//!    random assignments), each polished by FM.
+//!    random assignments), each polished by FM; several such runs compete on the k-way result.
 //! 3. [`refine`]: on the way back, the coarse partition is projected, then label propagation and
-//!    k-way FM with km1 gains (moves kept only up to the best prefix) improve it; a rebalancing pass
-//!    restores balance whenever a level starts out of balance.
+//!    k-way FM with km1 gains (gain cache, moves kept only up to the best prefix, vertices whose
+//!    best block is full parked until it has room) improve it; a rebalancing pass restores balance
+//!    whenever a level starts out of balance.
+//! 4. V-cycles: coarsen again with clusters inside blocks, so the partition survives to the coarse
+//!    levels, and refine on the way back; repeated while a cycle improves km1.
 //!
 //! Balance is a hard constraint: the result always meets it, or the call fails with an error
 //! (`vertex_weights` when one vertex outweighs the largest block, `targets` when no packing was
