@@ -10,13 +10,13 @@
 //! The scheme is the multilevel one of hMETIS, PaToH and KaHyPar, single-threaded and
 //! deterministic for a seed:
 //!
-//! 1. [`coarsen`]: heavy-edge clustering (rating `Σ w(e)/(|e|−1)` over shared nets, bounded cluster
+//! 1. `coarsen`: heavy-edge clustering (rating `Σ w(e)/(|e|−1)` over shared nets, bounded cluster
 //!    weight, at most a 2.5× shrink per level) contracted level by level until about `160·k`
 //!    vertices remain; single-pin nets dropped and parallel nets merged.
-//! 2. [`initial`]: recursive bisection of the coarsest hypergraph with adaptive imbalance per level;
+//! 2. `initial`: recursive bisection of the coarsest hypergraph with adaptive imbalance per level;
 //!    each bisection takes the best of several tries (greedy hypergraph growing from random seeds,
 //!    random assignments), each polished by FM; several such runs compete on the k-way result.
-//! 3. [`refine`]: on the way back, the coarse partition is projected, then label propagation and
+//! 3. `refine`: on the way back, the coarse partition is projected, then label propagation and
 //!    k-way FM with km1 gains (gain cache, moves kept only up to the best prefix, vertices whose
 //!    best block is full parked until it has room) improve it; a rebalancing pass restores balance
 //!    whenever a level starts out of balance.
