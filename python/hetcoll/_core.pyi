@@ -98,8 +98,8 @@ def partition_hypergraph(
 
     Block ``b`` weighs at most ``(1 + epsilon) * targets[b] * sum(vertex_weights)`` (targets are
     positive and sum to 1); among such partitions it seeks a small connectivity minus one
-    (``km1``). Multilevel (heavy-edge clustering, recursive-bisection initial partitions, label
-    propagation and FM refinement), deterministic for a ``seed``, GIL released. Balance is never
+    (``km1``). Multilevel (heavy-edge clustering, recursive-bisection initial partitions, k-way FM
+    refinement, V-cycles), deterministic for a ``seed``, GIL released. Balance is never
     violated: if no balanced partition exists (or none is found) ``ValueError`` says so.
 
     >>> partition_hypergraph(4, [[0, 1], [2, 3], [1, 2]], [0.5, 0.5]).tolist()

@@ -16,10 +16,10 @@
 //! 2. `initial`: recursive bisection of the coarsest hypergraph with adaptive imbalance per level;
 //!    each bisection takes the best of several tries (greedy hypergraph growing from random seeds,
 //!    random assignments), each polished by FM; several such runs compete on the k-way result.
-//! 3. `refine`: on the way back, the coarse partition is projected, then label propagation and
-//!    k-way FM with km1 gains (gain cache, moves kept only up to the best prefix, vertices whose
-//!    best block is full parked until it has room) improve it; a rebalancing pass restores balance
-//!    whenever a level starts out of balance.
+//! 3. `refine`: on the way back, the coarse partition is projected, then k-way FM with km1 gains
+//!    (gain cache, moves kept only up to the best prefix, vertices whose best block is full parked
+//!    until it has room) improves it; a rebalancing pass restores balance whenever a level starts
+//!    out of balance.
 //! 4. V-cycles: coarsen again with clusters inside blocks, so the partition survives to the coarse
 //!    levels, and refine on the way back; repeated while a cycle improves km1.
 //!
