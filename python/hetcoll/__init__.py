@@ -5,7 +5,15 @@ and the collectives and PyTorch integration in submodules), and predict before r
 """
 
 from hetcoll import comm, fusion
-from hetcoll._core import __version__, finish_times, split
+from hetcoll._core import (
+    __version__,
+    chain_stage_times,
+    finish_times,
+    km1,
+    partition_chain,
+    partition_hypergraph,
+    split,
+)
 from hetcoll.collectives import allgatherv, allreduce
 from hetcoll.errors import CollectiveMismatchError, CollectiveTimeout
 from hetcoll.kernels import num_threads, weighted_sum
@@ -16,10 +24,14 @@ __all__ = [
     "__version__",
     "allgatherv",
     "allreduce",
+    "chain_stage_times",
     "comm",
     "finish_times",
     "fusion",
+    "km1",
     "num_threads",
+    "partition_chain",
+    "partition_hypergraph",
     "split",
     "weighted_sum",
 ]

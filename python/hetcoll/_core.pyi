@@ -6,9 +6,13 @@ import numpy as np
 
 __all__ = [
     "__version__",
+    "chain_stage_times",
     "finish_times",
+    "km1",
     "num_threads",
     "pack_into",
+    "partition_chain",
+    "partition_hypergraph",
     "ring_schedule",
     "split",
     "unpack_from",
@@ -71,3 +75,61 @@ def ring_schedule(
     Chunk ``c`` is ``counts[c]`` elements; segments are element ranges ``[lo, hi)`` of at most
     ``segment`` elements. Reduce-scatter steps come first; afterwards rank ``r`` owns chunk ``r``.
     """
+def partition_chain(
+    costs: Sequence[float],
+    speeds: Sequence[float],
+    *,
+    boundary_bytes: Sequence[float] | None = None,
+    bandwidth: float | None = None,
+) -> list[int]:
+    """Layers per device (in device order) of contiguous pipeline stages, smallest bottleneck.
+
+    Stage ``d`` holding layers ``[i, j)`` takes ``sum(costs[i:j]) / speeds[d]`` seconds plus, when
+    ``j < len(costs)``, ``boundary_bytes[j - 1] / bandwidth`` to send its output on (the last stage
+    sends nothing). A device may get 0 layers (its stage is skipped). Exact: probe + bisection
+    (Pinar & Aykanat 2004) over the bit patterns of doubles, so the bottleneck equals the
+    brute-force optimum as computed in floating point. ``boundary_bytes`` (``len(costs) - 1``
+    entries, bytes) and ``bandwidth`` (bytes per second) come together or not at all.
+
+    >>> partition_chain([1.0] * 8, [3.0, 1.0])
+    [6, 2]
+    """
+
+def chain_stage_times(
+    costs: Sequence[float],
+    speeds: Sequence[float],
+    layers: Sequence[int],
+    *,
+    boundary_bytes: Sequence[float] | None = None,
+    bandwidth: float | None = None,
+) -> list[float]:
+    """Seconds of each stage for ``layers`` per device, in the cost model of ``partition_chain``."""
+
+def partition_hypergraph(
+    num_vertices: int,
+    nets: Sequence[Sequence[int]] | Sequence[np.ndarray],
+    targets: Sequence[float] | np.ndarray,
+    *,
+    vertex_weights: Sequence[float] | np.ndarray | None = None,
+    net_weights: Sequence[float] | np.ndarray | None = None,
+    epsilon: float = 0.03,
+    seed: int = 0,
+) -> np.ndarray:
+    """Block (``int64``) of each vertex of a k-way partition, ``k = len(targets)``.
+
+    Block ``b`` weighs at most ``(1 + epsilon) * targets[b] * sum(vertex_weights)`` (targets are
+    positive and sum to 1); among such partitions it seeks a small connectivity minus one
+    (``km1``). Multilevel (heavy-edge clustering, recursive-bisection initial partitions, k-way FM
+    refinement, V-cycles), deterministic for a ``seed``, GIL released. Balance is never
+    violated: if no balanced partition exists (or none is found) ``ValueError`` says so.
+
+    >>> partition_hypergraph(4, [[0, 1], [2, 3], [1, 2]], [0.5, 0.5]).tolist()
+    [0, 0, 1, 1]
+    """
+
+def km1(
+    nets: Sequence[Sequence[int]] | Sequence[np.ndarray],
+    parts: Sequence[int] | np.ndarray,
+    net_weights: Sequence[float] | np.ndarray | None = None,
+) -> float:
+    """``sum_e net_weights[e] * (number of blocks net e touches - 1)``."""

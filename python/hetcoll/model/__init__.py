@@ -39,9 +39,12 @@ if TYPE_CHECKING:
         pipeline,
     )
 
-    # Room for the hypergraph helper: from hetcoll.model.hypergraph import network_hypergraph
-    # (and "network_hypergraph": "hetcoll.model.hypergraph" in _WHERE and __all__ below; a
-    # plain import at module level works too, if hypergraph.py does not import torch).
+    from hetcoll.model.hypergraph import (
+        NetworkHypergraph,
+        PartitionReport,
+        network_hypergraph,
+        partition_report,
+    )
 
 _WHERE = {
     "networks": "hetcoll.model.networks",
@@ -65,6 +68,10 @@ _WHERE = {
     "even_batch_shares": "hetcoll.model.predict",
     "filter_parallel": "hetcoll.model.predict",
     "pipeline": "hetcoll.model.predict",
+    "NetworkHypergraph": "hetcoll.model.hypergraph",
+    "PartitionReport": "hetcoll.model.hypergraph",
+    "network_hypergraph": "hetcoll.model.hypergraph",
+    "partition_report": "hetcoll.model.hypergraph",
 }
 
 __all__ = [
@@ -74,7 +81,9 @@ __all__ = [
     "LayerCost",
     "Link",
     "ModelCosts",
+    "NetworkHypergraph",
     "Node",
+    "PartitionReport",
     "Prediction",
     "balanced_batch_shares",
     "cluster_from_dict",
@@ -83,8 +92,10 @@ __all__ = [
     "filter_parallel",
     "layer_costs",
     "load_cluster",
+    "network_hypergraph",
     "networks",
     "parse_shape",
+    "partition_report",
     "pipeline",
     "plan",
     "sweep",

@@ -7,6 +7,7 @@ mod convert;
 mod errors;
 mod fusion;
 mod kernels;
+mod partition;
 mod schedules;
 mod solvers;
 
@@ -20,5 +21,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fusion::pack_into, m)?)?;
     m.add_function(wrap_pyfunction!(fusion::unpack_from, m)?)?;
     m.add_function(wrap_pyfunction!(schedules::ring_schedule, m)?)?;
+    m.add_function(wrap_pyfunction!(partition::partition_chain, m)?)?;
+    m.add_function(wrap_pyfunction!(partition::chain_stage_times, m)?)?;
+    m.add_function(wrap_pyfunction!(partition::partition_hypergraph, m)?)?;
+    m.add_function(wrap_pyfunction!(partition::km1, m)?)?;
     Ok(())
 }

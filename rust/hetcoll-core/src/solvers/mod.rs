@@ -2,7 +2,14 @@
 //!
 //! - [`split`]: integer work shares over ranks of unequal speed (samples per rank, filters per
 //!   rank, chunk sizes of a ring) with the smallest makespan.
+//! - [`chain`]: layers per device for contiguous pipeline stages, exact bottleneck.
+//! - [`hypergraph`]: multilevel k-way hypergraph partitioning with heterogeneous block targets
+//!   (connectivity-minus-one objective), e.g. the filters of a network over devices.
 
+pub mod chain;
+pub mod hypergraph;
 pub mod split;
 
+pub use chain::{partition_chain, stage_times};
+pub use hypergraph::{km1, partition_hypergraph, Hypergraph, PartitionOptions};
 pub use split::{finish_times, split, SplitOptions};

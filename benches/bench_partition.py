@@ -1,0 +1,121 @@
+"""Partitioners against named peers, in the same run.
+
+- ``hetcoll.partition_chain`` on 10,000 layers x 1,000 devices vs the same probe + bisection
+  written with numpy (``searchsorted`` per device, 64 float bisection steps, no transfers).
+- ``hetcoll.partition_hypergraph`` vs Mt-KaHyPar's default preset (1 thread) on the column-net
+  hypergraph of a 10^4 x 10^4 random sparse matrix, k = 4 with heterogeneous targets; km1 of both
+  in the note. Skipped when ``mtkahypar`` is not installed (``pip install mtkahypar``).
+
+    .venv/bin/python -m pytest benches/bench_partition.py
+
+The quality table over many instances is ``benches/compare_partitioners.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import hetcoll
+import numpy as np
+import pytest
+
+N, P = 10_000, 1_000
+CHAIN = f"partition_chain {N} layers x {P} devices"
+
+
+def chain_instance():
+    rng = np.random.default_rng(0)
+    return rng.uniform(1.0, 1000.0, N), rng.uniform(1.0, 100.0, P)
+
+
+def numpy_probe_bisection(costs: np.ndarray, speeds: np.ndarray) -> list[int]:
+    prefix = np.concatenate(([0.0], np.cumsum(costs)))
+    n = len(costs)
+
+    def probe(bound: float) -> list[int] | None:
+        at, layers = 0, []
+        for s in speeds:
+            nxt = int(np.searchsorted(prefix, prefix[at] + bound * s, side="right")) - 1
+            nxt = max(at, min(n, nxt))
+            layers.append(nxt - at)
+            at = nxt
+        return layers if at == n else None
+
+    lo, hi = 0.0, float(prefix[-1] / speeds.max())
+    for _ in range(64):
+        mid = (lo + hi) / 2
+        if probe(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    return probe(hi)
+
+
+def bottleneck(costs, speeds, layers):
+    return max(hetcoll.chain_stage_times(costs, speeds, layers))
+
+
+def test_chain_hetcoll(benchmark, record):
+    costs, speeds = chain_instance()
+    c, s = costs.tolist(), speeds.tolist()
+    layers = benchmark.pedantic(hetcoll.partition_chain, args=(c, s), rounds=20)
+    record(benchmark, CHAIN, "hetcoll.partition_chain (Rust, exact)")
+    assert sum(layers) == N
+
+
+def test_chain_numpy_peer(benchmark, record):
+    costs, speeds = chain_instance()
+    layers = benchmark.pedantic(numpy_probe_bisection, args=(costs, speeds), rounds=3)
+    c, s = costs.tolist(), speeds.tolist()
+    exact = bottleneck(c, s, hetcoll.partition_chain(c, s))
+    record(
+        benchmark,
+        CHAIN,
+        "numpy probe + bisection",
+        peer=True,
+        note=f"bottleneck / exact = {bottleneck(c, s, layers) / exact:.9f}",
+    )
+    assert bottleneck(c, s, layers) >= exact
+
+
+def random_hypergraph(n: int = 10_000, per_row: int = 5):
+    import scipy.sparse as sp
+
+    rng = np.random.default_rng(n)
+    m = sp.random(n, n, density=per_row / n, format="csc", random_state=rng)
+    m = sp.csc_matrix(m + sp.eye(n, format="csc"))
+    nets = [m.indices[m.indptr[j] : m.indptr[j + 1]].astype(np.int64) for j in range(n)]
+    return n, [e for e in nets if len(e) >= 2]
+
+
+TARGETS = [0.5, 0.25, 0.125, 0.125]
+HYPER = "partition_hypergraph random 10^4, k=4 targets 4:2:1:1"
+
+
+def test_hypergraph_hetcoll(benchmark, record):
+    n, nets = random_hypergraph()
+    parts = benchmark.pedantic(hetcoll.partition_hypergraph, args=(n, nets, TARGETS), rounds=3)
+    record(benchmark, HYPER, "hetcoll", note=f"km1 {hetcoll.km1(nets, parts):.0f}")
+    w = np.bincount(parts, minlength=4)
+    assert all(w[b] <= 1.03 * TARGETS[b] * n for b in range(4))
+
+
+def test_hypergraph_mtkahypar(benchmark, record):
+    mtkahypar = pytest.importorskip("mtkahypar")
+    n, nets = random_hypergraph()
+    mtk = mtkahypar.initialize(1, False)
+    ctx = mtk.context_from_preset(mtkahypar.PresetType.DEFAULT)
+    ctx.set_partitioning_parameters(4, 0.03, mtkahypar.Objective.KM1)
+    ctx.set_individual_target_block_weights([math.floor(1.03 * t * n) for t in TARGETS])
+    ctx.logging = False
+    mtkahypar.set_seed(0)
+    hg = mtk.create_hypergraph(ctx, n, len(nets), [e.tolist() for e in nets])
+    phg = benchmark.pedantic(hg.partition, args=(ctx,), rounds=3)
+    parts = np.array([phg.block_id(v) for v in range(n)])
+    record(
+        benchmark,
+        HYPER,
+        "Mt-KaHyPar default (1 thread)",
+        peer=True,
+        note=f"km1 {hetcoll.km1(nets, parts):.0f}",
+    )

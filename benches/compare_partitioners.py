@@ -1,0 +1,171 @@
+"""hetcoll.partition_hypergraph vs Mt-KaHyPar (default preset), same instances, same run.
+
+Instances: column-net hypergraphs of scipy.sparse random matrices (rows are vertices, each
+column is a net over the rows with a nonzero in it), a 2D 5-point stencil matrix, and the
+seed-002 hypergraphs of two CNNs (``hetcoll.model.network_hypergraph``); k = 2, 4, 8; uniform
+targets and heterogeneous ones (speeds 4:2:1:1 repeated). Mt-KaHyPar gets the same limits as
+individual maximum block weights ``floor((1 + eps) * targets[b] * W)`` (it takes integer
+weights, so weights are rounded to integers for both), one thread, the default preset.
+
+    .venv/bin/python benches/compare_partitioners.py [--quick]
+
+Needs ``pip install mtkahypar`` (benchmark only; hetcoll does not depend on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import hetcoll
+import numpy as np
+import scipy.sparse as sp
+
+EPS = 0.03
+
+
+def column_net(matrix: sp.spmatrix) -> list[np.ndarray]:
+    csc = sp.csc_matrix(matrix)
+    nets = [csc.indices[csc.indptr[j] : csc.indptr[j + 1]] for j in range(csc.shape[1])]
+    return [np.asarray(n, dtype=np.int64) for n in nets if len(n) >= 2]
+
+
+def random_matrix(n: int, nnz_per_row: int, seed: int) -> sp.spmatrix:
+    rng = np.random.default_rng(seed)
+    return sp.random(n, n, density=nnz_per_row / n, format="csr", random_state=rng) + sp.eye(n)
+
+
+def stencil(side: int) -> sp.spmatrix:
+    one = sp.diags([1, 1, 1], [-1, 0, 1], shape=(side, side))
+    return sp.kron(one, sp.eye(side)) + sp.kron(sp.eye(side), one)
+
+
+def cnn_instances() -> list[tuple[str, int, list[np.ndarray], np.ndarray, np.ndarray]]:
+    try:
+        import torch
+        from hetcoll.model import network_hypergraph
+    except ImportError:
+        return []
+    torch.manual_seed(0)
+    small = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(32, 64, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(64, 128, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(128 * 8 * 8, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 10),
+    )
+    # The seed-000 network: 8 conv layers of 60..480 3x3 filters, pooling every second layer.
+    layers: list[torch.nn.Module] = []
+    channels = 3
+    for i, width in enumerate([60, 60, 120, 120, 240, 240, 480, 480]):
+        layers += [torch.nn.Conv2d(channels, width, 3, padding=1), torch.nn.ReLU()]
+        if i % 2:
+            layers.append(torch.nn.MaxPool2d(2))
+        channels = width
+    seed000 = torch.nn.Sequential(*layers, torch.nn.Flatten(), torch.nn.Linear(480 * 2 * 2, 10))
+    out = []
+    for name, model, shape in [
+        ("cnn-cifar small", small, (3, 32, 32)),
+        ("cnn seed-000 8 conv", seed000, (3, 32, 32)),
+    ]:
+        h = network_hypergraph(model, shape)
+        out.append((name, h.num_vertices, h.nets, h.vertex_weights, h.net_weights))
+    return out
+
+
+def targets_for(k: int, hetero: bool) -> list[float]:
+    speeds = [(4.0, 2.0, 1.0, 1.0)[b % 4] if hetero else 1.0 for b in range(k)]
+    return [s / sum(speeds) for s in speeds]
+
+
+def km1_of(nets, parts, net_weights) -> float:
+    return hetcoll.km1(nets, parts, net_weights)
+
+
+def balanced(parts, vw, targets) -> bool:
+    w = np.bincount(parts, weights=vw, minlength=len(targets))
+    total = float(np.sum(vw))
+    return all(w[b] <= (1 + EPS) * targets[b] * total for b in range(len(targets)))
+
+
+def run_mtkahypar(mtk, n, nets, vw, nw, targets):
+    ctx = mtk.context_from_preset(mtkahypar.PresetType.DEFAULT)
+    ctx.set_partitioning_parameters(len(targets), EPS, mtkahypar.Objective.KM1)
+    total = int(np.sum(vw))
+    ctx.set_individual_target_block_weights([math.floor((1 + EPS) * t * total) for t in targets])
+    mtkahypar.set_seed(0)
+    ctx.logging = False
+    hg = mtk.create_hypergraph(
+        ctx, n, len(nets), [list(map(int, e)) for e in nets], list(map(int, vw)), list(map(int, nw))
+    )
+    start = time.perf_counter()
+    phg = hg.partition(ctx)
+    seconds = time.perf_counter() - start
+    parts = np.array([phg.block_id(v) for v in range(n)], dtype=np.int64)
+    return parts, seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="small instances only")
+    args = ap.parse_args()
+    global mtkahypar
+    import mtkahypar
+
+    mtk = mtkahypar.initialize(1, False)
+    instances = []
+    sizes = [(10_000, 5)] if args.quick else [(10_000, 5), (30_000, 5), (100_000, 4)]
+    for n, d in sizes:
+        nets = column_net(random_matrix(n, d, seed=n))
+        instances.append((f"random {n} x {n}, {d}/row", n, nets, np.ones(n), np.ones(len(nets))))
+    side = 100 if args.quick else 200
+    nets = column_net(stencil(side))
+    n = side * side
+    instances.append((f"stencil {side}x{side}", n, nets, np.ones(n), np.ones(len(nets))))
+    for name, n, nets, vw, nw in cnn_instances():
+        # Integer weights for both partitioners (Mt-KaHyPar takes integers only).
+        vw = np.maximum(1, np.round(vw / max(1.0, vw.max() / 1e4)))
+        nw = np.maximum(1, np.round(nw / max(1.0, nw.max() / 1e4)))
+        instances.append((name, n, nets, vw, nw))
+
+    print(
+        f"{'instance':<28} {'k':>2} {'targets':<7} {'km1 hetcoll':>12} {'km1 MtKaHyPar':>14}"
+        f" {'ratio':>6} {'t hetcoll':>10} {'t MtKaHyPar':>11} {'balanced':>9}"
+    )
+    ratios, tratios = [], []
+    for name, n, nets, vw, nw in instances:
+        for k in (2, 4, 8):
+            for hetero in (False, True):
+                targets = targets_for(k, hetero)
+                start = time.perf_counter()
+                ours = hetcoll.partition_hypergraph(
+                    n, nets, targets, vertex_weights=vw, net_weights=nw, epsilon=EPS, seed=0
+                )
+                t_ours = time.perf_counter() - start
+                theirs, t_theirs = run_mtkahypar(mtk, n, nets, vw, nw, targets)
+                a, b = km1_of(nets, ours, nw), km1_of(nets, theirs, nw)
+                ratio = a / b if b > 0 else (1.0 if a == 0 else math.inf)
+                ratios.append(ratio)
+                tratios.append(t_ours / t_theirs)
+                ok = f"{balanced(ours, vw, targets)!s:>5}/{balanced(theirs, vw, targets)!s:<5}"
+                print(
+                    f"{name:<28} {k:>2} {'hetero' if hetero else 'uniform':<7} {a:>12.0f}"
+                    f" {b:>14.0f} {ratio:>6.3f} {t_ours:>9.3f}s {t_theirs:>10.3f}s {ok:>9}",
+                    flush=True,
+                )
+    gm = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    gt = math.exp(sum(math.log(r) for r in tratios) / len(tratios))
+    print(f"geometric mean km1 ratio hetcoll / Mt-KaHyPar: {gm:.3f}")
+    print(f"geometric mean time ratio hetcoll / Mt-KaHyPar: {gt:.2f}")
+
+
+if __name__ == "__main__":
+    main()

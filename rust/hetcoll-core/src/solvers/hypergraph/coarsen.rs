@@ -1,0 +1,205 @@
+//! Coarsening: heavy-edge clustering and contraction, level by level.
+
+use std::collections::HashMap;
+
+use super::{Hypergraph, Rng};
+
+/// One coarsening step: the coarse hypergraph and, for each fine vertex, its coarse vertex.
+pub(super) struct Level {
+    pub coarse: Hypergraph,
+    pub map: Vec<u32>,
+}
+
+/// Stop coarsening at about this many vertices per block (KaHyPar's and Mt-KaHyPar's `160·k`).
+const VERTICES_PER_BLOCK: usize = 160;
+/// At most this shrink factor per level, so refinement sees enough intermediate levels.
+const MAX_SHRINK: f64 = 2.5;
+/// Nets larger than this do not contribute to ratings: they say little about which two vertices
+/// belong together and would make rating quadratic.
+const RATING_NET_LIMIT: usize = 1000;
+
+/// Coarsen until about `160·k` vertices are left or a level stops shrinking. Level `i` maps the
+/// vertices of level `i − 1` (level −1 is `hg`) onto its coarse hypergraph. With `parts` (a
+/// partition of `hg`, for V-cycles) clusters never span two blocks.
+pub(super) fn coarsen(
+    hg: &Hypergraph,
+    k: usize,
+    caps: &[f64],
+    parts: Option<&[u32]>,
+    rng: &mut Rng,
+) -> Vec<Level> {
+    let limit = VERTICES_PER_BLOCK * k;
+    // A cluster may weigh at most a 1/160 of the smallest block's target, so the coarsest level
+    // can still be balanced by the initial partitioner.
+    let smallest = caps.iter().copied().fold(f64::INFINITY, f64::min);
+    let max_cluster = (smallest / VERTICES_PER_BLOCK as f64)
+        .max(hg.vertex_weights.iter().copied().fold(0.0, f64::max));
+    let mut levels: Vec<Level> = Vec::new();
+    let mut blocks: Option<Vec<u32>> = parts.map(<[u32]>::to_vec);
+    loop {
+        let current = levels.last().map_or(hg, |l| &l.coarse);
+        let n = current.num_vertices();
+        if n <= limit {
+            break;
+        }
+        let (map, clusters) = cluster(current, max_cluster, limit, blocks.as_deref(), rng);
+        if clusters as f64 > 0.97 * n as f64 {
+            break;
+        }
+        if let Some(b) = &blocks {
+            let mut coarse_blocks = vec![0u32; clusters];
+            for (v, &c) in map.iter().enumerate() {
+                coarse_blocks[c as usize] = b[v];
+            }
+            blocks = Some(coarse_blocks);
+        }
+        let coarse = contract(current, &map, clusters);
+        levels.push(Level { coarse, map });
+    }
+    levels
+}
+
+/// Heavy-edge clustering: vertices in random order join the neighbouring cluster with the highest
+/// rating `Σ_{shared e} w(e) / (|e| − 1)`, if the joint weight stays within `max_cluster`.
+fn cluster(
+    hg: &Hypergraph,
+    max_cluster: f64,
+    limit: usize,
+    blocks: Option<&[u32]>,
+    rng: &mut Rng,
+) -> (Vec<u32>, usize) {
+    let n = hg.num_vertices();
+    let mut order: Vec<u32> = (0..n as u32).collect();
+    rng.shuffle(&mut order);
+    // Cluster representative of each vertex; a vertex is its own until it joins or is joined.
+    let mut rep: Vec<u32> = (0..n as u32).collect();
+    let mut cluster_weight = hg.vertex_weights.clone();
+    let mut joined = vec![false; n]; // part of a multi-vertex cluster
+    let mut rating = vec![0.0f64; n];
+    let mut touched: Vec<u32> = Vec::new();
+    let target = ((n as f64 / MAX_SHRINK) as usize).max(limit);
+    let mut clusters = n;
+    for &v in &order {
+        if clusters <= target {
+            break;
+        }
+        let v = v as usize;
+        if joined[v] {
+            continue;
+        }
+        for &e in hg.nets(v) {
+            let e = e as usize;
+            let size = hg.net_size(e);
+            if size > RATING_NET_LIMIT {
+                continue;
+            }
+            let score = hg.net_weights[e] / (size - 1) as f64;
+            for &u in hg.pins(e) {
+                let r = rep[u as usize] as usize;
+                if u as usize == v {
+                    continue;
+                }
+                if rating[r] == 0.0 {
+                    touched.push(r as u32);
+                }
+                rating[r] += score;
+            }
+        }
+        let wv = hg.vertex_weights[v];
+        let mut best: Option<(f64, bool, u32)> = None;
+        for &r in &touched {
+            let ri = r as usize;
+            let score = rating[ri];
+            rating[ri] = 0.0;
+            let other_block = blocks.is_some_and(|b| b[ri] != b[v]);
+            if ri == v || other_block || cluster_weight[ri] + wv > max_cluster || score <= 0.0 {
+                continue;
+            }
+            // Prefer higher ratings; on ties prefer a vertex not yet in a cluster (keeps cluster
+            // sizes even), then the random visiting order decides via the first seen.
+            let unmatched = !joined[ri];
+            let better = match best {
+                None => true,
+                Some((s, u, _)) => score > s || (score == s && unmatched && !u),
+            };
+            if better {
+                best = Some((score, unmatched, r));
+            }
+        }
+        touched.clear();
+        if let Some((_, _, r)) = best {
+            let r = r as usize;
+            rep[v] = r as u32;
+            cluster_weight[r] += wv;
+            joined[v] = true;
+            joined[r] = true;
+            clusters -= 1;
+        }
+    }
+    // Representatives may themselves have joined another cluster later: follow to the root.
+    let mut map = vec![u32::MAX; n];
+    let mut ids = vec![u32::MAX; n];
+    let mut next = 0u32;
+    for (v, slot) in map.iter_mut().enumerate() {
+        let mut r = v;
+        while rep[r] as usize != r {
+            r = rep[r] as usize;
+        }
+        if ids[r] == u32::MAX {
+            ids[r] = next;
+            next += 1;
+        }
+        *slot = ids[r];
+    }
+    (map, next as usize)
+}
+
+/// The coarse hypergraph of `map`: summed vertex weights, pins mapped and deduplicated,
+/// single-pin nets dropped, identical nets merged with summed weights.
+fn contract(hg: &Hypergraph, map: &[u32], clusters: usize) -> Hypergraph {
+    let mut vertex_weights = vec![0.0; clusters];
+    for (v, &c) in map.iter().enumerate() {
+        vertex_weights[c as usize] += hg.vertex_weights[v];
+    }
+    let mut net_offsets = vec![0usize];
+    let mut pins: Vec<u32> = Vec::with_capacity(hg.pins.len());
+    let mut net_weights: Vec<f64> = Vec::new();
+    let mut mark = vec![u32::MAX; clusters];
+    let mut index: HashMap<(u64, usize), Vec<usize>> = HashMap::new();
+    for e in 0..hg.num_nets() {
+        let start = pins.len();
+        for &v in hg.pins(e) {
+            let c = map[v as usize];
+            if mark[c as usize] != e as u32 {
+                mark[c as usize] = e as u32;
+                pins.push(c);
+            }
+        }
+        if pins.len() - start < 2 {
+            pins.truncate(start);
+            continue;
+        }
+        pins[start..].sort_unstable();
+        let key = (fingerprint(&pins[start..]), pins.len() - start);
+        let candidates = index.entry(key).or_default();
+        let twin = candidates
+            .iter()
+            .copied()
+            .find(|&f| pins[net_offsets[f]..net_offsets[f + 1]] == pins[start..]);
+        if let Some(f) = twin {
+            net_weights[f] += hg.net_weights[e];
+            pins.truncate(start);
+        } else {
+            candidates.push(net_weights.len());
+            net_weights.push(hg.net_weights[e]);
+            net_offsets.push(pins.len());
+        }
+    }
+    Hypergraph::from_parts(vertex_weights, net_offsets, pins, net_weights)
+}
+
+fn fingerprint(pins: &[u32]) -> u64 {
+    pins.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &p| {
+        (h ^ p as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}

@@ -1,0 +1,322 @@
+//! Initial partitioning of the coarsest hypergraph: recursive bisection, the best of several tries
+//! per bisection, and a weight-only packing used as the last resort for balance.
+
+use std::collections::BinaryHeap;
+
+use super::refine::{fm, rebalance, State};
+use super::{Hypergraph, Rng};
+
+/// Tries per bisection: greedy growing from random seeds alternating with random assignments.
+const TRIES: usize = 8;
+
+/// Blocks `0..targets.len()` of the vertices of `hg` by recursive bisection. Each bisection gets
+/// an adaptive imbalance `ε'` such that the imbalances compound to at most the final `ε` over the
+/// `⌈log2 k⌉` levels (KaHyPar's rule, with unequal targets).
+pub(super) fn initial_partition(
+    hg: &Hypergraph,
+    targets: &[f64],
+    epsilon: f64,
+    caps: &[f64],
+    rng: &mut Rng,
+) -> Vec<u32> {
+    let n = hg.num_vertices();
+    let mut parts = vec![0u32; n];
+    let ids: Vec<u32> = (0..n as u32).collect();
+    let total = hg.total_weight();
+    recurse(
+        hg.clone(),
+        &ids,
+        0,
+        targets.len(),
+        &Budget {
+            targets,
+            epsilon,
+            total,
+            caps,
+        },
+        &mut parts,
+        rng,
+    );
+    parts
+}
+
+struct Budget<'a> {
+    targets: &'a [f64],
+    epsilon: f64,
+    total: f64,
+    /// The final k-way capacities: a side never gets more room than its blocks have together
+    /// (the adaptive formula can round a hair above a single block's capacity).
+    caps: &'a [f64],
+}
+
+fn recurse(
+    sub: Hypergraph,
+    ids: &[u32],
+    lo: usize,
+    hi: usize,
+    budget: &Budget<'_>,
+    parts: &mut [u32],
+    rng: &mut Rng,
+) {
+    if hi - lo == 1 {
+        for &v in ids {
+            parts[v as usize] = lo as u32;
+        }
+        return;
+    }
+    let mid = lo + (hi - lo) / 2;
+    let t_sub: f64 = budget.targets[lo..hi].iter().sum();
+    let t_left: f64 = budget.targets[lo..mid].iter().sum();
+    let w_sub = sub.total_weight();
+    let caps = if w_sub > 0.0 {
+        let depth = (usize::BITS - (hi - lo - 1).leading_zeros()) as f64; // ⌈log2(hi − lo)⌉
+        let base = (1.0 + budget.epsilon) * t_sub * budget.total / w_sub;
+        let eps = (base.powf(1.0 / depth) - 1.0).max(0.0);
+        [
+            (1.0 + eps) * (t_left / t_sub) * w_sub,
+            (1.0 + eps) * ((t_sub - t_left) / t_sub) * w_sub,
+        ]
+    } else {
+        [f64::INFINITY, f64::INFINITY]
+    };
+    let caps = [
+        caps[0].min(budget.caps[lo..mid].iter().sum()),
+        caps[1].min(budget.caps[mid..hi].iter().sum()),
+    ];
+    let side = bisect(&sub, &caps, rng);
+    for s in 0..2u32 {
+        let (child, child_ids) = extract(&sub, ids, &side, s);
+        let (a, b) = if s == 0 { (lo, mid) } else { (mid, hi) };
+        recurse(child, &child_ids, a, b, budget, parts, rng);
+    }
+}
+
+/// The best 2-way split of `hg` under `caps` over several tries: balanced before unbalanced, then
+/// smallest km1.
+fn bisect(hg: &Hypergraph, caps: &[f64; 2], rng: &mut Rng) -> Vec<u32> {
+    let n = hg.num_vertices();
+    let mut best: Option<(bool, f64, Vec<u32>)> = None;
+    let total = hg.total_weight();
+    let ideal_right = total * caps[1] / (caps[0] + caps[1]);
+    let tries = if n < super::SMALL { 2 * TRIES } else { TRIES };
+    for attempt in 0..tries {
+        let start = if attempt % 3 == 2 {
+            random_split(hg, ideal_right, rng)
+        } else {
+            grow(hg, ideal_right, caps, rng)
+        };
+        let mut state = State::new(hg, start, caps);
+        let ok = state.is_balanced() || rebalance(&mut state, rng);
+        fm(&mut state, rng, 4);
+        let cut = state.km1();
+        let better = match &best {
+            None => true,
+            Some((b_ok, b_cut, _)) => (ok && !b_ok) || (ok == *b_ok && cut < *b_cut),
+        };
+        if better {
+            best = Some((ok, cut, state.parts));
+        }
+        if n < 2 {
+            break;
+        }
+    }
+    best.map(|(_, _, p)| p).unwrap_or_else(|| vec![0; n])
+}
+
+/// Greedy hypergraph growing: block 1 grows from a random seed, always taking the vertex whose
+/// move from block 0 gains most, until it reaches its ideal weight.
+fn grow(hg: &Hypergraph, ideal_right: f64, caps: &[f64; 2], rng: &mut Rng) -> Vec<u32> {
+    let n = hg.num_vertices();
+    let mut state = State::new(hg, vec![0; n], caps);
+    let mut heap: BinaryHeap<(Key, u32)> = BinaryHeap::new();
+    let mut weight = 0.0;
+    let mut order: Vec<u32> = (0..n as u32).collect();
+    rng.shuffle(&mut order);
+    let mut next_seed = 0usize;
+    let mut woken: Vec<u32> = Vec::new();
+    let mut stamp = vec![0u64; n];
+    let mut stamp_now = 0u64;
+    while weight < ideal_right {
+        let v = loop {
+            match heap.pop() {
+                Some((Key(g), v)) => {
+                    if state.parts[v as usize] == 1 {
+                        continue;
+                    }
+                    let m = state
+                        .best_move(v as usize, true)
+                        .map_or(f64::MIN, |m| m.gain);
+                    if m < g {
+                        heap.push((Key(m), v));
+                        continue;
+                    }
+                    break Some(v);
+                }
+                None => {
+                    // Disconnected from block 1 so far: start from a fresh random seed.
+                    while next_seed < n && state.parts[order[next_seed] as usize] == 1 {
+                        next_seed += 1;
+                    }
+                    break order.get(next_seed).copied();
+                }
+            }
+        };
+        let Some(v) = v else { break };
+        let w = hg.vertex_weights[v as usize];
+        if weight + w > caps[1] {
+            // Too heavy for block 1: it stays in block 0.
+            if heap.is_empty() && next_seed < n && order[next_seed] == v {
+                next_seed += 1;
+            }
+            continue;
+        }
+        woken.clear();
+        state.apply(v as usize, 1, |e| woken.extend_from_slice(hg.pins(e)));
+        weight += w;
+        stamp_now += 1;
+        for &u in &woken {
+            if state.parts[u as usize] == 0 && stamp[u as usize] != stamp_now {
+                stamp[u as usize] = stamp_now;
+                if let Some(m) = state.best_move(u as usize, true) {
+                    heap.push((Key(m.gain), u));
+                }
+            }
+        }
+    }
+    state.parts
+}
+
+/// Random vertices go to block 1 until it reaches its ideal weight.
+fn random_split(hg: &Hypergraph, ideal_right: f64, rng: &mut Rng) -> Vec<u32> {
+    let n = hg.num_vertices();
+    let mut order: Vec<u32> = (0..n as u32).collect();
+    rng.shuffle(&mut order);
+    let mut parts = vec![0u32; n];
+    let mut weight = 0.0;
+    for &v in &order {
+        if weight >= ideal_right {
+            break;
+        }
+        parts[v as usize] = 1;
+        weight += hg.vertex_weights[v as usize];
+    }
+    parts
+}
+
+/// `f64` ordered by `total_cmp`, for heaps.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Key(f64);
+impl Eq for Key {}
+impl PartialOrd for Key {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Key {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&other.0)
+    }
+}
+
+/// The sub-hypergraph induced by the vertices on `side`, with nets cut down to their pins there
+/// (cut-net splitting: what km1 still charges inside the side).
+fn extract(hg: &Hypergraph, ids: &[u32], parts: &[u32], side: u32) -> (Hypergraph, Vec<u32>) {
+    let n = hg.num_vertices();
+    let mut local = vec![u32::MAX; n];
+    let mut child_ids = Vec::new();
+    let mut weights = Vec::new();
+    for v in 0..n {
+        if parts[v] == side {
+            local[v] = child_ids.len() as u32;
+            child_ids.push(ids[v]);
+            weights.push(hg.vertex_weights[v]);
+        }
+    }
+    let mut offsets = vec![0usize];
+    let mut pins = Vec::new();
+    let mut net_weights = Vec::new();
+    for e in 0..hg.num_nets() {
+        let start = pins.len();
+        pins.extend(
+            hg.pins(e)
+                .iter()
+                .filter(|&&v| parts[v as usize] == side)
+                .map(|&v| local[v as usize]),
+        );
+        if pins.len() - start < 2 {
+            pins.truncate(start);
+        } else {
+            offsets.push(pins.len());
+            net_weights.push(hg.net_weights[e]);
+        }
+    }
+    (
+        Hypergraph::from_parts(weights, offsets, pins, net_weights),
+        child_ids,
+    )
+}
+
+/// Weight-only packing, heaviest vertex first, tried several ways: into the block with the most
+/// room left (worst fit), with the least room that still fits (best fit), the first that fits
+/// with blocks by decreasing capacity (first fit), then first fit over shuffled block orders and
+/// shuffled ties. `None` if every way leaves some vertex without a block (bin packing is NP-hard:
+/// this can miss a packing that exists).
+pub(super) fn pack(hg: &Hypergraph, caps: &[f64]) -> Option<Vec<u32>> {
+    let n = hg.num_vertices();
+    let k = caps.len();
+    let mut order: Vec<u32> = (0..n as u32).collect();
+    order.sort_by(|&a, &b| {
+        hg.vertex_weights[b as usize]
+            .total_cmp(&hg.vertex_weights[a as usize])
+            .then(a.cmp(&b))
+    });
+    let mut by_capacity: Vec<usize> = (0..k).collect();
+    by_capacity.sort_by(|&a, &b| caps[b].total_cmp(&caps[a]).then(a.cmp(&b)));
+    let mut rng = Rng::new(0x9ac4);
+    for attempt in 0..3 + PACKING_RESTARTS {
+        let mut blocks = by_capacity.clone();
+        if attempt >= 3 {
+            rng.shuffle(&mut blocks);
+            shuffle_ties(hg, &mut order, &mut rng);
+        }
+        let mut room = caps.to_vec();
+        let mut parts = vec![0u32; n];
+        let mut ok = true;
+        for &v in &order {
+            let w = hg.vertex_weights[v as usize];
+            let fits = blocks.iter().copied().filter(|&b| w <= room[b]);
+            let chosen = match attempt {
+                0 => fits.max_by(|&x, &y| room[x].total_cmp(&room[y]).then(y.cmp(&x))),
+                1 => fits.min_by(|&x, &y| room[x].total_cmp(&room[y]).then(x.cmp(&y))),
+                _ => fits.into_iter().next(),
+            };
+            let Some(b) = chosen else {
+                ok = false;
+                break;
+            };
+            parts[v as usize] = b as u32;
+            room[b] -= w;
+        }
+        if ok {
+            return Some(parts);
+        }
+    }
+    None
+}
+
+/// Randomised first-fit restarts of [`pack`] after its three fixed rules.
+const PACKING_RESTARTS: usize = 64;
+
+/// Shuffle runs of equal weight in `order` (sorted by decreasing weight), keeping the sort.
+fn shuffle_ties(hg: &Hypergraph, order: &mut [u32], rng: &mut Rng) {
+    let mut start = 0;
+    while start < order.len() {
+        let w = hg.vertex_weights[order[start] as usize];
+        let mut end = start + 1;
+        while end < order.len() && hg.vertex_weights[order[end] as usize] == w {
+            end += 1;
+        }
+        rng.shuffle(&mut order[start..end]);
+        start = end;
+    }
+}

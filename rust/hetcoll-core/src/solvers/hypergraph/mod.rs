@@ -1,0 +1,524 @@
+//! Multilevel k-way hypergraph partitioning with heterogeneous block targets.
+//!
+//! A hypergraph has weighted vertices (work: the FLOPs of a filter) and weighted nets (pin sets:
+//! a feature map and everyone who reads it, weighted by its bytes). A partition into `k` blocks is
+//! *balanced* when every block `b` weighs at most `(1 + ε) · targets[b] · W` (`W` the total vertex
+//! weight, `targets` summing to 1 — unequal targets for devices of unequal speed). The objective is
+//! the connectivity minus one, `km1 = Σ_e w(e) · (λ(e) − 1)` with `λ(e)` the number of blocks net `e`
+//! touches: the volume a producer sends to the other blocks that read its output.
+//!
+//! The scheme is the multilevel one of hMETIS, PaToH and KaHyPar, single-threaded and
+//! deterministic for a seed:
+//!
+//! 1. `coarsen`: heavy-edge clustering (rating `Σ w(e)/(|e|−1)` over shared nets, bounded cluster
+//!    weight, at most a 2.5× shrink per level) contracted level by level until about `160·k`
+//!    vertices remain; single-pin nets dropped and parallel nets merged.
+//! 2. `initial`: recursive bisection of the coarsest hypergraph with adaptive imbalance per level;
+//!    each bisection takes the best of several tries (greedy hypergraph growing from random seeds,
+//!    random assignments), each polished by FM; several such runs compete on the k-way result.
+//! 3. `refine`: on the way back, the coarse partition is projected, then k-way FM with km1 gains
+//!    (gain cache, moves kept only up to the best prefix, vertices whose best block is full parked
+//!    until it has room) improves it; a rebalancing pass restores balance whenever a level starts
+//!    out of balance.
+//! 4. V-cycles: coarsen again with clusters inside blocks, so the partition survives to the coarse
+//!    levels, and refine on the way back; repeated while a cycle improves km1.
+//!
+//! Balance is a hard constraint: the result always meets it, or the call fails with an error
+//! (`vertex_weights` when one vertex outweighs the largest block, `targets` when no packing was
+//! found — bin packing is NP-hard, so "not found" is what can honestly be said for weighted
+//! vertices).
+
+mod coarsen;
+mod initial;
+mod refine;
+
+use crate::error::{CoreError, Result};
+
+/// A hypergraph in compressed form: nets → pins and vertices → nets.
+#[derive(Debug, Clone)]
+pub struct Hypergraph {
+    vertex_weights: Vec<f64>,
+    net_offsets: Vec<usize>,
+    pins: Vec<u32>,
+    net_weights: Vec<f64>,
+    incidence_offsets: Vec<usize>,
+    incidence: Vec<u32>,
+}
+
+impl Hypergraph {
+    /// Validate and build. `net_offsets` has one more entry than there are nets; net `e` has pins
+    /// `pins[net_offsets[e]..net_offsets[e + 1]]`. Weights default to 1.
+    pub fn new(
+        num_vertices: usize,
+        net_offsets: Vec<usize>,
+        pins: Vec<u32>,
+        vertex_weights: Option<Vec<f64>>,
+        net_weights: Option<Vec<f64>>,
+    ) -> Result<Self> {
+        if num_vertices > u32::MAX as usize {
+            return Err(CoreError::invalid(
+                "num_vertices",
+                format!("must be < 2**32, got {num_vertices}"),
+            ));
+        }
+        if net_offsets.first() != Some(&0) || net_offsets.last() != Some(&pins.len()) {
+            return Err(CoreError::invalid("nets", "malformed offsets"));
+        }
+        let m = net_offsets.len() - 1;
+        let mut seen = vec![u32::MAX; num_vertices];
+        for e in 0..m {
+            let (a, b) = (net_offsets[e], net_offsets[e + 1]);
+            if b <= a {
+                return Err(CoreError::invalid(
+                    format!("nets[{e}]"),
+                    if b == a {
+                        "must not be empty"
+                    } else {
+                        "malformed offsets"
+                    },
+                ));
+            }
+            for &v in &pins[a..b] {
+                if v as usize >= num_vertices {
+                    return Err(CoreError::invalid(
+                        format!("nets[{e}]"),
+                        format!("vertex id {v} out of range 0..{num_vertices}"),
+                    ));
+                }
+                if seen[v as usize] == e as u32 {
+                    return Err(CoreError::invalid(
+                        format!("nets[{e}]"),
+                        format!("duplicate pin {v}"),
+                    ));
+                }
+                seen[v as usize] = e as u32;
+            }
+        }
+        let vertex_weights = weights(vertex_weights, num_vertices, "vertex_weights")?;
+        let net_weights = weights(net_weights, m, "net_weights")?;
+        let total: f64 = vertex_weights.iter().sum();
+        if !total.is_finite() {
+            return Err(CoreError::invalid(
+                "vertex_weights",
+                "their sum overflows a double",
+            ));
+        }
+        Ok(Self::from_parts(
+            vertex_weights,
+            net_offsets,
+            pins,
+            net_weights,
+        ))
+    }
+
+    /// Build from already valid parts (used by contraction and sub-hypergraph extraction).
+    fn from_parts(
+        vertex_weights: Vec<f64>,
+        net_offsets: Vec<usize>,
+        pins: Vec<u32>,
+        net_weights: Vec<f64>,
+    ) -> Self {
+        let n = vertex_weights.len();
+        let mut degree = vec![0usize; n + 1];
+        for &v in &pins {
+            degree[v as usize + 1] += 1;
+        }
+        for i in 0..n {
+            degree[i + 1] += degree[i];
+        }
+        let incidence_offsets = degree.clone();
+        let mut fill = degree;
+        let mut incidence = vec![0u32; pins.len()];
+        for e in 0..net_offsets.len() - 1 {
+            for &v in &pins[net_offsets[e]..net_offsets[e + 1]] {
+                incidence[fill[v as usize]] = e as u32;
+                fill[v as usize] += 1;
+            }
+        }
+        Hypergraph {
+            vertex_weights,
+            net_offsets,
+            pins,
+            net_weights,
+            incidence_offsets,
+            incidence,
+        }
+    }
+
+    /// Number of vertices.
+    pub fn num_vertices(&self) -> usize {
+        self.vertex_weights.len()
+    }
+
+    /// Number of nets.
+    pub fn num_nets(&self) -> usize {
+        self.net_offsets.len() - 1
+    }
+
+    #[inline]
+    fn pins(&self, e: usize) -> &[u32] {
+        &self.pins[self.net_offsets[e]..self.net_offsets[e + 1]]
+    }
+
+    #[inline]
+    fn nets(&self, v: usize) -> &[u32] {
+        &self.incidence[self.incidence_offsets[v]..self.incidence_offsets[v + 1]]
+    }
+
+    #[inline]
+    fn net_size(&self, e: usize) -> usize {
+        self.net_offsets[e + 1] - self.net_offsets[e]
+    }
+
+    fn total_weight(&self) -> f64 {
+        self.vertex_weights.iter().sum()
+    }
+
+    /// `Σ_e w(e) · (λ(e) − 1)` of `parts` (one block id per vertex).
+    pub fn km1(&self, parts: &[u32]) -> f64 {
+        let mut blocks: Vec<u32> = Vec::new();
+        let mut total = 0.0;
+        for e in 0..self.num_nets() {
+            blocks.clear();
+            blocks.extend(self.pins(e).iter().map(|&v| parts[v as usize]));
+            blocks.sort_unstable();
+            blocks.dedup();
+            total += self.net_weights[e] * (blocks.len() as f64 - 1.0);
+        }
+        total
+    }
+}
+
+fn weights(w: Option<Vec<f64>>, len: usize, argument: &str) -> Result<Vec<f64>> {
+    let Some(w) = w else {
+        return Ok(vec![1.0; len]);
+    };
+    if w.len() != len {
+        return Err(CoreError::invalid(
+            argument,
+            format!("must hold {len} entries, got {}", w.len()),
+        ));
+    }
+    for (i, &x) in w.iter().enumerate() {
+        if !x.is_finite() || x < 0.0 {
+            return Err(CoreError::invalid(
+                format!("{argument}[{i}]"),
+                format!("must be finite and >= 0, got {x}"),
+            ));
+        }
+    }
+    Ok(w)
+}
+
+/// Tuning of [`partition_hypergraph`]; `PartitionOptions::new(targets)` gives the defaults.
+#[derive(Debug, Clone)]
+pub struct PartitionOptions {
+    /// Share of the total vertex weight block `b` aims at; positive, summing to 1.
+    pub targets: Vec<f64>,
+    /// Allowed imbalance: block `b` may weigh up to `(1 + epsilon) · targets[b] · W`.
+    pub epsilon: f64,
+    /// Seed of every random choice; the result is a deterministic function of the inputs and it.
+    pub seed: u64,
+}
+
+impl PartitionOptions {
+    /// Defaults: `epsilon = 0.03`, `seed = 0`.
+    pub fn new(targets: Vec<f64>) -> Self {
+        PartitionOptions {
+            targets,
+            epsilon: 0.03,
+            seed: 0,
+        }
+    }
+}
+
+/// Block of each vertex of `hg` (see the module documentation for the objective, the balance
+/// constraint and the algorithm).
+///
+/// ```
+/// use hetcoll_core::solvers::{partition_hypergraph, Hypergraph, PartitionOptions};
+/// // Two triangles joined by one net: cut between them.
+/// let nets: Vec<Vec<u32>> = vec![vec![0, 1], vec![1, 2], vec![0, 2], vec![3, 4], vec![4, 5],
+///                                vec![3, 5], vec![2, 3]];
+/// let offsets: Vec<usize> = std::iter::once(0)
+///     .chain(nets.iter().scan(0, |s, n| { *s += n.len(); Some(*s) })).collect();
+/// let hg = Hypergraph::new(6, offsets, nets.concat(), None, None).unwrap();
+/// let parts = partition_hypergraph(&hg, &PartitionOptions::new(vec![0.5, 0.5])).unwrap();
+/// assert_eq!(hg.km1(&parts), 1.0);
+/// ```
+pub fn partition_hypergraph(hg: &Hypergraph, options: &PartitionOptions) -> Result<Vec<u32>> {
+    let caps = capacities(hg, options)?;
+    let k = caps.len();
+    let n = hg.num_vertices();
+    if k == 1 {
+        return Ok(vec![0; n]);
+    }
+    let mut rng = Rng::new(options.seed);
+    let hierarchy = coarsen::coarsen(hg, k, &caps, None, &mut rng);
+    let coarsest = hierarchy.last().map_or(hg, |level| &level.coarse);
+    // Recursive bisection cannot see past its own cut (a perfect first bisection may leave an
+    // unsplittable half), so several independent runs compete on the k-way result.
+    let mut best: Option<(bool, f64, Vec<u32>)> = None;
+    // Small coarsest hypergraphs (tiny inputs) get more runs: they cost next to nothing.
+    let runs = if coarsest.num_vertices() < SMALL {
+        4 * INITIAL_RUNS
+    } else {
+        INITIAL_RUNS
+    };
+    for _ in 0..runs {
+        let mut parts = initial::initial_partition(
+            coarsest,
+            &options.targets,
+            options.epsilon,
+            &caps,
+            &mut rng,
+        );
+        refine::refine(coarsest, &mut parts, &caps, &mut rng);
+        let ok = balanced(coarsest, &parts, &caps);
+        let cut = coarsest.km1(&parts);
+        if best
+            .as_ref()
+            .is_none_or(|(b_ok, b_cut, _)| (ok && !b_ok) || (ok == *b_ok && cut < *b_cut))
+        {
+            best = Some((ok, cut, parts));
+        }
+    }
+    let mut parts = best.map(|(_, _, p)| p).unwrap_or_default();
+    parts = uncoarsen(hg, &hierarchy, parts, &caps, &mut rng);
+    // V-cycles: coarsen again with clusters kept inside blocks, so the partition carries over to
+    // the coarse levels, and refine on the way back; keep a cycle only if it helped.
+    for _ in 0..V_CYCLES {
+        if !balanced(hg, &parts, &caps) {
+            break;
+        }
+        let hierarchy = coarsen::coarsen(hg, k, &caps, Some(&parts), &mut rng);
+        if hierarchy.is_empty() {
+            break;
+        }
+        let mut fine_parts = parts.clone();
+        for level in &hierarchy {
+            let mut coarse_parts = vec![0u32; level.coarse.num_vertices()];
+            for (v, &c) in level.map.iter().enumerate() {
+                coarse_parts[c as usize] = fine_parts[v];
+            }
+            fine_parts = coarse_parts;
+        }
+        let candidate = uncoarsen(hg, &hierarchy, fine_parts, &caps, &mut rng);
+        if balanced(hg, &candidate, &caps) && hg.km1(&candidate) < hg.km1(&parts) {
+            parts = candidate;
+        } else {
+            break;
+        }
+    }
+    if !balanced(hg, &parts, &caps) {
+        // Refinement could not restore balance from the projected partition: pack from scratch,
+        // ignoring the cut, and polish.
+        parts = initial::pack(hg, &caps).ok_or_else(|| {
+            CoreError::infeasible(
+                "targets",
+                "no balanced partition found for these vertex weights, targets and epsilon",
+            )
+        })?;
+        refine::refine(hg, &mut parts, &caps, &mut rng);
+    }
+    debug_assert!(balanced(hg, &parts, &caps));
+    Ok(parts)
+}
+
+/// Refine `parts` (a partition of the coarsest level of `hierarchy`) there, then project it level
+/// by level back to `hg`, refining at each.
+fn uncoarsen(
+    hg: &Hypergraph,
+    hierarchy: &[coarsen::Level],
+    mut parts: Vec<u32>,
+    caps: &[f64],
+    rng: &mut Rng,
+) -> Vec<u32> {
+    for level in (0..hierarchy.len()).rev() {
+        let fine = if level == 0 {
+            hg
+        } else {
+            &hierarchy[level - 1].coarse
+        };
+        parts = hierarchy[level]
+            .map
+            .iter()
+            .map(|&c| parts[c as usize])
+            .collect();
+        refine::refine(fine, &mut parts, caps, rng);
+    }
+    parts
+}
+
+/// Extra coarsen-and-refine cycles that keep the partition (stopping early when one does not help).
+const V_CYCLES: usize = 6;
+
+/// Independent initial partitions of the coarsest hypergraph; the best one is uncoarsened.
+const INITIAL_RUNS: usize = 2;
+
+/// Below this many vertices the initial partitioner spends more tries.
+pub(super) const SMALL: usize = 200;
+
+/// `(1 + ε) · targets[b] · W` per block, after validating the options against `hg`.
+fn capacities(hg: &Hypergraph, options: &PartitionOptions) -> Result<Vec<f64>> {
+    let targets = &options.targets;
+    let k = targets.len();
+    if k == 0 {
+        return Err(CoreError::invalid(
+            "targets",
+            "must hold at least one block",
+        ));
+    }
+    if k > hg.num_vertices() {
+        return Err(CoreError::invalid(
+            "targets",
+            format!(
+                "asks for {k} blocks, more than the {} vertices",
+                hg.num_vertices()
+            ),
+        ));
+    }
+    // Pin counts and gains are kept per (net, block) and (vertex, block).
+    if (hg.num_vertices() + hg.num_nets()).saturating_mul(k) > 1 << 28 {
+        return Err(CoreError::invalid(
+            "targets",
+            format!("{k} blocks x (num_vertices + len(nets)) exceeds 2**28 table entries"),
+        ));
+    }
+    for (b, &t) in targets.iter().enumerate() {
+        if !t.is_finite() || t <= 0.0 {
+            return Err(CoreError::invalid(
+                format!("targets[{b}]"),
+                format!("must be finite and > 0, got {t}"),
+            ));
+        }
+    }
+    let sum: f64 = targets.iter().sum();
+    if (sum - 1.0).abs() > 1e-9 {
+        return Err(CoreError::invalid(
+            "targets",
+            format!("must sum to 1, got {sum}"),
+        ));
+    }
+    let eps = options.epsilon;
+    if !eps.is_finite() || eps < 0.0 {
+        return Err(CoreError::invalid(
+            "epsilon",
+            format!("must be finite and >= 0, got {eps}"),
+        ));
+    }
+    let total = hg.total_weight();
+    let caps: Vec<f64> = targets.iter().map(|t| (1.0 + eps) * t * total).collect();
+    let largest = caps.iter().copied().fold(0.0, f64::max);
+    if let Some((v, w)) = hg
+        .vertex_weights
+        .iter()
+        .enumerate()
+        .find(|&(_, &w)| w > largest)
+    {
+        return Err(CoreError::infeasible(
+            "vertex_weights",
+            format!(
+                "vertex {v} weighs {w}, more than the largest block may hold ({largest}); \
+                 no balanced partition exists"
+            ),
+        ));
+    }
+    let capacity: f64 = caps.iter().sum();
+    if capacity < total {
+        return Err(CoreError::infeasible(
+            "epsilon",
+            format!("the blocks may hold {capacity} in all, less than the total weight {total}"),
+        ));
+    }
+    Ok(caps)
+}
+
+/// Whether every block of `parts` weighs at most its capacity (weights summed in vertex order).
+fn balanced(hg: &Hypergraph, parts: &[u32], caps: &[f64]) -> bool {
+    let mut w = vec![0.0; caps.len()];
+    for (v, &b) in parts.iter().enumerate() {
+        w[b as usize] += hg.vertex_weights[v];
+    }
+    w.iter().zip(caps).all(|(w, c)| w <= c)
+}
+
+/// `Σ_e w(e) · (λ(e) − 1)` of a partition given as nets in compressed form.
+pub fn km1(
+    net_offsets: &[usize],
+    pins: &[u32],
+    parts: &[u32],
+    net_weights: Option<&[f64]>,
+) -> Result<f64> {
+    let m = net_offsets.len().saturating_sub(1);
+    if let Some(w) = net_weights {
+        if w.len() != m {
+            return Err(CoreError::invalid(
+                "net_weights",
+                format!("must hold {m} entries, got {}", w.len()),
+            ));
+        }
+        if let Some((i, x)) = w
+            .iter()
+            .enumerate()
+            .find(|(_, x)| !x.is_finite() || **x < 0.0)
+        {
+            return Err(CoreError::invalid(
+                format!("net_weights[{i}]"),
+                format!("must be finite and >= 0, got {x}"),
+            ));
+        }
+    }
+    let mut blocks = Vec::new();
+    let mut total = 0.0;
+    for e in 0..m {
+        let net = &pins[net_offsets[e]..net_offsets[e + 1]];
+        blocks.clear();
+        for &v in net {
+            let b = *parts.get(v as usize).ok_or_else(|| {
+                CoreError::invalid(
+                    format!("nets[{e}]"),
+                    format!("vertex id {v} out of range 0..{}", parts.len()),
+                )
+            })?;
+            blocks.push(b);
+        }
+        blocks.sort_unstable();
+        blocks.dedup();
+        let lambda = blocks.len().max(1) as f64;
+        total += net_weights.map_or(1.0, |w| w[e]) * (lambda - 1.0);
+    }
+    Ok(total)
+}
+
+/// SplitMix64: tiny, fast and good enough for shuffles and tie-breaks; deterministic per seed.
+#[derive(Debug, Clone)]
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(seed ^ 0x6a09_e667_f3bc_c909)
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (`n > 0`).
+    fn below(&mut self, n: usize) -> usize {
+        (((self.next_u64() >> 11) as u128 * n as u128) >> 53) as usize
+    }
+
+    fn shuffle<T>(&mut self, xs: &mut [T]) {
+        for i in (1..xs.len()).rev() {
+            xs.swap(i, self.below(i + 1));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,419 @@
+//! Refinement of a k-way partition: rebalancing and FM, both with km1 gains.
+//!
+//! The gain of moving `v` from block `a` to block `b` is
+//! `Σ_{e ∋ v, Φ(e,a) = 1} w(e) − Σ_{e ∋ v, Φ(e,b) = 0} w(e)` (`Φ(e,x)`: pins of `e` in block `x`):
+//! nets that leave `a` entirely stop paying for it, nets that did not touch `b` start paying.
+
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+
+use super::{Hypergraph, Rng};
+
+/// A partition with its block weights, pin counts and a gain cache, kept consistent under moves.
+///
+/// The cache makes a vertex's best move `O(k)`: `conn[v·k + b]` is the weight of `v`'s nets that
+/// touch block `b`, `benefit[v]` the weight of its nets of which it is the last pin in its block,
+/// so the gain of moving `v` to `b` is `benefit[v] + conn[v·k + b] − incident[v]`. A move updates
+/// the cache only along nets whose pin counts cross 0, 1 or 2 (the delta-gain rules of FM).
+pub(super) struct State<'h> {
+    pub hg: &'h Hypergraph,
+    pub k: usize,
+    pub parts: Vec<u32>,
+    pub block_weights: Vec<f64>,
+    /// `Φ(e, b)` at `e · k + b`.
+    pin_counts: Vec<u32>,
+    pub caps: Vec<f64>,
+    conn: Vec<f64>,
+    benefit: Vec<f64>,
+    incident: Vec<f64>,
+}
+
+/// A move and its gain.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Move {
+    pub gain: f64,
+    pub to: u32,
+}
+
+impl<'h> State<'h> {
+    pub fn new(hg: &'h Hypergraph, parts: Vec<u32>, caps: &[f64]) -> Self {
+        let k = caps.len();
+        let n = hg.num_vertices();
+        let mut block_weights = vec![0.0; k];
+        for (v, &b) in parts.iter().enumerate() {
+            block_weights[b as usize] += hg.vertex_weights[v];
+        }
+        let mut pin_counts = vec![0u32; hg.num_nets() * k];
+        let mut conn = vec![0.0; n * k];
+        let mut benefit = vec![0.0; n];
+        let mut incident = vec![0.0; n];
+        let mut present: Vec<usize> = Vec::with_capacity(k);
+        for e in 0..hg.num_nets() {
+            let w = hg.net_weights[e];
+            let row = &mut pin_counts[e * k..e * k + k];
+            present.clear();
+            for &v in hg.pins(e) {
+                let b = parts[v as usize] as usize;
+                if row[b] == 0 {
+                    present.push(b);
+                }
+                row[b] += 1;
+            }
+            for &v in hg.pins(e) {
+                let v = v as usize;
+                incident[v] += w;
+                if row[parts[v] as usize] == 1 {
+                    benefit[v] += w;
+                }
+                for &b in &present {
+                    conn[v * k + b] += w;
+                }
+            }
+        }
+        State {
+            hg,
+            k,
+            parts,
+            block_weights,
+            pin_counts,
+            caps: caps.to_vec(),
+            conn,
+            benefit,
+            incident,
+        }
+    }
+
+    #[inline]
+    fn phi(&self, e: usize, b: usize) -> u32 {
+        self.pin_counts[e * self.k + b]
+    }
+
+    pub fn km1(&self) -> f64 {
+        (0..self.hg.num_nets())
+            .map(|e| {
+                let lambda = (0..self.k).filter(|&b| self.phi(e, b) > 0).count();
+                self.hg.net_weights[e] * (lambda as f64 - 1.0)
+            })
+            .sum()
+    }
+
+    pub fn is_balanced(&self) -> bool {
+        self.block_weights
+            .iter()
+            .zip(&self.caps)
+            .all(|(w, c)| w <= c)
+    }
+
+    /// Whether some net of `v` touches another block (only such vertices can gain by moving).
+    fn is_boundary(&self, v: usize) -> bool {
+        let a = self.parts[v] as usize;
+        self.conn[v * self.k..(v + 1) * self.k]
+            .iter()
+            .enumerate()
+            .any(|(b, &c)| b != a && c > 0.0)
+    }
+
+    /// The best move of `v`; to a block with room for it unless `allow_full`.
+    pub fn best_move(&self, v: usize, allow_full: bool) -> Option<Move> {
+        let k = self.k;
+        let a = self.parts[v] as usize;
+        let w = self.hg.vertex_weights[v];
+        let base = self.benefit[v] - self.incident[v];
+        let conn = &self.conn[v * k..v * k + k];
+        let mut best: Option<Move> = None;
+        for (b, &c) in conn.iter().enumerate() {
+            if b == a || (!allow_full && self.block_weights[b] + w > self.caps[b]) {
+                continue;
+            }
+            let gain = base + c;
+            let better = match best {
+                None => true,
+                // Equal gains: prefer the block with more room left.
+                Some(m) => {
+                    gain > m.gain || (gain == m.gain && self.slack(b) > self.slack(m.to as usize))
+                }
+            };
+            if better {
+                best = Some(Move { gain, to: b as u32 });
+            }
+        }
+        best
+    }
+
+    fn slack(&self, b: usize) -> f64 {
+        self.caps[b] - self.block_weights[b]
+    }
+
+    /// Move `v` to `to`; calls `touched(e)` for each net whose pins' gains changed.
+    pub fn apply(&mut self, v: usize, to: usize, mut touched: impl FnMut(usize)) {
+        let hg = self.hg;
+        let k = self.k;
+        let from = self.parts[v] as usize;
+        let wv = hg.vertex_weights[v];
+        self.block_weights[from] -= wv;
+        self.block_weights[to] += wv;
+        self.parts[v] = to as u32;
+        let mut own_benefit = 0.0;
+        for &e in hg.nets(v) {
+            let e = e as usize;
+            let w = hg.net_weights[e];
+            self.pin_counts[e * k + from] -= 1;
+            self.pin_counts[e * k + to] += 1;
+            let after_from = self.pin_counts[e * k + from];
+            let after_to = self.pin_counts[e * k + to];
+            if after_to == 1 {
+                own_benefit += w;
+            }
+            let critical = after_from <= 1 || after_to <= 2;
+            if !critical {
+                continue;
+            }
+            for &u in hg.pins(e) {
+                let u = u as usize;
+                if after_from == 0 {
+                    self.conn[u * k + from] -= w;
+                }
+                if after_to == 1 {
+                    self.conn[u * k + to] += w;
+                }
+                if u == v {
+                    continue;
+                }
+                let pu = self.parts[u] as usize;
+                if after_from == 1 && pu == from {
+                    // u is now the last pin of e in `from`.
+                    self.benefit[u] += w;
+                }
+                if after_to == 2 && pu == to {
+                    // u is no longer alone in `to`.
+                    self.benefit[u] -= w;
+                }
+            }
+            touched(e);
+        }
+        self.benefit[v] = own_benefit;
+    }
+}
+
+/// Heap entry: highest gain first, then a random tie-break.
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    gain: f64,
+    tie: u32,
+    v: u32,
+}
+
+impl PartialEq for Entry {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Entry {}
+impl PartialOrd for Entry {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Entry {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.gain
+            .total_cmp(&other.gain)
+            .then(self.tie.cmp(&other.tie))
+            .then(self.v.cmp(&other.v))
+    }
+}
+
+/// Nets larger than this are not used to wake up neighbours after a move (their pins are
+/// re-evaluated when popped instead): keeps a move's cost bounded on hypergraphs with huge nets.
+const LARGE_NET: usize = 1000;
+
+/// Rebalance if needed, then FM passes until a pass stops improving. (Label propagation before FM
+/// was tried and removed: it fills blocks with mediocre moves that FM then cannot undo; without it
+/// km1 was lower and refinement faster on the benchmark instances.)
+pub(super) fn refine(hg: &Hypergraph, parts: &mut Vec<u32>, caps: &[f64], rng: &mut Rng) {
+    let mut state = State::new(hg, std::mem::take(parts), caps);
+    if !state.is_balanced() {
+        rebalance(&mut state, rng);
+    }
+    fm(&mut state, rng, 8);
+    *parts = state.parts;
+}
+
+/// Move vertices out of overweight blocks, least km1 loss per unit of weight first, until every
+/// block fits or nothing can move. Returns whether the partition is balanced.
+pub(super) fn rebalance(state: &mut State<'_>, rng: &mut Rng) -> bool {
+    let n = state.hg.num_vertices();
+    for _round in 0..4 {
+        if state.is_balanced() {
+            return true;
+        }
+        let over: Vec<bool> = (0..state.k)
+            .map(|b| state.block_weights[b] > state.caps[b])
+            .collect();
+        let mut heap = BinaryHeap::new();
+        for v in 0..n {
+            if over[state.parts[v] as usize] && state.hg.vertex_weights[v] > 0.0 {
+                if let Some(m) = state.best_move(v, false) {
+                    heap.push(Entry {
+                        gain: score(m.gain, state.hg.vertex_weights[v]),
+                        tie: rng.next_u64() as u32,
+                        v: v as u32,
+                    });
+                }
+            }
+        }
+        while let Some(top) = heap.pop() {
+            let v = top.v as usize;
+            let from = state.parts[v] as usize;
+            if state.block_weights[from] <= state.caps[from] {
+                continue;
+            }
+            let Some(m) = state.best_move(v, false) else {
+                continue;
+            };
+            let s = score(m.gain, state.hg.vertex_weights[v]);
+            if s < top.gain {
+                heap.push(Entry { gain: s, ..top });
+                continue;
+            }
+            state.apply(v, m.to as usize, |_| {});
+            if state.is_balanced() {
+                return true;
+            }
+        }
+    }
+    state.is_balanced()
+}
+
+/// Gain per unit of weight moved: losing little per weight unit rebalances with least damage.
+fn score(gain: f64, weight: f64) -> f64 {
+    if gain >= 0.0 {
+        gain * weight
+    } else {
+        gain / weight
+    }
+}
+
+/// k-way Fiduccia–Mattheyses passes with km1 gains: each pass moves boundary vertices best gain
+/// first (negative gains too, every vertex at most once), then rolls back to the best prefix.
+pub(super) fn fm(state: &mut State<'_>, rng: &mut Rng, max_passes: usize) {
+    let n = state.hg.num_vertices();
+    let mut locked = vec![0u32; n]; // pass number in which the vertex moved
+    let mut stamp = vec![0u64; n];
+    let mut stamp_now = 0u64;
+    // Gain of each vertex's newest heap entry: a neighbour's move pushes a new entry only when the
+    // gain went up; entries that went down are caught (and re-queued) when popped.
+    let mut queued = vec![f64::NEG_INFINITY; n];
+    for pass in 1..=max_passes as u32 {
+        let mut heap = BinaryHeap::new();
+        // Vertices whose best target block is full, by that block: they get another chance as
+        // soon as a move makes room there (when one block is full, moves into it must wait for
+        // moves out of it, and a heap that dropped them would never try them again).
+        let mut parked: Vec<BinaryHeap<Entry>> = vec![BinaryHeap::new(); state.k];
+        for (v, q) in queued.iter_mut().enumerate() {
+            *q = f64::NEG_INFINITY;
+            if state.is_boundary(v) {
+                if let Some(m) = state.best_move(v, true) {
+                    heap.push(Entry {
+                        gain: m.gain,
+                        tie: rng.next_u64() as u32,
+                        v: v as u32,
+                    });
+                    *q = m.gain;
+                }
+            }
+        }
+        let mut moves: Vec<(u32, u32)> = Vec::new();
+        let (mut current, mut best, mut best_len) = (0.0f64, 0.0f64, 0usize);
+        // Give up a pass after this many moves without a new best (adaptive stopping is overkill
+        // for the sizes hetcoll sees).
+        let patience = 100 + (n / 100).min(250);
+        let mut woken: Vec<u32> = Vec::new();
+        while let Some(top) = heap.pop() {
+            let v = top.v as usize;
+            if locked[v] == pass || top.gain < queued[v] {
+                continue;
+            }
+            let Some(unconstrained) = state.best_move(v, true) else {
+                queued[v] = f64::NEG_INFINITY;
+                continue;
+            };
+            if unconstrained.gain < top.gain {
+                heap.push(Entry {
+                    gain: unconstrained.gain,
+                    ..top
+                });
+                queued[v] = unconstrained.gain;
+                continue;
+            }
+            let m = match state.best_move(v, false) {
+                Some(m) if m.gain >= unconstrained.gain => m,
+                _ => {
+                    parked[unconstrained.to as usize].push(Entry {
+                        gain: unconstrained.gain,
+                        ..top
+                    });
+                    queued[v] = f64::NEG_INFINITY;
+                    continue;
+                }
+            };
+            let from = state.parts[v];
+            woken.clear();
+            stamp_now += 1;
+            let hg = state.hg;
+            state.apply(v, m.to as usize, |e| {
+                if hg.net_size(e) <= LARGE_NET {
+                    woken.extend_from_slice(hg.pins(e));
+                }
+            });
+            // Room was made in `from`: the best parked candidates that fit now go back in line.
+            let room = state.caps[from as usize] - state.block_weights[from as usize];
+            let mut released = 0.0;
+            while let Some(p) = parked[from as usize].peek() {
+                let w = hg.vertex_weights[p.v as usize];
+                if released + w > room {
+                    break;
+                }
+                released += w;
+                let p = parked[from as usize].pop().expect("peeked");
+                if locked[p.v as usize] != pass {
+                    heap.push(p);
+                    queued[p.v as usize] = p.gain;
+                }
+            }
+            locked[v] = pass;
+            moves.push((v as u32, from));
+            current += m.gain;
+            if current > best + 1e-12 * best.abs().max(1.0) {
+                best = current;
+                best_len = moves.len();
+            } else if moves.len() - best_len > patience {
+                break;
+            }
+            for &u in &woken {
+                let u = u as usize;
+                // Each vertex once per move, however many of the moved vertex's nets it shares.
+                if locked[u] == pass || stamp[u] == stamp_now {
+                    continue;
+                }
+                stamp[u] = stamp_now;
+                if let Some(mu) = state.best_move(u, true) {
+                    if mu.gain > queued[u] {
+                        heap.push(Entry {
+                            gain: mu.gain,
+                            tie: rng.next_u64() as u32,
+                            v: u as u32,
+                        });
+                        queued[u] = mu.gain;
+                    }
+                }
+            }
+        }
+        for &(v, from) in moves[best_len..].iter().rev() {
+            state.apply(v as usize, from as usize, |_| {});
+        }
+        if best_len == 0 {
+            break;
+        }
+    }
+}

@@ -1,0 +1,213 @@
+use proptest::prelude::*;
+
+use super::*;
+
+fn build(
+    n: usize,
+    nets: &[Vec<u32>],
+    vw: Option<Vec<f64>>,
+    nw: Option<Vec<f64>>,
+) -> Result<Hypergraph> {
+    let mut offsets = vec![0usize];
+    for net in nets {
+        offsets.push(offsets.last().unwrap() + net.len());
+    }
+    Hypergraph::new(n, offsets, nets.concat(), vw, nw)
+}
+
+fn block_weights(hg: &Hypergraph, parts: &[u32], k: usize) -> Vec<f64> {
+    let mut w = vec![0.0; k];
+    for (v, &b) in parts.iter().enumerate() {
+        w[b as usize] += hg.vertex_weights[v];
+    }
+    w
+}
+
+/// Smallest km1 over all balanced partitions (k^n of them).
+fn brute_force(hg: &Hypergraph, caps: &[f64]) -> f64 {
+    let n = hg.num_vertices();
+    let k = caps.len();
+    let mut best = f64::INFINITY;
+    let mut parts = vec![0u32; n];
+    for code in 0..k.pow(n as u32) {
+        let mut c = code;
+        for p in parts.iter_mut() {
+            *p = (c % k) as u32;
+            c /= k;
+        }
+        let w = block_weights(hg, &parts, k);
+        if w.iter().zip(caps).all(|(w, c)| w <= c) {
+            best = best.min(hg.km1(&parts));
+        }
+    }
+    best
+}
+
+fn tiny_hypergraph() -> impl Strategy<Value = (usize, Vec<Vec<u32>>, Vec<f64>, Vec<f64>)> {
+    (4usize..9).prop_flat_map(|n| {
+        let net = prop::sample::subsequence((0..n as u32).collect::<Vec<_>>(), 2..=n.min(4));
+        (
+            Just(n),
+            prop::collection::vec(net, 1..12),
+            prop::collection::vec(1u32..4, n),
+            prop::collection::vec(1u32..5, 12),
+        )
+            .prop_map(|(n, nets, vw, nw)| {
+                let m = nets.len();
+                (
+                    n,
+                    nets,
+                    vw.into_iter().map(f64::from).collect(),
+                    nw[..m].iter().map(|&w| f64::from(w)).collect(),
+                )
+            })
+    })
+}
+
+#[test]
+fn two_cliques_are_separated() {
+    let nets = vec![
+        vec![0, 1, 2],
+        vec![1, 2],
+        vec![0, 2],
+        vec![3, 4, 5],
+        vec![4, 5],
+        vec![3, 5],
+        vec![2, 3],
+    ];
+    let hg = build(6, &nets, None, None).unwrap();
+    let parts = partition_hypergraph(&hg, &PartitionOptions::new(vec![0.5, 0.5])).unwrap();
+    assert_eq!(hg.km1(&parts), 1.0);
+    assert_ne!(parts[0], parts[5]);
+}
+
+#[test]
+fn bad_input_names_the_argument() {
+    let arg = |r: Result<Hypergraph>| r.unwrap_err().argument().to_string();
+    assert_eq!(arg(build(3, &[vec![0, 3]], None, None)), "nets[0]");
+    assert_eq!(arg(build(3, &[vec![0, 1], vec![]], None, None)), "nets[1]");
+    assert_eq!(arg(build(3, &[vec![1, 1]], None, None)), "nets[0]");
+    assert_eq!(
+        arg(build(2, &[vec![0, 1]], Some(vec![1.0, f64::NAN]), None)),
+        "vertex_weights[1]"
+    );
+    assert_eq!(
+        arg(build(2, &[vec![0, 1]], None, Some(vec![-1.0]))),
+        "net_weights[0]"
+    );
+    assert_eq!(
+        arg(build(2, &[vec![0, 1]], Some(vec![1.0]), None)),
+        "vertex_weights"
+    );
+    let hg = build(3, &[vec![0, 1, 2]], None, None).unwrap();
+    let run = |targets: Vec<f64>, eps: f64| {
+        let mut o = PartitionOptions::new(targets);
+        o.epsilon = eps;
+        partition_hypergraph(&hg, &o)
+            .unwrap_err()
+            .argument()
+            .to_string()
+    };
+    assert_eq!(run(vec![0.5, 0.6], 0.03), "targets");
+    assert_eq!(run(vec![0.25; 4], 0.03), "targets");
+    assert_eq!(run(vec![0.5, 0.5], -0.1), "epsilon");
+    assert_eq!(run(vec![1.0, 0.0], 0.0), "targets[1]");
+    // Three unit vertices cannot be split 1.5 / 1.5 without slack.
+    assert_eq!(run(vec![0.5, 0.5], 0.0), "targets");
+    let heavy = build(3, &[vec![0, 1, 2]], Some(vec![10.0, 1.0, 1.0]), None).unwrap();
+    let err = partition_hypergraph(&heavy, &PartitionOptions::new(vec![0.5, 0.5])).unwrap_err();
+    assert_eq!(err.argument(), "vertex_weights");
+}
+
+#[test]
+fn km1_counts_connectivity_minus_one() {
+    let offsets = [0, 3, 5];
+    let pins = [0, 1, 2, 2, 3];
+    assert_eq!(km1(&offsets, &pins, &[0, 1, 2, 2], None).unwrap(), 2.0);
+    assert_eq!(
+        km1(&offsets, &pins, &[0, 1, 2, 2], Some(&[2.0, 5.0])).unwrap(),
+        4.0
+    );
+    assert!(km1(&offsets, &pins, &[0, 1, 2], None).is_err());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn balanced_and_deterministic(
+        (n, nets, vw, nw) in tiny_hypergraph(),
+        k in 2usize..4,
+        skew in 0u32..3,
+        seed in 0u64..4,
+    ) {
+        let hg = build(n, &nets, Some(vw), Some(nw)).unwrap();
+        // Heterogeneous targets: block 0 gets (1 + skew) shares.
+        let shares: Vec<f64> = (0..k).map(|b| if b == 0 { 1.0 + f64::from(skew) } else { 1.0 }).collect();
+        let sum: f64 = shares.iter().sum();
+        let mut options = PartitionOptions::new(shares.iter().map(|s| s / sum).collect());
+        options.epsilon = 0.2;
+        options.seed = seed;
+        let caps = capacities(&hg, &options);
+        let optimum = caps.as_ref().ok().map(|c| brute_force(&hg, c));
+        match partition_hypergraph(&hg, &options) {
+            Ok(parts) => {
+                let caps = caps.unwrap();
+                let w = block_weights(&hg, &parts, k);
+                prop_assert!(w.iter().zip(&caps).all(|(w, c)| w <= c), "{w:?} > {caps:?}");
+                prop_assert_eq!(&parts, &partition_hypergraph(&hg, &options).unwrap());
+                prop_assert!(hg.km1(&parts) >= optimum.unwrap());
+            }
+            Err(e) => {
+                // Only when no balanced partition exists at all.
+                prop_assert!(optimum.is_none_or(|o| o.is_infinite()), "{e}");
+            }
+        }
+    }
+}
+
+/// On 300 seeded random tiny instances (k = 2..4, unequal targets) the partitioner must find the
+/// brute-force optimum in at least 75% of the cases (it reaches 83%: local search cannot swap
+/// heavy vertices between tight blocks).
+#[test]
+fn near_optimal_on_tiny_instances() {
+    let mut rng = super::Rng::new(7);
+    let (mut optimal, mut total, mut worst) = (0usize, 0usize, 0.0f64);
+    for _ in 0..300 {
+        let n = 5 + rng.below(5);
+        let m = 3 + rng.below(10);
+        let nets: Vec<Vec<u32>> = (0..m)
+            .map(|_| {
+                let mut vs: Vec<u32> = (0..n as u32).collect();
+                rng.shuffle(&mut vs);
+                vs.truncate(2 + rng.below(3));
+                vs
+            })
+            .collect();
+        let vw: Vec<f64> = (0..n).map(|_| 1.0 + rng.below(3) as f64).collect();
+        let nw: Vec<f64> = (0..m).map(|_| 1.0 + rng.below(4) as f64).collect();
+        let hg = build(n, &nets, Some(vw), Some(nw)).unwrap();
+        let k = 2 + rng.below(3);
+        let shares: Vec<f64> = (0..k).map(|b| 1.0 + (b == 0) as u32 as f64).collect();
+        let sum: f64 = shares.iter().sum();
+        let mut options = PartitionOptions::new(shares.iter().map(|s| s / sum).collect());
+        options.epsilon = 0.25;
+        let Ok(caps) = capacities(&hg, &options) else {
+            continue;
+        };
+        let best = brute_force(&hg, &caps);
+        if best.is_infinite() {
+            continue;
+        }
+        let got = hg.km1(&partition_hypergraph(&hg, &options).unwrap());
+        total += 1;
+        optimal += (got == best) as usize;
+        worst = worst.max(got - best);
+    }
+    eprintln!("optimal in {optimal}/{total}, worst excess {worst}");
+    assert!(total >= 200);
+    assert!(
+        optimal * 4 >= total * 3,
+        "optimal in only {optimal}/{total}"
+    );
+}

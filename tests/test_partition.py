@@ -1,0 +1,376 @@
+"""Partitioners: exact pipeline stages against brute force, the hypergraph partitioner's balance,
+determinism and optimality on tiny instances, bad input, and the seed-002 CNN hypergraph."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import threading
+import time
+
+import hetcoll
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+# ---------------------------------------------------------------- partition_chain
+
+
+def compositions(n: int, p: int):
+    """Every way to give n layers to p devices in order, empty stages allowed."""
+    for cuts in itertools.combinations_with_replacement(range(n + 1), p - 1):
+        bounds = (0, *cuts, n)
+        yield [bounds[i + 1] - bounds[i] for i in range(p)]
+
+
+def python_stage_times(costs, speeds, layers, boundary_bytes=None, bandwidth=None):
+    out, at = [], 0
+    for d, count in enumerate(layers):
+        end = at + count
+        if count == 0:
+            out.append(0.0)
+        else:
+            t = math.fsum(costs[at:end]) / speeds[d]
+            if boundary_bytes is not None and end < len(costs):
+                t += boundary_bytes[end - 1] / bandwidth
+            out.append(t)
+        at = end
+    return out
+
+
+chain_case = st.integers(1, 7).flatmap(
+    lambda n: st.tuples(
+        st.lists(st.floats(0, 100, allow_nan=False), min_size=n, max_size=n),
+        st.lists(st.floats(0.1, 10), min_size=1, max_size=4),
+        st.one_of(
+            st.none(), st.lists(st.floats(0, 1000, allow_nan=False), min_size=n - 1, max_size=n - 1)
+        ),
+    )
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(chain_case)
+def test_chain_is_optimal_against_brute_force(case):
+    costs, speeds, boundary = case
+    bw = 50.0 if boundary is not None else None
+    layers = hetcoll.partition_chain(costs, speeds, boundary_bytes=boundary, bandwidth=bw)
+    assert len(layers) == len(speeds) and sum(layers) == len(costs)
+
+    def bottleneck(lay):
+        return max(
+            hetcoll.chain_stage_times(costs, speeds, lay, boundary_bytes=boundary, bandwidth=bw)
+        )
+
+    best = min(bottleneck(c) for c in compositions(len(costs), len(speeds)))
+    # Same floating-point formula for both: exact equality, no tolerance.
+    assert bottleneck(layers) == best
+    # And the formula is the documented one.
+    assert hetcoll.chain_stage_times(
+        costs, speeds, layers, boundary_bytes=boundary, bandwidth=bw
+    ) == pytest.approx(
+        python_stage_times(costs, speeds, layers, boundary, bw), rel=1e-12, abs=1e-12
+    )
+
+
+def test_chain_examples():
+    assert hetcoll.partition_chain([1.0] * 8, [3.0, 1.0]) == [6, 2]
+    # More devices than layers: some get none.
+    assert hetcoll.partition_chain([1.0, 1.0], [1.0, 1.0, 1.0]) == [1, 1, 0]
+    # A cut after layer 0 would cost 100 s of transfer; the solver cuts after layer 1.
+    assert hetcoll.partition_chain(
+        [1.0] * 4, [1.0, 1.0], boundary_bytes=[100.0, 0.0, 100.0], bandwidth=1.0
+    ) == [2, 2]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"costs": [], "speeds": [1.0]}, "costs"),
+        ({"costs": [1.0, float("nan")], "speeds": [1.0]}, "costs[1]"),
+        ({"costs": [1.0, -1.0], "speeds": [1.0]}, "costs[1]"),
+        ({"costs": [1.0], "speeds": []}, "speeds"),
+        ({"costs": [1.0], "speeds": [0.0]}, "speeds[0]"),
+        ({"costs": [1.0, 1.0], "speeds": [1.0], "boundary_bytes": [1.0]}, "bandwidth"),
+        ({"costs": [1.0, 1.0], "speeds": [1.0], "bandwidth": 1.0}, "boundary_bytes"),
+        (
+            {"costs": [1.0, 1.0], "speeds": [1.0], "boundary_bytes": [1.0, 2.0], "bandwidth": 1.0},
+            "boundary_bytes",
+        ),
+        (
+            {"costs": [1.0, 1.0], "speeds": [1.0], "boundary_bytes": [1.0], "bandwidth": -1},
+            "bandwidth",
+        ),
+        ({"costs": "abc", "speeds": [1.0]}, "costs"),
+    ],
+)
+def test_chain_bad_input_names_the_argument(kwargs, argument):
+    costs, speeds = kwargs.pop("costs"), kwargs.pop("speeds")
+    with pytest.raises(ValueError, match="^" + re.escape(argument) + ":"):
+        hetcoll.partition_chain(costs, speeds, **kwargs)
+
+
+# ---------------------------------------------------------------- partition_hypergraph / km1
+
+
+def python_km1(nets, parts, weights=None):
+    return sum(
+        (1.0 if weights is None else weights[e]) * (len({int(parts[v]) for v in net}) - 1)
+        for e, net in enumerate(nets)
+    )
+
+
+def caps(vw, targets, eps):
+    total = float(np.sum(vw))
+    return [(1 + eps) * t * total for t in targets]
+
+
+def is_balanced(parts, vw, targets, eps):
+    w = np.bincount(parts, weights=vw, minlength=len(targets))
+    return all(w[b] <= c for b, c in enumerate(caps(vw, targets, eps)))
+
+
+def brute_force(n, nets, vw, nw, targets, eps):
+    k, best = len(targets), math.inf
+    for assignment in itertools.product(range(k), repeat=n):
+        parts = np.array(assignment)
+        if is_balanced(parts, vw, targets, eps):
+            best = min(best, python_km1(nets, parts, nw))
+    return best
+
+
+tiny = st.integers(4, 8).flatmap(
+    lambda n: st.tuples(
+        st.just(n),
+        st.lists(
+            st.lists(st.integers(0, n - 1), min_size=2, max_size=4, unique=True),
+            min_size=1,
+            max_size=10,
+        ),
+        st.lists(st.integers(1, 3), min_size=n, max_size=n),
+        st.integers(2, 3),
+        st.integers(0, 2),
+        st.integers(0, 3),
+    )
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(tiny)
+def test_hypergraph_balanced_deterministic_and_bounded_by_brute_force(case):
+    n, nets, vw, k, skew, seed = case
+    nw = [1.0 + (e % 3) for e in range(len(nets))]
+    shares = [1.0 + skew if b == 0 else 1.0 for b in range(k)]
+    targets = [s / sum(shares) for s in shares]
+    eps = 0.2
+    optimum = brute_force(n, nets, np.array(vw, float), nw, targets, eps)
+    kwargs = {"vertex_weights": vw, "net_weights": nw, "epsilon": eps, "seed": seed}
+    if math.isinf(optimum):
+        with pytest.raises(ValueError):
+            hetcoll.partition_hypergraph(n, nets, targets, **kwargs)
+        return
+    parts = hetcoll.partition_hypergraph(n, nets, targets, **kwargs)
+    assert parts.dtype == np.int64 and parts.shape == (n,)
+    assert is_balanced(parts, np.array(vw, float), targets, eps)
+    assert np.array_equal(parts, hetcoll.partition_hypergraph(n, nets, targets, **kwargs))
+    got = hetcoll.km1(nets, parts, nw)
+    assert got == python_km1(nets, parts, nw)
+    assert got >= optimum
+
+
+def test_hypergraph_finds_the_optimum_on_most_tiny_instances():
+    rng = np.random.default_rng(3)
+    optimal = total = 0
+    for _ in range(60):
+        n, m = int(rng.integers(5, 8)), int(rng.integers(3, 10))
+        nets = [
+            rng.choice(n, size=int(rng.integers(2, 4)), replace=False).tolist() for _ in range(m)
+        ]
+        vw = rng.integers(1, 3, size=n).astype(float)
+        targets = [0.5, 0.25, 0.25] if rng.random() < 0.5 else [0.5, 0.5]
+        best = brute_force(n, nets, vw, None, targets, 0.25)
+        if math.isinf(best):
+            continue
+        parts = hetcoll.partition_hypergraph(n, nets, targets, vertex_weights=vw, epsilon=0.25)
+        total += 1
+        optimal += hetcoll.km1(nets, parts) == best
+    assert total >= 40
+    assert optimal >= 0.75 * total, f"optimal on {optimal}/{total}"
+
+
+def test_hypergraph_separates_two_communities_with_unequal_targets():
+    # A 6-clique-ish community and a 3-vertex one, joined by one net: targets 2/3 and 1/3.
+    big = [[a, b] for a in range(6) for b in range(a + 1, 6)]
+    small = [[6, 7], [7, 8], [6, 8]]
+    parts = hetcoll.partition_hypergraph(9, [*big, *small, [5, 6]], [2 / 3, 1 / 3], epsilon=0.0)
+    assert hetcoll.km1([*big, *small, [5, 6]], parts) == 1.0
+    assert len(set(parts[:6].tolist())) == 1 and len(set(parts[6:].tolist())) == 1
+
+
+def test_hypergraph_on_a_grid_is_balanced_for_every_k_and_target_mix():
+    side = 30
+    nets = [[r * side + c, r * side + c + 1] for r in range(side) for c in range(side - 1)]
+    nets += [[r * side + c, (r + 1) * side + c] for r in range(side - 1) for c in range(side)]
+    n = side * side
+    for k in (2, 3, 4, 8):
+        for targets in ([1 / k] * k, [s / sum(range(1, k + 1)) for s in range(1, k + 1)]):
+            parts = hetcoll.partition_hypergraph(n, nets, targets, epsilon=0.03, seed=1)
+            assert is_balanced(parts, np.ones(n), targets, 0.03)
+            # A grid has cuts of about side * (blocks boundary); a random split cuts ~all edges.
+            assert hetcoll.km1(nets, parts) < 0.25 * len(nets)
+
+
+def test_hypergraph_releases_the_gil():
+    side = 120
+    nets = [[r * side + c, r * side + c + 1] for r in range(side) for c in range(side - 1)]
+    nets += [[r * side + c, (r + 1) * side + c] for r in range(side - 1) for c in range(side)]
+    done = threading.Event()
+    ticks = 0
+
+    def work():
+        hetcoll.partition_hypergraph(side * side, nets, [0.25] * 4)
+        done.set()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    start = time.perf_counter()
+    while not done.is_set():
+        ticks += 1
+        time.sleep(0.001)
+    thread.join()
+    elapsed = time.perf_counter() - start
+    # Python kept running while Rust worked: at least a tick per 10 ms of the call.
+    assert elapsed > 0 and ticks >= elapsed / 0.01 * 0.5
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "argument"),
+    [
+        ((3, [[0, 3]], [0.5, 0.5]), {}, r"nets\[0\]"),
+        ((3, [[0, -1]], [0.5, 0.5]), {}, r"nets\[0\]"),
+        ((3, [[0, 1], []], [0.5, 0.5]), {}, r"nets\[1\]"),
+        ((3, [[1, 1]], [0.5, 0.5]), {}, r"nets\[0\]"),
+        ((3, [[0, 1.5]], [0.5, 0.5]), {}, r"nets\[0\]"),
+        ((3, 5, [0.5, 0.5]), {}, "nets"),
+        (
+            (3, [[0, 1]], [0.5, 0.5]),
+            {"vertex_weights": [1, float("nan"), 1]},
+            r"vertex_weights\[1\]",
+        ),
+        ((3, [[0, 1]], [0.5, 0.5]), {"vertex_weights": [1, 1]}, "vertex_weights"),
+        ((3, [[0, 1]], [0.5, 0.5]), {"net_weights": [-1.0]}, r"net_weights\[0\]"),
+        ((3, [[0, 1]], [0.5, 0.5]), {"net_weights": [1.0, 1.0]}, "net_weights"),
+        ((3, [[0, 1]], [0.5, 0.6]), {}, "targets"),
+        ((3, [[0, 1]], [1.0, 0.0]), {}, r"targets\[1\]"),
+        ((3, [[0, 1]], []), {}, "targets"),
+        ((3, [[0, 1]], [0.25] * 4), {}, "targets"),
+        ((3, [[0, 1]], [0.5, 0.5]), {"epsilon": -0.1}, "epsilon"),
+        ((3, [[0, 1]], [0.5, 0.5]), {"epsilon": float("nan")}, "epsilon"),
+        ((-1, [[0, 1]], [0.5, 0.5]), {}, "num_vertices"),
+        ((3, [[0, 1]], [0.5, 0.5]), {"seed": -1}, "seed"),
+        # No balanced partition: one vertex outweighs the larger block, or no slack at all.
+        ((3, [[0, 1]], [0.5, 0.5]), {"vertex_weights": [10, 1, 1]}, "vertex_weights"),
+        ((3, [[0, 1]], [0.5, 0.5]), {"epsilon": 0.0}, "targets"),
+    ],
+)
+def test_hypergraph_bad_input_names_the_argument(args, kwargs, argument):
+    with pytest.raises(ValueError, match=rf"^{argument}:"):
+        hetcoll.partition_hypergraph(*args, **kwargs)
+
+
+def test_km1_against_python_and_bad_input():
+    rng = np.random.default_rng(0)
+    nets = [rng.choice(50, size=int(rng.integers(2, 6)), replace=False) for _ in range(40)]
+    parts = rng.integers(0, 4, size=50)
+    w = rng.random(40)
+    assert hetcoll.km1(nets, parts, w) == pytest.approx(python_km1(nets, parts, w), rel=1e-12)
+    assert hetcoll.km1([[0, 1, 2]], [0, 1, 1]) == 1.0
+    with pytest.raises(ValueError, match=r"^nets\[0\]"):
+        hetcoll.km1([[0, 5]], [0, 1])
+    with pytest.raises(ValueError, match=r"^net_weights:"):
+        hetcoll.km1([[0, 1]], [0, 1], [1.0, 2.0])
+    with pytest.raises(ValueError, match=r"^parts\[0\]"):
+        hetcoll.km1([[0, 1]], [-1, 1])
+
+
+# ---------------------------------------------------------------- the seed-002 CNN hypergraph
+
+torch = pytest.importorskip("torch")
+
+
+def small_cnn():
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(8, 16, 3, groups=2),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(16 * 6 * 6, 10),
+    )
+
+
+def test_network_hypergraph_counts_flops_and_bytes():
+    from hetcoll.model import network_hypergraph
+
+    h = network_hypergraph(small_cnn(), (3, 16, 16))
+    assert h.num_vertices == 8 + 16 + 10
+    assert [(c) for _, _, c in h.layers] == [8, 16, 10]
+    # FLOPs per sample: conv1 filter 2*3*9*16*16, conv2 (2 groups) 2*4*9*6*6, neuron 2*576.
+    assert h.vertex_weights[:8].tolist() == [2 * 3 * 9 * 256] * 8
+    assert h.vertex_weights[8:24].tolist() == [2 * 4 * 9 * 36] * 16
+    assert h.vertex_weights[24:].tolist() == [2 * 576] * 10
+    # Nets: conv1's 8 maps (pooled to 8x8) go to the 8 filters of their group; conv2's 16 maps
+    # (6x6) go to all 10 neurons. The input is everywhere and has no net.
+    assert len(h.nets) == 8 + 16
+    assert sorted(h.nets[0].tolist()) == [0, *range(8, 16)]
+    assert sorted(h.nets[5].tolist()) == [5, *range(16, 24)]
+    assert h.net_weights[:8].tolist() == [64 * 4] * 8
+    assert h.net_weights[8:].tolist() == [36 * 4] * 16
+    assert h.parameter_bytes == 4 * sum(p.numel() for p in small_cnn().parameters())
+
+
+def test_partition_report_volumes_follow_the_model():
+    from hetcoll.model import partition_report
+
+    speeds, batch = [3.0, 1.0], 16
+    report = partition_report(small_cnn(), (3, 16, 16), speeds, batch_size=batch)
+    by_name = {s.name: s for s in report.strategies}
+    # Even split: conv1's filters 0-3 feed group 0 of conv2 (filters 0-7), which stays on device 0,
+    # so conv1's maps never cross; conv2's 16 maps (6x6 floats) go to neurons on both devices.
+    even = by_name["even filter split"]
+    assert even.bytes_per_step == 2 * batch * 16 * 36 * 4
+    assert by_name["speed-proportional split"].imbalance < even.imbalance
+    dp = by_name["data parallel"]
+    params = sum(p.numel() for p in small_cnn().parameters())
+    assert dp.bytes_per_step == 2 * (2 - 1) * 4 * params
+    hyper = by_name["hypergraph partition"]
+    assert hyper.bytes_per_step <= even.bytes_per_step
+    assert hyper.imbalance <= 1.03 + 1e-9  # each block within (1 + epsilon) of its target
+    assert "hypergraph partition" in report.table()
+
+
+def test_network_hypergraph_rejects_what_it_cannot_model():
+    from hetcoll.model import network_hypergraph
+
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Conv2d(3, 4, 3, padding=1)
+            self.b = torch.nn.Conv2d(4, 4, 3, padding=1)
+            self.c = torch.nn.Conv2d(8, 4, 1)
+
+        def forward(self, x):
+            y = self.a(x)
+            return self.c(torch.cat([y, self.b(y)], dim=1))
+
+    with pytest.raises(ValueError, match=r"^model:"):
+        network_hypergraph(Residual(), (3, 8, 8))
+    with pytest.raises(ValueError, match=r"^input_shape:"):
+        network_hypergraph(small_cnn(), (3, 0, 16))
+    with pytest.raises(ValueError, match=r"^input_shape:"):
+        network_hypergraph(small_cnn(), (5, 16, 16))
+    with pytest.raises(ValueError, match=r"^model:"):
+        network_hypergraph(torch.nn.Sequential(torch.nn.ReLU()), (3, 4, 4))
