@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import math
 
-import hetcoll
 import numpy as np
 import pytest
+
+import hetcoll
 
 N, P = 10_000, 1_000
 CHAIN = f"partition_chain {N} layers x {P} devices"

@@ -18,9 +18,10 @@ import argparse
 import math
 import time
 
-import hetcoll
 import numpy as np
 import scipy.sparse as sp
+
+import hetcoll
 
 EPS = 0.03
 
@@ -44,6 +45,7 @@ def stencil(side: int) -> sp.spmatrix:
 def cnn_instances() -> list[tuple[str, int, list[np.ndarray], np.ndarray, np.ndarray]]:
     try:
         import torch
+
         from hetcoll.model import network_hypergraph
     except ImportError:
         return []

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import hetcoll
 from hetcoll.cli import main
 from hetcoll.model import (
     Cluster,
@@ -32,7 +33,7 @@ from hetcoll.model import (
     plan,
     terms,
 )
-from hetcoll.model.predict import _partition_chain_private, ddp_buckets, even_batch_shares
+from hetcoll.model.predict import ddp_buckets, even_batch_shares
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "clusters"
@@ -365,7 +366,7 @@ def test_private_chain_partition_is_exact_against_brute_force() -> None:
             return worst
 
         best = min(makespan(c) for c in itertools.product(range(n + 1), repeat=p) if sum(c) == n)
-        got = _partition_chain_private(costs, speeds, boundary, bw)
+        got = hetcoll.partition_chain(costs, speeds, boundary_bytes=boundary[: n - 1], bandwidth=bw)
         assert sum(got) == n
         assert makespan(tuple(got)) == pytest.approx(best)
 

@@ -9,11 +9,12 @@ import re
 import threading
 import time
 
-import hetcoll
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import hetcoll
 
 # ---------------------------------------------------------------- partition_chain
 

@@ -75,6 +75,7 @@ def ring_schedule(
     Chunk ``c`` is ``counts[c]`` elements; segments are element ranges ``[lo, hi)`` of at most
     ``segment`` elements. Reduce-scatter steps come first; afterwards rank ``r`` owns chunk ``r``.
     """
+
 def partition_chain(
     costs: Sequence[float],
     speeds: Sequence[float],

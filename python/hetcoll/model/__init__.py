@@ -29,6 +29,12 @@ if TYPE_CHECKING:
         cluster_from_dict,
         load_cluster,
     )
+    from hetcoll.model.hypergraph import (
+        NetworkHypergraph,
+        PartitionReport,
+        network_hypergraph,
+        partition_report,
+    )
     from hetcoll.model.planner import plan, sweep
     from hetcoll.model.predict import (
         Prediction,
@@ -37,13 +43,6 @@ if TYPE_CHECKING:
         even_batch_shares,
         filter_parallel,
         pipeline,
-    )
-
-    from hetcoll.model.hypergraph import (
-        NetworkHypergraph,
-        PartitionReport,
-        network_hypergraph,
-        partition_report,
     )
 
 _WHERE = {

@@ -493,52 +493,6 @@ def filter_parallel(
     )
 
 
-def _partition_chain_private(
-    costs: Sequence[float],
-    speeds: Sequence[float],
-    boundary_bytes: Sequence[float] | None = None,
-    bandwidth: float | None = None,
-) -> list[int]:
-    """Layers per device for contiguous stages in device order minimising the slowest stage
-    ``sum(costs of its layers) / speed + boundary_bytes[last layer] / bandwidth`` (no hand-off
-    after the last layer); devices may get no layer. Exact (dynamic programme, O(p n^2)).
-
-    PRIVATE stand-in: replace with hetcoll.partition_chain once merged (same contract).
-    """
-    n, p = len(costs), len(speeds)
-    c = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
-    hand = np.zeros(n + 1)
-    if boundary_bytes is not None and bandwidth:
-        hand[1:n] = np.asarray(boundary_bytes[: n - 1], dtype=np.float64) / bandwidth
-    seg = c[None, :] - c[:, None]  # seg[j, i]: cost of layers j..i-1
-    valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
-    best = np.full(n + 1, np.inf)
-    best[0] = 0.0
-    settled = False
-    idle = np.arange(n + 1)
-    choice = np.tile(idle, (p, 1))  # default: a device takes nothing
-    for d in range(p):
-        if d > 0 and speeds[d] == speeds[d - 1] and settled:
-            # A run of identical devices reached a fixed point: the rest of the run changes
-            # nothing (this keeps 1,024-device clusters of few device types cheap).
-            continue
-        stage = np.where(valid, seg / speeds[d] + hand[None, :], np.inf)
-        cand = np.maximum(best[:, None], stage)  # cand[j, i]: device d takes layers j..i-1
-        cand[idle, idle] = best  # device d takes nothing
-        j = np.argmin(cand, axis=0)
-        choice[d] = j
-        new_best = cand[j, idle]
-        settled = bool(np.array_equal(new_best, best))
-        best = new_best
-    out = [0] * p
-    i = n
-    for d in range(p - 1, -1, -1):
-        j = int(choice[d, i])
-        out[d] = i - j
-        i = j
-    return out
-
-
 def pipeline(
     costs: ModelCosts,
     cluster: Cluster,
@@ -571,11 +525,13 @@ def pipeline(
         total_flops = max(sum(layer_flops), 1e-30)
         speeds = [total_flops / max(float(per_layer_dev[:, d].sum()), 1e-30) for d in range(n_dev)]
         link = cluster.ring_link()
-        layers_per_device = _partition_chain_private(
+        bandwidth = link.bytes_per_s if math.isfinite(link.bytes_per_s) else None
+        boundary = [2 * x.out_bytes_per_sample * micro for x in costs.layers[:-1]]
+        layers_per_device = hetcoll.partition_chain(
             layer_flops,
             speeds,
-            [2 * x.out_bytes_per_sample * micro for x in costs.layers],
-            link.bytes_per_s if math.isfinite(link.bytes_per_s) else None,
+            boundary_bytes=boundary if bandwidth else None,
+            bandwidth=bandwidth,
         )
     counts = _check_shares(layers_per_device, n_dev, "layers_per_device")
     if int(counts.sum()) != n_layers:
