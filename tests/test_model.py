@@ -340,7 +340,7 @@ def test_filter_parallel_splits_filters_and_communicates_per_layer(cnn_costs) ->
     assert uneven.shares == [384, 128]
 
 
-def test_private_chain_partition_is_exact_against_brute_force() -> None:
+def test_pipeline_chain_partition_is_exact_against_brute_force() -> None:
     rng = np.random.default_rng(7)
     for trial in range(60):
         n, p = int(rng.integers(1, 7)), int(rng.integers(1, 5))
