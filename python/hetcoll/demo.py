@@ -198,6 +198,21 @@ def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float
     return loss, acc
 
 
+def progress_bar(cfg: DemoConfig, rank: int, name: str, epoch: int, steps: int) -> Any:
+    """A tqdm bar over one epoch's steps on rank 0 (None elsewhere or with progress off)."""
+    if not (cfg.progress and rank == 0):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(
+        total=steps,
+        desc=f"{name:>10} epoch {epoch + 1}/{cfg.epochs}",
+        file=sys.stderr,
+        leave=True,
+        dynamic_ncols=True,
+    )
+
+
 def _train(engine: _Engine, cfg: DemoConfig, name: str, shares: list[int], real: SpeedFit):
     rank = engine.rank
     xtr, ytr, xte, yte = load_digits(cfg.seed)
@@ -219,17 +234,7 @@ def _train(engine: _Engine, cfg: DemoConfig, name: str, shares: list[int], real:
     for epoch in range(cfg.epochs):
         sampler.set_epoch(epoch)
         steps = sampler.batch_sampler()
-        bar = None
-        if cfg.progress and rank == 0:
-            from tqdm import tqdm
-
-            bar = tqdm(
-                total=len(steps),
-                desc=f"{name:>10} epoch {epoch + 1}/{cfg.epochs}",
-                file=sys.stderr,
-                leave=True,
-                dynamic_ncols=True,
-            )
+        bar = progress_bar(cfg, rank, name, epoch, len(steps))
         engine.barrier()
         t0 = time.perf_counter()
         samples = 0

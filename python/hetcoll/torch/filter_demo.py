@@ -17,7 +17,6 @@ pooling, loss, optimizer) run at full speed on every rank.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from typing import Any
 
@@ -32,6 +31,7 @@ from hetcoll.demo import (
     _evaluate,
     _probe,
     load_digits,
+    progress_bar,
 )
 from hetcoll.torch.filter_parallel import (
     _FilterParallelLayer,
@@ -55,17 +55,7 @@ def _train(engine: _Engine, group: Any, cfg: DemoConfig, name: str, speeds: list
         # The same permutation on every rank: every rank trains on the whole global batch.
         perm = torch.randperm(len(ytr), generator=gen)
         steps = list(perm.split(cfg.global_batch))
-        bar = None
-        if cfg.progress and rank == 0:
-            from tqdm import tqdm
-
-            bar = tqdm(
-                total=len(steps),
-                desc=f"{name:>10} epoch {epoch + 1}/{cfg.epochs}",
-                file=sys.stderr,
-                leave=True,
-                dynamic_ncols=True,
-            )
+        bar = progress_bar(cfg, rank, name, epoch, len(steps))
         engine.barrier()
         t0 = time.perf_counter()
         for idx in steps:

@@ -28,6 +28,13 @@ import torch.distributed as dist
 import hetcoll
 
 
+def local_batch_value(n: object) -> int:
+    """A rank's sample count for one step, checked: an integer >= 0."""
+    if isinstance(n, bool) or not hasattr(n, "__index__") or int(n.__index__()) < 0:
+        raise ValueError(f"local_batch: must be an integer >= 0, got {n!r}")
+    return int(n.__index__())
+
+
 class WeightedAllreduceState:
     """State of :func:`weighted_allreduce_hook`: the process group (``None`` = default) and this
     rank's number of samples in the current step (set it before each backward when it changes).
@@ -44,9 +51,7 @@ class WeightedAllreduceState:
 
     @local_batch.setter
     def local_batch(self, n: int) -> None:
-        if isinstance(n, bool) or not hasattr(n, "__index__") or int(n) < 0:
-            raise ValueError(f"local_batch: must be an integer >= 0, got {n!r}")
-        self._local_batch = int(n)
+        self._local_batch = local_batch_value(n)
 
     def _global_batch(self) -> torch.futures.Future:
         """Future of ``N = sum_r n_r`` for the current step; launched once per step."""

@@ -19,6 +19,7 @@ import torch
 
 from hetcoll import fusion
 from hetcoll.collectives import allreduce
+from hetcoll.torch.hooks import local_batch_value
 
 _SUPPORTED = (torch.float32, torch.float64)
 
@@ -59,9 +60,7 @@ class DistributedOptimizer:
 
     @local_batch.setter
     def local_batch(self, n: int) -> None:
-        if isinstance(n, bool) or not hasattr(n, "__index__") or int(n) < 0:
-            raise ValueError(f"local_batch: must be an integer >= 0, got {n!r}")
-        self._local_batch = int(n)
+        self._local_batch = local_batch_value(n)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
