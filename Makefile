@@ -40,8 +40,13 @@ py-test: $(BUILT)
 
 test: $(BUILT) lint rust-test py-test
 
+# pytest-benchmark suites (ratio tables at the end), then the script benchmarks that launch
+# their own ranks; each prints the figures the README quotes.
 bench: $(BUILT)
-	$(PY) -m pytest benches -q --benchmark-columns=median,iqr,rounds --benchmark-sort=name
+	$(PY) -m pytest benches -o python_files='bench_*.py' -q -s \
+		--benchmark-columns=median,iqr,rounds --benchmark-sort=name
+	$(PY) benches/bench_collectives.py --ranks 2 4 --max-mib 256
+	$(PY) benches/bench_filter_parallel.py
 
 bench-rust:
 	cargo bench -p hetcoll-core
