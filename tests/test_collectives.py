@@ -106,6 +106,9 @@ def _dead_peer_rank(rank, world, port, result_path):
             outcomes.append(("CollectiveTimeout", time.monotonic() - start))
     with open(result_path, "wb") as f:
         pickle.dump(outcomes, f)
+    # Leave without tearing the process group down: with a peer gone, PyTorch's gloo teardown
+    # sometimes aborts the process (SIGABRT) after hetcoll has already raised and returned.
+    os._exit(0)
 
 
 @pytest.mark.multiproc
