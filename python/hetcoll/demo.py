@@ -289,6 +289,20 @@ def _probe(engine: _Engine, cfg: DemoConfig) -> tuple[list[SpeedFit], SpeedFit]:
     return engine.allgather(fit), real
 
 
+def rank_rows(cfg: DemoConfig, fits: list[SpeedFit]) -> list[dict[str, Any]]:
+    """The report's per-rank entries: emulated speed and the measured fit."""
+    return [
+        {
+            "rank": r,
+            "emulated_speed": cfg.speeds[r],
+            "measured_samples_per_s": f.samples_per_s,
+            "measured_latency_s": f.latency_s,
+            "points": f.points,
+        }
+        for r, f in enumerate(fits)
+    ]
+
+
 def run_rank(engine: _Engine, cfg: DemoConfig) -> dict[str, Any] | None:
     """Both runs on this rank; rank 0 returns the report."""
     if cfg.strategy == "filter":
@@ -311,16 +325,7 @@ def run_rank(engine: _Engine, cfg: DemoConfig) -> dict[str, Any] | None:
     return {
         "config": dataclasses.asdict(cfg),
         "emulated": True,
-        "ranks": [
-            {
-                "rank": r,
-                "emulated_speed": cfg.speeds[r],
-                "measured_samples_per_s": f.samples_per_s,
-                "measured_latency_s": f.latency_s,
-                "points": f.points,
-            }
-            for r, f in enumerate(fits)
-        ],
+        "ranks": rank_rows(cfg, fits),
         "ideal_samples_per_s": ideal,
         "predicted_balanced_step_s": max(f.predict(b) for b, f in zip(balanced, fits)),
         "runs": {r.name: dataclasses.asdict(r) for r in runs},

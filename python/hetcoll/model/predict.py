@@ -246,6 +246,18 @@ def _memory_common(costs: ModelCosts, state_copies: int) -> float:
     return costs.param_bytes * (2 + state_copies)
 
 
+def _memory_shortfall(mem: np.ndarray, devices: Sequence[Any]) -> str:
+    """Why a plan does not fit ('' when it does): the first device whose memory ``mem[d]``
+    (bytes) exceeds its capacity."""
+    for d, need in enumerate(mem):
+        if need > devices[d].memory_bytes:
+            return (
+                f"device {d} ({devices[d].name}) needs {need / 1e9:.3g} GB of "
+                f"{devices[d].memory_bytes / 1e9:.3g} GB"
+            )
+    return ""
+
+
 def data_parallel(
     costs: ModelCosts,
     cluster: Cluster,
@@ -315,14 +327,7 @@ def data_parallel(
     breakdown["communication"] = max(0.0, step - sum(breakdown.values()))
     memory = _memory_common(costs, optimizer_state_copies) + costs.param_bytes  # + DDP bucket copy
     mem = np.where(b > 0, memory + b * costs.saved_bytes_per_sample(), 0.0)
-    over = np.nonzero(mem > dev.memory_bytes)[0]
-    reason = ""
-    if len(over):
-        d = int(over[0])
-        reason = (
-            f"device {d} ({devices[d].name}) needs {mem[d] / 1e9:.3g} GB of "
-            f"{devices[d].memory_bytes / 1e9:.3g} GB"
-        )
+    reason = _memory_shortfall(mem, devices)
     return Prediction(
         strategy,
         [int(x) for x in b],
@@ -330,7 +335,7 @@ def data_parallel(
         step,
         breakdown,
         [float(x) for x in mem],
-        not len(over),
+        not reason,
         reason,
         int(b.sum()),
         {
@@ -468,16 +473,10 @@ def filter_parallel(
         "optimizer": float(opt.max()),
     }
     mem = owned * (2 + optimizer_state_copies) + batch * costs.saved_bytes_per_sample()
-    over = np.nonzero(mem > dev.memory_bytes)[0]
-    reason = ""
     if not filters_of and n_dev > 1:
         reason = "the model has no conv or linear layer to split"
-    elif len(over):
-        d = int(over[0])
-        reason = (
-            f"device {d} ({devices[d].name}) needs {mem[d] / 1e9:.3g} GB of "
-            f"{devices[d].memory_bytes / 1e9:.3g} GB"
-        )
+    else:
+        reason = _memory_shortfall(mem, devices)
     widest = max(filters_of, key=lambda i: costs.layers[i].filters) if filters_of else None
     return Prediction(
         strategy,
@@ -580,14 +579,7 @@ def pipeline(
     }
     # GPipe keeps every micro-batch's activations until its backward.
     mem = param_bytes * (2 + optimizer_state_copies) + saved * micro * micro_batches
-    over = np.nonzero(mem > dev.memory_bytes)[0]
-    reason = ""
-    if len(over):
-        d = int(over[0])
-        reason = (
-            f"device {d} ({devices[d].name}) needs {mem[d] / 1e9:.3g} GB of "
-            f"{devices[d].memory_bytes / 1e9:.3g} GB"
-        )
+    reason = _memory_shortfall(mem, devices)
     return Prediction(
         strategy,
         [int(x) for x in counts],

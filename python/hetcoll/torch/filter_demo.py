@@ -32,6 +32,7 @@ from hetcoll.demo import (
     _probe,
     load_digits,
     progress_bar,
+    rank_rows,
 )
 from hetcoll.torch.filter_parallel import (
     _FilterParallelLayer,
@@ -103,16 +104,7 @@ def run_rank(engine: _Engine, cfg: DemoConfig) -> dict[str, Any] | None:
         "config": dataclasses.asdict(cfg),
         "strategy": "filter",
         "emulated": True,
-        "ranks": [
-            {
-                "rank": r,
-                "emulated_speed": cfg.speeds[r],
-                "measured_samples_per_s": f.samples_per_s,
-                "measured_latency_s": f.latency_s,
-                "points": f.points,
-            }
-            for r, f in enumerate(fits)
-        ],
+        "ranks": rank_rows(cfg, fits),
         # Every rank's measured throughput on the whole model, added up: what the ranks could
         # reach together with perfect balance and free communication.
         "ideal_samples_per_s": sum(measured),
