@@ -83,8 +83,8 @@ def _add_split(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    # Imported here: the demo pulls in torch, which `hetcoll split` should not pay for.
-    from hetcoll.demo import add_parser
+    # The demo's command line is torch-free; its training (hetcoll.demo) is imported on use.
+    from hetcoll.demo_cli import add_parser
 
     add_parser(sub)
 
