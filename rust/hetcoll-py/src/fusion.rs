@@ -1,50 +1,11 @@
 //! Bindings of `hetcoll_core::kernels::{pack, unpack}`: numpy buffers in, no copies, GIL released.
 
-use half::slice::HalfBitsSliceExt;
-use half::{bf16, f16};
 use hetcoll_core::kernels::{self, Element};
-use numpy::{
-    dtype, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
-    PyReadwriteArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
-};
-use pyo3::exceptions::PyTypeError;
+use numpy::{PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn};
 use pyo3::prelude::*;
 
+use crate::buffers::{kind, typed, with_kind};
 use crate::errors::{detached, invalid, IntoPy};
-
-/// The storage type of `flat` (the fusion buffer); every array must share it.
-enum Kind {
-    F32,
-    F64,
-    F16,
-    Bf16,
-}
-
-fn kind(py: Python<'_>, flat: &Bound<'_, PyAny>, argument: &str, bfloat16: bool) -> PyResult<Kind> {
-    let arr = flat
-        .cast::<PyUntypedArray>()
-        .map_err(|_| PyTypeError::new_err(format!("{argument}: must be a numpy array")))?;
-    let d = arr.dtype();
-    if bfloat16 {
-        if d.is_equiv_to(&dtype::<u16>(py)) {
-            return Ok(Kind::Bf16);
-        }
-        return Err(PyTypeError::new_err(format!(
-            "{argument}: bfloat16=True needs uint16 buffers holding bfloat16 bits"
-        )));
-    }
-    if d.is_equiv_to(&dtype::<f32>(py)) {
-        Ok(Kind::F32)
-    } else if d.is_equiv_to(&dtype::<f64>(py)) {
-        Ok(Kind::F64)
-    } else if d.is_equiv_to(&dtype::<f16>(py)) {
-        Ok(Kind::F16)
-    } else {
-        Err(PyTypeError::new_err(format!(
-            "{argument}: dtype {d} is not supported (float32, float64, float16, bfloat16)"
-        )))
-    }
-}
 
 /// `out = scale · concat(arrays)`; `arrays` are C-contiguous numpy arrays of any shape and
 /// `out`'s dtype, `out` holds exactly their total element count.
@@ -57,19 +18,10 @@ pub fn pack_into(
     scale: f64,
     bfloat16: bool,
 ) -> PyResult<()> {
-    match kind(py, out, "out", bfloat16)? {
-        Kind::F32 => pack_as::<f32, f32>(py, &arrays, out, scale, |s| s, |s| s),
-        Kind::F64 => pack_as::<f64, f64>(py, &arrays, out, scale, |s| s, |s| s),
-        Kind::F16 => pack_as::<f16, f16>(py, &arrays, out, scale, |s| s, |s| s),
-        Kind::Bf16 => pack_as::<u16, bf16>(
-            py,
-            &arrays,
-            out,
-            scale,
-            |s| s.reinterpret_cast(),
-            |s| s.reinterpret_cast_mut(),
-        ),
-    }
+    with_kind!(
+        kind(py, out, "out", bfloat16)?,
+        pack_as(py, &arrays, out, scale)
+    )
 }
 
 /// `arrays[i] = scale · flat[o_i : o_i + arrays[i].size]`, in place.
@@ -82,37 +34,10 @@ pub fn unpack_from(
     scale: f64,
     bfloat16: bool,
 ) -> PyResult<()> {
-    match kind(py, flat, "flat", bfloat16)? {
-        Kind::F32 => unpack_as::<f32, f32>(py, flat, &arrays, scale, |s| s, |s| s),
-        Kind::F64 => unpack_as::<f64, f64>(py, flat, &arrays, scale, |s| s, |s| s),
-        Kind::F16 => unpack_as::<f16, f16>(py, flat, &arrays, scale, |s| s, |s| s),
-        Kind::Bf16 => unpack_as::<u16, bf16>(
-            py,
-            flat,
-            &arrays,
-            scale,
-            |s| s.reinterpret_cast(),
-            |s| s.reinterpret_cast_mut(),
-        ),
-    }
-}
-
-/// `arrays[i]` as a typed, C-contiguous numpy array of element `N`.
-fn typed<'a, 'py, N: numpy::Element>(
-    a: &'a Bound<'py, PyAny>,
-    name: &str,
-    want: &str,
-) -> PyResult<&'a Bound<'py, PyArrayDyn<N>>> {
-    let u = a.cast::<PyUntypedArray>().map_err(|_| {
-        PyTypeError::new_err(format!("{name}: must be a numpy array or a CPU tensor"))
-    })?;
-    let t = a.cast::<PyArrayDyn<N>>().map_err(|_| {
-        PyTypeError::new_err(format!("{name}: dtype {} does not match {want}", u.dtype()))
-    })?;
-    if !t.is_c_contiguous() {
-        return Err(invalid(name, "must be C-contiguous"));
-    }
-    Ok(t)
+    with_kind!(
+        kind(py, flat, "flat", bfloat16)?,
+        unpack_as(py, flat, &arrays, scale)
+    )
 }
 
 fn pack_as<N, T>(

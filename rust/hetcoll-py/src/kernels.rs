@@ -1,15 +1,10 @@
 //! Bindings of `hetcoll_core::kernels`: numpy buffers in, no copies, GIL released.
 
-use half::slice::HalfBitsSliceExt;
-use half::{bf16, f16};
 use hetcoll_core::kernels::{self, Element, Source};
-use numpy::{
-    dtype, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArray,
-    PyUntypedArrayMethods,
-};
-use pyo3::exceptions::PyTypeError;
+use numpy::{PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
+use crate::buffers::{kind, typed, with_kind};
 use crate::convert::floats;
 use crate::errors::{detached, invalid, IntoPy};
 
@@ -27,35 +22,10 @@ pub fn weighted_sum_into(
     bfloat16: bool,
 ) -> PyResult<()> {
     let weights = floats(weights, "weights")?;
-    let out_arr = out
-        .cast::<PyUntypedArray>()
-        .map_err(|_| PyTypeError::new_err("out: must be a numpy array"))?;
-    let d = out_arr.dtype();
-    if bfloat16 {
-        if !d.is_equiv_to(&dtype::<u16>(py)) {
-            return Err(PyTypeError::new_err(
-                "out: bfloat16=True needs uint16 buffers holding bfloat16 bits",
-            ));
-        }
-        run::<u16, bf16>(
-            py,
-            &arrays,
-            &weights,
-            out,
-            |s| s.reinterpret_cast(),
-            |s| s.reinterpret_cast_mut(),
-        )
-    } else if d.is_equiv_to(&dtype::<f32>(py)) {
-        run::<f32, f32>(py, &arrays, &weights, out, |s| s, |s| s)
-    } else if d.is_equiv_to(&dtype::<f64>(py)) {
-        run::<f64, f64>(py, &arrays, &weights, out, |s| s, |s| s)
-    } else if d.is_equiv_to(&dtype::<f16>(py)) {
-        run::<f16, f16>(py, &arrays, &weights, out, |s| s, |s| s)
-    } else {
-        Err(PyTypeError::new_err(format!(
-            "out: dtype {d} is not supported (float32, float64, float16, bfloat16)"
-        )))
-    }
+    with_kind!(
+        kind(py, out, "out", bfloat16)?,
+        run(py, &arrays, &weights, out)
+    )
 }
 
 /// Borrow every buffer as a slice of the numpy element type `N`, view it as the kernel's `T`,
@@ -72,10 +42,8 @@ where
     N: numpy::Element,
     T: Element,
 {
-    let out = out.cast::<PyArrayDyn<N>>()?;
-    if !out.is_c_contiguous() {
-        return Err(invalid("out", "must be C-contiguous"));
-    }
+    let want = format!("out's dtype {}", T::NAME);
+    let out = typed::<N>(out, "out", &want)?;
     let out_ptr = out.data() as usize;
     let shape = out.shape().to_vec();
     let mut out_rw = out.try_readwrite().map_err(|e| invalid("out", e))?;
@@ -83,24 +51,12 @@ where
     let mut guards: Vec<Option<PyReadonlyArrayDyn<'_, N>>> = Vec::with_capacity(arrays.len());
     for (i, a) in arrays.iter().enumerate() {
         let name = format!("arrays[{i}]");
-        let a = a.cast::<PyUntypedArray>().map_err(|_| {
-            PyTypeError::new_err(format!("{name}: must be a numpy array or a CPU tensor"))
-        })?;
-        let a = a.cast::<PyArrayDyn<N>>().map_err(|_| {
-            PyTypeError::new_err(format!(
-                "{name}: dtype {} does not match out's dtype {}",
-                a.dtype(),
-                T::NAME
-            ))
-        })?;
+        let a = typed::<N>(a, &name, &want)?;
         if a.shape() != shape.as_slice() {
             return Err(invalid(
                 &name,
                 format!("has shape {:?} but out has shape {:?}", a.shape(), shape),
             ));
-        }
-        if !a.is_c_contiguous() {
-            return Err(invalid(&name, "must be C-contiguous"));
         }
         if a.data() as usize == out_ptr {
             guards.push(None); // the very buffer of `out`: read in place

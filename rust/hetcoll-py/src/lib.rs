@@ -3,6 +3,7 @@
 
 use pyo3::prelude::*;
 
+mod buffers;
 mod convert;
 mod errors;
 mod fusion;
