@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -191,11 +192,40 @@ def fit_alpha_beta(sizes_bytes: Sequence[int], seconds: Sequence[float]) -> tupl
     return alpha, round(1.0 / beta, 6)
 
 
+def _ping_pong(
+    rank: int,
+    sizes: Sequence[int],
+    repeats: int,
+    make_buffer: Callable[[int], Any],
+    barrier: Callable[[], Any],
+    send: Callable[[Any, int], Any],
+    recv: Callable[[Any, int], Any],
+) -> list[float]:
+    """One-way seconds per message size between ranks 0 and 1 (half the best round trip after
+    two warm-up rounds), whatever engine ``barrier``/``send``/``recv`` belong to."""
+    out = []
+    for size in sizes:
+        buf = make_buffer(max(1, size // 4))
+        times = []
+        for i in range(repeats + 2):
+            barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                send(buf, 1)
+                recv(buf, 1)
+            elif rank == 1:
+                recv(buf, 0)
+                send(buf, 0)
+            if i >= 2:
+                times.append((time.perf_counter() - t0) / 2)
+        out.append(min(times))
+    return out
+
+
 def _gloo_ping_pong(rank: int, world: int, sizes: Sequence[int], repeats: int) -> list[float]:
     import torch
     import torch.distributed as dist
 
-    out = []
     warm = torch.zeros(1)
     for _ in range(5):  # the first messages of a gloo pair pay for connection set-up
         if rank == 0:
@@ -204,22 +234,9 @@ def _gloo_ping_pong(rank: int, world: int, sizes: Sequence[int], repeats: int) -
         elif rank == 1:
             dist.recv(warm, 0)
             dist.send(warm, 0)
-    for size in sizes:
-        buf = torch.zeros(max(1, size // 4))
-        times = []
-        for i in range(repeats + 2):
-            dist.barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            if i >= 2:
-                times.append((time.perf_counter() - t0) / 2)
-        out.append(min(times))
-    return out
+    return _ping_pong(
+        rank, sizes, repeats, lambda n: torch.zeros(n), dist.barrier, dist.send, dist.recv
+    )
 
 
 def measure_gloo_link(sizes: Sequence[int] = PING_PONG_BYTES, repeats: int = 9) -> LinkFit:
@@ -278,22 +295,15 @@ def _mpi_ping_pong(sizes: Sequence[int], repeats: int) -> list[float] | None:
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    out = []
-    for size in sizes:
-        buf = np.zeros(max(1, size // 4), dtype=np.float32)
-        times = []
-        for i in range(repeats + 2):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                comm.Send(buf, 1)
-                comm.Recv(buf, 1)
-            elif rank == 1:
-                comm.Recv(buf, 0)
-                comm.Send(buf, 0)
-            if i >= 2:
-                times.append((time.perf_counter() - t0) / 2)
-        out.append(min(times))
+    out = _ping_pong(
+        rank,
+        sizes,
+        repeats,
+        lambda n: np.zeros(n, dtype=np.float32),
+        comm.Barrier,
+        comm.Send,
+        comm.Recv,
+    )
     return out if rank == 0 else None
 
 

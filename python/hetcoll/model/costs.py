@@ -153,6 +153,27 @@ def _numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
+def _add_bias(fwd: list[Kernel], bwd: list[Kernel], outputs_per_sample: int, item: int) -> None:
+    """The bias of a conv or linear layer: an element-wise add over its outputs (read and write)
+    forward, a reduction of the output gradient backward; both scale with the filters."""
+    fwd.append(
+        Kernel(
+            "bias",
+            outputs_per_sample,
+            filter_bytes_per_sample=2 * outputs_per_sample * item,
+            scales_with_filters=True,
+        )
+    )
+    bwd.append(
+        Kernel(
+            "bias-grad",
+            outputs_per_sample,
+            filter_bytes_per_sample=outputs_per_sample * item,
+            scales_with_filters=True,
+        )
+    )
+
+
 def _conv_kernels(
     mod: nn.Conv2d | nn.Conv1d | nn.Conv3d,
     in_shape: tuple[int, ...],
@@ -222,22 +243,7 @@ def _conv_kernels(
                 )
             )
     if mod.bias is not None:
-        fwd.append(
-            Kernel(
-                "bias",
-                c_out * n,
-                filter_bytes_per_sample=2 * c_out * n * item,
-                scales_with_filters=True,
-            )
-        )
-        bwd.append(
-            Kernel(
-                "bias-grad",
-                c_out * n,
-                filter_bytes_per_sample=c_out * n * item,
-                scales_with_filters=True,
-            )
-        )
+        _add_bias(fwd, bwd, c_out * n, item)
     return fwd, bwd
 
 
@@ -290,22 +296,7 @@ def _linear_kernels(
             )
         )
     if mod.bias is not None:
-        fwd.append(
-            Kernel(
-                "bias",
-                rows * o,
-                filter_bytes_per_sample=2 * rows * o * item,
-                scales_with_filters=True,
-            )
-        )
-        bwd.append(
-            Kernel(
-                "bias-grad",
-                rows * o,
-                filter_bytes_per_sample=rows * o * item,
-                scales_with_filters=True,
-            )
-        )
+        _add_bias(fwd, bwd, rows * o, item)
     return fwd, bwd
 
 
