@@ -7,19 +7,25 @@ balanced >= 90% of the ideal (sum of each rank's measured speed), >= 2.0x the un
 (2.5x is the ceiling for speeds 1 and 0.25), accuracy within 1 point.
 
     .venv/bin/python -m pytest benches/bench_data_parallel.py -s
+
+Both engines: gloo (DDP and the weighted comm hook) and MPI (the MPI DistributedOptimizer).
 """
 
 from __future__ import annotations
 
 import statistics
 
+import pytest
+
 from hetcoll.demo import DemoConfig, run, summary_rows
 
-GROUP = "data parallel, 2 ranks, emulated speeds 1 and 0.25 (median of 3 launches)"
+GROUP = "data parallel, 2 ranks, emulated speeds 1 and 0.25 (median of 3 launches), {}"
 
 
-def test_balanced_vs_unbalanced(benchmark, figure):
-    cfg = DemoConfig(speeds=(1.0, 0.25), progress=False)
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_balanced_vs_unbalanced(benchmark, figure, backend):
+    group = GROUP.format(backend)
+    cfg = DemoConfig(speeds=(1.0, 0.25), progress=False, backend=backend)
     reports = []
     benchmark.pedantic(lambda: reports.append(run(cfg)), rounds=3, iterations=1)
     speedup, of_ideal, acc_diff, shares = [], [], [], []
@@ -31,21 +37,21 @@ def test_balanced_vs_unbalanced(benchmark, figure):
         acc_diff.append(100 * (b["test_accuracy"] - u["test_accuracy"]))
         shares.append(b["shares"])
     figure(
-        GROUP,
+        group,
         "balanced / unbalanced throughput",
         f"{statistics.median(speedup):.2f}x (runs: {', '.join(f'{x:.2f}' for x in speedup)})",
     )
     figure(
-        GROUP,
+        group,
         "balanced throughput / ideal",
         f"{statistics.median(of_ideal):.0%} (runs: {', '.join(f'{x:.0%}' for x in of_ideal)})",
     )
     figure(
-        GROUP,
+        group,
         "unbalanced throughput / ideal",
         ", ".join(f"{summary_rows(r)[0]['fraction_of_ideal']:.0%}" for r in reports),
     )
     figure(
-        GROUP, "accuracy balanced - unbalanced (points)", ", ".join(f"{x:+.1f}" for x in acc_diff)
+        group, "accuracy balanced - unbalanced (points)", ", ".join(f"{x:+.1f}" for x in acc_diff)
     )
-    figure(GROUP, "balanced shares", "; ".join(map(str, shares)))
+    figure(group, "balanced shares", "; ".join(map(str, shares)))

@@ -36,17 +36,18 @@ pytestmark = pytest.mark.multiproc
 # -- one step ------------------------------------------------------------------------------------
 
 
-def _one_step(rank, world, shares):
-    return [_one_step_with(rank, shares, weighted) for weighted in (True, False)]
+def _one_step(rank, world, shares, algorithm):
+    return [_one_step_with(rank, shares, weighted, algorithm) for weighted in (True, False)]
 
 
-def _one_step_with(rank, shares, weighted):
+def _one_step_with(rank, shares, weighted, algorithm):
     x, y = make_data(sum(shares))
     start = sum(shares[:rank])
     xs, ys = x[start : start + shares[rank]], y[start : start + shares[rank]]
     ddp = DDP(make_model())
     if weighted:
-        ddp.register_comm_hook(WeightedAllreduceState(None, shares[rank]), weighted_allreduce_hook)
+        state = WeightedAllreduceState(None, shares[rank], algorithm=algorithm)
+        ddp.register_comm_hook(state, weighted_allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     nn.functional.cross_entropy(ddp(xs), ys).backward()
     grads = [p.grad.clone() for p in ddp.parameters()]
@@ -54,10 +55,11 @@ def _one_step_with(rank, shares, weighted):
     return grads, [p.detach().clone() for p in ddp.parameters()]
 
 
-def test_weighted_hook_equals_full_batch_and_plain_ddp_does_not():
+@pytest.mark.parametrize("algorithm", ["direct", "allreduce"])
+def test_weighted_hook_equals_full_batch_and_plain_ddp_does_not(algorithm):
     shares = [3, 5, 8]
     ref_grads, ref_params = reference_step(sum(shares))
-    results = spawn(_one_step, 3, shares)
+    results = spawn(_one_step, 3, shares, algorithm)
     for (grads, params), _ in results:
         for g, r in zip(grads, ref_grads):
             assert rel_err(g, r) <= 1e-10
@@ -71,11 +73,13 @@ def test_weighted_hook_equals_full_batch_and_plain_ddp_does_not():
 # -- a whole epoch: ragged last step and a share change mid-run ----------------------------------
 
 
-def _epoch(rank, world, shares_before, shares_after):
+def _epoch(rank, world, shares_before, shares_after, algorithm="auto"):
     x, y = make_data(N_EPOCH)
     sampler = BalancedSampler(range(N_EPOCH), shares_before, rank, seed=EPOCH_SEED)
-    ddp = DDP(make_model())
-    state = WeightedAllreduceState(None, shares_before[rank])
+    # Small buckets: several per step, so the direct exchange runs them back to back on its
+    # thread while the backward goes on.
+    ddp = DDP(make_model(), bucket_cap_mb=0.001)
+    state = WeightedAllreduceState(None, shares_before[rank], algorithm=algorithm)
     ddp.register_comm_hook(state, weighted_allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     sizes = []
@@ -90,7 +94,8 @@ def _epoch(rank, world, shares_before, shares_after):
     return sizes, [p.detach().clone() for p in ddp.parameters()]
 
 
-def test_full_epoch_with_ragged_last_step_and_share_change():
+@pytest.mark.parametrize("algorithm", ["auto", "allreduce"])
+def test_full_epoch_with_ragged_last_step_and_share_change(algorithm):
     before, after = [3, 5, 8], [6, 1, 2]
     world = 3
     steps = epoch_plan(before, after, world)
@@ -100,7 +105,7 @@ def test_full_epoch_with_ragged_last_step_and_share_change():
     assert sorted(i for step in steps for b in step for i in b) == list(range(N_EPOCH))
 
     ref = reference_epoch(steps)
-    results = spawn(_epoch, world, before, after)
+    results = spawn(_epoch, world, before, after, algorithm)
     for rank, (sizes, params) in enumerate(results):
         assert sizes == [len(step[rank]) for step in steps]
         for p, r in zip(params, ref):

@@ -32,8 +32,9 @@ from hetcoll.torch import (
 
 
 class DemoNet(nn.Sequential):
-    """Two 3x3 convolutions, a pooling layer and two linear layers for 8x8 digits (338k
-    parameters: enough compute per sample that a step is not all communication)."""
+    """Two 3x3 convolutions, a 4x4 max-pool and two linear layers for 8x8 digits (108k
+    parameters). The convolutions hold nearly all the compute and the parameters are few, so a
+    step is mostly compute and little gradient traffic, as in conv nets generally."""
 
     def __init__(self) -> None:
         super().__init__(
@@ -41,11 +42,11 @@ class DemoNet(nn.Sequential):
             nn.ReLU(),
             nn.Conv2d(64, 128, 3, padding=1),
             nn.ReLU(),
-            nn.MaxPool2d(2),
+            nn.MaxPool2d(4),
             nn.Flatten(),
-            nn.Linear(128 * 4 * 4, 128),
+            nn.Linear(128 * 2 * 2, 64),
             nn.ReLU(),
-            nn.Linear(128, 10),
+            nn.Linear(64, 10),
         )
 
 
@@ -231,7 +232,8 @@ def _train(engine: _Engine, cfg: DemoConfig, name: str, shares: list[int], real:
 
 def _probe(engine: _Engine, cfg: DemoConfig) -> tuple[list[SpeedFit], SpeedFit]:
     """Each rank measures its real speed once (the cost the emulation scales), then its emulated
-    speed, which is what the balanced split is solved from; every rank gets everybody's fit."""
+    speed, which is what the balanced split is solved from; every rank gets everybody's fit. Both
+    time the whole training step: forward, backward and the optimizer's step."""
     xtr, ytr, _, _ = load_digits(cfg.seed)
     torch.manual_seed(cfg.seed)
     net = DemoNet()
@@ -242,9 +244,17 @@ def _probe(engine: _Engine, cfg: DemoConfig) -> tuple[list[SpeedFit], SpeedFit]:
     loss = nn.functional.cross_entropy
     top = max(8, cfg.global_batch)
     sizes = sorted({max(1, top // 8), max(2, top // 4), max(3, top // 2), top})
-    real = measure_speed(net, make_batch, loss, batch_sizes=sizes, warmup=2, repeats=5)
+
+    def sgd(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
+
+    real = measure_speed(
+        net, make_batch, loss, batch_sizes=sizes, warmup=2, repeats=5, optimizer=sgd
+    )
     emulated = EmulatedSpeed(net, cfg.speeds[engine.rank], cost=real)
-    fit = measure_speed(emulated, make_batch, loss, batch_sizes=sizes, warmup=1, repeats=3)
+    fit = measure_speed(
+        emulated, make_batch, loss, batch_sizes=sizes, warmup=1, repeats=3, optimizer=sgd
+    )
     return engine.allgather(fit), real
 
 

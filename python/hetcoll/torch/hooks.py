@@ -9,6 +9,15 @@ the process group's allreduce, and divided by ``N = sum_r n_r``. ``N`` is itself
 ranks once per step, by a one-element allreduce issued with the step's first bucket, so a ragged
 last batch or a share change between steps needs nothing but ``state.local_batch = len(batch)``.
 
+Small CPU buckets take a shorter road (``algorithm="direct"``, the default choice for them): every
+rank sends its raw bucket and its ``n_r`` to every other rank in one round of point-to-point
+messages, and each rank forms ``sum_r (n_r / N) * g_r`` in rank order with one Rust pass, the
+weights fused into the reduction. It is one message latency instead of the several rounds of a
+ring allreduce plus the count's allreduce; every rank computes bitwise the same sum. It sends
+``(p - 1)`` buckets per rank, so it is chosen only when that is small (:data:`DIRECT_BYTES`) or
+``p == 2``, where it moves no more bytes than a ring. A worker thread runs it, so the hook returns
+at once and DDP keeps overlapping communication with the backward.
+
 Usage, as with PyTorch's own hooks::
 
     state = WeightedAllreduceState(None, local_batch=shares[rank])
@@ -20,12 +29,19 @@ Usage, as with PyTorch's own hooks::
 
 # No `from __future__ import annotations`: DDP inspects the hook's annotations at runtime and
 # requires the real `dist.GradBucket` / `Future[Tensor]` objects.
+import queue
+import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import hetcoll
+
+ALGORITHMS = ("auto", "direct", "allreduce")
+#: "auto" sends buckets directly when ``(p - 1) * bucket bytes`` is at most this (or ``p == 2``).
+DIRECT_BYTES = 4 << 20
+_TAG_COUNT, _TAG_DATA = 4201, 4202
 
 
 def local_batch_value(n: object) -> int:
@@ -38,12 +54,26 @@ def local_batch_value(n: object) -> int:
 class WeightedAllreduceState:
     """State of :func:`weighted_allreduce_hook`: the process group (``None`` = default) and this
     rank's number of samples in the current step (set it before each backward when it changes).
+
+    ``algorithm``: "direct" (one round of point-to-point messages, CPU buckets), "allreduce"
+    (pre-scale and the process group's allreduce) or "auto" (direct for small CPU buckets or two
+    ranks; see the module docstring).
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None, local_batch: int) -> None:
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None,
+        local_batch: int,
+        *,
+        algorithm: str = "auto",
+    ) -> None:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
         self.process_group = process_group
         self.local_batch = local_batch
+        self.algorithm = algorithm
         self._step_total: torch.futures.Future | None = None
+        self._direct: _DirectExchange | None = None
 
     @property
     def local_batch(self) -> int:
@@ -71,13 +101,11 @@ def _backend(group: Any) -> str:
         return "gloo"
 
 
+_KERNEL = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
 def _scale_(buf: torch.Tensor, factor: float) -> None:
-    if buf.device.type == "cpu" and buf.dtype in (
-        torch.float32,
-        torch.float64,
-        torch.float16,
-        torch.bfloat16,
-    ):
+    if buf.device.type == "cpu" and buf.dtype in _KERNEL:
         hetcoll.weighted_sum([buf], [factor], out=buf)
     else:
         buf.mul_(factor)
@@ -92,10 +120,14 @@ def weighted_allreduce_hook(
             "state: weighted_allreduce_hook needs a WeightedAllreduceState, got "
             f"{type(state).__name__} (register with ddp.register_comm_hook(state, hook))"
         )
+    buf = bucket.buffer()
+    if _use_direct(state, buf):
+        if state._direct is None:
+            state._direct = _DirectExchange(state.process_group)
+        return state._direct.submit(buf, state.local_batch)
     total_fut = state._global_batch()
     if bucket.is_last():
         state._step_total = None  # the next step sums its own batch sizes
-    buf = bucket.buffer()
     _scale_(buf, float(state.local_batch))
     work = dist.all_reduce(buf, group=state.process_group, async_op=True)
 
@@ -108,3 +140,74 @@ def weighted_allreduce_hook(
         return reduced
 
     return work.get_future().then(finish)
+
+
+def _use_direct(state: WeightedAllreduceState, buf: torch.Tensor) -> bool:
+    if state.algorithm == "allreduce" or buf.device.type != "cpu" or buf.dtype not in _KERNEL:
+        return False
+    if state.algorithm == "direct":
+        return True
+    p = dist.get_world_size(state.process_group)
+    return p == 2 or (p - 1) * buf.numel() * buf.element_size() <= DIRECT_BYTES
+
+
+class _DirectExchange:
+    """One round of point-to-point messages per bucket, on a worker thread (gloo's send/recv
+    works have no futures, so a thread waits for them and completes the hook's future)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.peers = [
+            dist.get_global_rank(group, r) if group is not None else r for r in range(self.size)
+        ]
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._scratch: dict[int, torch.Tensor] = {}
+        threading.Thread(target=self._serve, name="hetcoll-direct", daemon=True).start()
+
+    def submit(self, buf: torch.Tensor, local_batch: int) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        self._jobs.put((buf, local_batch, fut))
+        return fut
+
+    def _serve(self) -> None:
+        while True:
+            buf, n, fut = self._jobs.get()
+            try:
+                fut.set_result(self._exchange(buf, n))
+            except Exception as e:  # the backward that waits on the future raises it
+                fut.set_exception(e)
+
+    def _peer_buffer(self, r: int, like: torch.Tensor) -> torch.Tensor:
+        t = self._scratch.get(r)
+        if t is None or t.numel() < like.numel() or t.dtype != like.dtype:
+            t = self._scratch[r] = torch.empty(like.numel(), dtype=like.dtype)
+        return t[: like.numel()]
+
+    def _exchange(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+        mine = torch.tensor([float(n)], dtype=torch.float64)
+        counts = {self.rank: mine}
+        grads = {self.rank: buf}
+        works = []
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            peer = self.peers[r]
+            counts[r] = torch.empty(1, dtype=torch.float64)
+            grads[r] = self._peer_buffer(r, buf)
+            works += [
+                dist.isend(mine, peer, group=self.group, tag=_TAG_COUNT),
+                dist.isend(buf, peer, group=self.group, tag=_TAG_DATA),
+                dist.irecv(counts[r], peer, group=self.group, tag=_TAG_COUNT),
+                dist.irecv(grads[r], peer, group=self.group, tag=_TAG_DATA),
+            ]
+        for w in works:
+            w.wait()
+        total = sum(float(counts[r][0]) for r in range(self.size))
+        if total <= 0:
+            raise ValueError("local_batch: every rank reported 0 samples for this step")
+        weights = [float(counts[r][0]) / total for r in range(self.size)]
+        # Rank order on every rank, so every rank ends with bitwise the same sum.
+        hetcoll.weighted_sum([grads[r] for r in range(self.size)], weights, out=buf)
+        return buf

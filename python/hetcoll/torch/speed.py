@@ -1,4 +1,5 @@
-"""Measure how fast this rank trains: time forward + backward at a few batch sizes and fit
+"""Measure how fast this rank trains: time forward + backward (+ the optimizer step, when given an
+optimizer factory) at a few batch sizes and fit
 ``t(b) = latency_s + b / samples_per_s`` (least squares on the medians of repeats)."""
 
 from __future__ import annotations
@@ -58,9 +59,14 @@ def measure_speed(
     warmup: int = 2,
     repeats: int = 3,
     probe_memory: bool = False,
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
 ) -> SpeedFit:
     """Time forward + backward of a copy of ``model`` (the caller's weights are untouched) on
     ``make_batch(b)`` for each ``b`` in ``batch_sizes`` and fit the step time.
+
+    ``optimizer``, a factory such as ``lambda ps: torch.optim.SGD(ps, lr=0.1)``, adds the
+    optimizer step to each timed step (on the copy's parameters), so the fit is the whole training
+    step.
 
     ``probe_memory`` (CUDA models only) fits peak memory against batch size and reports the
     largest batch that fits as ``capacity``.
@@ -73,8 +79,11 @@ def measure_speed(
         raise ValueError(f"batch_sizes: must be positive integers, got {list(batch_sizes)}")
     if warmup < 0 or repeats < 1:
         raise ValueError(f"repeats: must be >= 1 (and warmup >= 0), got {repeats}, {warmup}")
+    if optimizer is not None and not callable(optimizer):
+        raise TypeError(f"optimizer: must be a callable taking parameters, got {optimizer!r}")
     m = copy.deepcopy(model)
     m.train()
+    opt = optimizer(m.parameters()) if optimizer is not None else None
     cuda = next((p.is_cuda for p in m.parameters()), False)
     points, mem_points = [], []
     for b in sizes:
@@ -88,6 +97,8 @@ def measure_speed(
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             loss_fn(m(x), y).backward()
+            if opt is not None:
+                opt.step()
             if cuda:
                 torch.cuda.synchronize()
             if i >= warmup:
