@@ -6,8 +6,9 @@ For each engine (MPI through mpi4py/MPICH, torch.distributed gloo), each rank co
 buffer size (float32, 4 KiB .. max), every rank times each operation after a barrier; the time
 of a repeat is the slowest rank's, and the figure is the median over repeats. Printed per size:
 algorithmic bandwidth N / t of the engine's allreduce (MPI_Allreduce / dist.all_reduce), and
-times relative to it of hetcoll's native allreduce unweighted and weighted (weight fused into a
-Rust pre-scale) and of the weighted ring; the ring lower bound 2(p-1)/p * N / B with B from a
+times relative to it of hetcoll's weighted allreduce as "auto" picks it, of the native allreduce
+unweighted and weighted (weight fused into a Rust pre-scale), of the weighted direct exchange
+and of the weighted ring; the ring lower bound 2(p-1)/p * N / B with B from a
 ping-pong between ranks 0 and 1, and the ring's time over that bound. Then allgatherv of pieces
 of different lengths (rank r holds r+1 shares) against an all_gather of equal pieces with the
 same total bytes. Ranks share the machine's cores, so absolute figures are those of one host
@@ -163,6 +164,8 @@ def _operations(
         "native": lambda: hetcoll.allreduce(buf, comm, algorithm="native"),
         "native_w": lambda: hetcoll.allreduce(buf, comm, weight=w, algorithm="native"),
         "ring_w": lambda: hetcoll.allreduce(buf, comm, weight=w, algorithm="ring"),
+        "direct_w": lambda: hetcoll.allreduce(buf, comm, weight=w, algorithm="direct"),
+        "auto_w": lambda: hetcoll.allreduce(buf, comm, weight=w),
         "allgatherv": lambda: hetcoll.allgatherv(piece_v, comm, algorithm="native"),
         "allgatherv_ring": lambda: hetcoll.allgatherv(piece_v, comm, algorithm="ring"),
         "allgather": lambda: e.allgather(piece_eq, out_eq),
@@ -198,6 +201,8 @@ def measure(kind: str, max_mib: int) -> dict[str, Any]:
                 native=t["native"] / t_engine,
                 native_weighted=t["native_w"] / t_engine,
                 ring_weighted=t["ring_w"] / t_engine,
+                direct_weighted=t["direct_w"] / t_engine,
+                auto_weighted=t["auto_w"] / t_engine,
                 ring_over_bound=t["ring_w"] / lower,
                 allgatherv_over_allgather=t["allgatherv"] / t["allgather"],
                 allgatherv_ring_over_allgather=t["allgatherv_ring"] / t["allgather"],
@@ -216,16 +221,18 @@ def _table(result: dict[str, Any]) -> str:
     lines = [
         f"\n{result['engine']}, p = {result['ranks']}, ping-pong B = "
         f"{result['pingpong_GBps']:.2f} GB/s; times relative to {peer} (lower is better)\n",
-        f"| size | {peer} GB/s | native | native weighted | ring weighted | ring / lower bound "
+        f"| size | {peer} GB/s | weighted (auto) | native | native weighted | direct weighted "
+        f"| ring weighted | ring / lower bound "
         f"| allgatherv native / {gather} | allgatherv ring / {gather} |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         b = row["bytes"]
         size = f"{b // KIB} KiB" if b < KIB * KIB else f"{b // (KIB * KIB)} MiB"
         lines.append(
-            f"| {size} | {row['engine_GBps']:.3f} | {row['native']:.2f}x "
-            f"| {row['native_weighted']:.2f}x | {row['ring_weighted']:.2f}x "
+            f"| {size} | {row['engine_GBps']:.3f} | {row['auto_weighted']:.2f}x "
+            f"| {row['native']:.2f}x | {row['native_weighted']:.2f}x "
+            f"| {row['direct_weighted']:.2f}x | {row['ring_weighted']:.2f}x "
             f"| {row['ring_over_bound']:.2f}x | {row['allgatherv_over_allgather']:.2f}x "
             f"| {row['allgatherv_ring_over_allgather']:.2f}x |"
         )

@@ -69,7 +69,7 @@ def check_allreduce(comm: Communicator, native: Any) -> int:
     lengths = [0, 1, p - 1, 13, 1009, 65_537, 300_007]
     done = 0
     for kind in DTYPES:
-        for algorithm in ("ring", "native", "auto"):
+        for algorithm in ("ring", "native", "direct", "auto"):
             for i, n in enumerate(lengths):
                 if kind in ("float16", "bfloat16") and n > 65_537 and algorithm != "ring":
                     continue  # the 16-bit MPI sum is a Python-level user op: keep the run short
@@ -119,7 +119,7 @@ def check_random_sweep(comm: Communicator, native: Any) -> int:
     for case in range(cases):
         kind = DTYPES[rng.integers(len(DTYPES))]
         n = int(rng.integers(0, 5000))
-        algorithm = ("ring", "native", "auto")[rng.integers(3)]
+        algorithm = ("ring", "native", "direct", "auto")[rng.integers(4)]
         weights = rng.uniform(-2, 2, p)
         speeds = rng.uniform(0.1, 5, p).tolist() if rng.integers(2) else None
         segment_bytes = int(rng.integers(1, 4096))
@@ -152,7 +152,7 @@ def check_random_sweep(comm: Communicator, native: Any) -> int:
 
 def check_aliasing_and_shapes(comm: Communicator, native: Any) -> int:
     p, r = comm.size, comm.rank
-    for algorithm in ("ring", "native"):
+    for algorithm in ("ring", "native", "direct"):
         # A view into a larger buffer: only the view changes.
         big = np.full(40, 100.0 + r)
         view = big[5:35].reshape(5, 6)

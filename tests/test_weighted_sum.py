@@ -12,7 +12,7 @@ from hypothesis.extra import numpy as hnp
 
 import hetcoll
 
-BIG = 3 * (1 << 16) + 12345  # several threads' worth, and a ragged tail
+BIG = 3 * (1 << 18) + 12345  # several threads' worth, and a ragged tail
 
 
 def same_order(arrays, weights, acc_dtype):

@@ -5,7 +5,11 @@
   proportional to ``speeds`` when given), scheduled in Rust (``schedules/ring.rs``), reduced by
   the Rust ``weighted_sum`` kernel with the weight fused into the reduction and the GIL
   released, moved by the engine's non-blocking send/recv and pipelined segment by segment.
-  "native" pre-scales in Rust and calls the engine's allreduce SUM.
+  "native" pre-scales in Rust and calls the engine's allreduce SUM. "direct" sends the raw
+  buffer and the weight to every other rank in one round of non-blocking messages and forms
+  the weighted sum in rank order in one Rust pass (the weights fused, the fewest message
+  latencies; ``p - 1`` buffers of traffic and scratch per rank, so "auto" takes it only for
+  small buffers or two ranks, where it moves no more bytes than a ring).
 - :func:`allgatherv` — pieces of different lengths along axis 0 (MPI_Allgatherv; on gloo, whose
   all_gather rejects uneven pieces, all_to_all_single with uneven splits).
 - :func:`allgatherv_autograd` — the same for torch tensors that carry gradients: the gradient
@@ -35,6 +39,8 @@ from hetcoll.kernels import _is_tensor, _numpy_view
 
 __all__ = [
     "ALGORITHMS",
+    "DIRECT_BYTES",
+    "DIRECT_TWO_RANKS_FROM_BYTES",
     "GATHER_RING_CROSSOVER_BYTES",
     "RING_CROSSOVER_BYTES",
     "SEGMENT_BYTES",
@@ -45,25 +51,36 @@ __all__ = [
 
 ArrayT = TypeVar("ArrayT")
 
-ALGORITHMS = ("auto", "ring", "native")
+ALGORITHMS = ("auto", "ring", "native", "direct")
 #: Ring segment: large enough that per-message overhead is small next to 1 MiB at ~1 GB/s,
 #: small enough that reducing one segment overlaps receiving the next (gloo uses <= 1 MiB).
 SEGMENT_BYTES = 1 << 20
 #: Message size above which "auto" picks the ring, per engine, from
 #: benches/bench_collectives.py on one 2-core host: with MPICH the weighted ring took 0.55-0.64x
-#: the time of MPI_Allreduce at 64 and 256 MiB (p = 2 and 4) but more below 16 MiB; gloo's own
-#: ring was as fast or faster at every size. "auto" with chunk ``speeds`` is always the ring.
-RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 64 << 20, "gloo": math.inf}
+#: the time of MPI_Allreduce at 64 and 256 MiB (p = 2 and 4) but more below 16 MiB; on gloo with
+#: 4 ranks it took 0.99x of dist.all_reduce from 64 MiB, where the native weighted path took
+#: 1.1-1.2x. "auto" with chunk ``speeds`` is always the ring.
+RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 64 << 20, "gloo": 64 << 20}
 #: Total output size above which "auto" allgatherv takes the ring. MPICH's Allgatherv with
 #: uneven pieces took seconds where Allgather of the same bytes took tens of milliseconds
 #: (64 MiB, 4 ranks, one host); gloo's all_to_all_single needs the piece repeated p times.
 #: From benches/bench_collectives.py: the ring took 0.4-0.8x of an equal-size all_gather on
 #: gloo from 16 MiB (p = 2 and 4) and beat MPICH's Allgatherv from 1 MiB.
 GATHER_RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 16 << 20}
+#: "auto" picks "direct" on two ranks from this size up, per engine, and on more ranks when the
+#: bytes a rank sends, ``(p - 1) * size``, are at most :data:`DIRECT_BYTES`. From
+#: benches/bench_collectives.py on one 2-core host: on two ranks the weighted direct exchange
+#: took 1.0-1.2x the time of MPI_Allreduce from 1 MiB (0.4x at 64 MiB and up, where MPICH's
+#: allreduce slows down) and 1.1-1.4x of gloo's dist.all_reduce at every size, ahead of the
+#: native and ring paths; with 4 ranks it beat gloo's allreduce up to 1 MiB (0.6-0.9x) and lost
+#: to MPICH's at every size.
+DIRECT_TWO_RANKS_FROM_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 0}
+DIRECT_BYTES: dict[str, float] = {"mpi": 0, "gloo": 3 << 20}
 _TAG = 4831  # ring allreduce messages: _TAG + step
+_TAG_DIRECT = 24831  # direct allreduce: weight, then data
 _TAG_GATHER = 14831  # ring allgatherv messages: _TAG_GATHER + step
 _KIND_CODE = {"float32": 1, "float64": 2, "float16": 3, "bfloat16": 4}
-_ALGO_CODE = {"ring": 1, "native": 2}
+_ALGO_CODE = {"ring": 1, "native": 2, "direct": 3}
 
 
 def _kind(view: np.ndarray, bf16: bool) -> str:
@@ -126,9 +143,10 @@ def allreduce(
     ``buf`` is a C-contiguous numpy array or CPU torch tensor (float32, float64, float16,
     bfloat16; 16-bit types are reduced in float32 and rounded at each ring hop). ``comm`` is
     anything :func:`hetcoll.comm.wrap` takes. ``weight`` is this rank's weight (ranks may
-    differ). ``algorithm``: "ring", "native" or "auto" (see :data:`RING_CROSSOVER_BYTES`; "auto"
-    with ``speeds`` is the ring). ``speeds`` (one per rank, same on every rank) sizes the ring's
-    chunks with :func:`hetcoll.split`; chunk r is reduced last by rank r. Every rank ends with
+    differ). ``algorithm``: "ring", "native", "direct" or "auto" (see :data:`DIRECT_BYTES` and
+    :data:`RING_CROSSOVER_BYTES`; "auto" with ``speeds`` is the ring). ``speeds`` (one per
+    rank, same on every rank) sizes the ring's chunks with :func:`hetcoll.split`; chunk r is
+    reduced last by rank r. Every rank ends with
     bitwise the same result. ``check`` compares length, dtype, algorithm and speeds across ranks
     first (one small allgather). A CUDA tensor (NCCL) takes the native path with a torch
     pre-scale.
@@ -152,8 +170,7 @@ def allreduce(
     flat = view.reshape(-1)
     c = wrap(comm)
     if algorithm == "auto":
-        crossover = RING_CROSSOVER_BYTES.get(c.engine, math.inf)
-        algorithm = "ring" if speeds is not None or flat.nbytes >= crossover else "native"
+        algorithm = _auto(c, flat.nbytes, speeds is not None)
     counts = _counts(flat.size, c.size, speeds) if algorithm == "ring" else None
     if check:
         fields = {
@@ -171,11 +188,50 @@ def allreduce(
         if w != 1.0:
             _core.weighted_sum_into([flat], [w], flat, bfloat16=bf16)
         c.iallreduce_sum(flat, kind).wait(deadline)
+    elif algorithm == "direct":
+        _direct(c, flat, bf16, w, deadline)
     else:
         assert counts is not None
         segment = max(1, segment_bytes // flat.itemsize)
         _ring(c, flat, bf16, w, counts, segment, deadline)
     return buf
+
+
+def _auto(c: Communicator, nbytes: int, chunk_speeds: bool) -> str:
+    """The algorithm "auto" stands for; the same on every rank (it reads only what ranks agree
+    on: sizes, the rank count and the engine)."""
+    if chunk_speeds:
+        return "ring"
+    if c.size == 2 and nbytes >= DIRECT_TWO_RANKS_FROM_BYTES.get(c.engine, math.inf):
+        return "direct"
+    if c.size > 2 and (c.size - 1) * nbytes <= DIRECT_BYTES.get(c.engine, 0):
+        return "direct"
+    if nbytes >= RING_CROSSOVER_BYTES.get(c.engine, math.inf):
+        return "ring"
+    return "native"
+
+
+def _direct(
+    c: Communicator, flat: np.ndarray, bf16: bool, w: float, deadline: float | None
+) -> None:
+    """Every rank sends its raw buffer and its weight to every other rank (one round), then
+    ``flat <- sum_q w_q * buf_q`` in rank order, in one Rust pass, on every rank alike."""
+    p, r = c.size, c.rank
+    weights = np.empty(p, np.float64)
+    weights[r] = w
+    got = _scratch(3, (p - 1) * flat.size, flat.dtype).reshape(p - 1, flat.size)
+    peer = {q: got[q if q < r else q - 1] for q in range(p) if q != r}
+    requests = []
+    for q, into in peer.items():
+        requests += [
+            c.irecv(weights[q : q + 1], q, _TAG_DIRECT),
+            c.irecv(into, q, _TAG_DIRECT + 1),
+            c.isend(weights[r : r + 1], q, _TAG_DIRECT),
+            c.isend(flat, q, _TAG_DIRECT + 1),
+        ]
+    wait_all(requests, deadline)
+    sources = [flat if q == r else peer[q] for q in range(p)]
+    _core.weighted_sum_into(sources, [float(x) for x in weights], flat, bfloat16=bf16)
 
 
 _SCRATCH = threading.local()

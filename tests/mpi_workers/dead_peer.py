@@ -21,7 +21,7 @@ buf = hetcoll.allreduce(np.ones(1000), comm)  # everybody alive: works
 if rank == size - 1:
     os._exit(3)  # dies without a word, like a killed process
 time.sleep(0.5)
-for algorithm in ("ring", "native"):
+for algorithm in ("ring", "native", "direct"):
     start = time.monotonic()
     try:
         hetcoll.allreduce(buf, comm, algorithm=algorithm, timeout=timeout)
