@@ -44,11 +44,11 @@ def _repeats(nbytes: int) -> int:
     return (
         30
         if nbytes <= 64 * KIB
-        else 10
+        else 20
         if nbytes <= 4 * KIB * KIB
-        else 5
+        else 10
         if nbytes <= 64 * KIB * KIB
-        else 3
+        else 5
     )
 
 

@@ -185,7 +185,7 @@ class _CopyToRanks(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         g = grad.contiguous().clone()
-        allreduce(g, ctx.comm, algorithm="native", timeout=ctx.timeout)
+        allreduce(g, ctx.comm, timeout=ctx.timeout)
         return g, None, None
 
 
@@ -196,7 +196,7 @@ class _ReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, partial: torch.Tensor, comm: Communicator, timeout: Any) -> Any:
         out = partial.detach().clone(memory_format=torch.contiguous_format)
-        allreduce(out, comm, algorithm="native", timeout=timeout)
+        allreduce(out, comm, timeout=timeout)
         return out
 
     @staticmethod
