@@ -198,12 +198,12 @@ def check_allgatherv(comm: Communicator, native: Any) -> int:
     done = 0
     row_sets = [lambda q: q + 1, lambda q: 0 if q == 1 else 2 * q + 1, lambda q: 0]
     for k, rows_of in enumerate(row_sets):
-        for dtype in ("float32", "float64", "int64", "float16"):
+        for i, dtype in enumerate(("float32", "float64", "int64", "float16")):
             pieces = [
                 np.arange(rows_of(q) * 3, dtype=dtype).reshape(rows_of(q), 3) + 100 * q
                 for q in range(p)
             ]
-            algorithm = ("native", "ring", "auto")[(k + len(dtype)) % 3]
+            algorithm = ("native", "ring", "direct", "auto")[(k + i) % 4]
             out = hetcoll.allgatherv(
                 pieces[r], native, algorithm=algorithm, timeout=60, segment_bytes=16
             )
@@ -211,7 +211,9 @@ def check_allgatherv(comm: Communicator, native: Any) -> int:
             assert out.dtype == np.dtype(dtype)
             done += 1
         t = torch.arange(rows_of(r) * 2, dtype=torch.float32).to(torch.bfloat16).view(-1, 2) + r
-        out_t = hetcoll.allgatherv(t, native, algorithm=("ring", "native")[k % 2], timeout=60)
+        out_t = hetcoll.allgatherv(
+            t, native, algorithm=("ring", "native", "direct")[k % 3], timeout=60
+        )
         want = torch.cat(
             [
                 torch.arange(rows_of(q) * 2, dtype=torch.float32).to(torch.bfloat16).view(-1, 2) + q
@@ -230,10 +232,10 @@ def check_allgatherv(comm: Communicator, native: Any) -> int:
     n_of = [100_003 * (q + 1) for q in range(p)]
     mine = np.full(n_of[r], float(r), np.float32)
     want = np.concatenate([np.full(n, q, np.float32) for q, n in enumerate(n_of)])
-    for algorithm in ("ring", "native"):
+    for algorithm in ("ring", "native", "direct"):
         out = hetcoll.allgatherv(mine, native, algorithm=algorithm)
         np.testing.assert_array_equal(out, want)
-    return done + 2
+    return done + 3
 
 
 def check_autograd(comm: Communicator, native: Any) -> int:

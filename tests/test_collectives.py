@@ -33,7 +33,7 @@ EXPECTED = {
     "sweep": 12,
     "aliasing": 3,
     "mismatch": 4,
-    "allgatherv": 17,
+    "allgatherv": 18,
     "autograd": 1,
 }
 

@@ -78,6 +78,7 @@ DIRECT_TWO_RANKS_FROM_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 0}
 DIRECT_BYTES: dict[str, float] = {"mpi": 0, "gloo": 3 << 20}
 _TAG = 4831  # ring allreduce messages: _TAG + step
 _TAG_DIRECT = 24831  # direct allreduce: weight, then data
+_TAG_GATHER_DIRECT = 34831  # direct allgatherv
 _TAG_GATHER = 14831  # ring allgatherv messages: _TAG_GATHER + step
 _KIND_CODE = {"float32": 1, "float64": 2, "float16": 3, "bfloat16": 4}
 _ALGO_CODE = {"ring": 1, "native": 2, "direct": 3}
@@ -382,8 +383,9 @@ def allgatherv(
     :class:`hetcoll.CollectiveMismatchError` on every rank). Returns a new array of the same
     kind. ``algorithm``: "native" is MPI_Allgatherv, or on torch all_to_all_single with uneven
     splits (gloo's all_gather rejects uneven pieces); "ring" passes the pieces around the ring
-    with the engine's send/recv straight into the output, segment by segment; "auto" picks by
-    total size (:data:`GATHER_RING_CROSSOVER_BYTES`). ``segment_bytes`` cuts the ring's
+    with the engine's send/recv straight into the output, segment by segment; "direct" sends
+    each piece to every other rank in one round of send/recv straight into the output; "auto"
+    picks by total size (:data:`GATHER_RING_CROSSOVER_BYTES`). ``segment_bytes`` cuts the ring's
     messages (default: one message per piece and step; nothing is computed between them, so
     smaller messages would only add per-message cost).
 
@@ -434,6 +436,8 @@ def _gather(
         algorithm = "ring" if recv.nbytes >= crossover else "native"
     if algorithm == "native" or c.size == 1:
         c.iallgatherv(send, recv, counts).wait(deadline)
+    elif algorithm == "direct":
+        _direct_allgather(c, send, recv, counts, deadline)
     else:
         segment = segment_bytes if segment_bytes is not None else max(1, *counts)
         _ring_allgather(c, send, recv, counts, segment, deadline)
@@ -444,6 +448,25 @@ def _gather(
         t = torch.from_numpy(out_view)
         return (t.view(torch.bfloat16) if local.dtype == torch.bfloat16 else t), lengths
     return out_view, lengths
+
+
+def _direct_allgather(
+    c: Communicator, send: np.ndarray, out: np.ndarray, counts: list[int], deadline: float | None
+) -> None:
+    """One round: this rank's piece goes to every other rank, and every other rank's piece
+    lands in its place in ``out`` (empty pieces send nothing; every rank knows the counts)."""
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    r = c.rank
+    out[bounds[r] : bounds[r + 1]] = send
+    requests = []
+    for q in range(c.size):
+        if q == r:
+            continue
+        if counts[q]:
+            requests.append(c.irecv(out[bounds[q] : bounds[q + 1]], q, _TAG_GATHER_DIRECT))
+        if counts[r]:
+            requests.append(c.isend(send, q, _TAG_GATHER_DIRECT))
+    wait_all(requests, deadline)
 
 
 def _exchange_shapes(
