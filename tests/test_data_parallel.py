@@ -153,8 +153,17 @@ def _bad_cases(rank, world):
                 ddp.register_comm_hook(None, weighted_allreduce_hook)
                 x, y = make_data(2)
                 nn.functional.cross_entropy(ddp(x), y).backward()
+            elif case == "hook_algorithm":
+                ddp = DDP(make_model())
+                algorithm = "direct" if rank == 0 else "allreduce"
+                state = WeightedAllreduceState(None, 2, algorithm=algorithm)
+                ddp.register_comm_hook(state, weighted_allreduce_hook)
+                x, y = make_data(2)
+                nn.functional.cross_entropy(ddp(x), y).backward()
+            elif case == "hook_algorithm_name":
+                WeightedAllreduceState(None, 2, algorithm="fast")
             out[case] = "no error"
-        except (ValueError, TypeError, RuntimeError) as e:
+        except (ValueError, TypeError, RuntimeError, hetcoll.CollectiveMismatchError) as e:
             out[case] = f"{type(e).__name__}: {e}"
     return out
 
@@ -163,6 +172,8 @@ BAD_CASES = {
     "world": "shares: has 3 entries",
     "disagree": "ranks disagree",
     "hook_state": "state: weighted_allreduce_hook needs a WeightedAllreduceState",
+    "hook_algorithm": "algorithm: ranks disagree (rank 0: 'direct', rank 1: 'allreduce')",
+    "hook_algorithm_name": "algorithm: must be one of",
 }
 
 

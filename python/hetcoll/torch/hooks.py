@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 import hetcoll
+from hetcoll.errors import CollectiveMismatchError
 
 ALGORITHMS = ("auto", "direct", "allreduce")
 #: "auto" sends buckets directly when ``(p - 1) * bucket bytes`` is at most this (or ``p == 2``).
@@ -74,6 +75,23 @@ class WeightedAllreduceState:
         self.algorithm = algorithm
         self._step_total: torch.futures.Future | None = None
         self._direct: _DirectExchange | None = None
+        self._agreed = False
+
+    def _agree(self, buf: torch.Tensor) -> None:
+        """Once: every rank must have chosen the same algorithm, or the ranks would wait on
+        messages of different kinds forever; raise on every rank instead."""
+        if self._agreed:
+            return
+        code = torch.tensor([ALGORITHMS.index(self.algorithm)], dtype=torch.int64)
+        if buf.device.type != "cpu":
+            code = code.to(buf.device)
+        codes = [torch.empty_like(code) for _ in range(dist.get_world_size(self.process_group))]
+        dist.all_gather(codes, code, group=self.process_group)
+        seen = [ALGORITHMS[int(c.item())] for c in codes]
+        if len(set(seen)) > 1:
+            per_rank = ", ".join(f"rank {r}: {a!r}" for r, a in enumerate(seen))
+            raise CollectiveMismatchError(f"algorithm: ranks disagree ({per_rank})")
+        self._agreed = True
 
     @property
     def local_batch(self) -> int:
@@ -121,6 +139,7 @@ def weighted_allreduce_hook(
             f"{type(state).__name__} (register with ddp.register_comm_hook(state, hook))"
         )
     buf = bucket.buffer()
+    state._agree(buf)
     if _use_direct(state, buf):
         if state._direct is None:
             state._direct = _DirectExchange(state.process_group)
