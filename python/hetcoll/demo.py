@@ -253,7 +253,7 @@ def _probe(engine: _Engine, cfg: DemoConfig) -> tuple[list[SpeedFit], SpeedFit]:
     )
     emulated = EmulatedSpeed(net, cfg.speeds[engine.rank], cost=real)
     fit = measure_speed(
-        emulated, make_batch, loss, batch_sizes=sizes, warmup=1, repeats=3, optimizer=sgd
+        emulated, make_batch, loss, batch_sizes=sizes, warmup=1, repeats=5, optimizer=sgd
     )
     return engine.allgather(fit), real
 
