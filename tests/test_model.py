@@ -335,7 +335,8 @@ def test_filter_parallel_splits_filters_and_communicates_per_layer(cnn_costs) ->
     a = filter_parallel(cnn_costs, fast, 64, [1.0, 1.0])
     b = filter_parallel(cnn_costs, slow, 64, [1.0, 1.0])
     assert a.shares == [256, 256]  # the widest layer: 512 filters, split evenly
-    assert b.breakdown["communication"] > 100 * a.breakdown["communication"]
+    # (the staging copies around the collectives do not depend on the link)
+    assert b.breakdown["communication"] > 30 * a.breakdown["communication"]
     uneven = filter_parallel(cnn_costs, fast, 64, [3.0, 1.0])
     assert uneven.shares == [384, 128]
 

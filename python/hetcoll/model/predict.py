@@ -509,6 +509,7 @@ def filter_parallel(
     *,
     modes: Mapping[str, str] | None = None,
     emulated_speeds: Sequence[float] | None = None,
+    shared_cores: int | None = None,
     optimizer_state_copies: int = 1,
     strategy: str = "filter parallel",
 ) -> Prediction:
@@ -529,6 +530,9 @@ def filter_parallel(
     see the same full data everywhere. ``emulated_speeds`` (one factor in (0, 1] per device)
     slows only the split layers' local compute by 1/f, as
     :func:`hetcoll.torch.set_emulated_speed` does (validation on emulated heterogeneity).
+    ``shared_cores``: the devices are ranks sharing this many CPU cores (more ranks than cores
+    on one host): every rank computes the same stretch at once, so a stretch also takes at
+    least the ranks' summed compute (emulated sleeps excluded) divided by the cores.
 
     >>> filter_parallel(costs, cluster, 64, [1.0, 0.5]).step_s  # doctest: +SKIP
     """
@@ -546,6 +550,10 @@ def filter_parallel(
     layer_modes = filter_modes(costs) if modes is None else _check_modes(costs, modes)
     if n_dev == 1:
         layer_modes = {}
+    if shared_cores is not None and (
+        isinstance(shared_cores, bool) or not isinstance(shared_cores, int) or shared_cores < 1
+    ):
+        raise ValueError(f"shared_cores: must be an integer >= 1 or None, got {shared_cores!r}")
     dev = _device_arrays(devices)
     n_layers = len(costs.layers)
     phi = np.ones((n_layers, n_dev))  # each device's fraction of the layer's kernels' filters
@@ -585,38 +593,53 @@ def filter_parallel(
             )
         )
 
+    copy_bw = float(dev.elementwise_bytes_per_s.min())
+
+    def copy_s(nbytes: float) -> float:
+        return float(terms.copy_seconds(nbytes, copy_bw))
+
     fwd_comm = np.zeros(n_layers)  # after the layer's forward
     bwd_comm = np.zeros(n_layers)  # after the layer's backward
     for i in filters_of:
         layer, mode = costs.layers[i], layer_modes[costs.layers[i].name]
+        # Every allreduce works on a copy of its tensor (the layers keep autograd's intact).
         if mode == "split-input":
-            fwd_comm[i] = allreduce_s(layer.out_bytes_per_sample * batch)
+            out = layer.out_bytes_per_sample * batch
+            fwd_comm[i] = allreduce_s(out) + copy_s(out)
             continue
         if mode == "gather":
-            largest = float(phi[i].max()) * layer.out_bytes_per_sample * batch
+            # The channel dimension moves to the front of the local piece and back in the full
+            # output (two copies), and the engine's allgatherv takes a contiguous send buffer
+            # (on gloo, all_to_all_single: the piece once per rank).
+            out = layer.out_bytes_per_sample * batch
+            largest = float(phi[i].max()) * out
             fwd_comm[i] = float(
                 terms.ring_allgatherv_seconds(largest, n_dev, link.latency_s, link.bytes_per_s)
-            )
+            ) + copy_s((1 + n_dev) * largest + out)
         if any(k.name == "gemm-dX" for k in layer.backward):
-            bwd_comm[i] = allreduce_s(layer.in_bytes_per_sample * batch)
+            grad = layer.in_bytes_per_sample * batch
+            bwd_comm[i] = allreduce_s(grad) + copy_s(grad)
     # phi is 1 for replicated layers: each device owns its filters' weights and all the rest.
     owned = (np.array([x.param_bytes for x in costs.layers])[:, None] * phi).sum(axis=0)
     opt = np.asarray(
         terms.optimizer_update_seconds(owned, dev.mem_bytes_per_s, optimizer_state_copies)
     )
-    # Lock step: every collective waits for the slowest device of the stretch before it.
-    step, stretch = 0.0, np.zeros(n_dev)
+    # Lock step: every collective waits for the slowest device of the stretch before it (and,
+    # on shared cores, for the cores to get through every rank's work of the stretch).
+    cores = float(shared_cores) if shared_cores else math.inf
+    step, stretch, work = 0.0, np.zeros(n_dev), 0.0
     for i in range(n_layers):
-        stretch = stretch + fwd[i]
+        stretch, work = stretch + fwd[i], work + float(lt.forward_s[i].sum())
         if fwd_comm[i] > 0:
-            step += float(stretch.max() + fwd_comm[i])
-            stretch = np.zeros(n_dev)
+            step += max(float(stretch.max()), work / cores) + float(fwd_comm[i])
+            stretch, work = np.zeros(n_dev), 0.0
     for i in range(n_layers - 1, -1, -1):
-        stretch = stretch + bwd[i]
+        stretch, work = stretch + bwd[i], work + float(lt.backward_s[i].sum())
         if bwd_comm[i] > 0:
-            step += float(stretch.max() + bwd_comm[i])
-            stretch = np.zeros(n_dev)
-    step = float(step + (stretch + opt).max())
+            step += max(float(stretch.max()), work / cores) + float(bwd_comm[i])
+            stretch, work = np.zeros(n_dev), 0.0
+    work += float(opt.sum())
+    step += max(float((stretch + opt).max()), work / cores)
     comm = float(fwd_comm.sum() + bwd_comm.sum())
     # Causes on the critical path: each layer's slowest device, scaled to the stretches' total.
     crit = np.argmax(fwd + bwd, axis=1)

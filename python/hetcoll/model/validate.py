@@ -437,6 +437,7 @@ def _validate_filter(
             list(config.parts),
             modes=modes,
             emulated_speeds=list(config.speeds),
+            shared_cores=cores if p > cores else None,
         )
         if pred.detail["shares_per_layer"] != runs[0]["shares"]:
             raise RuntimeError(
