@@ -417,6 +417,11 @@ def test_filter_parallel_splits_the_channelwise_layers_between_a_pair() -> None:
     assert layers_s(2, emulated_speeds=[0.5, 0.5]) == pytest.approx(2 * layers_s(2), rel=1e-9)
     with pytest.raises(ValueError, match="emulated_speeds"):
         layers_s(2, emulated_speeds=[1.0, 0.0])
+    # Four ranks in lock step on two shared cores compute at half speed.
+    assert layers_s(4, shared_cores=2) == pytest.approx(2 * layers_s(4), rel=1e-9)
+    assert layers_s(2, shared_cores=2) == pytest.approx(layers_s(2), rel=1e-9)
+    with pytest.raises(ValueError, match="shared_cores"):
+        layers_s(2, shared_cores=0)
 
 
 def test_filter_parallel_lock_step_waits_for_the_slowest_stretch(cnn_costs) -> None:  # type: ignore[no-untyped-def]

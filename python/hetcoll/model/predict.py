@@ -531,8 +531,9 @@ def filter_parallel(
     slows only the split layers' local compute by 1/f, as
     :func:`hetcoll.torch.set_emulated_speed` does (validation on emulated heterogeneity).
     ``shared_cores``: the devices are ranks sharing this many CPU cores (more ranks than cores
-    on one host): every rank computes the same stretch at once, so a stretch also takes at
-    least the ranks' summed compute (emulated sleeps excluded) divided by the cores.
+    on one host): in lock step every rank computes the same stretch at once, so each computes
+    at cores / ranks of its device's speed (an emulated sleep, timed on that slowed compute,
+    grows with it).
 
     >>> filter_parallel(costs, cluster, 64, [1.0, 0.5]).step_s  # doctest: +SKIP
     """
@@ -581,7 +582,8 @@ def filter_parallel(
     lt = _layer_times(costs, dev, np.full(n_dev, batch), phi, chan)
     split_rows = np.zeros(n_layers, dtype=bool)
     split_rows[list(filters_of)] = True
-    emul = np.where(split_rows[:, None], slow[None, :], 1.0)
+    contention = max(1.0, n_dev / shared_cores) if shared_cores else 1.0
+    emul = np.where(split_rows[:, None], slow[None, :], 1.0) * contention
     fwd, bwd = lt.forward_s * emul, lt.backward_s * emul
     link = cluster.ring_link()
     reduce_bw = float(dev.mem_bytes_per_s.min())
@@ -621,25 +623,22 @@ def filter_parallel(
             bwd_comm[i] = allreduce_s(grad) + copy_s(grad)
     # phi is 1 for replicated layers: each device owns its filters' weights and all the rest.
     owned = (np.array([x.param_bytes for x in costs.layers])[:, None] * phi).sum(axis=0)
-    opt = np.asarray(
+    opt = contention * np.asarray(
         terms.optimizer_update_seconds(owned, dev.mem_bytes_per_s, optimizer_state_copies)
     )
-    # Lock step: every collective waits for the slowest device of the stretch before it (and,
-    # on shared cores, for the cores to get through every rank's work of the stretch).
-    cores = float(shared_cores) if shared_cores else math.inf
-    step, stretch, work = 0.0, np.zeros(n_dev), 0.0
+    # Lock step: every collective waits for the slowest device of the stretch before it.
+    step, stretch = 0.0, np.zeros(n_dev)
     for i in range(n_layers):
-        stretch, work = stretch + fwd[i], work + float(lt.forward_s[i].sum())
+        stretch = stretch + fwd[i]
         if fwd_comm[i] > 0:
-            step += max(float(stretch.max()), work / cores) + float(fwd_comm[i])
-            stretch, work = np.zeros(n_dev), 0.0
+            step += float(stretch.max() + fwd_comm[i])
+            stretch = np.zeros(n_dev)
     for i in range(n_layers - 1, -1, -1):
-        stretch, work = stretch + bwd[i], work + float(lt.backward_s[i].sum())
+        stretch = stretch + bwd[i]
         if bwd_comm[i] > 0:
-            step += max(float(stretch.max()), work / cores) + float(bwd_comm[i])
-            stretch, work = np.zeros(n_dev), 0.0
-    work += float(opt.sum())
-    step += max(float((stretch + opt).max()), work / cores)
+            step += float(stretch.max() + bwd_comm[i])
+            stretch = np.zeros(n_dev)
+    step = float(step + (stretch + opt).max())
     comm = float(fwd_comm.sum() + bwd_comm.sum())
     # Causes on the critical path: each layer's slowest device, scaled to the stretches' total.
     crit = np.argmax(fwd + bwd, axis=1)
