@@ -230,7 +230,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         if data:
             row.update(overlap=r.overlap, predicted_other_overlap_s=r.predicted_other_s)
         else:
-            row.update(r.detail)
+            row.update(
+                avoid_gathers=r.detail["avoid_gathers"],
+                modes=r.detail["modes"],
+                layer_shares=r.detail["shares"],
+                params_per_rank=r.detail["params_per_rank"],
+            )
         rows.append(row)
         if not args.json:
             speeds = ",".join(f"{s:g}" for s in r.speeds)
