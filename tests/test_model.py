@@ -652,6 +652,32 @@ def test_validation_subset_predicts_real_ddp_steps() -> None:
     assert r.strategy == "data" and r.batch == 32
 
 
+def _torch_filter_modes(rank: int, world: int, names: list[str]) -> dict[str, dict[str, str]]:
+    from hetcoll.torch.filter_parallel import _FilterParallelLayer
+    from hetcoll.torch.filter_parallel import filter_parallel as split_model
+
+    out = {}
+    for name in names:
+        shape = (784,) if name == "mlp" else (3, 32, 32)
+        model = split_model(networks.build(name, shape), [1.0] * world, None)
+        out[name] = {
+            n: m.mode for n, m in model.named_modules() if isinstance(m, _FilterParallelLayer)
+        }
+    return out
+
+
+@pytest.mark.multiproc
+def test_predicted_modes_are_the_torch_layers_modes() -> None:
+    from hetcoll.launch import spawn
+    from hetcoll.model.predict import filter_modes
+
+    names = ["cnn", "vgg", "mlp"]
+    (real,) = spawn(_torch_filter_modes, 1, names)
+    for name in names:
+        shape = (784,) if name == "mlp" else (3, 32, 32)
+        assert filter_modes(layer_costs(networks.build(name, shape), shape)) == real[name], name
+
+
 @pytest.mark.multiproc
 def test_validation_subset_runs_real_filter_parallel_steps(cnn_costs) -> None:  # type: ignore[no-untyped-def]
     from hetcoll.model.predict import filter_modes
