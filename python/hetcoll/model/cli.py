@@ -196,11 +196,18 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from hetcoll.model import load_cluster
-    from hetcoll.model.validate import default_configurations, run_validation, summary
+    from hetcoll.model.validate import (
+        FilterConfiguration,
+        default_configurations,
+        run_validation,
+        summary,
+    )
 
     configs = default_configurations(args.model)
     if args.quick:
-        configs = [configs[0], configs[5]]
+        data = [c for c in configs if not isinstance(c, FilterConfiguration)]
+        filt = [c for c in configs if isinstance(c, FilterConfiguration)]
+        configs = [data[5], filt[4]]
     device = link = None
     if args.cluster:
         cluster = load_cluster(args.cluster)
@@ -209,35 +216,52 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
 
     def show(r: Any) -> None:
-        rows.append(
-            {
-                "ranks": r.ranks,
-                "shares": r.shares,
-                "speeds": r.speeds,
-                "predicted_s": r.predicted_s,
-                "measured_s": r.measured_s,
-                "error": r.error,
-                "overlap": r.overlap,
-                "predicted_other_overlap_s": r.predicted_other_s,
-            }
-        )
+        data = r.strategy == "data"
+        row = {
+            "strategy": r.strategy,
+            "ranks": r.ranks,
+            "batch": r.batch,
+            "shares": r.shares,
+            "speeds": r.speeds,
+            "predicted_s": r.predicted_s,
+            "measured_s": r.measured_s,
+            "error": r.error,
+        }
+        if data:
+            row.update(overlap=r.overlap, predicted_other_overlap_s=r.predicted_other_s)
+        else:
+            row.update(
+                avoid_gathers=r.detail["avoid_gathers"],
+                modes=r.detail["modes"],
+                layer_shares=r.detail["shares"],
+                params_per_rank=r.detail["params_per_rank"],
+            )
+        rows.append(row)
         if not args.json:
             speeds = ",".join(f"{s:g}" for s in r.speeds)
-            other = (r.predicted_other_s - r.measured_s) / r.measured_s
+            other = f"{(r.predicted_other_s - r.measured_s) / r.measured_s:+.0%}" if data else "-"
+            overlap = ("yes" if r.overlap else "no") if data else "-"
+            strategy = r.strategy
+            if not data and not r.detail.get("avoid_gathers", True):
+                strategy += "/gather"
             print(
-                f"{r.ranks:>5} {_shares_text(r.shares):>14} {speeds:>18}"
-                f" {r.predicted_s * 1e3:>12.1f} {r.measured_s * 1e3:>12.1f} {r.error:>+8.0%}"
-                f" {'yes' if r.overlap else 'no':>8} {other:>+12.0%}",
+                f"{strategy:>13} {r.ranks:>5} {r.batch:>5} {_shares_text(r.shares):>14}"
+                f" {speeds:>15} {r.predicted_s * 1e3:>10.1f} {r.measured_s * 1e3:>10.1f}"
+                f" {r.error:>+7.0%} {overlap:>7} {other:>11}",
                 flush=True,
             )
 
     if not args.json:
         print(
-            f"data parallel, plain torch DDP on gloo, {args.model}, emulated speeds "
-            "(a rank of speed f sleeps (1/f - 1) x its compute time per step)"
+            f"{args.model} on gloo, emulated speeds. data: plain torch DDP, shares = samples per "
+            "rank, a rank of speed f sleeps (1/f - 1) x its compute time per step. filter: "
+            "hetcoll.torch.filter_parallel, every rank on the whole batch, shares = filters of "
+            "the widest layer, each split layer sleeps (1/f - 1) x its own compute"
         )
         head = (
+            "strategy",
             "ranks",
+            "batch",
             "shares",
             "speeds",
             "pred (ms)",
@@ -246,20 +270,33 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             "overlap",
             "other error",
         )
-        widths = (5, 14, 18, 12, 12, 8, 8, 12)
+        widths = (13, 5, 5, 14, 15, 10, 10, 7, 7, 11)
         print(" ".join(f"{h:>{w}}" for h, w in zip(head, widths)))
     results = run_validation(configs, device=device, link=link, steps=args.steps, progress=show)
-    med, worst = summary(results)
+    strategies = sorted({r.strategy for r in results})
+    errors = {s: summary(results, s) for s in strategies}
     if args.json:
-        json.dump({"results": rows, "median_abs_error": med, "worst_abs_error": worst}, sys.stdout)
+        json.dump(
+            {
+                "results": rows,
+                "median_abs_error": summary(results)[0],
+                "worst_abs_error": summary(results)[1],
+                "by_strategy": {
+                    s: {"median_abs_error": med, "worst_abs_error": worst}
+                    for s, (med, worst) in errors.items()
+                },
+            },
+            sys.stdout,
+        )
         print()
     else:
-        print(f"median |error| {med:.1%}, worst {worst:.1%} (target: 15% / 30%)")
+        for s, (med, worst) in errors.items():
+            print(f"{s}: median |error| {med:.1%}, worst {worst:.1%} (target: 15% / 30%)")
         print(
             "overlap: DDP's allreduce overlapped with the backward in the model (only while the "
-            "ranks leave cores free); other error: the prediction with the other setting"
+            "ranks leave cores free); other error: the prediction with the other setting; "
+            "filter/gather: a gather after every split layer (no pairing)"
         )
-        print("filter parallel: not validated (the filter-parallel layers are not built yet)")
     return 0
 
 
@@ -286,11 +323,14 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
     k.set_defaults(func=_cmd_calibrate)
 
     v = msub.add_parser(
-        "validate", help="predicted vs measured data-parallel steps on this machine"
+        "validate",
+        help="predicted vs measured data- and filter-parallel steps on this machine",
     )
     v.add_argument("--model", default="cnn", help="built-in model to train (default cnn)")
     v.add_argument("--cluster", help="calibration file to predict with (default: measure in-run)")
     v.add_argument("--steps", type=int, default=9, help="timed steps per configuration")
-    v.add_argument("--quick", action="store_true", help="two configurations only")
+    v.add_argument(
+        "--quick", action="store_true", help="two configurations only (one of each strategy)"
+    )
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=_cmd_validate)

@@ -4,9 +4,11 @@ Three strategies, each evaluated with the terms of :mod:`hetcoll.model.terms`:
 
 - data parallel (:func:`data_parallel`): device d trains ``shares[d]`` samples of the batch, then
   the gradients are summed by a ring allreduce in DDP-style buckets that overlap the backward pass;
-- filter parallel (:func:`filter_parallel`): every conv / linear layer's output channels are split
-  over the devices; the outputs are gathered after each such layer (allgatherv) and the input
-  gradients summed (allreduce) in the backward pass;
+- filter parallel (:func:`filter_parallel`): every conv / linear layer's filters are split over
+  the devices, in the modes :func:`hetcoll.torch.filter_parallel` picks (:func:`filter_modes`):
+  consecutive layers pair up as split-output -> split-input (one allreduce of partial outputs),
+  the others gather their outputs (allgatherv); input gradients are summed (allreduce) in the
+  backward pass;
 - pipeline (:func:`pipeline`): contiguous stages of layers on the devices in order, GPipe
   micro-batches, with the bubble.
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +31,7 @@ import numpy as np
 
 import hetcoll
 from hetcoll.model import terms
-from hetcoll.model.costs import ModelCosts
+from hetcoll.model.costs import LayerCost, ModelCosts
 from hetcoll.model.hardware import Cluster, Device
 
 # torch DDP's defaults: the first bucket is capped at 1 MiB (so communication starts early), the
@@ -169,12 +171,16 @@ def _layer_times(
     dev: _DeviceArrays,
     batch: np.ndarray,
     filter_fraction: np.ndarray | None = None,
+    channel_fraction: np.ndarray | None = None,
 ) -> _LayerTimes:
     """Roofline time of every layer on every device for per-device batches ``batch`` (and, for
-    filter parallelism, per-layer-and-device filter fractions ``filter_fraction``)."""
+    filter parallelism, per-layer-and-device filter fractions ``filter_fraction`` and fractions
+    ``channel_fraction`` of the channels a layer's per-sample work covers)."""
     t = _kernel_table(costs)
     n_dev = len(batch)
     b = batch[None, :].astype(np.float64)
+    if channel_fraction is not None:
+        b = b * channel_fraction[t.layer, :]
     phi = np.ones((len(t.layer), n_dev)) if filter_fraction is None else filter_fraction[t.layer, :]
     flops = t.flops_ps[:, None] * b * np.where(t.scales[:, None], phi, 1.0)
     moved = (t.bytes_ps[:, None] + phi * t.fbytes_ps[:, None]) * b + (
@@ -403,21 +409,133 @@ def even_batch_shares(batch: int, num_devices: int) -> list[int]:
     ]
 
 
+# Layer kinds a channel-split tensor passes through unchanged (each acts on every channel on its
+# own), as hetcoll.torch.filter_parallel pairs its layers: element-wise layers anywhere; pooling,
+# 2-D dropout, a channel-matching BatchNorm2d and one Flatten after a conv; BatchNorm1d after a
+# linear layer.
+_CHANNELWISE_KINDS = frozenset(
+    [
+        "ReLU",
+        "ReLU6",
+        "LeakyReLU",
+        "ELU",
+        "SELU",
+        "CELU",
+        "GELU",
+        "SiLU",
+        "Mish",
+        "Tanh",
+        "Sigmoid",
+        "Hardtanh",
+        "Hardswish",
+        "Hardsigmoid",
+        "Softplus",
+        "Identity",
+        "Dropout",
+    ]
+)
+_SPATIAL_KINDS = frozenset(
+    ["MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d", "Dropout2d"]
+)
+FILTER_MODES = ("gather", "split-output", "split-input")
+
+
+def filter_modes(costs: ModelCosts, *, avoid_gathers: bool = True) -> dict[str, str]:
+    """The mode of every split layer (name -> "gather", "split-output" or "split-input"), chosen
+    as :func:`hetcoll.torch.filter_parallel` chooses them: a Conv2d / Linear layer feeding the
+    next one through channel-wise layers only becomes split-output, the next split-input (no
+    gather between them; the pair's partial sums are allreduced once). Every other layer with
+    filters is gathered. ``costs`` lists leaves flat, so layers inside a module with its own
+    forward (a residual block) may pair here where the torch side keeps them apart: pass the
+    real modes to :func:`filter_parallel` (``modes=``) for such models.
+
+    >>> from hetcoll.model import layer_costs, networks
+    >>> filter_modes(layer_costs(networks.mlp((8,)), (8,)))
+    {'1': 'split-output', '3': 'split-input', '5': 'gather'}
+    """
+    layers = [x for x in costs.layers]
+    modes = {x.name: "gather" for x in layers if x.filters > 0}
+    if not avoid_gathers:
+        return modes
+    prev: LayerCost | None = None
+    flattened = False
+    for x in layers:
+        if x.name in modes:
+            pairs = prev is not None and (
+                (prev.kind == "Conv2d" and x.kind == "Conv2d" and not flattened)
+                or (prev.kind == "Conv2d" and x.kind == "Linear" and flattened)
+                or (prev.kind == "Linear" and x.kind == "Linear")
+            )
+            if pairs:
+                modes[prev.name], modes[x.name] = "split-output", "split-input"  # type: ignore[union-attr]
+                prev = None
+            else:
+                prev = x
+            flattened = False
+            continue
+        if prev is None:
+            continue
+        conv = prev.kind == "Conv2d"
+        if x.kind in _CHANNELWISE_KINDS or (conv and not flattened and x.kind in _SPATIAL_KINDS):
+            continue
+        if x.kind == ("BatchNorm2d" if conv else "BatchNorm1d") and not flattened:
+            continue
+        if conv and not flattened and x.kind == "Flatten":
+            flattened = True
+            continue
+        prev = None  # anything else needs the full tensor
+    return modes
+
+
+def _check_modes(costs: ModelCosts, modes: Mapping[str, str]) -> dict[str, str]:
+    if not isinstance(modes, Mapping):
+        raise TypeError(f"modes: must be a dict of layer name -> mode, got {type(modes).__name__}")
+    by_name = {x.name: x for x in costs.layers}
+    out = {}
+    for name, mode in modes.items():
+        if name not in by_name or by_name[name].filters <= 0:
+            raise ValueError(f"modes: {name!r} is not a layer with filters to split")
+        if mode not in FILTER_MODES:
+            raise ValueError(f"modes: {name!r} has mode {mode!r}; expected one of {FILTER_MODES}")
+        out[name] = mode
+    return out
+
+
 def filter_parallel(
     costs: ModelCosts,
     cluster: Cluster,
     batch: int,
     parts: Sequence[float],
     *,
+    modes: Mapping[str, str] | None = None,
+    emulated_speeds: Sequence[float] | None = None,
+    shared_cores: int | None = None,
     optimizer_state_copies: int = 1,
     strategy: str = "filter parallel",
 ) -> Prediction:
-    """One filter-parallel step on the whole ``batch``: each conv / linear layer's F filters are
-    split over the devices by :func:`hetcoll.split` in proportion to ``parts`` (speeds or
-    weights, one per device); every other layer is replicated. After each split layer the
-    output pieces are gathered (ring allgatherv, forward), and in the backward pass the partial
-    input gradients are summed (ring allreduce). No gradient allreduce: each device owns its
-    filters, and replicated layers see the same full data everywhere.
+    """One filter-parallel step on the whole ``batch``, as :func:`hetcoll.torch.filter_parallel`
+    runs it. Each split layer (``modes``, default :func:`filter_modes`) divides its F filters
+    over the devices by :func:`hetcoll.split` in proportion to ``parts`` (speeds or weights, one
+    per device; at least one filter each); a split-input layer takes the shares of the
+    split-output layer before it, and the channel-wise layers between them run on those shares
+    too. Every other layer is replicated. Communication per layer and mode:
+
+    - gather: the output pieces are gathered (allgatherv, forward);
+    - gather, split-output: the partial input gradients are summed (allreduce, backward) when
+      the layer has an input gradient;
+    - split-input: the partial outputs are summed (allreduce, forward).
+
+    Ranks run in lock step between collectives: each stretch between two collectives takes its
+    slowest device. No gradient allreduce: each device owns its filters, and replicated layers
+    see the same full data everywhere. ``emulated_speeds`` (one factor in (0, 1] per device)
+    slows only the split layers' local compute by 1/f, as
+    :func:`hetcoll.torch.set_emulated_speed` does (validation on emulated heterogeneity).
+    ``shared_cores``: the devices are ranks sharing this many CPU cores (more ranks than cores
+    on one host): in lock step every rank computes the same stretch at once, so each computes
+    at cores / ranks of its device's speed (an emulated sleep, timed on that slowed compute,
+    grows with it).
+
+    >>> filter_parallel(costs, cluster, 64, [1.0, 0.5]).step_s  # doctest: +SKIP
     """
     devices = cluster.devices
     n_dev = len(devices)
@@ -425,53 +543,117 @@ def filter_parallel(
         raise ValueError(f"parts: expected {n_dev} positive numbers (one per device)")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch: must be an integer >= 1, got {batch!r}")
+    slow = np.ones(n_dev)
+    if emulated_speeds is not None:
+        if len(emulated_speeds) != n_dev or any(not 0 < float(f) <= 1 for f in emulated_speeds):
+            raise ValueError(f"emulated_speeds: expected {n_dev} factors in (0, 1]")
+        slow = 1.0 / np.asarray(emulated_speeds, dtype=np.float64)
+    layer_modes = filter_modes(costs) if modes is None else _check_modes(costs, modes)
+    if n_dev == 1:
+        layer_modes = {}
+    if shared_cores is not None and (
+        isinstance(shared_cores, bool) or not isinstance(shared_cores, int) or shared_cores < 1
+    ):
+        raise ValueError(f"shared_cores: must be an integer >= 1 or None, got {shared_cores!r}")
     dev = _device_arrays(devices)
     n_layers = len(costs.layers)
-    phi = np.ones((n_layers, n_dev))
+    phi = np.ones((n_layers, n_dev))  # each device's fraction of the layer's kernels' filters
+    chan = np.ones((n_layers, n_dev))  # fraction of the channels a replicated layer runs on
     filters_of: dict[int, list[int]] = {}
+    source: tuple[int, np.ndarray] | None = None  # the open split-output layer, its fractions
     for i, layer in enumerate(costs.layers):
-        if layer.filters > 0 and n_dev > 1:
-            f = hetcoll.split(layer.filters, [float(x) for x in parts])
+        mode = layer_modes.get(layer.name)
+        if mode == "split-input":
+            if source is None:
+                raise ValueError(f"modes: split-input layer {layer.name!r} follows no split-output")
+            filters_of[i] = filters_of[source[0]]
+            phi[i, :] = source[1]
+            source = None
+        elif mode is not None:
+            speeds = [float(x) for x in parts]
+            f = hetcoll.split(layer.filters, speeds, minimum=1 if layer.filters >= n_dev else 0)
             filters_of[i] = f
             phi[i, :] = np.asarray(f, dtype=np.float64) / layer.filters
-    lt = _layer_times(costs, dev, np.full(n_dev, batch), phi)
+            source = (i, phi[i].copy()) if mode == "split-output" else None
+        elif source is not None:
+            chan[i, :] = source[1]
+    # A replicated layer between a pair runs on the channel slice: as many fewer samples' worth
+    # of element-wise work (these kernels are linear in the batch and own no filters).
+    lt = _layer_times(costs, dev, np.full(n_dev, batch), phi, chan)
+    split_rows = np.zeros(n_layers, dtype=bool)
+    split_rows[list(filters_of)] = True
+    contention = max(1.0, n_dev / shared_cores) if shared_cores else 1.0
+    emul = np.where(split_rows[:, None], slow[None, :], 1.0) * contention
+    fwd, bwd = lt.forward_s * emul, lt.backward_s * emul
     link = cluster.ring_link()
     reduce_bw = float(dev.mem_bytes_per_s.min())
-    comm = 0.0
-    for i in filters_of:
-        layer = costs.layers[i]
-        largest = float(phi[i].max()) * layer.out_bytes_per_sample * batch
-        comm += float(
-            terms.ring_allgatherv_seconds(largest, n_dev, link.latency_s, link.bytes_per_s)
-        )
-        if any(k.name == "gemm-dX" for k in layer.backward):
-            comm += float(
-                terms.ring_allreduce_seconds(
-                    layer.in_bytes_per_sample * batch,
-                    n_dev,
-                    link.latency_s,
-                    link.bytes_per_s,
-                    reduce_bw,
-                    costs.itemsize,
-                )
+
+    def allreduce_s(nbytes: float) -> float:
+        return float(
+            terms.ring_allreduce_seconds(
+                nbytes, n_dev, link.latency_s, link.bytes_per_s, reduce_bw, costs.itemsize
             )
-    # Layers run in lock step (every layer ends in a collective): the slowest device per layer.
-    per_layer = (lt.forward_s + lt.backward_s).max(axis=1)
+        )
+
+    copy_bw = float(dev.elementwise_bytes_per_s.min())
+
+    def copy_s(nbytes: float) -> float:
+        return float(terms.copy_seconds(nbytes, copy_bw))
+
+    fwd_comm = np.zeros(n_layers)  # after the layer's forward
+    bwd_comm = np.zeros(n_layers)  # after the layer's backward
+    for i in filters_of:
+        layer, mode = costs.layers[i], layer_modes[costs.layers[i].name]
+        # Every allreduce works on a copy of its tensor (the layers keep autograd's intact).
+        if mode == "split-input":
+            out = layer.out_bytes_per_sample * batch
+            fwd_comm[i] = allreduce_s(out) + copy_s(out)
+            continue
+        if mode == "gather":
+            # The channel dimension moves to the front of the local piece and back in the full
+            # output (two copies), and the engine's allgatherv takes a contiguous send buffer
+            # (on gloo, all_to_all_single: the piece once per rank).
+            out = layer.out_bytes_per_sample * batch
+            largest = float(phi[i].max()) * out
+            fwd_comm[i] = float(
+                terms.ring_allgatherv_seconds(largest, n_dev, link.latency_s, link.bytes_per_s)
+            ) + copy_s((1 + n_dev) * largest + out)
+        if any(k.name == "gemm-dX" for k in layer.backward):
+            grad = layer.in_bytes_per_sample * batch
+            bwd_comm[i] = allreduce_s(grad) + copy_s(grad)
     # phi is 1 for replicated layers: each device owns its filters' weights and all the rest.
     owned = (np.array([x.param_bytes for x in costs.layers])[:, None] * phi).sum(axis=0)
-    opt = np.asarray(
+    opt = contention * np.asarray(
         terms.optimizer_update_seconds(owned, dev.mem_bytes_per_s, optimizer_state_copies)
     )
-    step = float(per_layer.sum()) + comm + float(opt.max())
-    crit = np.argmax(lt.forward_s + lt.backward_s, axis=1)
+    # Lock step: every collective waits for the slowest device of the stretch before it.
+    step, stretch = 0.0, np.zeros(n_dev)
+    for i in range(n_layers):
+        stretch = stretch + fwd[i]
+        if fwd_comm[i] > 0:
+            step += float(stretch.max() + fwd_comm[i])
+            stretch = np.zeros(n_dev)
+    for i in range(n_layers - 1, -1, -1):
+        stretch = stretch + bwd[i]
+        if bwd_comm[i] > 0:
+            step += float(stretch.max() + bwd_comm[i])
+            stretch = np.zeros(n_dev)
+    step = float(step + (stretch + opt).max())
+    comm = float(fwd_comm.sum() + bwd_comm.sum())
+    # Causes on the critical path: each layer's slowest device, scaled to the stretches' total.
+    crit = np.argmax(fwd + bwd, axis=1)
     rows = np.arange(n_layers)
-    breakdown = {
-        "compute": float(lt.compute_s[rows, crit].sum()),
-        "memory": float(lt.memory_s[rows, crit].sum()),
-        "overhead": float(lt.overhead_s[rows, crit].sum()),
-        "communication": comm,
-        "optimizer": float(opt.max()),
+    parts_s = {
+        "compute": lt.compute_s[rows, crit] * emul[rows, crit],
+        "memory": lt.memory_s[rows, crit] * emul[rows, crit],
+        "overhead": lt.overhead_s[rows, crit] * emul[rows, crit],
     }
+    busy = sum(float(v.sum()) for v in parts_s.values())
+    layers_s = step - comm - float(opt.max())
+    scale = layers_s / busy if busy > 0 else 0.0
+    breakdown = {k: float(v.sum()) * scale for k, v in parts_s.items()}
+    breakdown["communication"] = comm
+    breakdown["optimizer"] = float(opt.max())
     mem = owned * (2 + optimizer_state_copies) + batch * costs.saved_bytes_per_sample()
     if not filters_of and n_dev > 1:
         reason = "the model has no conv or linear layer to split"
@@ -488,7 +670,12 @@ def filter_parallel(
         not reason,
         reason,
         batch,
-        {"split_layers": len(filters_of)},
+        {
+            "split_layers": len(filters_of),
+            "modes": {costs.layers[i].name: layer_modes[costs.layers[i].name] for i in filters_of},
+            "collectives": int((fwd_comm > 0).sum() + (bwd_comm > 0).sum()),
+            "shares_per_layer": {costs.layers[i].name: filters_of[i] for i in filters_of},
+        },
     )
 
 

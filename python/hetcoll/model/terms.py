@@ -99,6 +99,18 @@ def ring_allgatherv_seconds(
     return (p - 1) * (latency_s + largest_piece_bytes / link_bytes_per_s)
 
 
+def copy_seconds(copied_bytes: Num, mem_bytes_per_s: Num) -> Num:
+    """Seconds of a local copy of ``copied_bytes`` (read once, written once):
+    ``2 n / bandwidth``. Not in PyDTNN; here the staging copies around a collective (the
+    contiguous send buffer, the channel-dimension moves of a filter-parallel gather), which on
+    a CPU host take the same memory bus as the transfer.
+
+    >>> copy_seconds(1e9, 4e9)
+    0.5
+    """
+    return 2.0 * copied_bytes / mem_bytes_per_s
+
+
 def point_to_point_seconds(message_bytes: Num, latency_s: float, link_bytes_per_s: float) -> Num:
     """Seconds of one message: ``alpha + n / B`` (the alpha-beta model of every PyDTNN
     collective for p = 2; here the activation hand-off between pipeline stages).

@@ -1,18 +1,36 @@
-"""Validate the model on this machine: run real data-parallel steps (plain torch DDP on gloo, one
-process per rank through :func:`hetcoll.launch.spawn`, per-rank batch sizes) and compare the
-measured step time with :func:`hetcoll.model.predict.data_parallel`.
+"""Validate the model on this machine: run real training steps, one process per rank on gloo
+through :func:`hetcoll.launch.spawn`, and compare the measured step time with the prediction.
 
-Heterogeneity is *emulated*: a rank of speed factor f sleeps (1/f - 1) x its own measured compute
-time after each step (:func:`emulate_speed`), and the model sees a device whose FLOP/s, memory
-bandwidth and kernel overhead are scaled by f. The device and link figures come either from a
-calibration file (ranks beyond the number of cores then share cores: each rank's device is
-slowed by cores / ranks) or, by default, from the same microbenchmarks run inside the ranks
-before every step (medians, all ranks at once; the link fitted once to gloo allreduce times by
-the ring model) - on a shared machine that is the only way to predict under the load the steps
-see. DDP's overlap of allreduce and backward is modelled only while the ranks leave cores free
-(gloo's copies and reductions need the cores the compute uses).
+Two strategies are validated:
 
-Filter-parallel validation waits for the filter-parallel layers (hetcoll.torch); it is not run.
+- **data** parallel: plain torch DDP, per-rank batch sizes, against
+  :func:`hetcoll.model.predict.data_parallel`;
+- **filter** parallel: the model converted by :func:`hetcoll.torch.filter_parallel` (every
+  Conv2d / Linear split, consecutive layers paired split-output -> split-input), every rank on
+  the whole batch, each split layer's filters divided evenly or in proportion to the speeds,
+  against :func:`hetcoll.model.predict.filter_parallel` with the modes and shares the ranks
+  really ran.
+
+Heterogeneity is *emulated*. Data parallel: a rank of speed factor f sleeps (1/f - 1) x its own
+measured compute time at the start of each step (:func:`emulate_speed`), and the model sees a
+device whose FLOP/s, memory bandwidth and kernel overhead are scaled by f. Filter parallel runs
+in lock step layer by layer, so one pause per step would not act like a slower device: each
+split layer sleeps (1/f - 1) x its own local compute, forward and backward
+(:func:`hetcoll.torch.set_emulated_speed`), and the model slows exactly those layers
+(``emulated_speeds``); the replicated layers run at full speed in both.
+
+The device and link figures come either from a calibration file (ranks beyond the number of
+cores then share cores: each rank's device is slowed by cores / ranks) or, by default, from the
+same microbenchmarks run inside the ranks before every step (medians, all ranks at once; the
+link fitted once to gloo allreduce times by the ring model) - on a shared machine that is the
+only way to predict under the load the steps see. Both strategies share that machinery
+(:func:`_timed_steps`, :func:`_link_of`, :func:`_median_prediction`). DDP's overlap of allreduce
+and backward is modelled only while the ranks leave cores free (gloo's copies and reductions
+need the cores the compute uses).
+
+>>> med, worst = summary([ValidationResult("cnn", 1, [16], [1.0], 0.015, 0.010)])
+>>> round(med, 3), round(worst, 3)
+(0.5, 0.5)
 """
 
 from __future__ import annotations
@@ -21,11 +39,16 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from hetcoll.model.costs import ModelCosts, layer_costs
 from hetcoll.model.hardware import Cluster, Device, Link, Node
-from hetcoll.model.predict import data_parallel
+from hetcoll.model.predict import data_parallel, filter_parallel
+
+# Allreduce sizes the link is fitted to (bytes): latency from the small one, bandwidth from the
+# large one.
+_LINK_SIZES = (1024, 8 * 1024 * 1024)
 
 
 def emulate_speed(compute_s: float, speed_factor: float) -> float:
@@ -44,7 +67,48 @@ def emulate_speed(compute_s: float, speed_factor: float) -> float:
     return pause
 
 
-def _validation_rank(
+# -- inside the ranks: the measurement both strategies share --------------------------------------
+
+
+def _link_here(rank: int, world: int, calibrate_here: bool) -> dict[str, object]:
+    """The link as the collectives see it: gloo allreduces timed by all ranks at once, sharing
+    the cores (nothing when the figures come from a file or there is one rank)."""
+    if not calibrate_here or world == 1:
+        return {}
+    from hetcoll.model import calibrate
+
+    calibrate.set_statistic("median")
+    return {"allreduce_s": calibrate.gloo_allreduce_seconds(rank, world, _LINK_SIZES, 3)}
+
+
+def _timed_steps(
+    rank: int, step: Callable[[], None], steps: int, warmup: int, calibrate_here: bool
+) -> tuple[list[float], list[Device]]:
+    """Seconds of ``steps`` calls of ``step`` (after ``warmup``), each timed alone between
+    barriers right after every rank has measured its device again (so the prediction for step k
+    sees the load step k sees: on a shared machine the load changes within seconds). The
+    caller pairs steps across ranks and takes medians."""
+    import torch.distributed as dist
+
+    from hetcoll.model import calibrate
+
+    calibrate.set_statistic("median")
+    dist.barrier()
+    for _ in range(warmup):
+        step()
+    step_s, devices = [], []
+    for _ in range(steps):
+        if calibrate_here:
+            dist.barrier()
+            devices.append(calibrate.measure_device(f"rank{rank}", 1e12, quick=True))
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        step_s.append(time.perf_counter() - t0)
+    return step_s, devices
+
+
+def _data_rank(
     rank: int,
     world: int,
     model_name: str,
@@ -61,18 +125,9 @@ def _validation_rank(
 
     from hetcoll.model import networks
 
-    measured: dict[str, object] = {}
-    if calibrate_here:
-        # The link as the DDP allreduce sees it: all ranks at once, sharing the cores.
-        from hetcoll.model import calibrate
-
-        calibrate.set_statistic("median")
-        if world > 1:
-            sizes = (1024, 8 * 1024 * 1024)
-            measured["allreduce_s"] = calibrate.gloo_allreduce_seconds(rank, world, sizes, 3)
+    measured = _link_here(rank, world, calibrate_here)
     torch.manual_seed(0)
-    model = networks.build(model_name, input_shape)
-    ddp = DDP(model)
+    ddp = DDP(networks.build(model_name, input_shape))
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
     torch.manual_seed(1 + rank)
     x = torch.randn(shares[rank], *input_shape)
@@ -92,33 +147,109 @@ def _validation_rank(
         if i >= warmup:
             own.append(time.perf_counter() - t0)
     compute_s = statistics.median(own)
-    torch.distributed.barrier()
-    for _ in range(warmup):
-        local_step()
-        emulate_speed(compute_s, speeds[rank])
-    # Steps timed one by one, each right after the device figures are measured again by every
-    # rank at once (so the prediction for step k sees the load step k sees: on a shared machine
-    # the load changes within seconds). The caller pairs them and takes medians.
-    step_s, devices = [], []
-    for _ in range(steps):
-        if calibrate_here:
-            torch.distributed.barrier()
-            devices.append(calibrate.measure_device(f"rank{rank}", 1e12, quick=True))
-        torch.distributed.barrier()
-        t0 = time.perf_counter()
-        # The pause "after step k-1" is taken here, after the barrier, at the start of step k:
-        # that way it delays this rank's arrival at the allreduce as a slower device would.
-        # (Taken after the step it would sit behind the allreduce, where no device's slowness
-        # can be, and the barrier would put it on every step's critical path.)
+
+    def step() -> None:
+        # The pause "after step k-1" is taken at the start of step k, after the barrier: that
+        # way it delays this rank's arrival at the allreduce as a slower device would. (Taken
+        # after the step it would sit behind the allreduce, where no device's slowness can be,
+        # and the barrier would put it on every step's critical path.)
         emulate_speed(compute_s, speeds[rank])
         local_step()
-        step_s.append(time.perf_counter() - t0)
-    return {"step_s": step_s, "compute_s": compute_s, "devices": devices, **measured}
+
+    step_s, devices = _timed_steps(rank, step, steps, warmup, calibrate_here)
+    return {"step_s": step_s, "devices": devices, **measured}
+
+
+def _filter_rank(
+    rank: int,
+    world: int,
+    model_name: str,
+    input_shape: tuple[int, ...],
+    batch: int,
+    parts: list[float],
+    speeds: list[float],
+    avoid_gathers: bool,
+    steps: int,
+    warmup: int,
+    calibrate_here: bool,
+) -> dict[str, object]:
+    import torch
+    import torch.nn.functional as F
+
+    from hetcoll.model import networks
+    from hetcoll.torch.filter_parallel import (
+        _FilterParallelLayer,
+        filter_parallel,
+        set_emulated_speed,
+    )
+
+    measured = _link_here(rank, world, calibrate_here)
+    torch.manual_seed(0)
+    model = filter_parallel(
+        networks.build(model_name, input_shape), parts, None, avoid_gathers=avoid_gathers
+    )
+    set_emulated_speed(model, speeds[rank])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    # Every rank trains on the same whole batch.
+    torch.manual_seed(1)
+    x = torch.randn(batch, *input_shape)
+    y = torch.randint(0, 10, (batch,))
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    step_s, devices = _timed_steps(rank, step, steps, warmup, calibrate_here)
+    split = {n: m for n, m in model.named_modules() if isinstance(m, _FilterParallelLayer)}
+    return {
+        "step_s": step_s,
+        "devices": devices,
+        "modes": {n: m.mode for n, m in split.items()},
+        "shares": {n: list(m.shares) for n, m in split.items()},
+        "params": sum(p.numel() for p in model.parameters()),
+        **measured,
+    }
+
+
+# -- configurations and results -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FilterConfiguration:
+    """A filter-parallel run: every rank trains ``model`` on the whole ``batch``; each split
+    layer's filters are divided in proportion to ``parts`` (one per rank; equal parts: even
+    shares), and rank r runs at emulated speed ``speeds[r]`` (0 < f <= 1). ``avoid_gathers``
+    as in :func:`hetcoll.torch.filter_parallel` (False: a gather after every split layer).
+
+    >>> FilterConfiguration("cnn", 32, (1.0, 0.5), (1.0, 0.5)).ranks
+    2
+    """
+
+    model: str
+    batch: int
+    parts: tuple[float, ...]
+    speeds: tuple[float, ...]
+    avoid_gathers: bool = True
+
+    @property
+    def ranks(self) -> int:
+        return len(self.parts)
+
+
+# A data-parallel configuration: (model, samples per rank, emulated speed per rank).
+DataConfiguration = tuple[str, list[int], list[float]]
+Configuration = DataConfiguration | FilterConfiguration
 
 
 @dataclass
 class ValidationResult:
-    """One configuration: predicted and measured seconds per step."""
+    """One configuration: predicted and measured seconds per step.
+
+    ``shares``: samples per rank (data) or filters per rank of the widest split layer
+    (filter); ``batch``: the global batch. ``detail``: what the ranks really ran (filter: each
+    split layer's mode and shares, each rank's parameter count).
+    """
 
     model: str
     ranks: int
@@ -127,7 +258,10 @@ class ValidationResult:
     predicted_s: float
     measured_s: float
     overlap: bool = True
-    predicted_other_s: float = 0.0  # the prediction with the other overlap setting
+    predicted_other_s: float = 0.0  # data parallel: the prediction with the other overlap
+    strategy: str = "data"
+    batch: int = 0
+    detail: dict[str, Any] = field(default_factory=dict)
 
     @property
     def error(self) -> float:
@@ -161,9 +295,11 @@ def validation_cluster(
     return Cluster(nodes, link if p > 1 else None, "<validation>")
 
 
-def default_configurations(model: str = "cnn") -> list[tuple[str, list[int], list[float]]]:
-    """(model, shares, speeds): 1-4 ranks, several batch sizes, balanced and unbalanced shares
-    at even and uneven emulated speeds."""
+def default_configurations(model: str = "cnn") -> list[Configuration]:
+    """Data parallel: 1-4 ranks, several batch sizes, balanced and unbalanced shares at even
+    and uneven emulated speeds. Filter parallel: 2-3 ranks, batches 16-64, even and
+    speed-proportional filter shares, paired layers (and one run gathering after every
+    layer)."""
     return [
         (model, [16], [1.0]),
         (model, [64], [1.0]),
@@ -175,11 +311,165 @@ def default_configurations(model: str = "cnn") -> list[tuple[str, list[int], lis
         (model, [29, 29, 14], [1.0, 1.0, 0.5]),
         (model, [16, 16, 16, 16], [1.0, 1.0, 1.0, 1.0]),
         (model, [32, 16, 8, 8], [1.0, 0.5, 0.25, 0.25]),
+        FilterConfiguration(model, 16, (1.0, 1.0), (1.0, 1.0)),
+        FilterConfiguration(model, 64, (1.0, 1.0), (1.0, 1.0)),
+        FilterConfiguration(model, 32, (1.0, 1.0), (1.0, 1.0), avoid_gathers=False),
+        FilterConfiguration(model, 32, (1.0, 1.0), (1.0, 0.5)),  # even filters, uneven speeds
+        FilterConfiguration(model, 32, (1.0, 0.5), (1.0, 0.5)),  # filters follow the speeds
+        FilterConfiguration(model, 32, (1.0, 1.0, 1.0), (1.0, 1.0, 0.5)),
+        FilterConfiguration(model, 32, (1.0, 1.0, 0.5), (1.0, 1.0, 0.5)),
     ]
 
 
+# -- on the caller's side: pairing the ranks' measurements with predictions -----------------------
+
+
+def _measured_step(runs: Sequence[dict[str, Any]]) -> float:
+    """Median over steps of the slowest rank's step."""
+    return statistics.median(max(t) for t in zip(*(r["step_s"] for r in runs)))
+
+
+def _link_of(runs: Sequence[dict[str, Any]], p: int, link: Link | None) -> Link:
+    if link is not None:
+        return link
+    if p == 1:
+        return Link("none", 0.0, 1.0)
+    from hetcoll.model.calibrate import fit_ring_allreduce
+
+    slowest = [max(t) for t in zip(*(r["allreduce_s"] for r in runs))]
+    alpha, bw = fit_ring_allreduce(p, _LINK_SIZES, slowest)
+    return Link("gloo-allreduce", alpha, bw)
+
+
+def _median_prediction(
+    runs: Sequence[dict[str, Any]],
+    device: Device | None,
+    cores: int,
+    predict: Callable[[Sequence[Device], int | None], float],
+) -> float:
+    """``predict(devices, cores)`` with the file's device on every rank (sharing ``cores``), or
+    the median over steps of the prediction from the devices measured just before each step."""
+    if device is not None:
+        return predict([device] * len(runs), cores)
+    return statistics.median(predict(list(d), None) for d in zip(*(r["devices"] for r in runs)))
+
+
+def _validate_data(
+    config: DataConfiguration,
+    costs: ModelCosts,
+    device: Device | None,
+    link: Link | None,
+    input_shape: tuple[int, ...],
+    steps: int,
+    warmup: int,
+    cores: int,
+) -> ValidationResult:
+    from hetcoll.launch import spawn
+
+    model, shares, speeds = config
+    if len(shares) != len(speeds):
+        raise ValueError(f"configurations: {len(shares)} shares but {len(speeds)} speeds")
+    p = len(shares)
+    here = device is None or (link is None and p > 1)
+    args = (model, input_shape, list(shares), list(speeds), steps, warmup, here)
+    runs = spawn(_data_rank, p, *args, timeout=300.0)
+    lk = _link_of(runs, p, link)
+    # DDP overlaps the allreduce with the backward pass, but on a CPU host gloo's copies and
+    # reductions run on the same cores as the compute: once the ranks fill the cores there
+    # is nothing to overlap with, so the model runs them one after the other.
+    overlap = p < cores
+
+    def predictor(ov: bool) -> Callable[[Sequence[Device], int | None], float]:
+        def predict(devs: Sequence[Device], share: int | None) -> float:
+            cluster = validation_cluster(devs, lk, speeds, share)
+            return data_parallel(costs, cluster, shares, overlap=ov).step_s
+
+        return predict
+
+    predicted, other = (
+        _median_prediction(runs, device, cores, predictor(ov)) for ov in (overlap, not overlap)
+    )
+    return ValidationResult(
+        model,
+        p,
+        list(shares),
+        list(speeds),
+        predicted,
+        _measured_step(runs),
+        overlap,
+        other,
+        "data",
+        sum(shares),
+    )
+
+
+def _validate_filter(
+    config: FilterConfiguration,
+    costs: ModelCosts,
+    device: Device | None,
+    link: Link | None,
+    input_shape: tuple[int, ...],
+    steps: int,
+    warmup: int,
+    cores: int,
+) -> ValidationResult:
+    from hetcoll.launch import spawn
+
+    p = config.ranks
+    if p < 2 or len(config.speeds) != p:
+        raise ValueError(
+            f"configurations: a filter-parallel run needs >= 2 ranks and one speed per part, "
+            f"got parts {config.parts} and speeds {config.speeds}"
+        )
+    here = device is None or link is None
+    args = (config.model, input_shape, config.batch, list(config.parts), list(config.speeds))
+    runs = spawn(_filter_rank, p, *args, config.avoid_gathers, steps, warmup, here, timeout=300.0)
+    lk = _link_of(runs, p, link)
+    modes: dict[str, str] = runs[0]["modes"]
+
+    def predict(devs: Sequence[Device], share: int | None) -> float:
+        # Full-speed devices: the emulation slows only the split layers, and so does the model.
+        cluster = validation_cluster(devs, lk, [1.0] * p, share)
+        pred = filter_parallel(
+            costs,
+            cluster,
+            config.batch,
+            list(config.parts),
+            modes=modes,
+            emulated_speeds=list(config.speeds),
+            shared_cores=cores if p > cores else None,
+        )
+        if pred.detail["shares_per_layer"] != runs[0]["shares"]:
+            raise RuntimeError(
+                f"filter_parallel: the model's shares {pred.detail['shares_per_layer']} differ "
+                f"from the layers' {runs[0]['shares']}"
+            )
+        return pred.step_s
+
+    predicted = _median_prediction(runs, device, cores, predict)
+    widest = max(runs[0]["shares"].values(), key=sum)
+    return ValidationResult(
+        config.model,
+        p,
+        list(widest),
+        list(config.speeds),
+        predicted,
+        _measured_step(runs),
+        False,
+        0.0,
+        "filter",
+        config.batch,
+        {
+            "modes": modes,
+            "shares": runs[0]["shares"],
+            "params_per_rank": [r["params"] for r in runs],
+            "avoid_gathers": config.avoid_gathers,
+        },
+    )
+
+
 def run_validation(
-    configurations: Sequence[tuple[str, list[int], list[float]]],
+    configurations: Sequence[Configuration],
     *,
     device: Device | None = None,
     link: Link | None = None,
@@ -190,84 +480,41 @@ def run_validation(
 ) -> list[ValidationResult]:
     """Run each configuration for real and predict it; return both per configuration.
 
-    Without ``device`` / ``link`` (a calibration file's), each configuration measures them in
-    its own rank processes: the device before every step (GEMM, copy, kernel overhead,
-    element-wise layers; every rank at once), the link once (gloo allreduce of 1 KiB and 8 MiB,
-    fitted by the ring model). Step k is predicted from the figures measured just before it;
-    the result pairs the median prediction with the median measured step (slowest rank).
+    A configuration is ``(model, samples per rank, speeds)`` (data parallel) or a
+    :class:`FilterConfiguration`. Without ``device`` / ``link`` (a calibration file's), each
+    configuration measures them in its own rank processes: the device before every step (GEMM,
+    copy, kernel overhead, element-wise layers; every rank at once), the link once (gloo
+    allreduce of 1 KiB and 8 MiB, fitted by the ring model). Step k is predicted from the
+    figures measured just before it; the result pairs the median prediction with the median
+    measured step (slowest rank).
     """
-    from hetcoll.launch import spawn
     from hetcoll.model import networks
 
     cores = os.cpu_count() or 1
     costs_of: dict[str, ModelCosts] = {}
     results = []
-    for model, shares, speeds in configurations:
-        if len(shares) != len(speeds):
-            raise ValueError(f"configurations: {len(shares)} shares but {len(speeds)} speeds")
+    shape = tuple(input_shape)
+    for config in configurations:
+        model = config.model if isinstance(config, FilterConfiguration) else config[0]
         if model not in costs_of:
-            costs_of[model] = layer_costs(networks.build(model, input_shape), input_shape)
-        p = len(shares)
-        here = device is None or (link is None and p > 1)
-        runs = spawn(
-            _validation_rank,
-            p,
-            model,
-            tuple(input_shape),
-            list(shares),
-            list(speeds),
-            steps,
-            warmup,
-            here,
-            timeout=300.0,
-        )
-        per_step = [max(t) for t in zip(*(r["step_s"] for r in runs))]  # type: ignore[call-overload]
-        measured = statistics.median(per_step)
-        if link is not None:
-            lk = link
-        elif p > 1:
-            from hetcoll.model.calibrate import fit_ring_allreduce
-
-            slowest = [max(t) for t in zip(*(r["allreduce_s"] for r in runs))]  # type: ignore[call-overload]
-            alpha, bw = fit_ring_allreduce(p, (1024, 8 * 1024 * 1024), slowest)
-            lk = Link("gloo-allreduce", alpha, bw)
+            costs_of[model] = layer_costs(networks.build(model, shape), shape)
+        common = (costs_of[model], device, link, shape, steps, warmup, cores)
+        if isinstance(config, FilterConfiguration):
+            res = _validate_filter(config, *common)
         else:
-            lk = Link("none", 0.0, 1.0)
-        # DDP overlaps the allreduce with the backward pass, but on a CPU host gloo's copies and
-        # reductions run on the same cores as the compute: once the ranks fill the cores there
-        # is nothing to overlap with, so the model runs them one after the other.
-        overlap = p < cores
-
-        def predict(
-            devs: Sequence[Device],
-            cores_arg: int | None,
-            ov: bool,
-            lk: Link = lk,
-            speeds: list[float] = speeds,
-            costs: ModelCosts = costs_of[model],
-            shares: list[int] = shares,
-        ) -> float:
-            cluster = validation_cluster(devs, lk, speeds, cores_arg)
-            return data_parallel(costs, cluster, shares, overlap=ov).step_s
-
-        if device is not None:
-            predicted, other = (predict([device] * p, cores, ov) for ov in (overlap, not overlap))
-        else:
-            steps_devices = list(zip(*(r["devices"] for r in runs)))  # type: ignore[call-overload]
-            predicted, other = (
-                statistics.median([predict(list(d), None, ov) for d in steps_devices])
-                for ov in (overlap, not overlap)
-            )
-        res = ValidationResult(
-            model, p, list(shares), list(speeds), predicted, measured, overlap, other
-        )
+            res = _validate_data(config, *common)
         results.append(res)
         if progress:
             progress(res)
     return results
 
 
-def summary(results: Sequence[ValidationResult]) -> tuple[float, float]:
-    """(median, worst) absolute relative error."""
-    errs = [abs(r.error) for r in results]
+def summary(
+    results: Sequence[ValidationResult], strategy: str | None = None
+) -> tuple[float, float]:
+    """(median, worst) absolute relative error, over the rows of ``strategy`` ("data",
+    "filter") or all rows."""
+    errs = [abs(r.error) for r in results if strategy is None or r.strategy == strategy]
+    if not errs:
+        raise ValueError(f"strategy: no results for {strategy!r}")
     return statistics.median(errs), max(errs)
