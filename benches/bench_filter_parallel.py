@@ -1,6 +1,6 @@
 """Filter parallelism on two ranks of emulated speeds 1 and 0.25, a conv-heavy CNN, one run:
 
-    python benches/bench_filter_parallel.py [--batches 4 32] [--steps 6] [--json out.json]
+    python benches/bench_filter_parallel.py [--batches 4 32] [--steps 20] [--json out.json]
 
 1. Step time (forward, backward, SGD step; median over steps of the slowest rank; the
    strategies take turns step by step) of the
@@ -167,7 +167,7 @@ def _rank(rank: int, world: int, batches: list[int], steps: int) -> dict[str, An
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[4, 32])
-    ap.add_argument("--steps", type=int, default=6, help="timed steps per strategy")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per strategy")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     results = launch.spawn(_rank, len(SPEEDS), args.batches, args.steps, timeout=1800)
