@@ -42,7 +42,7 @@ from hetcoll.errors import CollectiveMismatchError
 ALGORITHMS = ("auto", "direct", "allreduce")
 #: "auto" sends buckets directly when ``(p - 1) * bucket bytes`` is at most this (or ``p == 2``).
 DIRECT_BYTES = 4 << 20
-_TAG_COUNT, _TAG_DATA = 4201, 4202
+_TAG_BASE = 42_000  # bucket i: its count on _TAG_BASE + 2i, its data on _TAG_BASE + 2i + 1
 
 
 def local_batch_value(n: object) -> int:
@@ -143,7 +143,7 @@ def weighted_allreduce_hook(
     if _use_direct(state, buf):
         if state._direct is None:
             state._direct = _DirectExchange(state.process_group)
-        return state._direct.submit(buf, state.local_batch)
+        return state._direct.submit(buf, state.local_batch, bucket.index(), bucket.is_last())
     total_fut = state._global_batch()
     if bucket.is_last():
         state._step_total = None  # the next step sums its own batch sizes
@@ -171,8 +171,11 @@ def _use_direct(state: WeightedAllreduceState, buf: torch.Tensor) -> bool:
 
 
 class _DirectExchange:
-    """One round of point-to-point messages per bucket, on a worker thread (gloo's send/recv
-    works have no futures, so a thread waits for them and completes the hook's future)."""
+    """One round of point-to-point messages per bucket. gloo's send/recv works have no
+    futures, so a worker thread waits for them and completes the hook's future, and the backward
+    goes on meanwhile; the last bucket of a step, which the backward only waits for, is exchanged
+    right in the hook (no hand-over to the thread and back). Each bucket has its own message tags
+    and scratch, so that exchange may run beside the thread's."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
@@ -182,29 +185,36 @@ class _DirectExchange:
             dist.get_global_rank(group, r) if group is not None else r for r in range(self.size)
         ]
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._scratch: dict[int, torch.Tensor] = {}
+        self._scratch: dict[tuple[int, int], torch.Tensor] = {}
         threading.Thread(target=self._serve, name="hetcoll-direct", daemon=True).start()
 
-    def submit(self, buf: torch.Tensor, local_batch: int) -> torch.futures.Future:
+    def submit(
+        self, buf: torch.Tensor, local_batch: int, index: int, last: bool
+    ) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
-        self._jobs.put((buf, local_batch, fut))
+        if last:
+            self._run(fut, buf, local_batch, index)
+        else:
+            self._jobs.put((fut, buf, local_batch, index))
         return fut
 
     def _serve(self) -> None:
         while True:
-            buf, n, fut = self._jobs.get()
-            try:
-                fut.set_result(self._exchange(buf, n))
-            except Exception as e:  # the backward that waits on the future raises it
-                fut.set_exception(e)
+            self._run(*self._jobs.get())
 
-    def _peer_buffer(self, r: int, like: torch.Tensor) -> torch.Tensor:
-        t = self._scratch.get(r)
+    def _run(self, fut: torch.futures.Future, buf: torch.Tensor, n: int, index: int) -> None:
+        try:
+            fut.set_result(self._exchange(buf, n, index))
+        except Exception as e:  # the backward that waits on the future raises it
+            fut.set_exception(e)
+
+    def _peer_buffer(self, index: int, r: int, like: torch.Tensor) -> torch.Tensor:
+        t = self._scratch.get((index, r))
         if t is None or t.numel() < like.numel() or t.dtype != like.dtype:
-            t = self._scratch[r] = torch.empty(like.numel(), dtype=like.dtype)
+            t = self._scratch[(index, r)] = torch.empty(like.numel(), dtype=like.dtype)
         return t[: like.numel()]
 
-    def _exchange(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+    def _exchange(self, buf: torch.Tensor, n: int, index: int) -> torch.Tensor:
         mine = torch.tensor([float(n)], dtype=torch.float64)
         counts = {self.rank: mine}
         grads = {self.rank: buf}
@@ -214,12 +224,13 @@ class _DirectExchange:
                 continue
             peer = self.peers[r]
             counts[r] = torch.empty(1, dtype=torch.float64)
-            grads[r] = self._peer_buffer(r, buf)
+            grads[r] = self._peer_buffer(index, r, buf)
+            count_tag, data_tag = _TAG_BASE + 2 * index, _TAG_BASE + 2 * index + 1
             works += [
-                dist.isend(mine, peer, group=self.group, tag=_TAG_COUNT),
-                dist.isend(buf, peer, group=self.group, tag=_TAG_DATA),
-                dist.irecv(counts[r], peer, group=self.group, tag=_TAG_COUNT),
-                dist.irecv(grads[r], peer, group=self.group, tag=_TAG_DATA),
+                dist.isend(mine, peer, group=self.group, tag=count_tag),
+                dist.isend(buf, peer, group=self.group, tag=data_tag),
+                dist.irecv(counts[r], peer, group=self.group, tag=count_tag),
+                dist.irecv(grads[r], peer, group=self.group, tag=data_tag),
             ]
         for w in works:
             w.wait()
