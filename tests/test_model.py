@@ -230,6 +230,7 @@ link = "fast"
         ("count = 2", "count = 0", "nodes[0].count"),
         ("count = 2", "count = 2\ncolour = 'red'", "colour"),
         ("[devices.gpu]", "[devices.gpu]\nflops = 3", "flops"),
+        ("[devices.gpu]", "[devices.gpu]\nconv_flops_per_s = -2", "devices.gpu.conv_flops_per_s"),
     ],
 )
 def test_bad_cluster_files_name_file_and_field(
@@ -621,6 +622,46 @@ def test_fit_alpha_beta_recovers_a_known_link() -> None:
 
 
 @pytest.mark.multiproc
+def test_convolutions_run_at_the_convolution_rate() -> None:
+    """A conv layer's GEMMs take conv_flops_per_s, a linear layer's flops_per_s; the file
+    field round-trips, and without it convolutions run at flops_per_s."""
+    from hetcoll.model.predict import compute_seconds
+
+    conv = layer_costs(nn.Conv2d(16, 32, 3, padding=1), (16, 8, 8))
+    fc = layer_costs(nn.Linear(512, 256), (512,))
+    assert all(k.conv == k.name.startswith("gemm") for k in conv.layers[0].forward)
+    assert not any(k.conv for layer in fc.layers for k in (*layer.forward, *layer.backward))
+    # Compute-bound devices (huge bandwidth, no overhead), so time = FLOPs / rate exactly.
+    plain = Device("d", flops_per_s=1e9, mem_bytes_per_s=1e18, memory_bytes=1e12)
+    fast_conv = Device("d", 1e9, 1e18, 1e12, conv_flops_per_s=4e9)
+    batch = 8
+    conv_flops = sum(
+        k.flops(batch) for layer in conv.layers for k in (*layer.forward, *layer.backward)
+    )
+    gemm_flops = sum(
+        k.flops(batch) for layer in conv.layers for k in (*layer.forward, *layer.backward) if k.conv
+    )
+    assert compute_seconds(conv, plain, batch) == pytest.approx(conv_flops / 1e9)
+    assert compute_seconds(conv, fast_conv, batch) == pytest.approx(
+        (conv_flops - gemm_flops) / 1e9 + gemm_flops / 4e9
+    )
+    assert compute_seconds(fc, fast_conv, batch) == pytest.approx(compute_seconds(fc, plain, batch))
+    doc = {
+        "devices": {
+            "c": {
+                "flops_per_s": 1e9,
+                "mem_bytes_per_s": 1e10,
+                "memory_bytes": 1e9,
+                "conv_flops_per_s": 3e9,
+            }
+        },
+        "nodes": [{"name": "n", "device": "c", "count": 1}],
+    }
+    assert cluster_from_dict(doc).devices[0].conv_rate == 3e9
+    del doc["devices"]["c"]["conv_flops_per_s"]  # type: ignore[attr-defined]
+    assert cluster_from_dict(doc).devices[0].conv_rate == 1e9
+
+
 def test_calibrate_measures_gloo_and_mpi_links(tmp_path: Path) -> None:
     from hetcoll.model.calibrate import calibrate
 
@@ -631,6 +672,7 @@ def test_calibrate_measures_gloo_and_mpi_links(tmp_path: Path) -> None:
     assert cluster.num_devices == 2
     dev = cluster.devices[0]
     assert 1e8 < dev.flops_per_s < 1e13 and 1e8 < dev.mem_bytes_per_s < 1e12
+    assert 1e8 < dev.conv_rate < 1e13 and "conv_flops_per_s" in out.read_text()
     names = {link.name for link in cal.links}
     assert names == {"gloo-local", "mpi-local"}
     for link in cal.links:

@@ -69,6 +69,46 @@ def measure_gemm_flops_per_s(size: int = 384, repeats: int = 7) -> float:
     return 2.0 * size**3 / t
 
 
+def measure_conv_flops_per_s(batch: int = 16, repeats: int = 5) -> float:
+    """float32 FLOP/s convolutions reach on this thread: forward + backward (weight and input
+    gradients) of a 3x3, 64 -> 64 channel convolution on [batch, 64, 16, 16], the FLOPs counted
+    by the cost model itself (so the rate and the accounting agree).
+
+    >>> measure_conv_flops_per_s() > 1e8  # doctest: +SKIP
+    True
+    """
+    import torch
+    from torch import nn
+
+    conv = nn.Conv2d(64, 64, 3, padding=1, bias=False)
+    x = torch.randn(batch, 64, 16, 16, requires_grad=True)
+    grad = torch.ones(batch, 64, 16, 16)
+
+    def step() -> None:
+        conv.zero_grad(set_to_none=True)
+        x.grad = None
+        conv(x).backward(grad)
+
+    t = _best_seconds(step, repeats, warmup=1)
+    return _conv_flops(batch) / t
+
+
+@functools.lru_cache(maxsize=4)
+def _conv_flops(batch: int) -> float:
+    from torch import nn
+
+    from hetcoll.model.costs import layer_costs
+
+    costs = layer_costs(nn.Conv2d(64, 64, 3, padding=1, bias=False), (64, 16, 16))
+    # The input here requires a gradient, which layer_costs assumes only past the first layer.
+    (layer,) = costs.layers
+    kernels = [*layer.forward, *layer.backward]
+    flops = sum(k.flops(batch) for k in kernels if k.conv)
+    if not any(k.name == "gemm-dX" for k in kernels):
+        flops *= 1.5  # forward, dW and dX GEMMs cost the same
+    return float(flops)
+
+
 def measure_mem_bytes_per_s(nbytes: int = 64 * 1024 * 1024, repeats: int = 5) -> float:
     """Memory bandwidth in bytes/s: a float32 tensor copy reads and writes ``nbytes`` each."""
     import torch
@@ -154,6 +194,7 @@ def measure_device(name: str, memory_bytes: float, *, quick: bool = False) -> De
     return Device(
         name,
         flops_per_s=measure_gemm_flops_per_s(repeats=r),
+        conv_flops_per_s=measure_conv_flops_per_s(repeats=r),
         mem_bytes_per_s=measure_mem_bytes_per_s(
             nbytes=(16 if quick else 64) * 1024 * 1024, repeats=r
         ),
@@ -360,15 +401,17 @@ def calibrate(
         raise ValueError(
             f"transport: must be one of the measured links {list(links)}, got {transport!r}"
         )
-    say("device (GEMM, copy, kernel overhead, element-wise layers) ...")
+    say("device (GEMM, convolution, copy, kernel overhead, element-wise layers) ...")
     device = measure_device("this-machine-1-thread", _memory_per_rank_bytes(ranks))
     say(
-        f"  {device.flops_per_s / 1e9:.2f} GFLOP/s, {device.mem_bytes_per_s / 1e9:.2f} GB/s, "
+        f"  {device.flops_per_s / 1e9:.2f} GFLOP/s (convolutions "
+        f"{device.conv_rate / 1e9:.2f}), {device.mem_bytes_per_s / 1e9:.2f} GB/s, "
         f"{device.kernel_overhead_s * 1e6:.1f} us/kernel, element-wise "
         f"{device.elementwise_rate / 1e9:.2f} GB/s"
     )
     comments = {
         device.name: "measured by `hetcoll model calibrate`, one thread: torch.mm 384^3 float32; "
+        "3x3 64-channel convolution forward/backward; "
         "copy of 64 MiB; per-kernel overhead of a tiny training step; batch norm + ReLU + max "
         "pool forward/backward",
     }

@@ -45,6 +45,8 @@ class Kernel:
     # Element-wise layer kernels (normalisation, activation, pooling) run at the device's
     # element-wise bandwidth; GEMMs and data movement (im2col) at its memory bandwidth.
     elementwise: bool = False
+    # A convolution's GEMM: its arithmetic runs at the device's convolution FLOP rate.
+    conv: bool = False
 
     def flops(self, batch: float, filter_fraction: float = 1.0) -> float:
         f = self.flops_per_sample * batch
@@ -208,6 +210,7 @@ def _conv_kernels(
             filter_bytes_per_sample=m * n * g * item,
             filter_bytes_fixed=m * kk * g * item,
             scales_with_filters=True,
+            conv=True,
         )
     )
     bwd: list[Kernel] = []
@@ -220,6 +223,7 @@ def _conv_kernels(
             filter_bytes_per_sample=m * n * g * item,
             filter_bytes_fixed=m * kk * g * item,
             scales_with_filters=True,
+            conv=True,
         )
     )
     if needs_input_grad:
@@ -232,6 +236,7 @@ def _conv_kernels(
                 filter_bytes_per_sample=m * n * g * item,
                 filter_bytes_fixed=m * kk * g * item,
                 scales_with_filters=True,
+                conv=True,
             )
         )
         if not trivial:

@@ -9,6 +9,7 @@ A cluster file is a small TOML document (see ``examples/clusters/``)::
     kernel_overhead_s = 5e-6       # optional: fixed cost of launching one kernel, seconds
     elementwise_bytes_per_s = 1e12 # optional: bandwidth element-wise kernels (norm, pooling,
                                    # activations) reach; default mem_bytes_per_s
+    conv_flops_per_s = 21e12       # optional: FLOP/s of convolutions' GEMMs; default flops_per_s
 
     [links.nvlink3]
     latency_s = 2e-6               # one-message start-up, seconds (alpha)
@@ -50,7 +51,9 @@ class Device:
     ``flops_per_s``: sustained float32 FLOP/s; ``mem_bytes_per_s``: memory bandwidth in bytes/s;
     ``memory_bytes``: capacity in bytes; ``kernel_overhead_s``: fixed seconds per kernel launch;
     ``elementwise_bytes_per_s``: bandwidth non-GEMM kernels reach (0: same as
-    ``mem_bytes_per_s``; lower on CPUs whose norm and pooling kernels are not bandwidth-bound).
+    ``mem_bytes_per_s``; lower on CPUs whose norm and pooling kernels are not bandwidth-bound);
+    ``conv_flops_per_s``: FLOP/s convolutions reach (0: same as ``flops_per_s``; their kernels,
+    oneDNN's or cuDNN's, run at a rate of their own, on one CPU core here 1.2x a square GEMM's).
 
     >>> Device("v100", flops_per_s=15.7e12, mem_bytes_per_s=900e9, memory_bytes=32e9).name
     'v100'
@@ -62,6 +65,7 @@ class Device:
     memory_bytes: float
     kernel_overhead_s: float = 0.0
     elementwise_bytes_per_s: float = 0.0
+    conv_flops_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         for attr in ("flops_per_s", "mem_bytes_per_s", "memory_bytes"):
@@ -70,11 +74,17 @@ class Device:
         _check_nonnegative(
             self.elementwise_bytes_per_s, f"Device {self.name!r}: elementwise_bytes_per_s"
         )
+        _check_nonnegative(self.conv_flops_per_s, f"Device {self.name!r}: conv_flops_per_s")
 
     @property
     def elementwise_rate(self) -> float:
         """Bytes/s of element-wise kernels (``elementwise_bytes_per_s`` or the memory bandwidth)."""
         return self.elementwise_bytes_per_s or self.mem_bytes_per_s
+
+    @property
+    def conv_rate(self) -> float:
+        """FLOP/s of convolution GEMMs (``conv_flops_per_s`` or ``flops_per_s``)."""
+        return self.conv_flops_per_s or self.flops_per_s
 
 
 @dataclass(frozen=True)
@@ -183,6 +193,7 @@ class Cluster:
             return replace(
                 d,
                 flops_per_s=d.flops_per_s * flops,
+                conv_flops_per_s=d.conv_flops_per_s * flops,
                 mem_bytes_per_s=d.mem_bytes_per_s * mem_bw,
                 elementwise_bytes_per_s=d.elementwise_bytes_per_s * mem_bw,
             )
@@ -239,6 +250,7 @@ _DEVICE_FIELDS = {
     "memory_bytes",
     "kernel_overhead_s",
     "elementwise_bytes_per_s",
+    "conv_flops_per_s",
 }
 _LINK_FIELDS = {"latency_s", "bytes_per_s"}
 _NODE_FIELDS = {"name", "device", "count", "link", "repeat"}
@@ -286,7 +298,7 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
             _check_positive(v, f"{where}.{k}")
         optional = {
             k: _number(t, k, where, required=False) or 0.0
-            for k in ("kernel_overhead_s", "elementwise_bytes_per_s")
+            for k in ("kernel_overhead_s", "elementwise_bytes_per_s", "conv_flops_per_s")
         }
         for k, v in optional.items():
             _check_nonnegative(v, f"{where}.{k}")
@@ -396,6 +408,7 @@ def dumps_cluster(
             f"memory_bytes = {d.memory_bytes:.6g}",
             f"kernel_overhead_s = {d.kernel_overhead_s:.6g}",
             f"elementwise_bytes_per_s = {d.elementwise_rate:.6g}",
+            f"conv_flops_per_s = {d.conv_rate:.6g}",
             "",
         ]
     for lk in seen_link.values():

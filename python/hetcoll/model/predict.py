@@ -94,13 +94,14 @@ class _KernelTable:
     fbytes_fixed: np.ndarray
     scales: np.ndarray
     gemm: np.ndarray  # True for GEMM-class kernels (memory at mem_bytes_per_s), else element-wise
+    conv: np.ndarray  # True for convolution GEMMs (arithmetic at the convolution FLOP rate)
     num_layers: int
     onehot: np.ndarray  # (layers, kernels): 1 where the kernel belongs to the layer
 
 
 @functools.lru_cache(maxsize=16)
 def _kernel_table(costs: ModelCosts) -> _KernelTable:
-    rows: list[tuple[int, bool, float, float, float, float, float, bool, bool]] = []
+    rows: list[tuple[int, bool, float, float, float, float, float, bool, bool, bool]] = []
     for i, layer in enumerate(costs.layers):
         for fwd, kernels in ((True, layer.forward), (False, layer.backward)):
             for k in kernels:
@@ -115,9 +116,10 @@ def _kernel_table(costs: ModelCosts) -> _KernelTable:
                         k.filter_bytes_fixed,
                         k.scales_with_filters,
                         not k.elementwise,
+                        k.conv,
                     )
                 )
-    cols = list(zip(*rows)) if rows else [()] * 9
+    cols = list(zip(*rows)) if rows else [()] * 10
     onehot = np.zeros((len(costs.layers), len(rows)))
     onehot[np.asarray(cols[0], dtype=np.int64), np.arange(len(rows))] = 1.0
     floats = [np.asarray(c, dtype=np.float64) for c in cols[2:7]]
@@ -131,6 +133,7 @@ def _kernel_table(costs: ModelCosts) -> _KernelTable:
         fbytes_fixed=floats[4],
         scales=np.asarray(cols[7], dtype=bool),
         gemm=np.asarray(cols[8], dtype=bool),
+        conv=np.asarray(cols[9], dtype=bool),
         num_layers=len(costs.layers),
         onehot=onehot,
     )
@@ -139,6 +142,7 @@ def _kernel_table(costs: ModelCosts) -> _KernelTable:
 @dataclass(frozen=True)
 class _DeviceArrays:
     flops_per_s: np.ndarray
+    conv_flops_per_s: np.ndarray
     mem_bytes_per_s: np.ndarray
     elementwise_bytes_per_s: np.ndarray
     overhead_s: np.ndarray
@@ -148,6 +152,7 @@ class _DeviceArrays:
 def _device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
     return _DeviceArrays(
         np.array([d.flops_per_s for d in devices]),
+        np.array([d.conv_rate for d in devices]),
         np.array([d.mem_bytes_per_s for d in devices]),
         np.array([d.elementwise_rate for d in devices]),
         np.array([d.kernel_overhead_s for d in devices]),
@@ -192,10 +197,11 @@ def _layer_times(
     bandwidth = np.where(
         t.gemm[:, None], dev.mem_bytes_per_s[None, :], dev.elementwise_bytes_per_s[None, :]
     )
-    comp = np.where(runs, flops / dev.flops_per_s[None, :], 0.0)
+    rate = np.where(t.conv[:, None], dev.conv_flops_per_s[None, :], dev.flops_per_s[None, :])
+    comp = np.where(runs, flops / rate, 0.0)
     mem = np.where(runs, moved / bandwidth, 0.0)
     ovh = np.where(runs, np.broadcast_to(dev.overhead_s[None, :], comp.shape), 0.0)
-    total = terms.roofline_seconds(flops, moved, dev.flops_per_s[None, :], bandwidth)
+    total = terms.roofline_seconds(flops, moved, rate, bandwidth)
     total = np.where(runs, total + ovh, 0.0)
 
     def per_layer(x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:

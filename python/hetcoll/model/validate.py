@@ -284,6 +284,7 @@ def validation_cluster(
                 d,
                 name=f"rank{r}",
                 flops_per_s=d.flops_per_s * f * share,
+                conv_flops_per_s=d.conv_rate * f * share,
                 mem_bytes_per_s=d.mem_bytes_per_s * f * share,
                 elementwise_bytes_per_s=d.elementwise_rate * f * share,
                 kernel_overhead_s=d.kernel_overhead_s / (f * share),
