@@ -290,10 +290,14 @@ def measure_gloo_link(sizes: Sequence[int] = PING_PONG_BYTES, repeats: int = 9) 
 
 
 def gloo_allreduce_seconds(
-    rank: int, world: int, sizes: Sequence[int], repeats: int
+    rank: int, world: int, sizes: Sequence[int], repeats: int, *, idle_s: float = 0.0
 ) -> list[float]:
     """Median seconds of a gloo ``all_reduce`` of each size over the current process group
-    (every rank calls it; the slowest rank's view is what the caller should keep)."""
+    (every rank calls it; the slowest rank's view is what the caller should keep).
+
+    ``idle_s``: every rank sleeps this long between the barrier and the allreduce, as ranks
+    compute between a training step's collectives; on a virtual machine a message to a process
+    that went idle costs more than one to a process still running after the barrier."""
     import torch
     import torch.distributed as dist
 
@@ -303,6 +307,8 @@ def gloo_allreduce_seconds(
         times = []
         for i in range(repeats + 1):
             dist.barrier()
+            if idle_s > 0:
+                time.sleep(idle_s)
             t0 = time.perf_counter()
             dist.all_reduce(buf)
             if i >= 1:

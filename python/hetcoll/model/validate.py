@@ -70,6 +70,11 @@ def emulate_speed(compute_s: float, speed_factor: float) -> float:
 # -- inside the ranks: the measurement both strategies share --------------------------------------
 
 
+#: Idle gap before each timed link allreduce: a step's collectives follow milliseconds of
+#: compute, not a barrier.
+_IDLE_S = 0.005
+
+
 def _link_here(rank: int, world: int, calibrate_here: bool) -> dict[str, object]:
     """The link as the collectives see it: gloo allreduces timed by all ranks at once, sharing
     the cores (nothing when the figures come from a file or there is one rank)."""
@@ -78,7 +83,8 @@ def _link_here(rank: int, world: int, calibrate_here: bool) -> dict[str, object]
     from hetcoll.model import calibrate
 
     calibrate.set_statistic("median")
-    return {"allreduce_s": calibrate.gloo_allreduce_seconds(rank, world, _LINK_SIZES, 3)}
+    seconds = calibrate.gloo_allreduce_seconds(rank, world, _LINK_SIZES, 3, idle_s=_IDLE_S)
+    return {"allreduce_s": seconds}
 
 
 def _timed_steps(
