@@ -30,6 +30,7 @@ lint: $(STAMP)
 	cargo clippy --workspace --all-targets --quiet -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
+	$(VENV)/bin/python -m mypy python/hetcoll
 
 rust-test:
 	cargo test -p hetcoll-core --quiet

@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,7 +53,7 @@ class DemoNet(nn.Sequential):
 
 def load_digits(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """scikit-learn's bundled 8x8 digits (1,797 images, no download): 80% train, 20% test."""
-    from sklearn.datasets import load_digits as sk_digits
+    from sklearn.datasets import load_digits as sk_digits  # type: ignore[import-untyped]
 
     d = sk_digits()
     x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
@@ -66,14 +67,19 @@ def load_digits(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 # -- the two engines ------------------------------------------------------------------------------
 
 
-class _Engine:
+class _Engine(ABC):
     """What differs between torch.distributed and MPI: collectives and gradient averaging."""
 
     rank: int
     world: int
 
+    @abstractmethod
     def barrier(self) -> None: ...
+
+    @abstractmethod
     def allgather(self, obj: Any) -> list[Any]: ...
+
+    @abstractmethod
     def prepare(
         self, model: nn.Module, local_batch: int, weighted: bool, lr: float
     ) -> tuple[nn.Module, Any, Callable[[int], None]]: ...
@@ -162,7 +168,7 @@ def progress_bar(cfg: DemoConfig, rank: int, name: str, epoch: int, steps: int) 
     """A tqdm bar over one epoch's steps on rank 0 (None elsewhere or with progress off)."""
     if not (cfg.progress and rank == 0):
         return None
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
 
     return tqdm(
         total=steps,
@@ -325,7 +331,8 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
 
 def _mpi_main(config_json: str, path: str) -> None:
     raw = json.loads(config_json)
-    cfg = DemoConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+    cfg = DemoConfig(**fields)
     report = run_rank(_Mpi(), cfg)
     if report is not None:
         with open(path, "w") as f:

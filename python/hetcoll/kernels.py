@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -72,13 +72,13 @@ def weighted_sum(
         raise ValueError("arrays: must hold at least one array")
     views = [_numpy_view(a, f"arrays[{i}]") for i, a in enumerate(arrays)]
     if out is None:
-        first = arrays[0]
+        first: Any = arrays[0]
         if _is_tensor(first):
             import torch
 
-            out = torch.empty_like(first, memory_format=torch.contiguous_format)
+            out = cast(ArrayT, torch.empty_like(first, memory_format=torch.contiguous_format))
         else:
-            out = np.empty_like(first, order="C")
+            out = cast(ArrayT, np.empty_like(first, order="C"))
     out_view, out_bf16 = _numpy_view(out, "out")
     for i, (_, bf16) in enumerate(views):
         if bf16 != out_bf16:

@@ -124,7 +124,7 @@ def spawn(
                 p.kill()
                 p.join()
                 failures.append(f"rank {r}: still running after {timeout:.0f} s, killed")
-        results = []
+        results: list[Any] = []
         for r, (p, path) in enumerate(zip(procs, paths)):
             if not os.path.exists(path):
                 if not any(f.startswith(f"rank {r}:") for f in failures):

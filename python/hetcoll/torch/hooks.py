@@ -233,7 +233,8 @@ class _DirectExchange:
                 dist.irecv(grads[r], peer, group=self.group, tag=data_tag),
             ]
         for w in works:
-            w.wait()
+            if w is not None:  # isend/irecv return None only off the group, not here
+                w.wait()
         total = sum(float(counts[r][0]) for r in range(self.size))
         if total <= 0:
             raise ValueError("local_batch: every rank reported 0 samples for this step")

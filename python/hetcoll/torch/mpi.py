@@ -78,9 +78,11 @@ class DistributedOptimizer:
                     f"optimizer: parameter {i} is {p.dtype} on {p.device}; the MPI path handles "
                     "float32/float64 CPU parameters"
                 )
+        grads: list[torch.Tensor] = []
+        for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
+            grads.append(p.grad)
         numel = sum(g.numel() for g in grads)
         mine = np.array([self.local_batch, numel], dtype=np.float64)
         every = np.empty((self.comm.Get_size(), 2), dtype=np.float64)
