@@ -213,10 +213,21 @@ def _auto(c: Communicator, nbytes: int, chunk_speeds: bool) -> str:
 
 
 def _direct(
-    c: Communicator, flat: np.ndarray, bf16: bool, w: float, deadline: float | None
+    c: Communicator,
+    flat: np.ndarray,
+    bf16: bool,
+    w: float,
+    deadline: float | None,
+    *,
+    normalize: bool = False,
+    tag: int = _TAG_DIRECT,
 ) -> None:
     """Every rank sends its raw buffer and its weight to every other rank (one round), then
-    ``flat <- sum_q w_q * buf_q`` in rank order, in one Rust pass, on every rank alike."""
+    ``flat <- sum_q w_q * buf_q`` in rank order, in one Rust pass, on every rank alike.
+
+    ``normalize`` divides the weights by their sum first (the weighted DDP hook: weights are
+    sample counts); ``tag`` and ``tag + 1`` carry the weights and the data, so exchanges with
+    different tags may run at once on different threads (each thread has its own scratch)."""
     p, r = c.size, c.rank
     weights = np.empty(p, np.float64)
     weights[r] = w
@@ -225,12 +236,17 @@ def _direct(
     requests = []
     for q, into in peer.items():
         requests += [
-            c.irecv(weights[q : q + 1], q, _TAG_DIRECT),
-            c.irecv(into, q, _TAG_DIRECT + 1),
-            c.isend(weights[r : r + 1], q, _TAG_DIRECT),
-            c.isend(flat, q, _TAG_DIRECT + 1),
+            c.irecv(weights[q : q + 1], q, tag),
+            c.irecv(into, q, tag + 1),
+            c.isend(weights[r : r + 1], q, tag),
+            c.isend(flat, q, tag + 1),
         ]
     wait_all(requests, deadline)
+    if normalize:
+        total = float(weights.sum())
+        if not total > 0:
+            raise ValueError(f"weight: the ranks' weights sum to {total}; normalizing needs > 0")
+        weights /= total
     sources = [flat if q == r else peer[q] for q in range(p)]
     _core.weighted_sum_into(sources, [float(x) for x in weights], flat, bfloat16=bf16)
 

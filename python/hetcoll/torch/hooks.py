@@ -37,12 +37,15 @@ import torch
 import torch.distributed as dist
 
 import hetcoll
+from hetcoll.collectives import _direct
+from hetcoll.comm import wrap
 from hetcoll.errors import CollectiveMismatchError
+from hetcoll.kernels import _numpy_view
 
 ALGORITHMS = ("auto", "direct", "allreduce")
 #: "auto" sends buckets directly when ``(p - 1) * bucket bytes`` is at most this (or ``p == 2``).
 DIRECT_BYTES = 4 << 20
-_TAG_BASE = 42_000  # bucket i: its count on _TAG_BASE + 2i, its data on _TAG_BASE + 2i + 1
+_TAG_BASE = 42_000  # bucket i: its weight on _TAG_BASE + 2i, its data on _TAG_BASE + 2i + 1
 
 
 def local_batch_value(n: object) -> int:
@@ -171,21 +174,15 @@ def _use_direct(state: WeightedAllreduceState, buf: torch.Tensor) -> bool:
 
 
 class _DirectExchange:
-    """One round of point-to-point messages per bucket. gloo's send/recv works have no
-    futures, so a worker thread waits for them and completes the hook's future, and the backward
-    goes on meanwhile; the last bucket of a step, which the backward only waits for, is exchanged
-    right in the hook (no hand-over to the thread and back). Each bucket has its own message tags
-    and scratch, so that exchange may run beside the thread's."""
+    """The direct weighted exchange of :mod:`hetcoll.collectives` (``algorithm="direct"``,
+    weights normalized) per bucket, with each bucket's own message tags. gloo's send/recv works
+    have no futures, so a worker thread runs the exchanges and completes the hook's futures, and
+    the backward goes on meanwhile; the last bucket of a step, which the backward only waits for,
+    is exchanged right in the hook (no hand-over to the thread and back), beside the thread's."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self.peers = [
-            dist.get_global_rank(group, r) if group is not None else r for r in range(self.size)
-        ]
+        self.comm = wrap(group)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._scratch: dict[tuple[int, int], torch.Tensor] = {}
         threading.Thread(target=self._serve, name="hetcoll-direct", daemon=True).start()
 
     def submit(
@@ -208,37 +205,11 @@ class _DirectExchange:
         except Exception as e:  # the backward that waits on the future raises it
             fut.set_exception(e)
 
-    def _peer_buffer(self, index: int, r: int, like: torch.Tensor) -> torch.Tensor:
-        t = self._scratch.get((index, r))
-        if t is None or t.numel() < like.numel() or t.dtype != like.dtype:
-            t = self._scratch[(index, r)] = torch.empty(like.numel(), dtype=like.dtype)
-        return t[: like.numel()]
-
     def _exchange(self, buf: torch.Tensor, n: int, index: int) -> torch.Tensor:
-        mine = torch.tensor([float(n)], dtype=torch.float64)
-        counts = {self.rank: mine}
-        grads = {self.rank: buf}
-        works = []
-        for r in range(self.size):
-            if r == self.rank:
-                continue
-            peer = self.peers[r]
-            counts[r] = torch.empty(1, dtype=torch.float64)
-            grads[r] = self._peer_buffer(index, r, buf)
-            count_tag, data_tag = _TAG_BASE + 2 * index, _TAG_BASE + 2 * index + 1
-            works += [
-                dist.isend(mine, peer, group=self.group, tag=count_tag),
-                dist.isend(buf, peer, group=self.group, tag=data_tag),
-                dist.irecv(counts[r], peer, group=self.group, tag=count_tag),
-                dist.irecv(grads[r], peer, group=self.group, tag=data_tag),
-            ]
-        for w in works:
-            if w is not None:  # isend/irecv return None only off the group, not here
-                w.wait()
-        total = sum(float(counts[r][0]) for r in range(self.size))
-        if total <= 0:
-            raise ValueError("local_batch: every rank reported 0 samples for this step")
-        weights = [float(counts[r][0]) / total for r in range(self.size)]
-        # Rank order on every rank, so every rank ends with bitwise the same sum.
-        hetcoll.weighted_sum([grads[r] for r in range(self.size)], weights, out=buf)
+        view, bf16 = _numpy_view(buf, "bucket")
+        try:
+            tag = _TAG_BASE + 2 * index
+            _direct(self.comm, view.reshape(-1), bf16, float(n), None, normalize=True, tag=tag)
+        except ValueError as e:
+            raise ValueError("local_batch: every rank reported 0 samples for this step") from e
         return buf
