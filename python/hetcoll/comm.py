@@ -207,7 +207,9 @@ class MpiCommunicator(Communicator):
 
 
 class _TorchRequest(Request):
-    def __init__(self, work: Any, what: str, keep: Any = None) -> None:
+    # ``what`` names the transfer in errors only; point-to-point calls pass (verb, rank) and it
+    # is formatted then, not on every one of the many segment messages.
+    def __init__(self, work: Any, what: str | tuple[str, int], keep: Any = None) -> None:
         self._work = work
         self._what = what
         self._keep = keep  # tensors the engine still reads or writes
@@ -222,8 +224,9 @@ class _TorchRequest(Request):
                 left = max(deadline - time.monotonic(), 1e-3)
                 self._work.wait(timedelta(seconds=left))
         except Exception as e:
+            what = self._what if isinstance(self._what, str) else f"{self._what[0]} {self._what[1]}"
             raise CollectiveTimeout(
-                f"{self._what}: no completion before the timeout, or a peer was lost: {e}"
+                f"{what}: no completion before the timeout, or a peer was lost: {e}"
             ) from e
         self._keep = None
 
@@ -235,7 +238,11 @@ def _lost_peer(what: str) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, ConnectionError) as e:
-        raise CollectiveTimeout(f"{what}: the engine failed, a peer may be lost: {e}") from e
+        raise _lost(what, e) from e
+
+
+def _lost(what: str, e: BaseException) -> CollectiveTimeout:
+    return CollectiveTimeout(f"{what}: the engine failed, a peer may be lost: {e}")
 
 
 def _tensor(buf: np.ndarray, kind: str) -> Any:
@@ -270,25 +277,28 @@ class TorchCommunicator(Communicator):
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.engine = str(dist.get_backend(group))
+        self._dist = dist
         self._global = [
             r if group is None else dist.get_global_rank(group, r) for r in range(self.size)
         ]
 
+    # The point-to-point calls run once per ring segment and per direct-exchange peer: kept to
+    # the engine call and a try (no context manager, no message built unless it fails).
     def isend(self, buf: np.ndarray, dest: int, tag: int) -> Request:
-        import torch.distributed as dist
-
         t = _bytes(buf)
-        with _lost_peer(f"send to rank {dest}"):
-            work = dist.isend(t, self._global[dest], group=self.native, tag=tag)
-        return _TorchRequest(work, f"send to rank {dest}", t)
+        try:
+            work = self._dist.isend(t, self._global[dest], group=self.native, tag=tag)
+        except (RuntimeError, ConnectionError) as e:
+            raise _lost(f"send to rank {dest}", e) from e
+        return _TorchRequest(work, ("send to rank", dest), t)
 
     def irecv(self, buf: np.ndarray, source: int, tag: int) -> Request:
-        import torch.distributed as dist
-
         t = _bytes(buf)
-        with _lost_peer(f"receive from rank {source}"):
-            work = dist.irecv(t, self._global[source], group=self.native, tag=tag)
-        return _TorchRequest(work, f"receive from rank {source}", t)
+        try:
+            work = self._dist.irecv(t, self._global[source], group=self.native, tag=tag)
+        except (RuntimeError, ConnectionError) as e:
+            raise _lost(f"receive from rank {source}", e) from e
+        return _TorchRequest(work, ("receive from rank", source), t)
 
     def iallreduce_sum(self, buf: np.ndarray, kind: str) -> Request:
         import torch.distributed as dist
