@@ -13,10 +13,11 @@ Small CPU buckets take a shorter road (``algorithm="direct"``, the default choic
 rank sends its raw bucket and its ``n_r`` to every other rank in one round of point-to-point
 messages, and each rank forms ``sum_r (n_r / N) * g_r`` in rank order with one Rust pass, the
 weights fused into the reduction. It is one message latency instead of the several rounds of a
-ring allreduce plus the count's allreduce; every rank computes bitwise the same sum. It sends
-``(p - 1)`` buckets per rank, so it is chosen only when that is small (:data:`DIRECT_BYTES`) or
-``p == 2``, where it moves no more bytes than a ring. A worker thread runs it, so the hook returns
-at once and DDP keeps overlapping communication with the backward.
+ring allreduce plus the count's allreduce; every rank computes bitwise the same sum. It is the
+exchange of ``hetcoll.allreduce(..., algorithm="direct")``, and "auto" takes it where
+:func:`hetcoll.allreduce` would (on two ranks, or while ``(p - 1)`` buckets are a few MiB, see
+:data:`hetcoll.collectives.DIRECT_BYTES`). A worker thread runs it, so the hook returns at once
+and DDP keeps overlapping communication with the backward.
 
 Usage, as with PyTorch's own hooks::
 
@@ -37,14 +38,12 @@ import torch
 import torch.distributed as dist
 
 import hetcoll
-from hetcoll.collectives import _direct
+from hetcoll.collectives import _auto, _direct
 from hetcoll.comm import wrap
 from hetcoll.errors import CollectiveMismatchError
 from hetcoll.kernels import _numpy_view
 
 ALGORITHMS = ("auto", "direct", "allreduce")
-#: "auto" sends buckets directly when ``(p - 1) * bucket bytes`` is at most this (or ``p == 2``).
-DIRECT_BYTES = 4 << 20
 _TAG_BASE = 42_000  # bucket i: its weight on _TAG_BASE + 2i, its data on _TAG_BASE + 2i + 1
 
 
@@ -143,10 +142,13 @@ def weighted_allreduce_hook(
         )
     buf = bucket.buffer()
     state._agree(buf)
-    if _use_direct(state, buf):
+    if state.algorithm != "allreduce" and buf.device.type == "cpu" and buf.dtype in _KERNEL:
         if state._direct is None:
             state._direct = _DirectExchange(state.process_group)
-        return state._direct.submit(buf, state.local_batch, bucket.index(), bucket.is_last())
+        direct = state._direct
+        nbytes = buf.numel() * buf.element_size()
+        if state.algorithm == "direct" or _auto(direct.comm, nbytes, False) == "direct":
+            return direct.submit(buf, state.local_batch, bucket.index(), bucket.is_last())
     total_fut = state._global_batch()
     if bucket.is_last():
         state._step_total = None  # the next step sums its own batch sizes
@@ -162,15 +164,6 @@ def weighted_allreduce_hook(
         return reduced
 
     return work.get_future().then(finish)
-
-
-def _use_direct(state: WeightedAllreduceState, buf: torch.Tensor) -> bool:
-    if state.algorithm == "allreduce" or buf.device.type != "cpu" or buf.dtype not in _KERNEL:
-        return False
-    if state.algorithm == "direct":
-        return True
-    p = dist.get_world_size(state.process_group)
-    return p == 2 or (p - 1) * buf.numel() * buf.element_size() <= DIRECT_BYTES
 
 
 class _DirectExchange:
