@@ -11,13 +11,14 @@ the core, so ranks do not steal compute from each other:
 - without it, ``(1/speed - 1) * t_forward * (1 + backward_ratio)`` from the forward pass it just
   timed (``backward_ratio`` is the backward/forward time ratio, :func:`backward_ratio`).
 
-The delay is spread the way a slower device spends it: layer by layer, each layer's share in
+With ``cost`` the delay is spread the way a slower device spends it: layer by layer, each share in
 proportion to its real forward time, a ``1/(1 + backward_ratio)`` part after the layer's forward
 and the rest when the layer's backward starts (a tensor hook on its output). So a slow rank
 delivers its last layers' gradients early in the backward, like a real slow GPU, and DDP can
-overlap their allreduce with the rest of the backward. Oversleeping (``time.sleep`` is late by
-tens of microseconds) is carried over and taken off the next sleep, so the many small sleeps add
-up to the intended total. Every figure obtained this way is *emulated* heterogeneity, and
+overlap their allreduce with the rest of the backward. (Without ``cost`` the delay follows from
+the forward's own time, so it is all slept after the forward.) Oversleeping (``time.sleep`` is
+late by tens of microseconds) is carried over and taken off the next sleep, so the many small
+sleeps add up to the intended total. Every figure obtained this way is *emulated* heterogeneity, and
 hetcoll's README and demo say so.
 """
 
