@@ -254,7 +254,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if not args.json:
         print(
             f"{args.model} on gloo, emulated speeds. data: plain torch DDP, shares = samples per "
-            "rank, a rank of speed f sleeps (1/f - 1) x its compute time per step. filter: "
+            "rank, a rank of speed f sleeps (1/f - 1) x its compute time between forward and "
+            "backward. filter: "
             "hetcoll.torch.filter_parallel, every rank on the whole batch, shares = filters of "
             "the widest layer, each split layer sleeps (1/f - 1) x its own compute"
         )
@@ -290,7 +291,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         )
         print()
     else:
-        for s, (med, worst) in errors.items():
+        every = {"all rows": summary(results)} if len(strategies) > 1 else {}
+        for s, (med, worst) in {**errors, **every}.items():
             print(f"{s}: median |error| {med:.1%}, worst {worst:.1%} (target: 15% / 30%)")
         print(
             "overlap: DDP's allreduce overlapped with the backward in the model (only while the "

@@ -99,6 +99,9 @@ class ModelCosts:
     input_shape: tuple[int, ...]
     itemsize: int
     notes: tuple[str, ...] = field(default=())
+    #: Bytes of the module's buffers (BatchNorm running statistics), which DDP broadcasts from
+    #: rank 0 before every forward.
+    buffer_bytes: float = 0.0
 
     @property
     def params(self) -> int:
@@ -576,4 +579,5 @@ def layer_costs(
         notes.append("no costed layers found")
     if len(set(id(m) for _, m, *_ in records)) < len(records):
         notes.append("some modules run more than once per step; each call is a layer")
-    return ModelCosts(tuple(layers), shape, item, tuple(notes))
+    buffer_bytes = float(sum(b.numel() * b.element_size() for b in model.buffers()))
+    return ModelCosts(tuple(layers), shape, item, tuple(notes), buffer_bytes)

@@ -228,6 +228,22 @@ def _check_shares(shares: Sequence[int], num_devices: int, argument: str = "shar
     return np.asarray(shares, dtype=np.int64)
 
 
+def _slowdowns(emulated_speeds: Sequence[float] | None, num_devices: int) -> np.ndarray:
+    """1/f per device for ``emulated_speeds`` (ones without it)."""
+    if emulated_speeds is None:
+        return np.ones(num_devices)
+    if len(emulated_speeds) != num_devices or any(not 0 < float(f) <= 1 for f in emulated_speeds):
+        raise ValueError(f"emulated_speeds: expected {num_devices} factors in (0, 1]")
+    return 1.0 / np.asarray(emulated_speeds, dtype=np.float64)
+
+
+def _check_cores(shared_cores: int | None) -> None:
+    if shared_cores is not None and (
+        isinstance(shared_cores, bool) or not isinstance(shared_cores, int) or shared_cores < 1
+    ):
+        raise ValueError(f"shared_cores: must be an integer >= 1 or None, got {shared_cores!r}")
+
+
 def ddp_buckets(
     costs: ModelCosts,
     first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
@@ -280,21 +296,36 @@ def data_parallel(
     first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
     bucket_bytes: float = DDP_BUCKET_BYTES,
     strategy: str = "data parallel",
+    broadcast_buffers: bool = True,
+    emulated_speeds: Sequence[float] | None = None,
+    shared_cores: int | None = None,
 ) -> Prediction:
     """One data-parallel step: device d runs forward + backward on ``shares[d]`` samples; the
     gradients are allreduced by a ring in DDP buckets, each starting once every device has
     produced it (``overlap=True``, as DDP does) or all after the backward (``overlap=False``);
-    then the optimizer updates every replica. Devices with no samples sit the step out.
+    then the optimizer updates every replica. Devices with no samples sit the step out. With
+    ``broadcast_buffers`` (DDP's default) the step starts with a broadcast of the module's
+    buffers from rank 0.
+
+    Validation on emulated heterogeneity: ``emulated_speeds`` (one factor f in (0, 1] per
+    device) adds the pause a rank of speed f takes between its forward and its backward,
+    ``(1/f - 1)`` x its step's compute (forward, backward and update), as
+    :func:`hetcoll.model.validate.emulate_speed` does. ``shared_cores``: the devices are ranks
+    sharing this many CPU cores; while more ranks compute than there are cores they share them
+    (:func:`terms.shared_cores_finish_seconds`), and a pausing rank leaves its core to the
+    others. The gradient allreduce then starts after every backward.
 
     >>> from hetcoll.model import layer_costs, networks, hardware  # doctest: +SKIP
     >>> data_parallel(costs, cluster, [48, 16]).step_s  # doctest: +SKIP
     """
     devices = cluster.devices
     b = _check_shares(shares, len(devices))
+    slow = _slowdowns(emulated_speeds, len(devices))
+    _check_cores(shared_cores)
     dev = _device_arrays(devices)
     lt = _layer_times(costs, dev, b)
     fwd_total = lt.forward_s.sum(axis=0)
-    compute = fwd_total + lt.backward_s.sum(axis=0)
+    bwd_total = lt.backward_s.sum(axis=0)
     opt = np.where(
         b > 0,
         terms.optimizer_update_seconds(
@@ -302,6 +333,22 @@ def data_parallel(
         ),
         0.0,
     )
+    pause = np.where(b > 0, (slow - 1.0) * (fwd_total + bwd_total + opt), 0.0)
+    active = np.flatnonzero(b > 0)
+    sharing = shared_cores is not None and len(active) > shared_cores
+    if sharing:
+        assert shared_cores is not None
+        ends = terms.shared_cores_finish_seconds(
+            [[("cpu", fwd_total[r]), ("sleep", pause[r]), ("cpu", bwd_total[r])] for r in active],
+            shared_cores,
+        )
+        compute = np.zeros(len(devices))
+        compute[active] = ends
+        # Every rank updates at once after the allreduce.
+        opt = opt * (len(active) / shared_cores)
+        overlap = False
+    else:
+        compute = fwd_total + pause + bwd_total
     link = cluster.ring_link()
     # Devices given no samples sit the step out (a plan would not start them), so the ring
     # runs over the others only.
@@ -321,14 +368,19 @@ def data_parallel(
     end = 0.0
     for (first_layer, _), c in zip(buckets, comm_each):
         ready = (
-            float((fwd_total + bwd_rev_cum[first_layer, :]).max())
+            float((fwd_total + pause + bwd_rev_cum[first_layer, :]).max())
             if overlap
             else float(compute.max())
         )
         end = max(end, ready) + c
     slowest = int(np.argmax(compute + opt))
     busy = float(compute.max())
-    step = max(busy, end) + float(opt.max())
+    bcast = (
+        float(terms.broadcast_seconds(costs.buffer_bytes, p, link.latency_s, link.bytes_per_s))
+        if broadcast_buffers and costs.buffer_bytes > 0
+        else 0.0
+    )
+    step = bcast + max(busy, end) + float(opt.max())
     breakdown = {
         "compute": float(lt.compute_s[:, slowest].sum()),
         "memory": float(lt.memory_s[:, slowest].sum()),
@@ -336,6 +388,11 @@ def data_parallel(
         "communication": 0.0,
         "optimizer": float(opt[slowest]),
     }
+    if emulated_speeds is not None:
+        breakdown["emulated pause"] = float(pause[slowest])
+    if sharing:
+        alone = fwd_total + pause + bwd_total
+        breakdown["core sharing"] = max(0.0, float(compute[slowest] - alone[slowest]))
     breakdown["communication"] = max(0.0, step - sum(breakdown.values()))
     memory = _memory_common(costs, optimizer_state_copies) + costs.param_bytes  # + DDP bucket copy
     mem = np.where(b > 0, memory + b * costs.saved_bytes_per_sample(), 0.0)
@@ -352,6 +409,7 @@ def data_parallel(
         int(b.sum()),
         {
             "allreduce_s": float(sum(comm_each)),
+            "broadcast_s": bcast,
             "buckets": len(buckets),
             "compute_s_per_device": [float(x) for x in compute] if p <= 64 else None,
         },
@@ -549,18 +607,11 @@ def filter_parallel(
         raise ValueError(f"parts: expected {n_dev} positive numbers (one per device)")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch: must be an integer >= 1, got {batch!r}")
-    slow = np.ones(n_dev)
-    if emulated_speeds is not None:
-        if len(emulated_speeds) != n_dev or any(not 0 < float(f) <= 1 for f in emulated_speeds):
-            raise ValueError(f"emulated_speeds: expected {n_dev} factors in (0, 1]")
-        slow = 1.0 / np.asarray(emulated_speeds, dtype=np.float64)
+    slow = _slowdowns(emulated_speeds, n_dev)
     layer_modes = filter_modes(costs) if modes is None else _check_modes(costs, modes)
     if n_dev == 1:
         layer_modes = {}
-    if shared_cores is not None and (
-        isinstance(shared_cores, bool) or not isinstance(shared_cores, int) or shared_cores < 1
-    ):
-        raise ValueError(f"shared_cores: must be an integer >= 1 or None, got {shared_cores!r}")
+    _check_cores(shared_cores)
     dev = _device_arrays(devices)
     n_layers = len(costs.layers)
     phi = np.ones((n_layers, n_dev))  # each device's fraction of the layer's kernels' filters

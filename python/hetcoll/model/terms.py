@@ -10,6 +10,8 @@ planner evaluates one term for 1,024 devices in one vectorised call.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 # A float, or a numpy array of them (one per device); results follow numpy broadcasting.
@@ -121,6 +123,24 @@ def point_to_point_seconds(message_bytes: Num, latency_s: float, link_bytes_per_
     return latency_s + message_bytes / link_bytes_per_s
 
 
+def broadcast_seconds(
+    message_bytes: Num, num_ranks: int, latency_s: float, link_bytes_per_s: float
+) -> Num:
+    """Seconds of a binomial-tree broadcast: ``ceil(log2 p) * (alpha + n / B)``, and 0 on one
+    rank. Here DDP's broadcast of the module buffers (BatchNorm statistics) from rank 0 at the
+    start of every forward.
+
+    >>> broadcast_seconds(1e6, 4, 1e-3, 1e9)
+    0.004
+    >>> broadcast_seconds(1e6, 1, 1e-3, 1e9)
+    0.0
+    """
+    if num_ranks <= 1:
+        return 0.0 * message_bytes
+    rounds = math.ceil(math.log2(num_ranks))
+    return rounds * (latency_s + message_bytes / link_bytes_per_s)
+
+
 def optimizer_update_seconds(param_bytes: Num, mem_bytes_per_s: Num, state_copies: int = 1) -> Num:
     """Seconds of an element-wise optimizer step (memory-bound): it reads weights, gradients and
     ``state_copies`` state tensors and writes weights and state, ``(3 + 2 s) * param_bytes``
@@ -148,3 +168,46 @@ def pipeline_seconds(slowest_stage_s: Num, num_stages: int, micro_batches: int) 
 def pipeline_bubble_seconds(slowest_stage_s: Num, num_stages: int) -> Num:
     """The idle part of :func:`pipeline_seconds`: ``(S - 1) * slowest``."""
     return (num_stages - 1) * slowest_stage_s
+
+
+def shared_cores_finish_seconds(phases: list[list[tuple[str, float]]], cores: int) -> list[float]:
+    """When each of several ranks sharing ``cores`` CPU cores finishes its ``phases``: each
+    phase is ``("cpu", s)`` (``s`` seconds of compute on a core of its own) or ``("sleep", s)``
+    (``s`` seconds of wall time holding no core). The cores are shared fairly (processor
+    sharing, as the OS scheduler does over a step's milliseconds): while ``n`` ranks compute,
+    each runs at ``min(1, cores / n)`` of its speed. Not in PyDTNN, whose devices never share;
+    here for validation on one host with more ranks than cores, where a sleeping (emulated slow)
+    rank leaves its core to the others.
+
+    >>> shared_cores_finish_seconds([[("cpu", 1.0)], [("cpu", 1.0)], [("cpu", 1.0)]], 2)
+    [1.5, 1.5, 1.5]
+    >>> shared_cores_finish_seconds([[("cpu", 1.0)], [("sleep", 1.0), ("cpu", 0.5)]], 1)
+    [1.0, 1.5]
+    """
+    if cores < 1:
+        raise ValueError(f"cores: must be >= 1, got {cores}")
+    todo = [[(k, float(s)) for k, s in ph if s > 0] for ph in phases]
+    for ph in todo:
+        for kind, _ in ph:
+            if kind not in ("cpu", "sleep"):
+                raise ValueError(f"phases: kind must be 'cpu' or 'sleep', got {kind!r}")
+    finish = [0.0] * len(todo)
+    now = 0.0
+    while True:
+        live = [r for r, ph in enumerate(todo) if ph]
+        if not live:
+            return finish
+        computing = sum(1 for r in live if todo[r][0][0] == "cpu")
+        rate = min(1.0, cores / computing) if computing else 1.0
+        # Wall time until the next phase ends.
+        dt = min(s / rate if k == "cpu" else s for k, s in (todo[r][0] for r in live))
+        now += dt
+        for r in live:
+            kind, s = todo[r][0]
+            left = s - (dt * rate if kind == "cpu" else dt)
+            if left <= 1e-12 * max(1.0, s):
+                todo[r].pop(0)
+                if not todo[r]:
+                    finish[r] = now
+            else:
+                todo[r][0] = (kind, left)

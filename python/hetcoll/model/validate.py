@@ -12,7 +12,7 @@ Two strategies are validated:
   really ran.
 
 Heterogeneity is *emulated*. Data parallel: a rank of speed factor f sleeps (1/f - 1) x its own
-measured compute time at the start of each step (:func:`emulate_speed`), and the model sees a
+measured compute time between its forward and backward (:func:`emulate_speed`), and the model sees a
 device whose FLOP/s, memory bandwidth and kernel overhead are scaled by f. Filter parallel runs
 in lock step layer by layer, so one pause per step would not act like a slower device: each
 split layer sleeps (1/f - 1) x its own local compute, forward and backward
@@ -40,11 +40,13 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from hetcoll.model.costs import ModelCosts, layer_costs
 from hetcoll.model.hardware import Cluster, Device, Link, Node
 from hetcoll.model.predict import data_parallel, filter_parallel
+
+_T = TypeVar("_T")
 
 # Allreduce sizes the link is fitted to (bytes): latency from the small one, bandwidth from the
 # large one.
@@ -87,13 +89,41 @@ def _link_here(rank: int, world: int, calibrate_here: bool) -> dict[str, object]
     return {"allreduce_s": seconds}
 
 
+def _oversubscribed() -> bool:
+    import torch.distributed as dist
+
+    return dist.get_world_size() > (os.cpu_count() or 1)
+
+
+def _side_by_side(rank: int, measure: Callable[[], _T]) -> _T:
+    """``measure()`` on every rank, as many ranks at once as there are cores: all at once while
+    the ranks fit in the cores; otherwise in groups of ``cores`` ranks between barriers (the
+    last group filled up with ranks measuring a second time, their figure discarded), so each
+    figure is that of a full machine with a core to itself and the model adds the sharing."""
+    import torch.distributed as dist
+
+    if not _oversubscribed():
+        return measure()
+    p, cores = dist.get_world_size(), os.cpu_count() or 1
+    kept: list[_T] = []
+    for g in range(-(-p // cores)):
+        if rank in [(g * cores + i) % p for i in range(cores)]:
+            value = measure()
+            if g == rank // cores:
+                kept.append(value)
+        dist.barrier()
+    return kept[0]
+
+
 def _timed_steps(
     rank: int, step: Callable[[], None], steps: int, warmup: int, calibrate_here: bool
 ) -> tuple[list[float], list[Device]]:
     """Seconds of ``steps`` calls of ``step`` (after ``warmup``), each timed alone between
     barriers right after every rank has measured its device again (so the prediction for step k
-    sees the load step k sees: on a shared machine the load changes within seconds). The
-    caller pairs steps across ranks and takes medians."""
+    sees the load step k sees: on a shared machine the load changes within seconds). The ranks
+    measure all at once while they fit in the cores (so the figures include what running side
+    by side costs), ``cores`` at a time when they outnumber them (the model shares the cores
+    itself; :func:`_side_by_side`). The caller pairs steps across ranks and takes medians."""
     import torch.distributed as dist
 
     from hetcoll.model import calibrate
@@ -106,7 +136,11 @@ def _timed_steps(
     for _ in range(steps):
         if calibrate_here:
             dist.barrier()
-            devices.append(calibrate.measure_device(f"rank{rank}", 1e12, quick=True))
+            devices.append(
+                _side_by_side(
+                    rank, lambda: calibrate.measure_device(f"rank{rank}", 1e12, quick=True)
+                )
+            )
         dist.barrier()
         t0 = time.perf_counter()
         step()
@@ -140,27 +174,35 @@ def _data_rank(
     y = torch.randint(0, 10, (shares[rank],))
 
     def local_step() -> None:
+        # The module DDP wraps: no gradient allreduce and no buffer broadcast.
         opt.zero_grad(set_to_none=True)
-        F.cross_entropy(ddp(x), y).backward()
+        F.cross_entropy(ddp.module(x), y).backward()
         opt.step()
 
-    # This rank's own compute time (no communication), for the speed emulation.
-    own = []
-    for i in range(warmup + 3):
-        t0 = time.perf_counter()
-        with ddp.no_sync():
-            local_step()
-        if i >= warmup:
-            own.append(time.perf_counter() - t0)
-    compute_s = statistics.median(own)
+    # This rank's own compute time (no communication), for the speed emulation; timed on a
+    # core of its own when the ranks outnumber the cores, as the device is.
+    def own_compute() -> float:
+        own = []
+        for i in range(warmup + 3):
+            t0 = time.perf_counter()
+            with ddp.no_sync():
+                local_step()
+            if i >= warmup:
+                own.append(time.perf_counter() - t0)
+        return statistics.median(own)
+
+    compute_s = _side_by_side(rank, own_compute)
 
     def step() -> None:
-        # The pause "after step k-1" is taken at the start of step k, after the barrier: that
-        # way it delays this rank's arrival at the allreduce as a slower device would. (Taken
-        # after the step it would sit behind the allreduce, where no device's slowness can be,
-        # and the barrier would put it on every step's critical path.)
+        # The pause sits between this rank's forward and its backward, where a slower device
+        # spends its extra time: after DDP's broadcast of the BatchNorm buffers at the start of
+        # the forward (a pause before it would hold every rank there) and before the gradients
+        # reach the allreduce.
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(ddp(x), y)
         emulate_speed(compute_s, speeds[rank])
-        local_step()
+        loss.backward()
+        opt.step()
 
     step_s, devices = _timed_steps(rank, step, steps, warmup, calibrate_here)
     return {"step_s": step_s, "devices": devices, **measured}
@@ -275,25 +317,22 @@ class ValidationResult:
         return (self.predicted_s - self.measured_s) / self.measured_s
 
 
-def validation_cluster(
-    devices: Sequence[Device], link: Link, speeds: Sequence[float], cores: int | None = None
-) -> Cluster:
+def validation_cluster(devices: Sequence[Device], link: Link, speeds: Sequence[float]) -> Cluster:
     """The model's view of ``len(speeds)`` local ranks: rank r runs on ``devices[r]`` slowed by
-    its emulated speed factor and, if ``cores`` is given and the ranks outnumber the cores (the
-    devices were measured alone), by cores / ranks."""
+    the factor ``speeds[r]`` (ones: the devices as measured; the validation passes the emulated
+    speeds to the model instead, which knows a pause from slower compute)."""
     p = len(speeds)
-    share = min(1.0, cores / p) if cores else 1.0
     nodes = [
         Node(
             f"rank{r}",
             replace(
                 d,
                 name=f"rank{r}",
-                flops_per_s=d.flops_per_s * f * share,
-                conv_flops_per_s=d.conv_rate * f * share,
-                mem_bytes_per_s=d.mem_bytes_per_s * f * share,
-                elementwise_bytes_per_s=d.elementwise_rate * f * share,
-                kernel_overhead_s=d.kernel_overhead_s / (f * share),
+                flops_per_s=d.flops_per_s * f,
+                conv_flops_per_s=d.conv_rate * f,
+                mem_bytes_per_s=d.mem_bytes_per_s * f,
+                elementwise_bytes_per_s=d.elementwise_rate * f,
+                kernel_overhead_s=d.kernel_overhead_s / f,
             ),
             1,
         )
@@ -351,14 +390,13 @@ def _link_of(runs: Sequence[dict[str, Any]], p: int, link: Link | None) -> Link:
 def _median_prediction(
     runs: Sequence[dict[str, Any]],
     device: Device | None,
-    cores: int,
-    predict: Callable[[Sequence[Device], int | None], float],
+    predict: Callable[[Sequence[Device]], float],
 ) -> float:
-    """``predict(devices, cores)`` with the file's device on every rank (sharing ``cores``), or
-    the median over steps of the prediction from the devices measured just before each step."""
+    """``predict(devices)`` with the file's device on every rank, or the median over steps of
+    the prediction from the devices measured just before each step."""
     if device is not None:
-        return predict([device] * len(runs), cores)
-    return statistics.median(predict(list(d), None) for d in zip(*(r["devices"] for r in runs)))
+        return predict([device] * len(runs))
+    return statistics.median(predict(list(d)) for d in zip(*(r["devices"] for r in runs)))
 
 
 def _validate_data(
@@ -386,15 +424,22 @@ def _validate_data(
     # is nothing to overlap with, so the model runs them one after the other.
     overlap = p < cores
 
-    def predictor(ov: bool) -> Callable[[Sequence[Device], int | None], float]:
-        def predict(devs: Sequence[Device], share: int | None) -> float:
-            cluster = validation_cluster(devs, lk, speeds, share)
-            return data_parallel(costs, cluster, shares, overlap=ov).step_s
+    def predictor(ov: bool) -> Callable[[Sequence[Device]], float]:
+        def predict(devs: Sequence[Device]) -> float:
+            cluster = validation_cluster(devs, lk, [1.0] * p)
+            return data_parallel(
+                costs,
+                cluster,
+                shares,
+                overlap=ov,
+                emulated_speeds=list(speeds),
+                shared_cores=cores if p > cores else None,
+            ).step_s
 
         return predict
 
     predicted, other = (
-        _median_prediction(runs, device, cores, predictor(ov)) for ov in (overlap, not overlap)
+        _median_prediction(runs, device, predictor(ov)) for ov in (overlap, not overlap)
     )
     return ValidationResult(
         model,
@@ -434,9 +479,9 @@ def _validate_filter(
     lk = _link_of(runs, p, link)
     modes: dict[str, str] = runs[0]["modes"]
 
-    def predict(devs: Sequence[Device], share: int | None) -> float:
+    def predict(devs: Sequence[Device]) -> float:
         # Full-speed devices: the emulation slows only the split layers, and so does the model.
-        cluster = validation_cluster(devs, lk, [1.0] * p, share)
+        cluster = validation_cluster(devs, lk, [1.0] * p)
         pred = filter_parallel(
             costs,
             cluster,
@@ -453,7 +498,7 @@ def _validate_filter(
             )
         return pred.step_s
 
-    predicted = _median_prediction(runs, device, cores, predict)
+    predicted = _median_prediction(runs, device, predict)
     widest = max(runs[0]["shares"].values(), key=sum)
     return ValidationResult(
         config.model,
