@@ -189,8 +189,15 @@ def check_mismatch(comm: Communicator, native: Any) -> int:
     try:
         hetcoll.allgatherv(np.ones((2, 3 + (r == 0))), native, timeout=30)
     except hetcoll.CollectiveMismatchError:
-        return len(cases) + 1
-    raise AssertionError(f"rank {r}: allgatherv accepted pieces of different widths")
+        pass
+    else:
+        raise AssertionError(f"rank {r}: allgatherv accepted pieces of different widths")
+    try:
+        hetcoll.allgatherv(np.ones(5), native, algorithm="ring" if r == 0 else "auto", timeout=30)
+    except hetcoll.CollectiveMismatchError as e:
+        assert "algorithm: ranks disagree" in str(e), e
+        return len(cases) + 2
+    raise AssertionError(f"rank {r}: allgatherv ran with ranks choosing different algorithms")
 
 
 def check_allgatherv(comm: Communicator, native: Any) -> int:
@@ -232,10 +239,20 @@ def check_allgatherv(comm: Communicator, native: Any) -> int:
     n_of = [100_003 * (q + 1) for q in range(p)]
     mine = np.full(n_of[r], float(r), np.float32)
     want = np.concatenate([np.full(n, q, np.float32) for q, n in enumerate(n_of)])
-    for algorithm in ("ring", "native", "direct"):
+    for algorithm in ("ring", "native", "direct", "auto"):
         out = hetcoll.allgatherv(mine, native, algorithm=algorithm)
         np.testing.assert_array_equal(out, want)
-    return done + 3
+    # "auto" around the eager slot of the first round (EAGER_GATHER_BYTES): every piece fits,
+    # exactly fits, or one does not (then a second round moves the pieces).
+    eager = collectives.EAGER_GATHER_BYTES.get(comm.engine, 0) or 64
+    for big in (eager // 8 - 1, eager // 8, eager // 8 + 1):
+        n_of = [big if q == p - 1 else q + 1 for q in range(p)]
+        mine = np.arange(n_of[r], dtype=np.float64) + 1000 * r
+        want = np.concatenate(
+            [np.arange(n, dtype=np.float64) + 1000 * q for q, n in enumerate(n_of)]
+        )
+        np.testing.assert_array_equal(hetcoll.allgatherv(mine, native, timeout=60), want)
+    return done + 7
 
 
 def check_autograd(comm: Communicator, native: Any) -> int:
