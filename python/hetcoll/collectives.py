@@ -302,14 +302,18 @@ def _ring(
         return [c.irecv(flat[a:b], left, _TAG + t) for a, b in recv]
 
     # Step 0 sends this rank's raw chunk r-1, which it never reduces: scale a copy of it here,
-    # the only place the weight is not fused into a reduction.
+    # the only place the weight is not fused into a reduction. Segment by segment, each sent as
+    # soon as it is scaled, so the scaling overlaps the transfer (on two ranks this chunk is
+    # half the buffer).
     _, send0, _ = steps[0]
     lo0, hi0 = send0[0][0], send0[-1][1]
     first = _scratch(2, hi0 - lo0, flat.dtype)
-    if hi0 > lo0:
-        _core.weighted_sum_into([flat[lo0:hi0]], [w], first, bfloat16=bf16)
-    sends = [c.isend(first[a - lo0 : b - lo0], right, _TAG) for a, b in send0]
     recvs = post(0)
+    sends = []
+    for a, b in send0:
+        if b > a:
+            _core.weighted_sum_into([flat[a:b]], [w], first[a - lo0 : b - lo0], bfloat16=bf16)
+        sends.append(c.isend(first[a - lo0 : b - lo0], right, _TAG))
     last = len(steps) - 1
     for t, (reduce, _, recv) in enumerate(steps):
         next_recvs = post(t + 1) if t < last else []

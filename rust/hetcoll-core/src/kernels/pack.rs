@@ -156,7 +156,7 @@ fn scaled_copy<T: Element>(src: &[T], dst: &mut [T], w: T::Acc, exact: bool) {
     for (s, d) in src.chunks(BLOCK).zip(dst.chunks_mut(BLOCK)) {
         let len = s.len();
         T::first(&mut acc[..len], s, w, &mut widened[..len]);
-        T::store(&acc[..len], d, false);
+        T::store(&acc[..len], d);
     }
 }
 

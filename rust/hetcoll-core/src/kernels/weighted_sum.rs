@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use std::sync::OnceLock;
 use std::thread;
 
-use super::element::{self, Element};
+use super::element::Element;
 use crate::error::{CoreError, Result};
 
 /// Elements per block: the accumulator and its scratch stay in L1.
@@ -101,9 +101,8 @@ pub fn weighted_sum<T: Element>(
     let w: Vec<T::Acc> = weights.iter().map(|&x| T::weight(x)).collect();
     let n = out.len();
     let threads = threads.min(n.div_ceil(MIN_PER_THREAD)).max(1);
-    let streaming = std::mem::size_of_val(out) >= STREAMING_BYTES;
     if threads == 1 {
-        run(sources, &w, 0, out, streaming);
+        run_best(sources, &w, 0, out);
         return Ok(());
     }
     // Threads take chunks from a shared queue rather than one fixed run each: on a shared
@@ -113,7 +112,7 @@ pub fn weighted_sum<T: Element>(
     let work = || loop {
         let next = queue.lock().map(|mut q| q.next()).unwrap_or(None);
         let Some((i, chunk)) = next else { break };
-        run(sources, &w, i * CHUNK, chunk, streaming);
+        run_best(sources, &w, i * CHUNK, chunk);
     };
     thread::scope(|scope| {
         for _ in 1..threads {
@@ -127,10 +126,6 @@ pub fn weighted_sum<T: Element>(
 /// Elements per unit of work handed to a thread (a whole number of blocks).
 pub const CHUNK: usize = 32 * BLOCK;
 
-/// Outputs at least this large (bytes) are written with streaming stores: they exceed the
-/// caches, so keeping them there would only evict the inputs.
-pub const STREAMING_BYTES: usize = 4 << 20;
-
 /// The block `[at, at + len)` of a source; `Source::Out` reads the output block itself.
 #[inline]
 fn pick<'b, T>(source: &Source<'b, T>, at: usize, len: usize, out_block: &'b [T]) -> &'b [T] {
@@ -140,14 +135,34 @@ fn pick<'b, T>(source: &Source<'b, T>, at: usize, len: usize, out_block: &'b [T]
     }
 }
 
-/// One run of blocks: `out` is the slice of the whole output that starts at element `start`.
-fn run<T: Element>(
+/// [`run`] compiled for the widest vector unit this CPU has. The code is the same, a multiply
+/// then an add per term in the same order (Rust never fuses them), so every instruction set
+/// gives bitwise the same result: ranks on different CPUs still agree.
+#[inline]
+fn run_best<T: Element>(sources: &[Source<'_, T>], w: &[T::Acc], start: usize, out: &mut [T]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        unsafe { run_avx2(sources, w, start, out) };
+        return;
+    }
+    run(sources, w, start, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn run_avx2<T: Element>(
     sources: &[Source<'_, T>],
     w: &[T::Acc],
     start: usize,
     out: &mut [T],
-    streaming: bool,
 ) {
+    run(sources, w, start, out);
+}
+
+/// One run of blocks: `out` is the slice of the whole output that starts at element `start`.
+#[inline(always)]
+fn run<T: Element>(sources: &[Source<'_, T>], w: &[T::Acc], start: usize, out: &mut [T]) {
     let mut acc = [T::Acc::default(); BLOCK];
     let mut widened = [T::Acc::default(); BLOCK];
     let mut pos = 0;
@@ -169,11 +184,8 @@ fn run<T: Element>(
                 T::accumulate(acc, &srcs, w, widened);
             }
         }
-        T::store(acc, out_block, streaming);
+        T::store(acc, out_block);
         pos += len;
-    }
-    if streaming {
-        element::store_fence();
     }
 }
 
@@ -209,6 +221,41 @@ mod tests {
             weighted_sum(&s, &w, &mut out, threads).unwrap();
             assert_eq!(out, expected);
         }
+    }
+
+    /// The vector unit chosen at run time must not change a single bit: ranks on CPUs with
+    /// and without AVX2 compute the same sums.
+    fn same_bits_on_every_instruction_set<T: Element + PartialEq + std::fmt::Debug>(
+        make: impl Fn(f64) -> T,
+    ) {
+        let n = 5 * BLOCK + 13;
+        let srcs: Vec<Vec<T>> = (0..6)
+            .map(|i| {
+                (0..n)
+                    .map(|k| make((((k * 2654435761 + i * 97) % 1000) as f64 - 500.0) / 37.0))
+                    .collect()
+            })
+            .collect();
+        let w: Vec<T::Acc> = [0.3, -1.7, 2.5e-3, 1.0, 7.25, -0.125]
+            .iter()
+            .map(|&x| T::weight(x))
+            .collect();
+        for k in 1..=6 {
+            let s: Vec<Source<T>> = srcs[..k].iter().map(|v| Source::Slice(v)).collect();
+            let mut base = vec![T::default(); n];
+            let mut best = vec![T::default(); n];
+            run(&s, &w[..k], 0, &mut base);
+            run_best(&s, &w[..k], 0, &mut best);
+            assert_eq!(base, best, "{} sources", k);
+        }
+    }
+
+    #[test]
+    fn every_instruction_set_gives_the_same_bits() {
+        same_bits_on_every_instruction_set(|x| x as f32);
+        same_bits_on_every_instruction_set(|x| x);
+        same_bits_on_every_instruction_set(f16::from_f64);
+        same_bits_on_every_instruction_set(bf16::from_f64);
     }
 
     #[test]
