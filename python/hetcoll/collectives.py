@@ -74,14 +74,14 @@ GATHER_RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 16 << 2
 #: allreduce slows down) and 1.1-1.4x of gloo's dist.all_reduce at every size, ahead of the
 #: native and ring paths; with 4 ranks it beat gloo's allreduce up to 1 MiB (0.6-0.9x) and lost
 #: to MPICH's at every size.
+DIRECT_TWO_RANKS_FROM_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 0}
+DIRECT_BYTES: dict[str, float] = {"mpi": 0, "gloo": 3 << 20}
 #: allgatherv's first round, which every rank needs for the lengths of the others' pieces,
 #: carries up to this many bytes of each piece on these engines (an eager protocol): when every
 #: piece fits, "auto" is done in that one collective. On gloo a collective of 64 KiB costs what
 #: one of 32 bytes does (0.3 ms on one host), while the second round doubled the time of small
 #: gathers; MPI's small allgather takes microseconds, so MPI keeps the plain length exchange.
 EAGER_GATHER_BYTES: dict[str, int] = {"gloo": 64 << 10}
-DIRECT_TWO_RANKS_FROM_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 0}
-DIRECT_BYTES: dict[str, float] = {"mpi": 0, "gloo": 3 << 20}
 _TAG = 4831  # ring allreduce messages: _TAG + step
 _TAG_DIRECT = 24831  # direct allreduce: weight, then data
 _TAG_GATHER_DIRECT = 34831  # direct allgatherv
@@ -411,7 +411,10 @@ def allgatherv(
     splits (gloo's all_gather rejects uneven pieces); "ring" passes the pieces around the ring
     with the engine's send/recv straight into the output, segment by segment; "direct" sends
     each piece to every other rank in one round of send/recv straight into the output; "auto"
-    picks by total size (:data:`GATHER_RING_CROSSOVER_BYTES`). ``segment_bytes`` cuts the ring's
+    picks by total size (:data:`GATHER_RING_CROSSOVER_BYTES`). Every call starts with one
+    collective that exchanges the lengths (and checks shapes, dtype and algorithm); on gloo it
+    also carries up to :data:`EAGER_GATHER_BYTES` of each piece, and "auto" is done there when
+    every piece fits. ``segment_bytes`` cuts the ring's
     messages (default: one message per piece and step; nothing is computed between them, so
     smaller messages would only add per-message cost).
 
