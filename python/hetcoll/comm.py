@@ -320,12 +320,14 @@ class TorchCommunicator(Communicator):
         import torch
         import torch.distributed as dist
 
-        out = torch.empty(self.size * send.size, dtype=torch.uint8)
-        inp = torch.from_numpy(send if send.flags.writeable else send.copy())
+        # NCCL moves device memory only: the few bytes go through the current CUDA device.
+        device = "cuda" if self.engine == "nccl" else "cpu"
+        out = torch.empty(self.size * send.size, dtype=torch.uint8, device=device)
+        inp = torch.from_numpy(send if send.flags.writeable else send.copy()).to(device)
         with _lost_peer("all_gather_into_tensor"):
             work = dist.all_gather_into_tensor(out, inp, group=self.native, async_op=True)
         _TorchRequest(work, "all_gather_into_tensor", (out, inp)).wait(deadline)
-        return out.numpy().reshape(self.size, send.size)
+        return out.cpu().numpy().reshape(self.size, send.size)
 
     def iallgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> Request:
         import torch

@@ -286,17 +286,28 @@ def measure_gloo_link(sizes: Sequence[int] = PING_PONG_BYTES, repeats: int = 9) 
 
 
 def gloo_allreduce_seconds(
-    rank: int, world: int, sizes: Sequence[int], repeats: int, *, idle_s: float = 0.0
+    rank: int,
+    world: int,
+    sizes: Sequence[int],
+    repeats: int,
+    *,
+    idle_s: float = 0.0,
+    allreduce: Callable[[Any], object] | None = None,
 ) -> list[float]:
     """Median seconds of a gloo ``all_reduce`` of each size over the current process group
     (every rank calls it; the slowest rank's view is what the caller should keep).
 
     ``idle_s``: every rank sleeps this long between the barrier and the allreduce, as ranks
     compute between a training step's collectives; on a virtual machine a message to a process
-    that went idle costs more than one to a process still running after the barrier."""
+    that went idle costs more than one to a process still running after the barrier.
+    ``allreduce``: the in-place sum to time on a float32 tensor (default
+    ``torch.distributed.all_reduce``; e.g. ``hetcoll.allreduce`` for what hetcoll's own layers
+    call)."""
     import torch
     import torch.distributed as dist
 
+    if allreduce is None:
+        allreduce = dist.all_reduce
     out = []
     for size in sizes:
         buf = torch.zeros(max(1, size // 4))
@@ -306,7 +317,7 @@ def gloo_allreduce_seconds(
             if idle_s > 0:
                 time.sleep(idle_s)
             t0 = time.perf_counter()
-            dist.all_reduce(buf)
+            allreduce(buf)
             if i >= 1:
                 times.append(time.perf_counter() - t0)
         out.append(statistics.median(times))

@@ -77,15 +77,24 @@ def emulate_speed(compute_s: float, speed_factor: float) -> float:
 _IDLE_S = 0.005
 
 
-def _link_here(rank: int, world: int, calibrate_here: bool) -> dict[str, object]:
-    """The link as the collectives see it: gloo allreduces timed by all ranks at once, sharing
-    the cores (nothing when the figures come from a file or there is one rank)."""
+def _link_here(
+    rank: int, world: int, calibrate_here: bool, hetcoll_allreduce: bool = False
+) -> dict[str, object]:
+    """The link as the strategy's collectives see it: allreduces timed by all ranks at once,
+    sharing the cores: gloo's own ``all_reduce`` (what DDP calls), or with
+    ``hetcoll_allreduce`` ``hetcoll.allreduce`` (what the filter-parallel layers call: on two
+    ranks its one-round direct exchange, which costs differently). Nothing when the figures
+    come from a file or there is one rank."""
     if not calibrate_here or world == 1:
         return {}
+    import hetcoll
     from hetcoll.model import calibrate
 
     calibrate.set_statistic("median")
-    seconds = calibrate.gloo_allreduce_seconds(rank, world, _LINK_SIZES, 3, idle_s=_IDLE_S)
+    op = hetcoll.allreduce if hetcoll_allreduce else None
+    seconds = calibrate.gloo_allreduce_seconds(
+        rank, world, _LINK_SIZES, 3, idle_s=_IDLE_S, allreduce=op
+    )
     return {"allreduce_s": seconds}
 
 
@@ -231,7 +240,7 @@ def _filter_rank(
         set_emulated_speed,
     )
 
-    measured = _link_here(rank, world, calibrate_here)
+    measured = _link_here(rank, world, calibrate_here, hetcoll_allreduce=True)
     torch.manual_seed(0)
     model = filter_parallel(
         networks.build(model_name, input_shape), parts, None, avoid_gathers=avoid_gathers
@@ -535,8 +544,9 @@ def run_validation(
     A configuration is ``(model, samples per rank, speeds)`` (data parallel) or a
     :class:`FilterConfiguration`. Without ``device`` / ``link`` (a calibration file's), each
     configuration measures them in its own rank processes: the device before every step (GEMM,
-    copy, kernel overhead, element-wise layers; every rank at once), the link once (gloo
-    allreduce of 1 KiB and 8 MiB, fitted by the ring model). Step k is predicted from the
+    copy, kernel overhead, element-wise layers; every rank at once, or ``cores`` at a time when
+    the ranks outnumber the cores), the link once (allreduces of 1 KiB and 8 MiB with the call
+    the strategy makes, fitted by the ring model). Step k is predicted from the
     figures measured just before it; the result pairs the median prediction with the median
     measured step (slowest rank).
     """
