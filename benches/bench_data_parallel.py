@@ -28,12 +28,13 @@ def test_balanced_vs_unbalanced(benchmark, figure, backend):
     cfg = DemoConfig(speeds=(1.0, 0.25), progress=False, backend=backend)
     reports = []
     benchmark.pedantic(lambda: reports.append(run(cfg)), rounds=3, iterations=1)
-    speedup, of_ideal, acc_diff, shares = [], [], [], []
+    speedup, of_ideal, of_in_run, acc_diff, shares = [], [], [], [], []
     for report in reports:
         rows = {r["run"]: r for r in summary_rows(report)}
         b, u = rows["balanced"], rows["unbalanced"]
         speedup.append(b["samples_per_s"] / u["samples_per_s"])
         of_ideal.append(b["fraction_of_ideal"])
+        of_in_run.append(b["fraction_of_in_run_ideal"])
         acc_diff.append(100 * (b["test_accuracy"] - u["test_accuracy"]))
         shares.append(b["shares"])
     figure(
@@ -45,6 +46,11 @@ def test_balanced_vs_unbalanced(benchmark, figure, backend):
         group,
         "balanced throughput / ideal",
         f"{statistics.median(of_ideal):.0%} (runs: {', '.join(f'{x:.0%}' for x in of_ideal)})",
+    )
+    figure(
+        group,
+        "balanced throughput / in-run ideal (each rank's own compute in the run)",
+        f"{statistics.median(of_in_run):.0%} (runs: {', '.join(f'{x:.0%}' for x in of_in_run)})",
     )
     figure(
         group,

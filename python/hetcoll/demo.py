@@ -82,7 +82,9 @@ class _Engine(ABC):
     @abstractmethod
     def prepare(
         self, model: nn.Module, local_batch: int, weighted: bool, lr: float
-    ) -> tuple[nn.Module, Any, Callable[[int], None]]: ...
+    ) -> tuple[nn.Module, Any, Callable[[int], None], Callable[[], float] | None]:
+        """The wrapped model, the optimizer, a setter of this rank's batch size and, where the
+        engine knows it, when this step's gradients were ready (``perf_counter``)."""
 
 
 class _Gloo(_Engine):
@@ -110,7 +112,8 @@ class _Gloo(_Engine):
         def set_batch(n: int) -> None:
             state.local_batch = n
 
-        return ddp, torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9), set_batch
+        ready = (lambda: state.ready_at) if weighted else None
+        return ddp, torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9), set_batch, ready
 
 
 class _Mpi(_Engine):
@@ -140,7 +143,7 @@ class _Mpi(_Engine):
         def set_batch(n: int) -> None:
             opt.local_batch = n
 
-        return model, opt, set_batch
+        return model, opt, set_batch, None
 
 
 # -- one rank's work ------------------------------------------------------------------------------
@@ -150,7 +153,7 @@ class _Mpi(_Engine):
 class RunResult:
     name: str
     shares: list[int]
-    epochs: list[dict[str, float]] = field(default_factory=list)
+    epochs: list[dict[str, Any]] = field(default_factory=list)
     rebalances: int = 0
 
 
@@ -186,7 +189,7 @@ def _train(engine: _Engine, cfg: DemoConfig, name: str, shares: list[int], real:
     net = DemoNet()
     model = EmulatedSpeed(net, cfg.speeds[rank], cost=real)
     weighted = name == "balanced"
-    wrapped, opt, set_batch = engine.prepare(model, shares[rank], weighted, cfg.lr)
+    wrapped, opt, set_batch, ready_at = engine.prepare(model, shares[rank], weighted, cfg.lr)
     sampler = BalancedSampler(
         range(len(ytr)), shares, rank, seed=cfg.seed, verify=cfg.backend == "gloo"
     )
@@ -203,21 +206,30 @@ def _train(engine: _Engine, cfg: DemoConfig, name: str, shares: list[int], real:
         bar = progress_bar(cfg, rank, name, epoch, len(steps))
         engine.barrier()
         t0 = time.perf_counter()
-        samples = 0
+        samples, own = 0, 0.0
         for idx in steps:
+            started = time.perf_counter()
             set_batch(len(idx))
             opt.zero_grad()
             nn.functional.cross_entropy(wrapped(xtr[idx]), ytr[idx]).backward()
+            # This rank's own compute: until its gradients were ready, not waiting for others
+            # (on MPI the gradients are averaged in opt.step, after this point).
+            compute = (ready_at() if ready_at else time.perf_counter()) - started
+            stepped = time.perf_counter()
             opt.step()
+            # Its own time adds the optimizer's update where the step holds nothing else (DDP:
+            # the gradients are averaged already; MPI's step averages them first).
+            own += compute + (time.perf_counter() - stepped if ready_at else 0.0)
             samples += len(idx)
-            if rebalancer is not None and rebalancer.observe(len(idx), model.last_forward_seconds):
+            if rebalancer is not None and rebalancer.observe(len(idx), compute):
                 result.rebalances += 1
             if bar is not None:
                 bar.update(1)
         engine.barrier()
         seconds = time.perf_counter() - t0
         wall += seconds
-        total_samples = sum(engine.allgather(samples))
+        per_rank = engine.allgather((samples, own))
+        total_samples = sum(n for n, _ in per_rank)
         if bar is not None:
             bar.close()
         loss, acc = _evaluate(net, xte, yte)
@@ -228,6 +240,8 @@ def _train(engine: _Engine, cfg: DemoConfig, name: str, shares: list[int], real:
                 "wall_seconds": wall,
                 "samples": total_samples,
                 "samples_per_s": total_samples / seconds,
+                "rank_samples": [n for n, _ in per_rank],
+                "rank_compute_seconds": [c for _, c in per_rank],
                 "test_loss": loss,
                 "test_accuracy": acc,
             }
@@ -339,12 +353,31 @@ def _mpi_main(config_json: str, path: str) -> None:
             json.dump(report, f)
 
 
+def _in_run_ideal(run_: dict[str, Any]) -> float:
+    """Sum over ranks of each rank's own speed in this run: its samples over the seconds it
+    spent computing them (forward and backward until its gradients were ready, and on DDP the
+    optimizer's update; no waiting, no averaging), epoch 1 left out."""
+    timed = run_["epochs"][1:] or run_["epochs"]
+    ranks = len(timed[0]["rank_samples"])
+    return sum(
+        sum(e["rank_samples"][r] for e in timed) / sum(e["rank_compute_seconds"][r] for e in timed)
+        for r in range(ranks)
+    )
+
+
 def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per run: seconds per epoch, samples/s, share of the ideal, final loss/accuracy.
-    Epoch 1 is left out of the timing (warm-up)."""
+    Epoch 1 is left out of the timing (warm-up).
+
+    Two ideals, both the sum of the ranks' own speeds at the balanced shares: from the speed
+    probe before training (``ideal_samples_per_s``), and from each rank's own compute time in
+    the balanced run itself (``in_run_ideal_samples_per_s``; on a shared machine whose speed
+    drifts within a minute, the probe's moment can be faster or slower than the run's)."""
     rows = []
     ideal = report["ideal_samples_per_s"]
-    for name, run_ in report["runs"].items():
+    runs = report["runs"]
+    in_run = _in_run_ideal(runs["balanced"]) if "balanced" in runs else float("nan")
+    for name, run_ in runs.items():
         timed = run_["epochs"][1:] or run_["epochs"]
         secs = sum(e["train_seconds"] for e in timed)
         samples = sum(e["samples"] for e in timed)
@@ -357,6 +390,8 @@ def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
                 "samples_per_s": samples / secs,
                 "ideal_samples_per_s": ideal,
                 "fraction_of_ideal": samples / secs / ideal,
+                "in_run_ideal_samples_per_s": in_run,
+                "fraction_of_in_run_ideal": samples / secs / in_run,
                 "test_loss": last["test_loss"],
                 "test_accuracy": last["test_accuracy"],
             }
@@ -373,13 +408,14 @@ def format_table(report: dict[str, Any]) -> str:
         + ", ".join(f"{r['measured_samples_per_s']:.0f}" for r in report["ranks"])
         + " samples/s)",
         f"{'run':<11} {'shares':<12} {'s/epoch':>8} {'samples/s':>10} {'ideal':>8} "
-        f"{'of ideal':>9} {'loss':>7} {'accuracy':>9}",
+        f"{'of ideal':>9} {'in-run':>7} {'of it':>6} {'loss':>7} {'accuracy':>9}",
     ]
     for r in rows:
         lines.append(
             f"{r['run']:<11} {','.join(map(str, r['shares'])):<12} {r['seconds_per_epoch']:8.2f} "
             f"{r['samples_per_s']:10.0f} {r['ideal_samples_per_s']:8.0f} "
-            f"{r['fraction_of_ideal']:8.0%} {r['test_loss']:7.3f} {r['test_accuracy']:9.2%}"
+            f"{r['fraction_of_ideal']:8.0%} {r['in_run_ideal_samples_per_s']:7.0f} "
+            f"{r['fraction_of_in_run_ideal']:5.0%} {r['test_loss']:7.3f} {r['test_accuracy']:9.2%}"
         )
     by = {r["run"]: r for r in rows}
     if "balanced" in by and "unbalanced" in by:

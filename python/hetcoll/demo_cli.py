@@ -32,7 +32,7 @@ class DemoConfig:
     lr: float = 0.05
     backend: str = "gloo"
     seed: int = 0
-    rebalance: bool = False
+    rebalance: bool = True
     progress: bool = True
     runs: tuple[str, ...] = ("unbalanced", "balanced")
     strategy: str = "data"  # "filter": hetcoll.torch.filter_demo
@@ -81,9 +81,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
-        "--rebalance",
-        action="store_true",
-        help="also re-solve the split every 10 steps from measured compute times",
+        "--no-rebalance",
+        dest="rebalance",
+        action="store_false",
+        help="keep the first split (default: re-solve it every 10 steps from each rank's "
+        "measured compute time; gloo only)",
     )
     p.add_argument("--out", default="demo-out", help="directory for demo.png (and demo.json)")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")

@@ -32,6 +32,7 @@ Usage, as with PyTorch's own hooks::
 # requires the real `dist.GradBucket` / `Future[Tensor]` objects.
 import queue
 import threading
+import time
 from typing import Any
 
 import torch
@@ -61,6 +62,10 @@ class WeightedAllreduceState:
     ``algorithm``: "direct" (one round of point-to-point messages, CPU buckets), "allreduce"
     (pre-scale and the process group's allreduce) or "auto" (direct for small CPU buckets or two
     ranks; see the module docstring).
+
+    ``ready_at``: ``time.perf_counter()`` when the latest step's last gradient bucket was
+    ready, before any waiting for the other ranks. With the time the step started it gives this
+    rank's own compute time, the signal :class:`hetcoll.torch.Rebalancer` needs.
     """
 
     def __init__(
@@ -78,6 +83,7 @@ class WeightedAllreduceState:
         self._step_total: torch.futures.Future | None = None
         self._direct: _DirectExchange | None = None
         self._agreed = False
+        self.ready_at = 0.0
 
     def _agree(self, buf: torch.Tensor) -> None:
         """Once: every rank must have chosen the same algorithm, or the ranks would wait on
@@ -140,6 +146,8 @@ def weighted_allreduce_hook(
             "state: weighted_allreduce_hook needs a WeightedAllreduceState, got "
             f"{type(state).__name__} (register with ddp.register_comm_hook(state, hook))"
         )
+    if bucket.is_last():
+        state.ready_at = time.perf_counter()
     buf = bucket.buffer()
     state._agree(buf)
     if state.algorithm != "allreduce" and buf.device.type == "cpu" and buf.dtype in _KERNEL:
