@@ -28,6 +28,11 @@ def test_demo_gloo_runs_learn_the_same_model(tmp_path):
     assert abs(b["test_accuracy"] - u["test_accuracy"]) <= 0.03
     for r in report["runs"].values():
         assert [e["samples"] for e in r["epochs"]] == [1437, 1437]
+        # Each rank's own compute time in the run: every sample counted, less than the epoch.
+        for e in r["epochs"]:
+            assert sum(e["rank_samples"]) == e["samples"]
+            assert all(0 < c < e["train_seconds"] for c in e["rank_compute_seconds"])
+    assert b["in_run_ideal_samples_per_s"] > 0 and 0 < b["fraction_of_in_run_ideal"] < 1.5
     assert "balanced / unbalanced throughput" in format_table(report)
     png = tmp_path / "demo.png"
     plot(report, str(png))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import tempfile
@@ -358,6 +359,8 @@ def _in_run_ideal(run_: dict[str, Any]) -> float:
     spent computing them (forward and backward until its gradients were ready, and on DDP the
     optimizer's update; no waiting, no averaging), epoch 1 left out."""
     timed = run_["epochs"][1:] or run_["epochs"]
+    if "rank_samples" not in timed[0]:  # runs that do not record it (the filter strategy)
+        return float("nan")
     ranks = len(timed[0]["rank_samples"])
     return sum(
         sum(e["rank_samples"][r] for e in timed) / sum(e["rank_compute_seconds"][r] for e in timed)
@@ -401,6 +404,7 @@ def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 def format_table(report: dict[str, Any]) -> str:
     rows = summary_rows(report)
+    in_run = not math.isnan(rows[0]["in_run_ideal_samples_per_s"])
     lines = [
         "Emulated heterogeneity: rank speeds "
         + ", ".join(f"{r['emulated_speed']:g}" for r in report["ranks"])
@@ -408,14 +412,21 @@ def format_table(report: dict[str, Any]) -> str:
         + ", ".join(f"{r['measured_samples_per_s']:.0f}" for r in report["ranks"])
         + " samples/s)",
         f"{'run':<11} {'shares':<12} {'s/epoch':>8} {'samples/s':>10} {'ideal':>8} "
-        f"{'of ideal':>9} {'in-run':>7} {'of it':>6} {'loss':>7} {'accuracy':>9}",
+        f"{'of ideal':>9}"
+        + (f" {'in-run':>7} {'of it':>6}" if in_run else "")
+        + f" {'loss':>7} {'accuracy':>9}",
     ]
     for r in rows:
         lines.append(
             f"{r['run']:<11} {','.join(map(str, r['shares'])):<12} {r['seconds_per_epoch']:8.2f} "
             f"{r['samples_per_s']:10.0f} {r['ideal_samples_per_s']:8.0f} "
-            f"{r['fraction_of_ideal']:8.0%} {r['in_run_ideal_samples_per_s']:7.0f} "
-            f"{r['fraction_of_in_run_ideal']:5.0%} {r['test_loss']:7.3f} {r['test_accuracy']:9.2%}"
+            f"{r['fraction_of_ideal']:8.0%}"
+            + (
+                f" {r['in_run_ideal_samples_per_s']:7.0f} {r['fraction_of_in_run_ideal']:5.0%}"
+                if in_run
+                else ""
+            )
+            + f" {r['test_loss']:7.3f} {r['test_accuracy']:9.2%}"
         )
     by = {r["run"]: r for r in rows}
     if "balanced" in by and "unbalanced" in by:
