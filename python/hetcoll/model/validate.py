@@ -326,28 +326,12 @@ class ValidationResult:
         return (self.predicted_s - self.measured_s) / self.measured_s
 
 
-def validation_cluster(devices: Sequence[Device], link: Link, speeds: Sequence[float]) -> Cluster:
-    """The model's view of ``len(speeds)`` local ranks: rank r runs on ``devices[r]`` slowed by
-    the factor ``speeds[r]`` (ones: the devices as measured; the validation passes the emulated
-    speeds to the model instead, which knows a pause from slower compute)."""
-    p = len(speeds)
-    nodes = [
-        Node(
-            f"rank{r}",
-            replace(
-                d,
-                name=f"rank{r}",
-                flops_per_s=d.flops_per_s * f,
-                conv_flops_per_s=d.conv_rate * f,
-                mem_bytes_per_s=d.mem_bytes_per_s * f,
-                elementwise_bytes_per_s=d.elementwise_rate * f,
-                kernel_overhead_s=d.kernel_overhead_s / f,
-            ),
-            1,
-        )
-        for r, (d, f) in enumerate(zip(devices, speeds))
-    ]
-    return Cluster(nodes, link if p > 1 else None, "<validation>")
+def validation_cluster(devices: Sequence[Device], link: Link) -> Cluster:
+    """The model's view of the local ranks: rank r runs on ``devices[r]`` as measured. (The
+    emulated speeds go to the predictions' ``emulated_speeds=``, which know a pause from
+    slower compute.)"""
+    nodes = [Node(f"rank{r}", replace(d, name=f"rank{r}"), 1) for r, d in enumerate(devices)]
+    return Cluster(nodes, link if len(devices) > 1 else None, "<validation>")
 
 
 def default_configurations(model: str = "cnn") -> list[Configuration]:
@@ -435,7 +419,7 @@ def _validate_data(
 
     def predictor(ov: bool) -> Callable[[Sequence[Device]], float]:
         def predict(devs: Sequence[Device]) -> float:
-            cluster = validation_cluster(devs, lk, [1.0] * p)
+            cluster = validation_cluster(devs, lk)
             return data_parallel(
                 costs,
                 cluster,
@@ -490,7 +474,7 @@ def _validate_filter(
 
     def predict(devs: Sequence[Device]) -> float:
         # Full-speed devices: the emulation slows only the split layers, and so does the model.
-        cluster = validation_cluster(devs, lk, [1.0] * p)
+        cluster = validation_cluster(devs, lk)
         pred = filter_parallel(
             costs,
             cluster,
