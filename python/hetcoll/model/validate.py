@@ -98,12 +98,6 @@ def _link_here(
     return {"allreduce_s": seconds}
 
 
-def _oversubscribed() -> bool:
-    import torch.distributed as dist
-
-    return dist.get_world_size() > (os.cpu_count() or 1)
-
-
 def _side_by_side(rank: int, measure: Callable[[], _T]) -> _T:
     """``measure()`` on every rank, as many ranks at once as there are cores: all at once while
     the ranks fit in the cores; otherwise in groups of ``cores`` ranks between barriers (the
@@ -111,9 +105,9 @@ def _side_by_side(rank: int, measure: Callable[[], _T]) -> _T:
     figure is that of a full machine with a core to itself and the model adds the sharing."""
     import torch.distributed as dist
 
-    if not _oversubscribed():
-        return measure()
     p, cores = dist.get_world_size(), os.cpu_count() or 1
+    if p <= cores:
+        return measure()
     kept: list[_T] = []
     for g in range(-(-p // cores)):
         if rank in [(g * cores + i) % p for i in range(cores)]:
@@ -392,17 +386,33 @@ def _median_prediction(
     return statistics.median(predict(list(d)) for d in zip(*(r["devices"] for r in runs)))
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """What every configuration of one validation run shares: the model's costs, the device and
+    link from a calibration file (None: measured in the run), the sample shape, the steps, and
+    this machine's cores."""
+
+    costs: ModelCosts
+    device: Device | None
+    link: Link | None
+    input_shape: tuple[int, ...]
+    steps: int
+    warmup: int
+    cores: int
+
+    def shared_cores(self, ranks: int) -> int | None:
+        """The cores the model shares among ``ranks`` ranks, if they outnumber them."""
+        return self.cores if ranks > self.cores else None
+
+
 def _validate_data(
     config: DataConfiguration,
-    costs: ModelCosts,
-    device: Device | None,
-    link: Link | None,
-    input_shape: tuple[int, ...],
-    steps: int,
-    warmup: int,
-    cores: int,
+    setup: _Setup,
 ) -> ValidationResult:
     from hetcoll.launch import spawn
+
+    costs, device, link, cores = setup.costs, setup.device, setup.link, setup.cores
+    input_shape, steps, warmup = setup.input_shape, setup.steps, setup.warmup
 
     model, shares, speeds = config
     if len(shares) != len(speeds):
@@ -426,7 +436,7 @@ def _validate_data(
                 shares,
                 overlap=ov,
                 emulated_speeds=list(speeds),
-                shared_cores=cores if p > cores else None,
+                shared_cores=setup.shared_cores(p),
             ).step_s
 
         return predict
@@ -450,15 +460,12 @@ def _validate_data(
 
 def _validate_filter(
     config: FilterConfiguration,
-    costs: ModelCosts,
-    device: Device | None,
-    link: Link | None,
-    input_shape: tuple[int, ...],
-    steps: int,
-    warmup: int,
-    cores: int,
+    setup: _Setup,
 ) -> ValidationResult:
     from hetcoll.launch import spawn
+
+    costs, device, link = setup.costs, setup.device, setup.link
+    input_shape, steps, warmup = setup.input_shape, setup.steps, setup.warmup
 
     p = config.ranks
     if p < 2 or len(config.speeds) != p:
@@ -482,7 +489,7 @@ def _validate_filter(
             list(config.parts),
             modes=modes,
             emulated_speeds=list(config.speeds),
-            shared_cores=cores if p > cores else None,
+            shared_cores=setup.shared_cores(p),
         )
         if pred.detail["shares_per_layer"] != runs[0]["shares"]:
             raise RuntimeError(
@@ -544,11 +551,11 @@ def run_validation(
         model = config.model if isinstance(config, FilterConfiguration) else config[0]
         if model not in costs_of:
             costs_of[model] = layer_costs(networks.build(model, shape), shape)
-        common = (costs_of[model], device, link, shape, steps, warmup, cores)
+        setup = _Setup(costs_of[model], device, link, shape, steps, warmup, cores)
         if isinstance(config, FilterConfiguration):
-            res = _validate_filter(config, *common)
+            res = _validate_filter(config, setup)
         else:
-            res = _validate_data(config, *common)
+            res = _validate_data(config, setup)
         results.append(res)
         if progress:
             progress(res)
