@@ -389,6 +389,27 @@ def test_shared_cores_timeline_by_hand() -> None:
         f([[("cpu", 1.0)]], 0)
     with pytest.raises(ValueError, match="kind"):
         f([[("gpu", 1.0)]], 1)
+    with pytest.raises(ValueError, match="time_slice_s"):
+        f([[("cpu", 1.0)]], 1, -1.0)
+
+
+def test_round_robin_timeline_by_hand() -> None:
+    f, makespan = terms.shared_cores_finish_seconds, terms.shared_cores_makespan_seconds
+    three = [[("cpu", 1.0)]] * 3
+    # Work shorter than the slice: two ranks run to the end, the third waits for a core.
+    assert f(three, 2, 4.0) == pytest.approx([1.0, 1.0, 2.0])
+    # Slices of 0.5 s: 0-0.5 ranks 0, 1; 0.5-1 ranks 2, 0 (0 ends); 1-1.5 ranks 1, 2.
+    assert f(three, 2, 0.5) == pytest.approx([1.0, 1.5, 1.5])
+    # A pause lasts its factor times the compute's wall time: on one shared core rank 0's
+    # 1 s of compute takes 2 s, so it then sleeps 2 s.
+    assert f([[("cpu", 1.0), ("pause", 1.0)], [("cpu", 1.0)]], 1) == pytest.approx([4.0, 2.0])
+    # ... counted from its first moment on a core: rank 2 waits 1 s, computes 1 s, sleeps 1 s.
+    assert f([*three[:2], [("cpu", 1.0), ("pause", 1.0)]], 2, 4.0) == pytest.approx([1, 1, 3])
+    # The makespan averages the three start orders: 2 s, 3 s (the long rank waits), 2 s.
+    uneven = [[("cpu", 2.0)], [("cpu", 1.0)], [("cpu", 1.0)]]
+    assert makespan(uneven, 2, 10.0) == pytest.approx(7 / 3)
+    assert makespan(three, 2) == pytest.approx(1.5)
+    assert makespan([], 2, 1.0) == 0.0
 
 
 def test_devices_without_samples_sit_out(cnn_costs) -> None:  # type: ignore[no-untyped-def]
@@ -510,6 +531,15 @@ def test_filter_parallel_splits_the_channelwise_layers_between_a_pair() -> None:
     assert layers_s(2, shared_cores=2) == pytest.approx(layers_s(2), rel=1e-9)
     with pytest.raises(ValueError, match="shared_cores"):
         layers_s(2, shared_cores=0)
+    # Three ranks on two cores: 1.5x under processor sharing; 2x when every stretch is shorter
+    # than the scheduler's time slice (one rank waits for the other two). 48 filters: 16 each.
+    costs = layer_costs(nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 64)), (64,))
+    assert layers_s(3, shared_cores=2) == pytest.approx(1.5 * layers_s(3), rel=1e-9)
+    assert layers_s(3, shared_cores=2, time_slice_s=10.0) == pytest.approx(
+        2 * layers_s(3), rel=1e-9
+    )
+    with pytest.raises(ValueError, match="time_slice_s"):
+        layers_s(3, shared_cores=2, time_slice_s=-1.0)
 
 
 def test_filter_parallel_lock_step_waits_for_the_slowest_stretch(cnn_costs) -> None:  # type: ignore[no-untyped-def]

@@ -344,6 +344,91 @@ def fit_ring_allreduce(
     return float(alpha), round(float(bw), 6)
 
 
+#: Seconds of compute per rank in the lock-step stretches that measure the OS scheduler's time
+#: slice (:func:`lockstep_stretch_seconds`); the first, nothing, measures the bare collective.
+TIME_SLICE_WORKS_S = (0.0, 0.001, 0.002, 0.004, 0.008, 0.016)
+
+
+def _spin(iterations: int) -> int:
+    total = 0
+    for i in range(iterations):
+        total += i
+    return total
+
+
+def spin_rate() -> float:
+    """Iterations per second of the busy loop :func:`lockstep_stretch_seconds` computes."""
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        _spin(100_000)
+        times.append(time.perf_counter() - t0)
+    return 100_000 / min(times)
+
+
+def lockstep_stretch_seconds(
+    iterations_per_s: float, works_s: Sequence[float] = TIME_SLICE_WORKS_S, repeats: int = 3
+) -> list[float]:
+    """Seconds of one lock-step stretch of the current process group for each of ``works_s``:
+    every rank computes that long (a busy loop at ``iterations_per_s``, :func:`spin_rate`),
+    then joins a one-element ``all_reduce``; median over ``repeats`` of the mean of 8
+    stretches. With more ranks than cores, :func:`fit_time_slice` reads the scheduler's time
+    slice off these (every rank calls this; they all see the same stretches)."""
+    import torch
+    import torch.distributed as dist
+
+    token = torch.zeros(1)
+    out = []
+    for work in works_s:
+        iterations = int(work * iterations_per_s)
+        runs = []
+        for _ in range(repeats):
+            dist.all_reduce(token)
+            t0 = time.perf_counter()
+            for _ in range(8):
+                _spin(iterations)
+                dist.all_reduce(token)
+            runs.append((time.perf_counter() - t0) / 8)
+        out.append(statistics.median(runs))
+    return out
+
+
+def fit_time_slice(
+    ranks: int, cores: int, works_s: Sequence[float], stretches_s: Sequence[float]
+) -> float:
+    """The scheduler time slice (seconds; 0: processor sharing) that best explains measured
+    lock-step stretches of ``ranks`` ranks on ``cores`` cores (:func:`lockstep_stretch_seconds`):
+    ``works_s[0]`` must be 0 (the bare collective, added to every prediction); the slice
+    minimises the squared log error of :func:`terms.shared_cores_makespan_seconds` over the
+    rest, on a grid from 0.2 ms to 50 ms.
+
+    >>> from hetcoll.model import terms
+    >>> works = TIME_SLICE_WORKS_S
+    >>> meas = [1e-4 + terms.shared_cores_makespan_seconds([[("cpu", w)]] * 3, 2, 0.006)
+    ...         for w in works]
+    >>> round(fit_time_slice(3, 2, works, meas), 3)
+    0.006
+    """
+    from hetcoll.model import terms
+
+    if len(works_s) != len(stretches_s) or len(works_s) < 2 or works_s[0] != 0.0:
+        raise ValueError(
+            "works_s, stretches_s: need equally many figures, at least two, the first for no work"
+        )
+    base = float(stretches_s[0])
+    grid = [0.0, *np.geomspace(2e-4, 5e-2, 61)]
+
+    def loss(q: float) -> float:
+        err = 0.0
+        for w, m in zip(works_s[1:], stretches_s[1:]):
+            t = base + terms.shared_cores_makespan_seconds([[("cpu", w)]] * ranks, cores, q)
+            err += float(np.log(t / m)) ** 2
+        return err
+
+    best = min(grid, key=loss)
+    return round(float(best), 6)
+
+
 def _mpi_ping_pong(sizes: Sequence[int], repeats: int) -> list[float] | None:
     from mpi4py import MPI
 

@@ -237,11 +237,13 @@ def _slowdowns(emulated_speeds: Sequence[float] | None, num_devices: int) -> np.
     return 1.0 / np.asarray(emulated_speeds, dtype=np.float64)
 
 
-def _check_cores(shared_cores: int | None) -> None:
+def _check_cores(shared_cores: int | None, time_slice_s: float) -> None:
     if shared_cores is not None and (
         isinstance(shared_cores, bool) or not isinstance(shared_cores, int) or shared_cores < 1
     ):
         raise ValueError(f"shared_cores: must be an integer >= 1 or None, got {shared_cores!r}")
+    if not (isinstance(time_slice_s, (int, float)) and 0.0 <= time_slice_s < float("inf")):
+        raise ValueError(f"time_slice_s: must be a finite number >= 0, got {time_slice_s!r}")
 
 
 def ddp_buckets(
@@ -299,6 +301,7 @@ def data_parallel(
     broadcast_buffers: bool = True,
     emulated_speeds: Sequence[float] | None = None,
     shared_cores: int | None = None,
+    time_slice_s: float = 0.0,
 ) -> Prediction:
     """One data-parallel step: device d runs forward + backward on ``shares[d]`` samples; the
     gradients are allreduced by a ring in DDP buckets, each starting once every device has
@@ -312,8 +315,9 @@ def data_parallel(
     ``(1/f - 1)`` x its step's compute (forward, backward and update), as
     :func:`hetcoll.model.validate.emulate_speed` does. ``shared_cores``: the devices are ranks
     sharing this many CPU cores; while more ranks compute than there are cores they share them
-    (:func:`terms.shared_cores_finish_seconds`), and a pausing rank leaves its core to the
-    others. The gradient allreduce then starts after every backward.
+    (:func:`terms.shared_cores_finish_seconds`; ``time_slice_s``: the scheduler's, 0 for
+    processor sharing), and a pausing rank leaves its core to the others. The gradient
+    allreduce then starts after every backward.
 
     >>> from hetcoll.model import layer_costs, networks, hardware  # doctest: +SKIP
     >>> data_parallel(costs, cluster, [48, 16]).step_s  # doctest: +SKIP
@@ -321,7 +325,7 @@ def data_parallel(
     devices = cluster.devices
     b = _check_shares(shares, len(devices))
     slow = _slowdowns(emulated_speeds, len(devices))
-    _check_cores(shared_cores)
+    _check_cores(shared_cores, time_slice_s)
     dev = _device_arrays(devices)
     lt = _layer_times(costs, dev, b)
     fwd_total = lt.forward_s.sum(axis=0)
@@ -338,17 +342,21 @@ def data_parallel(
     sharing = shared_cores is not None and len(active) > shared_cores
     if sharing:
         assert shared_cores is not None
-        ends = terms.shared_cores_finish_seconds(
-            [[("cpu", fwd_total[r]), ("sleep", pause[r]), ("cpu", bwd_total[r])] for r in active],
-            shared_cores,
-        )
+        phases = [
+            [("cpu", fwd_total[r]), ("sleep", pause[r]), ("cpu", bwd_total[r])] for r in active
+        ]
         compute = np.zeros(len(devices))
-        compute[active] = ends
+        compute[active] = terms.shared_cores_finish_seconds(phases, shared_cores, time_slice_s)
+        busy = terms.shared_cores_makespan_seconds(phases, shared_cores, time_slice_s)
         # Every rank updates at once after the allreduce.
-        opt = opt * (len(active) / shared_cores)
+        opt_all = terms.shared_cores_makespan_seconds(
+            [[("cpu", opt[r])] for r in active], shared_cores, time_slice_s
+        )
+        opt = np.where(b > 0, opt_all, 0.0)
         overlap = False
     else:
         compute = fwd_total + pause + bwd_total
+        busy = float(compute.max())
     link = cluster.ring_link()
     # Devices given no samples sit the step out (a plan would not start them), so the ring
     # runs over the others only.
@@ -367,14 +375,9 @@ def data_parallel(
     bwd_rev_cum = np.cumsum(lt.backward_s[::-1, :], axis=0)[::-1, :]
     end = 0.0
     for (first_layer, _), c in zip(buckets, comm_each):
-        ready = (
-            float((fwd_total + pause + bwd_rev_cum[first_layer, :]).max())
-            if overlap
-            else float(compute.max())
-        )
+        ready = float((fwd_total + pause + bwd_rev_cum[first_layer, :]).max()) if overlap else busy
         end = max(end, ready) + c
     slowest = int(np.argmax(compute + opt))
-    busy = float(compute.max())
     bcast = (
         float(terms.broadcast_seconds(costs.buffer_bytes, p, link.latency_s, link.bytes_per_s))
         if broadcast_buffers and costs.buffer_bytes > 0
@@ -574,6 +577,7 @@ def filter_parallel(
     modes: Mapping[str, str] | None = None,
     emulated_speeds: Sequence[float] | None = None,
     shared_cores: int | None = None,
+    time_slice_s: float = 0.0,
     optimizer_state_copies: int = 1,
     strategy: str = "filter parallel",
 ) -> Prediction:
@@ -595,9 +599,11 @@ def filter_parallel(
     slows only the split layers' local compute by 1/f, as
     :func:`hetcoll.torch.set_emulated_speed` does (validation on emulated heterogeneity).
     ``shared_cores``: the devices are ranks sharing this many CPU cores (more ranks than cores
-    on one host): in lock step every rank computes the same stretch at once, so each computes
-    at cores / ranks of its device's speed (an emulated sleep, timed on that slowed compute,
-    grows with it).
+    on one host): in lock step every rank computes the same stretch at once, and each stretch
+    runs through :func:`terms.shared_cores_makespan_seconds` with the scheduler's
+    ``time_slice_s`` (0: processor sharing). Stretches shorter than a time slice do not share
+    fairly: of three ranks on two cores, one waits for the others to finish. An emulated
+    sleep is timed on the compute as it ran, waits included, and grows with them.
 
     >>> filter_parallel(costs, cluster, 64, [1.0, 0.5]).step_s  # doctest: +SKIP
     """
@@ -611,7 +617,7 @@ def filter_parallel(
     layer_modes = filter_modes(costs) if modes is None else _check_modes(costs, modes)
     if n_dev == 1:
         layer_modes = {}
-    _check_cores(shared_cores)
+    _check_cores(shared_cores, time_slice_s)
     dev = _device_arrays(devices)
     n_layers = len(costs.layers)
     phi = np.ones((n_layers, n_dev))  # each device's fraction of the layer's kernels' filters
@@ -639,7 +645,8 @@ def filter_parallel(
     lt = _layer_times(costs, dev, np.full(n_dev, batch), phi, chan)
     split_rows = np.zeros(n_layers, dtype=bool)
     split_rows[list(filters_of)] = True
-    contention = max(1.0, n_dev / shared_cores) if shared_cores else 1.0
+    sharing = shared_cores is not None and n_dev > shared_cores
+    contention = n_dev / shared_cores if sharing and shared_cores else 1.0
     emul = np.where(split_rows[:, None], slow[None, :], 1.0) * contention
     fwd, bwd = lt.forward_s * emul, lt.backward_s * emul
     link = cluster.ring_link()
@@ -680,22 +687,39 @@ def filter_parallel(
             bwd_comm[i] = allreduce_s(grad) + copy_s(grad)
     # phi is 1 for replicated layers: each device owns its filters' weights and all the rest.
     owned = (np.array([x.param_bytes for x in costs.layers])[:, None] * phi).sum(axis=0)
-    opt = contention * np.asarray(
+    opt_alone = np.asarray(
         terms.optimizer_update_seconds(owned, dev.mem_bytes_per_s, optimizer_state_copies)
     )
+    opt = contention * opt_alone
     # Lock step: every collective waits for the slowest device of the stretch before it.
-    step, stretch = 0.0, np.zeros(n_dev)
-    for i in range(n_layers):
-        stretch = stretch + fwd[i]
-        if fwd_comm[i] > 0:
-            step += float(stretch.max() + fwd_comm[i])
-            stretch = np.zeros(n_dev)
-    for i in range(n_layers - 1, -1, -1):
-        stretch = stretch + bwd[i]
-        if bwd_comm[i] > 0:
-            step += float(stretch.max() + bwd_comm[i])
-            stretch = np.zeros(n_dev)
-    step = float(step + (stretch + opt).max())
+    order = [(i, True) for i in range(n_layers)] + [(i, False) for i in range(n_layers)][::-1]
+    if sharing:
+        assert shared_cores is not None
+        step = 0.0
+        phases: list[list[tuple[str, float]]] = [[] for _ in range(n_dev)]
+        for i, forward in order:
+            seconds = (lt.forward_s if forward else lt.backward_s)[i]
+            for d in range(n_dev):
+                phases[d].append(("cpu", float(seconds[d])))
+                if split_rows[i] and slow[d] > 1.0:
+                    phases[d].append(("pause", float(slow[d] - 1.0)))
+            comm_s = (fwd_comm if forward else bwd_comm)[i]
+            if comm_s > 0:
+                step += terms.shared_cores_makespan_seconds(phases, shared_cores, time_slice_s)
+                step += float(comm_s)
+                phases = [[] for _ in range(n_dev)]
+        for d in range(n_dev):
+            phases[d].append(("cpu", float(opt_alone[d])))
+        step += terms.shared_cores_makespan_seconds(phases, shared_cores, time_slice_s)
+    else:
+        step, stretch = 0.0, np.zeros(n_dev)
+        for i, forward in order:
+            stretch = stretch + (fwd if forward else bwd)[i]
+            comm_s = (fwd_comm if forward else bwd_comm)[i]
+            if comm_s > 0:
+                step += float(stretch.max() + comm_s)
+                stretch = np.zeros(n_dev)
+        step = float(step + (stretch + opt).max())
     comm = float(fwd_comm.sum() + bwd_comm.sum())
     # Causes on the critical path: each layer's slowest device, scaled to the stretches' total.
     crit = np.argmax(fwd + bwd, axis=1)

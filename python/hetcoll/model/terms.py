@@ -170,44 +170,157 @@ def pipeline_bubble_seconds(slowest_stage_s: Num, num_stages: int) -> Num:
     return (num_stages - 1) * slowest_stage_s
 
 
-def shared_cores_finish_seconds(phases: list[list[tuple[str, float]]], cores: int) -> list[float]:
-    """When each of several ranks sharing ``cores`` CPU cores finishes its ``phases``: each
-    phase is ``("cpu", s)`` (``s`` seconds of compute on a core of its own) or ``("sleep", s)``
-    (``s`` seconds of wall time holding no core). The cores are shared fairly (processor
-    sharing, as the OS scheduler does over a step's milliseconds): while ``n`` ranks compute,
-    each runs at ``min(1, cores / n)`` of its speed. Not in PyDTNN, whose devices never share;
-    here for validation on one host with more ranks than cores, where a sleeping (emulated slow)
-    rank leaves its core to the others.
+def shared_cores_finish_seconds(
+    phases: list[list[tuple[str, float]]], cores: int, time_slice_s: float = 0.0
+) -> list[float]:
+    """When each of several ranks sharing ``cores`` CPU cores finishes its ``phases``, all
+    starting at 0. A phase is ``("cpu", s)`` (``s`` seconds of compute on a core of its own),
+    ``("sleep", s)`` (``s`` seconds of wall time holding no core) or ``("pause", x)`` (a sleep of
+    ``x`` times the wall time the rank's previous ``cpu`` phase took from its first moment on a
+    core: the emulated slowdown of :func:`hetcoll.torch.set_emulated_speed`, which times its
+    own compute and so grows when the compute waits for a core).
+
+    ``time_slice_s = 0``: the cores are shared fairly at every instant (processor sharing):
+    while ``n`` ranks compute, each runs at ``min(1, cores / n)`` of its speed.
+    ``time_slice_s > 0``: round robin, as an OS scheduler does at the scale of its time
+    slice: a rank runs on a core until its compute ends or it has run ``time_slice_s`` while
+    others wait, then goes to the back of the queue; ranks that become ready (start, wake)
+    join the back, in rank order. Over stretches much longer than the slice the two agree;
+    over stretches shorter than it, ``n`` ranks with ``s`` each on ``c`` cores take
+    ``ceil(n / c) * s``, not ``n / c * s`` (:func:`shared_cores_makespan_seconds`
+    averages over the ranks' order).
+
+    Not in PyDTNN, whose devices never share; here for validation on one host with more ranks
+    than cores, where a sleeping (emulated slow) rank leaves its core to the others.
 
     >>> shared_cores_finish_seconds([[("cpu", 1.0)], [("cpu", 1.0)], [("cpu", 1.0)]], 2)
     [1.5, 1.5, 1.5]
     >>> shared_cores_finish_seconds([[("cpu", 1.0)], [("sleep", 1.0), ("cpu", 0.5)]], 1)
     [1.0, 1.5]
+    >>> shared_cores_finish_seconds([[("cpu", 1.0)]] * 3, 2, time_slice_s=4.0)
+    [1.0, 1.0, 2.0]
     """
-    if cores < 1:
-        raise ValueError(f"cores: must be >= 1, got {cores}")
-    todo = [[(k, float(s)) for k, s in ph if s > 0] for ph in phases]
-    for ph in todo:
-        for kind, _ in ph:
-            if kind not in ("cpu", "sleep"):
-                raise ValueError(f"phases: kind must be 'cpu' or 'sleep', got {kind!r}")
-    finish = [0.0] * len(todo)
-    now = 0.0
-    while True:
-        live = [r for r, ph in enumerate(todo) if ph]
-        if not live:
-            return finish
-        computing = sum(1 for r in live if todo[r][0][0] == "cpu")
-        rate = min(1.0, cores / computing) if computing else 1.0
-        # Wall time until the next phase ends.
-        dt = min(s / rate if k == "cpu" else s for k, s in (todo[r][0] for r in live))
-        now += dt
-        for r in live:
-            kind, s = todo[r][0]
-            left = s - (dt * rate if kind == "cpu" else dt)
-            if left <= 1e-12 * max(1.0, s):
-                todo[r].pop(0)
-                if not todo[r]:
-                    finish[r] = now
+    if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
+        raise ValueError(f"cores: must be an integer >= 1, got {cores!r}")
+    if not (time_slice_s >= 0.0 and math.isfinite(time_slice_s)):
+        raise ValueError(f"time_slice_s: must be a finite number >= 0, got {time_slice_s!r}")
+    todo: list[list[tuple[str, float]]] = []
+    for ph in phases:
+        rank_todo = []
+        for kind, s in ph:
+            if kind not in ("cpu", "sleep", "pause"):
+                raise ValueError(f"phases: kind must be 'cpu', 'sleep' or 'pause', got {kind!r}")
+            if not (float(s) >= 0.0 and math.isfinite(float(s))):
+                raise ValueError(f"phases: seconds must be finite and >= 0, got {s!r}")
+            if s > 0:
+                rank_todo.append((kind, float(s)))
+        todo.append(rank_todo)
+    return _Timeline(todo, cores, float(time_slice_s)).run()
+
+
+def shared_cores_makespan_seconds(
+    phases: list[list[tuple[str, float]]], cores: int, time_slice_s: float = 0.0
+) -> float:
+    """When the last of the ranks of :func:`shared_cores_finish_seconds` finishes: with a time
+    slice the mean over the ``n`` rotations of the ranks' start order (which rank waits for a
+    core first is up to the scheduler), else the one processor-sharing answer.
+
+    >>> shared_cores_makespan_seconds([[("cpu", 1.0)]] * 3, 2, time_slice_s=4.0)
+    2.0
+    >>> shared_cores_makespan_seconds([[("cpu", 1.0)]] * 3, 2)
+    1.5
+    """
+    n = len(phases)
+    if n == 0:
+        return 0.0
+    if time_slice_s == 0.0:
+        return max(shared_cores_finish_seconds(phases, cores))
+    ends = [
+        max(shared_cores_finish_seconds(phases[k:] + phases[:k], cores, time_slice_s))
+        for k in range(n)
+    ]
+    return sum(ends) / n
+
+
+class _Timeline:
+    """The event loop of :func:`shared_cores_finish_seconds` (``todo``: each rank's phases,
+    consumed as they end)."""
+
+    def __init__(self, todo: list[list[tuple[str, float]]], cores: int, time_slice_s: float):
+        self.todo, self.cores, self.slice = todo, cores, time_slice_s
+        n = len(todo)
+        self.finish = [0.0] * n
+        self.now = 0.0
+        self.queue: list[int] = []  # ready to compute, waiting for a core (round robin)
+        self.running: dict[int, float] = {}  # rank -> end of its slice (round robin)
+        self.computing: set[int] = set()  # ranks in a cpu phase (processor sharing)
+        self.sleeping: dict[int, float] = {}  # rank -> wake-up time
+        self.cpu_start = [-1.0] * n  # first moment on a core of the current cpu phase
+        self.cpu_wall = [0.0] * n  # wall time of the last finished cpu phase
+
+    def _next(self, r: int) -> None:
+        """Rank ``r`` starts its next phase at ``now``."""
+        ph = self.todo[r]
+        while ph and ph[0][0] == "pause":
+            # A pause becomes a sleep of its factor times the last compute's wall time.
+            factor = ph[0][1]
+            ph[0] = ("sleep", factor * self.cpu_wall[r])
+            if ph[0][1] <= 0.0:
+                ph.pop(0)
+        if not ph:
+            self.finish[r] = self.now
+        elif ph[0][0] == "sleep":
+            self.sleeping[r] = self.now + ph[0][1]
+        elif self.slice > 0.0:
+            self.queue.append(r)
+        else:
+            self.computing.add(r)
+            self.cpu_start[r] = self.now
+
+    def run(self) -> list[float]:
+        for r in range(len(self.todo)):
+            self._next(r)
+        while True:
+            if self.slice > 0.0:
+                while self.queue and len(self.running) < self.cores:
+                    r = self.queue.pop(0)
+                    self.running[r] = self.now + self.slice
+                    if self.cpu_start[r] < 0.0:
+                        self.cpu_start[r] = self.now
+                active = list(self.running)
+                rate = 1.0
             else:
-                todo[r][0] = (kind, left)
+                active = sorted(self.computing)
+                rate = min(1.0, self.cores / len(active)) if active else 1.0
+            if not active and not self.sleeping:
+                return self.finish
+            events = [self.now + self.todo[r][0][1] / rate for r in active]
+            events += list(self.running.values()) + list(self.sleeping.values())
+            step = min(events) - self.now
+            self.now += step
+            eps = 1e-12 * max(1.0, self.now)
+            for r in active:
+                left = self.todo[r][0][1] - step * rate
+                if left <= eps:
+                    self.todo[r].pop(0)
+                    self.cpu_wall[r] = self.now - self.cpu_start[r]
+                    if r in self.running and self.todo[r] and self.todo[r][0][0] == "cpu":
+                        self.cpu_start[r] = self.now  # computes on, on the same core and slice
+                        continue
+                    self.cpu_start[r] = -1.0
+                    self.running.pop(r, None)
+                    self.computing.discard(r)
+                    self._next(r)
+                    continue
+                self.todo[r][0] = ("cpu", left)
+                if r in self.running and self.running[r] <= self.now + eps:
+                    if self.queue:  # its slice is over and others wait: to the back
+                        del self.running[r]
+                        self.queue.append(r)
+                    else:
+                        self.running[r] = self.now + self.slice
+            for r, wake in list(self.sleeping.items()):
+                if wake <= self.now + eps:
+                    del self.sleeping[r]
+                    self.todo[r].pop(0)
+                    self._next(r)

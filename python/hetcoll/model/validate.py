@@ -98,6 +98,18 @@ def _link_here(
     return {"allreduce_s": seconds}
 
 
+def _scheduler_here(rank: int, world: int) -> dict[str, object]:
+    """With more ranks than cores, lock-step stretches of known compute, from which the caller
+    fits the scheduler's time slice (:func:`hetcoll.model.calibrate.fit_time_slice`)."""
+    if world <= (os.cpu_count() or 1):
+        return {}
+    from hetcoll.model import calibrate
+
+    # The loop's rate as the device's figures are taken: ``cores`` ranks at once.
+    rate = _side_by_side(rank, calibrate.spin_rate)
+    return {"lockstep_s": calibrate.lockstep_stretch_seconds(rate)}
+
+
 def _side_by_side(rank: int, measure: Callable[[], _T]) -> _T:
     """``measure()`` on every rank, as many ranks at once as there are cores: all at once while
     the ranks fit in the cores; otherwise in groups of ``cores`` ranks between barriers (the
@@ -168,7 +180,7 @@ def _data_rank(
 
     from hetcoll.model import networks
 
-    measured = _link_here(rank, world, calibrate_here)
+    measured = {**_link_here(rank, world, calibrate_here), **_scheduler_here(rank, world)}
     torch.manual_seed(0)
     ddp = DDP(networks.build(model_name, input_shape))
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
@@ -234,7 +246,10 @@ def _filter_rank(
         set_emulated_speed,
     )
 
-    measured = _link_here(rank, world, calibrate_here, hetcoll_allreduce=True)
+    measured = {
+        **_link_here(rank, world, calibrate_here, hetcoll_allreduce=True),
+        **_scheduler_here(rank, world),
+    }
     torch.manual_seed(0)
     model = filter_parallel(
         networks.build(model_name, input_shape), parts, None, avoid_gathers=avoid_gathers
@@ -374,6 +389,17 @@ def _link_of(runs: Sequence[dict[str, Any]], p: int, link: Link | None) -> Link:
     return Link("gloo-allreduce", alpha, bw)
 
 
+def _time_slice_of(runs: Sequence[dict[str, Any]], cores: int) -> float:
+    """The scheduler's time slice fitted to the ranks' lock-step stretches (medians over the
+    ranks); 0 (no sharing to model) when the ranks fit in the cores."""
+    if "lockstep_s" not in runs[0]:
+        return 0.0
+    from hetcoll.model.calibrate import TIME_SLICE_WORKS_S, fit_time_slice
+
+    stretches = [statistics.median(s) for s in zip(*(r["lockstep_s"] for r in runs))]
+    return fit_time_slice(len(runs), cores, TIME_SLICE_WORKS_S, stretches)
+
+
 def _median_prediction(
     runs: Sequence[dict[str, Any]],
     device: Device | None,
@@ -422,6 +448,7 @@ def _validate_data(
     args = (model, input_shape, list(shares), list(speeds), steps, warmup, here)
     runs = spawn(_data_rank, p, *args, timeout=300.0)
     lk = _link_of(runs, p, link)
+    time_slice = _time_slice_of(runs, cores)
     # DDP overlaps the allreduce with the backward pass, but on a CPU host gloo's copies and
     # reductions run on the same cores as the compute: once the ranks fill the cores there
     # is nothing to overlap with, so the model runs them one after the other.
@@ -437,6 +464,7 @@ def _validate_data(
                 overlap=ov,
                 emulated_speeds=list(speeds),
                 shared_cores=setup.shared_cores(p),
+                time_slice_s=time_slice,
             ).step_s
 
         return predict
@@ -455,6 +483,7 @@ def _validate_data(
         other,
         "data",
         sum(shares),
+        {"time_slice_s": time_slice} if time_slice else {},
     )
 
 
@@ -477,6 +506,7 @@ def _validate_filter(
     args = (config.model, input_shape, config.batch, list(config.parts), list(config.speeds))
     runs = spawn(_filter_rank, p, *args, config.avoid_gathers, steps, warmup, here, timeout=300.0)
     lk = _link_of(runs, p, link)
+    time_slice = _time_slice_of(runs, setup.cores)
     modes: dict[str, str] = runs[0]["modes"]
 
     def predict(devs: Sequence[Device]) -> float:
@@ -490,6 +520,7 @@ def _validate_filter(
             modes=modes,
             emulated_speeds=list(config.speeds),
             shared_cores=setup.shared_cores(p),
+            time_slice_s=time_slice,
         )
         if pred.detail["shares_per_layer"] != runs[0]["shares"]:
             raise RuntimeError(
@@ -516,6 +547,7 @@ def _validate_filter(
             "shares": runs[0]["shares"],
             "params_per_rank": [r["params"] for r in runs],
             "avoid_gathers": config.avoid_gathers,
+            **({"time_slice_s": time_slice} if time_slice else {}),
         },
     )
 
