@@ -233,6 +233,8 @@ link = "fast"
         ("count = 2", "count = 2\ncolour = 'red'", "colour"),
         ("[devices.gpu]", "[devices.gpu]\nflops = 3", "flops"),
         ("[devices.gpu]", "[devices.gpu]\nconv_flops_per_s = -2", "devices.gpu.conv_flops_per_s"),
+        ("[devices.gpu]", "[devices.gpu]\nconv_channel_block = 0", "conv_channel_block"),
+        ("[devices.gpu]", "[devices.gpu]\nconv_channel_block = 1.5", "conv_channel_block"),
     ],
 )
 def test_bad_cluster_files_name_file_and_field(
@@ -374,6 +376,35 @@ def test_ranks_sharing_cores_compute_slower_unless_one_pauses(cnn_costs) -> None
     by_hand = 1.5 * fwd + pause + (c - fwd) + paused.detail["allreduce_s"] + 1.5 * update
     assert paused.step_s == pytest.approx(by_hand, rel=1e-6)
     assert paused.step_s < shared.step_s + pause
+
+
+def test_convolutions_compute_channels_padded_to_the_block() -> None:
+    from hetcoll.model.predict import _device_arrays, _layer_times
+
+    # Compute-bound devices (no overheads, boundless memory): compute time follows the FLOPs.
+    def compute_s(conv: nn.Module, shape: tuple[int, ...], block: int, **kw: object) -> np.ndarray:
+        devs = [Device(f"d{i}", 1e9, 1e30, 1e12, conv_channel_block=block) for i in range(2)]
+        costs = layer_costs(conv, shape)
+        times = _layer_times(costs, _device_arrays(devs), np.array([4, 4]), **kw)  # type: ignore[arg-type]
+        return times.compute_s.sum(axis=0)  # type: ignore[no-any-return]
+
+    out_split = np.array([[21 / 32, 11 / 32]])
+    conv = nn.Conv2d(64, 32, 3, padding=1, bias=False)
+    ratio = compute_s(conv, (64, 8, 8), 16, filter_fraction=out_split) / compute_s(
+        conv, (64, 8, 8), 1, filter_fraction=out_split
+    )
+    # 21 filters compute a block of 32, 11 a block of 16.
+    assert ratio == pytest.approx([32 / 21, 16 / 11])
+    # Split input channels: 21 pad to 32; 11, under one block, take a kernel of their own.
+    conv = nn.Conv2d(32, 64, 3, padding=1, bias=False)
+    by_input = {"filter_fraction": out_split, "split_input": np.array([True])}
+    ratio = compute_s(conv, (32, 8, 8), 16, **by_input) / compute_s(conv, (32, 8, 8), 1, **by_input)
+    assert ratio == pytest.approx([32 / 21, 1.0])
+    # Unsplit: 3 input channels are not padded, 10 output channels are (to 16).
+    conv = nn.Conv2d(3, 10, 3, padding=1, bias=False)
+    assert compute_s(conv, (3, 8, 8), 16) / compute_s(conv, (3, 8, 8), 1) == pytest.approx(1.6)
+    with pytest.raises(ValueError, match="conv_channel_block"):
+        Device("d", 1e9, 1e9, 1e9, conv_channel_block=0)
 
 
 def test_shared_cores_timeline_by_hand() -> None:

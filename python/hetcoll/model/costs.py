@@ -45,8 +45,11 @@ class Kernel:
     # Element-wise layer kernels (normalisation, activation, pooling) run at the device's
     # element-wise bandwidth; GEMMs and data movement (im2col) at its memory bandwidth.
     elementwise: bool = False
-    # A convolution's GEMM: its arithmetic runs at the device's convolution FLOP rate.
+    # A convolution's GEMM: its arithmetic runs at the device's convolution FLOP rate, on
+    # channels padded to the device's channel block: ``channels`` = (output, input) channels
+    # of one group.
     conv: bool = False
+    channels: tuple[int, int] = (0, 0)
 
     def flops(self, batch: float, filter_fraction: float = 1.0) -> float:
         f = self.flops_per_sample * batch
@@ -214,6 +217,7 @@ def _conv_kernels(
             filter_bytes_fixed=m * kk * g * item,
             scales_with_filters=True,
             conv=True,
+            channels=(m, c_in // g),
         )
     )
     bwd: list[Kernel] = []
@@ -227,6 +231,7 @@ def _conv_kernels(
             filter_bytes_fixed=m * kk * g * item,
             scales_with_filters=True,
             conv=True,
+            channels=(m, c_in // g),
         )
     )
     if needs_input_grad:
@@ -240,6 +245,7 @@ def _conv_kernels(
                 filter_bytes_fixed=m * kk * g * item,
                 scales_with_filters=True,
                 conv=True,
+                channels=(m, c_in // g),
             )
         )
         if not trivial:

@@ -54,6 +54,11 @@ class Device:
     ``mem_bytes_per_s``; lower on CPUs whose norm and pooling kernels are not bandwidth-bound);
     ``conv_flops_per_s``: FLOP/s convolutions reach (0: same as ``flops_per_s``; their kernels,
     oneDNN's or cuDNN's, run at a rate of their own, on one CPU core here 1.2x a square GEMM's).
+    ``conv_channel_block``: the channel blocking of those kernels (1: none). oneDNN lays
+    channels out in blocks of 16 floats on AVX-512 (8 on AVX2) and computes whole blocks: a
+    convolution with 21 filters costs what one with 32 does, and a filter-parallel split that
+    leaves a rank a ragged block pays for the padding. Output channels are always padded;
+    input channels from one block up (fewer take a kernel of their own).
 
     >>> Device("v100", flops_per_s=15.7e12, mem_bytes_per_s=900e9, memory_bytes=32e9).name
     'v100'
@@ -66,6 +71,7 @@ class Device:
     kernel_overhead_s: float = 0.0
     elementwise_bytes_per_s: float = 0.0
     conv_flops_per_s: float = 0.0
+    conv_channel_block: int = 1
 
     def __post_init__(self) -> None:
         for attr in ("flops_per_s", "mem_bytes_per_s", "memory_bytes"):
@@ -75,6 +81,11 @@ class Device:
             self.elementwise_bytes_per_s, f"Device {self.name!r}: elementwise_bytes_per_s"
         )
         _check_nonnegative(self.conv_flops_per_s, f"Device {self.name!r}: conv_flops_per_s")
+        block = self.conv_channel_block
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ValueError(
+                f"Device {self.name!r}: conv_channel_block: must be an integer >= 1, got {block!r}"
+            )
 
     @property
     def elementwise_rate(self) -> float:
@@ -251,6 +262,7 @@ _DEVICE_FIELDS = {
     "kernel_overhead_s",
     "elementwise_bytes_per_s",
     "conv_flops_per_s",
+    "conv_channel_block",
 }
 _LINK_FIELDS = {"latency_s", "bytes_per_s"}
 _NODE_FIELDS = {"name", "device", "count", "link", "repeat"}
@@ -302,7 +314,10 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
         }
         for k, v in optional.items():
             _check_nonnegative(v, f"{where}.{k}")
-        devices[name] = Device(name, **values, **optional)
+        block = t.get("conv_channel_block", 1)
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ValueError(f"{where}.conv_channel_block: must be an integer >= 1, got {block!r}")
+        devices[name] = Device(name, **values, **optional, conv_channel_block=block)
     raw_links = doc.get("links", {})
     if not isinstance(raw_links, Mapping):
         raise ValueError(f"{source}: links: must be a table of [links.NAME] tables")
@@ -409,6 +424,7 @@ def dumps_cluster(
             f"kernel_overhead_s = {d.kernel_overhead_s:.6g}",
             f"elementwise_bytes_per_s = {d.elementwise_rate:.6g}",
             f"conv_flops_per_s = {d.conv_rate:.6g}",
+            f"conv_channel_block = {d.conv_channel_block}",
             "",
         ]
     for lk in seen_link.values():

@@ -95,13 +95,15 @@ class _KernelTable:
     scales: np.ndarray
     gemm: np.ndarray  # True for GEMM-class kernels (memory at mem_bytes_per_s), else element-wise
     conv: np.ndarray  # True for convolution GEMMs (arithmetic at the convolution FLOP rate)
+    channels_out: np.ndarray  # convolutions: output and input channels of one group
+    channels_in: np.ndarray
     num_layers: int
     onehot: np.ndarray  # (layers, kernels): 1 where the kernel belongs to the layer
 
 
 @functools.lru_cache(maxsize=16)
 def _kernel_table(costs: ModelCosts) -> _KernelTable:
-    rows: list[tuple[int, bool, float, float, float, float, float, bool, bool, bool]] = []
+    rows: list[tuple[int, bool, float, float, float, float, float, bool, bool, bool, int, int]] = []
     for i, layer in enumerate(costs.layers):
         for fwd, kernels in ((True, layer.forward), (False, layer.backward)):
             for k in kernels:
@@ -117,9 +119,10 @@ def _kernel_table(costs: ModelCosts) -> _KernelTable:
                         k.scales_with_filters,
                         not k.elementwise,
                         k.conv,
+                        *k.channels,
                     )
                 )
-    cols = list(zip(*rows)) if rows else [()] * 10
+    cols = list(zip(*rows)) if rows else [()] * 12
     onehot = np.zeros((len(costs.layers), len(rows)))
     onehot[np.asarray(cols[0], dtype=np.int64), np.arange(len(rows))] = 1.0
     floats = [np.asarray(c, dtype=np.float64) for c in cols[2:7]]
@@ -134,6 +137,8 @@ def _kernel_table(costs: ModelCosts) -> _KernelTable:
         scales=np.asarray(cols[7], dtype=bool),
         gemm=np.asarray(cols[8], dtype=bool),
         conv=np.asarray(cols[9], dtype=bool),
+        channels_out=np.asarray(cols[10], dtype=np.float64),
+        channels_in=np.asarray(cols[11], dtype=np.float64),
         num_layers=len(costs.layers),
         onehot=onehot,
     )
@@ -147,6 +152,7 @@ class _DeviceArrays:
     elementwise_bytes_per_s: np.ndarray
     overhead_s: np.ndarray
     memory_bytes: np.ndarray
+    conv_channel_block: np.ndarray
 
 
 def _device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
@@ -157,7 +163,30 @@ def _device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
         np.array([d.elementwise_rate for d in devices]),
         np.array([d.kernel_overhead_s for d in devices]),
         np.array([d.memory_bytes for d in devices]),
+        np.array([float(d.conv_channel_block) for d in devices]),
     )
+
+
+def _channel_padding(
+    t: _KernelTable, dev: _DeviceArrays, phi: np.ndarray, split_input: np.ndarray | None
+) -> np.ndarray:
+    """(kernels, devices): the factor by which each convolution kernel's arithmetic grows
+    when its channels, as split on each device (``phi`` of the output channels, or of the input
+    channels in ``split_input`` layers), are padded to the device's channel block: output
+    channels always, input channels from one block up (:class:`Device`)."""
+    block = dev.conv_channel_block[None, :]
+    if not t.conv.any() or (block == 1).all():
+        return np.ones(phi.shape)
+    by_input = (
+        np.zeros(len(t.layer), dtype=bool) if split_input is None else split_input[t.layer]
+    )[:, None]
+    c_out = np.round(t.channels_out[:, None] * np.where(by_input, 1.0, phi))
+    c_in = np.round(t.channels_in[:, None] * np.where(by_input, phi, 1.0))
+    pad_out = np.ceil(c_out / block) * block
+    pad_in = np.where(c_in < block, c_in, np.ceil(c_in / block) * block)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        factor = (pad_out / c_out) * (pad_in / c_in)
+    return np.where(t.conv[:, None] & (c_out > 0) & (c_in > 0), factor, 1.0)
 
 
 @dataclass(frozen=True)
@@ -177,10 +206,12 @@ def _layer_times(
     batch: np.ndarray,
     filter_fraction: np.ndarray | None = None,
     channel_fraction: np.ndarray | None = None,
+    split_input: np.ndarray | None = None,
 ) -> _LayerTimes:
     """Roofline time of every layer on every device for per-device batches ``batch`` (and, for
-    filter parallelism, per-layer-and-device filter fractions ``filter_fraction`` and fractions
-    ``channel_fraction`` of the channels a layer's per-sample work covers)."""
+    filter parallelism, per-layer-and-device filter fractions ``filter_fraction``, fractions
+    ``channel_fraction`` of the channels a layer's per-sample work covers, and the layers
+    ``split_input`` whose fraction is of their input channels)."""
     t = _kernel_table(costs)
     n_dev = len(batch)
     b = batch[None, :].astype(np.float64)
@@ -198,10 +229,12 @@ def _layer_times(
         t.gemm[:, None], dev.mem_bytes_per_s[None, :], dev.elementwise_bytes_per_s[None, :]
     )
     rate = np.where(t.conv[:, None], dev.conv_flops_per_s[None, :], dev.flops_per_s[None, :])
-    comp = np.where(runs, flops / rate, 0.0)
+    # Convolutions compute on channels padded to the device's block.
+    work = flops * _channel_padding(t, dev, phi, split_input)
+    comp = np.where(runs, work / rate, 0.0)
     mem = np.where(runs, moved / bandwidth, 0.0)
     ovh = np.where(runs, np.broadcast_to(dev.overhead_s[None, :], comp.shape), 0.0)
-    total = terms.roofline_seconds(flops, moved, rate, bandwidth)
+    total = terms.roofline_seconds(work, moved, rate, bandwidth)
     total = np.where(runs, total + ovh, 0.0)
 
     def per_layer(x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
@@ -642,7 +675,8 @@ def filter_parallel(
             chan[i, :] = source[1]
     # A replicated layer between a pair runs on the channel slice: as many fewer samples' worth
     # of element-wise work (these kernels are linear in the batch and own no filters).
-    lt = _layer_times(costs, dev, np.full(n_dev, batch), phi, chan)
+    by_input = np.array([layer_modes.get(x.name) == "split-input" for x in costs.layers])
+    lt = _layer_times(costs, dev, np.full(n_dev, batch), phi, chan, by_input)
     split_rows = np.zeros(n_layers, dtype=bool)
     split_rows[list(filters_of)] = True
     sharing = shared_cores is not None and n_dev > shared_cores
