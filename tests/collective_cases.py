@@ -242,16 +242,45 @@ def check_allgatherv(comm: Communicator, native: Any) -> int:
     for algorithm in ("ring", "native", "direct", "auto"):
         out = hetcoll.allgatherv(mine, native, algorithm=algorithm)
         np.testing.assert_array_equal(out, want)
-    # "auto" around the eager slot of the first round (EAGER_GATHER_BYTES): every piece fits,
-    # exactly fits, or one does not (then a second round moves the pieces).
-    eager = collectives.EAGER_GATHER_BYTES.get(comm.engine, 0) or 64
-    for big in (eager // 8 - 1, eager // 8, eager // 8 + 1):
+    # "auto" around the eager slot of the first round: every piece fits, exactly fits, or one
+    # does not (then a second round moves the pieces). The slot starts at EAGER_GATHER_BYTES
+    # and then follows the largest piece of the group's recent gathers, capped.
+    counted = hetcoll.comm.wrap(native)  # a fresh wrapper: its calls counted
+    calls: list[str] = []
+    for name in ("allgather_fixed", "iallgatherv", "isend"):
+
+        def count(*a: Any, _name: str = name, _f: Any = getattr(counted, name)) -> Any:
+            calls.append(_name)
+            return _f(*a)
+
+        setattr(counted, name, count)
+    gloo = comm.engine == "gloo"
+    first = collectives.EAGER_GATHER_BYTES.get(comm.engine, 0) // 8 or 8
+    cap = collectives.EAGER_GATHER_MAX_BYTES.get(comm.engine, 0) // 8 or 8
+    if gloo:
+        collectives._eager_history.pop(counted.identity, None)  # the same on every rank
+    # (largest piece in float64 elements, one collective on gloo?)
+    steps = [
+        (first, True),  # fills the first slot; the next one is that size too
+        (first + 1, False),  # overflows it; the slot grows to first + 1
+        (512, True),  # fits the grown slot
+        (first + 1, True),  # fills it
+        (cap + 1, False),  # over the cap
+        (cap + 1, False),  # still over: the slot stops at the cap
+        (cap, True),  # at the cap
+    ]
+    for big, one_round in steps:
         n_of = [big if q == p - 1 else q + 1 for q in range(p)]
         mine = np.arange(n_of[r], dtype=np.float64) + 1000 * r
         want = np.concatenate(
             [np.arange(n, dtype=np.float64) + 1000 * q for q, n in enumerate(n_of)]
         )
-        np.testing.assert_array_equal(hetcoll.allgatherv(mine, native, timeout=60), want)
+        calls.clear()
+        np.testing.assert_array_equal(hetcoll.allgatherv(mine, counted, timeout=60), want)
+        if gloo:
+            assert (calls == ["allgather_fixed"]) == one_round, (big, calls)
+        else:  # MPI: a length exchange, then MPI_Allgatherv
+            assert calls[0] == "allgather_fixed" and len(calls) > 1, calls
     return done + 7
 
 

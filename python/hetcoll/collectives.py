@@ -26,7 +26,9 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
 import zlib
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -82,6 +84,15 @@ DIRECT_BYTES: dict[str, float] = {"mpi": 0, "gloo": 3 << 20}
 #: one of 32 bytes does (0.3 ms on one host), while the second round doubled the time of small
 #: gathers; MPI's small allgather takes microseconds, so MPI keeps the plain length exchange.
 EAGER_GATHER_BYTES: dict[str, int] = {"gloo": 64 << 10}
+#: From the second call on a group, the slot follows the largest piece of the group's last
+#: :data:`EAGER_GATHER_HISTORY` calls (up to :data:`EAGER_GATHER_MAX_BYTES`): a gather that
+#: repeats its shapes, as a filter-parallel layer's does every step, is then done in one
+#: collective at any size up to that cap, and small gathers stop paying for a 64 KiB slot.
+#: Every rank derives the slot from the lengths all ranks exchanged, so all agree on it (gloo
+#: aborts the process when all_gather sizes differ between ranks).
+EAGER_GATHER_HISTORY = 8
+EAGER_GATHER_MAX_BYTES: dict[str, int] = {"gloo": 1 << 20}
+_eager_history: weakref.WeakKeyDictionary[Any, deque[int]] = weakref.WeakKeyDictionary()
 _TAG = 4831  # ring allreduce messages: _TAG + step
 _TAG_DIRECT = 24831  # direct allreduce: weight, then data
 _TAG_GATHER_DIRECT = 34831  # direct allgatherv
@@ -456,9 +467,16 @@ def _gather(
         raise ValueError("local: must have at least one dimension (pieces join along axis 0)")
     c = wrap(comm)
     send = view.reshape(-1).view(np.uint8)
-    eager = EAGER_GATHER_BYTES.get(c.engine, 0) if c.size > 1 else 0
+    history = _history(c)
+    eager = 0
+    if history is not None:
+        eager = min(max(history), EAGER_GATHER_MAX_BYTES[c.engine]) if history else 0
+        eager = eager or EAGER_GATHER_BYTES[c.engine]
     rows, slots = _exchange_shapes(c, view.shape, view.dtype.str, deadline, algorithm, send, eager)
     row_bytes = view.itemsize * math.prod(view.shape[1:])
+    if history is not None:
+        # The same on every rank: the lengths and the row shape are agreed.
+        history.append(max(1, int(rows.max()) * row_bytes))
     out_view = np.empty((int(rows.sum()), *view.shape[1:]), dtype=view.dtype)
     counts = [int(n) * row_bytes for n in rows]
     recv = out_view.reshape(-1).view(np.uint8)
@@ -487,6 +505,18 @@ def _gather(
         t = torch.from_numpy(out_view)
         return (t.view(torch.bfloat16) if local.dtype == torch.bfloat16 else t), lengths
     return out_view, lengths
+
+
+def _history(c: Communicator) -> deque[int] | None:
+    """The largest piece of each of the group's last gathers, on engines with an eager first
+    round (None elsewhere, and on one rank)."""
+    if c.size == 1 or c.engine not in EAGER_GATHER_BYTES:
+        return None
+    key = c.identity
+    history = _eager_history.get(key)
+    if history is None:
+        history = _eager_history[key] = deque(maxlen=EAGER_GATHER_HISTORY)
+    return history
 
 
 def _direct_allgather(
