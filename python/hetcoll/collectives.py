@@ -23,6 +23,7 @@ on every rank when they differ.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -512,11 +513,11 @@ def _history(c: Communicator) -> deque[int] | None:
     round (None elsewhere, and on one rank)."""
     if c.size == 1 or c.engine not in EAGER_GATHER_BYTES:
         return None
-    key = c.identity
-    history = _eager_history.get(key)
-    if history is None:
-        history = _eager_history[key] = deque(maxlen=EAGER_GATHER_HISTORY)
-    return history
+    history: deque[int] = deque(maxlen=EAGER_GATHER_HISTORY)
+    try:
+        return _eager_history.setdefault(c.identity, history)
+    except TypeError:  # a group object that cannot be weakly referenced: no memory, first slot
+        return history
 
 
 def _direct_allgather(
@@ -538,6 +539,24 @@ def _direct_allgather(
     wait_all(requests, deadline)
 
 
+@functools.lru_cache(maxsize=256)
+def _header(trailing: tuple[int, ...], dtype: str, algorithm: str) -> np.ndarray:
+    """The fields of allgatherv's first round but the length (slot 0): codes of the trailing
+    shape and the dtype, the number of dimensions, the algorithm. Cached: read-only."""
+    fields = np.array(
+        [
+            0,
+            _shape_code(trailing),
+            zlib.crc32(dtype.encode()),
+            len(trailing) + 1,
+            ALGORITHMS.index(algorithm),
+        ],
+        np.int64,
+    )
+    fields.flags.writeable = False
+    return fields
+
+
 def _exchange_shapes(
     c: Communicator,
     shape: Sequence[int],
@@ -550,16 +569,8 @@ def _exchange_shapes(
     """Every rank's length along axis 0, after checking the rest of the shape, the dtype and the
     algorithm. With ``eager`` > 0 the same collective carries the first ``eager`` bytes of every
     rank's ``send`` (a fixed-size slot per rank): returns them as the rows of a matrix too."""
-    fields = np.array(
-        [
-            shape[0],
-            _shape_code(shape[1:]),
-            zlib.crc32(dtype.encode()),
-            len(shape),
-            ALGORITHMS.index(algorithm),
-        ],
-        np.int64,
-    )
+    fields = _header(tuple(shape[1:]), dtype, algorithm).copy()
+    fields[0] = shape[0]
     if eager > 0 and send is not None:
         slot = np.zeros(fields.nbytes + eager, dtype=np.uint8)
         slot[: fields.nbytes] = fields.view(np.uint8)
@@ -570,6 +581,8 @@ def _exchange_shapes(
         slots: np.ndarray | None = got[:, fields.nbytes :]
     else:
         rows, slots = c.allgather_int64(fields, deadline), None
+    if not (rows[:, 1:] != rows[0, 1:]).any():
+        return rows[:, 0], slots
     for j, name in enumerate(("", "shape[1:]", "dtype", "number of dimensions", "algorithm")):
         if j and (rows[:, j] != rows[0, j]).any():
             if name == "algorithm":

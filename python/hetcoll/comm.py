@@ -330,13 +330,23 @@ class TorchCommunicator(Communicator):
         import torch
         import torch.distributed as dist
 
-        # NCCL moves device memory only: the few bytes go through the current CUDA device.
-        device = "cuda" if self.engine == "nccl" else "cpu"
-        out = torch.empty(self.size * send.size, dtype=torch.uint8, device=device)
-        inp = torch.from_numpy(send if send.flags.writeable else send.copy()).to(device)
-        with _lost_peer("all_gather_into_tensor"):
-            work = dist.all_gather_into_tensor(out, inp, group=self.native, async_op=True)
-        _TorchRequest(work, "all_gather_into_tensor", (out, inp)).wait(deadline)
+        inp = torch.from_numpy(send if send.flags.writeable else send.copy())
+        if self.engine == "nccl":
+            # NCCL moves device memory only: the few bytes go through the current CUDA device.
+            out = torch.empty(self.size * send.size, dtype=torch.uint8, device="cuda")
+            inp = inp.cuda()
+        else:
+            out = torch.empty(self.size * send.size, dtype=torch.uint8)
+        # Small and on every call's path (allgatherv's first round): without a deadline the
+        # blocking call, with no request to wrap.
+        try:
+            work = dist.all_gather_into_tensor(
+                out, inp, group=self.native, async_op=deadline is not None
+            )
+        except (RuntimeError, ConnectionError) as e:
+            raise _lost("all_gather_into_tensor", e) from e
+        if deadline is not None:
+            _TorchRequest(work, "all_gather_into_tensor", (out, inp)).wait(deadline)
         return out.cpu().numpy().reshape(self.size, send.size)
 
     def iallgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> Request:
