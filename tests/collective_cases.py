@@ -245,15 +245,19 @@ def check_allgatherv(comm: Communicator, native: Any) -> int:
     # "auto" around the eager slot of the first round: every piece fits, exactly fits, or one
     # does not (then a second round moves the pieces). The slot starts at EAGER_GATHER_BYTES
     # and then follows the largest piece of the group's recent gathers, capped.
-    counted = hetcoll.comm.wrap(native)  # a fresh wrapper: its calls counted
+    counted = type(comm)(native)  # a wrapper of its own: its calls counted
     calls: list[str] = []
+    def counting(name: str) -> Any:
+        method = getattr(counted, name)
+
+        def count(*a: Any) -> Any:
+            calls.append(name)
+            return method(*a)
+
+        return count
+
     for name in ("allgather_fixed", "iallgatherv", "isend"):
-
-        def count(*a: Any, _name: str = name, _f: Any = getattr(counted, name)) -> Any:
-            calls.append(_name)
-            return _f(*a)
-
-        setattr(counted, name, count)
+        setattr(counted, name, counting(name))
     gloo = comm.engine == "gloo"
     first = collectives.EAGER_GATHER_BYTES.get(comm.engine, 0) // 8 or 8
     cap = collectives.EAGER_GATHER_MAX_BYTES.get(comm.engine, 0) // 8 or 8

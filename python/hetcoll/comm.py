@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -390,6 +391,25 @@ def _is_mpi_comm(x: object) -> bool:
     return mpi is not None and isinstance(x, mpi.Comm)
 
 
+# One wrapper per process group, kept while the group lives: wrapping is on every collective's
+# path (the default group's wrapper asks torch for rank, size and backend), and a group's rank,
+# size and backend never change. Keyed by the group object itself (the default group's
+# object for None), so a group destroyed and created anew gets a new wrapper.
+_torch_wrappers: weakref.WeakKeyDictionary[Any, TorchCommunicator] = weakref.WeakKeyDictionary()
+
+
+def _torch_communicator(group: Any) -> TorchCommunicator:
+    import torch.distributed as dist
+
+    if group is None and not dist.is_initialized():
+        return TorchCommunicator(None)  # raises the clear error
+    key = dist.group.WORLD if group is None else group
+    c = _torch_wrappers.get(key)
+    if c is None:
+        c = _torch_wrappers[key] = TorchCommunicator(group)
+    return c
+
+
 def wrap(x: Any = None) -> Communicator:
     """A :class:`Communicator` over ``x``: an mpi4py communicator, a torch.distributed process
     group, None (torch's default group), or a Communicator (returned as is).
@@ -405,11 +425,9 @@ def wrap(x: Any = None) -> Communicator:
         if not isinstance(x, mpi.Intracomm):
             raise TypeError("comm: an MPI intercommunicator is not supported")
         return MpiCommunicator(x)
-    if x is None:
-        return TorchCommunicator(None)
     torch_dist = sys.modules.get("torch.distributed")
-    if torch_dist is not None and isinstance(x, torch_dist.ProcessGroup):
-        return TorchCommunicator(x)
+    if x is None or (torch_dist is not None and isinstance(x, torch_dist.ProcessGroup)):
+        return _torch_communicator(x)
     raise TypeError(
         "comm: must be an mpi4py communicator, a torch.distributed ProcessGroup, None or a "
         f"hetcoll Communicator, got {type(x).__name__}"
