@@ -97,6 +97,7 @@ _eager_history: weakref.WeakKeyDictionary[Any, deque[int]] = weakref.WeakKeyDict
 _TAG = 4831  # ring allreduce messages: _TAG + step
 _TAG_DIRECT = 24831  # direct allreduce: weight, then data
 _TAG_GATHER_DIRECT = 34831  # direct allgatherv
+_TAG_WEIGHT = 44831  # ring allreduce: a rank's weight to its right neighbour
 _TAG_GATHER = 14831  # ring allgatherv messages: _TAG_GATHER + step
 _KIND_CODE = {"float32": 1, "float64": 2, "float16": 3, "bfloat16": 4}
 _ALGO_CODE = {"ring": 1, "native": 2, "direct": 3}
@@ -313,22 +314,33 @@ def _ring(
             return [c.irecv(scratch[t % 2][a - base : b - base], left, _TAG + t) for a, b in recv]
         return [c.irecv(flat[a:b], left, _TAG + t) for a, b in recv]
 
-    # Step 0 sends this rank's raw chunk r-1, which it never reduces: scale a copy of it here,
-    # the only place the weight is not fused into a reduction. Segment by segment, each sent as
-    # soon as it is scaled, so the scaling overlaps the transfer (on two ranks this chunk is
-    # half the buffer).
+    # Step 0 sends this rank's raw chunk, which it never reduces, unscaled: the receiver applies
+    # the sender's weight in its first reduction, so no pass scales it. The weight travels
+    # ahead, 8 bytes from each rank to its right neighbour.
     _, send0, _ = steps[0]
-    lo0, hi0 = send0[0][0], send0[-1][1]
-    first = _scratch(2, hi0 - lo0, flat.dtype)
+    weights = np.array([w, 0.0])
+    weight_in = c.irecv(weights[1:], left, _TAG_WEIGHT)
+    weight_out = c.isend(weights[:1], right, _TAG_WEIGHT)
     recvs = post(0)
-    sends = []
-    for a, b in send0:
-        if b > a:
-            _core.weighted_sum_into([flat[a:b]], [w], first[a - lo0 : b - lo0], bfloat16=bf16)
-        sends.append(c.isend(first[a - lo0 : b - lo0], right, _TAG))
+    sends = [c.isend(flat[a:b], right, _TAG) for a, b in send0]
+    weight_in.wait(deadline)
+    w_left = float(weights[1])
     last = len(steps) - 1
+    # On two ranks the raw chunk sent at step 0 is the one step 1 receives the result into:
+    # each of its segments is received again only after its step-0 send has completed.
+    reuse = p == 2
+    reposted = 0  # step-0 segments whose send completed and whose receive is posted
+
+    def repost(upto: int) -> None:
+        nonlocal reposted
+        while reposted < min(upto, len(send0)):
+            sends[reposted].wait(deadline)
+            a, b = send0[reposted]
+            next_recvs.append(c.irecv(flat[a:b], left, _TAG + 1))
+            reposted += 1
+
     for t, (reduce, _, recv) in enumerate(steps):
-        next_recvs = post(t + 1) if t < last else []
+        next_recvs = post(t + 1) if t < last and not (reuse and t == 0) else []
         next_sends: list[Request] = []
         base = recv[0][0]
         for j, (a, b) in enumerate(recv):
@@ -336,12 +348,18 @@ def _ring(
             if reduce and b > a:
                 part = flat[a:b]
                 got = scratch[t % 2][a - base : b - base]
-                _core.weighted_sum_into([part, got], [w, 1.0], part, bfloat16=bf16)
+                w_got = w_left if t == 0 else 1.0
+                _core.weighted_sum_into([part, got], [w, w_got], part, bfloat16=bf16)
             if t < last:
                 next_sends.append(c.isend(flat[a:b], right, _TAG + t + 1))
+            if reuse and t == 0:
+                repost(j + 1)
+        if reuse and t == 0:
+            repost(len(send0))
+            sends = sends[reposted:]
         wait_all(sends, deadline)
         sends, recvs = next_sends, next_recvs
-    wait_all(sends, deadline)
+    wait_all([*sends, weight_out], deadline)
 
 
 def _ring_allgather(
