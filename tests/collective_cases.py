@@ -247,6 +247,7 @@ def check_allgatherv(comm: Communicator, native: Any) -> int:
     # and then follows the largest piece of the group's recent gathers, capped.
     counted = type(comm)(native)  # a wrapper of its own: its calls counted
     calls: list[str] = []
+
     def counting(name: str) -> Any:
         method = getattr(counted, name)
 

@@ -821,6 +821,7 @@ def test_calibrate_measures_gloo_and_mpi_links(tmp_path: Path) -> None:
     dev = cluster.devices[0]
     assert 1e8 < dev.flops_per_s < 1e13 and 1e8 < dev.mem_bytes_per_s < 1e12
     assert 1e8 < dev.conv_rate < 1e13 and "conv_flops_per_s" in out.read_text()
+    assert dev.conv_channel_block in (1, 8, 16) and "conv_channel_block" in out.read_text()
     names = {link.name for link in cal.links}
     assert names == {"gloo-local", "mpi-local"}
     for link in cal.links:

@@ -170,54 +170,32 @@ def _kernel_count(depth: int) -> int:
     return sum(len(x.forward) + len(x.backward) for x in costs.layers)
 
 
-#: One module per element-wise family, as :func:`measure_elementwise_rates` times them.
-_FAMILY_MODULES = {"norm": "BatchNorm2d", "activation": "ReLU", "pool": "MaxPool2d"}
-
-
-def _family_module(family: str) -> Any:
+def measure_elementwise_bytes_per_s(batch: int = 16, repeats: int = 5) -> float:
+    """Bytes/s the non-GEMM layers of a CNN reach on this thread: forward + backward of batch
+    norm, ReLU and max pooling on a [batch, 32, 32, 32] tensor, the bytes counted by the cost
+    model itself (so the rate and the accounting agree)."""
+    import torch
     from torch import nn
 
-    if family == "norm":
-        return nn.BatchNorm2d(32)
-    if family == "activation":
-        return nn.ReLU()
-    return nn.MaxPool2d(2)
-
-
-def measure_elementwise_rates(batch: int = 16, repeats: int = 5) -> dict[str, float]:
-    """Bytes/s the non-GEMM layers of a CNN reach on this thread, per family: forward +
-    backward of batch norm ("norm"), ReLU ("activation") and max pooling ("pool") on a
-    [batch, 32, 32, 32] tensor, each timed alone, the bytes counted by the cost model itself
-    (so the rates and the accounting agree); "" is the three together (bytes over seconds)."""
-    import torch
-
+    model = nn.Sequential(nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2))
     x = torch.randn(batch, 32, 32, 32, requires_grad=True)
-    rates, seconds, moved = {}, 0.0, 0.0
-    for family in _FAMILY_MODULES:
-        module = _family_module(family)
 
-        def step(module: Any = module) -> None:
-            module.zero_grad(set_to_none=True)
-            module(x).sum().backward()
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
 
-        t = _best_seconds(step, repeats, warmup=1)
-        nbytes = _family_bytes(family, batch)
-        rates[family] = nbytes / t
-        seconds, moved = seconds + t, moved + nbytes
-    rates[""] = moved / seconds
-    return rates
+    t = _best_seconds(step, repeats, warmup=1)
+    return _elementwise_bytes(batch) / t
 
 
-def measure_elementwise_bytes_per_s(batch: int = 16, repeats: int = 5) -> float:
-    """Bytes/s of batch norm, ReLU and max pooling together (:func:`measure_elementwise_rates`)."""
-    return measure_elementwise_rates(batch, repeats)[""]
+@functools.lru_cache(maxsize=4)
+def _elementwise_bytes(batch: int) -> float:
+    from torch import nn
 
-
-@functools.lru_cache(maxsize=16)
-def _family_bytes(family: str, batch: int) -> float:
     from hetcoll.model.costs import layer_costs
 
-    costs = layer_costs(_family_module(family), (32, 32, 32))
+    model = nn.Sequential(nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2))
+    costs = layer_costs(model, (32, 32, 32))
     return float(
         sum(
             k.moved_bytes(batch)
@@ -230,7 +208,6 @@ def _family_bytes(family: str, batch: int) -> float:
 def measure_device(name: str, memory_bytes: float, *, quick: bool = False) -> Device:
     """Every per-rank figure of this machine as a :class:`Device` (one thread)."""
     r = 3 if quick else 7
-    elementwise = measure_elementwise_rates(repeats=r)
     return Device(
         name,
         flops_per_s=measure_gemm_flops_per_s(repeats=r),
@@ -240,10 +217,7 @@ def measure_device(name: str, memory_bytes: float, *, quick: bool = False) -> De
         ),
         memory_bytes=memory_bytes,
         kernel_overhead_s=measure_kernel_overhead_s(repeats=10 if quick else 20),
-        elementwise_bytes_per_s=elementwise[""],
-        norm_bytes_per_s=elementwise["norm"],
-        activation_bytes_per_s=elementwise["activation"],
-        pool_bytes_per_s=elementwise["pool"],
+        elementwise_bytes_per_s=measure_elementwise_bytes_per_s(repeats=r),
         conv_channel_block=conv_channel_block(),
     )
 

@@ -43,10 +43,8 @@ class Kernel:
     filter_bytes_fixed: float = 0.0
     scales_with_filters: bool = False
     # Element-wise layer kernels (normalisation, activation, pooling) run at the device's
-    # element-wise bandwidth, of their ``family`` ("norm", "activation", "pool") where the
-    # device gives one; GEMMs and data movement (im2col) at its memory bandwidth.
+    # element-wise bandwidth; GEMMs and data movement (im2col) at its memory bandwidth.
     elementwise: bool = False
-    family: str = ""
     # A convolution's GEMM: its arithmetic runs at the device's convolution FLOP rate, on
     # channels padded to the device's channel block: ``channels`` = (output, input) channels
     # of one group.
@@ -338,9 +336,6 @@ _ELEMENTWISE: dict[type[nn.Module], tuple[float, float, float, float]] = {
     nn.Softmax: (5.0, 3.0, 4.0, 3.0),
     nn.LogSoftmax: (5.0, 3.0, 4.0, 3.0),
 }
-# The normalisations among them (the rest are activations and their like: one family each for
-# the device's per-family bandwidths).
-_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm)
 # Pooling reads its input once and writes its output once (and scatters back in backward).
 _POOLING = (
     nn.MaxPool1d,
@@ -371,7 +366,6 @@ def _elementwise_kernels(
                     in_elems,
                     bytes_per_sample=(in_elems + out_elems) * item,
                     elementwise=True,
-                    family="pool",
                 )
             ],
             [
@@ -380,13 +374,11 @@ def _elementwise_kernels(
                     in_elems,
                     bytes_per_sample=(in_elems + 2 * out_elems) * item,
                     elementwise=True,
-                    family="pool",
                 )
             ],
         )
     for t, (ff, fp, bf, bp) in _ELEMENTWISE.items():
         if type(mod) is t or isinstance(mod, t):
-            family = "norm" if t in _NORMS else "activation"
             return (
                 [
                     Kernel(
@@ -394,7 +386,6 @@ def _elementwise_kernels(
                         ff * out_elems,
                         bytes_per_sample=fp * out_elems * item,
                         elementwise=True,
-                        family=family,
                     )
                 ],
                 [
@@ -403,7 +394,6 @@ def _elementwise_kernels(
                         bf * out_elems,
                         bytes_per_sample=bp * out_elems * item,
                         elementwise=True,
-                        family=family,
                     )
                 ],
             )

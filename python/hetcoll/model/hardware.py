@@ -9,9 +9,6 @@ A cluster file is a small TOML document (see ``examples/clusters/``)::
     kernel_overhead_s = 5e-6       # optional: fixed cost of launching one kernel, seconds
     elementwise_bytes_per_s = 1e12 # optional: bandwidth element-wise kernels (norm, pooling,
                                    # activations) reach; default mem_bytes_per_s
-    norm_bytes_per_s = 8e11        # optional: the same for one family of them (normalisation,
-    activation_bytes_per_s = 1.2e12 # activations, pooling); default elementwise_bytes_per_s
-    pool_bytes_per_s = 6e11
     conv_flops_per_s = 21e12       # optional: FLOP/s of convolutions' GEMMs; default flops_per_s
     conv_channel_block = 1         # optional: channels a convolution kernel computes at a time
 
@@ -48,14 +45,6 @@ else:  # pragma: no cover - Python 3.10 only
     import tomli as tomllib
 
 
-#: The element-wise kernel families a device may give a bandwidth of their own, and the fields.
-ELEMENTWISE_FAMILY_FIELDS = {
-    "norm": "norm_bytes_per_s",
-    "activation": "activation_bytes_per_s",
-    "pool": "pool_bytes_per_s",
-}
-
-
 @dataclass(frozen=True)
 class Device:
     """One rank's compute device.
@@ -66,11 +55,6 @@ class Device:
     ``mem_bytes_per_s``; lower on CPUs whose norm and pooling kernels are not bandwidth-bound);
     ``conv_flops_per_s``: FLOP/s convolutions reach (0: same as ``flops_per_s``; their kernels,
     oneDNN's or cuDNN's, run at a rate of their own, on one CPU core here 1.2x a square GEMM's).
-    ``norm_bytes_per_s``, ``activation_bytes_per_s``, ``pool_bytes_per_s``: the element-wise
-    bandwidth of one family of those kernels (0: ``elementwise_bytes_per_s``); on one CPU core
-    here max pooling runs at a fifth of the rate ReLU does, so a model whose mix of families
-    changes (filter parallelism splits the activations between a pair of layers but not the
-    pooling after it) needs them apart.
     ``conv_channel_block``: the channel blocking of those kernels (1: none). oneDNN lays
     channels out in blocks of 16 floats on AVX-512 (8 on AVX2) and computes whole blocks: a
     convolution with 21 filters costs what one with 32 does, and a filter-parallel split that
@@ -89,9 +73,6 @@ class Device:
     elementwise_bytes_per_s: float = 0.0
     conv_flops_per_s: float = 0.0
     conv_channel_block: int = 1
-    norm_bytes_per_s: float = 0.0
-    activation_bytes_per_s: float = 0.0
-    pool_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         for attr in ("flops_per_s", "mem_bytes_per_s", "memory_bytes"):
@@ -100,8 +81,7 @@ class Device:
         _check_nonnegative(
             self.elementwise_bytes_per_s, f"Device {self.name!r}: elementwise_bytes_per_s"
         )
-        for attr in ("conv_flops_per_s", *ELEMENTWISE_FAMILY_FIELDS.values()):
-            _check_nonnegative(getattr(self, attr), f"Device {self.name!r}: {attr}")
+        _check_nonnegative(self.conv_flops_per_s, f"Device {self.name!r}: conv_flops_per_s")
         block = self.conv_channel_block
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(
@@ -112,12 +92,6 @@ class Device:
     def elementwise_rate(self) -> float:
         """Bytes/s of element-wise kernels (``elementwise_bytes_per_s`` or the memory bandwidth)."""
         return self.elementwise_bytes_per_s or self.mem_bytes_per_s
-
-    def family_rate(self, family: str) -> float:
-        """Bytes/s of the element-wise kernels of ``family`` ("norm", "activation", "pool";
-        anything else: :attr:`elementwise_rate`)."""
-        field = ELEMENTWISE_FAMILY_FIELDS.get(family)
-        return (getattr(self, field) if field else 0.0) or self.elementwise_rate
 
     @property
     def conv_rate(self) -> float:
@@ -234,9 +208,6 @@ class Cluster:
                 conv_flops_per_s=d.conv_flops_per_s * flops,
                 mem_bytes_per_s=d.mem_bytes_per_s * mem_bw,
                 elementwise_bytes_per_s=d.elementwise_bytes_per_s * mem_bw,
-                norm_bytes_per_s=d.norm_bytes_per_s * mem_bw,
-                activation_bytes_per_s=d.activation_bytes_per_s * mem_bw,
-                pool_bytes_per_s=d.pool_bytes_per_s * mem_bw,
             )
 
         def lnk(link: Link | None) -> Link | None:
@@ -293,7 +264,6 @@ _DEVICE_FIELDS = {
     "elementwise_bytes_per_s",
     "conv_flops_per_s",
     "conv_channel_block",
-    *ELEMENTWISE_FAMILY_FIELDS.values(),
 }
 _LINK_FIELDS = {"latency_s", "bytes_per_s"}
 _NODE_FIELDS = {"name", "device", "count", "link", "repeat"}
@@ -341,12 +311,7 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
             _check_positive(v, f"{where}.{k}")
         optional = {
             k: _number(t, k, where, required=False) or 0.0
-            for k in (
-                "kernel_overhead_s",
-                "elementwise_bytes_per_s",
-                "conv_flops_per_s",
-                *ELEMENTWISE_FAMILY_FIELDS.values(),
-            )
+            for k in ("kernel_overhead_s", "elementwise_bytes_per_s", "conv_flops_per_s")
         }
         for k, v in optional.items():
             _check_nonnegative(v, f"{where}.{k}")
@@ -459,11 +424,6 @@ def dumps_cluster(
             f"memory_bytes = {d.memory_bytes:.6g}",
             f"kernel_overhead_s = {d.kernel_overhead_s:.6g}",
             f"elementwise_bytes_per_s = {d.elementwise_rate:.6g}",
-            *(
-                f"{field} = {getattr(d, field):.6g}"
-                for field in ELEMENTWISE_FAMILY_FIELDS.values()
-                if getattr(d, field)
-            ),
             f"conv_flops_per_s = {d.conv_rate:.6g}",
             f"conv_channel_block = {d.conv_channel_block}",
             "",

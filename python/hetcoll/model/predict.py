@@ -32,7 +32,7 @@ import numpy as np
 import hetcoll
 from hetcoll.model import terms
 from hetcoll.model.costs import LayerCost, ModelCosts
-from hetcoll.model.hardware import ELEMENTWISE_FAMILY_FIELDS, Cluster, Device
+from hetcoll.model.hardware import Cluster, Device
 
 # torch DDP's defaults: the first bucket is capped at 1 MiB (so communication starts early), the
 # others at bucket_cap_mb = 25 MiB.
@@ -95,21 +95,15 @@ class _KernelTable:
     scales: np.ndarray
     gemm: np.ndarray  # True for GEMM-class kernels (memory at mem_bytes_per_s), else element-wise
     conv: np.ndarray  # True for convolution GEMMs (arithmetic at the convolution FLOP rate)
-    family: np.ndarray  # element-wise kernels: index into _FAMILIES (0: none of them)
     channels_out: np.ndarray  # convolutions: output and input channels of one group
     channels_in: np.ndarray
     num_layers: int
     onehot: np.ndarray  # (layers, kernels): 1 where the kernel belongs to the layer
 
 
-_FAMILIES = ("", *ELEMENTWISE_FAMILY_FIELDS)
-
-
 @functools.lru_cache(maxsize=16)
 def _kernel_table(costs: ModelCosts) -> _KernelTable:
-    rows: list[
-        tuple[int, bool, float, float, float, float, float, bool, bool, bool, int, int, int]
-    ] = []
+    rows: list[tuple[int, bool, float, float, float, float, float, bool, bool, bool, int, int]] = []
     for i, layer in enumerate(costs.layers):
         for fwd, kernels in ((True, layer.forward), (False, layer.backward)):
             for k in kernels:
@@ -126,10 +120,9 @@ def _kernel_table(costs: ModelCosts) -> _KernelTable:
                         not k.elementwise,
                         k.conv,
                         *k.channels,
-                        _FAMILIES.index(k.family) if k.family in _FAMILIES else 0,
                     )
                 )
-    cols = list(zip(*rows)) if rows else [()] * 13
+    cols = list(zip(*rows)) if rows else [()] * 12
     onehot = np.zeros((len(costs.layers), len(rows)))
     onehot[np.asarray(cols[0], dtype=np.int64), np.arange(len(rows))] = 1.0
     floats = [np.asarray(c, dtype=np.float64) for c in cols[2:7]]
@@ -146,7 +139,6 @@ def _kernel_table(costs: ModelCosts) -> _KernelTable:
         conv=np.asarray(cols[9], dtype=bool),
         channels_out=np.asarray(cols[10], dtype=np.float64),
         channels_in=np.asarray(cols[11], dtype=np.float64),
-        family=np.asarray(cols[12], dtype=np.int64),
         num_layers=len(costs.layers),
         onehot=onehot,
     )
@@ -161,7 +153,6 @@ class _DeviceArrays:
     overhead_s: np.ndarray
     memory_bytes: np.ndarray
     conv_channel_block: np.ndarray
-    family_bytes_per_s: np.ndarray  # (families, devices): row f for _FAMILIES[f]
 
 
 def _device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
@@ -173,7 +164,6 @@ def _device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
         np.array([d.kernel_overhead_s for d in devices]),
         np.array([d.memory_bytes for d in devices]),
         np.array([float(d.conv_channel_block) for d in devices]),
-        np.array([[d.family_rate(f) for d in devices] for f in _FAMILIES]),
     )
 
 
@@ -236,7 +226,7 @@ def _layer_times(
     # kernels, filters).
     runs = (b > 0) & np.where(t.scales[:, None], phi > 0, True)
     bandwidth = np.where(
-        t.gemm[:, None], dev.mem_bytes_per_s[None, :], dev.family_bytes_per_s[t.family, :]
+        t.gemm[:, None], dev.mem_bytes_per_s[None, :], dev.elementwise_bytes_per_s[None, :]
     )
     rate = np.where(t.conv[:, None], dev.conv_flops_per_s[None, :], dev.flops_per_s[None, :])
     # Convolutions compute on channels padded to the device's block.
