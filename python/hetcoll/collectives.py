@@ -89,10 +89,13 @@ EAGER_GATHER_BYTES: dict[str, int] = {"gloo": 64 << 10}
 #: :data:`EAGER_GATHER_HISTORY` calls (up to :data:`EAGER_GATHER_MAX_BYTES`): a gather that
 #: repeats its shapes, as a filter-parallel layer's does every step, is then done in one
 #: collective at any size up to that cap, and small gathers stop paying for a 64 KiB slot.
+#: The cap trades the slot's padding (every rank sends the largest piece's size) against a
+#: second round: with a 1 MiB cap, two ranks gathering 4 MiB (pieces of 1.3 and 2.7 MiB) took
+#: 2.0-2.6x an all_gather of the same bytes in two rounds (benches/bench_collectives.py).
 #: Every rank derives the slot from the lengths all ranks exchanged, so all agree on it (gloo
 #: aborts the process when all_gather sizes differ between ranks).
 EAGER_GATHER_HISTORY = 8
-EAGER_GATHER_MAX_BYTES: dict[str, int] = {"gloo": 1 << 20}
+EAGER_GATHER_MAX_BYTES: dict[str, int] = {"gloo": 4 << 20}
 _eager_history: weakref.WeakKeyDictionary[Any, deque[int]] = weakref.WeakKeyDictionary()
 _TAG = 4831  # ring allreduce messages: _TAG + step
 _TAG_DIRECT = 24831  # direct allreduce: weight, then data
