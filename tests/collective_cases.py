@@ -270,9 +270,9 @@ def check_allgatherv(comm: Communicator, native: Any) -> int:
         (first + 1, False),  # overflows it; the slot grows to first + 1
         (512, True),  # fits the grown slot
         (first + 1, True),  # fills it
-        (cap + 1, False),  # over the cap
-        (cap + 1, False),  # still over: the slot stops at the cap
-        (cap, True),  # at the cap
+        (cap + 1, False),  # over the cap: the slot stays
+        (cap, False),  # at the cap, over the slot: the slot grows to the cap
+        (cap, True),  # fills it
     ]
     for big, one_round in steps:
         n_of = [big if q == p - 1 else q + 1 for q in range(p)]
@@ -286,6 +286,12 @@ def check_allgatherv(comm: Communicator, native: Any) -> int:
             assert (calls == ["allgather_fixed"]) == one_round, (big, calls)
         else:  # MPI: a length exchange, then MPI_Allgatherv
             assert calls[0] == "allgather_fixed" and len(calls) > 1, calls
+    if gloo:
+        # Once every recent piece is over the cap, the first round carries the lengths only.
+        history = collectives._eager_history[counted.identity]
+        assert collectives._eager_slot(history, "gloo") == cap * 8
+        history.extend([cap * 8 + 8] * history.maxlen)  # type: ignore[operator]
+        assert collectives._eager_slot(history, "gloo") == 0
     return done + 7
 
 

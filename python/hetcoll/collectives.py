@@ -89,9 +89,11 @@ EAGER_GATHER_BYTES: dict[str, int] = {"gloo": 64 << 10}
 #: :data:`EAGER_GATHER_HISTORY` calls (up to :data:`EAGER_GATHER_MAX_BYTES`): a gather that
 #: repeats its shapes, as a filter-parallel layer's does every step, is then done in one
 #: collective at any size up to that cap, and small gathers stop paying for a 64 KiB slot.
-#: The cap trades the slot's padding (every rank sends the largest piece's size) against a
-#: second round: with a 1 MiB cap, two ranks gathering 4 MiB (pieces of 1.3 and 2.7 MiB) took
-#: 2.0-2.6x an all_gather of the same bytes in two rounds (benches/bench_collectives.py).
+#: Pieces over the cap do not count: a group whose recent pieces all outgrew it sends only the
+#: lengths first, as MPI does. The cap trades the slot's padding (every rank sends the largest
+#: piece's size) against a second round: with a 1 MiB cap, two ranks gathering 4 MiB (pieces
+#: of 1.3 and 2.7 MiB) took 2.0-2.6x an all_gather of the same bytes in two rounds
+#: (benches/bench_collectives.py).
 #: Every rank derives the slot from the lengths all ranks exchanged, so all agree on it (gloo
 #: aborts the process when all_gather sizes differ between ranks).
 EAGER_GATHER_HISTORY = 8
@@ -492,8 +494,7 @@ def _gather(
     history = _history(c)
     eager = 0
     if history is not None:
-        eager = min(max(history), EAGER_GATHER_MAX_BYTES[c.engine]) if history else 0
-        eager = eager or EAGER_GATHER_BYTES[c.engine]
+        eager = _eager_slot(history, c.engine)
     rows, slots = _exchange_shapes(c, view.shape, view.dtype.str, deadline, algorithm, send, eager)
     row_bytes = view.itemsize * math.prod(view.shape[1:])
     if history is not None:
@@ -527,6 +528,17 @@ def _gather(
         t = torch.from_numpy(out_view)
         return (t.view(torch.bfloat16) if local.dtype == torch.bfloat16 else t), lengths
     return out_view, lengths
+
+
+def _eager_slot(history: deque[int], engine: str) -> int:
+    """Bytes of each rank's slot in the first round: on a group's first gather
+    :data:`EAGER_GATHER_BYTES`; then the largest recent piece within the cap (pieces over it
+    take the second round anyway, so they do not grow the slot), or none at all (the lengths
+    only) when every recent piece was over the cap."""
+    if not history:
+        return EAGER_GATHER_BYTES[engine]
+    cap = EAGER_GATHER_MAX_BYTES[engine]
+    return max((n for n in history if n <= cap), default=0)
 
 
 def _history(c: Communicator) -> deque[int] | None:
