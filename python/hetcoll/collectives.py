@@ -605,10 +605,12 @@ def _exchange_shapes(
     fields = _header(tuple(shape[1:]), dtype, algorithm).copy()
     fields[0] = shape[0]
     if eager > 0 and send is not None:
-        slot = np.zeros(fields.nbytes + eager, dtype=np.uint8)
+        # Written once: the header, the piece (or its first ``eager`` bytes), zeros after it.
+        slot = np.empty(fields.nbytes + eager, dtype=np.uint8)
         slot[: fields.nbytes] = fields.view(np.uint8)
         k = min(send.size, eager)
         slot[fields.nbytes : fields.nbytes + k] = send[:k]
+        slot[fields.nbytes + k :] = 0
         got = c.allgather_fixed(slot, deadline)
         rows = np.ascontiguousarray(got[:, : fields.nbytes]).view(np.int64)
         slots: np.ndarray | None = got[:, fields.nbytes :]
