@@ -451,6 +451,40 @@ def fit_time_slice(
     return round(float(best), 6)
 
 
+def fit_wake_seconds(
+    ranks: int,
+    cores: int,
+    works_s: Sequence[float],
+    stretches_s: Sequence[float],
+    time_slice_s: float,
+) -> float:
+    """What a lock-step stretch costs beyond the bare collective and the round-robin makespan of
+    its compute (:func:`fit_time_slice`'s model at ``time_slice_s``): the median excess over the
+    stretches with work, at least 0. With more ranks than cores the ranks that reach a
+    collective first sleep, and waking them (and the engine's progress threads, which need a
+    core too) costs this much per collective.
+
+    >>> from hetcoll.model import terms
+    >>> works = TIME_SLICE_WORKS_S
+    >>> meas = [1e-4 + (w > 0) * 1e-3 + terms.shared_cores_makespan_seconds(
+    ...     [[("cpu", w)]] * 3, 2, 0.004) for w in works]
+    >>> round(fit_wake_seconds(3, 2, works, meas, 0.004), 6)
+    0.001
+    """
+    from hetcoll.model import terms
+
+    if len(works_s) != len(stretches_s) or len(works_s) < 2 or works_s[0] != 0.0:
+        raise ValueError(
+            "works_s, stretches_s: need equally many figures, at least two, the first for no work"
+        )
+    base = float(stretches_s[0])
+    excess = [
+        m - base - terms.shared_cores_makespan_seconds([[("cpu", w)]] * ranks, cores, time_slice_s)
+        for w, m in zip(works_s[1:], stretches_s[1:])
+    ]
+    return round(max(0.0, float(statistics.median(excess))), 7)
+
+
 def _mpi_ping_pong(sizes: Sequence[int], repeats: int) -> list[float] | None:
     from mpi4py import MPI
 

@@ -270,13 +270,15 @@ def _slowdowns(emulated_speeds: Sequence[float] | None, num_devices: int) -> np.
     return 1.0 / np.asarray(emulated_speeds, dtype=np.float64)
 
 
-def _check_cores(shared_cores: int | None, time_slice_s: float) -> None:
+def _check_cores(shared_cores: int | None, time_slice_s: float, wake_s: float = 0.0) -> None:
     if shared_cores is not None and (
         isinstance(shared_cores, bool) or not isinstance(shared_cores, int) or shared_cores < 1
     ):
         raise ValueError(f"shared_cores: must be an integer >= 1 or None, got {shared_cores!r}")
     if not (isinstance(time_slice_s, (int, float)) and 0.0 <= time_slice_s < float("inf")):
         raise ValueError(f"time_slice_s: must be a finite number >= 0, got {time_slice_s!r}")
+    if not (isinstance(wake_s, (int, float)) and 0.0 <= wake_s < float("inf")):
+        raise ValueError(f"shared_wake_s: must be a finite number >= 0, got {wake_s!r}")
 
 
 def ddp_buckets(
@@ -335,6 +337,7 @@ def data_parallel(
     emulated_speeds: Sequence[float] | None = None,
     shared_cores: int | None = None,
     time_slice_s: float = 0.0,
+    shared_wake_s: float = 0.0,
 ) -> Prediction:
     """One data-parallel step: device d runs forward + backward on ``shares[d]`` samples; the
     gradients are allreduced by a ring in DDP buckets, each starting once every device has
@@ -350,7 +353,8 @@ def data_parallel(
     sharing this many CPU cores; while more ranks compute than there are cores they share them
     (:func:`terms.shared_cores_finish_seconds`; ``time_slice_s``: the scheduler's, 0 for
     processor sharing), and a pausing rank leaves its core to the others. The gradient
-    allreduce then starts after every backward.
+    allreduce then starts after every backward, ``shared_wake_s`` late (the ranks that finished
+    first slept and must be woken; :func:`hetcoll.model.calibrate.fit_wake_seconds`).
 
     >>> from hetcoll.model import layer_costs, networks, hardware  # doctest: +SKIP
     >>> data_parallel(costs, cluster, [48, 16]).step_s  # doctest: +SKIP
@@ -358,7 +362,7 @@ def data_parallel(
     devices = cluster.devices
     b = _check_shares(shares, len(devices))
     slow = _slowdowns(emulated_speeds, len(devices))
-    _check_cores(shared_cores, time_slice_s)
+    _check_cores(shared_cores, time_slice_s, shared_wake_s)
     dev = _device_arrays(devices)
     lt = _layer_times(costs, dev, b)
     fwd_total = lt.forward_s.sum(axis=0)
@@ -387,6 +391,7 @@ def data_parallel(
         )
         opt = np.where(b > 0, opt_all, 0.0)
         overlap = False
+        busy += shared_wake_s
     else:
         compute = fwd_total + pause + bwd_total
         busy = float(compute.max())
@@ -611,6 +616,7 @@ def filter_parallel(
     emulated_speeds: Sequence[float] | None = None,
     shared_cores: int | None = None,
     time_slice_s: float = 0.0,
+    shared_wake_s: float = 0.0,
     optimizer_state_copies: int = 1,
     strategy: str = "filter parallel",
 ) -> Prediction:
@@ -636,7 +642,8 @@ def filter_parallel(
     runs through :func:`terms.shared_cores_makespan_seconds` with the scheduler's
     ``time_slice_s`` (0: processor sharing). Stretches shorter than a time slice do not share
     fairly: of three ranks on two cores, one waits for the others to finish. An emulated
-    sleep is timed on the compute as it ran, waits included, and grows with them.
+    sleep is timed on the compute as it ran, waits included, and grows with them. Each
+    collective then costs ``shared_wake_s`` more (waking the ranks that reached it first).
 
     >>> filter_parallel(costs, cluster, 64, [1.0, 0.5]).step_s  # doctest: +SKIP
     """
@@ -650,7 +657,7 @@ def filter_parallel(
     layer_modes = filter_modes(costs) if modes is None else _check_modes(costs, modes)
     if n_dev == 1:
         layer_modes = {}
-    _check_cores(shared_cores, time_slice_s)
+    _check_cores(shared_cores, time_slice_s, shared_wake_s)
     dev = _device_arrays(devices)
     n_layers = len(costs.layers)
     phi = np.ones((n_layers, n_dev))  # each device's fraction of the layer's kernels' filters
@@ -740,7 +747,7 @@ def filter_parallel(
             comm_s = (fwd_comm if forward else bwd_comm)[i]
             if comm_s > 0:
                 step += terms.shared_cores_makespan_seconds(phases, shared_cores, time_slice_s)
-                step += float(comm_s)
+                step += float(comm_s) + shared_wake_s
                 phases = [[] for _ in range(n_dev)]
         for d in range(n_dev):
             phases[d].append(("cpu", float(opt_alone[d])))

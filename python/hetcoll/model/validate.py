@@ -392,15 +392,17 @@ def _link_of(runs: Sequence[dict[str, Any]], p: int, link: Link | None) -> Link:
     return Link("gloo-allreduce", alpha, bw)
 
 
-def _time_slice_of(runs: Sequence[dict[str, Any]], cores: int) -> float:
-    """The scheduler's time slice fitted to the ranks' lock-step stretches (medians over the
-    ranks); 0 (no sharing to model) when the ranks fit in the cores."""
+def _time_slice_of(runs: Sequence[dict[str, Any]], cores: int) -> tuple[float, float]:
+    """The scheduler's time slice and the wake-up cost per collective, fitted to the ranks'
+    lock-step stretches (medians over the ranks); (0, 0) (no sharing to model) when the ranks
+    fit in the cores."""
     if "lockstep_s" not in runs[0]:
-        return 0.0
-    from hetcoll.model.calibrate import TIME_SLICE_WORKS_S, fit_time_slice
+        return 0.0, 0.0
+    from hetcoll.model.calibrate import TIME_SLICE_WORKS_S, fit_time_slice, fit_wake_seconds
 
     stretches = [statistics.median(s) for s in zip(*(r["lockstep_s"] for r in runs))]
-    return fit_time_slice(len(runs), cores, TIME_SLICE_WORKS_S, stretches)
+    q = fit_time_slice(len(runs), cores, TIME_SLICE_WORKS_S, stretches)
+    return q, fit_wake_seconds(len(runs), cores, TIME_SLICE_WORKS_S, stretches, q)
 
 
 def _median_prediction(
@@ -451,7 +453,7 @@ def _validate_data(
     args = (model, input_shape, list(shares), list(speeds), steps, warmup, here)
     runs = spawn(_data_rank, p, *args, timeout=300.0)
     lk = _link_of(runs, p, link)
-    time_slice = _time_slice_of(runs, cores)
+    time_slice, wake = _time_slice_of(runs, cores)
     # DDP overlaps the allreduce with the backward pass, but on a CPU host gloo's copies and
     # reductions run on the same cores as the compute: once the ranks fill the cores there
     # is nothing to overlap with, so the model runs them one after the other.
@@ -468,6 +470,7 @@ def _validate_data(
                 emulated_speeds=list(speeds),
                 shared_cores=setup.shared_cores(p),
                 time_slice_s=time_slice,
+                shared_wake_s=wake,
             ).step_s
 
         return predict
@@ -486,7 +489,7 @@ def _validate_data(
         other,
         "data",
         sum(shares),
-        {"time_slice_s": time_slice} if time_slice else {},
+        {"time_slice_s": time_slice, "wake_s": wake} if time_slice else {},
     )
 
 
@@ -509,7 +512,7 @@ def _validate_filter(
     args = (config.model, input_shape, config.batch, list(config.parts), list(config.speeds))
     runs = spawn(_filter_rank, p, *args, config.avoid_gathers, steps, warmup, here, timeout=300.0)
     lk = _link_of(runs, p, link)
-    time_slice = _time_slice_of(runs, setup.cores)
+    time_slice, wake = _time_slice_of(runs, setup.cores)
     modes: dict[str, str] = runs[0]["modes"]
 
     def predict(devs: Sequence[Device]) -> float:
@@ -524,6 +527,7 @@ def _validate_filter(
             emulated_speeds=list(config.speeds),
             shared_cores=setup.shared_cores(p),
             time_slice_s=time_slice,
+            shared_wake_s=wake,
         )
         if pred.detail["shares_per_layer"] != runs[0]["shares"]:
             raise RuntimeError(
@@ -550,7 +554,7 @@ def _validate_filter(
             "shares": runs[0]["shares"],
             "params_per_rank": [r["params"] for r in runs],
             "avoid_gathers": config.avoid_gathers,
-            **({"time_slice_s": time_slice} if time_slice else {}),
+            **({"time_slice_s": time_slice, "wake_s": wake} if time_slice else {}),
         },
     )
 
