@@ -571,6 +571,20 @@ def test_filter_parallel_splits_the_channelwise_layers_between_a_pair() -> None:
     )
     with pytest.raises(ValueError, match="time_slice_s"):
         layers_s(3, shared_cores=2, time_slice_s=-1.0)
+    # Waking the ranks that reached a collective first: once per collective, only when shared.
+    nodes = [Node(f"n{i}", Device(f"d{i}", 1e9, 1e30, 1e12), 1) for i in range(3)]
+    cluster = Cluster(nodes, Link("free", 0.0, 1e30))
+
+    def step(**kw: object) -> float:
+        return filter_parallel(costs, cluster, 16, [1.0] * 3, shared_cores=2, **kw).step_s  # type: ignore[arg-type]
+
+    collectives = filter_parallel(costs, cluster, 16, [1.0] * 3).detail["collectives"]
+    assert collectives >= 1
+    assert step(shared_wake_s=1e-3) - step() == pytest.approx(1e-3 * collectives)
+    unshared = filter_parallel(costs, cluster, 16, [1.0] * 3, shared_wake_s=1e-3).step_s
+    assert unshared == pytest.approx(filter_parallel(costs, cluster, 16, [1.0] * 3).step_s)
+    with pytest.raises(ValueError, match="shared_wake_s"):
+        step(shared_wake_s=-1.0)
 
 
 def test_filter_parallel_lock_step_waits_for_the_slowest_stretch(cnn_costs) -> None:  # type: ignore[no-untyped-def]

@@ -389,27 +389,38 @@ def spin_rate() -> float:
 
 
 def lockstep_stretch_seconds(
-    iterations_per_s: float, works_s: Sequence[float] = TIME_SLICE_WORKS_S, repeats: int = 3
+    iterations_per_s: float,
+    works_s: Sequence[float] = TIME_SLICE_WORKS_S,
+    repeats: int = 3,
+    nbytes: int = 0,
 ) -> list[float]:
     """Seconds of one lock-step stretch of the current process group for each of ``works_s``:
     every rank computes that long (a busy loop at ``iterations_per_s``, :func:`spin_rate`),
-    then joins a one-element ``all_reduce``; median over ``repeats`` of the mean of 8
-    stretches. With more ranks than cores, :func:`fit_time_slice` reads the scheduler's time
-    slice off these (every rank calls this; they all see the same stretches)."""
+    then joins a one-element ``all_reduce`` (``nbytes`` > 0: a :func:`hetcoll.allreduce` of
+    that many bytes); median over ``repeats`` of the mean of 8 stretches. With more ranks
+    than cores, :func:`fit_time_slice` and :func:`fit_wake_seconds` read the scheduler's time
+    slice and the wake-up cost off these (every rank calls this; they all see the same
+    stretches)."""
     import torch
     import torch.distributed as dist
 
-    token = torch.zeros(1)
+    token = torch.zeros(max(1, nbytes // 4))
+    if nbytes:
+        import hetcoll
+
+        collective: Callable[[Any], object] = hetcoll.allreduce
+    else:
+        collective = dist.all_reduce
     out = []
     for work in works_s:
         iterations = int(work * iterations_per_s)
         runs = []
         for _ in range(repeats):
-            dist.all_reduce(token)
+            collective(token)
             t0 = time.perf_counter()
             for _ in range(8):
                 _spin(iterations)
-                dist.all_reduce(token)
+                collective(token)
             runs.append((time.perf_counter() - t0) / 8)
         out.append(statistics.median(runs))
     return out
