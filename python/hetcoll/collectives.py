@@ -546,11 +546,13 @@ def _history(c: Communicator) -> deque[int] | None:
     round (None elsewhere, and on one rank)."""
     if c.size == 1 or c.engine not in EAGER_GATHER_BYTES:
         return None
-    history: deque[int] = deque(maxlen=EAGER_GATHER_HISTORY)
     try:
-        return _eager_history.setdefault(c.identity, history)
-    except TypeError:  # a group object that cannot be weakly referenced: no memory, first slot
+        history = _eager_history.get(c.identity)
+        if history is None:
+            history = _eager_history[c.identity] = deque(maxlen=EAGER_GATHER_HISTORY)
         return history
+    except TypeError:  # a group object that cannot be weakly referenced: no memory, first slot
+        return deque(maxlen=EAGER_GATHER_HISTORY)
 
 
 def _direct_allgather(

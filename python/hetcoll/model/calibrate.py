@@ -426,6 +426,15 @@ def lockstep_stretch_seconds(
     return out
 
 
+def _lockstep_base(works_s: Sequence[float], stretches_s: Sequence[float]) -> float:
+    """The stretch with no work (the bare collective), after checking the figures' shape."""
+    if len(works_s) != len(stretches_s) or len(works_s) < 2 or works_s[0] != 0.0:
+        raise ValueError(
+            "works_s, stretches_s: need equally many figures, at least two, the first for no work"
+        )
+    return float(stretches_s[0])
+
+
 def fit_time_slice(
     ranks: int, cores: int, works_s: Sequence[float], stretches_s: Sequence[float]
 ) -> float:
@@ -444,11 +453,7 @@ def fit_time_slice(
     """
     from hetcoll.model import terms
 
-    if len(works_s) != len(stretches_s) or len(works_s) < 2 or works_s[0] != 0.0:
-        raise ValueError(
-            "works_s, stretches_s: need equally many figures, at least two, the first for no work"
-        )
-    base = float(stretches_s[0])
+    base = _lockstep_base(works_s, stretches_s)
     grid = [0.0, *np.geomspace(2e-4, 5e-2, 61)]
 
     def loss(q: float) -> float:
@@ -484,11 +489,7 @@ def fit_wake_seconds(
     """
     from hetcoll.model import terms
 
-    if len(works_s) != len(stretches_s) or len(works_s) < 2 or works_s[0] != 0.0:
-        raise ValueError(
-            "works_s, stretches_s: need equally many figures, at least two, the first for no work"
-        )
-    base = float(stretches_s[0])
+    base = _lockstep_base(works_s, stretches_s)
     excess = [
         m - base - terms.shared_cores_makespan_seconds([[("cpu", w)]] * ranks, cores, time_slice_s)
         for w, m in zip(works_s[1:], stretches_s[1:])

@@ -395,7 +395,7 @@ def _link_of(runs: Sequence[dict[str, Any]], p: int, link: Link | None) -> Link:
     return Link("gloo-allreduce", alpha, bw)
 
 
-def _time_slice_of(runs: Sequence[dict[str, Any]], cores: int) -> tuple[float, float]:
+def _core_sharing_of(runs: Sequence[dict[str, Any]], cores: int) -> tuple[float, float]:
     """The scheduler's time slice and the wake-up cost per collective, fitted to the ranks'
     lock-step stretches (medians over the ranks); (0, 0) (no sharing to model) when the ranks
     fit in the cores."""
@@ -456,7 +456,7 @@ def _validate_data(
     args = (model, input_shape, list(shares), list(speeds), steps, warmup, here)
     runs = spawn(_data_rank, p, *args, timeout=300.0)
     lk = _link_of(runs, p, link)
-    time_slice, wake = _time_slice_of(runs, cores)
+    time_slice, wake = _core_sharing_of(runs, cores)
     # DDP overlaps the allreduce with the backward pass, but on a CPU host gloo's copies and
     # reductions run on the same cores as the compute: once the ranks fill the cores there
     # is nothing to overlap with, so the model runs them one after the other.
@@ -515,7 +515,7 @@ def _validate_filter(
     args = (config.model, input_shape, config.batch, list(config.parts), list(config.speeds))
     runs = spawn(_filter_rank, p, *args, config.avoid_gathers, steps, warmup, here, timeout=300.0)
     lk = _link_of(runs, p, link)
-    time_slice, wake = _time_slice_of(runs, setup.cores)
+    time_slice, wake = _core_sharing_of(runs, setup.cores)
     modes: dict[str, str] = runs[0]["modes"]
 
     def predict(devs: Sequence[Device]) -> float:
