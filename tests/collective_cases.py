@@ -262,8 +262,6 @@ def check_allgatherv(comm: Communicator, native: Any) -> int:
     gloo = comm.engine == "gloo"
     first = collectives.EAGER_GATHER_BYTES.get(comm.engine, 0) // 8 or 8
     cap = collectives.EAGER_GATHER_MAX_BYTES.get(comm.engine, 0) // 8 or 8
-    if gloo:
-        collectives._eager_history.pop(counted.identity, None)  # the same on every rank
     # (largest piece in float64 elements, one collective on gloo?)
     steps = [
         (first, True),  # fills the first slot; the next one is that size too
@@ -288,7 +286,8 @@ def check_allgatherv(comm: Communicator, native: Any) -> int:
             assert calls[0] == "allgather_fixed" and len(calls) > 1, calls
     if gloo:
         # Once every recent piece is over the cap, the first round carries the lengths only.
-        history = collectives._eager_history[counted.identity]
+        history = counted.gather_history
+        assert history is not None
         assert collectives._eager_slot(history, "gloo") == cap * 8
         history.extend([cap * 8 + 8] * history.maxlen)  # type: ignore[operator]
         assert collectives._eager_slot(history, "gloo") == 0

@@ -27,7 +27,6 @@ import functools
 import math
 import threading
 import time
-import weakref
 import zlib
 from collections import deque
 from collections.abc import Sequence
@@ -98,7 +97,6 @@ EAGER_GATHER_BYTES: dict[str, int] = {"gloo": 64 << 10}
 #: aborts the process when all_gather sizes differ between ranks).
 EAGER_GATHER_HISTORY = 8
 EAGER_GATHER_MAX_BYTES: dict[str, int] = {"gloo": 4 << 20}
-_eager_history: weakref.WeakKeyDictionary[Any, deque[int]] = weakref.WeakKeyDictionary()
 _TAG = 4831  # ring allreduce messages: _TAG + step
 _TAG_DIRECT = 24831  # direct allreduce: weight, then data
 _TAG_GATHER_DIRECT = 34831  # direct allgatherv
@@ -542,17 +540,13 @@ def _eager_slot(history: deque[int], engine: str) -> int:
 
 
 def _history(c: Communicator) -> deque[int] | None:
-    """The largest piece of each of the group's last gathers, on engines with an eager first
-    round (None elsewhere, and on one rank)."""
+    """The largest piece of each of the group's last gathers (:attr:`Communicator.gather_history`),
+    on engines with an eager first round (None elsewhere, and on one rank)."""
     if c.size == 1 or c.engine not in EAGER_GATHER_BYTES:
         return None
-    try:
-        history = _eager_history.get(c.identity)
-        if history is None:
-            history = _eager_history[c.identity] = deque(maxlen=EAGER_GATHER_HISTORY)
-        return history
-    except TypeError:  # a group object that cannot be weakly referenced: no memory, first slot
-        return deque(maxlen=EAGER_GATHER_HISTORY)
+    if c.gather_history is None:
+        c.gather_history = deque(maxlen=EAGER_GATHER_HISTORY)
+    return c.gather_history
 
 
 def _direct_allgather(

@@ -23,6 +23,7 @@ import sys
 import time
 import weakref
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -86,11 +87,10 @@ class Communicator(ABC):
     ) -> Request:
         """Start ``recv <- (sum over ranks of send)[o_r : o_r + counts[r]]`` on rank r."""
 
-    @property
-    def identity(self) -> Any:
-        """The engine's own object for this group of ranks, the same on every call (a key for
-        state kept per group, weakly)."""
-        return self.native
+    #: allgatherv's largest piece of each of the last gathers on this group (its eager slot
+    #: follows them); created on first use. One wrapper per torch process group (:func:`wrap`)
+    #: makes it per group.
+    gather_history: deque[int] | None = None
 
     def allgather_fixed(self, send: np.ndarray, deadline: float | None) -> np.ndarray:
         """Every rank's ``send`` (1-D uint8, the same length on every rank), as the rows of a
@@ -294,10 +294,6 @@ class TorchCommunicator(Communicator):
         self._global = [
             r if group is None else dist.get_global_rank(group, r) for r in range(self.size)
         ]
-
-    @property
-    def identity(self) -> Any:
-        return self.native if self.native is not None else self._dist.group.WORLD
 
     # The point-to-point calls run once per ring segment and per direct-exchange peer: kept to
     # the engine call and a try (no context manager, no message built unless it fails).

@@ -270,7 +270,7 @@ def _slowdowns(emulated_speeds: Sequence[float] | None, num_devices: int) -> np.
     return 1.0 / np.asarray(emulated_speeds, dtype=np.float64)
 
 
-def _check_cores(shared_cores: int | None, time_slice_s: float, wake_s: float = 0.0) -> None:
+def _check_cores(shared_cores: int | None, time_slice_s: float, wake_s: float) -> None:
     if shared_cores is not None and (
         isinstance(shared_cores, bool) or not isinstance(shared_cores, int) or shared_cores < 1
     ):
@@ -761,7 +761,10 @@ def filter_parallel(
                 step += float(stretch.max() + comm_s)
                 stretch = np.zeros(n_dev)
         step = float(step + (stretch + opt).max())
-    comm = float(fwd_comm.sum() + bwd_comm.sum())
+    collectives = int((fwd_comm > 0).sum() + (bwd_comm > 0).sum())
+    comm = float(fwd_comm.sum() + bwd_comm.sum()) + (
+        shared_wake_s * collectives if sharing else 0.0
+    )
     # Causes on the critical path: each layer's slowest device, scaled to the stretches' total.
     crit = np.argmax(fwd + bwd, axis=1)
     rows = np.arange(n_layers)
@@ -795,7 +798,7 @@ def filter_parallel(
         {
             "split_layers": len(filters_of),
             "modes": {costs.layers[i].name: layer_modes[costs.layers[i].name] for i in filters_of},
-            "collectives": int((fwd_comm > 0).sum() + (bwd_comm > 0).sum()),
+            "collectives": collectives,
             "shares_per_layer": {costs.layers[i].name: filters_of[i] for i in filters_of},
         },
     )

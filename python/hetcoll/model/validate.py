@@ -12,21 +12,22 @@ Two strategies are validated:
   really ran.
 
 Heterogeneity is *emulated*. Data parallel: a rank of speed factor f sleeps (1/f - 1) x its own
-measured compute time between its forward and backward (:func:`emulate_speed`), and the model sees a
-device whose FLOP/s, memory bandwidth and kernel overhead are scaled by f. Filter parallel runs
+measured compute time between its forward and backward (:func:`emulate_speed`), and the model
+adds the same pause (``emulated_speeds``). Filter parallel runs
 in lock step layer by layer, so one pause per step would not act like a slower device: each
 split layer sleeps (1/f - 1) x its own local compute, forward and backward
 (:func:`hetcoll.torch.set_emulated_speed`), and the model slows exactly those layers
 (``emulated_speeds``); the replicated layers run at full speed in both.
 
-The device and link figures come either from a calibration file (ranks beyond the number of
-cores then share cores: each rank's device is slowed by cores / ranks) or, by default, from the
-same microbenchmarks run inside the ranks before every step (medians, all ranks at once; the
-link fitted once to gloo allreduce times by the ring model) - on a shared machine that is the
-only way to predict under the load the steps see. Both strategies share that machinery
-(:func:`_timed_steps`, :func:`_link_of`, :func:`_median_prediction`). DDP's overlap of allreduce
-and backward is modelled only while the ranks leave cores free (gloo's copies and reductions
-need the cores the compute uses).
+The device and link figures come either from a calibration file or, by default, from the
+same microbenchmarks run inside the ranks before every step (medians, all ranks at once or
+``cores`` at a time; the link fitted once to allreduce times by the ring model) - on a shared
+machine that is the only way to predict under the load the steps see. Ranks beyond the number
+of cores share them in the model (``shared_cores``), with the time slice and wake-up cost
+fitted to lock-step stretches the ranks run first (:func:`_core_sharing_of`). Both strategies
+share that machinery (:func:`_timed_steps`, :func:`_link_of`, :func:`_median_prediction`).
+DDP's overlap of allreduce and backward is modelled only while the ranks leave cores free
+(gloo's copies and reductions need the cores the compute uses).
 
 >>> med, worst = summary([ValidationResult("cnn", 1, [16], [1.0], 0.015, 0.010)])
 >>> round(med, 3), round(worst, 3)
@@ -492,7 +493,7 @@ def _validate_data(
         other,
         "data",
         sum(shares),
-        {"time_slice_s": time_slice, "wake_s": wake} if time_slice else {},
+        {"time_slice_s": time_slice, "wake_s": wake} if setup.shared_cores(p) else {},
     )
 
 
@@ -557,7 +558,7 @@ def _validate_filter(
             "shares": runs[0]["shares"],
             "params_per_rank": [r["params"] for r in runs],
             "avoid_gathers": config.avoid_gathers,
-            **({"time_slice_s": time_slice, "wake_s": wake} if time_slice else {}),
+            **({"time_slice_s": time_slice, "wake_s": wake} if setup.shared_cores(p) else {}),
         },
     )
 
