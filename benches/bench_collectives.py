@@ -11,7 +11,8 @@ unweighted and weighted (weight fused into a Rust pre-scale), of the weighted di
 and of the weighted ring; the ring lower bound 2(p-1)/p * N / B with B from a
 ping-pong between ranks 0 and 1, and the ring's time over that bound. Then allgatherv of pieces
 of different lengths (rank r holds r+1 shares) against an all_gather of equal pieces with the
-same total bytes. Ranks share the machine's cores, so absolute figures are those of one host
+same total bytes, both into an output allocated once (``out=``, as all_gather_into_tensor and
+MPI_Allgather take one). Ranks share the machine's cores, so absolute figures are those of one host
 (shared memory transport); compare the ratios.
 """
 
@@ -154,6 +155,7 @@ def _operations(
     buf: np.ndarray,
     w: float,
     piece_v: np.ndarray,
+    out_v: np.ndarray,
     piece_eq: np.ndarray,
     out_eq: np.ndarray,
 ) -> dict[str, Callable[[], None]]:
@@ -166,10 +168,12 @@ def _operations(
         "ring_w": lambda: hetcoll.allreduce(buf, comm, weight=w, algorithm="ring"),
         "direct_w": lambda: hetcoll.allreduce(buf, comm, weight=w, algorithm="direct"),
         "auto_w": lambda: hetcoll.allreduce(buf, comm, weight=w),
-        "allgatherv": lambda: hetcoll.allgatherv(piece_v, comm, algorithm="native"),
-        "allgatherv_ring": lambda: hetcoll.allgatherv(piece_v, comm, algorithm="ring"),
-        "allgatherv_direct": lambda: hetcoll.allgatherv(piece_v, comm, algorithm="direct"),
-        "allgatherv_auto": lambda: hetcoll.allgatherv(piece_v, comm),
+        "allgatherv": lambda: hetcoll.allgatherv(piece_v, comm, out=out_v, algorithm="native"),
+        "allgatherv_ring": lambda: hetcoll.allgatherv(piece_v, comm, out=out_v, algorithm="ring"),
+        "allgatherv_direct": lambda: hetcoll.allgatherv(
+            piece_v, comm, out=out_v, algorithm="direct"
+        ),
+        "allgatherv_auto": lambda: hetcoll.allgatherv(piece_v, comm, out=out_v),
         "allgather": lambda: e.allgather(piece_eq, out_eq),
     }
 
@@ -193,7 +197,9 @@ def measure(kind: str, max_mib: int) -> dict[str, Any]:
         total = unit * p * (p + 1) // 2
         piece_eq = np.ones(total // p, np.float32)  # equal pieces, same total bytes
         out_eq = np.empty(total // p * p, np.float32)
-        t = _median_times(e, _operations(e, comm, buf, w, piece_v, piece_eq, out_eq), reps)
+        out_v = np.empty(unit * p * (p + 1) // 2, np.float32)
+        ops = _operations(e, comm, buf, w, piece_v, out_v, piece_eq, out_eq)
+        t = _median_times(e, ops, reps)
         t_engine = t["engine"]
         lower = 2 * (p - 1) / p * nbytes / bandwidth
         rows.append(

@@ -242,56 +242,126 @@ def check_allgatherv(comm: Communicator, native: Any) -> int:
     for algorithm in ("ring", "native", "direct", "auto"):
         out = hetcoll.allgatherv(mine, native, algorithm=algorithm)
         np.testing.assert_array_equal(out, want)
-    # "auto" around the eager slot of the first round: every piece fits, exactly fits, or one
-    # does not (then a second round moves the pieces). The slot starts at EAGER_GATHER_BYTES
-    # and then follows the largest piece of the group's recent gathers, capped.
-    counted = type(comm)(native)  # a wrapper of its own: its calls counted
-    calls: list[str] = []
+    # "auto" around the speculative first round on gloo: one round when every piece is at most
+    # as long as the group's recent gathers predict, a second one (the rest of longer pieces)
+    # when not. A repeating pattern of shapes is recognised.
+    counted = type(comm)(native)  # a wrapper of its own: its messages counted
+    tags: list[int] = []
 
     def counting(name: str) -> Any:
         method = getattr(counted, name)
 
-        def count(*a: Any) -> Any:
-            calls.append(name)
-            return method(*a)
+        def count(*a: Any, **kw: Any) -> Any:
+            tags.append(a[2] if name in ("isend", "irecv") else -1)
+            return method(*a, **kw)
 
         return count
 
-    for name in ("allgather_fixed", "iallgatherv", "isend"):
+    for name in ("allgather_fixed", "iallgatherv", "isend", "irecv"):
         setattr(counted, name, counting(name))
-    gloo = comm.engine == "gloo"
-    first = collectives.EAGER_GATHER_BYTES.get(comm.engine, 0) // 8 or 8
-    cap = collectives.EAGER_GATHER_MAX_BYTES.get(comm.engine, 0) // 8 or 8
-    # (largest piece in float64 elements, one collective on gloo?)
+    speculative = comm.engine in collectives.SPECULATIVE_GATHER_ENGINES
+    rest = collectives._TAG_GATHER_REST
+    # (the last rank's piece length, rows of 3 float64, one round on gloo?)
     steps = [
-        (first, True),  # fills the first slot; the next one is that size too
-        (first + 1, False),  # overflows it; the slot grows to first + 1
-        (512, True),  # fits the grown slot
-        (first + 1, True),  # fills it
-        (cap + 1, False),  # over the cap: the slot stays
-        (cap, False),  # at the cap, over the slot: the slot grows to the cap
-        (cap, True),  # fills it
+        (5, False),  # the group's first gather: nothing predicted
+        (5, True),  # as predicted
+        (9, False),  # longer than predicted: its rest follows
+        (2, True),  # shorter: what came is all there is
+        (0, True),  # an empty piece
+        (7, False),
+        (300, False),
+        (7, True),  # shorter than the 300 predicted
+        (300, False),  # 7 predicted: 7, 300, 7 is no pattern yet
+        (7, True),  # 7, 300, 7, 300 repeats with period 2: predicted exactly from here on
+        (300, True),
+        (7, True),
     ]
+    kept = []  # every result, checked again at the end: none may share another's memory
     for big, one_round in steps:
         n_of = [big if q == p - 1 else q + 1 for q in range(p)]
-        mine = np.arange(n_of[r], dtype=np.float64) + 1000 * r
+        mine = np.arange(n_of[r] * 3, dtype=np.float64).reshape(-1, 3) + 1000 * r
         want = np.concatenate(
-            [np.arange(n, dtype=np.float64) + 1000 * q for q, n in enumerate(n_of)]
+            [
+                np.arange(n * 3, dtype=np.float64).reshape(-1, 3) + 1000 * q
+                for q, n in enumerate(n_of)
+            ]
         )
-        calls.clear()
-        np.testing.assert_array_equal(hetcoll.allgatherv(mine, counted, timeout=60), want)
-        if gloo:
-            assert (calls == ["allgather_fixed"]) == one_round, (big, calls)
+        tags.clear()
+        got = hetcoll.allgatherv(mine, counted, timeout=60)
+        np.testing.assert_array_equal(got, want)
+        kept.append((got, want))
+        if speculative:
+            # A second round shows on every rank: the longer piece's rank sends its rest,
+            # the others receive it.
+            assert (rest not in tags) == one_round, (big, tags)
+            assert -1 not in tags, tags  # point to point only
         else:  # MPI: a length exchange, then MPI_Allgatherv
-            assert calls[0] == "allgather_fixed" and len(calls) > 1, calls
-    if gloo:
-        # Once every recent piece is over the cap, the first round carries the lengths only.
+            assert tags[0] == -1 and len(tags) > 1, tags
+    for got, want in kept:
+        np.testing.assert_array_equal(got, want)
+    if speculative:
         history = counted.gather_history
-        assert history is not None
-        assert collectives._eager_slot(history, "gloo") == cap * 8
-        history.extend([cap * 8 + 8] * history.maxlen)  # type: ignore[operator]
-        assert collectives._eager_slot(history, "gloo") == 0
+        assert history is not None and history[-1] == tuple(n * 24 for n in n_of)
     return done + 7
+
+
+def check_allgatherv_out(comm: Communicator, native: Any) -> int:
+    """``out=``: filled and returned for every algorithm, and when the prediction holds or
+    not; a wrong row count raises on its rank only, after the exchange; local checks raise
+    before it (here on every rank, as every rank passes the same bad argument)."""
+    p, r = comm.size, comm.rank
+    done = 0
+    for rows_of in (lambda q: q + 1, lambda q: 2 * q + 3, lambda q: 2 * q + 3, lambda q: q):
+        want = np.concatenate(
+            [np.arange(rows_of(q) * 2, dtype=np.float64).reshape(-1, 2) + 10 * q for q in range(p)]
+        )
+        mine = want[sum(rows_of(q) for q in range(r)) :][: rows_of(r)].copy()
+        for algorithm in ("auto", "native", "ring", "direct"):
+            out = np.full_like(want, -1.0)
+            got = hetcoll.allgatherv(mine, native, out=out, algorithm=algorithm, timeout=60)
+            assert got is out
+            np.testing.assert_array_equal(out, want)
+        done += 1
+    t = torch.arange((r + 1) * 3, dtype=torch.float32).to(torch.bfloat16).view(-1, 3) + r
+    want_t = torch.cat(
+        [
+            torch.arange((q + 1) * 3, dtype=torch.float32).to(torch.bfloat16).view(-1, 3) + q
+            for q in range(p)
+        ]
+    )
+    out_t = torch.empty_like(want_t)
+    assert hetcoll.allgatherv(t, native, out=out_t, timeout=60) is out_t
+    assert torch.equal(out_t, want_t)
+    done += 1
+    # Rank 0's out is one row short: it raises, after the exchange; the others are served.
+    mine = np.full((r + 1, 2), float(r))
+    rows = p * (p + 1) // 2
+    out = np.empty((rows - 1 if r == 0 else rows, 2))
+    try:
+        hetcoll.allgatherv(mine, native, out=out, timeout=60)
+        assert r != 0, "no error for a short out"
+    except ValueError as e:
+        assert r == 0 and str(e).startswith("out:"), e
+    done += 1
+    for bad, error in (
+        (np.empty((rows, 2), np.float32), TypeError),  # dtype
+        (np.empty((rows, 3)), ValueError),  # trailing shape
+        (np.empty((2, rows)).T, ValueError),  # layout
+        (torch.empty(rows, 2, dtype=torch.float64), TypeError),  # kind
+    ):
+        try:
+            hetcoll.allgatherv(mine, native, out=bad, timeout=60)
+        except error as e:
+            assert str(e).startswith("out:"), e
+        else:
+            raise AssertionError(f"no {error.__name__} for out={bad!r}")
+        done += 1
+    try:
+        hetcoll.allgatherv(mine, native, out=mine, timeout=60)
+    except ValueError as e:
+        assert str(e).startswith("out:"), e
+        done += 1
+    return done
 
 
 def check_autograd(comm: Communicator, native: Any) -> int:
@@ -327,6 +397,7 @@ def run_all(comm_obj: Any) -> dict[str, int]:
         "aliasing": check_aliasing_and_shapes(comm, comm_obj),
         "mismatch": check_mismatch(comm, comm_obj),
         "allgatherv": check_allgatherv(comm, comm_obj),
+        "allgatherv_out": check_allgatherv_out(comm, comm_obj),
         "autograd": check_autograd(comm, comm_obj),
     }
 

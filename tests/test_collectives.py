@@ -34,6 +34,7 @@ EXPECTED = {
     "aliasing": 3,
     "mismatch": 5,
     "allgatherv": 22,
+    "allgatherv_out": 11,
     "autograd": 1,
 }
 

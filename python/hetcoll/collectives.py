@@ -24,6 +24,7 @@ on every rank when they differ.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import threading
 import time
@@ -78,30 +79,29 @@ GATHER_RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 16 << 2
 #: to MPICH's at every size.
 DIRECT_TWO_RANKS_FROM_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 0}
 DIRECT_BYTES: dict[str, float] = {"mpi": 0, "gloo": 3 << 20}
-#: allgatherv's first round, which every rank needs for the lengths of the others' pieces,
-#: carries up to this many bytes of each piece on these engines (an eager protocol): when every
-#: piece fits, "auto" is done in that one collective. On gloo a collective of 64 KiB costs what
-#: one of 32 bytes does (0.3 ms on one host), while the second round doubled the time of small
-#: gathers; MPI's small allgather takes microseconds, so MPI keeps the plain length exchange.
-EAGER_GATHER_BYTES: dict[str, int] = {"gloo": 64 << 10}
-#: From the second call on a group, the slot follows the largest piece of the group's last
-#: :data:`EAGER_GATHER_HISTORY` calls (up to :data:`EAGER_GATHER_MAX_BYTES`): a gather that
-#: repeats its shapes, as a filter-parallel layer's does every step, is then done in one
-#: collective at any size up to that cap, and small gathers stop paying for a 64 KiB slot.
-#: Pieces over the cap do not count: a group whose recent pieces all outgrew it sends only the
-#: lengths first, as MPI does. The cap trades the slot's padding (every rank sends the largest
-#: piece's size) against a second round: with a 1 MiB cap, two ranks gathering 4 MiB (pieces
-#: of 1.3 and 2.7 MiB) took 2.0-2.6x an all_gather of the same bytes in two rounds
-#: (benches/bench_collectives.py).
-#: Every rank derives the slot from the lengths all ranks exchanged, so all agree on it (gloo
-#: aborts the process when all_gather sizes differ between ranks).
-EAGER_GATHER_HISTORY = 8
-EAGER_GATHER_MAX_BYTES: dict[str, int] = {"gloo": 4 << 20}
+#: Engines on which allgatherv's first round, which every rank needs for the others' lengths,
+#: is point to point and speculative: each rank sends its header and, in the same round, as many
+#: bytes of its piece as the group's recent gathers predict (:func:`_predict`), received
+#: straight into place. When the prediction holds, as it does for a filter-parallel layer's
+#: gathers every step, "auto" is done in that one round, with no copy and no padding; pieces
+#: longer than predicted send the rest in a second round. On gloo two ranks' send/recv exchange
+#: took 0.6-0.8x the time of an all_gather of the same bytes (one host), which pads every piece
+#: to the largest; MPI keeps its own Allgatherv after an allgather of the lengths.
+SPECULATIVE_GATHER_ENGINES = ("gloo",)
+#: The longest repeating pattern of gathers on a group that the prediction recognises: a model
+#: whose step gathers at up to this many different shapes, in the same order every step.
+GATHER_PERIODS = 16
+#: In that round a piece predicted at most this long travels in one message with its header
+#: (both copied into it): on gloo posting a send/recv pair costs 30-50 µs, copying 256 KiB less.
+MERGE_GATHER_BYTES = 256 << 10
 _TAG = 4831  # ring allreduce messages: _TAG + step
 _TAG_DIRECT = 24831  # direct allreduce: weight, then data
 _TAG_GATHER_DIRECT = 34831  # direct allgatherv
 _TAG_WEIGHT = 44831  # ring allreduce: a rank's weight to its right neighbour
 _TAG_GATHER = 14831  # ring allgatherv messages: _TAG_GATHER + step
+_TAG_GATHER_HEAD = 54831  # allgatherv's speculative round: header, then predicted bytes
+_TAG_GATHER_DATA = 64831
+_TAG_GATHER_REST = 74831  # the bytes of pieces longer than predicted
 _KIND_CODE = {"float32": 1, "float64": 2, "float16": 3, "bfloat16": 4}
 _ALGO_CODE = {"ring": 1, "native": 2, "direct": 3}
 
@@ -431,6 +431,7 @@ def allgatherv(
     local: ArrayT,
     comm: Any = None,
     *,
+    out: ArrayT | None = None,
     algorithm: str = "auto",
     timeout: float | None = None,
     segment_bytes: int | None = None,
@@ -440,16 +441,21 @@ def allgatherv(
     ``local`` is a numpy array or a CPU torch tensor (any dtype) with at least one
     dimension; the other dimensions and the dtype must match on every rank (else
     :class:`hetcoll.CollectiveMismatchError` on every rank). Returns a new array of the same
-    kind. ``algorithm``: "native" is MPI_Allgatherv, or on torch all_to_all_single with uneven
-    splits (gloo's all_gather rejects uneven pieces); "ring" passes the pieces around the ring
-    with the engine's send/recv straight into the output, segment by segment; "direct" sends
-    each piece to every other rank in one round of send/recv straight into the output; "auto"
-    picks by total size (:data:`GATHER_RING_CROSSOVER_BYTES`). Every call starts with one
-    collective that exchanges the lengths (and checks shapes, dtype and algorithm); on gloo it
-    also carries up to :data:`EAGER_GATHER_BYTES` of each piece, and "auto" is done there when
-    every piece fits. ``segment_bytes`` cuts the ring's
-    messages (default: one message per piece and step; nothing is computed between them, so
-    smaller messages would only add per-message cost).
+    kind, or ``out``: an array of that kind, dtype and trailing shape, C-contiguous, with as
+    many rows as all pieces together (checked once the lengths are known; a wrong count raises
+    a ValueError on that rank after the exchange, so the others do not wait for it), which
+    saves allocating (and, for large outputs, page-faulting) a new one every call.
+    ``algorithm``: "native" is MPI_Allgatherv, or on torch all_to_all_single with uneven splits
+    (gloo's all_gather rejects uneven pieces); "ring" passes the pieces around the ring with the
+    engine's send/recv straight into the output, segment by segment; "direct" sends each piece
+    to every other rank in one round of send/recv straight into the output; "auto"
+    picks by total size (:data:`GATHER_RING_CROSSOVER_BYTES`). Every call starts with one round
+    that exchanges the lengths (and checks shapes, dtype and algorithm). On gloo that round is
+    point to point and also carries as many bytes of each piece as the group's recent gathers
+    predict (:data:`SPECULATIVE_GATHER_ENGINES`): "auto" is then done in that round when the
+    prediction holds, and sends only the rest of longer pieces when it does not.
+    ``segment_bytes`` cuts the ring's messages (default: one message per piece and step;
+    nothing is computed between them, so smaller messages would only add per-message cost).
 
     >>> allgatherv(np.arange(rank + 1.0), comm)  # on 3 ranks  # doctest: +SKIP
     array([0., 0., 1., 0., 1., 2.])
@@ -459,8 +465,8 @@ def allgatherv(
     if segment_bytes is not None and (not isinstance(segment_bytes, int) or segment_bytes < 1):
         raise ValueError(f"segment_bytes: must be an integer >= 1 or None, got {segment_bytes!r}")
     deadline = _deadline(timeout)
-    out, _ = _gather(local, comm, deadline, algorithm, segment_bytes)
-    return out  # type: ignore[no-any-return]
+    result, _ = _gather(local, comm, deadline, algorithm, segment_bytes, out)
+    return result  # type: ignore[no-any-return]
 
 
 def _gather(
@@ -469,9 +475,12 @@ def _gather(
     deadline: float | None,
     algorithm: str = "auto",
     segment_bytes: int | None = None,
+    out: Any = None,
 ) -> tuple[Any, list[int]]:
     """:func:`allgatherv`, plus every rank's length along axis 0."""
     if _is_tensor(local) and local.device.type != "cpu":
+        if out is not None:
+            raise ValueError("out: not supported for device tensors")
         return _allgatherv_device(local, comm, deadline)
     if _is_tensor(local):
         import torch
@@ -487,39 +496,53 @@ def _gather(
         )
     if view.ndim == 0:
         raise ValueError("local: must have at least one dimension (pieces join along axis 0)")
+    into = None if out is None else _out_view(out, local, view)
     c = wrap(comm)
     send = view.reshape(-1).view(np.uint8)
-    history = _history(c)
-    eager = 0
-    if history is not None:
-        eager = _eager_slot(history, c.engine)
-    rows, slots = _exchange_shapes(c, view.shape, view.dtype.str, deadline, algorithm, send, eager)
     row_bytes = view.itemsize * math.prod(view.shape[1:])
-    if history is not None:
-        # The same on every rank: the lengths and the row shape are agreed.
-        history.append(max(1, int(rows.max()) * row_bytes))
-    out_view = np.empty((int(rows.sum()), *view.shape[1:]), dtype=view.dtype)
-    counts = [int(n) * row_bytes for n in rows]
-    recv = out_view.reshape(-1).view(np.uint8)
-    if algorithm == "auto":
-        crossover = GATHER_RING_CROSSOVER_BYTES.get(c.engine, math.inf)
-        algorithm = "ring" if recv.nbytes >= crossover else "native"
-        if slots is not None and max(counts) <= eager:
-            algorithm = "eager"
-    if algorithm == "eager":
-        assert slots is not None
-        start = 0
-        for r, n in enumerate(counts):
-            recv[start : start + n] = slots[r, :n]
-            start += n
-    elif algorithm == "native" or c.size == 1:
-        c.iallgatherv(send, recv, counts).wait(deadline)
-    elif algorithm == "direct":
-        _direct_allgather(c, send, recv, counts, deadline)
+    into_bytes = None if into is None else into.reshape(-1).view(np.uint8)
+    joined = None
+    if c.size > 1 and c.engine in SPECULATIVE_GATHER_ENGINES:
+        lengths, joined = _speculative_round(
+            c, view.shape, view.dtype.str, send, row_bytes, deadline, algorithm, into_bytes
+        )
     else:
-        segment = segment_bytes if segment_bytes is not None else max(1, *counts)
-        _ring_allgather(c, send, recv, counts, segment, deadline)
-    lengths = [int(n) for n in rows]
+        lengths = [
+            int(n) for n in _exchange_shapes(c, view.shape, view.dtype.str, deadline, algorithm)
+        ]
+    rows = sum(lengths)
+    # A wrong row count in ``out`` is this rank's error alone: the exchange completes first.
+    fits = into is not None and into.shape[0] == rows
+    out_view: np.ndarray
+    if joined is not None:
+        # "auto": the pieces are in place after the speculative round (in ``out`` if it fits).
+        if into is not None and fits:
+            if joined is not into_bytes:
+                into.reshape(-1).view(np.uint8)[...] = joined
+            out_view = into
+        else:
+            out_view = joined.view(view.dtype).reshape(rows, *view.shape[1:])
+    elif into is not None and fits:
+        out_view = into
+    else:
+        out_view = np.empty((rows, *view.shape[1:]), dtype=view.dtype)
+    if joined is None:
+        counts = [n * row_bytes for n in lengths]
+        recv = out_view.reshape(-1).view(np.uint8)
+        if algorithm == "auto":
+            crossover = GATHER_RING_CROSSOVER_BYTES.get(c.engine, math.inf)
+            algorithm = "ring" if recv.nbytes >= crossover else "native"
+        if algorithm == "native" or c.size == 1:
+            c.iallgatherv(send, recv, counts).wait(deadline)
+        elif algorithm == "direct":
+            _direct_allgather(c, send, recv, counts, deadline)
+        else:
+            segment = segment_bytes if segment_bytes is not None else max(1, *counts)
+            _ring_allgather(c, send, recv, counts, segment, deadline)
+    if into is not None:
+        if not fits:
+            raise ValueError(f"out: has {into.shape[0]} rows along axis 0, the pieces hold {rows}")
+        return out, lengths
     if _is_tensor(local):
         import torch
 
@@ -528,25 +551,34 @@ def _gather(
     return out_view, lengths
 
 
-def _eager_slot(history: deque[int], engine: str) -> int:
-    """Bytes of each rank's slot in the first round: on a group's first gather
-    :data:`EAGER_GATHER_BYTES`; then the largest recent piece within the cap (pieces over it
-    take the second round anyway, so they do not grow the slot), or none at all (the lengths
-    only) when every recent piece was over the cap."""
-    if not history:
-        return EAGER_GATHER_BYTES[engine]
-    cap = EAGER_GATHER_MAX_BYTES[engine]
-    return max((n for n in history if n <= cap), default=0)
+def _out_view(out: Any, local: Any, view: np.ndarray) -> np.ndarray:
+    """``out`` as a writeable numpy array of ``view``'s dtype (bfloat16 as its bit patterns),
+    after the checks that need no lengths: kind, dtype, trailing shape, layout."""
+    if _is_tensor(local):
+        if not _is_tensor(out) or out.device.type != "cpu":
+            raise TypeError(f"out: must be a CPU torch tensor like local, got {type(out).__name__}")
+        if out.dtype != local.dtype:
+            raise TypeError(f"out: dtype {out.dtype} differs from local's {local.dtype}")
+        if out.requires_grad:
+            raise ValueError("out: must not require grad")
+        import torch
 
-
-def _history(c: Communicator) -> deque[int] | None:
-    """The largest piece of each of the group's last gathers (:attr:`Communicator.gather_history`),
-    on engines with an eager first round (None elsewhere, and on one rank)."""
-    if c.size == 1 or c.engine not in EAGER_GATHER_BYTES:
-        return None
-    if c.gather_history is None:
-        c.gather_history = deque(maxlen=EAGER_GATHER_HISTORY)
-    return c.gather_history
+        array = out.view(torch.int16).numpy() if out.dtype == torch.bfloat16 else out.numpy()
+    elif isinstance(out, np.ndarray):
+        array = out
+    else:
+        raise TypeError(f"out: must be a numpy array like local, got {type(out).__name__}")
+    if array.dtype != view.dtype:
+        raise TypeError(f"out: dtype {array.dtype} differs from local's {view.dtype}")
+    if array.shape[1:] != view.shape[1:] or array.ndim != view.ndim:
+        raise ValueError(
+            f"out: shape {tuple(array.shape)} must be (rows, *{tuple(view.shape[1:])})"
+        )
+    if not array.flags.c_contiguous or not array.flags.writeable:
+        raise ValueError("out: must be C-contiguous and writeable")
+    if np.may_share_memory(array, view):
+        raise ValueError("out: must not overlap local")
+    return array
 
 
 def _direct_allgather(
@@ -586,45 +618,141 @@ def _header(trailing: tuple[int, ...], dtype: str, algorithm: str) -> np.ndarray
     return fields
 
 
+#: allgatherv's first-round header words, in order (the length first).
+_FIELDS = ("length", "shape[1:]", "dtype", "number of dimensions", "algorithm")
+
+
 def _exchange_shapes(
+    c: Communicator, shape: Sequence[int], dtype: str, deadline: float | None, algorithm: str
+) -> np.ndarray:
+    """Every rank's length along axis 0, after checking the rest of the shape, the dtype and the
+    algorithm."""
+    fields = _header(tuple(shape[1:]), dtype, algorithm).copy()
+    fields[0] = shape[0]
+    rows = c.allgather_int64(fields, deadline)
+    for j in range(1, len(_FIELDS)):
+        if (rows[:, j] != rows[0, j]).any():
+            _disagree(j, rows[:, j])
+    return rows[:, 0]
+
+
+def _predict(records: deque[tuple[int, ...]], p: int) -> tuple[int, ...]:
+    """Every rank's piece bytes in the group's next gather, from its last ones (``records``,
+    the same on every rank): the gather ``k`` calls back for the shortest ``k`` <=
+    :data:`GATHER_PERIODS` with which the last ``k`` gathers repeat the ``k`` before them, else
+    the last gather, else nothing.
+
+    >>> _predict(deque([(1, 2), (3, 4), (1, 2), (3, 4)]), 2)
+    (1, 2)
+    """
+    n = len(records)
+    for k in range(1, min(GATHER_PERIODS, n // 2) + 1):
+        if all(records[n - j] == records[n - j - k] for j in range(1, k + 1)):
+            return records[n - k]
+    return records[-1] if records else (0,) * p
+
+
+def _speculative_round(
     c: Communicator,
     shape: Sequence[int],
     dtype: str,
+    send: np.ndarray,
+    row_bytes: int,
     deadline: float | None,
-    algorithm: str = "auto",
-    send: np.ndarray | None = None,
-    eager: int = 0,
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """Every rank's length along axis 0, after checking the rest of the shape, the dtype and the
-    algorithm. With ``eager`` > 0 the same collective carries the first ``eager`` bytes of every
-    rank's ``send`` (a fixed-size slot per rank): returns them as the rows of a matrix too."""
-    fields = _header(tuple(shape[1:]), dtype, algorithm).copy()
-    fields[0] = shape[0]
-    if eager > 0 and send is not None:
-        # Written once: the header, the piece (or its first ``eager`` bytes), zeros after it.
-        slot = np.empty(fields.nbytes + eager, dtype=np.uint8)
-        slot[: fields.nbytes] = fields.view(np.uint8)
-        k = min(send.size, eager)
-        slot[fields.nbytes : fields.nbytes + k] = send[:k]
-        slot[fields.nbytes + k :] = 0
-        got = c.allgather_fixed(slot, deadline)
-        rows = np.ascontiguousarray(got[:, : fields.nbytes]).view(np.int64)
-        slots: np.ndarray | None = got[:, fields.nbytes :]
+    algorithm: str,
+    into: np.ndarray | None = None,
+) -> tuple[list[int], np.ndarray | None]:
+    """:func:`_exchange_shapes` point to point, every rank's header travelling with as many
+    bytes of its piece as predicted. Returns the lengths and, for "auto", the pieces joined
+    (uint8): in place when the prediction held, else copied and completed by a second round
+    for the pieces that were longer than predicted. ``into`` (uint8), when its size is right,
+    is where they are joined.
+
+    Every message size comes from the prediction, which only depends on what all ranks
+    exchanged before, so senders and receivers agree on it whatever this call's arguments: a
+    rank sends at most the predicted bytes, and a receive takes a message up to its buffer's
+    size (gloo aborts the process on a longer one). Ranks that disagree on shapes, dtype or
+    algorithm therefore all get through this round, and all raise."""
+    p, r = c.size, c.rank
+    if c.gather_history is None:
+        c.gather_history = deque(maxlen=2 * GATHER_PERIODS)
+    records = c.gather_history
+    guess = _predict(records, p)
+    at = [0, *itertools.accumulate(guess)]
+    spec = into if into is not None and into.size == at[-1] else np.empty(at[-1], np.uint8)
+    head = _header(tuple(shape[1:]), dtype, algorithm).copy()
+    head[0] = shape[0]
+    if not send.flags.writeable:
+        send = send.copy()  # torch will not wrap a read-only array
+    mine = send[: guess[r]]
+    # A piece predicted short travels in one message with its header (copied together); a
+    # longer one in its own message, straight from the caller's array into place.
+    if guess[r] <= MERGE_GATHER_BYTES:
+        message = np.empty(head.nbytes + mine.size, np.uint8)
+        message[: head.nbytes] = head.view(np.uint8)
+        message[head.nbytes :] = mine
+        outgoing = [(message, _TAG_GATHER_HEAD)]
     else:
-        rows, slots = c.allgather_int64(fields, deadline), None
-    if not (rows[:, 1:] != rows[0, 1:]).any():
-        return rows[:, 0], slots
-    for j, name in enumerate(("", "shape[1:]", "dtype", "number of dimensions", "algorithm")):
-        if j and (rows[:, j] != rows[0, j]).any():
-            if name == "algorithm":
-                per_rank = ", ".join(
-                    f"rank {r}: {ALGORITHMS[int(a)]!r}" for r, a in enumerate(rows[:, j])
-                )
-                raise CollectiveMismatchError(f"algorithm: ranks disagree ({per_rank})")
-            raise CollectiveMismatchError(
-                f"local: ranks disagree on {name}; every piece must match but along axis 0"
-            )
-    return rows[:, 0], slots
+        outgoing = [(head.view(np.uint8), _TAG_GATHER_HEAD), (mine, _TAG_GATHER_DATA)]
+    boxes = [head.view(np.uint8)] * p  # each rank's header, then its piece if merged
+    requests = []
+    for k in range(1, p):  # each peer in turn from the right neighbour on
+        q = (r + k) % p
+        merged = guess[q] <= MERGE_GATHER_BYTES
+        boxes[q] = np.empty(head.nbytes + (guess[q] if merged else 0), np.uint8)
+        requests.append(c.irecv(boxes[q], q, _TAG_GATHER_HEAD))
+        if guess[q] and not merged:
+            requests.append(c.irecv(spec[at[q] : at[q + 1]], q, _TAG_GATHER_DATA))
+    for k in range(1, p):
+        q = (r - k) % p
+        requests += [c.isend(m, q, tag) for m, tag in outgoing]
+    spec[at[r] : at[r] + mine.size] = mine  # while the messages travel
+    wait_all(requests, deadline)
+    heads = np.stack([b[: head.nbytes] for b in boxes]).view(np.int64)
+    for j in range(1, len(_FIELDS)):
+        if (heads[:, j] != heads[0, j]).any():
+            _disagree(j, heads[:, j])
+    lengths = heads[:, 0].tolist()
+    counts = tuple(n * row_bytes for n in lengths)
+    records.append(counts)  # the same on every rank
+    for q in range(p):
+        if q != r and 0 < guess[q] <= MERGE_GATHER_BYTES:
+            k = min(counts[q], guess[q])
+            spec[at[q] : at[q] + k] = boxes[q][head.nbytes : head.nbytes + k]
+    if algorithm != "auto":
+        return lengths, None
+    if counts == guess:
+        return lengths, spec
+    # Mispredicted: the exact layout, the bytes that came, then the rest of longer pieces.
+    to = [0, *itertools.accumulate(counts)]
+    if spec is into:
+        spec = spec.copy()  # the layouts overlap
+    out = into if into is not None and into.size == to[-1] else np.empty(to[-1], np.uint8)
+    for q in range(p):
+        k = min(counts[q], guess[q])
+        out[to[q] : to[q] + k] = spec[at[q] : at[q] + k]
+    out[to[r] : to[r + 1]] = send
+    requests = [
+        c.irecv(out[to[q] + guess[q] : to[q + 1]], q, _TAG_GATHER_REST)
+        for q in range(p)
+        if q != r and counts[q] > guess[q]
+    ]
+    if counts[r] > guess[r]:
+        rest = send[guess[r] :]
+        requests += [c.isend(rest, q, _TAG_GATHER_REST) for q in range(p) if q != r]
+    wait_all(requests, deadline)
+    return lengths, out
+
+
+def _disagree(field: int, per_rank: np.ndarray) -> None:
+    """Raise the :class:`CollectiveMismatchError` of header word ``field``, whose value on each
+    rank is ``per_rank`` (every rank raises: all see the same words)."""
+    if _FIELDS[field] == "algorithm":
+        listed = ", ".join(f"rank {r}: {ALGORITHMS[int(a)]!r}" for r, a in enumerate(per_rank))
+        raise CollectiveMismatchError(f"algorithm: ranks disagree ({listed})")
+    raise CollectiveMismatchError(
+        f"local: ranks disagree on {_FIELDS[field]}; every piece must match but along axis 0"
+    )
 
 
 def _allgatherv_device(local: Any, comm: Any, deadline: float | None) -> tuple[Any, list[int]]:
@@ -638,7 +766,7 @@ def _allgatherv_device(local: Any, comm: Any, deadline: float | None) -> tuple[A
     local = local.contiguous()
     if local.dim() == 0:
         raise ValueError("local: must have at least one dimension (pieces join along axis 0)")
-    rows, _ = _exchange_shapes(c, tuple(local.shape), str(local.dtype), deadline)
+    rows = _exchange_shapes(c, tuple(local.shape), str(local.dtype), deadline, "auto")
     row = math.prod(local.shape[1:])
     out = torch.empty((int(rows.sum()), *local.shape[1:]), dtype=local.dtype, device=local.device)
     work = dist.all_to_all_single(

@@ -87,10 +87,10 @@ class Communicator(ABC):
     ) -> Request:
         """Start ``recv <- (sum over ranks of send)[o_r : o_r + counts[r]]`` on rank r."""
 
-    #: allgatherv's largest piece of each of the last gathers on this group (its eager slot
-    #: follows them); created on first use. One wrapper per torch process group (:func:`wrap`)
-    #: makes it per group.
-    gather_history: deque[int] | None = None
+    #: Every rank's piece bytes in each of allgatherv's last gathers on this group (it
+    #: predicts the next; :func:`hetcoll.collectives._predict`); created on first use. One
+    #: wrapper per torch process group (:func:`wrap`) makes it per group.
+    gather_history: deque[tuple[int, ...]] | None = None
 
     def allgather_fixed(self, send: np.ndarray, deadline: float | None) -> np.ndarray:
         """Every rank's ``send`` (1-D uint8, the same length on every rank), as the rows of a
