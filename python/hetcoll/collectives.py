@@ -59,11 +59,13 @@ ALGORITHMS = ("auto", "ring", "native", "direct")
 #: small enough that reducing one segment overlaps receiving the next (gloo uses <= 1 MiB).
 SEGMENT_BYTES = 1 << 20
 #: Message size above which "auto" picks the ring, per engine, from
-#: benches/bench_collectives.py on one 2-core host: with MPICH the weighted ring took 0.55-0.64x
-#: the time of MPI_Allreduce at 64 and 256 MiB (p = 2 and 4) but more below 16 MiB; on gloo with
-#: 4 ranks it took 0.99x of dist.all_reduce from 64 MiB, where the native weighted path took
-#: 1.1-1.2x. "auto" with chunk ``speeds`` is always the ring.
-RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 64 << 20, "gloo": 64 << 20}
+#: benches/bench_collectives.py on one 2-core host: with MPICH the weighted ring took 0.46-0.64x
+#: the time of MPI_Allreduce at 64 and 256 MiB (p = 2 and 4); at 16 MiB on 4 ranks 1.07-1.19x
+#: in five runs, where the native path's pre-scale pass (four ranks sharing two cores) made it
+#: 1.29-1.36x; at 4 MiB the two were even, below that native won. On gloo with 4 ranks the ring
+#: took 0.99x of dist.all_reduce from 64 MiB, where the native weighted path took 1.1-1.2x.
+#: (On two ranks "auto" is the direct exchange.) "auto" with chunk ``speeds`` is always the ring.
+RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 16 << 20, "gloo": 64 << 20}
 #: Total output size above which "auto" allgatherv takes the ring. MPICH's Allgatherv with
 #: uneven pieces took seconds where Allgather of the same bytes took tens of milliseconds
 #: (64 MiB, 4 ranks, one host); gloo's all_to_all_single needs the piece repeated p times.
