@@ -192,11 +192,27 @@ def check_mismatch(comm: Communicator, native: Any) -> int:
         pass
     else:
         raise AssertionError(f"rank {r}: allgatherv accepted pieces of different widths")
+    # After gathers that set a prediction (96 bytes a piece on gloo's speculative round), ranks
+    # disagree on the dtype and the others' pieces outgrow the prediction: every rank still
+    # finishes the round (no one sends more than predicted) and raises.
+    for _ in range(2):
+        hetcoll.allgatherv(np.ones((4, 3)), native, timeout=30)
+    odd = np.ones((4, 3), np.float32) if r == 0 else np.ones((8, 3))
+    try:
+        hetcoll.allgatherv(odd, native, timeout=30)
+    except hetcoll.CollectiveMismatchError as e:
+        assert "dtype" in str(e), e
+    else:
+        raise AssertionError(f"rank {r}: allgatherv accepted pieces of different dtypes")
+    np.testing.assert_array_equal(  # the group still works
+        hetcoll.allgatherv(np.full((1, 3), r), native, timeout=30),
+        np.repeat(np.arange(comm.size), 3).reshape(-1, 3),
+    )
     try:
         hetcoll.allgatherv(np.ones(5), native, algorithm="ring" if r == 0 else "auto", timeout=30)
     except hetcoll.CollectiveMismatchError as e:
         assert "algorithm: ranks disagree" in str(e), e
-        return len(cases) + 2
+        return len(cases) + 3
     raise AssertionError(f"rank {r}: allgatherv ran with ranks choosing different algorithms")
 
 
