@@ -44,9 +44,14 @@ __all__ = [
     "ALGORITHMS",
     "DIRECT_BYTES",
     "DIRECT_TWO_RANKS_FROM_BYTES",
+    "GATHER_PERIODS",
     "GATHER_RING_CROSSOVER_BYTES",
+    "MERGE_GATHER_BYTES",
     "RING_CROSSOVER_BYTES",
+    "RING_TWO_RANKS_FROM_BYTES",
     "SEGMENT_BYTES",
+    "SPECULATIVE_GATHER_ENGINES",
+    "TWO_RANK_SEGMENT_BYTES",
     "allgatherv",
     "allgatherv_autograd",
     "allreduce",
@@ -58,13 +63,20 @@ ALGORITHMS = ("auto", "ring", "native", "direct")
 #: Ring segment: large enough that per-message overhead is small next to 1 MiB at ~1 GB/s,
 #: small enough that reducing one segment overlaps receiving the next (gloo uses <= 1 MiB).
 SEGMENT_BYTES = 1 << 20
+#: ... except on two ranks of these engines, where the ring's segment defaults to this. There
+#: each step's segments are only reduced, not forwarded, so cutting them pipelines less; and
+#: MPICH's shared-memory transfers are copies on the same cores that reduce. Two MPI ranks,
+#: 16-256 MiB: 16 MiB segments took 0.88-0.92x of MPI_Allreduce's time at 16 MiB where 1 MiB
+#: segments took 1.02-1.08x, and 5-12% less at 64 and 256 MiB; on four ranks 1 MiB was best.
+TWO_RANK_SEGMENT_BYTES: dict[str, int] = {"mpi": 16 << 20}
 #: Message size above which "auto" picks the ring, per engine, from
 #: benches/bench_collectives.py on one 2-core host: with MPICH the weighted ring took 0.46-0.64x
 #: the time of MPI_Allreduce at 64 and 256 MiB (p = 2 and 4); at 16 MiB on 4 ranks 1.07-1.19x
 #: in five runs, where the native path's pre-scale pass (four ranks sharing two cores) made it
 #: 1.29-1.36x; at 4 MiB the two were even, below that native won. On gloo with 4 ranks the ring
 #: took 0.99x of dist.all_reduce from 64 MiB, where the native weighted path took 1.1-1.2x.
-#: (On two ranks "auto" is the direct exchange.) "auto" with chunk ``speeds`` is always the ring.
+#: (Two ranks: :data:`RING_TWO_RANKS_FROM_BYTES`.) "auto" with chunk ``speeds`` is always the
+#: ring.
 RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 16 << 20, "gloo": 64 << 20}
 #: Total output size above which "auto" allgatherv takes the ring. MPICH's Allgatherv with
 #: uneven pieces took seconds where Allgather of the same bytes took tens of milliseconds
@@ -75,12 +87,16 @@ GATHER_RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 16 << 2
 #: "auto" picks "direct" on two ranks from this size up, per engine, and on more ranks when the
 #: bytes a rank sends, ``(p - 1) * size``, are at most :data:`DIRECT_BYTES`. From
 #: benches/bench_collectives.py on one 2-core host: on two ranks the weighted direct exchange
-#: took 1.0-1.2x the time of MPI_Allreduce from 1 MiB (0.4x at 64 MiB and up, where MPICH's
-#: allreduce slows down) and 1.1-1.4x of gloo's dist.all_reduce at every size, ahead of the
-#: native and ring paths; with 4 ranks it beat gloo's allreduce up to 1 MiB (0.6-0.9x) and lost
-#: to MPICH's at every size.
-DIRECT_TWO_RANKS_FROM_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 0}
+#: took 1.0-1.2x the time of MPI_Allreduce from 1 MiB, where the ring (below) did better, and
+#: 1.1-1.4x of gloo's dist.all_reduce at every size, ahead of the native path; with 4 ranks it
+#: beat gloo's allreduce up to 1 MiB (0.6-0.9x) and lost to MPICH's at every size.
+DIRECT_TWO_RANKS_FROM_BYTES: dict[str, float] = {"gloo": 0}
 DIRECT_BYTES: dict[str, float] = {"mpi": 0, "gloo": 3 << 20}
+#: On two ranks "auto" picks the ring from this size up (before the direct exchange). Two MPI
+#: ranks, weighted, against MPI_Allreduce: the ring 1.08-1.11x at 1 MiB (direct 1.08-1.16x,
+#: native 1.27x), 0.84-1.08x at 4 MiB (direct 1.38-1.57x); on gloo the ring and the direct
+#: exchange are even up to 16 MiB, and the ring is 5-15% faster from 64 MiB.
+RING_TWO_RANKS_FROM_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 64 << 20}
 #: Engines on which allgatherv's first round, which every rank needs for the others' lengths,
 #: is point to point and speculative: each rank sends its header and, in the same round, as many
 #: bytes of its piece as the group's recent gathers predict (:func:`_predict`), received
@@ -161,7 +177,7 @@ def allreduce(
     speeds: Sequence[float] | None = None,
     check: bool = False,
     timeout: float | None = None,
-    segment_bytes: int = SEGMENT_BYTES,
+    segment_bytes: int | None = None,
 ) -> ArrayT:
     """In place, ``buf <- sum over ranks r of weight_r * buf_r``; returns ``buf``.
 
@@ -173,8 +189,9 @@ def allreduce(
     rank, same on every rank) sizes the ring's chunks with :func:`hetcoll.split`; chunk r is
     reduced last by rank r. Every rank ends with
     bitwise the same result. ``check`` compares length, dtype, algorithm and speeds across ranks
-    first (one small allgather). A CUDA tensor (NCCL) takes the native path with a torch
-    pre-scale.
+    first (one small allgather). ``segment_bytes`` cuts the ring's messages (default
+    :data:`SEGMENT_BYTES`, or :data:`TWO_RANK_SEGMENT_BYTES` on two ranks). A CUDA tensor
+    (NCCL) takes the native path with a torch pre-scale.
 
     >>> allreduce(grad, comm, weight=local_batch / global_batch)  # doctest: +SKIP
     """
@@ -182,8 +199,8 @@ def allreduce(
         raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
     w = _weight(weight)
     deadline = _deadline(timeout)
-    if not isinstance(segment_bytes, int) or segment_bytes < 1:
-        raise ValueError(f"segment_bytes: must be an integer >= 1, got {segment_bytes!r}")
+    if segment_bytes is not None and (not isinstance(segment_bytes, int) or segment_bytes < 1):
+        raise ValueError(f"segment_bytes: must be an integer >= 1 or None, got {segment_bytes!r}")
     if _is_tensor(buf) and buf.device.type != "cpu":  # type: ignore[attr-defined]
         return _allreduce_device(buf, comm, w, algorithm, check, deadline)
     view, bf16 = _numpy_view(buf, "buf")
@@ -217,6 +234,9 @@ def allreduce(
         _direct(c, flat, bf16, w, deadline)
     else:
         assert counts is not None
+        if segment_bytes is None:
+            two = TWO_RANK_SEGMENT_BYTES.get(c.engine) if c.size == 2 else None
+            segment_bytes = SEGMENT_BYTES if two is None else two
         segment = max(1, segment_bytes // flat.itemsize)
         _ring(c, flat, bf16, w, counts, segment, deadline)
     return buf
@@ -227,8 +247,12 @@ def _auto(c: Communicator, nbytes: int, chunk_speeds: bool) -> str:
     on: sizes, the rank count and the engine)."""
     if chunk_speeds:
         return "ring"
-    if c.size == 2 and nbytes >= DIRECT_TWO_RANKS_FROM_BYTES.get(c.engine, math.inf):
-        return "direct"
+    if c.size == 2:
+        if nbytes >= RING_TWO_RANKS_FROM_BYTES.get(c.engine, math.inf):
+            return "ring"
+        if nbytes >= DIRECT_TWO_RANKS_FROM_BYTES.get(c.engine, math.inf):
+            return "direct"
+        return "native"
     if c.size > 2 and (c.size - 1) * nbytes <= DIRECT_BYTES.get(c.engine, 0):
         return "direct"
     if nbytes >= RING_CROSSOVER_BYTES.get(c.engine, math.inf):
