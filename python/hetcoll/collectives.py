@@ -537,22 +537,15 @@ def _gather(
             int(n) for n in _exchange_shapes(c, view.shape, view.dtype.str, deadline, algorithm)
         ]
     rows = sum(lengths)
-    # A wrong row count in ``out`` is this rank's error alone: the exchange completes first.
-    fits = into is not None and into.shape[0] == rows
-    out_view: np.ndarray
-    if joined is not None:
-        # "auto": the pieces are in place after the speculative round (in ``out`` if it fits).
-        if into is not None and fits:
-            if joined is not into_bytes:
-                into.reshape(-1).view(np.uint8)[...] = joined
-            out_view = into
-        else:
-            out_view = joined.view(view.dtype).reshape(rows, *view.shape[1:])
-    elif into is not None and fits:
-        out_view = into
+    # ``out`` if its row count is right; a wrong one is this rank's error alone, raised once the
+    # exchange is over so that the others are not left waiting.
+    dest = into if into is not None and into.shape[0] == rows else None
+    if joined is not None:  # "auto": the pieces are in place after the speculative round
+        out_view = joined.view(view.dtype).reshape(rows, *view.shape[1:])
+        if dest is not None and joined is not into_bytes:
+            dest[...] = out_view
     else:
-        out_view = np.empty((rows, *view.shape[1:]), dtype=view.dtype)
-    if joined is None:
+        out_view = dest if dest is not None else np.empty((rows, *view.shape[1:]), view.dtype)
         counts = [n * row_bytes for n in lengths]
         recv = out_view.reshape(-1).view(np.uint8)
         if algorithm == "auto":
@@ -566,7 +559,7 @@ def _gather(
             segment = segment_bytes if segment_bytes is not None else max(1, *counts)
             _ring_allgather(c, send, recv, counts, segment, deadline)
     if into is not None:
-        if not fits:
+        if dest is None:
             raise ValueError(f"out: has {into.shape[0]} rows along axis 0, the pieces hold {rows}")
         return out, lengths
     if _is_tensor(local):
@@ -741,31 +734,38 @@ def _speculative_round(
     lengths = heads[:, 0].tolist()
     counts = tuple(n * row_bytes for n in lengths)
     records.append(counts)  # the same on every rank
-    for q in range(p):
-        if q != r and 0 < guess[q] <= MERGE_GATHER_BYTES:
-            k = min(counts[q], guess[q])
-            spec[at[q] : at[q] + k] = boxes[q][head.nbytes : head.nbytes + k]
     if algorithm != "auto":
         return lengths, None
+    peers = [q for q in range(p) if q != r]
+
+    def came(q: int) -> np.ndarray:
+        """The bytes of rank ``q``'s piece that came in this round."""
+        k = min(counts[q], guess[q])
+        if guess[q] <= MERGE_GATHER_BYTES:
+            return boxes[q][head.nbytes : head.nbytes + k]
+        return spec[at[q] : at[q] + k]
+
     if counts == guess:
+        for q in peers:
+            if guess[q] <= MERGE_GATHER_BYTES:
+                spec[at[q] : at[q + 1]] = came(q)
         return lengths, spec
     # Mispredicted: the exact layout, the bytes that came, then the rest of longer pieces.
     to = [0, *itertools.accumulate(counts)]
     if spec is into:
-        spec = spec.copy()  # the layouts overlap
+        spec = spec.copy()  # the two layouts overlap
     out = into if into is not None and into.size == to[-1] else np.empty(to[-1], np.uint8)
-    for q in range(p):
-        k = min(counts[q], guess[q])
-        out[to[q] : to[q] + k] = spec[at[q] : at[q] + k]
+    for q in peers:
+        piece = came(q)
+        out[to[q] : to[q] + piece.size] = piece
     out[to[r] : to[r + 1]] = send
     requests = [
         c.irecv(out[to[q] + guess[q] : to[q + 1]], q, _TAG_GATHER_REST)
-        for q in range(p)
-        if q != r and counts[q] > guess[q]
+        for q in peers
+        if counts[q] > guess[q]
     ]
     if counts[r] > guess[r]:
-        rest = send[guess[r] :]
-        requests += [c.isend(rest, q, _TAG_GATHER_REST) for q in range(p) if q != r]
+        requests += [c.isend(send[guess[r] :], q, _TAG_GATHER_REST) for q in peers]
     wait_all(requests, deadline)
     return lengths, out
 
