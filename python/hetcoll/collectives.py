@@ -43,7 +43,7 @@ from hetcoll.kernels import _is_tensor, _numpy_view
 __all__ = [
     "ALGORITHMS",
     "DIRECT_BYTES",
-    "DIRECT_TWO_RANKS_FROM_BYTES",
+    "DIRECT_TWO_RANKS_BELOW_BYTES",
     "GATHER_PERIODS",
     "GATHER_RING_CROSSOVER_BYTES",
     "MERGE_GATHER_BYTES",
@@ -84,18 +84,20 @@ RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 16 << 20, "gloo": 64 << 20}
 #: From benches/bench_collectives.py: the ring took 0.4-0.8x of an equal-size all_gather on
 #: gloo from 16 MiB (p = 2 and 4) and beat MPICH's Allgatherv from 1 MiB.
 GATHER_RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 16 << 20}
-#: "auto" picks "direct" on two ranks from this size up, per engine, and on more ranks when the
+#: "auto" picks "direct" on two ranks below this size, per engine, and on more ranks when the
 #: bytes a rank sends, ``(p - 1) * size``, are at most :data:`DIRECT_BYTES`. From
-#: benches/bench_collectives.py on one 2-core host: on two ranks the weighted direct exchange
-#: took 1.0-1.2x the time of MPI_Allreduce from 1 MiB, where the ring (below) did better, and
-#: 1.1-1.4x of gloo's dist.all_reduce at every size, ahead of the native path; with 4 ranks it
-#: beat gloo's allreduce up to 1 MiB (0.6-0.9x) and lost to MPICH's at every size.
-DIRECT_TWO_RANKS_FROM_BYTES: dict[str, float] = {"gloo": 0}
+#: benches/bench_collectives.py on one 2-core host. On two gloo ranks the weighted direct
+#: exchange took 0.3-1.1x the time of dist.all_reduce up to 256 KiB, ahead of the native path;
+#: from 1 MiB its send/recv pairs were hit harder by the host's late wake-ups than the
+#: collective (the medians of five runs at 1 and 4 MiB: 1.49x and 1.50x, the native weighted
+#: path 1.11x and 1.14x). On two MPI ranks it lost to the ring from 1 MiB. With 4 ranks it beat
+#: gloo's allreduce up to 1 MiB (0.6-0.9x) and lost to MPICH's at every size.
+DIRECT_TWO_RANKS_BELOW_BYTES: dict[str, float] = {"gloo": 1 << 20}
 DIRECT_BYTES: dict[str, float] = {"mpi": 0, "gloo": 3 << 20}
-#: On two ranks "auto" picks the ring from this size up (before the direct exchange). Two MPI
-#: ranks, weighted, against MPI_Allreduce: the ring 1.08-1.11x at 1 MiB (direct 1.08-1.16x,
-#: native 1.27x), 0.84-1.08x at 4 MiB (direct 1.38-1.57x); on gloo the ring and the direct
-#: exchange are even up to 16 MiB, and the ring is 5-15% faster from 64 MiB.
+#: On two ranks "auto" picks the ring from this size up. Two MPI ranks, weighted, against
+#: MPI_Allreduce: the ring 1.08-1.11x at 1 MiB (direct 1.08-1.16x, native 1.27x), 0.84-1.08x at
+#: 4 MiB (direct 1.38-1.57x); on two gloo ranks the ring was 5-15% faster than the other paths
+#: from 64 MiB.
 RING_TWO_RANKS_FROM_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 64 << 20}
 #: Engines on which allgatherv's first round, which every rank needs for the others' lengths,
 #: is point to point and speculative: each rank sends its header and, in the same round, as many
@@ -250,7 +252,7 @@ def _auto(c: Communicator, nbytes: int, chunk_speeds: bool) -> str:
     if c.size == 2:
         if nbytes >= RING_TWO_RANKS_FROM_BYTES.get(c.engine, math.inf):
             return "ring"
-        if nbytes >= DIRECT_TWO_RANKS_FROM_BYTES.get(c.engine, math.inf):
+        if nbytes < DIRECT_TWO_RANKS_BELOW_BYTES.get(c.engine, 0):
             return "direct"
         return "native"
     if c.size > 2 and (c.size - 1) * nbytes <= DIRECT_BYTES.get(c.engine, 0):

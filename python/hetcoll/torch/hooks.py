@@ -15,7 +15,8 @@ messages, and each rank forms ``sum_r (n_r / N) * g_r`` in rank order with one R
 weights fused into the reduction. It is one message latency instead of the several rounds of a
 ring allreduce plus the count's allreduce; every rank computes bitwise the same sum. It is the
 exchange of ``hetcoll.allreduce(..., algorithm="direct")``, and "auto" takes it where
-:func:`hetcoll.allreduce` would (on two ranks, or while ``(p - 1)`` buckets are a few MiB, see
+:func:`hetcoll.allreduce` would (on two ranks below 1 MiB, or while ``(p - 1)`` buckets are a few
+MiB, see :data:`hetcoll.collectives.DIRECT_TWO_RANKS_BELOW_BYTES` and
 :data:`hetcoll.collectives.DIRECT_BYTES`). A worker thread runs it, so the hook returns at once
 and DDP keeps overlapping communication with the backward.
 
