@@ -73,6 +73,8 @@ class _Engine(ABC):
 
     rank: int
     world: int
+    #: What the Rebalancer gathers over (hetcoll.comm.wrap's argument).
+    group: Any = None
 
     @abstractmethod
     def barrier(self) -> None: ...
@@ -121,7 +123,7 @@ class _Mpi(_Engine):
     def __init__(self) -> None:
         from mpi4py import MPI
 
-        self.comm = MPI.COMM_WORLD
+        self.comm = self.group = MPI.COMM_WORLD
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
 
     def barrier(self) -> None:
@@ -195,8 +197,8 @@ def _train(engine: _Engine, cfg: DemoConfig, name: str, shares: list[int], real:
         range(len(ytr)), shares, rank, seed=cfg.seed, verify=cfg.backend == "gloo"
     )
     rebalancer = (
-        Rebalancer(sampler, every=10, threshold=0.05)
-        if cfg.rebalance and weighted and cfg.backend == "gloo"
+        Rebalancer(sampler, every=10, threshold=0.05, group=engine.group)
+        if cfg.rebalance and weighted
         else None
     )
     result = RunResult(name, list(shares))

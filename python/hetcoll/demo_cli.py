@@ -85,7 +85,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         dest="rebalance",
         action="store_false",
         help="keep the first split (default: re-solve it every 10 steps from each rank's "
-        "measured compute time; gloo only)",
+        "measured compute time)",
     )
     p.add_argument("--out", default="demo-out", help="directory for demo.png (and demo.json)")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")

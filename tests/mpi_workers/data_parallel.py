@@ -11,7 +11,8 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from hetcoll.torch import BalancedSampler, DistributedOptimizer, broadcast_parameters
+import hetcoll
+from hetcoll.torch import BalancedSampler, DistributedOptimizer, Rebalancer, broadcast_parameters
 
 from dp_common import (
     CHANGE_AT,
@@ -78,6 +79,27 @@ try:
     result["disagree"] = "no error"
 except ValueError as e:
     result["disagree"] = str(e)
+
+# The Rebalancer over the MPI communicator: compute times at true speeds that change at step
+# 20 (the first two ranks swap roles); the shares follow.
+speeds_before = [100.0, 25.0, 50.0][:world]
+speeds_after = [40.0, 80.0, 50.0][:world]
+sampler = BalancedSampler(range(10_000), [16] * world, rank, verify=False)
+reb = Rebalancer(sampler, every=4, smoothing=0.5, threshold=0.02, group=comm)
+seen = []
+for step in range(80):
+    speeds = speeds_before if step < 20 else speeds_after
+    b = sampler.shares[rank]
+    reb.observe(b, b / speeds[rank])
+    seen.append(list(sampler.shares))
+result["rebalance"] = {
+    "settled_before": seen[19],
+    "settled_after": seen[-1],
+    "stable": seen[-1] == seen[-20],
+    "changes": sum(e.applied for e in reb.history),
+    "want_before": hetcoll.split(16 * world, speeds_before, minimum=1),
+    "want_after": hetcoll.split(16 * world, speeds_after, minimum=1),
+}
 
 # One line from rank 0: lines printed by several ranks can interleave on mpiexec's stdout.
 results = comm.gather(result, root=0)

@@ -1,7 +1,8 @@
 """Rebalancer: keep the split right while the workers' speeds drift.
 
 Every ``every`` steps the ranks exchange how many samples they processed and how long their
-compute took (one small all-gather), update each rank's speed estimate with exponential
+compute took (one small all-gather, over a torch.distributed group or an mpi4py
+communicator), update each rank's speed estimate with exponential
 smoothing, re-solve the split with :func:`hetcoll.split`, and switch the sampler (and the
 weighted-averaging state) to the new shares only when the predicted step time improves by more
 than ``threshold``, so noise does not make the shares thrash. Seed 001 balanced statically once;
@@ -13,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.distributed as dist
+import numpy as np
 
 import hetcoll
+from hetcoll.comm import wrap
 from hetcoll.torch.sampler import BalancedSampler
 
 
@@ -41,6 +42,9 @@ class Rebalancer:
     seconds it spent computing them (not waiting for others: e.g. the forward pass, or
     :attr:`EmulatedSpeed.last_forward_seconds`); it returns True on the steps where the shares
     changed. All ranks reach the same decision, because they decide on the same gathered data.
+    ``group``: what :func:`hetcoll.comm.wrap` takes, a torch.distributed process group (None:
+    the default one) or an mpi4py communicator (for :class:`hetcoll.torch.DistributedOptimizer`
+    users).
     """
 
     def __init__(
@@ -82,12 +86,10 @@ class Rebalancer:
         self._seconds += float(seconds)
         if self._step % self.every:
             return False
-        mine = torch.tensor([float(self._samples), self._seconds], dtype=torch.float64)
-        world = dist.get_world_size(self.group)
-        gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
-        dist.all_gather(gathered, mine, group=self.group)
+        mine = np.array([float(self._samples), self._seconds], np.float64)
+        gathered = wrap(self.group).allgather_fixed(mine.view(np.uint8), None).view(np.float64)
         self._samples, self._seconds = 0, 0.0
-        measured = [float(g[0] / g[1]) if g[1] > 0 else 0.0 for g in gathered]
+        measured = [float(n / t) if t > 0 else 0.0 for n, t in gathered]
         if self.speeds is None:
             self.speeds = measured
         else:
