@@ -123,8 +123,12 @@ class _Mpi(_Engine):
     def __init__(self) -> None:
         from mpi4py import MPI
 
-        self.comm = self.group = MPI.COMM_WORLD
+        self.comm = MPI.COMM_WORLD
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
+
+    @property
+    def group(self) -> Any:
+        return self.comm
 
     def barrier(self) -> None:
         self.comm.Barrier()

@@ -1,11 +1,11 @@
 """Rebalancer: keep the split right while the workers' speeds drift.
 
 Every ``every`` steps the ranks exchange how many samples they processed and how long their
-compute took (one small all-gather, over a torch.distributed group or an mpi4py
-communicator), update each rank's speed estimate with exponential
-smoothing, re-solve the split with :func:`hetcoll.split`, and switch the sampler (and the
-weighted-averaging state) to the new shares only when the predicted step time improves by more
-than ``threshold``, so noise does not make the shares thrash. Seed 001 balanced statically once;
+compute took (one small all-gather, over a torch.distributed group or an mpi4py communicator),
+update each rank's speed estimate with exponential smoothing, re-solve the split with
+:func:`hetcoll.split`, and switch the sampler (and the weighted-averaging state) to the new
+shares only when the predicted step time improves by more than ``threshold``, so noise does not
+make the shares thrash. Seed 001 balanced statically once;
 this keeps balancing.
 """
 
