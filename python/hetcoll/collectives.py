@@ -78,12 +78,12 @@ TWO_RANK_SEGMENT_BYTES: dict[str, int] = {"mpi": 16 << 20}
 #: (Two ranks: :data:`RING_TWO_RANKS_FROM_BYTES`.) "auto" with chunk ``speeds`` is always the
 #: ring.
 RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 16 << 20, "gloo": 64 << 20}
-#: Total output size above which "auto" allgatherv takes the ring. MPICH's Allgatherv with
-#: uneven pieces took seconds where Allgather of the same bytes took tens of milliseconds
-#: (64 MiB, 4 ranks, one host); gloo's all_to_all_single needs the piece repeated p times.
-#: From benches/bench_collectives.py: the ring took 0.4-0.8x of an equal-size all_gather on
-#: gloo from 16 MiB (p = 2 and 4) and beat MPICH's Allgatherv from 1 MiB.
-GATHER_RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 16 << 20}
+#: Total output size above which "auto" allgatherv takes the ring, on engines without the
+#: speculative round (:data:`SPECULATIVE_GATHER_ENGINES`, where "auto" is that round). MPICH's
+#: Allgatherv with uneven pieces took seconds where Allgather of the same bytes took tens of
+#: milliseconds (64 MiB, 4 ranks, one host); from benches/bench_collectives.py the ring beat it
+#: from 1 MiB.
+GATHER_RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 1 << 20}
 #: "auto" picks "direct" on two ranks below this size, per engine, and on more ranks when the
 #: bytes a rank sends, ``(p - 1) * size``, are at most :data:`DIRECT_BYTES`. From
 #: benches/bench_collectives.py on one 2-core host. On two gloo ranks the weighted direct
@@ -476,7 +476,7 @@ def allgatherv(
     ``algorithm``: "native" is MPI_Allgatherv, or on torch all_to_all_single with uneven splits
     (gloo's all_gather rejects uneven pieces); "ring" passes the pieces around the ring with the
     engine's send/recv straight into the output, segment by segment; "direct" sends each piece
-    to every other rank in one round of send/recv straight into the output; "auto"
+    to every other rank in one round of send/recv straight into the output; "auto" on MPI
     picks by total size (:data:`GATHER_RING_CROSSOVER_BYTES`). Every call starts with one round
     that exchanges the lengths (and checks shapes, dtype and algorithm). On gloo that round is
     point to point and also carries as many bytes of each piece as the group's recent gathers
@@ -511,11 +511,8 @@ def _gather(
             raise ValueError("out: not supported for device tensors")
         return _allgatherv_device(local, comm, deadline)
     if _is_tensor(local):
-        import torch
-
         local = local.detach().contiguous()
-        # Any dtype travels as bytes; bfloat16 (unknown to numpy) as its 16-bit patterns.
-        view = local.view(torch.int16).numpy() if local.dtype == torch.bfloat16 else local.numpy()
+        view = _tensor_bytes_view(local)
     elif isinstance(local, np.ndarray):
         view = np.ascontiguousarray(local)
     else:
@@ -572,6 +569,14 @@ def _gather(
     return out_view, lengths
 
 
+def _tensor_bytes_view(t: Any) -> np.ndarray:
+    """A CPU tensor's memory as numpy: any dtype as itself, bfloat16 (unknown to numpy) as its
+    16-bit patterns, so that it travels as bytes."""
+    import torch
+
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
 def _out_view(out: Any, local: Any, view: np.ndarray) -> np.ndarray:
     """``out`` as a writeable numpy array of ``view``'s dtype (bfloat16 as its bit patterns),
     after the checks that need no lengths: kind, dtype, trailing shape, layout."""
@@ -582,9 +587,7 @@ def _out_view(out: Any, local: Any, view: np.ndarray) -> np.ndarray:
             raise TypeError(f"out: dtype {out.dtype} differs from local's {local.dtype}")
         if out.requires_grad:
             raise ValueError("out: must not require grad")
-        import torch
-
-        array = out.view(torch.int16).numpy() if out.dtype == torch.bfloat16 else out.numpy()
+        array = _tensor_bytes_view(out)
     elif isinstance(out, np.ndarray):
         array = out
     else:
@@ -643,18 +646,28 @@ def _header(trailing: tuple[int, ...], dtype: str, algorithm: str) -> np.ndarray
 _FIELDS = ("length", "shape[1:]", "dtype", "number of dimensions", "algorithm")
 
 
+def _fields(shape: Sequence[int], dtype: str, algorithm: str) -> np.ndarray:
+    """This rank's header: :func:`_header` with its length along axis 0 in word 0."""
+    fields = _header(tuple(shape[1:]), dtype, algorithm).copy()
+    fields[0] = shape[0]
+    return fields
+
+
+def _agreed_lengths(rows: np.ndarray) -> np.ndarray:
+    """Word 0 of every rank's header (``rows``, one per rank), once the other words agree;
+    else the :class:`CollectiveMismatchError` every rank raises, as all see the same rows."""
+    for j in range(1, len(_FIELDS)):
+        if (rows[:, j] != rows[0, j]).any():
+            _disagree(j, rows[:, j])
+    return rows[:, 0]
+
+
 def _exchange_shapes(
     c: Communicator, shape: Sequence[int], dtype: str, deadline: float | None, algorithm: str
 ) -> np.ndarray:
     """Every rank's length along axis 0, after checking the rest of the shape, the dtype and the
     algorithm."""
-    fields = _header(tuple(shape[1:]), dtype, algorithm).copy()
-    fields[0] = shape[0]
-    rows = c.allgather_int64(fields, deadline)
-    for j in range(1, len(_FIELDS)):
-        if (rows[:, j] != rows[0, j]).any():
-            _disagree(j, rows[:, j])
-    return rows[:, 0]
+    return _agreed_lengths(c.allgather_int64(_fields(shape, dtype, algorithm), deadline))
 
 
 def _predict(records: deque[tuple[int, ...]], p: int) -> tuple[int, ...]:
@@ -701,8 +714,7 @@ def _speculative_round(
     guess = _predict(records, p)
     at = [0, *itertools.accumulate(guess)]
     spec = into if into is not None and into.size == at[-1] else np.empty(at[-1], np.uint8)
-    head = _header(tuple(shape[1:]), dtype, algorithm).copy()
-    head[0] = shape[0]
+    head = _fields(shape, dtype, algorithm)
     if not send.flags.writeable:
         send = send.copy()  # torch will not wrap a read-only array
     mine = send[: guess[r]]
@@ -730,10 +742,7 @@ def _speculative_round(
     spec[at[r] : at[r] + mine.size] = mine  # while the messages travel
     wait_all(requests, deadline)
     heads = np.stack([b[: head.nbytes] for b in boxes]).view(np.int64)
-    for j in range(1, len(_FIELDS)):
-        if (heads[:, j] != heads[0, j]).any():
-            _disagree(j, heads[:, j])
-    lengths = heads[:, 0].tolist()
+    lengths = _agreed_lengths(heads).tolist()
     counts = tuple(n * row_bytes for n in lengths)
     records.append(counts)  # the same on every rank
     if algorithm != "auto":
