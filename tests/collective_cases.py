@@ -10,7 +10,10 @@ check raises, which fails the rank and so the launch.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -173,6 +176,18 @@ def check_aliasing_and_shapes(comm: Communicator, native: Any) -> int:
     return 3
 
 
+@contextmanager
+def _speculative_rounds(batched: bool) -> Iterator[None]:
+    """allgatherv's speculative round on gloo as one all-to-all (what small gathers get) or,
+    when not ``batched``, point to point (what large ones get), whatever the gather's size."""
+    saved = collectives.BATCHED_GATHER_BYTES
+    collectives.BATCHED_GATHER_BYTES = saved if batched else -1
+    try:
+        yield
+    finally:
+        collectives.BATCHED_GATHER_BYTES = saved
+
+
 def check_mismatch(comm: Communicator, native: Any) -> int:
     r = comm.rank
     cases = [
@@ -194,20 +209,22 @@ def check_mismatch(comm: Communicator, native: Any) -> int:
         raise AssertionError(f"rank {r}: allgatherv accepted pieces of different widths")
     # After gathers that set a prediction (96 bytes a piece on gloo's speculative round), ranks
     # disagree on the dtype and the others' pieces outgrow the prediction: every rank still
-    # finishes the round (no one sends more than predicted) and raises.
-    for _ in range(2):
-        hetcoll.allgatherv(np.ones((4, 3)), native, timeout=30)
-    odd = np.ones((4, 3), np.float32) if r == 0 else np.ones((8, 3))
-    try:
-        hetcoll.allgatherv(odd, native, timeout=30)
-    except hetcoll.CollectiveMismatchError as e:
-        assert "dtype" in str(e), e
-    else:
-        raise AssertionError(f"rank {r}: allgatherv accepted pieces of different dtypes")
-    np.testing.assert_array_equal(  # the group still works
-        hetcoll.allgatherv(np.full((1, 3), r), native, timeout=30),
-        np.repeat(np.arange(comm.size), 3).reshape(-1, 3),
-    )
+    # finishes the round (no one sends more than predicted) and raises; both ways of sending.
+    for batched in (True, False):
+        with _speculative_rounds(batched):
+            for _ in range(2):
+                hetcoll.allgatherv(np.ones((4, 3)), native, timeout=30)
+            odd = np.ones((4, 3), np.float32) if r == 0 else np.ones((8, 3))
+            try:
+                hetcoll.allgatherv(odd, native, timeout=30)
+            except hetcoll.CollectiveMismatchError as e:
+                assert "dtype" in str(e), e
+            else:
+                raise AssertionError(f"rank {r}: allgatherv accepted pieces of different dtypes")
+            np.testing.assert_array_equal(  # the group still works
+                hetcoll.allgatherv(np.full((1, 3), r), native, timeout=30),
+                np.repeat(np.arange(comm.size), 3).reshape(-1, 3),
+            )
     try:
         hetcoll.allgatherv(np.ones(5), native, algorithm="ring" if r == 0 else "auto", timeout=30)
     except hetcoll.CollectiveMismatchError as e:
@@ -258,9 +275,20 @@ def check_allgatherv(comm: Communicator, native: Any) -> int:
     for algorithm in ("ring", "native", "direct", "auto"):
         out = hetcoll.allgatherv(mine, native, algorithm=algorithm)
         np.testing.assert_array_equal(out, want)
-    # "auto" around the speculative first round on gloo: one round when every piece is at most
-    # as long as the group's recent gathers predict, a second one (the rest of longer pieces)
-    # when not. A repeating pattern of shapes is recognised.
+    return done
+
+
+def check_speculative_round(comm: Communicator, native: Any, batched: bool) -> int:
+    """``"auto"`` around allgatherv's speculative first round on gloo (the length exchange and
+    MPI_Allgatherv on MPI): one round when every piece is at most as long as the group's recent
+    gathers predict, a second one (the rest of longer pieces) when not; a repeating pattern of
+    shapes is recognised. ``batched``: the round as one all-to-all, else point to point."""
+    with _speculative_rounds(batched):
+        return _speculative_steps(comm, native, batched)
+
+
+def _speculative_steps(comm: Communicator, native: Any, batched: bool) -> int:
+    p, r = comm.size, comm.rank
     counted = type(comm)(native)  # a wrapper of its own: its messages counted
     tags: list[int] = []
 
@@ -268,15 +296,15 @@ def check_allgatherv(comm: Communicator, native: Any) -> int:
         method = getattr(counted, name)
 
         def count(*a: Any, **kw: Any) -> Any:
-            tags.append(a[2] if name in ("isend", "irecv") else -1)
+            tags.append(a[2] if name in ("isend", "irecv") else -2 if name == "ialltoallv" else -1)
             return method(*a, **kw)
 
         return count
 
-    for name in ("allgather_fixed", "iallgatherv", "isend", "irecv"):
+    for name in ("allgather_fixed", "iallgatherv", "ialltoallv", "isend", "irecv"):
         setattr(counted, name, counting(name))
     speculative = comm.engine in collectives.SPECULATIVE_GATHER_ENGINES
-    rest = collectives._TAG_GATHER_REST
+    rest, head = collectives._TAG_GATHER_REST, collectives._TAG_GATHER_HEAD
     # (the last rank's piece length, rows of 3 float64, one round on gloo?)
     steps = [
         (5, False),  # the group's first gather: nothing predicted
@@ -310,7 +338,12 @@ def check_allgatherv(comm: Communicator, native: Any) -> int:
             # A second round shows on every rank: the longer piece's rank sends its rest,
             # the others receive it.
             assert (rest not in tags) == one_round, (big, tags)
-            assert -1 not in tags, tags  # point to point only
+            assert -1 not in tags, tags  # no length exchange of its own
+            first = [t for t in tags if t != rest]
+            if batched:  # one all-to-all
+                assert first == [-2], tags
+            else:  # headers, and pieces predicted non-empty, point to point
+                assert first and -2 not in first and head in first, tags
         else:  # MPI: a length exchange, then MPI_Allgatherv
             assert tags[0] == -1 and len(tags) > 1, tags
     for got, want in kept:
@@ -318,7 +351,7 @@ def check_allgatherv(comm: Communicator, native: Any) -> int:
     if speculative:
         history = counted.gather_history
         assert history is not None and history[-1] == tuple(n * 24 for n in n_of)
-    return done + 7
+    return len(steps)
 
 
 def check_allgatherv_out(comm: Communicator, native: Any) -> int:
@@ -327,14 +360,23 @@ def check_allgatherv_out(comm: Communicator, native: Any) -> int:
     before it (here on every rank, as every rank passes the same bad argument)."""
     p, r = comm.size, comm.rank
     done = 0
-    for rows_of in (lambda q: q + 1, lambda q: 2 * q + 3, lambda q: 2 * q + 3, lambda q: q):
+    # The prediction held (the repeated shape) and not, with both ways of sending the round.
+    shapes = (
+        lambda q: q + 1,
+        lambda q: p - q,  # the same total: the predicted and the real layout overlap in out
+        lambda q: 2 * q + 3,
+        lambda q: 2 * q + 3,
+        lambda q: q,
+    )
+    for batched, rows_of in itertools.product((True, False), shapes):
         want = np.concatenate(
             [np.arange(rows_of(q) * 2, dtype=np.float64).reshape(-1, 2) + 10 * q for q in range(p)]
         )
         mine = want[sum(rows_of(q) for q in range(r)) :][: rows_of(r)].copy()
         for algorithm in ("auto", "native", "ring", "direct"):
             out = np.full_like(want, -1.0)
-            got = hetcoll.allgatherv(mine, native, out=out, algorithm=algorithm, timeout=60)
+            with _speculative_rounds(batched):
+                got = hetcoll.allgatherv(mine, native, out=out, algorithm=algorithm, timeout=60)
             assert got is out
             np.testing.assert_array_equal(out, want)
         done += 1
@@ -380,6 +422,20 @@ def check_allgatherv_out(comm: Communicator, native: Any) -> int:
     return done
 
 
+def check_alltoallv(comm: Communicator, native: Any) -> int:
+    """The Communicator's all-to-all of bytes: rank r sends rank q ``r + 2q`` bytes (none to
+    itself when r = q = 0), all equal to ``16 r + q``, and receives in rank order."""
+    p, r = comm.size, comm.rank
+    send_counts = [r + 2 * q for q in range(p)]
+    recv_counts = [q + 2 * r for q in range(p)]
+    send = np.concatenate([np.full(n, 16 * r + q, np.uint8) for q, n in enumerate(send_counts)])
+    recv = np.full(sum(recv_counts), 255, np.uint8)
+    comm.ialltoallv(send, send_counts, recv, recv_counts).wait(time.monotonic() + 60)
+    want = np.concatenate([np.full(n, 16 * q + r, np.uint8) for q, n in enumerate(recv_counts)])
+    np.testing.assert_array_equal(recv, want)
+    return 1
+
+
 def check_autograd(comm: Communicator, native: Any) -> int:
     p, r = comm.size, comm.rank
     rows = [q % 3 + 1 for q in range(p)]
@@ -413,7 +469,10 @@ def run_all(comm_obj: Any) -> dict[str, int]:
         "aliasing": check_aliasing_and_shapes(comm, comm_obj),
         "mismatch": check_mismatch(comm, comm_obj),
         "allgatherv": check_allgatherv(comm, comm_obj),
+        "speculative": check_speculative_round(comm, comm_obj, batched=True)
+        + check_speculative_round(comm, comm_obj, batched=False),
         "allgatherv_out": check_allgatherv_out(comm, comm_obj),
+        "alltoallv": check_alltoallv(comm, comm_obj),
         "autograd": check_autograd(comm, comm_obj),
     }
 

@@ -42,11 +42,11 @@ from hetcoll.kernels import _is_tensor, _numpy_view
 
 __all__ = [
     "ALGORITHMS",
+    "BATCHED_GATHER_BYTES",
     "DIRECT_BYTES",
     "DIRECT_TWO_RANKS_BELOW_BYTES",
     "GATHER_PERIODS",
     "GATHER_RING_CROSSOVER_BYTES",
-    "MERGE_GATHER_BYTES",
     "RING_CROSSOVER_BYTES",
     "RING_TWO_RANKS_FROM_BYTES",
     "SEGMENT_BYTES",
@@ -100,20 +100,22 @@ DIRECT_BYTES: dict[str, float] = {"mpi": 0, "gloo": 3 << 20}
 #: from 64 MiB.
 RING_TWO_RANKS_FROM_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 64 << 20}
 #: Engines on which allgatherv's first round, which every rank needs for the others' lengths,
-#: is point to point and speculative: each rank sends its header and, in the same round, as many
-#: bytes of its piece as the group's recent gathers predict (:func:`_predict`), received
-#: straight into place. When the prediction holds, as it does for a filter-parallel layer's
-#: gathers every step, "auto" is done in that one round, with no copy and no padding; pieces
-#: longer than predicted send the rest in a second round. On gloo two ranks' send/recv exchange
-#: took 0.6-0.8x the time of an all_gather of the same bytes (one host), which pads every piece
-#: to the largest; MPI keeps its own Allgatherv after an allgather of the lengths.
+#: is speculative: each rank sends its header and, in the same round, as many bytes of its piece
+#: as the group's recent gathers predict (:func:`_predict`). When the prediction holds, as it
+#: does for a filter-parallel layer's gathers every step, "auto" is done in that one round;
+#: pieces longer than predicted send the rest in a second round. MPI keeps its own Allgatherv
+#: after an allgather of the lengths.
 SPECULATIVE_GATHER_ENGINES = ("gloo",)
 #: The longest repeating pattern of gathers on a group that the prediction recognises: a model
 #: whose step gathers at up to this many different shapes, in the same order every step.
 GATHER_PERIODS = 16
-#: In that round a piece predicted at most this long travels in one message with its header
-#: (both copied into it): on gloo posting a send/recv pair costs 30-50 µs, copying 256 KiB less.
-MERGE_GATHER_BYTES = 256 << 10
+#: A speculative round predicted to move at most this many bytes in all is one
+#: ``all_to_all_single``: each rank's header and predicted bytes in one block per peer, copied
+#: in and out of scratch. On two gloo ranks that took 1.0-1.15x an all_gather of the same bytes
+#: up to 1 MiB where point-to-point messages took 1.6-1.9x (their waits are woken late on a busy
+#: host twice as often), and on four ranks 0.3-0.6x. Larger rounds are point to point, each
+#: piece straight into place, with no copy.
+BATCHED_GATHER_BYTES = 4 << 20
 _TAG = 4831  # ring allreduce messages: _TAG + step
 _TAG_DIRECT = 24831  # direct allreduce: weight, then data
 _TAG_GATHER_DIRECT = 34831  # direct allgatherv
@@ -122,6 +124,7 @@ _TAG_GATHER = 14831  # ring allgatherv messages: _TAG_GATHER + step
 _TAG_GATHER_HEAD = 54831  # allgatherv's speculative round: header, then predicted bytes
 _TAG_GATHER_DATA = 64831
 _TAG_GATHER_REST = 74831  # the bytes of pieces longer than predicted
+_GATHER_OUT, _GATHER_IN = 4, 5  # scratch slots of allgatherv's batched round
 _KIND_CODE = {"float32": 1, "float64": 2, "float16": 3, "bfloat16": 4}
 _ALGO_CODE = {"ring": 1, "native": 2, "direct": 3}
 
@@ -478,10 +481,11 @@ def allgatherv(
     engine's send/recv straight into the output, segment by segment; "direct" sends each piece
     to every other rank in one round of send/recv straight into the output; "auto" on MPI
     picks by total size (:data:`GATHER_RING_CROSSOVER_BYTES`). Every call starts with one round
-    that exchanges the lengths (and checks shapes, dtype and algorithm). On gloo that round is
-    point to point and also carries as many bytes of each piece as the group's recent gathers
-    predict (:data:`SPECULATIVE_GATHER_ENGINES`): "auto" is then done in that round when the
-    prediction holds, and sends only the rest of longer pieces when it does not.
+    that exchanges the lengths (and checks shapes, dtype and algorithm). On gloo that round
+    also carries as many bytes of each piece as the group's recent gathers predict
+    (:data:`SPECULATIVE_GATHER_ENGINES`), in one all-to-all for small gathers
+    (:data:`BATCHED_GATHER_BYTES`), else point to point: "auto" is then done in that round
+    when the prediction holds, and sends only the rest of longer pieces when it does not.
     ``segment_bytes`` cuts the ring's messages (default: one message per piece and step;
     nothing is computed between them, so smaller messages would only add per-message cost).
 
@@ -696,11 +700,10 @@ def _speculative_round(
     algorithm: str,
     into: np.ndarray | None = None,
 ) -> tuple[list[int], np.ndarray | None]:
-    """:func:`_exchange_shapes` point to point, every rank's header travelling with as many
-    bytes of its piece as predicted. Returns the lengths and, for "auto", the pieces joined
-    (uint8): in place when the prediction held, else copied and completed by a second round
-    for the pieces that were longer than predicted. ``into`` (uint8), when its size is right,
-    is where they are joined.
+    """:func:`_exchange_shapes` with every rank's header travelling with as many bytes of its
+    piece as predicted. Returns the lengths and, for "auto", the pieces joined (uint8), in
+    ``into`` (uint8) when its size is right; pieces longer than predicted are completed by a
+    second round.
 
     Every message size comes from the prediction, which only depends on what all ranks
     exchanged before, so senders and receivers agree on it whatever this call's arguments: a
@@ -712,63 +715,30 @@ def _speculative_round(
         c.gather_history = deque(maxlen=2 * GATHER_PERIODS)
     records = c.gather_history
     guess = _predict(records, p)
-    at = [0, *itertools.accumulate(guess)]
-    spec = into if into is not None and into.size == at[-1] else np.empty(at[-1], np.uint8)
     head = _fields(shape, dtype, algorithm)
     if not send.flags.writeable:
         send = send.copy()  # torch will not wrap a read-only array
     mine = send[: guess[r]]
-    # A piece predicted short travels in one message with its header (copied together); a
-    # longer one in its own message, straight from the caller's array into place.
-    if guess[r] <= MERGE_GATHER_BYTES:
-        message = np.empty(head.nbytes + mine.size, np.uint8)
-        message[: head.nbytes] = head.view(np.uint8)
-        message[head.nbytes :] = mine
-        outgoing = [(message, _TAG_GATHER_HEAD)]
+    if sum(guess) <= BATCHED_GATHER_BYTES:
+        heads, boxes, joined = _batched_round(c, head, mine, guess, deadline)
     else:
-        outgoing = [(head.view(np.uint8), _TAG_GATHER_HEAD), (mine, _TAG_GATHER_DATA)]
-    boxes = [head.view(np.uint8)] * p  # each rank's header, then its piece if merged
-    requests = []
-    for k in range(1, p):  # each peer in turn from the right neighbour on
-        q = (r + k) % p
-        merged = guess[q] <= MERGE_GATHER_BYTES
-        boxes[q] = np.empty(head.nbytes + (guess[q] if merged else 0), np.uint8)
-        requests.append(c.irecv(boxes[q], q, _TAG_GATHER_HEAD))
-        if guess[q] and not merged:
-            requests.append(c.irecv(spec[at[q] : at[q + 1]], q, _TAG_GATHER_DATA))
-    for k in range(1, p):
-        q = (r - k) % p
-        requests += [c.isend(m, q, tag) for m, tag in outgoing]
-    spec[at[r] : at[r] + mine.size] = mine  # while the messages travel
-    wait_all(requests, deadline)
-    heads = np.stack([b[: head.nbytes] for b in boxes]).view(np.int64)
+        heads, boxes, joined = _direct_round(c, head, mine, guess, deadline, into)
     lengths = _agreed_lengths(heads).tolist()
     counts = tuple(n * row_bytes for n in lengths)
     records.append(counts)  # the same on every rank
     if algorithm != "auto":
         return lengths, None
-    peers = [q for q in range(p) if q != r]
-
-    def came(q: int) -> np.ndarray:
-        """The bytes of rank ``q``'s piece that came in this round."""
-        k = min(counts[q], guess[q])
-        if guess[q] <= MERGE_GATHER_BYTES:
-            return boxes[q][head.nbytes : head.nbytes + k]
-        return spec[at[q] : at[q] + k]
-
-    if counts == guess:
-        for q in peers:
-            if guess[q] <= MERGE_GATHER_BYTES:
-                spec[at[q] : at[q + 1]] = came(q)
-        return lengths, spec
-    # Mispredicted: the exact layout, the bytes that came, then the rest of longer pieces.
+    if joined is not None and counts == guess:
+        return lengths, joined  # every piece is in place
+    # The exact layout: the bytes that came, then the rest of pieces longer than predicted.
     to = [0, *itertools.accumulate(counts)]
-    if spec is into:
-        spec = spec.copy()  # the two layouts overlap
     out = into if into is not None and into.size == to[-1] else np.empty(to[-1], np.uint8)
+    if joined is not None and joined is into:
+        boxes = [box.copy() for box in boxes]  # the two layouts overlap
+    peers = [q for q in range(p) if q != r]
     for q in peers:
-        piece = came(q)
-        out[to[q] : to[q] + piece.size] = piece
+        k = min(counts[q], guess[q])
+        out[to[q] : to[q] + k] = boxes[q][:k]
     out[to[r] : to[r + 1]] = send
     requests = [
         c.irecv(out[to[q] + guess[q] : to[q + 1]], q, _TAG_GATHER_REST)
@@ -779,6 +749,75 @@ def _speculative_round(
         requests += [c.isend(send[guess[r] :], q, _TAG_GATHER_REST) for q in peers]
     wait_all(requests, deadline)
     return lengths, out
+
+
+def _batched_round(
+    c: Communicator,
+    head: np.ndarray,
+    mine: np.ndarray,
+    guess: tuple[int, ...],
+    deadline: float | None,
+) -> tuple[np.ndarray, list[np.ndarray], None]:
+    """The speculative round as one all-to-all: to each peer a block of this rank's header and
+    predicted bytes (``mine``), from each peer its block, through reused scratch. Returns the
+    headers (a row per rank), each rank's predicted bytes as they came (``mine`` for this
+    rank), and None: no piece is in its final place yet."""
+    p, r, h = c.size, c.rank, head.nbytes
+    block = [h + g for g in guess]
+    outgoing = _scratch(_GATHER_OUT, (p - 1) * block[r], np.dtype(np.uint8))
+    rows = outgoing.reshape(p - 1, block[r])
+    rows[:, :h] = head.view(np.uint8)
+    rows[:, h : h + mine.size] = mine  # a piece shorter than predicted leaves stale bytes
+    sizes_in = [0 if q == r else block[q] for q in range(p)]
+    incoming = _scratch(_GATHER_IN, sum(sizes_in), np.dtype(np.uint8))
+    sizes_out = [0 if q == r else block[r] for q in range(p)]
+    c.ialltoallv(outgoing, sizes_out, incoming, sizes_in).wait(deadline)
+    heads = np.empty((p, h), np.uint8)
+    boxes = []
+    at = 0
+    for q in range(p):
+        if q == r:
+            heads[q] = head.view(np.uint8)
+            boxes.append(mine)
+            continue
+        heads[q] = incoming[at : at + h]
+        boxes.append(incoming[at + h : at + block[q]])
+        at += block[q]
+    return heads.view(np.int64), boxes, None
+
+
+def _direct_round(
+    c: Communicator,
+    head: np.ndarray,
+    mine: np.ndarray,
+    guess: tuple[int, ...],
+    deadline: float | None,
+    into: np.ndarray | None,
+) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+    """The speculative round point to point: this rank's header to every peer, and its
+    predicted bytes (``mine``) in their own message, which each peer receives straight into
+    place in the predicted layout (``into`` when its size is right). Returns the headers (a
+    row per rank), each rank's predicted bytes as they came, and the predicted layout."""
+    p, r, h = c.size, c.rank, head.nbytes
+    at = [0, *itertools.accumulate(guess)]
+    joined = into if into is not None and into.size == at[-1] else np.empty(at[-1], np.uint8)
+    heads = np.empty((p, h), np.uint8)
+    heads[r] = head.view(np.uint8)
+    boxes = [joined[at[q] : at[q + 1]] for q in range(p)]
+    requests = []
+    for k in range(1, p):  # each peer in turn from the right neighbour on
+        q = (r + k) % p
+        requests.append(c.irecv(heads[q], q, _TAG_GATHER_HEAD))
+        if guess[q]:
+            requests.append(c.irecv(boxes[q], q, _TAG_GATHER_DATA))
+    for k in range(1, p):
+        q = (r - k) % p
+        requests.append(c.isend(heads[r], q, _TAG_GATHER_HEAD))
+        if guess[r]:
+            requests.append(c.isend(mine, q, _TAG_GATHER_DATA))
+    boxes[r][: mine.size] = mine  # while the messages travel
+    wait_all(requests, deadline)
+    return heads.view(np.int64), boxes, joined
 
 
 def _disagree(field: int, per_rank: np.ndarray) -> None:

@@ -19,6 +19,7 @@ peer that does not answer in time, or that the engine reports lost, raises
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 import weakref
@@ -80,6 +81,18 @@ class Communicator(ABC):
     def iallgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> Request:
         """Start ``recv <- concat over ranks r of send_r``, as bytes: ``send`` and ``recv`` are
         uint8 arrays, ``counts[r]`` the byte count of rank r's piece."""
+
+    @abstractmethod
+    def ialltoallv(
+        self,
+        send: np.ndarray,
+        send_counts: Sequence[int],
+        recv: np.ndarray,
+        recv_counts: Sequence[int],
+    ) -> Request:
+        """Start an all-to-all of bytes: ``send`` (uint8) holds, in rank order, the
+        ``send_counts[q]`` bytes for each rank q; ``recv`` (uint8) receives, in rank order,
+        ``recv_counts[q]`` bytes from each rank q."""
 
     @abstractmethod
     def ireduce_scatterv(
@@ -206,6 +219,22 @@ class MpiCommunicator(Communicator):
             [send, MPI.BYTE], [recv, [int(c) for c in counts], displs, MPI.BYTE]
         )
         return _MpiRequest(req, "MPI_Iallgatherv")
+
+    def ialltoallv(
+        self,
+        send: np.ndarray,
+        send_counts: Sequence[int],
+        recv: np.ndarray,
+        recv_counts: Sequence[int],
+    ) -> Request:
+        from mpi4py import MPI
+
+        sizes = [[int(n) for n in send_counts], [int(n) for n in recv_counts]]
+        starts = [[0, *itertools.accumulate(c[:-1])] for c in sizes]
+        req = self.native.Ialltoallv(
+            [send, sizes[0], starts[0], MPI.BYTE], [recv, sizes[1], starts[1], MPI.BYTE]
+        )
+        return _MpiRequest(req, "MPI_Ialltoallv")
 
     def ireduce_scatterv(
         self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], kind: str
@@ -366,6 +395,29 @@ class TorchCommunicator(Communicator):
                 async_op=True,
             )
         return _TorchRequest(work, "all_to_all_single (allgatherv)", (out, inp))
+
+    def ialltoallv(
+        self,
+        send: np.ndarray,
+        send_counts: Sequence[int],
+        recv: np.ndarray,
+        recv_counts: Sequence[int],
+    ) -> Request:
+        import torch
+        import torch.distributed as dist
+
+        out = torch.from_numpy(recv)
+        inp = torch.from_numpy(send if send.flags.writeable else send.copy())
+        with _lost_peer("all_to_all_single"):
+            work = dist.all_to_all_single(
+                out,
+                inp,
+                output_split_sizes=[int(n) for n in recv_counts],
+                input_split_sizes=[int(n) for n in send_counts],
+                group=self.native,
+                async_op=True,
+            )
+        return _TorchRequest(work, "all_to_all_single", (out, inp))
 
     def ireduce_scatterv(
         self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], kind: str
