@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -44,7 +45,7 @@ def _sizes(max_mib: int) -> list[int]:
 def _repeats(nbytes: int) -> int:
     # On a shared host a burst of load can slow a third of one cell's repeats: enough repeats
     # that the median stays out of it.
-    return 40 if nbytes <= 4 * KIB * KIB else 15 if nbytes <= 64 * KIB * KIB else 7
+    return 40 if nbytes <= 16 * KIB * KIB else 15 if nbytes <= 64 * KIB * KIB else 7
 
 
 class _Engine:
@@ -130,15 +131,20 @@ class _Engine:
 
 def _median_times(e: _Engine, fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
     """Median over repeats of each operation's time (slowest rank). Operations take turns within
-    a repeat, so a burst of load from elsewhere on the host hits them alike."""
+    a repeat, so a burst of load from elsewhere on the host hits them alike, in an order shuffled
+    anew for every repeat (alike on every rank): an operation's time depends on the one before
+    it (what it left in the caches), and no pair should always meet."""
     for fn in fns.values():
         fn()  # warm-up: connections, page faults, scratch buffers
+    order = random.Random(0)
+    names = list(fns)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        for name, fn in fns.items():
+        order.shuffle(names)
+        for name in names:
             e.barrier()
             t0 = time.perf_counter()
-            fn()
+            fns[name]()
             times[name].append(e.slowest(time.perf_counter() - t0))
     return {name: statistics.median(ts) for name, ts in times.items()}
 

@@ -234,7 +234,7 @@ def allreduce(
     if algorithm == "native":
         if w != 1.0:
             _core.weighted_sum_into([flat], [w], flat, bfloat16=bf16)
-        c.iallreduce_sum(flat, kind).wait(deadline)
+        c.allreduce_sum(flat, kind, deadline)
     elif algorithm == "direct":
         _direct(c, flat, bf16, w, deadline)
     else:

@@ -77,6 +77,12 @@ class Communicator(ABC):
     def iallreduce_sum(self, buf: np.ndarray, kind: str) -> Request:
         """Start ``buf <- sum over ranks of buf``, in place."""
 
+    def allreduce_sum(self, buf: np.ndarray, kind: str, deadline: float | None) -> None:
+        """``buf <- sum over ranks of buf``, in place, returning when done: the engine's
+        blocking call when there is no deadline to keep (it can pick other algorithms than its
+        non-blocking one, and skips the request)."""
+        self.iallreduce_sum(buf, kind).wait(deadline)
+
     @abstractmethod
     def iallgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> Request:
         """Start ``recv <- concat over ranks r of send_r``, as bytes: ``send`` and ``recv`` are
@@ -208,6 +214,17 @@ class MpiCommunicator(Communicator):
 
         req = self.native.Iallreduce(MPI.IN_PLACE, [buf, self._type(kind)], op=self._sum(kind))
         return _MpiRequest(req, "MPI_Iallreduce")
+
+    def allreduce_sum(self, buf: np.ndarray, kind: str, deadline: float | None) -> None:
+        if deadline is not None:  # MPI has no timed wait: the request, polled
+            return super().allreduce_sum(buf, kind, deadline)
+        from mpi4py import MPI
+
+        try:
+            self.native.Allreduce(MPI.IN_PLACE, [buf, self._type(kind)], op=self._sum(kind))
+        except MPI.Exception as e:
+            raise CollectiveTimeout(f"MPI_Allreduce: the engine lost a peer: {e}") from e
+        return None
 
     def iallgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> Request:
         from mpi4py import MPI
@@ -349,6 +366,15 @@ class TorchCommunicator(Communicator):
         with _lost_peer("all_reduce"):
             work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.native, async_op=True)
         return _TorchRequest(work, "all_reduce", t)
+
+    def allreduce_sum(self, buf: np.ndarray, kind: str, deadline: float | None) -> None:
+        if deadline is not None:  # a timed wait needs the request
+            return super().allreduce_sum(buf, kind, deadline)
+        import torch.distributed as dist
+
+        with _lost_peer("all_reduce"):
+            dist.all_reduce(_tensor(buf, kind), op=dist.ReduceOp.SUM, group=self.native)
+        return None
 
     def allgather_fixed(self, send: np.ndarray, deadline: float | None) -> np.ndarray:
         # Equal pieces: gloo's all_gather_into_tensor, one collective with no repeated copy
