@@ -89,7 +89,7 @@ def check_allreduce(comm: Communicator, native: Any) -> int:
                     algorithm=algorithm,
                     speeds=speeds,
                     check=(i % 2 == 0),
-                    timeout=60,
+                    timeout=None if i % 3 == 1 else 60,  # the engines' blocking calls
                     segment_bytes=segment,
                 )
                 assert out is buf

@@ -243,7 +243,10 @@ def allreduce(
             two = TWO_RANK_SEGMENT_BYTES.get(c.engine) if c.size == 2 else None
             segment_bytes = SEGMENT_BYTES if two is None else two
         segment = max(1, segment_bytes // flat.itemsize)
-        _ring(c, flat, bf16, w, counts, segment, deadline)
+        if c.size == 2 and max(counts) <= segment:
+            _ring_two(c, flat, bf16, w, counts, deadline)
+        else:
+            _ring(c, flat, bf16, w, counts, segment, deadline)
     return buf
 
 
@@ -394,6 +397,31 @@ def _ring(
         wait_all(sends, deadline)
         sends, recvs = next_sends, next_recvs
     wait_all([*sends, weight_out], deadline)
+
+
+def _ring_two(
+    c: Communicator,
+    flat: np.ndarray,
+    bf16: bool,
+    w: float,
+    counts: list[int],
+    deadline: float | None,
+) -> None:
+    """The ring on two ranks when each chunk is one segment: nothing to pipeline, so three
+    blocking exchanges (on MPI without a deadline, one ``MPI_Sendrecv`` each). The weights,
+    then each rank's raw copy of the other's chunk, reduced by its owner as in :func:`_ring`
+    (``w * own + w_peer * received``), then the reduced chunks."""
+    r = c.rank
+    q = 1 - r
+    at = [0, counts[0], counts[0] + counts[1]]
+    mine, theirs = flat[at[r] : at[r + 1]], flat[at[q] : at[q + 1]]
+    weights = np.array([w, 0.0])
+    c.sendrecv(weights[:1], q, weights[1:], q, _TAG_WEIGHT, deadline)
+    got = _scratch(0, mine.size, flat.dtype)
+    c.sendrecv(theirs, q, got, q, _TAG, deadline)
+    if mine.size:
+        _core.weighted_sum_into([mine, got], [w, float(weights[1])], mine, bfloat16=bf16)
+    c.sendrecv(mine, q, theirs, q, _TAG + 1, deadline)
 
 
 def _ring_allgather(

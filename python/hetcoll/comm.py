@@ -77,6 +77,24 @@ class Communicator(ABC):
     def iallreduce_sum(self, buf: np.ndarray, kind: str) -> Request:
         """Start ``buf <- sum over ranks of buf``, in place."""
 
+    def sendrecv(
+        self,
+        send: np.ndarray,
+        dest: int,
+        recv: np.ndarray,
+        source: int,
+        tag: int,
+        deadline: float | None,
+    ) -> None:
+        """Send ``send`` to rank ``dest`` while receiving ``recv`` from rank ``source``;
+        returns when both are done. Both sides must agree on which of the two are empty."""
+        requests = []
+        if recv.size:
+            requests.append(self.irecv(recv, source, tag))
+        if send.size:
+            requests.append(self.isend(send, dest, tag))
+        wait_all(requests, deadline)
+
     def allreduce_sum(self, buf: np.ndarray, kind: str, deadline: float | None) -> None:
         """``buf <- sum over ranks of buf``, in place, returning when done: the engine's
         blocking call when there is no deadline to keep (it can pick other algorithms than its
@@ -214,6 +232,27 @@ class MpiCommunicator(Communicator):
 
         req = self.native.Iallreduce(MPI.IN_PLACE, [buf, self._type(kind)], op=self._sum(kind))
         return _MpiRequest(req, "MPI_Iallreduce")
+
+    def sendrecv(
+        self,
+        send: np.ndarray,
+        dest: int,
+        recv: np.ndarray,
+        source: int,
+        tag: int,
+        deadline: float | None,
+    ) -> None:
+        if deadline is not None:  # MPI has no timed wait: the requests, polled
+            return super().sendrecv(send, dest, recv, source, tag, deadline)
+        from mpi4py import MPI
+
+        try:
+            self.native.Sendrecv(send, dest, tag, recv, source, tag)
+        except MPI.Exception as e:
+            raise CollectiveTimeout(
+                f"MPI_Sendrecv with rank {dest}: the engine lost a peer: {e}"
+            ) from e
+        return None
 
     def allreduce_sum(self, buf: np.ndarray, kind: str, deadline: float | None) -> None:
         if deadline is not None:  # MPI has no timed wait: the request, polled
