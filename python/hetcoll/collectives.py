@@ -73,11 +73,13 @@ TWO_RANK_SEGMENT_BYTES: dict[str, int] = {"mpi": 16 << 20}
 #: benches/bench_collectives.py on one 2-core host: with MPICH the weighted ring took 0.46-0.64x
 #: the time of MPI_Allreduce at 64 and 256 MiB (p = 2 and 4); at 16 MiB on 4 ranks 1.07-1.19x
 #: in five runs, where the native path's pre-scale pass (four ranks sharing two cores) made it
-#: 1.29-1.36x; at 4 MiB the two were even, below that native won. On gloo with 4 ranks the ring
-#: took 0.99x of dist.all_reduce from 64 MiB, where the native weighted path took 1.1-1.2x.
+#: 1.29-1.36x. At 4 MiB, with each chunk in one segment (one blocking exchange a step), the ring
+#: took 1.14-1.27x and the native path 1.23-1.36x in three paired runs; at 1 MiB native won
+#: (1.17-1.31x against 1.28-1.57x). On gloo with 4 ranks the ring took 0.99x of dist.all_reduce
+#: from 64 MiB, where the native weighted path took 1.1-1.2x.
 #: (Two ranks: :data:`RING_TWO_RANKS_FROM_BYTES`.) "auto" with chunk ``speeds`` is always the
 #: ring.
-RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 16 << 20, "gloo": 64 << 20}
+RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 4 << 20, "gloo": 64 << 20}
 #: Total output size above which "auto" allgatherv takes the ring, on engines without the
 #: speculative round (:data:`SPECULATIVE_GATHER_ENGINES`, where "auto" is that round). MPICH's
 #: Allgatherv with uneven pieces took seconds where Allgather of the same bytes took tens of
@@ -243,8 +245,8 @@ def allreduce(
             two = TWO_RANK_SEGMENT_BYTES.get(c.engine) if c.size == 2 else None
             segment_bytes = SEGMENT_BYTES if two is None else two
         segment = max(1, segment_bytes // flat.itemsize)
-        if c.size == 2 and max(counts) <= segment:
-            _ring_two(c, flat, bf16, w, counts, deadline)
+        if max(counts) <= segment:
+            _ring_blocking(c, flat, bf16, w, counts, deadline)
         else:
             _ring(c, flat, bf16, w, counts, segment, deadline)
     return buf
@@ -399,7 +401,7 @@ def _ring(
     wait_all([*sends, weight_out], deadline)
 
 
-def _ring_two(
+def _ring_blocking(
     c: Communicator,
     flat: np.ndarray,
     bf16: bool,
@@ -407,21 +409,26 @@ def _ring_two(
     counts: list[int],
     deadline: float | None,
 ) -> None:
-    """The ring on two ranks when each chunk is one segment: nothing to pipeline, so three
-    blocking exchanges (on MPI without a deadline, one ``MPI_Sendrecv`` each). The weights,
-    then each rank's raw copy of the other's chunk, reduced by its owner as in :func:`_ring`
-    (``w * own + w_peer * received``), then the reduced chunks."""
-    r = c.rank
-    q = 1 - r
-    at = [0, counts[0], counts[0] + counts[1]]
-    mine, theirs = flat[at[r] : at[r + 1]], flat[at[q] : at[q + 1]]
+    """:func:`_ring` when each chunk is one segment: nothing to pipeline, so each step is one
+    blocking exchange with the neighbours (on MPI without a deadline, one ``MPI_Sendrecv``),
+    after the weights' own. The same reductions, in the same order, as :func:`_ring`."""
+    p, r = c.size, c.rank
+    right, left = (r + 1) % p, (r - 1) % p
+    steps = _core.ring_schedule(counts, r, max(1, *counts))
     weights = np.array([w, 0.0])
-    c.sendrecv(weights[:1], q, weights[1:], q, _TAG_WEIGHT, deadline)
-    got = _scratch(0, mine.size, flat.dtype)
-    c.sendrecv(theirs, q, got, q, _TAG, deadline)
-    if mine.size:
-        _core.weighted_sum_into([mine, got], [w, float(weights[1])], mine, bfloat16=bf16)
-    c.sendrecv(mine, q, theirs, q, _TAG + 1, deadline)
+    c.sendrecv(weights[:1], right, weights[1:], left, _TAG_WEIGHT, deadline)
+    w_left = float(weights[1])
+    scratch = _scratch(0, max(counts), flat.dtype)
+    for t, (reduce, ((sa, sb),), ((a, b),)) in enumerate(steps):
+        if reduce:
+            got = scratch[: b - a]
+            c.sendrecv(flat[sa:sb], right, got, left, _TAG + t, deadline)
+            if b > a:
+                part = flat[a:b]
+                w_got = w_left if t == 0 else 1.0
+                _core.weighted_sum_into([part, got], [w, w_got], part, bfloat16=bf16)
+        else:
+            c.sendrecv(flat[sa:sb], right, flat[a:b], left, _TAG + t, deadline)
 
 
 def _ring_allgather(
