@@ -754,8 +754,9 @@ def _speculative_round(
     if not send.flags.writeable:
         send = send.copy()  # torch will not wrap a read-only array
     mine = send[: guess[r]]
+    joined: np.ndarray | None = None  # the predicted layout, where point to point lands
     if sum(guess) <= BATCHED_GATHER_BYTES:
-        heads, boxes, joined = _batched_round(c, head, mine, guess, deadline)
+        heads, boxes = _batched_round(c, head, mine, guess, deadline)
     else:
         heads, boxes, joined = _direct_round(c, head, mine, guess, deadline, into)
     lengths = _agreed_lengths(heads).tolist()
@@ -792,11 +793,11 @@ def _batched_round(
     mine: np.ndarray,
     guess: tuple[int, ...],
     deadline: float | None,
-) -> tuple[np.ndarray, list[np.ndarray], None]:
+) -> tuple[np.ndarray, list[np.ndarray]]:
     """The speculative round as one all-to-all: to each peer a block of this rank's header and
     predicted bytes (``mine``), from each peer its block, through reused scratch. Returns the
-    headers (a row per rank), each rank's predicted bytes as they came (``mine`` for this
-    rank), and None: no piece is in its final place yet."""
+    headers (a row per rank) and each rank's predicted bytes as they came (``mine`` for this
+    rank), still in scratch: no piece is in its final place yet."""
     p, r, h = c.size, c.rank, head.nbytes
     block = [h + g for g in guess]
     outgoing = _scratch(_GATHER_OUT, (p - 1) * block[r], np.dtype(np.uint8))
@@ -818,7 +819,7 @@ def _batched_round(
         heads[q] = incoming[at : at + h]
         boxes.append(incoming[at + h : at + block[q]])
         at += block[q]
-    return heads.view(np.int64), boxes, None
+    return heads.view(np.int64), boxes
 
 
 def _direct_round(
