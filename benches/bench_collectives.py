@@ -3,18 +3,25 @@
     python benches/bench_collectives.py --engines mpi gloo --ranks 2 4 --max-mib 256
 
 For each engine (MPI through mpi4py/MPICH, torch.distributed gloo), each rank count and each
-buffer size (float32, 4 KiB .. max), every rank times each operation after a barrier; the time
-of a repeat is the slowest rank's, and the figure is the median over repeats. Printed per size:
-algorithmic bandwidth N / t of the engine's allreduce (MPI_Allreduce / dist.all_reduce), and
-times relative to it of the same call timed again as another operation (the cell's noise), of
-hetcoll's weighted allreduce as "auto" picks it, of the native allreduce
-unweighted and weighted (weight fused into a Rust pre-scale), of the weighted direct exchange
-and of the weighted ring; the ring lower bound 2(p-1)/p * N / B with B from a
-ping-pong between ranks 0 and 1, and the ring's time over that bound. Then allgatherv of pieces
-of different lengths (rank r holds r+1 shares) against an all_gather of equal pieces with the
-same total bytes, both into an output allocated once (``out=``, as all_gather_into_tensor and
-MPI_Allgather take one). Ranks share the machine's cores, so absolute figures are those of one host
-(shared memory transport); compare the ratios.
+buffer size (float32, 4 KiB .. max), every rank times each operation after a barrier, and the
+time of a repeat is the slowest rank's. A repeat of an operation is a loop of k back-to-back
+calls, as the OSU micro-benchmarks and nccl-tests time theirs: k calls move about
+``--loop-mib`` MiB (default 16; 1 <= k <= 64); ``--loop-mib 0`` times single calls. In a loop,
+the ranks' skew leaving the barrier and a late wake-up after it are spread over k calls instead
+of landing on one, and the calls follow each other as a training step's collectives do. The
+operations take turns within each repeat, in an order shuffled anew every repeat, and a ratio
+is the median over repeats of the two operations' ratio within the repeat (paired: a slow spell
+of the host longer than a repeat cancels out). Printed per size: algorithmic bandwidth N / t of
+the engine's allreduce (MPI_Allreduce / dist.all_reduce, median over repeats), and times
+relative to it of the same call timed again as another operation (the cell's noise), of
+hetcoll's weighted allreduce as "auto" picks it, of the native allreduce unweighted and
+weighted (weight fused into a Rust pre-scale), of the weighted direct exchange and of the
+weighted ring; the ring lower bound 2(p-1)/p * N / B with B from a ping-pong between ranks 0
+and 1, and the ring's time over that bound. Then allgatherv of pieces of different lengths
+(rank r holds r+1 shares) against an all_gather of equal pieces with the same total bytes, both
+into an output allocated once (``out=``, as all_gather_into_tensor and MPI_Allgather take one).
+Ranks share the machine's cores, so absolute figures are those of one host (shared memory
+transport); compare the ratios.
 """
 
 from __future__ import annotations
@@ -43,10 +50,12 @@ def _sizes(max_mib: int) -> list[int]:
     return sizes
 
 
-def _repeats(nbytes: int) -> int:
+def _repeats(nbytes: int, calls: int) -> int:
     # On a shared host a burst of load can slow a third of one cell's repeats: enough repeats
-    # that the median stays out of it.
-    return 80 if nbytes <= 16 * KIB * KIB else 15 if nbytes <= 64 * KIB * KIB else 7
+    # that the median stays out of it (fewer when each repeat is already a loop of calls).
+    if nbytes > 16 * KIB * KIB:
+        return 15 if nbytes <= 64 * KIB * KIB else 7
+    return 80 if calls == 1 else 40
 
 
 class _Engine:
@@ -130,11 +139,20 @@ class _Engine:
             self.dist.recv(torch.from_numpy(buf), source)
 
 
-def _median_times(e: _Engine, fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    """Median over repeats of each operation's time (slowest rank). Operations take turns within
-    a repeat, so a burst of load from elsewhere on the host hits them alike, in an order shuffled
-    anew for every repeat (alike on every rank): an operation's time depends on the one before
-    it (what it left in the caches), and no pair should always meet."""
+def _calls_per_loop(nbytes: int, loop_bytes: int) -> int:
+    """Back-to-back calls per timed loop: enough to move ``loop_bytes`` in all, between 1 and
+    64 (a rule of sizes alone, so every rank and every run loops alike)."""
+    return max(1, min(64, loop_bytes // nbytes))
+
+
+def _times(
+    e: _Engine, fns: dict[str, Callable[[], None]], repeats: int, calls: int
+) -> dict[str, list[float]]:
+    """Each operation's time per call in every repeat: the slowest rank's loop of ``calls``
+    back-to-back calls, divided by ``calls``. Operations take
+    turns within a repeat, so a burst of load from elsewhere on the host hits them alike, in an
+    order shuffled anew for every repeat (alike on every rank): an operation's time depends on
+    the one before it (what it left in the caches), and no pair should always meet."""
     for fn in fns.values():
         fn()  # warm-up: connections, page faults, scratch buffers
     order = random.Random(0)
@@ -143,11 +161,21 @@ def _median_times(e: _Engine, fns: dict[str, Callable[[], None]], repeats: int) 
     for _ in range(repeats):
         order.shuffle(names)
         for name in names:
+            fn = fns[name]
             e.barrier()
             t0 = time.perf_counter()
-            fns[name]()
-            times[name].append(e.slowest(time.perf_counter() - t0))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            for _ in range(calls):
+                fn()
+            times[name].append(e.slowest(time.perf_counter() - t0) / calls)
+    return times
+
+
+def _ratio(times: dict[str, list[float]], name: str, peer: str) -> float:
+    """``name``'s time over ``peer``'s: the median over repeats of the ratio within a repeat.
+    Both ran within the same repeat, a few milliseconds apart, so a slow spell of the host that
+    lasts longer than one repeat (other tenants' load, ranks sharing a core until the scheduler
+    moves one) cancels out of the ratio instead of landing on one operation's median."""
+    return statistics.median(t / u for t, u in zip(times[name], times[peer], strict=True))
 
 
 def _operations(
@@ -181,7 +209,7 @@ def _operations(
     }
 
 
-def measure(kind: str, max_mib: int) -> dict[str, Any]:
+def measure(kind: str, max_mib: int, loop_mib: int = 16) -> dict[str, Any]:
     """Run on every rank; rank 0's return value holds the table rows."""
     e = _Engine(kind)
     comm = e.native
@@ -191,7 +219,6 @@ def measure(kind: str, max_mib: int) -> dict[str, Any]:
     for nbytes in _sizes(max_mib):
         n = nbytes // 4
         buf = np.ones(n, np.float32)
-        reps = _repeats(nbytes)
         # Weights differ by rank and sum to 1, so repeated weighted calls keep the values
         # normal (subnormal floats would slow the arithmetic down and skew the figures).
         w = (r + 1) / (p * (p + 1) / 2)
@@ -202,31 +229,34 @@ def measure(kind: str, max_mib: int) -> dict[str, Any]:
         out_eq = np.empty(total // p * p, np.float32)
         out_v = np.empty(unit * p * (p + 1) // 2, np.float32)
         ops = _operations(e, comm, buf, w, piece_v, out_v, piece_eq, out_eq)
-        t = _median_times(e, ops, reps)
-        t_engine = t["engine"]
+        calls = _calls_per_loop(nbytes, loop_mib * KIB * KIB) if loop_mib > 0 else 1
+        t = _times(e, ops, _repeats(nbytes, calls), calls)
+        t_engine = statistics.median(t["engine"])
         lower = 2 * (p - 1) / p * nbytes / bandwidth
         rows.append(
             dict(
                 bytes=nbytes,
+                calls=calls,
                 engine_GBps=nbytes / t_engine / 1e9,
-                engine_again=t["engine_again"] / t_engine,
-                native=t["native"] / t_engine,
-                native_weighted=t["native_w"] / t_engine,
-                ring_weighted=t["ring_w"] / t_engine,
-                direct_weighted=t["direct_w"] / t_engine,
-                auto_weighted=t["auto_w"] / t_engine,
-                ring_over_bound=t["ring_w"] / lower,
-                allgatherv_over_allgather=t["allgatherv"] / t["allgather"],
-                allgatherv_ring_over_allgather=t["allgatherv_ring"] / t["allgather"],
-                allgatherv_direct_over_allgather=t["allgatherv_direct"] / t["allgather"],
-                allgatherv_auto_over_allgather=t["allgatherv_auto"] / t["allgather"],
+                engine_again=_ratio(t, "engine_again", "engine"),
+                native=_ratio(t, "native", "engine"),
+                native_weighted=_ratio(t, "native_w", "engine"),
+                ring_weighted=_ratio(t, "ring_w", "engine"),
+                direct_weighted=_ratio(t, "direct_w", "engine"),
+                auto_weighted=_ratio(t, "auto_w", "engine"),
+                ring_over_bound=statistics.median(t["ring_w"]) / lower,
+                allgatherv_over_allgather=_ratio(t, "allgatherv", "allgather"),
+                allgatherv_ring_over_allgather=_ratio(t, "allgatherv_ring", "allgather"),
+                allgatherv_direct_over_allgather=_ratio(t, "allgatherv_direct", "allgather"),
+                allgatherv_auto_over_allgather=_ratio(t, "allgatherv_auto", "allgather"),
+                seconds_per_call=t,
             )
         )
     return dict(engine=kind, ranks=p, pingpong_GBps=bandwidth / 1e9, rows=rows)
 
 
-def _gloo_rank(rank: int, world: int, max_mib: int) -> dict[str, Any]:
-    return measure("gloo", max_mib)
+def _gloo_rank(rank: int, world: int, max_mib: int, loop_mib: int) -> dict[str, Any]:
+    return measure("gloo", max_mib, loop_mib)
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -235,16 +265,16 @@ def _table(result: dict[str, Any]) -> str:
     lines = [
         f"\n{result['engine']}, p = {result['ranks']}, ping-pong B = "
         f"{result['pingpong_GBps']:.2f} GB/s; times relative to {peer} (lower is better)\n",
-        f"| size | {peer} GB/s | {peer} again | weighted (auto) | native | native weighted "
-        f"| direct weighted | ring weighted | ring / lower bound "
+        f"| size | calls per loop | {peer} GB/s | {peer} again | weighted (auto) | native "
+        f"| native weighted | direct weighted | ring weighted | ring / lower bound "
         f"| allgatherv (auto) / {gather} | native | ring | direct |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         b = row["bytes"]
         size = f"{b // KIB} KiB" if b < KIB * KIB else f"{b // (KIB * KIB)} MiB"
         lines.append(
-            f"| {size} | {row['engine_GBps']:.3f} | {row['engine_again']:.2f}x "
+            f"| {size} | {row['calls']} | {row['engine_GBps']:.3f} | {row['engine_again']:.2f}x "
             f"| {row['auto_weighted']:.2f}x "
             f"| {row['native']:.2f}x | {row['native_weighted']:.2f}x "
             f"| {row['direct_weighted']:.2f}x | {row['ring_weighted']:.2f}x "
@@ -261,6 +291,15 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["mpi", "gloo"], choices=["mpi", "gloo"])
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--max-mib", type=int, default=256)
+    parser.add_argument(
+        "--loop-mib",
+        type=int,
+        default=16,
+        help="time loops of back-to-back calls moving about this many MiB; 0 times single calls",
+    )
+    parser.add_argument(
+        "--json", type=Path, help="also write every repeat's times, per engine and rank count"
+    )
     parser.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     # One kernel thread per rank: the ranks already fill the cores, and a rank's extra thread
@@ -268,7 +307,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HETCOLL_NUM_THREADS", "1")
     if args.mpi_worker:
-        result = measure("mpi", args.max_mib)
+        result = measure("mpi", args.max_mib, args.loop_mib)
         from mpi4py import MPI
 
         if MPI.COMM_WORLD.Get_rank() == 0:
@@ -276,19 +315,30 @@ def main() -> None:
         return
     from hetcoll import launch
 
+    results = []
     for engine in args.engines:
         for p in args.ranks:
             if engine == "mpi":
                 proc = launch.mpiexec(
                     p,
-                    [str(Path(__file__).resolve()), "--mpi-worker", "--max-mib", str(args.max_mib)],
+                    [
+                        str(Path(__file__).resolve()),
+                        "--mpi-worker",
+                        "--max-mib",
+                        str(args.max_mib),
+                        "--loop-mib",
+                        str(args.loop_mib),
+                    ],
                     timeout=3600,
                 )
                 line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
                 result = json.loads(line[len("RESULT ") :])
             else:
-                result = launch.spawn(_gloo_rank, p, args.max_mib, timeout=3600)[0]
+                result = launch.spawn(_gloo_rank, p, args.max_mib, args.loop_mib, timeout=3600)[0]
             print(_table(result), flush=True)
+            results.append(result)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results))
 
 
 if __name__ == "__main__":
