@@ -3,6 +3,10 @@ torch buffers without copies, clear errors."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -150,3 +154,30 @@ def test_bad_thread_knob(monkeypatch):
     monkeypatch.setenv("HETCOLL_NUM_THREADS", "zero")
     with pytest.raises(ValueError, match="HETCOLL_NUM_THREADS"):
         hetcoll.weighted_sum([np.ones(3)], [1.0])
+
+
+def _threads_in_fresh_process(**env: str) -> int:
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("HETCOLL_NUM_THREADS", "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS")
+        and k != "OMPI_COMM_WORLD_LOCAL_SIZE"
+    }
+    code = "import hetcoll; print(hetcoll.num_threads())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout)
+
+
+@pytest.mark.parametrize(
+    "var", ["LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"]
+)
+def test_ranks_on_one_node_share_its_cores(var):
+    alone = _threads_in_fresh_process()
+    assert alone >= 1
+    for ranks in (2, 3, alone + 1):
+        assert _threads_in_fresh_process(**{var: str(ranks)}) == max(1, alone // ranks)
+    assert _threads_in_fresh_process(**{var: "2", "HETCOLL_NUM_THREADS": "3"}) == 3
+    assert _threads_in_fresh_process(**{var: "not a number"}) == alone

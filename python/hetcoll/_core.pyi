@@ -55,7 +55,8 @@ def weighted_sum_into(
     """``out[k] = sum_i weights[i] * arrays[i][k]``; ``out`` may be one of ``arrays``."""
 
 def num_threads() -> int:
-    """Threads the kernels use: ``HETCOLL_NUM_THREADS`` if set, else every core."""
+    """Threads the kernels use: ``HETCOLL_NUM_THREADS`` if set, else the node's cores divided
+    among the job's ranks on it."""
 
 def pack_into(
     arrays: Sequence[np.ndarray], out: np.ndarray, *, scale: float = 1.0, bfloat16: bool = False

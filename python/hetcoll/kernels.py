@@ -58,8 +58,9 @@ def weighted_sum(
     ``arrays`` are numpy arrays or CPU torch tensors of one shape and dtype (float32, float64,
     float16, or bfloat16 tensors; 16-bit types accumulate in float32). ``out`` may be one of
     ``arrays`` (in-place accumulation); when omitted a new array like ``arrays[0]`` is returned.
-    The GIL is released; ``HETCOLL_NUM_THREADS`` sets the thread count (default: every core) and
-    the result is bitwise the same for any thread count.
+    The GIL is released; ``HETCOLL_NUM_THREADS`` sets the thread count (default: the node's
+    cores divided among the job's ranks on it, see :func:`num_threads`) and the result is
+    bitwise the same for any thread count.
 
     >>> import numpy as np, hetcoll
     >>> hetcoll.weighted_sum([np.ones(3), np.arange(3.0)], [2.0, 0.5])
@@ -89,5 +90,8 @@ def weighted_sum(
 
 
 def num_threads() -> int:
-    """Threads the kernels use: ``HETCOLL_NUM_THREADS`` if set, else every core."""
+    """Threads the kernels use: ``HETCOLL_NUM_THREADS`` if set, else the node's cores divided
+    among the ranks of the job on it, as the launcher announces them (torchrun's
+    ``LOCAL_WORLD_SIZE``, MPICH's ``MPI_LOCALNRANKS``, Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE``;
+    one rank when none is set), at least one. Read once per process."""
     return _core.num_threads()

@@ -51,6 +51,7 @@ def _worker(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS=str(threads),
     )
     outcome: tuple[str, Any]

@@ -82,7 +82,8 @@ where
     .py_err()
 }
 
-/// Threads the kernels use (`HETCOLL_NUM_THREADS`, else every core).
+/// Threads the kernels use (`HETCOLL_NUM_THREADS`, else the node's cores divided among the
+/// job's ranks on it).
 #[pyfunction]
 pub fn num_threads() -> PyResult<usize> {
     kernels::default_threads().py_err()

@@ -9,4 +9,4 @@ pub mod weighted_sum;
 
 pub use element::Element;
 pub use pack::{pack, unpack};
-pub use weighted_sum::{default_threads, weighted_sum, Source};
+pub use weighted_sum::{default_threads, threads_per_rank, weighted_sum, Source, LOCAL_RANKS_VARS};

@@ -29,12 +29,23 @@ pub enum Source<'a, T> {
     Out,
 }
 
-/// Threads the kernels use: `HETCOLL_NUM_THREADS` if set, else every core.
+/// Environment variables by which launchers announce how many ranks of the job share this
+/// node: torchrun's, MPICH's (Hydra) and Open MPI's.
+pub const LOCAL_RANKS_VARS: [&str; 3] = [
+    "LOCAL_WORLD_SIZE",
+    "MPI_LOCALNRANKS",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+];
+
+/// Threads the kernels use: `HETCOLL_NUM_THREADS` if set, else the node's cores divided among
+/// the job's ranks on it ([`LOCAL_RANKS_VARS`]; one rank when no launcher says), at least one.
 ///
-/// The core count is read once per process: `available_parallelism` reads the cgroup quota
-/// files on Linux, which cost about 25 µs, more than the whole kernel on a small buffer.
+/// Ranks that each took every core would make their kernels' threads compete with the peers
+/// whose messages they wait for. The count is read once per process: `available_parallelism`
+/// reads the cgroup quota files on Linux, which cost about 25 µs, more than the whole kernel on
+/// a small buffer.
 pub fn default_threads() -> Result<usize> {
-    static CORES: OnceLock<usize> = OnceLock::new();
+    static SHARE: OnceLock<usize> = OnceLock::new();
     match std::env::var("HETCOLL_NUM_THREADS") {
         Ok(v) => match v.trim().parse::<usize>() {
             Ok(n) if n >= 1 => Ok(n),
@@ -43,8 +54,21 @@ pub fn default_threads() -> Result<usize> {
                 format!("must be a whole number >= 1, got {v:?}"),
             )),
         },
-        Err(_) => Ok(*CORES.get_or_init(|| thread::available_parallelism().map_or(1, |n| n.get()))),
+        Err(_) => Ok(*SHARE.get_or_init(|| {
+            let cores = thread::available_parallelism().map_or(1, |n| n.get());
+            let local = LOCAL_RANKS_VARS
+                .iter()
+                .find_map(|name| std::env::var(name).ok()?.trim().parse::<usize>().ok())
+                .filter(|&n| n >= 1)
+                .unwrap_or(1);
+            threads_per_rank(cores, local)
+        })),
     }
+}
+
+/// Each of `local_ranks` ranks' share of `cores`, at least one thread.
+pub fn threads_per_rank(cores: usize, local_ranks: usize) -> usize {
+    (cores / local_ranks.max(1)).max(1)
 }
 
 /// `out[k] = Σ_i weights[i] · sources[i][k]` on up to `threads` threads.
@@ -199,6 +223,15 @@ fn run<T: Element>(sources: &[Source<'_, T>], w: &[T::Acc], start: usize, out: &
 mod tests {
     use super::*;
     use half::{bf16, f16};
+
+    #[test]
+    fn ranks_on_a_node_share_its_cores() {
+        assert_eq!(threads_per_rank(8, 1), 8);
+        assert_eq!(threads_per_rank(8, 2), 4);
+        assert_eq!(threads_per_rank(8, 3), 2);
+        assert_eq!(threads_per_rank(2, 4), 1);
+        assert_eq!(threads_per_rank(1, 0), 1);
+    }
 
     fn reference(sources: &[Vec<f64>], w: &[f64]) -> Vec<f64> {
         let n = sources[0].len();
