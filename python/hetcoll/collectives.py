@@ -468,8 +468,10 @@ def _ring_allgather(
 def _allreduce_device(
     buf: Any, comm: Any, w: float, algorithm: str, check: bool, deadline: float | None
 ) -> Any:
-    """NCCL (device tensors): the Rust kernels run on host memory, so the pre-scale is a torch
-    multiply and the reduction is the engine's own; the ring is not offered here."""
+    """NCCL (device tensors): the Rust kernels run on host memory, so the reduction is the
+    engine's own. The weight is fused into it: NCCL's PREMUL_SUM multiplies each rank's input by
+    that rank's own factor inside the reduction kernel, with no pass of its own. Engines without
+    it pre-scale with a torch multiply. The ring is not offered here."""
     import torch.distributed as dist
 
     if algorithm == "ring":
@@ -480,9 +482,14 @@ def _allreduce_device(
     if check:
         fields = {"length": buf.numel(), "dtype": zlib.crc32(str(buf.dtype).encode())}
         _agree(c, fields, deadline)
+    op = dist.ReduceOp.SUM
     if w != 1.0:
-        buf.mul_(w)
-    work = dist.all_reduce(buf, group=c.native, async_op=True)
+        premul_sum = getattr(dist, "_make_nccl_premul_sum", None)
+        if c.engine == "nccl" and premul_sum is not None:
+            op = premul_sum(w)
+        else:
+            buf.mul_(w)
+    work = dist.all_reduce(buf, op=op, group=c.native, async_op=True)
     from hetcoll.comm import _TorchRequest
 
     _TorchRequest(work, "all_reduce").wait(deadline)

@@ -161,8 +161,14 @@ def weighted_allreduce_hook(
     total_fut = state._global_batch()
     if bucket.is_last():
         state._step_total = None  # the next step sums its own batch sizes
-    _scale_(buf, float(state.local_batch))
-    work = dist.all_reduce(buf, group=state.process_group, async_op=True)
+    op = dist.ReduceOp.SUM
+    premul_sum = getattr(dist, "_make_nccl_premul_sum", None)
+    if premul_sum is not None and _backend(state.process_group) == "nccl":
+        # NCCL multiplies each rank's input by the rank's own factor inside the reduction.
+        op = premul_sum(float(state.local_batch))
+    else:
+        _scale_(buf, float(state.local_batch))
+    work = dist.all_reduce(buf, op=op, group=state.process_group, async_op=True)
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         reduced = fut.value()[0]
