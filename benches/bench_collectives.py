@@ -6,7 +6,8 @@ For each engine (MPI through mpi4py/MPICH, torch.distributed gloo), each rank co
 buffer size (float32, 4 KiB .. max), every rank times each operation after a barrier, and the
 time of a repeat is the slowest rank's. A repeat of an operation is a loop of k back-to-back
 calls, as the OSU micro-benchmarks and nccl-tests time theirs: k calls move about
-``--loop-mib`` MiB (default 16; 1 <= k <= 64); ``--loop-mib 0`` times single calls. In a loop,
+``--loop-mib`` MiB (default 16; 1 <= k <= 64; fewer if the loop would last over 40 ms);
+``--loop-mib 0`` times single calls. In a loop,
 the ranks' skew leaving the barrier and a late wake-up after it are spread over k calls instead
 of landing on one, and the calls follow each other as a training step's collectives do. The
 operations take turns within each repeat, in an order shuffled anew every repeat, and a ratio
@@ -40,6 +41,8 @@ from typing import Any
 import numpy as np
 
 KIB = 1024
+#: A timed loop stops short of ``--loop-mib`` when it would take longer than this.
+LOOP_SECONDS = 0.04
 
 
 def _sizes(max_mib: int) -> list[int]:
@@ -139,10 +142,22 @@ class _Engine:
             self.dist.recv(torch.from_numpy(buf), source)
 
 
-def _calls_per_loop(nbytes: int, loop_bytes: int) -> int:
+def _calls_per_loop(
+    e: _Engine, engine: Callable[[], None], nbytes: int, loop_bytes: int, loop_seconds: float
+) -> int:
     """Back-to-back calls per timed loop: enough to move ``loop_bytes`` in all, between 1 and
-    64 (a rule of sizes alone, so every rank and every run loops alike)."""
-    return max(1, min(64, loop_bytes // nbytes))
+    64, and fewer if that many engine allreduces would take longer than ``loop_seconds`` (from
+    the slowest rank's median of three calls, so the same on every rank)."""
+    calls = max(1, min(64, loop_bytes // nbytes))
+    if calls > 1:
+        times = []
+        for _ in range(3):
+            e.barrier()
+            t0 = time.perf_counter()
+            engine()
+            times.append(e.slowest(time.perf_counter() - t0))
+        calls = max(1, min(calls, int(loop_seconds / statistics.median(times))))
+    return calls
 
 
 def _times(
@@ -229,7 +244,8 @@ def measure(kind: str, max_mib: int, loop_mib: int = 16) -> dict[str, Any]:
         out_eq = np.empty(total // p * p, np.float32)
         out_v = np.empty(unit * p * (p + 1) // 2, np.float32)
         ops = _operations(e, comm, buf, w, piece_v, out_v, piece_eq, out_eq)
-        calls = _calls_per_loop(nbytes, loop_mib * KIB * KIB) if loop_mib > 0 else 1
+        ops["engine"]()  # warm-up before sizing the loop
+        calls = _calls_per_loop(e, ops["engine"], nbytes, loop_mib * KIB * KIB, LOOP_SECONDS)
         t = _times(e, ops, _repeats(nbytes, calls), calls)
         t_engine = statistics.median(t["engine"])
         lower = 2 * (p - 1) / p * nbytes / bandwidth
