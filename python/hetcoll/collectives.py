@@ -131,12 +131,18 @@ _KIND_CODE = {"float32": 1, "float64": 2, "float16": 3, "bfloat16": 4}
 _ALGO_CODE = {"ring": 1, "native": 2, "direct": 3}
 
 
+# Looked up by dtype on every call (``dtype.name`` builds its string anew each time).
+_KIND_OF = {np.dtype(t): np.dtype(t).name for t in (np.float32, np.float64, np.float16)}
+
+
 def _kind(view: np.ndarray, bf16: bool) -> str:
     if bf16:
         return "bfloat16"
-    name = view.dtype.name
-    if name not in ("float32", "float64", "float16"):
-        raise TypeError(f"buf: dtype {name} is not supported (float32, float64, float16, bfloat16)")
+    name = _KIND_OF.get(view.dtype)
+    if name is None:
+        raise TypeError(
+            f"buf: dtype {view.dtype.name} is not supported (float32, float64, float16, bfloat16)"
+        )
     return name
 
 

@@ -176,6 +176,8 @@ class _MpiRequest(Request):
 
 # One user op per 16-bit kind for the whole process: mpi4py has only a few slots for them.
 _HALF_SUM_OPS: dict[str, Any] = {}
+# Each element kind's MPI datatype, filled on first use.
+_MPI_TYPES: dict[str, Any] = {}
 
 
 class MpiCommunicator(Communicator):
@@ -189,15 +191,18 @@ class MpiCommunicator(Communicator):
 
     @staticmethod
     def _type(kind: str) -> Any:
-        from mpi4py import MPI
+        types = _MPI_TYPES
+        if not types:  # once: on every collective's path
+            from mpi4py import MPI
 
-        return {
-            "float32": MPI.FLOAT,
-            "float64": MPI.DOUBLE,
-            "float16": MPI.UINT16_T,
-            "bfloat16": MPI.UINT16_T,
-            "int64": MPI.INT64_T,
-        }[kind]
+            types.update(
+                float32=MPI.FLOAT,
+                float64=MPI.DOUBLE,
+                float16=MPI.UINT16_T,
+                bfloat16=MPI.UINT16_T,
+                int64=MPI.INT64_T,
+            )
+        return types[kind]
 
     def _sum(self, kind: str) -> Any:
         """MPI_SUM, or for 16-bit floats (no MPI type) a commutative user op in Rust."""
