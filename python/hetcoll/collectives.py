@@ -98,9 +98,10 @@ DIRECT_TWO_RANKS_BELOW_BYTES: dict[str, float] = {"gloo": 1 << 20}
 DIRECT_BYTES: dict[str, float] = {"mpi": 0, "gloo": 3 << 20}
 #: On two ranks "auto" picks the ring from this size up. Two MPI ranks, weighted, against
 #: MPI_Allreduce: the ring 1.08-1.11x at 1 MiB (direct 1.08-1.16x, native 1.27x), 0.84-1.08x at
-#: 4 MiB (direct 1.38-1.57x); on two gloo ranks the ring was 5-15% faster than the other paths
-#: from 64 MiB.
-RING_TWO_RANKS_FROM_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 64 << 20}
+#: 4 MiB (direct 1.38-1.57x). Two gloo ranks, in loops of back-to-back calls, paired within
+#: each repeat: at 16 MiB the ring took 0.88-0.93x the native weighted path's time in four full
+#: runs (0.96-1.08x of dist.all_reduce's, native 1.10-1.18x); at 4 MiB 1.06-1.32x.
+RING_TWO_RANKS_FROM_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 16 << 20}
 #: Engines on which allgatherv's first round, which every rank needs for the others' lengths,
 #: is speculative: each rank sends its header and, in the same round, as many bytes of its piece
 #: as the group's recent gathers predict (:func:`_predict`). When the prediction holds, as it
