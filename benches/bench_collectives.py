@@ -2,27 +2,25 @@
 
     python benches/bench_collectives.py --engines mpi gloo --ranks 2 4 --max-mib 256
 
-For each engine (MPI through mpi4py/MPICH, torch.distributed gloo), each rank count and each
-buffer size (float32, 4 KiB .. max), every rank times each operation after a barrier, and the
-time of a repeat is the slowest rank's. A repeat of an operation is a loop of k back-to-back
-calls, as the OSU micro-benchmarks and nccl-tests time theirs: k calls move about
-``--loop-mib`` MiB (default 16; 1 <= k <= 64; fewer if the loop would last over 40 ms);
-``--loop-mib 0`` times single calls. In a loop,
-the ranks' skew leaving the barrier and a late wake-up after it are spread over k calls instead
-of landing on one, and the calls follow each other as a training step's collectives do. The
-operations take turns within each repeat, in an order shuffled anew every repeat, and a ratio
-is the median over repeats of the two operations' ratio within the repeat (paired: a slow spell
-of the host longer than a repeat cancels out). Printed per size: algorithmic bandwidth N / t of
-the engine's allreduce (MPI_Allreduce / dist.all_reduce, median over repeats), and times
-relative to it of the same call timed again as another operation (the cell's noise), of
-hetcoll's weighted allreduce as "auto" picks it, of the native allreduce unweighted and
-weighted (weight fused into a Rust pre-scale), of the weighted direct exchange and of the
-weighted ring; the ring lower bound 2(p-1)/p * N / B with B from a ping-pong between ranks 0
-and 1, and the ring's time over that bound. Then allgatherv of pieces of different lengths
-(rank r holds r+1 shares) against an all_gather of equal pieces with the same total bytes, both
-into an output allocated once (``out=``, as all_gather_into_tensor and MPI_Allgather take one).
-Ranks share the machine's cores, so absolute figures are those of one host (shared memory
-transport); compare the ratios.
+For each engine (MPI through mpi4py/MPICH, torch.distributed gloo), each rank count and each buffer
+size (float32, 4 KiB .. max), every rank times each operation after a barrier, and the time of a
+repeat is the slowest rank's. A repeat of an operation is a loop of k back-to-back calls, as the
+OSU micro-benchmarks and nccl-tests time theirs: k calls move about ``--loop-mib`` MiB (default 16;
+1 <= k <= 64; fewer if the loop would last over 40 ms); ``--loop-mib 0`` times single calls. In a
+loop, the ranks' skew leaving the barrier and a late wake-up after it are spread over k calls
+instead of landing on one, and the calls follow each other as a training step's collectives do. The
+operations take turns within each repeat, in an order shuffled anew every repeat, and a ratio is
+the median over repeats of the two operations' ratio within the repeat (paired: a slow spell of the
+host longer than a repeat cancels out). Printed per size: algorithmic bandwidth N / t of the
+engine's allreduce (MPI_Allreduce / dist.all_reduce, median over repeats), and times relative to it
+of the same call timed again as another operation (the cell's noise), of hetcoll's weighted
+allreduce as "auto" picks it, of the native allreduce unweighted and weighted (weight fused into a
+Rust pre-scale), of the weighted direct exchange and of the weighted ring; the ring lower bound
+2(p-1)/p * N / B with B from a ping-pong between ranks 0 and 1, and the ring's time over that
+bound. Then allgatherv of pieces of different lengths (rank r holds r+1 shares) against an
+all_gather of equal pieces with the same total bytes, both into an output allocated once (``out=``,
+as all_gather_into_tensor and MPI_Allgather take one). Ranks share the machine's cores, so absolute
+figures are those of one host (shared memory transport); compare the ratios.
 """
 
 from __future__ import annotations
@@ -164,10 +162,10 @@ def _times(
     e: _Engine, fns: dict[str, Callable[[], None]], repeats: int, calls: int
 ) -> dict[str, list[float]]:
     """Each operation's time per call in every repeat: the slowest rank's loop of ``calls``
-    back-to-back calls, divided by ``calls``. Operations take
-    turns within a repeat, so a burst of load from elsewhere on the host hits them alike, in an
-    order shuffled anew for every repeat (alike on every rank): an operation's time depends on
-    the one before it (what it left in the caches), and no pair should always meet."""
+    back-to-back calls, divided by ``calls``. Operations take turns within a repeat, so a burst
+    of load from elsewhere on the host hits them alike, in an order shuffled anew for every
+    repeat (alike on every rank): an operation's time depends on the one before it (what it
+    left in the caches), and no pair should always meet."""
     for fn in fns.values():
         fn()  # warm-up: connections, page faults, scratch buffers
     order = random.Random(0)
