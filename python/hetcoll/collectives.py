@@ -491,16 +491,26 @@ def _allreduce_device(
         _agree(c, fields, deadline)
     op = dist.ReduceOp.SUM
     if w != 1.0:
-        premul_sum = getattr(dist, "_make_nccl_premul_sum", None)
-        if c.engine == "nccl" and premul_sum is not None:
-            op = premul_sum(w)
-        else:
+        fused = _premul_sum(c.engine, w)
+        if fused is None:
             buf.mul_(w)
+        else:
+            op = fused
     work = dist.all_reduce(buf, op=op, group=c.native, async_op=True)
     from hetcoll.comm import _TorchRequest
 
     _TorchRequest(work, "all_reduce").wait(deadline)
     return buf
+
+
+def _premul_sum(engine: str, w: float) -> Any:
+    """The reduce op for ``sum over ranks of w_r * buf_r`` with each rank's weight fused into
+    the engine's reduction kernel: NCCL's PREMUL_SUM (each rank passes its own factor). None
+    on engines without it; the caller pre-scales then."""
+    import torch.distributed as dist
+
+    make = getattr(dist, "_make_nccl_premul_sum", None)
+    return make(w) if engine == "nccl" and make is not None else None
 
 
 def _shape_code(shape: Sequence[int]) -> int:

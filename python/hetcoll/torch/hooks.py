@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 import hetcoll
-from hetcoll.collectives import _auto, _direct
+from hetcoll.collectives import _auto, _direct, _premul_sum
 from hetcoll.comm import wrap
 from hetcoll.errors import CollectiveMismatchError
 from hetcoll.kernels import _numpy_view
@@ -161,12 +161,10 @@ def weighted_allreduce_hook(
     total_fut = state._global_batch()
     if bucket.is_last():
         state._step_total = None  # the next step sums its own batch sizes
-    op = dist.ReduceOp.SUM
-    premul_sum = getattr(dist, "_make_nccl_premul_sum", None)
-    if premul_sum is not None and _backend(state.process_group) == "nccl":
-        # NCCL multiplies each rank's input by the rank's own factor inside the reduction.
-        op = premul_sum(float(state.local_batch))
-    else:
+    # On NCCL each rank's factor is applied inside the reduction kernel (PREMUL_SUM).
+    op = _premul_sum(_backend(state.process_group), float(state.local_batch))
+    if op is None:
+        op = dist.ReduceOp.SUM
         _scale_(buf, float(state.local_batch))
     work = dist.all_reduce(buf, op=op, group=state.process_group, async_op=True)
 
