@@ -156,13 +156,12 @@ def test_bad_thread_knob(monkeypatch):
         hetcoll.weighted_sum([np.ones(3)], [1.0])
 
 
+LOCAL_RANKS_VARS = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
 def _threads_in_fresh_process(**env: str) -> int:
-    clean = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("HETCOLL_NUM_THREADS", "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS")
-        and k != "OMPI_COMM_WORLD_LOCAL_SIZE"
-    }
+    unset = ("HETCOLL_NUM_THREADS", *LOCAL_RANKS_VARS)
+    clean = {k: v for k, v in os.environ.items() if k not in unset}
     code = "import hetcoll; print(hetcoll.num_threads())"
     out = subprocess.run(
         [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True
@@ -171,9 +170,7 @@ def _threads_in_fresh_process(**env: str) -> int:
     return int(out.stdout)
 
 
-@pytest.mark.parametrize(
-    "var", ["LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"]
-)
+@pytest.mark.parametrize("var", LOCAL_RANKS_VARS)
 def test_ranks_on_one_node_share_its_cores(var):
     alone = _threads_in_fresh_process()
     assert alone >= 1

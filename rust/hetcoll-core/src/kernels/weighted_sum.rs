@@ -59,7 +59,6 @@ pub fn default_threads() -> Result<usize> {
             let local = LOCAL_RANKS_VARS
                 .iter()
                 .find_map(|name| std::env::var(name).ok()?.trim().parse::<usize>().ok())
-                .filter(|&n| n >= 1)
                 .unwrap_or(1);
             threads_per_rank(cores, local)
         })),
