@@ -15,7 +15,8 @@ host longer than a repeat cancels out). Printed per size: algorithmic bandwidth 
 engine's allreduce (MPI_Allreduce / dist.all_reduce, median over repeats), and times relative to it
 of the same call timed again as another operation (the cell's noise), of hetcoll's weighted
 allreduce as "auto" picks it, of the native allreduce unweighted and weighted (weight fused into a
-Rust pre-scale), of the weighted direct exchange and of the weighted ring; the ring lower bound
+Rust pre-scale), of the weighted direct exchange, of the weighted ring and (MPI) of the weighted
+allreduce through shared memory on the node ("shared"); the ring lower bound
 2(p-1)/p * N / B with B from a ping-pong between ranks 0 and 1, and the ring's time over that
 bound. Then allgatherv of pieces of different lengths (rank r holds r+1 shares) against an
 all_gather of equal pieces with the same total bytes, both into an output allocated once (``out=``,
@@ -203,7 +204,12 @@ def _operations(
 ) -> dict[str, Callable[[], None]]:
     import hetcoll
 
-    return {
+    shared = (
+        {"shared_w": lambda: hetcoll.allreduce(buf, comm, weight=w, algorithm="shared")}
+        if e.kind == "mpi"
+        else {}
+    )
+    return shared | {
         "engine": lambda: e.allreduce(buf),
         # The same engine call timed again: how far one cell's figures move by chance alone.
         "engine_again": lambda: e.allreduce(buf),
@@ -257,6 +263,7 @@ def measure(kind: str, max_mib: int, loop_mib: int = 16) -> dict[str, Any]:
                 native_weighted=_ratio(t, "native_w", "engine"),
                 ring_weighted=_ratio(t, "ring_w", "engine"),
                 direct_weighted=_ratio(t, "direct_w", "engine"),
+                shared_weighted=_ratio(t, "shared_w", "engine") if "shared_w" in t else None,
                 auto_weighted=_ratio(t, "auto_w", "engine"),
                 ring_over_bound=statistics.median(t["ring_w"]) / lower,
                 allgatherv_over_allgather=_ratio(t, "allgatherv", "allgather"),
@@ -280,18 +287,19 @@ def _table(result: dict[str, Any]) -> str:
         f"\n{result['engine']}, p = {result['ranks']}, ping-pong B = "
         f"{result['pingpong_GBps']:.2f} GB/s; times relative to {peer} (lower is better)\n",
         f"| size | calls per loop | {peer} GB/s | {peer} again | weighted (auto) | native "
-        f"| native weighted | direct weighted | ring weighted | ring / lower bound "
-        f"| allgatherv (auto) / {gather} | native | ring | direct |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| native weighted | direct weighted | ring weighted | shared weighted "
+        f"| ring / lower bound | allgatherv (auto) / {gather} | native | ring | direct |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         b = row["bytes"]
         size = f"{b // KIB} KiB" if b < KIB * KIB else f"{b // (KIB * KIB)} MiB"
+        shared = "–" if row["shared_weighted"] is None else f"{row['shared_weighted']:.2f}x"
         lines.append(
             f"| {size} | {row['calls']} | {row['engine_GBps']:.3f} | {row['engine_again']:.2f}x "
             f"| {row['auto_weighted']:.2f}x "
             f"| {row['native']:.2f}x | {row['native_weighted']:.2f}x "
-            f"| {row['direct_weighted']:.2f}x | {row['ring_weighted']:.2f}x "
+            f"| {row['direct_weighted']:.2f}x | {row['ring_weighted']:.2f}x | {shared} "
             f"| {row['ring_over_bound']:.2f}x | {row['allgatherv_auto_over_allgather']:.2f}x "
             f"| {row['allgatherv_over_allgather']:.2f}x "
             f"| {row['allgatherv_ring_over_allgather']:.2f}x "

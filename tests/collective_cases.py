@@ -67,14 +67,20 @@ def _weight(rank: int, case: int) -> float:
     return [1.0, 0.5 + 0.25 * rank, -1.5 + rank, 1.0 / (rank + 3)][case % 4]
 
 
+def _algorithms(comm: Communicator) -> tuple[str, ...]:
+    """The allreduce algorithms this engine has ("shared" needs MPI and one node)."""
+    return ("ring", "native", "direct", "auto") + (("shared",) if comm.engine == "mpi" else ())
+
+
 def check_allreduce(comm: Communicator, native: Any) -> int:
     p, r = comm.size, comm.rank
     lengths = [0, 1, p - 1, 13, 1009, 65_537, 300_007]
     done = 0
     for kind in DTYPES:
-        for algorithm in ("ring", "native", "direct", "auto"):
+        for algorithm in _algorithms(comm):
             for i, n in enumerate(lengths):
-                if kind in ("float16", "bfloat16") and n > 65_537 and algorithm != "ring":
+                slow_sum = algorithm not in ("ring", "shared")
+                if kind in ("float16", "bfloat16") and n > 65_537 and slow_sum:
                     continue  # the 16-bit MPI sum is a Python-level user op: keep the run short
                 as_tensor = (i % 2 == 1) or kind == "bfloat16"
                 seed = 7 * i + len(kind)
@@ -123,6 +129,8 @@ def check_random_sweep(comm: Communicator, native: Any) -> int:
         kind = DTYPES[rng.integers(len(DTYPES))]
         n = int(rng.integers(0, 5000))
         algorithm = ("ring", "native", "direct", "auto")[rng.integers(4)]
+        if comm.engine == "mpi" and case % 3 == 0:
+            algorithm = "shared"
         weights = rng.uniform(-2, 2, p)
         speeds = rng.uniform(0.1, 5, p).tolist() if rng.integers(2) else None
         segment_bytes = int(rng.integers(1, 4096))
@@ -155,7 +163,7 @@ def check_random_sweep(comm: Communicator, native: Any) -> int:
 
 def check_aliasing_and_shapes(comm: Communicator, native: Any) -> int:
     p, r = comm.size, comm.rank
-    for algorithm in ("ring", "native", "direct"):
+    for algorithm in _algorithms(comm):
         # A view into a larger buffer: only the view changes.
         big = np.full(40, 100.0 + r)
         view = big[5:35].reshape(5, 6)
@@ -201,6 +209,17 @@ def check_mismatch(comm: Communicator, native: Any) -> int:
         except hetcoll.CollectiveMismatchError:
             continue
         raise AssertionError(f"rank {r}: no CollectiveMismatchError for {kw}")
+    shared = 0
+    if comm.engine == "mpi":
+        # "shared" compares lengths and dtypes in its headers, even unasked.
+        for buf in (np.ones(10 + (r == 1)), np.ones(10, np.float32 if r else np.float64)):
+            try:
+                hetcoll.allreduce(buf, native, algorithm="shared", timeout=30)
+            except hetcoll.CollectiveMismatchError as e:
+                assert "ranks disagree on" in str(e), e
+            else:
+                raise AssertionError(f"rank {r}: shared allreduce accepted {buf.dtype}[{buf.size}]")
+            shared += 1
     try:
         hetcoll.allgatherv(np.ones((2, 3 + (r == 0))), native, timeout=30)
     except hetcoll.CollectiveMismatchError:
@@ -229,8 +248,55 @@ def check_mismatch(comm: Communicator, native: Any) -> int:
         hetcoll.allgatherv(np.ones(5), native, algorithm="ring" if r == 0 else "auto", timeout=30)
     except hetcoll.CollectiveMismatchError as e:
         assert "algorithm: ranks disagree" in str(e), e
-        return len(cases) + 3
+        return len(cases) + 3 + shared
     raise AssertionError(f"rank {r}: allgatherv ran with ranks choosing different algorithms")
+
+
+def check_shared(comm: Communicator, native: Any) -> int:
+    """ "shared" through small windows, so buffers go in many pieces, each in one round or in
+    two: every dtype, lengths around the piece and chunk boundaries, chunks sized by speeds,
+    against the float64 reference and bitwise the same everywhere. On engines without shared
+    memory, asking for it raises on every rank."""
+    if comm.engine != "mpi":
+        try:
+            hetcoll.allreduce(np.ones(4), native, algorithm="shared")
+        except ValueError as e:
+            assert "algorithm" in str(e), e
+            return 1
+        raise AssertionError(f"rank {comm.rank}: {comm.engine} ran a shared-memory allreduce")
+    p, r = comm.size, comm.rank
+    saved = collectives.SHARED_SEGMENT_BYTES, collectives.SHARED_ONE_ROUND_BYTES
+    done = 0
+    try:
+        collectives.SHARED_SEGMENT_BYTES = 4096
+        for one_round in (0, 1 << 20):
+            collectives.SHARED_ONE_ROUND_BYTES = one_round
+            for i, kind in enumerate(DTYPES):
+                itemsize = 8 if kind == "float64" else 4 if kind == "float32" else 2
+                per = 4096 // itemsize
+                for n in (1, p + 1, per - 1, per, 3 * per + 7):
+                    seed = 500 + n + i
+                    w = _weight(r, n + i)
+                    speeds = [1.0 + 2 * q for q in range(p)] if n % 2 else None
+                    buf, _ = _input(kind, n, r, seed, as_tensor=(n % 2 == 0))
+                    hetcoll.allreduce(
+                        buf, native, weight=w, algorithm="shared", speeds=speeds, timeout=60
+                    )
+                    ref, scale = np.zeros(n), np.zeros(n)
+                    for q in range(p):
+                        _, x = _input(kind, n, q, seed, as_tensor=(n % 2 == 0))
+                        ref += _weight(q, n + i) * x
+                        scale += abs(_weight(q, n + i) * x)
+                    if (np.abs(_as_f64(buf) - ref) > RTOL[kind] * (scale + 1e-300) * p).any():
+                        raise AssertionError(
+                            f"shared {kind} n={n} one_round<={one_round}: off the reference "
+                            f"on rank {r}"
+                        )
+                    _same_everywhere(comm, _digest(buf), f"shared {kind} n={n}")
+                    done += 1
+    finally:
+        collectives.SHARED_SEGMENT_BYTES, collectives.SHARED_ONE_ROUND_BYTES = saved
+    return done
 
 
 def check_allgatherv(comm: Communicator, native: Any) -> int:
@@ -468,6 +534,7 @@ def run_all(comm_obj: Any) -> dict[str, int]:
         "sweep": check_random_sweep(comm, comm_obj),
         "aliasing": check_aliasing_and_shapes(comm, comm_obj),
         "mismatch": check_mismatch(comm, comm_obj),
+        "shared": check_shared(comm, comm_obj),
         "allgatherv": check_allgatherv(comm, comm_obj),
         "speculative": check_speculative_round(comm, comm_obj, batched=True)
         + check_speculative_round(comm, comm_obj, batched=False),

@@ -36,6 +36,7 @@ EXPECTED = {
     "sweep": 12,
     "aliasing": 3,
     "mismatch": 6,
+    "shared": 1,
     "allgatherv": 15,
     "speculative": 24,
     "allgatherv_out": 17,
@@ -44,9 +45,14 @@ EXPECTED = {
 }
 
 
-def _expected_per_rank() -> list[dict[int, dict[str, int]]]:
+#: MPI adds "shared": 7 lengths x 4 dtypes in check_allreduce, the headers' own mismatch
+#: check (2), and 2 x 4 x 5 cases through small windows in check_shared.
+EXPECTED_MPI = {**EXPECTED, "allreduce": 134, "mismatch": 8, "shared": 40}
+
+
+def _expected_per_rank(expected: dict[str, int]) -> list[dict[int, dict[str, int]]]:
     return [
-        {p: EXPECTED for p, members in collective_cases.GROUPS.items() if r in members}
+        {p: expected for p, members in collective_cases.GROUPS.items() if r in members}
         for r in range(4)
     ]
 
@@ -56,12 +62,12 @@ def test_mpi_all_cases_on_2_3_and_4_ranks():
     proc = launch.mpiexec(4, [str(HERE / "mpi_workers" / "collectives.py")], timeout=240)
     (per_rank,) = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("[")]
     got = [{int(p): c for p, c in counts.items()} for counts in per_rank]
-    assert got == _expected_per_rank()
+    assert got == _expected_per_rank(EXPECTED_MPI)
 
 
 @pytest.mark.multiproc
 def test_gloo_all_cases_on_2_3_and_4_ranks():
-    assert launch.spawn(collective_cases.run_torch, 4, timeout=240) == _expected_per_rank()
+    assert launch.spawn(collective_cases.run_torch, 4, timeout=240) == _expected_per_rank(EXPECTED)
 
 
 def _timeout_lines(stdout: str) -> list[str]:
@@ -88,7 +94,9 @@ def test_mpi_dead_peer_raises_timeout_on_survivors():
     elapsed = time.monotonic() - start
     lines = _timeout_lines(proc.stdout)
     assert [x.split(" after")[0] for x in lines] == [
-        f"rank {r} {a}: CollectiveTimeout" for r in (0, 1) for a in ("direct", "native", "ring")
+        f"rank {r} {a}: CollectiveTimeout"
+        for r in (0, 1)
+        for a in ("direct", "native", "ring", "shared")
     ], proc.stdout + proc.stderr
     # Within the 2 s timeout plus slack; earlier is right too when MPI reports the lost peer.
     for x in lines:

@@ -35,7 +35,15 @@ import numpy as np
 from hetcoll import _core
 from hetcoll.errors import CollectiveTimeout
 
-__all__ = ["Communicator", "MpiCommunicator", "Request", "TorchCommunicator", "wait_all", "wrap"]
+__all__ = [
+    "Communicator",
+    "MpiCommunicator",
+    "NodeWindows",
+    "Request",
+    "TorchCommunicator",
+    "wait_all",
+    "wrap",
+]
 
 KINDS = ("float32", "float64", "float16", "bfloat16", "int64")
 
@@ -124,6 +132,13 @@ class Communicator(ABC):
     ) -> Request:
         """Start ``recv <- (sum over ranks of send)[o_r : o_r + counts[r]]`` on rank r."""
 
+    def node_windows(self, capacity: int, deadline: float | None = None) -> NodeWindows | None:
+        """Shared memory every rank maps (:class:`NodeWindows`, ``capacity`` bytes a rank),
+        or None: the engine has none, or the ranks span several nodes. Collective on its first
+        call for a ``capacity`` (every rank must make it, alive by ``deadline``), then cached
+        with the group."""
+        return None
+
     #: Every rank's piece bytes in each of allgatherv's last gathers on this group (it
     #: predicts the next; :func:`hetcoll.collectives._predict`); created on first use. One
     #: wrapper per torch process group (:func:`wrap`) makes it per group.
@@ -178,6 +193,90 @@ class _MpiRequest(Request):
 _HALF_SUM_OPS: dict[str, Any] = {}
 # Each element kind's MPI datatype, filled on first use.
 _MPI_TYPES: dict[str, Any] = {}
+
+
+class NodeWindows:
+    """Memory every rank of one node maps, over MPI-3 shared-memory windows
+    (``MPI_Win_allocate_shared``): what MPI itself moves intra-node messages through, here
+    read and written by the ranks directly.
+
+    Two windows, taken in turn (:meth:`take`); in each, every rank owns a segment of
+    ``capacity`` bytes and a header of :data:`HEADER_SLOTS` float64 slots, and every rank sees
+    every rank's. A rank writes only its own; :meth:`fence` makes every rank's writes visible
+    to every rank (a barrier between two memory syncs, the MPI-3 pattern for shared memory).
+    A collective that writes a window, fences, and reads reads nothing that its next use of
+    the same window (two takes later, after another fence) can overwrite under a peer.
+    """
+
+    #: float64 slots at the start of each rank's part of a window, before its segment.
+    HEADER_SLOTS = 8
+
+    def __init__(self, node: Any, capacity: int) -> None:
+        from mpi4py import MPI
+
+        self.capacity = capacity
+        self._node = node
+        self._wins: list[Any] = []
+        self.headers: list[list[np.ndarray]] = []
+        self.segments: list[list[np.ndarray]] = []
+        head = self.HEADER_SLOTS * 8
+        for _ in range(2):
+            win = MPI.Win.Allocate_shared(head + capacity, 1, comm=node)
+            win.Lock_all(MPI.MODE_NOCHECK)  # one passive epoch, for Win_sync
+            mapped: list[Any] = [win.Shared_query(q)[0] for q in range(node.size)]
+            parts = [np.frombuffer(m, np.uint8) for m in mapped]
+            self._wins.append(win)
+            self.headers.append([m[:head].view(np.float64) for m in parts])
+            self.segments.append([m[head:] for m in parts])
+        self._turn = 0
+
+    def take(self) -> int:
+        """The window a collective's next round writes: 0 and 1 in turn."""
+        i = self._turn
+        self._turn = 1 - i
+        return i
+
+    def fence(self, i: int, deadline: float | None) -> None:
+        """Every rank's writes to window ``i`` so far are visible to every rank."""
+        win = self._wins[i]
+        win.Sync()
+        if deadline is None:
+            self._node.Barrier()
+        else:
+            _MpiRequest(self._node.Ibarrier(), "MPI_Ibarrier of the node's ranks").wait(deadline)
+        win.Sync()
+
+    def free(self) -> None:
+        """Release the windows (collective over the node's ranks)."""
+        for win in self._wins:
+            win.Unlock_all()
+            win.Free()
+        self._wins = []
+        self.headers = []
+        self.segments = []
+
+
+def _free_node_cache(comm: Any, keyval: int, cache: Any) -> None:
+    """MPI's delete callback for the node-window attribute: the communicator is being freed
+    (collectively), so its windows and node communicator go too."""
+    for key, windows in cache.items():
+        if key != "node":
+            windows.free()
+    if cache["node"] is not None:
+        cache["node"].Free()
+
+
+def _node_keyval() -> int:
+    """The MPI attribute key under which a communicator keeps its node windows."""
+    global _NODE_KEYVAL
+    if _NODE_KEYVAL is None:
+        from mpi4py import MPI
+
+        _NODE_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_free_node_cache)
+    return _NODE_KEYVAL
+
+
+_NODE_KEYVAL: int | None = None
 
 
 class MpiCommunicator(Communicator):
@@ -303,6 +402,33 @@ class MpiCommunicator(Communicator):
         t = self._type(kind)
         req = self.native.Ireduce_scatter([send, t], [recv, t], list(counts), op=self._sum(kind))
         return _MpiRequest(req, "MPI_Ireduce_scatter")
+
+    def node_windows(self, capacity: int, deadline: float | None = None) -> NodeWindows | None:
+        # Cached on the communicator as an MPI attribute ({"node": the node's communicator or
+        # None when the ranks span several nodes, capacity: windows}): freed with it.
+        key = _node_keyval()
+        cache = self.native.Get_attr(key)
+        if cache is None or (cache["node"] is not None and capacity not in cache):
+            # Creating windows is collective and cannot time out: all alive first.
+            _MpiRequest(self.native.Ibarrier(), "MPI_Ibarrier before the node windows").wait(
+                deadline
+            )
+        if cache is None:
+            from mpi4py import MPI
+
+            node = self.native.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+            one_node = node.Get_size() == self.size
+            cache = {"node": node if one_node else None}
+            if not one_node:
+                node.Free()
+            self.native.Set_attr(key, cache)
+        node = cache["node"]
+        if node is None:
+            return None
+        windows = cache.get(capacity)
+        if windows is None:
+            windows = cache[capacity] = NodeWindows(node, capacity)
+        return windows
 
 
 # ----------------------------------------------------------------------------------------------

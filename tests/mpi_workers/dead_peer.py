@@ -1,7 +1,7 @@
 """MPI worker of tests/test_collectives.py: the last rank dies, the others must time out.
 
 Usage: ``mpiexec -disable-auto-cleanup -n P python tests/mpi_workers/dead_peer.py TIMEOUT_S``.
-Each surviving rank tries the ring, then the native allreduce, prints
+Each surviving rank tries the ring, the native, the direct and the shared allreduce, prints
 ``rank R ALGORITHM: CollectiveTimeout after S s`` for each and exits with code 0.
 """
 
@@ -21,7 +21,7 @@ buf = hetcoll.allreduce(np.ones(1000), comm)  # everybody alive: works
 if rank == size - 1:
     os._exit(3)  # dies without a word, like a killed process
 time.sleep(0.5)
-for algorithm in ("ring", "native", "direct"):
+for algorithm in ("ring", "native", "direct", "shared"):
     start = time.monotonic()
     try:
         hetcoll.allreduce(buf, comm, algorithm=algorithm, timeout=timeout)
