@@ -120,7 +120,7 @@ SHARED_FROM_BYTES: dict[str, float] = {"mpi": 16 << 10}
 #: 4 MiB (direct 1.38-1.57x). Two gloo ranks, in loops of back-to-back calls, paired within
 #: each repeat: at 16 MiB the ring took 0.88-0.93x the native weighted path's time in four full
 #: runs (0.96-1.08x of dist.all_reduce's, native 1.10-1.18x); at 4 MiB 1.06-1.32x.
-RING_TWO_RANKS_FROM_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 16 << 20}
+RING_TWO_RANKS_FROM_BYTES: dict[str, float] = {"mpi": 4 << 20, "gloo": 16 << 20}
 #: Engines on which allgatherv's first round, which every rank needs for the others' lengths,
 #: is speculative: each rank sends its header and, in the same round, as many bytes of its piece
 #: as the group's recent gathers predict (:func:`_predict`). When the prediction holds, as it
@@ -294,6 +294,8 @@ def allreduce(
 def _auto(c: Communicator, nbytes: int, chunk_speeds: bool, deadline: float | None = None) -> str:
     """The algorithm "auto" stands for; the same on every rank (it reads only what ranks agree
     on: sizes, the rank count, the engine and whether the ranks share one node)."""
+    if c.size == 2 and nbytes >= RING_TWO_RANKS_FROM_BYTES.get(c.engine, math.inf):
+        return "ring"
     if (
         c.size > 1
         and nbytes >= SHARED_FROM_BYTES.get(c.engine, math.inf)
