@@ -65,9 +65,11 @@ ArrayT = TypeVar("ArrayT")
 ALGORITHMS = ("auto", "ring", "native", "direct", "shared")
 #: "shared" (MPI, every rank on one node): each rank's segment in each of the two
 #: shared-memory windows (:class:`hetcoll.comm.NodeWindows`); larger buffers go through them in
-#: pieces of this size. On four MPI ranks of one host, pieces of 16 MiB took 0.31-0.55x
-#: MPI_Allreduce's time at 16-256 MiB, pieces of 4 MiB and 64 MiB 0.39-0.83x.
-SHARED_SEGMENT_BYTES = 16 << 20
+#: pieces of this size, which stay in the caches between a rank writing them and its peers
+#: reading them. Paired on one 2-core host, at 4, 16 and 64 MiB on two and four MPI ranks,
+#: 1 MiB pieces took 0.26-0.68x MPI_Allreduce's time; 16 MiB pieces 0.78-1.45x at 16 MiB,
+#: where they leave the caches; 256 KiB-2 MiB pieces within 0.03-0.2x of 1 MiB.
+SHARED_SEGMENT_BYTES = 1 << 20
 #: "shared" sums a piece in one round (every rank sums the whole piece from every rank's
 #: segment: one fence) while ``ranks * piece bytes`` is at most this; above it, in two (each
 #: rank sums its own chunk, a fence, and every rank copies every chunk out). On one host, one
@@ -120,7 +122,7 @@ SHARED_FROM_BYTES: dict[str, float] = {"mpi": 16 << 10}
 #: 4 MiB (direct 1.38-1.57x). Two gloo ranks, in loops of back-to-back calls, paired within
 #: each repeat: at 16 MiB the ring took 0.88-0.93x the native weighted path's time in four full
 #: runs (0.96-1.08x of dist.all_reduce's, native 1.10-1.18x); at 4 MiB 1.06-1.32x.
-RING_TWO_RANKS_FROM_BYTES: dict[str, float] = {"mpi": 4 << 20, "gloo": 16 << 20}
+RING_TWO_RANKS_FROM_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 16 << 20}
 #: Engines on which allgatherv's first round, which every rank needs for the others' lengths,
 #: is speculative: each rank sends its header and, in the same round, as many bytes of its piece
 #: as the group's recent gathers predict (:func:`_predict`). When the prediction holds, as it
@@ -294,8 +296,6 @@ def allreduce(
 def _auto(c: Communicator, nbytes: int, chunk_speeds: bool, deadline: float | None = None) -> str:
     """The algorithm "auto" stands for; the same on every rank (it reads only what ranks agree
     on: sizes, the rank count, the engine and whether the ranks share one node)."""
-    if c.size == 2 and nbytes >= RING_TWO_RANKS_FROM_BYTES.get(c.engine, math.inf):
-        return "ring"
     if (
         c.size > 1
         and nbytes >= SHARED_FROM_BYTES.get(c.engine, math.inf)
