@@ -19,7 +19,8 @@ Rust pre-scale), of the weighted direct exchange, of the weighted ring and (MPI)
 allreduce through shared memory on the node ("shared"); the ring lower bound
 2(p-1)/p * N / B with B from a ping-pong between ranks 0 and 1, and the ring's time over that
 bound. Then allgatherv of pieces of different lengths (rank r holds r+1 shares) against an
-all_gather of equal pieces with the same total bytes, both into an output allocated once (``out=``,
+all_gather of equal pieces with the same total bytes (native, ring, direct and, on MPI, shared),
+both into an output allocated once (``out=``,
 as all_gather_into_tensor and MPI_Allgather take one). Ranks share the machine's cores, so absolute
 figures are those of one host (shared memory transport); compare the ratios.
 """
@@ -205,7 +206,12 @@ def _operations(
     import hetcoll
 
     shared = (
-        {"shared_w": lambda: hetcoll.allreduce(buf, comm, weight=w, algorithm="shared")}
+        {
+            "shared_w": lambda: hetcoll.allreduce(buf, comm, weight=w, algorithm="shared"),
+            "allgatherv_shared": lambda: hetcoll.allgatherv(
+                piece_v, comm, out=out_v, algorithm="shared"
+            ),
+        }
         if e.kind == "mpi"
         else {}
     )
@@ -270,6 +276,9 @@ def measure(kind: str, max_mib: int, loop_mib: int = 16) -> dict[str, Any]:
                 allgatherv_ring_over_allgather=_ratio(t, "allgatherv_ring", "allgather"),
                 allgatherv_direct_over_allgather=_ratio(t, "allgatherv_direct", "allgather"),
                 allgatherv_auto_over_allgather=_ratio(t, "allgatherv_auto", "allgather"),
+                allgatherv_shared_over_allgather=(
+                    _ratio(t, "allgatherv_shared", "allgather") if "shared_w" in t else None
+                ),
                 seconds_per_call=t,
             )
         )
@@ -288,13 +297,16 @@ def _table(result: dict[str, Any]) -> str:
         f"{result['pingpong_GBps']:.2f} GB/s; times relative to {peer} (lower is better)\n",
         f"| size | calls per loop | {peer} GB/s | {peer} again | weighted (auto) | native "
         f"| native weighted | direct weighted | ring weighted | shared weighted "
-        f"| ring / lower bound | allgatherv (auto) / {gather} | native | ring | direct |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| ring / lower bound | allgatherv (auto) / {gather} | native | ring | direct | shared |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         b = row["bytes"]
         size = f"{b // KIB} KiB" if b < KIB * KIB else f"{b // (KIB * KIB)} MiB"
-        shared = "–" if row["shared_weighted"] is None else f"{row['shared_weighted']:.2f}x"
+        shared, gather_shared = (
+            "–" if x is None else f"{x:.2f}x"
+            for x in (row["shared_weighted"], row["allgatherv_shared_over_allgather"])
+        )
         lines.append(
             f"| {size} | {row['calls']} | {row['engine_GBps']:.3f} | {row['engine_again']:.2f}x "
             f"| {row['auto_weighted']:.2f}x "
@@ -303,7 +315,7 @@ def _table(result: dict[str, Any]) -> str:
             f"| {row['ring_over_bound']:.2f}x | {row['allgatherv_auto_over_allgather']:.2f}x "
             f"| {row['allgatherv_over_allgather']:.2f}x "
             f"| {row['allgatherv_ring_over_allgather']:.2f}x "
-            f"| {row['allgatherv_direct_over_allgather']:.2f}x |"
+            f"| {row['allgatherv_direct_over_allgather']:.2f}x | {gather_shared} |"
         )
     return "\n".join(lines)
 

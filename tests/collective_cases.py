@@ -258,12 +258,14 @@ def check_shared(comm: Communicator, native: Any) -> int:
     against the float64 reference and bitwise the same everywhere. On engines without shared
     memory, asking for it raises on every rank."""
     if comm.engine != "mpi":
-        try:
-            hetcoll.allreduce(np.ones(4), native, algorithm="shared")
-        except ValueError as e:
-            assert "algorithm" in str(e), e
-            return 1
-        raise AssertionError(f"rank {comm.rank}: {comm.engine} ran a shared-memory allreduce")
+        for call in (hetcoll.allreduce, hetcoll.allgatherv):
+            try:
+                call(np.ones(4), native, algorithm="shared")
+            except ValueError as e:
+                assert "algorithm" in str(e), e
+            else:
+                raise AssertionError(f"rank {comm.rank}: {comm.engine} ran {call.__name__} shared")
+        return 2
     p, r = comm.size, comm.rank
     saved = collectives.SHARED_SEGMENT_BYTES, collectives.SHARED_ONE_ROUND_BYTES
     done = 0
@@ -294,6 +296,14 @@ def check_shared(comm: Communicator, native: Any) -> int:
                         )
                     _same_everywhere(comm, _digest(buf), f"shared {kind} n={n}")
                     done += 1
+        # allgatherv: pieces of 0 to several windows' worth of rows, in rounds of 4 KiB each.
+        for rows_of in (lambda q: 0, lambda q: q, lambda q: 1000 * q + 7, lambda q: 1500 - q):
+            pieces = [
+                np.arange(rows_of(q) * 3, dtype=np.float32).reshape(-1, 3) + q for q in range(p)
+            ]
+            out = hetcoll.allgatherv(pieces[r], native, algorithm="shared", timeout=60)
+            np.testing.assert_array_equal(out, np.concatenate(pieces))
+            done += 1
     finally:
         collectives.SHARED_SEGMENT_BYTES, collectives.SHARED_ONE_ROUND_BYTES = saved
     return done
@@ -310,6 +320,8 @@ def check_allgatherv(comm: Communicator, native: Any) -> int:
                 for q in range(p)
             ]
             algorithm = ("native", "ring", "direct", "auto")[(k + i) % 4]
+            if comm.engine == "mpi" and i == 3:
+                algorithm = "shared"
             out = hetcoll.allgatherv(
                 pieces[r], native, algorithm=algorithm, timeout=60, segment_bytes=16
             )
@@ -338,17 +350,18 @@ def check_allgatherv(comm: Communicator, native: Any) -> int:
     n_of = [100_003 * (q + 1) for q in range(p)]
     mine = np.full(n_of[r], float(r), np.float32)
     want = np.concatenate([np.full(n, q, np.float32) for q, n in enumerate(n_of)])
-    for algorithm in ("ring", "native", "direct", "auto"):
+    for algorithm in _algorithms(comm):
         out = hetcoll.allgatherv(mine, native, algorithm=algorithm)
         np.testing.assert_array_equal(out, want)
     return done
 
 
 def check_speculative_round(comm: Communicator, native: Any, batched: bool) -> int:
-    """``"auto"`` around allgatherv's speculative first round on gloo (the length exchange and
-    MPI_Allgatherv on MPI): one round when every piece is at most as long as the group's recent
-    gathers predict, a second one (the rest of longer pieces) when not; a repeating pattern of
-    shapes is recognised. ``batched``: the round as one all-to-all, else point to point."""
+    """``"auto"`` around allgatherv's speculative first round on gloo: one round when every
+    piece is at most as long as the group's recent gathers predict, a second one (the rest of
+    longer pieces) when not; a repeating pattern of shapes is recognised. ``batched``: the
+    round as one all-to-all, else point to point. On MPI: through the node's shared memory
+    when ``batched``, else as across nodes (the length exchange and MPI_Allgatherv)."""
     with _speculative_rounds(batched):
         return _speculative_steps(comm, native, batched)
 
@@ -370,6 +383,11 @@ def _speculative_steps(comm: Communicator, native: Any, batched: bool) -> int:
     for name in ("allgather_fixed", "iallgatherv", "ialltoallv", "isend", "irecv"):
         setattr(counted, name, counting(name))
     speculative = comm.engine in collectives.SPECULATIVE_GATHER_ENGINES
+    # MPI: through the node's shared memory; the second pass as if the ranks were on several
+    # nodes (no shared memory), where a length exchange and MPI_Allgatherv do it.
+    shared = comm.engine == "mpi" and batched
+    if comm.engine == "mpi" and not batched:
+        counted.node_windows = lambda capacity, deadline=None: None  # type: ignore[method-assign]
     rest, head = collectives._TAG_GATHER_REST, collectives._TAG_GATHER_HEAD
     # (the last rank's piece length, rows of 3 float64, one round on gloo?)
     steps = [
@@ -410,7 +428,9 @@ def _speculative_steps(comm: Communicator, native: Any, batched: bool) -> int:
                 assert first == [-2], tags
             else:  # headers, and pieces predicted non-empty, point to point
                 assert first and -2 not in first and head in first, tags
-        else:  # MPI: a length exchange, then MPI_Allgatherv
+        elif shared:  # MPI on one node: every round through shared memory, no message
+            assert tags == [], tags
+        else:  # MPI across nodes: a length exchange, then MPI_Allgatherv
             assert tags[0] == -1 and len(tags) > 1, tags
     for got, want in kept:
         np.testing.assert_array_equal(got, want)

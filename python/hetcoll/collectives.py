@@ -9,7 +9,9 @@
   buffer and the weight to every other rank in one round of non-blocking messages and forms
   the weighted sum in rank order in one Rust pass (the weights fused, the fewest message
   latencies; ``p - 1`` buffers of traffic and scratch per rank, so "auto" takes it only for
-  small buffers or two ranks, where it moves no more bytes than a ring).
+  small buffers or two ranks, where it moves no more bytes than a ring). "shared" (MPI, every
+  rank on one node) sums through MPI-3 shared-memory windows that every rank maps, in pieces,
+  the weights fused into one Rust pass (:func:`_shared`); "auto" takes it there from 16 KiB.
 - :func:`allgatherv` — pieces of different lengths along axis 0 (MPI_Allgatherv; on gloo, whose
   all_gather rejects uneven pieces, all_to_all_single with uneven splits).
 - :func:`allgatherv_autograd` — the same for torch tensors that carry gradients: the gradient
@@ -219,14 +221,15 @@ def allreduce(
     ``buf`` is a C-contiguous numpy array or CPU torch tensor (float32, float64, float16,
     bfloat16; 16-bit types are reduced in float32 and rounded at each ring hop). ``comm`` is
     anything :func:`hetcoll.comm.wrap` takes. ``weight`` is this rank's weight (ranks may
-    differ). ``algorithm``: "ring", "native", "direct" or "auto" (see :data:`DIRECT_BYTES` and
-    :data:`RING_CROSSOVER_BYTES`; "auto" with ``speeds`` is the ring). ``speeds`` (one per
-    rank, same on every rank) sizes the ring's chunks with :func:`hetcoll.split`; chunk r is
-    reduced last by rank r. Every rank ends with
-    bitwise the same result. ``check`` compares length, dtype, algorithm and speeds across ranks
-    first (one small allgather). ``segment_bytes`` cuts the ring's messages (default
-    :data:`SEGMENT_BYTES`, or :data:`TWO_RANK_SEGMENT_BYTES` on two ranks). A CUDA tensor
-    (NCCL) takes the native path with a torch pre-scale.
+    differ). ``algorithm``: "ring", "native", "direct", "shared" (MPI, one node) or "auto" (see
+    :data:`SHARED_FROM_BYTES`, :data:`DIRECT_BYTES` and :data:`RING_CROSSOVER_BYTES`; "auto"
+    with ``speeds`` is "shared" where it runs, else the ring). ``speeds`` (one per rank, same
+    on every rank) sizes the chunks of the ring and of "shared" with :func:`hetcoll.split`;
+    chunk r is reduced last by rank r. Every rank ends with bitwise the same result. ``check``
+    compares length, dtype, algorithm and speeds across ranks first (one small allgather).
+    ``segment_bytes`` cuts the ring's messages (default :data:`SEGMENT_BYTES`, or
+    :data:`TWO_RANK_SEGMENT_BYTES` on two ranks). A device tensor takes the native path, the
+    weight fused by NCCL (``PREMUL_SUM``), or on other engines a torch pre-scale.
 
     >>> allreduce(grad, comm, weight=local_batch / global_batch)  # doctest: +SKIP
     """
@@ -252,10 +255,7 @@ def allreduce(
     if algorithm == "shared":
         windows = c.node_windows(SHARED_SEGMENT_BYTES, deadline)
         if windows is None:
-            raise ValueError(
-                'algorithm: "shared" needs an MPI communicator whose ranks are all on one node, '
-                f"got {c.engine} with ranks on several nodes or no shared memory"
-            )
+            raise ValueError(_NO_SHARED.format(c.engine))
         if speeds is not None:
             _counts(1, c.size, speeds)  # the argument's errors now, not at the first piece
     counts = _counts(flat.size, c.size, speeds) if algorithm == "ring" else None
@@ -412,6 +412,95 @@ def _shared(
         for q, n_q in enumerate(counts):
             piece[a : a + n_q] = segs[q][a : a + n_q]
             a += n_q
+
+
+_NO_SHARED = (
+    'algorithm: "shared" needs an MPI communicator whose ranks are all on one node, got {} '
+    "with ranks on several nodes or no shared memory"
+)
+
+
+def _shared_round(
+    c: Communicator,
+    windows: NodeWindows,
+    shape: Sequence[int],
+    dtype: str,
+    send: np.ndarray,
+    row_bytes: int,
+    deadline: float | None,
+    algorithm: str,
+    into_bytes: np.ndarray | None,
+) -> tuple[list[int], np.ndarray | None]:
+    """allgatherv's first round on one node, through the node windows, whatever the
+    algorithm: every rank writes its header (:func:`_fields`) and, for "auto" and "shared", the
+    first segment of its piece, and fences once. Every rank then reads the same headers, so
+    ranks that disagree on shape, dtype or algorithm all raise. For "auto" and "shared" the
+    pieces are then copied out (and their rest sent in further rounds, one fence each) into
+    ``into_bytes`` if it has the right size, else a new array, which is returned with the
+    lengths; for the other algorithms only the lengths."""
+    r = c.rank
+    data = algorithm in ("auto", "shared")
+    i = windows.take()
+    heads = [h.view(np.int64)[: len(_FIELDS)] for h in windows.headers[i]]
+    heads[r][:] = _fields(shape, dtype, algorithm)
+    first = send[: windows.capacity] if data else send[:0]
+    windows.segments[i][r][: first.size] = first
+    windows.fence(i, deadline)
+    lengths = [int(n) for n in _agreed_lengths(np.stack(heads))]
+    if not data:
+        return lengths, None
+    counts = [n * row_bytes for n in lengths]
+    total = sum(counts)
+    recv = into_bytes if into_bytes is not None and into_bytes.size == total else None
+    if recv is None:
+        recv = np.empty(total, np.uint8)
+    _copy_parts(r, first, windows.segments[i], recv, counts, 0, windows.capacity)
+    _shared_gather(c, windows, send, recv, counts, deadline, windows.capacity)
+    return lengths, recv
+
+
+def _copy_parts(
+    r: int,
+    mine: np.ndarray,
+    segs: list[np.ndarray],
+    recv: np.ndarray,
+    counts: Sequence[int],
+    a: int,
+    cap: int,
+) -> None:
+    """Bytes ``a`` to ``a + cap`` of every rank's piece from its segment (this rank's from
+    ``mine``) to their places in ``recv``."""
+    start = 0
+    for q, n in enumerate(counts):
+        part = min(cap, n - a)
+        if part > 0:
+            recv[start + a : start + a + part] = mine if q == r else segs[q][:part]
+        start += n
+
+
+def _shared_gather(
+    c: Communicator,
+    windows: NodeWindows,
+    send: np.ndarray,
+    recv: np.ndarray,
+    counts: Sequence[int],
+    deadline: float | None,
+    start: int = 0,
+) -> None:
+    """Every rank's bytes from ``start`` on into ``recv`` at their offsets (``counts[q]``
+    bytes from rank q), through the node windows: in each round every rank writes up to a
+    segment of its piece into its segment, fences once, and copies every rank's part out. A
+    window is written again two rounds later, after the next round's fence, when every rank has
+    copied it out."""
+    cap = windows.capacity
+    r = c.rank
+    for a in range(start, max(counts, default=0), cap):
+        i = windows.take()
+        segs = windows.segments[i]
+        mine = send[a : a + cap]
+        segs[r][: mine.size] = mine
+        windows.fence(i, deadline)
+        _copy_parts(r, mine, segs, recv, counts, a, cap)
 
 
 def _shared_agree(heads: list[np.ndarray], length: int, code: float) -> None:
@@ -702,6 +791,10 @@ def _gather(
         lengths, joined = _speculative_round(
             c, view.shape, view.dtype.str, send, row_bytes, deadline, algorithm, into_bytes
         )
+    elif c.size > 1 and (windows := c.node_windows(SHARED_SEGMENT_BYTES, deadline)) is not None:
+        lengths, joined = _shared_round(
+            c, windows, view.shape, view.dtype.str, send, row_bytes, deadline, algorithm, into_bytes
+        )
     else:
         lengths = [
             int(n) for n in _exchange_shapes(c, view.shape, view.dtype.str, deadline, algorithm)
@@ -723,6 +816,8 @@ def _gather(
             algorithm = "ring" if recv.nbytes >= crossover else "native"
         if algorithm == "native" or c.size == 1:
             c.iallgatherv(send, recv, counts).wait(deadline)
+        elif algorithm == "shared":  # only here without shared memory: ranks agreed, all raise
+            raise ValueError(_NO_SHARED.format(c.engine))
         elif algorithm == "direct":
             _direct_allgather(c, send, recv, counts, deadline)
         else:

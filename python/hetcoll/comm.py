@@ -2,7 +2,8 @@
 
 The collectives in :mod:`hetcoll.collectives` need only this: rank and size, non-blocking
 point-to-point messages, a non-blocking allreduce SUM, an allgather of pieces of different
-lengths and a reduce-scatter of pieces of different lengths. Buffers are 1-D numpy arrays (the
+lengths, a reduce-scatter of pieces of different lengths and, on MPI when every rank is on one
+node, memory that every rank maps (:class:`NodeWindows`). Buffers are 1-D numpy arrays (the
 zero-copy views :mod:`hetcoll.kernels` makes of numpy arrays and CPU tensors) together with
 the element ``kind`` ("float32", "float64", "float16", "bfloat16", "int64"), because bfloat16
 travels as raw 16-bit patterns that only the engine's reduction must know the meaning of.
@@ -196,9 +197,9 @@ _MPI_TYPES: dict[str, Any] = {}
 
 
 class NodeWindows:
-    """Memory every rank of one node maps, over MPI-3 shared-memory windows
-    (``MPI_Win_allocate_shared``): what MPI itself moves intra-node messages through, here
-    read and written by the ranks directly.
+    """Memory every rank of one node maps: MPI-3 shared-memory windows
+    (``MPI_Win_allocate_shared``), which MPI allocates and maps into each rank, read and
+    written by the ranks directly.
 
     Two windows, taken in turn (:meth:`take`); in each, every rank owns a segment of
     ``capacity`` bytes and a header of :data:`HEADER_SLOTS` float64 slots, and every rank sees
