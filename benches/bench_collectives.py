@@ -19,10 +19,10 @@ Rust pre-scale), of the weighted direct exchange, of the weighted ring and (MPI)
 allreduce through shared memory on the node ("shared"); the ring lower bound
 2(p-1)/p * N / B with B from a ping-pong between ranks 0 and 1, and the ring's time over that
 bound. Then allgatherv of pieces of different lengths (rank r holds r+1 shares) against an
-all_gather of equal pieces with the same total bytes (native, ring, direct and, on MPI, shared),
-both into an output allocated once (``out=``,
-as all_gather_into_tensor and MPI_Allgather take one). Ranks share the machine's cores, so absolute
-figures are those of one host (shared memory transport); compare the ratios.
+all_gather of equal pieces with the same total bytes ("auto", native, ring, direct and, on MPI,
+shared), both into an output allocated once (``out=``, as all_gather_into_tensor and
+MPI_Allgather take one). Ranks share the machine's cores, so absolute figures are those of one
+host (shared memory transport); compare the ratios.
 """
 
 from __future__ import annotations

@@ -76,6 +76,11 @@ def _timeout_lines(stdout: str) -> list[str]:
     return sorted(re.findall(r"rank \d+ \w+: \w+(?: after [\d.]+ s)?", stdout))
 
 
+def _mpich_shm_files() -> set[Path]:
+    shm = Path("/dev/shm")
+    return set(shm.glob("mpich_shm_*")) if shm.is_dir() else set()
+
+
 @pytest.mark.multiproc
 def test_mpi_dead_peer_raises_timeout_on_survivors():
     # Hydra kills the whole job when one rank dies unless told not to; with auto-cleanup off the
@@ -90,7 +95,14 @@ def test_mpi_dead_peer_raises_timeout_on_survivors():
         "2",
     ]
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    before = _mpich_shm_files()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    finally:
+        # Ranks that leave with os._exit never tear down MPICH's shared-memory segment; the
+        # job is over, so the files it left in /dev/shm belong to no one.
+        for path in _mpich_shm_files() - before:
+            path.unlink(missing_ok=True)
     elapsed = time.monotonic() - start
     lines = _timeout_lines(proc.stdout)
     assert [x.split(" after")[0] for x in lines] == [
