@@ -381,6 +381,7 @@ def _shared(
     p, r = c.size, c.rank
     per = windows.capacity // flat.itemsize
     code = float(_KIND_CODE[kind])
+    chunked = 0  # the piece length ``counts`` were split for (every piece but the last shares it)
     for start in range(0, flat.size, per):
         piece = flat[start : start + per]
         m = piece.size
@@ -392,9 +393,11 @@ def _shared(
         if one_round:
             segs[r][:] = piece
         else:
-            counts = _counts(m, p, speeds)
-            lo = sum(counts[:r])
-            hi = lo + counts[r]
+            if m != chunked:
+                counts = _counts(m, p, speeds)
+                lo = sum(counts[:r])
+                hi = lo + counts[r]
+                chunked = m
             segs[r][:lo] = piece[:lo]
             segs[r][hi:] = piece[hi:]
         windows.fence(i, deadline)
