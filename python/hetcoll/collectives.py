@@ -190,7 +190,13 @@ def _weight(weight: object) -> float:
 def _agree(comm: Communicator, fields: dict[str, int], deadline: float | None) -> None:
     """Raise CollectiveMismatchError on every rank unless every rank passed the same fields."""
     rows = comm.allgather_int64(np.array(list(fields.values()), dtype=np.int64), deadline)
-    for j, name in enumerate(fields):
+    _same_rows(list(fields), rows)
+
+
+def _same_rows(names: Sequence[str], rows: np.ndarray) -> None:
+    """Raise CollectiveMismatchError unless column j of ``rows`` (one row per rank), field
+    ``names[j]``, is the same on every rank; every rank raises alike, as all see the same rows."""
+    for j, name in enumerate(names):
         column = rows[:, j]
         if (column != column[0]).any():
             per_rank = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(column))
@@ -401,8 +407,8 @@ def _shared(
             segs[r][:lo] = piece[:lo]
             segs[r][hi:] = piece[hi:]
         windows.fence(i, deadline)
-        if start == 0:
-            _shared_agree(heads, flat.size, code)
+        if start == 0:  # length and dtype, from every rank's header
+            _same_rows(("length", "dtype"), np.array([h[1:3] for h in heads], np.int64))
         weights = [float(h[0]) for h in heads]
         if one_round:
             sources = [piece if q == r else segs[q] for q in range(p)]
@@ -504,16 +510,6 @@ def _shared_gather(
         segs[r][: mine.size] = mine
         windows.fence(i, deadline)
         _copy_parts(r, mine, segs, recv, counts, a, cap)
-
-
-def _shared_agree(heads: list[np.ndarray], length: int, code: float) -> None:
-    """Raise on every rank (each reads the same headers) unless every rank's length and dtype
-    match this rank's."""
-    for j, name, mine in ((1, "length", float(length)), (2, "dtype", code)):
-        column = [float(h[j]) for h in heads]
-        if any(v != mine for v in column):
-            per_rank = ", ".join(f"rank {q}: {int(v)}" for q, v in enumerate(column))
-            raise CollectiveMismatchError(f"ranks disagree on {name} ({per_rank})")
 
 
 _SCRATCH = threading.local()
