@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -76,46 +77,52 @@ def check_allreduce(comm: Communicator, native: Any) -> int:
     p, r = comm.size, comm.rank
     lengths = [0, 1, p - 1, 13, 1009, 65_537, 300_007]
     done = 0
-    for kind in DTYPES:
-        for algorithm in _algorithms(comm):
-            for i, n in enumerate(lengths):
-                slow_sum = algorithm not in ("ring", "shared")
-                if kind in ("float16", "bfloat16") and n > 65_537 and slow_sum:
-                    continue  # the 16-bit MPI sum is a Python-level user op: keep the run short
-                as_tensor = (i % 2 == 1) or kind == "bfloat16"
-                seed = 7 * i + len(kind)
-                w = _weight(r, i)
-                buf, _ = _input(kind, n, r, seed, as_tensor)
-                speeds = [1.0 + (q % 3) for q in range(p)] if i % 3 == 2 else None
-                segment = 4096 if i % 2 else collectives.SEGMENT_BYTES
-                out = hetcoll.allreduce(
-                    buf,
-                    native,
-                    weight=w,
-                    algorithm=algorithm,
-                    speeds=speeds,
-                    check=(i % 2 == 0),
-                    timeout=None if i % 3 == 1 else 60,  # the engines' blocking calls
-                    segment_bytes=segment,
-                )
-                assert out is buf
-                ref = np.zeros(n)
-                scale = np.zeros(n)
-                for q in range(p):
-                    _, x = _input(kind, n, q, seed, as_tensor)
-                    ref += _weight(q, i) * x
-                    scale += abs(_weight(q, i) * x)
-                got = _as_f64(buf)
-                err = np.abs(got - ref)
-                bound = RTOL[kind] * (scale + 1e-300) * (p + 1)
-                if (err > bound).any():
-                    k = int(np.argmax(err - bound))
-                    raise AssertionError(
-                        f"allreduce {kind} {algorithm} n={n} rank {r}: element {k} is {got[k]}, "
-                        f"reference {ref[k]}"
+    saved = collectives.NATIVE_HALVES_FROM_BYTES
+    try:
+        for kind in DTYPES:
+            for algorithm in _algorithms(comm):
+                for i, n in enumerate(lengths):
+                    slow_sum = algorithm not in ("ring", "shared")
+                    if kind in ("float16", "bfloat16") and n > 65_537 and slow_sum:
+                        continue  # the 16-bit MPI sum is a Python-level user op: keep the run short
+                    as_tensor = (i % 2 == 1) or kind == "bfloat16"
+                    seed = 7 * i + len(kind)
+                    w = _weight(r, i)
+                    buf, _ = _input(kind, n, r, seed, as_tensor)
+                    speeds = [1.0 + (q % 3) for q in range(p)] if i % 3 == 2 else None
+                    segment = 4096 if i % 2 else collectives.SEGMENT_BYTES
+                    # "native" in two halves at once on every other length, on both engines
+                    collectives.NATIVE_HALVES_FROM_BYTES = {comm.engine: 0 if i % 2 else math.inf}
+                    out = hetcoll.allreduce(
+                        buf,
+                        native,
+                        weight=w,
+                        algorithm=algorithm,
+                        speeds=speeds,
+                        check=(i % 2 == 0),
+                        timeout=None if i % 3 == 1 else 60,  # the engines' blocking calls
+                        segment_bytes=segment,
                     )
-                _same_everywhere(comm, _digest(buf), f"allreduce {kind} {algorithm} n={n}")
-                done += 1
+                    assert out is buf
+                    ref = np.zeros(n)
+                    scale = np.zeros(n)
+                    for q in range(p):
+                        _, x = _input(kind, n, q, seed, as_tensor)
+                        ref += _weight(q, i) * x
+                        scale += abs(_weight(q, i) * x)
+                    got = _as_f64(buf)
+                    err = np.abs(got - ref)
+                    bound = RTOL[kind] * (scale + 1e-300) * (p + 1)
+                    if (err > bound).any():
+                        k = int(np.argmax(err - bound))
+                        raise AssertionError(
+                            f"allreduce {kind} {algorithm} n={n} rank {r}: element {k} is "
+                            f"{got[k]}, reference {ref[k]}"
+                        )
+                    _same_everywhere(comm, _digest(buf), f"allreduce {kind} {algorithm} n={n}")
+                    done += 1
+    finally:
+        collectives.NATIVE_HALVES_FROM_BYTES = saved
     return done
 
 

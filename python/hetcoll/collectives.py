@@ -5,7 +5,8 @@
   proportional to ``speeds`` when given), scheduled in Rust (``schedules/ring.rs``), reduced by
   the Rust ``weighted_sum`` kernel with the weight fused into the reduction and the GIL
   released, moved by the engine's non-blocking send/recv and pipelined segment by segment.
-  "native" pre-scales in Rust and calls the engine's allreduce SUM. "direct" sends the raw
+  "native" pre-scales in Rust and calls the engine's allreduce SUM (on gloo from 16 MiB in
+  two halves at once, one per worker thread of the process group). "direct" sends the raw
   buffer and the weight to every other rank in one round of non-blocking messages and forms
   the weighted sum in rank order in one Rust pass (the weights fused, the fewest message
   latencies; ``p - 1`` buffers of traffic and scratch per rank, so "auto" takes it only for
@@ -46,9 +47,9 @@ __all__ = [
     "ALGORITHMS",
     "BATCHED_GATHER_BYTES",
     "DIRECT_BYTES",
-    "DIRECT_TWO_RANKS_BELOW_BYTES",
     "GATHER_PERIODS",
     "GATHER_RING_CROSSOVER_BYTES",
+    "NATIVE_HALVES_FROM_BYTES",
     "RING_CROSSOVER_BYTES",
     "RING_TWO_RANKS_FROM_BYTES",
     "SEGMENT_BYTES",
@@ -104,15 +105,13 @@ RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 4 << 20, "gloo": 64 << 20}
 #: milliseconds (64 MiB, 4 ranks, one host); from benches/bench_collectives.py the ring beat it
 #: from 1 MiB.
 GATHER_RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 1 << 20}
-#: "auto" picks "direct" on two ranks below this size, per engine, and on more ranks when the
-#: bytes a rank sends, ``(p - 1) * size``, are at most :data:`DIRECT_BYTES`. From
-#: benches/bench_collectives.py on one 2-core host. On two gloo ranks the weighted direct
-#: exchange took 0.3-1.1x the time of dist.all_reduce up to 256 KiB, ahead of the native path;
-#: from 1 MiB its send/recv pairs were hit harder by the host's late wake-ups than the
-#: collective (the medians of five runs at 1 and 4 MiB: 1.49x and 1.50x, the native weighted
-#: path 1.11x and 1.14x). On two MPI ranks it lost to the ring from 1 MiB. With 4 ranks it beat
-#: gloo's allreduce up to 1 MiB (0.6-0.9x) and lost to MPICH's at every size.
-DIRECT_TWO_RANKS_BELOW_BYTES: dict[str, float] = {"gloo": 1 << 20}
+#: "auto" picks "direct" on more than two ranks when the bytes a rank sends, ``(p - 1) * size``,
+#: are at most this, per engine. From benches/bench_collectives.py on one 2-core host: with 4
+#: ranks it beat gloo's allreduce up to 1 MiB (0.6-0.9x) and lost to MPICH's at every size. On
+#: two ranks "auto" does not take it: timed in loops of back-to-back calls, two gloo ranks'
+#: native weighted path beat it in 35 of 36 cells at 4-256 KiB over nine full runs (direct
+#: 1.0-2.2x of dist.all_reduce's time, native 0.8-1.5x; single calls after a barrier had
+#: favoured it), and on two MPI ranks it lost to the ring from 1 MiB.
 DIRECT_BYTES: dict[str, float] = {"mpi": 0, "gloo": 3 << 20}
 #: "auto" picks "shared" from this size, per engine, when every rank is on one node
 #: (:meth:`hetcoll.comm.Communicator.node_windows`). On one 2-core host with 2 and 4 MPI ranks,
@@ -125,6 +124,14 @@ SHARED_FROM_BYTES: dict[str, float] = {"mpi": 16 << 10}
 #: each repeat: at 16 MiB the ring took 0.88-0.93x the native weighted path's time in four full
 #: runs (0.96-1.08x of dist.all_reduce's, native 1.10-1.18x); at 4 MiB 1.06-1.32x.
 RING_TWO_RANKS_FROM_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 16 << 20}
+#: From this size, per engine, "native" hands the engine the buffer in two halves, both in
+#: flight at once (each pre-scaled just before it goes): torch's gloo process group runs its
+#: collectives on two worker threads by default, and one call keeps only one of them busy. On
+#: one 2-core host, weighted, against one dist.all_reduce of the whole buffer, paired within
+#: each repeat: four ranks at 16 MiB, 0.97-1.10x where one pre-scaled call took 1.08-1.18x (five
+#: runs), at 32 MiB 0.97-1.05x against 1.04-1.07x; two ranks at 8-32 MiB 0.90-1.09x against
+#: 1.04-1.14x. Below 16 MiB on four ranks the halves lost (1.36-1.40x at 4 MiB, 1.13x at 8).
+NATIVE_HALVES_FROM_BYTES: dict[str, float] = {"gloo": 16 << 20}
 #: Engines on which allgatherv's first round, which every rank needs for the others' lengths,
 #: is speculative: each rank sends its header and, in the same round, as many bytes of its piece
 #: as the group's recent gathers predict (:func:`_predict`). When the prediction holds, as it
@@ -278,9 +285,7 @@ def allreduce(
             _core.weighted_sum_into([flat], [w], flat, bfloat16=bf16)
         return buf
     if algorithm == "native":
-        if w != 1.0:
-            _core.weighted_sum_into([flat], [w], flat, bfloat16=bf16)
-        c.allreduce_sum(flat, kind, deadline)
+        _native(c, flat, bf16, w, kind, deadline)
     elif algorithm == "direct":
         _direct(c, flat, bf16, w, deadline)
     elif algorithm == "shared":
@@ -313,14 +318,32 @@ def _auto(c: Communicator, nbytes: int, chunk_speeds: bool, deadline: float | No
     if c.size == 2:
         if nbytes >= RING_TWO_RANKS_FROM_BYTES.get(c.engine, math.inf):
             return "ring"
-        if nbytes < DIRECT_TWO_RANKS_BELOW_BYTES.get(c.engine, 0):
-            return "direct"
         return "native"
     if c.size > 2 and (c.size - 1) * nbytes <= DIRECT_BYTES.get(c.engine, 0):
         return "direct"
     if nbytes >= RING_CROSSOVER_BYTES.get(c.engine, math.inf):
         return "ring"
     return "native"
+
+
+def _native(
+    c: Communicator, flat: np.ndarray, bf16: bool, w: float, kind: str, deadline: float | None
+) -> None:
+    """The weight fused into a Rust pre-scale, then the engine's allreduce: one call, or from
+    :data:`NATIVE_HALVES_FROM_BYTES` two calls in flight at once, the second half pre-scaled
+    while the first is under way."""
+    if flat.nbytes < NATIVE_HALVES_FROM_BYTES.get(c.engine, math.inf):
+        if w != 1.0:
+            _core.weighted_sum_into([flat], [w], flat, bfloat16=bf16)
+        c.allreduce_sum(flat, kind, deadline)
+        return
+    half = flat.size // 2
+    requests = []
+    for part in (flat[:half], flat[half:]) if half else (flat,):
+        if w != 1.0:
+            _core.weighted_sum_into([part], [w], part, bfloat16=bf16)
+        requests.append(c.iallreduce_sum(part, kind))
+    wait_all(requests, deadline)
 
 
 def _direct(

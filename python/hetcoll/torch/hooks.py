@@ -14,11 +14,10 @@ rank sends its raw bucket and its ``n_r`` to every other rank in one round of po
 messages, and each rank forms ``sum_r (n_r / N) * g_r`` in rank order with one Rust pass, the
 weights fused into the reduction. It is one message latency instead of the several rounds of a
 ring allreduce plus the count's allreduce; every rank computes bitwise the same sum. It is the
-exchange of ``hetcoll.allreduce(..., algorithm="direct")``, and "auto" takes it where
-:func:`hetcoll.allreduce` would (on two ranks below 1 MiB, or while ``(p - 1)`` buckets are a few
-MiB, see :data:`hetcoll.collectives.DIRECT_TWO_RANKS_BELOW_BYTES` and
-:data:`hetcoll.collectives.DIRECT_BYTES`). A worker thread runs it, so the hook returns at once
-and DDP keeps overlapping communication with the backward.
+exchange of ``hetcoll.allreduce(..., algorithm="direct")``. "auto" takes it on two ranks below
+:data:`TWO_RANK_DIRECT_BELOW_BYTES` and on more while ``(p - 1)`` buckets are a few MiB (where
+:func:`hetcoll.allreduce` would, :data:`hetcoll.collectives.DIRECT_BYTES`). A worker thread runs
+it, so the hook returns at once and DDP keeps overlapping communication with the backward.
 
 Usage, as with PyTorch's own hooks::
 
@@ -46,6 +45,14 @@ from hetcoll.errors import CollectiveMismatchError
 from hetcoll.kernels import _numpy_view
 
 ALGORITHMS = ("auto", "direct", "allreduce")
+#: "auto" sends a bucket on two ranks through the direct exchange below this size, per
+#: backend. One round carries the bucket and the sample count, where the allreduce path adds the
+#: count's allreduce; and a step's buckets come one at a time as the backward frees them, the
+#: way single calls are timed (there, on two gloo ranks, the direct exchange took 0.3-1.1x the
+#: time of dist.all_reduce up to 256 KiB; from 1 MiB its send/recv pairs were hit harder by the
+#: host's late wake-ups, 1.49x and 1.50x at 1 and 4 MiB). The data-parallel benchmark runs with
+#: it.
+TWO_RANK_DIRECT_BELOW_BYTES: dict[str, float] = {"gloo": 1 << 20}
 _TAG_BASE = 42_000  # bucket i: its weight on _TAG_BASE + 2i, its data on _TAG_BASE + 2i + 1
 
 
@@ -156,7 +163,9 @@ def weighted_allreduce_hook(
             state._direct = _DirectExchange(state.process_group)
         direct = state._direct
         nbytes = buf.numel() * buf.element_size()
-        if state.algorithm == "direct" or _auto(direct.comm, nbytes, False) == "direct":
+        c = direct.comm
+        two = c.size == 2 and nbytes < TWO_RANK_DIRECT_BELOW_BYTES.get(c.engine, 0)
+        if state.algorithm == "direct" or two or _auto(c, nbytes, False) == "direct":
             return direct.submit(buf, state.local_batch, bucket.index(), bucket.is_last())
     total_fut = state._global_batch()
     if bucket.is_last():
