@@ -77,7 +77,7 @@ def check_allreduce(comm: Communicator, native: Any) -> int:
     p, r = comm.size, comm.rank
     lengths = [0, 1, p - 1, 13, 1009, 65_537, 300_007]
     done = 0
-    saved = collectives.NATIVE_HALVES_FROM_BYTES
+    saved = collectives.NATIVE_HALVES_FROM_BYTES, collectives.NATIVE_HALVES_TWO_RANKS_FROM_BYTES
     try:
         for kind in DTYPES:
             for algorithm in _algorithms(comm):
@@ -92,7 +92,9 @@ def check_allreduce(comm: Communicator, native: Any) -> int:
                     speeds = [1.0 + (q % 3) for q in range(p)] if i % 3 == 2 else None
                     segment = 4096 if i % 2 else collectives.SEGMENT_BYTES
                     # "native" in two halves at once on every other length, on both engines
-                    collectives.NATIVE_HALVES_FROM_BYTES = {comm.engine: 0 if i % 2 else math.inf}
+                    halves = {comm.engine: 0 if i % 2 else math.inf}
+                    collectives.NATIVE_HALVES_FROM_BYTES = halves
+                    collectives.NATIVE_HALVES_TWO_RANKS_FROM_BYTES = halves
                     out = hetcoll.allreduce(
                         buf,
                         native,
@@ -122,7 +124,7 @@ def check_allreduce(comm: Communicator, native: Any) -> int:
                     _same_everywhere(comm, _digest(buf), f"allreduce {kind} {algorithm} n={n}")
                     done += 1
     finally:
-        collectives.NATIVE_HALVES_FROM_BYTES = saved
+        collectives.NATIVE_HALVES_FROM_BYTES, collectives.NATIVE_HALVES_TWO_RANKS_FROM_BYTES = saved
     return done
 
 

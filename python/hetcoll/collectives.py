@@ -5,12 +5,12 @@
   proportional to ``speeds`` when given), scheduled in Rust (``schedules/ring.rs``), reduced by
   the Rust ``weighted_sum`` kernel with the weight fused into the reduction and the GIL
   released, moved by the engine's non-blocking send/recv and pipelined segment by segment.
-  "native" pre-scales in Rust and calls the engine's allreduce SUM (on gloo from 16 MiB in
-  two halves at once, one per worker thread of the process group). "direct" sends the raw
-  buffer and the weight to every other rank in one round of non-blocking messages and forms
-  the weighted sum in rank order in one Rust pass (the weights fused, the fewest message
-  latencies; ``p - 1`` buffers of traffic and scratch per rank, so "auto" takes it only for
-  small buffers or two ranks, where it moves no more bytes than a ring). "shared" (MPI, every
+  "native" pre-scales in Rust and calls the engine's allreduce SUM (on gloo from 16 MiB, on
+  two ranks from 4 MiB, in two halves at once, one per worker thread of the process group).
+  "direct" sends the raw buffer and the weight to every other rank in one round of
+  non-blocking messages and forms the weighted sum in rank order in one Rust pass (the weights
+  fused, the fewest message latencies; ``p - 1`` buffers of traffic and scratch per rank, so
+  "auto" takes it only for small buffers on more than two ranks). "shared" (MPI, every
   rank on one node) sums through MPI-3 shared-memory windows that every rank maps, in pieces,
   the weights fused into one Rust pass (:func:`_shared`); "auto" takes it there from 16 KiB.
 - :func:`allgatherv` — pieces of different lengths along axis 0 (MPI_Allgatherv; on gloo, whose
@@ -50,6 +50,7 @@ __all__ = [
     "GATHER_PERIODS",
     "GATHER_RING_CROSSOVER_BYTES",
     "NATIVE_HALVES_FROM_BYTES",
+    "NATIVE_HALVES_TWO_RANKS_FROM_BYTES",
     "RING_CROSSOVER_BYTES",
     "RING_TWO_RANKS_FROM_BYTES",
     "SEGMENT_BYTES",
@@ -131,7 +132,12 @@ RING_TWO_RANKS_FROM_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 16 << 20}
 #: each repeat: four ranks at 16 MiB, 0.97-1.10x where one pre-scaled call took 1.08-1.18x (five
 #: runs), at 32 MiB 0.97-1.05x against 1.04-1.07x; two ranks at 8-32 MiB 0.90-1.09x against
 #: 1.04-1.14x. Below 16 MiB on four ranks the halves lost (1.36-1.40x at 4 MiB, 1.13x at 8).
+#: Two ranks: :data:`NATIVE_HALVES_TWO_RANKS_FROM_BYTES`.
 NATIVE_HALVES_FROM_BYTES: dict[str, float] = {"gloo": 16 << 20}
+#: The same on two ranks, where the halves paid from 4 MiB: paired as above, 1.01-1.14x at 4 MiB
+#: where one call took 1.02-1.30x (five runs), 0.90-1.06x at 8 MiB against 1.06-1.16x (four);
+#: at 2 MiB 0.89-1.17x against 0.99-1.19x, no clear gain.
+NATIVE_HALVES_TWO_RANKS_FROM_BYTES: dict[str, float] = {"gloo": 4 << 20}
 #: Engines on which allgatherv's first round, which every rank needs for the others' lengths,
 #: is speculative: each rank sends its header and, in the same round, as many bytes of its piece
 #: as the group's recent gathers predict (:func:`_predict`). When the prediction holds, as it
@@ -330,9 +336,10 @@ def _native(
     c: Communicator, flat: np.ndarray, bf16: bool, w: float, kind: str, deadline: float | None
 ) -> None:
     """The weight fused into a Rust pre-scale, then the engine's allreduce: one call, or from
-    :data:`NATIVE_HALVES_FROM_BYTES` two calls in flight at once, the second half pre-scaled
-    while the first is under way."""
-    if flat.nbytes < NATIVE_HALVES_FROM_BYTES.get(c.engine, math.inf):
+    :data:`NATIVE_HALVES_FROM_BYTES` (:data:`NATIVE_HALVES_TWO_RANKS_FROM_BYTES` on two ranks)
+    two calls in flight at once, the second half pre-scaled while the first is under way."""
+    halves = NATIVE_HALVES_TWO_RANKS_FROM_BYTES if c.size == 2 else NATIVE_HALVES_FROM_BYTES
+    if flat.nbytes < halves.get(c.engine, math.inf):
         if w != 1.0:
             _core.weighted_sum_into([flat], [w], flat, bfloat16=bf16)
         c.allreduce_sum(flat, kind, deadline)
