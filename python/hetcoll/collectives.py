@@ -117,7 +117,10 @@ DIRECT_BYTES: dict[str, float] = {"mpi": 0, "gloo": 3 << 20}
 #: "auto" picks "shared" from this size, per engine, when every rank is on one node
 #: (:meth:`hetcoll.comm.Communicator.node_windows`). On one 2-core host with 2 and 4 MPI ranks,
 #: it took 0.55-0.72x MPI_Allreduce's time at 16-64 KiB and 1.15-1.8x at 4 KiB, where
-#: MPI_Allreduce takes 5-40 µs and each fence (a barrier) several.
+#: MPI_Allreduce takes 5-40 µs and each fence (a barrier) several. In five later full runs of
+#: benches/bench_collectives.py, two of them on a busier host: at 16 KiB 0.99-1.64x, where the
+#: native weighted path took 1.22-1.44x (ahead of "shared" in the two busy runs, by 0.05-0.2x);
+#: at 64 KiB 0.72-1.14x against 1.11-1.32x.
 SHARED_FROM_BYTES: dict[str, float] = {"mpi": 16 << 10}
 #: On two ranks "auto" picks the ring from this size up. Two MPI ranks, weighted, against
 #: MPI_Allreduce: the ring 1.08-1.11x at 1 MiB (direct 1.08-1.16x, native 1.27x), 0.84-1.08x at
