@@ -73,28 +73,36 @@ def _algorithms(comm: Communicator) -> tuple[str, ...]:
     return ("ring", "native", "direct", "auto") + (("shared",) if comm.engine == "mpi" else ())
 
 
+@contextmanager
+def _native_halves(always: bool) -> Iterator[None]:
+    """Within: "native" goes in two halves at once at any size when ``always`` (on both
+    engines), else in one call at any size."""
+    saved = collectives.NATIVE_HALVES_FROM_BYTES, collectives.NATIVE_HALVES_TWO_RANKS_FROM_BYTES
+    halves = dict.fromkeys(("mpi", "gloo"), 0 if always else math.inf)
+    collectives.NATIVE_HALVES_FROM_BYTES = collectives.NATIVE_HALVES_TWO_RANKS_FROM_BYTES = halves
+    try:
+        yield
+    finally:
+        collectives.NATIVE_HALVES_FROM_BYTES, collectives.NATIVE_HALVES_TWO_RANKS_FROM_BYTES = saved
+
+
 def check_allreduce(comm: Communicator, native: Any) -> int:
     p, r = comm.size, comm.rank
     lengths = [0, 1, p - 1, 13, 1009, 65_537, 300_007]
     done = 0
-    saved = collectives.NATIVE_HALVES_FROM_BYTES, collectives.NATIVE_HALVES_TWO_RANKS_FROM_BYTES
-    try:
-        for kind in DTYPES:
-            for algorithm in _algorithms(comm):
-                for i, n in enumerate(lengths):
-                    slow_sum = algorithm not in ("ring", "shared")
-                    if kind in ("float16", "bfloat16") and n > 65_537 and slow_sum:
-                        continue  # the 16-bit MPI sum is a Python-level user op: keep the run short
-                    as_tensor = (i % 2 == 1) or kind == "bfloat16"
-                    seed = 7 * i + len(kind)
-                    w = _weight(r, i)
-                    buf, _ = _input(kind, n, r, seed, as_tensor)
-                    speeds = [1.0 + (q % 3) for q in range(p)] if i % 3 == 2 else None
-                    segment = 4096 if i % 2 else collectives.SEGMENT_BYTES
-                    # "native" in two halves at once on every other length, on both engines
-                    halves = {comm.engine: 0 if i % 2 else math.inf}
-                    collectives.NATIVE_HALVES_FROM_BYTES = halves
-                    collectives.NATIVE_HALVES_TWO_RANKS_FROM_BYTES = halves
+    for kind in DTYPES:
+        for algorithm in _algorithms(comm):
+            for i, n in enumerate(lengths):
+                slow_sum = algorithm not in ("ring", "shared")
+                if kind in ("float16", "bfloat16") and n > 65_537 and slow_sum:
+                    continue  # the 16-bit MPI sum is a Python-level user op: keep the run short
+                as_tensor = (i % 2 == 1) or kind == "bfloat16"
+                seed = 7 * i + len(kind)
+                w = _weight(r, i)
+                buf, _ = _input(kind, n, r, seed, as_tensor)
+                speeds = [1.0 + (q % 3) for q in range(p)] if i % 3 == 2 else None
+                segment = 4096 if i % 2 else collectives.SEGMENT_BYTES
+                with _native_halves(i % 2 == 1):
                     out = hetcoll.allreduce(
                         buf,
                         native,
@@ -105,26 +113,24 @@ def check_allreduce(comm: Communicator, native: Any) -> int:
                         timeout=None if i % 3 == 1 else 60,  # the engines' blocking calls
                         segment_bytes=segment,
                     )
-                    assert out is buf
-                    ref = np.zeros(n)
-                    scale = np.zeros(n)
-                    for q in range(p):
-                        _, x = _input(kind, n, q, seed, as_tensor)
-                        ref += _weight(q, i) * x
-                        scale += abs(_weight(q, i) * x)
-                    got = _as_f64(buf)
-                    err = np.abs(got - ref)
-                    bound = RTOL[kind] * (scale + 1e-300) * (p + 1)
-                    if (err > bound).any():
-                        k = int(np.argmax(err - bound))
-                        raise AssertionError(
-                            f"allreduce {kind} {algorithm} n={n} rank {r}: element {k} is "
-                            f"{got[k]}, reference {ref[k]}"
-                        )
-                    _same_everywhere(comm, _digest(buf), f"allreduce {kind} {algorithm} n={n}")
-                    done += 1
-    finally:
-        collectives.NATIVE_HALVES_FROM_BYTES, collectives.NATIVE_HALVES_TWO_RANKS_FROM_BYTES = saved
+                assert out is buf
+                ref = np.zeros(n)
+                scale = np.zeros(n)
+                for q in range(p):
+                    _, x = _input(kind, n, q, seed, as_tensor)
+                    ref += _weight(q, i) * x
+                    scale += abs(_weight(q, i) * x)
+                got = _as_f64(buf)
+                err = np.abs(got - ref)
+                bound = RTOL[kind] * (scale + 1e-300) * (p + 1)
+                if (err > bound).any():
+                    k = int(np.argmax(err - bound))
+                    raise AssertionError(
+                        f"allreduce {kind} {algorithm} n={n} rank {r}: element {k} is {got[k]}, "
+                        f"reference {ref[k]}"
+                    )
+                _same_everywhere(comm, _digest(buf), f"allreduce {kind} {algorithm} n={n}")
+                done += 1
     return done
 
 
