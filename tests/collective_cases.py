@@ -282,7 +282,11 @@ def check_shared(comm: Communicator, native: Any) -> int:
                 raise AssertionError(f"rank {comm.rank}: {comm.engine} ran {call.__name__} shared")
         return 2
     p, r = comm.size, comm.rank
-    saved = collectives.SHARED_SEGMENT_BYTES, collectives.SHARED_ONE_ROUND_BYTES
+    saved = (
+        collectives.SHARED_SEGMENT_BYTES,
+        collectives.SHARED_ONE_ROUND_BYTES,
+        collectives.SHARED_GATHER_BELOW_BYTES,
+    )
     done = 0
     try:
         collectives.SHARED_SEGMENT_BYTES = 4096
@@ -319,8 +323,21 @@ def check_shared(comm: Communicator, native: Any) -> int:
             out = hetcoll.allgatherv(pieces[r], native, algorithm="shared", timeout=60)
             np.testing.assert_array_equal(out, np.concatenate(pieces))
             done += 1
+        # "auto" from SHARED_GATHER_BELOW_BYTES: the windows carry the headers, the engine the
+        # pieces (here the ring: messages); below it, no message at all.
+        counted, tags = _counted(comm, native)
+        pieces = [np.arange((700 * q + 5) * 3, dtype=np.float32).reshape(-1, 3) for q in range(p)]
+        total = sum(x.nbytes for x in pieces)
+        for below, messages in ((total, True), (total + 1, False)):
+            tags.clear()
+            collectives.SHARED_GATHER_BELOW_BYTES = {"mpi": below}
+            out = hetcoll.allgatherv(pieces[r], counted, timeout=60)
+            np.testing.assert_array_equal(out, np.concatenate(pieces))
+            assert bool(tags) == messages, (below, total, tags)
+            done += 1
     finally:
-        collectives.SHARED_SEGMENT_BYTES, collectives.SHARED_ONE_ROUND_BYTES = saved
+        collectives.SHARED_SEGMENT_BYTES, collectives.SHARED_ONE_ROUND_BYTES = saved[:2]
+        collectives.SHARED_GATHER_BELOW_BYTES = saved[2]
     return done
 
 
@@ -381,9 +398,11 @@ def check_speculative_round(comm: Communicator, native: Any, batched: bool) -> i
         return _speculative_steps(comm, native, batched)
 
 
-def _speculative_steps(comm: Communicator, native: Any, batched: bool) -> int:
-    p, r = comm.size, comm.rank
-    counted = type(comm)(native)  # a wrapper of its own: its messages counted
+def _counted(comm: Communicator, native: Any) -> tuple[Communicator, list[int]]:
+    """A wrapper of its own around ``native``, and the list its messages land in: a send or
+    receive as its tag, an all-to-all as -2, another collective (a length exchange or an
+    allgatherv) as -1."""
+    counted = type(comm)(native)
     tags: list[int] = []
 
     def counting(name: str) -> Any:
@@ -397,6 +416,12 @@ def _speculative_steps(comm: Communicator, native: Any, batched: bool) -> int:
 
     for name in ("allgather_fixed", "iallgatherv", "ialltoallv", "isend", "irecv"):
         setattr(counted, name, counting(name))
+    return counted, tags
+
+
+def _speculative_steps(comm: Communicator, native: Any, batched: bool) -> int:
+    p, r = comm.size, comm.rank
+    counted, tags = _counted(comm, native)
     speculative = comm.engine in collectives.SPECULATIVE_GATHER_ENGINES
     # MPI: through the node's shared memory; the second pass as if the ranks were on several
     # nodes (no shared memory), where a length exchange and MPI_Allgatherv do it.

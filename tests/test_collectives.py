@@ -47,7 +47,7 @@ EXPECTED = {
 
 #: MPI adds "shared": 7 lengths x 4 dtypes in check_allreduce, the headers' own mismatch
 #: check (2), and in check_shared 2 x 4 x 5 allreduces and 4 allgathervs through small windows.
-EXPECTED_MPI = {**EXPECTED, "allreduce": 134, "mismatch": 8, "shared": 44}
+EXPECTED_MPI = {**EXPECTED, "allreduce": 134, "mismatch": 8, "shared": 46}
 
 
 def _expected_per_rank(expected: dict[str, int]) -> list[dict[int, dict[str, int]]]:

@@ -55,6 +55,7 @@ __all__ = [
     "RING_TWO_RANKS_FROM_BYTES",
     "SEGMENT_BYTES",
     "SHARED_FROM_BYTES",
+    "SHARED_GATHER_BELOW_BYTES",
     "SHARED_ONE_ROUND_BYTES",
     "SHARED_SEGMENT_BYTES",
     "SPECULATIVE_GATHER_ENGINES",
@@ -80,6 +81,15 @@ SHARED_SEGMENT_BYTES = 1 << 20
 #: round took 0.50-0.54x MPI_Allreduce's time at 256 KiB where two took 0.59-0.63x; at 1 MiB on
 #: four ranks two rounds won (0.50x against 0.60x).
 SHARED_ONE_ROUND_BYTES = 1 << 20
+#: allgatherv "auto" on one node carries the pieces through the windows while their total is
+#: below this, per engine; from it, the windows' first round carries the headers (lengths and
+#: agreement) and the pieces go as if "auto" had no windows (:data:`GATHER_RING_CROSSOVER_BYTES`).
+#: Eight full runs of benches/bench_collectives.py on one host, against MPI_Allgather of the
+#: same bytes: two ranks at 64 and 256 MiB, through the windows 0.95-1.06x in five runs and
+#: 2.07-2.38x in three (each round copies every piece in and out, and when the host is busy that
+#: traffic costs), the ring 1.02-1.35x in all eight; four ranks at 64-256 MiB, both about 1.2x on
+#: average. At 16 MiB four ranks did better through the windows (1.07-1.40x, the ring 1.22-1.45x).
+SHARED_GATHER_BELOW_BYTES: dict[str, float] = {"mpi": 64 << 20}
 #: Ring segment: large enough that per-message overhead is small next to 1 MiB at ~1 GB/s,
 #: small enough that reducing one segment overlaps receiving the next (gloo uses <= 1 MiB).
 SEGMENT_BYTES = 1 << 20
@@ -479,7 +489,8 @@ def _shared_round(
     ranks that disagree on shape, dtype or algorithm all raise. For "auto" and "shared" the
     pieces are then copied out (and their rest sent in further rounds, one fence each) into
     ``into_bytes`` if it has the right size, else a new array, which is returned with the
-    lengths; for the other algorithms only the lengths."""
+    lengths; for the other algorithms, and for "auto" from :data:`SHARED_GATHER_BELOW_BYTES`,
+    only the lengths."""
     r = c.rank
     data = algorithm in ("auto", "shared")
     i = windows.take()
@@ -489,10 +500,12 @@ def _shared_round(
     windows.segments[i][r][: first.size] = first
     windows.fence(i, deadline)
     lengths = [int(n) for n in _agreed_lengths(np.stack(heads))]
-    if not data:
-        return lengths, None
     counts = [n * row_bytes for n in lengths]
     total = sum(counts)
+    if not data or (
+        algorithm == "auto" and total >= SHARED_GATHER_BELOW_BYTES.get(c.engine, math.inf)
+    ):
+        return lengths, None
     recv = into_bytes if into_bytes is not None and into_bytes.size == total else None
     if recv is None:
         recv = np.empty(total, np.uint8)
