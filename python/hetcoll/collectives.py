@@ -87,7 +87,7 @@ SHARED_ONE_ROUND_BYTES = 1 << 20
 #: Eight full runs of benches/bench_collectives.py on one host, against MPI_Allgather of the
 #: same bytes: two ranks at 64 and 256 MiB, through the windows 0.95-1.06x in five runs and
 #: 2.07-2.38x in three (each round copies every piece in and out, and when the host is busy that
-#: traffic costs), the ring 1.02-1.35x in all eight; four ranks at 64-256 MiB, both about 1.2x on
+#: traffic costs), the ring 0.99-1.35x in all eight; four ranks at 64-256 MiB, both about 1.2x on
 #: average. At 16 MiB four ranks did better through the windows (1.07-1.40x, the ring 1.22-1.45x).
 SHARED_GATHER_BELOW_BYTES: dict[str, float] = {"mpi": 64 << 20}
 #: Ring segment: large enough that per-message overhead is small next to 1 MiB at ~1 GB/s,
