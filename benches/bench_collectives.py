@@ -22,7 +22,8 @@ bound. Then allgatherv of pieces of different lengths (rank r holds r+1 shares) 
 all_gather of equal pieces with the same total bytes ("auto", native, ring, direct and, on MPI,
 shared), both into an output allocated once (``out=``, as all_gather_into_tensor and
 MPI_Allgather take one). Ranks share the machine's cores, so absolute figures are those of one
-host (shared memory transport); compare the ratios.
+host (shared memory transport); compare the ratios. ``--json`` keeps every repeat's times;
+``benches/score_collectives.py`` scores several runs' files against the targets, pooled.
 """
 
 from __future__ import annotations

@@ -1,0 +1,180 @@
+"""Score runs of bench_collectives.py against the collectives' three targets, run by run and pooled.
+
+    python benches/bench_collectives.py --json run1.json      # as many runs as you like
+    python benches/score_collectives.py run1.json run2.json ...
+
+The targets: hetcoll's weighted allreduce ("auto") within 1.1x of the engine's unweighted allreduce
+from 1 MiB, every engine and rank count; the ring within 1/0.9 of MPI_Allreduce's time from
+16 MiB; allgatherv ("auto") on gloo within 1.5x of an all_gather of equal pieces, same total bytes.
+
+Per run, a cell meets a target when its ratio in that run's table does (the median, over the
+run's repeats, of the paired ratio within a repeat). Over all the runs given, each cell's paired
+ratios are pooled, and the pooled median comes with a 95% bootstrap interval (2000 resamples,
+seeded): "met" when the whole interval is within the limit, "missed" when the whole interval is
+beyond it, else "open" (the runs cannot tell). For the weighted target two more columns, pooled
+the same way: the engine's call timed again (how far a cell moves by chance alone) and hetcoll's
+native allreduce without a weight (what calling through hetcoll costs before any weighting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+KIB = 1024
+RESAMPLES = 2000
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target: ``name``'s time over ``peer``'s at most ``limit`` in the cells it covers."""
+
+    title: str
+    name: str
+    peer: str
+    limit: float
+    field: str  # the per-run ratio bench_collectives.py stores for this pair
+
+    def covers(self, engine: str, nbytes: int) -> bool:
+        if self.name == "auto_w":
+            return nbytes >= KIB * KIB
+        if self.name == "ring_w":
+            return engine == "mpi" and nbytes >= 16 * KIB * KIB
+        return engine == "gloo"
+
+
+TARGETS = (
+    Target(
+        "weighted allreduce (auto) / engine allreduce", "auto_w", "engine", 1.1, "auto_weighted"
+    ),
+    Target("ring (weighted) / MPI_Allreduce", "ring_w", "engine", 1 / 0.9, "ring_weighted"),
+    Target(
+        "allgatherv (auto) / all_gather, gloo",
+        "allgatherv_auto",
+        "allgather",
+        1.5,
+        "allgatherv_auto_over_allgather",
+    ),
+)
+
+
+def paired(times: dict[str, list[float]], name: str, peer: str) -> list[float]:
+    """``name``'s time over ``peer``'s within each repeat."""
+    return [t / u for t, u in zip(times[name], times[peer], strict=True)]
+
+
+def median_interval(
+    ratios: list[float], seed: int = 0, level: float = 0.95
+) -> tuple[float, float, float]:
+    """The median of ``ratios`` and a percentile bootstrap interval around it."""
+    if not ratios:
+        raise ValueError("ratios: empty; a cell needs at least one repeat")
+    rng = random.Random(seed)
+    medians = sorted(
+        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(RESAMPLES)
+    )
+    tail = (1 - level) / 2
+    lo = medians[int(tail * RESAMPLES)]
+    hi = medians[min(RESAMPLES - 1, int((1 - tail) * RESAMPLES))]
+    return statistics.median(ratios), lo, hi
+
+
+def verdict(lo: float, hi: float, limit: float) -> str:
+    if hi <= limit:
+        return "met"
+    if lo > limit:
+        return "missed"
+    return "open"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // KIB} KiB" if nbytes < KIB * KIB else f"{nbytes // (KIB * KIB)} MiB"
+
+
+def load(paths: list[Path]) -> list[list[dict[str, Any]]]:
+    """Each file's results (one per engine and rank count), as bench_collectives.py wrote them."""
+    runs = []
+    for path in paths:
+        try:
+            results = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"runs: cannot read {path}: {e}") from e
+        if not isinstance(results, list) or not all(
+            isinstance(r, dict) and {"engine", "ranks", "rows"} <= r.keys() for r in results
+        ):
+            raise ValueError(f"runs: {path} is not a bench_collectives.py --json file")
+        runs.append(results)
+    return runs
+
+
+def score(runs: list[list[dict[str, Any]]]) -> str:
+    """The report: per target, each cell's runs that met it and its pooled ratio."""
+    if not runs:
+        raise ValueError("runs: give at least one bench_collectives.py --json file")
+    lines = [f"{len(runs)} run(s); pooled ratios: median [95% bootstrap interval]"]
+    for target in TARGETS:
+        cells: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+        for results in runs:
+            for result in results:
+                for row in result["rows"]:
+                    if target.covers(result["engine"], row["bytes"]):
+                        key = (result["engine"], result["ranks"], row["bytes"])
+                        cells.setdefault(key, []).append(row)
+        control = target.name == "auto_w"
+        lines += [
+            f"\n{target.title} <= {target.limit:.3g}x\n",
+            "| engine | p | size | runs met | pooled | verdict |"
+            + (" engine again, pooled | native unweighted, pooled |" if control else ""),
+            "|---|---:|---:|---:|---:|---|" + ("---:|---:|" if control else ""),
+        ]
+        for (engine, p, nbytes), rows in sorted(cells.items()):
+            met = [row[target.field] <= target.limit for row in rows]
+            ratios = [
+                x for row in rows for x in paired(row["seconds_per_call"], target.name, target.peer)
+            ]
+            m, lo, hi = median_interval(ratios)
+            line = (
+                f"| {engine} | {p} | {_size(nbytes)} | {sum(met)} of {len(rows)} "
+                f"| {m:.2f}x [{lo:.2f}, {hi:.2f}] | {verdict(lo, hi, target.limit)} |"
+            )
+            if control:
+                for other in ("engine_again", "native"):
+                    c, clo, chi = median_interval(
+                        [
+                            x
+                            for row in rows
+                            for x in paired(row["seconds_per_call"], other, "engine")
+                        ]
+                    )
+                    line += f" {c:.2f}x [{clo:.2f}, {chi:.2f}] |"
+            lines.append(line)
+        per_run = [
+            f"{sum(row[target.field] <= target.limit for row in rows)} of {len(rows)}"
+            for rows in (
+                [
+                    row
+                    for result in results
+                    for row in result["rows"]
+                    if target.covers(result["engine"], row["bytes"])
+                ]
+                for results in runs
+            )
+        ]
+        lines.append("\ncells met, run by run: " + ", ".join(per_run))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="bench_collectives.py --json files")
+    args = parser.parse_args()
+    print(score(load(args.runs)))
+
+
+if __name__ == "__main__":
+    main()
