@@ -32,33 +32,49 @@ RESAMPLES = 2000
 
 @dataclass(frozen=True)
 class Target:
-    """One target: ``name``'s time over ``peer``'s at most ``limit`` in the cells it covers."""
+    """One target: ``name``'s time over ``peer``'s at most ``limit``, in the cells of
+    ``engines`` from ``min_bytes``; ``field`` is the per-run ratio bench_collectives.py stores
+    for the pair. ``controls`` are more operations shown against ``peer``, pooled alike."""
 
     title: str
     name: str
     peer: str
     limit: float
-    field: str  # the per-run ratio bench_collectives.py stores for this pair
+    field: str
+    engines: tuple[str, ...] = ("mpi", "gloo")
+    min_bytes: int = 0
+    controls: tuple[tuple[str, str], ...] = ()
 
     def covers(self, engine: str, nbytes: int) -> bool:
-        if self.name == "auto_w":
-            return nbytes >= KIB * KIB
-        if self.name == "ring_w":
-            return engine == "mpi" and nbytes >= 16 * KIB * KIB
-        return engine == "gloo"
+        return engine in self.engines and nbytes >= self.min_bytes
 
 
 TARGETS = (
     Target(
-        "weighted allreduce (auto) / engine allreduce", "auto_w", "engine", 1.1, "auto_weighted"
+        "weighted allreduce (auto) / engine allreduce",
+        "auto_w",
+        "engine",
+        1.1,
+        "auto_weighted",
+        min_bytes=KIB * KIB,
+        controls=(("engine again", "engine_again"), ("native unweighted", "native")),
     ),
-    Target("ring (weighted) / MPI_Allreduce", "ring_w", "engine", 1 / 0.9, "ring_weighted"),
+    Target(
+        "ring (weighted) / MPI_Allreduce",
+        "ring_w",
+        "engine",
+        1 / 0.9,
+        "ring_weighted",
+        engines=("mpi",),
+        min_bytes=16 * KIB * KIB,
+    ),
     Target(
         "allgatherv (auto) / all_gather, gloo",
         "allgatherv_auto",
         "allgather",
         1.5,
         "allgatherv_auto_over_allgather",
+        engines=("gloo",),
     ),
 )
 
@@ -82,6 +98,11 @@ def median_interval(
     lo = medians[int(tail * RESAMPLES)]
     hi = medians[min(RESAMPLES - 1, int((1 - tail) * RESAMPLES))]
     return statistics.median(ratios), lo, hi
+
+
+def _pooled(rows: list[dict[str, Any]], name: str, peer: str) -> tuple[float, float, float]:
+    """:func:`median_interval` of ``name`` over ``peer``, every repeat of every row pooled."""
+    return median_interval([x for row in rows for x in paired(row["seconds_per_call"], name, peer)])
 
 
 def verdict(lo: float, hi: float, limit: float) -> str:
@@ -119,53 +140,33 @@ def score(runs: list[list[dict[str, Any]]]) -> str:
     lines = [f"{len(runs)} run(s); pooled ratios: median [95% bootstrap interval]"]
     for target in TARGETS:
         cells: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
-        for results in runs:
+        per_run = [[0, 0] for _ in runs]  # cells met, cells scored
+        for i, results in enumerate(runs):
             for result in results:
                 for row in result["rows"]:
                     if target.covers(result["engine"], row["bytes"]):
                         key = (result["engine"], result["ranks"], row["bytes"])
                         cells.setdefault(key, []).append(row)
-        control = target.name == "auto_w"
+                        per_run[i][0] += row[target.field] <= target.limit
+                        per_run[i][1] += 1
         lines += [
             f"\n{target.title} <= {target.limit:.3g}x\n",
             "| engine | p | size | runs met | pooled | verdict |"
-            + (" engine again, pooled | native unweighted, pooled |" if control else ""),
-            "|---|---:|---:|---:|---:|---|" + ("---:|---:|" if control else ""),
+            + "".join(f" {title}, pooled |" for title, _ in target.controls),
+            "|---|---:|---:|---:|---:|---|" + "---:|" * len(target.controls),
         ]
         for (engine, p, nbytes), rows in sorted(cells.items()):
-            met = [row[target.field] <= target.limit for row in rows]
-            ratios = [
-                x for row in rows for x in paired(row["seconds_per_call"], target.name, target.peer)
-            ]
-            m, lo, hi = median_interval(ratios)
+            met = sum(row[target.field] <= target.limit for row in rows)
+            m, lo, hi = _pooled(rows, target.name, target.peer)
             line = (
-                f"| {engine} | {p} | {_size(nbytes)} | {sum(met)} of {len(rows)} "
+                f"| {engine} | {p} | {_size(nbytes)} | {met} of {len(rows)} "
                 f"| {m:.2f}x [{lo:.2f}, {hi:.2f}] | {verdict(lo, hi, target.limit)} |"
             )
-            if control:
-                for other in ("engine_again", "native"):
-                    c, clo, chi = median_interval(
-                        [
-                            x
-                            for row in rows
-                            for x in paired(row["seconds_per_call"], other, "engine")
-                        ]
-                    )
-                    line += f" {c:.2f}x [{clo:.2f}, {chi:.2f}] |"
+            for _, name in target.controls:
+                c, clo, chi = _pooled(rows, name, target.peer)
+                line += f" {c:.2f}x [{clo:.2f}, {chi:.2f}] |"
             lines.append(line)
-        per_run = [
-            f"{sum(row[target.field] <= target.limit for row in rows)} of {len(rows)}"
-            for rows in (
-                [
-                    row
-                    for result in results
-                    for row in result["rows"]
-                    if target.covers(result["engine"], row["bytes"])
-                ]
-                for results in runs
-            )
-        ]
-        lines.append("\ncells met, run by run: " + ", ".join(per_run))
+        lines.append("\ncells met, run by run: " + ", ".join(f"{met} of {n}" for met, n in per_run))
     return "\n".join(lines)
 
 
