@@ -9,11 +9,13 @@ from 1 MiB, every engine and rank count; the ring within 1/0.9 of MPI_Allreduce'
 
 Per run, a cell meets a target when its ratio in that run's table does (the median, over the
 run's repeats, of the paired ratio within a repeat). Over all the runs given, each cell's paired
-ratios are pooled, and the pooled median comes with a 95% bootstrap interval (2000 resamples,
-seeded): "met" when the whole interval is within the limit, "missed" when the whole interval is
-beyond it, else "open" (the runs cannot tell). For the weighted target two more columns, pooled
-the same way: the engine's call timed again (how far a cell moves by chance alone) and hetcoll's
-native allreduce without a weight (what calling through hetcoll costs before any weighting).
+ratios are pooled, and the pooled median comes with a 95% two-level bootstrap interval (2000
+resamples, seeded; each draws runs, then repeats within them, so the interval carries the spread
+between runs too): "met" when the whole interval is within the limit, "missed" when the whole
+interval is beyond it, else "open" (the runs cannot tell). For the weighted target two more
+columns, pooled the same way: the engine's call timed again (how far a cell moves by chance
+alone) and hetcoll's native allreduce without a weight (what calling through hetcoll costs before
+any weighting).
 """
 
 from __future__ import annotations
@@ -85,24 +87,32 @@ def paired(times: dict[str, list[float]], name: str, peer: str) -> list[float]:
 
 
 def median_interval(
-    ratios: list[float], seed: int = 0, level: float = 0.95
+    runs: list[list[float]], seed: int = 0, level: float = 0.95
 ) -> tuple[float, float, float]:
-    """The median of ``ratios`` and a percentile bootstrap interval around it."""
-    if not ratios:
-        raise ValueError("ratios: empty; a cell needs at least one repeat")
+    """The median of every run's ratios pooled, and a two-level percentile bootstrap interval
+    around it: each resample draws as many runs as there are, with replacement, then each drawn
+    run's ratios, with replacement, so the interval carries the spread between runs (a host's
+    slow or fast spell lasting a whole run) as well as within them."""
+    runs = [r for r in runs if r]
+    if not runs:
+        raise ValueError("runs: no ratios; a cell needs at least one repeat")
     rng = random.Random(seed)
-    medians = sorted(
-        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(RESAMPLES)
-    )
+    medians = []
+    for _ in range(RESAMPLES):
+        drawn: list[float] = []
+        for run in rng.choices(runs, k=len(runs)):
+            drawn += rng.choices(run, k=len(run))
+        medians.append(statistics.median(drawn))
+    medians.sort()
     tail = (1 - level) / 2
     lo = medians[int(tail * RESAMPLES)]
     hi = medians[min(RESAMPLES - 1, int((1 - tail) * RESAMPLES))]
-    return statistics.median(ratios), lo, hi
+    return statistics.median(x for run in runs for x in run), lo, hi
 
 
 def _pooled(rows: list[dict[str, Any]], name: str, peer: str) -> tuple[float, float, float]:
-    """:func:`median_interval` of ``name`` over ``peer``, every repeat of every row pooled."""
-    return median_interval([x for row in rows for x in paired(row["seconds_per_call"], name, peer)])
+    """:func:`median_interval` of ``name`` over ``peer``, one row per run."""
+    return median_interval([paired(row["seconds_per_call"], name, peer) for row in rows])
 
 
 def verdict(lo: float, hi: float, limit: float) -> str:

@@ -72,10 +72,20 @@ def test_missed_when_every_repeat_is_over() -> None:
 
 def test_interval_brackets_the_median() -> None:
     ratios = [1.0 + 0.01 * i for i in range(50)]
-    m, lo, hi = score_collectives.median_interval(ratios)
+    m, lo, hi = score_collectives.median_interval([ratios])
     assert lo <= m <= hi and lo > 1.0 and hi < 1.49
-    with pytest.raises(ValueError, match="ratios"):
-        score_collectives.median_interval([])
+    with pytest.raises(ValueError, match="runs"):
+        score_collectives.median_interval([[], []])
+
+
+def test_interval_carries_the_spread_between_runs() -> None:
+    # Three runs, each tight, at 1.00x, 1.05x and 1.10x: resampling the repeats alone keeps the
+    # median in the middle run's values; drawing runs as well reaches the outer ones.
+    runs = [[base + 0.0001 * i for i in range(40)] for base in (1.0, 1.05, 1.1)]
+    m, lo, hi = score_collectives.median_interval(runs)
+    assert 1.05 <= m < 1.06 and lo < 1.01 and hi > 1.1
+    _, lo1, hi1 = score_collectives.median_interval([[x for run in runs for x in run]])
+    assert lo1 > 1.04 and hi1 < 1.06
 
 
 def test_bad_input_names_the_argument(tmp_path: Path) -> None:
