@@ -54,6 +54,11 @@ def _sizes(max_mib: int) -> list[int]:
     return sizes
 
 
+def size_label(nbytes: int) -> str:
+    """A table's size column: KiB below 1 MiB, else MiB."""
+    return f"{nbytes // KIB} KiB" if nbytes < KIB * KIB else f"{nbytes // (KIB * KIB)} MiB"
+
+
 def _repeats(nbytes: int, calls: int) -> int:
     # On a shared host a burst of load can slow a third of one cell's repeats: enough repeats
     # that the median stays out of it (fewer below 1 MiB, where each repeat is a loop of many
@@ -306,7 +311,7 @@ def _table(result: dict[str, Any]) -> str:
     ]
     for row in result["rows"]:
         b = row["bytes"]
-        size = f"{b // KIB} KiB" if b < KIB * KIB else f"{b // (KIB * KIB)} MiB"
+        size = size_label(b)
         shared, gather_shared = (
             "–" if x is None else f"{x:.2f}x"
             for x in (row["shared_weighted"], row["allgatherv_shared_over_allgather"])
