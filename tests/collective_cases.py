@@ -176,6 +176,42 @@ def check_random_sweep(comm: Communicator, native: Any) -> int:
     return cases
 
 
+def check_auto_choice(comm: Communicator, native: Any) -> int:
+    """What "auto" allreduce picks on either side of each crossover that applies to this engine
+    and rank count (the same on every rank: it reads only what ranks agree on)."""
+    p, engine = comm.size, comm.engine
+    C = collectives
+    shared = C.SHARED_FROM_BYTES.get(engine)
+    if comm.node_windows(C.SHARED_SEGMENT_BYTES) is None:
+        shared = None
+    expect: list[tuple[int, bool, str]] = []
+    if shared is not None:
+        expect += [(int(shared), False, "shared"), (int(shared), True, "shared")]
+        expect.append((int(shared) - 4, False, "native"))
+    elif p == 2:
+        ring = C.RING_TWO_RANKS_FROM_BYTES[engine]
+        expect += [(int(ring), False, "ring"), (int(ring) - 4, True, "ring")]
+        direct = C.DIRECT_TWO_RANKS_FROM_BYTES.get(engine)
+        if direct is None:
+            expect.append((int(ring) - 4, False, "native"))
+        else:
+            expect += [
+                (int(direct) - 4, False, "native"),
+                (int(direct), False, "direct"),
+                (int(ring) - 4, False, "direct"),
+            ]
+    else:
+        direct = C.DIRECT_BYTES[engine] // (p - 1) // 4 * 4
+        ring = C.RING_CROSSOVER_BYTES[engine]
+        expect += [(int(ring), False, "ring"), (int(ring) - 4, False, "native"), (4, True, "ring")]
+        if direct:
+            expect += [(direct, False, "direct"), (direct + 4, False, "native")]
+    for nbytes, speeds, want in expect:
+        got = C._auto(comm, nbytes, speeds)
+        assert got == want, (engine, p, nbytes, speeds, got, want)
+    return 1
+
+
 def check_aliasing_and_shapes(comm: Communicator, native: Any) -> int:
     p, r = comm.size, comm.rank
     for algorithm in _algorithms(comm):
@@ -591,6 +627,7 @@ def run_all(comm_obj: Any) -> dict[str, int]:
     comm = hetcoll.comm.wrap(comm_obj)
     return {
         "allreduce": check_allreduce(comm, comm_obj),
+        "auto": check_auto_choice(comm, comm_obj),
         "sweep": check_random_sweep(comm, comm_obj),
         "aliasing": check_aliasing_and_shapes(comm, comm_obj),
         "mismatch": check_mismatch(comm, comm_obj),

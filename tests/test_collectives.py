@@ -33,6 +33,7 @@ from hetcoll import collectives, launch
 HERE = Path(__file__).resolve().parent
 EXPECTED = {
     "allreduce": 106,
+    "auto": 1,
     "sweep": 12,
     "aliasing": 3,
     "mismatch": 6,

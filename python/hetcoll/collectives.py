@@ -47,6 +47,7 @@ __all__ = [
     "ALGORITHMS",
     "BATCHED_GATHER_BYTES",
     "DIRECT_BYTES",
+    "DIRECT_TWO_RANKS_FROM_BYTES",
     "GATHER_PERIODS",
     "GATHER_RING_CROSSOVER_BYTES",
     "NATIVE_HALVES_FROM_BYTES",
@@ -119,10 +120,11 @@ GATHER_RING_CROSSOVER_BYTES: dict[str, float] = {"mpi": 1 << 20}
 #: "auto" picks "direct" on more than two ranks when the bytes a rank sends, ``(p - 1) * size``,
 #: are at most this, per engine. From benches/bench_collectives.py on one 2-core host: with 4
 #: ranks it beat gloo's allreduce up to 1 MiB (0.6-0.9x) and lost to MPICH's at every size. On
-#: two ranks "auto" does not take it: timed in loops of back-to-back calls, two gloo ranks'
-#: native weighted path beat it in 35 of 36 cells at 4-256 KiB over nine full runs (direct
-#: 1.0-2.2x of dist.all_reduce's time, native 0.8-1.5x; single calls after a barrier had
-#: favoured it), and on two MPI ranks it lost to the ring from 1 MiB.
+#: two ranks "auto" takes it only from :data:`DIRECT_TWO_RANKS_FROM_BYTES`: timed in loops of
+#: back-to-back calls, two gloo ranks' native weighted path beat it in 35 of 36 cells at
+#: 4-256 KiB over nine full runs (direct 1.0-2.2x of dist.all_reduce's time, native 0.8-1.5x;
+#: single calls after a barrier had favoured it), and on two MPI ranks it lost to the ring from
+#: 1 MiB.
 DIRECT_BYTES: dict[str, float] = {"mpi": 0, "gloo": 3 << 20}
 #: "auto" picks "shared" from this size, per engine, when every rank is on one node
 #: (:meth:`hetcoll.comm.Communicator.node_windows`). On one 2-core host with 2 and 4 MPI ranks,
@@ -138,6 +140,18 @@ SHARED_FROM_BYTES: dict[str, float] = {"mpi": 16 << 10}
 #: each repeat: at 16 MiB the ring took 0.88-0.93x the native weighted path's time in four full
 #: runs (0.96-1.08x of dist.all_reduce's, native 1.10-1.18x); at 4 MiB 1.06-1.32x.
 RING_TWO_RANKS_FROM_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 16 << 20}
+#: On two ranks below :data:`RING_TWO_RANKS_FROM_BYTES`, "auto" picks "direct" from this size,
+#: per engine. Two gloo ranks, weighted, timed in loops of back-to-back calls, the direct
+#: exchange's time over the native path's paired within each repeat and pooled over runs
+#: (median [95% two-level bootstrap interval], as benches/score_collectives.py pools): at 4 MiB
+#: 0.97x [0.92, 1.04] (native in two halves) over eight full runs of
+#: benches/bench_collectives.py and 0.98x [0.93, 1.04] over six runs of its gloo cells alone;
+#: 0.97x [0.93, 1.01] and 1.00x [0.95, 1.04] (native in one call) over eight and six runs of the
+#: allreduce variants alone. At 1 MiB no side won: 1.07x [0.93, 1.19] and 1.06x [0.95, 1.16] in
+#: the benchmark's runs, 0.85x [0.71, 0.97] and 0.93x [0.79, 1.04] in the others; below 1 MiB
+#: native won (see :data:`DIRECT_BYTES`). The direct exchange moves the same bytes as the
+#: engine's ring on two ranks (the whole buffer each way), in one step instead of two.
+DIRECT_TWO_RANKS_FROM_BYTES: dict[str, float] = {"gloo": 4 << 20}
 #: From this size, per engine, "native" hands the engine the buffer in two halves, both in
 #: flight at once (each pre-scaled just before it goes): torch's gloo process group runs its
 #: collectives on two worker threads by default, and one call keeps only one of them busy. On
@@ -254,7 +268,8 @@ def allreduce(
     bfloat16; 16-bit types are reduced in float32 and rounded at each ring hop). ``comm`` is
     anything :func:`hetcoll.comm.wrap` takes. ``weight`` is this rank's weight (ranks may
     differ). ``algorithm``: "ring", "native", "direct", "shared" (MPI, one node) or "auto" (see
-    :data:`SHARED_FROM_BYTES`, :data:`DIRECT_BYTES` and :data:`RING_CROSSOVER_BYTES`; "auto"
+    :data:`SHARED_FROM_BYTES`, :data:`DIRECT_BYTES` and :data:`RING_CROSSOVER_BYTES`, on two
+    ranks :data:`DIRECT_TWO_RANKS_FROM_BYTES` and :data:`RING_TWO_RANKS_FROM_BYTES`; "auto"
     with ``speeds`` is "shared" where it runs, else the ring). ``speeds`` (one per rank, same
     on every rank) sizes the chunks of the ring and of "shared" with :func:`hetcoll.split`;
     chunk r is reduced last by rank r. Every rank ends with bitwise the same result. ``check``
@@ -337,6 +352,8 @@ def _auto(c: Communicator, nbytes: int, chunk_speeds: bool, deadline: float | No
     if c.size == 2:
         if nbytes >= RING_TWO_RANKS_FROM_BYTES.get(c.engine, math.inf):
             return "ring"
+        if nbytes >= DIRECT_TWO_RANKS_FROM_BYTES.get(c.engine, math.inf):
+            return "direct"
         return "native"
     if c.size > 2 and (c.size - 1) * nbytes <= DIRECT_BYTES.get(c.engine, 0):
         return "direct"
