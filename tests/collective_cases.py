@@ -180,34 +180,29 @@ def check_auto_choice(comm: Communicator, native: Any) -> int:
     """What "auto" allreduce picks on either side of each crossover that applies to this engine
     and rank count (the same on every rank: it reads only what ranks agree on)."""
     p, engine = comm.size, comm.engine
-    C = collectives
-    shared = C.SHARED_FROM_BYTES.get(engine)
-    if comm.node_windows(C.SHARED_SEGMENT_BYTES) is None:
-        shared = None
-    expect: list[tuple[int, bool, str]] = []
-    if shared is not None:
-        expect += [(int(shared), False, "shared"), (int(shared), True, "shared")]
-        expect.append((int(shared) - 4, False, "native"))
+    windows = comm.node_windows(collectives.SHARED_SEGMENT_BYTES) is not None
+    expect: list[tuple[float, bool, str]] = []  # (bytes, chunk speeds given, algorithm)
+    if windows:
+        shared = collectives.SHARED_FROM_BYTES[engine]
+        expect += [
+            (shared, False, "shared"),
+            (shared, True, "shared"),
+            (shared - 4, False, "native"),
+        ]
     elif p == 2:
-        ring = C.RING_TWO_RANKS_FROM_BYTES[engine]
-        expect += [(int(ring), False, "ring"), (int(ring) - 4, True, "ring")]
-        direct = C.DIRECT_TWO_RANKS_FROM_BYTES.get(engine)
-        if direct is None:
-            expect.append((int(ring) - 4, False, "native"))
-        else:
-            expect += [
-                (int(direct) - 4, False, "native"),
-                (int(direct), False, "direct"),
-                (int(ring) - 4, False, "direct"),
-            ]
+        ring = collectives.RING_TWO_RANKS_FROM_BYTES[engine]
+        direct = collectives.DIRECT_TWO_RANKS_FROM_BYTES.get(engine, ring)
+        expect += [(ring, False, "ring"), (ring - 4, True, "ring"), (direct - 4, False, "native")]
+        if direct < ring:
+            expect += [(direct, False, "direct"), (ring - 4, False, "direct")]
     else:
-        direct = C.DIRECT_BYTES[engine] // (p - 1) // 4 * 4
-        ring = C.RING_CROSSOVER_BYTES[engine]
-        expect += [(int(ring), False, "ring"), (int(ring) - 4, False, "native"), (4, True, "ring")]
+        ring = collectives.RING_CROSSOVER_BYTES[engine]
+        direct = collectives.DIRECT_BYTES[engine] // (p - 1) // 4 * 4
+        expect += [(ring, False, "ring"), (ring - 4, False, "native"), (4, True, "ring")]
         if direct:
             expect += [(direct, False, "direct"), (direct + 4, False, "native")]
     for nbytes, speeds, want in expect:
-        got = C._auto(comm, nbytes, speeds)
+        got = collectives._auto(comm, int(nbytes), speeds)
         assert got == want, (engine, p, nbytes, speeds, got, want)
     return 1
 
