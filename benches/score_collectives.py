@@ -1,7 +1,7 @@
 """Score runs of bench_collectives.py against the collectives' three targets, run by run and pooled.
 
     python benches/bench_collectives.py --json run1.json      # as many runs as you like
-    python benches/score_collectives.py run1.json run2.json ...
+    python benches/score_collectives.py run1.json run2.json ... [--plot pooled.png]
 
 The targets: hetcoll's weighted allreduce ("auto") within 1.1x of the engine's unweighted allreduce
 from 1 MiB, every engine and rank count; the ring within 1/0.9 of MPI_Allreduce's time from
@@ -24,7 +24,7 @@ import argparse
 import json
 import random
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -107,11 +107,6 @@ def median_interval(
     return statistics.median(x for run in runs for x in run), lo, hi
 
 
-def _pooled(rows: list[dict[str, Any]], name: str, peer: str) -> tuple[float, float, float]:
-    """:func:`median_interval` of ``name`` over ``peer``, one row per run."""
-    return median_interval([paired(row["seconds_per_call"], name, peer) for row in rows])
-
-
 def _met(row: dict[str, Any], target: Target) -> bool:
     """Whether one run's cell meets ``target``: the run's own ratio, as its table shows it."""
     times = row["seconds_per_call"]
@@ -142,48 +137,130 @@ def load(paths: list[Path]) -> list[list[dict[str, Any]]]:
     return runs
 
 
-def score(runs: list[list[dict[str, Any]]]) -> str:
-    """The report: per target, each cell's runs that met it and its pooled ratio."""
+@dataclass
+class Cell:
+    """One target cell over all the runs: an engine, a rank count and a size, with its row in
+    every run that has it."""
+
+    engine: str
+    ranks: int
+    nbytes: int
+    rows: list[dict[str, Any]]
+    _pooled: dict[tuple[str, str], tuple[float, float, float]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    def pooled(self, name: str, peer: str) -> tuple[float, float, float]:
+        """:func:`median_interval` of ``name`` over ``peer``, one row per run (bootstrapped
+        once per cell and pair: the report and the plot ask for the same)."""
+        if (name, peer) not in self._pooled:
+            self._pooled[name, peer] = median_interval(
+                [paired(row["seconds_per_call"], name, peer) for row in self.rows]
+            )
+        return self._pooled[name, peer]
+
+
+def cells(
+    runs: list[list[dict[str, Any]]], target: Target
+) -> tuple[list[Cell], list[tuple[int, int]]]:
+    """The cells ``target`` covers, sorted by engine, rank count and size, and per run how
+    many of them it meets, of how many it has."""
+    if not runs:
+        raise ValueError("runs: give at least one bench_collectives.py --json file")
+    found: dict[tuple[str, int, int], Cell] = {}
+    per_run = []
+    for results in runs:
+        met = scored = 0
+        for result in results:
+            for row in result["rows"]:
+                if target.covers(result["engine"], row["bytes"]):
+                    key = (result["engine"], result["ranks"], row["bytes"])
+                    found.setdefault(key, Cell(*key, [])).rows.append(row)
+                    met += _met(row, target)
+                    scored += 1
+        per_run.append((met, scored))
+    return [found[key] for key in sorted(found)], per_run
+
+
+def score(runs: list[list[dict[str, Any]]], plot_path: Path | None = None) -> str:
+    """The report: per target, each cell's runs that met it and its pooled ratio; with
+    ``plot_path``, also :func:`plot` of the same cells."""
     if not runs:
         raise ValueError("runs: give at least one bench_collectives.py --json file")
     lines = [f"{len(runs)} run(s); pooled ratios: median [95% bootstrap interval]"]
-    for target in TARGETS:
-        cells: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
-        per_run = [[0, 0] for _ in runs]  # cells met, cells scored
-        for i, results in enumerate(runs):
-            for result in results:
-                for row in result["rows"]:
-                    if target.covers(result["engine"], row["bytes"]):
-                        key = (result["engine"], result["ranks"], row["bytes"])
-                        cells.setdefault(key, []).append(row)
-                        per_run[i][0] += _met(row, target)
-                        per_run[i][1] += 1
+    by_target = [(target, *cells(runs, target)) for target in TARGETS]
+    for target, found, per_run in by_target:
         lines += [
             f"\n{target.title} <= {target.limit:.3g}x\n",
             "| engine | p | size | runs met | pooled | verdict |"
             + "".join(f" {title}, pooled |" for title, _ in target.controls),
             "|---|---:|---:|---:|---:|---|" + "---:|" * len(target.controls),
         ]
-        for (engine, p, nbytes), rows in sorted(cells.items()):
-            met = sum(_met(row, target) for row in rows)
-            m, lo, hi = _pooled(rows, target.name, target.peer)
+        for cell in found:
+            met = sum(_met(row, target) for row in cell.rows)
+            m, lo, hi = cell.pooled(target.name, target.peer)
             line = (
-                f"| {engine} | {p} | {size_label(nbytes)} | {met} of {len(rows)} "
+                f"| {cell.engine} | {cell.ranks} | {size_label(cell.nbytes)} "
+                f"| {met} of {len(cell.rows)} "
                 f"| {m:.2f}x [{lo:.2f}, {hi:.2f}] | {verdict(lo, hi, target.limit)} |"
             )
             for _, name in target.controls:
-                c, clo, chi = _pooled(rows, name, target.peer)
+                c, clo, chi = cell.pooled(name, target.peer)
                 line += f" {c:.2f}x [{clo:.2f}, {chi:.2f}] |"
             lines.append(line)
         lines.append("\ncells met, run by run: " + ", ".join(f"{met} of {n}" for met, n in per_run))
+    if plot_path is not None:
+        plot([(target, found) for target, found, _ in by_target], len(runs), plot_path)
     return "\n".join(lines)
+
+
+def plot(by_target: list[tuple[Target, list[Cell]]], n_runs: int, path: Path) -> None:
+    """One panel per target: each engine and rank count's pooled ratio against the size, with
+    its 95% interval as error bars, and the target's limit as a dashed line (PNG, matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(by_target), figsize=(5.2 * len(by_target), 4.2), squeeze=False)
+    for ax, (target, found) in zip(axes[0], by_target, strict=True):
+        series: dict[tuple[str, int], list[Cell]] = {}
+        for cell in found:
+            series.setdefault((cell.engine, cell.ranks), []).append(cell)
+        tally = {"met": 0, "open": 0, "missed": 0}
+        for (engine, ranks), line in series.items():
+            x = [cell.nbytes for cell in line]
+            pooled = [cell.pooled(target.name, target.peer) for cell in line]
+            y = [m for m, _, _ in pooled]
+            err = [[m - lo for m, lo, _ in pooled], [hi - m for m, _, hi in pooled]]
+            ax.errorbar(x, y, yerr=err, marker="o", ms=4, capsize=3, label=f"{engine}, p={ranks}")
+            for _, lo, hi in pooled:
+                tally[verdict(lo, hi, target.limit)] += 1
+        ax.axhline(target.limit, color="k", ls="--", lw=1, label=f"limit {target.limit:.3g}x")
+        ax.set_xscale("log", base=2)
+        sizes = sorted({cell.nbytes for cell in found})
+        ax.set_xticks(sizes, [size_label(n) for n in sizes], rotation=45, fontsize=8)
+        ax.minorticks_off()
+        ax.set_xlabel("buffer size")
+        ax.set_ylabel(f"time / {target.peer}'s time")
+        counts = ", ".join(f"{n} {word}" for word, n in tally.items() if n)
+        ax.set_title(f"{target.title}\n{counts} (of {len(found)})", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"pooled over {n_runs} run(s): median, 95% two-level bootstrap interval")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="bench_collectives.py --json files")
+    parser.add_argument("--plot", type=Path, help="also draw the pooled ratios into this PNG")
     args = parser.parse_args()
-    print(score(load(args.runs)))
+    print(score(load(args.runs), args.plot))
+    if args.plot:
+        print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":

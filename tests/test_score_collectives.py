@@ -93,3 +93,17 @@ def test_bad_input_names_the_argument(tmp_path: Path) -> None:
         score_collectives.load([bad])
     with pytest.raises(ValueError, match="runs: cannot read"):
         score_collectives.load([tmp_path / "missing.json"])
+
+
+def test_plot_draws_the_same_cells(tmp_path: Path) -> None:
+    runs = [_run(1.2), _run(1.05)]
+    png = tmp_path / "pooled.png"
+    assert score_collectives.score(runs, png) == score_collectives.score(runs)
+    assert png.read_bytes().startswith(b"\x89PNG")
+    found, per_run = score_collectives.cells(runs, score_collectives.TARGETS[0])
+    assert [(c.engine, c.ranks, c.nbytes) for c in found] == [
+        ("gloo", 2, MIB),
+        ("gloo", 2, 16 * MIB),
+        ("mpi", 2, 16 * MIB),
+    ]
+    assert per_run == [(2, 3), (3, 3)]
