@@ -161,10 +161,13 @@ DIRECT_TWO_RANKS_FROM_BYTES: dict[str, float] = {"gloo": 4 << 20}
 #: 1.04-1.14x. Below 16 MiB on four ranks the halves lost (1.36-1.40x at 4 MiB, 1.13x at 8).
 #: Two ranks: :data:`NATIVE_HALVES_TWO_RANKS_FROM_BYTES`.
 NATIVE_HALVES_FROM_BYTES: dict[str, float] = {"gloo": 16 << 20}
-#: The same on two ranks, where the halves paid from 4 MiB: paired as above, 1.01-1.14x at 4 MiB
-#: where one call took 1.02-1.30x (five runs), 0.90-1.06x at 8 MiB against 1.06-1.16x (four);
-#: at 2 MiB 0.89-1.17x against 0.99-1.19x, no clear gain.
-NATIVE_HALVES_TWO_RANKS_FROM_BYTES: dict[str, float] = {"gloo": 4 << 20}
+#: The same on two ranks, where the halves pay from 8 MiB. Timed in loops of back-to-back calls,
+#: one pre-scaled call's time over the halves', paired within each repeat and pooled over runs
+#: (median [95% two-level bootstrap interval], as benches/score_collectives.py pools): at 8 MiB
+#: 1.08x [1.05, 1.14] (four runs; earlier, against one dist.all_reduce, the halves 0.90-1.06x
+#: where one call took 1.06-1.16x); at 4 MiB 0.94x [0.89, 0.97] (six runs of 100 repeats: the
+#: halves 1.15x of dist.all_reduce's time, one call 1.05x); at 2 MiB no clear gain either way.
+NATIVE_HALVES_TWO_RANKS_FROM_BYTES: dict[str, float] = {"gloo": 8 << 20}
 #: Engines on which allgatherv's first round, which every rank needs for the others' lengths,
 #: is speculative: each rank sends its header and, in the same round, as many bytes of its piece
 #: as the group's recent gathers predict (:func:`_predict`). When the prediction holds, as it
