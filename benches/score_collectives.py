@@ -147,7 +147,7 @@ class Cell:
     nbytes: int
     rows: list[dict[str, Any]]
     _pooled: dict[tuple[str, str], tuple[float, float, float]] = field(
-        default_factory=dict, repr=False, compare=False
+        default_factory=dict, init=False, repr=False, compare=False
     )
 
     def pooled(self, name: str, peer: str) -> tuple[float, float, float]:

@@ -140,17 +140,17 @@ SHARED_FROM_BYTES: dict[str, float] = {"mpi": 16 << 10}
 #: each repeat: at 16 MiB the ring took 0.88-0.93x the native weighted path's time in four full
 #: runs (0.96-1.08x of dist.all_reduce's, native 1.10-1.18x); at 4 MiB 1.06-1.32x.
 RING_TWO_RANKS_FROM_BYTES: dict[str, float] = {"mpi": 1 << 20, "gloo": 16 << 20}
-#: On two ranks below :data:`RING_TWO_RANKS_FROM_BYTES`, "auto" picks "direct" from this size,
-#: per engine. Two gloo ranks, weighted, timed in loops of back-to-back calls, the direct
-#: exchange's time over the native path's paired within each repeat and pooled over runs
-#: (median [95% two-level bootstrap interval], as benches/score_collectives.py pools): at 4 MiB
-#: 0.97x [0.92, 1.04] (native in two halves) over eight full runs of
-#: benches/bench_collectives.py and 0.98x [0.93, 1.04] over six runs of its gloo cells alone;
-#: 0.97x [0.93, 1.01] and 1.00x [0.95, 1.04] (native in one call) over eight and six runs of the
-#: allreduce variants alone. At 1 MiB no side won: 1.07x [0.93, 1.19] and 1.06x [0.95, 1.16] in
-#: the benchmark's runs, 0.85x [0.71, 0.97] and 0.93x [0.79, 1.04] in the others; below 1 MiB
-#: native won (see :data:`DIRECT_BYTES`). The direct exchange moves the same bytes as the
-#: engine's ring on two ranks (the whole buffer each way), in one step instead of two.
+#: On two ranks below :data:`RING_TWO_RANKS_FROM_BYTES`, "auto" picks "direct" from this size, per
+#: engine. Two gloo ranks, weighted, timed in loops of back-to-back calls, the direct exchange's
+#: time over the native path's paired within each repeat and pooled over runs (median [95% two-level
+#: bootstrap interval], as benches/score_collectives.py pools): at 4 MiB 0.97x [0.92, 1.04] (native
+#: in two halves) over eight full runs of benches/bench_collectives.py and 0.98x [0.93, 1.04] over
+#: six runs of its gloo cells alone; 0.97x [0.93, 1.01], 1.00x [0.95, 1.04] and 0.93x [0.89, 0.96]
+#: (native in one call) over eight, six and six runs of the allreduce variants alone. At 1 MiB no
+#: side won: 1.07x [0.93, 1.19] and 1.06x [0.95, 1.16] in the benchmark's runs, 0.85x [0.71, 0.97]
+#: and 0.93x [0.79, 1.04] in the others; below 1 MiB native won (see :data:`DIRECT_BYTES`). The
+#: direct exchange moves the same bytes as the engine's ring on two ranks (the whole buffer each
+#: way), in one step instead of two.
 DIRECT_TWO_RANKS_FROM_BYTES: dict[str, float] = {"gloo": 4 << 20}
 #: From this size, per engine, "native" hands the engine the buffer in two halves, both in
 #: flight at once (each pre-scaled just before it goes): torch's gloo process group runs its
