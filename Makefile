@@ -28,9 +28,9 @@ demo: $(BUILT)
 lint: $(STAMP)
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets --quiet -- -D warnings
-	$(VENV)/bin/ruff check python tests benches
-	$(VENV)/bin/ruff format --check python tests benches
-	$(VENV)/bin/python -m mypy python/hetcoll
+	$(VENV)/bin/ruff check python tests benches examples
+	$(VENV)/bin/ruff format --check python tests benches examples
+	$(VENV)/bin/python -m mypy python/hetcoll examples
 
 rust-test:
 	cargo test -p hetcoll-core --quiet

@@ -14,7 +14,9 @@ from hetcoll.launch import RankFailed, spawn
 from hetcoll.torch import (
     BalancedSampler,
     Rebalancer,
+    SpeedFit,
     WeightedAllreduceState,
+    gather_speeds,
     weighted_allreduce_hook,
 )
 
@@ -135,6 +137,24 @@ def test_rebalancer_converges_to_the_new_optimum():
     assert seen[-1] == hetcoll.split(32, after, minimum=1)  # and followed the drift
     assert 2 <= sum(applied) <= 8  # changes when it pays, no thrashing once settled
     assert seen[-1] == seen[-20]
+
+
+# -- gathering the ranks' speed fits --------------------------------------------------------------
+
+
+def _gather_fits(rank, world):
+    mine = SpeedFit(latency_s=0.1 * rank, samples_per_s=100.0 * (rank + 1), points=((8, 0.5),))
+    return gather_speeds(mine)
+
+
+def test_gather_speeds_gives_every_rank_all_fits_in_rank_order():
+    expected = [
+        SpeedFit(latency_s=0.1 * r, samples_per_s=100.0 * (r + 1), points=((8, 0.5),))
+        for r in range(3)
+    ]
+    assert spawn(_gather_fits, 3) == [expected] * 3
+    with pytest.raises(TypeError, match="fit: must be a SpeedFit"):
+        gather_speeds(100.0)
 
 
 # -- bad input: clear errors on every rank, no hang ----------------------------------------------

@@ -1,0 +1,305 @@
+"""Balanced data-parallel training: one script for one process, torchrun and mpiexec.
+
+    python examples/train_balanced.py                                     # one process
+    torchrun --standalone --nproc-per-node 2 examples/train_balanced.py --emulate 1,0.25
+    mpiexec -n 2 python examples/train_balanced.py --emulate 1,0.25       # MPI only
+
+Every rank measures how fast it trains; ``hetcoll.split`` turns the speeds into per-rank batch
+sizes that add up to the global batch; ``BalancedSampler`` gives each rank its share of every
+global step; and the gradients are averaged weighted by samples (a DDP comm hook under torchrun,
+``hetcoll.torch.DistributedOptimizer`` under mpiexec). Every step therefore applies the gradient
+of the whole global batch, and the model is the one a single process trains on the same batches,
+however the batch is split. A ``Rebalancer`` re-solves the split when the measured speeds drift.
+
+``--emulate 1,0.25`` makes rank 1 run at a quarter of its real speed (it sleeps), to watch the
+balancing on one machine. The model and data are hetcoll's demo (a small CNN on scikit-learn's
+bundled digits); put your own in ``make_model`` and ``load_data``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import hetcoll
+from hetcoll.torch import (
+    BalancedSampler,
+    DistributedOptimizer,
+    EmulatedSpeed,
+    Rebalancer,
+    SpeedFit,
+    WeightedAllreduceState,
+    broadcast_parameters,
+    gather_speeds,
+    measure_speed,
+    weighted_allreduce_hook,
+)
+
+
+def make_model() -> nn.Module:
+    from hetcoll.demo import DemoNet
+
+    return DemoNet()
+
+
+def load_data(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Train inputs, train labels, test inputs, test labels."""
+    from hetcoll.demo import load_digits
+
+    return load_digits(seed)
+
+
+# -- who runs this: a launcher's environment -------------------------------------------------------
+
+
+def backend_of(requested: str) -> str:
+    """The engine to train on: as asked, or ("auto") from the launcher's environment."""
+    if requested != "auto":
+        return requested
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:  # torchrun (env://)
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if any(k in os.environ for k in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")):  # mpiexec
+        return "mpi"
+    return "none"
+
+
+class Job:
+    """Rank, world size, device and group of this process on ``backend``."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.device = torch.device("cpu")
+        self.group: Any = None  # what hetcoll's gather_speeds and Rebalancer take
+        if backend == "mpi":
+            from mpi4py import MPI
+
+            self.group = MPI.COMM_WORLD
+            self.rank, self.world = self.group.Get_rank(), self.group.Get_size()
+        elif backend in ("gloo", "nccl"):
+            import torch.distributed as dist
+
+            dist.init_process_group(backend)
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            if backend == "nccl":
+                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+                torch.cuda.set_device(self.device)
+        else:
+            self.rank, self.world = 0, 1
+
+    def close(self) -> None:
+        if self.backend in ("gloo", "nccl"):
+            import torch.distributed as dist
+
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+# -- the steps -------------------------------------------------------------------------------------
+
+
+def probe(model: nn.Module, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -> SpeedFit:
+    """This rank's training speed: whole steps (forward, backward, optimizer) timed at a few batch
+    sizes up to the global batch, on a copy of ``model``."""
+    top = args.batch
+    return measure_speed(
+        model,
+        lambda b: (x[:b], y[:b]),
+        nn.functional.cross_entropy,
+        batch_sizes=sorted({max(1, top // 8), max(2, top // 4), max(3, top // 2), top}),
+        optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9),
+    )
+
+
+def plan_shares(
+    job: Job, args: argparse.Namespace, model: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> list[int]:
+    """Each rank's samples per step: measured speeds (emulated ones with ``--emulate``) turned
+    into integer shares of the global batch by ``hetcoll.split``."""
+    if args.shares is not None or job.world == 1:
+        return args.shares or [args.batch]
+    fits = gather_speeds(probe(model, x, y, args), job.group)
+    return hetcoll.split(
+        args.batch,
+        [f.samples_per_s for f in fits],
+        latency=[f.latency_s for f in fits],
+        minimum=1,
+    )
+
+
+def distribute(
+    job: Job, model: nn.Module, shares: list[int], lr: float
+) -> tuple[nn.Module, Any, Callable[[int], None], Callable[[], float] | None]:
+    """The model to call, its optimizer, a setter of this step's local batch size and (DDP) when
+    this rank's gradients were ready, for the Rebalancer's compute time."""
+    local = shares[job.rank]
+    if job.backend in ("gloo", "nccl"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model, device_ids=[job.device] if job.backend == "nccl" else None)
+        state = WeightedAllreduceState(None, local_batch=local)
+        ddp.register_comm_hook(state, weighted_allreduce_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+        return ddp, opt, lambda n: setattr(state, "local_batch", n), lambda: state.ready_at
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if job.backend == "mpi":
+        broadcast_parameters(model, job.group)
+        mpi_opt = DistributedOptimizer(opt, job.group, local_batch=local)
+        return model, mpi_opt, lambda n: setattr(mpi_opt, "local_batch", n), None
+    return model, opt, lambda n: None, None
+
+
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)
+        loss = float(nn.functional.cross_entropy(logits, y))
+        accuracy = float((logits.argmax(1) == y).float().mean())
+    model.train()
+    return loss, accuracy
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    job = Job(backend_of(args.backend))
+    for name in ("emulate", "shares"):
+        given = getattr(args, name)
+        if given is not None and len(given) != job.world:
+            raise SystemExit(f"--{name}: needs one value per rank ({job.world}), got {given}")
+    torch.set_num_threads(hetcoll.num_threads())  # the node's cores shared among its ranks
+    dtype = torch.float64 if args.float64 else torch.float32
+    x_train, y_train, x_test, y_test = load_data(args.seed)
+    x_train, x_test = (t.to(job.device, dtype) for t in (x_train, x_test))
+    y_train, y_test = y_train.to(job.device), y_test.to(job.device)
+    torch.manual_seed(args.seed)
+    net = make_model().to(job.device, dtype)
+    speed = args.emulate[job.rank] if args.emulate else 1.0
+    model = net
+    if speed < 1:  # sleeps (1/speed - 1) times the real cost, measured once
+        model = EmulatedSpeed(net, speed, cost=probe(net, x_train, y_train, args))
+    shares = plan_shares(job, args, model, x_train, y_train)
+    first_shares = list(shares)
+    wrapped, opt, set_batch, ready_at = distribute(job, model, shares, args.lr)
+    sampler = BalancedSampler(range(len(y_train)), shares, job.rank, seed=args.seed)
+    rebalancer = (
+        Rebalancer(sampler, every=10, group=job.group)
+        if job.world > 1 and not args.no_rebalance
+        else None
+    )
+    epochs = []
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        steps = sampler.batch_sampler()  # set_shares applies from the next step
+        bar = progress(job, epoch, args.epochs, len(steps), args.quiet)
+        t0 = time.perf_counter()
+        samples = 0
+        for idx in steps:
+            started = time.perf_counter()
+            set_batch(len(idx))
+            opt.zero_grad()
+            nn.functional.cross_entropy(wrapped(x_train[idx]), y_train[idx]).backward()
+            compute = (ready_at() if ready_at else time.perf_counter()) - started
+            opt.step()
+            samples += len(idx)
+            if rebalancer is not None:
+                rebalancer.observe(len(idx), compute)
+            if bar is not None:
+                bar.update(1)
+        seconds = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        loss, accuracy = evaluate(net, x_test, y_test)
+        epochs.append(
+            {
+                "epoch": epoch + 1,
+                "seconds": seconds,
+                "rank_samples": samples,
+                "test_loss": loss,
+                "test_accuracy": accuracy,
+                "shares": list(sampler.shares),
+            }
+        )
+        if job.rank == 0 and not args.quiet:
+            print(
+                f"epoch {epoch + 1}: {seconds:.2f} s, test loss {loss:.4f}, "
+                f"accuracy {accuracy:.2%}, shares {sampler.shares}",
+                flush=True,
+            )
+    if job.rank == 0 and args.save:
+        torch.save(net.state_dict(), args.save)
+    report = {
+        "rank": job.rank,
+        "backend": job.backend,
+        "world": job.world,
+        "emulated_speeds": args.emulate,
+        "first_shares": first_shares,
+        "rebalances": sum(e.applied for e in rebalancer.history) if rebalancer else 0,
+        "epochs": epochs,
+    }
+    job.close()
+    return report
+
+
+def progress(job: Job, epoch: int, epochs: int, steps: int, quiet: bool) -> Any:
+    if job.rank != 0 or quiet:
+        return None
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    return tqdm(total=steps, desc=f"epoch {epoch + 1}/{epochs}", file=sys.stderr, leave=False)
+
+
+def _numbers(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    return lambda text: [kind(v) for v in text.split(",")]
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "gloo", "nccl", "mpi", "none"],
+        help="auto: torch.distributed under torchrun, MPI under mpiexec, else none",
+    )
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--batch", type=int, default=128, help="global batch: samples per step")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--emulate",
+        type=_numbers(float),
+        metavar="S0,S1,...",
+        help="run rank r at S_r times its real speed (0 < S_r <= 1): emulated heterogeneity",
+    )
+    p.add_argument(
+        "--shares",
+        type=_numbers(int),
+        metavar="B0,B1,...",
+        help="samples per step for each rank, instead of measuring speeds",
+    )
+    p.add_argument("--no-rebalance", action="store_true", help="keep the first split")
+    p.add_argument("--float64", action="store_true", help="train in double precision")
+    p.add_argument("--save", help="write the trained state dict here (rank 0)")
+    p.add_argument("--json", help="write each rank's report here ({rank} is replaced)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars or epoch lines")
+    args = p.parse_args(argv)
+    if args.shares is not None and sum(args.shares) != args.batch:
+        p.error(f"--shares: must add up to --batch ({args.batch}), got {sum(args.shares)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    report = train(args)
+    if args.json:
+        with open(args.json.format(rank=report["rank"]), "w") as f:
+            json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()
