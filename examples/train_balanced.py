@@ -219,6 +219,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             {
                 "epoch": epoch + 1,
                 "seconds": seconds,
+                "samples_per_s": len(y_train) / seconds,  # every rank's samples, together
                 "rank_samples": samples,
                 "test_loss": loss,
                 "test_accuracy": accuracy,
@@ -227,8 +228,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         )
         if job.rank == 0 and not args.quiet:
             print(
-                f"epoch {epoch + 1}: {seconds:.2f} s, test loss {loss:.4f}, "
-                f"accuracy {accuracy:.2%}, shares {sampler.shares}",
+                f"epoch {epoch + 1}: {seconds:.2f} s, {len(y_train) / seconds:.0f} samples/s, "
+                f"test loss {loss:.4f}, accuracy {accuracy:.2%}, shares {sampler.shares}",
                 flush=True,
             )
     if job.rank == 0 and args.save:
