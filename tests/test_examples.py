@@ -78,20 +78,16 @@ def test_mpiexec_measured_split_training_is_the_single_process_model(single, tmp
     _same_model(single, state)
 
 
-def test_bad_arguments_are_named(tmp_path):
+def _stderr_of_failed_run(*args: str) -> str:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--shares", "100,20", "--batch", "128"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120
     )
-    assert proc.returncode != 0 and "--shares: must add up to --batch (128)" in proc.stderr
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--emulate", "1,0.5", "--epochs", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode != 0 and "--emulate: needs one value per rank (1)" in proc.stderr
+    assert proc.returncode != 0
+    return proc.stderr
+
+
+def test_bad_arguments_are_named():
+    err = _stderr_of_failed_run("--shares", "100,20", "--batch", "128")
+    assert "--shares: must add up to --batch (128)" in err
+    err = _stderr_of_failed_run("--emulate", "1,0.5", "--epochs", "1")
+    assert "--emulate: needs one value per rank (1)" in err
