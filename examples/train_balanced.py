@@ -13,7 +13,7 @@ however the batch is split. A ``Rebalancer`` re-solves the split when the measur
 
 ``--emulate 1,0.25`` makes rank 1 run at a quarter of its real speed (it sleeps), to watch the
 balancing on one machine. The model and data are hetcoll's demo (a small CNN on scikit-learn's
-bundled digits); put your own in ``make_model`` and ``load_data``.
+bundled digits); put your own in ``make_model``, ``make_optimizer`` and ``load_data``.
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ def make_model() -> nn.Module:
     from hetcoll.demo import DemoNet
 
     return DemoNet()
+
+
+def make_optimizer(params: Any, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
 def load_data(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -114,7 +118,7 @@ def probe(model: nn.Module, x: torch.Tensor, y: torch.Tensor, args: argparse.Nam
         lambda b: (x[:b], y[:b]),
         nn.functional.cross_entropy,
         batch_sizes=sorted({max(1, top // 8), max(2, top // 4), max(3, top // 2), top}),
-        optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9),
+        optimizer=lambda params: make_optimizer(params, args.lr),
     )
 
 
@@ -146,9 +150,9 @@ def distribute(
         ddp = DDP(model, device_ids=[job.device] if job.backend == "nccl" else None)
         state = WeightedAllreduceState(None, local_batch=local)
         ddp.register_comm_hook(state, weighted_allreduce_hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+        opt = make_optimizer(ddp.parameters(), lr)
         return ddp, opt, lambda n: setattr(state, "local_batch", n), lambda: state.ready_at
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    opt = make_optimizer(model.parameters(), lr)
     if job.backend == "mpi":
         broadcast_parameters(model, job.group)
         mpi_opt = DistributedOptimizer(opt, job.group, local_batch=local)
