@@ -76,8 +76,10 @@ def test_demo_filter_strategy_learns_the_same_model_with_either_split():
     assert fast + slow == conv1 and fast > slow
     for layer, shares in report["layer_shares"]["balanced"].items():
         assert shares[0] > shares[1], layer
-    # Same data, same initial weights; the splits differ only in float32 summation order.
+    # Same data, same initial weights; the splits differ only in float32 summation order, which
+    # depends on the instruction set, so the two runs agree to a tolerance, not bit for bit
+    # (exactness is asserted in float64 by test_gloo_equals_unsplit / test_mpi_equals_unsplit).
     b, u = rows["balanced"], rows["unbalanced"]
-    assert abs(b["test_loss"] - u["test_loss"]) <= 1e-4 * u["test_loss"]
-    assert b["test_accuracy"] == u["test_accuracy"]
+    assert abs(b["test_loss"] - u["test_loss"]) <= 1e-3 * u["test_loss"]
+    assert abs(b["test_accuracy"] - u["test_accuracy"]) <= 0.01
     assert "balanced / unbalanced throughput" in format_table(report)

@@ -1,0 +1,102 @@
+"""The package's architecture, checked: layers and cycles (import-linter contracts in
+pyproject.toml), no private name crossing a module boundary, and the library importing none of
+the lab."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "python" / "hetcoll"
+ROOT = PACKAGE.parents[1]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _private_imports(source: str, me: str, is_package: bool) -> list[str]:
+    """``from x import _name`` in module ``me``, where x is another hetcoll module, or an import
+    from a private module of another package (a package's private modules are its own); the
+    bindings module ``hetcoll._core`` is the Rust layer's public face."""
+    package = me if is_package else me.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+            origin = f"{base}.{node.module}" if node.module else base
+        else:
+            origin = node.module or ""
+        inside = origin == "hetcoll" or origin.startswith("hetcoll.")
+        if not inside or origin in (me, "hetcoll._core"):
+            continue
+        parent, _, leaf = origin.rpartition(".")
+        if leaf.startswith("_") and not (me + ".").startswith(parent + "."):
+            found.append(f"{me}:{node.lineno} imports from private module {origin}")
+        for alias in node.names:
+            if origin == "hetcoll" and alias.name == "_core":
+                continue
+            if alias.name.startswith("_") and not alias.name.startswith("__"):
+                found.append(f"{me}:{node.lineno} imports {alias.name} from {origin}")
+    return found
+
+
+def test_no_private_name_crosses_a_module_boundary():
+    found = [
+        f
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for f in _private_imports(path.read_text(), _module_name(path), path.name == "__init__.py")
+    ]
+    assert found == []
+
+
+def test_private_import_scan_finds_what_it_should():
+    src = (
+        "from hetcoll.kernels import _numpy_view, weighted_sum\n"
+        "from hetcoll._core import split\n"
+        "from hetcoll import _core\n"
+        "from ._tuning import SEGMENT\n"
+        "from .ring import _steps\n"
+        "from hetcoll.collectives._tuning import SEGMENT\n"
+        "from hetcoll.torch.probe import _own\n"
+    )
+    assert _private_imports(src, "hetcoll.torch.probe", False) == [
+        "hetcoll.torch.probe:1 imports _numpy_view from hetcoll.kernels",
+        "hetcoll.torch.probe:5 imports _steps from hetcoll.torch.ring",
+        "hetcoll.torch.probe:6 imports from private module hetcoll.collectives._tuning",
+    ]
+
+
+def test_import_contracts_hold():
+    """Layers, the lab beside the library and acyclic siblings, as pyproject.toml states them."""
+    lint = Path(sys.executable).parent / "lint-imports"
+    if not lint.exists():
+        pytest.skip("import-linter is not installed (make test installs it)")
+    proc = subprocess.run(
+        [str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("package", ["hetcoll", "hetcoll.torch", "hetcoll.model"])
+def test_importing_the_library_imports_no_lab_module(package):
+    code = (
+        f"import json, sys, {package}\n"
+        "lab = ('hetcoll.lab', 'demo', 'emulat', 'calibrat', 'validat')\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('hetcoll')"
+        " and any(w in m for w in lab))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
