@@ -504,6 +504,29 @@ def test_filter_modes_pair_layers_as_the_torch_layers_do(cnn_costs) -> None:  # 
         filter_parallel(cnn_costs, _cluster([(1e11, 2e10)] * 2), 8, [1.0, 1.0], modes={"0": "x"})
 
 
+@pytest.mark.parametrize(
+    ("name", "shape"), [("resnet18", (3, 32, 32)), ("vit_b_16", (3, 224, 224))]
+)
+def test_predictor_takes_its_filter_modes_from_the_runtime(name, shape) -> None:  # type: ignore[no-untyped-def]
+    """One pairing rule: on torchvision models (their own forwards, residual blocks, attention)
+    the predictor's modes are exactly what hetcoll.torch.filter_parallel would do."""
+    torchvision = pytest.importorskip("torchvision")
+    from hetcoll.model.predict import filter_modes
+    from hetcoll.torch.filter_parallel import filter_modes as runtime_modes
+
+    with torch.device("meta"):
+        model = getattr(torchvision.models, name)()
+    modes = filter_modes(layer_costs(model, shape))
+    assert modes == runtime_modes(model)
+    if name == "resnet18":
+        # A BasicBlock's forward adds the shortcut: its convs cannot pair, every split gathers.
+        assert set(modes.values()) == {"gather"} and "layer1.0.conv1" in modes
+    else:
+        # The encoder's MLP blocks are nn.Sequential: Linear -> GELU -> Dropout -> Linear pairs.
+        assert modes["encoder.layers.encoder_layer_0.mlp.0"] == "split-output"
+        assert modes["encoder.layers.encoder_layer_0.mlp.3"] == "split-input"
+
+
 def test_filter_parallel_communication_by_hand(cnn_costs) -> None:  # type: ignore[no-untyped-def]
     # Free compute and memory: the step is the collectives alone. Paired: the split-input
     # layers allreduce their partial outputs (forward); conv7 and fc15 allreduce their input

@@ -105,6 +105,9 @@ class ModelCosts:
     #: Bytes of the module's buffers (BatchNorm running statistics), which DDP broadcasts from
     #: rank 0 before every forward.
     buffer_bytes: float = 0.0
+    #: The mode :func:`hetcoll.torch.filter_parallel` would give each layer it splits (name,
+    #: mode), read off the model by the runtime's own pairing rule; layers absent stay replicated.
+    filter_modes: tuple[tuple[str, str], ...] = ()
 
     @property
     def params(self) -> int:
@@ -479,6 +482,8 @@ def layer_costs(
     from torch.func import functional_call
     from torch.utils.flop_counter import FlopCounterMode
 
+    from hetcoll.torch.filter_parallel import filter_modes
+
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if conv_algorithm not in ("implicit-gemm", "im2col"):
@@ -586,4 +591,6 @@ def layer_costs(
     if len(set(id(m) for _, m, *_ in records)) < len(records):
         notes.append("some modules run more than once per step; each call is a layer")
     buffer_bytes = float(sum(b.numel() * b.element_size() for b in model.buffers()))
-    return ModelCosts(tuple(layers), shape, item, tuple(notes), buffer_bytes)
+    # A bare leaf model is one layer named after its type (see ``hook`` above).
+    modes = tuple((n or type(model).__name__, m) for n, m in filter_modes(model).items())
+    return ModelCosts(tuple(layers), shape, item, tuple(notes), buffer_bytes, modes)

@@ -31,7 +31,7 @@ import numpy as np
 
 import hetcoll
 from hetcoll.model import terms
-from hetcoll.model.costs import LayerCost, ModelCosts
+from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster, Device
 
 # torch DDP's defaults: the first bucket is capped at 1 MiB (so communication starts early), the
@@ -514,82 +514,24 @@ def even_batch_shares(batch: int, num_devices: int) -> list[int]:
     ]
 
 
-# Layer kinds a channel-split tensor passes through unchanged (each acts on every channel on its
-# own), as hetcoll.torch.filter_parallel pairs its layers: element-wise layers anywhere; pooling,
-# 2-D dropout, a channel-matching BatchNorm2d and one Flatten after a conv; BatchNorm1d after a
-# linear layer.
-_CHANNELWISE_KINDS = frozenset(
-    [
-        "ReLU",
-        "ReLU6",
-        "LeakyReLU",
-        "ELU",
-        "SELU",
-        "CELU",
-        "GELU",
-        "SiLU",
-        "Mish",
-        "Tanh",
-        "Sigmoid",
-        "Hardtanh",
-        "Hardswish",
-        "Hardsigmoid",
-        "Softplus",
-        "Identity",
-        "Dropout",
-    ]
-)
-_SPATIAL_KINDS = frozenset(
-    ["MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d", "Dropout2d"]
-)
 FILTER_MODES = ("gather", "split-output", "split-input")
 
 
 def filter_modes(costs: ModelCosts, *, avoid_gathers: bool = True) -> dict[str, str]:
-    """The mode of every split layer (name -> "gather", "split-output" or "split-input"), chosen
-    as :func:`hetcoll.torch.filter_parallel` chooses them: a Conv2d / Linear layer feeding the
-    next one through channel-wise layers only becomes split-output, the next split-input (no
-    gather between them; the pair's partial sums are allreduced once). Every other layer with
-    filters is gathered. ``costs`` lists leaves flat, so layers inside a module with its own
-    forward (a residual block) may pair here where the torch side keeps them apart: pass the
-    real modes to :func:`filter_parallel` (``modes=``) for such models.
+    """The mode of every layer :func:`hetcoll.torch.filter_parallel` splits (name -> "gather",
+    "split-output" or "split-input"), as its own pairing rule
+    (:func:`hetcoll.torch.filter_parallel.filter_modes`) chose them when the costs were read off
+    the model: a Conv2d / Linear layer feeding the next one through channel-wise modules only
+    (inside an ``nn.Sequential``) becomes split-output, the next split-input (no gather between
+    them; the pair's partial sums are allreduced once); every other split layer gathers.
+    ``avoid_gathers=False`` gathers after every split layer. Layers absent stay replicated.
 
     >>> from hetcoll.model import layer_costs, networks
     >>> filter_modes(layer_costs(networks.mlp((8,)), (8,)))
     {'1': 'split-output', '3': 'split-input', '5': 'gather'}
     """
-    layers = [x for x in costs.layers]
-    modes = {x.name: "gather" for x in layers if x.filters > 0}
-    if not avoid_gathers:
-        return modes
-    prev: LayerCost | None = None
-    flattened = False
-    for x in layers:
-        if x.name in modes:
-            pairs = prev is not None and (
-                (prev.kind == "Conv2d" and x.kind == "Conv2d" and not flattened)
-                or (prev.kind == "Conv2d" and x.kind == "Linear" and flattened)
-                or (prev.kind == "Linear" and x.kind == "Linear")
-            )
-            if pairs:
-                modes[prev.name], modes[x.name] = "split-output", "split-input"  # type: ignore[union-attr]
-                prev = None
-            else:
-                prev = x
-            flattened = False
-            continue
-        if prev is None:
-            continue
-        conv = prev.kind == "Conv2d"
-        if x.kind in _CHANNELWISE_KINDS or (conv and not flattened and x.kind in _SPATIAL_KINDS):
-            continue
-        if x.kind == ("BatchNorm2d" if conv else "BatchNorm1d") and not flattened:
-            continue
-        if conv and not flattened and x.kind == "Flatten":
-            flattened = True
-            continue
-        prev = None  # anything else needs the full tensor
-    return modes
+    modes = dict(costs.filter_modes)
+    return modes if avoid_gathers else dict.fromkeys(modes, "gather")
 
 
 def _check_modes(costs: ModelCosts, modes: Mapping[str, str]) -> dict[str, str]:

@@ -56,6 +56,7 @@ __all__ = [
     "FilterParallelBatchNorm2d",
     "FilterParallelConv2d",
     "FilterParallelLinear",
+    "filter_modes",
     "filter_parallel",
     "gather_gradients",
     "gather_state_dict",
@@ -744,6 +745,23 @@ def _flatten(
 
 def _channels(m: nn.Module) -> int:
     return m.out_channels if isinstance(m, nn.Conv2d) else m.out_features  # type: ignore[return-value]
+
+
+def filter_modes(
+    model: nn.Module, layers: Sequence[str] | None = None, *, avoid_gathers: bool = True
+) -> dict[str, str]:
+    """The mode :func:`filter_parallel` gives each layer it splits, by module name:
+    ``"gather"``, ``"split-output"`` or ``"split-input"``. This is the one place the pairing
+    rule lives; :func:`hetcoll.model.predict.filter_modes` asks it too. It only reads module
+    types and sizes, so a model on the meta device works.
+
+    >>> filter_modes(nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2)))
+    {'0': 'split-output', '2': 'split-input'}
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    chosen = _choose(model, layers, dict(model.named_modules()))
+    return _plan(model, chosen, avoid_gathers)[0]
 
 
 def _plan(
