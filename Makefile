@@ -31,6 +31,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check python tests benches examples
 	$(VENV)/bin/ruff format --check python tests benches examples
 	$(VENV)/bin/python -m mypy python/hetcoll examples
+	$(VENV)/bin/lint-imports --no-cache
 
 rust-test:
 	cargo test -p hetcoll-core --quiet

@@ -1,7 +1,7 @@
 """Balanced vs unbalanced data-parallel training (the demo's job), repeated, medians reported.
 
 Two gloo ranks with *emulated* speeds 1 and 0.25 (a slow rank sleeps in proportion to its real
-compute; see hetcoll.torch.emulate), the demo CNN on scikit-learn's digits. The peer is the
+compute; see hetcoll.lab.emulate), the demo CNN on scikit-learn's digits. The peer is the
 unbalanced run in the same launch: equal batches, DDP's own averaging. Targets (issue 3):
 balanced >= 90% of the ideal (sum of each rank's measured speed), >= 2.0x the unbalanced run
 (2.5x is the ceiling for speeds 1 and 0.25), accuracy within 1 point.
@@ -17,7 +17,7 @@ import statistics
 
 import pytest
 
-from hetcoll.demo import DemoConfig, run, summary_rows
+from hetcoll.lab.demo import DemoConfig, run, summary_rows
 
 GROUP = "data parallel, 2 ranks, emulated speeds 1 and 0.25 (median of 3 launches), {}"
 

@@ -34,7 +34,7 @@ from torch import nn
 import hetcoll
 from hetcoll import launch
 from hetcoll.torch import filter_parallel, set_emulated_speed
-from hetcoll.torch.filter_parallel import _FilterParallelLayer
+from hetcoll.torch.filter_parallel import FilterParallelLayer
 
 SPEEDS = (1.0, 0.25)
 
@@ -91,7 +91,7 @@ def _filter_step(speeds: list[float], speed: float, b: int):
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
 
-    shares = [list(m.shares) for m in model.modules() if isinstance(m, _FilterParallelLayer)]
+    shares = [list(m.shares) for m in model.modules() if isinstance(m, FilterParallelLayer)]
     return step, shares
 
 
@@ -139,7 +139,7 @@ def _memory(rank: int) -> dict[str, Any]:
             if isinstance(t, torch.Tensor) and t.dim() > 0
         )
         out[name] = {"param_bytes": params, "adam_state_bytes": state}
-    out["shares"] = [list(m.shares) for m in split.modules() if isinstance(m, _FilterParallelLayer)]
+    out["shares"] = [list(m.shares) for m in split.modules() if isinstance(m, FilterParallelLayer)]
     return out
 
 

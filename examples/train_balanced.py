@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 import hetcoll
+from hetcoll.lab.emulate import EmulatedSpeed
 from hetcoll.torch import (
     BalancedSampler,
     DistributedOptimizer,
-    EmulatedSpeed,
     Rebalancer,
     SpeedFit,
     WeightedAllreduceState,
@@ -45,7 +45,7 @@ from hetcoll.torch import (
 
 
 def make_model() -> nn.Module:
-    from hetcoll.demo import DemoNet
+    from hetcoll.lab.demo import DemoNet
 
     return DemoNet()
 
@@ -56,7 +56,7 @@ def make_optimizer(params: Any, lr: float) -> torch.optim.Optimizer:
 
 def load_data(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Train inputs, train labels, test inputs, test labels."""
-    from hetcoll.demo import load_digits
+    from hetcoll.lab.demo import load_digits
 
     return load_digits(seed)
 

@@ -202,7 +202,7 @@ def check_auto_choice(comm: Communicator, native: Any) -> int:
         if direct:
             expect += [(direct, False, "direct"), (direct + 4, False, "native")]
     for nbytes, speeds, want in expect:
-        got = collectives._auto(comm, int(nbytes), speeds)
+        got = collectives.choose_algorithm(comm, int(nbytes), speeds)
         assert got == want, (engine, p, nbytes, speeds, got, want)
     return 1
 

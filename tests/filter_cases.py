@@ -23,7 +23,7 @@ from hetcoll.torch import (
     gather_gradients,
     gather_state_dict,
 )
-from hetcoll.torch.filter_parallel import _FilterParallelLayer
+from hetcoll.torch.filter_parallel import FilterParallelLayer
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
@@ -128,7 +128,7 @@ def equals_unsplit(
     with torch.no_grad():
         x = _batches(dtype, 1)[0][0]
         assert_close(split(x), ref(x), tol, "eval output")
-    return {n: m.mode for n, m in split.named_modules() if isinstance(m, _FilterParallelLayer)}
+    return {n: m.mode for n, m in split.named_modules() if isinstance(m, FilterParallelLayer)}
 
 
 def load_full_state(group) -> None:
@@ -159,7 +159,7 @@ def memory_proportional(group) -> None:
     )
     full = {n: p.numel() for n, p in model.named_parameters()}
     split = filter_parallel(model, speeds, group)
-    modes = {n: m.mode for n, m in split.named_modules() if isinstance(m, _FilterParallelLayer)}
+    modes = {n: m.mode for n, m in split.named_modules() if isinstance(m, FilterParallelLayer)}
     assert modes == {"0": "split-output", "2": "split-input", "4": "gather"}, modes
     layers = dict(split.named_modules())
     for name in ("0", "4"):
@@ -180,7 +180,7 @@ def memory_proportional(group) -> None:
         avoid_gathers=False,
     )
     for m in aligned.modules():
-        if isinstance(m, _FilterParallelLayer):
+        if isinstance(m, FilterParallelLayer):
             assert all(s % 8 == 0 and s >= 8 for s in m.shares), m.shares
             assert m.shares[0] > m.shares[-1], m.shares
     opt = torch.optim.Adam(split.parameters())

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hetcoll.demo import DemoConfig, format_table, plot, run, summary_rows
+from hetcoll.lab.demo import DemoConfig, format_table, plot, run, summary_rows
 
 pytestmark = pytest.mark.multiproc
 

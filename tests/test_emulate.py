@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from hetcoll.torch import EmulatedSpeed, SpeedFit
-from hetcoll.torch.emulate import _delay_points
+from hetcoll.lab.emulate import EmulatedSpeed, delay_points
+from hetcoll.torch import SpeedFit
 
 
 def _net() -> nn.Module:
@@ -79,8 +79,8 @@ def test_full_speed_never_sleeps_and_bad_input_names_the_argument():
         EmulatedSpeed("net", 0.5)  # type: ignore[arg-type]
 
 
-def test_delay_points_are_the_layers_with_parameters():
+def testdelay_points_are_the_layers_with_parameters():
     net = _net()
-    assert _delay_points(net) == [net[0], net[3]]
+    assert delay_points(net) == [net[0], net[3]]
     relu = nn.ReLU()
-    assert _delay_points(relu) == [relu]
+    assert delay_points(relu) == [relu]

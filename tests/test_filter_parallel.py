@@ -17,7 +17,7 @@ import pytest
 from torch import nn
 
 from hetcoll import launch
-from hetcoll.demo import DemoConfig, DemoNet, format_table, run, summary_rows
+from hetcoll.lab.demo import DemoConfig, DemoNet, format_table, run, summary_rows
 from hetcoll.torch import FilterParallelLinear, filter_parallel, set_emulated_speed
 
 HERE = Path(__file__).resolve().parent

@@ -775,13 +775,21 @@ def test_cli_model_costs(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["costs", "hardware", "networks", "terms", "calibrate", "validate"]
+    "module",
+    [
+        "hetcoll.model.costs",
+        "hetcoll.model.hardware",
+        "hetcoll.model.networks",
+        "hetcoll.model.terms",
+        "hetcoll.lab.calibrate",
+        "hetcoll.lab.validate",
+    ],
 )
 def test_docstring_examples(module: str) -> None:
     import doctest
     import importlib
 
-    result = doctest.testmod(importlib.import_module(f"hetcoll.model.{module}"))
+    result = doctest.testmod(importlib.import_module(module))
     assert result.failed == 0
 
 
@@ -797,7 +805,7 @@ def test_readme_section_examples(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_fit_alpha_beta_recovers_a_known_link() -> None:
-    from hetcoll.model.calibrate import fit_alpha_beta
+    from hetcoll.lab.calibrate import fit_alpha_beta
 
     sizes = [8, 1024, 2**20, 2**22, 2**24]
     alpha, bw = fit_alpha_beta(sizes, [2e-6 + s / 3e9 for s in sizes])
@@ -848,7 +856,7 @@ def test_convolutions_run_at_the_convolution_rate() -> None:
 
 
 def test_calibrate_measures_gloo_and_mpi_links(tmp_path: Path) -> None:
-    from hetcoll.model.calibrate import calibrate
+    from hetcoll.lab.calibrate import calibrate
 
     cal = calibrate(ranks=2, links=("gloo", "mpi"))
     out = tmp_path / "me.toml"
@@ -868,7 +876,7 @@ def test_calibrate_measures_gloo_and_mpi_links(tmp_path: Path) -> None:
 
 @pytest.mark.multiproc
 def test_validation_subset_predicts_real_ddp_steps() -> None:
-    from hetcoll.model.validate import run_validation
+    from hetcoll.lab.validate import run_validation
 
     # Two ranks of emulated speeds 1 and 0.5 with balanced shares: DDP, the speed emulation,
     # the in-run calibration and the prediction, end to end. Three ranks outnumber this
@@ -885,7 +893,7 @@ def test_validation_subset_predicts_real_ddp_steps() -> None:
 
 
 def _torch_filter_modes(rank: int, world: int, names: list[str]) -> dict[str, dict[str, str]]:
-    from hetcoll.torch.filter_parallel import _FilterParallelLayer
+    from hetcoll.torch.filter_parallel import FilterParallelLayer
     from hetcoll.torch.filter_parallel import filter_parallel as split_model
 
     out = {}
@@ -893,7 +901,7 @@ def _torch_filter_modes(rank: int, world: int, names: list[str]) -> dict[str, di
         shape = (784,) if name == "mlp" else (3, 32, 32)
         model = split_model(networks.build(name, shape), [1.0] * world, None)
         out[name] = {
-            n: m.mode for n, m in model.named_modules() if isinstance(m, _FilterParallelLayer)
+            n: m.mode for n, m in model.named_modules() if isinstance(m, FilterParallelLayer)
         }
     return out
 
@@ -912,8 +920,8 @@ def test_predicted_modes_are_the_torch_layers_modes() -> None:
 
 @pytest.mark.multiproc
 def test_validation_subset_runs_real_filter_parallel_steps(cnn_costs) -> None:  # type: ignore[no-untyped-def]
+    from hetcoll.lab.validate import FilterConfiguration, run_validation, summary
     from hetcoll.model.predict import filter_modes
-    from hetcoll.model.validate import FilterConfiguration, run_validation, summary
 
     # Two ranks of emulated speeds 1 and 1/2, filters in proportion: the converted model, the
     # per-layer emulation, the in-run calibration and the prediction, end to end. (No error

@@ -41,7 +41,7 @@ import numpy as np
 from hetcoll import _core
 from hetcoll.comm import Communicator, NodeWindows, Request, wait_all, wrap
 from hetcoll.errors import CollectiveMismatchError
-from hetcoll.kernels import _is_tensor, _numpy_view
+from hetcoll.kernels import is_tensor, numpy_view
 
 __all__ = [
     "ALGORITHMS",
@@ -289,9 +289,9 @@ def allreduce(
     deadline = _deadline(timeout)
     if segment_bytes is not None and (not isinstance(segment_bytes, int) or segment_bytes < 1):
         raise ValueError(f"segment_bytes: must be an integer >= 1 or None, got {segment_bytes!r}")
-    if _is_tensor(buf) and buf.device.type != "cpu":  # type: ignore[attr-defined]
+    if is_tensor(buf) and buf.device.type != "cpu":  # type: ignore[attr-defined]
         return _allreduce_device(buf, comm, w, algorithm, check, deadline)
-    view, bf16 = _numpy_view(buf, "buf")
+    view, bf16 = numpy_view(buf, "buf")
     if not view.flags.c_contiguous:
         raise ValueError("buf: must be C-contiguous (allreduce works in place)")
     if not view.flags.writeable:
@@ -300,7 +300,7 @@ def allreduce(
     flat = view.reshape(-1)
     c = wrap(comm)
     if algorithm == "auto":
-        algorithm = _auto(c, flat.nbytes, speeds is not None, deadline)
+        algorithm = choose_algorithm(c, flat.nbytes, speeds is not None, deadline)
     windows = None
     if algorithm == "shared":
         windows = c.node_windows(SHARED_SEGMENT_BYTES, deadline)
@@ -324,7 +324,7 @@ def allreduce(
     if algorithm == "native":
         _native(c, flat, bf16, w, kind, deadline)
     elif algorithm == "direct":
-        _direct(c, flat, bf16, w, deadline)
+        direct_allreduce(c, flat, bf16, w, deadline)
     elif algorithm == "shared":
         assert windows is not None
         _shared(c, windows, flat, bf16, w, kind, speeds, deadline)
@@ -341,7 +341,9 @@ def allreduce(
     return buf
 
 
-def _auto(c: Communicator, nbytes: int, chunk_speeds: bool, deadline: float | None = None) -> str:
+def choose_algorithm(
+    c: Communicator, nbytes: int, chunk_speeds: bool, deadline: float | None = None
+) -> str:
     """The algorithm "auto" stands for; the same on every rank (it reads only what ranks agree
     on: sizes, the rank count, the engine and whether the ranks share one node)."""
     if (
@@ -386,7 +388,7 @@ def _native(
     wait_all(requests, deadline)
 
 
-def _direct(
+def direct_allreduce(
     c: Communicator,
     flat: np.ndarray,
     bf16: bool,
@@ -753,19 +755,19 @@ def _allreduce_device(
         _agree(c, fields, deadline)
     op = dist.ReduceOp.SUM
     if w != 1.0:
-        fused = _premul_sum(c.engine, w)
+        fused = premul_sum_op(c.engine, w)
         if fused is None:
             buf.mul_(w)
         else:
             op = fused
     work = dist.all_reduce(buf, op=op, group=c.native, async_op=True)
-    from hetcoll.comm import _TorchRequest
+    from hetcoll.comm import TorchRequest
 
-    _TorchRequest(work, "all_reduce").wait(deadline)
+    TorchRequest(work, "all_reduce").wait(deadline)
     return buf
 
 
-def _premul_sum(engine: str, w: float) -> Any:
+def premul_sum_op(engine: str, w: float) -> Any:
     """The reduce op for ``sum over ranks of w_r * buf_r`` with each rank's weight fused into
     the engine's reduction kernel: NCCL's PREMUL_SUM (each rank passes its own factor). None
     on engines without it; the caller pre-scales then."""
@@ -831,11 +833,11 @@ def _gather(
     out: Any = None,
 ) -> tuple[Any, list[int]]:
     """:func:`allgatherv`, plus every rank's length along axis 0."""
-    if _is_tensor(local) and local.device.type != "cpu":
+    if is_tensor(local) and local.device.type != "cpu":
         if out is not None:
             raise ValueError("out: not supported for device tensors")
         return _allgatherv_device(local, comm, deadline)
-    if _is_tensor(local):
+    if is_tensor(local):
         local = local.detach().contiguous()
         view = _tensor_bytes_view(local)
     elif isinstance(local, np.ndarray):
@@ -892,7 +894,7 @@ def _gather(
         if dest is None:
             raise ValueError(f"out: has {into.shape[0]} rows along axis 0, the pieces hold {rows}")
         return out, lengths
-    if _is_tensor(local):
+    if is_tensor(local):
         import torch
 
         t = torch.from_numpy(out_view)
@@ -911,8 +913,8 @@ def _tensor_bytes_view(t: Any) -> np.ndarray:
 def _out_view(out: Any, local: Any, view: np.ndarray) -> np.ndarray:
     """``out`` as a writeable numpy array of ``view``'s dtype (bfloat16 as its bit patterns),
     after the checks that need no lengths: kind, dtype, trailing shape, layout."""
-    if _is_tensor(local):
-        if not _is_tensor(out) or out.device.type != "cpu":
+    if is_tensor(local):
+        if not is_tensor(out) or out.device.type != "cpu":
             raise TypeError(f"out: must be a CPU torch tensor like local, got {type(out).__name__}")
         if out.dtype != local.dtype:
             raise TypeError(f"out: dtype {out.dtype} differs from local's {local.dtype}")
@@ -1164,7 +1166,7 @@ def _allgatherv_device(local: Any, comm: Any, deadline: float | None) -> tuple[A
     import torch
     import torch.distributed as dist
 
-    from hetcoll.comm import _TorchRequest
+    from hetcoll.comm import TorchRequest
 
     c = wrap(comm)
     local = local.contiguous()
@@ -1181,7 +1183,7 @@ def _allgatherv_device(local: Any, comm: Any, deadline: float | None) -> tuple[A
         group=c.native,
         async_op=True,
     )
-    _TorchRequest(work, "all_to_all_single (allgatherv)").wait(deadline)
+    TorchRequest(work, "all_to_all_single (allgatherv)").wait(deadline)
     return out, [int(n) for n in rows]
 
 
@@ -1223,7 +1225,7 @@ def _make_function() -> Any:
             if grad.device.type != "cpu":
                 import torch.distributed as dist
 
-                from hetcoll.comm import _TorchRequest
+                from hetcoll.comm import TorchRequest
 
                 work = dist.reduce_scatter(
                     result.view(-1),
@@ -1231,10 +1233,10 @@ def _make_function() -> Any:
                     group=comm.native,
                     async_op=True,
                 )
-                _TorchRequest(work, "reduce_scatter").wait(deadline)
+                TorchRequest(work, "reduce_scatter").wait(deadline)
                 return result, None, None
-            g_view, bf16 = _numpy_view(grad, "grad")
-            r_view, _ = _numpy_view(result, "grad")
+            g_view, bf16 = numpy_view(grad, "grad")
+            r_view, _ = numpy_view(result, "grad")
             kind = _kind(g_view, bf16)
             comm.ireduce_scatterv(g_view.reshape(-1), r_view.reshape(-1), counts, kind).wait(
                 deadline

@@ -436,7 +436,9 @@ class MpiCommunicator(Communicator):
 # torch.distributed
 
 
-class _TorchRequest(Request):
+class TorchRequest(Request):
+    """A request over a torch.distributed work handle (what the collectives wait on)."""
+
     # ``what`` names the transfer in errors only; point-to-point calls pass (verb, rank) and it
     # is formatted then, not on every one of the many segment messages.
     def __init__(self, work: Any, what: str | tuple[str, int], keep: Any = None) -> None:
@@ -520,7 +522,7 @@ class TorchCommunicator(Communicator):
             work = self._dist.isend(t, self._global[dest], group=self.native, tag=tag)
         except (RuntimeError, ConnectionError) as e:
             raise _lost(f"send to rank {dest}", e) from e
-        return _TorchRequest(work, ("send to rank", dest), t)
+        return TorchRequest(work, ("send to rank", dest), t)
 
     def irecv(self, buf: np.ndarray, source: int, tag: int) -> Request:
         t = _bytes(buf)
@@ -528,7 +530,7 @@ class TorchCommunicator(Communicator):
             work = self._dist.irecv(t, self._global[source], group=self.native, tag=tag)
         except (RuntimeError, ConnectionError) as e:
             raise _lost(f"receive from rank {source}", e) from e
-        return _TorchRequest(work, ("receive from rank", source), t)
+        return TorchRequest(work, ("receive from rank", source), t)
 
     def iallreduce_sum(self, buf: np.ndarray, kind: str) -> Request:
         import torch.distributed as dist
@@ -536,7 +538,7 @@ class TorchCommunicator(Communicator):
         t = _tensor(buf, kind)
         with _lost_peer("all_reduce"):
             work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.native, async_op=True)
-        return _TorchRequest(work, "all_reduce", t)
+        return TorchRequest(work, "all_reduce", t)
 
     def allreduce_sum(self, buf: np.ndarray, kind: str, deadline: float | None) -> None:
         if deadline is not None:  # a timed wait needs the request
@@ -569,7 +571,7 @@ class TorchCommunicator(Communicator):
         except (RuntimeError, ConnectionError) as e:
             raise _lost("all_gather_into_tensor", e) from e
         if deadline is not None:
-            _TorchRequest(work, "all_gather_into_tensor", (out, inp)).wait(deadline)
+            TorchRequest(work, "all_gather_into_tensor", (out, inp)).wait(deadline)
         return out.cpu().numpy().reshape(self.size, send.size)
 
     def iallgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> Request:
@@ -591,7 +593,7 @@ class TorchCommunicator(Communicator):
                 group=self.native,
                 async_op=True,
             )
-        return _TorchRequest(work, "all_to_all_single (allgatherv)", (out, inp))
+        return TorchRequest(work, "all_to_all_single (allgatherv)", (out, inp))
 
     def ialltoallv(
         self,
@@ -614,7 +616,7 @@ class TorchCommunicator(Communicator):
                 group=self.native,
                 async_op=True,
             )
-        return _TorchRequest(work, "all_to_all_single", (out, inp))
+        return TorchRequest(work, "all_to_all_single", (out, inp))
 
     def ireduce_scatterv(
         self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], kind: str
@@ -628,10 +630,11 @@ class TorchCommunicator(Communicator):
             work = dist.reduce_scatter(
                 out, pieces, op=dist.ReduceOp.SUM, group=self.native, async_op=True
             )
-        return _TorchRequest(work, "reduce_scatter", (out, pieces))
+        return TorchRequest(work, "reduce_scatter", (out, pieces))
 
 
-def _is_mpi_comm(x: object) -> bool:
+def is_mpi_comm(x: object) -> bool:
+    """Whether ``x`` is an mpi4py communicator (without importing mpi4py)."""
     mpi = sys.modules.get("mpi4py.MPI")
     return mpi is not None and isinstance(x, mpi.Comm)
 
@@ -665,7 +668,7 @@ def wrap(x: Any = None) -> Communicator:
     """
     if isinstance(x, Communicator):
         return x
-    if _is_mpi_comm(x):
+    if is_mpi_comm(x):
         mpi = sys.modules["mpi4py.MPI"]
         if not isinstance(x, mpi.Intracomm):
             raise TypeError("comm: an MPI intercommunicator is not supported")

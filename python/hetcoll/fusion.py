@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from hetcoll import _core
-from hetcoll.kernels import _is_tensor, _numpy_view
+from hetcoll.kernels import is_tensor, numpy_view
 
 __all__ = ["pack", "unpack"]
 
@@ -45,7 +45,7 @@ def _scale(scale: object) -> float:
 
 def _views(arrays: Any) -> tuple[list[Any], list[np.ndarray], bool | None]:
     """The arrays as a list, their zero-copy numpy views, and whether they hold bfloat16 bits."""
-    if isinstance(arrays, (np.ndarray, str, bytes)) or _is_tensor(arrays):
+    if isinstance(arrays, (np.ndarray, str, bytes)) or is_tensor(arrays):
         raise TypeError("arrays: must be a sequence of arrays, not a single array")
     try:
         arrays = list(arrays)
@@ -56,7 +56,7 @@ def _views(arrays: Any) -> tuple[list[Any], list[np.ndarray], bool | None]:
     views: list[np.ndarray] = []
     bf16: bool | None = None
     for i, a in enumerate(arrays):
-        v, b = _numpy_view(a, f"arrays[{i}]")
+        v, b = numpy_view(a, f"arrays[{i}]")
         if not b and v.dtype not in _DTYPES:
             raise TypeError(
                 f"arrays[{i}]: dtype {v.dtype} is not supported (float32, float64, float16, "
@@ -89,13 +89,13 @@ def pack(arrays: Sequence[Array], *, scale: float = 1.0, out: Array | None = Non
             raise ValueError("arrays: must hold at least one array when out is not given")
         total = sum(v.size for v in views)
         first = arrays[0]
-        if _is_tensor(first):
+        if is_tensor(first):
             import torch
 
             result = torch.empty(total, dtype=first.dtype)
         else:
             result = np.empty(total, dtype=views[0].dtype)
-    out_view, out_bf16 = _numpy_view(result, "out")
+    out_view, out_bf16 = numpy_view(result, "out")
     if bf16 is not None and out_bf16 != bf16:
         raise TypeError("out: dtype differs from the arrays'")
     _core.pack_into(views, out_view, scale=value, bfloat16=out_bf16)
@@ -115,7 +115,7 @@ def unpack(flat: Array, arrays: Sequence[Array], *, scale: float = 1.0) -> None:
     array([-2., -3.])
     """
     value = _scale(scale)
-    flat_view, flat_bf16 = _numpy_view(flat, "flat")
+    flat_view, flat_bf16 = numpy_view(flat, "flat")
     _, views, bf16 = _views(arrays)
     if bf16 is not None and flat_bf16 != bf16:
         raise TypeError("flat: dtype differs from the arrays'")

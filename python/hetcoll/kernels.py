@@ -18,17 +18,18 @@ from hetcoll import _core
 ArrayT = TypeVar("ArrayT")
 
 
-def _is_tensor(x: object) -> bool:
+def is_tensor(x: object) -> bool:
+    """Whether ``x`` is a torch tensor, without importing torch."""
     # Checked without importing torch: most callers of the numpy path never load it.
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def _numpy_view(x: Any, argument: str) -> tuple[np.ndarray, bool]:
+def numpy_view(x: Any, argument: str) -> tuple[np.ndarray, bool]:
     """A numpy view sharing ``x``'s memory, and whether it holds bfloat16 bit patterns."""
     if isinstance(x, np.ndarray):
         return x, False
-    if _is_tensor(x):
+    if is_tensor(x):
         import torch
 
         if x.device.type != "cpu":
@@ -66,21 +67,21 @@ def weighted_sum(
     >>> hetcoll.weighted_sum([np.ones(3), np.arange(3.0)], [2.0, 0.5])
     array([2. , 2.5, 3. ])
     """
-    if isinstance(arrays, (np.ndarray, str, bytes)) or _is_tensor(arrays):
+    if isinstance(arrays, (np.ndarray, str, bytes)) or is_tensor(arrays):
         raise TypeError("arrays: must be a sequence of arrays, not a single array")
     arrays = list(arrays)
     if not arrays:
         raise ValueError("arrays: must hold at least one array")
-    views = [_numpy_view(a, f"arrays[{i}]") for i, a in enumerate(arrays)]
+    views = [numpy_view(a, f"arrays[{i}]") for i, a in enumerate(arrays)]
     if out is None:
         first: Any = arrays[0]
-        if _is_tensor(first):
+        if is_tensor(first):
             import torch
 
             out = cast(ArrayT, torch.empty_like(first, memory_format=torch.contiguous_format))
         else:
             out = cast(ArrayT, np.empty_like(first, order="C"))
-    out_view, out_bf16 = _numpy_view(out, "out")
+    out_view, out_bf16 = numpy_view(out, "out")
     for i, (_, bf16) in enumerate(views):
         if bf16 != out_bf16:
             kinds = {True: "bfloat16", False: "not bfloat16"}

@@ -4,7 +4,7 @@ Per-layer costs of a torch model (:func:`layer_costs`), a hardware description r
 (:func:`load_cluster`), predicted step time and memory of data-, filter- and pipeline-parallel
 training at given shares (:func:`data_parallel`, :func:`filter_parallel`, :func:`pipeline`), and
 the planner that ranks them (:func:`plan`, :func:`sweep`). Calibration and validation on this
-machine live in :mod:`hetcoll.model.calibrate` and :mod:`hetcoll.model.validate`.
+machine live in :mod:`hetcoll.lab.calibrate` and :mod:`hetcoll.lab.validate`.
 
 Names are imported on first use, so ``hetcoll`` commands that do not plan never import torch.
 

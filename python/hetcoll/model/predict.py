@@ -349,12 +349,12 @@ def data_parallel(
     Validation on emulated heterogeneity: ``emulated_speeds`` (one factor f in (0, 1] per
     device) adds the pause a rank of speed f takes between its forward and its backward,
     ``(1/f - 1)`` x its step's compute (forward, backward and update), as
-    :func:`hetcoll.model.validate.emulate_speed` does. ``shared_cores``: the devices are ranks
+    :func:`hetcoll.lab.validate.emulate_speed` does. ``shared_cores``: the devices are ranks
     sharing this many CPU cores; while more ranks compute than there are cores they share them
     (:func:`terms.shared_cores_finish_seconds`; ``time_slice_s``: the scheduler's, 0 for
     processor sharing), and a pausing rank leaves its core to the others. The gradient
     allreduce then starts after every backward, ``shared_wake_s`` late (the ranks that finished
-    first slept and must be woken; :func:`hetcoll.model.calibrate.fit_wake_seconds`).
+    first slept and must be woken; :func:`hetcoll.lab.calibrate.fit_wake_seconds`).
 
     >>> from hetcoll.model import layer_costs, networks, hardware  # doctest: +SKIP
     >>> data_parallel(costs, cluster, [48, 16]).step_s  # doctest: +SKIP

@@ -1,8 +1,8 @@
 """PyTorch integration: balanced data parallelism (speed probe, sampler, exact sample-weighted
-gradient averaging for DDP and for MPI, rebalancing) and emulated heterogeneity for trying it on
-one machine; filter (model) parallelism with uneven, speed-proportional channel splits."""
+gradient averaging for DDP and for MPI, rebalancing) and filter (model) parallelism with uneven,
+speed-proportional channel splits. Emulated heterogeneity, for trying these on one machine, is
+lab code: :mod:`hetcoll.lab.emulate`."""
 
-from hetcoll.torch.emulate import EmulatedSpeed
 from hetcoll.torch.filter_parallel import (
     FilterParallelBatchNorm1d,
     FilterParallelBatchNorm2d,
@@ -22,7 +22,6 @@ from hetcoll.torch.speed import SpeedFit, gather_speeds, measure_speed
 __all__ = [
     "BalancedSampler",
     "DistributedOptimizer",
-    "EmulatedSpeed",
     "FilterParallelBatchNorm1d",
     "FilterParallelBatchNorm2d",
     "FilterParallelConv2d",
@@ -39,3 +38,19 @@ __all__ = [
     "set_emulated_speed",
     "weighted_allreduce_hook",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # Deprecated for one release: emulated heterogeneity is lab code now.
+    if name == "EmulatedSpeed":
+        import importlib
+        import warnings
+
+        warnings.warn(
+            "hetcoll.torch.EmulatedSpeed moved to hetcoll.lab.emulate.EmulatedSpeed; the old "
+            "name goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module("hetcoll.lab.emulate").EmulatedSpeed
+    raise AttributeError(f"module 'hetcoll.torch' has no attribute {name!r}")

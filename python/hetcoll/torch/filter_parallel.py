@@ -307,7 +307,7 @@ class _ChannelSplit:
         super()._load_from_state_dict(state_dict, prefix, *args)  # type: ignore[misc]
 
 
-class _FilterParallelLayer(_ChannelSplit, nn.Module):
+class FilterParallelLayer(_ChannelSplit, nn.Module):
     """Shared forward of the split Conv2d and Linear (``dim`` is their channel dimension)."""
 
     mode: str
@@ -398,7 +398,7 @@ class _FilterParallelLayer(_ChannelSplit, nn.Module):
         return f"mode={self.mode!r}, shares={self.shares}, rank={self.rank}"
 
 
-class FilterParallelConv2d(_FilterParallelLayer):
+class FilterParallelConv2d(FilterParallelLayer):
     """A ``torch.nn.Conv2d`` (``groups=1``) whose output channels are split across ranks.
 
     ``shares`` (ints, one per rank of ``group``, each >= 1, summing to ``out_channels``) or
@@ -521,7 +521,7 @@ class FilterParallelConv2d(_FilterParallelLayer):
         )
 
 
-class FilterParallelLinear(_FilterParallelLayer):
+class FilterParallelLinear(FilterParallelLayer):
     """A ``torch.nn.Linear`` whose output features are split across ranks.
 
     Same contract as :class:`FilterParallelConv2d` (the channel dimension is the last one). In
@@ -1069,5 +1069,5 @@ def set_emulated_speed(model: nn.Module, speed: float) -> None:
     if not 0.0 < speed <= 1.0:
         raise ValueError(f"speed: must be in (0, 1] (a fraction of the real speed), got {speed}")
     for m in model.modules():
-        if isinstance(m, _FilterParallelLayer):
+        if isinstance(m, FilterParallelLayer):
             m.emulated_speed = speed

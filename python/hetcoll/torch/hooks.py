@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 
 import hetcoll
-from hetcoll.collectives import _auto, _direct, _premul_sum
+from hetcoll.collectives import choose_algorithm, direct_allreduce, premul_sum_op
 from hetcoll.comm import wrap
 from hetcoll.errors import CollectiveMismatchError
-from hetcoll.kernels import _numpy_view
+from hetcoll.kernels import numpy_view
 
 ALGORITHMS = ("auto", "direct", "allreduce")
 #: "auto" sends a bucket on two ranks through the direct exchange below this size, per
@@ -89,7 +89,7 @@ class WeightedAllreduceState:
         self.local_batch = local_batch
         self.algorithm = algorithm
         self._step_total: torch.futures.Future | None = None
-        self._direct: _DirectExchange | None = None
+        self.direct_allreduce: _DirectExchange | None = None
         self._agreed = False
         self.ready_at = 0.0
 
@@ -159,19 +159,19 @@ def weighted_allreduce_hook(
     buf = bucket.buffer()
     state._agree(buf)
     if state.algorithm != "allreduce" and buf.device.type == "cpu" and buf.dtype in _KERNEL:
-        if state._direct is None:
-            state._direct = _DirectExchange(state.process_group)
-        direct = state._direct
+        if state.direct_allreduce is None:
+            state.direct_allreduce = _DirectExchange(state.process_group)
+        direct = state.direct_allreduce
         nbytes = buf.numel() * buf.element_size()
         c = direct.comm
         two = c.size == 2 and nbytes < TWO_RANK_DIRECT_BELOW_BYTES.get(c.engine, 0)
-        if state.algorithm == "direct" or two or _auto(c, nbytes, False) == "direct":
+        if state.algorithm == "direct" or two or choose_algorithm(c, nbytes, False) == "direct":
             return direct.submit(buf, state.local_batch, bucket.index(), bucket.is_last())
     total_fut = state._global_batch()
     if bucket.is_last():
         state._step_total = None  # the next step sums its own batch sizes
     # On NCCL each rank's factor is applied inside the reduction kernel (PREMUL_SUM).
-    op = _premul_sum(_backend(state.process_group), float(state.local_batch))
+    op = premul_sum_op(_backend(state.process_group), float(state.local_batch))
     if op is None:
         op = dist.ReduceOp.SUM
         _scale_(buf, float(state.local_batch))
@@ -221,10 +221,12 @@ class _DirectExchange:
             fut.set_exception(e)
 
     def _exchange(self, buf: torch.Tensor, n: int, index: int) -> torch.Tensor:
-        view, bf16 = _numpy_view(buf, "bucket")
+        view, bf16 = numpy_view(buf, "bucket")
         try:
             tag = _TAG_BASE + 2 * index
-            _direct(self.comm, view.reshape(-1), bf16, float(n), None, normalize=True, tag=tag)
+            direct_allreduce(
+                self.comm, view.reshape(-1), bf16, float(n), None, normalize=True, tag=tag
+            )
         except ValueError as e:
             raise ValueError("local_batch: every rank reported 0 samples for this step") from e
         return buf

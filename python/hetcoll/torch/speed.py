@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetcoll.comm import _is_mpi_comm
+from hetcoll.comm import is_mpi_comm
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def gather_speeds(fit: SpeedFit, group: Any = None) -> list[SpeedFit]:
     """
     if not isinstance(fit, SpeedFit):
         raise TypeError(f"fit: must be a SpeedFit, got {type(fit).__name__}")
-    if _is_mpi_comm(group):
+    if is_mpi_comm(group):
         return list(group.allgather(fit))
     import torch.distributed as dist
 

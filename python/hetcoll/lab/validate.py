@@ -92,7 +92,7 @@ def _link_here(
     if not calibrate_here or world == 1:
         return {}
     import hetcoll
-    from hetcoll.model import calibrate
+    from hetcoll.lab import calibrate
 
     calibrate.set_statistic("median")
     op = hetcoll.allreduce if hetcoll_allreduce else None
@@ -104,10 +104,10 @@ def _link_here(
 
 def _scheduler_here(rank: int, world: int) -> dict[str, object]:
     """With more ranks than cores, lock-step stretches of known compute, from which the caller
-    fits the scheduler's time slice (:func:`hetcoll.model.calibrate.fit_time_slice`)."""
+    fits the scheduler's time slice (:func:`hetcoll.lab.calibrate.fit_time_slice`)."""
     if world <= (os.cpu_count() or 1):
         return {}
-    from hetcoll.model import calibrate
+    from hetcoll.lab import calibrate
 
     # The loop's rate as the device's figures are taken: ``cores`` ranks at once.
     rate = _side_by_side(rank, calibrate.spin_rate)
@@ -148,7 +148,7 @@ def _timed_steps(
     itself; :func:`_side_by_side`). The caller pairs steps across ranks and takes medians."""
     import torch.distributed as dist
 
-    from hetcoll.model import calibrate
+    from hetcoll.lab import calibrate
 
     calibrate.set_statistic("median")
     dist.barrier()
@@ -248,7 +248,7 @@ def _filter_rank(
 
     from hetcoll.model import networks
     from hetcoll.torch.filter_parallel import (
-        _FilterParallelLayer,
+        FilterParallelLayer,
         filter_parallel,
         set_emulated_speed,
     )
@@ -274,7 +274,7 @@ def _filter_rank(
         opt.step()
 
     step_s, devices = _timed_steps(rank, step, steps, warmup, calibrate_here)
-    split = {n: m for n, m in model.named_modules() if isinstance(m, _FilterParallelLayer)}
+    split = {n: m for n, m in model.named_modules() if isinstance(m, FilterParallelLayer)}
     return {
         "step_s": step_s,
         "devices": devices,
@@ -389,7 +389,7 @@ def _link_of(runs: Sequence[dict[str, Any]], p: int, link: Link | None) -> Link:
         return link
     if p == 1:
         return Link("none", 0.0, 1.0)
-    from hetcoll.model.calibrate import fit_ring_allreduce
+    from hetcoll.lab.calibrate import fit_ring_allreduce
 
     slowest = [max(t) for t in zip(*(r["allreduce_s"] for r in runs))]
     alpha, bw = fit_ring_allreduce(p, _LINK_SIZES, slowest)
@@ -402,7 +402,7 @@ def _core_sharing_of(runs: Sequence[dict[str, Any]], cores: int) -> tuple[float,
     fit in the cores."""
     if "lockstep_s" not in runs[0]:
         return 0.0, 0.0
-    from hetcoll.model.calibrate import TIME_SLICE_WORKS_S, fit_time_slice, fit_wake_seconds
+    from hetcoll.lab.calibrate import TIME_SLICE_WORKS_S, fit_time_slice, fit_wake_seconds
 
     stretches = [statistics.median(s) for s in zip(*(r["lockstep_s"] for r in runs))]
     q = fit_time_slice(len(runs), cores, TIME_SLICE_WORKS_S, stretches)

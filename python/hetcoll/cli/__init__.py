@@ -1,13 +1,15 @@
-"""The ``hetcoll`` command: ``split`` (and, as the library grows, ``demo``, ``plan``, ``bench``).
+"""The ``hetcoll`` command, the top layer: ``split``, ``demo``, ``plan`` and ``model``.
 
-Each subcommand is a thin shell over the public API; nothing here computes anything the library
-does not expose.
+Each subcommand is a thin shell over the public API (or, for ``demo`` and ``model
+calibrate/validate``, over the lab, :mod:`hetcoll.lab`, imported only when such a command runs);
+nothing here computes anything the library does not expose.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -83,10 +85,30 @@ def _add_split(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    # The demo's command line is torch-free; its training (hetcoll.demo) is imported on use.
-    from hetcoll.demo_cli import add_parser
+    # The demo's options are torch-free; its training (the lab's hetcoll.lab.demo) is imported
+    # when the command runs.
+    from hetcoll.lab.demo_config import add_parser
 
-    add_parser(sub)
+    add_parser(sub).set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from hetcoll.lab.demo import format_table, plot, run
+    from hetcoll.lab.demo_config import config_from_args
+
+    report = run(config_from_args(args))
+    os.makedirs(args.out, exist_ok=True)
+    png = os.path.join(args.out, "demo.png")
+    plot(report, png)
+    with open(os.path.join(args.out, "demo.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    if args.json:
+        json.dump(report, sys.stdout)
+        print()
+    else:
+        print(format_table(report))
+        print(f"plot: {png}")
+    return 0
 
 
 _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_split]
@@ -94,10 +116,10 @@ _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _
 
 def _add_model_commands(sub: argparse._SubParsersAction) -> None:
     # Imported on use: the model pulls in torch, which `hetcoll split` does not need.
-    from hetcoll.model.cli import _add_model, _add_plan
+    from hetcoll.cli.model import add_model, add_plan
 
-    _add_plan(sub)
-    _add_model(sub)
+    add_plan(sub)
+    add_model(sub)
 
 
 _SUBCOMMANDS.append(_add_model_commands)

@@ -5,7 +5,7 @@ ranks through gloo (:func:`hetcoll.launch.spawn`) and MPI (:func:`hetcoll.launch
 The result is a cluster file (one node of as many one-thread ranks as there are cores) that
 ``hetcoll plan`` and ``hetcoll model validate`` read like any hand-written one.
 
-Run as ``python -m hetcoll.model.calibrate`` under ``mpiexec -n 2`` it does the MPI ping-pong
+Run as ``python -m hetcoll.lab.calibrate`` under ``mpiexec -n 2`` it does the MPI ping-pong
 and prints the fit as JSON (that is how :func:`measure_mpi_link` runs it).
 """
 
@@ -529,7 +529,7 @@ def measure_mpi_link(sizes: Sequence[int] = PING_PONG_BYTES, repeats: int = 9) -
     }
     proc = mpiexec(
         2,
-        ["-m", "hetcoll.model.calibrate", json.dumps({"sizes": list(sizes), "repeats": repeats})],
+        ["-m", "hetcoll.lab.calibrate", json.dumps({"sizes": list(sizes), "repeats": repeats})],
         timeout=120.0,
         env=env,
     )

@@ -9,16 +9,13 @@ ranks of unequal (emulated) speed, twice:
 
 Both runs see the same global batches in the same order, so they learn the same model; only the
 time differs. Speeds are *emulated* (a slow rank sleeps in proportion to its real compute, see
-:mod:`hetcoll.torch.emulate`). Prints a table, writes a PNG plot and, with ``--json``, a
+:mod:`hetcoll.lab.emulate`). Prints a table, writes a PNG plot and, with ``--json``, a
 machine-readable result.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 from dataclasses import dataclass
 
 
@@ -35,7 +32,7 @@ class DemoConfig:
     rebalance: bool = True
     progress: bool = True
     runs: tuple[str, ...] = ("unbalanced", "balanced")
-    strategy: str = "data"  # "filter": hetcoll.torch.filter_demo
+    strategy: str = "data"  # "filter": hetcoll.lab.filter_demo
 
     @property
     def world_size(self) -> int:
@@ -56,7 +53,8 @@ class DemoConfig:
             raise ValueError(f"strategy: must be 'data' or 'filter', got {self.strategy!r}")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """The ``demo`` subcommand's options; the caller sets what runs it."""
     p = sub.add_parser(
         "demo",
         help="train a CNN on ranks of unequal (emulated) speed, unbalanced vs balanced",
@@ -90,15 +88,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="demo-out", help="directory for demo.png (and demo.json)")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=_cmd_demo)
+    return p
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
+def config_from_args(args: argparse.Namespace) -> DemoConfig:
+    """The run the parsed options of ``hetcoll demo`` ask for."""
     try:
         speeds = tuple(float(s) for s in args.speeds.split(",") if s.strip())
     except ValueError:
         raise ValueError(f"speeds: expected comma-separated numbers, got {args.speeds!r}") from None
-    cfg = DemoConfig(
+    return DemoConfig(
         speeds=speeds,
         epochs=args.epochs,
         global_batch=args.batch,
@@ -109,18 +108,3 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         rebalance=args.rebalance,
         progress=not args.no_progress,
     )
-    from hetcoll.demo import format_table, plot, run
-
-    report = run(cfg)
-    os.makedirs(args.out, exist_ok=True)
-    png = os.path.join(args.out, "demo.png")
-    plot(report, png)
-    with open(os.path.join(args.out, "demo.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    if args.json:
-        json.dump(report, sys.stdout)
-        print()
-    else:
-        print(format_table(report))
-        print(f"plot: {png}")
-    return 0

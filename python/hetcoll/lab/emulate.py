@@ -1,4 +1,5 @@
-"""Emulated heterogeneity: make one process behave like a slower device.
+"""Emulated heterogeneity (lab code: may import the library, never imported by it): make one
+process behave like a slower device.
 
 On one machine every rank runs on the same kind of core, so to show (and test) balancing we slow
 some ranks down on purpose. :class:`EmulatedSpeed` wraps a module so that its forward + backward
@@ -37,7 +38,7 @@ from torch import nn
 from hetcoll.torch.speed import SpeedFit
 
 
-def _delay_points(module: nn.Module) -> list[nn.Module]:
+def delay_points(module: nn.Module) -> list[nn.Module]:
     """The layers that carry the delay: leaves with parameters, else all leaves, else the root."""
     leaves = [m for m in module.modules() if not list(m.children())]
     with_params = [m for m in leaves if any(True for _ in m.parameters(recurse=False))]
@@ -78,7 +79,7 @@ class EmulatedSpeed(nn.Module):
         self.backward_ratio = float(backward_ratio)
         self.cost = cost
         self.last_forward_seconds = 0.0
-        points = _delay_points(module)
+        points = delay_points(module)
         # Each layer's share of the delay: its real forward time, smoothed over calls.
         self._weights = [1.0 / len(points)] * len(points)
         self._layer_seconds = [0.0] * len(points)

@@ -1,5 +1,6 @@
 """``hetcoll plan`` and ``hetcoll model {costs,calibrate,validate}``: thin shells over
-:mod:`hetcoll.model` (registered in :data:`hetcoll.cli._SUBCOMMANDS`)."""
+:mod:`hetcoll.model`, and over the lab's :mod:`hetcoll.lab.calibrate` and
+:mod:`hetcoll.lab.validate` (imported when those commands run)."""
 
 from __future__ import annotations
 
@@ -117,7 +118,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_plan(sub: argparse._SubParsersAction) -> None:
+def add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan",
         help="predict the fastest strategy and split for a model on a cluster",
@@ -172,7 +173,7 @@ def _cmd_costs(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from hetcoll.model.calibrate import calibrate
+    from hetcoll.lab.calibrate import calibrate
 
     links = tuple(x for x in args.links.split(",") if x)
     for x in links:
@@ -195,13 +196,13 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from hetcoll.model import load_cluster
-    from hetcoll.model.validate import (
+    from hetcoll.lab.validate import (
         FilterConfiguration,
         default_configurations,
         run_validation,
         summary,
     )
+    from hetcoll.model import load_cluster
 
     configs = default_configurations(args.model)
     if args.quick:
@@ -302,7 +303,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_model(sub: argparse._SubParsersAction) -> None:
+def add_model(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "model",
         help="performance model: layer costs, calibration, validation",

@@ -23,31 +23,31 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetcoll.demo import (
-    DemoConfig,
+from hetcoll.lab.demo_config import DemoConfig
+from hetcoll.lab.demo_ranks import (
     DemoNet,
+    Engine,
     RunResult,
-    _Engine,
-    _evaluate,
-    _probe,
+    evaluate,
     load_digits,
+    probe,
     progress_bar,
     rank_rows,
 )
 from hetcoll.torch.filter_parallel import (
-    _FilterParallelLayer,
+    FilterParallelLayer,
     filter_parallel,
     set_emulated_speed,
 )
 
 
-def _train(engine: _Engine, group: Any, cfg: DemoConfig, name: str, speeds: list[float]):
+def _train(engine: Engine, group: Any, cfg: DemoConfig, name: str, speeds: list[float]):
     rank = engine.rank
     xtr, ytr, xte, yte = load_digits(cfg.seed)
     torch.manual_seed(cfg.seed)
     model = filter_parallel(DemoNet(), speeds, group)
     set_emulated_speed(model, cfg.speeds[rank])
-    split = [m for m in model.modules() if isinstance(m, _FilterParallelLayer)]
+    split = [m for m in model.modules() if isinstance(m, FilterParallelLayer)]
     result = RunResult(name, list(split[0].shares))
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -70,7 +70,7 @@ def _train(engine: _Engine, group: Any, cfg: DemoConfig, name: str, speeds: list
         wall += seconds
         if bar is not None:
             bar.close()
-        loss, acc = _evaluate(model, xte, yte)
+        loss, acc = evaluate(model, xte, yte)
         result.epochs.append(
             {
                 "epoch": epoch + 1,
@@ -86,12 +86,12 @@ def _train(engine: _Engine, group: Any, cfg: DemoConfig, name: str, speeds: list
     return result, layer_shares
 
 
-def run_rank(engine: _Engine, cfg: DemoConfig) -> dict[str, Any] | None:
+def run_rank(engine: Engine, cfg: DemoConfig) -> dict[str, Any] | None:
     """Both filter-parallel runs on this rank; rank 0 returns the report (the data-parallel
     demo's format, plus the shares of every split layer)."""
     torch.set_num_threads(1)
     group = getattr(engine, "comm", None)  # MPI communicator, or torch's default group
-    fits, _ = _probe(engine, cfg)
+    fits, _ = probe(engine, cfg)
     measured = [f.samples_per_s for f in fits]
     plans = {"unbalanced": [1.0] * engine.world, "balanced": measured}
     runs, shares = [], {}
