@@ -34,7 +34,7 @@ from torch import nn
 import hetcoll
 from hetcoll import launch
 from hetcoll.torch import filter_parallel, set_emulated_speed
-from hetcoll.torch.filter_parallel import FilterParallelLayer
+from hetcoll.torch.filters import FilterParallelLayer
 
 SPEEDS = (1.0, 0.25)
 

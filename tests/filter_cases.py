@@ -23,7 +23,7 @@ from hetcoll.torch import (
     gather_gradients,
     gather_state_dict,
 )
-from hetcoll.torch.filter_parallel import FilterParallelLayer
+from hetcoll.torch.filters import FilterParallelLayer
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 

@@ -112,10 +112,11 @@ def test_mpi_dead_peer_raises_timeout_on_survivors():
         for r in (0, 1)
         for a in ("direct", "native", "ring", "shared")
     ], proc.stdout + proc.stderr
-    # Within the 2 s timeout plus slack; earlier is right too when MPI reports the lost peer.
+    # The 2 s timeout fired (or MPI reported the lost peer earlier) instead of a hang. The bound
+    # is loose on purpose: it tells a timeout from a hang, not how fast a busy host wakes up.
     for x in lines:
-        assert float(x.split("after ")[1].split(" s")[0]) < 5.0, proc.stdout
-    assert elapsed < 40
+        assert float(x.split("after ")[1].split(" s")[0]) < 30.0, proc.stdout
+    assert elapsed < 60
 
 
 def _dead_peer_rank(rank, world, port, result_path):
@@ -162,9 +163,10 @@ def test_gloo_dead_peer_raises_timeout_on_survivors():
         for path in paths[:2]:
             with open(path, "rb") as f:
                 outcomes = pickle.load(f)
-            # gloo notices the closed connection at once; the timeout bounds the wait otherwise
+            # gloo notices the closed connection at once; the timeout bounds the wait otherwise.
+            # A loose bound: it tells a timeout from a hang, not how fast a busy host wakes up.
             assert [o for o, _ in outcomes] == ["CollectiveTimeout"] * 3
-            assert all(seconds < 5.0 for _, seconds in outcomes)
+            assert all(seconds < 30.0 for _, seconds in outcomes)
 
 
 def test_single_process_argument_errors():

@@ -26,7 +26,7 @@ def test_readme_examples():
         hetcoll.kernels,
         hetcoll.fusion,
         hetcoll.torch.sampler,
-        importlib.import_module("hetcoll.torch.filter_parallel"),
+        importlib.import_module("hetcoll.torch.filters"),
         hetcoll.model.predict,
     ],
 )

@@ -100,3 +100,17 @@ def test_importing_the_library_imports_no_lab_module(package):
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_renamed_names_still_work_with_a_warning():
+    import hetcoll.model
+    import hetcoll.torch
+
+    with pytest.warns(DeprecationWarning, match="predict_filter_parallel"):
+        old = hetcoll.model.filter_parallel
+    assert old is hetcoll.model.predict_filter_parallel is hetcoll.model.predict.filter_parallel
+    with pytest.warns(DeprecationWarning, match="hetcoll.lab.emulate"):
+        emulated = hetcoll.torch.EmulatedSpeed
+    from hetcoll.lab.emulate import EmulatedSpeed
+
+    assert emulated is EmulatedSpeed

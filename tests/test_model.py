@@ -24,15 +24,15 @@ from hetcoll.model import (
     Link,
     Node,
     cluster_from_dict,
-    data_parallel,
-    filter_parallel,
     layer_costs,
     load_cluster,
     networks,
-    pipeline,
     plan,
     terms,
 )
+from hetcoll.model import predict_data_parallel as data_parallel
+from hetcoll.model import predict_filter_parallel as filter_parallel
+from hetcoll.model import predict_pipeline as pipeline
 from hetcoll.model.predict import ddp_buckets, even_batch_shares
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -512,7 +512,7 @@ def test_predictor_takes_its_filter_modes_from_the_runtime(name, shape) -> None:
     the predictor's modes are exactly what hetcoll.torch.filter_parallel would do."""
     torchvision = pytest.importorskip("torchvision")
     from hetcoll.model.predict import filter_modes
-    from hetcoll.torch.filter_parallel import filter_modes as runtime_modes
+    from hetcoll.torch.filters import filter_modes as runtime_modes
 
     with torch.device("meta"):
         model = getattr(torchvision.models, name)()
@@ -893,8 +893,8 @@ def test_validation_subset_predicts_real_ddp_steps() -> None:
 
 
 def _torch_filter_modes(rank: int, world: int, names: list[str]) -> dict[str, dict[str, str]]:
-    from hetcoll.torch.filter_parallel import FilterParallelLayer
-    from hetcoll.torch.filter_parallel import filter_parallel as split_model
+    from hetcoll.torch.filters import FilterParallelLayer
+    from hetcoll.torch.filters import filter_parallel as split_model
 
     out = {}
     for name in names:

@@ -34,7 +34,7 @@ from hetcoll.lab.demo_ranks import (
     progress_bar,
     rank_rows,
 )
-from hetcoll.torch.filter_parallel import (
+from hetcoll.torch.filters import (
     FilterParallelLayer,
     filter_parallel,
     set_emulated_speed,

@@ -247,7 +247,7 @@ def _filter_rank(
     import torch.nn.functional as F
 
     from hetcoll.model import networks
-    from hetcoll.torch.filter_parallel import (
+    from hetcoll.torch.filters import (
         FilterParallelLayer,
         filter_parallel,
         set_emulated_speed,

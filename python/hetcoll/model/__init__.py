@@ -2,7 +2,8 @@
 
 Per-layer costs of a torch model (:func:`layer_costs`), a hardware description read from TOML
 (:func:`load_cluster`), predicted step time and memory of data-, filter- and pipeline-parallel
-training at given shares (:func:`data_parallel`, :func:`filter_parallel`, :func:`pipeline`), and
+training at given shares (:func:`predict_data_parallel`, :func:`predict_filter_parallel`,
+:func:`predict_pipeline`), and
 the planner that ranks them (:func:`plan`, :func:`sweep`). Calibration and validation on this
 machine live in :mod:`hetcoll.lab.calibrate` and :mod:`hetcoll.lab.validate`.
 
@@ -39,11 +40,11 @@ if TYPE_CHECKING:
     from hetcoll.model.predict import (
         Prediction,
         balanced_batch_shares,
-        data_parallel,
         even_batch_shares,
-        filter_parallel,
-        pipeline,
     )
+    from hetcoll.model.predict import data_parallel as predict_data_parallel
+    from hetcoll.model.predict import filter_parallel as predict_filter_parallel
+    from hetcoll.model.predict import pipeline as predict_pipeline
 
 _WHERE = {
     "networks": "hetcoll.model.networks",
@@ -63,10 +64,11 @@ _WHERE = {
     "sweep": "hetcoll.model.planner",
     "Prediction": "hetcoll.model.predict",
     "balanced_batch_shares": "hetcoll.model.predict",
-    "data_parallel": "hetcoll.model.predict",
+    "predict": "hetcoll.model.predict",
+    "predict_data_parallel": "hetcoll.model.predict",
     "even_batch_shares": "hetcoll.model.predict",
-    "filter_parallel": "hetcoll.model.predict",
-    "pipeline": "hetcoll.model.predict",
+    "predict_filter_parallel": "hetcoll.model.predict",
+    "predict_pipeline": "hetcoll.model.predict",
     "NetworkHypergraph": "hetcoll.model.hypergraph",
     "PartitionReport": "hetcoll.model.hypergraph",
     "network_hypergraph": "hetcoll.model.hypergraph",
@@ -86,26 +88,48 @@ __all__ = [
     "Prediction",
     "balanced_batch_shares",
     "cluster_from_dict",
-    "data_parallel",
     "even_batch_shares",
-    "filter_parallel",
     "layer_costs",
     "load_cluster",
     "network_hypergraph",
     "networks",
     "parse_shape",
     "partition_report",
-    "pipeline",
     "plan",
+    "predict",
+    "predict_data_parallel",
+    "predict_filter_parallel",
+    "predict_pipeline",
     "sweep",
     "terms",
 ]
 
 
+#: Renamed so they no longer collide with the runtime's hetcoll.torch.filter_parallel; the old
+#: names warn for one release.
+_RENAMED = {
+    "data_parallel": "predict_data_parallel",
+    "filter_parallel": "predict_filter_parallel",
+    "pipeline": "predict_pipeline",
+}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        import warnings
+
+        new = _RENAMED[name]
+        warnings.warn(
+            f"hetcoll.model.{name} is now hetcoll.model.{new}; the old name goes in the next "
+            "release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return __getattr__(new)
     if name not in _WHERE:
         raise AttributeError(f"module 'hetcoll.model' has no attribute {name!r}")
     module = importlib.import_module(_WHERE[name])
-    value = module if _WHERE[name].endswith("." + name) else getattr(module, name)
+    attr = name.removeprefix("predict_") if name.startswith("predict_") else name
+    value = module if _WHERE[name].endswith("." + name) else getattr(module, attr)
     globals()[name] = value
     return value

@@ -482,7 +482,7 @@ def layer_costs(
     from torch.func import functional_call
     from torch.utils.flop_counter import FlopCounterMode
 
-    from hetcoll.torch.filter_parallel import filter_modes
+    from hetcoll.torch.filters import filter_modes
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")

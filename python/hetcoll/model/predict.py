@@ -520,7 +520,7 @@ FILTER_MODES = ("gather", "split-output", "split-input")
 def filter_modes(costs: ModelCosts, *, avoid_gathers: bool = True) -> dict[str, str]:
     """The mode of every layer :func:`hetcoll.torch.filter_parallel` splits (name -> "gather",
     "split-output" or "split-input"), as its own pairing rule
-    (:func:`hetcoll.torch.filter_parallel.filter_modes`) chose them when the costs were read off
+    (:func:`hetcoll.torch.filters.filter_modes`) chose them when the costs were read off
     the model: a Conv2d / Linear layer feeding the next one through channel-wise modules only
     (inside an ``nn.Sequential``) becomes split-output, the next split-input (no gather between
     them; the pair's partial sums are allreduced once); every other split layer gathers.

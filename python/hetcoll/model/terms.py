@@ -62,7 +62,8 @@ def ring_allreduce_seconds(
     """Seconds of a ring allreduce of ``message_bytes`` over ``num_ranks`` ranks (alpha-beta):
     ``2(p-1) alpha + 2(p-1)/p * n b / B + (p-1)/p * reduce(n)``.
 
-    Models seed 003's ring allreduce (REFERENCES.md) and PyDTNN ``allreduce_time`` (whose "bta"
+    Models the ring allreduce of seed 003 (Castelló et al., PDP 2021; Patarasuk & Yuan 2009) and
+    PyDTNN's ``allreduce_time`` in ``pydtnn/performance_models.py`` (whose "bta"
     variant has 2 log2(p) alpha for the latency term; the ring has 2(p-1) start-ups). The
     reduction term n/C is evaluated with the roofline: a reduction reads two operands and writes
     one (3 n b bytes, n flops), so on real parts it is memory-bound, not FLOP-bound.

@@ -3,7 +3,7 @@ gradient averaging for DDP and for MPI, rebalancing) and filter (model) parallel
 speed-proportional channel splits. Emulated heterogeneity, for trying these on one machine, is
 lab code: :mod:`hetcoll.lab.emulate`."""
 
-from hetcoll.torch.filter_parallel import (
+from hetcoll.torch.filters import (
     FilterParallelBatchNorm1d,
     FilterParallelBatchNorm2d,
     FilterParallelConv2d,
@@ -14,7 +14,7 @@ from hetcoll.torch.filter_parallel import (
     set_emulated_speed,
 )
 from hetcoll.torch.hooks import WeightedAllreduceState, weighted_allreduce_hook
-from hetcoll.torch.mpi import DistributedOptimizer, broadcast_parameters
+from hetcoll.torch.optimizer import DistributedOptimizer, broadcast_parameters
 from hetcoll.torch.rebalance import Rebalancer
 from hetcoll.torch.sampler import BalancedSampler
 from hetcoll.torch.speed import SpeedFit, gather_speeds, measure_speed
