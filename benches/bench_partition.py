@@ -51,7 +51,9 @@ def numpy_probe_bisection(costs: np.ndarray, speeds: np.ndarray) -> list[int]:
             lo = mid
         else:
             hi = mid
-    return probe(hi)
+    layers = probe(hi)
+    assert layers is not None  # hi is always feasible: the initial bound covers every layer
+    return layers
 
 
 def bottleneck(costs, speeds, layers):

@@ -38,12 +38,12 @@ def test_hetcoll_split(benchmark, record):
     shares = benchmark.pedantic(
         hetcoll.split, args=(TOTAL, speeds), kwargs={"latency": latency}, rounds=30
     )
-    record(benchmark, GROUP, "hetcoll.split (Rust, exact)", peer=True)
+    record(benchmark, GROUP, "hetcoll.split (Rust, exact)", headline=True)
     assert sum(shares) == TOTAL
 
 
 def test_python_heap_greedy(benchmark, record):
     speeds, latency = instance()
     shares = benchmark.pedantic(python_heap_greedy, args=(TOTAL, speeds, latency), rounds=1)
-    record(benchmark, GROUP, "Python heap greedy (exact, O(B log p))", headline=True)
+    record(benchmark, GROUP, "Python heap greedy (exact, O(B log p))", peer=True)
     assert shares == hetcoll.split(TOTAL, speeds, latency=latency)

@@ -45,7 +45,7 @@ def random_matrix(n: int, nnz_per_row: int, seed: int) -> sp.spmatrix:
 
 
 def stencil(side: int) -> sp.spmatrix:
-    one = sp.diags([1, 1, 1], [-1, 0, 1], shape=(side, side))
+    one = sp.diags([1.0, 1.0, 1.0], [-1, 0, 1], shape=(side, side))
     return sp.kron(one, sp.eye(side)) + sp.kron(sp.eye(side), one)
 
 
@@ -105,7 +105,8 @@ def balanced(parts, vw, targets) -> bool:
     return all(w[b] <= (1 + EPS) * targets[b] * total for b in range(len(targets)))
 
 
-def run_mtkahypar(mtk, n, nets, vw, nw, targets):
+def run_mtkahypar(mtkahypar, mtk, n, nets, vw, nw, targets):
+    """Mt-KaHyPar's partition (the module ``mtkahypar``, initialised as ``mtk``) and seconds."""
     ctx = mtk.context_from_preset(mtkahypar.PresetType.DEFAULT)
     ctx.set_partitioning_parameters(len(targets), EPS, mtkahypar.Objective.KM1)
     total = int(np.sum(vw))
@@ -252,7 +253,6 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small instances only")
     ap.add_argument("--json", type=Path, help="also write a results file for benches/report.py")
     args = ap.parse_args()
-    global mtkahypar
     import mtkahypar
 
     mtk = mtkahypar.initialize(1, False)
@@ -285,7 +285,7 @@ def main() -> None:
                     n, nets, targets, vertex_weights=vw, net_weights=nw, epsilon=EPS, seed=0
                 )
                 t_ours = time.perf_counter() - start
-                theirs, t_theirs = run_mtkahypar(mtk, n, nets, vw, nw, targets)
+                theirs, t_theirs = run_mtkahypar(mtkahypar, mtk, n, nets, vw, nw, targets)
                 a, b = km1_of(nets, ours, nw), km1_of(nets, theirs, nw)
                 ratio = a / b if b > 0 else (1.0 if a == 0 else math.inf)
                 ok_ours, ok_theirs = balanced(ours, vw, targets), balanced(theirs, vw, targets)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from report import RATIO, SCHEMA, host_info, now, write_result
+from report import RATIO, SCHEMA, host_info, now, ratio, write_result
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -101,7 +101,11 @@ def _description(doc: str) -> str:
     for para in doc.strip().split("\n\n"):
         if para.startswith((" ", "\t")):
             break
-        kept.append(" ".join(line.strip() for line in para.splitlines()))
+        text = ""
+        for line in para.splitlines():
+            line = line.strip()
+            text += ("\n" if line.startswith("- ") and text else " " if text else "") + line
+        kept.append(text)
     return "\n\n".join(kept).replace("``", "`")
 
 
@@ -121,7 +125,8 @@ def _speed(entries: dict[str, Entry], peer: str | None, name: str) -> float | No
 def results(config: pytest.Config) -> dict[str, Any]:
     """This session's tables and figures as a results file (see benches/report.py)."""
     path = Path(config.getoption("results_json"))
-    sections, headlines = [], []
+    sections: list[dict[str, Any]] = []
+    headlines: list[dict[str, str]] = []
     for group, entries in _RESULTS.items():
         peer = _PEERS.get(group)
         gbs = any(e.bytes_moved for e in entries.values())
@@ -150,7 +155,7 @@ def results(config: pytest.Config) -> dict[str, Any]:
             )
             if e.headline and speed is not None and peer is not None and name != peer:
                 fast, slow = (name, peer) if speed >= 1 else (peer, name)
-                value = f"{max(speed, 1 / speed):,.2f}x faster"
+                value = f"{ratio(max(speed, 1 / speed))} faster"
                 if entries[fast].note and entries[slow].note:
                     value += f" ({entries[fast].note} vs {entries[slow].note})"
                 headlines.append({"figure": f"{fast} vs {slow}", "value": value})

@@ -26,7 +26,8 @@ A results file (``SCHEMA`` 1)::
                    "notes": ["..."]}]}
 
 Cells are numbers, strings, booleans or null; a column's ``format`` (a ``str.format`` template,
-default ``"{}"``) renders its numbers. ``command`` is the shell command (one per line) that
+default ``"{}"``, or ``"ratio"``: 2 decimals, fewer digits from 100, 2 significant below 0.1,
+then ``x``) renders its numbers. ``command`` is the shell command (one per line) that
 produced the figures, run from the repository root with the project's virtualenv active.
 """
 
@@ -68,6 +69,17 @@ EXPECTED: tuple[tuple[str, str], ...] = (
 )
 
 Cell = str | int | float | bool | None
+#: The column format of ratios: see :func:`ratio`.
+RATIO = "ratio"
+
+
+def ratio(x: float) -> str:
+    """A ratio for a table: ``2.43x``, ``3,261x``, ``0.00031x`` (never rounded to zero)."""
+    if x >= 100:
+        return f"{x:,.0f}x"
+    if x >= 0.1 or x == 0:
+        return f"{x:.2f}x"
+    return f"{x:.2g}x"
 
 
 class ResultError(ValueError):
@@ -88,6 +100,8 @@ class Column:
             return cell
         if isinstance(cell, float) and not math.isfinite(cell):
             return str(cell)
+        if self.format == RATIO:
+            return ratio(cell)
         return self.format.format(cell)
 
 
@@ -190,7 +204,9 @@ def write_result(path: Path | str, result: dict[str, Any]) -> None:
 # Reading results: every field checked, errors naming the file and the field.
 
 
-def _field(obj: Any, key: str, kind: type | tuple[type, ...], where: str, optional: bool = False):
+def _field(
+    obj: Any, key: str, kind: type | tuple[type, ...], where: str, optional: bool = False
+) -> Any:
     if not isinstance(obj, dict):
         raise ResultError(f"{where}: expected an object, got {type(obj).__name__}")
     if key not in obj:
@@ -320,12 +336,21 @@ Commands run from the repository root with the project's virtualenv (`make build
 `make bench` runs them all and regenerates this page, `make bench-report` only regenerates it.
 """
 
-TUNING = """\
+
+def tuning(results: Sequence[Result]) -> str:
+    """The section the collectives' private tuning table points to."""
+    measured = [r for r in results if r.benchmark == "collectives"]
+    where = (
+        f"[{measured[0].title}](#{slug(measured[0].title)}) above"
+        if measured
+        else "the collectives benchmark (`make bench-collectives`; not yet measured here)"
+    )
+    return f"""\
 The collectives' private tuning table (the crossover sizes between algorithms and the ring's
-segment sizes, per engine) is justified by the collectives benchmark: the size at which each
-algorithm starts to win in its per-size table above (see "Collectives" when it has been
-measured), and, until that section carries the full history of runs, the tables and discussion
-in [docs/collectives.md, "Benchmark"](collectives.md#benchmark). A change to a crossover should
+segment sizes, per engine) is justified by the sizes at which each algorithm starts to win in
+the per-size tables of {where}, and, until those tables carry the history of runs behind each
+constant, by the tables and discussion in
+[docs/collectives.md, "Benchmark"](collectives.md#benchmark). A change to a crossover should
 come with a run of `make bench-collectives` whose figures show it.
 """
 
@@ -428,7 +453,7 @@ def render(results: Sequence[Result], missing: Sequence[tuple[str, str]] = ()) -
             out += [*table(s), ""]
             out += [f"- {note}" for note in s.notes]
             out += [""] if s.notes else []
-    out += ["## Collectives tuning", "", TUNING]
+    out += ["## Collectives tuning", "", tuning(results)]
     return "\n".join(out).rstrip("\n") + "\n"
 
 
@@ -499,8 +524,6 @@ def _need(obj: Any, key: str, where: str) -> Any:
         raise ResultError(f"{where}: field '{key}' is missing")
     return obj[key]
 
-
-RATIO = "{:.2f}x"
 
 #: bench_collectives.py's per-size row fields, as its own table shows them.
 _COLLECTIVE_COLUMNS = (
@@ -595,7 +618,7 @@ def adapt_collectives(raw: Sequence[Path], command: str) -> dict[str, Any]:
             verdict = sc.verdict(lo, hi, target.limit)
             tally[verdict] += 1
             met = sum(sc._met(row, target) for row in cell.rows)
-            row: list[Cell] = [
+            line: list[Cell] = [
                 cell.engine,
                 cell.ranks,
                 sc.size_label(cell.nbytes),
@@ -606,8 +629,8 @@ def adapt_collectives(raw: Sequence[Path], command: str) -> dict[str, Any]:
                 verdict,
             ]
             for _, name in target.controls:
-                row.append(cell.pooled(name, target.peer)[0])
-            rows.append(row)
+                line.append(cell.pooled(name, target.peer)[0])
+            rows.append(line)
         counts = ", ".join(f"{n} {word}" for word, n in tally.items())
         headlines.append((f"{target.title} <= {target.limit:.3g}x", f"{counts} of {len(found)}"))
         sections.append(
