@@ -389,8 +389,8 @@ def host_line(result: Result) -> str:
     commit = h.pop("commit", None)
     if commit:
         parts.append(f"commit {commit}")
-    env = h.pop("env", None) or {}
-    parts += [f"{k}={env[k]}" for k in sorted(env)]
+    env = h.pop("env", None)
+    parts += [f"{k}={env[k]}" for k in sorted(env)] if isinstance(env, dict) else []
     parts += [f"{k} {h[k]}" for k in sorted(h) if h[k] is not None]
     return " · ".join(parts)
 
