@@ -250,6 +250,9 @@ def test_collectives_adapter_pools_the_runs_as_score_collectives_does(tmp_path: 
     text = report.generate(tmp_path)
     assert "| gloo | 2 | 1 MiB | 1 of 1 | 1.05x | 1.05x | 1.05x | met | 1.00x | 1.00x |" in text
     assert result["headlines"][0]["value"] == "1 met, 0 open, 0 missed of 1"
+    # The ring's target covers MPI from 16 MiB: no cell here, so a note and no empty table.
+    assert "### Target: ring" not in text
+    assert "Target ring (weighted) / MPI_Allreduce <= 1.11x: no cell in these runs" in text
 
 
 def test_docs_benchmarks_md_is_generated_from_the_committed_results() -> None:
