@@ -42,13 +42,72 @@ py-test: $(BUILT)
 
 test: $(BUILT) lint rust-test py-test
 
-# pytest-benchmark suites (ratio tables at the end), then the script benchmarks that launch
-# their own ranks; each prints the figures the README quotes.
-bench: $(BUILT)
-	$(PY) -m pytest benches -o python_files='bench_*.py' -q -s \
-		--benchmark-columns=median,iqr,rounds --benchmark-sort=name
-	$(PY) benches/bench_collectives.py --ranks 2 4 --max-mib 256
-	$(PY) benches/bench_filter_parallel.py
+# Benchmarks: each writes benches/results/<name>.json (the scripts that keep their own JSON
+# write it under benches/results/raw/, and `benches/report.py import` converts it), then
+# bench-report renders every results file into docs/benchmarks.md. The benchmark-only
+# dependencies (the `bench` group: Mt-KaHyPar, scipy) are installed here, not by `make test`.
+RESULTS := benches/results
+RAW     := $(RESULTS)/raw
+BENCHED := $(VENV)/.bench-stamp
+PYBENCH := $(PY) -m pytest -p no:cacheprovider -o python_files='bench_*.py' -q -s \
+	--benchmark-columns=median,iqr,rounds --benchmark-sort=name
+COLLECTIVES_RUN    := benches/bench_collectives.py --ranks 2 4 --max-mib 256 --json $(RAW)/collectives.json
+FILTER_PARALLEL_RUN := benches/bench_filter_parallel.py --json $(RAW)/filter_parallel.json
+
+.PHONY: bench-report bench-kernels bench-split bench-partition bench-partitioners bench-planner \
+	bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate
+
+$(BENCHED): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet --group bench
+	touch $@
+
+bench: bench-kernels bench-split bench-partition bench-partitioners bench-planner \
+		bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate
+	$(MAKE) bench-report
+
+bench-report:
+	$(PY) benches/report.py
+
+bench-kernels: $(BUILT) $(BENCHED)
+	$(PYBENCH) benches/bench_kernels.py --results-json $(RESULTS)/kernels.json \
+		--results-title "Core kernel: weighted sum of K buffers"
+
+bench-split: $(BUILT) $(BENCHED)
+	$(PYBENCH) benches/bench_split.py --results-json $(RESULTS)/split.json \
+		--results-title "Split solver at cluster scale"
+
+bench-partition: $(BUILT) $(BENCHED)
+	$(PYBENCH) benches/bench_partition.py --results-json $(RESULTS)/partition.json \
+		--results-title "Partitioners: speed against named peers"
+
+bench-partitioners: $(BUILT) $(BENCHED)
+	$(PY) benches/compare_partitioners.py --json $(RESULTS)/partitioners.json
+
+bench-planner: $(BUILT) $(BENCHED)
+	$(PYBENCH) benches/bench_model.py --results-json $(RESULTS)/planner.json \
+		--results-title "Planner speed"
+
+bench-data-parallel: $(BUILT) $(BENCHED)
+	$(PYBENCH) benches/bench_data_parallel.py --results-json $(RESULTS)/data_parallel.json \
+		--results-title "Balanced data parallelism (the demo's job)"
+
+bench-collectives: $(BUILT) $(BENCHED)
+	mkdir -p $(RAW)
+	$(PY) $(COLLECTIVES_RUN)
+	$(PY) benches/report.py import collectives $(RAW)/collectives.json \
+		--command "python $(COLLECTIVES_RUN)"
+
+bench-filter-parallel: $(BUILT) $(BENCHED)
+	mkdir -p $(RAW)
+	$(PY) $(FILTER_PARALLEL_RUN)
+	$(PY) benches/report.py import filter-parallel $(RAW)/filter_parallel.json \
+		--command "python $(FILTER_PARALLEL_RUN)"
+
+bench-model-validate: $(BUILT) $(BENCHED)
+	mkdir -p $(RAW)
+	$(VENV)/bin/hetcoll model validate --json > $(RAW)/model_validate.json
+	$(PY) benches/report.py import model-validate $(RAW)/model_validate.json \
+		--command "hetcoll model validate --json > $(RAW)/model_validate.json"
 
 bench-rust:
 	cargo bench -p hetcoll-core

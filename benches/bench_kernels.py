@@ -4,7 +4,9 @@ K = 4 buffers of 2^25 float32 (128 MiB each), one run, the same thread count for
 multi-threaded entry (HETCOLL_NUM_THREADS and torch.set_num_threads both = all cores). Effective
 bandwidth counts the minimum traffic, (K+1)*N*4 bytes; the memcpy of one buffer moves 2*N*4.
 
-    make bench            # or: .venv/bin/python -m pytest benches/bench_kernels.py
+    make bench-kernels    # writes benches/results/kernels.json
+
+Lab code, like everything in benches/: it imports the library, the library never imports it.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def same_threads(monkeypatch):
 def test_hetcoll(benchmark, record, buffers):
     arrays, weights, out = buffers
     benchmark.pedantic(hetcoll.weighted_sum, args=(arrays, weights), kwargs={"out": out}, **ROUNDS)
-    record(benchmark, GROUP, "hetcoll.weighted_sum", peer=True, bytes_moved=(K + 1) * N * 4)
+    record(benchmark, GROUP, "hetcoll.weighted_sum", bytes_moved=(K + 1) * N * 4, headline=True)
     expected = sum(np.float32(w) * a for w, a in zip(weights, arrays))
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -69,7 +71,10 @@ def test_torch_mul_add_chain(benchmark, record, buffers):
             o.add_(t, alpha=w)
 
     benchmark.pedantic(run, **ROUNDS)
-    record(benchmark, GROUP, "torch mul + add_(alpha=) chain", bytes_moved=(K + 1) * N * 4)
+    # The peer: how a PyTorch user combines weighted buffers today.
+    record(
+        benchmark, GROUP, "torch mul + add_(alpha=) chain", peer=True, bytes_moved=(K + 1) * N * 4
+    )
 
 
 def test_torch_mv_stacked(benchmark, record, buffers):

@@ -4,11 +4,13 @@
   written with numpy (``searchsorted`` per device, 64 float bisection steps, no transfers).
 - ``hetcoll.partition_hypergraph`` vs Mt-KaHyPar's default preset (1 thread) on the column-net
   hypergraph of a 10^4 x 10^4 random sparse matrix, k = 4 with heterogeneous targets; km1 of both
-  in the note. Skipped when ``mtkahypar`` is not installed (``pip install mtkahypar``).
+  in the note. Skipped when ``mtkahypar`` is not installed (``make bench`` installs it: the
+``bench`` dependency group).
 
-    .venv/bin/python -m pytest benches/bench_partition.py
+    make bench-partition  # writes benches/results/partition.json
 
 The quality table over many instances is ``benches/compare_partitioners.py``.
+Lab code, like everything in benches/: it imports the library, the library never imports it.
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ def numpy_probe_bisection(costs: np.ndarray, speeds: np.ndarray) -> list[int]:
             lo = mid
         else:
             hi = mid
-    return probe(hi)
+    layers = probe(hi)
+    assert layers is not None  # hi is always feasible: the initial bound covers every layer
+    return layers
 
 
 def bottleneck(costs, speeds, layers):
@@ -60,7 +64,7 @@ def test_chain_hetcoll(benchmark, record):
     costs, speeds = chain_instance()
     c, s = costs.tolist(), speeds.tolist()
     layers = benchmark.pedantic(hetcoll.partition_chain, args=(c, s), rounds=20)
-    record(benchmark, CHAIN, "hetcoll.partition_chain (Rust, exact)")
+    record(benchmark, CHAIN, "hetcoll.partition_chain (Rust, exact)", headline=True)
     assert sum(layers) == N
 
 
@@ -96,7 +100,13 @@ HYPER = "partition_hypergraph random 10^4, k=4 targets 4:2:1:1"
 def test_hypergraph_hetcoll(benchmark, record):
     n, nets = random_hypergraph()
     parts = benchmark.pedantic(hetcoll.partition_hypergraph, args=(n, nets, TARGETS), rounds=3)
-    record(benchmark, HYPER, "hetcoll", note=f"km1 {hetcoll.km1(nets, parts):.0f}")
+    record(
+        benchmark,
+        HYPER,
+        "hetcoll.partition_hypergraph",
+        note=f"km1 {hetcoll.km1(nets, parts):.0f}",
+        headline=True,
+    )
     w = np.bincount(parts, minlength=4)
     assert all(w[b] <= 1.03 * TARGETS[b] * n for b in range(4))
 

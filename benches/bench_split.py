@@ -1,7 +1,9 @@
 """hetcoll.split at cluster scale vs a straightforward Python heap greedy (one unit at a time,
 the textbook exact method), both on 10,000 ranks and a total of 10^7, in the same run.
 
-    .venv/bin/python -m pytest benches/bench_split.py
+    make bench-split      # writes benches/results/split.json
+
+Lab code, like everything in benches/: it imports the library, the library never imports it.
 """
 
 from __future__ import annotations
@@ -36,12 +38,12 @@ def test_hetcoll_split(benchmark, record):
     shares = benchmark.pedantic(
         hetcoll.split, args=(TOTAL, speeds), kwargs={"latency": latency}, rounds=30
     )
-    record(benchmark, GROUP, "hetcoll.split (Rust, exact)", peer=True)
+    record(benchmark, GROUP, "hetcoll.split (Rust, exact)", headline=True)
     assert sum(shares) == TOTAL
 
 
 def test_python_heap_greedy(benchmark, record):
     speeds, latency = instance()
     shares = benchmark.pedantic(python_heap_greedy, args=(TOTAL, speeds, latency), rounds=1)
-    record(benchmark, GROUP, "Python heap greedy (exact, O(B log p))")
+    record(benchmark, GROUP, "Python heap greedy (exact, O(B log p))", peer=True)
     assert shares == hetcoll.split(TOTAL, speeds, latency=latency)

@@ -7,16 +7,23 @@ targets and heterogeneous ones (speeds 4:2:1:1 repeated). Mt-KaHyPar gets the sa
 individual maximum block weights ``floor((1 + eps) * targets[b] * W)`` (it takes integer
 weights, so weights are rounded to integers for both), one thread, the default preset.
 
-    .venv/bin/python benches/compare_partitioners.py [--quick]
+    python benches/compare_partitioners.py [--quick] [--json benches/results/partitioners.json]
 
-Needs ``pip install mtkahypar`` (benchmark only; hetcoll does not depend on it).
+Needs ``mtkahypar`` (the ``bench`` dependency group, which ``make bench`` installs; hetcoll does
+not depend on it). Lab code, like everything in benches/: it imports the library, the library
+never imports it.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import shlex
+import sys
 import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
@@ -38,7 +45,7 @@ def random_matrix(n: int, nnz_per_row: int, seed: int) -> sp.spmatrix:
 
 
 def stencil(side: int) -> sp.spmatrix:
-    one = sp.diags([1, 1, 1], [-1, 0, 1], shape=(side, side))
+    one = sp.diags([1.0, 1.0, 1.0], [-1, 0, 1], shape=(side, side))
     return sp.kron(one, sp.eye(side)) + sp.kron(sp.eye(side), one)
 
 
@@ -98,7 +105,8 @@ def balanced(parts, vw, targets) -> bool:
     return all(w[b] <= (1 + EPS) * targets[b] * total for b in range(len(targets)))
 
 
-def run_mtkahypar(mtk, n, nets, vw, nw, targets):
+def run_mtkahypar(mtkahypar, mtk, n, nets, vw, nw, targets):
+    """Mt-KaHyPar's partition (the module ``mtkahypar``, initialised as ``mtk``) and seconds."""
     ctx = mtk.context_from_preset(mtkahypar.PresetType.DEFAULT)
     ctx.set_partitioning_parameters(len(targets), EPS, mtkahypar.Objective.KM1)
     total = int(np.sum(vw))
@@ -115,11 +123,136 @@ def run_mtkahypar(mtk, n, nets, vw, nw, targets):
     return parts, seconds
 
 
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+#: Summary rows: a name and which runs it covers (instance name, hetero).
+GROUPS: tuple[tuple[str, Any], ...] = (
+    ("all", lambda name, hetero: True),
+    ("uniform targets", lambda name, hetero: not hetero),
+    ("heterogeneous targets", lambda name, hetero: hetero),
+    ("random matrices, uniform", lambda name, hetero: name.startswith("random") and not hetero),
+    ("random matrices, heterogeneous", lambda name, hetero: name.startswith("random") and hetero),
+    ("stencil", lambda name, hetero: name.startswith("stencil")),
+    ("CNN hypergraphs", lambda name, hetero: name.startswith("cnn")),
+)
+
+
+def results_file(runs: list[dict[str, Any]], quick: bool) -> dict[str, Any]:
+    """The runs as a results file for benches/report.py: every run, then the summary groups."""
+    from report import RATIO, SCHEMA, host_info, now
+
+    summary = []
+    for group, covers in GROUPS:
+        chosen = [r for r in runs if covers(r["instance"], r["hetero"])]
+        if chosen:
+            km1 = [r["km1_ratio"] for r in chosen]
+            summary.append(
+                [
+                    group,
+                    len(chosen),
+                    geomean(km1),
+                    max(km1),
+                    geomean([r["time_ratio"] for r in chosen]),
+                    sum(r["balanced_hetcoll"] and r["balanced_mtkahypar"] for r in chosen),
+                ]
+            )
+    every = [r["km1_ratio"] for r in runs]
+    gt = geomean([r["time_ratio"] for r in runs])
+    try:
+        version = metadata.version("mtkahypar")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    return {
+        "schema": SCHEMA,
+        "benchmark": "partitioners",
+        "title": "Hypergraph partitioner vs Mt-KaHyPar: quality and time",
+        "command": "python benches/compare_partitioners.py " + shlex.join(sys.argv[1:]),
+        "when": now(),
+        "host": host_info() | {"mtkahypar": version},
+        "description": (
+            "`hetcoll.partition_hypergraph` against Mt-KaHyPar's default preset (one thread "
+            "each), same instances, same run: column-net hypergraphs of random sparse "
+            "matrices, a 2D 5-point stencil and the hypergraphs of two CNNs; k = 2, 4, 8; "
+            "uniform targets and speeds 4:2:1:1 repeated. Mt-KaHyPar gets the same per-block "
+            "limits, floor((1 + eps) * target * W), eps = 0.03, and both get integer weights."
+        ),
+        "notes": [
+            "km1 ratio: hetcoll's km1 over Mt-KaHyPar's (< 1: hetcoll cuts less); time ratio: "
+            "hetcoll's time over Mt-KaHyPar's (< 1: hetcoll is faster). One run per cell.",
+            *(
+                ["`--quick`: the small instances only (10^4 random rows, 100x100 stencil, CNNs)."]
+                if quick
+                else []
+            ),
+        ],
+        "headlines": [
+            {
+                "figure": "partition_hypergraph km1 / Mt-KaHyPar's, geometric mean",
+                "value": f"{geomean(every):.3f} (worst {max(every):.3f}, {len(runs)} runs)",
+            },
+            {
+                "figure": "partition_hypergraph time / Mt-KaHyPar's, geometric mean",
+                "value": f"{gt:.2f}x",
+            },
+        ],
+        "sections": [
+            {
+                "title": "Summary",
+                "peer": f"Mt-KaHyPar {version}, default preset, 1 thread",
+                "columns": [
+                    {"name": "group"},
+                    {"name": "runs"},
+                    {"name": "km1 ratio, geometric mean", "format": "{:.3f}"},
+                    {"name": "worst km1 ratio", "format": "{:.3f}"},
+                    {"name": "time ratio, geometric mean", "format": RATIO},
+                    {"name": "runs balanced (both)"},
+                ],
+                "rows": summary,
+            },
+            {
+                "title": "Every run",
+                "peer": f"Mt-KaHyPar {version}, default preset, 1 thread",
+                "columns": [
+                    {"name": "instance"},
+                    {"name": "k"},
+                    {"name": "targets"},
+                    {"name": "km1 hetcoll", "format": "{:,.0f}"},
+                    {"name": "km1 Mt-KaHyPar", "format": "{:,.0f}"},
+                    {"name": "km1 ratio", "format": "{:.3f}"},
+                    {"name": "hetcoll (s)", "format": "{:.3f}"},
+                    {"name": "Mt-KaHyPar (s)", "format": "{:.3f}"},
+                    {"name": "time ratio", "format": RATIO},
+                    {"name": "balanced hetcoll"},
+                    {"name": "balanced Mt-KaHyPar"},
+                ],
+                "rows": [
+                    [
+                        r["instance"],
+                        r["k"],
+                        "4:2:1:1" if r["hetero"] else "uniform",
+                        r["km1_hetcoll"],
+                        r["km1_mtkahypar"],
+                        r["km1_ratio"],
+                        r["seconds_hetcoll"],
+                        r["seconds_mtkahypar"],
+                        r["time_ratio"],
+                        r["balanced_hetcoll"],
+                        r["balanced_mtkahypar"],
+                    ]
+                    for r in runs
+                ],
+            },
+        ],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small instances only")
+    ap.add_argument("--json", type=Path, help="also write a results file for benches/report.py")
     args = ap.parse_args()
-    global mtkahypar
     import mtkahypar
 
     mtk = mtkahypar.initialize(1, False)
@@ -142,7 +275,7 @@ def main() -> None:
         f"{'instance':<28} {'k':>2} {'targets':<7} {'km1 hetcoll':>12} {'km1 MtKaHyPar':>14}"
         f" {'ratio':>6} {'t hetcoll':>10} {'t MtKaHyPar':>11} {'balanced':>9}"
     )
-    ratios, tratios = [], []
+    runs: list[dict[str, Any]] = []
     for name, n, nets, vw, nw in instances:
         for k in (2, 4, 8):
             for hetero in (False, True):
@@ -152,21 +285,40 @@ def main() -> None:
                     n, nets, targets, vertex_weights=vw, net_weights=nw, epsilon=EPS, seed=0
                 )
                 t_ours = time.perf_counter() - start
-                theirs, t_theirs = run_mtkahypar(mtk, n, nets, vw, nw, targets)
+                theirs, t_theirs = run_mtkahypar(mtkahypar, mtk, n, nets, vw, nw, targets)
                 a, b = km1_of(nets, ours, nw), km1_of(nets, theirs, nw)
                 ratio = a / b if b > 0 else (1.0 if a == 0 else math.inf)
-                ratios.append(ratio)
-                tratios.append(t_ours / t_theirs)
-                ok = f"{balanced(ours, vw, targets)!s:>5}/{balanced(theirs, vw, targets)!s:<5}"
+                ok_ours, ok_theirs = balanced(ours, vw, targets), balanced(theirs, vw, targets)
+                runs.append(
+                    dict(
+                        instance=name,
+                        k=k,
+                        hetero=hetero,
+                        km1_hetcoll=a,
+                        km1_mtkahypar=b,
+                        km1_ratio=ratio,
+                        seconds_hetcoll=t_ours,
+                        seconds_mtkahypar=t_theirs,
+                        time_ratio=t_ours / t_theirs,
+                        balanced_hetcoll=bool(ok_ours),
+                        balanced_mtkahypar=bool(ok_theirs),
+                    )
+                )
+                ok = f"{ok_ours!s:>5}/{ok_theirs!s:<5}"
                 print(
                     f"{name:<28} {k:>2} {'hetero' if hetero else 'uniform':<7} {a:>12.0f}"
                     f" {b:>14.0f} {ratio:>6.3f} {t_ours:>9.3f}s {t_theirs:>10.3f}s {ok:>9}",
                     flush=True,
                 )
-    gm = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-    gt = math.exp(sum(math.log(r) for r in tratios) / len(tratios))
+    gm = geomean([r["km1_ratio"] for r in runs])
+    gt = geomean([r["time_ratio"] for r in runs])
     print(f"geometric mean km1 ratio hetcoll / Mt-KaHyPar: {gm:.3f}")
     print(f"geometric mean time ratio hetcoll / Mt-KaHyPar: {gt:.2f}")
+    if args.json is not None:
+        from report import write_result
+
+        write_result(args.json, results_file(runs, args.quick))
+        print(f"results: {args.json}")
 
 
 if __name__ == "__main__":

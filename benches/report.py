@@ -1,0 +1,914 @@
+"""docs/benchmarks.md from the benchmarks' JSON: one results file per benchmark, one generator.
+
+This is lab code: the benchmarks live beside the library and may import it; the library never
+imports them. Every benchmark writes ``benches/results/<name>.json`` in the format below (the
+pytest-benchmark suites through ``benches/conftest.py --results-json``, ``compare_partitioners.py``
+through ``--json``); the scripts that keep their own JSON (``bench_collectives.py``,
+``bench_filter_parallel.py``, ``hetcoll model validate --json``) are converted by the adapters
+here (``report.py import KIND RAW...``). Then ``report.py`` renders every results file into
+docs/benchmarks.md, the same bytes for the same JSON.
+
+    python benches/report.py                      # write docs/benchmarks.md
+    python benches/report.py --check              # exit 1 if docs/benchmarks.md is stale
+    python benches/report.py import collectives RAW.json [RAW2.json ...] --command "..."
+
+A results file (``SCHEMA`` 1)::
+
+    {"schema": 1, "benchmark": "split", "title": "Split solver at cluster scale",
+     "command": "python -m pytest benches/bench_split.py --results-json benches/results/split.json",
+     "when": "2026-05-10T14:03:00+00:00",
+     "host": {"cpu": "AMD EPYC", "cores": 2, "torch": "2.5.1", "python": "3.11.7"},
+     "description": "...", "notes": ["..."],
+     "headlines": [{"figure": "hetcoll.split vs a Python heap greedy", "value": "4,800x faster"}],
+     "sections": [{"title": "split p=10000 total=10^7", "peer": "Python heap greedy",
+                   "columns": [{"name": "entry"}, {"name": "median (ms)", "format": "{:,.3f}"}],
+                   "rows": [["hetcoll.split", 2.31], ["Python heap greedy", 11300.2]],
+                   "notes": ["..."]}]}
+
+Cells are numbers, strings, booleans or null; a column's ``format`` (a ``str.format`` template,
+default ``"{}"``, or ``"ratio"``: 2 decimals, fewer digits from 100, 2 significant below 0.1,
+then ``x``) renders its numbers. ``command`` is the shell command (one per line) that
+produced the figures, run from the repository root with the project's virtualenv active.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA = 1
+BENCHES = Path(__file__).resolve().parent
+ROOT = BENCHES.parent
+RESULTS = BENCHES / "results"
+OUTPUT = ROOT / "docs" / "benchmarks.md"
+
+#: The benchmarks docs/benchmarks.md expects, in its order: results file stem, and the make
+#: target that writes it. Results files of other names follow, sorted by name.
+EXPECTED: tuple[tuple[str, str], ...] = (
+    ("kernels", "bench-kernels"),
+    ("split", "bench-split"),
+    ("partition", "bench-partition"),
+    ("partitioners", "bench-partitioners"),
+    ("planner", "bench-planner"),
+    ("data_parallel", "bench-data-parallel"),
+    ("collectives", "bench-collectives"),
+    ("filter_parallel", "bench-filter-parallel"),
+    ("model_validate", "bench-model-validate"),
+)
+
+Cell = str | int | float | bool | None
+#: The column format of ratios: see :func:`ratio`.
+RATIO = "ratio"
+
+
+def ratio(x: float) -> str:
+    """A ratio for a table: ``2.43x``, ``3,261x``, ``0.00031x`` (never rounded to zero)."""
+    if x >= 100:
+        return f"{x:,.0f}x"
+    if x >= 0.1 or x == 0:
+        return f"{x:.2f}x"
+    return f"{x:.2g}x"
+
+
+class ResultError(ValueError):
+    """A results file that does not follow the format: the message names the file and field."""
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    format: str = "{}"
+
+    def render(self, cell: Cell) -> str:
+        if cell is None:
+            return "–"
+        if isinstance(cell, bool):
+            return "yes" if cell else "no"
+        if isinstance(cell, str):
+            return cell
+        if isinstance(cell, float) and not math.isfinite(cell):
+            return str(cell)
+        if self.format == RATIO:
+            return ratio(cell)
+        return self.format.format(cell)
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    peer: str | None
+    columns: tuple[Column, ...]
+    rows: tuple[tuple[Cell, ...], ...]
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Headline:
+    figure: str
+    value: str
+
+
+@dataclass(frozen=True)
+class Result:
+    """One benchmark's run, as read from ``benches/results/<benchmark>.json``."""
+
+    benchmark: str
+    title: str
+    command: str
+    when: str
+    host: dict[str, Any]
+    sections: tuple[Section, ...]
+    description: str = ""
+    notes: tuple[str, ...] = ()
+    headlines: tuple[Headline, ...] = ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing results: the host, the date, one file per benchmark.
+
+
+def host_info() -> dict[str, Any]:
+    """The machine and software a run measured: CPU model and vector flags (from
+    /proc/cpuinfo), core count, Python, numpy and torch versions, the repository's commit and
+    the thread-count variables the benchmarks honour."""
+    cpu, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                cpu = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    host: dict[str, Any] = {
+        "cpu": cpu,
+        "cpu_flags": [f for f in ("avx", "fma", "avx2", "avx512f") if f in flags],
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+    for module in ("numpy", "torch"):
+        try:
+            host[module] = __import__(module).__version__
+        except ImportError:
+            host[module] = None
+    host["commit"] = _commit()
+    host["env"] = {
+        k: os.environ[k] for k in ("OMP_NUM_THREADS", "HETCOLL_NUM_THREADS") if k in os.environ
+    }
+    return host
+
+
+def _commit() -> str | None:
+    """The checkout's short commit, with ``-dirty`` when tracked files differ from it."""
+    try:
+
+        def git(*args: str) -> str:
+            return subprocess.run(
+                ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True, timeout=30
+            ).stdout.strip()
+
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def now() -> str:
+    """The current time, ISO 8601 in UTC to the second."""
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_result(path: Path | str, result: dict[str, Any]) -> None:
+    """Check ``result`` against the format, then write it as ``path`` (indented JSON)."""
+    path = Path(path)
+    parse(result, str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading results: every field checked, errors naming the file and the field.
+
+
+def _field(
+    obj: Any, key: str, kind: type | tuple[type, ...], where: str, optional: bool = False
+) -> Any:
+    if not isinstance(obj, dict):
+        raise ResultError(f"{where}: expected an object, got {type(obj).__name__}")
+    if key not in obj:
+        if optional:
+            return None
+        raise ResultError(f"{where}: field '{key}' is missing")
+    value = obj[key]
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise ResultError(f"{where}: field '{key}' must be {names}, got {type(value).__name__}")
+    return value
+
+
+def _strings(obj: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
+    items = _field(obj, key, list, where, optional=True) or []
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise ResultError(f"{where}: field '{key}[{i}]' must be str")
+    return tuple(items)
+
+
+def parse(data: Any, where: str) -> Result:
+    """``data`` (a results file's JSON) as a :class:`Result`; ``where`` names the file."""
+    schema = _field(data, "schema", int, where)
+    if schema != SCHEMA:
+        raise ResultError(f"{where}: field 'schema' is {schema}; this generator reads {SCHEMA}")
+    sections = []
+    for i, s in enumerate(_field(data, "sections", list, where)):
+        at = f"{where}: sections[{i}]"
+        columns = []
+        for j, c in enumerate(_field(s, "columns", list, at)):
+            cat = f"{at}.columns[{j}]"
+            columns.append(
+                Column(_field(c, "name", str, cat), _field(c, "format", str, cat, True) or "{}")
+            )
+        rows = []
+        for r, row in enumerate(_field(s, "rows", list, at)):
+            rat = f"{at}.rows[{r}]"
+            if not isinstance(row, list) or len(row) != len(columns):
+                got = f"{len(row)} cells" if isinstance(row, list) else type(row).__name__
+                raise ResultError(f"{rat}: expected a list of {len(columns)} cells, got {got}")
+            for col, cell in zip(columns, row):
+                if cell is not None and not isinstance(cell, (str, int, float, bool)):
+                    raise ResultError(f"{rat}: cell '{col.name}' is {type(cell).__name__}")
+                try:
+                    col.render(cell)
+                except (ValueError, TypeError, IndexError, KeyError) as e:
+                    raise ResultError(
+                        f"{rat}: cell '{col.name}' = {cell!r} does not fit format "
+                        f"{col.format!r}: {e}"
+                    ) from e
+            rows.append(tuple(row))
+        sections.append(
+            Section(
+                _field(s, "title", str, at),
+                _field(s, "peer", str, at, optional=True),
+                tuple(columns),
+                tuple(rows),
+                _strings(s, "notes", at),
+            )
+        )
+    headlines = []
+    for i, h in enumerate(_field(data, "headlines", list, where, optional=True) or []):
+        at = f"{where}: headlines[{i}]"
+        headlines.append(Headline(_field(h, "figure", str, at), _field(h, "value", str, at)))
+    when = _field(data, "when", str, where)
+    try:
+        dt.datetime.fromisoformat(when)
+    except ValueError as e:
+        raise ResultError(f"{where}: field 'when' is not an ISO 8601 date: {when!r}") from e
+    return Result(
+        benchmark=_field(data, "benchmark", str, where),
+        title=_field(data, "title", str, where),
+        command=_field(data, "command", str, where),
+        when=when,
+        host=_field(data, "host", dict, where),
+        sections=tuple(sections),
+        description=_field(data, "description", str, where, optional=True) or "",
+        notes=_strings(data, "notes", where),
+        headlines=tuple(headlines),
+    )
+
+
+def load(path: Path) -> Result:
+    """Read and check one results file."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ResultError(f"{path}: cannot read it as JSON: {e}") from e
+    result = parse(data, str(path))
+    if result.benchmark != path.stem:
+        raise ResultError(
+            f"{path}: field 'benchmark' is {result.benchmark!r}; the file must be named "
+            f"{result.benchmark}.json"
+        )
+    return result
+
+
+def load_all(directory: Path) -> list[Result]:
+    """Every ``*.json`` directly in ``directory``, expected benchmarks first, then by name."""
+    order = {name: i for i, (name, _) in enumerate(EXPECTED)}
+    paths = sorted(directory.glob("*.json"), key=lambda p: (order.get(p.stem, len(order)), p.name))
+    return [load(p) for p in paths]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering: markdown, deterministic.
+
+PREAMBLE = """\
+Every figure here comes from a benchmark in `benches/`, run by the command printed beside its
+table, and is read from that run's JSON in `benches/results/`. How they are measured:
+
+- **Against a named peer, in the same run.** A table's ratios compare each entry with the peer
+  named above it (another library's call, a textbook implementation, the engine's own
+  collective, the unbalanced run), measured in the same process or launch, interleaved where
+  the benchmark says so. Absolute times are those of one host; compare the ratios.
+- **Medians of repeats.** Times are medians over rounds (pytest-benchmark) or over repeats of
+  the slowest rank; a ratio of two medians unless the benchmark's notes say it is paired.
+- **A shared, noisy host.** The runs below were made on a small machine (its CPU, core count
+  and software are given with each benchmark) shared with other jobs: figures move by several
+  percent from run to run, more where ranks outnumber cores.
+- **Emulated heterogeneity.** Workers of unequal speed are *emulated* on one host: a rank of
+  speed f sleeps (1/f - 1) times its own measured compute. No figure here comes from a real
+  mixed cluster.
+
+Commands run from the repository root with the project's virtualenv (`make build`) active;
+`make bench` runs them all and regenerates this page, `make bench-report` only regenerates it.
+"""
+
+
+def tuning(results: Sequence[Result]) -> str:
+    """The section the collectives' private tuning table points to."""
+    measured = [r for r in results if r.benchmark == "collectives"]
+    where = (
+        f"[{measured[0].title}](#{slug(measured[0].title)}) above"
+        if measured
+        else "the collectives benchmark (`make bench-collectives`; not yet measured here)"
+    )
+    return f"""\
+The collectives' private tuning table (the crossover sizes between algorithms and the ring's
+segment sizes, per engine) is justified by the sizes at which each algorithm starts to win in
+the per-size tables of {where}, and, until those tables carry the history of runs behind each
+constant, by the tables and discussion in
+[docs/collectives.md, "Benchmark"](collectives.md#benchmark). A change to a crossover should
+come with a run of `make bench-collectives` whose figures show it.
+"""
+
+
+def slug(title: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _date(when: str) -> str:
+    t = dt.datetime.fromisoformat(when)
+    if t.tzinfo is not None:
+        t = t.astimezone(dt.timezone.utc)
+        return t.strftime("%Y-%m-%d %H:%M UTC")
+    return t.strftime("%Y-%m-%d %H:%M")
+
+
+def host_line(result: Result) -> str:
+    """The run's date and host in one line: CPU, cores, versions, commit, thread variables."""
+    h = dict(result.host)
+    parts = [_date(result.when)]
+    cpu = str(h.pop("cpu", "unknown CPU"))
+    flags = h.pop("cpu_flags", None)
+    cores = h.pop("cores", None)
+    cpu += f" ({', '.join(flags)})" if flags else ""
+    cpu += f", {cores} cores" if cores is not None else ""
+    parts.append(cpu)
+    for key, label in (("torch", "torch"), ("numpy", "numpy"), ("python", "Python")):
+        value = h.pop(key, None)
+        if value is not None:
+            parts.append(f"{label} {value}")
+    commit = h.pop("commit", None)
+    if commit:
+        parts.append(f"commit {commit}")
+    env = h.pop("env", None)
+    parts += [f"{k}={env[k]}" for k in sorted(env)] if isinstance(env, dict) else []
+    parts += [f"{k} {h[k]}" for k in sorted(h) if h[k] is not None]
+    return " · ".join(parts)
+
+
+def table(section: Section) -> list[str]:
+    numeric = [
+        any(
+            isinstance(row[i], (int, float)) and not isinstance(row[i], bool)
+            for row in section.rows
+        )
+        for i in range(len(section.columns))
+    ]
+    lines = [
+        "| " + " | ".join(_cell(c.name) for c in section.columns) + " |",
+        "|" + "|".join("---:" if n else "---" for n in numeric) + "|",
+    ]
+    for row in section.rows:
+        cells = (_cell(c.render(v)) for c, v in zip(section.columns, row))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def render(results: Sequence[Result], missing: Sequence[tuple[str, str]] = ()) -> str:
+    """docs/benchmarks.md for ``results``; ``missing`` lists (benchmark, make target) pairs
+    with no results yet."""
+    out = [
+        "# Benchmarks",
+        "",
+        "<!-- Generated by benches/report.py from benches/results/*.json; do not edit by hand."
+        " `make bench-report` regenerates it. -->",
+        "",
+        PREAMBLE,
+    ]
+    if missing:
+        out += [
+            "Not yet measured: "
+            + ", ".join(f"{name} (`make {target}`)" for name, target in missing)
+            + ".",
+            "",
+        ]
+    headlines = [(r, h) for r in results for h in r.headlines]
+    if headlines:
+        out += ["## Headlines", "", "| figure | value | benchmark |", "|---|---|---|"]
+        out += [
+            f"| {_cell(h.figure)} | {_cell(h.value)} | [{_cell(r.title)}](#{slug(r.title)}) |"
+            for r, h in headlines
+        ]
+        out.append("")
+    for r in results:
+        out += [f"## {r.title}", ""]
+        if r.description:
+            out += [r.description, ""]
+        out += ["```bash", r.command, "```", "", f"Run: {host_line(r)}.", ""]
+        out += [f"- {note}" for note in r.notes]
+        out += [""] if r.notes else []
+        for s in r.sections:
+            out += [f"### {s.title}", ""]
+            if s.peer:
+                out += [f"Peer: {s.peer}.", ""]
+            out += [*table(s), ""]
+            out += [f"- {note}" for note in s.notes]
+            out += [""] if s.notes else []
+    out += ["## Collectives tuning", "", tuning(results)]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def generate(directory: Path = RESULTS) -> str:
+    results = load_all(directory)
+    have = {r.benchmark for r in results}
+    return render(results, [(name, target) for name, target in EXPECTED if name not in have])
+
+
+# ---------------------------------------------------------------------------------------------
+# Adapters: the JSON of scripts that keep their own format, as results files.
+
+
+def _result(
+    benchmark: str,
+    title: str,
+    command: str,
+    raw: Sequence[Path],
+    sections: list[dict[str, Any]],
+    *,
+    description: str = "",
+    notes: Iterable[str] = (),
+    headlines: Iterable[tuple[str, str]] = (),
+) -> dict[str, Any]:
+    """A results file for an adapter: ``command`` (the script's run), then the import line;
+    the date is the newest raw file's, the host the importing machine's (said in the notes)."""
+    mtime = max(p.stat().st_mtime for p in raw)
+    imported = "python benches/report.py import " + benchmark.replace("_", "-") + " "
+    imported += " ".join(_relative(p) for p in raw)
+    return {
+        "schema": SCHEMA,
+        "benchmark": benchmark,
+        "title": title,
+        "command": command.strip() + "\n" + imported,
+        "when": dt.datetime.fromtimestamp(mtime, dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": host_info(),
+        "description": description,
+        "notes": [
+            *notes,
+            "Date: the raw file's; host: the machine that imported it (the same one under "
+            "`make bench`).",
+        ],
+        "headlines": [{"figure": f, "value": v} for f, v in headlines],
+        "sections": sections,
+    }
+
+
+def _relative(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _col(name: str, fmt: str = "{}") -> dict[str, str]:
+    return {"name": name, "format": fmt} if fmt != "{}" else {"name": name}
+
+
+def _raw_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ResultError(f"{path}: cannot read it as {what} JSON: {e}") from e
+
+
+def _need(obj: Any, key: str, where: str) -> Any:
+    if not isinstance(obj, dict) or key not in obj:
+        raise ResultError(f"{where}: field '{key}' is missing")
+    return obj[key]
+
+
+#: bench_collectives.py's per-size row fields, as its own table shows them.
+_COLLECTIVE_COLUMNS = (
+    ("engine_again", "{engine} again"),
+    ("auto_weighted", "weighted (auto)"),
+    ("native", "native"),
+    ("native_weighted", "native weighted"),
+    ("direct_weighted", "direct weighted"),
+    ("ring_weighted", "ring weighted"),
+    ("shared_weighted", "shared weighted"),
+    ("ring_over_bound", "ring / lower bound"),
+    ("allgatherv_auto_over_allgather", "allgatherv (auto) / {gather}"),
+    ("allgatherv_over_allgather", "allgatherv native"),
+    ("allgatherv_ring_over_allgather", "allgatherv ring"),
+    ("allgatherv_direct_over_allgather", "allgatherv direct"),
+    ("allgatherv_shared_over_allgather", "allgatherv shared"),
+)
+
+
+#: bench_collectives.py's operation names, for the peers of score_collectives.py's targets.
+_OPERATIONS = {
+    "engine": "the engine's allreduce (`MPI_Allreduce`, `dist.all_reduce`)",
+    "allgather": "the engine's allgather of equal pieces, same total bytes",
+}
+
+
+def adapt_collectives(raw: Sequence[Path], command: str) -> dict[str, Any]:
+    """``bench_collectives.py --json`` files (one per run) as a results file: per engine and
+    rank count, each size's ratios (the median over runs of each run's figure), then the three
+    targets of ``score_collectives.py``, its pooled medians and bootstrap intervals."""
+    sys.path.insert(0, str(BENCHES))
+    import score_collectives as sc
+
+    try:
+        runs = sc.load(list(raw))
+    except ValueError as e:
+        raise ResultError(str(e)) from e
+    configs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for path, results in zip(raw, runs):
+        for i, res in enumerate(results):
+            key = (res["engine"], res["ranks"])
+            configs.setdefault(key, []).append({"path": path, "at": i, **res})
+    sections = []
+    for (engine, ranks), per_run in sorted(configs.items()):
+        peer = "MPI_Allreduce" if engine == "mpi" else "dist.all_reduce"
+        gather = "MPI_Allgather" if engine == "mpi" else "all_gather"
+        by_size: dict[int, list[dict[str, Any]]] = {}
+        for res in per_run:
+            for j, row in enumerate(res["rows"]):
+                where = f"{res['path']}: [{res['at']}].rows[{j}]"
+                by_size.setdefault(_need(row, "bytes", where), []).append(row)
+                for field, _ in _COLLECTIVE_COLUMNS:
+                    _need(row, field, where)
+
+        def median(rows: list[dict[str, Any]], field: str) -> float | None:
+            values = [row[field] for row in rows if row[field] is not None]
+            return statistics.median(values) if values else None
+
+        rows = [
+            [
+                sc.size_label(nbytes),
+                median(rows, "calls"),
+                median(rows, "engine_GBps"),
+                *(median(rows, field) for field, _ in _COLLECTIVE_COLUMNS),
+            ]
+            for nbytes, rows in sorted(by_size.items())
+        ]
+        pingpong = statistics.median(res["pingpong_GBps"] for res in per_run)
+        sections.append(
+            {
+                "title": f"{engine}, p = {ranks}: time relative to {peer} (lower is better)",
+                "peer": f"`{peer}` on the same buffer (allgatherv: `{gather}` of equal pieces, "
+                "same total bytes), paired within each repeat",
+                "columns": [
+                    _col("size"),
+                    _col("calls per loop", "{:g}"),
+                    _col(f"{peer} GB/s", "{:.3f}"),
+                    *(
+                        _col(name.format(engine=peer, gather=gather), RATIO)
+                        for _, name in _COLLECTIVE_COLUMNS
+                    ),
+                ],
+                "rows": rows,
+                "notes": [
+                    f"{len(per_run)} run(s); each ratio is the median over runs of the run's "
+                    "median over repeats of the paired ratio within a repeat.",
+                    f"Ping-pong bandwidth between ranks 0 and 1: {pingpong:.2f} GB/s; the ring's "
+                    "lower bound is 2(p-1)/p · N / B.",
+                ],
+            }
+        )
+    headlines, notes = [], []
+    for target in sc.TARGETS:
+        found, per_run_met = sc.cells(runs, target)
+        if not found:
+            notes.append(
+                f"Target {target.title} <= {target.limit:.3g}x: no cell in these runs (it "
+                f"covers {', '.join(target.engines)} from {sc.size_label(target.min_bytes)})."
+            )
+            continue
+        tally = {"met": 0, "open": 0, "missed": 0}
+        rows = []
+        for cell in found:
+            m, lo, hi = cell.pooled(target.name, target.peer)
+            verdict = sc.verdict(lo, hi, target.limit)
+            tally[verdict] += 1
+            met = sum(sc._met(row, target) for row in cell.rows)
+            line: list[Cell] = [
+                cell.engine,
+                cell.ranks,
+                sc.size_label(cell.nbytes),
+                f"{met} of {len(cell.rows)}",
+                m,
+                lo,
+                hi,
+                verdict,
+            ]
+            for _, name in target.controls:
+                line.append(cell.pooled(name, target.peer)[0])
+            rows.append(line)
+        counts = ", ".join(f"{n} {word}" for word, n in tally.items())
+        headlines.append((f"{target.title} <= {target.limit:.3g}x", f"{counts} of {len(found)}"))
+        sections.append(
+            {
+                "title": f"Target: {target.title} <= {target.limit:.3g}x",
+                "peer": f"{_OPERATIONS.get(target.peer, target.peer)} in the same repeat "
+                "(paired ratios)",
+                "columns": [
+                    _col("engine"),
+                    _col("p", "{}"),
+                    _col("size"),
+                    _col("runs met"),
+                    _col("pooled", RATIO),
+                    _col("95% low", RATIO),
+                    _col("95% high", RATIO),
+                    _col("verdict"),
+                    *(_col(f"{title}, pooled", RATIO) for title, _ in target.controls),
+                ],
+                "rows": rows,
+                "notes": [
+                    f"Cells: {counts}. Met when the whole 95% two-level bootstrap interval "
+                    "(runs, then repeats) is within the limit, missed when it is all beyond, "
+                    "open when the runs cannot tell.",
+                    "Cells met, run by run: "
+                    + ", ".join(f"{met} of {n}" for met, n in per_run_met)
+                    + ".",
+                ],
+            }
+        )
+    return _result(
+        "collectives",
+        "Collectives: weighted allreduce and allgatherv",
+        command,
+        raw,
+        sections,
+        description=(
+            "hetcoll's weighted allreduce and allgatherv against the engines' own collectives "
+            "(MPI through mpi4py/MPICH, torch.distributed gloo), all ranks on one host, buffers "
+            "of float32 from 4 KiB; each operation timed in loops of back-to-back calls, the "
+            "operations taking turns in an order shuffled every repeat. Scored against the "
+            "targets by `benches/score_collectives.py`."
+        ),
+        notes=notes,
+        headlines=headlines,
+    )
+
+
+_STRATEGIES = ("filter, even split", "filter, speed-proportional", "data, balanced batches")
+
+
+def adapt_filter_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
+    """A ``bench_filter_parallel.py --json`` file (a list with one result per rank, rank 0's
+    step times the slowest rank's) as a results file."""
+    if len(raw) != 1:
+        raise ResultError("filter-parallel: give one bench_filter_parallel.py --json file")
+    path = raw[0]
+    data = _raw_json(path, "bench_filter_parallel.py --json")
+    if not isinstance(data, list) or not data:
+        raise ResultError(f"{path}: expected a list with one result per rank")
+    batches = _need(data[0], "batches", f"{path}: [0]")
+    steps, versus, headlines = [], [], []
+    for b in sorted(batches, key=int):
+        row = batches[b]
+        where = f"{path}: [0].batches.{b}"
+        times = {name: _need(row, name, where) for name in _STRATEGIES}
+        even = times["filter, even split"]
+        steps += [[int(b), name, times[name] * 1e3, even / times[name]] for name in _STRATEGIES]
+        prop, data_s = times["filter, speed-proportional"], times["data, balanced batches"]
+        shares = _need(_need(row, "shares", where), "proportional", f"{where}.shares")
+        versus.append([int(b), prop * 1e3, data_s * 1e3, data_s / prop, str(shares)])
+        headlines.append(
+            (
+                f"filter parallel, speed-proportional vs even split, batch {b}",
+                f"{even / prop:.2f}x faster",
+            )
+        )
+    memory = []
+    for r, res in enumerate(data):
+        mem = _need(res, "memory", f"{path}: [{r}]")
+        f = _need(mem, "filter parallel", f"{path}: [{r}].memory")
+        u = _need(mem, "unsplit", f"{path}: [{r}].memory")
+        memory.append(
+            [
+                r,
+                f["param_bytes"],
+                f["param_bytes"] / u["param_bytes"],
+                f["adam_state_bytes"],
+                f["adam_state_bytes"] / u["adam_state_bytes"],
+            ]
+        )
+    return _result(
+        "filter_parallel",
+        "Filter parallelism",
+        command,
+        raw,
+        [
+            {
+                "title": "Step time: speed-proportional split vs the even split",
+                "peer": "the even split torch.chunk / Mesh-TensorFlow would use, same model and "
+                "global batch",
+                "columns": [
+                    _col("global batch", "{}"),
+                    _col("strategy"),
+                    _col("step (ms)", "{:.1f}"),
+                    _col("speed vs even split (even / time)", RATIO),
+                ],
+                "rows": steps,
+                "notes": [
+                    "Median over steps of the slowest rank's step (forward, backward, SGD "
+                    "step); the strategies take turns step by step."
+                ],
+            },
+            {
+                "title": "Filter parallel vs data parallel with balanced batches",
+                "peer": "data parallel, batches split by hetcoll.split, gradients averaged by "
+                "one weighted hetcoll.allreduce",
+                "columns": [
+                    _col("global batch", "{}"),
+                    _col("filter, proportional (ms)", "{:.1f}"),
+                    _col("data parallel (ms)", "{:.1f}"),
+                    _col("speed vs data parallel (data / filter)", RATIO),
+                    _col("filter shares per layer"),
+                ],
+                "rows": versus,
+            },
+            {
+                "title": "Memory per rank",
+                "peer": "the unsplit model on one rank",
+                "columns": [
+                    _col("rank", "{}"),
+                    _col("parameter bytes", "{:,}"),
+                    _col("of unsplit", "{:.1%}"),
+                    _col("Adam state bytes", "{:,}"),
+                    _col("of unsplit", "{:.1%}"),
+                ],
+                "rows": memory,
+            },
+        ],
+        description=(
+            "Filter parallelism on two gloo ranks of emulated speeds (`SPEEDS` in "
+            "`benches/bench_filter_parallel.py`), a conv-heavy CNN: every rank computes its "
+            "share of each layer's filters on the whole batch; heterogeneity is emulated the "
+            "same way for every strategy."
+        ),
+        headlines=headlines,
+    )
+
+
+def adapt_model_validate(raw: Sequence[Path], command: str) -> dict[str, Any]:
+    """A ``hetcoll model validate --json`` output as a results file."""
+    if len(raw) != 1:
+        raise ResultError("model-validate: give one `hetcoll model validate --json` output")
+    path = raw[0]
+    data = _raw_json(path, "hetcoll model validate --json")
+    rows = []
+    for i, r in enumerate(_need(data, "results", str(path))):
+        where = f"{path}: results[{i}]"
+        strategy = _need(r, "strategy", where)
+        if strategy != "data" and not r.get("avoid_gathers", True):
+            strategy += "/gather"
+        rows.append(
+            [
+                strategy,
+                _need(r, "ranks", where),
+                _need(r, "batch", where),
+                ",".join(str(s) for s in _need(r, "shares", where)),
+                ",".join(f"{s:g}" for s in _need(r, "speeds", where)),
+                _need(r, "predicted_s", where) * 1e3,
+                _need(r, "measured_s", where) * 1e3,
+                _need(r, "error", where),
+            ]
+        )
+    summary = [
+        [s, v["median_abs_error"], v["worst_abs_error"]]
+        for s, v in sorted(_need(data, "by_strategy", str(path)).items())
+    ]
+    med = _need(data, "median_abs_error", str(path))
+    worst = _need(data, "worst_abs_error", str(path))
+    summary.append(["all rows", med, worst])
+    return _result(
+        "model_validate",
+        "Performance model: predicted vs measured steps",
+        command,
+        raw,
+        [
+            {
+                "title": "Predicted vs measured step time",
+                "peer": "the step time measured in the same run (error = predicted / measured - 1)",
+                "columns": [
+                    _col("strategy"),
+                    _col("ranks", "{}"),
+                    _col("batch", "{}"),
+                    _col("shares"),
+                    _col("speeds"),
+                    _col("predicted (ms)", "{:.1f}"),
+                    _col("measured (ms)", "{:.1f}"),
+                    _col("error", "{:+.1%}"),
+                ],
+                "rows": rows,
+            },
+            {
+                "title": "Error summary",
+                "columns": [
+                    _col("strategy"),
+                    _col("median |error|", "{:.1%}"),
+                    _col("worst |error|", "{:.1%}"),
+                ],
+                "rows": summary,
+                "notes": ["Targets: median |error| <= 15%, worst <= 30%."],
+            },
+        ],
+        description=(
+            "`hetcoll model validate` trains a built-in model for real on gloo (data parallel "
+            "with DDP, filter parallel with `hetcoll.torch.filter_parallel`), emulated speeds, "
+            "and compares each configuration's predicted step time with the measured one. "
+            "Details: [docs/model.md](model.md)."
+        ),
+        headlines=[
+            (
+                "performance model, median / worst |error| (targets 15% / 30%)",
+                f"{med:.1%} / {worst:.1%}",
+            )
+        ],
+    )
+
+
+ADAPTERS: dict[str, Callable[[Sequence[Path], str], dict[str, Any]]] = {
+    "collectives": adapt_collectives,
+    "filter-parallel": adapt_filter_parallel,
+    "model-validate": adapt_model_validate,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--results", type=Path, default=RESULTS, help="results folder")
+    ap.add_argument("--output", type=Path, default=OUTPUT, help="markdown file to write")
+    ap.add_argument("--check", action="store_true", help="exit 1 if --output is out of date")
+    sub = ap.add_subparsers(dest="action")
+    imp = sub.add_parser("import", help="convert a script's own JSON into a results file")
+    imp.add_argument("kind", choices=sorted(ADAPTERS))
+    imp.add_argument("raw", type=Path, nargs="+", help="the script's JSON file(s)")
+    imp.add_argument("--command", required=True, help="the command that wrote the raw file(s)")
+    args = ap.parse_args(argv)
+    try:
+        if args.action == "import":
+            result = ADAPTERS[args.kind](args.raw, args.command)
+            path = args.results / f"{result['benchmark']}.json"
+            write_result(path, result)
+            print(f"wrote {_relative(path)}")
+            return 0
+        text = generate(args.results)
+    except ResultError as e:
+        print(f"report.py: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        current = args.output.read_text() if args.output.exists() else ""
+        if current != text:
+            print(f"{_relative(args.output)} is out of date: run `make bench-report`")
+            return 1
+        return 0
+    args.output.write_text(text)
+    print(f"wrote {_relative(args.output)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""benches/report.py: results files render to the expected markdown, the same bytes every time,
+a malformed file is refused with its name and field, and docs/benchmarks.md is exactly what the
+committed results generate. No benchmark runs here."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_report() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("report", ROOT / "benches" / "report.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("report", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+report = _load_report()
+
+COMMAND = "python -m pytest benches/bench_split.py --results-json benches/results/split.json"
+
+
+def split_result() -> dict[str, Any]:
+    return {
+        "schema": 1,
+        "benchmark": "split",
+        "title": "Split solver at cluster scale",
+        "command": COMMAND,
+        "when": "2026-05-10T14:03:27+00:00",
+        "host": {"cpu": "AMD EPYC", "cpu_flags": ["avx", "fma"], "cores": 2, "torch": "2.5.1"},
+        "description": "hetcoll.split vs a Python heap greedy.",
+        "notes": ["Medians over rounds."],
+        "headlines": [{"figure": "hetcoll.split vs heap greedy", "value": "4,800x faster"}],
+        "sections": [
+            {
+                "title": "split p=10000 total=10^7",
+                "peer": "Python heap greedy",
+                "columns": [
+                    {"name": "entry"},
+                    {"name": "median (ms)", "format": "{:,.3f}"},
+                    {"name": "rounds"},
+                    {"name": "speed vs peer", "format": "ratio"},
+                    {"name": "note"},
+                ],
+                "rows": [
+                    ["hetcoll.split", 2.3125, 30, 4812.4, None],
+                    ["Python heap greedy", 11128.0, 1, 1.0, "a | b"],
+                ],
+                "notes": ["exact shares for both"],
+            }
+        ],
+    }
+
+
+def write(directory: Path, result: dict[str, Any]) -> Path:
+    path = directory / f"{result['benchmark']}.json"
+    path.write_text(json.dumps(result))
+    return path
+
+
+def test_a_results_file_renders_its_command_run_and_table(tmp_path: Path) -> None:
+    write(tmp_path, split_result())
+    text = report.generate(tmp_path)
+    expected = f"""\
+## Split solver at cluster scale
+
+hetcoll.split vs a Python heap greedy.
+
+```bash
+{COMMAND}
+```
+
+Run: 2026-05-10 14:03 UTC · AMD EPYC (avx, fma), 2 cores · torch 2.5.1.
+
+- Medians over rounds.
+
+### split p=10000 total=10^7
+
+Peer: Python heap greedy.
+
+| entry | median (ms) | rounds | speed vs peer | note |
+|---|---:|---:|---:|---|
+| hetcoll.split | 2.312 | 30 | 4,812x | – |
+| Python heap greedy | 11,128.000 | 1 | 1.00x | a \\| b |
+
+- exact shares for both
+"""
+    assert expected in text
+    assert (
+        "| hetcoll.split vs heap greedy | 4,800x faster "
+        "| [Split solver at cluster scale](#split-solver-at-cluster-scale) |" in text
+    )
+    assert "## Collectives tuning" in text
+
+
+def test_benchmarks_without_results_are_listed_not_rendered(tmp_path: Path) -> None:
+    write(tmp_path, split_result())
+    text = report.generate(tmp_path)
+    missing = text.split("Not yet measured: ", 1)[1].split("\n\n", 1)[0]
+    assert "kernels (`make bench-kernels`)" in missing
+    assert "split" not in missing
+    assert "## Core kernel" not in text
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "## Headlines" not in report.generate(empty)
+
+
+def test_same_json_gives_the_same_bytes(tmp_path: Path) -> None:
+    other = split_result() | {"benchmark": "zeta", "title": "Zeta"}
+    write(tmp_path, other)
+    write(tmp_path, split_result())
+    first = report.generate(tmp_path)
+    # Key order and formatting of the JSON do not matter; the expected benchmark comes first.
+    reordered = dict(reversed(list(split_result().items())))
+    (tmp_path / "split.json").write_text(json.dumps(reordered, indent=4))
+    assert report.generate(tmp_path) == first
+    assert first.index("## Split solver") < first.index("## Zeta")
+
+
+def test_ratios_are_never_rounded_to_zero() -> None:
+    assert [report.ratio(x) for x in (2.434, 3261.08, 0.61, 0.000307, 0.0)] == [
+        "2.43x",
+        "3,261x",
+        "0.61x",
+        "0.00031x",
+        "0.00x",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda r: r.pop("command"), "field 'command' is missing"),
+        (lambda r: r.update(schema=2), "field 'schema' is 2"),
+        (lambda r: r.update(when="yesterday"), "field 'when' is not an ISO 8601 date"),
+        (lambda r: r["sections"][0]["rows"][1].pop(), "sections[0].rows[1]: expected a list of 5"),
+        (lambda r: r["sections"][0]["columns"][1].pop("name"), "sections[0].columns[1]: field"),
+        (lambda r: r["sections"][0]["rows"][0].__setitem__(1, [2]), "cell 'median (ms)' is list"),
+        (
+            lambda r: r["sections"][0]["columns"][1].update(format="{:d}"),
+            "rows[0]: cell 'median (ms)' = 2.3125 does not fit format '{:d}'",
+        ),
+        (lambda r: r["sections"][0].update(peer=3), "field 'peer' must be str"),
+        (lambda r: r.update(benchmark="kernels"), "must be named kernels.json"),
+    ],
+)
+def test_a_malformed_file_names_the_file_and_field(tmp_path: Path, change, message) -> None:
+    result = copy.deepcopy(split_result())
+    change(result)
+    path = tmp_path / "split.json"
+    path.write_text(json.dumps(result))
+    with pytest.raises(report.ResultError) as e:
+        report.generate(tmp_path)
+    assert str(path) in str(e.value) and message in str(e.value)
+
+
+def test_unreadable_json_names_the_file(tmp_path: Path, capsys) -> None:
+    (tmp_path / "split.json").write_text("{not json")
+    assert report.main(["--results", str(tmp_path), "--output", str(tmp_path / "b.md")]) == 2
+    assert "split.json: cannot read it as JSON" in capsys.readouterr().err
+
+
+def test_check_reports_a_stale_page(tmp_path: Path) -> None:
+    write(tmp_path, split_result())
+    out = tmp_path / "benchmarks.md"
+    args = ["--results", str(tmp_path), "--output", str(out)]
+    assert report.main([*args, "--check"]) == 1
+    assert report.main(args) == 0
+    assert report.main([*args, "--check"]) == 0
+
+
+def test_filter_parallel_adapter_reads_the_scripts_json(tmp_path: Path) -> None:
+    mem = {
+        "unsplit": {"param_bytes": 1000, "adam_state_bytes": 2000},
+        "filter parallel": {"param_bytes": 800, "adam_state_bytes": 1600},
+    }
+    times = {"filter, even split": 0.2, "filter, speed-proportional": 0.125}
+    row = times | {"data, balanced batches": 0.25, "shares": {"proportional": [[4, 1]]}}
+    raw = tmp_path / "raw" / "raw.json"
+    raw.parent.mkdir()
+    raw.write_text(json.dumps([{"memory": mem, "batches": {"4": row}}, {"memory": mem}]))
+    result = report.adapt_filter_parallel([raw], "python benches/bench_filter_parallel.py")
+    report.write_result(tmp_path / "filter_parallel.json", result)
+    assert result["headlines"][0]["value"] == "1.60x faster"
+    assert result["command"].splitlines()[0] == "python benches/bench_filter_parallel.py"
+    assert "| 4 | 125.0 | 250.0 | 2.00x | [[4, 1]] |" in report.generate(tmp_path)
+
+
+def test_model_validate_adapter_reads_the_cli_json(tmp_path: Path) -> None:
+    row = {"strategy": "filter", "ranks": 2, "batch": 32, "shares": [3, 1], "speeds": [1, 0.25]}
+    row |= {"predicted_s": 0.011, "measured_s": 0.010, "error": 0.1, "avoid_gathers": False}
+    data = {
+        "results": [row],
+        "median_abs_error": 0.1,
+        "worst_abs_error": 0.1,
+        "by_strategy": {"filter": {"median_abs_error": 0.1, "worst_abs_error": 0.1}},
+    }
+    raw = tmp_path / "raw" / "validate.json"
+    raw.parent.mkdir()
+    raw.write_text(json.dumps(data))
+    report.write_result(
+        tmp_path / "model_validate.json", report.adapt_model_validate([raw], "hetcoll model")
+    )
+    text = report.generate(tmp_path)
+    assert "| filter/gather | 2 | 32 | 3,1 | 1,0.25 | 11.0 | 10.0 | +10.0% |" in text
+    del row["measured_s"]
+    raw.write_text(json.dumps(data))
+    with pytest.raises(report.ResultError, match=r"results\[0\]: field 'measured_s' is missing"):
+        report.adapt_model_validate([raw], "hetcoll model")
+
+
+def test_collectives_adapter_pools_the_runs_as_score_collectives_does(tmp_path: Path) -> None:
+    def row(nbytes: int, auto: float) -> dict[str, Any]:
+        names = ["engine", "engine_again", "native", "native_w", "ring_w", "direct_w", "auto_w"]
+        names += ["allgatherv", "allgatherv_ring", "allgatherv_direct", "allgatherv_auto"]
+        times = {n: [1.0, 1.0, 1.0] for n in [*names, "allgather"]}
+        times["auto_w"] = [auto] * 3
+        ratios = {
+            f: 1.0
+            for f, _ in report._COLLECTIVE_COLUMNS
+            if f not in ("shared_weighted", "allgatherv_shared_over_allgather")
+        }
+        return ratios | {
+            "bytes": nbytes,
+            "calls": 1,
+            "engine_GBps": 1.0,
+            "auto_weighted": auto,
+            "shared_weighted": None,
+            "allgatherv_shared_over_allgather": None,
+            "seconds_per_call": times,
+        }
+
+    run = [{"engine": "gloo", "ranks": 2, "pingpong_GBps": 2.0, "rows": [row(1 << 20, 1.05)]}]
+    raw = tmp_path / "raw" / "run.json"
+    raw.parent.mkdir()
+    raw.write_text(json.dumps(run))
+    result = report.adapt_collectives([raw], "python benches/bench_collectives.py --json run.json")
+    report.write_result(tmp_path / "collectives.json", result)
+    text = report.generate(tmp_path)
+    assert "| gloo | 2 | 1 MiB | 1 of 1 | 1.05x | 1.05x | 1.05x | met | 1.00x | 1.00x |" in text
+    assert result["headlines"][0]["value"] == "1 met, 0 open, 0 missed of 1"
+    # The ring's target covers MPI from 16 MiB: no cell here, so a note and no empty table.
+    assert "### Target: ring" not in text
+    assert "Target ring (weighted) / MPI_Allreduce <= 1.11x: no cell in these runs" in text
+
+
+def test_docs_benchmarks_md_is_generated_from_the_committed_results() -> None:
+    assert (ROOT / "docs" / "benchmarks.md").read_text() == report.generate(
+        ROOT / "benches" / "results"
+    ), "docs/benchmarks.md differs from benches/results/*.json: run `make bench-report`"
