@@ -66,7 +66,7 @@ bench: bench-kernels bench-split bench-partition bench-partitioners bench-planne
 	$(MAKE) bench-report
 
 bench-report:
-	$(PY) benches/report.py
+	$(PY) benches/report.py --readme README.md
 
 bench-kernels: $(BUILT) $(BENCHED)
 	$(PYBENCH) benches/bench_kernels.py --results-json $(RESULTS)/kernels.json \

@@ -53,6 +53,9 @@ BENCHES = Path(__file__).resolve().parent
 ROOT = BENCHES.parent
 RESULTS = BENCHES / "results"
 OUTPUT = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
+README_START = "<!-- headlines:start (benches/report.py writes this table) -->"
+README_END = "<!-- headlines:end -->"
 
 #: The benchmarks docs/benchmarks.md expects, in its order: results file stem, and the make
 #: target that writes it. Results files of other names follow, sorted by name.
@@ -431,14 +434,8 @@ def render(results: Sequence[Result], missing: Sequence[tuple[str, str]] = ()) -
             + ".",
             "",
         ]
-    headlines = [(r, h) for r in results for h in r.headlines]
-    if headlines:
-        out += ["## Headlines", "", "| figure | value | benchmark |", "|---|---|---|"]
-        out += [
-            f"| {_cell(h.figure)} | {_cell(h.value)} | [{_cell(r.title)}](#{slug(r.title)}) |"
-            for r, h in headlines
-        ]
-        out.append("")
+    if any(r.headlines for r in results):
+        out += ["## Headlines", "", *headline_table(results), ""]
     for r in results:
         out += [f"## {r.title}", ""]
         if r.description:
@@ -455,6 +452,29 @@ def render(results: Sequence[Result], missing: Sequence[tuple[str, str]] = ()) -
             out += [""] if s.notes else []
     out += ["## Collectives tuning", "", tuning(results)]
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+def headline_table(results: Sequence[Result], link_prefix: str = "") -> list[str]:
+    """Every result's headline figures as one markdown table, each linked to its section
+    (``link_prefix``: the page the anchors are on, e.g. ``docs/benchmarks.md`` from README)."""
+    out = ["| figure | value | benchmark |", "|---|---|---|"]
+    out += [
+        f"| {_cell(h.figure)} | {_cell(h.value)} "
+        f"| [{_cell(r.title)}]({link_prefix}#{slug(r.title)}) |"
+        for r in results
+        for h in r.headlines
+    ]
+    return out
+
+
+def with_readme_headlines(readme: str, results: Sequence[Result]) -> str:
+    """``readme`` with the text between its headline markers replaced by the headline table,
+    so README's figures are the same ones docs/benchmarks.md shows (one source: the JSON)."""
+    start, end = readme.find(README_START), readme.find(README_END)
+    if start < 0 or end < start:
+        raise ResultError(f"README: needs the markers {README_START} and {README_END}")
+    table = "\n".join(headline_table(results, "docs/benchmarks.md"))
+    return readme[: start + len(README_START)] + "\n" + table + "\n" + readme[end:]
 
 
 def generate(directory: Path = RESULTS) -> str:
@@ -881,7 +901,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", type=Path, default=RESULTS, help="results folder")
     ap.add_argument("--output", type=Path, default=OUTPUT, help="markdown file to write")
-    ap.add_argument("--check", action="store_true", help="exit 1 if --output is out of date")
+    ap.add_argument(
+        "--readme", type=Path, help=f"also update this README's headline table (e.g. {README.name})"
+    )
+    ap.add_argument("--check", action="store_true", help="exit 1 if an output is out of date")
     sub = ap.add_subparsers(dest="action")
     imp = sub.add_parser("import", help="convert a script's own JSON into a results file")
     imp.add_argument("kind", choices=sorted(ADAPTERS))
@@ -896,17 +919,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {_relative(path)}")
             return 0
         text = generate(args.results)
+        readme = None
+        if args.readme is not None:
+            readme = with_readme_headlines(args.readme.read_text(), load_all(args.results))
     except ResultError as e:
         print(f"report.py: {e}", file=sys.stderr)
         return 2
+    wanted = [(args.output, text)] + ([(args.readme, readme)] if readme is not None else [])
     if args.check:
-        current = args.output.read_text() if args.output.exists() else ""
-        if current != text:
-            print(f"{_relative(args.output)} is out of date: run `make bench-report`")
-            return 1
-        return 0
-    args.output.write_text(text)
-    print(f"wrote {_relative(args.output)}")
+        stale = [p for p, t in wanted if (p.read_text() if p.exists() else "") != t]
+        for path in stale:
+            print(f"{_relative(path)} is out of date: run `make bench-report`")
+        return 1 if stale else 0
+    for path, t in wanted:
+        path.write_text(t)
+        print(f"wrote {_relative(path)}")
     return 0
 
 

@@ -259,3 +259,16 @@ def test_docs_benchmarks_md_is_generated_from_the_committed_results() -> None:
     assert (ROOT / "docs" / "benchmarks.md").read_text() == report.generate(
         ROOT / "benches" / "results"
     ), "docs/benchmarks.md differs from benches/results/*.json: run `make bench-report`"
+
+
+def test_readme_headlines_are_the_committed_results() -> None:
+    readme = (ROOT / "README.md").read_text()
+    results = report.load_all(ROOT / "benches" / "results")
+    assert readme == report.with_readme_headlines(readme, results), (
+        "README's headline table differs from benches/results/*.json: run `make bench-report`"
+    )
+
+
+def test_readme_without_markers_is_refused() -> None:
+    with pytest.raises(report.ResultError, match="README: needs the markers"):
+        report.with_readme_headlines("# no table here\n", [])
