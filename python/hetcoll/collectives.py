@@ -30,7 +30,6 @@ import functools
 import itertools
 import math
 import threading
-import time
 import zlib
 from collections import deque
 from collections.abc import Sequence
@@ -39,7 +38,16 @@ from typing import Any, TypeVar
 import numpy as np
 
 from hetcoll import _core
-from hetcoll.comm import Communicator, NodeWindows, Request, wait_all, wrap
+from hetcoll.comm import (
+    Communicator,
+    NodeWindows,
+    Request,
+    agree,
+    same_rows,
+    wait_all,
+    wrap,
+)
+from hetcoll.comm import deadline as deadline_of
 from hetcoll.errors import CollectiveMismatchError
 from hetcoll.kernels import is_tensor, numpy_view
 
@@ -213,14 +221,6 @@ def _kind(view: np.ndarray, bf16: bool) -> str:
     return name
 
 
-def _deadline(timeout: float | None) -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout: must be a number of seconds > 0 or None, got {timeout!r}")
-    return time.monotonic() + float(timeout)
-
-
 def _weight(weight: object) -> float:
     if isinstance(weight, bool) or not isinstance(weight, (int, float, np.floating, np.integer)):
         raise TypeError(f"weight: must be a number, got {type(weight).__name__}")
@@ -228,22 +228,6 @@ def _weight(weight: object) -> float:
     if not math.isfinite(w):
         raise ValueError(f"weight: must be finite, got {w}")
     return w
-
-
-def _agree(comm: Communicator, fields: dict[str, int], deadline: float | None) -> None:
-    """Raise CollectiveMismatchError on every rank unless every rank passed the same fields."""
-    rows = comm.allgather_int64(np.array(list(fields.values()), dtype=np.int64), deadline)
-    _same_rows(list(fields), rows)
-
-
-def _same_rows(names: Sequence[str], rows: np.ndarray) -> None:
-    """Raise CollectiveMismatchError unless column j of ``rows`` (one row per rank), field
-    ``names[j]``, is the same on every rank; every rank raises alike, as all see the same rows."""
-    for j, name in enumerate(names):
-        column = rows[:, j]
-        if (column != column[0]).any():
-            per_rank = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(column))
-            raise CollectiveMismatchError(f"ranks disagree on {name} ({per_rank})")
 
 
 def _counts(n: int, p: int, speeds: Sequence[float] | None) -> list[int]:
@@ -286,7 +270,7 @@ def allreduce(
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
     w = _weight(weight)
-    deadline = _deadline(timeout)
+    deadline = deadline_of(timeout)
     if segment_bytes is not None and (not isinstance(segment_bytes, int) or segment_bytes < 1):
         raise ValueError(f"segment_bytes: must be an integer >= 1 or None, got {segment_bytes!r}")
     if is_tensor(buf) and buf.device.type != "cpu":  # type: ignore[attr-defined]
@@ -316,7 +300,7 @@ def allreduce(
             "algorithm": _ALGO_CODE[algorithm],
             "chunk shares": zlib.crc32(np.asarray(counts or [], np.int64).tobytes()),
         }
-        _agree(c, fields, deadline)
+        agree(c, fields, deadline)
     if c.size == 1 or flat.size == 0:
         if w != 1.0 and flat.size:
             _core.weighted_sum_into([flat], [w], flat, bfloat16=bf16)
@@ -473,7 +457,7 @@ def _shared(
             segs[r][hi:] = piece[hi:]
         windows.fence(i, deadline)
         if start == 0:  # length and dtype, from every rank's header
-            _same_rows(("length", "dtype"), np.array([h[1:3] for h in heads], np.int64))
+            same_rows(("length", "dtype"), np.array([h[1:3] for h in heads], np.int64))
         weights = [float(h[0]) for h in heads]
         if one_round:
             sources = [piece if q == r else segs[q] for q in range(p)]
@@ -752,7 +736,7 @@ def _allreduce_device(
     c = wrap(comm)
     if check:
         fields = {"length": buf.numel(), "dtype": zlib.crc32(str(buf.dtype).encode())}
-        _agree(c, fields, deadline)
+        agree(c, fields, deadline)
     op = dist.ReduceOp.SUM
     if w != 1.0:
         fused = premul_sum_op(c.engine, w)
@@ -819,7 +803,7 @@ def allgatherv(
         raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
     if segment_bytes is not None and (not isinstance(segment_bytes, int) or segment_bytes < 1):
         raise ValueError(f"segment_bytes: must be an integer >= 1 or None, got {segment_bytes!r}")
-    deadline = _deadline(timeout)
+    deadline = deadline_of(timeout)
     result, _ = _gather(local, comm, deadline, algorithm, segment_bytes, out)
     return result  # type: ignore[no-any-return]
 
@@ -1209,7 +1193,7 @@ def _make_function() -> Any:
     class AllgathervFn(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, tensor: Any, comm: Communicator, timeout: float | None) -> Any:
-            out, ctx.counts = _gather(tensor.detach(), comm, _deadline(timeout))
+            out, ctx.counts = _gather(tensor.detach(), comm, deadline_of(timeout))
             ctx.comm, ctx.timeout = comm, timeout
             ctx.local_shape = tuple(tensor.shape)
             return out
@@ -1220,7 +1204,7 @@ def _make_function() -> Any:
             grad = grad.contiguous()
             row = math.prod(ctx.local_shape[1:])
             result = torch.empty(ctx.local_shape, dtype=grad.dtype, device=grad.device)
-            deadline = _deadline(ctx.timeout)
+            deadline = deadline_of(ctx.timeout)
             counts = [n * row for n in ctx.counts]
             if grad.device.type != "cpu":
                 import torch.distributed as dist

@@ -26,7 +26,7 @@ import time
 import weakref
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from hetcoll import _core
-from hetcoll.errors import CollectiveTimeout
+from hetcoll.errors import CollectiveMismatchError, CollectiveTimeout
 
 __all__ = [
     "Communicator",
@@ -680,3 +680,35 @@ def wrap(x: Any = None) -> Communicator:
         "comm: must be an mpi4py communicator, a torch.distributed ProcessGroup, None or a "
         f"hetcoll Communicator, got {type(x).__name__}"
     )
+
+
+def agree(comm: Communicator, fields: Mapping[str, int], deadline: float | None = None) -> None:
+    """Raise :class:`~hetcoll.CollectiveMismatchError` on every rank unless every rank passed the
+    same integer for each named field (one ``allgather`` of the values; every rank sees the same
+    rows, so all raise alike). The one check "ranks agree on these arguments" of the collectives,
+    the sampler and the filter-parallel layers. Every rank must pass the same field names.
+
+    ``deadline``: a :func:`time.monotonic` value (see :func:`deadline`), or None.
+    """
+    rows = comm.allgather_int64(np.array(list(fields.values()), dtype=np.int64), deadline)
+    same_rows(list(fields), rows)
+
+
+def same_rows(names: Sequence[str], rows: np.ndarray) -> None:
+    """Raise :class:`~hetcoll.CollectiveMismatchError` unless column ``j`` of ``rows`` (one row
+    per rank), field ``names[j]``, is the same on every rank."""
+    for j, name in enumerate(names):
+        column = rows[:, j]
+        if (column != column[0]).any():
+            per_rank = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(column))
+            raise CollectiveMismatchError(f"ranks disagree on {name} ({per_rank})")
+
+
+def deadline(timeout: float | None) -> float | None:
+    """The :func:`time.monotonic` moment a call with ``timeout`` seconds must end by (None: no
+    limit); a bad ``timeout`` raises ``ValueError`` naming it."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout: must be a number of seconds > 0 or None, got {timeout!r}")
+    return time.monotonic() + float(timeout)

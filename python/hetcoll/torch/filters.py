@@ -47,8 +47,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import hetcoll
 from hetcoll.collectives import allgatherv, allreduce
-from hetcoll.comm import Communicator, wrap
-from hetcoll.errors import CollectiveMismatchError
+from hetcoll.comm import Communicator, agree, deadline, wrap
 
 __all__ = [
     "MODES",
@@ -156,10 +155,6 @@ def _check_linear(linear: nn.Linear, argument: str) -> None:
         raise TypeError(f"{argument}: must be a torch.nn.Linear, got {type(linear).__name__}")
 
 
-def _deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout
-
-
 def _check_timeout(timeout: float | None) -> None:
     if timeout is not None and (
         isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
@@ -228,7 +223,7 @@ class _GatherChannels(torch.autograd.Function):
             out = torch.empty((sum(counts), *moved.shape[1:]), dtype=y.dtype)
             row = moved[0].numel() * moved.element_size()
             comm.iallgatherv(_bytes(moved), _bytes(out), [c * row for c in counts]).wait(
-                _deadline(timeout)
+                deadline(timeout)
             )
         return out.movedim(0, dim).contiguous()
 
@@ -968,13 +963,10 @@ def _agree_on_plan(
     shares: dict[str, list[int]],
     timeout: float | None,
 ) -> None:
-    text = repr([(n, modes[n], shares[n]) for n in chosen]).encode()
-    rows = comm.allgather_int64(np.array([zlib.crc32(text)], np.int64), _deadline(timeout))
-    if (rows[:, 0] != rows[0, 0]).any():
-        raise CollectiveMismatchError(
-            "filter_parallel: ranks disagree on the layers, modes or shares (same model and "
-            "arguments needed on every rank)"
-        )
+    # One fingerprint of the whole plan: ranks that disagree anywhere raise on every rank.
+    fingerprint = zlib.crc32(repr([(n, modes[n], shares[n]) for n in chosen]).encode())
+    what = "filter_parallel's layers, modes and shares (same model and arguments needed)"
+    agree(comm, {what: fingerprint}, deadline(timeout))
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -89,7 +89,7 @@ class WeightedAllreduceState:
         self.local_batch = local_batch
         self.algorithm = algorithm
         self._step_total: torch.futures.Future | None = None
-        self.direct_allreduce: _DirectExchange | None = None
+        self._direct_exchange: _DirectExchange | None = None
         self._agreed = False
         self.ready_at = 0.0
 
@@ -159,9 +159,9 @@ def weighted_allreduce_hook(
     buf = bucket.buffer()
     state._agree(buf)
     if state.algorithm != "allreduce" and buf.device.type == "cpu" and buf.dtype in _KERNEL:
-        if state.direct_allreduce is None:
-            state.direct_allreduce = _DirectExchange(state.process_group)
-        direct = state.direct_allreduce
+        if state._direct_exchange is None:
+            state._direct_exchange = _DirectExchange(state.process_group)
+        direct = state._direct_exchange
         nbytes = buf.numel() * buf.element_size()
         c = direct.comm
         two = c.size == 2 and nbytes < TWO_RANK_DIRECT_BELOW_BYTES.get(c.engine, 0)

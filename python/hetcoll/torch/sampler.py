@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Sampler
 
 import hetcoll
+from hetcoll.comm import agree, wrap
 
 
 def _validate_shares(shares: Sequence[int], argument: str = "shares") -> list[int]:
@@ -47,13 +48,9 @@ def _verify_agreement(values: list[int], what: str) -> None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, values)
-    if any(g != values for g in gathered):
-        raise ValueError(
-            f"{what}: ranks disagree: "
-            + "; ".join(f"rank {r} has {g}" for r, g in enumerate(gathered))
-        )
+    comm = wrap(None)
+    agree(comm, {f"the number of {what}": len(values)})
+    agree(comm, {f"{what}[{i}]": int(v) for i, v in enumerate(values)})
 
 
 class BalancedSampler(Sampler[int]):
