@@ -41,11 +41,13 @@ def test_balanced_vs_unbalanced(benchmark, figure, backend):
         group,
         "balanced / unbalanced throughput",
         f"{statistics.median(speedup):.2f}x (runs: {', '.join(f'{x:.2f}' for x in speedup)})",
+        headline=True,
     )
     figure(
         group,
         "balanced throughput / ideal",
         f"{statistics.median(of_ideal):.0%} (runs: {', '.join(f'{x:.0%}' for x in of_ideal)})",
+        headline=True,
     )
     figure(
         group,

@@ -37,6 +37,7 @@ class Entry:
 _RESULTS: dict[str, dict[str, Entry]] = defaultdict(dict)
 _PEERS: dict[str, str] = {}
 _FIGURES: dict[str, list[tuple[str, str]]] = defaultdict(list)
+_FIGURE_HEADLINES: list[dict[str, str]] = []
 _NOT_MEASURED: list[str] = []
 _DOCS: dict[str, str] = {}
 
@@ -55,11 +56,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 @pytest.fixture
-def figure() -> Callable[[str, str, str], None]:
-    """figure(group, name, text): a derived figure (a ratio, a fraction) for the final report."""
+def figure() -> Callable[..., None]:
+    """figure(group, name, text, *, headline=False): a derived figure (a ratio, a fraction) for
+    the final report; ``headline`` also puts it into docs/benchmarks.md's headline table."""
 
-    def _figure(group: str, name: str, text: str) -> None:
+    def _figure(group: str, name: str, text: str, *, headline: bool = False) -> None:
         _FIGURES[group].append((name, text))
+        if headline:
+            _FIGURE_HEADLINES.append({"figure": f"{group}: {name}", "value": text})
 
     return _figure
 
@@ -126,7 +130,7 @@ def results(config: pytest.Config) -> dict[str, Any]:
     """This session's tables and figures as a results file (see benches/report.py)."""
     path = Path(config.getoption("results_json"))
     sections: list[dict[str, Any]] = []
-    headlines: list[dict[str, str]] = []
+    headlines: list[dict[str, str]] = list(_FIGURE_HEADLINES)
     for group, entries in _RESULTS.items():
         peer = _PEERS.get(group)
         gbs = any(e.bytes_moved for e in entries.values())
