@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,7 @@ __all__ = [
     "filter_parallel",
     "gather_gradients",
     "gather_state_dict",
+    "filter_shares",
     "set_emulated_speed",
 ]
 
@@ -837,6 +838,100 @@ def _choose(
     return sorted(layers, key=order.index)
 
 
+def filter_shares(
+    model: nn.Module,
+    shares_or_speeds: Sequence[float] | Sequence[int] | Mapping[str, Sequence[int]],
+    size: int,
+    *,
+    layers: Sequence[str] | None = None,
+    multiple_of: int = 1,
+    avoid_gathers: bool = True,
+) -> dict[str, list[int]]:
+    """The channels per rank :func:`filter_parallel` gives each layer it splits on ``size``
+    ranks, by module name (split-input layers take the shares of the layer feeding them). Local:
+    every argument check of :func:`filter_parallel` runs here, with the same errors, so a caller
+    can check a split on ranks outside it.
+
+    >>> filter_shares(nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2)), [2.0, 1.0], 2)
+    {'0': [4, 2], '2': [4, 2]}
+    """
+    if not _is_int(size) or size < 1:
+        raise ValueError(f"size: must be an integer >= 1, got {size!r}")
+    return _shares(model, shares_or_speeds, lambda: int(size), layers, multiple_of, avoid_gathers)
+
+
+def _shares(
+    model: nn.Module,
+    shares_or_speeds: Any,
+    size_of: Callable[[], int],
+    layers: Sequence[str] | None,
+    multiple_of: int,
+    avoid_gathers: bool,
+) -> dict[str, list[int]]:
+    """:func:`filter_shares`, asking for the group size only once the arguments are checked."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    if not _is_int(multiple_of) or multiple_of < 1:
+        raise ValueError(f"multiple_of: must be an integer >= 1, got {multiple_of!r}")
+    named = dict(model.named_modules())
+    per_layer: Mapping[str, Any] | None = None
+    if isinstance(shares_or_speeds, Mapping):
+        per_layer = shares_or_speeds
+        if layers is None:
+            layers = list(per_layer)
+        missing = [k for k in per_layer if k not in layers]
+        if missing:
+            raise ValueError(f"shares_or_speeds: names layers not in layers: {missing}")
+    elif isinstance(shares_or_speeds, (str, bytes)) or not isinstance(shares_or_speeds, Sequence):
+        raise TypeError(
+            "shares_or_speeds: must be a sequence (speeds or shares, one per rank) or a dict "
+            f"of shares per layer, got {type(shares_or_speeds).__name__}"
+        )
+    elif any(isinstance(s, (bool, np.bool_)) for s in shares_or_speeds):
+        raise TypeError("shares_or_speeds: booleans are neither speeds nor shares")
+    chosen = _choose(model, layers, named)
+    for name in chosen:
+        m = named[name]
+        if isinstance(m, nn.Conv2d):
+            _check_conv(m, f"layers: {name!r}")
+    modes, feeds, _ = _plan(model, chosen, avoid_gathers)
+    size = size_of() if chosen else 1
+
+    shares: dict[str, list[int]] = {}
+    for name in chosen:
+        what = f"layer {name!r}"
+        total = _channels(named[name])
+        if per_layer is not None:
+            if modes[name] == "split-input":
+                continue  # it reads the channels of the layer feeding it: checked below
+            if name not in per_layer:
+                raise ValueError(f"shares_or_speeds: gives no shares for {what}")
+            shares[name] = _check_shares(per_layer[name], total, size, "shares_or_speeds", what)
+        elif all(_is_int(s) for s in shares_or_speeds):  # type: ignore[union-attr]
+            if modes[name] != "split-input":
+                shares[name] = _check_shares(
+                    shares_or_speeds, total, size, "shares_or_speeds", what
+                )
+        elif modes[name] != "split-input":
+            shares[name] = _speeds_to_shares(
+                shares_or_speeds,  # type: ignore[arg-type]
+                total,
+                size,
+                int(multiple_of),
+                "shares_or_speeds",
+                what,
+            )
+    for name, (src, _) in feeds.items():
+        shares[name] = shares[src]
+        given = None if per_layer is None else per_layer.get(name)
+        if given is not None and [int(s) for s in given] != shares[src]:
+            raise ValueError(
+                f"shares_or_speeds: layer {name!r} reads the channels of {src!r}, so its "
+                f"shares must be {src!r}'s ({shares[src]}), got {list(given)!r}"
+            )
+    return {name: shares[name] for name in chosen if name in shares}
+
+
 def filter_parallel(
     model: nn.Module,
     shares_or_speeds: Sequence[float] | Sequence[int] | Mapping[str, Sequence[int]],
@@ -871,60 +966,13 @@ def filter_parallel(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     _check_timeout(timeout)
-    if not _is_int(multiple_of) or multiple_of < 1:
-        raise ValueError(f"multiple_of: must be an integer >= 1, got {multiple_of!r}")
-    named = dict(model.named_modules())
-    per_layer: Mapping[str, Any] | None = None
-    if isinstance(shares_or_speeds, Mapping):
-        per_layer = shares_or_speeds
-        if layers is None:
-            layers = list(per_layer)
-        missing = [k for k in per_layer if k not in layers]
-        if missing:
-            raise ValueError(f"shares_or_speeds: names layers not in layers: {missing}")
-    elif isinstance(shares_or_speeds, (str, bytes)) or not isinstance(shares_or_speeds, Sequence):
-        raise TypeError(
-            "shares_or_speeds: must be a sequence (speeds or shares, one per rank) or a dict "
-            f"of shares per layer, got {type(shares_or_speeds).__name__}"
-        )
-    elif any(isinstance(s, (bool, np.bool_)) for s in shares_or_speeds):
-        raise TypeError("shares_or_speeds: booleans are neither speeds nor shares")
-    chosen = _choose(model, layers, named)
-    for name in chosen:
-        m = named[name]
-        if isinstance(m, nn.Conv2d):
-            _check_conv(m, f"layers: {name!r}")
+    shares = _shares(
+        model, shares_or_speeds, lambda: wrap(group).size, layers, multiple_of, avoid_gathers
+    )
     comm = wrap(group)
+    named = dict(model.named_modules())
+    chosen = list(shares)
     modes, feeds, bns = _plan(model, chosen, avoid_gathers)
-
-    shares: dict[str, list[int]] = {}
-    for name in chosen:
-        what = f"layer {name!r}"
-        total = _channels(named[name])
-        if per_layer is not None:
-            if name not in per_layer:
-                if modes[name] == "split-input":
-                    continue
-                raise ValueError(f"shares_or_speeds: gives no shares for {what}")
-            shares[name] = _check_shares(
-                per_layer[name], total, comm.size, "shares_or_speeds", what
-            )
-        elif all(_is_int(s) for s in shares_or_speeds):  # type: ignore[union-attr]
-            if modes[name] != "split-input":
-                shares[name] = _check_shares(
-                    shares_or_speeds, total, comm.size, "shares_or_speeds", what
-                )
-        elif modes[name] != "split-input":
-            shares[name] = _speeds_to_shares(
-                shares_or_speeds,  # type: ignore[arg-type]
-                total,
-                comm.size,
-                int(multiple_of),
-                "shares_or_speeds",
-                what,
-            )
-    for name, (src, _) in feeds.items():
-        shares[name] = shares[src]
 
     _agree_on_plan(comm, chosen, modes, shares, timeout)
 

@@ -1,0 +1,297 @@
+"""The Plan: who runs which part of a model, written by the planner and run by the runtime.
+
+A plan is plain data, versioned and JSON-serialisable. Its dictionary form::
+
+    {"version": 1, "microbatches": 4, "schedule": "1F1B",
+     "replicas": [
+       {"samples": 40, "stages": [{"ranks": [0], "layers": [0, 11]}]},
+       {"samples": 24, "stages": [{"ranks": [1], "layers": [0, 5]},
+                                  {"ranks": [2, 3], "speeds": [1.0, 0.4], "layers": [5, 11]}]}]}
+
+- ``replicas``: data-parallel replicas, each of any shape. ``samples`` is the replica's share of
+  every global batch (the shares sum to the batch).
+- ``stages``: a replica's pipeline stages in order. ``layers`` is a half-open range over the
+  model's layers (its top-level children, or the top-level calls of its traced graph); a
+  replica's stages cover every layer, in order.
+- A stage with several ``ranks`` splits its Conv2d / Linear channels among them (filter
+  parallelism inside the stage): by ``speeds`` (one per rank; the default is equal speeds) or by
+  explicit ``shares`` (``{"<layer index>": [channels per rank, ...]}`` for the layers to split).
+- ``microbatches``: how many micro-batches each replica's samples are cut into (uneven when they
+  do not divide; a replica with fewer samples runs one sample per micro-batch). ``schedule``:
+  ``"GPipe"`` (every forward, then every backward) or ``"1F1B"``.
+- A rank in no stage is idle: it takes part in the collectives of every call and computes nothing.
+
+:func:`hetcoll.torch.parallelize` runs a plan; ``hetcoll plan --out`` writes one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+VERSION = 1
+SCHEDULES = ("GPipe", "1F1B")
+
+__all__ = ["SCHEDULES", "VERSION", "Plan", "Replica", "Stage"]
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _int(value: object, where: str, *, minimum: int) -> int:
+    if not _is_int(value) or value < minimum:  # type: ignore[operator]
+        raise ValueError(f"{where}: must be an integer >= {minimum}, got {value!r}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def _list(value: object, where: str) -> list[Any]:
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise ValueError(f"{where}: must be a list, got {type(value).__name__}")
+    return list(value)
+
+
+def _fields(d: object, where: str, allowed: Sequence[str], required: Sequence[str]) -> None:
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{where}: must be a dict, got {type(d).__name__}")
+    unknown = [k for k in d if k not in allowed]
+    if unknown:
+        raise ValueError(f"{where}: unknown field {unknown[0]!r} (fields: {', '.join(allowed)})")
+    for k in required:
+        if k not in d:
+            raise ValueError(f"{where}: missing field {k!r}")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: ``ranks`` run ``layers`` (half-open), their channels split by
+    ``speeds`` or ``shares`` when there are several ranks."""
+
+    ranks: tuple[int, ...]
+    layers: tuple[int, int]
+    speeds: tuple[float, ...] | None = None
+    shares: Mapping[int, tuple[int, ...]] | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "stage") -> Stage:
+        _fields(d, where, ("ranks", "layers", "speeds", "shares"), ("ranks", "layers"))
+        ranks = _list(d["ranks"], f"{where}.ranks")
+        if not ranks:
+            raise ValueError(f"{where}.ranks: must name at least one rank")
+        ranks = [_int(r, f"{where}.ranks[{i}]", minimum=0) for i, r in enumerate(ranks)]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"{where}.ranks: names a rank twice: {ranks}")
+        layers = _list(d["layers"], f"{where}.layers")
+        if len(layers) != 2:
+            raise ValueError(f"{where}.layers: must be [first, end), got {layers!r}")
+        lo = _int(layers[0], f"{where}.layers[0]", minimum=0)
+        hi = _int(layers[1], f"{where}.layers[1]", minimum=lo + 1)
+        speeds = shares = None
+        if "speeds" in d and "shares" in d:
+            raise ValueError(f"{where}: give speeds or shares, not both")
+        if "speeds" in d:
+            raw = _list(d["speeds"], f"{where}.speeds")
+            if len(raw) != len(ranks):
+                raise ValueError(
+                    f"{where}.speeds: needs one speed per rank ({len(ranks)}), got {len(raw)}"
+                )
+            for i, s in enumerate(raw):
+                if (
+                    isinstance(s, bool)
+                    or not isinstance(s, (int, float))
+                    or not math.isfinite(s)
+                    or s <= 0
+                ):
+                    raise ValueError(f"{where}.speeds[{i}]: must be a finite number > 0, got {s!r}")
+            speeds = tuple(float(s) for s in raw)
+        if "shares" in d:
+            raw_shares = d["shares"]
+            if not isinstance(raw_shares, Mapping) or not raw_shares:
+                raise ValueError(
+                    f"{where}.shares: must be a non-empty dict from layer index to channels per "
+                    f"rank, got {raw_shares!r}"
+                )
+            shares = {}
+            for key, per_rank in raw_shares.items():
+                w = f"{where}.shares[{key!r}]"
+                try:
+                    layer = int(key)
+                except (TypeError, ValueError):
+                    raise ValueError(f"{w}: the key must be a layer index") from None
+                if str(layer) != str(key).strip() or not lo <= layer < hi:
+                    raise ValueError(f"{w}: the key must be a layer index in [{lo}, {hi})")
+                values = _list(per_rank, w)
+                if len(values) != len(ranks):
+                    raise ValueError(f"{w}: needs one share per rank ({len(ranks)})")
+                shares[layer] = tuple(
+                    _int(v, f"{w}[{i}]", minimum=1) for i, v in enumerate(values)
+                )
+        return cls(tuple(ranks), (lo, hi), speeds, shares)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"ranks": list(self.ranks), "layers": list(self.layers)}
+        if self.speeds is not None:
+            d["speeds"] = list(self.speeds)
+        if self.shares is not None:
+            d["shares"] = {str(k): list(v) for k, v in sorted(self.shares.items())}
+        return d
+
+
+@dataclass(frozen=True)
+class Replica:
+    """A data-parallel replica: ``samples`` rows of every global batch through ``stages``."""
+
+    samples: int
+    stages: tuple[Stage, ...]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "replica") -> Replica:
+        _fields(d, where, ("samples", "stages"), ("samples", "stages"))
+        samples = _int(d["samples"], f"{where}.samples", minimum=1)
+        raw = _list(d["stages"], f"{where}.stages")
+        if not raw:
+            raise ValueError(f"{where}.stages: must hold at least one stage")
+        stages = tuple(Stage.from_dict(s, f"{where}.stages[{i}]") for i, s in enumerate(raw))
+        if stages[0].layers[0] != 0:
+            raise ValueError(f"{where}.stages[0].layers: must start at layer 0")
+        for i in range(1, len(stages)):
+            if stages[i].layers[0] != stages[i - 1].layers[1]:
+                raise ValueError(
+                    f"{where}.stages[{i}].layers: must start where stage {i - 1} ends "
+                    f"(layer {stages[i - 1].layers[1]}), got {list(stages[i].layers)}"
+                )
+        return cls(samples, stages)
+
+    @property
+    def num_layers(self) -> int:
+        return self.stages[-1].layers[1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"samples": self.samples, "stages": [s.to_dict() for s in self.stages]}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A parallel plan: replicas × pipeline stages × channel splits (see the module docs).
+
+    >>> plan = Plan.from_dict({"microbatches": 2, "schedule": "GPipe", "replicas": [
+    ...     {"samples": 8, "stages": [{"ranks": [0], "layers": [0, 3]},
+    ...                               {"ranks": [1], "layers": [3, 5]}]}]})
+    >>> plan.batch, plan.ranks, plan.num_layers
+    (8, (0, 1), 5)
+    """
+
+    replicas: tuple[Replica, ...]
+    microbatches: int = 1
+    schedule: str = "GPipe"
+
+    def __post_init__(self) -> None:
+        # A plan built in code is checked (and normalised) as one read from JSON is.
+        parsed = Plan.from_dict(self.to_dict())
+        for name in ("replicas", "microbatches", "schedule"):
+            object.__setattr__(self, name, getattr(parsed, name))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Plan:
+        """The plan a dictionary describes; ``ValueError`` naming the field if it is invalid."""
+        _fields(
+            d, "plan", ("version", "microbatches", "schedule", "replicas"), ("replicas",)
+        )
+        version = d.get("version", VERSION)
+        if version != VERSION:
+            raise ValueError(f"plan.version: this hetcoll reads version {VERSION}, got {version!r}")
+        microbatches = _int(d.get("microbatches", 1), "plan.microbatches", minimum=1)
+        schedule = d.get("schedule", "GPipe")
+        match = [s for s in SCHEDULES if isinstance(schedule, str) and s.lower() == schedule.lower()]
+        if not match:
+            raise ValueError(f"plan.schedule: must be one of {SCHEDULES}, got {schedule!r}")
+        raw = _list(d["replicas"], "plan.replicas")
+        if not raw:
+            raise ValueError("plan.replicas: must hold at least one replica")
+        replicas = tuple(Replica.from_dict(r, f"plan.replicas[{i}]") for i, r in enumerate(raw))
+        layers = replicas[0].num_layers
+        for i, r in enumerate(replicas):
+            if r.num_layers != layers:
+                raise ValueError(
+                    f"plan.replicas[{i}].stages: cover {r.num_layers} layers, replica 0 covers "
+                    f"{layers}"
+                )
+        seen: dict[int, str] = {}
+        for i, r in enumerate(replicas):
+            for j, s in enumerate(r.stages):
+                for rank in s.ranks:
+                    where = f"plan.replicas[{i}].stages[{j}]"
+                    if rank in seen:
+                        raise ValueError(
+                            f"{where}.ranks: rank {rank} is already in {seen[rank]}; a rank runs "
+                            "one stage of one replica"
+                        )
+                    seen[rank] = where
+        plan = object.__new__(cls)
+        object.__setattr__(plan, "replicas", replicas)
+        object.__setattr__(plan, "microbatches", microbatches)
+        object.__setattr__(plan, "schedule", match[0])
+        return plan
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": VERSION,
+            "microbatches": self.microbatches,
+            "schedule": self.schedule,
+            "replicas": [r.to_dict() for r in self.replicas],
+        }
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read a plan from a JSON file."""
+        with open(path, encoding="utf-8") as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"path: {os.fspath(path)!r} is not JSON: {e}") from None
+        return cls.from_dict(d)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan as JSON."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=1)
+            f.write("\n")
+
+    @property
+    def batch(self) -> int:
+        """The global batch: the replicas' samples summed."""
+        return sum(r.samples for r in self.replicas)
+
+    @property
+    def num_layers(self) -> int:
+        return self.replicas[0].num_layers
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank with work, in increasing order."""
+        return tuple(sorted(r for _, _, s in self.stages() for r in s.ranks))
+
+    def stages(self) -> Iterator[tuple[int, int, Stage]]:
+        """``(replica index, stage index, stage)`` for every stage."""
+        for i, r in enumerate(self.replicas):
+            for j, s in enumerate(r.stages):
+                yield i, j, s
+
+    def place(self, rank: int) -> tuple[int, int] | None:
+        """``(replica index, stage index)`` of ``rank``, or None if it is idle."""
+        for i, j, s in self.stages():
+            if rank in s.ranks:
+                return i, j
+        return None
+
+    def microbatch_sizes(self, replica: int) -> list[int]:
+        """The replica's micro-batch sizes: its samples cut into ``microbatches`` near-equal
+        parts (the first ones one larger), at most one part per sample."""
+        n = self.replicas[replica].samples
+        m = min(self.microbatches, n)
+        q, rem = divmod(n, m)
+        return [q + 1] * rem + [q] * (m - rem)

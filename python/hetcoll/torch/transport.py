@@ -1,0 +1,221 @@
+"""Tensor messages and sub-groups for the plan runtime, on torch.distributed or MPI.
+
+The runtime moves whole tensors between given ranks (activations forward, their gradients
+backward) and reduces gradients over sub-groups of ranks. :func:`transport` picks the engine from
+the ``group`` argument the user passes, as every hetcoll collective does: an mpi4py communicator,
+a torch.distributed process group, or None (torch's default group).
+
+On torch.distributed the tensors travel as they are (CPU tensors on gloo, CUDA tensors on NCCL);
+on MPI they travel as bytes of host memory.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from hetcoll.comm import Communicator, Request, is_mpi_comm, wrap
+
+__all__ = ["CountingCommunicator", "Transport", "transport"]
+
+
+class Transport(ABC):
+    """Point-to-point tensors, sub-groups and whole-group collectives over one group."""
+
+    rank: int
+    size: int
+    engine: str
+    comm: Communicator  # the same group as a hetcoll Communicator (for hetcoll's collectives)
+
+    @abstractmethod
+    def isend(self, t: torch.Tensor, dst: int, tag: int) -> Any:
+        """Start sending ``t`` (contiguous) to group rank ``dst``; keep ``t`` until waited."""
+
+    @abstractmethod
+    def recv(self, t: torch.Tensor, src: int, tag: int) -> None:
+        """Receive into ``t`` (contiguous) from group rank ``src``."""
+
+    @abstractmethod
+    def wait(self, handles: Sequence[Any]) -> None:
+        """Wait for the sends :meth:`isend` started."""
+
+    @abstractmethod
+    def subgroup(self, ranks: Sequence[int]) -> Any:
+        """A group of ``ranks`` (group ranks, in this order), or None on ranks outside it.
+        Every rank of the group calls it, for the same ``ranks``, in the same order."""
+
+    @abstractmethod
+    def allreduce(self, t: torch.Tensor, sub: Any) -> None:
+        """``t <- sum of t`` over sub-group ``sub`` (from :meth:`subgroup`; None: the group)."""
+
+    @abstractmethod
+    def broadcast(self, t: torch.Tensor, src: int, sub: Any = None) -> None:
+        """``t <- t of rank src`` (a rank of ``sub``, None: of the group) on every rank of it."""
+
+
+class _TorchTransport(Transport):
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        self.comm = wrap(group)
+        self._dist = dist
+        self._group = group
+        self.rank, self.size, self.engine = self.comm.rank, self.comm.size, self.comm.engine
+        self._global = [
+            r if group is None else dist.get_global_rank(group, r) for r in range(self.size)
+        ]
+        self._subs: dict[tuple[int, ...], Any] = {}
+
+    def isend(self, t: torch.Tensor, dst: int, tag: int) -> Any:
+        return self._dist.isend(t, self._global[dst], tag=tag)
+
+    def recv(self, t: torch.Tensor, src: int, tag: int) -> None:
+        self._dist.recv(t, self._global[src], tag=tag)
+
+    def wait(self, handles: Sequence[Any]) -> None:
+        for h in handles:
+            h.wait()
+
+    def subgroup(self, ranks: Sequence[int]) -> Any:
+        key = tuple(ranks)
+        if key not in self._subs:
+            dist = self._dist
+            world = self._group is None or dist.get_world_size(self._group) == dist.get_world_size()
+            if world:
+                # Every rank of the default group creates every group, in one order.
+                sub = dist.new_group([self._global[r] for r in key])
+            else:
+                sub = dist.split_group(self._group, [list(key)])
+            self._subs[key] = sub if self.rank in key else None
+        return self._subs[key]
+
+    def allreduce(self, t: torch.Tensor, sub: Any) -> None:
+        self._dist.all_reduce(t, group=self._group if sub is None else sub)
+
+    def broadcast(self, t: torch.Tensor, src: int, sub: Any = None) -> None:
+        group = self._group if sub is None else sub
+        self._dist.broadcast(t, self._dist.get_global_rank(group, src) if group else src, group)
+
+
+def _host_bytes(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class _MpiTransport(Transport):
+    def __init__(self, comm: Any) -> None:
+        from mpi4py import MPI
+
+        self.comm = wrap(comm)
+        self._mpi = MPI
+        self._c = comm
+        self.rank, self.size, self.engine = comm.Get_rank(), comm.Get_size(), "mpi"
+        self._subs: dict[tuple[int, ...], Any] = {}
+
+    def isend(self, t: torch.Tensor, dst: int, tag: int) -> Any:
+        host = t if t.device.type == "cpu" else t.cpu()
+        return (self._c.Isend([_host_bytes(host), self._mpi.BYTE], dst, tag), host)
+
+    def recv(self, t: torch.Tensor, src: int, tag: int) -> None:
+        host = t if t.device.type == "cpu" else torch.empty_like(t, device="cpu")
+        self._c.Recv([_host_bytes(host), self._mpi.BYTE], src, tag)
+        if host is not t:
+            t.copy_(host)
+
+    def wait(self, handles: Sequence[Any]) -> None:
+        self._mpi.Request.Waitall([h[0] for h in handles])
+
+    def subgroup(self, ranks: Sequence[int]) -> Any:
+        key = tuple(ranks)
+        if key not in self._subs:
+            # Only the members create it (MPI_Comm_create_group); the others skip.
+            sub = None
+            if self.rank in key:
+                group = self._c.Get_group().Incl(list(key))
+                sub = self._c.Create_group(group, tag=len(self._subs))
+                group.Free()
+            self._subs[key] = sub
+        return self._subs[key]
+
+    def _inplace(self, t: torch.Tensor, op: Any) -> None:
+        host = t if t.device.type == "cpu" else t.cpu()
+        op(host.numpy())
+        if host is not t:
+            t.copy_(host)
+
+    def allreduce(self, t: torch.Tensor, sub: Any) -> None:
+        c = self._c if sub is None else sub
+        self._inplace(t, lambda a: c.Allreduce(self._mpi.IN_PLACE, a, op=self._mpi.SUM))
+
+    def broadcast(self, t: torch.Tensor, src: int, sub: Any = None) -> None:
+        c = self._c if sub is None else sub
+        self._inplace(t, lambda a: c.Bcast(a.reshape(-1).view(np.uint8), root=src))
+
+
+def transport(group: Any = None) -> Transport:
+    """The :class:`Transport` over ``group``: an mpi4py communicator, a torch.distributed
+    process group, or None (torch's default group; it must be initialised)."""
+    if is_mpi_comm(group):
+        return _MpiTransport(group)
+    wrap(group)  # the clear TypeError / ValueError for anything else
+    return _TorchTransport(group)
+
+
+class CountingCommunicator(Communicator):
+    """A :class:`Communicator` that counts the bytes this rank sends through it, by kind: the
+    runtime gives one to each filter-split stage and says which kind (``"activations"``
+    forward, ``"gradients"`` backward) the current traffic is. Collectives count what a
+    bandwidth-optimal algorithm sends: ``2 (p-1)/p`` of an allreduced buffer, ``p - 1`` copies
+    of this rank's piece of an allgather; point-to-point messages count exactly."""
+
+    def __init__(self, inner: Communicator, counts: dict[str, int]) -> None:
+        self.inner = inner
+        self.rank, self.size, self.engine, self.native = (
+            inner.rank,
+            inner.size,
+            inner.engine,
+            inner.native,
+        )
+        self.counts = counts
+        self.kind = "activations"
+
+    def _add(self, n: float) -> None:
+        self.counts[self.kind] = self.counts.get(self.kind, 0) + round(n)
+
+    def isend(self, buf: np.ndarray, dest: int, tag: int) -> Request:
+        self._add(buf.nbytes)
+        return self.inner.isend(buf, dest, tag)
+
+    def irecv(self, buf: np.ndarray, source: int, tag: int) -> Request:
+        return self.inner.irecv(buf, source, tag)
+
+    def iallreduce_sum(self, buf: np.ndarray, kind: str) -> Request:
+        self._add(2 * (self.size - 1) / self.size * buf.nbytes)
+        return self.inner.iallreduce_sum(buf, kind)
+
+    def allreduce_sum(self, buf: np.ndarray, kind: str, deadline: float | None) -> None:
+        self._add(2 * (self.size - 1) / self.size * buf.nbytes)
+        self.inner.allreduce_sum(buf, kind, deadline)
+
+    def iallgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> Request:
+        self._add((self.size - 1) * send.nbytes)
+        return self.inner.iallgatherv(send, recv, counts)
+
+    def ialltoallv(
+        self,
+        send: np.ndarray,
+        send_counts: Sequence[int],
+        recv: np.ndarray,
+        recv_counts: Sequence[int],
+    ) -> Request:
+        self._add(sum(send_counts) - send_counts[self.rank])
+        return self.inner.ialltoallv(send, send_counts, recv, recv_counts)
+
+    def ireduce_scatterv(
+        self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], kind: str
+    ) -> Request:
+        self._add(send.nbytes - recv.nbytes)
+        return self.inner.ireduce_scatterv(send, recv, counts, kind)
