@@ -17,10 +17,12 @@ from hetcoll._core import (
 from hetcoll.collectives import allgatherv, allreduce
 from hetcoll.errors import CollectiveMismatchError, CollectiveTimeout
 from hetcoll.kernels import num_threads, weighted_sum
+from hetcoll.plan import Plan
 
 __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeout",
+    "Plan",
     "__version__",
     "allgatherv",
     "allreduce",

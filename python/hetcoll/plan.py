@@ -127,9 +127,7 @@ class Stage:
                 values = _list(per_rank, w)
                 if len(values) != len(ranks):
                     raise ValueError(f"{w}: needs one share per rank ({len(ranks)})")
-                shares[layer] = tuple(
-                    _int(v, f"{w}[{i}]", minimum=1) for i, v in enumerate(values)
-                )
+                shares[layer] = tuple(_int(v, f"{w}[{i}]", minimum=1) for i, v in enumerate(values))
         return cls(tuple(ranks), (lo, hi), speeds, shares)
 
     def to_dict(self) -> dict[str, Any]:
@@ -198,15 +196,15 @@ class Plan:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Plan:
         """The plan a dictionary describes; ``ValueError`` naming the field if it is invalid."""
-        _fields(
-            d, "plan", ("version", "microbatches", "schedule", "replicas"), ("replicas",)
-        )
+        _fields(d, "plan", ("version", "microbatches", "schedule", "replicas"), ("replicas",))
         version = d.get("version", VERSION)
         if version != VERSION:
             raise ValueError(f"plan.version: this hetcoll reads version {VERSION}, got {version!r}")
         microbatches = _int(d.get("microbatches", 1), "plan.microbatches", minimum=1)
         schedule = d.get("schedule", "GPipe")
-        match = [s for s in SCHEDULES if isinstance(schedule, str) and s.lower() == schedule.lower()]
+        match = [
+            s for s in SCHEDULES if isinstance(schedule, str) and s.lower() == schedule.lower()
+        ]
         if not match:
             raise ValueError(f"plan.schedule: must be one of {SCHEDULES}, got {schedule!r}")
         raw = _list(d["replicas"], "plan.replicas")

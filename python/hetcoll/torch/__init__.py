@@ -15,6 +15,7 @@ from hetcoll.torch.filters import (
 )
 from hetcoll.torch.hooks import WeightedAllreduceState, weighted_allreduce_hook
 from hetcoll.torch.optimizer import DistributedOptimizer, broadcast_parameters
+from hetcoll.torch.parallel import Parallel, parallelize
 from hetcoll.torch.rebalance import Rebalancer
 from hetcoll.torch.sampler import BalancedSampler
 from hetcoll.torch.speed import SpeedFit, gather_speeds, measure_speed
@@ -26,6 +27,7 @@ __all__ = [
     "FilterParallelBatchNorm2d",
     "FilterParallelConv2d",
     "FilterParallelLinear",
+    "Parallel",
     "Rebalancer",
     "SpeedFit",
     "WeightedAllreduceState",
@@ -35,6 +37,7 @@ __all__ = [
     "gather_speeds",
     "gather_state_dict",
     "measure_speed",
+    "parallelize",
     "set_emulated_speed",
     "weighted_allreduce_hook",
 ]

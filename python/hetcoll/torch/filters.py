@@ -57,10 +57,11 @@ __all__ = [
     "FilterParallelLinear",
     "filter_modes",
     "filter_parallel",
+    "filter_shares",
     "gather_gradients",
     "gather_state_dict",
-    "filter_shares",
     "set_emulated_speed",
+    "split_tensors",
 ]
 
 MODES = ("gather", "split-output", "split-input")
@@ -1074,6 +1075,25 @@ def _gather(
     if not keep:
         return None
     return {k: full[k] if k in full else t.detach().clone() for k, t in values.items()}
+
+
+def split_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """This rank's slices of split parameters and buffers: ``{name: (tensor, dim, start)}``,
+    the tensor holding the full tensor's entries ``start ..`` along ``dim`` (names as in
+    ``model.state_dict()``). Tensors that are not split are left out: they are whole on every
+    rank.
+
+    >>> split_tensors(nn.Linear(2, 2))
+    {}
+    """
+    out: dict[str, tuple[torch.Tensor, int, int]] = {}
+    state = model.state_dict(keep_vars=True)
+    for mname, m in model.named_modules():
+        if isinstance(m, _ChannelSplit):
+            for pname, (dim, unit) in m.split_spec().items():
+                key = f"{mname}.{pname}" if mname else pname
+                out[key] = (state[key], dim, m.offset * unit)
+    return out
 
 
 def gather_state_dict(model: nn.Module, *, dst: int | None = 0) -> dict[str, torch.Tensor] | None:

@@ -26,6 +26,12 @@ class _Input:
     def __repr__(self) -> str:
         return "<input>"
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Input:
+        return self  # one marker: copies of a Call (made for every stage) keep finding it
+
+    def __reduce__(self) -> str:
+        return "_INPUT"
+
 
 _INPUT = _Input()
 
@@ -34,7 +40,9 @@ class Call(nn.Module):
     """A function or method call of a traced forward as a layer: ``target(input, *args)`` with
     the previous layer's output in the place the graph had it."""
 
-    def __init__(self, target: Callable[..., Any] | str, args: tuple[Any, ...], kwargs: dict[str, Any]):
+    def __init__(
+        self, target: Callable[..., Any] | str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ):
         super().__init__()
         self.target = target
         self.args = args
@@ -75,13 +83,13 @@ def model_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     if _is_plain_sequential(model):
-        layers = list(model.named_children())
-        if not layers:
+        chain = list(model.named_children())
+        if not chain:
             raise ValueError("model: an empty nn.Sequential has no layers")
-        return layers
+        return chain
     try:
         graph = _TopLevel().trace(model)
-    except Exception as e:  # noqa: BLE001 - any tracing failure gets the same advice
+    except Exception as e:  # any tracing failure gets the same advice
         raise ValueError(
             f"model: {type(model).__name__} could not be traced into a chain of layers "
             f"({type(e).__name__}: {e}); give an nn.Sequential of its parts instead"

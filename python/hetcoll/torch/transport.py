@@ -45,8 +45,9 @@ class Transport(ABC):
 
     @abstractmethod
     def subgroup(self, ranks: Sequence[int]) -> Any:
-        """A group of ``ranks`` (group ranks, in this order), or None on ranks outside it.
-        Every rank of the group calls it, for the same ``ranks``, in the same order."""
+        """A group of ``ranks`` (group ranks; the sub-group numbers them in increasing order,
+        as torch's ``new_group`` does), or None on ranks outside it. Every rank of the group
+        calls it, for the same ``ranks``, in the same order."""
 
     @abstractmethod
     def allreduce(self, t: torch.Tensor, sub: Any) -> None:
@@ -81,7 +82,7 @@ class _TorchTransport(Transport):
             h.wait()
 
     def subgroup(self, ranks: Sequence[int]) -> Any:
-        key = tuple(ranks)
+        key = tuple(sorted(ranks))
         if key not in self._subs:
             dist = self._dist
             world = self._group is None or dist.get_world_size(self._group) == dist.get_world_size()
@@ -129,7 +130,7 @@ class _MpiTransport(Transport):
         self._mpi.Request.Waitall([h[0] for h in handles])
 
     def subgroup(self, ranks: Sequence[int]) -> Any:
-        key = tuple(ranks)
+        key = tuple(sorted(ranks))
         if key not in self._subs:
             # Only the members create it (MPI_Comm_create_group); the others skip.
             sub = None

@@ -1,0 +1,554 @@
+"""Run a :class:`~hetcoll.plan.Plan`: replicas of any shape × pipeline stages × channel splits.
+
+:func:`parallelize` keeps on each rank only its stage's layers (its channel slice of them in a
+filter-split stage); :meth:`Parallel.step` runs one global batch through every replica's
+micro-batches under the plan's schedule and combines the gradients exactly.
+
+Why it is exact: each micro-batch's loss is the mean over its rows, scaled by rows / batch, so
+the gradients summed over micro-batches and replicas are the gradient of the global batch's mean
+loss, whatever the sizes. A parameter a replica holds on one rank contributes its gradient; one
+split over a stage's ranks contributes each rank's slice, placed where it belongs in the full
+tensor; the sum over replicas then reaches every holder, who keeps its own slice.
+
+What is not exact: layers whose output for a row depends on other rows of the batch. BatchNorm
+in training mode normalises each micro-batch by that micro-batch's statistics (and updates its
+running statistics once per micro-batch), as torch.distributed.pipelining and DDP do; with one
+replica and one micro-batch it is exact. Put such models in ``eval()`` mode, or use GroupNorm /
+LayerNorm, when results must equal one process.
+
+The schedule is hetcoll's own rather than torch.distributed.pipelining's: that library sizes
+every receive buffer from the first micro-batch (uneven micro-batches are unsupported,
+pytorch #126600), runs one rank per stage, and leaves the weighting of unequal replicas to the
+user — the three things a heterogeneous plan needs (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetcoll.comm import agree, deadline, wrap
+from hetcoll.plan import Plan, Stage
+from hetcoll.torch.filters import (
+    filter_modes,
+    filter_parallel,
+    filter_shares,
+    gather_state_dict,
+    split_tensors,
+)
+from hetcoll.torch.layers import model_layers
+from hetcoll.torch.transport import CountingCommunicator, Transport, transport
+
+__all__ = ["TRAFFIC_KINDS", "Parallel", "parallelize", "schedule_order"]
+
+TRAFFIC_KINDS = ("activations", "gradients", "outputs", "allreduce")
+_TAG_ACTIVATION = 7100
+_TAG_GRADIENT = 7101
+
+
+def schedule_order(
+    schedule: str, stage: int, num_stages: int, microbatches: int
+) -> list[tuple[str, int]]:
+    """The order in which a stage runs its micro-batches' forwards ``("F", k)`` and backwards
+    ``("B", k)``: GPipe runs every forward, then every backward; 1F1B runs
+    ``num_stages - stage - 1`` forwards ahead, then alternates, so a stage holds at most that
+    many micro-batches' activations.
+
+    >>> schedule_order("1F1B", 0, 2, 3)
+    [('F', 0), ('F', 1), ('B', 0), ('F', 2), ('B', 1), ('B', 2)]
+    """
+    if schedule == "GPipe":
+        return [("F", k) for k in range(microbatches)] + [("B", k) for k in range(microbatches)]
+    if schedule != "1F1B":
+        raise ValueError(f"schedule: must be 'GPipe' or '1F1B', got {schedule!r}")
+    warmup = min(num_stages - stage - 1, microbatches)
+    order = [("F", k) for k in range(warmup)]
+    for k in range(microbatches - warmup):
+        order += [("F", warmup + k), ("B", k)]
+    order += [("B", k) for k in range(microbatches - warmup, microbatches)]
+    return order
+
+
+@dataclass
+class _Piece:
+    """Where this rank's copy of one model parameter sits in the full tensor."""
+
+    name: str  # the parameter's name in the original model
+    param: torch.Tensor  # this rank's tensor
+    dim: int  # the dimension it is sliced along (0 if whole)
+    start: int  # first index along dim
+    contributes: bool  # whether this rank's gradient counts for its replica
+
+
+def _fingerprint(model: nn.Module) -> int:
+    rows = [(k, tuple(v.shape), str(v.dtype)) for k, v in model.state_dict().items()]
+    return zlib.crc32(repr(rows).encode())
+
+
+def _device(model: nn.Module) -> torch.device:
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+class Parallel(nn.Module):
+    """This rank's part of a model run under a :class:`~hetcoll.plan.Plan` (made by
+    :func:`parallelize`). ``parameters()`` are this rank's: any optimizer with an elementwise
+    update (SGD, Adam, ...) steps them as the unsplit model's. An idle rank holds one empty
+    placeholder parameter, so the same training code runs on every rank."""
+
+    def __init__(self) -> None:  # built by parallelize
+        super().__init__()
+        self.plan: Plan
+        self.rank: int
+        self.place: tuple[int, int] | None
+        self.stage: nn.Module | None = None
+        self._loss_fn: Callable[[Any, Any], torch.Tensor]
+        self._tr: Transport
+        self._device: torch.device
+        self._layers_meta: list[nn.Module]
+        self._state_layout: list[tuple[str, int, tuple[int, ...], torch.dtype]]
+        self._stage_comms: dict[int, CountingCommunicator] = {}
+        self._reductions: list[tuple[Any, list[_Piece], int, torch.dtype, int]] = []
+        self._traffic: dict[str, int] = dict.fromkeys(TRAFFIC_KINDS, 0)
+        self._shapes: dict[tuple[Any, ...], list[tuple[torch.Size, torch.dtype]]] = {}
+        self._full_shapes: dict[str, tuple[int, ...]] = {}
+
+    # -- public ----------------------------------------------------------------------------------
+
+    def forward(self, *args: Any) -> Any:
+        raise TypeError(
+            "Parallel runs a whole training step: call par.step(inputs, targets) (collective)"
+        )
+
+    def traffic(self) -> dict[str, int]:
+        """Bytes this rank sent in the last :meth:`step`, by kind: ``"activations"`` (stage
+        outputs forward, and a filter-split stage's gathers), ``"gradients"`` (activation
+        gradients backward, and a split stage's partial-sum reductions), ``"outputs"`` (final
+        outputs gathered for the loss) and ``"allreduce"`` (the gradient combination across
+        replicas; a collective counts the ``2 (p-1)/p`` of its buffer a ring sends)."""
+        return dict(self._traffic)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Forward and backward of the global batch (the same ``inputs`` and ``targets`` on
+        every rank, ``plan.batch`` rows each), gradients combined across replicas into this
+        rank's parameters' ``.grad`` (accumulated onto what is there, as ``backward`` does).
+        Returns the batch's mean loss on every rank. Collective over the group."""
+        self._check_batch(inputs, targets)
+        self._traffic = dict.fromkeys(TRAFFIC_KINDS, 0)
+        if self.place is not None:
+            kept = {}
+            for p in self.parameters():
+                kept[p] = p.grad
+                p.grad = None
+            local = self._run(inputs, targets)
+            self._combine()
+            for p, g in kept.items():
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad + g
+        else:
+            local = 0.0
+        total = torch.tensor([local], dtype=torch.float64, device=self._wire_device())
+        self._tr.allreduce(total, None)
+        return float(total.item())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsplit model's state dict, with its original names, on every rank (CPU
+        tensors). Taken from replica 0 (BatchNorm running statistics included: see the module
+        docs). Collective over the group."""
+        plan, out = self.plan, {}
+        replica0 = plan.replicas[0]
+        local: dict[str, torch.Tensor] | None = None
+        if self.place is not None and self.place[0] == 0 and self.stage is not None:
+            ranks = replica0.stages[self.place[1]].ranks
+            if len(ranks) > 1:  # gathered to the lead (sub-group ranks are in increasing order)
+                local = gather_state_dict(self.stage, dst=sorted(ranks).index(ranks[0]))
+            else:
+                local = self.stage.state_dict()
+        for stage in replica0.stages:
+            keys = [e for e in self._state_layout if stage.layers[0] <= e[1] < stage.layers[1]]
+            if not keys:
+                continue
+            sizes = [math.prod(shape) * _itemsize(dtype) for _, _, shape, dtype in keys]
+            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self._wire_device())
+            lead = stage.ranks[0]
+            if self.rank == lead:
+                assert local is not None
+                buf.copy_(torch.cat([_as_bytes(local[k]) for k, *_ in keys]))
+            self._tr.broadcast(buf, lead)
+            at = 0
+            host = buf.cpu()
+            for (key, _, shape, dtype), n in zip(keys, sizes, strict=True):
+                out[key] = host[at : at + n].view(dtype).reshape(shape).clone()
+                at += n
+        return {k: out[k] for k, *_ in self._state_layout}
+
+    def extra_repr(self) -> str:
+        if self.place is None:
+            return f"rank={self.rank}, idle"
+        i, j = self.place
+        s = self.plan.replicas[i].stages[j]
+        return f"rank={self.rank}, replica={i}, stage={j}, layers={list(s.layers)}"
+
+    # -- a step -----------------------------------------------------------------------------------
+
+    def _wire_device(self) -> torch.device:
+        # NCCL moves CUDA tensors only; gloo and MPI move host memory.
+        return self._device if self._tr.engine == "nccl" else torch.device("cpu")
+
+    def _check_batch(self, inputs: Any, targets: Any) -> None:
+        ok = isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor)
+        rows_in = int(inputs.shape[0]) if ok and inputs.dim() else -1
+        rows_t = int(targets.shape[0]) if ok and targets.dim() else -1
+        shape = tuple(inputs.shape[1:]) if ok else ()
+        agree(
+            self._tr.comm,
+            {
+                "the number of input rows": rows_in,
+                "the number of target rows": rows_t,
+                "the input's shape": zlib.crc32(
+                    repr((shape, str(getattr(inputs, "dtype", "")))).encode()
+                ),
+            },
+        )
+        if not ok:
+            raise TypeError(
+                f"inputs, targets: must be tensors, got {type(inputs).__name__} and "
+                f"{type(targets).__name__}"
+            )
+        for name, rows in (("inputs", rows_in), ("targets", rows_t)):
+            if rows != self.plan.batch:
+                raise ValueError(
+                    f"{name}: the plan's replicas take {self.plan.batch} samples a step "
+                    f"({' + '.join(str(r.samples) for r in self.plan.replicas)}), got {rows} rows"
+                )
+
+    def _boundaries(self, inputs: torch.Tensor, rows: int) -> list[tuple[torch.Size, torch.dtype]]:
+        """Shape and dtype after every layer for a micro-batch of ``rows``, from a run on the
+        meta device (no memory, no compute)."""
+        key = (tuple(inputs.shape[1:]), inputs.dtype, rows)
+        if key not in self._shapes:
+            x = torch.empty((rows, *inputs.shape[1:]), dtype=inputs.dtype, device="meta")
+            out: list[tuple[torch.Size, torch.dtype]] = []
+            with torch.no_grad():
+                for layer in self._layers_meta:
+                    x = layer(x)
+                    if not isinstance(x, torch.Tensor):
+                        raise ValueError(
+                            f"model: layer {len(out)} returns a {type(x).__name__}; stage "
+                            "boundaries must carry one tensor"
+                        )
+                    out.append((x.shape, x.dtype))
+            self._shapes[key] = out
+        return self._shapes[key]
+
+    def _run(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        assert self.place is not None and self.stage is not None
+        i, j = self.place
+        plan, tr = self.plan, self._tr
+        replica = plan.replicas[i]
+        stage = replica.stages[j]
+        first, last = j == 0, j == len(replica.stages) - 1
+        lead = self.rank == stage.ranks[0]
+        prev = replica.stages[j - 1] if not first else None
+        nxt = replica.stages[j + 1] if not last else None
+        sizes = plan.microbatch_sizes(i)
+        start = sum(r.samples for r in plan.replicas[:i])
+        offsets = [start + sum(sizes[:k]) for k in range(len(sizes))]
+        batch = plan.batch
+        comm = self._stage_comms.get(id(stage))
+        wire = self._wire_device()
+        sends: list[Any] = []
+        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        loss_sum = 0.0
+
+        def send(t: torch.Tensor, to: Stage, tag: int, kind: str) -> None:
+            t = t.detach().to(wire).contiguous()
+            for r in to.ranks:
+                sends.append(tr.isend(t, r, tag))
+                self._traffic[kind] += t.numel() * t.element_size()
+
+        def set_kind(kind: str) -> None:
+            if comm is not None:
+                comm.kind = kind
+
+        for op, k in schedule_order(plan.schedule, j, len(replica.stages), len(sizes)):
+            rows = slice(offsets[k], offsets[k] + sizes[k])
+            if op == "F":
+                set_kind("activations")
+                if first:
+                    x = inputs[rows].to(self._device)
+                    x_in: torch.Tensor | None = None
+                else:
+                    assert prev is not None
+                    shape, dtype = self._boundaries(inputs, sizes[k])[stage.layers[0] - 1]
+                    buf = torch.empty(shape, dtype=dtype, device=wire)
+                    tr.recv(buf, prev.ranks[0], _TAG_ACTIVATION)
+                    x_in = buf.to(self._device).requires_grad_(True)
+                    x = x_in
+                y = self.stage(x)
+                if last:
+                    loss = self._loss_fn(y, targets[rows].to(self._device)) * (sizes[k] / batch)
+                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                        raise ValueError(
+                            "loss_fn: must return a one-element tensor (the micro-batch's mean "
+                            "loss)"
+                        )
+                    loss_sum += float(loss.detach())
+                    saved[k] = (x_in, loss)
+                else:
+                    if lead:
+                        assert nxt is not None
+                        send(y, nxt, _TAG_ACTIVATION, "activations")
+                    saved[k] = (x_in, y)
+            else:
+                set_kind("gradients")
+                x_in, y = saved.pop(k)
+                if last:
+                    if y.requires_grad:
+                        y.backward()
+                else:
+                    grad = torch.empty(y.shape, dtype=y.dtype, device=wire)
+                    assert nxt is not None
+                    tr.recv(grad, nxt.ranks[0], _TAG_GRADIENT)
+                    if y.requires_grad:
+                        torch.autograd.backward(y, grad.to(self._device))
+                if x_in is not None and lead:
+                    assert prev is not None
+                    g = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
+                    send(g, prev, _TAG_GRADIENT, "gradients")
+        tr.wait(sends)
+        return loss_sum if last and lead else 0.0
+
+    def _combine(self) -> None:
+        """Sum the replicas' gradients: one flat buffer per set of holders and dtype."""
+        for sub, pieces, numel, dtype, size in self._reductions:
+            buf = torch.zeros(numel, dtype=dtype, device=self._wire_device())
+            at = 0
+            for piece in pieces:
+                full = math.prod(self._full_shapes[piece.name])
+                if piece.contributes and piece.param.grad is not None:
+                    view = buf[at : at + full].view(self._full_shapes[piece.name])
+                    view.narrow(piece.dim, piece.start, piece.param.shape[piece.dim]).copy_(
+                        piece.param.grad
+                    )
+                at += full
+            self._tr.allreduce(buf, sub)
+            self._traffic["allreduce"] += round(
+                2 * (size - 1) / size * buf.numel() * buf.element_size()
+            )
+            at = 0
+            for piece in pieces:
+                full = math.prod(self._full_shapes[piece.name])
+                view = buf[at : at + full].view(self._full_shapes[piece.name])
+                piece.param.grad = (
+                    view.narrow(piece.dim, piece.start, piece.param.shape[piece.dim])
+                    .to(piece.param.device)
+                    .clone()
+                )
+                at += full
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _layer_of(name: str, layer_names: list[str]) -> int:
+    head = name.split(".", 1)[0]
+    return layer_names.index(head)
+
+
+def parallelize(
+    model: nn.Module,
+    plan: Plan | Mapping[str, Any],
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    group: Any = None,
+) -> Parallel:
+    """Run ``model`` under ``plan`` on the ranks of ``group`` (an mpi4py communicator, a
+    torch.distributed process group, or None: torch's default group). Collective: every rank
+    passes the same plan and a model of the same structure; rank 0's weights are used, as
+    DDP does. ``plan``'s ranks index the group; ranks in no stage are idle. ``loss_fn(output,
+    targets)`` returns the mean loss over a micro-batch's rows (as torch's losses do by
+    default).
+
+    The model is cut into layers by :func:`hetcoll.torch.layers.model_layers`; each rank keeps
+    a copy of its stage's layers only (``model`` itself is not changed). A stage with several
+    ranks splits its Conv2d / Linear channels among them with
+    :func:`hetcoll.torch.filter_parallel` (by its ``speeds``, or its ``shares``).
+
+    >>> plan = Plan.load("plan.json")  # doctest: +SKIP
+    >>> par = parallelize(net, plan, loss_fn=nn.CrossEntropyLoss())  # doctest: +SKIP
+    >>> opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)  # doctest: +SKIP
+    >>> loss = par.step(x, y); opt.step(); opt.zero_grad()  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(plan, Mapping):
+        plan = Plan.from_dict(plan)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan: must be a hetcoll.Plan or its dict, got {type(plan).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn: must be callable, got {type(loss_fn).__name__}")
+    tr = transport(group)
+    # Ranks that disagree on the plan or the model raise here, all of them, before any transfer.
+    plan_print = zlib.crc32(repr(plan.to_dict()).encode())
+    agree(
+        tr.comm,
+        {
+            "the plan": plan_print,
+            "the model's parameter names, shapes and dtypes": _fingerprint(model),
+        },
+        deadline(None),
+    )
+    # Checks that depend on the plan and the model only: the same verdict on every rank.
+    layers = model_layers(model)
+    names = [n for n, _ in layers]
+    if plan.num_layers != len(layers):
+        raise ValueError(
+            f"plan: its stages cover {plan.num_layers} layers but the model has {len(layers)} "
+            f"({', '.join(names)})"
+        )
+    missing = [r for r in plan.ranks if r >= tr.size]
+    if missing:
+        raise ValueError(f"plan: names rank {missing[0]} but the group has {tr.size} ranks")
+    split_args: dict[tuple[int, int], Any] = {}
+    for i, j, stage in plan.stages():
+        if len(stage.ranks) > 1:
+            split_args[i, j] = _stage_split(layers, stage, f"plan.replicas[{i}].stages[{j}]")
+
+    par = Parallel()
+    par.plan, par.rank, par._tr = plan, tr.rank, tr
+    par.place = plan.place(tr.rank)
+    par._loss_fn = loss_fn
+    par._device = _device(model)
+    state = model.state_dict()
+    par._state_layout = [
+        (k, _layer_of(k, names), tuple(v.shape), v.dtype) for k, v in state.items()
+    ]
+    par._full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    par._layers_meta = [copy.deepcopy(m).to("meta") for _, m in layers]
+
+    # Rank 0's weights for everyone (one broadcast of the packed state dict).
+    flat = (
+        torch.cat([_as_bytes(v) for v in state.values()])
+        if state
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    flat = flat.to(par._wire_device())
+    tr.broadcast(flat, 0)
+    weights: dict[str, torch.Tensor] = {}
+    at = 0
+    host = flat.cpu()
+    for k, v in state.items():
+        n = v.numel() * v.element_size()
+        weights[k] = host[at : at + n].view(v.dtype).reshape(v.shape)
+        at += n
+
+    # Sub-groups, every rank creating each in the same order: the split stages, then the sets
+    # of ranks that hold a parameter in several replicas.
+    subs = {key: tr.subgroup(plan.replicas[key[0]].stages[key[1]].ranks) for key in split_args}
+    if par.place is not None:
+        i, j = par.place
+        stage = plan.replicas[i].stages[j]
+        lo, hi = stage.layers
+        module = nn.Sequential(OrderedDict((n, copy.deepcopy(m)) for n, m in layers[lo:hi]))
+        module.load_state_dict({k: w for k, w in weights.items() if lo <= _layer_of(k, names) < hi})
+        module.to(par._device)
+        if (i, j) in split_args:
+            counting = CountingCommunicator(wrap(subs[i, j]), par._traffic)
+            par._stage_comms[id(stage)] = counting
+            # The sub-group numbers the stage's ranks in increasing order; the plan lists them
+            # in its own order.
+            order = [stage.ranks.index(r) for r in sorted(stage.ranks)]
+            shares = {n: [s[k] for k in order] for n, s in split_args[i, j].items()}
+            filter_parallel(module, shares, counting)
+        par.stage = module
+    else:
+        par.idle = nn.Parameter(torch.empty(0))
+    if len(plan.replicas) > 1:
+        _plan_reductions(par, plan, names, model)
+    return par
+
+
+def _stage_split(
+    layers: list[tuple[str, nn.Module]], stage: Stage, where: str
+) -> dict[str, list[int]]:
+    """The per-layer shares filter_parallel gets for a multi-rank stage (checked here, on
+    every rank, so a split that cannot work fails everywhere before any transfer)."""
+    lo, hi = stage.layers
+    module = nn.Sequential(OrderedDict(layers[lo:hi]))
+    p = len(stage.ranks)
+    try:
+        if stage.shares is not None:
+            named = {names: m for names, m in layers}
+            per_layer = {}
+            for index, shares in stage.shares.items():
+                name, m = layers[index]
+                if type(m) not in (nn.Conv2d, nn.Linear):
+                    raise ValueError(
+                        f"shares: layer {index} ({name!r}) is a {type(named[name]).__name__}; "
+                        "shares name Conv2d or Linear layers of the stage"
+                    )
+                per_layer[name] = list(shares)
+            shares_of = filter_shares(module, per_layer, p)
+        else:
+            speeds = list(stage.speeds) if stage.speeds is not None else [1.0] * p
+            shares_of = filter_shares(module, speeds, p)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+    if not shares_of:
+        raise ValueError(f"{where}: has {p} ranks but its layers hold no Conv2d or Linear to split")
+    modes = filter_modes(module, list(shares_of))
+    return {n: s for n, s in shares_of.items() if modes[n] != "split-input"}
+
+
+def _plan_reductions(par: Parallel, plan: Plan, names: list[str], model: nn.Module) -> None:
+    """Which parameters are summed over which ranks, and this rank's piece of each."""
+    holders: dict[int, tuple[int, ...]] = {}
+    for layer in range(len(names)):
+        holding = [
+            r
+            for replica in plan.replicas
+            for s in replica.stages
+            if s.layers[0] <= layer < s.layers[1]
+            for r in s.ranks
+        ]
+        holders[layer] = tuple(sorted(holding))
+    local: dict[str, tuple[torch.Tensor, int, int]] = {}
+    split_params: set[str] = set()
+    if par.stage is not None:
+        for n, p in par.stage.named_parameters():
+            local[n] = (p, 0, 0)
+        for n, (_, dim, start) in split_tensors(par.stage).items():
+            if n in local:
+                local[n] = (local[n][0], dim, start)
+                split_params.add(n)
+    lead = par.place is not None and (
+        par.rank == plan.replicas[par.place[0]].stages[par.place[1]].ranks[0]
+    )
+    groups: dict[tuple[tuple[int, ...], torch.dtype], list[str]] = {}
+    for n, p in model.named_parameters():
+        groups.setdefault((holders[_layer_of(n, names)], p.dtype), []).append(n)
+    for (ranks, dtype), members in groups.items():
+        sub = par._tr.subgroup(ranks)
+        if par.rank not in ranks:
+            continue
+        pieces = []
+        for n in members:
+            t, dim, start = local[n]
+            pieces.append(_Piece(n, t, dim, start, lead or n in split_params))
+        numel = sum(math.prod(par._full_shapes[n]) for n in members)
+        par._reductions.append((sub, pieces, numel, dtype, len(ranks)))

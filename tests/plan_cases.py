@@ -1,0 +1,259 @@
+"""Plan cases that run inside every rank of a real job (gloo through launch.spawn, or MPI).
+
+Each case trains a model under a plan for a few SGD-momentum steps and checks, on every rank,
+that the losses and ``full_state_dict()`` equal one process training the whole batch, in
+float64 to 1e-10 (relative). Plan shapes: a 4-stage pipeline with uneven stages and uneven
+micro-batches (1F1B), asymmetric replicas (one rank holding the whole model beside a 2-stage
+replica whose second stage is split over two ranks), an idle rank, explicit shares, and
+torchvision's ResNet-18 (traced: its forward calls torch.flatten) as an uneven 2-stage pipeline
+beside a whole-model replica. Bad input must raise the same error on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetcoll import CollectiveMismatchError, Plan
+from hetcoll.comm import wrap
+from hetcoll.torch import parallelize
+
+TOL = 1e-10
+
+
+def cnn() -> nn.Sequential:
+    """11 layers; awkward channel counts."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 12, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(12, 10, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(10 * 4 * 4, 20),
+        nn.ReLU(),
+        nn.Linear(20, 5),
+    )
+
+
+def resnet18() -> nn.Module:
+    import torchvision
+
+    return torchvision.models.resnet18(num_classes=5)
+
+
+def batches(shape: tuple[int, ...], batch: int, steps: int, classes: int = 5) -> list[Any]:
+    g = torch.Generator().manual_seed(7)
+    return [
+        (
+            torch.randn((batch, *shape), generator=g, dtype=torch.float64),
+            torch.randint(0, classes, (batch,), generator=g),
+        )
+        for _ in range(steps)
+    ]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / max(float(b.abs().max()), 1e-30))
+
+
+def reference(model: nn.Module, data: list[Any], lr: float) -> tuple[list[float], dict[str, Any]]:
+    """One process, whole batch."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for x, y in data:
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses, model.state_dict()
+
+
+def equals_one_process(
+    group: Any, make: Any, plan: Plan, shape: tuple[int, ...], *, steps: int = 3, eval_mode=False
+) -> dict[str, int]:
+    torch.manual_seed(0)
+    model = make().double()
+    if eval_mode:
+        model.eval()
+    data = batches(shape, plan.batch, steps)
+    want_losses, want_state = reference(model, data, 0.05)
+    par = parallelize(model, plan, loss_fn=nn.CrossEntropyLoss(), group=group)
+    if eval_mode:
+        par.eval()
+    opt = torch.optim.SGD(par.parameters(), lr=0.05, momentum=0.9)
+    for (x, y), want in zip(data, want_losses, strict=True):
+        loss = par.step(x, y)
+        assert abs(loss - want) <= TOL * abs(want), (loss, want)
+        opt.step()
+        opt.zero_grad()
+    got = par.full_state_dict()
+    assert list(got) == list(want_state), (list(got)[:5], list(want_state)[:5])
+    for k, v in want_state.items():
+        if v.is_floating_point():
+            assert rel(got[k], v) <= TOL, (k, rel(got[k], v))
+        else:
+            assert torch.equal(got[k], v), k
+    return par.traffic()
+
+
+PIPELINE_4 = {
+    "microbatches": 4,
+    "schedule": "1F1B",
+    "replicas": [
+        {
+            "samples": 14,  # micro-batches of 4, 4, 3, 3
+            "stages": [
+                {"ranks": [0], "layers": [0, 1]},
+                {"ranks": [1], "layers": [1, 5]},
+                {"ranks": [2], "layers": [5, 8]},
+                {"ranks": [3], "layers": [8, 11]},
+            ],
+        }
+    ],
+}
+
+ASYMMETRIC = {
+    "microbatches": 3,
+    "schedule": "GPipe",
+    "replicas": [
+        {"samples": 9, "stages": [{"ranks": [0], "layers": [0, 11]}]},
+        {
+            "samples": 7,
+            "stages": [
+                {"ranks": [1], "layers": [0, 5]},
+                {"ranks": [2, 3], "speeds": [1.0, 0.4], "layers": [5, 11]},
+            ],
+        },
+    ],
+}
+
+IDLE = {
+    "microbatches": 4,
+    "schedule": "1F1B",
+    "replicas": [
+        {"samples": 5, "stages": [{"ranks": [0], "layers": [0, 11]}]},
+        {
+            "samples": 6,
+            "stages": [{"ranks": [3], "layers": [0, 6]}, {"ranks": [2], "layers": [6, 11]}],
+        },
+    ],
+}
+
+SHARES = {
+    "microbatches": 2,
+    "replicas": [
+        {
+            "samples": 6,
+            "stages": [
+                {"ranks": [2, 0], "shares": {"0": [5, 3], "2": [5, 3]}, "layers": [0, 3]},
+                {"ranks": [1], "layers": [3, 11]},
+            ],
+        },
+        {"samples": 3, "stages": [{"ranks": [3], "layers": [0, 11]}]},
+    ],
+}
+
+RESNET = {
+    "microbatches": 2,
+    "schedule": "1F1B",
+    "replicas": [
+        {
+            "samples": 3,
+            "stages": [{"ranks": [0], "layers": [0, 6]}, {"ranks": [1], "layers": [6, 11]}],
+        },
+        {"samples": 2, "stages": [{"ranks": [2], "layers": [0, 11]}]},
+    ],
+}
+
+
+def bad_input(group: Any) -> int:
+    """Each mistake raises the same error on every rank; returns how many were checked."""
+    rank = wrap(group).rank
+    plan = Plan.from_dict(PIPELINE_4)
+    checked = 0
+
+    def raises(kind: type[BaseException], text: str, fn: Any) -> None:
+        nonlocal checked
+        try:
+            fn()
+        except kind as e:
+            assert text in str(e), (text, str(e))
+            checked += 1
+            return
+        raise AssertionError(f"no {kind.__name__} ({text})")
+
+    torch.manual_seed(0)
+    model = cnn().double()
+    raises(
+        ValueError,
+        "stages cover 11 layers but the model has 3",
+        lambda: parallelize(
+            nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2)),
+            plan,
+            loss_fn=nn.CrossEntropyLoss(),
+            group=group,
+        ),
+    )
+    # Ranks disagree on the plan.
+    other = dict(PIPELINE_4, microbatches=2 if rank == 1 else 4)
+    raises(
+        CollectiveMismatchError,
+        "the plan",
+        lambda: parallelize(model, other, loss_fn=nn.CrossEntropyLoss(), group=group),
+    )
+    # More ranks in a stage than a layer has channels.
+    thin = {"replicas": [{"samples": 4, "stages": [{"ranks": [0, 1, 2, 3], "layers": [0, 11]}]}]}
+    tiny = nn.Sequential(*cnn()[:10], nn.Linear(20, 3)).double()
+    raises(
+        ValueError,
+        "plan.replicas[0].stages[0]",
+        lambda: parallelize(tiny, thin, loss_fn=nn.CrossEntropyLoss(), group=group),
+    )
+    # A batch whose size differs from the plan's samples.
+    par = parallelize(model, plan, loss_fn=nn.CrossEntropyLoss(), group=group)
+    x, y = batches((3, 8, 8), 12, 1)[0]
+    raises(ValueError, "the plan's replicas take 14 samples a step", lambda: par.step(x, y))
+    # Ranks that pass different batches.
+    x, y = batches((3, 8, 8), 14 if rank else 13, 1)[0]
+    raises(CollectiveMismatchError, "the number of input rows", lambda: par.step(x, y))
+    return checked
+
+
+def run_all(group: Any) -> dict[str, Any]:
+    size = wrap(group).size
+    assert size == 4, size
+    out: dict[str, Any] = {}
+    rank = wrap(group).rank
+    t = equals_one_process(group, cnn, Plan.from_dict(PIPELINE_4), (3, 8, 8))
+    # Each stage sends its output forward and its input's gradient back: 14 rows of float64
+    # (conv1's 8 x 8 x 8 from rank 0; 12 x 4 x 4 after the pool from rank 1; 160 from rank 2).
+    boundary = {0: 8 * 8 * 8, 1: 12 * 4 * 4, 2: 160, 3: 0}[rank] * 14 * 8
+    inbound = {0: 0, 1: 8 * 8 * 8, 2: 12 * 4 * 4, 3: 160}[rank] * 14 * 8
+    assert t == {"activations": boundary, "gradients": inbound, "outputs": 0, "allreduce": 0}, t
+    out["pipeline_4"] = True
+    t = equals_one_process(group, cnn, Plan.from_dict(ASYMMETRIC), (3, 8, 8))
+    out["asymmetric"] = t["allreduce"] > 0
+    t = equals_one_process(group, cnn, Plan.from_dict(IDLE), (3, 8, 8))
+    out["idle"] = t if wrap(group).rank == 1 else None
+    equals_one_process(group, cnn, Plan.from_dict(SHARES), (3, 8, 8))
+    out["shares"] = True
+    equals_one_process(
+        group, resnet18, Plan.from_dict(RESNET), (3, 32, 32), steps=2, eval_mode=True
+    )
+    out["resnet18"] = True
+    out["errors"] = bad_input(group)
+    return out
+
+
+def run_torch(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return run_all(None)

@@ -1,0 +1,219 @@
+"""Plans run for real: tests/plan_cases.py inside every rank of a 4-process gloo job and of a
+4-process MPI job (every plan shape equal to one process in float64; bad input raises on every
+rank); the Plan's own validation and JSON round trip in-process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import plan_cases
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from hetcoll import Plan, launch
+from hetcoll.torch.layers import model_layers
+from hetcoll.torch.parallel import schedule_order
+
+HERE = Path(__file__).resolve().parent
+EXPECTED = {
+    "pipeline_4": True,
+    "asymmetric": True,
+    "shares": True,
+    "resnet18": True,
+    "errors": 5,
+}
+
+
+def _check(results: list[dict]) -> None:
+    for rank, r in enumerate(results):
+        idle = r.pop("idle")
+        assert r == EXPECTED, (rank, r)
+        if rank == 1:  # the idle rank sent nothing
+            assert idle == dict.fromkeys(("activations", "gradients", "outputs", "allreduce"), 0)
+
+
+@pytest.mark.multiproc
+def test_gloo_plans_equal_one_process():
+    _check(launch.spawn(plan_cases.run_torch, 4, timeout=300))
+
+
+@pytest.mark.multiproc
+def test_mpi_plans_equal_one_process():
+    proc = launch.mpiexec(4, [str(HERE / "mpi_workers" / "plans.py")], timeout=300)
+    _check(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def test_plan_round_trips_through_json(tmp_path):
+    plan = Plan.from_dict(plan_cases.ASYMMETRIC)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path) == plan
+    assert Plan.from_dict(json.loads(path.read_text())).to_dict() == plan.to_dict()
+    assert plan.batch == 16 and plan.ranks == (0, 1, 2, 3) and plan.num_layers == 11
+    assert plan.place(3) == (1, 1) and plan.place(7) is None
+    assert Plan.from_dict(plan_cases.PIPELINE_4).microbatch_sizes(0) == [4, 4, 3, 3]
+    assert Plan.from_dict(dict(plan_cases.IDLE, microbatches=9)).microbatch_sizes(0) == [1] * 5
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"version": 2}, "plan.version"),
+        ({"schedule": "zigzag"}, "plan.schedule"),
+        ({"microbatches": 0}, "plan.microbatches"),
+        ({"replicas": []}, "plan.replicas"),
+        (
+            {"replicas": [{"samples": 0, "stages": [{"ranks": [0], "layers": [0, 1]}]}]},
+            r"plan.replicas\[0\].samples",
+        ),
+        (
+            {"replicas": [{"samples": 2, "stages": [{"ranks": [0], "layers": [1, 3]}]}]},
+            r"stages\[0\].layers: must start at layer 0",
+        ),
+        (
+            {
+                "replicas": [
+                    {
+                        "samples": 2,
+                        "stages": [
+                            {"ranks": [0], "layers": [0, 2]},
+                            {"ranks": [1], "layers": [3, 4]},
+                        ],
+                    }
+                ]
+            },
+            r"stages\[1\].layers: must start where stage 0 ends",
+        ),
+        (
+            {
+                "replicas": [
+                    {"samples": 2, "stages": [{"ranks": [0], "layers": [0, 2]}]},
+                    {"samples": 2, "stages": [{"ranks": [0], "layers": [0, 2]}]},
+                ]
+            },
+            "rank 0 is already in",
+        ),
+        (
+            {
+                "replicas": [
+                    {"samples": 2, "stages": [{"ranks": [0], "layers": [0, 2]}]},
+                    {"samples": 2, "stages": [{"ranks": [1], "layers": [0, 3]}]},
+                ]
+            },
+            r"plan.replicas\[1\].stages: cover 3 layers",
+        ),
+        (
+            {
+                "replicas": [
+                    {"samples": 2, "stages": [{"ranks": [0, 1], "layers": [0, 2], "speeds": [1.0]}]}
+                ]
+            },
+            "one speed per rank",
+        ),
+        (
+            {
+                "replicas": [
+                    {
+                        "samples": 2,
+                        "stages": [{"ranks": [0, 1], "layers": [0, 2], "speeds": [1.0, -1]}],
+                    }
+                ]
+            },
+            r"speeds\[1\]",
+        ),
+        (
+            {
+                "replicas": [
+                    {
+                        "samples": 2,
+                        "stages": [{"ranks": [0, 1], "layers": [0, 2], "shares": {"x": [1, 1]}}],
+                    }
+                ]
+            },
+            "layer index",
+        ),
+        (
+            {
+                "replicas": [
+                    {"samples": 2, "stages": [{"ranks": [0], "layers": [0, 2], "owners": {}}]}
+                ]
+            },
+            "unknown field 'owners'",
+        ),
+        (
+            {"replicas": [{"samples": 2, "stages": [{"ranks": [-1], "layers": [0, 2]}]}]},
+            r"ranks\[0\]",
+        ),
+    ],
+)
+def test_invalid_plans_name_the_field(change, message):
+    d = dict(plan_cases.PIPELINE_4)
+    d.update(change)
+    with pytest.raises(ValueError, match=message):
+        Plan.from_dict(d)
+
+
+def test_schedules_run_every_micro_batch_once_in_dependency_order():
+    for schedule in ("GPipe", "1F1B"):
+        for stages in range(1, 5):
+            for m in range(1, 7):
+                for s in range(stages):
+                    order = schedule_order(schedule, s, stages, m)
+                    assert sorted(order) == sorted(
+                        [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
+                    )
+                    for k in range(m):
+                        assert order.index(("F", k)) < order.index(("B", k))
+                    if schedule == "1F1B":  # at most (stages - s) micro-batches in flight
+                        live = peak = 0
+                        for op, _ in order:
+                            live += 1 if op == "F" else -1
+                            peak = max(peak, live)
+                        assert peak <= max(1, stages - s)
+
+
+def test_model_layers_of_real_models():
+    names = [n for n, _ in model_layers(torchvision.models.resnet18())]
+    assert names == [
+        "conv1",
+        "bn1",
+        "relu",
+        "maxpool",
+        "layer1",
+        "layer2",
+        "layer3",
+        "layer4",
+        "avgpool",
+        "flatten",
+        "fc",
+    ]
+    model = torchvision.models.resnet18(num_classes=3).eval()
+    x = torch.randn(2, 3, 32, 32)
+    y = x
+    for _, layer in model_layers(model):
+        y = layer(y)
+    assert torch.equal(y, model(x))
+    assert [n for n, _ in model_layers(torchvision.models.mobilenet_v2())] == [
+        "features",
+        "adaptive_avg_pool2d",
+        "flatten",
+        "classifier",
+    ]
+    with pytest.raises(ValueError, match="stage boundaries must carry one tensor"):
+        model_layers(torchvision.models.vit_b_16())
+
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(self.a(x)) + x
+
+    with pytest.raises(ValueError, match="not a chain of layers"):
+        model_layers(Residual())
+    with pytest.raises(TypeError, match=r"model: must be a torch\.nn\.Module"):
+        model_layers("resnet")
