@@ -349,12 +349,13 @@ def tuning(results: Sequence[Result]) -> str:
         else "the collectives benchmark (`make bench-collectives`; not yet measured here)"
     )
     return f"""\
-The collectives' private tuning table (the crossover sizes between algorithms and the ring's
-segment sizes, per engine) is justified by the sizes at which each algorithm starts to win in
-the per-size tables of {where}, and, until those tables carry the history of runs behind each
-constant, by the tables and discussion in
-[docs/collectives.md, "Benchmark"](collectives.md#benchmark). A change to a crossover should
-come with a run of `make bench-collectives` whose figures show it.
+The collectives' private tuning table (`hetcoll.collectives._tuning`: the crossover sizes
+between algorithms and the ring's segment sizes, per engine) is justified by the sizes at which
+each algorithm starts to win in the per-size tables of {where}, and, until those tables carry
+the history of runs behind each constant, by each constant's provenance in
+[docs/collectives.md, "Tuning table"](collectives.md#tuning-table) and the tables of its
+["Benchmark"](collectives.md#benchmark). A change to a crossover should come with a run of
+`make bench-collectives` whose figures show it.
 """
 
 

@@ -22,6 +22,7 @@ import torch
 
 import hetcoll
 from hetcoll import collectives, fusion
+from hetcoll.collectives import _common, _tuning
 from hetcoll.comm import Communicator
 
 DTYPES = ["float32", "float64", "float16", "bfloat16"]
@@ -77,13 +78,13 @@ def _algorithms(comm: Communicator) -> tuple[str, ...]:
 def _native_halves(always: bool) -> Iterator[None]:
     """Within: "native" goes in two halves at once at any size when ``always`` (on both
     engines), else in one call at any size."""
-    saved = collectives.NATIVE_HALVES_FROM_BYTES, collectives.NATIVE_HALVES_TWO_RANKS_FROM_BYTES
+    saved = _tuning.NATIVE_HALVES_FROM_BYTES, _tuning.NATIVE_HALVES_TWO_RANKS_FROM_BYTES
     halves = dict.fromkeys(("mpi", "gloo"), 0 if always else math.inf)
-    collectives.NATIVE_HALVES_FROM_BYTES = collectives.NATIVE_HALVES_TWO_RANKS_FROM_BYTES = halves
+    _tuning.NATIVE_HALVES_FROM_BYTES = _tuning.NATIVE_HALVES_TWO_RANKS_FROM_BYTES = halves
     try:
         yield
     finally:
-        collectives.NATIVE_HALVES_FROM_BYTES, collectives.NATIVE_HALVES_TWO_RANKS_FROM_BYTES = saved
+        _tuning.NATIVE_HALVES_FROM_BYTES, _tuning.NATIVE_HALVES_TWO_RANKS_FROM_BYTES = saved
 
 
 def check_allreduce(comm: Communicator, native: Any) -> int:
@@ -101,7 +102,7 @@ def check_allreduce(comm: Communicator, native: Any) -> int:
                 w = _weight(r, i)
                 buf, _ = _input(kind, n, r, seed, as_tensor)
                 speeds = [1.0 + (q % 3) for q in range(p)] if i % 3 == 2 else None
-                segment = 4096 if i % 2 else collectives.SEGMENT_BYTES
+                segment = 4096 if i % 2 else _tuning.SEGMENT_BYTES
                 with _native_halves(i % 2 == 1):
                     out = hetcoll.allreduce(
                         buf,
@@ -180,24 +181,24 @@ def check_auto_choice(comm: Communicator, native: Any) -> int:
     """What "auto" allreduce picks on either side of each crossover that applies to this engine
     and rank count (the same on every rank: it reads only what ranks agree on)."""
     p, engine = comm.size, comm.engine
-    windows = comm.node_windows(collectives.SHARED_SEGMENT_BYTES) is not None
+    windows = comm.node_windows(_tuning.SHARED_SEGMENT_BYTES) is not None
     expect: list[tuple[float, bool, str]] = []  # (bytes, chunk speeds given, algorithm)
     if windows:
-        shared = collectives.SHARED_FROM_BYTES[engine]
+        shared = _tuning.SHARED_FROM_BYTES[engine]
         expect += [
             (shared, False, "shared"),
             (shared, True, "shared"),
             (shared - 4, False, "native"),
         ]
     elif p == 2:
-        ring = collectives.RING_TWO_RANKS_FROM_BYTES[engine]
-        direct = collectives.DIRECT_TWO_RANKS_FROM_BYTES.get(engine, ring)
+        ring = _tuning.RING_TWO_RANKS_FROM_BYTES[engine]
+        direct = _tuning.DIRECT_TWO_RANKS_FROM_BYTES.get(engine, ring)
         expect += [(ring, False, "ring"), (ring - 4, True, "ring"), (direct - 4, False, "native")]
         if direct < ring:
             expect += [(direct, False, "direct"), (ring - 4, False, "direct")]
     else:
-        ring = collectives.RING_CROSSOVER_BYTES[engine]
-        direct = collectives.DIRECT_BYTES[engine] // (p - 1) // 4 * 4
+        ring = _tuning.RING_CROSSOVER_BYTES[engine]
+        direct = _tuning.DIRECT_BYTES[engine] // (p - 1) // 4 * 4
         expect += [(ring, False, "ring"), (ring - 4, False, "native"), (4, True, "ring")]
         if direct:
             expect += [(direct, False, "direct"), (direct + 4, False, "native")]
@@ -234,12 +235,12 @@ def check_aliasing_and_shapes(comm: Communicator, native: Any) -> int:
 def _speculative_rounds(batched: bool) -> Iterator[None]:
     """allgatherv's speculative round on gloo as one all-to-all (what small gathers get) or,
     when not ``batched``, point to point (what large ones get), whatever the gather's size."""
-    saved = collectives.BATCHED_GATHER_BYTES
-    collectives.BATCHED_GATHER_BYTES = saved if batched else -1
+    saved = _tuning.BATCHED_GATHER_BYTES
+    _tuning.BATCHED_GATHER_BYTES = saved if batched else -1
     try:
         yield
     finally:
-        collectives.BATCHED_GATHER_BYTES = saved
+        _tuning.BATCHED_GATHER_BYTES = saved
 
 
 def check_mismatch(comm: Communicator, native: Any) -> int:
@@ -314,15 +315,15 @@ def check_shared(comm: Communicator, native: Any) -> int:
         return 2
     p, r = comm.size, comm.rank
     saved = (
-        collectives.SHARED_SEGMENT_BYTES,
-        collectives.SHARED_ONE_ROUND_BYTES,
-        collectives.SHARED_GATHER_BELOW_BYTES,
+        _tuning.SHARED_SEGMENT_BYTES,
+        _tuning.SHARED_ONE_ROUND_BYTES,
+        _tuning.SHARED_GATHER_BELOW_BYTES,
     )
     done = 0
     try:
-        collectives.SHARED_SEGMENT_BYTES = 4096
+        _tuning.SHARED_SEGMENT_BYTES = 4096
         for one_round in (0, 1 << 20):
-            collectives.SHARED_ONE_ROUND_BYTES = one_round
+            _tuning.SHARED_ONE_ROUND_BYTES = one_round
             for i, kind in enumerate(DTYPES):
                 itemsize = 8 if kind == "float64" else 4 if kind == "float32" else 2
                 per = 4096 // itemsize
@@ -361,14 +362,14 @@ def check_shared(comm: Communicator, native: Any) -> int:
         total = sum(x.nbytes for x in pieces)
         for below, messages in ((total, True), (total + 1, False)):
             tags.clear()
-            collectives.SHARED_GATHER_BELOW_BYTES = {"mpi": below}
+            _tuning.SHARED_GATHER_BELOW_BYTES = {"mpi": below}
             out = hetcoll.allgatherv(pieces[r], counted, timeout=60)
             np.testing.assert_array_equal(out, np.concatenate(pieces))
             assert bool(tags) == messages, (below, total, tags)
             done += 1
     finally:
-        collectives.SHARED_SEGMENT_BYTES, collectives.SHARED_ONE_ROUND_BYTES = saved[:2]
-        collectives.SHARED_GATHER_BELOW_BYTES = saved[2]
+        _tuning.SHARED_SEGMENT_BYTES, _tuning.SHARED_ONE_ROUND_BYTES = saved[:2]
+        _tuning.SHARED_GATHER_BELOW_BYTES = saved[2]
     return done
 
 
@@ -453,13 +454,13 @@ def _counted(comm: Communicator, native: Any) -> tuple[Communicator, list[int]]:
 def _speculative_steps(comm: Communicator, native: Any, batched: bool) -> int:
     p, r = comm.size, comm.rank
     counted, tags = _counted(comm, native)
-    speculative = comm.engine in collectives.SPECULATIVE_GATHER_ENGINES
+    speculative = comm.engine in _tuning.SPECULATIVE_GATHER_ENGINES
     # MPI: through the node's shared memory; the second pass as if the ranks were on several
     # nodes (no shared memory), where a length exchange and MPI_Allgatherv do it.
     shared = comm.engine == "mpi" and batched
     if comm.engine == "mpi" and not batched:
         counted.node_windows = lambda capacity, deadline=None: None  # type: ignore[method-assign]
-    rest, head = collectives._TAG_GATHER_REST, collectives._TAG_GATHER_HEAD
+    rest, head = _common._TAG_GATHER_REST, _common._TAG_GATHER_HEAD
     # (the last rank's piece length, rows of 3 float64, one round on gloo?)
     steps = [
         (5, False),  # the group's first gather: nothing predicted

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 import hetcoll
 from hetcoll import collectives, launch
+from hetcoll.collectives import _tuning, speculative
 
 HERE = Path(__file__).resolve().parent
 EXPECTED = {
@@ -193,6 +194,40 @@ def test_single_process_argument_errors():
         hetcoll.allgatherv([1, 2], None)
 
 
+class _FourGlooRanks:
+    """What choose_algorithm reads of a communicator: four gloo ranks, no shared memory."""
+
+    size, engine = 4, "gloo"
+
+    def node_windows(self, capacity, deadline=None):
+        return None
+
+
+def test_tuning_table_is_read_at_call_time_and_rebound_through_the_package(monkeypatch):
+    # Every public tuning name reads the private table; rebinding it in either place reaches
+    # the algorithms on their next call (they look the table up then, never copy it).
+    tuning = {name for name in vars(_tuning) if name.isupper()}
+    assert tuning <= set(collectives.__all__) <= tuning | set(dir(collectives))
+    for name in tuning:
+        assert getattr(collectives, name) is getattr(_tuning, name)
+    four = _FourGlooRanks()
+    assert collectives.choose_algorithm(four, 1 << 20, False) == "direct"  # type: ignore[arg-type]
+    with monkeypatch.context() as m:
+        m.setattr(_tuning, "DIRECT_BYTES", {"gloo": 0})
+        assert collectives.choose_algorithm(four, 1 << 20, False) == "native"  # type: ignore[arg-type]
+    records = deque([(1, 2), (3, 4), (1, 2), (3, 4)])
+    assert speculative._predict(records, 2) == (1, 2)
+    with monkeypatch.context() as m:
+        m.setattr(collectives, "GATHER_PERIODS", 1)  # the package forwards it to the table
+        assert _tuning.GATHER_PERIODS == collectives.GATHER_PERIODS == 1
+        assert "GATHER_PERIODS" not in vars(collectives)
+        assert speculative._predict(records, 2) == (3, 4)
+    assert _tuning.GATHER_PERIODS == 16
+    assert collectives.choose_algorithm(four, 1 << 20, False) == "direct"  # type: ignore[arg-type]
+    with pytest.raises(AttributeError, match="NO_SUCH_BYTES"):
+        _ = collectives.NO_SUCH_BYTES  # type: ignore[attr-defined]
+
+
 def test_ring_schedule_errors_name_the_argument():
     from hetcoll import _core
 
@@ -216,14 +251,14 @@ def test_prediction_follows_a_repeating_pattern_of_gathers(pattern, repeats, ext
     # has repeated (twice or more), the next gather is predicted exactly, whatever the phase.
     extra %= len(pattern)
     seq = pattern * repeats + pattern[:extra]
-    history: deque[tuple[int, ...]] = deque(maxlen=2 * collectives.GATHER_PERIODS)
+    history: deque[tuple[int, ...]] = deque(maxlen=2 * _tuning.GATHER_PERIODS)
     history.extend(seq)
-    assert collectives._predict(history, 2) == pattern[extra]
+    assert speculative._predict(history, 2) == pattern[extra]
 
 
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3)), max_size=40))
 def test_prediction_is_a_past_gather_or_nothing(records):
-    history: deque[tuple[int, ...]] = deque(maxlen=2 * collectives.GATHER_PERIODS)
+    history: deque[tuple[int, ...]] = deque(maxlen=2 * _tuning.GATHER_PERIODS)
     history.extend(records)
-    guess = collectives._predict(history, 2)
+    guess = speculative._predict(history, 2)
     assert guess in history or (guess == (0, 0) and not history)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import hetcoll
+import hetcoll.collectives.speculative
 import hetcoll.fusion
 import hetcoll.kernels
 import hetcoll.model.predict
@@ -25,6 +26,7 @@ def test_readme_examples():
     [
         hetcoll.kernels,
         hetcoll.fusion,
+        hetcoll.collectives.speculative,
         hetcoll.torch.sampler,
         importlib.import_module("hetcoll.torch.filters"),
         hetcoll.model.predict,
@@ -33,3 +35,19 @@ def test_readme_examples():
 def test_docstring_examples(module):
     result = doctest.testmod(module)
     assert result.failed == 0
+
+
+def test_every_tuning_constant_has_its_heading_in_docs_collectives():
+    # The tuning table's comments point to docs/collectives.md#<name>; each must land on a
+    # heading of the "Tuning table" section, and each constant must have one.
+    import re
+
+    from hetcoll.collectives import _tuning
+
+    doc = (ROOT / "docs" / "collectives.md").read_text()
+    table = doc.split("\n## Tuning table\n", 1)[1].split("\n## ", 1)[0]
+    headings = set(re.findall(r"^### `([A-Z_]+)`$", table, re.M))
+    assert headings == {name for name in vars(_tuning) if name.isupper()}
+    source = Path(_tuning.__file__).read_text()
+    anchors = re.findall(r"docs/collectives\.md#(\w+)", source)
+    assert sorted(anchors) == sorted(name.lower() for name in headings)

@@ -1,6 +1,6 @@
 """The package's architecture, checked: layers and cycles (import-linter contracts in
-pyproject.toml), no private name crossing a module boundary, and the library importing none of
-the lab."""
+pyproject.toml), no private name crossing from one of hetcoll's top-level modules or packages
+into another, and the library importing none of the lab."""
 
 from __future__ import annotations
 
@@ -23,10 +23,17 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def _room(module: str) -> str:
+    """The top-level module or package of hetcoll that ``module`` belongs to (``hetcoll.comm``,
+    ``hetcoll.collectives`` for ``hetcoll.collectives.ring``; ``hetcoll`` for the root)."""
+    return ".".join(module.split(".")[:2])
+
+
 def _private_imports(source: str, me: str, is_package: bool) -> list[str]:
-    """``from x import _name`` in module ``me``, where x is another hetcoll module, or an import
-    from a private module of another package (a package's private modules are its own); the
-    bindings module ``hetcoll._core`` is the Rust layer's public face."""
+    """``from x import _name`` in module ``me``, where x is a hetcoll module outside ``me``'s
+    top-level module or package (a package's private names are its own: its modules share
+    them), or an import from a private module of another package (a package's private modules
+    are its own); the bindings module ``hetcoll._core`` is the Rust layer's public face."""
     package = me if is_package else me.rpartition(".")[0]
     found = []
     for node in ast.walk(ast.parse(source)):
@@ -43,6 +50,8 @@ def _private_imports(source: str, me: str, is_package: bool) -> list[str]:
         parent, _, leaf = origin.rpartition(".")
         if leaf.startswith("_") and not (me + ".").startswith(parent + "."):
             found.append(f"{me}:{node.lineno} imports from private module {origin}")
+        if _room(origin) == _room(me) != "hetcoll":
+            continue  # within one package: its private names are its own
         for alias in node.names:
             if origin == "hetcoll" and alias.name == "_core":
                 continue
@@ -69,11 +78,41 @@ def test_private_import_scan_finds_what_it_should():
         "from .ring import _steps\n"
         "from hetcoll.collectives._tuning import SEGMENT\n"
         "from hetcoll.torch.probe import _own\n"
+        "from hetcoll.collectives.ring import _ring\n"
+        "from hetcoll.torch.ring import _steps\n"
+        "from hetcoll.torch import _helper\n"
+        "from .. import _root_helper\n"
     )
     assert _private_imports(src, "hetcoll.torch.probe", False) == [
         "hetcoll.torch.probe:1 imports _numpy_view from hetcoll.kernels",
-        "hetcoll.torch.probe:5 imports _steps from hetcoll.torch.ring",
         "hetcoll.torch.probe:6 imports from private module hetcoll.collectives._tuning",
+        "hetcoll.torch.probe:8 imports _ring from hetcoll.collectives.ring",
+        "hetcoll.torch.probe:11 imports _root_helper from hetcoll",
+    ]
+
+
+def test_private_import_scan_keeps_a_package_s_private_names_inside_it():
+    # A package's modules, and its __init__, share its private modules and names.
+    inside = (
+        "from hetcoll.collectives import _tuning\n"
+        "from hetcoll.collectives._common import _scratch\n"
+        "from ._header import _fields\n"
+        "from .ring import _ring\n"
+    )
+    assert _private_imports(inside, "hetcoll.collectives.gather", False) == []
+    assert _private_imports(inside, "hetcoll.collectives", True) == []
+    # Top-level modules are rooms of their own: the root package is not one they share.
+    top = "from hetcoll.kernels import _x\nfrom .fusion import _y\nfrom hetcoll import _z\n"
+    assert _private_imports(top, "hetcoll.comm", False) == [
+        "hetcoll.comm:1 imports _x from hetcoll.kernels",
+        "hetcoll.comm:2 imports _y from hetcoll.fusion",
+        "hetcoll.comm:3 imports _z from hetcoll",
+    ]
+    # Nor do two packages share theirs, either way round.
+    assert _private_imports(inside, "hetcoll.torch.hooks", False) == [
+        "hetcoll.torch.hooks:1 imports _tuning from hetcoll.collectives",
+        "hetcoll.torch.hooks:2 imports from private module hetcoll.collectives._common",
+        "hetcoll.torch.hooks:2 imports _scratch from hetcoll.collectives._common",
     ]
 
 

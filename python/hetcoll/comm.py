@@ -140,8 +140,8 @@ class Communicator(ABC):
         with the group."""
         return None
 
-    #: Every rank's piece bytes in each of allgatherv's last gathers on this group (it
-    #: predicts the next; :func:`hetcoll.collectives._predict`); created on first use. One
+    #: Every rank's piece bytes in each of allgatherv's last gathers on this group (it predicts
+    #: the next; :func:`hetcoll.collectives.speculative._predict`); created on first use. One
     #: wrapper per torch process group (:func:`wrap`) makes it per group.
     gather_history: deque[tuple[int, ...]] | None = None
 

@@ -1,0 +1,86 @@
+"""allgatherv for torch tensors that carry gradients: the gradient of a rank's piece is its
+slice of the output gradient summed over ranks (a reduce-scatter with uneven counts)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from hetcoll.collectives._common import _kind
+from hetcoll.collectives.gather import _gather
+from hetcoll.comm import Communicator, wrap
+from hetcoll.comm import deadline as deadline_of
+from hetcoll.kernels import numpy_view
+
+
+def allgatherv_autograd(tensor: Any, comm: Any = None, *, timeout: float | None = None) -> Any:
+    """:func:`allgatherv` of a torch tensor, differentiable: the gradient of this rank's piece
+    is its slice of the output gradient summed over ranks (reduce-scatter with uneven counts).
+
+    For the filter-parallel layers: each rank computes its share of output channels and every
+    rank needs all of them.
+
+    >>> y = allgatherv_autograd(local_out, group)  # doctest: +SKIP
+    """
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor: must be a torch tensor, got {type(tensor).__name__}")
+    return _AllgathervFn.apply(tensor, wrap(comm), timeout)
+
+
+def _make_function() -> Any:
+    import torch
+
+    class AllgathervFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, tensor: Any, comm: Communicator, timeout: float | None) -> Any:
+            out, ctx.counts = _gather(tensor.detach(), comm, deadline_of(timeout))
+            ctx.comm, ctx.timeout = comm, timeout
+            ctx.local_shape = tuple(tensor.shape)
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            comm: Communicator = ctx.comm
+            grad = grad.contiguous()
+            row = math.prod(ctx.local_shape[1:])
+            result = torch.empty(ctx.local_shape, dtype=grad.dtype, device=grad.device)
+            deadline = deadline_of(ctx.timeout)
+            counts = [n * row for n in ctx.counts]
+            if grad.device.type != "cpu":
+                import torch.distributed as dist
+
+                from hetcoll.comm import TorchRequest
+
+                work = dist.reduce_scatter(
+                    result.view(-1),
+                    list(grad.view(-1).split(counts)),
+                    group=comm.native,
+                    async_op=True,
+                )
+                TorchRequest(work, "reduce_scatter").wait(deadline)
+                return result, None, None
+            g_view, bf16 = numpy_view(grad, "grad")
+            r_view, _ = numpy_view(result, "grad")
+            kind = _kind(g_view, bf16)
+            comm.ireduce_scatterv(g_view.reshape(-1), r_view.reshape(-1), counts, kind).wait(
+                deadline
+            )
+            return result, None, None
+
+    return AllgathervFn
+
+
+class _Lazy:
+    """Defers building the autograd Function until torch is needed (numpy users never load it)."""
+
+    fn: Any = None
+
+    def apply(self, *args: Any) -> Any:
+        if self.fn is None:
+            self.fn = _make_function()
+        return self.fn.apply(*args)
+
+
+_AllgathervFn = _Lazy()

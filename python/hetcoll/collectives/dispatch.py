@@ -1,0 +1,147 @@
+"""allreduce: the entry point, its argument checks, and the choice "auto" stands for
+(:func:`choose_algorithm`, reading the crossovers of the tuning table at call time). The
+algorithms themselves are in :mod:`.ring`, :mod:`.native`, :mod:`.direct`, :mod:`.shared` and,
+for device tensors, :mod:`.device`."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hetcoll import _core
+from hetcoll.collectives import _tuning
+from hetcoll.collectives._common import (
+    _ALGO_CODE,
+    _KIND_CODE,
+    _NO_SHARED,
+    ALGORITHMS,
+    ArrayT,
+    _counts,
+    _kind,
+    _weight,
+)
+from hetcoll.collectives.device import _allreduce_device
+from hetcoll.collectives.direct import direct_allreduce
+from hetcoll.collectives.native import _native
+from hetcoll.collectives.ring import _ring, _ring_blocking
+from hetcoll.collectives.shared import _shared
+from hetcoll.comm import Communicator, agree, wrap
+from hetcoll.comm import deadline as deadline_of
+from hetcoll.kernels import is_tensor, numpy_view
+
+
+def allreduce(
+    buf: ArrayT,
+    comm: Any = None,
+    *,
+    weight: float = 1.0,
+    algorithm: str = "auto",
+    speeds: Sequence[float] | None = None,
+    check: bool = False,
+    timeout: float | None = None,
+    segment_bytes: int | None = None,
+) -> ArrayT:
+    """In place, ``buf <- sum over ranks r of weight_r * buf_r``; returns ``buf``.
+
+    ``buf`` is a C-contiguous numpy array or CPU torch tensor (float32, float64, float16,
+    bfloat16; 16-bit types are reduced in float32 and rounded at each ring hop). ``comm`` is
+    anything :func:`hetcoll.comm.wrap` takes. ``weight`` is this rank's weight (ranks may
+    differ). ``algorithm``: "ring", "native", "direct", "shared" (MPI, one node) or "auto" (see
+    :data:`SHARED_FROM_BYTES`, :data:`DIRECT_BYTES` and :data:`RING_CROSSOVER_BYTES`, on two
+    ranks :data:`DIRECT_TWO_RANKS_FROM_BYTES` and :data:`RING_TWO_RANKS_FROM_BYTES`; "auto"
+    with ``speeds`` is "shared" where it runs, else the ring). ``speeds`` (one per rank, same
+    on every rank) sizes the chunks of the ring and of "shared" with :func:`hetcoll.split`;
+    chunk r is reduced last by rank r. Every rank ends with bitwise the same result. ``check``
+    compares length, dtype, algorithm and speeds across ranks first (one small allgather).
+    ``segment_bytes`` cuts the ring's messages (default :data:`SEGMENT_BYTES`, or
+    :data:`TWO_RANK_SEGMENT_BYTES` on two ranks). A device tensor takes the native path, the
+    weight fused by NCCL (``PREMUL_SUM``), or on other engines a torch pre-scale.
+
+    >>> allreduce(grad, comm, weight=local_batch / global_batch)  # doctest: +SKIP
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
+    w = _weight(weight)
+    deadline = deadline_of(timeout)
+    if segment_bytes is not None and (not isinstance(segment_bytes, int) or segment_bytes < 1):
+        raise ValueError(f"segment_bytes: must be an integer >= 1 or None, got {segment_bytes!r}")
+    if is_tensor(buf) and buf.device.type != "cpu":  # type: ignore[attr-defined]
+        return _allreduce_device(buf, comm, w, algorithm, check, deadline)
+    view, bf16 = numpy_view(buf, "buf")
+    if not view.flags.c_contiguous:
+        raise ValueError("buf: must be C-contiguous (allreduce works in place)")
+    if not view.flags.writeable:
+        raise ValueError("buf: must be writeable (allreduce works in place)")
+    kind = _kind(view, bf16)
+    flat = view.reshape(-1)
+    c = wrap(comm)
+    if algorithm == "auto":
+        algorithm = choose_algorithm(c, flat.nbytes, speeds is not None, deadline)
+    windows = None
+    if algorithm == "shared":
+        windows = c.node_windows(_tuning.SHARED_SEGMENT_BYTES, deadline)
+        if windows is None:
+            raise ValueError(_NO_SHARED.format(c.engine))
+        if speeds is not None:
+            _counts(1, c.size, speeds)  # the argument's errors now, not at the first piece
+    counts = _counts(flat.size, c.size, speeds) if algorithm == "ring" else None
+    if check:
+        fields = {
+            "length": flat.size,
+            "dtype": _KIND_CODE[kind],
+            "algorithm": _ALGO_CODE[algorithm],
+            "chunk shares": zlib.crc32(np.asarray(counts or [], np.int64).tobytes()),
+        }
+        agree(c, fields, deadline)
+    if c.size == 1 or flat.size == 0:
+        if w != 1.0 and flat.size:
+            _core.weighted_sum_into([flat], [w], flat, bfloat16=bf16)
+        return buf
+    if algorithm == "native":
+        _native(c, flat, bf16, w, kind, deadline)
+    elif algorithm == "direct":
+        direct_allreduce(c, flat, bf16, w, deadline)
+    elif algorithm == "shared":
+        assert windows is not None
+        _shared(c, windows, flat, bf16, w, kind, speeds, deadline)
+    else:
+        assert counts is not None
+        if segment_bytes is None:
+            two = _tuning.TWO_RANK_SEGMENT_BYTES.get(c.engine) if c.size == 2 else None
+            segment_bytes = _tuning.SEGMENT_BYTES if two is None else two
+        segment = max(1, segment_bytes // flat.itemsize)
+        if max(counts) <= segment:
+            _ring_blocking(c, flat, bf16, w, counts, deadline)
+        else:
+            _ring(c, flat, bf16, w, counts, segment, deadline)
+    return buf
+
+
+def choose_algorithm(
+    c: Communicator, nbytes: int, chunk_speeds: bool, deadline: float | None = None
+) -> str:
+    """The algorithm "auto" stands for; the same on every rank (it reads only what ranks agree
+    on: sizes, the rank count, the engine and whether the ranks share one node)."""
+    if (
+        c.size > 1
+        and nbytes >= _tuning.SHARED_FROM_BYTES.get(c.engine, math.inf)
+        and c.node_windows(_tuning.SHARED_SEGMENT_BYTES, deadline) is not None
+    ):
+        return "shared"
+    if chunk_speeds:
+        return "ring"
+    if c.size == 2:
+        if nbytes >= _tuning.RING_TWO_RANKS_FROM_BYTES.get(c.engine, math.inf):
+            return "ring"
+        if nbytes >= _tuning.DIRECT_TWO_RANKS_FROM_BYTES.get(c.engine, math.inf):
+            return "direct"
+        return "native"
+    if c.size > 2 and (c.size - 1) * nbytes <= _tuning.DIRECT_BYTES.get(c.engine, 0):
+        return "direct"
+    if nbytes >= _tuning.RING_CROSSOVER_BYTES.get(c.engine, math.inf):
+        return "ring"
+    return "native"

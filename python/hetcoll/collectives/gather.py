@@ -1,0 +1,184 @@
+"""allgatherv: the entry point, the choice of algorithm and the first round that carries it
+(speculative on gloo, through the node windows on one MPI node, else an allgather of the
+lengths), and the output's checks. The algorithms are the engine's own ("native"), the ring's
+allgather half (:mod:`.ring`), the direct exchange (:mod:`.direct`) and the node windows
+(:mod:`.shared`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from hetcoll.collectives import _tuning
+from hetcoll.collectives._common import _NO_SHARED, ALGORITHMS, ArrayT
+from hetcoll.collectives._header import _exchange_shapes
+from hetcoll.collectives.device import _allgatherv_device
+from hetcoll.collectives.direct import _direct_allgather
+from hetcoll.collectives.ring import _ring_allgather
+from hetcoll.collectives.shared import _shared_round
+from hetcoll.collectives.speculative import _speculative_round
+from hetcoll.comm import deadline as deadline_of
+from hetcoll.comm import wrap
+from hetcoll.kernels import is_tensor
+
+
+def allgatherv(
+    local: ArrayT,
+    comm: Any = None,
+    *,
+    out: ArrayT | None = None,
+    algorithm: str = "auto",
+    timeout: float | None = None,
+    segment_bytes: int | None = None,
+) -> ArrayT:
+    """Concatenation along axis 0 of every rank's ``local``, pieces of different lengths.
+
+    ``local`` is a numpy array or a CPU torch tensor (any dtype) with at least one
+    dimension; the other dimensions and the dtype must match on every rank (else
+    :class:`hetcoll.CollectiveMismatchError` on every rank). Returns a new array of the same
+    kind, or ``out``: an array of that kind, dtype and trailing shape, C-contiguous, with as
+    many rows as all pieces together (checked once the lengths are known; a wrong count raises
+    a ValueError on that rank after the exchange, so the others do not wait for it), which
+    saves allocating (and, for large outputs, page-faulting) a new one every call.
+    ``algorithm``: "native" is MPI_Allgatherv, or on torch all_to_all_single with uneven splits
+    (gloo's all_gather rejects uneven pieces); "ring" passes the pieces around the ring with the
+    engine's send/recv straight into the output, segment by segment; "direct" sends each piece
+    to every other rank in one round of send/recv straight into the output; "auto" on MPI
+    picks by total size (:data:`GATHER_RING_CROSSOVER_BYTES`). Every call starts with one round
+    that exchanges the lengths (and checks shapes, dtype and algorithm). On gloo that round
+    also carries as many bytes of each piece as the group's recent gathers predict
+    (:data:`SPECULATIVE_GATHER_ENGINES`), in one all-to-all for small gathers
+    (:data:`BATCHED_GATHER_BYTES`), else point to point: "auto" is then done in that round
+    when the prediction holds, and sends only the rest of longer pieces when it does not.
+    ``segment_bytes`` cuts the ring's messages (default: one message per piece and step;
+    nothing is computed between them, so smaller messages would only add per-message cost).
+
+    >>> allgatherv(np.arange(rank + 1.0), comm)  # on 3 ranks  # doctest: +SKIP
+    array([0., 0., 1., 0., 1., 2.])
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
+    if segment_bytes is not None and (not isinstance(segment_bytes, int) or segment_bytes < 1):
+        raise ValueError(f"segment_bytes: must be an integer >= 1 or None, got {segment_bytes!r}")
+    deadline = deadline_of(timeout)
+    result, _ = _gather(local, comm, deadline, algorithm, segment_bytes, out)
+    return result  # type: ignore[no-any-return]
+
+
+def _gather(
+    local: Any,
+    comm: Any,
+    deadline: float | None,
+    algorithm: str = "auto",
+    segment_bytes: int | None = None,
+    out: Any = None,
+) -> tuple[Any, list[int]]:
+    """:func:`allgatherv`, plus every rank's length along axis 0."""
+    if is_tensor(local) and local.device.type != "cpu":
+        if out is not None:
+            raise ValueError("out: not supported for device tensors")
+        return _allgatherv_device(local, comm, deadline)
+    if is_tensor(local):
+        local = local.detach().contiguous()
+        view = _tensor_bytes_view(local)
+    elif isinstance(local, np.ndarray):
+        view = np.ascontiguousarray(local)
+    else:
+        raise TypeError(
+            f"local: must be a numpy array or a torch tensor, got {type(local).__name__}"
+        )
+    if view.ndim == 0:
+        raise ValueError("local: must have at least one dimension (pieces join along axis 0)")
+    into = None if out is None else _out_view(out, local, view)
+    c = wrap(comm)
+    send = view.reshape(-1).view(np.uint8)
+    row_bytes = view.itemsize * math.prod(view.shape[1:])
+    into_bytes = None if into is None else into.reshape(-1).view(np.uint8)
+    joined = None
+    if c.size > 1 and c.engine in _tuning.SPECULATIVE_GATHER_ENGINES:
+        lengths, joined = _speculative_round(
+            c, view.shape, view.dtype.str, send, row_bytes, deadline, algorithm, into_bytes
+        )
+    elif (
+        c.size > 1
+        and (windows := c.node_windows(_tuning.SHARED_SEGMENT_BYTES, deadline)) is not None
+    ):
+        lengths, joined = _shared_round(
+            c, windows, view.shape, view.dtype.str, send, row_bytes, deadline, algorithm, into_bytes
+        )
+    else:
+        lengths = [
+            int(n) for n in _exchange_shapes(c, view.shape, view.dtype.str, deadline, algorithm)
+        ]
+    rows = sum(lengths)
+    # ``out`` if its row count is right; a wrong one is this rank's error alone, raised once the
+    # exchange is over so that the others are not left waiting.
+    dest = into if into is not None and into.shape[0] == rows else None
+    if joined is not None:  # "auto": the pieces are in place after the speculative round
+        out_view = joined.view(view.dtype).reshape(rows, *view.shape[1:])
+        if dest is not None and joined is not into_bytes:
+            dest[...] = out_view
+    else:
+        out_view = dest if dest is not None else np.empty((rows, *view.shape[1:]), view.dtype)
+        counts = [n * row_bytes for n in lengths]
+        recv = out_view.reshape(-1).view(np.uint8)
+        if algorithm == "auto":
+            crossover = _tuning.GATHER_RING_CROSSOVER_BYTES.get(c.engine, math.inf)
+            algorithm = "ring" if recv.nbytes >= crossover else "native"
+        if algorithm == "native" or c.size == 1:
+            c.iallgatherv(send, recv, counts).wait(deadline)
+        elif algorithm == "shared":  # only here without shared memory: ranks agreed, all raise
+            raise ValueError(_NO_SHARED.format(c.engine))
+        elif algorithm == "direct":
+            _direct_allgather(c, send, recv, counts, deadline)
+        else:
+            segment = segment_bytes if segment_bytes is not None else max(1, *counts)
+            _ring_allgather(c, send, recv, counts, segment, deadline)
+    if into is not None:
+        if dest is None:
+            raise ValueError(f"out: has {into.shape[0]} rows along axis 0, the pieces hold {rows}")
+        return out, lengths
+    if is_tensor(local):
+        import torch
+
+        t = torch.from_numpy(out_view)
+        return (t.view(torch.bfloat16) if local.dtype == torch.bfloat16 else t), lengths
+    return out_view, lengths
+
+
+def _tensor_bytes_view(t: Any) -> np.ndarray:
+    """A CPU tensor's memory as numpy: any dtype as itself, bfloat16 (unknown to numpy) as its
+    16-bit patterns, so that it travels as bytes."""
+    import torch
+
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _out_view(out: Any, local: Any, view: np.ndarray) -> np.ndarray:
+    """``out`` as a writeable numpy array of ``view``'s dtype (bfloat16 as its bit patterns),
+    after the checks that need no lengths: kind, dtype, trailing shape, layout."""
+    if is_tensor(local):
+        if not is_tensor(out) or out.device.type != "cpu":
+            raise TypeError(f"out: must be a CPU torch tensor like local, got {type(out).__name__}")
+        if out.dtype != local.dtype:
+            raise TypeError(f"out: dtype {out.dtype} differs from local's {local.dtype}")
+        if out.requires_grad:
+            raise ValueError("out: must not require grad")
+        array = _tensor_bytes_view(out)
+    elif isinstance(out, np.ndarray):
+        array = out
+    else:
+        raise TypeError(f"out: must be a numpy array like local, got {type(out).__name__}")
+    if array.dtype != view.dtype:
+        raise TypeError(f"out: dtype {array.dtype} differs from local's {view.dtype}")
+    if array.shape[1:] != view.shape[1:] or array.ndim != view.ndim:
+        raise ValueError(
+            f"out: shape {tuple(array.shape)} must be (rows, *{tuple(view.shape[1:])})"
+        )
+    if not array.flags.c_contiguous or not array.flags.writeable:
+        raise ValueError("out: must be C-contiguous and writeable")
+    if np.may_share_memory(array, view):
+        raise ValueError("out: must not overlap local")
+    return array
