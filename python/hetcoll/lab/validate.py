@@ -246,12 +246,9 @@ def _filter_rank(
     import torch
     import torch.nn.functional as F
 
+    from hetcoll.lab.emulate import slow_down_filter_parallel
     from hetcoll.model import networks
-    from hetcoll.torch.filters import (
-        FilterParallelLayer,
-        filter_parallel,
-        set_emulated_speed,
-    )
+    from hetcoll.torch.filters import FilterParallelLayer, filter_parallel
 
     measured = {
         **_link_here(rank, world, calibrate_here, hetcoll_allreduce=True),
@@ -261,7 +258,7 @@ def _filter_rank(
     model = filter_parallel(
         networks.build(model_name, input_shape), parts, None, avoid_gathers=avoid_gathers
     )
-    set_emulated_speed(model, speeds[rank])
+    slow_down_filter_parallel(model, speeds[rank])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     # Every rank trains on the same whole batch.
     torch.manual_seed(1)
