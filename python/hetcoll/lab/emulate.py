@@ -12,10 +12,10 @@ the many small sleeps add up to the intended total. It is applied three ways:
   ``(1/speed - 1)`` times its own forward after the forward, and ``(1/speed - 1)`` times its own
   backward once the backward has produced its input gradients;
 - :func:`slow_down_filter_parallel`: the same on the local computation of every split layer of a
-  :func:`hetcoll.torch.filter_parallel` model (:attr:`FilterParallelLayer.local
-  <hetcoll.torch.filters.FilterParallelLayer>`): the collectives around them, and the replicated
-  layers, run at full speed. This is what the filter demo and ``hetcoll model validate`` run,
-  and what :func:`hetcoll.lab.predict_emulated.filter_parallel` predicts;
+  :func:`hetcoll.torch.filter_parallel` model (its child ``layer.local``, see
+  :class:`hetcoll.torch.filters.FilterParallelLayer`): the collectives around them, and the
+  replicated layers, run at full speed. This is what the filter demo and ``hetcoll model
+  validate`` run, and what :func:`hetcoll.lab.predict_emulated.filter_parallel` predicts;
 - :class:`EmulatedSpeed` wraps a module so that its forward + backward takes ``1/speed`` times as
   long as the real computation:
 
@@ -29,6 +29,9 @@ the many small sleeps add up to the intended total. It is applied three ways:
   - without it, ``(1/speed - 1) * t_forward * (1 + backward_ratio)`` from the forward pass it
     just timed (``backward_ratio`` is the backward/forward time ratio, :func:`backward_ratio`),
     all slept after the forward.
+
+(The data-parallel validation pauses once per step instead, between the forward and the
+backward of DDP's step: :func:`hetcoll.lab.validate.emulate_speed`, one sleep call.)
 
 Every figure obtained this way is *emulated* heterogeneity, and hetcoll's README and demo say so.
 """
