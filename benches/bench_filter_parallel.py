@@ -13,8 +13,8 @@
 
 Heterogeneity is *emulated* the same way for every strategy: a rank sleeps ``(1/speed - 1)``
 times its measured local compute (filter parallel: the split layers, forward and backward, see
-:func:`hetcoll.torch.set_emulated_speed`; data parallel: the forward and backward of its
-batch). Ranks share the machine's cores (gloo over loopback), so compare the ratios.
+:func:`hetcoll.lab.emulate.slow_down_filter_parallel`; data parallel: the forward and backward
+of its batch). Ranks share the machine's cores (gloo over loopback), so compare the ratios.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from torch import nn
 
 import hetcoll
 from hetcoll import launch
-from hetcoll.torch import filter_parallel, set_emulated_speed
+from hetcoll.lab.emulate import slow_down_filter_parallel
+from hetcoll.torch import filter_parallel
 from hetcoll.torch.filters import FilterParallelLayer
 
 SPEEDS = (1.0, 0.25)
@@ -82,7 +83,7 @@ def _timed(steps: dict[str, Any], repeats: int, warmup: int = 2) -> dict[str, fl
 def _filter_step(speeds: list[float], speed: float, b: int):
     torch.manual_seed(0)
     model = filter_parallel(conv_net(), speeds, None)
-    set_emulated_speed(model, speed)
+    slow_down_filter_parallel(model, speed)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x, y = _batch(b)
 

@@ -192,7 +192,10 @@ BAD_CASES = {
     "world": "shares: has 3 entries",
     "disagree": "ranks disagree",
     "hook_state": "state: weighted_allreduce_hook needs a WeightedAllreduceState",
-    "hook_algorithm": "algorithm: ranks disagree (rank 0: 'direct', rank 1: 'allreduce')",
+    "hook_algorithm": (
+        "CollectiveMismatchError: ranks disagree on algorithm ('auto' = 0, 'direct' = 1, "
+        "'allreduce' = 2) (rank 0: 1, rank 1: 2)"
+    ),
     "hook_algorithm_name": "algorithm: must be one of",
 }
 

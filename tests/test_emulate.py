@@ -1,6 +1,7 @@
 """Emulated heterogeneity: the delay a slow rank sleeps is the cost model's, split between the
 forward and the backward the way the layers spend real time, and it survives a deepcopy (which
-measure_speed makes). The sleeps are recorded, not timed."""
+measure_speed makes); slow_down sleeps each layer's own time, and on a filter-parallel model
+only around the split layers' local computation. The sleeps are recorded, not timed."""
 
 from __future__ import annotations
 
@@ -10,8 +11,16 @@ import pytest
 import torch
 from torch import nn
 
-from hetcoll.lab.emulate import EmulatedSpeed, delay_points
-from hetcoll.torch import SpeedFit
+from hetcoll import launch
+from hetcoll.lab.emulate import (
+    EmulatedSpeed,
+    SlowDown,
+    delay_points,
+    slow_down,
+    slow_down_filter_parallel,
+)
+from hetcoll.torch import SpeedFit, filter_parallel
+from hetcoll.torch.filters import FilterParallelLayer, LocalLinear
 
 
 def _net() -> nn.Module:
@@ -25,7 +34,7 @@ def _recording(model: EmulatedSpeed, log: list[tuple[str, float]], phase: list[s
     def sleep(seconds: float) -> None:
         log.append((phase[0], seconds))
 
-    model._sleep = sleep  # type: ignore[method-assign]
+    model.slowdown.sleep = sleep  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("copied", [False, True])
@@ -84,3 +93,73 @@ def testdelay_points_are_the_layers_with_parameters():
     assert delay_points(net) == [net[0], net[3]]
     relu = nn.ReLU()
     assert delay_points(relu) == [relu]
+
+
+# -- slow_down: each layer's own time, forward and backward ---------------------------------------
+
+
+def _record(handle: SlowDown) -> list[float]:
+    log: list[float] = []
+    handle.sleep = log.append  # type: ignore[method-assign]
+    return log
+
+
+def test_slow_down_sleeps_each_layers_own_forward_then_backward():
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    handle = slow_down(net, 0.25)
+    assert handle.layers == [net[0], net[2]]
+    log = _record(handle)
+    net(torch.randn(5, 8, requires_grad=True)).sum().backward()
+    # Forward: layer 0 then 2, each 3x its own forward; backward: 2 then 0.
+    assert log[:2] == [3 * handle.forward_seconds[0], 3 * handle.forward_seconds[1]]
+    assert len(log) == 4 and all(s > 0 for s in log)
+    # An input that needs no gradient: torch cannot time the first layer's backward.
+    with pytest.warns(UserWarning, match="no inputs require gradients"):
+        net(torch.randn(5, 8)).sum().backward()
+    assert len(log) == 7
+    with torch.no_grad():
+        net(torch.randn(5, 8))
+    assert len(log) == 9  # forward only
+    handle.remove()
+    net(torch.randn(5, 8, requires_grad=True)).sum().backward()
+    assert len(log) == 9
+    assert slow_down([net[0]], 1.0).layers == [net[0]]  # full speed: nothing to hook
+    with pytest.raises(ValueError, match="speed"):
+        slow_down(net, 1.5)
+    with pytest.raises(TypeError, match="model_or_layers"):
+        slow_down("net", 0.5)  # type: ignore[arg-type]
+
+
+def test_a_local_computations_backward_sleep_comes_before_its_weight_gradient():
+    # The split layers compute through a child taking the weight as an input, so the full
+    # backward hook fires after the local backward and before the weight's gradient is used.
+    local = LocalLinear()
+    w = nn.Parameter(torch.randn(3, 4))
+    handle = slow_down([local], 0.5)
+    order: list[str] = []
+    handle.sleep = lambda s: order.append("sleep")  # type: ignore[method-assign]
+    w.register_post_accumulate_grad_hook(lambda p: order.append("weight gradient"))
+    local(torch.randn(2, 4), w, None).sum().backward()
+    assert order == ["sleep", "sleep", "weight gradient"]
+
+
+def _filter_rank(rank: int, world: int) -> dict[str, object]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 8))
+    model = filter_parallel(net, [1.0, 1.0], None)
+    handle = slow_down_filter_parallel(model, 0.25)
+    log = _record(handle)
+    model(torch.randn(4, 16)).sum().backward()
+    split = [m for m in model.modules() if isinstance(m, FilterParallelLayer)]
+    return {
+        "hooked_local": handle.layers == [m.local for m in split],
+        "forward": log[:2] == [3 * s for s in handle.forward_seconds],
+        "sleeps": len(log),
+    }
+
+
+@pytest.mark.multiproc
+def test_slow_down_filter_parallel_hooks_the_split_layers_local_computation_only():
+    # Not the split BatchNorm, not the collectives: two sleeps per split layer.
+    expected = {"hooked_local": True, "forward": True, "sleeps": 4}
+    assert launch.spawn(_filter_rank, 2, timeout=120) == [expected] * 2

@@ -18,7 +18,8 @@ from torch import nn
 
 from hetcoll import launch
 from hetcoll.lab.demo import DemoConfig, DemoNet, format_table, run, summary_rows
-from hetcoll.torch import FilterParallelLinear, filter_parallel, set_emulated_speed
+from hetcoll.lab.emulate import slow_down_filter_parallel
+from hetcoll.torch import FilterParallelLinear, filter_parallel
 
 HERE = Path(__file__).resolve().parent
 EXPECTED = {"equal": 3, "random": 24, "errors": 8}
@@ -54,7 +55,7 @@ def test_bad_arguments_without_a_group():
     with pytest.raises(ValueError, match=r"shares, speeds: give exactly one"):
         FilterParallelLinear(4, 4)
     with pytest.raises(ValueError, match=r"speed: must be in"):
-        set_emulated_speed(model, 0.0)
+        slow_down_filter_parallel(model, 0.0)
     with pytest.raises(ValueError, match=r"in_features_per_channel: 3 does not divide"):
         FilterParallelLinear(4, 4, shares=[4], in_features_per_channel=3)
     # torch.distributed is not initialised in this process: the group is refused by name.

@@ -150,6 +150,9 @@ def test_renamed_names_still_work_with_a_warning():
     assert old is hetcoll.model.predict_filter_parallel is hetcoll.model.predict.filter_parallel
     with pytest.warns(DeprecationWarning, match="hetcoll.lab.emulate"):
         emulated = hetcoll.torch.EmulatedSpeed
-    from hetcoll.lab.emulate import EmulatedSpeed
+    with pytest.warns(DeprecationWarning, match="hetcoll.lab.emulate.slow_down_filter_parallel"):
+        set_speed = hetcoll.torch.set_emulated_speed
+    from hetcoll.lab.emulate import EmulatedSpeed, slow_down_filter_parallel
 
     assert emulated is EmulatedSpeed
+    assert set_speed is slow_down_filter_parallel

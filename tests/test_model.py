@@ -322,62 +322,6 @@ def test_ddp_buffer_broadcast_starts_every_step(cnn_costs) -> None:  # type: ign
     assert data_parallel(cnn_costs, _cluster([(1e11, 2e10)]), [16]).detail["broadcast_s"] == 0.0
 
 
-def test_emulated_pause_sits_between_forward_and_backward(cnn_costs) -> None:  # type: ignore[no-untyped-def]
-    from hetcoll.model.predict import compute_seconds
-
-    cluster = _cluster([(1e11, 2e10)] * 2, bw=1e30, lat=0.0)
-    plain = data_parallel(cnn_costs, cluster, [16, 16], overlap=False, broadcast_buffers=False)
-    slow = data_parallel(
-        cnn_costs,
-        cluster,
-        [16, 16],
-        overlap=False,
-        broadcast_buffers=False,
-        emulated_speeds=[1.0, 0.25],
-    )
-    update = terms.optimizer_update_seconds(cnn_costs.param_bytes, 2e10)
-    pause = 3 * (compute_seconds(cnn_costs, cluster.devices[1], 16) + update)
-    assert slow.step_s - plain.step_s == pytest.approx(pause, rel=1e-9)
-    assert slow.breakdown["emulated pause"] == pytest.approx(pause, rel=1e-9)
-    assert sum(slow.breakdown.values()) == pytest.approx(slow.step_s)
-    with pytest.raises(ValueError, match="emulated_speeds"):
-        data_parallel(cnn_costs, cluster, [16, 16], emulated_speeds=[1.0, 0.0])
-    with pytest.raises(ValueError, match="shared_cores"):
-        data_parallel(cnn_costs, cluster, [16, 16], shared_cores=0)
-
-
-def test_ranks_sharing_cores_compute_slower_unless_one_pauses(cnn_costs) -> None:  # type: ignore[no-untyped-def]
-    from hetcoll.model.predict import compute_seconds
-
-    cluster = _cluster([(1e11, 2e10)] * 3, bw=1e30, lat=0.0)
-    c = compute_seconds(cnn_costs, cluster.devices[0], 16)
-    kw = {"overlap": False, "broadcast_buffers": False}
-    alone = data_parallel(cnn_costs, cluster, [16] * 3, **kw)
-    shared = data_parallel(cnn_costs, cluster, [16] * 3, shared_cores=2, **kw)
-    # Three ranks computing on two cores: each at 2/3 speed; the update too.
-    update = terms.optimizer_update_seconds(cnn_costs.param_bytes, 2e10)
-    assert shared.step_s - alone.step_s == pytest.approx(0.5 * (c + update), rel=1e-6)
-    assert shared.breakdown["core sharing"] == pytest.approx(0.5 * c, rel=1e-6)
-    # Enough cores: nothing shared.
-    roomy = data_parallel(cnn_costs, cluster, [16] * 3, shared_cores=3, **kw)
-    assert roomy.step_s == pytest.approx(alone.step_s)
-    # A pausing rank leaves its core to the others, so they beat three-way sharing.
-    paused = data_parallel(
-        cnn_costs, cluster, [16] * 3, shared_cores=2, emulated_speeds=[1.0, 1.0, 0.5], **kw
-    )
-    # By hand: the three forwards share the cores (1.5 F); ranks 0 and 1 then run their
-    # backwards on a core each while rank 2 pauses (c + update) and runs its backward alone.
-    from hetcoll.model.predict import _device_arrays, _layer_times
-
-    fwd = float(
-        _layer_times(cnn_costs, _device_arrays(cluster.devices[:1]), np.array([16])).forward_s.sum()
-    )
-    pause = c + update
-    by_hand = 1.5 * fwd + pause + (c - fwd) + paused.detail["allreduce_s"] + 1.5 * update
-    assert paused.step_s == pytest.approx(by_hand, rel=1e-6)
-    assert paused.step_s < shared.step_s + pause
-
-
 def test_convolutions_compute_channels_padded_to_the_block() -> None:
     from hetcoll.model.predict import _device_arrays, _layer_times
 
@@ -566,60 +510,40 @@ def test_filter_parallel_splits_the_channelwise_layers_between_a_pair() -> None:
     seq = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 64))
     costs = layer_costs(seq, (64,))
 
-    def layers_s(p: int, **kw: object) -> float:
+    def layers_s(p: int) -> float:
         nodes = [Node(f"n{i}", Device(f"d{i}", 1e9, 1e30, 1e12), 1) for i in range(p)]
-        pred = filter_parallel(costs, Cluster(nodes, Link("free", 0.0, 1e30)), 16, [1.0] * p, **kw)
+        pred = filter_parallel(costs, Cluster(nodes, Link("free", 0.0, 1e30)), 16, [1.0] * p)
         assert sum(pred.breakdown.values()) == pytest.approx(pred.step_s)
         return pred.step_s - pred.breakdown["optimizer"]
 
     assert layers_s(2) == pytest.approx(0.5 * layers_s(1), rel=1e-9)
-    # Emulated speed 1/2 on both ranks doubles the split layers only: the BatchNorm and ReLU
-    # between them are replicated work in the emulation.
-    split_only = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
-    costs = layer_costs(split_only, (64,))
-    assert layers_s(2, emulated_speeds=[0.5, 0.5]) == pytest.approx(2 * layers_s(2), rel=1e-9)
-    with pytest.raises(ValueError, match="emulated_speeds"):
-        layers_s(2, emulated_speeds=[1.0, 0.0])
-    # Four ranks in lock step on two shared cores compute at half speed.
-    assert layers_s(4, shared_cores=2) == pytest.approx(2 * layers_s(4), rel=1e-9)
-    assert layers_s(2, shared_cores=2) == pytest.approx(layers_s(2), rel=1e-9)
-    with pytest.raises(ValueError, match="shared_cores"):
-        layers_s(2, shared_cores=0)
-    # Three ranks on two cores: 1.5x under processor sharing; 2x when every stretch is shorter
-    # than the scheduler's time slice (one rank waits for the other two). 48 filters: 16 each.
-    costs = layer_costs(nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 64)), (64,))
-    assert layers_s(3, shared_cores=2) == pytest.approx(1.5 * layers_s(3), rel=1e-9)
-    assert layers_s(3, shared_cores=2, time_slice_s=10.0) == pytest.approx(
-        2 * layers_s(3), rel=1e-9
+
+
+def test_a_schedule_times_the_step_the_predictor_gives(cnn_costs) -> None:  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    from hetcoll.model.predict import data_parallel_schedule, filter_parallel_schedule
+
+    cluster = _cluster([(1e11, 2e10), (5e10, 1e10)])
+    kw = {"overlap": False, "broadcast_buffers": False}
+    sched = data_parallel_schedule(cnn_costs, cluster, [24, 16], **kw)  # type: ignore[arg-type]
+    assert sched.prediction() == data_parallel(cnn_costs, cluster, [24, 16], **kw)  # type: ignore[arg-type]
+    # A device whose backward starts 1 s late: the allreduces wait for it, then the update.
+    late = replace(sched, backward_start_s=sched.backward_start_s + np.array([0.0, 1.0]))
+    assert late.prediction().step_s == pytest.approx(
+        float(late.backward_start_s[1] + sched.layers.backward_s[:, 1].sum())
+        + sum(c for _, c in sched.buckets)
+        + float(sched.update_s.max()),
+        rel=1e-9,
     )
-    with pytest.raises(ValueError, match="time_slice_s"):
-        layers_s(3, shared_cores=2, time_slice_s=-1.0)
-    # Waking the ranks that reached a collective first: once per collective, only when shared.
-    nodes = [Node(f"n{i}", Device(f"d{i}", 1e9, 1e30, 1e12), 1) for i in range(3)]
-    cluster = Cluster(nodes, Link("free", 0.0, 1e30))
-
-    def step(**kw: object) -> float:
-        return filter_parallel(costs, cluster, 16, [1.0] * 3, shared_cores=2, **kw).step_s  # type: ignore[arg-type]
-
-    collectives = filter_parallel(costs, cluster, 16, [1.0] * 3).detail["collectives"]
-    assert collectives >= 1
-    assert step(shared_wake_s=1e-3) - step() == pytest.approx(1e-3 * collectives)
-    unshared = filter_parallel(costs, cluster, 16, [1.0] * 3, shared_wake_s=1e-3).step_s
-    assert unshared == pytest.approx(filter_parallel(costs, cluster, 16, [1.0] * 3).step_s)
-    with pytest.raises(ValueError, match="shared_wake_s"):
-        step(shared_wake_s=-1.0)
-
-
-def test_filter_parallel_lock_step_waits_for_the_slowest_stretch(cnn_costs) -> None:  # type: ignore[no-untyped-def]
-    # Even filters on ranks of speed 1 and 1/2: every stretch between collectives waits for
-    # the slow rank, so the step is that of two slow ranks; filters split in proportion are
-    # faster.
-    cluster = _cluster([(1e11, 2e10)] * 2, bw=1e12, lat=0.0)
-    even = filter_parallel(cnn_costs, cluster, 32, [1.0, 1.0], emulated_speeds=[1.0, 0.5])
-    both = filter_parallel(cnn_costs, cluster, 32, [1.0, 1.0], emulated_speeds=[0.5, 0.5])
-    prop = filter_parallel(cnn_costs, cluster, 32, [1.0, 0.5], emulated_speeds=[1.0, 0.5])
-    assert even.step_s == pytest.approx(both.step_s, rel=1e-9)
-    assert prop.step_s < even.step_s
+    fsched = filter_parallel_schedule(cnn_costs, cluster, 32, [1.0, 0.5])
+    assert fsched.prediction() == filter_parallel(cnn_costs, cluster, 32, [1.0, 0.5])
+    assert fsched.order()[0] == (0, True) and fsched.order()[-1] == (0, False)
+    # Twice as slow everywhere: twice the compute, the same communication.
+    twice = replace(fsched, layers=fsched.layers.scaled(2.0), update_s=2 * fsched.update_s)
+    base, slow = fsched.prediction(), twice.prediction()
+    comm = base.breakdown["communication"]
+    assert slow.step_s - comm == pytest.approx(2 * (base.step_s - comm), rel=1e-9)
 
 
 def test_pipeline_chain_partition_is_exact_against_brute_force() -> None:

@@ -10,8 +10,9 @@ only its share of the filters of DemoNet's four layers (paired conv1 -> conv2 an
 two allreduces of partial sums forward, one of fc1's input gradient backward, no gathers). Both
 runs compute the same model up to float32 rounding; only the time differs. Speeds are
 *emulated*: each split layer sleeps ``(1/speed - 1)`` times its measured local compute, forward
-and backward (:func:`hetcoll.torch.set_emulated_speed`); the replicated parts (activations,
-pooling, loss, optimizer) run at full speed on every rank.
+and backward (:func:`hetcoll.lab.emulate.slow_down_filter_parallel`, module hooks put on from
+outside); the replicated parts (activations, pooling, loss, optimizer) run at full speed on
+every rank.
 """
 
 from __future__ import annotations
@@ -34,11 +35,8 @@ from hetcoll.lab.demo_ranks import (
     progress_bar,
     rank_rows,
 )
-from hetcoll.torch.filters import (
-    FilterParallelLayer,
-    filter_parallel,
-    set_emulated_speed,
-)
+from hetcoll.lab.emulate import slow_down_filter_parallel
+from hetcoll.torch.filters import FilterParallelLayer, filter_parallel
 
 
 def _train(engine: Engine, group: Any, cfg: DemoConfig, name: str, speeds: list[float]):
@@ -46,7 +44,7 @@ def _train(engine: Engine, group: Any, cfg: DemoConfig, name: str, speeds: list[
     xtr, ytr, xte, yte = load_digits(cfg.seed)
     torch.manual_seed(cfg.seed)
     model = filter_parallel(DemoNet(), speeds, group)
-    set_emulated_speed(model, cfg.speeds[rank])
+    slow_down_filter_parallel(model, cfg.speeds[rank])
     split = [m for m in model.modules() if isinstance(m, FilterParallelLayer)]
     result = RunResult(name, list(split[0].shares))
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)

@@ -12,19 +12,20 @@ Two strategies are validated:
   really ran.
 
 Heterogeneity is *emulated*. Data parallel: a rank of speed factor f sleeps (1/f - 1) x its own
-measured compute time between its forward and backward (:func:`emulate_speed`), and the model
-adds the same pause (``emulated_speeds``). Filter parallel runs
-in lock step layer by layer, so one pause per step would not act like a slower device: each
-split layer sleeps (1/f - 1) x its own local compute, forward and backward
-(:func:`hetcoll.torch.set_emulated_speed`), and the model slows exactly those layers
-(``emulated_speeds``); the replicated layers run at full speed in both.
+measured compute time between its forward and backward (:func:`emulate_speed`). Filter parallel
+runs in lock step layer by layer, so one pause per step would not act like a slower device:
+each split layer sleeps (1/f - 1) x its own local compute, forward and backward
+(:func:`hetcoll.lab.emulate.slow_down_filter_parallel`); the replicated layers run at full
+speed. The predictions are the library's with the same pauses put in
+(:mod:`hetcoll.lab.predict_emulated`).
 
 The device and link figures come either from a calibration file or, by default, from the
 same microbenchmarks run inside the ranks before every step (medians, all ranks at once or
 ``cores`` at a time; the link fitted once to allreduce times by the ring model) - on a shared
 machine that is the only way to predict under the load the steps see. Ranks beyond the number
-of cores share them in the model (``shared_cores``), with the time slice and wake-up cost
-fitted to lock-step stretches the ranks run first (:func:`_core_sharing_of`). Both strategies
+of cores share them in the model (:class:`~hetcoll.lab.predict_emulated.SharedCores`), with the
+time slice and wake-up cost fitted to lock-step stretches the ranks run first
+(:func:`_core_sharing_of`). Both strategies
 share that machinery (:func:`_timed_steps`, :func:`_link_of`, :func:`_median_prediction`).
 DDP's overlap of allreduce and backward is modelled only while the ranks leave cores free
 (gloo's copies and reductions need the cores the compute uses).
@@ -43,9 +44,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from hetcoll.lab import predict_emulated
+from hetcoll.lab.predict_emulated import SharedCores
 from hetcoll.model.costs import ModelCosts, layer_costs
 from hetcoll.model.hardware import Cluster, Device, Link, Node
-from hetcoll.model.predict import data_parallel, filter_parallel
+from hetcoll.model.predict import Prediction, filter_modes
 
 _T = TypeVar("_T")
 
@@ -246,12 +249,9 @@ def _filter_rank(
     import torch
     import torch.nn.functional as F
 
+    from hetcoll.lab.emulate import slow_down_filter_parallel
     from hetcoll.model import networks
-    from hetcoll.torch.filters import (
-        FilterParallelLayer,
-        filter_parallel,
-        set_emulated_speed,
-    )
+    from hetcoll.torch.filters import FilterParallelLayer, filter_parallel
 
     measured = {
         **_link_here(rank, world, calibrate_here, hetcoll_allreduce=True),
@@ -261,7 +261,7 @@ def _filter_rank(
     model = filter_parallel(
         networks.build(model_name, input_shape), parts, None, avoid_gathers=avoid_gathers
     )
-    set_emulated_speed(model, speeds[rank])
+    slow_down_filter_parallel(model, speeds[rank])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     # Every rank trains on the same whole batch.
     torch.manual_seed(1)
@@ -343,11 +343,48 @@ class ValidationResult:
 
 
 def validation_cluster(devices: Sequence[Device], link: Link) -> Cluster:
-    """The model's view of the local ranks: rank r runs on ``devices[r]`` as measured. (The
-    emulated speeds go to the predictions' ``emulated_speeds=``, which know a pause from
-    slower compute.)"""
+    """The model's view of the local ranks: rank r runs on ``devices[r]`` as measured, at full
+    speed. (The emulated speeds go to :mod:`hetcoll.lab.predict_emulated`, which knows a
+    pause from slower compute.)"""
     nodes = [Node(f"rank{r}", replace(d, name=f"rank{r}"), 1) for r, d in enumerate(devices)]
     return Cluster(nodes, link if len(devices) > 1 else None, "<validation>")
+
+
+def predicted_step(
+    costs: ModelCosts,
+    config: Configuration,
+    devices: Sequence[Device],
+    link: Link,
+    host: SharedCores | None = None,
+    *,
+    overlap: bool = True,
+    modes: dict[str, str] | None = None,
+) -> Prediction:
+    """The model's step for ``config`` on ranks measured as ``devices`` joined by ``link``
+    (:func:`validation_cluster`), the emulated speeds and the ``host``'s shared cores put in by
+    :mod:`hetcoll.lab.predict_emulated`: what the validation compares with the measured step.
+    ``overlap`` (data parallel): DDP's allreduce overlapping the backward; ``modes`` (filter
+    parallel): the split layers' modes, as the ranks ran them (default: the pairing rule's).
+
+    >>> predicted_step(costs, ("cnn", [43, 21], [1.0, 0.5]), devices, link).step_s  # doctest: +SKIP
+    """
+    cluster = validation_cluster(devices, link)
+    if isinstance(config, FilterConfiguration):
+        if modes is None:
+            modes = filter_modes(costs, avoid_gathers=config.avoid_gathers)
+        return predict_emulated.filter_parallel(
+            costs,
+            cluster,
+            config.batch,
+            list(config.parts),
+            list(config.speeds),
+            host=host,
+            modes=modes,
+        )
+    _, shares, speeds = config
+    return predict_emulated.data_parallel(
+        costs, cluster, shares, list(speeds), host=host, overlap=overlap
+    )
 
 
 def default_configurations(model: str = "cnn") -> list[Configuration]:
@@ -396,17 +433,22 @@ def _link_of(runs: Sequence[dict[str, Any]], p: int, link: Link | None) -> Link:
     return Link("gloo-allreduce", alpha, bw)
 
 
-def _core_sharing_of(runs: Sequence[dict[str, Any]], cores: int) -> tuple[float, float]:
-    """The scheduler's time slice and the wake-up cost per collective, fitted to the ranks'
-    lock-step stretches (medians over the ranks); (0, 0) (no sharing to model) when the ranks
-    fit in the cores."""
-    if "lockstep_s" not in runs[0]:
-        return 0.0, 0.0
+def _core_sharing_of(runs: Sequence[dict[str, Any]], cores: int) -> SharedCores | None:
+    """The host as the model shares its cores: the scheduler's time slice and the wake-up cost
+    per collective fitted to the ranks' lock-step stretches (medians over the ranks); None (no
+    sharing to model) when the ranks fit in the cores."""
+    if "lockstep_s" not in runs[0] or len(runs) <= cores:
+        return None
     from hetcoll.lab.calibrate import TIME_SLICE_WORKS_S, fit_time_slice, fit_wake_seconds
 
     stretches = [statistics.median(s) for s in zip(*(r["lockstep_s"] for r in runs))]
     q = fit_time_slice(len(runs), cores, TIME_SLICE_WORKS_S, stretches)
-    return q, fit_wake_seconds(len(runs), cores, TIME_SLICE_WORKS_S, stretches, q)
+    wake = fit_wake_seconds(len(runs), cores, TIME_SLICE_WORKS_S, stretches, q)
+    return SharedCores(cores, q, wake)
+
+
+def _sharing_detail(host: SharedCores | None) -> dict[str, float]:
+    return {} if host is None else {"time_slice_s": host.time_slice_s, "wake_s": host.wake_s}
 
 
 def _median_prediction(
@@ -435,10 +477,6 @@ class _Setup:
     warmup: int
     cores: int
 
-    def shared_cores(self, ranks: int) -> int | None:
-        """The cores the model shares among ``ranks`` ranks, if they outnumber them."""
-        return self.cores if ranks > self.cores else None
-
 
 def _validate_data(
     config: DataConfiguration,
@@ -457,7 +495,7 @@ def _validate_data(
     args = (model, input_shape, list(shares), list(speeds), steps, warmup, here)
     runs = spawn(_data_rank, p, *args, timeout=300.0)
     lk = _link_of(runs, p, link)
-    time_slice, wake = _core_sharing_of(runs, cores)
+    host = _core_sharing_of(runs, cores)
     # DDP overlaps the allreduce with the backward pass, but on a CPU host gloo's copies and
     # reductions run on the same cores as the compute: once the ranks fill the cores there
     # is nothing to overlap with, so the model runs them one after the other.
@@ -465,17 +503,7 @@ def _validate_data(
 
     def predictor(ov: bool) -> Callable[[Sequence[Device]], float]:
         def predict(devs: Sequence[Device]) -> float:
-            cluster = validation_cluster(devs, lk)
-            return data_parallel(
-                costs,
-                cluster,
-                shares,
-                overlap=ov,
-                emulated_speeds=list(speeds),
-                shared_cores=setup.shared_cores(p),
-                time_slice_s=time_slice,
-                shared_wake_s=wake,
-            ).step_s
+            return predicted_step(costs, config, devs, lk, host, overlap=ov).step_s
 
         return predict
 
@@ -493,7 +521,7 @@ def _validate_data(
         other,
         "data",
         sum(shares),
-        {"time_slice_s": time_slice, "wake_s": wake} if setup.shared_cores(p) else {},
+        _sharing_detail(host),
     )
 
 
@@ -516,23 +544,12 @@ def _validate_filter(
     args = (config.model, input_shape, config.batch, list(config.parts), list(config.speeds))
     runs = spawn(_filter_rank, p, *args, config.avoid_gathers, steps, warmup, here, timeout=300.0)
     lk = _link_of(runs, p, link)
-    time_slice, wake = _core_sharing_of(runs, setup.cores)
+    host = _core_sharing_of(runs, setup.cores)
     modes: dict[str, str] = runs[0]["modes"]
 
     def predict(devs: Sequence[Device]) -> float:
         # Full-speed devices: the emulation slows only the split layers, and so does the model.
-        cluster = validation_cluster(devs, lk)
-        pred = filter_parallel(
-            costs,
-            cluster,
-            config.batch,
-            list(config.parts),
-            modes=modes,
-            emulated_speeds=list(config.speeds),
-            shared_cores=setup.shared_cores(p),
-            time_slice_s=time_slice,
-            shared_wake_s=wake,
-        )
+        pred = predicted_step(costs, config, devs, lk, host, modes=modes)
         if pred.detail["shares_per_layer"] != runs[0]["shares"]:
             raise RuntimeError(
                 f"filter_parallel: the model's shares {pred.detail['shares_per_layer']} differ "
@@ -558,7 +575,7 @@ def _validate_filter(
             "shares": runs[0]["shares"],
             "params_per_rank": [r["params"] for r in runs],
             "avoid_gathers": config.avoid_gathers,
-            **({"time_slice_s": time_slice, "wake_s": wake} if setup.shared_cores(p) else {}),
+            **_sharing_detail(host),
         },
     )
 

@@ -190,14 +190,33 @@ def _channel_padding(
 
 
 @dataclass(frozen=True)
-class _LayerTimes:
-    """Seconds per layer (rows) and device (columns), split by cause."""
+class LayerSeconds:
+    """Seconds per layer (rows) and device (columns) of one step, split by cause:
+    ``forward_s`` and ``backward_s`` are the layers' times; ``compute_s`` (FLOPs at the
+    device's rate, forward + backward), ``memory_s`` (the roofline's excess of memory-bound
+    kernels) and ``overhead_s`` (kernel launches) add up to their sum."""
 
     forward_s: np.ndarray
     backward_s: np.ndarray
-    compute_s: np.ndarray  # flops / flops_per_s, forward + backward
-    memory_s: np.ndarray  # roofline excess of memory-bound kernels
-    overhead_s: np.ndarray  # kernel launch overheads
+    compute_s: np.ndarray
+    memory_s: np.ndarray
+    overhead_s: np.ndarray
+
+    def scaled(self, factor: np.ndarray | float) -> LayerSeconds:
+        """Every time multiplied by ``factor`` (a number, or an array that broadcasts against
+        (layers, devices)): the layers as they run on slower or faster devices.
+
+        >>> LayerSeconds(*[np.ones((2, 1))] * 5).scaled(np.array([[2.0], [1.0]])).forward_s
+        array([[2.],
+               [1.]])
+        """
+        return LayerSeconds(
+            self.forward_s * factor,
+            self.backward_s * factor,
+            self.compute_s * factor,
+            self.memory_s * factor,
+            self.overhead_s * factor,
+        )
 
 
 def _layer_times(
@@ -207,7 +226,7 @@ def _layer_times(
     filter_fraction: np.ndarray | None = None,
     channel_fraction: np.ndarray | None = None,
     split_input: np.ndarray | None = None,
-) -> _LayerTimes:
+) -> LayerSeconds:
     """Roofline time of every layer on every device for per-device batches ``batch`` (and, for
     filter parallelism, per-layer-and-device filter fractions ``filter_fraction``, fractions
     ``channel_fraction`` of the channels a layer's per-sample work covers, and the layers
@@ -241,7 +260,7 @@ def _layer_times(
         rows = x if mask is None else x * mask[:, None]
         return t.onehot @ rows  # type: ignore[no-any-return]
 
-    return _LayerTimes(
+    return LayerSeconds(
         per_layer(total, t.forward),
         per_layer(total, ~t.forward),
         per_layer(comp),
@@ -259,26 +278,6 @@ def _check_shares(shares: Sequence[int], num_devices: int, argument: str = "shar
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0:
             raise ValueError(f"{argument}: expected integers >= 0, got {s!r}")
     return np.asarray(shares, dtype=np.int64)
-
-
-def _slowdowns(emulated_speeds: Sequence[float] | None, num_devices: int) -> np.ndarray:
-    """1/f per device for ``emulated_speeds`` (ones without it)."""
-    if emulated_speeds is None:
-        return np.ones(num_devices)
-    if len(emulated_speeds) != num_devices or any(not 0 < float(f) <= 1 for f in emulated_speeds):
-        raise ValueError(f"emulated_speeds: expected {num_devices} factors in (0, 1]")
-    return 1.0 / np.asarray(emulated_speeds, dtype=np.float64)
-
-
-def _check_cores(shared_cores: int | None, time_slice_s: float, wake_s: float) -> None:
-    if shared_cores is not None and (
-        isinstance(shared_cores, bool) or not isinstance(shared_cores, int) or shared_cores < 1
-    ):
-        raise ValueError(f"shared_cores: must be an integer >= 1 or None, got {shared_cores!r}")
-    if not (isinstance(time_slice_s, (int, float)) and 0.0 <= time_slice_s < float("inf")):
-        raise ValueError(f"time_slice_s: must be a finite number >= 0, got {time_slice_s!r}")
-    if not (isinstance(wake_s, (int, float)) and 0.0 <= wake_s < float("inf")):
-        raise ValueError(f"shared_wake_s: must be a finite number >= 0, got {wake_s!r}")
 
 
 def ddp_buckets(
@@ -323,6 +322,144 @@ def _memory_shortfall(mem: np.ndarray, devices: Sequence[Any]) -> str:
     return ""
 
 
+@dataclass(frozen=True)
+class DataParallelSchedule:
+    """One data-parallel step laid out, before its devices are timed against each other:
+    what :func:`data_parallel` predicts from (:func:`data_parallel_schedule` builds it,
+    :meth:`prediction` times it). Public so that a step can be changed and timed again: a
+    device whose backward starts later (``backward_start_s``), slower layers
+    (``layers.scaled``); the lab predicts its emulated runs this way
+    (:mod:`hetcoll.lab.predict_emulated`).
+
+    ``shares``: samples per device; ``layers``: per layer and device; ``backward_start_s``: when
+    each device's backward starts (the end of its forward); ``update_s``: each device's
+    optimizer step (0 without samples); ``buckets``: DDP's gradient buckets in the order the
+    backward fills them, as (earliest layer, allreduce seconds), each ready once its earliest
+    layer's backward is done on every device; ``broadcast_s``: DDP's buffer broadcast opening
+    the step; ``overlap``: whether the allreduces overlap the backward; ``memory_bytes`` and
+    ``reason`` as in :class:`Prediction`.
+    """
+
+    strategy: str
+    shares: np.ndarray
+    layers: LayerSeconds
+    backward_start_s: np.ndarray
+    update_s: np.ndarray
+    buckets: list[tuple[int, float]]
+    broadcast_s: float
+    overlap: bool
+    memory_bytes: np.ndarray
+    reason: str
+
+    def prediction(self) -> Prediction:
+        """The step: every device's forward and backward, the bucket allreduces (each starting
+        once every device has produced its bucket and the previous one is done, or all after
+        the backward without ``overlap``), then the optimizer."""
+        lt, start, opt = self.layers, self.backward_start_s, self.update_s
+        compute = start + lt.backward_s.sum(axis=0)
+        busy = float(compute.max())
+        # Backward runs layers last to first: cumulative backward time after layer i's backward.
+        bwd_rev_cum = np.cumsum(lt.backward_s[::-1, :], axis=0)[::-1, :]
+        end = 0.0
+        for first_layer, c in self.buckets:
+            ready = float((start + bwd_rev_cum[first_layer, :]).max()) if self.overlap else busy
+            end = max(end, ready) + c
+        slowest = int(np.argmax(compute + opt))
+        step = self.broadcast_s + max(busy, end) + float(opt.max())
+        breakdown = {
+            "compute": float(lt.compute_s[:, slowest].sum()),
+            "memory": float(lt.memory_s[:, slowest].sum()),
+            "overhead": float(lt.overhead_s[:, slowest].sum()),
+            "communication": 0.0,
+            "optimizer": float(opt[slowest]),
+        }
+        breakdown["communication"] = max(0.0, step - sum(breakdown.values()))
+        b = self.shares
+        return Prediction(
+            self.strategy,
+            [int(x) for x in b],
+            "samples",
+            step,
+            breakdown,
+            [float(x) for x in self.memory_bytes],
+            not self.reason,
+            self.reason,
+            int(b.sum()),
+            {
+                "allreduce_s": float(sum(c for _, c in self.buckets)),
+                "broadcast_s": self.broadcast_s,
+                "buckets": len(self.buckets),
+                "compute_s_per_device": (
+                    [float(x) for x in compute] if int((b > 0).sum()) <= 64 else None
+                ),
+            },
+        )
+
+
+def data_parallel_schedule(
+    costs: ModelCosts,
+    cluster: Cluster,
+    shares: Sequence[int],
+    *,
+    overlap: bool = True,
+    optimizer_state_copies: int = 1,
+    first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
+    bucket_bytes: float = DDP_BUCKET_BYTES,
+    strategy: str = "data parallel",
+    broadcast_buffers: bool = True,
+) -> DataParallelSchedule:
+    """The step :func:`data_parallel` predicts, laid out (arguments as there).
+
+    >>> data_parallel_schedule(costs, cluster, [48, 16]).prediction().step_s  # doctest: +SKIP
+    """
+    devices = cluster.devices
+    b = _check_shares(shares, len(devices))
+    dev = _device_arrays(devices)
+    lt = _layer_times(costs, dev, b)
+    opt = np.where(
+        b > 0,
+        terms.optimizer_update_seconds(
+            costs.param_bytes, dev.mem_bytes_per_s, optimizer_state_copies
+        ),
+        0.0,
+    )
+    link = cluster.ring_link()
+    # Devices given no samples sit the step out (a plan would not start them), so the ring
+    # runs over the others only.
+    p = max(1, int((b > 0).sum()))
+    reduce_bw = float(dev.mem_bytes_per_s.min())
+    buckets = [
+        (
+            first_layer,
+            float(
+                terms.ring_allreduce_seconds(
+                    nbytes, p, link.latency_s, link.bytes_per_s, reduce_bw, costs.itemsize
+                )
+            ),
+        )
+        for first_layer, nbytes in ddp_buckets(costs, first_bucket_bytes, bucket_bytes)
+    ]
+    bcast = (
+        float(terms.broadcast_seconds(costs.buffer_bytes, p, link.latency_s, link.bytes_per_s))
+        if broadcast_buffers and costs.buffer_bytes > 0
+        else 0.0
+    )
+    memory = _memory_common(costs, optimizer_state_copies) + costs.param_bytes  # + DDP bucket copy
+    mem = np.where(b > 0, memory + b * costs.saved_bytes_per_sample(), 0.0)
+    return DataParallelSchedule(
+        strategy,
+        b,
+        lt,
+        lt.forward_s.sum(axis=0),
+        opt,
+        buckets,
+        bcast,
+        overlap,
+        mem,
+        _memory_shortfall(mem, devices),
+    )
+
+
 def data_parallel(
     costs: ModelCosts,
     cluster: Cluster,
@@ -334,127 +471,28 @@ def data_parallel(
     bucket_bytes: float = DDP_BUCKET_BYTES,
     strategy: str = "data parallel",
     broadcast_buffers: bool = True,
-    emulated_speeds: Sequence[float] | None = None,
-    shared_cores: int | None = None,
-    time_slice_s: float = 0.0,
-    shared_wake_s: float = 0.0,
 ) -> Prediction:
     """One data-parallel step: device d runs forward + backward on ``shares[d]`` samples; the
     gradients are allreduced by a ring in DDP buckets, each starting once every device has
     produced it (``overlap=True``, as DDP does) or all after the backward (``overlap=False``);
     then the optimizer updates every replica. Devices with no samples sit the step out. With
     ``broadcast_buffers`` (DDP's default) the step starts with a broadcast of the module's
-    buffers from rank 0.
-
-    Validation on emulated heterogeneity: ``emulated_speeds`` (one factor f in (0, 1] per
-    device) adds the pause a rank of speed f takes between its forward and its backward,
-    ``(1/f - 1)`` x its step's compute (forward, backward and update), as
-    :func:`hetcoll.lab.validate.emulate_speed` does. ``shared_cores``: the devices are ranks
-    sharing this many CPU cores; while more ranks compute than there are cores they share them
-    (:func:`terms.shared_cores_finish_seconds`; ``time_slice_s``: the scheduler's, 0 for
-    processor sharing), and a pausing rank leaves its core to the others. The gradient
-    allreduce then starts after every backward, ``shared_wake_s`` late (the ranks that finished
-    first slept and must be woken; :func:`hetcoll.lab.calibrate.fit_wake_seconds`).
+    buffers from rank 0. (:func:`data_parallel_schedule` gives the step before it is timed.)
 
     >>> from hetcoll.model import layer_costs, networks, hardware  # doctest: +SKIP
     >>> data_parallel(costs, cluster, [48, 16]).step_s  # doctest: +SKIP
     """
-    devices = cluster.devices
-    b = _check_shares(shares, len(devices))
-    slow = _slowdowns(emulated_speeds, len(devices))
-    _check_cores(shared_cores, time_slice_s, shared_wake_s)
-    dev = _device_arrays(devices)
-    lt = _layer_times(costs, dev, b)
-    fwd_total = lt.forward_s.sum(axis=0)
-    bwd_total = lt.backward_s.sum(axis=0)
-    opt = np.where(
-        b > 0,
-        terms.optimizer_update_seconds(
-            costs.param_bytes, dev.mem_bytes_per_s, optimizer_state_copies
-        ),
-        0.0,
-    )
-    pause = np.where(b > 0, (slow - 1.0) * (fwd_total + bwd_total + opt), 0.0)
-    active = np.flatnonzero(b > 0)
-    sharing = shared_cores is not None and len(active) > shared_cores
-    if sharing:
-        assert shared_cores is not None
-        phases = [
-            [("cpu", fwd_total[r]), ("sleep", pause[r]), ("cpu", bwd_total[r])] for r in active
-        ]
-        compute = np.zeros(len(devices))
-        compute[active] = terms.shared_cores_finish_seconds(phases, shared_cores, time_slice_s)
-        busy = terms.shared_cores_makespan_seconds(phases, shared_cores, time_slice_s)
-        # Every rank updates at once after the allreduce.
-        opt_all = terms.shared_cores_makespan_seconds(
-            [[("cpu", opt[r])] for r in active], shared_cores, time_slice_s
-        )
-        opt = np.where(b > 0, opt_all, 0.0)
-        overlap = False
-        busy += shared_wake_s
-    else:
-        compute = fwd_total + pause + bwd_total
-        busy = float(compute.max())
-    link = cluster.ring_link()
-    # Devices given no samples sit the step out (a plan would not start them), so the ring
-    # runs over the others only.
-    p = max(1, int((b > 0).sum()))
-    buckets = ddp_buckets(costs, first_bucket_bytes, bucket_bytes)
-    reduce_bw = float(dev.mem_bytes_per_s.min())
-    comm_each = [
-        float(
-            terms.ring_allreduce_seconds(
-                nbytes, p, link.latency_s, link.bytes_per_s, reduce_bw, costs.itemsize
-            )
-        )
-        for _, nbytes in buckets
-    ]
-    # Backward runs layers last to first: cumulative backward time after layer i's backward.
-    bwd_rev_cum = np.cumsum(lt.backward_s[::-1, :], axis=0)[::-1, :]
-    end = 0.0
-    for (first_layer, _), c in zip(buckets, comm_each):
-        ready = float((fwd_total + pause + bwd_rev_cum[first_layer, :]).max()) if overlap else busy
-        end = max(end, ready) + c
-    slowest = int(np.argmax(compute + opt))
-    bcast = (
-        float(terms.broadcast_seconds(costs.buffer_bytes, p, link.latency_s, link.bytes_per_s))
-        if broadcast_buffers and costs.buffer_bytes > 0
-        else 0.0
-    )
-    step = bcast + max(busy, end) + float(opt.max())
-    breakdown = {
-        "compute": float(lt.compute_s[:, slowest].sum()),
-        "memory": float(lt.memory_s[:, slowest].sum()),
-        "overhead": float(lt.overhead_s[:, slowest].sum()),
-        "communication": 0.0,
-        "optimizer": float(opt[slowest]),
-    }
-    if emulated_speeds is not None:
-        breakdown["emulated pause"] = float(pause[slowest])
-    if sharing:
-        alone = fwd_total + pause + bwd_total
-        breakdown["core sharing"] = max(0.0, float(compute[slowest] - alone[slowest]))
-    breakdown["communication"] = max(0.0, step - sum(breakdown.values()))
-    memory = _memory_common(costs, optimizer_state_copies) + costs.param_bytes  # + DDP bucket copy
-    mem = np.where(b > 0, memory + b * costs.saved_bytes_per_sample(), 0.0)
-    reason = _memory_shortfall(mem, devices)
-    return Prediction(
-        strategy,
-        [int(x) for x in b],
-        "samples",
-        step,
-        breakdown,
-        [float(x) for x in mem],
-        not reason,
-        reason,
-        int(b.sum()),
-        {
-            "allreduce_s": float(sum(comm_each)),
-            "broadcast_s": bcast,
-            "buckets": len(buckets),
-            "compute_s_per_device": [float(x) for x in compute] if p <= 64 else None,
-        },
-    )
+    return data_parallel_schedule(
+        costs,
+        cluster,
+        shares,
+        overlap=overlap,
+        optimizer_state_copies=optimizer_state_copies,
+        first_bucket_bytes=first_bucket_bytes,
+        bucket_bytes=bucket_bytes,
+        strategy=strategy,
+        broadcast_buffers=broadcast_buffers,
+    ).prediction()
 
 
 def compute_seconds(costs: ModelCosts, device: Device, batch: int) -> float:
@@ -548,46 +586,101 @@ def _check_modes(costs: ModelCosts, modes: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-def filter_parallel(
+@dataclass(frozen=True)
+class FilterParallelSchedule:
+    """One filter-parallel step laid out, before its devices are timed against each other:
+    what :func:`filter_parallel` predicts from (:func:`filter_parallel_schedule` builds it,
+    :meth:`prediction` times it). Public so that a step can be changed and timed again (slower
+    layers on some devices: ``layers.scaled``); the lab predicts its emulated runs this way
+    (:mod:`hetcoll.lab.predict_emulated`).
+
+    ``layers``: per layer and device, each device on its share of the split layers;
+    ``split``: per layer, True where the layer's filters are split; ``forward_collective_s`` /
+    ``backward_collective_s``: per layer, the collective after its forward / backward (0:
+    none); ``update_s``: each device's optimizer step on the parameters it holds; the rest as
+    in :class:`Prediction` (``detail``: the modes, shares per layer and number of
+    collectives).
+    """
+
+    strategy: str
+    batch: int
+    layers: LayerSeconds
+    split: np.ndarray
+    forward_collective_s: np.ndarray
+    backward_collective_s: np.ndarray
+    update_s: np.ndarray
+    shares: list[int]
+    share_unit: str
+    memory_bytes: np.ndarray
+    reason: str
+    detail: dict[str, Any]
+
+    def order(self) -> list[tuple[int, bool]]:
+        """The step's pieces in the order they run: ``(layer, True)`` for every layer's
+        forward, first to last, then ``(layer, False)`` for the backwards, last to first."""
+        n = len(self.split)
+        return [(i, True) for i in range(n)] + [(i, False) for i in range(n)][::-1]
+
+    def prediction(self) -> Prediction:
+        """The step in lock step: each stretch between two collectives takes its slowest
+        device, then the collective; the last stretch ends with the optimizer."""
+        fwd, bwd = self.layers.forward_s, self.layers.backward_s
+        fwd_comm, bwd_comm, opt = (
+            self.forward_collective_s,
+            self.backward_collective_s,
+            self.update_s,
+        )
+        step, stretch = 0.0, np.zeros(len(opt))
+        for i, forward in self.order():
+            stretch = stretch + (fwd if forward else bwd)[i]
+            comm_s = (fwd_comm if forward else bwd_comm)[i]
+            if comm_s > 0:
+                step += float(stretch.max() + comm_s)
+                stretch = np.zeros(len(opt))
+        step = float(step + (stretch + opt).max())
+        comm = float(fwd_comm.sum() + bwd_comm.sum())
+        # Causes on the critical path: each layer's slowest device, scaled to the stretches' total.
+        lt = self.layers
+        crit = np.argmax(fwd + bwd, axis=1)
+        rows = np.arange(len(self.split))
+        parts_s = {
+            "compute": lt.compute_s[rows, crit],
+            "memory": lt.memory_s[rows, crit],
+            "overhead": lt.overhead_s[rows, crit],
+        }
+        busy = sum(float(v.sum()) for v in parts_s.values())
+        layers_s = step - comm - float(opt.max())
+        scale = layers_s / busy if busy > 0 else 0.0
+        breakdown = {k: float(v.sum()) * scale for k, v in parts_s.items()}
+        breakdown["communication"] = comm
+        breakdown["optimizer"] = float(opt.max())
+        return Prediction(
+            self.strategy,
+            self.shares,
+            self.share_unit,
+            step,
+            breakdown,
+            [float(x) for x in self.memory_bytes],
+            not self.reason,
+            self.reason,
+            self.batch,
+            self.detail,
+        )
+
+
+def filter_parallel_schedule(
     costs: ModelCosts,
     cluster: Cluster,
     batch: int,
     parts: Sequence[float],
     *,
     modes: Mapping[str, str] | None = None,
-    emulated_speeds: Sequence[float] | None = None,
-    shared_cores: int | None = None,
-    time_slice_s: float = 0.0,
-    shared_wake_s: float = 0.0,
     optimizer_state_copies: int = 1,
     strategy: str = "filter parallel",
-) -> Prediction:
-    """One filter-parallel step on the whole ``batch``, as :func:`hetcoll.torch.filter_parallel`
-    runs it. Each split layer (``modes``, default :func:`filter_modes`) divides its F filters
-    over the devices by :func:`hetcoll.split` in proportion to ``parts`` (speeds or weights, one
-    per device; at least one filter each); a split-input layer takes the shares of the
-    split-output layer before it, and the channel-wise layers between them run on those shares
-    too. Every other layer is replicated. Communication per layer and mode:
+) -> FilterParallelSchedule:
+    """The step :func:`filter_parallel` predicts, laid out (arguments as there).
 
-    - gather: the output pieces are gathered (allgatherv, forward);
-    - gather, split-output: the partial input gradients are summed (allreduce, backward) when
-      the layer has an input gradient;
-    - split-input: the partial outputs are summed (allreduce, forward).
-
-    Ranks run in lock step between collectives: each stretch between two collectives takes its
-    slowest device. No gradient allreduce: each device owns its filters, and replicated layers
-    see the same full data everywhere. ``emulated_speeds`` (one factor in (0, 1] per device)
-    slows only the split layers' local compute by 1/f, as
-    :func:`hetcoll.torch.set_emulated_speed` does (validation on emulated heterogeneity).
-    ``shared_cores``: the devices are ranks sharing this many CPU cores (more ranks than cores
-    on one host): in lock step every rank computes the same stretch at once, and each stretch
-    runs through :func:`terms.shared_cores_makespan_seconds` with the scheduler's
-    ``time_slice_s`` (0: processor sharing). Stretches shorter than a time slice do not share
-    fairly: of three ranks on two cores, one waits for the others to finish. An emulated
-    sleep is timed on the compute as it ran, waits included, and grows with them. Each
-    collective then costs ``shared_wake_s`` more (waking the ranks that reached it first).
-
-    >>> filter_parallel(costs, cluster, 64, [1.0, 0.5]).step_s  # doctest: +SKIP
+    >>> filter_parallel_schedule(costs, cluster, 64, [1.0, 0.5]).split  # doctest: +SKIP
     """
     devices = cluster.devices
     n_dev = len(devices)
@@ -595,11 +688,9 @@ def filter_parallel(
         raise ValueError(f"parts: expected {n_dev} positive numbers (one per device)")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch: must be an integer >= 1, got {batch!r}")
-    slow = _slowdowns(emulated_speeds, n_dev)
     layer_modes = filter_modes(costs) if modes is None else _check_modes(costs, modes)
     if n_dev == 1:
         layer_modes = {}
-    _check_cores(shared_cores, time_slice_s, shared_wake_s)
     dev = _device_arrays(devices)
     n_layers = len(costs.layers)
     phi = np.ones((n_layers, n_dev))  # each device's fraction of the layer's kernels' filters
@@ -628,10 +719,6 @@ def filter_parallel(
     lt = _layer_times(costs, dev, np.full(n_dev, batch), phi, chan, by_input)
     split_rows = np.zeros(n_layers, dtype=bool)
     split_rows[list(filters_of)] = True
-    sharing = shared_cores is not None and n_dev > shared_cores
-    contention = n_dev / shared_cores if sharing and shared_cores else 1.0
-    emul = np.where(split_rows[:, None], slow[None, :], 1.0) * contention
-    fwd, bwd = lt.forward_s * emul, lt.backward_s * emul
     link = cluster.ring_link()
     reduce_bw = float(dev.mem_bytes_per_s.min())
 
@@ -670,80 +757,74 @@ def filter_parallel(
             bwd_comm[i] = allreduce_s(grad) + copy_s(grad)
     # phi is 1 for replicated layers: each device owns its filters' weights and all the rest.
     owned = (np.array([x.param_bytes for x in costs.layers])[:, None] * phi).sum(axis=0)
-    opt_alone = np.asarray(
+    opt = np.asarray(
         terms.optimizer_update_seconds(owned, dev.mem_bytes_per_s, optimizer_state_copies)
     )
-    opt = contention * opt_alone
-    # Lock step: every collective waits for the slowest device of the stretch before it.
-    order = [(i, True) for i in range(n_layers)] + [(i, False) for i in range(n_layers)][::-1]
-    if sharing:
-        assert shared_cores is not None
-        step = 0.0
-        phases: list[list[tuple[str, float]]] = [[] for _ in range(n_dev)]
-        for i, forward in order:
-            seconds = (lt.forward_s if forward else lt.backward_s)[i]
-            for d in range(n_dev):
-                phases[d].append(("cpu", float(seconds[d])))
-                if split_rows[i] and slow[d] > 1.0:
-                    phases[d].append(("pause", float(slow[d] - 1.0)))
-            comm_s = (fwd_comm if forward else bwd_comm)[i]
-            if comm_s > 0:
-                step += terms.shared_cores_makespan_seconds(phases, shared_cores, time_slice_s)
-                step += float(comm_s) + shared_wake_s
-                phases = [[] for _ in range(n_dev)]
-        for d in range(n_dev):
-            phases[d].append(("cpu", float(opt_alone[d])))
-        step += terms.shared_cores_makespan_seconds(phases, shared_cores, time_slice_s)
-    else:
-        step, stretch = 0.0, np.zeros(n_dev)
-        for i, forward in order:
-            stretch = stretch + (fwd if forward else bwd)[i]
-            comm_s = (fwd_comm if forward else bwd_comm)[i]
-            if comm_s > 0:
-                step += float(stretch.max() + comm_s)
-                stretch = np.zeros(n_dev)
-        step = float(step + (stretch + opt).max())
-    collectives = int((fwd_comm > 0).sum() + (bwd_comm > 0).sum())
-    comm = float(fwd_comm.sum() + bwd_comm.sum()) + (
-        shared_wake_s * collectives if sharing else 0.0
-    )
-    # Causes on the critical path: each layer's slowest device, scaled to the stretches' total.
-    crit = np.argmax(fwd + bwd, axis=1)
-    rows = np.arange(n_layers)
-    parts_s = {
-        "compute": lt.compute_s[rows, crit] * emul[rows, crit],
-        "memory": lt.memory_s[rows, crit] * emul[rows, crit],
-        "overhead": lt.overhead_s[rows, crit] * emul[rows, crit],
-    }
-    busy = sum(float(v.sum()) for v in parts_s.values())
-    layers_s = step - comm - float(opt.max())
-    scale = layers_s / busy if busy > 0 else 0.0
-    breakdown = {k: float(v.sum()) * scale for k, v in parts_s.items()}
-    breakdown["communication"] = comm
-    breakdown["optimizer"] = float(opt.max())
     mem = owned * (2 + optimizer_state_copies) + batch * costs.saved_bytes_per_sample()
     if not filters_of and n_dev > 1:
         reason = "the model has no conv or linear layer to split"
     else:
         reason = _memory_shortfall(mem, devices)
     widest = max(filters_of, key=lambda i: costs.layers[i].filters) if filters_of else None
-    return Prediction(
+    return FilterParallelSchedule(
         strategy,
+        batch,
+        lt,
+        split_rows,
+        fwd_comm,
+        bwd_comm,
+        opt,
         filters_of[widest] if widest is not None else [0] * n_dev,
         f"filters of {costs.layers[widest].name}" if widest is not None else "filters",
-        step,
-        breakdown,
-        [float(x) for x in mem],
-        not reason,
+        mem,
         reason,
-        batch,
         {
             "split_layers": len(filters_of),
             "modes": {costs.layers[i].name: layer_modes[costs.layers[i].name] for i in filters_of},
-            "collectives": collectives,
+            "collectives": int((fwd_comm > 0).sum() + (bwd_comm > 0).sum()),
             "shares_per_layer": {costs.layers[i].name: filters_of[i] for i in filters_of},
         },
     )
+
+
+def filter_parallel(
+    costs: ModelCosts,
+    cluster: Cluster,
+    batch: int,
+    parts: Sequence[float],
+    *,
+    modes: Mapping[str, str] | None = None,
+    optimizer_state_copies: int = 1,
+    strategy: str = "filter parallel",
+) -> Prediction:
+    """One filter-parallel step on the whole ``batch``, as :func:`hetcoll.torch.filter_parallel`
+    runs it. Each split layer (``modes``, default :func:`filter_modes`) divides its F filters
+    over the devices by :func:`hetcoll.split` in proportion to ``parts`` (speeds or weights, one
+    per device; at least one filter each); a split-input layer takes the shares of the
+    split-output layer before it, and the channel-wise layers between them run on those shares
+    too. Every other layer is replicated. Communication per layer and mode:
+
+    - gather: the output pieces are gathered (allgatherv, forward);
+    - gather, split-output: the partial input gradients are summed (allreduce, backward) when
+      the layer has an input gradient;
+    - split-input: the partial outputs are summed (allreduce, forward).
+
+    Ranks run in lock step between collectives: each stretch between two collectives takes its
+    slowest device. No gradient allreduce: each device owns its filters, and replicated layers
+    see the same full data everywhere. (:func:`filter_parallel_schedule` gives the step before
+    it is timed.)
+
+    >>> filter_parallel(costs, cluster, 64, [1.0, 0.5]).step_s  # doctest: +SKIP
+    """
+    return filter_parallel_schedule(
+        costs,
+        cluster,
+        batch,
+        parts,
+        modes=modes,
+        optimizer_state_copies=optimizer_state_copies,
+        strategy=strategy,
+    ).prediction()
 
 
 def pipeline(

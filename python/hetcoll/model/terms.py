@@ -178,8 +178,8 @@ def shared_cores_finish_seconds(
     starting at 0. A phase is ``("cpu", s)`` (``s`` seconds of compute on a core of its own),
     ``("sleep", s)`` (``s`` seconds of wall time holding no core) or ``("pause", x)`` (a sleep of
     ``x`` times the wall time the rank's previous ``cpu`` phase took from its first moment on a
-    core: the emulated slowdown of :func:`hetcoll.torch.set_emulated_speed`, which times its
-    own compute and so grows when the compute waits for a core).
+    core: a slowdown that times its own compute, as the lab's emulation does, and so grows when
+    the compute waits for a core).
 
     ``time_slice_s = 0``: the cores are shared fairly at every instant (processor sharing):
     while ``n`` ranks compute, each runs at ``min(1, cores / n)`` of its speed.
@@ -191,8 +191,10 @@ def shared_cores_finish_seconds(
     ``ceil(n / c) * s``, not ``n / c * s`` (:func:`shared_cores_makespan_seconds`
     averages over the ranks' order).
 
-    Not in PyDTNN, whose devices never share; here for validation on one host with more ranks
-    than cores, where a sleeping (emulated slow) rank leaves its core to the others.
+    Not in PyDTNN, whose devices never share, nor in the predictors; here for validation on one
+    host with more ranks than cores (:mod:`hetcoll.lab.predict_emulated`,
+    :mod:`hetcoll.lab.calibrate`), where a sleeping (emulated slow) rank leaves its core to the
+    others.
 
     >>> shared_cores_finish_seconds([[("cpu", 1.0)], [("cpu", 1.0)], [("cpu", 1.0)]], 2)
     [1.5, 1.5, 1.5]

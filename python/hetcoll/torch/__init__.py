@@ -11,7 +11,6 @@ from hetcoll.torch.filters import (
     filter_parallel,
     gather_gradients,
     gather_state_dict,
-    set_emulated_speed,
 )
 from hetcoll.torch.hooks import WeightedAllreduceState, weighted_allreduce_hook
 from hetcoll.torch.optimizer import DistributedOptimizer, broadcast_parameters
@@ -38,22 +37,28 @@ __all__ = [
     "gather_state_dict",
     "measure_speed",
     "parallelize",
-    "set_emulated_speed",
     "weighted_allreduce_hook",
 ]
 
 
+#: Deprecated for one release: emulated heterogeneity is lab code now. Old name -> (lab
+#: module, its name there); loaded on first use, so importing hetcoll.torch loads no lab code.
+_MOVED_TO_THE_LAB = {
+    "EmulatedSpeed": ("hetcoll.lab.emulate", "EmulatedSpeed"),
+    "set_emulated_speed": ("hetcoll.lab.emulate", "slow_down_filter_parallel"),
+}
+
+
 def __getattr__(name: str) -> object:
-    # Deprecated for one release: emulated heterogeneity is lab code now.
-    if name == "EmulatedSpeed":
+    if name in _MOVED_TO_THE_LAB:
         import importlib
         import warnings
 
+        module, new = _MOVED_TO_THE_LAB[name]
         warnings.warn(
-            "hetcoll.torch.EmulatedSpeed moved to hetcoll.lab.emulate.EmulatedSpeed; the old "
-            "name goes in the next release",
+            f"hetcoll.torch.{name} moved to {module}.{new}; the old name goes in the next release",
             DeprecationWarning,
             stacklevel=2,
         )
-        return importlib.import_module("hetcoll.lab.emulate").EmulatedSpeed
+        return getattr(importlib.import_module(module), new)
     raise AttributeError(f"module 'hetcoll.torch' has no attribute {name!r}")

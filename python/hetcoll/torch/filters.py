@@ -34,7 +34,6 @@ stays replicated (and must be fed identical inputs on every rank: seed dropout i
 
 from __future__ import annotations
 
-import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -55,12 +54,13 @@ __all__ = [
     "FilterParallelBatchNorm2d",
     "FilterParallelConv2d",
     "FilterParallelLinear",
+    "LocalConv2d",
+    "LocalLinear",
     "filter_modes",
     "filter_parallel",
     "filter_shares",
     "gather_gradients",
     "gather_state_dict",
-    "set_emulated_speed",
     "split_tensors",
 ]
 
@@ -234,37 +234,6 @@ class _GatherChannels(torch.autograd.Function):
         return grad.narrow(ctx.dim, ctx.offset, ctx.count), None, None, None, None, None
 
 
-class _BackwardStart(torch.autograd.Function):
-    """Emulation: notes when the local layer's backward starts (on its output)."""
-
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, clock: dict[str, float]) -> Any:
-        ctx.clock = clock
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        ctx.clock["start"] = time.perf_counter()
-        return grad, None
-
-
-class _BackwardEnd(torch.autograd.Function):
-    """Emulation: on the weight, runs once the local layer's backward has produced its
-    gradient; sleeps ``(1/speed - 1)`` times the backward it just timed."""
-
-    @staticmethod
-    def forward(ctx: Any, w: torch.Tensor, clock: dict[str, float], speed: float) -> Any:
-        ctx.clock, ctx.speed = clock, speed
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        start = ctx.clock.pop("start", None)
-        if start is not None:
-            time.sleep((1.0 / ctx.speed - 1.0) * (time.perf_counter() - start))
-        return grad, None, None
-
-
 # -- the split modules ----------------------------------------------------------------------------
 
 
@@ -304,34 +273,57 @@ class _ChannelSplit:
         super()._load_from_state_dict(state_dict, prefix, *args)  # type: ignore[misc]
 
 
+class LocalConv2d(nn.Module):
+    """The computation a rank of a :class:`FilterParallelConv2d` does on its own: the
+    convolution of its input with its slice of the weight, ``local(x, weight, bias)``. It holds
+    no parameters (the layer does); see :attr:`FilterParallelLayer.local`."""
+
+    def __init__(
+        self,
+        stride: tuple[int, ...],
+        padding: Any,
+        dilation: tuple[int, ...],
+        padding_mode: str,
+        reversed_padding: Any,
+    ) -> None:
+        super().__init__()
+        self.stride, self.padding, self.dilation = stride, padding, dilation
+        self.padding_mode = padding_mode
+        self._reversed_padding_repeated_twice = reversed_padding
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Any) -> torch.Tensor:
+        if self.padding_mode != "zeros":
+            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            return F.conv2d(x, weight, bias, self.stride, 0, self.dilation)
+        return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation)
+
+
+class LocalLinear(nn.Module):
+    """The computation a rank of a :class:`FilterParallelLinear` does on its own,
+    ``local(x, weight, bias)``; no parameters (see :attr:`FilterParallelLayer.local`)."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Any) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+
 class FilterParallelLayer(_ChannelSplit, nn.Module):
-    """Shared forward of the split Conv2d and Linear (``dim`` is their channel dimension)."""
+    """Shared forward of the split Conv2d and Linear (``dim`` is their channel dimension).
+
+    ``local``: the child module that does this rank's own computation, called as
+    ``local(x, weight, bias)`` between the layer's collectives. Module hooks on it (forward and
+    full backward hooks: the weight and bias are among its inputs) see the local compute alone,
+    without the communication, for a profiler, a timer or an emulation (``hetcoll.lab``).
+    """
 
     mode: str
     dim: int
     timeout: float | None
-    emulated_speed: float
     weight: nn.Parameter
     bias: nn.Parameter | None
-
-    def _compute(self, x: torch.Tensor, weight: torch.Tensor, bias: Any) -> torch.Tensor:
-        raise NotImplementedError
+    local: nn.Module
 
     def _local_in(self) -> int:
         raise NotImplementedError
-
-    def _local(self, x: torch.Tensor, bias: Any) -> torch.Tensor:
-        """This rank's computation; slowed down when :func:`set_emulated_speed` asks."""
-        speed = self.emulated_speed
-        if speed >= 1.0:
-            return self._compute(x, self.weight, bias)
-        tracked = torch.is_grad_enabled() and self.weight.requires_grad
-        clock: dict[str, float] = {}
-        w = _BackwardEnd.apply(self.weight, clock, speed) if tracked else self.weight
-        t0 = time.perf_counter()
-        y = self._compute(x, w, bias)
-        time.sleep((1.0 / speed - 1.0) * (time.perf_counter() - t0))
-        return _BackwardStart.apply(y, clock) if tracked else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "split-input":
@@ -342,7 +334,7 @@ class FilterParallelLayer(_ChannelSplit, nn.Module):
                     f"{self.dim} on rank {self.rank} (its slice of the previous layer's output), "
                     f"got shape {tuple(x.shape)}"
                 )
-            y = _ReduceSum.apply(self._local(x, None), self.comm, self.timeout)
+            y = _ReduceSum.apply(self.local(x, self.weight, None), self.comm, self.timeout)
             if self.bias is not None:
                 shape = [1] * y.dim()
                 shape[self.dim] = -1
@@ -350,7 +342,7 @@ class FilterParallelLayer(_ChannelSplit, nn.Module):
             return y
         if x.requires_grad:
             x = _CopyToRanks.apply(x, self.comm, self.timeout)
-        y = self._local(x, self.bias)
+        y = self.local(x, self.weight, self.bias)
         if self.mode == "split-output":
             return y
         return _GatherChannels.apply(y, self.comm, self.shares, self.offset, self.dim, self.timeout)
@@ -379,7 +371,6 @@ class FilterParallelLayer(_ChannelSplit, nn.Module):
         self._set_split(comm, shares)
         self.mode = mode
         self.timeout = timeout
-        self.emulated_speed = 1.0
         unit = self._unit()
         with torch.no_grad():
             if mode == "split-input":
@@ -498,18 +489,18 @@ class FilterParallelConv2d(FilterParallelLayer):
         self.kernel_size, self.stride = conv.kernel_size, conv.stride
         self.padding, self.dilation = conv.padding, conv.dilation
         self.padding_mode = conv.padding_mode
-        self._reversed_padding_repeated_twice = conv._reversed_padding_repeated_twice
         self.dim = 1
+        self.local = LocalConv2d(
+            conv.stride,
+            conv.padding,
+            conv.dilation,
+            conv.padding_mode,
+            conv._reversed_padding_repeated_twice,
+        )
         self._adopt(conv.weight, conv.bias, comm, counts, mode, timeout)
 
     def _local_in(self) -> int:
         return self.shares[self.rank]
-
-    def _compute(self, x: torch.Tensor, weight: torch.Tensor, bias: Any) -> torch.Tensor:
-        if self.padding_mode != "zeros":
-            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
-            return F.conv2d(x, weight, bias, self.stride, 0, self.dilation)
-        return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation)
 
     def extra_repr(self) -> str:
         return (
@@ -598,6 +589,7 @@ class FilterParallelLinear(FilterParallelLayer):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.in_features_per_channel = unit
         self.dim = -1
+        self.local = LocalLinear()
         self._adopt(linear.weight, linear.bias, comm, counts, mode, timeout)
 
     def _unit(self) -> int:
@@ -605,9 +597,6 @@ class FilterParallelLinear(FilterParallelLayer):
 
     def _local_in(self) -> int:
         return self.shares[self.rank] * self.in_features_per_channel
-
-    def _compute(self, x: torch.Tensor, weight: torch.Tensor, bias: Any) -> torch.Tensor:
-        return F.linear(x, weight, bias)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, " + super().extra_repr()
@@ -1116,18 +1105,3 @@ def gather_gradients(model: nn.Module, *, dst: int | None = 0) -> dict[str, torc
     """
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return _gather(model, grads, dst, "model")
-
-
-def set_emulated_speed(model: nn.Module, speed: float) -> None:
-    """Emulated heterogeneity for filter parallelism: every split layer of ``model`` on this rank
-    sleeps ``(1/speed - 1)`` times its measured local compute, forward and backward (so the rank
-    behaves as a device ``speed`` times as fast; ``0 < speed <= 1``).
-
-    >>> set_emulated_speed(model, 0.25)  # doctest: +SKIP
-    """
-    speed = float(speed)
-    if not 0.0 < speed <= 1.0:
-        raise ValueError(f"speed: must be in (0, 1] (a fraction of the real speed), got {speed}")
-    for m in model.modules():
-        if isinstance(m, FilterParallelLayer):
-            m.emulated_speed = speed

@@ -40,8 +40,7 @@ import torch.distributed as dist
 
 import hetcoll
 from hetcoll.collectives import choose_algorithm, direct_allreduce, premul_sum_op
-from hetcoll.comm import wrap
-from hetcoll.errors import CollectiveMismatchError
+from hetcoll.comm import agree, wrap
 from hetcoll.kernels import numpy_view
 
 ALGORITHMS = ("auto", "direct", "allreduce")
@@ -93,20 +92,15 @@ class WeightedAllreduceState:
         self._agreed = False
         self.ready_at = 0.0
 
-    def _agree(self, buf: torch.Tensor) -> None:
+    def _agree(self) -> None:
         """Once: every rank must have chosen the same algorithm, or the ranks would wait on
-        messages of different kinds forever; raise on every rank instead."""
+        messages of different kinds forever; raise :class:`hetcoll.CollectiveMismatchError` on
+        every rank instead (:func:`hetcoll.comm.agree`; under NCCL its few bytes go through the
+        current CUDA device, the one DDP's buckets are on)."""
         if self._agreed:
             return
-        code = torch.tensor([ALGORITHMS.index(self.algorithm)], dtype=torch.int64)
-        if buf.device.type != "cpu":
-            code = code.to(buf.device)
-        codes = [torch.empty_like(code) for _ in range(dist.get_world_size(self.process_group))]
-        dist.all_gather(codes, code, group=self.process_group)
-        seen = [ALGORITHMS[int(c.item())] for c in codes]
-        if len(set(seen)) > 1:
-            per_rank = ", ".join(f"rank {r}: {a!r}" for r, a in enumerate(seen))
-            raise CollectiveMismatchError(f"algorithm: ranks disagree ({per_rank})")
+        codes = ", ".join(f"{a!r} = {i}" for i, a in enumerate(ALGORITHMS))
+        agree(wrap(self.process_group), {f"algorithm ({codes})": ALGORITHMS.index(self.algorithm)})
         self._agreed = True
 
     @property
@@ -157,7 +151,7 @@ def weighted_allreduce_hook(
     if bucket.is_last():
         state.ready_at = time.perf_counter()
     buf = bucket.buffer()
-    state._agree(buf)
+    state._agree()
     if state.algorithm != "allreduce" and buf.device.type == "cpu" and buf.dtype in _KERNEL:
         if state._direct_exchange is None:
             state._direct_exchange = _DirectExchange(state.process_group)
