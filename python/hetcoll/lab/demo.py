@@ -73,6 +73,10 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
     cfg.validate()
     from hetcoll.launch import mpiexec, spawn
 
+    if cfg.strategy == "plan":
+        from hetcoll.lab.plan_demo import run as run_plan
+
+        return run_plan(cfg)
     if cfg.backend == "gloo":
         return spawn(_gloo_rank, cfg.world_size, cfg, timeout=1800)[0]
     with tempfile.TemporaryDirectory(prefix="hetcoll-demo-") as tmp:
@@ -168,6 +172,13 @@ def format_table(report: dict[str, Any]) -> str:
             + f" {r['test_loss']:7.3f} {r['test_accuracy']:9.2%}"
         )
     by = {r["run"]: r for r in rows}
+    if "plan" in by and "unbalanced" in by:
+        chosen = report["chosen"]
+        lines.append(
+            f"plan: {chosen['strategy']} (predicted {chosen['predicted_step_s'] * 1e3:.1f} ms a "
+            f"step); plan / even DDP throughput: "
+            f"{by['plan']['samples_per_s'] / by['unbalanced']['samples_per_s']:.2f}x"
+        )
     if "balanced" in by and "unbalanced" in by:
         lines.append(
             f"balanced / unbalanced throughput: "

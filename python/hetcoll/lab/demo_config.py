@@ -32,7 +32,7 @@ class DemoConfig:
     rebalance: bool = True
     progress: bool = True
     runs: tuple[str, ...] = ("unbalanced", "balanced")
-    strategy: str = "data"  # "filter": hetcoll.lab.filter_demo
+    strategy: str = "data"  # "filter": hetcoll.lab.filter_demo; "plan": hetcoll.lab.plan_demo
 
     @property
     def world_size(self) -> int:
@@ -49,8 +49,10 @@ class DemoConfig:
             raise ValueError(f"epochs: must be >= 1, got {self.epochs}")
         if self.backend not in ("gloo", "mpi"):
             raise ValueError(f"backend: must be 'gloo' or 'mpi', got {self.backend!r}")
-        if self.strategy not in ("data", "filter"):
-            raise ValueError(f"strategy: must be 'data' or 'filter', got {self.strategy!r}")
+        if self.strategy not in ("data", "filter", "plan"):
+            raise ValueError(f"strategy: must be 'data', 'filter' or 'plan', got {self.strategy!r}")
+        if self.strategy == "plan" and self.backend != "gloo":
+            raise ValueError("backend: --strategy plan runs on gloo only")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -73,9 +75,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["gloo", "mpi"], default=d.backend)
     p.add_argument(
         "--strategy",
-        choices=["data", "filter"],
+        choices=["data", "filter", "plan"],
         default=d.strategy,
-        help="data: balanced batches (default); filter: layers split by speed (filter parallel)",
+        help="data: balanced batches (default); filter: layers split by speed (filter "
+        "parallel); plan: the planner's best plan, run beside even DDP",
     )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(

@@ -1,0 +1,180 @@
+"""``hetcoll demo --strategy plan``: the planner picks a plan for the ranks' (emulated) speeds,
+and the runtime runs it beside plain data parallelism with even shares.
+
+Before any rank starts, this process measures the machine (one rank's compute, the gloo link
+between two local ranks: :mod:`hetcoll.lab.calibrate`), describes each rank as this machine
+slowed to its emulated speed, and asks :func:`hetcoll.model.plan` for the fastest plan the
+runtime can run. The ranks then train the demo CNN twice from the same weights:
+
+- **unbalanced**: DDP with even shares, every rank slowed by its emulated speed
+  (:class:`hetcoll.lab.emulate.EmulatedSpeed`, as in the data-parallel demo);
+- **plan**: :func:`hetcoll.torch.parallelize` running the chosen plan, each rank's stage slowed
+  by its emulated speed (:func:`hetcoll.lab.emulate.slow_down`).
+
+Every figure is *emulated* heterogeneity on one machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetcoll.lab.demo_config import DemoConfig
+from hetcoll.lab.demo_ranks import (
+    DemoNet,
+    Engine,
+    Gloo,
+    RunResult,
+    evaluate,
+    load_digits,
+    probe,
+    progress_bar,
+    rank_rows,
+    train_data_parallel,
+)
+from hetcoll.model.hardware import Cluster, Device, Link, Node
+from hetcoll.plan import Plan
+
+
+def emulated_device(device: Device, speed: float, name: str) -> Device:
+    """``device`` running at ``speed`` times its speed: every rate scaled, every fixed cost
+    stretched (how the emulation's sleeps look to the planner)."""
+    return dataclasses.replace(
+        device,
+        name=name,
+        flops_per_s=device.flops_per_s * speed,
+        conv_flops_per_s=device.conv_flops_per_s * speed,
+        mem_bytes_per_s=device.mem_bytes_per_s * speed,
+        elementwise_bytes_per_s=device.elementwise_bytes_per_s * speed,
+        kernel_overhead_s=device.kernel_overhead_s / speed,
+    )
+
+
+def choose_plan(cfg: DemoConfig) -> dict[str, Any]:
+    """Measure this machine, plan for the emulated speeds; the best runnable plan and the
+    predictions of every candidate."""
+    from hetcoll.lab import calibrate
+    from hetcoll.model import layer_costs, plan
+
+    print("measuring this machine for the planner (about 15 s) ...", file=sys.stderr)
+    base = calibrate.measure_device("cpu", 4e9, quick=True)
+    link_fit = calibrate.measure_gloo_link()
+    link = Link("gloo, local", link_fit.latency_s, link_fit.bytes_per_s)
+    nodes = [
+        Node(f"rank{r}", emulated_device(base, s, f"rank{r}"), 1) for r, s in enumerate(cfg.speeds)
+    ]
+    cluster = Cluster(nodes, link if len(nodes) > 1 else None, "<demo>")
+    costs = layer_costs(DemoNet(), (1, 8, 8))
+    ranked = plan(costs, cluster, cfg.global_batch)
+    runnable = [p for p in ranked if p.feasible and p.plan is not None]
+    if not runnable:
+        raise ValueError("speeds: the planner found no plan the runtime can run")
+    best = runnable[0]
+    return {
+        "plan": best.to_plan().to_dict(),
+        "strategy": best.strategy,
+        "predicted_step_s": best.step_s,
+        "candidates": [
+            {"strategy": p.strategy, "predicted_step_s": p.step_s, "runnable": p.plan is not None}
+            for p in ranked
+            if p.feasible
+        ][:8],
+    }
+
+
+def _train_plan(engine: Engine, cfg: DemoConfig, plan: Plan) -> RunResult:
+    from hetcoll.lab.emulate import slow_down
+    from hetcoll.torch import parallelize
+
+    rank = engine.rank
+    xtr, ytr, xte, yte = load_digits(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    par = parallelize(DemoNet(), plan, loss_fn=nn.CrossEntropyLoss(), group=engine.group)
+    if par.stage is not None:
+        slow_down(par.stage, cfg.speeds[rank])
+    opt = torch.optim.SGD(par.parameters(), lr=cfg.lr, momentum=0.9)
+    result = RunResult("plan", [r.samples for r in plan.replicas])
+    gen = torch.Generator().manual_seed(cfg.seed)
+    wall = 0.0
+    for epoch in range(cfg.epochs):
+        # The same permutation on every rank; a plan takes whole global batches only.
+        perm = torch.randperm(len(ytr), generator=gen)
+        steps = [idx for idx in perm.split(plan.batch) if len(idx) == plan.batch]
+        bar = progress_bar(cfg, rank, "plan", epoch, len(steps))
+        engine.barrier()
+        t0 = time.perf_counter()
+        for idx in steps:
+            par.step(xtr[idx], ytr[idx])
+            opt.step()
+            opt.zero_grad()
+            if bar is not None:
+                bar.update(1)
+        engine.barrier()
+        seconds = time.perf_counter() - t0
+        wall += seconds
+        if bar is not None:
+            bar.close()
+        net = DemoNet()
+        net.load_state_dict(par.full_state_dict())
+        loss, acc = evaluate(net, xte, yte)
+        result.epochs.append(
+            {
+                "epoch": epoch + 1,
+                "train_seconds": seconds,
+                "wall_seconds": wall,
+                "samples": len(steps) * plan.batch,
+                "samples_per_s": len(steps) * plan.batch / seconds,
+                "test_loss": loss,
+                "test_accuracy": acc,
+            }
+        )
+    return result
+
+
+def run_rank(engine: Engine, cfg: DemoConfig, chosen: dict[str, Any]) -> dict[str, Any] | None:
+    """Both runs on this rank; rank 0 returns the report."""
+    import hetcoll
+
+    torch.set_num_threads(1)
+    fits, real = probe(engine, cfg)
+    plan = Plan.from_dict(chosen["plan"])
+    even = hetcoll.split(cfg.global_batch, [1.0] * engine.world)
+    runs = [
+        train_data_parallel(engine, cfg, "unbalanced", even, real),
+        _train_plan(engine, cfg, plan),
+    ]
+    if engine.rank != 0:
+        return None
+    return {
+        "config": dataclasses.asdict(cfg),
+        "strategy": "plan",
+        "emulated": True,
+        "ranks": rank_rows(cfg, fits),
+        "ideal_samples_per_s": sum(f.samples_per_s for f in fits),
+        "chosen": chosen,
+        "runs": {r.name: dataclasses.asdict(r) for r in runs},
+    }
+
+
+def _gloo_rank(rank: int, world: int, cfg: DemoConfig, chosen: dict[str, Any]) -> Any:
+    return run_rank(Gloo(rank, world), cfg, chosen)
+
+
+def run(cfg: DemoConfig) -> dict[str, Any]:
+    """Plan in this process, then launch the gloo ranks; return rank 0's report."""
+    from hetcoll.launch import spawn
+
+    if cfg.backend != "gloo":
+        raise ValueError("backend: --strategy plan runs on gloo only (for now)")
+    chosen = choose_plan(cfg)
+    print(
+        f"planner's choice: {chosen['strategy']} (predicted {chosen['predicted_step_s'] * 1e3:.1f}"
+        " ms a step)",
+        file=sys.stderr,
+    )
+    return spawn(_gloo_rank, cfg.world_size, cfg, chosen, timeout=1800)[0]
