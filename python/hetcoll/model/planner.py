@@ -204,7 +204,8 @@ def _asymmetric(
                 cluster,
                 the_plan,
                 optimizer_state_copies=s,
-                strategy=f"asymmetric, {len(replicas) - 1} replicas + {what}",
+                strategy=f"asymmetric, {len(replicas) - 1} whole-model "
+                f"replica{'s' if len(replicas) > 2 else ''} + {what}",
             )
         )
     return out
@@ -303,9 +304,18 @@ def plan(
                     out += _asymmetric(
                         costs, cluster, batch, fast, slow, speeds, ASYMMETRIC_MICRO_BATCHES, s
                     )
-    out = [_runnable(x, costs) for x in out]
-    out.sort(key=lambda x: (not x.feasible, x.step_s))
-    return out
+    # A subset candidate can be a plan already there (a balanced split that leaves the same
+    # devices out): keep the first.
+    seen: set[str] = set()
+    unique = []
+    for x in out:
+        key = "" if x.plan is None else repr((x.plan.to_dict(), x.step_s))
+        if key and key in seen:
+            continue
+        seen.add(key)
+        unique.append(_runnable(x, costs))
+    unique.sort(key=lambda x: (not x.feasible, x.step_s))
+    return unique
 
 
 SWEEP_AXES = ("batch", "flops", "mem_bw", "link_bw", "nodes")
