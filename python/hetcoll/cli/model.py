@@ -43,17 +43,45 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     return costs, load_cluster(args.cluster)
 
 
+def _ranks_text(ranks: list[int]) -> str:
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] + 1 == r:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+    return ("ranks " if len(ranks) > 1 else "rank ") + text
+
+
 def _plan_text(plan: Any) -> str:
-    """A plan on one line: each replica's samples and its stages' ranks and layers."""
-    out = []
+    """A plan on one line: runs of one-rank whole-model replicas, then each other replica's
+    samples and its stages' ranks and layers."""
+    parts: list[str] = []
+    ranks: list[int] = []
+    samples: list[int] = []
+
+    def flush() -> None:
+        if ranks:
+            parts.append(
+                f"whole model on {_ranks_text(ranks)} ({_shares_text(samples, limit=4)} samples)"
+            )
+            ranks.clear()
+            samples.clear()
+
     for r in plan.replicas:
+        if len(r.stages) == 1 and len(r.stages[0].ranks) == 1:
+            ranks.append(r.stages[0].ranks[0])
+            samples.append(r.samples)
+            continue
+        flush()
         stages = " | ".join(
-            f"{','.join(str(x) for x in s.ranks)}: {s.layers[0]}-{s.layers[1]}" for s in r.stages
+            f"{_ranks_text(sorted(s.ranks))} layers {s.layers[0]}-{s.layers[1]}" for s in r.stages
         )
-        out.append(f"{r.samples} on [{stages}]")
-    head = f"{plan.microbatches} micro-batches {plan.schedule}, " if plan.microbatches > 1 else ""
-    text = head + "; ".join(out[:8])
-    return text + (f"; ... ({len(out)} replicas)" if len(out) > 8 else "")
+        parts.append(f"{r.samples} samples through [{stages}]")
+    flush()
+    head = f"{plan.microbatches} micro-batches {plan.schedule}; " if plan.microbatches > 1 else ""
+    return head + "; ".join(parts)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -131,10 +159,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print("  breakdown: " + ", ".join(f"{k} {_fmt_s(v)}" for k, v in best.breakdown.items()))
     print(f"  memory per device: up to {max(best.memory_bytes) / 1e9:.3g} GB")
     print("runners-up:")
-    for p in ranked[1 : 1 + args.top]:
+    shown = ranked[1 : 1 + args.top]
+    width = max([32, *(len(p.strategy) for p in shown)])
+    for p in shown:
         mark = "" if p.feasible else f"  INFEASIBLE: {p.reason}"
         ratio = p.step_s / best.step_s if best.step_s > 0 else float("inf")
-        print(f"  {p.strategy:<32} {_fmt_s(p.step_s):>12}  ({ratio:.2f}x){mark}")
+        print(f"  {p.strategy:<{width}} {_fmt_s(p.step_s):>12}  ({ratio:.2f}x){mark}")
     if args.out:
         print(f"wrote {args.out} (run it with hetcoll.torch.parallelize)")
     return 0

@@ -289,13 +289,20 @@ def plan(
         speeds = _device_speeds(costs, cluster, batch)
         tiers = _tiers(cluster, speeds)
         if subsets:
+            # A subset's plan can be one already there (a balanced split that leaves the same
+            # devices out): not repeated.
+            seen = {repr((x.plan.to_dict(), x.step_s)) for x in out if x.plan is not None}
             for keep in _subsets(cluster, tiers, speeds):
                 sub = cluster.subset(keep)
                 suffix = f", {len(keep)} of {p} devices"
                 for pred in [data_balanced(sub, "data parallel, balanced")] + (
                     [filter_balanced(sub, "filter parallel, balanced")] if len(keep) > 1 else []
                 ):
-                    out.append(_on_devices(pred, keep, p, suffix))
+                    pred = _on_devices(pred, keep, p, suffix)
+                    key = repr((pred.plan.to_dict(), pred.step_s)) if pred.plan else ""
+                    if not key or key not in seen:
+                        seen.add(key)
+                        out.append(pred)
         if asymmetric and n and len(tiers) > 1 and p <= ASYMMETRIC_MAX_DEVICES:
             for k in range(1, len(tiers)):
                 fast = sorted(d for t in tiers[:k] for d in t)
@@ -304,18 +311,9 @@ def plan(
                     out += _asymmetric(
                         costs, cluster, batch, fast, slow, speeds, ASYMMETRIC_MICRO_BATCHES, s
                     )
-    # A subset candidate can be a plan already there (a balanced split that leaves the same
-    # devices out): keep the first.
-    seen: set[str] = set()
-    unique = []
-    for x in out:
-        key = "" if x.plan is None else repr((x.plan.to_dict(), x.step_s))
-        if key and key in seen:
-            continue
-        seen.add(key)
-        unique.append(_runnable(x, costs))
-    unique.sort(key=lambda x: (not x.feasible, x.step_s))
-    return unique
+    out = [_runnable(x, costs) for x in out]
+    out.sort(key=lambda x: (not x.feasible, x.step_s))
+    return out
 
 
 SWEEP_AXES = ("batch", "flops", "mem_bw", "link_bw", "nodes")
