@@ -540,6 +540,27 @@ def test_cli_plan_writes_the_best_plan(tmp_path: Path, capsys: pytest.CaptureFix
     assert best["plan"] == written.to_dict()
     with pytest.raises(SystemExit):
         main([*argv, "--sweep", "batch", "--out", str(out)])
+    tiny = tmp_path / "tiny.toml"
+    tiny.write_text(
+        "[devices.d]\nflops_per_s = 1e11\nmem_bytes_per_s = 1e10\nmemory_bytes = 1e6\n"
+        '[[nodes]]\nname = "n"\ndevice = "d"\ncount = 1\n'
+    )
+    with pytest.raises(SystemExit) as e:
+        main([*argv[:-1], str(tiny), "--out", str(tmp_path / "none.json")])
+    assert e.value.code == 2 and not (tmp_path / "none.json").exists()
+    assert "--out: no feasible plan" in capsys.readouterr().err
+
+
+def test_the_runtime_s_resnet18_plan_is_predicted() -> None:
+    # plan_cases.RESNET, which the runtime trains exactly: torchvision's traced ResNet-18 as an
+    # uneven 2-stage pipeline beside a whole-model replica.
+    import torchvision
+
+    costs = layer_costs(torchvision.models.resnet18(num_classes=5), (3, 32, 32))
+    cluster = _cluster([(1e11, 2e10), (5e10, 1e10), (5e10, 1e10)])
+    got = predict_plan(costs, cluster, Plan.from_dict(plan_cases.RESNET))
+    assert got.feasible and got.shares == [3, 3, 2] and got.detail["replicas"] == 2
+    assert got.detail["gradient_allreduce_s"] > 0
 
 
 def test_plan_is_exported_and_predicts_a_saved_plan(tmp_path: Path, cnn_costs) -> None:  # type: ignore[no-untyped-def]

@@ -124,8 +124,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     ranked = plan(costs, cluster, args.batch)
     planning_s = time.perf_counter() - t0
     if args.out:
-        best_plan = ranked[0].to_plan()  # ValueError (exit 2) saying why there is none
-        best_plan.save(args.out)
+        if not ranked[0].feasible:
+            raise ValueError(f"--out: no feasible plan ({ranked[0].reason})")
+        ranked[0].to_plan().save(args.out)  # ValueError (exit 2) saying why there is none
     if args.json:
         json.dump(
             {

@@ -1142,10 +1142,8 @@ def _predict_layout(
     schedule: str,
     state_copies: int,
     strategy: str,
-    combine: bool = True,
 ) -> Prediction:
-    """Simulate one step of the laid-out plan (:func:`predict_plan`); without ``combine``, the
-    replicas' own work only (no gradient or loss allreduce: a replica's throughput)."""
+    """Simulate one step of the laid-out plan (:func:`predict_plan`)."""
     from hetcoll.torch.parallel import schedule_order
 
     devices = cluster.devices
@@ -1236,7 +1234,7 @@ def _predict_layout(
     # Gradients of parameters held in several replicas: one allreduce of full-size buffers per
     # set of holders, in layer order.
     groups: dict[tuple[int, ...], float] = {}
-    if len(replicas) > 1 and combine:
+    if len(replicas) > 1:
         for i, layer in enumerate(costs.layers):
             if layer.param_bytes > 0 and holders[i]:
                 held_by = tuple(sorted(holders[i]))
@@ -1267,12 +1265,9 @@ def _predict_layout(
             8.0, n_dev, link.latency_s, link.bytes_per_s, float(dev.mem_bytes_per_s.min()), 8
         )
     )
-    if combine:
-        collectives["loss"] = (n_dev, loss_s)
-        for prog in programs:
-            prog.append(("collective", "loss"))
-    else:
-        loss_s = 0.0
+    collectives["loss"] = (n_dev, loss_s)
+    for prog in programs:
+        prog.append(("collective", "loss"))
     finish, in_collectives = terms.schedule_finish_seconds(programs, collectives)
     end = np.asarray(finish) + update
     step = float(end.max())
