@@ -1,7 +1,11 @@
-"""examples/train_balanced.py launched as users launch it: plain ``python``, ``torchrun`` and
-``mpiexec``. On two ranks of unequal (emulated) speed, whatever split the speeds give and however
-the Rebalancer moves it mid-training, the trained model is the one a single process trains on the
-same global batches (float64, to rounding)."""
+"""The examples launched as users launch them: plain ``python``, ``torchrun`` and ``mpiexec``.
+
+examples/train_balanced.py: on two ranks of unequal (emulated) speed, whatever split the speeds
+give and however the Rebalancer moves it mid-training, the trained model is the one a single
+process trains on the same global batches (float64, to rounding). examples/train_plan.py: the
+planner's plan (``hetcoll plan --out``) under torchrun and a hand-written plan under mpiexec
+train the model one process trains (float64, to 1e-10).
+"""
 
 import json
 import os
@@ -91,3 +95,139 @@ def test_bad_arguments_are_named():
     assert "--shares: must add up to --batch (128)" in err
     err = _stderr_of_failed_run("--emulate", "1,0.5", "--epochs", "1")
     assert "--emulate: needs one value per rank (1)" in err
+
+
+# ---------------------------------------------------------------- examples/train_plan.py
+
+PLAN_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_plan.py"
+PLAN_COMMON = ["--epochs", "1", "--steps", "8", "--float64", "--quiet"]
+# One fast device beside two slow ones too small for the whole model: the planner puts the two
+# in a pipeline beside a whole-model replica (uneven micro-batches, 1F1B).
+SMALL_CLUSTER = """
+[devices.fast]
+flops_per_s = 2e10
+mem_bytes_per_s = 2e10
+memory_bytes = 1e9
+kernel_overhead_s = 1e-6
+
+[devices.small]
+flops_per_s = 5e9
+mem_bytes_per_s = 5e9
+memory_bytes = 1.3e6
+kernel_overhead_s = 1e-6
+
+[links.net]
+latency_s = 1e-5
+bytes_per_s = 1e10
+
+[[nodes]]
+name = "a"
+device = "fast"
+count = 1
+
+[[nodes]]
+name = "b"
+device = "small"
+count = 2
+link = "net"
+
+[network]
+link = "net"
+"""
+
+
+def _train_plan(tmp: Path, name: str, launcher: list[str], plan: Path, *extra: str) -> tuple:
+    """Run train_plan.py under ``launcher``; the trained state dict and every rank's report."""
+    out = ["--save", str(tmp / f"{name}.pt"), "--json", str(tmp / f"{name}{{rank}}.json")]
+    proc = subprocess.run(
+        [*launcher, str(PLAN_SCRIPT), "--plan", str(plan), *PLAN_COMMON, *out, *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HETCOLL_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, f"{launcher}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    reports = [json.loads(p.read_text()) for p in sorted(tmp.glob(f"{name}[0-9].json"))]
+    return torch.load(tmp / f"{name}.pt"), reports
+
+
+@pytest.fixture(scope="module")
+def plan_single(tmp_path_factory):
+    """One process, one replica: the reference every plan of batch 48 must train exactly."""
+    tmp = tmp_path_factory.mktemp("plan_single")
+    one = tmp / "one.json"
+    one.write_text(
+        json.dumps({"replicas": [{"samples": 48, "stages": [{"ranks": [0], "layers": [0, 9]}]}]})
+    )
+    state, (report,) = _train_plan(tmp, "single", [sys.executable], one)
+    assert report["backend"] == "none" and report["world"] == 1 and len(report["losses"]) == 8
+    return state, report["losses"]
+
+
+def _same_as(reference: tuple, state: dict, losses: list[float]) -> None:
+    want_state, want_losses = reference
+    assert losses == pytest.approx(want_losses, rel=1e-10)
+    assert state.keys() == want_state.keys()
+    for k, v in want_state.items():
+        assert float((state[k] - v).abs().max()) <= 1e-10 * float(v.abs().max()), k
+
+
+def test_torchrun_trains_the_planner_s_plan_like_one_process(plan_single, tmp_path):
+    from hetcoll import Plan
+    from hetcoll.cli import main
+
+    cluster = tmp_path / "small.toml"
+    cluster.write_text(SMALL_CLUSTER)
+    plan = tmp_path / "plan.json"
+    argv = ["plan", "--model", "hetcoll.lab.demo_ranks:DemoNet", "--input", "1x8x8"]
+    assert main([*argv, "--batch", "48", "--cluster", str(cluster), "--out", str(plan)]) == 0
+    written = Plan.load(plan)
+    assert len(written.replicas) == 2 and written.batch == 48  # asymmetric replicas
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=3"]
+    state, reports = _train_plan(tmp_path, "torchrun", torchrun, plan)
+    assert [r["rank"] for r in reports] == [0, 1, 2]
+    assert reports[0]["backend"] == "gloo" and reports[0]["world"] == 3
+    assert all(r["traffic"]["allreduce"] > 0 for r in reports)  # replicas summed gradients
+    _same_as(plan_single, state, reports[0]["losses"])
+
+
+def test_mpiexec_trains_a_plan_with_a_filter_split_stage_like_one_process(plan_single, tmp_path):
+    plan = tmp_path / "split.json"
+    plan.write_text(
+        json.dumps(
+            {
+                "microbatches": 2,
+                "schedule": "GPipe",
+                "replicas": [
+                    {
+                        "samples": 30,
+                        "stages": [
+                            {"ranks": [0], "layers": [0, 2]},
+                            {"ranks": [1, 2], "speeds": [1.0, 0.5], "layers": [2, 9]},
+                        ],
+                    },
+                    {"samples": 18, "stages": [{"ranks": [3], "layers": [0, 9]}]},
+                ],
+            }
+        )
+    )
+    mpiexec = [launch.mpiexec_path(), "-n", "4", sys.executable]
+    state, reports = _train_plan(tmp_path, "mpi", mpiexec, plan, "--mpi")
+    assert [r["place"] for r in reports] == [[0, 0], [0, 1], [0, 1], [1, 0]]
+    assert reports[0]["backend"] == "mpi" and reports[0]["world"] == 4
+    _same_as(plan_single, state, reports[0]["losses"])
+
+
+def test_train_plan_names_a_bad_plan(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"replicas": [{"samples": 8, "stages": []}]}))
+    proc = subprocess.run(
+        [sys.executable, str(PLAN_SCRIPT), "--plan", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "--plan: plan.replicas[0].stages: must hold at least one stage" in proc.stderr

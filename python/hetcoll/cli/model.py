@@ -43,10 +43,53 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     return costs, load_cluster(args.cluster)
 
 
+def _ranks_text(ranks: list[int]) -> str:
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] + 1 == r:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+    return ("ranks " if len(ranks) > 1 else "rank ") + text
+
+
+def _plan_text(plan: Any) -> str:
+    """A plan on one line: runs of one-rank whole-model replicas, then each other replica's
+    samples and its stages' ranks and layers."""
+    parts: list[str] = []
+    ranks: list[int] = []
+    samples: list[int] = []
+
+    def flush() -> None:
+        if ranks:
+            parts.append(
+                f"whole model on {_ranks_text(ranks)} ({_shares_text(samples, limit=4)} samples)"
+            )
+            ranks.clear()
+            samples.clear()
+
+    for r in plan.replicas:
+        if len(r.stages) == 1 and len(r.stages[0].ranks) == 1:
+            ranks.append(r.stages[0].ranks[0])
+            samples.append(r.samples)
+            continue
+        flush()
+        stages = " | ".join(
+            f"{_ranks_text(sorted(s.ranks))} layers {s.layers[0]}-{s.layers[1]}" for s in r.stages
+        )
+        parts.append(f"{r.samples} samples through [{stages}]")
+    flush()
+    head = f"{plan.microbatches} micro-batches {plan.schedule}; " if plan.microbatches > 1 else ""
+    return head + "; ".join(parts)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from hetcoll.model import plan, sweep
     from hetcoll.model.planner import plot_sweep
 
+    if args.sweep and args.out:
+        raise ValueError("--out: writes the best plan of one planning run, not of a sweep")
     costs, cluster = _load(args)
     if args.sweep:
         points = sweep(costs, cluster, args.batch, args.sweep)
@@ -80,6 +123,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     ranked = plan(costs, cluster, args.batch)
     planning_s = time.perf_counter() - t0
+    if args.out:
+        if not ranked[0].feasible:
+            raise ValueError(f"--out: no feasible plan ({ranked[0].reason})")
+        ranked[0].to_plan().save(args.out)  # ValueError (exit 2) saying why there is none
     if args.json:
         json.dump(
             {
@@ -108,13 +155,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         f"best: {best.strategy}: {_fmt_s(best.step_s)} per step, {best.samples_per_s:.4g} samples/s"
     )
     print(f"  {best.share_unit} per device: {_shares_text(best.shares)}")
+    if best.plan is not None:
+        print(f"  plan: {_plan_text(best.plan)}")
     print("  breakdown: " + ", ".join(f"{k} {_fmt_s(v)}" for k, v in best.breakdown.items()))
     print(f"  memory per device: up to {max(best.memory_bytes) / 1e9:.3g} GB")
     print("runners-up:")
-    for p in ranked[1 : 1 + args.top]:
+    shown = ranked[1 : 1 + args.top]
+    width = max([32, *(len(p.strategy) for p in shown)])
+    for p in shown:
         mark = "" if p.feasible else f"  INFEASIBLE: {p.reason}"
         ratio = p.step_s / best.step_s if best.step_s > 0 else float("inf")
-        print(f"  {p.strategy:<32} {_fmt_s(p.step_s):>12}  ({ratio:.2f}x){mark}")
+        print(f"  {p.strategy:<{width}} {_fmt_s(p.step_s):>12}  ({ratio:.2f}x){mark}")
+    if args.out:
+        print(f"wrote {args.out} (run it with hetcoll.torch.parallelize)")
     return 0
 
 
@@ -122,8 +175,9 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan",
         help="predict the fastest strategy and split for a model on a cluster",
-        description="Rank data-parallel (balanced / even), filter-parallel and pipeline plans "
-        "for one training step by the analytical model (seed 003), or sweep one axis.",
+        description="Rank data-parallel (balanced / even), filter-parallel, pipeline and "
+        "asymmetric plans, on all devices or a subset, for one training step by the analytical "
+        "model (seed 003), or sweep one axis. --out writes the best as a plan file.",
     )
     p.add_argument("--model", required=True, help="cnn, vgg, resnet, mlp, or module:attr")
     p.add_argument("--input", required=True, help="one sample's shape, e.g. 3x32x32")
@@ -140,6 +194,11 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", help="PNG path of the sweep plot (default hetcoll-sweep-AXIS.png)")
     p.add_argument("--top", type=int, default=5, help="runners-up to print")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--out",
+        metavar="PLAN.json",
+        help="write the best plan as a hetcoll.Plan JSON file (hetcoll.torch.parallelize runs it)",
+    )
     p.set_defaults(func=_cmd_plan)
 
 

@@ -3,7 +3,7 @@
 Per-layer costs of a torch model (:func:`layer_costs`), a hardware description read from TOML
 (:func:`load_cluster`), predicted step time and memory of data-, filter- and pipeline-parallel
 training at given shares (:func:`predict_data_parallel`, :func:`predict_filter_parallel`,
-:func:`predict_pipeline`), and
+:func:`predict_pipeline`), of any :class:`hetcoll.Plan` (:func:`predict_plan`), and
 the planner that ranks them (:func:`plan`, :func:`sweep`). Calibration and validation on this
 machine live in :mod:`hetcoll.lab.calibrate` and :mod:`hetcoll.lab.validate`.
 
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
         Prediction,
         balanced_batch_shares,
         even_batch_shares,
+        predict_plan,
     )
     from hetcoll.model.predict import data_parallel as predict_data_parallel
     from hetcoll.model.predict import filter_parallel as predict_filter_parallel
@@ -69,6 +70,7 @@ _WHERE = {
     "even_batch_shares": "hetcoll.model.predict",
     "predict_filter_parallel": "hetcoll.model.predict",
     "predict_pipeline": "hetcoll.model.predict",
+    "predict_plan": "hetcoll.model.predict",
     "NetworkHypergraph": "hetcoll.model.hypergraph",
     "PartitionReport": "hetcoll.model.hypergraph",
     "network_hypergraph": "hetcoll.model.hypergraph",
@@ -100,6 +102,7 @@ __all__ = [
     "predict_data_parallel",
     "predict_filter_parallel",
     "predict_pipeline",
+    "predict_plan",
     "sweep",
     "terms",
 ]
@@ -129,7 +132,8 @@ def __getattr__(name: str) -> Any:
     if name not in _WHERE:
         raise AttributeError(f"module 'hetcoll.model' has no attribute {name!r}")
     module = importlib.import_module(_WHERE[name])
-    attr = name.removeprefix("predict_") if name.startswith("predict_") else name
+    # predict_data_parallel is predict.data_parallel; predict_plan is predict.predict_plan
+    attr = name if hasattr(module, name) else name.removeprefix("predict_")
     value = module if _WHERE[name].endswith("." + name) else getattr(module, attr)
     globals()[name] = value
     return value

@@ -15,7 +15,9 @@ predictions can scale it with a device's share of the filters.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -81,6 +83,8 @@ class LayerCost:
     filters: int
     forward: tuple[Kernel, ...]
     backward: tuple[Kernel, ...]
+    #: Groups of a convolution (1 for every other layer): the runtime splits groups=1 only.
+    groups: int = 1
 
     @property
     def gradient_bytes(self) -> float:
@@ -108,6 +112,81 @@ class ModelCosts:
     #: The mode :func:`hetcoll.torch.filter_parallel` would give each layer it splits (name,
     #: mode), read off the model by the runtime's own pairing rule; layers absent stay replicated.
     filter_modes: tuple[tuple[str, str], ...] = ()
+    #: The model's layers as a :class:`hetcoll.Plan` counts them
+    #: (:func:`hetcoll.torch.layers.model_layers`: an ``nn.Sequential``'s children, or the
+    #: top-level calls of a traced forward), by name; empty when the model is not such a chain
+    #: (``plan_layers_note`` says why).
+    plan_layers: tuple[str, ...] = ()
+    #: For each of ``layers``, the index in ``plan_layers`` of the top-level layer it runs in
+    #: (non-decreasing: the top-level layers run in order).
+    plan_layer_of: tuple[int, ...] = ()
+    #: Bytes per sample of each plan layer's output: what a pipeline stage ending there sends.
+    plan_out_bytes: tuple[float, ...] = ()
+    #: Module type of each plan layer (``Call`` for a function traced out of a forward).
+    plan_layer_kinds: tuple[str, ...] = ()
+    #: For each first plan layer ``lo``: the modes the runtime's pairing rule gives a filter-split
+    #: stage running from ``lo`` to the last layer, as (layer name, mode, the name of a
+    #: split-output layer's split-input partner or ""). The rule pairs left to right, so a
+    #: stage ending earlier has the same modes but gathers where the partner lies beyond its
+    #: end (:meth:`stage_filter_modes`).
+    stage_modes: tuple[tuple[tuple[str, str, str], ...], ...] = ()
+    plan_layers_note: str = ""
+
+    def plan_range(self, first: int, end: int) -> tuple[int, int]:
+        """The half-open range of ``layers`` that plan layers ``[first, end)`` hold.
+
+        >>> from torch import nn
+        >>> c = layer_costs(nn.Sequential(nn.Linear(4, 3), nn.Flatten(), nn.Linear(3, 2)), (4,))
+        >>> c.plan_range(0, 2), c.plan_range(2, 3)
+        ((0, 2), (2, 3))
+        """
+        self.check_plan_layers()
+        if not 0 <= first < end <= len(self.plan_layers):
+            raise ValueError(
+                f"layers: [{first}, {end}) is not a range of the model's "
+                f"{len(self.plan_layers)} layers"
+            )
+        return _bisect(self.plan_layer_of, first), _bisect(self.plan_layer_of, end)
+
+    def check_plan_layers(self) -> None:
+        """Raise ``ValueError`` (saying why) when the model's layers cannot be cut as a Plan
+        cuts them."""
+        if not self.plan_layers:
+            raise ValueError(
+                "costs: the model's top-level layers are unknown"
+                + (f" ({self.plan_layers_note})" if self.plan_layers_note else "")
+                + "; plans need a model hetcoll.torch.layers.model_layers can cut"
+            )
+
+    def stage_filter_modes(self, first: int, end: int) -> dict[str, str]:
+        """The mode of every layer a filter-split stage over plan layers ``[first, end)``
+        splits (name -> "gather" / "split-output" / "split-input"), as
+        :func:`hetcoll.torch.parallelize` builds the stage (the runtime's pairing rule on an
+        ``nn.Sequential`` of those layers).
+
+        >>> from torch import nn
+        >>> c = layer_costs(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)), (4,))
+        >>> c.stage_filter_modes(0, 3), c.stage_filter_modes(0, 2)
+        ({'0': 'split-output', '2': 'split-input'}, {'0': 'gather'})
+        """
+        self.check_plan_layers()
+        lo, hi = self.plan_range(first, end)
+        names = {x.name for x in self.layers[lo:hi]}
+        return {
+            name: "gather" if mode == "split-output" and partner not in names else mode
+            for name, mode, partner in self.stage_modes[first]
+            if name in names
+        }
+
+    def stage_filter_pairs(self, first: int, end: int) -> dict[str, str]:
+        """The split-output -> split-input pairs of :meth:`stage_filter_modes`, by name."""
+        lo, hi = self.plan_range(first, end)
+        names = {x.name for x in self.layers[lo:hi]}
+        return {
+            name: partner
+            for name, mode, partner in self.stage_modes[first]
+            if mode == "split-output" and name in names and partner in names
+        }
 
     @property
     def params(self) -> int:
@@ -143,6 +222,13 @@ class ModelCosts:
             f"{self.backward_flops(1) / 1e6:>10.3f}"
         )
         return "\n".join(rows)
+
+
+def _bisect(sorted_ints: Sequence[int], value: int) -> int:
+    """The first index whose value is >= ``value``."""
+    import bisect
+
+    return bisect.bisect_left(sorted_ints, value)
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -540,13 +626,13 @@ def layer_costs(
         n_params = sum(p.numel() for p in mod.parameters(recurse=False))
         p_bytes = float(sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False)))
         in_e, out_e = _numel(in_s), _numel(out_s)
-        filters = 0
+        filters, groups = 0, 1
         ks: tuple[list[Kernel], list[Kernel]] | None
         if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and not isinstance(
             mod, nn.modules.conv._ConvTransposeNd
         ):
             ks = _conv_kernels(mod, in_s, out_s, needs_grad, item, conv_algorithm == "im2col")
-            filters = mod.out_channels
+            filters, groups = mod.out_channels, mod.groups
         elif isinstance(mod, nn.Linear):
             ks = _linear_kernels(mod, in_s, needs_grad, item)
             filters = mod.out_features
@@ -568,6 +654,7 @@ def layer_costs(
                 filters=filters,
                 forward=tuple(ks[0]),
                 backward=tuple(ks[1]),
+                groups=groups,
             )
         )
     notes: list[str] = []
@@ -593,4 +680,75 @@ def layer_costs(
     buffer_bytes = float(sum(b.numel() * b.element_size() for b in model.buffers()))
     # A bare leaf model is one layer named after its type (see ``hook`` above).
     modes = tuple((n or type(model).__name__, m) for n, m in filter_modes(model).items())
-    return ModelCosts(tuple(layers), shape, item, tuple(notes), buffer_bytes, modes)
+    costs = ModelCosts(tuple(layers), shape, item, tuple(notes), buffer_bytes, modes)
+    return _with_plan_layers(costs, model, dtype)
+
+
+def _with_plan_layers(costs: ModelCosts, model: nn.Module, dtype: torch.dtype) -> ModelCosts:
+    """``costs`` with the model's top-level layers as a Plan counts them: each costed layer's
+    top-level layer, the top-level layers' output bytes (a run on the meta device), and the
+    modes the runtime would give a filter-split stage starting at each of them."""
+    from dataclasses import replace
+
+    from torch.func import functional_call
+
+    from hetcoll.torch.filters import filter_modes
+    from hetcoll.torch.layers import model_layers
+
+    try:
+        chain = model_layers(model)
+    except (TypeError, ValueError) as e:
+        return replace(costs, plan_layers_note=str(e))
+    names = [n for n, _ in chain]
+    index = {n: i for i, n in enumerate(names)}
+    of = []
+    for layer in costs.layers:
+        head = layer.name.split(".", 1)[0]
+        if head not in index:
+            return replace(
+                costs, plan_layers_note=f"layer {layer.name!r} runs outside the top-level layers"
+            )
+        of.append(index[head])
+    if any(b < a for a, b in itertools.pairwise(of)):
+        return replace(costs, plan_layers_note="the top-level layers do not run in order")
+    out_bytes = []
+    x = torch.empty((_TRACE_BATCH, *costs.input_shape), device="meta", dtype=dtype)
+    was_training = model.training
+    model.train()
+    try:
+        with torch.no_grad():
+            for name, m in chain:
+                state = {
+                    k: torch.empty_like(v, device="meta")
+                    for k, v in (*m.named_parameters(), *m.named_buffers())
+                }
+                x = functional_call(m, state, (x,)) if state else m(x)
+                if not isinstance(x, torch.Tensor):
+                    return replace(
+                        costs, plan_layers_note=f"layer {name!r} does not return one tensor"
+                    )
+                out_bytes.append(float(x[0].numel() * x.element_size()))
+    except (RuntimeError, TypeError, ValueError) as e:
+        return replace(costs, plan_layers_note=f"the layers do not run one after another: {e}")
+    finally:
+        model.train(was_training)
+    stage_modes = []
+    for lo in range(len(chain)):
+        modes = filter_modes(nn.Sequential(OrderedDict(chain[lo:])))
+        keys = list(modes)
+        rows = []
+        for k, (name, mode) in enumerate(modes.items()):
+            # The rule pairs a split-output layer with the next layer it splits.
+            partner = ""
+            if mode == "split-output" and k + 1 < len(keys) and modes[keys[k + 1]] == "split-input":
+                partner = keys[k + 1]
+            rows.append((name, mode, partner))
+        stage_modes.append(tuple(rows))
+    return replace(
+        costs,
+        plan_layers=tuple(names),
+        plan_layer_of=tuple(of),
+        plan_out_bytes=tuple(out_bytes),
+        plan_layer_kinds=tuple(type(m).__name__ for _, m in chain),
+        stage_modes=tuple(stage_modes),
+    )

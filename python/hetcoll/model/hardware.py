@@ -219,6 +219,37 @@ class Cluster:
             self.source,
         )
 
+    def subset(self, devices: Sequence[int]) -> Cluster:
+        """The cluster of the given devices, in the given order: each run of devices of one
+        node becomes a node of the result, with that node's link (so links between them are
+        those of the whole cluster).
+
+        >>> d = Device("cpu", 1e11, 2e10, 8e9)
+        >>> c = Cluster([Node("a", d, 2, Link("shm", 1e-6, 5e9)), Node("b", d, 1)],
+        ...             Link("eth", 1e-5, 1e9))
+        >>> [(n.name, n.count) for n in c.subset([2, 0]).nodes], c.subset([1, 0]).ring_link().name
+        ([('b', 1), ('a', 1)], 'shm')
+        """
+        nodes_of = self.node_of_device
+        n = self.num_devices
+        picked = list(devices)
+        if (
+            not picked
+            or len(set(picked)) != len(picked)
+            or any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < n for d in picked)
+        ):
+            raise ValueError(
+                f"devices: expected distinct device indices in 0..{n - 1}, got {devices!r}"
+            )
+        runs: list[list[int]] = []
+        for d in picked:
+            if runs and nodes_of[runs[-1][0]] == nodes_of[d]:
+                runs[-1].append(d)
+            else:
+                runs.append([d])
+        nodes = [replace(self.nodes[nodes_of[r[0]]], count=len(r)) for r in runs]
+        return Cluster(nodes, self.network if len(nodes) > 1 else None, self.source)
+
     def first_devices(self, num_devices: int) -> Cluster:
         """The first ``num_devices`` devices of this cluster, node by node (the ``nodes`` sweep)."""
         if num_devices < 1 or num_devices > self.num_devices:

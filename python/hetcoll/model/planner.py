@@ -2,21 +2,34 @@
 axes (batch size, device FLOP/s, memory bandwidth, link bandwidth, cluster size).
 
 :func:`plan` evaluates every candidate (data parallel with balanced and with even shares, filter
-parallel with balanced filters, pipelines of a few micro-batch counts) and ranks them: feasible
-plans first, fastest first. :func:`sweep` re-plans along one axis.
+parallel with balanced filters, pipelines of a few micro-batch counts, the same on a few device
+subsets, and asymmetric replicas) and ranks them: feasible plans first, fastest first. Each
+candidate carries the :class:`hetcoll.Plan` the runtime runs. :func:`sweep` re-plans along one
+axis.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
-from hetcoll.model import predict
+import numpy as np
+
+import hetcoll
+from hetcoll.model import predict, terms
 from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster
 from hetcoll.model.predict import Prediction
+from hetcoll.plan import Plan
 
 PIPELINE_MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+#: Micro-batch counts of the pipeline replica beside whole-model replicas.
+ASYMMETRIC_MICRO_BATCHES = (2, 4, 8)
+#: The largest cluster the planner tries asymmetric replicas on (each candidate is a
+#: simulation of every device's step; the other candidates are vectorised over devices).
+ASYMMETRIC_MAX_DEVICES = 64
 
 
 def _infeasible(strategy: str, batch: int, num_devices: int, unit: str, reason: str) -> Prediction:
@@ -46,6 +59,158 @@ def _device_speeds(costs: ModelCosts, cluster: Cluster, batch: int) -> list[floa
     return out
 
 
+def _runnable(pred: Prediction, costs: ModelCosts) -> Prediction:
+    """Mark a candidate the runtime cannot run infeasible (when the model can be cut into a
+    plan at all; otherwise plans are not asked for and the prediction stands)."""
+    if costs.plan_layers and pred.plan is None and pred.feasible:
+        pred.feasible = False
+        pred.reason = f"the runtime cannot run it: {pred.plan_note}"
+    return pred
+
+
+def _on_devices(pred: Prediction, keep: Sequence[int], num_devices: int, suffix: str) -> Prediction:
+    """A prediction made on the sub-cluster of devices ``keep``, in the whole cluster's device
+    numbering: the others idle."""
+    shares = [0] * num_devices
+    memory = [0.0] * num_devices
+    for j, d in enumerate(keep):
+        shares[d] = pred.shares[j]
+        memory[d] = pred.memory_bytes[j]
+    plan = None
+    if pred.plan is not None:
+        doc = pred.plan.to_dict()
+        for r in doc["replicas"]:
+            for st in r["stages"]:
+                st["ranks"] = [keep[x] for x in st["ranks"]]
+        plan = Plan.from_dict(doc)
+    return replace(
+        pred,
+        strategy=f"{pred.strategy}{suffix}",
+        shares=shares,
+        memory_bytes=memory,
+        plan=plan,
+        detail={**pred.detail, "devices": list(keep)},
+    )
+
+
+def _tiers(cluster: Cluster, speeds: Sequence[float]) -> list[list[int]]:
+    """Devices grouped by kind (equal :class:`Device`), fastest kind first."""
+    kinds: dict[Any, list[int]] = {}
+    for d, device in enumerate(cluster.devices):
+        kinds.setdefault(device, []).append(d)
+    return sorted(kinds.values(), key=lambda ds: (-speeds[ds[0]], ds[0]))
+
+
+def _subsets(cluster: Cluster, tiers: list[list[int]], speeds: Sequence[float]) -> list[list[int]]:
+    """Device subsets worth trying (a few, deterministic): the fastest k kinds of device for
+    every k short of all, and the node with the most compute."""
+    p = cluster.num_devices
+    out: list[list[int]] = []
+    for k in range(1, len(tiers)):
+        out.append(sorted(d for t in tiers[:k] for d in t))
+    if len(cluster.nodes) > 1:
+        by_node: dict[int, list[int]] = {}
+        for d, node in enumerate(cluster.node_of_device):
+            by_node.setdefault(node, []).append(d)
+        best = max(by_node.values(), key=lambda ds: (sum(speeds[d] for d in ds), -ds[0]))
+        out.append(best)
+    seen: set[tuple[int, ...]] = set()
+    unique = []
+    for keep in out:
+        if 0 < len(keep) < p and tuple(keep) not in seen:
+            seen.add(tuple(keep))
+            unique.append(keep)
+    return unique
+
+
+def _fit(t1: float, t2: float, b1: int) -> tuple[float, float]:
+    """t(b) = a + b / s through (b1, t1) and (2 b1, t2): (a, s)."""
+    slope = max((t2 - t1) / b1, 1e-30)
+    return max(t1 - slope * b1, 0.0), 1.0 / slope
+
+
+def _asymmetric(
+    costs: ModelCosts,
+    cluster: Cluster,
+    batch: int,
+    fast: list[int],
+    slow: list[int],
+    speeds: Sequence[float],
+    micro_batches: Sequence[int],
+    s: int,
+) -> list[Prediction]:
+    """Whole-model replicas on the ``fast`` devices beside one replica of the ``slow`` ones (a
+    pipeline of one-device stages, or one filter-split stage), samples split by each
+    replica's predicted time t(b) = a + b / s (:func:`hetcoll.split`)."""
+    dev = predict._device_arrays([cluster.devices[d] for d in fast])
+    guess = max(1, batch // max(1, len(fast) + 1))
+    a, c = predict._linear_fit(costs, dev, guess)
+    update = np.asarray(terms.optimizer_update_seconds(costs.param_bytes, dev.mem_bytes_per_s, s))
+    whole = [(float(a[i] + update[i]), 1.0 / float(c[i])) for i in range(len(fast))]
+    sub = cluster.subset(slow)
+    total_speed = sum(speeds)
+    share_guess = max(1, round(batch * sum(speeds[d] for d in slow) / total_speed))
+    options: list[tuple[str, int, Any]] = []
+    n = len(costs.plan_layers)
+    for m in micro_batches:
+        if m <= share_guess:
+            options.append(("pipeline", m, predict.pipeline_stages(costs, sub, share_guess, m)))
+    try:
+        predict.stage_split(costs, 0, n, len(slow), None, "filter split")
+        options.append(("filter", 1, None))
+    except ValueError:
+        pass
+    slow_speeds = [speeds[d] for d in slow]
+    modes = costs.stage_filter_modes(0, n)
+    out = []
+    for kind, m, stages in options:
+
+        def replica(b: int, kind: str = kind, m: int = m, stages: Any = stages) -> Prediction:
+            if kind == "pipeline":
+                return predict.pipeline(
+                    costs, sub, b, m, layers_per_device=stages, optimizer_state_copies=s
+                )
+            return predict.filter_parallel(
+                costs, sub, b, slow_speeds, modes=modes, optimizer_state_copies=s
+            )
+
+        b1 = max(m, share_guess // 2)
+        fit = _fit(replica(b1).step_s, replica(2 * b1).step_s, b1)
+        fits = [*whole, fit]
+        shares = hetcoll.split(batch, [f[1] for f in fits], latency=[f[0] for f in fits])
+        if shares[-1] < m:
+            continue  # the slow devices' replica gets (almost) nothing: a subset plan
+        slow_plan = replica(shares[-1]).plan
+        if slow_plan is None:
+            continue
+        stage_dicts = slow_plan.to_dict()["replicas"][0]["stages"]
+        for st in stage_dicts:
+            st["ranks"] = [slow[x] for x in st["ranks"]]
+        replicas = [
+            {"samples": b, "stages": [{"ranks": [d], "layers": [0, n]}]}
+            for d, b in zip(fast, shares)
+            if b > 0
+        ]
+        replicas.append({"samples": shares[-1], "stages": stage_dicts})
+        the_plan = Plan.from_dict({"microbatches": m, "schedule": "1F1B", "replicas": replicas})
+        what = (
+            f"pipeline of {len(stage_dicts)}, {m} micro-batches"
+            if kind == "pipeline"
+            else f"filter split over {len(slow)}"
+        )
+        out.append(
+            predict.predict_plan(
+                costs,
+                cluster,
+                the_plan,
+                optimizer_state_copies=s,
+                strategy=f"asymmetric, {len(replicas) - 1} whole-model "
+                f"replica{'s' if len(replicas) > 2 else ''} + {what}",
+            )
+        )
+    return out
+
+
 def plan(
     costs: ModelCosts,
     cluster: Cluster,
@@ -53,9 +218,23 @@ def plan(
     *,
     optimizer_state_copies: int = 1,
     micro_batches: Sequence[int] = PIPELINE_MICRO_BATCHES,
+    subsets: bool = True,
+    asymmetric: bool = True,
 ) -> list[Prediction]:
     """Every candidate plan for one step of ``batch`` samples, best first (feasible before
-    infeasible, then by predicted step time).
+    infeasible, then by predicted step time). Each carries the :class:`hetcoll.Plan` that
+    :func:`hetcoll.torch.parallelize` runs (:meth:`Prediction.to_plan`) when the model can be
+    cut into one (``costs.plan_layers``); candidates the runtime cannot run are marked
+    infeasible.
+
+    The candidates: data parallel with balanced and with even shares; filter parallel with
+    balanced filters; pipelines of one-device stages cut between top-level layers, for each
+    count of ``micro_batches``; with ``subsets``, balanced data and filter parallelism on a
+    few device subsets (the fastest kinds of device, the strongest node), so that a device
+    that only slows the step is left out; with ``asymmetric`` (clusters of up to
+    ``ASYMMETRIC_MAX_DEVICES`` devices and several kinds of device), whole-model replicas on
+    the fastest kinds beside one replica of the others (a pipeline, or one filter-split
+    stage), the samples split by each replica's predicted time.
 
     >>> best = plan(costs, cluster, 256)[0]  # doctest: +SKIP
     >>> best.strategy, best.shares, best.step_s  # doctest: +SKIP
@@ -65,15 +244,25 @@ def plan(
     p = cluster.num_devices
     out: list[Prediction] = []
     s = optimizer_state_copies
-    try:
-        shares = predict.balanced_batch_shares(costs, cluster, batch, optimizer_state_copies=s)
-        out.append(
-            predict.data_parallel(
-                costs, cluster, shares, strategy="data parallel, balanced", optimizer_state_copies=s
+    n = len(costs.plan_layers)
+    modes = costs.stage_filter_modes(0, n) if n else None
+
+    def data_balanced(c: Cluster, strategy: str) -> Prediction:
+        try:
+            shares = predict.balanced_batch_shares(costs, c, batch, optimizer_state_copies=s)
+            return predict.data_parallel(
+                costs, c, shares, strategy=strategy, optimizer_state_copies=s
             )
+        except ValueError as e:
+            return _infeasible(strategy, batch, c.num_devices, "samples", str(e))
+
+    def filter_balanced(c: Cluster, strategy: str) -> Prediction:
+        speeds = _device_speeds(costs, c, batch)
+        return predict.filter_parallel(
+            costs, c, batch, speeds, modes=modes, strategy=strategy, optimizer_state_copies=s
         )
-    except ValueError as e:
-        out.append(_infeasible("data parallel, balanced", batch, p, "samples", str(e)))
+
+    out.append(data_balanced(cluster, "data parallel, balanced"))
     out.append(
         predict.data_parallel(
             costs,
@@ -84,17 +273,7 @@ def plan(
         )
     )
     if p > 1:
-        speeds = _device_speeds(costs, cluster, batch)
-        out.append(
-            predict.filter_parallel(
-                costs,
-                cluster,
-                batch,
-                speeds,
-                strategy="filter parallel, balanced",
-                optimizer_state_copies=s,
-            )
-        )
+        out.append(filter_balanced(cluster, "filter parallel, balanced"))
         for m in micro_batches:
             if m <= batch:
                 out.append(
@@ -107,6 +286,32 @@ def plan(
                         optimizer_state_copies=s,
                     )
                 )
+        speeds = _device_speeds(costs, cluster, batch)
+        tiers = _tiers(cluster, speeds)
+        if subsets:
+            # A subset's plan can be one already there (a balanced split that leaves the same
+            # devices out): not repeated.
+            seen = {repr((x.plan.to_dict(), x.step_s)) for x in out if x.plan is not None}
+            for keep in _subsets(cluster, tiers, speeds):
+                sub = cluster.subset(keep)
+                suffix = f", {len(keep)} of {p} devices"
+                for pred in [data_balanced(sub, "data parallel, balanced")] + (
+                    [filter_balanced(sub, "filter parallel, balanced")] if len(keep) > 1 else []
+                ):
+                    pred = _on_devices(pred, keep, p, suffix)
+                    key = repr((pred.plan.to_dict(), pred.step_s)) if pred.plan else ""
+                    if not key or key not in seen:
+                        seen.add(key)
+                        out.append(pred)
+        if asymmetric and n and len(tiers) > 1 and p <= ASYMMETRIC_MAX_DEVICES:
+            for k in range(1, len(tiers)):
+                fast = sorted(d for t in tiers[:k] for d in t)
+                slow = sorted(d for t in tiers[k:] for d in t)
+                if len(slow) > 1:
+                    out += _asymmetric(
+                        costs, cluster, batch, fast, slow, speeds, ASYMMETRIC_MICRO_BATCHES, s
+                    )
+    out = [_runnable(x, costs) for x in out]
     out.sort(key=lambda x: (not x.feasible, x.step_s))
     return out
 
@@ -124,7 +329,10 @@ class SweepPoint:
 
 
 def _family(strategy: str) -> str:
-    return strategy.split(",")[0] if strategy.startswith("pipeline") else strategy
+    """The strategy without its micro-batches, device subset or replica shapes."""
+    if strategy.startswith(("pipeline", "asymmetric")):
+        return strategy.split(",")[0]
+    return re.sub(r", \d+ of \d+ devices$", "", strategy)
 
 
 def sweep(

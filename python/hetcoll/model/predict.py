@@ -10,7 +10,10 @@ Three strategies, each evaluated with the terms of :mod:`hetcoll.model.terms`:
   the others gather their outputs (allgatherv); input gradients are summed (allreduce) in the
   backward pass;
 - pipeline (:func:`pipeline`): contiguous stages of layers on the devices in order, GPipe
-  micro-batches, with the bubble.
+  or 1F1B micro-batches, with the bubble;
+- any :class:`hetcoll.Plan` (:func:`predict_plan`): replicas of any shape, each a pipeline of
+  one-rank or filter-split stages over uneven micro-batches, as
+  :func:`hetcoll.torch.parallelize` runs it; the pipeline above is one such plan.
 
 Every prediction carries the breakdown of the step on its critical path (compute, memory stalls,
 kernel overheads, exposed communication, optimizer, bubble - they add up to the step time), the
@@ -22,6 +25,7 @@ cluster costs a few numpy calls per strategy.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +37,7 @@ import hetcoll
 from hetcoll.model import terms
 from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster, Device
+from hetcoll.plan import Plan
 
 # torch DDP's defaults: the first bucket is capped at 1 MiB (so communication starts early), the
 # others at bucket_cap_mb = 25 MiB.
@@ -60,10 +65,29 @@ class Prediction:
     reason: str = ""
     batch: int = 0
     detail: dict[str, Any] = field(default_factory=dict)
+    #: The :class:`hetcoll.Plan` this prediction is for (what :func:`hetcoll.torch.parallelize`
+    #: runs), or None with ``plan_note`` saying why the runtime cannot run it. (Not compared:
+    #: two predictions are equal when their figures are.)
+    plan: Plan | None = field(default=None, compare=False)
+    plan_note: str = field(default="", compare=False)
 
     @property
     def samples_per_s(self) -> float:
         return self.batch / self.step_s if self.step_s > 0 and math.isfinite(self.step_s) else 0.0
+
+    def to_plan(self) -> Plan:
+        """The plan to hand to :func:`hetcoll.torch.parallelize` (device i = rank i);
+        ``ValueError`` when there is none (``plan_note`` says why).
+
+        >>> best = hetcoll.model.plan(costs, cluster, 256)[0]  # doctest: +SKIP
+        >>> best.to_plan().save("plan.json")  # doctest: +SKIP
+        """
+        if self.plan is None:
+            raise ValueError(
+                f"{self.strategy}: no plan the runtime can run"
+                + (f": {self.plan_note}" if self.plan_note else "")
+            )
+        return self.plan
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -78,6 +102,7 @@ class Prediction:
             "reason": self.reason,
             "batch": self.batch,
             **({"detail": self.detail} if self.detail else {}),
+            **({"plan": self.plan.to_dict()} if self.plan is not None else {}),
         }
 
 
@@ -101,7 +126,7 @@ class _KernelTable:
     onehot: np.ndarray  # (layers, kernels): 1 where the kernel belongs to the layer
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=128)
 def _kernel_table(costs: ModelCosts) -> _KernelTable:
     rows: list[tuple[int, bool, float, float, float, float, float, bool, bool, bool, int, int]] = []
     for i, layer in enumerate(costs.layers):
@@ -479,10 +504,14 @@ def data_parallel(
     ``broadcast_buffers`` (DDP's default) the step starts with a broadcast of the module's
     buffers from rank 0. (:func:`data_parallel_schedule` gives the step before it is timed.)
 
+    Its plan (:meth:`Prediction.to_plan`) is one whole-model replica per device with samples.
+    :func:`hetcoll.torch.parallelize` sums its gradients in one allreduce after the backward
+    (no buckets, no overlap, no buffer broadcast): :func:`predict_plan` predicts that run.
+
     >>> from hetcoll.model import layer_costs, networks, hardware  # doctest: +SKIP
     >>> data_parallel(costs, cluster, [48, 16]).step_s  # doctest: +SKIP
     """
-    return data_parallel_schedule(
+    pred = data_parallel_schedule(
         costs,
         cluster,
         shares,
@@ -493,6 +522,11 @@ def data_parallel(
         strategy=strategy,
         broadcast_buffers=broadcast_buffers,
     ).prediction()
+    try:
+        pred.plan = _data_parallel_plan(costs, pred.shares)
+    except ValueError as e:
+        pred.plan_note = str(e)
+    return pred
 
 
 def compute_seconds(costs: ModelCosts, device: Device, batch: int) -> float:
@@ -677,6 +711,7 @@ def filter_parallel_schedule(
     modes: Mapping[str, str] | None = None,
     optimizer_state_copies: int = 1,
     strategy: str = "filter parallel",
+    layer_shares: Mapping[str, Sequence[int]] | None = None,
 ) -> FilterParallelSchedule:
     """The step :func:`filter_parallel` predicts, laid out (arguments as there).
 
@@ -706,8 +741,16 @@ def filter_parallel_schedule(
             phi[i, :] = source[1]
             source = None
         elif mode is not None:
-            speeds = [float(x) for x in parts]
-            f = hetcoll.split(layer.filters, speeds, minimum=1 if layer.filters >= n_dev else 0)
+            if layer_shares is not None and layer.name in layer_shares:
+                f = [int(x) for x in layer_shares[layer.name]]
+                if len(f) != n_dev or sum(f) != layer.filters or min(f) < 0:
+                    raise ValueError(
+                        f"layer_shares: {layer.name!r} needs {n_dev} shares summing to "
+                        f"{layer.filters}, got {f}"
+                    )
+            else:
+                speeds = [float(x) for x in parts]
+                f = hetcoll.split(layer.filters, speeds, minimum=1 if layer.filters >= n_dev else 0)
             filters_of[i] = f
             phi[i, :] = np.asarray(f, dtype=np.float64) / layer.filters
             source = (i, phi[i].copy()) if mode == "split-output" else None
@@ -814,17 +857,540 @@ def filter_parallel(
     see the same full data everywhere. (:func:`filter_parallel_schedule` gives the step before
     it is timed.)
 
+    Its plan (:meth:`Prediction.to_plan`) is one replica of one stage over every device, split
+    by ``parts``, when the runtime splits the same way (every split layer has at least one
+    channel per device, and the modes are those of such a stage).
+
     >>> filter_parallel(costs, cluster, 64, [1.0, 0.5]).step_s  # doctest: +SKIP
     """
-    return filter_parallel_schedule(
+    used = filter_modes(costs) if modes is None else _check_modes(costs, modes)
+    pred = filter_parallel_schedule(
         costs,
         cluster,
         batch,
         parts,
-        modes=modes,
+        modes=used,
         optimizer_state_copies=optimizer_state_copies,
         strategy=strategy,
     ).prediction()
+    try:
+        pred.plan = _filter_parallel_plan(costs, batch, parts, used)
+    except ValueError as e:
+        pred.plan_note = str(e)
+    return pred
+
+
+# ---------------------------------------------------------------- plans: any shape
+
+
+def _data_parallel_plan(costs: ModelCosts, shares: Sequence[int]) -> Plan:
+    """One whole-model replica per device with samples."""
+    costs.check_plan_layers()
+    n = len(costs.plan_layers)
+    replicas = [
+        {"samples": int(b), "stages": [{"ranks": [d], "layers": [0, n]}]}
+        for d, b in enumerate(shares)
+        if b > 0
+    ]
+    if not replicas:
+        raise ValueError("shares: no device has samples")
+    return Plan.from_dict({"microbatches": 1, "schedule": "GPipe", "replicas": replicas})
+
+
+def _filter_parallel_plan(
+    costs: ModelCosts, batch: int, parts: Sequence[float], modes: Mapping[str, str]
+) -> Plan:
+    """One replica: one stage over every device, split by ``parts`` as the runtime would."""
+    costs.check_plan_layers()
+    n, p = len(costs.plan_layers), len(parts)
+    stage: dict[str, Any] = {"ranks": list(range(p)), "layers": [0, n]}
+    if p > 1:
+        if dict(modes) != costs.stage_filter_modes(0, n):
+            raise ValueError(
+                "the runtime pairs this model's layers differently in a stage (give modes="
+                "costs.stage_filter_modes(0, len(costs.plan_layers)))"
+            )
+        stage_split(costs, 0, n, p, None, "filter parallel")
+        stage["speeds"] = [float(x) for x in parts]
+    return Plan.from_dict({"microbatches": 1, "replicas": [{"samples": batch, "stages": [stage]}]})
+
+
+def stage_split(
+    costs: ModelCosts,
+    first: int,
+    end: int,
+    ranks: int,
+    shares: Mapping[int, Sequence[int]] | None,
+    where: str = "stage",
+) -> tuple[dict[str, str], dict[str, list[int]] | None]:
+    """The modes and explicit shares (by layer name) of a stage over plan layers
+    ``[first, end)`` split over ``ranks`` ranks, checked as :func:`hetcoll.torch.parallelize`
+    checks them (``ValueError`` naming ``where``): something to split, no grouped
+    convolution, at least one channel per rank; ``shares`` (plan layer index -> channels per
+    rank) name Conv2d / Linear layers of the stage and sum to their channels.
+
+    With explicit shares only the named layers are split; a pair of the full stage's modes
+    stays paired when both are named, else its named layer gathers. (The runtime pairs the
+    named layers by its rule; the two differ only when a named layer's neighbour in the full
+    pairing is not named but another one could pair with it.)
+    """
+    modes = costs.stage_filter_modes(first, end)
+    lo, hi = costs.plan_range(first, end)
+    by_name = {x.name: x for x in costs.layers[lo:hi]}
+    if not modes:
+        raise ValueError(
+            f"{where}: has {ranks} ranks but its layers hold no Conv2d or Linear to split"
+        )
+    for name in modes:
+        if by_name[name].groups != 1:
+            raise ValueError(
+                f"{where}: layer {name!r} is a grouped convolution (groups="
+                f"{by_name[name].groups}); filter parallelism splits groups=1 convolutions only"
+            )
+    if shares is None:
+        for name, mode in modes.items():
+            if mode != "split-input" and by_name[name].filters < ranks:
+                raise ValueError(
+                    f"{where}: layer {name!r} has {by_name[name].filters} channels, too few for "
+                    f"{ranks} ranks with at least 1 each"
+                )
+        return modes, None
+    named: dict[str, list[int]] = {}
+    for index, per_rank in shares.items():
+        kind = costs.plan_layer_kinds[index] if 0 <= index < len(costs.plan_layers) else ""
+        if not first <= index < end or kind not in ("Conv2d", "Linear"):
+            raise ValueError(
+                f"{where}.shares: layer {index} is not a Conv2d or Linear layer of the stage"
+            )
+        name = costs.plan_layers[index]
+        values = [int(v) for v in per_rank]
+        if len(values) != ranks or min(values) < 1 or sum(values) != by_name[name].filters:
+            raise ValueError(
+                f"{where}.shares[{index!r}]: needs {ranks} shares >= 1 summing to layer "
+                f"{name!r}'s {by_name[name].filters} channels, got {values}"
+            )
+        named[name] = values
+    pairs = costs.stage_filter_pairs(first, end)
+    source = {b: a for a, b in pairs.items()}
+    out: dict[str, str] = {}
+    for name in named:
+        if name in pairs and pairs[name] in named:
+            out[name] = "split-output"
+        elif name in source and source[name] in named:
+            if named[name] != named[source[name]]:
+                raise ValueError(
+                    f"{where}.shares: layer {name!r} reads the channels of {source[name]!r}, so "
+                    f"its shares must be {named[source[name]]}, got {named[name]}"
+                )
+            out[name] = "split-input"
+        else:
+            out[name] = "gather"
+    return out, {n: v for n, v in named.items() if out[n] != "split-input"}
+
+
+@dataclass(frozen=True)
+class _StageLayout:
+    """A stage as the simulation needs it: devices, costed layers ``[lo, hi)``, the bytes per
+    sample it sends the next stage, and how a filter-split stage splits."""
+
+    ranks: tuple[int, ...]
+    lo: int
+    hi: int
+    out_bytes_per_sample: float
+    parts: tuple[float, ...] = ()
+    modes: Mapping[str, str] | None = None
+    layer_shares: Mapping[str, Sequence[int]] | None = None
+
+
+@dataclass(frozen=True)
+class _ReplicaLayout:
+    samples: int
+    micro: tuple[int, ...]
+    stages: tuple[_StageLayout, ...]
+
+
+def _plan_layout(costs: ModelCosts, cluster: Cluster, plan: Plan) -> list[_ReplicaLayout]:
+    """The plan in costed layers, checked against the model and the cluster."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan: must be a hetcoll.Plan, got {type(plan).__name__}")
+    costs.check_plan_layers()
+    n_layers = len(costs.plan_layers)
+    if plan.num_layers != n_layers:
+        raise ValueError(
+            f"plan: its stages cover {plan.num_layers} layers but the model has {n_layers} "
+            f"({', '.join(costs.plan_layers)})"
+        )
+    missing = [r for r in plan.ranks if r >= cluster.num_devices]
+    if missing:
+        raise ValueError(
+            f"plan: names rank {missing[0]} but the cluster has {cluster.num_devices} devices"
+        )
+    out = []
+    for i, replica in enumerate(plan.replicas):
+        stages = []
+        for j, stage in enumerate(replica.stages):
+            first, end = stage.layers
+            lo, hi = costs.plan_range(first, end)
+            last = j + 1 == len(replica.stages)
+            sent = 0.0 if last else costs.plan_out_bytes[end - 1]
+            p = len(stage.ranks)
+            if p == 1:
+                stages.append(_StageLayout(stage.ranks, lo, hi, sent))
+                continue
+            where = f"plan.replicas[{i}].stages[{j}]"
+            modes, shares = stage_split(costs, first, end, p, stage.shares, where)
+            parts = stage.speeds if stage.speeds is not None else (1.0,) * p
+            stages.append(_StageLayout(stage.ranks, lo, hi, sent, tuple(parts), modes, shares))
+        out.append(_ReplicaLayout(replica.samples, tuple(plan.microbatch_sizes(i)), tuple(stages)))
+    return out
+
+
+@dataclass
+class _StageWork:
+    """One stage's work on one micro-batch size, per rank of the stage: forward and backward
+    as ("compute", s) and ("collective", layer, s) pieces, the causes of its compute
+    (compute, memory, overhead seconds), bytes of its weights, gradients and optimizer state,
+    activation bytes it keeps per sample, and its optimizer step."""
+
+    forward: list[list[tuple[Any, ...]]]
+    backward: list[list[tuple[Any, ...]]]
+    causes: np.ndarray  # (3, ranks)
+    state_bytes: np.ndarray
+    saved_per_sample: float
+    update_s: np.ndarray
+
+
+def _stage_work(
+    costs: ModelCosts,
+    cluster: Cluster,
+    stage: _StageLayout,
+    batch: int,
+    times: Any,
+    state_copies: int,
+) -> _StageWork:
+    lo, hi = stage.lo, stage.hi
+    if len(stage.ranks) == 1:
+        d = stage.ranks[0]
+        lt: LayerSeconds = times(batch)
+        owned = float(sum(x.param_bytes for x in costs.layers[lo:hi]))
+        mem_bw = cluster.devices[d].mem_bytes_per_s
+        return _StageWork(
+            [[("compute", float(lt.forward_s[lo:hi, d].sum()))]],
+            [[("compute", float(lt.backward_s[lo:hi, d].sum()))]],
+            np.array(
+                [
+                    [lt.compute_s[lo:hi, d].sum()],
+                    [lt.memory_s[lo:hi, d].sum()],
+                    [lt.overhead_s[lo:hi, d].sum()],
+                ]
+            ),
+            np.array([owned * (2 + state_copies)]),
+            float(sum(x.saved_bytes_per_sample for x in costs.layers[lo:hi])),
+            np.array([float(terms.optimizer_update_seconds(owned, mem_bw, state_copies))]),
+        )
+    from dataclasses import replace
+
+    assert stage.modes is not None
+    sub = replace(
+        costs,
+        layers=costs.layers[lo:hi],
+        filter_modes=tuple(stage.modes.items()),
+        plan_layers=(),
+        plan_layer_of=(),
+        plan_out_bytes=(),
+        plan_layer_kinds=(),
+        stage_modes=(),
+    )
+    sched = filter_parallel_schedule(
+        sub,
+        cluster.subset(stage.ranks),
+        batch,
+        stage.parts,
+        modes=stage.modes,
+        optimizer_state_copies=state_copies,
+        layer_shares=stage.layer_shares,
+    )
+    fwd, bwd, lt = [], [], sched.layers
+    for j in range(len(stage.ranks)):
+        f: list[tuple[Any, ...]] = []
+        b: list[tuple[Any, ...]] = []
+        for i in range(hi - lo):
+            f.append(("compute", float(lt.forward_s[i, j])))
+            if sched.forward_collective_s[i] > 0:
+                f.append(("collective", ("F", i), float(sched.forward_collective_s[i])))
+        for i in range(hi - lo - 1, -1, -1):
+            b.append(("compute", float(lt.backward_s[i, j])))
+            if sched.backward_collective_s[i] > 0:
+                b.append(("collective", ("B", i), float(sched.backward_collective_s[i])))
+        fwd.append(f)
+        bwd.append(b)
+    saved = sub.saved_bytes_per_sample()
+    return _StageWork(
+        fwd,
+        bwd,
+        np.stack([lt.compute_s.sum(axis=0), lt.memory_s.sum(axis=0), lt.overhead_s.sum(axis=0)]),
+        sched.memory_bytes - batch * saved,
+        saved,
+        sched.update_s,
+    )
+
+
+def _predict_layout(
+    costs: ModelCosts,
+    cluster: Cluster,
+    replicas: Sequence[_ReplicaLayout],
+    schedule: str,
+    state_copies: int,
+    strategy: str,
+) -> Prediction:
+    """Simulate one step of the laid-out plan (:func:`predict_plan`)."""
+    from hetcoll.torch.parallel import schedule_order
+
+    devices = cluster.devices
+    n_dev = len(devices)
+    dev = _device_arrays(devices)
+    cache: dict[int, LayerSeconds] = {}
+
+    def times(b: int) -> LayerSeconds:
+        if b not in cache:
+            cache[b] = _layer_times(costs, dev, np.full(n_dev, b))
+        return cache[b]
+
+    programs: list[list[tuple[Any, ...]]] = [[] for _ in range(n_dev)]
+    collectives: dict[object, tuple[int, float]] = {}
+    causes = np.zeros((3, n_dev))
+    state = np.zeros(n_dev)
+    activations = np.zeros(n_dev)
+    update = np.zeros(n_dev)
+    samples = [0] * n_dev
+    holders: list[set[int]] = [set() for _ in costs.layers]
+    for r, rep in enumerate(replicas):
+        n_st, m = len(rep.stages), len(rep.micro)
+        for s, stage in enumerate(rep.stages):
+            for i in range(stage.lo, stage.hi):
+                holders[i].update(stage.ranks)
+            work = {
+                b: _stage_work(costs, cluster, stage, b, times, state_copies)
+                for b in sorted(set(rep.micro))
+            }
+            any_work = work[rep.micro[0]]
+            order = schedule_order(schedule, s, n_st, m)
+            # Activations kept at once: every micro-batch under GPipe; under 1F1B the forwards
+            # a stage runs ahead of its first backward, plus one.
+            ahead = m if schedule == "GPipe" else min(n_st - s, m)
+            kept = sum(sorted(rep.micro, reverse=True)[:ahead])
+            lead = stage.ranks[0]
+            prev = rep.stages[s - 1] if s > 0 else None
+            nxt = rep.stages[s + 1] if s + 1 < n_st else None
+            for j, d in enumerate(stage.ranks):
+                samples[d] = rep.samples
+                state[d] = any_work.state_bytes[j]
+                update[d] = any_work.update_s[j]
+                activations[d] = any_work.saved_per_sample * kept
+                prog = programs[d]
+                for op, k in order:
+                    w = work[rep.micro[k]]
+                    if op == "F":
+                        causes[:, d] += w.causes[:, j]  # forward and backward
+                        if prev is not None:
+                            prog.append(("recv", ("act", r, s, k, d)))
+                        pieces = w.forward[j]
+                    else:
+                        if nxt is not None:
+                            prog.append(("recv", ("grad", r, s, k, d)))
+                        pieces = w.backward[j]
+                    for piece in pieces:
+                        if piece[0] == "compute":
+                            if prog and prog[-1][0] == "compute":
+                                prog[-1] = ("compute", prog[-1][1] + piece[1])
+                            else:
+                                prog.append(piece)
+                        else:
+                            key = (r, s, k, op, piece[1])
+                            collectives[key] = (len(stage.ranks), piece[2])
+                            prog.append(("collective", key))
+                    if d != lead:
+                        continue
+                    to, kind, nbytes = (
+                        (nxt, "act", stage.out_bytes_per_sample)
+                        if op == "F"
+                        else (prev, "grad", prev.out_bytes_per_sample if prev else 0.0)
+                    )
+                    if to is None:
+                        continue
+                    at = s + 1 if op == "F" else s - 1
+                    sends = []
+                    for e in to.ranks:
+                        link = cluster.link_between(d, e)
+                        sends.append(
+                            (
+                                (kind, r, at, k, e),
+                                link.latency_s,
+                                nbytes * rep.micro[k] / link.bytes_per_s,
+                            )
+                        )
+                    prog.append(("send", tuple(sends)))
+                prog.append(("wait_sends",))
+    # Gradients of parameters held in several replicas: one allreduce of full-size buffers per
+    # set of holders, in layer order.
+    groups: dict[tuple[int, ...], float] = {}
+    if len(replicas) > 1:
+        for i, layer in enumerate(costs.layers):
+            if layer.param_bytes > 0 and holders[i]:
+                held_by = tuple(sorted(holders[i]))
+                groups[held_by] = groups.get(held_by, 0.0) + layer.param_bytes
+    reduce_s = 0.0
+    for g, (ranks, nbytes) in enumerate(groups.items()):
+        sub = cluster.subset(list(ranks))
+        link = sub.ring_link()
+        seconds = float(
+            terms.ring_allreduce_seconds(
+                nbytes,
+                len(ranks),
+                link.latency_s,
+                link.bytes_per_s,
+                min(devices[d].mem_bytes_per_s for d in ranks),
+                costs.itemsize,
+            )
+        )
+        collectives[("sum", g)] = (len(ranks), seconds)
+        reduce_s += seconds
+        for d in ranks:
+            programs[d].append(("collective", ("sum", g)))
+            state[d] += nbytes  # the full-size buffer the gradients are summed in
+    # The loss, summed over every rank of the group (one float64).
+    link = cluster.ring_link()
+    loss_s = float(
+        terms.ring_allreduce_seconds(
+            8.0, n_dev, link.latency_s, link.bytes_per_s, float(dev.mem_bytes_per_s.min()), 8
+        )
+    )
+    collectives["loss"] = (n_dev, loss_s)
+    for prog in programs:
+        prog.append(("collective", "loss"))
+    finish, in_collectives = terms.schedule_finish_seconds(programs, collectives)
+    end = np.asarray(finish) + update
+    step = float(end.max())
+    busy = causes.sum(axis=0)
+    crit = int(np.argmax(busy))
+    breakdown = {
+        "compute": float(causes[0, crit]),
+        "memory": float(causes[1, crit]),
+        "overhead": float(causes[2, crit]),
+        "communication": float(in_collectives[crit]),
+        "optimizer": float(update.max()),
+    }
+    breakdown["bubble"] = max(0.0, step - sum(breakdown.values()))
+    mem = state + activations
+    reason = _memory_shortfall(mem, devices)
+    return Prediction(
+        strategy,
+        samples,
+        "samples of its replica",
+        step,
+        breakdown,
+        [float(x) for x in mem],
+        not reason,
+        reason,
+        sum(rep.samples for rep in replicas),
+        {
+            "schedule": schedule,
+            "micro_batches": max(len(rep.micro) for rep in replicas),
+            "replicas": len(replicas),
+            "stages": max(len(rep.stages) for rep in replicas),
+            "idle_devices": [d for d in range(n_dev) if samples[d] == 0],
+            "gradient_allreduce_s": reduce_s,
+            "loss_allreduce_s": loss_s,
+        },
+    )
+
+
+def predict_plan(
+    costs: ModelCosts,
+    cluster: Cluster,
+    plan: Plan,
+    *,
+    optimizer_state_copies: int = 1,
+    strategy: str = "plan",
+) -> Prediction:
+    """One step of ``plan`` (device i = rank i) as :func:`hetcoll.torch.parallelize` runs it.
+
+    Each replica cuts its samples into the plan's micro-batches (uneven when they do not
+    divide) and runs them through its stages under the plan's schedule (GPipe or 1F1B). A
+    one-rank stage computes its layers (the terms :func:`data_parallel` uses); a stage over
+    several ranks is the filter-parallel step of its layers on those ranks
+    (:func:`filter_parallel_schedule`, modes as the runtime pairs the stage's layers: see
+    :meth:`ModelCosts.stage_filter_modes`), ranks in lock step between its collectives. A
+    stage's first rank sends its output to every rank of the next stage, and the gradient
+    back, over the link between them (:func:`terms.point_to_point_seconds`; non-blocking,
+    one message after another on the sender's link). Then the parameters held by several
+    replicas are summed (one ring allreduce of full-size buffers per set of holders), every
+    rank sums the loss (one float), and each device updates what it holds. The schedule's
+    dependency graph is simulated event by event (:func:`terms.schedule_finish_seconds`), not
+    a closed formula. Idle devices compute nothing; they join the loss allreduce.
+
+    ``shares`` are the samples of each device's replica (0: idle); ``breakdown``: the busiest
+    device's compute, memory stalls, kernel overheads and collectives, the optimizer, and
+    the rest (``bubble``: waiting for other stages and ranks). Raises ``ValueError`` when the
+    plan does not fit the model (layer count, a split the runtime refuses) or the cluster.
+
+    >>> predict_plan(costs, cluster, Plan.load("plan.json")).step_s  # doctest: +SKIP
+    """
+    layout = _plan_layout(costs, cluster, plan)
+    pred = _predict_layout(costs, cluster, layout, plan.schedule, optimizer_state_copies, strategy)
+    pred.plan = plan
+    return pred
+
+
+def _pipeline_units(costs: ModelCosts) -> list[int]:
+    """Where a pipeline may cut, in costed layers: the start of every plan layer that holds a
+    costed layer (a plan layer without one, such as a traced ``torch.flatten``, goes with the
+    layer before it), or every layer when the model has no plan layers."""
+    if not costs.plan_layers:
+        return list(range(len(costs.layers) + 1))
+    of = costs.plan_layer_of
+    cuts = [0] + [i for i in range(1, len(of)) if of[i] != of[i - 1]]
+    return [*cuts, len(of)]
+
+
+def pipeline_stages(
+    costs: ModelCosts, cluster: Cluster, batch: int, micro_batches: int
+) -> list[int]:
+    """Layers per device (costed layers, in device order) of the exact chain partition on
+    the devices' speeds for this model (:func:`hetcoll.partition_chain`), at a micro-batch of
+    ``ceil(batch / micro_batches)``, cutting only where a :class:`hetcoll.Plan` can (between
+    top-level layers)."""
+    n_dev = cluster.num_devices
+    micro = math.ceil(batch / micro_batches)
+    lt = _layer_times(costs, _device_arrays(cluster.devices), np.full(n_dev, micro))
+    per_layer_dev = lt.forward_s + lt.backward_s
+    cuts = _pipeline_units(costs)
+    unit_flops = [
+        sum(x.forward_flops(micro) + x.backward_flops(micro) for x in costs.layers[a:b])
+        for a, b in itertools.pairwise(cuts)
+    ]
+    total_flops = max(sum(unit_flops), 1e-30)
+    speeds = [total_flops / max(float(per_layer_dev[:, d].sum()), 1e-30) for d in range(n_dev)]
+    link = cluster.ring_link()
+    bandwidth = link.bytes_per_s if math.isfinite(link.bytes_per_s) else None
+    boundary = [2 * _boundary_bytes(costs, b) * micro for b in cuts[1:-1]]
+    units = hetcoll.partition_chain(
+        unit_flops, speeds, boundary_bytes=boundary if bandwidth else None, bandwidth=bandwidth
+    )
+    out, at = [], 0
+    for u in units:
+        out.append(cuts[at + u] - cuts[at])
+        at += u
+    return out
+
+
+def _boundary_bytes(costs: ModelCosts, cut: int) -> float:
+    """Bytes per sample a stage ending before costed layer ``cut`` sends: its plan layer's
+    output when the cut is between plan layers, else the last costed layer's."""
+    of = costs.plan_layer_of
+    if of and 0 < cut < len(of) and of[cut - 1] != of[cut]:
+        return costs.plan_out_bytes[of[cut] - 1]
+    return costs.layers[cut - 1].out_bytes_per_sample
 
 
 def pipeline(
@@ -836,11 +1402,15 @@ def pipeline(
     layers_per_device: Sequence[int] | None = None,
     optimizer_state_copies: int = 1,
     strategy: str = "pipeline",
+    schedule: str = "GPipe",
 ) -> Prediction:
-    """One GPipe step: ``batch`` in ``micro_batches`` micro-batches through contiguous stages
-    (``layers_per_device``, default: the exact chain partition on the devices' speeds for this
-    model); each stage hands its output forward and the gradient back over the link to the next
-    non-empty device. Step = (m + S - 1) x slowest stage + optimizer; the bubble is the S - 1.
+    """One pipeline step: ``batch`` in ``micro_batches`` near-equal micro-batches through
+    contiguous one-device stages (``layers_per_device``, costed layers in device order;
+    default :func:`pipeline_stages`), each stage handing its output forward and the gradient
+    back to the next non-empty device, under ``schedule`` (GPipe or 1F1B). The step is
+    :func:`predict_plan`'s simulation of that plan (devices without layers idle): for equal
+    stages and micro-batches on free links, ``(m + S - 1)`` times a stage's forward and
+    backward (:func:`terms.pipeline_seconds`). ``shares`` are layers per device.
     """
     devices = cluster.devices
     n_dev, n_layers = len(devices), len(costs.layers)
@@ -850,80 +1420,68 @@ def pipeline(
         raise ValueError(
             f"batch: must be an integer >= micro_batches ({micro_batches}), got {batch!r}"
         )
-    micro = math.ceil(batch / micro_batches)
-    dev = _device_arrays(devices)
-    lt = _layer_times(costs, dev, np.full(n_dev, micro))
-    per_layer_dev = lt.forward_s + lt.backward_s  # (layers, devices), one micro-batch
+    if schedule not in ("GPipe", "1F1B"):
+        raise ValueError(f"schedule: must be 'GPipe' or '1F1B', got {schedule!r}")
     if layers_per_device is None:
-        layer_flops = [x.forward_flops(micro) + x.backward_flops(micro) for x in costs.layers]
-        total_flops = max(sum(layer_flops), 1e-30)
-        speeds = [total_flops / max(float(per_layer_dev[:, d].sum()), 1e-30) for d in range(n_dev)]
-        link = cluster.ring_link()
-        bandwidth = link.bytes_per_s if math.isfinite(link.bytes_per_s) else None
-        boundary = [2 * x.out_bytes_per_sample * micro for x in costs.layers[:-1]]
-        layers_per_device = hetcoll.partition_chain(
-            layer_flops,
-            speeds,
-            boundary_bytes=boundary if bandwidth else None,
-            bandwidth=bandwidth,
-        )
+        layers_per_device = pipeline_stages(costs, cluster, batch, micro_batches)
     counts = _check_shares(layers_per_device, n_dev, "layers_per_device")
     if int(counts.sum()) != n_layers:
         raise ValueError(
             f"layers_per_device: must sum to {n_layers} layers, got {int(counts.sum())}"
         )
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    stages = [d for d in range(n_dev) if counts[d] > 0]
-    stage_s, hand_s = {}, {}
-    for k, d in enumerate(stages):
-        lo, hi = int(starts[d]), int(starts[d + 1])
-        stage_s[d] = float(per_layer_dev[lo:hi, d].sum())
-        hand_s[d] = 0.0
-        if k + 1 < len(stages):
-            link_k = cluster.link_between(d, stages[k + 1])
-            # activation forward, its gradient backward
-            hand_s[d] = 2 * float(
-                terms.point_to_point_seconds(
-                    costs.layers[hi - 1].out_bytes_per_sample * micro,
-                    link_k.latency_s,
-                    link_k.bytes_per_s,
-                )
-            )
-    slowest = max(stages, key=lambda d: stage_s[d] + hand_s[d])
-    slow_s = stage_s[slowest] + hand_s[slowest]
-    n_st = len(stages)
-    param_bytes = np.zeros(n_dev)
-    saved = np.zeros(n_dev)
-    for d in stages:
-        lo, hi = int(starts[d]), int(starts[d + 1])
-        param_bytes[d] = sum(x.param_bytes for x in costs.layers[lo:hi])
-        saved[d] = sum(x.saved_bytes_per_sample for x in costs.layers[lo:hi])
-    opt = np.asarray(
-        terms.optimizer_update_seconds(param_bytes, dev.mem_bytes_per_s, optimizer_state_copies)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+    used = [d for d in range(n_dev) if counts[d] > 0]
+    stages = tuple(
+        _StageLayout(
+            (d,),
+            int(starts[d]),
+            int(starts[d + 1]),
+            _boundary_bytes(costs, int(starts[d + 1])) if k + 1 < len(used) else 0.0,
+        )
+        for k, d in enumerate(used)
     )
-    step = float(terms.pipeline_seconds(slow_s, n_st, micro_batches)) + float(opt.max())
-    lo, hi = int(starts[slowest]), int(starts[slowest + 1])
-    m = micro_batches
-    breakdown = {
-        "compute": m * float(lt.compute_s[lo:hi, slowest].sum()),
-        "memory": m * float(lt.memory_s[lo:hi, slowest].sum()),
-        "overhead": m * float(lt.overhead_s[lo:hi, slowest].sum()),
-        "communication": m * hand_s[slowest],
-        "bubble": float(terms.pipeline_bubble_seconds(slow_s, n_st)),
-        "optimizer": float(opt.max()),
-    }
-    # GPipe keeps every micro-batch's activations until its backward.
-    mem = param_bytes * (2 + optimizer_state_copies) + saved * micro * micro_batches
-    reason = _memory_shortfall(mem, devices)
-    return Prediction(
+    q, rem = divmod(batch, micro_batches)
+    micro = tuple([q + 1] * rem + [q] * (micro_batches - rem))
+    pred = _predict_layout(
+        costs,
+        cluster,
+        [_ReplicaLayout(batch, micro, stages)],
+        schedule,
+        optimizer_state_copies,
         strategy,
-        [int(x) for x in counts],
-        "layers",
-        step,
-        breakdown,
-        [float(x) for x in mem],
-        not reason,
-        reason,
-        batch,
-        {"micro_batches": micro_batches, "stages": n_st},
+    )
+    pred.shares = [int(x) for x in counts]
+    pred.share_unit = "layers"
+    try:
+        pred.plan = _pipeline_plan(costs, stages, batch, micro_batches, schedule)
+    except ValueError as e:
+        pred.plan_note = str(e)
+    return pred
+
+
+def _pipeline_plan(
+    costs: ModelCosts,
+    stages: Sequence[_StageLayout],
+    batch: int,
+    micro_batches: int,
+    schedule: str,
+) -> Plan:
+    costs.check_plan_layers()
+    of, n = costs.plan_layer_of, len(costs.plan_layers)
+    out = []
+    for k, st in enumerate(stages):
+        if k + 1 < len(stages) and of[st.hi - 1] == of[st.hi]:
+            raise ValueError(
+                f"layers_per_device: the stage of device {st.ranks[0]} ends inside top-level "
+                f"layer {costs.plan_layers[of[st.hi]]!r}; a plan cuts between top-level layers"
+            )
+        first = 0 if k == 0 else of[st.lo]
+        end = n if k + 1 == len(stages) else of[st.hi]
+        out.append({"ranks": list(st.ranks), "layers": [first, end]})
+    return Plan.from_dict(
+        {
+            "microbatches": micro_batches,
+            "schedule": schedule,
+            "replicas": [{"samples": batch, "stages": out}],
+        }
     )

@@ -327,3 +327,95 @@ class _Timeline:
                     del self.sleeping[r]
                     self.todo[r].pop(0)
                     self._next(r)
+
+
+def schedule_finish_seconds(
+    programs: list[list[tuple]], collectives: dict[object, tuple[int, float]]
+) -> tuple[list[float], list[float]]:
+    """When each device finishes its program, all starting at 0: the dependency graph of a
+    step (pipeline stages, filter-split stages, replicas) simulated event by event rather than
+    by a closed formula, so uneven stages and micro-batches cost what they cost. A program is a
+    list of operations run in order:
+
+    - ``("compute", s)``: ``s`` seconds of work;
+    - ``("send", ((message, latency_s, transfer_s), ...))``: non-blocking sends, one after
+      another over the device's outgoing link (each occupies it ``transfer_s``; ``message``
+      arrives ``latency_s + transfer_s`` after its start);
+    - ``("recv", message)``: waits until ``message`` has arrived;
+    - ``("collective", key)``: a collective of ``collectives[key] = (participants, s)``: it
+      starts when the last participant reaches it and ends ``s`` later for all of them;
+    - ``("wait_sends",)``: waits until every message the device sent has arrived.
+
+    Returns each device's finish time and the seconds it spent inside collectives. Raises
+    ``ValueError`` if the programs deadlock (a receive with no send, a collective short of
+    participants). Not in PyDTNN, whose pipeline is the closed form :func:`pipeline_seconds`,
+    which this reproduces for equal stages and micro-batches on free links.
+
+    >>> f, b = ("compute", 1.0), ("compute", 2.0)
+    >>> send, recv = ("send", (("x", 0.0, 0.5),)), ("recv", "x")
+    >>> schedule_finish_seconds([[f, send], [recv, b]], {})[0]
+    [1.0, 3.5]
+    >>> schedule_finish_seconds([[f, ("collective", 0)], [b, ("collective", 0)]], {0: (2, 1.0)})
+    ([3.0, 3.0], [1.0, 1.0])
+    """
+    n = len(programs)
+    now = [0.0] * n
+    pc = [0] * n
+    link_free = [0.0] * n
+    sent_until = [0.0] * n
+    in_collectives = [0.0] * n
+    pending: list[object] = [None] * n  # the collective a device waits in, once counted
+    arrival: dict[object, float] = {}
+    joined: dict[object, tuple[int, float]] = {}
+    ends: dict[object, float] = {}
+    left = sum(len(p) for p in programs)
+    while left:
+        moved = 0
+        for d in range(n):
+            prog, i, t = programs[d], pc[d], now[d]
+            while i < len(prog):
+                op = prog[i]
+                kind = op[0]
+                if kind == "compute":
+                    t += op[1]
+                elif kind == "send":
+                    for message, latency_s, transfer_s in op[1]:
+                        start = max(t, link_free[d])
+                        link_free[d] = start + transfer_s
+                        arrival[message] = start + latency_s + transfer_s
+                        sent_until[d] = max(sent_until[d], arrival[message])
+                elif kind == "recv":
+                    at = arrival.get(op[1])
+                    if at is None:
+                        break
+                    t = max(t, at)
+                elif kind == "collective":
+                    key = op[1]
+                    end = ends.get(key)
+                    if end is None:
+                        need, seconds = collectives[key]
+                        if pending[d] != key:
+                            pending[d] = key
+                            count, latest = joined.get(key, (0, 0.0))
+                            joined[key] = (count + 1, max(latest, t))
+                        count, latest = joined[key]
+                        if count < need:
+                            break
+                        end = ends[key] = latest + seconds
+                    pending[d] = None
+                    in_collectives[d] += collectives[key][1]
+                    t = end
+                elif kind == "wait_sends":
+                    t = max(t, sent_until[d])
+                else:
+                    raise ValueError(f"programs: unknown operation {kind!r}")
+                i += 1
+            moved += i - pc[d]
+            pc[d], now[d] = i, t
+        if not moved:
+            stuck = [
+                f"device {d}: {programs[d][pc[d]]!r}" for d in range(n) if pc[d] < len(programs[d])
+            ]
+            raise ValueError("programs: deadlock; waiting: " + "; ".join(stuck[:4]))
+        left -= moved
+    return now, in_collectives
