@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from hetcoll import Plan
 from hetcoll.lab.demo import DemoConfig, format_table, plot, run, summary_rows
 
 pytestmark = pytest.mark.multiproc
@@ -37,6 +38,23 @@ def test_demo_gloo_runs_learn_the_same_model(tmp_path):
     png = tmp_path / "demo.png"
     plot(report, str(png))
     assert png.stat().st_size > 10_000
+
+
+def test_demo_plan_strategy_runs_the_planners_plan(tmp_path):
+    cfg = DemoConfig(speeds=(1.0, 0.25), epochs=2, global_batch=48, progress=False, strategy="plan")
+    report = run(cfg)
+    chosen = report["chosen"]
+    plan = Plan.from_dict(chosen["plan"])  # a plan the runtime ran
+    assert plan.batch == 48 and chosen["predicted_step_s"] > 0
+    rows = {r["run"]: r for r in summary_rows(report)}
+    assert set(rows) == {"unbalanced", "plan"}
+    assert rows["plan"]["shares"] == [r.samples for r in plan.replicas]
+    # The plan trains whole global batches only (1437 // 48 of them an epoch).
+    assert [e["samples"] for e in report["runs"]["plan"]["epochs"]] == [29 * 48] * 2
+    # Same data and initial weights, both learn: far above chance after two epochs.
+    assert rows["plan"]["test_accuracy"] > 0.3 and rows["unbalanced"]["test_accuracy"] > 0.3
+    assert "plan / even DDP throughput" in format_table(report)
+    plot(report, str(tmp_path / "demo.png"))
 
 
 def test_demo_cli_mpi_json(tmp_path):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -97,6 +98,9 @@ def _train_plan(engine: Engine, cfg: DemoConfig, plan: Plan) -> RunResult:
     par = parallelize(DemoNet(), plan, loss_fn=nn.CrossEntropyLoss(), group=engine.group)
     if par.stage is not None:
         slow_down(par.stage, cfg.speeds[rank])
+        # The first stage's input needs no gradient, so torch warns that its first layer's
+        # backward hook fires on outputs only: that layer's backward is not slowed.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
     opt = torch.optim.SGD(par.parameters(), lr=cfg.lr, momentum=0.9)
     result = RunResult("plan", [r.samples for r in plan.replicas])
     gen = torch.Generator().manual_seed(cfg.seed)
