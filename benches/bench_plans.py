@@ -311,12 +311,18 @@ def _quartiles(xs: Sequence[float]) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--launches", type=int, default=3, help="launches of the three ranks")
-    ap.add_argument("--steps", type=int, default=30, help="timed steps per configuration")
+    ap.add_argument("--steps", type=int, default=40, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--only", nargs="+", metavar="PLAN", help="run only these plans (names)")
     args = ap.parse_args(argv)
     costs = layer_seconds()
     plan_dicts = plans(costs)
+    if args.only:
+        unknown = sorted(set(args.only) - set(plan_dicts))
+        if unknown:
+            ap.error(f"--only: no plan named {unknown[0]!r} (plans: {', '.join(plan_dicts)})")
+        plan_dicts = {k: v for k, v in plan_dicts.items() if k in args.only}
     predict = predictor()
     launches = []
     for _ in range(args.launches):
