@@ -22,8 +22,9 @@ Peer, in the same launch: the pipeline's stages and micro-batches under
 Heterogeneity is *emulated* the same way for every run: each rank slows its own stage with
 :func:`hetcoll.lab.emulate.slow_down` (each layer sleeps ``(1/speed - 1)`` times its own forward
 and backward). A step is forward, backward and an SGD step; its time is the slowest rank's
-(barrier, step, max over ranks), the configurations taking turns step by step; the figure is
-the median over steps after warm-up, and over launches the median of the launches' medians.
+(barrier, step, max over ranks), the configurations taking turns step by step in an order
+shuffled every step; the figure is the median over steps after warm-up, and over launches the
+median of the launches' medians.
 
 ``predicted_s`` is ``hetcoll.model.predict_plan``'s step for the emulated cluster when the
 library has it (null otherwise).
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -252,7 +254,12 @@ def _rank(
             runs[f"torch {TORCH_PEERS[name]}"] = _torch_step(plan, TORCH_PEERS[name], rank, speed)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(warmup + steps):
-        for name, step in runs.items():
+        # A new order every step (the same on every rank), so that no configuration always
+        # follows the same other one.
+        order = list(runs)
+        random.Random(i).shuffle(order)
+        for name in order:
+            step = runs[name]
             dist.barrier()
             t0 = time.perf_counter()
             step()

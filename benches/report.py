@@ -992,8 +992,8 @@ def adapt_plans(raw: Sequence[Path], command: str) -> dict[str, Any]:
                 "notes": [
                     f"Measured: the median over {launches} launch(es) of each launch's median "
                     f"over {steps} steps of the slowest rank's step (forward, backward, SGD "
-                    "step), the configurations taking turns step by step; IQR: the median "
-                    "over launches of the steps' interquartile range.",
+                    "step), the configurations taking turns in an order shuffled every step; "
+                    "IQR: the median over launches of the steps' interquartile range.",
                     "Predicted: `hetcoll.model.predict_plan` for the emulated cluster (– while "
                     "the library has none); error = predicted / measured - 1.",
                 ],
