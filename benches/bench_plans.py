@@ -57,9 +57,9 @@ CLASSES = 10
 
 
 def conv_net() -> nn.Sequential:
-    """15 layers, ~25 ms forward + backward on one core for a micro-batch of 16 (3 x 16 x 16),
-    nearly all of it in the five convolutions; ReLUs not in place (the emulation's backward
-    hooks forbid it)."""
+    """15 layers, ~15 ms forward + backward on one quiet core for a micro-batch of 16
+    (3 x 16 x 16), nearly all of it in the five convolutions; ReLUs not in place (the
+    emulation's backward hooks forbid it)."""
     return nn.Sequential(
         nn.Conv2d(3, 32, 3, padding=1),
         nn.ReLU(),
