@@ -53,16 +53,18 @@ PYBENCH := $(PY) -m pytest -p no:cacheprovider -o python_files='bench_*.py' -q -
 	--benchmark-columns=median,iqr,rounds --benchmark-sort=name
 COLLECTIVES_RUN    := benches/bench_collectives.py --ranks 2 4 --max-mib 256 --json $(RAW)/collectives.json
 FILTER_PARALLEL_RUN := benches/bench_filter_parallel.py --json $(RAW)/filter_parallel.json
+PLANS_RUN          := benches/bench_plans.py --launches 3 --json $(RAW)/plans.json
 
 .PHONY: bench-report bench-kernels bench-split bench-partition bench-partitioners bench-planner \
-	bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate
+	bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate bench-plans
 
 $(BENCHED): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet --group bench
 	touch $@
 
 bench: bench-kernels bench-split bench-partition bench-partitioners bench-planner \
-		bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate
+		bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate \
+		bench-plans
 	$(MAKE) bench-report
 
 bench-report:
@@ -108,6 +110,11 @@ bench-model-validate: $(BUILT) $(BENCHED)
 	$(VENV)/bin/hetcoll model validate --json > $(RAW)/model_validate.json
 	$(PY) benches/report.py import model-validate $(RAW)/model_validate.json \
 		--command "hetcoll model validate --json > $(RAW)/model_validate.json"
+
+bench-plans: $(BUILT) $(BENCHED)
+	mkdir -p $(RAW)
+	$(PY) $(PLANS_RUN)
+	$(PY) benches/report.py import plans $(RAW)/plans.json --command "python $(PLANS_RUN)"
 
 bench-rust:
 	cargo bench -p hetcoll-core

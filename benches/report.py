@@ -4,9 +4,9 @@ This is lab code: the benchmarks live beside the library and may import it; the 
 imports them. Every benchmark writes ``benches/results/<name>.json`` in the format below (the
 pytest-benchmark suites through ``benches/conftest.py --results-json``, ``compare_partitioners.py``
 through ``--json``); the scripts that keep their own JSON (``bench_collectives.py``,
-``bench_filter_parallel.py``, ``hetcoll model validate --json``) are converted by the adapters
-here (``report.py import KIND RAW...``). Then ``report.py`` renders every results file into
-docs/benchmarks.md, the same bytes for the same JSON.
+``bench_filter_parallel.py``, ``bench_plans.py``, ``hetcoll model validate --json``) are converted
+by the adapters here (``report.py import KIND RAW...``). Then ``report.py`` renders every results
+file into docs/benchmarks.md, the same bytes for the same JSON.
 
     python benches/report.py                      # write docs/benchmarks.md
     python benches/report.py --check              # exit 1 if docs/benchmarks.md is stale
@@ -69,6 +69,7 @@ EXPECTED: tuple[tuple[str, str], ...] = (
     ("collectives", "bench-collectives"),
     ("filter_parallel", "bench-filter-parallel"),
     ("model_validate", "bench-model-validate"),
+    ("plans", "bench-plans"),
 )
 
 Cell = str | int | float | bool | None
@@ -891,10 +892,155 @@ def adapt_model_validate(raw: Sequence[Path], command: str) -> dict[str, Any]:
     )
 
 
+def _stages(plan: dict[str, Any], where: str) -> tuple[str, str]:
+    """A plan's samples per replica and its stages, for a table: ``"43 + 21"`` and
+    ``"rank 0: layers 0-15 / rank 1: 0-8, rank 2: 8-15"`` (replicas split by ``/``)."""
+    replicas = _need(plan, "replicas", where)
+    samples = " + ".join(str(_need(r, "samples", where)) for r in replicas)
+    parts = []
+    for r in replicas:
+        stages = []
+        for s in _need(r, "stages", where):
+            ranks, (lo, hi) = _need(s, "ranks", where), _need(s, "layers", where)
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ",".join(map(str, ranks))
+            stages.append(f"{who}: {lo}-{hi}")
+        parts.append(", ".join(stages))
+    return samples, " / ".join(parts)
+
+
+def adapt_plans(raw: Sequence[Path], command: str) -> dict[str, Any]:
+    """A ``bench_plans.py --json`` file (its launches' medians per plan, and torch's for the
+    pipeline) as a results file."""
+    if len(raw) != 1:
+        raise ResultError("plans: give one bench_plans.py --json file")
+    path = raw[0]
+    data = _raw_json(path, "bench_plans.py --json")
+    speeds = ":".join(f"{s:g}" for s in _need(data, "speeds", str(path)))
+    ranks = len(_need(data, "speeds", str(path)))
+    batch = _need(data, "batch", str(path))
+    microbatches = _need(data, "microbatches", str(path))
+    launches = _need(data, "launches", str(path))
+    steps = _need(data, "steps", str(path))
+    layer_ms = sum(_need(data, "layer_seconds", str(path))) * 1e3
+    rows, versus, headlines = [], [], []
+    for i, row in enumerate(_need(data, "plans", str(path))):
+        where = f"{path}: plans[{i}]"
+        name = _need(row, "name", where)
+        samples, stages = _stages(_need(row, "plan", where), f"{where}.plan")
+        measured = _need(row, "measured_s", where)
+        predicted = _need(row, "predicted_s", where)
+        per_launch = _need(row, "measured_s_per_launch", where)
+        iqr = statistics.median(q3 - q1 for q1, q3 in _need(row, "quartiles_s_per_launch", where))
+        vs = _need(row, "vs_torch_pipelining", where)
+        rows.append(
+            [
+                name,
+                samples,
+                stages,
+                predicted * 1e3 if predicted is not None else None,
+                measured * 1e3,
+                ", ".join(f"{m * 1e3:.1f}" for m in per_launch),
+                iqr * 1e3,
+                predicted / measured - 1 if predicted is not None else None,
+                vs,
+            ]
+        )
+        if vs is None:
+            continue
+        peer = _need(row, "torch_schedule", where)
+        torch_s = _need(row, "torch_s_per_launch", where)
+        ratios = _need(row, "vs_torch_per_launch", where)
+        versus.append(
+            [
+                name,
+                f"torch {peer}",
+                statistics.median(per_launch) * 1e3,
+                statistics.median(torch_s) * 1e3,
+                ", ".join(f"{r:.2f}" for r in ratios),
+                vs,
+            ]
+        )
+        headlines.append(
+            (
+                f"{name}, {ranks} ranks at emulated speeds {speeds}: torch.distributed."
+                f"pipelining's step / hetcoll's",
+                f"{vs:.2f}x (runs: {', '.join(f'{r:.2f}' for r in ratios)})",
+            )
+        )
+    return _result(
+        "plans",
+        "Plans: pipelines, asymmetric replicas, filter-split stages, device subsets",
+        command,
+        raw,
+        [
+            {
+                "title": "Step time by plan",
+                "peer": "the pipeline's stages and micro-batches under "
+                "torch.distributed.pipelining, same schedule, in the same launch (last column)",
+                "columns": [
+                    _col("plan"),
+                    _col("samples per replica"),
+                    _col("stages (ranks: layers; replicas split by /)"),
+                    _col("predicted (ms)", "{:.1f}"),
+                    _col("measured (ms)", "{:.1f}"),
+                    _col("launches (ms)"),
+                    _col("IQR within a launch (ms)", "{:.1f}"),
+                    _col("error", "{:+.1%}"),
+                    _col("vs torch.distributed.pipelining (torch / hetcoll)", RATIO),
+                ],
+                "rows": rows,
+                "notes": [
+                    f"Measured: the median over {launches} launch(es) of each launch's median "
+                    f"over {steps} steps of the slowest rank's step (forward, backward, SGD "
+                    "step), the configurations taking turns in an order shuffled every step; "
+                    "IQR: the median over launches of the steps' interquartile range.",
+                    "Predicted: `hetcoll.model.predict_plan` for the emulated cluster (– while "
+                    "the library has none); error = predicted / measured - 1.",
+                ],
+            },
+            {
+                "title": "Against torch.distributed.pipelining",
+                "peer": "`PipelineStage` + `ScheduleGPipe` / `Schedule1F1B` on the same "
+                "stages, micro-batches and emulated speeds, in the same launch",
+                "columns": [
+                    _col("hetcoll plan"),
+                    _col("peer"),
+                    _col("hetcoll (ms)", "{:.1f}"),
+                    _col("torch (ms)", "{:.1f}"),
+                    _col("torch / hetcoll, per launch"),
+                    _col("torch / hetcoll, median", RATIO),
+                ],
+                "rows": versus,
+                "notes": [
+                    "A ratio of each launch's two medians; > 1: hetcoll's step is faster. "
+                    "torch.distributed.pipelining needs equal micro-batches, so the batch "
+                    "divides evenly here."
+                ],
+            },
+        ],
+        description=(
+            f"`hetcoll.torch.parallelize` running four kinds of `hetcoll.Plan` on {ranks} gloo "
+            f"ranks of emulated speeds {speeds}: a global batch of {batch} in {microbatches} "
+            "micro-batches of a 15-layer CNN (`conv_net` in `benches/bench_plans.py`, "
+            f"{layer_ms:.0f} ms forward + backward per micro-batch on one core, the sum of its "
+            "layers' best times). Pipeline: one rank per stage, "
+            "stages cut by `hetcoll.partition_chain` over the layers' measured times and the "
+            "speeds; asymmetric replicas: rank 0 holds the whole model beside a 2-stage "
+            "pipeline of the slower ranks, the batch split by the replicas' throughputs; "
+            "filter-split stage: the slower ranks split the second stage's channels by their "
+            "speeds; device subset: the slowest rank idle, the others data-parallel replicas. "
+            "Each rank slows its own stage with `hetcoll.lab.emulate.slow_down` (torch's "
+            "stages alike)."
+        ),
+        headlines=headlines,
+    )
+
+
 ADAPTERS: dict[str, Callable[[Sequence[Path], str], dict[str, Any]]] = {
     "collectives": adapt_collectives,
     "filter-parallel": adapt_filter_parallel,
     "model-validate": adapt_model_validate,
+    "plans": adapt_plans,
 }
 
 

@@ -197,6 +197,75 @@ def test_filter_parallel_adapter_reads_the_scripts_json(tmp_path: Path) -> None:
     assert "| 4 | 125.0 | 250.0 | 2.00x | [[4, 1]] |" in report.generate(tmp_path)
 
 
+def test_plans_adapter_reads_the_scripts_json(tmp_path: Path) -> None:
+    pipeline = {
+        "microbatches": 4,
+        "schedule": "GPipe",
+        "replicas": [
+            {
+                "samples": 64,
+                "stages": [{"ranks": [0], "layers": [0, 7]}, {"ranks": [1, 2], "layers": [7, 15]}],
+            }
+        ],
+    }
+    subset = {
+        "microbatches": 4,
+        "schedule": "1F1B",
+        "replicas": [
+            {"samples": 43, "stages": [{"ranks": [0], "layers": [0, 15]}]},
+            {"samples": 21, "stages": [{"ranks": [1], "layers": [0, 15]}]},
+        ],
+    }
+    common = {"predicted_s": None, "quartiles_s_per_launch": [[0.05, 0.07], [0.05, 0.06]]}
+    data = {
+        "speeds": [1.0, 0.5, 0.25],
+        "batch": 64,
+        "microbatches": 4,
+        "launches": 2,
+        "steps": 30,
+        "layer_seconds": [0.01, 0.01],
+        "plans": [
+            common
+            | {
+                "name": "pipeline (GPipe)",
+                "measured_s": 0.06,
+                "measured_s_per_launch": [0.06, 0.06],
+                "vs_torch_pipelining": 1.02,
+                "torch_schedule": "ScheduleGPipe",
+                "torch_s_per_launch": [0.061, 0.0614],
+                "vs_torch_per_launch": [1.01, 1.03],
+                "plan": pipeline,
+            },
+            common
+            | {
+                "name": "device subset",
+                "predicted_s": 0.066,
+                "measured_s": 0.06,
+                "measured_s_per_launch": [0.06, 0.065],
+                "vs_torch_pipelining": None,
+                "plan": subset,
+            },
+        ],
+    }
+    raw = tmp_path / "raw" / "plans.json"
+    raw.parent.mkdir()
+    raw.write_text(json.dumps(data))
+    result = report.adapt_plans([raw], "python benches/bench_plans.py")
+    report.write_result(tmp_path / "plans.json", result)
+    assert result["headlines"][0]["value"] == "1.02x (runs: 1.01, 1.03)"
+    text = report.generate(tmp_path)
+    assert (
+        "| pipeline (GPipe) | 64 | rank 0: 0-7, ranks 1,2: 7-15 | – | 60.0 | 60.0, 60.0 |" in text
+    )
+    assert "| device subset | 43 + 21 | rank 0: 0-15 / rank 1: 0-15 | 66.0 | 60.0 |" in text
+    assert "| +10.0% | – |" in text
+    assert "| pipeline (GPipe) | torch ScheduleGPipe | 60.0 | 61.2 | 1.01, 1.03 | 1.02x |" in text
+    del data["plans"][1]["measured_s"]
+    raw.write_text(json.dumps(data))
+    with pytest.raises(report.ResultError, match=r"plans\[1\]: field 'measured_s' is missing"):
+        report.adapt_plans([raw], "python benches/bench_plans.py")
+
+
 def test_model_validate_adapter_reads_the_cli_json(tmp_path: Path) -> None:
     row = {"strategy": "filter", "ranks": 2, "batch": 32, "shares": [3, 1], "speeds": [1, 0.25]}
     row |= {"predicted_s": 0.011, "measured_s": 0.010, "error": 0.1, "avoid_gathers": False}

@@ -32,10 +32,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from hetcoll.comm import agree, deadline, wrap
+from hetcoll.comm import agree, deadline, same_rows, wrap
 from hetcoll.plan import Plan, Stage
 from hetcoll.torch.filters import (
     filter_modes,
@@ -142,19 +143,20 @@ class Parallel(nn.Module):
         every rank, ``plan.batch`` rows each), gradients combined across replicas into this
         rank's parameters' ``.grad`` (accumulated onto what is there, as ``backward`` does).
         Returns the batch's mean loss on every rank. Collective over the group."""
-        self._check_batch(inputs, targets)
+        checked = self._check_batch(inputs, targets)
         self._traffic = dict.fromkeys(TRAFFIC_KINDS, 0)
         if self.place is not None:
             kept = {}
             for p in self.parameters():
                 kept[p] = p.grad
                 p.grad = None
-            local = self._run(inputs, targets)
+            local = self._run(inputs, targets, checked)
             self._combine()
             for p, g in kept.items():
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad + g
         else:
+            checked()
             local = 0.0
         total = torch.tensor([local], dtype=torch.float64, device=self._wire_device())
         self._tr.allreduce(total, None)
@@ -204,32 +206,60 @@ class Parallel(nn.Module):
         # NCCL moves CUDA tensors only; gloo and MPI move host memory.
         return self._device if self._tr.engine == "nccl" else torch.device("cpu")
 
-    def _check_batch(self, inputs: Any, targets: Any) -> None:
+    def _check_batch(self, inputs: Any, targets: Any) -> Callable[[], None]:
+        """Start checking with every rank that the batch is the plan's and the same shape
+        everywhere: one small allgather, not waited for. The returned function waits for it
+        (once) and raises the same error on every rank. Until it has returned a rank may
+        compute but must not communicate: a replica's first stage runs its first forwards
+        meanwhile, so the check costs the step nothing when the ranks reach it at different
+        moments."""
         ok = isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor)
         rows_in = int(inputs.shape[0]) if ok and inputs.dim() else -1
         rows_t = int(targets.shape[0]) if ok and targets.dim() else -1
         shape = tuple(inputs.shape[1:]) if ok else ()
-        agree(
-            self._tr.comm,
-            {
-                "the number of input rows": rows_in,
-                "the number of target rows": rows_t,
-                "the input's shape": zlib.crc32(
-                    repr((shape, str(getattr(inputs, "dtype", "")))).encode()
-                ),
-            },
-        )
-        if not ok:
-            raise TypeError(
-                f"inputs, targets: must be tensors, got {type(inputs).__name__} and "
-                f"{type(targets).__name__}"
+        fields = {
+            "the number of input rows": rows_in,
+            "the number of target rows": rows_t,
+            "the input's shape": zlib.crc32(
+                repr((shape, str(getattr(inputs, "dtype", "")))).encode()
+            ),
+        }
+        comm = self._tr.comm
+        values = np.array(list(fields.values()), dtype=np.int64)
+        gathered = np.empty((comm.size, values.size), dtype=np.int64)
+        request = None
+        if comm.engine == "nccl":  # NCCL moves device memory: agree's blocking gather does it
+            agree(comm, fields)
+        else:
+            request = comm.iallgatherv(
+                values.view(np.uint8),
+                gathered.reshape(-1).view(np.uint8),
+                [values.nbytes] * comm.size,
             )
-        for name, rows in (("inputs", rows_in), ("targets", rows_t)):
-            if rows != self.plan.batch:
-                raise ValueError(
-                    f"{name}: the plan's replicas take {self.plan.batch} samples a step "
-                    f"({' + '.join(str(r.samples) for r in self.plan.replicas)}), got {rows} rows"
+        done = False
+
+        def wait() -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
+            if request is not None:
+                request.wait(None)
+                same_rows(list(fields), gathered)
+            if not ok:
+                raise TypeError(
+                    f"inputs, targets: must be tensors, got {type(inputs).__name__} and "
+                    f"{type(targets).__name__}"
                 )
+            for name, rows in (("inputs", rows_in), ("targets", rows_t)):
+                if rows != self.plan.batch:
+                    raise ValueError(
+                        f"{name}: the plan's replicas take {self.plan.batch} samples a step "
+                        f"({' + '.join(str(r.samples) for r in self.plan.replicas)}), got "
+                        f"{rows} rows"
+                    )
+
+        return wait
 
     def _boundaries(self, inputs: torch.Tensor, rows: int) -> list[tuple[torch.Size, torch.dtype]]:
         """Shape and dtype after every layer for a micro-batch of ``rows``, from a run on the
@@ -250,7 +280,11 @@ class Parallel(nn.Module):
             self._shapes[key] = out
         return self._shapes[key]
 
-    def _run(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def _run(
+        self, inputs: torch.Tensor, targets: torch.Tensor, checked: Callable[[], None]
+    ) -> float:
+        """This rank's forwards and backwards of the step; ``checked`` waits for the batch
+        check (:meth:`_check_batch`) and is called before anything is sent or received."""
         assert self.place is not None and self.stage is not None
         i, j = self.place
         plan, tr = self.plan, self._tr
@@ -271,6 +305,7 @@ class Parallel(nn.Module):
         loss_sum = 0.0
 
         def send(t: torch.Tensor, to: Stage, tag: int, kind: str) -> None:
+            checked()
             t = t.detach().to(wire).contiguous()
             for r in to.ranks:
                 sends.append(tr.isend(t, r, tag))
@@ -280,51 +315,61 @@ class Parallel(nn.Module):
             if comm is not None:
                 comm.kind = kind
 
-        for op, k in schedule_order(plan.schedule, j, len(replica.stages), len(sizes)):
-            rows = slice(offsets[k], offsets[k] + sizes[k])
-            if op == "F":
-                set_kind("activations")
-                if first:
-                    x = inputs[rows].to(self._device)
-                    x_in: torch.Tensor | None = None
+        # A single-rank first stage computes its first forwards while the batch check is in
+        # flight; every other stage communicates from its first forward on.
+        if not (first and comm is None):
+            checked()
+        try:
+            for op, k in schedule_order(plan.schedule, j, len(replica.stages), len(sizes)):
+                rows = slice(offsets[k], offsets[k] + sizes[k])
+                if op == "F":
+                    set_kind("activations")
+                    if first:
+                        x = inputs[rows].to(self._device)
+                        x_in: torch.Tensor | None = None
+                    else:
+                        assert prev is not None
+                        shape, dtype = self._boundaries(inputs, sizes[k])[stage.layers[0] - 1]
+                        buf = torch.empty(shape, dtype=dtype, device=wire)
+                        tr.recv(buf, prev.ranks[0], _TAG_ACTIVATION)
+                        x_in = buf.to(self._device).requires_grad_(True)
+                        x = x_in
+                    y = self.stage(x)
+                    if last:
+                        loss = self._loss_fn(y, targets[rows].to(self._device)) * (sizes[k] / batch)
+                        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                            raise ValueError(
+                                "loss_fn: must return a one-element tensor (the micro-batch's mean "
+                                "loss)"
+                            )
+                        loss_sum += float(loss.detach())
+                        saved[k] = (x_in, loss)
+                    else:
+                        if lead:
+                            assert nxt is not None
+                            send(y, nxt, _TAG_ACTIVATION, "activations")
+                        saved[k] = (x_in, y)
                 else:
-                    assert prev is not None
-                    shape, dtype = self._boundaries(inputs, sizes[k])[stage.layers[0] - 1]
-                    buf = torch.empty(shape, dtype=dtype, device=wire)
-                    tr.recv(buf, prev.ranks[0], _TAG_ACTIVATION)
-                    x_in = buf.to(self._device).requires_grad_(True)
-                    x = x_in
-                y = self.stage(x)
-                if last:
-                    loss = self._loss_fn(y, targets[rows].to(self._device)) * (sizes[k] / batch)
-                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                        raise ValueError(
-                            "loss_fn: must return a one-element tensor (the micro-batch's mean "
-                            "loss)"
-                        )
-                    loss_sum += float(loss.detach())
-                    saved[k] = (x_in, loss)
-                else:
-                    if lead:
+                    set_kind("gradients")
+                    x_in, y = saved.pop(k)
+                    if last:
+                        if y.requires_grad:
+                            y.backward()
+                    else:
+                        grad = torch.empty(y.shape, dtype=y.dtype, device=wire)
                         assert nxt is not None
-                        send(y, nxt, _TAG_ACTIVATION, "activations")
-                    saved[k] = (x_in, y)
-            else:
-                set_kind("gradients")
-                x_in, y = saved.pop(k)
-                if last:
-                    if y.requires_grad:
-                        y.backward()
-                else:
-                    grad = torch.empty(y.shape, dtype=y.dtype, device=wire)
-                    assert nxt is not None
-                    tr.recv(grad, nxt.ranks[0], _TAG_GRADIENT)
-                    if y.requires_grad:
-                        torch.autograd.backward(y, grad.to(self._device))
-                if x_in is not None and lead:
-                    assert prev is not None
-                    g = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
-                    send(g, prev, _TAG_GRADIENT, "gradients")
+                        checked()
+                        tr.recv(grad, nxt.ranks[0], _TAG_GRADIENT)
+                        if y.requires_grad:
+                            torch.autograd.backward(y, grad.to(self._device))
+                    if x_in is not None and lead:
+                        assert prev is not None
+                        g = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
+                        send(g, prev, _TAG_GRADIENT, "gradients")
+        except BaseException:
+            checked()  # a batch the ranks disagree on raises that, the same on every rank
+            raise
+        checked()
         tr.wait(sends)
         return loss_sum if last and lead else 0.0
 
