@@ -278,7 +278,6 @@ def predictor() -> Callable[[dict[str, Any]], float] | None:
     calibrated device at each rank's emulated speed (every rate times the speed, as
     :func:`~hetcoll.lab.emulate.slow_down` stretches every layer's forward and backward), or
     None while the library has no ``predict_plan``."""
-    import dataclasses
 
     import hetcoll.model as model
 
@@ -286,22 +285,13 @@ def predictor() -> Callable[[dict[str, Any]], float] | None:
     if predict is None:
         return None
     from hetcoll.lab import calibrate
+    from hetcoll.lab.emulate import emulated_device
     from hetcoll.lab.validate import validation_cluster
 
     device = calibrate.measure_device("this-machine-1-thread", 4e9, quick=True)
     fit = calibrate.measure_gloo_link()
     link = model.Link("gloo-local", fit.latency_s, fit.bytes_per_s)
-    devices = [
-        dataclasses.replace(
-            device,
-            flops_per_s=device.flops_per_s * f,
-            conv_flops_per_s=device.conv_rate * f,
-            mem_bytes_per_s=device.mem_bytes_per_s * f,
-            elementwise_bytes_per_s=device.elementwise_rate * f,
-            kernel_overhead_s=device.kernel_overhead_s / f,
-        )
-        for f in SPEEDS
-    ]
+    devices = [emulated_device(device, f) for f in SPEEDS]
     cluster = validation_cluster(devices, link)
     costs = model.layer_costs(conv_net(), SHAPE)
     return lambda plan: float(predict(costs, cluster, hetcoll.Plan.from_dict(plan)).step_s)

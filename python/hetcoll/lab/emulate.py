@@ -39,6 +39,7 @@ Every figure obtained this way is *emulated* heterogeneity, and hetcoll's README
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import statistics
 import time
@@ -49,6 +50,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from hetcoll.model.hardware import Device
 from hetcoll.torch.filters import FilterParallelLayer
 from hetcoll.torch.speed import SpeedFit
 
@@ -364,3 +366,21 @@ def backward_ratio(
         if i:  # the first run warms up
             ratios.append((t2 - t1) / max(t1 - t0, 1e-9))
     return float(statistics.median(ratios))
+
+
+def emulated_device(device: Device, speed: float, name: str | None = None) -> Device:
+    """How a rank slowed to ``speed`` looks to the planner: ``device`` with every rate times
+    ``speed`` and its per-kernel overhead divided by it (:func:`slow_down` stretches each
+    layer's forward and backward by ``1/speed``). For planning; the validation's predictions
+    model the sleeps themselves (:mod:`hetcoll.lab.predict_emulated`)."""
+    if not 0 < speed <= 1:
+        raise ValueError(f"speed: must be in (0, 1], got {speed!r}")
+    return dataclasses.replace(
+        device,
+        name=device.name if name is None else name,
+        flops_per_s=device.flops_per_s * speed,
+        conv_flops_per_s=device.conv_rate * speed,
+        mem_bytes_per_s=device.mem_bytes_per_s * speed,
+        elementwise_bytes_per_s=device.elementwise_rate * speed,
+        kernel_overhead_s=device.kernel_overhead_s / speed,
+    )

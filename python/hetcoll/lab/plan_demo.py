@@ -38,22 +38,9 @@ from hetcoll.lab.demo_ranks import (
     rank_rows,
     train_data_parallel,
 )
-from hetcoll.model.hardware import Cluster, Device, Link, Node
+from hetcoll.lab.emulate import emulated_device
+from hetcoll.model.hardware import Cluster, Link, Node
 from hetcoll.plan import Plan
-
-
-def emulated_device(device: Device, speed: float, name: str) -> Device:
-    """``device`` running at ``speed`` times its speed: every rate scaled, every fixed cost
-    stretched (how the emulation's sleeps look to the planner)."""
-    return dataclasses.replace(
-        device,
-        name=name,
-        flops_per_s=device.flops_per_s * speed,
-        conv_flops_per_s=device.conv_flops_per_s * speed,
-        mem_bytes_per_s=device.mem_bytes_per_s * speed,
-        elementwise_bytes_per_s=device.elementwise_bytes_per_s * speed,
-        kernel_overhead_s=device.kernel_overhead_s / speed,
-    )
 
 
 def choose_plan(cfg: DemoConfig) -> dict[str, Any]:
