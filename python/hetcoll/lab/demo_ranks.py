@@ -184,7 +184,12 @@ def progress_bar(cfg: DemoConfig, rank: int, name: str, epoch: int, steps: int) 
 
 
 def train_data_parallel(
-    engine: Engine, cfg: DemoConfig, name: str, shares: list[int], real: SpeedFit
+    engine: Engine,
+    cfg: DemoConfig,
+    name: str,
+    shares: list[int],
+    real: SpeedFit,
+    fits: list[SpeedFit] | None = None,
 ):
     rank = engine.rank
     xtr, ytr, xte, yte = load_digits(cfg.seed)
@@ -197,7 +202,7 @@ def train_data_parallel(
         range(len(ytr)), shares, rank, seed=cfg.seed, verify=cfg.backend == "gloo"
     )
     rebalancer = (
-        Rebalancer(sampler, every=10, threshold=0.05, group=engine.group)
+        Rebalancer(sampler, every=10, fits=fits, threshold=0.05, group=engine.group)
         if cfg.rebalance and weighted
         else None
     )
