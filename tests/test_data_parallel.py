@@ -188,7 +188,7 @@ def test_rebalancer_corrects_a_skewed_split_on_emulated_ranks():
     seen = per_rank[0]
     assert per_rank[1] == seen  # every rank decided alike
     assert seen[0] == [60, 4]
-    assert 9 <= seen[-1][1] <= 24, seen[-1]  # corrected, towards 15
+    assert 8 <= seen[-1][1] <= 24, seen[-1]  # corrected, towards 15 (less its fixed cost)
     assert all(s[1] >= 4 and sum(s) == 64 for s in seen)  # never starved
 
 

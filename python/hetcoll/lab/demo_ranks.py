@@ -198,9 +198,7 @@ def train_data_parallel(
     model = EmulatedSpeed(net, cfg.speeds[rank], cost=real)
     weighted = name == "balanced"
     wrapped, opt, set_batch, ready_at = engine.prepare(model, shares[rank], weighted, cfg.lr)
-    sampler = BalancedSampler(
-        range(len(ytr)), shares, rank, seed=cfg.seed, verify=cfg.backend == "gloo"
-    )
+    sampler = BalancedSampler(range(len(ytr)), shares, rank, seed=cfg.seed, group=engine.group)
     rebalancer = (
         Rebalancer(sampler, every=10, fits=fits, threshold=0.05, group=engine.group)
         if cfg.rebalance and weighted

@@ -29,7 +29,6 @@ decision, because it decides on the same gathered data.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +36,7 @@ from typing import Any
 import numpy as np
 
 import hetcoll
-from hetcoll.comm import wrap
+from hetcoll.comm import NOT_GIVEN, Communicator, group_argument, wrap
 from hetcoll.torch.sampler import BalancedSampler
 from hetcoll.torch.speed import SpeedFit, robust_quantile
 
@@ -131,9 +130,11 @@ class _Model:
         ph = self.cov @ h
         s = float(h @ ph) + var
         nu = t - self.predict(b)
-        if nu * nu > CHANGE_CHI2 * s:  # a change, not noise: widen to match it
-            inflate = nu * nu / s
-            self.cov = self.cov * inflate
+        level = float(h @ self.theta)
+        if nu * nu > CHANGE_CHI2 * s and level > 0:
+            # A change, not noise: the likeliest is the whole device getting slower or faster,
+            # so widen the model along a common scale of a and c, enough to explain it.
+            self.cov = self.cov + (nu * nu - s) / level**2 * np.outer(self.theta, self.theta)
             ph = self.cov @ h
             s = float(h @ ph) + var
         gain = ph / s
@@ -187,9 +188,11 @@ class Rebalancer:
     rank. ``smoothing`` (0, 1]: the largest share of a window's surprise the models take in.
     ``threshold``: the relative gain in predicted step time a change must bring. ``drift``: how
     much a rank's speed may change from one window to the next (relative standard deviation).
-    ``group``: a torch.distributed process group or an mpi4py communicator (None: see
-    :func:`hetcoll.comm.wrap`). A sampler whose shares break ``capacity`` or ``minimum`` is
-    re-split at once (on every rank alike, no communication).
+    ``group``: an mpi4py communicator or a torch.distributed process group; None is
+    :func:`hetcoll.comm.wrap`'s default (torch's default group, else ``MPI.COMM_WORLD`` under
+    mpiexec; resolved at the first exchange). ``comm=`` is its deprecated name. A sampler whose
+    shares break ``capacity`` or ``minimum`` is re-split at once (on every rank alike, no
+    communication).
 
     >>> reb = Rebalancer(sampler, fits=gather_speeds(fit), every=10)  # doctest: +SKIP
     >>> reb.observe(len(x), seconds)  # after each step, on every rank  # doctest: +SKIP
@@ -207,7 +210,7 @@ class Rebalancer:
         threshold: float = 0.05,
         drift: float = 0.05,
         group: Any = None,
-        comm: Any = None,
+        comm: Any = NOT_GIVEN,
     ) -> None:
         if not isinstance(sampler, BalancedSampler):
             raise TypeError(f"sampler: must be a BalancedSampler, got {type(sampler).__name__}")
@@ -221,15 +224,7 @@ class Rebalancer:
             raise ValueError(f"drift: must be in [0, 1), got {drift!r}")
         if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 1:
             raise ValueError(f"minimum: must be an integer >= 1, got {minimum!r}")
-        if comm is not None:
-            warnings.warn(
-                "Rebalancer(comm=...) is now group=...; comm= goes in the next release",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            if group is not None:
-                raise ValueError("group: give group= or the deprecated comm=, not both")
-            group = comm
+        group = group_argument(group, "Rebalancer", comm=comm)
         size = len(sampler.shares)
         if fits is not None:
             fits = list(fits)
@@ -241,6 +236,7 @@ class Rebalancer:
         self.threshold = float(threshold)
         self.drift = float(drift)
         self.group = group
+        self._comm: Communicator | None = None
         self.minimum = minimum
         self.capacity = _capacities(capacity, fits, size)
         total = sum(sampler.shares)
@@ -300,7 +296,9 @@ class Rebalancer:
             return False
         mine = window_summary(self._window)
         self._window = []
-        rows = wrap(self.group).allgather_fixed(mine.view(np.uint8), None)
+        if self._comm is None:
+            self._comm = wrap(self.group)
+        rows = self._comm.allgather_fixed(mine.view(np.uint8), None)
         return self.update(rows.view(np.float64).reshape(-1, _FIELDS))
 
     def update(self, rows: np.ndarray) -> bool:
@@ -359,36 +357,36 @@ class Rebalancer:
         return applied
 
     def _explore(self, old: list[int], a: list[float], c: list[float]) -> list[int] | None:
-        """Shares that move a few samples from the slowest rank to a rank that idles more than
-        ``threshold`` of the step while its per-sample cost is still unknown (relative error
-        above :data:`EXPLORE_ABOVE`), else None. One batch size cannot tell a fixed cost from a
-        per-sample one: read as per-sample, a rank's idle time may look like no gain, and with
-        no move there would never be a second batch size to learn from. The move is what the
-        idle time would hold at the rank's present per-sample rate, times ``smoothing``."""
+        """Shares that try a rank whose per-sample cost is still unknown (relative standard
+        error above :data:`EXPLORE_ABOVE`) and that idles more than ``threshold`` of the step,
+        else None. One batch size cannot tell a fixed cost from a per-sample one: read as
+        per-sample cost, a rank's idle time may look like no gain, and without a move there
+        would never be a second batch size to learn from. So the split is solved again with
+        such ranks' per-sample cost at its optimistic end (two standard errors lower, the fixed
+        cost making up the rest of their present time); when that promises more than
+        ``threshold``, the shares move ``smoothing`` of the way there, a tried rank's share at
+        most doubling."""
         assert self._models is not None
         times = [ai + ci * b for ai, ci, b in zip(a, c, old)]
-        slowest = max(range(len(old)), key=lambda i: times[i])
-        unknown = [
-            i
-            for i, m in enumerate(self._models)
-            if times[i] < (1 - self.threshold) * times[slowest]
-            and math.sqrt(max(m.cov[1, 1], 0.0)) > EXPLORE_ABOVE * c[i]
-            and self._fits_in(i, old[i] + 1)
+        slowest = max(times)
+        a2, c2 = list(a), list(c)
+        for i, m in enumerate(self._models):
+            se = math.sqrt(max(m.cov[1, 1], 0.0))
+            if times[i] < (1 - self.threshold) * slowest and se > EXPLORE_ABOVE * c[i]:
+                c2[i] = max(c[i] - 2 * se, C_MIN)
+                a2[i] = a[i] + (c[i] - c2[i]) * old[i]
+        if c2 == c:
+            return None
+        total = sum(old)
+        hope = self._split(total, [1.0 / ci for ci in c2], a2)
+        t_hope = max(ai + ci * b for ai, ci, b in zip(a2, c2, hope))
+        if not slowest - t_hope > self.threshold * slowest:
+            return None
+        # An experiment, not a bet: a tried rank's share at most doubles.
+        way = [b + self.smoothing * (h - b) for b, h in zip(old, hope)]
+        caps = [
+            min(total if cap is None else cap, 2 * b if ci != c2i else total)
+            for cap, b, ci, c2i in zip(self.capacity, old, c, c2)
         ]
-        if not unknown or not self._fits_in(slowest, old[slowest] - 1):
-            return None
-        w = min(unknown, key=lambda i: times[i])
-        want = self.smoothing * old[w] * (times[slowest] / times[w] - 1)
-        cap = self.capacity[w]
-        room = (
-            old[slowest] - self.minimum
-            if cap is None
-            else min(old[slowest] - self.minimum, cap - old[w])
-        )
-        k = int(min(max(1, round(want)), room))
-        if k < 1:
-            return None
-        new = list(old)
-        new[slowest] -= k
-        new[w] += k
-        return new
+        new = hetcoll.split(total, way, capacity=caps, minimum=self.minimum)  # in proportion
+        return new if new != old else None

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetcoll.comm import is_mpi_comm
+from hetcoll.comm import wrap
 
 #: Timings further than this many robust standard deviations from their median are outliers.
 OUTLIER_SIGMAS = 3.0
@@ -355,17 +355,19 @@ def _precise(timings: Sequence[tuple[int, float]], rtol: float, quantile: float)
 def gather_speeds(fit: SpeedFit, group: Any = None) -> list[SpeedFit]:
     """Every rank's :class:`SpeedFit`, in rank order (a collective: call it on every rank).
 
-    ``group`` is a torch.distributed process group (None: the default one) or, for jobs
-    launched with ``mpiexec`` and no torch.distributed, an mpi4py communicator.
+    ``group``: an mpi4py communicator or a torch.distributed process group; None is
+    :func:`hetcoll.comm.wrap`'s default (torch's default group, else ``MPI.COMM_WORLD`` under
+    mpiexec).
 
     >>> fits = gather_speeds(measure_speed(model, make_batch, loss_fn))  # doctest: +SKIP
     """
     if not isinstance(fit, SpeedFit):
         raise TypeError(f"fit: must be a SpeedFit, got {type(fit).__name__}")
-    if is_mpi_comm(group):
-        return list(group.allgather(fit))
+    c = wrap(group)
+    if c.engine == "mpi":
+        return list(c.native.allgather(fit))
     import torch.distributed as dist
 
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, fit, group=group)
+    out: list[Any] = [None] * c.size
+    dist.all_gather_object(out, fit, group=c.native)
     return out
