@@ -12,7 +12,8 @@ What keeps the estimate steady on a noisy, shared host:
   of the faster half, :data:`PROBE_QUANTILE`), with its standard error from their spread.
   Interference from other processes only ever adds time, so the faster half is where the
   device's own speed shows: on a quiet host it is within the jitter of the median, on a busy
-  one it moves far less than the median from run to run (``benches/probe_spread.py``);
+  one it moves less than the median from run to run (``tests/test_speed.py`` simulates it,
+  ``benches/probe_spread.py`` measures the first split it gives);
 - **a constrained fit** (:func:`fit_affine`): weighted least squares of ``a + c b`` on those
   times, with ``a, c >= 0`` (the best feasible of the unconstrained solution, ``a = 0`` and
   ``c = 0``), and the covariance of ``(a, c)``; a fit whose scatter exceeds the times' own
