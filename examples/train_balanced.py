@@ -124,18 +124,21 @@ def probe(model: nn.Module, x: torch.Tensor, y: torch.Tensor, args: argparse.Nam
 
 def plan_shares(
     job: Job, args: argparse.Namespace, model: nn.Module, x: torch.Tensor, y: torch.Tensor
-) -> list[int]:
+) -> tuple[list[int], list[SpeedFit] | None]:
     """Each rank's samples per step: measured speeds (emulated ones with ``--emulate``) turned
-    into integer shares of the global batch by ``hetcoll.split``."""
+    into integer shares of the global batch by ``hetcoll.split``; and the fits (the Rebalancer
+    starts from them), None when the shares were given."""
     if args.shares is not None or job.world == 1:
-        return args.shares or [args.batch]
+        return args.shares or [args.batch], None
     fits = gather_speeds(probe(model, x, y, args), job.group)
-    return hetcoll.split(
+    shares = hetcoll.split(
         args.batch,
         [f.samples_per_s for f in fits],
         latency=[f.latency_s for f in fits],
+        capacity=[f.capacity or args.batch for f in fits],
         minimum=1,
     )
+    return shares, fits
 
 
 def distribute(
@@ -187,12 +190,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     model = net
     if speed < 1:  # sleeps (1/speed - 1) times the real cost, measured once
         model = EmulatedSpeed(net, speed, cost=probe(net, x_train, y_train, args))
-    shares = plan_shares(job, args, model, x_train, y_train)
+    shares, fits = plan_shares(job, args, model, x_train, y_train)
     first_shares = list(shares)
     wrapped, opt, set_batch, ready_at = distribute(job, model, shares, args.lr)
     sampler = BalancedSampler(range(len(y_train)), shares, job.rank, seed=args.seed)
     rebalancer = (
-        Rebalancer(sampler, every=10, group=job.group)
+        Rebalancer(sampler, every=10, fits=fits, group=job.group)
         if job.world > 1 and not args.no_rebalance
         else None
     )

@@ -3,6 +3,8 @@ single-process full-batch update; the sampler and the rebalancer behave as docum
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,6 +19,7 @@ from hetcoll.torch import (
     SpeedFit,
     WeightedAllreduceState,
     gather_speeds,
+    measure_speed,
     weighted_allreduce_hook,
 )
 
@@ -133,10 +136,60 @@ def _rebalance(rank, world, true_speeds_before, true_speeds_after, switch_step):
 def test_rebalancer_converges_to_the_new_optimum():
     before, after = [100.0, 25.0], [40.0, 80.0]
     seen, applied = spawn(_rebalance, 2, before, after, 20)[0]
-    assert seen[19] == hetcoll.split(32, before, minimum=1)  # settled on the first optimum
-    assert seen[-1] == hetcoll.split(32, after, minimum=1)  # and followed the drift
+
+    def step_s(shares, speeds):
+        return max(b / s for b, s in zip(shares, speeds))
+
+    # Settled on the first optimum, then followed the drift (optimal step time: several shares
+    # may tie).
+    assert step_s(seen[19], before) == step_s(hetcoll.split(32, before, minimum=1), before)
+    assert step_s(seen[-1], after) == step_s(hetcoll.split(32, after, minimum=1), after)
     assert 2 <= sum(applied) <= 8  # changes when it pays, no thrashing once settled
     assert seen[-1] == seen[-20]
+
+
+def _emulated_rebalance(rank, world, speeds, start, steps):
+    """A DDP job (weighted hook) whose ranks run at emulated speeds, started from a skewed split:
+    the Rebalancer, fed each step's compute time, moves the split."""
+    from hetcoll.lab.demo_ranks import DemoNet
+    from hetcoll.lab.emulate import EmulatedSpeed
+
+    torch.manual_seed(0)
+    net = DemoNet()  # mostly per-sample cost: two convolutions on 8x8 images
+    n = sum(start) * steps
+    x, y = torch.randn(n, 1, 8, 8), torch.randint(0, 10, (n,))
+
+    def make_batch(b):
+        return x[:b], y[:b]
+
+    fit = measure_speed(net, make_batch, nn.functional.cross_entropy, time_budget=2.0)
+    cost = min(gather_speeds(fit), key=lambda f: f.predict(sum(start)))  # one cost, every rank
+    ddp = DDP(EmulatedSpeed(net, speeds[rank], cost=cost))
+    state = WeightedAllreduceState(None, start[rank])
+    ddp.register_comm_hook(state, weighted_allreduce_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    sampler = BalancedSampler(range(len(y)), start, rank)
+    reb = Rebalancer(sampler, every=5, group=None)
+    seen = []
+    for idx in sampler.batch_sampler():
+        started = time.perf_counter()
+        state.local_batch = len(idx)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x[idx]), y[idx]).backward()
+        reb.observe(len(idx), state.ready_at - started)
+        opt.step()
+        seen.append(list(sampler.shares))
+    return seen
+
+
+def test_rebalancer_corrects_a_skewed_split_on_emulated_ranks():
+    # Speeds 1 and 0.3: about 49 / 15 of 64 (fixed costs aside); started at 60 / 4.
+    per_rank = spawn(_emulated_rebalance, 2, [1.0, 0.3], [60, 4], 60, timeout=240)
+    seen = per_rank[0]
+    assert per_rank[1] == seen  # every rank decided alike
+    assert seen[0] == [60, 4]
+    assert 8 <= seen[-1][1] <= 24, seen[-1]  # corrected, towards 15 (less its fixed cost)
+    assert all(s[1] >= 4 and sum(s) == 64 for s in seen)  # never starved
 
 
 # -- gathering the ranks' speed fits --------------------------------------------------------------

@@ -25,3 +25,13 @@ def test_mpi_optimizer_matches_single_process(world):
         assert reb["settled_before"] == reb["want_before"]
         assert reb["settled_after"] == reb["want_after"] and reb["stable"]
         assert 2 <= reb["changes"] <= 8
+        for got in r["groups"].values():  # group=None is COMM_WORLD under mpiexec
+            assert got["fits"] == [100.0 * (q + 1) for q in range(world)]
+            assert got["allreduce"] == [float(world)] * 2
+            assert "ranks disagree on the number of shares" in got["sampler_count"]
+            assert "ranks disagree on shares[0]" in got["sampler_values"]
+            assert (
+                f"has {world + 1} entries but the group has {world} ranks" in got["sampler_world"]
+            )
+            assert got["rebalanced"] == results[0]["groups"]["default"]["rebalanced"]
+            assert got["rebalanced"] != [8] * world

@@ -58,8 +58,8 @@ def test_bad_arguments_without_a_group():
         slow_down_filter_parallel(model, 0.0)
     with pytest.raises(ValueError, match=r"in_features_per_channel: 3 does not divide"):
         FilterParallelLinear(4, 4, shares=[4], in_features_per_channel=3)
-    # torch.distributed is not initialised in this process: the group is refused by name.
-    with pytest.raises(ValueError, match=r"comm: torch.distributed is not initialized"):
+    # Neither torch.distributed nor MPI in this process: no default group, refused by name.
+    with pytest.raises(ValueError, match=r"group: none given and no default"):
         filter_parallel(model, [1.0], None)
 
 

@@ -7,12 +7,20 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np
 import torch
 from mpi4py import MPI
 from torch import nn
 
 import hetcoll
-from hetcoll.torch import BalancedSampler, DistributedOptimizer, Rebalancer, broadcast_parameters
+from hetcoll.torch import (
+    BalancedSampler,
+    DistributedOptimizer,
+    Rebalancer,
+    SpeedFit,
+    broadcast_parameters,
+    gather_speeds,
+)
 
 from dp_common import (
     CHANGE_AT,
@@ -92,14 +100,55 @@ for step in range(80):
     b = sampler.shares[rank]
     reb.observe(b, b / speeds[rank])
     seen.append(list(sampler.shares))
+
+
+def step_s(shares, speeds):
+    return max(b / s for b, s in zip(shares, speeds))
+
+
+# Several shares can tie for the optimum: compare step times.
 result["rebalance"] = {
-    "settled_before": seen[19],
-    "settled_after": seen[-1],
+    "settled_before": step_s(seen[19], speeds_before),
+    "settled_after": step_s(seen[-1], speeds_after),
     "stable": seen[-1] == seen[-20],
     "changes": sum(e.applied for e in reb.history),
-    "want_before": hetcoll.split(16 * world, speeds_before, minimum=1),
-    "want_after": hetcoll.split(16 * world, speeds_after, minimum=1),
+    "want_before": step_s(hetcoll.split(16 * world, speeds_before, minimum=1), speeds_before),
+    "want_after": step_s(hetcoll.split(16 * world, speeds_after, minimum=1), speeds_after),
 }
+
+# One way to pass the communicator: None is MPI.COMM_WORLD here (mpiexec, no torch.distributed),
+# the same as passing it; the sampler checks its shares across the ranks under MPI too.
+groups = {}
+for name, group in (("default", None), ("explicit", comm)):
+    r = {}
+    fits = gather_speeds(SpeedFit(0.0, 100.0 * (rank + 1)), group)
+    r["fits"] = [f.samples_per_s for f in fits]
+    r["allreduce"] = hetcoll.allreduce(np.ones(2), group).tolist()
+    try:
+        BalancedSampler(range(10), [1] * (world + (rank == 0)), rank, group=group)
+        r["sampler_count"] = "no error"
+    except hetcoll.CollectiveMismatchError as e:
+        r["sampler_count"] = str(e)
+    try:
+        BalancedSampler(
+            range(10), list(range(1, world + 1))[:: 1 if rank else -1], rank, group=group
+        )
+        r["sampler_values"] = "no error"
+    except hetcoll.CollectiveMismatchError as e:
+        r["sampler_values"] = str(e)
+    try:
+        BalancedSampler(range(10), [1] * (world + 1), rank, group=group)
+        r["sampler_world"] = "no error"
+    except ValueError as e:
+        r["sampler_world"] = str(e)
+    sampler = BalancedSampler(range(1000), [8] * world, rank, group=group)
+    reb = Rebalancer(sampler, every=2, group=group)
+    for _ in range(6):
+        b = sampler.shares[rank]
+        reb.observe(b, b / (100.0 if rank == 0 else 25.0))
+    r["rebalanced"] = list(sampler.shares)
+    groups[name] = r
+result["groups"] = groups
 
 # One line from rank 0: lines printed by several ranks can interleave on mpiexec's stdout.
 results = comm.gather(result, root=0)

@@ -8,12 +8,14 @@ from typing import Any
 
 from hetcoll.collectives._common import _kind
 from hetcoll.collectives.gather import _gather
-from hetcoll.comm import Communicator, wrap
+from hetcoll.comm import NOT_GIVEN, Communicator, group_argument, wrap
 from hetcoll.comm import deadline as deadline_of
 from hetcoll.kernels import numpy_view
 
 
-def allgatherv_autograd(tensor: Any, comm: Any = None, *, timeout: float | None = None) -> Any:
+def allgatherv_autograd(
+    tensor: Any, group: Any = None, *, timeout: float | None = None, comm: Any = NOT_GIVEN
+) -> Any:
     """:func:`allgatherv` of a torch tensor, differentiable: the gradient of this rank's piece
     is its slice of the output gradient summed over ranks (reduce-scatter with uneven counts).
 
@@ -26,7 +28,8 @@ def allgatherv_autograd(tensor: Any, comm: Any = None, *, timeout: float | None 
 
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor: must be a torch tensor, got {type(tensor).__name__}")
-    return _AllgathervFn.apply(tensor, wrap(comm), timeout)
+    group = group_argument(group, "allgatherv_autograd", comm=comm)
+    return _AllgathervFn.apply(tensor, wrap(group), timeout)
 
 
 def _make_function() -> Any:

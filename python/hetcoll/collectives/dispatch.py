@@ -29,14 +29,14 @@ from hetcoll.collectives.direct import direct_allreduce
 from hetcoll.collectives.native import _native
 from hetcoll.collectives.ring import _ring, _ring_blocking
 from hetcoll.collectives.shared import _shared
-from hetcoll.comm import Communicator, agree, wrap
+from hetcoll.comm import NOT_GIVEN, Communicator, agree, group_argument, wrap
 from hetcoll.comm import deadline as deadline_of
 from hetcoll.kernels import is_tensor, numpy_view
 
 
 def allreduce(
     buf: ArrayT,
-    comm: Any = None,
+    group: Any = None,
     *,
     weight: float = 1.0,
     algorithm: str = "auto",
@@ -44,12 +44,15 @@ def allreduce(
     check: bool = False,
     timeout: float | None = None,
     segment_bytes: int | None = None,
+    comm: Any = NOT_GIVEN,
 ) -> ArrayT:
     """In place, ``buf <- sum over ranks r of weight_r * buf_r``; returns ``buf``.
 
     ``buf`` is a C-contiguous numpy array or CPU torch tensor (float32, float64, float16,
-    bfloat16; 16-bit types are reduced in float32 and rounded at each ring hop). ``comm`` is
-    anything :func:`hetcoll.comm.wrap` takes. ``weight`` is this rank's weight (ranks may
+    bfloat16; 16-bit types are reduced in float32 and rounded at each ring hop). ``group`` is
+    an mpi4py communicator, a torch.distributed process group or None (the default of
+    :func:`hetcoll.comm.wrap`: torch's default group, else ``MPI.COMM_WORLD`` under mpiexec;
+    ``comm=`` is its deprecated name). ``weight`` is this rank's weight (ranks may
     differ). ``algorithm``: "ring", "native", "direct", "shared" (MPI, one node) or "auto" (see
     :data:`SHARED_FROM_BYTES`, :data:`DIRECT_BYTES` and :data:`RING_CROSSOVER_BYTES`, on two
     ranks :data:`DIRECT_TWO_RANKS_FROM_BYTES` and :data:`RING_TWO_RANKS_FROM_BYTES`; "auto"
@@ -61,8 +64,9 @@ def allreduce(
     :data:`TWO_RANK_SEGMENT_BYTES` on two ranks). A device tensor takes the native path, the
     weight fused by NCCL (``PREMUL_SUM``), or on other engines a torch pre-scale.
 
-    >>> allreduce(grad, comm, weight=local_batch / global_batch)  # doctest: +SKIP
+    >>> allreduce(grad, group, weight=local_batch / global_batch)  # doctest: +SKIP
     """
+    group = group_argument(group, "allreduce", comm=comm)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
     w = _weight(weight)
@@ -70,7 +74,7 @@ def allreduce(
     if segment_bytes is not None and (not isinstance(segment_bytes, int) or segment_bytes < 1):
         raise ValueError(f"segment_bytes: must be an integer >= 1 or None, got {segment_bytes!r}")
     if is_tensor(buf) and buf.device.type != "cpu":  # type: ignore[attr-defined]
-        return _allreduce_device(buf, comm, w, algorithm, check, deadline)
+        return _allreduce_device(buf, group, w, algorithm, check, deadline)
     view, bf16 = numpy_view(buf, "buf")
     if not view.flags.c_contiguous:
         raise ValueError("buf: must be C-contiguous (allreduce works in place)")
@@ -78,7 +82,7 @@ def allreduce(
         raise ValueError("buf: must be writeable (allreduce works in place)")
     kind = _kind(view, bf16)
     flat = view.reshape(-1)
-    c = wrap(comm)
+    c = wrap(group)
     if algorithm == "auto":
         algorithm = choose_algorithm(c, flat.nbytes, speeds is not None, deadline)
     windows = None

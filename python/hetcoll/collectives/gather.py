@@ -19,21 +19,23 @@ from hetcoll.collectives.direct import _direct_allgather
 from hetcoll.collectives.ring import _ring_allgather
 from hetcoll.collectives.shared import _shared_round
 from hetcoll.collectives.speculative import _speculative_round
+from hetcoll.comm import NOT_GIVEN, group_argument, wrap
 from hetcoll.comm import deadline as deadline_of
-from hetcoll.comm import wrap
 from hetcoll.kernels import is_tensor
 
 
 def allgatherv(
     local: ArrayT,
-    comm: Any = None,
+    group: Any = None,
     *,
     out: ArrayT | None = None,
     algorithm: str = "auto",
     timeout: float | None = None,
     segment_bytes: int | None = None,
+    comm: Any = NOT_GIVEN,
 ) -> ArrayT:
     """Concatenation along axis 0 of every rank's ``local``, pieces of different lengths.
+    ``group``: as :func:`hetcoll.allreduce` takes it (``comm=``, its deprecated name).
 
     ``local`` is a numpy array or a CPU torch tensor (any dtype) with at least one
     dimension; the other dimensions and the dtype must match on every rank (else
@@ -55,7 +57,7 @@ def allgatherv(
     ``segment_bytes`` cuts the ring's messages (default: one message per piece and step;
     nothing is computed between them, so smaller messages would only add per-message cost).
 
-    >>> allgatherv(np.arange(rank + 1.0), comm)  # on 3 ranks  # doctest: +SKIP
+    >>> allgatherv(np.arange(rank + 1.0), group)  # on 3 ranks  # doctest: +SKIP
     array([0., 0., 1., 0., 1., 2.])
     """
     if algorithm not in ALGORITHMS:
@@ -63,7 +65,8 @@ def allgatherv(
     if segment_bytes is not None and (not isinstance(segment_bytes, int) or segment_bytes < 1):
         raise ValueError(f"segment_bytes: must be an integer >= 1 or None, got {segment_bytes!r}")
     deadline = deadline_of(timeout)
-    result, _ = _gather(local, comm, deadline, algorithm, segment_bytes, out)
+    group = group_argument(group, "allgatherv", comm=comm)
+    result, _ = _gather(local, group, deadline, algorithm, segment_bytes, out)
     return result  # type: ignore[no-any-return]
 
 

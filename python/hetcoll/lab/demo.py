@@ -46,7 +46,7 @@ def run_rank(engine: Engine, cfg: DemoConfig) -> dict[str, Any] | None:
         "unbalanced": hetcoll.split(cfg.global_batch, [1.0] * engine.world),
         "balanced": hetcoll.split(cfg.global_batch, speeds, latency=latency, minimum=1),
     }
-    runs = [train_data_parallel(engine, cfg, name, plans[name], real) for name in cfg.runs]
+    runs = [train_data_parallel(engine, cfg, name, plans[name], real, fits) for name in cfg.runs]
     if engine.rank != 0:
         return None
     balanced = plans["balanced"]

@@ -184,7 +184,12 @@ def progress_bar(cfg: DemoConfig, rank: int, name: str, epoch: int, steps: int) 
 
 
 def train_data_parallel(
-    engine: Engine, cfg: DemoConfig, name: str, shares: list[int], real: SpeedFit
+    engine: Engine,
+    cfg: DemoConfig,
+    name: str,
+    shares: list[int],
+    real: SpeedFit,
+    fits: list[SpeedFit] | None = None,
 ):
     rank = engine.rank
     xtr, ytr, xte, yte = load_digits(cfg.seed)
@@ -193,11 +198,9 @@ def train_data_parallel(
     model = EmulatedSpeed(net, cfg.speeds[rank], cost=real)
     weighted = name == "balanced"
     wrapped, opt, set_batch, ready_at = engine.prepare(model, shares[rank], weighted, cfg.lr)
-    sampler = BalancedSampler(
-        range(len(ytr)), shares, rank, seed=cfg.seed, verify=cfg.backend == "gloo"
-    )
+    sampler = BalancedSampler(range(len(ytr)), shares, rank, seed=cfg.seed, group=engine.group)
     rebalancer = (
-        Rebalancer(sampler, every=10, threshold=0.05, group=engine.group)
+        Rebalancer(sampler, every=10, fits=fits, threshold=0.05, group=engine.group)
         if cfg.rebalance and weighted
         else None
     )
@@ -254,9 +257,12 @@ def train_data_parallel(
 
 
 def probe(engine: Engine, cfg: DemoConfig) -> tuple[list[SpeedFit], SpeedFit]:
-    """Each rank measures its real speed once (the cost the emulation scales), then its emulated
-    speed, which is what the balanced split is solved from; every rank gets everybody's fit. Both
-    time the whole training step: forward, backward and the optimizer's step."""
+    """Each rank measures its real speed, the ranks agree on the cost the emulation scales (the
+    fastest real fit: this machine's speed with the least interference from other processes,
+    the same on every rank), then each measures its emulated speed, which is what the balanced
+    split is solved from; every rank gets everybody's fit. Both time the whole training step:
+    forward, backward and the optimizer's step. A rank's own real fit would pin the emulated
+    speed to whatever load the host had during its probe, for the whole run."""
     xtr, ytr, _, _ = load_digits(cfg.seed)
     torch.manual_seed(cfg.seed)
     net = DemoNet()
@@ -271,13 +277,10 @@ def probe(engine: Engine, cfg: DemoConfig) -> tuple[list[SpeedFit], SpeedFit]:
     def sgd(params: Any) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
 
-    real = measure_speed(
-        net, make_batch, loss, batch_sizes=sizes, warmup=2, repeats=5, optimizer=sgd
-    )
+    mine = measure_speed(net, make_batch, loss, batch_sizes=sizes, warmup=2, optimizer=sgd)
+    real = min(engine.allgather(mine), key=lambda f: f.predict(top))
     emulated = EmulatedSpeed(net, cfg.speeds[engine.rank], cost=real)
-    fit = measure_speed(
-        emulated, make_batch, loss, batch_sizes=sizes, warmup=1, repeats=5, optimizer=sgd
-    )
+    fit = measure_speed(emulated, make_batch, loss, batch_sizes=sizes, warmup=1, optimizer=sgd)
     return engine.allgather(fit), real
 
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 import hetcoll
 from hetcoll.collectives import choose_algorithm, direct_allreduce, premul_sum_op
-from hetcoll.comm import agree, wrap
+from hetcoll.comm import NOT_GIVEN, agree, group_argument, is_mpi_comm, wrap
 from hetcoll.kernels import numpy_view
 
 ALGORITHMS = ("auto", "direct", "allreduce")
@@ -63,8 +63,12 @@ def local_batch_value(n: object) -> int:
 
 
 class WeightedAllreduceState:
-    """State of :func:`weighted_allreduce_hook`: the process group (``None`` = default) and this
-    rank's number of samples in the current step (set it before each backward when it changes).
+    """State of :func:`weighted_allreduce_hook`: the process group and this rank's number of
+    samples in the current step (set it before each backward when it changes).
+
+    ``group``: the torch.distributed process group DDP runs on (None: the default group, as
+    everywhere in hetcoll once torch.distributed is initialised, which DDP needs);
+    ``process_group=`` is its deprecated name.
 
     ``algorithm``: "direct" (one round of point-to-point messages, CPU buckets), "allreduce"
     (pre-scale and the process group's allreduce) or "auto" (direct for small CPU buckets or two
@@ -77,14 +81,25 @@ class WeightedAllreduceState:
 
     def __init__(
         self,
-        process_group: dist.ProcessGroup | None,
-        local_batch: int,
+        group: dist.ProcessGroup | None = None,
+        local_batch: int | None = None,
         *,
         algorithm: str = "auto",
+        process_group: Any = NOT_GIVEN,
     ) -> None:
+        group = group_argument(group, "WeightedAllreduceState", process_group=process_group)
+        if is_mpi_comm(group):
+            raise TypeError(
+                "group: the DDP hook runs on torch.distributed; for MPI wrap the optimizer in "
+                "hetcoll.torch.DistributedOptimizer"
+            )
+        if local_batch is None:
+            raise TypeError("local_batch: required (this rank's samples in the step)")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
-        self.process_group = process_group
+        self.group = group
+        #: The same group, under the name torch's own hook states use.
+        self.process_group = group
         self.local_batch = local_batch
         self.algorithm = algorithm
         self._step_total: torch.futures.Future | None = None

@@ -1,13 +1,14 @@
-"""Sample-weighted data parallelism over MPI (mpi4py), for jobs launched with ``mpiexec`` and no
-torch.distributed: wrap the optimizer, nothing else in the training loop changes (Horovod's
-``DistributedOptimizer`` pattern, with the weighting Horovod never had).
+"""Sample-weighted data parallelism without DDP, for jobs launched with ``mpiexec`` and no
+torch.distributed (or on a torch.distributed group): wrap the optimizer, nothing else in the
+training loop changes (Horovod's ``DistributedOptimizer`` pattern, with the weighting Horovod
+never had).
 
 ``step()`` packs every gradient into fusion buffers of at most ``fusion_bytes`` (the Rust kernel
 scales each by ``n_r / N`` while it copies), sums them in place with :func:`hetcoll.allreduce`
 (``MPI_Allreduce``, or hetcoll's ring for large buffers), unpacks, and only then runs the
 wrapped optimizer, so every rank applies the exact full-batch gradient
 ``sum_r n_r g_r / N``. ``N`` and an agreement check (every rank must hold the same number of
-gradient elements, or all ranks raise) travel in one small ``MPI_Allgather`` per step.
+gradient elements, or all ranks raise) travel in one small all-gather per step.
 """
 
 from __future__ import annotations
@@ -19,14 +20,19 @@ import torch
 
 from hetcoll import fusion
 from hetcoll.collectives import allreduce
+from hetcoll.comm import NOT_GIVEN, group_argument, wrap
 from hetcoll.torch.hooks import local_batch_value
 
 _SUPPORTED = (torch.float32, torch.float64)
 
 
 class DistributedOptimizer:
-    """Wrap ``optimizer`` so that :meth:`step` first averages gradients across ``comm``'s ranks,
-    weighted by each rank's ``local_batch``.
+    """Wrap ``optimizer`` so that :meth:`step` first averages gradients across the ranks of
+    ``group``, weighted by each rank's ``local_batch``.
+
+    ``group``: an mpi4py communicator or a torch.distributed process group; None is
+    :func:`hetcoll.comm.wrap`'s default (torch's default group, else ``MPI.COMM_WORLD`` under
+    mpiexec). ``comm=`` is its deprecated name.
 
     >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
     ...                            local_batch=shares[rank])  # doctest: +SKIP
@@ -36,13 +42,13 @@ class DistributedOptimizer:
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        comm: Any = None,
+        group: Any = None,
         *,
         local_batch: int,
         fusion_bytes: int = 64 << 20,
+        comm: Any = NOT_GIVEN,
     ) -> None:
-        from mpi4py import MPI
-
+        group = group_argument(group, "DistributedOptimizer", comm=comm)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer: must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
@@ -50,7 +56,8 @@ class DistributedOptimizer:
         if fusion_bytes < 1:
             raise ValueError(f"fusion_bytes: must be >= 1, got {fusion_bytes}")
         self.optimizer = optimizer
-        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.group = group
+        self._comm = wrap(group)
         self.local_batch = local_batch
         self.fusion_bytes = int(fusion_bytes)
 
@@ -85,8 +92,8 @@ class DistributedOptimizer:
             grads.append(p.grad)
         numel = sum(g.numel() for g in grads)
         mine = np.array([self.local_batch, numel], dtype=np.float64)
-        every = np.empty((self.comm.Get_size(), 2), dtype=np.float64)
-        self.comm.Allgather(mine, every)
+        rows = self._comm.allgather_fixed(mine.view(np.uint8), None)
+        every = rows.view(np.float64).reshape(self._comm.size, 2)
         if np.any(every[:, 1] != numel):
             raise ValueError(
                 "optimizer: ranks disagree on the gradients to average (elements per rank: "
@@ -98,7 +105,7 @@ class DistributedOptimizer:
         scale = self.local_batch / total
         for bucket in self._buckets(grads):
             flat = fusion.pack(bucket, scale=scale)
-            allreduce(flat, self.comm)  # the engine's allreduce or hetcoll's ring, by size
+            allreduce(flat, self._comm)  # the engine's allreduce or hetcoll's ring, by size
             fusion.unpack(flat, bucket)
 
     def _buckets(self, grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -130,14 +137,25 @@ class DistributedOptimizer:
         self.optimizer.load_state_dict(state)
 
 
-def broadcast_parameters(module: torch.nn.Module, comm: Any = None, root: int = 0) -> None:
-    """Copy ``root``'s parameters and buffers to every rank (call before training)."""
-    from mpi4py import MPI
+def broadcast_parameters(
+    module: torch.nn.Module, group: Any = None, root: int = 0, *, comm: Any = NOT_GIVEN
+) -> None:
+    """Copy ``root``'s parameters and buffers to every rank of ``group`` (call before training;
+    ``group`` as :class:`DistributedOptimizer` takes it, ``comm=`` its deprecated name)."""
+    group = group_argument(group, "broadcast_parameters", comm=comm)
+    c = wrap(group)
+    tensors = [*module.parameters(), *module.buffers()]
+    if c.engine != "mpi":
+        import torch.distributed as dist
 
-    comm = MPI.COMM_WORLD if comm is None else comm
-    for t in [*module.parameters(), *module.buffers()]:
+        src = root if c.native is None else dist.get_global_rank(c.native, root)
+        with torch.no_grad():
+            for t in tensors:
+                dist.broadcast(t.detach(), src=src, group=c.native)
+        return
+    for t in tensors:
         with torch.no_grad():
             view = t.detach().numpy() if t.is_contiguous() else None
             if view is None:
                 raise ValueError("module: parameters must be contiguous to broadcast")
-            comm.Bcast(view, root=root)
+            c.native.Bcast(view, root=root)

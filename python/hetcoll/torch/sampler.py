@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import Sampler
 
 import hetcoll
-from hetcoll.comm import agree, wrap
+from hetcoll.comm import agree, has_default, wrap
 
 
 def _validate_shares(shares: Sequence[int], argument: str = "shares") -> list[int]:
@@ -41,16 +41,15 @@ def _validate_shares(shares: Sequence[int], argument: str = "shares") -> list[in
     return out
 
 
-def _verify_agreement(values: list[int], what: str) -> None:
-    """When a process group is up, make every rank check that all ranks passed the same values:
-    a rank that disagrees would otherwise run a different number of steps and hang the others."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    comm = wrap(None)
-    agree(comm, {f"the number of {what}": len(values)})
-    agree(comm, {f"{what}[{i}]": int(v) for i, v in enumerate(values)})
+def _verify(group: Any, shares: list[int]) -> None:
+    """Every rank checks that all ranks passed the same shares, one per rank of ``group``: a
+    rank that disagrees would otherwise run a different number of steps and hang the others.
+    The number of shares is agreed first, so that every rank raises alike."""
+    comm = wrap(group)
+    agree(comm, {"the number of shares": len(shares)})
+    if len(shares) != comm.size:
+        raise ValueError(f"shares: has {len(shares)} entries but the group has {comm.size} ranks")
+    agree(comm, {f"shares[{i}]": int(v) for i, v in enumerate(shares)})
 
 
 class BalancedSampler(Sampler[int]):
@@ -62,8 +61,11 @@ class BalancedSampler(Sampler[int]):
     ``sampler.batch_sampler()`` as ``batch_sampler=`` to let :meth:`set_shares` take effect at
     the next step instead of the next epoch.
 
-    ``verify`` (default on) checks across ranks, when torch.distributed is initialised, that
-    every rank passed the same shares, and raises on every rank if not.
+    ``verify`` (default on) checks across the ranks of ``group`` that every rank passed the
+    same shares, one per rank, and raises on every rank if not (one small all-gather, on
+    torch.distributed or MPI). ``group``: an mpi4py communicator or a torch.distributed process
+    group; None is :func:`hetcoll.comm.wrap`'s default (torch's default group, else
+    ``MPI.COMM_WORLD`` under mpiexec), and with neither (one process) nothing is checked.
 
     >>> s = BalancedSampler(range(10), [3, 1], rank=0, shuffle=False, verify=False)
     >>> list(s)
@@ -80,6 +82,7 @@ class BalancedSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
         verify: bool = True,
+        group: Any = None,
     ) -> None:
         self.shares = _validate_shares(shares)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(self.shares):
@@ -96,17 +99,9 @@ class BalancedSampler(Sampler[int]):
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
         self.epoch = 0
-        if verify:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                world = dist.get_world_size()
-                if world != len(self.shares):
-                    raise ValueError(
-                        f"shares: has {len(self.shares)} entries but the process group has "
-                        f"{world} ranks"
-                    )
-            _verify_agreement(self.shares, "shares")
+        self.group = group
+        if verify and (group is not None or has_default()):
+            _verify(group, self.shares)
 
     # -- the epoch plan ---------------------------------------------------------------------
 

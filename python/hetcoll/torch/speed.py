@@ -1,20 +1,58 @@
-"""Measure how fast this rank trains: time forward + backward (+ the optimizer step, when given an
-optimizer factory) at a few batch sizes and fit
-``t(b) = latency_s + b / samples_per_s`` (least squares on the medians of repeats)."""
+"""Measure how fast this rank trains, robustly: time the training step at a few batch sizes and
+fit ``t(b) = a + c b`` (``a = latency_s``, the fixed cost of a step; ``c = 1 / samples_per_s``).
+
+What keeps the estimate steady on a noisy, shared host:
+
+- **rounds**: each round times every batch size once, ascending in odd rounds and descending in
+  even ones, so a load that comes and goes during the probe shifts all sizes alike instead of
+  tilting the slope;
+- **robust statistics per size** (:func:`robust_quantile`): timings further than
+  :data:`OUTLIER_SIGMAS` robust standard deviations (1.4826 times the median absolute deviation)
+  from the median are rejected; the size's time is the lower quartile of the rest (the median
+  of the faster half, :data:`PROBE_QUANTILE`), with its standard error from their spread.
+  Interference from other processes only ever adds time, so the faster half is where the
+  device's own speed shows: on a quiet host it is within the jitter of the median, on a busy
+  one it moves less than the median from run to run (``tests/test_speed.py`` simulates it,
+  ``benches/probe_spread.py`` measures the first split it gives);
+- **a constrained fit** (:func:`fit_affine`): weighted least squares of ``a + c b`` on those
+  times, with ``a, c >= 0`` (the best feasible of the unconstrained solution, ``a = 0`` and
+  ``c = 0``), and the covariance of ``(a, c)``; a fit whose scatter exceeds the times' own
+  errors has its covariance scaled up by it;
+- **a bounded probe**: rounds go on until the time of every size is known to ``rtol``
+  (relative standard error), after at least ``repeats`` rounds and at most ``max_repeats``, and
+  no round starts that would end past ``time_budget`` seconds (the first always runs).
+
+:class:`SpeedFit` carries the fit, its covariance and the points; :class:`hetcoll.torch.Rebalancer`
+starts from it and keeps updating the same model from the step times it observes.
+"""
 
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from hetcoll.comm import is_mpi_comm
+from hetcoll.comm import wrap
+
+#: Timings further than this many robust standard deviations from their median are outliers.
+OUTLIER_SIGMAS = 3.0
+#: 1.4826 * MAD estimates a normal distribution's standard deviation.
+_MAD_TO_SIGMA = 1.4826
+#: The quantile of each batch size's timings that :func:`measure_speed` fits (see above).
+PROBE_QUANTILE = 0.25
+#: The smallest relative error a median is credited with (timer resolution, clock jitter): no
+#: size gets an infinite weight because its few timings happened to agree.
+REL_ERROR_FLOOR = 1e-3
+#: ... and the smallest absolute one, in seconds (the order of perf_counter's resolution).
+ABS_ERROR_FLOOR = 1e-7
 
 
 @dataclass(frozen=True)
@@ -22,34 +60,166 @@ class SpeedFit:
     """``t(b) = latency_s + b / samples_per_s`` seconds per step at batch size ``b``.
 
     ``capacity`` is the largest batch that fits in device memory when it was probed (else None).
-    ``points`` are the measured ``(batch_size, median_seconds)`` pairs.
+    ``points`` are the measured ``(batch_size, median_seconds)`` pairs. ``covariance`` is that of
+    ``(latency_s, seconds_per_sample)`` as ``(var_a, cov_ac, var_c)`` (zeros: unknown).
     """
 
     latency_s: float
     samples_per_s: float
     capacity: int | None = None
     points: tuple[tuple[int, float], ...] = field(default=())
+    covariance: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    @property
+    def seconds_per_sample(self) -> float:
+        """``c`` of ``t(b) = a + c b``."""
+        return 1.0 / self.samples_per_s if self.samples_per_s > 0 else math.inf
+
+    @property
+    def latency_se_s(self) -> float:
+        """Standard error of ``latency_s``."""
+        return math.sqrt(max(self.covariance[0], 0.0))
+
+    @property
+    def samples_per_s_se(self) -> float:
+        """Standard error of ``samples_per_s`` (first order: ``se(c) / c**2``)."""
+        s = self.samples_per_s
+        return math.sqrt(max(self.covariance[2], 0.0)) * s * s if math.isfinite(s) else math.inf
 
     def predict(self, batch_size: int) -> float:
         """Predicted seconds per step at ``batch_size``."""
         return self.latency_s + batch_size / self.samples_per_s
 
+    def predict_se(self, batch_size: int) -> float:
+        """Standard error of :meth:`predict` at ``batch_size``."""
+        va, cac, vc = self.covariance
+        b = float(batch_size)
+        return math.sqrt(max(va + 2 * b * cac + b * b * vc, 0.0))
 
-def _fit(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares ``t = a + c b``; falls back to a line through the origin when noise makes the
-    slope non-positive or the intercept negative."""
-    n = len(points)
-    bs = [float(b) for b, _ in points]
-    ts = [t for _, t in points]
-    mb, mt = sum(bs) / n, sum(ts) / n
-    var = sum((b - mb) ** 2 for b in bs)
-    if n >= 2 and var > 0:
-        c = sum((b - mb) * (t - mt) for b, t in zip(bs, ts)) / var
-        a = mt - c * mb
-        if c > 0 and a >= 0:
-            return a, c
-    c = sum(b * t for b, t in zip(bs, ts)) / sum(b * b for b in bs)
-    return 0.0, c
+
+def robust_quantile(values: Sequence[float], q: float = 0.5) -> tuple[float, float, int]:
+    """``(estimate, its standard error, count kept)``: the ``q``-quantile of ``values`` (the
+    median by default) after rejecting those further than :data:`OUTLIER_SIGMAS` robust standard
+    deviations from the median. The error is the normal approximation
+    ``sqrt(q (1 - q)) / pdf(z_q) * sigma / sqrt(n)`` (``sqrt(pi / 2) sigma / sqrt(n)`` for the
+    median), ``sigma`` from the kept values' median absolute deviation and at least
+    :data:`REL_ERROR_FLOOR` of the estimate (and :data:`ABS_ERROR_FLOOR`).
+
+    >>> robust_quantile([1.0, 1.1, 0.9, 1.0, 9.0])[0]  # 9.0 is rejected
+    1.0
+    """
+    if not 0.0 < q < 1.0:
+        raise ValueError(f"q: must be in (0, 1), got {q!r}")
+    xs = [float(v) for v in values]
+    if not xs:
+        raise ValueError("values: must not be empty")
+    med = statistics.median(xs)
+    sigma = _MAD_TO_SIGMA * statistics.median(abs(x - med) for x in xs)
+    kept = sorted(x for x in xs if abs(x - med) <= OUTLIER_SIGMAS * sigma) if sigma > 0 else xs
+    n = len(kept)
+    if q == 0.5:
+        est = statistics.median(kept)
+    else:  # linear interpolation between order statistics (numpy's default)
+        kept = sorted(kept)
+        pos = q * (n - 1)
+        lo = int(pos)
+        hi = min(lo + 1, n - 1)
+        est = kept[lo] + (pos - lo) * (kept[hi] - kept[lo])
+    mid = statistics.median(kept)
+    sigma = max(_MAD_TO_SIGMA * statistics.median(abs(x - mid) for x in kept), 0.0)
+    sigma = max(sigma, REL_ERROR_FLOOR * abs(est), ABS_ERROR_FLOOR)
+    normal = statistics.NormalDist()
+    factor = math.sqrt(q * (1 - q)) / normal.pdf(normal.inv_cdf(q))
+    return est, factor * sigma / math.sqrt(n), n
+
+
+def fit_affine(
+    xs: Sequence[float], ys: Sequence[float], errors: Sequence[float] | None = None
+) -> tuple[float, float, tuple[float, float, float]]:
+    """Weighted least squares ``y = a + c x`` with ``a, c >= 0``: ``(a, c, (var_a, cov_ac,
+    var_c))``. ``errors`` are the standard errors of ``ys`` (None: all equal, estimated from the
+    scatter); the covariance is scaled by the reduced chi-square when that exceeds 1.
+
+    The constrained optimum of a convex quadratic on the quadrant is the unconstrained one when
+    it is feasible, else the best of the optima on the two edges ``a = 0`` and ``c = 0``.
+    """
+    n = len(xs)
+    if n == 0 or len(ys) != n or (errors is not None and len(errors) != n):
+        raise ValueError("xs, ys, errors: must be non-empty and of one length")
+    x = [float(v) for v in xs]
+    y = [float(v) for v in ys]
+    if errors is None:
+        w = [1.0] * n
+        known = False
+    else:
+        if not all(float(e) > 0 for e in errors):
+            raise ValueError(f"errors: must be > 0, got {list(errors)}")
+        w = [1.0 / float(e) ** 2 for e in errors]
+        known = True
+    sw = sum(w)
+    sx = sum(wi * xi for wi, xi in zip(w, x))
+    sy = sum(wi * yi for wi, yi in zip(w, y))
+    sxx = sum(wi * xi * xi for wi, xi in zip(w, x))
+    sxy = sum(wi * xi * yi for wi, xi, yi in zip(w, x, y))
+    det = sw * sxx - sx * sx
+
+    def cost(a: float, c: float) -> float:
+        return sum(wi * (yi - a - c * xi) ** 2 for wi, xi, yi in zip(w, x, y))
+
+    candidates: list[tuple[float, float]] = []
+    if det > 1e-12 * sw * sxx:
+        a = (sxx * sy - sx * sxy) / det
+        c = (sw * sxy - sx * sy) / det
+        if a >= 0 and c >= 0:
+            candidates.append((a, c))
+    if not candidates:
+        if sxx > 0:
+            candidates.append((0.0, max(sxy / sxx, 0.0)))
+        candidates.append((max(sy / sw, 0.0), 0.0))
+    a, c = min(candidates, key=lambda ac: cost(*ac))
+    # Covariance of the unconstrained estimator (the constrained one is no less certain), scaled
+    # by the residual scatter when the given errors understate it (or when none were given).
+    dof = n - 2
+    chi2 = cost(a, c)
+    reduced = chi2 / dof if dof > 0 else float(known)
+    scale = max(1.0, reduced) if known else reduced
+    if det > 1e-12 * sw * sxx:
+        cov = (scale * sxx / det, -scale * sx / det, scale * sw / det)
+    else:  # one distinct x: only the level is known
+        cov = (scale / sw, 0.0, 0.0)
+    return a, c, cov
+
+
+def fit_step_time(observations: Iterable[tuple[int, float]], quantile: float = 0.5) -> SpeedFit:
+    """The :class:`SpeedFit` of raw ``(batch_size, seconds)`` timings: per batch size the
+    :func:`robust_quantile` (the median by default), then :func:`fit_affine` weighted by their
+    errors.
+
+    ``samples_per_s`` is infinite when the fitted per-sample cost is 0 (time does not grow with
+    the batch over the sizes given).
+
+    >>> fit = fit_step_time([(8, 0.010), (8, 0.011), (32, 0.025), (32, 0.026), (32, 0.4)])
+    >>> round(fit.latency_s, 4), round(fit.samples_per_s), len(fit.points)  # 0.4 s rejected
+    (0.0055, 1600, 2)
+    """
+    by_size: dict[int, list[float]] = {}
+    for b, t in observations:
+        if isinstance(b, bool) or not hasattr(b, "__index__") or int(b) < 1:
+            raise ValueError(f"observations: batch sizes must be positive integers, got {b!r}")
+        if not math.isfinite(t) or t < 0:
+            raise ValueError(f"observations: seconds must be finite and >= 0, got {t!r}")
+        by_size.setdefault(int(b), []).append(float(t))
+    if not by_size:
+        raise ValueError("observations: must not be empty")
+    sizes = sorted(by_size)
+    stats = [robust_quantile(by_size[b], quantile) for b in sizes]
+    a, c, cov = fit_affine(sizes, [m for m, _, _ in stats], [se for _, se, _ in stats])
+    return SpeedFit(
+        latency_s=a,
+        samples_per_s=1.0 / c if c > 0 else math.inf,
+        points=tuple((b, m) for b, (m, _, _) in zip(sizes, stats)),
+        covariance=cov,
+    )
 
 
 def measure_speed(
@@ -59,12 +229,26 @@ def measure_speed(
     *,
     batch_sizes: Sequence[int] = (8, 16, 32, 64),
     warmup: int = 2,
-    repeats: int = 3,
+    repeats: int = 5,
+    max_repeats: int = 30,
+    rtol: float = 0.01,
+    time_budget: float | None = 10.0,
+    quantile: float = PROBE_QUANTILE,
     probe_memory: bool = False,
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
 ) -> SpeedFit:
-    """Time forward + backward of a copy of ``model`` (the caller's weights are untouched) on
-    ``make_batch(b)`` for each ``b`` in ``batch_sizes`` and fit the step time.
+    """Time the training step of a copy of ``model`` (the caller's weights are untouched) on
+    ``make_batch(b)`` for each ``b`` in ``batch_sizes`` and fit ``t(b) = a + c b`` robustly
+    (see the module docstring). No communication: each rank probes itself, then
+    :func:`gather_speeds` exchanges the fits.
+
+    ``warmup`` untimed steps per size come first; then rounds of one timed step per size, at
+    least ``repeats`` and at most ``max_repeats`` of them, until the step time of every size
+    (the ``quantile`` of its timings, :data:`PROBE_QUANTILE`) has a relative standard error of
+    at most ``rtol``. ``time_budget`` (seconds, None: no
+    limit) bounds the whole probe: no round starts that would end past it, except the first.
+    Use sizes that span the batches the rank will run (e.g. up to the global batch): the fit is
+    an interpolation there.
 
     ``optimizer``, a factory such as ``lambda ps: torch.optim.SGD(ps, lr=0.1)``, adds the
     optimizer step to each timed step (on the copy's parameters), so the fit is the whole training
@@ -73,64 +257,118 @@ def measure_speed(
     ``probe_memory`` (CUDA models only) fits peak memory against batch size and reports the
     largest batch that fits as ``capacity``.
 
+    When the step time does not grow measurably over ``batch_sizes`` (the fitted per-sample cost
+    is 0), a ``RuntimeWarning`` says so and the per-sample cost is taken as its standard error,
+    an upper estimate, so the speed stays finite.
+
     >>> fit = measure_speed(net, lambda b: (torch.randn(b, 4), torch.randn(b, 2)),
     ...                     nn.functional.mse_loss)  # doctest: +SKIP
     """
     sizes = [int(b) for b in batch_sizes]
     if len(sizes) < 1 or any(b < 1 for b in sizes):
         raise ValueError(f"batch_sizes: must be positive integers, got {list(batch_sizes)}")
-    if warmup < 0 or repeats < 1:
-        raise ValueError(f"repeats: must be >= 1 (and warmup >= 0), got {repeats}, {warmup}")
+    if warmup < 0:
+        raise ValueError(f"warmup: must be >= 0, got {warmup!r}")
+    if repeats < 1:
+        raise ValueError(f"repeats: must be >= 1, got {repeats!r}")
+    if max_repeats < repeats:
+        raise ValueError(f"max_repeats: must be >= repeats ({repeats}), got {max_repeats!r}")
+    if not rtol >= 0:
+        raise ValueError(f"rtol: must be >= 0, got {rtol!r}")
+    if time_budget is not None and not time_budget > 0:
+        raise ValueError(f"time_budget: must be a number of seconds > 0 or None, got {time_budget}")
     if optimizer is not None and not callable(optimizer):
         raise TypeError(f"optimizer: must be a callable taking parameters, got {optimizer!r}")
+    start = time.perf_counter()
     m = copy.deepcopy(model)
     m.train()
     opt = optimizer(m.parameters()) if optimizer is not None else None
     cuda = next((p.is_cuda for p in m.parameters()), False)
-    points, mem_points = [], []
+    batches = {b: make_batch(b) for b in sizes}
+    mem_points: list[tuple[int, float]] = []
+
+    def step(b: int) -> float:
+        x, y = batches[b]
+        m.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss_fn(m(x), y).backward()
+        if opt is not None:
+            opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
     for b in sizes:
-        x, y = make_batch(b)
-        times = []
         if cuda and probe_memory:
             torch.cuda.reset_peak_memory_stats()
-        for i in range(warmup + repeats):
-            m.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            loss_fn(m(x), y).backward()
-            if opt is not None:
-                opt.step()
-            if cuda:
-                torch.cuda.synchronize()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        points.append((b, float(statistics.median(times))))
+        for _ in range(warmup):
+            step(b)
         if cuda and probe_memory:
+            if warmup == 0:
+                step(b)
             mem_points.append((b, float(torch.cuda.max_memory_allocated())))
-    a, c = _fit(points)
+    timings: list[tuple[int, float]] = []
+    rounds = 0
+    while rounds < max_repeats:
+        round_start = time.perf_counter()
+        order = sizes if rounds % 2 == 0 else sizes[::-1]
+        timings.extend((b, step(b)) for b in order)
+        rounds += 1
+        now = time.perf_counter()
+        if rounds >= repeats and _precise(timings, rtol, quantile):
+            break
+        if time_budget is not None and now + (now - round_start) > start + time_budget:
+            break
+    fit = fit_step_time(timings, quantile)
+    if not math.isfinite(fit.samples_per_s):
+        c = math.sqrt(max(fit.covariance[2], 0.0)) or max(t for _, t in fit.points) / max(sizes)
+        warnings.warn(
+            f"measure_speed: the step time does not grow measurably between batch sizes "
+            f"{min(sizes)} and {max(sizes)}; probe larger batch sizes (the per-sample cost is "
+            f"taken as its standard error, {c:.3g} s)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        fit = SpeedFit(fit.latency_s, 1.0 / c, None, fit.points, fit.covariance)
     capacity = None
-    if mem_points:
-        m0, m1 = _fit(mem_points)
+    if len(mem_points) >= 2:
+        m0, m1, _ = fit_affine([b for b, _ in mem_points], [v for _, v in mem_points])
         free, _ = torch.cuda.mem_get_info()
         capacity = max(0, int((free + mem_points[-1][1] - m0) / m1)) if m1 > 0 else None
-    return SpeedFit(latency_s=a, samples_per_s=1.0 / c, capacity=capacity, points=tuple(points))
+    return SpeedFit(fit.latency_s, fit.samples_per_s, capacity, fit.points, fit.covariance)
+
+
+def _precise(timings: Sequence[tuple[int, float]], rtol: float, quantile: float) -> bool:
+    """Whether every batch size's step time is known to ``rtol`` (relative standard error).
+    The fit's own scatter is not asked: more rounds cannot make a step time more affine."""
+    by_size: dict[int, list[float]] = {}
+    for b, t in timings:
+        by_size.setdefault(b, []).append(t)
+    for ts in by_size.values():
+        med, se, _ = robust_quantile(ts, quantile)
+        if se > rtol * med:
+            return False
+    return True
 
 
 def gather_speeds(fit: SpeedFit, group: Any = None) -> list[SpeedFit]:
     """Every rank's :class:`SpeedFit`, in rank order (a collective: call it on every rank).
 
-    ``group`` is a torch.distributed process group (None: the default one) or, for jobs
-    launched with ``mpiexec`` and no torch.distributed, an mpi4py communicator.
+    ``group``: an mpi4py communicator or a torch.distributed process group; None is
+    :func:`hetcoll.comm.wrap`'s default (torch's default group, else ``MPI.COMM_WORLD`` under
+    mpiexec).
 
     >>> fits = gather_speeds(measure_speed(model, make_batch, loss_fn))  # doctest: +SKIP
     """
     if not isinstance(fit, SpeedFit):
         raise TypeError(f"fit: must be a SpeedFit, got {type(fit).__name__}")
-    if is_mpi_comm(group):
-        return list(group.allgather(fit))
+    c = wrap(group)
+    if c.engine == "mpi":
+        return list(c.native.allgather(fit))
     import torch.distributed as dist
 
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, fit, group=group)
+    out: list[Any] = [None] * c.size
+    dist.all_gather_object(out, fit, group=c.native)
     return out

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hetcoll.comm import Communicator, Request, is_mpi_comm, wrap
+from hetcoll.comm import Communicator, Request, wrap
 
 __all__ = ["CountingCommunicator", "Transport", "transport"]
 
@@ -158,11 +158,11 @@ class _MpiTransport(Transport):
 
 def transport(group: Any = None) -> Transport:
     """The :class:`Transport` over ``group``: an mpi4py communicator, a torch.distributed
-    process group, or None (torch's default group; it must be initialised)."""
-    if is_mpi_comm(group):
-        return _MpiTransport(group)
-    wrap(group)  # the clear TypeError / ValueError for anything else
-    return _TorchTransport(group)
+    process group, or None (:func:`hetcoll.comm.wrap`'s default)."""
+    c = wrap(group)  # the clear TypeError / ValueError for anything else
+    if c.engine == "mpi":
+        return _MpiTransport(c.native)
+    return _TorchTransport(c.native)
 
 
 class CountingCommunicator(Communicator):

@@ -1,0 +1,184 @@
+"""One way to pass the communicator: every public function of hetcoll that communicates takes
+``group=`` (an mpi4py communicator or a torch.distributed process group) with one default,
+decided by :func:`hetcoll.comm.wrap`: torch's default group when torch.distributed is
+initialised, else ``MPI.COMM_WORLD`` under mpiexec, else a ``ValueError`` naming ``group``.
+Old keyword names keep working for one release with a ``DeprecationWarning``. Here in one
+process with neither engine, and on real gloo processes (tests/mpi_workers/data_parallel.py
+runs the same under mpiexec, without torch.distributed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hetcoll
+from hetcoll.collectives import allgatherv_autograd
+from hetcoll.comm import MPI_LAUNCHER_VARIABLES, has_default
+from hetcoll.launch import spawn
+from hetcoll.torch import (
+    BalancedSampler,
+    DistributedOptimizer,
+    Rebalancer,
+    SpeedFit,
+    WeightedAllreduceState,
+    broadcast_parameters,
+    filter_parallel,
+    gather_speeds,
+)
+
+from dp_common import make_data, make_model, reference_step, rel_err
+
+NO_DEFAULT = "group: none given and no default"
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    for name in MPI_LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert not dist.is_initialized() and not has_default()
+
+
+def test_without_an_engine_every_function_names_group(no_engine):
+    model = make_model()
+    calls = {
+        "allreduce": lambda: hetcoll.allreduce(np.ones(3), None),
+        "allgatherv": lambda: hetcoll.allgatherv(np.ones(3)),
+        "allgatherv_autograd": lambda: allgatherv_autograd(torch.ones(3)),
+        "gather_speeds": lambda: gather_speeds(SpeedFit(0.0, 1.0)),
+        "broadcast_parameters": lambda: broadcast_parameters(model),
+        "DistributedOptimizer": lambda: DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), local_batch=1
+        ),
+        "filter_parallel": lambda: filter_parallel(model, [1.0]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=NO_DEFAULT):
+            call()
+        assert name
+    # The Rebalancer communicates at its first decision, not before.
+    reb = Rebalancer(BalancedSampler(range(8), [2, 2], 0), every=1)
+    with pytest.raises(ValueError, match=NO_DEFAULT):
+        reb.observe(2, 0.1)
+    # One process with no engine: a sampler has nothing to check its shares against.
+    assert BalancedSampler(range(8), [2, 2], 0).shares == [2, 2]
+    with pytest.raises(TypeError, match="group"):
+        gather_speeds(SpeedFit(0.0, 1.0), "world")
+
+
+def test_mpi_is_detected_from_the_launcher(no_engine, monkeypatch):
+    monkeypatch.setenv("PMI_RANK", "0")  # what mpiexec (MPICH's Hydra) sets in each rank
+    assert has_default()
+
+
+def test_old_names_still_work_with_a_deprecation_warning(no_engine):
+    model = make_model()
+    cases = {
+        "allreduce(comm=": lambda: hetcoll.allreduce(np.ones(3), comm=None),
+        "allgatherv(comm=": lambda: hetcoll.allgatherv(np.ones(3), comm=None),
+        "allgatherv_autograd(comm=": lambda: allgatherv_autograd(torch.ones(3), comm=None),
+        "broadcast_parameters(comm=": lambda: broadcast_parameters(model, comm=None),
+        "DistributedOptimizer(comm=": lambda: DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), comm=None, local_batch=1
+        ),
+    }
+    for what, call in cases.items():
+        # The old name is taken (and warned about); with no engine the default then fails.
+        with (
+            pytest.warns(DeprecationWarning, match=r"is now .*group=") as w,
+            pytest.raises(ValueError, match=NO_DEFAULT),
+        ):
+            call()
+        assert what in str(w[0].message)
+    with pytest.warns(DeprecationWarning, match=r"WeightedAllreduceState\(process_group="):
+        state = WeightedAllreduceState(process_group=None, local_batch=3)
+    assert state.group is None and state.local_batch == 3
+    with (
+        pytest.raises(ValueError, match="group: give group= or the deprecated comm="),
+        pytest.warns(DeprecationWarning),
+    ):
+        hetcoll.allreduce(np.ones(3), "a", comm="b")
+
+
+class _FakeMpiComm:
+    """Passes for an mpi4py communicator with hetcoll.comm.is_mpi_comm (without MPI_Init)."""
+
+
+@pytest.fixture
+def _fake_mpi(monkeypatch):
+    import sys
+    import types
+
+    fake = types.ModuleType("mpi4py.MPI")
+    fake.Comm = _FakeMpiComm  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", fake)
+
+
+@pytest.mark.usefixtures("_fake_mpi")
+def test_the_hook_refuses_an_mpi_communicator():
+    with pytest.raises(TypeError, match="DistributedOptimizer"):
+        WeightedAllreduceState(_FakeMpiComm(), 1)
+
+
+# -- real gloo processes: None and an explicit group, every function -----------------------------
+
+
+def _everything(rank, world):
+    out = {}
+    sub = dist.new_group(list(range(world)))  # an explicit group: all ranks, another object
+    for name, group in (("default", None), ("explicit", sub)):
+        r = {}
+        fits = gather_speeds(SpeedFit(0.001 * rank, 100.0 * (rank + 1)), group)
+        r["fits"] = [f.samples_per_s for f in fits]
+        model = make_model()
+        if rank:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+        broadcast_parameters(model, group)
+        r["broadcast"] = max(
+            rel_err(p, q) for p, q in zip(model.parameters(), make_model().parameters())
+        )
+        # DistributedOptimizer on gloo: the exact full-batch step, as under MPI.
+        shares = [3, 5][:world]
+        x, y = make_data(sum(shares))
+        start = sum(shares[:rank])
+        opt = DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), group, local_batch=shares[rank]
+        )
+        nn.functional.cross_entropy(
+            model(x[start : start + shares[rank]]), y[start : start + shares[rank]]
+        ).backward()
+        opt.step()
+        _, ref = reference_step(sum(shares))
+        r["optimizer"] = max(rel_err(p.detach(), q) for p, q in zip(model.parameters(), ref))
+        r["allreduce"] = hetcoll.allreduce(np.ones(2), group).tolist()
+        try:
+            BalancedSampler(range(10), [1, 2] if rank == 0 else [2, 1], rank, group=group)
+            r["sampler"] = "no error"
+        except hetcoll.CollectiveMismatchError as e:
+            r["sampler"] = str(e)
+        sampler = BalancedSampler(range(1000), [8, 8], rank, group=group)
+        reb = Rebalancer(sampler, every=2, group=group)
+        for _ in range(6):
+            b = sampler.shares[rank]
+            reb.observe(b, b / (100.0 if rank == 0 else 25.0))
+        r["rebalanced"] = list(sampler.shares)
+        out[name] = r
+    return out
+
+
+@pytest.mark.multiproc
+def test_every_function_takes_none_or_a_group_on_gloo():
+    per_rank = spawn(_everything, 2, timeout=120)
+    for r in per_rank:
+        for name in ("default", "explicit"):
+            got = r[name]
+            assert got["fits"] == [100.0, 200.0]
+            assert got["broadcast"] == 0.0
+            assert got["optimizer"] <= 1e-10
+            assert got["allreduce"] == [2.0, 2.0]
+            assert "ranks disagree on shares[0]" in got["sampler"]
+            assert got["rebalanced"] == per_rank[0][name]["rebalanced"] != [8, 8]

@@ -1,0 +1,224 @@
+"""The Rebalancer on a simulated cluster, deterministically: rank i's step takes
+``a_i + c_i b_i`` seconds times ``1 + noise`` (and now and then twice that: another process took
+the core). Every rank decides on the same gathered rows, so one Rebalancer fed every rank's
+window summary (:meth:`Rebalancer.update`) is what each rank computes. It reaches the optimum
+from a skewed start, follows a speed that changes mid-run, never starves a rank, never gives a
+rank more than it can hold, and keeps the shares still under noise once balanced."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hetcoll
+from hetcoll.torch import BalancedSampler, Rebalancer, SpeedFit
+from hetcoll.torch.rebalance import window_summary
+
+
+def optimum(total, a, c, capacity=None, minimum=1):
+    caps = None if capacity is None else [total if x is None else x for x in capacity]
+    return hetcoll.split(
+        total, [1 / ci for ci in c], latency=list(a), capacity=caps, minimum=minimum
+    )
+
+
+def makespan(shares, a, c):
+    return max(ai + ci * b for ai, ci, b in zip(a, c, shares))
+
+
+def simulate(a, c, start, windows, *, every=10, noise=0.03, spikes=0.05, seed=0, at=None, **kwargs):
+    """Shares after each window; ``at(w)`` may return other ``(a, c)`` from window ``w``."""
+    sampler = BalancedSampler(range(10**6), start, 0, shuffle=False, verify=False)
+    reb = Rebalancer(sampler, every=every, **kwargs)
+    rng = np.random.default_rng(seed)
+    seen = []
+    for w in range(windows):
+        aw, cw = at(w) if at is not None else (a, c)
+        shares = list(sampler.shares)
+        rows = []
+        for i, b in enumerate(shares):
+            times = (aw[i] + cw[i] * b) * (1 + noise * rng.standard_normal(every))
+            times *= np.where(rng.random(every) < spikes, 2.0, 1.0)
+            rows.append(window_summary([(b, float(t)) for t in times]))
+        reb.update(np.stack(rows))
+        seen.append(list(sampler.shares))
+    return seen, reb
+
+
+# Speeds 1 and 0.3 of 5,000 samples/s, fixed costs 2 ms and 2 / 0.3 ms.
+A2, C2 = [0.002, 0.002 / 0.3], [1 / 5000, 1 / 1500]
+
+
+def probe_fits(a, c, error=0.15):
+    """What a probe might have said: each rank's costs off by ``error`` (fast rank slower,
+    slow rank faster: the worst direction), with a covariance of that size."""
+    fits = []
+    for i, (ai, ci) in enumerate(zip(a, c)):
+        f = 1 + error if i == 0 else 1 - error
+        cov = ((error * ai) ** 2, 0.0, (error * ci) ** 2)
+        fits.append(SpeedFit(ai * f, 1 / (ci * f), covariance=cov))
+    return fits
+
+
+@pytest.mark.parametrize("with_fits", [True, False])
+def test_reaches_the_optimum_from_a_skewed_start(with_fits):
+    best = optimum(256, A2, C2)
+    assert best == [203, 53]
+    fits = probe_fits(A2, C2) if with_fits else None
+    seen, reb = simulate(A2, C2, [250, 6], 30, fits=fits, threshold=0.02)
+    assert abs(seen[-1][0] - best[0]) <= 3, seen
+    assert makespan(seen[-1], A2, C2) <= 1.02 * makespan(best, A2, C2)
+    assert min(min(s) for s in seen) >= 6  # never below where it started
+    # Settled: no change over the last 15 windows, and few changes in all.
+    assert all(s == seen[-1] for s in seen[-15:]), seen
+    assert sum(e.applied for e in reb.history) <= 6
+
+
+def test_learns_the_fixed_costs():
+    _, reb = simulate(A2, C2, [250, 6], 30, fits=None, noise=0.01, spikes=0.0, threshold=0.02)
+    assert reb.fits is not None
+    for fit, a, c in zip(reb.fits, A2, C2):
+        assert fit.predict(203) == pytest.approx(a + 203 * c, rel=0.03) or fit.predict(
+            53
+        ) == pytest.approx(a + 53 * c, rel=0.03)
+        assert fit.latency_s > 0  # the fixed cost is seen, not read as per-sample cost
+
+
+def test_a_large_fixed_cost_does_not_starve_the_rank():
+    # The issue's case: the slow rank pays 30 ms per step whatever its share. Read as samples /
+    # seconds it looks slow at a small share, and gets less. The affine model sees its
+    # per-sample cost; started with no probe at 250 / 6, where one batch size cannot tell the
+    # two costs apart, it moves a few samples to the idle rank to learn them (explores).
+    a, c = [0.004, 0.03], [1 / 5000, 1 / 1500]
+    best = optimum(256, a, c)
+    assert best == [227, 29]
+    for start, fits in (([128, 128], None), ([250, 6], None), ([250, 6], probe_fits(a, c))):
+        seen, reb = simulate(a, c, start, 40, fits=fits, threshold=0.02)
+        assert makespan(seen[-1], a, c) <= 1.03 * makespan(best, a, c), (start, seen[-1])
+        assert min(s[1] for s in seen) >= min(best[1], start[1]) - 3, (start, seen)
+        explored = sum(e.explored for e in reb.history)
+        assert (explored > 0) == (start == [250, 6] and fits is None)
+
+
+def test_follows_a_speed_that_changes_mid_run():
+    # At window 15 the ranks swap speeds (the fast one throttled, the slow one freed).
+    def at(w):
+        return (A2, C2) if w < 15 else (A2[::-1], C2[::-1])
+
+    seen, _ = simulate(A2, C2, [128, 128], 45, fits=probe_fits(A2, C2), at=at, threshold=0.02)
+    before, after = optimum(256, A2, C2), optimum(256, A2[::-1], C2[::-1])
+    assert abs(seen[14][0] - before[0]) <= 3
+    assert abs(seen[-1][0] - after[0]) <= 3, seen
+    # Within a few windows of the change, not slowly over many.
+    caught_up = next(w for w in range(15, 45) if abs(seen[w][0] - after[0]) <= 10)
+    assert caught_up <= 15 + 6, seen[14:]
+
+
+def test_gradual_drift_is_followed():
+    def at(w):
+        k = 1 + 0.05 * w  # the slow rank slows down 5% more every window
+        return A2, [C2[0], C2[1] * k]
+
+    seen, _ = simulate(A2, C2, [203, 53], 40, fits=probe_fits(A2, C2, 0.0), at=at)
+    final_a, final_c = at(39)
+    assert makespan(seen[-1], final_a, final_c) <= 1.08 * makespan(
+        optimum(256, final_a, final_c), final_a, final_c
+    )
+
+
+def test_respects_capacity_and_minimum():
+    # The fast rank would take 203 but holds 180; rank 2 must keep 10.
+    a, c = [0.002, 0.002 / 0.3, 0.004], [1 / 5000, 1 / 1500, 1 / 800]
+    cap = [180, None, None]
+    seen, _ = simulate(a, c, [200, 50, 6], 30, capacity=cap, minimum=10, threshold=0.02)
+    assert all(s[0] <= 180 and min(s) >= 10 and sum(s) == 256 for s in seen)
+    best = optimum(256, a, c, cap, 10)
+    assert makespan(seen[-1], a, c) <= 1.02 * makespan(best, a, c)
+
+
+def test_infeasible_start_is_fixed_at_once_and_fits_bring_capacity():
+    sampler = BalancedSampler(range(1000), [250, 6], 0, verify=False)
+    fits = [SpeedFit(0.0, 5000.0, capacity=200), SpeedFit(0.0, 1500.0)]
+    Rebalancer(sampler, fits=fits)
+    assert sampler.shares[0] <= 200 and sum(sampler.shares) == 256
+    sampler = BalancedSampler(range(1000), [250, 6], 0, verify=False)
+    Rebalancer(sampler, minimum=8)
+    assert min(sampler.shares) >= 8 and sum(sampler.shares) == 256
+
+
+def test_bad_arguments_are_named():
+    sampler = BalancedSampler(range(100), [8, 8], 0, verify=False)
+    for kwargs, name in [
+        ({"every": 0}, "every"),
+        ({"smoothing": 0}, "smoothing"),
+        ({"threshold": -1}, "threshold"),
+        ({"drift": 1.5}, "drift"),
+        ({"minimum": 9}, "minimum"),
+        ({"capacity": [4, 4]}, "capacity"),
+        ({"capacity": [4]}, "capacity"),
+        ({"capacity": [0, 20]}, r"capacity\[0\]"),
+        ({"capacity": [20, 1], "minimum": 2}, r"capacity\[1\]"),
+        ({"fits": [SpeedFit(0, 1.0)]}, "fits"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            Rebalancer(sampler, **kwargs)
+    with pytest.raises(TypeError, match="sampler"):
+        Rebalancer([8, 8])  # type: ignore[arg-type]
+    reb = Rebalancer(sampler)
+    with pytest.raises(ValueError, match="seconds"):
+        reb.observe(8, float("nan"))
+    with pytest.raises(ValueError, match="rows"):
+        reb.update(np.zeros((3, 8)))
+
+
+def test_deprecated_comm_still_works():
+    sampler = BalancedSampler(range(100), [8, 8], 0, verify=False)
+    with pytest.warns(DeprecationWarning, match="group="):
+        reb = Rebalancer(sampler, comm="a communicator")
+    assert reb.group == "a communicator"
+
+
+def test_window_summary_keeps_the_two_most_frequent_sizes():
+    row = window_summary([(8, 0.1)] * 5 + [(3, 0.05)] + [(8, 0.5)])
+    assert row[0] == 8 and row[1] == pytest.approx(0.1) and row[3] == 6  # 0.5 is an outlier
+    assert row[4] == 3 and row[5] == pytest.approx(0.05) and row[7] == 1
+
+
+clusters = st.integers(2, 4).flatmap(
+    lambda p: st.tuples(
+        st.lists(st.floats(0.0, 0.05), min_size=p, max_size=p),
+        st.lists(st.floats(1e-5, 1e-2), min_size=p, max_size=p),
+        st.lists(st.integers(1, 100), min_size=p, max_size=p),
+        st.lists(st.none() | st.integers(1, 300), min_size=p, max_size=p),
+        st.integers(1, 3),
+        st.integers(0, 2**16),
+    )
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(clusters)
+def test_shares_always_sum_to_the_batch_within_minimum_and_capacity(cluster):
+    a, c, start, capacity, minimum, seed = cluster
+    total = sum(start)
+    if (
+        minimum * len(start) > total
+        or sum(total if x is None else x for x in capacity) < total
+        or any(x is not None and x < minimum for x in capacity)
+    ):
+        return  # the Rebalancer rejects these (tested above)
+    seen, _ = simulate(
+        a, c, start, 8, capacity=capacity, minimum=minimum, seed=seed, noise=0.2, spikes=0.2
+    )
+    for shares in seen:
+        assert sum(shares) == total
+        assert all(b >= minimum for b in shares)
+        assert all(x is None or b <= x for b, x in zip(shares, capacity))
+
+
+def test_the_same_observations_give_the_same_decisions():
+    one = simulate(A2, C2, [250, 6], 10, seed=7)[0]
+    two = simulate(A2, C2, [250, 6], 10, seed=7)[0]
+    assert one == two
