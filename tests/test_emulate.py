@@ -163,3 +163,24 @@ def test_slow_down_filter_parallel_hooks_the_split_layers_local_computation_only
     # Not the split BatchNorm, not the collectives: two sleeps per split layer.
     expected = {"hooked_local": True, "forward": True, "sleeps": 4}
     assert launch.spawn(_filter_rank, 2, timeout=120) == [expected] * 2
+
+
+def test_slow_down_times_no_backward_it_cannot_end_when_forwards_run_ahead():
+    # GPipe order: every micro-batch's forward, then every backward. The first layer's input
+    # needs no gradient, so torch cannot end its backward from outside; a start left over from
+    # one micro-batch must not time the next one's whole backward.
+    import warnings
+
+    from hetcoll.lab.emulate import slow_down
+
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    handle = slow_down(net, 0.5)
+    timed: list[int] = []
+    original = handle.backward_delay
+    handle.backward_delay = lambda i, s: (timed.append(i), original(i, s))[1]  # type: ignore[method-assign]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's note that the first layer's hook fires early
+        losses = [net(torch.randn(3, 4)).sum() for _ in range(3)]
+        for loss in losses:
+            loss.backward()
+    assert timed == [1, 1, 1]  # the second Linear, once a micro-batch; never the first

@@ -168,18 +168,24 @@ class SlowDown:
     def _before_forward(self, i: int, _module: nn.Module, _args: Any) -> None:
         self._forward_start[i] = time.perf_counter()
 
-    def _after_forward(self, i: int, _module: nn.Module, _args: Any, out: Any) -> None:
+    def _after_forward(self, i: int, _module: nn.Module, args: Any, out: Any) -> None:
         seconds = time.perf_counter() - self._forward_start[i]
         self.forward_seconds[i] = seconds
         backward = isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled()
         self._backward_start[i] = None
+        # Time the backward only where torch can end it: when an input needs a gradient. (Else
+        # the full backward hook fires at the output, before this start; a start left set
+        # would then time a later micro-batch's whole backward, when several forwards run
+        # before their backwards, as in GPipe.)
+        timed = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         if backward:
-            out.register_hook(functools.partial(self._backward_starts, i))
+            out.register_hook(functools.partial(self._backward_starts, i, timed))
         self._sleep_if(self.forward_delay(i, seconds, backward))
 
-    def _backward_starts(self, i: int, _grad: torch.Tensor) -> None:
+    def _backward_starts(self, i: int, timed: bool, _grad: torch.Tensor) -> None:
         self._sleep_if(self.backward_start_delay(i))
-        self._backward_start[i] = time.perf_counter()
+        if timed:
+            self._backward_start[i] = time.perf_counter()
 
     def _after_backward(self, i: int, _module: nn.Module, _grad_in: Any, _grad_out: Any) -> None:
         # No start: torch fired the hook at the layer's output, as it does when none of the
