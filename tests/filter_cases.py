@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import random
 import re
+import warnings
 
 import torch
 from torch import nn
@@ -213,11 +214,15 @@ def bad_input(group) -> int:
             raised += 1
         c.allgather_int64(torch.zeros(1, dtype=torch.int64).numpy(), None)
     grouped = nn.Sequential(nn.Conv2d(4, 8, 3, groups=2))
-    try:
-        filter_parallel(grouped, [1.0] * p, group)
+    try:  # named explicitly: refused
+        filter_parallel(grouped, [1.0] * p, group, layers=["0"])
     except ValueError as e:
         assert "grouped convolution (groups=2)" in str(e) and "'0'" in str(e), str(e)
         raised += 1
+    with warnings.catch_warnings(record=True) as caught:  # by default: kept whole, said so
+        warnings.simplefilter("always")
+        filter_parallel(grouped, [1.0] * p, group)
+    assert any("'0' (Conv2d, groups=2)" in str(w.message) for w in caught), caught
     for build in (
         lambda: FilterParallelConv2d(4, 8, 3, groups=2, speeds=[1.0] * p, group=group),
         lambda: FilterParallelLinear(4, 8, shares=[8] + [0] * (p - 1), group=group),

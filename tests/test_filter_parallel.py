@@ -84,3 +84,25 @@ def test_demo_filter_strategy_learns_the_same_model_with_either_split():
     assert abs(b["test_loss"] - u["test_loss"]) <= 1e-3 * u["test_loss"]
     assert abs(b["test_accuracy"] - u["test_accuracy"]) <= 0.01
     assert "balanced / unbalanced throughput" in format_table(report)
+
+
+def test_layers_left_replicated_are_named_in_a_warning():
+    from hetcoll.torch.filters import filter_modes, filter_shares
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3, groups=4), nn.LSTM(4, 4))
+    with pytest.warns(
+        UserWarning, match=r"left replicated.*'1' \(Conv2d, groups=4\), '2' \(LSTM\)"
+    ):
+        assert filter_shares(model, [3.0, 1.0], 2) == {"0": [6, 2]}  # grouped: kept, no error
+    with pytest.warns(UserWarning) as record:
+        assert filter_shares(nn.Sequential(nn.Conv1d(3, 4, 3)), [1.0, 1.0], 2) == {}
+    assert [str(w.message)[:40] for w in record] == [
+        "filter_parallel: left replicated (every ",
+        "filter_parallel: Sequential has no Conv2",
+    ]
+    # The pairing rule itself (what the planner asks) stays quiet.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert filter_modes(model) == {"0": "gather"}

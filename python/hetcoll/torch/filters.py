@@ -34,6 +34,7 @@ stays replicated (and must be fed identical inputs on every rank: seed dropout i
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -746,7 +747,7 @@ def filter_modes(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
-    chosen = _choose(model, layers, dict(model.named_modules()))
+    chosen = _choose(model, layers, dict(model.named_modules()), warn=False)
     return _plan(model, chosen, avoid_gathers)[0]
 
 
@@ -807,11 +808,56 @@ def _pairs(prev: tuple[str, nn.Module], m: nn.Module, flattened: bool) -> int | 
     return None
 
 
+# Layers with parameters that filter parallelism does not split: named in a warning, so a
+# model that stays (partly) replicated says so.
+_REPLICATED_KINDS = (
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.RNNBase,
+    nn.MultiheadAttention,
+    nn.Bilinear,
+)
+
+
+def _why_kept(m: nn.Module) -> str:
+    if isinstance(m, nn.Conv2d) and not isinstance(m, nn.ConvTranspose2d) and m.groups != 1:
+        return f", groups={m.groups}"
+    return ""
+
+
 def _choose(
-    model: nn.Module, layers: Sequence[str] | None, named: dict[str, nn.Module]
+    model: nn.Module,
+    layers: Sequence[str] | None,
+    named: dict[str, nn.Module],
+    *,
+    warn: bool = True,
 ) -> list[str]:
     if layers is None:
-        return [n for n, m in named.items() if type(m) in (nn.Conv2d, nn.Linear)]
+        chosen, kept = [], []
+        for n, m in named.items():
+            if type(m) is nn.Linear or (type(m) is nn.Conv2d and m.groups == 1):
+                chosen.append(n)
+            elif isinstance(m, _REPLICATED_KINDS) and any(True for _ in m.parameters()):
+                kept.append(f"{n!r} ({type(m).__name__}{_why_kept(m)})")
+        if kept and warn:
+            warnings.warn(
+                "filter_parallel: left replicated (every rank computes them whole): "
+                + ", ".join(kept),
+                UserWarning,
+                stacklevel=4,
+            )
+        if not chosen and warn:
+            warnings.warn(
+                f"filter_parallel: {type(model).__name__} has no Conv2d (groups=1) or Linear "
+                "layer to split; it runs unchanged on every rank",
+                UserWarning,
+                stacklevel=4,
+            )
+        return chosen
     if isinstance(layers, str) or not isinstance(layers, Sequence):
         raise TypeError(f"layers: must be a sequence of module names, got {type(layers).__name__}")
     for name in layers:
