@@ -28,7 +28,7 @@ import warnings
 import weakref
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -767,6 +767,27 @@ def agree(comm: Communicator, fields: Mapping[str, int], deadline: float | None 
     """
     rows = comm.allgather_int64(np.array(list(fields.values()), dtype=np.int64), deadline)
     same_rows(list(fields), rows)
+
+
+def start_agreement(comm: Communicator, fields: Mapping[str, int]) -> Callable[[], None]:
+    """:func:`agree` without waiting: starts the allgather and returns the function that waits
+    for it and raises as :func:`agree` does (on every rank alike). A caller may compute, but not
+    communicate on ``comm``, until it has called it. On NCCL, whose gathers move device memory,
+    the check runs at once and the function has nothing left to do."""
+    values = np.array(list(fields.values()), dtype=np.int64)
+    if comm.engine == "nccl":
+        agree(comm, fields)
+        return lambda: None
+    rows = np.empty((comm.size, values.size), dtype=np.int64)
+    request = comm.iallgatherv(
+        values.view(np.uint8), rows.reshape(-1).view(np.uint8), [values.nbytes] * comm.size
+    )
+
+    def wait() -> None:
+        request.wait(None)
+        same_rows(list(fields), rows)
+
+    return wait
 
 
 def same_rows(names: Sequence[str], rows: np.ndarray) -> None:

@@ -32,11 +32,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from hetcoll.comm import agree, deadline, same_rows, wrap
+from hetcoll.comm import agree, start_agreement, wrap
 from hetcoll.plan import Plan, Stage
 from hetcoll.torch.filters import (
     filter_modes,
@@ -80,13 +79,28 @@ def schedule_order(
 
 @dataclass
 class _Piece:
-    """Where this rank's copy of one model parameter sits in the full tensor."""
+    """Where this rank's copy of one model parameter sits in a reduction's flat buffer."""
 
-    name: str  # the parameter's name in the original model
     param: torch.Tensor  # this rank's tensor
-    dim: int  # the dimension it is sliced along (0 if whole)
-    start: int  # first index along dim
+    offset: int  # where the full parameter starts in the buffer
+    shape: tuple[int, ...]  # the full parameter's shape
+    dim: int  # the dimension this rank's slice is cut along (0 if whole)
+    start: int  # the slice's first index along dim
     contributes: bool  # whether this rank's gradient counts for its replica
+
+    def slice_of(self, buffer: torch.Tensor) -> torch.Tensor:
+        full = buffer[self.offset : self.offset + math.prod(self.shape)].view(self.shape)
+        return full.narrow(self.dim, self.start, self.param.shape[self.dim])
+
+
+@dataclass
+class _Reduction:
+    """Parameters held in several replicas by the same ranks: summed in one buffer."""
+
+    sub: Any  # the holders' sub-group
+    pieces: list[_Piece]
+    buffer: torch.Tensor  # full-size, reused every step
+    size: int  # number of holders
 
 
 def _fingerprint(model: nn.Module) -> int:
@@ -117,11 +131,10 @@ class Parallel(nn.Module):
         self._device: torch.device
         self._layers_meta: list[nn.Module]
         self._state_layout: list[tuple[str, int, tuple[int, ...], torch.dtype]]
-        self._stage_comms: dict[int, CountingCommunicator] = {}
-        self._reductions: list[tuple[Any, list[_Piece], int, torch.dtype, int]] = []
+        self._stage_comm: CountingCommunicator | None = None  # a split stage's sub-group
+        self._reductions: list[_Reduction] = []
         self._traffic: dict[str, int] = dict.fromkeys(TRAFFIC_KINDS, 0)
         self._shapes: dict[tuple[Any, ...], list[tuple[torch.Size, torch.dtype]]] = {}
-        self._full_shapes: dict[str, tuple[int, ...]] = {}
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -179,7 +192,7 @@ class Parallel(nn.Module):
             keys = [e for e in self._state_layout if stage.layers[0] <= e[1] < stage.layers[1]]
             if not keys:
                 continue
-            sizes = [math.prod(shape) * _itemsize(dtype) for _, _, shape, dtype in keys]
+            sizes = [math.prod(shape) * dtype.itemsize for _, _, shape, dtype in keys]
             buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self._wire_device())
             lead = stage.ranks[0]
             if self.rank == lead:
@@ -224,18 +237,7 @@ class Parallel(nn.Module):
                 repr((shape, str(getattr(inputs, "dtype", "")))).encode()
             ),
         }
-        comm = self._tr.comm
-        values = np.array(list(fields.values()), dtype=np.int64)
-        gathered = np.empty((comm.size, values.size), dtype=np.int64)
-        request = None
-        if comm.engine == "nccl":  # NCCL moves device memory: agree's blocking gather does it
-            agree(comm, fields)
-        else:
-            request = comm.iallgatherv(
-                values.view(np.uint8),
-                gathered.reshape(-1).view(np.uint8),
-                [values.nbytes] * comm.size,
-            )
+        started = start_agreement(self._tr.comm, fields)
         done = False
 
         def wait() -> None:
@@ -243,9 +245,7 @@ class Parallel(nn.Module):
             if done:
                 return
             done = True
-            if request is not None:
-                request.wait(None)
-                same_rows(list(fields), gathered)
+            started()
             if not ok:
                 raise TypeError(
                     f"inputs, targets: must be tensors, got {type(inputs).__name__} and "
@@ -298,7 +298,7 @@ class Parallel(nn.Module):
         start = sum(r.samples for r in plan.replicas[:i])
         offsets = [start + sum(sizes[:k]) for k in range(len(sizes))]
         batch = plan.batch
-        comm = self._stage_comms.get(id(stage))
+        comm = self._stage_comm
         wire = self._wire_device()
         sends: list[Any] = []
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -375,35 +375,17 @@ class Parallel(nn.Module):
 
     def _combine(self) -> None:
         """Sum the replicas' gradients: one flat buffer per set of holders and dtype."""
-        for sub, pieces, numel, dtype, size in self._reductions:
-            buf = torch.zeros(numel, dtype=dtype, device=self._wire_device())
-            at = 0
-            for piece in pieces:
-                full = math.prod(self._full_shapes[piece.name])
+        for r in self._reductions:
+            buf = r.buffer.zero_()
+            for piece in r.pieces:
                 if piece.contributes and piece.param.grad is not None:
-                    view = buf[at : at + full].view(self._full_shapes[piece.name])
-                    view.narrow(piece.dim, piece.start, piece.param.shape[piece.dim]).copy_(
-                        piece.param.grad
-                    )
-                at += full
-            self._tr.allreduce(buf, sub)
+                    piece.slice_of(buf).copy_(piece.param.grad)
+            self._tr.allreduce(buf, r.sub)
             self._traffic["allreduce"] += round(
-                2 * (size - 1) / size * buf.numel() * buf.element_size()
+                2 * (r.size - 1) / r.size * buf.numel() * buf.element_size()
             )
-            at = 0
-            for piece in pieces:
-                full = math.prod(self._full_shapes[piece.name])
-                view = buf[at : at + full].view(self._full_shapes[piece.name])
-                piece.param.grad = (
-                    view.narrow(piece.dim, piece.start, piece.param.shape[piece.dim])
-                    .to(piece.param.device)
-                    .clone()
-                )
-                at += full
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+            for piece in r.pieces:
+                piece.param.grad = piece.slice_of(buf).to(piece.param.device, copy=True)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -456,7 +438,6 @@ def parallelize(
             "the plan": plan_print,
             "the model's parameter names, shapes and dtypes": _fingerprint(model),
         },
-        deadline(None),
     )
     # Checks that depend on the plan and the model only: the same verdict on every rank.
     layers = model_layers(model)
@@ -483,7 +464,6 @@ def parallelize(
     par._state_layout = [
         (k, _layer_of(k, names), tuple(v.shape), v.dtype) for k, v in state.items()
     ]
-    par._full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     par._layers_meta = [copy.deepcopy(m).to("meta") for _, m in layers]
 
     # Rank 0's weights for everyone (one broadcast of the packed state dict).
@@ -514,7 +494,7 @@ def parallelize(
         module.to(par._device)
         if (i, j) in split_args:
             counting = CountingCommunicator(wrap(subs[i, j]), par._traffic)
-            par._stage_comms[id(stage)] = counting
+            par._stage_comm = counting
             # The sub-group numbers the stage's ranks in increasing order; the plan lists them
             # in its own order.
             order = [stage.ranks.index(r) for r in sorted(stage.ranks)]
@@ -591,9 +571,11 @@ def _plan_reductions(par: Parallel, plan: Plan, names: list[str], model: nn.Modu
         sub = par._tr.subgroup(ranks)
         if par.rank not in ranks:
             continue
-        pieces = []
+        pieces, at = [], 0
         for n in members:
             t, dim, start = local[n]
-            pieces.append(_Piece(n, t, dim, start, lead or n in split_params))
-        numel = sum(math.prod(par._full_shapes[n]) for n in members)
-        par._reductions.append((sub, pieces, numel, dtype, len(ranks)))
+            shape = tuple(model.get_parameter(n).shape)
+            pieces.append(_Piece(t, at, shape, dim, start, lead or n in split_params))
+            at += math.prod(shape)
+        buffer = torch.zeros(at, dtype=dtype, device=par._wire_device())
+        par._reductions.append(_Reduction(sub, pieces, buffer, len(ranks)))
