@@ -183,6 +183,53 @@ def progress_bar(cfg: DemoConfig, rank: int, name: str, epoch: int, steps: int) 
     )
 
 
+def run_epochs(
+    engine: Engine,
+    cfg: DemoConfig,
+    result: RunResult,
+    samples: int,
+    batch: int,
+    step: Callable[[torch.Tensor], None],
+    test: Callable[[], tuple[float, float]],
+    *,
+    whole_batches: bool = False,
+) -> None:
+    """``cfg.epochs`` epochs of ``step(indices)`` over the same permutation of ``samples`` on
+    every rank (every rank sees the whole global batch), timed between barriers, with a
+    progress bar and ``test()`` (loss, accuracy) after each; appended to ``result``.
+    ``whole_batches``: leave out a last batch shorter than ``batch``."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    wall = 0.0
+    for epoch in range(cfg.epochs):
+        perm = torch.randperm(samples, generator=gen)
+        steps = [idx for idx in perm.split(batch) if len(idx) == batch or not whole_batches]
+        bar = progress_bar(cfg, engine.rank, result.name, epoch, len(steps))
+        engine.barrier()
+        t0 = time.perf_counter()
+        for idx in steps:
+            step(idx)
+            if bar is not None:
+                bar.update(1)
+        engine.barrier()
+        seconds = time.perf_counter() - t0
+        wall += seconds
+        if bar is not None:
+            bar.close()
+        loss, acc = test()
+        trained = sum(len(idx) for idx in steps)
+        result.epochs.append(
+            {
+                "epoch": epoch + 1,
+                "train_seconds": seconds,
+                "wall_seconds": wall,
+                "samples": trained,
+                "samples_per_s": trained / seconds,
+                "test_loss": loss,
+                "test_accuracy": acc,
+            }
+        )
+
+
 def train_data_parallel(
     engine: Engine,
     cfg: DemoConfig,

@@ -18,7 +18,6 @@ every rank.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 import torch
@@ -32,8 +31,8 @@ from hetcoll.lab.demo_ranks import (
     evaluate,
     load_digits,
     probe,
-    progress_bar,
     rank_rows,
+    run_epochs,
 )
 from hetcoll.lab.emulate import slow_down_filter_parallel
 from hetcoll.torch.filters import FilterParallelLayer, filter_parallel
@@ -48,38 +47,15 @@ def _train(engine: Engine, group: Any, cfg: DemoConfig, name: str, speeds: list[
     split = [m for m in model.modules() if isinstance(m, FilterParallelLayer)]
     result = RunResult(name, list(split[0].shares))
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    wall = 0.0
-    for epoch in range(cfg.epochs):
-        # The same permutation on every rank: every rank trains on the whole global batch.
-        perm = torch.randperm(len(ytr), generator=gen)
-        steps = list(perm.split(cfg.global_batch))
-        bar = progress_bar(cfg, rank, name, epoch, len(steps))
-        engine.barrier()
-        t0 = time.perf_counter()
-        for idx in steps:
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-            opt.step()
-            if bar is not None:
-                bar.update(1)
-        engine.barrier()
-        seconds = time.perf_counter() - t0
-        wall += seconds
-        if bar is not None:
-            bar.close()
-        loss, acc = evaluate(model, xte, yte)
-        result.epochs.append(
-            {
-                "epoch": epoch + 1,
-                "train_seconds": seconds,
-                "wall_seconds": wall,
-                "samples": len(ytr),
-                "samples_per_s": len(ytr) / seconds,
-                "test_loss": loss,
-                "test_accuracy": acc,
-            }
-        )
+
+    def step(idx: torch.Tensor) -> None:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+        opt.step()
+
+    run_epochs(
+        engine, cfg, result, len(ytr), cfg.global_batch, step, lambda: evaluate(model, xte, yte)
+    )
     layer_shares = {f"{type(m).__name__}[{i}]": list(m.shares) for i, m in enumerate(split)}
     return result, layer_shares
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import time
 import warnings
 from typing import Any
 
@@ -34,8 +33,8 @@ from hetcoll.lab.demo_ranks import (
     evaluate,
     load_digits,
     probe,
-    progress_bar,
     rank_rows,
+    run_epochs,
     train_data_parallel,
 )
 from hetcoll.lab.emulate import emulated_device
@@ -90,40 +89,19 @@ def _train_plan(engine: Engine, cfg: DemoConfig, plan: Plan) -> RunResult:
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
     opt = torch.optim.SGD(par.parameters(), lr=cfg.lr, momentum=0.9)
     result = RunResult("plan", [r.samples for r in plan.replicas])
-    gen = torch.Generator().manual_seed(cfg.seed)
-    wall = 0.0
-    for epoch in range(cfg.epochs):
-        # The same permutation on every rank; a plan takes whole global batches only.
-        perm = torch.randperm(len(ytr), generator=gen)
-        steps = [idx for idx in perm.split(plan.batch) if len(idx) == plan.batch]
-        bar = progress_bar(cfg, rank, "plan", epoch, len(steps))
-        engine.barrier()
-        t0 = time.perf_counter()
-        for idx in steps:
-            par.step(xtr[idx], ytr[idx])
-            opt.step()
-            opt.zero_grad()
-            if bar is not None:
-                bar.update(1)
-        engine.barrier()
-        seconds = time.perf_counter() - t0
-        wall += seconds
-        if bar is not None:
-            bar.close()
+
+    def step(idx: torch.Tensor) -> None:
+        par.step(xtr[idx], ytr[idx])
+        opt.step()
+        opt.zero_grad()
+
+    def test() -> tuple[float, float]:
         net = DemoNet()
         net.load_state_dict(par.full_state_dict())
-        loss, acc = evaluate(net, xte, yte)
-        result.epochs.append(
-            {
-                "epoch": epoch + 1,
-                "train_seconds": seconds,
-                "wall_seconds": wall,
-                "samples": len(steps) * plan.batch,
-                "samples_per_s": len(steps) * plan.batch / seconds,
-                "test_loss": loss,
-                "test_accuracy": acc,
-            }
-        )
+        return evaluate(net, xte, yte)
+
+    # A plan takes whole global batches only.
+    run_epochs(engine, cfg, result, len(ytr), plan.batch, step, test, whole_batches=True)
     return result
 
 
