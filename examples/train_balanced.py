@@ -36,11 +36,10 @@ from hetcoll.torch import (
     DistributedOptimizer,
     Rebalancer,
     SpeedFit,
-    WeightedAllreduceState,
     broadcast_parameters,
     gather_speeds,
     measure_speed,
-    weighted_allreduce_hook,
+    register_weighted_hook,
 )
 
 
@@ -142,25 +141,23 @@ def plan_shares(
 
 
 def distribute(
-    job: Job, model: nn.Module, shares: list[int], lr: float
-) -> tuple[nn.Module, Any, Callable[[int], None], Callable[[], float] | None]:
-    """The model to call, its optimizer, a setter of this step's local batch size and (DDP) when
-    this rank's gradients were ready, for the Rebalancer's compute time."""
-    local = shares[job.rank]
+    job: Job, model: nn.Module, lr: float
+) -> tuple[nn.Module, Any, Callable[[], float] | None]:
+    """The model to call, its optimizer and (DDP) when this rank's gradients were ready, for the
+    Rebalancer's compute time. Each step's samples are counted off the model's forward, so
+    the gradients are weighed right whatever the sampler hands this rank."""
     if job.backend in ("gloo", "nccl"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ddp = DDP(model, device_ids=[job.device] if job.backend == "nccl" else None)
-        state = WeightedAllreduceState(None, local_batch=local)
-        ddp.register_comm_hook(state, weighted_allreduce_hook)
+        state = register_weighted_hook(ddp)
         opt = make_optimizer(ddp.parameters(), lr)
-        return ddp, opt, lambda n: setattr(state, "local_batch", n), lambda: state.ready_at
+        return ddp, opt, lambda: state.ready_at
     opt = make_optimizer(model.parameters(), lr)
     if job.backend == "mpi":
         broadcast_parameters(model, job.group)
-        mpi_opt = DistributedOptimizer(opt, job.group, local_batch=local)
-        return model, mpi_opt, lambda n: setattr(mpi_opt, "local_batch", n), None
-    return model, opt, lambda n: None, None
+        return model, DistributedOptimizer(opt, job.group, model=model), None
+    return model, opt, None
 
 
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
@@ -192,7 +189,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         model = EmulatedSpeed(net, speed, cost=probe(net, x_train, y_train, args))
     shares, fits = plan_shares(job, args, model, x_train, y_train)
     first_shares = list(shares)
-    wrapped, opt, set_batch, ready_at = distribute(job, model, shares, args.lr)
+    wrapped, opt, ready_at = distribute(job, model, args.lr)
     sampler = BalancedSampler(range(len(y_train)), shares, job.rank, seed=args.seed)
     rebalancer = (
         Rebalancer(sampler, every=10, fits=fits, group=job.group)
@@ -208,7 +205,6 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         samples = 0
         for idx in steps:
             started = time.perf_counter()
-            set_batch(len(idx))
             opt.zero_grad()
             nn.functional.cross_entropy(wrapped(x_train[idx]), y_train[idx]).backward()
             compute = (ready_at() if ready_at else time.perf_counter()) - started

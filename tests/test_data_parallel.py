@@ -4,6 +4,7 @@ single-process full-batch update; the sampler and the rebalancer behave as docum
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from hetcoll.torch import (
     WeightedAllreduceState,
     gather_speeds,
     measure_speed,
+    register_weighted_hook,
     weighted_allreduce_hook,
 )
 
@@ -78,29 +80,38 @@ def test_weighted_hook_equals_full_batch_and_plain_ddp_does_not(algorithm):
 # -- a whole epoch: ragged last step and a share change mid-run ----------------------------------
 
 
-def _epoch(rank, world, shares_before, shares_after, algorithm="auto"):
+def _epoch(rank, world, shares_before, shares_after, algorithm="auto", counted=False):
     x, y = make_data(N_EPOCH)
     sampler = BalancedSampler(range(N_EPOCH), shares_before, rank, seed=EPOCH_SEED)
     # Small buckets: several per step, so the direct exchange runs them back to back on its
     # thread while the backward goes on.
     ddp = DDP(make_model(), bucket_cap_mb=0.001)
-    state = WeightedAllreduceState(None, shares_before[rank], algorithm=algorithm)
-    ddp.register_comm_hook(state, weighted_allreduce_hook)
+    if counted:  # the hook counts each step's samples off ddp's forwards
+        state = register_weighted_hook(ddp, algorithm=algorithm)
+    else:
+        state = WeightedAllreduceState(None, shares_before[rank], algorithm=algorithm)
+        ddp.register_comm_hook(state, weighted_allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     sizes = []
     for step, idx in enumerate(sampler.batch_sampler()):
         if step + 1 == CHANGE_AT:
             sampler.set_shares(shares_after)  # applies from the next step on
-        state.local_batch = len(idx)
-        sizes.append(len(idx))
+        if not counted:
+            state.local_batch = len(idx)
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x[idx]), y[idx]).backward()
         opt.step()
+        if counted:
+            with torch.no_grad():
+                ddp(x[:7])  # an evaluation forward: no gradients, not counted
+        sizes.append(state.local_batch)
     return sizes, [p.detach().clone() for p in ddp.parameters()]
 
 
-@pytest.mark.parametrize("algorithm", ["auto", "allreduce"])
-def test_full_epoch_with_ragged_last_step_and_share_change(algorithm):
+@pytest.mark.parametrize(
+    ("algorithm", "counted"), [("auto", False), ("allreduce", False), ("auto", True)]
+)
+def test_full_epoch_with_ragged_last_step_and_share_change(algorithm, counted):
     before, after = [3, 5, 8], [6, 1, 2]
     world = 3
     steps = epoch_plan(before, after, world)
@@ -110,7 +121,7 @@ def test_full_epoch_with_ragged_last_step_and_share_change(algorithm):
     assert sorted(i for step in steps for b in step for i in b) == list(range(N_EPOCH))
 
     ref = reference_epoch(steps)
-    results = spawn(_epoch, world, before, after, algorithm)
+    results = spawn(_epoch, world, before, after, algorithm, counted)
     for rank, (sizes, params) in enumerate(results):
         assert sizes == [len(step[rank]) for step in steps]
         for p, r in zip(params, ref):
@@ -284,3 +295,62 @@ def _fail_on_rank_one(rank, world):
     if rank == 1:
         raise ValueError("boom")
     return dist.get_rank()
+
+
+# -- the README's tour, as written ---------------------------------------------------------------
+
+
+def _readme_block(heading: str) -> str:
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index(heading) :]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start : section.index("```", start)]
+
+
+def _readme_ddp_tour(rank, world, n_samples, epochs):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hetcoll.lab.emulate import slow_down
+
+    x, y = make_data(n_samples)
+    model = make_model()
+    if rank == 1:
+        slow_down(model, 0.25)  # emulated: rank 1 at a quarter of its speed, so shares differ
+    namespace = {
+        "model": model,
+        "make_batch": lambda b: make_data(b),
+        "loss_fn": nn.functional.cross_entropy,
+        "dataset": TensorDataset(x, y),
+        "rank": rank,
+        "epochs": epochs,
+        "DDP": DDP,
+        "DataLoader": DataLoader,
+        "opt": torch.optim.SGD(model.parameters(), lr=0.1),
+    }
+    exec(_readme_block("### Balanced data parallelism with DDP"), namespace)
+    return namespace["shares"], [p.detach().clone() for p in model.parameters()]
+
+
+def test_readme_ddp_tour_as_written_equals_one_process():
+    """The README's DDP block, run as written on 2 ranks with measured speeds (rank 1 emulated
+    4x slower), learns what one process learns on the whole batches."""
+    n_samples, epochs = 600, 2
+    results = spawn(_readme_ddp_tour, 2, n_samples, epochs)
+    shares = results[0][0]
+    assert results[1][0] == shares and sum(shares) == 256
+    assert shares[0] > shares[1]  # uneven: plain DDP's mean would be wrong
+    x, y = make_data(n_samples)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    samplers = [BalancedSampler(range(n_samples), shares, r, verify=False) for r in range(2)]
+    for epoch in range(epochs):
+        for s in samplers:
+            s.set_epoch(epoch)
+        for batches in zip(*(s.batch_sampler() for s in samplers)):
+            idx = [i for b in batches for i in b]
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+    for _, params in results:
+        for p, r in zip(params, model.parameters()):
+            assert rel_err(p, r.detach()) <= 1e-10

@@ -78,10 +78,11 @@ class Engine(ABC):
 
     @abstractmethod
     def prepare(
-        self, model: nn.Module, local_batch: int, weighted: bool, lr: float
-    ) -> tuple[nn.Module, Any, Callable[[int], None], Callable[[], float] | None]:
-        """The wrapped model, the optimizer, a setter of this rank's batch size and, where the
-        engine knows it, when this step's gradients were ready (``perf_counter``)."""
+        self, model: nn.Module, weighted: bool, lr: float
+    ) -> tuple[nn.Module, Any, Callable[[], float] | None]:
+        """The wrapped model, the optimizer (each step's samples counted off the model's
+        forwards) and, where the engine knows it, when this step's gradients were ready
+        (``perf_counter``)."""
 
 
 class Gloo(Engine):
@@ -96,21 +97,17 @@ class Gloo(Engine):
         torch.distributed.all_gather_object(out, obj)
         return out
 
-    def prepare(self, model, local_batch, weighted, lr):
+    def prepare(self, model, weighted, lr):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        from hetcoll.torch import WeightedAllreduceState, weighted_allreduce_hook
+        from hetcoll.torch import register_weighted_hook
 
         ddp = DDP(model)
-        state = WeightedAllreduceState(None, local_batch)
-        if weighted:
-            ddp.register_comm_hook(state, weighted_allreduce_hook)
-
-        def set_batch(n: int) -> None:
-            state.local_batch = n
-
-        ready = (lambda: state.ready_at) if weighted else None
-        return ddp, torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9), set_batch, ready
+        opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+        if not weighted:
+            return ddp, opt, None
+        state = register_weighted_hook(ddp)
+        return ddp, opt, lambda: state.ready_at
 
 
 class Mpi(Engine):
@@ -130,21 +127,15 @@ class Mpi(Engine):
     def allgather(self, obj: Any) -> list[Any]:
         return self.comm.allgather(obj)
 
-    def prepare(self, model, local_batch, weighted, lr):
+    def prepare(self, model, weighted, lr):
         from hetcoll.torch import DistributedOptimizer, broadcast_parameters
 
         broadcast_parameters(model, self.comm)
         # Equal shares make the weighted mean the plain mean, as in the unbalanced run.
         opt = DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
-            self.comm,
-            local_batch=local_batch,
+            torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), self.comm, model=model
         )
-
-        def set_batch(n: int) -> None:
-            opt.local_batch = n
-
-        return model, opt, set_batch, None
+        return model, opt, None
 
 
 # -- one rank's work ------------------------------------------------------------------------------
@@ -244,7 +235,7 @@ def train_data_parallel(
     net = DemoNet()
     model = EmulatedSpeed(net, cfg.speeds[rank], cost=real)
     weighted = name == "balanced"
-    wrapped, opt, set_batch, ready_at = engine.prepare(model, shares[rank], weighted, cfg.lr)
+    wrapped, opt, ready_at = engine.prepare(model, weighted, cfg.lr)
     sampler = BalancedSampler(range(len(ytr)), shares, rank, seed=cfg.seed, group=engine.group)
     rebalancer = (
         Rebalancer(sampler, every=10, fits=fits, threshold=0.05, group=engine.group)
@@ -262,7 +253,6 @@ def train_data_parallel(
         samples, own = 0, 0.0
         for idx in steps:
             started = time.perf_counter()
-            set_batch(len(idx))
             opt.zero_grad()
             nn.functional.cross_entropy(wrapped(xtr[idx]), ytr[idx]).backward()
             # This rank's own compute: until its gradients were ready, not waiting for others

@@ -3,6 +3,7 @@ gradient averaging for DDP and for MPI, rebalancing) and filter (model) parallel
 speed-proportional channel splits. Emulated heterogeneity, for trying these on one machine, is
 lab code: :mod:`hetcoll.lab.emulate`."""
 
+from hetcoll.torch.batches import BatchCounter
 from hetcoll.torch.filters import (
     FilterParallelBatchNorm1d,
     FilterParallelBatchNorm2d,
@@ -12,7 +13,11 @@ from hetcoll.torch.filters import (
     gather_gradients,
     gather_state_dict,
 )
-from hetcoll.torch.hooks import WeightedAllreduceState, weighted_allreduce_hook
+from hetcoll.torch.hooks import (
+    WeightedAllreduceState,
+    register_weighted_hook,
+    weighted_allreduce_hook,
+)
 from hetcoll.torch.optimizer import DistributedOptimizer, broadcast_parameters
 from hetcoll.torch.parallel import Parallel, parallelize
 from hetcoll.torch.rebalance import Rebalancer
@@ -21,6 +26,7 @@ from hetcoll.torch.speed import SpeedFit, gather_speeds, measure_speed
 
 __all__ = [
     "BalancedSampler",
+    "BatchCounter",
     "DistributedOptimizer",
     "FilterParallelBatchNorm1d",
     "FilterParallelBatchNorm2d",
@@ -37,6 +43,7 @@ __all__ = [
     "gather_state_dict",
     "measure_speed",
     "parallelize",
+    "register_weighted_hook",
     "weighted_allreduce_hook",
 ]
 

@@ -7,7 +7,9 @@ mean over its own batch (PyTorch's default), the full-batch gradient is
 ``n_r`` (one fused pass; the Rust kernel for CPU tensors, torch for device tensors), summed with
 the process group's allreduce, and divided by ``N = sum_r n_r``. ``N`` is itself summed across
 ranks once per step, by a one-element allreduce issued with the step's first bucket, so a ragged
-last batch or a share change between steps needs nothing but ``state.local_batch = len(batch)``.
+last batch or a share change between steps needs nothing more: :func:`register_weighted_hook`
+counts each step's samples off the DDP model's forward (:class:`hetcoll.torch.BatchCounter`);
+a state built by hand takes ``state.local_batch = len(batch)`` instead.
 
 Small CPU buckets take a shorter road (``algorithm="direct"``, the default choice for them): every
 rank sends its raw bucket and its ``n_r`` to every other rank in one round of point-to-point
@@ -19,7 +21,14 @@ exchange of ``hetcoll.allreduce(..., algorithm="direct")``. "auto" takes it on t
 :func:`hetcoll.allreduce` would, :data:`hetcoll.collectives.DIRECT_BYTES`). A worker thread runs
 it, so the hook returns at once and DDP keeps overlapping communication with the backward.
 
-Usage, as with PyTorch's own hooks::
+Usage::
+
+    ddp = DDP(model)
+    state = register_weighted_hook(ddp)     # each step weighs the samples ddp's forwards saw
+    for x, y in loader:
+        loss_fn(ddp(x), y).backward()
+
+or, as with PyTorch's own hooks, with the count set by hand::
 
     state = WeightedAllreduceState(None, local_batch=shares[rank])
     ddp.register_comm_hook(state, weighted_allreduce_hook)
@@ -42,6 +51,7 @@ import hetcoll
 from hetcoll.collectives import choose_algorithm, direct_allreduce, premul_sum_op
 from hetcoll.comm import NOT_GIVEN, agree, group_argument, is_mpi_comm, wrap
 from hetcoll.kernels import numpy_view
+from hetcoll.torch.batches import BatchCounter
 
 ALGORITHMS = ("auto", "direct", "allreduce")
 #: "auto" sends a bucket on two ranks through the direct exchange below this size, per
@@ -64,7 +74,9 @@ def local_batch_value(n: object) -> int:
 
 class WeightedAllreduceState:
     """State of :func:`weighted_allreduce_hook`: the process group and this rank's number of
-    samples in the current step (set it before each backward when it changes).
+    samples in the current step (set it before each backward when it changes, or give
+    ``counter``, a :class:`hetcoll.torch.BatchCounter` on the DDP model, to count it off each
+    step's forwards: :func:`register_weighted_hook` does both).
 
     ``group``: the torch.distributed process group DDP runs on (None: the default group, as
     everywhere in hetcoll once torch.distributed is initialised, which DDP needs);
@@ -85,6 +97,7 @@ class WeightedAllreduceState:
         local_batch: int | None = None,
         *,
         algorithm: str = "auto",
+        counter: BatchCounter | None = None,
         process_group: Any = NOT_GIVEN,
     ) -> None:
         group = group_argument(group, "WeightedAllreduceState", process_group=process_group)
@@ -93,15 +106,24 @@ class WeightedAllreduceState:
                 "group: the DDP hook runs on torch.distributed; for MPI wrap the optimizer in "
                 "hetcoll.torch.DistributedOptimizer"
             )
-        if local_batch is None:
-            raise TypeError("local_batch: required (this rank's samples in the step)")
+        if counter is not None and not isinstance(counter, BatchCounter):
+            raise TypeError(f"counter: must be a BatchCounter, got {type(counter).__name__}")
+        if local_batch is None and counter is None:
+            raise TypeError(
+                "local_batch: required (this rank's samples in the step) unless a counter "
+                "counts them; hetcoll.torch.register_weighted_hook(ddp) sets one up"
+            )
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
         self.group = group
         #: The same group, under the name torch's own hook states use.
         self.process_group = group
-        self.local_batch = local_batch
+        self._local_batch: int | None = None
+        if local_batch is not None:
+            self.local_batch = local_batch
         self.algorithm = algorithm
+        self.counter = counter
+        self._in_step = False
         self._step_total: torch.futures.Future | None = None
         self._direct_exchange: _DirectExchange | None = None
         self._agreed = False
@@ -119,17 +141,28 @@ class WeightedAllreduceState:
         self._agreed = True
 
     @property
-    def local_batch(self) -> int:
+    def local_batch(self) -> int | None:
+        """This rank's samples in the current step (with a counter: in the latest step whose
+        exchange began; None before the first)."""
         return self._local_batch
 
     @local_batch.setter
     def local_batch(self, n: int) -> None:
         self._local_batch = local_batch_value(n)
 
+    def _begin_step(self) -> int:
+        """This step's local batch, taken from the counter once, at the step's first bucket."""
+        if not self._in_step:
+            if self.counter is not None:
+                self._local_batch = self.counter.take()
+            self._in_step = True
+        assert self._local_batch is not None  # the constructor requires it or a counter
+        return self._local_batch
+
     def _global_batch(self) -> torch.futures.Future:
         """Future of ``N = sum_r n_r`` for the current step; launched once per step."""
         if self._step_total is None:
-            count = torch.tensor([float(self.local_batch)], dtype=torch.float64)
+            count = torch.tensor([float(self._begin_step())], dtype=torch.float64)
             if _backend(self.process_group) == "nccl":
                 count = count.cuda()
             work = dist.all_reduce(count, group=self.process_group, async_op=True)
@@ -163,10 +196,14 @@ def weighted_allreduce_hook(
             "state: weighted_allreduce_hook needs a WeightedAllreduceState, got "
             f"{type(state).__name__} (register with ddp.register_comm_hook(state, hook))"
         )
-    if bucket.is_last():
+    last = bucket.is_last()
+    if last:
         state.ready_at = time.perf_counter()
     buf = bucket.buffer()
     state._agree()
+    local_batch = state._begin_step()
+    if last:
+        state._in_step = False  # the next call starts the next step
     if state.algorithm != "allreduce" and buf.device.type == "cpu" and buf.dtype in _KERNEL:
         if state._direct_exchange is None:
             state._direct_exchange = _DirectExchange(state.process_group)
@@ -175,15 +212,15 @@ def weighted_allreduce_hook(
         c = direct.comm
         two = c.size == 2 and nbytes < TWO_RANK_DIRECT_BELOW_BYTES.get(c.engine, 0)
         if state.algorithm == "direct" or two or choose_algorithm(c, nbytes, False) == "direct":
-            return direct.submit(buf, state.local_batch, bucket.index(), bucket.is_last())
+            return direct.submit(buf, local_batch, bucket.index(), last)
     total_fut = state._global_batch()
-    if bucket.is_last():
+    if last:
         state._step_total = None  # the next step sums its own batch sizes
     # On NCCL each rank's factor is applied inside the reduction kernel (PREMUL_SUM).
-    op = premul_sum_op(_backend(state.process_group), float(state.local_batch))
+    op = premul_sum_op(_backend(state.process_group), float(local_batch))
     if op is None:
         op = dist.ReduceOp.SUM
-        _scale_(buf, float(state.local_batch))
+        _scale_(buf, float(local_batch))
     work = dist.all_reduce(buf, op=op, group=state.process_group, async_op=True)
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
@@ -195,6 +232,33 @@ def weighted_allreduce_hook(
         return reduced
 
     return work.get_future().then(finish)
+
+
+def register_weighted_hook(
+    ddp: torch.nn.parallel.DistributedDataParallel,
+    *,
+    algorithm: str = "auto",
+    batch_dim: int = 0,
+) -> WeightedAllreduceState:
+    """Make ``ddp``'s gradient the exact sample-weighted mean over ranks, each step weighing
+    the samples that went through ``ddp``'s forwards since the previous step (dimension
+    ``batch_dim`` of the forward's first tensor argument; forwards without gradients, such as
+    evaluation, do not count). Nothing to set in the training loop: uneven shares, a ragged
+    last batch and new shares from :meth:`BalancedSampler.set_shares` are all weighed right.
+
+    The hook runs on ``ddp``'s own process group; ``algorithm`` as in
+    :class:`WeightedAllreduceState`. Returns the state (its ``ready_at`` feeds the
+    :class:`hetcoll.torch.Rebalancer`).
+    """
+    if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            f"ddp: must be a torch.nn.parallel.DistributedDataParallel, got {type(ddp).__name__}"
+        )
+    state = WeightedAllreduceState(
+        ddp.process_group, algorithm=algorithm, counter=BatchCounter(ddp, batch_dim=batch_dim)
+    )
+    ddp.register_comm_hook(state, weighted_allreduce_hook)
+    return state
 
 
 class _DirectExchange:

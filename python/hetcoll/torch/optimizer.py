@@ -21,6 +21,7 @@ import torch
 from hetcoll import fusion
 from hetcoll.collectives import allreduce
 from hetcoll.comm import NOT_GIVEN, group_argument, wrap
+from hetcoll.torch.batches import BatchCounter
 from hetcoll.torch.hooks import local_batch_value
 
 _SUPPORTED = (torch.float32, torch.float64)
@@ -34,9 +35,14 @@ class DistributedOptimizer:
     :func:`hetcoll.comm.wrap`'s default (torch's default group, else ``MPI.COMM_WORLD`` under
     mpiexec). ``comm=`` is its deprecated name.
 
+    This rank's samples in the step: give ``model`` and each step weighs the samples that went
+    through ``model``'s forwards since the previous step (a :class:`BatchCounter` counts them,
+    along dimension ``batch_dim``); or give ``local_batch`` and set ``opt.local_batch`` whenever
+    it changes.
+
     >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-    ...                            local_batch=shares[rank])  # doctest: +SKIP
-    >>> loss_fn(model(x), y).backward(); opt.local_batch = len(x); opt.step()  # doctest: +SKIP
+    ...                            model=model)  # doctest: +SKIP
+    >>> loss_fn(model(x), y).backward(); opt.step()  # doctest: +SKIP
     """
 
     def __init__(
@@ -44,7 +50,9 @@ class DistributedOptimizer:
         optimizer: torch.optim.Optimizer,
         group: Any = None,
         *,
-        local_batch: int,
+        local_batch: int | None = None,
+        model: torch.nn.Module | None = None,
+        batch_dim: int = 0,
         fusion_bytes: int = 64 << 20,
         comm: Any = NOT_GIVEN,
     ) -> None:
@@ -55,14 +63,26 @@ class DistributedOptimizer:
             )
         if fusion_bytes < 1:
             raise ValueError(f"fusion_bytes: must be >= 1, got {fusion_bytes}")
+        if (local_batch is None) == (model is None):
+            raise TypeError(
+                "local_batch: give either local_batch (this rank's samples, set again when it "
+                "changes) or model= (the samples of its forwards are counted), not both"
+                if model is not None
+                else "local_batch: required unless model= is given to count each step's samples"
+            )
         self.optimizer = optimizer
         self.group = group
         self._comm = wrap(group)
-        self.local_batch = local_batch
+        self.counter = None if model is None else BatchCounter(model, batch_dim=batch_dim)
+        self._local_batch: int | None = None
+        if local_batch is not None:
+            self.local_batch = local_batch
         self.fusion_bytes = int(fusion_bytes)
 
     @property
-    def local_batch(self) -> int:
+    def local_batch(self) -> int | None:
+        """This rank's samples in the step (with ``model=``: in the latest synchronised step;
+        None before the first)."""
         return self._local_batch
 
     @local_batch.setter
@@ -91,7 +111,11 @@ class DistributedOptimizer:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
         numel = sum(g.numel() for g in grads)
-        mine = np.array([self.local_batch, numel], dtype=np.float64)
+        if self.counter is not None:
+            self._local_batch = self.counter.take()
+        assert self._local_batch is not None  # the constructor requires it or a counter
+        local_batch = self._local_batch
+        mine = np.array([local_batch, numel], dtype=np.float64)
         rows = self._comm.allgather_fixed(mine.view(np.uint8), None)
         every = rows.view(np.float64).reshape(self._comm.size, 2)
         if np.any(every[:, 1] != numel):
@@ -102,7 +126,7 @@ class DistributedOptimizer:
         total = float(every[:, 0].sum())
         if total <= 0:
             raise ValueError("local_batch: every rank reported 0 samples for this step")
-        scale = self.local_batch / total
+        scale = local_batch / total
         for bucket in self._buckets(grads):
             flat = fusion.pack(bucket, scale=scale)
             allreduce(flat, self._comm)  # the engine's allreduce or hetcoll's ring, by size

@@ -1,0 +1,95 @@
+"""BatchCounter: each step's local batch read off the forward pass (single process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hetcoll
+from hetcoll.torch import BatchCounter, DistributedOptimizer
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, batch: dict, scale: float = 1.0) -> torch.Tensor:
+        return self.lin(batch["x"]) * scale
+
+
+def test_counts_training_forwards_since_the_last_take():
+    model = nn.Linear(4, 2)
+    counter = BatchCounter(model)
+    model(torch.zeros(3, 4))
+    model(torch.zeros(5, 4))  # gradient accumulation: both count
+    with torch.no_grad():
+        model(torch.zeros(100, 4))  # evaluation: not counted
+    assert counter.pending == 8
+    assert counter.take() == 8
+    assert counter.pending == 0
+    model(torch.zeros(2, 4))
+    assert counter.take() == 2
+
+
+def test_first_tensor_found_through_dicts_and_keywords_and_batch_dim():
+    model = TwoInputs()
+    counter = BatchCounter(model)
+    model({"x": torch.zeros(6, 4)}, scale=2.0)
+    assert counter.take() == 6
+    seq = nn.Linear(4, 2)
+    counter = BatchCounter(seq, batch_dim=1)
+    seq(torch.zeros(3, 7, 4))  # sequence-first input: the batch is dimension 1
+    assert counter.take() == 7
+
+
+def test_no_forward_since_the_last_step_is_an_error_not_a_stale_count():
+    model = nn.Linear(4, 2)
+    counter = BatchCounter(model)
+    with pytest.raises(RuntimeError, match="local_batch: the module ran no forward"):
+        counter.take()
+    model(torch.zeros(3, 4))
+    counter.take()
+    with pytest.raises(RuntimeError, match="no forward with gradients"):
+        counter.take()
+
+
+def test_forward_without_a_batched_tensor_names_the_problem():
+    class Scalar(nn.Module):
+        def forward(self, x: float) -> torch.Tensor:
+            return torch.tensor(x)
+
+    model = Scalar()
+    BatchCounter(model)
+    with pytest.raises(TypeError, match="no tensor argument has dimension 0"):
+        model(1.0)
+
+
+def test_bad_arguments_name_themselves():
+    with pytest.raises(TypeError, match="module"):
+        BatchCounter("model")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="batch_dim"):
+        BatchCounter(nn.Linear(2, 2), batch_dim=-1)
+
+
+def test_remove_stops_counting():
+    model = nn.Linear(4, 2)
+    counter = BatchCounter(model)
+    counter.remove()
+    model(torch.zeros(3, 4))
+    assert counter.pending == 0
+
+
+def test_optimizer_needs_exactly_one_of_local_batch_and_model():
+    model = nn.Linear(4, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="local_batch: required unless model="):
+        DistributedOptimizer(sgd, None)
+    with pytest.raises(TypeError, match="not both"):
+        DistributedOptimizer(sgd, None, local_batch=3, model=model)
+
+
+def test_register_weighted_hook_wants_ddp():
+    with pytest.raises(TypeError, match="ddp: must be a torch"):
+        hetcoll.torch.register_weighted_hook(nn.Linear(2, 2))  # type: ignore[arg-type]
