@@ -82,7 +82,7 @@ def _timed(steps: dict[str, Any], repeats: int, warmup: int = 2) -> dict[str, fl
 
 def _filter_step(speeds: list[float], speed: float, b: int):
     torch.manual_seed(0)
-    model = filter_parallel(conv_net(), speeds, None)
+    model = filter_parallel(conv_net(), speeds=speeds)
     slow_down_filter_parallel(model, speed)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x, y = _batch(b)
@@ -126,7 +126,7 @@ def _data_step(rank: int, speed: float, b: int):
 def _memory(rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     full = conv_net()
-    split = filter_parallel(copy.deepcopy(full), list(SPEEDS), None)
+    split = filter_parallel(copy.deepcopy(full), speeds=list(SPEEDS))
     out: dict[str, Any] = {}
     for name, m in (("unsplit", full), ("filter parallel", split)):
         opt = torch.optim.Adam(m.parameters())

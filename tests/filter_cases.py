@@ -15,6 +15,7 @@ import warnings
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from hetcoll.comm import wrap
 from hetcoll.torch import (
@@ -75,12 +76,22 @@ def _batches(dtype: torch.dtype, steps: int) -> list[tuple[torch.Tensor, torch.T
 
 
 def equals_unsplit(
-    group, spec, dtype, *, bias=True, avoid_gathers=True, optimizer="sgd", steps=3
+    group,
+    spec,
+    dtype,
+    *,
+    bias=True,
+    avoid_gathers=True,
+    optimizer="sgd",
+    steps=3,
+    build=None,
+    batches=_batches,
 ) -> dict[str, str]:
     """Train the split and the unsplit model side by side; every figure must agree. Returns the
-    modes chosen, by layer name."""
+    modes chosen, by layer name. ``build`` makes the model (default: :func:`awkward_cnn`),
+    ``batches(dtype, steps)`` its data."""
     torch.manual_seed(0)
-    ref = awkward_cnn(bias).to(dtype)
+    ref = (build() if build is not None else awkward_cnn(bias)).to(dtype)
     split = filter_parallel(copy.deepcopy(ref), spec, group, avoid_gathers=avoid_gathers)
     tol = TOL[dtype]
 
@@ -90,7 +101,7 @@ def equals_unsplit(
         return torch.optim.Adam(m.parameters(), lr=1e-2)
 
     opt_ref, opt_split = make(ref), make(split)
-    for step, (x, y) in enumerate(_batches(dtype, steps)):
+    for step, (x, y) in enumerate(batches(dtype, steps)):
         out_ref = ref(x)
         out = split(x)
         assert_close(out, out_ref, tol, f"step {step}: output")
@@ -127,9 +138,69 @@ def equals_unsplit(
     ref.eval()
     split.eval()
     with torch.no_grad():
-        x = _batches(dtype, 1)[0][0]
+        x = batches(dtype, 1)[0][0]
         assert_close(split(x), ref(x), tol, "eval output")
     return {n: m.mode for n, m in split.named_modules() if isinstance(m, FilterParallelLayer)}
+
+
+class FunctionalNet(nn.Module):
+    """A model with its own forward calling functions, not modules, between its layers: the
+    pairing comes from its traced graph, not from an nn.Sequential."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 11, 3, padding=1)
+        self.conv2 = nn.Conv2d(11, 9, 3, padding=1)
+        self.fc1 = nn.Linear(9 * 6 * 6, 10)
+        self.fc2 = nn.Linear(10, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(torch.relu(self.conv1(x)), 2)
+        x = torch.flatten(self.conv2(x).relu(), 1)
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def _small_images(dtype: torch.dtype, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return [
+        (
+            torch.randn(4, 3, 32, 32, generator=g, dtype=dtype),
+            torch.randint(0, 5, (4,), generator=g),
+        )
+        for _ in range(steps)
+    ]
+
+
+def real_models(group, speeds) -> int:
+    """Models with their own forwards: the pairs come from torch.fx, and the split model still
+    equals the unsplit one. torchvision's ResNet-18 pairs conv1 -> conv2 in every block (the
+    BatchNorm between them split too); FunctionalNet pairs through F.relu, pooling and
+    torch.flatten."""
+    from torchvision.models import resnet18
+
+    modes = equals_unsplit(
+        group, speeds, torch.float64, build=lambda: resnet18(num_classes=5), batches=_small_images,
+        steps=2,
+    )  # fmt: skip
+    assert modes["layer1.0.conv1"] == "split-output", modes
+    assert modes["layer1.0.conv2"] == "split-input", modes
+    assert modes["layer2.0.downsample.0"] == "gather", modes
+    modes = equals_unsplit(
+        group,
+        speeds,
+        torch.float64,
+        build=FunctionalNet,
+        batches=lambda dtype, steps: [
+            (x[:, :, :12, :12], y) for x, y in _small_images(dtype, steps)
+        ],
+    )
+    assert modes == {
+        "conv1": "split-output",
+        "conv2": "split-input",
+        "fc1": "split-output",
+        "fc2": "split-input",
+    }, modes
+    return 2
 
 
 def load_full_state(group) -> None:
@@ -365,7 +436,12 @@ def run_all(group) -> dict[str, object]:
     load_full_state(group)
     memory_proportional(group)
     standalone_layers(group)
-    return {"equal": 3, "random": random_pairs(group), "errors": bad_input(group)}
+    return {
+        "equal": 3,
+        "random": random_pairs(group),
+        "errors": bad_input(group),
+        "real_models": real_models(group, speeds),
+    }
 
 
 def run_torch(rank: int, world: int) -> dict[str, object]:

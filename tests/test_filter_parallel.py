@@ -14,6 +14,7 @@ from pathlib import Path
 
 import filter_cases
 import pytest
+import torch
 from torch import nn
 
 from hetcoll import launch
@@ -22,7 +23,7 @@ from hetcoll.lab.emulate import slow_down_filter_parallel
 from hetcoll.torch import FilterParallelLinear, filter_parallel
 
 HERE = Path(__file__).resolve().parent
-EXPECTED = {"equal": 3, "random": 24, "errors": 8}
+EXPECTED = {"equal": 3, "random": 24, "errors": 8, "real_models": 2}
 
 
 @pytest.mark.multiproc
@@ -106,3 +107,94 @@ def test_layers_left_replicated_are_named_in_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert filter_modes(model) == {"0": "gather"}
+
+
+def test_speeds_and_shares_by_keyword_are_never_ambiguous():
+    from hetcoll.torch.filters import filter_shares
+
+    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2))
+    # Integers as speeds (as hetcoll.split reads them) and as shares, each said by keyword.
+    assert filter_shares(model, size=2, speeds=[2, 1]) == {"0": [4, 2], "2": [4, 2]}
+    assert filter_shares(model, size=2, shares=[5, 1]) == {"0": [5, 1], "2": [5, 1]}
+    assert filter_shares(model, size=2, shares={"0": [1, 5]}) == {"0": [1, 5]}  # layers: its keys
+    with pytest.warns(DeprecationWarning, match="integers in shares_or_speeds are read as"):
+        assert filter_shares(model, [5, 1], 2) == {"0": [5, 1], "2": [5, 1]}
+    with pytest.raises(TypeError, match=r"speeds, shares: give exactly one.*got speeds, shares"):
+        filter_shares(model, size=2, speeds=[1.0, 1.0], shares=[3, 3])
+    with pytest.raises(TypeError, match=r"speeds, shares: give exactly one"):
+        filter_shares(model, size=2)
+    with pytest.raises(TypeError, match=r"shares: must be integers \(speeds go to speeds=\)"):
+        filter_shares(model, size=2, shares=[1.0, 0.5])
+    with pytest.raises(TypeError, match=r"speeds: booleans"):
+        filter_shares(model, size=2, speeds=[True, 1])
+    with pytest.raises(ValueError, match=r"shares: layer '0' has 6 channels|shares: shares sum"):
+        filter_shares(model, size=2, shares=[5, 5])
+    with pytest.raises(TypeError, match=r"size: required"):
+        filter_shares(model, speeds=[1.0])
+    with pytest.raises(TypeError, match=r"speeds, shares: give exactly one"):
+        filter_parallel(model, None)
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(4, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 4, 3, padding=1)
+        self.c = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = torch.relu(self.a(x))
+        return self.b(y) + y  # y is read twice: a's output must be whole
+
+
+class _Reused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(self.b(self.a(x)))  # a called twice: it cannot have one mode
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # not traceable
+            return self.b(self.a(x))
+        return self.b(self.a(-x))
+
+
+def test_pairing_through_traced_forwards():
+    from filter_cases import FunctionalNet
+
+    from hetcoll.torch.filters import filter_modes
+
+    assert filter_modes(FunctionalNet()) == {
+        "conv1": "split-output",
+        "conv2": "split-input",
+        "fc1": "split-output",
+        "fc2": "split-input",
+    }
+    assert filter_modes(_Residual()) == {"a": "gather", "b": "gather", "c": "gather"}
+    assert set(filter_modes(_Reused()).values()) == {"gather"}
+    assert set(filter_modes(_DataDependent()).values()) == {"gather"}
+    # A Sequential of traced blocks: pairs inside the blocks, none across the residuals.
+    import torchvision
+
+    modes = filter_modes(torchvision.models.resnet18())
+    assert modes["layer3.1.conv1"] == "split-output" and modes["layer3.1.conv2"] == "split-input"
+    assert modes["conv1"] == modes["fc"] == "gather"
+
+
+def test_an_untraceable_forward_is_named_in_a_warning():
+    from hetcoll.torch.filters import filter_shares
+
+    message = r"could not trace the forward of _DataDependent \("
+    with pytest.warns(UserWarning, match=message) as rec:
+        filter_shares(_DataDependent(), size=2, speeds=[1.0, 1.0])
+    assert "'a' gather, 'b' gather" in str(rec[-1].message)

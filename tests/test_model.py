@@ -463,8 +463,11 @@ def test_predictor_takes_its_filter_modes_from_the_runtime(name, shape) -> None:
     modes = filter_modes(layer_costs(model, shape))
     assert modes == runtime_modes(model)
     if name == "resnet18":
-        # A BasicBlock's forward adds the shortcut: its convs cannot pair, every split gathers.
-        assert set(modes.values()) == {"gather"} and "layer1.0.conv1" in modes
+        # A BasicBlock's traced forward pairs conv1 -> bn1 -> relu -> conv2; the shortcut's
+        # add reads conv2's output and the block's input, so nothing pairs across blocks.
+        assert modes["layer1.0.conv1"] == "split-output"
+        assert modes["layer1.0.conv2"] == "split-input"
+        assert modes["conv1"] == modes["layer2.0.downsample.0"] == modes["fc"] == "gather"
     else:
         # The encoder's MLP blocks are nn.Sequential: Linear -> GELU -> Dropout -> Linear pairs.
         assert modes["encoder.layers.encoder_layer_0.mlp.0"] == "split-output"

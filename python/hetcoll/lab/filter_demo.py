@@ -42,7 +42,7 @@ def _train(engine: Engine, group: Any, cfg: DemoConfig, name: str, speeds: list[
     rank = engine.rank
     xtr, ytr, xte, yte = load_digits(cfg.seed)
     torch.manual_seed(cfg.seed)
-    model = filter_parallel(DemoNet(), speeds, group)
+    model = filter_parallel(DemoNet(), group, speeds=speeds)
     slow_down_filter_parallel(model, cfg.speeds[rank])
     split = [m for m in model.modules() if isinstance(m, FilterParallelLayer)]
     result = RunResult(name, list(split[0].shares))

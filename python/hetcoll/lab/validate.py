@@ -259,7 +259,7 @@ def _filter_rank(
     }
     torch.manual_seed(0)
     model = filter_parallel(
-        networks.build(model_name, input_shape), parts, None, avoid_gathers=avoid_gathers
+        networks.build(model_name, input_shape), speeds=parts, avoid_gathers=avoid_gathers
     )
     slow_down_filter_parallel(model, speeds[rank])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)

@@ -694,20 +694,118 @@ _SPATIAL = (
 )
 
 
-def _chains(module: nn.Module, prefix: str = "") -> Iterator[list[tuple[str, nn.Module]]]:
-    """Runs of modules known to feed each other in order: the children of plain nn.Sequential
-    containers (nested ones flattened). A module with its own forward breaks a run — its
-    dataflow is unknown — and its insides are searched for runs of their own."""
+Chain = list[tuple[str, nn.Module]]
+
+
+def _chains(
+    module: nn.Module, prefix: str = "", untraced: list[str] | None = None
+) -> Iterator[Chain]:
+    """Runs of modules known to feed each other in order, and nothing else: the children of
+    plain nn.Sequential containers (nested ones flattened), and inside a module with its own
+    forward the runs torch.fx finds in its traced graph (:func:`_traced_chains`). A module whose
+    forward cannot be traced breaks a run — its dataflow is unknown — and its insides are
+    searched for runs of their own; its name goes to ``untraced``."""
     if _is_plain_sequential(module):
-        chain: list[tuple[str, nn.Module]] = []
-        inner: list[tuple[str, nn.Module]] = []
+        chain: Chain = []
+        inner: Chain = []
         _flatten(module, prefix, chain, inner)
         yield chain
         for name, m in inner:
-            yield from _chains(m, name)
-    else:
-        for name, child in module.named_children():
-            yield from _chains(child, f"{prefix}.{name}" if prefix else name)
+            yield from _chains(m, name, untraced)
+        return
+    if next(module.children(), None) is None:
+        return
+    traced = _traced_chains(module, prefix)
+    if isinstance(traced, list):
+        yield from traced
+        return
+    if untraced is not None:
+        untraced.append(f"{prefix or type(module).__name__} ({traced})")
+    for name, child in module.named_children():
+        yield from _chains(child, f"{prefix}.{name}" if prefix else name, untraced)
+
+
+# Functions and tensor methods a traced forward may call on a channel-split tensor, as the
+# module that does the same (one instance each: the pairing rule reads only their types).
+_RELU, _POOL, _FLATTEN = nn.ReLU(), nn.MaxPool2d(1), nn.Flatten()
+_ELEMENTWISE_FUNCTIONS = {
+    F.relu, F.relu6, F.leaky_relu, F.elu, F.selu, F.celu, F.gelu, F.silu, F.mish, F.hardtanh,
+    F.hardswish, F.hardsigmoid, F.softplus, F.dropout, torch.relu, torch.tanh, torch.sigmoid,
+}  # fmt: skip
+_SPATIAL_FUNCTIONS = {
+    F.max_pool2d, F.avg_pool2d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d, F.dropout2d,
+    torch.max_pool2d,
+}  # fmt: skip
+_ELEMENTWISE_METHODS = {"relu", "relu_", "tanh", "sigmoid"}
+
+
+def _as_module(node: Any, named: dict[str, nn.Module]) -> nn.Module | None:
+    """The module a traced node stands for in the pairing rule, or None when it is none of the
+    channel-wise operations the rule knows (that breaks a run)."""
+    if node.op == "call_module":
+        return named[node.target]
+    args = list(node.args[1:]) + list(node.kwargs.values())
+    if node.op == "call_function":
+        if node.target in _ELEMENTWISE_FUNCTIONS:
+            return _RELU
+        if node.target in _SPATIAL_FUNCTIONS:
+            return _POOL
+        if node.target is torch.flatten and args in ([1], [1, -1]):
+            return _FLATTEN
+    if node.op == "call_method":
+        if node.target in _ELEMENTWISE_METHODS:
+            return _RELU
+        if node.target == "flatten" and args in ([1], [1, -1]):
+            return _FLATTEN
+    return None
+
+
+def _has_state(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters()) or any(True for _ in m.buffers())
+
+
+def _traced_chains(module: nn.Module, prefix: str) -> list[Chain] | str:
+    """The runs of :func:`_chains` in ``module``'s forward, read off its torch.fx graph: a run
+    continues from one operation to the next while the next is the only user of the first's
+    output and reads nothing else, so a channel-split tensor between them is seen by no one
+    else. A module with parameters or buffers called from more than one place breaks runs (it
+    would need two modes); a stateless one (a ReLU used twice) does not.
+    Returns why when the forward cannot be traced (data-dependent control flow, say)."""
+    from torch import fx
+
+    try:
+        graph = fx.Tracer().trace(module)
+    except Exception as e:  # fx raises many kinds on untraceable code; the reason is reported
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    named = dict(module.named_modules())
+    calls: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
+
+    def element(node: Any) -> tuple[str, nn.Module] | None:
+        if node.op == "call_module" and calls[node.target] > 1 and _has_state(named[node.target]):
+            return None
+        m = _as_module(node, named)
+        if m is None:
+            return None
+        name = node.target if node.op == "call_module" else f"<{node.name}>"
+        return (f"{prefix}.{name}" if prefix else name), m
+
+    chains: list[Chain] = []
+    seen: set[Any] = set()
+    for node in graph.nodes:
+        chain: Chain = []
+        while node not in seen and (el := element(node)) is not None:
+            seen.add(node)
+            chain.append(el)
+            users = list(node.users)
+            if len(users) != 1 or users[0].all_input_nodes != [node]:
+                break
+            node = users[0]
+        if chain:
+            chains.append(chain)
+    return chains
 
 
 def _is_plain_sequential(m: nn.Module) -> bool:
@@ -752,16 +850,17 @@ def filter_modes(
 
 
 def _plan(
-    model: nn.Module, chosen: list[str], avoid_gathers: bool
+    model: nn.Module, chosen: list[str], avoid_gathers: bool, untraced: list[str] | None = None
 ) -> tuple[dict[str, str], dict[str, tuple[str, int]], dict[str, str]]:
     """Modes of the chosen layers; for each split-input layer the layer whose shares it takes
-    and its in_features_per_channel; for each BatchNorm to split, the layer it follows."""
+    and its in_features_per_channel; for each BatchNorm to split, the layer it follows. The
+    modules whose forwards could not be traced go to ``untraced`` (:func:`_chains`)."""
     modes = {name: "gather" for name in chosen}
     feeds: dict[str, tuple[str, int]] = {}
     bns: dict[str, str] = {}
     if not avoid_gathers:
         return modes, feeds, bns
-    for chain in _chains(model):
+    for chain in _chains(model, untraced=untraced):
         prev: tuple[str, nn.Module] | None = None
         flattened = False
         pending: list[str] = []
@@ -876,9 +975,11 @@ def _choose(
 
 def filter_shares(
     model: nn.Module,
-    shares_or_speeds: Sequence[float] | Sequence[int] | Mapping[str, Sequence[int]],
-    size: int,
+    shares_or_speeds: Sequence[float] | Sequence[int] | Mapping[str, Sequence[int]] | None = None,
+    size: int | None = None,
     *,
+    speeds: Sequence[float] | None = None,
+    shares: Sequence[int] | Mapping[str, Sequence[int]] | None = None,
     layers: Sequence[str] | None = None,
     multiple_of: int = 1,
     avoid_gathers: bool = True,
@@ -888,17 +989,78 @@ def filter_shares(
     every argument check of :func:`filter_parallel` runs here, with the same errors, so a caller
     can check a split on ranks outside it.
 
-    >>> filter_shares(nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2)), [2.0, 1.0], 2)
+    >>> model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2))
+    >>> filter_shares(model, size=2, speeds=[2, 1])
     {'0': [4, 2], '2': [4, 2]}
     """
+    if size is None:
+        raise TypeError("size: required (the number of ranks)")
     if not _is_int(size) or size < 1:
         raise ValueError(f"size: must be an integer >= 1, got {size!r}")
-    return _shares(model, shares_or_speeds, lambda: int(size), layers, multiple_of, avoid_gathers)
+    value, argument = _split_argument(shares_or_speeds, speeds, shares)
+    return _shares(model, value, argument, lambda: int(size), layers, multiple_of, avoid_gathers)
+
+
+def _split_argument(shares_or_speeds: Any, speeds: Any, shares: Any) -> tuple[Any, str]:
+    """The one split given, and the name of its argument: ``speeds=`` (numbers, integers read
+    as speeds too), ``shares=`` (integers, or a dict of them per layer) or the positional
+    ``shares_or_speeds``, whose integers are shares and whose floats are speeds: ambiguous, so
+    integers there get a DeprecationWarning."""
+    given = [
+        n
+        for n, v in (("shares_or_speeds", shares_or_speeds), ("speeds", speeds), ("shares", shares))
+        if v is not None
+    ]
+    if len(given) != 1:
+        raise TypeError(
+            "speeds, shares: give exactly one, by keyword: speeds=[...] (one per rank, each "
+            "layer split in proportion) or shares=[...] (channels per rank, or a dict of them "
+            "per layer)" + (f"; got {', '.join(given)}" if given else "")
+        )
+    if speeds is not None:
+        if isinstance(speeds, (str, bytes, Mapping)) or not isinstance(speeds, Sequence):
+            raise TypeError(
+                f"speeds: must be a sequence of numbers, one per rank, got {type(speeds).__name__}"
+            )
+        if any(isinstance(v, (bool, np.bool_)) for v in speeds):
+            raise TypeError("speeds: booleans are not speeds")
+        try:
+            return [float(v) for v in speeds], "speeds"
+        except (TypeError, ValueError):
+            raise TypeError(f"speeds: must be numbers, got {list(speeds)!r}") from None
+    if shares is not None:
+        if isinstance(shares, Mapping):
+            return shares, "shares"
+        if isinstance(shares, (str, bytes)) or not isinstance(shares, Sequence):
+            raise TypeError(
+                "shares: must be a sequence of integers (channels per rank) or a dict of them "
+                f"per layer, got {type(shares).__name__}"
+            )
+        if not all(_is_int(v) for v in shares):
+            raise TypeError(
+                f"shares: must be integers (speeds go to speeds=), got {list(shares)!r}"
+            )
+        return shares, "shares"
+    if (
+        isinstance(shares_or_speeds, Sequence)
+        and not isinstance(shares_or_speeds, (str, bytes))
+        and shares_or_speeds
+        and all(_is_int(v) for v in shares_or_speeds)
+    ):
+        warnings.warn(
+            "filter_parallel: integers in shares_or_speeds are read as channel shares, where "
+            "hetcoll.split reads them as speeds; say which with shares= or speeds= (the "
+            "positional form goes in a later release)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    return shares_or_speeds, "shares_or_speeds"
 
 
 def _shares(
     model: nn.Module,
     shares_or_speeds: Any,
+    argument: str,
     size_of: Callable[[], int],
     layers: Sequence[str] | None,
     multiple_of: int,
@@ -917,20 +1079,31 @@ def _shares(
             layers = list(per_layer)
         missing = [k for k in per_layer if k not in layers]
         if missing:
-            raise ValueError(f"shares_or_speeds: names layers not in layers: {missing}")
+            raise ValueError(f"{argument}: names layers not in layers: {missing}")
     elif isinstance(shares_or_speeds, (str, bytes)) or not isinstance(shares_or_speeds, Sequence):
         raise TypeError(
-            "shares_or_speeds: must be a sequence (speeds or shares, one per rank) or a dict "
+            f"{argument}: must be a sequence (speeds or shares, one per rank) or a dict "
             f"of shares per layer, got {type(shares_or_speeds).__name__}"
         )
     elif any(isinstance(s, (bool, np.bool_)) for s in shares_or_speeds):
-        raise TypeError("shares_or_speeds: booleans are neither speeds nor shares")
+        raise TypeError(f"{argument}: booleans are neither speeds nor shares")
     chosen = _choose(model, layers, named)
     for name in chosen:
         m = named[name]
         if isinstance(m, nn.Conv2d):
             _check_conv(m, f"layers: {name!r}")
-    modes, feeds, _ = _plan(model, chosen, avoid_gathers)
+    untraced: list[str] = []
+    modes, feeds, _ = _plan(model, chosen, avoid_gathers, untraced)
+    if untraced and any(mode == "gather" for mode in modes.values()):
+        warnings.warn(
+            "filter_parallel: could not trace the forward of "
+            + "; ".join(untraced)
+            + ", so the layers split inside gather their whole outputs after each "
+            "(mode 'gather') unless an nn.Sequential shows what feeds what; modes: "
+            + ", ".join(f"{n!r} {m}" for n, m in modes.items()),
+            UserWarning,
+            stacklevel=4,
+        )
     size = size_of() if chosen else 1
 
     shares: dict[str, list[int]] = {}
@@ -941,20 +1114,18 @@ def _shares(
             if modes[name] == "split-input":
                 continue  # it reads the channels of the layer feeding it: checked below
             if name not in per_layer:
-                raise ValueError(f"shares_or_speeds: gives no shares for {what}")
-            shares[name] = _check_shares(per_layer[name], total, size, "shares_or_speeds", what)
-        elif all(_is_int(s) for s in shares_or_speeds):  # type: ignore[union-attr]
+                raise ValueError(f"{argument}: gives no shares for {what}")
+            shares[name] = _check_shares(per_layer[name], total, size, argument, what)
+        elif argument != "speeds" and all(_is_int(s) for s in shares_or_speeds):  # type: ignore[union-attr]
             if modes[name] != "split-input":
-                shares[name] = _check_shares(
-                    shares_or_speeds, total, size, "shares_or_speeds", what
-                )
+                shares[name] = _check_shares(shares_or_speeds, total, size, argument, what)
         elif modes[name] != "split-input":
             shares[name] = _speeds_to_shares(
                 shares_or_speeds,  # type: ignore[arg-type]
                 total,
                 size,
                 int(multiple_of),
-                "shares_or_speeds",
+                argument,
                 what,
             )
     for name, (src, _) in feeds.items():
@@ -962,7 +1133,7 @@ def _shares(
         given = None if per_layer is None else per_layer.get(name)
         if given is not None and [int(s) for s in given] != shares[src]:
             raise ValueError(
-                f"shares_or_speeds: layer {name!r} reads the channels of {src!r}, so its "
+                f"{argument}: layer {name!r} reads the channels of {src!r}, so its "
                 f"shares must be {src!r}'s ({shares[src]}), got {list(given)!r}"
             )
     return {name: shares[name] for name in chosen if name in shares}
@@ -970,9 +1141,11 @@ def _shares(
 
 def filter_parallel(
     model: nn.Module,
-    shares_or_speeds: Sequence[float] | Sequence[int] | Mapping[str, Sequence[int]],
+    shares_or_speeds: Sequence[float] | Sequence[int] | Mapping[str, Sequence[int]] | None = None,
     group: Any = None,
     *,
+    speeds: Sequence[float] | None = None,
+    shares: Sequence[int] | Mapping[str, Sequence[int]] | None = None,
     layers: Sequence[str] | None = None,
     multiple_of: int = 1,
     avoid_gathers: bool = True,
@@ -981,10 +1154,13 @@ def filter_parallel(
     """Split the Conv2d / Linear layers of ``model`` across the ranks of ``group``, in place;
     return ``model``.
 
-    ``shares_or_speeds``: floats, one per rank — speeds, each layer split with
-    :func:`hetcoll.split` (``multiple_of``, at least ``multiple_of`` channels per rank); ints, one
-    per rank — the same shares for every split layer; or a dict from layer name to shares (the
-    layers then default to its keys). ``layers`` names the modules to split (default: every
+    Give the split by keyword, exactly one of: ``speeds=`` — numbers, one per rank (integers
+    too, as :func:`hetcoll.split` reads them), each layer split with :func:`hetcoll.split`
+    (``multiple_of``, at least ``multiple_of`` channels per rank); ``shares=`` — integers, one
+    per rank, the same channels for every split layer, or a dict from layer name to shares (the
+    layers then default to its keys). The positional ``shares_or_speeds`` (floats: speeds,
+    integers: shares) still works; with integers it warns, being ambiguous. ``layers`` names
+    the modules to split (default: every
     ``nn.Conv2d`` with ``groups=1`` and ``nn.Linear``). Modes are chosen so a split layer feeding
     another through channel-wise modules only (inside an ``nn.Sequential``) skips the gather:
     split-output then split-input; a BatchNorm between them is split too. ``avoid_gathers=False``
@@ -1002,27 +1178,28 @@ def filter_parallel(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     _check_timeout(timeout)
-    shares = _shares(
-        model, shares_or_speeds, lambda: wrap(group).size, layers, multiple_of, avoid_gathers
+    value, argument = _split_argument(shares_or_speeds, speeds, shares)
+    per_layer = _shares(
+        model, value, argument, lambda: wrap(group).size, layers, multiple_of, avoid_gathers
     )
     comm = wrap(group)
     named = dict(model.named_modules())
-    chosen = list(shares)
+    chosen = list(per_layer)
     modes, feeds, bns = _plan(model, chosen, avoid_gathers)
 
-    _agree_on_plan(comm, chosen, modes, shares, timeout)
+    _agree_on_plan(comm, chosen, modes, per_layer, timeout)
 
     for name in chosen:
         m = named[name]
         if isinstance(m, nn.Conv2d):
             new: nn.Module = FilterParallelConv2d.from_module(
-                m, shares[name], comm, mode=modes[name], timeout=timeout
+                m, per_layer[name], comm, mode=modes[name], timeout=timeout
             )
         else:
             unit = feeds[name][1] if name in feeds else 1
             new = FilterParallelLinear.from_module(
                 m,
-                shares[name],
+                per_layer[name],
                 comm,
                 mode=modes[name],
                 in_features_per_channel=unit,
@@ -1036,7 +1213,7 @@ def filter_parallel(
             if isinstance(bn, nn.BatchNorm2d)
             else FilterParallelBatchNorm1d
         )
-        _replace(model, name, cls.from_module(bn, shares[src], comm))  # type: ignore[arg-type]
+        _replace(model, name, cls.from_module(bn, per_layer[src], comm))  # type: ignore[arg-type]
     return model
 
 

@@ -499,7 +499,7 @@ def parallelize(
             # in its own order.
             order = [stage.ranks.index(r) for r in sorted(stage.ranks)]
             shares = {n: [s[k] for k in order] for n, s in split_args[i, j].items()}
-            filter_parallel(module, shares, counting)
+            filter_parallel(module, group=counting, shares=shares)
         par.stage = module
     else:
         par.idle = nn.Parameter(torch.empty(0))
@@ -528,10 +528,10 @@ def _stage_split(
                         "shares name Conv2d or Linear layers of the stage"
                     )
                 per_layer[name] = list(shares)
-            shares_of = filter_shares(module, per_layer, p)
+            shares_of = filter_shares(module, size=p, shares=per_layer)
         else:
             speeds = list(stage.speeds) if stage.speeds is not None else [1.0] * p
-            shares_of = filter_shares(module, speeds, p)
+            shares_of = filter_shares(module, size=p, speeds=speeds)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
     if not shares_of:
