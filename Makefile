@@ -91,7 +91,7 @@ bench-planner: $(BUILT) $(BENCHED)
 
 bench-data-parallel: $(BUILT) $(BENCHED)
 	$(PYBENCH) benches/bench_data_parallel.py --results-json $(RESULTS)/data_parallel.json \
-		--results-title "Balanced data parallelism (the demo's job)"
+		--results-title "Balanced data parallelism (the demo's job and a user's job)"
 
 bench-collectives: $(BUILT) $(BENCHED)
 	mkdir -p $(RAW)

@@ -127,6 +127,12 @@ def plan_shares(
     """Each rank's samples per step: measured speeds (emulated ones with ``--emulate``) turned
     into integer shares of the global batch by ``hetcoll.split``; and the fits (the Rebalancer
     starts from them), None when the shares were given."""
+    if args.plain_ddp:
+        if args.batch % job.world:
+            raise SystemExit(
+                f"--plain-ddp: --batch ({args.batch}) must divide among {job.world} ranks"
+            )
+        return [args.batch // job.world] * job.world, None
     if args.shares is not None or job.world == 1:
         return args.shares or [args.batch], None
     fits = gather_speeds(probe(model, x, y, args), job.group)
@@ -141,15 +147,18 @@ def plan_shares(
 
 
 def distribute(
-    job: Job, model: nn.Module, lr: float
+    job: Job, model: nn.Module, lr: float, plain_ddp: bool = False
 ) -> tuple[nn.Module, Any, Callable[[], float] | None]:
     """The model to call, its optimizer and (DDP) when this rank's gradients were ready, for the
     Rebalancer's compute time. Each step's samples are counted off the model's forward, so
-    the gradients are weighed right whatever the sampler hands this rank."""
+    the gradients are weighed right whatever the sampler hands this rank. ``plain_ddp``: DDP
+    as PyTorch ships it, the baseline."""
     if job.backend in ("gloo", "nccl"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ddp = DDP(model, device_ids=[job.device] if job.backend == "nccl" else None)
+        if plain_ddp:
+            return ddp, make_optimizer(ddp.parameters(), lr), None
         state = register_weighted_hook(ddp)
         opt = make_optimizer(ddp.parameters(), lr)
         return ddp, opt, lambda: state.ready_at
@@ -189,11 +198,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         model = EmulatedSpeed(net, speed, cost=probe(net, x_train, y_train, args))
     shares, fits = plan_shares(job, args, model, x_train, y_train)
     first_shares = list(shares)
-    wrapped, opt, ready_at = distribute(job, model, args.lr)
+    if args.plain_ddp and job.backend not in ("gloo", "nccl"):
+        raise SystemExit("--plain-ddp: needs torchrun (torch.distributed's DDP)")
+    wrapped, opt, ready_at = distribute(job, model, args.lr, args.plain_ddp)
     sampler = BalancedSampler(range(len(y_train)), shares, job.rank, seed=args.seed)
     rebalancer = (
         Rebalancer(sampler, every=10, fits=fits, group=job.group)
-        if job.world > 1 and not args.no_rebalance
+        if job.world > 1 and not (args.no_rebalance or args.plain_ddp)
         else None
     )
     epochs = []
@@ -287,6 +298,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="samples per step for each rank, instead of measuring speeds",
     )
     p.add_argument("--no-rebalance", action="store_true", help="keep the first split")
+    p.add_argument(
+        "--plain-ddp",
+        action="store_true",
+        help="the baseline: PyTorch's DDP as it ships (equal batches, its own averaging, no "
+        "rebalancing; torchrun only)",
+    )
     p.add_argument("--float64", action="store_true", help="train in double precision")
     p.add_argument("--save", help="write the trained state dict here (rank 0)")
     p.add_argument("--json", help="write each rank's report here ({rank} is replaced)")
