@@ -180,9 +180,17 @@ def format_table(report: dict[str, Any]) -> str:
             f"{by['plan']['samples_per_s'] / by['unbalanced']['samples_per_s']:.2f}x"
         )
     if "balanced" in by and "unbalanced" in by:
+        # The spread a user sees from run to run: the same ratio epoch by epoch.
+        per_epoch = [
+            b["samples_per_s"] / u["samples_per_s"]
+            for b, u in zip(
+                report["runs"]["balanced"]["epochs"], report["runs"]["unbalanced"]["epochs"]
+            )
+        ]
+        spread = f" (epochs: {min(per_epoch):.2f}-{max(per_epoch):.2f}x)" if per_epoch else ""
         lines.append(
             f"balanced / unbalanced throughput: "
-            f"{by['balanced']['samples_per_s'] / by['unbalanced']['samples_per_s']:.2f}x; "
+            f"{by['balanced']['samples_per_s'] / by['unbalanced']['samples_per_s']:.2f}x{spread}; "
             f"accuracy difference: "
             f"{100 * (by['balanced']['test_accuracy'] - by['unbalanced']['test_accuracy']):+.1f}"
             " points"
