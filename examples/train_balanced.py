@@ -110,7 +110,7 @@ class Job:
 
 def probe(model: nn.Module, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -> SpeedFit:
     """This rank's training speed: whole steps (forward, backward, optimizer) timed at a few batch
-    sizes up to the global batch, on a copy of ``model``."""
+    sizes up to the global batch, on a copy of ``model``; and the largest batch it can hold."""
     top = args.batch
     return measure_speed(
         model,
@@ -118,6 +118,7 @@ def probe(model: nn.Module, x: torch.Tensor, y: torch.Tensor, args: argparse.Nam
         nn.functional.cross_entropy,
         batch_sizes=sorted({max(1, top // 8), max(2, top // 4), max(3, top // 2), top}),
         optimizer=lambda params: make_optimizer(params, args.lr),
+        probe_memory=True,  # capacity: the largest batch this rank's memory holds
     )
 
 

@@ -230,3 +230,53 @@ def test_the_callers_model_is_untouched_and_bad_arguments_are_named():
     ]:
         with pytest.raises(ValueError, match=name):
             measure_speed(*args, **kwargs)
+
+
+def test_cpu_memory_probe_counts_what_a_step_holds():
+    """On the CPU the step's memory is counted: weights, gradients, optimizer state and the
+    tensors autograd saves. For this float64 MLP that is at least the input and the hidden
+    activation per sample (1,200 bytes) and at most every intermediate tensor (1,768 bytes);
+    the fixed part is the weights, their gradients and SGD momentum (3 x 44,480 bytes)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(100, 50), nn.ReLU(), nn.Linear(50, 10)).double()
+
+    def batch(b):
+        return torch.randn(b, 100, dtype=torch.float64), torch.randint(0, 10, (b,))
+
+    budget, fixed = 1_000_000, 3 * 5_560 * 8
+    fit = measure_speed(
+        net,
+        batch,
+        nn.functional.cross_entropy,
+        probe_memory=True,
+        memory_bytes=budget,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        time_budget=1.0,
+    )
+    assert (budget - fixed) // 1_768 <= fit.capacity <= (budget - fixed) // 1_200
+    # Twice the budget holds about twice the batch more; no budget: the host's share.
+    bigger = measure_speed(
+        net, batch, nn.functional.cross_entropy, probe_memory=True, memory_bytes=2 * budget,
+        time_budget=1.0,
+    )  # fmt: skip
+    assert bigger.capacity > 2 * fit.capacity
+    assert (
+        measure_speed(
+            net, batch, nn.functional.cross_entropy, probe_memory=True, time_budget=0.5
+        ).capacity
+        > 1_000_000
+    )
+    assert measure_speed(net, batch, nn.functional.cross_entropy, time_budget=0.5).capacity is None
+    with pytest.raises(ValueError, match="memory_bytes"):
+        measure_speed(net, batch, nn.functional.cross_entropy, memory_bytes=0)
+
+
+def test_host_memory_is_shared_among_the_nodes_ranks(monkeypatch):
+    from hetcoll.torch.speed import host_memory_per_rank
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("MPI_LOCALNRANKS", raising=False)
+    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_SIZE", raising=False)
+    alone = host_memory_per_rank()
+    monkeypatch.setenv("MPI_LOCALNRANKS", "4")
+    assert 0 < host_memory_per_rank() <= alone // 4 * 1.5  # available memory moves a little

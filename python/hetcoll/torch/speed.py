@@ -235,6 +235,7 @@ def measure_speed(
     time_budget: float | None = 10.0,
     quantile: float = PROBE_QUANTILE,
     probe_memory: bool = False,
+    memory_bytes: int | None = None,
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
 ) -> SpeedFit:
     """Time the training step of a copy of ``model`` (the caller's weights are untouched) on
@@ -254,8 +255,15 @@ def measure_speed(
     optimizer step to each timed step (on the copy's parameters), so the fit is the whole training
     step.
 
-    ``probe_memory`` (CUDA models only) fits peak memory against batch size and reports the
-    largest batch that fits as ``capacity``.
+    ``probe_memory`` fits the step's memory against batch size, ``m(b) = m0 + m1 b``, and
+    reports the largest batch that fits in ``memory_bytes`` as ``capacity``. On CUDA the memory
+    is the allocator's peak and ``memory_bytes`` defaults to the device's free memory plus what
+    the probe holds. On the CPU it is counted, not sampled (the CPU allocator keeps no peak):
+    parameters, their gradients and the optimizer's state, plus every tensor autograd saves for
+    the backward (the activations, the input batch included; each storage once) — what a
+    training step holds at its peak, less transient buffers; ``memory_bytes`` defaults to the
+    host's available memory (``MemAvailable``) shared among the node's ranks
+    (:func:`host_memory_per_rank`).
 
     When the step time does not grow measurably over ``batch_sizes`` (the fitted per-sample cost
     is 0), a ``RuntimeWarning`` says so and the per-sample cost is taken as its standard error,
@@ -284,6 +292,10 @@ def measure_speed(
     m.train()
     opt = optimizer(m.parameters()) if optimizer is not None else None
     cuda = next((p.is_cuda for p in m.parameters()), False)
+    if memory_bytes is not None and (
+        isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or memory_bytes < 1
+    ):
+        raise ValueError(f"memory_bytes: must be a positive integer or None, got {memory_bytes!r}")
     batches = {b: make_batch(b) for b in sizes}
     mem_points: list[tuple[int, float]] = []
 
@@ -309,6 +321,8 @@ def measure_speed(
             if warmup == 0:
                 step(b)
             mem_points.append((b, float(torch.cuda.max_memory_allocated())))
+        elif probe_memory:
+            mem_points.append((b, _counted_step_bytes(m, opt, batches[b], loss_fn)))
     timings: list[tuple[int, float]] = []
     rounds = 0
     while rounds < max_repeats:
@@ -335,9 +349,73 @@ def measure_speed(
     capacity = None
     if len(mem_points) >= 2:
         m0, m1, _ = fit_affine([b for b, _ in mem_points], [v for _, v in mem_points])
-        free, _ = torch.cuda.mem_get_info()
-        capacity = max(0, int((free + mem_points[-1][1] - m0) / m1)) if m1 > 0 else None
+        if memory_bytes is not None:
+            budget = float(memory_bytes)
+        elif cuda:
+            budget = torch.cuda.mem_get_info()[0] + mem_points[-1][1]
+        else:
+            budget = float(host_memory_per_rank())
+        capacity = max(0, int((budget - m0) / m1)) if m1 > 0 else None
     return SpeedFit(fit.latency_s, fit.samples_per_s, capacity, fit.points, fit.covariance)
+
+
+def _counted_step_bytes(
+    m: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    batch: tuple[Any, Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+) -> float:
+    """Bytes one training step holds on the CPU at its peak, counted: the parameters, their
+    gradients and the optimizer's state, and each storage autograd saves for the backward."""
+    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x, y = batch
+    m.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn(m(x), y)
+    loss.backward()
+    if opt is not None:
+        opt.step()
+    state = 0
+    if opt is not None:
+        for per_param in opt.state.values():
+            state += sum(v.nbytes for v in per_param.values() if isinstance(v, torch.Tensor))
+    weights = sum(2 * p.nbytes for p in m.parameters() if p.requires_grad)  # and the gradients
+    return float(weights + state + sum(saved.values()))
+
+
+def host_memory_per_rank() -> int:
+    """This host's available memory (``MemAvailable`` in /proc/meminfo, else the physical
+    memory) divided by the ranks on this node: ``LOCAL_WORLD_SIZE`` under torchrun,
+    ``MPI_LOCALNRANKS`` (MPICH) or ``OMPI_COMM_WORLD_LOCAL_SIZE`` (Open MPI) under mpiexec,
+    else 1."""
+    import os
+
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if available is None:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    local = 1
+    for name in ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            local = int(value)
+            break
+    return available // local
 
 
 def _precise(timings: Sequence[tuple[int, float]], rtol: float, quantile: float) -> bool:
