@@ -44,8 +44,16 @@ def test_demo_gloo_runs_learn_the_same_model(tmp_path):
     assert png.stat().st_size > 10_000
 
 
-def test_demo_plan_strategy_runs_the_planners_plan(tmp_path):
-    cfg = DemoConfig(speeds=(1.0, 0.25), epochs=2, global_batch=48, progress=False, strategy="plan")
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_demo_plan_strategy_runs_the_planners_plan(tmp_path, backend):
+    cfg = DemoConfig(
+        speeds=(1.0, 0.25),
+        epochs=2,
+        global_batch=48,
+        progress=False,
+        strategy="plan",
+        backend=backend,
+    )
     report = run(cfg)
     chosen = report["chosen"]
     plan = Plan.from_dict(chosen["plan"])  # a plan the runtime ran
@@ -57,7 +65,7 @@ def test_demo_plan_strategy_runs_the_planners_plan(tmp_path):
     assert [e["samples"] for e in report["runs"]["plan"]["epochs"]] == [29 * 48] * 2
     # Same data and initial weights, both learn: far above chance after two epochs.
     assert rows["plan"]["test_accuracy"] > 0.3 and rows["unbalanced"]["test_accuracy"] > 0.3
-    assert "plan / even DDP throughput" in format_table(report)
+    assert "plan / even data parallel throughput" in format_table(report)
     plot(report, str(tmp_path / "demo.png"))
 
 

@@ -88,10 +88,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
 
 
 def _mpi_main(config_json: str, path: str) -> None:
-    raw = json.loads(config_json)
-    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
-    cfg = DemoConfig(**fields)
-    report = run_rank(Mpi(), cfg)
+    report = run_rank(Mpi(), DemoConfig.from_dict(json.loads(config_json)))
     if report is not None:
         with open(path, "w") as f:
             json.dump(report, f)
@@ -176,7 +173,7 @@ def format_table(report: dict[str, Any]) -> str:
         chosen = report["chosen"]
         lines.append(
             f"plan: {chosen['strategy']} (predicted {chosen['predicted_step_s'] * 1e3:.1f} ms a "
-            f"step); plan / even DDP throughput: "
+            f"step); plan / even data parallel throughput: "
             f"{by['plan']['samples_per_s'] / by['unbalanced']['samples_per_s']:.2f}x"
         )
     if "balanced" in by and "unbalanced" in by:

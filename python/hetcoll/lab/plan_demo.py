@@ -1,12 +1,14 @@
 """``hetcoll demo --strategy plan``: the planner picks a plan for the ranks' (emulated) speeds,
 and the runtime runs it beside plain data parallelism with even shares.
 
-Before any rank starts, this process measures the machine (one rank's compute, the gloo link
-between two local ranks: :mod:`hetcoll.lab.calibrate`), describes each rank as this machine
+Before any rank starts, this process measures the machine (one rank's compute, the link
+between two local ranks of the chosen engine, gloo or MPI: :mod:`hetcoll.lab.calibrate`),
+describes each rank as this machine
 slowed to its emulated speed, and asks :func:`hetcoll.model.plan` for the fastest plan the
 runtime can run. The ranks then train the demo CNN twice from the same weights:
 
-- **unbalanced**: DDP with even shares, every rank slowed by its emulated speed
+- **unbalanced**: data parallelism with even shares (DDP on gloo, the MPI
+  ``DistributedOptimizer`` under mpiexec), every rank slowed by its emulated speed
   (:class:`hetcoll.lab.emulate.EmulatedSpeed`, as in the data-parallel demo);
 - **plan**: :func:`hetcoll.torch.parallelize` running the chosen plan, each rank's stage slowed
   by its emulated speed (:func:`hetcoll.lab.emulate.slow_down`).
@@ -17,7 +19,10 @@ Every figure is *emulated* heterogeneity on one machine.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import sys
+import tempfile
 import warnings
 from typing import Any
 
@@ -29,6 +34,7 @@ from hetcoll.lab.demo_ranks import (
     DemoNet,
     Engine,
     Gloo,
+    Mpi,
     RunResult,
     evaluate,
     load_digits,
@@ -50,8 +56,10 @@ def choose_plan(cfg: DemoConfig) -> dict[str, Any]:
 
     print("measuring this machine for the planner (about 15 s) ...", file=sys.stderr)
     base = calibrate.measure_device("cpu", 4e9, quick=True)
-    link_fit = calibrate.measure_gloo_link()
-    link = Link("gloo, local", link_fit.latency_s, link_fit.bytes_per_s)
+    link_fit = (
+        calibrate.measure_mpi_link() if cfg.backend == "mpi" else calibrate.measure_gloo_link()
+    )
+    link = Link(f"{cfg.backend}, local", link_fit.latency_s, link_fit.bytes_per_s)
     nodes = [
         Node(f"rank{r}", emulated_device(base, s, f"rank{r}"), 1) for r, s in enumerate(cfg.speeds)
     ]
@@ -135,15 +143,39 @@ def _gloo_rank(rank: int, world: int, cfg: DemoConfig, chosen: dict[str, Any]) -
 
 
 def run(cfg: DemoConfig) -> dict[str, Any]:
-    """Plan in this process, then launch the gloo ranks; return rank 0's report."""
-    from hetcoll.launch import spawn
+    """Plan in this process, then launch the ranks (gloo processes, or mpiexec for
+    ``backend="mpi"``); return rank 0's report."""
+    from hetcoll.launch import mpiexec, spawn
 
-    if cfg.backend != "gloo":
-        raise ValueError("backend: --strategy plan runs on gloo only (for now)")
     chosen = choose_plan(cfg)
     print(
         f"planner's choice: {chosen['strategy']} (predicted {chosen['predicted_step_s'] * 1e3:.1f}"
         " ms a step)",
         file=sys.stderr,
     )
-    return spawn(_gloo_rank, cfg.world_size, cfg, chosen, timeout=1800)[0]
+    if cfg.backend == "gloo":
+        return spawn(_gloo_rank, cfg.world_size, cfg, chosen, timeout=1800)[0]
+    with tempfile.TemporaryDirectory(prefix="hetcoll-plan-demo-") as tmp:
+        path = os.path.join(tmp, "report.json")
+        job = json.dumps({"config": dataclasses.asdict(cfg), "chosen": chosen})
+        mpiexec(
+            cfg.world_size, ["-m", __name__, "--mpi-rank", job, path], timeout=1800, capture=False
+        )
+        with open(path) as f:
+            report: dict[str, Any] = json.load(f)
+            return report
+
+
+def _mpi_main(job_json: str, path: str) -> None:
+    job = json.loads(job_json)
+    report = run_rank(Mpi(), DemoConfig.from_dict(job["config"]), job["chosen"])
+    if report is not None:
+        with open(path, "w") as f:
+            json.dump(report, f)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--mpi-rank":
+        _mpi_main(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit("usage: hetcoll demo --strategy plan (this module's entry point is for mpiexec)")
