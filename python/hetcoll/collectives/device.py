@@ -8,6 +8,7 @@ import math
 import zlib
 from typing import Any
 
+from hetcoll.collectives._common import ALGORITHMS
 from hetcoll.collectives._header import _exchange_shapes
 from hetcoll.comm import agree, wrap
 
@@ -27,7 +28,11 @@ def _allreduce_device(
         raise ValueError("buf: must be contiguous (allreduce works in place)")
     c = wrap(comm)
     if check:
-        fields = {"length": buf.numel(), "dtype": zlib.crc32(str(buf.dtype).encode())}
+        fields = {
+            "length": buf.numel(),
+            "dtype": zlib.crc32(str(buf.dtype).encode()),
+            "algorithm": ALGORITHMS.index(algorithm),
+        }
         agree(c, fields, deadline)
     op = dist.ReduceOp.SUM
     if w != 1.0:

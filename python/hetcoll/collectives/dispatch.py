@@ -15,7 +15,6 @@ import numpy as np
 from hetcoll import _core
 from hetcoll.collectives import _tuning
 from hetcoll.collectives._common import (
-    _ALGO_CODE,
     _KIND_CODE,
     _NO_SHARED,
     ALGORITHMS,
@@ -41,7 +40,7 @@ def allreduce(
     weight: float = 1.0,
     algorithm: str = "auto",
     speeds: Sequence[float] | None = None,
-    check: bool = False,
+    check: bool = True,
     timeout: float | None = None,
     segment_bytes: int | None = None,
     comm: Any = NOT_GIVEN,
@@ -59,7 +58,11 @@ def allreduce(
     with ``speeds`` is "shared" where it runs, else the ring). ``speeds`` (one per rank, same
     on every rank) sizes the chunks of the ring and of "shared" with :func:`hetcoll.split`;
     chunk r is reduced last by rank r. Every rank ends with bitwise the same result. ``check``
-    compares length, dtype, algorithm and speeds across ranks first (one small allgather).
+    (default on) first compares length, dtype, algorithm, speeds and ``segment_bytes`` across
+    ranks (:func:`hetcoll.comm.agree`: one allgather of a 16-byte fingerprint) and raises
+    :class:`hetcoll.CollectiveMismatchError` on every rank when they differ; a rank whose own
+    arguments are bad tells the others in that exchange, so they raise at once too.
+    ``check=False`` skips it (a mismatch is then undefined behaviour, a hang or a timeout).
     ``segment_bytes`` cuts the ring's messages (default :data:`SEGMENT_BYTES`, or
     :data:`TWO_RANK_SEGMENT_BYTES` on two ranks). A device tensor takes the native path, the
     weight fused by NCCL (``PREMUL_SUM``), or on other engines a torch pre-scale.
@@ -67,22 +70,24 @@ def allreduce(
     >>> allreduce(grad, group, weight=local_batch / global_batch)  # doctest: +SKIP
     """
     group = group_argument(group, "allreduce", comm=comm)
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
-    w = _weight(weight)
-    deadline = deadline_of(timeout)
-    if segment_bytes is not None and (not isinstance(segment_bytes, int) or segment_bytes < 1):
-        raise ValueError(f"segment_bytes: must be an integer >= 1 or None, got {segment_bytes!r}")
-    if is_tensor(buf) and buf.device.type != "cpu":  # type: ignore[attr-defined]
-        return _allreduce_device(buf, group, w, algorithm, check, deadline)
-    view, bf16 = numpy_view(buf, "buf")
-    if not view.flags.c_contiguous:
-        raise ValueError("buf: must be C-contiguous (allreduce works in place)")
-    if not view.flags.writeable:
-        raise ValueError("buf: must be writeable (allreduce works in place)")
-    kind = _kind(view, bf16)
-    flat = view.reshape(-1)
-    c = wrap(group)
+    if not isinstance(check, bool):
+        raise TypeError(f"check: must be True or False, got {check!r}")
+    c = wrap(group)  # first: a rank whose other arguments are bad still tells the others
+    deadline = None
+    try:
+        deadline = deadline_of(timeout)
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
+        if is_tensor(buf) and buf.device.type != "cpu":  # type: ignore[attr-defined]
+            return _allreduce_device(buf, c, _weight(weight), algorithm, check, deadline)
+        flat, bf16, kind, w = _local_arguments(buf, weight, speeds, segment_bytes, c)
+    except (TypeError, ValueError) as e:
+        if check:  # join the agreement: raises e here, a CollectiveMismatchError elsewhere
+            agree(c, {}, deadline, failure=e)
+        raise
+    if check:
+        # Before any algorithm-specific communication: "auto" then chooses alike everywhere.
+        agree(c, _fingerprint(flat.size, kind, algorithm, speeds, segment_bytes), deadline)
     if algorithm == "auto":
         algorithm = choose_algorithm(c, flat.nbytes, speeds is not None, deadline)
     windows = None
@@ -90,17 +95,7 @@ def allreduce(
         windows = c.node_windows(_tuning.SHARED_SEGMENT_BYTES, deadline)
         if windows is None:
             raise ValueError(_NO_SHARED.format(c.engine))
-        if speeds is not None:
-            _counts(1, c.size, speeds)  # the argument's errors now, not at the first piece
     counts = _counts(flat.size, c.size, speeds) if algorithm == "ring" else None
-    if check:
-        fields = {
-            "length": flat.size,
-            "dtype": _KIND_CODE[kind],
-            "algorithm": _ALGO_CODE[algorithm],
-            "chunk shares": zlib.crc32(np.asarray(counts or [], np.int64).tobytes()),
-        }
-        agree(c, fields, deadline)
     if c.size == 1 or flat.size == 0:
         if w != 1.0 and flat.size:
             _core.weighted_sum_into([flat], [w], flat, bfloat16=bf16)
@@ -123,6 +118,50 @@ def allreduce(
         else:
             _ring(c, flat, bf16, w, counts, segment, deadline)
     return buf
+
+
+def _local_arguments(
+    buf: Any,
+    weight: object,
+    speeds: Sequence[float] | None,
+    segment_bytes: int | None,
+    c: Communicator,
+) -> tuple[np.ndarray, bool, str, float]:
+    """allreduce's checks that need no other rank: ``buf`` as a flat view, whether it is
+    bfloat16, its kind, and the weight; raises the argument's error."""
+    w = _weight(weight)
+    if segment_bytes is not None and (
+        isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1
+    ):
+        raise ValueError(f"segment_bytes: must be an integer >= 1 or None, got {segment_bytes!r}")
+    view, bf16 = numpy_view(buf, "buf")
+    if not view.flags.c_contiguous:
+        raise ValueError("buf: must be C-contiguous (allreduce works in place)")
+    if not view.flags.writeable:
+        raise ValueError("buf: must be writeable (allreduce works in place)")
+    kind = _kind(view, bf16)
+    if speeds is not None:
+        _counts(1, c.size, speeds)  # the argument's errors now, not at the first chunk
+    return view.reshape(-1), bf16, kind, w
+
+
+def _fingerprint(
+    length: int,
+    kind: str,
+    algorithm: str,
+    speeds: Sequence[float] | None,
+    segment_bytes: int | None,
+) -> dict[str, int]:
+    """What every rank of one allreduce must pass alike, as integers for :func:`agree`."""
+    return {
+        "length": length,
+        "dtype": _KIND_CODE[kind],
+        "algorithm": ALGORITHMS.index(algorithm),
+        "speeds (crc32)": -1
+        if speeds is None
+        else zlib.crc32(np.asarray(speeds, np.float64).tobytes()),
+        "segment_bytes": segment_bytes or 0,
+    }
 
 
 def choose_algorithm(
