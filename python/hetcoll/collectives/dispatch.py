@@ -72,17 +72,26 @@ def allreduce(
     group = group_argument(group, "allreduce", comm=comm)
     if not isinstance(check, bool):
         raise TypeError(f"check: must be True or False, got {check!r}")
-    c = wrap(group)  # first: a rank whose other arguments are bad still tells the others
+    # The group first: a rank whose other arguments are bad still tells the others. Without
+    # one, those arguments' errors come first all the same (no one to tell).
+    try:
+        c: Communicator | None = wrap(group)
+    except (TypeError, ValueError) as e:
+        c, no_group = None, e
     deadline = None
     try:
         deadline = deadline_of(timeout)
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
         if is_tensor(buf) and buf.device.type != "cpu":  # type: ignore[attr-defined]
+            if c is None:
+                raise no_group
             return _allreduce_device(buf, c, _weight(weight), algorithm, check, deadline)
         flat, bf16, kind, w = _local_arguments(buf, weight, speeds, segment_bytes, c)
+        if c is None:
+            raise no_group
     except (TypeError, ValueError) as e:
-        if check:  # join the agreement: raises e here, a CollectiveMismatchError elsewhere
+        if check and c is not None:  # join the agreement: raises e here, a mismatch elsewhere
             agree(c, {}, deadline, failure=e)
         raise
     if check:
@@ -125,7 +134,7 @@ def _local_arguments(
     weight: object,
     speeds: Sequence[float] | None,
     segment_bytes: int | None,
-    c: Communicator,
+    c: Communicator | None,
 ) -> tuple[np.ndarray, bool, str, float]:
     """allreduce's checks that need no other rank: ``buf`` as a flat view, whether it is
     bfloat16, its kind, and the weight; raises the argument's error."""
@@ -140,7 +149,7 @@ def _local_arguments(
     if not view.flags.writeable:
         raise ValueError("buf: must be writeable (allreduce works in place)")
     kind = _kind(view, bf16)
-    if speeds is not None:
+    if speeds is not None and c is not None:
         _counts(1, c.size, speeds)  # the argument's errors now, not at the first chunk
     return view.reshape(-1), bf16, kind, w
 
