@@ -367,6 +367,18 @@ class MpiCommunicator(Communicator):
             ) from e
         return None
 
+    def allgather_fixed(self, send: np.ndarray, deadline: float | None) -> np.ndarray:
+        if deadline is not None:  # MPI has no timed wait: the request, polled
+            return super().allgather_fixed(send, deadline)
+        from mpi4py import MPI
+
+        out = np.empty((self.size, send.size), dtype=np.uint8)
+        try:
+            self.native.Allgather([send, MPI.BYTE], [out, MPI.BYTE])
+        except MPI.Exception as e:
+            raise CollectiveTimeout(f"MPI_Allgather: the engine lost a peer: {e}") from e
+        return out
+
     def allreduce_sum(self, buf: np.ndarray, kind: str, deadline: float | None) -> None:
         if deadline is not None:  # MPI has no timed wait: the request, polled
             return super().allreduce_sum(buf, kind, deadline)
@@ -774,11 +786,13 @@ def _digest(fields: Mapping[str, int]) -> int:
 
 
 def _first_round(
-    fields: Mapping[str, int], failure: BaseException | None, values: Sequence[int]
+    fields: Mapping[str, int], failure: BaseException | None, values: Sequence[int] | np.ndarray
 ) -> np.ndarray:
-    status = _FAILED if failure is not None else _OK
-    digest = 0 if failure is not None else _digest(fields)
-    return np.array([status, digest, *values], dtype=np.int64)
+    out = np.empty(2 + len(values), dtype=np.int64)
+    out[0] = _FAILED if failure is not None else _OK
+    out[1] = 0 if failure is not None else _digest(fields)
+    out[2:] = values
+    return out
 
 
 def agree(
@@ -787,7 +801,7 @@ def agree(
     deadline: float | None = None,
     *,
     failure: BaseException | None = None,
-    values: Sequence[int] = (),
+    values: Sequence[int] | np.ndarray = (),
 ) -> np.ndarray:
     """Raise :class:`~hetcoll.CollectiveMismatchError` on every rank unless every rank passed the
     same integer for each named field. The one check "ranks agree on these arguments" of the

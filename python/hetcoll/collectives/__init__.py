@@ -68,6 +68,7 @@ if TYPE_CHECKING:  # at run time, properties that read the tuning table (``_Pack
 __all__ = [
     "ALGORITHMS",
     "BATCHED_GATHER_BYTES",
+    "CHECK_INLINE_BYTES",
     "DIRECT_BYTES",
     "DIRECT_TWO_RANKS_FROM_BYTES",
     "GATHER_PERIODS",

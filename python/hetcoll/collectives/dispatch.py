@@ -92,11 +92,22 @@ def allreduce(
             raise no_group
     except (TypeError, ValueError) as e:
         if check and c is not None:  # join the agreement: raises e here, a mismatch elsewhere
-            agree(c, {}, deadline, failure=e)
+            agree(c, {}, deadline, failure=e, values=np.zeros(_inline_words(c.size), np.int64))
         raise
     if check:
         # Before any algorithm-specific communication: "auto" then chooses alike everywhere.
-        agree(c, _fingerprint(flat.size, kind, algorithm, speeds, segment_bytes), deadline)
+        fields = _fingerprint(flat.size, kind, algorithm, speeds, segment_bytes)
+        words = np.zeros(_inline_words(c.size), np.int64)
+        inline = algorithm == "auto" and c.size > 1 and 8 + flat.nbytes <= words.nbytes
+        if inline:  # the weight, then the buffer's bytes: reduced in the agreement itself
+            words[:1].view(np.float64)[0] = w
+            words.view(np.uint8)[8 : 8 + flat.nbytes] = flat.view(np.uint8)
+        rows = agree(c, fields, deadline, values=words)
+        if inline:  # agreed, so on every rank: the same sum in rank order, bitwise alike
+            every = [row.view(np.uint8)[8 : 8 + flat.nbytes].view(flat.dtype) for row in rows]
+            weights = [float(row[:1].view(np.float64)[0]) for row in rows]
+            _core.weighted_sum_into(every, weights, flat, bfloat16=bf16)
+            return buf
     if algorithm == "auto":
         algorithm = choose_algorithm(c, flat.nbytes, speeds is not None, deadline)
     windows = None
@@ -152,6 +163,12 @@ def _local_arguments(
     if speeds is not None and c is not None:
         _counts(1, c.size, speeds)  # the argument's errors now, not at the first chunk
     return view.reshape(-1), bf16, kind, w
+
+
+def _inline_words(p: int) -> int:
+    """int64 words a rank adds to allreduce's agreement (:data:`CHECK_INLINE_BYTES` over
+    ``p`` ranks, at least one): the same on every rank."""
+    return max(1, _tuning.CHECK_INLINE_BYTES // (8 * p))
 
 
 def _fingerprint(
