@@ -79,6 +79,17 @@ def findings(native: Any, engine: str) -> dict[str, str]:
         out["auto_straddle"] = outcome(
             lambda: hetcoll.allreduce(np.ones(n), native, timeout=TIMEOUT)
         )
+    # allgatherv: a rank whose piece or output is bad joins the first round all the same.
+    for _ in range(2):  # a history, so that gloo's round is speculative (it predicts bytes)
+        hetcoll.allgatherv(np.ones((2, 3)), native, timeout=TIMEOUT)
+    piece: Any = [1.0] if r == 1 else np.ones((2, 3))
+    out["gather_local"] = outcome(lambda: hetcoll.allgatherv(piece, native, timeout=TIMEOUT))
+    into = np.empty((4, 3), np.float32 if r == 1 else np.float64)
+    out["gather_out"] = outcome(
+        lambda: hetcoll.allgatherv(np.ones((2, 3)), native, out=into, timeout=TIMEOUT)
+    )
+    joined = hetcoll.allgatherv(np.full((1, 3), r), native, timeout=TIMEOUT)
+    out["gather_after"] = "ok" if (joined == [[0] * 3, [1] * 3]).all() else f"wrong: {joined}"
     out.update(_optimizer_findings(native, r))
     out.update(_sampler_findings(native, r))
     # The group still works after every failure above.

@@ -22,7 +22,7 @@ from hetcoll import launch
 from hetcoll.comm import deadline
 
 HERE = Path(__file__).resolve().parent
-EXAMPLES = 40
+EXAMPLES = 30
 
 MISMATCH = "CollectiveMismatchError: "
 #: Per finding: what rank 0 and rank 1 must raise (a prefix of "Type: message"), or "ok".
@@ -38,6 +38,15 @@ EXPECTED = {
         "TypeError: buf: dtype int32",
     ),
     "timeout_inf": ("ok", "ok"),
+    "gather_local": (
+        MISMATCH + "rank 1 raised TypeError: local: must be a numpy array or a torch tensor",
+        "TypeError: local: must be a numpy array or a torch tensor",
+    ),
+    "gather_out": (
+        MISMATCH + "rank 1 raised TypeError: out:",
+        "TypeError: out:",
+    ),
+    "gather_after": ("ok", "ok"),
     "optimizer_order": (MISMATCH + "ranks disagree on the parameter shapes",) * 2,
     "optimizer_dtype": (MISMATCH + "ranks disagree on the parameter dtypes",) * 2,
     "optimizer_local": (

@@ -29,12 +29,23 @@ def _header(trailing: tuple[int, ...], dtype: str, algorithm: str) -> np.ndarray
             _shape_code(trailing),
             zlib.crc32(dtype.encode()),
             len(trailing) + 1,
-            ALGORITHMS.index(algorithm),
+            ALGORITHMS.index(algorithm) if algorithm in ALGORITHMS else _FAILED,
         ],
         np.int64,
     )
     fields.flags.writeable = False
     return fields
+
+
+#: The algorithm word of a rank whose own arguments failed (:data:`FAILED`): it still sends a
+#: header, with nothing to gather, so that the others raise at once.
+_FAILED = -1
+#: The algorithm name a failing rank passes to :func:`_fields`.
+FAILED = "(failed)"
+
+
+class _PeerFailed(CollectiveMismatchError):
+    """A rank's header says its own arguments failed (raised on every rank alike)."""
 
 
 #: allgatherv's first-round header words, in order (the length first).
@@ -50,7 +61,10 @@ def _fields(shape: Sequence[int], dtype: str, algorithm: str) -> np.ndarray:
 
 def _agreed_lengths(rows: np.ndarray) -> np.ndarray:
     """Word 0 of every rank's header (``rows``, one per rank), once the other words agree;
-    else the :class:`CollectiveMismatchError` every rank raises, as all see the same rows."""
+    else the :class:`CollectiveMismatchError` every rank raises, as all see the same rows
+    (:class:`_PeerFailed` first if a rank's own arguments failed)."""
+    if (rows[:, 4] == _FAILED).any():
+        raise _PeerFailed("a rank failed on its own arguments")
     for j in range(1, len(_FIELDS)):
         if (rows[:, j] != rows[0, j]).any():
             _disagree(j, rows[:, j])
