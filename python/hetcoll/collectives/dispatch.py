@@ -100,13 +100,13 @@ def allreduce(
         words = np.zeros(_inline_words(c.size), np.int64)
         inline = algorithm == "auto" and c.size > 1 and 8 + flat.nbytes <= words.nbytes
         if inline:  # the weight, then the buffer's bytes: reduced in the agreement itself
-            words[:1].view(np.float64)[0] = w
-            words.view(np.uint8)[8 : 8 + flat.nbytes] = flat.view(np.uint8)
+            words[0] = np.float64(w).view(np.int64)
+            words[1:].view(np.uint8)[: flat.nbytes] = flat.view(np.uint8)
         rows = agree(c, fields, deadline, values=words)
         if inline:  # agreed, so on every rank: the same sum in rank order, bitwise alike
-            every = [row.view(np.uint8)[8 : 8 + flat.nbytes].view(flat.dtype) for row in rows]
-            weights = [float(row[:1].view(np.float64)[0]) for row in rows]
-            _core.weighted_sum_into(every, weights, flat, bfloat16=bf16)
+            pieces = rows[:, 1:].view(np.uint8)[:, : flat.nbytes].view(flat.dtype)
+            weights = rows[:, 0].view(np.float64).tolist()
+            _core.weighted_sum_into(list(pieces), weights, flat, bfloat16=bf16)
             return buf
     if algorithm == "auto":
         algorithm = choose_algorithm(c, flat.nbytes, speeds is not None, deadline)
