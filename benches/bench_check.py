@@ -1,7 +1,7 @@
 """What the default agreement check costs: hetcoll.allreduce with ``check=True`` (the default)
 against ``check=False``, same buffers, 2 ranks, on MPI and gloo.
 
-    python benches/bench_check.py --json benches/results/check.json
+    python benches/bench_check.py --json check.json
 
 For each engine and buffer size (float32, "auto"), every repeat times a loop of k back-to-back
 calls of each variant after a barrier (the slowest rank's time, k calls moving about 4 MiB,
