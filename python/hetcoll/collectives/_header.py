@@ -1,6 +1,7 @@
 """allgatherv's first round, whatever carries it: every rank's header (its length along axis 0,
 codes of the trailing shape and dtype, the number of dimensions, the algorithm), and the check
-that all but the length agree, raising :class:`hetcoll.CollectiveMismatchError` on every rank."""
+that all but the length agree, raising :class:`hetcoll.CollectiveMismatchError` on every rank.
+Also the size of allreduce's agreement message (:func:`_inline_words`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hetcoll.collectives import _tuning
 from hetcoll.collectives._common import ALGORITHMS
 from hetcoll.comm import Communicator
 from hetcoll.errors import CollectiveMismatchError
@@ -88,3 +90,10 @@ def _disagree(field: int, per_rank: np.ndarray) -> None:
     raise CollectiveMismatchError(
         f"local: ranks disagree on {_FIELDS[field]}; every piece must match but along axis 0"
     )
+
+
+def _inline_words(p: int) -> int:
+    """int64 words a rank adds to allreduce's agreement (:data:`CHECK_INLINE_BYTES` over
+    ``p`` ranks, at least one): the same on every rank, whatever path its buffer takes, so
+    that every rank's agreement message has one size."""
+    return max(1, _tuning.CHECK_INLINE_BYTES // (8 * p))

@@ -8,8 +8,10 @@ import math
 import zlib
 from typing import Any
 
+import numpy as np
+
 from hetcoll.collectives._common import ALGORITHMS
-from hetcoll.collectives._header import _exchange_shapes
+from hetcoll.collectives._header import _exchange_shapes, _inline_words
 from hetcoll.comm import agree, wrap
 
 
@@ -33,7 +35,8 @@ def _allreduce_device(
             "dtype": zlib.crc32(str(buf.dtype).encode()),
             "algorithm": ALGORITHMS.index(algorithm),
         }
-        agree(c, fields, deadline)
+        # As many words as a CPU buffer's agreement carries: ranks may mix the two paths.
+        agree(c, fields, deadline, values=np.zeros(_inline_words(c.size), np.int64))
     op = dist.ReduceOp.SUM
     if w != 1.0:
         fused = premul_sum_op(c.engine, w)

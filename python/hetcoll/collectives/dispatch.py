@@ -23,6 +23,7 @@ from hetcoll.collectives._common import (
     _kind,
     _weight,
 )
+from hetcoll.collectives._header import _inline_words
 from hetcoll.collectives.device import _allreduce_device
 from hetcoll.collectives.direct import direct_allreduce
 from hetcoll.collectives.native import _native
@@ -163,12 +164,6 @@ def _local_arguments(
     if speeds is not None and c is not None:
         _counts(1, c.size, speeds)  # the argument's errors now, not at the first chunk
     return view.reshape(-1), bf16, kind, w
-
-
-def _inline_words(p: int) -> int:
-    """int64 words a rank adds to allreduce's agreement (:data:`CHECK_INLINE_BYTES` over
-    ``p`` ranks, at least one): the same on every rank."""
-    return max(1, _tuning.CHECK_INLINE_BYTES // (8 * p))
 
 
 def _fingerprint(
