@@ -258,10 +258,17 @@ def check_mismatch(comm: Communicator, native: Any) -> int:
         raise AssertionError(f"rank {r}: no CollectiveMismatchError for {kw}")
     shared = 0
     if comm.engine == "mpi":
-        # "shared" compares lengths and dtypes in its headers, even unasked.
-        for buf in (np.ones(10 + (r == 1)), np.ones(10, np.float32 if r else np.float64)):
+        # "shared" compares lengths, dtypes and speeds in its headers, even unchecked.
+        speeds = [1.0 + r] + [1.0] * (comm.size - 1)
+        for buf, sp in (
+            (np.ones(10 + (r == 1)), None),
+            (np.ones(10, np.float32 if r else np.float64), None),
+            (np.ones(10), speeds),
+        ):
             try:
-                hetcoll.allreduce(buf, native, algorithm="shared", timeout=30)
+                hetcoll.allreduce(
+                    buf, native, algorithm="shared", speeds=sp, check=False, timeout=30
+                )
             except hetcoll.CollectiveMismatchError as e:
                 assert "ranks disagree on" in str(e), e
             else:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 class CollectiveMismatchError(ValueError):
     """Ranks called one collective with arguments that disagree (length, dtype, algorithm,
-    chunk shares). Raised on every rank by the agreement check, before any data moves."""
+    speeds, shares, parameter layouts), or another rank's own arguments failed (the message
+    names it and its error). Raised on every rank by the agreement check
+    (:func:`hetcoll.comm.agree`), before any data moves."""
 
 
 class CollectiveTimeout(TimeoutError):

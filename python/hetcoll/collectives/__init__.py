@@ -14,9 +14,9 @@
   of a rank's piece is its slice of the output gradient summed over ranks (a reduce-scatter).
 
 Every call takes ``timeout`` (seconds): a dead or silent peer raises
-:class:`hetcoll.CollectiveTimeout` instead of hanging. ``check=True`` first compares length,
-dtype, algorithm and chunk shares across ranks and raises :class:`hetcoll.CollectiveMismatchError`
-on every rank when they differ.
+:class:`hetcoll.CollectiveTimeout` instead of hanging. allreduce first compares length, dtype,
+algorithm, speeds and segment size across ranks (``check=True``, the default) and raises
+:class:`hetcoll.CollectiveMismatchError` on every rank when they differ; allgatherv always does.
 
 One module per capability: :mod:`.dispatch` (allreduce, "auto"), :mod:`.ring`, :mod:`.native`,
 :mod:`.direct`, :mod:`.shared`, :mod:`.device` (device tensors), :mod:`.gather` (allgatherv),
@@ -68,6 +68,7 @@ if TYPE_CHECKING:  # at run time, properties that read the tuning table (``_Pack
 __all__ = [
     "ALGORITHMS",
     "BATCHED_GATHER_BYTES",
+    "CHECK_INLINE_BYTES",
     "DIRECT_BYTES",
     "DIRECT_TWO_RANKS_FROM_BYTES",
     "GATHER_PERIODS",

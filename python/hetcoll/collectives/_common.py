@@ -25,7 +25,6 @@ _TAG_GATHER_DATA = 64831
 _TAG_GATHER_REST = 74831  # the bytes of pieces longer than predicted
 _GATHER_OUT, _GATHER_IN = 4, 5  # scratch slots of allgatherv's batched round
 _KIND_CODE = {"float32": 1, "float64": 2, "float16": 3, "bfloat16": 4}
-_ALGO_CODE = {"ring": 1, "native": 2, "direct": 3, "shared": 4}
 _NO_SHARED = (
     'algorithm: "shared" needs an MPI communicator whose ranks are all on one node, got {} '
     "with ranks on several nodes or no shared memory"

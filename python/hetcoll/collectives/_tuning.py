@@ -32,6 +32,12 @@ DIRECT_TWO_RANKS_FROM_BYTES: dict[str, float] = {"gloo": 4 << 20}
 #: "auto" takes "shared" from this size on one node. docs/collectives.md#shared_from_bytes
 SHARED_FROM_BYTES: dict[str, float] = {"mpi": 16 << 10}
 
+# allreduce's agreement check (check=True)
+#: The agreement's allgather carries this many bytes in all, over the ranks (at least a word a
+#: rank); "auto" reduces a buffer that fits in it there, in that one exchange.
+#: docs/collectives.md#check_inline_bytes
+CHECK_INLINE_BYTES = 4 << 10
+
 # allreduce "native"
 #: "native" goes in two halves from this size. docs/collectives.md#native_halves_from_bytes
 NATIVE_HALVES_FROM_BYTES: dict[str, float] = {"gloo": 16 << 20}

@@ -8,7 +8,10 @@ import math
 import zlib
 from typing import Any
 
-from hetcoll.collectives._header import _exchange_shapes
+import numpy as np
+
+from hetcoll.collectives._common import ALGORITHMS
+from hetcoll.collectives._header import _exchange_shapes, _inline_words
 from hetcoll.comm import agree, wrap
 
 
@@ -27,8 +30,13 @@ def _allreduce_device(
         raise ValueError("buf: must be contiguous (allreduce works in place)")
     c = wrap(comm)
     if check:
-        fields = {"length": buf.numel(), "dtype": zlib.crc32(str(buf.dtype).encode())}
-        agree(c, fields, deadline)
+        fields = {
+            "length": buf.numel(),
+            "dtype": zlib.crc32(str(buf.dtype).encode()),
+            "algorithm": ALGORITHMS.index(algorithm),
+        }
+        # As many words as a CPU buffer's agreement carries: ranks may mix the two paths.
+        agree(c, fields, deadline, values=np.zeros(_inline_words(c.size), np.int64))
     op = dist.ReduceOp.SUM
     if w != 1.0:
         fused = premul_sum_op(c.engine, w)

@@ -15,7 +15,6 @@ import numpy as np
 from hetcoll import _core
 from hetcoll.collectives import _tuning
 from hetcoll.collectives._common import (
-    _ALGO_CODE,
     _KIND_CODE,
     _NO_SHARED,
     ALGORITHMS,
@@ -24,6 +23,7 @@ from hetcoll.collectives._common import (
     _kind,
     _weight,
 )
+from hetcoll.collectives._header import _inline_words
 from hetcoll.collectives.device import _allreduce_device
 from hetcoll.collectives.direct import direct_allreduce
 from hetcoll.collectives.native import _native
@@ -41,7 +41,7 @@ def allreduce(
     weight: float = 1.0,
     algorithm: str = "auto",
     speeds: Sequence[float] | None = None,
-    check: bool = False,
+    check: bool = True,
     timeout: float | None = None,
     segment_bytes: int | None = None,
     comm: Any = NOT_GIVEN,
@@ -59,7 +59,11 @@ def allreduce(
     with ``speeds`` is "shared" where it runs, else the ring). ``speeds`` (one per rank, same
     on every rank) sizes the chunks of the ring and of "shared" with :func:`hetcoll.split`;
     chunk r is reduced last by rank r. Every rank ends with bitwise the same result. ``check``
-    compares length, dtype, algorithm and speeds across ranks first (one small allgather).
+    (default on) first compares length, dtype, algorithm, speeds and ``segment_bytes`` across
+    ranks (:func:`hetcoll.comm.agree`: one allgather of a 16-byte fingerprint) and raises
+    :class:`hetcoll.CollectiveMismatchError` on every rank when they differ; a rank whose own
+    arguments are bad tells the others in that exchange, so they raise at once too.
+    ``check=False`` skips it (a mismatch is then undefined behaviour, a hang or a timeout).
     ``segment_bytes`` cuts the ring's messages (default :data:`SEGMENT_BYTES`, or
     :data:`TWO_RANK_SEGMENT_BYTES` on two ranks). A device tensor takes the native path, the
     weight fused by NCCL (``PREMUL_SUM``), or on other engines a torch pre-scale.
@@ -67,22 +71,44 @@ def allreduce(
     >>> allreduce(grad, group, weight=local_batch / global_batch)  # doctest: +SKIP
     """
     group = group_argument(group, "allreduce", comm=comm)
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
-    w = _weight(weight)
-    deadline = deadline_of(timeout)
-    if segment_bytes is not None and (not isinstance(segment_bytes, int) or segment_bytes < 1):
-        raise ValueError(f"segment_bytes: must be an integer >= 1 or None, got {segment_bytes!r}")
-    if is_tensor(buf) and buf.device.type != "cpu":  # type: ignore[attr-defined]
-        return _allreduce_device(buf, group, w, algorithm, check, deadline)
-    view, bf16 = numpy_view(buf, "buf")
-    if not view.flags.c_contiguous:
-        raise ValueError("buf: must be C-contiguous (allreduce works in place)")
-    if not view.flags.writeable:
-        raise ValueError("buf: must be writeable (allreduce works in place)")
-    kind = _kind(view, bf16)
-    flat = view.reshape(-1)
-    c = wrap(group)
+    if not isinstance(check, bool):
+        raise TypeError(f"check: must be True or False, got {check!r}")
+    # The group first: a rank whose other arguments are bad still tells the others. Without
+    # one, those arguments' errors come first all the same (no one to tell).
+    try:
+        c: Communicator | None = wrap(group)
+    except (TypeError, ValueError) as e:
+        c, no_group = None, e
+    deadline = None
+    try:
+        deadline = deadline_of(timeout)
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
+        if is_tensor(buf) and buf.device.type != "cpu":  # type: ignore[attr-defined]
+            if c is None:
+                raise no_group
+            return _allreduce_device(buf, c, _weight(weight), algorithm, check, deadline)
+        flat, bf16, kind, w = _local_arguments(buf, weight, speeds, segment_bytes, c)
+        if c is None:
+            raise no_group
+    except (TypeError, ValueError) as e:
+        if check and c is not None:  # join the agreement: raises e here, a mismatch elsewhere
+            agree(c, {}, deadline, failure=e, values=np.zeros(_inline_words(c.size), np.int64))
+        raise
+    if check:
+        # Before any algorithm-specific communication: "auto" then chooses alike everywhere.
+        fields = _fingerprint(flat.size, kind, algorithm, speeds, segment_bytes)
+        words = np.zeros(_inline_words(c.size), np.int64)
+        inline = algorithm == "auto" and c.size > 1 and 8 + flat.nbytes <= words.nbytes
+        if inline:  # the weight, then the buffer's bytes: reduced in the agreement itself
+            words[0] = np.float64(w).view(np.int64)
+            words[1:].view(np.uint8)[: flat.nbytes] = flat.view(np.uint8)
+        rows = agree(c, fields, deadline, values=words)
+        if inline:  # agreed, so on every rank: the same sum in rank order, bitwise alike
+            pieces = rows[:, 1:].view(np.uint8)[:, : flat.nbytes].view(flat.dtype)
+            weights = rows[:, 0].view(np.float64).tolist()
+            _core.weighted_sum_into(list(pieces), weights, flat, bfloat16=bf16)
+            return buf
     if algorithm == "auto":
         algorithm = choose_algorithm(c, flat.nbytes, speeds is not None, deadline)
     windows = None
@@ -90,17 +116,7 @@ def allreduce(
         windows = c.node_windows(_tuning.SHARED_SEGMENT_BYTES, deadline)
         if windows is None:
             raise ValueError(_NO_SHARED.format(c.engine))
-        if speeds is not None:
-            _counts(1, c.size, speeds)  # the argument's errors now, not at the first piece
     counts = _counts(flat.size, c.size, speeds) if algorithm == "ring" else None
-    if check:
-        fields = {
-            "length": flat.size,
-            "dtype": _KIND_CODE[kind],
-            "algorithm": _ALGO_CODE[algorithm],
-            "chunk shares": zlib.crc32(np.asarray(counts or [], np.int64).tobytes()),
-        }
-        agree(c, fields, deadline)
     if c.size == 1 or flat.size == 0:
         if w != 1.0 and flat.size:
             _core.weighted_sum_into([flat], [w], flat, bfloat16=bf16)
@@ -123,6 +139,50 @@ def allreduce(
         else:
             _ring(c, flat, bf16, w, counts, segment, deadline)
     return buf
+
+
+def _local_arguments(
+    buf: Any,
+    weight: object,
+    speeds: Sequence[float] | None,
+    segment_bytes: int | None,
+    c: Communicator | None,
+) -> tuple[np.ndarray, bool, str, float]:
+    """allreduce's checks that need no other rank: ``buf`` as a flat view, whether it is
+    bfloat16, its kind, and the weight; raises the argument's error."""
+    w = _weight(weight)
+    if segment_bytes is not None and (
+        isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1
+    ):
+        raise ValueError(f"segment_bytes: must be an integer >= 1 or None, got {segment_bytes!r}")
+    view, bf16 = numpy_view(buf, "buf")
+    if not view.flags.c_contiguous:
+        raise ValueError("buf: must be C-contiguous (allreduce works in place)")
+    if not view.flags.writeable:
+        raise ValueError("buf: must be writeable (allreduce works in place)")
+    kind = _kind(view, bf16)
+    if speeds is not None and c is not None:
+        _counts(1, c.size, speeds)  # the argument's errors now, not at the first chunk
+    return view.reshape(-1), bf16, kind, w
+
+
+def _fingerprint(
+    length: int,
+    kind: str,
+    algorithm: str,
+    speeds: Sequence[float] | None,
+    segment_bytes: int | None,
+) -> dict[str, int]:
+    """What every rank of one allreduce must pass alike, as integers for :func:`agree`."""
+    return {
+        "length": length,
+        "dtype": _KIND_CODE[kind],
+        "algorithm": ALGORITHMS.index(algorithm),
+        "speeds (crc32)": -1
+        if speeds is None
+        else zlib.crc32(np.asarray(speeds, np.float64).tobytes()),
+        "segment_bytes": segment_bytes or 0,
+    }
 
 
 def choose_algorithm(

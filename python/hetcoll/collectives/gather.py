@@ -13,13 +13,13 @@ import numpy as np
 
 from hetcoll.collectives import _tuning
 from hetcoll.collectives._common import _NO_SHARED, ALGORITHMS, ArrayT
-from hetcoll.collectives._header import _exchange_shapes
+from hetcoll.collectives._header import FAILED, _exchange_shapes, _PeerFailed
 from hetcoll.collectives.device import _allgatherv_device
 from hetcoll.collectives.direct import _direct_allgather
 from hetcoll.collectives.ring import _ring_allgather
 from hetcoll.collectives.shared import _shared_round
 from hetcoll.collectives.speculative import _speculative_round
-from hetcoll.comm import NOT_GIVEN, group_argument, wrap
+from hetcoll.comm import NOT_GIVEN, Communicator, agree, group_argument, wrap
 from hetcoll.comm import deadline as deadline_of
 from hetcoll.kernels import is_tensor
 
@@ -83,38 +83,32 @@ def _gather(
         if out is not None:
             raise ValueError("out: not supported for device tensors")
         return _allgatherv_device(local, comm, deadline)
-    if is_tensor(local):
-        local = local.detach().contiguous()
-        view = _tensor_bytes_view(local)
-    elif isinstance(local, np.ndarray):
-        view = np.ascontiguousarray(local)
-    else:
-        raise TypeError(
-            f"local: must be a numpy array or a torch tensor, got {type(local).__name__}"
-        )
-    if view.ndim == 0:
-        raise ValueError("local: must have at least one dimension (pieces join along axis 0)")
-    into = None if out is None else _out_view(out, local, view)
-    c = wrap(comm)
+    try:
+        c = wrap(comm)
+    except (TypeError, ValueError):
+        c = None  # no one to tell: the argument's own error first, as with a group
+    failure = None
+    try:
+        view = _local_view(local)
+        into = None if out is None else _out_view(out, local, view)
+    except (TypeError, ValueError) as e:
+        if c is None:
+            raise
+        # Still join the first round, with nothing to gather and a header that says so: the
+        # others raise at once (a CollectiveMismatchError naming this rank and its error).
+        failure, view, into, algorithm = e, np.empty(0, np.uint8), None, FAILED
+    if c is None:
+        c = wrap(comm)
+    into_bytes = None if into is None else into.reshape(-1).view(np.uint8)
+    try:
+        lengths, joined = _first_round(c, view, deadline, algorithm, into_bytes)
+    except _PeerFailed:
+        agree(c, {}, deadline, failure=failure)  # the errors, told to every rank; raises
+        raise
+    if failure is not None:  # every rank failed on its own: all headers agreed
+        agree(c, {}, deadline, failure=failure)
     send = view.reshape(-1).view(np.uint8)
     row_bytes = view.itemsize * math.prod(view.shape[1:])
-    into_bytes = None if into is None else into.reshape(-1).view(np.uint8)
-    joined = None
-    if c.size > 1 and c.engine in _tuning.SPECULATIVE_GATHER_ENGINES:
-        lengths, joined = _speculative_round(
-            c, view.shape, view.dtype.str, send, row_bytes, deadline, algorithm, into_bytes
-        )
-    elif (
-        c.size > 1
-        and (windows := c.node_windows(_tuning.SHARED_SEGMENT_BYTES, deadline)) is not None
-    ):
-        lengths, joined = _shared_round(
-            c, windows, view.shape, view.dtype.str, send, row_bytes, deadline, algorithm, into_bytes
-        )
-    else:
-        lengths = [
-            int(n) for n in _exchange_shapes(c, view.shape, view.dtype.str, deadline, algorithm)
-        ]
     rows = sum(lengths)
     # ``out`` if its row count is right; a wrong one is this rank's error alone, raised once the
     # exchange is over so that the others are not left waiting.
@@ -149,6 +143,48 @@ def _gather(
         t = torch.from_numpy(out_view)
         return (t.view(torch.bfloat16) if local.dtype == torch.bfloat16 else t), lengths
     return out_view, lengths
+
+
+def _local_view(local: Any) -> np.ndarray:
+    """``local`` as a C-contiguous numpy array (a tensor's memory as its bytes' type), checked."""
+    if is_tensor(local):
+        view = _tensor_bytes_view(local.detach().contiguous())
+    elif isinstance(local, np.ndarray):
+        view = np.ascontiguousarray(local)
+    else:
+        raise TypeError(
+            f"local: must be a numpy array or a torch tensor, got {type(local).__name__}"
+        )
+    if view.ndim == 0:
+        raise ValueError("local: must have at least one dimension (pieces join along axis 0)")
+    return view
+
+
+def _first_round(
+    c: Communicator,
+    view: np.ndarray,
+    deadline: float | None,
+    algorithm: str,
+    into_bytes: np.ndarray | None,
+) -> tuple[list[int], np.ndarray | None]:
+    """Every rank's length along axis 0, the headers checked, and for "auto" possibly the
+    pieces joined already: speculative on gloo, through the node windows on one MPI node, else
+    an allgather of the headers. ``into_bytes``: ``out`` as bytes, where "auto" may join them."""
+    send = view.reshape(-1).view(np.uint8)
+    row_bytes = view.itemsize * math.prod(view.shape[1:])
+    if c.size > 1 and c.engine in _tuning.SPECULATIVE_GATHER_ENGINES:
+        return _speculative_round(
+            c, view.shape, view.dtype.str, send, row_bytes, deadline, algorithm, into_bytes
+        )
+    if (
+        c.size > 1
+        and (windows := c.node_windows(_tuning.SHARED_SEGMENT_BYTES, deadline)) is not None
+    ):
+        return _shared_round(
+            c, windows, view.shape, view.dtype.str, send, row_bytes, deadline, algorithm, into_bytes
+        )
+    shapes = _exchange_shapes(c, view.shape, view.dtype.str, deadline, algorithm)
+    return [int(n) for n in shapes], None
 
 
 def _tensor_bytes_view(t: Any) -> np.ndarray:

@@ -6,6 +6,7 @@ Also allgatherv's first round on one node, through the same windows, whatever th
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,11 +38,16 @@ def _shared(
     no other rank reads until the second fence, after which every rank copies every chunk
     out: the weights fused into the one sum, every element summed once, the same bits
     everywhere. A rank's own chunk never goes through the window on the way in (only it reads
-    it). The headers also hold each rank's length and dtype: ranks that disagree all raise
+    it). The headers also hold each rank's length, dtype and speeds: ranks that disagree all raise
     :class:`hetcoll.CollectiveMismatchError` after the first fence, before anything is read."""
     p, r = c.size, c.rank
     per = windows.capacity // flat.itemsize
     code = float(_KIND_CODE[kind])
+    # The speeds, fingerprinted into the header too: they size every rank's chunk, and ranks
+    # that size them differently would sum overlapping chunks (wrong results, no error).
+    speeds_code = (
+        -1.0 if speeds is None else float(zlib.crc32(np.asarray(speeds, np.float64).tobytes()))
+    )
     chunked = 0  # the piece length ``counts`` were split for (every piece but the last shares it)
     for start in range(0, flat.size, per):
         piece = flat[start : start + per]
@@ -49,7 +55,7 @@ def _shared(
         i = windows.take()
         heads = windows.headers[i]
         segs = [s[: piece.nbytes].view(flat.dtype) for s in windows.segments[i]]
-        heads[r][:3] = (w, flat.size, code)
+        heads[r][:4] = (w, flat.size, code, speeds_code)
         one_round = p * piece.nbytes <= _tuning.SHARED_ONE_ROUND_BYTES
         if one_round:
             segs[r][:] = piece
@@ -62,8 +68,10 @@ def _shared(
             segs[r][:lo] = piece[:lo]
             segs[r][hi:] = piece[hi:]
         windows.fence(i, deadline)
-        if start == 0:  # length and dtype, from every rank's header
-            same_rows(("length", "dtype"), np.array([h[1:3] for h in heads], np.int64))
+        if start == 0:  # length, dtype and speeds, from every rank's header
+            same_rows(
+                ("length", "dtype", "speeds (crc32)"), np.array([h[1:4] for h in heads], np.int64)
+            )
         weights = [float(h[0]) for h in heads]
         if one_round:
             sources = [piece if q == r else segs[q] for q in range(p)]

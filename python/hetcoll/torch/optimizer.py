@@ -7,12 +7,14 @@ never had).
 scales each by ``n_r / N`` while it copies), sums them in place with :func:`hetcoll.allreduce`
 (``MPI_Allreduce``, or hetcoll's ring for large buffers), unpacks, and only then runs the
 wrapped optimizer, so every rank applies the exact full-batch gradient
-``sum_r n_r g_r / N``. ``N`` and an agreement check (every rank must hold the same number of
-gradient elements, or all ranks raise) travel in one small all-gather per step.
+``sum_r n_r g_r / N``. ``N`` and an agreement check (every rank must hold parameters of the
+same number, order, shapes and dtypes, or all ranks raise
+:class:`hetcoll.CollectiveMismatchError`) travel in one small all-gather per step.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import numpy as np
@@ -20,7 +22,7 @@ import torch
 
 from hetcoll import fusion
 from hetcoll.collectives import allreduce
-from hetcoll.comm import NOT_GIVEN, group_argument, wrap
+from hetcoll.comm import NOT_GIVEN, agree, group_argument, wrap
 from hetcoll.torch.batches import BatchCounter
 from hetcoll.torch.hooks import local_batch_value
 
@@ -99,37 +101,38 @@ class DistributedOptimizer:
     def synchronize(self) -> None:
         """Replace every gradient by the sample-weighted mean over all ranks (collective)."""
         params = self._params()
-        for i, p in enumerate(params):
-            if p.device.type != "cpu" or p.dtype not in _SUPPORTED:
-                raise TypeError(
-                    f"optimizer: parameter {i} is {p.dtype} on {p.device}; the MPI path handles "
-                    "float32/float64 CPU parameters"
-                )
+        try:
+            for i, p in enumerate(params):
+                if p.device.type != "cpu" or p.dtype not in _SUPPORTED:
+                    raise TypeError(
+                        f"optimizer: parameter {i} is {p.dtype} on {p.device}; the MPI path "
+                        "handles float32/float64 CPU parameters"
+                    )
+            if self.counter is not None:
+                self._local_batch = self.counter.take()
+        except (TypeError, RuntimeError) as e:  # the others raise too, at once (hetcoll.comm.agree)
+            agree(self._comm, {}, failure=e, values=[0])
+            raise
+        assert self._local_batch is not None  # the constructor requires it or a counter
+        local_batch = self._local_batch
+        # One allgather per step: the layout's fingerprint (ranks whose parameters differ in
+        # number, order, shape or dtype would sum unrelated gradients, or abort MPI on buffers
+        # of different sizes) with every rank's sample count.
+        fields = {**_layout(params), "fusion_bytes": self.fusion_bytes}
+        batches = agree(self._comm, fields, values=[local_batch])
+        total = float(batches.sum())
+        if total <= 0:
+            raise ValueError("local_batch: every rank reported 0 samples for this step")
         grads: list[torch.Tensor] = []
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        numel = sum(g.numel() for g in grads)
-        if self.counter is not None:
-            self._local_batch = self.counter.take()
-        assert self._local_batch is not None  # the constructor requires it or a counter
-        local_batch = self._local_batch
-        mine = np.array([local_batch, numel], dtype=np.float64)
-        rows = self._comm.allgather_fixed(mine.view(np.uint8), None)
-        every = rows.view(np.float64).reshape(self._comm.size, 2)
-        if np.any(every[:, 1] != numel):
-            raise ValueError(
-                "optimizer: ranks disagree on the gradients to average (elements per rank: "
-                f"{every[:, 1].astype(int).tolist()})"
-            )
-        total = float(every[:, 0].sum())
-        if total <= 0:
-            raise ValueError("local_batch: every rank reported 0 samples for this step")
         scale = local_batch / total
         for bucket in self._buckets(grads):
             flat = fusion.pack(bucket, scale=scale)
-            allreduce(flat, self._comm)  # the engine's allreduce or hetcoll's ring, by size
+            # The engine's allreduce or hetcoll's ring, by size; the layout is agreed already.
+            allreduce(flat, self._comm, check=False)
             fusion.unpack(flat, bucket)
 
     def _buckets(self, grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -159,6 +162,18 @@ class DistributedOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+
+
+def _layout(params: list[torch.Tensor]) -> dict[str, int]:
+    """The parameters' order, shapes and dtypes as :func:`hetcoll.comm.agree` fields."""
+    shapes = np.array([d for p in params for d in (p.dim(), *p.shape)], np.int64)
+    dtypes = ",".join(str(p.dtype) for p in params).encode()
+    return {
+        "the number of parameters": len(params),
+        "the gradient elements": sum(p.numel() for p in params),
+        "the parameter shapes, in order (crc32)": zlib.crc32(shapes.tobytes()),
+        "the parameter dtypes, in order (crc32)": zlib.crc32(dtypes),
+    }
 
 
 def broadcast_parameters(

@@ -41,15 +41,17 @@ def _validate_shares(shares: Sequence[int], argument: str = "shares") -> list[in
     return out
 
 
-def _verify(group: Any, shares: list[int]) -> None:
+def _verify(group: Any, shares: list[int], failure: BaseException | None = None) -> None:
     """Every rank checks that all ranks passed the same shares, one per rank of ``group``: a
     rank that disagrees would otherwise run a different number of steps and hang the others.
-    The number of shares is agreed first, so that every rank raises alike."""
+    One agreement (:func:`hetcoll.comm.agree`); a rank whose shares are invalid (``failure``)
+    joins it, so that the others raise at once, and then raises its own error."""
     comm = wrap(group)
-    agree(comm, {"the number of shares": len(shares)})
-    if len(shares) != comm.size:
+    fields = {"the number of shares": len(shares)}
+    fields.update({f"shares[{i}]": int(v) for i, v in enumerate(shares)})
+    agree(comm, fields, failure=failure)
+    if len(shares) != comm.size:  # agreed: every rank raises it
         raise ValueError(f"shares: has {len(shares)} entries but the group has {comm.size} ranks")
-    agree(comm, {f"shares[{i}]": int(v) for i, v in enumerate(shares)})
 
 
 class BalancedSampler(Sampler[int]):
@@ -61,8 +63,9 @@ class BalancedSampler(Sampler[int]):
     ``sampler.batch_sampler()`` as ``batch_sampler=`` to let :meth:`set_shares` take effect at
     the next step instead of the next epoch.
 
-    ``verify`` (default on) checks across the ranks of ``group`` that every rank passed the
-    same shares, one per rank, and raises on every rank if not (one small all-gather, on
+    ``verify`` (default on) checks across the ranks of ``group``, here and in
+    :meth:`set_shares`, that every rank passed the same shares, one per rank, and raises on
+    every rank if not (one small all-gather, on
     torch.distributed or MPI). ``group``: an mpi4py communicator or a torch.distributed process
     group; None is :func:`hetcoll.comm.wrap`'s default (torch's default group, else
     ``MPI.COMM_WORLD`` under mpiexec), and with neither (one process) nothing is checked.
@@ -84,24 +87,38 @@ class BalancedSampler(Sampler[int]):
         verify: bool = True,
         group: Any = None,
     ) -> None:
-        self.shares = _validate_shares(shares)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(self.shares):
-            raise ValueError(
-                f"rank: must be an integer in [0, {len(self.shares)}) (one share per rank), "
-                f"got {rank!r}"
-            )
+        self.group = group
+        self.verify = bool(verify)
         try:
-            self.num_samples_total = len(dataset)
-        except TypeError as e:
-            raise TypeError("dataset: must have a length (a map-style dataset)") from e
+            self.shares = _validate_shares(shares)
+            if (
+                isinstance(rank, bool)
+                or not isinstance(rank, int)
+                or not 0 <= rank < len(self.shares)
+            ):
+                raise ValueError(
+                    f"rank: must be an integer in [0, {len(self.shares)}) (one share per rank), "
+                    f"got {rank!r}"
+                )
+            try:
+                self.num_samples_total = len(dataset)
+            except TypeError as e:
+                raise TypeError("dataset: must have a length (a map-style dataset)") from e
+        except (TypeError, ValueError) as e:
+            if self._checks():  # the other ranks raise too, at once
+                _verify(group, [], failure=e)
+            raise
         self.rank = rank
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
         self.epoch = 0
-        self.group = group
-        if verify and (group is not None or has_default()):
+        if self._checks():
             _verify(group, self.shares)
+
+    def _checks(self) -> bool:
+        """Whether shares are checked across ranks: ``verify``, and a group to check on."""
+        return self.verify and (self.group is not None or has_default())
 
     # -- the epoch plan ---------------------------------------------------------------------
 
@@ -181,12 +198,22 @@ class BalancedSampler(Sampler[int]):
 
     def set_shares(self, shares: Sequence[int]) -> None:
         """New per-rank batch sizes (call on every rank with the same values, e.g. from a
-        :class:`~hetcoll.torch.Rebalancer`)."""
-        shares = _validate_shares(shares)
-        if len(shares) != len(self.shares):
-            raise ValueError(
-                f"shares: has {len(shares)} entries but the sampler has {len(self.shares)} ranks"
-            )
+        :class:`~hetcoll.torch.Rebalancer`). Checked across the ranks as at construction
+        (``verify``): ranks that disagree raise :class:`hetcoll.CollectiveMismatchError`, all of
+        them, and keep their old shares."""
+        try:
+            shares = _validate_shares(shares)
+            if len(shares) != len(self.shares):
+                raise ValueError(
+                    f"shares: has {len(shares)} entries but the sampler has {len(self.shares)} "
+                    "ranks"
+                )
+        except ValueError as e:
+            if self._checks():  # the other ranks raise too, at once
+                _verify(self.group, [], failure=e)
+            raise
+        if self._checks():
+            _verify(self.group, shares)
         self.shares = shares
 
 

@@ -1,0 +1,125 @@
+"""Disagreeing ranks and one rank's bad argument end in clear errors on every rank, at once
+(issue 26): real 2-rank jobs on gloo (torch.multiprocessing) and MPI (mpiexec).
+
+The cases live in tests/agreement_cases.py and run inside the ranks: the findings of issue
+26 one by one, then hypothesis-drawn disagreements (length, dtype, algorithm, speeds, a NaN
+weight or an integer dtype on one rank) drawn on rank 0 and run by the same two processes, so
+a few dozen examples take seconds. A rank left waiting would end in CollectiveTimeout (every
+call has a timeout), which no expectation accepts; pytest-timeout bounds the whole job.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import agreement_cases
+import numpy as np
+import pytest
+
+from hetcoll import launch
+from hetcoll.comm import deadline
+
+HERE = Path(__file__).resolve().parent
+EXAMPLES = 30
+
+MISMATCH = "CollectiveMismatchError: "
+#: Per finding: what rank 0 and rank 1 must raise (a prefix of "Type: message"), or "ok".
+EXPECTED = {
+    "default_check": (MISMATCH + "ranks disagree on length",) * 2,
+    "unchecked": ("ok", "ok"),
+    "nan_weight": (
+        MISMATCH + "rank 1 raised ValueError: weight: must be finite",
+        "ValueError: weight: must be finite",
+    ),
+    "wrong_dtype": (
+        MISMATCH + "rank 1 raised TypeError: buf: dtype int32",
+        "TypeError: buf: dtype int32",
+    ),
+    "timeout_inf": ("ok", "ok"),
+    "gather_local": (
+        MISMATCH + "rank 1 raised TypeError: local: must be a numpy array or a torch tensor",
+        "TypeError: local: must be a numpy array or a torch tensor",
+    ),
+    "gather_out": (
+        MISMATCH + "rank 1 raised TypeError: out:",
+        "TypeError: out:",
+    ),
+    "gather_after": ("ok", "ok"),
+    "optimizer_order": (MISMATCH + "ranks disagree on the parameter shapes",) * 2,
+    "optimizer_dtype": (MISMATCH + "ranks disagree on the parameter dtypes",) * 2,
+    "optimizer_local": (
+        MISMATCH + "rank 1 raised TypeError: optimizer: parameter 0 is torch.float16",
+        "TypeError: optimizer: parameter 0 is torch.float16",
+    ),
+    "optimizer_agree": ("ok", "ok"),
+    "set_shares": (MISMATCH + "ranks disagree on shares[0]",) * 2,
+    "set_shares_kept": ("ok", "ok"),
+    "set_shares_local": (
+        MISMATCH + "rank 1 raised ValueError: shares[1]: must be a positive integer",
+        "ValueError: shares[1]: must be a positive integer",
+    ),
+    "construct_local": (
+        MISMATCH + "rank 1 raised ValueError: rank: must be an integer in [0, 2)",
+        "ValueError: rank: must be an integer in [0, 2)",
+    ),
+    "set_shares_agree": ("ok", "ok"),
+    "after": ("ok", "ok"),
+}
+EXPECTED_MPI = {
+    **EXPECTED,
+    "shared_speeds_check_True": (MISMATCH + "ranks disagree on speeds",) * 2,
+    "shared_speeds_check_False": (MISMATCH + "ranks disagree on speeds",) * 2,
+    "auto_straddle": (MISMATCH + "ranks disagree on length (rank 0: 4096, rank 1: 1024)",) * 2,
+}
+
+
+def _check(per_rank: list[dict], expected: dict[str, tuple[str, str]]) -> None:
+    got = [r["findings"] for r in per_rank]
+    assert sorted(got[0]) == sorted(got[1]) == sorted(expected)
+    for name, want in expected.items():
+        for r in range(2):
+            assert got[r][name].startswith(want[r]), (name, r, got[r][name])
+    assert [r["fuzzed"] for r in per_rank] == [EXAMPLES, EXAMPLES]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_gloo_ranks_that_disagree_all_raise():
+    per_rank = launch.spawn(agreement_cases.run_torch, 2, EXAMPLES, timeout=180)
+    _check(per_rank, EXPECTED)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_mpi_ranks_that_disagree_all_raise():
+    worker = str(HERE / "mpi_workers" / "agreement.py")
+    proc = launch.mpiexec(2, [worker, str(EXAMPLES)], timeout=180)
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("[")]
+    _check(json.loads(line), EXPECTED_MPI)
+
+
+def test_expected_outcomes_of_drawn_cases():
+    """The oracle of the hypothesis cases: agreeing ranks get the weighted sum; a differing
+    field fails everywhere; a rank's own bad argument is its own error, the others' mismatch."""
+    base = {"length": 3, "dtype": "float32", "algorithm": "ring", "speeds": None}
+    agreeing = [dict(base, weight=0.5), dict(base, weight=2.0)]
+    assert agreement_cases.expected(agreeing) == 0.5 * 1 + 2.0 * 2
+    assert agreement_cases.expected([agreeing[0], dict(agreeing[1], length=4)]) == (
+        "CollectiveMismatchError",
+        "CollectiveMismatchError",
+    )
+    assert agreement_cases.expected([agreeing[0], dict(agreeing[1], weight=np.nan)]) == (
+        "CollectiveMismatchError",
+        "ValueError",
+    )
+
+
+def test_timeout_inf_is_no_limit_and_bad_timeouts_name_the_argument():
+    assert deadline(float("inf")) is None
+    assert deadline(None) is None
+    assert deadline(5.0) > time.monotonic()
+    for bad in (0, -1.0, float("nan"), "5", True):
+        with pytest.raises(ValueError, match="timeout"):
+            deadline(bad)
