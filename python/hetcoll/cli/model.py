@@ -146,10 +146,12 @@ def _left_out_text(cluster: Any, shares: list[int]) -> str:
     return ", ".join(f"{len(rs)} x {k} ({_ranks_text(rs)})" for k, rs in kinds.items())
 
 
-def _run_commands(plan: Any, path: str, cluster: Any) -> list[str]:
-    """How to run ``plan`` written to ``path`` with examples/train_plan.py: rank r is device r
-    of the cluster file, and ranks past the plan's last are not needed."""
-    world = max(plan.ranks) + 1
+def _run_commands(best: Any, path: str, cluster: Any) -> list[str]:
+    """How to run the plan of ``best`` written to ``path`` with examples/train_plan.py: rank r
+    is device r of the cluster file; a plan on a subset of the devices runs on the ranks up to
+    the subset's last (those the planner predicted it with), the others are not started."""
+    devices = best.detail.get("devices")
+    world = max(devices) + 1 if devices else cluster.num_devices
     script = "examples/train_plan.py"
     counts = {n.count for n in cluster.nodes}
     out = []
@@ -265,7 +267,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             print(f"wrote {args.out}; run it (rank r on device r as listed above) with")
         else:
             print("write it with --out PLAN.json, then run it (rank r on device r above) with")
-        for command in _run_commands(best.plan, path, cluster):
+        for command in _run_commands(best, path, cluster):
             print(f"  {command}")
         print(
             f"  (examples/train_plan.py is in hetcoll's repository: its make_model must build "

@@ -312,10 +312,12 @@ def plan(
             for keep in _subsets(cluster, tiers, speeds):
                 sub = cluster.subset(keep)
                 suffix = f", {len(keep)} of {p} devices"
-                # On a small cluster, every strategy on each subset (as `sweep(..., "nodes")`
-                # plans each of its points), its feasible plans only, the subset's own subsets
-                # not searched; on a large one the balanced splits only, to keep it fast.
-                if p <= SUBSET_FULL_SEARCH_MAX_DEVICES:
+                # On a small cluster, every strategy on each subset of the first devices (as
+                # `sweep(..., "nodes")` plans each of its points), its feasible plans only, the
+                # subset's own subsets not searched; its figure is the plan's run on just those
+                # ranks (no idle rank joins the loss allreduce). Otherwise the balanced splits
+                # only, to keep the search fast.
+                if p <= SUBSET_FULL_SEARCH_MAX_DEVICES and keep == list(range(len(keep))):
                     candidates = plan(
                         costs,
                         sub,
