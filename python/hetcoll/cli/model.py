@@ -153,7 +153,12 @@ def _run_commands(best: Any, path: str, cluster: Any) -> list[str]:
     devices = best.detail.get("devices")
     world = max(devices) + 1 if devices else cluster.num_devices
     script = "examples/train_plan.py"
-    counts = {n.count for n in cluster.nodes}
+    # torchrun starts the same number of ranks on every node: the nodes the ranks fill.
+    counts, first = set(), 0
+    for n in cluster.nodes:
+        if first < world:
+            counts.add(n.count)
+        first += n.count
     out = []
     if world <= cluster.nodes[0].count:
         out.append(f"torchrun --standalone --nproc-per-node {world} {script} --plan {path}")
