@@ -14,20 +14,14 @@ import sys
 from collections.abc import Callable, Sequence
 
 import hetcoll
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from e
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+from hetcoll.cli.arguments import (
+    MAX_UNITS,
+    Parser,
+    end_quietly_on_broken_pipe,
+    floats,
+    integer,
+    ints,
+)
 
 
 def _cmd_split(args: argparse.Namespace) -> int:
@@ -74,13 +68,22 @@ def _add_split(sub: argparse._SubParsersAction) -> None:
         description="Split TOTAL units (samples, filters, bytes) over ranks of the given speeds "
         "so that the slowest rank finishes as early as possible. Exact.",
     )
-    p.add_argument("total", type=int, help="units to split (an integer)")
-    p.add_argument("--speeds", type=_floats, required=True, help="units per second, e.g. 4,1,0.5")
-    p.add_argument("--latency", type=_floats, help="start-up seconds per rank")
-    p.add_argument("--capacity", type=_ints, help="most units each rank can hold")
-    p.add_argument("--multiple-of", type=int, default=1, help="every share a multiple of this")
-    p.add_argument("--minimum", type=int, default=0, help="smallest share of any rank")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "total", type=integer(1, MAX_UNITS), help="how many units to split (an integer >= 1)"
+    )
+    p.add_argument(
+        "--speeds",
+        type=floats,
+        required=True,
+        help="each rank's speed in units per second, comma-separated, e.g. 4,1,0.5",
+    )
+    p.add_argument("--latency", type=floats, help="each rank's start-up time in seconds")
+    p.add_argument("--capacity", type=ints, help="the most units each rank can hold")
+    p.add_argument(
+        "--multiple-of", type=integer(1), default=1, help="make every share a multiple of this"
+    )
+    p.add_argument("--minimum", type=integer(0), default=0, help="the smallest share any rank gets")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_cmd_split)
 
 
@@ -96,8 +99,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from hetcoll.lab.demo import format_table, plot, run
     from hetcoll.lab.demo_config import config_from_args
 
-    report = run(config_from_args(args))
-    os.makedirs(args.out, exist_ok=True)
+    config = config_from_args(args)
+    config.validate()
+    try:  # before the training, so that a bad --out costs no minutes
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"out: cannot create the directory {args.out!r}: {e.strerror}") from None
+    if not os.access(args.out, os.W_OK):
+        raise ValueError(f"out: cannot write in {args.out!r}: permission denied")
+    report = run(config)
     png = os.path.join(args.out, "demo.png")
     plot(report, png)
     with open(os.path.join(args.out, "demo.json"), "w") as f:
@@ -126,7 +136,10 @@ _SUBCOMMANDS.append(_add_model_commands)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    """Run the ``hetcoll`` command. Bad input (a flag argparse or the library refuses with a
+    ``ValueError``) ends in one line on stderr, ``hetcoll CMD: error: ...``, and exit status
+    2; any other exception is a bug and keeps its traceback."""
+    parser = Parser(
         prog="hetcoll",
         description="Balanced collective training on workers of unequal speed.",
     )
@@ -136,9 +149,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         add(sub)
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args))
-    except ValueError as e:
-        parser.exit(2, f"hetcoll {args.command}: error: {e}\n")
+        status = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        return status
+    except BrokenPipeError:
+        return end_quietly_on_broken_pipe()
+    except (ValueError, OverflowError) as e:
+        # One line: the first of the message (torch's own messages add a C++ stack after it).
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        parser.exit(2, f"hetcoll {args.command}: error: {first}\n")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
+
+from hetcoll.cli.arguments import MAX_UNITS, integer, writable_file
 
 
 def _fmt_s(x: float) -> str:
@@ -34,13 +37,24 @@ def _shares_text(shares: list[int], limit: int = 16) -> str:
     return ",".join(f"{s}x{n}" if n > 1 else str(s) for s, n in runs)
 
 
-def _load(args: argparse.Namespace) -> tuple[Any, Any]:
-    from hetcoll.model import layer_costs, load_cluster, networks, parse_shape
+def _costs(args: argparse.Namespace, **kwargs: Any) -> Any:
+    """The layer costs of ``--model`` on samples of ``--input``, the model built on the meta
+    device: shapes only, so a model too large for this machine's memory is costed, not built."""
+    from hetcoll.model import layer_costs, networks, parse_shape
 
     shape = parse_shape(args.input)
-    model = networks.build(args.model, shape, args.classes)
-    costs = layer_costs(model, shape, conv_algorithm=args.conv_algorithm)
-    return costs, load_cluster(args.cluster)
+    if ":" in args.model and "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # module:attr finds the working directory's modules,
+        # as `python -m` does (the `hetcoll` script's own directory comes first otherwise)
+    model = networks.build(args.model, shape, args.classes, device="meta")
+    return layer_costs(model, shape, **kwargs)
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any]:
+    from hetcoll.model import load_cluster
+
+    cluster = load_cluster(args.cluster)  # first: a bad file fails before the model is costed
+    return _costs(args, conv_algorithm=args.conv_algorithm), cluster
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -82,6 +96,80 @@ def _plan_text(plan: Any) -> str:
     flush()
     head = f"{plan.microbatches} micro-batches {plan.schedule}; " if plan.microbatches > 1 else ""
     return head + "; ".join(parts)
+
+
+def _nodes_json(cluster: Any) -> list[dict[str, Any]]:
+    """Each node of ``cluster``: its name, device and ranks (devices are ranks in file order)."""
+    out, rank = [], 0
+    for n in cluster.nodes:
+        out.append({"node": n.name, "device": n.device.name, "ranks": [rank, rank + n.count - 1]})
+        rank += n.count
+    return out
+
+
+def _device_lines(cluster: Any, shares: list[int], unit: str) -> list[str]:
+    """Each node's devices and shares, one line per run of alike nodes (same device, count and
+    shares), so that a cluster of 1,024 devices in a few kinds of node prints a few lines."""
+    rows: list[list[Any]] = []  # [(device, count, shares), node names, first rank, last rank]
+    rank = 0
+    for n in cluster.nodes:
+        key = (n.device.name, n.count, tuple(shares[rank : rank + n.count]))
+        if rows and rows[-1][0] == key:
+            rows[-1][1].append(n.name)
+            rows[-1][3] = rank + n.count - 1
+        else:
+            rows.append([key, [n.name], rank, rank + n.count - 1])
+        rank += n.count
+    lines = []
+    for (device, count, sh), names, first, last in rows:
+        where = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+        devices = f"{count} x {device}" if count > 1 else device
+        if len(names) > 1:
+            devices = f"{len(names)} nodes of {devices}"
+        ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+        if not any(sh):
+            what = "left out"
+        elif len(set(sh)) == 1:
+            what = f"{sh[0]} {unit}" + (" each" if len(sh) > 1 or len(names) > 1 else "")
+        else:
+            what = f"{unit} {_shares_text(list(sh))}"
+        lines.append(f"    {where} ({devices}), {ranks}: {what}")
+    return lines
+
+
+def _left_out_text(cluster: Any, shares: list[int]) -> str:
+    """The devices a plan leaves out, by kind: "2 x cpu (ranks 16-17)"."""
+    kinds: dict[str, list[int]] = {}
+    for r, (d, s) in enumerate(zip(cluster.devices, shares)):
+        if s == 0:
+            kinds.setdefault(d.name, []).append(r)
+    return ", ".join(f"{len(rs)} x {k} ({_ranks_text(rs)})" for k, rs in kinds.items())
+
+
+def _run_commands(best: Any, path: str, cluster: Any) -> list[str]:
+    """How to run the plan of ``best`` written to ``path`` with examples/train_plan.py: rank r
+    is device r of the cluster file; a plan on a subset of the devices runs on the ranks up to
+    the subset's last (those the planner predicted it with), the others are not started."""
+    devices = best.detail.get("devices")
+    world = max(devices) + 1 if devices else cluster.num_devices
+    script = "examples/train_plan.py"
+    # torchrun starts the same number of ranks on every node: the nodes the ranks fill.
+    counts, first = set(), 0
+    for n in cluster.nodes:
+        if first < world:
+            counts.add(n.count)
+        first += n.count
+    out = []
+    if world <= cluster.nodes[0].count:
+        out.append(f"torchrun --standalone --nproc-per-node {world} {script} --plan {path}")
+    elif len(counts) == 1 and world % cluster.nodes[0].count == 0:
+        k = cluster.nodes[0].count
+        out.append(
+            f"torchrun --nnodes {world // k} --nproc-per-node {k} --node-rank I "
+            f"--rdzv-endpoint HOST:PORT {script} --plan {path}   # on node I, 0..{world // k - 1}"
+        )
+    out.append(f"mpiexec -n {world} python {script} --plan {path} --mpi")
+    return out
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -133,6 +221,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 "model": args.model,
                 "batch": args.batch,
                 "devices": cluster.num_devices,
+                "nodes": _nodes_json(cluster),
                 "planning_s": planning_s,
                 "plans": [p.to_json() for p in ranked],
                 "notes": list(costs.notes),
@@ -154,7 +243,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(
         f"best: {best.strategy}: {_fmt_s(best.step_s)} per step, {best.samples_per_s:.4g} samples/s"
     )
-    print(f"  {best.share_unit} per device: {_shares_text(best.shares)}")
+    print(f"  {best.share_unit} per device:")
+    for line in _device_lines(cluster, best.shares, best.share_unit):
+        print(line)
+    if best.feasible and not all(best.shares):
+        everyone = next((p for p in ranked if p.feasible and all(p.shares)), None)
+        versus = (
+            f": {everyone.step_s / best.step_s:.2f}x faster than the best plan on all "
+            f"{cluster.num_devices} ({everyone.strategy}, {_fmt_s(everyone.step_s)})"
+            if everyone is not None
+            else ""
+        )
+        print(f"  leaves out {_left_out_text(cluster, best.shares)}{versus}")
     if best.plan is not None:
         print(f"  plan: {_plan_text(best.plan)}")
     print("  breakdown: " + ", ".join(f"{k} {_fmt_s(v)}" for k, v in best.breakdown.items()))
@@ -166,47 +266,94 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         mark = "" if p.feasible else f"  INFEASIBLE: {p.reason}"
         ratio = p.step_s / best.step_s if best.step_s > 0 else float("inf")
         print(f"  {p.strategy:<{width}} {_fmt_s(p.step_s):>12}  ({ratio:.2f}x){mark}")
-    if args.out:
-        print(f"wrote {args.out} (run it with hetcoll.torch.parallelize)")
+    if best.feasible and best.plan is not None:
+        path = args.out or "PLAN.json"
+        if args.out:
+            print(f"wrote {args.out}; run it (rank r on device r as listed above) with")
+        else:
+            print("write it with --out PLAN.json, then run it (rank r on device r above) with")
+        for command in _run_commands(best, path, cluster):
+            print(f"  {command}")
+        print(
+            f"  (examples/train_plan.py is in hetcoll's repository: its make_model must build "
+            f"{args.model}; or call hetcoll.torch.parallelize in your own script)"
+        )
+    elif best.feasible:
+        print(f"no plan file for this model: {best.plan_note}")
     return 0
+
+
+_MODEL_HELP = (
+    "the model: a built-in (cnn, vgg, resnet, mlp) or MODULE:ATTR, where ATTR is an "
+    "nn.Module subclass or a function annotated '-> nn.Module' taking no arguments "
+    "(e.g. torchvision.models:resnet18 or mymodels:Net, found in the working directory); "
+    "nothing else is called"
+)
+_INPUT_HELP = "the shape of one sample, channels first, without the batch: e.g. 3x32x32"
+_CLASSES_HELP = "number of classes of the built-in models (default 10)"
 
 
 def add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan",
-        help="predict the fastest strategy and split for a model on a cluster",
-        description="Rank data-parallel (balanced / even), filter-parallel, pipeline and "
-        "asymmetric plans, on all devices or a subset, for one training step by the analytical "
-        "model (seed 003), or sweep one axis. --out writes the best as a plan file.",
+        help="find the fastest way to train a model on a cluster, and how to run it",
+        description="Predict one training step of every strategy - data parallel with balanced "
+        "or even batches, filter parallel (each layer's channels split by speed), pipelines, "
+        "replicas of unequal shape, on all devices or a faster subset - and print the best, "
+        "each device's share, and the command that runs it. The prediction is the analytical "
+        "performance model of docs/model.md; the model is costed on the meta device (no "
+        "memory, any size). --out writes the best plan as a file examples/train_plan.py runs.",
     )
-    p.add_argument("--model", required=True, help="cnn, vgg, resnet, mlp, or module:attr")
-    p.add_argument("--input", required=True, help="one sample's shape, e.g. 3x32x32")
-    p.add_argument("--cluster", required=True, help="cluster TOML file (examples/clusters/)")
-    p.add_argument("--batch", type=int, required=True, help="global batch size (samples)")
-    p.add_argument("--classes", type=int, default=10, help="classes of built-in models")
+    p.add_argument("--model", required=True, help=_MODEL_HELP)
+    p.add_argument("--input", required=True, help=_INPUT_HELP)
+    p.add_argument(
+        "--cluster",
+        required=True,
+        help="the cluster's TOML file: devices, links, nodes (see examples/clusters/, or write "
+        "this machine's with hetcoll model calibrate)",
+    )
+    p.add_argument(
+        "--batch",
+        type=integer(1, MAX_UNITS),
+        required=True,
+        help="global batch size: samples per training step over all devices",
+    )
+    p.add_argument("--classes", type=integer(1), default=10, help=_CLASSES_HELP)
     p.add_argument(
         "--conv-algorithm",
         choices=("implicit-gemm", "im2col"),
         default="implicit-gemm",
-        help="how convolutions move memory (im2col: PyDTNN's model)",
+        help="how convolutions move memory: implicit-gemm as PyTorch's oneDNN/cuDNN kernels "
+        "(default), im2col as PyDTNN's",
     )
-    p.add_argument("--sweep", choices=("batch", "flops", "mem_bw", "link_bw", "nodes"))
-    p.add_argument("--plot", help="PNG path of the sweep plot (default hetcoll-sweep-AXIS.png)")
-    p.add_argument("--top", type=int, default=5, help="runners-up to print")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--sweep",
+        choices=("batch", "flops", "mem_bw", "link_bw", "nodes"),
+        help="instead of one plan, the best plan of each strategy as one thing varies: the "
+        "batch, devices' FLOP/s or memory bandwidth, links' bandwidth, or the number of nodes "
+        "(a table and a plot)",
+    )
+    p.add_argument(
+        "--plot",
+        type=writable_file,
+        help="where to write the sweep's plot (PNG; default hetcoll-sweep-AXIS.png)",
+    )
+    p.add_argument(
+        "--top", type=integer(0), default=5, help="how many runners-up to list (default 5)"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument(
         "--out",
         metavar="PLAN.json",
-        help="write the best plan as a hetcoll.Plan JSON file (hetcoll.torch.parallelize runs it)",
+        type=writable_file,
+        help="write the best plan to this file, for examples/train_plan.py or "
+        "hetcoll.torch.parallelize to run",
     )
     p.set_defaults(func=_cmd_plan)
 
 
 def _cmd_costs(args: argparse.Namespace) -> int:
-    from hetcoll.model import layer_costs, networks, parse_shape
-
-    shape = parse_shape(args.input)
-    costs = layer_costs(networks.build(args.model, shape, args.classes), shape)
+    costs = _costs(args)
     if args.json:
         json.dump(
             [
@@ -365,34 +512,68 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def add_model(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "model",
-        help="performance model: layer costs, calibration, validation",
-        description="Layer costs of a model; measure this machine; validate predictions.",
+        help="the performance model: a model's costs, this machine's speeds, the check",
+        description="A model's layer costs; measure this machine into a cluster file; check "
+        "the model's predictions against measured steps.",
     )
     msub = p.add_subparsers(dest="model_command", required=True)
 
-    c = msub.add_parser("costs", help="per-layer FLOPs, parameters and bytes of a model")
-    c.add_argument("--model", required=True, help="cnn, vgg, resnet, mlp, or module:attr")
-    c.add_argument("--input", required=True, help="one sample's shape, e.g. 3x32x32")
-    c.add_argument("--classes", type=int, default=10)
-    c.add_argument("--json", action="store_true")
+    c = msub.add_parser(
+        "costs",
+        help="each layer's FLOPs, parameters and bytes moved, per sample",
+        description="Each layer's forward and backward FLOPs, parameters and bytes per sample, "
+        "counted on the meta device (no memory, any size): what the planner predicts from.",
+    )
+    c.add_argument("--model", required=True, help=_MODEL_HELP)
+    c.add_argument("--input", required=True, help=_INPUT_HELP)
+    c.add_argument("--classes", type=integer(1), default=10, help=_CLASSES_HELP)
+    c.add_argument("--json", action="store_true", help="print JSON instead of a table")
     c.set_defaults(func=_cmd_costs)
 
-    k = msub.add_parser("calibrate", help="measure this machine and write a cluster TOML file")
-    k.add_argument("--output", "-o", default="-", help="file to write (default: stdout)")
-    k.add_argument("--ranks", type=int, help="ranks in the node (default: one per core)")
-    k.add_argument("--links", default="gloo,mpi", help="links to measure: gloo,mpi")
-    k.add_argument("--transport", default="gloo", help="the link the node's ranks use")
+    k = msub.add_parser(
+        "calibrate",
+        help="measure this machine and write its cluster TOML file",
+        description="Measure this machine's FLOP/s, memory bandwidth and links between local "
+        "ranks, and write the cluster file hetcoll plan --cluster reads.",
+    )
+    k.add_argument(
+        "--output",
+        "-o",
+        default="-",
+        type=lambda x: x if x == "-" else writable_file(x),
+        help="the file to write (default: print it)",
+    )
+    k.add_argument(
+        "--ranks", type=integer(1), help="how many ranks the node runs (default: one per core)"
+    )
+    k.add_argument(
+        "--links", default="gloo,mpi", help="which links to measure: gloo, mpi or both (gloo,mpi)"
+    )
+    k.add_argument(
+        "--transport",
+        default="gloo",
+        choices=("gloo", "mpi"),
+        help="the link the node's ranks use in the file (default gloo)",
+    )
     k.set_defaults(func=_cmd_calibrate)
 
     v = msub.add_parser(
         "validate",
-        help="predicted vs measured data- and filter-parallel steps on this machine",
+        help="check the predictions: predicted vs measured steps on this machine",
+        description="Run data- and filter-parallel training steps on local ranks of emulated "
+        "speeds and compare each measured step time with the model's prediction.",
     )
-    v.add_argument("--model", default="cnn", help="built-in model to train (default cnn)")
-    v.add_argument("--cluster", help="calibration file to predict with (default: measure in-run)")
-    v.add_argument("--steps", type=int, default=9, help="timed steps per configuration")
+    v.add_argument(
+        "--model", default="cnn", choices=("cnn", "vgg", "resnet", "mlp"), help="built-in model"
+    )
+    v.add_argument(
+        "--cluster", help="a calibration file to predict with (default: measure this machine now)"
+    )
+    v.add_argument(
+        "--steps", type=integer(1), default=9, help="timed steps per configuration (default 9)"
+    )
     v.add_argument(
         "--quick", action="store_true", help="two configurations only (one of each strategy)"
     )
-    v.add_argument("--json", action="store_true")
+    v.add_argument("--json", action="store_true", help="print JSON instead of a table")
     v.set_defaults(func=_cmd_validate)

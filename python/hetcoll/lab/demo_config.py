@@ -16,8 +16,12 @@ machine-readable result.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from typing import Any
+
+# The demo's training set: 80% of scikit-learn's 1,797 digits (hetcoll.lab.demo_ranks.load_digits).
+DIGITS_TRAIN_SAMPLES = int(0.8 * 1797)
 
 
 @dataclass
@@ -52,6 +56,13 @@ class DemoConfig:
         if self.global_batch < self.world_size:
             raise ValueError(
                 f"global_batch: must be at least the number of ranks ({self.world_size})"
+            )
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr: must be a finite number > 0, got {self.lr}")
+        if self.global_batch > DIGITS_TRAIN_SAMPLES:
+            raise ValueError(
+                f"global_batch: at most the {DIGITS_TRAIN_SAMPLES:,} training samples, "
+                f"got {self.global_batch}"
             )
         if self.epochs < 1:
             raise ValueError(f"epochs: must be >= 1, got {self.epochs}")

@@ -27,12 +27,16 @@ A cluster file is a small TOML document (see ``examples/clusters/``)::
     link = "hdr200"                # link between nodes (needed when there are several nodes)
 
 Devices are listed in file order (node by node), which is also the order of pipeline stages and
-of the ring. Every error raised while reading a file names the file and the field.
+of the ring. Every error raised while reading a file names the file and the field. A file is at
+most ``MAX_FILE_BYTES`` long and a regular file (not a device or a pipe); a cluster has at most
+``MAX_DEVICES`` devices, so ``count`` and ``repeat`` are bounded too.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import stat
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -43,6 +47,15 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10 only
     import tomli as tomllib
+
+
+#: The most devices a cluster may have (``count`` x ``repeat`` summed over nodes): far more than
+#: the largest training clusters, small enough that a hostile file cannot exhaust memory.
+MAX_DEVICES = 2**16
+#: The longest cluster file read: nodes are described by ``count`` and ``repeat``, not listed.
+MAX_FILE_BYTES = 2**20
+#: The widest channel blocking a convolution kernel may have (oneDNN's is 8 or 16).
+MAX_CHANNEL_BLOCK = 1024
 
 
 @dataclass(frozen=True)
@@ -129,9 +142,14 @@ class Node:
     link: Link | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.count, int) or isinstance(self.count, bool) or self.count < 1:
+        if (
+            not isinstance(self.count, int)
+            or isinstance(self.count, bool)
+            or not 1 <= self.count <= MAX_DEVICES
+        ):
             raise ValueError(
-                f"Node {self.name!r}: count must be an integer >= 1, got {self.count!r}"
+                f"Node {self.name!r}: count must be an integer in 1..{MAX_DEVICES}, "
+                f"got {self.count!r}"
             )
         if self.count > 1 and self.link is None:
             raise ValueError(f"Node {self.name!r}: link is required when count > 1")
@@ -155,6 +173,10 @@ class Cluster:
             raise ValueError(f"{self.source}: nodes: a cluster needs at least one node")
         if len(self.nodes) > 1 and self.network is None:
             raise ValueError(f"{self.source}: network.link is required with several nodes")
+        if self.num_devices > MAX_DEVICES:
+            raise ValueError(
+                f"{self.source}: nodes: {self.num_devices:,} devices, more than {MAX_DEVICES:,}"
+            )
 
     @property
     def devices(self) -> list[Device]:
@@ -347,8 +369,15 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
         for k, v in optional.items():
             _check_nonnegative(v, f"{where}.{k}")
         block = t.get("conv_channel_block", 1)
-        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-            raise ValueError(f"{where}.conv_channel_block: must be an integer >= 1, got {block!r}")
+        if (
+            isinstance(block, bool)
+            or not isinstance(block, int)
+            or not 1 <= block <= MAX_CHANNEL_BLOCK
+        ):
+            raise ValueError(
+                f"{where}.conv_channel_block: must be an integer in 1..{MAX_CHANNEL_BLOCK}, "
+                f"got {block!r}"
+            )
         devices[name] = Device(name, **values, **optional, conv_channel_block=block)
     raw_links = doc.get("links", {})
     if not isinstance(raw_links, Mapping):
@@ -372,6 +401,7 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
     if not isinstance(raw_nodes, list) or not raw_nodes:
         raise ValueError(f"{source}: nodes: need at least one [[nodes]] table")
     nodes: list[Node] = []
+    total = 0
     for i, t in enumerate(raw_nodes):
         where = f"{source}: nodes[{i}]"
         if not isinstance(t, Mapping):
@@ -384,6 +414,14 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
         for key, value in (("count", count), ("repeat", repeat)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{where}.{key}: must be an integer >= 1, got {value!r}")
+            if value > MAX_DEVICES:
+                raise ValueError(f"{where}.{key}: must be at most {MAX_DEVICES:,}, got {value:,}")
+        total += count * repeat  # checked before the repeats are unrolled
+        if total > MAX_DEVICES:
+            raise ValueError(
+                f"{where}.{'repeat' if repeat > 1 else 'count'}: the cluster reaches {total:,} "
+                f"devices here, more than {MAX_DEVICES:,}"
+            )
         link = link_named(t["link"], f"{where}.link") if "link" in t else None
         if count > 1 and link is None:
             raise ValueError(f"{where}.link: missing (required when count > 1)")
@@ -416,13 +454,31 @@ def load_cluster(path: str | Path) -> Cluster:
     """
     p = Path(path)
     try:
-        text = p.read_text()
+        # Non-blocking, so that a FIFO without a writer does not hang the open; then only a
+        # regular file is read, and at most MAX_FILE_BYTES of it (not /dev/zero for ever).
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"{p}: not a regular file (a cluster file is a TOML file)")
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read(MAX_FILE_BYTES + 1)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise ValueError(f"{p}: cannot read cluster file: {e.strerror}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(
+            f"{p}: longer than {MAX_FILE_BYTES:,} bytes; describe identical nodes by count "
+            "and repeat"
+        )
     try:
-        doc = tomllib.loads(text)
+        doc = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{p}: not UTF-8 text (byte {e.start})") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{p}: not valid TOML: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{p}: not valid TOML: arrays or tables nested too deeply") from None
     return cluster_from_dict(doc, str(p))
 
 

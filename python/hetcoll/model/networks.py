@@ -5,16 +5,19 @@ norm, ReLU, max pooling, two dense layers). ``vgg``: a VGG-11-like stack for 32x
 ``resnet``: a ResNet-18-like network of basic blocks for 32x32 inputs. ``mlp``: three dense
 layers. Each takes the sample shape (channels first) and the number of classes.
 
-Users name their own model as ``module:attr``, where ``attr`` is an ``nn.Module`` or a callable
-that returns one (called with no arguments).
+Users name their own model as ``module:attr`` (see :func:`build` for what ``attr`` may be).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import inspect
 import math
+import typing
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import Tensor, nn
 
 
@@ -134,15 +137,47 @@ def _image(shape: Sequence[int]) -> tuple[int, int, int]:
     return c, h, w
 
 
-def build(name: str, input_shape: Sequence[int], classes: int = 10) -> nn.Module:
+def build(
+    name: str,
+    input_shape: Sequence[int],
+    classes: int = 10,
+    *,
+    device: torch.device | str | None = None,
+) -> nn.Module:
     """A built-in network by name (``cnn``, ``vgg``, ``resnet``, ``mlp``) or a user model as
-    ``module:attr`` (an ``nn.Module``, or a callable returning one).
+    ``module:attr``, constructed on ``device`` (``"meta"``: shapes only, no memory; ``None``:
+    torch's default device).
+
+    ``module`` is imported (its top-level code runs, as with ``python -m``); ``attr`` must be
+    one of, and nothing else is called:
+
+    - an ``nn.Module`` subclass whose constructor takes no required arguments;
+    - a function (``def``) annotated to return an ``nn.Module`` subclass and callable with no
+      arguments, such as torchvision's builders (``torchvision.models:resnet18``);
+    - an ``nn.Module`` instance (used as it is: it was built when ``module`` was imported).
+
+    ``input_shape`` and ``classes`` shape the built-ins only.
 
     >>> type(build("cnn", (3, 32, 32))).__name__
     'Sequential'
+    >>> build("os:system", (1,))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: model: 'os:system' is a builtin_function_or_method; expected an nn.Module ...
     """
     if name in BUILTIN:
-        return BUILTIN[name](input_shape, classes)
+        if isinstance(classes, bool) or not isinstance(classes, int) or classes < 1:
+            raise ValueError(f"classes: must be an integer >= 1, got {classes!r}")
+        try:
+            with _on(device):
+                return BUILTIN[name](input_shape, classes)
+        except (RuntimeError, TypeError, OverflowError) as e:
+            # Sizes torch refuses: a layer's element count overflows int64 (TypeError, from
+            # unpacking the size) or real memory runs out (RuntimeError).
+            raise ValueError(
+                f"input_shape: {name} cannot be built for {tuple(input_shape)}: "
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ) from None
     if ":" not in name:
         raise ValueError(
             f"model: unknown built-in {name!r} (built-ins: {sorted(BUILTIN)}; or module:attr)"
@@ -154,8 +189,52 @@ def build(name: str, input_shape: Sequence[int], classes: int = 10) -> nn.Module
         raise ValueError(f"model: cannot load {name!r}: {e}") from None
     if isinstance(obj, nn.Module):
         return obj
-    if callable(obj):
-        made = obj()
-        if isinstance(made, nn.Module):
-            return made
-    raise ValueError(f"model: {name!r} is neither an nn.Module nor a callable returning one")
+    make = _constructor(obj, name)
+    with _on(device):
+        made = make()
+    if not isinstance(made, nn.Module):
+        raise ValueError(f"model: {name!r} returned a {type(made).__name__}, not an nn.Module")
+    return made
+
+
+def _on(device: torch.device | str | None) -> typing.ContextManager[object]:
+    """Construct tensors on ``device`` (``None``: wherever torch would)."""
+    return contextlib.nullcontext() if device is None else torch.device(device)
+
+
+def _constructor(obj: object, name: str) -> Callable[[], object]:
+    """``obj`` if it may be called to make a model (an ``nn.Module`` subclass, or a function
+    annotated to return one, either callable without arguments), else a ``ValueError`` saying
+    why; ``name`` is how the user named it. Nothing is called here.
+    """
+    expected = (
+        "expected an nn.Module subclass, an nn.Module, or a function annotated to return an "
+        "nn.Module (-> nn.Module)"
+    )
+    if inspect.isclass(obj):
+        if not issubclass(obj, nn.Module):
+            raise ValueError(
+                f"model: {name!r} is the class {obj.__name__}, not an nn.Module; {expected}"
+            )
+    elif inspect.isfunction(obj):
+        try:
+            hints = typing.get_type_hints(obj)
+        except Exception as e:  # an annotation that does not resolve: no known return type
+            raise ValueError(f"model: {name!r}: cannot read its return annotation ({e})") from None
+        ret = hints.get("return")
+        if not (inspect.isclass(ret) and issubclass(ret, nn.Module)):
+            raise ValueError(
+                f"model: {name!r} is a function not annotated to return an nn.Module "
+                f"(its return annotation: {getattr(ret, '__name__', ret)}); {expected}"
+            )
+    else:
+        raise ValueError(f"model: {name!r} is a {type(obj).__name__}; {expected}")
+    try:
+        inspect.signature(obj).bind()
+    except TypeError as e:
+        raise ValueError(
+            f"model: {name!r} needs arguments ({e}); wrap it in a function taking none"
+        ) from None
+    except ValueError:
+        pass  # no signature to read (a C-implemented constructor): try it
+    return typing.cast(Callable[[], object], obj)

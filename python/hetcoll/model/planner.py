@@ -30,6 +30,10 @@ ASYMMETRIC_MICRO_BATCHES = (2, 4, 8)
 #: The largest cluster the planner tries asymmetric replicas on (each candidate is a
 #: simulation of every device's step; the other candidates are vectorised over devices).
 ASYMMETRIC_MAX_DEVICES = 64
+#: On clusters of up to this many devices, the planner tries the first 1, 2, 4, ... nodes (or
+#: devices) too, with every strategy on each subset; on larger ones, fewer subsets with the
+#: balanced data- and filter-parallel splits only.
+SUBSET_FULL_SEARCH_MAX_DEVICES = 64
 
 
 def _infeasible(strategy: str, batch: int, num_devices: int, unit: str, reason: str) -> Prediction:
@@ -103,11 +107,20 @@ def _tiers(cluster: Cluster, speeds: Sequence[float]) -> list[list[int]]:
 
 def _subsets(cluster: Cluster, tiers: list[list[int]], speeds: Sequence[float]) -> list[list[int]]:
     """Device subsets worth trying (a few, deterministic): the fastest k kinds of device for
-    every k short of all, and the node with the most compute."""
+    every k short of all, the node with the most compute, and on clusters of up to
+    ``SUBSET_FULL_SEARCH_MAX_DEVICES`` devices the first 1, 2, 4, ... nodes and the first
+    node's first 1, 2, 4, ... devices (the devices of a single node): the subsets
+    ``sweep(..., "nodes")`` plans on."""
     p = cluster.num_devices
     out: list[list[int]] = []
     for k in range(1, len(tiers)):
         out.append(sorted(d for t in tiers[:k] for d in t))
+    if p <= SUBSET_FULL_SEARCH_MAX_DEVICES:
+        for v in _node_counts(cluster):
+            out.append(list(range(_prefix(cluster, v).num_devices)))
+        if len(cluster.nodes) > 1:  # the first node's first devices: the sweep's first point
+            first = cluster.nodes[0].count
+            out += [list(range(2**k)) for k in range(first.bit_length()) if 2**k < first]
     if len(cluster.nodes) > 1:
         by_node: dict[int, list[int]] = {}
         for d, node in enumerate(cluster.node_of_device):
@@ -155,11 +168,12 @@ def _asymmetric(
     for m in micro_batches:
         if m <= share_guess:
             options.append(("pipeline", m, predict.pipeline_stages(costs, sub, share_guess, m)))
-    try:
-        predict.stage_split(costs, 0, n, len(slow), None, "filter split")
-        options.append(("filter", 1, None))
-    except ValueError:
-        pass
+    if costs.stage_filter_modes(0, n):
+        try:
+            predict.stage_split(costs, 0, n, len(slow), None, "filter split")
+            options.append(("filter", 1, None))
+        except ValueError:
+            pass
     slow_speeds = [speeds[d] for d in slow]
     modes = costs.stage_filter_modes(0, n)
     out = []
@@ -246,6 +260,8 @@ def plan(
     s = optimizer_state_copies
     n = len(costs.plan_layers)
     modes = costs.stage_filter_modes(0, n) if n else None
+    # Filter parallelism only where filter_parallel splits something (not an LSTM, say).
+    splits = bool(modes) if n else bool(costs.filter_modes)
 
     def data_balanced(c: Cluster, strategy: str) -> Prediction:
         try:
@@ -273,7 +289,8 @@ def plan(
         )
     )
     if p > 1:
-        out.append(filter_balanced(cluster, "filter parallel, balanced"))
+        if splits:
+            out.append(filter_balanced(cluster, "filter parallel, balanced"))
         for m in micro_batches:
             if m <= batch:
                 out.append(
@@ -295,9 +312,28 @@ def plan(
             for keep in _subsets(cluster, tiers, speeds):
                 sub = cluster.subset(keep)
                 suffix = f", {len(keep)} of {p} devices"
-                for pred in [data_balanced(sub, "data parallel, balanced")] + (
-                    [filter_balanced(sub, "filter parallel, balanced")] if len(keep) > 1 else []
-                ):
+                # On a small cluster, every strategy on each subset of the first devices (as
+                # `sweep(..., "nodes")` plans each of its points), its feasible plans only, the
+                # subset's own subsets not searched; its figure is the plan's run on just those
+                # ranks (no idle rank joins the loss allreduce). Otherwise the balanced splits
+                # only, to keep the search fast.
+                if p <= SUBSET_FULL_SEARCH_MAX_DEVICES and keep == list(range(len(keep))):
+                    candidates = plan(
+                        costs,
+                        sub,
+                        batch,
+                        optimizer_state_copies=s,
+                        micro_batches=micro_batches,
+                        subsets=False,
+                        asymmetric=asymmetric,
+                    )
+                else:
+                    candidates = [data_balanced(sub, "data parallel, balanced")]
+                    if splits:
+                        candidates.append(filter_balanced(sub, "filter parallel, balanced"))
+                for pred in candidates:
+                    if not pred.feasible:
+                        continue
                     pred = _on_devices(pred, keep, p, suffix)
                     key = repr((pred.plan.to_dict(), pred.step_s)) if pred.plan else ""
                     if not key or key not in seen:
@@ -335,6 +371,19 @@ def _family(strategy: str) -> str:
     return re.sub(r", \d+ of \d+ devices$", "", strategy)
 
 
+def _node_counts(cluster: Cluster) -> list[int]:
+    """The ``nodes`` sweep's points: 1, 2, 4, ... nodes and all of them (devices, on one node)."""
+    n = len(cluster.nodes) if len(cluster.nodes) > 1 else cluster.num_devices
+    return sorted({min(n, 2**k) for k in range(0, n.bit_length() + 1)})
+
+
+def _prefix(cluster: Cluster, k: int) -> Cluster:
+    """The first ``k`` nodes of ``cluster`` (its first ``k`` devices when it has one node)."""
+    if len(cluster.nodes) > 1:
+        return Cluster(cluster.nodes[:k], cluster.network if k > 1 else None, cluster.source)
+    return cluster.first_devices(k)
+
+
 def sweep(
     costs: ModelCosts,
     cluster: Cluster,
@@ -354,8 +403,7 @@ def sweep(
         if axis == "batch":
             values = [max(1, int(batch * f)) for f in _FACTORS]
         elif axis == "nodes":
-            n = len(cluster.nodes) if len(cluster.nodes) > 1 else cluster.num_devices
-            values = sorted({min(n, 2**k) for k in range(0, n.bit_length() + 1)})
+            values = _node_counts(cluster)
         else:
             values = list(_FACTORS)
     points = []
@@ -369,12 +417,8 @@ def sweep(
             c = cluster.scaled(mem_bw=v)
         elif axis == "link_bw":
             c = cluster.scaled(link_bw=v)
-        elif len(cluster.nodes) > 1:
-            c = Cluster(
-                cluster.nodes[: int(v)], cluster.network if int(v) > 1 else None, cluster.source
-            )
         else:
-            c = cluster.first_devices(int(v))
+            c = _prefix(cluster, int(v))
         best: dict[str, Prediction] = {}
         for pred in plan(costs, c, b, optimizer_state_copies=optimizer_state_copies):
             fam = _family(pred.strategy)

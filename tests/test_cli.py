@@ -1,0 +1,308 @@
+"""The ``hetcoll`` command against bad input, as a user meets it in a real process: every bad
+flag ends in one line on stderr, ``hetcoll CMD: error: ...`` naming the flag, and exit status 2,
+never a traceback; ``--model module:attr`` calls only what it may; cluster files are bounded;
+``hetcoll plan`` names devices, says how to run its plan and when to leave devices out."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from hetcoll.model import layer_costs, load_cluster, networks, plan, sweep
+from hetcoll.model.hardware import MAX_DEVICES, MAX_FILE_BYTES
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTER = str(ROOT / "examples" / "clusters" / "a100_v100_cpu.toml")
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), str(ROOT)]),
+    "OMP_NUM_THREADS": "1",
+}
+
+
+def hetcoll(*args: str, cwd: Path | str = ROOT) -> subprocess.CompletedProcess[str]:
+    """``hetcoll ARGS`` in a new process, as its console script runs it: ``-P`` keeps the
+    working directory off ``sys.path`` (``python -m`` would put it there)."""
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "hetcoll.cli", *args],
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def assert_usage_error(run: subprocess.CompletedProcess[str], command: str, *words: str) -> None:
+    """Exit status 2, one line on stderr naming the command and ``words``, no traceback."""
+    assert run.returncode == 2, (run.returncode, run.stderr)
+    assert "Traceback" not in run.stderr
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1, run.stderr
+    assert lines[0].startswith(f"hetcoll {command}: error: "), lines[0]
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+PLAN = ("plan", "--model", "cnn", "--input", "3x32x32", "--cluster", CLUSTER)
+
+# Refused while the command line is parsed: no torch import, a fraction of a second each.
+PARSE_ERRORS = [
+    (("split", "0", "--speeds", "1,2"), "split", ("total", ">= 1")),
+    (("split", str(2**64 - 1), "--speeds", "1,2"), "split", ("total", "at most")),
+    (("split", "10", "--speeds", "1,2", "--multiple-of", "0"), "split", ("--multiple-of",)),
+    (("split", "10", "--speeds", "1,x"), "split", ("--speeds", "numbers")),
+    ((*PLAN, "--batch", str(10**20)), "plan", ("--batch", "at most")),
+    ((*PLAN, "--batch", "0"), "plan", ("--batch", ">= 1")),
+    ((*PLAN, "--batch", "8", "--classes", "-1"), "plan", ("--classes", ">= 1")),
+    ((*PLAN, "--batch", "8", "--top", "-1"), "plan", ("--top",)),
+    (
+        (*PLAN, "--batch", "8", "--plot", "/nonexistent/dir/s.png"),
+        "plan",
+        ("--plot", "/nonexistent"),
+    ),
+    ((*PLAN, "--batch", "8", "--out", "/nonexistent/p.json"), "plan", ("--out", "/nonexistent")),
+    ((*PLAN, "--batch", "8", "--out", "/"), "plan", ("--out", "directory")),
+    (("plan", "--input", "3x32x32"), "plan", ("required",)),
+    (
+        ("model", "costs", "--model", "cnn", "--input", "3x8x8", "--classes", "0"),
+        "model costs",
+        ("--classes",),
+    ),
+    (("model", "validate", "--steps", "0"), "model validate", ("--steps",)),
+    (("model", "calibrate", "-o", "/nonexistent/c.toml"), "model calibrate", ("--output",)),
+]
+
+
+@pytest.mark.parametrize(("argv", "command", "words"), PARSE_ERRORS, ids=lambda x: str(x)[:40])
+def test_bad_flags_are_one_line_and_status_2(
+    argv: tuple[str, ...], command: str, words: tuple[str, ...]
+) -> None:
+    assert_usage_error(hetcoll(*argv), command, *words)
+
+
+# Refused by the library once the command runs (torch imported: a few seconds each).
+RUN_ERRORS = [
+    (("demo", "--lr", "-1"), "demo", ("lr", "> 0")),
+    (("demo", "--batch", str(10**12)), "demo", ("global_batch", "training samples")),
+    (("demo", "--out", "/proc/no/such/dir"), "demo", ("out", "/proc/no/such/dir")),
+    ((*PLAN[:3], "--input", f"3x{2**40}x{2**40}", *PLAN[5:], "--batch", "8"), "plan", ("input",)),
+    (
+        ("plan", "--model", "os:system", *PLAN[3:], "--batch", "8"),
+        "plan",
+        ("os:system", "nn.Module"),
+    ),
+    (
+        ("plan", "--model", "cnn", "--input", "3x32x32", "--cluster", "/dev/zero", "--batch", "8"),
+        "plan",
+        ("/dev/zero", "regular file"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "command", "words"), RUN_ERRORS, ids=lambda x: str(x)[:40])
+def test_bad_values_the_library_refuses_are_one_line_and_status_2(
+    argv: tuple[str, ...], command: str, words: tuple[str, ...]
+) -> None:
+    assert_usage_error(hetcoll(*argv), command, *words)
+
+
+def test_a_model_too_large_for_memory_is_planned_on_the_meta_device() -> None:
+    # 3x100000x100000 images give the CNN's first dense layer 1.6e13 weights (64 TB): built for
+    # real, the allocation failed with a traceback; on the meta device it is costed, and no
+    # device can hold it.
+    run = hetcoll(*PLAN[:3], "--input", "3x100000x100000", *PLAN[5:], "--batch", "8", "--json")
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    out = json.loads(run.stdout)
+    assert not out["plans"][0]["feasible"] and "GB" in out["plans"][0]["reason"]
+
+
+def test_json_into_a_closed_pipe_ends_quietly() -> None:
+    # The reader goes away after a few bytes (`hetcoll plan --json | head -c 10`); the plans of
+    # a 1,024-device cluster are far more than a pipe's buffer.
+    big = str(ROOT / "examples" / "clusters" / "a100_v100_1024.toml")
+    cmd = [sys.executable, "-P", "-m", "hetcoll.cli", "plan", "--model", "cnn", "--input"]
+    proc = subprocess.Popen(
+        [*cmd, "3x32x32", "--cluster", big, "--batch", "4096", "--json"],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(10).startswith(b"{")
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1
+    assert err == "", err
+
+
+# ------------------------------------------------------------------------- module:attr
+
+
+@pytest.mark.parametrize(
+    ("attr", "why"),
+    [
+        ("os:system", "builtin_function_or_method"),
+        ("subprocess:Popen", "not an nn.Module"),
+        ("tests.cli_models:NotAModel", "not an nn.Module"),
+        ("tests.cli_models:untyped", "not annotated to return an nn.Module"),
+        ("tests.cli_models:needs_width", "needs arguments"),
+        ("tests.cli_models:CALLS", "list"),
+    ],
+)
+def test_module_attr_calls_only_module_classes_and_annotated_builders(attr: str, why: str) -> None:
+    from tests import cli_models
+
+    with pytest.raises(ValueError, match=f"model: {attr!r}.*{why}"):
+        networks.build(attr, (2, 4, 4))
+    assert cli_models.CALLS == []  # nothing refused was called
+
+
+@pytest.mark.parametrize(
+    "attr",
+    [
+        "tests.cli_models:make_net",
+        "tests.cli_models:make_sequential",
+        "tests.cli_models:INSTANCE",
+        "tests.cli_models:Recurrent",
+        "torchvision.models:resnet18",
+    ],
+)
+def test_module_attr_loads_module_classes_and_annotated_builders_on_meta(attr: str) -> None:
+    model = networks.build(attr, (2, 4, 4), device="meta")
+    assert isinstance(model, nn.Module)
+    if attr != "tests.cli_models:INSTANCE":  # an instance was built when its module loaded
+        assert all(p.is_meta for p in model.parameters())
+
+
+def test_module_attr_finds_the_working_directory_like_python_m(tmp_path: Path) -> None:
+    (tmp_path / "my_models.py").write_text(
+        "from torch import nn\n\n\nclass Net(nn.Sequential):\n"
+        "    def __init__(self) -> None:\n"
+        "        super().__init__(nn.Flatten(), nn.Linear(12, 3))\n"
+    )
+    run = hetcoll(
+        "model", "costs", "--model", "my_models:Net", "--input", "3x4", "--json", cwd=tmp_path
+    )
+    assert run.returncode == 0, run.stderr
+    assert [row["params"] for row in json.loads(run.stdout)] == [0, 39]
+
+
+# ------------------------------------------------------------------------- cluster files
+
+
+def _cluster_text(count: int = 1, repeat: int = 1, nodes: int = 1, block: int = 1) -> str:
+    text = (
+        "[devices.c]\nflops_per_s = 1e11\nmem_bytes_per_s = 2e10\nmemory_bytes = 8e9\n"
+        f"conv_channel_block = {block}\n"
+        "[links.l]\nlatency_s = 1e-6\nbytes_per_s = 1e9\n[network]\nlink = 'l'\n"
+    )
+    node = f"[[nodes]]\nname = 'n'\ndevice = 'c'\ncount = {count}\nlink = 'l'\nrepeat = {repeat}\n"
+    return text + node * nodes
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        (_cluster_text(count=10**9), "nodes[0].count: must be at most"),
+        (_cluster_text(repeat=10**9), "nodes[0].repeat: must be at most"),
+        (
+            _cluster_text(count=8, repeat=MAX_DEVICES // 8 + 1),
+            "nodes[0].repeat: the cluster reaches",
+        ),
+        (_cluster_text(count=MAX_DEVICES // 2, nodes=3), "nodes[2].count: the cluster reaches"),
+        (_cluster_text(count=64, repeat=MAX_DEVICES // 64, nodes=2), "nodes[1].repeat: the"),
+        (_cluster_text(block=10**9), "devices.c.conv_channel_block: must be an integer in"),
+        ("a = " + "[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ("# " + "x" * MAX_FILE_BYTES, f"longer than {MAX_FILE_BYTES:,} bytes"),
+        ("name = '\udcff'", "not UTF-8"),
+    ],
+    ids=[
+        "count",
+        "repeat",
+        "count-x-repeat",
+        "total",
+        "total-repeat",
+        "block",
+        "nested",
+        "size",
+        "utf8",
+    ],
+)
+def test_cluster_files_are_bounded(tmp_path: Path, text: str, field: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(ValueError, match=re.escape(f"{path}: ") + ".*" + re.escape(field)):
+        load_cluster(path)
+
+
+def test_cluster_at_the_device_bound_loads(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(_cluster_text(count=8, repeat=MAX_DEVICES // 8 // 2, nodes=2))
+    assert load_cluster(path).num_devices == MAX_DEVICES
+
+
+@pytest.mark.parametrize("special", ["/dev/zero", "/dev/null", "fifo", "dir"])
+def test_cluster_special_files_are_refused_without_reading(tmp_path: Path, special: str) -> None:
+    if special == "fifo":
+        special = str(tmp_path / "fifo")
+        os.mkfifo(special)  # no writer: a blocking open would wait for ever
+    elif special == "dir":
+        special = str(tmp_path)
+    with pytest.raises(ValueError, match=r"not a regular file|Is a directory"):
+        load_cluster(special)
+
+
+# ------------------------------------------------------------------------- hetcoll plan
+
+
+def test_plan_names_devices_leaves_slow_ones_out_and_says_how_to_run(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    run = hetcoll(*PLAN, "--batch", "256", "--out", str(out))
+    assert run.returncode == 0, run.stderr
+    text = run.stdout
+    # Each node by name, with its device and ranks; the best plan (8 A100s) leaves the rest out
+    # and says how much faster that is than the best plan on all 18.
+    assert "dgx-a100 (8 x a100-sxm4-40gb), ranks 0-7: 32 samples each" in text
+    assert "dgx1-v100 (8 x v100-sxm2-32gb), ranks 8-15: left out" in text
+    assert "leaves out 8 x v100-sxm2-32gb (ranks 8-15), 2 x epyc-7763-x2 (ranks 16-17): " in text
+    assert "faster than the best plan on all 18" in text
+    # How to run the written plan: as many processes as its last rank needs.
+    assert f"torchrun --standalone --nproc-per-node 8 examples/train_plan.py --plan {out}" in text
+    assert f"mpiexec -n 8 python examples/train_plan.py --plan {out} --mpi" in text
+    assert max(json.loads(out.read_text())["replicas"][-1]["stages"][-1]["ranks"]) == 7
+    nodes = json.loads(hetcoll(*PLAN, "--batch", "256", "--json").stdout)["nodes"]
+    assert nodes[0] == {"node": "dgx-a100", "device": "a100-sxm4-40gb", "ranks": [0, 7]}
+
+
+def test_plan_offers_filter_parallelism_only_where_it_splits_something() -> None:
+    cluster = load_cluster(CLUSTER)
+    lstm = layer_costs(networks.build("tests.cli_models:Recurrent", (6, 8), device="meta"), (6, 8))
+    assert not dict(lstm.filter_modes)
+    strategies = [p.strategy for p in plan(lstm, cluster, 64)]
+    assert strategies and not any("filter" in s for s in strategies), strategies
+    cnn = layer_costs(networks.build("cnn", (3, 32, 32), device="meta"), (3, 32, 32))
+    assert any(p.strategy.startswith("filter parallel") for p in plan(cnn, cluster, 64))
+
+
+@pytest.mark.parametrize(
+    ("model", "shape"), [("cnn", (3, 32, 32)), ("vgg", (3, 32, 32)), ("mlp", (784,))]
+)
+def test_plan_is_never_slower_than_the_best_of_the_nodes_sweep(
+    model: str, shape: tuple[int, ...]
+) -> None:
+    # The user's trial: `--sweep nodes` found a faster plan on fewer devices than `plan` did.
+    cluster = load_cluster(CLUSTER)
+    costs = layer_costs(networks.build(model, shape, device="meta"), shape)
+    for batch in (4, 16, 64, 256):
+        best = plan(costs, cluster, batch)[0]
+        swept = [p for pt in sweep(costs, cluster, batch, "nodes") for p in pt.best.values()]
+        assert best.feasible and best.step_s <= min(p.step_s for p in swept) * (1 + 1e-12)
