@@ -49,7 +49,7 @@ pub fn kind(
     }
 }
 
-/// `a` as a typed, C-contiguous numpy array of element `N` (`want` describes the dtype expected,
+/// `a` as a typed, C-contiguous, aligned numpy array of element `N` (`want` describes the dtype expected,
 /// for the error message).
 pub fn typed<'a, 'py, N: numpy::Element>(
     a: &'a Bound<'py, PyAny>,
@@ -64,6 +64,17 @@ pub fn typed<'a, 'py, N: numpy::Element>(
     })?;
     if !t.is_c_contiguous() {
         return Err(invalid(name, "must be C-contiguous"));
+    }
+    if !t.is_aligned() {
+        // Rust slices need aligned elements; a view at an odd byte offset (numpy.frombuffer with
+        // an offset, a field of a packed record) would be undefined behaviour, so it is refused.
+        return Err(invalid(
+            name,
+            format!(
+                "is not aligned to {} bytes (a view at an odd byte offset?); pass a copy",
+                std::mem::align_of::<N>()
+            ),
+        ));
     }
     Ok(t)
 }

@@ -64,10 +64,15 @@ where
             .map_err(|_| invalid(&name, "overlaps out"))?;
         guards.push(ro);
     }
-    let sources: Vec<&[T]> = guards
+    let sources = guards
         .iter()
-        .map(|g| view(g.as_slice().expect("checked C-contiguous")))
-        .collect();
+        .enumerate()
+        .map(|(i, g)| {
+            g.as_slice()
+                .map(view)
+                .map_err(|e| invalid(&format!("arrays[{i}]"), e))
+        })
+        .collect::<PyResult<Vec<&[T]>>>()?;
     let out_slice = view_mut(out_rw.as_slice_mut().map_err(|e| invalid("out", e))?);
     let threads = kernels::default_threads().py_err()?;
     detached(py, || kernels::pack(&sources, scale, out_slice, threads))?.py_err()
@@ -97,11 +102,16 @@ where
             .map_err(|_| invalid(&name, "overlaps flat or another of arrays"))?;
         guards.push(rw);
     }
-    let src = view(flat_ro.as_slice().expect("checked C-contiguous"));
-    let mut dests: Vec<&mut [T]> = guards
+    let src = view(flat_ro.as_slice().map_err(|e| invalid("flat", e))?);
+    let mut dests = guards
         .iter_mut()
-        .map(|g| view_mut(g.as_slice_mut().expect("checked C-contiguous")))
-        .collect();
+        .enumerate()
+        .map(|(i, g)| {
+            g.as_slice_mut()
+                .map(view_mut)
+                .map_err(|e| invalid(&format!("arrays[{i}]"), e))
+        })
+        .collect::<PyResult<Vec<&mut [T]>>>()?;
     let threads = kernels::default_threads().py_err()?;
     detached(py, || kernels::unpack(src, &mut dests, scale, threads))?.py_err()
 }

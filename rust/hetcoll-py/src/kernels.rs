@@ -67,13 +67,17 @@ where
             guards.push(Some(ro));
         }
     }
-    let sources: Vec<Source<'_, T>> = guards
+    let sources = guards
         .iter()
-        .map(|g| match g {
-            Some(ro) => Source::Slice(view(ro.as_slice().expect("checked C-contiguous"))),
-            None => Source::Out,
+        .enumerate()
+        .map(|(i, g)| match g {
+            Some(ro) => ro
+                .as_slice()
+                .map(|s| Source::Slice(view(s)))
+                .map_err(|e| invalid(&format!("arrays[{i}]"), e)),
+            None => Ok(Source::Out),
         })
-        .collect();
+        .collect::<PyResult<Vec<Source<'_, T>>>>()?;
     let out_slice = view_mut(out_rw.as_slice_mut().map_err(|e| invalid("out", e))?);
     let threads = kernels::default_threads().py_err()?;
     detached(py, || {
