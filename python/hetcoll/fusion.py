@@ -27,7 +27,6 @@ import numpy as np
 
 from hetcoll import _core
 from hetcoll.kernels import (
-    check_disjoint,
     check_dtype,
     check_writable,
     is_tensor,
@@ -101,7 +100,6 @@ def pack(arrays: Sequence[Array], *, scale: float = 1.0, out: Array | None = Non
     out_view, out_bf16 = numpy_view(result, "out")
     if bf16 is not None and out_bf16 != bf16:
         raise TypeError("out: dtype differs from the arrays'")
-    check_disjoint([(out_view, "out")], [(v, f"arrays[{i}]") for i, v in enumerate(views)])
     _core.pack_into(views, out_view, scale=value, bfloat16=out_bf16)
     mark_written(result)
     return result  # type: ignore[no-any-return]
@@ -127,7 +125,6 @@ def unpack(flat: Array, arrays: Sequence[Array], *, scale: float = 1.0) -> None:
     if bf16 is not None and flat_bf16 != bf16:
         raise TypeError("flat: dtype differs from the arrays'")
     check_writable([(a, f"arrays[{i}]") for i, a in enumerate(arrays)])
-    check_disjoint([(v, f"arrays[{i}]") for i, v in enumerate(views)], [(flat_view, "flat")])
     _core.unpack_from(flat_view, views, scale=value, bfloat16=flat_bf16)
     for a in arrays:
         mark_written(a)

@@ -63,43 +63,6 @@ def check_dtype(view: np.ndarray, bf16: bool, argument: str) -> None:
         )
 
 
-def _span(view: np.ndarray) -> tuple[int, int]:
-    """The byte range ``[start, end)`` a C-contiguous view occupies (empty for no elements)."""
-    start = int(view.ctypes.data)
-    return start, start + (view.nbytes if view.size else 0)
-
-
-def check_disjoint(
-    written: Sequence[tuple[np.ndarray, str]], read: Sequence[tuple[np.ndarray, str]] = ()
-) -> None:
-    """Refuse buffers that overlap in memory where the kernel writes, like torch refuses them.
-
-    Every buffer of ``written`` must be disjoint from every other buffer of ``written`` and of
-    ``read`` (buffers that are only read may overlap each other). Compared by address, so torch
-    views, ``numpy.frombuffer`` arrays and slices of one allocation are all caught, whatever
-    object owns the memory. Buffers the kernels accept are C-contiguous, so their byte ranges
-    are exact; a non-contiguous one is refused by the kernel itself. Sorting the ranges keeps
-    this ``O(n log n)`` for the hundreds of gradients a fusion buffer packs.
-    """
-    spans = [(*_span(v), True, name) for v, name in written]
-    spans += [(*_span(v), False, name) for v, name in read]
-    spans = sorted((s for s in spans if s[1] > s[0]), key=lambda s: s[0])
-    # Sweep in address order keeping the furthest-reaching written and read range seen so far.
-    last_written: tuple[int, str] | None = None
-    last_read: tuple[int, str] | None = None
-    # The message names a buffer that is only read first (`arrays[0]: overlaps out`).
-    for start, end, is_written, name in spans:
-        if last_written is not None and start < last_written[0]:
-            raise ValueError(f"{name}: overlaps {last_written[1]} in memory")
-        if is_written and last_read is not None and start < last_read[0]:
-            raise ValueError(f"{last_read[1]}: overlaps {name} in memory")
-        if is_written:
-            if last_written is None or end > last_written[0]:
-                last_written = (end, name)
-        elif last_read is None or end > last_read[0]:
-            last_read = (end, name)
-
-
 def check_writable(written: Sequence[tuple[Any, str]]) -> None:
     """Refuse to write what torch's in-place and ``out=`` ops refuse to write: in grad mode, a
     tensor that requires grad (a leaf, or a result autograd tracks; the kernels are not
@@ -168,20 +131,9 @@ def weighted_sum(
         if bf16 != out_bf16:
             kinds = {True: "bfloat16", False: "not bfloat16"}
             raise TypeError(f"arrays[{i}]: is {kinds[bf16]} but out is {kinds[out_bf16]}")
-    # `out` may be exactly one of `arrays` (in-place accumulation); any other overlap with it
-    # would read values the kernel has already overwritten.
-    check_disjoint(
-        [(out_view, "out")],
-        [(v, f"arrays[{i}]") for i, (v, _) in enumerate(views) if not _same_buffer(v, out_view)],
-    )
     _core.weighted_sum_into([v for v, _ in views], weights, out_view, bfloat16=out_bf16)
     mark_written(out)
     return out
-
-
-def _same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether ``a`` and ``b`` view exactly the same bytes as the same elements."""
-    return _span(a) == _span(b) and a.dtype == b.dtype and a.shape == b.shape
 
 
 def num_threads() -> int:

@@ -4,7 +4,7 @@ use hetcoll_core::kernels::{self, Element};
 use numpy::{PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn};
 use pyo3::prelude::*;
 
-use crate::buffers::{kind, typed, with_kind};
+use crate::buffers::{check_disjoint, kind, typed, with_kind, Span};
 use crate::errors::{detached, invalid, IntoPy};
 
 /// `out = scale · concat(arrays)`; `arrays` are C-contiguous numpy arrays of any shape and
@@ -53,13 +53,21 @@ where
     T: Element,
 {
     let want = format!("out's dtype {}", T::NAME);
-    let mut out_rw = typed::<N>(out, "out", &want)?
-        .try_readwrite()
-        .map_err(|e| invalid("out", e))?;
-    let mut guards: Vec<PyReadonlyArrayDyn<'_, N>> = Vec::with_capacity(arrays.len());
+    let out = typed::<N>(out, "out", &want)?;
+    let mut spans = vec![Span::of(out, true, "out".into())];
+    let mut typed_arrays = Vec::with_capacity(arrays.len());
     for (i, a) in arrays.iter().enumerate() {
         let name = format!("arrays[{i}]");
-        let ro = typed::<N>(a, &name, &want)?
+        let a = typed::<N>(a, &name, &want)?;
+        spans.push(Span::of(a, false, name));
+        typed_arrays.push(a);
+    }
+    check_disjoint(spans)?;
+    let mut out_rw = out.try_readwrite().map_err(|e| invalid("out", e))?;
+    let mut guards: Vec<PyReadonlyArrayDyn<'_, N>> = Vec::with_capacity(arrays.len());
+    for (i, a) in typed_arrays.into_iter().enumerate() {
+        let name = format!("arrays[{i}]");
+        let ro = a
             .try_readonly()
             .map_err(|_| invalid(&name, "overlaps out"))?;
         guards.push(ro);
@@ -91,13 +99,21 @@ where
     T: Element,
 {
     let want = format!("flat's dtype {}", T::NAME);
-    let flat_ro = typed::<N>(flat, "flat", &want)?
-        .try_readonly()
-        .map_err(|e| invalid("flat", e))?;
-    let mut guards: Vec<PyReadwriteArrayDyn<'_, N>> = Vec::with_capacity(arrays.len());
+    let flat = typed::<N>(flat, "flat", &want)?;
+    let mut spans = vec![Span::of(flat, false, "flat".into())];
+    let mut typed_arrays = Vec::with_capacity(arrays.len());
     for (i, a) in arrays.iter().enumerate() {
         let name = format!("arrays[{i}]");
-        let rw = typed::<N>(a, &name, &want)?
+        let a = typed::<N>(a, &name, &want)?;
+        spans.push(Span::of(a, true, name));
+        typed_arrays.push(a);
+    }
+    check_disjoint(spans)?;
+    let flat_ro = flat.try_readonly().map_err(|e| invalid("flat", e))?;
+    let mut guards: Vec<PyReadwriteArrayDyn<'_, N>> = Vec::with_capacity(arrays.len());
+    for (i, a) in typed_arrays.into_iter().enumerate() {
+        let name = format!("arrays[{i}]");
+        let rw = a
             .try_readwrite()
             .map_err(|_| invalid(&name, "overlaps flat or another of arrays"))?;
         guards.push(rw);
