@@ -130,7 +130,7 @@ fn number(obj: &Bound<'_, PyAny>, argument: &str) -> PyResult<f64> {
 fn block_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     // Fast path for aligned arrays only: a misaligned view is read element by element below.
     if let Some(arr) = obj.cast::<PyArray1<i64>>().ok().filter(|a| a.is_aligned()) {
-        let ro = arr.readonly();
+        let ro = arr.try_readonly().map_err(|e| invalid("parts", e))?;
         let slice = ro
             .as_slice()
             .map_err(|_| invalid("parts", "must be contiguous"))?;
@@ -177,7 +177,7 @@ fn compressed_nets(nets: &Bound<'_, PyAny>, limit: u64) -> PyResult<(Vec<usize>,
         };
         // Fast path for aligned arrays only (Rust reads them as slices).
         if let Some(arr) = net.cast::<PyArray1<i64>>().ok().filter(|a| a.is_aligned()) {
-            let ro = arr.readonly();
+            let ro = arr.try_readonly().map_err(|e| invalid(&name(), e))?;
             for &v in ro.as_array().iter() {
                 push(v)?;
             }
