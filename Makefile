@@ -8,7 +8,7 @@ BUILT  := $(VENV)/.build-stamp
 export OMP_NUM_THREADS ?= 1
 RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml 2>/dev/null) Cargo.toml
 
-.PHONY: demo test build lint rust-test py-test bench bench-rust clean
+.PHONY: demo test build lint rust-test py-test fuzz bench bench-rust clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -41,6 +41,15 @@ py-test: $(BUILT)
 	$(PY) -m pytest -q
 
 test: $(BUILT) lint rust-test py-test
+
+# The hostile-input properties of `make test` (tests/test_hostile.py, the core's
+# tests/hostile_props.rs) with many more examples: minutes, not seconds.
+FUZZ_EXAMPLES ?= 3000
+FUZZ_CASES    ?= 20000
+fuzz: $(BUILT)
+	PROPTEST_CASES=$(FUZZ_CASES) cargo test -p hetcoll-core --release --quiet --test hostile_props
+	HETCOLL_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider \
+		-o timeout=3600 tests/test_hostile.py
 
 # Benchmarks: each writes benches/results/<name>.json (the scripts that keep their own JSON
 # write it under benches/results/raw/, and `benches/report.py import` converts it), then

@@ -447,3 +447,28 @@ def run_all(group) -> dict[str, object]:
 def run_torch(rank: int, world: int) -> dict[str, object]:
     torch.set_num_threads(1)
     return run_all(None)
+
+
+def run_hostile(rank: int, world_size: int) -> list[str]:
+    """Issue 26: an unbatched (C, H, W) input to a split conv raises on every rank (it hung, the
+    ranks gathering along H), and a Linear tied to an embedding stays replicated and tied."""
+    torch.manual_seed(0)
+    conv_net = filter_parallel(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()), [1.0, 1.0], None)
+    seen = []
+    try:
+        conv_net(torch.zeros(3, 6, 6))
+    except ValueError as e:
+        seen.append(str(e).split(";")[0])
+    emb = nn.Embedding(10, 6)
+    head = nn.Linear(6, 10, bias=False)
+    head.weight = emb.weight
+    tied = nn.Sequential(emb, nn.Linear(6, 6), nn.ReLU(), head)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        filter_parallel(tied, [1.0, 1.0], None)
+    seen += [str(w.message) for w in caught]
+    assert tied[3].weight is tied[0].weight and type(tied[3]) is nn.Linear
+    assert isinstance(tied[1], FilterParallelLinear)
+    out = tied(torch.tensor([[1, 2]]))
+    assert out.shape == (1, 2, 10)
+    return seen

@@ -198,3 +198,37 @@ def test_an_untraceable_forward_is_named_in_a_warning():
     with pytest.warns(UserWarning, match=message) as rec:
         filter_shares(_DataDependent(), size=2, speeds=[1.0, 1.0])
     assert "'a' gather, 'b' gather" in str(rec[-1].message)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_unbatched_input_and_tied_weights():
+    """Issue 26: an unbatched input to a split conv raised nowhere and hung; filter_parallel
+    split a Linear tied to an embedding and silently untied it."""
+    results = launch.spawn(filter_cases.run_hostile, 2, timeout=90)
+    assert results[0] == results[1]
+    unbatched, warning = results[0]
+    assert unbatched == (
+        "input: a filter-parallel FilterParallelConv2d takes batched 4-D input (N, C, H, W), "
+        "got shape (3, 6, 6)"
+    )
+    assert "'3' (Linear, weight shared with '0': a split would untie them)" in warning
+
+
+def test_tied_layers_stay_replicated_or_raise_by_name():
+    from hetcoll.torch.filters import filter_shares
+
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    model = nn.Sequential(a, nn.ReLU(), b, nn.ReLU(), nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match=r"'0' \(Linear, weight shared with '2'"):
+        assert list(filter_shares(model, [1.0, 1.0], 2)) == ["4"]
+    with pytest.raises(ValueError, match=r"^layers: '2' cannot be split: weight shared with '0'"):
+        filter_shares(model, [1.0, 1.0], 2, layers=["2"])
+    same = nn.Linear(4, 4)
+    twice = nn.Sequential(same, nn.ReLU(), same)  # one module under two names
+    with pytest.warns(UserWarning) as record:
+        assert filter_shares(twice, [1.0, 1.0], 2) == {}
+    messages = [str(w.message) for w in record]
+    assert "'0' (Linear, weight shared with '2': a split would untie them)" in messages[0]
+    assert "no Conv2d (groups=1) or Linear layer it can split" in messages[1]

@@ -375,3 +375,21 @@ def test_network_hypergraph_rejects_what_it_cannot_model():
         network_hypergraph(small_cnn(), (5, 16, 16))
     with pytest.raises(ValueError, match=r"^model:"):
         network_hypergraph(torch.nn.Sequential(torch.nn.ReLU()), (3, 4, 4))
+
+
+def test_network_hypergraph_reads_a_float64_model():
+    """It fed float32 zeros to every model, so a float64 model failed and the error blamed
+    input_shape (issue 26)."""
+    from hetcoll.model import network_hypergraph
+
+    net = small_cnn()
+    expected = network_hypergraph(net, (3, 16, 16))
+    h = network_hypergraph(net.double(), (3, 16, 16))
+    assert h.num_vertices == expected.num_vertices
+    assert np.array_equal(h.vertex_weights, expected.vertex_weights)
+    mixed = small_cnn()
+    mixed[0].double()
+    with pytest.raises(ValueError, match=r"^model: parameters and buffers mix"):
+        network_hypergraph(mixed, (3, 16, 16))
+    with pytest.raises(ValueError, match=r"^input_shape"):
+        network_hypergraph(net, (4, 16, 16))

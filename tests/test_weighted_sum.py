@@ -119,7 +119,9 @@ def test_sixteen_bit_types_accumulate_in_float32():
         ([np.ones(3), np.ones(4)], [1.0, 1.0], {}, ValueError, r"^arrays\[1\]"),
         ([np.ones((2, 3)), np.ones((3, 2))], [1.0, 1.0], {}, ValueError, r"^arrays\[1\]"),
         ([np.ones(3), np.ones(3, np.float32)], [1.0, 1.0], {}, TypeError, r"^arrays\[1\]"),
-        ([np.ones(3, np.int64)], [1.0], {}, TypeError, "^out"),
+        # Integer arrays blame arrays[0], not the out the user never passed (issue 26).
+        ([np.ones(3, np.int64)], [1.0], {}, TypeError, r"^arrays\[0\]"),
+        ([np.ones(3), np.ones(3, np.int64)], [1.0, 1.0], {}, TypeError, r"^arrays\[1\]"),
         ([np.ones(6)[::2]], [1.0], {}, ValueError, r"^arrays\[0\]"),
         ([np.ones((3, 3)).T], [1.0], {"out": np.ones((3, 3))}, ValueError, r"^arrays\[0\]"),
         ([[1.0, 2.0]], [1.0], {}, TypeError, r"^arrays\[0\]"),

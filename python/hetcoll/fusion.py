@@ -26,12 +26,17 @@ from typing import Any, TypeVar
 import numpy as np
 
 from hetcoll import _core
-from hetcoll.kernels import is_tensor, numpy_view
+from hetcoll.kernels import (
+    check_dtype,
+    check_writable,
+    is_tensor,
+    mark_written,
+    numpy_view,
+)
 
 __all__ = ["pack", "unpack"]
 
 Array = TypeVar("Array")
-_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16))
 
 
 def _scale(scale: object) -> float:
@@ -57,11 +62,7 @@ def _views(arrays: Any) -> tuple[list[Any], list[np.ndarray], bool | None]:
     bf16: bool | None = None
     for i, a in enumerate(arrays):
         v, b = numpy_view(a, f"arrays[{i}]")
-        if not b and v.dtype not in _DTYPES:
-            raise TypeError(
-                f"arrays[{i}]: dtype {v.dtype} is not supported (float32, float64, float16, "
-                "bfloat16)"
-            )
+        check_dtype(v, b, f"arrays[{i}]")
         if views and (b != bf16 or v.dtype != views[0].dtype):
             raise TypeError(f"arrays[{i}]: dtype differs from arrays[0]'s")
         bf16 = b
@@ -83,6 +84,7 @@ def pack(arrays: Sequence[Array], *, scale: float = 1.0, out: Array | None = Non
     """
     value = _scale(scale)
     arrays, views, bf16 = _views(arrays)
+    check_writable([] if out is None else [(out, "out")])
     result: Any = out
     if result is None:
         if not arrays:
@@ -99,6 +101,7 @@ def pack(arrays: Sequence[Array], *, scale: float = 1.0, out: Array | None = Non
     if bf16 is not None and out_bf16 != bf16:
         raise TypeError("out: dtype differs from the arrays'")
     _core.pack_into(views, out_view, scale=value, bfloat16=out_bf16)
+    mark_written(result)
     return result  # type: ignore[no-any-return]
 
 
@@ -106,7 +109,9 @@ def unpack(flat: Array, arrays: Sequence[Array], *, scale: float = 1.0) -> None:
     """Write ``scale * flat[o_i : o_i + arrays[i].size]`` into each of ``arrays``, in place.
 
     The inverse of :func:`pack`: ``o_i`` is the total size of ``arrays[:i]``, and ``flat`` must
-    hold exactly the arrays' total number of elements, in their dtype, without overlapping them.
+    hold exactly the arrays' total number of elements, in their dtype, without overlapping them
+    (nor may the arrays overlap each other). Arrays that require grad are refused in grad mode
+    and written tensors have their version counter bumped, as for :func:`hetcoll.weighted_sum`.
 
     >>> import numpy as np
     >>> a, b = np.zeros(1), np.zeros(2)
@@ -116,7 +121,10 @@ def unpack(flat: Array, arrays: Sequence[Array], *, scale: float = 1.0) -> None:
     """
     value = _scale(scale)
     flat_view, flat_bf16 = numpy_view(flat, "flat")
-    _, views, bf16 = _views(arrays)
+    arrays, views, bf16 = _views(arrays)
     if bf16 is not None and flat_bf16 != bf16:
         raise TypeError("flat: dtype differs from the arrays'")
+    check_writable([(a, f"arrays[{i}]") for i, a in enumerate(arrays)])
     _core.unpack_from(flat_view, views, scale=value, bfloat16=flat_bf16)
+    for a in arrays:
+        mark_written(a)

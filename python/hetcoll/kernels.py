@@ -51,6 +51,44 @@ def numpy_view(x: Any, argument: str) -> tuple[np.ndarray, bool]:
     )
 
 
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16))
+"""The numpy dtypes the kernels read (bfloat16 arrives as ``uint16`` bit patterns)."""
+
+
+def check_dtype(view: np.ndarray, bf16: bool, argument: str) -> None:
+    """Refuse a dtype the kernels do not read, naming ``argument`` (before any output exists)."""
+    if not bf16 and view.dtype not in _DTYPES:
+        raise TypeError(
+            f"{argument}: dtype {view.dtype} is not supported (float32, float64, float16, bfloat16)"
+        )
+
+
+def check_writable(written: Sequence[tuple[Any, str]]) -> None:
+    """Refuse to write what torch's in-place and ``out=`` ops refuse to write: in grad mode, a
+    tensor that requires grad (a leaf, or a result autograd tracks; the kernels are not
+    differentiable, so its gradient would be silently wrong). Each pair is ``(buffer, argument
+    name)``. Inputs are only read, so they may require grad (the result then does not)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.is_grad_enabled():
+        return
+    for x, name in written:
+        if is_tensor(x) and x.requires_grad:
+            raise RuntimeError(
+                f"{name}: requires grad; hetcoll's kernels write it in place and are not "
+                "differentiable (torch refuses the same for its out= and in-place ops; write "
+                "under torch.no_grad() or into a tensor that does not require grad)"
+            )
+
+
+def mark_written(x: Any) -> None:
+    """Bump a written tensor's version counter, as torch's in-place ops do, so that autograd
+    raises on backward if it had saved the tensor before hetcoll overwrote it."""
+    if is_tensor(x) and not x.is_inference():
+        from torch.autograd.graph import increment_version
+
+        increment_version(x)
+
+
 def weighted_sum(
     arrays: Sequence[ArrayT], weights: Sequence[float], *, out: ArrayT | None = None
 ) -> ArrayT:
@@ -58,7 +96,11 @@ def weighted_sum(
 
     ``arrays`` are numpy arrays or CPU torch tensors of one shape and dtype (float32, float64,
     float16, or bfloat16 tensors; 16-bit types accumulate in float32). ``out`` may be one of
-    ``arrays`` (in-place accumulation); when omitted a new array like ``arrays[0]`` is returned.
+    ``arrays`` (in-place accumulation) but must not otherwise overlap them (a ``ValueError``
+    names the pair); when omitted a new array like ``arrays[0]`` is returned. Like torch's
+    ``out=`` ops, it is not differentiable: in grad mode an ``out`` that requires grad raises
+    ``RuntimeError``, and ``out``'s version counter is bumped, so autograd raises on backward
+    if it had saved ``out``.
     The GIL is released; ``HETCOLL_NUM_THREADS`` sets the thread count (default: the node's
     cores divided among the job's ranks on it, see :func:`num_threads`) and the result is
     bitwise the same for any thread count.
@@ -73,6 +115,9 @@ def weighted_sum(
     if not arrays:
         raise ValueError("arrays: must hold at least one array")
     views = [numpy_view(a, f"arrays[{i}]") for i, a in enumerate(arrays)]
+    for i, (v, bf16) in enumerate(views):
+        check_dtype(v, bf16, f"arrays[{i}]")
+    check_writable([] if out is None else [(out, "out")])
     if out is None:
         first: Any = arrays[0]
         if is_tensor(first):
@@ -87,6 +132,7 @@ def weighted_sum(
             kinds = {True: "bfloat16", False: "not bfloat16"}
             raise TypeError(f"arrays[{i}]: is {kinds[bf16]} but out is {kinds[out_bf16]}")
     _core.weighted_sum_into([v for v, _ in views], weights, out_view, bfloat16=out_bf16)
+    mark_written(out)
     return out
 
 

@@ -66,13 +66,54 @@ class NetworkHypergraph:
     bytes_per_element: int = 4
 
 
+def _trace(model: torch.nn.Module, shape: tuple[int, ...], calls: list[Any]) -> None:
+    """One forward pass of one sample of ``shape`` in the model's own dtype (float64 models
+    used to be fed float32 zeros and blame ``input_shape``): on the meta device first (no memory,
+    no arithmetic), on real zeros on the model's device if meta cannot run it (a
+    forward that reads values). A failure then is the shape's."""
+    import torch
+    from torch.func import functional_call
+
+    tensors = [*model.parameters(), *model.buffers()]
+    dtypes = {t.dtype for t in tensors if t.is_floating_point()}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"model: parameters and buffers mix floating-point dtypes {sorted(map(str, dtypes))}"
+        )
+    dtype = dtypes.pop() if dtypes else torch.get_default_dtype()
+    device = tensors[0].device if tensors else torch.device("cpu")
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            try:
+                meta = {
+                    k: torch.empty_like(v, device="meta")
+                    for k, v in [*model.named_parameters(), *model.named_buffers()]
+                }
+                x = torch.empty((1, *shape), dtype=dtype, device="meta")
+                functional_call(model, meta, (x,))
+                return
+            except Exception:
+                calls.clear()  # the partial trace of the failed attempt
+            try:
+                model(torch.zeros((1, *shape), dtype=dtype, device=device))
+            except Exception as exc:  # the user's model rejected the shape
+                raise ValueError(
+                    f"input_shape: the model's forward pass failed on {shape} ({dtype}): {exc}"
+                ) from exc
+    finally:
+        model.train(was_training)
+
+
 def network_hypergraph(
     model: torch.nn.Module, input_shape: tuple[int, ...], *, bytes_per_element: int = 4
 ) -> NetworkHypergraph:
     """The seed-002 hypergraph of ``model`` for inputs of ``input_shape`` (one sample, no batch).
 
-    Runs one forward pass on zeros to read every layer's shapes. Raises ``ValueError`` naming
-    ``model`` for a model it cannot read as a chain of layers, ``input_shape`` for a bad shape.
+    Runs one forward pass in the model's dtype, on the meta device where the model allows it, to
+    read every layer's shapes. Raises ``ValueError`` naming ``model`` for a model it cannot read
+    as a chain of layers (or whose parameters mix dtypes), ``input_shape`` for a bad shape.
 
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(),
@@ -103,15 +144,7 @@ def network_hypergraph(
 
         handles.append(module.register_forward_hook(hook))
     try:
-        with torch.no_grad():
-            was_training = model.training
-            model.eval()
-            try:
-                model(torch.zeros((1, *shape)))
-            finally:
-                model.train(was_training)
-    except Exception as exc:  # the user's model rejected the shape
-        raise ValueError(f"input_shape: the model's forward pass failed on {shape}: {exc}") from exc
+        _trace(model, shape, calls)
     finally:
         for h in handles:
             h.remove()

@@ -323,10 +323,20 @@ class FilterParallelLayer(_ChannelSplit, nn.Module):
     bias: nn.Parameter | None
     local: nn.Module
 
+    # Dimensions the input must have (None: any); checked locally, before any collective, so a
+    # wrong input raises on every rank instead of leaving the ranks' collectives mismatched.
+    input_dims: int | None = None
+
     def _local_in(self) -> int:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_dims is not None and x.dim() != self.input_dims:
+            raise ValueError(
+                f"input: a filter-parallel {type(self).__name__} takes batched {self.input_dims}-D "
+                f"input (N, C, H, W), got shape {tuple(x.shape)}; add the batch dimension "
+                "(x.unsqueeze(0)) for one sample"
+            )
         if self.mode == "split-input":
             want = self._local_in()
             if x.dim() == 0 or x.shape[self.dim] != want:
@@ -397,11 +407,14 @@ class FilterParallelConv2d(FilterParallelLayer):
     input-channel columns of every filter. ``group`` is anything :func:`hetcoll.comm.wrap` takes.
     The full layer is initialised as ``nn.Conv2d`` would be (so ranks must share the seed), then
     only the local slice is kept; :meth:`from_module` splits an existing layer instead. Every
-    rank must pass the same input (or, in split-input mode, its own slice). ``timeout``
-    (seconds) bounds each collective.
+    rank must pass the same batched input (or, in split-input mode, its own slice); an
+    unbatched (C, H, W) input raises ``ValueError``. ``timeout`` (seconds) bounds each
+    collective.
 
     >>> conv = FilterParallelConv2d(3, 37, 3, speeds=[1.0, 0.25], group=None)  # doctest: +SKIP
     """
+
+    input_dims = 4  # unbatched (C, H, W) input would gather along H
 
     def __init__(
         self,
@@ -928,6 +941,24 @@ def _why_kept(m: nn.Module) -> str:
     return ""
 
 
+def _tied(model: nn.Module) -> dict[str, str]:
+    """Modules whose own parameters another module also holds (tied weights, or one module
+    registered under two names), by name, each with what it shares: ``"weight shared with
+    'emb'"``. Splitting such a module would give it a slice of its own and untie the rest."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        for pname, p in m.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((n, pname))
+    tied: dict[str, str] = {}
+    for holders in owners.values():
+        if len(holders) < 2:
+            continue
+        for n, pname in holders:
+            others = ", ".join(repr(o) for o, _ in holders if o != n) or f"{n!r} itself"
+            tied.setdefault(n, f"{pname} shared with {others}")
+    return tied
+
+
 def _choose(
     model: nn.Module,
     layers: Sequence[str] | None,
@@ -935,10 +966,13 @@ def _choose(
     *,
     warn: bool = True,
 ) -> list[str]:
+    tied = _tied(model)
     if layers is None:
         chosen, kept = [], []
         for n, m in named.items():
-            if type(m) is nn.Linear or (type(m) is nn.Conv2d and m.groups == 1):
+            if n in tied and isinstance(m, (nn.Linear, nn.Conv2d)):
+                kept.append(f"{n!r} ({type(m).__name__}, {tied[n]}: a split would untie them)")
+            elif type(m) is nn.Linear or (type(m) is nn.Conv2d and m.groups == 1):
                 chosen.append(n)
             elif isinstance(m, _REPLICATED_KINDS) and any(True for _ in m.parameters()):
                 kept.append(f"{n!r} ({type(m).__name__}{_why_kept(m)})")
@@ -952,7 +986,7 @@ def _choose(
         if not chosen and warn:
             warnings.warn(
                 f"filter_parallel: {type(model).__name__} has no Conv2d (groups=1) or Linear "
-                "layer to split; it runs unchanged on every rank",
+                "layer it can split; it runs unchanged on every rank",
                 UserWarning,
                 stacklevel=4,
             )
@@ -966,6 +1000,12 @@ def _choose(
             raise ValueError(
                 f"layers: {name!r} is a {type(named[name]).__name__}; only Conv2d and Linear "
                 "layers can be split"
+            )
+        if name in tied:
+            raise ValueError(
+                f"layers: {name!r} cannot be split: {tied[name]}, and a split layer holds only "
+                "its slice, which would untie them (leave it out of layers: it then stays "
+                "replicated)"
             )
     if len(set(layers)) != len(layers):
         raise ValueError("layers: names a module more than once")
@@ -1164,7 +1204,11 @@ def filter_parallel(
     ``nn.Conv2d`` with ``groups=1`` and ``nn.Linear``). Modes are chosen so a split layer feeding
     another through channel-wise modules only (inside an ``nn.Sequential``) skips the gather:
     split-output then split-input; a BatchNorm between them is split too. ``avoid_gathers=False``
-    gathers after every split layer. Every rank must pass the same arguments and the same
+    gathers after every split layer. A layer that shares a parameter with another module (tied
+    weights, as a language model's head with its embedding, or one module registered under two
+    names) stays replicated and is named in a ``UserWarning``, as PyTorch users expect ties to
+    hold: a split layer would hold a slice of its own and untie them; naming it in ``layers``
+    raises ``ValueError`` naming both. Every rank must pass the same arguments and the same
     model; all checks run before the one collective (an agreement check on the plan, which
     raises :class:`hetcoll.CollectiveMismatchError` on every rank if ranks disagree).
 

@@ -3,7 +3,9 @@
 //! bfloat16 arrives as `uint16` bit patterns (numpy has no bfloat16; the Python layer passes
 //! torch bfloat16 tensors this way).
 
-use numpy::{dtype, PyArrayDescrMethods, PyArrayDyn, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{
+    dtype, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods,
+};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
@@ -49,7 +51,7 @@ pub fn kind(
     }
 }
 
-/// `a` as a typed, C-contiguous numpy array of element `N` (`want` describes the dtype expected,
+/// `a` as a typed, C-contiguous, aligned numpy array of element `N` (`want` describes the dtype expected,
 /// for the error message).
 pub fn typed<'a, 'py, N: numpy::Element>(
     a: &'a Bound<'py, PyAny>,
@@ -64,6 +66,17 @@ pub fn typed<'a, 'py, N: numpy::Element>(
     })?;
     if !t.is_c_contiguous() {
         return Err(invalid(name, "must be C-contiguous"));
+    }
+    if !t.is_aligned() {
+        // Rust slices need aligned elements; a view at an odd byte offset (numpy.frombuffer with
+        // an offset, a field of a packed record) would be undefined behaviour, so it is refused.
+        return Err(invalid(
+            name,
+            format!(
+                "is not aligned to {} bytes (a view at an odd byte offset?); pass a copy",
+                std::mem::align_of::<N>()
+            ),
+        ));
     }
     Ok(t)
 }
@@ -87,3 +100,57 @@ macro_rules! with_kind {
     };
 }
 pub(crate) use with_kind;
+
+/// A buffer's byte range, whether the kernel writes it, and its argument name.
+pub struct Span {
+    start: usize,
+    end: usize,
+    written: bool,
+    name: String,
+}
+
+impl Span {
+    /// The bytes `a` occupies (C-contiguous, checked by [`typed`]); empty for no elements.
+    pub fn of<N: numpy::Element>(
+        a: &Bound<'_, PyArrayDyn<N>>,
+        written: bool,
+        name: String,
+    ) -> Self {
+        let start = a.data() as usize;
+        Span {
+            start,
+            end: start + a.len() * std::mem::size_of::<N>(),
+            written,
+            name,
+        }
+    }
+}
+
+/// Refuse buffers that overlap where the kernel writes, as torch refuses them: every written
+/// span must be disjoint from every other span (spans only read may overlap each other).
+/// Compared by address, so torch views, `numpy.frombuffer` arrays and slices of one allocation
+/// are caught whatever object owns the memory (numpy's own borrow tracking only sees arrays of
+/// one base object). A sweep over the spans sorted by address: `O(n log n)` for the hundreds
+/// of gradients of a fusion buffer. The error names a buffer only read first.
+pub fn check_disjoint(mut spans: Vec<Span>) -> PyResult<()> {
+    spans.retain(|s| s.end > s.start);
+    spans.sort_by_key(|s| s.start);
+    let mut last_written: Option<&Span> = None;
+    let mut last_read: Option<&Span> = None;
+    for s in &spans {
+        if let Some(w) = last_written.filter(|w| s.start < w.end) {
+            return Err(invalid(&s.name, format!("overlaps {} in memory", w.name)));
+        }
+        if s.written {
+            if let Some(r) = last_read.filter(|r| s.start < r.end) {
+                return Err(invalid(&r.name, format!("overlaps {} in memory", s.name)));
+            }
+            if last_written.is_none_or(|w| s.end > w.end) {
+                last_written = Some(s);
+            }
+        } else if last_read.is_none_or(|r| s.end > r.end) {
+            last_read = Some(s);
+        }
+    }
+    Ok(())
+}

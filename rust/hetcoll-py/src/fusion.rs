@@ -4,7 +4,7 @@ use hetcoll_core::kernels::{self, Element};
 use numpy::{PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn};
 use pyo3::prelude::*;
 
-use crate::buffers::{kind, typed, with_kind};
+use crate::buffers::{check_disjoint, kind, typed, with_kind, Span};
 use crate::errors::{detached, invalid, IntoPy};
 
 /// `out = scale · concat(arrays)`; `arrays` are C-contiguous numpy arrays of any shape and
@@ -53,21 +53,34 @@ where
     T: Element,
 {
     let want = format!("out's dtype {}", T::NAME);
-    let mut out_rw = typed::<N>(out, "out", &want)?
-        .try_readwrite()
-        .map_err(|e| invalid("out", e))?;
-    let mut guards: Vec<PyReadonlyArrayDyn<'_, N>> = Vec::with_capacity(arrays.len());
+    let out = typed::<N>(out, "out", &want)?;
+    let mut spans = vec![Span::of(out, true, "out".into())];
+    let mut typed_arrays = Vec::with_capacity(arrays.len());
     for (i, a) in arrays.iter().enumerate() {
         let name = format!("arrays[{i}]");
-        let ro = typed::<N>(a, &name, &want)?
+        let a = typed::<N>(a, &name, &want)?;
+        spans.push(Span::of(a, false, name));
+        typed_arrays.push(a);
+    }
+    check_disjoint(spans)?;
+    let mut out_rw = out.try_readwrite().map_err(|e| invalid("out", e))?;
+    let mut guards: Vec<PyReadonlyArrayDyn<'_, N>> = Vec::with_capacity(arrays.len());
+    for (i, a) in typed_arrays.into_iter().enumerate() {
+        let name = format!("arrays[{i}]");
+        let ro = a
             .try_readonly()
             .map_err(|_| invalid(&name, "overlaps out"))?;
         guards.push(ro);
     }
-    let sources: Vec<&[T]> = guards
+    let sources = guards
         .iter()
-        .map(|g| view(g.as_slice().expect("checked C-contiguous")))
-        .collect();
+        .enumerate()
+        .map(|(i, g)| {
+            g.as_slice()
+                .map(view)
+                .map_err(|e| invalid(&format!("arrays[{i}]"), e))
+        })
+        .collect::<PyResult<Vec<&[T]>>>()?;
     let out_slice = view_mut(out_rw.as_slice_mut().map_err(|e| invalid("out", e))?);
     let threads = kernels::default_threads().py_err()?;
     detached(py, || kernels::pack(&sources, scale, out_slice, threads))?.py_err()
@@ -86,22 +99,35 @@ where
     T: Element,
 {
     let want = format!("flat's dtype {}", T::NAME);
-    let flat_ro = typed::<N>(flat, "flat", &want)?
-        .try_readonly()
-        .map_err(|e| invalid("flat", e))?;
-    let mut guards: Vec<PyReadwriteArrayDyn<'_, N>> = Vec::with_capacity(arrays.len());
+    let flat = typed::<N>(flat, "flat", &want)?;
+    let mut spans = vec![Span::of(flat, false, "flat".into())];
+    let mut typed_arrays = Vec::with_capacity(arrays.len());
     for (i, a) in arrays.iter().enumerate() {
         let name = format!("arrays[{i}]");
-        let rw = typed::<N>(a, &name, &want)?
+        let a = typed::<N>(a, &name, &want)?;
+        spans.push(Span::of(a, true, name));
+        typed_arrays.push(a);
+    }
+    check_disjoint(spans)?;
+    let flat_ro = flat.try_readonly().map_err(|e| invalid("flat", e))?;
+    let mut guards: Vec<PyReadwriteArrayDyn<'_, N>> = Vec::with_capacity(arrays.len());
+    for (i, a) in typed_arrays.into_iter().enumerate() {
+        let name = format!("arrays[{i}]");
+        let rw = a
             .try_readwrite()
             .map_err(|_| invalid(&name, "overlaps flat or another of arrays"))?;
         guards.push(rw);
     }
-    let src = view(flat_ro.as_slice().expect("checked C-contiguous"));
-    let mut dests: Vec<&mut [T]> = guards
+    let src = view(flat_ro.as_slice().map_err(|e| invalid("flat", e))?);
+    let mut dests = guards
         .iter_mut()
-        .map(|g| view_mut(g.as_slice_mut().expect("checked C-contiguous")))
-        .collect();
+        .enumerate()
+        .map(|(i, g)| {
+            g.as_slice_mut()
+                .map(view_mut)
+                .map_err(|e| invalid(&format!("arrays[{i}]"), e))
+        })
+        .collect::<PyResult<Vec<&mut [T]>>>()?;
     let threads = kernels::default_threads().py_err()?;
     detached(py, || kernels::unpack(src, &mut dests, scale, threads))?.py_err()
 }

@@ -4,7 +4,7 @@ use hetcoll_core::kernels::{self, Element, Source};
 use numpy::{PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use crate::buffers::{kind, typed, with_kind};
+use crate::buffers::{check_disjoint, kind, typed, with_kind, Span};
 use crate::convert::floats;
 use crate::errors::{detached, invalid, IntoPy};
 
@@ -46,9 +46,8 @@ where
     let out = typed::<N>(out, "out", &want)?;
     let out_ptr = out.data() as usize;
     let shape = out.shape().to_vec();
-    let mut out_rw = out.try_readwrite().map_err(|e| invalid("out", e))?;
-
-    let mut guards: Vec<Option<PyReadonlyArrayDyn<'_, N>>> = Vec::with_capacity(arrays.len());
+    let mut typed_arrays = Vec::with_capacity(arrays.len());
+    let mut spans = vec![Span::of(out, true, "out".into())];
     for (i, a) in arrays.iter().enumerate() {
         let name = format!("arrays[{i}]");
         let a = typed::<N>(a, &name, &want)?;
@@ -58,6 +57,19 @@ where
                 format!("has shape {:?} but out has shape {:?}", a.shape(), shape),
             ));
         }
+        // `out` itself may be one of `arrays` (in-place accumulation); any other overlap with
+        // it would read values the kernel has already overwritten.
+        if a.data() as usize != out_ptr {
+            spans.push(Span::of(a, false, name));
+        }
+        typed_arrays.push(a);
+    }
+    check_disjoint(spans)?;
+    let mut out_rw = out.try_readwrite().map_err(|e| invalid("out", e))?;
+
+    let mut guards: Vec<Option<PyReadonlyArrayDyn<'_, N>>> = Vec::with_capacity(arrays.len());
+    for (i, a) in typed_arrays.into_iter().enumerate() {
+        let name = format!("arrays[{i}]");
         if a.data() as usize == out_ptr {
             guards.push(None); // the very buffer of `out`: read in place
         } else {
@@ -67,13 +79,17 @@ where
             guards.push(Some(ro));
         }
     }
-    let sources: Vec<Source<'_, T>> = guards
+    let sources = guards
         .iter()
-        .map(|g| match g {
-            Some(ro) => Source::Slice(view(ro.as_slice().expect("checked C-contiguous"))),
-            None => Source::Out,
+        .enumerate()
+        .map(|(i, g)| match g {
+            Some(ro) => ro
+                .as_slice()
+                .map(|s| Source::Slice(view(s)))
+                .map_err(|e| invalid(&format!("arrays[{i}]"), e)),
+            None => Ok(Source::Out),
         })
-        .collect();
+        .collect::<PyResult<Vec<Source<'_, T>>>>()?;
     let out_slice = view_mut(out_rw.as_slice_mut().map_err(|e| invalid("out", e))?);
     let threads = kernels::default_threads().py_err()?;
     detached(py, || {

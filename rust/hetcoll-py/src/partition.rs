@@ -128,8 +128,9 @@ fn number(obj: &Bound<'_, PyAny>, argument: &str) -> PyResult<f64> {
 
 /// Block ids, one per vertex: a numpy integer array (fast path) or any sequence of integers.
 fn block_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    if let Ok(arr) = obj.cast::<PyArray1<i64>>() {
-        let ro = arr.readonly();
+    // Fast path for aligned arrays only: a misaligned view is read element by element below.
+    if let Some(arr) = obj.cast::<PyArray1<i64>>().ok().filter(|a| a.is_aligned()) {
+        let ro = arr.try_readonly().map_err(|e| invalid("parts", e))?;
         let slice = ro
             .as_slice()
             .map_err(|_| invalid("parts", "must be contiguous"))?;
@@ -174,15 +175,14 @@ fn compressed_nets(nets: &Bound<'_, PyAny>, limit: u64) -> PyResult<(Vec<usize>,
             pins.push(v as u32);
             Ok(())
         };
-        if let Ok(arr) = net.cast::<PyArray1<i64>>() {
-            if arr.ndim() == 1 {
-                let ro = arr.readonly();
-                for &v in ro.as_array().iter() {
-                    push(v)?;
-                }
-                offsets.push(pins.len());
-                continue;
+        // Fast path for aligned arrays only (Rust reads them as slices).
+        if let Some(arr) = net.cast::<PyArray1<i64>>().ok().filter(|a| a.is_aligned()) {
+            let ro = arr.try_readonly().map_err(|e| invalid(&name(), e))?;
+            for &v in ro.as_array().iter() {
+                push(v)?;
             }
+            offsets.push(pins.len());
+            continue;
         }
         if net.is_instance_of::<PyString>() {
             return Err(invalid(&name(), "must be a sequence of vertex ids"));

@@ -54,6 +54,9 @@ pub fn chunk_bounds(counts: &[u64]) -> Result<Vec<usize>> {
     Ok(bounds)
 }
 
+/// The most segments a schedule may list over all chunks (each is two `usize`s, listed twice).
+pub const MAX_SEGMENTS: u128 = 1 << 24;
+
 /// `[lo, hi)` cut into consecutive segments of at most `segment` elements (one empty segment
 /// when `lo == hi`, so that every step sends and receives one message at least and the two
 /// sides always agree on the message count).
@@ -64,7 +67,7 @@ pub fn segments(lo: usize, hi: usize, segment: usize) -> Vec<(usize, usize)> {
     let mut out = Vec::with_capacity((hi - lo).div_ceil(segment));
     let mut a = lo;
     while a < hi {
-        let b = hi.min(a + segment);
+        let b = hi.min(a.saturating_add(segment)); // a + segment may exceed usize::MAX
         out.push((a, b));
         a = b;
     }
@@ -74,7 +77,8 @@ pub fn segments(lo: usize, hi: usize, segment: usize) -> Vec<(usize, usize)> {
 /// The `2 (p − 1)` steps of the ring allreduce for `rank`, over chunks of `counts[c]` elements,
 /// each chunk cut into segments of at most `segment` elements.
 ///
-/// Errors name the argument: empty `counts`, `rank >= p`, `segment == 0`.
+/// Errors name the argument: empty `counts`, `rank >= p`, `segment == 0`, more than
+/// [`MAX_SEGMENTS`] segments.
 ///
 /// ```
 /// use hetcoll_core::schedules::ring::{ring_allreduce, Phase};
@@ -99,6 +103,20 @@ pub fn ring_allreduce(counts: &[u64], rank: usize, segment: usize) -> Result<Vec
         return Err(CoreError::invalid("segment", "must be at least 1 element"));
     }
     let bounds = chunk_bounds(counts)?;
+    // Every chunk is listed twice per rank's schedule; refuse a schedule that would not fit in
+    // memory (an allocation failure aborts the process) rather than build it.
+    let listed: u128 = counts
+        .iter()
+        .map(|&c| u128::from(c).div_ceil(segment as u128).max(1))
+        .sum();
+    if listed > MAX_SEGMENTS {
+        return Err(CoreError::invalid(
+            "segment",
+            format!(
+                "{segment} elements cut counts into {listed} segments, more than {MAX_SEGMENTS}"
+            ),
+        ));
+    }
     let chunk = |offset: usize| (rank + p - offset % p) % p;
     let segs = |c: usize| segments(bounds[c], bounds[c + 1], segment);
     let mut steps = Vec::with_capacity(2 * (p - 1));

@@ -212,26 +212,60 @@ impl Increments<'_> {
     }
 
     /// Number of rank `i`'s increments `≤ t`: a floating-point estimate, then corrected against
-    /// [`Self::value`] so that the count agrees exactly with the finish-time comparisons.
+    /// [`Self::value`] so that the count agrees exactly with the finish-time comparisons. The
+    /// increments are nondecreasing in `k` (IEEE rounding is monotone), so the correction is an
+    /// exponential search from the estimate: `O(log error)` evaluations even when the estimate is
+    /// far off (finish times dominated by a huge latency, or shares beyond 2^53 that round).
     #[inline]
     fn count(&self, i: usize, t: f64) -> u64 {
         let room = self.hi[i] - self.lo[i];
         let estimate =
             ((t - self.latency[i]) * self.speeds[i] / self.q as f64).floor() - self.lo[i] as f64;
-        let mut k = if estimate.is_nan() || estimate <= 0.0 {
+        let k = if estimate.is_nan() || estimate <= 0.0 {
             0
         } else if estimate >= room as f64 {
             room
         } else {
-            estimate as u64
+            (estimate as u64).min(room)
         };
-        while k < room && self.value(i, k + 1) <= t {
-            k += 1;
+        // `fits(k)`: the k-th increment is `≤ t` (k = 0 always fits).
+        let fits = |k: u64| k == 0 || self.value(i, k) <= t;
+        // Bracket the answer in `[good, bad)` with `fits(good)` and `!fits(bad)` (bad = room + 1
+        // stands for "beyond the room"), doubling the step away from the estimate.
+        let (mut good, mut bad) = if fits(k) {
+            let (mut good, mut step) = (k, 1u64);
+            loop {
+                let next = good.saturating_add(step).min(room);
+                if next == good {
+                    return good; // every increment up to the room fits
+                }
+                if fits(next) {
+                    good = next;
+                    step = step.saturating_mul(2);
+                } else {
+                    break (good, next);
+                }
+            }
+        } else {
+            let (mut bad, mut step) = (k, 1u64);
+            loop {
+                let next = bad.saturating_sub(step);
+                if fits(next) {
+                    break (next, bad);
+                }
+                bad = next;
+                step = step.saturating_mul(2);
+            }
+        };
+        while bad - good > 1 {
+            let mid = good + (bad - good) / 2;
+            if fits(mid) {
+                good = mid;
+            } else {
+                bad = mid;
+            }
         }
-        while k > 0 && self.value(i, k) > t {
-            k -= 1;
-        }
-        k
+        good
     }
 
     /// The largest level `t ≤ hi_t` (to bisection precision) at which the relaxed count
@@ -262,8 +296,11 @@ impl Increments<'_> {
         lo
     }
 
-    fn total_count(&self, t: f64) -> u64 {
-        (0..self.speeds.len()).map(|i| self.count(i, t)).sum()
+    /// `Σ_i count(i, t)`, in `u128`: each count can reach 2^64 − 1.
+    fn total_count(&self, t: f64) -> u128 {
+        (0..self.speeds.len())
+            .map(|i| u128::from(self.count(i, t)))
+            .sum()
     }
 
     /// Extra units per rank (above the floors) for `remaining` units, exactly the unit-at-a-time
@@ -276,26 +313,29 @@ impl Increments<'_> {
         let mut hi_t = (0..p)
             .filter(|&i| self.hi[i] > self.lo[i])
             .map(|i| self.value(i, self.hi[i] - self.lo[i]))
-            .fold(0.0_f64, f64::max);
-        // Start from the level of the continuous relaxation: there the exact count is within p of
-        // `remaining`, so usually no exact probe beyond this one is needed.
+            .fold(0.0_f64, f64::max)
+            .min(f64::MAX); // a share whose finish time overflows stays above every finite level
+                            // Start from the level of the continuous relaxation: there the exact count is within p of
+                            // `remaining`, so usually no exact probe beyond this one is needed.
         let guess = self.continuous_level(remaining as f64, hi_t);
         let guess_count = self.total_count(guess);
-        // Invariant: count(lo_t) <= remaining < count(hi_t).
-        let (mut lo_t, mut lo_count) = if guess_count <= remaining {
+        let remaining_wide = u128::from(remaining);
+        // Invariant: count(lo_t) <= remaining < count(hi_t). Finish times are >= 0 (latencies
+        // are), so no increment is <= -1.
+        let (mut lo_t, mut lo_count) = if guess_count <= remaining_wide {
             (guess, guess_count)
         } else {
             hi_t = guess;
-            (0.0, 0)
+            (-1.0, 0)
         };
-        let slack = p as u64;
-        while remaining - lo_count > slack {
+        let slack = p as u128;
+        while remaining_wide - lo_count > slack {
             let mid = lo_t + (hi_t - lo_t) / 2.0;
             if mid <= lo_t || mid >= hi_t {
                 break; // adjacent floats: the rest are ties, the heap settles them
             }
             let c = self.total_count(mid);
-            if c <= remaining {
+            if c <= remaining_wide {
                 lo_t = mid;
                 lo_count = c;
             } else {
@@ -303,22 +343,56 @@ impl Increments<'_> {
             }
         }
         let mut taken: Vec<u64> = (0..p).map(|i| self.count(i, lo_t)).collect();
+        // count(lo_t) <= remaining, so the sum fits in u64.
         let mut left = remaining - taken.iter().sum::<u64>();
         let mut heap: BinaryHeap<Reverse<(Level, usize)>> = (0..p)
             .filter(|&i| taken[i] < self.hi[i] - self.lo[i])
             .map(|i| Reverse((Level(self.value(i, taken[i] + 1)), i)))
             .collect();
+        // The greedy hands out one unit at a time; the popped rank keeps winning while its next
+        // increment beats the heap's top (ties to the lower rank), so it takes that whole run at
+        // once. Each pop either exhausts `left`, fills the rank, or hands the lead to another
+        // rank, so runs of equal finish times (a huge latency, shares that round) cost one pop.
         while left > 0 {
-            let Reverse((_, i)) = heap
-                .pop()
-                .expect("room exceeds the remaining units, so the heap cannot run dry");
-            taken[i] += 1;
-            left -= 1;
-            if taken[i] < self.hi[i] - self.lo[i] {
+            let Some(Reverse((_, i))) = heap.pop() else {
+                unreachable!("room exceeds the remaining units, so the heap cannot run dry");
+            };
+            let room = self.hi[i] - self.lo[i];
+            let reach = match heap.peek() {
+                None => room,
+                Some(&Reverse((Level(top), j))) => {
+                    if i < j {
+                        self.count(i, top)
+                    } else {
+                        self.count(i, prev_float(top))
+                    }
+                }
+            };
+            // The popped increment itself always counts (it beat the top).
+            let run = reach.max(taken[i] + 1).min(room).min(taken[i] + left) - taken[i];
+            taken[i] += run;
+            left -= run;
+            if taken[i] < room {
                 heap.push(Reverse((Level(self.value(i, taken[i] + 1)), i)));
             }
         }
         taken
+    }
+}
+
+/// The largest float below `x` (for a finite or infinite `x > 0`, as finish times are).
+fn prev_float(x: f64) -> f64 {
+    if x.is_nan() || x == f64::NEG_INFINITY {
+        return x;
+    }
+    if x == 0.0 {
+        return -f64::from_bits(1);
+    }
+    let bits = x.to_bits();
+    if x > 0.0 {
+        f64::from_bits(bits - 1)
+    } else {
+        f64::from_bits(bits + 1)
     }
 }
 
