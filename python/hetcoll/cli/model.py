@@ -39,7 +39,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
 
     shape = parse_shape(args.input)
     model = networks.build(args.model, shape, args.classes)
-    costs = layer_costs(model, shape, conv_algorithm=args.conv_algorithm)
+    costs = layer_costs(model, shape, conv_algorithm=args.conv_algorithm, precision=args.precision)
     return costs, load_cluster(args.cluster)
 
 
@@ -133,6 +133,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 "model": args.model,
                 "batch": args.batch,
                 "devices": cluster.num_devices,
+                "precision": costs.precision,
                 "planning_s": planning_s,
                 "plans": [p.to_json() for p in ranked],
                 "notes": list(costs.notes),
@@ -144,8 +145,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     best = ranked[0]
     print(
         f"{args.model} ({costs.params:,} parameters, {costs.forward_flops(1) / 1e6:.1f} MFLOP "
-        f"forward per sample), batch {args.batch}, {cluster.num_devices} devices "
-        f"(planned in {planning_s * 1e3:.0f} ms)"
+        f"forward per sample, {costs.precision}), batch {args.batch}, "
+        f"{cluster.num_devices} devices (planned in {planning_s * 1e3:.0f} ms)"
     )
     for note in costs.notes:
         print(f"note: {note}")
@@ -190,6 +191,7 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
         default="implicit-gemm",
         help="how convolutions move memory (im2col: PyDTNN's model)",
     )
+    _add_precision(p)
     p.add_argument("--sweep", choices=("batch", "flops", "mem_bw", "link_bw", "nodes"))
     p.add_argument("--plot", help="PNG path of the sweep plot (default hetcoll-sweep-AXIS.png)")
     p.add_argument("--top", type=int, default=5, help="runners-up to print")
@@ -202,25 +204,48 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_plan)
 
 
+def _add_precision(p: argparse.ArgumentParser) -> None:
+    from hetcoll.model.hardware import PRECISIONS
+
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="training precision (autocast): matmuls at the devices' peak for it, 2-byte "
+        "activations for bf16/fp16 (docs/model.md, Precision)",
+    )
+
+
 def _cmd_costs(args: argparse.Namespace) -> int:
     from hetcoll.model import layer_costs, networks, parse_shape
 
     shape = parse_shape(args.input)
-    costs = layer_costs(networks.build(args.model, shape, args.classes), shape)
+    costs = layer_costs(
+        networks.build(args.model, shape, args.classes), shape, precision=args.precision
+    )
     if args.json:
         json.dump(
-            [
-                {
-                    "name": x.name,
-                    "kind": x.kind,
-                    "params": x.params,
-                    "forward_flops_per_sample": x.forward_flops(1),
-                    "backward_flops_per_sample": x.backward_flops(1),
-                    "activation_bytes_per_sample": x.out_bytes_per_sample,
-                    "gradient_bytes": x.gradient_bytes,
-                }
-                for x in costs.layers
-            ],
+            {
+                "model": args.model,
+                "input": list(shape),
+                "precision": costs.precision,
+                "params": costs.params,
+                "forward_flops": costs.forward_flops(1),
+                "backward_flops": costs.backward_flops(1),
+                "layers": [
+                    {
+                        "name": x.name,
+                        "kind": x.kind,
+                        "params": x.params,
+                        "forward_flops_per_sample": x.forward_flops(1),
+                        "backward_flops_per_sample": x.backward_flops(1),
+                        "activation_bytes_per_sample": x.out_bytes_per_sample,
+                        "gradient_bytes": x.gradient_bytes,
+                    }
+                    for x in costs.layers
+                ],
+                "notes": list(costs.notes),
+            },
             sys.stdout,
         )
         print()
@@ -374,6 +399,7 @@ def add_model(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--model", required=True, help="cnn, vgg, resnet, mlp, or module:attr")
     c.add_argument("--input", required=True, help="one sample's shape, e.g. 3x32x32")
     c.add_argument("--classes", type=int, default=10)
+    _add_precision(c)
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=_cmd_costs)
 
