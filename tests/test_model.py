@@ -695,8 +695,9 @@ def test_cli_model_costs(capsys: pytest.CaptureFixture[str]) -> None:
         main(["model", "costs", "--model", "tests.test_model:_Gram", "--input", "4x8", "--json"])
         == 0
     )
-    (row,) = json.loads(capsys.readouterr().out)
-    assert row["forward_flops_per_sample"] == 2 * 4 * 4 * 8
+    out = json.loads(capsys.readouterr().out)
+    (row,) = out["layers"]
+    assert row["forward_flops_per_sample"] == out["forward_flops"] == 2 * 4 * 4 * 8
 
 
 @pytest.mark.parametrize(

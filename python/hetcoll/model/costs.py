@@ -39,6 +39,11 @@ from hetcoll.model.hardware import check_precision
 
 # Traced batch: 2, not 1, because batch norm in training mode refuses one sample.
 _TRACE_BATCH = 2
+# Batch of the op-counting run (meta tensors: the size costs nothing). A prime no layer's size
+# is likely to be a multiple of: a tensor whose element count it divides grows with the batch
+# (activations, their gradients), any other is read or written once a step (weights, their
+# gradients, position embeddings), so one run tells per-sample bytes from fixed ones.
+_COUNT_BATCH = 1009
 
 
 @dataclass(frozen=True)
@@ -614,8 +619,9 @@ class _Call:
     in_shape: tuple[int, ...] = ()
     out_shape: tuple[int, ...] = ()
     needs_input_grad: bool = False
-    # [forward, backward] x [matmul-class FLOPs, their bytes, bytes of every other op]
-    counts: list[list[float]] = field(default_factory=lambda: [[0.0] * 3, [0.0] * 3])
+    # [forward, backward] x [matmul-class FLOPs, their per-sample bytes, their fixed bytes,
+    # per-sample bytes of every other op, their fixed bytes], for the whole traced batch
+    counts: list[list[float]] = field(default_factory=lambda: [[0.0] * 5, [0.0] * 5])
     #: Per-sample shapes are unknown for runs of ops: bytes of the first tensor the run reads
     #: and of the last one it writes stand for its input and output.
     first_in_bytes: float = -1.0
@@ -626,8 +632,8 @@ class _Call:
 
 class _OpCounter(TorchDispatchMode):
     """Counts every aten op of a forward and backward pass: FLOPs by
-    ``torch.utils.flop_counter``'s formulas (the ops ``FlopCounterMode`` counts, decomposed as it
-    decomposes them), bytes read and written from the tensors' sizes; each op goes to the
+    ``torch.utils.flop_counter``'s formulas (the ops ``FlopCounterMode`` counts), bytes read and
+    written from the tensors' sizes; each op goes to the
     innermost module call running it (forward) or to the call whose forward op made the autograd
     node running it (backward: nodes are matched by their sequence numbers)."""
 
@@ -694,12 +700,9 @@ class _OpCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         self._flush()
         packet = func._overloadpacket
-        if packet not in flop_registry:
-            # As FlopCounterMode does: count what a composite op decomposes into.
-            with self:
-                r = func.decompose(*args, **kwargs)
-            if r is not NotImplemented:
-                return r
+        # Unlike FlopCounterMode, no op is decomposed: a fused kernel (batch norm) moves the
+        # bytes of its inputs and outputs, not of its decomposition's intermediates; only
+        # batch norm decomposes on the models tested, into no matmul (the FLOPs agree).
         out = func(*args, **kwargs)
         node = torch._C._current_autograd_node()
         backward = node is not None
@@ -724,29 +727,30 @@ class _OpCounter(TorchDispatchMode):
         name = packet.__name__
         if func.is_view or name in _NO_BYTES:
             return out
-        read = (
-            0.0
-            if name in _WRITE_ONLY
-            else sum(_tensor_bytes(t) for t in {id(t): t for t in inputs}.values())
-        )
-        written = sum(_tensor_bytes(t) for t in outputs)
+        moved = outputs if name in _WRITE_ONLY else [*{id(t): t for t in inputs}.values(), *outputs]
+        per_sample = fixed = 0.0
+        for t in moved:
+            if t.numel() % _COUNT_BATCH == 0:
+                per_sample += _tensor_bytes(t)
+            else:
+                fixed += _tensor_bytes(t)
         if index is None:
-            self.unattributed_bytes += read + written
+            self.unattributed_bytes += per_sample + fixed
             return out
         call = self.calls[index]
         c = call.counts[1 if backward else 0]
         flops = (
             flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
         )
-        if flops:
-            c[0] += flops
-            c[1] += read + written
-        else:
-            c[2] += read + written
+        at = 1 if flops else 3
+        c[0] += flops
+        c[at] += per_sample
+        c[at + 1] += fixed
         if not backward:
-            if call.first_in_bytes < 0 and inputs:
+            # Only tensors that grow with the batch stand for the layer's input and output.
+            if call.first_in_bytes < 0 and inputs and inputs[0].numel() % _COUNT_BATCH == 0:
                 call.first_in_bytes = _tensor_bytes(inputs[0])
-            if outputs:
+            if outputs and outputs[0].numel() % _COUNT_BATCH == 0:
                 call.last_out_bytes = _tensor_bytes(outputs[0])
         return out
 
@@ -796,22 +800,14 @@ def _trace(model: nn.Module, shape: tuple[int, ...], batch: int, dtype: torch.dt
     return counter
 
 
-def _fit(small: float, large: float) -> tuple[float, float]:
-    """(per sample, fixed) of a count that is ``small`` at ``_TRACE_BATCH`` samples and
-    ``large`` at twice as many (weights are read once whatever the batch)."""
-    per = max((large - small) / _TRACE_BATCH, 0.0)
-    return per, max(small - per * _TRACE_BATCH, 0.0)
-
-
-def _counted_kernels(c2: _Call, c4: _Call) -> tuple[list[Kernel], list[Kernel]]:
-    """Kernels of a layer no formula describes, from its op counts at two batches: per
-    direction one matmul-class kernel (the FLOPs FlopCounterMode counts: matmuls, convolutions,
-    attention) and one element-wise kernel (every other op, costed by the bytes it moves)."""
+def _counted_kernels(call: _Call) -> tuple[list[Kernel], list[Kernel]]:
+    """Kernels of a layer no formula describes, from its op counts: per direction one
+    matmul-class kernel (the FLOPs FlopCounterMode counts: matmuls, convolutions, attention) and
+    one element-wise kernel (every other op, costed by the bytes it moves)."""
     out: tuple[list[Kernel], list[Kernel]] = ([], [])
     for d, (kernels, suffix) in enumerate(zip(out, ("", "-grad"))):
-        flops_ps, _ = _fit(c2.counts[d][0], c4.counts[d][0])
-        mm_ps, mm_fixed = _fit(c2.counts[d][1], c4.counts[d][1])
-        ew_ps, ew_fixed = _fit(c2.counts[d][2], c4.counts[d][2])
+        flops, mm, mm_fixed, ew, ew_fixed = call.counts[d]
+        flops_ps, mm_ps, ew_ps = flops / _COUNT_BATCH, mm / _COUNT_BATCH, ew / _COUNT_BATCH
         if flops_ps or mm_ps or mm_fixed:
             kernels.append(
                 Kernel("matmul" + suffix, flops_ps, bytes_per_sample=mm_ps, bytes_fixed=mm_fixed)
@@ -845,12 +841,12 @@ def layer_costs(
 
     The model runs forward and backward on the meta device (shapes only: no memory is
     allocated and no arithmetic runs, so a billion-parameter model costs the same to describe as
-    a small one) under a dispatch mode that counts every aten op. A layer is a leaf module's
-    call, or a run of ops a module's own ``forward`` does between its children's calls (a
-    residual add, the matmuls of an attention written in ``forward``): nothing the step runs is
-    left out. Convolutions, linear layers and the element-wise layers of ``_ELEMENTWISE`` keep
-    their kernel formulas (im2col, GEMMs, bias, the bytes a filter split divides); every other
-    layer is costed from its ops' counts.
+    a small one) under a dispatch mode that counts every aten op, once, for a batch of
+    ``_COUNT_BATCH``. A layer is a leaf module's call, or a run of ops a module's own
+    ``forward`` does between its children's calls (a residual add, the matmuls of an attention
+    written in ``forward``): nothing the step runs is left out. Convolutions, linear layers and
+    the element-wise layers of ``_ELEMENTWISE`` keep their kernel formulas (im2col, GEMMs, bias,
+    the bytes a filter split divides); every other layer is costed from its ops' counts.
 
     >>> from torch import nn
     >>> c = layer_costs(nn.Linear(4, 3), (4,))
@@ -871,16 +867,12 @@ def layer_costs(
         raise ValueError(f"input_shape: expected positive integer sizes, got {input_shape!r}")
     item = torch.empty((), dtype=dtype).element_size()
 
-    # Two runs: what grows with the batch is per sample, the rest (weights) fixed.
-    small = _trace(model, shape, _TRACE_BATCH, dtype)
-    large = _trace(model, shape, 2 * _TRACE_BATCH, dtype)
-    if [c.name for c in small.calls] != [c.name for c in large.calls]:
-        raise ValueError("model: runs a different sequence of layers for a different batch size")
+    counter = _trace(model, shape, _COUNT_BATCH, dtype)
     param_of = dict(model.named_parameters())
 
     layers: list[LayerCost] = []
     notes: list[str] = []
-    for c2, c4 in zip(small.calls, large.calls):
+    for c2 in counter.calls:
         mod = c2.module
         owned = [param_of[n] for n in c2.params if n in param_of]
         n_params = sum(p.numel() for p in owned)
@@ -905,7 +897,7 @@ def layer_costs(
         if ks is not None:
             # The formulas' matmul FLOPs against the ops actually counted.
             formula = sum(k.flops_per_sample for k in ks[0] if k.name.startswith("gemm"))
-            counted = c2.counts[0][0] / _TRACE_BATCH
+            counted = c2.counts[0][0] / _COUNT_BATCH
             if abs(formula - counted) > 0.01 * max(formula, counted):
                 notes.append(
                     f"layer {c2.name!r}: formula {formula:.4g} matmul FLOPs per sample, "
@@ -914,12 +906,12 @@ def layer_costs(
             in_b, out_b = float(in_e * item), float(out_e * item)
             saved = 0.0 if isinstance(mod, _VIEWS) else in_b
         else:
-            ks = _counted_kernels(c2, c4)
+            ks = _counted_kernels(c2)
             if c2.leaf and in_s:
                 in_b, out_b = float(in_e * item), float(out_e * item)
             else:
-                in_b = _fit(max(c2.first_in_bytes, 0.0), max(c4.first_in_bytes, 0.0))[0]
-                out_b = _fit(c2.last_out_bytes, c4.last_out_bytes)[0]
+                in_b = max(c2.first_in_bytes, 0.0) / _COUNT_BATCH
+                out_b = c2.last_out_bytes / _COUNT_BATCH
             saved = in_b
         layers.append(
             LayerCost(
@@ -937,12 +929,12 @@ def layer_costs(
                 own_ops=not c2.leaf,
             )
         )
-    unused = set(param_of) - {n for c in small.calls for n in c.params}
+    unused = set(param_of) - {n for c in counter.calls for n in c.params}
     if unused:
         notes.append(f"{len(unused)} parameters are not used by the forward pass")
     if not layers or sum(x.forward_flops(1) for x in layers) == 0:
         notes.append("no costed layers found")
-    leaves = [id(c.module) for c in small.calls if c.leaf]
+    leaves = [id(c.module) for c in counter.calls if c.leaf]
     if len(set(leaves)) < len(leaves):
         notes.append("some modules run more than once per step; each call is a layer")
     buffer_bytes = float(sum(b.numel() * b.element_size() for b in model.buffers()))
