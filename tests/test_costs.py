@@ -268,3 +268,24 @@ def test_bad_precision_names_and_peaks_raise_naming_the_argument() -> None:
         cluster_from_dict(doc)
     with pytest.raises(SystemExit):
         main(["model", "costs", "--model", "cnn", "--input", "3x32x32", "--precision", "int8"])
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, batch_first=True)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.lstm(x)
+        return self.fc(y[:, -1])
+
+
+def test_a_leaf_returning_a_tuple_is_costed_from_its_ops() -> None:
+    model = Recurrent()
+    costs = layer_costs(model, (5, 8))
+    fwd, bwd = _meta_flops(model, (5, 8), batch=2)
+    assert costs.forward_flops(2) == fwd and costs.backward_flops(2) == bwd
+    lstm = costs.layers[0]
+    assert (lstm.name, lstm.params) == ("lstm", sum(p.numel() for p in model.lstm.parameters()))
+    assert lstm.out_bytes_per_sample == 5 * 16 * 4  # the output sequence, not the state

@@ -907,7 +907,7 @@ def layer_costs(
             saved = 0.0 if isinstance(mod, _VIEWS) else in_b
         else:
             ks = _counted_kernels(c2)
-            if c2.leaf and in_s:
+            if c2.leaf and in_s and out_s:
                 in_b, out_b = float(in_e * item), float(out_e * item)
             else:
                 in_b = max(c2.first_in_bytes, 0.0) / _COUNT_BATCH
