@@ -113,7 +113,7 @@ kernel_overhead_s = 1e-6
 [devices.small]
 flops_per_s = 5e9
 mem_bytes_per_s = 5e9
-memory_bytes = 1.3e6
+memory_bytes = 1.6e6
 kernel_overhead_s = 1e-6
 
 [links.net]

@@ -102,10 +102,11 @@ def test_linear_layer_costs_by_hand() -> None:
     c = layer_costs(nn.Linear(4, 3), (4,))
     (layer,) = c.layers
     assert layer.params == 15 and layer.gradient_bytes == 60.0
-    # GEMM 2*1*3*4 = 24 plus 3 bias adds; backward: dW GEMM 24 + bias grad 3 (no dX: the input
-    # needs no gradient).
-    assert c.forward_flops(1) == 27.0
-    assert c.backward_flops(1) == 27.0
+    # GEMM 2*1*3*4 = 24; backward: dW GEMM 24 (no dX: the input needs no gradient). The bias
+    # add and its gradient move bytes but count no FLOPs, as in FlopCounterMode.
+    assert c.forward_flops(1) == 24.0
+    assert c.backward_flops(1) == 24.0
+    assert [k.name for k in layer.forward] == ["gemm", "bias"]
     assert layer.out_bytes_per_sample == 12.0
 
 
@@ -697,8 +698,9 @@ def test_cli_model_costs(capsys: pytest.CaptureFixture[str]) -> None:
         main(["model", "costs", "--model", "tests.test_model:_Gram", "--input", "4x8", "--json"])
         == 0
     )
-    (row,) = json.loads(capsys.readouterr().out)
-    assert row["forward_flops_per_sample"] == 2 * 4 * 4 * 8
+    out = json.loads(capsys.readouterr().out)
+    (row,) = out["layers"]
+    assert row["forward_flops_per_sample"] == out["forward_flops"] == 2 * 4 * 4 * 8
 
 
 @pytest.mark.parametrize(

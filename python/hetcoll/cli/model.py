@@ -54,7 +54,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     from hetcoll.model import load_cluster
 
     cluster = load_cluster(args.cluster)  # first: a bad file fails before the model is costed
-    return _costs(args, conv_algorithm=args.conv_algorithm), cluster
+    return _costs(args, conv_algorithm=args.conv_algorithm, precision=args.precision), cluster
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -222,6 +222,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 "batch": args.batch,
                 "devices": cluster.num_devices,
                 "nodes": _nodes_json(cluster),
+                "precision": costs.precision,
                 "planning_s": planning_s,
                 "plans": [p.to_json() for p in ranked],
                 "notes": list(costs.notes),
@@ -233,8 +234,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     best = ranked[0]
     print(
         f"{args.model} ({costs.params:,} parameters, {costs.forward_flops(1) / 1e6:.1f} MFLOP "
-        f"forward per sample), batch {args.batch}, {cluster.num_devices} devices "
-        f"(planned in {planning_s * 1e3:.0f} ms)"
+        f"forward per sample, {costs.precision}), batch {args.batch}, "
+        f"{cluster.num_devices} devices (planned in {planning_s * 1e3:.0f} ms)"
     )
     for note in costs.notes:
         print(f"note: {note}")
@@ -326,6 +327,7 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
         help="how convolutions move memory: implicit-gemm as PyTorch's oneDNN/cuDNN kernels "
         "(default), im2col as PyDTNN's",
     )
+    _add_precision(p)
     p.add_argument(
         "--sweep",
         choices=("batch", "flops", "mem_bw", "link_bw", "nodes"),
@@ -352,22 +354,43 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_plan)
 
 
+def _add_precision(p: argparse.ArgumentParser) -> None:
+    from hetcoll.model.hardware import PRECISIONS
+
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="training precision (autocast): matmuls at the devices' peak for it, 2-byte "
+        "activations for bf16/fp16 (docs/model.md, Precision)",
+    )
+
+
 def _cmd_costs(args: argparse.Namespace) -> int:
-    costs = _costs(args)
+    costs = _costs(args, precision=args.precision)
     if args.json:
         json.dump(
-            [
-                {
-                    "name": x.name,
-                    "kind": x.kind,
-                    "params": x.params,
-                    "forward_flops_per_sample": x.forward_flops(1),
-                    "backward_flops_per_sample": x.backward_flops(1),
-                    "activation_bytes_per_sample": x.out_bytes_per_sample,
-                    "gradient_bytes": x.gradient_bytes,
-                }
-                for x in costs.layers
-            ],
+            {
+                "model": args.model,
+                "input": list(costs.input_shape),
+                "precision": costs.precision,
+                "params": costs.params,
+                "forward_flops": costs.forward_flops(1),
+                "backward_flops": costs.backward_flops(1),
+                "layers": [
+                    {
+                        "name": x.name,
+                        "kind": x.kind,
+                        "params": x.params,
+                        "forward_flops_per_sample": x.forward_flops(1),
+                        "backward_flops_per_sample": x.backward_flops(1),
+                        "activation_bytes_per_sample": x.out_bytes_per_sample,
+                        "gradient_bytes": x.gradient_bytes,
+                    }
+                    for x in costs.layers
+                ],
+                "notes": list(costs.notes),
+            },
             sys.stdout,
         )
         print()
@@ -527,6 +550,7 @@ def add_model(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--model", required=True, help=_MODEL_HELP)
     c.add_argument("--input", required=True, help=_INPUT_HELP)
     c.add_argument("--classes", type=integer(1), default=10, help=_CLASSES_HELP)
+    _add_precision(c)
     c.add_argument("--json", action="store_true", help="print JSON instead of a table")
     c.set_defaults(func=_cmd_costs)
 

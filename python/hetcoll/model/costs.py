@@ -1,11 +1,18 @@
 """Per-layer costs of a torch model for one input shape: FLOPs, parameters, activation and gradient
 bytes, forward and backward, as the kernels the performance model times.
 
-Nothing runs on real data: the model is traced once on the ``meta`` device (shapes only, no
-memory, no arithmetic) with a hook on every leaf module. Convolutions and linear layers become
-GEMMs as in seed 003 / PyDTNN (``conv = im2col + GEMM`` forward; two GEMMs + col2im backward);
-normalisation, activation and pooling layers become memory-bound element-wise kernels; any other
-leaf module is counted by ``torch.utils.flop_counter.FlopCounterMode`` on meta tensors.
+Nothing runs on real data: the model runs forward and backward on the ``meta`` device (shapes
+only, no memory, no arithmetic) under a dispatch mode that counts every aten op - FLOPs by
+``torch.utils.flop_counter``'s formulas, bytes read and written from the tensors' sizes - and
+gives each op to the module call running it (backward ops to the call whose forward made their
+autograd node). A layer is a leaf module's call or the ops a module's own ``forward`` runs
+between its children (a residual add, attention written in ``forward``), so nothing is left out.
+Convolutions and linear layers keep their GEMM formulas as in seed 003 / PyDTNN
+(``conv = im2col + GEMM`` forward; two GEMMs + col2im backward) and normalisation, activation and
+pooling layers their memory passes, because the predictors need their structure (bytes a filter
+split divides, channels); every other layer is costed from its counted ops. A FLOP is a
+multiply-add of a matmul-class op, as FlopCounterMode counts; element-wise work is costed by the
+bytes it moves.
 
 Every kernel is linear in the batch: ``flops = flops_per_sample * b`` and
 ``bytes = bytes_per_sample * b + bytes_fixed`` (weights do not grow with the batch). The part of
@@ -15,17 +22,28 @@ predictions can scale it with a device's share of the filters.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from hetcoll.model.hardware import check_precision
 
 # Traced batch: 2, not 1, because batch norm in training mode refuses one sample.
 _TRACE_BATCH = 2
+# Batch of the op-counting run (meta tensors: the size costs nothing). A prime no layer's size
+# is likely to be a multiple of: a tensor whose element count it divides grows with the batch
+# (activations, their gradients), any other is read or written once a step (weights, their
+# gradients, position embeddings), so one run tells per-sample bytes from fixed ones.
+_COUNT_BATCH = 1009
 
 
 @dataclass(frozen=True)
@@ -85,6 +103,9 @@ class LayerCost:
     backward: tuple[Kernel, ...]
     #: Groups of a convolution (1 for every other layer): the runtime splits groups=1 only.
     groups: int = 1
+    #: True for the ops a module's own ``forward`` runs between its children's calls (``kind``
+    #: is then ``Type.forward``); False for a leaf module's call.
+    own_ops: bool = False
 
     @property
     def gradient_bytes(self) -> float:
@@ -131,6 +152,59 @@ class ModelCosts:
     #: end (:meth:`stage_filter_modes`).
     stage_modes: tuple[tuple[tuple[str, str, str], ...], ...] = ()
     plan_layers_note: str = ""
+    #: The training precision these costs are for (:data:`hetcoll.model.hardware.PRECISIONS`):
+    #: the predictors run matmul-class kernels at the devices' peak for it.
+    precision: str = "fp32"
+    #: Bytes of one element the kernels read and write and the stages send (activations, and
+    #: the 16-bit weight copies autocast makes): 2 under bf16 / fp16, else ``itemsize``.
+    #: Parameters, gradients, optimizer state and the gradient allreduce stay ``itemsize``.
+    activation_itemsize: int = 0
+
+    def at_precision(self, precision: str) -> ModelCosts:
+        """These costs for training at ``precision`` (``"fp32"``, ``"tf32"``, ``"bf16"``,
+        ``"fp16"``; autocast semantics, docs/model.md "Precision"): every byte a kernel moves
+        and every activation a stage sends scaled to the precision's element size; parameter
+        and gradient bytes unchanged.
+
+        >>> from torch import nn
+        >>> c = layer_costs(nn.Linear(4, 3), (4,))
+        >>> c.at_precision("bf16").layers[0].out_bytes_per_sample, c.layers[0].out_bytes_per_sample
+        (6.0, 12.0)
+        """
+        from dataclasses import replace
+
+        check_precision(precision)
+        act = 2 if precision in ("bf16", "fp16") else self.itemsize
+        f = act / (self.activation_itemsize or self.itemsize)
+
+        def kernel(k: Kernel) -> Kernel:
+            return replace(
+                k,
+                bytes_per_sample=k.bytes_per_sample * f,
+                bytes_fixed=k.bytes_fixed * f,
+                filter_bytes_per_sample=k.filter_bytes_per_sample * f,
+                filter_bytes_fixed=k.filter_bytes_fixed * f,
+            )
+
+        layers = tuple(
+            replace(
+                x,
+                in_bytes_per_sample=x.in_bytes_per_sample * f,
+                out_bytes_per_sample=x.out_bytes_per_sample * f,
+                saved_bytes_per_sample=x.saved_bytes_per_sample * f,
+                forward=tuple(kernel(k) for k in x.forward),
+                backward=tuple(kernel(k) for k in x.backward),
+            )
+            for x in self.layers
+        )
+        return replace(
+            self,
+            layers=layers,
+            plan_out_bytes=tuple(b * f for b in self.plan_out_bytes),
+            precision=precision,
+            # 0: the same as ``itemsize``, as costs are built.
+            activation_itemsize=0 if act == self.itemsize else act,
+        )
 
     def plan_range(self, first: int, end: int) -> tuple[int, int]:
         """The half-open range of ``layers`` that plan layers ``[first, end)`` hold.
@@ -226,8 +300,6 @@ class ModelCosts:
 
 def _bisect(sorted_ints: Sequence[int], value: int) -> int:
     """The first index whose value is >= ``value``."""
-    import bisect
-
     return bisect.bisect_left(sorted_ints, value)
 
 
@@ -256,7 +328,7 @@ def _add_bias(fwd: list[Kernel], bwd: list[Kernel], outputs_per_sample: int, ite
     fwd.append(
         Kernel(
             "bias",
-            outputs_per_sample,
+            0.0,
             filter_bytes_per_sample=2 * outputs_per_sample * item,
             scales_with_filters=True,
         )
@@ -264,7 +336,7 @@ def _add_bias(fwd: list[Kernel], bwd: list[Kernel], outputs_per_sample: int, ite
     bwd.append(
         Kernel(
             "bias-grad",
-            outputs_per_sample,
+            0.0,
             filter_bytes_per_sample=outputs_per_sample * item,
             scales_with_filters=True,
         )
@@ -341,7 +413,7 @@ def _conv_kernels(
             bwd.append(
                 Kernel(
                     "col2im",
-                    float(kk * g * n),
+                    0.0,
                     bytes_per_sample=col_bytes + c_in * spatial_in * item,
                 )
             )
@@ -403,27 +475,28 @@ def _linear_kernels(
     return fwd, bwd
 
 
-# Element-wise layers: (forward flops per output element, forward passes over memory,
-# backward flops per element, backward passes). A pass is one read or write of the tensor.
-# Batch norm in training reads x twice (statistics, then normalise) and writes y; its backward
-# reads dy and x twice and writes dx. Activations read and write once; their backward reads dy
-# and the saved tensor and writes dx.
-_ELEMENTWISE: dict[type[nn.Module], tuple[float, float, float, float]] = {
-    nn.BatchNorm1d: (8.0, 3.0, 12.0, 5.0),
-    nn.BatchNorm2d: (8.0, 3.0, 12.0, 5.0),
-    nn.BatchNorm3d: (8.0, 3.0, 12.0, 5.0),
-    nn.LayerNorm: (8.0, 3.0, 12.0, 5.0),
-    nn.GroupNorm: (8.0, 3.0, 12.0, 5.0),
-    nn.ReLU: (1.0, 2.0, 1.0, 3.0),
-    nn.ReLU6: (2.0, 2.0, 1.0, 3.0),
-    nn.LeakyReLU: (2.0, 2.0, 2.0, 3.0),
-    nn.GELU: (8.0, 2.0, 12.0, 3.0),
-    nn.SiLU: (4.0, 2.0, 6.0, 3.0),
-    nn.Sigmoid: (4.0, 2.0, 3.0, 3.0),
-    nn.Tanh: (4.0, 2.0, 3.0, 3.0),
-    nn.Dropout: (2.0, 3.0, 1.0, 3.0),
-    nn.Softmax: (5.0, 3.0, 4.0, 3.0),
-    nn.LogSoftmax: (5.0, 3.0, 4.0, 3.0),
+# Element-wise layers: (forward passes over memory, backward passes). A pass is one read or
+# write of the tensor. Batch norm in training reads x twice (statistics, then normalise) and
+# writes y; its backward reads dy and x twice and writes dx. Activations read and write once;
+# their backward reads dy and the saved tensor and writes dx. Their FLOPs count as zero: a FLOP
+# here is a multiply-add of a matmul-class op (what FlopCounterMode counts); element-wise
+# kernels are memory-bound and costed by the bytes they move (so are a bias add and col2im).
+_ELEMENTWISE: dict[type[nn.Module], tuple[float, float]] = {
+    nn.BatchNorm1d: (3.0, 5.0),
+    nn.BatchNorm2d: (3.0, 5.0),
+    nn.BatchNorm3d: (3.0, 5.0),
+    nn.LayerNorm: (3.0, 5.0),
+    nn.GroupNorm: (3.0, 5.0),
+    nn.ReLU: (2.0, 3.0),
+    nn.ReLU6: (2.0, 3.0),
+    nn.LeakyReLU: (2.0, 3.0),
+    nn.GELU: (2.0, 3.0),
+    nn.SiLU: (2.0, 3.0),
+    nn.Sigmoid: (2.0, 3.0),
+    nn.Tanh: (2.0, 3.0),
+    nn.Dropout: (3.0, 3.0),
+    nn.Softmax: (3.0, 3.0),
+    nn.LogSoftmax: (3.0, 3.0),
 }
 # Pooling reads its input once and writes its output once (and scatters back in backward).
 _POOLING = (
@@ -452,7 +525,7 @@ def _elementwise_kernels(
             [
                 Kernel(
                     "pool",
-                    in_elems,
+                    0.0,
                     bytes_per_sample=(in_elems + out_elems) * item,
                     elementwise=True,
                 )
@@ -460,19 +533,19 @@ def _elementwise_kernels(
             [
                 Kernel(
                     "pool-grad",
-                    in_elems,
+                    0.0,
                     bytes_per_sample=(in_elems + 2 * out_elems) * item,
                     elementwise=True,
                 )
             ],
         )
-    for t, (ff, fp, bf, bp) in _ELEMENTWISE.items():
+    for t, (fp, bp) in _ELEMENTWISE.items():
         if type(mod) is t or isinstance(mod, t):
             return (
                 [
                     Kernel(
                         t.__name__.lower(),
-                        ff * out_elems,
+                        0.0,
                         bytes_per_sample=fp * out_elems * item,
                         elementwise=True,
                     )
@@ -480,7 +553,7 @@ def _elementwise_kernels(
                 [
                     Kernel(
                         t.__name__.lower() + "-grad",
-                        bf * out_elems,
+                        0.0,
                         bytes_per_sample=bp * out_elems * item,
                         elementwise=True,
                     )
@@ -489,58 +562,267 @@ def _elementwise_kernels(
     return None
 
 
-def _counted_kernels(
-    mod: nn.Module,
-    in_shape: tuple[int, ...],
-    in_elems: int,
-    out_elems: int,
-    param_bytes: float,
-    needs_input_grad: bool,
-    item: int,
-    dtype: torch.dtype,
-) -> tuple[list[Kernel], list[Kernel]]:
-    """A leaf module of unknown kind: FLOPs counted by FlopCounterMode on meta tensors (forward
-    and backward separately), bytes = input + output (+ weights) per pass."""
-    from torch.func import functional_call
-    from torch.utils.flop_counter import FlopCounterMode
-
-    params = {
-        k: torch.empty_like(v, device="meta").requires_grad_(v.requires_grad)
-        for k, v in mod.named_parameters()
+# Ops that allocate or alias without moving data, and ops that only write their output.
+_NO_BYTES = frozenset(
+    {
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "detach",
+        "alias",
+        "lift_fresh",
+        "_unsafe_view",
+        "_to_copy_meta_noop",
     }
-    buffers = {k: torch.empty_like(v, device="meta") for k, v in mod.named_buffers()}
-    x = torch.empty((_TRACE_BATCH, *in_shape), device="meta", dtype=dtype)
-    x.requires_grad_(needs_input_grad)
-    fwd_count = FlopCounterMode(display=False)
-    with fwd_count:
-        y = functional_call(mod, {**params, **buffers}, (x,))
-    bwd_flops = 0
-    out = y[0] if isinstance(y, (tuple, list)) else y
-    if isinstance(out, torch.Tensor) and out.requires_grad:
-        bwd_count = FlopCounterMode(display=False)
-        with bwd_count:
-            out.sum().backward()
-        bwd_flops = bwd_count.get_total_flops()
-    per = float(_TRACE_BATCH)
-    io = (in_elems + out_elems) * item
-    return (
-        [
-            Kernel(
-                "counted",
-                fwd_count.get_total_flops() / per,
-                bytes_per_sample=io,
-                bytes_fixed=param_bytes,
+)
+_WRITE_ONLY = frozenset(
+    {
+        "zeros",
+        "zeros_like",
+        "ones",
+        "ones_like",
+        "full",
+        "full_like",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+        "fill_",
+        "zero_",
+        "scalar_tensor",
+    }
+)
+# The autograd engine gives AccumulateGrad nodes this sequence number: they belong to no op.
+_NO_SEQUENCE = 2**64 - 1
+
+
+def _tensor_bytes(t: torch.Tensor) -> float:
+    """Bytes an op reads or writes of ``t``: its elements, or its storage when that is smaller
+    (a broadcast ``expand`` reads its few elements once)."""
+    nbytes = t.numel() * t.element_size()
+    try:
+        return float(min(nbytes, t.untyped_storage().nbytes()))
+    except (RuntimeError, NotImplementedError):
+        return float(nbytes)
+
+
+@dataclass
+class _Call:
+    """One costed layer as the trace meets it: a leaf module's call, or a run of ops that a
+    module's own ``forward`` does between its children's calls (a residual add, attention's
+    matmuls in a parent's code)."""
+
+    name: str
+    module: nn.Module
+    leaf: bool
+    in_shape: tuple[int, ...] = ()
+    out_shape: tuple[int, ...] = ()
+    needs_input_grad: bool = False
+    # [forward, backward] x [matmul-class FLOPs, their per-sample bytes, their fixed bytes,
+    # per-sample bytes of every other op, their fixed bytes], for the whole traced batch
+    counts: list[list[float]] = field(default_factory=lambda: [[0.0] * 5, [0.0] * 5])
+    #: Per-sample shapes are unknown for runs of ops: bytes of the first tensor the run reads
+    #: and of the last one it writes stand for its input and output.
+    first_in_bytes: float = -1.0
+    last_out_bytes: float = 0.0
+    #: The parameters (names) whose first use is in this call.
+    params: list[str] = field(default_factory=list)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts every aten op of a forward and backward pass: FLOPs by
+    ``torch.utils.flop_counter``'s formulas (the ops ``FlopCounterMode`` counts), bytes read and
+    written from the tensors' sizes; each op goes to the
+    innermost module call running it (forward) or to the call whose forward op made the autograd
+    node running it (backward: nodes are matched by their sequence numbers)."""
+
+    def __init__(self, param_names: dict[int, str]) -> None:
+        super().__init__()
+        self.calls: list[_Call] = []
+        # Module calls being run: [name, module, its leaf call or its current run of ops].
+        self.stack: list[list[Any]] = []
+        self.param_names = param_names
+        self.param_seen: set[int] = set()
+        self._pending: list[tuple[torch.Tensor, int]] = []
+        self._node_seq: list[int] = []
+        self._node_call: list[int] = []
+        self.unattributed_bytes = 0.0
+
+    def enter(self, name: str, module: nn.Module, args: tuple) -> None:
+        leaf = not any(True for _ in module.children())
+        call = None
+        if leaf:
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            call = _Call(name, module, True)
+            if x is not None:
+                call.in_shape = tuple(x.shape[1:])
+                call.needs_input_grad = bool(x.requires_grad)
+            self.calls.append(call)
+        self.stack.append([name, module, call])
+
+    def leave(self, output: object) -> None:
+        frame = self.stack.pop()
+        call = frame[2]
+        if call is not None and call.leaf:
+            y = output[0] if isinstance(output, (tuple, list)) and output else output
+            if isinstance(y, torch.Tensor):
+                call.out_shape = tuple(y.shape[1:])
+
+    def _forward_call(self) -> int | None:
+        if not self.stack:
+            return None
+        frame = self.stack[-1]
+        call = frame[2]
+        if call is None or (not call.leaf and self.calls[-1] is not call):
+            call = _Call(frame[0], frame[1], False)
+            frame[2] = call
+            self.calls.append(call)
+        return len(self.calls) - 1
+
+    def _flush(self) -> None:
+        # The previous op's outputs carry their autograd node by now.
+        for t, index in self._pending:
+            node = t.grad_fn
+            if node is not None:
+                seq = node._sequence_nr()
+                if not self._node_seq or seq > self._node_seq[-1]:
+                    self._node_seq.append(seq)
+                    self._node_call.append(index)
+        self._pending.clear()
+
+    def finish_forward(self) -> None:
+        self._flush()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        from torch.utils.flop_counter import flop_registry
+
+        kwargs = kwargs or {}
+        self._flush()
+        packet = func._overloadpacket
+        # Unlike FlopCounterMode, no op is decomposed: a fused kernel (batch norm) moves the
+        # bytes of its inputs and outputs, not of its decomposition's intermediates; only
+        # batch norm decomposes on the models tested, into no matmul (the FLOPs agree).
+        out = func(*args, **kwargs)
+        node = torch._C._current_autograd_node()
+        backward = node is not None
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if backward:
+            seq = node._sequence_nr()
+            at = bisect.bisect_right(self._node_seq, seq) - 1
+            index = self._node_call[at] if seq != _NO_SEQUENCE and at >= 0 else None
+        else:
+            fresh = [
+                t for t in inputs if id(t) in self.param_names and id(t) not in self.param_seen
+            ]
+            name = packet.__name__
+            costly = not (func.is_view or name in _NO_BYTES)
+            index = self._forward_call() if costly or fresh else None
+            if index is not None:
+                for t in fresh:
+                    self.param_seen.add(id(t))
+                    self.calls[index].params.append(self.param_names[id(t)])
+                self._pending.extend((t, index) for t in outputs)
+        name = packet.__name__
+        if func.is_view or name in _NO_BYTES:
+            return out
+        moved = outputs if name in _WRITE_ONLY else [*{id(t): t for t in inputs}.values(), *outputs]
+        per_sample = fixed = 0.0
+        for t in moved:
+            if t.numel() % _COUNT_BATCH == 0:
+                per_sample += _tensor_bytes(t)
+            else:
+                fixed += _tensor_bytes(t)
+        if index is None:
+            self.unattributed_bytes += per_sample + fixed
+            return out
+        call = self.calls[index]
+        c = call.counts[1 if backward else 0]
+        flops = (
+            flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
+        )
+        at = 1 if flops else 3
+        c[0] += flops
+        c[at] += per_sample
+        c[at + 1] += fixed
+        if not backward:
+            # Only tensors that grow with the batch stand for the layer's input and output.
+            if call.first_in_bytes < 0 and inputs and inputs[0].numel() % _COUNT_BATCH == 0:
+                call.first_in_bytes = _tensor_bytes(inputs[0])
+            if outputs and outputs[0].numel() % _COUNT_BATCH == 0:
+                call.last_out_bytes = _tensor_bytes(outputs[0])
+        return out
+
+
+def _trace(model: nn.Module, shape: tuple[int, ...], batch: int, dtype: torch.dtype) -> _OpCounter:
+    """Run ``model`` forward and backward on meta tensors for ``batch`` samples of ``shape``,
+    counting every op (:class:`_OpCounter`)."""
+    from torch.func import functional_call
+
+    state = {
+        k: torch.empty_like(v, device="meta").requires_grad_(v.requires_grad)
+        for k, v in model.named_parameters()
+    }
+    param_names = {id(v): k for k, v in state.items()}
+    state.update({k: torch.empty_like(v, device="meta") for k, v in model.named_buffers()})
+    counter = _OpCounter(param_names)
+    handles = []
+    for name, mod in model.named_modules():
+        label = name or type(mod).__name__
+
+        def pre(m: nn.Module, args: tuple, _label: str = label) -> None:
+            counter.enter(_label, m, args)
+
+        def post(m: nn.Module, args: tuple, out: object) -> None:
+            counter.leave(out)
+
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post, always_call=True))
+    x = torch.empty((batch, *shape), device="meta", dtype=dtype)
+    was_training = model.training
+    model.train()
+    try:
+        with counter:
+            y = functional_call(model, state, (x,))
+            counter.finish_forward()
+            outs = [
+                t for t in tree_flatten(y)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if outs:
+                torch.autograd.backward(outs, [torch.empty_like(t) for t in outs])
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        raise ValueError(f"input_shape: the model does not accept samples of {shape}: {e}") from e
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return counter
+
+
+def _counted_kernels(call: _Call) -> tuple[list[Kernel], list[Kernel]]:
+    """Kernels of a layer no formula describes, from its op counts: per direction one
+    matmul-class kernel (the FLOPs FlopCounterMode counts: matmuls, convolutions, attention) and
+    one element-wise kernel (every other op, costed by the bytes it moves)."""
+    out: tuple[list[Kernel], list[Kernel]] = ([], [])
+    for d, (kernels, suffix) in enumerate(zip(out, ("", "-grad"))):
+        flops, mm, mm_fixed, ew, ew_fixed = call.counts[d]
+        flops_ps, mm_ps, ew_ps = flops / _COUNT_BATCH, mm / _COUNT_BATCH, ew / _COUNT_BATCH
+        if flops_ps or mm_ps or mm_fixed:
+            kernels.append(
+                Kernel("matmul" + suffix, flops_ps, bytes_per_sample=mm_ps, bytes_fixed=mm_fixed)
             )
-        ],
-        [
-            Kernel(
-                "counted-grad",
-                bwd_flops / per,
-                bytes_per_sample=2 * io,
-                bytes_fixed=2 * param_bytes,
+        if ew_ps or ew_fixed:
+            kernels.append(
+                Kernel(
+                    "ops" + suffix,
+                    0.0,
+                    bytes_per_sample=ew_ps,
+                    bytes_fixed=ew_fixed,
+                    elementwise=True,
+                )
             )
-        ],
-    )
+    return out
 
 
 def layer_costs(
@@ -549,25 +831,28 @@ def layer_costs(
     *,
     dtype: torch.dtype = torch.float32,
     conv_algorithm: str = "implicit-gemm",
+    precision: str = "fp32",
 ) -> ModelCosts:
     """Per-layer costs of ``model`` for one sample of ``input_shape`` (no batch dimension).
 
     ``conv_algorithm``: ``"implicit-gemm"`` (PyTorch's oneDNN / cuDNN kernels: no column
     matrix in memory) or ``"im2col"`` (PyDTNN's explicit im2col / col2im, seed 003).
+    ``precision``: the training precision (:meth:`ModelCosts.at_precision`).
 
-    The model is traced on the meta device: no real memory is allocated and no arithmetic runs,
-    so a billion-parameter model costs the same to describe as a small one. Only leaf modules
-    are layers; arithmetic a ``forward`` does outside any leaf module (a residual ``x + y``)
-    is not counted - its FLOPs, if any, are reported in ``notes``.
+    The model runs forward and backward on the meta device (shapes only: no memory is
+    allocated and no arithmetic runs, so a billion-parameter model costs the same to describe as
+    a small one) under a dispatch mode that counts every aten op, once, for a batch of
+    ``_COUNT_BATCH``. A layer is a leaf module's call, or a run of ops a module's own
+    ``forward`` does between its children's calls (a residual add, the matmuls of an attention
+    written in ``forward``): nothing the step runs is left out. Convolutions, linear layers and
+    the element-wise layers of ``_ELEMENTWISE`` keep their kernel formulas (im2col, GEMMs, bias,
+    the bytes a filter split divides); every other layer is costed from its ops' counts.
 
     >>> from torch import nn
     >>> c = layer_costs(nn.Linear(4, 3), (4,))
     >>> c.forward_flops(batch=1), c.params
-    (27.0, 15)
+    (24.0, 15)
     """
-    from torch.func import functional_call
-    from torch.utils.flop_counter import FlopCounterMode
-
     from hetcoll.torch.filters import filter_modes
 
     if not isinstance(model, nn.Module):
@@ -576,112 +861,88 @@ def layer_costs(
         raise ValueError(
             f"conv_algorithm: expected 'implicit-gemm' or 'im2col', got {conv_algorithm!r}"
         )
+    check_precision(precision)
     shape = parse_shape(input_shape) if isinstance(input_shape, str) else tuple(input_shape)
     if not shape or any(not isinstance(s, int) or s < 1 for s in shape):
         raise ValueError(f"input_shape: expected positive integer sizes, got {input_shape!r}")
     item = torch.empty((), dtype=dtype).element_size()
 
-    records: list[tuple[str, nn.Module, tuple[int, ...], tuple[int, ...], bool]] = []
-
-    def hook(name: str):  # type: ignore[no-untyped-def]
-        def record(mod: nn.Module, args: tuple, out: object) -> None:
-            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            y = out[0] if isinstance(out, (tuple, list)) else out
-            if x is None or not isinstance(y, torch.Tensor):
-                raise ValueError(
-                    f"model: layer {name!r} ({type(mod).__name__}) does not map a tensor to a "
-                    "tensor; only such leaf modules can be costed"
-                )
-            records.append(
-                (name, mod, tuple(x.shape[1:]), tuple(y.shape[1:]), bool(x.requires_grad))
-            )
-
-        return record
-
-    leaves = [(n, m) for n, m in model.named_modules() if not list(m.children())]
-    handles = [m.register_forward_hook(hook(n or type(m).__name__)) for n, m in leaves]
-    params = {
-        k: torch.empty_like(v, device="meta").requires_grad_(v.requires_grad)
-        for k, v in model.named_parameters()
-    }
-    buffers = {k: torch.empty_like(v, device="meta") for k, v in model.named_buffers()}
-    x = torch.empty((_TRACE_BATCH, *shape), device="meta", dtype=dtype)
-    was_training = model.training
-    model.train()
-    total = FlopCounterMode(display=False)
-    try:
-        with total:
-            functional_call(model, {**params, **buffers}, (x,))
-    except (RuntimeError, ValueError, TypeError) as e:
-        if str(e).startswith("model:"):
-            raise
-        raise ValueError(f"input_shape: the model does not accept samples of {shape}: {e}") from e
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
+    counter = _trace(model, shape, _COUNT_BATCH, dtype)
+    param_of = dict(model.named_parameters())
 
     layers: list[LayerCost] = []
-    for name, mod, in_s, out_s, needs_grad in records:
-        n_params = sum(p.numel() for p in mod.parameters(recurse=False))
-        p_bytes = float(sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False)))
+    notes: list[str] = []
+    for c2 in counter.calls:
+        mod = c2.module
+        owned = [param_of[n] for n in c2.params if n in param_of]
+        n_params = sum(p.numel() for p in owned)
+        p_bytes = float(sum(p.numel() * p.element_size() for p in owned))
+        in_s, out_s = c2.in_shape, c2.out_shape
         in_e, out_e = _numel(in_s), _numel(out_s)
         filters, groups = 0, 1
-        ks: tuple[list[Kernel], list[Kernel]] | None
-        if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and not isinstance(
-            mod, nn.modules.conv._ConvTransposeNd
-        ):
-            ks = _conv_kernels(mod, in_s, out_s, needs_grad, item, conv_algorithm == "im2col")
-            filters, groups = mod.out_channels, mod.groups
-        elif isinstance(mod, nn.Linear):
-            ks = _linear_kernels(mod, in_s, needs_grad, item)
-            filters = mod.out_features
+        ks: tuple[list[Kernel], list[Kernel]] | None = None
+        if c2.leaf and in_s and out_s:
+            if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and not isinstance(
+                mod, nn.modules.conv._ConvTransposeNd
+            ):
+                ks = _conv_kernels(
+                    mod, in_s, out_s, c2.needs_input_grad, item, conv_algorithm == "im2col"
+                )
+                filters, groups = mod.out_channels, mod.groups
+            elif isinstance(mod, nn.Linear):
+                ks = _linear_kernels(mod, in_s, c2.needs_input_grad, item)
+                filters = mod.out_features
+            else:
+                ks = _elementwise_kernels(mod, in_e, out_e, item)
+        if ks is not None:
+            # The formulas' matmul FLOPs against the ops actually counted.
+            formula = sum(k.flops_per_sample for k in ks[0] if k.name.startswith("gemm"))
+            counted = c2.counts[0][0] / _COUNT_BATCH
+            if abs(formula - counted) > 0.01 * max(formula, counted):
+                notes.append(
+                    f"layer {c2.name!r}: formula {formula:.4g} matmul FLOPs per sample, "
+                    f"ops counted {counted:.4g}"
+                )
+            in_b, out_b = float(in_e * item), float(out_e * item)
+            saved = 0.0 if isinstance(mod, _VIEWS) else in_b
         else:
-            ks = _elementwise_kernels(mod, in_e, out_e, item)
-            if ks is None:
-                ks = _counted_kernels(mod, in_s, in_e, out_e, p_bytes, needs_grad, item, dtype)
-        # What autograd keeps for backward: the layer's input (views keep nothing).
-        saved = 0.0 if isinstance(mod, _VIEWS) else float(in_e * item)
+            ks = _counted_kernels(c2)
+            if c2.leaf and in_s and out_s:
+                in_b, out_b = float(in_e * item), float(out_e * item)
+            else:
+                in_b = max(c2.first_in_bytes, 0.0) / _COUNT_BATCH
+                out_b = c2.last_out_bytes / _COUNT_BATCH
+            saved = in_b
         layers.append(
             LayerCost(
-                name=name,
-                kind=type(mod).__name__,
+                name=c2.name,
+                kind=type(mod).__name__ if c2.leaf else f"{type(mod).__name__}.forward",
                 params=n_params,
                 param_bytes=p_bytes,
-                in_bytes_per_sample=float(in_e * item),
-                out_bytes_per_sample=float(out_e * item),
+                in_bytes_per_sample=in_b,
+                out_bytes_per_sample=out_b,
                 saved_bytes_per_sample=saved,
                 filters=filters,
                 forward=tuple(ks[0]),
                 backward=tuple(ks[1]),
                 groups=groups,
+                own_ops=not c2.leaf,
             )
         )
-    notes: list[str] = []
-    counted = sum(x.forward_flops(_TRACE_BATCH) for x in layers)
-    # FlopCounterMode only sees matmul-like ops; if it finds more than our GEMM layers, some
-    # arithmetic happens outside leaf modules.
-    gemm_flops_seen = float(total.get_total_flops())
-    gemm_flops_ours = sum(
-        k.flops(_TRACE_BATCH)
-        for x in layers
-        for k in x.forward
-        if k.name.startswith(("gemm", "counted"))
-    )
-    if gemm_flops_seen > 1.01 * gemm_flops_ours:
-        notes.append(
-            f"{(gemm_flops_seen - gemm_flops_ours) / _TRACE_BATCH:.4g} matmul FLOPs per sample run "
-            "outside leaf modules and are not costed"
-        )
-    if not layers or counted == 0:
+    unused = set(param_of) - {n for c in counter.calls for n in c.params}
+    if unused:
+        notes.append(f"{len(unused)} parameters are not used by the forward pass")
+    if not layers or sum(x.forward_flops(1) for x in layers) == 0:
         notes.append("no costed layers found")
-    if len(set(id(m) for _, m, *_ in records)) < len(records):
+    leaves = [id(c.module) for c in counter.calls if c.leaf]
+    if len(set(leaves)) < len(leaves):
         notes.append("some modules run more than once per step; each call is a layer")
     buffer_bytes = float(sum(b.numel() * b.element_size() for b in model.buffers()))
-    # A bare leaf model is one layer named after its type (see ``hook`` above).
+    # A bare leaf model is one layer named after its type (see ``_trace``).
     modes = tuple((n or type(model).__name__, m) for n, m in filter_modes(model).items())
     costs = ModelCosts(tuple(layers), shape, item, tuple(notes), buffer_bytes, modes)
-    return _with_plan_layers(costs, model, dtype)
+    costs = _with_plan_layers(costs, model, dtype)
+    return costs if precision == "fp32" else costs.at_precision(precision)
 
 
 def _with_plan_layers(costs: ModelCosts, model: nn.Module, dtype: torch.dtype) -> ModelCosts:
@@ -701,9 +962,13 @@ def _with_plan_layers(costs: ModelCosts, model: nn.Module, dtype: torch.dtype) -
         return replace(costs, plan_layers_note=str(e))
     names = [n for n, _ in chain]
     index = {n: i for i, n in enumerate(names)}
-    of = []
+    of: list[int] = []
     for layer in costs.layers:
         head = layer.name.split(".", 1)[0]
+        if layer.own_ops and head not in index:
+            # The top-level forward's own ops (between its layers) go with the layer before.
+            of.append(of[-1] if of else 0)
+            continue
         if head not in index:
             return replace(
                 costs, plan_layers_note=f"layer {layer.name!r} runs outside the top-level layers"

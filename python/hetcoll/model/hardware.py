@@ -11,6 +11,9 @@ A cluster file is a small TOML document (see ``examples/clusters/``)::
                                    # activations) reach; default mem_bytes_per_s
     conv_flops_per_s = 21e12       # optional: FLOP/s of convolutions' GEMMs; default flops_per_s
     conv_channel_block = 1         # optional: channels a convolution kernel computes at a time
+    tf32_flops_per_s = 156e12      # optional: dense peaks of matmul-class ops at each training
+    bf16_flops_per_s = 312e12      #   precision (tensor cores where the datasheet gives them);
+    fp16_flops_per_s = 312e12      #   a precision without one is costed at fp32 (a warning)
 
     [links.nvlink3]
     latency_s = 2e-6               # one-message start-up, seconds (alpha)
@@ -43,6 +46,23 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+#: Training precisions, as ``torch.autocast`` runs them (docs/model.md, "Precision"): ``fp32``;
+#: ``tf32`` (fp32 tensors, matmuls on tf32 tensor cores); ``bf16`` and ``fp16`` (autocast:
+#: matmul-class ops and activations in 16 bits, fp32 master weights, gradients and allreduce).
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+
+
+def check_precision(precision: object, argument: str = "precision") -> str:
+    """``precision`` if it is one of :data:`PRECISIONS`, else ``ValueError`` naming ``argument``.
+
+    >>> check_precision("bf16")
+    'bf16'
+    """
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"{argument}: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return precision
+
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10 only
@@ -73,6 +93,8 @@ class Device:
     convolution with 21 filters costs what one with 32 does, and a filter-parallel split that
     leaves a rank a ragged block pays for the padding. Output channels are always padded;
     input channels from one block up (fewer take a kernel of their own).
+    ``tf32_flops_per_s``, ``bf16_flops_per_s``, ``fp16_flops_per_s``: dense datasheet peaks of
+    matmul-class ops at that precision (0: none; :meth:`matmul_speedup` falls back to fp32).
 
     >>> Device("v100", flops_per_s=15.7e12, mem_bytes_per_s=900e9, memory_bytes=32e9).name
     'v100'
@@ -86,6 +108,9 @@ class Device:
     elementwise_bytes_per_s: float = 0.0
     conv_flops_per_s: float = 0.0
     conv_channel_block: int = 1
+    tf32_flops_per_s: float = 0.0
+    bf16_flops_per_s: float = 0.0
+    fp16_flops_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         for attr in ("flops_per_s", "mem_bytes_per_s", "memory_bytes"):
@@ -95,6 +120,8 @@ class Device:
             self.elementwise_bytes_per_s, f"Device {self.name!r}: elementwise_bytes_per_s"
         )
         _check_nonnegative(self.conv_flops_per_s, f"Device {self.name!r}: conv_flops_per_s")
+        for attr in _PEAK_FIELDS:
+            _check_nonnegative(getattr(self, attr), f"Device {self.name!r}: {attr}")
         block = self.conv_channel_block
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(
@@ -110,6 +137,32 @@ class Device:
     def conv_rate(self) -> float:
         """FLOP/s of convolution GEMMs (``conv_flops_per_s`` or ``flops_per_s``)."""
         return self.conv_flops_per_s or self.flops_per_s
+
+    def peak_flops_per_s(self, precision: str) -> float:
+        """The device's matmul peak at ``precision`` (``flops_per_s`` for fp32; 0.0 when the
+        file gives none).
+
+        >>> a100 = Device("a100", 19.5e12, 1.555e12, 40e9, bf16_flops_per_s=312e12)
+        >>> a100.peak_flops_per_s("bf16")
+        312000000000000.0
+        """
+        check_precision(precision)
+        if precision == "fp32":
+            return self.flops_per_s
+        return float(getattr(self, f"{precision}_flops_per_s"))
+
+    def matmul_speedup(self, precision: str) -> float:
+        """How much faster matmul-class ops (GEMMs, convolutions, attention) run at
+        ``precision`` than at fp32 on this device: its peak at ``precision`` over
+        ``flops_per_s``, applied to the fp32 rates (``flops_per_s``, ``conv_flops_per_s``) so
+        a calibrated device keeps its calibration. 1.0 when the device has no peak for it (the
+        fp32 fallback, see docs/model.md).
+
+        >>> Device("a100", 19.5e12, 1.555e12, 40e9, bf16_flops_per_s=312e12).matmul_speedup("bf16")
+        16.0
+        """
+        peak = self.peak_flops_per_s(precision)
+        return peak / self.flops_per_s if peak > 0 else 1.0
 
 
 @dataclass(frozen=True)
@@ -228,6 +281,9 @@ class Cluster:
                 d,
                 flops_per_s=d.flops_per_s * flops,
                 conv_flops_per_s=d.conv_flops_per_s * flops,
+                tf32_flops_per_s=d.tf32_flops_per_s * flops,
+                bf16_flops_per_s=d.bf16_flops_per_s * flops,
+                fp16_flops_per_s=d.fp16_flops_per_s * flops,
                 mem_bytes_per_s=d.mem_bytes_per_s * mem_bw,
                 elementwise_bytes_per_s=d.elementwise_bytes_per_s * mem_bw,
             )
@@ -295,6 +351,9 @@ def _slowest(links: Sequence[Link | None]) -> Link:
     )
 
 
+_PEAK_FIELDS = ("tf32_flops_per_s", "bf16_flops_per_s", "fp16_flops_per_s")
+
+
 def _check_positive(value: object, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{what}: must be a number > 0, got {value!r}")
@@ -317,6 +376,7 @@ _DEVICE_FIELDS = {
     "elementwise_bytes_per_s",
     "conv_flops_per_s",
     "conv_channel_block",
+    *_PEAK_FIELDS,
 }
 _LINK_FIELDS = {"latency_s", "bytes_per_s"}
 _NODE_FIELDS = {"name", "device", "count", "link", "repeat"}
@@ -364,7 +424,12 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
             _check_positive(v, f"{where}.{k}")
         optional = {
             k: _number(t, k, where, required=False) or 0.0
-            for k in ("kernel_overhead_s", "elementwise_bytes_per_s", "conv_flops_per_s")
+            for k in (
+                "kernel_overhead_s",
+                "elementwise_bytes_per_s",
+                "conv_flops_per_s",
+                *_PEAK_FIELDS,
+            )
         }
         for k, v in optional.items():
             _check_nonnegative(v, f"{where}.{k}")
@@ -513,6 +578,7 @@ def dumps_cluster(
             f"elementwise_bytes_per_s = {d.elementwise_rate:.6g}",
             f"conv_flops_per_s = {d.conv_rate:.6g}",
             f"conv_channel_block = {d.conv_channel_block}",
+            *(f"{k} = {getattr(d, k):.6g}" for k in _PEAK_FIELDS if getattr(d, k) > 0),
             "",
         ]
     for lk in seen_link.values():

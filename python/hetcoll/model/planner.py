@@ -234,6 +234,7 @@ def plan(
     micro_batches: Sequence[int] = PIPELINE_MICRO_BATCHES,
     subsets: bool = True,
     asymmetric: bool = True,
+    precision: str | None = None,
 ) -> list[Prediction]:
     """Every candidate plan for one step of ``batch`` samples, best first (feasible before
     infeasible, then by predicted step time). Each carries the :class:`hetcoll.Plan` that
@@ -250,11 +251,16 @@ def plan(
     the fastest kinds beside one replica of the others (a pipeline, or one filter-split
     stage), the samples split by each replica's predicted time.
 
-    >>> best = plan(costs, cluster, 256)[0]  # doctest: +SKIP
+    ``precision``: the training precision (``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``;
+    :meth:`ModelCosts.at_precision`); default that of ``costs`` (``costs.precision``).
+
+    >>> best = plan(costs, cluster, 256, precision="bf16")[0]  # doctest: +SKIP
     >>> best.strategy, best.shares, best.step_s  # doctest: +SKIP
     """
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch: must be an integer >= 1, got {batch!r}")
+    if precision is not None:
+        costs = costs.at_precision(precision)
     p = cluster.num_devices
     out: list[Prediction] = []
     s = optimizer_state_copies
@@ -392,11 +398,15 @@ def sweep(
     values: Sequence[float] | None = None,
     *,
     optimizer_state_copies: int = 1,
+    precision: str | None = None,
 ) -> list[SweepPoint]:
     """Plan at each value of ``axis``: ``batch`` (samples), ``flops`` / ``mem_bw`` / ``link_bw``
     (factors applied to every device or link), ``nodes`` (the first k nodes, or the first k
     devices of a single-node cluster). Default values: powers of two around the given point.
+    ``precision`` as in :func:`plan`.
     """
+    if precision is not None:
+        costs = costs.at_precision(precision)
     if axis not in SWEEP_AXES:
         raise ValueError(f"axis: expected one of {SWEEP_AXES}, got {axis!r}")
     if values is None:

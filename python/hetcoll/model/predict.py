@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +37,7 @@ import numpy as np
 import hetcoll
 from hetcoll.model import terms
 from hetcoll.model.costs import ModelCosts
-from hetcoll.model.hardware import Cluster, Device
+from hetcoll.model.hardware import PRECISIONS, Cluster, Device
 from hetcoll.plan import Plan
 
 # torch DDP's defaults: the first bucket is capped at 1 MiB (so communication starts early), the
@@ -178,6 +179,22 @@ class _DeviceArrays:
     overhead_s: np.ndarray
     memory_bytes: np.ndarray
     conv_channel_block: np.ndarray
+    # Per precision: each device's matmul speed-up over fp32, and the devices without a peak.
+    speedup: dict[str, np.ndarray]
+    missing_peak: dict[str, tuple[str, ...]]
+
+    def matmul_speedup(self, precision: str) -> np.ndarray:
+        """Each device's :meth:`Device.matmul_speedup` at ``precision``; a ``UserWarning`` names
+        each device that falls back to fp32 for want of a peak."""
+        for name in self.missing_peak[precision]:
+            warnings.warn(
+                f"precision: device {name!r} has no {precision} peak ({precision}_flops_per_s); "
+                "its matmuls are costed at its fp32 rate",
+                UserWarning,
+                # Reported at this line, so Python's default filter shows it once per device.
+                stacklevel=1,
+            )
+        return self.speedup[precision]
 
 
 def _device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
@@ -189,6 +206,11 @@ def _device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
         np.array([d.kernel_overhead_s for d in devices]),
         np.array([d.memory_bytes for d in devices]),
         np.array([float(d.conv_channel_block) for d in devices]),
+        {p: np.array([d.matmul_speedup(p) for d in devices]) for p in PRECISIONS},
+        {
+            p: tuple(sorted({d.name for d in devices if d.peak_flops_per_s(p) <= 0}))
+            for p in PRECISIONS
+        },
     )
 
 
@@ -273,6 +295,10 @@ def _layer_times(
         t.gemm[:, None], dev.mem_bytes_per_s[None, :], dev.elementwise_bytes_per_s[None, :]
     )
     rate = np.where(t.conv[:, None], dev.conv_flops_per_s[None, :], dev.flops_per_s[None, :])
+    if costs.precision != "fp32":
+        # Matmul-class kernels run at the precision's peak; element-wise ones stay memory-bound.
+        speedup = dev.matmul_speedup(costs.precision)
+        rate = rate * np.where(t.gemm[:, None], speedup[None, :], 1.0)
     # Convolutions compute on channels padded to the device's block.
     work = flops * _channel_padding(t, dev, phi, split_input)
     comp = np.where(runs, work / rate, 0.0)
