@@ -189,3 +189,30 @@ def test_shares_that_do_not_make_the_global_batch_raise(tmp_path):
     # Raised on the ranks; Lightning's launcher re-raises it here.
     with pytest.raises(Exception, match="shares: sum to 7, but the train_dataloader's batch_size"):
         fit(tmp_path, BalancedStrategy(shares=[4, 3], start_method=START), 2, shuffle=False)
+
+
+def test_example_trains_as_one_process(tmp_path):
+    """examples/lightning_balanced.py, fast mode, on two forked ranks with shares split 3:1:
+    the weights equal one process's plain loop over the same shuffled global batches."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "lightning_balanced.py"
+    spec = importlib.util.spec_from_file_location("lightning_balanced", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = ["--devices", "2", "--speeds", "3,1", "--fast", "--float64", "--start-method", "fork"]
+    got = example.main([*args, "--batch", "64", "--save", str(tmp_path / "w.pt")])
+    # One process: the same 4 global batches of 64 (epoch 0's permutation, seed 0).
+    net, data_ = example.make_net().double(), example.load_data()
+    x, y = data_.tensors
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    order = list(BalancedSampler(range(len(y)), [64], 0, verify=False).batch_sampler())
+    for idx in order[:4]:
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x[idx].double()), y[idx]).backward()
+        opt.step()
+    saved = torch.load(tmp_path / "w.pt")
+    for (name, a), b in zip(got.net.named_parameters(), net.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-10)
+        torch.testing.assert_close(saved[f"net.{name}"], b.detach(), rtol=0, atol=1e-10)
