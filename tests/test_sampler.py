@@ -177,3 +177,20 @@ def test_load_state_dict_rejects_bad_state():
         s.load_state_dict({**good, "position": 11})
     with pytest.raises(ValueError, match=r"state\['shares'\]\[1\]"):
         s.load_state_dict({**good, "shares": [3, 0]})
+
+
+def test_a_restored_position_holds_for_its_own_epoch_only():
+    s = BalancedSampler(range(20), [3, 1], 0, seed=2, verify=False)
+    s.set_epoch(1)
+    it = iter(s.batch_sampler())
+    next(it), next(it)
+    state = s.state_dict()
+    fresh = BalancedSampler(range(20), [3, 1], 0, seed=2, verify=False)
+    fresh.load_state_dict(state)
+    fresh.set_epoch(1)  # the usual loop sets the epoch it resumes: the position holds
+    assert list(fresh.batch_sampler()) == list(it)
+    fresh.load_state_dict(state)
+    fresh.set_epoch(2)  # another epoch starts from its beginning
+    whole = BalancedSampler(range(20), [3, 1], 0, seed=2, verify=False)
+    whole.set_epoch(2)
+    assert list(fresh.batch_sampler()) == list(whole.batch_sampler())

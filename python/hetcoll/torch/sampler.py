@@ -194,7 +194,11 @@ class BalancedSampler(Sampler[int]):
         return self.shares[self.rank]
 
     def set_epoch(self, epoch: int) -> None:
-        """Reseed the shuffle, as ``DistributedSampler.set_epoch``: call it on every rank."""
+        """Reseed the shuffle, as ``DistributedSampler.set_epoch``: call it on every rank. A
+        position restored by :meth:`load_state_dict` holds for its own epoch only: setting
+        another epoch starts that one from its beginning."""
+        if int(epoch) != self.epoch:
+            self._resume_at = 0
         self.epoch = int(epoch)
 
     def set_shares(self, shares: Sequence[int]) -> None:
