@@ -216,3 +216,37 @@ def test_example_trains_as_one_process(tmp_path):
     for (name, a), b in zip(got.net.named_parameters(), net.parameters()):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-10)
         torch.testing.assert_close(saved[f"net.{name}"], b.detach(), rtol=0, atol=1e-10)
+
+
+class SaveAt(Callback):
+    """Saves a Lightning checkpoint after global step ``k`` (what stopping there leaves)."""
+
+    def __init__(self, k: int, path: Path) -> None:
+        self.k, self.path = k, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.k:
+            trainer.save_checkpoint(self.path)
+
+
+def test_checkpoint_on_three_ranks_resumes_mid_epoch_on_two(tmp_path):
+    """The sampler's state rides in Lightning's checkpoint: stopped after 2 steps on 3 ranks,
+    resumed with ckpt_path on 2 (shares re-solved from the new speeds), the run finishes the
+    epoch where it stopped and ends with one uninterrupted process's weights."""
+    ckpt = tmp_path / "step2.ckpt"
+    first = BalancedStrategy(speeds=[1.0, 1.0, 2.0], start_method=START)
+    fit(tmp_path, first, 3, shuffle=True, max_steps=2, callbacks=[SaveAt(2, ckpt)])
+    trainer = Trainer(
+        strategy=BalancedStrategy(speeds=[3.0, 1.0], start_method=START),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Regression(True, tmp_path), ckpt_path=ckpt)
+    assert_exact(trainer, 2, shuffle=True)
+    # Epoch 0's last full batch and its 5 leftover samples, then all of epoch 1, split 6:2.
+    assert batch_sizes(tmp_path, 2) == [[6, 4, 6, 6, 6, 4], [2, 1, 2, 2, 2, 1]]

@@ -124,6 +124,25 @@ class _ShareLog(Callback):
             )
 
 
+class _BalancedLoader(DataLoader):
+    """The training loader: its sampler's state goes into Lightning's checkpoints (Lightning
+    saves the state of loaders with ``state_dict``/``load_state_dict``), so a run resumed mid-epoch
+    continues the epoch where it stopped, on as many ranks or another number."""
+
+    def state_dict(self) -> dict[str, Any]:
+        sampler = self.batch_sampler.sampler  # type: ignore[union-attr]
+        return dict(sampler.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batch_sampler.sampler.load_state_dict(state)  # type: ignore[union-attr]
+
+    def __len__(self) -> int:
+        # Lightning counts an epoch's batches once, before a restored state takes effect, and
+        # keeps the count for every epoch: the whole epoch's (a resumed epoch ends when the
+        # sampler runs out, on the step it would have ended on).
+        return int(self.batch_sampler.sampler.steps_per_epoch)  # type: ignore[union-attr]
+
+
 class BalancedStrategy(DDPStrategy):
     """Lightning's DDP strategy where each rank takes its share of every global batch and
     gradients are averaged weighted by samples (exact: the full-batch gradient).
@@ -271,7 +290,7 @@ class BalancedStrategy(DDPStrategy):
                 "prefetch_factor": dl.prefetch_factor,
                 "persistent_workers": dl.persistent_workers,
             }
-        return DataLoader(
+        return _BalancedLoader(
             dl.dataset,
             batch_sampler=self.sampler.batch_sampler(),
             num_workers=dl.num_workers,

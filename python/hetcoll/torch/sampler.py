@@ -173,9 +173,11 @@ class BalancedSampler(Sampler[int]):
         """Samples this rank draws in one epoch (at the current shares)."""
         return sum(len(s) for s in self._plan_sizes())
 
-    def _plan_sizes(self) -> list[range]:
-        # From where the next iteration starts (0, or a restored position).
-        n, total = self.num_samples_total - self._resume_at, sum(self.shares)
+    def _plan_sizes(self, start: int | None = None) -> list[range]:
+        """This rank's step sizes from ``start`` (None: where the next iteration starts, 0 or a
+        restored position) to the end of the epoch."""
+        start = self._resume_at if start is None else start
+        n, total = self.num_samples_total - start, sum(self.shares)
         full, rem = divmod(n, total)
         sizes = [range(self.shares[self.rank])] * full
         last = self._last_step(rem, self.shares)
@@ -185,8 +187,9 @@ class BalancedSampler(Sampler[int]):
 
     @property
     def steps_per_epoch(self) -> int:
-        """Global steps in one epoch (the same on every rank)."""
-        return len(self._plan_sizes())
+        """Global steps in one whole epoch (the same on every rank; ``len(batch_sampler())``
+        counts those of the next iteration, fewer after :meth:`load_state_dict` mid-epoch)."""
+        return len(self._plan_sizes(0))
 
     @property
     def batch_size(self) -> int:
@@ -272,4 +275,4 @@ class _BatchView:
         return self.sampler._steps(lambda: self.sampler.shares)
 
     def __len__(self) -> int:
-        return self.sampler.steps_per_epoch
+        return len(self.sampler._plan_sizes())
