@@ -250,3 +250,40 @@ def test_checkpoint_on_three_ranks_resumes_mid_epoch_on_two(tmp_path):
     assert_exact(trainer, 2, shuffle=True)
     # Epoch 0's last full batch and its 5 leftover samples, then all of epoch 1, split 6:2.
     assert batch_sizes(tmp_path, 2) == [[6, 4, 6, 6, 6, 4], [2, 1, 2, 2, 2, 1]]
+
+
+class WithValidation(Regression):
+    """Also records each rank's validation batch sizes in ``out/val{rank}.json``."""
+
+    def __init__(self, shuffle: bool, out: Path) -> None:
+        super().__init__(shuffle, out)
+        self.val_sizes: list[int] = []
+
+    def validation_step(self, batch, batch_idx):
+        self.val_sizes.append(len(batch[0]))
+
+    def val_dataloader(self):
+        return DataLoader(data(), batch_size=10)
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        (self.out / f"val{self.global_rank}.json").write_text(json.dumps(self.val_sizes))
+
+
+def test_validation_loaders_stay_lightnings(tmp_path):
+    """Only the training loader is balanced: validation keeps Lightning's DistributedSampler
+    (29 samples -> 15 per rank, in batches of 10 and 5; the sanity check, then the epoch's end)."""
+    trainer = Trainer(
+        strategy=BalancedStrategy(shares=[5, 3], start_method=START),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(WithValidation(False, tmp_path))
+    assert batch_sizes(tmp_path, 2) == [[5, 5, 5, 3], [3, 3, 3, 2]]
+    val = [json.loads((tmp_path / f"val{r}.json").read_text()) for r in range(2)]
+    assert val == [[10, 5, 10, 5]] * 2
