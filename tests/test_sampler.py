@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -66,3 +67,130 @@ def test_epochs_reshuffle_and_last_step_is_proportional():
     # 1000 = 25 * 40; 1010 leaves 10 -> split 3:1 -> [8, 2] (exact makespan split).
     _, b0 = plans(1010, [30, 10], shuffle=False)
     assert [len(b[-1]) for b in b0] == [8, 2]
+
+
+# -- resuming: state_dict / load_state_dict ----------------------------------------------------
+
+
+def _run(samplers, steps, changes):
+    """Every rank's next ``steps`` steps, with ``changes[k]`` (new shares) set before step k."""
+    iters = [iter(s.batch_sampler()) for s in samplers]
+    out = []
+    for k in range(steps):
+        if k in changes:
+            for s in samplers:
+                s.set_shares(changes[k])
+        step = [next(it, None) for it in iters]
+        if step[0] is None:
+            break
+        out.append(step)
+    return iters, out
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 120),
+    shares=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    data=st.data(),
+    seed=st.integers(0, 3),
+    epoch=st.integers(0, 2),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+)
+def test_restored_sampler_yields_what_the_original_would(
+    n, shares, data, seed, epoch, shuffle, drop_last
+):
+    p = len(shares)
+    kw = dict(seed=seed, shuffle=shuffle, drop_last=drop_last, verify=False)
+    original = [BalancedSampler(range(n), shares, r, **kw) for r in range(p)]
+    for s in original:
+        s.set_epoch(epoch)
+    stop = data.draw(st.integers(0, n), label="stop")
+    changed = data.draw(st.lists(st.integers(1, 9), min_size=p, max_size=p), label="changed")
+    change_at = data.draw(st.integers(0, max(stop, 0)), label="change_at")
+    iters, _ = _run(original, stop, {change_at: changed})
+    states = [s.state_dict() for s in original]
+    # Fresh samplers, built with other shares and another epoch and seed: the state decides.
+    restored = [
+        BalancedSampler(
+            range(n), [1] * p, r, seed=seed + 7, shuffle=shuffle, drop_last=drop_last, verify=False
+        )
+        for r in range(p)
+    ]
+    for s, st_ in zip(restored, states):
+        s.load_state_dict(st_)
+    rest_original = [list(it) for it in iters]
+    if states[0]["position"] == n:
+        # The epoch was over: what the original yields next is its next iteration.
+        rest_original = [list(s.batch_sampler()) for s in original]
+    rest_restored = [list(s.batch_sampler()) for s in restored]
+    assert rest_restored == rest_original
+    # And the epoch after continues alike.
+    for a, b in zip(original, restored):
+        a.set_epoch(epoch + 1)
+        b.set_epoch(epoch + 1)
+    assert [list(s) for s in restored] == [list(s) for s in original]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    n=st.integers(1, 120),
+    before=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    after=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    data=st.data(),
+)
+def test_restored_on_other_ranks_resplits_the_rest_of_the_epoch(n, before, after, data):
+    """Stop on len(before) ranks, resume on len(after): the steps before the stop and the
+    re-split rest cover the epoch exactly once (no padding needed while n - stop >= ranks)."""
+    kw = dict(seed=5, verify=False)
+    old = [BalancedSampler(range(n), before, r, **kw) for r in range(len(before))]
+    stop = data.draw(st.integers(0, n))
+    _, done = _run(old, stop, {})
+    state = old[0].state_dict()
+    new = [BalancedSampler(range(n), after, r, **kw) for r in range(len(after))]
+    for s in new:
+        s.load_state_dict(state)
+    if len(after) != len(before):
+        assert all(s.shares == after for s in new)
+    if state["position"] == n:
+        return  # the epoch was over: the next iteration is a whole epoch (the test above)
+    rest = [list(s.batch_sampler()) for s in new]
+    assert len({len(r) for r in rest}) == 1  # every new rank runs the same number of steps
+    seen = Counter(i for step in done for piece in step for i in piece)
+    seen.update(i for r in rest for step in r for i in step)
+    assert set(seen) == set(range(n))
+    tail = (n - state["position"]) % sum(new[0].shares)  # the saved shares on as many ranks
+    if tail == 0 or tail >= len(after):  # no padding needed
+        assert all(c == 1 for c in seen.values())
+
+
+def test_load_state_dict_rejects_bad_state():
+    s = BalancedSampler(range(10), [3, 1], 0, verify=False)
+    with pytest.raises(TypeError, match="state"):
+        s.load_state_dict([1, 2])
+    with pytest.raises(ValueError, match="missing"):
+        s.load_state_dict({"epoch": 0})
+    good = s.state_dict()
+    with pytest.raises(ValueError, match="num_samples_total"):
+        BalancedSampler(range(11), [3, 1], 0, verify=False).load_state_dict(good)
+    with pytest.raises(ValueError, match=r"state\['position'\]"):
+        s.load_state_dict({**good, "position": 11})
+    with pytest.raises(ValueError, match=r"state\['shares'\]\[1\]"):
+        s.load_state_dict({**good, "shares": [3, 0]})
+
+
+def test_a_restored_position_holds_for_its_own_epoch_only():
+    s = BalancedSampler(range(20), [3, 1], 0, seed=2, verify=False)
+    s.set_epoch(1)
+    it = iter(s.batch_sampler())
+    next(it), next(it)
+    state = s.state_dict()
+    fresh = BalancedSampler(range(20), [3, 1], 0, seed=2, verify=False)
+    fresh.load_state_dict(state)
+    fresh.set_epoch(1)  # the usual loop sets the epoch it resumes: the position holds
+    assert list(fresh.batch_sampler()) == list(it)
+    fresh.load_state_dict(state)
+    fresh.set_epoch(2)  # another epoch starts from its beginning
+    whole = BalancedSampler(range(20), [3, 1], 0, seed=2, verify=False)
+    whole.set_epoch(2)
+    assert list(fresh.batch_sampler()) == list(whole.batch_sampler())

@@ -11,6 +11,17 @@ step split over the ranks in proportion to their shares with :func:`hetcoll.spli
 least one sample). When the remainder has fewer samples than there are ranks it is padded with
 samples from the start of the epoch, as ``DistributedSampler`` pads, so no rank has an empty
 step; ``drop_last=True`` drops the remainder instead.
+
+Resuming (:meth:`BalancedSampler.state_dict` / :meth:`~BalancedSampler.load_state_dict`, the
+convention of torchdata's stateful samplers): the state is the epoch, seed, shares and the
+*global* position in the epoch's permutation, i.e. the samples all ranks' steps handed out so
+far. The permutation depends on the dataset length, seed and epoch only, so a restored sampler
+continues from that position: with the same number of ranks it takes the saved shares back and
+yields exactly the steps the original would have yielded next; with a different number of ranks
+it keeps the shares it was built with (e.g. re-solved for the new ranks) and splits the rest of
+the epoch with them, so the epoch still covers every sample exactly once. The position counts
+whole steps as they leave the sampler: the steps a ``DataLoader`` has fetched, which with
+``num_workers=0`` are the steps trained on.
 """
 
 from __future__ import annotations
@@ -113,6 +124,9 @@ class BalancedSampler(Sampler[int]):
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
         self.epoch = 0
+        #: Global samples of this epoch's permutation handed out by the steps yielded so far.
+        self.position = 0
+        self._resume_at = 0  # where the next iteration starts (set by load_state_dict)
         if self._checks():
             _verify(group, self.shares)
 
@@ -143,7 +157,8 @@ class BalancedSampler(Sampler[int]):
         :meth:`set_shares` applies from the next step on."""
         perm = self._permutation()
         n = len(perm)
-        pos = 0
+        pos, self._resume_at = self._resume_at, 0
+        self.position = pos
         while pos < n:
             shares = shares_of_step()
             total = sum(shares)
@@ -152,11 +167,13 @@ class BalancedSampler(Sampler[int]):
             else:
                 last = self._last_step(n - pos, shares)
                 if last is None:
+                    self.position = n  # the dropped remainder: the epoch is over
                     return
                 sizes = last
             start = pos + sum(sizes[: self.rank])
             idx = [perm[i % n] for i in range(start, start + sizes[self.rank])]
             pos += sum(sizes)
+            self.position = min(pos, n)  # a padded last step ends the epoch
             yield idx
 
     def __iter__(self) -> Iterator[int]:
@@ -173,8 +190,11 @@ class BalancedSampler(Sampler[int]):
         """Samples this rank draws in one epoch (at the current shares)."""
         return sum(len(s) for s in self._plan_sizes())
 
-    def _plan_sizes(self) -> list[range]:
-        n, total = self.num_samples_total, sum(self.shares)
+    def _plan_sizes(self, start: int | None = None) -> list[range]:
+        """This rank's step sizes from ``start`` (None: where the next iteration starts, 0 or a
+        restored position) to the end of the epoch."""
+        start = self._resume_at if start is None else start
+        n, total = self.num_samples_total - start, sum(self.shares)
         full, rem = divmod(n, total)
         sizes = [range(self.shares[self.rank])] * full
         last = self._last_step(rem, self.shares)
@@ -184,8 +204,9 @@ class BalancedSampler(Sampler[int]):
 
     @property
     def steps_per_epoch(self) -> int:
-        """Global steps in one epoch (the same on every rank)."""
-        return len(self._plan_sizes())
+        """Global steps in one whole epoch (the same on every rank; ``len(batch_sampler())``
+        counts those of the next iteration, fewer after :meth:`load_state_dict` mid-epoch)."""
+        return len(self._plan_sizes(0))
 
     @property
     def batch_size(self) -> int:
@@ -193,7 +214,11 @@ class BalancedSampler(Sampler[int]):
         return self.shares[self.rank]
 
     def set_epoch(self, epoch: int) -> None:
-        """Reseed the shuffle, as ``DistributedSampler.set_epoch``: call it on every rank."""
+        """Reseed the shuffle, as ``DistributedSampler.set_epoch``: call it on every rank. A
+        position restored by :meth:`load_state_dict` holds for its own epoch only: setting
+        another epoch starts that one from its beginning."""
+        if int(epoch) != self.epoch:
+            self._resume_at = 0
         self.epoch = int(epoch)
 
     def set_shares(self, shares: Sequence[int]) -> None:
@@ -216,6 +241,56 @@ class BalancedSampler(Sampler[int]):
             _verify(self.group, shares)
         self.shares = shares
 
+    def state_dict(self) -> dict[str, Any]:
+        """Where this sampler is: epoch, seed, shares and the global position in the epoch (see
+        the module docstring). Plain ints, lists and bools, for any checkpoint format."""
+        return {
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "shares": list(self.shares),
+            "position": self.position,
+            "num_samples_total": self.num_samples_total,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (a :meth:`state_dict`): the next iteration yields what the
+        saved sampler would have yielded next. Same number of ranks: the saved shares come back
+        (call :meth:`set_shares` afterwards to change them). Another number of ranks: this
+        sampler's own shares split the rest of the epoch. The dataset length, ``shuffle`` and
+        ``drop_last`` must match the saved ones (the permutation depends on them)."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state: must be a dict from state_dict(), got {type(state).__name__}")
+        missing = [k for k in ("epoch", "seed", "shares", "position") if k not in state]
+        if missing:
+            raise ValueError(f"state: missing {missing} (not a BalancedSampler state_dict)")
+        for key, mine in (
+            ("num_samples_total", self.num_samples_total),
+            ("shuffle", self.shuffle),
+            ("drop_last", self.drop_last),
+        ):
+            if key in state and state[key] != mine:
+                raise ValueError(f"state: {key} was {state[key]!r}, this sampler has {mine!r}")
+        shares = _validate_shares(state["shares"], "state['shares']")
+        position = state["position"]
+        if (
+            isinstance(position, bool)
+            or not isinstance(position, int)
+            or not 0 <= position <= self.num_samples_total
+        ):
+            raise ValueError(
+                f"state['position']: must be an integer in [0, {self.num_samples_total}], "
+                f"got {position!r}"
+            )
+        self.epoch = int(state["epoch"])
+        self.seed = int(state["seed"])
+        if len(shares) == len(self.shares):
+            self.shares = shares
+        # An epoch that had ended starts afresh at the next iteration, as the original would.
+        self.position = position
+        self._resume_at = position if position < self.num_samples_total else 0
+
 
 class _BatchView:
     """Per-step index lists of a :class:`BalancedSampler`, honouring ``set_shares`` each step."""
@@ -227,4 +302,4 @@ class _BatchView:
         return self.sampler._steps(lambda: self.sampler.shares)
 
     def __len__(self) -> int:
-        return self.sampler.steps_per_epoch
+        return len(self.sampler._plan_sizes())

@@ -1,0 +1,377 @@
+"""BalancedStrategy: Lightning's DDP with uneven, speed-proportional per-rank batches.
+
+The user's training ``DataLoader`` keeps its ``batch_size``, read as the *global* batch. The
+strategy rebuilds that loader around a :class:`~hetcoll.torch.BalancedSampler`: the epoch's
+permutation (the one a one-rank ``DistributedSampler`` draws: ``torch.randperm`` seeded with
+``seed + epoch``, or the dataset in order when not shuffled) is cut into global batches and
+each rank takes its share of every one, so the ranks together see, step by step, the samples
+one process would see. DDP's gradient averaging is replaced by hetcoll's comm hook
+(:func:`~hetcoll.torch.weighted_allreduce_hook`), with each step's local batch size set from
+the batch the loader hands the rank, so the averaged gradient is the full-batch gradient.
+
+Shares, in order of precedence: given (``shares``), split from relative ``speeds``
+(:func:`hetcoll.split`), measured when training starts (``measure=True``: every rank times its
+training step with :func:`~hetcoll.torch.measure_speed` on the first samples of the dataset, the
+fits are exchanged with :func:`~hetcoll.torch.gather_speeds` and split exactly, within each
+rank's memory capacity where the probe gives one, i.e. on CUDA), or equal. ``rebalance_every``
+adds a :class:`~hetcoll.torch.Rebalancer` fed with each rank's compute time per step (batch
+start to its last gradient bucket ready); new shares apply from the next batch the loader
+fetches, with Lightning's default fetching and ``num_workers=0`` the next step (worker processes
+fetch ahead, so there a few steps later; exact either way, as the hook weights each rank by the
+batch it actually ran).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.data import extract_batch_size
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+import hetcoll
+from hetcoll.torch import (
+    BalancedSampler,
+    Rebalancer,
+    SpeedFit,
+    WeightedAllreduceState,
+    gather_speeds,
+    measure_speed,
+    weighted_allreduce_hook,
+)
+
+_OWN_HOOK_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper")
+
+
+def _positive_ints(values: Any, argument: str) -> list[int]:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{argument}: must be a sequence of positive integers, got {values!r}")
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not hasattr(v, "__index__") or int(v.__index__()) < 1:
+            raise ValueError(f"{argument}[{i}]: must be a positive integer, got {v!r}")
+        out.append(int(v.__index__()))
+    if not out:
+        raise ValueError(f"{argument}: must not be empty")
+    return out
+
+
+def _positive_floats(values: Any, argument: str) -> list[float]:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{argument}: must be a sequence of positive numbers, got {values!r}")
+    out = []
+    for i, v in enumerate(values):
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            f = float("nan")
+        if isinstance(v, bool) or not (math.isfinite(f) and f > 0):
+            raise ValueError(f"{argument}[{i}]: must be a finite number > 0, got {v!r}")
+        out.append(f)
+    if not out:
+        raise ValueError(f"{argument}: must not be empty")
+    return out
+
+
+class _TrainingStep(nn.Module):
+    """The LightningModule's ``training_step`` as a module returning the loss, for the probe."""
+
+    def __init__(self, module: LightningModule) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        out = self.module.training_step(batch, 0)
+        loss = out["loss"] if isinstance(out, dict) else out
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                "measure: training_step must return the loss (a tensor, or a dict with 'loss') "
+                f"to be timed, got {type(out).__name__}"
+            )
+        return loss
+
+
+class _ShareLog(Callback):
+    """Logs every rank's share (progress bar too) and, when known, speed in samples/s."""
+
+    def __init__(self, strategy: BalancedStrategy) -> None:
+        self.strategy = strategy
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        s = self.strategy
+        if s.sampler is None:
+            return
+        metrics = {f"share/{r}": float(v) for r, v in enumerate(s.sampler.shares)}
+        speeds = s.speeds
+        pl_module.log_dict(metrics, prog_bar=True, on_step=True, on_epoch=False)
+        if speeds is not None:
+            pl_module.log_dict(
+                {f"speed/{r}": float(v) for r, v in enumerate(speeds)},
+                prog_bar=False,
+                on_step=True,
+                on_epoch=False,
+            )
+
+
+class _BalancedLoader(DataLoader):
+    """The training loader: its sampler's state goes into Lightning's checkpoints (Lightning
+    saves the state of loaders with ``state_dict``/``load_state_dict``), so a run resumed mid-epoch
+    continues the epoch where it stopped, on as many ranks or another number."""
+
+    def state_dict(self) -> dict[str, Any]:
+        sampler = self.batch_sampler.sampler  # type: ignore[union-attr]
+        return dict(sampler.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batch_sampler.sampler.load_state_dict(state)  # type: ignore[union-attr]
+
+    def __len__(self) -> int:
+        # Lightning counts an epoch's batches once, before a restored state takes effect, and
+        # keeps the count for every epoch: the whole epoch's (a resumed epoch ends when the
+        # sampler runs out, on the step it would have ended on).
+        return int(self.batch_sampler.sampler.steps_per_epoch)  # type: ignore[union-attr]
+
+
+class BalancedStrategy(DDPStrategy):
+    """Lightning's DDP strategy where each rank takes its share of every global batch and
+    gradients are averaged weighted by samples (exact: the full-batch gradient).
+
+    ``shares``: per-rank batch sizes (one per rank, summing to the training DataLoader's
+    ``batch_size``, the global batch). ``speeds``: relative per-rank speeds instead, split
+    exactly (:func:`hetcoll.split`). ``measure``: time every rank's training step when training
+    starts and split by the fits (``measure_budget`` seconds at most for the probe). None of
+    them: equal shares. ``rebalance_every``: re-solve the shares from the step times every so
+    many steps (:class:`hetcoll.torch.Rebalancer`). ``seed``: the shuffle's seed when the
+    loader's sampler is a ``RandomSampler`` (with Lightning's injected ``DistributedSampler``
+    its seed is used). Other keyword arguments go to ``DDPStrategy`` (e.g.
+    ``start_method="spawn"``); its comm-hook arguments are taken by this strategy.
+
+    The training loader's sampler decides the order: Lightning's ``DistributedSampler`` (its
+    default) and ``RandomSampler`` shuffle, ``SequentialSampler`` (``shuffle=False`` with
+    ``Trainer(use_distributed_sampler=False)``) keeps the dataset order; other samplers and
+    batch samplers raise. Validation and test loaders are Lightning's as usual. Gradient
+    accumulation is not supported (its steps skip the comm hook).
+
+    >>> trainer = Trainer(strategy=BalancedStrategy(speeds=[3, 1]), accelerator="cpu",
+    ...                   devices=2)  # doctest: +SKIP
+    """
+
+    strategy_name = "hetcoll_balanced"
+
+    def __init__(
+        self,
+        shares: Sequence[int] | None = None,
+        speeds: Sequence[float] | None = None,
+        measure: bool = False,
+        rebalance_every: int | None = None,
+        *,
+        seed: int = 0,
+        measure_budget: float = 10.0,
+        **ddp_kwargs: Any,
+    ) -> None:
+        given = [n for n, v in (("shares", shares), ("speeds", speeds)) if v is not None]
+        if not isinstance(measure, bool):
+            raise TypeError(f"measure: must be True or False, got {measure!r}")
+        if measure:
+            given.append("measure")
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: give at most one of shares, speeds, measure=True")
+        if rebalance_every is not None and (
+            isinstance(rebalance_every, bool)
+            or not isinstance(rebalance_every, int)
+            or rebalance_every < 1
+        ):
+            raise ValueError(
+                f"rebalance_every: must be an integer >= 1 or None, got {rebalance_every!r}"
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed: must be an integer, got {seed!r}")
+        if not (isinstance(measure_budget, (int, float)) and measure_budget > 0):
+            raise ValueError(
+                f"measure_budget: must be a number of seconds > 0, got {measure_budget!r}"
+            )
+        for name in _OWN_HOOK_ARGUMENTS:
+            if name in ddp_kwargs:
+                raise TypeError(f"{name}: BalancedStrategy registers its own DDP comm hook")
+        super().__init__(**ddp_kwargs)
+        self.shares = None if shares is None else _positive_ints(shares, "shares")
+        self._given_speeds = None if speeds is None else _positive_floats(speeds, "speeds")
+        self.measure = measure
+        self.rebalance_every = rebalance_every
+        self.seed = seed
+        self.measure_budget = float(measure_budget)
+        #: The training loader's sampler, once the loader is set up.
+        self.sampler: BalancedSampler | None = None
+        #: Every rank's measured fit (``measure=True``), in rank order.
+        self.fits: list[SpeedFit] | None = None
+        self.rebalancer: Rebalancer | None = None
+        self.hook_state: WeightedAllreduceState | None = None
+        self._step_start = 0.0
+        self._local_batch = 0
+
+    @property
+    def speeds(self) -> list[float] | None:
+        """Every rank's speed in samples/s as last known (rebalancer, else probe; None if
+        neither measured; relative ``speeds`` given by the user are not samples/s)."""
+        if self.rebalancer is not None and self.rebalancer.speeds is not None:
+            return self.rebalancer.speeds
+        if self.fits is not None:
+            return [f.samples_per_s for f in self.fits]
+        return None
+
+    # -- DDP: hetcoll's comm hook ---------------------------------------------------------
+
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers hooks on CUDA only; this one runs on every device.
+        assert isinstance(self.model, DistributedDataParallel)
+        self.hook_state = WeightedAllreduceState(None, local_batch=0)
+        self.model.register_comm_hook(self.hook_state, weighted_allreduce_hook)
+
+    def setup(self, trainer: Trainer) -> None:
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "accumulate_grad_batches: BalancedStrategy needs 1 (accumulation steps skip "
+                "the sample-weighted averaging)"
+            )
+        super().setup(trainer)
+        # The trainer's callback list (set by its callback connector, hence unseen by mypy).
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        if not any(isinstance(c, _ShareLog) and c.strategy is self for c in callbacks):
+            callbacks.append(_ShareLog(self))
+
+    # -- the training loader --------------------------------------------------------------
+
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training or not isinstance(dataloader, DataLoader):
+            return dataloader
+        return self._balanced_loader(dataloader)
+
+    def _balanced_loader(self, dl: DataLoader) -> DataLoader:
+        if dl.batch_size is None:
+            raise ValueError(
+                "train_dataloader: BalancedStrategy needs batch_size= (the global batch), "
+                "not a batch_sampler"
+            )
+        sampler = dl.sampler
+        if isinstance(sampler, DistributedSampler):
+            shuffle, seed = bool(sampler.shuffle), int(sampler.seed)
+        elif isinstance(sampler, RandomSampler):
+            shuffle, seed = True, self.seed
+        elif isinstance(sampler, SequentialSampler):
+            shuffle, seed = False, self.seed
+        else:
+            raise ValueError(
+                "train_dataloader: BalancedStrategy replaces the sampler with its own and can "
+                "take a DistributedSampler, RandomSampler or SequentialSampler, got "
+                f"{type(sampler).__name__}"
+            )
+        shares = self._resolve_shares(dl)
+        self.sampler = BalancedSampler(
+            dl.dataset, shares, self.global_rank, shuffle=shuffle, seed=seed, drop_last=dl.drop_last
+        )
+        if self.rebalance_every is not None:
+            self.rebalancer = Rebalancer(self.sampler, every=self.rebalance_every, fits=self.fits)
+        workers: dict[str, Any] = {}
+        if dl.num_workers > 0:
+            workers = {
+                "prefetch_factor": dl.prefetch_factor,
+                "persistent_workers": dl.persistent_workers,
+            }
+        return _BalancedLoader(
+            dl.dataset,
+            batch_sampler=self.sampler.batch_sampler(),
+            num_workers=dl.num_workers,
+            collate_fn=dl.collate_fn,
+            pin_memory=dl.pin_memory,
+            timeout=dl.timeout,
+            worker_init_fn=dl.worker_init_fn,
+            multiprocessing_context=dl.multiprocessing_context,
+            generator=dl.generator,
+            **workers,
+        )
+
+    def _resolve_shares(self, dl: DataLoader) -> list[int]:
+        total, ranks = int(dl.batch_size or 0), self.world_size
+        if self.sampler is not None:  # a reloaded loader keeps the current shares
+            return list(self.sampler.shares)
+        if self.shares is not None:
+            if len(self.shares) != ranks:
+                raise ValueError(f"shares: has {len(self.shares)} entries for {ranks} ranks")
+            if sum(self.shares) != total:
+                raise ValueError(
+                    f"shares: sum to {sum(self.shares)}, but the train_dataloader's batch_size "
+                    f"(the global batch) is {total}"
+                )
+            return list(self.shares)
+        if total < ranks:
+            raise ValueError(
+                f"train_dataloader: batch_size {total} (the global batch) is smaller than the "
+                f"number of ranks ({ranks})"
+            )
+        if self._given_speeds is not None:
+            if len(self._given_speeds) != ranks:
+                raise ValueError(f"speeds: has {len(self._given_speeds)} entries for {ranks} ranks")
+            return hetcoll.split(total, self._given_speeds, minimum=1)
+        if self.measure:
+            self.fits = gather_speeds(self._probe(dl, total))
+            caps = [total if f.capacity is None else min(f.capacity, total) for f in self.fits]
+            return hetcoll.split(
+                total,
+                [f.samples_per_s for f in self.fits],
+                latency=[f.latency_s for f in self.fits],
+                capacity=caps,
+                minimum=1,
+            )
+        return hetcoll.split(total, [1.0] * ranks, minimum=1)
+
+    def _probe(self, dl: DataLoader, total: int) -> SpeedFit:
+        """This rank's training step timed on the first samples of the dataset, at batch sizes
+        up to the global batch, on a copy of the module (the trainer left out)."""
+        module = self.lightning_module
+        assert module is not None
+        probe = copy.deepcopy(module, memo={id(module.trainer): None})
+        n = len(dl.dataset)  # type: ignore[arg-type]
+
+        def make_batch(b: int) -> tuple[Any, None]:
+            batch = dl.collate_fn([dl.dataset[i % n] for i in range(b)])
+            return self.batch_to_device(batch), None
+
+        sizes = sorted({max(1, total // 4), max(1, total // 2), total})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the copy's self.log calls, without a trainer
+            return measure_speed(
+                _TrainingStep(probe),
+                make_batch,
+                lambda loss, _: loss,
+                batch_sizes=sizes,
+                time_budget=self.measure_budget,
+                probe_memory=self.root_device.type == "cuda",
+            )
+
+    # -- per step: the local batch for the hook, step times for the rebalancer --------------
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._local_batch = int(extract_batch_size(batch))
+        if self.hook_state is not None:
+            self.hook_state.local_batch = self._local_batch
+        self._step_start = time.perf_counter()
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self.rebalancer is not None and self.hook_state is not None:
+            seconds = max(0.0, self.hook_state.ready_at - self._step_start)
+            self.rebalancer.observe(self._local_batch, seconds)

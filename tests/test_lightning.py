@@ -1,0 +1,289 @@
+"""hetcoll.lightning.BalancedStrategy under Lightning's own launcher (spawned gloo CPU ranks):
+each rank takes its share of every global batch and the weights after training equal one process
+on the whole batches, in float64 to 1e-10."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+lightning = pytest.importorskip("lightning")
+from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
+
+from hetcoll.lightning import BalancedStrategy  # noqa: E402
+from hetcoll.torch import BalancedSampler  # noqa: E402
+
+pytestmark = pytest.mark.multiproc
+
+N, BATCH, LR = 29, 8, 0.1  # 29 = 3 * 8 + 5: every epoch ends on a smaller batch
+#: Forked ranks start at once (spawned ones would import torch and lightning again).
+START = "fork"
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(
+        torch.randn(N, 5, generator=g, dtype=torch.float64),
+        torch.randn(N, 2, generator=g, dtype=torch.float64),
+    )
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+
+
+class Regression(LightningModule):
+    """Records each rank's batch sizes in ``out/sizes{rank}.json``."""
+
+    def __init__(self, shuffle: bool, out: Path) -> None:
+        super().__init__()
+        self.net = net()
+        self.shuffle = shuffle
+        self.out = out
+        self.sizes: list[int] = []
+
+    def on_train_end(self) -> None:
+        (self.out / f"sizes{self.global_rank}.json").write_text(json.dumps(self.sizes))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.sizes.append(len(x))
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+    def train_dataloader(self):
+        return DataLoader(data(), batch_size=BATCH, shuffle=self.shuffle)
+
+
+def reference(epochs: int, shuffle: bool, seed: int = 0) -> list[torch.Tensor]:
+    """One process, plain loop, over the global batches the strategy's ranks share."""
+    model, (x, y) = net(), data().tensors
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    order = BalancedSampler(range(N), [BATCH], 0, shuffle=shuffle, seed=seed, verify=False)
+    for epoch in range(epochs):
+        order.set_epoch(epoch)
+        for idx in order.batch_sampler():
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+            opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def fit(
+    out: Path, strategy: BalancedStrategy, devices: int, shuffle: bool, epochs: int = 2, **kw
+) -> Trainer:
+    trainer = Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
+    )
+    trainer.fit(Regression(shuffle, out))
+    return trainer
+
+
+def batch_sizes(out: Path, devices: int) -> list[list[int]]:
+    """Every rank's batch sizes, step by step."""
+    return [json.loads((out / f"sizes{r}.json").read_text()) for r in range(devices)]
+
+
+def planned(shares: list[int], epochs: int, changes: dict[int, list[int]] | None = None):
+    """Per rank, the batch sizes BalancedSampler plans (``changes``: shares set before step k)."""
+    samplers = [BalancedSampler(range(N), shares, r, verify=False) for r in range(len(shares))]
+    sizes: list[list[int]] = [[] for _ in shares]
+    step = 0
+    for _ in range(epochs):
+        for steps in zip(*(s.batch_sampler() for s in samplers)):
+            for r, idx in enumerate(steps):
+                sizes[r].append(len(idx))
+            step += 1
+            if changes and step in changes:
+                for s in samplers:
+                    s.set_shares(changes[step])
+    return sizes
+
+
+def assert_exact(trainer: Trainer, epochs: int, shuffle: bool) -> None:
+    got = [p.detach() for p in trainer.lightning_module.net.parameters()]
+    for a, b in zip(got, reference(epochs, shuffle)):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+def test_given_shares_on_two_ranks_train_as_one_process(tmp_path):
+    """Lightning's injected DistributedSampler (shuffled, seed 0) becomes the balanced one."""
+    trainer = fit(tmp_path, BalancedStrategy(shares=[5, 3], start_method=START), 2, shuffle=True)
+    assert_exact(trainer, 2, shuffle=True)
+    # Each rank ran its share of every global batch (the last one split 5:3 -> [3, 2]).
+    assert batch_sizes(tmp_path, 2) == planned([5, 3], 2) == [[5, 5, 5, 3] * 2, [3, 3, 3, 2] * 2]
+    # The shares are logged (progress bar and logger) on every rank.
+    assert trainer.callback_metrics["share/0"] == 5.0
+    assert trainer.callback_metrics["share/1"] == 3.0
+
+
+class ChangeShares(Callback):
+    """Sets new shares after global step ``at`` (as a Rebalancer would), on every rank."""
+
+    def __init__(self, at: int, shares: list[int]) -> None:
+        self.at, self.shares = at, shares
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.at:
+            trainer.strategy.sampler.set_shares(self.shares)
+
+
+def test_speeds_on_three_ranks_in_dataset_order_with_a_share_change(tmp_path):
+    strategy = BalancedStrategy(speeds=[1.0, 2.0, 1.0], start_method=START)
+    change = ChangeShares(2, [3, 3, 2])
+    trainer = fit(
+        tmp_path, strategy, 3, shuffle=False, use_distributed_sampler=False, callbacks=[change]
+    )
+    assert_exact(trainer, 2, shuffle=False)
+    # Set after the second step, the new shares apply from the third.
+    assert batch_sizes(tmp_path, 3) == planned([2, 4, 2], 2, {2: [3, 3, 2]})
+    assert [trainer.callback_metrics[f"share/{r}"] for r in range(3)] == [3.0, 3.0, 2.0]
+
+
+def test_measured_and_rebalanced_shares_stay_exact(tmp_path):
+    """measure=True probes each rank and rebalance_every re-solves the shares while training:
+    whatever shares result, the weights are those of one process."""
+    strategy = BalancedStrategy(
+        measure=True, rebalance_every=2, measure_budget=1.0, start_method=START
+    )
+    trainer = fit(tmp_path, strategy, 2, shuffle=True, epochs=3)
+    assert_exact(trainer, 3, shuffle=True)
+    shares = [trainer.callback_metrics[f"share/{r}"] for r in range(2)]
+    assert sum(shares) == BATCH and min(shares) >= 1
+    assert all(trainer.callback_metrics[f"speed/{r}"] > 0 for r in range(2))
+
+
+def test_bad_arguments_name_the_argument():
+    with pytest.raises(ValueError, match="speeds"):
+        BalancedStrategy(shares=[1, 2], speeds=[1.0, 1.0])
+    with pytest.raises(ValueError, match=r"shares\[1\]"):
+        BalancedStrategy(shares=[1, 0])
+    with pytest.raises(ValueError, match=r"speeds\[0\]"):
+        BalancedStrategy(speeds=[float("nan"), 1.0])
+    with pytest.raises(ValueError, match="rebalance_every"):
+        BalancedStrategy(rebalance_every=0)
+    with pytest.raises(TypeError, match="measure"):
+        BalancedStrategy(measure="yes")
+    with pytest.raises(TypeError, match="ddp_comm_hook"):
+        BalancedStrategy(ddp_comm_hook=lambda s, b: None)
+
+
+def test_shares_that_do_not_make_the_global_batch_raise(tmp_path):
+    # Raised on the ranks; Lightning's launcher re-raises it here.
+    with pytest.raises(Exception, match="shares: sum to 7, but the train_dataloader's batch_size"):
+        fit(tmp_path, BalancedStrategy(shares=[4, 3], start_method=START), 2, shuffle=False)
+
+
+def test_example_trains_as_one_process(tmp_path):
+    """examples/lightning_balanced.py, fast mode, on two forked ranks with shares split 3:1:
+    the weights equal one process's plain loop over the same shuffled global batches."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "lightning_balanced.py"
+    spec = importlib.util.spec_from_file_location("lightning_balanced", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = ["--devices", "2", "--speeds", "3,1", "--fast", "--float64", "--start-method", "fork"]
+    got = example.main([*args, "--batch", "64", "--save", str(tmp_path / "w.pt")])
+    # One process: the same 4 global batches of 64 (epoch 0's permutation, seed 0).
+    net, data_ = example.make_net().double(), example.load_data()
+    x, y = data_.tensors
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    order = list(BalancedSampler(range(len(y)), [64], 0, verify=False).batch_sampler())
+    for idx in order[:4]:
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x[idx].double()), y[idx]).backward()
+        opt.step()
+    saved = torch.load(tmp_path / "w.pt")
+    for (name, a), b in zip(got.net.named_parameters(), net.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-10)
+        torch.testing.assert_close(saved[f"net.{name}"], b.detach(), rtol=0, atol=1e-10)
+
+
+class SaveAt(Callback):
+    """Saves a Lightning checkpoint after global step ``k`` (what stopping there leaves)."""
+
+    def __init__(self, k: int, path: Path) -> None:
+        self.k, self.path = k, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.k:
+            trainer.save_checkpoint(self.path)
+
+
+def test_checkpoint_on_three_ranks_resumes_mid_epoch_on_two(tmp_path):
+    """The sampler's state rides in Lightning's checkpoint: stopped after 2 steps on 3 ranks,
+    resumed with ckpt_path on 2 (shares re-solved from the new speeds), the run finishes the
+    epoch where it stopped and ends with one uninterrupted process's weights."""
+    ckpt = tmp_path / "step2.ckpt"
+    first = BalancedStrategy(speeds=[1.0, 1.0, 2.0], start_method=START)
+    fit(tmp_path, first, 3, shuffle=True, max_steps=2, callbacks=[SaveAt(2, ckpt)])
+    trainer = Trainer(
+        strategy=BalancedStrategy(speeds=[3.0, 1.0], start_method=START),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Regression(True, tmp_path), ckpt_path=ckpt)
+    assert_exact(trainer, 2, shuffle=True)
+    # Epoch 0's last full batch and its 5 leftover samples, then all of epoch 1, split 6:2.
+    assert batch_sizes(tmp_path, 2) == [[6, 4, 6, 6, 6, 4], [2, 1, 2, 2, 2, 1]]
+
+
+class WithValidation(Regression):
+    """Also records each rank's validation batch sizes in ``out/val{rank}.json``."""
+
+    def __init__(self, shuffle: bool, out: Path) -> None:
+        super().__init__(shuffle, out)
+        self.val_sizes: list[int] = []
+
+    def validation_step(self, batch, batch_idx):
+        self.val_sizes.append(len(batch[0]))
+
+    def val_dataloader(self):
+        return DataLoader(data(), batch_size=10)
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        (self.out / f"val{self.global_rank}.json").write_text(json.dumps(self.val_sizes))
+
+
+def test_validation_loaders_stay_lightnings(tmp_path):
+    """Only the training loader is balanced: validation keeps Lightning's DistributedSampler
+    (29 samples -> 15 per rank, in batches of 10 and 5; the sanity check, then the epoch's end)."""
+    trainer = Trainer(
+        strategy=BalancedStrategy(shares=[5, 3], start_method=START),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(WithValidation(False, tmp_path))
+    assert batch_sizes(tmp_path, 2) == [[5, 5, 5, 3], [3, 3, 3, 2]]
+    val = [json.loads((tmp_path / f"val{r}.json").read_text()) for r in range(2)]
+    assert val == [[10, 5, 10, 5]] * 2
