@@ -193,7 +193,7 @@ def test_module_attr_finds_the_working_directory_like_python_m(tmp_path: Path) -
         "model", "costs", "--model", "my_models:Net", "--input", "3x4", "--json", cwd=tmp_path
     )
     assert run.returncode == 0, run.stderr
-    assert [row["params"] for row in json.loads(run.stdout)] == [0, 39]
+    assert [row["params"] for row in json.loads(run.stdout)["layers"]] == [0, 39]
 
 
 # ------------------------------------------------------------------------- cluster files
