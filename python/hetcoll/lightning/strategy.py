@@ -13,7 +13,7 @@ Shares, in order of precedence: given (``shares``), split from relative ``speeds
 (:func:`hetcoll.split`), measured when training starts (``measure=True``: every rank times its
 training step with :func:`~hetcoll.torch.measure_speed` on the first samples of the dataset, the
 fits are exchanged with :func:`~hetcoll.torch.gather_speeds` and split exactly, within each
-rank's memory capacity where the probe gives one, i.e. on CUDA), or equal. ``rebalance_every``
+rank's memory capacity from the same probe), or equal. ``rebalance_every``
 adds a :class:`~hetcoll.torch.Rebalancer` fed with each rank's compute time per step (batch
 start to its last gradient bucket ready); new shares apply from the next batch the loader
 fetches, with Lightning's default fetching and ``num_workers=0`` the next step (worker processes
@@ -358,7 +358,7 @@ class BalancedStrategy(DDPStrategy):
                 lambda loss, _: loss,
                 batch_sizes=sizes,
                 time_budget=self.measure_budget,
-                probe_memory=self.root_device.type == "cuda",
+                probe_memory=True,  # CUDA: the allocator's peak; CPU: counted
             )
 
     # -- per step: the local batch for the hook, step times for the rebalancer --------------
