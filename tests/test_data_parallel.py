@@ -199,7 +199,10 @@ def test_rebalancer_corrects_a_skewed_split_on_emulated_ranks():
     seen = per_rank[0]
     assert per_rank[1] == seen  # every rank decided alike
     assert seen[0] == [60, 4]
-    assert 8 <= seen[-1][1] <= 24, seen[-1]  # corrected, towards 15 (less its fixed cost)
+    # Corrected, towards 15 (less its fixed cost). Only the direction is asserted: how far it
+    # gets in 60 steps depends on the host's load (real emulated timings; tests/test_rebalance.py
+    # checks convergence itself on simulated ones).
+    assert 4 < seen[-1][1] <= 24, seen[-1]
     assert all(s[1] >= 4 and sum(s) == 64 for s in seen)  # never starved
 
 
