@@ -74,11 +74,13 @@ def power_law_nets(n: int, m: int, seed: int) -> list[np.ndarray]:
     affinity = rng.pareto(1.5, n) + 1.0
     p = affinity / affinity.sum()
     sizes = np.minimum(np.floor(2 * (rng.pareto(1.5, m) + 1.0)).astype(np.int64), n // 10)
+    # All pins in one draw (inverse transform on the cumulative affinities), then cut into nets.
+    pins = np.minimum(np.searchsorted(np.cumsum(p), rng.random(int(sizes.sum()))), n - 1)
     nets = []
-    for size in sizes:
-        pins = np.unique(rng.choice(n, size=int(size), p=p))
-        if len(pins) >= 2:
-            nets.append(pins.astype(np.int64))
+    for chunk in np.split(pins, np.cumsum(sizes)[:-1]):
+        net = np.unique(chunk)
+        if len(net) >= 2:
+            nets.append(net.astype(np.int64))
     return nets
 
 
