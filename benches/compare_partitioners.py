@@ -1,13 +1,18 @@
 """hetcoll.partition_hypergraph vs Mt-KaHyPar (default preset), same instances, same run.
 
-Instances: column-net hypergraphs of scipy.sparse random matrices (rows are vertices, each
-column is a net over the rows with a nonzero in it), a 2D 5-point stencil matrix, and the
-seed-002 hypergraphs of two CNNs (``hetcoll.model.network_hypergraph``); k = 2, 4, 8; uniform
-targets and heterogeneous ones (speeds 4:2:1:1 repeated). Mt-KaHyPar gets the same limits as
-individual maximum block weights ``floor((1 + eps) * targets[b] * W)`` (it takes integer
-weights, so weights are rounded to integers for both), one thread, the default preset.
+Instances, in families: column-net hypergraphs of scipy.sparse random matrices (rows are
+vertices, each column is a net over the rows with a nonzero in it) and of a 2D 5-point stencil
+(banded); geometric kNN hypergraphs in 2-D and 3-D (points uniform in the unit square/cube, one
+net per point: itself and its ``KNN`` nearest neighbours); power-law nets (Chung-Lu: net sizes
+and vertex degrees Pareto-distributed); and the weighted seed-002 hypergraphs
+(``hetcoll.model.network_hypergraph``) of CNNs: two small ones, VGG-11's convolutional stack and
+a plain (no-shortcut) ResNet-18 chain, both at reduced width and 32x32 inputs
+(``network_hypergraph`` reads chains of layers only, so ResNet's shortcuts are left out); k = 2,
+4, 8; uniform targets and heterogeneous ones (speeds 4:2:1:1 repeated). Mt-KaHyPar gets the
+same limits as individual maximum block weights ``floor((1 + eps) * targets[b] * W)`` (it takes
+integer weights, so weights are rounded to integers for both), one thread, the default preset.
 
-    python benches/compare_partitioners.py [--quick] [--json benches/results/partitioners.json]
+    python benches/compare_partitioners.py [--quick] [--family PREFIX] [--json FILE.json]
 
 Needs ``mtkahypar`` (the ``bench`` dependency group, which ``make bench`` installs; hetcoll does
 not depend on it). Lab code, like everything in benches/: it imports the library, the library
@@ -31,6 +36,8 @@ import scipy.sparse as sp
 import hetcoll
 
 EPS = 0.03
+#: Neighbours per point in the geometric kNN hypergraphs.
+KNN = 8
 
 
 def column_net(matrix: sp.spmatrix) -> list[np.ndarray]:
@@ -49,7 +56,100 @@ def stencil(side: int) -> sp.spmatrix:
     return sp.kron(one, sp.eye(side)) + sp.kron(sp.eye(side), one)
 
 
-def cnn_instances() -> list[tuple[str, int, list[np.ndarray], np.ndarray, np.ndarray]]:
+def knn_nets(n: int, dim: int, seed: int) -> list[np.ndarray]:
+    """One net per point of ``n`` uniform points in ``[0, 1]^dim``: itself and its KNN nearest."""
+    from scipy.spatial import cKDTree
+
+    points = np.random.default_rng(seed).random((n, dim))
+    _, near = cKDTree(points).query(points, k=KNN + 1)
+    # The point itself is among its nearest (distance 0); duplicates cannot occur.
+    return [np.asarray(row, dtype=np.int64) for row in near]
+
+
+def power_law_nets(n: int, m: int, seed: int) -> list[np.ndarray]:
+    """Chung-Lu style: net sizes Pareto(1.5)-distributed (2 to n/10 pins), each pin drawn with
+    probability proportional to a Pareto(1.5) vertex weight, so vertex degrees are heavy-tailed.
+    """
+    rng = np.random.default_rng(seed)
+    affinity = rng.pareto(1.5, n) + 1.0
+    p = affinity / affinity.sum()
+    sizes = np.minimum(np.floor(2 * (rng.pareto(1.5, m) + 1.0)).astype(np.int64), n // 10)
+    # All pins in one draw (inverse transform on the cumulative affinities), then cut into nets.
+    pins = np.minimum(np.searchsorted(np.cumsum(p), rng.random(int(sizes.sum()))), n - 1)
+    nets = []
+    for chunk in np.split(pins, np.cumsum(sizes)[:-1]):
+        net = np.unique(chunk)
+        if len(net) >= 2:
+            nets.append(net.astype(np.int64))
+    return nets
+
+
+Instance = tuple[str, int, list[np.ndarray], np.ndarray, np.ndarray]
+
+
+def vgg11_features(width: float) -> Any:
+    """VGG-11's convolutional stack (configuration A) at ``width`` times its channels, with a
+    small classifier for 32x32 inputs."""
+    import torch
+
+    layers: list[torch.nn.Module] = []
+    channels = 3
+    for c in (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"):
+        if c == "M":
+            layers.append(torch.nn.MaxPool2d(2))
+            continue
+        out = max(1, int(int(c) * width))
+        layers += [torch.nn.Conv2d(channels, out, 3, padding=1), torch.nn.ReLU()]
+        channels = out
+    return torch.nn.Sequential(*layers, torch.nn.Flatten(), torch.nn.Linear(channels, 10))
+
+
+def plain_resnet18(width: float) -> Any:
+    """ResNet-18's layers as a chain (stem, 4 stages of 2 basic blocks, 3x3 convolutions, stride
+    2 between stages) at ``width`` times its channels, shortcuts left out."""
+    import torch
+
+    w = [max(1, int(c * width)) for c in (64, 128, 256, 512)]
+    layers: list[torch.nn.Module] = [
+        torch.nn.Conv2d(3, w[0], 3, padding=1),
+        torch.nn.BatchNorm2d(w[0]),
+        torch.nn.ReLU(),
+    ]
+    channels = w[0]
+    for stage, out in enumerate(w):
+        for conv in range(4):
+            stride = 2 if stage > 0 and conv == 0 else 1
+            layers += [
+                torch.nn.Conv2d(channels, out, 3, stride=stride, padding=1),
+                torch.nn.BatchNorm2d(out),
+                torch.nn.ReLU(),
+            ]
+            channels = out
+    return torch.nn.Sequential(
+        *layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(channels, 10)
+    )
+
+
+def real_cnn_instances(quick: bool) -> list[Instance]:
+    """VGG-11 and plain ResNet-18 hypergraphs at a quarter (quick) or half of their width."""
+    try:
+        import torch
+
+        from hetcoll.model import network_hypergraph
+    except ImportError:
+        return []
+    torch.manual_seed(0)
+    width = 0.25 if quick else 0.5
+    out = []
+    for name, model in [("vgg11", vgg11_features(width)), ("resnet18", plain_resnet18(width))]:
+        h = network_hypergraph(model, (3, 32, 32))
+        out.append(
+            (f"cnn {name} x{width}", h.num_vertices, h.nets, h.vertex_weights, h.net_weights)
+        )
+    return out
+
+
+def cnn_instances() -> list[Instance]:
     try:
         import torch
 
@@ -127,16 +227,64 @@ def geomean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
+#: Families: a name and the prefix of its instances' names.
+FAMILIES: tuple[tuple[str, str], ...] = (
+    ("random matrices", "random"),
+    ("stencil", "stencil"),
+    ("kNN 2-D", "knn 2-D"),
+    ("kNN 3-D", "knn 3-D"),
+    ("power-law", "power-law"),
+    ("CNN hypergraphs", "cnn"),
+)
+
 #: Summary rows: a name and which runs it covers (instance name, hetero).
 GROUPS: tuple[tuple[str, Any], ...] = (
     ("all", lambda name, hetero: True),
+    (
+        "beyond banded (kNN, power-law, CNN)",
+        lambda name, hetero: name.startswith(("knn", "power", "cnn")),
+    ),
     ("uniform targets", lambda name, hetero: not hetero),
     ("heterogeneous targets", lambda name, hetero: hetero),
-    ("random matrices, uniform", lambda name, hetero: name.startswith("random") and not hetero),
-    ("random matrices, heterogeneous", lambda name, hetero: name.startswith("random") and hetero),
-    ("stencil", lambda name, hetero: name.startswith("stencil")),
-    ("CNN hypergraphs", lambda name, hetero: name.startswith("cnn")),
+    *(
+        (family, lambda name, hetero, prefix=prefix: name.startswith(prefix))
+        for family, prefix in FAMILIES
+    ),
 )
+
+
+def instances(quick: bool, family: str | None) -> list[Instance]:
+    """The benchmark's instances (``quick``: the small sizes), of one family's prefix if given."""
+    out: list[Instance] = []
+
+    def want(prefix: str) -> bool:
+        return family is None or prefix.startswith(family)
+
+    if want("random"):
+        for n, d in [(10_000, 5)] if quick else [(10_000, 5), (30_000, 5), (100_000, 4)]:
+            nets = column_net(random_matrix(n, d, seed=n))
+            out.append((f"random {n} x {n}, {d}/row", n, nets, np.ones(n), np.ones(len(nets))))
+    if want("stencil"):
+        side = 100 if quick else 200
+        nets = column_net(stencil(side))
+        n = side * side
+        out.append((f"stencil {side}x{side}", n, nets, np.ones(n), np.ones(len(nets))))
+    for dim in (2, 3):
+        if want(f"knn {dim}-D"):
+            for n in [3_000] if quick else [3_000, 10_000]:
+                nets = knn_nets(n, dim, seed=n + dim)
+                out.append((f"knn {dim}-D {n} pts", n, nets, np.ones(n), np.ones(len(nets))))
+    if want("power-law"):
+        for n in [5_000] if quick else [5_000, 20_000]:
+            nets = power_law_nets(n, n, seed=n)
+            out.append((f"power-law {n}", n, nets, np.ones(n), np.ones(len(nets))))
+    if want("cnn"):
+        for name, n, nets, vw, nw in cnn_instances() + real_cnn_instances(quick):
+            # Integer weights for both partitioners (Mt-KaHyPar takes integers only).
+            vw = np.maximum(1, np.round(vw / max(1.0, vw.max() / 1e4)))
+            nw = np.maximum(1, np.round(nw / max(1.0, nw.max() / 1e4)))
+            out.append((name, n, nets, vw, nw))
+    return out
 
 
 def results_file(runs: list[dict[str, Any]], quick: bool) -> dict[str, Any]:
@@ -174,15 +322,19 @@ def results_file(runs: list[dict[str, Any]], quick: bool) -> dict[str, Any]:
         "description": (
             "`hetcoll.partition_hypergraph` against Mt-KaHyPar's default preset (one thread "
             "each), same instances, same run: column-net hypergraphs of random sparse "
-            "matrices, a 2D 5-point stencil and the hypergraphs of two CNNs; k = 2, 4, 8; "
-            "uniform targets and speeds 4:2:1:1 repeated. Mt-KaHyPar gets the same per-block "
-            "limits, floor((1 + eps) * target * W), eps = 0.03, and both get integer weights."
+            "matrices and a 2D 5-point stencil (banded); geometric kNN hypergraphs in 2-D and "
+            f"3-D (uniform points, one net per point and its {KNN} nearest); power-law nets "
+            "(Chung-Lu, Pareto net sizes and vertex degrees); the weighted hypergraphs of CNNs "
+            "(two small ones, VGG-11's convolutional stack and a plain ResNet-18 chain at reduced "
+            "width); k = 2, 4, 8; uniform targets and speeds 4:2:1:1 repeated. Mt-KaHyPar gets "
+            "the same per-block limits, floor((1 + eps) * target * W), eps = 0.03, and both get "
+            "integer weights."
         ),
         "notes": [
             "km1 ratio: hetcoll's km1 over Mt-KaHyPar's (< 1: hetcoll cuts less); time ratio: "
             "hetcoll's time over Mt-KaHyPar's (< 1: hetcoll is faster). One run per cell.",
             *(
-                ["`--quick`: the small instances only (10^4 random rows, 100x100 stencil, CNNs)."]
+                ["`--quick`: the small instance of each family (CNNs at a quarter width)."]
                 if quick
                 else []
             ),
@@ -251,32 +403,20 @@ def results_file(runs: list[dict[str, Any]], quick: bool) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small instances only")
+    ap.add_argument("--family", help="only the instances whose name starts with this")
     ap.add_argument("--json", type=Path, help="also write a results file for benches/report.py")
     args = ap.parse_args()
     import mtkahypar
 
     mtk = mtkahypar.initialize(1, False)
-    instances = []
-    sizes = [(10_000, 5)] if args.quick else [(10_000, 5), (30_000, 5), (100_000, 4)]
-    for n, d in sizes:
-        nets = column_net(random_matrix(n, d, seed=n))
-        instances.append((f"random {n} x {n}, {d}/row", n, nets, np.ones(n), np.ones(len(nets))))
-    side = 100 if args.quick else 200
-    nets = column_net(stencil(side))
-    n = side * side
-    instances.append((f"stencil {side}x{side}", n, nets, np.ones(n), np.ones(len(nets))))
-    for name, n, nets, vw, nw in cnn_instances():
-        # Integer weights for both partitioners (Mt-KaHyPar takes integers only).
-        vw = np.maximum(1, np.round(vw / max(1.0, vw.max() / 1e4)))
-        nw = np.maximum(1, np.round(nw / max(1.0, nw.max() / 1e4)))
-        instances.append((name, n, nets, vw, nw))
-
     print(
         f"{'instance':<28} {'k':>2} {'targets':<7} {'km1 hetcoll':>12} {'km1 MtKaHyPar':>14}"
         f" {'ratio':>6} {'t hetcoll':>10} {'t MtKaHyPar':>11} {'balanced':>9}"
     )
     runs: list[dict[str, Any]] = []
-    for name, n, nets, vw, nw in instances:
+    for name, n, nets, vw, nw in instances(args.quick, args.family):
+        pins = sum(len(e) for e in nets)
+        print(f"# {name}: {n} vertices, {len(nets)} nets, {pins} pins", flush=True)
         for k in (2, 4, 8):
             for hetero in (False, True):
                 targets = targets_for(k, hetero)

@@ -113,6 +113,88 @@ def test_chain_bad_input_names_the_argument(kwargs, argument):
         hetcoll.partition_chain(costs, speeds, **kwargs)
 
 
+memory_chain_case = st.integers(1, 6).flatmap(
+    lambda n: st.tuples(
+        st.lists(st.floats(0, 100, allow_nan=False), min_size=n, max_size=n),
+        st.lists(st.floats(0.1, 10), min_size=1, max_size=4),
+        st.lists(st.integers(0, 9).map(float), min_size=n, max_size=n),
+        st.lists(st.integers(0, 20).map(float), min_size=4, max_size=4),
+    )
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(memory_chain_case)
+def test_chain_within_memory_against_brute_force(case):
+    """With memory limits the stages fit and the bottleneck is the brute-force optimum among the
+    placements that fit; when none fits the error says so (and the oracle agrees)."""
+    costs, speeds, memory, capacity = case
+    capacity = capacity[: len(speeds)]
+
+    def fits(lay):
+        at = 0
+        for count, cap in zip(lay, capacity, strict=True):
+            if math.fsum(memory[at : at + count]) > cap:
+                return False
+            at += count
+        return True
+
+    def bottleneck(lay):
+        return max(hetcoll.chain_stage_times(costs, speeds, lay))
+
+    fitting = [c for c in compositions(len(costs), len(speeds)) if fits(c)]
+    if not fitting:
+        with pytest.raises(ValueError, match=r"^capacity: infeasible"):
+            hetcoll.partition_chain(costs, speeds, memory=memory, capacity=capacity)
+        return
+    layers = hetcoll.partition_chain(costs, speeds, memory=memory, capacity=capacity)
+    assert sum(layers) == len(costs) and fits(layers)
+    assert bottleneck(layers) == min(bottleneck(c) for c in fitting)
+
+
+def test_chain_memory_moves_layers_off_a_full_device():
+    # The fast device would take 6 of 8 layers but holds only 4 layers' bytes.
+    assert hetcoll.partition_chain(
+        [1.0] * 8, [3.0, 1.0], memory=[1e9] * 8, capacity=[4e9, 8e9]
+    ) == [
+        4,
+        4,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("memory", "capacity", "message"),
+    [
+        # Total need against total capacity.
+        ([2e9, 2e9, 2e9], [3e9, 2.5e9], "the layers need 6000000000 in all, the devices hold"),
+        # One layer larger than every device.
+        ([1.0, 5.0, 1.0], [4.0, 4.0], "layer 1 needs 5, more than any device holds"),
+        # Enough in total, but not in whole layers in order.
+        ([2.0, 2.0, 2.0], [3.0, 3.0], "hold at most layers 0..2; layers 2..3 need 2 more"),
+    ],
+)
+def test_chain_memory_infeasible_says_by_how_much(memory, capacity, message):
+    with pytest.raises(ValueError, match=r"^capacity: infeasible") as err:
+        hetcoll.partition_chain([1.0] * 3, [1.0, 1.0], memory=memory, capacity=capacity)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"memory": [1.0, 1.0]}, "capacity"),
+        ({"capacity": [1.0]}, "memory"),
+        ({"memory": [1.0], "capacity": [5.0]}, "memory"),
+        ({"memory": [1.0, 1.0], "capacity": [5.0, 5.0]}, "capacity"),
+        ({"memory": [1.0, float("nan")], "capacity": [5.0]}, "memory[1]"),
+        ({"memory": [1.0, 1.0], "capacity": [-5.0]}, "capacity[0]"),
+    ],
+)
+def test_chain_memory_bad_input_names_the_argument(kwargs, argument):
+    with pytest.raises(ValueError, match="^" + re.escape(argument) + ":"):
+        hetcoll.partition_chain([1.0, 1.0], [1.0], **kwargs)
+
+
 # ---------------------------------------------------------------- partition_hypergraph / km1
 
 
@@ -393,3 +475,73 @@ def test_network_hypergraph_reads_a_float64_model():
         network_hypergraph(mixed, (3, 16, 16))
     with pytest.raises(ValueError, match=r"^input_shape"):
         network_hypergraph(net, (4, 16, 16))
+
+
+# ---------------------------------------------------------------- memory capacity of blocks
+
+
+def grid_nets(rows: int, cols: int) -> list[list[int]]:
+    nets = []
+    for r in range(rows):
+        for c in range(cols):
+            if c + 1 < cols:
+                nets.append([r * cols + c, r * cols + c + 1])
+            if r + 1 < rows:
+                nets.append([r * cols + c, (r + 1) * cols + c])
+    return nets
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_hypergraph_memory_capacity_is_respected(k):
+    """A 24x48 grid whose left half needs 3x the memory: the cheapest balanced cuts hold too much
+    memory in some block; with capacities every block fits, balance holds, same result twice."""
+    rows, cols = 24, 48
+    n = rows * cols
+    memory = np.array([3.0 if v % cols < cols // 2 else 1.0 for v in range(n)])
+    nets = grid_nets(rows, cols)
+    targets = [1 / k] * k
+    capacity = [memory.sum() / k * 1.03] * k
+    free = hetcoll.partition_hypergraph(n, nets, targets, seed=3)
+    assert np.any(np.bincount(free, weights=memory, minlength=k) > capacity)
+    parts = hetcoll.partition_hypergraph(
+        n, nets, targets, vertex_memory=memory, capacity=capacity, seed=3
+    )
+    used = np.bincount(parts, weights=memory, minlength=k)
+    assert np.all(used <= capacity), used
+    weights = np.bincount(parts, minlength=k)
+    assert np.all(weights <= 1.03 * n / k), weights
+    again = hetcoll.partition_hypergraph(
+        n, nets, targets, vertex_memory=memory, capacity=capacity, seed=3
+    )
+    assert np.array_equal(parts, again)
+
+
+@pytest.mark.parametrize(
+    ("memory", "capacity", "k", "message"),
+    [
+        ([3.0, 1.0, 1.0, 1.0], [3.0, 2.5], 2, "the vertices need 6 in all, the blocks hold 5.5"),
+        ([3.0, 1.0, 1.0, 1.0], [2.5, 2.5, 2.5], 3, "vertex 0 needs 3, more than any block"),
+    ],
+)
+def test_hypergraph_memory_infeasible_says_by_how_much(memory, capacity, k, message):
+    with pytest.raises(ValueError, match=r"^capacity: infeasible") as err:
+        hetcoll.partition_hypergraph(
+            4, [[0, 1], [2, 3], [1, 2]], [1 / k] * k, vertex_memory=memory, capacity=capacity
+        )
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"vertex_memory": [1.0] * 4}, "capacity"),
+        ({"capacity": [4.0, 4.0]}, "vertex_memory"),
+        ({"vertex_memory": [1.0] * 3, "capacity": [4.0, 4.0]}, "vertex_memory"),
+        ({"vertex_memory": [1.0, -1.0, 1.0, 1.0], "capacity": [4.0, 4.0]}, "vertex_memory[1]"),
+        ({"vertex_memory": [1.0] * 4, "capacity": [4.0]}, "capacity"),
+        ({"vertex_memory": [1.0] * 4, "capacity": [4.0, float("inf")]}, "capacity[1]"),
+    ],
+)
+def test_hypergraph_memory_bad_input_names_the_argument(kwargs, argument):
+    with pytest.raises(ValueError, match="^" + re.escape(argument) + ":"):
+        hetcoll.partition_hypergraph(4, [[0, 1], [2, 3], [1, 2]], [0.5, 0.5], **kwargs)

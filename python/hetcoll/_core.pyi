@@ -83,6 +83,8 @@ def partition_chain(
     *,
     boundary_bytes: Sequence[float] | None = None,
     bandwidth: float | None = None,
+    memory: Sequence[float] | None = None,
+    capacity: Sequence[float] | None = None,
 ) -> list[int]:
     """Layers per device (in device order) of contiguous pipeline stages, smallest bottleneck.
 
@@ -93,8 +95,16 @@ def partition_chain(
     brute-force optimum as computed in floating point. ``boundary_bytes`` (``len(costs) - 1``
     entries, bytes) and ``bandwidth`` (bytes per second) come together or not at all.
 
+    ``memory`` (bytes of each layer: parameters, optimizer state, activations) and ``capacity``
+    (bytes each device may hold), together or not at all: the stages also fit, the bottleneck is
+    the smallest among placements that fit (still exact), and a request none fits raises
+    ``ValueError`` saying by how much (the total need against the total capacity, a layer larger
+    than every device, or the layers left over when the devices are filled in order).
+
     >>> partition_chain([1.0] * 8, [3.0, 1.0])
     [6, 2]
+    >>> partition_chain([1.0] * 8, [3.0, 1.0], memory=[1.0] * 8, capacity=[4.0, 8.0])
+    [4, 4]
     """
 
 def chain_stage_times(
@@ -116,6 +126,8 @@ def partition_hypergraph(
     net_weights: Sequence[float] | np.ndarray | None = None,
     epsilon: float = 0.03,
     seed: int = 0,
+    vertex_memory: Sequence[float] | np.ndarray | None = None,
+    capacity: Sequence[float] | np.ndarray | None = None,
 ) -> np.ndarray:
     """Block (``int64``) of each vertex of a k-way partition, ``k = len(targets)``.
 
@@ -124,6 +136,11 @@ def partition_hypergraph(
     (``km1``). Multilevel (heavy-edge clustering, recursive-bisection initial partitions, k-way FM
     refinement, V-cycles), deterministic for a ``seed``, GIL released. Balance is never
     violated: if no balanced partition exists (or none is found) ``ValueError`` says so.
+
+    ``vertex_memory`` (bytes each vertex needs) and ``capacity`` (bytes block ``b`` may hold, one
+    per block), together or not at all: every block also holds at most its capacity. Requests that
+    cannot fit raise ``ValueError`` with the shortfall (total need against total capacity, or a
+    vertex larger than every block); when no fitting balanced partition is found it says so.
 
     >>> partition_hypergraph(4, [[0, 1], [2, 3], [1, 2]], [0.5, 0.5]).tolist()
     [0, 0, 1, 1]

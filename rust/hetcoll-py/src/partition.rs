@@ -8,15 +8,19 @@ use pyo3::types::{PyBool, PyFloat, PyString};
 use crate::convert::{count, floats};
 use crate::errors::{detached, invalid, IntoPy};
 
-/// Layers per device of contiguous pipeline stages with the smallest bottleneck stage time.
+/// Layers per device of contiguous pipeline stages with the smallest bottleneck stage time (whose
+/// layers fit each device's `capacity` when `memory` is given).
 #[pyfunction]
-#[pyo3(signature = (costs, speeds, *, boundary_bytes=None, bandwidth=None))]
+#[pyo3(signature = (costs, speeds, *, boundary_bytes=None, bandwidth=None, memory=None, capacity=None))]
+#[allow(clippy::too_many_arguments)]
 pub fn partition_chain(
     py: Python<'_>,
     costs: &Bound<'_, PyAny>,
     speeds: &Bound<'_, PyAny>,
     boundary_bytes: Option<&Bound<'_, PyAny>>,
     bandwidth: Option<&Bound<'_, PyAny>>,
+    memory: Option<&Bound<'_, PyAny>>,
+    capacity: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Vec<u64>> {
     let costs = floats(costs, "costs")?;
     let speeds = floats(speeds, "speeds")?;
@@ -24,10 +28,37 @@ pub fn partition_chain(
         .map(|x| floats(x, "boundary_bytes"))
         .transpose()?;
     let bandwidth = bandwidth.map(|x| number(x, "bandwidth")).transpose()?;
+    let limits = memory_limits(memory, capacity, "memory")?;
     detached(py, || {
-        solvers::partition_chain(&costs, &speeds, boundary_bytes.as_deref(), bandwidth)
+        let limits = limits
+            .as_ref()
+            .map(|(memory, capacity)| solvers::ChainMemory { memory, capacity });
+        solvers::partition_chain_within(
+            &costs,
+            &speeds,
+            boundary_bytes.as_deref(),
+            bandwidth,
+            limits,
+        )
     })?
     .py_err()
+}
+
+/// Per-item memory (argument `memory_name`) and per-device `capacity`: both or neither.
+fn memory_limits(
+    memory: Option<&Bound<'_, PyAny>>,
+    capacity: Option<&Bound<'_, PyAny>>,
+    memory_name: &str,
+) -> PyResult<Option<(Vec<f64>, Vec<f64>)>> {
+    match (memory, capacity) {
+        (None, None) => Ok(None),
+        (Some(_), None) => Err(invalid(
+            "capacity",
+            format!("is required (one entry per device) when {memory_name} is given"),
+        )),
+        (None, Some(_)) => Err(invalid(memory_name, "is required when capacity is given")),
+        (Some(m), Some(c)) => Ok(Some((floats(m, memory_name)?, floats(c, "capacity")?))),
+    }
 }
 
 /// Seconds of each pipeline stage for given layers per device (the model `partition_chain` uses).
@@ -60,8 +91,8 @@ pub fn chain_stage_times(
 /// Block of each vertex of a multilevel k-way partition with heterogeneous targets (km1 objective).
 #[pyfunction]
 #[pyo3(
-    signature = (num_vertices, nets, targets, *, vertex_weights=None, net_weights=None, epsilon=None, seed=None),
-    text_signature = "(num_vertices, nets, targets, *, vertex_weights=None, net_weights=None, epsilon=0.03, seed=0)"
+    signature = (num_vertices, nets, targets, *, vertex_weights=None, net_weights=None, epsilon=None, seed=None, vertex_memory=None, capacity=None),
+    text_signature = "(num_vertices, nets, targets, *, vertex_weights=None, net_weights=None, epsilon=0.03, seed=0, vertex_memory=None, capacity=None)"
 )]
 #[allow(clippy::too_many_arguments)]
 pub fn partition_hypergraph<'py>(
@@ -73,6 +104,8 @@ pub fn partition_hypergraph<'py>(
     net_weights: Option<&Bound<'py, PyAny>>,
     epsilon: Option<&Bound<'py, PyAny>>,
     seed: Option<&Bound<'py, PyAny>>,
+    vertex_memory: Option<&Bound<'py, PyAny>>,
+    capacity: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyArray1<i64>>> {
     let num_vertices = count(num_vertices, "num_vertices")?;
     let num_vertices = usize::try_from(num_vertices)
@@ -87,11 +120,16 @@ pub fn partition_hypergraph<'py>(
     let net_weights = net_weights.map(|x| floats(x, "net_weights")).transpose()?;
     let epsilon = epsilon.map_or(Ok(0.03), |x| number(x, "epsilon"))?;
     let seed = seed.map_or(Ok(0), |x| count(x, "seed"))?;
+    let limits = memory_limits(vertex_memory, capacity, "vertex_memory")?;
     let parts = detached(py, move || -> hetcoll_core::Result<Vec<u32>> {
-        let hg = Hypergraph::new(num_vertices, offsets, pins, vertex_weights, net_weights)?;
+        let mut hg = Hypergraph::new(num_vertices, offsets, pins, vertex_weights, net_weights)?;
         let mut options = PartitionOptions::new(targets);
         options.epsilon = epsilon;
         options.seed = seed;
+        if let Some((memory, capacity)) = limits {
+            hg = hg.with_vertex_memory(memory)?;
+            options.capacity = Some(capacity);
+        }
         solvers::partition_hypergraph(&hg, &options)
     })?
     .py_err()?;

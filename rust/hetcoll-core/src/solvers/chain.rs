@@ -40,6 +40,16 @@
 //! the scan skips blocks of 64 cuts whose cheapest transfer cannot fit. Cost: `O(p log n)` per probe
 //! without transfers, and at most 64 probes.
 //!
+//! # Memory
+//!
+//! [`partition_chain_within`] also takes each layer's memory `m_l` (bytes: parameters, optimizer
+//! state, activations) and each device's capacity `C_d`: a stage's layers must fit, `m_i + … +
+//! m_{j-1} ≤ C_d`. The probe then gives each device the longest run that meets the bound *and*
+//! fits. Memory only grows with `j` and shrinks as `i` moves right, so the domination argument
+//! still holds and the result is still exact, now among the placements that fit. Requests no
+//! placement fits are refused with the shortfall (total need against total capacity, a layer
+//! larger than every device, or how much of the chain cannot be placed in order).
+//!
 //! # Tie-breaking
 //!
 //! Among optimal partitions the solver returns the probe's at the optimal bottleneck: each device in
@@ -58,6 +68,18 @@ struct Chain<'a> {
     /// For each block of `BLOCK` cuts starting at `BLOCK · b`: its smallest transfer.
     block_min: Vec<f64>,
     speeds: &'a [f64],
+    /// `memory_prefix[j] = m_0 + … + m_{j-1}` and each device's capacity, when memory is limited.
+    memory: Option<(Vec<f64>, &'a [f64])>,
+}
+
+/// Each layer's memory and each device's capacity (same unit, e.g. bytes) for
+/// [`partition_chain_within`].
+#[derive(Debug, Clone, Copy)]
+pub struct ChainMemory<'a> {
+    /// Memory of each layer (`len(costs)` entries, finite, ≥ 0).
+    pub memory: &'a [f64],
+    /// The most memory each device may hold (`len(speeds)` entries, finite, ≥ 0).
+    pub capacity: &'a [f64],
 }
 
 const BLOCK: usize = 64;
@@ -154,7 +176,109 @@ impl<'a> Chain<'a> {
             transfer,
             block_min,
             speeds,
+            memory: None,
         })
+    }
+
+    /// Validate `memory` against the chain and keep it; refuse (with the shortfall) requests that
+    /// no placement in order fits.
+    fn with_memory(mut self, memory: ChainMemory<'a>) -> Result<Self> {
+        let n = self.layers();
+        let p = self.speeds.len();
+        let (m, cap) = (memory.memory, memory.capacity);
+        if m.len() != n {
+            return Err(CoreError::invalid(
+                "memory",
+                format!("must hold one entry per layer ({n}), got {}", m.len()),
+            ));
+        }
+        if cap.len() != p {
+            return Err(CoreError::invalid(
+                "capacity",
+                format!("must hold one entry per device ({p}), got {}", cap.len()),
+            ));
+        }
+        for (argument, values) in [("memory", m), ("capacity", cap)] {
+            if let Some((i, x)) = values
+                .iter()
+                .enumerate()
+                .find(|(_, x)| !x.is_finite() || **x < 0.0)
+            {
+                return Err(CoreError::invalid(
+                    format!("{argument}[{i}]"),
+                    format!("must be finite and >= 0, got {x}"),
+                ));
+            }
+        }
+        let mut prefix = Vec::with_capacity(n + 1);
+        let mut acc = 0.0f64;
+        prefix.push(acc);
+        for &x in m {
+            acc += x;
+            prefix.push(acc);
+        }
+        if !acc.is_finite() {
+            return Err(CoreError::invalid("memory", "its sum overflows a double"));
+        }
+        let held: f64 = cap.iter().sum();
+        if acc > held {
+            return Err(CoreError::infeasible(
+                "capacity",
+                format!(
+                    "the layers need {acc} in all, the devices hold {held} together \
+                     ({} short)",
+                    acc - held
+                ),
+            ));
+        }
+        let largest = cap.iter().copied().fold(0.0, f64::max);
+        if let Some((l, &x)) = m.iter().enumerate().find(|(_, &x)| x > largest) {
+            return Err(CoreError::infeasible(
+                "capacity",
+                format!(
+                    "layer {l} needs {x}, more than any device holds (the largest, {largest}; \
+                     {} short)",
+                    x - largest
+                ),
+            ));
+        }
+        self.memory = Some((prefix, cap));
+        if self.probe(f64::INFINITY).is_none() {
+            // Fill the devices in order as far as memory allows: what is left cannot be placed.
+            let mut at = 0;
+            for d in 0..p {
+                at = self.memory_reach(d, at);
+            }
+            let left = acc - self.memory.as_ref().map_or(0.0, |(pre, _)| pre[at]);
+            return Err(CoreError::infeasible(
+                "capacity",
+                format!(
+                    "contiguous stages in device order hold at most layers 0..{at}; layers \
+                     {at}..{n} need {left} more than fits (the devices hold {held} together, \
+                     but not in whole layers in order)"
+                ),
+            ));
+        }
+        Ok(self)
+    }
+
+    /// The largest `j ≥ i` whose layers `[i, j)` fit in device `d`'s memory (`n` without limits).
+    fn memory_reach(&self, d: usize, i: usize) -> usize {
+        let n = self.layers();
+        let Some((prefix, cap)) = &self.memory else {
+            return n;
+        };
+        // Memory used is nondecreasing in j.
+        let (mut lo, mut hi) = (i, n);
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if prefix[mid] - prefix[i] <= cap[d] {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo
     }
 
     fn layers(&self) -> usize {
@@ -176,11 +300,12 @@ impl<'a> Chain<'a> {
         (self.prefix[j] - self.prefix[i]) / self.speeds[d]
     }
 
-    /// The largest `j ≥ i` with `T_d(i, j) ≤ bound` (`j = i`, the empty stage, always qualifies).
+    /// The largest `j ≥ i` with `T_d(i, j) ≤ bound` whose layers fit device `d` (`j = i`, the empty
+    /// stage, always qualifies).
     fn reach(&self, d: usize, i: usize, bound: f64) -> usize {
-        let n = self.layers();
-        // Largest j whose compute part alone fits: compute_time is nondecreasing in j.
-        let (mut lo, mut hi) = (i, n);
+        // Largest j whose compute part alone fits (and whose memory fits): compute_time is
+        // nondecreasing in j.
+        let (mut lo, mut hi) = (i, self.memory_reach(d, i));
         while lo < hi {
             let mid = lo + (hi - lo).div_ceil(2);
             if self.compute_time(d, i, mid) <= bound {
@@ -240,13 +365,40 @@ pub fn partition_chain(
     boundary_bytes: Option<&[f64]>,
     bandwidth: Option<f64>,
 ) -> Result<Vec<u64>> {
-    let chain = Chain::new(costs, speeds, boundary_bytes, bandwidth)?;
+    partition_chain_within(costs, speeds, boundary_bytes, bandwidth, None)
+}
+
+/// [`partition_chain`] with each layer's memory and each device's capacity: the stages with the
+/// smallest bottleneck among those whose layers fit their device. Requests no placement fits are
+/// refused with [`CoreError::Infeasible`] saying by how much.
+///
+/// ```
+/// use hetcoll_core::solvers::{partition_chain_within, ChainMemory};
+/// // The fast device would take 6 layers but holds only 4.
+/// let memory = ChainMemory { memory: &[1.0; 8], capacity: &[4.0, 8.0] };
+/// let layers = partition_chain_within(&[1.0; 8], &[3.0, 1.0], None, None, Some(memory));
+/// assert_eq!(layers.unwrap(), vec![4, 4]);
+/// ```
+pub fn partition_chain_within(
+    costs: &[f64],
+    speeds: &[f64],
+    boundary_bytes: Option<&[f64]>,
+    bandwidth: Option<f64>,
+    memory: Option<ChainMemory<'_>>,
+) -> Result<Vec<u64>> {
+    let mut chain = Chain::new(costs, speeds, boundary_bytes, bandwidth)?;
+    if let Some(memory) = memory {
+        chain = chain.with_memory(memory)?;
+    }
     if let Some(layers) = chain.probe(0.0) {
         return Ok(layers);
     }
-    // One device holding everything is feasible: an upper bound to start the bisection from.
+    // The smallest stage time of one device holding everything bounds the optimum when memory
+    // allows it; otherwise every stage time is finite, so infinity does (probe(∞) succeeds, as
+    // `with_memory` checked).
     let n = chain.layers();
     let upper = (0..speeds.len())
+        .filter(|&d| chain.memory_reach(d, 0) == n)
         .map(|d| chain.stage_time(d, 0, n))
         .fold(f64::INFINITY, f64::min);
     // Non-negative doubles order like their bit patterns: bisect on the bits, probe(lo) fails,
@@ -407,8 +559,111 @@ mod tests {
         );
     }
 
+    /// The smallest bottleneck over placements that fit, or `None` when none does.
+    fn brute_force_within(
+        costs: &[f64],
+        speeds: &[f64],
+        memory: &[f64],
+        cap: &[f64],
+    ) -> Option<f64> {
+        compositions(costs.len() as u64, speeds.len())
+            .iter()
+            .filter(|l| {
+                let mut at = 0usize;
+                l.iter().zip(cap).all(|(&c, &limit)| {
+                    let used: f64 = memory[at..at + c as usize].iter().sum();
+                    at += c as usize;
+                    used <= limit
+                })
+            })
+            .map(|l| bottleneck(costs, speeds, l, None, None))
+            .reduce(f64::min)
+    }
+
+    #[test]
+    fn memory_limits_the_fast_device() {
+        let memory = ChainMemory {
+            memory: &[1.0; 8],
+            capacity: &[4.0, 8.0],
+        };
+        let layers = partition_chain_within(&[1.0; 8], &[3.0, 1.0], None, None, Some(memory));
+        assert_eq!(layers.unwrap(), vec![4, 4]);
+    }
+
+    #[test]
+    fn infeasible_memory_says_by_how_much() {
+        let err = |m: &[f64], c: &[f64]| {
+            let memory = ChainMemory {
+                memory: m,
+                capacity: c,
+            };
+            partition_chain_within(&[1.0; 3], &[1.0, 1.0], None, None, Some(memory))
+                .unwrap_err()
+                .to_string()
+        };
+        let total = err(&[2.0, 2.0, 2.0], &[3.0, 2.5]);
+        assert!(
+            total.contains("need 6 in all") && total.contains("(0.5 short)"),
+            "{total}"
+        );
+        let single = err(&[1.0, 5.0, 1.0], &[4.0, 4.0]);
+        assert!(
+            single.contains("layer 1 needs 5") && single.contains("1 short"),
+            "{single}"
+        );
+        // 6 fits in 3 + 3 in total, but not as whole layers in order.
+        let order = err(&[2.0, 2.0, 2.0], &[3.0, 3.0]);
+        assert!(
+            order.contains("layers 0..2") && order.contains("need 2 more"),
+            "{order}"
+        );
+        let e = |m: &[f64], c: &[f64]| {
+            let memory = ChainMemory {
+                memory: m,
+                capacity: c,
+            };
+            partition_chain_within(&[1.0; 2], &[1.0], None, None, Some(memory))
+                .unwrap_err()
+                .argument()
+                .to_string()
+        };
+        assert_eq!(e(&[1.0], &[1.0]), "memory");
+        assert_eq!(e(&[1.0, 1.0], &[1.0, 1.0]), "capacity");
+        assert_eq!(e(&[1.0, f64::NAN], &[1.0]), "memory[1]");
+        assert_eq!(e(&[1.0, 1.0], &[-1.0]), "capacity[0]");
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(400))]
+        #[test]
+        fn within_memory_against_brute_force(
+            costs in prop::collection::vec(0u32..20, 1..7),
+            speeds in prop::collection::vec(1u32..6, 1..4),
+            memory in prop::collection::vec(0u32..10, 6),
+            cap in prop::collection::vec(0u32..25, 3),
+        ) {
+            let costs: Vec<f64> = costs.into_iter().map(f64::from).collect();
+            let speeds: Vec<f64> = speeds.into_iter().map(f64::from).collect();
+            let memory: Vec<f64> = memory[..costs.len()].iter().map(|&m| f64::from(m)).collect();
+            let cap: Vec<f64> = cap[..speeds.len()].iter().map(|&c| f64::from(c)).collect();
+            let limits = ChainMemory { memory: &memory, capacity: &cap };
+            let got = partition_chain_within(&costs, &speeds, None, None, Some(limits));
+            match brute_force_within(&costs, &speeds, &memory, &cap) {
+                None => prop_assert!(got.is_err()),
+                Some(best) => {
+                    let layers = got.unwrap();
+                    let mut at = 0usize;
+                    for (&c, &limit) in layers.iter().zip(&cap) {
+                        let used: f64 = memory[at..at + c as usize].iter().sum();
+                        prop_assert!(used <= limit);
+                        at += c as usize;
+                    }
+                    prop_assert_eq!(at, costs.len());
+                    prop_assert_eq!(bottleneck(&costs, &speeds, &layers, None, None), best);
+                }
+            }
+        }
+
         #[test]
         fn optimal_against_brute_force(
             costs in prop::collection::vec(0u32..20, 1..8),

@@ -10,6 +10,6 @@ pub mod chain;
 pub mod hypergraph;
 pub mod split;
 
-pub use chain::{partition_chain, stage_times};
+pub use chain::{partition_chain, partition_chain_within, stage_times, ChainMemory};
 pub use hypergraph::{km1, partition_hypergraph, Hypergraph, PartitionOptions};
 pub use split::{finish_times, split, SplitOptions};

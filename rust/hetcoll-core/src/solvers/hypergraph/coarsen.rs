@@ -25,6 +25,7 @@ pub(super) fn coarsen(
     hg: &Hypergraph,
     k: usize,
     caps: &[f64],
+    mem: Option<&[f64]>,
     parts: Option<&[u32]>,
     rng: &mut Rng,
 ) -> Vec<Level> {
@@ -34,6 +35,11 @@ pub(super) fn coarsen(
     let smallest = caps.iter().copied().fold(f64::INFINITY, f64::min);
     let max_cluster = (smallest / VERTICES_PER_BLOCK as f64)
         .max(hg.vertex_weights.iter().copied().fold(0.0, f64::max));
+    // The same for memory, when it is limited (each block's memory capacity).
+    let max_memory = mem.map_or(f64::INFINITY, |mem| {
+        (mem.iter().copied().fold(f64::INFINITY, f64::min) / VERTICES_PER_BLOCK as f64)
+            .max(hg.vertex_memory.iter().copied().fold(0.0, f64::max))
+    });
     let mut levels: Vec<Level> = Vec::new();
     let mut blocks: Option<Vec<u32>> = parts.map(<[u32]>::to_vec);
     loop {
@@ -42,7 +48,13 @@ pub(super) fn coarsen(
         if n <= limit {
             break;
         }
-        let (map, clusters) = cluster(current, max_cluster, limit, blocks.as_deref(), rng);
+        let (map, clusters) = cluster(
+            current,
+            [max_cluster, max_memory],
+            limit,
+            blocks.as_deref(),
+            rng,
+        );
         if clusters as f64 > 0.97 * n as f64 {
             break;
         }
@@ -60,10 +72,11 @@ pub(super) fn coarsen(
 }
 
 /// Heavy-edge clustering: vertices in random order join the neighbouring cluster with the highest
-/// rating `Σ_{shared e} w(e) / (|e| − 1)`, if the joint weight stays within `max_cluster`.
+/// rating `Σ_{shared e} w(e) / (|e| − 1)`, if the joint weight and memory stay within
+/// `max_cluster`.
 fn cluster(
     hg: &Hypergraph,
-    max_cluster: f64,
+    [max_cluster, max_memory]: [f64; 2],
     limit: usize,
     blocks: Option<&[u32]>,
     rng: &mut Rng,
@@ -74,6 +87,7 @@ fn cluster(
     // Cluster representative of each vertex; a vertex is its own until it joins or is joined.
     let mut rep: Vec<u32> = (0..n as u32).collect();
     let mut cluster_weight = hg.vertex_weights.clone();
+    let mut cluster_memory: Vec<f64> = (0..n).map(|v| hg.memory(v)).collect();
     let mut joined = vec![false; n]; // part of a multi-vertex cluster
     let mut rating = vec![0.0f64; n];
     let mut touched: Vec<u32> = Vec::new();
@@ -106,13 +120,19 @@ fn cluster(
             }
         }
         let wv = hg.vertex_weights[v];
+        let mv = cluster_memory[v];
         let mut best: Option<(f64, bool, u32)> = None;
         for &r in &touched {
             let ri = r as usize;
             let score = rating[ri];
             rating[ri] = 0.0;
             let other_block = blocks.is_some_and(|b| b[ri] != b[v]);
-            if ri == v || other_block || cluster_weight[ri] + wv > max_cluster || score <= 0.0 {
+            if ri == v
+                || other_block
+                || cluster_weight[ri] + wv > max_cluster
+                || cluster_memory[ri] + mv > max_memory
+                || score <= 0.0
+            {
                 continue;
             }
             // Prefer higher ratings; on ties prefer a vertex not yet in a cluster (keeps cluster
@@ -131,6 +151,7 @@ fn cluster(
             let r = r as usize;
             rep[v] = r as u32;
             cluster_weight[r] += wv;
+            cluster_memory[r] += mv;
             joined[v] = true;
             joined[r] = true;
             clusters -= 1;
@@ -195,7 +216,14 @@ fn contract(hg: &Hypergraph, map: &[u32], clusters: usize) -> Hypergraph {
             net_offsets.push(pins.len());
         }
     }
-    Hypergraph::from_parts(vertex_weights, net_offsets, pins, net_weights)
+    let mut coarse = Hypergraph::from_parts(vertex_weights, net_offsets, pins, net_weights);
+    if !hg.vertex_memory.is_empty() {
+        coarse.vertex_memory = vec![0.0; clusters];
+        for (v, &c) in map.iter().enumerate() {
+            coarse.vertex_memory[c as usize] += hg.vertex_memory[v];
+        }
+    }
+    coarse
 }
 
 fn fingerprint(pins: &[u32]) -> u64 {

@@ -256,35 +256,70 @@ fn extract(hg: &Hypergraph, ids: &[u32], parts: &[u32], side: u32) -> (Hypergrap
     )
 }
 
-/// Weight-only packing, heaviest vertex first, tried several ways: into the block with the most
+/// Packing that ignores the cut, heaviest vertex first (and, with `mem`, only into blocks with
+/// memory left for it), tried several ways: into the block with the most
 /// room left (worst fit), with the least room that still fits (best fit), the first that fits
 /// with blocks by decreasing capacity (first fit), then first fit over shuffled block orders and
 /// shuffled ties. `None` if every way leaves some vertex without a block (bin packing is NP-hard:
 /// this can miss a packing that exists).
-pub(super) fn pack(hg: &Hypergraph, caps: &[f64]) -> Option<Vec<u32>> {
+pub(super) fn pack(hg: &Hypergraph, caps: &[f64], mem: Option<&[f64]>) -> Option<Vec<u32>> {
+    let k = caps.len();
+    let mut by_capacity: Vec<usize> = (0..k).collect();
+    by_capacity.sort_by(|&a, &b| caps[b].total_cmp(&caps[a]).then(a.cmp(&b)));
+    // Vertices by decreasing weight; with memory limits also by decreasing memory, and by the sum
+    // of both as shares of their capacities (two-dimensional packing has no single right order).
+    let total_memory: f64 = mem.map_or(0.0, |m| m.iter().sum());
+    let total_caps: f64 = caps.iter().sum();
+    let keys: Vec<Box<dyn Fn(usize) -> f64>> = if mem.is_some() {
+        vec![
+            Box::new(|v| hg.vertex_weights[v]),
+            Box::new(|v| hg.memory(v)),
+            Box::new(move |v| {
+                hg.vertex_weights[v] / total_caps
+                    + hg.memory(v) / total_memory.max(f64::MIN_POSITIVE)
+            }),
+        ]
+    } else {
+        vec![Box::new(|v| hg.vertex_weights[v])]
+    };
+    for key in &keys {
+        if let Some(parts) = pack_in_order(hg, caps, mem, &by_capacity, key) {
+            return Some(parts);
+        }
+    }
+    None
+}
+
+/// [`pack`] with vertices in decreasing `key` (ties shuffled in the restarts).
+fn pack_in_order(
+    hg: &Hypergraph,
+    caps: &[f64],
+    mem: Option<&[f64]>,
+    by_capacity: &[usize],
+    key: &dyn Fn(usize) -> f64,
+) -> Option<Vec<u32>> {
     let n = hg.num_vertices();
     let k = caps.len();
     let mut order: Vec<u32> = (0..n as u32).collect();
-    order.sort_by(|&a, &b| {
-        hg.vertex_weights[b as usize]
-            .total_cmp(&hg.vertex_weights[a as usize])
-            .then(a.cmp(&b))
-    });
-    let mut by_capacity: Vec<usize> = (0..k).collect();
-    by_capacity.sort_by(|&a, &b| caps[b].total_cmp(&caps[a]).then(a.cmp(&b)));
+    order.sort_by(|&a, &b| key(b as usize).total_cmp(&key(a as usize)).then(a.cmp(&b)));
     let mut rng = Rng::new(0x9ac4);
     for attempt in 0..3 + PACKING_RESTARTS {
-        let mut blocks = by_capacity.clone();
+        let mut blocks = by_capacity.to_vec();
         if attempt >= 3 {
             rng.shuffle(&mut blocks);
-            shuffle_ties(hg, &mut order, &mut rng);
+            shuffle_ties(&mut order, key, &mut rng);
         }
         let mut room = caps.to_vec();
+        let mut memory_room = mem.map_or_else(|| vec![f64::INFINITY; k], <[f64]>::to_vec);
         let mut parts = vec![0u32; n];
         let mut ok = true;
         for &v in &order {
             let w = hg.vertex_weights[v as usize];
-            let fits = blocks.iter().copied().filter(|&b| w <= room[b]);
+            let m = hg.memory(v as usize);
+            let fits = blocks
+                .iter()
+                .copied()
+                .filter(|&b| w <= room[b] && m <= memory_room[b]);
             let chosen = match attempt {
                 0 => fits.max_by(|&x, &y| room[x].total_cmp(&room[y]).then(y.cmp(&x))),
                 1 => fits.min_by(|&x, &y| room[x].total_cmp(&room[y]).then(x.cmp(&y))),
@@ -296,6 +331,7 @@ pub(super) fn pack(hg: &Hypergraph, caps: &[f64]) -> Option<Vec<u32>> {
             };
             parts[v as usize] = b as u32;
             room[b] -= w;
+            memory_room[b] -= m;
         }
         if ok {
             return Some(parts);
@@ -307,13 +343,13 @@ pub(super) fn pack(hg: &Hypergraph, caps: &[f64]) -> Option<Vec<u32>> {
 /// Randomised first-fit restarts of [`pack`] after its three fixed rules.
 const PACKING_RESTARTS: usize = 64;
 
-/// Shuffle runs of equal weight in `order` (sorted by decreasing weight), keeping the sort.
-fn shuffle_ties(hg: &Hypergraph, order: &mut [u32], rng: &mut Rng) {
+/// Shuffle runs of equal `key` in `order` (sorted by decreasing key), keeping the sort.
+fn shuffle_ties(order: &mut [u32], key: &dyn Fn(usize) -> f64, rng: &mut Rng) {
     let mut start = 0;
     while start < order.len() {
-        let w = hg.vertex_weights[order[start] as usize];
+        let w = key(order[start] as usize);
         let mut end = start + 1;
-        while end < order.len() && hg.vertex_weights[order[end] as usize] == w {
+        while end < order.len() && key(order[end] as usize) == w {
             end += 1;
         }
         rng.shuffle(&mut order[start..end]);

@@ -38,6 +38,8 @@ use crate::error::{CoreError, Result};
 #[derive(Debug, Clone)]
 pub struct Hypergraph {
     vertex_weights: Vec<f64>,
+    /// Memory of each vertex (bytes a device needs to hold it); empty when not given.
+    vertex_memory: Vec<f64>,
     net_offsets: Vec<usize>,
     pins: Vec<u32>,
     net_weights: Vec<f64>,
@@ -137,12 +139,33 @@ impl Hypergraph {
         }
         Hypergraph {
             vertex_weights,
+            vertex_memory: Vec::new(),
             net_offsets,
             pins,
             net_weights,
             incidence_offsets,
             incidence,
         }
+    }
+
+    /// The same hypergraph with each vertex's memory (finite, ≥ 0; one entry per vertex), which
+    /// [`PartitionOptions::capacity`] limits per block.
+    pub fn with_vertex_memory(mut self, memory: Vec<f64>) -> Result<Self> {
+        let memory = weights(Some(memory), self.num_vertices(), "vertex_memory")?;
+        if !memory.iter().sum::<f64>().is_finite() {
+            return Err(CoreError::invalid(
+                "vertex_memory",
+                "its sum overflows a double",
+            ));
+        }
+        self.vertex_memory = memory;
+        Ok(self)
+    }
+
+    /// Memory of vertex `v` (0 when no memory was given).
+    #[inline]
+    fn memory(&self, v: usize) -> f64 {
+        self.vertex_memory.get(v).copied().unwrap_or(0.0)
     }
 
     /// Number of vertices.
@@ -219,6 +242,9 @@ pub struct PartitionOptions {
     pub epsilon: f64,
     /// Seed of every random choice; the result is a deterministic function of the inputs and it.
     pub seed: u64,
+    /// The most vertex memory (see [`Hypergraph::with_vertex_memory`]) block `b` may hold, one
+    /// entry per block; `None`: memory is not limited.
+    pub capacity: Option<Vec<f64>>,
 }
 
 impl PartitionOptions {
@@ -228,6 +254,7 @@ impl PartitionOptions {
             targets,
             epsilon: 0.03,
             seed: 0,
+            capacity: None,
         }
     }
 }
@@ -249,12 +276,14 @@ impl PartitionOptions {
 pub fn partition_hypergraph(hg: &Hypergraph, options: &PartitionOptions) -> Result<Vec<u32>> {
     let caps = capacities(hg, options)?;
     let k = caps.len();
+    let mem = memory_capacities(hg, options)?;
+    let mem = mem.as_deref();
     let n = hg.num_vertices();
     if k == 1 {
         return Ok(vec![0; n]);
     }
     let mut rng = Rng::new(options.seed);
-    let hierarchy = coarsen::coarsen(hg, k, &caps, None, &mut rng);
+    let hierarchy = coarsen::coarsen(hg, k, &caps, mem, None, &mut rng);
     let coarsest = hierarchy.last().map_or(hg, |level| &level.coarse);
     // Recursive bisection cannot see past its own cut (a perfect first bisection may leave an
     // unsplittable half), so several independent runs compete on the k-way result.
@@ -273,8 +302,8 @@ pub fn partition_hypergraph(hg: &Hypergraph, options: &PartitionOptions) -> Resu
             &caps,
             &mut rng,
         );
-        refine::refine(coarsest, &mut parts, &caps, &mut rng);
-        let ok = balanced(coarsest, &parts, &caps);
+        refine::refine(coarsest, &mut parts, &caps, mem, &mut rng);
+        let ok = balanced(coarsest, &parts, &caps, mem);
         let cut = coarsest.km1(&parts);
         if best
             .as_ref()
@@ -284,14 +313,14 @@ pub fn partition_hypergraph(hg: &Hypergraph, options: &PartitionOptions) -> Resu
         }
     }
     let mut parts = best.map(|(_, _, p)| p).unwrap_or_default();
-    parts = uncoarsen(hg, &hierarchy, parts, &caps, &mut rng);
+    parts = uncoarsen(hg, &hierarchy, parts, &caps, mem, &mut rng);
     // V-cycles: coarsen again with clusters kept inside blocks, so the partition carries over to
     // the coarse levels, and refine on the way back; keep a cycle only if it helped.
     for _ in 0..V_CYCLES {
-        if !balanced(hg, &parts, &caps) {
+        if !balanced(hg, &parts, &caps, mem) {
             break;
         }
-        let hierarchy = coarsen::coarsen(hg, k, &caps, Some(&parts), &mut rng);
+        let hierarchy = coarsen::coarsen(hg, k, &caps, mem, Some(&parts), &mut rng);
         if hierarchy.is_empty() {
             break;
         }
@@ -303,25 +332,33 @@ pub fn partition_hypergraph(hg: &Hypergraph, options: &PartitionOptions) -> Resu
             }
             fine_parts = coarse_parts;
         }
-        let candidate = uncoarsen(hg, &hierarchy, fine_parts, &caps, &mut rng);
-        if balanced(hg, &candidate, &caps) && hg.km1(&candidate) < hg.km1(&parts) {
+        let candidate = uncoarsen(hg, &hierarchy, fine_parts, &caps, mem, &mut rng);
+        if balanced(hg, &candidate, &caps, mem) && hg.km1(&candidate) < hg.km1(&parts) {
             parts = candidate;
         } else {
             break;
         }
     }
-    if !balanced(hg, &parts, &caps) {
+    if !balanced(hg, &parts, &caps, mem) {
         // Refinement could not restore balance from the projected partition: pack from scratch,
         // ignoring the cut, and polish.
-        parts = initial::pack(hg, &caps).ok_or_else(|| {
-            CoreError::infeasible(
-                "targets",
-                "no balanced partition found for these vertex weights, targets and epsilon",
-            )
+        parts = initial::pack(hg, &caps, mem).ok_or_else(|| {
+            if mem.is_some() {
+                CoreError::infeasible(
+                    "capacity",
+                    "no partition found that is balanced and fits every block's capacity for \
+                     these vertex weights and memory, targets, epsilon and capacities",
+                )
+            } else {
+                CoreError::infeasible(
+                    "targets",
+                    "no balanced partition found for these vertex weights, targets and epsilon",
+                )
+            }
         })?;
-        refine::refine(hg, &mut parts, &caps, &mut rng);
+        refine::refine(hg, &mut parts, &caps, mem, &mut rng);
     }
-    debug_assert!(balanced(hg, &parts, &caps));
+    debug_assert!(balanced(hg, &parts, &caps, mem));
     Ok(parts)
 }
 
@@ -332,6 +369,7 @@ fn uncoarsen(
     hierarchy: &[coarsen::Level],
     mut parts: Vec<u32>,
     caps: &[f64],
+    mem: Option<&[f64]>,
     rng: &mut Rng,
 ) -> Vec<u32> {
     for level in (0..hierarchy.len()).rev() {
@@ -345,7 +383,7 @@ fn uncoarsen(
             .iter()
             .map(|&c| parts[c as usize])
             .collect();
-        refine::refine(fine, &mut parts, caps, rng);
+        refine::refine(fine, &mut parts, caps, mem, rng);
     }
     parts
 }
@@ -434,13 +472,76 @@ fn capacities(hg: &Hypergraph, options: &PartitionOptions) -> Result<Vec<f64>> {
     Ok(caps)
 }
 
-/// Whether every block of `parts` weighs at most its capacity (weights summed in vertex order).
-fn balanced(hg: &Hypergraph, parts: &[u32], caps: &[f64]) -> bool {
+/// Whether every block of `parts` weighs at most its capacity and, with `mem`, holds at most its
+/// memory capacity (sums in vertex order).
+fn balanced(hg: &Hypergraph, parts: &[u32], caps: &[f64], mem: Option<&[f64]>) -> bool {
     let mut w = vec![0.0; caps.len()];
+    let mut m = vec![0.0; caps.len()];
     for (v, &b) in parts.iter().enumerate() {
         w[b as usize] += hg.vertex_weights[v];
+        m[b as usize] += hg.memory(v);
     }
     w.iter().zip(caps).all(|(w, c)| w <= c)
+        && mem.is_none_or(|mem| m.iter().zip(mem).all(|(m, c)| m <= c))
+}
+
+/// The validated memory capacities of `options` (`None`: memory not limited), refusing requests
+/// whose memory cannot fit with the shortfall.
+fn memory_capacities(hg: &Hypergraph, options: &PartitionOptions) -> Result<Option<Vec<f64>>> {
+    let Some(cap) = &options.capacity else {
+        return Ok(None);
+    };
+    let k = options.targets.len();
+    if cap.len() != k {
+        return Err(CoreError::invalid(
+            "capacity",
+            format!("must hold one entry per block ({k}), got {}", cap.len()),
+        ));
+    }
+    if let Some((b, x)) = cap
+        .iter()
+        .enumerate()
+        .find(|(_, x)| !x.is_finite() || **x < 0.0)
+    {
+        return Err(CoreError::invalid(
+            format!("capacity[{b}]"),
+            format!("must be finite and >= 0, got {x}"),
+        ));
+    }
+    if hg.vertex_memory.is_empty() {
+        return Err(CoreError::invalid(
+            "vertex_memory",
+            "is required when capacity is given",
+        ));
+    }
+    let need: f64 = hg.vertex_memory.iter().sum();
+    let held: f64 = cap.iter().sum();
+    if need > held {
+        return Err(CoreError::infeasible(
+            "capacity",
+            format!(
+                "the vertices need {need} in all, the blocks hold {held} together ({} short)",
+                need - held
+            ),
+        ));
+    }
+    let largest = cap.iter().copied().fold(0.0, f64::max);
+    if let Some((v, &x)) = hg
+        .vertex_memory
+        .iter()
+        .enumerate()
+        .find(|(_, &x)| x > largest)
+    {
+        return Err(CoreError::infeasible(
+            "capacity",
+            format!(
+                "vertex {v} needs {x}, more than any block holds (the largest, {largest}; \
+                 {} short)",
+                x - largest
+            ),
+        ));
+    }
+    Ok(Some(cap.clone()))
 }
 
 /// `Σ_e w(e) · (λ(e) − 1)` of a partition given as nets in compressed form.

@@ -23,6 +23,9 @@ pub(super) struct State<'h> {
     /// `Φ(e, b)` at `e · k + b`.
     pin_counts: Vec<u32>,
     pub caps: Vec<f64>,
+    /// Memory held by each block and the most it may hold; both empty when memory is not limited.
+    block_memory: Vec<f64>,
+    memory_caps: Vec<f64>,
     conn: Vec<f64>,
     benefit: Vec<f64>,
     incident: Vec<f64>,
@@ -77,10 +80,58 @@ impl<'h> State<'h> {
             block_weights,
             pin_counts,
             caps: caps.to_vec(),
+            block_memory: Vec::new(),
+            memory_caps: Vec::new(),
             conn,
             benefit,
             incident,
         }
+    }
+
+    /// Limit each block's memory to `memory_caps[b]` from now on (moves that would exceed it are
+    /// not offered unless full blocks are allowed; `is_balanced` and rebalancing include it).
+    pub fn limit_memory(&mut self, memory_caps: &[f64]) {
+        let mut used = vec![0.0; self.k];
+        for (v, &b) in self.parts.iter().enumerate() {
+            used[b as usize] += self.hg.memory(v);
+        }
+        self.block_memory = used;
+        self.memory_caps = memory_caps.to_vec();
+    }
+
+    /// Whether block `b` holds more than it may (weight or memory).
+    fn overloaded(&self, b: usize) -> bool {
+        self.block_weights[b] > self.caps[b]
+            || (!self.memory_caps.is_empty() && self.block_memory[b] > self.memory_caps[b])
+    }
+
+    /// What moving `v` out relieves its block of: its weight if the block is too heavy, else its
+    /// memory (the block holds too much memory).
+    fn relief(&self, v: usize) -> f64 {
+        let a = self.parts[v] as usize;
+        if self.block_weights[a] > self.caps[a] {
+            self.hg.vertex_weights[v]
+        } else {
+            self.hg.memory(v)
+        }
+    }
+
+    /// Room left in block `b`: weight, and memory (infinite when not limited).
+    fn room(&self, b: usize) -> (f64, f64) {
+        let memory = if self.memory_caps.is_empty() {
+            f64::INFINITY
+        } else {
+            self.memory_caps[b] - self.block_memory[b]
+        };
+        (self.caps[b] - self.block_weights[b], memory)
+    }
+
+    /// Whether `v` (not in `b`) fits in block `b`: weight and memory.
+    #[inline]
+    fn fits(&self, v: usize, b: usize) -> bool {
+        self.block_weights[b] + self.hg.vertex_weights[v] <= self.caps[b]
+            && (self.memory_caps.is_empty()
+                || self.block_memory[b] + self.hg.memory(v) <= self.memory_caps[b])
     }
 
     #[inline]
@@ -98,10 +149,7 @@ impl<'h> State<'h> {
     }
 
     pub fn is_balanced(&self) -> bool {
-        self.block_weights
-            .iter()
-            .zip(&self.caps)
-            .all(|(w, c)| w <= c)
+        (0..self.k).all(|b| !self.overloaded(b))
     }
 
     /// Whether some net of `v` touches another block (only such vertices can gain by moving).
@@ -117,12 +165,11 @@ impl<'h> State<'h> {
     pub fn best_move(&self, v: usize, allow_full: bool) -> Option<Move> {
         let k = self.k;
         let a = self.parts[v] as usize;
-        let w = self.hg.vertex_weights[v];
         let base = self.benefit[v] - self.incident[v];
         let conn = &self.conn[v * k..v * k + k];
         let mut best: Option<Move> = None;
         for (b, &c) in conn.iter().enumerate() {
-            if b == a || (!allow_full && self.block_weights[b] + w > self.caps[b]) {
+            if b == a || (!allow_full && !self.fits(v, b)) {
                 continue;
             }
             let gain = base + c;
@@ -152,6 +199,11 @@ impl<'h> State<'h> {
         let wv = hg.vertex_weights[v];
         self.block_weights[from] -= wv;
         self.block_weights[to] += wv;
+        if !self.memory_caps.is_empty() {
+            let mv = hg.memory(v);
+            self.block_memory[from] -= mv;
+            self.block_memory[to] += mv;
+        }
         self.parts[v] = to as u32;
         let mut own_benefit = 0.0;
         for &e in hg.nets(v) {
@@ -230,8 +282,17 @@ const LARGE_NET: usize = 1000;
 /// Rebalance if needed, then FM passes until a pass stops improving. (Label propagation before FM
 /// was tried and removed: it fills blocks with mediocre moves that FM then cannot undo; without it
 /// km1 was lower and refinement faster on the benchmark instances.)
-pub(super) fn refine(hg: &Hypergraph, parts: &mut Vec<u32>, caps: &[f64], rng: &mut Rng) {
+pub(super) fn refine(
+    hg: &Hypergraph,
+    parts: &mut Vec<u32>,
+    caps: &[f64],
+    mem: Option<&[f64]>,
+    rng: &mut Rng,
+) {
     let mut state = State::new(hg, std::mem::take(parts), caps);
+    if let Some(mem) = mem {
+        state.limit_memory(mem);
+    }
     if !state.is_balanced() {
         rebalance(&mut state, rng);
     }
@@ -247,15 +308,14 @@ pub(super) fn rebalance(state: &mut State<'_>, rng: &mut Rng) -> bool {
         if state.is_balanced() {
             return true;
         }
-        let over: Vec<bool> = (0..state.k)
-            .map(|b| state.block_weights[b] > state.caps[b])
-            .collect();
+        let over: Vec<bool> = (0..state.k).map(|b| state.overloaded(b)).collect();
         let mut heap = BinaryHeap::new();
         for v in 0..n {
-            if over[state.parts[v] as usize] && state.hg.vertex_weights[v] > 0.0 {
+            let relieves = state.hg.vertex_weights[v] > 0.0 || state.hg.memory(v) > 0.0;
+            if over[state.parts[v] as usize] && relieves {
                 if let Some(m) = state.best_move(v, false) {
                     heap.push(Entry {
-                        gain: score(m.gain, state.hg.vertex_weights[v]),
+                        gain: score(m.gain, state.relief(v)),
                         tie: rng.next_u64() as u32,
                         v: v as u32,
                     });
@@ -265,13 +325,13 @@ pub(super) fn rebalance(state: &mut State<'_>, rng: &mut Rng) -> bool {
         while let Some(top) = heap.pop() {
             let v = top.v as usize;
             let from = state.parts[v] as usize;
-            if state.block_weights[from] <= state.caps[from] {
+            if !state.overloaded(from) {
                 continue;
             }
             let Some(m) = state.best_move(v, false) else {
                 continue;
             };
-            let s = score(m.gain, state.hg.vertex_weights[v]);
+            let s = score(m.gain, state.relief(v));
             if s < top.gain {
                 heap.push(Entry { gain: s, ..top });
                 continue;
@@ -367,14 +427,16 @@ pub(super) fn fm(state: &mut State<'_>, rng: &mut Rng, max_passes: usize) {
                 }
             });
             // Room was made in `from`: the best parked candidates that fit now go back in line.
-            let room = state.caps[from as usize] - state.block_weights[from as usize];
-            let mut released = 0.0;
+            let (room, memory_room) = state.room(from as usize);
+            let (mut released, mut released_memory) = (0.0, 0.0);
             while let Some(p) = parked[from as usize].peek() {
                 let w = hg.vertex_weights[p.v as usize];
-                if released + w > room {
+                let m = hg.memory(p.v as usize);
+                if released + w > room || released_memory + m > memory_room {
                     break;
                 }
                 released += w;
+                released_memory += m;
                 let p = parked[from as usize].pop().expect("peeked");
                 if locked[p.v as usize] != pass {
                     heap.push(p);

@@ -211,3 +211,143 @@ fn near_optimal_on_tiny_instances() {
         "optimal in only {optimal}/{total}"
     );
 }
+
+/// Whether `parts` holds at most `cap[b]` memory in every block `b`.
+fn fits_memory(hg: &Hypergraph, parts: &[u32], cap: &[f64]) -> bool {
+    let mut used = vec![0.0; cap.len()];
+    for (v, &b) in parts.iter().enumerate() {
+        used[b as usize] += hg.memory(v);
+    }
+    used.iter().zip(cap).all(|(u, c)| u <= c)
+}
+
+/// Smallest km1 over partitions that are balanced and fit the memory capacities (∞: none).
+fn brute_force_memory(hg: &Hypergraph, caps: &[f64], cap: &[f64]) -> f64 {
+    let n = hg.num_vertices();
+    let k = caps.len();
+    let mut best = f64::INFINITY;
+    let mut parts = vec![0u32; n];
+    for code in 0..k.pow(n as u32) {
+        let mut c = code;
+        for p in parts.iter_mut() {
+            *p = (c % k) as u32;
+            c /= k;
+        }
+        let w = block_weights(hg, &parts, k);
+        if w.iter().zip(caps).all(|(w, c)| w <= c) && fits_memory(hg, &parts, cap) {
+            best = best.min(hg.km1(&parts));
+        }
+    }
+    best
+}
+
+#[test]
+fn memory_capacity_is_respected_on_a_grid() {
+    // A 40x40 grid (a net per row segment and column segment of 2 pins); the left half's vertices
+    // need 3 units of memory, the right half's 1. Uniform targets would put the whole left half in
+    // one block (the smallest cut); block 0 may hold only 1100 units, so it cannot.
+    let side = 40u32;
+    let mut nets = Vec::new();
+    for r in 0..side {
+        for c in 0..side - 1 {
+            nets.push(vec![r * side + c, r * side + c + 1]);
+            nets.push(vec![c * side + r, (c + 1) * side + r]);
+        }
+    }
+    let n = (side * side) as usize;
+    let memory: Vec<f64> = (0..n)
+        .map(|v| {
+            if (v as u32 % side) < side / 2 {
+                3.0
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    let hg = build(n, &nets, None, None)
+        .unwrap()
+        .with_vertex_memory(memory)
+        .unwrap();
+    let mut options = PartitionOptions::new(vec![0.5, 0.5]);
+    let cap = vec![1650.0, 1650.0];
+    options.capacity = Some(cap.clone());
+    let parts = partition_hypergraph(&hg, &options).unwrap();
+    assert!(fits_memory(&hg, &parts, &cap));
+    let caps = capacities(&hg, &options).unwrap();
+    let w = block_weights(&hg, &parts, 2);
+    assert!(w.iter().zip(&caps).all(|(w, c)| w <= c), "{w:?}");
+    assert_eq!(parts, partition_hypergraph(&hg, &options).unwrap());
+}
+
+#[test]
+fn infeasible_memory_says_by_how_much() {
+    let hg = build(4, &[vec![0, 1], vec![2, 3], vec![1, 2]], None, None)
+        .unwrap()
+        .with_vertex_memory(vec![3.0, 1.0, 1.0, 1.0])
+        .unwrap();
+    let run = |cap: Vec<f64>| {
+        let mut options = PartitionOptions::new(vec![0.5, 0.5]);
+        options.capacity = Some(cap);
+        partition_hypergraph(&hg, &options).unwrap_err()
+    };
+    let total = run(vec![3.0, 2.5]).to_string();
+    assert!(
+        total.contains("need 6 in all") && total.contains("(0.5 short)"),
+        "{total}"
+    );
+    let mut options = PartitionOptions::new(vec![1.0 / 3.0; 3]);
+    options.capacity = Some(vec![2.5; 3]);
+    let single = partition_hypergraph(&hg, &options).unwrap_err().to_string();
+    assert!(
+        single.contains("vertex 0 needs 3") && single.contains("0.5 short"),
+        "{single}"
+    );
+    assert_eq!(run(vec![1.0]).argument(), "capacity");
+    assert_eq!(run(vec![4.0, f64::NAN]).argument(), "capacity[1]");
+    let plain = build(2, &[vec![0, 1]], None, None).unwrap();
+    let mut options = PartitionOptions::new(vec![0.5, 0.5]);
+    options.capacity = Some(vec![1.0, 1.0]);
+    let err = partition_hypergraph(&plain, &options).unwrap_err();
+    assert_eq!(err.argument(), "vertex_memory");
+    let bad = plain.with_vertex_memory(vec![1.0, -1.0]).unwrap_err();
+    assert_eq!(bad.argument(), "vertex_memory[1]");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Every partition returned fits the memory capacities and is balanced; when the brute force
+    /// finds a fitting partition the partitioner finds one too (it failed on none of the seeds).
+    #[test]
+    fn memory_fits_against_brute_force(
+        (n, nets, vw, nw) in tiny_hypergraph(),
+        memory in prop::collection::vec(0u32..5, 8),
+        k in 2usize..4,
+        slack in 0u32..6,
+        seed in 0u64..4,
+    ) {
+        let memory: Vec<f64> = memory[..n].iter().map(|&m| f64::from(m)).collect();
+        let total: f64 = memory.iter().sum();
+        let hg = build(n, &nets, Some(vw), Some(nw)).unwrap().with_vertex_memory(memory).unwrap();
+        let mut options = PartitionOptions::new(vec![1.0 / k as f64; k]);
+        options.epsilon = 0.5;
+        options.seed = seed;
+        // Block 0 holds little memory, the others share the rest plus some slack.
+        let rest = (total + f64::from(slack)) / k as f64;
+        let cap: Vec<f64> = (0..k).map(|b| if b == 0 { (rest / 2.0).floor() } else { rest }).collect();
+        options.capacity = Some(cap.clone());
+        let caps = capacities(&hg, &options);
+        let optimum = caps.as_ref().ok().map(|c| brute_force_memory(&hg, c, &cap));
+        match partition_hypergraph(&hg, &options) {
+            Ok(parts) => {
+                let caps = caps.unwrap();
+                let w = block_weights(&hg, &parts, k);
+                prop_assert!(w.iter().zip(&caps).all(|(w, c)| w <= c), "{w:?} > {caps:?}");
+                prop_assert!(fits_memory(&hg, &parts, &cap));
+                prop_assert!(hg.km1(&parts) >= optimum.unwrap());
+                prop_assert_eq!(&parts, &partition_hypergraph(&hg, &options).unwrap());
+            }
+            Err(e) => prop_assert!(optimum.is_none_or(|o| o.is_infinite()), "{e}"),
+        }
+    }
+}
