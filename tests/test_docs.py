@@ -51,3 +51,25 @@ def test_every_tuning_constant_has_its_heading_in_docs_collectives():
     source = Path(_tuning.__file__).read_text()
     anchors = re.findall(r"docs/collectives\.md#(\w+)", source)
     assert sorted(anchors) == sorted(name.lower() for name in headings)
+
+
+def test_the_guides_plan_command_runs_as_written(tmp_path):
+    """docs/guides.md's `hetcoll plan` line, run from the repository with its --out redirected:
+    it writes a plan the runtime reads."""
+    import shlex
+    import subprocess
+    import sys
+
+    text = (ROOT / "docs" / "guides.md").read_text().replace("\\\n", " ")
+    line = next(ln for ln in text.splitlines() if ln.startswith("hetcoll plan "))
+    argv = shlex.split(line)[1:]
+    argv[argv.index("--out") + 1] = str(tmp_path / "plan.json")
+    run = subprocess.run(
+        [sys.executable, "-m", "hetcoll.cli", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert hetcoll.Plan.load(tmp_path / "plan.json").batch == 64
