@@ -16,10 +16,12 @@ from torch import nn
 
 from hetcoll import Plan
 from hetcoll.comm import wrap
+from hetcoll.model import hypergraph_plan
 from hetcoll.torch import parallelize
 
 SHAPE = (3, 8, 8)
 RANDOM_SEEDS = (0, 1, 2, 3)
+HYPERGRAPH_SPEEDS = [2.0, 1.0, 1.0]
 
 
 def cnn() -> nn.Sequential:
@@ -200,8 +202,26 @@ def bad_input(group: Any) -> int:
     return checked
 
 
+def memory_follows_ownership(group: Any) -> bool:
+    """A rank holds exactly its channels' weights: Conv2d / Linear rows and bias entries, and
+    the matching BatchNorm entries."""
+    rank = wrap(group).rank
+    model = cnn().double()
+    plan = random_plan(0)
+    stage = plan["replicas"][0]["stages"][0]
+    par = parallelize(model, plan, loss_fn=nn.CrossEntropyLoss(), group=group)
+    want = 0
+    for key, owners in stage["owners"].items():
+        layer = model[int(key)]
+        mine = sum(1 for i in owners if stage["ranks"][i] == rank)
+        per_channel = layer.weight[0].numel() + 1 + (2 if key == "0" else 0)  # BatchNorm2d
+        want += mine * per_channel
+    return sum(p.numel() for p in par.parameters()) == want
+
+
 def run_all(group: Any) -> dict[str, Any]:
     assert wrap(group).size == 3
+    out_memory = memory_follows_ownership(group)
     eq = plan_cases.equals_one_process
     out: dict[str, Any] = {}
     out["random"] = [
@@ -210,7 +230,10 @@ def run_all(group: Any) -> dict[str, Any]:
     out["layers"] = eq(group, cnn, Plan.from_dict(LAYERS), SHAPE, eval_mode=True)
     out["pipeline"] = eq(group, cnn, Plan.from_dict(PIPELINE), SHAPE, eval_mode=True)
     out["asymmetric"] = eq(group, cnn, Plan.from_dict(ASYMMETRIC), SHAPE, eval_mode=True)
+    plan = hypergraph_plan(cnn().double(), SHAPE, HYPERGRAPH_SPEEDS, 12, microbatches=2)
+    out["hypergraph"] = eq(group, cnn, plan, SHAPE, eval_mode=True)
     out["errors"] = bad_input(group)
+    out["memory"] = out_memory
     return out
 
 

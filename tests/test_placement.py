@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 import owners_cases
 import pytest
+import torch
 
 import hetcoll
 from hetcoll import Plan, launch
-from hetcoll.model import network_hypergraph
+from hetcoll.model import hypergraph_plan, network_hypergraph, placement_traffic
 
 HERE = Path(__file__).resolve().parent
 BYTES = 8  # float64
@@ -62,12 +63,28 @@ def _summed(per_rank: list[dict[str, int]]) -> dict[str, int]:
 
 def _check(results: list[dict[str, Any]]) -> None:
     assert [r["errors"] for r in results] == [5, 5, 5]
+    assert [r["memory"] for r in results] == [True] * 3
     for n, seed in enumerate(owners_cases.RANDOM_SEEDS):
         want = _expected(owners_cases.random_plan(seed))
         assert want["activations"] > 0 and want["outputs"] > 0
         assert _summed([r["random"][n] for r in results]) == want, seed
     for case, plan in (("layers", owners_cases.LAYERS), ("pipeline", owners_cases.PIPELINE)):
         assert _summed([r[case] for r in results]) == _expected(plan), case
+        # ... and the library's prediction of the same bytes.
+        assert _summed([r[case] for r in results]) == placement_traffic(
+            owners_cases.cnn().double(), owners_cases.SHAPE, Plan.from_dict(plan)
+        )
+    # The partitioner's placement runs (exactly, in the job), moving the bytes predicted.
+    plan = hypergraph_plan(
+        owners_cases.cnn().double(),
+        owners_cases.SHAPE,
+        owners_cases.HYPERGRAPH_SPEEDS,
+        12,
+        microbatches=2,
+    )
+    measured = _summed([r["hypergraph"] for r in results])
+    assert measured == placement_traffic(owners_cases.cnn().double(), owners_cases.SHAPE, plan)
+    assert measured == _expected(plan.to_dict())
     # Whole layers to different ranks: each layer's maps go to the one rank that reads them.
     assert [r["layers"]["activations"] for r in results] == [
         14 * BYTES * 7 * 4 * 4 * 1,  # rank 0: pooled conv maps to rank 1 ...
@@ -140,3 +157,39 @@ def _one_stage(**stage: Any) -> dict[str, Any]:
 def test_invalid_owners_name_the_field(plan, message):
     with pytest.raises(ValueError, match=message):
         Plan.from_dict(plan)
+
+
+def test_network_hypergraph_reads_a_float64_model():
+    # It ran the model on float32 zeros, which a float64 model rejects.
+    h = network_hypergraph(owners_cases.cnn().double(), owners_cases.SHAPE, bytes_per_element=8)
+    assert [(name, count) for name, _, count in h.layers] == [
+        ("0", 7),
+        ("4", 9),
+        ("7", 11),
+        ("9", 5),
+    ]
+
+
+def test_hypergraph_plan_balances_and_checks_its_arguments():
+    model = owners_cases.cnn()
+    h = network_hypergraph(model, owners_cases.SHAPE)
+    plan = hypergraph_plan(model, owners_cases.SHAPE, [3.0, 1.0], 8, epsilon=0.05)
+    (stage,) = plan.replicas[0].stages
+    assert stage.ranks == (0, 1) and stage.layers == (0, 10) and plan.batch == 8
+    parts = np.concatenate([stage.owners[k] for k in (0, 4, 7, 9)])
+    load = np.bincount(parts, weights=h.vertex_weights, minlength=2) / h.vertex_weights.sum()
+    assert load[0] <= 1.05 * 0.75 and load[1] <= 1.05 * 0.25
+    one = hypergraph_plan(model, owners_cases.SHAPE, [1.0], 8)
+    assert one.replicas[0].stages[0].owners is None
+    with pytest.raises(ValueError, match="speeds"):
+        hypergraph_plan(model, owners_cases.SHAPE, [1.0, -1.0], 8)
+    with pytest.raises(ValueError, match="batch"):
+        hypergraph_plan(model, owners_cases.SHAPE, [1.0, 1.0], 0)
+    with pytest.raises(ValueError, match="microbatches"):
+        hypergraph_plan(model, owners_cases.SHAPE, [1.0, 1.0], 4, microbatches=0)
+    with pytest.raises(ValueError, match=r"model: layer 0 \('0', ReLU\) starts the stage"):
+        hypergraph_plan(
+            torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(4, 8)), (4,), [1.0, 1.0], 4
+        )
+    with pytest.raises(ValueError, match="has 2 replicas"):
+        placement_traffic(model, owners_cases.SHAPE, Plan.from_dict(owners_cases.ASYMMETRIC))

@@ -107,7 +107,12 @@ def network_hypergraph(
             was_training = model.training
             model.eval()
             try:
-                model(torch.zeros((1, *shape)))
+                # Zeros of the model's own dtype (a float64 model rejects float32 input).
+                dtype = next(
+                    (p.dtype for p in model.parameters() if p.is_floating_point()),
+                    torch.get_default_dtype(),
+                )
+                model(torch.zeros((1, *shape), dtype=dtype))
             finally:
                 model.train(was_training)
     except Exception as exc:  # the user's model rejected the shape
