@@ -107,6 +107,25 @@ PIPELINE = {
     ],
 }
 
+#: An owners stage before a one-rank stage: its lead sends the gathered output on.
+MIDDLE = {
+    "microbatches": 2,
+    "schedule": "1F1B",
+    "replicas": [
+        {
+            "samples": 9,
+            "stages": [
+                {
+                    "ranks": [1, 2],
+                    "layers": [0, 7],
+                    "owners": {"0": [1, 0, 0, 1, 1, 0, 1], "4": [0, 0, 1, 1, 0, 1, 0, 1, 1]},
+                },
+                {"ranks": [0], "layers": [7, 10]},
+            ],
+        }
+    ],
+}
+
 #: One rank holding the whole model beside an owners replica on two ranks.
 ASYMMETRIC = {
     "microbatches": 2,
@@ -229,6 +248,7 @@ def run_all(group: Any) -> dict[str, Any]:
     ]
     out["layers"] = eq(group, cnn, Plan.from_dict(LAYERS), SHAPE, eval_mode=True)
     out["pipeline"] = eq(group, cnn, Plan.from_dict(PIPELINE), SHAPE, eval_mode=True)
+    out["middle"] = eq(group, cnn, Plan.from_dict(MIDDLE), SHAPE, eval_mode=True)
     out["asymmetric"] = eq(group, cnn, Plan.from_dict(ASYMMETRIC), SHAPE, eval_mode=True)
     plan = hypergraph_plan(cnn().double(), SHAPE, HYPERGRAPH_SPEEDS, 12, microbatches=2)
     out["hypergraph"] = eq(group, cnn, plan, SHAPE, eval_mode=True)

@@ -7,6 +7,7 @@ validation and JSON round trip run in-process."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,12 @@ import torch
 
 import hetcoll
 from hetcoll import Plan, launch
-from hetcoll.model import hypergraph_plan, network_hypergraph, placement_traffic
+from hetcoll.model import (
+    hypergraph_plan,
+    network_hypergraph,
+    placement_traffic,
+    predict_placement,
+)
 
 HERE = Path(__file__).resolve().parent
 BYTES = 8  # float64
@@ -91,6 +97,10 @@ def _check(results: list[dict[str, Any]]) -> None:
         14 * BYTES * 9 * 4 * 4 * 1,  # rank 1: conv maps (read flattened) to rank 2
         14 * BYTES * 11 * 2,  # rank 2: neurons to ranks 0 and 1 (layer 9's owners)
     ]
+    # An owners stage before another: its lead gathers the maps and sends them on.
+    middle = [r["middle"] for r in results]
+    assert middle[0]["activations"] == 0 and middle[2]["outputs"] > 0
+    assert middle[0]["gradients"] == 9 * BYTES * 9 * 4 * 4  # back to the owners stage's lead
     asym = [r["asymmetric"] for r in results]
     assert all(t["allreduce"] > 0 for t in asym)  # the replicas' gradients were combined
     assert asym[0]["activations"] == 0 and asym[1]["activations"] > 0
@@ -193,3 +203,60 @@ def test_hypergraph_plan_balances_and_checks_its_arguments():
         )
     with pytest.raises(ValueError, match="has 2 replicas"):
         placement_traffic(model, owners_cases.SHAPE, Plan.from_dict(owners_cases.ASYMMETRIC))
+
+
+def test_predicted_step_pipelines_whole_layers_over_micro_batches():
+    # Three equal Linear layers on three ranks, links free: the replayed schedule is a pipeline
+    # of S = 3 stages, forward t per micro-batch and stage, backward 2t, the loss after the
+    # last forward: 3 t (M + S - 1), where one micro-batch would take 3 t S with t M times larger.
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, 8),
+        torch.nn.ReLU(),
+        torch.nn.Linear(8, 8),
+        torch.nn.ReLU(),
+        torch.nn.Linear(8, 8),
+    )
+    owners = {"0": [0] * 8, "2": [1] * 8, "4": [2] * 8}
+    flops = 8 * 2 * 8 * 16  # neurons x 2 in_features x batch, per layer
+    for m in (1, 2, 4, 8):
+        plan = Plan.from_dict(
+            {
+                "microbatches": m,
+                "replicas": [
+                    {
+                        "samples": 16,
+                        "stages": [{"ranks": [0, 1, 2], "layers": [0, 5], "owners": owners}],
+                    }
+                ],
+            }
+        )
+        p = predict_placement(net, (8,), plan, flops_per_s=[1.0] * 3, bytes_per_s=math.inf)
+        assert p.step_s == 3 * (flops / m) * (m + 2)
+        assert p.compute_s == [3.0 * flops] * 3
+    # A slower link adds its latency and bytes on the critical path; a slower rank its compute.
+    slow = predict_placement(net, (8,), plan, flops_per_s=[1.0, 0.5, 1.0], bytes_per_s=math.inf)
+    assert slow.compute_s[1] == 6.0 * flops and slow.step_s > p.step_s
+    linked = predict_placement(net, (8,), plan, flops_per_s=[1.0] * 3, bytes_per_s=1.0)
+    assert linked.step_s > p.step_s
+    with pytest.raises(ValueError, match="flops_per_s"):
+        predict_placement(net, (8,), plan, flops_per_s=[1.0, 1.0], bytes_per_s=1.0)
+    with pytest.raises(ValueError, match="one replica of one stage"):
+        predict_placement(
+            owners_cases.cnn(),
+            owners_cases.SHAPE,
+            Plan.from_dict(owners_cases.PIPELINE),
+            flops_per_s=[1.0] * 3,
+            bytes_per_s=1.0,
+        )
+
+
+def test_predict_plan_refuses_owners_stages_rather_than_mispredicting():
+    # It read an owners stage as an equal-speed filter split and predicted that.
+    from hetcoll.model import Cluster, Device, Link, Node, layer_costs, predict_plan
+
+    nodes = [Node(f"n{i}", Device(f"d{i}", 1e11, 2e10, 1e10, 1e-6), 1) for i in range(3)]
+    cluster = Cluster(nodes, Link("net", 1e-5, 1e9))
+    costs = layer_costs(owners_cases.cnn(), owners_cases.SHAPE)
+    plan = Plan.from_dict(owners_cases.random_plan(0))
+    with pytest.raises(ValueError, match=r"stages\[0\]: places channels by owners"):
+        predict_plan(costs, cluster, plan)

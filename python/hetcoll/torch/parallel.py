@@ -1,8 +1,9 @@
 """Run a :class:`~hetcoll.plan.Plan`: replicas of any shape × pipeline stages × channel splits.
 
 :func:`parallelize` keeps on each rank only its stage's layers (its channel slice of them in a
-filter-split stage); :meth:`Parallel.step` runs one global batch through every replica's
-micro-batches under the plan's schedule and combines the gradients exactly.
+filter-split stage, its own channels in an owners stage: :mod:`hetcoll.torch.placement`);
+:meth:`Parallel.step` runs one global batch through every replica's micro-batches under the
+plan's schedule and combines the gradients exactly.
 
 Why it is exact: each micro-batch's loss is the mean over its rows, scaled by rows / batch, so
 the gradients summed over micro-batches and replicas are the gradient of the global batch's mean
@@ -440,7 +441,7 @@ class Parallel(nn.Module):
                     if x_in is not None and lead:
                         assert prev is not None
                         g = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
-                        send(g, [prev.ranks[0]], _TAG_GRADIENT, "gradients")
+                        send(g, self._output_ranks(i, j - 1), _TAG_GRADIENT, "gradients")
         except BaseException:
             checked()  # a batch the ranks disagree on raises that, the same on every rank
             raise
@@ -463,6 +464,12 @@ class Parallel(nn.Module):
         if (replica, stage) in self._blocks:
             return self._blocks[replica, stage][0].owner_ranks
         return list(self.plan.replicas[replica].stages[stage].ranks)
+
+    def _output_ranks(self, replica: int, stage: int) -> list[int]:
+        """The ranks that take the gradient of a stage's output: every rank of a stage
+        (a filter-split stage's ranks each backpropagate), an owners stage's lead only."""
+        ranks = self.plan.replicas[replica].stages[stage].ranks
+        return [ranks[0]] if (replica, stage) in self._blocks else list(ranks)
 
     def _recv_sum(self, like: torch.Tensor, sources: list[int], tag: int) -> torch.Tensor:
         """A tensor shaped as ``like`` received from each of ``sources`` and summed in their
@@ -513,8 +520,8 @@ class Parallel(nn.Module):
             return buf.to(self._device)
 
         def input_grad(m: int, g: torch.Tensor) -> None:
-            assert prev is not None
-            send(g, prev.ranks[0], _TAG_GRADIENT, "gradients")
+            for r in self._output_ranks(i, j - 1):
+                send(g, r, _TAG_GRADIENT, "gradients")
 
         def finish(m: int, out: torch.Tensor) -> torch.Tensor:
             if not last:
@@ -591,7 +598,8 @@ def parallelize(
     The model is cut into layers by :func:`hetcoll.torch.layers.model_layers`; each rank keeps
     a copy of its stage's layers only (``model`` itself is not changed). A stage with several
     ranks splits its Conv2d / Linear channels among them with
-    :func:`hetcoll.torch.filter_parallel` (by its ``speeds``, or its ``shares``).
+    :func:`hetcoll.torch.filter_parallel` (by its ``speeds``, or its ``shares``), or, given
+    ``owners``, keeps each rank's own channels (:mod:`hetcoll.torch.placement`).
 
     >>> plan = Plan.load("plan.json")  # doctest: +SKIP
     >>> par = parallelize(net, plan, loss_fn=nn.CrossEntropyLoss())  # doctest: +SKIP
