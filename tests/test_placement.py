@@ -15,6 +15,8 @@ import numpy as np
 import owners_cases
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hetcoll
 from hetcoll import Plan, launch
@@ -260,3 +262,37 @@ def test_predict_plan_refuses_owners_stages_rather_than_mispredicting():
     plan = Plan.from_dict(owners_cases.random_plan(0))
     with pytest.raises(ValueError, match=r"stages\[0\]: places channels by owners"):
         predict_plan(costs, cluster, plan)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_km1_counts_what_the_runtime_sends_for_any_placement(data):
+    # The runtime's rule (hetcoll.torch.placement's blocks: each map to every other rank owning
+    # channels of the next block) against network_hypergraph's km1, for random placements on
+    # 2-4 ranks; tests/owners_cases.py measures the same on real ranks for a few of them.
+    from hetcoll.torch.layers import model_layers
+    from hetcoll.torch.placement import owners_blocks
+
+    p = data.draw(st.integers(2, 4))
+    owners = {
+        str(k): data.draw(st.lists(st.integers(0, p - 1), min_size=n, max_size=n))
+        for k, n in owners_cases.WIDTHS.items()
+    }
+    stage = {"ranks": list(range(p)), "layers": [0, 10], "owners": owners}
+    plan = Plan.from_dict({"replicas": [{"samples": 3, "stages": [stage]}]})
+    model = owners_cases.cnn().double()
+    layers = model_layers(model)
+    blocks = owners_blocks(layers, plan.replicas[0].stages[0], "stage")
+    x = torch.zeros((1, *owners_cases.SHAPE), dtype=torch.float64)
+    shapes = []
+    with torch.no_grad():
+        for _, m in layers:
+            x = m.eval()(x)
+            shapes.append(x.shape)
+    sent = 0
+    for k, b in enumerate(blocks[:-1]):
+        per_channel = math.prod(shapes[b.last_layer][2:]) * BYTES
+        readers = set(blocks[k + 1].owner_ranks)
+        sent += sum(len(readers - {o}) for o in b.owners) * per_channel
+    traffic = placement_traffic(model, owners_cases.SHAPE, plan)
+    assert traffic["activations"] == traffic["gradients"] == sent * 3
