@@ -6,7 +6,8 @@ float64 to 1e-10 (relative). Plan shapes: a 4-stage pipeline with uneven stages 
 micro-batches (1F1B), asymmetric replicas (one rank holding the whole model beside a 2-stage
 replica whose second stage is split over two ranks), an idle rank, explicit shares, and
 torchvision's ResNet-18 (traced: its forward calls torch.flatten) as an uneven 2-stage pipeline
-beside a whole-model replica. Bad input must raise the same error on every rank.
+beside a whole-model replica, and a filter-split stage feeding an owners (node-wise) stage. Bad
+input must raise the same error on every rank.
 """
 
 from __future__ import annotations
@@ -175,6 +176,26 @@ RESNET = {
 }
 
 
+#: A filter-split stage feeding an owners stage (node-wise placement, hetcoll.torch.placement):
+#: both split ranks take the owners' summed input gradient.
+OWNERS_AFTER_SPLIT = {
+    "microbatches": 2,
+    "replicas": [
+        {
+            "samples": 7,
+            "stages": [
+                {"ranks": [0, 1], "speeds": [1.0, 0.5], "layers": [0, 5]},
+                {
+                    "ranks": [3, 2],
+                    "layers": [5, 11],
+                    "owners": {"5": [0, 1, 1] * 3 + [0], "8": [1, 0] * 10, "10": [1, 1, 0, 1, 0]},
+                },
+            ],
+        }
+    ],
+}
+
+
 def bad_input(group: Any) -> int:
     """Each mistake raises the same error on every rank; returns how many were checked."""
     rank = wrap(group).rank
@@ -250,6 +271,8 @@ def run_all(group: Any) -> dict[str, Any]:
         group, resnet18, Plan.from_dict(RESNET), (3, 32, 32), steps=2, eval_mode=True
     )
     out["resnet18"] = True
+    equals_one_process(group, cnn, Plan.from_dict(OWNERS_AFTER_SPLIT), (3, 8, 8))
+    out["owners_after_split"] = True
     out["errors"] = bad_input(group)
     return out
 

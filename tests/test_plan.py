@@ -23,6 +23,7 @@ EXPECTED = {
     "asymmetric": True,
     "shares": True,
     "resnet18": True,
+    "owners_after_split": True,
     "errors": 5,
 }
 
@@ -138,10 +139,13 @@ def test_plan_round_trips_through_json(tmp_path):
         (
             {
                 "replicas": [
-                    {"samples": 2, "stages": [{"ranks": [0], "layers": [0, 2], "owners": {}}]}
+                    {
+                        "samples": 2,
+                        "stages": [{"ranks": [0], "layers": [0, 2], "owners": {"0": [0]}}],
+                    }
                 ]
             },
-            "unknown field 'owners'",
+            "takes no owners",
         ),
         (
             {"replicas": [{"samples": 2, "stages": [{"ranks": [-1], "layers": [0, 2]}]}]},

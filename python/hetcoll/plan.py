@@ -16,6 +16,13 @@ A plan is plain data, versioned and JSON-serialisable. Its dictionary form::
 - A stage with several ``ranks`` splits its Conv2d / Linear channels among them (filter
   parallelism inside the stage): by ``speeds`` (one per rank; the default is equal speeds) or by
   explicit ``shares`` (``{"<layer index>": [channels per rank, ...]}`` for the layers to split).
+- Or it places every channel itself (node-wise placement, seed 002): ``owners`` gives, for each
+  Conv2d / Linear layer of the stage, ``{"<layer index>": [i, ...]}``, one entry per output
+  channel or neuron, each an index into the stage's ``ranks``. The sets are arbitrary (not
+  contiguous; a rank may own none of a layer). Each rank keeps only its channels' weights;
+  the channel-wise layers after a Conv2d / Linear (activations, BatchNorm, pooling) run where
+  their channels live, and each feature map goes once to every rank that reads it. A replica
+  with an owners stage runs GPipe (see :mod:`hetcoll.torch.placement`).
 - ``microbatches``: how many micro-batches each replica's samples are cut into (uneven when they
   do not divide; a replica with fewer samples runs one sample per micro-batch). ``schedule``:
   ``"GPipe"`` (every forward, then every backward) or ``"1F1B"``.
@@ -69,16 +76,18 @@ def _fields(d: object, where: str, allowed: Sequence[str], required: Sequence[st
 @dataclass(frozen=True)
 class Stage:
     """One pipeline stage: ``ranks`` run ``layers`` (half-open), their channels split by
-    ``speeds`` or ``shares`` when there are several ranks."""
+    ``speeds`` or ``shares`` when there are several ranks, or placed one by one by ``owners``
+    (layer index -> for each output channel, the index in ``ranks`` of the rank computing it)."""
 
     ranks: tuple[int, ...]
     layers: tuple[int, int]
     speeds: tuple[float, ...] | None = None
     shares: Mapping[int, tuple[int, ...]] | None = None
+    owners: Mapping[int, tuple[int, ...]] | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "stage") -> Stage:
-        _fields(d, where, ("ranks", "layers", "speeds", "shares"), ("ranks", "layers"))
+        _fields(d, where, ("ranks", "layers", "speeds", "shares", "owners"), ("ranks", "layers"))
         ranks = _list(d["ranks"], f"{where}.ranks")
         if not ranks:
             raise ValueError(f"{where}.ranks: must name at least one rank")
@@ -90,9 +99,10 @@ class Stage:
             raise ValueError(f"{where}.layers: must be [first, end), got {layers!r}")
         lo = _int(layers[0], f"{where}.layers[0]", minimum=0)
         hi = _int(layers[1], f"{where}.layers[1]", minimum=lo + 1)
-        speeds = shares = None
-        if "speeds" in d and "shares" in d:
-            raise ValueError(f"{where}: give speeds or shares, not both")
+        speeds = shares = owners = None
+        given = [k for k in ("speeds", "shares", "owners") if k in d]
+        if len(given) > 1:
+            raise ValueError(f"{where}: give one of speeds, shares or owners, not {given}")
         if "speeds" in d:
             raw = _list(d["speeds"], f"{where}.speeds")
             if len(raw) != len(ranks):
@@ -128,7 +138,9 @@ class Stage:
                 if len(values) != len(ranks):
                     raise ValueError(f"{w}: needs one share per rank ({len(ranks)})")
                 shares[layer] = tuple(_int(v, f"{w}[{i}]", minimum=1) for i, v in enumerate(values))
-        return cls(tuple(ranks), (lo, hi), speeds, shares)
+        if "owners" in d:
+            owners = _owners(d["owners"], f"{where}.owners", len(ranks), lo, hi)
+        return cls(tuple(ranks), (lo, hi), speeds, shares, owners)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"ranks": list(self.ranks), "layers": list(self.layers)}
@@ -136,7 +148,51 @@ class Stage:
             d["speeds"] = list(self.speeds)
         if self.shares is not None:
             d["shares"] = {str(k): list(v) for k, v in sorted(self.shares.items())}
+        if self.owners is not None:
+            d["owners"] = {str(k): list(v) for k, v in sorted(self.owners.items())}
         return d
+
+
+def _owners(
+    raw: object, where: str, num_ranks: int, lo: int, hi: int
+) -> dict[int, tuple[int, ...]]:
+    """A stage's ``owners``, checked: layer-index keys in the stage's range, one rank index per
+    channel. Whether the keys are exactly the stage's Conv2d / Linear layers and the lengths
+    their channel counts depends on the model: :func:`hetcoll.torch.parallelize` checks that."""
+    if num_ranks < 2:
+        raise ValueError(
+            f"{where}: a stage with one rank computes every channel itself and takes no owners"
+        )
+    if not isinstance(raw, Mapping) or not raw:
+        raise ValueError(
+            f"{where}: must be a non-empty dict from layer index to the owner of each channel, "
+            f"got {raw!r}"
+        )
+    owners = {}
+    for key, per_channel in raw.items():
+        w = f"{where}[{key!r}]"
+        try:
+            layer = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"{w}: the key must be a layer index") from None
+        if str(layer) != str(key).strip() or not lo <= layer < hi:
+            raise ValueError(f"{w}: the key must be a layer index in [{lo}, {hi})")
+        if layer in owners:
+            raise ValueError(f"{w}: names layer {layer} twice")
+        values = _list(per_channel, w)
+        if not values:
+            raise ValueError(f"{w}: needs one owner per channel, got none")
+        owners[layer] = tuple(_owner(v, f"{w}[{i}]", num_ranks) for i, v in enumerate(values))
+    return owners
+
+
+def _owner(value: object, where: str, num_ranks: int) -> int:
+    if not _is_int(value) or not 0 <= value < num_ranks:  # type: ignore[operator]
+        raise ValueError(
+            f"{where}: must be an index into the stage's ranks (0 to {num_ranks - 1}), "
+            f"got {value!r}"
+        )
+    return int(value)  # type: ignore[call-overload]
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,11 @@
 Per-layer costs of a torch model (:func:`layer_costs`), a hardware description read from TOML
 (:func:`load_cluster`), predicted step time and memory of data-, filter- and pipeline-parallel
 training at given shares (:func:`predict_data_parallel`, :func:`predict_filter_parallel`,
-:func:`predict_pipeline`), of any :class:`hetcoll.Plan` (:func:`predict_plan`), and
-the planner that ranks them (:func:`plan`, :func:`sweep`). Calibration and validation on this
-machine live in :mod:`hetcoll.lab.calibrate` and :mod:`hetcoll.lab.validate`.
+:func:`predict_pipeline`), of any :class:`hetcoll.Plan` (:func:`predict_plan`), node-wise
+placements from the hypergraph partitioner (:func:`hypergraph_plan`, their bytes and step time
+:func:`placement_traffic`, :func:`predict_placement`), and the planner that ranks them
+(:func:`plan`, :func:`sweep`). Calibration and validation on this machine live in
+:mod:`hetcoll.lab.calibrate` and :mod:`hetcoll.lab.validate`.
 
 Names are imported on first use, so ``hetcoll`` commands that do not plan never import torch.
 
@@ -36,6 +38,12 @@ if TYPE_CHECKING:
         network_hypergraph,
         partition_report,
     )
+    from hetcoll.model.placement import (
+        PlacementPrediction,
+        hypergraph_plan,
+        placement_traffic,
+        predict_placement,
+    )
     from hetcoll.model.planner import plan, sweep
     from hetcoll.model.predict import (
         Prediction,
@@ -61,6 +69,10 @@ _WHERE = {
     "Node": "hetcoll.model.hardware",
     "cluster_from_dict": "hetcoll.model.hardware",
     "load_cluster": "hetcoll.model.hardware",
+    "hypergraph_plan": "hetcoll.model.placement",
+    "placement_traffic": "hetcoll.model.placement",
+    "predict_placement": "hetcoll.model.placement",
+    "PlacementPrediction": "hetcoll.model.placement",
     "plan": "hetcoll.model.planner",
     "sweep": "hetcoll.model.planner",
     "Prediction": "hetcoll.model.predict",
@@ -87,21 +99,25 @@ __all__ = [
     "NetworkHypergraph",
     "Node",
     "PartitionReport",
+    "PlacementPrediction",
     "Prediction",
     "balanced_batch_shares",
     "cluster_from_dict",
     "even_batch_shares",
+    "hypergraph_plan",
     "layer_costs",
     "load_cluster",
     "network_hypergraph",
     "networks",
     "parse_shape",
     "partition_report",
+    "placement_traffic",
     "plan",
     "predict",
     "predict_data_parallel",
     "predict_filter_parallel",
     "predict_pipeline",
+    "predict_placement",
     "predict_plan",
     "sweep",
     "terms",

@@ -1060,10 +1060,15 @@ def _plan_layout(costs: ModelCosts, cluster: Cluster, plan: Plan) -> list[_Repli
             last = j + 1 == len(replica.stages)
             sent = 0.0 if last else costs.plan_out_bytes[end - 1]
             p = len(stage.ranks)
+            where = f"plan.replicas[{i}].stages[{j}]"
+            if stage.owners is not None:
+                raise ValueError(
+                    f"{where}: places channels by owners; predict_plan does not model such "
+                    "stages yet (hetcoll.model.predict_placement predicts a one-stage one)"
+                )
             if p == 1:
                 stages.append(_StageLayout(stage.ranks, lo, hi, sent))
                 continue
-            where = f"plan.replicas[{i}].stages[{j}]"
             modes, shares = stage_split(costs, first, end, p, stage.shares, where)
             parts = stage.speeds if stage.speeds is not None else (1.0,) * p
             stages.append(_StageLayout(stage.ranks, lo, hi, sent, tuple(parts), modes, shares))

@@ -1,8 +1,9 @@
 """Run a :class:`~hetcoll.plan.Plan`: replicas of any shape × pipeline stages × channel splits.
 
 :func:`parallelize` keeps on each rank only its stage's layers (its channel slice of them in a
-filter-split stage); :meth:`Parallel.step` runs one global batch through every replica's
-micro-batches under the plan's schedule and combines the gradients exactly.
+filter-split stage, its own channels in an owners stage: :mod:`hetcoll.torch.placement`);
+:meth:`Parallel.step` runs one global batch through every replica's micro-batches under the
+plan's schedule and combines the gradients exactly.
 
 Why it is exact: each micro-batch's loss is the mean over its rows, scaled by rows / batch, so
 the gradients summed over micro-batches and replicas are the gradient of the global batch's mean
@@ -45,6 +46,13 @@ from hetcoll.torch.filters import (
     split_tensors,
 )
 from hetcoll.torch.layers import model_layers
+from hetcoll.torch.placement import (
+    Block,
+    OwnersStage,
+    StepIO,
+    check_block_shapes,
+    owners_blocks,
+)
 from hetcoll.torch.transport import CountingCommunicator, Transport, transport
 
 __all__ = ["TRAFFIC_KINDS", "Parallel", "parallelize", "schedule_order"]
@@ -87,10 +95,25 @@ class _Piece:
     dim: int  # the dimension this rank's slice is cut along (0 if whole)
     start: int  # the slice's first index along dim
     contributes: bool  # whether this rank's gradient counts for its replica
+    index: torch.Tensor | None = None  # an owners stage's channels (rows of dim 0), or None
 
-    def slice_of(self, buffer: torch.Tensor) -> torch.Tensor:
-        full = buffer[self.offset : self.offset + math.prod(self.shape)].view(self.shape)
-        return full.narrow(self.dim, self.start, self.param.shape[self.dim])
+    def _full(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer[self.offset : self.offset + math.prod(self.shape)].view(self.shape)
+
+    def put(self, buffer: torch.Tensor, t: torch.Tensor) -> None:
+        """Place this rank's ``t`` where it belongs in the buffer."""
+        if self.index is not None:
+            self._full(buffer).index_copy_(0, self.index, t.to(buffer.device))
+        else:
+            self._full(buffer).narrow(self.dim, self.start, self.param.shape[self.dim]).copy_(t)
+
+    def take(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the buffer (a copy on the parameter's device)."""
+        full = self._full(buffer)
+        if self.index is not None:
+            return full.index_select(0, self.index).to(self.param.device)
+        part = full.narrow(self.dim, self.start, self.param.shape[self.dim])
+        return part.to(self.param.device, copy=True)
 
 
 @dataclass
@@ -132,6 +155,7 @@ class Parallel(nn.Module):
         self._layers_meta: list[nn.Module]
         self._state_layout: list[tuple[str, int, tuple[int, ...], torch.dtype]]
         self._stage_comm: CountingCommunicator | None = None  # a split stage's sub-group
+        self._blocks: dict[tuple[int, int], list[Block]] = {}  # owners stages' blocks
         self._reductions: list[_Reduction] = []
         self._traffic: dict[str, int] = dict.fromkeys(TRAFFIC_KINDS, 0)
         self._shapes: dict[tuple[Any, ...], list[tuple[torch.Size, torch.dtype]]] = {}
@@ -145,10 +169,12 @@ class Parallel(nn.Module):
 
     def traffic(self) -> dict[str, int]:
         """Bytes this rank sent in the last :meth:`step`, by kind: ``"activations"`` (stage
-        outputs forward, and a filter-split stage's gathers), ``"gradients"`` (activation
-        gradients backward, and a split stage's partial-sum reductions), ``"outputs"`` (final
-        outputs gathered for the loss) and ``"allreduce"`` (the gradient combination across
-        replicas; a collective counts the ``2 (p-1)/p`` of its buffer a ring sends)."""
+        outputs forward, a filter-split stage's gathers, an owners stage's feature maps to the
+        ranks reading them), ``"gradients"`` (activation gradients backward, a split stage's
+        partial-sum reductions, an owners stage's gradient slices to the maps' owners),
+        ``"outputs"`` (an owners stage's last-layer outputs gathered at its lead, and their
+        gradients sent back) and ``"allreduce"`` (the gradient combination across replicas; a
+        collective counts the ``2 (p-1)/p`` of its buffer a ring sends)."""
         return dict(self._traffic)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -158,6 +184,15 @@ class Parallel(nn.Module):
         Returns the batch's mean loss on every rank. Collective over the group."""
         checked = self._check_batch(inputs, targets)
         self._traffic = dict.fromkeys(TRAFFIC_KINDS, 0)
+        if self._blocks:  # owners stages' shape rules, checked on every rank alike
+            checked()
+            for (i, j), blocks in self._blocks.items():
+                check_block_shapes(
+                    blocks,
+                    inputs.dim(),
+                    self._boundaries(inputs, 1),
+                    f"plan.replicas[{i}].stages[{j}]",
+                )
         if self.place is not None:
             kept = {}
             for p in self.parameters():
@@ -184,13 +219,18 @@ class Parallel(nn.Module):
         local: dict[str, torch.Tensor] | None = None
         if self.place is not None and self.place[0] == 0 and self.stage is not None:
             ranks = replica0.stages[self.place[1]].ranks
-            if len(ranks) > 1:  # gathered to the lead (sub-group ranks are in increasing order)
+            if isinstance(self.stage, OwnersStage):
+                pass  # summed below
+            elif len(ranks) > 1:  # gathered to the lead (sub-group ranks are in increasing order)
                 local = gather_state_dict(self.stage, dst=sorted(ranks).index(ranks[0]))
             else:
                 local = self.stage.state_dict()
-        for stage in replica0.stages:
+        for j, stage in enumerate(replica0.stages):
             keys = [e for e in self._state_layout if stage.layers[0] <= e[1] < stage.layers[1]]
             if not keys:
+                continue
+            if (0, j) in self._blocks:
+                out.update(self._owners_state(keys, self.place == (0, j)))
                 continue
             sizes = [math.prod(shape) * dtype.itemsize for _, _, shape, dtype in keys]
             buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self._wire_device())
@@ -205,6 +245,37 @@ class Parallel(nn.Module):
                 out[key] = host[at : at + n].view(dtype).reshape(shape).clone()
                 at += n
         return {k: out[k] for k, *_ in self._state_layout}
+
+    def _owners_state(
+        self, keys: list[tuple[str, int, tuple[int, ...], torch.dtype]], mine: bool
+    ) -> dict[str, torch.Tensor]:
+        """An owners stage's full tensors on every rank: each rank places its channels in a
+        zeroed full-size buffer (one per dtype) and the group sums them, which is exact (each
+        entry is one rank's value plus zeros); a whole tensor counts from one rank only."""
+        local = self.stage.local_state() if mine and isinstance(self.stage, OwnersStage) else {}
+        out = {}
+        for dtype in dict.fromkeys(d for *_, d in keys):
+            members = [e for e in keys if e[3] == dtype]
+            sizes = [math.prod(shape) for _, _, shape, _ in members]
+            buf = torch.zeros(sum(sizes), dtype=dtype, device=self._wire_device())
+            at = 0
+            for (key, layer, shape, _), n in zip(members, sizes, strict=True):
+                if key in local:
+                    t, index = local[key]
+                    full = buf[at : at + n].view(shape)
+                    if index is not None:
+                        full.index_copy_(0, index.to(full.device), t.detach().to(full.device))
+                    elif isinstance(self.stage, OwnersStage) and (
+                        self.stage.whole_tensor_holder(layer) == self.rank
+                    ):
+                        full.copy_(t.detach())
+                at += n
+            self._tr.allreduce(buf, None)
+            host, at = buf.cpu(), 0
+            for (key, _, shape, _), n in zip(members, sizes, strict=True):
+                out[key] = host[at : at + n].view(shape).clone()
+                at += n
+        return out
 
     def extra_repr(self) -> str:
         if self.place is None:
@@ -304,10 +375,10 @@ class Parallel(nn.Module):
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         loss_sum = 0.0
 
-        def send(t: torch.Tensor, to: Stage, tag: int, kind: str) -> None:
+        def send(t: torch.Tensor, to: list[int], tag: int, kind: str) -> None:
             checked()
             t = t.detach().to(wire).contiguous()
-            for r in to.ranks:
+            for r in to:
                 sends.append(tr.isend(t, r, tag))
                 self._traffic[kind] += t.numel() * t.element_size()
 
@@ -315,12 +386,20 @@ class Parallel(nn.Module):
             if comm is not None:
                 comm.kind = kind
 
+        # The ranks that read the next stage's input (all of its ranks, or an owners stage's
+        # first-block owners) and those that send back its gradient (summed in rank order).
+        readers = self._input_readers(i, j + 1) if nxt is not None else []
+        grad_sources = readers if (i, j + 1) in self._blocks else readers[:1]
+        schedule = self._schedule(i)
+        if stage.owners is not None:
+            return self._run_owners(inputs, targets, checked, offsets, sizes, readers, grad_sources)
+
         # A single-rank first stage computes its first forwards while the batch check is in
         # flight; every other stage communicates from its first forward on.
         if not (first and comm is None):
             checked()
         try:
-            for op, k in schedule_order(plan.schedule, j, len(replica.stages), len(sizes)):
+            for op, k in schedule_order(schedule, j, len(replica.stages), len(sizes)):
                 rows = slice(offsets[k], offsets[k] + sizes[k])
                 if op == "F":
                     set_kind("activations")
@@ -346,8 +425,7 @@ class Parallel(nn.Module):
                         saved[k] = (x_in, loss)
                     else:
                         if lead:
-                            assert nxt is not None
-                            send(y, nxt, _TAG_ACTIVATION, "activations")
+                            send(y, readers, _TAG_ACTIVATION, "activations")
                         saved[k] = (x_in, y)
                 else:
                     set_kind("gradients")
@@ -356,16 +434,14 @@ class Parallel(nn.Module):
                         if y.requires_grad:
                             y.backward()
                     else:
-                        grad = torch.empty(y.shape, dtype=y.dtype, device=wire)
-                        assert nxt is not None
                         checked()
-                        tr.recv(grad, nxt.ranks[0], _TAG_GRADIENT)
+                        grad = self._recv_sum(y, grad_sources, _TAG_GRADIENT)
                         if y.requires_grad:
-                            torch.autograd.backward(y, grad.to(self._device))
+                            torch.autograd.backward(y, grad)
                     if x_in is not None and lead:
                         assert prev is not None
                         g = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
-                        send(g, prev, _TAG_GRADIENT, "gradients")
+                        send(g, self._output_ranks(i, j - 1), _TAG_GRADIENT, "gradients")
         except BaseException:
             checked()  # a batch the ranks disagree on raises that, the same on every rank
             raise
@@ -373,19 +449,127 @@ class Parallel(nn.Module):
         tr.wait(sends)
         return loss_sum if last and lead else 0.0
 
+    def _schedule(self, replica: int) -> str:
+        """The plan's schedule, or GPipe for a replica holding an owners stage (whose ranks
+        run every forward before any backward: see :mod:`hetcoll.torch.placement`)."""
+        if any(
+            (replica, j) in self._blocks for j in range(len(self.plan.replicas[replica].stages))
+        ):
+            return "GPipe"
+        return self.plan.schedule
+
+    def _input_readers(self, replica: int, stage: int) -> list[int]:
+        """The ranks that receive a stage's input: its first block's owners in an owners
+        stage, else every rank of the stage."""
+        if (replica, stage) in self._blocks:
+            return self._blocks[replica, stage][0].owner_ranks
+        return list(self.plan.replicas[replica].stages[stage].ranks)
+
+    def _output_ranks(self, replica: int, stage: int) -> list[int]:
+        """The ranks that take the gradient of a stage's output: every rank of a stage
+        (a filter-split stage's ranks each backpropagate), an owners stage's lead only."""
+        ranks = self.plan.replicas[replica].stages[stage].ranks
+        return [ranks[0]] if (replica, stage) in self._blocks else list(ranks)
+
+    def _recv_sum(self, like: torch.Tensor, sources: list[int], tag: int) -> torch.Tensor:
+        """A tensor shaped as ``like`` received from each of ``sources`` and summed in their
+        (increasing) order."""
+        total = torch.zeros_like(like)
+        buf = torch.empty(like.shape, dtype=like.dtype, device=self._wire_device())
+        for r in sources:
+            self._tr.recv(buf, r, tag)
+            total += buf.to(self._device)
+        return total
+
+    def _run_owners(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        checked: Callable[[], None],
+        offsets: list[int],
+        sizes: list[int],
+        readers: list[int],
+        grad_sources: list[int],
+    ) -> float:
+        """:meth:`_run` for an owners stage (:class:`hetcoll.torch.placement.OwnersStage`)."""
+        assert self.place is not None and isinstance(self.stage, OwnersStage)
+        i, j = self.place
+        replica = self.plan.replicas[i]
+        stage = replica.stages[j]
+        first, last = j == 0, j == len(replica.stages) - 1
+        tr, wire, batch = self._tr, self._wire_device(), self.plan.batch
+        prev = replica.stages[j - 1] if not first else None
+        sends: list[Any] = []
+        losses: list[float] = []
+
+        def rows(m: int) -> slice:
+            return slice(offsets[m], offsets[m] + sizes[m])
+
+        def send(t: torch.Tensor, to: int, tag: int, kind: str) -> None:
+            t = t.detach().to(wire).contiguous()
+            sends.append(tr.isend(t, to, tag))
+            self._traffic[kind] += t.numel() * t.element_size()
+
+        def stage_input(m: int) -> torch.Tensor:
+            if first:
+                return inputs[rows(m)].to(self._device)
+            assert prev is not None
+            shape, dtype = self._boundaries(inputs, sizes[m])[stage.layers[0] - 1]
+            buf = torch.empty(shape, dtype=dtype, device=wire)
+            tr.recv(buf, prev.ranks[0], _TAG_ACTIVATION)
+            return buf.to(self._device)
+
+        def input_grad(m: int, g: torch.Tensor) -> None:
+            for r in self._output_ranks(i, j - 1):
+                send(g, r, _TAG_GRADIENT, "gradients")
+
+        def finish(m: int, out: torch.Tensor) -> torch.Tensor:
+            if not last:
+                for r in readers:
+                    send(out, r, _TAG_ACTIVATION, "activations")
+                return out
+            loss = self._loss_fn(out, targets[rows(m)].to(self._device)) * (sizes[m] / batch)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError(
+                    "loss_fn: must return a one-element tensor (the micro-batch's mean loss)"
+                )
+            losses.append(float(loss.detach()))
+            return loss
+
+        def output_grad(m: int, end: torch.Tensor) -> torch.Tensor | None:
+            return None if last else self._recv_sum(end, grad_sources, _TAG_GRADIENT)
+
+        io = StepIO(
+            micro_batches=len(sizes),
+            input_dim=inputs.dim(),
+            boundary=lambda m: self._boundaries(inputs, sizes[m]),
+            stage_input=stage_input,
+            input_grad=None if first else input_grad,
+            finish=finish,
+            output_grad=output_grad,
+            send=send,
+            recv=tr.recv,
+            device=self._device,
+            wire=wire,
+        )
+        checked()
+        self.stage.run(io)
+        tr.wait(sends)
+        return sum(losses) if last and self.rank == stage.ranks[0] else 0.0
+
     def _combine(self) -> None:
         """Sum the replicas' gradients: one flat buffer per set of holders and dtype."""
         for r in self._reductions:
             buf = r.buffer.zero_()
             for piece in r.pieces:
                 if piece.contributes and piece.param.grad is not None:
-                    piece.slice_of(buf).copy_(piece.param.grad)
+                    piece.put(buf, piece.param.grad)
             self._tr.allreduce(buf, r.sub)
             self._traffic["allreduce"] += round(
                 2 * (r.size - 1) / r.size * buf.numel() * buf.element_size()
             )
             for piece in r.pieces:
-                piece.param.grad = piece.slice_of(buf).to(piece.param.device, copy=True)
+                piece.param.grad = piece.take(buf)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -414,7 +598,8 @@ def parallelize(
     The model is cut into layers by :func:`hetcoll.torch.layers.model_layers`; each rank keeps
     a copy of its stage's layers only (``model`` itself is not changed). A stage with several
     ranks splits its Conv2d / Linear channels among them with
-    :func:`hetcoll.torch.filter_parallel` (by its ``speeds``, or its ``shares``).
+    :func:`hetcoll.torch.filter_parallel` (by its ``speeds``, or its ``shares``), or, given
+    ``owners``, keeps each rank's own channels (:mod:`hetcoll.torch.placement`).
 
     >>> plan = Plan.load("plan.json")  # doctest: +SKIP
     >>> par = parallelize(net, plan, loss_fn=nn.CrossEntropyLoss())  # doctest: +SKIP
@@ -451,14 +636,19 @@ def parallelize(
     if missing:
         raise ValueError(f"plan: names rank {missing[0]} but the group has {tr.size} ranks")
     split_args: dict[tuple[int, int], Any] = {}
+    blocks: dict[tuple[int, int], list[Block]] = {}
     for i, j, stage in plan.stages():
-        if len(stage.ranks) > 1:
-            split_args[i, j] = _stage_split(layers, stage, f"plan.replicas[{i}].stages[{j}]")
+        where = f"plan.replicas[{i}].stages[{j}]"
+        if stage.owners is not None:
+            blocks[i, j] = owners_blocks(layers, stage, where)
+        elif len(stage.ranks) > 1:
+            split_args[i, j] = _stage_split(layers, stage, where)
 
     par = Parallel()
     par.plan, par.rank, par._tr = plan, tr.rank, tr
     par.place = plan.place(tr.rank)
     par._loss_fn = loss_fn
+    par._blocks = blocks
     par._device = _device(model)
     state = model.state_dict()
     par._state_layout = [
@@ -492,7 +682,15 @@ def parallelize(
         module = nn.Sequential(OrderedDict((n, copy.deepcopy(m)) for n, m in layers[lo:hi]))
         module.load_state_dict({k: w for k, w in weights.items() if lo <= _layer_of(k, names) < hi})
         module.to(par._device)
-        if (i, j) in split_args:
+        if (i, j) in blocks:
+            # This rank's channels only: the full copy above is dropped once they are cut out.
+            loaded = list(layers)
+            loaded[lo:hi] = list(module.named_children())
+            owned = OwnersStage(loaded, blocks[i, j], tr.rank, stage.ranks[0]).to(par._device)
+            if next(owned.parameters(), None) is None:
+                par.idle = nn.Parameter(torch.empty(0))  # it owns no channel with weights
+            par.stage = owned
+        elif (i, j) in split_args:
             counting = CountingCommunicator(wrap(subs[i, j]), par._traffic)
             par._stage_comm = counting
             # The sub-group numbers the stage's ranks in increasing order; the plan lists them
@@ -500,7 +698,8 @@ def parallelize(
             order = [stage.ranks.index(r) for r in sorted(stage.ranks)]
             shares = {n: [s[k] for k in order] for n, s in split_args[i, j].items()}
             filter_parallel(module, group=counting, shares=shares)
-        par.stage = module
+        if par.stage is None:
+            par.stage = module
     else:
         par.idle = nn.Parameter(torch.empty(0))
     if len(plan.replicas) > 1:
@@ -554,7 +753,15 @@ def _plan_reductions(par: Parallel, plan: Plan, names: list[str], model: nn.Modu
         holders[layer] = tuple(sorted(holding))
     local: dict[str, tuple[torch.Tensor, int, int]] = {}
     split_params: set[str] = set()
-    if par.stage is not None:
+    indexed: dict[str, torch.Tensor] = {}
+    if isinstance(par.stage, OwnersStage):
+        for n, (t, index) in par.stage.local_state().items():
+            if isinstance(t, nn.Parameter):
+                local[n] = (t, 0, 0)
+                split_params.add(n)
+                if index is not None:
+                    indexed[n] = index.to(par._wire_device())
+    elif par.stage is not None:
         for n, p in par.stage.named_parameters():
             local[n] = (p, 0, 0)
         for n, (_, dim, start) in split_tensors(par.stage).items():
@@ -573,9 +780,11 @@ def _plan_reductions(par: Parallel, plan: Plan, names: list[str], model: nn.Modu
             continue
         pieces, at = [], 0
         for n in members:
-            t, dim, start = local[n]
             shape = tuple(model.get_parameter(n).shape)
-            pieces.append(_Piece(t, at, shape, dim, start, lead or n in split_params))
+            if n in local:  # in an owners stage, a rank may own none of a layer's channels
+                t, dim, start = local[n]
+                contributes = lead or n in split_params
+                pieces.append(_Piece(t, at, shape, dim, start, contributes, indexed.get(n)))
             at += math.prod(shape)
         buffer = torch.zeros(at, dtype=dtype, device=par._wire_device())
         par._reductions.append(_Reduction(sub, pieces, buffer, len(ranks)))
