@@ -50,7 +50,9 @@ from hetcoll.collectives import allgatherv, allreduce
 from hetcoll.comm import Communicator, agree, deadline, wrap
 
 __all__ = [
+    "ELEMENTWISE_MODULES",
     "MODES",
+    "SPATIAL_MODULES",
     "FilterParallelBatchNorm1d",
     "FilterParallelBatchNorm2d",
     "FilterParallelConv2d",
@@ -677,9 +679,10 @@ class FilterParallelBatchNorm1d(_SplitBatchNorm, nn.BatchNorm1d):
 
 # -- converting a model ---------------------------------------------------------------------------
 
-# Modules that act on each channel (or element) on its own, so a channel-split tensor can pass
-# through them unchanged: nothing needs gathering before them.
-_ELEMENTWISE = (
+#: Modules that act on each channel (or element) on its own, so a channel-split tensor can pass
+#: through them unchanged: nothing needs gathering before them (the filter-parallel pairing rule
+#: and the owners stages of hetcoll.torch.placement both read this list) ...
+ELEMENTWISE_MODULES = (
     nn.ReLU,
     nn.ReLU6,
     nn.LeakyReLU,
@@ -698,7 +701,8 @@ _ELEMENTWISE = (
     nn.Identity,
     nn.Dropout,
 )
-_SPATIAL = (
+#: ... and those that do so on 2-D feature maps (after a convolution).
+SPATIAL_MODULES = (
     nn.MaxPool2d,
     nn.AvgPool2d,
     nn.AdaptiveAvgPool2d,
@@ -892,7 +896,9 @@ def _plan(
             if prev is None:
                 continue
             conv = isinstance(prev[1], nn.Conv2d)
-            if isinstance(m, _ELEMENTWISE) or (conv and not flattened and isinstance(m, _SPATIAL)):
+            if isinstance(m, ELEMENTWISE_MODULES) or (
+                conv and not flattened and isinstance(m, SPATIAL_MODULES)
+            ):
                 continue
             bn_type = nn.BatchNorm2d if conv else nn.BatchNorm1d
             if type(m) is bn_type and not flattened and m.num_features == _channels(prev[1]):

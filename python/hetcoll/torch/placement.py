@@ -48,45 +48,15 @@ import torch
 from torch import nn
 
 from hetcoll.plan import Stage
+from hetcoll.torch.filters import ELEMENTWISE_MODULES, SPATIAL_MODULES
 
 __all__ = ["CHANNELWISE", "Block", "OwnersStage", "StepIO", "check_block_shapes", "owners_blocks"]
 
 #: Layers each of whose output channels depends on the same input channel only (elementwise
 #: maps, dropout, BatchNorm, 2-D pooling): in an owners stage they run at the channel's owner.
-CHANNELWISE = (
-    nn.ReLU,
-    nn.ReLU6,
-    nn.LeakyReLU,
-    nn.ELU,
-    nn.SELU,
-    nn.CELU,
-    nn.GELU,
-    nn.SiLU,
-    nn.Mish,
-    nn.Tanh,
-    nn.Sigmoid,
-    nn.Hardtanh,
-    nn.Hardswish,
-    nn.Hardsigmoid,
-    nn.Softplus,
-    nn.Identity,
-    nn.Dropout,
-    nn.BatchNorm1d,
-    nn.BatchNorm2d,
-    nn.MaxPool2d,
-    nn.AvgPool2d,
-    nn.AdaptiveAvgPool2d,
-    nn.AdaptiveMaxPool2d,
-    nn.Dropout2d,
-)
-_CONV_ONLY = (
-    nn.BatchNorm2d,
-    nn.MaxPool2d,
-    nn.AvgPool2d,
-    nn.AdaptiveAvgPool2d,
-    nn.AdaptiveMaxPool2d,
-    nn.Dropout2d,
-)
+CHANNELWISE = (*ELEMENTWISE_MODULES, nn.BatchNorm1d, nn.BatchNorm2d, *SPATIAL_MODULES)
+#: ... of which these act on 2-D feature maps only (after a Conv2d, not a Linear).
+_CONV_ONLY = (nn.BatchNorm2d, *SPATIAL_MODULES)
 _TAG_FORWARD = 7200  # + 2 * block
 _TAG_BACKWARD = 7201  # + 2 * block
 
