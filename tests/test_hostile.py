@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import re
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -290,3 +292,40 @@ def test_out_saved_for_backward_makes_backward_raise():
     fusion.pack([torch.zeros(3)], out=flat)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss2.backward()
+
+
+def _solver_threads() -> int:
+    """Threads of this process named as the bindings name a solver's (Linux: /proc)."""
+    tasks = Path("/proc/self/task")
+    return sum((t / "comm").read_text().strip() == "hetcoll-solver" for t in tasks.iterdir())
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux's /proc")
+@pytest.mark.timeout(60)
+def test_ctrl_c_interrupts_a_long_partition_at_once():
+    """Ctrl-C during a partition of seconds raises KeyboardInterrupt at once, not when the
+    partitioner is done (the work runs on a thread of its own; this one checks signals every
+    50 ms without the GIL)."""
+    import _thread
+    import threading
+
+    rng = np.random.default_rng(0)
+    n = 50_000
+    sizes = rng.integers(2, 6, size=75_000)
+    pins = rng.integers(0, n, size=int(sizes.sum()))
+    nets = [np.unique(x) for x in np.split(pins, np.cumsum(sizes)[:-1])]
+    timer = threading.Timer(0.1, _thread.interrupt_main)
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        hetcoll.partition_hypergraph(n, nets, [0.25] * 4)
+    timer.join()
+    # Raised while the partitioner still runs (its thread is alive), not after it ended. Then
+    # wait for it, so it takes no core from the tests that follow.
+    assert _solver_threads() >= 1
+    while _solver_threads():
+        time.sleep(0.05)
+    # The interrupted run leaves the module usable.
+    assert list(hetcoll.partition_hypergraph(4, [[0, 1], [2, 3]], [0.5, 0.5])) in (
+        [0, 0, 1, 1],
+        [1, 1, 0, 0],
+    )

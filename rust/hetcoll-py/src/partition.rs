@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyString};
 
 use crate::convert::{count, floats};
-use crate::errors::{detached, invalid, IntoPy};
+use crate::errors::{detached, interruptible, invalid, IntoPy};
 
 /// Layers per device of contiguous pipeline stages with the smallest bottleneck stage time (whose
 /// layers fit each device's `capacity` when `memory` is given).
@@ -121,7 +121,7 @@ pub fn partition_hypergraph<'py>(
     let epsilon = epsilon.map_or(Ok(0.03), |x| number(x, "epsilon"))?;
     let seed = seed.map_or(Ok(0), |x| count(x, "seed"))?;
     let limits = memory_limits(vertex_memory, capacity, "vertex_memory")?;
-    let parts = detached(py, move || -> hetcoll_core::Result<Vec<u32>> {
+    let parts = interruptible(py, move || -> hetcoll_core::Result<Vec<u32>> {
         let mut hg = Hypergraph::new(num_vertices, offsets, pins, vertex_weights, net_weights)?;
         let mut options = PartitionOptions::new(targets);
         options.epsilon = epsilon;
