@@ -115,7 +115,7 @@ def test_gloo_owners_placements_equal_one_process():
 
 @pytest.mark.multiproc
 def test_mpi_owners_placements_equal_one_process():
-    proc = launch.mpiexec(3, [str(HERE / "mpi_workers" / "owners.py")], timeout=300)
+    proc = launch.mpiexec(3, [str(HERE / "mpi_workers" / "cases.py"), "owners_cases"], timeout=300)
     _check(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 

@@ -43,7 +43,7 @@ def test_gloo_plans_equal_one_process():
 
 @pytest.mark.multiproc
 def test_mpi_plans_equal_one_process():
-    proc = launch.mpiexec(4, [str(HERE / "mpi_workers" / "plans.py")], timeout=300)
+    proc = launch.mpiexec(4, [str(HERE / "mpi_workers" / "cases.py"), "plan_cases"], timeout=300)
     _check(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 

@@ -128,12 +128,7 @@ class Stage:
             shares = {}
             for key, per_rank in raw_shares.items():
                 w = f"{where}.shares[{key!r}]"
-                try:
-                    layer = int(key)
-                except (TypeError, ValueError):
-                    raise ValueError(f"{w}: the key must be a layer index") from None
-                if str(layer) != str(key).strip() or not lo <= layer < hi:
-                    raise ValueError(f"{w}: the key must be a layer index in [{lo}, {hi})")
+                layer = _layer_key(key, w, lo, hi)
                 values = _list(per_rank, w)
                 if len(values) != len(ranks):
                     raise ValueError(f"{w}: needs one share per rank ({len(ranks)})")
@@ -151,6 +146,18 @@ class Stage:
         if self.owners is not None:
             d["owners"] = {str(k): list(v) for k, v in sorted(self.owners.items())}
         return d
+
+
+def _layer_key(key: object, where: str, lo: int, hi: int) -> int:
+    """A per-layer dict's key (``shares``, ``owners``): a layer index in the stage's ``[lo, hi)``
+    (JSON keys are strings: ``"3"`` is layer 3)."""
+    try:
+        layer = int(key)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: the key must be a layer index") from None
+    if str(layer) != str(key).strip() or not lo <= layer < hi:
+        raise ValueError(f"{where}: the key must be a layer index in [{lo}, {hi})")
+    return layer
 
 
 def _owners(
@@ -171,12 +178,7 @@ def _owners(
     owners = {}
     for key, per_channel in raw.items():
         w = f"{where}[{key!r}]"
-        try:
-            layer = int(key)
-        except (TypeError, ValueError):
-            raise ValueError(f"{w}: the key must be a layer index") from None
-        if str(layer) != str(key).strip() or not lo <= layer < hi:
-            raise ValueError(f"{w}: the key must be a layer index in [{lo}, {hi})")
+        layer = _layer_key(key, w, lo, hi)
         if layer in owners:
             raise ValueError(f"{w}: names layer {layer} twice")
         values = _list(per_channel, w)

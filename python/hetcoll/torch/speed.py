@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import statistics
 import time
 import warnings
@@ -396,8 +397,6 @@ def host_memory_per_rank() -> int:
     memory) divided by the ranks on this node: ``LOCAL_WORLD_SIZE`` under torchrun,
     ``MPI_LOCALNRANKS`` (MPICH) or ``OMPI_COMM_WORLD_LOCAL_SIZE`` (Open MPI) under mpiexec,
     else 1."""
-    import os
-
     available = None
     try:
         with open("/proc/meminfo") as f:

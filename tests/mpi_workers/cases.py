@@ -1,20 +1,21 @@
-"""MPI worker of tests/test_placement.py: every rank runs tests/owners_cases.py over
-MPI.COMM_WORLD (no torch.distributed at all). Rank 0 prints every rank's results as one JSON
-line."""
+"""MPI worker of the plan tests: every rank runs ``run_all(MPI.COMM_WORLD)`` of the cases module
+named on the command line (tests/plan_cases.py for tests/test_plan.py, tests/owners_cases.py
+for tests/test_placement.py), with no torch.distributed at all. Rank 0 prints every rank's
+results as one JSON line."""
 
+import importlib
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import owners_cases
 import torch
 from mpi4py import MPI
 
 torch.set_num_threads(1)
 try:
-    result = owners_cases.run_all(MPI.COMM_WORLD)
+    result = importlib.import_module(sys.argv[1]).run_all(MPI.COMM_WORLD)
 except BaseException:
     import traceback
 
