@@ -26,8 +26,10 @@ and backward). A step is forward, backward and an SGD step; its time is the slow
 shuffled every step; the figure is the median over steps after warm-up, and over launches the
 median of the launches' medians.
 
-``predicted_s`` is ``hetcoll.model.predict_plan``'s step for the emulated cluster when the
-library has it (null otherwise).
+``predicted_s`` is the model's step for the emulated cluster as the emulation runs it
+(:func:`hetcoll.lab.predict_emulated.parallel_plan`: the library's laid-out plan with the
+sleeps and the host's shared cores put in); ``planner_s`` is what the planner itself predicts,
+each rank a device slowed to its speed (:func:`hetcoll.model.predict_plan`).
 """
 
 from __future__ import annotations
@@ -273,28 +275,40 @@ def _rank(
 # -- the prediction -------------------------------------------------------------------------------
 
 
-def predictor() -> Callable[[dict[str, Any]], float] | None:
-    """``plan -> predicted seconds`` from ``hetcoll.model.predict_plan`` for this machine's
-    calibrated device at each rank's emulated speed (every rate times the speed, as
-    :func:`~hetcoll.lab.emulate.slow_down` stretches every layer's forward and backward), or
-    None while the library has no ``predict_plan``."""
+def predictors() -> dict[str, Callable[[dict[str, Any]], float]]:
+    """``plan -> predicted seconds`` for this machine's calibrated device (one thread) and
+    gloo link, two ways:
+
+    - ``"predicted_s"``: the step as the emulation runs it
+      (:func:`hetcoll.lab.predict_emulated.parallel_plan`): each layer with parameters sleeps
+      ``(1/f - 1)`` x its own time, the others run at full speed, and the ranks share this
+      host's cores while they compute (a sleeping rank holds none);
+    - ``"planner_s"``: what the planner sees (:func:`hetcoll.model.predict_plan`): each rank a
+      device with every rate times its speed (:func:`hetcoll.lab.emulate.emulated_device`),
+      on cores of its own."""
+    import os
 
     import hetcoll.model as model
-
-    predict = getattr(model, "predict_plan", None)
-    if predict is None:
-        return None
-    from hetcoll.lab import calibrate
+    from hetcoll.lab import calibrate, predict_emulated
     from hetcoll.lab.emulate import emulated_device
     from hetcoll.lab.validate import validation_cluster
 
     device = calibrate.measure_device("this-machine-1-thread", 4e9, quick=True)
     fit = calibrate.measure_gloo_link()
     link = model.Link("gloo-local", fit.latency_s, fit.bytes_per_s)
-    devices = [emulated_device(device, f) for f in SPEEDS]
-    cluster = validation_cluster(devices, link)
+    slowed = validation_cluster([emulated_device(device, f) for f in SPEEDS], link)
+    full = validation_cluster([device] * len(SPEEDS), link)
+    host = predict_emulated.SharedCores(os.cpu_count() or 1)
     costs = model.layer_costs(conv_net(), SHAPE)
-    return lambda plan: float(predict(costs, cluster, hetcoll.Plan.from_dict(plan)).step_s)
+
+    def emulated(plan: dict[str, Any]) -> float:
+        p = hetcoll.Plan.from_dict(plan)
+        return float(predict_emulated.parallel_plan(costs, full, p, SPEEDS, host=host).step_s)
+
+    def planner(plan: dict[str, Any]) -> float:
+        return float(model.predict_plan(costs, slowed, hetcoll.Plan.from_dict(plan)).step_s)
+
+    return {"predicted_s": emulated, "planner_s": planner}
 
 
 # -- the caller -----------------------------------------------------------------------------------
@@ -320,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if unknown:
             ap.error(f"--only: no plan named {unknown[0]!r} (plans: {', '.join(plan_dicts)})")
         plan_dicts = {k: v for k, v in plan_dicts.items() if k in args.only}
-    predict = predictor()
+    predict = predictors()
     launches = []
     for _ in range(args.launches):
         times = launch.spawn(_rank, len(SPEEDS), plan_dicts, args.steps, args.warmup, timeout=1800)[
@@ -337,7 +351,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(
             {
                 "name": name,
-                "predicted_s": predict(plan) if predict is not None else None,
+                **{key: f(plan) for key, f in predict.items()},
                 "measured_s": statistics.median(medians),
                 "vs_torch_pipelining": statistics.median(ratios) if ratios else None,
                 "measured_s_per_launch": medians,
@@ -366,14 +380,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{args.launches} launch(es) x {args.steps} steps"
     )
     print(
-        f"{'plan':<22} {'predicted (ms)':>14} {'measured (ms)':>14} {'launches (ms)':>24} "
+        f"{'plan':<22} {'predicted (planner) ms':>22} {'measured (ms)':>14} {'launches (ms)':>24} "
         f"{'vs torch':>9}"
     )
     for row in rows:
-        pred = f"{row['predicted_s'] * 1e3:.1f}" if row["predicted_s"] is not None else "-"
+        pred = f"{row['predicted_s'] * 1e3:.1f} ({row['planner_s'] * 1e3:.1f})"
         per = ", ".join(f"{m * 1e3:.1f}" for m in row["measured_s_per_launch"])
         vs = f"{row['vs_torch_pipelining']:.2f}x" if row["vs_torch_pipelining"] else "-"
-        print(f"{row['name']:<22} {pred:>14} {row['measured_s'] * 1e3:14.1f} {per:>24} {vs:>9}")
+        print(f"{row['name']:<22} {pred:>22} {row['measured_s'] * 1e3:14.1f} {per:>24} {vs:>9}")
     for row in rows:
         stages = [[s["ranks"], s["layers"]] for r in row["plan"]["replicas"] for s in r["stages"]]
         samples = [r["samples"] for r in row["plan"]["replicas"]]

@@ -8,9 +8,16 @@ import numpy as np
 import pytest
 from torch import nn
 
+from hetcoll import Plan
 from hetcoll.lab import predict_emulated
 from hetcoll.lab.predict_emulated import SharedCores
-from hetcoll.lab.validate import FilterConfiguration, default_configurations, predicted_step
+from hetcoll.lab.validate import (
+    FilterConfiguration,
+    PlanConfiguration,
+    default_configurations,
+    plan_configurations,
+    predicted_step,
+)
 from hetcoll.model import Cluster, Device, Link, Node, layer_costs, networks, terms
 from hetcoll.model.predict import (
     _device_arrays,
@@ -18,6 +25,7 @@ from hetcoll.model.predict import (
     compute_seconds,
     data_parallel,
     filter_parallel,
+    predict_plan,
 )
 
 
@@ -83,7 +91,8 @@ def _rank_devices(p: int) -> list[Device]:
 def test_validation_predicts_the_numbers_it_predicted_before() -> None:
     shape = (3, 32, 32)
     costs = layer_costs(networks.build("cnn", shape), shape)
-    configs = default_configurations()
+    # The data- and filter-parallel rows (the plan rows came later).
+    configs = [c for c in default_configurations() if not isinstance(c, PlanConfiguration)]
     assert len(configs) == len(_BEFORE)
     for config, before in zip(configs, _BEFORE):
         p = config.ranks if isinstance(config, FilterConfiguration) else len(config[1])
@@ -254,3 +263,116 @@ def test_filter_parallel_lock_step_waits_for_the_slowest_stretch(cnn_costs) -> N
     prop = predict_emulated.filter_parallel(cnn_costs, cluster, 32, [1.0, 0.5], [1.0, 0.5])
     assert even.step_s == pytest.approx(both.step_s, rel=1e-9)
     assert prop.step_s < even.step_s
+
+
+# -- plans ----------------------------------------------------------------------------------------
+
+
+def _plans(n: int) -> list[Plan]:
+    """Plan shapes over a model of ``n`` top-level layers on 3 devices."""
+    one = {"microbatches": 3, "schedule": "1F1B"}
+    return [
+        Plan.from_dict({**one, "replicas": [{"samples": 12, "stages": [
+            {"ranks": [0], "layers": [0, 3]}, {"ranks": [1], "layers": [3, 5]},
+            {"ranks": [2], "layers": [5, n]}]}]}),
+        Plan.from_dict({**one, "schedule": "GPipe", "replicas": [
+            {"samples": 8, "stages": [{"ranks": [0], "layers": [0, n]}]},
+            {"samples": 5, "stages": [{"ranks": [1], "layers": [0, 4]},
+                                      {"ranks": [2], "layers": [4, n]}]}]}),
+        Plan.from_dict({**one, "replicas": [{"samples": 10, "stages": [
+            {"ranks": [0], "layers": [0, 3]},
+            {"ranks": [1, 2], "speeds": [1.0, 0.5], "layers": [3, n]}]}]}),
+        Plan.from_dict({**one, "replicas": [
+            {"samples": 7, "stages": [{"ranks": [0], "layers": [0, n]}]},
+            {"samples": 4, "stages": [{"ranks": [2], "layers": [0, n]}]}]}),
+    ]  # fmt: skip
+
+
+def test_plan_at_full_speed_is_the_library_s_prediction(cnn_costs) -> None:  # type: ignore[no-untyped-def]
+    cluster = _cluster([(1e11, 2e10), (5e10, 1e10), (3e10, 1e10)], bw=1e9, lat=1e-5)
+    for plan in _plans(len(cnn_costs.plan_layers)):
+        library = predict_plan(cnn_costs, cluster, plan)
+        same = predict_emulated.parallel_plan(cnn_costs, cluster, plan, [1.0] * 3)
+        assert same.step_s == library.step_s and same.breakdown == library.breakdown
+        # Enough cores for every rank: the shared-cores timeline is the library's.
+        shared = predict_emulated.parallel_plan(
+            cnn_costs, cluster, plan, [1.0] * 3, host=SharedCores(3)
+        )
+        assert shared.step_s == pytest.approx(library.step_s, rel=1e-12)
+        # Every layer with parameters slept on: never faster, and the shared-cores timeline
+        # still agrees while the cores suffice.
+        slow = predict_emulated.parallel_plan(cnn_costs, cluster, plan, [1.0, 0.5, 0.25])
+        slow_shared = predict_emulated.parallel_plan(
+            cnn_costs, cluster, plan, [1.0, 0.5, 0.25], host=SharedCores(3)
+        )
+        assert slow.step_s > library.step_s
+        assert slow_shared.step_s == pytest.approx(slow.step_s, rel=1e-12)
+
+
+def test_plan_emulation_slows_only_layers_with_parameters(cnn_costs) -> None:  # type: ignore[no-untyped-def]
+    # One device running the whole model: its step is the plain step plus (1/f - 1) x the
+    # forward and backward of every layer with parameters, but the first layer's backward.
+    cluster = _cluster([(1e11, 2e10)], bw=1e9, lat=1e-5)
+    n = len(cnn_costs.plan_layers)
+    plan = Plan.from_dict(
+        {"microbatches": 2, "schedule": "GPipe",
+         "replicas": [{"samples": 16, "stages": [{"ranks": [0], "layers": [0, n]}]}]}
+    )  # fmt: skip
+    plain = predict_plan(cnn_costs, cluster, plan).step_s
+    slow = predict_emulated.parallel_plan(cnn_costs, cluster, plan, [0.25]).step_s
+    lt = _layer_times(cnn_costs, _device_arrays(cluster.devices), np.array([8]))
+    params = np.array([layer.param_bytes > 0 for layer in cnn_costs.layers])
+    fwd = float(lt.forward_s[params, 0].sum())
+    bwd = float(lt.backward_s[params, 0].sum() - lt.backward_s[0, 0])
+    assert params[0]
+    assert slow - plain == pytest.approx(3.0 * 2 * (fwd + bwd), rel=1e-9)
+
+
+def test_plan_on_shared_cores_by_hand() -> None:
+    # Two one-layer stages on one core: while the first rank computes micro-batch 2's forward,
+    # the second computes micro-batch 1's: they share the core.
+    costs = layer_costs(nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)), (256,))
+    cluster = _cluster([(1e9, 1e12)] * 2, bw=1e30, lat=0.0)
+    plan = Plan.from_dict(
+        {"microbatches": 2, "schedule": "GPipe", "replicas": [{"samples": 8, "stages": [
+            {"ranks": [0], "layers": [0, 1]}, {"ranks": [1], "layers": [1, 2]}]}]}
+    )  # fmt: skip
+    alone = predict_emulated.parallel_plan(costs, cluster, plan, [1.0, 1.0])
+    shared = predict_emulated.parallel_plan(costs, cluster, plan, [1.0, 1.0], host=SharedCores(1))
+    lt = _layer_times(costs, _device_arrays(cluster.devices[:1]), np.array([4]))
+    f0, f1 = float(lt.forward_s[0, 0]), float(lt.forward_s[1, 0])
+    b0, b1 = float(lt.backward_s[0, 0]), float(lt.backward_s[1, 0])
+    # The one core is never idle (some rank always has work), so the step is all the work:
+    # 2 micro-batches x (f0 + f1 + b0 + b1).
+    # Then the loss's allreduce and the update.
+    after = alone.detail["loss_allreduce_s"] + alone.breakdown["optimizer"]
+    assert shared.step_s == pytest.approx(2 * (f0 + f1 + b0 + b1) + after, rel=1e-12)
+    assert shared.step_s > alone.step_s
+    with pytest.raises(ValueError, match="speeds"):
+        predict_emulated.parallel_plan(costs, cluster, plan, [1.0])
+
+
+def test_shared_schedule_reports_deadlocks_and_unknown_operations() -> None:
+    with pytest.raises(ValueError, match="deadlock"):
+        predict_emulated.shared_schedule_finish_seconds([[("recv", "x")]], {}, SharedCores(1))
+    with pytest.raises(ValueError, match="deadlock"):
+        predict_emulated.shared_schedule_finish_seconds(
+            [[("collective", 0)]], {0: (2, 1.0)}, SharedCores(1)
+        )
+    with pytest.raises(ValueError, match="unknown operation"):
+        predict_emulated.shared_schedule_finish_seconds([[("jump", 1)]], {}, SharedCores(1))
+
+
+def test_validation_plans_fit_the_model_and_are_predicted() -> None:
+    shape = (3, 32, 32)
+    costs = layer_costs(networks.build("cnn", shape), shape)
+    configs = plan_configurations()
+    assert {c.strategy for c in configs} == {"pipeline", "hybrid", "subset"}
+    assert len(default_configurations()) >= 20
+    for config in configs:
+        devices = _rank_devices(config.ranks)
+        pred = predicted_step(costs, config, devices, _LINK, _HOST)
+        assert 0 < pred.step_s < float("inf") and pred.feasible, config
+        assert pred.shares == config.samples_per_rank()
+        assert pred.batch == config.batch
+    assert plan_configurations("vgg") == []

@@ -821,6 +821,20 @@ def test_validation_subset_predicts_real_ddp_steps() -> None:
     assert r.strategy == "data" and r.batch == 32 and r3.ranks == 3 and r3.batch == 20
 
 
+@pytest.mark.multiproc
+def test_validation_subset_runs_a_real_pipeline_plan() -> None:
+    from hetcoll.lab.validate import plan_configurations, run_validation
+
+    # Two one-rank stages of emulated speeds 1 and 1/2 under GPipe: parallelize, the stage
+    # emulation, the in-run calibration and the prediction, end to end. (No error bound:
+    # accuracy is what `hetcoll model validate` reports.)
+    config = plan_configurations()[1]
+    (r,) = run_validation([config], steps=2, warmup=1)
+    assert r.strategy == "pipeline" and r.ranks == 2 and r.batch == 32
+    assert r.shares == [32, 32] and r.speeds == [1.0, 0.5] and r.detail["plan"] == config.plan
+    assert math.isfinite(r.predicted_s) and r.predicted_s > 0 and r.measured_s > 0
+
+
 def _torch_filter_modes(rank: int, world: int, names: list[str]) -> dict[str, dict[str, str]]:
     from hetcoll.torch.filters import FilterParallelLayer
     from hetcoll.torch.filters import filter_parallel as split_model

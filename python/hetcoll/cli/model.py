@@ -427,6 +427,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _cmd_validate(args: argparse.Namespace) -> int:
     from hetcoll.lab.validate import (
         FilterConfiguration,
+        PlanConfiguration,
         default_configurations,
         run_validation,
         summary,
@@ -435,9 +436,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     configs = default_configurations(args.model)
     if args.quick:
-        data = [c for c in configs if not isinstance(c, FilterConfiguration)]
+        data = [c for c in configs if isinstance(c, tuple)]
         filt = [c for c in configs if isinstance(c, FilterConfiguration)]
-        configs = [data[5], filt[4]]
+        plans = [c for c in configs if isinstance(c, PlanConfiguration)]
+        configs = [data[5], filt[4], *plans[1:2]]
     device = link = None
     if args.cluster:
         cluster = load_cluster(args.cluster)
@@ -459,6 +461,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         }
         if data:
             row.update(overlap=r.overlap, predicted_other_overlap_s=r.predicted_other_s)
+        elif "plan" in r.detail:
+            row.update(plan=r.detail["plan"])
         else:
             row.update(
                 avoid_gathers=r.detail["avoid_gathers"],
@@ -487,7 +491,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             "rank, a rank of speed f sleeps (1/f - 1) x its compute time between forward and "
             "backward. filter: "
             "hetcoll.torch.filter_parallel, every rank on the whole batch, shares = filters of "
-            "the widest layer, each split layer sleeps (1/f - 1) x its own compute"
+            "the widest layer, each split layer sleeps (1/f - 1) x its own compute. pipeline, "
+            "hybrid, subset: plans run by hetcoll.torch.parallelize, shares = samples of each "
+            "rank's replica, each layer with parameters sleeps (1/f - 1) x its own compute"
         )
         head = (
             "strategy",
@@ -584,8 +590,9 @@ def add_model(sub: argparse._SubParsersAction) -> None:
     v = msub.add_parser(
         "validate",
         help="check the predictions: predicted vs measured steps on this machine",
-        description="Run data- and filter-parallel training steps on local ranks of emulated "
-        "speeds and compare each measured step time with the model's prediction.",
+        description="Run data-parallel, filter-parallel and plan (pipeline, hybrid, device "
+        "subset) training steps on local ranks of emulated speeds and compare each measured "
+        "step time with the model's prediction.",
     )
     v.add_argument(
         "--model", default="cnn", choices=("cnn", "vgg", "resnet", "mlp"), help="built-in model"
@@ -597,7 +604,7 @@ def add_model(sub: argparse._SubParsersAction) -> None:
         "--steps", type=integer(1), default=9, help="timed steps per configuration (default 9)"
     )
     v.add_argument(
-        "--quick", action="store_true", help="two configurations only (one of each strategy)"
+        "--quick", action="store_true", help="three configurations only (data, filter, plan)"
     )
     v.add_argument("--json", action="store_true", help="print JSON instead of a table")
     v.set_defaults(func=_cmd_validate)

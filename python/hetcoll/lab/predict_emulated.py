@@ -46,7 +46,9 @@ from hetcoll.model.predict import (
     Prediction,
     data_parallel_schedule,
     filter_parallel_schedule,
+    plan_schedule,
 )
+from hetcoll.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -239,3 +241,206 @@ def _shared_filter_parallel(
     breakdown["communication"] = comm
     breakdown["optimizer"] = base.breakdown["optimizer"]
     return replace(base, step_s=step, breakdown=breakdown)
+
+
+def parallel_plan(
+    costs: ModelCosts,
+    cluster: Cluster,
+    plan: Plan,
+    speeds: Sequence[float],
+    *,
+    host: SharedCores | None = None,
+    **options: Any,
+) -> Prediction:
+    """One step of ``plan`` (:func:`hetcoll.model.predict.predict_plan`, ``options`` as there)
+    with device d emulated at ``speeds[d]`` by :func:`hetcoll.lab.emulate.slow_down` on its
+    stage: every layer with parameters sleeps ``(1/f - 1)`` x its own forward after the
+    forward and x its own backward after the backward (in a filter-split stage, the split
+    layers' local computation: the collectives run at full speed); layers without parameters
+    run at full speed, and so does the backward of the model's first layer (its input needs no
+    gradient, so the emulation cannot time it). The library's laid-out step
+    (:func:`hetcoll.model.predict.plan_schedule`) is re-timed layer by layer. On a ``host``
+    with fewer cores than ranks the programs run on the shared-cores timeline of
+    :func:`shared_schedule_finish_seconds` (a sleeping rank holds no core; each collective
+    costs ``host.wake_s`` more), else on the library's.
+
+    >>> speeds = [1.0, 0.5, 0.25]
+    >>> parallel_plan(costs, cluster, Plan.load("plan.json"), speeds).step_s  # doctest: +SKIP
+    """
+    schedule = plan_schedule(costs, cluster, plan, **options)
+    slow = _slowdowns(speeds, len(schedule.programs))
+    slowed = [layer.param_bytes > 0 for layer in costs.layers]
+
+    def factor(layer: int, direction: str) -> bool:
+        return slowed[layer] and not (layer == 0 and direction == "B")
+
+    shared = host is not None and host.shared_by(sum(1 for s in schedule.samples if s > 0))
+    programs: list[list[tuple[Any, ...]]] = []
+    for d, prog in enumerate(schedule.programs):
+        out: list[tuple[Any, ...]] = []
+        for op in prog:
+            if op[0] != "compute":
+                out.append(op)
+            elif shared:
+                for layer, s, direction in op[2]:
+                    out.append(("cpu", s))
+                    if slow[d] > 1.0 and factor(layer, direction):
+                        out.append(("pause", float(slow[d] - 1.0)))
+            elif slow[d] == 1.0:
+                out.append(op)
+            else:
+                s = sum(t * (slow[d] if factor(i, k) else 1.0) for i, t, k in op[2])
+                out.append(("compute", s, op[2]))
+        programs.append(out)
+    if not shared:
+        return replace(schedule, programs=programs).prediction()
+    assert host is not None
+    finish, in_collectives = shared_schedule_finish_seconds(programs, schedule.collectives, host)
+    return schedule.prediction(finish, in_collectives)
+
+
+def shared_schedule_finish_seconds(
+    programs: list[list[tuple[Any, ...]]],
+    collectives: dict[object, tuple[int, float]],
+    host: SharedCores,
+) -> tuple[list[float], list[float]]:
+    """:func:`hetcoll.model.terms.schedule_finish_seconds` on a host of ``host.cores`` cores
+    shared by the devices (processor sharing: while ``n`` devices compute, each runs at
+    ``min(1, cores / n)`` of its speed). Besides the library's operations a program may hold
+    ``("cpu", s)`` (``s`` seconds of compute on a core of its own), ``("sleep", s)`` (wall time
+    holding no core) and ``("pause", x)`` (a sleep of ``x`` times the wall time the device's
+    previous ``cpu`` phase took: the emulation times its own compute, waits for a core
+    included). A collective ends ``s + host.wake_s`` after its last participant reaches it.
+    Returns each device's finish time and its seconds inside collectives; ``ValueError`` when
+    the programs deadlock.
+
+    >>> cpu = [("cpu", 1.0)]
+    >>> shared_schedule_finish_seconds([cpu, cpu, cpu], {}, SharedCores(2))[0]
+    [1.5, 1.5, 1.5]
+    >>> two = [[("cpu", 1.0), ("pause", 1.0)], [("cpu", 1.0), ("collective", "c")]]
+    >>> shared_schedule_finish_seconds(two + [[("collective", "c")]], {"c": (2, 0.5)},
+    ...                                SharedCores(1))[0]
+    [4.0, 2.5, 2.5]
+    """
+    n = len(programs)
+    cores, wake = host.cores, host.wake_s
+    pc = [0] * n
+    now = 0.0
+    finish = [math.nan] * n
+    in_collectives = [0.0] * n
+    cpu_left: dict[int, float] = {}  # device -> compute seconds left in its cpu phase
+    cpu_start = [0.0] * n
+    cpu_wall = [0.0] * n
+    wait_until: dict[int, float] = {}  # device -> end of its sleep
+    link_free = [0.0] * n
+    sent_until = [0.0] * n
+    arrival: dict[object, float] = {}
+    joined: dict[object, list[float]] = {}  # collective -> the times its participants joined
+    ends: dict[object, float] = {}
+    entered = [False] * n  # whether the device has joined the collective it waits in
+    join_at = [0.0] * n
+    eps = 1e-15
+
+    def advance(d: int) -> None:
+        """Run device d's operations that take no time at ``now``, up to one that does."""
+        prog = programs[d]
+        while pc[d] < len(prog):
+            op = prog[pc[d]]
+            kind = op[0]
+            if kind in ("cpu", "compute"):
+                if d not in cpu_left:
+                    if op[1] <= 0.0:
+                        pc[d] += 1
+                        continue
+                    cpu_left[d] = float(op[1])
+                    cpu_start[d] = now
+                return
+            if kind in ("sleep", "pause"):
+                if d not in wait_until:
+                    s = op[1] if kind == "sleep" else op[1] * cpu_wall[d]
+                    if s <= 0.0:
+                        pc[d] += 1
+                        continue
+                    wait_until[d] = now + s
+                if wait_until[d] > now + eps:
+                    return
+                del wait_until[d]
+            elif kind == "send":
+                for message, latency_s, transfer_s in op[1]:
+                    start = max(now, link_free[d])
+                    link_free[d] = start + transfer_s
+                    arrival[message] = start + latency_s + transfer_s
+                    sent_until[d] = max(sent_until[d], arrival[message])
+            elif kind == "recv":
+                at = arrival.get(op[1])
+                if at is None or at > now + eps:
+                    return
+            elif kind == "collective":
+                key = op[1]
+                if not entered[d]:
+                    entered[d] = True
+                    join_at[d] = now
+                    times = joined.setdefault(key, [])
+                    times.append(now)
+                    participants, seconds = collectives[key]
+                    if len(times) == participants:
+                        ends[key] = now + seconds + wake
+                end = ends.get(key)
+                if end is None or end > now + eps:
+                    return
+                in_collectives[d] += end - join_at[d]
+                entered[d] = False
+            elif kind == "wait_sends":
+                if sent_until[d] > now + eps:
+                    return
+            else:
+                raise ValueError(f"programs: unknown operation {kind!r}")
+            pc[d] += 1
+        if math.isnan(finish[d]):
+            finish[d] = now
+
+    def settle() -> None:
+        """Advance every device until none moves: one device's send or arrival at a
+        collective may release another at the same instant."""
+        while True:
+            before = list(pc)
+            for d in range(n):
+                if math.isnan(finish[d]):
+                    advance(d)
+            if pc == before:
+                return
+
+    settle()
+    while any(math.isnan(f) for f in finish):
+        rate = min(1.0, cores / len(cpu_left)) if cpu_left else 1.0
+        events = [now + left / rate for left in cpu_left.values()]
+        events += [t for t in wait_until.values() if t > now]
+        for d in range(n):
+            if math.isnan(finish[d]) and d not in cpu_left and d not in wait_until:
+                op = programs[d][pc[d]]
+                if op[0] == "recv" and arrival.get(op[1], -1.0) > now:
+                    events.append(arrival[op[1]])
+                elif op[0] == "collective" and ends.get(op[1], -1.0) > now:
+                    events.append(ends[op[1]])
+                elif op[0] == "wait_sends" and sent_until[d] > now:
+                    events.append(sent_until[d])
+        if not events:
+            stuck = [d for d in range(n) if math.isnan(finish[d])]
+            raise ValueError(
+                f"programs: deadlock: devices {stuck} wait for what no device provides "
+                f"({[programs[d][pc[d]] for d in stuck]})"
+            )
+        later = min(events)
+        done = []
+        for d, left in cpu_left.items():
+            left -= rate * (later - now)
+            cpu_left[d] = left
+            if left <= eps * max(1.0, later):
+                done.append(d)
+        now = later
+        for d in done:
+            del cpu_left[d]
+            cpu_wall[d] = now - cpu_start[d]
+            pc[d] += 1
+        settle()
+    return finish, in_collectives

@@ -1,7 +1,7 @@
 """Validate the model on this machine: run real training steps, one process per rank on gloo
 through :func:`hetcoll.launch.spawn`, and compare the measured step time with the prediction.
 
-Two strategies are validated:
+Three kinds of run are validated:
 
 - **data** parallel: plain torch DDP, per-rank batch sizes, against
   :func:`hetcoll.model.predict.data_parallel`;
@@ -9,15 +9,19 @@ Two strategies are validated:
   Conv2d / Linear split, consecutive layers paired split-output -> split-input), every rank on
   the whole batch, each split layer's filters divided evenly or in proportion to the speeds,
   against :func:`hetcoll.model.predict.filter_parallel` with the modes and shares the ranks
-  really ran.
+  really ran;
+- **plans** (rows ``pipeline``, ``hybrid``, ``subset``: :func:`plan_configurations`): a
+  :class:`hetcoll.Plan` run by :func:`hetcoll.torch.parallelize`, against
+  :func:`hetcoll.model.predict_plan`'s laid-out step (:func:`hetcoll.model.predict.plan_schedule`).
 
 Heterogeneity is *emulated*. Data parallel: a rank of speed factor f sleeps (1/f - 1) x its own
 measured compute time between its forward and backward (:func:`emulate_speed`). Filter parallel
 runs in lock step layer by layer, so one pause per step would not act like a slower device:
 each split layer sleeps (1/f - 1) x its own local compute, forward and backward
 (:func:`hetcoll.lab.emulate.slow_down_filter_parallel`); the replicated layers run at full
-speed. The predictions are the library's with the same pauses put in
-(:mod:`hetcoll.lab.predict_emulated`).
+speed; a plan's ranks do the same on every layer with parameters of their stage
+(:func:`hetcoll.lab.emulate.slow_down`). The predictions are the library's with the same pauses
+put in (:mod:`hetcoll.lab.predict_emulated`).
 
 The device and link figures come either from a calibration file or, by default, from the
 same microbenchmarks run inside the ranks before every step (medians, all ranks at once or
@@ -49,6 +53,7 @@ from hetcoll.lab.predict_emulated import SharedCores
 from hetcoll.model.costs import ModelCosts, layer_costs
 from hetcoll.model.hardware import Cluster, Device, Link, Node
 from hetcoll.model.predict import Prediction, filter_modes
+from hetcoll.plan import Plan
 
 _T = TypeVar("_T")
 
@@ -285,6 +290,50 @@ def _filter_rank(
     }
 
 
+def _plan_rank(
+    rank: int,
+    world: int,
+    model_name: str,
+    input_shape: tuple[int, ...],
+    plan: dict[str, Any],
+    speeds: list[float],
+    steps: int,
+    warmup: int,
+    calibrate_here: bool,
+) -> dict[str, object]:
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from hetcoll.lab.emulate import slow_down
+    from hetcoll.model import networks
+    from hetcoll.torch import parallelize
+
+    measured = {**_link_here(rank, world, calibrate_here), **_scheduler_here(rank, world)}
+    # A stage's first layer whose input needs no gradient has no backward the emulation can
+    # time: torch warns, the layer's backward runs at full speed, and so does the model.
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    torch.manual_seed(0)
+    par = parallelize(networks.build(model_name, input_shape), plan, loss_fn=nn.CrossEntropyLoss())
+    if par.stage is not None:
+        slow_down(par.stage, speeds[rank])
+    opt = torch.optim.SGD(par.parameters(), lr=1e-3, momentum=0.9)
+    # Every rank gets the same global batch.
+    batch = sum(r["samples"] for r in plan["replicas"])
+    torch.manual_seed(1)
+    x = torch.randn(batch, *input_shape)
+    y = torch.randint(0, 10, (batch,))
+
+    def step() -> None:
+        par.step(x, y)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step_s, devices = _timed_steps(rank, step, steps, warmup, calibrate_here)
+    return {"step_s": step_s, "devices": devices, **measured}
+
+
 # -- configurations and results -------------------------------------------------------------------
 
 
@@ -310,9 +359,43 @@ class FilterConfiguration:
         return len(self.parts)
 
 
+@dataclass(frozen=True)
+class PlanConfiguration:
+    """A plan run by :func:`hetcoll.torch.parallelize`: ``plan`` (a :class:`hetcoll.Plan`'s
+    dictionary form) on ``len(speeds)`` ranks, rank r's stage slowed to ``speeds[r]`` by
+    :func:`hetcoll.lab.emulate.slow_down`. ``strategy``: the row's name (``"pipeline"``,
+    ``"hybrid"``, ...).
+
+    >>> PlanConfiguration("cnn", "pipeline", {"replicas": []}, (1.0, 0.5)).ranks
+    2
+    """
+
+    model: str
+    strategy: str
+    plan: dict[str, Any] = field(hash=False)
+    speeds: tuple[float, ...]
+
+    @property
+    def ranks(self) -> int:
+        return len(self.speeds)
+
+    @property
+    def batch(self) -> int:
+        return sum(int(r["samples"]) for r in self.plan["replicas"])
+
+    def samples_per_rank(self) -> list[int]:
+        """Each rank's replica's samples (0: idle)."""
+        out = [0] * self.ranks
+        for r in self.plan["replicas"]:
+            for st in r["stages"]:
+                for k in st["ranks"]:
+                    out[k] = int(r["samples"])
+        return out
+
+
 # A data-parallel configuration: (model, samples per rank, emulated speed per rank).
 DataConfiguration = tuple[str, list[int], list[float]]
-Configuration = DataConfiguration | FilterConfiguration
+Configuration = DataConfiguration | FilterConfiguration | PlanConfiguration
 
 
 @dataclass
@@ -369,6 +452,10 @@ def predicted_step(
     >>> predicted_step(costs, ("cnn", [43, 21], [1.0, 0.5]), devices, link).step_s  # doctest: +SKIP
     """
     cluster = validation_cluster(devices, link)
+    if isinstance(config, PlanConfiguration):
+        return predict_emulated.parallel_plan(
+            costs, cluster, Plan.from_dict(config.plan), list(config.speeds), host=host
+        )
     if isinstance(config, FilterConfiguration):
         if modes is None:
             modes = filter_modes(costs, avoid_gathers=config.avoid_gathers)
@@ -410,6 +497,59 @@ def default_configurations(model: str = "cnn") -> list[Configuration]:
         FilterConfiguration(model, 32, (1.0, 0.5), (1.0, 0.5)),  # filters follow the speeds
         FilterConfiguration(model, 32, (1.0, 1.0, 1.0), (1.0, 1.0, 0.5)),
         FilterConfiguration(model, 32, (1.0, 1.0, 0.5), (1.0, 1.0, 0.5)),
+        *plan_configurations(model),
+    ]
+
+
+def plan_configurations(model: str = "cnn") -> list[PlanConfiguration]:
+    """Plans of the built-in ``cnn`` (18 layers; other models get none): pipelines of 2 and 3
+    one-rank stages (even and uneven speeds, both schedules), asymmetric replicas (one rank
+    with the whole model beside a 2-stage pipeline), a filter-split stage after a one-rank
+    stage, and a device subset (the slowest rank idle)."""
+    if model != "cnn":
+        return []
+
+    def one(samples: int, stages: list[tuple[list[int], int, int]]) -> dict[str, Any]:
+        return {
+            "samples": samples,
+            "stages": [{"ranks": r, "layers": [lo, hi]} for r, lo, hi in stages],
+        }
+
+    def plan(schedule: str, m: int, *replicas: dict[str, Any]) -> dict[str, Any]:
+        return {"microbatches": m, "schedule": schedule, "replicas": list(replicas)}
+
+    split = {"ranks": [1, 2], "speeds": [0.5, 0.5], "layers": [7, 18]}
+    return [
+        PlanConfiguration(
+            model, "pipeline", plan("1F1B", 4, one(32, [([0], 0, 7), ([1], 7, 18)])), (1.0, 1.0)
+        ),
+        PlanConfiguration(
+            model, "pipeline", plan("GPipe", 4, one(32, [([0], 0, 10), ([1], 10, 18)])), (1.0, 0.5)
+        ),
+        PlanConfiguration(
+            model,
+            "pipeline",
+            plan("1F1B", 4, one(32, [([0], 0, 7), ([1], 7, 12), ([2], 12, 18)])),
+            (1.0, 1.0, 0.5),
+        ),
+        PlanConfiguration(
+            model,
+            "hybrid",
+            plan("1F1B", 4, one(24, [([0], 0, 18)]), one(12, [([1], 0, 10), ([2], 10, 18)])),
+            (1.0, 0.5, 0.5),
+        ),
+        PlanConfiguration(
+            model,
+            "hybrid",
+            plan("GPipe", 2, {"samples": 32, "stages": [{"ranks": [0], "layers": [0, 7]}, split]}),
+            (1.0, 0.5, 0.5),
+        ),
+        PlanConfiguration(
+            model,
+            "subset",
+            plan("GPipe", 1, one(22, [([0], 0, 18)]), one(10, [([1], 0, 18)])),
+            (1.0, 0.5, 0.25),
+        ),
     ]
 
 
@@ -580,6 +720,35 @@ def _validate_filter(
     )
 
 
+def _validate_plan(config: PlanConfiguration, setup: _Setup) -> ValidationResult:
+    from hetcoll.launch import spawn
+
+    costs, device, link = setup.costs, setup.device, setup.link
+    p = config.ranks
+    here = device is None or (link is None and p > 1)
+    args = (config.model, setup.input_shape, config.plan, list(config.speeds))
+    runs = spawn(_plan_rank, p, *args, setup.steps, setup.warmup, here, timeout=300.0)
+    lk = _link_of(runs, p, link)
+    host = _core_sharing_of(runs, setup.cores)
+
+    def predict(devs: Sequence[Device]) -> float:
+        return predicted_step(costs, config, devs, lk, host).step_s
+
+    return ValidationResult(
+        config.model,
+        p,
+        config.samples_per_rank(),
+        list(config.speeds),
+        _median_prediction(runs, device, predict),
+        _measured_step(runs),
+        False,
+        0.0,
+        config.strategy,
+        config.batch,
+        {"plan": config.plan, **_sharing_detail(host)},
+    )
+
+
 def run_validation(
     configurations: Sequence[Configuration],
     *,
@@ -608,11 +777,13 @@ def run_validation(
     results = []
     shape = tuple(input_shape)
     for config in configurations:
-        model = config.model if isinstance(config, FilterConfiguration) else config[0]
+        model = config[0] if isinstance(config, tuple) else config.model
         if model not in costs_of:
             costs_of[model] = layer_costs(networks.build(model, shape), shape)
         setup = _Setup(costs_of[model], device, link, shape, steps, warmup, cores)
-        if isinstance(config, FilterConfiguration):
+        if isinstance(config, PlanConfiguration):
+            res = _validate_plan(config, setup)
+        elif isinstance(config, FilterConfiguration):
             res = _validate_filter(config, setup)
         else:
             res = _validate_data(config, setup)

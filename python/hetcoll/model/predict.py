@@ -1079,9 +1079,10 @@ def _plan_layout(costs: ModelCosts, cluster: Cluster, plan: Plan) -> list[_Repli
 @dataclass
 class _StageWork:
     """One stage's work on one micro-batch size, per rank of the stage: forward and backward
-    as ("compute", s) and ("collective", layer, s) pieces, the causes of its compute
-    (compute, memory, overhead seconds), bytes of its weights, gradients and optimizer state,
-    activation bytes it keeps per sample, and its optimizer step."""
+    as ("compute", s, ((layer, s, "F" or "B"), ...)) and ("collective", layer, s) pieces,
+    the causes of its compute (compute, memory, overhead seconds), bytes of its weights,
+    gradients and optimizer state, activation bytes it keeps per sample, and its optimizer
+    step."""
 
     forward: list[list[tuple[Any, ...]]]
     backward: list[list[tuple[Any, ...]]]
@@ -1105,9 +1106,12 @@ def _stage_work(
         lt: LayerSeconds = times(batch)
         owned = float(sum(x.param_bytes for x in costs.layers[lo:hi]))
         mem_bw = cluster.devices[d].mem_bytes_per_s
+        fwd_s, bwd_s = lt.forward_s[lo:hi, d], lt.backward_s[lo:hi, d]
+        fwd_parts = tuple((lo + i, float(t), "F") for i, t in enumerate(fwd_s))
+        bwd_parts = tuple((hi - 1 - i, float(t), "B") for i, t in enumerate(bwd_s[::-1]))
         return _StageWork(
-            [[("compute", float(lt.forward_s[lo:hi, d].sum()))]],
-            [[("compute", float(lt.backward_s[lo:hi, d].sum()))]],
+            [[("compute", float(fwd_s.sum()), fwd_parts)]],
+            [[("compute", float(bwd_s.sum()), bwd_parts)]],
             np.array(
                 [
                     [lt.compute_s[lo:hi, d].sum()],
@@ -1146,11 +1150,13 @@ def _stage_work(
         f: list[tuple[Any, ...]] = []
         b: list[tuple[Any, ...]] = []
         for i in range(hi - lo):
-            f.append(("compute", float(lt.forward_s[i, j])))
+            t = float(lt.forward_s[i, j])
+            f.append(("compute", t, ((lo + i, t, "F"),)))
             if sched.forward_collective_s[i] > 0:
                 f.append(("collective", ("F", i), float(sched.forward_collective_s[i])))
         for i in range(hi - lo - 1, -1, -1):
-            b.append(("compute", float(lt.backward_s[i, j])))
+            t = float(lt.backward_s[i, j])
+            b.append(("compute", t, ((lo + i, t, "B"),)))
             if sched.backward_collective_s[i] > 0:
                 b.append(("collective", ("B", i), float(sched.backward_collective_s[i])))
         fwd.append(f)
@@ -1166,15 +1172,99 @@ def _stage_work(
     )
 
 
-def _predict_layout(
+@dataclass(frozen=True)
+class PlanSchedule:
+    """One step of a plan laid out as every device's program (what :func:`predict_plan` times).
+
+    ``programs[d]`` lists device d's operations in the order the runtime runs them, as
+    :func:`hetcoll.model.terms.schedule_finish_seconds` reads them; each ``("compute", s,
+    parts)`` carries ``parts``, the ``(layer, seconds, "F" or "B")`` it is made of (``layer``
+    indexes ``costs.layers``; forward or backward), so that a caller can re-time the work
+    layer by layer. ``collectives``:
+    each collective's participants and seconds. ``causes``: per device, the compute, memory and
+    overhead seconds of its layers; ``state_bytes`` / ``activation_bytes``: what it holds;
+    ``update_s``: its optimizer step; ``samples``: its replica's samples (0: idle).
+    :meth:`prediction` times the programs; a caller that times them otherwise (on other
+    hardware, say) passes each device's finish time and seconds in collectives.
+
+    >>> plan_schedule(costs, cluster, Plan.load("plan.json")).prediction().step_s  # doctest: +SKIP
+    """
+
+    programs: list[list[tuple[Any, ...]]]
+    collectives: dict[object, tuple[int, float]]
+    causes: np.ndarray  # (3, devices)
+    state_bytes: np.ndarray
+    activation_bytes: np.ndarray
+    update_s: np.ndarray
+    samples: list[int]
+    devices: tuple[Device, ...]
+    schedule: str
+    strategy: str
+    detail: dict[str, Any]
+
+    def prediction(
+        self,
+        finish_s: Sequence[float] | None = None,
+        collective_s: Sequence[float] | None = None,
+    ) -> Prediction:
+        """The step: each device's program timed by
+        :func:`~hetcoll.model.terms.schedule_finish_seconds`, or ``finish_s`` (when each device
+        finishes its program) and ``collective_s`` (its seconds inside collectives) timed by
+        the caller, then each device's optimizer update."""
+        if finish_s is None or collective_s is None:
+            finish_s, collective_s = terms.schedule_finish_seconds(self.programs, self.collectives)
+        update = self.update_s
+        end = np.asarray(finish_s, dtype=np.float64) + update
+        step = float(end.max())
+        busy = self.causes.sum(axis=0)
+        crit = int(np.argmax(busy))
+        breakdown = {
+            "compute": float(self.causes[0, crit]),
+            "memory": float(self.causes[1, crit]),
+            "overhead": float(self.causes[2, crit]),
+            "communication": float(collective_s[crit]),
+            "optimizer": float(update.max()),
+        }
+        breakdown["bubble"] = max(0.0, step - sum(breakdown.values()))
+        mem = self.state_bytes + self.activation_bytes
+        reason = _memory_shortfall(mem, self.devices)
+        return Prediction(
+            self.strategy,
+            list(self.samples),
+            "samples of its replica",
+            step,
+            breakdown,
+            [float(x) for x in mem],
+            not reason,
+            reason,
+            int(self.detail["batch"]),
+            {k: v for k, v in self.detail.items() if k != "batch"},
+        )
+
+
+def plan_schedule(
+    costs: ModelCosts,
+    cluster: Cluster,
+    plan: Plan,
+    *,
+    optimizer_state_copies: int = 1,
+    strategy: str = "plan",
+) -> PlanSchedule:
+    """One step of ``plan`` laid out as every device's program (:class:`PlanSchedule`), as
+    :func:`predict_plan` simulates it; raises as :func:`predict_plan` does."""
+    layout = _plan_layout(costs, cluster, plan)
+    return _layout_schedule(costs, cluster, layout, plan.schedule, optimizer_state_copies, strategy)
+
+
+def _layout_schedule(
     costs: ModelCosts,
     cluster: Cluster,
     replicas: Sequence[_ReplicaLayout],
     schedule: str,
     state_copies: int,
     strategy: str,
-) -> Prediction:
-    """Simulate one step of the laid-out plan (:func:`predict_plan`)."""
+) -> PlanSchedule:
+    """Lay out one step of the plan (:func:`plan_schedule`)."""
     from hetcoll.torch.parallel import schedule_order
 
     devices = cluster.devices
@@ -1233,7 +1323,8 @@ def _predict_layout(
                     for piece in pieces:
                         if piece[0] == "compute":
                             if prog and prog[-1][0] == "compute":
-                                prog[-1] = ("compute", prog[-1][1] + piece[1])
+                                last = prog[-1]
+                                prog[-1] = ("compute", last[1] + piece[1], last[2] + piece[2])
                             else:
                                 prog.append(piece)
                         else:
@@ -1299,32 +1390,19 @@ def _predict_layout(
     collectives["loss"] = (n_dev, loss_s)
     for prog in programs:
         prog.append(("collective", "loss"))
-    finish, in_collectives = terms.schedule_finish_seconds(programs, collectives)
-    end = np.asarray(finish) + update
-    step = float(end.max())
-    busy = causes.sum(axis=0)
-    crit = int(np.argmax(busy))
-    breakdown = {
-        "compute": float(causes[0, crit]),
-        "memory": float(causes[1, crit]),
-        "overhead": float(causes[2, crit]),
-        "communication": float(in_collectives[crit]),
-        "optimizer": float(update.max()),
-    }
-    breakdown["bubble"] = max(0.0, step - sum(breakdown.values()))
-    mem = state + activations
-    reason = _memory_shortfall(mem, devices)
-    return Prediction(
-        strategy,
+    return PlanSchedule(
+        programs,
+        collectives,
+        causes,
+        state,
+        activations,
+        update,
         samples,
-        "samples of its replica",
-        step,
-        breakdown,
-        [float(x) for x in mem],
-        not reason,
-        reason,
-        sum(rep.samples for rep in replicas),
+        tuple(devices),
+        schedule,
+        strategy,
         {
+            "batch": sum(rep.samples for rep in replicas),
             "schedule": schedule,
             "micro_batches": max(len(rep.micro) for rep in replicas),
             "replicas": len(replicas),
@@ -1367,8 +1445,9 @@ def predict_plan(
 
     >>> predict_plan(costs, cluster, Plan.load("plan.json")).step_s  # doctest: +SKIP
     """
-    layout = _plan_layout(costs, cluster, plan)
-    pred = _predict_layout(costs, cluster, layout, plan.schedule, optimizer_state_copies, strategy)
+    pred = plan_schedule(
+        costs, cluster, plan, optimizer_state_copies=optimizer_state_copies, strategy=strategy
+    ).prediction()
     pred.plan = plan
     return pred
 
@@ -1473,14 +1552,14 @@ def pipeline(
     )
     q, rem = divmod(batch, micro_batches)
     micro = tuple([q + 1] * rem + [q] * (micro_batches - rem))
-    pred = _predict_layout(
+    pred = _layout_schedule(
         costs,
         cluster,
         [_ReplicaLayout(batch, micro, stages)],
         schedule,
         optimizer_state_copies,
         strategy,
-    )
+    ).prediction()
     pred.shares = [int(x) for x in counts]
     pred.share_unit = "layers"
     try:
