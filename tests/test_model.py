@@ -352,6 +352,38 @@ def test_convolutions_compute_channels_padded_to_the_block() -> None:
         Device("d", 1e9, 1e9, 1e9, conv_channel_block=0)
 
 
+def test_element_wise_kernels_run_at_their_own_rates() -> None:
+    from hetcoll.model.hardware import dumps_cluster
+    from hetcoll.model.predict import _device_arrays, _layer_times
+
+    # Memory-bound devices, no overhead: each layer's time is its bytes over its kernels'
+    # rate. Batch norm at the element-wise rate, pooling at the pooling rate, ReLU streams at
+    # the memory bandwidth (as a copy does).
+    mem, ew, pool = 8e10, 2e10, 5e9
+    dev = Device("d", 1e30, mem, 1e12, elementwise_bytes_per_s=ew, pool_bytes_per_s=pool)
+    costs = layer_costs(nn.Sequential(nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2)), (8, 16, 16))
+    rates = [ew, mem, pool]
+    lt = _layer_times(costs, _device_arrays([dev]), np.array([4]))
+    for i, layer in enumerate(costs.layers):
+        moved = sum(k.moved_bytes(4) for k in (*layer.forward, *layer.backward))
+        assert lt.forward_s[i, 0] + lt.backward_s[i, 0] == pytest.approx(moved / rates[i])
+    # Unset, pooling falls back to the element-wise rate, and that to the memory bandwidth.
+    assert Device("d", 1e9, mem, 1e9, elementwise_bytes_per_s=ew).pool_rate == ew
+    assert Device("d", 1e9, mem, 1e9).pool_rate == mem
+    with pytest.raises(ValueError, match="pool_bytes_per_s"):
+        Device("d", 1e9, 1e9, 1e9, pool_bytes_per_s=-1.0)
+    # The cluster file carries it.
+    cluster = Cluster([Node("n", dev, 1)], None)
+    text = dumps_cluster(cluster)
+    assert "pool_bytes_per_s = 5e+09" in text
+    doc = {
+        "devices": {"c": {"flops_per_s": 1e11, "mem_bytes_per_s": 2e10, "memory_bytes": 8e9,
+                          "pool_bytes_per_s": 3e9}},
+        "nodes": [{"name": "n", "device": "c", "count": 1}],
+    }  # fmt: skip
+    assert cluster_from_dict(doc).devices[0].pool_bytes_per_s == 3e9
+
+
 def test_shared_cores_timeline_by_hand() -> None:
     f = terms.shared_cores_finish_seconds
     # Two computing ranks on one core run at half speed until the shorter one ends.

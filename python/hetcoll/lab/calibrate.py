@@ -171,31 +171,51 @@ def _kernel_count(depth: int) -> int:
 
 
 def measure_elementwise_bytes_per_s(batch: int = 16, repeats: int = 5) -> float:
-    """Bytes/s the non-GEMM layers of a CNN reach on this thread: forward + backward of batch
-    norm, ReLU and max pooling on a [batch, 32, 32, 32] tensor, the bytes counted by the cost
-    model itself (so the rate and the accounting agree)."""
-    import torch
+    """Bytes/s the element-wise layers of a CNN that the model costs at the element-wise rate
+    reach on this thread: forward + backward of batch norm on a [batch, 32, 32, 32] tensor,
+    the bytes counted by the cost model itself (so the rate and the accounting agree).
+    (ReLU streams at the copy bandwidth and pooling has a rate of its own:
+    :func:`measure_pool_bytes_per_s`.)"""
     from torch import nn
 
-    model = nn.Sequential(nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2))
+    return _layer_bytes_per_s(nn.BatchNorm2d(32), batch, repeats)
+
+
+def measure_pool_bytes_per_s(batch: int = 16, repeats: int = 5) -> float:
+    """Bytes/s pooling reaches on this thread: forward + backward of 2x2 max pooling on a
+    [batch, 32, 32, 32] tensor, the bytes counted by the cost model."""
+    from torch import nn
+
+    return _layer_bytes_per_s(nn.MaxPool2d(2), batch, repeats)
+
+
+def _layer_bytes_per_s(layer: Any, batch: int, repeats: int) -> float:
+    import torch
+
     x = torch.randn(batch, 32, 32, 32, requires_grad=True)
+    # A dense output gradient, as the next layer's backward hands it over (``.sum()``'s
+    # would be a broadcast view, which sends batch norm's backward down a path 3-5x slower).
+    grad = torch.ones_like(layer(x))
 
     def step() -> None:
-        model.zero_grad(set_to_none=True)
-        model(x).sum().backward()
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        layer(x).backward(grad)
 
     t = _best_seconds(step, repeats, warmup=1)
-    return _elementwise_bytes(batch) / t
+    return _layer_bytes(type(layer).__name__, batch) / t
 
 
-@functools.lru_cache(maxsize=4)
-def _elementwise_bytes(batch: int) -> float:
+@functools.lru_cache(maxsize=8)
+def _layer_bytes(kind: str, batch: int) -> float:
+    """Bytes the cost model counts for forward + backward of the layer ``kind`` (batch norm,
+    max pooling) on ``batch`` samples of [32, 32, 32]."""
     from torch import nn
 
     from hetcoll.model.costs import layer_costs
 
-    model = nn.Sequential(nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2))
-    costs = layer_costs(model, (32, 32, 32))
+    layer = nn.BatchNorm2d(32) if kind == "BatchNorm2d" else nn.MaxPool2d(2)
+    costs = layer_costs(nn.Sequential(layer), (32, 32, 32))
     return float(
         sum(
             k.moved_bytes(batch)
@@ -218,6 +238,7 @@ def measure_device(name: str, memory_bytes: float, *, quick: bool = False) -> De
         memory_bytes=memory_bytes,
         kernel_overhead_s=measure_kernel_overhead_s(repeats=10 if quick else 20),
         elementwise_bytes_per_s=measure_elementwise_bytes_per_s(repeats=r),
+        pool_bytes_per_s=measure_pool_bytes_per_s(repeats=r),
         conv_channel_block=conv_channel_block(),
     )
 
@@ -573,14 +594,15 @@ def calibrate(
         f"  {device.flops_per_s / 1e9:.2f} GFLOP/s (convolutions "
         f"{device.conv_rate / 1e9:.2f}), {device.mem_bytes_per_s / 1e9:.2f} GB/s, "
         f"{device.kernel_overhead_s * 1e6:.1f} us/kernel, element-wise "
-        f"{device.elementwise_rate / 1e9:.2f} GB/s, convolution channel block "
+        f"{device.elementwise_rate / 1e9:.2f} GB/s, pooling {device.pool_rate / 1e9:.2f} GB/s, "
+        "convolution channel block "
         f"{device.conv_channel_block}"
     )
     comments = {
         device.name: "measured by `hetcoll model calibrate`, one thread: torch.mm 384^3 float32; "
         "3x3 64-channel convolution forward/backward; channel block of torch's instruction set; "
-        "copy of 64 MiB; per-kernel overhead of a tiny training step; batch norm + ReLU + max "
-        "pool forward/backward",
+        "copy of 64 MiB; per-kernel overhead of a tiny training step; batch norm, and max "
+        "pooling, forward/backward",
     }
     measured: dict[str, Link] = {}
     for name in links:

@@ -388,5 +388,6 @@ def emulated_device(device: Device, speed: float, name: str | None = None) -> De
         conv_flops_per_s=device.conv_rate * speed,
         mem_bytes_per_s=device.mem_bytes_per_s * speed,
         elementwise_bytes_per_s=device.elementwise_rate * speed,
+        pool_bytes_per_s=device.pool_rate * speed,
         kernel_overhead_s=device.kernel_overhead_s / speed,
     )

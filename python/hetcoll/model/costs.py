@@ -62,9 +62,11 @@ class Kernel:
     filter_bytes_per_sample: float = 0.0
     filter_bytes_fixed: float = 0.0
     scales_with_filters: bool = False
-    # Element-wise layer kernels (normalisation, activation, pooling) run at the device's
-    # element-wise bandwidth; GEMMs and data movement (im2col) at its memory bandwidth.
+    # Element-wise layer kernels (normalisation, softmax, counted ops) run at the device's
+    # element-wise bandwidth, pooling kernels (``pool``) at its pooling bandwidth; GEMMs, data
+    # movement (im2col) and plain activations at its memory bandwidth.
     elementwise: bool = False
+    pool: bool = False
     # A convolution's GEMM: its arithmetic runs at the device's convolution FLOP rate, on
     # channels padded to the device's channel block: ``channels`` = (output, input) channels
     # of one group.
@@ -490,6 +492,7 @@ _ELEMENTWISE: dict[type[nn.Module], tuple[float, float]] = {
     nn.ReLU: (2.0, 3.0),
     nn.ReLU6: (2.0, 3.0),
     nn.LeakyReLU: (2.0, 3.0),
+    nn.Hardtanh: (2.0, 3.0),
     nn.GELU: (2.0, 3.0),
     nn.SiLU: (2.0, 3.0),
     nn.Sigmoid: (2.0, 3.0),
@@ -498,6 +501,10 @@ _ELEMENTWISE: dict[type[nn.Module], tuple[float, float]] = {
     nn.Softmax: (3.0, 3.0),
     nn.LogSoftmax: (3.0, 3.0),
 }
+# Activations that compare or clamp each element: one pass over memory (the others - GELU,
+# SiLU, ... - compute a transcendental per element and run at the element-wise rate). Measured
+# on one CPU core: ReLU streams at the copy bandwidth, batch norm at a fifth of it.
+_STREAMING = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardtanh)
 # Pooling reads its input once and writes its output once (and scatters back in backward).
 _POOLING = (
     nn.MaxPool1d,
@@ -528,6 +535,7 @@ def _elementwise_kernels(
                     0.0,
                     bytes_per_sample=(in_elems + out_elems) * item,
                     elementwise=True,
+                    pool=True,
                 )
             ],
             [
@@ -536,18 +544,20 @@ def _elementwise_kernels(
                     0.0,
                     bytes_per_sample=(in_elems + 2 * out_elems) * item,
                     elementwise=True,
+                    pool=True,
                 )
             ],
         )
     for t, (fp, bp) in _ELEMENTWISE.items():
         if type(mod) is t or isinstance(mod, t):
+            ew = not isinstance(mod, _STREAMING)
             return (
                 [
                     Kernel(
                         t.__name__.lower(),
                         0.0,
                         bytes_per_sample=fp * out_elems * item,
-                        elementwise=True,
+                        elementwise=ew,
                     )
                 ],
                 [
@@ -555,7 +565,7 @@ def _elementwise_kernels(
                         t.__name__.lower() + "-grad",
                         0.0,
                         bytes_per_sample=bp * out_elems * item,
-                        elementwise=True,
+                        elementwise=ew,
                     )
                 ],
             )

@@ -7,8 +7,10 @@ A cluster file is a small TOML document (see ``examples/clusters/``)::
     mem_bytes_per_s = 1.555e12     # memory bandwidth, bytes/s
     memory_bytes = 40e9            # memory capacity, bytes
     kernel_overhead_s = 5e-6       # optional: fixed cost of launching one kernel, seconds
-    elementwise_bytes_per_s = 1e12 # optional: bandwidth element-wise kernels (norm, pooling,
-                                   # activations) reach; default mem_bytes_per_s
+    elementwise_bytes_per_s = 1e12 # optional: bandwidth element-wise kernels (normalisation,
+                                   # softmax, ops outside layers) reach; default mem_bytes_per_s
+    pool_bytes_per_s = 1e12        # optional: bandwidth pooling kernels reach; default
+                                   # elementwise_bytes_per_s
     conv_flops_per_s = 21e12       # optional: FLOP/s of convolutions' GEMMs; default flops_per_s
     conv_channel_block = 1         # optional: channels a convolution kernel computes at a time
     tf32_flops_per_s = 156e12      # optional: dense peaks of matmul-class ops at each training
@@ -84,8 +86,12 @@ class Device:
 
     ``flops_per_s``: sustained float32 FLOP/s; ``mem_bytes_per_s``: memory bandwidth in bytes/s;
     ``memory_bytes``: capacity in bytes; ``kernel_overhead_s``: fixed seconds per kernel launch;
-    ``elementwise_bytes_per_s``: bandwidth non-GEMM kernels reach (0: same as
-    ``mem_bytes_per_s``; lower on CPUs whose norm and pooling kernels are not bandwidth-bound);
+    ``elementwise_bytes_per_s``: bandwidth non-GEMM kernels reach (normalisation, softmax, the
+    ops a model runs outside its layers; 0: same as ``mem_bytes_per_s``; lower on CPUs whose
+    normalisation kernels are not bandwidth-bound); plain activations (ReLU and its kin) stream
+    at ``mem_bytes_per_s``; ``pool_bytes_per_s``: bandwidth pooling kernels reach (0: the
+    element-wise one; on one CPU core here a fifth of it: their window loops, not memory, bound
+    them);
     ``conv_flops_per_s``: FLOP/s convolutions reach (0: same as ``flops_per_s``; their kernels,
     oneDNN's or cuDNN's, run at a rate of their own, on one CPU core here 1.2x a square GEMM's).
     ``conv_channel_block``: the channel blocking of those kernels (1: none). oneDNN lays
@@ -111,6 +117,7 @@ class Device:
     tf32_flops_per_s: float = 0.0
     bf16_flops_per_s: float = 0.0
     fp16_flops_per_s: float = 0.0
+    pool_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         for attr in ("flops_per_s", "mem_bytes_per_s", "memory_bytes"):
@@ -120,6 +127,7 @@ class Device:
             self.elementwise_bytes_per_s, f"Device {self.name!r}: elementwise_bytes_per_s"
         )
         _check_nonnegative(self.conv_flops_per_s, f"Device {self.name!r}: conv_flops_per_s")
+        _check_nonnegative(self.pool_bytes_per_s, f"Device {self.name!r}: pool_bytes_per_s")
         for attr in _PEAK_FIELDS:
             _check_nonnegative(getattr(self, attr), f"Device {self.name!r}: {attr}")
         block = self.conv_channel_block
@@ -132,6 +140,11 @@ class Device:
     def elementwise_rate(self) -> float:
         """Bytes/s of element-wise kernels (``elementwise_bytes_per_s`` or the memory bandwidth)."""
         return self.elementwise_bytes_per_s or self.mem_bytes_per_s
+
+    @property
+    def pool_rate(self) -> float:
+        """Bytes/s of pooling kernels (``pool_bytes_per_s`` or :attr:`elementwise_rate`)."""
+        return self.pool_bytes_per_s or self.elementwise_rate
 
     @property
     def conv_rate(self) -> float:
@@ -286,6 +299,7 @@ class Cluster:
                 fp16_flops_per_s=d.fp16_flops_per_s * flops,
                 mem_bytes_per_s=d.mem_bytes_per_s * mem_bw,
                 elementwise_bytes_per_s=d.elementwise_bytes_per_s * mem_bw,
+                pool_bytes_per_s=d.pool_bytes_per_s * mem_bw,
             )
 
         def lnk(link: Link | None) -> Link | None:
@@ -374,6 +388,7 @@ _DEVICE_FIELDS = {
     "memory_bytes",
     "kernel_overhead_s",
     "elementwise_bytes_per_s",
+    "pool_bytes_per_s",
     "conv_flops_per_s",
     "conv_channel_block",
     *_PEAK_FIELDS,
@@ -427,6 +442,7 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
             for k in (
                 "kernel_overhead_s",
                 "elementwise_bytes_per_s",
+                "pool_bytes_per_s",
                 "conv_flops_per_s",
                 *_PEAK_FIELDS,
             )
@@ -576,6 +592,7 @@ def dumps_cluster(
             f"memory_bytes = {d.memory_bytes:.6g}",
             f"kernel_overhead_s = {d.kernel_overhead_s:.6g}",
             f"elementwise_bytes_per_s = {d.elementwise_rate:.6g}",
+            f"pool_bytes_per_s = {d.pool_rate:.6g}",
             f"conv_flops_per_s = {d.conv_rate:.6g}",
             f"conv_channel_block = {d.conv_channel_block}",
             *(f"{k} = {getattr(d, k):.6g}" for k in _PEAK_FIELDS if getattr(d, k) > 0),

@@ -120,6 +120,7 @@ class _KernelTable:
     fbytes_fixed: np.ndarray
     scales: np.ndarray
     gemm: np.ndarray  # True for GEMM-class kernels (memory at mem_bytes_per_s), else element-wise
+    pool: np.ndarray  # True for pooling kernels (memory at pool_bytes_per_s)
     conv: np.ndarray  # True for convolution GEMMs (arithmetic at the convolution FLOP rate)
     channels_out: np.ndarray  # convolutions: output and input channels of one group
     channels_in: np.ndarray
@@ -129,7 +130,9 @@ class _KernelTable:
 
 @functools.lru_cache(maxsize=128)
 def _kernel_table(costs: ModelCosts) -> _KernelTable:
-    rows: list[tuple[int, bool, float, float, float, float, float, bool, bool, bool, int, int]] = []
+    rows: list[
+        tuple[int, bool, float, float, float, float, float, bool, bool, bool, bool, int, int]
+    ] = []
     for i, layer in enumerate(costs.layers):
         for fwd, kernels in ((True, layer.forward), (False, layer.backward)):
             for k in kernels:
@@ -144,11 +147,12 @@ def _kernel_table(costs: ModelCosts) -> _KernelTable:
                         k.filter_bytes_fixed,
                         k.scales_with_filters,
                         not k.elementwise,
+                        k.pool,
                         k.conv,
                         *k.channels,
                     )
                 )
-    cols = list(zip(*rows)) if rows else [()] * 12
+    cols = list(zip(*rows)) if rows else [()] * 13
     onehot = np.zeros((len(costs.layers), len(rows)))
     onehot[np.asarray(cols[0], dtype=np.int64), np.arange(len(rows))] = 1.0
     floats = [np.asarray(c, dtype=np.float64) for c in cols[2:7]]
@@ -162,9 +166,10 @@ def _kernel_table(costs: ModelCosts) -> _KernelTable:
         fbytes_fixed=floats[4],
         scales=np.asarray(cols[7], dtype=bool),
         gemm=np.asarray(cols[8], dtype=bool),
-        conv=np.asarray(cols[9], dtype=bool),
-        channels_out=np.asarray(cols[10], dtype=np.float64),
-        channels_in=np.asarray(cols[11], dtype=np.float64),
+        pool=np.asarray(cols[9], dtype=bool),
+        conv=np.asarray(cols[10], dtype=bool),
+        channels_out=np.asarray(cols[11], dtype=np.float64),
+        channels_in=np.asarray(cols[12], dtype=np.float64),
         num_layers=len(costs.layers),
         onehot=onehot,
     )
@@ -176,6 +181,7 @@ class _DeviceArrays:
     conv_flops_per_s: np.ndarray
     mem_bytes_per_s: np.ndarray
     elementwise_bytes_per_s: np.ndarray
+    pool_bytes_per_s: np.ndarray
     overhead_s: np.ndarray
     memory_bytes: np.ndarray
     conv_channel_block: np.ndarray
@@ -203,6 +209,7 @@ def _device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
         np.array([d.conv_rate for d in devices]),
         np.array([d.mem_bytes_per_s for d in devices]),
         np.array([d.elementwise_rate for d in devices]),
+        np.array([d.pool_rate for d in devices]),
         np.array([d.kernel_overhead_s for d in devices]),
         np.array([d.memory_bytes for d in devices]),
         np.array([float(d.conv_channel_block) for d in devices]),
@@ -292,7 +299,11 @@ def _layer_times(
     # kernels, filters).
     runs = (b > 0) & np.where(t.scales[:, None], phi > 0, True)
     bandwidth = np.where(
-        t.gemm[:, None], dev.mem_bytes_per_s[None, :], dev.elementwise_bytes_per_s[None, :]
+        t.gemm[:, None],
+        dev.mem_bytes_per_s[None, :],
+        np.where(
+            t.pool[:, None], dev.pool_bytes_per_s[None, :], dev.elementwise_bytes_per_s[None, :]
+        ),
     )
     rate = np.where(t.conv[:, None], dev.conv_flops_per_s[None, :], dev.flops_per_s[None, :])
     if costs.precision != "fp32":
