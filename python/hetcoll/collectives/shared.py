@@ -15,12 +15,12 @@ from hetcoll import _core
 from hetcoll.collectives import _tuning
 from hetcoll.collectives._common import _KIND_CODE, _counts
 from hetcoll.collectives._header import _FIELDS, _agreed_lengths, _fields
-from hetcoll.comm import Communicator, NodeWindows, same_rows
+from hetcoll.comm import Communicator, SharedWindows, same_rows
 
 
 def _shared(
     c: Communicator,
-    windows: NodeWindows,
+    windows: SharedWindows,
     flat: np.ndarray,
     bf16: bool,
     w: float,
@@ -88,7 +88,7 @@ def _shared(
 
 def _shared_round(
     c: Communicator,
-    windows: NodeWindows,
+    windows: SharedWindows,
     shape: Sequence[int],
     dtype: str,
     send: np.ndarray,
@@ -149,7 +149,7 @@ def _copy_parts(
 
 def _shared_gather(
     c: Communicator,
-    windows: NodeWindows,
+    windows: SharedWindows,
     send: np.ndarray,
     recv: np.ndarray,
     counts: Sequence[int],

@@ -1,0 +1,137 @@
+"""Which engine a call runs on: :func:`wrap` turns what the caller passed (an mpi4py
+communicator, a torch.distributed process group, a Communicator, or None: torch's default
+group, else ``MPI.COMM_WORLD`` under mpiexec) into a :class:`~hetcoll.comm.Communicator`;
+:func:`group_argument` takes the ``group=`` keyword and its older names."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+import weakref
+from typing import Any
+
+from hetcoll.comm.base import Communicator
+from hetcoll.comm.distributed import TorchCommunicator
+from hetcoll.comm.mpi import MpiCommunicator
+
+
+def is_mpi_comm(x: object) -> bool:
+    """Whether ``x`` is an mpi4py communicator (without importing mpi4py)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and isinstance(x, mpi.Comm)
+
+
+# One wrapper per process group, kept while the group lives: wrapping is on every collective's
+# path (the default group's wrapper asks torch for rank, size and backend), and a group's rank,
+# size and backend never change. Keyed by the group object itself (the default group's
+# object for None), so a group destroyed and created anew gets a new wrapper.
+_torch_wrappers: weakref.WeakKeyDictionary[Any, TorchCommunicator] = weakref.WeakKeyDictionary()
+
+
+def _torch_communicator(group: Any) -> TorchCommunicator:
+    import torch.distributed as dist
+
+    key = dist.group.WORLD if group is None else group
+    c = _torch_wrappers.get(key)
+    if c is None:
+        c = _torch_wrappers[key] = TorchCommunicator(group)
+    return c
+
+
+#: Environment variables that mpiexec (MPICH / Hydra, Intel MPI, Open MPI, PMIx, MVAPICH)
+#: sets in every rank it starts.
+MPI_LAUNCHER_VARIABLES = (
+    "PMI_RANK",
+    "PMI_SIZE",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMIX_RANK",
+    "MV2_COMM_WORLD_RANK",
+)
+
+#: What a public function was called with when it was not given a deprecated keyword.
+NOT_GIVEN: Any = type("NotGiven", (), {"__repr__": lambda self: "NOT_GIVEN"})()
+
+
+def _torch_default() -> bool:
+    dist = sys.modules.get("torch.distributed")  # not imported: it cannot be initialised
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
+
+
+def _under_mpi() -> bool:
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        return True
+    return any(v in os.environ for v in MPI_LAUNCHER_VARIABLES)
+
+
+def has_default() -> bool:
+    """Whether ``group=None`` means a communicator here (see :func:`wrap`), without raising."""
+    return _torch_default() or _under_mpi()
+
+
+def wrap(x: Any = None) -> Communicator:
+    """A :class:`Communicator` over ``x``: an mpi4py communicator, a torch.distributed process
+    group, a Communicator (returned as is), or None, the default of every public function of
+    hetcoll that takes ``group=``, decided here only:
+
+    1. torch.distributed's default group, when torch.distributed is initialised;
+    2. else ``MPI.COMM_WORLD``, when mpi4py has initialised MPI or the process was started by
+       mpiexec (:data:`MPI_LAUNCHER_VARIABLES`);
+    3. else a ``ValueError`` naming ``group``.
+
+    >>> import torch.distributed as dist  # doctest: +SKIP
+    >>> wrap(None).size == dist.get_world_size()  # doctest: +SKIP
+    True
+    """
+    if isinstance(x, Communicator):
+        return x
+    if x is None:
+        if _torch_default():
+            return _torch_communicator(None)
+        if _under_mpi():
+            from mpi4py import MPI
+
+            return MpiCommunicator(MPI.COMM_WORLD)
+        raise ValueError(
+            "group: none given and no default: torch.distributed is not initialised "
+            "(init_process_group) and this is no MPI job (mpiexec); pass group= an mpi4py "
+            "communicator or a torch.distributed process group"
+        )
+    if is_mpi_comm(x):
+        mpi = sys.modules["mpi4py.MPI"]
+        if not isinstance(x, mpi.Intracomm):
+            raise TypeError("group: an MPI intercommunicator is not supported")
+        return MpiCommunicator(x)
+    torch_dist = sys.modules.get("torch.distributed")
+    if torch_dist is not None and isinstance(x, torch_dist.ProcessGroup):
+        if not torch_dist.is_initialized():
+            raise ValueError("group: torch.distributed is not initialised (init_process_group)")
+        return _torch_communicator(x)
+    raise TypeError(
+        "group: must be an mpi4py communicator, a torch.distributed ProcessGroup, None or a "
+        f"hetcoll Communicator, got {type(x).__name__}"
+    )
+
+
+def group_argument(group: Any, where: str, **old: Any) -> Any:
+    """``group``, or the value of a deprecated keyword that named it before (``comm=`` ...;
+    pass ``name=value`` with :data:`NOT_GIVEN` as the keyword's default): that one still works
+    for one release, with a ``DeprecationWarning``. Both at once is a ``ValueError``.
+
+    >>> group_argument(None, "f", comm=NOT_GIVEN) is None
+    True
+    """
+    given = {k: v for k, v in old.items() if v is not NOT_GIVEN}
+    if not given:
+        return group
+    name, value = next(iter(given.items()))
+    warnings.warn(
+        f"{where}({name}=...) is now {where}(group=...); {name}= goes in the next release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if group is not None:
+        raise ValueError(f"group: give group= or the deprecated {name}=, not both")
+    return value
