@@ -738,12 +738,14 @@ def test_cli_model_costs(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     "module",
     [
-        "hetcoll.model.costs",
+        "hetcoll.model.costs.layers",
+        "hetcoll.model.costs.records",
         "hetcoll.model.hardware",
         "hetcoll.model.networks",
         "hetcoll.model.terms",
         "hetcoll.lab.calibrate",
         "hetcoll.lab.validate",
+        "hetcoll.lab.predict_emulated",
     ],
 )
 def test_docstring_examples(module: str) -> None:

@@ -1,0 +1,26 @@
+"""Per-layer costs of a torch model for one input shape: FLOPs, parameters, activation and gradient
+bytes, forward and backward, as the kernels the performance model times.
+
+Nothing runs on real data: the model runs forward and backward on the ``meta`` device (shapes
+only, no memory, no arithmetic) under a dispatch mode that counts every aten op - FLOPs by
+``torch.utils.flop_counter``'s formulas, bytes read and written from the tensors' sizes - and
+gives each op to the module call running it (backward ops to the call whose forward made their
+autograd node). A layer is a leaf module's call or the ops a module's own ``forward`` runs
+between its children (a residual add, attention written in ``forward``), so nothing is left out.
+Convolutions and linear layers keep their GEMM formulas as in seed 003 / PyDTNN
+(``conv = im2col + GEMM`` forward; two GEMMs + col2im backward) and normalisation, activation and
+pooling layers their memory passes, because the predictors need their structure (bytes a filter
+split divides, channels); every other layer is costed from its counted ops. A FLOP is a
+multiply-add of a matmul-class op, as FlopCounterMode counts; element-wise work is costed by the
+bytes it moves.
+
+Every kernel is linear in the batch: ``flops = flops_per_sample * b`` and
+``bytes = bytes_per_sample * b + bytes_fixed`` (weights do not grow with the batch). The part of
+the bytes that belongs to the layer's output channels (filters) is kept apart, so filter-parallel
+predictions can scale it with a device's share of the filters.
+"""
+
+from hetcoll.model.costs.layers import layer_costs
+from hetcoll.model.costs.records import Kernel, LayerCost, ModelCosts, parse_shape
+
+__all__ = ["Kernel", "LayerCost", "ModelCosts", "layer_costs", "parse_shape"]

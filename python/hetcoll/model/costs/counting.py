@@ -1,0 +1,278 @@
+"""Counting a model's ops on the meta device: a dispatch mode that gives every aten op's FLOPs
+(torch's formulas) and bytes to the module call running it, and the kernels of a layer no
+formula describes, made from its counts."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from hetcoll.model.costs.records import _COUNT_BATCH, Kernel
+
+# Ops that allocate or alias without moving data, and ops that only write their output.
+_NO_BYTES = frozenset(
+    {
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "detach",
+        "alias",
+        "lift_fresh",
+        "_unsafe_view",
+        "_to_copy_meta_noop",
+    }
+)
+_WRITE_ONLY = frozenset(
+    {
+        "zeros",
+        "zeros_like",
+        "ones",
+        "ones_like",
+        "full",
+        "full_like",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+        "fill_",
+        "zero_",
+        "scalar_tensor",
+    }
+)
+# The autograd engine gives AccumulateGrad nodes this sequence number: they belong to no op.
+_NO_SEQUENCE = 2**64 - 1
+
+
+def _tensor_bytes(t: torch.Tensor) -> float:
+    """Bytes an op reads or writes of ``t``: its elements, or its storage when that is smaller
+    (a broadcast ``expand`` reads its few elements once)."""
+    nbytes = t.numel() * t.element_size()
+    try:
+        return float(min(nbytes, t.untyped_storage().nbytes()))
+    except (RuntimeError, NotImplementedError):
+        return float(nbytes)
+
+
+@dataclass
+class _Call:
+    """One costed layer as the trace meets it: a leaf module's call, or a run of ops that a
+    module's own ``forward`` does between its children's calls (a residual add, attention's
+    matmuls in a parent's code)."""
+
+    name: str
+    module: nn.Module
+    leaf: bool
+    in_shape: tuple[int, ...] = ()
+    out_shape: tuple[int, ...] = ()
+    needs_input_grad: bool = False
+    # [forward, backward] x [matmul-class FLOPs, their per-sample bytes, their fixed bytes,
+    # per-sample bytes of every other op, their fixed bytes], for the whole traced batch
+    counts: list[list[float]] = field(default_factory=lambda: [[0.0] * 5, [0.0] * 5])
+    #: Per-sample shapes are unknown for runs of ops: bytes of the first tensor the run reads
+    #: and of the last one it writes stand for its input and output.
+    first_in_bytes: float = -1.0
+    last_out_bytes: float = 0.0
+    #: The parameters (names) whose first use is in this call.
+    params: list[str] = field(default_factory=list)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts every aten op of a forward and backward pass: FLOPs by
+    ``torch.utils.flop_counter``'s formulas (the ops ``FlopCounterMode`` counts), bytes read and
+    written from the tensors' sizes; each op goes to the
+    innermost module call running it (forward) or to the call whose forward op made the autograd
+    node running it (backward: nodes are matched by their sequence numbers)."""
+
+    def __init__(self, param_names: dict[int, str]) -> None:
+        super().__init__()
+        self.calls: list[_Call] = []
+        # Module calls being run: [name, module, its leaf call or its current run of ops].
+        self.stack: list[list[Any]] = []
+        self.param_names = param_names
+        self.param_seen: set[int] = set()
+        self._pending: list[tuple[torch.Tensor, int]] = []
+        self._node_seq: list[int] = []
+        self._node_call: list[int] = []
+        self.unattributed_bytes = 0.0
+
+    def enter(self, name: str, module: nn.Module, args: tuple) -> None:
+        leaf = not any(True for _ in module.children())
+        call = None
+        if leaf:
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            call = _Call(name, module, True)
+            if x is not None:
+                call.in_shape = tuple(x.shape[1:])
+                call.needs_input_grad = bool(x.requires_grad)
+            self.calls.append(call)
+        self.stack.append([name, module, call])
+
+    def leave(self, output: object) -> None:
+        frame = self.stack.pop()
+        call = frame[2]
+        if call is not None and call.leaf:
+            y = output[0] if isinstance(output, (tuple, list)) and output else output
+            if isinstance(y, torch.Tensor):
+                call.out_shape = tuple(y.shape[1:])
+
+    def _forward_call(self) -> int | None:
+        if not self.stack:
+            return None
+        frame = self.stack[-1]
+        call = frame[2]
+        if call is None or (not call.leaf and self.calls[-1] is not call):
+            call = _Call(frame[0], frame[1], False)
+            frame[2] = call
+            self.calls.append(call)
+        return len(self.calls) - 1
+
+    def _flush(self) -> None:
+        # The previous op's outputs carry their autograd node by now.
+        for t, index in self._pending:
+            node = t.grad_fn
+            if node is not None:
+                seq = node._sequence_nr()
+                if not self._node_seq or seq > self._node_seq[-1]:
+                    self._node_seq.append(seq)
+                    self._node_call.append(index)
+        self._pending.clear()
+
+    def finish_forward(self) -> None:
+        self._flush()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        from torch.utils.flop_counter import flop_registry
+
+        kwargs = kwargs or {}
+        self._flush()
+        packet = func._overloadpacket
+        # Unlike FlopCounterMode, no op is decomposed: a fused kernel (batch norm) moves the
+        # bytes of its inputs and outputs, not of its decomposition's intermediates; only
+        # batch norm decomposes on the models tested, into no matmul (the FLOPs agree).
+        out = func(*args, **kwargs)
+        node = torch._C._current_autograd_node()
+        backward = node is not None
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if backward:
+            seq = node._sequence_nr()
+            at = bisect.bisect_right(self._node_seq, seq) - 1
+            index = self._node_call[at] if seq != _NO_SEQUENCE and at >= 0 else None
+        else:
+            fresh = [
+                t for t in inputs if id(t) in self.param_names and id(t) not in self.param_seen
+            ]
+            name = packet.__name__
+            costly = not (func.is_view or name in _NO_BYTES)
+            index = self._forward_call() if costly or fresh else None
+            if index is not None:
+                for t in fresh:
+                    self.param_seen.add(id(t))
+                    self.calls[index].params.append(self.param_names[id(t)])
+                self._pending.extend((t, index) for t in outputs)
+        name = packet.__name__
+        if func.is_view or name in _NO_BYTES:
+            return out
+        moved = outputs if name in _WRITE_ONLY else [*{id(t): t for t in inputs}.values(), *outputs]
+        per_sample = fixed = 0.0
+        for t in moved:
+            if t.numel() % _COUNT_BATCH == 0:
+                per_sample += _tensor_bytes(t)
+            else:
+                fixed += _tensor_bytes(t)
+        if index is None:
+            self.unattributed_bytes += per_sample + fixed
+            return out
+        call = self.calls[index]
+        c = call.counts[1 if backward else 0]
+        flops = (
+            flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
+        )
+        at = 1 if flops else 3
+        c[0] += flops
+        c[at] += per_sample
+        c[at + 1] += fixed
+        if not backward:
+            # Only tensors that grow with the batch stand for the layer's input and output.
+            if call.first_in_bytes < 0 and inputs and inputs[0].numel() % _COUNT_BATCH == 0:
+                call.first_in_bytes = _tensor_bytes(inputs[0])
+            if outputs and outputs[0].numel() % _COUNT_BATCH == 0:
+                call.last_out_bytes = _tensor_bytes(outputs[0])
+        return out
+
+
+def _trace(model: nn.Module, shape: tuple[int, ...], batch: int, dtype: torch.dtype) -> _OpCounter:
+    """Run ``model`` forward and backward on meta tensors for ``batch`` samples of ``shape``,
+    counting every op (:class:`_OpCounter`)."""
+    from torch.func import functional_call
+
+    state = {
+        k: torch.empty_like(v, device="meta").requires_grad_(v.requires_grad)
+        for k, v in model.named_parameters()
+    }
+    param_names = {id(v): k for k, v in state.items()}
+    state.update({k: torch.empty_like(v, device="meta") for k, v in model.named_buffers()})
+    counter = _OpCounter(param_names)
+    handles = []
+    for name, mod in model.named_modules():
+        label = name or type(mod).__name__
+
+        def pre(m: nn.Module, args: tuple, _label: str = label) -> None:
+            counter.enter(_label, m, args)
+
+        def post(m: nn.Module, args: tuple, out: object) -> None:
+            counter.leave(out)
+
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post, always_call=True))
+    x = torch.empty((batch, *shape), device="meta", dtype=dtype)
+    was_training = model.training
+    model.train()
+    try:
+        with counter:
+            y = functional_call(model, state, (x,))
+            counter.finish_forward()
+            outs = [
+                t for t in tree_flatten(y)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if outs:
+                torch.autograd.backward(outs, [torch.empty_like(t) for t in outs])
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        raise ValueError(f"input_shape: the model does not accept samples of {shape}: {e}") from e
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return counter
+
+
+def _counted_kernels(call: _Call) -> tuple[list[Kernel], list[Kernel]]:
+    """Kernels of a layer no formula describes, from its op counts: per direction one
+    matmul-class kernel (the FLOPs FlopCounterMode counts: matmuls, convolutions, attention) and
+    one element-wise kernel (every other op, costed by the bytes it moves)."""
+    out: tuple[list[Kernel], list[Kernel]] = ([], [])
+    for d, (kernels, suffix) in enumerate(zip(out, ("", "-grad"))):
+        flops, mm, mm_fixed, ew, ew_fixed = call.counts[d]
+        flops_ps, mm_ps, ew_ps = flops / _COUNT_BATCH, mm / _COUNT_BATCH, ew / _COUNT_BATCH
+        if flops_ps or mm_ps or mm_fixed:
+            kernels.append(
+                Kernel("matmul" + suffix, flops_ps, bytes_per_sample=mm_ps, bytes_fixed=mm_fixed)
+            )
+        if ew_ps or ew_fixed:
+            kernels.append(
+                Kernel(
+                    "ops" + suffix,
+                    0.0,
+                    bytes_per_sample=ew_ps,
+                    bytes_fixed=ew_fixed,
+                    elementwise=True,
+                )
+            )
+    return out

@@ -1,0 +1,301 @@
+"""What a model's costs are made of: :class:`Kernel` (one kernel of a layer, linear in the batch
+and the filter fraction), :class:`LayerCost` (one layer's kernels, parameters and bytes) and
+:class:`ModelCosts` (every layer of a model, and the model's top-level layers a plan counts)."""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hetcoll.model.hardware import check_precision
+
+# Traced batch: 2, not 1, because batch norm in training mode refuses one sample.
+_TRACE_BATCH = 2
+# Batch of the op-counting run (meta tensors: the size costs nothing). A prime no layer's size
+# is likely to be a multiple of: a tensor whose element count it divides grows with the batch
+# (activations, their gradients), any other is read or written once a step (weights, their
+# gradients, position embeddings), so one run tells per-sample bytes from fixed ones.
+_COUNT_BATCH = 1009
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel of a layer, linear in the batch ``b`` and the filter fraction ``phi``.
+
+    flops(b, phi) = flops_per_sample * b * (phi if scales_with_filters else 1)
+    bytes(b, phi) = (bytes_per_sample + phi * filter_bytes_per_sample) * b
+                    + bytes_fixed + phi * filter_bytes_fixed
+    """
+
+    name: str
+    flops_per_sample: float
+    bytes_per_sample: float = 0.0
+    bytes_fixed: float = 0.0
+    filter_bytes_per_sample: float = 0.0
+    filter_bytes_fixed: float = 0.0
+    scales_with_filters: bool = False
+    # Element-wise layer kernels (normalisation, softmax, counted ops) run at the device's
+    # element-wise bandwidth, pooling kernels (``pool``) at its pooling bandwidth; GEMMs, data
+    # movement (im2col) and plain activations at its memory bandwidth.
+    elementwise: bool = False
+    pool: bool = False
+    # A convolution's GEMM: its arithmetic runs at the device's convolution FLOP rate, on
+    # channels padded to the device's channel block: ``channels`` = (output, input) channels
+    # of one group.
+    conv: bool = False
+    channels: tuple[int, int] = (0, 0)
+
+    def flops(self, batch: float, filter_fraction: float = 1.0) -> float:
+        f = self.flops_per_sample * batch
+        return f * filter_fraction if self.scales_with_filters else f
+
+    def moved_bytes(self, batch: float, filter_fraction: float = 1.0) -> float:
+        return (
+            (self.bytes_per_sample + filter_fraction * self.filter_bytes_per_sample) * batch
+            + self.bytes_fixed
+            + filter_fraction * self.filter_bytes_fixed
+        )
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Costs of one leaf module. Bytes are for ``itemsize``-byte elements (float32: 4).
+
+    ``filters``: output channels a filter-parallel split can divide (0: the layer is
+    replicated). ``saved_bytes_per_sample``: activation memory kept for the backward pass.
+    """
+
+    name: str
+    kind: str
+    params: int
+    param_bytes: float
+    in_bytes_per_sample: float
+    out_bytes_per_sample: float
+    saved_bytes_per_sample: float
+    filters: int
+    forward: tuple[Kernel, ...]
+    backward: tuple[Kernel, ...]
+    #: Groups of a convolution (1 for every other layer): the runtime splits groups=1 only.
+    groups: int = 1
+    #: True for the ops a module's own ``forward`` runs between its children's calls (``kind``
+    #: is then ``Type.forward``); False for a leaf module's call.
+    own_ops: bool = False
+
+    @property
+    def gradient_bytes(self) -> float:
+        """Bytes of this layer's weight gradients (what data parallelism allreduces)."""
+        return self.param_bytes
+
+    def forward_flops(self, batch: float) -> float:
+        return sum(k.flops(batch) for k in self.forward)
+
+    def backward_flops(self, batch: float) -> float:
+        return sum(k.flops(batch) for k in self.backward)
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """Every leaf layer of a model in execution order, for samples of ``input_shape``."""
+
+    layers: tuple[LayerCost, ...]
+    input_shape: tuple[int, ...]
+    itemsize: int
+    notes: tuple[str, ...] = field(default=())
+    #: Bytes of the module's buffers (BatchNorm running statistics), which DDP broadcasts from
+    #: rank 0 before every forward.
+    buffer_bytes: float = 0.0
+    #: The mode :func:`hetcoll.torch.filter_parallel` would give each layer it splits (name,
+    #: mode), read off the model by the runtime's own pairing rule; layers absent stay replicated.
+    filter_modes: tuple[tuple[str, str], ...] = ()
+    #: The model's layers as a :class:`hetcoll.Plan` counts them
+    #: (:func:`hetcoll.torch.layers.model_layers`: an ``nn.Sequential``'s children, or the
+    #: top-level calls of a traced forward), by name; empty when the model is not such a chain
+    #: (``plan_layers_note`` says why).
+    plan_layers: tuple[str, ...] = ()
+    #: For each of ``layers``, the index in ``plan_layers`` of the top-level layer it runs in
+    #: (non-decreasing: the top-level layers run in order).
+    plan_layer_of: tuple[int, ...] = ()
+    #: Bytes per sample of each plan layer's output: what a pipeline stage ending there sends.
+    plan_out_bytes: tuple[float, ...] = ()
+    #: Module type of each plan layer (``Call`` for a function traced out of a forward).
+    plan_layer_kinds: tuple[str, ...] = ()
+    #: For each first plan layer ``lo``: the modes the runtime's pairing rule gives a filter-split
+    #: stage running from ``lo`` to the last layer, as (layer name, mode, the name of a
+    #: split-output layer's split-input partner or ""). The rule pairs left to right, so a
+    #: stage ending earlier has the same modes but gathers where the partner lies beyond its
+    #: end (:meth:`stage_filter_modes`).
+    stage_modes: tuple[tuple[tuple[str, str, str], ...], ...] = ()
+    plan_layers_note: str = ""
+    #: The training precision these costs are for (:data:`hetcoll.model.hardware.PRECISIONS`):
+    #: the predictors run matmul-class kernels at the devices' peak for it.
+    precision: str = "fp32"
+    #: Bytes of one element the kernels read and write and the stages send (activations, and
+    #: the 16-bit weight copies autocast makes): 2 under bf16 / fp16, else ``itemsize``.
+    #: Parameters, gradients, optimizer state and the gradient allreduce stay ``itemsize``.
+    activation_itemsize: int = 0
+
+    def at_precision(self, precision: str) -> ModelCosts:
+        """These costs for training at ``precision`` (``"fp32"``, ``"tf32"``, ``"bf16"``,
+        ``"fp16"``; autocast semantics, docs/model.md "Precision"): every byte a kernel moves
+        and every activation a stage sends scaled to the precision's element size; parameter
+        and gradient bytes unchanged.
+
+        >>> from torch import nn
+        >>> from hetcoll.model.costs import layer_costs
+        >>> c = layer_costs(nn.Linear(4, 3), (4,))
+        >>> c.at_precision("bf16").layers[0].out_bytes_per_sample, c.layers[0].out_bytes_per_sample
+        (6.0, 12.0)
+        """
+        from dataclasses import replace
+
+        check_precision(precision)
+        act = 2 if precision in ("bf16", "fp16") else self.itemsize
+        f = act / (self.activation_itemsize or self.itemsize)
+
+        def kernel(k: Kernel) -> Kernel:
+            return replace(
+                k,
+                bytes_per_sample=k.bytes_per_sample * f,
+                bytes_fixed=k.bytes_fixed * f,
+                filter_bytes_per_sample=k.filter_bytes_per_sample * f,
+                filter_bytes_fixed=k.filter_bytes_fixed * f,
+            )
+
+        layers = tuple(
+            replace(
+                x,
+                in_bytes_per_sample=x.in_bytes_per_sample * f,
+                out_bytes_per_sample=x.out_bytes_per_sample * f,
+                saved_bytes_per_sample=x.saved_bytes_per_sample * f,
+                forward=tuple(kernel(k) for k in x.forward),
+                backward=tuple(kernel(k) for k in x.backward),
+            )
+            for x in self.layers
+        )
+        return replace(
+            self,
+            layers=layers,
+            plan_out_bytes=tuple(b * f for b in self.plan_out_bytes),
+            precision=precision,
+            # 0: the same as ``itemsize``, as costs are built.
+            activation_itemsize=0 if act == self.itemsize else act,
+        )
+
+    def plan_range(self, first: int, end: int) -> tuple[int, int]:
+        """The half-open range of ``layers`` that plan layers ``[first, end)`` hold.
+
+        >>> from torch import nn
+        >>> from hetcoll.model.costs import layer_costs
+        >>> c = layer_costs(nn.Sequential(nn.Linear(4, 3), nn.Flatten(), nn.Linear(3, 2)), (4,))
+        >>> c.plan_range(0, 2), c.plan_range(2, 3)
+        ((0, 2), (2, 3))
+        """
+        self.check_plan_layers()
+        if not 0 <= first < end <= len(self.plan_layers):
+            raise ValueError(
+                f"layers: [{first}, {end}) is not a range of the model's "
+                f"{len(self.plan_layers)} layers"
+            )
+        return _bisect(self.plan_layer_of, first), _bisect(self.plan_layer_of, end)
+
+    def check_plan_layers(self) -> None:
+        """Raise ``ValueError`` (saying why) when the model's layers cannot be cut as a Plan
+        cuts them."""
+        if not self.plan_layers:
+            raise ValueError(
+                "costs: the model's top-level layers are unknown"
+                + (f" ({self.plan_layers_note})" if self.plan_layers_note else "")
+                + "; plans need a model hetcoll.torch.layers.model_layers can cut"
+            )
+
+    def stage_filter_modes(self, first: int, end: int) -> dict[str, str]:
+        """The mode of every layer a filter-split stage over plan layers ``[first, end)``
+        splits (name -> "gather" / "split-output" / "split-input"), as
+        :func:`hetcoll.torch.parallelize` builds the stage (the runtime's pairing rule on an
+        ``nn.Sequential`` of those layers).
+
+        >>> from torch import nn
+        >>> from hetcoll.model.costs import layer_costs
+        >>> c = layer_costs(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)), (4,))
+        >>> c.stage_filter_modes(0, 3), c.stage_filter_modes(0, 2)
+        ({'0': 'split-output', '2': 'split-input'}, {'0': 'gather'})
+        """
+        self.check_plan_layers()
+        lo, hi = self.plan_range(first, end)
+        names = {x.name for x in self.layers[lo:hi]}
+        return {
+            name: "gather" if mode == "split-output" and partner not in names else mode
+            for name, mode, partner in self.stage_modes[first]
+            if name in names
+        }
+
+    def stage_filter_pairs(self, first: int, end: int) -> dict[str, str]:
+        """The split-output -> split-input pairs of :meth:`stage_filter_modes`, by name."""
+        lo, hi = self.plan_range(first, end)
+        names = {x.name for x in self.layers[lo:hi]}
+        return {
+            name: partner
+            for name, mode, partner in self.stage_modes[first]
+            if mode == "split-output" and name in names and partner in names
+        }
+
+    @property
+    def params(self) -> int:
+        return sum(x.params for x in self.layers)
+
+    @property
+    def param_bytes(self) -> float:
+        return sum(x.param_bytes for x in self.layers)
+
+    def forward_flops(self, batch: float) -> float:
+        return sum(x.forward_flops(batch) for x in self.layers)
+
+    def backward_flops(self, batch: float) -> float:
+        return sum(x.backward_flops(batch) for x in self.layers)
+
+    def saved_bytes_per_sample(self) -> float:
+        return sum(x.saved_bytes_per_sample for x in self.layers)
+
+    def table(self) -> str:
+        """A per-layer text table (GFLOP per sample, forward / backward; params; bytes)."""
+        rows = [
+            f"{'layer':<24} {'kind':<12} {'params':>10} {'fwd MFLOP':>10} {'bwd MFLOP':>10} "
+            f"{'act KiB':>9} {'grad KiB':>9}"
+        ]
+        for x in self.layers:
+            rows.append(
+                f"{x.name[:24]:<24} {x.kind[:12]:<12} {x.params:>10} "
+                f"{x.forward_flops(1) / 1e6:>10.3f} {x.backward_flops(1) / 1e6:>10.3f} "
+                f"{x.out_bytes_per_sample / 1024:>9.1f} {x.gradient_bytes / 1024:>9.1f}"
+            )
+        rows.append(
+            f"{'total':<24} {'':<12} {self.params:>10} {self.forward_flops(1) / 1e6:>10.3f} "
+            f"{self.backward_flops(1) / 1e6:>10.3f}"
+        )
+        return "\n".join(rows)
+
+
+def _bisect(sorted_ints: Sequence[int], value: int) -> int:
+    """The first index whose value is >= ``value``."""
+    return bisect.bisect_left(sorted_ints, value)
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"3x32x32"`` -> ``(3, 32, 32)`` (one sample, no batch dimension).
+
+    >>> parse_shape("3x32x32")
+    (3, 32, 32)
+    """
+    try:
+        shape = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"input: expected sizes like 3x32x32, got {text!r}") from None
+    if not shape or any(s < 1 for s in shape):
+        raise ValueError(f"input: every size must be >= 1, got {text!r}")
+    return shape
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
