@@ -20,9 +20,10 @@ Per step and plan it measures:
   seconds, timed by :class:`ComputeTimer` around the layers the emulation slows (their sleeps
   included): the slowest rank's over the time each would take were the work shared by speed;
 - **step time**: the slowest rank's forward, backward and SGD step (barrier before, max after);
-- **loss**: the global batch's mean loss, checked against the same steps of the unsplit model in
-  this process (every plan is exact, so they agree to float32 rounding), and after the last
-  step the test set's loss and accuracy of :meth:`~hetcoll.torch.Parallel.full_state_dict`.
+- **loss**: the global batch's mean loss, against the same steps of the unsplit model in this
+  process, and after the last step the test set's loss and accuracy of
+  :meth:`~hetcoll.torch.Parallel.full_state_dict`; one more (untimed) launch runs the same
+  steps in float64, where every plan, being exact, equals one process to rounding.
 
 Peers, in the same launch: data parallelism for the bytes, the even filter split for the step
 time. Heterogeneity is emulated by :func:`hetcoll.lab.emulate.slow_down` on each rank's stage.
@@ -150,7 +151,12 @@ class ComputeTimer:
 
 
 def _rank(
-    rank: int, world: int, plan_dicts: dict[str, dict[str, Any]], steps: int, warmup: int
+    rank: int,
+    world: int,
+    plan_dicts: dict[str, dict[str, Any]],
+    steps: int,
+    warmup: int,
+    dtype: str = "float32",
 ) -> dict[str, Any] | None:
     from hetcoll.lab.demo_ranks import evaluate, load_digits
     from hetcoll.lab.emulate import slow_down
@@ -160,12 +166,14 @@ def _rank(
     # The first layer's input needs no gradient: torch warns that its backward hook fires on
     # outputs only; that layer's backward is neither slowed nor timed.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    dt = getattr(torch, dtype)
     xtr, ytr, xte, yte = load_digits(0)
+    xtr, xte = xtr.to(dt), xte.to(dt)
     order = batches(warmup + steps, len(ytr))
     runs = {}
     for name, plan in plan_dicts.items():
         torch.manual_seed(0)
-        par = parallelize(vgg_digits(), plan, loss_fn=nn.CrossEntropyLoss())
+        par = parallelize(vgg_digits().to(dt), plan, loss_fn=nn.CrossEntropyLoss())
         layers = slow_down(par.stage, SPEEDS[rank]).layers if par.stage is not None else []
         opt = torch.optim.SGD(par.parameters(), lr=LR, momentum=0.9)
         runs[name] = (par, opt, ComputeTimer(layers))
@@ -201,21 +209,23 @@ def _rank(
                 row["compute_s"].append([float(t[1]) for t in every])
     for name, (par, _, _) in runs.items():
         state = par.full_state_dict()
-        net = vgg_digits()
+        net = vgg_digits().to(dt)
         net.load_state_dict(state)
         rows[name]["test_loss"], rows[name]["test_accuracy"] = evaluate(net, xte, yte)
     return rows if rank == 0 else None
 
 
-def reference(steps: int) -> dict[str, Any]:
+def reference(steps: int, dtype: str = "float32") -> dict[str, Any]:
     """The same steps on the unsplit model in this process: each step's mean loss, and the test
     set's loss and accuracy after the last."""
     from hetcoll.lab.demo_ranks import evaluate, load_digits
 
     torch.set_num_threads(1)
+    dt = getattr(torch, dtype)
     xtr, ytr, xte, yte = load_digits(0)
+    xtr, xte = xtr.to(dt), xte.to(dt)
     torch.manual_seed(0)
-    net = vgg_digits()
+    net = vgg_digits().to(dt)
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     losses = []
@@ -239,11 +249,22 @@ def _quartiles(xs: Sequence[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
+def _loss_gap(losses: Sequence[float], ref: Sequence[float]) -> float:
+    if len(losses) != len(ref):
+        raise ValueError(f"losses: {len(losses)} steps against the reference's {len(ref)}")
+    return max(abs(a - b) for a, b in zip(losses, ref))
+
+
 def summarise(
-    launches: list[dict[str, Any]], ref: dict[str, Any], predicted: dict[str, Any]
+    launches: list[dict[str, Any]],
+    ref: dict[str, Any],
+    predicted: dict[str, Any],
+    exact: dict[str, Any] | None = None,
+    ref64: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per plan from every launch's per-step records: bytes (every step of every
-    launch moves the same: checked), medians and spreads, and the losses against ``ref``."""
+    launch moves the same: checked), medians and spreads, and the losses against ``ref``; with
+    ``exact`` (a float64 launch's records) and ``ref64``, its losses against those."""
     rows = []
     for name in launches[0]:
         per = [run[name] for run in launches]
@@ -253,7 +274,7 @@ def summarise(
         traffic = dict(zip(KINDS, seen.pop()))
         medians = [statistics.median(run["step_s"]) for run in per]
         balances = [statistics.median(balance(c, SPEEDS) for c in run["compute_s"]) for run in per]
-        loss_gap = max(abs(a - b) for run in per for a, b in zip(run["loss"], ref["loss"]))
+        loss_gap = max(_loss_gap(run["loss"], ref["loss"]) for run in per)
         rows.append(
             {
                 "name": name,
@@ -277,6 +298,9 @@ def summarise(
                 "layout": predicted[name]["layout"],
             }
         )
+        if exact is not None and ref64 is not None:
+            rows[-1]["loss_gap_float64"] = _loss_gap(exact[name]["loss"], ref64["loss"])
+            rows[-1]["test_accuracy_float64"] = exact[name]["test_accuracy"]
     by = {r["name"]: r for r in rows}
     for r in rows:
         r["bytes_vs_peer"] = r["bytes"] / by[BYTES_PEER]["bytes"]
@@ -287,14 +311,15 @@ def summarise(
     return rows
 
 
-def sweep(batches: Sequence[int] = SWEEP) -> list[dict[str, Any]]:
+def sweep(batches: Sequence[int] = SWEEP, dtype: str = "float32") -> list[dict[str, Any]]:
     """Predicted bytes per step of each plan with a prediction, at each global batch
     (:func:`hetcoll.lab.placement_compare.placement_compare`)."""
     from hetcoll.lab.placement_compare import placement_compare
 
     out = []
     for b in batches:
-        rows = placement_compare(vgg_digits(), SHAPE, SPEEDS, b, microbatches=MICROBATCHES)
+        model = vgg_digits().to(getattr(torch, dtype))
+        rows = placement_compare(model, SHAPE, SPEEDS, b, microbatches=MICROBATCHES)
         out.append({"batch": b} | {r.strategy: r.bytes_per_step for r in rows})
     return out
 
@@ -305,13 +330,14 @@ def results_file(
     args: argparse.Namespace,
     plot: str | None,
     swept: list[dict[str, Any]],
+    ref64: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The rows as a results file for benches/report.py."""
     from report import RATIO, SCHEMA, host_info, now
 
     speeds = ":".join(f"{s:g}" for s in SPEEDS)
     total = args.warmup + args.steps
-    comm, timing = [], []
+    comm, timing, accuracy = [], [], []
     for r in rows:
         comm.append(
             [
@@ -336,12 +362,30 @@ def results_file(
                 statistics.median(q3 - q1 for q1, q3 in r["quartiles_s_per_launch"]) * 1e3,
                 r["speedup_vs_peer"],
                 ", ".join(f"{x:.2f}" for x in r["speedup_vs_peer_per_launch"]),
+            ]
+        )
+        accuracy.append(
+            [
+                r["name"],
                 r["final_loss"],
                 r["loss_gap"],
                 statistics.median(r["test_loss"]),
-                statistics.median(r["test_accuracy"]),
+                ", ".join(f"{a:.1%}" for a in r["test_accuracy"]),
+                r.get("loss_gap_float64"),
+                r.get("test_accuracy_float64"),
             ]
         )
+    accuracy.append(
+        [
+            "one process (the unsplit model)",
+            ref["loss"][-1],
+            0.0,
+            ref["test_loss"],
+            f"{ref['test_accuracy']:.1%}",
+            0.0 if ref64 is not None else None,
+            ref64["test_accuracy"] if ref64 is not None else None,
+        ]
+    )
     hyper = next(r for r in rows if r["name"] == "hypergraph placement")
     differ = [
         r["name"]
@@ -383,7 +427,7 @@ def results_file(
         "notes": [
             f"{args.launches} launch(es); every plan trains {total} steps ({args.warmup} "
             f"untimed) on the same batches, the plans taking turns in an order shuffled every "
-            "step.",
+            f"step; {'float64' if args.float64 else 'float32'}.",
             *(["`--quick`: a short run, not for the figures."] if args.quick else []),
         ],
         "headlines": [
@@ -430,7 +474,7 @@ def results_file(
                 ],
             },
             {
-                "title": "Step time and accuracy after the same steps",
+                "title": "Step time",
                 "peer": "the even filter split's step time, in the same launch",
                 "columns": [
                     {"name": "plan"},
@@ -439,10 +483,6 @@ def results_file(
                     {"name": "IQR within a launch (ms)", "format": "{:.1f}"},
                     {"name": "vs even filter split (even / plan)", "format": RATIO},
                     {"name": "per launch"},
-                    {"name": f"train loss, step {total}", "format": "{:.4f}"},
-                    {"name": "max |loss - one process|", "format": "{:.1e}"},
-                    {"name": "test loss", "format": "{:.4f}"},
-                    {"name": "test accuracy", "format": "{:.1%}"},
                 ],
                 "rows": timing,
                 "notes": [
@@ -451,12 +491,33 @@ def results_file(
                     "over the timed steps; IQR: the median over launches of the steps' "
                     "interquartile range. vs even filter split: the ratio of the two plans' "
                     "medians in each launch, then the median; > 1: faster than the even split.",
-                    f"Loss: the global batch's mean loss; max |loss - one process|: the largest "
-                    f"difference, over all {total} steps and launches, from the unsplit model "
-                    f"trained on the same batches in one process (whose test loss is "
-                    f"{ref['test_loss']:.4f} and test accuracy {ref['test_accuracy']:.1%}). "
-                    "Every plan computes the same gradients, so accuracy after the same steps is "
-                    "the same; what differs is the time those steps take.",
+                ],
+            },
+            {
+                "title": "Loss and accuracy after the same steps",
+                "peer": "the unsplit model trained on the same batches in one process",
+                "columns": [
+                    {"name": "plan"},
+                    {"name": f"train loss, step {total}", "format": "{:.4f}"},
+                    {"name": "max \u0394loss vs one process", "format": "{:.1e}"},
+                    {"name": "test loss", "format": "{:.4f}"},
+                    {"name": "test accuracy, per launch"},
+                    {"name": "float64: max \u0394loss vs one process", "format": "{:.1e}"},
+                    {"name": "float64: test accuracy", "format": "{:.1%}"},
+                ],
+                "rows": accuracy,
+                "notes": [
+                    f"Loss: the global batch's mean loss at each of the {total} steps; max "
+                    "\u0394loss: the largest difference from one process's over all steps (and "
+                    "launches); train and test loss: the first launch's and the median. The "
+                    "float64 columns: one more launch of the same plans and steps in float64 "
+                    "(not timed), against one process in float64.",
+                    "Every plan computes the batch's exact gradient, so in float64 the losses "
+                    "agree to rounding; in float32 a different order of summation (split "
+                    "layers' partial sums, micro-batches, replicas) starts them apart by "
+                    "rounding, and at this learning rate training amplifies that over the "
+                    "steps. So accuracy after the same steps is the same up to that noise; "
+                    "what the plans change is the time the steps take.",
                 ],
             },
             {
@@ -530,6 +591,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--steps", type=int, default=40, help="timed steps per plan")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per plan (trained)")
     ap.add_argument("--quick", action="store_true", help="one launch of 3 steps (a smoke run)")
+    ap.add_argument(
+        "--float64",
+        action="store_true",
+        help="train in float64 (every plan's losses then equal one process's to rounding)",
+    )
     ap.add_argument("--json", type=Path, help="write a results file for benches/report.py")
     ap.add_argument("--plot", type=Path, help="draw bytes and step time per plan (PNG)")
     args = ap.parse_args(argv)
@@ -542,15 +608,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         ap.error("--warmup: must be >= 0")
     from hetcoll.lab.placement_compare import layout, placement_compare
 
+    dtype = "float64" if args.float64 else "float32"
     t0 = time.perf_counter()
-    compared = placement_compare(vgg_digits(), SHAPE, SPEEDS, BATCH, microbatches=MICROBATCHES)
+    model = vgg_digits().to(getattr(torch, dtype))
+    compared = placement_compare(model, SHAPE, SPEEDS, BATCH, microbatches=MICROBATCHES)
     plans = {r.strategy: r.plan.to_dict() for r in compared}
     predicted = {
         r.strategy: {"bytes": r.bytes_per_step, "balance": r.balance, "layout": layout(r.plan)}
         for r in compared
     }
     print(f"plans ready ({time.perf_counter() - t0:.1f} s); the unsplit reference ...", flush=True)
-    ref = reference(args.warmup + args.steps)
+    ref = reference(args.warmup + args.steps, dtype)
     launches = []
     for n in range(args.launches):
         print(
@@ -560,19 +628,28 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         )
         t0 = time.perf_counter()
         launches.append(
-            launch.spawn(_rank, len(SPEEDS), plans, args.steps, args.warmup, timeout=1800)[0]
+            launch.spawn(_rank, len(SPEEDS), plans, args.steps, args.warmup, dtype, timeout=1800)[0]
         )
         print(f"  done in {time.perf_counter() - t0:.0f} s", flush=True)
-    rows = summarise(launches, ref, predicted)
+    exact = ref64 = None
+    if not args.float64:
+        print("exactness: one float64 launch of the same steps ...", flush=True)
+        ref64 = reference(args.warmup + args.steps, "float64")
+        exact = launch.spawn(
+            _rank, len(SPEEDS), plans, args.steps, args.warmup, "float64", timeout=1800
+        )[0]
+    rows = summarise(launches, ref, predicted, exact, ref64)
     print(
         f"{'plan':<32} {'MB/step':>8} {'vs DP':>6} {'balance':>8} {'step ms':>8} "
-        f"{'vs even':>8} {'|dloss|':>8} {'test acc':>8}"
+        f"{'vs even':>8} {'|dloss|':>8} {'f64':>8} {'test acc':>8}"
     )
     for r in rows:
+        f64 = r.get("loss_gap_float64")
         print(
             f"{r['name']:<32} {r['bytes'] / 1e6:8.3f} {r['bytes_vs_peer']:6.2f} "
             f"{r['balance']:8.2f} {r['step_s'] * 1e3:8.1f} {r['speedup_vs_peer']:7.2f}x "
-            f"{r['loss_gap']:8.1e} {statistics.median(r['test_accuracy']):8.1%}"
+            f"{r['loss_gap']:8.1e} {f64 if f64 is not None else float('nan'):8.1e} "
+            f"{statistics.median(r['test_accuracy']):8.1%}"
         )
     print(f"one process: test accuracy {ref['test_accuracy']:.1%} after {len(ref['loss'])} steps")
     plot = None
@@ -587,7 +664,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.json:
         from report import write_result
 
-        write_result(args.json, results_file(rows, ref, args, plot, sweep()))
+        write_result(args.json, results_file(rows, ref, args, plot, sweep(dtype=dtype), ref64))
         print(f"wrote {args.json}")
     return rows
 

@@ -262,3 +262,12 @@ def test_plan_of_the_benchmark_round_trips() -> None:
     model = bench_placement.vgg_digits()
     for plan in comparison_plans(model, bench_placement.SHAPE, bench_placement.SPEEDS, 64).values():
         assert Plan.from_dict(plan.to_dict()) == plan
+
+
+def test_docstring_examples() -> None:
+    import doctest
+
+    import hetcoll.lab.placement_compare as module
+
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
