@@ -285,6 +285,7 @@ def summarise(
                 "balance_per_launch": balances,
                 "predicted_balance": predicted[name]["balance"],
                 "step_s": statistics.median(medians),
+                "predicted_step_s": predicted[name].get("step_s"),
                 "step_s_per_launch": medians,
                 "quartiles_s_per_launch": [_quartiles(run["step_s"]) for run in per],
                 "compute_s_per_launch": [
@@ -309,6 +310,22 @@ def summarise(
         r["speedup_vs_peer"] = statistics.median(ratios)
         r["speedup_vs_peer_per_launch"] = ratios
     return rows
+
+
+def emulated_cluster() -> Any:
+    """The library's view of the three ranks: this machine measured on one thread
+    (:func:`hetcoll.lab.calibrate.measure_device`, quick) at each emulated speed
+    (:func:`hetcoll.lab.emulate.emulated_device`), joined by the measured gloo link between two
+    local ranks (as ``benches/bench_plans.py`` predicts its plans)."""
+    import hetcoll.model as model
+    from hetcoll.lab import calibrate
+    from hetcoll.lab.emulate import emulated_device
+    from hetcoll.lab.validate import validation_cluster
+
+    device = calibrate.measure_device("this-machine-1-thread", 4e9, quick=True)
+    fit = calibrate.measure_gloo_link()
+    link = model.Link("gloo-local", fit.latency_s, fit.bytes_per_s)
+    return validation_cluster([emulated_device(device, f) for f in SPEEDS], link)
 
 
 def sweep(batches: Sequence[int] = SWEEP, dtype: str = "float32") -> list[dict[str, Any]]:
@@ -354,10 +371,13 @@ def results_file(
                 r["predicted_balance"],
             ]
         )
+        pred = r.get("predicted_step_s")
         timing.append(
             [
                 r["name"],
+                pred * 1e3 if pred is not None else None,
                 r["step_s"] * 1e3,
+                pred / r["step_s"] - 1 if pred is not None else None,
                 ", ".join(f"{m * 1e3:.1f}" for m in r["step_s_per_launch"]),
                 statistics.median(q3 - q1 for q1, q3 in r["quartiles_s_per_launch"]) * 1e3,
                 r["speedup_vs_peer"],
@@ -478,7 +498,9 @@ def results_file(
                 "peer": "the even filter split's step time, in the same launch",
                 "columns": [
                     {"name": "plan"},
+                    {"name": "predicted (ms)", "format": "{:.1f}"},
                     {"name": "step (ms)", "format": "{:.1f}"},
+                    {"name": "error", "format": "{:+.0%}"},
                     {"name": "launches (ms)"},
                     {"name": "IQR within a launch (ms)", "format": "{:.1f}"},
                     {"name": "vs even filter split (even / plan)", "format": RATIO},
@@ -491,6 +513,12 @@ def results_file(
                     "over the timed steps; IQR: the median over launches of the steps' "
                     "interquartile range. vs even filter split: the ratio of the two plans' "
                     "medians in each launch, then the median; > 1: faster than the even split.",
+                    "Predicted: `hetcoll.lab.placement_compare.placement_compare` with the "
+                    "cluster the library sees (this machine measured on one thread at each "
+                    "emulated speed, the measured gloo link): `hetcoll.model.predict_placement` "
+                    "for the hypergraph placement (its convolution and linear FLOPs only), "
+                    "`hetcoll.model.predict_plan` for the others; error = predicted / measured "
+                    "- 1.",
                 ],
             },
             {
@@ -610,11 +638,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     dtype = "float64" if args.float64 else "float32"
     t0 = time.perf_counter()
+    print("measuring this machine for the predictions (about 20 s) ...", flush=True)
+    cluster = emulated_cluster()
     model = vgg_digits().to(getattr(torch, dtype))
-    compared = placement_compare(model, SHAPE, SPEEDS, BATCH, microbatches=MICROBATCHES)
+    compared = placement_compare(
+        model, SHAPE, SPEEDS, BATCH, microbatches=MICROBATCHES, cluster=cluster
+    )
     plans = {r.strategy: r.plan.to_dict() for r in compared}
     predicted = {
-        r.strategy: {"bytes": r.bytes_per_step, "balance": r.balance, "layout": layout(r.plan)}
+        r.strategy: {
+            "bytes": r.bytes_per_step,
+            "balance": r.balance,
+            "layout": layout(r.plan),
+            "step_s": r.step_s,
+        }
         for r in compared
     }
     print(f"plans ready ({time.perf_counter() - t0:.1f} s); the unsplit reference ...", flush=True)

@@ -35,8 +35,11 @@ import numpy as np
 from torch import nn
 
 import hetcoll
+from hetcoll.model.costs import layer_costs
+from hetcoll.model.hardware import Cluster
 from hetcoll.model.hypergraph import NetworkHypergraph, network_hypergraph
-from hetcoll.model.placement import hypergraph_plan, placement_traffic
+from hetcoll.model.placement import hypergraph_plan, placement_traffic, predict_placement
+from hetcoll.model.predict import predict_plan
 from hetcoll.plan import Plan
 from hetcoll.torch.filters import filter_shares
 from hetcoll.torch.layers import model_layers
@@ -213,13 +216,17 @@ class ComparisonRow:
     """One strategy's plan and predicted figures. ``traffic``: bytes a step moves summed over
     ranks, by kind (None where the library has no prediction: the filter splits' gathers and
     reductions); ``flops``: each rank's forward FLOPs per step; ``balance``: :func:`balance` of
-    the compute times ``flops[r] / speeds[r]``."""
+    the compute times ``flops[r] / speeds[r]``; ``step_s``: the predicted step on the cluster
+    given to :func:`placement_compare` (None without one, or where the predictor refuses the
+    plan: ``note`` says why)."""
 
     strategy: str
     plan: Plan
     traffic: dict[str, int] | None
     flops: list[float]
     balance: float
+    step_s: float | None = None
+    note: str = ""
 
     @property
     def bytes_per_step(self) -> int | None:
@@ -272,12 +279,18 @@ def placement_compare(
     microbatches: int = 4,
     epsilon: float = 0.03,
     seed: int = 0,
+    cluster: Cluster | None = None,
 ) -> list[ComparisonRow]:
     """:func:`comparison_plans` with each plan's predicted traffic and compute balance, in
     :data:`STRATEGIES` order. Traffic: :func:`hetcoll.model.placement_traffic` for the
     hypergraph placement and the pipeline; a ring allreduce of every parameter for data
     parallelism, ``2 (k - 1)`` times the parameter bytes summed over the ``k`` ranks (as
     :meth:`hetcoll.torch.Parallel.traffic` counts a collective); None for the filter splits.
+
+    With a ``cluster`` (device ``r`` = rank ``r``, one per speed), each row also gets a
+    predicted step time: :func:`hetcoll.model.predict_placement` for the hypergraph placement
+    (each device's convolution FLOP/s, the cluster's ring link),
+    :func:`hetcoll.model.predict_plan` for the others.
 
     >>> net = nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
     >>> rows = placement_compare(net, (1, 8, 8), [2.0, 1.0], 16)
@@ -288,6 +301,15 @@ def placement_compare(
         model, input_shape, speeds, batch, microbatches=microbatches, epsilon=epsilon, seed=seed
     )
     shape, fs = _check(model, input_shape, speeds, batch)
+    if cluster is not None:
+        if not isinstance(cluster, Cluster):
+            raise TypeError(
+                f"cluster: must be a hetcoll.model.Cluster, got {type(cluster).__name__}"
+            )
+        if cluster.num_devices != len(fs):
+            raise ValueError(
+                f"cluster: has {cluster.num_devices} devices; give one per speed ({len(fs)})"
+            )
     h = _hypergraph(model, shape)
     flops = layer_flops(model, shape)
     k = len(fs)
@@ -304,22 +326,54 @@ def placement_compare(
             traffic = None
         per_rank = _rank_flops(model, shape, plan, h, flops, k)
         times = [f / s for f, s in zip(per_rank, fs)]
-        rows.append(ComparisonRow(strategy, plan, traffic, per_rank, balance(times, fs)))
+        step_s, note = _predicted_step(model, shape, plan, cluster) if cluster else (None, "")
+        rows.append(
+            ComparisonRow(strategy, plan, traffic, per_rank, balance(times, fs), step_s, note)
+        )
     return rows
+
+
+def _predicted_step(
+    model: nn.Module, shape: tuple[int, ...], plan: Plan, cluster: Cluster
+) -> tuple[float | None, str]:
+    """The library's predicted step of ``plan`` on ``cluster`` (None and why, if it refuses)."""
+    try:
+        if any(s.owners is not None for _, _, s in plan.stages()):
+            link = cluster.ring_link()
+            p = predict_placement(
+                model,
+                shape,
+                plan,
+                flops_per_s=[d.conv_rate for d in cluster.devices],
+                bytes_per_s=link.bytes_per_s,
+                latency_s=link.latency_s,
+            )
+            return p.step_s, ""
+        dtype = next((q.dtype for q in model.parameters()), None)
+        if dtype is None:
+            costs = layer_costs(model, shape)
+        else:
+            costs = layer_costs(model, shape, dtype=dtype)
+        return predict_plan(costs, cluster, plan).step_s, ""
+    except ValueError as e:
+        return None, str(e)
 
 
 def comparison_table(rows: Sequence[ComparisonRow]) -> str:
     """``rows`` as a plain-text table: predicted MB per step, its ratio to data parallelism's,
     the compute balance and each plan's layout."""
     dp = next((r.bytes_per_step for r in rows if r.strategy == "data parallel"), None)
-    lines = [
-        f"{'strategy':<32} {'MB/step':>9} {'vs DP':>7} {'balance':>8}  layout",
-    ]
+    timed = any(r.step_s is not None for r in rows)
+    step = f" {'step ms':>8}" if timed else ""
+    lines = [f"{'strategy':<32} {'MB/step':>9} {'vs DP':>7} {'balance':>8}{step}  layout"]
     for r in rows:
         b = r.bytes_per_step
         mb = f"{b / 1e6:9.3f}" if b is not None else f"{'-':>9}"
         rel = f"{b / dp:7.3f}" if b is not None and dp else f"{'-':>7}"
-        lines.append(f"{r.strategy:<32} {mb} {rel} {r.balance:8.2f}  {layout(r.plan)}")
+        ms = ""
+        if timed:
+            ms = f" {r.step_s * 1e3:8.1f}" if r.step_s is not None else f" {'-':>8}"
+        lines.append(f"{r.strategy:<32} {mb} {rel} {r.balance:8.2f}{ms}  {layout(r.plan)}")
     return "\n".join(lines)
 
 
