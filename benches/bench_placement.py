@@ -480,7 +480,8 @@ def results_file(
                     "Bytes: `Parallel.traffic()` summed over the ranks (a collective counts the "
                     "2 (p-1)/p of its buffer a ring sends); the same in every step and launch "
                     "(checked). Predicted: `hetcoll.model.placement_traffic` (hypergraph "
-                    "placement, pipeline), 2 (p-1) x the parameter bytes (data parallel); "
+                    "placement, pipeline), 2 (p-1)/p of the parameter bytes on each rank "
+                    "(data parallel); "
                     "– where the library has no prediction (the filter splits).",
                     "Balance (`hetcoll.lab.placement_compare.balance`, seed 002's imbalance "
                     "of a partition with targets): the slowest rank's compute time over the time "

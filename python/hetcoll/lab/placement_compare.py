@@ -284,7 +284,7 @@ def placement_compare(
     """:func:`comparison_plans` with each plan's predicted traffic and compute balance, in
     :data:`STRATEGIES` order. Traffic: :func:`hetcoll.model.placement_traffic` for the
     hypergraph placement and the pipeline; a ring allreduce of every parameter for data
-    parallelism, ``2 (k - 1)`` times the parameter bytes summed over the ``k`` ranks (as
+    parallelism, ``2 (k - 1) / k`` of the parameter bytes on each of the ``k`` ranks (as
     :meth:`hetcoll.torch.Parallel.traffic` counts a collective); None for the filter splits.
 
     With a ``cluster`` (device ``r`` = rank ``r``, one per speed), each row also gets a
@@ -321,7 +321,8 @@ def placement_compare(
             traffic = placement_traffic(model, shape, plan)
         elif strategy == "data parallel":
             traffic = {"activations": 0, "gradients": 0, "outputs": 0}
-            traffic["allreduce"] = 2 * (k - 1) * h.parameter_bytes
+            # Each of the k ranks counts its ring's 2 (k-1)/k of the buffer, rounded.
+            traffic["allreduce"] = k * round(2 * (k - 1) / k * h.parameter_bytes)
         else:
             traffic = None
         per_rank = _rank_flops(model, shape, plan, h, flops, k)
