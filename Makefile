@@ -63,9 +63,12 @@ PYBENCH := $(PY) -m pytest -p no:cacheprovider -o python_files='bench_*.py' -q -
 COLLECTIVES_RUN    := benches/bench_collectives.py --ranks 2 4 --max-mib 256 --json $(RAW)/collectives.json
 FILTER_PARALLEL_RUN := benches/bench_filter_parallel.py --json $(RAW)/filter_parallel.json
 PLANS_RUN          := benches/bench_plans.py --launches 3 --json $(RAW)/plans.json
+PLACEMENT_RUN      := benches/bench_placement.py --launches 3 --json $(RESULTS)/placement.json \
+	--plot docs/img/placement.png
 
 .PHONY: bench-report bench-kernels bench-split bench-partition bench-partitioners bench-planner \
-	bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate bench-plans
+	bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate bench-plans \
+	bench-placement
 
 $(BENCHED): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet --group bench
@@ -73,7 +76,7 @@ $(BENCHED): $(STAMP) pyproject.toml
 
 bench: bench-kernels bench-split bench-partition bench-partitioners bench-planner \
 		bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate \
-		bench-plans
+		bench-plans bench-placement
 	$(MAKE) bench-report
 
 bench-report:
@@ -124,6 +127,10 @@ bench-plans: $(BUILT) $(BENCHED)
 	mkdir -p $(RAW)
 	$(PY) $(PLANS_RUN)
 	$(PY) benches/report.py import plans $(RAW)/plans.json --command "python $(PLANS_RUN)"
+
+# Seed 002's comparison: writes its results file and docs/img/placement.png itself.
+bench-placement: $(BUILT) $(BENCHED)
+	$(PY) $(PLACEMENT_RUN)
 
 bench-rust:
 	cargo bench -p hetcoll-core

@@ -39,7 +39,6 @@ from torch import nn
 from hetcoll.comm import agree, start_agreement, wrap
 from hetcoll.plan import Plan, Stage
 from hetcoll.torch.filters import (
-    filter_modes,
     filter_parallel,
     filter_shares,
     gather_state_dict,
@@ -183,7 +182,8 @@ class Parallel(nn.Module):
         rank's parameters' ``.grad`` (accumulated onto what is there, as ``backward`` does).
         Returns the batch's mean loss on every rank. Collective over the group."""
         checked = self._check_batch(inputs, targets)
-        self._traffic = dict.fromkeys(TRAFFIC_KINDS, 0)
+        # Reset in place: a split stage's CountingCommunicator holds this dict and counts into it.
+        self._traffic.update(dict.fromkeys(TRAFFIC_KINDS, 0))
         if self._blocks:  # owners stages' shape rules, checked on every rank alike
             checked()
             for (i, j), blocks in self._blocks.items():
@@ -735,8 +735,10 @@ def _stage_split(
         raise ValueError(f"{where}: {e}") from None
     if not shares_of:
         raise ValueError(f"{where}: has {p} ranks but its layers hold no Conv2d or Linear to split")
-    modes = filter_modes(module, list(shares_of))
-    return {n: s for n, s in shares_of.items() if modes[n] != "split-input"}
+    # Every split layer, the split-input ones too (with their feeder's shares): filter_parallel
+    # splits only the layers a shares dict names, so leaving those out would keep them whole
+    # on every rank and turn their feeders' mode into "gather".
+    return shares_of
 
 
 def _plan_reductions(par: Parallel, plan: Plan, names: list[str], model: nn.Module) -> None:
