@@ -78,6 +78,17 @@ OWNERS_3 = {
     ],
 }
 
+#: Three ranks, one of them idle (rank 1: it holds a placeholder parameter and no state).
+IDLE_3 = {
+    "microbatches": 2,
+    "replicas": [
+        {
+            "samples": 8,
+            "stages": [{"ranks": [2], "layers": [0, 6]}, {"ranks": [0], "layers": [6, 11]}],
+        }
+    ],
+}
+
 #: Two ranks, two uneven pipeline stages.
 PIPELINE_2 = {
     "microbatches": 2,
@@ -133,6 +144,17 @@ CASES: dict[str, dict[str, Any]] = {
         "optimizer": "sgd",
         "first": ("plan", OWNERS_3),
         "second": ("plan", PIPELINE_2),
+        "steps": 4,
+        "stop": 2,
+    },
+    # A pipeline beside an idle rank, then every layer split over 2 ranks; Adam.
+    "plan_idle": {
+        "model": cnn,
+        "shape": (3, 8, 8),
+        "batch": 8,
+        "optimizer": "adam",
+        "first": ("plan", IDLE_3),
+        "second": ("plan", SPLIT_2),
         "steps": 4,
         "stop": 2,
     },
@@ -235,6 +257,16 @@ def second_job(group: Any, name: str, path: str) -> dict[str, Any]:
     case = CASES[name]
     ckpt = torch.load(path, weights_only=True)
     run = Runner(group, case, case["second"], seed=1)
+    # One rank's slice instead of the full tensor: every rank refuses it (the checks are
+    # local and see the same dict), before changing anything.
+    key = next(k for k, v in ckpt["model"].items() if v.dim() == 2)
+    sliced = dict(ckpt["model"], **{key: ckpt["model"][key][:1]})
+    try:
+        run.load(sliced, ckpt["optimizer"])
+    except ValueError as e:
+        assert str(e).startswith(f"state_dict: {key!r} has shape"), str(e)
+    else:
+        raise AssertionError("a sliced state dict was loaded")
     run.load(ckpt["model"], ckpt["optimizer"])
     for x, y in batches(case["shape"], case["batch"], case["steps"])[ckpt["step"] :]:
         run.step(x, y)
@@ -257,11 +289,14 @@ def second_job(group: Any, name: str, path: str) -> dict[str, Any]:
     return {"weights": weights, "optimizer": state, "shares": copy.deepcopy(run.shares)}
 
 
-def run_torch_first(rank: int, world: int, name: str, path: str) -> Any:
+def run_torch_first(rank: int, world: int, names: list[str], directory: str) -> dict[str, Any]:
+    """:func:`first_job` of each case in turn, in the same processes (one checkpoint each)."""
     torch.set_num_threads(1)
-    return first_job(None, name, path)
+    return {name: first_job(None, name, f"{directory}/{name}.pt") for name in names}
 
 
-def run_torch_second(rank: int, world: int, name: str, path: str) -> dict[str, Any]:
+def run_torch_second(
+    rank: int, world: int, names: list[str], directory: str
+) -> dict[str, dict[str, Any]]:
     torch.set_num_threads(1)
-    return second_job(None, name, path)
+    return {name: second_job(None, name, f"{directory}/{name}.pt") for name in names}

@@ -25,32 +25,40 @@ from hetcoll.torch import (
 HERE = Path(__file__).resolve().parent
 
 
-def _resume(name: str, tmp_path: Path) -> tuple[list, list]:
-    path = str(tmp_path / f"{name}.pt")
-    first = launch.spawn(elastic_cases.run_torch_first, 3, name, path, timeout=240)
-    second = launch.spawn(elastic_cases.run_torch_second, 2, name, path, timeout=240)
+PLANS = ["plan_pipeline_split", "plan_owners", "plan_idle", "plan_to_filter"]
+
+
+def _resume(names: list[str], tmp_path: Path) -> tuple[list, list]:
+    """Each case's first job on 3 gloo ranks, then its second on 2 (the cases share the jobs'
+    processes)."""
+    first = launch.spawn(elastic_cases.run_torch_first, 3, names, str(tmp_path), timeout=240)
+    second = launch.spawn(elastic_cases.run_torch_second, 2, names, str(tmp_path), timeout=240)
     return first, second
 
 
-def _exact(results: list[dict]) -> None:
-    r = results[0]  # rank 0 compared the full dicts, the same on every rank
-    assert r["weights"] <= elastic_cases.TOL, r
-    assert r["optimizer"] <= elastic_cases.TOL, r
+def _exact(name: str, results: list[dict]) -> None:
+    r = results[0][name]  # rank 0 compared the full dicts, the same on every rank
+    assert r["weights"] <= elastic_cases.TOL, (name, r)
+    assert r["optimizer"] <= elastic_cases.TOL, (name, r)
 
 
 @pytest.mark.multiproc
 def test_resnet18_filter_parallel_stops_on_three_ranks_and_resumes_on_two(tmp_path):
-    first, second = _resume("resnet18_filter", tmp_path)
-    _exact(second)
+    first, second = _resume(["resnet18_filter"], tmp_path)
+    _exact("resnet18_filter", second)
     # The split was re-solved for the ranks that resumed: conv1's 64 filters at 1:1:2, then 3:1.
-    assert first[0]["conv1"] == [16, 16, 32] and second[0]["shares"]["conv1"] == [48, 16]
+    assert first[0]["resnet18_filter"]["conv1"] == [16, 16, 32]
+    assert second[0]["resnet18_filter"]["shares"]["conv1"] == [48, 16]
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["plan_pipeline_split", "plan_owners", "plan_to_filter"])
-def test_plans_stop_on_three_ranks_and_resume_on_two(name, tmp_path):
-    _, second = _resume(name, tmp_path)
-    _exact(second)
+def test_plans_stop_on_three_ranks_and_resume_on_two(tmp_path):
+    """A pipeline with a filter-split stage re-split over 2 ranks (Adam), a pipeline with an
+    owners stage resumed as a 2-stage pipeline, a pipeline beside an idle rank (Adam), and a
+    plan resumed filter-parallel."""
+    _, second = _resume(PLANS, tmp_path)
+    for name in PLANS:
+        _exact(name, second)
 
 
 @pytest.mark.multiproc
@@ -59,7 +67,8 @@ def test_mpi_plan_stops_on_three_ranks_and_resumes_on_two(tmp_path):
     worker = str(HERE / "mpi_workers" / "elastic.py")
     launch.mpiexec(3, [worker, "first", "plan_pipeline_split", path], timeout=240)
     proc = launch.mpiexec(2, [worker, "second", "plan_pipeline_split", path], timeout=240)
-    _exact(json.loads(proc.stdout.strip().splitlines()[-1]))
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    _exact("plan_pipeline_split", [{"plan_pipeline_split": r} for r in results])
 
 
 def _trained(optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)):

@@ -1233,8 +1233,10 @@ def filter_parallel(
 
     The result trains with any optimizer whose update is elementwise (SGD, Adam, AdamW,
     RMSprop, ...) exactly as the unsplit model would; global-norm clipping would see only the
-    local slice. :func:`gather_state_dict` rebuilds the full state dict; ``model.load_state_dict``
-    accepts a full (unsplit) one.
+    local slice. :func:`gather_state_dict` and :func:`gather_optimizer_state_dict` rebuild the
+    unsplit model's state dict and optimizer state; :func:`load_full_state_dict` and
+    :func:`load_full_optimizer_state_dict` load them into any split of the model (another
+    number of ranks, other speeds): a checkpoint that resumes elsewhere.
 
     >>> model = filter_parallel(DemoNet(), [1.0, 0.25], None)  # doctest: +SKIP
     """

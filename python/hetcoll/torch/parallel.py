@@ -143,7 +143,12 @@ class Parallel(nn.Module):
     """This rank's part of a model run under a :class:`~hetcoll.plan.Plan` (made by
     :func:`parallelize`). ``parameters()`` are this rank's: any optimizer with an elementwise
     update (SGD, Adam, ...) steps them as the unsplit model's. An idle rank holds one empty
-    placeholder parameter, so the same training code runs on every rank."""
+    placeholder parameter, so the same training code runs on every rank.
+
+    Checkpoints hold the unsplit model's state, so that training resumes under another plan
+    (other ranks, other speeds): :meth:`full_state_dict` and :meth:`full_optimizer_state_dict`
+    save, :meth:`load_full_state_dict` and :meth:`load_full_optimizer_state_dict` load
+    (:mod:`hetcoll.torch.state_dicts`)."""
 
     def __init__(self) -> None:  # built by parallelize
         super().__init__()
