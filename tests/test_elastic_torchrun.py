@@ -33,7 +33,7 @@ import train_elastic  # noqa: E402
 pytestmark = pytest.mark.multiproc
 
 
-def _env(tmp_path: Path, how: str) -> dict[str, str]:
+def _env(tmp_path: Path, how: str, first_world: int) -> dict[str, str]:
     # The agents' shared TCPStore outlives a restart with the last attempt's keys, and gloo
     # may read a dead peer's address from them (pytorch #135712): one store per rendezvous.
     env = dict(
@@ -48,6 +48,7 @@ def _env(tmp_path: Path, how: str) -> dict[str, str]:
         HETCOLL_TEST_FAIL=how,
         HETCOLL_TEST_FAIL_AT=str(FAIL_AT),
         HETCOLL_TEST_MARKER=str(tmp_path / "failed.txt"),
+        HETCOLL_TEST_FIRST_WORLD=str(first_world),
     )
     return env
 
@@ -105,7 +106,7 @@ def test_torchrun_restarts_the_group_after_a_worker_fails(tmp_path, monkeypatch)
         "--rdzv-conf=last_call_timeout=1",
         str(WORKER), "--checkpoints", str(ckpt), "--speed", "1,1,2", "--timeout", "60",
     ]  # fmt: skip
-    codes = _wait([_launch(argv, _env(tmp_path, "worker"), log)], [log])
+    codes = _wait([_launch(argv, _env(tmp_path, "worker", 3), log)], [log])
     assert codes == [0], log.read_text()[-3000:]
     assert (tmp_path / "failed.txt").exists()  # the failure happened
     starts = _starts(ckpt)
@@ -125,13 +126,13 @@ def test_torchrun_loses_a_node_and_resumes_on_two_ranks(tmp_path, monkeypatch):
         "127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False
     )
     ckpt = tmp_path / "ckpt"
-    env = _env(tmp_path, "node")
+    env = _env(tmp_path, "node", 3)
     procs, logs = [], []
     for node, speed in enumerate(("1", "1", "2")):
         argv = [
             "--nnodes=1:3", "--nproc-per-node=1", "--max-restarts=1", "--monitor-interval=0.5",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}", "--rdzv-id=node",
-            "--rdzv-conf=is_host=0,last_call_timeout=5,keep_alive_interval=1,"
+            "--rdzv-conf=is_host=0,last_call_timeout=3,keep_alive_interval=1,"
             "keep_alive_max_attempt=3,join_timeout=120",
             str(WORKER), "--checkpoints", str(ckpt), "--speed", speed, "--timeout", "60",
         ]  # fmt: skip

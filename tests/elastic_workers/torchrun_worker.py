@@ -4,7 +4,9 @@ file, ``HETCOLL_TEST_MARKER``, says it happened; restarts leave it alone). Rank 
 rank 0 has written that step's checkpoint, so the restart resumes from that step, then
 ``HETCOLL_TEST_FAIL=worker`` raises (torchrun restarts the group on the same nodes) and
 ``node`` kills its own torchrun agent and exits (the node is lost: the other agents restart on
-the nodes left)."""
+the nodes left). ``HETCOLL_TEST_FIRST_WORLD``: the world the run must start on; a start on
+fewer ranks before the first checkpoint (an agent slow to join the first rendezvous) waits
+until torchrun restarts it with the late node, so the failure always meets the full world."""
 
 from __future__ import annotations
 
@@ -24,6 +26,12 @@ def main() -> None:
     fail_at = int(os.environ["HETCOLL_TEST_FAIL_AT"])
     how = os.environ["HETCOLL_TEST_FAIL"]
     marker = Path(os.environ["HETCOLL_TEST_MARKER"])
+    first_world = int(os.environ["HETCOLL_TEST_FIRST_WORLD"])
+    if (
+        train_elastic.newest_checkpoint(args.checkpoints) is None
+        and int(os.environ["WORLD_SIZE"]) < first_world
+    ):
+        time.sleep(600)  # the agent restarts this worker when the late node has joined
 
     def after_step(step: int) -> None:
         if step != fail_at or int(os.environ["RANK"]) != 2 or marker.exists():
