@@ -257,30 +257,35 @@ class Parallel(nn.Module):
     def _owners_state(
         self, keys: list[tuple[str, int, tuple[int, ...], torch.dtype]], mine: bool
     ) -> dict[str, torch.Tensor]:
-        """An owners stage's full tensors on every rank: each rank places its channels in a
-        zeroed full-size buffer (one per dtype) and the group sums them, which is exact (each
-        entry is one rank's value plus zeros); a whole tensor counts from one rank only."""
-        local = self.stage.local_state() if mine and isinstance(self.stage, OwnersStage) else {}
+        """An owners stage's full tensors on every rank (``mine``: this rank is in it), summed
+        from the ranks' channels (:meth:`_summed`)."""
+        parts = self._parts() if mine else {}
+        pieces = {n: tp for n, tp in parts.items() if self._counts(n, tp[1])}
+        return self._summed([(k, shape, dtype) for k, _, shape, dtype in keys], pieces)
+
+    def _summed(
+        self,
+        members: list[tuple[Any, tuple[int, ...], torch.dtype]],
+        pieces: Mapping[Any, tuple[torch.Tensor, Part]],
+    ) -> dict[Any, torch.Tensor]:
+        """Full tensors of ``members`` (key, full shape, dtype) on every rank (CPU): each rank
+        writes its ``pieces`` (key -> its tensor and where it sits; only pieces that count)
+        into a zeroed full-size buffer, one per dtype, and the group sums them. Exact: each
+        entry is one rank's value plus zeros. Collective over the group."""
         out = {}
-        for dtype in dict.fromkeys(d for *_, d in keys):
-            members = [e for e in keys if e[3] == dtype]
-            sizes = [math.prod(shape) for _, _, shape, _ in members]
+        for dtype in dict.fromkeys(d for *_, d in members):
+            same = [m for m in members if m[2] == dtype]
+            sizes = [math.prod(shape) for _, shape, _ in same]
             buf = torch.zeros(sum(sizes), dtype=dtype, device=self._wire_device())
             at = 0
-            for (key, layer, shape, _), n in zip(members, sizes, strict=True):
-                if key in local:
-                    t, index = local[key]
-                    full = buf[at : at + n].view(shape)
-                    if index is not None:
-                        full.index_copy_(0, index.to(full.device), t.detach().to(full.device))
-                    elif isinstance(self.stage, OwnersStage) and (
-                        self.stage.whole_tensor_holder(layer) == self.rank
-                    ):
-                        full.copy_(t.detach())
+            for (key, shape, _), n in zip(same, sizes, strict=True):
+                if key in pieces:
+                    t, part = pieces[key]
+                    part.put(buf[at : at + n].view(shape), t)
                 at += n
             self._tr.allreduce(buf, None)
             host, at = buf.cpu(), 0
-            for (key, _, shape, _), n in zip(members, sizes, strict=True):
+            for (key, shape, _), n in zip(same, sizes, strict=True):
                 out[key] = host[at : at + n].view(shape).clone()
                 at += n
         return out
@@ -355,23 +360,15 @@ class Parallel(nn.Module):
                 )
         shapes = {k: shape for k, _, shape, _ in self._state_layout}
         keys = sorted(found, key=lambda nf: order[nf[0]])
-        own = {(n, f) for n, f, kind, _ in entries if kind == "sliced"}
-        full: dict[tuple[str, str], Any] = {}
-        for dtype_name in dict.fromkeys(found[k][1] for k in keys if found[k][0] == "sliced"):
-            members = [k for k in keys if found[k][:2] == ("sliced", dtype_name)]
-            dtype = getattr(torch, dtype_name.removeprefix("torch."))
-            sizes = [math.prod(shapes[n]) for n, _ in members]
-            buf = torch.zeros(sum(sizes), dtype=dtype, device=self._wire_device())
-            at = 0
-            for (n, f), size in zip(members, sizes, strict=True):
-                if (n, f) in own:
-                    parts[n][1].put(buf[at : at + size].view(shapes[n]), state[n][f])
-                at += size
-            self._tr.allreduce(buf, None)
-            host, at = buf.cpu(), 0
-            for (n, f), size in zip(members, sizes, strict=True):
-                full[n, f] = host[at : at + size].view(shapes[n]).clone()
-                at += size
+        members = [
+            (k, shapes[k[0]], getattr(torch, found[k][1].removeprefix("torch.")))
+            for k in keys
+            if found[k][0] == "sliced"
+        ]
+        pieces = {
+            (n, f): (state[n][f], parts[n][1]) for n, f, kind, _ in entries if kind == "sliced"
+        }
+        full = self._summed(members, pieces)
         out: dict[str, dict[str, Any]] = {}
         for n, f in keys:  # each parameter's fields in its first holder's order
             kind, v, _ = found[n, f]
