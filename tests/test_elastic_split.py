@@ -62,13 +62,15 @@ def test_plans_stop_on_three_ranks_and_resume_on_two(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_mpi_plan_stops_on_three_ranks_and_resumes_on_two(tmp_path):
-    path = str(tmp_path / "ckpt.pt")
+def test_mpi_plans_stop_on_three_ranks_and_resume_on_two(tmp_path):
+    """On MPI: the pipeline with a split stage, re-split; and the plan resumed filter-parallel."""
+    names = ["plan_pipeline_split", "plan_to_filter"]
     worker = str(HERE / "mpi_workers" / "elastic.py")
-    launch.mpiexec(3, [worker, "first", "plan_pipeline_split", path], timeout=240)
-    proc = launch.mpiexec(2, [worker, "second", "plan_pipeline_split", path], timeout=240)
+    launch.mpiexec(3, [worker, "first", ",".join(names), str(tmp_path)], timeout=240)
+    proc = launch.mpiexec(2, [worker, "second", ",".join(names), str(tmp_path)], timeout=240)
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    _exact("plan_pipeline_split", [{"plan_pipeline_split": r} for r in results])
+    for name in names:
+        _exact(name, results)
 
 
 def _trained(optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)):

@@ -1,6 +1,7 @@
-"""MPI worker of tests/test_elastic_split.py: ``elastic.py first|second <case> <checkpoint>``
-runs one job of tests/elastic_cases.py on MPI.COMM_WORLD (no torch.distributed at all); the
-second job's rank 0 prints every rank's results as one JSON line."""
+"""MPI worker of tests/test_elastic_split.py: ``elastic.py first|second <case,...> <directory>``
+runs one job of each named case of tests/elastic_cases.py on MPI.COMM_WORLD (no
+torch.distributed at all; checkpoints ``<directory>/<case>.pt``); rank 0 prints every rank's
+results as one JSON line."""
 
 import json
 import sys
@@ -12,14 +13,12 @@ import torch
 from mpi4py import MPI
 
 torch.set_num_threads(1)
-job, name, path = sys.argv[1:4]
+job, names, directory = sys.argv[1:4]
 try:
     import elastic_cases
 
-    if job == "first":
-        result = elastic_cases.first_job(MPI.COMM_WORLD, name, path)
-    else:
-        result = elastic_cases.second_job(MPI.COMM_WORLD, name, path)
+    run = elastic_cases.first_job if job == "first" else elastic_cases.second_job
+    result = {n: run(MPI.COMM_WORLD, n, f"{directory}/{n}.pt") for n in names.split(",")}
 except BaseException:
     import traceback
 
