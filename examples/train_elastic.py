@@ -151,6 +151,8 @@ def train(
         opt.load_state_dict(ckpt["optimizer"])
         sampler.load_state_dict(ckpt["sampler"])  # keeps this start's shares
         epoch, step = ckpt["sampler"]["epoch"], ckpt["step"]
+        if ckpt["sampler"]["position"] == SAMPLES:  # saved after the epoch's last step
+            epoch += 1
     if rank == 0:
         start = {
             "world": world,

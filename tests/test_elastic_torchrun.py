@@ -24,7 +24,9 @@ from hetcoll.launch import free_port
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "elastic_workers" / "torchrun_worker.py"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
-FAIL_AT = 4  # mid first epoch (6 full steps and a small one per epoch, 2 epochs)
+# Each epoch is 6 full steps and a small one (2 epochs): the worker fails after the first epoch's
+# last step (the restart begins the next epoch), the node is lost mid-epoch.
+WORKER_FAILS_AT, NODE_LOST_AT = 7, 4
 TIMEOUT = 240.0
 
 sys.path.insert(0, str(ROOT / "examples"))
@@ -33,7 +35,7 @@ import train_elastic  # noqa: E402
 pytestmark = pytest.mark.multiproc
 
 
-def _env(tmp_path: Path, how: str, first_world: int) -> dict[str, str]:
+def _env(tmp_path: Path, how: str, fail_at: int, first_world: int) -> dict[str, str]:
     # The agents' shared TCPStore outlives a restart with the last attempt's keys, and gloo
     # may read a dead peer's address from them (pytorch #135712): one store per rendezvous.
     env = dict(
@@ -46,7 +48,7 @@ def _env(tmp_path: Path, how: str, first_world: int) -> dict[str, str]:
         env.pop(k, None)
     env.update(
         HETCOLL_TEST_FAIL=how,
-        HETCOLL_TEST_FAIL_AT=str(FAIL_AT),
+        HETCOLL_TEST_FAIL_AT=str(fail_at),
         HETCOLL_TEST_MARKER=str(tmp_path / "failed.txt"),
         HETCOLL_TEST_FIRST_WORLD=str(first_world),
     )
@@ -106,19 +108,19 @@ def test_torchrun_restarts_the_group_after_a_worker_fails(tmp_path, monkeypatch)
         "--rdzv-conf=last_call_timeout=1",
         str(WORKER), "--checkpoints", str(ckpt), "--speed", "1,1,2", "--timeout", "60",
     ]  # fmt: skip
-    codes = _wait([_launch(argv, _env(tmp_path, "worker", 3), log)], [log])
+    codes = _wait([_launch(argv, _env(tmp_path, "worker", WORKER_FAILS_AT, 3), log)], [log])
     assert codes == [0], log.read_text()[-3000:]
     assert (tmp_path / "failed.txt").exists()  # the failure happened
     starts = _starts(ckpt)
     assert [(s["world"], s["resumed_from"], s["restart"]) for s in starts] == [
         (3, 0, 0),
-        (3, FAIL_AT, 1),
+        (3, WORKER_FAILS_AT, 1),
     ], starts
     _assert_exact(ckpt, tmp_path, monkeypatch)
 
 
 def test_torchrun_loses_a_node_and_resumes_on_two_ranks(tmp_path, monkeypatch):
-    """Three agents (nodes) of one rank each; rank 2's agent is killed after step FAIL_AT; the
+    """Three agents (nodes) of one rank each; rank 2's agent is killed after step 4; the
     other two re-rendezvous (``--nnodes=1:3``) and resume on 2 ranks with shares re-solved.
     The rendezvous store is this test's own (``is_host=0`` on every agent), so whichever node
     is lost, the store stays."""
@@ -126,7 +128,7 @@ def test_torchrun_loses_a_node_and_resumes_on_two_ranks(tmp_path, monkeypatch):
         "127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False
     )
     ckpt = tmp_path / "ckpt"
-    env = _env(tmp_path, "node", 3)
+    env = _env(tmp_path, "node", NODE_LOST_AT, 3)
     procs, logs = [], []
     for node, speed in enumerate(("1", "1", "2")):
         argv = [
@@ -143,6 +145,6 @@ def test_torchrun_loses_a_node_and_resumes_on_two_ranks(tmp_path, monkeypatch):
     assert sorted(codes) == [-signal.SIGKILL, 0, 0], (codes, tails)
     starts = _starts(ckpt)
     assert starts[0]["world"] == 3 and starts[0]["resumed_from"] == 0, starts
-    assert starts[-1]["world"] == 2 and starts[-1]["resumed_from"] == FAIL_AT, starts
+    assert starts[-1]["world"] == 2 and starts[-1]["resumed_from"] == NODE_LOST_AT, starts
     assert len(starts[-1]["shares"]) == 2 and sum(starts[-1]["shares"]) == 8, starts
     _assert_exact(ckpt, tmp_path, monkeypatch)
