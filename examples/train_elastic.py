@@ -159,6 +159,7 @@ def train(
             "resumed_from": step,
             "shares": shares,
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            "time": time.time(),  # when training (re)started: after rendezvous and loading
         }
         with open(directory / "starts.jsonl", "a") as f:
             f.write(json.dumps(start) + "\n")
