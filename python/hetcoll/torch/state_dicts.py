@@ -152,7 +152,9 @@ def check_full_state_dict(
     """``state_dict`` holds exactly the keys of ``shapes`` (the unsplit model's state-dict
     names), each a tensor of that shape."""
     if not isinstance(state_dict, Mapping):
-        raise TypeError(f"{argument}: must be a state dict (a mapping), got {type(state_dict)}")
+        raise TypeError(
+            f"{argument}: must be a state dict (a mapping), got {type(state_dict).__name__}"
+        )
     missing = [k for k in shapes if k not in state_dict]
     unexpected = [k for k in state_dict if k not in shapes]
     if unexpected:
