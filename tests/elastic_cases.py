@@ -2,8 +2,10 @@
 launch.spawn, or MPI): a first job trains a few steps under one split and writes the full model
 and optimizer state; a second job, on another number of ranks with the split re-solved for
 other speeds, builds the model afresh (other initial weights), loads the checkpoint and trains
-on. Every rank then checks the final weights, and the optimizer's state, against one process
-training every step uninterrupted: equal to 1e-10 (relative) in float64.
+on. Its rank 0 then checks the final weights, and the optimizer's state, against one process
+training every step uninterrupted: equal to 1e-10 (relative) in float64. On gloo both jobs run
+in one start-up of 3 processes (:func:`run_torch_in_place`: the second on a group of two of
+them); on MPI they are two mpiexec jobs (tests/mpi_workers/elastic.py).
 
 A case is (model, optimizer, the first job's split, the second job's split, steps, where to
 stop); a split is ``("filter", speeds)`` (:func:`hetcoll.torch.filter_parallel`) or ``("plan",
@@ -295,8 +297,17 @@ def run_torch_first(rank: int, world: int, names: list[str], directory: str) -> 
     return {name: first_job(None, name, f"{directory}/{name}.pt") for name in names}
 
 
-def run_torch_second(
+def run_torch_in_place(
     rank: int, world: int, names: list[str], directory: str
-) -> dict[str, dict[str, Any]]:
-    torch.set_num_threads(1)
-    return {name: second_job(None, name, f"{directory}/{name}.pt") for name in names}
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both jobs in the same 3 processes, to start them once: the first on all three, then
+    the second on a group of ranks 0 and 1 (rank 2 leaves), each model built afresh from
+    the checkpoint file."""
+    import torch.distributed as dist
+
+    first = run_torch_first(rank, world, names, directory)
+    two = dist.new_group([0, 1])
+    dist.barrier()  # rank 0 has written the checkpoints
+    if rank == 2:
+        return first, {}
+    return first, {name: second_job(two, name, f"{directory}/{name}.pt") for name in names}

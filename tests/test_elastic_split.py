@@ -1,8 +1,10 @@
 """Elastic resume of split models (issue 29): filter-parallel models and plans stop after k
 optimizer steps on 3 ranks and resume on 2, with their split re-solved for other speeds; the
 final weights and optimizer state equal one uninterrupted process in float64 (to 1e-10). The
-cases run on gloo (tests/elastic_cases.py through launch.spawn) and one on MPI; the checks of a
-full state dict's keys, shapes and format run in-process."""
+cases (tests/elastic_cases.py) run on gloo, both jobs in one start-up of 3 processes (the
+resumed job on a group of two of them, every model built afresh from the checkpoint file), and
+on MPI as two jobs, ``mpiexec -n 3`` then ``mpiexec -n 2``; the checks of a full state dict's
+keys, shapes and format run in-process."""
 
 from __future__ import annotations
 
@@ -28,14 +30,6 @@ HERE = Path(__file__).resolve().parent
 PLANS = ["plan_pipeline_split", "plan_owners", "plan_idle", "plan_to_filter"]
 
 
-def _resume(names: list[str], tmp_path: Path) -> tuple[list, list]:
-    """Each case's first job on 3 gloo ranks, then its second on 2 (the cases share the jobs'
-    processes)."""
-    first = launch.spawn(elastic_cases.run_torch_first, 3, names, str(tmp_path), timeout=240)
-    second = launch.spawn(elastic_cases.run_torch_second, 2, names, str(tmp_path), timeout=240)
-    return first, second
-
-
 def _exact(name: str, results: list[dict]) -> None:
     r = results[0][name]  # rank 0 compared the full dicts, the same on every rank
     assert r["weights"] <= elastic_cases.TOL, (name, r)
@@ -44,7 +38,11 @@ def _exact(name: str, results: list[dict]) -> None:
 
 @pytest.mark.multiproc
 def test_resnet18_filter_parallel_stops_on_three_ranks_and_resumes_on_two(tmp_path):
-    first, second = _resume(["resnet18_filter"], tmp_path)
+    # One start-up of 3 processes: the resumed job runs on a group of two of them.
+    ranks = launch.spawn(
+        elastic_cases.run_torch_in_place, 3, ["resnet18_filter"], str(tmp_path), timeout=240
+    )
+    first, second = [r[0] for r in ranks], [r[1] for r in ranks]
     _exact("resnet18_filter", second)
     # The split was re-solved for the ranks that resumed: conv1's 64 filters at 1:1:2, then 3:1.
     assert first[0]["resnet18_filter"]["conv1"] == [16, 16, 32]
@@ -56,7 +54,8 @@ def test_plans_stop_on_three_ranks_and_resume_on_two(tmp_path):
     """A pipeline with a filter-split stage re-split over 2 ranks (Adam), a pipeline with an
     owners stage resumed as a 2-stage pipeline, a pipeline beside an idle rank (Adam), and a
     plan resumed filter-parallel."""
-    _, second = _resume(PLANS, tmp_path)
+    ranks = launch.spawn(elastic_cases.run_torch_in_place, 3, PLANS, str(tmp_path), timeout=240)
+    second = [r[1] for r in ranks]
     for name in PLANS:
         _exact(name, second)
 

@@ -1363,14 +1363,8 @@ def split_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
     >>> split_tensors(nn.Linear(2, 2))
     {}
     """
-    out: dict[str, tuple[torch.Tensor, int, int]] = {}
     state = model.state_dict(keep_vars=True)
-    for mname, m in model.named_modules():
-        if isinstance(m, _ChannelSplit):
-            for pname, (dim, unit) in m.split_spec().items():
-                key = f"{mname}.{pname}" if mname else pname
-                out[key] = (state[key], dim, m.offset * unit)
-    return out
+    return {k: (state[k], p.dim, p.start) for k, p in _parts(model).items() if not p.whole}
 
 
 def gather_state_dict(model: nn.Module, *, dst: int | None = 0) -> dict[str, torch.Tensor] | None:
