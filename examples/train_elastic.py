@@ -2,8 +2,8 @@
 ranks are left continues exactly where training stopped.
 
     # on each of up to 3 nodes (one rank each), the same command but its own --speed:
-    torchrun --nnodes=1:3 --nproc-per-node=1 --max-restarts=3 \\
-        --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 --rdzv-id=job42 \\
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:3 --nproc-per-node=1 \\
+        --max-restarts=3 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 --rdzv-id=job42 \\
         examples/train_elastic.py --checkpoints ckpt/ --speed 2.0
 
 When a worker fails or a node is lost, torchrun stops the others and, while ``--max-restarts``
@@ -22,7 +22,10 @@ start. Rank 0 writes each checkpoint (a file per step, written whole then rename
 the previous one kept), a line per start in ``<checkpoints>/starts.jsonl`` and the final
 weights to ``<checkpoints>/final.pt``. Run without torchrun it trains in one process: the
 reference the test compares with. The rendezvous endpoint must outlive the nodes that may be
-lost (``--rdzv-conf is_host=1`` on a node that stays, or a store of its own).
+lost (``--rdzv-conf is_host=1`` on a node that stays, or a store of its own), and on this torch
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each restart a fresh store (the agents' shared
+one keeps the last attempt's keys, and gloo may read a dead peer's address from them: pytorch
+#135712).
 """
 
 from __future__ import annotations

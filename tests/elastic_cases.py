@@ -160,7 +160,18 @@ CASES: dict[str, dict[str, Any]] = {
         "steps": 4,
         "stop": 2,
     },
-    # Stopped under a plan, resumed filter-parallel: one checkpoint format for both.
+    # Stopped filter-parallel, resumed under a plan ...
+    "filter_to_plan": {
+        "model": cnn,
+        "shape": (3, 8, 8),
+        "batch": 8,
+        "optimizer": "sgd",
+        "first": ("filter", [1.0, 1.0, 2.0]),
+        "second": ("plan", PIPELINE_2),
+        "steps": 4,
+        "stop": 2,
+    },
+    # ... and under a plan, resumed filter-parallel: one checkpoint format for both.
     "plan_to_filter": {
         "model": cnn,
         "shape": (3, 8, 8),

@@ -27,7 +27,7 @@ from hetcoll.torch import (
 HERE = Path(__file__).resolve().parent
 
 
-PLANS = ["plan_pipeline_split", "plan_owners", "plan_idle", "plan_to_filter"]
+PLANS = ["plan_pipeline_split", "plan_owners", "plan_idle", "plan_to_filter", "filter_to_plan"]
 
 
 def _exact(name: str, results: list[dict]) -> None:
@@ -52,8 +52,8 @@ def test_resnet18_filter_parallel_stops_on_three_ranks_and_resumes_on_two(tmp_pa
 @pytest.mark.multiproc
 def test_plans_stop_on_three_ranks_and_resume_on_two(tmp_path):
     """A pipeline with a filter-split stage re-split over 2 ranks (Adam), a pipeline with an
-    owners stage resumed as a 2-stage pipeline, a pipeline beside an idle rank (Adam), and a
-    plan resumed filter-parallel."""
+    owners stage resumed as a 2-stage pipeline, a pipeline beside an idle rank (Adam), a plan
+    resumed filter-parallel and a filter-parallel model resumed under a plan."""
     ranks = launch.spawn(elastic_cases.run_torch_in_place, 3, PLANS, str(tmp_path), timeout=240)
     second = [r[1] for r in ranks]
     for name in PLANS:
