@@ -322,3 +322,24 @@ def run_torch_in_place(
     if rank == 2:
         return first, {}
     return first, {name: second_job(two, name, f"{directory}/{name}.pt") for name in names}
+
+
+def mismatched_optimizers(rank: int, world: int) -> int:
+    """Ranks whose optimizers differ (SGD with momentum on one, Adam on the other) raise
+    :class:`hetcoll.CollectiveMismatchError` on every rank from the gathers, instead of
+    gathering unrelated state or hanging; returns how many raised."""
+    from hetcoll import CollectiveMismatchError
+
+    torch.set_num_threads(1)
+    raised = 0
+    x, y = batches((3, 8, 8), 8, 1)[0]
+    for split in (("filter", [1.0, 2.0]), ("plan", SPLIT_2)):
+        run = Runner(None, CASES["plan_to_filter"], split, seed=0)
+        run.opt = make_optimizer("adam" if rank else "sgd", run.net.parameters())
+        run.step(x, y)
+        try:
+            run.full()
+        except CollectiveMismatchError as e:
+            assert "ranks disagree on the" in str(e), str(e)
+            raised += 1
+    return raised

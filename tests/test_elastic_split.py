@@ -61,6 +61,11 @@ def test_plans_stop_on_three_ranks_and_resume_on_two(tmp_path):
 
 
 @pytest.mark.multiproc
+def test_ranks_with_different_optimizers_raise_on_every_rank():
+    assert launch.spawn(elastic_cases.mismatched_optimizers, 2, timeout=240) == [2, 2]
+
+
+@pytest.mark.multiproc
 def test_mpi_plans_stop_on_three_ranks_and_resume_on_two(tmp_path):
     """On MPI: the pipeline with a split stage, re-split; and the plan resumed filter-parallel."""
     names = ["plan_pipeline_split", "plan_to_filter"]
