@@ -11,7 +11,10 @@ from hetcoll.torch.filters import (
     FilterParallelLinear,
     filter_parallel,
     gather_gradients,
+    gather_optimizer_state_dict,
     gather_state_dict,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
 )
 from hetcoll.torch.hooks import (
     WeightedAllreduceState,
@@ -39,8 +42,11 @@ __all__ = [
     "broadcast_parameters",
     "filter_parallel",
     "gather_gradients",
+    "gather_optimizer_state_dict",
     "gather_speeds",
     "gather_state_dict",
+    "load_full_optimizer_state_dict",
+    "load_full_state_dict",
     "measure_speed",
     "parallelize",
     "register_weighted_hook",

@@ -34,6 +34,7 @@ stays replicated (and must be fed identical inputs on every rank: seed dropout i
 
 from __future__ import annotations
 
+import copy
 import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -48,6 +49,15 @@ from torch.nn.modules.batchnorm import _BatchNorm
 import hetcoll
 from hetcoll.collectives import allgatherv, allreduce
 from hetcoll.comm import Communicator, agree, deadline, wrap
+from hetcoll.torch.state_dicts import (
+    Part,
+    check_full_optimizer_state_dict,
+    check_full_state_dict,
+    check_optimizer,
+    local_optimizer_state_dict,
+    named_optimizer_state,
+    state_kind,
+)
 
 __all__ = [
     "ELEMENTWISE_MODULES",
@@ -63,7 +73,10 @@ __all__ = [
     "filter_parallel",
     "filter_shares",
     "gather_gradients",
+    "gather_optimizer_state_dict",
     "gather_state_dict",
+    "load_full_optimizer_state_dict",
+    "load_full_state_dict",
     "split_tensors",
 ]
 
@@ -1220,8 +1233,10 @@ def filter_parallel(
 
     The result trains with any optimizer whose update is elementwise (SGD, Adam, AdamW,
     RMSprop, ...) exactly as the unsplit model would; global-norm clipping would see only the
-    local slice. :func:`gather_state_dict` rebuilds the full state dict; ``model.load_state_dict``
-    accepts a full (unsplit) one.
+    local slice. :func:`gather_state_dict` and :func:`gather_optimizer_state_dict` rebuild the
+    unsplit model's state dict and optimizer state; :func:`load_full_state_dict` and
+    :func:`load_full_optimizer_state_dict` load them into any split of the model (another
+    number of ranks, other speeds): a checkpoint that resumes elsewhere.
 
     >>> model = filter_parallel(DemoNet(), [1.0, 0.25], None)  # doctest: +SKIP
     """
@@ -1348,14 +1363,8 @@ def split_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
     >>> split_tensors(nn.Linear(2, 2))
     {}
     """
-    out: dict[str, tuple[torch.Tensor, int, int]] = {}
     state = model.state_dict(keep_vars=True)
-    for mname, m in model.named_modules():
-        if isinstance(m, _ChannelSplit):
-            for pname, (dim, unit) in m.split_spec().items():
-                key = f"{mname}.{pname}" if mname else pname
-                out[key] = (state[key], dim, m.offset * unit)
-    return out
+    return {k: (state[k], p.dim, p.start) for k, p in _parts(model).items() if not p.whole}
 
 
 def gather_state_dict(model: nn.Module, *, dst: int | None = 0) -> dict[str, torch.Tensor] | None:
@@ -1378,3 +1387,128 @@ def gather_gradients(model: nn.Module, *, dst: int | None = 0) -> dict[str, torc
     """
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return _gather(model, grads, dst, "model")
+
+
+# -- checkpoints: the unsplit model's state, and back into any split ------------------------------
+
+
+def _parts(model: nn.Module) -> dict[str, Part]:
+    """Every state-dict entry of ``model`` by name: where this rank's tensor sits in the
+    unsplit model's (a channel slice for split ones, the whole tensor otherwise)."""
+    state = model.state_dict(keep_vars=True)
+    parts = {k: Part(tuple(t.shape)) for k, t in state.items()}
+    for mname, m in model.named_modules():
+        if isinstance(m, _ChannelSplit):
+            for pname, (dim, unit) in m.split_spec().items():
+                key = f"{mname}.{pname}" if mname else pname
+                local = state[key]
+                shape = list(local.shape)
+                shape[dim] = sum(m.shares) * unit
+                parts[key] = Part(tuple(shape), dim, m.offset * unit, int(local.shape[dim]))
+    return parts
+
+
+def _split_comm(model: nn.Module) -> Communicator | None:
+    comms = {id(m.comm): m.comm for m in model.modules() if isinstance(m, _ChannelSplit)}
+    if len(comms) > 1:
+        raise ValueError("model: split modules on different process groups")
+    return next(iter(comms.values()), None)
+
+
+def gather_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, dst: int | None = 0
+) -> dict[str, Any] | None:
+    """The unsplit model's optimizer state: ``optimizer``'s state with every split tensor
+    gathered from the ranks (SGD's momentum, Adam's moments: state shaped as its parameter is
+    split as the parameter is), keyed by the parameter names of the original model, as
+    torch.distributed.checkpoint's full optimizer state dict and FSDP's
+    ``full_optim_state_dict`` are: ``{"state": {name: {...}}, "param_groups": [{..., "params":
+    [names]}]}`` (:mod:`hetcoll.torch.state_dicts`). Returned on rank ``dst`` (None elsewhere),
+    or on every rank with ``dst=None``. Collective, as :func:`gather_state_dict`: every rank
+    calls it with its optimizer over ``model.parameters()``; ranks whose optimizer state
+    differs in layout raise :class:`hetcoll.CollectiveMismatchError`, all of them.
+    :func:`load_full_optimizer_state_dict` loads the result into any split of the model.
+
+    >>> full = gather_optimizer_state_dict(model, opt, dst=None)  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    comm = _split_comm(model)
+    size = comm.size if comm is not None else 1
+    if dst is not None and (not _is_int(dst) or not 0 <= dst < size):
+        raise ValueError(f"dst: must be a rank in [0, {size}) or None, got {dst!r}")
+    names: dict[int, str | None] = {id(p): n for n, p in model.named_parameters()}
+    failure: BaseException | None = None
+    state: dict[str, dict[str, Any]] = {}
+    groups: list[tuple[dict[str, Any], list[str]]] = []
+    try:
+        state, groups = named_optimizer_state(optimizer, names)
+    except (TypeError, ValueError) as e:
+        failure = e
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    layout = [
+        (n, f, state_kind(v, shapes[n]), str(getattr(v, "dtype", type(v).__name__)))
+        for n, entries in state.items()
+        for f, v in entries.items()
+    ]
+    if comm is not None:
+        fields = {
+            "the optimizer state's names, fields and dtypes": zlib.crc32(repr(layout).encode()),
+            "the optimizer's param groups": zlib.crc32(repr(groups).encode()),
+        }
+        agree(comm, fields, failure=failure)
+    elif failure is not None:
+        raise failure
+    full: dict[str, dict[str, Any]] = {n: {} for n in state}
+    for field in dict.fromkeys(f for _, f, kind, _ in layout if kind == "sliced"):
+        values = {n: state[n][field] for n, f, kind, _ in layout if f == field and kind == "sliced"}
+        gathered = _gather(model, values, dst, "model")
+        if gathered is not None:
+            for n, t in gathered.items():
+                full[n][field] = t
+    if comm is not None and dst is not None and comm.rank != dst:
+        return None
+    for n, f, kind, _ in layout:
+        if kind != "sliced":
+            v = state[n][f]
+            full[n][f] = v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+    return {
+        "state": {n: {f: full[n][f] for f in state[n]} for n in state},
+        "param_groups": [{**hyper, "params": listed} for hyper, listed in groups],
+    }
+
+
+def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Load the unsplit model's ``state_dict`` (:func:`gather_state_dict`'s, or a plain
+    model's) into ``model``, split or not: each rank keeps its slice of every split tensor,
+    whatever split wrote the checkpoint. Local (no communication); keys and shapes are checked
+    first, against the unsplit model, and a mismatch raises naming ``state_dict``.
+
+    >>> model = filter_parallel(Net(), speeds=new_speeds)  # doctest: +SKIP
+    >>> load_full_state_dict(model, ckpt["model"])  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    check_full_state_dict(state_dict, {k: p.shape for k, p in _parts(model).items()})
+    model.load_state_dict(state_dict)  # split modules slice full tensors (_ChannelSplit)
+
+
+def load_full_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
+) -> None:
+    """Load a full optimizer state dict (:func:`gather_optimizer_state_dict`'s, or
+    :meth:`hetcoll.torch.Parallel.full_optimizer_state_dict`'s) into ``optimizer``, built over
+    ``model.parameters()`` with the same param groups: each rank takes its slice of every split
+    parameter's state, whatever split wrote it, and the saved hyperparameters. Local (no
+    communication); names and shapes are checked first, against the unsplit model.
+
+    >>> load_full_optimizer_state_dict(model, opt, ckpt["optimizer"])  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    check_optimizer(optimizer)
+    parts = _parts(model)
+    params = dict(model.named_parameters())
+    check_full_optimizer_state_dict(state_dict, {n: parts[n].shape for n in params})
+    held: dict[int, tuple[str, Part] | None] = {id(p): (n, parts[n]) for n, p in params.items()}
+    optimizer.load_state_dict(local_optimizer_state_dict(optimizer, state_dict, held))

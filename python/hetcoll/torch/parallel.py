@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -51,6 +53,15 @@ from hetcoll.torch.placement import (
     StepIO,
     check_block_shapes,
     owners_blocks,
+)
+from hetcoll.torch.state_dicts import (
+    Part,
+    check_full_optimizer_state_dict,
+    check_full_state_dict,
+    check_optimizer,
+    local_optimizer_state_dict,
+    named_optimizer_state,
+    state_kind,
 )
 from hetcoll.torch.transport import CountingCommunicator, Transport, transport
 
@@ -90,29 +101,20 @@ class _Piece:
 
     param: torch.Tensor  # this rank's tensor
     offset: int  # where the full parameter starts in the buffer
-    shape: tuple[int, ...]  # the full parameter's shape
-    dim: int  # the dimension this rank's slice is cut along (0 if whole)
-    start: int  # the slice's first index along dim
+    part: Part  # where this rank's tensor sits in the full parameter
     contributes: bool  # whether this rank's gradient counts for its replica
-    index: torch.Tensor | None = None  # an owners stage's channels (rows of dim 0), or None
 
     def _full(self, buffer: torch.Tensor) -> torch.Tensor:
-        return buffer[self.offset : self.offset + math.prod(self.shape)].view(self.shape)
+        shape = self.part.shape
+        return buffer[self.offset : self.offset + math.prod(shape)].view(shape)
 
     def put(self, buffer: torch.Tensor, t: torch.Tensor) -> None:
         """Place this rank's ``t`` where it belongs in the buffer."""
-        if self.index is not None:
-            self._full(buffer).index_copy_(0, self.index, t.to(buffer.device))
-        else:
-            self._full(buffer).narrow(self.dim, self.start, self.param.shape[self.dim]).copy_(t)
+        self.part.put(self._full(buffer), t)
 
     def take(self, buffer: torch.Tensor) -> torch.Tensor:
         """This rank's part of the buffer (a copy on the parameter's device)."""
-        full = self._full(buffer)
-        if self.index is not None:
-            return full.index_select(0, self.index).to(self.param.device)
-        part = full.narrow(self.dim, self.start, self.param.shape[self.dim])
-        return part.to(self.param.device, copy=True)
+        return self.part.take(self._full(buffer)).to(self.param.device, copy=True)
 
 
 @dataclass
@@ -140,7 +142,12 @@ class Parallel(nn.Module):
     """This rank's part of a model run under a :class:`~hetcoll.plan.Plan` (made by
     :func:`parallelize`). ``parameters()`` are this rank's: any optimizer with an elementwise
     update (SGD, Adam, ...) steps them as the unsplit model's. An idle rank holds one empty
-    placeholder parameter, so the same training code runs on every rank."""
+    placeholder parameter, so the same training code runs on every rank.
+
+    Checkpoints hold the unsplit model's state, so that training resumes under another plan
+    (other ranks, other speeds): :meth:`full_state_dict` and :meth:`full_optimizer_state_dict`
+    save, :meth:`load_full_state_dict` and :meth:`load_full_optimizer_state_dict` load
+    (:mod:`hetcoll.torch.state_dicts`)."""
 
     def __init__(self) -> None:  # built by parallelize
         super().__init__()
@@ -153,6 +160,7 @@ class Parallel(nn.Module):
         self._device: torch.device
         self._layers_meta: list[nn.Module]
         self._state_layout: list[tuple[str, int, tuple[int, ...], torch.dtype]]
+        self._param_names: list[str]  # the model's parameters, in its order
         self._stage_comm: CountingCommunicator | None = None  # a split stage's sub-group
         self._blocks: dict[tuple[int, int], list[Block]] = {}  # owners stages' blocks
         self._reductions: list[_Reduction] = []
@@ -249,33 +257,206 @@ class Parallel(nn.Module):
     def _owners_state(
         self, keys: list[tuple[str, int, tuple[int, ...], torch.dtype]], mine: bool
     ) -> dict[str, torch.Tensor]:
-        """An owners stage's full tensors on every rank: each rank places its channels in a
-        zeroed full-size buffer (one per dtype) and the group sums them, which is exact (each
-        entry is one rank's value plus zeros); a whole tensor counts from one rank only."""
-        local = self.stage.local_state() if mine and isinstance(self.stage, OwnersStage) else {}
+        """An owners stage's full tensors on every rank (``mine``: this rank is in it), summed
+        from the ranks' channels (:meth:`_summed`)."""
+        parts = self._parts() if mine else {}
+        pieces = {n: tp for n, tp in parts.items() if self._counts(n, tp[1])}
+        return self._summed([(k, shape, dtype) for k, _, shape, dtype in keys], pieces)
+
+    def _summed(
+        self,
+        members: list[tuple[Any, tuple[int, ...], torch.dtype]],
+        pieces: Mapping[Any, tuple[torch.Tensor, Part]],
+    ) -> dict[Any, torch.Tensor]:
+        """Full tensors of ``members`` (key, full shape, dtype) on every rank (CPU): each rank
+        writes its ``pieces`` (key -> its tensor and where it sits; only pieces that count)
+        into a zeroed full-size buffer, one per dtype, and the group sums them. Exact: each
+        entry is one rank's value plus zeros. Collective over the group."""
         out = {}
-        for dtype in dict.fromkeys(d for *_, d in keys):
-            members = [e for e in keys if e[3] == dtype]
-            sizes = [math.prod(shape) for _, _, shape, _ in members]
+        for dtype in dict.fromkeys(d for *_, d in members):
+            same = [m for m in members if m[2] == dtype]
+            sizes = [math.prod(shape) for _, shape, _ in same]
             buf = torch.zeros(sum(sizes), dtype=dtype, device=self._wire_device())
             at = 0
-            for (key, layer, shape, _), n in zip(members, sizes, strict=True):
-                if key in local:
-                    t, index = local[key]
-                    full = buf[at : at + n].view(shape)
-                    if index is not None:
-                        full.index_copy_(0, index.to(full.device), t.detach().to(full.device))
-                    elif isinstance(self.stage, OwnersStage) and (
-                        self.stage.whole_tensor_holder(layer) == self.rank
-                    ):
-                        full.copy_(t.detach())
+            for (key, shape, _), n in zip(same, sizes, strict=True):
+                if key in pieces:
+                    t, part = pieces[key]
+                    part.put(buf[at : at + n].view(shape), t)
                 at += n
             self._tr.allreduce(buf, None)
             host, at = buf.cpu(), 0
-            for (key, _, shape, _), n in zip(members, sizes, strict=True):
+            for (key, shape, _), n in zip(same, sizes, strict=True):
                 out[key] = host[at : at + n].view(shape).clone()
                 at += n
         return out
+
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The unsplit model's optimizer state, on every rank (CPU tensors): ``optimizer``'s
+        state (built over :meth:`parameters`) with every parameter's state whole, keyed by the
+        original model's parameter names as torch.distributed.checkpoint's full optimizer state
+        dict and FSDP's ``full_optim_state_dict`` are (:mod:`hetcoll.torch.state_dicts`): state
+        shaped as its parameter (SGD's momentum, Adam's moments) is gathered from the ranks
+        holding slices of it, as :meth:`full_state_dict` gathers the weights, from replica 0.
+        Collective over the group; every rank passes an optimizer of the same type and param
+        groups (an idle rank's holds its placeholder), or every rank raises.
+        :meth:`load_full_optimizer_state_dict` loads it into any plan's ranks.
+
+        >>> full = par.full_optimizer_state_dict(opt)  # doctest: +SKIP
+        """
+        parts = self._parts()
+        names = self._names_of_params(parts)
+        failure: BaseException | None = None
+        state: dict[str, dict[str, Any]] = {}
+        groups: list[tuple[dict[str, Any], list[str]]] = []
+        try:
+            state, groups = named_optimizer_state(optimizer, names)
+        except (TypeError, ValueError) as e:
+            failure = e
+        fields = {"the number of the optimizer's param groups": len(groups)}
+        for g, (hyper, _) in enumerate(groups):
+            fields[f"the hyperparameters of param group {g}"] = zlib.crc32(
+                repr(sorted(hyper.items())).encode()
+            )
+        agree(self._tr.comm, fields, failure=failure)
+
+        # What this rank's state adds to the full one: its parts of replica 0's parameters (as
+        # full_state_dict reads them), tensors by (name, field, dtype), the rest by value.
+        held: list[str] = []
+        entries: list[tuple[str, str, str, Any]] = []
+        if self.place is not None and self.place[0] == 0:
+            for n, (t, part) in parts.items():
+                if id(t) not in names or not self._counts(n, part):
+                    continue
+                held.append(n)
+                for f, v in state.get(n, {}).items():
+                    if state_kind(v, t.shape) == "sliced":
+                        entries.append((n, f, "sliced", str(v.dtype)))
+                    else:
+                        kept = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+                        entries.append((n, f, "value", kept))
+        mine = {"held": held, "entries": entries, "groups": [names for _, names in groups]}
+        every = _allgather_objects(self._tr.comm, mine)
+
+        order = {n: i for i, n in enumerate(self._param_names)}
+        holders: dict[str, list[int]] = {}
+        found: dict[tuple[str, str], tuple[str, Any, list[int]]] = {}
+        for q, d in enumerate(every):
+            for n in d["held"]:
+                holders.setdefault(n, []).append(q)
+            for n, f, kind, v in d["entries"]:
+                if (n, f) not in found:
+                    found[n, f] = (kind, v, [])
+                elif kind == "sliced" and found[n, f][:2] != (kind, v):
+                    raise ValueError(
+                        f"optimizer: ranks keep parameter {n!r}'s {f!r} in different dtypes "
+                        f"({found[n, f][1]} and {v})"
+                    )
+                found[n, f][2].append(q)
+        for (n, f), (kind, _, ranks) in found.items():
+            if kind == "sliced" and ranks != holders[n]:
+                raise ValueError(
+                    f"optimizer: parameter {n!r} is held by ranks {holders[n]} but only ranks "
+                    f"{ranks} have its {f!r} state (did every rank step the same optimizer?)"
+                )
+        shapes = {k: shape for k, _, shape, _ in self._state_layout}
+        keys = sorted(found, key=lambda nf: order[nf[0]])
+        members = [
+            (k, shapes[k[0]], getattr(torch, found[k][1].removeprefix("torch.")))
+            for k in keys
+            if found[k][0] == "sliced"
+        ]
+        pieces = {
+            (n, f): (state[n][f], parts[n][1]) for n, f, kind, _ in entries if kind == "sliced"
+        }
+        full = self._summed(members, pieces)
+        out: dict[str, dict[str, Any]] = {}
+        for n, f in keys:  # each parameter's fields in its first holder's order
+            kind, v, _ = found[n, f]
+            out.setdefault(n, {})[f] = full[n, f] if kind == "sliced" else v
+        param_groups = []
+        for g, (hyper, _) in enumerate(groups):
+            listed = {n for d in every for n in d["groups"][g]}
+            param_groups.append({**hyper, "params": sorted(listed, key=order.__getitem__)})
+        return {"state": out, "param_groups": param_groups}
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load the unsplit model's ``state_dict`` (:meth:`full_state_dict`'s, a filter-parallel
+        model's gathered one, or a plain model's) into this rank's part of the model: its
+        stage's layers, its channel slice of a split stage, its own channels of an owners
+        stage, whatever plan wrote the checkpoint. Local (no communication); keys and shapes
+        are checked first, against the unsplit model, the same on every rank.
+
+        >>> par = parallelize(make_model(), new_plan, loss_fn=loss)  # doctest: +SKIP
+        >>> par.load_full_state_dict(ckpt["model"])  # doctest: +SKIP
+        """
+        check_full_state_dict(state_dict, {k: shape for k, _, shape, _ in self._state_layout})
+        with torch.no_grad():
+            for n, (t, part) in self._parts().items():
+                t.copy_(part.take(state_dict[n]).to(t.device, t.dtype))
+
+    def load_full_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
+    ) -> None:
+        """Load a full optimizer state dict (:meth:`full_optimizer_state_dict`'s, or
+        :func:`hetcoll.torch.gather_optimizer_state_dict`'s) into ``optimizer``, built over
+        :meth:`parameters` with the param groups it was saved with: each rank takes its part of
+        every parameter it holds, whatever plan wrote it, and the saved hyperparameters. Local
+        (no communication); names and shapes are checked first, against the unsplit model.
+
+        >>> opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)  # doctest: +SKIP
+        >>> par.load_full_optimizer_state_dict(opt, ckpt["optimizer"])  # doctest: +SKIP
+        """
+        check_optimizer(optimizer)
+        shapes = {k: shape for k, _, shape, _ in self._state_layout}
+        check_full_optimizer_state_dict(state_dict, {n: shapes[n] for n in self._param_names})
+        parts = self._parts()
+        held: dict[int, tuple[str, Part] | None] = {
+            i: None if n is None else (n, parts[n][1])
+            for i, n in self._names_of_params(parts).items()
+        }
+        optimizer.load_state_dict(local_optimizer_state_dict(optimizer, state_dict, held))
+
+    def _parts(self) -> dict[str, tuple[torch.Tensor, Part]]:
+        """This rank's parameters and buffers by the model's state-dict names, each with where
+        it sits in the full tensor (a filter-split stage's channel slice, an owners stage's
+        channels, or whole)."""
+        shapes = {k: shape for k, _, shape, _ in self._state_layout}
+        if self.stage is None:
+            return {}
+        if isinstance(self.stage, OwnersStage):
+            return {
+                n: (t, Part(shapes[n], index=index))
+                for n, (t, index) in self.stage.local_state().items()
+            }
+        out = {n: (t, Part(shapes[n])) for n, t in self.stage.state_dict(keep_vars=True).items()}
+        for n, (t, dim, start) in split_tensors(self.stage).items():
+            out[n] = (t, Part(shapes[n], dim, start, int(t.shape[dim])))
+        return out
+
+    def _counts(self, name: str, part: Part) -> bool:
+        """Whether this rank's copy of a tensor counts for its replica: every slice does; a
+        whole tensor held by several ranks of a stage counts once (at the stage's lead, or at
+        an owners stage's holder of the layer's whole tensors)."""
+        if not part.whole:
+            return True
+        if isinstance(self.stage, OwnersStage):
+            layer = next(layer for k, layer, *_ in self._state_layout if k == name)
+            return self.stage.whole_tensor_holder(layer) == self.rank
+        assert self.place is not None
+        return self.rank == self.plan.replicas[self.place[0]].stages[self.place[1]].ranks[0]
+
+    def _names_of_params(
+        self, parts: dict[str, tuple[torch.Tensor, Part]]
+    ) -> dict[int, str | None]:
+        """``id(parameter) -> name`` for this rank's parameters; None for the placeholder an
+        idle rank (or an owners rank holding no channel with weights) holds."""
+        names: dict[int, str | None] = {
+            id(t): n for n, (t, _) in parts.items() if isinstance(t, nn.Parameter)
+        }
+        idle = getattr(self, "idle", None)
+        if idle is not None:
+            names[id(idle)] = None
+        return names
 
     def extra_repr(self) -> str:
         if self.place is None:
@@ -572,6 +753,17 @@ class Parallel(nn.Module):
                 piece.param.grad = piece.take(buf)
 
 
+def _allgather_objects(comm: Any, obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (pickled: the peers are this job's own ranks), in rank order: the
+    lengths, then the bytes padded to the longest (two fixed-size allgathers)."""
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = comm.allgather_int64(np.array([data.size], np.int64), None)[:, 0]
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: data.size] = data
+    rows = comm.allgather_fixed(padded, None)
+    return [pickle.loads(rows[q, : int(n)].tobytes()) for q, n in enumerate(sizes)]
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
@@ -654,6 +846,7 @@ def parallelize(
     par._state_layout = [
         (k, _layer_of(k, names), tuple(v.shape), v.dtype) for k, v in state.items()
     ]
+    par._param_names = [n for n, _ in model.named_parameters()]
     par._layers_meta = [copy.deepcopy(m).to("meta") for _, m in layers]
 
     # Rank 0's weights for everyone (one broadcast of the packed state dict).
@@ -753,26 +946,7 @@ def _plan_reductions(par: Parallel, plan: Plan, names: list[str], model: nn.Modu
             for r in s.ranks
         ]
         holders[layer] = tuple(sorted(holding))
-    local: dict[str, tuple[torch.Tensor, int, int]] = {}
-    split_params: set[str] = set()
-    indexed: dict[str, torch.Tensor] = {}
-    if isinstance(par.stage, OwnersStage):
-        for n, (t, index) in par.stage.local_state().items():
-            if isinstance(t, nn.Parameter):
-                local[n] = (t, 0, 0)
-                split_params.add(n)
-                if index is not None:
-                    indexed[n] = index.to(par._wire_device())
-    elif par.stage is not None:
-        for n, p in par.stage.named_parameters():
-            local[n] = (p, 0, 0)
-        for n, (_, dim, start) in split_tensors(par.stage).items():
-            if n in local:
-                local[n] = (local[n][0], dim, start)
-                split_params.add(n)
-    lead = par.place is not None and (
-        par.rank == plan.replicas[par.place[0]].stages[par.place[1]].ranks[0]
-    )
+    local = {n: tp for n, tp in par._parts().items() if isinstance(tp[0], nn.Parameter)}
     groups: dict[tuple[tuple[int, ...], torch.dtype], list[str]] = {}
     for n, p in model.named_parameters():
         groups.setdefault((holders[_layer_of(n, names)], p.dtype), []).append(n)
@@ -784,9 +958,8 @@ def _plan_reductions(par: Parallel, plan: Plan, names: list[str], model: nn.Modu
         for n in members:
             shape = tuple(model.get_parameter(n).shape)
             if n in local:  # in an owners stage, a rank may own none of a layer's channels
-                t, dim, start = local[n]
-                contributes = lead or n in split_params
-                pieces.append(_Piece(t, at, shape, dim, start, contributes, indexed.get(n)))
+                t, part = local[n]
+                pieces.append(_Piece(t, at, part, par._counts(n, part)))
             at += math.prod(shape)
         buffer = torch.zeros(at, dtype=dtype, device=par._wire_device())
         par._reductions.append(_Reduction(sub, pieces, buffer, len(ranks)))
