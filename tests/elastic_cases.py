@@ -171,6 +171,18 @@ CASES: dict[str, dict[str, Any]] = {
         "steps": 4,
         "stop": 2,
     },
+    # A plan on 3 ranks, then whatever plan the planner picks for 2 ranks of speeds 3:1
+    # (re-solved at load time, from the model's costs and the new cluster).
+    "plan_replanned": {
+        "model": cnn,
+        "shape": (3, 8, 8),
+        "batch": 8,
+        "optimizer": "sgd",
+        "first": ("plan", PIPELINE_SPLIT_3),
+        "second": ("planner", [3.0, 1.0]),
+        "steps": 4,
+        "stop": 2,
+    },
     # ... and under a plan, resumed filter-parallel: one checkpoint format for both.
     "plan_to_filter": {
         "model": cnn,
@@ -183,6 +195,19 @@ CASES: dict[str, dict[str, Any]] = {
         "stop": 2,
     },
 }
+
+
+def replan(case: dict[str, Any], speeds: list[float]) -> dict[str, Any]:
+    """The planner's best runnable plan for the case's model and batch on devices of these
+    relative speeds (one per rank), as a plan dict: what a job resuming on other hardware
+    re-solves at load time."""
+    from hetcoll.model import Cluster, Device, Link, Node, layer_costs, plan
+
+    costs = layer_costs(case["model"](), case["shape"])
+    nodes = [Node(f"n{i}", Device(f"d{i}", 1e10 * f, 1e10, 1e10), 1) for i, f in enumerate(speeds)]
+    best = next(p for p in plan(costs, Cluster(nodes, Link("l", 1e-5, 1e9)), case["batch"])
+                if p.feasible and p.plan is not None)  # fmt: skip
+    return best.to_plan().to_dict()
 
 
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
@@ -204,10 +229,12 @@ class Runner:
             self.net: Any = filter_parallel(model, group=group, speeds=self.how)
             self.shares: Any = filter_shares(case["model"](), size=len(self.how), speeds=self.how)
         else:
+            plan = replan(case, self.how) if self.kind == "planner" else self.how
             self.net = parallelize(
-                model, Plan.from_dict(self.how), loss_fn=nn.CrossEntropyLoss(), group=group
+                model, Plan.from_dict(plan), loss_fn=nn.CrossEntropyLoss(), group=group
             )
-            self.shares = self.how
+            self.shares = plan
+            self.kind = "plan"
         self.opt = make_optimizer(case["optimizer"], self.net.parameters())
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:

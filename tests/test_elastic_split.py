@@ -27,7 +27,14 @@ from hetcoll.torch import (
 HERE = Path(__file__).resolve().parent
 
 
-PLANS = ["plan_pipeline_split", "plan_owners", "plan_idle", "plan_to_filter", "filter_to_plan"]
+PLANS = [
+    "plan_pipeline_split",
+    "plan_owners",
+    "plan_idle",
+    "plan_to_filter",
+    "filter_to_plan",
+    "plan_replanned",
+]
 
 
 def _exact(name: str, results: list[dict]) -> None:
@@ -53,11 +60,19 @@ def test_resnet18_filter_parallel_stops_on_three_ranks_and_resumes_on_two(tmp_pa
 def test_plans_stop_on_three_ranks_and_resume_on_two(tmp_path):
     """A pipeline with a filter-split stage re-split over 2 ranks (Adam), a pipeline with an
     owners stage resumed as a 2-stage pipeline, a pipeline beside an idle rank (Adam), a plan
-    resumed filter-parallel and a filter-parallel model resumed under a plan."""
+    resumed filter-parallel, a filter-parallel model resumed under a plan, and a plan resumed
+    under the plan the planner picks for the two ranks left."""
     ranks = launch.spawn(elastic_cases.run_torch_in_place, 3, PLANS, str(tmp_path), timeout=240)
     second = [r[1] for r in ranks]
     for name in PLANS:
         _exact(name, second)
+    # The planner's plan covers the two ranks that resumed, and differs from the first job's.
+    replanned = second[0]["plan_replanned"]["shares"]
+    assert {r for rep in replanned["replicas"] for st in rep["stages"] for r in st["ranks"]} <= {
+        0,
+        1,
+    }
+    assert replanned != elastic_cases.PIPELINE_SPLIT_3
 
 
 @pytest.mark.multiproc
