@@ -29,7 +29,10 @@ median of the launches' medians.
 ``predicted_s`` is the model's step for the emulated cluster as the emulation runs it
 (:func:`hetcoll.lab.predict_emulated.parallel_plan`: the library's laid-out plan with the
 sleeps and the host's shared cores put in); ``planner_s`` is what the planner itself predicts,
-each rank a device slowed to its speed (:func:`hetcoll.model.predict_plan`).
+each rank a device slowed to its speed (:func:`hetcoll.model.predict_plan`). Both take the
+ranks' devices measured inside the launch every ``DEVICE_EVERY`` steps, under the load the
+steps see (on a shared host a calibration made before the launch misses it): the launch's
+prediction is the median over those measurements, and the figure the median over launches.
 """
 
 from __future__ import annotations
@@ -243,7 +246,7 @@ def _torch_step(plan: dict[str, Any], schedule: str, rank: int, speed: float) ->
 
 def _rank(
     rank: int, world: int, plan_dicts: dict[str, dict[str, Any]], steps: int, warmup: int
-) -> dict[str, list[float]]:
+) -> dict[str, Any]:
     torch.set_num_threads(1)
     # A stage's first layer whose input needs no gradient has no backward the emulation can
     # time (hetcoll.lab.emulate.SlowDown): torch warns; that layer's backward is not slowed.
@@ -255,7 +258,10 @@ def _rank(
         if name in TORCH_PEERS:
             runs[f"torch {TORCH_PEERS[name]}"] = _torch_step(plan, TORCH_PEERS[name], rank, speed)
     times: dict[str, list[float]] = {name: [] for name in runs}
+    devices = []
     for i in range(warmup + steps):
+        if i >= warmup and (i - warmup) % DEVICE_EVERY == 0:
+            devices.append(_device_here(rank))
         # A new order every step (the same on every rank), so that no configuration always
         # follows the same other one.
         order = list(runs)
@@ -269,14 +275,31 @@ def _rank(
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if i >= warmup:
                 times[name].append(float(t))
-    return times
+    return {"times": times, "devices": devices}
+
+
+#: Timed steps between two measurements of the ranks' devices.
+DEVICE_EVERY = 10
+
+
+def _device_here(rank: int) -> Any:
+    """This rank's device measured now, under the load the steps see, as many ranks at once
+    as there are cores (:func:`hetcoll.lab.validate.side_by_side`: the prediction shares the
+    cores itself), medians of the timings."""
+    from hetcoll.lab import calibrate
+    from hetcoll.lab.validate import side_by_side
+
+    calibrate.set_statistic("median")
+    dist.barrier()
+    return side_by_side(rank, lambda: calibrate.measure_device(f"rank{rank}", 4e9, quick=True))
 
 
 # -- the prediction -------------------------------------------------------------------------------
 
 
-def predictors() -> dict[str, Callable[[dict[str, Any]], float]]:
-    """``plan -> predicted seconds`` for this machine's calibrated device (one thread) and
+def predictors(devices: Sequence[Any]) -> dict[str, Callable[[dict[str, Any]], float]]:
+    """``plan -> predicted seconds`` for the ranks' ``devices`` (each measured inside the
+    launch, one thread, under the load its steps saw: :func:`_device_here`) and this machine's
     gloo link, two ways:
 
     - ``"predicted_s"``: the step as the emulation runs it
@@ -293,11 +316,10 @@ def predictors() -> dict[str, Callable[[dict[str, Any]], float]]:
     from hetcoll.lab.emulate import emulated_device
     from hetcoll.lab.validate import validation_cluster
 
-    device = calibrate.measure_device("this-machine-1-thread", 4e9, quick=True)
     fit = calibrate.measure_gloo_link()
     link = model.Link("gloo-local", fit.latency_s, fit.bytes_per_s)
-    slowed = validation_cluster([emulated_device(device, f) for f in SPEEDS], link)
-    full = validation_cluster([device] * len(SPEEDS), link)
+    slowed = validation_cluster([emulated_device(d, f) for d, f in zip(devices, SPEEDS)], link)
+    full = validation_cluster(list(devices), link)
     host = predict_emulated.SharedCores(os.cpu_count() or 1)
     costs = model.layer_costs(conv_net(), SHAPE)
 
@@ -334,13 +356,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if unknown:
             ap.error(f"--only: no plan named {unknown[0]!r} (plans: {', '.join(plan_dicts)})")
         plan_dicts = {k: v for k, v in plan_dicts.items() if k in args.only}
-    predict = predictors()
-    launches = []
+    launches, predictions = [], []
     for _ in range(args.launches):
-        times = launch.spawn(_rank, len(SPEEDS), plan_dicts, args.steps, args.warmup, timeout=1800)[
-            0
-        ]
-        launches.append(times)
+        ranks = launch.spawn(_rank, len(SPEEDS), plan_dicts, args.steps, args.warmup, timeout=1800)
+        launches.append(ranks[0]["times"])
+        # The launch's prediction: the median over its measurements of the ranks' devices.
+        per_measure = [predictors(list(d)) for d in zip(*(r["devices"] for r in ranks))]
+        predictions.append(
+            {
+                name: {
+                    k: statistics.median(p[k](plan) for p in per_measure) for k in per_measure[0]
+                }
+                for name, plan in plan_dicts.items()
+            }
+        )
     rows = []
     for name, plan in plan_dicts.items():
         medians = [statistics.median(t[name]) for t in launches]
@@ -351,7 +380,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(
             {
                 "name": name,
-                **{key: f(plan) for key, f in predict.items()},
+                **{
+                    key: statistics.median(p[name][key] for p in predictions)
+                    for key in predictions[0][name]
+                },
+                "predicted_s_per_launch": [p[name]["predicted_s"] for p in predictions],
                 "measured_s": statistics.median(medians),
                 "vs_torch_pipelining": statistics.median(ratios) if ratios else None,
                 "measured_s_per_launch": medians,

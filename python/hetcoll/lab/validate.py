@@ -118,14 +118,14 @@ def _scheduler_here(rank: int, world: int) -> dict[str, object]:
     from hetcoll.lab import calibrate
 
     # The loop's rate as the device's figures are taken: ``cores`` ranks at once.
-    rate = _side_by_side(rank, calibrate.spin_rate)
+    rate = side_by_side(rank, calibrate.spin_rate)
     # The collective the filter-parallel layers call, with data: a 256 KiB hetcoll.allreduce
     # (a one-element token showed less of the wake-up cost: in one run the 3-rank filter rows
     # came out -29 % and -21 % with it, -24 % and -20 % with this).
     return {"lockstep_s": calibrate.lockstep_stretch_seconds(rate, nbytes=256 * 1024)}
 
 
-def _side_by_side(rank: int, measure: Callable[[], _T]) -> _T:
+def side_by_side(rank: int, measure: Callable[[], _T]) -> _T:
     """``measure()`` on every rank, as many ranks at once as there are cores: all at once while
     the ranks fit in the cores; otherwise in groups of ``cores`` ranks between barriers (the
     last group filled up with ranks measuring a second time, their figure discarded), so each
@@ -153,7 +153,7 @@ def _timed_steps(
     sees the load step k sees: on a shared machine the load changes within seconds). The ranks
     measure all at once while they fit in the cores (so the figures include what running side
     by side costs), ``cores`` at a time when they outnumber them (the model shares the cores
-    itself; :func:`_side_by_side`). The caller pairs steps across ranks and takes medians."""
+    itself; :func:`side_by_side`). The caller pairs steps across ranks and takes medians."""
     import torch.distributed as dist
 
     from hetcoll.lab import calibrate
@@ -167,7 +167,7 @@ def _timed_steps(
         if calibrate_here:
             dist.barrier()
             devices.append(
-                _side_by_side(
+                side_by_side(
                     rank, lambda: calibrate.measure_device(f"rank{rank}", 1e12, quick=True)
                 )
             )
@@ -221,7 +221,7 @@ def _data_rank(
                 own.append(time.perf_counter() - t0)
         return statistics.median(own)
 
-    compute_s = _side_by_side(rank, own_compute)
+    compute_s = side_by_side(rank, own_compute)
 
     def step() -> None:
         # The pause sits between this rank's forward and its backward, where a slower device
