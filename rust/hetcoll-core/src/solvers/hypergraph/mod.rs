@@ -11,15 +11,18 @@
 //! deterministic for a seed:
 //!
 //! 1. `coarsen`: heavy-edge clustering (rating `Σ w(e)/(|e|−1)` over shared nets, bounded cluster
-//!    weight, at most a 2.5× shrink per level) contracted level by level until about `160·k`
+//!    weight, at most a 2.5× shrink per level; a vertex whose best partner is too heavy stays
+//!    alone rather than join one rated far lower) contracted level by level until about `160·k`
 //!    vertices remain; single-pin nets dropped and parallel nets merged.
 //! 2. `initial`: recursive bisection of the coarsest hypergraph with adaptive imbalance per level;
-//!    each bisection takes the best of several tries (greedy hypergraph growing from random seeds,
-//!    random assignments), each polished by FM; several such runs compete on the k-way result.
+//!    each bisection takes the best of a portfolio of tries (greedy hypergraph growing from random
+//!    seeds, random assignments, BFS sweeps: the cheapest balanced prefix of a BFS order), each
+//!    polished by FM; several such runs compete on the k-way result.
 //! 3. `refine`: on the way back, the coarse partition is projected, then k-way FM with km1 gains
 //!    (gain cache, moves kept only up to the best prefix, vertices whose best block is full parked
 //!    until it has room) improves it; a rebalancing pass restores balance whenever a level starts
-//!    out of balance.
+//!    out of balance. On the input level, `flow`: max-flow min-cut refinement between pairs of
+//!    blocks on a region around their cut (KaHyPar-MF), then FM again.
 //! 4. V-cycles: coarsen again with clusters inside blocks, so the partition survives to the coarse
 //!    levels, and refine on the way back; repeated while a cycle improves km1.
 //!
