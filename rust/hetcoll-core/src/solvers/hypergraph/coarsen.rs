@@ -131,7 +131,7 @@ fn cluster(
         // The best rating among all candidates, whether their weight allows joining or not.
         let mut top = 0.0f64;
         for &r in &touched {
-            if r as usize != v && !blocks.is_some_and(|b| b[r as usize] != b[v]) {
+            if r as usize != v && blocks.is_none_or(|b| b[r as usize] == b[v]) {
                 top = top.max(rating[r as usize]);
             }
         }
