@@ -18,8 +18,8 @@
 use super::refine::State;
 
 /// Initial region scale: the region in `a` may weigh up to `room(b) + (α − 1) · ε · target(b)`.
-/// KaHyPar-MF starts at 16; 8 found the same cuts on the benchmark's kNN and power-law
-/// instances in two thirds of the time (docs/partition.md).
+/// KaHyPar-MF starts at 16; 8 found the same cuts on the quick benchmark's kNN and power-law
+/// instances in two thirds of the time (development runs; docs/partition.md).
 const ALPHA: f64 = 8.0;
 /// Rounds over all block pairs while a round improves km1.
 const ROUNDS: usize = 3;
