@@ -445,9 +445,9 @@ fn flows_straighten_a_zigzag_cut() {
 }
 
 /// A chain of layers as in a CNN's hypergraph: each vertex's output net holds it and the whole
-/// next layer. Cuts between layers cost that layer's output nets; the recursive bisection's BFS
-/// sweep must find the cheap, balanced boundary (layers of 4 vertices; the boundary after layer 2
-/// is the only balanced one, and its nets are light).
+/// next layer. Cuts between layers cost that layer's output nets; the partitioner must find the
+/// cheap, balanced boundary (layers of 4 vertices; the boundary after layer 2 is the only
+/// balanced one, and its nets are light).
 #[test]
 fn layered_chain_is_cut_between_layers() {
     let layers = 4usize;
@@ -465,4 +465,80 @@ fn layered_chain_is_cut_between_layers() {
     let hg = build(layers * width, &nets, None, Some(nw)).unwrap();
     let parts = partition_hypergraph(&hg, &PartitionOptions::new(vec![0.5, 0.5])).unwrap();
     assert_eq!(hg.km1(&parts), 4.0, "{parts:?}");
+}
+
+/// A CNN's hypergraph from its layers `(filters, weight of each, weight of its output nets)`:
+/// each filter's output net holds it and the whole next layer.
+fn layered(layers: &[(usize, f64, f64)]) -> Hypergraph {
+    let mut vw = Vec::new();
+    let mut nets: Vec<Vec<u32>> = Vec::new();
+    let mut nw = Vec::new();
+    let mut start = 0u32;
+    for (l, &(count, weight, out)) in layers.iter().enumerate() {
+        vw.extend(std::iter::repeat_n(weight, count));
+        if let Some(&(next, _, _)) = layers.get(l + 1) {
+            let readers: Vec<u32> = (start + count as u32..start + (count + next) as u32).collect();
+            for f in 0..count as u32 {
+                let mut net = vec![start + f];
+                net.extend_from_slice(&readers);
+                nets.push(net);
+                nw.push(out);
+            }
+        }
+        start += count as u32;
+    }
+    build(vw.len(), &nets, Some(vw), Some(nw)).unwrap()
+}
+
+/// VGG-11 at k = 2: the cheapest balanced cut is between the 4th and 5th convolution (8192),
+/// which needs whole layers on each side. The heavy 4th layer's filters cannot pair with each
+/// other under the cluster weight limit; they used to pair with the 5th layer's, erasing that cut
+/// at the coarse levels, and greedy growing plus FM landed at 4x (32768). The BFS sweep and the
+/// weak-partner rule in coarsening find it.
+#[test]
+fn vgg_is_cut_between_layers() {
+    // VGG-11's convolutional stack at half width, weights scaled as in
+    // benches/compare_partitioners.py (filters by FLOPs, feature maps by bytes).
+    let hg = layered(&[
+        (32, 3750.0, 1024.0),
+        (64, 10000.0, 256.0),
+        (128, 5000.0, 256.0),
+        (128, 10000.0, 64.0),
+        (256, 2500.0, 64.0),
+        (256, 5000.0, 16.0),
+        (256, 1250.0, 16.0),
+        (256, 1250.0, 4.0),
+        (10, 35.0, 0.0),
+    ]);
+    for seed in 0..3 {
+        let mut options = PartitionOptions::new(vec![0.5, 0.5]);
+        options.seed = seed;
+        let parts = partition_hypergraph(&hg, &options).unwrap();
+        assert_eq!(hg.km1(&parts), 8192.0, "seed {seed}");
+    }
+}
+
+/// VGG-11 at quarter width, k = 2: the cut between the 4th and 5th convolution leaves the first
+/// side 1.4% over its limit, and no balanced cut between layers is cheap. Mt-KaHyPar's partition
+/// (7168) takes that cut and moves 3 of the 16 first-layer filters over (cheap per unit of
+/// weight): the relaxed BFS sweep offers the slightly unbalanced cut, rebalancing moves those.
+#[test]
+fn vgg_quarter_width_rebalances_a_layer_cut() {
+    let hg = layered(&[
+        (16, 7500.0, 1024.0),
+        (32, 10000.0, 256.0),
+        (64, 5000.0, 256.0),
+        (64, 10000.0, 64.0),
+        (128, 2500.0, 64.0),
+        (128, 5000.0, 16.0),
+        (128, 1250.0, 16.0),
+        (128, 1250.0, 4.0),
+        (10, 35.0, 0.0),
+    ]);
+    for seed in 0..3 {
+        let mut options = PartitionOptions::new(vec![0.5, 0.5]);
+        options.seed = seed;
+        let parts = partition_hypergraph(&hg, &options).unwrap();
+        assert_eq!(hg.km1(&parts), 7168.0, "seed {seed}");
+    }
 }
