@@ -99,8 +99,10 @@ fn bisect(hg: &Hypergraph, caps: &[f64; 2], rng: &mut Rng) -> Vec<u32> {
     let total = hg.total_weight();
     let ideal_right = total * caps[1] / (caps[0] + caps[1]);
     let tries = if n < super::SMALL { 2 * TRIES } else { TRIES };
-    for attempt in 0..tries {
-        let start = if attempt % 3 == 2 {
+    for attempt in 0..tries + 2 {
+        let start = if attempt >= tries {
+            bfs_sweep(hg, ideal_right, caps, attempt > tries, rng)
+        } else if attempt % 3 == 2 {
             random_split(hg, ideal_right, rng)
         } else {
             grow(hg, ideal_right, caps, rng)
@@ -184,6 +186,127 @@ fn grow(hg: &Hypergraph, ideal_right: f64, caps: &[f64; 2], rng: &mut Rng) -> Ve
         }
     }
     state.parts
+}
+
+/// Breadth-first sweep: vertices in BFS order from a pseudo-peripheral vertex (the last one a BFS
+/// from a random vertex reaches) join block 1 one by one; of all these prefixes, the one with the
+/// smallest cut among those leaving both blocks within their limits is taken. On layered
+/// hypergraphs (a CNN's chain of layers) BFS order is layer order, so the sweep sees every cut
+/// between two layers and picks the cheapest balanced one — which greedy growing, following the
+/// best gain from a random seed, and FM, moving one vertex at a time, rarely reach.
+fn bfs_sweep(
+    hg: &Hypergraph,
+    ideal_right: f64,
+    caps: &[f64; 2],
+    relaxed: bool,
+    rng: &mut Rng,
+) -> Vec<u32> {
+    let n = hg.num_vertices();
+    let mut parts = vec![0u32; n];
+    if n == 0 {
+        return parts;
+    }
+    let start = rng.below(n);
+    let far = bfs_order(hg, start).last().copied().unwrap_or(start as u32) as usize;
+    let order = bfs_order(hg, far);
+    let total = hg.total_weight();
+    // Relaxed: prefixes up to the blocks' total slack beyond either limit count too, for the
+    // rebalancing in `bisect` to repair by moving the cheapest vertices (a cut between two layers
+    // that is slightly too unbalanced, plus a few light vertices moved over, can beat every
+    // balanced prefix).
+    let margin = if relaxed {
+        (caps[0] + caps[1] - total).max(0.0)
+    } else {
+        0.0
+    };
+    let (lowest, highest) = (total - caps[0] - margin, caps[1] + margin);
+    // Pins of each net in block 1 so far; the cut of the current prefix.
+    let mut in_right = vec![0usize; hg.num_nets()];
+    let (mut weight, mut cut) = (0.0, 0.0);
+    let mut best: Option<(f64, f64, usize)> = None; // (cut, distance from ideal, prefix length)
+    for (i, &v) in order.iter().enumerate() {
+        let v = v as usize;
+        let w = hg.vertex_weights[v];
+        if weight + w > highest {
+            break;
+        }
+        weight += w;
+        for &e in hg.nets(v) {
+            let e = e as usize;
+            let size = hg.net_size(e);
+            let was_cut = in_right[e] > 0 && in_right[e] < size;
+            in_right[e] += 1;
+            let is_cut = in_right[e] < size;
+            match (was_cut, is_cut) {
+                (false, true) => cut += hg.net_weights[e],
+                (true, false) => cut -= hg.net_weights[e],
+                _ => {}
+            }
+        }
+        if weight >= lowest {
+            let key = (cut, (weight - ideal_right).abs(), i + 1);
+            if best.is_none_or(|b| key.0 < b.0 || (key.0 == b.0 && key.1 < b.1)) {
+                best = Some(key);
+            }
+        }
+    }
+    let take = best.map_or_else(
+        || {
+            // No prefix fits both limits (heavy vertices): up to the ideal weight, as growing does.
+            let mut w = 0.0;
+            order
+                .iter()
+                .take_while(|&&v| {
+                    w += hg.vertex_weights[v as usize];
+                    w <= ideal_right
+                })
+                .count()
+        },
+        |b| b.2,
+    );
+    for &v in &order[..take] {
+        parts[v as usize] = 1;
+    }
+    parts
+}
+
+/// Every vertex in breadth-first order from `start`, then the other components' from their
+/// lowest vertex.
+fn bfs_order(hg: &Hypergraph, start: usize) -> Vec<u32> {
+    let n = hg.num_vertices();
+    let mut seen = vec![false; n];
+    let mut seen_net = vec![false; hg.num_nets()];
+    let mut order: Vec<u32> = Vec::with_capacity(n);
+    let mut next_root = 0;
+    let mut root = start;
+    loop {
+        seen[root] = true;
+        order.push(root as u32);
+        let mut i = order.len() - 1;
+        while i < order.len() {
+            let v = order[i] as usize;
+            i += 1;
+            for &e in hg.nets(v) {
+                if seen_net[e as usize] {
+                    continue;
+                }
+                seen_net[e as usize] = true;
+                for &u in hg.pins(e as usize) {
+                    if !seen[u as usize] {
+                        seen[u as usize] = true;
+                        order.push(u);
+                    }
+                }
+            }
+        }
+        while next_root < n && seen[next_root] {
+            next_root += 1;
+        }
+        if next_root == n {
+            return order;
+        }
+        root = next_root;
+    }
 }
 
 /// Random vertices go to block 1 until it reaches its ideal weight.

@@ -117,7 +117,7 @@ impl<'h> State<'h> {
     }
 
     /// Room left in block `b`: weight, and memory (infinite when not limited).
-    fn room(&self, b: usize) -> (f64, f64) {
+    pub fn room(&self, b: usize) -> (f64, f64) {
         let memory = if self.memory_caps.is_empty() {
             f64::INFINITY
         } else {
@@ -135,7 +135,7 @@ impl<'h> State<'h> {
     }
 
     #[inline]
-    fn phi(&self, e: usize, b: usize) -> u32 {
+    pub fn phi(&self, e: usize, b: usize) -> u32 {
         self.pin_counts[e * self.k + b]
     }
 
@@ -279,7 +279,9 @@ impl Ord for Entry {
 /// re-evaluated when popped instead): keeps a move's cost bounded on hypergraphs with huge nets.
 const LARGE_NET: usize = 1000;
 
-/// Rebalance if needed, then FM passes until a pass stops improving. (Label propagation before FM
+/// Rebalance if needed, then FM passes until a pass stops improving, then (with `flow_slack`,
+/// `ε · target(b) · W` per block) flow-based refinement and FM again if flows found a better
+/// cut. (Label propagation before FM
 /// was tried and removed: it fills blocks with mediocre moves that FM then cannot undo; without it
 /// km1 was lower and refinement faster on the benchmark instances.)
 pub(super) fn refine(
@@ -287,6 +289,7 @@ pub(super) fn refine(
     parts: &mut Vec<u32>,
     caps: &[f64],
     mem: Option<&[f64]>,
+    flow_slack: Option<&[f64]>,
     rng: &mut Rng,
 ) {
     let mut state = State::new(hg, std::mem::take(parts), caps);
@@ -297,6 +300,13 @@ pub(super) fn refine(
         rebalance(&mut state, rng);
     }
     fm(&mut state, rng, 8);
+    // Flows only on a balanced partition (they keep balance, they do not restore it); FM again
+    // if they moved something, to polish around the new cut.
+    if let Some(slack) = flow_slack {
+        if state.is_balanced() && super::flow::flow_refine(&mut state, slack) {
+            fm(&mut state, rng, 2);
+        }
+    }
     *parts = state.parts;
 }
 
