@@ -311,8 +311,9 @@ def shared_schedule_finish_seconds(
     holding no core) and ``("pause", x)`` (a sleep of ``x`` times the wall time the device's
     previous ``cpu`` phase took: the emulation times its own compute, waits for a core
     included). A collective ends ``s + host.wake_s`` after its last participant reaches it.
-    Returns each device's finish time and its seconds inside collectives; ``ValueError`` when
-    the programs deadlock.
+    Returns each device's finish time and its seconds inside collectives (their own, as the
+    library counts them, waits for the last participant aside); ``ValueError`` when the
+    programs deadlock.
 
     >>> cpu = [("cpu", 1.0)]
     >>> shared_schedule_finish_seconds([cpu, cpu, cpu], {}, SharedCores(2))[0]
@@ -338,7 +339,6 @@ def shared_schedule_finish_seconds(
     joined: dict[object, list[float]] = {}  # collective -> the times its participants joined
     ends: dict[object, float] = {}
     entered = [False] * n  # whether the device has joined the collective it waits in
-    join_at = [0.0] * n
     eps = 1e-15
 
     def advance(d: int) -> None:
@@ -366,11 +366,8 @@ def shared_schedule_finish_seconds(
                     return
                 del wait_until[d]
             elif kind == "send":
-                for message, latency_s, transfer_s in op[1]:
-                    start = max(now, link_free[d])
-                    link_free[d] = start + transfer_s
-                    arrival[message] = start + latency_s + transfer_s
-                    sent_until[d] = max(sent_until[d], arrival[message])
+                link_free[d] = terms.post_sends(now, op[1], link_free[d], arrival)
+                sent_until[d] = max([sent_until[d], *(arrival[m] for m, _, _ in op[1])])
             elif kind == "recv":
                 at = arrival.get(op[1])
                 if at is None or at > now + eps:
@@ -379,7 +376,6 @@ def shared_schedule_finish_seconds(
                 key = op[1]
                 if not entered[d]:
                     entered[d] = True
-                    join_at[d] = now
                     times = joined.setdefault(key, [])
                     times.append(now)
                     participants, seconds = collectives[key]
@@ -388,7 +384,7 @@ def shared_schedule_finish_seconds(
                 end = ends.get(key)
                 if end is None or end > now + eps:
                     return
-                in_collectives[d] += end - join_at[d]
+                in_collectives[d] += collectives[key][1] + wake
                 entered[d] = False
             elif kind == "wait_sends":
                 if sent_until[d] > now + eps:

@@ -11,6 +11,7 @@ planner evaluates one term for 1,024 devices in one vectorised call.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -329,6 +330,29 @@ class _Timeline:
                     self._next(r)
 
 
+def post_sends(
+    now: float,
+    sends: Sequence[tuple[object, float, float]],
+    link_free: float,
+    arrival: dict[object, float],
+) -> float:
+    """Non-blocking sends posted at ``now`` on a device's outgoing link, free from
+    ``link_free`` on: one after another, each ``(message, latency_s, transfer_s)`` occupying
+    the link ``transfer_s`` and arriving ``latency_s + transfer_s`` after its start (written
+    to ``arrival``). Returns when the link is free again (the rule of every schedule
+    simulation: :func:`schedule_finish_seconds` and the lab's shared-cores timeline).
+
+    >>> arrival = {}
+    >>> post_sends(1.0, [("a", 0.5, 2.0), ("b", 0.5, 1.0)], 0.0, arrival), arrival
+    (4.0, {'a': 3.5, 'b': 4.5})
+    """
+    for message, latency_s, transfer_s in sends:
+        start = max(now, link_free)
+        link_free = start + transfer_s
+        arrival[message] = start + latency_s + transfer_s
+    return link_free
+
+
 def schedule_finish_seconds(
     programs: list[list[tuple]], collectives: dict[object, tuple[int, float]]
 ) -> tuple[list[float], list[float]]:
@@ -379,11 +403,8 @@ def schedule_finish_seconds(
                 if kind == "compute":
                     t += op[1]
                 elif kind == "send":
-                    for message, latency_s, transfer_s in op[1]:
-                        start = max(t, link_free[d])
-                        link_free[d] = start + transfer_s
-                        arrival[message] = start + latency_s + transfer_s
-                        sent_until[d] = max(sent_until[d], arrival[message])
+                    link_free[d] = post_sends(t, op[1], link_free[d], arrival)
+                    sent_until[d] = max([sent_until[d], *(arrival[m] for m, _, _ in op[1])])
                 elif kind == "recv":
                     at = arrival.get(op[1])
                     if at is None:
