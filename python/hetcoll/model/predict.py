@@ -182,6 +182,9 @@ class _DeviceArrays:
     # Per precision: each device's matmul speed-up over fp32, and the devices without a peak.
     speedup: dict[str, np.ndarray]
     missing_peak: dict[str, tuple[str, ...]]
+    #: Each device's kind: the index of its Device among the distinct ones (equal devices time
+    #: alike, so a cluster of 10,240 devices in two kinds is timed as two columns).
+    kind: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def matmul_speedup(self, precision: str) -> np.ndarray:
         """Each device's :meth:`Device.matmul_speedup` at ``precision``; a ``UserWarning`` names
@@ -196,21 +199,45 @@ class _DeviceArrays:
             )
         return self.speedup[precision]
 
+    def columns(self, index: np.ndarray) -> _DeviceArrays:
+        """The devices ``index`` (an integer array) of these, in that order."""
+        return _DeviceArrays(
+            self.flops_per_s[index],
+            self.conv_flops_per_s[index],
+            self.mem_bytes_per_s[index],
+            self.elementwise_bytes_per_s[index],
+            self.overhead_s[index],
+            self.memory_bytes[index],
+            self.conv_channel_block[index],
+            {p: v[index] for p, v in self.speedup.items()},
+            self.missing_peak,
+            self.kind[index],
+        )
+
 
 def _device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
+    # Each distinct device is read once (a large cluster holds a few kinds many times over).
+    unique = list(dict.fromkeys(devices))
+    number = {d: i for i, d in enumerate(unique)}
+    kind = np.fromiter((number[d] for d in devices), dtype=np.int64, count=len(devices))
+
+    def per_device(values: list[float]) -> np.ndarray:
+        return np.asarray(values, dtype=np.float64)[kind]
+
     return _DeviceArrays(
-        np.array([d.flops_per_s for d in devices]),
-        np.array([d.conv_rate for d in devices]),
-        np.array([d.mem_bytes_per_s for d in devices]),
-        np.array([d.elementwise_rate for d in devices]),
-        np.array([d.kernel_overhead_s for d in devices]),
-        np.array([d.memory_bytes for d in devices]),
-        np.array([float(d.conv_channel_block) for d in devices]),
-        {p: np.array([d.matmul_speedup(p) for d in devices]) for p in PRECISIONS},
+        per_device([d.flops_per_s for d in unique]),
+        per_device([d.conv_rate for d in unique]),
+        per_device([d.mem_bytes_per_s for d in unique]),
+        per_device([d.elementwise_rate for d in unique]),
+        per_device([d.kernel_overhead_s for d in unique]),
+        per_device([d.memory_bytes for d in unique]),
+        per_device([float(d.conv_channel_block) for d in unique]),
+        {p: per_device([d.matmul_speedup(p) for d in unique]) for p in PRECISIONS},
         {
-            p: tuple(sorted({d.name for d in devices if d.peak_flops_per_s(p) <= 0}))
+            p: tuple(sorted({d.name for d in unique if d.peak_flops_per_s(p) <= 0}))
             for p in PRECISIONS
         },
+        kind,
     )
 
 
@@ -278,6 +305,37 @@ def _layer_times(
     filter parallelism, per-layer-and-device filter fractions ``filter_fraction``, fractions
     ``channel_fraction`` of the channels a layer's per-sample work covers, and the layers
     ``split_input`` whose fraction is of their input channels)."""
+    # Devices of one kind with the same work time alike: time each distinct column once.
+    batch = np.asarray(batch)
+    if len(batch) > 8 and len(dev.kind) == len(batch):
+        rows = [dev.kind, batch]
+        if filter_fraction is not None:
+            rows += list(filter_fraction)
+        if channel_fraction is not None:
+            rows += list(channel_fraction)
+        _, first, inverse = np.unique(
+            np.stack([np.asarray(r, dtype=np.float64) for r in rows]),
+            axis=1,
+            return_index=True,
+            return_inverse=True,
+        )
+        if len(first) < len(batch):
+            inverse = inverse.reshape(-1)
+            lt = _layer_times(
+                costs,
+                dev.columns(first),
+                batch[first],
+                None if filter_fraction is None else filter_fraction[:, first],
+                None if channel_fraction is None else channel_fraction[:, first],
+                split_input,
+            )
+            return LayerSeconds(
+                lt.forward_s[:, inverse],
+                lt.backward_s[:, inverse],
+                lt.compute_s[:, inverse],
+                lt.memory_s[:, inverse],
+                lt.overhead_s[:, inverse],
+            )
     t = _kernel_table(costs)
     n_dev = len(batch)
     b = batch[None, :].astype(np.float64)
@@ -1166,6 +1224,35 @@ def _stage_work(
     )
 
 
+def _replica_key(cluster: Cluster, rep: _ReplicaLayout) -> tuple[Any, ...]:
+    """What a replica's simulated step depends on: its samples and micro-batches, and per
+    stage its layers, split, the devices it runs on, the links its stage's collectives and its
+    sends cross. Replicas with equal keys run alike (their ranks aside)."""
+    devices = cluster.devices
+    key: list[Any] = [rep.samples, rep.micro]
+    for s, st in enumerate(rep.stages):
+        nxt = rep.stages[s + 1].ranks if s + 1 < len(rep.stages) else ()
+        prev = rep.stages[s - 1].ranks if s > 0 else ()
+        lead = st.ranks[0]
+        key.append(
+            (
+                st.lo,
+                st.hi,
+                st.out_bytes_per_sample,
+                st.parts,
+                tuple(st.modes.items()) if st.modes else None,
+                tuple((k, tuple(v)) for k, v in st.layer_shares.items())
+                if st.layer_shares
+                else None,
+                tuple(devices[d] for d in st.ranks),
+                cluster.subset(list(st.ranks)).ring_link() if len(st.ranks) > 1 else None,
+                tuple(cluster.link_between(lead, e) for e in nxt),
+                tuple(cluster.link_between(lead, e) for e in prev),
+            )
+        )
+    return tuple(key)
+
+
 def _predict_layout(
     costs: ModelCosts,
     cluster: Cluster,
@@ -1174,7 +1261,13 @@ def _predict_layout(
     state_copies: int,
     strategy: str,
 ) -> Prediction:
-    """Simulate one step of the laid-out plan (:func:`predict_plan`)."""
+    """Simulate one step of the laid-out plan (:func:`predict_plan`).
+
+    Replicas that run alike (:func:`_replica_key`) are simulated once: the gradient sums and
+    the loss's allreduce are timed over all their holders, but only one replica of each kind
+    takes part in the simulation, and the others copy its figures. That is the same step (the
+    copies would reach every collective at the same moment), at the cost of the distinct
+    replicas only: a 10,240-device plan of a few kinds of replica simulates a few."""
     from hetcoll.torch.parallel import schedule_order
 
     devices = cluster.devices
@@ -1187,19 +1280,25 @@ def _predict_layout(
             cache[b] = _layer_times(costs, dev, np.full(n_dev, b))
         return cache[b]
 
-    programs: list[list[tuple[Any, ...]]] = [[] for _ in range(n_dev)]
+    kinds: dict[tuple[Any, ...], int] = {}
+    like = [kinds.setdefault(_replica_key(cluster, rep), r) for r, rep in enumerate(replicas)]
+    simulated = sorted(set(like))
+    local: dict[int, int] = {}  # simulated device -> its program
+    for r in simulated:
+        for st in replicas[r].stages:
+            for d in st.ranks:
+                local[d] = len(local)
+    programs: list[list[tuple[Any, ...]]] = [[] for _ in local]
     collectives: dict[object, tuple[int, float]] = {}
     causes = np.zeros((3, n_dev))
     state = np.zeros(n_dev)
     activations = np.zeros(n_dev)
     update = np.zeros(n_dev)
     samples = [0] * n_dev
-    holders: list[set[int]] = [set() for _ in costs.layers]
-    for r, rep in enumerate(replicas):
+    for r in simulated:
+        rep = replicas[r]
         n_st, m = len(rep.stages), len(rep.micro)
         for s, stage in enumerate(rep.stages):
-            for i in range(stage.lo, stage.hi):
-                holders[i].update(stage.ranks)
             work = {
                 b: _stage_work(costs, cluster, stage, b, times, state_copies)
                 for b in sorted(set(rep.micro))
@@ -1218,7 +1317,7 @@ def _predict_layout(
                 state[d] = any_work.state_bytes[j]
                 update[d] = any_work.update_s[j]
                 activations[d] = any_work.saved_per_sample * kept
-                prog = programs[d]
+                prog = programs[local[d]]
                 for op, k in order:
                     w = work[rep.micro[k]]
                     if op == "F":
@@ -1262,14 +1361,38 @@ def _predict_layout(
                         )
                     prog.append(("send", tuple(sends)))
                 prog.append(("wait_sends",))
+    # Every other replica's devices copy those of the replica simulated for it.
+    source = np.arange(n_dev)
+    for r, rep in enumerate(replicas):
+        if like[r] != r:
+            for st, twin in zip(rep.stages, replicas[like[r]].stages):
+                source[list(st.ranks)] = twin.ranks
+                for d in st.ranks:
+                    samples[d] = rep.samples
+    causes, state, activations, update = (
+        causes[:, source],
+        state[source],
+        activations[source],
+        update[source],
+    )
     # Gradients of parameters held in several replicas: one allreduce of full-size buffers per
-    # set of holders, in layer order.
+    # set of holders, in layer order. Layers between the same stage boundaries share holders.
     groups: dict[tuple[int, ...], float] = {}
     if len(replicas) > 1:
-        for i, layer in enumerate(costs.layers):
-            if layer.param_bytes > 0 and holders[i]:
-                held_by = tuple(sorted(holders[i]))
-                groups[held_by] = groups.get(held_by, 0.0) + layer.param_bytes
+        cuts = sorted({x for rep in replicas for st in rep.stages for x in (st.lo, st.hi)})
+        for a, b in itertools.pairwise(cuts):
+            held = tuple(
+                sorted(
+                    d
+                    for rep in replicas
+                    for st in rep.stages
+                    if st.lo <= a < st.hi
+                    for d in st.ranks
+                )
+            )
+            for i in range(a, b):
+                if costs.layers[i].param_bytes > 0 and held:
+                    groups[held] = groups.get(held, 0.0) + costs.layers[i].param_bytes
     reduce_s = 0.0
     for g, (ranks, nbytes) in enumerate(groups.items()):
         sub = cluster.subset(list(ranks))
@@ -1280,27 +1403,36 @@ def _predict_layout(
                 len(ranks),
                 link.latency_s,
                 link.bytes_per_s,
-                min(devices[d].mem_bytes_per_s for d in ranks),
+                float(dev.mem_bytes_per_s[list(ranks)].min()),
                 costs.itemsize,
             )
         )
-        collectives[("sum", g)] = (len(ranks), seconds)
+        taking_part = [local[d] for d in ranks if d in local]
+        collectives[("sum", g)] = (len(taking_part), seconds)
         reduce_s += seconds
-        for d in ranks:
-            programs[d].append(("collective", ("sum", g)))
-            state[d] += nbytes  # the full-size buffer the gradients are summed in
-    # The loss, summed over every rank of the group (one float64).
+        for x in taking_part:
+            programs[x].append(("collective", ("sum", g)))
+        state[list(ranks)] += nbytes  # the full-size buffer the gradients are summed in
+    # The loss, summed over every rank of the group (one float64); idle ranks join it at once.
     link = cluster.ring_link()
     loss_s = float(
         terms.ring_allreduce_seconds(
             8.0, n_dev, link.latency_s, link.bytes_per_s, float(dev.mem_bytes_per_s.min()), 8
         )
     )
-    collectives["loss"] = (n_dev, loss_s)
+    collectives["loss"] = (len(programs), loss_s)
     for prog in programs:
         prog.append(("collective", "loss"))
-    finish, in_collectives = terms.schedule_finish_seconds(programs, collectives)
-    end = np.asarray(finish) + update
+    finish_local, in_local = terms.schedule_finish_seconds(programs, collectives)
+    # Every rank leaves the loss's allreduce at the same moment; an idle rank spends its step
+    # in it.
+    finish = np.full(n_dev, finish_local[0])
+    in_collectives = np.full(n_dev, loss_s)
+    for d, x in local.items():
+        finish[d] = finish_local[x]
+        in_collectives[d] = in_local[x]
+    finish, in_collectives = finish[source], in_collectives[source]
+    end = finish + update
     step = float(end.max())
     busy = causes.sum(axis=0)
     crit = int(np.argmax(busy))
@@ -1332,6 +1464,8 @@ def _predict_layout(
             "idle_devices": [d for d in range(n_dev) if samples[d] == 0],
             "gradient_allreduce_s": reduce_s,
             "loss_allreduce_s": loss_s,
+            "critical_device": crit,
+            "simulated_replicas": len(simulated),
         },
     )
 
