@@ -10,9 +10,10 @@ axis.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,23 @@ ASYMMETRIC_MICRO_BATCHES = (2, 4, 8)
 #: The largest cluster the planner tries asymmetric replicas on (each candidate is a
 #: simulation of every device's step; the other candidates are vectorised over devices).
 ASYMMETRIC_MAX_DEVICES = 64
+#: Stages per replica of the replicated pipelines (each stage a group of devices of one node).
+HYBRID_STAGES = (2, 4, 8)
+#: Devices per stage of the replicated pipelines (a filter-split stage when more than one).
+HYBRID_GROUP_SIZES = (1, 2, 4, 8)
+#: Micro-batches per replica of a replicated pipeline of S stages: S times these (fewer leave
+#: a bubble of at least (S - 1) / (m + S - 1) of the step, which the bound prunes anyway).
+HYBRID_MICRO_PER_STAGE = (1, 2, 4)
+#: The largest micro-batch count the planner tries.
+MAX_MICRO_BATCHES = 32
+#: Node-wise (owners) plans are searched on device sets of at most this many devices: each is a
+#: run of the hypergraph partitioner (:func:`hetcoll.partition_hypergraph`) over every filter
+#: and neuron of the model, whose time grows with both, and of the placement's replay
+#: (:func:`~hetcoll.model.predict_placement`), which steps every channel block of every
+#: micro-batch in Python. On VGG-11 at 32x32 (4,234 filters and neurons) one partition into 8
+#: parts and its replay take about 0.2 s here; with the three placements per set (hypergraph,
+#: even, speed-proportional) and a few sets, 8 devices keeps the search well under a second.
+OWNERS_MAX_DEVICES = 8
 #: On clusters of up to this many devices, the planner tries the first 1, 2, 4, ... nodes (or
 #: devices) too, with every strategy on each subset; on larger ones, fewer subsets with the
 #: balanced data- and filter-parallel splits only.
@@ -66,7 +84,7 @@ def _device_speeds(costs: ModelCosts, cluster: Cluster, batch: int) -> list[floa
 def _runnable(pred: Prediction, costs: ModelCosts) -> Prediction:
     """Mark a candidate the runtime cannot run infeasible (when the model can be cut into a
     plan at all; otherwise plans are not asked for and the prediction stands)."""
-    if costs.plan_layers and pred.plan is None and pred.feasible:
+    if costs.plan_layers and not pred.has_plan and pred.feasible:
         pred.feasible = False
         pred.reason = f"the runtime cannot run it: {pred.plan_note}"
     return pred
@@ -80,20 +98,27 @@ def _on_devices(pred: Prediction, keep: Sequence[int], num_devices: int, suffix:
     for j, d in enumerate(keep):
         shares[d] = pred.shares[j]
         memory[d] = pred.memory_bytes[j]
-    plan = None
-    if pred.plan is not None:
-        doc = pred.plan.to_dict()
-        for r in doc["replicas"]:
-            for st in r["stages"]:
-                st["ranks"] = [keep[x] for x in st["ranks"]]
-        plan = Plan.from_dict(doc)
+    factory = None
+    if pred.has_plan:
+
+        def factory() -> Plan:
+            doc = pred.to_plan().to_dict()
+            for r in doc["replicas"]:
+                for st in r["stages"]:
+                    st["ranks"] = [keep[x] for x in st["ranks"]]
+            return Plan.from_dict(doc)
+
+    detail = {**pred.detail, "devices": list(keep)}
+    if "critical_device" in detail:
+        detail["critical_device"] = keep[detail["critical_device"]]
     return replace(
         pred,
         strategy=f"{pred.strategy}{suffix}",
         shares=shares,
         memory_bytes=memory,
-        plan=plan,
-        detail={**pred.detail, "devices": list(keep)},
+        plan=None,
+        plan_factory=factory,
+        detail=detail,
     )
 
 
@@ -225,6 +250,401 @@ def _asymmetric(
     return out
 
 
+def _per_sample_seconds(costs: ModelCosts, cluster: Cluster, batch: int) -> list[float]:
+    """Each device's forward + backward seconds per sample at ``batch`` samples: the least it
+    spends per sample at any batch up to ``batch`` (every kernel's roofline time over its
+    samples falls as they grow), so a lower bound of any plan's compute."""
+    cache: dict[Any, float] = {}
+    out = []
+    for d in cluster.devices:
+        if d not in cache:
+            cache[d] = predict.compute_seconds(costs, d, batch) / batch
+        out.append(cache[d])
+    return out
+
+
+def _groups(cluster: Cluster, devices: Sequence[int], g: int) -> dict[Any, list[tuple[int, ...]]]:
+    """Groups of ``g`` consecutive devices of one node among ``devices``, by kind of device
+    (fastest kind first is the caller's order), each node's leftover devices left out."""
+    by_node: dict[int, list[int]] = {}
+    nodes = cluster.node_of_device
+    for d in devices:
+        by_node.setdefault(nodes[d], []).append(d)
+    out: dict[Any, list[tuple[int, ...]]] = {}
+    for node in sorted(by_node):
+        ds = by_node[node]
+        kind = cluster.devices[ds[0]]
+        for i in range(0, len(ds) - g + 1, g):
+            out.setdefault(kind, []).append(tuple(ds[i : i + g]))
+    return out
+
+
+@dataclass
+class SearchReport:
+    """What :func:`plan`'s search did: ``costed`` candidates; ``pruned``, per family, those a
+    bound skipped uncosted; ``skipped``, per family, why it was not searched (the model
+    does not allow it); ``placement_comparison``, when node-wise plans were searched, seed
+    002's table for their devices: per strategy its bytes per step, load balance (the slowest
+    device's work time over the ideal, 1.0 is perfect) and predicted step."""
+
+    costed: int = 0
+    pruned: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    placement_comparison: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "costed": self.costed,
+            "pruned": self.pruned,
+            "skipped": self.skipped,
+            "placement_comparison": self.placement_comparison,
+        }
+
+    def prune(self, family: str) -> None:
+        self.pruned[family] = self.pruned.get(family, 0) + 1
+
+
+def _replicated_pipelines(
+    costs: ModelCosts,
+    cluster: Cluster,
+    batch: int,
+    devices: Sequence[int],
+    suffix: str,
+    per_sample: Sequence[float],
+    s: int,
+    best: list[float],
+    report: SearchReport,
+) -> list[Prediction]:
+    """Replicas of S pipeline stages of g devices each (a filter-split stage when g > 1), m
+    micro-batches, GPipe and 1F1B, on ``devices``: each kind of device forms replicas of its
+    own (stage groups within a node, a replica's stages on consecutive groups), the samples
+    split over the replicas in proportion to their speed (:func:`hetcoll.split`), each kind's
+    stage boundaries the exact chain partition at its micro-batch
+    (:func:`predict.chain_stages`). A candidate whose lower bound (the batch at the devices'
+    best per-sample rates, stretched by the bubble's ``(m + S - 1) / m``) is not below
+    ``best[0]``, the best step found so far, is not costed."""
+    out: list[Prediction] = []
+    units = len(set(costs.plan_layer_of))
+    rate = sum(1.0 / per_sample[d] for d in devices)
+    floor = batch / rate  # the batch's compute, perfectly spread over these devices
+    for g in HYBRID_GROUP_SIZES:
+        groups = _groups(cluster, devices, g)
+        if not groups:
+            continue
+        for n_st in HYBRID_STAGES:
+            if n_st > units:
+                continue
+            kinds = [
+                (k, gs[: len(gs) // n_st * n_st]) for k, gs in groups.items() if len(gs) >= n_st
+            ]
+            if not kinds:
+                continue
+            reps = [
+                (k, tuple(gs[i : i + n_st])) for k, gs in kinds for i in range(0, len(gs), n_st)
+            ]
+            if len(reps) == 1 and g == 1 and len(devices) == n_st:
+                continue  # the one-replica pipeline over these devices, costed already
+            speed = {k: 1.0 / per_sample[gs[0][0]] for k, gs in kinds}
+            shares = hetcoll.split(batch, [speed[k] * n_st * g for k, _ in reps])
+            reps_b = [(k, r, b) for (k, r), b in zip(reps, shares) if b > 0]
+            for mult in HYBRID_MICRO_PER_STAGE:
+                m = n_st * mult
+                if m > MAX_MICRO_BATCHES or m > min(b for _, _, b in reps_b):
+                    continue
+                family = "replicated pipeline"
+                if floor * (m + n_st - 1) / m >= best[0]:
+                    report.prune(family)
+                    continue
+                spec = []
+                ok = True
+                cuts: dict[tuple[Any, int], list[tuple[int, int]]] = {}
+                for k, r, b in reps_b:
+                    micro = math.ceil(b / m)
+                    if (k, micro) not in cuts:
+                        link = cluster.link_between(r[0][0], r[1][0]) if n_st > 1 else None
+                        bw = link.bytes_per_s if link and math.isfinite(link.bytes_per_s) else None
+                        cuts[k, micro] = predict.chain_stages(
+                            costs, [g * _flops_rate(costs, per_sample[r[0][0]])] * n_st, micro, bw
+                        )
+                    ranges = cuts[k, micro]
+                    if any(a == e for a, e in ranges):
+                        ok = False  # a stage without layers: the same as fewer stages
+                        break
+                    spec.append((b, tuple((grp, rg, None) for grp, rg in zip(r, ranges))))
+                if not ok:
+                    continue
+                what = f"{len(spec)} replica{'s' if len(spec) > 1 else ''} x {n_st} stages"
+                if g > 1:
+                    what += f" of {g} devices"
+                for schedule in ("GPipe", "1F1B"):
+                    strategy = f"{family}, {what}, {m} micro-batches {schedule}{suffix}"
+                    try:
+                        pred = predict.predict_stages(
+                            costs,
+                            cluster,
+                            spec,
+                            m,
+                            schedule,
+                            optimizer_state_copies=s,
+                            strategy=strategy,
+                        )
+                    except ValueError as e:
+                        report.skipped[f"{family}, stages of {g} devices"] = str(e)
+                        break
+                    report.costed += 1
+                    if suffix:
+                        pred.detail["devices"] = list(devices)
+                    if pred.feasible:
+                        best[0] = min(best[0], pred.step_s)
+                    out.append(pred)
+    return out
+
+
+#: Micro-batch counts of the node-wise plans (their replay pipelines channel blocks across
+#: micro-batches).
+OWNERS_MICRO_BATCHES = (8,)
+
+
+def _placements(
+    costs: ModelCosts,
+    cluster: Cluster,
+    batch: int,
+    model: Any,
+    keep: list[int],
+    s: int,
+    report: SearchReport,
+) -> list[Prediction]:
+    """Node-wise (owners) plans on devices ``keep``: the hypergraph partition
+    (:func:`~hetcoll.model.hypergraph_plan`, each device's target its share of the speed),
+    every layer's channels split evenly, and split in proportion to speed, each at
+    ``OWNERS_MICRO_BATCHES`` micro-batches, predicted by
+    :func:`~hetcoll.model.predict_placement` on the devices' speeds on this model and the
+    slowest link among them, plus the optimizer step of the weights each device owns and the
+    loss's allreduce. Fills ``report.placement_comparison`` (seed 002's table: bytes per
+    step, load balance, predicted step) with these and the other strategies on the same
+    devices."""
+    from hetcoll.model.hypergraph import network_hypergraph
+    from hetcoll.model.placement import _layer_index, hypergraph_plan, placement_traffic
+    from hetcoll.model.placement import predict_placement as replay
+    from hetcoll.torch.layers import model_layers
+    from hetcoll.torch.placement import owners_blocks
+
+    shape = tuple(costs.input_shape)
+    k, p = len(keep), cluster.num_devices
+    sub = cluster.subset(keep)
+    suffix = f", {k} of {p} devices" if k < p else ""
+    try:
+        h = network_hypergraph(model, shape, bytes_per_element=costs.itemsize)
+        index = _layer_index(model, h)
+        layers = model_layers(model)
+    except ValueError as e:
+        report.skipped["node-wise placement"] = str(e)
+        return []
+    if k < 2 or k > h.num_vertices:
+        return []
+    per_sample = _per_sample_seconds(costs, sub, batch)
+    hyper_flops = 3.0 * float(h.vertex_weights.sum())  # forward, and twice that backward
+    rates = [hyper_flops / t for t in per_sample]  # the hypergraph's FLOP/s on each device
+    link = sub.ring_link()
+    bw = link.bytes_per_s if math.isfinite(link.bytes_per_s) else 1e30
+    param_elems = {name: model.get_submodule(name).weight[0].numel() for name, _, _ in h.layers}
+    placed = sum(param_elems[name] * count for name, _, count in h.layers) * costs.itemsize
+    rest = max(costs.param_bytes - placed, 0.0)
+    loss_s = float(
+        terms.ring_allreduce_seconds(
+            8.0, k, link.latency_s, link.bytes_per_s, min(d.mem_bytes_per_s for d in sub.devices), 8
+        )
+    )
+
+    def contiguous(weights: Sequence[float]) -> dict[str, list[int]]:
+        owners = {}
+        for name, _, count in h.layers:
+            shares = hetcoll.split(count, list(weights))
+            owners[str(index[name])] = [r for r, c in enumerate(shares) for _ in range(c)]
+        return owners
+
+    def owners_plan(owners: dict[str, list[int]], m: int) -> Plan:
+        return Plan.from_dict(
+            {
+                "microbatches": m,
+                "schedule": "GPipe",
+                "replicas": [
+                    {
+                        "samples": batch,
+                        "stages": [
+                            {"ranks": list(range(k)), "layers": [0, len(layers)], "owners": owners}
+                        ],
+                    }
+                ],
+            }
+        )
+
+    try:
+        hyper = hypergraph_plan(model, shape, rates, batch)
+        assert hyper.replicas[0].stages[0].owners is not None
+        found = {
+            "hypergraph placement": {
+                str(x): list(v) for x, v in hyper.replicas[0].stages[0].owners.items()
+            }
+        }
+    except ValueError as e:
+        report.skipped["node-wise placement"] = str(e)
+        return []
+    found["even filter split"] = contiguous([1.0] * k)
+    proportional = contiguous(rates)
+    if proportional != found["even filter split"]:  # on equal devices they are one split
+        found["speed-proportional filter split"] = proportional
+    # Kernel launches the replay leaves out: a device runs every kernel of each block it owns
+    # channels of, once per micro-batch (the block: a Conv2d / Linear and the layers up to the
+    # next one, as costed).
+    current = ""
+    placed_names = {name for name, _, _ in h.layers}
+    kernels: dict[str, int] = {}
+    for layer in costs.layers:
+        if layer.name in placed_names:
+            current = layer.name
+        if current:
+            kernels[current] = kernels.get(current, 0) + len(layer.forward) + len(layer.backward)
+    overhead = np.array([d.kernel_overhead_s for d in sub.devices])
+    out: list[Prediction] = []
+    rows: list[dict[str, Any]] = []
+    for what, owners in found.items():
+        best_row: dict[str, Any] | None = None
+        for m in OWNERS_MICRO_BATCHES:
+            local = owners_plan(owners, m)
+            try:
+                owners_blocks(layers, local.replicas[0].stages[0], "plan")
+                run = replay(
+                    model, shape, local, flops_per_s=rates, bytes_per_s=bw, latency_s=link.latency_s
+                )
+            except ValueError as e:
+                report.skipped[f"node-wise placement, {what}"] = str(e)
+                break
+            # Weights each device owns: its channels' rows of every placed layer, and the
+            # rest (BatchNorm and the like, per channel too) in proportion; activations kept:
+            # its share of the work times the batch (GPipe keeps every micro-batch).
+            work = np.zeros(k)
+            owned = np.zeros(k)
+            for name, first, count in h.layers:
+                who = np.asarray(owners[str(index[name])])
+                work += np.bincount(
+                    who, weights=h.vertex_weights[first : first + count], minlength=k
+                )
+                owned += np.bincount(who, minlength=k) * param_elems[name] * costs.itemsize
+            launches = np.zeros(k)
+            for name, _, _ in h.layers:
+                launches[np.unique(owners[str(index[name])])] += kernels.get(name, 0)
+            extra = launches * overhead * m
+            frac = work / max(work.sum(), 1e-30)
+            owned += rest * frac
+            update = np.asarray(
+                terms.optimizer_update_seconds(
+                    owned, np.array([d.mem_bytes_per_s for d in sub.devices]), s
+                )
+            )
+            mem = owned * (2 + s) + frac * batch * costs.saved_bytes_per_sample()
+            step = run.step_s + float(extra.max()) + loss_s + float(update.max())
+            crit = int(np.argmax(np.asarray(run.compute_s[:k]) + extra))
+            breakdown = {
+                "compute": float(run.compute_s[crit]),
+                "overhead": float(extra.max()),
+                "communication": max(0.0, run.step_s - float(run.compute_s[crit])) + loss_s,
+                "optimizer": float(update.max()),
+            }
+            full_mem = [0.0] * p
+            shares = [0] * p
+            for j, d in enumerate(keep):
+                full_mem[d] = float(mem[j])
+                shares[d] = int(sum(1 for v in owners.values() for o in v if o == j))
+            reason = predict._memory_shortfall(np.asarray(full_mem), cluster.devices)
+            doc = local.to_dict()
+            doc["replicas"][0]["stages"][0]["ranks"] = list(keep)
+            pred = Prediction(
+                f"node-wise, {what}, {m} micro-batches{suffix}",
+                shares,
+                "channels",
+                step,
+                breakdown,
+                full_mem,
+                not reason,
+                reason,
+                batch,
+                {
+                    "devices": list(keep),
+                    "critical_device": keep[crit],
+                    "traffic_bytes": run.traffic,
+                    "schedule": "GPipe",
+                    "micro_batches": m,
+                },
+                plan=Plan.from_dict(doc),
+            )
+            report.costed += 1
+            out.append(pred)
+            busy = work / np.asarray(rates)
+            balance = float(busy.max() / (work.sum() / sum(rates)))
+            row = {
+                "strategy": what,
+                "bytes_per_step": int(sum(run.traffic.values())),
+                "load_balance": balance,
+                "step_s": step,
+                "plan": pred.strategy,
+            }
+            if best_row is None or step < best_row["step_s"]:
+                best_row = row
+        if best_row is not None:
+            rows.append(best_row)
+    # The same devices' pipeline of one-device stages and balanced data parallelism.
+    flops_of = {
+        name: h.vertex_weights[first : first + count].sum() for name, first, count in h.layers
+    }
+    ideal = float(h.vertex_weights.sum()) / sum(rates)
+    pipes = []
+    for m in (k, 2 * k):
+        if m <= batch:
+            pipe = predict.pipeline(costs, sub, batch, m, optimizer_state_copies=s)
+            if pipe.plan is not None:
+                pipes.append((pipe.step_s, m, pipe))
+    if pipes:
+        step, m, pipe = min(pipes, key=lambda x: x[0])
+        local = pipe.to_plan()
+        load = np.zeros(k)
+        for _, _, st in local.stages():
+            for name, _, _ in h.layers:
+                if st.layers[0] <= index[name] < st.layers[1]:
+                    load[st.ranks[0]] += flops_of[name]
+        rows.append(
+            {
+                "strategy": "pipeline stages",
+                "bytes_per_step": int(sum(placement_traffic(model, shape, local).values())),
+                "load_balance": float((load / np.asarray(rates)).max() / ideal),
+                "step_s": step,
+                "plan": f"pipeline, {m} micro-batches GPipe{suffix}",
+            }
+        )
+    try:
+        dp_shares = predict.balanced_batch_shares(costs, sub, batch, optimizer_state_copies=s)
+        dp = predict.data_parallel(costs, sub, dp_shares, optimizer_state_copies=s)
+        busy = np.asarray(dp_shares) * float(h.vertex_weights.sum()) / np.asarray(rates)
+        rows.append(
+            {
+                "strategy": "data parallel",
+                "bytes_per_step": int(2 * (k - 1) * costs.param_bytes),
+                "load_balance": float(busy.max() / (batch * ideal)),
+                "step_s": dp.step_s,
+                "plan": f"data parallel, balanced{suffix}",
+            }
+        )
+    except ValueError as e:
+        report.skipped["data parallel"] = str(e)
+    report.placement_comparison = {"devices": list(keep), "rows": rows}
+    return out
+
+
+def _flops_rate(costs: ModelCosts, seconds_per_sample: float) -> float:
+    """FLOP/s of a device that trains one sample in ``seconds_per_sample``."""
+    return (costs.forward_flops(1) + costs.backward_flops(1)) / max(seconds_per_sample, 1e-30)
+
+
 def plan(
     costs: ModelCosts,
     cluster: Cluster,
@@ -234,33 +654,48 @@ def plan(
     micro_batches: Sequence[int] = PIPELINE_MICRO_BATCHES,
     subsets: bool = True,
     asymmetric: bool = True,
+    replicated_pipelines: bool = True,
     precision: str | None = None,
+    model: Any = None,
+    report: SearchReport | None = None,
 ) -> list[Prediction]:
     """Every candidate plan for one step of ``batch`` samples, best first (feasible before
     infeasible, then by predicted step time). Each carries the :class:`hetcoll.Plan` that
-    :func:`hetcoll.torch.parallelize` runs (:meth:`Prediction.to_plan`) when the model can be
-    cut into one (``costs.plan_layers``); candidates the runtime cannot run are marked
-    infeasible.
+    :func:`hetcoll.torch.parallelize` runs (:meth:`Prediction.to_plan`, built when first
+    read) when the model can be cut into one (``costs.plan_layers``); candidates the runtime
+    cannot run are marked infeasible.
 
     The candidates: data parallel with balanced and with even shares; filter parallel with
     balanced filters; pipelines of one-device stages cut between top-level layers, for each
-    count of ``micro_batches``; with ``subsets``, balanced data and filter parallelism on a
-    few device subsets (the fastest kinds of device, the strongest node), so that a device
-    that only slows the step is left out; with ``asymmetric`` (clusters of up to
-    ``ASYMMETRIC_MAX_DEVICES`` devices and several kinds of device), whole-model replicas on
-    the fastest kinds beside one replica of the others (a pipeline, or one filter-split
-    stage), the samples split by each replica's predicted time.
+    count of ``micro_batches``, GPipe and 1F1B; with ``replicated_pipelines``, replicas of
+    2, 4 or 8 stages of 1, 2, 4 or 8 devices of one node (filter-split stages), each kind of
+    device its own replicas, S, 2S or 4S micro-batches, GPipe and 1F1B, on all devices and on
+    the fastest kinds (:func:`_replicated_pipelines`); with ``subsets``, balanced data and
+    filter parallelism on a few device subsets (the fastest kinds of device, the strongest
+    node), so that a device that only slows the step is left out; with ``asymmetric``
+    (clusters of up to ``ASYMMETRIC_MAX_DEVICES`` devices and several kinds of device),
+    whole-model replicas on the fastest kinds beside one replica of the others (a pipeline,
+    or one filter-split stage), the samples split by each replica's predicted time; with
+    ``model`` (the module ``costs`` were read from), node-wise placements on at most
+    ``OWNERS_MAX_DEVICES`` devices (:func:`_placements`). Pipelines whose lower bound is not
+    below the best step found so far are not costed (see the module's docs).
 
     ``precision``: the training precision (``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``;
     :meth:`ModelCosts.at_precision`); default that of ``costs`` (``costs.precision``).
+    ``report``: a :class:`SearchReport` the search fills in (counts, the seed-002 table).
 
     >>> best = plan(costs, cluster, 256, precision="bf16")[0]  # doctest: +SKIP
     >>> best.strategy, best.shares, best.step_s  # doctest: +SKIP
     """
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch: must be an integer >= 1, got {batch!r}")
+    if report is not None and not isinstance(report, SearchReport):
+        raise TypeError(f"report: must be a SearchReport, got {type(report).__name__}")
+    if model is not None and not hasattr(model, "named_children"):
+        raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     if precision is not None:
         costs = costs.at_precision(precision)
+    report = report if report is not None else SearchReport()
     p = cluster.num_devices
     out: list[Prediction] = []
     s = optimizer_state_copies
@@ -268,6 +703,8 @@ def plan(
     modes = costs.stage_filter_modes(0, n) if n else None
     # Filter parallelism only where filter_parallel splits something (not an LSTM, say).
     splits = bool(modes) if n else bool(costs.filter_modes)
+    if not splits:
+        report.skipped["filter parallel"] = "the model has no layer filter parallelism splits"
 
     def data_balanced(c: Cluster, strategy: str) -> Prediction:
         try:
@@ -284,6 +721,9 @@ def plan(
             costs, c, batch, speeds, modes=modes, strategy=strategy, optimizer_state_copies=s
         )
 
+    def best_step() -> float:
+        return min((x.step_s for x in out if x.feasible), default=math.inf)
+
     out.append(data_balanced(cluster, "data parallel, balanced"))
     out.append(
         predict.data_parallel(
@@ -294,27 +734,16 @@ def plan(
             optimizer_state_copies=s,
         )
     )
+    if p > 1 and splits:
+        out.append(filter_balanced(cluster, "filter parallel, balanced"))
+    per_sample = _per_sample_seconds(costs, cluster, batch)
     if p > 1:
-        if splits:
-            out.append(filter_balanced(cluster, "filter parallel, balanced"))
-        for m in micro_batches:
-            if m <= batch:
-                out.append(
-                    predict.pipeline(
-                        costs,
-                        cluster,
-                        batch,
-                        m,
-                        strategy=f"pipeline, {m} micro-batches",
-                        optimizer_state_copies=s,
-                    )
-                )
         speeds = _device_speeds(costs, cluster, batch)
         tiers = _tiers(cluster, speeds)
         if subsets:
             # A subset's plan can be one already there (a balanced split that leaves the same
             # devices out): not repeated.
-            seen = {repr((x.plan.to_dict(), x.step_s)) for x in out if x.plan is not None}
+            seen = {_same_plan_key(x) for x in out if x.has_plan}
             for keep in _subsets(cluster, tiers, speeds):
                 sub = cluster.subset(keep)
                 suffix = f", {len(keep)} of {p} devices"
@@ -332,6 +761,8 @@ def plan(
                         micro_batches=micro_batches,
                         subsets=False,
                         asymmetric=asymmetric,
+                        replicated_pipelines=replicated_pipelines,
+                        report=report,
                     )
                 else:
                     candidates = [data_balanced(sub, "data parallel, balanced")]
@@ -341,10 +772,47 @@ def plan(
                     if not pred.feasible:
                         continue
                     pred = _on_devices(pred, keep, p, suffix)
-                    key = repr((pred.plan.to_dict(), pred.step_s)) if pred.plan else ""
-                    if not key or key not in seen:
+                    key = _same_plan_key(pred) if pred.has_plan else None
+                    if key is None or key not in seen:
                         seen.add(key)
                         out.append(pred)
+        # One pipeline of one-device stages over the cluster: its S stages (at most one per
+        # top-level layer) idle (S - 1) / (m + S - 1) of the step at best, so a pipeline whose
+        # compute alone, so stretched, is not below the best step is not costed.
+        floor = batch / sum(1.0 / t for t in per_sample)
+        stages = min(p, len(set(costs.plan_layer_of)) if n else len(costs.layers))
+        for m in micro_batches:
+            if m > batch:
+                continue
+            for schedule in ("GPipe", "1F1B"):
+                if floor * (m + stages - 1) / m >= best_step():
+                    report.prune("pipeline")
+                    continue
+                report.costed += 1
+                out.append(
+                    predict.pipeline(
+                        costs,
+                        cluster,
+                        batch,
+                        m,
+                        strategy=f"pipeline, {m} micro-batches {schedule}",
+                        optimizer_state_copies=s,
+                        schedule=schedule,
+                    )
+                )
+        if replicated_pipelines and n:
+            best = [best_step()]
+            sets = [list(range(p))]
+            if subsets:  # (a subset's own subsets are not searched)
+                sets += [sorted(d for t in tiers[:k] for d in t) for k in range(1, len(tiers))]
+            for keep in sets:
+                if len(keep) < p and p <= SUBSET_FULL_SEARCH_MAX_DEVICES:
+                    if subsets and keep == list(range(len(keep))):
+                        continue  # searched with every strategy among the subsets above
+                suffix = f", {len(keep)} of {p} devices" if len(keep) < p else ""
+                out += _replicated_pipelines(
+                    costs, cluster, batch, keep, suffix, per_sample, s, best, report
+                )
         if asymmetric and n and len(tiers) > 1 and p <= ASYMMETRIC_MAX_DEVICES:
             for k in range(1, len(tiers)):
                 fast = sorted(d for t in tiers[:k] for d in t)
@@ -353,9 +821,124 @@ def plan(
                     out += _asymmetric(
                         costs, cluster, batch, fast, slow, speeds, ASYMMETRIC_MICRO_BATCHES, s
                     )
+        if model is not None and n:
+            if p <= OWNERS_MAX_DEVICES:
+                keep = list(range(p))
+            else:
+                small = [
+                    k for k in _subsets(cluster, tiers, speeds) if len(k) <= OWNERS_MAX_DEVICES
+                ]
+                keep = max(small, key=lambda k: (sum(speeds[d] for d in k), -k[0]), default=[])
+            if len(keep) > 1:
+                out += _placements(costs, cluster, batch, model, keep, s, report)
     out = [_runnable(x, costs) for x in out]
     out.sort(key=lambda x: (not x.feasible, x.step_s))
     return out
+
+
+def _same_plan_key(pred: Prediction) -> tuple[Any, ...]:
+    """Two candidates with this equal are the same plan (for dropping repeats)."""
+    return (pred.share_unit, tuple(pred.shares), pred.step_s)
+
+
+def explain(pred: Prediction, cluster: Cluster) -> dict[str, Any]:
+    """Why ``pred`` takes the time it does: the largest term on its critical path (its
+    breakdown's compute, memory stalls and kernel overheads together as the critical device's
+    compute; exposed communication; the pipeline bubble; the optimizer step), with the device
+    or the collective it is. Returns ``{"term", "seconds", "share", "device", "text"}``.
+
+    >>> explain(plan(costs, cluster, 512)[0], cluster)["text"]  # doctest: +SKIP
+    'compute of device 0 (a100-sxm4-40gb): 5.9 ms of the 8.8 ms step (67 %)'
+    """
+    b = pred.breakdown
+    parts = {
+        "compute": b.get("compute", 0.0) + b.get("memory", 0.0) + b.get("overhead", 0.0),
+        "communication": b.get("communication", 0.0),
+        "bubble": b.get("bubble", 0.0),
+        "optimizer": b.get("optimizer", 0.0),
+    }
+    if not pred.feasible or not math.isfinite(pred.step_s) or pred.step_s <= 0:
+        return {
+            "term": "infeasible",
+            "seconds": 0.0,
+            "share": 0.0,
+            "device": None,
+            "text": pred.reason or "no step",
+        }
+    term = max(parts, key=lambda k: parts[k])
+    seconds = parts[term]
+    d = pred.detail.get("critical_device")
+    where = f"device {d} ({cluster.devices[d].name})" if d is not None else "the slowest device"
+    strategy = pred.strategy
+    if term == "compute":
+        stalls = b.get("memory", 0.0) / seconds if seconds > 0 else 0.0
+        what = f"compute of {where}" + (
+            f", {stalls:.0%} of it memory stalls" if stalls >= 0.2 else ""
+        )
+    elif term == "communication":
+        if strategy.startswith("data parallel"):
+            what = "the gradient allreduce (the part the backward does not hide)"
+        elif strategy.startswith("filter parallel"):
+            what = "the filter-split layers' collectives (partial sums and gathers)"
+        elif strategy.startswith("node-wise"):
+            what = f"feature maps sent between devices, waited for by {where}"
+        elif pred.detail.get("gradient_allreduce_s", 0.0) >= 0.5 * seconds:
+            what = "the gradient allreduce across replicas"
+        else:
+            what = f"the split stages' collectives on {where}"
+    elif term == "bubble":
+        what = f"the pipeline bubble: {where} waits for other stages"
+    else:
+        what = "the optimizer step"
+    share = seconds / pred.step_s
+    text = (
+        f"{what}: {_seconds_text(seconds)} of the {_seconds_text(pred.step_s)} step ({share:.0%})"
+    )
+    return {"term": term, "seconds": seconds, "share": share, "device": d, "text": text}
+
+
+def _seconds_text(x: float) -> str:
+    return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+
+
+def plot_plans(ranked: Sequence[Prediction], path: str, title: str = "", top: int = 24) -> None:
+    """Predicted step time of the ``top`` best plans of ``ranked`` (as :func:`plan` returns
+    them), one bar each, best at the top, infeasible ones hatched, as a PNG (matplotlib,
+    Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [x for x in ranked if math.isfinite(x.step_s)][:top]
+    if not shown:
+        raise ValueError("ranked: no plan with a finite step time to plot")
+    fig, ax = plt.subplots(figsize=(8.0, 1.2 + 0.28 * len(shown)))
+    y = np.arange(len(shown))[::-1]
+    families = sorted({_family(x.strategy) for x in shown})
+    colours = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(families)}
+    for yi, x in zip(y, shown):
+        ax.barh(
+            yi,
+            x.step_s * 1e3,
+            color=colours[_family(x.strategy)],
+            hatch="" if x.feasible else "//",
+            edgecolor="black" if not x.feasible else None,
+        )
+    ax.set_yticks(
+        y,
+        [x.strategy if len(x.strategy) <= 70 else x.strategy[:67] + "..." for x in shown],
+        fontsize=7,
+    )
+    ax.set_xlabel("predicted step time (ms)")
+    ax.set_xscale("log")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[f]) for f in families]
+    ax.legend(handles, families, fontsize=7, loc="lower right")
+    ax.set_title(title or "predicted step time by plan (hatched: infeasible)", fontsize=9)
+    ax.grid(True, axis="x", which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 SWEEP_AXES = ("batch", "flops", "mem_bw", "link_bw", "nodes")
@@ -372,7 +955,7 @@ class SweepPoint:
 
 def _family(strategy: str) -> str:
     """The strategy without its micro-batches, device subset or replica shapes."""
-    if strategy.startswith(("pipeline", "asymmetric")):
+    if strategy.startswith(("pipeline", "asymmetric", "replicated pipeline", "node-wise")):
         return strategy.split(",")[0]
     return re.sub(r", \d+ of \d+ devices$", "", strategy)
 

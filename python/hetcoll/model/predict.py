@@ -28,8 +28,8 @@ import functools
 import itertools
 import math
 import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,7 @@ import hetcoll
 from hetcoll.model import terms
 from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import PRECISIONS, Cluster, Device
-from hetcoll.plan import Plan
+from hetcoll.plan import Plan, microbatch_sizes
 
 # torch DDP's defaults: the first bucket is capped at 1 MiB (so communication starts early), the
 # others at bucket_cap_mb = 25 MiB.
@@ -71,10 +71,18 @@ class Prediction:
     #: two predictions are equal when their figures are.)
     plan: Plan | None = field(default=None, compare=False)
     plan_note: str = field(default="", compare=False)
+    #: Builds ``plan`` when it is first read, for a candidate whose plan was costed from its
+    #: layout (a plan of 10,240 replicas takes longer to build and check than to cost).
+    plan_factory: Callable[[], Plan] | None = field(default=None, compare=False, repr=False)
 
     @property
     def samples_per_s(self) -> float:
         return self.batch / self.step_s if self.step_s > 0 and math.isfinite(self.step_s) else 0.0
+
+    @property
+    def has_plan(self) -> bool:
+        """Whether the runtime can run this prediction's plan (built or not yet built)."""
+        return self.plan_factory is not None or self.__dict__.get("_plan") is not None
 
     def to_plan(self) -> Plan:
         """The plan to hand to :func:`hetcoll.torch.parallelize` (device i = rank i);
@@ -90,7 +98,9 @@ class Prediction:
             )
         return self.plan
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, *, with_plan: bool = True) -> dict[str, Any]:
+        """The prediction as JSON; ``with_plan=False`` leaves the plan out."""
+        plan = self.plan if with_plan else None
         return {
             "strategy": self.strategy,
             "shares": self.shares,
@@ -103,8 +113,23 @@ class Prediction:
             "reason": self.reason,
             "batch": self.batch,
             **({"detail": self.detail} if self.detail else {}),
-            **({"plan": self.plan.to_dict()} if self.plan is not None else {}),
+            **({"plan": plan.to_dict()} if plan is not None else {}),
         }
+
+
+def _get_plan(self: Prediction) -> Plan | None:
+    built: Plan | None = self.__dict__.get("_plan")
+    if built is None and self.plan_factory is not None:
+        built = self.__dict__["_plan"] = self.plan_factory()
+    return built
+
+
+def _set_plan(self: Prediction, value: Plan | None) -> None:
+    self.__dict__["_plan"] = value
+
+
+# ``plan`` reads as a field and is built on first read when only its factory was given.
+setattr(Prediction, "plan", property(_get_plan, _set_plan))  # noqa: B010
 
 
 @dataclass(frozen=True)
@@ -501,6 +526,7 @@ class DataParallelSchedule:
                 "compute_s_per_device": (
                     [float(x) for x in compute] if int((b > 0).sum()) <= 64 else None
                 ),
+                "critical_device": slowest,
             },
         )
 
@@ -607,7 +633,11 @@ def data_parallel(
         broadcast_buffers=broadcast_buffers,
     ).prediction()
     try:
-        pred.plan = _data_parallel_plan(costs, pred.shares)
+        costs.check_plan_layers()
+        if not any(pred.shares):
+            raise ValueError("shares: no device has samples")
+        shares = list(pred.shares)
+        pred.plan_factory = functools.partial(_data_parallel_plan, costs, shares)
     except ValueError as e:
         pred.plan_note = str(e)
     return pred
@@ -782,7 +812,7 @@ class FilterParallelSchedule:
             not self.reason,
             self.reason,
             self.batch,
-            self.detail,
+            {**self.detail, "critical_device": int(np.argmax((fwd + bwd).sum(axis=0) + opt))},
         )
 
 
@@ -1113,25 +1143,104 @@ def _plan_layout(costs: ModelCosts, cluster: Cluster, plan: Plan) -> list[_Repli
     for i, replica in enumerate(plan.replicas):
         stages = []
         for j, stage in enumerate(replica.stages):
-            first, end = stage.layers
-            lo, hi = costs.plan_range(first, end)
-            last = j + 1 == len(replica.stages)
-            sent = 0.0 if last else costs.plan_out_bytes[end - 1]
-            p = len(stage.ranks)
             where = f"plan.replicas[{i}].stages[{j}]"
             if stage.owners is not None:
                 raise ValueError(
                     f"{where}: places channels by owners; predict_plan does not model such "
                     "stages yet (hetcoll.model.predict_placement predicts a one-stage one)"
                 )
-            if p == 1:
-                stages.append(_StageLayout(stage.ranks, lo, hi, sent))
-                continue
-            modes, shares = stage_split(costs, first, end, p, stage.shares, where)
-            parts = stage.speeds if stage.speeds is not None else (1.0,) * p
-            stages.append(_StageLayout(stage.ranks, lo, hi, sent, tuple(parts), modes, shares))
+            last = j + 1 == len(replica.stages)
+            stages.append(
+                _stage_layout(
+                    costs, stage.ranks, stage.layers, last, stage.speeds, stage.shares, where
+                )
+            )
         out.append(_ReplicaLayout(replica.samples, tuple(plan.microbatch_sizes(i)), tuple(stages)))
     return out
+
+
+def _stage_layout(
+    costs: ModelCosts,
+    ranks: Sequence[int],
+    layers: tuple[int, int],
+    last: bool,
+    speeds: Sequence[float] | None,
+    shares: Mapping[int, Sequence[int]] | None,
+    where: str,
+) -> _StageLayout:
+    """A stage over plan layers ``layers`` on ``ranks``, checked as the runtime checks it."""
+    first, end = layers
+    lo, hi = costs.plan_range(first, end)
+    sent = 0.0 if last else costs.plan_out_bytes[end - 1]
+    p = len(ranks)
+    if p == 1:
+        return _StageLayout(tuple(ranks), lo, hi, sent)
+    modes, named = stage_split(costs, first, end, p, shares, where)
+    parts = speeds if speeds is not None else (1.0,) * p
+    return _StageLayout(tuple(ranks), lo, hi, sent, tuple(parts), modes, named)
+
+
+#: A replica as the planner lays it out before building its plan: samples, and per stage its
+#: ranks, plan layers ``(first, end)`` and the ranks' speeds (None: one rank, or equal).
+StagesSpec = tuple[
+    int, tuple[tuple[tuple[int, ...], tuple[int, int], tuple[float, ...] | None], ...]
+]
+
+
+def predict_stages(
+    costs: ModelCosts,
+    cluster: Cluster,
+    replicas: Sequence[StagesSpec],
+    microbatches: int,
+    schedule: str,
+    *,
+    optimizer_state_copies: int = 1,
+    strategy: str = "plan",
+) -> Prediction:
+    """:func:`predict_plan` of the plan ``replicas`` describe, costed from the description: the
+    plan itself is built (and checked) only when the prediction's ``plan`` is first read. For
+    the planner, which costs many large plans and shows a few. Raises ``ValueError`` (naming
+    ``replicas``) where the runtime would refuse a stage."""
+    costs.check_plan_layers()
+    built: dict[tuple[Any, ...], _StageLayout] = {}
+    layout = []
+    for i, (samples, stages) in enumerate(replicas):
+        out = []
+        for j, (ranks, layers, speeds) in enumerate(stages):
+            last = j + 1 == len(stages)
+            key = (len(ranks), layers, last, speeds)
+            if key not in built:
+                where = f"replicas[{i}].stages[{j}]"
+                built[key] = _stage_layout(costs, ranks, layers, last, speeds, None, where)
+            out.append(replace(built[key], ranks=tuple(ranks)))
+        sizes = tuple(microbatch_sizes(samples, microbatches))
+        layout.append(_ReplicaLayout(samples, sizes, tuple(out)))
+    pred = _predict_layout(costs, cluster, layout, schedule, optimizer_state_copies, strategy)
+
+    def build() -> Plan:
+        return Plan.from_dict(
+            {
+                "microbatches": microbatches,
+                "schedule": schedule,
+                "replicas": [
+                    {
+                        "samples": samples,
+                        "stages": [
+                            {
+                                "ranks": list(ranks),
+                                "layers": list(layers),
+                                **({"speeds": list(speeds)} if speeds is not None else {}),
+                            }
+                            for ranks, layers, speeds in stages
+                        ],
+                    }
+                    for samples, stages in replicas
+                ],
+            }
+        )
+
+    pred.plan_factory = build
+    return pred
 
 
 @dataclass
@@ -1177,8 +1286,6 @@ def _stage_work(
             float(sum(x.saved_bytes_per_sample for x in costs.layers[lo:hi])),
             np.array([float(terms.optimizer_update_seconds(owned, mem_bw, state_copies))]),
         )
-    from dataclasses import replace
-
     assert stage.modes is not None
     sub = replace(
         costs,
@@ -1545,6 +1652,49 @@ def pipeline_stages(
     out, at = [], 0
     for u in units:
         out.append(cuts[at + u] - cuts[at])
+        at += u
+    return out
+
+
+def chain_stages(
+    costs: ModelCosts,
+    stage_speeds: Sequence[float],
+    micro: int,
+    bandwidth: float | None = None,
+) -> list[tuple[int, int]]:
+    """Plan-layer ranges ``(first, end)`` of pipeline stages of the given speeds (FLOP/s, in
+    stage order; a stage of several devices counts their sum), chosen by the exact dynamic
+    programme over layer cuts (:func:`hetcoll.partition_chain`: the smallest bottleneck of a
+    stage's FLOPs at a micro-batch of ``micro`` over its speed, plus the activations and their
+    gradients it sends over ``bandwidth`` bytes/s; None: free links). A stage given no layer
+    gets an empty range ``(x, x)``.
+
+    >>> chain_stages(costs, [2e12, 1e12], 32)  # doctest: +SKIP
+    [(0, 6), (6, 11)]
+    """
+    costs.check_plan_layers()
+    cuts = _pipeline_units(costs)
+    unit_flops = [
+        sum(x.forward_flops(micro) + x.backward_flops(micro) for x in costs.layers[a:b])
+        for a, b in itertools.pairwise(cuts)
+    ]
+    boundary = [2 * _boundary_bytes(costs, b) * micro for b in cuts[1:-1]]
+    units = hetcoll.partition_chain(
+        unit_flops,
+        [float(x) for x in stage_speeds],
+        boundary_bytes=boundary if bandwidth else None,
+        bandwidth=bandwidth if bandwidth else None,
+    )
+    of, n = costs.plan_layer_of, len(costs.plan_layers)
+
+    def plan_layer(c: int) -> int:  # the plan layer costed layer c starts (n: the end)
+        return 0 if c == 0 else (of[c] if c < len(of) else n)
+
+    out, at = [], 0
+    for u in units:
+        first = plan_layer(cuts[at])
+        end = n if at + u == len(cuts) - 1 else plan_layer(cuts[at + u])
+        out.append((first, end) if u else (first, first))
         at += u
     return out
 
