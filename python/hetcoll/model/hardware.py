@@ -244,7 +244,7 @@ class Cluster:
         for every message)."""
         return tuple(i for i, n in enumerate(self.nodes) for _ in range(n.count))
 
-    @property
+    @functools.cached_property
     def num_devices(self) -> int:
         return sum(n.count for n in self.nodes)
 

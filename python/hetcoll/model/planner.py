@@ -38,6 +38,11 @@ HYBRID_GROUP_SIZES = (1, 2, 4, 8)
 #: Micro-batches per replica of a replicated pipeline of S stages: S times these (fewer leave
 #: a bubble of at least (S - 1) / (m + S - 1) of the step, which the bound prunes anyway).
 HYBRID_MICRO_PER_STAGE = (1, 2, 4)
+#: How much work the replicated pipelines may take, in device-candidates (a candidate on 10,240
+#: devices costs 10,240): their shapes are costed best bound first until it is spent, so that
+#: a 10,240-device cluster costs the few most promising ones (Python reads every device of a
+#: candidate's plan; the simulation itself runs one replica of each kind).
+HYBRID_WORK_BUDGET = 60_000
 #: The largest micro-batch count the planner tries.
 MAX_MICRO_BATCHES = 32
 #: Node-wise (owners) plans are searched on device sets of at most this many devices: each is a
@@ -313,6 +318,7 @@ def _replicated_pipelines(
     per_sample: Sequence[float],
     s: int,
     best: list[float],
+    budget: list[int],
     report: SearchReport,
 ) -> list[Prediction]:
     """Replicas of S pipeline stages of g devices each (a filter-split stage when g > 1), m
@@ -320,17 +326,21 @@ def _replicated_pipelines(
     own (stage groups within a node, a replica's stages on consecutive groups), the samples
     split over the replicas in proportion to their speed (:func:`hetcoll.split`), each kind's
     stage boundaries the exact chain partition at its micro-batch
-    (:func:`predict.chain_stages`). A candidate whose lower bound (the batch at the devices'
-    best per-sample rates, stretched by the bubble's ``(m + S - 1) / m``) is not below
-    ``best[0]``, the best step found so far, is not costed."""
+    (:func:`predict.chain_stages`).
+
+    Best first: every shape's lower bound (the batch at the devices' best per-sample rates,
+    stretched by the bubble's ``(m + S - 1) / m``) is computed, and the shapes are costed in
+    order of it while it is below ``best[0]``, the best step found so far, and the work left
+    in ``budget[0]`` (device-candidates: costing a candidate reads each of its devices) lasts;
+    the others count as pruned."""
     out: list[Prediction] = []
     units = len(set(costs.plan_layer_of))
     rate = sum(1.0 / per_sample[d] for d in devices)
     floor = batch / rate  # the batch's compute, perfectly spread over these devices
+    family = "replicated pipeline"
+    shapes = []
     for g in HYBRID_GROUP_SIZES:
         groups = _groups(cluster, devices, g)
-        if not groups:
-            continue
         for n_st in HYBRID_STAGES:
             if n_st > units:
                 continue
@@ -344,59 +354,58 @@ def _replicated_pipelines(
             ]
             if len(reps) == 1 and g == 1 and len(devices) == n_st:
                 continue  # the one-replica pipeline over these devices, costed already
-            speed = {k: 1.0 / per_sample[gs[0][0]] for k, gs in kinds}
-            shares = hetcoll.split(batch, [speed[k] * n_st * g for k, _ in reps])
-            reps_b = [(k, r, b) for (k, r), b in zip(reps, shares) if b > 0]
             for mult in HYBRID_MICRO_PER_STAGE:
                 m = n_st * mult
-                if m > MAX_MICRO_BATCHES or m > min(b for _, _, b in reps_b):
-                    continue
-                family = "replicated pipeline"
-                if floor * (m + n_st - 1) / m >= best[0]:
-                    report.prune(family)
-                    continue
-                spec = []
-                ok = True
-                cuts: dict[tuple[Any, int], list[tuple[int, int]]] = {}
-                for k, r, b in reps_b:
-                    micro = math.ceil(b / m)
-                    if (k, micro) not in cuts:
-                        link = cluster.link_between(r[0][0], r[1][0]) if n_st > 1 else None
-                        bw = link.bytes_per_s if link and math.isfinite(link.bytes_per_s) else None
-                        cuts[k, micro] = predict.chain_stages(
-                            costs, [g * _flops_rate(costs, per_sample[r[0][0]])] * n_st, micro, bw
-                        )
-                    ranges = cuts[k, micro]
-                    if any(a == e for a, e in ranges):
-                        ok = False  # a stage without layers: the same as fewer stages
-                        break
-                    spec.append((b, tuple((grp, rg, None) for grp, rg in zip(r, ranges))))
-                if not ok:
-                    continue
-                what = f"{len(spec)} replica{'s' if len(spec) > 1 else ''} x {n_st} stages"
-                if g > 1:
-                    what += f" of {g} devices"
-                for schedule in ("GPipe", "1F1B"):
-                    strategy = f"{family}, {what}, {m} micro-batches {schedule}{suffix}"
-                    try:
-                        pred = predict.predict_stages(
-                            costs,
-                            cluster,
-                            spec,
-                            m,
-                            schedule,
-                            optimizer_state_copies=s,
-                            strategy=strategy,
-                        )
-                    except ValueError as e:
-                        report.skipped[f"{family}, stages of {g} devices"] = str(e)
-                        break
-                    report.costed += 1
-                    if suffix:
-                        pred.detail["devices"] = list(devices)
-                    if pred.feasible:
-                        best[0] = min(best[0], pred.step_s)
-                    out.append(pred)
+                if m <= MAX_MICRO_BATCHES and m * len(reps) <= batch:
+                    shapes.append((floor * (m + n_st - 1) / m, g, n_st, m, kinds, reps))
+    shapes.sort(key=lambda x: x[:4])
+    for bound, g, n_st, m, kinds, reps in shapes:
+        used = sum(len(r) * g for _, r in reps)
+        if bound >= best[0] or budget[0] < used:
+            report.prune(family)
+            continue
+        budget[0] -= used
+        speed = {k: 1.0 / per_sample[gs[0][0]] for k, gs in kinds}
+        shares = hetcoll.split(batch, [speed[k] * n_st * g for k, _ in reps])
+        reps_b = [(k, r, b) for (k, r), b in zip(reps, shares) if b > 0]
+        if m > min(b for _, _, b in reps_b):
+            continue
+        spec = []
+        ok = True
+        cuts: dict[tuple[Any, int], list[tuple[int, int]]] = {}
+        for k, r, b in reps_b:
+            micro = math.ceil(b / m)
+            if (k, micro) not in cuts:
+                link = cluster.link_between(r[0][0], r[1][0]) if n_st > 1 else None
+                bw = link.bytes_per_s if link and math.isfinite(link.bytes_per_s) else None
+                cuts[k, micro] = predict.chain_stages(
+                    costs, [g * _flops_rate(costs, per_sample[r[0][0]])] * n_st, micro, bw
+                )
+            ranges = cuts[k, micro]
+            if any(a == e for a, e in ranges):
+                ok = False  # a stage without layers: the same as fewer stages
+                break
+            spec.append((b, tuple((grp, rg, None) for grp, rg in zip(r, ranges))))
+        if not ok:
+            continue
+        what = f"{len(spec)} replica{'s' if len(spec) > 1 else ''} x {n_st} stages"
+        if g > 1:
+            what += f" of {g} devices"
+        for schedule in ("GPipe", "1F1B"):
+            strategy = f"{family}, {what}, {m} micro-batches {schedule}{suffix}"
+            try:
+                pred = predict.predict_stages(
+                    costs, cluster, spec, m, schedule, optimizer_state_copies=s, strategy=strategy
+                )
+            except ValueError as e:
+                report.skipped[f"{family}, stages of {g} devices"] = str(e)
+                break
+            report.costed += 1
+            if suffix:
+                pred.detail["devices"] = list(devices)
+            if pred.feasible:
+                best[0] = min(best[0], pred.step_s)
+            out.append(pred)
     return out
 
 
@@ -802,16 +811,17 @@ def plan(
                 )
         if replicated_pipelines and n:
             best = [best_step()]
+            budget = [HYBRID_WORK_BUDGET]
             sets = [list(range(p))]
             if subsets:  # (a subset's own subsets are not searched)
                 sets += [sorted(d for t in tiers[:k] for d in t) for k in range(1, len(tiers))]
             for keep in sets:
-                if len(keep) < p and p <= SUBSET_FULL_SEARCH_MAX_DEVICES:
-                    if subsets and keep == list(range(len(keep))):
-                        continue  # searched with every strategy among the subsets above
+                prefix = keep == list(range(len(keep)))
+                if subsets and prefix and len(keep) < p <= SUBSET_FULL_SEARCH_MAX_DEVICES:
+                    continue  # searched with every strategy among the subsets above
                 suffix = f", {len(keep)} of {p} devices" if len(keep) < p else ""
                 out += _replicated_pipelines(
-                    costs, cluster, batch, keep, suffix, per_sample, s, best, report
+                    costs, cluster, batch, keep, suffix, per_sample, s, best, budget, report
                 )
         if asymmetric and n and len(tiers) > 1 and p <= ASYMMETRIC_MAX_DEVICES:
             for k in range(1, len(tiers)):
@@ -931,9 +941,9 @@ def plot_plans(ranked: Sequence[Prediction], path: str, title: str = "", top: in
         fontsize=7,
     )
     ax.set_xlabel("predicted step time (ms)")
-    ax.set_xscale("log")
+    ax.set_xlim(0, max(x.step_s for x in shown) * 1e3 * 1.05)
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours[f]) for f in families]
-    ax.legend(handles, families, fontsize=7, loc="lower right")
+    ax.legend(handles, families, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title(title or "predicted step time by plan (hatched: infeasible)", fontsize=9)
     ax.grid(True, axis="x", which="both", alpha=0.3)
     fig.tight_layout()

@@ -37,7 +37,7 @@ import numpy as np
 import hetcoll
 from hetcoll.model import terms
 from hetcoll.model.costs import ModelCosts
-from hetcoll.model.hardware import PRECISIONS, Cluster, Device
+from hetcoll.model.hardware import PRECISIONS, Cluster, Device, Link
 from hetcoll.plan import Plan, microbatch_sizes
 
 # torch DDP's defaults: the first bucket is capped at 1 MiB (so communication starts early), the
@@ -1212,7 +1212,18 @@ def predict_stages(
             if key not in built:
                 where = f"replicas[{i}].stages[{j}]"
                 built[key] = _stage_layout(costs, ranks, layers, last, speeds, None, where)
-            out.append(replace(built[key], ranks=tuple(ranks)))
+            b = built[key]
+            out.append(
+                _StageLayout(
+                    tuple(ranks),
+                    b.lo,
+                    b.hi,
+                    b.out_bytes_per_sample,
+                    b.parts,
+                    b.modes,
+                    b.layer_shares,
+                )
+            )
         sizes = tuple(microbatch_sizes(samples, microbatches))
         layout.append(_ReplicaLayout(samples, sizes, tuple(out)))
     pred = _predict_layout(costs, cluster, layout, schedule, optimizer_state_copies, strategy)
@@ -1331,33 +1342,54 @@ def _stage_work(
     )
 
 
-def _replica_key(cluster: Cluster, rep: _ReplicaLayout) -> tuple[Any, ...]:
-    """What a replica's simulated step depends on: its samples and micro-batches, and per
-    stage its layers, split, the devices it runs on, the links its stage's collectives and its
-    sends cross. Replicas with equal keys run alike (their ranks aside)."""
-    devices = cluster.devices
-    key: list[Any] = [rep.samples, rep.micro]
-    for s, st in enumerate(rep.stages):
-        nxt = rep.stages[s + 1].ranks if s + 1 < len(rep.stages) else ()
-        prev = rep.stages[s - 1].ranks if s > 0 else ()
-        lead = st.ranks[0]
-        key.append(
-            (
-                st.lo,
-                st.hi,
-                st.out_bytes_per_sample,
-                st.parts,
-                tuple(st.modes.items()) if st.modes else None,
-                tuple((k, tuple(v)) for k, v in st.layer_shares.items())
-                if st.layer_shares
-                else None,
-                tuple(devices[d] for d in st.ranks),
-                cluster.subset(list(st.ranks)).ring_link() if len(st.ranks) > 1 else None,
-                tuple(cluster.link_between(lead, e) for e in nxt),
-                tuple(cluster.link_between(lead, e) for e in prev),
+class _ReplicaKeys:
+    """What a replica's simulated step depends on (:meth:`key`): its samples and
+    micro-batches, and per stage its layers and split, the devices it runs on, the links its
+    stage's collectives and its sends cross. Replicas with equal keys run alike (their ranks
+    aside). Links depend on the nodes only, so they are looked up once per pair of nodes."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.nodes = cluster.node_of_device
+        self.devices = cluster.devices
+        self.links: dict[tuple[int, int], Link] = {}
+        self.rings: dict[tuple[int, ...], Link] = {}
+
+    def link(self, a: int, b: int) -> Link:
+        pair = (self.nodes[a], self.nodes[b])
+        if pair not in self.links:
+            self.links[pair] = self.cluster.link_between(a, b)
+        return self.links[pair]
+
+    def ring(self, ranks: tuple[int, ...]) -> Link:
+        nodes = tuple(self.nodes[d] for d in ranks)
+        if nodes not in self.rings:
+            self.rings[nodes] = self.cluster.subset(list(ranks)).ring_link()
+        return self.rings[nodes]
+
+    def key(self, rep: _ReplicaLayout) -> tuple[Any, ...]:
+        key: list[Any] = [rep.samples, rep.micro]
+        for s, st in enumerate(rep.stages):
+            nxt = rep.stages[s + 1].ranks if s + 1 < len(rep.stages) else ()
+            prev = rep.stages[s - 1].ranks if s > 0 else ()
+            lead = st.ranks[0]
+            key.append(
+                (
+                    st.lo,
+                    st.hi,
+                    st.out_bytes_per_sample,
+                    st.parts,
+                    tuple(st.modes.items()) if st.modes else None,
+                    tuple((k, tuple(v)) for k, v in st.layer_shares.items())
+                    if st.layer_shares
+                    else None,
+                    tuple(self.devices[d] for d in st.ranks),
+                    self.ring(st.ranks) if len(st.ranks) > 1 else None,
+                    tuple(self.link(lead, e) for e in nxt),
+                    tuple(self.link(lead, e) for e in prev),
+                )
             )
-        )
-    return tuple(key)
+        return tuple(key)
 
 
 def _predict_layout(
@@ -1388,7 +1420,8 @@ def _predict_layout(
         return cache[b]
 
     kinds: dict[tuple[Any, ...], int] = {}
-    like = [kinds.setdefault(_replica_key(cluster, rep), r) for r, rep in enumerate(replicas)]
+    keys = _ReplicaKeys(cluster)
+    like = [kinds.setdefault(keys.key(rep), r) for r, rep in enumerate(replicas)]
     simulated = sorted(set(like))
     local: dict[int, int] = {}  # simulated device -> its program
     for r in simulated:
