@@ -313,7 +313,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print("  breakdown: " + ", ".join(f"{k} {_fmt_s(v)}" for k, v in best.breakdown.items()))
     print(f"  bottleneck: {why['text']}")
     print(f"  memory per device: up to {max(best.memory_bytes) / 1e9:.3g} GB")
-    print("runners-up (bottleneck):")
+    print("runners-up:")
     shown = ranked[1 : 1 + args.top]
     width = max([32, *(len(p.strategy) for p in shown)])
     for p in shown:

@@ -1140,6 +1140,9 @@ def _plan_layout(costs: ModelCosts, cluster: Cluster, plan: Plan) -> list[_Repli
             f"plan: names rank {missing[0]} but the cluster has {cluster.num_devices} devices"
         )
     out = []
+    # Stages alike but for their ranks are checked and laid out once (and so share their
+    # modes: _ReplicaKeys knows them alike).
+    built: dict[tuple[Any, ...], _StageLayout] = {}
     for i, replica in enumerate(plan.replicas):
         stages = []
         for j, stage in enumerate(replica.stages):
@@ -1150,9 +1153,26 @@ def _plan_layout(costs: ModelCosts, cluster: Cluster, plan: Plan) -> list[_Repli
                     "stages yet (hetcoll.model.predict_placement predicts a one-stage one)"
                 )
             last = j + 1 == len(replica.stages)
-            stages.append(
-                _stage_layout(
+            shares = (
+                None
+                if stage.shares is None
+                else tuple(sorted((k, tuple(v)) for k, v in stage.shares.items()))
+            )
+            key = (len(stage.ranks), tuple(stage.layers), last, stage.speeds, shares)
+            if key not in built:
+                built[key] = _stage_layout(
                     costs, stage.ranks, stage.layers, last, stage.speeds, stage.shares, where
+                )
+            b = built[key]
+            stages.append(
+                _StageLayout(
+                    tuple(stage.ranks),
+                    b.lo,
+                    b.hi,
+                    b.out_bytes_per_sample,
+                    b.parts,
+                    b.modes,
+                    b.layer_shares,
                 )
             )
         out.append(_ReplicaLayout(replica.samples, tuple(plan.microbatch_sizes(i)), tuple(stages)))
@@ -1344,31 +1364,48 @@ def _stage_work(
 
 class _ReplicaKeys:
     """What a replica's simulated step depends on (:meth:`key`): its samples and
-    micro-batches, and per stage its layers and split, the devices it runs on, the links its
-    stage's collectives and its sends cross. Replicas with equal keys run alike (their ranks
-    aside). Links depend on the nodes only, so they are looked up once per pair of nodes."""
+    micro-batches, and per stage its layers and split, the kinds of device it runs on, the
+    links its stage's collectives and its sends cross. Replicas with equal keys run alike
+    (their ranks aside). Kinds and links are small integers, looked up once per device kind
+    and per pair of nodes (hashing a Device or a Link per rank would cost more than the
+    simulation it saves); a stage's split is named by the identity of its modes and shares,
+    which stages built alike share (equal identity implies equal content)."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: Cluster, kind: np.ndarray) -> None:
         self.cluster = cluster
         self.nodes = cluster.node_of_device
-        self.devices = cluster.devices
-        self.links: dict[tuple[int, int], Link] = {}
-        self.rings: dict[tuple[int, ...], Link] = {}
+        self.kind = kind.tolist()
+        self.ids: dict[Link, int] = {}
+        self.links: dict[tuple[int, int], int] = {}
+        self.rings: dict[tuple[bool, frozenset[Link]], int] = {}
 
-    def link(self, a: int, b: int) -> Link:
+    def _id(self, link: Link) -> int:
+        return self.ids.setdefault(link, len(self.ids))
+
+    def link(self, a: int, b: int) -> int:
         pair = (self.nodes[a], self.nodes[b])
         if pair not in self.links:
-            self.links[pair] = self.cluster.link_between(a, b)
+            self.links[pair] = self._id(self.cluster.link_between(a, b))
         return self.links[pair]
 
-    def ring(self, ranks: tuple[int, ...]) -> Link:
-        nodes = tuple(self.nodes[d] for d in ranks)
-        if nodes not in self.rings:
-            self.rings[nodes] = self.cluster.subset(list(ranks)).ring_link()
-        return self.rings[nodes]
+    def ring(self, ranks: tuple[int, ...]) -> int:
+        # A ring over these ranks crosses the network when they span nodes, and the link of
+        # every node holding two of them or more (Cluster.subset(...).ring_link()).
+        count: dict[int, int] = {}
+        for d in ranks:
+            count[self.nodes[d]] = count.get(self.nodes[d], 0) + 1
+        nodes = self.cluster.nodes
+        inside = frozenset(
+            link for n, c in count.items() if c > 1 and (link := nodes[n].link) is not None
+        )
+        shape = (len(count) > 1, inside)
+        if shape not in self.rings:
+            self.rings[shape] = self._id(self.cluster.subset(list(ranks)).ring_link())
+        return self.rings[shape]
 
     def key(self, rep: _ReplicaLayout) -> tuple[Any, ...]:
         key: list[Any] = [rep.samples, rep.micro]
+        kind = self.kind
         for s, st in enumerate(rep.stages):
             nxt = rep.stages[s + 1].ranks if s + 1 < len(rep.stages) else ()
             prev = rep.stages[s - 1].ranks if s > 0 else ()
@@ -1379,11 +1416,9 @@ class _ReplicaKeys:
                     st.hi,
                     st.out_bytes_per_sample,
                     st.parts,
-                    tuple(st.modes.items()) if st.modes else None,
-                    tuple((k, tuple(v)) for k, v in st.layer_shares.items())
-                    if st.layer_shares
-                    else None,
-                    tuple(self.devices[d] for d in st.ranks),
+                    id(st.modes),
+                    id(st.layer_shares),
+                    tuple(kind[d] for d in st.ranks),
                     self.ring(st.ranks) if len(st.ranks) > 1 else None,
                     tuple(self.link(lead, e) for e in nxt),
                     tuple(self.link(lead, e) for e in prev),
@@ -1420,7 +1455,7 @@ def _predict_layout(
         return cache[b]
 
     kinds: dict[tuple[Any, ...], int] = {}
-    keys = _ReplicaKeys(cluster)
+    keys = _ReplicaKeys(cluster, dev.kind)
     like = [kinds.setdefault(keys.key(rep), r) for r, rep in enumerate(replicas)]
     simulated = sorted(set(like))
     local: dict[int, int] = {}  # simulated device -> its program
