@@ -1,11 +1,54 @@
 """The planner: which strategy, which split, how fast - and how that changes along seed 003's five
 axes (batch size, device FLOP/s, memory bandwidth, link bandwidth, cluster size).
 
-:func:`plan` evaluates every candidate (data parallel with balanced and with even shares, filter
-parallel with balanced filters, pipelines of a few micro-batch counts, the same on a few device
-subsets, and asymmetric replicas) and ranks them: feasible plans first, fastest first. Each
-candidate carries the :class:`hetcoll.Plan` the runtime runs. :func:`sweep` re-plans along one
-axis.
+:func:`plan` costs every candidate of its space and ranks them: feasible plans first, fastest
+first. Each candidate carries the :class:`hetcoll.Plan` the runtime runs (built when first
+read: a plan of 10,240 replicas takes longer to build and check than to cost). The space:
+
+- data parallel with balanced and with even shares; filter parallel (one stage over the
+  devices, filters split by speed);
+- one pipeline of one-device stages over the cluster, 1 to 32 micro-batches, GPipe and 1F1B
+  (the same bubble; 1F1B keeps fewer micro-batches' activations, which the predictor counts);
+- replicated pipelines: replicas of S = 2, 4, 8 stages of g = 1, 2, 4, 8 devices of one node
+  (g > 1: a filter-split stage), S, 2S or 4S micro-batches, both schedules. Each kind of device
+  forms replicas of its own; the samples are split over all replicas in proportion to their
+  speed; each kind's stage boundaries are the exact dynamic programme over the top-level layer
+  cuts (:func:`hetcoll.partition_chain` through :func:`predict.chain_stages`: the smallest
+  bottleneck of a stage's FLOPs over its devices' speed plus what its cut sends over the link
+  to the next stage);
+- device subsets: the fastest k kinds of device, the strongest node, and on clusters of up to
+  ``SUBSET_FULL_SEARCH_MAX_DEVICES`` devices the first 1, 2, 4, ... nodes, each with the
+  strategies above (the large clusters' subsets with data and filter parallelism and the
+  replicated pipelines);
+- asymmetric replicas (clusters of up to ``ASYMMETRIC_MAX_DEVICES`` devices): whole-model
+  replicas on the fast kinds beside one pipeline or filter-split replica of the rest;
+- node-wise placements (seed 002), when the model itself is given: the hypergraph partition,
+  the even and the speed-proportional channel split, on at most ``OWNERS_MAX_DEVICES``
+  devices (all of them, or the strongest subset that small), with seed 002's comparison
+  (:class:`SearchReport`).
+
+How it stays fast:
+
+- **Kinds, not devices.** Devices of one kind doing the same work are timed once
+  (:mod:`hetcoll.model.predict` times distinct columns), and replicas that run alike are
+  simulated once: a plan of 2,560 replicas of two kinds simulates two.
+- **Bounds.** A pipeline of S stages and m micro-batches idles at least (S - 1) / (m + S - 1) of
+  its step (fill and drain), so its step is at least ``floor * (m + S - 1) / m``, where
+  ``floor`` is the batch's compute spread perfectly over its devices at each device's best
+  per-sample rate (a device's time per sample falls as its batch grows: every kernel's roofline
+  is a maximum of terms linear in the batch with non-negative intercepts, plus a launch). The
+  cheap candidates (data and filter parallelism, subsets) are costed first; then a pipeline
+  whose bound is not below the best step found so far is not costed (counted in
+  ``SearchReport.pruned``), and the replicated pipelines are costed best bound first.
+- **A work budget.** Costing a replicated pipeline still reads each of its devices once
+  (Python, microseconds each), so they are costed best bound first until
+  ``HYBRID_WORK_BUDGET`` device-candidates are spent: all of them on a cluster of hundreds of
+  devices, the few most promising on 10,240.
+- **Node-wise plans on small sets only** (``OWNERS_MAX_DEVICES``): each is a partition of the
+  model's every filter and neuron and a replay of its schedule in Python.
+
+:func:`explain` says why a plan takes its time (its bottleneck term); :func:`plot_plans` draws
+predicted step time by plan; :func:`sweep` re-plans along one axis.
 """
 
 from __future__ import annotations
@@ -45,14 +88,19 @@ HYBRID_MICRO_PER_STAGE = (1, 2, 4)
 HYBRID_WORK_BUDGET = 60_000
 #: The largest micro-batch count the planner tries.
 MAX_MICRO_BATCHES = 32
-#: Node-wise (owners) plans are searched on device sets of at most this many devices: each is a
-#: run of the hypergraph partitioner (:func:`hetcoll.partition_hypergraph`) over every filter
-#: and neuron of the model, whose time grows with both, and of the placement's replay
+#: Node-wise (owners) plans are searched on one set of at most this many devices, for models of
+#: at most ``OWNERS_MAX_VERTICES`` filters and neurons: each is a run of the hypergraph
+#: partitioner (:func:`hetcoll.partition_hypergraph`) over every filter and neuron, whose time
+#: grows faster than their number, and a replay of the placement's schedule
 #: (:func:`~hetcoll.model.predict_placement`), which steps every channel block of every
-#: micro-batch in Python. On VGG-11 at 32x32 (4,234 filters and neurons) one partition into 8
-#: parts and its replay take about 0.2 s here; with the three placements per set (hypergraph,
-#: even, speed-proportional) and a few sets, 8 devices keeps the search well under a second.
+#: micro-batch in Python. Measured here (2 shared cores, load average 9): the built-in `cnn`
+#: (714 filters and neurons) partitions into 2 / 4 / 8 parts in 0.19 / 0.24 / 0.28 s, the
+#: built-in `vgg` (3,786) in 4.0 / 6.5 / 6.1 s - a partition of a larger model costs more than
+#: the rest of the search. Call :func:`~hetcoll.model.hypergraph_plan` and
+#: :func:`~hetcoll.model.predict_placement` directly for those.
 OWNERS_MAX_DEVICES = 8
+#: See ``OWNERS_MAX_DEVICES``.
+OWNERS_MAX_VERTICES = 1500
 #: On clusters of up to this many devices, the planner tries the first 1, 2, 4, ... nodes (or
 #: devices) too, with every strategy on each subset; on larger ones, fewer subsets with the
 #: balanced data- and filter-parallel splits only.
@@ -448,6 +496,12 @@ def _placements(
         layers = model_layers(model)
     except ValueError as e:
         report.skipped["node-wise placement"] = str(e)
+        return []
+    if h.num_vertices > OWNERS_MAX_VERTICES:
+        report.skipped["node-wise placement"] = (
+            f"the model has {h.num_vertices:,} filters and neurons; the planner partitions up "
+            f"to {OWNERS_MAX_VERTICES:,} (call hypergraph_plan and predict_placement directly)"
+        )
         return []
     if k < 2 or k > h.num_vertices:
         return []
