@@ -323,8 +323,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if report.placement_comparison is not None:
         for line in _comparison_lines(report.placement_comparison):
             print(line)
-    for family, why in report.skipped.items():
-        print(f"not searched: {family}: {why}")
+    for family, reason in report.skipped.items():
+        print(f"not searched: {family}: {reason}")
     if args.plot:
         print(f"plot: {args.plot}")
     if best.feasible and best.plan is not None:

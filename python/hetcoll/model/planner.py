@@ -656,6 +656,9 @@ def _placements(
                 best_row = row
         if best_row is not None:
             rows.append(best_row)
+            if what == "even filter split" and proportional == owners:
+                # On equal devices the speed-proportional split is the even one.
+                rows.append({**best_row, "strategy": "speed-proportional filter split"})
     # The same devices' pipeline of one-device stages and balanced data parallelism.
     flops_of = {
         name: h.vertex_weights[first : first + count].sum() for name, first, count in h.layers
@@ -836,7 +839,9 @@ def plan(
                         continue
                     pred = _on_devices(pred, keep, p, suffix)
                     key = _same_plan_key(pred) if pred.has_plan else None
-                    if key is None or key not in seen:
+                    if key is None:
+                        out.append(pred)
+                    elif key not in seen:
                         seen.add(key)
                         out.append(pred)
         # One pipeline of one-device stages over the cluster: its S stages (at most one per
