@@ -408,7 +408,7 @@ def _replicated_pipelines(
                     shapes.append((floor * (m + n_st - 1) / m, g, n_st, m, kinds, reps))
     shapes.sort(key=lambda x: x[:4])
     for bound, g, n_st, m, kinds, reps in shapes:
-        used = sum(len(r) * g for _, r in reps)
+        used = len(reps) * n_st * g
         if bound >= best[0] or budget[0] < used:
             report.prune(family)
             continue
@@ -419,22 +419,22 @@ def _replicated_pipelines(
         if m > min(b for _, _, b in reps_b):
             continue
         spec = []
-        ok = True
-        cuts: dict[tuple[Any, int], list[tuple[int, int]]] = {}
+        cuts: dict[tuple[Any, int], list[tuple[int, int]] | None] = {}
         for k, r, b in reps_b:
             micro = math.ceil(b / m)
             if (k, micro) not in cuts:
                 link = cluster.link_between(r[0][0], r[1][0]) if n_st > 1 else None
                 bw = link.bytes_per_s if link and math.isfinite(link.bytes_per_s) else None
-                cuts[k, micro] = predict.chain_stages(
+                ranges = predict.chain_stages(
                     costs, [g * _flops_rate(costs, per_sample[r[0][0]])] * n_st, micro, bw
                 )
-            ranges = cuts[k, micro]
-            if any(a == e for a, e in ranges):
-                ok = False  # a stage without layers: the same as fewer stages
+                # A stage without layers: the same as fewer stages, costed there.
+                cuts[k, micro] = None if any(a == e for a, e in ranges) else ranges
+            ranges_k = cuts[k, micro]
+            if ranges_k is None:
                 break
-            spec.append((b, tuple((grp, rg, None) for grp, rg in zip(r, ranges))))
-        if not ok:
+            spec.append((b, tuple(zip(r, ranges_k, (None,) * n_st))))
+        if len(spec) < len(reps_b):
             continue
         what = f"{len(spec)} replica{'s' if len(spec) > 1 else ''} x {n_st} stages"
         if g > 1:

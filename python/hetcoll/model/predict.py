@@ -240,11 +240,33 @@ class _DeviceArrays:
         )
 
 
+#: The arrays of the last few device lists (a cluster's ``devices`` is one tuple for its life;
+#: the planner asks for the same one hundreds of times).
+_ARRAYS: dict[int, tuple[Sequence[Device], _DeviceArrays]] = {}
+
+
 def _device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
-    # Each distinct device is read once (a large cluster holds a few kinds many times over).
-    unique = list(dict.fromkeys(devices))
+    hit = _ARRAYS.get(id(devices))
+    if hit is not None and hit[0] is devices:
+        return hit[1]
+    arrays = _new_device_arrays(devices)
+    if isinstance(devices, tuple):
+        if len(_ARRAYS) >= 16:
+            _ARRAYS.pop(next(iter(_ARRAYS)))
+        _ARRAYS[id(devices)] = (devices, arrays)
+    return arrays
+
+
+def _new_device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
+    # Each distinct device is read once (a large cluster holds a few kinds many times over,
+    # mostly the same object: those are told apart by identity before they are hashed).
+    by_id: dict[int, Device] = {}
+    for d in devices:
+        by_id.setdefault(id(d), d)
+    unique = list(dict.fromkeys(by_id.values()))
     number = {d: i for i, d in enumerate(unique)}
-    kind = np.fromiter((number[d] for d in devices), dtype=np.int64, count=len(devices))
+    of_id = {i: number[d] for i, d in by_id.items()}
+    kind = np.fromiter((of_id[id(d)] for d in devices), dtype=np.int64, count=len(devices))
 
     def per_device(values: list[float]) -> np.ndarray:
         return np.asarray(values, dtype=np.float64)[kind]
@@ -332,7 +354,25 @@ def _layer_times(
     ``split_input`` whose fraction is of their input channels)."""
     # Devices of one kind with the same work time alike: time each distinct column once.
     batch = np.asarray(batch)
-    if len(batch) > 8 and len(dev.kind) == len(batch):
+    if (
+        len(batch) > 8
+        and len(dev.kind) == len(batch)
+        and filter_fraction is None is channel_fraction
+    ):
+        # The common case, one number per column: kind and batch as one integer.
+        code = dev.kind * (int(batch.max()) + 1) + batch.astype(np.int64)
+        _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+        if len(first) < len(batch):
+            lt = _layer_times(costs, dev.columns(first), batch[first], None, None, split_input)
+            inverse = inverse.reshape(-1)
+            return LayerSeconds(
+                lt.forward_s[:, inverse],
+                lt.backward_s[:, inverse],
+                lt.compute_s[:, inverse],
+                lt.memory_s[:, inverse],
+                lt.overhead_s[:, inverse],
+            )
+    elif len(batch) > 8 and len(dev.kind) == len(batch):
         rows = [dev.kind, batch]
         if filter_fraction is not None:
             rows += list(filter_fraction)
@@ -447,7 +487,14 @@ def _memory_common(costs: ModelCosts, state_copies: int) -> float:
 def _memory_shortfall(mem: np.ndarray, devices: Sequence[Any]) -> str:
     """Why a plan does not fit ('' when it does): the first device whose memory ``mem[d]``
     (bytes) exceeds its capacity."""
-    for d, need in enumerate(mem):
+    capacity = _device_arrays(devices).memory_bytes if len(devices) > 64 else None
+    if capacity is not None:
+        over = np.flatnonzero(np.asarray(mem) > capacity)
+        candidates = over[:1].tolist()
+    else:
+        candidates = range(len(mem))
+    for d in candidates:
+        need = mem[d]
         if need > devices[d].memory_bytes:
             return (
                 f"device {d} ({devices[d].name}) needs {need / 1e9:.3g} GB of "
@@ -1222,31 +1269,114 @@ def predict_stages(
     the planner, which costs many large plans and shows a few. Raises ``ValueError`` (naming
     ``replicas``) where the runtime would refuse a stage."""
     costs.check_plan_layers()
-    built: dict[tuple[Any, ...], _StageLayout] = {}
-    layout = []
+    # Replicas of one template (samples, and per stage its size, layers and speeds) are laid
+    # out once; within a template, those whose ranks sit on the same kinds of device and send
+    # over the same links are one class, found with numpy over every member's ranks at once.
+    templates: dict[tuple[Any, ...], list[int]] = {}
     for i, (samples, stages) in enumerate(replicas):
-        out = []
+        shape = (samples, tuple((len(r), tuple(lay), sp) for r, lay, sp in stages))
+        templates.setdefault(shape, []).append(i)
+    dev_kind = _device_arrays(cluster.devices).kind
+    node_of = np.asarray(cluster.node_of_device)
+    node_link = _node_link_ids(cluster)
+    link_ids: dict[Link, int] = {}
+    between: dict[tuple[int, ...], int] = {}
+
+    def link_id(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        # The link between devices a and b (arrays) depends on whether they share a node and
+        # on their nodes' links only: one link_between per distinct case.
+        na, nb = node_of[a], node_of[b]
+        cases = np.stack([na == nb, node_link[na], node_link[nb]], axis=1)
+        unique, first, inverse = np.unique(cases, axis=0, return_index=True, return_inverse=True)
+        ids = []
+        for case, f in zip(unique.tolist(), first.tolist()):
+            key = tuple(case)
+            if key not in between:
+                link = cluster.link_between(int(a[f]), int(b[f]))
+                between[key] = link_ids.setdefault(link, len(link_ids))
+            ids.append(between[key])
+        return np.asarray(ids, dtype=np.int64)[inverse.reshape(-1)]
+
+    def ring_id(block: np.ndarray) -> np.ndarray:
+        # A split stage's ring: its node's link when its ranks share a node, else worked out.
+        nodes = node_of[block]
+        one = (nodes == nodes[:, :1]).all(axis=1)
+        out = np.empty(len(block), dtype=np.int64)
+        for r in np.flatnonzero(~one):
+            link = _ring_link_of(cluster, block[r], node_link)
+            out[r] = link_ids.setdefault(link, len(link_ids))
+        if one.any():
+            # Per distinct node link, its id among link_ids (several ranks on the node: a link).
+            first = nodes[one, 0]
+            kinds, at = np.unique(node_link[first], return_index=True)
+            table = np.zeros(int(node_link.max()) + 1, dtype=np.int64)
+            for nl, i in zip(kinds.tolist(), at.tolist()):
+                link = cluster.nodes[int(first[i])].link
+                assert link is not None
+                table[nl] = link_ids.setdefault(link, len(link_ids))
+            out[one] = table[node_link[first]]
+        return out
+
+    classes: list[tuple[_ReplicaLayout, np.ndarray]] = []
+    for (samples, _), members in templates.items():
+        i = members[0]
+        stages = replicas[i][1]
+        laid = []
         for j, (ranks, layers, speeds) in enumerate(stages):
+            where = f"replicas[{i}].stages[{j}]"
             last = j + 1 == len(stages)
-            key = (len(ranks), layers, last, speeds)
-            if key not in built:
-                where = f"replicas[{i}].stages[{j}]"
-                built[key] = _stage_layout(costs, ranks, layers, last, speeds, None, where)
-            b = built[key]
-            out.append(
-                _StageLayout(
-                    tuple(ranks),
-                    b.lo,
-                    b.hi,
-                    b.out_bytes_per_sample,
-                    b.parts,
-                    b.modes,
-                    b.layer_shares,
-                )
-            )
+            laid.append(_stage_layout(costs, ranks, tuple(layers), last, speeds, None, where))
+        ranks_of = np.array(
+            [[d for r, _, _ in replicas[x][1] for d in r] for x in members], dtype=np.int64
+        )
+        signature = [dev_kind[ranks_of]]
+        col, starts = 0, []
+        for ranks, _, _ in stages:
+            starts.append(col)
+            col += len(ranks)
+        for j, (ranks, _, _) in enumerate(stages):
+            lead = ranks_of[:, starts[j]]
+            for k in (j - 1, j + 1):
+                if 0 <= k < len(stages):
+                    for c in range(starts[k], starts[k] + len(stages[k][0])):
+                        signature.append(link_id(lead, ranks_of[:, c])[:, None])
+            if len(ranks) > 1:  # the ring of a split stage's collectives
+                block = ranks_of[:, starts[j] : starts[j] + len(ranks)]
+                signature.append(ring_id(block)[:, None])
+        _, first, inverse = np.unique(
+            np.hstack(signature), axis=0, return_index=True, return_inverse=True
+        )
+        inverse = inverse.reshape(-1)
         sizes = tuple(microbatch_sizes(samples, microbatches))
-        layout.append(_ReplicaLayout(samples, sizes, tuple(out)))
-    pred = _predict_layout(costs, cluster, layout, schedule, optimizer_state_copies, strategy)
+        for c, f in enumerate(first):
+            rows = ranks_of[inverse == c]
+            rep_ranks = ranks_of[f].tolist()
+            rep_stages = []
+            for j, st in enumerate(laid):
+                picked = tuple(rep_ranks[starts[j] : starts[j] + len(st.ranks)])
+                rep_stages.append(
+                    _StageLayout(
+                        picked,
+                        st.lo,
+                        st.hi,
+                        st.out_bytes_per_sample,
+                        st.parts,
+                        st.modes,
+                        st.layer_shares,
+                    )
+                )
+            # The class's first row is the replica simulated for it.
+            rows = np.vstack([ranks_of[f][None, :], rows[(rows != ranks_of[f]).any(axis=1)]])
+            classes.append((_ReplicaLayout(samples, sizes, tuple(rep_stages)), rows))
+    pred = _predict_layout(
+        costs,
+        cluster,
+        [rep for rep, _ in classes],
+        schedule,
+        optimizer_state_copies,
+        strategy,
+        classes,
+    )
 
     def build() -> Plan:
         return Plan.from_dict(
@@ -1300,17 +1430,18 @@ def _stage_work(
     lo, hi = stage.lo, stage.hi
     if len(stage.ranks) == 1:
         d = stage.ranks[0]
-        lt: LayerSeconds = times(batch)
+        lt, column = times(batch)  # per kind of device, and each device's kind
+        c = column[d]
         owned = float(sum(x.param_bytes for x in costs.layers[lo:hi]))
         mem_bw = cluster.devices[d].mem_bytes_per_s
         return _StageWork(
-            [[("compute", float(lt.forward_s[lo:hi, d].sum()))]],
-            [[("compute", float(lt.backward_s[lo:hi, d].sum()))]],
+            [[("compute", float(lt.forward_s[lo:hi, c].sum()))]],
+            [[("compute", float(lt.backward_s[lo:hi, c].sum()))]],
             np.array(
                 [
-                    [lt.compute_s[lo:hi, d].sum()],
-                    [lt.memory_s[lo:hi, d].sum()],
-                    [lt.overhead_s[lo:hi, d].sum()],
+                    [lt.compute_s[lo:hi, c].sum()],
+                    [lt.memory_s[lo:hi, c].sum()],
+                    [lt.overhead_s[lo:hi, c].sum()],
                 ]
             ),
             np.array([owned * (2 + state_copies)]),
@@ -1427,6 +1558,67 @@ class _ReplicaKeys:
         return tuple(key)
 
 
+def _flat_ranks(rep: _ReplicaLayout) -> list[int]:
+    return [d for st in rep.stages for d in st.ranks]
+
+
+def _replica_classes(
+    cluster: Cluster, replicas: Sequence[_ReplicaLayout], kind: np.ndarray
+) -> list[tuple[_ReplicaLayout, np.ndarray]]:
+    """The replicas grouped by :class:`_ReplicaKeys`: each group's first replica, and every
+    member's ranks (a row each, the first replica's first, in its stages' order)."""
+    keys = _ReplicaKeys(cluster, kind)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for r, rep in enumerate(replicas):
+        groups.setdefault(keys.key(rep), []).append(r)
+    return [
+        (replicas[members[0]], np.array([_flat_ranks(replicas[r]) for r in members]))
+        for members in groups.values()
+    ]
+
+
+def _ring_link_of(cluster: Cluster, ranks: np.ndarray, node_link: np.ndarray) -> Link:
+    """``cluster.subset(ranks).ring_link()`` without building the subset: the ring crosses the
+    link of each node holding two or more of ``ranks`` and the network when they span nodes,
+    so a few nodes stand for all (``node_link``: an id per node, equal for equal links)."""
+    nodes = np.asarray(cluster.node_of_device)[ranks] if len(ranks) else np.zeros(0, int)
+    counts = np.bincount(nodes, minlength=len(cluster.nodes))
+    present = np.flatnonzero(counts)
+    shared = np.flatnonzero(counts >= 2)
+    _, first = np.unique(node_link[shared], return_index=True)
+    picked = [replace(cluster.nodes[n], count=2) for n in shared[first]]
+    if len(present) > 1 and len(picked) < 2:
+        others = [n for n in present[:3] if n not in set(shared[first].tolist())]
+        picked += [replace(cluster.nodes[n], count=1) for n in others[: 2 - len(picked)]]
+    if not picked:
+        return Link("local", 0.0, math.inf)
+    return Cluster(picked, cluster.network if len(picked) > 1 else None).ring_link()
+
+
+_NODE_LINKS: dict[int, tuple[Sequence[Any], np.ndarray]] = {}
+
+
+def _node_link_ids(cluster: Cluster) -> np.ndarray:
+    """An id per node of ``cluster``, equal for nodes with equal links (cached per node list)."""
+    hit = _NODE_LINKS.get(id(cluster.nodes))
+    if hit is not None and hit[0] is cluster.nodes:
+        return hit[1]
+    by_id: dict[int, int] = {}
+    ids: dict[Any, int] = {}
+    out = np.array(
+        [
+            by_id[id(n.link)]
+            if id(n.link) in by_id
+            else by_id.setdefault(id(n.link), ids.setdefault(n.link, len(ids)))
+            for n in cluster.nodes
+        ]
+    )
+    if len(_NODE_LINKS) >= 16:
+        _NODE_LINKS.pop(next(iter(_NODE_LINKS)))
+    _NODE_LINKS[id(cluster.nodes)] = (cluster.nodes, out)
+    return out
+
+
 def _predict_layout(
     costs: ModelCosts,
     cluster: Cluster,
@@ -1434,33 +1626,37 @@ def _predict_layout(
     schedule: str,
     state_copies: int,
     strategy: str,
+    classes: Sequence[tuple[_ReplicaLayout, np.ndarray]] | None = None,
 ) -> Prediction:
     """Simulate one step of the laid-out plan (:func:`predict_plan`).
 
-    Replicas that run alike (:func:`_replica_key`) are simulated once: the gradient sums and
-    the loss's allreduce are timed over all their holders, but only one replica of each kind
-    takes part in the simulation, and the others copy its figures. That is the same step (the
-    copies would reach every collective at the same moment), at the cost of the distinct
-    replicas only: a 10,240-device plan of a few kinds of replica simulates a few."""
+    Replicas that run alike (:class:`_ReplicaKeys`; ``classes``: already grouped, as
+    (replica, every member's ranks)) are simulated once: the gradient sums and the loss's
+    allreduce are timed over all their holders, but only one replica of each class takes part
+    in the simulation, and the others copy its figures. That is the same step (the copies would
+    reach every collective at the same moment), at the cost of the distinct replicas only: a
+    10,240-device plan of a few kinds of replica simulates a few."""
     from hetcoll.torch.parallel import schedule_order
 
     devices = cluster.devices
     n_dev = len(devices)
     dev = _device_arrays(devices)
     cache: dict[int, LayerSeconds] = {}
+    _, first_of_kind = np.unique(dev.kind, return_index=True)
+    kinds = dev.columns(first_of_kind)
 
-    def times(b: int) -> LayerSeconds:
+    def times(b: int) -> tuple[LayerSeconds, np.ndarray]:
+        # Every layer's times at b samples on each kind of device (columns), and each
+        # device's kind.
         if b not in cache:
-            cache[b] = _layer_times(costs, dev, np.full(n_dev, b))
-        return cache[b]
+            cache[b] = _layer_times(costs, kinds, np.full(len(first_of_kind), b))
+        return cache[b], dev.kind
 
-    kinds: dict[tuple[Any, ...], int] = {}
-    keys = _ReplicaKeys(cluster, dev.kind)
-    like = [kinds.setdefault(keys.key(rep), r) for r, rep in enumerate(replicas)]
-    simulated = sorted(set(like))
+    if classes is None:
+        classes = _replica_classes(cluster, replicas, dev.kind)
     local: dict[int, int] = {}  # simulated device -> its program
-    for r in simulated:
-        for st in replicas[r].stages:
+    for rep, _ in classes:
+        for st in rep.stages:
             for d in st.ranks:
                 local[d] = len(local)
     programs: list[list[tuple[Any, ...]]] = [[] for _ in local]
@@ -1469,9 +1665,7 @@ def _predict_layout(
     state = np.zeros(n_dev)
     activations = np.zeros(n_dev)
     update = np.zeros(n_dev)
-    samples = [0] * n_dev
-    for r in simulated:
-        rep = replicas[r]
+    for r, (rep, _) in enumerate(classes):
         n_st, m = len(rep.stages), len(rep.micro)
         for s, stage in enumerate(rep.stages):
             work = {
@@ -1488,7 +1682,6 @@ def _predict_layout(
             prev = rep.stages[s - 1] if s > 0 else None
             nxt = rep.stages[s + 1] if s + 1 < n_st else None
             for j, d in enumerate(stage.ranks):
-                samples[d] = rep.samples
                 state[d] = any_work.state_bytes[j]
                 update[d] = any_work.update_s[j]
                 activations[d] = any_work.saved_per_sample * kept
@@ -1538,12 +1731,10 @@ def _predict_layout(
                 prog.append(("wait_sends",))
     # Every other replica's devices copy those of the replica simulated for it.
     source = np.arange(n_dev)
-    for r, rep in enumerate(replicas):
-        if like[r] != r:
-            for st, twin in zip(rep.stages, replicas[like[r]].stages):
-                source[list(st.ranks)] = twin.ranks
-                for d in st.ranks:
-                    samples[d] = rep.samples
+    samples_of = np.zeros(n_dev, dtype=np.int64)
+    for rep, members in classes:
+        source[members.ravel()] = np.broadcast_to(members[0], members.shape).ravel()
+        samples_of[members.ravel()] = rep.samples
     causes, state, activations, update = (
         causes[:, source],
         state[source],
@@ -1552,42 +1743,46 @@ def _predict_layout(
     )
     # Gradients of parameters held in several replicas: one allreduce of full-size buffers per
     # set of holders, in layer order. Layers between the same stage boundaries share holders.
-    groups: dict[tuple[int, ...], float] = {}
-    if len(replicas) > 1:
-        cuts = sorted({x for rep in replicas for st in rep.stages for x in (st.lo, st.hi)})
+    groups: dict[tuple[int, ...], list[Any]] = {}
+    if sum(len(members) for _, members in classes) > 1:
+        node_link = _node_link_ids(cluster)
+        cuts = sorted({x for rep, _ in classes for st in rep.stages for x in (st.lo, st.hi)})
         for a, b in itertools.pairwise(cuts):
-            held = tuple(
-                sorted(
-                    d
-                    for rep in replicas
-                    for st in rep.stages
-                    if st.lo <= a < st.hi
-                    for d in st.ranks
-                )
-            )
-            for i in range(a, b):
-                if costs.layers[i].param_bytes > 0 and held:
-                    groups[held] = groups.get(held, 0.0) + costs.layers[i].param_bytes
+            parts, taking_part = [], []
+            for rep, members in classes:
+                col = 0
+                for st in rep.stages:
+                    if st.lo <= a < st.hi:
+                        parts.append(members[:, col : col + len(st.ranks)].ravel())
+                        taking_part += [local[d] for d in st.ranks]
+                    col += len(st.ranks)
+            held = np.unique(np.concatenate(parts))
+            nbytes = sum(costs.layers[i].param_bytes for i in range(a, b))
+            if nbytes <= 0:
+                continue
+            key = tuple(held.tolist())
+            if key in groups:
+                groups[key][0] += nbytes
+            else:
+                groups[key] = [nbytes, held, taking_part, node_link]
     reduce_s = 0.0
-    for g, (ranks, nbytes) in enumerate(groups.items()):
-        sub = cluster.subset(list(ranks))
-        link = sub.ring_link()
+    for g, (nbytes, held, taking_part, node_link) in enumerate(groups.values()):
+        link = _ring_link_of(cluster, held, node_link)
         seconds = float(
             terms.ring_allreduce_seconds(
                 nbytes,
-                len(ranks),
+                len(held),
                 link.latency_s,
                 link.bytes_per_s,
-                float(dev.mem_bytes_per_s[list(ranks)].min()),
+                float(dev.mem_bytes_per_s[held].min()),
                 costs.itemsize,
             )
         )
-        taking_part = [local[d] for d in ranks if d in local]
         collectives[("sum", g)] = (len(taking_part), seconds)
         reduce_s += seconds
         for x in taking_part:
             programs[x].append(("collective", ("sum", g)))
-        state[list(ranks)] += nbytes  # the full-size buffer the gradients are summed in
+        state[held] += nbytes  # the full-size buffer the gradients are summed in
     # The loss, summed over every rank of the group (one float64); idle ranks join it at once.
     link = cluster.ring_link()
     loss_s = float(
@@ -1623,24 +1818,24 @@ def _predict_layout(
     reason = _memory_shortfall(mem, devices)
     return Prediction(
         strategy,
-        samples,
+        samples_of.tolist(),
         "samples of its replica",
         step,
         breakdown,
-        [float(x) for x in mem],
+        mem.tolist(),
         not reason,
         reason,
-        sum(rep.samples for rep in replicas),
+        sum(rep.samples * len(members) for rep, members in classes),
         {
             "schedule": schedule,
-            "micro_batches": max(len(rep.micro) for rep in replicas),
-            "replicas": len(replicas),
-            "stages": max(len(rep.stages) for rep in replicas),
-            "idle_devices": [d for d in range(n_dev) if samples[d] == 0],
+            "micro_batches": max(len(rep.micro) for rep, _ in classes),
+            "replicas": sum(len(members) for _, members in classes),
+            "stages": max(len(rep.stages) for rep, _ in classes),
+            "idle_devices": np.flatnonzero(samples_of == 0).tolist(),
             "gradient_allreduce_s": reduce_s,
             "loss_allreduce_s": loss_s,
             "critical_device": crit,
-            "simulated_replicas": len(simulated),
+            "simulated_replicas": len(classes),
         },
     )
 
