@@ -40,10 +40,11 @@ How it stays fast:
   cheap candidates (data and filter parallelism, subsets) are costed first; then a pipeline
   whose bound is not below the best step found so far is not costed (counted in
   ``SearchReport.pruned``), and the replicated pipelines are costed best bound first.
-- **A work budget.** Costing a replicated pipeline still reads each of its devices once
-  (Python, microseconds each), so they are costed best bound first until
-  ``HYBRID_WORK_BUDGET`` device-candidates are spent: all of them on a cluster of hundreds of
-  devices, the few most promising on 10,240.
+- **A work budget.** Costing a replicated pipeline still reads each of its devices a few
+  times (numpy: replicas are grouped into classes of alike replicas by their devices' kinds
+  and links), so they are costed best bound first until ``HYBRID_WORK_BUDGET``
+  device-candidates are spent: every shape up to about 10,240 devices, the most promising
+  beyond.
 - **Node-wise plans on small sets only** (``OWNERS_MAX_DEVICES``): each is a partition of the
   model's every filter and neuron and a replay of its schedule in Python.
 
@@ -82,10 +83,11 @@ HYBRID_GROUP_SIZES = (1, 2, 4, 8)
 #: a bubble of at least (S - 1) / (m + S - 1) of the step, which the bound prunes anyway).
 HYBRID_MICRO_PER_STAGE = (1, 2, 4)
 #: How much work the replicated pipelines may take, in device-candidates (a candidate on 10,240
-#: devices costs 10,240): their shapes are costed best bound first until it is spent, so that
-#: a 10,240-device cluster costs the few most promising ones (Python reads every device of a
-#: candidate's plan; the simulation itself runs one replica of each kind).
-HYBRID_WORK_BUDGET = 60_000
+#: devices costs 10,240): their shapes are costed best bound first until it is spent. Every
+#: shape of a 10,240-device cluster fits (about 50 of them); on larger ones the most promising
+#: are costed (numpy reads every device of a candidate's plan a few times; the simulation
+#: itself runs one replica of each class).
+HYBRID_WORK_BUDGET = 1_000_000
 #: The largest micro-batch count the planner tries.
 MAX_MICRO_BATCHES = 32
 #: Node-wise (owners) plans are searched on one set of at most this many devices, for models of

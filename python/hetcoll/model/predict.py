@@ -1905,7 +1905,11 @@ def pipeline_stages(
         for a, b in itertools.pairwise(cuts)
     ]
     total_flops = max(sum(unit_flops), 1e-30)
-    speeds = [total_flops / max(float(per_layer_dev[:, d].sum()), 1e-30) for d in range(n_dev)]
+    # Devices of one kind have equal columns: each kind's speed computed once.
+    kind = _device_arrays(cluster.devices).kind
+    _, first = np.unique(kind, return_index=True)
+    of_kind = [total_flops / max(float(per_layer_dev[:, d].sum()), 1e-30) for d in first]
+    speeds = [of_kind[k] for k in kind.tolist()]
     link = cluster.ring_link()
     bandwidth = link.bytes_per_s if math.isfinite(link.bytes_per_s) else None
     boundary = [2 * _boundary_bytes(costs, b) * micro for b in cuts[1:-1]]
