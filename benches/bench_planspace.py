@@ -47,6 +47,9 @@ def main() -> int:
         rows = []
         for _ in range(args.rounds):
             torch_s, _ = _wall([py, "-c", "import torch"])
+            # What any run of this model pays before hetcoll does anything: torch, torchvision,
+            # and torch._dynamo, which torch's meta kernels import on their first call.
+            floor_s, _ = _wall([py, "-c", "import torch, torchvision, torch._dynamo"])
             cmd = [py, "-m", "hetcoll.cli", "plan", "--model", MODEL[0], "--input", MODEL[1]]
             cmd += ["--cluster", str(cluster), "--batch", str(batch)]
             plan_s, stdout = _wall(cmd)
@@ -58,6 +61,8 @@ def main() -> int:
                     "torch_import_s": torch_s,
                     "hetcoll_plan_s": plan_s,
                     "over_torch_s": plan_s - torch_s,
+                    "imports_s": floor_s,
+                    "over_imports_s": plan_s - floor_s,
                     "planning_s": int(head.group(1)) / 1e3,
                     "plans": int(head.group(2)),
                     "pruned": int(head.group(3)),
@@ -71,7 +76,14 @@ def main() -> int:
                 "min": min(r[k] for r in rows),
                 "max": max(r[k] for r in rows),
             }
-            for k in ("torch_import_s", "hetcoll_plan_s", "over_torch_s", "planning_s")
+            for k in (
+                "torch_import_s",
+                "imports_s",
+                "hetcoll_plan_s",
+                "over_torch_s",
+                "over_imports_s",
+                "planning_s",
+            )
         }
         out["cases"][str(devices)] = {"batch": batch, "rounds": rows, "summary": summary}  # type: ignore[index]
     out["load_average"] = os.getloadavg()

@@ -203,3 +203,92 @@ def test_cli_plan_plots_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFi
     assert all("bottleneck" in p for p in doc["plans"])
     assert "plan" in doc["plans"][0] and "plan" not in doc["plans"][-1]
     assert any(p["strategy"].startswith("node-wise") for p in doc["plans"])
+
+
+def test_bad_input_is_named(ranked, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from hetcoll.model.planner import plot_plans
+    from hetcoll.model.predict import chain_stages, predict_stages
+    from hetcoll.plan import microbatch_sizes
+
+    costs, out, _ = ranked
+    cluster = _cluster()
+    with pytest.raises(TypeError, match="report"):
+        plan(costs, cluster, BATCH, report="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="model"):
+        plan(costs, cluster, BATCH, model=object())
+    with pytest.raises(TypeError, match="pred"):
+        explain("best", cluster)  # type: ignore[arg-type]
+    small = Cluster([Node("a", Device("d", 1e9, 1e9, 1e9), 1)])
+    with pytest.raises(ValueError, match="cluster"):
+        explain(next(p for p in out if (p.detail.get("critical_device") or 0) >= 1), small)
+    with pytest.raises(ValueError, match="top"):
+        plot_plans(out, str(tmp_path / "x.png"), top=0)
+    with pytest.raises(ValueError, match="ranked"):
+        plot_plans([], str(tmp_path / "x.png"))
+    with pytest.raises(ValueError, match="stage_speeds"):
+        chain_stages(costs, [], 4)
+    with pytest.raises(ValueError, match="micro"):
+        chain_stages(costs, [1e9, 1e9], 0)
+    spec = [(BATCH, (((0,), (0, 11), None),))]
+    with pytest.raises(ValueError, match="schedule"):
+        predict_stages(costs, cluster, spec, 2, "zigzag")
+    with pytest.raises(ValueError, match="microbatches"):
+        predict_stages(costs, cluster, spec, 0, "GPipe")
+    with pytest.raises(ValueError, match=r"replicas\[0\]"):
+        predict_stages(costs, cluster, [(0, spec[0][1])], 2, "GPipe")
+    with pytest.raises(ValueError, match="samples"):
+        microbatch_sizes(0, 2)
+    # A split stage the runtime refuses is named (the cnn's last layer has 5 outputs).
+    with pytest.raises(ValueError, match=r"replicas\[0\]\.stages\[0\]"):
+        predict_stages(
+            costs, cluster, [(BATCH, (((0, 1, 2, 3, 4, 5), (0, 11), None),))], 1, "GPipe"
+        )
+
+
+def test_alike_replicas_simulated_once_give_the_full_simulation_s_step(ranked) -> None:  # type: ignore[no-untyped-def]
+    # The same plan simulated with every replica taking part (one class each) and with alike
+    # replicas simulated once: the same step, memory and breakdown, to the last bit.
+    import numpy as np
+
+    from hetcoll.model.predict import _flat_ranks, _plan_layout, _predict_layout
+
+    costs, _, _ = ranked
+    fast = Device("fast", 2e9, 4e9, 1e10, 1e-6)
+    slow = Device("slow", 1e9, 2e9, 1e10, 1e-6)
+    cluster = Cluster(
+        [Node(f"a{i}", fast, 4, Link("nv", 1e-6, 1e10)) for i in range(3)]
+        + [Node(f"b{i}", slow, 2, Link("pcie", 2e-6, 5e9)) for i in range(2)],
+        Link("net", 1e-5, 1e9),
+    )
+    replicas = []
+    for node in range(3):  # two 2-stage replicas per fast node, the second stage split in two
+        for half in range(2):
+            d = 4 * node + 2 * half
+            replicas.append(
+                {
+                    "samples": 10,
+                    "stages": [
+                        {"ranks": [d], "layers": [0, 5]},
+                        {"ranks": [d + 1], "layers": [5, 11]},
+                    ],
+                }
+            )
+    replicas.append({"samples": 6, "stages": [{"ranks": [12, 13], "layers": [0, 11]}]})
+    replicas.append({"samples": 6, "stages": [{"ranks": [14, 15], "layers": [0, 11]}]})
+    for schedule in ("GPipe", "1F1B"):
+        plan_ = Plan.from_dict({"microbatches": 3, "schedule": schedule, "replicas": replicas})
+        layout = _plan_layout(costs, cluster, plan_)
+        once = _predict_layout(costs, cluster, layout, schedule, 1, "x")
+        each = _predict_layout(
+            costs,
+            cluster,
+            layout,
+            schedule,
+            1,
+            "x",
+            [(rep, np.array([_flat_ranks(rep)])) for rep in layout],
+        )
+        assert once.detail["simulated_replicas"] == 2 and each.detail["simulated_replicas"] == 8
+        assert once.step_s == each.step_s
+        assert once.memory_bytes == each.memory_bytes and once.shares == each.shares
+        assert once.breakdown == each.breakdown

@@ -357,6 +357,9 @@ def microbatch_sizes(samples: int, microbatches: int) -> list[int]:
     >>> microbatch_sizes(10, 4)
     [3, 3, 2, 2]
     """
+    for name, value in (("samples", samples), ("microbatches", microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
     m = min(microbatches, samples)
     q, rem = divmod(samples, m)
     return [q + 1] * rem + [q] * (m - rem)

@@ -921,6 +921,10 @@ def explain(pred: Prediction, cluster: Cluster) -> dict[str, Any]:
     >>> explain(plan(costs, cluster, 512)[0], cluster)["text"]  # doctest: +SKIP
     'compute of device 0 (a100-sxm4-40gb): 5.9 ms of the 8.8 ms step (67 %)'
     """
+    if not isinstance(pred, Prediction):
+        raise TypeError(f"pred: must be a Prediction, got {type(pred).__name__}")
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster: must be a Cluster, got {type(cluster).__name__}")
     b = pred.breakdown
     parts = {
         "compute": b.get("compute", 0.0) + b.get("memory", 0.0) + b.get("overhead", 0.0),
@@ -939,6 +943,11 @@ def explain(pred: Prediction, cluster: Cluster) -> dict[str, Any]:
     term = max(parts, key=lambda k: parts[k])
     seconds = parts[term]
     d = pred.detail.get("critical_device")
+    if d is not None and not 0 <= d < cluster.num_devices:
+        raise ValueError(
+            f"cluster: has {cluster.num_devices} devices, but pred's critical device is {d} "
+            "(give the cluster pred was planned on)"
+        )
     where = f"device {d} ({cluster.devices[d].name})" if d is not None else "the slowest device"
     strategy = pred.strategy
     if term == "compute":
@@ -976,6 +985,10 @@ def plot_plans(ranked: Sequence[Prediction], path: str, title: str = "", top: in
     """Predicted step time of the ``top`` best plans of ``ranked`` (as :func:`plan` returns
     them), one bar each, best at the top, infeasible ones hatched, as a PNG (matplotlib,
     Agg)."""
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise ValueError(f"top: must be an integer >= 1, got {top!r}")
+    if any(not isinstance(x, Prediction) for x in ranked):
+        raise TypeError("ranked: must hold Predictions (as plan returns them)")
     import matplotlib
 
     matplotlib.use("Agg")

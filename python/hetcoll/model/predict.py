@@ -1268,6 +1268,17 @@ def predict_stages(
     plan itself is built (and checked) only when the prediction's ``plan`` is first read. For
     the planner, which costs many large plans and shows a few. Raises ``ValueError`` (naming
     ``replicas``) where the runtime would refuse a stage."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches: must be an integer >= 1, got {microbatches!r}")
+    if schedule not in ("GPipe", "1F1B"):
+        raise ValueError(f"schedule: must be 'GPipe' or '1F1B', got {schedule!r}")
+    if not replicas:
+        raise ValueError("replicas: must hold at least one replica")
+    for i, (samples, stages) in enumerate(replicas):
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise ValueError(f"replicas[{i}]: samples must be an integer >= 1, got {samples!r}")
+        if not stages:
+            raise ValueError(f"replicas[{i}]: has no stages")
     costs.check_plan_layers()
     # Replicas of one template (samples, and per stage its size, layers and speeds) are laid
     # out once; within a template, those whose ranks sit on the same kinds of device and send
@@ -1939,6 +1950,13 @@ def chain_stages(
     >>> chain_stages(costs, [2e12, 1e12], 32)  # doctest: +SKIP
     [(0, 6), (6, 11)]
     """
+    speeds = [float(x) for x in stage_speeds]
+    if not speeds or any(not math.isfinite(x) or x <= 0 for x in speeds):
+        raise ValueError(f"stage_speeds: must be finite numbers > 0, one per stage, got {speeds}")
+    if isinstance(micro, bool) or not isinstance(micro, (int, np.integer)) or micro < 1:
+        raise ValueError(f"micro: must be an integer >= 1, got {micro!r}")
+    if bandwidth is not None and not (math.isfinite(bandwidth) and bandwidth > 0):
+        raise ValueError(f"bandwidth: must be a finite number > 0 or None, got {bandwidth!r}")
     costs.check_plan_layers()
     cuts = _pipeline_units(costs)
     unit_flops = [
@@ -1948,7 +1966,7 @@ def chain_stages(
     boundary = [2 * _boundary_bytes(costs, b) * micro for b in cuts[1:-1]]
     units = hetcoll.partition_chain(
         unit_flops,
-        [float(x) for x in stage_speeds],
+        speeds,
         boundary_bytes=boundary if bandwidth else None,
         bandwidth=bandwidth if bandwidth else None,
     )
