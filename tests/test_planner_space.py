@@ -129,6 +129,10 @@ def test_node_wise_plans_are_ranked_with_seed_002_s_comparison(ranked) -> None: 
 def test_the_best_plan_s_bottleneck_is_named(ranked) -> None:  # type: ignore[no-untyped-def]
     _, out, _ = ranked
     cluster = _cluster()
+    short = out[0].to_json(with_plan=False, per_device=False)
+    assert "shares" not in short and "plan" not in short
+    assert short["devices_used"] == sum(1 for x in out[0].shares if x)
+    assert short["max_memory_bytes"] == max(out[0].memory_bytes)
     for p in out[:10]:
         why = explain(p, cluster)
         assert why["term"] in ("compute", "communication", "bubble", "optimizer")

@@ -259,8 +259,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         )
     why = explain(ranked[0], cluster)
     if args.json:
-        # Every candidate with its figures; the plans themselves for the shown ones (a plan
-        # of 10,240 replicas is large): the best and the runners-up --top lists.
+        # Every candidate with its figures; the plans themselves, and on clusters of more than
+        # 64 devices the figures of every device, for the shown ones (the best and the
+        # runners-up --top lists): a plan of 10,240 replicas is large.
         json.dump(
             {
                 "model": args.model,
@@ -272,7 +273,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 "best_bottleneck": why,
                 "search": report.to_json(),
                 "plans": [
-                    {**p.to_json(with_plan=i <= args.top), "bottleneck": explain(p, cluster)}
+                    {
+                        **p.to_json(
+                            with_plan=i <= args.top,
+                            per_device=i <= args.top or cluster.num_devices <= 64,
+                        ),
+                        "bottleneck": explain(p, cluster),
+                    }
                     for i, p in enumerate(ranked)
                 ],
                 "notes": list(costs.notes),

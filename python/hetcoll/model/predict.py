@@ -98,17 +98,26 @@ class Prediction:
             )
         return self.plan
 
-    def to_json(self, *, with_plan: bool = True) -> dict[str, Any]:
-        """The prediction as JSON; ``with_plan=False`` leaves the plan out."""
+    def to_json(self, *, with_plan: bool = True, per_device: bool = True) -> dict[str, Any]:
+        """The prediction as JSON; ``with_plan=False`` leaves the plan out, ``per_device=False``
+        gives the largest memory (``max_memory_bytes``) and the devices used instead of the
+        figures of every device (megabytes for many candidates on 10,240 devices)."""
         plan = self.plan if with_plan else None
+        devices: dict[str, Any] = (
+            {"shares": self.shares, "memory_bytes": self.memory_bytes}
+            if per_device
+            else {
+                "devices_used": sum(1 for x in self.shares if x),
+                "max_memory_bytes": max(self.memory_bytes, default=0.0),
+            }
+        )
         return {
             "strategy": self.strategy,
-            "shares": self.shares,
+            **devices,
             "share_unit": self.share_unit,
             "step_s": self.step_s,
             "samples_per_s": self.samples_per_s,
             "breakdown_s": self.breakdown,
-            "memory_bytes": self.memory_bytes,
             "feasible": self.feasible,
             "reason": self.reason,
             "batch": self.batch,
