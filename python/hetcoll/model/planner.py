@@ -390,55 +390,67 @@ def _replicated_pipelines(
     family = "replicated pipeline"
     shapes = []
     for g in HYBRID_GROUP_SIZES:
-        groups = _groups(cluster, devices, g)
+        groups = {
+            k: np.asarray(gs, dtype=np.int64) for k, gs in _groups(cluster, devices, g).items()
+        }
         for n_st in HYBRID_STAGES:
             if n_st > units:
                 continue
+            # Each kind's replicas: consecutive groups, n_st at a time (replica x stage x rank).
             kinds = [
-                (k, gs[: len(gs) // n_st * n_st]) for k, gs in groups.items() if len(gs) >= n_st
+                (k, gs[: len(gs) // n_st * n_st].reshape(-1, n_st, g))
+                for k, gs in groups.items()
+                if len(gs) >= n_st
             ]
-            if not kinds:
-                continue
-            reps = [
-                (k, tuple(gs[i : i + n_st])) for k, gs in kinds for i in range(0, len(gs), n_st)
-            ]
-            if len(reps) == 1 and g == 1 and len(devices) == n_st:
-                continue  # the one-replica pipeline over these devices, costed already
+            count = sum(len(r) for _, r in kinds)
+            if not count or (count == 1 and g == 1 and len(devices) == n_st):
+                continue  # (the one-replica pipeline over these devices is costed already)
             for mult in HYBRID_MICRO_PER_STAGE:
                 m = n_st * mult
-                if m <= MAX_MICRO_BATCHES and m * len(reps) <= batch:
-                    shapes.append((floor * (m + n_st - 1) / m, g, n_st, m, kinds, reps))
+                if m <= MAX_MICRO_BATCHES and m * count <= batch:
+                    shapes.append((floor * (m + n_st - 1) / m, g, n_st, m, kinds, count))
     shapes.sort(key=lambda x: x[:4])
-    for bound, g, n_st, m, kinds, reps in shapes:
-        used = len(reps) * n_st * g
+    for bound, g, n_st, m, kinds, count in shapes:
+        used = count * n_st * g
         if bound >= best[0] or budget[0] < used:
             report.prune(family)
             continue
         budget[0] -= used
-        speed = {k: 1.0 / per_sample[gs[0][0]] for k, gs in kinds}
-        shares = hetcoll.split(batch, [speed[k] * n_st * g for k, _ in reps])
-        reps_b = [(k, r, b) for (k, r), b in zip(reps, shares) if b > 0]
-        if m > min(b for _, _, b in reps_b):
+        speed = {k: 1.0 / per_sample[int(r[0, 0, 0])] for k, r in kinds}
+        shares = np.asarray(
+            hetcoll.split(batch, [speed[k] * n_st * g for k, r in kinds for _ in range(len(r))])
+        )
+        # Replicas of one kind with equal shares: one entry of the plan's description.
+        entries = []
+        at = 0
+        for k, r in kinds:
+            mine = shares[at : at + len(r)]
+            at += len(r)
+            for b in sorted(set(mine.tolist()), reverse=True):
+                if b > 0:
+                    entries.append((k, r[mine == b], int(b)))
+        if not entries or m > min(b for _, _, b in entries):
             continue
         spec = []
         cuts: dict[tuple[Any, int], list[tuple[int, int]] | None] = {}
-        for k, r, b in reps_b:
+        for k, r, b in entries:
             micro = math.ceil(b / m)
             if (k, micro) not in cuts:
-                link = cluster.link_between(r[0][0], r[1][0]) if n_st > 1 else None
+                link = cluster.link_between(int(r[0, 0, 0]), int(r[0, 1, 0])) if n_st > 1 else None
                 bw = link.bytes_per_s if link and math.isfinite(link.bytes_per_s) else None
                 ranges = predict.chain_stages(
-                    costs, [g * _flops_rate(costs, per_sample[r[0][0]])] * n_st, micro, bw
+                    costs, [g * _flops_rate(costs, per_sample[int(r[0, 0, 0])])] * n_st, micro, bw
                 )
                 # A stage without layers: the same as fewer stages, costed there.
                 cuts[k, micro] = None if any(a == e for a, e in ranges) else ranges
             ranges_k = cuts[k, micro]
             if ranges_k is None:
                 break
-            spec.append((b, tuple(zip(r, ranges_k, (None,) * n_st))))
-        if len(spec) < len(reps_b):
+            spec.append((b, tuple((r[:, j, :], ranges_k[j], None) for j in range(n_st))))
+        if len(spec) < len(entries):
             continue
-        what = f"{len(spec)} replica{'s' if len(spec) > 1 else ''} x {n_st} stages"
+        replicas = sum(len(r) for _, r, _ in entries)
+        what = f"{replicas} replica{'s' if replicas > 1 else ''} x {n_st} stages"
         if g > 1:
             what += f" of {g} devices"
         for schedule in ("GPipe", "1F1B"):

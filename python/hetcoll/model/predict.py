@@ -1256,10 +1256,13 @@ def _stage_layout(
     return _StageLayout(tuple(ranks), lo, hi, sent, tuple(parts), modes, named)
 
 
-#: A replica as the planner lays it out before building its plan: samples, and per stage its
-#: ranks, plan layers ``(first, end)`` and the ranks' speeds (None: one rank, or equal).
+#: Replicas as the planner lays them out before building their plan: samples, and per stage
+#: its ranks, plan layers ``(first, end)`` and the ranks' speeds (None: one rank, or equal).
+#: The ranks are a tuple (one replica) or an integer array of one row per replica (copies
+#: alike but for their ranks: a 10,240-device plan is a few such entries).
 StagesSpec = tuple[
-    int, tuple[tuple[tuple[int, ...], tuple[int, int], tuple[float, ...] | None], ...]
+    int,
+    tuple[tuple[tuple[int, ...] | np.ndarray, tuple[int, int], tuple[float, ...] | None], ...],
 ]
 
 
@@ -1283,18 +1286,27 @@ def predict_stages(
         raise ValueError(f"schedule: must be 'GPipe' or '1F1B', got {schedule!r}")
     if not replicas:
         raise ValueError("replicas: must hold at least one replica")
+    entries = []
     for i, (samples, stages) in enumerate(replicas):
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
             raise ValueError(f"replicas[{i}]: samples must be an integer >= 1, got {samples!r}")
         if not stages:
             raise ValueError(f"replicas[{i}]: has no stages")
+        blocks = [np.atleast_2d(np.asarray(r, dtype=np.int64)) for r, _, _ in stages]
+        if len({len(x) for x in blocks}) != 1 or min(x.size for x in blocks) == 0:
+            raise ValueError(f"replicas[{i}]: every stage needs ranks, as many rows each")
+        entries.append((samples, stages, blocks))
     costs.check_plan_layers()
-    # Replicas of one template (samples, and per stage its size, layers and speeds) are laid
-    # out once; within a template, those whose ranks sit on the same kinds of device and send
-    # over the same links are one class, found with numpy over every member's ranks at once.
+    # Entries of one template (samples, and per stage its size, layers and speeds) are laid
+    # out once; within a template, the replicas whose ranks sit on the same kinds of device
+    # and send over the same links are one class, found with numpy over every member's ranks
+    # at once.
     templates: dict[tuple[Any, ...], list[int]] = {}
-    for i, (samples, stages) in enumerate(replicas):
-        shape = (samples, tuple((len(r), tuple(lay), sp) for r, lay, sp in stages))
+    for i, (samples, stages, blocks) in enumerate(entries):
+        shape = (
+            samples,
+            tuple((x.shape[1], tuple(lay), sp) for x, (_, lay, sp) in zip(blocks, stages)),
+        )
         templates.setdefault(shape, []).append(i)
     dev_kind = _device_arrays(cluster.devices).kind
     node_of = np.asarray(cluster.node_of_device)
@@ -1340,28 +1352,28 @@ def predict_stages(
     classes: list[tuple[_ReplicaLayout, np.ndarray]] = []
     for (samples, _), members in templates.items():
         i = members[0]
-        stages = replicas[i][1]
+        stages = entries[i][1]
+        sizes_of = [x.shape[1] for x in entries[i][2]]
         laid = []
-        for j, (ranks, layers, speeds) in enumerate(stages):
+        for j, (_, layers, speeds) in enumerate(stages):
             where = f"replicas[{i}].stages[{j}]"
             last = j + 1 == len(stages)
-            laid.append(_stage_layout(costs, ranks, tuple(layers), last, speeds, None, where))
-        ranks_of = np.array(
-            [[d for r, _, _ in replicas[x][1] for d in r] for x in members], dtype=np.int64
-        )
+            first_ranks = tuple(entries[i][2][j][0].tolist())
+            laid.append(_stage_layout(costs, first_ranks, tuple(layers), last, speeds, None, where))
+        ranks_of = np.vstack([np.hstack(entries[x][2]) for x in members])
         signature = [dev_kind[ranks_of]]
         col, starts = 0, []
-        for ranks, _, _ in stages:
+        for size in sizes_of:
             starts.append(col)
-            col += len(ranks)
-        for j, (ranks, _, _) in enumerate(stages):
+            col += size
+        for j, size in enumerate(sizes_of):
             lead = ranks_of[:, starts[j]]
             for k in (j - 1, j + 1):
                 if 0 <= k < len(stages):
-                    for c in range(starts[k], starts[k] + len(stages[k][0])):
+                    for c in range(starts[k], starts[k] + sizes_of[k]):
                         signature.append(link_id(lead, ranks_of[:, c])[:, None])
-            if len(ranks) > 1:  # the ring of a split stage's collectives
-                block = ranks_of[:, starts[j] : starts[j] + len(ranks)]
+            if size > 1:  # the ring of a split stage's collectives
+                block = ranks_of[:, starts[j] : starts[j] + size]
                 signature.append(ring_id(block)[:, None])
         _, first, inverse = np.unique(
             np.hstack(signature), axis=0, return_index=True, return_inverse=True
@@ -1408,14 +1420,15 @@ def predict_stages(
                         "samples": samples,
                         "stages": [
                             {
-                                "ranks": list(ranks),
+                                "ranks": block[row].tolist(),
                                 "layers": list(layers),
                                 **({"speeds": list(speeds)} if speeds is not None else {}),
                             }
-                            for ranks, layers, speeds in stages
+                            for block, (_, layers, speeds) in zip(blocks, stages)
                         ],
                     }
-                    for samples, stages in replicas
+                    for samples, stages, blocks in entries
+                    for row in range(len(blocks[0]))
                 ],
             }
         )
