@@ -1343,9 +1343,9 @@ def predict_stages(
             kinds, at = np.unique(node_link[first], return_index=True)
             table = np.zeros(int(node_link.max()) + 1, dtype=np.int64)
             for nl, i in zip(kinds.tolist(), at.tolist()):
-                link = cluster.nodes[int(first[i])].link
-                assert link is not None
-                table[nl] = link_ids.setdefault(link, len(link_ids))
+                inside = cluster.nodes[int(first[i])].link
+                assert inside is not None
+                table[nl] = link_ids.setdefault(inside, len(link_ids))
             out[one] = table[node_link[first]]
         return out
 
@@ -1359,7 +1359,8 @@ def predict_stages(
             where = f"replicas[{i}].stages[{j}]"
             last = j + 1 == len(stages)
             first_ranks = tuple(entries[i][2][j][0].tolist())
-            laid.append(_stage_layout(costs, first_ranks, tuple(layers), last, speeds, None, where))
+            span = (int(layers[0]), int(layers[1]))
+            laid.append(_stage_layout(costs, first_ranks, span, last, speeds, None, where))
         ranks_of = np.vstack([np.hstack(entries[x][2]) for x in members])
         signature = [dev_kind[ranks_of]]
         col, starts = 0, []
@@ -1793,11 +1794,11 @@ def _predict_layout(
             nbytes = sum(costs.layers[i].param_bytes for i in range(a, b))
             if nbytes <= 0:
                 continue
-            key = tuple(held.tolist())
-            if key in groups:
-                groups[key][0] += nbytes
+            holders = tuple(held.tolist())
+            if holders in groups:
+                groups[holders][0] += nbytes
             else:
-                groups[key] = [nbytes, held, taking_part, node_link]
+                groups[holders] = [nbytes, held, taking_part, node_link]
     reduce_s = 0.0
     for g, (nbytes, held, taking_part, node_link) in enumerate(groups.values()):
         link = _ring_link_of(cluster, held, node_link)
