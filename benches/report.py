@@ -1109,7 +1109,15 @@ def adapt_planspace(raw: Sequence[Path], command: str) -> dict[str, Any]:
                     "importing all three, same round): what hetcoll itself spends. `search` is "
                     "the planner's own time (its `planned in` line). Targets (issue 28): over "
                     "torch <= 1.5 s on 1,024 devices, <= 3 s on 10,240.",
-                    *([f"Load average at the end of the run: {load}."] if load else []),
+                    *(
+                        [
+                            "Load average (1, 5, 15 min) at the end of the run: "
+                            + ", ".join(f"{x:.2f}" for x in load)
+                            + " (2 cores, shared with other jobs)."
+                        ]
+                        if load
+                        else []
+                    ),
                 ],
             }
         ],
