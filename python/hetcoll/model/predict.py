@@ -1503,19 +1503,26 @@ def _stage_work(
         layer_shares=stage.layer_shares,
     )
     fwd, bwd, lt = [], [], sched.layers
+    f_comm = sched.forward_collective_s.tolist()
+    b_comm = sched.backward_collective_s.tolist()
+
+    def pieces(seconds: list[float], comm: list[float], layers: range, op: str) -> list[Any]:
+        # The layers' compute between two collectives as one piece (summed in layer order,
+        # as the simulation would add them), each collective a piece of its own.
+        out: list[tuple[Any, ...]] = []
+        for i in layers:
+            if out and out[-1][0] == "compute":
+                out[-1] = ("compute", out[-1][1] + seconds[i])
+            else:
+                out.append(("compute", seconds[i]))
+            if comm[i] > 0:
+                out.append(("collective", (op, i), comm[i]))
+        return out
+
+    forward_s, backward_s = lt.forward_s.T.tolist(), lt.backward_s.T.tolist()
     for j in range(len(stage.ranks)):
-        f: list[tuple[Any, ...]] = []
-        b: list[tuple[Any, ...]] = []
-        for i in range(hi - lo):
-            f.append(("compute", float(lt.forward_s[i, j])))
-            if sched.forward_collective_s[i] > 0:
-                f.append(("collective", ("F", i), float(sched.forward_collective_s[i])))
-        for i in range(hi - lo - 1, -1, -1):
-            b.append(("compute", float(lt.backward_s[i, j])))
-            if sched.backward_collective_s[i] > 0:
-                b.append(("collective", ("B", i), float(sched.backward_collective_s[i])))
-        fwd.append(f)
-        bwd.append(b)
+        fwd.append(pieces(forward_s[j], f_comm, range(hi - lo), "F"))
+        bwd.append(pieces(backward_s[j], b_comm, range(hi - lo - 1, -1, -1), "B"))
     saved = sub.saved_bytes_per_sample()
     return _StageWork(
         fwd,
@@ -1688,6 +1695,7 @@ def _predict_layout(
 
     if classes is None:
         classes = _replica_classes(cluster, replicas, dev.kind)
+    link_of: dict[tuple[int, int], Link] = {}  # the link of each send, looked up once
     local: dict[int, int] = {}  # simulated device -> its program
     for rep, _ in classes:
         for st in rep.stages:
@@ -1753,7 +1761,9 @@ def _predict_layout(
                     at = s + 1 if op == "F" else s - 1
                     sends = []
                     for e in to.ranks:
-                        link = cluster.link_between(d, e)
+                        if (d, e) not in link_of:
+                            link_of[d, e] = cluster.link_between(d, e)
+                        link = link_of[d, e]
                         sends.append(
                             (
                                 (kind, r, at, k, e),
