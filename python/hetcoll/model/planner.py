@@ -34,9 +34,11 @@ How it stays fast:
   simulated once: a plan of 2,560 replicas of two kinds simulates two.
 - **Bounds.** A pipeline of S stages and m micro-batches idles at least (S - 1) / (m + S - 1) of
   its step (fill and drain), so its step is at least ``floor * (m + S - 1) / m``, where
-  ``floor`` is the batch's compute spread perfectly over its devices at each device's best
-  per-sample rate (a device's time per sample falls as its batch grows: every kernel's roofline
-  is a maximum of terms linear in the batch with non-negative intercepts, plus a launch). The
+  ``floor`` is the batch's compute spread perfectly over the devices it uses, each at its
+  per-sample time at the shape's largest micro-batch (a device's time per sample only falls as
+  its batch grows: every kernel's roofline is a maximum of terms linear in the batch with
+  non-negative intercepts, plus a launch; so small micro-batches, paying their launches, bound
+  high). The
   cheap candidates (data and filter parallelism, subsets) are costed first; then a pipeline
   whose bound is not below the best step found so far is not costed (counted in
   ``SearchReport.pruned``), and the replicated pipelines are costed best bound first.
@@ -54,6 +56,7 @@ predicted step time by plan; :func:`sweep` re-plans along one axis.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -318,6 +321,17 @@ def _per_sample_seconds(costs: ModelCosts, cluster: Cluster, batch: int) -> list
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def _kind_seconds_per_sample(costs: ModelCosts, device: Any, batch: int) -> float:
+    return predict.compute_seconds(costs, device, batch) / batch
+
+
+def _seconds_per_sample(costs: ModelCosts, cluster: Cluster, d: int, batch: int) -> float:
+    """Forward + backward seconds per sample of device ``d`` at ``batch`` samples (cached per
+    kind of device: the bounds ask for every shape's micro-batch)."""
+    return _kind_seconds_per_sample(costs, cluster.devices[d], batch)
+
+
 def _groups(cluster: Cluster, devices: Sequence[int], g: int) -> dict[Any, list[tuple[int, ...]]]:
     """Groups of ``g`` consecutive devices of one node among ``devices``, by kind of device
     (fastest kind first is the caller's order), each node's leftover devices left out."""
@@ -370,6 +384,7 @@ def _replicated_pipelines(
     best: list[float],
     budget: list[int],
     report: SearchReport,
+    prune: bool = True,
 ) -> list[Prediction]:
     """Replicas of S pipeline stages of g devices each (a filter-split stage when g > 1), m
     micro-batches, GPipe and 1F1B, on ``devices``: each kind of device forms replicas of its
@@ -382,7 +397,8 @@ def _replicated_pipelines(
     stretched by the bubble's ``(m + S - 1) / m``) is computed, and the shapes are costed in
     order of it while it is below ``best[0]``, the best step found so far, and the work left
     in ``budget[0]`` (device-candidates: costing a candidate reads each of its devices) lasts;
-    the others count as pruned."""
+    the others count as pruned. ``prune=False``: ``best`` is left as given (infinite: every
+    shape is costed)."""
     out: list[Prediction] = []
     units = len(set(costs.plan_layer_of))
     rate = sum(1.0 / per_sample[d] for d in devices)
@@ -405,21 +421,33 @@ def _replicated_pipelines(
             count = sum(len(r) for _, r in kinds)
             if not count or (count == 1 and g == 1 and len(devices) == n_st):
                 continue  # (the one-replica pipeline over these devices is costed already)
+            speed = {k: 1.0 / per_sample[int(r[0, 0, 0])] for k, r in kinds}
+            shares = np.asarray(
+                hetcoll.split(batch, [speed[k] * n_st * g for k, r in kinds for _ in range(len(r))])
+            )
             for mult in HYBRID_MICRO_PER_STAGE:
                 m = n_st * mult
-                if m <= MAX_MICRO_BATCHES and m * count <= batch:
-                    shapes.append((floor * (m + n_st - 1) / m, g, n_st, m, kinds, count))
+                if m > MAX_MICRO_BATCHES or m * count > batch:
+                    continue
+                # The compute floor at this shape's micro-batches: each kind's devices at their
+                # per-sample time at its largest micro-batch (no less at smaller ones), the
+                # devices the shape leaves out not counted.
+                rate, at = 0.0, 0
+                for _, r in kinds:
+                    micro = math.ceil(int(shares[at : at + len(r)].max()) / m)
+                    at += len(r)
+                    if micro > 0:
+                        rate += r.size / _seconds_per_sample(costs, cluster, int(r[0, 0, 0]), micro)
+                shape_floor = max(floor, batch / rate) if rate > 0 else math.inf
+                bound = shape_floor * (m + n_st - 1) / m
+                shapes.append((bound, g, n_st, m, kinds, count, shares))
     shapes.sort(key=lambda x: x[:4])
-    for bound, g, n_st, m, kinds, count in shapes:
+    for bound, g, n_st, m, kinds, count, shares in shapes:
         used = count * n_st * g
         if bound >= best[0] or budget[0] < used:
             report.prune(family)
             continue
         budget[0] -= used
-        speed = {k: 1.0 / per_sample[int(r[0, 0, 0])] for k, r in kinds}
-        shares = np.asarray(
-            hetcoll.split(batch, [speed[k] * n_st * g for k, r in kinds for _ in range(len(r))])
-        )
         # Replicas of one kind with equal shares: one entry of the plan's description.
         entries = []
         at = 0
@@ -465,7 +493,7 @@ def _replicated_pipelines(
             report.costed += 1
             if suffix:
                 pred.detail["devices"] = list(devices)
-            if pred.feasible:
+            if pred.feasible and prune:
                 best[0] = min(best[0], pred.step_s)
             out.append(pred)
     return out
@@ -738,6 +766,7 @@ def plan(
     precision: str | None = None,
     model: Any = None,
     report: SearchReport | None = None,
+    prune: bool = True,
 ) -> list[Prediction]:
     """Every candidate plan for one step of ``batch`` samples, best first (feasible before
     infeasible, then by predicted step time). Each carries the :class:`hetcoll.Plan` that
@@ -763,6 +792,8 @@ def plan(
     ``precision``: the training precision (``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``;
     :meth:`ModelCosts.at_precision`); default that of ``costs`` (``costs.precision``).
     ``report``: a :class:`SearchReport` the search fills in (counts, the seed-002 table).
+    ``prune=False`` costs every candidate (the bounds never drop the best plan, but they drop
+    runners-up; the tests compare both).
 
     >>> best = plan(costs, cluster, 256, precision="bf16")[0]  # doctest: +SKIP
     >>> best.strategy, best.shares, best.step_s  # doctest: +SKIP
@@ -802,6 +833,8 @@ def plan(
         )
 
     def best_step() -> float:
+        if not prune:
+            return math.inf
         return min((x.step_s for x in out if x.feasible), default=math.inf)
 
     out.append(data_balanced(cluster, "data parallel, balanced"))
@@ -843,6 +876,7 @@ def plan(
                         asymmetric=asymmetric,
                         replicated_pipelines=replicated_pipelines,
                         report=report,
+                        prune=prune,
                     )
                 else:
                     candidates = [data_balanced(sub, "data parallel, balanced")]
@@ -858,16 +892,24 @@ def plan(
                     elif key not in seen:
                         seen.add(key)
                         out.append(pred)
-        # One pipeline of one-device stages over the cluster: its S stages (at most one per
-        # top-level layer) idle (S - 1) / (m + S - 1) of the step at best, so a pipeline whose
-        # compute alone, so stretched, is not below the best step is not costed.
-        floor = batch / sum(1.0 / t for t in per_sample)
+        # One pipeline of one-device stages over the cluster: with S of its devices given
+        # layers (at most one per top-level layer; the partition decides how many), it idles
+        # (S - 1) / (m + S - 1) of the step at best, and its compute is at best spread over
+        # its S fastest devices at their per-sample time at its micro-batch. A pipeline whose
+        # least such bound over S is not below the best step is not costed.
         stages = min(p, len(set(costs.plan_layer_of)) if n else len(costs.layers))
         for m in micro_batches:
             if m > batch:
                 continue
+            micro = math.ceil(batch / m)
+            rates: list[float] = []
+            for tier in tiers:  # fastest kind first; each kind's rate at this micro-batch
+                rate = 1.0 / _seconds_per_sample(costs, cluster, tier[0], micro)
+                rates += [rate] * min(len(tier), stages)
+            rates = sorted(rates, reverse=True)[:stages]
+            bound = min(batch / sum(rates[:k]) * (m + k - 1) / m for k in range(1, len(rates) + 1))
             for schedule in ("GPipe", "1F1B"):
-                if floor * (m + stages - 1) / m >= best_step():
+                if bound >= best_step():
                     report.prune("pipeline")
                     continue
                 report.costed += 1
@@ -894,7 +936,17 @@ def plan(
                     continue  # searched with every strategy among the subsets above
                 suffix = f", {len(keep)} of {p} devices" if len(keep) < p else ""
                 out += _replicated_pipelines(
-                    costs, cluster, batch, keep, suffix, per_sample, s, best, budget, report
+                    costs,
+                    cluster,
+                    batch,
+                    keep,
+                    suffix,
+                    per_sample,
+                    s,
+                    best,
+                    budget,
+                    report,
+                    prune,
                 )
         if asymmetric and n and len(tiers) > 1 and p <= ASYMMETRIC_MAX_DEVICES:
             for k in range(1, len(tiers)):
