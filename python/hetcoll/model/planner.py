@@ -491,8 +491,8 @@ def _replicated_pipelines(
                 report.skipped[f"{family}, stages of {g} devices"] = str(e)
                 break
             report.costed += 1
-            if suffix:
-                pred.detail["devices"] = list(devices)
+            # (No detail["devices"]: predicted with the other devices idle in the run, as its
+            # plan runs on the whole cluster's ranks.)
             if pred.feasible and prune:
                 best[0] = min(best[0], pred.step_s)
             out.append(pred)
