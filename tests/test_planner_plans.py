@@ -420,9 +420,10 @@ def test_bad_plans_are_named(cnn_costs) -> None:  # type: ignore[no-untyped-def]
 
 def test_every_candidate_carries_a_plan_that_round_trips(cnn_costs) -> None:  # type: ignore[no-untyped-def]
     cluster = load_cluster(EXAMPLES / "a100_v100_cpu.toml")
-    ranked = plan(cnn_costs, cluster, 512)
+    ranked = plan(cnn_costs, cluster, 512, prune=False)  # every candidate, none bounded out
     kinds = {p.strategy.split(",")[0] for p in ranked}
     assert {"data parallel", "filter parallel", "pipeline", "asymmetric"} <= kinds
+    assert "replicated pipeline" in kinds
     for p in ranked:
         if not p.feasible and p.reason.startswith("the runtime cannot run it"):
             continue
@@ -430,7 +431,7 @@ def test_every_candidate_carries_a_plan_that_round_trips(cnn_costs) -> None:  # 
         assert Plan.from_dict(json.loads(json.dumps(the_plan.to_dict()))) == the_plan
         assert the_plan.batch == 512 and the_plan.num_layers == len(cnn_costs.plan_layers)
         assert p.to_json()["plan"] == the_plan.to_dict()
-        if p.strategy.startswith(("pipeline", "asymmetric")):
+        if p.strategy.startswith(("pipeline", "asymmetric", "replicated pipeline")):
             # These are predicted as the plan runs: the same figure from the plan (a plan on
             # a subset of the first devices runs on just those ranks).
             devices = p.detail.get("devices")

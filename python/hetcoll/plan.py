@@ -43,7 +43,7 @@ from typing import Any
 VERSION = 1
 SCHEDULES = ("GPipe", "1F1B")
 
-__all__ = ["SCHEDULES", "VERSION", "Plan", "Replica", "Stage"]
+__all__ = ["SCHEDULES", "VERSION", "Plan", "Replica", "Stage", "microbatch_sizes"]
 
 
 def _is_int(x: object) -> bool:
@@ -345,9 +345,21 @@ class Plan:
         return None
 
     def microbatch_sizes(self, replica: int) -> list[int]:
-        """The replica's micro-batch sizes: its samples cut into ``microbatches`` near-equal
-        parts (the first ones one larger), at most one part per sample."""
-        n = self.replicas[replica].samples
-        m = min(self.microbatches, n)
-        q, rem = divmod(n, m)
-        return [q + 1] * rem + [q] * (m - rem)
+        """The replica's micro-batch sizes (:func:`microbatch_sizes` of its samples)."""
+        return microbatch_sizes(self.replicas[replica].samples, self.microbatches)
+
+
+def microbatch_sizes(samples: int, microbatches: int) -> list[int]:
+    """A replica's micro-batch sizes: its ``samples`` cut into ``microbatches`` near-equal parts
+    (the first ones one larger), at most one part per sample. (The planner costs plans it has
+    not built yet by this rule.)
+
+    >>> microbatch_sizes(10, 4)
+    [3, 3, 2, 2]
+    """
+    for name, value in (("samples", samples), ("microbatches", microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+    m = min(microbatches, samples)
+    q, rem = divmod(samples, m)
+    return [q + 1] * rem + [q] * (m - rem)

@@ -40,21 +40,35 @@ def _shares_text(shares: list[int], limit: int = 16) -> str:
 def _costs(args: argparse.Namespace, **kwargs: Any) -> Any:
     """The layer costs of ``--model`` on samples of ``--input``, the model built on the meta
     device: shapes only, so a model too large for this machine's memory is costed, not built."""
-    from hetcoll.model import layer_costs, networks, parse_shape
+    from hetcoll.model import layer_costs, parse_shape
+
+    return layer_costs(_model(args), parse_shape(args.input), **kwargs)
+
+
+def _model(args: argparse.Namespace) -> Any:
+    """``--model`` built on the meta device (shapes only: a model too large for this machine's
+    memory is costed, not built)."""
+    from hetcoll.model import networks, parse_shape
 
     shape = parse_shape(args.input)
     if ":" in args.model and "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # module:attr finds the working directory's modules,
         # as `python -m` does (the `hetcoll` script's own directory comes first otherwise)
-    model = networks.build(args.model, shape, args.classes, device="meta")
-    return layer_costs(model, shape, **kwargs)
+    return networks.build(args.model, shape, args.classes, device="meta")
 
 
-def _load(args: argparse.Namespace) -> tuple[Any, Any]:
-    from hetcoll.model import load_cluster
+def _load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    from hetcoll.model import layer_costs, load_cluster, parse_shape
 
     cluster = load_cluster(args.cluster)  # first: a bad file fails before the model is costed
-    return _costs(args, conv_algorithm=args.conv_algorithm, precision=args.precision), cluster
+    model = _model(args)
+    costs = layer_costs(
+        model,
+        parse_shape(args.input),
+        conv_algorithm=args.conv_algorithm,
+        precision=args.precision,
+    )
+    return costs, cluster, model
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -172,13 +186,33 @@ def _run_commands(best: Any, path: str, cluster: Any) -> list[str]:
     return out
 
 
+def _comparison_lines(table: dict[str, Any]) -> list[str]:
+    """Seed 002's comparison on the devices the node-wise plans were searched on."""
+    rows = table["rows"]
+    lines = [
+        f"node-wise placement against the other strategies on {_ranks_text(table['devices'])} "
+        "(seed 002's comparison):",
+        f"  {'strategy':<34} {'MB/step':>10} {'load balance':>13} {'step':>12}",
+    ]
+    for r in rows:
+        lines.append(
+            f"  {r['strategy']:<34} {r['bytes_per_step'] / 1e6:>10.1f} "
+            f"{r['load_balance']:>13.3f} {_fmt_s(r['step_s']):>12}"
+        )
+    lines.append(
+        "  (MB/step: bytes sent per step, all devices; load balance: slowest device's work "
+        "time over the ideal, 1.0 is perfect)"
+    )
+    return lines
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from hetcoll.model import plan, sweep
-    from hetcoll.model.planner import plot_sweep
+    from hetcoll.model.planner import SearchReport, explain, plot_plans, plot_sweep
 
     if args.sweep and args.out:
         raise ValueError("--out: writes the best plan of one planning run, not of a sweep")
-    costs, cluster = _load(args)
+    costs, cluster, model = _load(args)
     if args.sweep:
         points = sweep(costs, cluster, args.batch, args.sweep)
         families = sorted({f for pt in points for f in pt.best})
@@ -209,13 +243,25 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             print(f"plot: {png}")
         return 0
     t0 = time.perf_counter()
-    ranked = plan(costs, cluster, args.batch)
+    report = SearchReport()
+    ranked = plan(costs, cluster, args.batch, model=model, report=report)
     planning_s = time.perf_counter() - t0
     if args.out:
         if not ranked[0].feasible:
             raise ValueError(f"--out: no feasible plan ({ranked[0].reason})")
         ranked[0].to_plan().save(args.out)  # ValueError (exit 2) saying why there is none
+    if args.plot:
+        plot_plans(
+            ranked,
+            args.plot,
+            f"{args.model} on {cluster.num_devices} devices, batch {args.batch}: "
+            "predicted step by plan",
+        )
+    why = explain(ranked[0], cluster)
     if args.json:
+        # Every candidate with its figures; the plans themselves, and on clusters of more than
+        # 64 devices the figures of every device, for the shown ones (the best and the
+        # runners-up --top lists): a plan of 10,240 replicas is large.
         json.dump(
             {
                 "model": args.model,
@@ -224,8 +270,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 "nodes": _nodes_json(cluster),
                 "precision": costs.precision,
                 "planning_s": planning_s,
-                "plans": [p.to_json() for p in ranked],
+                "best_bottleneck": why,
+                "search": report.to_json(),
+                "plans": [
+                    {
+                        **p.to_json(
+                            with_plan=i <= args.top,
+                            per_device=i <= args.top or cluster.num_devices <= 64,
+                        ),
+                        "bottleneck": explain(p, cluster),
+                    }
+                    for i, p in enumerate(ranked)
+                ],
                 "notes": list(costs.notes),
+                **({"plot": args.plot} if args.plot else {}),
             },
             sys.stdout,
         )
@@ -235,7 +293,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(
         f"{args.model} ({costs.params:,} parameters, {costs.forward_flops(1) / 1e6:.1f} MFLOP "
         f"forward per sample, {costs.precision}), batch {args.batch}, "
-        f"{cluster.num_devices} devices (planned in {planning_s * 1e3:.0f} ms)"
+        f"{cluster.num_devices} devices (planned in {planning_s * 1e3:.0f} ms: "
+        f"{len(ranked)} plans ranked, {sum(report.pruned.values())} pruned by a bound)"
     )
     for note in costs.notes:
         print(f"note: {note}")
@@ -259,14 +318,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if best.plan is not None:
         print(f"  plan: {_plan_text(best.plan)}")
     print("  breakdown: " + ", ".join(f"{k} {_fmt_s(v)}" for k, v in best.breakdown.items()))
+    print(f"  bottleneck: {why['text']}")
     print(f"  memory per device: up to {max(best.memory_bytes) / 1e9:.3g} GB")
     print("runners-up:")
     shown = ranked[1 : 1 + args.top]
     width = max([32, *(len(p.strategy) for p in shown)])
     for p in shown:
-        mark = "" if p.feasible else f"  INFEASIBLE: {p.reason}"
+        mark = f"  [{explain(p, cluster)['term']}]" if p.feasible else f"  INFEASIBLE: {p.reason}"
         ratio = p.step_s / best.step_s if best.step_s > 0 else float("inf")
         print(f"  {p.strategy:<{width}} {_fmt_s(p.step_s):>12}  ({ratio:.2f}x){mark}")
+    if report.placement_comparison is not None:
+        for line in _comparison_lines(report.placement_comparison):
+            print(line)
+    for family, reason in report.skipped.items():
+        print(f"not searched: {family}: {reason}")
+    if args.plot:
+        print(f"plot: {args.plot}")
     if best.feasible and best.plan is not None:
         path = args.out or "PLAN.json"
         if args.out:
@@ -338,7 +405,8 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--plot",
         type=writable_file,
-        help="where to write the sweep's plot (PNG; default hetcoll-sweep-AXIS.png)",
+        help="write a plot to this PNG: predicted step time of the best plans, one bar each "
+        "(with --sweep: the sweep's plot; default hetcoll-sweep-AXIS.png)",
     )
     p.add_argument(
         "--top", type=integer(0), default=5, help="how many runners-up to list (default 5)"

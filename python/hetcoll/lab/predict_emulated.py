@@ -268,7 +268,7 @@ def parallel_plan(
     >>> parallel_plan(costs, cluster, Plan.load("plan.json"), speeds).step_s  # doctest: +SKIP
     """
     schedule = plan_schedule(costs, cluster, plan, **options)
-    slow = _slowdowns(speeds, len(schedule.programs))
+    slow = _slowdowns(speeds, len(schedule.devices))
     slowed = [layer.param_bytes > 0 for layer in costs.layers]
 
     def factor(layer: int, direction: str) -> bool:
@@ -276,7 +276,7 @@ def parallel_plan(
 
     shared = host is not None and host.shared_by(sum(1 for s in schedule.samples if s > 0))
     programs: list[list[tuple[Any, ...]]] = []
-    for d, prog in enumerate(schedule.programs):
+    for d, prog in zip(schedule.program_devices, schedule.programs):
         out: list[tuple[Any, ...]] = []
         for op in prog:
             if op[0] != "compute":

@@ -39,6 +39,7 @@ most ``MAX_FILE_BYTES`` long and a regular file (not a device or a pipe); a clus
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import stat
@@ -244,17 +245,19 @@ class Cluster:
                 f"{self.source}: nodes: {self.num_devices:,} devices, more than {MAX_DEVICES:,}"
             )
 
-    @property
-    def devices(self) -> list[Device]:
-        """Every device in order (node by node)."""
-        return [n.device for n in self.nodes for _ in range(n.count)]
+    @functools.cached_property
+    def devices(self) -> tuple[Device, ...]:
+        """Every device in order (node by node). Computed once: the planner reads it per
+        candidate, on clusters of up to 65,536 devices."""
+        return tuple(n.device for n in self.nodes for _ in range(n.count))
 
-    @property
-    def node_of_device(self) -> list[int]:
-        """Index of the node holding each device."""
-        return [i for i, n in enumerate(self.nodes) for _ in range(n.count)]
+    @functools.cached_property
+    def node_of_device(self) -> tuple[int, ...]:
+        """Index of the node holding each device (computed once: :meth:`link_between` reads it
+        for every message)."""
+        return tuple(i for i, n in enumerate(self.nodes) for _ in range(n.count))
 
-    @property
+    @functools.cached_property
     def num_devices(self) -> int:
         return sum(n.count for n in self.nodes)
 

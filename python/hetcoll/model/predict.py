@@ -28,8 +28,8 @@ import functools
 import itertools
 import math
 import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -37,8 +37,8 @@ import numpy as np
 import hetcoll
 from hetcoll.model import terms
 from hetcoll.model.costs import ModelCosts
-from hetcoll.model.hardware import PRECISIONS, Cluster, Device
-from hetcoll.plan import Plan
+from hetcoll.model.hardware import PRECISIONS, Cluster, Device, Link
+from hetcoll.plan import Plan, microbatch_sizes
 
 # torch DDP's defaults: the first bucket is capped at 1 MiB (so communication starts early), the
 # others at bucket_cap_mb = 25 MiB.
@@ -71,10 +71,18 @@ class Prediction:
     #: two predictions are equal when their figures are.)
     plan: Plan | None = field(default=None, compare=False)
     plan_note: str = field(default="", compare=False)
+    #: Builds ``plan`` when it is first read, for a candidate whose plan was costed from its
+    #: layout (a plan of 10,240 replicas takes longer to build and check than to cost).
+    plan_factory: Callable[[], Plan] | None = field(default=None, compare=False, repr=False)
 
     @property
     def samples_per_s(self) -> float:
         return self.batch / self.step_s if self.step_s > 0 and math.isfinite(self.step_s) else 0.0
+
+    @property
+    def has_plan(self) -> bool:
+        """Whether the runtime can run this prediction's plan (built or not yet built)."""
+        return self.plan_factory is not None or self.__dict__.get("_plan") is not None
 
     def to_plan(self) -> Plan:
         """The plan to hand to :func:`hetcoll.torch.parallelize` (device i = rank i);
@@ -90,21 +98,47 @@ class Prediction:
             )
         return self.plan
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, *, with_plan: bool = True, per_device: bool = True) -> dict[str, Any]:
+        """The prediction as JSON; ``with_plan=False`` leaves the plan out, ``per_device=False``
+        gives the largest memory (``max_memory_bytes``) and the devices used instead of the
+        figures of every device (megabytes for many candidates on 10,240 devices)."""
+        plan = self.plan if with_plan else None
+        devices: dict[str, Any] = (
+            {"shares": self.shares, "memory_bytes": self.memory_bytes}
+            if per_device
+            else {
+                "devices_used": sum(1 for x in self.shares if x),
+                "max_memory_bytes": max(self.memory_bytes, default=0.0),
+            }
+        )
         return {
             "strategy": self.strategy,
-            "shares": self.shares,
+            **devices,
             "share_unit": self.share_unit,
             "step_s": self.step_s,
             "samples_per_s": self.samples_per_s,
             "breakdown_s": self.breakdown,
-            "memory_bytes": self.memory_bytes,
             "feasible": self.feasible,
             "reason": self.reason,
             "batch": self.batch,
             **({"detail": self.detail} if self.detail else {}),
-            **({"plan": self.plan.to_dict()} if self.plan is not None else {}),
+            **({"plan": plan.to_dict()} if plan is not None else {}),
         }
+
+
+def _get_plan(self: Prediction) -> Plan | None:
+    built: Plan | None = self.__dict__.get("_plan")
+    if built is None and self.plan_factory is not None:
+        built = self.__dict__["_plan"] = self.plan_factory()
+    return built
+
+
+def _set_plan(self: Prediction, value: Plan | None) -> None:
+    self.__dict__["_plan"] = value
+
+
+# ``plan`` reads as a field and is built on first read when only its factory was given.
+setattr(Prediction, "plan", property(_get_plan, _set_plan))  # noqa: B010
 
 
 @dataclass(frozen=True)
@@ -188,6 +222,9 @@ class _DeviceArrays:
     # Per precision: each device's matmul speed-up over fp32, and the devices without a peak.
     speedup: dict[str, np.ndarray]
     missing_peak: dict[str, tuple[str, ...]]
+    #: Each device's kind: the index of its Device among the distinct ones (equal devices time
+    #: alike, so a cluster of 10,240 devices in two kinds is timed as two columns).
+    kind: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def matmul_speedup(self, precision: str) -> np.ndarray:
         """Each device's :meth:`Device.matmul_speedup` at ``precision``; a ``UserWarning`` names
@@ -202,22 +239,69 @@ class _DeviceArrays:
             )
         return self.speedup[precision]
 
+    def columns(self, index: np.ndarray) -> _DeviceArrays:
+        """The devices ``index`` (an integer array) of these, in that order."""
+        return _DeviceArrays(
+            self.flops_per_s[index],
+            self.conv_flops_per_s[index],
+            self.mem_bytes_per_s[index],
+            self.elementwise_bytes_per_s[index],
+            self.pool_bytes_per_s[index],
+            self.overhead_s[index],
+            self.memory_bytes[index],
+            self.conv_channel_block[index],
+            {p: v[index] for p, v in self.speedup.items()},
+            self.missing_peak,
+            self.kind[index],
+        )
+
+
+#: The arrays of the last few device lists (a cluster's ``devices`` is one tuple for its life;
+#: the planner asks for the same one hundreds of times).
+_ARRAYS: dict[int, tuple[Sequence[Device], _DeviceArrays]] = {}
+
 
 def _device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
+    hit = _ARRAYS.get(id(devices))
+    if hit is not None and hit[0] is devices:
+        return hit[1]
+    arrays = _new_device_arrays(devices)
+    if isinstance(devices, tuple):
+        if len(_ARRAYS) >= 16:
+            _ARRAYS.pop(next(iter(_ARRAYS)))
+        _ARRAYS[id(devices)] = (devices, arrays)
+    return arrays
+
+
+def _new_device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
+    # Each distinct device is read once (a large cluster holds a few kinds many times over,
+    # mostly the same object: those are told apart by identity before they are hashed).
+    by_id: dict[int, Device] = {}
+    for d in devices:
+        by_id.setdefault(id(d), d)
+    unique = list(dict.fromkeys(by_id.values()))
+    number = {d: i for i, d in enumerate(unique)}
+    of_id = {i: number[d] for i, d in by_id.items()}
+    kind = np.fromiter((of_id[id(d)] for d in devices), dtype=np.int64, count=len(devices))
+
+    def per_device(values: list[float]) -> np.ndarray:
+        return np.asarray(values, dtype=np.float64)[kind]
+
     return _DeviceArrays(
-        np.array([d.flops_per_s for d in devices]),
-        np.array([d.conv_rate for d in devices]),
-        np.array([d.mem_bytes_per_s for d in devices]),
-        np.array([d.elementwise_rate for d in devices]),
-        np.array([d.pool_rate for d in devices]),
-        np.array([d.kernel_overhead_s for d in devices]),
-        np.array([d.memory_bytes for d in devices]),
-        np.array([float(d.conv_channel_block) for d in devices]),
-        {p: np.array([d.matmul_speedup(p) for d in devices]) for p in PRECISIONS},
+        per_device([d.flops_per_s for d in unique]),
+        per_device([d.conv_rate for d in unique]),
+        per_device([d.mem_bytes_per_s for d in unique]),
+        per_device([d.elementwise_rate for d in unique]),
+        per_device([d.pool_rate for d in unique]),
+        per_device([d.kernel_overhead_s for d in unique]),
+        per_device([d.memory_bytes for d in unique]),
+        per_device([float(d.conv_channel_block) for d in unique]),
+        {p: per_device([d.matmul_speedup(p) for d in unique]) for p in PRECISIONS},
         {
-            p: tuple(sorted({d.name for d in devices if d.peak_flops_per_s(p) <= 0}))
+            p: tuple(sorted({d.name for d in unique if d.peak_flops_per_s(p) <= 0}))
             for p in PRECISIONS
         },
+        kind,
     )
 
 
@@ -285,6 +369,55 @@ def _layer_times(
     filter parallelism, per-layer-and-device filter fractions ``filter_fraction``, fractions
     ``channel_fraction`` of the channels a layer's per-sample work covers, and the layers
     ``split_input`` whose fraction is of their input channels)."""
+    # Devices of one kind with the same work time alike: time each distinct column once.
+    batch = np.asarray(batch)
+    if (
+        len(batch) > 8
+        and len(dev.kind) == len(batch)
+        and filter_fraction is None is channel_fraction
+    ):
+        # The common case, one number per column: kind and batch as one integer.
+        code = dev.kind * (int(batch.max()) + 1) + batch.astype(np.int64)
+        _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+        if len(first) < len(batch):
+            lt = _layer_times(costs, dev.columns(first), batch[first], None, None, split_input)
+            inverse = inverse.reshape(-1)
+            return LayerSeconds(
+                lt.forward_s[:, inverse],
+                lt.backward_s[:, inverse],
+                lt.compute_s[:, inverse],
+                lt.memory_s[:, inverse],
+                lt.overhead_s[:, inverse],
+            )
+    elif len(batch) > 8 and len(dev.kind) == len(batch):
+        rows = [dev.kind, batch]
+        if filter_fraction is not None:
+            rows += list(filter_fraction)
+        if channel_fraction is not None:
+            rows += list(channel_fraction)
+        _, first, inverse = np.unique(
+            np.stack([np.asarray(r, dtype=np.float64) for r in rows]),
+            axis=1,
+            return_index=True,
+            return_inverse=True,
+        )
+        if len(first) < len(batch):
+            inverse = inverse.reshape(-1)
+            lt = _layer_times(
+                costs,
+                dev.columns(first),
+                batch[first],
+                None if filter_fraction is None else filter_fraction[:, first],
+                None if channel_fraction is None else channel_fraction[:, first],
+                split_input,
+            )
+            return LayerSeconds(
+                lt.forward_s[:, inverse],
+                lt.backward_s[:, inverse],
+                lt.compute_s[:, inverse],
+                lt.memory_s[:, inverse],
+                lt.overhead_s[:, inverse],
+            )
     t = _kernel_table(costs)
     n_dev = len(batch)
     b = batch[None, :].astype(np.float64)
@@ -375,7 +508,14 @@ def _memory_common(costs: ModelCosts, state_copies: int) -> float:
 def _memory_shortfall(mem: np.ndarray, devices: Sequence[Any]) -> str:
     """Why a plan does not fit ('' when it does): the first device whose memory ``mem[d]``
     (bytes) exceeds its capacity."""
-    for d, need in enumerate(mem):
+    capacity = _device_arrays(devices).memory_bytes if len(devices) > 64 else None
+    if capacity is not None:
+        over = np.flatnonzero(np.asarray(mem) > capacity)
+        candidates = over[:1].tolist()
+    else:
+        candidates = range(len(mem))
+    for d in candidates:
+        need = mem[d]
         if need > devices[d].memory_bytes:
             return (
                 f"device {d} ({devices[d].name}) needs {need / 1e9:.3g} GB of "
@@ -454,6 +594,7 @@ class DataParallelSchedule:
                 "compute_s_per_device": (
                     [float(x) for x in compute] if int((b > 0).sum()) <= 64 else None
                 ),
+                "critical_device": slowest,
             },
         )
 
@@ -560,7 +701,11 @@ def data_parallel(
         broadcast_buffers=broadcast_buffers,
     ).prediction()
     try:
-        pred.plan = _data_parallel_plan(costs, pred.shares)
+        costs.check_plan_layers()
+        if not any(pred.shares):
+            raise ValueError("shares: no device has samples")
+        shares = list(pred.shares)
+        pred.plan_factory = functools.partial(_data_parallel_plan, costs, shares)
     except ValueError as e:
         pred.plan_note = str(e)
     return pred
@@ -735,7 +880,7 @@ class FilterParallelSchedule:
             not self.reason,
             self.reason,
             self.batch,
-            self.detail,
+            {**self.detail, "critical_device": int(np.argmax((fwd + bwd).sum(axis=0) + opt))},
         )
 
 
@@ -1063,28 +1208,246 @@ def _plan_layout(costs: ModelCosts, cluster: Cluster, plan: Plan) -> list[_Repli
             f"plan: names rank {missing[0]} but the cluster has {cluster.num_devices} devices"
         )
     out = []
+    # Stages alike but for their ranks are checked and laid out once (and so share their
+    # modes: _ReplicaKeys knows them alike).
+    built: dict[tuple[Any, ...], _StageLayout] = {}
     for i, replica in enumerate(plan.replicas):
         stages = []
         for j, stage in enumerate(replica.stages):
-            first, end = stage.layers
-            lo, hi = costs.plan_range(first, end)
-            last = j + 1 == len(replica.stages)
-            sent = 0.0 if last else costs.plan_out_bytes[end - 1]
-            p = len(stage.ranks)
             where = f"plan.replicas[{i}].stages[{j}]"
             if stage.owners is not None:
                 raise ValueError(
                     f"{where}: places channels by owners; predict_plan does not model such "
                     "stages yet (hetcoll.model.predict_placement predicts a one-stage one)"
                 )
-            if p == 1:
-                stages.append(_StageLayout(stage.ranks, lo, hi, sent))
-                continue
-            modes, shares = stage_split(costs, first, end, p, stage.shares, where)
-            parts = stage.speeds if stage.speeds is not None else (1.0,) * p
-            stages.append(_StageLayout(stage.ranks, lo, hi, sent, tuple(parts), modes, shares))
+            last = j + 1 == len(replica.stages)
+            shares = (
+                None
+                if stage.shares is None
+                else tuple(sorted((k, tuple(v)) for k, v in stage.shares.items()))
+            )
+            key = (len(stage.ranks), tuple(stage.layers), last, stage.speeds, shares)
+            if key not in built:
+                built[key] = _stage_layout(
+                    costs, stage.ranks, stage.layers, last, stage.speeds, stage.shares, where
+                )
+            b = built[key]
+            stages.append(
+                _StageLayout(
+                    tuple(stage.ranks),
+                    b.lo,
+                    b.hi,
+                    b.out_bytes_per_sample,
+                    b.parts,
+                    b.modes,
+                    b.layer_shares,
+                )
+            )
         out.append(_ReplicaLayout(replica.samples, tuple(plan.microbatch_sizes(i)), tuple(stages)))
     return out
+
+
+def _stage_layout(
+    costs: ModelCosts,
+    ranks: Sequence[int],
+    layers: tuple[int, int],
+    last: bool,
+    speeds: Sequence[float] | None,
+    shares: Mapping[int, Sequence[int]] | None,
+    where: str,
+) -> _StageLayout:
+    """A stage over plan layers ``layers`` on ``ranks``, checked as the runtime checks it."""
+    first, end = layers
+    lo, hi = costs.plan_range(first, end)
+    sent = 0.0 if last else costs.plan_out_bytes[end - 1]
+    p = len(ranks)
+    if p == 1:
+        return _StageLayout(tuple(ranks), lo, hi, sent)
+    modes, named = stage_split(costs, first, end, p, shares, where)
+    parts = speeds if speeds is not None else (1.0,) * p
+    return _StageLayout(tuple(ranks), lo, hi, sent, tuple(parts), modes, named)
+
+
+#: Replicas as the planner lays them out before building their plan: samples, and per stage
+#: its ranks, plan layers ``(first, end)`` and the ranks' speeds (None: one rank, or equal).
+#: The ranks are a tuple (one replica) or an integer array of one row per replica (copies
+#: alike but for their ranks: a 10,240-device plan is a few such entries).
+StagesSpec = tuple[
+    int,
+    tuple[tuple[tuple[int, ...] | np.ndarray, tuple[int, int], tuple[float, ...] | None], ...],
+]
+
+
+def predict_stages(
+    costs: ModelCosts,
+    cluster: Cluster,
+    replicas: Sequence[StagesSpec],
+    microbatches: int,
+    schedule: str,
+    *,
+    optimizer_state_copies: int = 1,
+    strategy: str = "plan",
+) -> Prediction:
+    """:func:`predict_plan` of the plan ``replicas`` describe, costed from the description: the
+    plan itself is built (and checked) only when the prediction's ``plan`` is first read. For
+    the planner, which costs many large plans and shows a few. Raises ``ValueError`` (naming
+    ``replicas``) where the runtime would refuse a stage."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches: must be an integer >= 1, got {microbatches!r}")
+    if schedule not in ("GPipe", "1F1B"):
+        raise ValueError(f"schedule: must be 'GPipe' or '1F1B', got {schedule!r}")
+    if not replicas:
+        raise ValueError("replicas: must hold at least one replica")
+    entries = []
+    for i, (samples, stages) in enumerate(replicas):
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise ValueError(f"replicas[{i}]: samples must be an integer >= 1, got {samples!r}")
+        if not stages:
+            raise ValueError(f"replicas[{i}]: has no stages")
+        blocks = [np.atleast_2d(np.asarray(r, dtype=np.int64)) for r, _, _ in stages]
+        if len({len(x) for x in blocks}) != 1 or min(x.size for x in blocks) == 0:
+            raise ValueError(f"replicas[{i}]: every stage needs ranks, as many rows each")
+        entries.append((samples, stages, blocks))
+    costs.check_plan_layers()
+    # Entries of one template (samples, and per stage its size, layers and speeds) are laid
+    # out once; within a template, the replicas whose ranks sit on the same kinds of device
+    # and send over the same links are one class, found with numpy over every member's ranks
+    # at once.
+    templates: dict[tuple[Any, ...], list[int]] = {}
+    for i, (samples, stages, blocks) in enumerate(entries):
+        shape = (
+            samples,
+            tuple((x.shape[1], tuple(lay), sp) for x, (_, lay, sp) in zip(blocks, stages)),
+        )
+        templates.setdefault(shape, []).append(i)
+    dev_kind = _device_arrays(cluster.devices).kind
+    node_of = np.asarray(cluster.node_of_device)
+    node_link = _node_link_ids(cluster)
+    link_ids: dict[Link, int] = {}
+    between: dict[tuple[int, ...], int] = {}
+
+    def link_id(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        # The link between devices a and b (arrays) depends on whether they share a node and
+        # on their nodes' links only: one link_between per distinct case.
+        na, nb = node_of[a], node_of[b]
+        cases = np.stack([na == nb, node_link[na], node_link[nb]], axis=1)
+        unique, first, inverse = np.unique(cases, axis=0, return_index=True, return_inverse=True)
+        ids = []
+        for case, f in zip(unique.tolist(), first.tolist()):
+            key = tuple(case)
+            if key not in between:
+                link = cluster.link_between(int(a[f]), int(b[f]))
+                between[key] = link_ids.setdefault(link, len(link_ids))
+            ids.append(between[key])
+        return np.asarray(ids, dtype=np.int64)[inverse.reshape(-1)]
+
+    def ring_id(block: np.ndarray) -> np.ndarray:
+        # A split stage's ring: its node's link when its ranks share a node, else worked out.
+        nodes = node_of[block]
+        one = (nodes == nodes[:, :1]).all(axis=1)
+        out = np.empty(len(block), dtype=np.int64)
+        for r in np.flatnonzero(~one):
+            link = _ring_link_of(cluster, block[r], node_link)
+            out[r] = link_ids.setdefault(link, len(link_ids))
+        if one.any():
+            # Per distinct node link, its id among link_ids (several ranks on the node: a link).
+            first = nodes[one, 0]
+            kinds, at = np.unique(node_link[first], return_index=True)
+            table = np.zeros(int(node_link.max()) + 1, dtype=np.int64)
+            for nl, i in zip(kinds.tolist(), at.tolist()):
+                inside = cluster.nodes[int(first[i])].link
+                assert inside is not None
+                table[nl] = link_ids.setdefault(inside, len(link_ids))
+            out[one] = table[node_link[first]]
+        return out
+
+    classes: list[tuple[_ReplicaLayout, np.ndarray]] = []
+    for (samples, _), members in templates.items():
+        i = members[0]
+        stages = entries[i][1]
+        sizes_of = [x.shape[1] for x in entries[i][2]]
+        laid = []
+        for j, (_, layers, speeds) in enumerate(stages):
+            where = f"replicas[{i}].stages[{j}]"
+            last = j + 1 == len(stages)
+            first_ranks = tuple(entries[i][2][j][0].tolist())
+            span = (int(layers[0]), int(layers[1]))
+            laid.append(_stage_layout(costs, first_ranks, span, last, speeds, None, where))
+        ranks_of = np.vstack([np.hstack(entries[x][2]) for x in members])
+        signature = [dev_kind[ranks_of]]
+        col, starts = 0, []
+        for size in sizes_of:
+            starts.append(col)
+            col += size
+        for j, size in enumerate(sizes_of):
+            lead = ranks_of[:, starts[j]]
+            for k in (j - 1, j + 1):
+                if 0 <= k < len(stages):
+                    for c in range(starts[k], starts[k] + sizes_of[k]):
+                        signature.append(link_id(lead, ranks_of[:, c])[:, None])
+            if size > 1:  # the ring of a split stage's collectives
+                block = ranks_of[:, starts[j] : starts[j] + size]
+                signature.append(ring_id(block)[:, None])
+        _, first, inverse = np.unique(
+            np.hstack(signature), axis=0, return_index=True, return_inverse=True
+        )
+        inverse = inverse.reshape(-1)
+        sizes = tuple(microbatch_sizes(samples, microbatches))
+        for c, f in enumerate(first):
+            rows = ranks_of[inverse == c]
+            rep_ranks = ranks_of[f].tolist()
+            rep_stages = []
+            for j, st in enumerate(laid):
+                picked = tuple(rep_ranks[starts[j] : starts[j] + len(st.ranks)])
+                rep_stages.append(
+                    _StageLayout(
+                        picked,
+                        st.lo,
+                        st.hi,
+                        st.out_bytes_per_sample,
+                        st.parts,
+                        st.modes,
+                        st.layer_shares,
+                    )
+                )
+            # The class's first row is the replica simulated for it.
+            rows = np.vstack([ranks_of[f][None, :], rows[(rows != ranks_of[f]).any(axis=1)]])
+            classes.append((_ReplicaLayout(samples, sizes, tuple(rep_stages)), rows))
+    pred = _layout_schedule(
+        costs,
+        cluster,
+        [rep for rep, _ in classes],
+        schedule,
+        optimizer_state_copies,
+        strategy,
+        classes,
+    ).prediction()
+
+    def build() -> Plan:
+        return Plan.from_dict(
+            {
+                "microbatches": microbatches,
+                "schedule": schedule,
+                "replicas": [
+                    {
+                        "samples": samples,
+                        "stages": [
+                            {
+                                "ranks": block[row].tolist(),
+                                "layers": list(layers),
+                                **({"speeds": list(speeds)} if speeds is not None else {}),
+                            }
+                            for block, (_, layers, speeds) in zip(blocks, stages)
+                        ],
+                    }
+                    for samples, stages, blocks in entries
+                    for row in range(len(blocks[0]))
+                ],
+            }
+        )
+
+    pred.plan_factory = build
+    return pred
 
 
 @dataclass
@@ -1114,10 +1477,11 @@ def _stage_work(
     lo, hi = stage.lo, stage.hi
     if len(stage.ranks) == 1:
         d = stage.ranks[0]
-        lt: LayerSeconds = times(batch)
+        lt, column = times(batch)  # per kind of device, and each device's kind
+        c = column[d]
         owned = float(sum(x.param_bytes for x in costs.layers[lo:hi]))
         mem_bw = cluster.devices[d].mem_bytes_per_s
-        fwd_s, bwd_s = lt.forward_s[lo:hi, d], lt.backward_s[lo:hi, d]
+        fwd_s, bwd_s = lt.forward_s[lo:hi, c], lt.backward_s[lo:hi, c]
         fwd_parts = tuple((lo + i, float(t), "F") for i, t in enumerate(fwd_s))
         bwd_parts = tuple((hi - 1 - i, float(t), "B") for i, t in enumerate(bwd_s[::-1]))
         return _StageWork(
@@ -1125,17 +1489,15 @@ def _stage_work(
             [[("compute", float(bwd_s.sum()), bwd_parts)]],
             np.array(
                 [
-                    [lt.compute_s[lo:hi, d].sum()],
-                    [lt.memory_s[lo:hi, d].sum()],
-                    [lt.overhead_s[lo:hi, d].sum()],
+                    [lt.compute_s[lo:hi, c].sum()],
+                    [lt.memory_s[lo:hi, c].sum()],
+                    [lt.overhead_s[lo:hi, c].sum()],
                 ]
             ),
             np.array([owned * (2 + state_copies)]),
             float(sum(x.saved_bytes_per_sample for x in costs.layers[lo:hi])),
             np.array([float(terms.optimizer_update_seconds(owned, mem_bw, state_copies))]),
         )
-    from dataclasses import replace
-
     assert stage.modes is not None
     sub = replace(
         costs,
@@ -1157,21 +1519,28 @@ def _stage_work(
         layer_shares=stage.layer_shares,
     )
     fwd, bwd, lt = [], [], sched.layers
+    f_comm = sched.forward_collective_s.tolist()
+    b_comm = sched.backward_collective_s.tolist()
+
+    def pieces(seconds: list[float], comm: list[float], layers: range, op: str) -> list[Any]:
+        # The layers' compute between two collectives as one piece (summed in layer order,
+        # as the simulation would add them, its layers' parts kept), each collective a piece
+        # of its own.
+        out: list[tuple[Any, ...]] = []
+        for i in layers:
+            part = ((lo + i, seconds[i], op),)
+            if out and out[-1][0] == "compute":
+                out[-1] = ("compute", out[-1][1] + seconds[i], out[-1][2] + part)
+            else:
+                out.append(("compute", seconds[i], part))
+            if comm[i] > 0:
+                out.append(("collective", (op, i), comm[i]))
+        return out
+
+    forward_s, backward_s = lt.forward_s.T.tolist(), lt.backward_s.T.tolist()
     for j in range(len(stage.ranks)):
-        f: list[tuple[Any, ...]] = []
-        b: list[tuple[Any, ...]] = []
-        for i in range(hi - lo):
-            t = float(lt.forward_s[i, j])
-            f.append(("compute", t, ((lo + i, t, "F"),)))
-            if sched.forward_collective_s[i] > 0:
-                f.append(("collective", ("F", i), float(sched.forward_collective_s[i])))
-        for i in range(hi - lo - 1, -1, -1):
-            t = float(lt.backward_s[i, j])
-            b.append(("compute", t, ((lo + i, t, "B"),)))
-            if sched.backward_collective_s[i] > 0:
-                b.append(("collective", ("B", i), float(sched.backward_collective_s[i])))
-        fwd.append(f)
-        bwd.append(b)
+        fwd.append(pieces(forward_s[j], f_comm, range(hi - lo), "F"))
+        bwd.append(pieces(backward_s[j], b_comm, range(hi - lo - 1, -1, -1), "B"))
     saved = sub.saved_bytes_per_sample()
     return _StageWork(
         fwd,
@@ -1183,20 +1552,148 @@ def _stage_work(
     )
 
 
+class _ReplicaKeys:
+    """What a replica's simulated step depends on (:meth:`key`): its samples and
+    micro-batches, and per stage its layers and split, the kinds of device it runs on, the
+    links its stage's collectives and its sends cross. Replicas with equal keys run alike
+    (their ranks aside). Kinds and links are small integers, looked up once per device kind
+    and per pair of nodes (hashing a Device or a Link per rank would cost more than the
+    simulation it saves); a stage's split is named by the identity of its modes and shares,
+    which stages built alike share (equal identity implies equal content)."""
+
+    def __init__(self, cluster: Cluster, kind: np.ndarray) -> None:
+        self.cluster = cluster
+        self.nodes = cluster.node_of_device
+        self.kind = kind.tolist()
+        self.ids: dict[Link, int] = {}
+        self.links: dict[tuple[int, int], int] = {}
+        self.rings: dict[tuple[bool, frozenset[Link]], int] = {}
+
+    def _id(self, link: Link) -> int:
+        return self.ids.setdefault(link, len(self.ids))
+
+    def link(self, a: int, b: int) -> int:
+        pair = (self.nodes[a], self.nodes[b])
+        if pair not in self.links:
+            self.links[pair] = self._id(self.cluster.link_between(a, b))
+        return self.links[pair]
+
+    def ring(self, ranks: tuple[int, ...]) -> int:
+        # A ring over these ranks crosses the network when they span nodes, and the link of
+        # every node holding two of them or more (Cluster.subset(...).ring_link()).
+        count: dict[int, int] = {}
+        for d in ranks:
+            count[self.nodes[d]] = count.get(self.nodes[d], 0) + 1
+        nodes = self.cluster.nodes
+        inside = frozenset(
+            link for n, c in count.items() if c > 1 and (link := nodes[n].link) is not None
+        )
+        shape = (len(count) > 1, inside)
+        if shape not in self.rings:
+            self.rings[shape] = self._id(self.cluster.subset(list(ranks)).ring_link())
+        return self.rings[shape]
+
+    def key(self, rep: _ReplicaLayout) -> tuple[Any, ...]:
+        key: list[Any] = [rep.samples, rep.micro]
+        kind = self.kind
+        for s, st in enumerate(rep.stages):
+            nxt = rep.stages[s + 1].ranks if s + 1 < len(rep.stages) else ()
+            prev = rep.stages[s - 1].ranks if s > 0 else ()
+            lead = st.ranks[0]
+            key.append(
+                (
+                    st.lo,
+                    st.hi,
+                    st.out_bytes_per_sample,
+                    st.parts,
+                    id(st.modes),
+                    id(st.layer_shares),
+                    tuple(kind[d] for d in st.ranks),
+                    self.ring(st.ranks) if len(st.ranks) > 1 else None,
+                    tuple(self.link(lead, e) for e in nxt),
+                    tuple(self.link(lead, e) for e in prev),
+                )
+            )
+        return tuple(key)
+
+
+def _flat_ranks(rep: _ReplicaLayout) -> list[int]:
+    return [d for st in rep.stages for d in st.ranks]
+
+
+def _replica_classes(
+    cluster: Cluster, replicas: Sequence[_ReplicaLayout], kind: np.ndarray
+) -> list[tuple[_ReplicaLayout, np.ndarray]]:
+    """The replicas grouped by :class:`_ReplicaKeys`: each group's first replica, and every
+    member's ranks (a row each, the first replica's first, in its stages' order)."""
+    keys = _ReplicaKeys(cluster, kind)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for r, rep in enumerate(replicas):
+        groups.setdefault(keys.key(rep), []).append(r)
+    return [
+        (replicas[members[0]], np.array([_flat_ranks(replicas[r]) for r in members]))
+        for members in groups.values()
+    ]
+
+
+def _ring_link_of(cluster: Cluster, ranks: np.ndarray, node_link: np.ndarray) -> Link:
+    """``cluster.subset(ranks).ring_link()`` without building the subset: the ring crosses the
+    link of each node holding two or more of ``ranks`` and the network when they span nodes,
+    so a few nodes stand for all (``node_link``: an id per node, equal for equal links)."""
+    nodes = np.asarray(cluster.node_of_device)[ranks] if len(ranks) else np.zeros(0, int)
+    counts = np.bincount(nodes, minlength=len(cluster.nodes))
+    present = np.flatnonzero(counts)
+    shared = np.flatnonzero(counts >= 2)
+    _, first = np.unique(node_link[shared], return_index=True)
+    picked = [replace(cluster.nodes[n], count=2) for n in shared[first]]
+    if len(present) > 1 and len(picked) < 2:
+        others = [n for n in present[:3] if n not in set(shared[first].tolist())]
+        picked += [replace(cluster.nodes[n], count=1) for n in others[: 2 - len(picked)]]
+    if not picked:
+        return Link("local", 0.0, math.inf)
+    return Cluster(picked, cluster.network if len(picked) > 1 else None).ring_link()
+
+
+_NODE_LINKS: dict[int, tuple[Sequence[Any], np.ndarray]] = {}
+
+
+def _node_link_ids(cluster: Cluster) -> np.ndarray:
+    """An id per node of ``cluster``, equal for nodes with equal links (cached per node list)."""
+    hit = _NODE_LINKS.get(id(cluster.nodes))
+    if hit is not None and hit[0] is cluster.nodes:
+        return hit[1]
+    by_id: dict[int, int] = {}
+    ids: dict[Any, int] = {}
+    out = np.array(
+        [
+            by_id[id(n.link)]
+            if id(n.link) in by_id
+            else by_id.setdefault(id(n.link), ids.setdefault(n.link, len(ids)))
+            for n in cluster.nodes
+        ]
+    )
+    if len(_NODE_LINKS) >= 16:
+        _NODE_LINKS.pop(next(iter(_NODE_LINKS)))
+    _NODE_LINKS[id(cluster.nodes)] = (cluster.nodes, out)
+    return out
+
+
 @dataclass(frozen=True)
 class PlanSchedule:
-    """One step of a plan laid out as every device's program (what :func:`predict_plan` times).
+    """One step of a plan laid out as programs (what :func:`predict_plan` times).
 
-    ``programs[d]`` lists device d's operations in the order the runtime runs them, as
-    :func:`hetcoll.model.terms.schedule_finish_seconds` reads them; each ``("compute", s,
-    parts)`` carries ``parts``, the ``(layer, seconds, "F" or "B")`` it is made of (``layer``
-    indexes ``costs.layers``; forward or backward), so that a caller can re-time the work
-    layer by layer. ``collectives``:
-    each collective's participants and seconds. ``causes``: per device, the compute, memory and
-    overhead seconds of its layers; ``state_bytes`` / ``activation_bytes``: what it holds;
-    ``update_s``: its optimizer step; ``samples``: its replica's samples (0: idle).
-    :meth:`prediction` times the programs; a caller that times them otherwise (on other
-    hardware, say) passes each device's finish time and seconds in collectives.
+    ``programs[x]`` lists the operations device ``program_devices[x]`` runs, in the order the
+    runtime runs them, as :func:`hetcoll.model.terms.schedule_finish_seconds` reads them; each
+    ``("compute", s, parts)`` carries ``parts``, the ``(layer, seconds, "F" or "B")`` it is made
+    of (``layer`` indexes ``costs.layers``; forward or backward), so that a caller can re-time
+    the work layer by layer. Devices of replicas that run alike share one replica's programs
+    (``copy_of[d]``: the device whose figures device d takes; :func:`plan_schedule` lays every
+    replica out); idle devices have none (they wait in the loss's allreduce).
+    ``collectives``: each collective's participants and seconds. Per device: ``causes``, the
+    compute, memory and overhead seconds of its layers; ``state_bytes`` / ``activation_bytes``,
+    what it holds; ``update_s``, its optimizer step; ``samples``, its replica's samples (0:
+    idle). :meth:`prediction` times the programs; a caller that times them otherwise (on other
+    hardware, say) passes each program's finish time and seconds in collectives.
 
     >>> plan_schedule(costs, cluster, Plan.load("plan.json")).prediction().step_s  # doctest: +SKIP
     """
@@ -1212,20 +1709,31 @@ class PlanSchedule:
     schedule: str
     strategy: str
     detail: dict[str, Any]
+    program_devices: tuple[int, ...]
+    copy_of: np.ndarray
 
     def prediction(
         self,
         finish_s: Sequence[float] | None = None,
         collective_s: Sequence[float] | None = None,
     ) -> Prediction:
-        """The step: each device's program timed by
-        :func:`~hetcoll.model.terms.schedule_finish_seconds`, or ``finish_s`` (when each device
-        finishes its program) and ``collective_s`` (its seconds inside collectives) timed by
-        the caller, then each device's optimizer update."""
+        """The step: the programs timed by
+        :func:`~hetcoll.model.terms.schedule_finish_seconds`, or ``finish_s`` (when each
+        program ends) and ``collective_s`` (its seconds inside collectives) timed by the
+        caller, then each device's optimizer update."""
         if finish_s is None or collective_s is None:
             finish_s, collective_s = terms.schedule_finish_seconds(self.programs, self.collectives)
+        n_dev = len(self.devices)
+        # Every rank leaves the loss's allreduce at the same moment; an idle rank spends its
+        # step in it.
+        finish = np.full(n_dev, float(finish_s[0]) if len(finish_s) else 0.0)
+        in_collectives = np.full(n_dev, float(self.detail["loss_allreduce_s"]))
+        for x, d in enumerate(self.program_devices):
+            finish[d] = finish_s[x]
+            in_collectives[d] = collective_s[x]
+        finish, in_collectives = finish[self.copy_of], in_collectives[self.copy_of]
         update = self.update_s
-        end = np.asarray(finish_s, dtype=np.float64) + update
+        end = finish + update
         step = float(end.max())
         busy = self.causes.sum(axis=0)
         crit = int(np.argmax(busy))
@@ -1233,7 +1741,7 @@ class PlanSchedule:
             "compute": float(self.causes[0, crit]),
             "memory": float(self.causes[1, crit]),
             "overhead": float(self.causes[2, crit]),
-            "communication": float(collective_s[crit]),
+            "communication": float(in_collectives[crit]),
             "optimizer": float(update.max()),
         }
         breakdown["bubble"] = max(0.0, step - sum(breakdown.values()))
@@ -1245,11 +1753,14 @@ class PlanSchedule:
             "samples of its replica",
             step,
             breakdown,
-            [float(x) for x in mem],
+            mem.tolist(),
             not reason,
             reason,
             int(self.detail["batch"]),
-            {k: v for k, v in self.detail.items() if k != "batch"},
+            {
+                **{k: v for k, v in self.detail.items() if k != "batch"},
+                "critical_device": crit,
+            },
         )
 
 
@@ -1261,10 +1772,13 @@ def plan_schedule(
     optimizer_state_copies: int = 1,
     strategy: str = "plan",
 ) -> PlanSchedule:
-    """One step of ``plan`` laid out as every device's program (:class:`PlanSchedule`), as
-    :func:`predict_plan` simulates it; raises as :func:`predict_plan` does."""
+    """One step of ``plan`` laid out as every device's program (:class:`PlanSchedule`; no
+    replica shares another's), as :func:`predict_plan` simulates it; raises as
+    :func:`predict_plan` does."""
     layout = _plan_layout(costs, cluster, plan)
-    return _layout_schedule(costs, cluster, layout, plan.schedule, optimizer_state_copies, strategy)
+    return _layout_schedule(
+        costs, cluster, layout, plan.schedule, optimizer_state_copies, strategy, group=False
+    )
 
 
 def _layout_schedule(
@@ -1274,33 +1788,53 @@ def _layout_schedule(
     schedule: str,
     state_copies: int,
     strategy: str,
+    classes: Sequence[tuple[_ReplicaLayout, np.ndarray]] | None = None,
+    *,
+    group: bool = True,
 ) -> PlanSchedule:
-    """Lay out one step of the plan (:func:`plan_schedule`)."""
+    """Lay out one step of the plan (:func:`plan_schedule`).
+
+    Replicas that run alike (:class:`_ReplicaKeys`; ``classes``: already grouped, as
+    (replica, every member's ranks); ``group=False``: every replica its own class) are laid
+    out once: the gradient sums and the loss's allreduce are timed over all their holders, but
+    only one replica of each class has programs, and the others copy its figures. That is the
+    same step (the copies would reach every collective at the same moment), at the cost of the
+    distinct replicas only: a 10,240-device plan of a few kinds of replica simulates a few."""
     from hetcoll.torch.parallel import schedule_order
 
     devices = cluster.devices
     n_dev = len(devices)
     dev = _device_arrays(devices)
     cache: dict[int, LayerSeconds] = {}
+    _, first_of_kind = np.unique(dev.kind, return_index=True)
+    kinds = dev.columns(first_of_kind)
 
-    def times(b: int) -> LayerSeconds:
+    def times(b: int) -> tuple[LayerSeconds, np.ndarray]:
+        # Every layer's times at b samples on each kind of device (columns), and each
+        # device's kind.
         if b not in cache:
-            cache[b] = _layer_times(costs, dev, np.full(n_dev, b))
-        return cache[b]
+            cache[b] = _layer_times(costs, kinds, np.full(len(first_of_kind), b))
+        return cache[b], dev.kind
 
-    programs: list[list[tuple[Any, ...]]] = [[] for _ in range(n_dev)]
+    if classes is None and not group:
+        classes = [(rep, np.array([_flat_ranks(rep)])) for rep in replicas]
+    elif classes is None:
+        classes = _replica_classes(cluster, replicas, dev.kind)
+    link_of: dict[tuple[int, int], Link] = {}  # the link of each send, looked up once
+    local: dict[int, int] = {}  # simulated device -> its program
+    for rep, _ in classes:
+        for st in rep.stages:
+            for d in st.ranks:
+                local[d] = len(local)
+    programs: list[list[tuple[Any, ...]]] = [[] for _ in local]
     collectives: dict[object, tuple[int, float]] = {}
     causes = np.zeros((3, n_dev))
     state = np.zeros(n_dev)
     activations = np.zeros(n_dev)
     update = np.zeros(n_dev)
-    samples = [0] * n_dev
-    holders: list[set[int]] = [set() for _ in costs.layers]
-    for r, rep in enumerate(replicas):
+    for r, (rep, _) in enumerate(classes):
         n_st, m = len(rep.stages), len(rep.micro)
         for s, stage in enumerate(rep.stages):
-            for i in range(stage.lo, stage.hi):
-                holders[i].update(stage.ranks)
             work = {
                 b: _stage_work(costs, cluster, stage, b, times, state_copies)
                 for b in sorted(set(rep.micro))
@@ -1315,11 +1849,10 @@ def _layout_schedule(
             prev = rep.stages[s - 1] if s > 0 else None
             nxt = rep.stages[s + 1] if s + 1 < n_st else None
             for j, d in enumerate(stage.ranks):
-                samples[d] = rep.samples
                 state[d] = any_work.state_bytes[j]
                 update[d] = any_work.update_s[j]
                 activations[d] = any_work.saved_per_sample * kept
-                prog = programs[d]
+                prog = programs[local[d]]
                 for op, k in order:
                     w = work[rep.micro[k]]
                     if op == "F":
@@ -1354,7 +1887,9 @@ def _layout_schedule(
                     at = s + 1 if op == "F" else s - 1
                     sends = []
                     for e in to.ranks:
-                        link = cluster.link_between(d, e)
+                        if (d, e) not in link_of:
+                            link_of[d, e] = cluster.link_between(d, e)
+                        link = link_of[d, e]
                         sends.append(
                             (
                                 (kind, r, at, k, e),
@@ -1364,41 +1899,68 @@ def _layout_schedule(
                         )
                     prog.append(("send", tuple(sends)))
                 prog.append(("wait_sends",))
+    # Every other replica's devices copy those of the replica simulated for it.
+    source = np.arange(n_dev)
+    samples_of = np.zeros(n_dev, dtype=np.int64)
+    for rep, members in classes:
+        source[members.ravel()] = np.broadcast_to(members[0], members.shape).ravel()
+        samples_of[members.ravel()] = rep.samples
+    causes, state, activations, update = (
+        causes[:, source],
+        state[source],
+        activations[source],
+        update[source],
+    )
     # Gradients of parameters held in several replicas: one allreduce of full-size buffers per
-    # set of holders, in layer order.
-    groups: dict[tuple[int, ...], float] = {}
-    if len(replicas) > 1:
-        for i, layer in enumerate(costs.layers):
-            if layer.param_bytes > 0 and holders[i]:
-                held_by = tuple(sorted(holders[i]))
-                groups[held_by] = groups.get(held_by, 0.0) + layer.param_bytes
+    # set of holders, in layer order. Layers between the same stage boundaries share holders.
+    groups: dict[tuple[int, ...], list[Any]] = {}
+    if sum(len(members) for _, members in classes) > 1:
+        node_link = _node_link_ids(cluster)
+        cuts = sorted({x for rep, _ in classes for st in rep.stages for x in (st.lo, st.hi)})
+        for a, b in itertools.pairwise(cuts):
+            parts, taking_part = [], []
+            for rep, members in classes:
+                col = 0
+                for st in rep.stages:
+                    if st.lo <= a < st.hi:
+                        parts.append(members[:, col : col + len(st.ranks)].ravel())
+                        taking_part += [local[d] for d in st.ranks]
+                    col += len(st.ranks)
+            held = np.unique(np.concatenate(parts))
+            nbytes = sum(costs.layers[i].param_bytes for i in range(a, b))
+            if nbytes <= 0:
+                continue
+            holders = tuple(held.tolist())
+            if holders in groups:
+                groups[holders][0] += nbytes
+            else:
+                groups[holders] = [nbytes, held, taking_part, node_link]
     reduce_s = 0.0
-    for g, (ranks, nbytes) in enumerate(groups.items()):
-        sub = cluster.subset(list(ranks))
-        link = sub.ring_link()
+    for g, (nbytes, held, taking_part, node_link) in enumerate(groups.values()):
+        link = _ring_link_of(cluster, held, node_link)
         seconds = float(
             terms.ring_allreduce_seconds(
                 nbytes,
-                len(ranks),
+                len(held),
                 link.latency_s,
                 link.bytes_per_s,
-                min(devices[d].mem_bytes_per_s for d in ranks),
+                float(dev.mem_bytes_per_s[held].min()),
                 costs.itemsize,
             )
         )
-        collectives[("sum", g)] = (len(ranks), seconds)
+        collectives[("sum", g)] = (len(taking_part), seconds)
         reduce_s += seconds
-        for d in ranks:
-            programs[d].append(("collective", ("sum", g)))
-            state[d] += nbytes  # the full-size buffer the gradients are summed in
-    # The loss, summed over every rank of the group (one float64).
+        for x in taking_part:
+            programs[x].append(("collective", ("sum", g)))
+        state[held] += nbytes  # the full-size buffer the gradients are summed in
+    # The loss, summed over every rank of the group (one float64); idle ranks join it at once.
     link = cluster.ring_link()
     loss_s = float(
         terms.ring_allreduce_seconds(
             8.0, n_dev, link.latency_s, link.bytes_per_s, float(dev.mem_bytes_per_s.min()), 8
         )
     )
-    collectives["loss"] = (n_dev, loss_s)
+    collectives["loss"] = (len(programs), loss_s)
     for prog in programs:
         prog.append(("collective", "loss"))
     return PlanSchedule(
@@ -1408,20 +1970,23 @@ def _layout_schedule(
         state,
         activations,
         update,
-        samples,
+        samples_of.tolist(),
         tuple(devices),
         schedule,
         strategy,
         {
-            "batch": sum(rep.samples for rep in replicas),
+            "batch": sum(rep.samples * len(members) for rep, members in classes),
             "schedule": schedule,
-            "micro_batches": max(len(rep.micro) for rep in replicas),
-            "replicas": len(replicas),
-            "stages": max(len(rep.stages) for rep in replicas),
-            "idle_devices": [d for d in range(n_dev) if samples[d] == 0],
+            "micro_batches": max(len(rep.micro) for rep, _ in classes),
+            "replicas": sum(len(members) for _, members in classes),
+            "stages": max(len(rep.stages) for rep, _ in classes),
+            "idle_devices": np.flatnonzero(samples_of == 0).tolist(),
             "gradient_allreduce_s": reduce_s,
             "loss_allreduce_s": loss_s,
+            "simulated_replicas": len(classes),
         },
+        tuple(local),
+        source,
     )
 
 
@@ -1456,8 +2021,10 @@ def predict_plan(
 
     >>> predict_plan(costs, cluster, Plan.load("plan.json")).step_s  # doctest: +SKIP
     """
-    pred = plan_schedule(
-        costs, cluster, plan, optimizer_state_copies=optimizer_state_copies, strategy=strategy
+    # Replicas that run alike are simulated once (the same step: :func:`_layout_schedule`).
+    layout = _plan_layout(costs, cluster, plan)
+    pred = _layout_schedule(
+        costs, cluster, layout, plan.schedule, optimizer_state_copies, strategy
     ).prediction()
     pred.plan = plan
     return pred
@@ -1491,7 +2058,11 @@ def pipeline_stages(
         for a, b in itertools.pairwise(cuts)
     ]
     total_flops = max(sum(unit_flops), 1e-30)
-    speeds = [total_flops / max(float(per_layer_dev[:, d].sum()), 1e-30) for d in range(n_dev)]
+    # Devices of one kind have equal columns: each kind's speed computed once.
+    kind = _device_arrays(cluster.devices).kind
+    _, first = np.unique(kind, return_index=True)
+    of_kind = [total_flops / max(float(per_layer_dev[:, d].sum()), 1e-30) for d in first]
+    speeds = [of_kind[k] for k in kind.tolist()]
     link = cluster.ring_link()
     bandwidth = link.bytes_per_s if math.isfinite(link.bytes_per_s) else None
     boundary = [2 * _boundary_bytes(costs, b) * micro for b in cuts[1:-1]]
@@ -1501,6 +2072,56 @@ def pipeline_stages(
     out, at = [], 0
     for u in units:
         out.append(cuts[at + u] - cuts[at])
+        at += u
+    return out
+
+
+def chain_stages(
+    costs: ModelCosts,
+    stage_speeds: Sequence[float],
+    micro: int,
+    bandwidth: float | None = None,
+) -> list[tuple[int, int]]:
+    """Plan-layer ranges ``(first, end)`` of pipeline stages of the given speeds (FLOP/s, in
+    stage order; a stage of several devices counts their sum), chosen by the exact dynamic
+    programme over layer cuts (:func:`hetcoll.partition_chain`: the smallest bottleneck of a
+    stage's FLOPs at a micro-batch of ``micro`` over its speed, plus the activations and their
+    gradients it sends over ``bandwidth`` bytes/s; None: free links). A stage given no layer
+    gets an empty range ``(x, x)``.
+
+    >>> chain_stages(costs, [2e12, 1e12], 32)  # doctest: +SKIP
+    [(0, 6), (6, 11)]
+    """
+    speeds = [float(x) for x in stage_speeds]
+    if not speeds or any(not math.isfinite(x) or x <= 0 for x in speeds):
+        raise ValueError(f"stage_speeds: must be finite numbers > 0, one per stage, got {speeds}")
+    if isinstance(micro, bool) or not isinstance(micro, (int, np.integer)) or micro < 1:
+        raise ValueError(f"micro: must be an integer >= 1, got {micro!r}")
+    if bandwidth is not None and not (math.isfinite(bandwidth) and bandwidth > 0):
+        raise ValueError(f"bandwidth: must be a finite number > 0 or None, got {bandwidth!r}")
+    costs.check_plan_layers()
+    cuts = _pipeline_units(costs)
+    unit_flops = [
+        sum(x.forward_flops(micro) + x.backward_flops(micro) for x in costs.layers[a:b])
+        for a, b in itertools.pairwise(cuts)
+    ]
+    boundary = [2 * _boundary_bytes(costs, b) * micro for b in cuts[1:-1]]
+    units = hetcoll.partition_chain(
+        unit_flops,
+        speeds,
+        boundary_bytes=boundary if bandwidth else None,
+        bandwidth=bandwidth if bandwidth else None,
+    )
+    of, n = costs.plan_layer_of, len(costs.plan_layers)
+
+    def plan_layer(c: int) -> int:  # the plan layer costed layer c starts (n: the end)
+        return 0 if c == 0 else (of[c] if c < len(of) else n)
+
+    out, at = [], 0
+    for u in units:
+        first = plan_layer(cuts[at])
+        end = n if at + u == len(cuts) - 1 else plan_layer(cuts[at + u])
+        out.append((first, end) if u else (first, first))
         at += u
     return out
 
