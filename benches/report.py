@@ -70,6 +70,8 @@ EXPECTED: tuple[tuple[str, str], ...] = (
     ("filter_parallel", "bench-filter-parallel"),
     ("model_validate", "bench-model-validate"),
     ("plans", "bench-plans"),
+    ("planspace", "bench-planspace"),
+    ("placement", "bench-placement"),
 )
 
 Cell = str | int | float | bool | None
