@@ -370,3 +370,10 @@ def mismatched_optimizers(rank: int, world: int) -> int:
             assert "ranks disagree on the" in str(e), str(e)
             raised += 1
     return raised
+
+
+def run_all(comm: Any, job: str, names: str, directory: str) -> dict[str, Any]:
+    """One job (``"first"`` or ``"second"``) of each named case (comma-separated) on the MPI
+    communicator ``comm`` (tests/mpi_workers/cases.py), checkpoints in ``directory``."""
+    run = first_job if job == "first" else second_job
+    return {n: run(comm, n, f"{directory}/{n}.pt") for n in names.split(",")}

@@ -84,9 +84,9 @@ def test_ranks_with_different_optimizers_raise_on_every_rank():
 def test_mpi_plans_stop_on_three_ranks_and_resume_on_two(tmp_path):
     """On MPI: the pipeline with a split stage, re-split; and the plan resumed filter-parallel."""
     names = ["plan_pipeline_split", "plan_to_filter"]
-    worker = str(HERE / "mpi_workers" / "elastic.py")
-    launch.mpiexec(3, [worker, "first", ",".join(names), str(tmp_path)], timeout=240)
-    proc = launch.mpiexec(2, [worker, "second", ",".join(names), str(tmp_path)], timeout=240)
+    worker = [str(HERE / "mpi_workers" / "cases.py"), "elastic_cases"]
+    launch.mpiexec(3, [*worker, "first", ",".join(names), str(tmp_path)], timeout=240)
+    proc = launch.mpiexec(2, [*worker, "second", ",".join(names), str(tmp_path)], timeout=240)
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     for name in names:
         _exact(name, results)

@@ -1,6 +1,7 @@
-"""MPI worker of the plan tests: every rank runs ``run_all(MPI.COMM_WORLD)`` of the cases module
-named on the command line (tests/plan_cases.py for tests/test_plan.py, tests/owners_cases.py
-for tests/test_placement.py), with no torch.distributed at all. Rank 0 prints every rank's
+"""MPI worker of the multi-rank cases: ``cases.py MODULE [ARG ...]``: every rank runs
+``MODULE.run_all(MPI.COMM_WORLD, *ARGS)`` (tests/plan_cases.py for tests/test_plan.py,
+tests/owners_cases.py for tests/test_placement.py, tests/elastic_cases.py for
+tests/test_elastic_split.py), with no torch.distributed at all. Rank 0 prints every rank's
 results as one JSON line."""
 
 import importlib
@@ -15,7 +16,7 @@ from mpi4py import MPI
 
 torch.set_num_threads(1)
 try:
-    result = importlib.import_module(sys.argv[1]).run_all(MPI.COMM_WORLD)
+    result = importlib.import_module(sys.argv[1]).run_all(MPI.COMM_WORLD, *sys.argv[2:])
 except BaseException:
     import traceback
 
