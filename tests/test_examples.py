@@ -183,12 +183,15 @@ def test_torchrun_trains_the_planner_s_plan_like_one_process(plan_single, tmp_pa
     argv = ["plan", "--model", "hetcoll.lab.demo_ranks:DemoNet", "--input", "1x8x8"]
     assert main([*argv, "--batch", "48", "--cluster", str(cluster), "--out", str(plan)]) == 0
     written = Plan.load(plan)
-    assert len(written.replicas) == 2 and written.batch == 48  # asymmetric replicas
+    # Whatever the planner picks (on this cluster its best is a node-wise split over the
+    # three devices, asymmetric replicas a runner-up) spans the 3 ranks and the batch.
+    assert written.batch == 48 and set(written.ranks) == {0, 1, 2}
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=3"]
     state, reports = _train_plan(tmp_path, "torchrun", torchrun, plan)
     assert [r["rank"] for r in reports] == [0, 1, 2]
     assert reports[0]["backend"] == "gloo" and reports[0]["world"] == 3
-    assert all(r["traffic"]["allreduce"] > 0 for r in reports)  # replicas summed gradients
+    # Ranks that split a layer or hold replicas of one exchanged something.
+    assert all(sum(r["traffic"].values()) > 0 for r in reports)
     _same_as(plan_single, state, reports[0]["losses"])
 
 
