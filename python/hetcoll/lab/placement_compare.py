@@ -35,6 +35,7 @@ import numpy as np
 from torch import nn
 
 import hetcoll
+from hetcoll.model import terms
 from hetcoll.model.costs import layer_costs
 from hetcoll.model.hardware import Cluster
 from hetcoll.model.hypergraph import NetworkHypergraph, network_hypergraph
@@ -109,10 +110,10 @@ def balance(compute_s: Sequence[float], speeds: Sequence[float]) -> float:
         raise ValueError(f"compute_s: must be finite seconds >= 0, got {t}")
     if any(not math.isfinite(x) or x <= 0 for x in s):
         raise ValueError(f"speeds: must be finite numbers > 0, got {s}")
-    ideal = sum(a * b for a, b in zip(t, s)) / sum(s)
-    if not ideal > 0:
+    if not any(x > 0 for x in t):
         raise ValueError(f"compute_s: needs some compute, got {t}")
-    return max(t) / ideal
+    # The work each rank did, in seconds at speed 1, at the rates of its speed.
+    return terms.load_balance([a * b for a, b in zip(t, s)], s)
 
 
 def _hypergraph(model: nn.Module, shape: tuple[int, ...]) -> NetworkHypergraph:

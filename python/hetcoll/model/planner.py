@@ -685,8 +685,7 @@ def _placements(
             )
             report.costed += 1
             out.append(pred)
-            busy = work / np.asarray(rates)
-            balance = float(busy.max() / (work.sum() / sum(rates)))
+            balance = terms.load_balance(work, rates)
             row = {
                 "strategy": what,
                 "bytes_per_step": int(sum(run.traffic.values())),
@@ -705,7 +704,6 @@ def _placements(
     flops_of = {
         name: h.vertex_weights[first : first + count].sum() for name, first, count in h.layers
     }
-    ideal = float(h.vertex_weights.sum()) / sum(rates)
     pipes = []
     for m in (k, 2 * k):
         if m <= batch:
@@ -724,7 +722,7 @@ def _placements(
             {
                 "strategy": "pipeline stages",
                 "bytes_per_step": int(sum(placement_traffic(model, shape, local).values())),
-                "load_balance": float((load / np.asarray(rates)).max() / ideal),
+                "load_balance": terms.load_balance(load, rates),
                 "step_s": step,
                 "plan": f"pipeline, {m} micro-batches GPipe{suffix}",
             }
@@ -732,12 +730,11 @@ def _placements(
     try:
         dp_shares = predict.balanced_batch_shares(costs, sub, batch, optimizer_state_copies=s)
         dp = predict.data_parallel(costs, sub, dp_shares, optimizer_state_copies=s)
-        busy = np.asarray(dp_shares) * float(h.vertex_weights.sum()) / np.asarray(rates)
         rows.append(
             {
                 "strategy": "data parallel",
                 "bytes_per_step": int(2 * (k - 1) * costs.param_bytes),
-                "load_balance": float(busy.max() / (batch * ideal)),
+                "load_balance": terms.load_balance(dp_shares, rates),
                 "step_s": dp.step_s,
                 "plan": f"data parallel, balanced{suffix}",
             }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -328,6 +329,30 @@ class _Timeline:
                     del self.sleeping[r]
                     self.todo[r].pop(0)
                     self._next(r)
+
+
+def load_balance(work: Any, rates: Any) -> float:
+    """Seed 002's load-balance ratio of devices given ``work`` (any unit: FLOPs, samples x
+    cost) at ``rates`` (work per second): the slowest device's time over the time every device
+    would take were the same total work shared in proportion to the rates,
+    ``max_d (w_d / r_d) / (sum w / sum r)``. 1.0 is perfect balance.
+
+    >>> load_balance([4.0, 2.0, 1.0], [1.0, 0.5, 0.25])
+    1.0
+    >>> round(load_balance([1.0, 1.0, 1.0], [1.0, 0.5, 0.25]), 3)  # equal work: 4 / (3 / 1.75)
+    2.333
+    """
+    w = np.asarray(work, dtype=np.float64)
+    r = np.asarray(rates, dtype=np.float64)
+    if w.ndim != 1 or w.shape != r.shape or not len(w):
+        raise ValueError(f"work, rates: need one entry per device, got {w.shape} and {r.shape}")
+    if not (np.isfinite(w).all() and (w >= 0).all()):
+        raise ValueError(f"work: must be finite and >= 0, got {w.tolist()}")
+    if not (np.isfinite(r).all() and (r > 0).all()):
+        raise ValueError(f"rates: must be finite and > 0, got {r.tolist()}")
+    if not w.sum() > 0:
+        raise ValueError(f"work: needs some work, got {w.tolist()}")
+    return float((w / r).max() / (w.sum() / r.sum()))
 
 
 def post_sends(
