@@ -307,6 +307,7 @@ def test_ctrl_c_interrupts_a_long_partition_at_once():
     partitioner is done (the work runs on a thread of its own; this one checks signals every
     50 ms without the GIL)."""
     import _thread
+    import signal
     import threading
 
     rng = np.random.default_rng(0)
@@ -314,11 +315,16 @@ def test_ctrl_c_interrupts_a_long_partition_at_once():
     sizes = rng.integers(2, 6, size=75_000)
     pins = rng.integers(0, n, size=int(sizes.sum()))
     nets = [np.unique(x) for x in np.split(pins, np.cumsum(sizes)[:-1])]
+    # Python's own Ctrl-C handler, whatever an earlier test in this process installed.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.1, _thread.interrupt_main)
     timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        hetcoll.partition_hypergraph(n, nets, [0.25] * 4)
-    timer.join()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            hetcoll.partition_hypergraph(n, nets, [0.25] * 4)
+    finally:
+        timer.join()
+        signal.signal(signal.SIGINT, previous)
     # Raised while the partitioner still runs (its thread is alive), not after it ended. Then
     # wait for it, so it takes no core from the tests that follow.
     assert _solver_threads() >= 1
