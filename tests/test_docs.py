@@ -29,7 +29,10 @@ def test_readme_examples():
         hetcoll.collectives.speculative,
         hetcoll.torch.sampler,
         importlib.import_module("hetcoll.torch.filters"),
-        hetcoll.model.predict,
+        *(
+            importlib.import_module(f"hetcoll.model.predict.{m}")
+            for m in ("prediction", "timing", "data", "filters", "plans", "pipelines")
+        ),
     ],
 )
 def test_docstring_examples(module):

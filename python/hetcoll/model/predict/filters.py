@@ -1,0 +1,408 @@
+"""Filter parallelism: the layers' modes (:func:`filter_modes`), the laid-out step
+(:class:`FilterParallelSchedule`), its prediction, and a filter-split stage's split
+(:func:`stage_split`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import hetcoll
+from hetcoll.model import terms
+from hetcoll.model.costs import ModelCosts
+from hetcoll.model.hardware import Cluster
+from hetcoll.model.predict.prediction import Prediction
+from hetcoll.model.predict.timing import (
+    LayerSeconds,
+    _device_arrays,
+    _layer_times,
+    _memory_shortfall,
+)
+from hetcoll.plan import Plan
+
+FILTER_MODES = ("gather", "split-output", "split-input")
+
+
+def filter_modes(costs: ModelCosts, *, avoid_gathers: bool = True) -> dict[str, str]:
+    """The mode of every layer :func:`hetcoll.torch.filter_parallel` splits (name -> "gather",
+    "split-output" or "split-input"), as its own pairing rule
+    (:func:`hetcoll.torch.filters.filter_modes`) chose them when the costs were read off
+    the model: a Conv2d / Linear layer feeding the next one through channel-wise modules only
+    (inside an ``nn.Sequential``) becomes split-output, the next split-input (no gather between
+    them; the pair's partial sums are allreduced once); every other split layer gathers.
+    ``avoid_gathers=False`` gathers after every split layer. Layers absent stay replicated.
+
+    >>> from hetcoll.model import layer_costs, networks
+    >>> filter_modes(layer_costs(networks.mlp((8,)), (8,)))
+    {'1': 'split-output', '3': 'split-input', '5': 'gather'}
+    """
+    modes = dict(costs.filter_modes)
+    return modes if avoid_gathers else dict.fromkeys(modes, "gather")
+
+
+def _check_modes(costs: ModelCosts, modes: Mapping[str, str]) -> dict[str, str]:
+    if not isinstance(modes, Mapping):
+        raise TypeError(f"modes: must be a dict of layer name -> mode, got {type(modes).__name__}")
+    by_name = {x.name: x for x in costs.layers}
+    out = {}
+    for name, mode in modes.items():
+        if name not in by_name or by_name[name].filters <= 0:
+            raise ValueError(f"modes: {name!r} is not a layer with filters to split")
+        if mode not in FILTER_MODES:
+            raise ValueError(f"modes: {name!r} has mode {mode!r}; expected one of {FILTER_MODES}")
+        out[name] = mode
+    return out
+
+
+@dataclass(frozen=True)
+class FilterParallelSchedule:
+    """One filter-parallel step laid out, before its devices are timed against each other:
+    what :func:`filter_parallel` predicts from (:func:`filter_parallel_schedule` builds it,
+    :meth:`prediction` times it). Public so that a step can be changed and timed again (slower
+    layers on some devices: ``layers.scaled``); the lab predicts its emulated runs this way
+    (:mod:`hetcoll.lab.predict_emulated`).
+
+    ``layers``: per layer and device, each device on its share of the split layers;
+    ``split``: per layer, True where the layer's filters are split; ``forward_collective_s`` /
+    ``backward_collective_s``: per layer, the collective after its forward / backward (0:
+    none); ``update_s``: each device's optimizer step on the parameters it holds; the rest as
+    in :class:`Prediction` (``detail``: the modes, shares per layer and number of
+    collectives).
+    """
+
+    strategy: str
+    batch: int
+    layers: LayerSeconds
+    split: np.ndarray
+    forward_collective_s: np.ndarray
+    backward_collective_s: np.ndarray
+    update_s: np.ndarray
+    shares: list[int]
+    share_unit: str
+    memory_bytes: np.ndarray
+    reason: str
+    detail: dict[str, Any]
+
+    def order(self) -> list[tuple[int, bool]]:
+        """The step's pieces in the order they run: ``(layer, True)`` for every layer's
+        forward, first to last, then ``(layer, False)`` for the backwards, last to first."""
+        n = len(self.split)
+        return [(i, True) for i in range(n)] + [(i, False) for i in range(n)][::-1]
+
+    def prediction(self) -> Prediction:
+        """The step in lock step: each stretch between two collectives takes its slowest
+        device, then the collective; the last stretch ends with the optimizer."""
+        fwd, bwd = self.layers.forward_s, self.layers.backward_s
+        fwd_comm, bwd_comm, opt = (
+            self.forward_collective_s,
+            self.backward_collective_s,
+            self.update_s,
+        )
+        step, stretch = 0.0, np.zeros(len(opt))
+        for i, forward in self.order():
+            stretch = stretch + (fwd if forward else bwd)[i]
+            comm_s = (fwd_comm if forward else bwd_comm)[i]
+            if comm_s > 0:
+                step += float(stretch.max() + comm_s)
+                stretch = np.zeros(len(opt))
+        step = float(step + (stretch + opt).max())
+        comm = float(fwd_comm.sum() + bwd_comm.sum())
+        # Causes on the critical path: each layer's slowest device, scaled to the stretches' total.
+        lt = self.layers
+        crit = np.argmax(fwd + bwd, axis=1)
+        rows = np.arange(len(self.split))
+        parts_s = {
+            "compute": lt.compute_s[rows, crit],
+            "memory": lt.memory_s[rows, crit],
+            "overhead": lt.overhead_s[rows, crit],
+        }
+        busy = sum(float(v.sum()) for v in parts_s.values())
+        layers_s = step - comm - float(opt.max())
+        scale = layers_s / busy if busy > 0 else 0.0
+        breakdown = {k: float(v.sum()) * scale for k, v in parts_s.items()}
+        breakdown["communication"] = comm
+        breakdown["optimizer"] = float(opt.max())
+        return Prediction(
+            self.strategy,
+            self.shares,
+            self.share_unit,
+            step,
+            breakdown,
+            [float(x) for x in self.memory_bytes],
+            not self.reason,
+            self.reason,
+            self.batch,
+            {**self.detail, "critical_device": int(np.argmax((fwd + bwd).sum(axis=0) + opt))},
+        )
+
+
+def filter_parallel_schedule(
+    costs: ModelCosts,
+    cluster: Cluster,
+    batch: int,
+    parts: Sequence[float],
+    *,
+    modes: Mapping[str, str] | None = None,
+    optimizer_state_copies: int = 1,
+    strategy: str = "filter parallel",
+    layer_shares: Mapping[str, Sequence[int]] | None = None,
+) -> FilterParallelSchedule:
+    """The step :func:`filter_parallel` predicts, laid out (arguments as there).
+
+    >>> filter_parallel_schedule(costs, cluster, 64, [1.0, 0.5]).split  # doctest: +SKIP
+    """
+    devices = cluster.devices
+    n_dev = len(devices)
+    if len(parts) != n_dev or any(not (float(x) > 0) for x in parts):
+        raise ValueError(f"parts: expected {n_dev} positive numbers (one per device)")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch: must be an integer >= 1, got {batch!r}")
+    layer_modes = filter_modes(costs) if modes is None else _check_modes(costs, modes)
+    if n_dev == 1:
+        layer_modes = {}
+    dev = _device_arrays(devices)
+    n_layers = len(costs.layers)
+    phi = np.ones((n_layers, n_dev))  # each device's fraction of the layer's kernels' filters
+    chan = np.ones((n_layers, n_dev))  # fraction of the channels a replicated layer runs on
+    filters_of: dict[int, list[int]] = {}
+    source: tuple[int, np.ndarray] | None = None  # the open split-output layer, its fractions
+    for i, layer in enumerate(costs.layers):
+        mode = layer_modes.get(layer.name)
+        if mode == "split-input":
+            if source is None:
+                raise ValueError(f"modes: split-input layer {layer.name!r} follows no split-output")
+            filters_of[i] = filters_of[source[0]]
+            phi[i, :] = source[1]
+            source = None
+        elif mode is not None:
+            if layer_shares is not None and layer.name in layer_shares:
+                f = [int(x) for x in layer_shares[layer.name]]
+                if len(f) != n_dev or sum(f) != layer.filters or min(f) < 0:
+                    raise ValueError(
+                        f"layer_shares: {layer.name!r} needs {n_dev} shares summing to "
+                        f"{layer.filters}, got {f}"
+                    )
+            else:
+                speeds = [float(x) for x in parts]
+                f = hetcoll.split(layer.filters, speeds, minimum=1 if layer.filters >= n_dev else 0)
+            filters_of[i] = f
+            phi[i, :] = np.asarray(f, dtype=np.float64) / layer.filters
+            source = (i, phi[i].copy()) if mode == "split-output" else None
+        elif source is not None:
+            chan[i, :] = source[1]
+    # A replicated layer between a pair runs on the channel slice: as many fewer samples' worth
+    # of element-wise work (these kernels are linear in the batch and own no filters).
+    by_input = np.array([layer_modes.get(x.name) == "split-input" for x in costs.layers])
+    lt = _layer_times(costs, dev, np.full(n_dev, batch), phi, chan, by_input)
+    split_rows = np.zeros(n_layers, dtype=bool)
+    split_rows[list(filters_of)] = True
+    link = cluster.ring_link()
+    reduce_bw = float(dev.mem_bytes_per_s.min())
+
+    def allreduce_s(nbytes: float) -> float:
+        return float(
+            terms.ring_allreduce_seconds(
+                nbytes, n_dev, link.latency_s, link.bytes_per_s, reduce_bw, costs.itemsize
+            )
+        )
+
+    copy_bw = float(dev.elementwise_bytes_per_s.min())
+
+    def copy_s(nbytes: float) -> float:
+        return float(terms.copy_seconds(nbytes, copy_bw))
+
+    fwd_comm = np.zeros(n_layers)  # after the layer's forward
+    bwd_comm = np.zeros(n_layers)  # after the layer's backward
+    for i in filters_of:
+        layer, mode = costs.layers[i], layer_modes[costs.layers[i].name]
+        # Every allreduce works on a copy of its tensor (the layers keep autograd's intact).
+        if mode == "split-input":
+            out = layer.out_bytes_per_sample * batch
+            fwd_comm[i] = allreduce_s(out) + copy_s(out)
+            continue
+        if mode == "gather":
+            # The channel dimension moves to the front of the local piece and back in the full
+            # output (two copies), and the engine's allgatherv takes a contiguous send buffer
+            # (on gloo, all_to_all_single: the piece once per rank).
+            out = layer.out_bytes_per_sample * batch
+            largest = float(phi[i].max()) * out
+            fwd_comm[i] = float(
+                terms.ring_allgatherv_seconds(largest, n_dev, link.latency_s, link.bytes_per_s)
+            ) + copy_s((1 + n_dev) * largest + out)
+        if any(k.name == "gemm-dX" for k in layer.backward):
+            grad = layer.in_bytes_per_sample * batch
+            bwd_comm[i] = allreduce_s(grad) + copy_s(grad)
+    # phi is 1 for replicated layers: each device owns its filters' weights and all the rest.
+    owned = (np.array([x.param_bytes for x in costs.layers])[:, None] * phi).sum(axis=0)
+    opt = np.asarray(
+        terms.optimizer_update_seconds(owned, dev.mem_bytes_per_s, optimizer_state_copies)
+    )
+    mem = owned * (2 + optimizer_state_copies) + batch * costs.saved_bytes_per_sample()
+    if not filters_of and n_dev > 1:
+        reason = "the model has no conv or linear layer to split"
+    else:
+        reason = _memory_shortfall(mem, devices)
+    widest = max(filters_of, key=lambda i: costs.layers[i].filters) if filters_of else None
+    return FilterParallelSchedule(
+        strategy,
+        batch,
+        lt,
+        split_rows,
+        fwd_comm,
+        bwd_comm,
+        opt,
+        filters_of[widest] if widest is not None else [0] * n_dev,
+        f"filters of {costs.layers[widest].name}" if widest is not None else "filters",
+        mem,
+        reason,
+        {
+            "split_layers": len(filters_of),
+            "modes": {costs.layers[i].name: layer_modes[costs.layers[i].name] for i in filters_of},
+            "collectives": int((fwd_comm > 0).sum() + (bwd_comm > 0).sum()),
+            "shares_per_layer": {costs.layers[i].name: filters_of[i] for i in filters_of},
+        },
+    )
+
+
+def filter_parallel(
+    costs: ModelCosts,
+    cluster: Cluster,
+    batch: int,
+    parts: Sequence[float],
+    *,
+    modes: Mapping[str, str] | None = None,
+    optimizer_state_copies: int = 1,
+    strategy: str = "filter parallel",
+) -> Prediction:
+    """One filter-parallel step on the whole ``batch``, as :func:`hetcoll.torch.filter_parallel`
+    runs it. Each split layer (``modes``, default :func:`filter_modes`) divides its F filters
+    over the devices by :func:`hetcoll.split` in proportion to ``parts`` (speeds or weights, one
+    per device; at least one filter each); a split-input layer takes the shares of the
+    split-output layer before it, and the channel-wise layers between them run on those shares
+    too. Every other layer is replicated. Communication per layer and mode:
+
+    - gather: the output pieces are gathered (allgatherv, forward);
+    - gather, split-output: the partial input gradients are summed (allreduce, backward) when
+      the layer has an input gradient;
+    - split-input: the partial outputs are summed (allreduce, forward).
+
+    Ranks run in lock step between collectives: each stretch between two collectives takes its
+    slowest device. No gradient allreduce: each device owns its filters, and replicated layers
+    see the same full data everywhere. (:func:`filter_parallel_schedule` gives the step before
+    it is timed.)
+
+    Its plan (:meth:`Prediction.to_plan`) is one replica of one stage over every device, split
+    by ``parts``, when the runtime splits the same way (every split layer has at least one
+    channel per device, and the modes are those of such a stage).
+
+    >>> filter_parallel(costs, cluster, 64, [1.0, 0.5]).step_s  # doctest: +SKIP
+    """
+    used = filter_modes(costs) if modes is None else _check_modes(costs, modes)
+    pred = filter_parallel_schedule(
+        costs,
+        cluster,
+        batch,
+        parts,
+        modes=used,
+        optimizer_state_copies=optimizer_state_copies,
+        strategy=strategy,
+    ).prediction()
+    try:
+        pred.plan = _filter_parallel_plan(costs, batch, parts, used)
+    except ValueError as e:
+        pred.plan_note = str(e)
+    return pred
+
+
+def _filter_parallel_plan(
+    costs: ModelCosts, batch: int, parts: Sequence[float], modes: Mapping[str, str]
+) -> Plan:
+    """One replica: one stage over every device, split by ``parts`` as the runtime would."""
+    costs.check_plan_layers()
+    n, p = len(costs.plan_layers), len(parts)
+    stage: dict[str, Any] = {"ranks": list(range(p)), "layers": [0, n]}
+    if p > 1:
+        if dict(modes) != costs.stage_filter_modes(0, n):
+            raise ValueError(
+                "the runtime pairs this model's layers differently in a stage (give modes="
+                "costs.stage_filter_modes(0, len(costs.plan_layers)))"
+            )
+        stage_split(costs, 0, n, p, None, "filter parallel")
+        stage["speeds"] = [float(x) for x in parts]
+    return Plan.from_dict({"microbatches": 1, "replicas": [{"samples": batch, "stages": [stage]}]})
+
+
+def stage_split(
+    costs: ModelCosts,
+    first: int,
+    end: int,
+    ranks: int,
+    shares: Mapping[int, Sequence[int]] | None,
+    where: str = "stage",
+) -> tuple[dict[str, str], dict[str, list[int]] | None]:
+    """The modes and explicit shares (by layer name) of a stage over plan layers
+    ``[first, end)`` split over ``ranks`` ranks, checked as :func:`hetcoll.torch.parallelize`
+    checks them (``ValueError`` naming ``where``): something to split, no grouped
+    convolution, at least one channel per rank; ``shares`` (plan layer index -> channels per
+    rank) name Conv2d / Linear layers of the stage and sum to their channels.
+
+    With explicit shares only the named layers are split; a pair of the full stage's modes
+    stays paired when both are named, else its named layer gathers. (The runtime pairs the
+    named layers by its rule; the two differ only when a named layer's neighbour in the full
+    pairing is not named but another one could pair with it.)
+    """
+    modes = costs.stage_filter_modes(first, end)
+    lo, hi = costs.plan_range(first, end)
+    by_name = {x.name: x for x in costs.layers[lo:hi]}
+    if not modes:
+        raise ValueError(
+            f"{where}: has {ranks} ranks but its layers hold no Conv2d or Linear to split"
+        )
+    for name in modes:
+        if by_name[name].groups != 1:
+            raise ValueError(
+                f"{where}: layer {name!r} is a grouped convolution (groups="
+                f"{by_name[name].groups}); filter parallelism splits groups=1 convolutions only"
+            )
+    if shares is None:
+        for name, mode in modes.items():
+            if mode != "split-input" and by_name[name].filters < ranks:
+                raise ValueError(
+                    f"{where}: layer {name!r} has {by_name[name].filters} channels, too few for "
+                    f"{ranks} ranks with at least 1 each"
+                )
+        return modes, None
+    named: dict[str, list[int]] = {}
+    for index, per_rank in shares.items():
+        kind = costs.plan_layer_kinds[index] if 0 <= index < len(costs.plan_layers) else ""
+        if not first <= index < end or kind not in ("Conv2d", "Linear"):
+            raise ValueError(
+                f"{where}.shares: layer {index} is not a Conv2d or Linear layer of the stage"
+            )
+        name = costs.plan_layers[index]
+        values = [int(v) for v in per_rank]
+        if len(values) != ranks or min(values) < 1 or sum(values) != by_name[name].filters:
+            raise ValueError(
+                f"{where}.shares[{index!r}]: needs {ranks} shares >= 1 summing to layer "
+                f"{name!r}'s {by_name[name].filters} channels, got {values}"
+            )
+        named[name] = values
+    pairs = costs.stage_filter_pairs(first, end)
+    source = {b: a for a, b in pairs.items()}
+    out: dict[str, str] = {}
+    for name in named:
+        if name in pairs and pairs[name] in named:
+            out[name] = "split-output"
+        elif name in source and source[name] in named:
+            if named[name] != named[source[name]]:
+                raise ValueError(
+                    f"{where}.shares: layer {name!r} reads the channels of {source[name]!r}, so "
+                    f"its shares must be {named[source[name]]}, got {named[name]}"
+                )
+            out[name] = "split-input"
+        else:
+            out[name] = "gather"
+    return out, {n: v for n, v in named.items() if out[n] != "split-input"}
