@@ -297,10 +297,12 @@ def _device_here(rank: int) -> Any:
 # -- the prediction -------------------------------------------------------------------------------
 
 
-def predictors(devices: Sequence[Any]) -> dict[str, Callable[[dict[str, Any]], float]]:
+def predictors(
+    devices: Sequence[Any], link: Any, costs: Any
+) -> dict[str, Callable[[dict[str, Any]], float]]:
     """``plan -> predicted seconds`` for the ranks' ``devices`` (each measured inside the
-    launch, one thread, under the load its steps saw: :func:`_device_here`) and this machine's
-    gloo link, two ways:
+    launch, one thread, under the load its steps saw: :func:`_device_here`), this machine's
+    gloo ``link`` and the model's ``costs`` (both measured once: :func:`main`), two ways:
 
     - ``"predicted_s"``: the step as the emulation runs it
       (:func:`hetcoll.lab.predict_emulated.parallel_plan`): each layer with parameters sleeps
@@ -312,16 +314,13 @@ def predictors(devices: Sequence[Any]) -> dict[str, Callable[[dict[str, Any]], f
     import os
 
     import hetcoll.model as model
-    from hetcoll.lab import calibrate, predict_emulated
+    from hetcoll.lab import predict_emulated
     from hetcoll.lab.emulate import emulated_device
     from hetcoll.lab.validate import validation_cluster
 
-    fit = calibrate.measure_gloo_link()
-    link = model.Link("gloo-local", fit.latency_s, fit.bytes_per_s)
     slowed = validation_cluster([emulated_device(d, f) for d, f in zip(devices, SPEEDS)], link)
     full = validation_cluster(list(devices), link)
     host = predict_emulated.SharedCores(os.cpu_count() or 1)
-    costs = model.layer_costs(conv_net(), SHAPE)
 
     def emulated(plan: dict[str, Any]) -> float:
         p = hetcoll.Plan.from_dict(plan)
@@ -356,12 +355,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if unknown:
             ap.error(f"--only: no plan named {unknown[0]!r} (plans: {', '.join(plan_dicts)})")
         plan_dicts = {k: v for k, v in plan_dicts.items() if k in args.only}
+    import hetcoll.model as model
+    from hetcoll.lab import calibrate
+
+    fit = calibrate.measure_gloo_link()
+    link = model.Link("gloo-local", fit.latency_s, fit.bytes_per_s)
+    model_costs = model.layer_costs(conv_net(), SHAPE)
     launches, predictions = [], []
     for _ in range(args.launches):
         ranks = launch.spawn(_rank, len(SPEEDS), plan_dicts, args.steps, args.warmup, timeout=1800)
         launches.append(ranks[0]["times"])
         # The launch's prediction: the median over its measurements of the ranks' devices.
-        per_measure = [predictors(list(d)) for d in zip(*(r["devices"] for r in ranks))]
+        per_measure = [
+            predictors(list(d), link, model_costs) for d in zip(*(r["devices"] for r in ranks))
+        ]
         predictions.append(
             {
                 name: {

@@ -232,6 +232,17 @@ class LayerSeconds:
             self.overhead_s * factor,
         )
 
+    def columns(self, index: np.ndarray) -> LayerSeconds:
+        """The devices ``index`` (an integer array) of these, in that order: the times of
+        devices timed once per kind, spread back to every device."""
+        return LayerSeconds(
+            self.forward_s[:, index],
+            self.backward_s[:, index],
+            self.compute_s[:, index],
+            self.memory_s[:, index],
+            self.overhead_s[:, index],
+        )
+
 
 def _layer_times(
     costs: ModelCosts,
@@ -257,14 +268,7 @@ def _layer_times(
         _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
         if len(first) < len(batch):
             lt = _layer_times(costs, dev.columns(first), batch[first], None, None, split_input)
-            inverse = inverse.reshape(-1)
-            return LayerSeconds(
-                lt.forward_s[:, inverse],
-                lt.backward_s[:, inverse],
-                lt.compute_s[:, inverse],
-                lt.memory_s[:, inverse],
-                lt.overhead_s[:, inverse],
-            )
+            return lt.columns(inverse.reshape(-1))
     elif len(batch) > 8 and len(dev.kind) == len(batch):
         rows = [dev.kind, batch]
         if filter_fraction is not None:
@@ -278,7 +282,6 @@ def _layer_times(
             return_inverse=True,
         )
         if len(first) < len(batch):
-            inverse = inverse.reshape(-1)
             lt = _layer_times(
                 costs,
                 dev.columns(first),
@@ -287,13 +290,7 @@ def _layer_times(
                 None if channel_fraction is None else channel_fraction[:, first],
                 split_input,
             )
-            return LayerSeconds(
-                lt.forward_s[:, inverse],
-                lt.backward_s[:, inverse],
-                lt.compute_s[:, inverse],
-                lt.memory_s[:, inverse],
-                lt.overhead_s[:, inverse],
-            )
+            return lt.columns(inverse.reshape(-1))
     t = _kernel_table(costs)
     n_dev = len(batch)
     b = batch[None, :].astype(np.float64)
