@@ -269,10 +269,14 @@ def test_plans_adapter_reads_the_scripts_json(tmp_path: Path) -> None:
 def test_model_validate_adapter_reads_the_cli_json(tmp_path: Path) -> None:
     row = {"strategy": "filter", "ranks": 2, "batch": 32, "shares": [3, 1], "speeds": [1, 0.25]}
     row |= {"predicted_s": 0.011, "measured_s": 0.010, "error": 0.1, "avoid_gathers": False}
+    row |= {"spread": 0.25, "noise": True}
     data = {
         "results": [row],
+        "repeat": 3,
         "median_abs_error": 0.1,
         "worst_abs_error": 0.1,
+        "noise_rows": 1,
+        "worst_abs_error_beyond_noise": 0.0,
         "by_strategy": {"filter": {"median_abs_error": 0.1, "worst_abs_error": 0.1}},
     }
     raw = tmp_path / "raw" / "validate.json"
@@ -282,7 +286,9 @@ def test_model_validate_adapter_reads_the_cli_json(tmp_path: Path) -> None:
         tmp_path / "model_validate.json", report.adapt_model_validate([raw], "hetcoll model")
     )
     text = report.generate(tmp_path)
-    assert "| filter/gather | 2 | 32 | 3,1 | 1,0.25 | 11.0 | 10.0 | +10.0% |" in text
+    row_text = "| filter/gather | 2 | 32 | 3,1 | 1,0.25 | 11.0 | 10.0 | +10.0% | 25.0% | noise |"
+    assert row_text in text
+    assert "medians over 3 runs" in text and "1 of 1 rows are noise" in text
     del row["measured_s"]
     raw.write_text(json.dumps(data))
     with pytest.raises(report.ResultError, match=r"results\[0\]: field 'measured_s' is missing"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -853,6 +854,35 @@ def test_validation_subset_predicts_real_ddp_steps() -> None:
     assert abs(r.error) < 0.6, r
     assert abs(r3.error) < 0.6, r3
     assert r.strategy == "data" and r.batch == 32 and r3.ranks == 3 and r3.batch == 20
+
+
+def test_validation_rows_spread_is_their_runs_range_or_their_steps_quartiles() -> None:
+    from hetcoll.lab.validate import ValidationResult
+
+    steps = [0.10, 0.11, 0.12, 0.13, 0.14, 0.30]
+    one = ValidationResult("cnn", 2, [1, 1], [1.0, 1.0], 0.12, 0.125, measured_steps_s=steps)
+    q1, _, q3 = statistics.quantiles(steps, n=4)
+    assert one.spread == pytest.approx((q3 - q1) / statistics.median(steps))
+    assert one.noise  # error -4%, quartiles ~30% of the median apart
+    runs = ValidationResult(
+        "cnn", 2, [1, 1], [1.0, 1.0], 0.10, 0.125, measured_steps_s=steps, run_errors=[-0.25, -0.15]
+    )
+    assert runs.spread == pytest.approx(0.10) and not runs.noise  # -20%, runs 10% apart
+    assert ValidationResult("cnn", 1, [1], [1.0], 1.0, 1.0, measured_steps_s=[1.0]).spread == 0.0
+
+
+@pytest.mark.multiproc
+def test_validation_repeats_every_configuration_and_keeps_each_run() -> None:
+    from hetcoll.lab.validate import run_validation
+
+    seen = []
+    (r,) = run_validation([("cnn", [8], [1.0])], steps=2, warmup=1, repeat=2, progress=seen.append)
+    assert len(seen) == 2 and len(r.run_errors) == 2 and len(r.measured_steps_s) == 4
+    assert r.run_errors == [s.error for s in seen]
+    assert r.measured_s == statistics.median(s.measured_s for s in seen)
+    assert r.spread == max(r.run_errors) - min(r.run_errors)
+    with pytest.raises(ValueError, match="repeat"):
+        run_validation([("cnn", [8], [1.0])], repeat=0)
 
 
 @pytest.mark.multiproc

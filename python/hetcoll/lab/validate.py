@@ -418,11 +418,33 @@ class ValidationResult:
     strategy: str = "data"
     batch: int = 0
     detail: dict[str, Any] = field(default_factory=dict)
+    # Every timed step's seconds (slowest rank), over every run of the configuration, and each
+    # run's error: what :attr:`spread` reads.
+    measured_steps_s: list[float] = field(default_factory=list)
+    run_errors: list[float] = field(default_factory=list)
 
     @property
     def error(self) -> float:
         """(predicted - measured) / measured."""
         return (self.predicted_s - self.measured_s) / self.measured_s
+
+    @property
+    def spread(self) -> float:
+        """How much the row's own measurements vary, as a fraction of its measured step: the
+        range of its runs' errors when it ran more than once, else the interquartile range of
+        its steps over their median (0 with fewer than 4 steps)."""
+        if len(self.run_errors) > 1:
+            return max(self.run_errors) - min(self.run_errors)
+        if len(self.measured_steps_s) < 4:
+            return 0.0
+        q1, _, q3 = statistics.quantiles(self.measured_steps_s, n=4)
+        return (q3 - q1) / statistics.median(self.measured_steps_s)
+
+    @property
+    def noise(self) -> bool:
+        """The row's measurements vary by more than its error: the error says nothing about
+        the model."""
+        return self.spread > abs(self.error)
 
 
 def validation_cluster(devices: Sequence[Device], link: Link) -> Cluster:
@@ -556,9 +578,9 @@ def plan_configurations(model: str = "cnn") -> list[PlanConfiguration]:
 # -- on the caller's side: pairing the ranks' measurements with predictions -----------------------
 
 
-def _measured_step(runs: Sequence[dict[str, Any]]) -> float:
-    """Median over steps of the slowest rank's step."""
-    return statistics.median(max(t) for t in zip(*(r["step_s"] for r in runs)))
+def _measured_steps(runs: Sequence[dict[str, Any]]) -> list[float]:
+    """The slowest rank's seconds of every timed step."""
+    return [max(t) for t in zip(*(r["step_s"] for r in runs))]
 
 
 def _link_of(runs: Sequence[dict[str, Any]], p: int, link: Link | None) -> Link:
@@ -656,12 +678,13 @@ def _validate_data(
         list(shares),
         list(speeds),
         predicted,
-        _measured_step(runs),
+        statistics.median(_measured_steps(runs)),
         overlap,
         other,
         "data",
         sum(shares),
         _sharing_detail(host),
+        measured_steps_s=_measured_steps(runs),
     )
 
 
@@ -705,7 +728,7 @@ def _validate_filter(
         list(widest),
         list(config.speeds),
         predicted,
-        _measured_step(runs),
+        statistics.median(_measured_steps(runs)),
         False,
         0.0,
         "filter",
@@ -717,6 +740,7 @@ def _validate_filter(
             "avoid_gathers": config.avoid_gathers,
             **_sharing_detail(host),
         },
+        measured_steps_s=_measured_steps(runs),
     )
 
 
@@ -740,12 +764,13 @@ def _validate_plan(config: PlanConfiguration, setup: _Setup) -> ValidationResult
         config.samples_per_rank(),
         list(config.speeds),
         _median_prediction(runs, device, predict),
-        _measured_step(runs),
+        statistics.median(_measured_steps(runs)),
         False,
         0.0,
         config.strategy,
         config.batch,
         {"plan": config.plan, **_sharing_detail(host)},
+        measured_steps_s=_measured_steps(runs),
     )
 
 
@@ -757,6 +782,7 @@ def run_validation(
     input_shape: tuple[int, ...] = (3, 32, 32),
     steps: int = 9,
     warmup: int = 2,
+    repeat: int = 1,
     progress: Callable[[ValidationResult], None] | None = None,
 ) -> list[ValidationResult]:
     """Run each configuration for real and predict it; return both per configuration.
@@ -769,28 +795,51 @@ def run_validation(
     the strategy makes, fitted by the ring model). Step k is predicted from the
     figures measured just before it; the result pairs the median prediction with the median
     measured step (slowest rank).
+
+    ``repeat`` runs every configuration that many times, in rounds (each round runs them all,
+    so a change of load on the machine reaches every row alike); a row then gives the medians
+    over its runs, and each run's error (:attr:`ValidationResult.spread`). ``progress`` sees
+    every run as it ends.
     """
     from hetcoll.model import networks
 
+    if not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat: must be an integer >= 1, got {repeat!r}")
     cores = os.cpu_count() or 1
     costs_of: dict[str, ModelCosts] = {}
-    results = []
+    runs: list[list[ValidationResult]] = [[] for _ in configurations]
     shape = tuple(input_shape)
-    for config in configurations:
-        model = config[0] if isinstance(config, tuple) else config.model
-        if model not in costs_of:
-            costs_of[model] = layer_costs(networks.build(model, shape), shape)
-        setup = _Setup(costs_of[model], device, link, shape, steps, warmup, cores)
-        if isinstance(config, PlanConfiguration):
-            res = _validate_plan(config, setup)
-        elif isinstance(config, FilterConfiguration):
-            res = _validate_filter(config, setup)
-        else:
-            res = _validate_data(config, setup)
-        results.append(res)
-        if progress:
-            progress(res)
-    return results
+    for _ in range(repeat):
+        for i, config in enumerate(configurations):
+            model = config[0] if isinstance(config, tuple) else config.model
+            if model not in costs_of:
+                costs_of[model] = layer_costs(networks.build(model, shape), shape)
+            setup = _Setup(costs_of[model], device, link, shape, steps, warmup, cores)
+            if isinstance(config, PlanConfiguration):
+                res = _validate_plan(config, setup)
+            elif isinstance(config, FilterConfiguration):
+                res = _validate_filter(config, setup)
+            else:
+                res = _validate_data(config, setup)
+            runs[i].append(res)
+            if progress:
+                progress(res)
+    return [_over_runs(r) for r in runs]
+
+
+def _over_runs(runs: Sequence[ValidationResult]) -> ValidationResult:
+    """One row from the runs of a configuration: medians of their predictions and measured
+    steps, every step, every run's error."""
+    if len(runs) == 1:
+        return runs[0]
+    return replace(
+        runs[0],
+        predicted_s=statistics.median(r.predicted_s for r in runs),
+        measured_s=statistics.median(r.measured_s for r in runs),
+        predicted_other_s=statistics.median(r.predicted_other_s for r in runs),
+        measured_steps_s=[t for r in runs for t in r.measured_steps_s],
+        run_errors=[r.error for r in runs],
+    )
 
 
 def summary(
