@@ -33,6 +33,10 @@ def test_readme_examples():
             importlib.import_module(f"hetcoll.model.predict.{m}")
             for m in ("prediction", "timing", "data", "filters", "plans", "pipelines")
         ),
+        *(
+            importlib.import_module(f"hetcoll.model.planner.{m}")
+            for m in ("rates", "subsets", "report", "placements", "search", "sweeps")
+        ),
     ],
 )
 def test_docstring_examples(module):

@@ -1,5 +1,4 @@
-"""The planner: which strategy, which split, how fast - and how that changes along seed 003's five
-axes (batch size, device FLOP/s, memory bandwidth, link bandwidth, cluster size).
+"""The plan search: which strategy, which split, how fast.
 
 :func:`plan` costs every candidate of its space and ranks them: feasible plans first, fastest
 first. Each candidate carries the :class:`hetcoll.Plan` the runtime runs (built when first
@@ -49,18 +48,13 @@ How it stays fast:
   beyond.
 - **Node-wise plans on small sets only** (``OWNERS_MAX_DEVICES``): each is a partition of the
   model's every filter and neuron and a replay of its schedule in Python.
-
-:func:`explain` says why a plan takes its time (its bottleneck term); :func:`plot_plans` draws
-predicted step time by plan; :func:`sweep` re-plans along one axis.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -69,6 +63,20 @@ import hetcoll
 from hetcoll.model import predict, terms
 from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster
+from hetcoll.model.planner.placements import OWNERS_MAX_DEVICES, node_wise_candidates
+from hetcoll.model.planner.rates import (
+    device_speeds,
+    flops_rate,
+    per_sample_seconds,
+    seconds_per_sample,
+)
+from hetcoll.model.planner.report import SearchReport
+from hetcoll.model.planner.subsets import (
+    SUBSET_FULL_SEARCH_MAX_DEVICES,
+    device_subsets,
+    device_tiers,
+    node_groups,
+)
 from hetcoll.model.predict import Prediction
 from hetcoll.plan import Plan
 
@@ -93,23 +101,6 @@ HYBRID_MICRO_PER_STAGE = (1, 2, 4)
 HYBRID_WORK_BUDGET = 1_000_000
 #: The largest micro-batch count the planner tries.
 MAX_MICRO_BATCHES = 32
-#: Node-wise (owners) plans are searched on one set of at most this many devices, for models of
-#: at most ``OWNERS_MAX_VERTICES`` filters and neurons: each is a run of the hypergraph
-#: partitioner (:func:`hetcoll.partition_hypergraph`) over every filter and neuron, whose time
-#: grows faster than their number, and a replay of the placement's schedule
-#: (:func:`~hetcoll.model.predict_placement`), which steps every channel block of every
-#: micro-batch in Python. Measured here (2 shared cores, load average 9): the built-in `cnn`
-#: (714 filters and neurons) partitions into 2 / 4 / 8 parts in 0.19 / 0.24 / 0.28 s, the
-#: built-in `vgg` (3,786) in 4.0 / 6.5 / 6.1 s - a partition of a larger model costs more than
-#: the rest of the search. Call :func:`~hetcoll.model.hypergraph_plan` and
-#: :func:`~hetcoll.model.predict_placement` directly for those.
-OWNERS_MAX_DEVICES = 8
-#: See ``OWNERS_MAX_DEVICES``.
-OWNERS_MAX_VERTICES = 1500
-#: On clusters of up to this many devices, the planner tries the first 1, 2, 4, ... nodes (or
-#: devices) too, with every strategy on each subset; on larger ones, fewer subsets with the
-#: balanced data- and filter-parallel splits only.
-SUBSET_FULL_SEARCH_MAX_DEVICES = 64
 
 
 def _infeasible(strategy: str, batch: int, num_devices: int, unit: str, reason: str) -> Prediction:
@@ -124,19 +115,6 @@ def _infeasible(strategy: str, batch: int, num_devices: int, unit: str, reason: 
         reason,
         batch,
     )
-
-
-def _device_speeds(costs: ModelCosts, cluster: Cluster, batch: int) -> list[float]:
-    """Effective FLOP/s of each device on this model at ``batch`` samples (roofline included),
-    for splitting filters in proportion to speed."""
-    flops = costs.forward_flops(batch) + costs.backward_flops(batch)
-    out = []
-    cache: dict[str, float] = {}
-    for d in cluster.devices:
-        if d.name not in cache:
-            cache[d.name] = flops / max(predict.compute_seconds(costs, d, batch), 1e-30)
-        out.append(cache[d.name])
-    return out
 
 
 def _runnable(pred: Prediction, costs: ModelCosts) -> Prediction:
@@ -178,45 +156,6 @@ def _on_devices(pred: Prediction, keep: Sequence[int], num_devices: int, suffix:
         plan_factory=factory,
         detail=detail,
     )
-
-
-def _tiers(cluster: Cluster, speeds: Sequence[float]) -> list[list[int]]:
-    """Devices grouped by kind (equal :class:`Device`), fastest kind first."""
-    kinds: dict[Any, list[int]] = {}
-    for d, device in enumerate(cluster.devices):
-        kinds.setdefault(device, []).append(d)
-    return sorted(kinds.values(), key=lambda ds: (-speeds[ds[0]], ds[0]))
-
-
-def _subsets(cluster: Cluster, tiers: list[list[int]], speeds: Sequence[float]) -> list[list[int]]:
-    """Device subsets worth trying (a few, deterministic): the fastest k kinds of device for
-    every k short of all, the node with the most compute, and on clusters of up to
-    ``SUBSET_FULL_SEARCH_MAX_DEVICES`` devices the first 1, 2, 4, ... nodes and the first
-    node's first 1, 2, 4, ... devices (the devices of a single node): the subsets
-    ``sweep(..., "nodes")`` plans on."""
-    p = cluster.num_devices
-    out: list[list[int]] = []
-    for k in range(1, len(tiers)):
-        out.append(sorted(d for t in tiers[:k] for d in t))
-    if p <= SUBSET_FULL_SEARCH_MAX_DEVICES:
-        for v in _node_counts(cluster):
-            out.append(list(range(_prefix(cluster, v).num_devices)))
-        if len(cluster.nodes) > 1:  # the first node's first devices: the sweep's first point
-            first = cluster.nodes[0].count
-            out += [list(range(2**k)) for k in range(first.bit_length()) if 2**k < first]
-    if len(cluster.nodes) > 1:
-        by_node: dict[int, list[int]] = {}
-        for d, node in enumerate(cluster.node_of_device):
-            by_node.setdefault(node, []).append(d)
-        best = max(by_node.values(), key=lambda ds: (sum(speeds[d] for d in ds), -ds[0]))
-        out.append(best)
-    seen: set[tuple[int, ...]] = set()
-    unique = []
-    for keep in out:
-        if 0 < len(keep) < p and tuple(keep) not in seen:
-            seen.add(tuple(keep))
-            unique.append(keep)
-    return unique
 
 
 def _fit(t1: float, t2: float, b1: int) -> tuple[float, float]:
@@ -308,71 +247,6 @@ def _asymmetric(
     return out
 
 
-def _per_sample_seconds(costs: ModelCosts, cluster: Cluster, batch: int) -> list[float]:
-    """Each device's forward + backward seconds per sample at ``batch`` samples: the least it
-    spends per sample at any batch up to ``batch`` (every kernel's roofline time over its
-    samples falls as they grow), so a lower bound of any plan's compute."""
-    cache: dict[Any, float] = {}
-    out = []
-    for d in cluster.devices:
-        if d not in cache:
-            cache[d] = predict.compute_seconds(costs, d, batch) / batch
-        out.append(cache[d])
-    return out
-
-
-@functools.lru_cache(maxsize=4096)
-def _kind_seconds_per_sample(costs: ModelCosts, device: Any, batch: int) -> float:
-    return predict.compute_seconds(costs, device, batch) / batch
-
-
-def _seconds_per_sample(costs: ModelCosts, cluster: Cluster, d: int, batch: int) -> float:
-    """Forward + backward seconds per sample of device ``d`` at ``batch`` samples (cached per
-    kind of device: the bounds ask for every shape's micro-batch)."""
-    return _kind_seconds_per_sample(costs, cluster.devices[d], batch)
-
-
-def _groups(cluster: Cluster, devices: Sequence[int], g: int) -> dict[Any, list[tuple[int, ...]]]:
-    """Groups of ``g`` consecutive devices of one node among ``devices``, by kind of device
-    (fastest kind first is the caller's order), each node's leftover devices left out."""
-    by_node: dict[int, list[int]] = {}
-    nodes = cluster.node_of_device
-    for d in devices:
-        by_node.setdefault(nodes[d], []).append(d)
-    out: dict[Any, list[tuple[int, ...]]] = {}
-    for node in sorted(by_node):
-        ds = by_node[node]
-        kind = cluster.devices[ds[0]]
-        for i in range(0, len(ds) - g + 1, g):
-            out.setdefault(kind, []).append(tuple(ds[i : i + g]))
-    return out
-
-
-@dataclass
-class SearchReport:
-    """What :func:`plan`'s search did: ``costed`` candidates; ``pruned``, per family, those a
-    bound skipped uncosted; ``skipped``, per family, why it was not searched (the model
-    does not allow it); ``placement_comparison``, when node-wise plans were searched, seed
-    002's table for their devices: per strategy its bytes per step, load balance (the slowest
-    device's work time over the ideal, 1.0 is perfect) and predicted step."""
-
-    costed: int = 0
-    pruned: dict[str, int] = field(default_factory=dict)
-    skipped: dict[str, str] = field(default_factory=dict)
-    placement_comparison: dict[str, Any] | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "costed": self.costed,
-            "pruned": self.pruned,
-            "skipped": self.skipped,
-            "placement_comparison": self.placement_comparison,
-        }
-
-    def prune(self, family: str) -> None:
-        self.pruned[family] = self.pruned.get(family, 0) + 1
-
-
 def _replicated_pipelines(
     costs: ModelCosts,
     cluster: Cluster,
@@ -407,7 +281,7 @@ def _replicated_pipelines(
     shapes = []
     for g in HYBRID_GROUP_SIZES:
         groups = {
-            k: np.asarray(gs, dtype=np.int64) for k, gs in _groups(cluster, devices, g).items()
+            k: np.asarray(gs, dtype=np.int64) for k, gs in node_groups(cluster, devices, g).items()
         }
         for n_st in HYBRID_STAGES:
             if n_st > units:
@@ -437,7 +311,7 @@ def _replicated_pipelines(
                     micro = math.ceil(int(shares[at : at + len(r)].max()) / m)
                     at += len(r)
                     if micro > 0:
-                        rate += r.size / _seconds_per_sample(costs, cluster, int(r[0, 0, 0]), micro)
+                        rate += r.size / seconds_per_sample(costs, cluster, int(r[0, 0, 0]), micro)
                 shape_floor = max(floor, batch / rate) if rate > 0 else math.inf
                 bound = shape_floor * (m + n_st - 1) / m
                 shapes.append((bound, g, n_st, m, kinds, count, shares))
@@ -467,7 +341,7 @@ def _replicated_pipelines(
                 link = cluster.link_between(int(r[0, 0, 0]), int(r[0, 1, 0])) if n_st > 1 else None
                 bw = link.bytes_per_s if link and math.isfinite(link.bytes_per_s) else None
                 ranges = predict.chain_stages(
-                    costs, [g * _flops_rate(costs, per_sample[int(r[0, 0, 0])])] * n_st, micro, bw
+                    costs, [g * flops_rate(costs, per_sample[int(r[0, 0, 0])])] * n_st, micro, bw
                 )
                 # A stage without layers: the same as fewer stages, costed there.
                 cuts[k, micro] = None if any(a == e for a, e in ranges) else ranges
@@ -497,257 +371,6 @@ def _replicated_pipelines(
                 best[0] = min(best[0], pred.step_s)
             out.append(pred)
     return out
-
-
-#: Micro-batch counts of the node-wise plans (their replay pipelines channel blocks across
-#: micro-batches).
-OWNERS_MICRO_BATCHES = (8,)
-
-
-def _placements(
-    costs: ModelCosts,
-    cluster: Cluster,
-    batch: int,
-    model: Any,
-    keep: list[int],
-    s: int,
-    report: SearchReport,
-) -> list[Prediction]:
-    """Node-wise (owners) plans on devices ``keep``: the hypergraph partition
-    (:func:`~hetcoll.model.hypergraph_plan`, each device's target its share of the speed),
-    every layer's channels split evenly, and split in proportion to speed, each at
-    ``OWNERS_MICRO_BATCHES`` micro-batches, predicted by
-    :func:`~hetcoll.model.predict_placement` on the devices' speeds on this model and the
-    slowest link among them, plus the optimizer step of the weights each device owns and the
-    loss's allreduce. Fills ``report.placement_comparison`` (seed 002's table: bytes per
-    step, load balance, predicted step) with these and the other strategies on the same
-    devices."""
-    from hetcoll.model.hypergraph import network_hypergraph
-    from hetcoll.model.placement import _layer_index, hypergraph_plan, placement_traffic
-    from hetcoll.model.placement import predict_placement as replay
-    from hetcoll.torch.layers import model_layers
-    from hetcoll.torch.placement import owners_blocks
-
-    shape = tuple(costs.input_shape)
-    k, p = len(keep), cluster.num_devices
-    sub = cluster.subset(keep)
-    suffix = f", {k} of {p} devices" if k < p else ""
-    try:
-        h = network_hypergraph(model, shape, bytes_per_element=costs.itemsize)
-        index = _layer_index(model, h)
-        layers = model_layers(model)
-    except ValueError as e:
-        report.skipped["node-wise placement"] = str(e)
-        return []
-    if h.num_vertices > OWNERS_MAX_VERTICES:
-        report.skipped["node-wise placement"] = (
-            f"the model has {h.num_vertices:,} filters and neurons; the planner partitions up "
-            f"to {OWNERS_MAX_VERTICES:,} (call hypergraph_plan and predict_placement directly)"
-        )
-        return []
-    if k < 2 or k > h.num_vertices:
-        return []
-    per_sample = _per_sample_seconds(costs, sub, batch)
-    hyper_flops = 3.0 * float(h.vertex_weights.sum())  # forward, and twice that backward
-    rates = [hyper_flops / t for t in per_sample]  # the hypergraph's FLOP/s on each device
-    link = sub.ring_link()
-    bw = link.bytes_per_s if math.isfinite(link.bytes_per_s) else 1e30
-    param_elems = {name: model.get_submodule(name).weight[0].numel() for name, _, _ in h.layers}
-    placed = sum(param_elems[name] * count for name, _, count in h.layers) * costs.itemsize
-    rest = max(costs.param_bytes - placed, 0.0)
-    loss_s = float(
-        terms.ring_allreduce_seconds(
-            8.0, k, link.latency_s, link.bytes_per_s, min(d.mem_bytes_per_s for d in sub.devices), 8
-        )
-    )
-
-    def contiguous(weights: Sequence[float]) -> dict[str, list[int]]:
-        owners = {}
-        for name, _, count in h.layers:
-            shares = hetcoll.split(count, list(weights))
-            owners[str(index[name])] = [r for r, c in enumerate(shares) for _ in range(c)]
-        return owners
-
-    def owners_plan(owners: dict[str, list[int]], m: int) -> Plan:
-        return Plan.from_dict(
-            {
-                "microbatches": m,
-                "schedule": "GPipe",
-                "replicas": [
-                    {
-                        "samples": batch,
-                        "stages": [
-                            {"ranks": list(range(k)), "layers": [0, len(layers)], "owners": owners}
-                        ],
-                    }
-                ],
-            }
-        )
-
-    try:
-        hyper = hypergraph_plan(model, shape, rates, batch)
-        assert hyper.replicas[0].stages[0].owners is not None
-        found = {
-            "hypergraph placement": {
-                str(x): list(v) for x, v in hyper.replicas[0].stages[0].owners.items()
-            }
-        }
-    except ValueError as e:
-        report.skipped["node-wise placement"] = str(e)
-        return []
-    found["even filter split"] = contiguous([1.0] * k)
-    proportional = contiguous(rates)
-    if proportional != found["even filter split"]:  # on equal devices they are one split
-        found["speed-proportional filter split"] = proportional
-    # Kernel launches the replay leaves out: a device runs every kernel of each block it owns
-    # channels of, once per micro-batch (the block: a Conv2d / Linear and the layers up to the
-    # next one, as costed).
-    current = ""
-    placed_names = {name for name, _, _ in h.layers}
-    kernels: dict[str, int] = {}
-    for layer in costs.layers:
-        if layer.name in placed_names:
-            current = layer.name
-        if current:
-            kernels[current] = kernels.get(current, 0) + len(layer.forward) + len(layer.backward)
-    overhead = np.array([d.kernel_overhead_s for d in sub.devices])
-    out: list[Prediction] = []
-    rows: list[dict[str, Any]] = []
-    for what, owners in found.items():
-        best_row: dict[str, Any] | None = None
-        for m in OWNERS_MICRO_BATCHES:
-            local = owners_plan(owners, m)
-            try:
-                owners_blocks(layers, local.replicas[0].stages[0], "plan")
-                run = replay(
-                    model, shape, local, flops_per_s=rates, bytes_per_s=bw, latency_s=link.latency_s
-                )
-            except ValueError as e:
-                report.skipped[f"node-wise placement, {what}"] = str(e)
-                break
-            # Weights each device owns: its channels' rows of every placed layer, and the
-            # rest (BatchNorm and the like, per channel too) in proportion; activations kept:
-            # its share of the work times the batch (GPipe keeps every micro-batch).
-            work = np.zeros(k)
-            owned = np.zeros(k)
-            for name, first, count in h.layers:
-                who = np.asarray(owners[str(index[name])])
-                work += np.bincount(
-                    who, weights=h.vertex_weights[first : first + count], minlength=k
-                )
-                owned += np.bincount(who, minlength=k) * param_elems[name] * costs.itemsize
-            launches = np.zeros(k)
-            for name, _, _ in h.layers:
-                launches[np.unique(owners[str(index[name])])] += kernels.get(name, 0)
-            extra = launches * overhead * m
-            frac = work / max(work.sum(), 1e-30)
-            owned += rest * frac
-            update = np.asarray(
-                terms.optimizer_update_seconds(
-                    owned, np.array([d.mem_bytes_per_s for d in sub.devices]), s
-                )
-            )
-            mem = owned * (2 + s) + frac * batch * costs.saved_bytes_per_sample()
-            step = run.step_s + float(extra.max()) + loss_s + float(update.max())
-            crit = int(np.argmax(np.asarray(run.compute_s[:k]) + extra))
-            breakdown = {
-                "compute": float(run.compute_s[crit]),
-                "overhead": float(extra.max()),
-                "communication": max(0.0, run.step_s - float(run.compute_s[crit])) + loss_s,
-                "optimizer": float(update.max()),
-            }
-            full_mem = [0.0] * p
-            shares = [0] * p
-            for j, d in enumerate(keep):
-                full_mem[d] = float(mem[j])
-                shares[d] = int(sum(1 for v in owners.values() for o in v if o == j))
-            reason = predict._memory_shortfall(np.asarray(full_mem), cluster.devices)
-            doc = local.to_dict()
-            doc["replicas"][0]["stages"][0]["ranks"] = list(keep)
-            pred = Prediction(
-                f"node-wise, {what}, {m} micro-batches{suffix}",
-                shares,
-                "channels",
-                step,
-                breakdown,
-                full_mem,
-                not reason,
-                reason,
-                batch,
-                {
-                    "devices": list(keep),
-                    "critical_device": keep[crit],
-                    "traffic_bytes": run.traffic,
-                    "schedule": "GPipe",
-                    "micro_batches": m,
-                },
-                plan=Plan.from_dict(doc),
-            )
-            report.costed += 1
-            out.append(pred)
-            balance = terms.load_balance(work, rates)
-            row = {
-                "strategy": what,
-                "bytes_per_step": int(sum(run.traffic.values())),
-                "load_balance": balance,
-                "step_s": step,
-                "plan": pred.strategy,
-            }
-            if best_row is None or step < best_row["step_s"]:
-                best_row = row
-        if best_row is not None:
-            rows.append(best_row)
-            if what == "even filter split" and proportional == owners:
-                # On equal devices the speed-proportional split is the even one.
-                rows.append({**best_row, "strategy": "speed-proportional filter split"})
-    # The same devices' pipeline of one-device stages and balanced data parallelism.
-    flops_of = {
-        name: h.vertex_weights[first : first + count].sum() for name, first, count in h.layers
-    }
-    pipes = []
-    for m in (k, 2 * k):
-        if m <= batch:
-            pipe = predict.pipeline(costs, sub, batch, m, optimizer_state_copies=s)
-            if pipe.plan is not None:
-                pipes.append((pipe.step_s, m, pipe))
-    if pipes:
-        step, m, pipe = min(pipes, key=lambda x: x[0])
-        local = pipe.to_plan()
-        load = np.zeros(k)
-        for _, _, st in local.stages():
-            for name, _, _ in h.layers:
-                if st.layers[0] <= index[name] < st.layers[1]:
-                    load[st.ranks[0]] += flops_of[name]
-        rows.append(
-            {
-                "strategy": "pipeline stages",
-                "bytes_per_step": int(sum(placement_traffic(model, shape, local).values())),
-                "load_balance": terms.load_balance(load, rates),
-                "step_s": step,
-                "plan": f"pipeline, {m} micro-batches GPipe{suffix}",
-            }
-        )
-    try:
-        dp_shares = predict.balanced_batch_shares(costs, sub, batch, optimizer_state_copies=s)
-        dp = predict.data_parallel(costs, sub, dp_shares, optimizer_state_copies=s)
-        rows.append(
-            {
-                "strategy": "data parallel",
-                "bytes_per_step": int(2 * (k - 1) * costs.param_bytes),
-                "load_balance": terms.load_balance(dp_shares, rates),
-                "step_s": dp.step_s,
-                "plan": f"data parallel, balanced{suffix}",
-            }
-        )
-    except ValueError as e:
-        report.skipped["data parallel"] = str(e)
-    report.placement_comparison = {"devices": list(keep), "rows": rows}
-    return out
-
-
-def _flops_rate(costs: ModelCosts, seconds_per_sample: float) -> float:
-    """FLOP/s of a device that trains one sample in ``seconds_per_sample``."""
-    return (costs.forward_flops(1) + costs.backward_flops(1)) / max(seconds_per_sample, 1e-30)
 
 
 def plan(
@@ -783,8 +406,8 @@ def plan(
     whole-model replicas on the fastest kinds beside one replica of the others (a pipeline,
     or one filter-split stage), the samples split by each replica's predicted time; with
     ``model`` (the module ``costs`` were read from), node-wise placements on at most
-    ``OWNERS_MAX_DEVICES`` devices (:func:`_placements`). Pipelines whose lower bound is not
-    below the best step found so far are not costed (see the module's docs).
+    ``OWNERS_MAX_DEVICES`` devices (:func:`node_wise_candidates`). Pipelines whose lower bound
+    is not below the best step found so far are not costed (see the module's docs).
 
     ``precision``: the training precision (``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``;
     :meth:`ModelCosts.at_precision`); default that of ``costs`` (``costs.precision``).
@@ -824,7 +447,7 @@ def plan(
             return _infeasible(strategy, batch, c.num_devices, "samples", str(e))
 
     def filter_balanced(c: Cluster, strategy: str) -> Prediction:
-        speeds = _device_speeds(costs, c, batch)
+        speeds = device_speeds(costs, c, batch)
         return predict.filter_parallel(
             costs, c, batch, speeds, modes=modes, strategy=strategy, optimizer_state_copies=s
         )
@@ -846,15 +469,15 @@ def plan(
     )
     if p > 1 and splits:
         out.append(filter_balanced(cluster, "filter parallel, balanced"))
-    per_sample = _per_sample_seconds(costs, cluster, batch)
+    per_sample = per_sample_seconds(costs, cluster, batch)
     if p > 1:
-        speeds = _device_speeds(costs, cluster, batch)
-        tiers = _tiers(cluster, speeds)
+        speeds = device_speeds(costs, cluster, batch)
+        tiers = device_tiers(cluster, speeds)
         if subsets:
             # A subset's plan can be one already there (a balanced split that leaves the same
             # devices out): not repeated.
             seen = {_same_plan_key(x) for x in out if x.has_plan}
-            for keep in _subsets(cluster, tiers, speeds):
+            for keep in device_subsets(cluster, tiers, speeds):
                 sub = cluster.subset(keep)
                 suffix = f", {len(keep)} of {p} devices"
                 # On a small cluster, every strategy on each subset of the first devices (as
@@ -901,7 +524,7 @@ def plan(
             micro = math.ceil(batch / m)
             rates: list[float] = []
             for tier in tiers:  # fastest kind first; each kind's rate at this micro-batch
-                rate = 1.0 / _seconds_per_sample(costs, cluster, tier[0], micro)
+                rate = 1.0 / seconds_per_sample(costs, cluster, tier[0], micro)
                 rates += [rate] * min(len(tier), stages)
             rates = sorted(rates, reverse=True)[:stages]
             bound = min(batch / sum(rates[:k]) * (m + k - 1) / m for k in range(1, len(rates) + 1))
@@ -958,11 +581,13 @@ def plan(
                 keep = list(range(p))
             else:
                 small = [
-                    k for k in _subsets(cluster, tiers, speeds) if len(k) <= OWNERS_MAX_DEVICES
+                    k
+                    for k in device_subsets(cluster, tiers, speeds)
+                    if len(k) <= OWNERS_MAX_DEVICES
                 ]
                 keep = max(small, key=lambda k: (sum(speeds[d] for d in k), -k[0]), default=[])
             if len(keep) > 1:
-                out += _placements(costs, cluster, batch, model, keep, s, report)
+                out += node_wise_candidates(costs, cluster, batch, model, keep, s, report)
     out = [_runnable(x, costs) for x in out]
     out.sort(key=lambda x: (not x.feasible, x.step_s))
     return out
@@ -971,228 +596,3 @@ def plan(
 def _same_plan_key(pred: Prediction) -> tuple[Any, ...]:
     """Two candidates with this equal are the same plan (for dropping repeats)."""
     return (pred.share_unit, tuple(pred.shares), pred.step_s)
-
-
-def explain(pred: Prediction, cluster: Cluster) -> dict[str, Any]:
-    """Why ``pred`` takes the time it does: the largest term on its critical path (its
-    breakdown's compute, memory stalls and kernel overheads together as the critical device's
-    compute; exposed communication; the pipeline bubble; the optimizer step), with the device
-    or the collective it is. Returns ``{"term", "seconds", "share", "device", "text"}``.
-
-    >>> explain(plan(costs, cluster, 512)[0], cluster)["text"]  # doctest: +SKIP
-    'compute of device 0 (a100-sxm4-40gb): 5.9 ms of the 8.8 ms step (67 %)'
-    """
-    if not isinstance(pred, Prediction):
-        raise TypeError(f"pred: must be a Prediction, got {type(pred).__name__}")
-    if not isinstance(cluster, Cluster):
-        raise TypeError(f"cluster: must be a Cluster, got {type(cluster).__name__}")
-    b = pred.breakdown
-    parts = {
-        "compute": b.get("compute", 0.0) + b.get("memory", 0.0) + b.get("overhead", 0.0),
-        "communication": b.get("communication", 0.0),
-        "bubble": b.get("bubble", 0.0),
-        "optimizer": b.get("optimizer", 0.0),
-    }
-    if not pred.feasible or not math.isfinite(pred.step_s) or pred.step_s <= 0:
-        return {
-            "term": "infeasible",
-            "seconds": 0.0,
-            "share": 0.0,
-            "device": None,
-            "text": pred.reason or "no step",
-        }
-    term = max(parts, key=lambda k: parts[k])
-    seconds = parts[term]
-    d = pred.detail.get("critical_device")
-    if d is not None and not 0 <= d < cluster.num_devices:
-        raise ValueError(
-            f"cluster: has {cluster.num_devices} devices, but pred's critical device is {d} "
-            "(give the cluster pred was planned on)"
-        )
-    where = f"device {d} ({cluster.devices[d].name})" if d is not None else "the slowest device"
-    strategy = pred.strategy
-    if term == "compute":
-        stalls = b.get("memory", 0.0) / seconds if seconds > 0 else 0.0
-        what = f"compute of {where}" + (
-            f", {stalls:.0%} of it memory stalls" if stalls >= 0.2 else ""
-        )
-    elif term == "communication":
-        if strategy.startswith("data parallel"):
-            what = "the gradient allreduce (the part the backward does not hide)"
-        elif strategy.startswith("filter parallel"):
-            what = "the filter-split layers' collectives (partial sums and gathers)"
-        elif strategy.startswith("node-wise"):
-            what = f"feature maps sent between devices, waited for by {where}"
-        elif pred.detail.get("gradient_allreduce_s", 0.0) >= 0.5 * seconds:
-            what = "the gradient allreduce across replicas"
-        else:
-            what = f"the split stages' collectives on {where}"
-    elif term == "bubble":
-        what = f"the pipeline bubble: {where} waits for other stages"
-    else:
-        what = "the optimizer step"
-    share = seconds / pred.step_s
-    text = (
-        f"{what}: {_seconds_text(seconds)} of the {_seconds_text(pred.step_s)} step ({share:.0%})"
-    )
-    return {"term": term, "seconds": seconds, "share": share, "device": d, "text": text}
-
-
-def _seconds_text(x: float) -> str:
-    return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
-
-
-def plot_plans(ranked: Sequence[Prediction], path: str, title: str = "", top: int = 24) -> None:
-    """Predicted step time of the ``top`` best plans of ``ranked`` (as :func:`plan` returns
-    them), one bar each, best at the top, infeasible ones hatched, as a PNG (matplotlib,
-    Agg)."""
-    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
-        raise ValueError(f"top: must be an integer >= 1, got {top!r}")
-    if any(not isinstance(x, Prediction) for x in ranked):
-        raise TypeError("ranked: must hold Predictions (as plan returns them)")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shown = [x for x in ranked if math.isfinite(x.step_s)][:top]
-    if not shown:
-        raise ValueError("ranked: no plan with a finite step time to plot")
-    fig, ax = plt.subplots(figsize=(8.0, 1.2 + 0.28 * len(shown)))
-    y = np.arange(len(shown))[::-1]
-    families = sorted({_family(x.strategy) for x in shown})
-    colours = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(families)}
-    for yi, x in zip(y, shown):
-        ax.barh(
-            yi,
-            x.step_s * 1e3,
-            color=colours[_family(x.strategy)],
-            hatch="" if x.feasible else "//",
-            edgecolor="black" if not x.feasible else None,
-        )
-    ax.set_yticks(
-        y,
-        [x.strategy if len(x.strategy) <= 70 else x.strategy[:67] + "..." for x in shown],
-        fontsize=7,
-    )
-    ax.set_xlabel("predicted step time (ms)")
-    ax.set_xlim(0, max(x.step_s for x in shown) * 1e3 * 1.05)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[f]) for f in families]
-    ax.legend(handles, families, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    ax.set_title(title or "predicted step time by plan (hatched: infeasible)", fontsize=9)
-    ax.grid(True, axis="x", which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-SWEEP_AXES = ("batch", "flops", "mem_bw", "link_bw", "nodes")
-_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
-
-
-@dataclass
-class SweepPoint:
-    """One point of a sweep: the axis value and the best plan of each strategy family there."""
-
-    value: float
-    best: dict[str, Prediction]
-
-
-def _family(strategy: str) -> str:
-    """The strategy without its micro-batches, device subset or replica shapes."""
-    if strategy.startswith(("pipeline", "asymmetric", "replicated pipeline", "node-wise")):
-        return strategy.split(",")[0]
-    return re.sub(r", \d+ of \d+ devices$", "", strategy)
-
-
-def _node_counts(cluster: Cluster) -> list[int]:
-    """The ``nodes`` sweep's points: 1, 2, 4, ... nodes and all of them (devices, on one node)."""
-    n = len(cluster.nodes) if len(cluster.nodes) > 1 else cluster.num_devices
-    return sorted({min(n, 2**k) for k in range(0, n.bit_length() + 1)})
-
-
-def _prefix(cluster: Cluster, k: int) -> Cluster:
-    """The first ``k`` nodes of ``cluster`` (its first ``k`` devices when it has one node)."""
-    if len(cluster.nodes) > 1:
-        return Cluster(cluster.nodes[:k], cluster.network if k > 1 else None, cluster.source)
-    return cluster.first_devices(k)
-
-
-def sweep(
-    costs: ModelCosts,
-    cluster: Cluster,
-    batch: int,
-    axis: str,
-    values: Sequence[float] | None = None,
-    *,
-    optimizer_state_copies: int = 1,
-    precision: str | None = None,
-) -> list[SweepPoint]:
-    """Plan at each value of ``axis``: ``batch`` (samples), ``flops`` / ``mem_bw`` / ``link_bw``
-    (factors applied to every device or link), ``nodes`` (the first k nodes, or the first k
-    devices of a single-node cluster). Default values: powers of two around the given point.
-    ``precision`` as in :func:`plan`.
-    """
-    if precision is not None:
-        costs = costs.at_precision(precision)
-    if axis not in SWEEP_AXES:
-        raise ValueError(f"axis: expected one of {SWEEP_AXES}, got {axis!r}")
-    if values is None:
-        if axis == "batch":
-            values = [max(1, int(batch * f)) for f in _FACTORS]
-        elif axis == "nodes":
-            values = _node_counts(cluster)
-        else:
-            values = list(_FACTORS)
-    points = []
-    for v in values:
-        c, b = cluster, batch
-        if axis == "batch":
-            b = int(v)
-        elif axis == "flops":
-            c = cluster.scaled(flops=v)
-        elif axis == "mem_bw":
-            c = cluster.scaled(mem_bw=v)
-        elif axis == "link_bw":
-            c = cluster.scaled(link_bw=v)
-        else:
-            c = _prefix(cluster, int(v))
-        best: dict[str, Prediction] = {}
-        for pred in plan(costs, c, b, optimizer_state_copies=optimizer_state_copies):
-            fam = _family(pred.strategy)
-            if pred.feasible and fam not in best:
-                best[fam] = pred
-        points.append(SweepPoint(float(v), best))
-    return points
-
-
-def plot_sweep(points: Sequence[SweepPoint], axis: str, path: str, title: str = "") -> None:
-    """Samples/s of each strategy's best plan along the axis, as a PNG (matplotlib, Agg)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    families = sorted({f for pt in points for f in pt.best})
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for fam in families:
-        xs = [pt.value for pt in points if fam in pt.best]
-        ys = [pt.best[fam].samples_per_s for pt in points if fam in pt.best]
-        ax.plot(xs, ys, marker="o", label=fam)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    label = {
-        "batch": "batch size (samples)",
-        "flops": "device FLOP/s (x given)",
-        "mem_bw": "device memory bandwidth (x given)",
-        "link_bw": "link bandwidth (x given)",
-        "nodes": "cluster size (nodes)",
-    }[axis]
-    ax.set_xlabel(label)
-    ax.set_ylabel("predicted samples / s")
-    ax.set_title(title or f"sweep over {axis}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
