@@ -853,8 +853,8 @@ def adapt_model_validate(raw: Sequence[Path], command: str) -> dict[str, Any]:
     noisy = _need(data, "noise_rows", str(path))
     beyond = _need(data, "worst_abs_error_beyond_noise", str(path))
     spread_note = (
-        f"Each row: medians over {repeat} runs of the configuration, in rounds; spread = the "
-        "range of the runs' errors."
+        f"Each row: the run of median error of {repeat} runs of the configuration, in rounds; "
+        "spread = the range of the runs' errors."
         if repeat > 1
         else "Spread: the interquartile range of the row's steps over their median."
     )

@@ -288,7 +288,7 @@ def test_model_validate_adapter_reads_the_cli_json(tmp_path: Path) -> None:
     text = report.generate(tmp_path)
     row_text = "| filter/gather | 2 | 32 | 3,1 | 1,0.25 | 11.0 | 10.0 | +10.0% | 25.0% | noise |"
     assert row_text in text
-    assert "medians over 3 runs" in text and "1 of 1 rows are noise" in text
+    assert "median error of 3 runs" in text and "1 of 1 rows are noise" in text
     del row["measured_s"]
     raw.write_text(json.dumps(data))
     with pytest.raises(report.ResultError, match=r"results\[0\]: field 'measured_s' is missing"):

@@ -543,9 +543,18 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             )
         return row
 
+    bar = None
+    if args.json:  # the table goes to stdout at the end; a bar on stderr meanwhile
+        from tqdm import tqdm  # type: ignore[import-untyped]
+
+        bar = tqdm(total=len(configs) * args.repeat, unit="run", desc="validate", file=sys.stderr)
+
     def show(r: Any) -> None:
         data = r.strategy == "data"
-        if not args.json:
+        if bar is not None:
+            bar.set_postfix_str(f"{r.strategy} {r.ranks} ranks: error {r.error:+.0%}")
+            bar.update()
+        else:
             speeds = ",".join(f"{s:g}" for s in r.speeds)
             other = f"{(r.predicted_other_s - r.measured_s) / r.measured_s:+.0%}" if data else "-"
             overlap = ("yes" if r.overlap else "no") if data else "-"
@@ -586,6 +595,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     results = run_validation(
         configs, device=device, link=link, steps=args.steps, repeat=args.repeat, progress=show
     )
+    if bar is not None:
+        bar.close()
     strategies = sorted({r.strategy for r in results})
     errors = {s: summary(results, s) for s in strategies}
     signal = [r for r in results if not r.noise]
@@ -608,7 +619,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print()
     else:
         if args.repeat > 1:
-            print(f"over {args.repeat} runs each (median; spread: the range of the runs' errors):")
+            print(
+                f"each row's run of median error of {args.repeat} (spread: the range of the "
+                "runs' errors; noise: the spread exceeds the error):"
+            )
             for r in results:
                 speeds = ",".join(f"{s:g}" for s in r.speeds)
                 verdict = "noise" if r.noise else ""

@@ -797,8 +797,8 @@ def run_validation(
     measured step (slowest rank).
 
     ``repeat`` runs every configuration that many times, in rounds (each round runs them all,
-    so a change of load on the machine reaches every row alike); a row then gives the medians
-    over its runs, and each run's error (:attr:`ValidationResult.spread`). ``progress`` sees
+    so a change of load on the machine reaches every row alike); a row is then its run of
+    median error, with every run's error (:attr:`ValidationResult.spread`). ``progress`` sees
     every run as it ends.
     """
     from hetcoll.model import networks
@@ -828,17 +828,17 @@ def run_validation(
 
 
 def _over_runs(runs: Sequence[ValidationResult]) -> ValidationResult:
-    """One row from the runs of a configuration: medians of their predictions and measured
-    steps, every step, every run's error."""
+    """One row from the runs of a configuration: the run whose error is the median of theirs
+    (the lower median for an even count; each run's prediction pairs with its own measurement,
+    taken under the same load), with every run's steps and error."""
     if len(runs) == 1:
         return runs[0]
+    errors = [r.error for r in runs]
+    middle = runs[errors.index(statistics.median_low(errors))]
     return replace(
-        runs[0],
-        predicted_s=statistics.median(r.predicted_s for r in runs),
-        measured_s=statistics.median(r.measured_s for r in runs),
-        predicted_other_s=statistics.median(r.predicted_other_s for r in runs),
+        middle,
         measured_steps_s=[t for r in runs for t in r.measured_steps_s],
-        run_errors=[r.error for r in runs],
+        run_errors=errors,
     )
 
 
