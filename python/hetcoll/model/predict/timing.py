@@ -132,14 +132,17 @@ class _DeviceArrays:
         )
 
 
-#: The arrays of the last few device lists (a cluster's ``devices`` is one tuple for its life;
-#: the planner asks for the same one hundreds of times).
+#: The arrays of the last few device lists used (a cluster's ``devices`` is one tuple for its
+#: life; the planner asks for the same one hundreds of times, between which each filter-split
+#: stage it costs asks for its own few devices: least recently used first out, so that those
+#: do not push the whole cluster's out).
 _ARRAYS: dict[int, tuple[Sequence[Device], _DeviceArrays]] = {}
 
 
 def _device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
     hit = _ARRAYS.get(id(devices))
     if hit is not None and hit[0] is devices:
+        _ARRAYS[id(devices)] = _ARRAYS.pop(id(devices))  # now the most recently used
         return hit[1]
     arrays = _new_device_arrays(devices)
     if isinstance(devices, tuple):
