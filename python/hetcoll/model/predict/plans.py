@@ -908,7 +908,9 @@ def _layout_schedule(
                         parts.append(members[:, col : col + len(st.ranks)].ravel())
                         taking_part += [local[d] for d in st.ranks]
                     col += len(st.ranks)
-            held = np.unique(np.concatenate(parts))
+            mask = np.zeros(n_dev, dtype=bool)  # (np.unique of the parts, without a sort)
+            mask[np.concatenate(parts)] = True
+            held = np.flatnonzero(mask)
             nbytes = sum(costs.layers[i].param_bytes for i in range(a, b))
             if nbytes <= 0:
                 continue
