@@ -830,6 +830,14 @@ def _layout_schedule(
             lead = stage.ranks[0]
             prev = rep.stages[s - 1] if s > 0 else None
             nxt = rep.stages[s + 1] if s + 1 < n_st else None
+            # Each forward adds its micro-batch's causes (forward and backward) to the stage's
+            # devices, in the schedule's order: all ranks at once (the same additions).
+            at = list(stage.ranks)
+            acc = causes[:, at]
+            for op, k in order:
+                if op == "F":
+                    acc += work[rep.micro[k]].causes
+            causes[:, at] = acc
             for j, d in enumerate(stage.ranks):
                 state[d] = any_work.state_bytes[j]
                 update[d] = any_work.update_s[j]
@@ -838,7 +846,6 @@ def _layout_schedule(
                 for op, k in order:
                     w = work[rep.micro[k]]
                     if op == "F":
-                        causes[:, d] += w.causes[:, j]  # forward and backward
                         if prev is not None:
                             prog.append(("recv", ("act", r, s, k, d)))
                         pieces = w.forward[j]
