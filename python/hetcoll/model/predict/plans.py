@@ -832,12 +832,12 @@ def _layout_schedule(
             nxt = rep.stages[s + 1] if s + 1 < n_st else None
             # Each forward adds its micro-batch's causes (forward and backward) to the stage's
             # devices, in the schedule's order: all ranks at once (the same additions).
-            at = list(stage.ranks)
-            acc = causes[:, at]
+            columns = list(stage.ranks)
+            acc = causes[:, columns]
             for op, k in order:
                 if op == "F":
                     acc += work[rep.micro[k]].causes
-            causes[:, at] = acc
+            causes[:, columns] = acc
             for j, d in enumerate(stage.ranks):
                 state[d] = any_work.state_bytes[j]
                 update[d] = any_work.update_s[j]

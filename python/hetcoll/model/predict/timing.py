@@ -403,7 +403,7 @@ def _memory_shortfall(mem: np.ndarray, devices: Sequence[Any]) -> str:
 
 def compute_seconds(costs: ModelCosts, device: Device, batch: int) -> float:
     """Forward + backward seconds of the whole model on one device at ``batch`` samples."""
-    dev = _device_arrays([device])
+    dev = _device_arrays((device,))
     lt = _layer_times(costs, dev, np.array([batch]))
     return float(lt.forward_s.sum() + lt.backward_s.sum())
 
