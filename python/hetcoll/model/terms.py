@@ -391,8 +391,9 @@ def schedule_finish_seconds(
       another over the device's outgoing link (each occupies it ``transfer_s``; ``message``
       arrives ``latency_s + transfer_s`` after its start);
     - ``("recv", message)``: waits until ``message`` has arrived;
-    - ``("collective", key)``: a collective of ``collectives[key] = (participants, s)``: it
-      starts when the last participant reaches it and ends ``s`` later for all of them;
+    - ``("collective", key)``: a collective of ``collectives[key] = (participants, s)``
+      (reached by that many devices): it starts when the last participant reaches it and ends
+      ``s`` later for all of them;
     - ``("wait_sends",)``: waits until every message the device sent has arrived.
 
     Returns each device's finish time and the seconds it spent inside collectives. Raises
@@ -413,55 +414,65 @@ def schedule_finish_seconds(
     link_free = [0.0] * n
     sent_until = [0.0] * n
     in_collectives = [0.0] * n
-    pending: list[object] = [None] * n  # the collective a device waits in, once counted
     arrival: dict[object, float] = {}
-    joined: dict[object, tuple[int, float]] = {}
-    ends: dict[object, float] = {}
-    left = sum(len(p) for p in programs)
-    while left:
-        moved = 0
-        for d in range(n):
-            prog, i, t = programs[d], pc[d], now[d]
-            while i < len(prog):
-                op = prog[i]
-                kind = op[0]
-                if kind == "compute":
-                    t += op[1]
-                elif kind == "send":
-                    link_free[d] = post_sends(t, op[1], link_free[d], arrival)
-                    sent_until[d] = max([sent_until[d], *(arrival[m] for m, _, _ in op[1])])
-                elif kind == "recv":
-                    at = arrival.get(op[1])
-                    if at is None:
+    # Per collective reached: [participants so far, their latest arrival, its seconds, its end
+    # (None until the last participant arrives), the devices waiting in it].
+    joined: dict[object, list[Any]] = {}
+    waiting: dict[object, list[int]] = {}  # per message not yet sent, the devices awaiting it
+    # Each device runs until it waits, and is run again once what it waits for is there (every
+    # time is a function of the dependencies alone, so the order devices run in does not
+    # change it; no device is looked at while it still waits).
+    ready = list(range(n - 1, -1, -1))
+    while ready:
+        d = ready.pop()
+        prog, i, t = programs[d], pc[d], now[d]
+        size = len(prog)
+        while i < size:
+            op = prog[i]
+            kind = op[0]
+            if kind == "compute":
+                t += op[1]
+            elif kind == "collective":
+                key = op[1]
+                c = joined.get(key)
+                if c is None:
+                    need, seconds = collectives[key]
+                    c = joined[key] = [1, max(0.0, t), seconds, None, []]
+                elif c[3] is None:
+                    need = collectives[key][0]
+                    c[0] += 1
+                    c[1] = max(c[1], t)
+                if c[3] is None:
+                    if c[0] < need:
+                        c[4].append(d)
                         break
-                    t = max(t, at)
-                elif kind == "collective":
-                    key = op[1]
-                    end = ends.get(key)
-                    if end is None:
-                        need, seconds = collectives[key]
-                        if pending[d] != key:
-                            pending[d] = key
-                            count, latest = joined.get(key, (0, 0.0))
-                            joined[key] = (count + 1, max(latest, t))
-                        count, latest = joined[key]
-                        if count < need:
-                            break
-                        end = ends[key] = latest + seconds
-                    pending[d] = None
-                    in_collectives[d] += collectives[key][1]
-                    t = end
-                elif kind == "wait_sends":
-                    t = max(t, sent_until[d])
-                else:
-                    raise ValueError(f"programs: unknown operation {kind!r}")
-                i += 1
-            moved += i - pc[d]
-            pc[d], now[d] = i, t
-        if not moved:
-            stuck = [
-                f"device {d}: {programs[d][pc[d]]!r}" for d in range(n) if pc[d] < len(programs[d])
-            ]
-            raise ValueError("programs: deadlock; waiting: " + "; ".join(stuck[:4]))
-        left -= moved
+                    end = c[3] = c[1] + c[2]
+                    for w in c[4]:  # they leave it with this device
+                        now[w] = end
+                        in_collectives[w] += c[2]
+                        pc[w] += 1
+                    ready.extend(c[4])
+                in_collectives[d] += c[2]
+                t = c[3]
+            elif kind == "recv":
+                at = arrival.get(op[1])
+                if at is None:
+                    waiting.setdefault(op[1], []).append(d)
+                    break
+                t = max(t, at)
+            elif kind == "send":
+                link_free[d] = post_sends(t, op[1], link_free[d], arrival)
+                sent_until[d] = max([sent_until[d], *(arrival[m] for m, _, _ in op[1])])
+                for m, _, _ in op[1]:
+                    if m in waiting:
+                        ready.extend(waiting.pop(m))
+            elif kind == "wait_sends":
+                t = max(t, sent_until[d])
+            else:
+                raise ValueError(f"programs: unknown operation {kind!r}")
+            i += 1
+        pc[d], now[d] = i, t
+    stuck = [f"device {d}: {programs[d][pc[d]]!r}" for d in range(n) if pc[d] < len(programs[d])]
+    if stuck:
+        raise ValueError("programs: deadlock; waiting: " + "; ".join(stuck[:4]))
     return now, in_collectives

@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import warnings
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -728,31 +729,42 @@ Chain = list[tuple[str, nn.Module]]
 
 
 def _chains(
-    module: nn.Module, prefix: str = "", untraced: list[str] | None = None
+    module: nn.Module,
+    prefix: str = "",
+    untraced: list[str] | None = None,
+    traced_cache: dict[tuple[int, str], list[Chain] | str] | None = None,
 ) -> Iterator[Chain]:
     """Runs of modules known to feed each other in order, and nothing else: the children of
     plain nn.Sequential containers (nested ones flattened), and inside a module with its own
     forward the runs torch.fx finds in its traced graph (:func:`_traced_chains`). A module whose
     forward cannot be traced breaks a run — its dataflow is unknown — and its insides are
-    searched for runs of their own; its name goes to ``untraced``."""
+    searched for runs of their own; its name goes to ``untraced``. ``traced_cache``: traces
+    already made of these modules, by (module id, prefix), to read and add to (one caller
+    asking about the same unchanged modules several times)."""
     if _is_plain_sequential(module):
         chain: Chain = []
         inner: Chain = []
         _flatten(module, prefix, chain, inner)
         yield chain
         for name, m in inner:
-            yield from _chains(m, name, untraced)
+            yield from _chains(m, name, untraced, traced_cache)
         return
     if next(module.children(), None) is None:
         return
-    traced = _traced_chains(module, prefix)
+    if traced_cache is None:
+        traced = _traced_chains(module, prefix)
+    else:
+        key = (id(module), prefix)
+        if key not in traced_cache:
+            traced_cache[key] = _traced_chains(module, prefix)
+        traced = traced_cache[key]
     if isinstance(traced, list):
         yield from traced
         return
     if untraced is not None:
         untraced.append(f"{prefix or type(module).__name__} ({traced})")
     for name, child in module.named_children():
-        yield from _chains(child, f"{prefix}.{name}" if prefix else name, untraced)
+        yield from _chains(child, f"{prefix}.{name}" if prefix else name, untraced, traced_cache)
 
 
 # Functions and tensor methods a traced forward may call on a channel-split tensor, as the
@@ -879,18 +891,41 @@ def filter_modes(
     return _plan(model, chosen, avoid_gathers)[0]
 
 
+def chain_filter_modes(chain: Sequence[tuple[str, nn.Module]]) -> list[dict[str, str]]:
+    """``filter_modes(nn.Sequential(OrderedDict(chain[lo:])))`` for every ``lo``: the modes of
+    a filter-split stage running from each layer of a chain of named layers to its end, each
+    module's forward traced once for all of them (the chain is read, not changed).
+
+    >>> chain = [("a", nn.Linear(8, 6)), ("b", nn.ReLU()), ("c", nn.Linear(6, 2))]
+    >>> chain_filter_modes(chain)
+    [{'a': 'split-output', 'c': 'split-input'}, {'c': 'gather'}, {'c': 'gather'}]
+    """
+    traced: dict[tuple[int, str], list[Chain] | str] = {}
+    out = []
+    for lo in range(len(chain)):
+        model = nn.Sequential(OrderedDict(chain[lo:]))
+        chosen = _choose(model, None, dict(model.named_modules()), warn=False)
+        out.append(_plan(model, chosen, True, traced_cache=traced)[0])
+    return out
+
+
 def _plan(
-    model: nn.Module, chosen: list[str], avoid_gathers: bool, untraced: list[str] | None = None
+    model: nn.Module,
+    chosen: list[str],
+    avoid_gathers: bool,
+    untraced: list[str] | None = None,
+    traced_cache: dict[tuple[int, str], list[Chain] | str] | None = None,
 ) -> tuple[dict[str, str], dict[str, tuple[str, int]], dict[str, str]]:
     """Modes of the chosen layers; for each split-input layer the layer whose shares it takes
     and its in_features_per_channel; for each BatchNorm to split, the layer it follows. The
-    modules whose forwards could not be traced go to ``untraced`` (:func:`_chains`)."""
+    modules whose forwards could not be traced go to ``untraced`` (:func:`_chains`, as does
+    ``traced_cache``)."""
     modes = {name: "gather" for name in chosen}
     feeds: dict[str, tuple[str, int]] = {}
     bns: dict[str, str] = {}
     if not avoid_gathers:
         return modes, feeds, bns
-    for chain in _chains(model, untraced=untraced):
+    for chain in _chains(model, untraced=untraced, traced_cache=traced_cache):
         prev: tuple[str, nn.Module] | None = None
         flattened = False
         pending: list[str] = []

@@ -50,6 +50,90 @@ _WRITE_ONLY = frozenset(
 _NO_SEQUENCE = 2**64 - 1
 
 
+def _computation_dtype(dtype: torch.dtype) -> torch.dtype:
+    # What torch's decompositions compute half-precision batch norms in.
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _batch_norm_outputs(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The outputs ``aten.native_batch_norm`` gives a contiguous meta input in training (the
+    output like the input; the saved mean and inverse deviation, one value per channel, in
+    the computation dtype), or None: the op itself then runs. On the meta device the op runs
+    torch's Python decomposition, milliseconds a call (running statistics untouched: meta
+    tensors hold no values)."""
+    if not (training and input.device.type == "meta" and input.dim() >= 2):
+        return None
+    if not input.is_contiguous() or input.numel() <= input.shape[1]:
+        return None  # (one value per channel: the op raises, dividing by n - 1)
+    saved = torch.empty((input.shape[1],), dtype=_computation_dtype(input.dtype), device="meta")
+    return torch.empty_like(input), saved, torch.empty_like(saved)
+
+
+def _batch_norm_backward_outputs(
+    grad_out: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    save_mean: torch.Tensor | None,
+    save_invstd: torch.Tensor | None,
+    train: bool,
+    eps: float,
+    output_mask: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """The outputs of ``aten.native_batch_norm_backward`` on contiguous meta tensors in
+    training (the input's gradient like the input; the weight's and the bias's, where
+    ``output_mask`` asks for them, one value per channel in the weight's dtype), or None."""
+    if not (train and input.device.type == "meta" and input.dim() >= 2):
+        return None
+    if not (input.is_contiguous() and grad_out.is_contiguous() and grad_out.shape == input.shape):
+        return None
+    if input.numel() <= input.shape[1]:
+        return None  # (as for the forward: the op itself says what it makes of that)
+    dtype = weight.dtype if weight is not None else input.dtype
+    per_channel = [
+        torch.empty((input.shape[1],), dtype=dtype, device="meta") if wanted else None
+        for wanted in output_mask[1:3]
+    ]
+    return torch.empty_like(input), per_channel[0], per_channel[1]
+
+
+#: Ops whose outputs on the meta device are made here rather than by running them (each
+#: function returns None where it does not know them).
+_META_OUTPUTS: dict[Any, Any] = {
+    torch.ops.aten.native_batch_norm.default: _batch_norm_outputs,
+    torch.ops.aten.native_batch_norm_backward.default: _batch_norm_backward_outputs,
+}
+
+
+def _run(func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """``func(*args, **kwargs)``, or the outputs :data:`_META_OUTPUTS` gives for it: the same
+    shapes, strides and dtypes, so the same counts."""
+    made = _META_OUTPUTS.get(func)
+    if made is not None:
+        out = made(*args, **kwargs)
+        if out is not None:
+            return out
+    return func(*args, **kwargs)
+
+
+class _MetaOutputs(TorchDispatchMode):
+    """Runs every op through :func:`_run`: a meta run of a model without its batch norms'
+    decompositions."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return _run(func, args, kwargs or {})
+
+
 def _tensor_bytes(t: torch.Tensor) -> float:
     """Bytes an op reads or writes of ``t``: its elements, or its storage when that is smaller
     (a broadcast ``expand`` reads its few elements once)."""
@@ -156,7 +240,7 @@ class _OpCounter(TorchDispatchMode):
         # Unlike FlopCounterMode, no op is decomposed: a fused kernel (batch norm) moves the
         # bytes of its inputs and outputs, not of its decomposition's intermediates; only
         # batch norm decomposes on the models tested, into no matmul (the FLOPs agree).
-        out = func(*args, **kwargs)
+        out = _run(func, args, kwargs)
         node = torch._C._current_autograd_node()
         backward = node is not None
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]

@@ -4,13 +4,12 @@ has one, its counted ops (:mod:`.counting`) elsewhere - and the top-level layers
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from hetcoll.model.costs.counting import _counted_kernels, _trace
+from hetcoll.model.costs.counting import _counted_kernels, _MetaOutputs, _trace
 from hetcoll.model.costs.formulas import (
     _VIEWS,
     _conv_kernels,
@@ -157,7 +156,7 @@ def _with_plan_layers(costs: ModelCosts, model: nn.Module, dtype: torch.dtype) -
 
     from torch.func import functional_call
 
-    from hetcoll.torch.filters import filter_modes
+    from hetcoll.torch.filters import chain_filter_modes
     from hetcoll.torch.layers import model_layers
 
     try:
@@ -185,7 +184,7 @@ def _with_plan_layers(costs: ModelCosts, model: nn.Module, dtype: torch.dtype) -
     was_training = model.training
     model.train()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _MetaOutputs():
             for name, m in chain:
                 state = {
                     k: torch.empty_like(v, device="meta")
@@ -202,8 +201,8 @@ def _with_plan_layers(costs: ModelCosts, model: nn.Module, dtype: torch.dtype) -
     finally:
         model.train(was_training)
     stage_modes = []
-    for lo in range(len(chain)):
-        modes = filter_modes(nn.Sequential(OrderedDict(chain[lo:])))
+    # filter_modes(nn.Sequential(OrderedDict(chain[lo:]))) for every lo, each forward traced once
+    for modes in chain_filter_modes(chain):
         keys = list(modes)
         rows = []
         for k, (name, mode) in enumerate(modes.items()):

@@ -5,6 +5,7 @@ and the filter fraction), :class:`LayerCost` (one layer's kernels, parameters an
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -250,10 +251,22 @@ class ModelCosts:
         return sum(x.param_bytes for x in self.layers)
 
     def forward_flops(self, batch: float) -> float:
-        return sum(x.forward_flops(batch) for x in self.layers)
+        key = (True, type(batch), batch)
+        if key not in self._flops:
+            self._flops[key] = sum(x.forward_flops(batch) for x in self.layers)
+        return self._flops[key]
 
     def backward_flops(self, batch: float) -> float:
-        return sum(x.backward_flops(batch) for x in self.layers)
+        key = (False, type(batch), batch)
+        if key not in self._flops:
+            self._flops[key] = sum(x.backward_flops(batch) for x in self.layers)
+        return self._flops[key]
+
+    @functools.cached_property
+    def _flops(self) -> dict[tuple[bool, type, float], float]:
+        # The sums above by direction and batch, worked out once: the planner asks for them
+        # for every candidate it bounds (not a field: equality and hashing ignore it).
+        return {}
 
     def saved_bytes_per_sample(self) -> float:
         return sum(x.saved_bytes_per_sample for x in self.layers)

@@ -169,6 +169,8 @@ def filter_parallel_schedule(
     chan = np.ones((n_layers, n_dev))  # fraction of the channels a replicated layer runs on
     filters_of: dict[int, list[int]] = {}
     source: tuple[int, np.ndarray] | None = None  # the open split-output layer, its fractions
+    speeds = [float(x) for x in parts]
+    splits: dict[tuple[int, int], list[int]] = {}  # layers of equal filters split alike
     for i, layer in enumerate(costs.layers):
         mode = layer_modes.get(layer.name)
         if mode == "split-input":
@@ -186,8 +188,12 @@ def filter_parallel_schedule(
                         f"{layer.filters}, got {f}"
                     )
             else:
-                speeds = [float(x) for x in parts]
-                f = hetcoll.split(layer.filters, speeds, minimum=1 if layer.filters >= n_dev else 0)
+                at_least = 1 if layer.filters >= n_dev else 0
+                if (layer.filters, at_least) not in splits:
+                    splits[layer.filters, at_least] = hetcoll.split(
+                        layer.filters, speeds, minimum=at_least
+                    )
+                f = list(splits[layer.filters, at_least])
             filters_of[i] = f
             phi[i, :] = np.asarray(f, dtype=np.float64) / layer.filters
             source = (i, phi[i].copy()) if mode == "split-output" else None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -177,20 +177,21 @@ def predict_stages(
         )
         templates.setdefault(shape, []).append(i)
     dev_kind = _device_arrays(cluster.devices).kind
-    node_of = np.asarray(cluster.node_of_device)
+    node_of = _cluster_facts(cluster).node_of
     node_link = _node_link_ids(cluster)
+    n_links = int(node_link.max()) + 1
     link_ids: dict[Link, int] = {}
-    between: dict[tuple[int, ...], int] = {}
+    between: dict[int, int] = {}
 
     def link_id(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         # The link between devices a and b (arrays) depends on whether they share a node and
-        # on their nodes' links only: one link_between per distinct case.
+        # on their nodes' links only: one link_between per distinct case, each case (same
+        # node, a's node's link, b's) one integer, numbered in the order of those triples.
         na, nb = node_of[a], node_of[b]
-        cases = np.stack([na == nb, node_link[na], node_link[nb]], axis=1)
-        unique, first, inverse = np.unique(cases, axis=0, return_index=True, return_inverse=True)
+        cases = ((na == nb) * n_links + node_link[na]) * n_links + node_link[nb]
+        unique, first, inverse = np.unique(cases, return_index=True, return_inverse=True)
         ids = []
-        for case, f in zip(unique.tolist(), first.tolist()):
-            key = tuple(case)
+        for key, f in zip(unique.tolist(), first.tolist()):
             if key not in between:
                 link = cluster.link_between(int(a[f]), int(b[f]))
                 between[key] = link_ids.setdefault(link, len(link_ids))
@@ -244,10 +245,7 @@ def predict_stages(
             if size > 1:  # the ring of a split stage's collectives
                 block = ranks_of[:, starts[j] : starts[j] + size]
                 signature.append(ring_id(block)[:, None])
-        _, first, inverse = np.unique(
-            np.hstack(signature), axis=0, return_index=True, return_inverse=True
-        )
-        inverse = inverse.reshape(-1)
+        first, inverse = _unique_rows(np.hstack(signature))
         sizes = tuple(microbatch_sizes(samples, microbatches))
         for c, f in enumerate(first):
             rows = ranks_of[inverse == c]
@@ -307,6 +305,34 @@ def predict_stages(
 
 
 @dataclass
+class _Memo:
+    """What the predictions of one model on one cluster share: each layer's times per
+    micro-batch size on each kind of device (``times``) and the stages' work (``work``), which
+    the planner's candidates repeat (the same layers on the same kind of device at the same
+    micro-batch, under both schedules)."""
+
+    times: dict[int, LayerSeconds] = field(default_factory=dict)
+    work: dict[tuple[Any, ...], _StageWork] = field(default_factory=dict)
+
+
+#: The memos of the last few (costs, cluster) pairs, by identity (both are frozen), least
+#: recently used first out; each holds at most ``_MEMO_ENTRIES`` stages' work.
+_MEMOS: dict[tuple[int, int], tuple[ModelCosts, Cluster, _Memo]] = {}
+_MEMO_ENTRIES = 4096
+
+
+def _memo(costs: ModelCosts, cluster: Cluster) -> _Memo:
+    key = (id(costs), id(cluster))
+    hit = _MEMOS.pop(key, None)
+    if hit is None or hit[0] is not costs or hit[1] is not cluster:
+        hit = (costs, cluster, _Memo())
+        if len(_MEMOS) >= 4:
+            _MEMOS.pop(next(iter(_MEMOS)))
+    _MEMOS[key] = hit
+    return hit[2]
+
+
+@dataclass
 class _StageWork:
     """One stage's work on one micro-batch size, per rank of the stage: forward and backward
     as ("compute", s, ((layer, s, "F" or "B"), ...)) and ("collective", layer, s) pieces,
@@ -329,7 +355,11 @@ def _stage_work(
     batch: int,
     times: Any,
     state_copies: int,
+    subset: Cluster | None = None,
 ) -> _StageWork:
+    """The work of ``stage`` at ``batch`` samples (``subset``: ``cluster.subset`` of a split
+    stage's ranks, when the caller has it already). Shared by the stages alike (the caller's
+    memo): read only."""
     lo, hi = stage.lo, stage.hi
     if len(stage.ranks) == 1:
         d = stage.ranks[0]
@@ -367,7 +397,7 @@ def _stage_work(
     )
     sched = filter_parallel_schedule(
         sub,
-        cluster.subset(stage.ranks),
+        subset if subset is not None else cluster.subset(stage.ranks),
         batch,
         stage.parts,
         modes=stage.modes,
@@ -496,7 +526,7 @@ def _ring_link_of(cluster: Cluster, ranks: np.ndarray, node_link: np.ndarray) ->
     """``cluster.subset(ranks).ring_link()`` without building the subset: the ring crosses the
     link of each node holding two or more of ``ranks`` and the network when they span nodes,
     so a few nodes stand for all (``node_link``: an id per node, equal for equal links)."""
-    nodes = np.asarray(cluster.node_of_device)[ranks] if len(ranks) else np.zeros(0, int)
+    nodes = _cluster_facts(cluster).node_of[ranks] if len(ranks) else np.zeros(0, int)
     counts = np.bincount(nodes, minlength=len(cluster.nodes))
     present = np.flatnonzero(counts)
     shared = np.flatnonzero(counts >= 2)
@@ -511,6 +541,70 @@ def _ring_link_of(cluster: Cluster, ranks: np.ndarray, node_link: np.ndarray) ->
 
 
 _NODE_LINKS: dict[int, tuple[Sequence[Any], np.ndarray]] = {}
+
+
+@dataclass(frozen=True)
+class _ClusterFacts:
+    """What the predictors read of a cluster for every candidate, worked out once:
+    ``node_of``, each device's node (an array); ``first_of_kind``, the first device of each
+    kind (:func:`_device_arrays`); ``ring_link``, ``cluster.ring_link()``."""
+
+    node_of: np.ndarray
+    first_of_kind: np.ndarray
+    ring_link: Link
+
+
+_FACTS: dict[int, tuple[Cluster, _ClusterFacts]] = {}
+
+
+def _cluster_facts(cluster: Cluster) -> _ClusterFacts:
+    """:class:`_ClusterFacts` of ``cluster`` (cached for the last few clusters, by identity:
+    a cluster is frozen)."""
+    hit = _FACTS.pop(id(cluster), None)
+    if hit is None or hit[0] is not cluster:
+        _, first = np.unique(_device_arrays(cluster.devices).kind, return_index=True)
+        hit = (
+            cluster,
+            _ClusterFacts(np.asarray(cluster.node_of_device), first, cluster.ring_link()),
+        )
+        if len(_FACTS) >= 16:
+            _FACTS.pop(next(iter(_FACTS)))
+    _FACTS[id(cluster)] = hit
+    return hit[1]
+
+
+def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(rows, axis=0, return_index=True, return_inverse=True)`` without its
+    unique rows: the index of each distinct row's first occurrence, in the rows' sorted
+    order, and each row's number among them. The same numbers, from one integer per row
+    (the rows of non-negative integers read as digits, renumbered in order whenever the
+    next digit would overflow int64) rather than a sort of structured rows, several times
+    faster on a cluster's ranks.
+
+    >>> _unique_rows(np.array([[1, 0], [0, 5], [1, 0]]))
+    (array([1, 0]), array([1, 0, 1]))
+    """
+    rows = np.asarray(rows)
+    if (
+        rows.ndim != 2
+        or not rows.size
+        or rows.dtype.kind not in "iu"
+        or rows.min() < 0
+        or rows.max() >= 2**31
+    ):
+        _, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+        return first, inverse.reshape(-1)
+    code = np.zeros(len(rows), dtype=np.int64)
+    top = 1  # code < top
+    for col in rows.T.astype(np.int64):
+        base = int(col.max()) + 1
+        if top * base >= 2**62:
+            _, code = np.unique(code, return_inverse=True)  # same order, dense
+            code, top = code.reshape(-1).astype(np.int64), int(code.max()) + 1
+        code = code * base + col
+        top *= base
+    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    return first, inverse.reshape(-1)
 
 
 def _node_link_ids(cluster: Cluster) -> np.ndarray:
@@ -661,8 +755,10 @@ def _layout_schedule(
     devices = cluster.devices
     n_dev = len(devices)
     dev = _device_arrays(devices)
-    cache: dict[int, LayerSeconds] = {}
-    _, first_of_kind = np.unique(dev.kind, return_index=True)
+    memo = _memo(costs, cluster)
+    cache = memo.times
+    facts = _cluster_facts(cluster)
+    first_of_kind = facts.first_of_kind
     kinds = dev.columns(first_of_kind)
 
     def times(b: int) -> tuple[LayerSeconds, np.ndarray]:
@@ -671,6 +767,39 @@ def _layout_schedule(
         if b not in cache:
             cache[b] = _layer_times(costs, kinds, np.full(len(first_of_kind), b))
         return cache[b], dev.kind
+
+    def stage_work(stage: _StageLayout, b: int) -> _StageWork:
+        # A stage's work depends on its layers and split, the kinds of its devices, the ring
+        # its collectives cross (a split stage), the micro-batch and the optimizer: stages
+        # alike in those share it, within a search and across its candidates.
+        if len(stage.ranks) == 1:
+            key: tuple[Any, ...] = (stage.lo, stage.hi, int(dev.kind[stage.ranks[0]]), b)
+            sub = cluster
+        else:
+            sub = cluster.subset(list(stage.ranks))
+            ring = sub.ring_link()
+            assert stage.modes is not None
+            key = (
+                stage.lo,
+                stage.hi,
+                tuple(int(dev.kind[d]) for d in stage.ranks),
+                b,
+                ring.latency_s,
+                ring.bytes_per_s,
+                stage.parts,
+                tuple(stage.modes.items()),
+                None
+                if stage.layer_shares is None
+                else tuple((k, tuple(v)) for k, v in stage.layer_shares.items()),
+            )
+        key += (state_copies,)
+        hit = memo.work.get(key)
+        if hit is None:
+            hit = _stage_work(costs, cluster, stage, b, times, state_copies, sub)
+            if len(memo.work) >= _MEMO_ENTRIES:
+                memo.work.clear()
+            memo.work[key] = hit
+        return hit
 
     if classes is None and not group:
         classes = [(rep, np.array([_flat_ranks(rep)])) for rep in replicas]
@@ -691,10 +820,7 @@ def _layout_schedule(
     for r, (rep, _) in enumerate(classes):
         n_st, m = len(rep.stages), len(rep.micro)
         for s, stage in enumerate(rep.stages):
-            work = {
-                b: _stage_work(costs, cluster, stage, b, times, state_copies)
-                for b in sorted(set(rep.micro))
-            }
+            work = {b: stage_work(stage, b) for b in sorted(set(rep.micro))}
             any_work = work[rep.micro[0]]
             order = schedule_order(schedule, s, n_st, m)
             # Activations kept at once: every micro-batch under GPipe; under 1F1B the forwards
@@ -704,6 +830,14 @@ def _layout_schedule(
             lead = stage.ranks[0]
             prev = rep.stages[s - 1] if s > 0 else None
             nxt = rep.stages[s + 1] if s + 1 < n_st else None
+            # Each forward adds its micro-batch's causes (forward and backward) to the stage's
+            # devices, in the schedule's order: all ranks at once (the same additions).
+            columns = list(stage.ranks)
+            acc = causes[:, columns]
+            for op, k in order:
+                if op == "F":
+                    acc += work[rep.micro[k]].causes
+            causes[:, columns] = acc
             for j, d in enumerate(stage.ranks):
                 state[d] = any_work.state_bytes[j]
                 update[d] = any_work.update_s[j]
@@ -712,7 +846,6 @@ def _layout_schedule(
                 for op, k in order:
                     w = work[rep.micro[k]]
                     if op == "F":
-                        causes[:, d] += w.causes[:, j]  # forward and backward
                         if prev is not None:
                             prog.append(("recv", ("act", r, s, k, d)))
                         pieces = w.forward[j]
@@ -782,7 +915,9 @@ def _layout_schedule(
                         parts.append(members[:, col : col + len(st.ranks)].ravel())
                         taking_part += [local[d] for d in st.ranks]
                     col += len(st.ranks)
-            held = np.unique(np.concatenate(parts))
+            mask = np.zeros(n_dev, dtype=bool)  # (np.unique of the parts, without a sort)
+            mask[np.concatenate(parts)] = True
+            held = np.flatnonzero(mask)
             nbytes = sum(costs.layers[i].param_bytes for i in range(a, b))
             if nbytes <= 0:
                 continue
@@ -810,7 +945,7 @@ def _layout_schedule(
             programs[x].append(("collective", ("sum", g)))
         state[held] += nbytes  # the full-size buffer the gradients are summed in
     # The loss, summed over every rank of the group (one float64); idle ranks join it at once.
-    link = cluster.ring_link()
+    link = facts.ring_link
     loss_s = float(
         terms.ring_allreduce_seconds(
             8.0, n_dev, link.latency_s, link.bytes_per_s, float(dev.mem_bytes_per_s.min()), 8

@@ -38,8 +38,24 @@ class _KernelTable:
     onehot: np.ndarray  # (layers, kernels): 1 where the kernel belongs to the layer
 
 
-@functools.lru_cache(maxsize=128)
+#: The tables of the last few costs, by identity (hashing a ModelCosts hashes every layer:
+#: the lru_cache below pays that on every call, the planner makes hundreds).
+_TABLES: dict[int, tuple[ModelCosts, _KernelTable]] = {}
+
+
 def _kernel_table(costs: ModelCosts) -> _KernelTable:
+    hit = _TABLES.get(id(costs))
+    if hit is not None and hit[0] is costs:
+        return hit[1]
+    table = _costs_kernel_table(costs)
+    if len(_TABLES) >= 16:
+        _TABLES.pop(next(iter(_TABLES)))
+    _TABLES[id(costs)] = (costs, table)
+    return table
+
+
+@functools.lru_cache(maxsize=128)
+def _costs_kernel_table(costs: ModelCosts) -> _KernelTable:
     rows: list[
         tuple[int, bool, float, float, float, float, float, bool, bool, bool, bool, int, int]
     ] = []
@@ -132,14 +148,27 @@ class _DeviceArrays:
         )
 
 
-#: The arrays of the last few device lists (a cluster's ``devices`` is one tuple for its life;
-#: the planner asks for the same one hundreds of times).
+#: The arrays of the last few device lists used (a cluster's ``devices`` is one tuple for its
+#: life; the planner asks for the same one hundreds of times), least recently used first out.
 _ARRAYS: dict[int, tuple[Sequence[Device], _DeviceArrays]] = {}
+#: Those of short device lists, by the identity of each device: the planner costs many
+#: filter-split stages of a few devices, each a new subset of the cluster holding the same
+#: device objects (kept here, so that their identities stay theirs).
+_SHORT: dict[tuple[int, ...], tuple[tuple[Device, ...], _DeviceArrays]] = {}
 
 
 def _device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
+    if isinstance(devices, tuple) and len(devices) <= 64:
+        key = tuple(map(id, devices))
+        short = _SHORT.get(key)
+        if short is None:
+            if len(_SHORT) >= 256:
+                _SHORT.pop(next(iter(_SHORT)))
+            short = _SHORT[key] = (devices, _new_device_arrays(devices))
+        return short[1]
     hit = _ARRAYS.get(id(devices))
     if hit is not None and hit[0] is devices:
+        _ARRAYS[id(devices)] = _ARRAYS.pop(id(devices))  # now the most recently used
         return hit[1]
     arrays = _new_device_arrays(devices)
     if isinstance(devices, tuple):
@@ -374,7 +403,7 @@ def _memory_shortfall(mem: np.ndarray, devices: Sequence[Any]) -> str:
 
 def compute_seconds(costs: ModelCosts, device: Device, batch: int) -> float:
     """Forward + backward seconds of the whole model on one device at ``batch`` samples."""
-    dev = _device_arrays([device])
+    dev = _device_arrays((device,))
     lt = _layer_times(costs, dev, np.array([batch]))
     return float(lt.forward_s.sum() + lt.backward_s.sum())
 
