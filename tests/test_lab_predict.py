@@ -20,13 +20,13 @@ from hetcoll.lab.validate import (
 )
 from hetcoll.model import Cluster, Device, Link, Node, layer_costs, networks, terms
 from hetcoll.model.predict import (
-    _device_arrays,
     _layer_times,
     compute_seconds,
     data_parallel,
     filter_parallel,
     predict_plan,
 )
+from hetcoll.model.predict.timing import device_arrays
 
 
 def _cluster(devs: list[tuple[float, float]], bw: float = 1e9, lat: float = 1e-5) -> Cluster:
@@ -137,7 +137,7 @@ def test_the_pause_delays_every_bucket_under_overlap(cnn_costs) -> None:  # type
     slow = predict_emulated.data_parallel(
         cnn_costs, cluster, [16, 16], [1.0, 0.5], broadcast_buffers=False
     )
-    lt = _layer_times(cnn_costs, _device_arrays(cluster.devices[:1]), np.array([16]))
+    lt = _layer_times(cnn_costs, device_arrays(cluster.devices[:1]), np.array([16]))
     fwd, bwd = float(lt.forward_s.sum()), lt.backward_s[:, 0]
     update = float(terms.optimizer_update_seconds(cnn_costs.param_bytes, 2e10))
     start = fwd + (fwd + float(bwd.sum()) + update)  # the slow rank's: forward, then its pause
@@ -172,7 +172,7 @@ def test_ranks_sharing_cores_compute_slower_unless_one_pauses(cnn_costs) -> None
     )
     # By hand: the three forwards share the cores (1.5 F); ranks 0 and 1 then run their
     # backwards on a core each while rank 2 pauses (c + update) and runs its backward alone.
-    lt = _layer_times(cnn_costs, _device_arrays(cluster.devices[:1]), np.array([16]))
+    lt = _layer_times(cnn_costs, device_arrays(cluster.devices[:1]), np.array([16]))
     fwd = float(lt.forward_s.sum())
     pause = c + update
     by_hand = 1.5 * fwd + pause + (c - fwd) + paused.detail["allreduce_s"] + 1.5 * update
@@ -321,7 +321,7 @@ def test_plan_emulation_slows_only_layers_with_parameters(cnn_costs) -> None:  #
     )  # fmt: skip
     plain = predict_plan(cnn_costs, cluster, plan).step_s
     slow = predict_emulated.parallel_plan(cnn_costs, cluster, plan, [0.25]).step_s
-    lt = _layer_times(cnn_costs, _device_arrays(cluster.devices), np.array([8]))
+    lt = _layer_times(cnn_costs, device_arrays(cluster.devices), np.array([8]))
     params = np.array([layer.param_bytes > 0 for layer in cnn_costs.layers])
     fwd = float(lt.forward_s[params, 0].sum())
     bwd = float(lt.backward_s[params, 0].sum() - lt.backward_s[0, 0])
@@ -340,7 +340,7 @@ def test_plan_on_shared_cores_by_hand() -> None:
     )  # fmt: skip
     alone = predict_emulated.parallel_plan(costs, cluster, plan, [1.0, 1.0])
     shared = predict_emulated.parallel_plan(costs, cluster, plan, [1.0, 1.0], host=SharedCores(1))
-    lt = _layer_times(costs, _device_arrays(cluster.devices[:1]), np.array([4]))
+    lt = _layer_times(costs, device_arrays(cluster.devices[:1]), np.array([4]))
     f0, f1 = float(lt.forward_s[0, 0]), float(lt.forward_s[1, 0])
     b0, b1 = float(lt.backward_s[0, 0]), float(lt.backward_s[1, 0])
     # The one core is never idle (some rank always has work), so the step is all the work:

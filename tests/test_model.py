@@ -325,13 +325,14 @@ def test_ddp_buffer_broadcast_starts_every_step(cnn_costs) -> None:  # type: ign
 
 
 def test_convolutions_compute_channels_padded_to_the_block() -> None:
-    from hetcoll.model.predict import _device_arrays, _layer_times
+    from hetcoll.model.predict import _layer_times
+    from hetcoll.model.predict.timing import device_arrays
 
     # Compute-bound devices (no overheads, boundless memory): compute time follows the FLOPs.
     def compute_s(conv: nn.Module, shape: tuple[int, ...], block: int, **kw: object) -> np.ndarray:
         devs = [Device(f"d{i}", 1e9, 1e30, 1e12, conv_channel_block=block) for i in range(2)]
         costs = layer_costs(conv, shape)
-        times = _layer_times(costs, _device_arrays(devs), np.array([4, 4]), **kw)  # type: ignore[arg-type]
+        times = _layer_times(costs, device_arrays(devs), np.array([4, 4]), **kw)  # type: ignore[arg-type]
         return times.compute_s.sum(axis=0)  # type: ignore[no-any-return]
 
     out_split = np.array([[21 / 32, 11 / 32]])
@@ -355,7 +356,8 @@ def test_convolutions_compute_channels_padded_to_the_block() -> None:
 
 def test_element_wise_kernels_run_at_their_own_rates() -> None:
     from hetcoll.model.hardware import dumps_cluster
-    from hetcoll.model.predict import _device_arrays, _layer_times
+    from hetcoll.model.predict import _layer_times
+    from hetcoll.model.predict.timing import device_arrays
 
     # Memory-bound devices, no overhead: each layer's time is its bytes over its kernels'
     # rate. Batch norm at the element-wise rate, pooling at the pooling rate, ReLU streams at
@@ -364,7 +366,7 @@ def test_element_wise_kernels_run_at_their_own_rates() -> None:
     dev = Device("d", 1e30, mem, 1e12, elementwise_bytes_per_s=ew, pool_bytes_per_s=pool)
     costs = layer_costs(nn.Sequential(nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2)), (8, 16, 16))
     rates = [ew, mem, pool]
-    lt = _layer_times(costs, _device_arrays([dev]), np.array([4]))
+    lt = _layer_times(costs, device_arrays([dev]), np.array([4]))
     for i, layer in enumerate(costs.layers):
         moved = sum(k.moved_bytes(4) for k in (*layer.forward, *layer.backward))
         assert lt.forward_s[i, 0] + lt.backward_s[i, 0] == pytest.approx(moved / rates[i])

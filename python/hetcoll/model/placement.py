@@ -35,7 +35,7 @@ def _bytes_per_element(model: torch.nn.Module) -> int:
     return 4
 
 
-def _layer_index(model: torch.nn.Module, h: NetworkHypergraph) -> dict[str, int]:
+def layer_index(model: torch.nn.Module, h: NetworkHypergraph) -> dict[str, int]:
     """network_hypergraph's Conv2d / Linear names -> their index among the plan's layers; each
     must be a top-level layer (an owners stage places chains of top-level children)."""
     from hetcoll.torch.layers import model_layers
@@ -88,7 +88,7 @@ def hypergraph_plan(
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches: must be an integer >= 1, got {microbatches!r}")
     h = network_hypergraph(model, input_shape, bytes_per_element=_bytes_per_element(model))
-    index = _layer_index(model, h)
+    index = layer_index(model, h)
     layers = model_layers(model)
     k = len(speeds)
     stage: dict[str, object] = {"ranks": list(range(k)), "layers": [0, len(layers)]}
@@ -151,7 +151,7 @@ def placement_traffic(
             raise ValueError(f"{where}: an owners stage before another stage is not predicted")
     bpe = _bytes_per_element(model)
     h = network_hypergraph(model, input_shape, bytes_per_element=bpe)
-    index = _layer_index(model, h)
+    index = layer_index(model, h)
     parts = np.empty(h.num_vertices, dtype=np.int64)
     for name, first, count in h.layers:
         layer = index[name]

@@ -18,6 +18,7 @@ from hetcoll.model.hardware import Cluster
 from hetcoll.model.planner.rates import per_sample_seconds
 from hetcoll.model.planner.report import SearchReport
 from hetcoll.model.predict import Prediction
+from hetcoll.model.predict.timing import memory_shortfall
 from hetcoll.plan import Plan
 
 #: Node-wise (owners) plans are searched on one set of at most this many devices, for models of
@@ -57,7 +58,7 @@ def node_wise_candidates(
     step, load balance, predicted step) with these and the other strategies on the same
     devices."""
     from hetcoll.model.hypergraph import network_hypergraph
-    from hetcoll.model.placement import _layer_index, hypergraph_plan, placement_traffic
+    from hetcoll.model.placement import hypergraph_plan, layer_index, placement_traffic
     from hetcoll.model.placement import predict_placement as replay
     from hetcoll.torch.layers import model_layers
     from hetcoll.torch.placement import owners_blocks
@@ -68,7 +69,7 @@ def node_wise_candidates(
     suffix = f", {k} of {p} devices" if k < p else ""
     try:
         h = network_hypergraph(model, shape, bytes_per_element=costs.itemsize)
-        index = _layer_index(model, h)
+        index = layer_index(model, h)
         layers = model_layers(model)
     except ValueError as e:
         report.skipped["node-wise placement"] = str(e)
@@ -195,7 +196,7 @@ def node_wise_candidates(
             for j, d in enumerate(keep):
                 full_mem[d] = float(mem[j])
                 shares[d] = int(sum(1 for v in owners.values() for o in v if o == j))
-            reason = predict._memory_shortfall(np.asarray(full_mem), cluster.devices)
+            reason = memory_shortfall(np.asarray(full_mem), cluster.devices)
             doc = local.to_dict()
             doc["replicas"][0]["stages"][0]["ranks"] = list(keep)
             pred = Prediction(

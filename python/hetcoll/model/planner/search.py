@@ -78,6 +78,7 @@ from hetcoll.model.planner.subsets import (
     node_groups,
 )
 from hetcoll.model.predict import Prediction
+from hetcoll.model.predict.timing import device_arrays, linear_fit
 from hetcoll.plan import Plan
 
 PIPELINE_MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -177,9 +178,9 @@ def _asymmetric(
     """Whole-model replicas on the ``fast`` devices beside one replica of the ``slow`` ones (a
     pipeline of one-device stages, or one filter-split stage), samples split by each
     replica's predicted time t(b) = a + b / s (:func:`hetcoll.split`)."""
-    dev = predict._device_arrays([cluster.devices[d] for d in fast])
+    dev = device_arrays([cluster.devices[d] for d in fast])
     guess = max(1, batch // max(1, len(fast) + 1))
-    a, c = predict._linear_fit(costs, dev, guess)
+    a, c = linear_fit(costs, dev, guess)
     update = np.asarray(terms.optimizer_update_seconds(costs.param_bytes, dev.mem_bytes_per_s, s))
     whole = [(float(a[i] + update[i]), 1.0 / float(c[i])) for i in range(len(fast))]
     sub = cluster.subset(slow)

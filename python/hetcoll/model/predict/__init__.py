@@ -138,9 +138,6 @@ from hetcoll.model.predict.timing import (
     _check_shares as _check_shares,
 )
 from hetcoll.model.predict.timing import (
-    _device_arrays as _device_arrays,
-)
-from hetcoll.model.predict.timing import (
     _DeviceArrays as _DeviceArrays,
 )
 from hetcoll.model.predict.timing import (
@@ -153,13 +150,7 @@ from hetcoll.model.predict.timing import (
     _layer_times as _layer_times,
 )
 from hetcoll.model.predict.timing import (
-    _linear_fit as _linear_fit,
-)
-from hetcoll.model.predict.timing import (
     _memory_common as _memory_common,
-)
-from hetcoll.model.predict.timing import (
-    _memory_shortfall as _memory_shortfall,
 )
 from hetcoll.model.predict.timing import (
     _new_device_arrays as _new_device_arrays,

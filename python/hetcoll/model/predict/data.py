@@ -17,11 +17,11 @@ from hetcoll.model.predict.prediction import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_
 from hetcoll.model.predict.timing import (
     LayerSeconds,
     _check_shares,
-    _device_arrays,
     _layer_times,
-    _linear_fit,
     _memory_common,
-    _memory_shortfall,
+    device_arrays,
+    linear_fit,
+    memory_shortfall,
 )
 from hetcoll.plan import Plan
 
@@ -144,7 +144,7 @@ def data_parallel_schedule(
     """
     devices = cluster.devices
     b = _check_shares(shares, len(devices))
-    dev = _device_arrays(devices)
+    dev = device_arrays(devices)
     lt = _layer_times(costs, dev, b)
     opt = np.where(
         b > 0,
@@ -186,7 +186,7 @@ def data_parallel_schedule(
         bcast,
         overlap,
         mem,
-        _memory_shortfall(mem, devices),
+        memory_shortfall(mem, devices),
     )
 
 
@@ -253,8 +253,8 @@ def balanced_batch_shares(
     Raises ValueError (naming ``batch``) when the batch cannot fit in the cluster's memory.
     """
     devices = cluster.devices
-    dev = _device_arrays(devices)
-    a, c = _linear_fit(costs, dev, max(1, batch // max(1, len(devices))))
+    dev = device_arrays(devices)
+    a, c = linear_fit(costs, dev, max(1, batch // max(1, len(devices))))
     capacity = None
     if respect_memory:
         fixed = _memory_common(costs, optimizer_state_copies) + costs.param_bytes

@@ -17,9 +17,9 @@ from hetcoll.model.hardware import Cluster
 from hetcoll.model.predict.prediction import Prediction
 from hetcoll.model.predict.timing import (
     LayerSeconds,
-    _device_arrays,
     _layer_times,
-    _memory_shortfall,
+    device_arrays,
+    memory_shortfall,
 )
 from hetcoll.plan import Plan
 
@@ -163,7 +163,7 @@ def filter_parallel_schedule(
     layer_modes = filter_modes(costs) if modes is None else _check_modes(costs, modes)
     if n_dev == 1:
         layer_modes = {}
-    dev = _device_arrays(devices)
+    dev = device_arrays(devices)
     n_layers = len(costs.layers)
     phi = np.ones((n_layers, n_dev))  # each device's fraction of the layer's kernels' filters
     chan = np.ones((n_layers, n_dev))  # fraction of the channels a replicated layer runs on
@@ -250,7 +250,7 @@ def filter_parallel_schedule(
     if not filters_of and n_dev > 1:
         reason = "the model has no conv or linear layer to split"
     else:
-        reason = _memory_shortfall(mem, devices)
+        reason = memory_shortfall(mem, devices)
     widest = max(filters_of, key=lambda i: costs.layers[i].filters) if filters_of else None
     return FilterParallelSchedule(
         strategy,

@@ -14,7 +14,7 @@ from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster
 from hetcoll.model.predict.plans import _layout_schedule, _ReplicaLayout, _StageLayout
 from hetcoll.model.predict.prediction import Prediction
-from hetcoll.model.predict.timing import _check_shares, _device_arrays, _layer_times
+from hetcoll.model.predict.timing import _check_shares, _layer_times, device_arrays
 from hetcoll.plan import Plan
 
 
@@ -38,7 +38,7 @@ def pipeline_stages(
     top-level layers)."""
     n_dev = cluster.num_devices
     micro = math.ceil(batch / micro_batches)
-    lt = _layer_times(costs, _device_arrays(cluster.devices), np.full(n_dev, micro))
+    lt = _layer_times(costs, device_arrays(cluster.devices), np.full(n_dev, micro))
     per_layer_dev = lt.forward_s + lt.backward_s
     cuts = _pipeline_units(costs)
     unit_flops = [
@@ -47,7 +47,7 @@ def pipeline_stages(
     ]
     total_flops = max(sum(unit_flops), 1e-30)
     # Devices of one kind have equal columns: each kind's speed computed once.
-    kind = _device_arrays(cluster.devices).kind
+    kind = device_arrays(cluster.devices).kind
     _, first = np.unique(kind, return_index=True)
     of_kind = [total_flops / max(float(per_layer_dev[:, d].sum()), 1e-30) for d in first]
     speeds = [of_kind[k] for k in kind.tolist()]

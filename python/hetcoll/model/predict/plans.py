@@ -19,9 +19,9 @@ from hetcoll.model.predict.filters import filter_parallel_schedule, stage_split
 from hetcoll.model.predict.prediction import Prediction
 from hetcoll.model.predict.timing import (
     LayerSeconds,
-    _device_arrays,
     _layer_times,
-    _memory_shortfall,
+    device_arrays,
+    memory_shortfall,
 )
 from hetcoll.plan import Plan, microbatch_sizes
 
@@ -176,7 +176,7 @@ def predict_stages(
             tuple((x.shape[1], tuple(lay), sp) for x, (_, lay, sp) in zip(blocks, stages)),
         )
         templates.setdefault(shape, []).append(i)
-    dev_kind = _device_arrays(cluster.devices).kind
+    dev_kind = device_arrays(cluster.devices).kind
     node_of = _cluster_facts(cluster).node_of
     node_link = _node_link_ids(cluster)
     n_links = int(node_link.max()) + 1
@@ -547,7 +547,7 @@ _NODE_LINKS: dict[int, tuple[Sequence[Any], np.ndarray]] = {}
 class _ClusterFacts:
     """What the predictors read of a cluster for every candidate, worked out once:
     ``node_of``, each device's node (an array); ``first_of_kind``, the first device of each
-    kind (:func:`_device_arrays`); ``ring_link``, ``cluster.ring_link()``."""
+    kind (:func:`device_arrays`); ``ring_link``, ``cluster.ring_link()``."""
 
     node_of: np.ndarray
     first_of_kind: np.ndarray
@@ -562,7 +562,7 @@ def _cluster_facts(cluster: Cluster) -> _ClusterFacts:
     a cluster is frozen)."""
     hit = _FACTS.pop(id(cluster), None)
     if hit is None or hit[0] is not cluster:
-        _, first = np.unique(_device_arrays(cluster.devices).kind, return_index=True)
+        _, first = np.unique(device_arrays(cluster.devices).kind, return_index=True)
         hit = (
             cluster,
             _ClusterFacts(np.asarray(cluster.node_of_device), first, cluster.ring_link()),
@@ -696,7 +696,7 @@ class PlanSchedule:
         }
         breakdown["bubble"] = max(0.0, step - sum(breakdown.values()))
         mem = self.state_bytes + self.activation_bytes
-        reason = _memory_shortfall(mem, self.devices)
+        reason = memory_shortfall(mem, self.devices)
         return Prediction(
             self.strategy,
             list(self.samples),
@@ -754,7 +754,7 @@ def _layout_schedule(
 
     devices = cluster.devices
     n_dev = len(devices)
-    dev = _device_arrays(devices)
+    dev = device_arrays(devices)
     memo = _memo(costs, cluster)
     cache = memo.times
     facts = _cluster_facts(cluster)

@@ -157,7 +157,7 @@ _ARRAYS: dict[int, tuple[Sequence[Device], _DeviceArrays]] = {}
 _SHORT: dict[tuple[int, ...], tuple[tuple[Device, ...], _DeviceArrays]] = {}
 
 
-def _device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
+def device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
     if isinstance(devices, tuple) and len(devices) <= 64:
         key = tuple(map(id, devices))
         short = _SHORT.get(key)
@@ -382,10 +382,10 @@ def _memory_common(costs: ModelCosts, state_copies: int) -> float:
     return costs.param_bytes * (2 + state_copies)
 
 
-def _memory_shortfall(mem: np.ndarray, devices: Sequence[Any]) -> str:
+def memory_shortfall(mem: np.ndarray, devices: Sequence[Any]) -> str:
     """Why a plan does not fit ('' when it does): the first device whose memory ``mem[d]``
     (bytes) exceeds its capacity."""
-    capacity = _device_arrays(devices).memory_bytes if len(devices) > 64 else None
+    capacity = device_arrays(devices).memory_bytes if len(devices) > 64 else None
     if capacity is not None:
         over = np.flatnonzero(np.asarray(mem) > capacity)
         candidates = over[:1].tolist()
@@ -403,12 +403,12 @@ def _memory_shortfall(mem: np.ndarray, devices: Sequence[Any]) -> str:
 
 def compute_seconds(costs: ModelCosts, device: Device, batch: int) -> float:
     """Forward + backward seconds of the whole model on one device at ``batch`` samples."""
-    dev = _device_arrays((device,))
+    dev = device_arrays((device,))
     lt = _layer_times(costs, dev, np.array([batch]))
     return float(lt.forward_s.sum() + lt.backward_s.sum())
 
 
-def _linear_fit(costs: ModelCosts, dev: _DeviceArrays, b_ref: int) -> tuple[np.ndarray, np.ndarray]:
+def linear_fit(costs: ModelCosts, dev: _DeviceArrays, b_ref: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-device t(b) ~ a + c b through the predicted compute times at b_ref and 2 b_ref."""
     n = len(dev.flops_per_s)
     t1 = _layer_times(costs, dev, np.full(n, b_ref))
