@@ -615,19 +615,19 @@ fn communities_are_the_cliques() {
     }
 }
 
-/// A chain of 8 vertices and 2 vertices without nets, targets 4 : 1: the chain fits the large
-/// block whole (weight 8 ≤ 8.24) only if the two free vertices take the small one, km1 0. They are
-/// set aside while the chain is partitioned and fill the room left.
+/// A path of 16 vertices and 24 vertices without nets, targets 0.4 : 0.6 (16 and 24), no slack:
+/// the path stays whole (km1 0) only if the free vertices make room for it in one block, which
+/// the partition must find for every seed (with or without setting them aside: this checks the
+/// result, the power-law benchmark shows the gain).
 #[test]
 fn vertices_without_nets_fill_the_room_left() {
-    let nets: Vec<Vec<u32>> = (0..7).map(|v| vec![v, v + 1]).collect();
-    let hg = build(10, &nets, None, None).unwrap();
+    let nets: Vec<Vec<u32>> = (0..15).map(|v| vec![v, v + 1]).collect();
+    let hg = build(40, &nets, None, None).unwrap();
     for seed in 0..10 {
-        let mut options = PartitionOptions::new(vec![0.8, 0.2]);
+        let mut options = PartitionOptions::new(vec![0.4, 0.6]);
         options.seed = seed;
+        options.epsilon = 0.0;
         let parts = partition_hypergraph(&hg, &options).unwrap();
         assert_eq!(hg.km1(&parts), 0.0, "{parts:?}");
-        assert_eq!(&parts[8..], &[parts[8]; 2]);
-        assert!(parts[..8].iter().all(|&b| b == 0), "{parts:?}");
     }
 }
