@@ -22,17 +22,17 @@ const MAX_SHRINK: f64 = 2.5;
 const WEAK_RATING: f64 = 0.1;
 /// Nets larger than this do not contribute to ratings: they say little about which two vertices
 /// belong together and would make rating quadratic.
-const RATING_NET_LIMIT: usize = 1000;
+pub(super) const RATING_NET_LIMIT: usize = 1000;
 
 /// Coarsen until about `160·k` vertices are left or a level stops shrinking. Level `i` maps the
-/// vertices of level `i − 1` (level −1 is `hg`) onto its coarse hypergraph. With `parts` (a
-/// partition of `hg`, for V-cycles) clusters never span two blocks.
+/// vertices of level `i − 1` (level −1 is `hg`) onto its coarse hypergraph. With `groups` (one id
+/// per vertex of `hg`: its community) clusters never span two groups.
 pub(super) fn coarsen(
     hg: &Hypergraph,
     k: usize,
     caps: &[f64],
     mem: Option<&[f64]>,
-    parts: Option<&[u32]>,
+    groups: &[u32],
     rng: &mut Rng,
 ) -> Vec<Level> {
     let limit = VERTICES_PER_BLOCK * k;
@@ -47,30 +47,22 @@ pub(super) fn coarsen(
             .max(hg.vertex_memory.iter().copied().fold(0.0, f64::max))
     });
     let mut levels: Vec<Level> = Vec::new();
-    let mut blocks: Option<Vec<u32>> = parts.map(<[u32]>::to_vec);
+    let mut groups: Vec<u32> = groups.to_vec();
     loop {
         let current = levels.last().map_or(hg, |l| &l.coarse);
         let n = current.num_vertices();
         if n <= limit {
             break;
         }
-        let (map, clusters) = cluster(
-            current,
-            [max_cluster, max_memory],
-            limit,
-            blocks.as_deref(),
-            rng,
-        );
+        let (map, clusters) = cluster(current, [max_cluster, max_memory], limit, &groups, rng);
         if clusters as f64 > 0.97 * n as f64 {
             break;
         }
-        if let Some(b) = &blocks {
-            let mut coarse_blocks = vec![0u32; clusters];
-            for (v, &c) in map.iter().enumerate() {
-                coarse_blocks[c as usize] = b[v];
-            }
-            blocks = Some(coarse_blocks);
+        let mut coarse_groups = vec![0u32; clusters];
+        for (v, &c) in map.iter().enumerate() {
+            coarse_groups[c as usize] = groups[v];
         }
+        groups = coarse_groups;
         let coarse = contract(current, &map, clusters);
         levels.push(Level { coarse, map });
     }
@@ -84,7 +76,7 @@ fn cluster(
     hg: &Hypergraph,
     [max_cluster, max_memory]: [f64; 2],
     limit: usize,
-    blocks: Option<&[u32]>,
+    groups: &[u32],
     rng: &mut Rng,
 ) -> (Vec<u32>, usize) {
     let n = hg.num_vertices();
@@ -97,8 +89,32 @@ fn cluster(
     let mut joined = vec![false; n]; // part of a multi-vertex cluster
     let mut rating = vec![0.0f64; n];
     let mut touched: Vec<u32> = Vec::new();
+    // Stamp of the (vertex, net) rating step that last counted a cluster.
+    let mut seen_in = vec![0u64; n];
+    let mut step = 0u64;
+    // The clusters of one net, and the vertex whose rating last listed a cluster in `touched`.
+    let mut in_net: Vec<u32> = Vec::new();
+    let mut listed = vec![u32::MAX; n];
     let target = ((n as f64 / MAX_SHRINK) as usize).max(limit);
     let mut clusters = n;
+    // Two-hop partners: for each vertex, the last vertex that wanted to join it but could not
+    // (too heavy, or too weak a rating) and stayed alone; and the open cluster of vertices without
+    // nets, per group.
+    let mut waiting = vec![u32::MAX; n];
+    let mut open_isolated: Vec<u32> =
+        vec![u32::MAX; groups.iter().max().map_or(1, |&m| m as usize + 1)];
+    let join = |v: usize,
+                r: usize,
+                rep: &mut [u32],
+                cluster_weight: &mut [f64],
+                cluster_memory: &mut [f64],
+                joined: &mut [bool]| {
+        rep[v] = r as u32;
+        cluster_weight[r] += cluster_weight[v];
+        cluster_memory[r] += cluster_memory[v];
+        joined[v] = true;
+        joined[r] = true;
+    };
     for &v in &order {
         if clusters <= target {
             break;
@@ -107,22 +123,56 @@ fn cluster(
         if joined[v] {
             continue;
         }
+        if hg.nets(v).is_empty() {
+            // Vertices without nets cost nothing wherever they go: pack them into clusters up to
+            // the weight limit, so they do not keep coarsening from shrinking (power-law inputs:
+            // 5% of the vertices, and more on coarse levels once small nets vanish inside
+            // clusters).
+            let slot = groups[v] as usize;
+            let r = open_isolated[slot] as usize;
+            if open_isolated[slot] != u32::MAX
+                && cluster_weight[r] + cluster_weight[v] <= max_cluster
+                && cluster_memory[r] + cluster_memory[v] <= max_memory
+            {
+                join(
+                    v,
+                    r,
+                    &mut rep,
+                    &mut cluster_weight,
+                    &mut cluster_memory,
+                    &mut joined,
+                );
+                clusters -= 1;
+            } else {
+                open_isolated[slot] = v as u32;
+            }
+            continue;
+        }
         for &e in hg.nets(v) {
             let e = e as usize;
             let size = hg.net_size(e);
             if size > RATING_NET_LIMIT {
                 continue;
             }
-            let score = hg.net_weights[e] / (size - 1) as f64;
+            // Mt-KaHyPar's adaptive edge size: the net's size counted in the clusters formed so
+            // far on this level, and each cluster rated once per net.
+            step += 1;
+            in_net.clear();
             for &u in hg.pins(e) {
                 let r = rep[u as usize] as usize;
-                if u as usize == v {
+                if r == v || seen_in[r] == step {
                     continue;
                 }
-                if rating[r] == 0.0 {
-                    touched.push(r as u32);
+                seen_in[r] = step;
+                in_net.push(r as u32);
+            }
+            let score = hg.net_weights[e] / in_net.len().max(1) as f64;
+            for &r in &in_net {
+                if listed[r as usize] != v as u32 {
+                    listed[r as usize] = v as u32;
+                    touched.push(r);
                 }
-                rating[r] += score;
+                rating[r as usize] += score;
             }
         }
         let wv = hg.vertex_weights[v];
@@ -130,16 +180,18 @@ fn cluster(
         let mut best: Option<(f64, bool, u32)> = None;
         // The best rating among all candidates, whether their weight allows joining or not.
         let mut top = 0.0f64;
+        let mut top_at = u32::MAX;
         for &r in &touched {
-            if r as usize != v && blocks.is_none_or(|b| b[r as usize] == b[v]) {
-                top = top.max(rating[r as usize]);
+            if r as usize != v && groups[r as usize] == groups[v] && rating[r as usize] > top {
+                top = rating[r as usize];
+                top_at = r;
             }
         }
         for &r in &touched {
             let ri = r as usize;
             let score = rating[ri];
             rating[ri] = 0.0;
-            let other_block = blocks.is_some_and(|b| b[ri] != b[v]);
+            let other_block = groups[ri] != groups[v];
             if ri == v
                 || other_block
                 || cluster_weight[ri] + wv > max_cluster
@@ -164,13 +216,39 @@ fn cluster(
             best = None;
         }
         if let Some((_, _, r)) = best {
-            let r = r as usize;
-            rep[v] = r as u32;
-            cluster_weight[r] += wv;
-            cluster_memory[r] += mv;
-            joined[v] = true;
-            joined[r] = true;
+            join(
+                v,
+                r as usize,
+                &mut rep,
+                &mut cluster_weight,
+                &mut cluster_memory,
+                &mut joined,
+            );
             clusters -= 1;
+        } else if top_at != u32::MAX {
+            // Two-hop: `v` could not join its best neighbour; another vertex that wanted the same
+            // neighbour and stayed alone is its partner (Mt-KaHyPar's and KaHyPar's answer to
+            // low-degree vertices around hubs, which otherwise never shrink).
+            let hub = top_at as usize;
+            let u = waiting[hub] as usize;
+            if waiting[hub] != u32::MAX
+                && !joined[u]
+                && cluster_weight[u] + wv <= max_cluster
+                && cluster_memory[u] + mv <= max_memory
+            {
+                join(
+                    v,
+                    u,
+                    &mut rep,
+                    &mut cluster_weight,
+                    &mut cluster_memory,
+                    &mut joined,
+                );
+                waiting[hub] = u32::MAX;
+                clusters -= 1;
+            } else {
+                waiting[hub] = v as u32;
+            }
         }
     }
     // Representatives may themselves have joined another cluster later: follow to the root.

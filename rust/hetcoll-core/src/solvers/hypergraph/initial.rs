@@ -9,20 +9,21 @@ use super::{Hypergraph, Rng};
 /// Tries per bisection: greedy growing from random seeds alternating with random assignments.
 const TRIES: usize = 8;
 
-/// Blocks `0..targets.len()` of the vertices of `hg` by recursive bisection. Each bisection gets
+/// Blocks `0..targets.len()` of the vertices of `hg` by recursive bisection (`total`: the weight
+/// the targets are shares of, which exceeds `hg`'s when vertices were set aside). Each bisection gets
 /// an adaptive imbalance `ε'` such that the imbalances compound to at most the final `ε` over the
 /// `⌈log2 k⌉` levels (KaHyPar's rule, with unequal targets).
 pub(super) fn initial_partition(
     hg: &Hypergraph,
     targets: &[f64],
     epsilon: f64,
+    total: f64,
     caps: &[f64],
     rng: &mut Rng,
 ) -> Vec<u32> {
     let n = hg.num_vertices();
     let mut parts = vec![0u32; n];
     let ids: Vec<u32> = (0..n as u32).collect();
-    let total = hg.total_weight();
     recurse(
         hg.clone(),
         &ids,

@@ -7,24 +7,29 @@
 //! the connectivity minus one, `km1 = Σ_e w(e) · (λ(e) − 1)` with `λ(e)` the number of blocks net `e`
 //! touches: the volume a producer sends to the other blocks that read its output.
 //!
-//! The scheme is the multilevel one of hMETIS, PaToH and KaHyPar, single-threaded and
-//! deterministic for a seed:
+//! The scheme is the multilevel one of hMETIS, PaToH and KaHyPar, close to Mt-KaHyPar's default
+//! preset, single-threaded and deterministic for a seed:
 //!
-//! 1. `coarsen`: heavy-edge clustering (rating `Σ w(e)/(|e|−1)` over shared nets, bounded cluster
-//!    weight, at most a 2.5× shrink per level; a vertex whose best partner is too heavy stays
-//!    alone rather than join one rated far lower) contracted level by level until about `160·k`
-//!    vertices remain; single-pin nets dropped and parallel nets merged.
+//! 0. Vertices in no net of two or more pins are set aside and, at the end, put into the blocks
+//!    with the most room left (they cost nothing anywhere; left in, they take room the connected
+//!    vertices could use). `community`: Louvain modularity clustering of the star expansion.
+//! 1. `coarsen`: heavy-edge clustering inside communities (rating `Σ w(e)/(s(e)−1)` over shared
+//!    nets, `s(e)` the number of clusters net `e` spans so far; bounded cluster weight, at most a
+//!    2.5× shrink per level; a vertex whose best partner is too heavy stays alone rather than join
+//!    one rated far lower, or pairs with another vertex that wanted the same partner; vertices
+//!    without nets are packed together) contracted level by level until about `160·k` vertices
+//!    remain; single-pin nets dropped and parallel nets merged.
 //! 2. `initial`: recursive bisection of the coarsest hypergraph with adaptive imbalance per level;
 //!    each bisection takes the best of a portfolio of tries (greedy hypergraph growing from random
 //!    seeds, random assignments, BFS sweeps: the cheapest balanced prefix of a BFS order), each
 //!    polished by FM; several such runs compete on the k-way result.
 //! 3. `refine`: on the way back, the coarse partition is projected, then k-way FM with km1 gains
-//!    (gain cache, moves kept only up to the best prefix, vertices whose best block is full parked
-//!    until it has room) improves it; a rebalancing pass restores balance whenever a level starts
-//!    out of balance. On the input level, `flow`: max-flow min-cut refinement between pairs of
-//!    blocks on a region around their cut (KaHyPar-MF), then FM again.
-//! 4. V-cycles: coarsen again with clusters inside blocks, so the partition survives to the coarse
-//!    levels, and refine on the way back; repeated while a cycle improves km1.
+//!    (gain cache, vertices whose best block is full parked until it has room): two global passes,
+//!    then rounds of localized searches (Mt-KaHyPar's multitry FM: many small searches from a few
+//!    boundary vertices each, each kept up to its best prefix); a rebalancing pass restores
+//!    balance whenever a level starts out of balance. On the input level, `flow`: max-flow
+//!    min-cut refinement between pairs of blocks on a region around their cut (KaHyPar-MF), then
+//!    FM again.
 //!
 //! Balance is a hard constraint: the result always meets it, or the call fails with an error
 //! (`vertex_weights` when one vertex outweighs the largest block, `targets` when no packing was
@@ -32,6 +37,7 @@
 //! vertices).
 
 mod coarsen;
+mod community;
 mod flow;
 mod initial;
 mod refine;
@@ -292,69 +298,38 @@ pub fn partition_hypergraph(hg: &Hypergraph, options: &PartitionOptions) -> Resu
         .iter()
         .map(|c| c * options.epsilon / (1.0 + options.epsilon))
         .collect();
-    let hierarchy = coarsen::coarsen(hg, k, &caps, mem, None, &mut rng);
-    let coarsest = hierarchy.last().map_or(hg, |level| &level.coarse);
-    // Recursive bisection cannot see past its own cut (a perfect first bisection may leave an
-    // unsplittable half), so several independent runs compete on the k-way result.
-    let mut best: Option<(bool, f64, Vec<u32>)> = None;
-    // Small coarsest hypergraphs (tiny inputs) get more runs: they cost next to nothing. So do
-    // inputs of a few thousand vertices (a CNN's filters), where a run takes milliseconds to a
-    // second and recursive bisection's luck decides most (VGG-11 at k = 8: 1.33x Mt-KaHyPar's km1
-    // with 2 runs, 1.03x with 6).
-    let runs = if coarsest.num_vertices() < SMALL {
-        4 * INITIAL_RUNS
-    } else if n <= SMALL_INPUT {
-        3 * INITIAL_RUNS
-    } else {
-        INITIAL_RUNS
+    let setting = Setting {
+        targets: &options.targets,
+        epsilon: options.epsilon,
+        total: hg.total_weight(),
+        caps: &caps,
+        mem,
+        slack: &slack,
     };
-    for _ in 0..runs {
-        let mut parts = initial::initial_partition(
-            coarsest,
-            &options.targets,
-            options.epsilon,
-            &caps,
-            &mut rng,
-        );
-        refine::refine(coarsest, &mut parts, &caps, mem, None, &mut rng);
-        let ok = balanced(coarsest, &parts, &caps, mem);
-        let cut = coarsest.km1(&parts);
-        if best
-            .as_ref()
-            .is_none_or(|(b_ok, b_cut, _)| (ok && !b_ok) || (ok == *b_ok && cut < *b_cut))
-        {
-            best = Some((ok, cut, parts));
+    // Vertices in no net of two or more pins cost nothing wherever they go: partition the rest
+    // under the same block limits, then fill them into the room left (Mt-KaHyPar's degree-zero
+    // removal). Left in, they sit wherever the initial partition put them (FM has no reason to
+    // move them) and take room the connected vertices could use; on power-law nets, 5% of the
+    // vertices, the small blocks of a 4:2:1:1 split should hold them.
+    let isolated: Vec<bool> = (0..n)
+        .map(|v| hg.nets(v).iter().all(|&e| hg.net_size(e as usize) < 2))
+        .collect();
+    let connected = isolated.iter().filter(|&&i| !i).count();
+    let mut parts = if connected < n && connected >= 2 * k {
+        let (sub, ids) = induced(hg, &isolated);
+        let sub_parts = multilevel(&sub, &setting, &mut rng);
+        let mut parts = vec![0u32; n];
+        for (i, &v) in ids.iter().enumerate() {
+            parts[v as usize] = sub_parts[i];
         }
-    }
-    let mut parts = best.map(|(_, _, p)| p).unwrap_or_default();
-    parts = uncoarsen(hg, &hierarchy, parts, &caps, mem, Some(&slack), &mut rng);
-    // V-cycles: coarsen again with clusters kept inside blocks, so the partition carries over to
-    // the coarse levels, and refine on the way back; keep a cycle only if it helped.
-    for _ in 0..V_CYCLES {
+        place_isolated(hg, &mut parts, &isolated, &caps, mem);
         if !balanced(hg, &parts, &caps, mem) {
-            break;
+            refine::refine(hg, &mut parts, &caps, mem, None, &mut rng);
         }
-        let hierarchy = coarsen::coarsen(hg, k, &caps, mem, Some(&parts), &mut rng);
-        if hierarchy.is_empty() {
-            break;
-        }
-        let mut fine_parts = parts.clone();
-        for level in &hierarchy {
-            let mut coarse_parts = vec![0u32; level.coarse.num_vertices()];
-            for (v, &c) in level.map.iter().enumerate() {
-                coarse_parts[c as usize] = fine_parts[v];
-            }
-            fine_parts = coarse_parts;
-        }
-        // Without flows: on the benchmark they found nothing in V-cycles that FM missed, at twice
-        // the time.
-        let candidate = uncoarsen(hg, &hierarchy, fine_parts, &caps, mem, None, &mut rng);
-        if balanced(hg, &candidate, &caps, mem) && hg.km1(&candidate) < hg.km1(&parts) {
-            parts = candidate;
-        } else {
-            break;
-        }
-    }
+        parts
+    } else {
+        multilevel(hg, &setting, &mut rng)
+    };
     if !balanced(hg, &parts, &caps, mem) {
         // Refinement could not restore balance from the projected partition: pack from scratch,
         // ignoring the cut, and polish.
@@ -376,6 +351,143 @@ pub fn partition_hypergraph(hg: &Hypergraph, options: &PartitionOptions) -> Resu
     }
     debug_assert!(balanced(hg, &parts, &caps, mem));
     Ok(parts)
+}
+
+/// What one partitioning call works with: the options, the input's total weight (the targets'
+/// base) and the derived limits.
+struct Setting<'a> {
+    targets: &'a [f64],
+    epsilon: f64,
+    total: f64,
+    caps: &'a [f64],
+    mem: Option<&'a [f64]>,
+    slack: &'a [f64],
+}
+
+/// The multilevel scheme on `hg` under `setting`'s limits: community detection, coarsening,
+/// initial partitioning, uncoarsening with refinement. The result may be unbalanced
+/// (the caller falls back to packing).
+fn multilevel(hg: &Hypergraph, setting: &Setting<'_>, rng: &mut Rng) -> Vec<u32> {
+    let (caps, mem, slack) = (setting.caps, setting.mem, setting.slack);
+    let k = caps.len();
+    let n = hg.num_vertices();
+    // Clusters stay inside communities.
+    let communities = community::communities(hg, rng);
+    let hierarchy = coarsen::coarsen(hg, k, caps, mem, &communities, rng);
+    let coarsest = hierarchy.last().map_or(hg, |level| &level.coarse);
+    // Recursive bisection cannot see past its own cut (a perfect first bisection may leave an
+    // unsplittable half), so several independent runs compete on the k-way result.
+    let mut best: Option<(bool, f64, Vec<u32>)> = None;
+    // Small coarsest hypergraphs (tiny inputs) get more runs: they cost next to nothing. So do
+    // inputs of a few thousand vertices (a CNN's filters), where a run takes milliseconds to a
+    // second and recursive bisection's luck decides most (VGG-11 at k = 8: 1.33x Mt-KaHyPar's km1
+    // with 2 runs, 1.03x with 6).
+    let runs = if coarsest.num_vertices() < SMALL {
+        4 * INITIAL_RUNS
+    } else if n <= SMALL_INPUT {
+        3 * INITIAL_RUNS
+    } else {
+        INITIAL_RUNS
+    };
+    for _ in 0..runs {
+        let mut parts = initial::initial_partition(
+            coarsest,
+            setting.targets,
+            setting.epsilon,
+            setting.total,
+            caps,
+            rng,
+        );
+        refine::refine(coarsest, &mut parts, caps, mem, None, rng);
+        let ok = balanced(coarsest, &parts, caps, mem);
+        let cut = coarsest.km1(&parts);
+        if best
+            .as_ref()
+            .is_none_or(|(b_ok, b_cut, _)| (ok && !b_ok) || (ok == *b_ok && cut < *b_cut))
+        {
+            best = Some((ok, cut, parts));
+        }
+    }
+    let parts = best.map(|(_, _, p)| p).unwrap_or_default();
+    uncoarsen(hg, &hierarchy, parts, caps, mem, Some(slack), rng)
+}
+
+/// The hypergraph induced by the vertices not `dropped` (nets keep their pins among them, nets
+/// left with fewer than two pins go), and the input id of each of its vertices.
+fn induced(hg: &Hypergraph, dropped: &[bool]) -> (Hypergraph, Vec<u32>) {
+    let n = hg.num_vertices();
+    let mut local = vec![u32::MAX; n];
+    let mut ids = Vec::new();
+    for v in 0..n {
+        if !dropped[v] {
+            local[v] = ids.len() as u32;
+            ids.push(v as u32);
+        }
+    }
+    let mut offsets = vec![0usize];
+    let mut pins = Vec::new();
+    let mut net_weights = Vec::new();
+    for e in 0..hg.num_nets() {
+        let start = pins.len();
+        pins.extend(
+            hg.pins(e)
+                .iter()
+                .filter(|&&v| !dropped[v as usize])
+                .map(|&v| local[v as usize]),
+        );
+        if pins.len() - start < 2 {
+            pins.truncate(start);
+        } else {
+            offsets.push(pins.len());
+            net_weights.push(hg.net_weights[e]);
+        }
+    }
+    let weights = ids.iter().map(|&v| hg.vertex_weights[v as usize]).collect();
+    let mut sub = Hypergraph::from_parts(weights, offsets, pins, net_weights);
+    if !hg.vertex_memory.is_empty() {
+        sub.vertex_memory = ids.iter().map(|&v| hg.memory(v as usize)).collect();
+    }
+    (sub, ids)
+}
+
+/// Put each `isolated` vertex, heaviest first, into the block with the most room left that fits
+/// it (weight and memory; the emptiest block when none fits, for rebalancing to repair).
+fn place_isolated(
+    hg: &Hypergraph,
+    parts: &mut [u32],
+    isolated: &[bool],
+    caps: &[f64],
+    mem: Option<&[f64]>,
+) {
+    let k = caps.len();
+    let mut room = caps.to_vec();
+    let mut memory_room = mem.map_or_else(|| vec![f64::INFINITY; k], <[f64]>::to_vec);
+    for (v, &b) in parts.iter().enumerate() {
+        if !isolated[v] {
+            room[b as usize] -= hg.vertex_weights[v];
+            memory_room[b as usize] -= hg.memory(v);
+        }
+    }
+    let mut order: Vec<u32> = (0..parts.len() as u32)
+        .filter(|&v| isolated[v as usize])
+        .collect();
+    order.sort_by(|&a, &b| {
+        hg.vertex_weights[b as usize]
+            .total_cmp(&hg.vertex_weights[a as usize])
+            .then(a.cmp(&b))
+    });
+    for v in order {
+        let (w, m) = (hg.vertex_weights[v as usize], hg.memory(v as usize));
+        let most_room = |fit: bool| {
+            (0..k)
+                .filter(|&b| !fit || (w <= room[b] && m <= memory_room[b]))
+                .max_by(|&x, &y| room[x].total_cmp(&room[y]).then(y.cmp(&x)))
+        };
+        let b = most_room(true).or_else(|| most_room(false)).unwrap_or(0);
+        parts[v as usize] = b as u32;
+        room[b] -= w;
+        memory_room[b] -= m;
+    }
 }
 
 /// Refine `parts` (a partition of the coarsest level of `hierarchy`) there, then project it level
@@ -408,9 +520,6 @@ fn uncoarsen(
     }
     parts
 }
-
-/// Extra coarsen-and-refine cycles that keep the partition (stopping early when one does not help).
-const V_CYCLES: usize = 6;
 
 /// Independent initial partitions of the coarsest hypergraph; the best one is uncoarsened.
 const INITIAL_RUNS: usize = 2;
