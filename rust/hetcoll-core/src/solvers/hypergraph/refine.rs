@@ -275,6 +275,78 @@ impl Ord for Entry {
     }
 }
 
+/// The move of the popped `top` (a vertex whose entry is current), or None with the vertex
+/// re-queued at its lower gain, or parked at the full block it wants (its `queued` cleared) until
+/// a move makes room there: the one rule both kinds of FM search pop vertices by.
+fn pick_move(
+    state: &State<'_>,
+    top: Entry,
+    heap: &mut BinaryHeap<Entry>,
+    parked: &mut [BinaryHeap<Entry>],
+    queued: &mut [f64],
+) -> Option<Move> {
+    let v = top.v as usize;
+    let Some(unconstrained) = state.best_move(v, true) else {
+        queued[v] = f64::NEG_INFINITY;
+        return None;
+    };
+    if unconstrained.gain < top.gain {
+        heap.push(Entry {
+            gain: unconstrained.gain,
+            ..top
+        });
+        queued[v] = unconstrained.gain;
+        return None;
+    }
+    match state.best_move(v, false) {
+        Some(m) if m.gain >= unconstrained.gain => Some(m),
+        _ => {
+            parked[unconstrained.to as usize].push(Entry {
+                gain: unconstrained.gain,
+                ..top
+            });
+            queued[v] = f64::NEG_INFINITY;
+            None
+        }
+    }
+}
+
+/// Move `v` to block `to`; `woken` gets the pins of its nets (those of at most `LARGE_NET` pins),
+/// whose gains the move changed.
+fn apply_move(state: &mut State<'_>, v: usize, to: u32, woken: &mut Vec<u32>) {
+    woken.clear();
+    let hg = state.hg;
+    state.apply(v, to as usize, |e| {
+        if hg.net_size(e) <= LARGE_NET {
+            woken.extend_from_slice(hg.pins(e));
+        }
+    });
+}
+
+/// Room was made in `from`: the best candidates parked there that fit now (by weight and
+/// memory) leave the park, each handed to `admit`, which puts it back in line if it may still
+/// move.
+fn release_parked(
+    state: &State<'_>,
+    from: usize,
+    parked: &mut BinaryHeap<Entry>,
+    mut admit: impl FnMut(Entry),
+) {
+    let hg = state.hg;
+    let (room, memory_room) = state.room(from);
+    let (mut released, mut released_memory) = (0.0, 0.0);
+    while let Some(p) = parked.peek() {
+        let w = hg.vertex_weights[p.v as usize];
+        let m = hg.memory(p.v as usize);
+        if released + w > room || released_memory + m > memory_room {
+            break;
+        }
+        released += w;
+        released_memory += m;
+        admit(parked.pop().expect("peeked"));
+    }
+}
+
 /// Nets larger than this are not used to wake up neighbours after a move (their pins are
 /// re-evaluated when popped instead): keeps a move's cost bounded on hypergraphs with huge nets.
 const LARGE_NET: usize = 1000;
@@ -406,55 +478,18 @@ pub(super) fn fm(state: &mut State<'_>, rng: &mut Rng, max_passes: usize) {
             if locked[v] == pass || top.gain < queued[v] {
                 continue;
             }
-            let Some(unconstrained) = state.best_move(v, true) else {
-                queued[v] = f64::NEG_INFINITY;
+            let Some(m) = pick_move(state, top, &mut heap, &mut parked, &mut queued) else {
                 continue;
-            };
-            if unconstrained.gain < top.gain {
-                heap.push(Entry {
-                    gain: unconstrained.gain,
-                    ..top
-                });
-                queued[v] = unconstrained.gain;
-                continue;
-            }
-            let m = match state.best_move(v, false) {
-                Some(m) if m.gain >= unconstrained.gain => m,
-                _ => {
-                    parked[unconstrained.to as usize].push(Entry {
-                        gain: unconstrained.gain,
-                        ..top
-                    });
-                    queued[v] = f64::NEG_INFINITY;
-                    continue;
-                }
             };
             let from = state.parts[v];
-            woken.clear();
             stamp_now += 1;
-            let hg = state.hg;
-            state.apply(v, m.to as usize, |e| {
-                if hg.net_size(e) <= LARGE_NET {
-                    woken.extend_from_slice(hg.pins(e));
-                }
-            });
-            // Room was made in `from`: the best parked candidates that fit now go back in line.
-            let (room, memory_room) = state.room(from as usize);
-            let (mut released, mut released_memory) = (0.0, 0.0);
-            while let Some(p) = parked[from as usize].peek() {
-                let w = hg.vertex_weights[p.v as usize];
-                let m = hg.memory(p.v as usize);
-                if released + w > room || released_memory + m > memory_room {
-                    break;
-                }
-                released += w;
-                released_memory += m;
-                let p = parked[from as usize].pop().expect("peeked");
+            apply_move(state, v, m.to, &mut woken);
+            release_parked(state, from as usize, &mut parked[from as usize], |p| {
                 if locked[p.v as usize] != pass {
                     heap.push(p);
                     queued[p.v as usize] = p.gain;
                 }
-            }
+            });
             locked[v] = pass;
             moves.push((v as u32, from));
             current += m.gain;
@@ -568,55 +603,19 @@ pub(super) fn localized_fm(state: &mut State<'_>, rng: &mut Rng, max_rounds: usi
                 {
                     continue;
                 }
-                let Some(unconstrained) = state.best_move(v, true) else {
-                    queued[v] = f64::NEG_INFINITY;
+                let Some(m) = pick_move(state, top, &mut heap, &mut parked, &mut queued) else {
                     continue;
-                };
-                if unconstrained.gain < top.gain {
-                    heap.push(Entry {
-                        gain: unconstrained.gain,
-                        ..top
-                    });
-                    queued[v] = unconstrained.gain;
-                    continue;
-                }
-                let m = match state.best_move(v, false) {
-                    Some(m) if m.gain >= unconstrained.gain => m,
-                    _ => {
-                        parked[unconstrained.to as usize].push(Entry {
-                            gain: unconstrained.gain,
-                            ..top
-                        });
-                        queued[v] = f64::NEG_INFINITY;
-                        continue;
-                    }
                 };
                 let from = state.parts[v];
-                woken.clear();
                 stamp_now += 1;
-                let hg = state.hg;
-                state.apply(v, m.to as usize, |e| {
-                    if hg.net_size(e) <= LARGE_NET {
-                        woken.extend_from_slice(hg.pins(e));
-                    }
-                });
-                let (room, memory_room) = state.room(from as usize);
-                let (mut released, mut released_memory) = (0.0, 0.0);
-                while let Some(p) = parked[from as usize].peek() {
-                    let w = hg.vertex_weights[p.v as usize];
-                    let mm = hg.memory(p.v as usize);
-                    if released + w > room || released_memory + mm > memory_room {
-                        break;
-                    }
-                    released += w;
-                    released_memory += mm;
-                    let p = parked[from as usize].pop().expect("peeked");
+                apply_move(state, v, m.to, &mut woken);
+                release_parked(state, from as usize, &mut parked[from as usize], |p| {
                     if claimed[p.v as usize] != search && locked[p.v as usize] != round {
                         heap.push(p);
                         queued[p.v as usize] = p.gain;
                         queued_in[p.v as usize] = search;
                     }
-                }
+                });
                 claimed[v] = search;
                 moves.push((v as u32, from));
                 current += m.gain;
