@@ -343,41 +343,11 @@ impl Ord for Key {
 }
 
 /// The sub-hypergraph induced by the vertices on `side`, with nets cut down to their pins there
-/// (cut-net splitting: what km1 still charges inside the side).
+/// (cut-net splitting: what km1 still charges inside the side), and the input id (`ids`) of each
+/// of its vertices.
 fn extract(hg: &Hypergraph, ids: &[u32], parts: &[u32], side: u32) -> (Hypergraph, Vec<u32>) {
-    let n = hg.num_vertices();
-    let mut local = vec![u32::MAX; n];
-    let mut child_ids = Vec::new();
-    let mut weights = Vec::new();
-    for v in 0..n {
-        if parts[v] == side {
-            local[v] = child_ids.len() as u32;
-            child_ids.push(ids[v]);
-            weights.push(hg.vertex_weights[v]);
-        }
-    }
-    let mut offsets = vec![0usize];
-    let mut pins = Vec::new();
-    let mut net_weights = Vec::new();
-    for e in 0..hg.num_nets() {
-        let start = pins.len();
-        pins.extend(
-            hg.pins(e)
-                .iter()
-                .filter(|&&v| parts[v as usize] == side)
-                .map(|&v| local[v as usize]),
-        );
-        if pins.len() - start < 2 {
-            pins.truncate(start);
-        } else {
-            offsets.push(pins.len());
-            net_weights.push(hg.net_weights[e]);
-        }
-    }
-    (
-        Hypergraph::from_parts(weights, offsets, pins, net_weights),
-        child_ids,
-    )
+    let (sub, here) = hg.induced_by(|v| parts[v] == side);
+    (sub, here.iter().map(|&v| ids[v as usize]).collect())
 }
 
 /// Packing that ignores the cut, heaviest vertex first (and, with `mem`, only into blocks with

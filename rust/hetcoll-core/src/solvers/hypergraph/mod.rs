@@ -58,6 +58,46 @@ pub struct Hypergraph {
 }
 
 impl Hypergraph {
+    /// The hypergraph induced by the vertices that `keep` (weights, and nets cut down to their
+    /// pins among them; nets left with fewer than two pins go; no memory), and the id here of
+    /// each of its vertices.
+    pub(super) fn induced_by(&self, keep: impl Fn(usize) -> bool) -> (Hypergraph, Vec<u32>) {
+        let mut local = vec![u32::MAX; self.num_vertices()];
+        let mut ids = Vec::new();
+        for (v, slot) in local.iter_mut().enumerate() {
+            if keep(v) {
+                *slot = ids.len() as u32;
+                ids.push(v as u32);
+            }
+        }
+        let mut offsets = vec![0usize];
+        let mut pins = Vec::new();
+        let mut net_weights = Vec::new();
+        for e in 0..self.num_nets() {
+            let start = pins.len();
+            pins.extend(
+                self.pins(e)
+                    .iter()
+                    .filter(|&&v| local[v as usize] != u32::MAX)
+                    .map(|&v| local[v as usize]),
+            );
+            if pins.len() - start < 2 {
+                pins.truncate(start);
+            } else {
+                offsets.push(pins.len());
+                net_weights.push(self.net_weights[e]);
+            }
+        }
+        let weights = ids
+            .iter()
+            .map(|&v| self.vertex_weights[v as usize])
+            .collect();
+        (
+            Hypergraph::from_parts(weights, offsets, pins, net_weights),
+            ids,
+        )
+    }
+
     /// Validate and build. `net_offsets` has one more entry than there are nets; net `e` has pins
     /// `pins[net_offsets[e]..net_offsets[e + 1]]`. Weights default to 1.
     pub fn new(
@@ -413,37 +453,10 @@ fn multilevel(hg: &Hypergraph, setting: &Setting<'_>, rng: &mut Rng) -> Vec<u32>
 }
 
 /// The hypergraph induced by the vertices not `dropped` (nets keep their pins among them, nets
-/// left with fewer than two pins go), and the input id of each of its vertices.
+/// left with fewer than two pins go, memory comes along), and the input id of each of its
+/// vertices.
 fn induced(hg: &Hypergraph, dropped: &[bool]) -> (Hypergraph, Vec<u32>) {
-    let n = hg.num_vertices();
-    let mut local = vec![u32::MAX; n];
-    let mut ids = Vec::new();
-    for v in 0..n {
-        if !dropped[v] {
-            local[v] = ids.len() as u32;
-            ids.push(v as u32);
-        }
-    }
-    let mut offsets = vec![0usize];
-    let mut pins = Vec::new();
-    let mut net_weights = Vec::new();
-    for e in 0..hg.num_nets() {
-        let start = pins.len();
-        pins.extend(
-            hg.pins(e)
-                .iter()
-                .filter(|&&v| !dropped[v as usize])
-                .map(|&v| local[v as usize]),
-        );
-        if pins.len() - start < 2 {
-            pins.truncate(start);
-        } else {
-            offsets.push(pins.len());
-            net_weights.push(hg.net_weights[e]);
-        }
-    }
-    let weights = ids.iter().map(|&v| hg.vertex_weights[v as usize]).collect();
-    let mut sub = Hypergraph::from_parts(weights, offsets, pins, net_weights);
+    let (mut sub, ids) = hg.induced_by(|v| !dropped[v]);
     if !hg.vertex_memory.is_empty() {
         sub.vertex_memory = ids.iter().map(|&v| hg.memory(v as usize)).collect();
     }
