@@ -678,13 +678,13 @@ def _validate_data(
         list(shares),
         list(speeds),
         predicted,
-        statistics.median(_measured_steps(runs)),
+        statistics.median(step_times := _measured_steps(runs)),
         overlap,
         other,
         "data",
         sum(shares),
         _sharing_detail(host),
-        measured_steps_s=_measured_steps(runs),
+        measured_steps_s=step_times,
     )
 
 
@@ -728,7 +728,7 @@ def _validate_filter(
         list(widest),
         list(config.speeds),
         predicted,
-        statistics.median(_measured_steps(runs)),
+        statistics.median(step_times := _measured_steps(runs)),
         False,
         0.0,
         "filter",
@@ -740,7 +740,7 @@ def _validate_filter(
             "avoid_gathers": config.avoid_gathers,
             **_sharing_detail(host),
         },
-        measured_steps_s=_measured_steps(runs),
+        measured_steps_s=step_times,
     )
 
 
@@ -764,13 +764,13 @@ def _validate_plan(config: PlanConfiguration, setup: _Setup) -> ValidationResult
         config.samples_per_rank(),
         list(config.speeds),
         _median_prediction(runs, device, predict),
-        statistics.median(_measured_steps(runs)),
+        statistics.median(step_times := _measured_steps(runs)),
         False,
         0.0,
         config.strategy,
         config.batch,
         {"plan": config.plan, **_sharing_detail(host)},
-        measured_steps_s=_measured_steps(runs),
+        measured_steps_s=step_times,
     )
 
 
