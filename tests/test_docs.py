@@ -34,7 +34,18 @@ def test_readme_examples():
         ),
         *(
             importlib.import_module(f"hetcoll.model.predict.{m}")
-            for m in ("prediction", "timing", "data", "filters", "plans", "pipelines")
+            for m in (
+                "prediction",
+                "timing",
+                "data",
+                "filters",
+                "layout",
+                "work",
+                "classes",
+                "schedule",
+                "plans",
+                "pipelines",
+            )
         ),
         *(
             importlib.import_module(f"hetcoll.model.planner.{m}")
