@@ -28,10 +28,24 @@ def test_readme_examples():
         hetcoll.fusion,
         hetcoll.collectives.speculative,
         hetcoll.torch.sampler,
-        importlib.import_module("hetcoll.torch.filters"),
+        *(
+            importlib.import_module(f"hetcoll.torch.filters.{m}")
+            for m in ("checks", "autograd", "layers", "chains", "convert", "state")
+        ),
         *(
             importlib.import_module(f"hetcoll.model.predict.{m}")
-            for m in ("prediction", "timing", "data", "filters", "plans", "pipelines")
+            for m in (
+                "prediction",
+                "timing",
+                "data",
+                "filters",
+                "layout",
+                "work",
+                "classes",
+                "schedule",
+                "plans",
+                "pipelines",
+            )
         ),
         *(
             importlib.import_module(f"hetcoll.model.planner.{m}")

@@ -23,11 +23,20 @@ cluster costs a few numpy calls per strategy.
 
 The package: :mod:`.prediction` (what every predictor returns), :mod:`.timing` (layers on
 devices), :mod:`.data`, :mod:`.filters`, :mod:`.plans` and :mod:`.pipelines` (one module per
-strategy). Its modules share their private names; every name is importable from here.
+strategy); any plan is laid out in costed layers (:mod:`.layout`), its alike replicas grouped
+(:mod:`.classes`) and its step laid out (:mod:`.schedule`) of its stages' work (:mod:`.work`).
+Its modules share their private names; every name is importable from here.
 """
 
 from __future__ import annotations
 
+from hetcoll.model.predict import classes, layout, schedule, work
+from hetcoll.model.predict.classes import (
+    _NODE_LINKS as _NODE_LINKS,
+)
+from hetcoll.model.predict.classes import (
+    _ReplicaKeys as _ReplicaKeys,
+)
 from hetcoll.model.predict.data import (
     DataParallelSchedule,
     balanced_batch_shares,
@@ -67,52 +76,7 @@ from hetcoll.model.predict.pipelines import (
     pipeline,
     pipeline_stages,
 )
-from hetcoll.model.predict.plans import (
-    _NODE_LINKS as _NODE_LINKS,
-)
-from hetcoll.model.predict.plans import (
-    PlanSchedule,
-    StagesSpec,
-    plan_schedule,
-    predict_plan,
-    predict_stages,
-)
-from hetcoll.model.predict.plans import (
-    _flat_ranks as _flat_ranks,
-)
-from hetcoll.model.predict.plans import (
-    _layout_schedule as _layout_schedule,
-)
-from hetcoll.model.predict.plans import (
-    _node_link_ids as _node_link_ids,
-)
-from hetcoll.model.predict.plans import (
-    _plan_layout as _plan_layout,
-)
-from hetcoll.model.predict.plans import (
-    _replica_classes as _replica_classes,
-)
-from hetcoll.model.predict.plans import (
-    _ReplicaKeys as _ReplicaKeys,
-)
-from hetcoll.model.predict.plans import (
-    _ReplicaLayout as _ReplicaLayout,
-)
-from hetcoll.model.predict.plans import (
-    _ring_link_of as _ring_link_of,
-)
-from hetcoll.model.predict.plans import (
-    _stage_layout as _stage_layout,
-)
-from hetcoll.model.predict.plans import (
-    _stage_work as _stage_work,
-)
-from hetcoll.model.predict.plans import (
-    _StageLayout as _StageLayout,
-)
-from hetcoll.model.predict.plans import (
-    _StageWork as _StageWork,
-)
+from hetcoll.model.predict.plans import StagesSpec, predict_plan, predict_stages
 from hetcoll.model.predict.prediction import (
     DDP_BUCKET_BYTES,
     DDP_FIRST_BUCKET_BYTES,
@@ -124,6 +88,7 @@ from hetcoll.model.predict.prediction import (
 from hetcoll.model.predict.prediction import (
     _set_plan as _set_plan,
 )
+from hetcoll.model.predict.schedule import PlanSchedule, plan_schedule
 from hetcoll.model.predict.timing import (
     _ARRAYS as _ARRAYS,
 )
@@ -155,6 +120,20 @@ from hetcoll.model.predict.timing import (
 from hetcoll.model.predict.timing import (
     _new_device_arrays as _new_device_arrays,
 )
+
+#: The names these had when they were private to plans.py (before it was split into layout,
+#: work, classes, schedule and plans), still importable from here.
+_ReplicaLayout = layout.ReplicaLayout
+_StageLayout = layout.StageLayout
+_StageWork = work.StageWork
+_flat_ranks = classes.flat_ranks
+_layout_schedule = schedule.layout_schedule
+_node_link_ids = classes.node_link_ids
+_plan_layout = layout.plan_layout
+_replica_classes = classes.replica_classes
+_ring_link_of = classes.ring_link_of
+_stage_layout = layout.stage_layout
+_stage_work = work.stage_work
 
 __all__ = [
     "DDP_BUCKET_BYTES",

@@ -12,8 +12,9 @@ import numpy as np
 import hetcoll
 from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster
-from hetcoll.model.predict.plans import _layout_schedule, _ReplicaLayout, _StageLayout
+from hetcoll.model.predict.layout import ReplicaLayout, StageLayout
 from hetcoll.model.predict.prediction import Prediction
+from hetcoll.model.predict.schedule import layout_schedule
 from hetcoll.model.predict.timing import _check_shares, _layer_times, device_arrays
 from hetcoll.plan import Plan
 
@@ -162,7 +163,7 @@ def pipeline(
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
     used = [d for d in range(n_dev) if counts[d] > 0]
     stages = tuple(
-        _StageLayout(
+        StageLayout(
             (d,),
             int(starts[d]),
             int(starts[d + 1]),
@@ -172,10 +173,10 @@ def pipeline(
     )
     q, rem = divmod(batch, micro_batches)
     micro = tuple([q + 1] * rem + [q] * (micro_batches - rem))
-    pred = _layout_schedule(
+    pred = layout_schedule(
         costs,
         cluster,
-        [_ReplicaLayout(batch, micro, stages)],
+        [ReplicaLayout(batch, micro, stages)],
         schedule,
         optimizer_state_copies,
         strategy,
@@ -191,7 +192,7 @@ def pipeline(
 
 def _pipeline_plan(
     costs: ModelCosts,
-    stages: Sequence[_StageLayout],
+    stages: Sequence[StageLayout],
     batch: int,
     micro_batches: int,
     schedule: str,

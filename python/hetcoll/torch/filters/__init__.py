@@ -1,0 +1,93 @@
+"""Filter parallelism: Conv2d / Linear layers split along their channels, unevenly, across ranks.
+
+Each rank holds only its share of a layer's output channels (filters) — the weights, the bias and
+so the optimizer state — and computes only those channels; shares come from :func:`hetcoll.split`
+over the ranks' speeds, so a rank twice as fast holds (and computes) twice as many filters.
+PyTorch has neither tensor parallelism for convolutions nor arbitrary uneven shards (pytorch
+#133221, #144109); this package gives both, on torch.distributed (gloo, NCCL) and on MPI, through
+:func:`hetcoll.comm.wrap`.
+
+A split layer runs in one of three modes (seed 000's partitioned/replicated alternation, the
+column/row pairing of Megatron-LM):
+
+- ``"gather"``: full input -> local output channels -> allgather of the uneven pieces along the
+  channel dimension -> full output on every rank. Backward: the output gradient is the same on
+  every rank (everything downstream is replicated), so each rank keeps its slice; the input
+  gradients (one partial per rank) are summed by an allreduce.
+- ``"split-output"``: as "gather" without the allgather; the output stays channel-split. Only
+  used when the next split layer reads it.
+- ``"split-input"``: the input is already channel-split (the previous layer's shares); the rank
+  holds the matching input-channel columns of the weight, computes a partial result for all
+  output channels, and the partial sums are allreduced. The bias (replicated) is added once,
+  after the sum. No gather between the two layers.
+
+:func:`filter_parallel` converts the chosen layers of an existing model in place, with the unsplit
+model's weights, and pairs consecutive split layers as split-output -> split-input when only
+channel-wise modules lie between them (activations, dropout, pooling, BatchNorm, a Flatten
+between a conv and a linear layer). A BatchNorm between the pair is split along channels too:
+its statistics are per channel, so that is exact and needs no communication. Everything else
+stays replicated (and must be fed identical inputs on every rank: seed dropout identically).
+
+>>> model = filter_parallel(DemoNet(), [1.0, 0.25], group)  # doctest: +SKIP
+>>> opt = torch.optim.SGD(model.parameters(), lr=0.1)  # any elementwise optimizer  # doctest: +SKIP
+
+The package, each module importing only those named before it: :mod:`.checks` (argument
+checks, speeds into shares), :mod:`.autograd` (the layers' communication as autograd functions),
+:mod:`.layers` (the split modules), :mod:`.chains` (which layers split, and the pairing rule that
+picks their modes), :mod:`.convert` (:func:`filter_parallel`, :func:`filter_shares`) and
+:mod:`.state` (gathering a split model's state dict, gradients and optimizer state, and loading
+full ones back). Every name other code uses is importable from here.
+"""
+
+from __future__ import annotations
+
+from hetcoll.torch.filters.chains import (
+    ELEMENTWISE_MODULES,
+    SPATIAL_MODULES,
+    filter_modes,
+)
+from hetcoll.torch.filters.chains import (
+    chain_filter_modes as chain_filter_modes,
+)
+from hetcoll.torch.filters.checks import MODES
+from hetcoll.torch.filters.convert import filter_parallel, filter_shares
+from hetcoll.torch.filters.layers import (
+    FilterParallelBatchNorm1d,
+    FilterParallelBatchNorm2d,
+    FilterParallelConv2d,
+    FilterParallelLinear,
+    LocalConv2d,
+    LocalLinear,
+)
+from hetcoll.torch.filters.layers import (
+    FilterParallelLayer as FilterParallelLayer,
+)
+from hetcoll.torch.filters.state import (
+    gather_gradients,
+    gather_optimizer_state_dict,
+    gather_state_dict,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
+    split_tensors,
+)
+
+__all__ = [
+    "ELEMENTWISE_MODULES",
+    "MODES",
+    "SPATIAL_MODULES",
+    "FilterParallelBatchNorm1d",
+    "FilterParallelBatchNorm2d",
+    "FilterParallelConv2d",
+    "FilterParallelLinear",
+    "LocalConv2d",
+    "LocalLinear",
+    "filter_modes",
+    "filter_parallel",
+    "filter_shares",
+    "gather_gradients",
+    "gather_optimizer_state_dict",
+    "gather_state_dict",
+    "load_full_optimizer_state_dict",
+    "load_full_state_dict",
+    "split_tensors",
+]

@@ -1,0 +1,80 @@
+"""The communication of a filter-parallel layer, as autograd functions: the copy of a
+replicated input to the ranks (its gradient summed), the sum of split-input partial results,
+and the allgather of uneven channel slices (its gradient sliced, no communication)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from hetcoll.collectives import allgatherv, allreduce
+from hetcoll.comm import Communicator, deadline
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class CopyToRanks(torch.autograd.Function):
+    """Identity forward on a replicated input; backward sums the ranks' partial input gradients
+    (each rank's filters contribute their own part of dL/dx)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, timeout: float | None) -> Any:
+        ctx.comm, ctx.timeout = comm, timeout
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        g = grad.contiguous().clone()
+        allreduce(g, ctx.comm, timeout=ctx.timeout)
+        return g, None, None
+
+
+class ReduceSum(torch.autograd.Function):
+    """Allreduce of the partial sums forward; identity backward (the output gradient is
+    replicated, and each rank's partial depends only on its own input slice)."""
+
+    @staticmethod
+    def forward(ctx: Any, partial: torch.Tensor, comm: Communicator, timeout: Any) -> Any:
+        out = partial.detach().clone(memory_format=torch.contiguous_format)
+        allreduce(out, comm, timeout=timeout)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return grad, None, None
+
+
+class GatherChannels(torch.autograd.Function):
+    """Allgather of uneven channel slices along ``dim``; backward keeps this rank's slice of
+    the (replicated) output gradient — no communication."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        y: torch.Tensor,
+        comm: Communicator,
+        counts: list[int],
+        offset: int,
+        dim: int,
+        timeout: float | None,
+    ) -> Any:
+        ctx.offset, ctx.count, ctx.dim = offset, y.shape[dim], dim
+        # Pieces join along axis 0 in every engine: move the channel dimension there.
+        moved = y.detach().movedim(dim, 0).contiguous()
+        if y.device.type != "cpu":
+            out = allgatherv(moved, comm, timeout=timeout)
+        else:
+            out = torch.empty((sum(counts), *moved.shape[1:]), dtype=y.dtype)
+            row = moved[0].numel() * moved.element_size()
+            comm.iallgatherv(_bytes(moved), _bytes(out), [c * row for c in counts]).wait(
+                deadline(timeout)
+            )
+        return out.movedim(0, dim).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return grad.narrow(ctx.dim, ctx.offset, ctx.count), None, None, None, None, None

@@ -1,0 +1,395 @@
+"""Which layers filter parallelism splits and in which mode: the runs (chains) of modules known
+to feed each other in order (plain nn.Sequential children, and what torch.fx finds in a traced
+forward), the pairing rule over them (:func:`filter_modes`, :func:`chain_filter_modes`,
+:func:`plan_modes`) and the choice of layers (:func:`choose_layers`: tied weights stay
+replicated). It reads module types and sizes only, so a model on the meta device works."""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+#: Modules that act on each channel (or element) on its own, so a channel-split tensor can pass
+#: through them unchanged: nothing needs gathering before them (the filter-parallel pairing rule
+#: and the owners stages of hetcoll.torch.placement both read this list) ...
+ELEMENTWISE_MODULES = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.SELU,
+    nn.CELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Hardtanh,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.Softplus,
+    nn.Identity,
+    nn.Dropout,
+)
+#: ... and those that do so on 2-D feature maps (after a convolution).
+SPATIAL_MODULES = (
+    nn.MaxPool2d,
+    nn.AvgPool2d,
+    nn.AdaptiveAvgPool2d,
+    nn.AdaptiveMaxPool2d,
+    nn.Dropout2d,
+)
+
+
+Chain = list[tuple[str, nn.Module]]
+
+
+def _chains(
+    module: nn.Module,
+    prefix: str = "",
+    untraced: list[str] | None = None,
+    traced_cache: dict[tuple[int, str], list[Chain] | str] | None = None,
+) -> Iterator[Chain]:
+    """Runs of modules known to feed each other in order, and nothing else: the children of
+    plain nn.Sequential containers (nested ones flattened), and inside a module with its own
+    forward the runs torch.fx finds in its traced graph (:func:`_traced_chains`). A module whose
+    forward cannot be traced breaks a run — its dataflow is unknown — and its insides are
+    searched for runs of their own; its name goes to ``untraced``. ``traced_cache``: traces
+    already made of these modules, by (module id, prefix), to read and add to (one caller
+    asking about the same unchanged modules several times)."""
+    if _is_plain_sequential(module):
+        chain: Chain = []
+        inner: Chain = []
+        _flatten(module, prefix, chain, inner)
+        yield chain
+        for name, m in inner:
+            yield from _chains(m, name, untraced, traced_cache)
+        return
+    if next(module.children(), None) is None:
+        return
+    if traced_cache is None:
+        traced = _traced_chains(module, prefix)
+    else:
+        key = (id(module), prefix)
+        if key not in traced_cache:
+            traced_cache[key] = _traced_chains(module, prefix)
+        traced = traced_cache[key]
+    if isinstance(traced, list):
+        yield from traced
+        return
+    if untraced is not None:
+        untraced.append(f"{prefix or type(module).__name__} ({traced})")
+    for name, child in module.named_children():
+        yield from _chains(child, f"{prefix}.{name}" if prefix else name, untraced, traced_cache)
+
+
+# Functions and tensor methods a traced forward may call on a channel-split tensor, as the
+# module that does the same (one instance each: the pairing rule reads only their types).
+_RELU, _POOL, _FLATTEN = nn.ReLU(), nn.MaxPool2d(1), nn.Flatten()
+_ELEMENTWISE_FUNCTIONS = {
+    F.relu, F.relu6, F.leaky_relu, F.elu, F.selu, F.celu, F.gelu, F.silu, F.mish, F.hardtanh,
+    F.hardswish, F.hardsigmoid, F.softplus, F.dropout, torch.relu, torch.tanh, torch.sigmoid,
+}  # fmt: skip
+_SPATIAL_FUNCTIONS = {
+    F.max_pool2d, F.avg_pool2d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d, F.dropout2d,
+    torch.max_pool2d,
+}  # fmt: skip
+_ELEMENTWISE_METHODS = {"relu", "relu_", "tanh", "sigmoid"}
+
+
+def _as_module(node: Any, named: dict[str, nn.Module]) -> nn.Module | None:
+    """The module a traced node stands for in the pairing rule, or None when it is none of the
+    channel-wise operations the rule knows (that breaks a run)."""
+    if node.op == "call_module":
+        return named[node.target]
+    args = list(node.args[1:]) + list(node.kwargs.values())
+    if node.op == "call_function":
+        if node.target in _ELEMENTWISE_FUNCTIONS:
+            return _RELU
+        if node.target in _SPATIAL_FUNCTIONS:
+            return _POOL
+        if node.target is torch.flatten and args in ([1], [1, -1]):
+            return _FLATTEN
+    if node.op == "call_method":
+        if node.target in _ELEMENTWISE_METHODS:
+            return _RELU
+        if node.target == "flatten" and args in ([1], [1, -1]):
+            return _FLATTEN
+    return None
+
+
+def _has_state(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters()) or any(True for _ in m.buffers())
+
+
+def _traced_chains(module: nn.Module, prefix: str) -> list[Chain] | str:
+    """The runs of :func:`_chains` in ``module``'s forward, read off its torch.fx graph: a run
+    continues from one operation to the next while the next is the only user of the first's
+    output and reads nothing else, so a channel-split tensor between them is seen by no one
+    else. A module with parameters or buffers called from more than one place breaks runs (it
+    would need two modes); a stateless one (a ReLU used twice) does not.
+    Returns why when the forward cannot be traced (data-dependent control flow, say)."""
+    from torch import fx
+
+    try:
+        graph = fx.Tracer().trace(module)
+    except Exception as e:  # fx raises many kinds on untraceable code; the reason is reported
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    named = dict(module.named_modules())
+    calls: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
+
+    def element(node: Any) -> tuple[str, nn.Module] | None:
+        if node.op == "call_module" and calls[node.target] > 1 and _has_state(named[node.target]):
+            return None
+        m = _as_module(node, named)
+        if m is None:
+            return None
+        name = node.target if node.op == "call_module" else f"<{node.name}>"
+        return (f"{prefix}.{name}" if prefix else name), m
+
+    chains: list[Chain] = []
+    seen: set[Any] = set()
+    for node in graph.nodes:
+        chain: Chain = []
+        while node not in seen and (el := element(node)) is not None:
+            seen.add(node)
+            chain.append(el)
+            users = list(node.users)
+            if len(users) != 1 or users[0].all_input_nodes != [node]:
+                break
+            node = users[0]
+        if chain:
+            chains.append(chain)
+    return chains
+
+
+def _is_plain_sequential(m: nn.Module) -> bool:
+    return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
+
+
+def _flatten(
+    seq: nn.Module,
+    prefix: str,
+    chain: list[tuple[str, nn.Module]],
+    inner: list[tuple[str, nn.Module]],
+) -> None:
+    for name, child in seq.named_children():
+        full = f"{prefix}.{name}" if prefix else name
+        if _is_plain_sequential(child):
+            _flatten(child, full, chain, inner)
+        else:
+            chain.append((full, child))
+            if next(child.children(), None) is not None:
+                inner.append((full, child))
+
+
+def layer_channels(m: nn.Module) -> int:
+    """The channels a split of layer ``m`` divides: a Conv2d's output channels, a Linear's
+    output features."""
+    return m.out_channels if isinstance(m, nn.Conv2d) else m.out_features  # type: ignore[return-value]
+
+
+def filter_modes(
+    model: nn.Module, layers: Sequence[str] | None = None, *, avoid_gathers: bool = True
+) -> dict[str, str]:
+    """The mode :func:`filter_parallel` gives each layer it splits, by module name:
+    ``"gather"``, ``"split-output"`` or ``"split-input"``. This is the one place the pairing
+    rule lives; :func:`hetcoll.model.predict.filter_modes` asks it too. It only reads module
+    types and sizes, so a model on the meta device works.
+
+    >>> filter_modes(nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2)))
+    {'0': 'split-output', '2': 'split-input'}
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    chosen = choose_layers(model, layers, dict(model.named_modules()), warn=False)
+    return plan_modes(model, chosen, avoid_gathers)[0]
+
+
+def chain_filter_modes(chain: Sequence[tuple[str, nn.Module]]) -> list[dict[str, str]]:
+    """``filter_modes(nn.Sequential(OrderedDict(chain[lo:])))`` for every ``lo``: the modes of
+    a filter-split stage running from each layer of a chain of named layers to its end, each
+    module's forward traced once for all of them (the chain is read, not changed).
+
+    >>> chain = [("a", nn.Linear(8, 6)), ("b", nn.ReLU()), ("c", nn.Linear(6, 2))]
+    >>> chain_filter_modes(chain)
+    [{'a': 'split-output', 'c': 'split-input'}, {'c': 'gather'}, {'c': 'gather'}]
+    """
+    traced: dict[tuple[int, str], list[Chain] | str] = {}
+    out = []
+    for lo in range(len(chain)):
+        model = nn.Sequential(OrderedDict(chain[lo:]))
+        chosen = choose_layers(model, None, dict(model.named_modules()), warn=False)
+        out.append(plan_modes(model, chosen, True, traced_cache=traced)[0])
+    return out
+
+
+def plan_modes(
+    model: nn.Module,
+    chosen: list[str],
+    avoid_gathers: bool,
+    untraced: list[str] | None = None,
+    traced_cache: dict[tuple[int, str], list[Chain] | str] | None = None,
+) -> tuple[dict[str, str], dict[str, tuple[str, int]], dict[str, str]]:
+    """Modes of the chosen layers; for each split-input layer the layer whose shares it takes
+    and its in_features_per_channel; for each BatchNorm to split, the layer it follows. The
+    modules whose forwards could not be traced go to ``untraced`` (:func:`_chains`, as does
+    ``traced_cache``)."""
+    modes = {name: "gather" for name in chosen}
+    feeds: dict[str, tuple[str, int]] = {}
+    bns: dict[str, str] = {}
+    if not avoid_gathers:
+        return modes, feeds, bns
+    for chain in _chains(model, untraced=untraced, traced_cache=traced_cache):
+        prev: tuple[str, nn.Module] | None = None
+        flattened = False
+        pending: list[str] = []
+        for name, m in chain:
+            if name in modes:
+                unit = _pairs(prev, m, flattened) if prev is not None else None
+                if prev is not None and unit is not None:
+                    modes[prev[0]], modes[name] = "split-output", "split-input"
+                    feeds[name] = (prev[0], unit)
+                    bns.update({b: prev[0] for b in pending})
+                    prev = None
+                else:
+                    prev = (name, m)
+                flattened, pending = False, []
+                continue
+            if prev is None:
+                continue
+            conv = isinstance(prev[1], nn.Conv2d)
+            if isinstance(m, ELEMENTWISE_MODULES) or (
+                conv and not flattened and isinstance(m, SPATIAL_MODULES)
+            ):
+                continue
+            bn_type = nn.BatchNorm2d if conv else nn.BatchNorm1d
+            if type(m) is bn_type and not flattened and m.num_features == layer_channels(prev[1]):
+                pending.append(name)
+                continue
+            flat = isinstance(m, nn.Flatten) and m.start_dim == 1 and m.end_dim == -1
+            if conv and not flattened and flat:
+                flattened = True
+                continue
+            prev, pending = None, []  # anything else needs the full tensor
+    return modes, feeds, bns
+
+
+def _pairs(prev: tuple[str, nn.Module], m: nn.Module, flattened: bool) -> int | None:
+    """in_features_per_channel if ``m`` can read ``prev``'s channel-split output, else None."""
+    p = prev[1]
+    if isinstance(p, nn.Conv2d):
+        if isinstance(m, nn.Conv2d) and not flattened and m.in_channels == p.out_channels:
+            return 1
+        if isinstance(m, nn.Linear) and flattened and m.in_features % p.out_channels == 0:
+            return m.in_features // p.out_channels
+        return None
+    if isinstance(m, nn.Linear) and m.in_features == p.out_features:  # type: ignore[union-attr]
+        return 1
+    return None
+
+
+# Layers with parameters that filter parallelism does not split: named in a warning, so a
+# model that stays (partly) replicated says so.
+_REPLICATED_KINDS = (
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.RNNBase,
+    nn.MultiheadAttention,
+    nn.Bilinear,
+)
+
+
+def _why_kept(m: nn.Module) -> str:
+    if isinstance(m, nn.Conv2d) and not isinstance(m, nn.ConvTranspose2d) and m.groups != 1:
+        return f", groups={m.groups}"
+    return ""
+
+
+def _tied(model: nn.Module) -> dict[str, str]:
+    """Modules whose own parameters another module also holds (tied weights, or one module
+    registered under two names), by name, each with what it shares: ``"weight shared with
+    'emb'"``. Splitting such a module would give it a slice of its own and untie the rest."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        for pname, p in m.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((n, pname))
+    tied: dict[str, str] = {}
+    for holders in owners.values():
+        if len(holders) < 2:
+            continue
+        for n, pname in holders:
+            others = ", ".join(repr(o) for o, _ in holders if o != n) or f"{n!r} itself"
+            tied.setdefault(n, f"{pname} shared with {others}")
+    return tied
+
+
+def choose_layers(
+    model: nn.Module,
+    layers: Sequence[str] | None,
+    named: dict[str, nn.Module],
+    *,
+    warn: bool = True,
+) -> list[str]:
+    """The names of the layers to split, in the model's order: ``layers`` checked against
+    ``named`` (``model.named_modules()``), or by default every Linear and groups=1 Conv2d whose
+    parameters no other module holds; with ``warn``, a ``UserWarning`` names the layers with
+    parameters that stay replicated."""
+    tied = _tied(model)
+    if layers is None:
+        chosen, kept = [], []
+        for n, m in named.items():
+            if n in tied and isinstance(m, (nn.Linear, nn.Conv2d)):
+                kept.append(f"{n!r} ({type(m).__name__}, {tied[n]}: a split would untie them)")
+            elif type(m) is nn.Linear or (type(m) is nn.Conv2d and m.groups == 1):
+                chosen.append(n)
+            elif isinstance(m, _REPLICATED_KINDS) and any(True for _ in m.parameters()):
+                kept.append(f"{n!r} ({type(m).__name__}{_why_kept(m)})")
+        if kept and warn:
+            warnings.warn(
+                "filter_parallel: left replicated (every rank computes them whole): "
+                + ", ".join(kept),
+                UserWarning,
+                stacklevel=4,
+            )
+        if not chosen and warn:
+            warnings.warn(
+                f"filter_parallel: {type(model).__name__} has no Conv2d (groups=1) or Linear "
+                "layer it can split; it runs unchanged on every rank",
+                UserWarning,
+                stacklevel=4,
+            )
+        return chosen
+    if isinstance(layers, str) or not isinstance(layers, Sequence):
+        raise TypeError(f"layers: must be a sequence of module names, got {type(layers).__name__}")
+    for name in layers:
+        if name not in named:
+            raise ValueError(f"layers: the model has no module named {name!r}")
+        if not isinstance(named[name], (nn.Conv2d, nn.Linear)):
+            raise ValueError(
+                f"layers: {name!r} is a {type(named[name]).__name__}; only Conv2d and Linear "
+                "layers can be split"
+            )
+        if name in tied:
+            raise ValueError(
+                f"layers: {name!r} cannot be split: {tied[name]}, and a split layer holds only "
+                "its slice, which would untie them (leave it out of layers: it then stays "
+                "replicated)"
+            )
+    if len(set(layers)) != len(layers):
+        raise ValueError("layers: names a module more than once")
+    order = list(named)
+    return sorted(layers, key=order.index)

@@ -1,0 +1,115 @@
+"""Argument checks of the filter-parallel layers and converter, and the resolution of speeds
+into channel shares (:func:`hetcoll.split`). All local: they run before any collective, so bad
+input raises on every rank instead of leaving the ranks' collectives mismatched."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+import hetcoll
+
+#: The modes a split layer runs in (:mod:`hetcoll.torch.filters` says what each does).
+MODES = ("gather", "split-output", "split-input")
+
+
+def is_int(x: object) -> bool:
+    """An int or numpy integer, booleans excluded."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_shares(shares: object, total: int, size: int, argument: str, what: str) -> list[int]:
+    """``shares`` as a list of positive ints, one per rank, summing to ``total``."""
+    if isinstance(shares, (str, bytes)) or not isinstance(shares, Sequence):
+        raise TypeError(f"{argument}: must be a sequence of integers, got {type(shares).__name__}")
+    if not all(is_int(s) for s in shares):
+        raise TypeError(f"{argument}: shares must be integers, got {list(shares)!r}")
+    out = [int(s) for s in shares]
+    if len(out) != size:
+        raise ValueError(
+            f"{argument}: has {len(out)} shares but the group has {size} ranks (one per rank)"
+        )
+    for r, s in enumerate(out):
+        if s < 1:
+            raise ValueError(
+                f"{argument}: rank {r} has a share of {s}; every rank needs at least one channel"
+            )
+    if sum(out) != total:
+        raise ValueError(f"{argument}: shares sum to {sum(out)} but {what} has {total} channels")
+    return out
+
+
+def speeds_to_shares(
+    speeds: Sequence[Any], total: int, size: int, multiple_of: int, argument: str, what: str
+) -> list[int]:
+    """``total`` channels split over ``size`` ranks in proportion to ``speeds``
+    (:func:`hetcoll.split`, at least ``multiple_of`` each, in multiples of it)."""
+    if len(speeds) != size:
+        raise ValueError(
+            f"{argument}: has {len(speeds)} speeds but the group has {size} ranks (one per rank)"
+        )
+    if total < size * multiple_of:
+        raise ValueError(
+            f"{argument}: {what} has {total} channels, too few for {size} ranks with at least "
+            f"{multiple_of} each; leave it out (layers=...)"
+        )
+    try:
+        return hetcoll.split(
+            total, [float(s) for s in speeds], multiple_of=multiple_of, minimum=multiple_of
+        )
+    except ValueError as e:
+        raise ValueError(f"{argument}: {what}: {e}") from e
+
+
+def check_choice(shares: object, speeds: object, multiple_of: object) -> None:
+    """Exactly one of ``shares`` and ``speeds`` given, and a valid ``multiple_of``."""
+    if (shares is None) == (speeds is None):
+        raise ValueError("shares, speeds: give exactly one of them")
+    if not is_int(multiple_of) or multiple_of < 1:  # type: ignore[operator]
+        raise ValueError(f"multiple_of: must be an integer >= 1, got {multiple_of!r}")
+
+
+def resolve_shares(
+    shares: Sequence[int] | None,
+    speeds: Sequence[float] | None,
+    multiple_of: int,
+    total: int,
+    size: int,
+    what: str,
+) -> list[int]:
+    """A layer's shares: from ``speeds`` when given, else ``shares`` checked."""
+    if speeds is not None:
+        return speeds_to_shares(speeds, total, size, int(multiple_of), "speeds", what)
+    return check_shares(shares, total, size, "shares", what)
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode: must be one of {MODES}, got {mode!r}")
+
+
+def check_conv(conv: nn.Conv2d, argument: str) -> None:
+    if not isinstance(conv, nn.Conv2d):
+        raise TypeError(f"{argument}: must be a torch.nn.Conv2d, got {type(conv).__name__}")
+    if conv.groups != 1:
+        raise ValueError(
+            f"{argument}: is a grouped convolution (groups={conv.groups}); filter parallelism "
+            "splits groups=1 convolutions only"
+        )
+    if conv.transposed:
+        raise ValueError(f"{argument}: transposed convolutions are not supported")
+
+
+def check_linear(linear: nn.Linear, argument: str) -> None:
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"{argument}: must be a torch.nn.Linear, got {type(linear).__name__}")
+
+
+def check_timeout(timeout: float | None) -> None:
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+    ):
+        raise ValueError(f"timeout: must be a number of seconds > 0 or None, got {timeout!r}")

@@ -1,0 +1,298 @@
+"""Converting a model: :func:`filter_parallel` splits the chosen layers of a model in place,
+in the modes the pairing rule gives (:mod:`.chains`), after one agreement check on the plan;
+:func:`filter_shares` gives the channels per rank it would use, locally."""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+from hetcoll.comm import Communicator, agree, deadline, wrap
+from hetcoll.torch.filters.chains import choose_layers, layer_channels, plan_modes
+from hetcoll.torch.filters.checks import (
+    check_conv,
+    check_shares,
+    check_timeout,
+    is_int,
+    speeds_to_shares,
+)
+from hetcoll.torch.filters.layers import (
+    FilterParallelBatchNorm1d,
+    FilterParallelBatchNorm2d,
+    FilterParallelConv2d,
+    FilterParallelLinear,
+)
+
+
+def filter_shares(
+    model: nn.Module,
+    shares_or_speeds: Sequence[float] | Sequence[int] | Mapping[str, Sequence[int]] | None = None,
+    size: int | None = None,
+    *,
+    speeds: Sequence[float] | None = None,
+    shares: Sequence[int] | Mapping[str, Sequence[int]] | None = None,
+    layers: Sequence[str] | None = None,
+    multiple_of: int = 1,
+    avoid_gathers: bool = True,
+) -> dict[str, list[int]]:
+    """The channels per rank :func:`filter_parallel` gives each layer it splits on ``size``
+    ranks, by module name (split-input layers take the shares of the layer feeding them). Local:
+    every argument check of :func:`filter_parallel` runs here, with the same errors, so a caller
+    can check a split on ranks outside it.
+
+    >>> model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2))
+    >>> filter_shares(model, size=2, speeds=[2, 1])
+    {'0': [4, 2], '2': [4, 2]}
+    """
+    if size is None:
+        raise TypeError("size: required (the number of ranks)")
+    if not is_int(size) or size < 1:
+        raise ValueError(f"size: must be an integer >= 1, got {size!r}")
+    value, argument = _split_argument(shares_or_speeds, speeds, shares)
+    return _shares(model, value, argument, lambda: int(size), layers, multiple_of, avoid_gathers)
+
+
+def _split_argument(shares_or_speeds: Any, speeds: Any, shares: Any) -> tuple[Any, str]:
+    """The one split given, and the name of its argument: ``speeds=`` (numbers, integers read
+    as speeds too), ``shares=`` (integers, or a dict of them per layer) or the positional
+    ``shares_or_speeds``, whose integers are shares and whose floats are speeds: ambiguous, so
+    integers there get a DeprecationWarning."""
+    given = [
+        n
+        for n, v in (("shares_or_speeds", shares_or_speeds), ("speeds", speeds), ("shares", shares))
+        if v is not None
+    ]
+    if len(given) != 1:
+        raise TypeError(
+            "speeds, shares: give exactly one, by keyword: speeds=[...] (one per rank, each "
+            "layer split in proportion) or shares=[...] (channels per rank, or a dict of them "
+            "per layer)" + (f"; got {', '.join(given)}" if given else "")
+        )
+    if speeds is not None:
+        if isinstance(speeds, (str, bytes, Mapping)) or not isinstance(speeds, Sequence):
+            raise TypeError(
+                f"speeds: must be a sequence of numbers, one per rank, got {type(speeds).__name__}"
+            )
+        if any(isinstance(v, (bool, np.bool_)) for v in speeds):
+            raise TypeError("speeds: booleans are not speeds")
+        try:
+            return [float(v) for v in speeds], "speeds"
+        except (TypeError, ValueError):
+            raise TypeError(f"speeds: must be numbers, got {list(speeds)!r}") from None
+    if shares is not None:
+        if isinstance(shares, Mapping):
+            return shares, "shares"
+        if isinstance(shares, (str, bytes)) or not isinstance(shares, Sequence):
+            raise TypeError(
+                "shares: must be a sequence of integers (channels per rank) or a dict of them "
+                f"per layer, got {type(shares).__name__}"
+            )
+        if not all(is_int(v) for v in shares):
+            raise TypeError(
+                f"shares: must be integers (speeds go to speeds=), got {list(shares)!r}"
+            )
+        return shares, "shares"
+    if (
+        isinstance(shares_or_speeds, Sequence)
+        and not isinstance(shares_or_speeds, (str, bytes))
+        and shares_or_speeds
+        and all(is_int(v) for v in shares_or_speeds)
+    ):
+        warnings.warn(
+            "filter_parallel: integers in shares_or_speeds are read as channel shares, where "
+            "hetcoll.split reads them as speeds; say which with shares= or speeds= (the "
+            "positional form goes in a later release)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    return shares_or_speeds, "shares_or_speeds"
+
+
+def _shares(
+    model: nn.Module,
+    shares_or_speeds: Any,
+    argument: str,
+    size_of: Callable[[], int],
+    layers: Sequence[str] | None,
+    multiple_of: int,
+    avoid_gathers: bool,
+) -> dict[str, list[int]]:
+    """:func:`filter_shares`, asking for the group size only once the arguments are checked."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    if not is_int(multiple_of) or multiple_of < 1:
+        raise ValueError(f"multiple_of: must be an integer >= 1, got {multiple_of!r}")
+    named = dict(model.named_modules())
+    per_layer: Mapping[str, Any] | None = None
+    if isinstance(shares_or_speeds, Mapping):
+        per_layer = shares_or_speeds
+        if layers is None:
+            layers = list(per_layer)
+        missing = [k for k in per_layer if k not in layers]
+        if missing:
+            raise ValueError(f"{argument}: names layers not in layers: {missing}")
+    elif isinstance(shares_or_speeds, (str, bytes)) or not isinstance(shares_or_speeds, Sequence):
+        raise TypeError(
+            f"{argument}: must be a sequence (speeds or shares, one per rank) or a dict "
+            f"of shares per layer, got {type(shares_or_speeds).__name__}"
+        )
+    elif any(isinstance(s, (bool, np.bool_)) for s in shares_or_speeds):
+        raise TypeError(f"{argument}: booleans are neither speeds nor shares")
+    chosen = choose_layers(model, layers, named)
+    for name in chosen:
+        m = named[name]
+        if isinstance(m, nn.Conv2d):
+            check_conv(m, f"layers: {name!r}")
+    untraced: list[str] = []
+    modes, feeds, _ = plan_modes(model, chosen, avoid_gathers, untraced)
+    if untraced and any(mode == "gather" for mode in modes.values()):
+        warnings.warn(
+            "filter_parallel: could not trace the forward of "
+            + "; ".join(untraced)
+            + ", so the layers split inside gather their whole outputs after each "
+            "(mode 'gather') unless an nn.Sequential shows what feeds what; modes: "
+            + ", ".join(f"{n!r} {m}" for n, m in modes.items()),
+            UserWarning,
+            stacklevel=4,
+        )
+    size = size_of() if chosen else 1
+
+    shares: dict[str, list[int]] = {}
+    for name in chosen:
+        what = f"layer {name!r}"
+        total = layer_channels(named[name])
+        if per_layer is not None:
+            if modes[name] == "split-input":
+                continue  # it reads the channels of the layer feeding it: checked below
+            if name not in per_layer:
+                raise ValueError(f"{argument}: gives no shares for {what}")
+            shares[name] = check_shares(per_layer[name], total, size, argument, what)
+        elif argument != "speeds" and all(is_int(s) for s in shares_or_speeds):  # type: ignore[union-attr]
+            if modes[name] != "split-input":
+                shares[name] = check_shares(shares_or_speeds, total, size, argument, what)
+        elif modes[name] != "split-input":
+            shares[name] = speeds_to_shares(
+                shares_or_speeds,  # type: ignore[arg-type]
+                total,
+                size,
+                int(multiple_of),
+                argument,
+                what,
+            )
+    for name, (src, _) in feeds.items():
+        shares[name] = shares[src]
+        given = None if per_layer is None else per_layer.get(name)
+        if given is not None and [int(s) for s in given] != shares[src]:
+            raise ValueError(
+                f"{argument}: layer {name!r} reads the channels of {src!r}, so its "
+                f"shares must be {src!r}'s ({shares[src]}), got {list(given)!r}"
+            )
+    return {name: shares[name] for name in chosen if name in shares}
+
+
+def filter_parallel(
+    model: nn.Module,
+    shares_or_speeds: Sequence[float] | Sequence[int] | Mapping[str, Sequence[int]] | None = None,
+    group: Any = None,
+    *,
+    speeds: Sequence[float] | None = None,
+    shares: Sequence[int] | Mapping[str, Sequence[int]] | None = None,
+    layers: Sequence[str] | None = None,
+    multiple_of: int = 1,
+    avoid_gathers: bool = True,
+    timeout: float | None = None,
+) -> nn.Module:
+    """Split the Conv2d / Linear layers of ``model`` across the ranks of ``group``, in place;
+    return ``model``.
+
+    Give the split by keyword, exactly one of: ``speeds=`` — numbers, one per rank (integers
+    too, as :func:`hetcoll.split` reads them), each layer split with :func:`hetcoll.split`
+    (``multiple_of``, at least ``multiple_of`` channels per rank); ``shares=`` — integers, one
+    per rank, the same channels for every split layer, or a dict from layer name to shares (the
+    layers then default to its keys). The positional ``shares_or_speeds`` (floats: speeds,
+    integers: shares) still works; with integers it warns, being ambiguous. ``layers`` names
+    the modules to split (default: every
+    ``nn.Conv2d`` with ``groups=1`` and ``nn.Linear``). Modes are chosen so a split layer feeding
+    another through channel-wise modules only (inside an ``nn.Sequential``) skips the gather:
+    split-output then split-input; a BatchNorm between them is split too. ``avoid_gathers=False``
+    gathers after every split layer. A layer that shares a parameter with another module (tied
+    weights, as a language model's head with its embedding, or one module registered under two
+    names) stays replicated and is named in a ``UserWarning``, as PyTorch users expect ties to
+    hold: a split layer would hold a slice of its own and untie them; naming it in ``layers``
+    raises ``ValueError`` naming both. Every rank must pass the same arguments and the same
+    model; all checks run before the one collective (an agreement check on the plan, which
+    raises :class:`hetcoll.CollectiveMismatchError` on every rank if ranks disagree).
+
+    The result trains with any optimizer whose update is elementwise (SGD, Adam, AdamW,
+    RMSprop, ...) exactly as the unsplit model would; global-norm clipping would see only the
+    local slice. :func:`gather_state_dict` and :func:`gather_optimizer_state_dict` rebuild the
+    unsplit model's state dict and optimizer state; :func:`load_full_state_dict` and
+    :func:`load_full_optimizer_state_dict` load them into any split of the model (another
+    number of ranks, other speeds): a checkpoint that resumes elsewhere.
+
+    >>> model = filter_parallel(DemoNet(), [1.0, 0.25], None)  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    check_timeout(timeout)
+    value, argument = _split_argument(shares_or_speeds, speeds, shares)
+    per_layer = _shares(
+        model, value, argument, lambda: wrap(group).size, layers, multiple_of, avoid_gathers
+    )
+    comm = wrap(group)
+    named = dict(model.named_modules())
+    chosen = list(per_layer)
+    modes, feeds, bns = plan_modes(model, chosen, avoid_gathers)
+
+    _agree_on_plan(comm, chosen, modes, per_layer, timeout)
+
+    for name in chosen:
+        m = named[name]
+        if isinstance(m, nn.Conv2d):
+            new: nn.Module = FilterParallelConv2d.from_module(
+                m, per_layer[name], comm, mode=modes[name], timeout=timeout
+            )
+        else:
+            unit = feeds[name][1] if name in feeds else 1
+            new = FilterParallelLinear.from_module(
+                m,
+                per_layer[name],
+                comm,
+                mode=modes[name],
+                in_features_per_channel=unit,
+                timeout=timeout,
+            )
+        _replace(model, name, new)
+    for name, src in bns.items():
+        bn = named[name]
+        cls = (
+            FilterParallelBatchNorm2d
+            if isinstance(bn, nn.BatchNorm2d)
+            else FilterParallelBatchNorm1d
+        )
+        _replace(model, name, cls.from_module(bn, per_layer[src], comm))  # type: ignore[arg-type]
+    return model
+
+
+def _agree_on_plan(
+    comm: Communicator,
+    chosen: list[str],
+    modes: dict[str, str],
+    shares: dict[str, list[int]],
+    timeout: float | None,
+) -> None:
+    # One fingerprint of the whole plan: ranks that disagree anywhere raise on every rank.
+    fingerprint = zlib.crc32(repr([(n, modes[n], shares[n]) for n in chosen]).encode())
+    what = "filter_parallel's layers, modes and shares (same model and arguments needed)"
+    agree(comm, {what: fingerprint}, deadline(timeout))
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, attr, new)

@@ -1,0 +1,464 @@
+"""The split modules: what every split module knows of its ranks and shares
+(:class:`ChannelSplit`), the rank's own computation (:class:`LocalConv2d`,
+:class:`LocalLinear`), the filter-parallel Conv2d and Linear layers around it and the BatchNorms
+that follow them, split along the same channels."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from hetcoll.comm import Communicator, wrap
+from hetcoll.torch.filters.autograd import CopyToRanks, GatherChannels, ReduceSum
+from hetcoll.torch.filters.checks import (
+    check_choice,
+    check_conv,
+    check_linear,
+    check_mode,
+    check_shares,
+    check_timeout,
+    is_int,
+    resolve_shares,
+)
+
+
+class ChannelSplit:
+    """What every split module knows: its ranks, its shares, and which tensors are split.
+
+    ``split_spec()`` maps a parameter or buffer name to ``(dim, unit)``: along ``dim`` rank r holds
+    ``shares[r] * unit`` entries starting at ``offsets[r] * unit``; unnamed tensors are replicated.
+    """
+
+    comm: Communicator
+    rank: int
+    shares: list[int]
+    offset: int
+
+    def _set_split(self, comm: Communicator, shares: list[int]) -> None:
+        self.comm = comm
+        self.rank = comm.rank
+        self.shares = list(shares)
+        self.offset = sum(shares[: comm.rank])
+
+    def split_spec(self) -> dict[str, tuple[int, int]]:
+        raise NotImplementedError
+
+    def _slice_full(self, state_dict: dict[str, Any], prefix: str) -> None:
+        """A full (unsplit) tensor in a state dict being loaded becomes this rank's slice."""
+        total = sum(self.shares)
+        for name, (dim, unit) in self.split_spec().items():
+            t = state_dict.get(prefix + name)
+            if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == total * unit:
+                count = self.shares[self.rank] * unit
+                if count != total * unit:
+                    state_dict[prefix + name] = t.narrow(dim, self.offset * unit, count)
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        self._slice_full(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args)  # type: ignore[misc]
+
+
+class LocalConv2d(nn.Module):
+    """The computation a rank of a :class:`FilterParallelConv2d` does on its own: the
+    convolution of its input with its slice of the weight, ``local(x, weight, bias)``. It holds
+    no parameters (the layer does); see :attr:`FilterParallelLayer.local`."""
+
+    def __init__(
+        self,
+        stride: tuple[int, ...],
+        padding: Any,
+        dilation: tuple[int, ...],
+        padding_mode: str,
+        reversed_padding: Any,
+    ) -> None:
+        super().__init__()
+        self.stride, self.padding, self.dilation = stride, padding, dilation
+        self.padding_mode = padding_mode
+        self._reversed_padding_repeated_twice = reversed_padding
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Any) -> torch.Tensor:
+        if self.padding_mode != "zeros":
+            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            return F.conv2d(x, weight, bias, self.stride, 0, self.dilation)
+        return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation)
+
+
+class LocalLinear(nn.Module):
+    """The computation a rank of a :class:`FilterParallelLinear` does on its own,
+    ``local(x, weight, bias)``; no parameters (see :attr:`FilterParallelLayer.local`)."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Any) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+
+class FilterParallelLayer(ChannelSplit, nn.Module):
+    """Shared forward of the split Conv2d and Linear (``dim`` is their channel dimension).
+
+    ``local``: the child module that does this rank's own computation, called as
+    ``local(x, weight, bias)`` between the layer's collectives. Module hooks on it (forward and
+    full backward hooks: the weight and bias are among its inputs) see the local compute alone,
+    without the communication, for a profiler, a timer or an emulation (``hetcoll.lab``).
+    """
+
+    mode: str
+    dim: int
+    timeout: float | None
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    local: nn.Module
+
+    # Dimensions the input must have (None: any); checked locally, before any collective, so a
+    # wrong input raises on every rank instead of leaving the ranks' collectives mismatched.
+    input_dims: int | None = None
+
+    def _local_in(self) -> int:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_dims is not None and x.dim() != self.input_dims:
+            raise ValueError(
+                f"input: a filter-parallel {type(self).__name__} takes batched {self.input_dims}-D "
+                f"input (N, C, H, W), got shape {tuple(x.shape)}; add the batch dimension "
+                "(x.unsqueeze(0)) for one sample"
+            )
+        if self.mode == "split-input":
+            want = self._local_in()
+            if x.dim() == 0 or x.shape[self.dim] != want:
+                raise ValueError(
+                    f"input: this split-input layer expects {want} channels along dim "
+                    f"{self.dim} on rank {self.rank} (its slice of the previous layer's output), "
+                    f"got shape {tuple(x.shape)}"
+                )
+            y = ReduceSum.apply(self.local(x, self.weight, None), self.comm, self.timeout)
+            if self.bias is not None:
+                shape = [1] * y.dim()
+                shape[self.dim] = -1
+                y = y + self.bias.view(shape)
+            return y
+        if x.requires_grad:
+            x = CopyToRanks.apply(x, self.comm, self.timeout)
+        y = self.local(x, self.weight, self.bias)
+        if self.mode == "split-output":
+            return y
+        return GatherChannels.apply(y, self.comm, self.shares, self.offset, self.dim, self.timeout)
+
+    def split_spec(self) -> dict[str, tuple[int, int]]:
+        if self.mode == "split-input":
+            return {"weight": (1, self._unit())}
+        spec = {"weight": (0, 1)}
+        if self.bias is not None:
+            spec["bias"] = (0, 1)
+        return spec
+
+    def _unit(self) -> int:
+        return 1
+
+    def _adopt(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        comm: Communicator,
+        shares: list[int],
+        mode: str,
+        timeout: float | None,
+    ) -> None:
+        """Keep this rank's slice of ``weight`` / ``bias`` (copies: the full tensors can go)."""
+        self._set_split(comm, shares)
+        self.mode = mode
+        self.timeout = timeout
+        unit = self._unit()
+        with torch.no_grad():
+            if mode == "split-input":
+                w = weight.narrow(1, self.offset * unit, shares[comm.rank] * unit)
+                b = bias
+            else:
+                w = weight.narrow(0, self.offset, shares[comm.rank])
+                b = None if bias is None else bias.narrow(0, self.offset, shares[comm.rank])
+            self.weight = nn.Parameter(w.clone(), requires_grad=weight.requires_grad)
+            self.bias = None if b is None else nn.Parameter(b.clone(), b.requires_grad)
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode!r}, shares={self.shares}, rank={self.rank}"
+
+
+class FilterParallelConv2d(FilterParallelLayer):
+    """A ``torch.nn.Conv2d`` (``groups=1``) whose output channels are split across ranks.
+
+    ``shares`` (ints, one per rank of ``group``, each >= 1, summing to ``out_channels``) or
+    ``speeds`` (one per rank; shares from :func:`hetcoll.split` with ``multiple_of``) say how
+    many filters each rank holds. In ``mode="split-input"`` the shares are instead those of the
+    previous layer's output — this layer's ``in_channels`` — and the rank holds the matching
+    input-channel columns of every filter. ``group`` is anything :func:`hetcoll.comm.wrap` takes.
+    The full layer is initialised as ``nn.Conv2d`` would be (so ranks must share the seed), then
+    only the local slice is kept; :meth:`from_module` splits an existing layer instead. Every
+    rank must pass the same batched input (or, in split-input mode, its own slice); an
+    unbatched (C, H, W) input raises ``ValueError``. ``timeout`` (seconds) bounds each
+    collective.
+
+    >>> conv = FilterParallelConv2d(3, 37, 3, speeds=[1.0, 0.25], group=None)  # doctest: +SKIP
+    """
+
+    input_dims = 4  # unbatched (C, H, W) input would gather along H
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, int],
+        stride: int | tuple[int, int] = 1,
+        padding: int | tuple[int, int] | str = 0,
+        dilation: int | tuple[int, int] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        *,
+        shares: Sequence[int] | None = None,
+        speeds: Sequence[float] | None = None,
+        multiple_of: int = 1,
+        group: Any = None,
+        mode: str = "gather",
+        timeout: float | None = None,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        check_mode(mode)
+        check_timeout(timeout)
+        if groups != 1:
+            raise ValueError(
+                f"groups: is {groups}; filter parallelism splits groups=1 convolutions only"
+            )
+        check_choice(shares, speeds, multiple_of)
+        comm = wrap(group)
+        split_total = in_channels if mode == "split-input" else out_channels
+        counts = resolve_shares(shares, speeds, multiple_of, split_total, comm.size, "the layer")
+        super().__init__()
+        full = nn.Conv2d(
+            in_channels,
+            out_channels,
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            1,
+            bias,
+            padding_mode,  # type: ignore[arg-type]
+            device=device,
+            dtype=dtype,
+        )
+        self._from_conv(full, comm, counts, mode, timeout)
+
+    @classmethod
+    def from_module(
+        cls,
+        conv: nn.Conv2d,
+        shares: Sequence[int] | None = None,
+        group: Any = None,
+        *,
+        speeds: Sequence[float] | None = None,
+        multiple_of: int = 1,
+        mode: str = "gather",
+        timeout: float | None = None,
+    ) -> FilterParallelConv2d:
+        """This rank's part of an existing ``conv`` (its weights are copied, not shared).
+
+        >>> FilterParallelConv2d.from_module(nn.Conv2d(3, 37, 3), [29, 7, 1])  # doctest: +SKIP
+        """
+        check_conv(conv, "conv")
+        check_mode(mode)
+        check_timeout(timeout)
+        check_choice(shares, speeds, multiple_of)
+        comm = wrap(group)
+        total = conv.in_channels if mode == "split-input" else conv.out_channels
+        counts = resolve_shares(shares, speeds, multiple_of, total, comm.size, "conv")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._from_conv(conv, comm, counts, mode, timeout)
+        return self
+
+    def _from_conv(
+        self,
+        conv: nn.Conv2d,
+        comm: Communicator,
+        counts: list[int],
+        mode: str,
+        timeout: float | None,
+    ) -> None:
+        self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
+        self.kernel_size, self.stride = conv.kernel_size, conv.stride
+        self.padding, self.dilation = conv.padding, conv.dilation
+        self.padding_mode = conv.padding_mode
+        self.dim = 1
+        self.local = LocalConv2d(
+            conv.stride,
+            conv.padding,
+            conv.dilation,
+            conv.padding_mode,
+            conv._reversed_padding_repeated_twice,
+        )
+        self._adopt(conv.weight, conv.bias, comm, counts, mode, timeout)
+
+    def _local_in(self) -> int:
+        return self.shares[self.rank]
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+            f"stride={self.stride}, padding={self.padding}, " + super().extra_repr()
+        )
+
+
+class FilterParallelLinear(FilterParallelLayer):
+    """A ``torch.nn.Linear`` whose output features are split across ranks.
+
+    Same contract as :class:`FilterParallelConv2d` (the channel dimension is the last one). In
+    ``mode="split-input"`` the shares are over the previous layer's channels and
+    ``in_features_per_channel`` input features belong to each of them (a conv's H*W when a
+    Flatten lies between; 1 after a linear layer).
+
+    >>> fc = FilterParallelLinear(128, 10, speeds=[1.0, 0.25], group=None)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        shares: Sequence[int] | None = None,
+        speeds: Sequence[float] | None = None,
+        multiple_of: int = 1,
+        group: Any = None,
+        mode: str = "gather",
+        in_features_per_channel: int = 1,
+        timeout: float | None = None,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        check_mode(mode)
+        check_timeout(timeout)
+        unit = _check_unit(in_features, in_features_per_channel)
+        check_choice(shares, speeds, multiple_of)
+        comm = wrap(group)
+        total = in_features // unit if mode == "split-input" else out_features
+        counts = resolve_shares(shares, speeds, multiple_of, total, comm.size, "the layer")
+        super().__init__()
+        full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
+        self._from_linear(full, comm, counts, mode, unit, timeout)
+
+    @classmethod
+    def from_module(
+        cls,
+        linear: nn.Linear,
+        shares: Sequence[int] | None = None,
+        group: Any = None,
+        *,
+        speeds: Sequence[float] | None = None,
+        multiple_of: int = 1,
+        mode: str = "gather",
+        in_features_per_channel: int = 1,
+        timeout: float | None = None,
+    ) -> FilterParallelLinear:
+        """This rank's part of an existing ``linear`` (its weights are copied, not shared).
+
+        >>> FilterParallelLinear.from_module(nn.Linear(64, 37), [29, 7, 1], group)  # doctest: +SKIP
+        """
+        check_linear(linear, "linear")
+        check_mode(mode)
+        check_timeout(timeout)
+        unit = _check_unit(linear.in_features, in_features_per_channel)
+        check_choice(shares, speeds, multiple_of)
+        comm = wrap(group)
+        total = linear.in_features // unit if mode == "split-input" else linear.out_features
+        counts = resolve_shares(shares, speeds, multiple_of, total, comm.size, "linear")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._from_linear(linear, comm, counts, mode, unit, timeout)
+        return self
+
+    def _from_linear(
+        self,
+        linear: nn.Linear,
+        comm: Communicator,
+        counts: list[int],
+        mode: str,
+        unit: int,
+        timeout: float | None,
+    ) -> None:
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features_per_channel = unit
+        self.dim = -1
+        self.local = LocalLinear()
+        self._adopt(linear.weight, linear.bias, comm, counts, mode, timeout)
+
+    def _unit(self) -> int:
+        return self.in_features_per_channel
+
+    def _local_in(self) -> int:
+        return self.shares[self.rank] * self.in_features_per_channel
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, " + super().extra_repr()
+
+
+def _check_unit(in_features: int, unit: object) -> int:
+    if not is_int(unit) or int(unit) < 1:  # type: ignore[call-overload]
+        raise ValueError(f"in_features_per_channel: must be an integer >= 1, got {unit!r}")
+    if in_features % int(unit):  # type: ignore[call-overload]
+        raise ValueError(
+            f"in_features_per_channel: {unit} does not divide in_features ({in_features})"
+        )
+    return int(unit)  # type: ignore[call-overload]
+
+
+class _SplitBatchNorm(ChannelSplit):
+    """Channels ``[offset, offset + share)`` of a BatchNorm: its statistics and affine map are
+    per channel, so the split is exact and needs no communication."""
+
+    def split_spec(self) -> dict[str, tuple[int, int]]:
+        names = ("weight", "bias", "running_mean", "running_var")
+        return {n: (0, 1) for n in names if getattr(self, n, None) is not None}
+
+    @classmethod
+    def from_module(cls, bn: _BatchNorm, shares: Sequence[int], group: Any = None) -> Any:
+        """This rank's channels of ``bn`` (a BatchNorm1d / BatchNorm2d of ``sum(shares)``
+        features).
+
+        >>> FilterParallelBatchNorm2d.from_module(nn.BatchNorm2d(37), [29, 7, 1])  # doctest: +SKIP
+        """
+        comm = wrap(group)
+        counts = check_shares(shares, bn.num_features, comm.size, "shares", "the BatchNorm")
+        off, n = sum(counts[: comm.rank]), counts[comm.rank]
+        w = bn.weight
+        new: Any = cls(  # type: ignore[call-arg]
+            n,
+            bn.eps,
+            bn.momentum,
+            bn.affine,
+            bn.track_running_stats,
+            device=w.device if w is not None else None,
+            dtype=w.dtype if w is not None else None,
+        )
+        new._set_split(comm, counts)
+        with torch.no_grad():
+            for name in ("weight", "bias", "running_mean", "running_var"):
+                src = getattr(bn, name, None)
+                if src is not None:
+                    getattr(new, name).copy_(src.narrow(0, off, n))
+            if bn.num_batches_tracked is not None:
+                new.num_batches_tracked.copy_(bn.num_batches_tracked)
+        new.train(bn.training)
+        return new
+
+
+class FilterParallelBatchNorm2d(_SplitBatchNorm, nn.BatchNorm2d):
+    """This rank's channels of a ``BatchNorm2d`` that follows a split conv layer."""
+
+
+class FilterParallelBatchNorm1d(_SplitBatchNorm, nn.BatchNorm1d):
+    """This rank's features of a ``BatchNorm1d`` that follows a split linear layer (2-D
+    input)."""

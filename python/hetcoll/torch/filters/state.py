@@ -1,0 +1,236 @@
+"""The state of a split model: its state dict, gradients and optimizer state gathered into the
+unsplit model's (one allgatherv of every slice), and the unsplit model's loaded back into any
+split of it (a checkpoint that resumes on other ranks or speeds)."""
+
+from __future__ import annotations
+
+import copy
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetcoll.comm import Communicator, agree
+from hetcoll.torch.filters.checks import is_int
+from hetcoll.torch.filters.layers import ChannelSplit
+from hetcoll.torch.state_dicts import (
+    Part,
+    check_full_optimizer_state_dict,
+    check_full_state_dict,
+    check_optimizer,
+    local_optimizer_state_dict,
+    named_optimizer_state,
+    state_kind,
+)
+
+
+def _gather(
+    model: nn.Module, values: dict[str, torch.Tensor], dst: int | None, argument: str
+) -> dict[str, torch.Tensor] | None:
+    """Full tensors from ``values`` (keys as in ``model.state_dict()``), split ones gathered.
+
+    Every rank's slices travel in one allgatherv of bytes: the shares say how long each rank's
+    piece of each tensor is, so no sizes need exchanging first.
+    """
+    split: dict[str, tuple[ChannelSplit, int, int]] = {}
+    for mname, m in model.named_modules():
+        if isinstance(m, ChannelSplit):
+            for pname, (dim, unit) in m.split_spec().items():
+                split[f"{mname}.{pname}" if mname else pname] = (m, dim, unit)
+    comms = {id(m.comm): m.comm for m, _, _ in split.values()}
+    if len(comms) > 1:
+        raise ValueError(f"{argument}: split modules on different process groups")
+    comm = next(iter(comms.values()), None)
+    size = comm.size if comm is not None else 1
+    if dst is not None and (not is_int(dst) or not 0 <= dst < size):
+        raise ValueError(f"dst: must be a rank in [0, {size}) or None, got {dst!r}")
+    keep = comm is None or dst is None or comm.rank == dst
+    pieces = []  # (key, dim, rows per rank, row shape, dtype, bytes per row)
+    local = []
+    for key, t in values.items():
+        if key in split:
+            m, dim, unit = split[key]
+            moved = t.detach().cpu().movedim(dim, 0).contiguous()
+            row = moved.shape[1:]
+            row_bytes = moved[0].numel() * moved.element_size()
+            pieces.append((key, dim, [s * unit for s in m.shares], row, t.dtype, row_bytes))
+            local.append(moved.reshape(-1).view(torch.uint8))
+    full: dict[str, torch.Tensor] = {}
+    if comm is not None and pieces:
+        per_rank = [sum(rows[r] * rb for _, _, rows, _, _, rb in pieces) for r in range(size)]
+        out = torch.empty(sum(per_rank), dtype=torch.uint8)
+        comm.iallgatherv(torch.cat(local).numpy(), out.numpy(), per_rank).wait(None)
+        if keep:
+            start = [sum(per_rank[:r]) for r in range(size)]
+            for key, dim, rows, row, dtype, rb in pieces:
+                parts = []
+                for r in range(size):
+                    n = rows[r] * rb
+                    parts.append(out[start[r] : start[r] + n].view(dtype).view(rows[r], *row))
+                    start[r] += n
+                full[key] = torch.cat(parts).movedim(0, dim).contiguous()
+    if not keep:
+        return None
+    return {k: full[k] if k in full else t.detach().clone() for k, t in values.items()}
+
+
+def split_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
+    """This rank's slices of split parameters and buffers: ``{name: (tensor, dim, start)}``,
+    the tensor holding the full tensor's entries ``start ..`` along ``dim`` (names as in
+    ``model.state_dict()``). Tensors that are not split are left out: they are whole on every
+    rank.
+
+    >>> split_tensors(nn.Linear(2, 2))
+    {}
+    """
+    state = model.state_dict(keep_vars=True)
+    return {k: (state[k], p.dim, p.start) for k, p in _parts(model).items() if not p.whole}
+
+
+def gather_state_dict(model: nn.Module, *, dst: int | None = 0) -> dict[str, torch.Tensor] | None:
+    """The state dict of the unsplit model: split parameters and buffers gathered from every
+    rank; keys as in the original model. Returned on rank ``dst`` (None elsewhere), or on every
+    rank with ``dst=None``. Every rank must call it (one allgatherv of all the slices; gathered
+    tensors are on the CPU).
+
+    >>> full = gather_state_dict(model)  # doctest: +SKIP
+    >>> unsplit.load_state_dict(full)  # on rank 0  # doctest: +SKIP
+    """
+    return _gather(model, model.state_dict(), dst, "model")
+
+
+def gather_gradients(model: nn.Module, *, dst: int | None = 0) -> dict[str, torch.Tensor] | None:
+    """``{name: full gradient}`` for every parameter with a gradient, split ones gathered (as
+    :func:`gather_state_dict`). For checking against the unsplit model.
+
+    >>> grads = gather_gradients(model, dst=None)  # doctest: +SKIP
+    """
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return _gather(model, grads, dst, "model")
+
+
+# -- checkpoints: the unsplit model's state, and back into any split ------------------------------
+
+
+def _parts(model: nn.Module) -> dict[str, Part]:
+    """Every state-dict entry of ``model`` by name: where this rank's tensor sits in the
+    unsplit model's (a channel slice for split ones, the whole tensor otherwise)."""
+    state = model.state_dict(keep_vars=True)
+    parts = {k: Part(tuple(t.shape)) for k, t in state.items()}
+    for mname, m in model.named_modules():
+        if isinstance(m, ChannelSplit):
+            for pname, (dim, unit) in m.split_spec().items():
+                key = f"{mname}.{pname}" if mname else pname
+                local = state[key]
+                shape = list(local.shape)
+                shape[dim] = sum(m.shares) * unit
+                parts[key] = Part(tuple(shape), dim, m.offset * unit, int(local.shape[dim]))
+    return parts
+
+
+def _split_comm(model: nn.Module) -> Communicator | None:
+    comms = {id(m.comm): m.comm for m in model.modules() if isinstance(m, ChannelSplit)}
+    if len(comms) > 1:
+        raise ValueError("model: split modules on different process groups")
+    return next(iter(comms.values()), None)
+
+
+def gather_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, dst: int | None = 0
+) -> dict[str, Any] | None:
+    """The unsplit model's optimizer state: ``optimizer``'s state with every split tensor
+    gathered from the ranks (SGD's momentum, Adam's moments: state shaped as its parameter is
+    split as the parameter is), keyed by the parameter names of the original model, as
+    torch.distributed.checkpoint's full optimizer state dict and FSDP's
+    ``full_optim_state_dict`` are: ``{"state": {name: {...}}, "param_groups": [{..., "params":
+    [names]}]}`` (:mod:`hetcoll.torch.state_dicts`). Returned on rank ``dst`` (None elsewhere),
+    or on every rank with ``dst=None``. Collective, as :func:`gather_state_dict`: every rank
+    calls it with its optimizer over ``model.parameters()``; ranks whose optimizer state
+    differs in layout raise :class:`hetcoll.CollectiveMismatchError`, all of them.
+    :func:`load_full_optimizer_state_dict` loads the result into any split of the model.
+
+    >>> full = gather_optimizer_state_dict(model, opt, dst=None)  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    comm = _split_comm(model)
+    size = comm.size if comm is not None else 1
+    if dst is not None and (not is_int(dst) or not 0 <= dst < size):
+        raise ValueError(f"dst: must be a rank in [0, {size}) or None, got {dst!r}")
+    names: dict[int, str | None] = {id(p): n for n, p in model.named_parameters()}
+    failure: BaseException | None = None
+    state: dict[str, dict[str, Any]] = {}
+    groups: list[tuple[dict[str, Any], list[str]]] = []
+    try:
+        state, groups = named_optimizer_state(optimizer, names)
+    except (TypeError, ValueError) as e:
+        failure = e
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    layout = [
+        (n, f, state_kind(v, shapes[n]), str(getattr(v, "dtype", type(v).__name__)))
+        for n, entries in state.items()
+        for f, v in entries.items()
+    ]
+    if comm is not None:
+        fields = {
+            "the optimizer state's names, fields and dtypes": zlib.crc32(repr(layout).encode()),
+            "the optimizer's param groups": zlib.crc32(repr(groups).encode()),
+        }
+        agree(comm, fields, failure=failure)
+    elif failure is not None:
+        raise failure
+    full: dict[str, dict[str, Any]] = {n: {} for n in state}
+    for field in dict.fromkeys(f for _, f, kind, _ in layout if kind == "sliced"):
+        values = {n: state[n][field] for n, f, kind, _ in layout if f == field and kind == "sliced"}
+        gathered = _gather(model, values, dst, "model")
+        if gathered is not None:
+            for n, t in gathered.items():
+                full[n][field] = t
+    if comm is not None and dst is not None and comm.rank != dst:
+        return None
+    for n, f, kind, _ in layout:
+        if kind != "sliced":
+            v = state[n][f]
+            full[n][f] = v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+    return {
+        "state": {n: {f: full[n][f] for f in state[n]} for n in state},
+        "param_groups": [{**hyper, "params": listed} for hyper, listed in groups],
+    }
+
+
+def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Load the unsplit model's ``state_dict`` (:func:`gather_state_dict`'s, or a plain
+    model's) into ``model``, split or not: each rank keeps its slice of every split tensor,
+    whatever split wrote the checkpoint. Local (no communication); keys and shapes are checked
+    first, against the unsplit model, and a mismatch raises naming ``state_dict``.
+
+    >>> model = filter_parallel(Net(), speeds=new_speeds)  # doctest: +SKIP
+    >>> load_full_state_dict(model, ckpt["model"])  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    check_full_state_dict(state_dict, {k: p.shape for k, p in _parts(model).items()})
+    model.load_state_dict(state_dict)  # split modules slice full tensors (ChannelSplit)
+
+
+def load_full_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
+) -> None:
+    """Load a full optimizer state dict (:func:`gather_optimizer_state_dict`'s, or
+    :meth:`hetcoll.torch.Parallel.full_optimizer_state_dict`'s) into ``optimizer``, built over
+    ``model.parameters()`` with the same param groups: each rank takes its slice of every split
+    parameter's state, whatever split wrote it, and the saved hyperparameters. Local (no
+    communication); names and shapes are checked first, against the unsplit model.
+
+    >>> load_full_optimizer_state_dict(model, opt, ckpt["optimizer"])  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    check_optimizer(optimizer)
+    parts = _parts(model)
+    params = dict(model.named_parameters())
+    check_full_optimizer_state_dict(state_dict, {n: parts[n].shape for n in params})
+    held: dict[int, tuple[str, Part] | None] = {id(p): (n, parts[n]) for n, p in params.items()}
+    optimizer.load_state_dict(local_optimizer_state_dict(optimizer, state_dict, held))
