@@ -3,6 +3,7 @@ single-process full-batch update; the sampler and the rebalancer behave as docum
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -292,6 +293,36 @@ def test_sampler_bad_input(kwargs, pattern):
 def test_spawn_reports_a_failing_rank():
     with pytest.raises(RankFailed, match="rank 1"):
         spawn(_fail_on_rank_one, 2, timeout=60)
+
+
+def test_spawned_ranks_are_processes_of_their_own_with_the_callers_environment(monkeypatch):
+    # Ranks fork from a server that imported torch once: each is still a process of its own,
+    # sees the caller's environment and working directory as they are at the call (set after
+    # the server started), and runs at the threads it was given.
+    spawn(_rank_facts, 1)  # the server is running from here on
+    monkeypatch.setenv("HETCOLL_TEST_MARK", "after the server started")
+    facts = spawn(_rank_facts, 3, threads_per_rank=2)
+    assert len({f["pid"] for f in facts} | {os.getpid()}) == 4
+    assert [f["rank"] for f in facts] == [0, 1, 2]
+    for f in facts:
+        assert f["mark"] == "after the server started" and f["cwd"] == os.getcwd()
+        assert f["threads"] == 2 and f["omp"] == "2" and f["fresh"]
+
+
+_STATE: list[int] = []
+
+
+def _rank_facts(rank, world):
+    _STATE.append(rank)  # a module global: a rank forked from another would see its entries
+    return {
+        "pid": os.getpid(),
+        "rank": dist.get_rank(),
+        "mark": os.environ.get("HETCOLL_TEST_MARK"),
+        "cwd": os.getcwd(),
+        "threads": torch.get_num_threads(),
+        "omp": os.environ.get("OMP_NUM_THREADS"),
+        "fresh": [rank] == _STATE,
+    }
 
 
 def _fail_on_rank_one(rank, world):

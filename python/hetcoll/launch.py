@@ -44,7 +44,12 @@ def _worker(
     threads: int,
     args: tuple[Any, ...],
     result_path: str,
+    environ: dict[str, str],
 ) -> None:
+    # The parent's environment as it is now (a forked rank starts from the server's, taken
+    # when the server started).
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -79,6 +84,20 @@ def _worker(
         pickle.dump(outcome, f)
 
 
+def _context(mp: Any) -> Any:
+    """Where ranks start: forked from a server that imported torch once (``forkserver``, where
+    the platform has it: importing torch takes seconds, a fork milliseconds), else fresh
+    interpreters (``spawn``). Either way ``fn`` runs in a process of its own that holds
+    nothing of the caller's state but its arguments (the server never runs a rank's code)."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
 def spawn(
     fn: Callable[..., Any],
     world_size: int,
@@ -87,8 +106,12 @@ def spawn(
     timeout: float = 120.0,
     threads_per_rank: int = 1,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes joined in one
-    torch.distributed process group; return each rank's result, in rank order.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes of their own joined in
+    one torch.distributed process group; return each rank's result, in rank order. Each rank
+    sees the caller's environment and working directory as they are at the call. On Linux
+    and macOS the ranks fork from a server process that imported torch at the first call, so
+    later calls start their ranks in milliseconds rather than seconds (elsewhere each rank
+    is a fresh interpreter).
 
     ``fn`` must be importable (defined at module level). A rank that raises or dies makes this
     raise :class:`RankFailed` naming it; ranks still running after ``timeout`` seconds are killed.
@@ -101,14 +124,25 @@ def spawn(
         raise ValueError(f"world_size: must be an integer >= 1, got {world_size!r}")
     if timeout <= 0:
         raise ValueError(f"timeout: must be > 0 seconds, got {timeout!r}")
-    ctx = mp.get_context("spawn")
+    ctx = _context(mp)
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="hetcoll-spawn-") as tmp:
         paths = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world_size)]
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, r, world_size, port, backend, timeout, threads_per_rank, args, paths[r]),
+                args=(
+                    fn,
+                    r,
+                    world_size,
+                    port,
+                    backend,
+                    timeout,
+                    threads_per_rank,
+                    args,
+                    paths[r],
+                    dict(os.environ),
+                ),
                 daemon=False,
             )
             for r in range(world_size)
