@@ -189,6 +189,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(hetcoll.num_threads())  # the node's cores shared among its ranks
     dtype = torch.float64 if args.float64 else torch.float32
     x_train, y_train, x_test, y_test = load_data(args.seed)
+    if args.max_train_samples is not None:
+        x_train, y_train = x_train[: args.max_train_samples], y_train[: args.max_train_samples]
     x_train, x_test = (t.to(job.device, dtype) for t in (x_train, x_test))
     y_train, y_test = y_train.to(job.device), y_test.to(job.device)
     torch.manual_seed(args.seed)
@@ -284,6 +286,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch", type=int, default=128, help="global batch: samples per step")
+    p.add_argument(
+        "--max-train-samples",
+        type=int,
+        metavar="N",
+        help="train on the first N training samples only (a quick trial run)",
+    )
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -310,6 +318,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", help="write each rank's report here ({rank} is replaced)")
     p.add_argument("--quiet", action="store_true", help="no progress bars or epoch lines")
     args = p.parse_args(argv)
+    if args.max_train_samples is not None and args.max_train_samples < args.batch:
+        p.error(f"--max-train-samples: must be at least --batch ({args.batch})")
     if args.shares is not None and sum(args.shares) != args.batch:
         p.error(f"--shares: must add up to --batch ({args.batch}), got {sum(args.shares)}")
     return args
