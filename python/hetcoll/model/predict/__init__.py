@@ -30,13 +30,6 @@ Its modules share their private names; every name is importable from here.
 
 from __future__ import annotations
 
-from hetcoll.model.predict import classes, layout, schedule, work
-from hetcoll.model.predict.classes import (
-    _NODE_LINKS as _NODE_LINKS,
-)
-from hetcoll.model.predict.classes import (
-    _ReplicaKeys as _ReplicaKeys,
-)
 from hetcoll.model.predict.data import (
     DataParallelSchedule,
     balanced_batch_shares,
@@ -120,20 +113,6 @@ from hetcoll.model.predict.timing import (
 from hetcoll.model.predict.timing import (
     _new_device_arrays as _new_device_arrays,
 )
-
-#: The names these had when they were private to plans.py (before it was split into layout,
-#: work, classes, schedule and plans), still importable from here.
-_ReplicaLayout = layout.ReplicaLayout
-_StageLayout = layout.StageLayout
-_StageWork = work.StageWork
-_flat_ranks = classes.flat_ranks
-_layout_schedule = schedule.layout_schedule
-_node_link_ids = classes.node_link_ids
-_plan_layout = layout.plan_layout
-_replica_classes = classes.replica_classes
-_ring_link_of = classes.ring_link_of
-_stage_layout = layout.stage_layout
-_stage_work = work.stage_work
 
 __all__ = [
     "DDP_BUCKET_BYTES",
