@@ -20,7 +20,9 @@
 //!    without nets are packed together) contracted level by level until about `160·k` vertices
 //!    remain; single-pin nets dropped and parallel nets merged.
 //! 2. `initial`: recursive bisection of the coarsest hypergraph with adaptive imbalance per level;
-//!    each bisection takes the best of a portfolio of tries (greedy hypergraph growing from random
+//!    a side of many vertices and small nets is bisected multilevel (coarsened to `2·160`
+//!    vertices, split there, refined on the way back), as Mt-KaHyPar does; each (coarsest)
+//!    bisection takes the best of a portfolio of tries (greedy hypergraph growing from random
 //!    seeds, random assignments, BFS sweeps: the cheapest balanced prefix of a BFS order), each
 //!    polished by FM; several such runs compete on the k-way result.
 //! 3. `refine`: on the way back, the coarse partition is projected, then k-way FM with km1 gains
