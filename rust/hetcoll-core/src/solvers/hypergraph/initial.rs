@@ -3,24 +3,17 @@
 
 use std::collections::BinaryHeap;
 
+use super::coarsen::{coarsen, VERTICES_PER_BLOCK};
 use super::refine::{fm, rebalance, State};
-use super::{Hypergraph, Rng};
+use super::{uncoarsen, Hypergraph, Rng};
 
 /// Tries per bisection: greedy growing from random seeds alternating with random assignments.
 const TRIES: usize = 8;
 
-/// Blocks `0..targets.len()` of the vertices of `hg` by recursive bisection (`total`: the weight
-/// the targets are shares of, which exceeds `hg`'s when vertices were set aside). Each bisection gets
-/// an adaptive imbalance `ε'` such that the imbalances compound to at most the final `ε` over the
-/// `⌈log2 k⌉` levels (KaHyPar's rule, with unequal targets).
-pub(super) fn initial_partition(
-    hg: &Hypergraph,
-    targets: &[f64],
-    epsilon: f64,
-    total: f64,
-    caps: &[f64],
-    rng: &mut Rng,
-) -> Vec<u32> {
+/// Blocks `0..budget.targets.len()` of the vertices of `hg` by recursive bisection. Each
+/// bisection gets an adaptive imbalance `ε'` such that the imbalances compound to at most the
+/// final `ε` over the `⌈log2 k⌉` levels (KaHyPar's rule, with unequal targets).
+pub(super) fn initial_partition(hg: &Hypergraph, budget: &Budget<'_>, rng: &mut Rng) -> Vec<u32> {
     let n = hg.num_vertices();
     let mut parts = vec![0u32; n];
     let ids: Vec<u32> = (0..n as u32).collect();
@@ -28,26 +21,28 @@ pub(super) fn initial_partition(
         hg.clone(),
         &ids,
         0,
-        targets.len(),
-        &Budget {
-            targets,
-            epsilon,
-            total,
-            caps,
-        },
+        budget.targets.len(),
+        budget,
         &mut parts,
         rng,
     );
     parts
 }
 
-struct Budget<'a> {
-    targets: &'a [f64],
-    epsilon: f64,
-    total: f64,
+/// What recursive bisection splits by.
+pub(super) struct Budget<'a> {
+    /// Each block's share of `total`.
+    pub targets: &'a [f64],
+    pub epsilon: f64,
+    /// The weight the targets are shares of (exceeds the hypergraph's when vertices were set
+    /// aside).
+    pub total: f64,
     /// The final k-way capacities: a side never gets more room than its blocks have together
     /// (the adaptive formula can round a hair above a single block's capacity).
-    caps: &'a [f64],
+    pub caps: &'a [f64],
+    /// Whether bisections of hypergraphs with large nets are multilevel too (see
+    /// [`multilevel_bisect`]).
+    pub multilevel_large_nets: bool,
 }
 
 fn recurse(
@@ -84,13 +79,49 @@ fn recurse(
         caps[0].min(budget.caps[lo..mid].iter().sum()),
         caps[1].min(budget.caps[mid..hi].iter().sum()),
     ];
-    let side = bisect(&sub, &caps, rng);
+    let side = multilevel_bisect(&sub, &caps, budget.multilevel_large_nets, rng);
     for s in 0..2u32 {
         let (child, child_ids) = extract(&sub, ids, &side, s);
         let (a, b) = if s == 0 { (lo, mid) } else { (mid, hi) };
         recurse(child, &child_ids, a, b, budget, parts, rng);
     }
 }
+
+/// A 2-way split of `hg` under `caps`: multilevel (Mt-KaHyPar's bisections) when `hg` has many
+/// vertices and small nets, else the best of the flat tries of [`bisect`].
+///
+/// The coarsest level has `160·k` vertices, so at k = 8 the first bisection splits 1280 of them,
+/// and on a mesh-like hypergraph (kNN points, a stencil) flat tries with FM at that size land far
+/// apart: 4-way cuts of one 2-D kNN coarsest level ranged over 170-230 between runs. Coarsening
+/// the side to `2·160` vertices, bisecting there and refining on the way back up narrows that
+/// and costs less than the flat tries on the full side. On hypergraphs with large nets (a CNN's
+/// feature maps, power-law nets) clustering found nothing the flat tries' BFS sweeps and growing
+/// miss on large inputs, and rating over large nets is costly: those stay flat unless
+/// `large_nets` (small inputs, where fewer multilevel runs replace more flat ones).
+fn multilevel_bisect(
+    hg: &Hypergraph,
+    caps: &[f64; 2],
+    large_nets: bool,
+    rng: &mut Rng,
+) -> Vec<u32> {
+    let n = hg.num_vertices();
+    // Pin-weighted mean net size, `Σ|e|² / Σ|e|`: the size of the net a pin is in, on average.
+    let squares: usize = (0..hg.num_nets()).map(|e| hg.net_size(e).pow(2)).sum();
+    let net_size = squares as f64 / hg.pins.len().max(1) as f64;
+    if n <= 4 * VERTICES_PER_BLOCK || (net_size > SMALL_NETS && !large_nets) {
+        return bisect(hg, caps, rng);
+    }
+    // One group: the communities were the input's; here every cluster may form.
+    let groups = vec![0u32; n];
+    let hierarchy = coarsen(hg, 2, caps, None, &groups, rng);
+    let coarsest = hierarchy.last().map_or(hg, |level| &level.coarse);
+    let parts = bisect(coarsest, caps, rng);
+    uncoarsen(hg, &hierarchy, parts, caps, None, None, rng)
+}
+
+/// Bisections of hypergraphs whose pin-weighted mean net size is at most this are multilevel
+/// (kNN: 3-4, stencil: 3, random matrices: 4-6; power-law and CNN coarsest levels: 50-300).
+const SMALL_NETS: f64 = 16.0;
 
 /// The best 2-way split of `hg` under `caps` over several tries: balanced before unbalanced, then
 /// smallest km1.

@@ -20,7 +20,9 @@
 //!    without nets are packed together) contracted level by level until about `160·k` vertices
 //!    remain; single-pin nets dropped and parallel nets merged.
 //! 2. `initial`: recursive bisection of the coarsest hypergraph with adaptive imbalance per level;
-//!    each bisection takes the best of a portfolio of tries (greedy hypergraph growing from random
+//!    a side of many vertices and small nets is bisected multilevel (coarsened to `2·160`
+//!    vertices, split there, refined on the way back), as Mt-KaHyPar does; each (coarsest)
+//!    bisection takes the best of a portfolio of tries (greedy hypergraph growing from random
 //!    seeds, random assignments, BFS sweeps: the cheapest balanced prefix of a BFS order), each
 //!    polished by FM; several such runs compete on the k-way result.
 //! 3. `refine`: on the way back, the coarse partition is projected, then k-way FM with km1 gains
@@ -421,21 +423,27 @@ fn multilevel(hg: &Hypergraph, setting: &Setting<'_>, rng: &mut Rng) -> Vec<u32>
     // Small coarsest hypergraphs (tiny inputs) get more runs: they cost next to nothing. So do
     // inputs of a few thousand vertices (a CNN's filters), where a run takes milliseconds to a
     // second and recursive bisection's luck decides most (VGG-11 at k = 8: 1.33x Mt-KaHyPar's km1
-    // with 2 runs, 1.03x with 6).
+    // with 2 runs, 1.03x with 6 flat ones). There, the bisections are multilevel whatever the
+    // nets' size: 4 such runs matched 6 flat ones on the CNN hypergraphs (and took ResNet-18's
+    // chain at k = 8, 4:2:1:1 from 1.15x to 1.00x Mt-KaHyPar's km1) in 80% of the time.
+    let small_input = n <= SMALL_INPUT;
     let runs = if coarsest.num_vertices() < SMALL {
         4 * INITIAL_RUNS
-    } else if n <= SMALL_INPUT {
-        3 * INITIAL_RUNS
+    } else if small_input {
+        2 * INITIAL_RUNS
     } else {
         INITIAL_RUNS
     };
     for _ in 0..runs {
         let mut parts = initial::initial_partition(
             coarsest,
-            setting.targets,
-            setting.epsilon,
-            setting.total,
-            caps,
+            &initial::Budget {
+                targets: setting.targets,
+                epsilon: setting.epsilon,
+                total: setting.total,
+                caps,
+                multilevel_large_nets: small_input,
+            },
             rng,
         );
         refine::refine(coarsest, &mut parts, caps, mem, None, rng);
@@ -537,7 +545,7 @@ fn uncoarsen(
 /// Independent initial partitions of the coarsest hypergraph; the best one is uncoarsened.
 const INITIAL_RUNS: usize = 2;
 
-/// Inputs of at most this many vertices get three times the initial runs.
+/// Inputs of at most this many vertices get twice the initial runs, with multilevel bisections.
 const SMALL_INPUT: usize = 2500;
 
 /// Below this many vertices the initial partitioner spends more tries.
