@@ -12,7 +12,7 @@ a plain (no-shortcut) ResNet-18 chain, both at reduced width and 32x32 inputs
 same limits as individual maximum block weights ``floor((1 + eps) * targets[b] * W)`` (it takes
 integer weights, so weights are rounded to integers for both), one thread, the default preset.
 
-    python benches/compare_partitioners.py [--quick] [--family PREFIX] [--json FILE.json]
+    python benches/compare_partitioners.py [--quick] [--family PREFIX] [--repeat N] [--json F]
 
 Needs ``mtkahypar`` (the ``bench`` dependency group, which ``make bench`` installs; hetcoll does
 not depend on it). Lab code, like everything in benches/: it imports the library, the library
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 import shlex
+import statistics
 import sys
 import time
 from importlib import metadata
@@ -287,7 +288,7 @@ def instances(quick: bool, family: str | None) -> list[Instance]:
     return out
 
 
-def results_file(runs: list[dict[str, Any]], quick: bool) -> dict[str, Any]:
+def results_file(runs: list[dict[str, Any]], quick: bool, repeat: int) -> dict[str, Any]:
     """The runs as a results file for benches/report.py: every run, then the summary groups."""
     from report import RATIO, SCHEMA, host_info, now
 
@@ -332,7 +333,13 @@ def results_file(runs: list[dict[str, Any]], quick: bool) -> dict[str, Any]:
         ),
         "notes": [
             "km1 ratio: hetcoll's km1 over Mt-KaHyPar's (< 1: hetcoll cuts less); time ratio: "
-            "hetcoll's time over Mt-KaHyPar's (< 1: hetcoll is faster). One run per cell.",
+            "hetcoll's time over Mt-KaHyPar's (< 1: hetcoll is faster). "
+            + (
+                f"Each cell: the medians of {repeat} runs (km1 and seconds, each partitioner's "
+                "own), the partitioner that goes first alternating; balanced in every run."
+                if repeat > 1
+                else "One run per cell."
+            ),
             *(
                 ["`--quick`: the small instance of each family (CNNs at a quarter width)."]
                 if quick
@@ -405,7 +412,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small instances only")
     ap.add_argument("--family", help="only the instances whose name starts with this")
     ap.add_argument("--json", type=Path, help="also write a results file for benches/report.py")
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="runs of each cell, medians reported (default 3)"
+    )
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error(f"--repeat: must be at least 1, got {args.repeat}")
     import mtkahypar
 
     mtk = mtkahypar.initialize(1, False)
@@ -420,15 +432,28 @@ def main() -> None:
         for k in (2, 4, 8):
             for hetero in (False, True):
                 targets = targets_for(k, hetero)
-                start = time.perf_counter()
-                ours = hetcoll.partition_hypergraph(
-                    n, nets, targets, vertex_weights=vw, net_weights=nw, epsilon=EPS, seed=0
-                )
-                t_ours = time.perf_counter() - start
-                theirs, t_theirs = run_mtkahypar(mtkahypar, mtk, n, nets, vw, nw, targets)
-                a, b = km1_of(nets, ours, nw), km1_of(nets, theirs, nw)
+                # Each run times both partitioners, the one that goes first alternating (a
+                # change of load reaches both alike); km1 and seconds are medians over the runs
+                # (Mt-KaHyPar's km1 varies between runs with one seed, hetcoll's does not).
+                mine, yours = [], []
+                ok_ours = ok_theirs = True
+                for rep in range(args.repeat):
+                    for go in ("ours", "theirs") if rep % 2 == 0 else ("theirs", "ours"):
+                        if go == "ours":
+                            start = time.perf_counter()
+                            ours = hetcoll.partition_hypergraph(
+                                n, nets, targets, vertex_weights=vw, net_weights=nw,
+                                epsilon=EPS, seed=0,
+                            )  # fmt: skip
+                            mine.append((km1_of(nets, ours, nw), time.perf_counter() - start))
+                            ok_ours = ok_ours and balanced(ours, vw, targets)
+                        else:
+                            theirs, t = run_mtkahypar(mtkahypar, mtk, n, nets, vw, nw, targets)
+                            yours.append((km1_of(nets, theirs, nw), t))
+                            ok_theirs = ok_theirs and balanced(theirs, vw, targets)
+                a, t_ours = (statistics.median(x) for x in zip(*mine))
+                b, t_theirs = (statistics.median(x) for x in zip(*yours))
                 ratio = a / b if b > 0 else (1.0 if a == 0 else math.inf)
-                ok_ours, ok_theirs = balanced(ours, vw, targets), balanced(theirs, vw, targets)
                 runs.append(
                     dict(
                         instance=name,
@@ -457,7 +482,7 @@ def main() -> None:
     if args.json is not None:
         from report import write_result
 
-        write_result(args.json, results_file(runs, args.quick))
+        write_result(args.json, results_file(runs, args.quick, args.repeat))
         print(f"results: {args.json}")
 
 
