@@ -438,6 +438,46 @@ fn score(gain: f64, weight: f64) -> f64 {
     }
 }
 
+/// One FM search's moves in order (vertex, block it left), their running gain and the best
+/// prefix so far: both searches record their moves here and roll back to the best prefix.
+#[derive(Default)]
+struct MoveLog {
+    moves: Vec<(u32, u32)>,
+    current: f64,
+    best: f64,
+    best_len: usize,
+}
+
+impl MoveLog {
+    /// Empty, for the next search (keeping the allocation).
+    fn clear(&mut self) {
+        self.moves.clear();
+        (self.current, self.best, self.best_len) = (0.0, 0.0, 0);
+    }
+
+    /// Records vertex `v`'s move out of block `from`, gaining `gain`; false once more than
+    /// `patience` moves have passed without a new best prefix (the search stops).
+    fn record(&mut self, v: usize, from: u32, gain: f64, patience: usize) -> bool {
+        self.moves.push((v as u32, from));
+        self.current += gain;
+        if self.current > self.best + 1e-12 * self.best.abs().max(1.0) {
+            self.best = self.current;
+            self.best_len = self.moves.len();
+        } else if self.moves.len() - self.best_len > patience {
+            return false;
+        }
+        true
+    }
+
+    /// Undoes the moves after the best prefix, last first; the kept moves.
+    fn roll_back(&self, state: &mut State<'_>) -> &[(u32, u32)] {
+        for &(v, from) in self.moves[self.best_len..].iter().rev() {
+            state.apply(v as usize, from as usize, |_| {});
+        }
+        &self.moves[..self.best_len]
+    }
+}
+
 /// k-way Fiduccia–Mattheyses passes with km1 gains: each pass moves boundary vertices best gain
 /// first (negative gains too, every vertex at most once), then rolls back to the best prefix.
 pub(super) fn fm(state: &mut State<'_>, rng: &mut Rng, max_passes: usize) {
@@ -467,8 +507,7 @@ pub(super) fn fm(state: &mut State<'_>, rng: &mut Rng, max_passes: usize) {
                 }
             }
         }
-        let mut moves: Vec<(u32, u32)> = Vec::new();
-        let (mut current, mut best, mut best_len) = (0.0f64, 0.0f64, 0usize);
+        let mut log = MoveLog::default();
         // Give up a pass after this many moves without a new best (adaptive stopping is overkill
         // for the sizes hetcoll sees).
         let patience = 100 + (n / 100).min(250);
@@ -491,12 +530,7 @@ pub(super) fn fm(state: &mut State<'_>, rng: &mut Rng, max_passes: usize) {
                 }
             });
             locked[v] = pass;
-            moves.push((v as u32, from));
-            current += m.gain;
-            if current > best + 1e-12 * best.abs().max(1.0) {
-                best = current;
-                best_len = moves.len();
-            } else if moves.len() - best_len > patience {
+            if !log.record(v, from, m.gain, patience) {
                 break;
             }
             for &u in &woken {
@@ -518,10 +552,7 @@ pub(super) fn fm(state: &mut State<'_>, rng: &mut Rng, max_passes: usize) {
                 }
             }
         }
-        for &(v, from) in moves[best_len..].iter().rev() {
-            state.apply(v as usize, from as usize, |_| {});
-        }
-        if best_len == 0 {
+        if log.roll_back(state).is_empty() {
             break;
         }
     }
@@ -555,7 +586,7 @@ pub(super) fn localized_fm(state: &mut State<'_>, rng: &mut Rng, max_rounds: usi
     let mut search = 0u64;
     let mut heap: BinaryHeap<Entry> = BinaryHeap::new();
     let mut parked: Vec<BinaryHeap<Entry>> = vec![BinaryHeap::new(); k];
-    let mut moves: Vec<(u32, u32)> = Vec::new();
+    let mut log = MoveLog::default();
     let mut woken: Vec<u32> = Vec::new();
     for round in 1..=max_rounds as u32 {
         let mut seeds: Vec<u32> = (0..n as u32)
@@ -571,7 +602,7 @@ pub(super) fn localized_fm(state: &mut State<'_>, rng: &mut Rng, max_rounds: usi
             for p in &mut parked {
                 p.clear();
             }
-            moves.clear();
+            log.clear();
             let mut taken = 0;
             while cursor < seeds.len() && taken < SEEDS {
                 let v = seeds[cursor] as usize;
@@ -593,7 +624,6 @@ pub(super) fn localized_fm(state: &mut State<'_>, rng: &mut Rng, max_rounds: usi
             if taken == 0 {
                 continue;
             }
-            let (mut current, mut best, mut best_len) = (0.0f64, 0.0f64, 0usize);
             while let Some(top) = heap.pop() {
                 let v = top.v as usize;
                 if locked[v] == round
@@ -617,12 +647,7 @@ pub(super) fn localized_fm(state: &mut State<'_>, rng: &mut Rng, max_rounds: usi
                     }
                 });
                 claimed[v] = search;
-                moves.push((v as u32, from));
-                current += m.gain;
-                if current > best + 1e-12 * best.abs().max(1.0) {
-                    best = current;
-                    best_len = moves.len();
-                } else if moves.len() - best_len > LOCAL_PATIENCE {
+                if !log.record(v, from, m.gain, LOCAL_PATIENCE) {
                     break;
                 }
                 for &u in &woken {
@@ -644,13 +669,10 @@ pub(super) fn localized_fm(state: &mut State<'_>, rng: &mut Rng, max_rounds: usi
                     }
                 }
             }
-            for &(v, from) in moves[best_len..].iter().rev() {
-                state.apply(v as usize, from as usize, |_| {});
-            }
-            for &(v, _) in &moves[..best_len] {
+            for &(v, _) in log.roll_back(state) {
                 locked[v as usize] = round;
             }
-            round_gain += best;
+            round_gain += log.best;
         }
         // Stop once a round gains less than 0.1% (Mt-KaHyPar's relative improvement threshold).
         if round_gain <= 1e-3 * start_km1 {

@@ -352,6 +352,37 @@ proptest! {
     }
 }
 
+/// A refinement's starting point from a tiny hypergraph's draws: the hypergraph with vertex
+/// memory `memory`, the partition `start` (blocks mod k), and limits the start meets - weight
+/// caps at its heaviest block or the balanced share if that is more, memory caps at its fullest
+/// block.
+fn start_within_limits(
+    (n, nets, vw, nw): (usize, Vec<Vec<u32>>, Vec<f64>, Vec<f64>),
+    k: usize,
+    eps: f64,
+    start: &[u32],
+    memory: &[u32],
+) -> (Hypergraph, Vec<u32>, Vec<f64>, Vec<f64>) {
+    let hg = build(n, &nets, Some(vw), Some(nw)).unwrap();
+    let parts: Vec<u32> = start[..n].iter().map(|&b| b % k as u32).collect();
+    let heaviest = block_weights(&hg, &parts, k)
+        .into_iter()
+        .fold(0.0, f64::max);
+    let caps = vec![heaviest.max((1.0 + eps) * hg.total_weight() / k as f64); k];
+    let mem_of: Vec<f64> = memory[..n].iter().map(|&m| f64::from(m)).collect();
+    let mut used = vec![0.0; k];
+    for (v, &b) in parts.iter().enumerate() {
+        used[b as usize] += mem_of[v];
+    }
+    let mem_caps = vec![used.iter().copied().fold(0.0, f64::max); k];
+    (
+        hg.with_vertex_memory(mem_of).unwrap(),
+        parts,
+        caps,
+        mem_caps,
+    )
+}
+
 /// Flow refinement of a given partition: km1 before and after, and the partition after.
 fn flow_once(
     hg: &Hypergraph,
@@ -381,27 +412,14 @@ proptest! {
     /// weight and memory limits, and is deterministic.
     #[test]
     fn flows_never_worsen_and_keep_balance(
-        (n, nets, vw, nw) in tiny_hypergraph(),
+        drawn in tiny_hypergraph(),
         k in 2usize..4,
         eps in prop::sample::select(vec![0.03, 0.2, 0.5]),
         start in prop::collection::vec(0u32..3, 9),
         memory in prop::collection::vec(0u32..4, 9),
         limit_memory in any::<bool>(),
     ) {
-        let hg = build(n, &nets, Some(vw), Some(nw)).unwrap();
-        let parts: Vec<u32> = start[..n].iter().map(|&b| b % k as u32).collect();
-        // Limits the start meets: its heaviest block, or the balanced share if that is more.
-        let total = hg.total_weight();
-        let heaviest = block_weights(&hg, &parts, k).into_iter().fold(0.0, f64::max);
-        let caps = vec![heaviest.max((1.0 + eps) * total / k as f64); k];
-        let mem_of: Vec<f64> = memory[..n].iter().map(|&m| f64::from(m)).collect();
-        let hg = hg.with_vertex_memory(mem_of.clone()).unwrap();
-        // Memory limits that the start meets exactly in its fullest block.
-        let mut used = vec![0.0; k];
-        for (v, &b) in parts.iter().enumerate() {
-            used[b as usize] += mem_of[v];
-        }
-        let mem_caps = vec![used.iter().copied().fold(0.0, f64::max); k];
+        let (hg, parts, caps, mem_caps) = start_within_limits(drawn, k, eps, &start, &memory);
         let mem = limit_memory.then_some(mem_caps.as_slice());
         let (before, after, out) = flow_once(&hg, parts.clone(), &caps, eps, mem);
         prop_assert!(after <= before, "{after} > {before}");
@@ -550,7 +568,7 @@ proptest! {
     /// within its weight and memory limits, and is deterministic for a seed.
     #[test]
     fn localized_fm_never_worsens_and_keeps_balance(
-        (n, nets, vw, nw) in tiny_hypergraph(),
+        drawn in tiny_hypergraph(),
         k in 2usize..4,
         eps in prop::sample::select(vec![0.03, 0.2, 0.5]),
         start in prop::collection::vec(0u32..3, 9),
@@ -558,18 +576,7 @@ proptest! {
         limit_memory in any::<bool>(),
         seed in 0u64..1000,
     ) {
-        let hg = build(n, &nets, Some(vw), Some(nw)).unwrap();
-        let parts: Vec<u32> = start[..n].iter().map(|&b| b % k as u32).collect();
-        let total = hg.total_weight();
-        let heaviest = block_weights(&hg, &parts, k).into_iter().fold(0.0, f64::max);
-        let caps = vec![heaviest.max((1.0 + eps) * total / k as f64); k];
-        let mem_of: Vec<f64> = memory[..n].iter().map(|&m| f64::from(m)).collect();
-        let hg = hg.with_vertex_memory(mem_of.clone()).unwrap();
-        let mut used = vec![0.0; k];
-        for (v, &b) in parts.iter().enumerate() {
-            used[b as usize] += mem_of[v];
-        }
-        let mem_caps = vec![used.iter().copied().fold(0.0, f64::max); k];
+        let (hg, parts, caps, mem_caps) = start_within_limits(drawn, k, eps, &start, &memory);
         let run = |parts: Vec<u32>| {
             let mut state = refine::State::new(&hg, parts, &caps);
             if limit_memory {
