@@ -31,7 +31,7 @@ the many small sleeps add up to the intended total. It is applied three ways:
     all slept after the forward.
 
 (The data-parallel validation pauses once per step instead, between the forward and the
-backward of DDP's step: :func:`hetcoll.lab.validate.emulate_speed`, one sleep call.)
+backward of DDP's step: :func:`hetcoll.lab.validate_ranks.emulate_speed`, one sleep call.)
 
 Every figure obtained this way is *emulated* heterogeneity, and hetcoll's README and demo say so.
 """

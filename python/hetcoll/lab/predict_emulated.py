@@ -7,7 +7,7 @@ it sleeps, so each emulation is predicted by changing the library's own laid-out
 :func:`~hetcoll.model.predict.filter_parallel_schedule`) the way the emulation changes the run,
 and timing it with the library (:meth:`~hetcoll.model.predict.DataParallelSchedule.prediction`):
 
-- data parallel (:func:`hetcoll.lab.validate.emulate_speed`): a rank of speed f sleeps
+- data parallel (:func:`hetcoll.lab.validate_ranks.emulate_speed`): a rank of speed f sleeps
   ``(1/f - 1)`` x its step's compute (forward, backward and update) between its forward and its
   backward: its backward starts that much later;
 - filter parallel (:func:`hetcoll.lab.emulate.slow_down_filter_parallel`): each split layer's
@@ -97,7 +97,7 @@ def data_parallel(
     """One data-parallel step (:func:`hetcoll.model.predict.data_parallel`, ``options`` as
     there) with device d emulated at ``speeds[d]``: it pauses ``(1/f - 1)`` x its step's
     compute (forward, backward and update) between its forward and its backward, as
-    :func:`hetcoll.lab.validate.emulate_speed` does. On a ``host`` with fewer cores than ranks
+    :func:`hetcoll.lab.validate_ranks.emulate_speed` does. On a ``host`` with fewer cores than ranks
     the step runs on the shared-cores timeline: the pausing rank sleeps, holding no core; the
     others share the cores; the allreduce starts after every backward, ``host.wake_s`` late;
     every rank then updates at once. The breakdown adds ``"emulated pause"`` (and ``"core
