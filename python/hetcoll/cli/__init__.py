@@ -126,7 +126,8 @@ _SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _
 
 def _add_model_commands(sub: argparse._SubParsersAction) -> None:
     # Imported on use: the model pulls in torch, which `hetcoll split` does not need.
-    from hetcoll.cli.model import add_model, add_plan
+    from hetcoll.cli.model import add_model
+    from hetcoll.cli.plan import add_plan
 
     add_plan(sub)
     add_model(sub)
