@@ -284,10 +284,10 @@ DEVICE_EVERY = 10
 
 def _device_here(rank: int) -> Any:
     """This rank's device measured now, under the load the steps see, as many ranks at once
-    as there are cores (:func:`hetcoll.lab.validate.side_by_side`: the prediction shares the
+    as there are cores (:func:`hetcoll.lab.validate_ranks.side_by_side`: the prediction shares the
     cores itself), medians of the timings."""
     from hetcoll.lab import calibrate
-    from hetcoll.lab.validate import side_by_side
+    from hetcoll.lab.validate_ranks import side_by_side
 
     calibrate.set_statistic("median")
     dist.barrier()
