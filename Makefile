@@ -30,7 +30,7 @@ lint: $(STAMP)
 	cargo clippy --workspace --all-targets --quiet -- -D warnings
 	$(VENV)/bin/ruff check python tests benches examples
 	$(VENV)/bin/ruff format --check python tests benches examples
-	$(VENV)/bin/python -m mypy python/hetcoll examples
+	$(VENV)/bin/python -m mypy python/hetcoll examples benches
 	$(VENV)/bin/lint-imports --no-cache
 
 rust-test:

@@ -152,7 +152,7 @@ class _Engine:
 
 
 def _calls_per_loop(
-    e: _Engine, engine: Callable[[], None], nbytes: int, loop_bytes: int, loop_seconds: float
+    e: _Engine, engine: Callable[[], object], nbytes: int, loop_bytes: int, loop_seconds: float
 ) -> int:
     """Back-to-back calls per timed loop: enough to move ``loop_bytes`` in all, between 1 and
     64, and fewer if that many engine allreduces would take longer than ``loop_seconds`` (from
@@ -170,7 +170,7 @@ def _calls_per_loop(
 
 
 def _times(
-    e: _Engine, fns: dict[str, Callable[[], None]], repeats: int, calls: int
+    e: _Engine, fns: dict[str, Callable[[], object]], repeats: int, calls: int
 ) -> dict[str, list[float]]:
     """Each operation's time per call in every repeat: the slowest rank's loop of ``calls``
     back-to-back calls, divided by ``calls``. Operations take turns within a repeat, so a burst
@@ -211,7 +211,9 @@ def _operations(
     out_v: np.ndarray,
     piece_eq: np.ndarray,
     out_eq: np.ndarray,
-) -> dict[str, Callable[[], None]]:
+) -> dict[str, Callable[[], object]]:
+    # Results typed `object`: hetcoll's calls return their array, the engine's return None, and
+    # the timing discards both.
     import hetcoll
 
     shared = (

@@ -96,6 +96,14 @@ def _filter_step(speeds: list[float], speed: float, b: int):
     return step, shares
 
 
+def _grad(p: nn.Parameter) -> torch.Tensor:
+    """``p.grad``, which the backward just before has filled: every parameter of
+    :func:`conv_net` takes part in the loss."""
+    if p.grad is None:
+        raise RuntimeError(f"a parameter of shape {tuple(p.shape)} has no gradient after backward")
+    return p.grad
+
+
 def _data_step(rank: int, speed: float, b: int):
     torch.manual_seed(0)
     model = conv_net()
@@ -112,11 +120,11 @@ def _data_step(rank: int, speed: float, b: int):
         t0 = time.perf_counter()
         nn.functional.cross_entropy(model(xs), ys).backward()
         time.sleep((1.0 / speed - 1.0) * (time.perf_counter() - t0))
-        torch.cat([p.grad.reshape(-1) for p in params], out=flat)
+        torch.cat([_grad(p).reshape(-1) for p in params], out=flat)
         hetcoll.allreduce(flat, None, weight=shares[rank] / b)  # exact sample-weighted mean
         off = 0
         for p in params:
-            p.grad.copy_(flat[off : off + p.numel()].view_as(p))
+            _grad(p).copy_(flat[off : off + p.numel()].view_as(p))
             off += p.numel()
         opt.step()
 

@@ -207,12 +207,15 @@ def _rank(
             if i >= warmup:
                 row["step_s"].append(max(float(t[0]) for t in every))
                 row["compute_s"].append([float(t[1]) for t in every])
+    # Each plan's per-step records, then its test set's loss and accuracy after the last step.
+    result: dict[str, dict[str, Any]] = {}
     for name, (par, _, _) in runs.items():
         state = par.full_state_dict()
         net = vgg_digits().to(dt)
         net.load_state_dict(state)
-        rows[name]["test_loss"], rows[name]["test_accuracy"] = evaluate(net, xte, yte)
-    return rows if rank == 0 else None
+        test_loss, test_accuracy = evaluate(net, xte, yte)
+        result[name] = rows[name] | {"test_loss": test_loss, "test_accuracy": test_accuracy}
+    return result if rank == 0 else None
 
 
 def reference(steps: int, dtype: str = "float32") -> dict[str, Any]:
@@ -333,11 +336,11 @@ def sweep(batches: Sequence[int] = SWEEP, dtype: str = "float32") -> list[dict[s
     (:func:`hetcoll.lab.placement_compare.placement_compare`)."""
     from hetcoll.lab.placement_compare import placement_compare
 
-    out = []
+    out: list[dict[str, int | None]] = []
     for b in batches:
         model = vgg_digits().to(getattr(torch, dtype))
         rows = placement_compare(model, SHAPE, SPEEDS, b, microbatches=MICROBATCHES)
-        out.append({"batch": b} | {r.strategy: r.bytes_per_step for r in rows})
+        out.append({"batch": b, **{r.strategy: r.bytes_per_step for r in rows}})
     return out
 
 

@@ -61,7 +61,8 @@ def main() -> int:
         cmd += ["--cluster", str(cluster), "--batch", str(batch)]
         for warm_up in (torch_cmd, floor_cmd, cmd):  # untimed: writes the .pyc files
             _wall(warm_up)
-        rows = []
+        rows: list[dict[str, float | str]] = []
+        figures: list[dict[str, float]] = []  # each round's numbers (all but "best"), summarised
         for _ in range(args.rounds):
             torch_s, _ = _wall(torch_cmd)
             floor_s, _ = _wall(floor_cmd)
@@ -69,7 +70,7 @@ def main() -> int:
             head = re.search(r"planned in (\d+) ms: (\d+) plans ranked, (\d+) pruned", stdout)
             best = re.search(r"^best: (.*?): ", stdout, re.MULTILINE)
             assert head and best, stdout[:400]
-            rows.append(
+            figures.append(
                 {
                     "torch_import_s": torch_s,
                     "hetcoll_plan_s": plan_s,
@@ -79,15 +80,15 @@ def main() -> int:
                     "planning_s": int(head.group(1)) / 1e3,
                     "plans": int(head.group(2)),
                     "pruned": int(head.group(3)),
-                    "best": best.group(1),
                 }
             )
+            rows.append(figures[-1] | {"best": best.group(1)})
             print(devices, rows[-1], flush=True)
         summary = {
             k: {
-                "median": statistics.median(r[k] for r in rows),
-                "min": min(r[k] for r in rows),
-                "max": max(r[k] for r in rows),
+                "median": statistics.median(f[k] for f in figures),
+                "min": min(f[k] for f in figures),
+                "max": max(f[k] for f in figures),
             }
             for k in (
                 "torch_import_s",
