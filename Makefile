@@ -68,7 +68,7 @@ PLACEMENT_RUN      := benches/bench_placement.py --launches 3 --json $(RESULTS)/
 
 .PHONY: bench-report bench-kernels bench-split bench-partition bench-partitioners bench-planner \
 	bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate bench-plans \
-	bench-planspace bench-placement
+	bench-microbatches bench-planspace bench-placement
 
 $(BENCHED): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet --group bench
@@ -76,7 +76,7 @@ $(BENCHED): $(STAMP) pyproject.toml
 
 bench: bench-kernels bench-split bench-partition bench-partitioners bench-planner \
 		bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate \
-		bench-plans bench-planspace bench-placement
+		bench-microbatches bench-plans bench-planspace bench-placement
 	$(MAKE) bench-report
 
 bench-report:
@@ -122,6 +122,12 @@ bench-model-validate: $(BUILT) $(BENCHED)
 	$(VENV)/bin/hetcoll model validate --repeat 3 --json > $(RAW)/model_validate.json
 	$(PY) benches/report.py import model-validate $(RAW)/model_validate.json \
 		--command "hetcoll model validate --repeat 3 --json > $(RAW)/model_validate.json"
+
+bench-microbatches: $(BUILT) $(BENCHED)
+	mkdir -p $(RAW)
+	$(PY) benches/bench_microbatches.py --json $(RAW)/microbatches.json
+	$(PY) benches/report.py import microbatches $(RAW)/microbatches.json \
+		--command "python benches/bench_microbatches.py --json $(RAW)/microbatches.json"
 
 bench-planspace: $(BUILT) $(BENCHED)
 	mkdir -p $(RAW)

@@ -238,6 +238,7 @@ link = "fast"
         ("[devices.gpu]", "[devices.gpu]\nconv_flops_per_s = -2", "devices.gpu.conv_flops_per_s"),
         ("[devices.gpu]", "[devices.gpu]\nconv_channel_block = 0", "conv_channel_block"),
         ("[devices.gpu]", "[devices.gpu]\nconv_channel_block = 1.5", "conv_channel_block"),
+        ("[devices.gpu]", "[devices.gpu]\nconv_overhead_s = -1e-4", "devices.gpu.conv_overhead_s"),
     ],
 )
 def test_bad_cluster_files_name_file_and_field(
@@ -386,6 +387,45 @@ def test_element_wise_kernels_run_at_their_own_rates() -> None:
         "nodes": [{"name": "n", "device": "c", "count": 1}],
     }  # fmt: skip
     assert cluster_from_dict(doc).devices[0].pool_bytes_per_s == 3e9
+
+
+def test_convolution_kernels_pay_their_own_fixed_cost() -> None:
+    from hetcoll.model.hardware import dumps_cluster
+    from hetcoll.model.predict import _layer_times
+    from hetcoll.model.predict.timing import device_arrays
+
+    # A conv after a ReLU on the input (no input gradient: forward and weight gradient), then
+    # one whose input needs a gradient (forward, input and weight gradients), each with a bias.
+    model = nn.Sequential(
+        nn.ReLU(), nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.Flatten()
+    )
+    costs = layer_costs(model, (3, 12, 12))
+    kernels = [k for layer in costs.layers for k in (*layer.forward, *layer.backward)]
+    conv = sum(k.conv for k in kernels)
+    assert conv == 2 + 3
+    plain = Device("d", 1e9, 1e9, 1e12, kernel_overhead_s=1e-5)
+    slow_conv = Device("d", 1e9, 1e9, 1e12, kernel_overhead_s=1e-5, conv_overhead_s=3e-4)
+    for batch in (1, 7):
+        a, b = (
+            _layer_times(costs, device_arrays([d]), np.array([batch])) for d in (plain, slow_conv)
+        )
+        # Exactly the convolution kernels' launches cost more, whatever the batch.
+        assert b.overhead_s.sum() - a.overhead_s.sum() == pytest.approx(conv * (3e-4 - 1e-5))
+        assert (b.forward_s + b.backward_s).sum() - (a.forward_s + a.backward_s).sum() == (
+            pytest.approx(conv * (3e-4 - 1e-5))
+        )
+        assert b.compute_s.sum() == a.compute_s.sum() and b.memory_s.sum() == a.memory_s.sum()
+    # Unset, it is the kernel overhead; negative is refused; the cluster file carries it.
+    assert plain.conv_call_s == 1e-5 and slow_conv.conv_call_s == 3e-4
+    with pytest.raises(ValueError, match="conv_overhead_s"):
+        Device("d", 1e9, 1e9, 1e9, conv_overhead_s=-1.0)
+    assert "conv_overhead_s = 0.0003" in dumps_cluster(Cluster([Node("n", slow_conv, 1)], None))
+    doc = {
+        "devices": {"c": {"flops_per_s": 1e11, "mem_bytes_per_s": 2e10, "memory_bytes": 8e9,
+                          "kernel_overhead_s": 1e-5, "conv_overhead_s": 2e-4}},
+        "nodes": [{"name": "n", "device": "c", "count": 1}],
+    }  # fmt: skip
+    assert cluster_from_dict(doc).devices[0].conv_call_s == 2e-4
 
 
 def test_shared_cores_timeline_by_hand() -> None:
@@ -834,6 +874,7 @@ def test_calibrate_measures_gloo_and_mpi_links(tmp_path: Path) -> None:
     assert 1e8 < dev.flops_per_s < 1e13 and 1e8 < dev.mem_bytes_per_s < 1e12
     assert 1e8 < dev.conv_rate < 1e13 and "conv_flops_per_s" in out.read_text()
     assert dev.conv_channel_block in (1, 8, 16) and "conv_channel_block" in out.read_text()
+    assert 0 < dev.conv_call_s < 0.05 and "conv_overhead_s" in out.read_text()
     names = {link.name for link in cal.links}
     assert names == {"gloo-local", "mpi-local"}
     for link in cal.links:

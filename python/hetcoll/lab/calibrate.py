@@ -69,40 +69,69 @@ def measure_gemm_flops_per_s(size: int = 384, repeats: int = 7) -> float:
     return 2.0 * size**3 / t
 
 
-def measure_conv_flops_per_s(batch: int = 16, repeats: int = 5) -> float:
+def measure_conv_flops_per_s(batch: int = 16, repeats: int = 5, overhead_s: float = 0.0) -> float:
     """float32 FLOP/s convolutions reach on this thread: forward + weight gradient of a 3x3,
     64 -> 64 channel convolution on [batch, 64, 16, 16] (an input without gradient, as the
     cost model counts a first layer), the FLOPs counted by the cost model itself (so the rate
-    and the accounting agree).
+    and the accounting agree). ``overhead_s``: each kernel's fixed seconds
+    (:func:`measure_conv_overhead_s`), taken off the time first, so that the model's rate plus
+    its overheads add back up to what was measured.
 
     >>> measure_conv_flops_per_s() > 1e8  # doctest: +SKIP
     True
     """
+    t = _best_seconds(_conv_step(batch, 16), repeats, warmup=1)
+    flops, kernels = _conv_counts(batch, 16)
+    # (A noisy intercept never takes more than half of the time.)
+    return flops / max(t - kernels * overhead_s, 0.5 * t)
+
+
+def measure_conv_overhead_s(repeats: int = 5) -> float:
+    """Fixed seconds of one convolution kernel call on this thread (oneDNN's set-up and
+    weight reorders: :attr:`hetcoll.model.Device.conv_overhead_s`): the same convolution as
+    :func:`measure_conv_flops_per_s` on 8x8 maps, timed at 1, 2 and 4 samples; the intercept
+    of the straight line through the three times, per kernel the cost model counts.
+
+    >>> measure_conv_overhead_s() >= 0  # doctest: +SKIP
+    True
+    """
+    batches = (1, 2, 4)
+    times = [_best_seconds(_conv_step(b, 8), repeats, warmup=1) for b in batches]
+    _, intercept = np.polyfit(batches, times, 1)
+    return max(float(intercept), 0.0) / _conv_counts(1, 8)[1]
+
+
+def _conv_step(batch: int, size: int) -> Callable[[], None]:
     import torch
     from torch import nn
 
     conv = nn.Conv2d(64, 64, 3, padding=1, bias=False)
-    x = torch.randn(batch, 64, 16, 16)
-    grad = torch.ones(batch, 64, 16, 16)
+    x = torch.randn(batch, 64, size, size)
+    grad = torch.ones(batch, 64, size, size)
 
     def step() -> None:
         conv.zero_grad(set_to_none=True)
         conv(x).backward(grad)
 
-    t = _best_seconds(step, repeats, warmup=1)
-    return _conv_flops(batch) / t
+    return step
 
 
-@functools.lru_cache(maxsize=4)
-def _conv_flops(batch: int) -> float:
+def conv_probe_counts() -> tuple[float, int]:
+    """FLOPs and kernels the cost model counts for the probe :func:`measure_conv_flops_per_s`
+    times (its defaults): with the rate and the overhead it measured, the probe's time."""
+    return _conv_counts(16, 16)
+
+
+@functools.lru_cache(maxsize=8)
+def _conv_counts(batch: int, size: int) -> tuple[float, int]:
+    """FLOPs and kernels the cost model counts for :func:`_conv_step`."""
     from torch import nn
 
     from hetcoll.model.costs import layer_costs
 
-    costs = layer_costs(nn.Conv2d(64, 64, 3, padding=1, bias=False), (64, 16, 16))
-    return float(
-        sum(k.flops(batch) for layer in costs.layers for k in (*layer.forward, *layer.backward))
-    )
+    costs = layer_costs(nn.Conv2d(64, 64, 3, padding=1, bias=False), (64, size, size))
+    kernels = [k for layer in costs.layers for k in (*layer.forward, *layer.backward)]
+    return float(sum(k.flops(batch) for k in kernels)), len(kernels)
 
 
 #: oneDNN's channel block per vector instruction set torch dispatches to (its blocked layouts
@@ -228,10 +257,12 @@ def _layer_bytes(kind: str, batch: int) -> float:
 def measure_device(name: str, memory_bytes: float, *, quick: bool = False) -> Device:
     """Every per-rank figure of this machine as a :class:`Device` (one thread)."""
     r = 3 if quick else 7
+    conv_overhead_s = measure_conv_overhead_s(repeats=r)
     return Device(
         name,
         flops_per_s=measure_gemm_flops_per_s(repeats=r),
-        conv_flops_per_s=measure_conv_flops_per_s(repeats=r),
+        conv_flops_per_s=measure_conv_flops_per_s(repeats=r, overhead_s=conv_overhead_s),
+        conv_overhead_s=conv_overhead_s,
         mem_bytes_per_s=measure_mem_bytes_per_s(
             nbytes=(16 if quick else 64) * 1024 * 1024, repeats=r
         ),
@@ -593,14 +624,16 @@ def calibrate(
     say(
         f"  {device.flops_per_s / 1e9:.2f} GFLOP/s (convolutions "
         f"{device.conv_rate / 1e9:.2f}), {device.mem_bytes_per_s / 1e9:.2f} GB/s, "
-        f"{device.kernel_overhead_s * 1e6:.1f} us/kernel, element-wise "
+        f"{device.kernel_overhead_s * 1e6:.1f} us/kernel "
+        f"({device.conv_call_s * 1e6:.0f} us/convolution kernel), element-wise "
         f"{device.elementwise_rate / 1e9:.2f} GB/s, pooling {device.pool_rate / 1e9:.2f} GB/s, "
         "convolution channel block "
         f"{device.conv_channel_block}"
     )
     comments = {
         device.name: "measured by `hetcoll model calibrate`, one thread: torch.mm 384^3 float32; "
-        "3x3 64-channel convolution forward/backward; channel block of torch's instruction set; "
+        "3x3 64-channel convolution forward/backward (its fixed cost per call: the intercept "
+        "over 1, 2 and 4 samples of 8x8 maps); channel block of torch's instruction set; "
         "copy of 64 MiB; per-kernel overhead of a tiny training step; batch norm, and max "
         "pooling, forward/backward",
     }

@@ -390,4 +390,5 @@ def emulated_device(device: Device, speed: float, name: str | None = None) -> De
         elementwise_bytes_per_s=device.elementwise_rate * speed,
         pool_bytes_per_s=device.pool_rate * speed,
         kernel_overhead_s=device.kernel_overhead_s / speed,
+        conv_overhead_s=device.conv_call_s / speed,
     )

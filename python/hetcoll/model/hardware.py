@@ -13,6 +13,9 @@ A cluster file is a small TOML document (see ``examples/clusters/``)::
                                    # elementwise_bytes_per_s
     conv_flops_per_s = 21e12       # optional: FLOP/s of convolutions' GEMMs; default flops_per_s
     conv_channel_block = 1         # optional: channels a convolution kernel computes at a time
+    conv_overhead_s = 5e-6         # optional: fixed cost of one convolution kernel call, seconds
+                                   # (on CPUs oneDNN's set-up and weight reorders, ~100 us);
+                                   # default kernel_overhead_s
     tf32_flops_per_s = 156e12      # optional: dense peaks of matmul-class ops at each training
     bf16_flops_per_s = 312e12      #   precision (tensor cores where the datasheet gives them);
     fp16_flops_per_s = 312e12      #   a precision without one is costed at fp32 (a warning)
@@ -102,6 +105,11 @@ class Device:
     input channels from one block up (fewer take a kernel of their own).
     ``tf32_flops_per_s``, ``bf16_flops_per_s``, ``fp16_flops_per_s``: dense datasheet peaks of
     matmul-class ops at that precision (0: none; :meth:`matmul_speedup` falls back to fp32).
+    ``conv_overhead_s``: fixed seconds of each convolution kernel (forward, input gradient,
+    weight gradient) beyond its arithmetic (0: ``kernel_overhead_s``). On a CPU core here
+    oneDNN spends 100-250 us a call setting up and reordering weights, 10-30 times a small
+    element-wise kernel's overhead: what makes micro-batches of a few samples cost more than
+    their FLOPs.
 
     >>> Device("v100", flops_per_s=15.7e12, mem_bytes_per_s=900e9, memory_bytes=32e9).name
     'v100'
@@ -119,6 +127,7 @@ class Device:
     bf16_flops_per_s: float = 0.0
     fp16_flops_per_s: float = 0.0
     pool_bytes_per_s: float = 0.0
+    conv_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for attr in ("flops_per_s", "mem_bytes_per_s", "memory_bytes"):
@@ -129,6 +138,7 @@ class Device:
         )
         _check_nonnegative(self.conv_flops_per_s, f"Device {self.name!r}: conv_flops_per_s")
         _check_nonnegative(self.pool_bytes_per_s, f"Device {self.name!r}: pool_bytes_per_s")
+        _check_nonnegative(self.conv_overhead_s, f"Device {self.name!r}: conv_overhead_s")
         for attr in _PEAK_FIELDS:
             _check_nonnegative(getattr(self, attr), f"Device {self.name!r}: {attr}")
         block = self.conv_channel_block
@@ -146,6 +156,12 @@ class Device:
     def pool_rate(self) -> float:
         """Bytes/s of pooling kernels (``pool_bytes_per_s`` or :attr:`elementwise_rate`)."""
         return self.pool_bytes_per_s or self.elementwise_rate
+
+    @property
+    def conv_call_s(self) -> float:
+        """Fixed seconds of a convolution kernel (``conv_overhead_s`` or
+        ``kernel_overhead_s``)."""
+        return self.conv_overhead_s or self.kernel_overhead_s
 
     @property
     def conv_rate(self) -> float:
@@ -394,6 +410,7 @@ _DEVICE_FIELDS = {
     "pool_bytes_per_s",
     "conv_flops_per_s",
     "conv_channel_block",
+    "conv_overhead_s",
     *_PEAK_FIELDS,
 }
 _LINK_FIELDS = {"latency_s", "bytes_per_s"}
@@ -447,6 +464,7 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
                 "elementwise_bytes_per_s",
                 "pool_bytes_per_s",
                 "conv_flops_per_s",
+                "conv_overhead_s",
                 *_PEAK_FIELDS,
             )
         }
@@ -598,6 +616,7 @@ def dumps_cluster(
             f"pool_bytes_per_s = {d.pool_rate:.6g}",
             f"conv_flops_per_s = {d.conv_rate:.6g}",
             f"conv_channel_block = {d.conv_channel_block}",
+            f"conv_overhead_s = {d.conv_call_s:.6g}",
             *(f"{k} = {getattr(d, k):.6g}" for k in _PEAK_FIELDS if getattr(d, k) > 0),
             "",
         ]

@@ -137,15 +137,19 @@ def node_wise_candidates(
     # Kernel launches the replay leaves out: a device runs every kernel of each block it owns
     # channels of, once per micro-batch (the block: a Conv2d / Linear and the layers up to the
     # next one, as costed).
+    # Per block: its convolution kernels and its other kernels, which cost apart
+    # (Device.conv_call_s, Device.kernel_overhead_s).
     current = ""
     placed_names = {name for name, _, _ in h.layers}
-    kernels: dict[str, int] = {}
+    kernels: dict[str, np.ndarray] = {}
     for layer in costs.layers:
         if layer.name in placed_names:
             current = layer.name
         if current:
-            kernels[current] = kernels.get(current, 0) + len(layer.forward) + len(layer.backward)
-    overhead = np.array([d.kernel_overhead_s for d in sub.devices])
+            conv = sum(k.conv for k in (*layer.forward, *layer.backward))
+            other = len(layer.forward) + len(layer.backward) - conv
+            kernels[current] = kernels.get(current, np.zeros(2)) + np.array([conv, other])
+    overhead = np.array([[d.conv_call_s, d.kernel_overhead_s] for d in sub.devices])
     out: list[Prediction] = []
     rows: list[dict[str, Any]] = []
     for what, owners in found.items():
@@ -171,10 +175,10 @@ def node_wise_candidates(
                     who, weights=h.vertex_weights[first : first + count], minlength=k
                 )
                 owned += np.bincount(who, minlength=k) * param_elems[name] * costs.itemsize
-            launches = np.zeros(k)
+            launches = np.zeros((k, 2))
             for name, _, _ in h.layers:
-                launches[np.unique(owners[str(index[name])])] += kernels.get(name, 0)
-            extra = launches * overhead * m
+                launches[np.unique(owners[str(index[name])])] += kernels.get(name, np.zeros(2))
+            extra = (launches * overhead).sum(axis=1) * m
             frac = work / max(work.sum(), 1e-30)
             owned += rest * frac
             update = np.asarray(

@@ -109,6 +109,7 @@ class _DeviceArrays:
     elementwise_bytes_per_s: np.ndarray
     pool_bytes_per_s: np.ndarray
     overhead_s: np.ndarray
+    conv_overhead_s: np.ndarray
     memory_bytes: np.ndarray
     conv_channel_block: np.ndarray
     # Per precision: each device's matmul speed-up over fp32, and the devices without a peak.
@@ -140,6 +141,7 @@ class _DeviceArrays:
             self.elementwise_bytes_per_s[index],
             self.pool_bytes_per_s[index],
             self.overhead_s[index],
+            self.conv_overhead_s[index],
             self.memory_bytes[index],
             self.conv_channel_block[index],
             {p: v[index] for p, v in self.speedup.items()},
@@ -199,6 +201,7 @@ def _new_device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
         per_device([d.elementwise_rate for d in unique]),
         per_device([d.pool_rate for d in unique]),
         per_device([d.kernel_overhead_s for d in unique]),
+        per_device([d.conv_call_s for d in unique]),
         per_device([d.memory_bytes for d in unique]),
         per_device([float(d.conv_channel_block) for d in unique]),
         {p: per_device([d.matmul_speedup(p) for d in unique]) for p in PRECISIONS},
@@ -349,7 +352,12 @@ def _layer_times(
     work = flops * _channel_padding(t, dev, phi, split_input)
     comp = np.where(runs, work / rate, 0.0)
     mem = np.where(runs, moved / bandwidth, 0.0)
-    ovh = np.where(runs, np.broadcast_to(dev.overhead_s[None, :], comp.shape), 0.0)
+    # Convolution kernels have a fixed cost of their own (set-up, weight reorders).
+    ovh = np.where(
+        runs,
+        np.where(t.conv[:, None], dev.conv_overhead_s[None, :], dev.overhead_s[None, :]),
+        0.0,
+    )
     total = terms.roofline_seconds(work, moved, rate, bandwidth)
     total = np.where(runs, total + ovh, 0.0)
 
