@@ -28,7 +28,9 @@ median of the launches' medians.
 
 ``predicted_s`` is the model's step for the emulated cluster as the emulation runs it
 (:func:`hetcoll.lab.predict_emulated.parallel_plan`: the library's laid-out plan with the
-sleeps and the host's shared cores put in); ``planner_s`` is what the planner itself predicts,
+sleeps and the host's shared cores put in: with more ranks than cores, each collective's
+wake-up cost fitted to lock-step stretches the ranks run at the start of the launch, as
+``hetcoll model validate`` fits it); ``planner_s`` is what the planner itself predicts,
 each rank a device slowed to its speed (:func:`hetcoll.model.predict_plan`). Both take the
 ranks' devices measured inside the launch every ``DEVICE_EVERY`` steps, under the load the
 steps see (on a shared host a calibration made before the launch misses it): the launch's
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -247,10 +250,16 @@ def _torch_step(plan: dict[str, Any], schedule: str, rank: int, speed: float) ->
 def _rank(
     rank: int, world: int, plan_dicts: dict[str, dict[str, Any]], steps: int, warmup: int
 ) -> dict[str, Any]:
+    from hetcoll.lab.validate_ranks import scheduler_here
+
     torch.set_num_threads(1)
     # A stage's first layer whose input needs no gradient has no backward the emulation can
     # time (hetcoll.lab.emulate.SlowDown): torch warns; that layer's backward is not slowed.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    # With more ranks than cores: lock-step stretches, which the prediction's shared cores
+    # are fitted to (the scheduler's time slice, the wake-up cost of a collective), as
+    # `hetcoll model validate` fits them.
+    scheduler = scheduler_here(rank, world)
     speed = SPEEDS[rank]
     runs: dict[str, Callable[[], None]] = {}
     for name, plan in plan_dicts.items():
@@ -275,7 +284,7 @@ def _rank(
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if i >= warmup:
                 times[name].append(float(t))
-    return {"times": times, "devices": devices}
+    return {"times": times, "devices": devices, **scheduler}
 
 
 #: Timed steps between two measurements of the ranks' devices.
@@ -298,11 +307,13 @@ def _device_here(rank: int) -> Any:
 
 
 def predictors(
-    devices: Sequence[Any], link: Any, costs: Any
+    devices: Sequence[Any], link: Any, costs: Any, host: Any
 ) -> dict[str, Callable[[dict[str, Any]], float]]:
     """``plan -> predicted seconds`` for the ranks' ``devices`` (each measured inside the
     launch, one thread, under the load its steps saw: :func:`_device_here`), this machine's
-    gloo ``link`` and the model's ``costs`` (both measured once: :func:`main`), two ways:
+    gloo ``link`` and the model's ``costs`` (both measured once: :func:`main`), and the
+    ``host``'s shared cores as the launch fitted them
+    (:func:`hetcoll.lab.validate.shared_cores_of`), two ways:
 
     - ``"predicted_s"``: the step as the emulation runs it
       (:func:`hetcoll.lab.predict_emulated.parallel_plan`): each layer with parameters sleeps
@@ -311,8 +322,6 @@ def predictors(
     - ``"planner_s"``: what the planner sees (:func:`hetcoll.model.predict_plan`): each rank a
       device with every rate times its speed (:func:`hetcoll.lab.emulate.emulated_device`),
       on cores of its own."""
-    import os
-
     import hetcoll.model as model
     from hetcoll.lab import predict_emulated
     from hetcoll.lab.emulate import emulated_device
@@ -320,7 +329,6 @@ def predictors(
 
     slowed = validation_cluster([emulated_device(d, f) for d, f in zip(devices, SPEEDS)], link)
     full = validation_cluster(list(devices), link)
-    host = predict_emulated.SharedCores(os.cpu_count() or 1)
 
     def emulated(plan: dict[str, Any]) -> float:
         p = hetcoll.Plan.from_dict(plan)
@@ -356,18 +364,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ap.error(f"--only: no plan named {unknown[0]!r} (plans: {', '.join(plan_dicts)})")
         plan_dicts = {k: v for k, v in plan_dicts.items() if k in args.only}
     import hetcoll.model as model
-    from hetcoll.lab import calibrate
+    from hetcoll.lab import calibrate, predict_emulated
+    from hetcoll.lab.validate import shared_cores_of
 
+    cores = os.cpu_count() or 1
     fit = calibrate.measure_gloo_link()
     link = model.Link("gloo-local", fit.latency_s, fit.bytes_per_s)
     model_costs = model.layer_costs(conv_net(), SHAPE)
-    launches, predictions = [], []
+    launches, predictions, hosts = [], [], []
     for _ in range(args.launches):
         ranks = launch.spawn(_rank, len(SPEEDS), plan_dicts, args.steps, args.warmup, timeout=1800)
         launches.append(ranks[0]["times"])
+        host = shared_cores_of(ranks, cores) or predict_emulated.SharedCores(cores)
+        hosts.append({"time_slice_s": host.time_slice_s, "wake_s": host.wake_s})
         # The launch's prediction: the median over its measurements of the ranks' devices.
         per_measure = [
-            predictors(list(d), link, model_costs) for d in zip(*(r["devices"] for r in ranks))
+            predictors(list(d), link, model_costs, host)
+            for d in zip(*(r["devices"] for r in ranks))
         ]
         predictions.append(
             {
@@ -413,6 +426,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "steps": args.steps,
         "warmup": args.warmup,
         "step_s": launches,
+        "shared_cores": hosts,
     }
     print(
         f"Emulated heterogeneity: {len(SPEEDS)} gloo ranks, speeds "

@@ -29,7 +29,7 @@ microbenchmarks run inside the ranks before every step (medians, all ranks at on
 a time; the link fitted once to allreduce times by the ring model) - on a shared machine that is
 the only way to predict under the load the steps see. Ranks beyond the number of cores share them
 in the model (:class:`~hetcoll.lab.predict_emulated.SharedCores`), with the time slice and wake-up
-cost fitted to lock-step stretches the ranks run first (:func:`_core_sharing_of`). Both strategies
+cost fitted to lock-step stretches the ranks run first (:func:`shared_cores_of`). Both strategies
 share that machinery (:func:`hetcoll.lab.validate_ranks.timed_steps`, :func:`_link_of`,
 :func:`_median_prediction`).
 DDP's overlap of allreduce and backward is modelled only while the ranks leave cores free
@@ -317,10 +317,11 @@ def _link_of(runs: Sequence[dict[str, Any]], p: int, link: Link | None) -> Link:
     return Link("gloo-allreduce", alpha, bw)
 
 
-def _core_sharing_of(runs: Sequence[dict[str, Any]], cores: int) -> SharedCores | None:
+def shared_cores_of(runs: Sequence[dict[str, Any]], cores: int) -> SharedCores | None:
     """The host as the model shares its cores: the scheduler's time slice and the wake-up cost
-    per collective fitted to the ranks' lock-step stretches (medians over the ranks); None (no
-    sharing to model) when the ranks fit in the cores."""
+    per collective fitted to the lock-step stretches each rank's result holds under
+    ``"lockstep_s"`` (:func:`hetcoll.lab.validate_ranks.scheduler_here`; medians over the
+    ranks); None (no sharing to model) when the ranks fit in the cores."""
     if "lockstep_s" not in runs[0] or len(runs) <= cores:
         return None
     from hetcoll.lab.calibrate import TIME_SLICE_WORKS_S, fit_time_slice, fit_wake_seconds
@@ -379,7 +380,7 @@ def _validate_data(
     args = (model, input_shape, list(shares), list(speeds), steps, warmup, here)
     runs = spawn(data_rank, p, *args, timeout=300.0)
     lk = _link_of(runs, p, link)
-    host = _core_sharing_of(runs, cores)
+    host = shared_cores_of(runs, cores)
     # DDP overlaps the allreduce with the backward pass, but on a CPU host gloo's copies and
     # reductions run on the same cores as the compute: once the ranks fill the cores there
     # is nothing to overlap with, so the model runs them one after the other.
@@ -429,7 +430,7 @@ def _validate_filter(
     args = (config.model, input_shape, config.batch, list(config.parts), list(config.speeds))
     runs = spawn(filter_rank, p, *args, config.avoid_gathers, steps, warmup, here, timeout=300.0)
     lk = _link_of(runs, p, link)
-    host = _core_sharing_of(runs, setup.cores)
+    host = shared_cores_of(runs, setup.cores)
     modes: dict[str, str] = runs[0]["modes"]
 
     def predict(devs: Sequence[Device]) -> float:
@@ -475,7 +476,7 @@ def _validate_plan(config: PlanConfiguration, setup: _Setup) -> ValidationResult
     args = (config.model, setup.input_shape, config.plan, list(config.speeds))
     runs = spawn(plan_rank, p, *args, setup.steps, setup.warmup, here, timeout=300.0)
     lk = _link_of(runs, p, link)
-    host = _core_sharing_of(runs, setup.cores)
+    host = shared_cores_of(runs, setup.cores)
 
     def predict(devs: Sequence[Device]) -> float:
         return predicted_step(costs, config, devs, lk, host).step_s

@@ -1,0 +1,98 @@
+"""What sleeping does to the compute that follows it, on this host: the emulation of a slower
+device (:mod:`hetcoll.lab.emulate`) sleeps between a rank's kernels, and its model
+(:mod:`hetcoll.lab.predict_emulated`) assumes the kernels then run as fast as back to back.
+
+    OMP_NUM_THREADS=1 python benches/probe_sleep.py [--rounds 5] [--json out.json]
+
+One thread times a chunk of work (six 192 x 192 matmuls; a 3x3, 32-channel convolution on 16
+samples of 16 x 16) 150 times back to back, then 150 times each followed by a pause of 0.5,
+2 and 8 ms, the pause a ``time.sleep`` (the core is given up, as the emulation does) or a
+busy wait (the core is held), rounds alternating. Prints each pattern's median chunk time over
+the back-to-back one. On a host whose cores serve other guests while one sleeps (a virtual
+machine's vCPU, a shared core), the chunk after a sleep runs slower: a sleeping emulation
+then makes a rank slower than its factor says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+PAUSES_S = (0.0005, 0.002, 0.008)
+CHUNKS = 150
+
+
+def _chunks() -> dict[str, Callable[[], None]]:
+    a, b, out = torch.randn(192, 192), torch.randn(192, 192), torch.empty(192, 192)
+    x = torch.randn(16, 32, 16, 16)
+    conv = torch.nn.Conv2d(32, 32, 3, padding=1)
+
+    def matmuls() -> None:
+        for _ in range(6):
+            torch.mm(a, b, out=out)
+
+    def convolution() -> None:
+        with torch.no_grad():
+            conv(x)
+
+    return {"matmul": matmuls, "convolution": convolution}
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _mean_chunk_s(chunk: Callable[[], None], pause: Callable[[], None] | None) -> float:
+    total = 0.0
+    for _ in range(CHUNKS):
+        t0 = time.perf_counter()
+        chunk()
+        total += time.perf_counter() - t0
+        if pause is not None:
+            pause()
+    return total / CHUNKS
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"pauses_s": list(PAUSES_S), "rounds": args.rounds, "chunks": {}}
+    for name, chunk in _chunks().items():
+        for _ in range(50):
+            chunk()
+        patterns: dict[str, Callable[[], None] | None] = {"back to back": None}
+        for s in PAUSES_S:
+            patterns[f"sleep {s * 1e3:g} ms"] = lambda s=s: time.sleep(s)
+            patterns[f"busy wait {s * 1e3:g} ms"] = lambda s=s: _spin(s)
+        times: dict[str, list[float]] = {p: [] for p in patterns}
+        for _ in range(args.rounds):
+            for p, pause in patterns.items():
+                times[p].append(_mean_chunk_s(chunk, pause))
+        base = statistics.median(times["back to back"])
+        out["chunks"][name] = {
+            p: {"seconds": t, "ratio": statistics.median(t) / base} for p, t in times.items()
+        }
+        print(f"{name}: back to back {base * 1e6:.0f} us a chunk; after a pause, over that:")
+        for p in patterns:
+            if p != "back to back":
+                print(f"  {p:>18}: {out['chunks'][name][p]['ratio']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
