@@ -16,6 +16,7 @@ then makes a rank slower than its factor says.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -74,8 +75,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             chunk()
         patterns: dict[str, Callable[[], None] | None] = {"back to back": None}
         for s in PAUSES_S:
-            patterns[f"sleep {s * 1e3:g} ms"] = lambda s=s: time.sleep(s)
-            patterns[f"busy wait {s * 1e3:g} ms"] = lambda s=s: _spin(s)
+            patterns[f"sleep {s * 1e3:g} ms"] = functools.partial(time.sleep, s)
+            patterns[f"busy wait {s * 1e3:g} ms"] = functools.partial(_spin, s)
         times: dict[str, list[float]] = {p: [] for p in patterns}
         for _ in range(args.rounds):
             for p, pause in patterns.items():

@@ -949,6 +949,7 @@ def adapt_plans(raw: Sequence[Path], command: str) -> dict[str, Any]:
     launches = _need(data, "launches", str(path))
     steps = _need(data, "steps", str(path))
     layer_ms = sum(_need(data, "layer_seconds", str(path))) * 1e3
+    hosts = data.get("shared_cores") or []  # absent from files before the fitted wake-up cost
     rows, versus, headlines = [], [], []
     for i, row in enumerate(_need(data, "plans", str(path))):
         where = f"{path}: plans[{i}]"
@@ -1031,6 +1032,17 @@ def adapt_plans(raw: Sequence[Path], command: str) -> dict[str, Any]:
                     "predicted / measured - 1. Planner's error: the same for what the planner "
                     "itself predicts, each rank a device slowed to its speed, on a core of its "
                     "own.",
+                    *(
+                        [
+                            "The host's shared cores as each launch fitted them (lock-step "
+                            "stretches, `hetcoll.lab.validate.shared_cores_of`): wake-up cost "
+                            "per collective "
+                            + ", ".join(f"{h['wake_s'] * 1e3:.2f}" for h in hosts)
+                            + " ms."
+                        ]
+                        if hosts
+                        else []
+                    ),
                 ],
             },
             {
