@@ -69,7 +69,13 @@ def measure_gemm_flops_per_s(size: int = 384, repeats: int = 7) -> float:
     return 2.0 * size**3 / t
 
 
-def measure_conv_flops_per_s(batch: int = 16, repeats: int = 5, overhead_s: float = 0.0) -> float:
+#: The convolution probe's batch and map size (:func:`measure_conv_flops_per_s`).
+CONV_PROBE_BATCH, CONV_PROBE_SIZE = 16, 16
+
+
+def measure_conv_flops_per_s(
+    batch: int = CONV_PROBE_BATCH, repeats: int = 5, overhead_s: float = 0.0
+) -> float:
     """float32 FLOP/s convolutions reach on this thread: forward + weight gradient of a 3x3,
     64 -> 64 channel convolution on [batch, 64, 16, 16] (an input without gradient, as the
     cost model counts a first layer), the FLOPs counted by the cost model itself (so the rate
@@ -80,8 +86,8 @@ def measure_conv_flops_per_s(batch: int = 16, repeats: int = 5, overhead_s: floa
     >>> measure_conv_flops_per_s() > 1e8  # doctest: +SKIP
     True
     """
-    t = _best_seconds(_conv_step(batch, 16), repeats, warmup=1)
-    flops, kernels = _conv_counts(batch, 16)
+    t = _best_seconds(_conv_step(batch, CONV_PROBE_SIZE), repeats, warmup=1)
+    flops, kernels = conv_probe_counts(batch, CONV_PROBE_SIZE)
     # (A noisy intercept never takes more than half of the time.)
     return flops / max(t - kernels * overhead_s, 0.5 * t)
 
@@ -98,7 +104,7 @@ def measure_conv_overhead_s(repeats: int = 5) -> float:
     batches = (1, 2, 4)
     times = [_best_seconds(_conv_step(b, 8), repeats, warmup=1) for b in batches]
     _, intercept = np.polyfit(batches, times, 1)
-    return max(float(intercept), 0.0) / _conv_counts(1, 8)[1]
+    return max(float(intercept), 0.0) / conv_probe_counts(1, 8)[1]
 
 
 def _conv_step(batch: int, size: int) -> Callable[[], None]:
@@ -116,15 +122,13 @@ def _conv_step(batch: int, size: int) -> Callable[[], None]:
     return step
 
 
-def conv_probe_counts() -> tuple[float, int]:
-    """FLOPs and kernels the cost model counts for the probe :func:`measure_conv_flops_per_s`
-    times (its defaults): with the rate and the overhead it measured, the probe's time."""
-    return _conv_counts(16, 16)
-
-
 @functools.lru_cache(maxsize=8)
-def _conv_counts(batch: int, size: int) -> tuple[float, int]:
-    """FLOPs and kernels the cost model counts for :func:`_conv_step`."""
+def conv_probe_counts(
+    batch: int = CONV_PROBE_BATCH, size: int = CONV_PROBE_SIZE
+) -> tuple[float, int]:
+    """FLOPs and kernels the cost model counts for the convolution probe on ``batch`` samples
+    of ``size`` x ``size`` maps (by default :func:`measure_conv_flops_per_s`'s: with the rate
+    and the overhead it measured, the probe's time)."""
     from torch import nn
 
     from hetcoll.model.costs import layer_costs
