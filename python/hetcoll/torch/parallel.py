@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import copy
 import math
-import pickle
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -43,10 +41,9 @@ from hetcoll.plan import Plan, Stage
 from hetcoll.torch.filters import (
     filter_parallel,
     filter_shares,
-    gather_state_dict,
-    split_tensors,
 )
 from hetcoll.torch.layers import model_layers
+from hetcoll.torch.parallel_checkpoint import PlanCheckpoints, as_bytes
 from hetcoll.torch.placement import (
     Block,
     OwnersStage,
@@ -56,12 +53,6 @@ from hetcoll.torch.placement import (
 )
 from hetcoll.torch.state_dicts import (
     Part,
-    check_full_optimizer_state_dict,
-    check_full_state_dict,
-    check_optimizer,
-    local_optimizer_state_dict,
-    named_optimizer_state,
-    state_kind,
 )
 from hetcoll.torch.transport import CountingCommunicator, Transport, transport
 
@@ -138,7 +129,7 @@ def _device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-class Parallel(nn.Module):
+class Parallel(PlanCheckpoints, nn.Module):
     """This rank's part of a model run under a :class:`~hetcoll.plan.Plan` (made by
     :func:`parallelize`). ``parameters()`` are this rank's: any optimizer with an elementwise
     update (SGD, Adam, ...) steps them as the unsplit model's. An idle rank holds one empty
@@ -218,246 +209,6 @@ class Parallel(nn.Module):
         self._tr.allreduce(total, None)
         return float(total.item())
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsplit model's state dict, with its original names, on every rank (CPU
-        tensors). Taken from replica 0 (BatchNorm running statistics included: see the module
-        docs). Collective over the group."""
-        plan, out = self.plan, {}
-        replica0 = plan.replicas[0]
-        local: dict[str, torch.Tensor] | None = None
-        if self.place is not None and self.place[0] == 0 and self.stage is not None:
-            ranks = replica0.stages[self.place[1]].ranks
-            if isinstance(self.stage, OwnersStage):
-                pass  # summed below
-            elif len(ranks) > 1:  # gathered to the lead (sub-group ranks are in increasing order)
-                local = gather_state_dict(self.stage, dst=sorted(ranks).index(ranks[0]))
-            else:
-                local = self.stage.state_dict()
-        for j, stage in enumerate(replica0.stages):
-            keys = [e for e in self._state_layout if stage.layers[0] <= e[1] < stage.layers[1]]
-            if not keys:
-                continue
-            if (0, j) in self._blocks:
-                out.update(self._owners_state(keys, self.place == (0, j)))
-                continue
-            sizes = [math.prod(shape) * dtype.itemsize for _, _, shape, dtype in keys]
-            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self._wire_device())
-            lead = stage.ranks[0]
-            if self.rank == lead:
-                assert local is not None
-                buf.copy_(torch.cat([_as_bytes(local[k]) for k, *_ in keys]))
-            self._tr.broadcast(buf, lead)
-            at = 0
-            host = buf.cpu()
-            for (key, _, shape, dtype), n in zip(keys, sizes, strict=True):
-                out[key] = host[at : at + n].view(dtype).reshape(shape).clone()
-                at += n
-        return {k: out[k] for k, *_ in self._state_layout}
-
-    def _owners_state(
-        self, keys: list[tuple[str, int, tuple[int, ...], torch.dtype]], mine: bool
-    ) -> dict[str, torch.Tensor]:
-        """An owners stage's full tensors on every rank (``mine``: this rank is in it), summed
-        from the ranks' channels (:meth:`_summed`)."""
-        parts = self._parts() if mine else {}
-        pieces = {n: tp for n, tp in parts.items() if self._counts(n, tp[1])}
-        return self._summed([(k, shape, dtype) for k, _, shape, dtype in keys], pieces)
-
-    def _summed(
-        self,
-        members: list[tuple[Any, tuple[int, ...], torch.dtype]],
-        pieces: Mapping[Any, tuple[torch.Tensor, Part]],
-    ) -> dict[Any, torch.Tensor]:
-        """Full tensors of ``members`` (key, full shape, dtype) on every rank (CPU): each rank
-        writes its ``pieces`` (key -> its tensor and where it sits; only pieces that count)
-        into a zeroed full-size buffer, one per dtype, and the group sums them. Exact: each
-        entry is one rank's value plus zeros. Collective over the group."""
-        out = {}
-        for dtype in dict.fromkeys(d for *_, d in members):
-            same = [m for m in members if m[2] == dtype]
-            sizes = [math.prod(shape) for _, shape, _ in same]
-            buf = torch.zeros(sum(sizes), dtype=dtype, device=self._wire_device())
-            at = 0
-            for (key, shape, _), n in zip(same, sizes, strict=True):
-                if key in pieces:
-                    t, part = pieces[key]
-                    part.put(buf[at : at + n].view(shape), t)
-                at += n
-            self._tr.allreduce(buf, None)
-            host, at = buf.cpu(), 0
-            for (key, shape, _), n in zip(same, sizes, strict=True):
-                out[key] = host[at : at + n].view(shape).clone()
-                at += n
-        return out
-
-    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The unsplit model's optimizer state, on every rank (CPU tensors): ``optimizer``'s
-        state (built over :meth:`parameters`) with every parameter's state whole, keyed by the
-        original model's parameter names as torch.distributed.checkpoint's full optimizer state
-        dict and FSDP's ``full_optim_state_dict`` are (:mod:`hetcoll.torch.state_dicts`): state
-        shaped as its parameter (SGD's momentum, Adam's moments) is gathered from the ranks
-        holding slices of it, as :meth:`full_state_dict` gathers the weights, from replica 0.
-        Collective over the group; every rank passes an optimizer of the same type and param
-        groups (an idle rank's holds its placeholder), or every rank raises.
-        :meth:`load_full_optimizer_state_dict` loads it into any plan's ranks.
-
-        >>> full = par.full_optimizer_state_dict(opt)  # doctest: +SKIP
-        """
-        parts = self._parts()
-        names = self._names_of_params(parts)
-        failure: BaseException | None = None
-        state: dict[str, dict[str, Any]] = {}
-        groups: list[tuple[dict[str, Any], list[str]]] = []
-        try:
-            state, groups = named_optimizer_state(optimizer, names)
-        except (TypeError, ValueError) as e:
-            failure = e
-        fields = {"the number of the optimizer's param groups": len(groups)}
-        for g, (hyper, _) in enumerate(groups):
-            fields[f"the hyperparameters of param group {g}"] = zlib.crc32(
-                repr(sorted(hyper.items())).encode()
-            )
-        agree(self._tr.comm, fields, failure=failure)
-
-        # What this rank's state adds to the full one: its parts of replica 0's parameters (as
-        # full_state_dict reads them), tensors by (name, field, dtype), the rest by value.
-        held: list[str] = []
-        entries: list[tuple[str, str, str, Any]] = []
-        if self.place is not None and self.place[0] == 0:
-            for n, (t, part) in parts.items():
-                if id(t) not in names or not self._counts(n, part):
-                    continue
-                held.append(n)
-                for f, v in state.get(n, {}).items():
-                    if state_kind(v, t.shape) == "sliced":
-                        entries.append((n, f, "sliced", str(v.dtype)))
-                    else:
-                        kept = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
-                        entries.append((n, f, "value", kept))
-        mine = {"held": held, "entries": entries, "groups": [names for _, names in groups]}
-        every = _allgather_objects(self._tr.comm, mine)
-
-        order = {n: i for i, n in enumerate(self._param_names)}
-        holders: dict[str, list[int]] = {}
-        found: dict[tuple[str, str], tuple[str, Any, list[int]]] = {}
-        for q, d in enumerate(every):
-            for n in d["held"]:
-                holders.setdefault(n, []).append(q)
-            for n, f, kind, v in d["entries"]:
-                if (n, f) not in found:
-                    found[n, f] = (kind, v, [])
-                elif kind == "sliced" and found[n, f][:2] != (kind, v):
-                    raise ValueError(
-                        f"optimizer: ranks keep parameter {n!r}'s {f!r} in different dtypes "
-                        f"({found[n, f][1]} and {v})"
-                    )
-                found[n, f][2].append(q)
-        for (n, f), (kind, _, ranks) in found.items():
-            if kind == "sliced" and ranks != holders[n]:
-                raise ValueError(
-                    f"optimizer: parameter {n!r} is held by ranks {holders[n]} but only ranks "
-                    f"{ranks} have its {f!r} state (did every rank step the same optimizer?)"
-                )
-        shapes = {k: shape for k, _, shape, _ in self._state_layout}
-        keys = sorted(found, key=lambda nf: order[nf[0]])
-        members = [
-            (k, shapes[k[0]], getattr(torch, found[k][1].removeprefix("torch.")))
-            for k in keys
-            if found[k][0] == "sliced"
-        ]
-        pieces = {
-            (n, f): (state[n][f], parts[n][1]) for n, f, kind, _ in entries if kind == "sliced"
-        }
-        full = self._summed(members, pieces)
-        out: dict[str, dict[str, Any]] = {}
-        for n, f in keys:  # each parameter's fields in its first holder's order
-            kind, v, _ = found[n, f]
-            out.setdefault(n, {})[f] = full[n, f] if kind == "sliced" else v
-        param_groups = []
-        for g, (hyper, _) in enumerate(groups):
-            listed = {n for d in every for n in d["groups"][g]}
-            param_groups.append({**hyper, "params": sorted(listed, key=order.__getitem__)})
-        return {"state": out, "param_groups": param_groups}
-
-    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load the unsplit model's ``state_dict`` (:meth:`full_state_dict`'s, a filter-parallel
-        model's gathered one, or a plain model's) into this rank's part of the model: its
-        stage's layers, its channel slice of a split stage, its own channels of an owners
-        stage, whatever plan wrote the checkpoint. Local (no communication); keys and shapes
-        are checked first, against the unsplit model, the same on every rank.
-
-        >>> par = parallelize(make_model(), new_plan, loss_fn=loss)  # doctest: +SKIP
-        >>> par.load_full_state_dict(ckpt["model"])  # doctest: +SKIP
-        """
-        check_full_state_dict(state_dict, {k: shape for k, _, shape, _ in self._state_layout})
-        with torch.no_grad():
-            for n, (t, part) in self._parts().items():
-                t.copy_(part.take(state_dict[n]).to(t.device, t.dtype))
-
-    def load_full_optimizer_state_dict(
-        self, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
-    ) -> None:
-        """Load a full optimizer state dict (:meth:`full_optimizer_state_dict`'s, or
-        :func:`hetcoll.torch.gather_optimizer_state_dict`'s) into ``optimizer``, built over
-        :meth:`parameters` with the param groups it was saved with: each rank takes its part of
-        every parameter it holds, whatever plan wrote it, and the saved hyperparameters. Local
-        (no communication); names and shapes are checked first, against the unsplit model.
-
-        >>> opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)  # doctest: +SKIP
-        >>> par.load_full_optimizer_state_dict(opt, ckpt["optimizer"])  # doctest: +SKIP
-        """
-        check_optimizer(optimizer)
-        shapes = {k: shape for k, _, shape, _ in self._state_layout}
-        check_full_optimizer_state_dict(state_dict, {n: shapes[n] for n in self._param_names})
-        parts = self._parts()
-        held: dict[int, tuple[str, Part] | None] = {
-            i: None if n is None else (n, parts[n][1])
-            for i, n in self._names_of_params(parts).items()
-        }
-        optimizer.load_state_dict(local_optimizer_state_dict(optimizer, state_dict, held))
-
-    def _parts(self) -> dict[str, tuple[torch.Tensor, Part]]:
-        """This rank's parameters and buffers by the model's state-dict names, each with where
-        it sits in the full tensor (a filter-split stage's channel slice, an owners stage's
-        channels, or whole)."""
-        shapes = {k: shape for k, _, shape, _ in self._state_layout}
-        if self.stage is None:
-            return {}
-        if isinstance(self.stage, OwnersStage):
-            return {
-                n: (t, Part(shapes[n], index=index))
-                for n, (t, index) in self.stage.local_state().items()
-            }
-        out = {n: (t, Part(shapes[n])) for n, t in self.stage.state_dict(keep_vars=True).items()}
-        for n, (t, dim, start) in split_tensors(self.stage).items():
-            out[n] = (t, Part(shapes[n], dim, start, int(t.shape[dim])))
-        return out
-
-    def _counts(self, name: str, part: Part) -> bool:
-        """Whether this rank's copy of a tensor counts for its replica: every slice does; a
-        whole tensor held by several ranks of a stage counts once (at the stage's lead, or at
-        an owners stage's holder of the layer's whole tensors)."""
-        if not part.whole:
-            return True
-        if isinstance(self.stage, OwnersStage):
-            layer = next(layer for k, layer, *_ in self._state_layout if k == name)
-            return self.stage.whole_tensor_holder(layer) == self.rank
-        assert self.place is not None
-        return self.rank == self.plan.replicas[self.place[0]].stages[self.place[1]].ranks[0]
-
-    def _names_of_params(
-        self, parts: dict[str, tuple[torch.Tensor, Part]]
-    ) -> dict[int, str | None]:
-        """``id(parameter) -> name`` for this rank's parameters; None for the placeholder an
-        idle rank (or an owners rank holding no channel with weights) holds."""
-        names: dict[int, str | None] = {
-            id(t): n for n, (t, _) in parts.items() if isinstance(t, nn.Parameter)
-        }
-        idle = getattr(self, "idle", None)
-        if idle is not None:
-            names[id(idle)] = None
-        return names
-
     def extra_repr(self) -> str:
         if self.place is None:
             return f"rank={self.rank}, idle"
@@ -466,10 +217,6 @@ class Parallel(nn.Module):
         return f"rank={self.rank}, replica={i}, stage={j}, layers={list(s.layers)}"
 
     # -- a step -----------------------------------------------------------------------------------
-
-    def _wire_device(self) -> torch.device:
-        # NCCL moves CUDA tensors only; gloo and MPI move host memory.
-        return self._device if self._tr.engine == "nccl" else torch.device("cpu")
 
     def _check_batch(self, inputs: Any, targets: Any) -> Callable[[], None]:
         """Start checking with every rank that the batch is the plan's and the same shape
@@ -753,21 +500,6 @@ class Parallel(nn.Module):
                 piece.param.grad = piece.take(buf)
 
 
-def _allgather_objects(comm: Any, obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (pickled: the peers are this job's own ranks), in rank order: the
-    lengths, then the bytes padded to the longest (two fixed-size allgathers)."""
-    data = np.frombuffer(pickle.dumps(obj), np.uint8)
-    sizes = comm.allgather_int64(np.array([data.size], np.int64), None)[:, 0]
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[: data.size] = data
-    rows = comm.allgather_fixed(padded, None)
-    return [pickle.loads(rows[q, : int(n)].tobytes()) for q, n in enumerate(sizes)]
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-
-
 def _layer_of(name: str, layer_names: list[str]) -> int:
     head = name.split(".", 1)[0]
     return layer_names.index(head)
@@ -851,7 +583,7 @@ def parallelize(
 
     # Rank 0's weights for everyone (one broadcast of the packed state dict).
     flat = (
-        torch.cat([_as_bytes(v) for v in state.values()])
+        torch.cat([as_bytes(v) for v in state.values()])
         if state
         else torch.empty(0, dtype=torch.uint8)
     )
