@@ -144,7 +144,7 @@ def _repeated(m: nn.Module) -> bool:
         return True
     if _is_plain_sequential(m):
         kinds = {type(c) for c in m.children()}
-        return len(m) >= 2 and len(kinds) == 1
+        return len(list(m.children())) >= 2 and len(kinds) == 1
     return False
 
 
