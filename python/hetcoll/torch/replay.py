@@ -51,6 +51,7 @@ __all__ = [
     "call_model",
     "meta_copy",
     "probe",
+    "replay",
     "routed",
     "stage_roles",
 ]
@@ -84,11 +85,20 @@ class StopForward(Exception):
 
 class StandIn(nn.Module):
     """Holds a block's place in a stage's copy of the model when the stage does not hold its
-    weights; :func:`routed` decides what its calls return."""
+    weights; :func:`routed` decides what its calls return. Attributes the code between blocks
+    reads off a block (``layers[0].self_attn.batch_first``) come from the block's copy on the
+    meta device, which is not a submodule: the stage neither holds nor trains its weights."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, meta: nn.Module):
         super().__init__()
         self.block = name
+        object.__setattr__(self, "meta", meta)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "meta"), name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
@@ -223,9 +233,7 @@ def probe(
             )
         flow.order.append(k)
         flow.reads[k] = sources.sources((args, kwargs))
-        meta_args = pytree.tree_map(
-            lambda t: t.detach().to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs)
-        )
+        meta_args = pytree.tree_map(_on_meta, (args, kwargs))
         sources.paused += 1
         try:
             out_meta = meta_blocks[k](*meta_args[0], **meta_args[1])
@@ -246,9 +254,20 @@ def probe(
                 for t in leaves
             ],
         )
-        out = flow.zeros(k, device, {})
-        # Fresh tensors (not the shared zeros), so that each block's output is told apart.
-        out = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
+        # Fresh zeros for each block (told apart by the sources), carrying a gradient where the
+        # block's output does, so that the code between blocks passes that on.
+        spec, leaves = flow.specs[k]
+        out = pytree.tree_unflatten(
+            [
+                torch.zeros(leaf.shape, dtype=leaf.dtype, device=device).requires_grad_(
+                    leaf.requires_grad
+                )
+                if isinstance(leaf, Leaf)
+                else leaf
+                for leaf in leaves
+            ],
+            spec,
+        )
         sources.mark(out, frozenset({k}))
         return out
 
@@ -256,6 +275,13 @@ def probe(
         output = call_model(model, inputs)
     flow.output_reads = sources.sources(output)
     return flow
+
+
+def _on_meta(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    m = t.detach().to("meta")
+    return m.requires_grad_(t.requires_grad) if m.is_floating_point() else m
 
 
 @dataclass(frozen=True)
@@ -326,3 +352,45 @@ def stage_roles(
         for k in sorted(crossing, key=order.__getitem__)
     }
     return StageRoles(roles, receives, sends)
+
+
+def replay(
+    model: nn.Module,
+    blocks: Sequence[str],
+    inputs: Any,
+    flow: Flow,
+    roles: StageRoles,
+    received: Mapping[int, Any],
+    device: torch.device,
+) -> tuple[Any, dict[int, Any]]:
+    """One stage's forward of one micro-batch: ``model``'s forward on ``inputs`` with each
+    block routed by its role (module docs), ``received`` standing in for the blocks the stage
+    receives. Returns the model's output (None for a stage that is not the last) and the
+    outputs of the stage's blocks that later stages read (``roles.sends``)."""
+    captured: dict[int, Any] = {}
+    dummies: dict[Any, torch.Tensor] = {}
+    mine = sum(1 for k in flow.order if roles.roles[k] == "mine")
+    done = 0
+
+    def route(k: int, module: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal done
+        role = roles.roles[k]
+        if role == "mine" or role == "recompute":
+            out = forward(*args, **kwargs)
+            if role == "mine":
+                done += 1
+                if k in roles.sends:
+                    captured[k] = out
+            return out
+        if role == "received":
+            return received[k]
+        if role == "stop" and done == mine:
+            raise StopForward
+        return flow.zeros(k, device, dummies)
+
+    with routed(model, blocks, route):
+        try:
+            output = call_model(model, inputs)
+        except StopForward:
+            output = None
+    return output, captured
