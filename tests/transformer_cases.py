@@ -197,6 +197,104 @@ def hybrid(n: int) -> dict[str, Any]:
     }
 
 
+class OutOfOrder(nn.Module):
+    """Registers ``late`` before ``early`` but calls ``early`` first (a residual around both,
+    so it is not a chain): model_layers lists ``late, early``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.late = nn.Linear(4, 3)
+        self.early = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.late(self.early(x) + x)
+
+
+class Branches(nn.Module):
+    """Decides between blocks on the values of a block's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a[0](x)
+        return self.a[1](h if h.sum() > 0 else -h)
+
+
+def bad_input(group: Any) -> int:
+    """Each mistake raises the same error on every rank; returns how many were checked."""
+    checked = 0
+
+    def raises(kind: type[BaseException], text: str, fn: Any) -> None:
+        nonlocal checked
+        try:
+            fn()
+        except kind as e:
+            assert text in str(e), (text, str(e))
+            checked += 1
+            return
+        raise AssertionError(f"no {kind.__name__} ({text})")
+
+    two = {
+        "replicas": [
+            {
+                "samples": 4,
+                "stages": [{"ranks": [0, 1], "layers": [0, 1]}, {"ranks": [2], "layers": [1, 2]}],
+            }
+        ]
+    }
+    ce = nn.CrossEntropyLoss()
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randint(0, 3, (4,))
+    par = parallelize(OutOfOrder().double(), two, loss_fn=ce, group=group)
+    raises(
+        ValueError, "reads the output of block 'early', which a later stage", lambda: par.step(x, y)
+    )
+    par = parallelize(Branches().double(), two, loss_fn=ce, group=group)
+    raises(ValueError, "reads the values of block 'a.0'", lambda: par.step(x, y))
+    torch.manual_seed(0)
+    model = gpt2().double()
+    n = 9  # wte, wpe, drop, h.0 .. h.3, ln_f, lm_head
+    plan = Plan.from_dict(pipeline_4(n))
+    owners = {
+        "replicas": [
+            {"samples": 2, "stages": [{"ranks": [0, 1], "layers": [0, n], "owners": {"3": [0, 1]}}]}
+        ]
+    }
+    raises(
+        ValueError,
+        "owners name layers of a chain",
+        lambda: parallelize(model, owners, loss_fn=lm_loss, group=group),
+    )
+    par = parallelize(model, plan, loss_fn=lm_loss, items=valid_tokens, group=group)
+    ((inputs, labels),) = batches(7, 1)
+    ragged = dict(inputs, attention_mask=inputs["attention_mask"][:6])
+    raises(ValueError, "its tensors must agree on dim 0", lambda: par.step(ragged, labels))
+    raises(
+        TypeError, "inputs: must be a tensor or a dict of tensors", lambda: par.step([1, 2], labels)
+    )
+    empty = torch.full_like(labels, -100)
+    raises(ValueError, "items: the batch has no items", lambda: par.step(inputs, empty))
+    par = parallelize(model, plan, loss_fn=lm_loss, items=lambda y: 0.5, group=group)
+    raises(
+        ValueError, "items: must return a non-negative integer", lambda: par.step(inputs, labels)
+    )
+    return checked
+
+
+def rows_are_the_wrong_weight(group: Any) -> bool:
+    """Without ``items``, micro-batches are weighted by rows: with uneven padding that is not
+    the mean over the batch's valid tokens (so the exact cases above can fail)."""
+    torch.manual_seed(0)
+    model = gpt2().double()
+    data = batches(7, 1)
+    (want,), _ = reference(model, data, 0.1)
+    n = 9
+    par = parallelize(model, pipeline_4(n), loss_fn=lm_loss, group=group)
+    got = par.step(*data[0])
+    return abs(got - want) > 1e-4 * abs(want)
+
+
 def run_all(group: Any) -> dict[str, Any]:
     assert wrap(group).size == 4
     out: dict[str, Any] = {}
@@ -210,6 +308,8 @@ def run_all(group: Any) -> dict[str, Any]:
         out[f"{name}_pipeline"] = t["activations"] > 0 or wrap(group).rank == 3
         equals_one_process(group, make, Plan.from_dict(hybrid(n)), tol=tol)
         out[f"{name}_hybrid"] = True
+    out["rows_wrong"] = rows_are_the_wrong_weight(group)
+    out["errors"] = bad_input(group)
     return out
 
 

@@ -180,12 +180,33 @@ class _Sources(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if not self.paused and func in _TO_PYTHON:
+            found = self.sources((args, kwargs))
+            if found:
+                raise _DecidesOnData(found)
         out = func(*args, **kwargs)
         if not self.paused:
             found = self.sources((args, kwargs))
             if found:
                 self.mark(out, found)
         return out
+
+
+#: Reading a tensor's values into Python: a branch or a size decided by data.
+_TO_PYTHON = {
+    torch.Tensor.__bool__,
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+}
+
+
+class _DecidesOnData(Exception):
+    def __init__(self, blocks: frozenset[int]):
+        super().__init__()
+        self.blocks = blocks
 
 
 @contextmanager
@@ -271,8 +292,17 @@ def probe(
         sources.mark(out, frozenset({k}))
         return out
 
-    with routed(model, blocks, route), torch.enable_grad(), sources:
-        output = call_model(model, inputs)
+    try:
+        with routed(model, blocks, route), torch.enable_grad(), sources:
+            output = call_model(model, inputs)
+    except _DecidesOnData as e:
+        which = ", ".join(repr(blocks[k]) for k in sorted(e.blocks))
+        raise ValueError(
+            f"model: its forward reads the values of block {which}'s output into Python (a "
+            "branch or a size decided by data) between blocks, so its stages cannot replay it "
+            "without that block; move the decision inside a block, or compute it from the "
+            "inputs"
+        ) from None
     flow.output_reads = sources.sources(output)
     return flow
 
