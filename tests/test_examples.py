@@ -237,3 +237,73 @@ def test_train_plan_names_a_bad_plan(tmp_path):
     )
     assert proc.returncode != 0
     assert "--plan: plan.replicas[0].stages: must hold at least one stage" in proc.stderr
+
+
+# ---------------------------------------------------------------- examples/train_lm.py
+
+LM_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"
+LM_COMMON = ["--arch", "gpt2", "--steps", "3", "--batch", "12", "--microbatches", "3"]
+LM_COMMON += ["--float64", "--quiet"]
+
+
+def _train_lm(tmp: Path, name: str, launcher: list[str], *extra: str) -> tuple:
+    """Run train_lm.py under ``launcher``; the trained state dict and every rank's report."""
+    out = ["--save", str(tmp / f"{name}.pt"), "--json", str(tmp / f"{name}{{rank}}.json")]
+    proc = subprocess.run(
+        [*launcher, str(LM_SCRIPT), *LM_COMMON, *out, *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HETCOLL_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, f"{launcher}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    reports = [json.loads(p.read_text()) for p in sorted(tmp.glob(f"{name}[0-9].json"))]
+    return torch.load(tmp / f"{name}.pt"), reports
+
+
+@pytest.fixture(scope="module")
+def lm_single(tmp_path_factory):
+    """One process, the whole batch: what every launch of the same batches must train."""
+    tmp = tmp_path_factory.mktemp("lm_single")
+    state, (report,) = _train_lm(tmp, "single", [sys.executable])
+    assert report["world"] == 1 and len(report["losses"]) == 3
+    assert report["losses"][-1] < report["losses"][0]  # it learns
+    return state, report["losses"]
+
+
+def test_torchrun_trains_the_lm_as_a_pipeline_like_one_process(lm_single, tmp_path):
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=3"]
+    state, reports = _train_lm(tmp_path, "torchrun", torchrun, "--emulate", "1,0.5,0.25")
+    assert [r["place"] for r in reports] == [[0, 0], [0, 1], [0, 2]]  # one 3-stage pipeline
+    assert reports[0]["backend"] == "gloo"
+    assert all(r["traffic"]["activations"] + r["traffic"]["gradients"] > 0 for r in reports)
+    _same_as(lm_single, state, reports[0]["losses"])
+
+
+def test_mpiexec_trains_the_lm_under_a_hybrid_plan_like_one_process(lm_single, tmp_path):
+    # GPT-2's blocks: wte, wpe, drop, h.0 .. h.5, ln_f, lm_head (11); the head is tied to wte.
+    plan = tmp_path / "hybrid.json"
+    plan.write_text(
+        json.dumps(
+            {
+                "microbatches": 2,
+                "schedule": "1F1B",
+                "replicas": [
+                    {
+                        "samples": 7,
+                        "stages": [
+                            {"ranks": [0], "layers": [0, 6]},
+                            {"ranks": [1], "layers": [6, 11]},
+                        ],
+                    },
+                    {"samples": 5, "stages": [{"ranks": [2], "layers": [0, 11]}]},
+                ],
+            }
+        )
+    )
+    mpiexec = [launch.mpiexec_path(), "-n", "3", sys.executable]
+    state, reports = _train_lm(tmp_path, "mpi", mpiexec, "--mpi", "--plan", str(plan))
+    assert [r["place"] for r in reports] == [[0, 0], [0, 1], [1, 0]]
+    assert reports[0]["backend"] == "mpi" and all(r["traffic"]["allreduce"] > 0 for r in reports)
+    _same_as(lm_single, state, reports[0]["losses"])

@@ -471,6 +471,17 @@ class Parallel(PlanCheckpoints, nn.Module):
             self._flows[key] = flow
         return self._flows[key]
 
+    def _roles(self, flow: Flow, replica: int, stage: int) -> StageRoles:
+        """A stage's roles for the blocks (:func:`hetcoll.torch.replay.stage_roles`), kept
+        with the probe they come from."""
+        key = (replica, stage)
+        if key not in flow.roles:
+            stage_of, free = self._stage_of[replica], self._parameter_free
+            flow.roles[key] = stage_roles(
+                flow, self._names, stage_of, stage, free, self._where(replica)
+            )
+        return flow.roles[key]
+
     def _where(self, replica: int) -> Callable[[int], str]:
         return lambda j: f"plan.replicas[{replica}].stages[{j}]"
 
@@ -519,9 +530,7 @@ class Parallel(PlanCheckpoints, nn.Module):
                     set_kind("activations")
                     batch_in = _rows(inputs, rows)
                     flow = self._flow(batch_in)
-                    roles = stage_roles(
-                        flow, self._names, stage_of, j, self._parameter_free, self._where(i)
-                    )
+                    roles = self._roles(flow, i, j)
                     received: dict[int, list[torch.Tensor]] = {}
                     for b in roles.receives:
                         source = replica.stages[stage_of[b]].ranks[0]

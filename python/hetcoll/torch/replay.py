@@ -128,6 +128,8 @@ class Flow:
     specs: dict[int, tuple[pytree.TreeSpec, list[Any]]] = field(default_factory=dict)
     reads: dict[int, frozenset[int]] = field(default_factory=dict)
     output_reads: frozenset[int] = frozenset()
+    #: The roles of each (replica, stage) for this probe, kept by whoever computes them.
+    roles: dict[tuple[int, int], StageRoles] = field(default_factory=dict)
 
     def zeros(self, k: int, device: torch.device, cache: dict[Any, torch.Tensor]) -> Any:
         """Block ``k``'s output structure with zeros for its tensors (shared by shape)."""
