@@ -13,6 +13,7 @@ adds) have no torch counter to compare with; they are counted apart
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -99,7 +100,9 @@ def close(a: float, b: float, tol: float = 0.05) -> bool:
 
 @pytest.mark.parametrize("make", [llama, gpt2, EncoderLM], ids=["llama", "gpt2", "encoder"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_matmul_flops_of_token_models_agree_with_flop_counter(make: Any, dtype: torch.dtype) -> None:
+def test_matmul_flops_of_token_models_agree_with_flop_counter(
+    make: Any, dtype: torch.dtype
+) -> None:
     model = make().to(dtype)
     costs = layer_costs(model, (SEQ,), dtype=torch.int64)
     fwd, bwd = flop_counter(model, 3)
@@ -244,7 +247,7 @@ def test_planner_cuts_token_models_between_decoder_blocks(make: Any) -> None:
             ranges = [tuple(st["layers"]) for st in r["stages"]]
             # The stages' layer ranges index model_layers, cover it in order, one rank each.
             assert ranges[0][0] == 0 and ranges[-1][1] == len(names)
-            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
             assert all(len(st["ranks"]) == 1 for st in r["stages"])
             if len(ranges) > 1:
                 pipelines.append([names[a] for a, _ in ranges[1:]])

@@ -90,6 +90,7 @@ def add_input(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", required=True, help=INPUT_HELP)
     p.add_argument("--dtype", choices=INPUT_DTYPES, default="float32", help=DTYPE_HELP)
 
+
 CLASSES_HELP = "number of classes of the built-in models (default 10)"
 
 

@@ -26,6 +26,7 @@ import torch
 
 from hetcoll.model.costs.records import ModelInput, parse_shape
 
+
 def dtype_of(name: str) -> torch.dtype:
     """A dtype by its torch name (``"int64"``, ``"bfloat16"``, ...), ``ValueError`` naming
     ``dtype`` otherwise."""

@@ -159,9 +159,7 @@ def layer_costs(
     buffer_bytes = float(sum(b.numel() * b.element_size() for b in model.buffers()))
     # A bare leaf model is one layer named after its type (see ``_trace``).
     modes = tuple((n or type(model).__name__, m) for n, m in filter_modes(model).items())
-    costs = ModelCosts(
-        tuple(layers), shape, item, tuple(notes), buffer_bytes, modes, inputs=inputs
-    )
+    costs = ModelCosts(tuple(layers), shape, item, tuple(notes), buffer_bytes, modes, inputs=inputs)
     costs = _with_plan_layers(costs, model)
     return costs if precision == "fp32" else costs.at_precision(precision)
 
@@ -291,9 +289,7 @@ def _with_blocks(
             i = of[-1] if of else 0  # code between blocks: with the block before
         of.append(i)
     if any(b < a for a, b in itertools.pairwise(of)):
-        return replace(
-            costs, plan_layers_note="the model's blocks do not run in the order listed"
-        )
+        return replace(costs, plan_layers_note="the model's blocks do not run in the order listed")
     flow = None
     errors = []
     was_training = model.training
