@@ -109,6 +109,13 @@ def test_matmul_flops_of_token_models_agree_with_flop_counter(
     assert fwd > 0 and bwd > 0
     assert close(costs.forward_flops(3), fwd), (costs.forward_flops(3), fwd)
     assert close(costs.backward_flops(3), bwd), (costs.backward_flops(3), bwd)
+    # Within 5% is the requirement. Eager attention agrees exactly (the same formulas on the
+    # same ops); nn.MultiheadAttention calls F.scaled_dot_product_attention, whose fused
+    # backward recomputes the scores on a real run, not on the meta device (docs/model.md).
+    if make is not EncoderLM:
+        assert (costs.forward_flops(3), costs.backward_flops(3)) == (fwd, bwd)
+    else:
+        assert costs.forward_flops(3) == fwd and 0.97 * bwd < costs.backward_flops(3) < bwd
     # Bytes are the activations' (the model's dtype), not the token ids'.
     assert costs.itemsize == torch.empty((), dtype=dtype).element_size()
     assert costs.inputs[0].dtype == "int64" and costs.input_shape == (SEQ,)
