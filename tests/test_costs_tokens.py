@@ -28,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from hetcoll import Plan
 from hetcoll.cli import main
-from hetcoll.model import cluster_from_dict, layer_costs, plan
+from hetcoll.model import cluster_from_dict, layer_costs, plan, predict_plan
 from hetcoll.torch.layers import model_cut, model_layers
 
 transformers = pytest.importorskip("transformers")
@@ -83,9 +83,9 @@ class EncoderLM(nn.Module):
         return self.head(self.enc(self.emb(ids), mask=mask, is_causal=True))
 
 
-def flop_counter(model: nn.Module, batch: int) -> tuple[int, int]:
+def flop_counter(model: nn.Module, batch: int, seq: int = SEQ) -> tuple[int, int]:
     """FlopCounterMode's forward and backward FLOPs of a real run on ``batch`` sequences."""
-    ids = torch.randint(0, 100, (batch, SEQ))
+    ids = torch.randint(0, 100, (batch, seq))
     with FlopCounterMode(display=False) as fc:
         out = model(ids)
         forward = fc.get_total_flops()
@@ -214,8 +214,15 @@ def test_costs_map_onto_the_blocks_a_plan_cuts(make: Any) -> None:
     extra = 2 * SEQ * (HIDDEN // 4) * 4 if make is llama else 0
     for i in decoders[:-1]:
         assert costs.plan_out_bytes[i] == hidden + extra, (names[i], costs.plan_out_bytes[i])
-    # Stages are whole blocks on one rank: no filter split is offered.
+    # Stages are whole blocks on one rank: no filter split is offered, and a plan with a
+    # stage split over two ranks is refused, saying why.
     assert costs.stage_filter_modes(0, len(names)) == {}
+    n = len(names)
+    split = Plan.from_dict(
+        {"replicas": [{"samples": 4, "stages": [{"ranks": [0, 1], "layers": [0, n]}]}]}
+    )
+    with pytest.raises(ValueError, match="model cut into blocks"):
+        predict_plan(costs, _cluster(1e12), split)
 
 
 def _cluster(memory: float) -> Any:
@@ -293,8 +300,9 @@ def test_cli_costs_and_plan_of_a_token_model(
     import tokmodels
 
     model = tokmodels.llama()
-    fwd, _ = flop_counter_seq(model, 32)
+    fwd, _ = flop_counter(model, 1, 32)
     assert close(out["forward_flops"], fwd) and out["dtype"] == "int64"
+    assert out["inputs"] == [{"name": "", "shape": [32], "dtype": "int64"}]
     assert out["elementwise_forward_flops"] > 0
     whole = max(
         plan(layer_costs(model, (32,), dtype=torch.int64), _cluster(1e12), 16)[0].memory_bytes
@@ -339,15 +347,6 @@ def test_cli_costs_and_plan_of_a_token_model(
     for st in stages:
         a, b = st["layers"]
         assert 0 <= a < b <= len(names) and len(st["ranks"]) == 1
-
-
-def flop_counter_seq(model: nn.Module, seq: int) -> tuple[int, int]:
-    ids = torch.zeros((1, seq), dtype=torch.long)
-    with FlopCounterMode(display=False) as fc:
-        out = model(ids)
-        forward = fc.get_total_flops()
-        out.logits.sum().backward()
-    return forward, fc.get_total_flops() - forward
 
 
 def test_a_chain_of_token_layers_still_filter_splits() -> None:

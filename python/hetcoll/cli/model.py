@@ -114,6 +114,7 @@ def _cmd_costs(args: argparse.Namespace) -> int:
                 "model": args.model,
                 "input": list(costs.input_shape),
                 "dtype": args.dtype,
+                "inputs": [x.to_json() for x in costs.inputs],
                 "precision": costs.precision,
                 "params": costs.params,
                 "forward_flops": costs.forward_flops(1),

@@ -233,6 +233,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         json.dump(
             {
                 "model": args.model,
+                "inputs": [x.to_json() for x in costs.inputs],
                 "batch": args.batch,
                 "devices": cluster.num_devices,
                 "nodes": _nodes_json(cluster),
