@@ -14,11 +14,12 @@ from typing import Any
 from hetcoll.cli.arguments import MAX_UNITS, integer, writable_file
 from hetcoll.cli.model import (
     CLASSES_HELP,
-    INPUT_HELP,
     MODEL_HELP,
+    add_input,
     add_precision,
     build_model,
     fmt_s,
+    input_dtype,
     shares_text,
 )
 
@@ -31,6 +32,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     costs = layer_costs(
         model,
         parse_shape(args.input),
+        dtype=input_dtype(args),
         conv_algorithm=args.conv_algorithm,
         precision=args.precision,
     )
@@ -231,6 +233,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         json.dump(
             {
                 "model": args.model,
+                "inputs": [x.to_json() for x in costs.inputs],
                 "batch": args.batch,
                 "devices": cluster.num_devices,
                 "nodes": _nodes_json(cluster),
@@ -329,7 +332,7 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
         "memory, any size). --out writes the best plan as a file examples/train_plan.py runs.",
     )
     p.add_argument("--model", required=True, help=MODEL_HELP)
-    p.add_argument("--input", required=True, help=INPUT_HELP)
+    add_input(p)
     p.add_argument(
         "--cluster",
         required=True,
