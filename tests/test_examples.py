@@ -307,3 +307,34 @@ def test_mpiexec_trains_the_lm_under_a_hybrid_plan_like_one_process(lm_single, t
     assert [r["place"] for r in reports] == [[0, 0], [0, 1], [1, 0]]
     assert reports[0]["backend"] == "mpi" and all(r["traffic"]["allreduce"] > 0 for r in reports)
     _same_as(lm_single, state, reports[0]["losses"])
+
+
+def test_hetcoll_plan_writes_a_plan_train_lm_runs_like_one_process(tmp_path):
+    """The planner's plan for the example's Llama (token inputs), run by torchrun, trains what
+    one process trains (to 1e-6: Llama's rotary embedding computes in float32, so a batch
+    and its rows split into micro-batches already differ by ~1e-7)."""
+    from hetcoll import Plan
+    from hetcoll.cli import main
+
+    cluster = tmp_path / "small.toml"
+    # Two slow devices with 2 MB each: the 310k-parameter Llama does not fit one of them.
+    cluster.write_text(SMALL_CLUSTER.replace("memory_bytes = 1.6e6", "memory_bytes = 2e6"))
+    plan = tmp_path / "lm.json"
+    sys.path.insert(0, str(LM_SCRIPT.parent))
+    try:
+        argv = ["plan", "--model", "train_lm:make_model", "--input", "64", "--dtype", "int64"]
+        assert main([*argv, "--batch", "12", "--cluster", str(cluster), "--out", str(plan)]) == 0
+    finally:
+        sys.path.remove(str(LM_SCRIPT.parent))
+    written = Plan.load(plan)
+    # A pipeline over the three devices, cut between decoder layers (see the planner's tests).
+    assert written.batch == 12 and len(written.replicas[0].stages) == 3
+    llama = ["--arch", "llama"]
+    one, (report,) = _train_lm(tmp_path, "one", [sys.executable], *llama)
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone"]
+    torchrun.append(f"--nproc-per-node={max(written.ranks) + 1}")
+    state, reports = _train_lm(tmp_path, "planned", torchrun, *llama, "--plan", str(plan))
+    assert reports[0]["plan"] == written.to_dict()
+    assert reports[0]["losses"] == pytest.approx(report["losses"], rel=1e-6)
+    for k, v in one.items():
+        assert float((state[k] - v).abs().max()) <= 1e-6 * float(v.abs().max()), k

@@ -348,17 +348,34 @@ class _OpCounter(TorchDispatchMode):
 
 def _trace(model: nn.Module, inputs: Sequence[ModelInput], batch: int) -> _OpCounter:
     """Run ``model`` forward and backward on meta tensors for ``batch`` samples of ``inputs``
-    (one positional input or keyword inputs), counting every op (:class:`_OpCounter`)."""
+    (one positional input or keyword inputs), counting every op (:class:`_OpCounter`). A
+    forward that reads its inputs' values (Hugging Face's check for packed sequences when no
+    attention mask is given) cannot run on the meta device: it is counted on a real run of
+    zeros (valid token ids, zero weights) on the CPU instead, which holds the model's weights
+    in memory once."""
+    try:
+        return _count(model, inputs, batch, torch.device("meta"))
+    except _NeedsValues:
+        return _count(model, inputs, batch, torch.device("cpu"))
+
+
+class _NeedsValues(Exception):
+    pass
+
+
+def _count(
+    model: nn.Module, inputs: Sequence[ModelInput], batch: int, device: torch.device
+) -> _OpCounter:
     from torch.func import functional_call
 
     from hetcoll.model.costs.inputs import example_batch
 
-    state = {
-        k: torch.empty_like(v, device="meta").requires_grad_(v.requires_grad)
-        for k, v in model.named_parameters()
-    }
+    def on(v: torch.Tensor) -> torch.Tensor:
+        return (torch.empty_like if device.type == "meta" else torch.zeros_like)(v, device=device)
+
+    state = {k: on(v).requires_grad_(v.requires_grad) for k, v in model.named_parameters()}
     param_names = {id(v): k for k, v in state.items()}
-    state.update({k: torch.empty_like(v, device="meta") for k, v in model.named_buffers()})
+    state.update({k: on(v) for k, v in model.named_buffers()})
     counter = _OpCounter(param_names)
     handles = []
     for name, mod in model.named_modules():
@@ -372,7 +389,7 @@ def _trace(model: nn.Module, inputs: Sequence[ModelInput], batch: int) -> _OpCou
 
         handles.append(mod.register_forward_pre_hook(pre))
         handles.append(mod.register_forward_hook(post, always_call=True))
-    args, kwargs = example_batch(inputs, batch, "meta")
+    args, kwargs = example_batch(inputs, batch, str(device))
     was_training = model.training
     model.train()
     try:
@@ -383,8 +400,10 @@ def _trace(model: nn.Module, inputs: Sequence[ModelInput], batch: int) -> _OpCou
                 t for t in tree_flatten(y)[0] if isinstance(t, torch.Tensor) and t.requires_grad
             ]
             if outs:
-                torch.autograd.backward(outs, [torch.empty_like(t) for t in outs])
+                torch.autograd.backward(outs, [torch.zeros_like(t) for t in outs])
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        if device.type == "meta" and "meta tensor" in str(e):
+            raise _NeedsValues from e
         what = ", ".join(
             f"{x.name + '=' if x.name else ''}{'x'.join(map(str, x.shape))} {x.dtype}"
             for x in inputs
