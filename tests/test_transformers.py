@@ -1,6 +1,7 @@
 """Transformers through plans: tests/transformer_cases.py inside every rank of a 4-process gloo
 job and of a 4-process MPI job (Hugging Face GPT-2 and Llama, a user's TransformerEncoder LM, each
-equal to one process averaging over valid tokens; bad input raises on every rank), and the
+equal to one process averaging over valid tokens, and torchvision's ViT; bad input raises on
+every rank), and the
 blocks ``model_layers`` lists for them, in-process."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ HERE = Path(__file__).resolve().parent
 MODELS = ("gpt2", "llama", "encoder")
 EXPECTED = {
     **{f"{m}_{p}": True for m in MODELS for p in ("pipeline", "hybrid")},
+    "vit_hybrid": True,
     "rows_wrong": True,
     "errors": 7,
 }

@@ -295,6 +295,21 @@ def rows_are_the_wrong_weight(group: Any) -> bool:
     return abs(got - want) > 1e-4 * abs(want)
 
 
+def vit() -> nn.Module:
+    """torchvision's ViT, small: a class token and a position table outside every block."""
+    from torchvision.models import VisionTransformer
+
+    return VisionTransformer(
+        image_size=8,
+        patch_size=4,
+        num_layers=3,
+        num_heads=2,
+        hidden_dim=8,
+        mlp_dim=16,
+        num_classes=5,
+    )
+
+
 def run_all(group: Any) -> dict[str, Any]:
     assert wrap(group).size == 4
     out: dict[str, Any] = {}
@@ -308,6 +323,12 @@ def run_all(group: Any) -> dict[str, Any]:
         out[f"{name}_pipeline"] = t["activations"] > 0 or wrap(group).rank == 3
         equals_one_process(group, make, Plan.from_dict(hybrid(n)), tol=tol)
         out[f"{name}_hybrid"] = True
+    # An image transformer: a tensor input, rows as items (conv_proj, encoder.dropout, its
+    # three encoder layers, encoder.ln, heads).
+    from plan_cases import equals_one_process as images_equal_one_process
+
+    images_equal_one_process(group, vit, Plan.from_dict(hybrid(7)), (3, 8, 8))
+    out["vit_hybrid"] = True
     out["rows_wrong"] = rows_are_the_wrong_weight(group)
     out["errors"] = bad_input(group)
     return out
