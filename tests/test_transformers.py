@@ -22,6 +22,7 @@ EXPECTED = {
     **{f"{m}_{p}": True for m in MODELS for p in ("pipeline", "hybrid")},
     "vit_hybrid": True,
     "rows_wrong": True,
+    "resumes": True,
     "errors": 7,
 }
 

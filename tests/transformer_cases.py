@@ -310,6 +310,44 @@ def vit() -> nn.Module:
     )
 
 
+def resumes_on_another_plan(group: Any) -> bool:
+    """A checkpoint of GPT-2 (its head tied to its embedding, in different stages) taken under
+    one plan — weights and Adam's state, gathered whole — resumes under another (other cuts,
+    a replica), and training goes on as if uninterrupted."""
+    torch.manual_seed(0)
+    model = gpt2().double()
+    data = batches(7, 4)
+
+    def adam(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params, lr=0.01)
+
+    one = copy.deepcopy(model)
+    opt = adam(one.parameters())
+    for x, y in data:
+        lm_loss(one(**x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    first = parallelize(model, pipeline_4(9), loss_fn=lm_loss, items=valid_tokens, group=group)
+    opt = adam(first.parameters())
+    for x, y in data[:2]:
+        first.step(x, y)
+        opt.step()
+        opt.zero_grad()
+    weights, state = first.full_state_dict(), first.full_optimizer_state_dict(opt)
+    second = parallelize(
+        gpt2().double(), hybrid(9), loss_fn=lm_loss, items=valid_tokens, group=group
+    )
+    opt = adam(second.parameters())
+    second.load_full_state_dict(weights)
+    second.load_full_optimizer_state_dict(opt, state)
+    for x, y in data[2:]:
+        second.step(x, y)
+        opt.step()
+        opt.zero_grad()
+    got = second.full_state_dict()
+    return all(rel(got[k], v) <= TOL for k, v in one.state_dict().items() if v.is_floating_point())
+
+
 def run_all(group: Any) -> dict[str, Any]:
     assert wrap(group).size == 4
     out: dict[str, Any] = {}
@@ -330,6 +368,7 @@ def run_all(group: Any) -> dict[str, Any]:
     images_equal_one_process(group, vit, Plan.from_dict(hybrid(7)), (3, 8, 8))
     out["vit_hybrid"] = True
     out["rows_wrong"] = rows_are_the_wrong_weight(group)
+    out["resumes"] = resumes_on_another_plan(group)
     out["errors"] = bad_input(group)
     return out
 
