@@ -16,7 +16,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --group test
 	touch $@
 
+# The extension is an abi3 build (_core.abi3.so); a _core.cpython-3XX-*.so left by an older
+# build would shadow it (Python prefers the version-tagged name), so it goes first.
 $(BUILT): $(STAMP) $(RUST_SOURCES)
+	rm -f python/hetcoll/_core.cpython-*.so
 	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release --quiet
 	touch $@
 

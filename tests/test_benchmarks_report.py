@@ -347,3 +347,72 @@ def test_readme_headlines_are_the_committed_results() -> None:
 def test_readme_without_markers_is_refused() -> None:
     with pytest.raises(report.ResultError, match="README: needs the markers"):
         report.with_readme_headlines("# no table here\n", [])
+
+
+DEVICE_DRY_RUN = ROOT / "tests" / "data" / "device_summary_dry_run.json"
+
+
+def test_device_adapter_reads_a_dry_run(tmp_path: Path) -> None:
+    """benches/device/run.sh's summary from a machine without CUDA (a real dry run): it imports
+    as a valid results file that says so, every CUDA part "skipped: no CUDA", no figures."""
+    raw = tmp_path / "raw" / "summary.json"
+    raw.parent.mkdir()
+    raw.write_text(DEVICE_DRY_RUN.read_text())
+    result = report.adapt_device([raw], "bash benches/device/run.sh out/device")
+    report.write_result(tmp_path / "device.json", result)
+    assert "dry run" in result["title"]
+    assert result["headlines"] == []
+    assert result["host"]["gpu"].startswith("none")
+    text = report.generate(tmp_path)
+    assert "| skipped: no CUDA | 0 | 0 | 14 |" in text
+    assert "| – | skipped: no CUDA | – | – | – |" in text
+    assert "skipped: no CUDA (dry run, rank 0 on the CPU)" in text
+
+
+def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
+    """The same summary shaped as a GPU machine's: per-rank speeds, the three runs' ratios and
+    the model's errors come from its numbers, and the headlines name them."""
+    data = json.loads(DEVICE_DRY_RUN.read_text())
+    data["cuda"] = True
+    data["host"]["gpu"] = "NVIDIA H100 80GB HBM3 (79 GiB)"
+    config = data["hetero"]["configurations"][0]
+    config["devices"][0] = "cuda"
+    config["step_s"] = {"gpu_alone": 0.004, "balanced": 0.0032, "equal": 0.05}
+    config["balanced_over_equal"] = 0.05 / 0.0032
+    config["balanced_over_gpu_alone"] = 0.004 / 0.0032
+    config["prediction"] = {
+        "status": "ok",
+        "step_s": {"balanced": 0.0036, "equal": 0.045, "gpu_alone": 0.004},
+        "error": {"balanced": 0.125, "equal": -0.1, "gpu_alone": 0.0},
+    }
+    data["kernels"] = {
+        "status": "ok",
+        "rows": [
+            {
+                "dtype": "float32",
+                "copy_bytes_per_s": 2.0e12,
+                "ideal_s": 0.00034,
+                "seconds": {"hetcoll.weighted_sum": 0.0008, "add_ chain": 0.0008},
+                "over_ideal": {"hetcoll.weighted_sum": 2.35, "add_ chain": 2.35},
+                "hetcoll_over_peer": {"add_ chain": 1.0},
+            }
+        ],
+    }
+    raw = tmp_path / "raw" / "summary.json"
+    raw.parent.mkdir()
+    raw.write_text(json.dumps(data))
+    result = report.adapt_device([raw], "bash benches/device/run.sh out/device")
+    report.write_result(tmp_path / "device.json", result)
+    assert "dry run" not in result["title"]
+    heads = {h["figure"]: h["value"] for h in result["headlines"]}
+    assert heads["1 GPU + 1 CPU ranks: balanced throughput / equal split (DDP), / GPU alone"] == (
+        "15.62x / 1.25x"
+    )
+    assert heads["performance model on a GPU + CPU ranks, median / worst |error|"] == (
+        "10.0% / 12.5%"
+    )
+    assert heads["weighted_sum of 4 CUDA float32 tensors, time / add_ chain's"] == "1.00x"
+    text = report.generate(tmp_path)
+    assert "| 1 | 0 | cuda |" in text
+    assert "| 1 | balanced | 3.60 | 3.20 | +12.5% |" in text
+    assert "gpu NVIDIA H100 80GB HBM3 (79 GiB)" in text
