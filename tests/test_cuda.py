@@ -173,10 +173,13 @@ def test_bf16_autocast_through_a_plan(first):
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
-def test_balanced_strategy_on_the_gpu(tmp_path, backend):
+def test_balanced_strategy_on_the_gpu(tmp_path, monkeypatch, backend):
     """BalancedStrategy with accelerator="gpu" (one device, NCCL or gloo): the weights after
-    two epochs equal one process on the CPU, float64 to 1e-10."""
+    two epochs equal one process on the CPU, float64 to 1e-10. Lightning runs one device in
+    this process and keeps its process group until exit: the test ends it, so that the next
+    backend gets a group of its own."""
     pytest.importorskip("lightning")
+    import torch.distributed as dist
     from lightning.pytorch import Trainer
     from test_lightning import BATCH, Regression, reference
 
@@ -192,7 +195,13 @@ def test_balanced_strategy_on_the_gpu(tmp_path, backend):
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Regression(True, tmp_path))
+    monkeypatch.setenv("MASTER_PORT", str(launch.free_port()))
+    try:
+        trainer.fit(Regression(True, tmp_path))
+        assert dist.get_backend() == backend
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     got = list(trainer.lightning_module.net.parameters())
     assert all(p.device.type == "cuda" for p in got)
     assert trainer.strategy.hook_state is not None
