@@ -416,3 +416,47 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
     assert "| 1 | 0 | cuda |" in text
     assert "| 1 | balanced | 3.60 | 3.20 | +12.5% |" in text
     assert "gpu NVIDIA H100 80GB HBM3 (79 GiB)" in text
+
+
+def _load_summarize() -> ModuleType:
+    path = ROOT / "benches" / "device" / "summarize.py"
+    spec = importlib.util.spec_from_file_location("device_summarize", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_device_summary_names_failed_and_timed_out_steps(tmp_path: Path) -> None:
+    """benches/device/summarize.py: a step killed by its timeout (rc 124) and a failing CUDA
+    test are named in the summary; a step whose file is missing says so."""
+    summarize = _load_summarize()
+    (tmp_path / "steps.jsonl").write_text(
+        '{"step": "pytest", "rc": 1, "seconds": 30, "limit_s": 140}\n'
+        '{"step": "hetero", "rc": 124, "seconds": 170, "limit_s": 170}\n'
+    )
+    (tmp_path / "environment.json").write_text(json.dumps({"cuda": True, "host": {"cores": 16}}))
+    (tmp_path / "pytest-cuda.xml").write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_cuda" name="test_a"/>'
+        '<testcase classname="tests.test_cuda" name="test_b">'
+        '<failure message="AssertionError: 0.5 &gt; 1e-10">trace</failure></testcase>'
+        '<testcase classname="tests.test_cuda" name="test_c"><skipped message="no"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    summary = summarize.summarize(tmp_path)
+    assert summary["status"] == "failed: pytest, hetero"
+    assert [s["status"] for s in summary["steps"]] == ["failed (rc 1)", "timed out"]
+    assert summary["seconds"] == 200
+    tests = summary["tests"]
+    assert (tests["status"], tests["passed"], tests["failed"], tests["skipped"]) == (
+        "failed",
+        1,
+        1,
+        1,
+    )
+    assert tests["failures"] == [
+        {"test": "tests.test_cuda::test_b", "message": "AssertionError: 0.5 > 1e-10"}
+    ]
+    assert summary["hetero"]["status"].startswith("missing: hetero.json")
+    assert summary["calibration"] is None

@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if cuda:
         result["gpu"] = measure_gpu()
+        torch.cuda.empty_cache()  # the ranks get the GPU's memory back
     for c in args.cpu_ranks:
         cfg = {
             "cuda": cuda,
