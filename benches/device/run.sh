@@ -63,7 +63,7 @@ fi
 
 step env 30 "$PY" benches/device/environment.py --json "$OUT/environment.json"
 step kernels 40 "$PY" benches/device/kernels.py --json "$OUT/kernels.json"
-step pytest 140 "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="" \
+step pytest 140 "$PY" -m pytest -m cuda -v -p no:cacheprovider -o addopts="" \
     --junitxml "$OUT/pytest-cuda.xml" tests/test_cuda.py
 CPU_RANKS=8
 [ ${#QUICK[@]} -gt 0 ] && CPU_RANKS=2
