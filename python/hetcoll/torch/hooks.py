@@ -11,8 +11,8 @@ last batch or a share change between steps needs nothing more: :func:`register_w
 counts each step's samples off the DDP model's forward (:class:`hetcoll.torch.BatchCounter`);
 a state built by hand takes ``state.local_batch = len(batch)`` instead.
 
-Small CPU buckets take a shorter road (``algorithm="direct"``, the default choice for them): every
-rank sends its raw bucket and its ``n_r`` to every other rank in one round of point-to-point
+Small buckets on gloo take a shorter road (``algorithm="direct"``, the default choice for them):
+every rank sends its raw bucket and its ``n_r`` to every other rank in one round of point-to-point
 messages, and each rank forms ``sum_r (n_r / N) * g_r`` in rank order with one Rust pass, the
 weights fused into the reduction. It is one message latency instead of the several rounds of a
 ring allreduce plus the count's allreduce; every rank computes bitwise the same sum. It is the
@@ -20,6 +20,9 @@ exchange of ``hetcoll.allreduce(..., algorithm="direct")``. "auto" takes it on t
 :data:`TWO_RANK_DIRECT_BELOW_BYTES` and on more while ``(p - 1)`` buckets are a few MiB (where
 :func:`hetcoll.allreduce` would, :data:`hetcoll.collectives.DIRECT_BYTES`). A worker thread runs
 it, so the hook returns at once and DDP keeps overlapping communication with the backward.
+A CUDA rank's buckets on gloo take the same road as the CPU ranks' (staged through host
+memory), so one GPU rank trains beside CPU ranks in one DDP group; on NCCL every bucket takes
+the allreduce, each rank's weight fused into NCCL's reduction (``PREMUL_SUM``).
 
 Usage::
 
@@ -82,9 +85,9 @@ class WeightedAllreduceState:
     everywhere in hetcoll once torch.distributed is initialised, which DDP needs);
     ``process_group=`` is its deprecated name.
 
-    ``algorithm``: "direct" (one round of point-to-point messages, CPU buckets), "allreduce"
-    (pre-scale and the process group's allreduce) or "auto" (direct for small CPU buckets or two
-    ranks; see the module docstring).
+    ``algorithm``: "direct" (one round of point-to-point messages; not on NCCL), "allreduce"
+    (pre-scale and the process group's allreduce) or "auto" (direct for small buckets or two
+    ranks, not on NCCL; see the module docstring).
 
     ``ready_at``: ``time.perf_counter()`` when the latest step's last gradient bucket was
     ready, before any waiting for the other ranks. With the time the step started it gives this
@@ -204,7 +207,11 @@ def weighted_allreduce_hook(
     local_batch = state._begin_step()
     if last:
         state._in_step = False  # the next call starts the next step
-    if state.algorithm != "allreduce" and buf.device.type == "cpu" and buf.dtype in _KERNEL:
+    # The choice reads only what every rank has alike (sizes, the rank count, the engine), not
+    # the bucket's device: a CUDA rank beside CPU ranks on gloo takes the direct exchange too,
+    # its bucket staged through host memory (on NCCL every bucket is on a GPU: the allreduce).
+    host_wire = buf.device.type == "cpu" or _backend(state.process_group) != "nccl"
+    if state.algorithm != "allreduce" and host_wire and buf.dtype in _KERNEL:
         if state._direct_exchange is None:
             state._direct_exchange = _DirectExchange(state.process_group)
         direct = state._direct_exchange
@@ -294,7 +301,10 @@ class _DirectExchange:
             fut.set_exception(e)
 
     def _exchange(self, buf: torch.Tensor, n: int, index: int) -> torch.Tensor:
-        view, bf16 = numpy_view(buf, "bucket")
+        # A device bucket (a CUDA rank on gloo) goes through host memory, as hetcoll's
+        # collectives stage it (hetcoll.collectives.device.stage_on_host).
+        host = buf if buf.device.type == "cpu" else buf.cpu()
+        view, bf16 = numpy_view(host, "bucket")
         try:
             tag = _TAG_BASE + 2 * index
             direct_allreduce(
@@ -302,4 +312,6 @@ class _DirectExchange:
             )
         except ValueError as e:
             raise ValueError("local_batch: every rank reported 0 samples for this step") from e
+        if host is not buf:
+            buf.copy_(host)
         return buf

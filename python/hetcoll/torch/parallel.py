@@ -338,9 +338,9 @@ class Parallel(PlanCheckpoints, nn.Module):
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         loss_sum = 0.0
 
-        def send(t: torch.Tensor, to: list[int], tag: int, kind: str) -> None:
+        def send(t: torch.Tensor, to: list[int], tag: int, kind: str, dtype: Any = None) -> None:
             checked()
-            t = t.detach().to(wire).contiguous()
+            t = t.detach().to(wire, dtype=dtype).contiguous()
             for r in to:
                 sends.append(tr.isend(t, r, tag))
                 self._traffic[kind] += t.numel() * t.element_size()
@@ -387,7 +387,10 @@ class Parallel(PlanCheckpoints, nn.Module):
                         saved[k] = (x_in, loss)
                     else:
                         if lead:
-                            send(y, readers, _TAG_ACTIVATION, "activations")
+                            # On the wire in the boundary's own dtype (the receiver's
+                            # buffer), whatever autocast computed it in.
+                            out_dtype = self._boundaries(inputs, sizes[k])[stage.layers[1] - 1][1]
+                            send(y, readers, _TAG_ACTIVATION, "activations", out_dtype)
                         saved[k] = (x_in, y)
                 else:
                     set_kind("gradients")
@@ -397,7 +400,8 @@ class Parallel(PlanCheckpoints, nn.Module):
                             y.backward()
                     else:
                         checked()
-                        grad = self._recv_sum(y, grad_sources, _TAG_GRADIENT)
+                        out_dtype = self._boundaries(inputs, sizes[k])[stage.layers[1] - 1][1]
+                        grad = self._recv_sum(y, grad_sources, _TAG_GRADIENT, out_dtype)
                         if y.requires_grad:
                             torch.autograd.backward(y, grad)
                     if x_in is not None and lead:
@@ -621,11 +625,16 @@ class Parallel(PlanCheckpoints, nn.Module):
         ranks = self.plan.replicas[replica].stages[stage].ranks
         return [ranks[0]] if (replica, stage) in self._blocks else list(ranks)
 
-    def _recv_sum(self, like: torch.Tensor, sources: list[int], tag: int) -> torch.Tensor:
+    def _recv_sum(
+        self, like: torch.Tensor, sources: list[int], tag: int, dtype: Any = None
+    ) -> torch.Tensor:
         """A tensor shaped as ``like`` received from each of ``sources`` and summed in their
-        (increasing) order."""
-        total = torch.zeros_like(like)
-        buf = torch.empty(like.shape, dtype=like.dtype, device=self._wire_device())
+        (increasing) order, in ``dtype`` (default ``like``'s: under autocast a boundary's
+        gradient travels in the boundary's own dtype, not the 16-bit one ``like`` was computed
+        in; autograd casts it back)."""
+        dtype = like.dtype if dtype is None else dtype
+        total = torch.zeros(like.shape, dtype=dtype, device=like.device)
+        buf = torch.empty(like.shape, dtype=dtype, device=self._wire_device())
         for r in sources:
             self._tr.recv(buf, r, tag)
             total += buf.to(self._device)
