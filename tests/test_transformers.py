@@ -23,6 +23,7 @@ EXPECTED = {
     "vit_hybrid": True,
     "rows_wrong": True,
     "resumes": True,
+    "autocast": True,
     "errors": 7,
 }
 

@@ -348,6 +348,25 @@ def resumes_on_another_plan(group: Any) -> bool:
     return all(rel(got[k], v) <= TOL for k, v in one.state_dict().items() if v.is_floating_point())
 
 
+def under_autocast(group: Any) -> bool:
+    """GPT-2 in float32 through a 4-stage pipeline under CPU bf16 autocast: what crosses the
+    cuts travels in the probe's float32 (autocast computed it in bf16), gradients the same way
+    back; the loss within bf16's rounding of one process under autocast."""
+    torch.manual_seed(0)
+    model = gpt2()
+    ((x, y),) = batches(7, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = float(lm_loss(copy.deepcopy(model)(**x), y))
+        par = parallelize(model, pipeline_4(9), loss_fn=lm_loss, items=valid_tokens, group=group)
+        got = par.step(x, y)
+    grads = [p.grad for p in par.parameters() if p.grad is not None]
+    return (
+        abs(got - want) <= 2e-2 * abs(want)
+        and bool(grads)
+        and all(bool(torch.isfinite(g).all()) for g in grads)
+    )
+
+
 def run_all(group: Any) -> dict[str, Any]:
     assert wrap(group).size == 4
     out: dict[str, Any] = {}
@@ -369,6 +388,7 @@ def run_all(group: Any) -> dict[str, Any]:
     out["vit_hybrid"] = True
     out["rows_wrong"] = rows_are_the_wrong_weight(group)
     out["resumes"] = resumes_on_another_plan(group)
+    out["autocast"] = under_autocast(group)
     out["errors"] = bad_input(group)
     return out
 

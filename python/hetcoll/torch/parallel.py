@@ -558,9 +558,12 @@ class Parallel(PlanCheckpoints, nn.Module):
                         loss_sum += float(loss.detach())
                         saved[k] = (received, loss, roles)
                     else:
-                        if lead:
+                        if lead:  # in the probe's dtypes, whatever autocast computed them in
                             for b, readers in roles.sends.items():
-                                for t in tensors(captured[b]):
+                                for leaf, t in zip(
+                                    flow.tensors(b), tensors(captured[b]), strict=True
+                                ):
+                                    t = t.to(leaf.dtype)
                                     for s in readers:
                                         send(
                                             t,
@@ -582,13 +585,13 @@ class Parallel(PlanCheckpoints, nn.Module):
                             for leaf, t in zip(flow.tensors(b), tensors(y[b]), strict=True):
                                 if not leaf.requires_grad:
                                     continue
-                                total = self._recv_sum(
-                                    t, [replica.stages[s].ranks[0] for s in readers], _TAG_GRADIENT
-                                )
+                                sources = [replica.stages[s].ranks[0] for s in readers]
+                                total = self._recv_sum(t, sources, _TAG_GRADIENT, leaf.dtype)
                                 if t.requires_grad:
                                     outs.append(t)
                                     grads.append(total)
                         if outs:
+                            grads = [g.to(t.dtype) for t, g in zip(outs, grads, strict=True)]
                             torch.autograd.backward(outs, grads)
                     if lead:
                         for b, got in received.items():
