@@ -23,7 +23,6 @@ from hetcoll.torch.batches import COUNTED, NEGATIVE, NOT_A_NUMBER, NOT_INTEGER, 
 
 from lm_common import (
     MODELS,
-    SHARES,
     global_batches,
     items,
     lm_loss,
@@ -186,7 +185,7 @@ def test_bad_items_raise_on_every_rank():
 def test_bad_arguments_name_items():
     with pytest.raises(TypeError, match="items: must be a function"):
         WeightedAllreduceState(None, items=3)
-    with pytest.raises(TypeError, match="items: give items= .* not both"):
+    with pytest.raises(TypeError, match=r"items: give items= .* not both"):
         WeightedAllreduceState(None, 4, items=items)
     state = WeightedAllreduceState(None, 4)
     with pytest.raises(TypeError, match="items: count\\(y\\) needs a state built with items="):

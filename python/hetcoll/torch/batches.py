@@ -21,6 +21,7 @@ same error on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from collections.abc import Callable, Iterator
@@ -179,10 +180,8 @@ def count_items(items: Items, y: Any) -> LocalCount:
             return LocalCount(COUNTED, n)
     f = None
     if isinstance(value, (numbers.Real, np.generic, torch.Tensor)) and not isinstance(value, bool):
-        try:
+        with contextlib.suppress(TypeError, ValueError, RuntimeError):  # several elements
             f = float(value)
-        except (TypeError, ValueError, RuntimeError):  # a tensor of several elements
-            pass
     if f is None:  # a str, a bool, a list...
         return LocalCount(NOT_A_NUMBER, 0, TypeError(what))
     bits = int(np.array(f, np.float64).view(np.int64))

@@ -220,10 +220,7 @@ class WeightedAllreduceState:
                     "items: no count for this step; call state.count(y) with the step's targets "
                     "on every rank before the backward"
                 )
-            weight = self._weight
-            if not self._in_step:
-                self._in_step = True
-            return weight, True
+            return self._weight, True
         if not self._in_step:
             if self.counter is not None:
                 self._local_batch = self.counter.take()
