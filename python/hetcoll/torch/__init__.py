@@ -1,7 +1,7 @@
-"""PyTorch integration: balanced data parallelism (speed probe, sampler, exact sample-weighted
-gradient averaging for DDP and for MPI, rebalancing) and filter (model) parallelism with uneven,
-speed-proportional channel splits. Emulated heterogeneity, for trying these on one machine, is
-lab code: :mod:`hetcoll.lab.emulate`."""
+"""PyTorch integration: balanced data parallelism (speed probe, sampler, exact sample- or
+token-weighted gradient averaging for DDP and for MPI, rebalancing) and filter (model)
+parallelism with uneven, speed-proportional channel splits. Emulated heterogeneity, for trying
+these on one machine, is lab code: :mod:`hetcoll.lab.emulate`."""
 
 from hetcoll.torch.batches import BatchCounter, item_weights
 from hetcoll.torch.filters import (

@@ -138,9 +138,9 @@ class DistributedOptimizer:
     def _local_count(self) -> tuple[LocalCount, str]:
         """This step's count as exchanged, and the argument its errors name."""
         if self.items is not None:
-            mine = self._pending or not_counted(
-                "items", "no count for this step; call opt.count(y) with the step's targets"
-            )
+            mine = self._pending
+            if mine is None:
+                mine = not_counted("items", "no count for this step; call opt.count(y) first")
             self._pending = None
             return mine, "items"
         if self.counter is not None:
@@ -159,7 +159,8 @@ class DistributedOptimizer:
         return [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
 
     def synchronize(self) -> None:
-        """Replace every gradient by the sample-weighted mean over all ranks (collective)."""
+        """Replace every gradient by the mean over all ranks weighted by their counts, samples
+        or items (collective; :func:`hetcoll.torch.item_weights`)."""
         params = self._params()
         try:
             for i, p in enumerate(params):
