@@ -21,11 +21,20 @@ def items(y: torch.Tensor) -> int:
 
 
 def lm_loss(out: object, y: torch.Tensor) -> torch.Tensor:
-    """The mean cross-entropy over the valid labels (Hugging Face's causal LM loss; ``y`` is
-    already aligned with the logits: ``y[:, t]`` is the token after position ``t``)."""
-    logits = out.logits if hasattr(out, "logits") else out  # a ModelOutput, or logits
-    assert isinstance(logits, torch.Tensor)
-    return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+    """The mean cross-entropy over the valid labels (``y`` is already aligned with the logits:
+    ``y[:, t]`` is the token after position ``t``), written two ways: for GPT-2's output (a
+    ``ModelOutput``) as Hugging Face computes it, torch's mean with ``ignore_index``; for plain
+    logits (the encoder LM) every position's loss masked by hand,
+    ``sum(loss * mask) / mask.sum()``, as Megatron does, whose gradient is NaN on a rank
+    without any valid label (what a rank weighing 0 must not send)."""
+    if hasattr(out, "logits"):
+        return nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+    assert isinstance(out, torch.Tensor)
+    mask = y.flatten() != -100  # every position's loss, the padding's masked out
+    per_token = nn.functional.cross_entropy(
+        out.flatten(0, 1), y.flatten().clamp(min=0), reduction="none"
+    )
+    return (per_token * mask).sum() / mask.sum()
 
 
 def gpt2() -> nn.Module:
