@@ -193,3 +193,25 @@ def test_bad_arguments_name_items():
     state = WeightedAllreduceState(None, items=items)
     with pytest.raises(TypeError, match="local_batch: this state counts items"):
         state.local_batch = 3
+
+
+def _no_samples(rank, world):
+    out = {}
+    for algorithm in ("direct", "allreduce"):
+        ddp = DDP(nn.Linear(3, 2).double())
+        state = WeightedAllreduceState(None, 0, algorithm=algorithm)
+        ddp.register_comm_hook(state, weighted_allreduce_hook)
+        try:
+            ddp(torch.zeros(2, 3, dtype=torch.float64)).sum().backward()
+            out[algorithm] = "no error"
+        except RuntimeError as e:  # DDP reports a hook's error as a RuntimeError around it
+            out[algorithm] = str(e)
+    return out
+
+
+def test_rows_weighting_goes_through_the_same_rule():
+    """Samples counted by hetcoll (local_batch, the forward's counter) are weighed by the same
+    rule: zero samples on every rank is the rule's error, by either exchange."""
+    for per_rank in spawn(_no_samples, 2, timeout=60):
+        for algorithm, message in per_rank.items():
+            assert "local_batch: every rank counted 0 samples for this step" in message, algorithm

@@ -3,7 +3,7 @@ token-weighted gradient averaging for DDP and for MPI, rebalancing) and filter (
 parallelism with uneven, speed-proportional channel splits. Emulated heterogeneity, for trying
 these on one machine, is lab code: :mod:`hetcoll.lab.emulate`."""
 
-from hetcoll.torch.batches import BatchCounter, item_weights
+from hetcoll.torch.batches import BatchCounter, item_total, item_weights
 from hetcoll.torch.filters import (
     FilterParallelBatchNorm1d,
     FilterParallelBatchNorm2d,
@@ -45,6 +45,7 @@ __all__ = [
     "gather_optimizer_state_dict",
     "gather_speeds",
     "gather_state_dict",
+    "item_total",
     "item_weights",
     "load_full_optimizer_state_dict",
     "load_full_state_dict",

@@ -22,7 +22,6 @@ same error on every rank.
 from __future__ import annotations
 
 import contextlib
-import math
 import numbers
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -214,6 +213,32 @@ def _problem(argument: str, rank: int, status: int, value: int) -> BaseException
     )
 
 
+def counted_rows(counts: Any) -> np.ndarray:
+    """Every rank's valid count (rows counted by hetcoll, exchanged as numbers) as
+    :func:`item_weights` reads them."""
+    n = np.asarray(counts, np.float64).reshape(-1)
+    return np.stack([np.full(n.shape, COUNTED, np.int64), n.astype(np.int64)], axis=1)
+
+
+def item_total(
+    counts: np.ndarray, argument: str = "items", failure: BaseException | None = None
+) -> int:
+    """``N = sum_r n_r``, the denominator of :func:`item_weights` (which see), checked alike:
+    for a sum formed after the ranks' scaled gradients were reduced."""
+    counts = np.asarray(counts, np.int64).reshape(-1, 2)
+    for rank, (status, value) in enumerate(counts.tolist()):
+        if status != COUNTED:
+            raise _problem(argument, rank, status, value) from failure
+    total = int(counts[:, 1].sum())
+    if total <= 0:
+        unit = "items" if argument == "items" else "samples"
+        raise ValueError(
+            f"{argument}: every rank counted 0 {unit} for this step; the global batch has "
+            "nothing to average over"
+        )
+    return total
+
+
 def item_weights(
     counts: np.ndarray, argument: str = "items", failure: BaseException | None = None
 ) -> np.ndarray:
@@ -228,16 +253,5 @@ def item_weights(
     ``argument`` for a bad count (the first such rank) or a global total of 0, ``RuntimeError``
     for a rank that counted nothing. ``failure``: this rank's own error, chained.
     """
-    counts = np.asarray(counts, np.int64).reshape(-1, 2)
-    for rank, (status, value) in enumerate(counts.tolist()):
-        if status != COUNTED:
-            raise _problem(argument, rank, status, value) from failure
-    n = counts[:, 1].astype(np.float64)
-    total = float(n.sum())  # exact: every count < 2**53, and so is their sum in practice
-    if not (total > 0 and math.isfinite(total)):
-        unit = "items" if argument == "items" else "samples"
-        raise ValueError(
-            f"{argument}: every rank counted 0 {unit} for this step; the global batch has "
-            "nothing to average over"
-        )
-    return n / total
+    total = item_total(counts, argument, failure)
+    return np.asarray(counts, np.int64).reshape(-1, 2)[:, 1].astype(np.float64) / float(total)

@@ -5,8 +5,9 @@ only when every rank has the same batch size. With local batches ``n_r`` and eac
 mean over its own batch (PyTorch's default), the full-batch gradient is
 ``sum_r n_r * g_r / sum_r n_r``. This hook computes exactly that: each bucket is pre-scaled by
 ``n_r`` (one fused pass; the Rust kernel for CPU tensors, torch for device tensors), summed with
-the process group's allreduce, and divided by ``N = sum_r n_r``. ``N`` is itself summed across
-ranks once per step, by a one-element allreduce issued with the step's first bucket, so a ragged
+the process group's allreduce, and divided by ``N = sum_r n_r`` (:func:`hetcoll.torch.item_total`,
+the rule's denominator). The ``n_r`` are gathered once per step, by a one-element allgather
+issued with the step's first bucket, so a ragged
 last batch or a share change between steps needs nothing more: :func:`register_weighted_hook`
 counts each step's samples off the DDP model's forward (:class:`hetcoll.torch.BatchCounter`);
 a state built by hand takes ``state.local_batch = len(batch)`` instead.
@@ -15,7 +16,7 @@ Small CPU buckets take a shorter road (``algorithm="direct"``, the default choic
 rank sends its raw bucket and its ``n_r`` to every other rank in one round of point-to-point
 messages, and each rank forms ``sum_r (n_r / N) * g_r`` in rank order with one Rust pass, the
 weights fused into the reduction. It is one message latency instead of the several rounds of a
-ring allreduce plus the count's allreduce; every rank computes bitwise the same sum. It is the
+ring allreduce plus the count's allgather; every rank computes bitwise the same sum. It is the
 exchange of ``hetcoll.allreduce(..., algorithm="direct")``. "auto" takes it on two ranks below
 :data:`TWO_RANK_DIRECT_BELOW_BYTES` and on more while ``(p - 1)`` buckets are a few MiB (where
 :func:`hetcoll.allreduce` would, :data:`hetcoll.collectives.DIRECT_BYTES`). A worker thread runs
@@ -58,6 +59,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -69,6 +71,8 @@ from hetcoll.torch.batches import (
     BatchCounter,
     Items,
     count_items,
+    counted_rows,
+    item_total,
     item_weights,
     items_argument,
     local_batch_value,
@@ -77,7 +81,7 @@ from hetcoll.torch.batches import (
 ALGORITHMS = ("auto", "direct", "allreduce")
 #: "auto" sends a bucket on two ranks through the direct exchange below this size, per
 #: backend. One round carries the bucket and the sample count, where the allreduce path adds the
-#: count's allreduce; and a step's buckets come one at a time as the backward frees them, the
+#: count's allgather; and a step's buckets come one at a time as the backward frees them, the
 #: way single calls are timed (there, on two gloo ranks, the direct exchange took 0.3-1.1x the
 #: time of dist.all_reduce up to 256 KiB; from 1 MiB its send/recv pairs were hit harder by the
 #: host's late wake-ups, 1.49x and 1.50x at 1 and 4 MiB). The data-parallel benchmark runs with
@@ -235,13 +239,18 @@ class WeightedAllreduceState:
         self._weight = None
 
     def _global_batch(self, local_batch: float) -> torch.futures.Future:
-        """Future of ``N = sum_r n_r`` for the current step; launched once per step."""
+        """Future of every rank's ``n_r`` for the current step (their sum is ``N``, see
+        :func:`hetcoll.torch.item_total`); launched once per step."""
         if self._step_total is None:
-            count = torch.tensor([local_batch], dtype=torch.float64)
+            count = torch.tensor([int(local_batch)], dtype=torch.int64)
             if _backend(self.process_group) == "nccl":
                 count = count.cuda()
-            work = dist.all_reduce(count, group=self.process_group, async_op=True)
-            self._step_total = work.get_future()
+            counts = count.new_empty(dist.get_world_size(self.process_group))
+            work = dist.all_gather_into_tensor(
+                counts, count, group=self.process_group, async_op=True
+            )
+            assert work is not None  # async_op=True
+            self._step_total = work.get_future().then(lambda _: counts)
         return self._step_total
 
 
@@ -310,10 +319,8 @@ def weighted_allreduce_hook(
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         reduced = fut.value()[0]
-        total = float(total_fut.wait()[0].item())
-        if total <= 0:
-            raise ValueError("local_batch: every rank reported 0 samples for this step")
-        reduced.div_(total)
+        counts = total_fut.wait().cpu().numpy()
+        reduced.div_(float(item_total(counted_rows(counts), "local_batch")))
         return reduced
 
     return work.get_future().then(finish)
@@ -356,11 +363,12 @@ def register_weighted_hook(
 
 
 class _DirectExchange:
-    """The direct weighted exchange of :mod:`hetcoll.collectives` (``algorithm="direct"``,
-    weights normalized) per bucket, with each bucket's own message tags. gloo's send/recv works
-    have no futures, so a worker thread runs the exchanges and completes the hook's futures, and
-    the backward goes on meanwhile; the last bucket of a step, which the backward only waits for,
-    is exchanged right in the hook (no hand-over to the thread and back), beside the thread's."""
+    """The direct weighted exchange of :mod:`hetcoll.collectives` (``algorithm="direct"``;
+    sample counts weighed by the rule, or weights given) per bucket, with each bucket's own
+    message tags. gloo's send/recv works have no futures, so a worker thread runs the
+    exchanges and completes the hook's futures, and the backward goes on meanwhile; the last
+    bucket of a step, which the backward only waits for, is exchanged right in the hook (no
+    hand-over to the thread and back), beside the thread's."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.comm = wrap(group)
@@ -393,11 +401,12 @@ class _DirectExchange:
 
     def _exchange(self, buf: torch.Tensor, w: float, normalize: bool, index: int) -> torch.Tensor:
         view, bf16 = numpy_view(buf, "bucket")
-        try:
-            tag = _TAG_BASE + 2 * index
-            direct_allreduce(
-                self.comm, view.reshape(-1), bf16, w, None, normalize=normalize, tag=tag
-            )
-        except ValueError as e:
-            raise ValueError("local_batch: every rank reported 0 samples for this step") from e
+        tag = _TAG_BASE + 2 * index
+        weigh = _weigh_samples if normalize else None
+        direct_allreduce(self.comm, view.reshape(-1), bf16, w, None, weigh=weigh, tag=tag)
         return buf
+
+
+def _weigh_samples(sent: np.ndarray) -> np.ndarray:
+    """The ranks' sample counts, as the direct exchange carried them, weighed by the rule."""
+    return item_weights(counted_rows(sent), "local_batch")
