@@ -356,3 +356,21 @@ def test_items_train_a_padded_lm_as_one_process(name, world, weigh):
 def test_items_must_be_a_function():
     with pytest.raises(TypeError, match="items: must be a function"):
         BalancedStrategy(items=5)
+
+
+def test_a_bad_item_count_raises_naming_items():
+    """Raised on every rank at the step's start (no rank waits in the backward); Lightning's
+    launcher re-raises it here."""
+    trainer = Trainer(
+        strategy=BalancedStrategy(shares=[3, 5], items=lambda batch: -1, start_method=START),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    with pytest.raises(Exception, match="ValueError: items: rank 0 counted -1 for this step"):
+        trainer.fit(PaddedLM("encoder", 2))
