@@ -33,12 +33,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from hetcoll.comm import agree, start_agreement, wrap
 from hetcoll.plan import Plan, Stage
+from hetcoll.torch.batches import count_items, counted, item_weights, items_argument
 from hetcoll.torch.filters import (
     filter_parallel,
     filter_shares,
@@ -431,30 +433,31 @@ class Parallel(PlanCheckpoints, nn.Module):
         return t.to(self._device) if isinstance(t, torch.Tensor) else t
 
     def _microbatch_weights(self, targets: Any) -> list[list[float]]:
-        """Each replica's micro-batches' shares of the batch's items: ``items(targets)`` of the
-        micro-batch over that of the batch (rows when ``items`` is None). The same on every
-        rank (every rank holds the batch)."""
-        count = self._items
-        if count is None:
-            return [
-                [n / self.plan.batch for n in self.plan.microbatch_sizes(i)]
-                for i in range(len(self.plan.replicas))
-            ]
-        total = _count_items(count, targets, "the batch")
-        if total == 0:
-            raise ValueError(
-                "items: the batch has no items (items(targets) is 0); nothing to average"
-            )
+        """Each replica's micro-batches' shares of the batch's items, by hetcoll's one weight
+        rule (:func:`hetcoll.torch.batches.item_weights`): ``items(targets)`` of the
+        micro-batch over the batch's (rows when ``items`` is None). The same on every rank
+        (every rank holds the batch), so a bad count raises on every rank."""
+        sizes = [self.plan.microbatch_sizes(i) for i in range(len(self.plan.replicas))]
+        if self._items is None:
+            counts = [counted(n) for row in sizes for n in row]
+        else:
+            counts, at = [], 0
+            for row in sizes:
+                for n in row:
+                    c = count_items(self._items, _rows(targets, slice(at, at + n)))
+                    if c.failure is not None:
+                        raise ValueError(
+                            f"items: for rows {at}:{at + n} of the batch: {c.failure}"
+                        ) from c.failure
+                    counts.append(c)
+                    at += n
+            if sum(c.value for c in counts) == 0:
+                raise ValueError("items: the batch has no items (items(targets) is 0)")
+        flat = item_weights(np.array([c.exchanged for c in counts], np.int64)).tolist()
         out, at = [], 0
-        for i in range(len(self.plan.replicas)):
-            row = []
-            for n in self.plan.microbatch_sizes(i):
-                row.append(
-                    _count_items(count, _rows(targets, slice(at, at + n)), f"rows {at}:{at + n}")
-                    / total
-                )
-                at += n
-            out.append(row)
+        for row in sizes:
+            out.append(flat[at : at + len(row)])
+            at += len(row)
         return out
 
     def _flow(self, inputs: Any) -> Flow:
@@ -784,18 +787,6 @@ def _signature(value: Any, skip: int) -> Any:
     )
 
 
-def _count_items(count: Callable[[Any], int], targets: Any, where: str) -> int:
-    n = count(targets)
-    if isinstance(n, torch.Tensor) and n.numel() == 1 and not n.is_floating_point():
-        n = int(n.item())
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(
-            f"items: must return a non-negative integer (what loss_fn averages over), got "
-            f"{n!r} for {where}"
-        )
-    return n
-
-
 def parallelize(
     model: nn.Module,
     plan: Plan | Mapping[str, Any],
@@ -837,8 +828,7 @@ def parallelize(
         raise TypeError(f"plan: must be a hetcoll.Plan or its dict, got {type(plan).__name__}")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn: must be callable, got {type(loss_fn).__name__}")
-    if items is not None and not callable(items):
-        raise TypeError(f"items: must be callable or None, got {type(items).__name__}")
+    items = items_argument(items)
     tr = transport(group)
     # Ranks that disagree on the plan or the model raise here, all of them, before any transfer.
     plan_print = zlib.crc32(repr(plan.to_dict()).encode())
