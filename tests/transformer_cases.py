@@ -277,7 +277,7 @@ def bad_input(group: Any) -> int:
     raises(ValueError, "items: the batch has no items", lambda: par.step(inputs, empty))
     par = parallelize(model, plan, loss_fn=lm_loss, items=lambda y: 0.5, group=group)
     raises(
-        ValueError, "items: must return a non-negative integer", lambda: par.step(inputs, labels)
+        ValueError, "it must return an integer >= 0", lambda: par.step(inputs, labels)
     )
     return checked
 
