@@ -276,9 +276,7 @@ def bad_input(group: Any) -> int:
     empty = torch.full_like(labels, -100)
     raises(ValueError, "items: the batch has no items", lambda: par.step(inputs, empty))
     par = parallelize(model, plan, loss_fn=lm_loss, items=lambda y: 0.5, group=group)
-    raises(
-        ValueError, "it must return an integer >= 0", lambda: par.step(inputs, labels)
-    )
+    raises(ValueError, "it must return an integer >= 0", lambda: par.step(inputs, labels))
     return checked
 
 
