@@ -569,7 +569,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for _ in range(args.launches):
         ranks = launch.spawn(_rank, len(SPEEDS), runs, args.steps, args.warmup, timeout=1800)
         launches.append(ranks[0]["times"])
-        losses.append(ranks[-1]["first_loss"])  # the last rank runs every last stage
+        # A torch pipeline's loss is on its last stage's rank; hetcoll's on every rank.
+        losses.append({k: v for r in ranks for k, v in r["first_loss"].items()})
     rows = {name: c | _figures(launches, name) for name, c in runs.items()}
 
     same = []
@@ -616,7 +617,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "name": name,
                 "runner": r["runner"],
                 "pipeline": r.get("pipeline"),
-                "plan": r.get("plan"),
+                # torch's stages written as the hetcoll.Plan of the same stages.
+                "plan": r.get("plan") or pipeline_plan(r["pipeline"], "1F1B"),
                 "predicted_units_s": r.get("predicted_units_s"),
                 "planner_chose": r.get("planner_chose", False),
                 "measured_s": r["measured_s"],
