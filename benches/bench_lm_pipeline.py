@@ -66,6 +66,8 @@ steps' interquartile range.
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
 import random
 import statistics
@@ -103,10 +105,16 @@ def _batch() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     return train_lm.batches(train_lm.corpus(), BATCH, 1, DATA_SEED)[0]
 
 
-def _model() -> Any:
-    """The example's Llama (a ``LlamaForCausalLM``), the same weights on every call."""
+@functools.cache
+def _built() -> Any:
     torch.manual_seed(0)
     return train_lm.make_model("llama")
+
+
+def _model() -> Any:
+    """The example's Llama (a ``LlamaForCausalLM``), a fresh copy of the same weights on every
+    call (built once per process: a rank builds a dozen)."""
+    return copy.deepcopy(_built())
 
 
 def _layer_count() -> int:
@@ -291,6 +299,7 @@ def _rank(
     ``{"runner": "torch", "pipeline": ..., "schedule": ...}``, with ``"comparison"`` and the
     ranks' ``"speeds"``) taking turns step by step; the times of the slowest rank, and the
     first step's loss where this rank has it (the last stage's rank, for torch)."""
+    t_build = time.perf_counter()
     torch.set_num_threads(1)
     # The first stage's embedding reads token ids, which need no gradient: its backward is not
     # timed (hetcoll.lab.emulate.SlowDown), on both sides alike.
@@ -306,6 +315,7 @@ def _rank(
             runs[name], handles[name] = _torch_step(
                 c["pipeline"], c["schedule"], rank, speed, first_loss, name
             )
+    build_s = time.perf_counter() - t_build
     times: dict[str, list[float]] = {name: [] for name in runs}
     groups: dict[str, list[str]] = {}
     for name, c in configs.items():
@@ -325,7 +335,7 @@ def _rank(
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 if i >= warmup:
                     times[name].append(float(t))
-    return {"times": times, "first_loss": first_loss}
+    return {"times": times, "first_loss": first_loss, "build_s": build_s}
 
 
 def _check_slowed(handles: dict[str, Any], rank: int) -> None:
@@ -564,11 +574,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     costs = unit_seconds()
     planner, strategy = (None, "left out") if args.no_planner else planner_plan()
     runs = configs(costs, planner)
+    setup_s = time.perf_counter() - t_start
     launches: list[dict[str, list[float]]] = []
     losses: list[dict[str, float]] = []
+    build_s = []
     for _ in range(args.launches):
         ranks = launch.spawn(_rank, len(SPEEDS), runs, args.steps, args.warmup, timeout=1800)
         launches.append(ranks[0]["times"])
+        build_s.append(max(r["build_s"] for r in ranks))
         # A torch pipeline's loss is on its last stage's rank; hetcoll's on every rank.
         losses.append({k: v for r in ranks for k, v in r["first_loss"].items()})
     rows = {name: c | _figures(launches, name) for name, c in runs.items()}
@@ -648,6 +661,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "planner_strategy": strategy,
         },
         "step_s": launches,
+        "setup_s": setup_s,
+        "build_s_per_launch": build_s,
         "wall_s": time.perf_counter() - t_start,
     }
     print(
@@ -669,7 +684,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"  best torch ({best['torch']}) / best hetcoll ({best['hetcoll']}): "
         f"{out['heterogeneous']['vs_best_torch']:.2f}x; planner: {strategy}; "
-        f"{out['wall_s']:.0f} s in all"
+        f"{out['wall_s']:.0f} s in all (costs and planner {setup_s:.0f} s, building the "
+        f"configurations {sum(build_s):.0f} s)"
     )
     if args.json:
         with open(args.json, "w") as fh:
