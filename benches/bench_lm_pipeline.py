@@ -17,16 +17,20 @@ A step is forward, backward and an AdamW step. Two comparisons:
    ``ScheduleGPipe``). ``throughput`` = torch's step / hetcoll's: hetcoll's throughput as a
    fraction of torch's (target: >= 0.9).
 2. **The best heterogeneous plan against the best plan torch can express**, at emulated speeds
-   1 : 0.5 : 0.25. torch's candidates (one rank per stage, equal micro-batches, 1F1B): the even
-   cut, and the cut by speed (:func:`hetcoll.partition_chain` over each decoder layer's measured
-   forward + backward, the embedding counted with the first layer and norm + head + loss with
-   the last: the min-max cut of the chain, so the best one torch can run with this order of
-   ranks). hetcoll's: the same two pipelines; asymmetric replicas (rank 0 runs the whole model
-   beside a 2-stage pipeline of ranks 1 and 2, the batch split by the replicas' throughputs,
-   uneven micro-batches); data parallel replicas with the batch split by speed; and the
-   planner's best plan (:func:`hetcoll.model.plan` on the emulated cluster: each rank's device
-   measured here, slowed by :func:`hetcoll.lab.emulate.emulated_device`). ``vs_best_torch`` =
-   the best torch candidate's step / the best hetcoll candidate's.
+   1 : 0.5 : 0.25 (rank 0 the fastest). torch's candidates (one rank per stage, equal
+   micro-batches, 1F1B): the even cut, and the cuts by speed over the three ranks and over
+   the two fastest (rank 2 idle): :func:`hetcoll.partition_chain` over the chain embedding,
+   decoder layer x 6, norm + head + loss, each measured forward + backward on a micro-batch
+   (:func:`unit_seconds`) — the min-max cut, so the best one-rank-per-stage pipeline torch
+   can run on those ranks in that order (the chain's model predicts each:
+   ``predicted_units_s``). hetcoll's: the same pipelines cut by speed; asymmetric replicas
+   (rank 0 runs the whole model beside a 2-stage pipeline of ranks 1 and 2, the batch split by
+   the replicas' throughputs, uneven micro-batches); data-parallel replicas with the batch
+   split by speed; and the planner's best plan (:func:`hetcoll.model.plan` on the emulated
+   cluster: this machine's device measured once, slowed to each rank's speed by
+   :func:`hetcoll.lab.emulate.emulated_device`; a plan equal to a candidate above is marked
+   ``planner_chose`` rather than run twice). ``vs_best_torch`` = the best torch candidate's
+   step / the best hetcoll candidate's.
 
 **torch's side is hand-built stages**, not ``pipeline()``: ``pipeline(model, mb_args=(),
 mb_kwargs={"input_ids", "attention_mask"}, split_spec={"model.layers.2":
@@ -40,6 +44,8 @@ same seed as hetcoll's): the first stage embeds the tokens and computes the 4-D 
 (``model.rotary_emb``) as ``LlamaModel.forward`` does; every stage runs its decoder layers and
 passes hidden states, mask, cos and sin on, as the graph split of ``pipeline()`` does
 (the same four tensors cross each of its cuts); the last adds ``norm`` and ``lm_head``.
+hetcoll's stages send only the hidden states: each recomputes the mask and the cos/sin from
+the micro-batch's inputs (:mod:`hetcoll.torch.replay`).
 
 **The loss, the same on both sides.** hetcoll weights each micro-batch by its valid tokens
 (``items=valid_tokens``): the step's gradient is that of the mean over the global batch's valid
