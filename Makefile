@@ -87,12 +87,13 @@ PYBENCH := $(PY) -m pytest -p no:cacheprovider -o python_files='bench_*.py' -q -
 COLLECTIVES_RUN    := benches/bench_collectives.py --ranks 2 4 --max-mib 256 --json $(RAW)/collectives.json
 FILTER_PARALLEL_RUN := benches/bench_filter_parallel.py --json $(RAW)/filter_parallel.json
 PLANS_RUN          := benches/bench_plans.py --launches 3 --json $(RAW)/plans.json
+LM_PIPELINE_RUN    := benches/bench_lm_pipeline.py --launches 3 --json $(RAW)/lm_pipeline.json
 PLACEMENT_RUN      := benches/bench_placement.py --launches 3 --json $(RESULTS)/placement.json \
 	--plot docs/img/placement.png
 
 .PHONY: bench-report bench-kernels bench-split bench-partition bench-partitioners bench-planner \
 	bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate bench-plans \
-	bench-microbatches bench-planspace bench-placement
+	bench-microbatches bench-planspace bench-placement bench-lm-pipeline
 
 $(BENCHED): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet --group bench
@@ -100,7 +101,7 @@ $(BENCHED): $(STAMP) pyproject.toml
 
 bench: bench-kernels bench-split bench-partition bench-partitioners bench-planner \
 		bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate \
-		bench-microbatches bench-plans bench-planspace bench-placement
+		bench-microbatches bench-plans bench-planspace bench-placement bench-lm-pipeline
 	$(MAKE) bench-report
 
 bench-report:
@@ -163,6 +164,12 @@ bench-plans: $(BUILT) $(BENCHED)
 	mkdir -p $(RAW)
 	$(PY) $(PLANS_RUN)
 	$(PY) benches/report.py import plans $(RAW)/plans.json --command "python $(PLANS_RUN)"
+
+bench-lm-pipeline: $(BUILT) $(BENCHED)
+	mkdir -p $(RAW)
+	$(PY) $(LM_PIPELINE_RUN)
+	$(PY) benches/report.py import lm-pipeline $(RAW)/lm_pipeline.json \
+		--command "python $(LM_PIPELINE_RUN)"
 
 # Seed 002's comparison: writes its results file and docs/img/placement.png itself.
 bench-placement: $(BUILT) $(BENCHED)

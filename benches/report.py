@@ -4,9 +4,10 @@ This is lab code: the benchmarks live beside the library and may import it; the 
 imports them. Every benchmark writes ``benches/results/<name>.json`` in the format below (the
 pytest-benchmark suites through ``benches/conftest.py --results-json``, ``compare_partitioners.py``
 through ``--json``); the scripts that keep their own JSON (``bench_collectives.py``,
-``bench_filter_parallel.py``, ``bench_plans.py``, ``hetcoll model validate --json``) are converted
-by the adapters here (``report.py import KIND RAW...``). Then ``report.py`` renders every results
-file into docs/benchmarks.md, the same bytes for the same JSON.
+``bench_filter_parallel.py``, ``bench_plans.py``, ``bench_lm_pipeline.py``, ``hetcoll model
+validate --json``) are converted by the adapters here (``report.py import KIND RAW...``).
+Then ``report.py`` renders every results file into docs/benchmarks.md, the same bytes for the
+same JSON.
 
     python benches/report.py                      # write docs/benchmarks.md
     python benches/report.py --check              # exit 1 if docs/benchmarks.md is stale
@@ -74,6 +75,7 @@ EXPECTED: tuple[tuple[str, str], ...] = (
     ("planspace", "bench-planspace"),
     ("placement", "bench-placement"),
     ("device", "device-check"),
+    ("lm_pipeline", "bench-lm-pipeline"),
 )
 
 Cell = str | int | float | bool | None
@@ -1503,6 +1505,174 @@ def adapt_device(raw: Sequence[Path], command: str) -> dict[str, Any]:
     return result
 
 
+def _launch_ms(values: Sequence[float]) -> str:
+    return ", ".join(f"{v * 1e3:.1f}" for v in values)
+
+
+def _iqr_ms(quartiles: Sequence[Sequence[float]]) -> float:
+    return statistics.median(q3 - q1 for q1, q3 in quartiles) * 1e3
+
+
+def adapt_lm_pipeline(raw: Sequence[Path], command: str) -> dict[str, Any]:
+    """A ``bench_lm_pipeline.py --json`` file (each configuration's launches' medians: the same
+    pipeline under hetcoll and torch.distributed.pipelining, then the heterogeneous
+    candidates of both) as a results file."""
+    if len(raw) != 1:
+        raise ResultError("lm-pipeline: give one bench_lm_pipeline.py --json file")
+    path = raw[0]
+    where = str(path)
+    data = _raw_json(path, "bench_lm_pipeline.py --json")
+    speeds = ":".join(f"{s:g}" for s in _need(data, "speeds", where))
+    ranks = len(_need(data, "speeds", where))
+    batch = _need(data, "batch", where)
+    microbatches = _need(data, "microbatches", where)
+    seq = _need(data, "seq", where)
+    launches = _need(data, "launches", where)
+    steps = _need(data, "steps", where)
+    quick = bool(data.get("quick"))
+    headlines = []
+    same_rows = []
+    for i, row in enumerate(_need(data, "same_pipeline", where)):
+        at = f"{where}: same_pipeline[{i}]"
+        schedule = _need(row, "schedule", at)
+        ratios = _need(row, "throughput_vs_torch_per_launch", at)
+        vs = _need(row, "throughput_vs_torch", at)
+        losses = _need(row, "first_loss", at)
+        h_loss, t_loss = _need(losses, "hetcoll", at), _need(losses, "torch", at)
+        same_rows.append(
+            [
+                schedule,
+                _stages(_need(row, "plan", at), f"{at}.plan")[1],
+                _need(row, "hetcoll_s", at) * 1e3,
+                _need(row, "torch_s", at) * 1e3,
+                _launch_ms(_need(row, "hetcoll_s_per_launch", at)),
+                _launch_ms(_need(row, "torch_s_per_launch", at)),
+                _iqr_ms(_need(row, "hetcoll_quartiles_s_per_launch", at)),
+                _iqr_ms(_need(row, "torch_quartiles_s_per_launch", at)),
+                abs(h_loss - t_loss) / abs(t_loss) if t_loss else None,
+                ", ".join(f"{r:.2f}" for r in ratios),
+                vs,
+            ]
+        )
+        headlines.append(
+            (
+                f"Llama decoder as a {ranks}-stage {schedule} pipeline, same stages: hetcoll's "
+                "throughput / torch.distributed.pipelining's (target >= 0.9x)",
+                f"{vs:.2f}x (runs: {', '.join(f'{r:.2f}' for r in ratios)})",
+            )
+        )
+    het = _need(data, "heterogeneous", where)
+    best_h, best_t = _need(het, "best_hetcoll", where), _need(het, "best_torch", where)
+    cand_rows = []
+    for i, row in enumerate(_need(het, "candidates", f"{where}: heterogeneous")):
+        at = f"{where}: heterogeneous.candidates[{i}]"
+        name = _need(row, "name", at)
+        samples, stages = _stages(_need(row, "plan", at), f"{at}.plan")
+        best = name in (best_h, best_t)
+        cand_rows.append(
+            [
+                name
+                + (" (best)" if best else "")
+                + (" (planner)" if row.get("planner_chose") else ""),
+                samples,
+                stages,
+                _need(row, "measured_s", at) * 1e3,
+                _launch_ms(_need(row, "measured_s_per_launch", at)),
+                _iqr_ms(_need(row, "quartiles_s_per_launch", at)),
+                row.get("first_loss"),
+            ]
+        )
+    vs = _need(het, "vs_best_torch", where)
+    per = _need(het, "vs_best_torch_per_launch", where)
+    headlines.append(
+        (
+            f"Llama decoder at emulated speeds {speeds}: best torch.distributed.pipelining "
+            "pipeline's step / best hetcoll plan's",
+            f"{vs:.2f}x (runs: {', '.join(f'{r:.2f}' for r in per)})",
+        )
+    )
+    timing = (
+        f"Measured: the median over {launches} launch(es) of each launch's median over {steps} "
+        "steps of the slowest rank's step (forward, backward, AdamW step), the configurations "
+        "of a table taking turns in an order shuffled every step; IQR: the median over "
+        "launches of the steps' interquartile range."
+    )
+    return _result(
+        "lm_pipeline",
+        "Language-model pipelines: hetcoll against torch.distributed.pipelining",
+        command,
+        raw,
+        [
+            {
+                "title": "The same pipeline (ranks of equal speed)",
+                "peer": "torch.distributed.pipelining (`PipelineStage` + `Schedule1F1B` / "
+                "`ScheduleGPipe`) on the same stages and micro-batches, in the same launch",
+                "columns": [
+                    _col("schedule"),
+                    _col("stages (rank: blocks)"),
+                    _col("hetcoll (ms)", "{:.1f}"),
+                    _col("torch (ms)", "{:.1f}"),
+                    _col("hetcoll launches (ms)"),
+                    _col("torch launches (ms)"),
+                    _col("hetcoll IQR (ms)", "{:.1f}"),
+                    _col("torch IQR (ms)", "{:.1f}"),
+                    _col("first loss, relative difference", "{:.1e}"),
+                    _col("throughput hetcoll / torch, per launch"),
+                    _col("throughput hetcoll / torch, median", RATIO),
+                ],
+                "rows": same_rows,
+                "notes": [
+                    timing,
+                    "Throughput ratio: torch's step / hetcoll's, of each launch's medians; "
+                    ">= 1: hetcoll is at least as fast. First loss: the two sides' loss on the "
+                    "first step (the same weights and batch), relative difference.",
+                ],
+            },
+            {
+                "title": f"Heterogeneous plans at emulated speeds {speeds}",
+                "peer": f"the best of torch.distributed.pipelining's candidates ({best_t})",
+                "columns": [
+                    _col("candidate"),
+                    _col("samples per replica"),
+                    _col("stages (rank: blocks; replicas split by /)"),
+                    _col("measured (ms)", "{:.1f}"),
+                    _col("launches (ms)"),
+                    _col("IQR within a launch (ms)", "{:.1f}"),
+                    _col("first loss", "{:.6f}"),
+                ],
+                "rows": cand_rows,
+                "notes": [
+                    timing,
+                    f"Best torch / best hetcoll: {vs:.2f}x (per launch: "
+                    f"{', '.join(f'{r:.2f}' for r in per)}). torch's candidates are pipelines "
+                    "of one rank per stage with equal micro-batches (its stages written as "
+                    "the `hetcoll.Plan` of the same blocks); hetcoll's add asymmetric replicas "
+                    "and data parallelism with the batch split by speed; the planner "
+                    f"(`hetcoll.model.plan` on the emulated cluster) chose: "
+                    f"{het.get('planner_strategy', '?')}.",
+                    "Blocks index `hetcoll.torch.layers.model_layers`: 0 embedding, 1 rotary "
+                    "embedding, 2.. decoder layers, then norm and head. First loss: every "
+                    "candidate's loss on its first step, from the same weights and batch.",
+                ],
+            },
+        ],
+        description=(
+            "`examples/train_lm.py`'s byte-level Hugging Face Llama (float32, eager "
+            f"attention) on {ranks} gloo ranks: a global batch of {batch} rows of {seq} bytes "
+            f"(padded rows masked) in {microbatches} micro-batches, each step's loss the mean "
+            "over the batch's valid tokens on both sides. hetcoll runs "
+            "`hetcoll.torch.parallelize` plans (each stage replays the model's forward around "
+            "its blocks); torch runs hand-built `PipelineStage`s carrying hidden states, mask "
+            "and rotary cos/sin (its `pipeline()` traces this model, but the stage it builds "
+            "cannot run: see `benches/bench_lm_pipeline.py`). Heterogeneity is emulated: "
+            "each rank's blocks sleep `(1/speed - 1)` times their own forward and backward "
+            "(`hetcoll.lab.emulate.slow_down`), on both sides alike."
+        ),
+        notes=(["A dry run (`--quick`): too few steps to be a measurement."] if quick else []),
+        headlines=headlines,
+    )
+
+
 ADAPTERS: dict[str, Callable[[Sequence[Path], str], dict[str, Any]]] = {
     "planspace": adapt_planspace,
     "microbatches": adapt_microbatches,
@@ -1511,6 +1681,7 @@ ADAPTERS: dict[str, Callable[[Sequence[Path], str], dict[str, Any]]] = {
     "model-validate": adapt_model_validate,
     "plans": adapt_plans,
     "device": adapt_device,
+    "lm-pipeline": adapt_lm_pipeline,
 }
 
 

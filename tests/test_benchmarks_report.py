@@ -266,6 +266,105 @@ def test_plans_adapter_reads_the_scripts_json(tmp_path: Path) -> None:
         report.adapt_plans([raw], "python benches/bench_plans.py")
 
 
+def test_lm_pipeline_adapter_reads_the_scripts_json(tmp_path: Path) -> None:
+    def pipe(samples: int, *stages: tuple[int, int, int]) -> dict[str, Any]:
+        return {
+            "samples": samples,
+            "stages": [{"ranks": [r], "layers": [lo, hi]} for r, lo, hi in stages],
+        }
+
+    even = {
+        "microbatches": 4,
+        "schedule": "1F1B",
+        "replicas": [pipe(16, (0, 0, 4), (1, 4, 6), (2, 6, 10))],
+    }
+    by_speed = {
+        "microbatches": 4,
+        "schedule": "1F1B",
+        "replicas": [pipe(16, (0, 0, 6), (1, 6, 10))],
+    }
+    dp = {
+        "microbatches": 1,
+        "schedule": "1F1B",
+        "replicas": [pipe(10, (0, 0, 10)), pipe(4, (1, 0, 10)), pipe(2, (2, 0, 10))],
+    }
+    quartiles = [[0.1, 0.12], [0.1, 0.11]]
+
+    def candidate(name: str, runner: str, plan: dict[str, Any], s: float, **more: Any) -> Any:
+        return {
+            "name": name,
+            "runner": runner,
+            "plan": plan,
+            "measured_s": s,
+            "measured_s_per_launch": [s, s + 0.002],
+            "quartiles_s_per_launch": quartiles,
+            "first_loss": 5.626758,
+            **more,
+        }
+
+    data = {
+        "speeds": [1.0, 0.5, 0.25],
+        "batch": 16,
+        "microbatches": 4,
+        "seq": 64,
+        "launches": 2,
+        "steps": 15,
+        "quick": False,
+        "same_pipeline": [
+            {
+                "schedule": "1F1B",
+                "plan": even,
+                "hetcoll_s": 0.132,
+                "torch_s": 0.141,
+                "hetcoll_s_per_launch": [0.132, 0.13],
+                "torch_s_per_launch": [0.141, 0.142],
+                "hetcoll_quartiles_s_per_launch": quartiles,
+                "torch_quartiles_s_per_launch": quartiles,
+                "throughput_vs_torch": 1.07,
+                "throughput_vs_torch_per_launch": [1.07, 1.09],
+                "first_loss": {"hetcoll": 5.0, "torch": 5.0},
+            }
+        ],
+        "heterogeneous": {
+            "candidates": [
+                candidate("torch pipeline, even cut", "torch", even, 0.246),
+                candidate("torch pipeline, cut by speed, ranks 0,1", "torch", by_speed, 0.153),
+                candidate(
+                    "hetcoll data parallel by speed", "hetcoll", dp, 0.128, planner_chose=True
+                ),
+            ],
+            "best_hetcoll": "hetcoll data parallel by speed",
+            "best_torch": "torch pipeline, cut by speed, ranks 0,1",
+            "vs_best_torch": 1.19,
+            "vs_best_torch_per_launch": [1.19, 1.2],
+            "planner_strategy": "data parallel, balanced",
+        },
+    }
+    raw = tmp_path / "raw" / "lm_pipeline.json"
+    raw.parent.mkdir()
+    raw.write_text(json.dumps(data))
+    result = report.adapt_lm_pipeline([raw], "python benches/bench_lm_pipeline.py")
+    report.write_result(tmp_path / "lm_pipeline.json", result)
+    assert result["headlines"][0]["value"] == "1.07x (runs: 1.07, 1.09)"
+    assert result["headlines"][1]["value"] == "1.19x (runs: 1.19, 1.20)"
+    text = report.generate(tmp_path)
+    assert (
+        "| 1F1B | rank 0: 0-4, rank 1: 4-6, rank 2: 6-10 | 132.0 | 141.0 | 132.0, 130.0 "
+        "| 141.0, 142.0 | 15.0 | 15.0 | 0.0e+00 | 1.07, 1.09 | 1.07x |" in text
+    )
+    assert (
+        "| torch pipeline, cut by speed, ranks 0,1 (best) | 16 | rank 0: 0-6, rank 1: 6-10 "
+        "| 153.0 | 153.0, 155.0 | 15.0 | 5.626758 |" in text
+    )
+    assert "| hetcoll data parallel by speed (best) (planner) | 10 + 4 + 2 |" in text
+    assert "Best torch / best hetcoll: 1.19x (per launch: 1.19, 1.20)" in text
+    assert "dry run" not in text
+    del data["heterogeneous"]["candidates"][1]["measured_s"]
+    raw.write_text(json.dumps(data))
+    with pytest.raises(report.ResultError, match=r"candidates\[1\]: field 'measured_s' is missing"):
+        report.adapt_lm_pipeline([raw], "python benches/bench_lm_pipeline.py")
+
+
 def test_model_validate_adapter_reads_the_cli_json(tmp_path: Path) -> None:
     row = {"strategy": "filter", "ranks": 2, "batch": 32, "shares": [3, 1], "speeds": [1, 0.25]}
     row |= {"predicted_s": 0.011, "measured_s": 0.010, "error": 0.1, "avoid_gathers": False}
