@@ -287,3 +287,49 @@ def test_validation_loaders_stay_lightnings(tmp_path):
     assert batch_sizes(tmp_path, 2) == [[5, 5, 5, 3], [3, 3, 3, 2]]
     val = [json.loads((tmp_path / f"val{r}.json").read_text()) for r in range(2)]
     assert val == [[10, 5, 10, 5]] * 2
+
+
+class WithWorkers(Regression):
+    """The training loader fetches ahead in two worker processes (``prefetch_factor`` 2 each:
+    the whole 4-step epoch is fetched before its first step is trained)."""
+
+    def train_dataloader(self):
+        return DataLoader(data(), batch_size=BATCH, shuffle=self.shuffle, num_workers=2)
+
+
+def test_checkpoints_with_loader_workers_resume_at_the_next_step_trained(tmp_path):
+    """With worker processes fetching ahead, the checkpoint still holds the steps trained: saved
+    after step 2 (mid epoch 0) and step 5 (mid epoch 1) on 3 ranks, resumed with ckpt_path on
+    2 ranks (shares re-solved) and on 3, both end with one uninterrupted process's weights."""
+    ckpts = {k: tmp_path / f"step{k}.ckpt" for k in (2, 5)}
+    first = BalancedStrategy(speeds=[1.0, 1.0, 2.0], start_method=START)
+    saves = [SaveAt(k, path) for k, path in ckpts.items()]
+    trainer = Trainer(
+        strategy=first,
+        accelerator="cpu",
+        devices=3,
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=saves,
+    )
+    trainer.fit(WithWorkers(True, tmp_path))
+    for k, devices, speeds in ((2, 2, [3.0, 1.0]), (5, 3, [1.0, 1.0, 2.0])):
+        out = tmp_path / f"resumed{k}"
+        out.mkdir()
+        trainer = Trainer(
+            strategy=BalancedStrategy(speeds=speeds, start_method=START),
+            accelerator="cpu",
+            devices=devices,
+            max_epochs=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(WithWorkers(True, out), ckpt_path=ckpts[k])
+        assert_exact(trainer, 2, shuffle=True)
+        # The steps after k, and no other: 8 steps in two epochs of 4.
+        assert [len(s) for s in batch_sizes(out, devices)] == [8 - k] * devices
