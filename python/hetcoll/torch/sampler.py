@@ -185,7 +185,7 @@ class _Progress:
         it = None if self.loader is None else self.loader()
         if it is None:
             return False
-        frame = sys._getframe(2)
+        frame: FrameType | None = sys._getframe(2)
         for _ in range(8):
             if frame is None:
                 return False
