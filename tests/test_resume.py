@@ -301,13 +301,22 @@ def ddp_stop_and_resume(rank, world, directory):
         # Every rank resumes from rank 0's checkpoint (any rank's holds the same position).
         torch.distributed.barrier()
         out[stop] = ddp_train(rank, world, speeds, kw, None, f"{directory}/step{stop}.rank0.pt")
-    # A resumed job whose ranks load different positions raises on every rank.
+    # A resumed job whose ranks load different positions raises on every rank ...
     sampler = BalancedSampler(dataset(), [5, 3], rank, seed=SEED)
     saved = torch.load(f"{directory}/step{3 if rank == 0 else 9}.rank0.pt", weights_only=True)
     try:
         sampler.load_state_dict(saved["sampler"])
     except CollectiveMismatchError as e:
         out["mismatch"] = str(e)
+    # ... and so does one where rank 1 forgot to load it (at its loader's first step).
+    sampler = BalancedSampler(dataset(), [5, 3], rank, seed=SEED)
+    loader = DataLoader(dataset(), batch_sampler=sampler.batch_sampler(), **kw)
+    try:
+        if rank == 0:
+            sampler.load_state_dict(saved["sampler"])
+        next(iter(loader))
+    except CollectiveMismatchError as e:
+        out["forgotten"] = str(e)
     return out
 
 
@@ -315,7 +324,7 @@ def ddp_stop_and_resume(rank, world, directory):
 def test_two_ranks_with_loader_workers_resume_at_the_next_step(tmp_path):
     """DDP on 2 gloo ranks with 2 loader workers each: stopped after step 3 and after step 9,
     resumed on 2 ranks (the saved shares come back, 5:3), the weights equal one uninterrupted
-    process's; ranks that load different checkpoints all raise."""
+    process's; ranks that load different checkpoints, or only one of them, all raise."""
     per_rank = spawn(ddp_stop_and_resume, 2, str(tmp_path), timeout=240)
     reference = uninterrupted()
     for stop in (3, 9):
@@ -326,6 +335,7 @@ def test_two_ranks_with_loader_workers_resume_at_the_next_step(tmp_path):
             torch.testing.assert_close(a, c, rtol=0, atol=1e-10)
     for r in range(2):
         assert per_rank[r]["mismatch"].startswith("ranks disagree on the restored epoch")
+        assert per_rank[r]["forgotten"].startswith("ranks disagree on ")
 
 
 # -- a plan, resumed on another number of ranks ----------------------------------------------------

@@ -206,10 +206,12 @@ class BalancedSampler(Sampler[int]):
 
     ``verify`` (default on) checks across the ranks of ``group``, here, in :meth:`set_shares`
     and in :meth:`load_state_dict`, that every rank passed the same shares, one per rank (and
-    restored the same position), and raises on every rank if not (one small all-gather, on
-    torch.distributed or MPI). ``group``: an mpi4py communicator or a torch.distributed process
-    group; None is :func:`hetcoll.comm.wrap`'s default (torch's default group, else
-    ``MPI.COMM_WORLD`` under mpiexec), and with neither (one process) nothing is checked.
+    restored the same position), and when an iteration starts, that every rank starts the same
+    epoch at the same position; it raises on every rank if not (one small all-gather, on
+    torch.distributed or MPI; iterate on every rank, or pass ``verify=False``). ``group``: an
+    mpi4py communicator or a torch.distributed process group; None is
+    :func:`hetcoll.comm.wrap`'s default (torch's default group, else ``MPI.COMM_WORLD`` under
+    mpiexec), and with neither (one process) nothing is checked.
 
     >>> s = BalancedSampler(range(10), [3, 1], rank=0, shuffle=False, verify=False)
     >>> list(s)
@@ -341,6 +343,8 @@ class BalancedSampler(Sampler[int]):
         perm = self._permutation()
         n = len(perm)
         pos, self._resume_at = self._resume_at, 0
+        if self._checks():  # ranks that start elsewhere (one resumed, one not) would hang
+            agree(wrap(self.group), {"the epoch": self.epoch, "the position it starts at": pos})
         self.position = pos
         progress = self._progress = _Progress(pos)
         # The caller of this first step: a DataLoader iterator counts what it hands out.
