@@ -237,6 +237,31 @@ def test_a_checkpoint_of_other_data_is_refused_naming_the_argument():
         BalancedSampler.whole_batches(range(20), 0, verify=False)
 
 
+def test_a_loop_that_fetches_ahead_says_how_far():
+    """A loop holding the next batch while it trains (as Accelerate's DataLoaderShard does)
+    passes ``ahead=1``: the state leaves that batch out and the resumed loader yields it."""
+    data = list(range(30))
+    whole = [b.tolist() for b in DataLoader(data, batch_sampler=BalancedSampler(
+        data, [4], 0, seed=SEED, verify=False).batch_sampler())]  # fmt: skip
+    sampler = BalancedSampler(data, [4], 0, seed=SEED, verify=False)
+    it = iter(DataLoader(data, batch_sampler=sampler.batch_sampler(), num_workers=1))
+    held = next(it)
+    trained = []
+    for _ in range(3):  # train the held batch, then hold the next one
+        trained.append(held.tolist())
+        held = next(it)
+    state = sampler.state_dict(ahead=1)
+    with pytest.raises(ValueError, match="ahead"):
+        sampler.state_dict(ahead=5)
+    with pytest.raises(ValueError, match="ahead"):
+        sampler.state_dict(ahead=-1)
+    del it
+    again = BalancedSampler(data, [4], 0, seed=SEED, verify=False)
+    again.load_state_dict(state)
+    rest = [b.tolist() for b in DataLoader(data, batch_sampler=again.batch_sampler())]
+    assert trained + rest == whole
+
+
 def test_whole_batches_give_every_rank_the_global_batch_and_keep_their_batch():
     a = BalancedSampler.whole_batches(range(20), 8, seed=1, verify=False)
     steps = list(a.batch_sampler())

@@ -173,10 +173,10 @@ class _Progress:
         self.loader = weakref.ref(it)
         self.taken = int(plain_next and not counting_next)
 
-    def position(self) -> int:
-        """The global position after the steps taken."""
+    def steps_taken(self) -> int:
+        """Steps of this iteration the loader handed out (or yielded, without a loader)."""
         steps = len(self.ends) - 1 if self.taken is None else self.taken
-        return self.ends[min(steps, len(self.ends) - 1)]
+        return min(steps, len(self.ends) - 1)
 
     def inside_loader(self) -> bool:
         """Whether the call comes from the loader iterator itself (torchdata's
@@ -435,17 +435,27 @@ class BalancedSampler(Sampler[int]):
             _verify(self.group, shares, whole=self.whole)
         self.shares = shares
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, ahead: int = 0) -> dict[str, Any]:
         """Where this sampler is: epoch, seed, shares and the global position in the epoch after
         the steps the training loop has taken (see the module docstring: with a ``DataLoader``
         the batches it handed out, whatever it fetched ahead). Plain ints, lists and bools, for
-        any checkpoint format. Local: any rank's state is the job's."""
+        any checkpoint format. Local: any rank's state is the job's.
+
+        ``ahead``: batches the loop itself has taken from the loader but not trained yet, for a
+        loop that fetches ahead of training (Accelerate's ``DataLoaderShard`` holds the next
+        batch): the position leaves them out.
+        """
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+            raise ValueError(f"ahead: must be an integer >= 0, got {ahead!r}")
         progress = self._progress
         if progress is None or progress.inside_loader():
-            position = self.position  # what left the sampler (a stateful loader counts the rest)
-        else:
-            position = progress.position()
-        return self._state(position)
+            if ahead:
+                raise ValueError(f"ahead: {ahead}, but no step of this epoch was taken")
+            return self._state(self.position)  # what left (a stateful loader counts the rest)
+        steps = progress.steps_taken()
+        if ahead > steps:
+            raise ValueError(f"ahead: {ahead}, but only {steps} steps of this epoch were taken")
+        return self._state(progress.ends[steps - ahead])
 
     def _state(self, position: int) -> dict[str, Any]:
         return {
