@@ -290,30 +290,33 @@ def test_validation_loaders_stay_lightnings(tmp_path):
 
 
 class WithWorkers(Regression):
-    """The training loader fetches ahead in two worker processes (``prefetch_factor`` 2 each:
-    the whole 4-step epoch is fetched before its first step is trained)."""
+    """The training loader fetches ahead in two persistent worker processes (``prefetch_factor``
+    2 each: the whole 4-step epoch is fetched before its first step is trained)."""
 
     def train_dataloader(self):
-        return DataLoader(data(), batch_size=BATCH, shuffle=self.shuffle, num_workers=2)
+        return DataLoader(
+            data(), batch_size=BATCH, shuffle=self.shuffle, num_workers=2, persistent_workers=True
+        )
 
 
 def test_checkpoints_with_loader_workers_resume_at_the_next_step_trained(tmp_path):
     """With worker processes fetching ahead, the checkpoint still holds the steps trained: saved
-    after step 2 (mid epoch 0) and step 5 (mid epoch 1) on 3 ranks, resumed with ckpt_path on
-    2 ranks (shares re-solved) and on 3, both end with one uninterrupted process's weights."""
-    ckpts = {k: tmp_path / f"step{k}.ckpt" for k in (2, 5)}
-    first = BalancedStrategy(speeds=[1.0, 1.0, 2.0], start_method=START)
-    saves = [SaveAt(k, path) for k, path in ckpts.items()]
+    after step 2 (mid epoch 0) and, by Lightning's ModelCheckpoint, after step 5 (mid epoch 1)
+    on 3 ranks, resumed with ckpt_path on 2 ranks (shares re-solved) and on 3, both end with
+    one uninterrupted process's weights."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpts = {2: tmp_path / "step2.ckpt", 5: tmp_path / "mc" / "step=5.ckpt"}
+    every5 = ModelCheckpoint(tmp_path / "mc", "{step}", every_n_train_steps=5, save_top_k=-1)
     trainer = Trainer(
-        strategy=first,
+        strategy=BalancedStrategy(speeds=[1.0, 1.0, 2.0], start_method=START),
         accelerator="cpu",
         devices=3,
         max_steps=5,
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=saves,
+        callbacks=[SaveAt(2, ckpts[2]), every5],
     )
     trainer.fit(WithWorkers(True, tmp_path))
     for k, devices, speeds in ((2, 2, [3.0, 1.0]), (5, 3, [1.0, 1.0, 2.0])):
