@@ -262,6 +262,34 @@ def test_a_loop_that_fetches_ahead_says_how_far():
     assert trained + rest == whole
 
 
+class SlottedLoaderIterator:
+    """A loader iterator hetcoll cannot count into (``__slots__``: no subclass of its type fits
+    its layout), pulling steps from its index sampler as torch's ``_next_index`` does."""
+
+    __slots__ = ("_index_sampler", "_steps")
+
+    def __init__(self, index_sampler):
+        self._index_sampler = index_sampler
+        self._steps = iter(index_sampler)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self._next_index()
+
+    def _next_index(self):
+        return next(self._steps)
+
+
+def test_a_loader_that_cannot_be_counted_is_warned_about():
+    sampler = BalancedSampler(range(20), [4], 0, verify=False)
+    it = SlottedLoaderIterator(sampler.batch_sampler())
+    with pytest.warns(RuntimeWarning, match="cannot count the batches a SlottedLoaderIterator"):
+        next(it)
+    assert sampler.state_dict()["position"] == 4  # the steps it pulled
+
+
 def test_whole_batches_give_every_rank_the_global_batch_and_keep_their_batch():
     a = BalancedSampler.whole_batches(range(20), 8, seed=1, verify=False)
     steps = list(a.batch_sampler())

@@ -44,6 +44,7 @@ whole global batch, as a plan's :meth:`~hetcoll.torch.Parallel.step` does
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from types import FrameType
@@ -168,7 +169,13 @@ class _Progress:
         try:
             it.__class__ = _counting_type(type(it))
             it.__dict__[_PROGRESS] = self
-        except (TypeError, AttributeError):  # not a plain Python iterator: counted as yielded
+        except (TypeError, AttributeError):  # not a plain Python object: counted as yielded
+            warnings.warn(
+                f"BalancedSampler: cannot count the batches a {type(it).__name__} hands out; "
+                "state_dict() counts the steps it fetched, ahead of training",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return
         self.loader = weakref.ref(it)
         self.taken = int(plain_next and not counting_next)
