@@ -8,7 +8,7 @@ BUILT  := $(VENV)/.build-stamp
 export OMP_NUM_THREADS ?= 1
 RUST_SOURCES := $(shell find rust -name '*.rs' -o -name Cargo.toml 2>/dev/null) Cargo.toml
 
-.PHONY: demo test build lint rust-test py-test fuzz bench bench-rust clean
+.PHONY: demo test build wheel device-check lint rust-test py-test fuzz bench bench-rust clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,11 +16,35 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --group test
 	touch $@
 
+# The extension is an abi3 build (_core.abi3.so); a _core.cpython-3XX-*.so left by an older
+# build would shadow it (Python prefers the version-tagged name), so it goes first.
 $(BUILT): $(STAMP) $(RUST_SOURCES)
+	rm -f python/hetcoll/_core.cpython-*.so
 	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release --quiet
 	touch $@
 
 build: $(BUILT)
+
+# The wheel users install and the GPU machine carries (benches/device/README.md): one abi3
+# build for CPython >= 3.10 (PyO3's abi3-py310), linked by zig against glibc 2.28
+# (manylinux_2_28, what PyTorch's own wheels need), so no Rust toolchain is needed where it
+# is installed.
+WHEELED := $(VENV)/.wheel-stamp
+$(WHEELED): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet --group wheel
+	touch $@
+
+wheel: $(WHEELED)
+	rm -f dist/hetcoll-*.whl
+	PATH=$(abspath $(VENV))/bin:$$PATH VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin build \
+		--release --zig --compatibility manylinux_2_28 --out dist
+
+# The GPU machine's check (benches/device/run.sh): the CUDA tests, real heterogeneity (one GPU
+# rank beside CPU ranks) and the GPU kernels, from the wheel in dist/; without CUDA, a dry
+# run on the CPU that says what it skipped. DEVICE_OUT: where its JSON and log go.
+DEVICE_OUT ?= out/device
+device-check: wheel
+	bash benches/device/run.sh $(DEVICE_OUT)
 
 demo: $(BUILT)
 	$(VENV)/bin/hetcoll demo

@@ -73,6 +73,7 @@ EXPECTED: tuple[tuple[str, str], ...] = (
     ("plans", "bench-plans"),
     ("planspace", "bench-planspace"),
     ("placement", "bench-placement"),
+    ("device", "device-check"),
 )
 
 Cell = str | int | float | bool | None
@@ -1265,6 +1266,243 @@ def adapt_microbatches(raw: Sequence[Path], command: str) -> dict[str, Any]:
     )
 
 
+def _ms(seconds: Any) -> float | None:
+    return None if seconds is None else float(seconds) * 1e3
+
+
+def adapt_device(raw: Sequence[Path], command: str) -> dict[str, Any]:
+    """A device check's ``summary.json`` (``benches/device/run.sh OUTDIR``) as a results file:
+    the CUDA tests' counts, each rank's measured speed, the balanced split against the equal
+    split and the GPU alone, the performance model's predictions against the measured steps,
+    and weighted_sum on CUDA tensors against torch's peers and a copy. The host record is the
+    GPU machine's, as the summary recorded it. A dry run (no CUDA) imports with every CUDA part
+    marked skipped and "dry run" in its title: not a result to publish."""
+    if len(raw) != 1:
+        raise ResultError("device: give one summary.json of benches/device/run.sh")
+    path = raw[0]
+    where = str(path)
+    data = _raw_json(path, "benches/device/run.sh summary")
+    if _need(data, "schema", where) != "hetcoll-device-check 1":
+        raise ResultError(f"{where}: field 'schema' is not 'hetcoll-device-check 1'")
+    cuda = bool(_need(data, "cuda", where))
+    host = _need(data, "host", where)
+    if not isinstance(host, dict):
+        raise ResultError(f"{where}: field 'host' is not an object")
+    steps = _need(data, "steps", where)
+    sections: list[dict[str, Any]] = [
+        {
+            "title": "The check's steps",
+            "columns": [_col("step"), _col("status"), _col("seconds"), _col("limit (s)")],
+            "rows": [
+                [
+                    _need(st, "step", f"{where}: steps[{i}]"),
+                    _need(st, "status", f"{where}: steps[{i}]"),
+                    _need(st, "seconds", f"{where}: steps[{i}]"),
+                    _need(st, "limit_s", f"{where}: steps[{i}]"),
+                ]
+                for i, st in enumerate(steps)
+            ],
+            "notes": [f"Overall: {_need(data, 'status', where)}."],
+        }
+    ]
+    tests = _need(data, "tests", where)
+    failures = tests.get("failures", []) if isinstance(tests, dict) else []
+    sections.append(
+        {
+            "title": "CUDA tests (`pytest -m cuda tests/test_cuda.py`)",
+            "columns": [_col("status"), _col("passed"), _col("failed"), _col("skipped")],
+            "rows": [
+                [_need(tests, k, f"{where}: tests") for k in ("status",)]
+                + [tests.get(k) for k in ("passed", "failed", "skipped")]
+            ],
+            "notes": [f"Failed: {f['test']}: {f['message']}" for f in failures],
+        }
+    )
+    headlines: list[tuple[str, str]] = []
+    hetero = _need(data, "hetero", where)
+    speed_rows, run_rows, model_rows = [], [], []
+    # A dry run's configurations ran rank 0 on the CPU: nothing of them is shown.
+    measured = hetero.get("configurations", []) if cuda and isinstance(hetero, dict) else []
+    for i, c in enumerate(measured):
+        at = f"{where}: hetero.configurations[{i}]"
+        cpus = _need(c, "cpu_ranks", at)
+        if _need(c, "status", at) != "ok":
+            run_rows.append([cpus, c["status"], None, None, None, None, None, None, None])
+            continue
+        devices = _need(c, "devices", at)
+        for s in _need(c, "speeds", at):
+            r = s["rank"]
+            speed_rows.append([cpus, r, devices[r], s["samples_per_s"], _ms(s["latency_s"])])
+        step = _need(c, "step_s", at)
+        shares = _need(c, "shares", at)
+        run_rows.append(
+            [
+                cpus,
+                ",".join(str(n) for n in shares["balanced"]),
+                _ms(step["balanced"]),
+                _ms(step["equal"]),
+                _ms(step["gpu_alone"]),
+                _need(c, "balanced_over_equal", at),
+                _need(c, "balanced_over_gpu_alone", at),
+                _need(c, "balanced_over_sum_of_speeds", at),
+                sum(s["samples_per_s"] for s in c["speeds"]),
+            ]
+        )
+        pred = c.get("prediction", {})
+        for run in ("balanced", "equal", "gpu_alone"):
+            if pred.get("status") == "ok":
+                model_rows.append(
+                    [cpus, run, _ms(pred["step_s"][run]), _ms(step[run]), pred["error"][run]]
+                )
+        if cuda:
+            headlines.append(
+                (
+                    f"1 GPU + {cpus} CPU ranks: balanced throughput / equal split (DDP), "
+                    "/ GPU alone",
+                    f"{ratio(c['balanced_over_equal'])} / {ratio(c['balanced_over_gpu_alone'])}",
+                )
+            )
+    skipped = "skipped: no CUDA" if not cuda else "no configuration measured"
+    status = hetero.get("status", skipped) if isinstance(hetero, dict) else skipped
+    batch = hetero.get("batch") if isinstance(hetero, dict) else None
+    gpu_note = [f"GPU figures the model used: {hetero.get('gpu')}."] if cuda else []
+    sections.append(
+        {
+            "title": "Each rank's measured speed (`hetcoll.torch.measure_speed`)",
+            "columns": [
+                _col("CPU ranks"),
+                _col("rank"),
+                _col("device"),
+                _col("samples/s", "{:,.0f}"),
+                _col("fixed cost (ms)", "{:.2f}"),
+            ],
+            "rows": speed_rows or [[None, None, status, None, None]],
+            "notes": [
+                "The demo CNN's training step (forward, backward, SGD), one thread per CPU "
+                "rank; fit t(b) = fixed cost + b / speed."
+            ],
+        }
+    )
+    sections.append(
+        {
+            "title": f"Balanced split vs the equal split and the GPU alone (global batch {batch})",
+            "peer": "in the same job: the equal split with plain DDP (its mean averaging), and "
+            "the GPU rank alone on the whole batch",
+            "columns": [
+                _col("CPU ranks"),
+                _col("balanced shares"),
+                _col("balanced step (ms)", "{:.2f}"),
+                _col("equal step (ms)", "{:.2f}"),
+                _col("GPU alone (ms)", "{:.2f}"),
+                _col("balanced / equal", RATIO),
+                _col("balanced / GPU alone", RATIO),
+                _col("balanced / sum of speeds", "{:.1%}"),
+                _col("sum of speeds (samples/s)", "{:,.0f}"),
+            ],
+            "rows": run_rows or [[None, status, None, None, None, None, None, None, None]],
+            "notes": [
+                "Throughput ratios (samples/s); balanced: hetcoll.split of the measured fits, "
+                "BalancedSampler, DDP with the weighted hook. Targets (issue 40): balanced >= "
+                "the GPU alone, and >= 90% of the sum of the ranks' measured speeds.",
+                *gpu_note,
+            ],
+        }
+    )
+    errors = [abs(r[4]) for r in model_rows]
+    model_notes = [
+        "error = predicted / measured - 1. CPU device and gloo link: `hetcoll model "
+        "calibrate` on the same machine; GPU: measured by benches/device/hetero.py."
+    ]
+    if errors:
+        med, worst = statistics.median(errors), max(errors)
+        model_notes.append(f"Median |error| {med:.1%}, worst {worst:.1%} over {len(errors)} rows.")
+        if cuda:
+            headlines.append(
+                (
+                    "performance model on a GPU + CPU ranks, median / worst |error|",
+                    f"{med:.1%} / {worst:.1%}",
+                )
+            )
+    sections.append(
+        {
+            "title": "Performance model: predicted vs measured step",
+            "peer": "the step measured in the same job",
+            "columns": [
+                _col("CPU ranks"),
+                _col("run"),
+                _col("predicted (ms)", "{:.2f}"),
+                _col("measured (ms)", "{:.2f}"),
+                _col("error", "{:+.1%}"),
+            ],
+            "rows": model_rows or [[None, status, None, None, None]],
+            "notes": model_notes,
+        }
+    )
+    kernels = _need(data, "kernels", where)
+    kernel_rows = []
+    for row in kernels.get("rows", []) if isinstance(kernels, dict) else []:
+        for name, seconds in row["seconds"].items():
+            kernel_rows.append(
+                [
+                    row["dtype"],
+                    name,
+                    _ms(seconds),
+                    row["over_ideal"][name],
+                    row["hetcoll_over_peer"].get(name),
+                ]
+            )
+        if cuda and row["dtype"] == "float32" and "add_ chain" in row["hetcoll_over_peer"]:
+            headlines.append(
+                (
+                    "weighted_sum of 4 CUDA float32 tensors, time / add_ chain's",
+                    ratio(row["hetcoll_over_peer"]["add_ chain"]),
+                )
+            )
+    copy_notes = [
+        f"{row['dtype']}: a copy of one tensor moves {row['copy_bytes_per_s'] / 1e9:,.0f} GB/s; "
+        f"ideal = (K + 1) / 2 copies = {row['ideal_s'] * 1e3:.2f} ms."
+        for row in (kernels.get("rows", []) if isinstance(kernels, dict) else [])
+    ]
+    sections.append(
+        {
+            "title": "weighted_sum of 4 CUDA tensors of 2^25 elements",
+            "peer": "torch's add_ chain and _foreach_mul + sum, and the device's copy bandwidth, "
+            "same run",
+            "columns": [
+                _col("dtype"),
+                _col("entry"),
+                _col("time (ms)", "{:.3f}"),
+                _col("time / ideal", RATIO),
+                _col("hetcoll / entry", RATIO),
+            ],
+            "rows": kernel_rows or [[None, kernels.get("status", skipped), None, None, None]],
+            "notes": copy_notes,
+        }
+    )
+    title = "A real accelerator: one GPU rank beside CPU ranks"
+    if not cuda:
+        title += " (dry run without CUDA: no figures)"
+    result = _result(
+        "device",
+        title,
+        command,
+        raw,
+        sections,
+        description=(
+            "`benches/device/run.sh` on a machine with one GPU (issue 40): the CUDA tests, the "
+            "demo CNN trained by 1 GPU rank beside 3 and 7 one-thread CPU ranks over gloo "
+            "(real heterogeneity, no emulation), the performance model calibrated on that "
+            "machine, and the GPU kernels. Details: benches/device/README.md."
+        ),
+        notes=["Host: the GPU machine's, as the run recorded it."],
+        headlines=headlines,
+    )
+    result["host"] = host
+    result["notes"] = [n for n in result["notes"] if not n.startswith("Date: the raw file's")]
+    result["notes"].append("Date: the summary file's.")
+    return result
+
+
 ADAPTERS: dict[str, Callable[[Sequence[Path], str], dict[str, Any]]] = {
     "planspace": adapt_planspace,
     "microbatches": adapt_microbatches,
@@ -1272,6 +1510,7 @@ ADAPTERS: dict[str, Callable[[Sequence[Path], str], dict[str, Any]]] = {
     "filter-parallel": adapt_filter_parallel,
     "model-validate": adapt_model_validate,
     "plans": adapt_plans,
+    "device": adapt_device,
 }
 
 

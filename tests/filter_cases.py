@@ -51,7 +51,7 @@ def awkward_cnn(bias: bool = True) -> nn.Sequential:
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     """max |a - b| / max |b|; ``floor`` bounds the denominator from below for tensors that are
     zero up to rounding (a conv bias before a BatchNorm gets a gradient of ~1e-17)."""
-    a, b = a.detach(), b.detach()
+    a, b = a.detach().cpu(), b.detach().cpu()
     scale = max(float(b.abs().max()), floor)
     return float((a - b).abs().max()) / (scale if scale > 0 else 1.0)
 
@@ -86,13 +86,16 @@ def equals_unsplit(
     steps=3,
     build=None,
     batches=_batches,
+    device="cpu",
 ) -> dict[str, str]:
     """Train the split and the unsplit model side by side; every figure must agree. Returns the
     modes chosen, by layer name. ``build`` makes the model (default: :func:`awkward_cnn`),
-    ``batches(dtype, steps)`` its data."""
+    ``batches(dtype, steps)`` its data. ``device``: where this rank's split model runs (a CUDA
+    rank beside CPU ranks in tests/cuda_cases.py); the unsplit one runs on the CPU."""
     torch.manual_seed(0)
     ref = (build() if build is not None else awkward_cnn(bias)).to(dtype)
     split = filter_parallel(copy.deepcopy(ref), spec, group, avoid_gathers=avoid_gathers)
+    split.to(device)
     tol = TOL[dtype]
 
     def make(m):
@@ -103,10 +106,11 @@ def equals_unsplit(
     opt_ref, opt_split = make(ref), make(split)
     for step, (x, y) in enumerate(batches(dtype, steps)):
         out_ref = ref(x)
-        out = split(x)
+        out = split(x.to(device))
+        assert out.device.type == torch.device(device).type, out.device
         assert_close(out, out_ref, tol, f"step {step}: output")
         loss_ref = nn.functional.cross_entropy(out_ref, y)
-        loss = nn.functional.cross_entropy(out, y)
+        loss = nn.functional.cross_entropy(out, y.to(device))
         assert_close(loss, loss_ref, tol, f"step {step}: loss")
         opt_ref.zero_grad()
         opt_split.zero_grad()
@@ -139,7 +143,7 @@ def equals_unsplit(
     split.eval()
     with torch.no_grad():
         x = batches(dtype, 1)[0][0]
-        assert_close(split(x), ref(x), tol, "eval output")
+        assert_close(split(x.to(device)), ref(x), tol, "eval output")
     return {n: m.mode for n, m in split.named_modules() if isinstance(m, FilterParallelLayer)}
 
 

@@ -347,3 +347,116 @@ def test_readme_headlines_are_the_committed_results() -> None:
 def test_readme_without_markers_is_refused() -> None:
     with pytest.raises(report.ResultError, match="README: needs the markers"):
         report.with_readme_headlines("# no table here\n", [])
+
+
+DEVICE_DRY_RUN = ROOT / "tests" / "data" / "device_summary_dry_run.json"
+
+
+def test_device_adapter_reads_a_dry_run(tmp_path: Path) -> None:
+    """benches/device/run.sh's summary from a machine without CUDA (a real dry run): it imports
+    as a valid results file that says so, every CUDA part "skipped: no CUDA", no figures."""
+    raw = tmp_path / "raw" / "summary.json"
+    raw.parent.mkdir()
+    raw.write_text(DEVICE_DRY_RUN.read_text())
+    result = report.adapt_device([raw], "bash benches/device/run.sh out/device")
+    report.write_result(tmp_path / "device.json", result)
+    assert "dry run" in result["title"]
+    assert result["headlines"] == []
+    assert result["host"]["gpu"].startswith("none")
+    text = report.generate(tmp_path)
+    assert "| skipped: no CUDA | 0 | 0 | 14 |" in text
+    assert "| – | skipped: no CUDA | – | – | – |" in text
+    assert "skipped: no CUDA (dry run, rank 0 on the CPU)" in text
+
+
+def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
+    """The same summary shaped as a GPU machine's: per-rank speeds, the three runs' ratios and
+    the model's errors come from its numbers, and the headlines name them."""
+    data = json.loads(DEVICE_DRY_RUN.read_text())
+    data["cuda"] = True
+    data["host"]["gpu"] = "NVIDIA H100 80GB HBM3 (79 GiB)"
+    config = data["hetero"]["configurations"][0]
+    config["devices"][0] = "cuda"
+    config["step_s"] = {"gpu_alone": 0.004, "balanced": 0.0032, "equal": 0.05}
+    config["balanced_over_equal"] = 0.05 / 0.0032
+    config["balanced_over_gpu_alone"] = 0.004 / 0.0032
+    config["prediction"] = {
+        "status": "ok",
+        "step_s": {"balanced": 0.0036, "equal": 0.045, "gpu_alone": 0.004},
+        "error": {"balanced": 0.125, "equal": -0.1, "gpu_alone": 0.0},
+    }
+    data["kernels"] = {
+        "status": "ok",
+        "rows": [
+            {
+                "dtype": "float32",
+                "copy_bytes_per_s": 2.0e12,
+                "ideal_s": 0.00034,
+                "seconds": {"hetcoll.weighted_sum": 0.0008, "add_ chain": 0.0008},
+                "over_ideal": {"hetcoll.weighted_sum": 2.35, "add_ chain": 2.35},
+                "hetcoll_over_peer": {"add_ chain": 1.0},
+            }
+        ],
+    }
+    raw = tmp_path / "raw" / "summary.json"
+    raw.parent.mkdir()
+    raw.write_text(json.dumps(data))
+    result = report.adapt_device([raw], "bash benches/device/run.sh out/device")
+    report.write_result(tmp_path / "device.json", result)
+    assert "dry run" not in result["title"]
+    heads = {h["figure"]: h["value"] for h in result["headlines"]}
+    assert heads["1 GPU + 1 CPU ranks: balanced throughput / equal split (DDP), / GPU alone"] == (
+        "15.62x / 1.25x"
+    )
+    assert heads["performance model on a GPU + CPU ranks, median / worst |error|"] == (
+        "10.0% / 12.5%"
+    )
+    assert heads["weighted_sum of 4 CUDA float32 tensors, time / add_ chain's"] == "1.00x"
+    text = report.generate(tmp_path)
+    assert "| 1 | 0 | cuda |" in text
+    assert "| 1 | balanced | 3.60 | 3.20 | +12.5% |" in text
+    assert "gpu NVIDIA H100 80GB HBM3 (79 GiB)" in text
+
+
+def _load_summarize() -> ModuleType:
+    path = ROOT / "benches" / "device" / "summarize.py"
+    spec = importlib.util.spec_from_file_location("device_summarize", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_device_summary_names_failed_and_timed_out_steps(tmp_path: Path) -> None:
+    """benches/device/summarize.py: a step killed by its timeout (rc 124) and a failing CUDA
+    test are named in the summary; a step whose file is missing says so."""
+    summarize = _load_summarize()
+    (tmp_path / "steps.jsonl").write_text(
+        '{"step": "pytest", "rc": 1, "seconds": 30, "limit_s": 140}\n'
+        '{"step": "hetero", "rc": 124, "seconds": 170, "limit_s": 170}\n'
+    )
+    (tmp_path / "environment.json").write_text(json.dumps({"cuda": True, "host": {"cores": 16}}))
+    (tmp_path / "pytest-cuda.xml").write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_cuda" name="test_a"/>'
+        '<testcase classname="tests.test_cuda" name="test_b">'
+        '<failure message="AssertionError: 0.5 &gt; 1e-10">trace</failure></testcase>'
+        '<testcase classname="tests.test_cuda" name="test_c"><skipped message="no"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    summary = summarize.summarize(tmp_path)
+    assert summary["status"] == "failed: pytest, hetero"
+    assert [s["status"] for s in summary["steps"]] == ["failed (rc 1)", "timed out"]
+    assert summary["seconds"] == 200
+    tests = summary["tests"]
+    assert (tests["status"], tests["passed"], tests["failed"], tests["skipped"]) == (
+        "failed",
+        1,
+        1,
+        1,
+    )
+    assert tests["failures"] == [
+        {"test": "tests.test_cuda::test_b", "message": "AssertionError: 0.5 > 1e-10"}
+    ]
+    assert summary["hetero"]["status"].startswith("missing: hetero.json")
+    assert summary["calibration"] is None

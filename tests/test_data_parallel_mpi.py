@@ -35,3 +35,38 @@ def test_mpi_optimizer_matches_single_process(world):
             )
             assert got["rebalanced"] == results[0]["groups"]["default"]["rebalanced"]
             assert got["rebalanced"] != [8] * world
+
+
+ITEMS_WORKER = os.path.join(os.path.dirname(__file__), "mpi_workers", "items.py")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_mpi_optimizer_with_items_trains_a_padded_lm_as_one_process(world):
+    """Hugging Face GPT-2 and a TransformerEncoder decoder, uneven shares and padding (a rank
+    with no valid label in one step): DistributedOptimizer(items=...) equals one process on the
+    global batches to 1e-10; weighing rows instead does not; bad counts raise on every rank."""
+    from lm_common import SHARES, global_batches, items, rank_rows
+
+    out = mpiexec(world, [ITEMS_WORKER], timeout=240).stdout
+    results = json.loads(next(line for line in out.splitlines() if line.startswith("[")))
+    assert sorted(r["rank"] for r in results) == list(range(world))
+    per_step = [
+        [items(y[rank_rows(world, q)]) for q in range(world)] for _, y in global_batches(world)
+    ]
+    assert per_step[1][-1] == 0 and len(SHARES[world]) == world
+    for r in results:
+        for name in ("gpt2", "encoder"):
+            assert r[name]["items"] <= 1e-10, (name, r)
+            assert r[name]["seen"] == [[c[r["rank"]], sum(c)] for c in per_step]
+        assert not r["gpt2"]["rows"] <= 1e-3
+        bad = r["bad"]
+        assert bad["non_integer"] == [
+            "ValueError",
+            f"items: rank {world - 1} counted 1.5 for this step; items(y) must be an integer >= 0 "
+            "(what loss_fn averages over)",
+        ]
+        assert bad["all_zero"][0] == "ValueError"
+        assert "items: every rank counted 0 items" in bad["all_zero"][1]
+        assert bad["raises"] == ["ValueError", "items: items(y) raised an exception on rank 0"]
+        assert bad["not_counted"][0] == "RuntimeError"
+        assert "items: rank 1 counted nothing for this step" in bad["not_counted"][1]

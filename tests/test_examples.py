@@ -237,3 +237,104 @@ def test_train_plan_names_a_bad_plan(tmp_path):
     )
     assert proc.returncode != 0
     assert "--plan: plan.replicas[0].stages: must hold at least one stage" in proc.stderr
+
+
+# ---------------------------------------------------------------- examples/train_lm.py
+
+LM_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"
+LM_COMMON = ["--arch", "gpt2", "--steps", "3", "--batch", "12", "--microbatches", "3"]
+LM_COMMON += ["--float64", "--quiet"]
+
+
+def _train_lm(tmp: Path, name: str, launcher: list[str], *extra: str) -> tuple:
+    """Run train_lm.py under ``launcher``; the trained state dict and every rank's report."""
+    out = ["--save", str(tmp / f"{name}.pt"), "--json", str(tmp / f"{name}{{rank}}.json")]
+    proc = subprocess.run(
+        [*launcher, str(LM_SCRIPT), *LM_COMMON, *out, *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HETCOLL_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, f"{launcher}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    reports = [json.loads(p.read_text()) for p in sorted(tmp.glob(f"{name}[0-9].json"))]
+    return torch.load(tmp / f"{name}.pt"), reports
+
+
+@pytest.fixture(scope="module")
+def lm_single(tmp_path_factory):
+    """One process, the whole batch: what every launch of the same batches must train."""
+    tmp = tmp_path_factory.mktemp("lm_single")
+    state, (report,) = _train_lm(tmp, "single", [sys.executable])
+    assert report["world"] == 1 and len(report["losses"]) == 3
+    assert report["losses"][-1] < report["losses"][0]  # it learns
+    return state, report["losses"]
+
+
+def test_torchrun_trains_the_lm_as_a_pipeline_like_one_process(lm_single, tmp_path):
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=3"]
+    state, reports = _train_lm(tmp_path, "torchrun", torchrun, "--emulate", "1,0.5,0.25")
+    assert [r["place"] for r in reports] == [[0, 0], [0, 1], [0, 2]]  # one 3-stage pipeline
+    assert reports[0]["backend"] == "gloo"
+    assert all(r["traffic"]["activations"] + r["traffic"]["gradients"] > 0 for r in reports)
+    _same_as(lm_single, state, reports[0]["losses"])
+
+
+def test_mpiexec_trains_the_lm_under_a_hybrid_plan_like_one_process(lm_single, tmp_path):
+    # GPT-2's blocks: wte, wpe, drop, h.0 .. h.5, ln_f, lm_head (11); the head is tied to wte.
+    plan = tmp_path / "hybrid.json"
+    plan.write_text(
+        json.dumps(
+            {
+                "microbatches": 2,
+                "schedule": "1F1B",
+                "replicas": [
+                    {
+                        "samples": 7,
+                        "stages": [
+                            {"ranks": [0], "layers": [0, 6]},
+                            {"ranks": [1], "layers": [6, 11]},
+                        ],
+                    },
+                    {"samples": 5, "stages": [{"ranks": [2], "layers": [0, 11]}]},
+                ],
+            }
+        )
+    )
+    mpiexec = [launch.mpiexec_path(), "-n", "3", sys.executable]
+    state, reports = _train_lm(tmp_path, "mpi", mpiexec, "--mpi", "--plan", str(plan))
+    assert [r["place"] for r in reports] == [[0, 0], [0, 1], [1, 0]]
+    assert reports[0]["backend"] == "mpi" and all(r["traffic"]["allreduce"] > 0 for r in reports)
+    _same_as(lm_single, state, reports[0]["losses"])
+
+
+def test_hetcoll_plan_writes_a_plan_train_lm_runs_like_one_process(tmp_path):
+    """The planner's plan for the example's Llama (token inputs), run by torchrun, trains what
+    one process trains (to 1e-6: Llama's rotary embedding computes in float32, so a batch
+    and its rows split into micro-batches already differ by ~1e-7)."""
+    from hetcoll import Plan
+    from hetcoll.cli import main
+
+    cluster = tmp_path / "small.toml"
+    # Two slow devices with 2 MB each: the 310k-parameter Llama does not fit one of them.
+    cluster.write_text(SMALL_CLUSTER.replace("memory_bytes = 1.6e6", "memory_bytes = 2e6"))
+    plan = tmp_path / "lm.json"
+    sys.path.insert(0, str(LM_SCRIPT.parent))
+    try:
+        argv = ["plan", "--model", "train_lm:make_model", "--input", "64", "--dtype", "int64"]
+        assert main([*argv, "--batch", "12", "--cluster", str(cluster), "--out", str(plan)]) == 0
+    finally:
+        sys.path.remove(str(LM_SCRIPT.parent))
+    written = Plan.load(plan)
+    # A pipeline over the three devices, cut between decoder layers (see the planner's tests).
+    assert written.batch == 12 and len(written.replicas[0].stages) == 3
+    llama = ["--arch", "llama"]
+    one, (report,) = _train_lm(tmp_path, "one", [sys.executable], *llama)
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone"]
+    torchrun.append(f"--nproc-per-node={max(written.ranks) + 1}")
+    state, reports = _train_lm(tmp_path, "planned", torchrun, *llama, "--plan", str(plan))
+    assert reports[0]["plan"] == written.to_dict()
+    assert reports[0]["losses"] == pytest.approx(report["losses"], rel=1e-6)
+    for k, v in one.items():
+        assert float((state[k] - v).abs().max()) <= 1e-6 * float(v.abs().max()), k

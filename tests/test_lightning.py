@@ -336,3 +336,90 @@ def test_checkpoints_with_loader_workers_resume_at_the_next_step_trained(tmp_pat
         assert_exact(trainer, 2, shuffle=True)
         # The steps after k, and no other: 8 steps in two epochs of 4.
         assert [len(s) for s in batch_sizes(out, devices)] == [8 - k] * devices
+
+
+# -- a padded language model: items= weighs each rank by its valid tokens -------------------------
+
+
+class PaddedLM(LightningModule):
+    """A language model whose loss is the mean over the batch's valid labels (-100: padding);
+    the loader yields the global batches of ``lm_common`` in order."""
+
+    def __init__(self, name: str, world: int) -> None:
+        super().__init__()
+        from lm_common import MODELS
+
+        self.net = MODELS[name]()
+        self.world = world
+
+    def training_step(self, batch, batch_idx):
+        from lm_common import lm_loss
+
+        x, y = batch
+        return lm_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        from lm_common import optimizer
+
+        return optimizer(self.net)
+
+    def train_dataloader(self):
+        from lm_common import SHARES, global_batches
+
+        batches = global_batches(self.world)
+        x, y = (torch.cat(t) for t in zip(*batches))
+        return DataLoader(TensorDataset(x, y), batch_size=sum(SHARES[self.world]), shuffle=False)
+
+
+@pytest.mark.parametrize(
+    ("name", "world", "weigh"),
+    [("gpt2", 2, "items"), ("encoder", 3, "items"), ("gpt2", 2, "rows")],
+)
+def test_items_train_a_padded_lm_as_one_process(name, world, weigh):
+    """Uneven shares and uneven padding (in one step the last rank has no valid label):
+    with items= the weights equal one process's on the same global batches (the mean over every
+    valid token) to 1e-10 in float64; weighed by rows (the default) they do not."""
+    from lm_common import SHARES, items, reference, rel_err
+
+    count = {"items": lambda batch: items(batch[1]), "rows": None}[weigh]
+    trainer = Trainer(
+        strategy=BalancedStrategy(shares=SHARES[world], items=count, start_method=START),
+        accelerator="cpu",
+        devices=world,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(PaddedLM(name, world))
+    got = [p.detach() for p in trainer.lightning_module.net.parameters()]
+    err = rel_err(got, reference(name, world))
+    if weigh == "items":
+        assert err <= 1e-10
+    else:
+        assert not err <= 1e-3
+
+
+def test_items_must_be_a_function():
+    with pytest.raises(TypeError, match="items: must be a function"):
+        BalancedStrategy(items=5)
+
+
+def test_a_bad_item_count_raises_naming_items():
+    """Raised on every rank at the step's start (no rank waits in the backward); Lightning's
+    launcher re-raises it here."""
+    trainer = Trainer(
+        strategy=BalancedStrategy(shares=[3, 5], items=lambda batch: -1, start_method=START),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    with pytest.raises(Exception, match="ValueError: items: rank 0 counted -1 for this step"):
+        trainer.fit(PaddedLM("encoder", 2))

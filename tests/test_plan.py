@@ -14,7 +14,7 @@ import torchvision
 from torch import nn
 
 from hetcoll import Plan, launch
-from hetcoll.torch.layers import model_layers
+from hetcoll.torch.layers import model_cut, model_layers
 from hetcoll.torch.parallel import schedule_order
 
 HERE = Path(__file__).resolve().parent
@@ -206,8 +206,11 @@ def test_model_layers_of_real_models():
         "flatten",
         "classifier",
     ]
-    with pytest.raises(ValueError, match="stage boundaries must carry one tensor"):
-        model_layers(torchvision.models.vit_b_16())
+    # Not chains: their blocks, repeated ones expanded (ViT's encoder layers, a top-level
+    # residual's two halves).
+    vit = [n for n, _ in model_layers(torchvision.models.vit_b_16())]
+    assert vit[:3] == ["conv_proj", "encoder.dropout", "encoder.layers.encoder_layer_0"]
+    assert vit[-3:] == ["encoder.layers.encoder_layer_11", "encoder.ln", "heads"]
 
     class Residual(nn.Module):
         def __init__(self):
@@ -217,7 +220,7 @@ def test_model_layers_of_real_models():
         def forward(self, x):
             return self.b(self.a(x)) + x
 
-    with pytest.raises(ValueError, match="not a chain of layers"):
-        model_layers(Residual())
+    assert model_cut(Residual()).kind == "blocks"
+    assert [n for n, _ in model_layers(Residual())] == ["a", "b"]
     with pytest.raises(TypeError, match=r"model: must be a torch\.nn\.Module"):
         model_layers("resnet")

@@ -77,7 +77,7 @@ def test_costs_know_the_top_level_layers_a_plan_counts() -> None:
     assert costs.plan_out_bytes[8] == costs.plan_out_bytes[9] == 512 * 4
     assert costs.plan_out_bytes[10] == 5 * 4
     bare = layer_costs(nn.Linear(4, 3), (4,))
-    assert bare.plan_layers == () and "not a chain" in bare.plan_layers_note
+    assert bare.plan_layers == () and "no child modules" in bare.plan_layers_note
     with pytest.raises(ValueError, match="top-level layers are unknown"):
         bare.check_plan_layers()
 

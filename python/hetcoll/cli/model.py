@@ -43,7 +43,16 @@ def _costs(args: argparse.Namespace, **kwargs: Any) -> Any:
     device: shapes only, so a model too large for this machine's memory is costed, not built."""
     from hetcoll.model import layer_costs, parse_shape
 
-    return layer_costs(build_model(args), parse_shape(args.input), **kwargs)
+    return layer_costs(
+        build_model(args), parse_shape(args.input), dtype=input_dtype(args), **kwargs
+    )
+
+
+def input_dtype(args: argparse.Namespace) -> Any:
+    """``--dtype`` as a torch dtype."""
+    from hetcoll.model.costs.inputs import dtype_of
+
+    return dtype_of(args.dtype)
 
 
 def build_model(args: argparse.Namespace) -> Any:
@@ -64,7 +73,24 @@ MODEL_HELP = (
     "(e.g. torchvision.models:resnet18 or mymodels:Net, found in the working directory); "
     "nothing else is called"
 )
-INPUT_HELP = "the shape of one sample, channels first, without the batch: e.g. 3x32x32"
+INPUT_HELP = (
+    "the shape of one sample, without the batch: e.g. 3x32x32 (an image, channels first) or "
+    "512 (a sequence of 512 token ids, with --dtype int64)"
+)
+#: The dtypes ``--dtype`` offers (torch's names).
+INPUT_DTYPES = ("float32", "float64", "bfloat16", "float16", "int64", "int32")
+DTYPE_HELP = (
+    "the input's dtype: float32 (default) for images and features, int64 or int32 for token "
+    "ids (the model's forward takes them as its one positional input, e.g. input_ids)"
+)
+
+
+def add_input(p: argparse.ArgumentParser) -> None:
+    """The ``--input`` and ``--dtype`` flags."""
+    p.add_argument("--input", required=True, help=INPUT_HELP)
+    p.add_argument("--dtype", choices=INPUT_DTYPES, default="float32", help=DTYPE_HELP)
+
+
 CLASSES_HELP = "number of classes of the built-in models (default 10)"
 
 
@@ -87,10 +113,14 @@ def _cmd_costs(args: argparse.Namespace) -> int:
             {
                 "model": args.model,
                 "input": list(costs.input_shape),
+                "dtype": args.dtype,
+                "inputs": [x.to_json() for x in costs.inputs],
                 "precision": costs.precision,
                 "params": costs.params,
                 "forward_flops": costs.forward_flops(1),
                 "backward_flops": costs.backward_flops(1),
+                "elementwise_forward_flops": costs.elementwise_flops(1)[0],
+                "elementwise_backward_flops": costs.elementwise_flops(1)[1],
                 "layers": [
                     {
                         "name": x.name,
@@ -98,6 +128,7 @@ def _cmd_costs(args: argparse.Namespace) -> int:
                         "params": x.params,
                         "forward_flops_per_sample": x.forward_flops(1),
                         "backward_flops_per_sample": x.backward_flops(1),
+                        "elementwise_flops_per_sample": list(x.elementwise_flops_per_sample),
                         "activation_bytes_per_sample": x.out_bytes_per_sample,
                         "gradient_bytes": x.gradient_bytes,
                     }
@@ -311,7 +342,7 @@ def add_model(sub: argparse._SubParsersAction) -> None:
         "counted on the meta device (no memory, any size): what the planner predicts from.",
     )
     c.add_argument("--model", required=True, help=MODEL_HELP)
-    c.add_argument("--input", required=True, help=INPUT_HELP)
+    add_input(c)
     c.add_argument("--classes", type=integer(1), default=10, help=CLASSES_HELP)
     add_precision(c)
     c.add_argument("--json", action="store_true", help="print JSON instead of a table")

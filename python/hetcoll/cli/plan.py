@@ -14,11 +14,12 @@ from typing import Any
 from hetcoll.cli.arguments import MAX_UNITS, integer, writable_file
 from hetcoll.cli.model import (
     CLASSES_HELP,
-    INPUT_HELP,
     MODEL_HELP,
+    add_input,
     add_precision,
     build_model,
     fmt_s,
+    input_dtype,
     shares_text,
 )
 
@@ -31,6 +32,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     costs = layer_costs(
         model,
         parse_shape(args.input),
+        dtype=input_dtype(args),
         conv_algorithm=args.conv_algorithm,
         precision=args.precision,
     )
@@ -126,13 +128,18 @@ def _left_out_text(cluster: Any, shares: list[int]) -> str:
     return ", ".join(f"{len(rs)} x {k} ({_ranks_text(rs)})" for k, rs in kinds.items())
 
 
-def _run_commands(best: Any, path: str, cluster: Any) -> list[str]:
-    """How to run the plan of ``best`` written to ``path`` with examples/train_plan.py: rank r
+def _script(costs: Any) -> str:
+    """The example that runs a plan of this model: the language-model one for token inputs."""
+    tokens = any(x.dtype.startswith(("int", "uint")) for x in getattr(costs, "inputs", ()))
+    return "examples/train_lm.py" if tokens else "examples/train_plan.py"
+
+
+def _run_commands(best: Any, path: str, cluster: Any, script: str) -> list[str]:
+    """How to run the plan of ``best`` written to ``path`` with ``script``: rank r
     is device r of the cluster file; a plan on a subset of the devices runs on the ranks up to
     the subset's last (those the planner predicted it with), the others are not started."""
     devices = best.detail.get("devices")
     world = max(devices) + 1 if devices else cluster.num_devices
-    script = "examples/train_plan.py"
     # torchrun starts the same number of ranks on every node: the nodes the ranks fill.
     counts, first = set(), 0
     for n in cluster.nodes:
@@ -231,6 +238,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         json.dump(
             {
                 "model": args.model,
+                "inputs": [x.to_json() for x in costs.inputs],
                 "batch": args.batch,
                 "devices": cluster.num_devices,
                 "nodes": _nodes_json(cluster),
@@ -306,10 +314,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             print(f"wrote {args.out}; run it (rank r on device r as listed above) with")
         else:
             print("write it with --out PLAN.json, then run it (rank r on device r above) with")
-        for command in _run_commands(best, path, cluster):
+        script = _script(costs)
+        for command in _run_commands(best, path, cluster, script):
             print(f"  {command}")
         print(
-            f"  (examples/train_plan.py is in hetcoll's repository: its make_model must build "
+            f"  ({script} is in hetcoll's repository: its make_model must build "
             f"{args.model}; or call hetcoll.torch.parallelize in your own script)"
         )
     elif best.feasible:
@@ -329,7 +338,7 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
         "memory, any size). --out writes the best plan as a file examples/train_plan.py runs.",
     )
     p.add_argument("--model", required=True, help=MODEL_HELP)
-    p.add_argument("--input", required=True, help=INPUT_HELP)
+    add_input(p)
     p.add_argument(
         "--cluster",
         required=True,

@@ -48,9 +48,14 @@ def _make_function() -> Any:
             comm: Communicator = ctx.comm
             grad = grad.contiguous()
             row = math.prod(ctx.local_shape[1:])
-            result = torch.empty(ctx.local_shape, dtype=grad.dtype, device=grad.device)
             deadline = deadline_of(ctx.timeout)
             counts = [n * row for n in ctx.counts]
+            device = grad.device
+            if device.type != "cpu" and comm.engine != "nccl":
+                # gloo, MPI: staged through host memory, as the forward's gather was
+                # (hetcoll.collectives.device.stage_on_host), like the group's CPU ranks.
+                grad = grad.cpu()
+            result = torch.empty(ctx.local_shape, dtype=grad.dtype, device=grad.device)
             if grad.device.type != "cpu":
                 import torch.distributed as dist
 
@@ -70,7 +75,7 @@ def _make_function() -> Any:
             comm.ireduce_scatterv(g_view.reshape(-1), r_view.reshape(-1), counts, kind).wait(
                 deadline
             )
-            return result, None, None
+            return result.to(device), None, None
 
     return AllgathervFn
 

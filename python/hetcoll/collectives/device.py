@@ -1,6 +1,8 @@
 """Device tensors (NCCL): the Rust kernels run on host memory, so the reductions and exchanges
 are the engine's own, with the allreduce weight fused into NCCL's reduction (``PREMUL_SUM``)
-where the engine has it."""
+where the engine has it. On engines that move host memory (gloo, MPI) device tensors are
+staged through the host instead (:func:`stage_on_host`) and take the CPU algorithms, the same
+as the group's CPU ranks take."""
 
 from __future__ import annotations
 
@@ -13,6 +15,28 @@ import numpy as np
 from hetcoll.collectives._common import ALGORITHMS
 from hetcoll.collectives._header import _exchange_shapes, _inline_words
 from hetcoll.comm import agree, wrap
+from hetcoll.kernels import is_tensor
+
+
+def stage_on_host(x: Any, group: Any) -> Any:
+    """A host copy of ``x`` when ``x`` is a device (CUDA) tensor and ``group``'s engine moves
+    host memory (gloo, MPI: anything but NCCL), else None (``x`` goes as it is, to NCCL or to
+    the CPU path). Every rank of such a group then runs the same CPU algorithm, whichever
+    device its tensor is on: a collective's ranks must agree on the algorithm, and gloo's own
+    CUDA support would not mix with the CPU ranks' point-to-point algorithms. The copy keeps
+    ``x``'s strides where they are dense, so the host path refuses a non-contiguous tensor with
+    its own error; a ``group`` that is no group gives None (the caller's own check raises)."""
+    if not is_tensor(x) or x.device.type == "cpu":
+        return None
+    try:
+        engine = wrap(group).engine
+    except (TypeError, ValueError):
+        return None
+    if engine == "nccl":
+        return None
+    import torch
+
+    return x.detach().to("cpu", memory_format=torch.preserve_format)
 
 
 def _allreduce_device(

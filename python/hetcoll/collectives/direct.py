@@ -5,6 +5,8 @@ allgatherv "direct" receives each piece straight into its place in the output.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from hetcoll import _core
@@ -19,15 +21,17 @@ def direct_allreduce(
     w: float,
     deadline: float | None,
     *,
-    normalize: bool = False,
+    weigh: Callable[[np.ndarray], np.ndarray] | None = None,
     tag: int = _TAG_DIRECT,
 ) -> None:
     """Every rank sends its raw buffer and its weight to every other rank (one round), then
     ``flat <- sum_q w_q * buf_q`` in rank order, in one Rust pass, on every rank alike.
 
-    ``normalize`` divides the weights by their sum first (the weighted DDP hook: weights are
-    sample counts); ``tag`` and ``tag + 1`` carry the weights and the data, so exchanges with
-    different tags may run at once on different threads (each thread has its own scratch)."""
+    ``weigh`` maps the weights as sent, in rank order, to the weights summed with (the weighted
+    DDP hook sends sample counts and weighs them with :func:`hetcoll.torch.item_weights`; it
+    may raise, on every rank alike); ``tag`` and ``tag + 1`` carry the weights and the data, so
+    exchanges with different tags may run at once on different threads (each thread has its own
+    scratch)."""
     p, r = c.size, c.rank
     weights = np.empty(p, np.float64)
     weights[r] = w
@@ -42,11 +46,8 @@ def direct_allreduce(
             c.isend(flat, q, tag + 1),
         ]
     wait_all(requests, deadline)
-    if normalize:
-        total = float(weights.sum())
-        if not total > 0:
-            raise ValueError(f"weight: the ranks' weights sum to {total}; normalizing needs > 0")
-        weights /= total
+    if weigh is not None:
+        weights = np.asarray(weigh(weights), np.float64)
     sources = [flat if q == r else peer[q] for q in range(p)]
     _core.weighted_sum_into(sources, [float(x) for x in weights], flat, bfloat16=bf16)
 

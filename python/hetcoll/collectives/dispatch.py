@@ -24,7 +24,7 @@ from hetcoll.collectives._common import (
     _weight,
 )
 from hetcoll.collectives._header import _inline_words
-from hetcoll.collectives.device import _allreduce_device
+from hetcoll.collectives.device import _allreduce_device, stage_on_host
 from hetcoll.collectives.direct import direct_allreduce
 from hetcoll.collectives.native import _native
 from hetcoll.collectives.ring import _ring, _ring_blocking
@@ -65,12 +65,29 @@ def allreduce(
     arguments are bad tells the others in that exchange, so they raise at once too.
     ``check=False`` skips it (a mismatch is then undefined behaviour, a hang or a timeout).
     ``segment_bytes`` cuts the ring's messages (default :data:`SEGMENT_BYTES`, or
-    :data:`TWO_RANK_SEGMENT_BYTES` on two ranks). A device tensor takes the native path, the
-    weight fused by NCCL (``PREMUL_SUM``), or on other engines a torch pre-scale.
+    :data:`TWO_RANK_SEGMENT_BYTES` on two ranks). A device (CUDA) tensor on NCCL takes NCCL's
+    own allreduce, the weight fused into it (``PREMUL_SUM``); on gloo or MPI it is staged
+    through host memory (copied to the host, reduced there as a CPU tensor by the same
+    algorithms, copied back), so that ranks holding CUDA tensors and ranks holding CPU tensors
+    reduce together in one group.
 
     >>> allreduce(grad, group, weight=local_batch / global_batch)  # doctest: +SKIP
     """
     group = group_argument(group, "allreduce", comm=comm)
+    host = stage_on_host(buf, group)
+    if host is not None:
+        allreduce(
+            host,
+            group,
+            weight=weight,
+            algorithm=algorithm,
+            speeds=speeds,
+            check=check,
+            timeout=timeout,
+            segment_bytes=segment_bytes,
+        )
+        buf.detach().copy_(host)  # type: ignore[attr-defined]
+        return buf
     if not isinstance(check, bool):
         raise TypeError(f"check: must be True or False, got {check!r}")
     # The group first: a rank whose other arguments are bad still tells the others. Without

@@ -14,7 +14,7 @@ import numpy as np
 from hetcoll.collectives import _tuning
 from hetcoll.collectives._common import _NO_SHARED, ALGORITHMS, ArrayT
 from hetcoll.collectives._header import FAILED, _exchange_shapes, _PeerFailed
-from hetcoll.collectives.device import _allgatherv_device
+from hetcoll.collectives.device import _allgatherv_device, stage_on_host
 from hetcoll.collectives.direct import _direct_allgather
 from hetcoll.collectives.ring import _ring_allgather
 from hetcoll.collectives.shared import _shared_round
@@ -43,7 +43,10 @@ def allgatherv(
     kind, or ``out``: an array of that kind, dtype and trailing shape, C-contiguous, with as
     many rows as all pieces together (checked once the lengths are known; a wrong count raises
     a ValueError on that rank after the exchange, so the others do not wait for it), which
-    saves allocating (and, for large outputs, page-faulting) a new one every call.
+    saves allocating (and, for large outputs, page-faulting) a new one every call. A device
+    (CUDA) tensor is gathered by NCCL on NCCL (all_to_all_single, no ``out``); on gloo or MPI
+    it is staged through host memory as :func:`hetcoll.allreduce` stages it, gathered as a CPU
+    tensor, and the result returned on its device.
     ``algorithm``: "native" is MPI_Allgatherv, or on torch all_to_all_single with uneven splits
     (gloo's all_gather rejects uneven pieces); "ring" passes the pieces around the ring with the
     engine's send/recv straight into the output, segment by segment; "direct" sends each piece
@@ -79,6 +82,12 @@ def _gather(
     out: Any = None,
 ) -> tuple[Any, list[int]]:
     """:func:`allgatherv`, plus every rank's length along axis 0."""
+    host = stage_on_host(local, comm)
+    if host is not None:  # gloo, MPI: gathered as a CPU tensor, like the group's CPU ranks
+        if out is not None:
+            raise ValueError("out: not supported for device tensors")
+        gathered, lengths = _gather(host, comm, deadline, algorithm, segment_bytes)
+        return gathered.to(local.device), lengths
     if is_tensor(local) and local.device.type != "cpu":
         if out is not None:
             raise ValueError("out: not supported for device tensors")

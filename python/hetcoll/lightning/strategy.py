@@ -8,6 +8,9 @@ each rank takes its share of every one, so the ranks together see, step by step,
 one process would see. DDP's gradient averaging is replaced by hetcoll's comm hook
 (:func:`~hetcoll.torch.weighted_allreduce_hook`), with each step's local batch size set from
 the batch the loader hands the rank, so the averaged gradient is the full-batch gradient.
+With ``items``, a function of the batch counting what ``training_step``'s loss averages over
+(a language model's valid tokens), each rank weighs its items instead, exchanged at the start
+of every step (:meth:`hetcoll.torch.WeightedAllreduceState.count`).
 
 Shares, in order of precedence: given (``shares``), split from relative ``speeds``
 (:func:`hetcoll.split`), measured when training starts (``measure=True``: every rank times its
@@ -48,6 +51,7 @@ from hetcoll.torch import (
     measure_speed,
     weighted_allreduce_hook,
 )
+from hetcoll.torch.batches import Items, items_argument
 
 _OWN_HOOK_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper")
 
@@ -156,7 +160,13 @@ class BalancedStrategy(DDPStrategy):
     them: equal shares. ``rebalance_every``: re-solve the shares from the step times every so
     many steps (:class:`hetcoll.torch.Rebalancer`). ``seed``: the shuffle's seed when the
     loader's sampler is a ``RandomSampler`` (with Lightning's injected ``DistributedSampler``
-    its seed is used). Other keyword arguments go to ``DDPStrategy`` (e.g.
+    its seed is used). ``items``: when ``training_step``'s loss is a mean over something else
+    than the batch's rows, such as a language model's valid tokens, a function of the batch as
+    the loader yields it that counts them (``items=lambda batch: int((batch[1] != -100).sum())``
+    for ``(ids, labels)`` batches); each rank's gradient is then weighed by its items and every
+    step is the gradient of the mean over all valid items of the global batch (the shares, the
+    probe and the rebalancer still count rows). A bad count raises ``ValueError`` naming
+    ``items`` on every rank. Other keyword arguments go to ``DDPStrategy`` (e.g.
     ``start_method="spawn"``); its comm-hook arguments are taken by this strategy.
 
     The training loader's sampler decides the order: Lightning's ``DistributedSampler`` (its
@@ -180,6 +190,7 @@ class BalancedStrategy(DDPStrategy):
         *,
         seed: int = 0,
         measure_budget: float = 10.0,
+        items: Items | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         given = [n for n, v in (("shares", shares), ("speeds", speeds)) if v is not None]
@@ -203,6 +214,7 @@ class BalancedStrategy(DDPStrategy):
             raise ValueError(
                 f"measure_budget: must be a number of seconds > 0, got {measure_budget!r}"
             )
+        self.items = items_argument(items)
         for name in _OWN_HOOK_ARGUMENTS:
             if name in ddp_kwargs:
                 raise TypeError(f"{name}: BalancedStrategy registers its own DDP comm hook")
@@ -237,7 +249,10 @@ class BalancedStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # Lightning registers hooks on CUDA only; this one runs on every device.
         assert isinstance(self.model, DistributedDataParallel)
-        self.hook_state = WeightedAllreduceState(None, local_batch=0)
+        if self.items is not None:
+            self.hook_state = WeightedAllreduceState(None, items=self.items)
+        else:
+            self.hook_state = WeightedAllreduceState(None, local_batch=0)
         self.model.register_comm_hook(self.hook_state, weighted_allreduce_hook)
 
     def setup(self, trainer: Trainer) -> None:
@@ -369,7 +384,10 @@ class BalancedStrategy(DDPStrategy):
         super().on_train_batch_start(batch, batch_idx)
         self._local_batch = int(extract_batch_size(batch))
         if self.hook_state is not None:
-            self.hook_state.local_batch = self._local_batch
+            if self.items is not None:
+                self.hook_state.count(batch)  # collective: every rank's items for this step
+            else:
+                self.hook_state.local_batch = self._local_batch
         self._step_start = time.perf_counter()
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:

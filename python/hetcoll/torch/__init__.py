@@ -1,9 +1,9 @@
-"""PyTorch integration: balanced data parallelism (speed probe, sampler, exact sample-weighted
-gradient averaging for DDP and for MPI, rebalancing) and filter (model) parallelism with uneven,
-speed-proportional channel splits. Emulated heterogeneity, for trying these on one machine, is
-lab code: :mod:`hetcoll.lab.emulate`."""
+"""PyTorch integration: balanced data parallelism (speed probe, sampler, exact sample- or
+token-weighted gradient averaging for DDP and for MPI, rebalancing) and filter (model)
+parallelism with uneven, speed-proportional channel splits. Emulated heterogeneity, for trying
+these on one machine, is lab code: :mod:`hetcoll.lab.emulate`."""
 
-from hetcoll.torch.batches import BatchCounter
+from hetcoll.torch.batches import BatchCounter, item_total, item_weights
 from hetcoll.torch.filters import (
     FilterParallelBatchNorm1d,
     FilterParallelBatchNorm2d,
@@ -45,6 +45,8 @@ __all__ = [
     "gather_optimizer_state_dict",
     "gather_speeds",
     "gather_state_dict",
+    "item_total",
+    "item_weights",
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "measure_speed",

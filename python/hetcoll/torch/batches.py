@@ -7,15 +7,32 @@ samples of every forward that records a graph (grad enabled) since the last grad
 the samples whose gradients that exchange carries, gradient accumulation included. The DDP hook
 (:func:`hetcoll.torch.register_weighted_hook`) and the MPI optimizer
 (``DistributedOptimizer(..., model=model)``) use it.
+
+Rows are the right weight only when each rank's loss is a mean over its rows. A language model's
+loss is a mean over its valid tokens (labels padded with -100), so there the weight of a rank is
+its number of valid tokens: ``items(y)``, a function of the step's targets that counts what
+``loss_fn`` averages over (e.g. ``lambda y: int((y != -100).sum())``), replaces the rows
+wherever hetcoll weights ranks (the DDP hook, :class:`~hetcoll.torch.DistributedOptimizer`,
+Lightning's ``BalancedStrategy``). :func:`count_items` counts this rank's items without raising
+(a bad count must reach the other ranks, or they would wait for this one forever), and
+:func:`item_weights` is the one rule that turns every rank's count into its weight, raising the
+same error on every rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+import contextlib
+import numbers
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
+
+#: ``items(y)``: how many items (valid tokens, rows...) ``loss_fn`` averages over for the
+#: targets ``y`` of one step.
+Items = Callable[[Any], int]
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -86,3 +103,155 @@ class BatchCounter:
     def remove(self) -> None:
         """Stop counting (removes the forward pre-hook)."""
         self._handle.remove()
+
+
+def local_batch_value(n: object) -> int:
+    """A rank's sample count for one step, checked: an integer >= 0."""
+    if isinstance(n, bool) or not hasattr(n, "__index__") or int(n.__index__()) < 0:
+        raise ValueError(f"local_batch: must be an integer >= 0, got {n!r}")
+    return int(n.__index__())
+
+
+def items_argument(items: object) -> Items | None:
+    """``items`` checked: None (weigh by rows) or a callable ``items(y) -> int``."""
+    if items is not None and not callable(items):
+        raise TypeError(
+            "items: must be a function items(y) -> int counting what loss_fn averages over "
+            f"(e.g. lambda y: int((y != -100).sum())), or None for rows; got {type(items).__name__}"
+        )
+    return items
+
+
+# -- the weight rule -------------------------------------------------------------------------------
+
+#: A rank's count as exchanged, ``(status, value)`` (two int64, so it rides in
+#: :func:`hetcoll.comm.agree`'s per-rank values): ``COUNTED`` with the count, or why there is
+#: none. ``NOT_INTEGER`` carries the float64 bits of the value (every rank can print it).
+COUNTED, NEGATIVE, NOT_INTEGER, NOT_A_NUMBER, RAISED, TOO_LARGE, NOT_COUNTED = range(7)
+#: Counts travel as float64 weights too: beyond 2**53 they would no longer be exact.
+MAX_ITEMS = 1 << 53
+
+
+class LocalCount(NamedTuple):
+    """This rank's count for one step, as :func:`item_weights` reads it: ``status`` and
+    ``value`` (see :data:`COUNTED`), and ``failure``, this rank's own error when the status is
+    not ``COUNTED`` (raised from the error every rank raises, so its details are not lost)."""
+
+    status: int
+    value: int
+    failure: BaseException | None = None
+
+    @property
+    def exchanged(self) -> list[int]:
+        """The two integers every rank sends."""
+        return [self.status, self.value]
+
+
+def counted(n: int) -> LocalCount:
+    """A count known to be valid (rows counted by hetcoll, a checked ``local_batch``)."""
+    return LocalCount(COUNTED, int(n))
+
+
+def not_counted(argument: str, why: str) -> LocalCount:
+    """No count for this step on this rank (nothing was counted since the last exchange)."""
+    return LocalCount(NOT_COUNTED, 0, RuntimeError(f"{argument}: {why}"))
+
+
+def count_items(items: Items, y: Any) -> LocalCount:
+    """``items(y)`` for this rank's targets, checked but never raised: a bad count is carried to
+    the exchange, where every rank raises (:func:`item_weights`). An integer >= 0 (an ``int``,
+    a numpy integer or an integer tensor of one element); bool is refused."""
+    try:
+        value = items(y)
+    except Exception as e:
+        return LocalCount(RAISED, 0, e)
+    what = f"items: items(y) returned {value!r}; it must return an integer >= 0"
+    if not isinstance(value, bool) and hasattr(value, "__index__"):
+        try:
+            n = int(value.__index__())
+        except (TypeError, RuntimeError):  # a tensor of several elements, a float tensor
+            n = None
+        if n is not None:
+            if n < 0:
+                return LocalCount(NEGATIVE, max(n, -(1 << 63)), ValueError(what))
+            if n >= MAX_ITEMS:
+                return LocalCount(TOO_LARGE, 0, ValueError(f"{what} below 2**53"))
+            return LocalCount(COUNTED, n)
+    f = None
+    if isinstance(value, (numbers.Real, np.generic, torch.Tensor)) and not isinstance(value, bool):
+        with contextlib.suppress(TypeError, ValueError, RuntimeError):  # several elements
+            f = float(value)
+    if f is None:  # a str, a bool, a list...
+        return LocalCount(NOT_A_NUMBER, 0, TypeError(what))
+    bits = int(np.array(f, np.float64).view(np.int64))
+    return LocalCount(NOT_INTEGER, bits, ValueError(what))
+
+
+def _problem(argument: str, rank: int, status: int, value: int) -> BaseException:
+    """The error every rank raises for ``rank``'s bad count (the same text on every rank)."""
+    counted_by = "items(y)" if argument == "items" else argument
+    if status == NOT_COUNTED:
+        fix = (
+            "count each step's targets (state.count(y) / opt.count(y)) on every rank"
+            if argument == "items"
+            else "run the step's forward (with gradients) through the model the counter watches"
+        )
+        return RuntimeError(f"{argument}: rank {rank} counted nothing for this step; {fix}")
+    if status == RAISED:
+        return ValueError(f"{argument}: {counted_by} raised an exception on rank {rank}")
+    if status == NEGATIVE:
+        got = str(value)
+    elif status == NOT_INTEGER:
+        got = repr(float(np.array(value, np.int64).view(np.float64)))
+    elif status == TOO_LARGE:
+        got = "2**53 or more"
+    else:
+        got = "something that is not a number"
+    return ValueError(
+        f"{argument}: rank {rank} counted {got} for this step; {counted_by} must be an integer "
+        ">= 0 (what loss_fn averages over)"
+    )
+
+
+def counted_rows(counts: Any) -> np.ndarray:
+    """Every rank's valid count (rows counted by hetcoll, exchanged as numbers) as
+    :func:`item_weights` reads them."""
+    n = np.asarray(counts, np.float64).reshape(-1)
+    return np.stack([np.full(n.shape, COUNTED, np.int64), n.astype(np.int64)], axis=1)
+
+
+def item_total(
+    counts: np.ndarray, argument: str = "items", failure: BaseException | None = None
+) -> int:
+    """``N = sum_r n_r``, the denominator of :func:`item_weights` (which see), checked alike:
+    for a sum formed after the ranks' scaled gradients were reduced."""
+    counts = np.asarray(counts, np.int64).reshape(-1, 2)
+    for rank, (status, value) in enumerate(counts.tolist()):
+        if status != COUNTED:
+            raise _problem(argument, rank, status, value) from failure
+    total = int(counts[:, 1].sum())
+    if total <= 0:
+        unit = "items" if argument == "items" else "samples"
+        raise ValueError(
+            f"{argument}: every rank counted 0 {unit} for this step; the global batch has "
+            "nothing to average over"
+        )
+    return total
+
+
+def item_weights(
+    counts: np.ndarray, argument: str = "items", failure: BaseException | None = None
+) -> np.ndarray:
+    """Every rank's weight for one step from every rank's count, the one rule of hetcoll's
+    weighted averaging: ``w_r = n_r / N`` with ``N = sum_r n_r``, so that ``sum_r w_r g_r`` is the
+    gradient of the mean over all ``N`` items of the global batch when each rank's loss is the
+    mean over its own ``n_r``. A rank with ``n_r = 0`` is legal and weighs 0: it contributes
+    nothing (send zeros, not ``0 * g_r``: its loss, a mean over nothing, may be NaN).
+
+    ``counts``: the ``(ranks, 2)`` integers of every rank's :class:`LocalCount`, in rank order,
+    the same on every rank, so every rank raises the same error: ``ValueError`` naming
+    ``argument`` for a bad count (the first such rank) or a global total of 0, ``RuntimeError``
+    for a rank that counted nothing. ``failure``: this rank's own error, chained.
+    """
+    total = item_total(counts, argument, failure)
+    return np.asarray(counts, np.int64).reshape(-1, 2)[:, 1].astype(np.float64) / float(total)

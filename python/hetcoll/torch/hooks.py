@@ -5,21 +5,25 @@ only when every rank has the same batch size. With local batches ``n_r`` and eac
 mean over its own batch (PyTorch's default), the full-batch gradient is
 ``sum_r n_r * g_r / sum_r n_r``. This hook computes exactly that: each bucket is pre-scaled by
 ``n_r`` (one fused pass; the Rust kernel for CPU tensors, torch for device tensors), summed with
-the process group's allreduce, and divided by ``N = sum_r n_r``. ``N`` is itself summed across
-ranks once per step, by a one-element allreduce issued with the step's first bucket, so a ragged
+the process group's allreduce, and divided by ``N = sum_r n_r`` (:func:`hetcoll.torch.item_total`,
+the rule's denominator). The ``n_r`` are gathered once per step, by a one-element allgather
+issued with the step's first bucket, so a ragged
 last batch or a share change between steps needs nothing more: :func:`register_weighted_hook`
 counts each step's samples off the DDP model's forward (:class:`hetcoll.torch.BatchCounter`);
 a state built by hand takes ``state.local_batch = len(batch)`` instead.
 
-Small CPU buckets take a shorter road (``algorithm="direct"``, the default choice for them): every
-rank sends its raw bucket and its ``n_r`` to every other rank in one round of point-to-point
+Small buckets on gloo take a shorter road (``algorithm="direct"``, the default choice for them):
+every rank sends its raw bucket and its ``n_r`` to every other rank in one round of point-to-point
 messages, and each rank forms ``sum_r (n_r / N) * g_r`` in rank order with one Rust pass, the
 weights fused into the reduction. It is one message latency instead of the several rounds of a
-ring allreduce plus the count's allreduce; every rank computes bitwise the same sum. It is the
+ring allreduce plus the count's allgather; every rank computes bitwise the same sum. It is the
 exchange of ``hetcoll.allreduce(..., algorithm="direct")``. "auto" takes it on two ranks below
 :data:`TWO_RANK_DIRECT_BELOW_BYTES` and on more while ``(p - 1)`` buckets are a few MiB (where
 :func:`hetcoll.allreduce` would, :data:`hetcoll.collectives.DIRECT_BYTES`). A worker thread runs
 it, so the hook returns at once and DDP keeps overlapping communication with the backward.
+A CUDA rank's buckets on gloo take the same road as the CPU ranks' (staged through host
+memory), so one GPU rank trains beside CPU ranks in one DDP group; on NCCL every bucket takes
+the allreduce, each rank's weight fused into NCCL's reduction (``PREMUL_SUM``).
 
 Usage::
 
@@ -35,6 +39,20 @@ or, as with PyTorch's own hooks, with the count set by hand::
     for x, y in loader:
         state.local_batch = len(x)
         loss_fn(ddp(x), y).backward()
+
+A loss that is a mean over something else than rows, such as a language model's mean over its
+valid tokens, weighs each rank by ``items(y)`` instead (:func:`hetcoll.torch.item_weights`, the
+rule; a rank with no valid token is legal and contributes nothing)::
+
+    state = register_weighted_hook(ddp, items=lambda y: int((y != -100).sum()))
+    for x, y in loader:
+        state.count(y)                      # collective: every rank, every step, before backward
+        loss_fn(ddp(x), y).backward()       # loss_fn: the mean over y's valid tokens
+
+``count(y)`` exchanges the ranks' counts at once (one small allgather), so a bad count (zero on
+every rank, a negative or non-integer ``items(y)``) raises a ``ValueError`` naming ``items`` on
+every rank there, before the backward; the hook then scales each bucket by this rank's weight
+``n_r / N`` and sums.
 """
 
 # No `from __future__ import annotations`: DDP inspects the hook's annotations at runtime and
@@ -44,19 +62,29 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 import hetcoll
 from hetcoll.collectives import choose_algorithm, direct_allreduce, premul_sum_op
-from hetcoll.comm import NOT_GIVEN, agree, group_argument, is_mpi_comm, wrap
+from hetcoll.comm import NOT_GIVEN, Communicator, agree, group_argument, is_mpi_comm, wrap
 from hetcoll.kernels import numpy_view
-from hetcoll.torch.batches import BatchCounter
+from hetcoll.torch.batches import (
+    BatchCounter,
+    Items,
+    count_items,
+    counted_rows,
+    item_total,
+    item_weights,
+    items_argument,
+    local_batch_value,
+)
 
 ALGORITHMS = ("auto", "direct", "allreduce")
 #: "auto" sends a bucket on two ranks through the direct exchange below this size, per
 #: backend. One round carries the bucket and the sample count, where the allreduce path adds the
-#: count's allreduce; and a step's buckets come one at a time as the backward frees them, the
+#: count's allgather; and a step's buckets come one at a time as the backward frees them, the
 #: way single calls are timed (there, on two gloo ranks, the direct exchange took 0.3-1.1x the
 #: time of dist.all_reduce up to 256 KiB; from 1 MiB its send/recv pairs were hit harder by the
 #: host's late wake-ups, 1.49x and 1.50x at 1 and 4 MiB). The data-parallel benchmark runs with
@@ -65,26 +93,21 @@ TWO_RANK_DIRECT_BELOW_BYTES: dict[str, float] = {"gloo": 1 << 20}
 _TAG_BASE = 42_000  # bucket i: its weight on _TAG_BASE + 2i, its data on _TAG_BASE + 2i + 1
 
 
-def local_batch_value(n: object) -> int:
-    """A rank's sample count for one step, checked: an integer >= 0."""
-    if isinstance(n, bool) or not hasattr(n, "__index__") or int(n.__index__()) < 0:
-        raise ValueError(f"local_batch: must be an integer >= 0, got {n!r}")
-    return int(n.__index__())
-
-
 class WeightedAllreduceState:
-    """State of :func:`weighted_allreduce_hook`: the process group and this rank's number of
-    samples in the current step (set it before each backward when it changes, or give
-    ``counter``, a :class:`hetcoll.torch.BatchCounter` on the DDP model, to count it off each
-    step's forwards: :func:`register_weighted_hook` does both).
+    """State of :func:`weighted_allreduce_hook`: the process group and this rank's count in the
+    current step, in one of three ways: ``local_batch``, its samples (set it before each
+    backward when it changes); ``counter``, a :class:`hetcoll.torch.BatchCounter` on the DDP
+    model that counts them off each step's forwards (:func:`register_weighted_hook` sets one
+    up); or ``items``, a function ``items(y)`` counting what the loss averages over (valid
+    tokens, ...), given each step's targets by :meth:`count`.
 
     ``group``: the torch.distributed process group DDP runs on (None: the default group, as
     everywhere in hetcoll once torch.distributed is initialised, which DDP needs);
     ``process_group=`` is its deprecated name.
 
-    ``algorithm``: "direct" (one round of point-to-point messages, CPU buckets), "allreduce"
-    (pre-scale and the process group's allreduce) or "auto" (direct for small CPU buckets or two
-    ranks; see the module docstring).
+    ``algorithm``: "direct" (one round of point-to-point messages; not on NCCL), "allreduce"
+    (pre-scale and the process group's allreduce) or "auto" (direct for small buckets or two
+    ranks, not on NCCL; see the module docstring).
 
     ``ready_at``: ``time.perf_counter()`` when the latest step's last gradient bucket was
     ready, before any waiting for the other ranks. With the time the step started it gives this
@@ -98,6 +121,7 @@ class WeightedAllreduceState:
         *,
         algorithm: str = "auto",
         counter: BatchCounter | None = None,
+        items: Items | None = None,
         process_group: Any = NOT_GIVEN,
     ) -> None:
         group = group_argument(group, "WeightedAllreduceState", process_group=process_group)
@@ -108,21 +132,34 @@ class WeightedAllreduceState:
             )
         if counter is not None and not isinstance(counter, BatchCounter):
             raise TypeError(f"counter: must be a BatchCounter, got {type(counter).__name__}")
-        if local_batch is None and counter is None:
+        items = items_argument(items)
+        if items is not None and (local_batch is not None or counter is not None):
+            raise TypeError(
+                "items: give items= (each step's targets counted by state.count(y)) or "
+                "local_batch / counter (samples), not both"
+            )
+        if local_batch is None and counter is None and items is None:
             raise TypeError(
                 "local_batch: required (this rank's samples in the step) unless a counter "
-                "counts them; hetcoll.torch.register_weighted_hook(ddp) sets one up"
+                "counts them or items= counts the step's targets; "
+                "hetcoll.torch.register_weighted_hook(ddp) sets one up"
             )
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
         self.group = group
         #: The same group, under the name torch's own hook states use.
         self.process_group = group
+        self.algorithm = algorithm
+        self.counter = counter
+        #: ``items(y)`` (None: samples are counted): see :meth:`count`.
+        self.items = items
         self._local_batch: int | None = None
         if local_batch is not None:
             self.local_batch = local_batch
-        self.algorithm = algorithm
-        self.counter = counter
+        #: The global batch's items in the latest step :meth:`count` saw (with ``items``).
+        self.global_items: int | None = None
+        self._weight: float | None = None  # this step's n_r / N, set by count(), used once
+        self._comm: Communicator | None = None
         self._in_step = False
         self._step_total: torch.futures.Future | None = None
         self._direct_exchange: _DirectExchange | None = None
@@ -142,31 +179,81 @@ class WeightedAllreduceState:
 
     @property
     def local_batch(self) -> int | None:
-        """This rank's samples in the current step (with a counter: in the latest step whose
-        exchange began; None before the first)."""
+        """This rank's count in the current step: its samples (with a counter: in the latest
+        step whose exchange began), or with ``items`` its items (the latest :meth:`count`);
+        None before the first."""
         return self._local_batch
 
     @local_batch.setter
     def local_batch(self, n: int) -> None:
+        if self.items is not None:
+            raise TypeError("local_batch: this state counts items; call state.count(y) instead")
         self._local_batch = local_batch_value(n)
 
-    def _begin_step(self) -> int:
-        """This step's local batch, taken from the counter once, at the step's first bucket."""
+    def count(self, y: Any) -> None:
+        """This step's targets ``y``: this rank's count is ``items(y)``. Collective: every rank
+        of the group calls it once per step, before the backward; the ranks' counts are
+        exchanged here (one small allgather) and each rank's weight is ``n_r / N``
+        (:func:`hetcoll.torch.item_weights`), used by the next gradient exchange. A bad count on
+        any rank (``items(y)`` negative, not an integer, or raising; zero items on every rank)
+        raises ``ValueError`` naming ``items`` here, on every rank. A rank whose ``items(y)`` is
+        0 is legal: it contributes nothing that step (its loss, a mean over nothing, may be
+        NaN)."""
+        if self.items is None:
+            raise TypeError(
+                "items: count(y) needs a state built with items= (this one counts samples)"
+            )
+        if self._comm is None:
+            self._comm = wrap(self.process_group)
+        mine = count_items(self.items, y)
+        # The algorithm rides in the same exchange: ranks that chose differently would wait on
+        # messages of different kinds in the hook.
+        codes = ", ".join(f"{a!r} = {i}" for i, a in enumerate(ALGORITHMS))
+        fields = {f"algorithm ({codes})": ALGORITHMS.index(self.algorithm)}
+        counts = agree(self._comm, fields, values=mine.exchanged)
+        self._agreed = True
+        weights = item_weights(counts, "items", mine.failure)
+        self._local_batch = mine.value
+        self.global_items = int(counts[:, 1].sum())
+        self._weight = float(weights[self._comm.rank])
+
+    def _begin_step(self) -> tuple[float, bool]:
+        """This step's factor for the buckets, fixed at the step's first bucket: this rank's
+        weight ``n_r / N`` (with ``items``; True) or its samples ``n_r``, to be divided by the
+        ranks' sum (False)."""
+        if self.items is not None:
+            if self._weight is None:
+                raise RuntimeError(
+                    "items: no count for this step; call state.count(y) with the step's targets "
+                    "on every rank before the backward"
+                )
+            return self._weight, True
         if not self._in_step:
             if self.counter is not None:
                 self._local_batch = self.counter.take()
             self._in_step = True
         assert self._local_batch is not None  # the constructor requires it or a counter
-        return self._local_batch
+        return float(self._local_batch), False
 
-    def _global_batch(self) -> torch.futures.Future:
-        """Future of ``N = sum_r n_r`` for the current step; launched once per step."""
+    def _end_step(self) -> None:
+        """After the step's last bucket: the next call starts the next step, whose weight
+        :meth:`count` sets anew."""
+        self._in_step = False
+        self._weight = None
+
+    def _global_batch(self, local_batch: float) -> torch.futures.Future:
+        """Future of every rank's ``n_r`` for the current step (their sum is ``N``, see
+        :func:`hetcoll.torch.item_total`); launched once per step."""
         if self._step_total is None:
-            count = torch.tensor([float(self._begin_step())], dtype=torch.float64)
+            count = torch.tensor([int(local_batch)], dtype=torch.int64)
             if _backend(self.process_group) == "nccl":
                 count = count.cuda()
-            work = dist.all_reduce(count, group=self.process_group, async_op=True)
-            self._step_total = work.get_future()
+            counts = count.new_empty(dist.get_world_size(self.process_group))
+            work = dist.all_gather_into_tensor(
+                counts, count, group=self.process_group, async_op=True
+            )
+            assert work is not None  # async_op=True
+            self._step_total = work.get_future().then(lambda _: counts)
         return self._step_total
 
 
@@ -190,7 +277,8 @@ def _scale_(buf: torch.Tensor, factor: float) -> None:
 def weighted_allreduce_hook(
     state: WeightedAllreduceState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: the bucket becomes ``sum_r n_r * grad_r / sum_r n_r`` on every rank."""
+    """DDP comm hook: the bucket becomes ``sum_r n_r * grad_r / sum_r n_r`` on every rank
+    (``n_r``: rank r's samples, or its items with ``items``)."""
     if not isinstance(state, WeightedAllreduceState):
         raise TypeError(
             "state: weighted_allreduce_hook needs a WeightedAllreduceState, got "
@@ -201,10 +289,19 @@ def weighted_allreduce_hook(
         state.ready_at = time.perf_counter()
     buf = bucket.buffer()
     state._agree()
-    local_batch = state._begin_step()
+    # factor: this rank's weight n_r / N (weighted) or its count n_r, the sum divided by N after.
+    factor, weighted = state._begin_step()
     if last:
-        state._in_step = False  # the next call starts the next step
-    if state.algorithm != "allreduce" and buf.device.type == "cpu" and buf.dtype in _KERNEL:
+        state._end_step()
+    if factor == 0:
+        # Nothing to average on this rank: it sends zeros, not 0 * its gradient (NaN where its
+        # loss was a mean over nothing).
+        buf.zero_()
+    # The choice reads only what every rank has alike (sizes, the rank count, the engine), not
+    # the bucket's device: a CUDA rank beside CPU ranks on gloo takes the direct exchange too,
+    # its bucket staged through host memory (on NCCL every bucket is on a GPU: the allreduce).
+    host_wire = buf.device.type == "cpu" or _backend(state.process_group) != "nccl"
+    if state.algorithm != "allreduce" and host_wire and buf.dtype in _KERNEL:
         if state._direct_exchange is None:
             state._direct_exchange = _DirectExchange(state.process_group)
         direct = state._direct_exchange
@@ -212,23 +309,25 @@ def weighted_allreduce_hook(
         c = direct.comm
         two = c.size == 2 and nbytes < TWO_RANK_DIRECT_BELOW_BYTES.get(c.engine, 0)
         if state.algorithm == "direct" or two or choose_algorithm(c, nbytes, False) == "direct":
-            return direct.submit(buf, local_batch, bucket.index(), last)
-    total_fut = state._global_batch()
-    if last:
-        state._step_total = None  # the next step sums its own batch sizes
+            return direct.submit(buf, factor, not weighted, bucket.index(), last)
     # On NCCL each rank's factor is applied inside the reduction kernel (PREMUL_SUM).
-    op = premul_sum_op(_backend(state.process_group), float(local_batch))
+    op = premul_sum_op(_backend(state.process_group), factor)
     if op is None:
         op = dist.ReduceOp.SUM
-        _scale_(buf, float(local_batch))
+        if factor != 0:
+            _scale_(buf, factor)
+    if weighted:  # the weights sum to 1 already: the sum is the result
+        work = dist.all_reduce(buf, op=op, group=state.process_group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+    total_fut = state._global_batch(factor)
+    if last:
+        state._step_total = None  # the next step sums its own batch sizes
     work = dist.all_reduce(buf, op=op, group=state.process_group, async_op=True)
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         reduced = fut.value()[0]
-        total = float(total_fut.wait()[0].item())
-        if total <= 0:
-            raise ValueError("local_batch: every rank reported 0 samples for this step")
-        reduced.div_(total)
+        counts = total_fut.wait().cpu().numpy()
+        reduced.div_(float(item_total(counted_rows(counts), "local_batch")))
         return reduced
 
     return work.get_future().then(finish)
@@ -237,6 +336,7 @@ def weighted_allreduce_hook(
 def register_weighted_hook(
     ddp: torch.nn.parallel.DistributedDataParallel,
     *,
+    items: Items | None = None,
     algorithm: str = "auto",
     batch_dim: int = 0,
 ) -> WeightedAllreduceState:
@@ -246,6 +346,12 @@ def register_weighted_hook(
     evaluation, do not count). Nothing to set in the training loop: uneven shares, a ragged
     last batch and new shares from :meth:`BalancedSampler.set_shares` are all weighed right.
 
+    ``items``: when the loss is a mean over something else than rows (a language model's
+    valid tokens: ``items=lambda y: int((y != -100).sum())``), each rank weighs ``items(y)``
+    instead; call ``state.count(y)`` with each step's targets on every rank before the backward
+    (:meth:`WeightedAllreduceState.count`). The gradient is then that of the mean over all valid
+    items of the global batch.
+
     The hook runs on ``ddp``'s own process group; ``algorithm`` as in
     :class:`WeightedAllreduceState`. Returns the state (its ``ready_at`` feeds the
     :class:`hetcoll.torch.Rebalancer`).
@@ -254,19 +360,22 @@ def register_weighted_hook(
         raise TypeError(
             f"ddp: must be a torch.nn.parallel.DistributedDataParallel, got {type(ddp).__name__}"
         )
-    state = WeightedAllreduceState(
-        ddp.process_group, algorithm=algorithm, counter=BatchCounter(ddp, batch_dim=batch_dim)
-    )
+    if items_argument(items) is not None:
+        state = WeightedAllreduceState(ddp.process_group, algorithm=algorithm, items=items)
+    else:
+        counter = BatchCounter(ddp, batch_dim=batch_dim)
+        state = WeightedAllreduceState(ddp.process_group, algorithm=algorithm, counter=counter)
     ddp.register_comm_hook(state, weighted_allreduce_hook)
     return state
 
 
 class _DirectExchange:
-    """The direct weighted exchange of :mod:`hetcoll.collectives` (``algorithm="direct"``,
-    weights normalized) per bucket, with each bucket's own message tags. gloo's send/recv works
-    have no futures, so a worker thread runs the exchanges and completes the hook's futures, and
-    the backward goes on meanwhile; the last bucket of a step, which the backward only waits for,
-    is exchanged right in the hook (no hand-over to the thread and back), beside the thread's."""
+    """The direct weighted exchange of :mod:`hetcoll.collectives` (``algorithm="direct"``;
+    sample counts weighed by the rule, or weights given) per bucket, with each bucket's own
+    message tags. gloo's send/recv works have no futures, so a worker thread runs the
+    exchanges and completes the hook's futures, and the backward goes on meanwhile; the last
+    bucket of a step, which the backward only waits for, is exchanged right in the hook (no
+    hand-over to the thread and back), beside the thread's."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.comm = wrap(group)
@@ -274,32 +383,42 @@ class _DirectExchange:
         threading.Thread(target=self._serve, name="hetcoll-direct", daemon=True).start()
 
     def submit(
-        self, buf: torch.Tensor, local_batch: int, index: int, last: bool
+        self, buf: torch.Tensor, factor: float, normalize: bool, index: int, last: bool
     ) -> torch.futures.Future:
+        """``factor``: this rank's weight, or (``normalize``) its count, divided by the
+        ranks' sum in the exchange."""
         fut: torch.futures.Future = torch.futures.Future()
         if last:
-            self._run(fut, buf, local_batch, index)
+            self._run(fut, buf, factor, normalize, index)
         else:
-            self._jobs.put((fut, buf, local_batch, index))
+            self._jobs.put((fut, buf, factor, normalize, index))
         return fut
 
     def _serve(self) -> None:
         while True:
             self._run(*self._jobs.get())
 
-    def _run(self, fut: torch.futures.Future, buf: torch.Tensor, n: int, index: int) -> None:
+    def _run(
+        self, fut: torch.futures.Future, buf: torch.Tensor, w: float, normalize: bool, index: int
+    ) -> None:
         try:
-            fut.set_result(self._exchange(buf, n, index))
+            fut.set_result(self._exchange(buf, w, normalize, index))
         except Exception as e:  # the backward that waits on the future raises it
             fut.set_exception(e)
 
-    def _exchange(self, buf: torch.Tensor, n: int, index: int) -> torch.Tensor:
-        view, bf16 = numpy_view(buf, "bucket")
-        try:
-            tag = _TAG_BASE + 2 * index
-            direct_allreduce(
-                self.comm, view.reshape(-1), bf16, float(n), None, normalize=True, tag=tag
-            )
-        except ValueError as e:
-            raise ValueError("local_batch: every rank reported 0 samples for this step") from e
+    def _exchange(self, buf: torch.Tensor, w: float, normalize: bool, index: int) -> torch.Tensor:
+        # A device bucket (a CUDA rank on gloo) goes through host memory, as hetcoll's
+        # collectives stage it (hetcoll.collectives.device.stage_on_host).
+        host = buf if buf.device.type == "cpu" else buf.cpu()
+        view, bf16 = numpy_view(host, "bucket")
+        tag = _TAG_BASE + 2 * index
+        weigh = _weigh_samples if normalize else None
+        direct_allreduce(self.comm, view.reshape(-1), bf16, w, None, weigh=weigh, tag=tag)
+        if host is not buf:
+            buf.copy_(host)
         return buf
+
+
+def _weigh_samples(sent: np.ndarray) -> np.ndarray:
+    """The ranks' sample counts, as the direct exchange carried them, weighed by the rule."""
+    return item_weights(counted_rows(sent), "local_batch")

@@ -1,23 +1,46 @@
-"""A model as a chain of layers: what a Plan's ``layers`` ranges count.
+"""A model as a list of layers: what a Plan's ``layers`` ranges count.
 
-An ``nn.Sequential`` is the chain of its children. Any other model is traced (``torch.fx``, with
-its top-level children kept whole) and its graph must then be a chain: each top-level call reads
-the previous one's output and constants only. torchvision's ResNet, for instance, becomes
-``conv1, bn1, relu, maxpool, layer1 .. layer4, avgpool, flatten, fc`` — the ``torch.flatten``
-its forward calls is a layer of its own. Tracing keeps the model's own modules, so their
-parameter names (and the state dict's keys) stay the original ones.
+Two kinds of models, told apart by :func:`model_cut`:
+
+- **Chains.** An ``nn.Sequential`` is the chain of its children. A model holding no
+  ``nn.ModuleList`` is traced (``torch.fx``, its top-level children kept whole) and, when its graph
+  is a chain — each top-level call reads the previous one's output and constants only — its
+  layers are those calls. torchvision's ResNet, for instance, becomes ``conv1, bn1, relu,
+  maxpool, layer1 .. layer4, avgpool, flatten, fc`` — the ``torch.flatten`` its forward calls is
+  a layer of its own. A stage boundary carries one tensor.
+- **Blocks**, every other model (a transformer: keyword inputs, masks and rotary embeddings
+  beside the hidden states, decoder layers in a ``ModuleList``): its blocks, each named by its
+  module path, with repeated blocks expanded so that a plan can cut between them. The root is
+  opened, and so is every module on the way to a *repeated container* — a ``ModuleList`` or
+  ``ModuleDict``, or an ``nn.Sequential`` of two or more children of one class (torchvision
+  ViT's encoder layers) — whose items become blocks; every other child is a block, whole.
+  Hugging Face's ``LlamaForCausalLM`` gives ``model.embed_tokens, model.rotary_emb,
+  model.layers.0 .. model.layers.N-1, model.norm, lm_head``. The code between blocks (masks,
+  position ids, a residual at the top level) is not a layer: a plan's stage runs it again for
+  itself (:mod:`hetcoll.torch.replay`), and stage boundaries carry the blocks' outputs that
+  cross the cut, whatever their structure.
+
+  Blocks are listed in call order when the model brings example inputs of its own (Hugging
+  Face's ``dummy_inputs``: a run on the meta device, no memory, no compute), else in the order
+  the model registers them, which is the call order of nearly every model.
+
+Either way the modules are the model's own, so their parameter names (and the state dict's keys)
+stay the original ones.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import fx, nn
 
-__all__ = ["Call", "model_layers"]
+from hetcoll.torch.replay import meta_copy, probe
+
+__all__ = ["Call", "ModelCut", "model_cut", "model_layers"]
 
 
 class _Input:
@@ -72,21 +95,100 @@ def _is_plain_sequential(m: nn.Module) -> bool:
     return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
 
 
+@dataclass(frozen=True)
+class ModelCut:
+    """How a plan cuts a model (:func:`model_cut`): ``kind`` ``"chain"`` (a stage boundary
+    carries one tensor) or ``"blocks"`` (stages replay the model's forward around their
+    blocks: :mod:`hetcoll.torch.replay`), and the ``layers`` a Plan's ranges index."""
+
+    kind: Literal["chain", "blocks"]
+    layers: list[tuple[str, nn.Module]]
+
+
 def model_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The layers of ``model`` in the order they run, as ``(name, module)``: a Plan's
-    ``layers`` ranges index this list. Names are the model's own child names (calls traced out
-    of a forward get their graph node's name). The modules are the model's own, not copies.
+    ``layers`` ranges index this list (see the module docs for chains and blocks). Names are
+    the model's own module paths (calls traced out of a chain's forward get their graph
+    node's name). The modules are the model's own, not copies.
 
     >>> [n for n, _ in model_layers(nn.Sequential(nn.Linear(4, 3), nn.ReLU()))]
     ['0', '1']
     """
+    return model_cut(model).layers
+
+
+def model_cut(model: nn.Module) -> ModelCut:
+    """:func:`model_layers`' list and whether it is a chain or blocks (module docs)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     if _is_plain_sequential(model):
         chain = list(model.named_children())
         if not chain:
             raise ValueError("model: an empty nn.Sequential has no layers")
-        return chain
+        return ModelCut("chain", chain)
+    if not any(isinstance(m, nn.ModuleList | nn.ModuleDict) for m in model.modules()):
+        try:
+            return ModelCut("chain", _chain(model))
+        except ValueError:
+            pass  # not a chain: its blocks
+    blocks = _blocks(model)
+    if not blocks:
+        raise ValueError(f"model: {type(model).__name__} has no child modules to cut between")
+    return ModelCut("blocks", _in_call_order(model, blocks))
+
+
+def _repeated(m: nn.Module) -> bool:
+    """A container of repeated blocks: a ModuleList or ModuleDict, or a plain Sequential of
+    two or more children of one class."""
+    if isinstance(m, nn.ModuleList | nn.ModuleDict):
+        return True
+    if _is_plain_sequential(m):
+        kinds = {type(c) for c in m.children()}
+        return len(list(m.children())) >= 2 and len(kinds) == 1
+    return False
+
+
+def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    holds = {id(m) for m in model.modules() if any(_repeated(d) for d in m.modules())}
+    out: list[tuple[str, nn.Module]] = []
+
+    def open_(m: nn.Module, prefix: str) -> None:
+        for name, child in m.named_children():
+            path = prefix + name
+            if _repeated(child):
+                out.extend((f"{path}.{k}", item) for k, item in child.named_children())
+            elif id(child) in holds:
+                open_(child, path + ".")
+            else:
+                out.append((path, child))
+
+    open_(model, "")
+    return out
+
+
+def _in_call_order(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]]
+) -> list[tuple[str, nn.Module]]:
+    """``blocks`` in the order a forward of the model's own example inputs calls them (blocks
+    it does not call last), or as they are when the model brings none."""
+    example = getattr(model, "dummy_inputs", None)
+    if not isinstance(example, Mapping) or not all(
+        isinstance(v, torch.Tensor) for v in example.values()
+    ):
+        return blocks
+    names = [n for n, _ in blocks]
+    try:
+        with torch.no_grad():
+            order = probe(model, names, [meta_copy(m) for _, m in blocks], dict(example)).order
+    except Exception:  # its example does not run: keep the registration order
+        return blocks
+    called = {names[k]: i for i, k in enumerate(order)}
+    at = {n: i for i, (n, _) in enumerate(blocks)}
+    return sorted(blocks, key=lambda b: (called.get(b[0], len(blocks) + at[b[0]]), at[b[0]]))
+
+
+def _chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A model's top-level calls, if its traced graph is a chain of one-tensor calls."""
     try:
         graph = _TopLevel().trace(model)
     except Exception as e:  # any tracing failure gets the same advice

@@ -7,7 +7,9 @@ never had).
 scales each by ``n_r / N`` while it copies), sums them in place with :func:`hetcoll.allreduce`
 (``MPI_Allreduce``, or hetcoll's ring for large buffers), unpacks, and only then runs the
 wrapped optimizer, so every rank applies the exact full-batch gradient
-``sum_r n_r g_r / N``. ``N`` and an agreement check (every rank must hold parameters of the
+``sum_r n_r g_r / N`` (``n_r``: rank r's samples, or with ``items=`` the items its loss averages
+over, such as valid tokens; the weights are :func:`hetcoll.torch.item_weights`'s). ``N`` and an
+agreement check (every rank must hold parameters of the
 same number, order, shapes and dtypes, or all ranks raise
 :class:`hetcoll.CollectiveMismatchError`) travel in one small all-gather per step.
 """
@@ -23,8 +25,18 @@ import torch
 from hetcoll import fusion
 from hetcoll.collectives import allreduce
 from hetcoll.comm import NOT_GIVEN, agree, group_argument, wrap
-from hetcoll.torch.batches import BatchCounter
-from hetcoll.torch.hooks import local_batch_value
+from hetcoll.torch.batches import (
+    NOT_COUNTED,
+    BatchCounter,
+    Items,
+    LocalCount,
+    count_items,
+    counted,
+    item_weights,
+    items_argument,
+    local_batch_value,
+    not_counted,
+)
 
 _SUPPORTED = (torch.float32, torch.float64)
 
@@ -37,14 +49,20 @@ class DistributedOptimizer:
     :func:`hetcoll.comm.wrap`'s default (torch's default group, else ``MPI.COMM_WORLD`` under
     mpiexec). ``comm=`` is its deprecated name.
 
-    This rank's samples in the step: give ``model`` and each step weighs the samples that went
+    This rank's count in the step, one of: ``model``, each step weighs the samples that went
     through ``model``'s forwards since the previous step (a :class:`BatchCounter` counts them,
-    along dimension ``batch_dim``); or give ``local_batch`` and set ``opt.local_batch`` whenever
-    it changes.
+    along dimension ``batch_dim``); ``local_batch``, set ``opt.local_batch`` whenever it
+    changes; or ``items``, a function ``items(y)`` counting what the loss averages over (a
+    language model's valid tokens: ``lambda y: int((y != -100).sum())``), given each step's
+    targets by :meth:`count` before :meth:`step`. A bad count on any rank (``items(y)``
+    negative, not an integer, or raising; zero items on every rank) raises ``ValueError``
+    naming ``items`` from :meth:`step` on every rank; a rank with zero items contributes nothing.
 
     >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
     ...                            model=model)  # doctest: +SKIP
     >>> loss_fn(model(x), y).backward(); opt.step()  # doctest: +SKIP
+    >>> opt = DistributedOptimizer(sgd, items=lambda y: int((y != -100).sum()))  # doctest: +SKIP
+    >>> opt.count(y); loss_fn(model(x), y).backward(); opt.step()  # doctest: +SKIP
     """
 
     def __init__(
@@ -54,6 +72,7 @@ class DistributedOptimizer:
         *,
         local_batch: int | None = None,
         model: torch.nn.Module | None = None,
+        items: Items | None = None,
         batch_dim: int = 0,
         fusion_bytes: int = 64 << 20,
         comm: Any = NOT_GIVEN,
@@ -65,7 +84,13 @@ class DistributedOptimizer:
             )
         if fusion_bytes < 1:
             raise ValueError(f"fusion_bytes: must be >= 1, got {fusion_bytes}")
-        if (local_batch is None) == (model is None):
+        items = items_argument(items)
+        if items is not None and (local_batch is not None or model is not None):
+            raise TypeError(
+                "items: give items= (each step's targets counted by opt.count(y)) or "
+                "local_batch / model= (samples), not both"
+            )
+        if items is None and (local_batch is None) == (model is None):
             raise TypeError(
                 "local_batch: give either local_batch (this rank's samples, set again when it "
                 "changes) or model= (the samples of its forwards are counted), not both"
@@ -76,6 +101,11 @@ class DistributedOptimizer:
         self.group = group
         self._comm = wrap(group)
         self.counter = None if model is None else BatchCounter(model, batch_dim=batch_dim)
+        #: ``items(y)`` (None: samples are counted): see :meth:`count`.
+        self.items = items
+        #: The global batch's count (samples, or items) in the latest synchronised step.
+        self.global_batch: int | None = None
+        self._pending: LocalCount | None = None  # this step's count(y), taken by synchronize
         self._local_batch: int | None = None
         if local_batch is not None:
             self.local_batch = local_batch
@@ -83,13 +113,43 @@ class DistributedOptimizer:
 
     @property
     def local_batch(self) -> int | None:
-        """This rank's samples in the step (with ``model=``: in the latest synchronised step;
-        None before the first)."""
+        """This rank's count in the step: its samples (with ``model=``: in the latest
+        synchronised step), or with ``items`` its items in the latest synchronised step; None
+        before the first."""
         return self._local_batch
 
     @local_batch.setter
     def local_batch(self, n: int) -> None:
+        if self.items is not None:
+            raise TypeError("local_batch: this optimizer counts items; call opt.count(y) instead")
         self._local_batch = local_batch_value(n)
+
+    def count(self, y: Any) -> None:
+        """This step's targets ``y``: this rank's count is ``items(y)``, weighed at the next
+        :meth:`step` (or :meth:`synchronize`). Local: nothing is exchanged here, and a bad count
+        raises from :meth:`step`, on every rank. Called again before the step, the last call
+        counts."""
+        if self.items is None:
+            raise TypeError(
+                "items: count(y) needs an optimizer built with items= (this one counts samples)"
+            )
+        self._pending = count_items(self.items, y)
+
+    def _local_count(self) -> tuple[LocalCount, str]:
+        """This step's count as exchanged, and the argument its errors name."""
+        if self.items is not None:
+            mine = self._pending
+            if mine is None:
+                mine = not_counted("items", "no count for this step; call opt.count(y) first")
+            self._pending = None
+            return mine, "items"
+        if self.counter is not None:
+            try:
+                self._local_batch = self.counter.take()
+            except RuntimeError as e:  # no forward: every rank raises, none waits
+                return LocalCount(NOT_COUNTED, 0, e), "local_batch"
+        assert self._local_batch is not None  # the constructor requires it or a counter
+        return counted(self._local_batch), "local_batch"
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -99,7 +159,8 @@ class DistributedOptimizer:
         return [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
 
     def synchronize(self) -> None:
-        """Replace every gradient by the sample-weighted mean over all ranks (collective)."""
+        """Replace every gradient by the mean over all ranks weighted by their counts, samples
+        or items (collective; :func:`hetcoll.torch.item_weights`)."""
         params = self._params()
         try:
             for i, p in enumerate(params):
@@ -108,27 +169,25 @@ class DistributedOptimizer:
                         f"optimizer: parameter {i} is {p.dtype} on {p.device}; the MPI path "
                         "handles float32/float64 CPU parameters"
                     )
-            if self.counter is not None:
-                self._local_batch = self.counter.take()
-        except (TypeError, RuntimeError) as e:  # the others raise too, at once (hetcoll.comm.agree)
-            agree(self._comm, {}, failure=e, values=[0])
+        except TypeError as e:  # the others raise too, at once (hetcoll.comm.agree)
+            agree(self._comm, {}, failure=e, values=[0, 0])
             raise
-        assert self._local_batch is not None  # the constructor requires it or a counter
-        local_batch = self._local_batch
+        mine, argument = self._local_count()
         # One allgather per step: the layout's fingerprint (ranks whose parameters differ in
         # number, order, shape or dtype would sum unrelated gradients, or abort MPI on buffers
-        # of different sizes) with every rank's sample count.
+        # of different sizes) with every rank's count.
         fields = {**_layout(params), "fusion_bytes": self.fusion_bytes}
-        batches = agree(self._comm, fields, values=[local_batch])
-        total = float(batches.sum())
-        if total <= 0:
-            raise ValueError("local_batch: every rank reported 0 samples for this step")
+        counts = agree(self._comm, fields, values=mine.exchanged)
+        scale = float(item_weights(counts, argument, mine.failure)[self._comm.rank])
+        self._local_batch = mine.value
+        self.global_batch = int(counts[:, 1].sum())
         grads: list[torch.Tensor] = []
         for p in params:
-            if p.grad is None:
+            if p.grad is None or scale == 0:
+                # A rank with nothing to average sends zeros, not 0 * its gradient (NaN where
+                # its loss was a mean over nothing).
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        scale = local_batch / total
         for bucket in self._buckets(grads):
             flat = fusion.pack(bucket, scale=scale)
             # The engine's allreduce or hetcoll's ring, by size; the layout is agreed already.

@@ -33,16 +33,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from hetcoll.comm import agree, start_agreement, wrap
 from hetcoll.plan import Plan, Stage
+from hetcoll.torch.batches import count_items, counted, item_weights, items_argument
 from hetcoll.torch.filters import (
     filter_parallel,
     filter_shares,
 )
-from hetcoll.torch.layers import model_layers
+from hetcoll.torch.layers import model_cut
 from hetcoll.torch.parallel_checkpoint import PlanCheckpoints, as_bytes
 from hetcoll.torch.placement import (
     Block,
@@ -50,6 +53,15 @@ from hetcoll.torch.placement import (
     StepIO,
     check_block_shapes,
     owners_blocks,
+)
+from hetcoll.torch.replay import (
+    Flow,
+    StageRoles,
+    StandIn,
+    meta_copy,
+    probe,
+    replay,
+    stage_roles,
 )
 from hetcoll.torch.state_dicts import (
     Part,
@@ -157,6 +169,22 @@ class Parallel(PlanCheckpoints, nn.Module):
         self._reductions: list[_Reduction] = []
         self._traffic: dict[str, int] = dict.fromkeys(TRAFFIC_KINDS, 0)
         self._shapes: dict[tuple[Any, ...], list[tuple[torch.Size, torch.dtype]]] = {}
+        self._items: Callable[[Any], int] | None = None
+        # A blocks model (hetcoll.torch.replay): its block names, each replica's stage of every
+        # block, which blocks hold no parameters, the probes by micro-batch shape, the model
+        # copy a probe runs (this rank's stage, or an idle rank's copy without blocks) and the
+        # blocks on the meta device.
+        self._kind = "chain"
+        self._names: list[str] = []
+        self._stage_of: list[list[int]] = []
+        self._parameter_free: list[bool] = []
+        self._flows: dict[Any, Flow] = {}
+        self._skeleton: list[nn.Module] = []  # in a list: not a submodule
+        self._meta_blocks: list[nn.Module] = []
+        # Canonical parameter names of tied aliases (a head tied to its embedding), and the
+        # layer whose stage writes each state-dict entry into a full checkpoint.
+        self._alias: dict[str, str] = {}
+        self._home: dict[str, int] = {}
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -175,12 +203,21 @@ class Parallel(PlanCheckpoints, nn.Module):
         collective counts the ``2 (p-1)/p`` of its buffer a ring sends)."""
         return dict(self._traffic)
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def step(self, inputs: Any, targets: Any) -> float:
         """Forward and backward of the global batch (the same ``inputs`` and ``targets`` on
         every rank, ``plan.batch`` rows each), gradients combined across replicas into this
         rank's parameters' ``.grad`` (accumulated onto what is there, as ``backward`` does).
-        Returns the batch's mean loss on every rank. Collective over the group."""
+        ``inputs`` is a tensor, or for a blocks model (:func:`hetcoll.torch.layers.model_cut`)
+        a dict of the forward's keyword arguments (``{"input_ids": ids, "attention_mask":
+        mask}``); ``targets`` a tensor or a dict of tensors. Both are cut into micro-batches
+        along dim 0. Returns the batch's mean loss (over its items: :func:`parallelize`'s
+        ``items``) on every rank. Collective over the group."""
         checked = self._check_batch(inputs, targets)
+        try:
+            weights = self._microbatch_weights(targets)
+        except BaseException:
+            checked()
+            raise
         # Reset in place: a split stage's CountingCommunicator holds this dict and counts into it.
         self._traffic.update(dict.fromkeys(TRAFFIC_KINDS, 0))
         if self._blocks:  # owners stages' shape rules, checked on every rank alike
@@ -197,12 +234,18 @@ class Parallel(PlanCheckpoints, nn.Module):
             for p in self.parameters():
                 kept[p] = p.grad
                 p.grad = None
-            local = self._run(inputs, targets, checked)
+            local = self._run(inputs, targets, checked, weights)
             self._combine()
             for p, g in kept.items():
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad + g
         else:
+            if self._kind == "blocks":  # the same probe as the working ranks: the same errors
+                try:
+                    self._flow(_rows(inputs, slice(0, self.plan.microbatch_sizes(0)[0])))
+                except BaseException:
+                    checked()
+                    raise
             checked()
             local = 0.0
         total = torch.tensor([local], dtype=torch.float64, device=self._wire_device())
@@ -225,16 +268,13 @@ class Parallel(PlanCheckpoints, nn.Module):
         compute but must not communicate: a replica's first stage runs its first forwards
         meanwhile, so the check costs the step nothing when the ranks reach it at different
         moments."""
-        ok = isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor)
-        rows_in = int(inputs.shape[0]) if ok and inputs.dim() else -1
-        rows_t = int(targets.shape[0]) if ok and targets.dim() else -1
-        shape = tuple(inputs.shape[1:]) if ok else ()
+        keyed = self._kind == "blocks"
+        rows_in, why_in = _batch_rows(inputs, "inputs", keyed)
+        rows_t, why_t = _batch_rows(targets, "targets", True)
         fields = {
             "the number of input rows": rows_in,
             "the number of target rows": rows_t,
-            "the input's shape": zlib.crc32(
-                repr((shape, str(getattr(inputs, "dtype", "")))).encode()
-            ),
+            "the input's shape": zlib.crc32(repr(_signature(inputs, 1)).encode()),
         }
         started = start_agreement(self._tr.comm, fields)
         done = False
@@ -245,11 +285,9 @@ class Parallel(PlanCheckpoints, nn.Module):
                 return
             done = True
             started()
-            if not ok:
-                raise TypeError(
-                    f"inputs, targets: must be tensors, got {type(inputs).__name__} and "
-                    f"{type(targets).__name__}"
-                )
+            for why in (why_in, why_t):
+                if why is not None:
+                    raise why
             for name, rows in (("inputs", rows_in), ("targets", rows_t)):
                 if rows != self.plan.batch:
                     raise ValueError(
@@ -280,7 +318,7 @@ class Parallel(PlanCheckpoints, nn.Module):
         return self._shapes[key]
 
     def _run(
-        self, inputs: torch.Tensor, targets: torch.Tensor, checked: Callable[[], None]
+        self, inputs: Any, targets: Any, checked: Callable[[], None], weights: list[list[float]]
     ) -> float:
         """This rank's forwards and backwards of the step; ``checked`` waits for the batch
         check (:meth:`_check_batch`) and is called before anything is sent or received."""
@@ -296,16 +334,15 @@ class Parallel(PlanCheckpoints, nn.Module):
         sizes = plan.microbatch_sizes(i)
         start = sum(r.samples for r in plan.replicas[:i])
         offsets = [start + sum(sizes[:k]) for k in range(len(sizes))]
-        batch = plan.batch
         comm = self._stage_comm
         wire = self._wire_device()
         sends: list[Any] = []
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         loss_sum = 0.0
 
-        def send(t: torch.Tensor, to: list[int], tag: int, kind: str) -> None:
+        def send(t: torch.Tensor, to: list[int], tag: int, kind: str, dtype: Any = None) -> None:
             checked()
-            t = t.detach().to(wire).contiguous()
+            t = t.detach().to(wire, dtype=dtype).contiguous()
             for r in to:
                 sends.append(tr.isend(t, r, tag))
                 self._traffic[kind] += t.numel() * t.element_size()
@@ -320,7 +357,11 @@ class Parallel(PlanCheckpoints, nn.Module):
         grad_sources = readers if (i, j + 1) in self._blocks else readers[:1]
         schedule = self._schedule(i)
         if stage.owners is not None:
-            return self._run_owners(inputs, targets, checked, offsets, sizes, readers, grad_sources)
+            return self._run_owners(
+                inputs, targets, checked, offsets, sizes, readers, grad_sources, weights[i]
+            )
+        if self._kind == "blocks":
+            return self._run_blocks(inputs, targets, checked, offsets, sizes, weights[i])
 
         # A single-rank first stage computes its first forwards while the batch check is in
         # flight; every other stage communicates from its first forward on.
@@ -343,17 +384,15 @@ class Parallel(PlanCheckpoints, nn.Module):
                         x = x_in
                     y = self.stage(x)
                     if last:
-                        loss = self._loss_fn(y, targets[rows].to(self._device)) * (sizes[k] / batch)
-                        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                            raise ValueError(
-                                "loss_fn: must return a one-element tensor (the micro-batch's mean "
-                                "loss)"
-                            )
+                        loss = self._loss(y, _rows(targets, rows), weights[i][k])
                         loss_sum += float(loss.detach())
                         saved[k] = (x_in, loss)
                     else:
                         if lead:
-                            send(y, readers, _TAG_ACTIVATION, "activations")
+                            # On the wire in the boundary's own dtype (the receiver's
+                            # buffer), whatever autocast computed it in.
+                            out_dtype = self._boundaries(inputs, sizes[k])[stage.layers[1] - 1][1]
+                            send(y, readers, _TAG_ACTIVATION, "activations", out_dtype)
                         saved[k] = (x_in, y)
                 else:
                     set_kind("gradients")
@@ -363,7 +402,8 @@ class Parallel(PlanCheckpoints, nn.Module):
                             y.backward()
                     else:
                         checked()
-                        grad = self._recv_sum(y, grad_sources, _TAG_GRADIENT)
+                        out_dtype = self._boundaries(inputs, sizes[k])[stage.layers[1] - 1][1]
+                        grad = self._recv_sum(y, grad_sources, _TAG_GRADIENT, out_dtype)
                         if y.requires_grad:
                             torch.autograd.backward(y, grad)
                     if x_in is not None and lead:
@@ -374,6 +414,198 @@ class Parallel(PlanCheckpoints, nn.Module):
             checked()  # a batch the ranks disagree on raises that, the same on every rank
             raise
         checked()
+        tr.wait(sends)
+        return loss_sum if last and lead else 0.0
+
+    def _loss(self, output: Any, targets: Any, weight: float) -> torch.Tensor:
+        """A micro-batch's loss scaled by its share of the batch's items; a micro-batch without
+        items contributes nothing (its mean loss is undefined) and is not backpropagated."""
+        if weight == 0.0:
+            return torch.zeros((), dtype=torch.float64)
+        loss = self._loss_fn(output, pytree.tree_map(self._on_device, targets))
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(
+                "loss_fn: must return a one-element tensor (the micro-batch's mean loss)"
+            )
+        return loss * weight
+
+    def _on_device(self, t: Any) -> Any:
+        return t.to(self._device) if isinstance(t, torch.Tensor) else t
+
+    def _microbatch_weights(self, targets: Any) -> list[list[float]]:
+        """Each replica's micro-batches' shares of the batch's items, by hetcoll's one weight
+        rule (:func:`hetcoll.torch.batches.item_weights`): ``items(targets)`` of the
+        micro-batch over the batch's (rows when ``items`` is None). The same on every rank
+        (every rank holds the batch), so a bad count raises on every rank."""
+        sizes = [self.plan.microbatch_sizes(i) for i in range(len(self.plan.replicas))]
+        if self._items is None:
+            counts = [counted(n) for row in sizes for n in row]
+        else:
+            counts, at = [], 0
+            for row in sizes:
+                for n in row:
+                    c = count_items(self._items, _rows(targets, slice(at, at + n)))
+                    if c.failure is not None:
+                        raise ValueError(
+                            f"items: for rows {at}:{at + n} of the batch: {c.failure}"
+                        ) from c.failure
+                    counts.append(c)
+                    at += n
+            if sum(c.value for c in counts) == 0:
+                raise ValueError("items: the batch has no items (items(targets) is 0)")
+        flat = item_weights(np.array([c.exchanged for c in counts], np.int64)).tolist()
+        out, at = [], 0
+        for row in sizes:
+            out.append(flat[at : at + len(row)])
+            at += len(row)
+        return out
+
+    def _flow(self, inputs: Any) -> Flow:
+        """The probe (:func:`hetcoll.torch.replay.probe`) of a micro-batch of this shape, and
+        every stage's roles checked, the same on every rank."""
+        key = _signature(inputs, 0)
+        if key not in self._flows:
+            model = self.stage if self.stage is not None else self._skeleton[0]
+            with torch.no_grad():
+                flow = probe(
+                    model, self._names, self._meta_blocks, pytree.tree_map(self._on_device, inputs)
+                )
+            for i, stage_of in enumerate(self._stage_of):
+                for j in range(max(stage_of) + 1):
+                    stage_roles(
+                        flow, self._names, stage_of, j, self._parameter_free, self._where(i)
+                    )
+            self._flows[key] = flow
+        return self._flows[key]
+
+    def _roles(self, flow: Flow, replica: int, stage: int) -> StageRoles:
+        """A stage's roles for the blocks (:func:`hetcoll.torch.replay.stage_roles`), kept
+        with the probe they come from."""
+        key = (replica, stage)
+        if key not in flow.roles:
+            stage_of, free = self._stage_of[replica], self._parameter_free
+            flow.roles[key] = stage_roles(
+                flow, self._names, stage_of, stage, free, self._where(replica)
+            )
+        return flow.roles[key]
+
+    def _where(self, replica: int) -> Callable[[int], str]:
+        return lambda j: f"plan.replicas[{replica}].stages[{j}]"
+
+    def _run_blocks(
+        self,
+        inputs: Any,
+        targets: Any,
+        checked: Callable[[], None],
+        offsets: list[int],
+        sizes: list[int],
+        weights: list[float],
+    ) -> float:
+        """:meth:`_run` for a blocks model: each micro-batch's forward replays the model around
+        the stage's blocks (:func:`hetcoll.torch.replay.replay`); the outputs of blocks a later
+        stage reads go to that stage's ranks, their gradients come back."""
+        assert self.place is not None and self.stage is not None
+        i, j = self.place
+        replica = self.plan.replicas[i]
+        stage = replica.stages[j]
+        last = j == len(replica.stages) - 1
+        lead = self.rank == stage.ranks[0]
+        stage_of = self._stage_of[i]
+        tr, wire, comm = self._tr, self._wire_device(), self._stage_comm
+        sends: list[Any] = []
+        saved: dict[int, tuple[dict[int, list[torch.Tensor]], Any, StageRoles]] = {}
+        loss_sum = 0.0
+
+        def send(t: torch.Tensor, to: list[int], tag: int, kind: str) -> None:
+            t = t.detach().to(wire).contiguous()
+            for r in to:
+                sends.append(tr.isend(t, r, tag))
+                self._traffic[kind] += t.numel() * t.element_size()
+
+        def set_kind(kind: str) -> None:
+            if comm is not None:
+                comm.kind = kind
+
+        def tensors(value: Any) -> list[torch.Tensor]:
+            return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+        checked()
+        try:
+            for op, k in schedule_order(self._schedule(i), j, len(replica.stages), len(sizes)):
+                rows = slice(offsets[k], offsets[k] + sizes[k])
+                if op == "F":
+                    set_kind("activations")
+                    batch_in = _rows(inputs, rows)
+                    flow = self._flow(batch_in)
+                    roles = self._roles(flow, i, j)
+                    received: dict[int, list[torch.Tensor]] = {}
+                    for b in roles.receives:
+                        source = replica.stages[stage_of[b]].ranks[0]
+                        got = []
+                        for leaf in flow.tensors(b):
+                            buf = torch.empty(leaf.shape, dtype=leaf.dtype, device=wire)
+                            tr.recv(buf, source, _TAG_ACTIVATION)
+                            got.append(buf.to(self._device).requires_grad_(leaf.requires_grad))
+                        received[b] = got
+                    output, captured = replay(
+                        self.stage,
+                        self._names,
+                        pytree.tree_map(self._on_device, batch_in),
+                        flow,
+                        roles,
+                        {b: flow.rebuild(b, got) for b, got in received.items()},
+                        self._device,
+                    )
+                    if last:
+                        loss = self._loss(output, _rows(targets, rows), weights[k])
+                        loss_sum += float(loss.detach())
+                        saved[k] = (received, loss, roles)
+                    else:
+                        if lead:  # in the probe's dtypes, whatever autocast computed them in
+                            for b, readers in roles.sends.items():
+                                for leaf, t in zip(
+                                    flow.tensors(b), tensors(captured[b]), strict=True
+                                ):
+                                    t = t.to(leaf.dtype)
+                                    for s in readers:
+                                        send(
+                                            t,
+                                            list(replica.stages[s].ranks),
+                                            _TAG_ACTIVATION,
+                                            "activations",
+                                        )
+                        saved[k] = (received, captured, roles)
+                else:
+                    set_kind("gradients")
+                    received, y, roles = saved.pop(k)
+                    flow = self._flow(_rows(inputs, rows))
+                    if last:
+                        if y.requires_grad:
+                            y.backward()
+                    else:
+                        outs, grads = [], []
+                        for b, readers in roles.sends.items():
+                            for leaf, t in zip(flow.tensors(b), tensors(y[b]), strict=True):
+                                if not leaf.requires_grad:
+                                    continue
+                                sources = [replica.stages[s].ranks[0] for s in readers]
+                                total = self._recv_sum(t, sources, _TAG_GRADIENT, leaf.dtype)
+                                if t.requires_grad:
+                                    outs.append(t)
+                                    grads.append(total)
+                        if outs:
+                            grads = [g.to(t.dtype) for t, g in zip(outs, grads, strict=True)]
+                            torch.autograd.backward(outs, grads)
+                    if lead:
+                        for b, got in received.items():
+                            to = list(replica.stages[stage_of[b]].ranks)
+                            for t in got:
+                                if t.requires_grad:
+                                    g = t.grad if t.grad is not None else torch.zeros_like(t)
+                                    send(g, to, _TAG_GRADIENT, "gradients")
+        except BaseException:
+            checked()
+            raise
         tr.wait(sends)
         return loss_sum if last and lead else 0.0
 
@@ -399,11 +631,16 @@ class Parallel(PlanCheckpoints, nn.Module):
         ranks = self.plan.replicas[replica].stages[stage].ranks
         return [ranks[0]] if (replica, stage) in self._blocks else list(ranks)
 
-    def _recv_sum(self, like: torch.Tensor, sources: list[int], tag: int) -> torch.Tensor:
+    def _recv_sum(
+        self, like: torch.Tensor, sources: list[int], tag: int, dtype: Any = None
+    ) -> torch.Tensor:
         """A tensor shaped as ``like`` received from each of ``sources`` and summed in their
-        (increasing) order."""
-        total = torch.zeros_like(like)
-        buf = torch.empty(like.shape, dtype=like.dtype, device=self._wire_device())
+        (increasing) order, in ``dtype`` (default ``like``'s: under autocast a boundary's
+        gradient travels in the boundary's own dtype, not the 16-bit one ``like`` was computed
+        in; autograd casts it back)."""
+        dtype = like.dtype if dtype is None else dtype
+        total = torch.zeros(like.shape, dtype=dtype, device=like.device)
+        buf = torch.empty(like.shape, dtype=dtype, device=self._wire_device())
         for r in sources:
             self._tr.recv(buf, r, tag)
             total += buf.to(self._device)
@@ -418,6 +655,7 @@ class Parallel(PlanCheckpoints, nn.Module):
         sizes: list[int],
         readers: list[int],
         grad_sources: list[int],
+        weights: list[float],
     ) -> float:
         """:meth:`_run` for an owners stage (:class:`hetcoll.torch.placement.OwnersStage`)."""
         assert self.place is not None and isinstance(self.stage, OwnersStage)
@@ -425,7 +663,7 @@ class Parallel(PlanCheckpoints, nn.Module):
         replica = self.plan.replicas[i]
         stage = replica.stages[j]
         first, last = j == 0, j == len(replica.stages) - 1
-        tr, wire, batch = self._tr, self._wire_device(), self.plan.batch
+        tr, wire = self._tr, self._wire_device()
         prev = replica.stages[j - 1] if not first else None
         sends: list[Any] = []
         losses: list[float] = []
@@ -456,11 +694,7 @@ class Parallel(PlanCheckpoints, nn.Module):
                 for r in readers:
                     send(out, r, _TAG_ACTIVATION, "activations")
                 return out
-            loss = self._loss_fn(out, targets[rows(m)].to(self._device)) * (sizes[m] / batch)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ValueError(
-                    "loss_fn: must return a one-element tensor (the micro-batch's mean loss)"
-                )
+            loss = self._loss(out, _rows(targets, rows(m)), weights[m])
             losses.append(float(loss.detach()))
             return loss
 
@@ -500,9 +734,57 @@ class Parallel(PlanCheckpoints, nn.Module):
                 piece.param.grad = piece.take(buf)
 
 
-def _layer_of(name: str, layer_names: list[str]) -> int:
-    head = name.split(".", 1)[0]
-    return layer_names.index(head)
+def _layer_of(name: str, layer_names: list[str]) -> int | None:
+    """The layer holding a state-dict entry (its module path starts with the layer's name), or
+    None for one outside every layer (a blocks model's parameters between its blocks)."""
+    best = None
+    for k, layer in enumerate(layer_names):
+        if name.startswith(layer + ".") and (best is None or len(layer) > len(layer_names[best])):
+            best = k
+    return best
+
+
+def _rows(value: Any, rows: slice) -> Any:
+    """The rows of a tensor, or of every tensor of a dict (other values kept)."""
+    return pytree.tree_map(lambda t: t[rows] if isinstance(t, torch.Tensor) else t, value)
+
+
+def _batch_rows(value: Any, name: str, keyed: bool) -> tuple[int, BaseException | None]:
+    """The rows of a batch's inputs or targets (a tensor, or when ``keyed`` a dict of
+    tensors agreeing on dim 0), or -1 and the error to raise."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            return -1, ValueError(f"{name}: a 0-dim tensor has no rows to split")
+        return int(value.shape[0]), None
+    if keyed and isinstance(value, Mapping) and value:
+        rows = {}
+        for key, t in value.items():
+            if not isinstance(key, str) or not isinstance(t, torch.Tensor) or t.dim() == 0:
+                return -1, TypeError(
+                    f"{name}: a dict of tensors with rows (keyword name -> tensor), got "
+                    f"{key!r}: {type(t).__name__}"
+                )
+            rows[key] = int(t.shape[0])
+        if len(set(rows.values())) > 1:
+            return -1, ValueError(
+                f"{name}: its tensors must agree on dim 0 (the rows split into micro-batches), "
+                f"got {rows}"
+            )
+        return next(iter(rows.values())), None
+    kinds = "a tensor or a dict of tensors" if keyed else "a tensor (a chain model's one input)"
+    return -1, TypeError(f"{name}: must be {kinds}, got {type(value).__name__}")
+
+
+def _signature(value: Any, skip: int) -> Any:
+    """Shapes (less their first ``skip`` dims) and dtypes of a batch's tensors."""
+    leaves, spec = pytree.tree_flatten(value)
+    return (
+        str(spec),
+        tuple(
+            (tuple(t.shape[skip:]), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t)
+            for t in leaves
+        ),
+    )
 
 
 def parallelize(
@@ -510,20 +792,28 @@ def parallelize(
     plan: Plan | Mapping[str, Any],
     *,
     loss_fn: Callable[[Any, Any], torch.Tensor],
+    items: Callable[[Any], int] | None = None,
     group: Any = None,
 ) -> Parallel:
     """Run ``model`` under ``plan`` on the ranks of ``group`` (an mpi4py communicator, a
     torch.distributed process group, or None: torch's default group). Collective: every rank
     passes the same plan and a model of the same structure; rank 0's weights are used, as
     DDP does. ``plan``'s ranks index the group; ranks in no stage are idle. ``loss_fn(output,
-    targets)`` returns the mean loss over a micro-batch's rows (as torch's losses do by
-    default).
+    targets)`` gets the model's output as the model returns it (a Hugging Face ``ModelOutput``
+    included) and returns the mean loss over a micro-batch's items; ``items(targets)`` counts
+    them (default: rows, as torch's losses average by default; a language model's loss
+    averages its valid tokens: ``items=lambda y: int((y != -100).sum())``). Micro-batches and
+    replicas are weighted by their items, so every step is the gradient of the mean over all
+    items of the global batch.
 
     The model is cut into layers by :func:`hetcoll.torch.layers.model_layers`; each rank keeps
-    a copy of its stage's layers only (``model`` itself is not changed). A stage with several
-    ranks splits its Conv2d / Linear channels among them with
-    :func:`hetcoll.torch.filter_parallel` (by its ``speeds``, or its ``shares``), or, given
-    ``owners``, keeps each rank's own channels (:mod:`hetcoll.torch.placement`).
+    a copy of its stage's layers only (``model`` itself is not changed). A chain's stage runs
+    its layers in order; a blocks model's stage runs the model's forward around its blocks
+    (:mod:`hetcoll.torch.replay`), its parameters outside every block on every stage (their
+    gradients summed, as a head tied to its embedding is). A stage with several ranks splits
+    its Conv2d / Linear channels among them with :func:`hetcoll.torch.filter_parallel` (by its
+    ``speeds``, or its ``shares``), or, given ``owners``, keeps each rank's own channels
+    (:mod:`hetcoll.torch.placement`).
 
     >>> plan = Plan.load("plan.json")  # doctest: +SKIP
     >>> par = parallelize(net, plan, loss_fn=nn.CrossEntropyLoss())  # doctest: +SKIP
@@ -538,6 +828,7 @@ def parallelize(
         raise TypeError(f"plan: must be a hetcoll.Plan or its dict, got {type(plan).__name__}")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn: must be callable, got {type(loss_fn).__name__}")
+    items = items_argument(items)
     tr = transport(group)
     # Ranks that disagree on the plan or the model raise here, all of them, before any transfer.
     plan_print = zlib.crc32(repr(plan.to_dict()).encode())
@@ -549,7 +840,8 @@ def parallelize(
         },
     )
     # Checks that depend on the plan and the model only: the same verdict on every rank.
-    layers = model_layers(model)
+    cut = model_cut(model)
+    layers = cut.layers
     names = [n for n, _ in layers]
     if plan.num_layers != len(layers):
         raise ValueError(
@@ -563,23 +855,47 @@ def parallelize(
     blocks: dict[tuple[int, int], list[Block]] = {}
     for i, j, stage in plan.stages():
         where = f"plan.replicas[{i}].stages[{j}]"
+        if cut.kind == "blocks" and (stage.owners is not None or stage.shares is not None):
+            raise ValueError(
+                f"{where}: {'owners' if stage.owners is not None else 'shares'} name layers of a "
+                f"chain; {type(model).__name__} is cut between blocks (give a split stage speeds)"
+            )
         if stage.owners is not None:
             blocks[i, j] = owners_blocks(layers, stage, where)
         elif len(stage.ranks) > 1:
-            split_args[i, j] = _stage_split(layers, stage, where)
+            split_args[i, j] = _stage_split(layers, stage, where) if cut.kind == "chain" else {}
 
     par = Parallel()
     par.plan, par.rank, par._tr = plan, tr.rank, tr
     par.place = plan.place(tr.rank)
     par._loss_fn = loss_fn
+    par._items = items
     par._blocks = blocks
     par._device = _device(model)
+    par._kind = cut.kind
+    par._names = names
     state = model.state_dict()
-    par._state_layout = [
-        (k, _layer_of(k, names), tuple(v.shape), v.dtype) for k, v in state.items()
-    ]
+    par._home = {k: _layer_of(k, names) or 0 for k in state}
+    par._state_layout = [(k, par._home[k], tuple(v.shape), v.dtype) for k, v in state.items()]
     par._param_names = [n for n, _ in model.named_parameters()]
-    par._layers_meta = [copy.deepcopy(m).to("meta") for _, m in layers]
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    par._alias = {
+        n: canonical[id(p)]
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if canonical[id(p)] != n
+    }
+    if cut.kind == "chain":
+        par._layers_meta = [copy.deepcopy(m).to("meta") for _, m in layers]
+    else:
+        par._meta_blocks = [meta_copy(m) for _, m in layers]
+        par._parameter_free = [next(m.parameters(), None) is None for _, m in layers]
+        par._stage_of = [
+            [
+                next(s for s, st in enumerate(r.stages) if st.layers[0] <= k < st.layers[1])
+                for k in range(len(layers))
+            ]
+            for r in plan.replicas
+        ]
 
     # Rank 0's weights for everyone (one broadcast of the packed state dict).
     flat = (
@@ -604,8 +920,13 @@ def parallelize(
         i, j = par.place
         stage = plan.replicas[i].stages[j]
         lo, hi = stage.layers
-        module = nn.Sequential(OrderedDict((n, copy.deepcopy(m)) for n, m in layers[lo:hi]))
-        module.load_state_dict({k: w for k, w in weights.items() if lo <= _layer_of(k, names) < hi})
+        if cut.kind == "chain":
+            module: nn.Module = nn.Sequential(
+                OrderedDict((n, copy.deepcopy(m)) for n, m in layers[lo:hi])
+            )
+        else:
+            module = _stage_copy(model, layers, par._meta_blocks, lo, hi)
+        module.load_state_dict({k: weights[k] for k in module.state_dict()})
         module.to(par._device)
         if (i, j) in blocks:
             # This rank's channels only: the full copy above is dropped once they are cut out.
@@ -621,15 +942,38 @@ def parallelize(
             # The sub-group numbers the stage's ranks in increasing order; the plan lists them
             # in its own order.
             order = [stage.ranks.index(r) for r in sorted(stage.ranks)]
-            shares = {n: [s[k] for k in order] for n, s in split_args[i, j].items()}
-            filter_parallel(module, group=counting, shares=shares)
+            if cut.kind == "chain":
+                shares = {n: [s[k] for k in order] for n, s in split_args[i, j].items()}
+                filter_parallel(module, group=counting, shares=shares)
+            else:
+                speeds = list(stage.speeds) if stage.speeds is not None else [1.0] * len(order)
+                filter_parallel(module, group=counting, speeds=[speeds[k] for k in order])
         if par.stage is None:
             par.stage = module
     else:
         par.idle = nn.Parameter(torch.empty(0))
-    if len(plan.replicas) > 1:
-        _plan_reductions(par, plan, names, model)
+        if cut.kind == "blocks":  # to probe micro-batches as the working ranks do
+            par._skeleton = [_stage_copy(model, layers, par._meta_blocks, 0, 0)]
+    _plan_reductions(par, plan, names, model, cut.kind)
     return par
+
+
+def _stage_copy(
+    model: nn.Module,
+    layers: list[tuple[str, nn.Module]],
+    meta_blocks: list[nn.Module],
+    lo: int,
+    hi: int,
+) -> nn.Module:
+    """A copy of a blocks model for the stage holding blocks ``lo:hi``: those blocks, the
+    blocks without parameters and everything between blocks are copied; every other block is
+    a :class:`~hetcoll.torch.replay.StandIn` (its weights are not copied)."""
+    memo: dict[int, Any] = {
+        id(m): StandIn(n, meta_blocks[k])
+        for k, (n, m) in enumerate(layers)
+        if not lo <= k < hi and next(m.parameters(), None) is not None
+    }
+    return copy.deepcopy(model, memo)
 
 
 def _stage_split(
@@ -666,24 +1010,38 @@ def _stage_split(
     return shares_of
 
 
-def _plan_reductions(par: Parallel, plan: Plan, names: list[str], model: nn.Module) -> None:
-    """Which parameters are summed over which ranks, and this rank's piece of each."""
-    holders: dict[int, tuple[int, ...]] = {}
-    for layer in range(len(names)):
-        holding = [
-            r
-            for replica in plan.replicas
-            for s in replica.stages
-            if s.layers[0] <= layer < s.layers[1]
-            for r in s.ranks
-        ]
-        holders[layer] = tuple(sorted(holding))
+def _plan_reductions(
+    par: Parallel, plan: Plan, names: list[str], model: nn.Module, kind: str
+) -> None:
+    """Which parameters are summed over which ranks, and this rank's piece of each: those held
+    by several stages (several replicas; a blocks model's parameters outside its blocks and
+    parameters tied across stages)."""
+    uses: dict[str, set[int]] = {}  # the layers that hold each parameter
+    if kind == "chain":
+        for n, _ in model.named_parameters():
+            uses[n] = {_layer_of(n, names) or 0}
+    else:
+        canonical = {id(p): n for n, p in model.named_parameters()}
+        for k, (_, m) in enumerate((n, model.get_submodule(n)) for n in names):
+            for p in m.parameters():
+                uses.setdefault(canonical[id(p)], set()).add(k)
+        for n in canonical.values():
+            uses.setdefault(n, set(range(len(names))))  # between blocks: every stage
     local = {n: tp for n, tp in par._parts().items() if isinstance(tp[0], nn.Parameter)}
     groups: dict[tuple[tuple[int, ...], torch.dtype], list[str]] = {}
     for n, p in model.named_parameters():
-        groups.setdefault((holders[_layer_of(n, names)], p.dtype), []).append(n)
+        holding = [
+            (i, j)
+            for i, replica in enumerate(plan.replicas)
+            for j, s in enumerate(replica.stages)
+            if any(s.layers[0] <= layer < s.layers[1] for layer in uses[n])
+        ]
+        if len(holding) < 2:
+            continue  # held by one stage: nothing to sum
+        holders = tuple(sorted({r for i, j in holding for r in plan.replicas[i].stages[j].ranks}))
+        groups.setdefault((holders, p.dtype), []).append(n)
     for (ranks, dtype), members in groups.items():
-        sub = par._tr.subgroup(ranks)
+        sub = par._tr.subgroup(list(ranks))
         if par.rank not in ranks:
             continue
         pieces, at = [], 0
@@ -691,7 +1049,7 @@ def _plan_reductions(par: Parallel, plan: Plan, names: list[str], model: nn.Modu
             shape = tuple(model.get_parameter(n).shape)
             if n in local:  # in an owners stage, a rank may own none of a layer's channels
                 t, part = local[n]
-                pieces.append(_Piece(t, at, part, par._counts(n, part)))
+                pieces.append(_Piece(t, at, part, par._contributes(n, part)))
             at += math.prod(shape)
         buffer = torch.zeros(at, dtype=dtype, device=par._wire_device())
         par._reductions.append(_Reduction(sub, pieces, buffer, len(ranks)))

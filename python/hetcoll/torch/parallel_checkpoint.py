@@ -49,6 +49,8 @@ class PlanCheckpoints:
     _state_layout: list[tuple[str, int, tuple[int, ...], torch.dtype]]
     _param_names: list[str]
     _blocks: dict[tuple[int, int], list[Block]]
+    _alias: dict[str, str]
+    _home: dict[str, int]
 
     def sampler(
         self, dataset: Any, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True
@@ -297,12 +299,36 @@ class PlanCheckpoints:
         out = {n: (t, Part(shapes[n])) for n, t in self.stage.state_dict(keep_vars=True).items()}
         for n, (t, dim, start) in split_tensors(self.stage).items():
             out[n] = (t, Part(shapes[n], dim, start, int(t.shape[dim])))
+        # A parameter tied to another (a head to its embedding) by the name the model gives it
+        # once; a stage holding both holds one tensor.
+        for alias, name in self._alias.items():
+            if alias in out:
+                tp = out.pop(alias)
+                out.setdefault(name, tp)
         return out
 
+    def _contributes(self, name: str, part: Part) -> bool:
+        """Whether this rank's gradient of a tensor counts in a sum over its holders: every
+        slice does; a whole tensor held by several ranks of a stage counts once (at the
+        stage's lead, or at an owners stage's holder of the layer's whole tensors). Stages
+        that each use a tensor (a blocks model's parameters between blocks, a tied head) each
+        add their own gradient."""
+        if not part.whole:
+            return True
+        if isinstance(self.stage, OwnersStage):
+            layer = next(layer for k, layer, *_ in self._state_layout if k == name)
+            return self.stage.whole_tensor_holder(layer) == self.rank
+        assert self.place is not None
+        return self.rank == self.plan.replicas[self.place[0]].stages[self.place[1]].ranks[0]
+
     def _counts(self, name: str, part: Part) -> bool:
-        """Whether this rank's copy of a tensor counts for its replica: every slice does; a
-        whole tensor held by several ranks of a stage counts once (at the stage's lead, or at
-        an owners stage's holder of the layer's whole tensors)."""
+        """Whether this rank's copy of a tensor is the one a full checkpoint takes for its
+        replica: that of the stage holding the tensor's layer (a tensor several stages hold is
+        taken once), as :meth:`_contributes` picks within the stage."""
+        if self.place is not None and name in self._home:
+            lo, hi = self.plan.replicas[self.place[0]].stages[self.place[1]].layers
+            if not lo <= self._home[name] < hi:
+                return False
         if not part.whole:
             return True
         if isinstance(self.stage, OwnersStage):

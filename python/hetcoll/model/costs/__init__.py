@@ -12,7 +12,11 @@ Convolutions and linear layers keep their GEMM formulas as in seed 003 / PyDTNN
 pooling layers their memory passes, because the predictors need their structure (bytes a filter
 split divides, channels); every other layer is costed from its counted ops. A FLOP is a
 multiply-add of a matmul-class op, as FlopCounterMode counts; element-wise work is costed by the
-bytes it moves.
+bytes it moves; the other arithmetic ops' FLOPs (norms, softmax, masks, RoPE) are counted apart
+(``LayerCost.elementwise_flops_per_sample``).
+
+A model's inputs may be a float sample shape, token ids (a shape and ``torch.int64``), example
+tensors or a dict of keyword inputs (:mod:`hetcoll.model.costs.inputs`).
 
 Every kernel is linear in the batch: ``flops = flops_per_sample * b`` and
 ``bytes = bytes_per_sample * b + bytes_fixed`` (weights do not grow with the batch). The part of
@@ -21,6 +25,6 @@ predictions can scale it with a device's share of the filters.
 """
 
 from hetcoll.model.costs.layers import layer_costs
-from hetcoll.model.costs.records import Kernel, LayerCost, ModelCosts, parse_shape
+from hetcoll.model.costs.records import Kernel, LayerCost, ModelCosts, ModelInput, parse_shape
 
-__all__ = ["Kernel", "LayerCost", "ModelCosts", "layer_costs", "parse_shape"]
+__all__ = ["Kernel", "LayerCost", "ModelCosts", "ModelInput", "layer_costs", "parse_shape"]

@@ -5,6 +5,7 @@ formula describes, made from its counts."""
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from hetcoll.model.costs.records import _COUNT_BATCH, Kernel
+from hetcoll.model.costs.records import _COUNT_BATCH, Kernel, ModelInput
 
 # Ops that allocate or alias without moving data, and ops that only write their output.
 _NO_BYTES = frozenset(
@@ -44,6 +45,42 @@ _WRITE_ONLY = frozenset(
         "fill_",
         "zero_",
         "scalar_tensor",
+    }
+)
+# Ops that only move, select or fill data: no element-wise FLOP (see ``_OpCounter``).
+_MOVES = frozenset(
+    {
+        "copy_",
+        "_to_copy",
+        "clone",
+        "contiguous",
+        "cat",
+        "stack",
+        "repeat",
+        "index",
+        "_unsafe_index",
+        "index_select",
+        "index_put",
+        "index_put_",
+        "gather",
+        "scatter",
+        "embedding",
+        "slice_scatter",
+        "select_scatter",
+        "select_backward",
+        "slice_backward",
+        "masked_fill",
+        "masked_fill_",
+        "where",
+        "tril",
+        "triu",
+        "constant_pad_nd",
+        "arange",
+        "lift_fresh_copy",
+        "expand_copy",
+        "view_copy",
+        "split_with_sizes_copy",
+        "unbind_copy",
     }
 )
 # The autograd engine gives AccumulateGrad nodes this sequence number: they belong to no op.
@@ -165,12 +202,17 @@ class _Call:
     last_out_bytes: float = 0.0
     #: The parameters (names) whose first use is in this call.
     params: list[str] = field(default_factory=list)
+    #: [forward, backward] element-wise FLOPs of the traced batch (``_OpCounter``).
+    elementwise_flops: list[float] = field(default_factory=lambda: [0.0, 0.0])
 
 
 class _OpCounter(TorchDispatchMode):
     """Counts every aten op of a forward and backward pass: FLOPs by
     ``torch.utils.flop_counter``'s formulas (the ops ``FlopCounterMode`` counts), bytes read and
-    written from the tensors' sizes; each op goes to the
+    written from the tensors' sizes, and apart from those the element-wise FLOPs of every other
+    arithmetic op (softmax, masks, RoPE's multiplies, norms, activations, residual adds): one
+    per element of the op's largest floating tensor, ops that only move data (copies, casts,
+    indexing, ``where``, ``masked_fill``: ``_MOVES``) none; each op goes to the
     innermost module call running it (forward) or to the call whose forward op made the autograd
     node running it (backward: nodes are matched by their sequence numbers)."""
 
@@ -264,7 +306,13 @@ class _OpCounter(TorchDispatchMode):
         name = packet.__name__
         if func.is_view or name in _NO_BYTES:
             return out
-        moved = outputs if name in _WRITE_ONLY else [*{id(t): t for t in inputs}.values(), *outputs]
+        if name in _WRITE_ONLY:
+            moved = outputs
+        elif packet is torch.ops.aten.embedding and len(inputs) >= 2:
+            # A lookup reads the rows it gathers (as many bytes as it writes), not the table.
+            moved = [inputs[1], *outputs, *outputs]
+        else:
+            moved = [*{id(t): t for t in inputs}.values(), *outputs]
         per_sample = fixed = 0.0
         for t in moved:
             if t.numel() % _COUNT_BATCH == 0:
@@ -280,6 +328,12 @@ class _OpCounter(TorchDispatchMode):
             flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
         )
         at = 1 if flops else 3
+        if not flops and name not in _MOVES and name not in _WRITE_ONLY:
+            # An arithmetic op: one FLOP per element of its largest floating tensor (a
+            # reduction reads more than it writes), counted where it grows with the batch.
+            n = max((t.numel() for t in (*inputs, *outputs) if t.is_floating_point()), default=0)
+            if n % _COUNT_BATCH == 0:
+                call.elementwise_flops[1 if backward else 0] += n
         c[0] += flops
         c[at] += per_sample
         c[at + 1] += fixed
@@ -292,17 +346,36 @@ class _OpCounter(TorchDispatchMode):
         return out
 
 
-def _trace(model: nn.Module, shape: tuple[int, ...], batch: int, dtype: torch.dtype) -> _OpCounter:
-    """Run ``model`` forward and backward on meta tensors for ``batch`` samples of ``shape``,
-    counting every op (:class:`_OpCounter`)."""
+def _trace(model: nn.Module, inputs: Sequence[ModelInput], batch: int) -> _OpCounter:
+    """Run ``model`` forward and backward on meta tensors for ``batch`` samples of ``inputs``
+    (one positional input or keyword inputs), counting every op (:class:`_OpCounter`). A
+    forward that reads its inputs' values (Hugging Face's check for packed sequences when no
+    attention mask is given) cannot run on the meta device: it is counted on a real run of
+    zeros (valid token ids, zero weights) on the CPU instead, which holds the model's weights
+    in memory once."""
+    try:
+        return _count(model, inputs, batch, torch.device("meta"))
+    except _NeedsValues:
+        return _count(model, inputs, batch, torch.device("cpu"))
+
+
+class _NeedsValues(Exception):
+    pass
+
+
+def _count(
+    model: nn.Module, inputs: Sequence[ModelInput], batch: int, device: torch.device
+) -> _OpCounter:
     from torch.func import functional_call
 
-    state = {
-        k: torch.empty_like(v, device="meta").requires_grad_(v.requires_grad)
-        for k, v in model.named_parameters()
-    }
+    from hetcoll.model.costs.inputs import example_batch
+
+    def on(v: torch.Tensor) -> torch.Tensor:
+        return (torch.empty_like if device.type == "meta" else torch.zeros_like)(v, device=device)
+
+    state = {k: on(v).requires_grad_(v.requires_grad) for k, v in model.named_parameters()}
     param_names = {id(v): k for k, v in state.items()}
-    state.update({k: torch.empty_like(v, device="meta") for k, v in model.named_buffers()})
+    state.update({k: on(v) for k, v in model.named_buffers()})
     counter = _OpCounter(param_names)
     handles = []
     for name, mod in model.named_modules():
@@ -316,20 +389,26 @@ def _trace(model: nn.Module, shape: tuple[int, ...], batch: int, dtype: torch.dt
 
         handles.append(mod.register_forward_pre_hook(pre))
         handles.append(mod.register_forward_hook(post, always_call=True))
-    x = torch.empty((batch, *shape), device="meta", dtype=dtype)
+    args, kwargs = example_batch(inputs, batch, str(device))
     was_training = model.training
     model.train()
     try:
         with counter:
-            y = functional_call(model, state, (x,))
+            y = functional_call(model, state, args, kwargs)
             counter.finish_forward()
             outs = [
                 t for t in tree_flatten(y)[0] if isinstance(t, torch.Tensor) and t.requires_grad
             ]
             if outs:
-                torch.autograd.backward(outs, [torch.empty_like(t) for t in outs])
+                torch.autograd.backward(outs, [torch.zeros_like(t) for t in outs])
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
-        raise ValueError(f"input_shape: the model does not accept samples of {shape}: {e}") from e
+        if device.type == "meta" and "meta tensor" in str(e):
+            raise _NeedsValues from e
+        what = ", ".join(
+            f"{x.name + '=' if x.name else ''}{'x'.join(map(str, x.shape))} {x.dtype}"
+            for x in inputs
+        )
+        raise ValueError(f"input_shape: the model does not accept samples of {what}: {e}") from e
     finally:
         for h in handles:
             h.remove()

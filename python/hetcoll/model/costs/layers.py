@@ -4,7 +4,9 @@ has one, its counted ops (:mod:`.counting`) elsewhere - and the top-level layers
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,6 +18,7 @@ from hetcoll.model.costs.formulas import (
     _elementwise_kernels,
     _linear_kernels,
 )
+from hetcoll.model.costs.inputs import activation_dtype, example_batch, model_inputs
 from hetcoll.model.costs.records import (
     _COUNT_BATCH,
     _TRACE_BATCH,
@@ -23,21 +26,27 @@ from hetcoll.model.costs.records import (
     LayerCost,
     ModelCosts,
     _numel,
-    parse_shape,
 )
 from hetcoll.model.hardware import check_precision
 
 
 def layer_costs(
     model: nn.Module,
-    input_shape: Sequence[int] | str,
+    input_shape: Sequence[int] | str | Mapping[str, Any] | torch.Tensor,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     conv_algorithm: str = "implicit-gemm",
     precision: str = "fp32",
 ) -> ModelCosts:
     """Per-layer costs of ``model`` for one sample of ``input_shape`` (no batch dimension).
 
+    ``input_shape``: what the forward takes (:mod:`hetcoll.model.costs.inputs`): the shape of
+    one sample of its one positional input (``(3, 32, 32)``, ``"3x32x32"``, ``(512,)``), of
+    ``dtype`` (default ``torch.float32``; ``torch.int64`` for token ids); an example batch (a
+    tensor); or a dict of keyword inputs, each a shape (of ``dtype``), a ``(shape, dtype)`` pair
+    or an example batch, e.g. ``{"input_ids": (512,), "attention_mask": (512,)}`` with
+    ``dtype=torch.int64``. Bytes are counted in the activations' dtype: a floating input's,
+    else the model's parameters'.
     ``conv_algorithm``: ``"implicit-gemm"`` (PyTorch's oneDNN / cuDNN kernels: no column
     matrix in memory) or ``"im2col"`` (PyDTNN's explicit im2col / col2im, seed 003).
     ``precision``: the training precision (:meth:`ModelCosts.at_precision`).
@@ -55,6 +64,10 @@ def layer_costs(
     >>> c = layer_costs(nn.Linear(4, 3), (4,))
     >>> c.forward_flops(batch=1), c.params
     (24.0, 15)
+    >>> c = layer_costs(nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 100)), (16,),
+    ...                 dtype=torch.int64)
+    >>> c.forward_flops(batch=1), c.plan_layers
+    (25600.0, ('0', '1'))
     """
     from hetcoll.torch.filters import filter_modes
 
@@ -65,12 +78,11 @@ def layer_costs(
             f"conv_algorithm: expected 'implicit-gemm' or 'im2col', got {conv_algorithm!r}"
         )
     check_precision(precision)
-    shape = parse_shape(input_shape) if isinstance(input_shape, str) else tuple(input_shape)
-    if not shape or any(not isinstance(s, int) or s < 1 for s in shape):
-        raise ValueError(f"input_shape: expected positive integer sizes, got {input_shape!r}")
-    item = torch.empty((), dtype=dtype).element_size()
+    inputs = model_inputs(input_shape, dtype)
+    shape = inputs[0].shape
+    item = torch.empty((), dtype=activation_dtype(model, inputs)).element_size()
 
-    counter = _trace(model, shape, _COUNT_BATCH, dtype)
+    counter = _trace(model, inputs, _COUNT_BATCH)
     param_of = dict(model.named_parameters())
 
     layers: list[LayerCost] = []
@@ -130,6 +142,10 @@ def layer_costs(
                 backward=tuple(ks[1]),
                 groups=groups,
                 own_ops=not c2.leaf,
+                elementwise_flops_per_sample=(
+                    c2.elementwise_flops[0] / _COUNT_BATCH,
+                    c2.elementwise_flops[1] / _COUNT_BATCH,
+                ),
             )
         )
     unused = set(param_of) - {n for c in counter.calls for n in c.params}
@@ -143,26 +159,35 @@ def layer_costs(
     buffer_bytes = float(sum(b.numel() * b.element_size() for b in model.buffers()))
     # A bare leaf model is one layer named after its type (see ``_trace``).
     modes = tuple((n or type(model).__name__, m) for n, m in filter_modes(model).items())
-    costs = ModelCosts(tuple(layers), shape, item, tuple(notes), buffer_bytes, modes)
-    costs = _with_plan_layers(costs, model, dtype)
+    costs = ModelCosts(tuple(layers), shape, item, tuple(notes), buffer_bytes, modes, inputs=inputs)
+    costs = _with_plan_layers(costs, model)
     return costs if precision == "fp32" else costs.at_precision(precision)
 
 
-def _with_plan_layers(costs: ModelCosts, model: nn.Module, dtype: torch.dtype) -> ModelCosts:
-    """``costs`` with the model's top-level layers as a Plan counts them: each costed layer's
-    top-level layer, the top-level layers' output bytes (a run on the meta device), and the
-    modes the runtime would give a filter-split stage starting at each of them."""
+def _with_plan_layers(costs: ModelCosts, model: nn.Module) -> ModelCosts:
+    """``costs`` with the model's layers as a Plan counts them
+    (:func:`hetcoll.torch.layers.model_cut`): each costed layer's plan layer, what a stage ending
+    at each plan layer sends, and - for a chain - the modes the runtime would give a
+    filter-split stage starting at each of them (:func:`_with_blocks` for blocks)."""
     from dataclasses import replace
 
     from torch.func import functional_call
 
     from hetcoll.torch.filters import chain_filter_modes
-    from hetcoll.torch.layers import model_layers
+    from hetcoll.torch.layers import model_cut
 
     try:
-        chain = model_layers(model)
+        cut = model_cut(model)
     except (TypeError, ValueError) as e:
         return replace(costs, plan_layers_note=str(e))
+    if cut.kind == "blocks":
+        return _with_blocks(costs, model, cut.layers)
+    chain = cut.layers
+    if len(costs.inputs) != 1 or costs.inputs[0].name:
+        return replace(
+            costs,
+            plan_layers_note="a chain of layers takes one positional input, not keyword inputs",
+        )
     names = [n for n, _ in chain]
     index = {n: i for i, n in enumerate(names)}
     of: list[int] = []
@@ -180,7 +205,7 @@ def _with_plan_layers(costs: ModelCosts, model: nn.Module, dtype: torch.dtype) -
     if any(b < a for a, b in itertools.pairwise(of)):
         return replace(costs, plan_layers_note="the top-level layers do not run in order")
     out_bytes = []
-    x = torch.empty((_TRACE_BATCH, *costs.input_shape), device="meta", dtype=dtype)
+    x = example_batch(costs.inputs, _TRACE_BATCH, "meta")[0][0]
     was_training = model.training
     model.train()
     try:
@@ -219,4 +244,103 @@ def _with_plan_layers(costs: ModelCosts, model: nn.Module, dtype: torch.dtype) -
         plan_out_bytes=tuple(out_bytes),
         plan_layer_kinds=tuple(type(m).__name__ for _, m in chain),
         stage_modes=tuple(stage_modes),
+    )
+
+
+def _with_blocks(
+    costs: ModelCosts, model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]
+) -> ModelCosts:
+    """``costs`` mapped onto a blocks model's plan layers (:func:`hetcoll.torch.layers.model_cut`
+    ``"blocks"``: a transformer's embeddings, decoder layers, norm and head).
+
+    Each costed layer goes to the block whose module path holds it; the code between blocks
+    (masks, position ids, a residual in a parent's ``forward``) to the block before it (the
+    first block for code before any). The runtime replays that code on every stage
+    (:mod:`hetcoll.torch.replay`), which the costs count once: it is element-wise work on masks
+    and ids, small beside the blocks'. What a stage ending at block ``i`` sends is what crosses
+    the cut after it, from :func:`hetcoll.torch.replay.probe` (the forward with every block run
+    on the meta device): the outputs of blocks up to ``i`` that a later block or the model's
+    output reads, except those of parameter-free blocks reading only the inputs (rotary
+    embeddings), which every stage recomputes. Stages are whole blocks on one rank each
+    (``plan_cut = "blocks"``: no filter split of a transformer block is costed)."""
+    from dataclasses import replace
+
+    from hetcoll.torch.replay import meta_copy, probe, stage_roles
+
+    names = [n for n, _ in blocks]
+    index = {n: i for i, n in enumerate(names)}
+
+    def block_of(name: str) -> int | None:
+        parts = name.split(".")
+        for k in range(len(parts), 0, -1):
+            i = index.get(".".join(parts[:k]))
+            if i is not None:
+                return i
+        return None
+
+    of: list[int] = []
+    for layer in costs.layers:
+        i = block_of(layer.name)
+        if i is None:
+            if not layer.own_ops:
+                return replace(
+                    costs, plan_layers_note=f"layer {layer.name!r} runs outside the model's blocks"
+                )
+            i = of[-1] if of else 0  # code between blocks: with the block before
+        of.append(i)
+    if any(b < a for a, b in itertools.pairwise(of)):
+        return replace(costs, plan_layers_note="the model's blocks do not run in the order listed")
+    flow = None
+    errors = []
+    was_training = model.training
+    model.train()
+    try:
+        # The meta device first (shapes only); a forward that reads its inputs' values gets
+        # zeros on the CPU (valid token ids and positions).
+        for device in ("meta", "cpu"):
+            args, kwargs = example_batch(costs.inputs, _TRACE_BATCH, device)
+            try:
+                flow = probe(model, names, [meta_copy(m) for _, m in blocks], kwargs or args[0])
+                break
+            except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError) as e:
+                errors.append(f"{device}: {type(e).__name__}: {e}")
+    finally:
+        model.train(was_training)
+    if flow is None:
+        return replace(
+            costs,
+            plan_layers_note="the forward does not run with its blocks on the meta device ("
+            + "; ".join(errors)
+            + ")",
+        )
+    n = len(names)
+    out_bytes = [0.0] * n
+    for k in flow.order:
+        for leaf in flow.tensors(k):
+            nbytes = math.prod(leaf.shape) * torch.empty((), dtype=leaf.dtype).element_size()
+            # A tensor that does not grow with the batch is sent whole with each micro-batch:
+            # counted as bytes per sample, an upper bound.
+            batched = bool(leaf.shape) and leaf.shape[0] == _TRACE_BATCH
+            out_bytes[k] += nbytes / _TRACE_BATCH if batched else float(nbytes)
+    free = [not any(True for _ in m.parameters()) for _, m in blocks]
+    crossing = []
+    for i in range(n - 1):
+        # The runtime's own rule for what the first stage of a two-stage cut after block i
+        # sends (an impossible cut costs infinitely much: the partition never picks it).
+        try:
+            roles = stage_roles(
+                flow, names, [0] * (i + 1) + [1] * (n - i - 1), 0, free, lambda s: f"stage {s}"
+            )
+        except ValueError:
+            crossing.append(math.inf)
+            continue
+        crossing.append(sum(out_bytes[j] for j in roles.sends))
+    return replace(
+        costs,
+        plan_layers=tuple(names),
+        plan_layer_of=tuple(of),
+        plan_out_bytes=(*crossing, out_bytes[-1]),
+        plan_layer_kinds=tuple(type(m).__name__ for _, m in blocks),
+        stage_modes=(),
+        plan_cut="blocks",
     )

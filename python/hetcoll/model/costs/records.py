@@ -61,6 +61,20 @@ class Kernel:
 
 
 @dataclass(frozen=True)
+class ModelInput:
+    """One input of the model's forward: ``name`` (the keyword, or ``""`` for the one
+    positional input), the ``shape`` of one sample (no batch dimension) and its ``dtype`` by
+    torch's name (``"float32"``, ``"int64"`` for token ids)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    def to_json(self) -> dict[str, object]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+
+@dataclass(frozen=True)
 class LayerCost:
     """Costs of one leaf module. Bytes are for ``itemsize``-byte elements (float32: 4).
 
@@ -83,6 +97,11 @@ class LayerCost:
     #: True for the ops a module's own ``forward`` runs between its children's calls (``kind``
     #: is then ``Type.forward``); False for a leaf module's call.
     own_ops: bool = False
+    #: Element-wise FLOPs per sample, (forward, backward): one per element of each arithmetic
+    #: op that is not matmul-class (norms, softmax, masks, RoPE, activations, adds), counted
+    #: apart from ``forward_flops`` (the matmul-class FLOPs FlopCounterMode counts); the
+    #: predictors cost this work by the bytes it moves, not by these.
+    elementwise_flops_per_sample: tuple[float, float] = (0.0, 0.0)
 
     @property
     def gradient_bytes(self) -> float:
@@ -98,10 +117,12 @@ class LayerCost:
 
 @dataclass(frozen=True)
 class ModelCosts:
-    """Every leaf layer of a model in execution order, for samples of ``input_shape``."""
+    """Every leaf layer of a model in execution order, for samples of ``input_shape`` (the shape
+    of the first of ``inputs``, all of which ``inputs`` describes: names and dtypes too)."""
 
     layers: tuple[LayerCost, ...]
     input_shape: tuple[int, ...]
+    #: Bytes of one element of the activations (the model's float dtype).
     itemsize: int
     notes: tuple[str, ...] = field(default=())
     #: Bytes of the module's buffers (BatchNorm running statistics), which DDP broadcasts from
@@ -136,6 +157,13 @@ class ModelCosts:
     #: the 16-bit weight copies autocast makes): 2 under bf16 / fp16, else ``itemsize``.
     #: Parameters, gradients, optimizer state and the gradient allreduce stay ``itemsize``.
     activation_itemsize: int = 0
+    #: The forward's inputs the costs are for (one positional input, or keyword inputs).
+    inputs: tuple[ModelInput, ...] = ()
+    #: How a plan cuts the model (:func:`hetcoll.torch.layers.model_cut`): ``"chain"`` (a stage
+    #: boundary carries one tensor; a stage may be split over ranks by filters) or ``"blocks"``
+    #: (stages of whole blocks, each on one rank, replaying the forward between them;
+    #: ``plan_out_bytes`` are then what crosses each cut).
+    plan_cut: str = "chain"
 
     def at_precision(self, precision: str) -> ModelCosts:
         """These costs for training at ``precision`` (``"fp32"``, ``"tf32"``, ``"bf16"``,
@@ -225,6 +253,8 @@ class ModelCosts:
         """
         self.check_plan_layers()
         lo, hi = self.plan_range(first, end)
+        if self.plan_cut == "blocks":
+            return {}  # whole blocks on one rank each (``plan_cut``)
         names = {x.name for x in self.layers[lo:hi]}
         return {
             name: "gather" if mode == "split-output" and partner not in names else mode
@@ -235,6 +265,8 @@ class ModelCosts:
     def stage_filter_pairs(self, first: int, end: int) -> dict[str, str]:
         """The split-output -> split-input pairs of :meth:`stage_filter_modes`, by name."""
         lo, hi = self.plan_range(first, end)
+        if self.plan_cut == "blocks":
+            return {}
         names = {x.name for x in self.layers[lo:hi]}
         return {
             name: partner
@@ -267,6 +299,13 @@ class ModelCosts:
         # The sums above by direction and batch, worked out once: the planner asks for them
         # for every candidate it bounds (not a field: equality and hashing ignore it).
         return {}
+
+    def elementwise_flops(self, batch: float) -> tuple[float, float]:
+        """Element-wise FLOPs (forward, backward) of ``batch`` samples
+        (:attr:`LayerCost.elementwise_flops_per_sample`), apart from :meth:`forward_flops`."""
+        f = sum(x.elementwise_flops_per_sample[0] for x in self.layers)
+        b = sum(x.elementwise_flops_per_sample[1] for x in self.layers)
+        return f * batch, b * batch
 
     def saved_bytes_per_sample(self) -> float:
         return sum(x.saved_bytes_per_sample for x in self.layers)

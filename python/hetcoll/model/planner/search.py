@@ -102,6 +102,11 @@ HYBRID_MICRO_PER_STAGE = (1, 2, 4)
 HYBRID_WORK_BUDGET = 1_000_000
 #: The largest micro-batch count the planner tries.
 MAX_MICRO_BATCHES = 32
+#: Why no stage of a blocks model (:attr:`ModelCosts.plan_cut`) is split over several devices.
+BLOCKS_WHOLE = (
+    "stages of a model cut into blocks (a transformer) are whole blocks, each on one device: "
+    "splitting a block's channels over devices (tensor parallelism) is not costed"
+)
 
 
 def _infeasible(strategy: str, batch: int, num_devices: int, unit: str, reason: str) -> Prediction:
@@ -281,6 +286,9 @@ def _replicated_pipelines(
     family = "replicated pipeline"
     shapes = []
     for g in HYBRID_GROUP_SIZES:
+        if g > 1 and costs.plan_cut == "blocks":
+            report.skipped[f"{family}, stages of several devices"] = BLOCKS_WHOLE
+            continue
         groups = {
             k: np.asarray(gs, dtype=np.int64) for k, gs in node_groups(cluster, devices, g).items()
         }
@@ -435,7 +443,9 @@ def plan(
     modes = costs.stage_filter_modes(0, n) if n else None
     # Filter parallelism only where filter_parallel splits something (not an LSTM, say).
     splits = bool(modes) if n else bool(costs.filter_modes)
-    if not splits:
+    if costs.plan_cut == "blocks":
+        report.skipped["filter parallel"] = BLOCKS_WHOLE
+    elif not splits:
         report.skipped["filter parallel"] = "the model has no layer filter parallelism splits"
 
     def data_balanced(c: Cluster, strategy: str) -> Prediction:
@@ -577,7 +587,12 @@ def plan(
                     out += _asymmetric(
                         costs, cluster, batch, fast, slow, speeds, ASYMMETRIC_MICRO_BATCHES, s
                     )
-        if model is not None and n:
+        if model is not None and n and costs.plan_cut == "blocks":
+            report.skipped["node-wise placement"] = (
+                "places the filters and neurons of a chain of layers; this model is cut into "
+                "blocks (a transformer)"
+            )
+        elif model is not None and n:
             if p <= OWNERS_MAX_DEVICES:
                 keep = list(range(p))
             else:

@@ -363,6 +363,12 @@ def stage_split(
     modes = costs.stage_filter_modes(first, end)
     lo, hi = costs.plan_range(first, end)
     by_name = {x.name: x for x in costs.layers[lo:hi]}
+    if costs.plan_cut == "blocks":
+        raise ValueError(
+            f"{where}: has {ranks} ranks, but the stages of a model cut into blocks (a "
+            "transformer) are costed on one rank each: a split of a block's channels over "
+            "ranks is not predicted"
+        )
     if not modes:
         raise ValueError(
             f"{where}: has {ranks} ranks but its layers hold no Conv2d or Linear to split"

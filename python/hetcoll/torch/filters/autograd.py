@@ -65,14 +65,18 @@ class GatherChannels(torch.autograd.Function):
         ctx.offset, ctx.count, ctx.dim = offset, y.shape[dim], dim
         # Pieces join along axis 0 in every engine: move the channel dimension there.
         moved = y.detach().movedim(dim, 0).contiguous()
-        if y.device.type != "cpu":
+        if y.device.type != "cpu" and comm.engine == "nccl":
             out = allgatherv(moved, comm, timeout=timeout)
         else:
+            # Host memory (gloo, MPI): a CUDA rank stages its slice through the host, so that
+            # it takes the same exchange as the group's CPU ranks.
+            moved = moved.cpu()
             out = torch.empty((sum(counts), *moved.shape[1:]), dtype=y.dtype)
             row = moved[0].numel() * moved.element_size()
             comm.iallgatherv(_bytes(moved), _bytes(out), [c * row for c in counts]).wait(
                 deadline(timeout)
             )
+            out = out.to(y.device)
         return out.movedim(0, dim).contiguous()
 
     @staticmethod

@@ -1,0 +1,329 @@
+"""Real heterogeneity (issue 40, item 4): one GPU rank beside CPU ranks, in one gloo group,
+training the demo CNN (hetcoll.lab's DemoNet on 8x8 images; synthetic data of that shape, so
+that the device needs no scikit-learn).
+
+    python benches/device/hetero.py --cluster OUT/cluster.toml --json OUT/hetero.json
+
+For each configuration (1 GPU rank + C CPU ranks, C in ``--cpu-ranks``), in one job:
+
+1. every rank measures its own training step (:func:`hetcoll.torch.measure_speed`, forward,
+   backward and SGD step) and the fits are exchanged (:func:`hetcoll.torch.gather_speeds`);
+2. the GPU alone: rank 0 trains on the whole global batch, the others wait;
+3. balanced: shares from :func:`hetcoll.split` of the measured fits, each rank's batches from
+   :class:`hetcoll.torch.BalancedSampler`, DDP with :func:`hetcoll.torch.register_weighted_hook`;
+4. equal: the global batch split evenly, plain DDP (its mean averaging), what DDP users do;
+
+each timed over ``--steps`` steps after ``--warmup`` (barriers around, the GPU synchronized).
+The parent then predicts each of the three steps with the performance model: the CPU ranks'
+device and the gloo link from ``hetcoll model calibrate`` on this machine (``--cluster``), the
+GPU's from a measurement here (:func:`measure_gpu`: float32 GEMM and convolution FLOP/s, copy
+bandwidth, per-kernel time), the costs from :func:`hetcoll.model.layer_costs` of DemoNet.
+
+Without CUDA (the dry run) rank 0 is a CPU rank like the others, the JSON says
+``"status": "skipped: no CUDA (dry run, rank 0 on the CPU)"`` and its figures mean nothing.
+Lab code, like everything in benches/: it imports the library, the library never imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+from torch import nn
+
+import hetcoll
+from hetcoll import launch
+
+SHAPE = (1, 8, 8)
+CLASSES = 10
+LR = 0.05
+
+
+def _model() -> nn.Module:
+    from hetcoll.lab.demo_ranks import DemoNet
+
+    torch.manual_seed(0)
+    return DemoNet()
+
+
+def _pool(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, *SHAPE, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _timed(dev: torch.device, step: Any, batches: list[Any], warmup: int) -> float:
+    """Seconds per step of ``step(batch)`` over ``batches[warmup:]``, between barriers."""
+    import torch.distributed as dist
+
+    for b in batches[:warmup]:
+        step(b)
+    _sync(dev)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for b in batches[warmup:]:
+        step(b)
+    _sync(dev)
+    dist.barrier()
+    return (time.perf_counter() - t0) / max(1, len(batches) - warmup)
+
+
+def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """One rank of a configuration; rank 0 returns the measurements."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hetcoll.torch import BalancedSampler, gather_speeds, measure_speed, register_weighted_hook
+
+    gpu = rank == 0 and cfg["cuda"]
+    dev = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    batch, warmup, steps = cfg["batch"], cfg["warmup"], cfg["steps"]
+    n = batch * (warmup + steps)
+    x, y = _pool(n)
+    xd, yd = x.to(dev), y.to(dev)  # the GPU rank's data lives on the GPU, as a loader would put it
+    loss_fn = nn.functional.cross_entropy
+
+    def sgd(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=LR)
+
+    # 1. Each rank's own speed.
+    sizes = sorted({max(1, batch // 8), max(2, batch // 4), max(3, batch // 2), batch})
+
+    def make_batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.arange(b) % n
+        return xd[idx.to(dev)], yd[idx.to(dev)]
+
+    fit = measure_speed(
+        _model().to(dev),
+        make_batch,
+        loss_fn,
+        batch_sizes=sizes,
+        warmup=2,
+        time_budget=cfg["probe_s"],
+        optimizer=sgd,
+    )
+    fits = gather_speeds(fit)
+    out: dict[str, Any] = {
+        "devices": ["cuda" if (r == 0 and cfg["cuda"]) else "cpu" for r in range(world)],
+        "speeds": [
+            {"rank": r, "samples_per_s": f.samples_per_s, "latency_s": f.latency_s}
+            for r, f in enumerate(fits)
+        ],
+    }
+
+    # 2. The GPU (rank 0) alone, on the whole global batch.
+    step_s: dict[str, float] = {}
+    if rank == 0:
+        model = _model().to(dev)
+        opt = sgd(model.parameters())
+
+        def alone(b: int) -> None:
+            rows = slice(b * batch, (b + 1) * batch)
+            opt.zero_grad()
+            loss_fn(model(xd[rows]), yd[rows]).backward()
+            opt.step()
+
+        step_s["gpu_alone"] = _timed(dev, alone, list(range(warmup + steps)), warmup)
+    else:
+        _timed(dev, lambda b: None, [], 0)
+
+    # 3 and 4. Balanced (measured shares, weighted hook) and equal (plain DDP).
+    speeds = [f.samples_per_s for f in fits]
+    latency = [f.latency_s for f in fits]
+    shares = {
+        "balanced": hetcoll.split(batch, speeds, latency=latency, minimum=1),
+        "equal": hetcoll.split(batch, [1.0] * world),
+    }
+    for name, share in shares.items():
+        model = _model().to(dev)
+        ddp = DDP(model, device_ids=[0] if gpu else None)
+        if name == "balanced":
+            register_weighted_hook(ddp)
+        opt = sgd(ddp.parameters())
+        sampler = BalancedSampler(range(n), share, rank, shuffle=False)
+        batches = [torch.as_tensor(idx, dtype=torch.long) for idx in sampler.batch_sampler()]
+
+        def train(idx: torch.Tensor, ddp: Any = ddp, opt: Any = opt) -> None:
+            opt.zero_grad()
+            i = idx.to(dev)
+            loss_fn(ddp(xd[i]), yd[i]).backward()
+            opt.step()
+
+        step_s[name] = _timed(dev, train, batches, warmup)
+        del ddp
+    dist.barrier()
+    if rank != 0:
+        return None
+    out["shares"] = shares
+    out["step_s"] = step_s
+    out["samples_per_s"] = {k: batch / v for k, v in step_s.items()}
+    return out
+
+
+def _gpu_seconds(fn: Any, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def measure_gpu() -> dict[str, Any]:
+    """The GPU's figures for :class:`hetcoll.model.Device` (float32, TF32 off, as the model's
+    fp32 rates mean): GEMM 4096^3, a 3x3 convolution 64 -> 128 on 512 maps of 8x8 (forward),
+    a copy of 256 MiB, and one tiny kernel's time in a chain (launch-bound)."""
+    dev = torch.device("cuda", 0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    a = torch.randn(4096, 4096, device=dev)
+    gemm = _gpu_seconds(lambda: a @ a, 5)
+    conv = nn.Conv2d(64, 128, 3, padding=1).to(dev)
+    xc = torch.randn(512, 64, 8, 8, device=dev)
+    with torch.no_grad():
+        conv_s = _gpu_seconds(lambda: conv(xc), 5)
+    big = torch.empty(64 << 20, device=dev)  # 256 MiB of float32
+    dst = torch.empty_like(big)
+    copy_s = _gpu_seconds(lambda: dst.copy_(big), 5)
+    tiny = torch.zeros(1, device=dev)
+    chain = 200
+
+    def launches() -> None:
+        for _ in range(chain):
+            tiny.add_(1.0)
+
+    kernel_s = _gpu_seconds(launches, 3) / chain
+    return {
+        "name": torch.cuda.get_device_name(dev),
+        "flops_per_s": 2 * 4096**3 / gemm,
+        "conv_flops_per_s": 2 * 512 * 128 * 64 * 9 * 8 * 8 / conv_s,
+        "mem_bytes_per_s": 2 * big.numel() * 4 / copy_s,
+        "memory_bytes": float(torch.cuda.get_device_properties(dev).total_memory),
+        "kernel_overhead_s": kernel_s,
+    }
+
+
+def predict(
+    cluster_path: str | None, gpu: dict[str, Any] | None, row: dict[str, Any], batch: int
+) -> dict[str, Any]:
+    """The performance model's step for the three runs of ``row``."""
+    from hetcoll.model import Cluster, Device, Node, layer_costs, load_cluster
+    from hetcoll.model import predict_data_parallel as data_parallel
+
+    if not cluster_path or not os.path.exists(cluster_path):
+        return {"status": f"skipped: no calibration file ({cluster_path})"}
+    calibrated = load_cluster(cluster_path)
+    cpu_node = calibrated.nodes[0]
+    link = cpu_node.link or calibrated.ring_link()
+    cpu = cpu_node.device
+    world = len(row["devices"])
+    costs = layer_costs(_model(), SHAPE)
+    if gpu is not None:
+        figures = {k: v for k, v in gpu.items() if k != "name"}
+        first = Device("gpu", **figures)
+        nodes = [Node("gpu", first, 1), Node("cpu", cpu, world - 1, link if world > 2 else None)]
+        cluster = Cluster(nodes, link)
+        alone = Cluster([Node("gpu", first, 1)])
+    else:  # dry run: every rank the calibrated CPU rank
+        cluster = Cluster([Node("cpu", cpu, world, link)])
+        alone = Cluster([Node("cpu", cpu, 1)])
+    predicted = {
+        name: data_parallel(costs, cluster, row["shares"][name]).step_s
+        for name in ("balanced", "equal")
+    }
+    predicted["gpu_alone"] = data_parallel(costs, alone, [batch]).step_s
+    return {
+        "status": "ok",
+        "step_s": predicted,
+        "error": {k: predicted[k] / row["step_s"][k] - 1 for k in predicted},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", required=True, help="where to write the results")
+    ap.add_argument("--cluster", help="hetcoll model calibrate's file (CPU ranks, gloo link)")
+    ap.add_argument("--cpu-ranks", type=int, nargs="+", default=[3, 7])
+    ap.add_argument("--batch", type=int, default=1024, help="the global batch")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--probe-s", type=float, default=3.0, help="each rank's speed probe budget")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per configuration")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    started = time.perf_counter()
+    result: dict[str, Any] = {
+        "status": "ok" if cuda else "skipped: no CUDA (dry run, rank 0 on the CPU)",
+        "cuda": cuda,
+        "model": "DemoNet (hetcoll.lab.demo_ranks), 1x8x8 inputs, SGD",
+        "batch": args.batch,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "cpu_threads_per_rank": 1,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "hetcoll": hetcoll.__file__,
+        "gpu": None,
+        "configurations": [],
+    }
+    if cuda:
+        result["gpu"] = measure_gpu()
+        torch.cuda.empty_cache()  # the ranks get the GPU's memory back
+    for c in args.cpu_ranks:
+        cfg = {
+            "cuda": cuda,
+            "batch": args.batch,
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "probe_s": args.probe_s,
+        }
+        t0 = time.perf_counter()
+        row: dict[str, Any] = {"cpu_ranks": c, "gpu_ranks": 1 if cuda else 0}
+        try:
+            ranks = launch.spawn(rank_main, 1 + c, cfg, timeout=args.timeout, threads_per_rank=1)
+            row.update(ranks[0])
+            rate = row["samples_per_s"]
+            row["balanced_over_equal"] = rate["balanced"] / rate["equal"]
+            row["balanced_over_gpu_alone"] = rate["balanced"] / rate["gpu_alone"]
+            total = sum(s["samples_per_s"] for s in row["speeds"])
+            row["balanced_over_sum_of_speeds"] = rate["balanced"] / total
+            row["prediction"] = predict(args.cluster, result["gpu"], row, args.batch)
+            row["status"] = "ok"
+        except Exception as e:  # one configuration failing leaves the others measured
+            row["status"] = f"failed: {type(e).__name__}: {e}"[:2000]
+            row["traceback"] = traceback.format_exc()[-4000:]
+        row["seconds"] = time.perf_counter() - t0
+        result["configurations"].append(row)
+        with open(args.json, "w") as f:  # after each configuration: a timeout keeps the rest
+            json.dump(result, f, indent=1)
+    result["seconds"] = time.perf_counter() - started
+    errors = [
+        abs(e)
+        for row in result["configurations"]
+        for e in row.get("prediction", {}).get("error", {}).values()
+    ]
+    if errors:
+        result["prediction_error"] = {"median": statistics.median(errors), "worst": max(errors)}
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1, default=str))
+    failed = [r for r in result["configurations"] if r["status"] != "ok"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The GPU machine's check (issue 40), from the wheel in dist/: see benches/device/README.md.
+#
+#   bash benches/device/run.sh OUTDIR
+#
+# Installs dist/hetcoll-*.whl into a target folder (no index, no dependencies: the machine has
+# torch, numpy, lightning, mpi4py and pytest), then runs each step under its own `timeout`:
+#   env        python, torch, the GPU (nvidia-smi)
+#   kernels    weighted_sum on CUDA tensors against torch's add_ chain, _foreach and a copy
+#   pytest     pytest -m cuda tests/test_cuda.py (junit XML)
+#   calibrate  hetcoll model calibrate (the CPU ranks' device and the gloo link)
+#   hetero     1 GPU rank + 3 and 7 CPU ranks: speeds, balanced vs equal vs the GPU alone,
+#              the model's predictions
+# and writes OUTDIR/summary.json (every step's status, seconds and results) and OUTDIR/log.txt.
+# The step limits add up to 470 s, so a run ends within 8 minutes whatever hangs. Without CUDA
+# it is the dry run: every CUDA figure is "skipped: no CUDA", with small step counts.
+set -u
+OUT=${1:?usage: bash benches/device/run.sh OUTDIR}
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+LOG=$OUT/log.txt
+STEPS=$OUT/steps.jsonl
+: >"$LOG"
+: >"$STEPS"
+SITE=${HETCOLL_DEVICE_SITE:-${TMPDIR:-/tmp}/hetcoll-device-site}
+cd "$ROOT"
+
+# step NAME TIMEOUT_S COMMAND...: run it with its limit, log its output, record its outcome.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
+    local rc=$?
+    local took=$((SECONDS - t0))
+    echo "=== $name: rc=$rc after ${took}s" | tee -a "$LOG"
+    printf '{"step": "%s", "rc": %d, "seconds": %d, "limit_s": %d}\n' \
+        "$name" "$rc" "$took" "$limit" >>"$STEPS"
+    return 0
+}
+
+WHEEL=$(ls dist/hetcoll-*-abi3-*.whl 2>/dev/null | head -n 1)
+if [ -z "$WHEEL" ]; then
+    echo "no dist/hetcoll-*-abi3-*.whl: run make wheel first (and carry dist)" | tee -a "$LOG"
+    printf '{"step": "install", "rc": 2, "seconds": 0, "limit_s": 0}\n' >>"$STEPS"
+else
+    rm -rf "$SITE"
+    step install 40 "$PY" -m pip install --no-index --no-deps --target "$SITE" "$WHEEL"
+fi
+# The wheel's hetcoll, never the checkout's python/ folder; tests/ for the cases modules.
+export PYTHONPATH=$SITE
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export PYTHONUNBUFFERED=1
+
+QUICK=()
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>>"$LOG"; then
+    echo "no CUDA: the dry run (small step counts)" | tee -a "$LOG"
+    QUICK=(--cpu-ranks 1 --batch 64 --warmup 1 --steps 3 --probe-s 1 --timeout 60)
+fi
+
+step env 30 "$PY" benches/device/environment.py --json "$OUT/environment.json"
+step kernels 40 "$PY" benches/device/kernels.py --json "$OUT/kernels.json"
+step pytest 140 "$PY" -m pytest -m cuda -v -p no:cacheprovider -o addopts="" \
+    --junitxml "$OUT/pytest-cuda.xml" tests/test_cuda.py
+CPU_RANKS=8
+[ ${#QUICK[@]} -gt 0 ] && CPU_RANKS=2
+step calibrate 50 "$PY" -m hetcoll.cli model calibrate --links gloo --ranks "$CPU_RANKS" \
+    --output "$OUT/cluster.toml"
+step hetero 170 "$PY" benches/device/hetero.py --cluster "$OUT/cluster.toml" \
+    --json "$OUT/hetero.json" "${QUICK[@]}"
+
+"$PY" benches/device/summarize.py "$OUT" 2>>"$LOG" | tee -a "$LOG"

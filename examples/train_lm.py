@@ -1,0 +1,259 @@
+"""Train a small language model under a plan, on text that needs no download: the Python
+standard library's own source, read as bytes.
+
+    python examples/train_lm.py                                         # one process
+    torchrun --standalone --nproc-per-node 3 examples/train_lm.py --emulate 1,0.5,0.25
+    mpiexec -n 3 python examples/train_lm.py --mpi --emulate 1,0.5,0.25
+    hetcoll plan --model examples.train_lm:make_model --input 64 --dtype int64 \\
+        --cluster my_cluster.toml --batch 16 --out plan.json              # the planner's plan
+    torchrun --standalone --nproc-per-node 3 examples/train_lm.py --plan plan.json
+
+The model is Hugging Face's Llama (grouped-query attention, rotary embeddings) built from a
+config, or GPT-2 (``--arch gpt2``), byte-level (vocabulary 256). A plan (``hetcoll.Plan``,
+JSON) says which ranks run which of its blocks (``hetcoll.torch.layers.model_layers``:
+``model.embed_tokens, model.rotary_emb, model.layers.0 ..``) on how many samples of every global
+batch; without ``--plan`` the ranks form one pipeline, its stages cut between decoder layers.
+Every rank reads the same global batches — keyword inputs ``{"input_ids", "attention_mask"}``,
+rows of different lengths padded at the end, labels -100 there — and ``par.step`` returns the
+batch's mean loss over its valid tokens (``items``): the model learns what one process learns on
+the same batches (to rounding in float64; Llama's rotary embedding computes in float32, so its
+runs agree to about 1e-7 where rows are split).
+
+``--emulate 1,0.5,0.25`` runs rank r at that fraction of its real speed (its blocks sleep in
+proportion to their compute: emulated heterogeneity, for trying plans on one machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from train_plan import Job
+
+import hetcoll
+from hetcoll import Plan
+from hetcoll.torch import parallelize
+from hetcoll.torch.layers import model_layers
+
+VOCAB = 256  # bytes
+SEQ = 64
+#: Attention as plain ops, the same numbers on any split of the rows (SDPA's fused kernels differ
+#: by ~1e-8 between a batch and its parts).
+EAGER: dict[str, Any] = {"attn_implementation": "eager"}
+#: Standard-library modules whose source is the corpus (they ship with every CPython).
+CORPUS = ("textwrap.py", "string.py", "argparse.py", "difflib.py", "functools.py", "typing.py")
+
+
+def make_model(arch: str = "llama") -> nn.Module:
+    """A small byte-level decoder built from a config (no download)."""
+    if arch == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=VOCAB,
+                n_embd=64,
+                n_layer=6,
+                n_head=4,
+                n_positions=SEQ,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                use_cache=False,
+                bos_token_id=0,
+                eos_token_id=0,
+                **EAGER,
+            )
+        )
+    if arch != "llama":
+        raise ValueError(f"arch: 'llama' or 'gpt2', got {arch!r}")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+            **EAGER,
+        )
+    )
+
+
+def corpus() -> torch.Tensor:
+    """The corpus as byte ids."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    data = b"".join((stdlib / name).read_bytes() for name in CORPUS)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def batches(
+    text: torch.Tensor, batch: int, steps: int, seed: int
+) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """``steps`` global batches of ``batch`` rows: text at random places, each row of a random
+    length (half to all of SEQ), padded with 0 at the end (masked, labels -100)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        starts = torch.randint(0, len(text) - SEQ, (batch,), generator=g)
+        ids = torch.stack([text[s : s + SEQ] for s in starts.tolist()])
+        lengths = torch.randint(SEQ // 2, SEQ + 1, (batch,), generator=g)
+        mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+        out.append(
+            ({"input_ids": ids * mask, "attention_mask": mask}, ids.masked_fill(mask == 0, -100))
+        )
+    return out
+
+
+def lm_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Next-byte cross entropy, the mean over the valid (not -100) labels."""
+    logits = output.logits[:, :-1]
+    return nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
+
+
+def valid_tokens(labels: torch.Tensor) -> int:
+    """What lm_loss averages over: a batch's weight in the global mean."""
+    return int((labels[:, 1:] != -100).sum())
+
+
+def default_plan(model: nn.Module, world: int, batch: int, microbatches: int) -> Plan:
+    """One pipeline over every rank, its stages cut between blocks by their parameter counts
+    (:func:`hetcoll.partition_chain`): what to run without a planner's plan."""
+    layers = model_layers(model)
+    costs = [float(sum(p.numel() for p in m.parameters())) + 1.0 for _, m in layers]
+    counts = hetcoll.partition_chain(costs, [1.0] * world) if world > 1 else [len(layers)]
+    stages, at = [], 0
+    for rank, n in enumerate(counts):
+        stages.append({"ranks": [rank], "layers": [at, at + n]})
+        at += n
+    return Plan.from_dict(
+        {
+            "microbatches": microbatches,
+            "schedule": "1F1B",
+            "replicas": [
+                {"samples": batch, "stages": [s for s in stages if s["layers"][0] < s["layers"][1]]}
+            ],
+        }
+    )
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    job = Job(args.mpi)
+    if args.emulate is not None and len(args.emulate) != job.world:
+        raise SystemExit(f"--emulate: needs one value per rank ({job.world})")
+    torch.set_num_threads(hetcoll.num_threads())  # the node's cores shared among its ranks
+    dtype = torch.float64 if args.float64 else torch.float32
+    torch.manual_seed(args.seed)
+    net = make_model(args.arch).to(job.device, dtype)
+    plan = (
+        Plan.load(args.plan)
+        if args.plan
+        else default_plan(net, job.world, args.batch, args.microbatches)
+    )
+    # Collective: every rank passes the same plan (rank 0's weights are used).
+    par = parallelize(net, plan, loss_fn=lm_loss, items=valid_tokens, group=job.group)
+    if args.emulate and par.stage is not None:
+        from hetcoll.lab.emulate import slow_down
+
+        slow_down(par.stage, args.emulate[job.rank])
+    opt = torch.optim.AdamW(par.parameters(), lr=args.lr, weight_decay=0.0)
+    data = batches(corpus(), plan.batch, args.steps, args.seed)
+    bar = progress(job, args.steps, args.quiet)
+    losses, t0 = [], time.perf_counter()
+    for x, y in data:
+        x = {k: v.to(job.device) for k, v in x.items()}
+        losses.append(par.step(x, y.to(job.device)))
+        opt.step()
+        opt.zero_grad()
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    seconds = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    state = par.full_state_dict()  # collective
+    if job.rank == 0 and not args.quiet:
+        tokens = sum(valid_tokens(y) for _, y in data)
+        print(
+            f"{len(data)} steps in {seconds:.2f} s ({tokens / seconds:.0f} tokens/s), "
+            f"loss {losses[0]:.3f} -> {losses[-1]:.3f}",
+            flush=True,
+        )
+    if job.rank == 0 and args.save:
+        torch.save(state, args.save)
+    report = {
+        "rank": job.rank,
+        "backend": job.backend,
+        "world": job.world,
+        "place": par.place,
+        "plan": plan.to_dict(),
+        "losses": losses,
+        "seconds": seconds,
+        "traffic": par.traffic(),
+    }
+    job.close()
+    return report
+
+
+def progress(job: Job, steps: int, quiet: bool) -> Any:
+    if job.rank != 0 or quiet:
+        return None
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    return tqdm(total=steps, desc="train", file=sys.stderr, leave=False)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--plan", help="a plan file (hetcoll plan ... --out); default: one pipeline")
+    p.add_argument("--arch", default="llama", choices=("llama", "gpt2"))
+    p.add_argument("--mpi", action="store_true", help="run on MPI (under mpiexec)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=16, help="global batch without --plan")
+    p.add_argument("--microbatches", type=int, default=4, help="without --plan")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--float64", action="store_true", help="train in double precision")
+    p.add_argument(
+        "--emulate",
+        type=lambda s: [float(v) for v in s.split(",")],
+        help="run rank r at S_r times its real speed (0 < S_r <= 1): emulated heterogeneity",
+    )
+    p.add_argument("--save", help="write the trained state dict here (rank 0)")
+    p.add_argument("--json", help="write each rank's report here ({rank} is replaced)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary line")
+    args = p.parse_args(argv)
+    if args.plan:
+        try:
+            Plan.load(args.plan)
+        except (OSError, ValueError) as e:
+            p.error(f"--plan: {e}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    report = train(args)
+    if args.json:
+        with open(args.json.format(rank=report["rank"]), "w") as f:
+            json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()

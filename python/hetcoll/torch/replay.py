@@ -1,0 +1,428 @@
+"""A pipeline stage of any model: the model's own forward, replayed around the stage's blocks.
+
+A transformer is not a chain of one-tensor calls: its forward builds masks and position ids from
+its keyword inputs, computes rotary embeddings once for every layer, calls its decoder layers
+from a Python loop over a ``ModuleList`` and returns a ``ModelOutput``. Rather than rewrite that
+code as a graph, each stage runs the model's forward itself, with every block
+(:func:`hetcoll.torch.layers.model_layers`) routed by its role for the stage:
+
+- ``"mine"``: the stage's own blocks run for real (their outputs that later stages read are sent
+  to them);
+- ``"received"``: a block of an earlier stage whose output this stage reads — the tensors it
+  sent stand in for the call, so gradients flow back to it;
+- ``"recompute"``: a block without parameters that reads only the inputs (or other such
+  blocks) runs again here rather than crossing the cut;
+- ``"dummy"``: any other block returns zeros of its output's shape; nothing this stage computes
+  reads them (checked once, below);
+- ``"stop"``: the first block after the stage ends the forward of a stage that is not the last.
+
+The code between blocks (masks, position ids, a residual at the top level) runs on every stage
+from the micro-batch's own inputs, which every rank holds. What crosses a cut is therefore
+exactly the blocks' outputs that a later stage reads, whatever their structure (tuples,
+``ModelOutput``, hidden states beside cos/sin), as torch.export's graph split would carry them.
+
+Which outputs cross, and the shapes of the zeros, come from a probe (:func:`probe`), run once
+per input shape: the forward with the inputs as they are and every block run on the meta device
+(shapes only, no memory, no compute), while a ``TorchFunctionMode`` follows which blocks' outputs
+each value of the code between blocks is computed from. The same probe is run by every rank, so
+a cut that cannot work (a block reading a later stage's output, a block called twice) raises the
+same error everywhere, before anything is sent.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "Flow",
+    "Leaf",
+    "StageRoles",
+    "StandIn",
+    "StopForward",
+    "call_model",
+    "meta_copy",
+    "probe",
+    "replay",
+    "routed",
+    "stage_roles",
+]
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers live on the meta device (shapes and
+    dtypes only), made without copying any data; ties between parameters are kept."""
+    memo: dict[int, Any] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) not in memo:
+            empty = torch.empty_like(t, device="meta")
+            memo[id(t)] = (
+                nn.Parameter(empty, requires_grad=t.requires_grad)
+                if isinstance(t, nn.Parameter)
+                else empty
+            )
+    return copy.deepcopy(model, memo)
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """``model(**inputs)`` for a dict of keyword inputs, else ``model(inputs)``."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    return model(inputs)
+
+
+class StopForward(Exception):
+    """Ends the forward of a stage that is not the last, once its blocks have run."""
+
+
+class StandIn(nn.Module):
+    """Holds a block's place in a stage's copy of the model when the stage does not hold its
+    weights; :func:`routed` decides what its calls return. Attributes the code between blocks
+    reads off a block (``layers[0].self_attn.batch_first``) come from the block's copy on the
+    meta device, which is not a submodule: the stage neither holds nor trains its weights."""
+
+    def __init__(self, name: str, meta: nn.Module):
+        super().__init__()
+        self.block = name
+        object.__setattr__(self, "meta", meta)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "meta"), name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"block {self.block!r} is held by another stage; it runs only inside a plan's step"
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.block!r}, held by another stage"
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One tensor of a block's output: its shape and dtype, and whether it carries a gradient."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclass
+class Flow:
+    """What one probe saw (:func:`probe`): the order blocks were called in, each block's output
+    structure (``spec``; a :class:`Leaf` per tensor, the value itself for anything else) and
+    the blocks each block's arguments — and the model's output — were computed from."""
+
+    order: list[int] = field(default_factory=list)
+    specs: dict[int, tuple[pytree.TreeSpec, list[Any]]] = field(default_factory=dict)
+    reads: dict[int, frozenset[int]] = field(default_factory=dict)
+    output_reads: frozenset[int] = frozenset()
+    #: The roles of each (replica, stage) for this probe, kept by whoever computes them.
+    roles: dict[tuple[int, int], StageRoles] = field(default_factory=dict)
+
+    def zeros(self, k: int, device: torch.device, cache: dict[Any, torch.Tensor]) -> Any:
+        """Block ``k``'s output structure with zeros for its tensors (shared by shape)."""
+        spec, leaves = self.specs[k]
+        out = []
+        for leaf in leaves:
+            if isinstance(leaf, Leaf):
+                key = (leaf.shape, leaf.dtype)
+                if key not in cache:
+                    cache[key] = torch.zeros(leaf.shape, dtype=leaf.dtype, device=device)
+                out.append(cache[key])
+            else:
+                out.append(leaf)
+        return pytree.tree_unflatten(out, spec)
+
+    def tensors(self, k: int) -> list[Leaf]:
+        return [leaf for leaf in self.specs[k][1] if isinstance(leaf, Leaf)]
+
+    def rebuild(self, k: int, tensors: Sequence[torch.Tensor]) -> Any:
+        """Block ``k``'s output structure around the given tensors (in leaf order)."""
+        spec, leaves = self.specs[k]
+        it = iter(tensors)
+        return pytree.tree_unflatten(
+            [next(it) if isinstance(leaf, Leaf) else leaf for leaf in leaves], spec
+        )
+
+
+class _Sources(TorchFunctionMode):
+    """Follows, for every tensor the code between blocks computes, the blocks whose outputs it
+    was computed from (the union over each op's tensor arguments)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.of: dict[int, frozenset[int]] = {}
+        self.keep: list[torch.Tensor] = []  # no id is reused while the probe runs
+        self.paused = 0
+
+    def mark(self, value: Any, sources: frozenset[int]) -> None:
+        for t in pytree.tree_leaves(value):
+            if isinstance(t, torch.Tensor):
+                self.of[id(t)] = self.of.get(id(t), frozenset()) | sources
+                self.keep.append(t)
+
+    def sources(self, value: Any) -> frozenset[int]:
+        found: frozenset[int] = frozenset()
+        for t in pytree.tree_leaves(value):
+            if isinstance(t, torch.Tensor):
+                found |= self.of.get(id(t), frozenset())
+        return found
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if not self.paused and func in _TO_PYTHON:
+            found = self.sources((args, kwargs))
+            if found:
+                raise _DecidesOnData(found)
+        out = func(*args, **kwargs)
+        if not self.paused:
+            found = self.sources((args, kwargs))
+            if found:
+                self.mark(out, found)
+        return out
+
+
+#: Reading a tensor's values into Python: a branch or a size decided by data.
+_TO_PYTHON = {
+    torch.Tensor.__bool__,
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+}
+
+
+class _DecidesOnData(Exception):
+    def __init__(self, blocks: frozenset[int]):
+        super().__init__()
+        self.blocks = blocks
+
+
+@contextmanager
+def routed(model: nn.Module, blocks: Sequence[str], route: Callable[..., Any]) -> Iterator[None]:
+    """Within the block, every call of block ``k`` of ``model`` (by module path) becomes
+    ``route(k, module, forward, *args, **kwargs)``, ``forward`` being the block's own."""
+    patched = []
+    try:
+        for k, name in enumerate(blocks):
+            m = model.get_submodule(name)
+            own = m.forward
+
+            def call(*args: Any, _k: int = k, _m: nn.Module = m, _f: Any = own, **kw: Any) -> Any:
+                return route(_k, _m, _f, *args, **kw)
+
+            m.forward = call  # type: ignore[method-assign]
+            patched.append(m)
+        yield
+    finally:
+        for m in patched:
+            del m.forward
+
+
+def probe(
+    model: nn.Module, blocks: Sequence[str], meta_blocks: Sequence[nn.Module], inputs: Any
+) -> Flow:
+    """Run ``model``'s forward on ``inputs`` with each block ``k`` (a module path of
+    ``blocks``) computed by ``meta_blocks[k]`` on the meta device and answered with zeros of
+    its output's shape on the inputs' device; return what the run saw (:class:`Flow`). The code
+    between blocks runs for real (so a forward that looks at its inputs' values works) and
+    ``model``'s own blocks are not run."""
+    flow = Flow()
+    sources = _Sources()
+    device = next(
+        (t.device for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)),
+        torch.device("cpu"),
+    )
+
+    def route(k: int, module: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        name = blocks[k]
+        if k in flow.specs:
+            raise ValueError(
+                f"model: block {name!r} is called more than once per forward; a plan needs each "
+                "block called once (give the repeated work its own module)"
+            )
+        flow.order.append(k)
+        flow.reads[k] = sources.sources((args, kwargs))
+        meta_args = pytree.tree_map(_on_meta, (args, kwargs))
+        sources.paused += 1
+        try:
+            out_meta = meta_blocks[k](*meta_args[0], **meta_args[1])
+        except Exception as e:
+            raise ValueError(
+                f"model: block {name!r} does not run on the meta device ({type(e).__name__}: "
+                f"{e}); a plan learns its output's shape there"
+            ) from None
+        finally:
+            sources.paused -= 1
+        leaves, spec = pytree.tree_flatten(out_meta)
+        flow.specs[k] = (
+            spec,
+            [
+                Leaf(tuple(t.shape), t.dtype, bool(t.requires_grad))
+                if isinstance(t, torch.Tensor)
+                else t
+                for t in leaves
+            ],
+        )
+        # Fresh zeros for each block (told apart by the sources), carrying a gradient where the
+        # block's output does, so that the code between blocks passes that on.
+        spec, leaves = flow.specs[k]
+        out = pytree.tree_unflatten(
+            [
+                torch.zeros(leaf.shape, dtype=leaf.dtype, device=device).requires_grad_(
+                    leaf.requires_grad
+                )
+                if isinstance(leaf, Leaf)
+                else leaf
+                for leaf in leaves
+            ],
+            spec,
+        )
+        sources.mark(out, frozenset({k}))
+        return out
+
+    try:
+        with routed(model, blocks, route), torch.enable_grad(), sources:
+            output = call_model(model, inputs)
+    except _DecidesOnData as e:
+        which = ", ".join(repr(blocks[k]) for k in sorted(e.blocks))
+        raise ValueError(
+            f"model: its forward reads the values of block {which}'s output into Python (a "
+            "branch or a size decided by data) between blocks, so its stages cannot replay it "
+            "without that block; move the decision inside a block, or compute it from the "
+            "inputs"
+        ) from None
+    flow.output_reads = sources.sources(output)
+    return flow
+
+
+def _on_meta(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    m = t.detach().to("meta")
+    return m.requires_grad_(t.requires_grad) if m.is_floating_point() else m
+
+
+@dataclass(frozen=True)
+class StageRoles:
+    """Each block's role for one stage (module docs) and what crosses its cuts: ``receives``,
+    the earlier blocks whose outputs it reads (in call order), and ``sends``, its blocks whose
+    outputs later stages read, with the stages reading each."""
+
+    roles: dict[int, str]
+    receives: list[int]
+    sends: dict[int, list[int]]
+
+
+def stage_roles(
+    flow: Flow,
+    names: Sequence[str],
+    stage_of: Sequence[int],
+    stage: int,
+    parameter_free: Sequence[bool],
+    where: Callable[[int], str],
+) -> StageRoles:
+    """The roles of every block for ``stage`` of a pipeline whose block ``k`` belongs to stage
+    ``stage_of[k]``. Raises ``ValueError`` (naming the block) for a cut that cannot run: a
+    block that reads the output of a later stage's block."""
+    recompute: set[int] = set()
+    for k in flow.order:  # a block that reads only the inputs and such blocks
+        if parameter_free[k] and flow.reads[k] <= recompute:
+            recompute.add(k)
+
+    def reads_of(s: int) -> list[tuple[str, frozenset[int]]]:
+        out = [(f"block {names[k]!r}", flow.reads[k]) for k in flow.order if stage_of[k] == s]
+        if s == max(stage_of):
+            out.append(("the model's output", flow.output_reads))
+        return out
+
+    last = max(stage_of)
+    needed: dict[int, set[int]] = {}
+    for s in range(last + 1):
+        needed[s] = set()
+        for what, reads in reads_of(s):
+            for j in sorted(reads):
+                if stage_of[j] == s or j in recompute:
+                    continue
+                if stage_of[j] > s:
+                    raise ValueError(
+                        f"{where(s)}: {what} reads the output of block {names[j]!r}, which a "
+                        f"later stage ({where(stage_of[j])}) holds; cut the model in the order "
+                        "its forward calls the blocks"
+                    )
+                needed[s].add(j)
+    roles: dict[int, str] = {}
+    for k in range(len(names)):
+        if stage_of[k] == stage:
+            roles[k] = "mine"
+        elif k in recompute:
+            roles[k] = "recompute"
+        elif k in needed[stage]:
+            roles[k] = "received"
+        elif stage_of[k] > stage and stage != last:
+            roles[k] = "stop"
+        else:
+            roles[k] = "dummy"
+    order = {k: i for i, k in enumerate(flow.order)}
+    receives = sorted(needed[stage], key=order.__getitem__)
+    crossing = {k for s in needed for k in needed[s] if stage_of[k] == stage}
+    sends = {
+        k: [s for s in range(stage + 1, last + 1) if k in needed[s]]
+        for k in sorted(crossing, key=order.__getitem__)
+    }
+    return StageRoles(roles, receives, sends)
+
+
+def replay(
+    model: nn.Module,
+    blocks: Sequence[str],
+    inputs: Any,
+    flow: Flow,
+    roles: StageRoles,
+    received: Mapping[int, Any],
+    device: torch.device,
+) -> tuple[Any, dict[int, Any]]:
+    """One stage's forward of one micro-batch: ``model``'s forward on ``inputs`` with each
+    block routed by its role (module docs), ``received`` standing in for the blocks the stage
+    receives. Returns the model's output (None for a stage that is not the last) and the
+    outputs of the stage's blocks that later stages read (``roles.sends``)."""
+    captured: dict[int, Any] = {}
+    dummies: dict[Any, torch.Tensor] = {}
+    mine = sum(1 for k in flow.order if roles.roles[k] == "mine")
+    done = 0
+
+    def route(k: int, module: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal done
+        role = roles.roles[k]
+        if role == "mine" or role == "recompute":
+            out = forward(*args, **kwargs)
+            if role == "mine":
+                done += 1
+                if k in roles.sends:
+                    captured[k] = out
+            return out
+        if role == "received":
+            return received[k]
+        if role == "stop" and done == mine:
+            raise StopForward
+        return flow.zeros(k, device, dummies)
+
+    with routed(model, blocks, route):
+        try:
+            output = call_model(model, inputs)
+        except StopForward:
+            output = None
+    return output, captured

@@ -1,0 +1,327 @@
+"""CUDA cases that run inside every rank of a real job (launched by tests/test_cuda.py).
+
+A mixed job puts rank 0 on the GPU and the other ranks on the CPU, all in one gloo group: the
+real heterogeneity hetcoll is for. Each case checks against one process on the CPU, in float64
+to 1e-10 (relative) where the math is exact, else at the tolerance it states. A failing check
+raises, which fails the launch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import filter_cases
+import plan_cases
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hetcoll
+from hetcoll import CollectiveMismatchError, Plan
+from hetcoll.collectives import allgatherv_autograd
+from hetcoll.torch import parallelize, register_weighted_hook
+
+from dp_common import make_data, make_model, reference_step, rel_err
+
+TOL = 1e-10
+
+
+def device_of(rank: int, first: str) -> torch.device:
+    """Rank 0 on ``first`` (``"cuda"``: the GPU), the others on the CPU. The cases run with
+    ``first="cpu"`` too: the same code with every rank on the CPU, where no GPU is at hand."""
+    return torch.device(first, 0) if rank == 0 and first == "cuda" else torch.device("cpu")
+
+
+def _data(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+
+
+def collectives(rank: int, world: int, first: str = "cuda") -> dict[str, int]:
+    """allreduce (every algorithm, weighted) and allgatherv (and its autograd) with rank 0's
+    tensors on the GPU beside CPU ranks: the device tensor is staged through host memory and
+    takes the same algorithm as the CPU ranks."""
+    dev = device_of(rank, first)
+    weights = [(r + 1) / 7 for r in range(world)]
+    checked = 0
+    for n in (5, 1000, 300_001):  # inline in the agreement, small, ring-sized
+        want = sum(w * _data(r, n, torch.float64) for r, w in enumerate(weights))
+        for algorithm in ("auto", "native", "direct", "ring"):
+            buf = _data(rank, n, torch.float64).to(dev)
+            got = hetcoll.allreduce(buf, weight=weights[rank], algorithm=algorithm)
+            assert got is buf and got.device == dev, (got.device, dev)
+            err = rel_err(got.cpu(), want)
+            assert err <= TOL, (n, algorithm, err)
+            checked += 1
+    # 16-bit and float32: reduced in float32 on the host, rounded once per ring hop.
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
+        want = sum(w * _data(r, 4096, dtype).double() for r, w in enumerate(weights))
+        buf = _data(rank, 4096, dtype).to(dev)
+        hetcoll.allreduce(buf, weight=weights[rank], algorithm="ring")
+        assert buf.dtype == dtype
+        err = rel_err(buf.cpu().double(), want)
+        assert err <= tol, (dtype, err)
+        checked += 1
+    # Uneven pieces gathered: a copy, so bitwise.
+    pieces = [
+        torch.arange(3 * (r + 1), dtype=torch.float64).view(r + 1, 3) + r for r in range(world)
+    ]
+    out = hetcoll.allgatherv(pieces[rank].to(dev))
+    assert out.device == dev
+    assert torch.equal(out.cpu(), torch.cat(pieces))
+    # Its autograd form: backward keeps this rank's rows of the summed gradient.
+    x = pieces[rank].to(dev).requires_grad_(True)
+    y = allgatherv_autograd(x)
+    (y * (rank + 1)).sum().backward()
+    assert x.grad is not None and x.grad.device == dev
+    assert torch.equal(x.grad.cpu(), torch.full((rank + 1, 3), float(sum(range(1, world + 1)))))
+    checked += 2
+    # Ranks that disagree (the GPU rank's dtype) raise on every rank, whatever the device.
+    dtype = torch.float32 if rank == 0 else torch.float64
+    try:
+        hetcoll.allreduce(torch.ones(8, dtype=dtype, device=dev))
+    except CollectiveMismatchError:
+        checked += 1
+    else:
+        raise AssertionError("a dtype mismatch between ranks did not raise")
+    return {"checked": checked}
+
+
+def nccl_one_rank(rank: int, world: int) -> dict[str, int]:
+    """World size 1 on NCCL: allreduce and allgatherv on the device (NCCL's own, the weight in
+    PREMUL_SUM), and the weighted DDP hook training as one process does."""
+    assert dist.get_backend() == "nccl"
+    dev = torch.device("cuda", 0)
+    buf = _data(0, 1000, torch.float64).to(dev)
+    want = 0.375 * buf.cpu()
+    hetcoll.allreduce(buf, weight=0.375)
+    assert buf.device == dev and rel_err(buf.cpu(), want) <= TOL
+    out = hetcoll.allgatherv(torch.arange(6.0, device=dev).view(2, 3))
+    assert out.device == dev and torch.equal(out.cpu(), torch.arange(6.0).view(2, 3))
+    return {"steps": ddp_steps(dev, [10], 0)}
+
+
+def ddp_steps(dev: torch.device, shares: list[int], rank: int, algorithm: str = "auto") -> int:
+    """DDP with the weighted hook, this rank's model on ``dev``, one step on its share of a
+    global batch of ``sum(shares)``: gradients and parameters equal one process (float64)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    n = sum(shares)
+    x, y = make_data(n)
+    lo = sum(shares[:rank])
+    xs, ys = x[lo : lo + shares[rank]].to(dev), y[lo : lo + shares[rank]].to(dev)
+    model = make_model().to(dev)
+    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    from hetcoll.torch import WeightedAllreduceState, weighted_allreduce_hook
+
+    if algorithm == "auto":
+        register_weighted_hook(ddp)
+    else:
+        state = WeightedAllreduceState(None, local_batch=shares[rank], algorithm=algorithm)
+        ddp.register_comm_hook(state, weighted_allreduce_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    nn.functional.cross_entropy(ddp(xs), ys).backward()
+    grads, params = reference_step(n)
+    for p, g in zip(model.parameters(), grads, strict=True):
+        assert p.grad is not None and p.grad.device == dev
+        assert rel_err(p.grad.cpu(), g) <= TOL, rel_err(p.grad.cpu(), g)
+    opt.step()
+    for p, want in zip(model.parameters(), params, strict=True):
+        assert rel_err(p.detach().cpu(), want) <= TOL
+    return 1
+
+
+def ddp_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, int]:
+    """The weighted DDP hook on gloo, the GPU rank's buckets beside CPU ranks' (both the
+    direct exchange "auto" takes and the allreduce path)."""
+    dev = device_of(rank, first)
+    shares = [5, 2, 3][:world]
+    steps = ddp_steps(dev, shares, rank, "auto") + ddp_steps(dev, shares, rank, "allreduce")
+    return {"steps": steps}
+
+
+def filter_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, object]:
+    """filter_parallel with the GPU rank's channels beside CPU ranks': outputs, gradients and
+    parameters after 3 steps equal the unsplit model (float64 1e-10, float32 1e-5)."""
+    dev = device_of(rank, first)
+    speeds = [29.0, 7.0, 1.0][:world]
+    modes = filter_cases.equals_unsplit(None, speeds, torch.float64, device=dev)
+    shares = {"0": [29, 7, 1], "3": [40, 20, 1], "6": [3, 1, 1], "8": [10, 2, 1], "10": [5, 1, 1]}
+    filter_cases.equals_unsplit(None, shares, torch.float32, avoid_gathers=False, device=dev)
+    return {"modes": sorted(set(modes.values()))}
+
+
+#: A pipeline whose first stage is the GPU rank and whose second stage is split over two CPU
+#: ranks, beside nothing; and a whole-model replica on the GPU beside a 2-stage CPU pipeline.
+MIXED_PLANS = [
+    {
+        "microbatches": 3,
+        "schedule": "1F1B",
+        "replicas": [
+            {
+                "samples": 11,
+                "stages": [
+                    {"ranks": [0], "layers": [0, 5]},
+                    {"ranks": [1, 2], "speeds": [1.0, 0.4], "layers": [5, 11]},
+                ],
+            }
+        ],
+    },
+    {
+        "microbatches": 2,
+        "schedule": "GPipe",
+        "replicas": [
+            {"samples": 9, "stages": [{"ranks": [0], "layers": [0, 11]}]},
+            {
+                "samples": 5,
+                "stages": [{"ranks": [1], "layers": [0, 6]}, {"ranks": [2], "layers": [6, 11]}],
+            },
+        ],
+    },
+    {  # the GPU rank inside a split stage, after a CPU stage
+        "microbatches": 2,
+        "replicas": [
+            {
+                "samples": 7,
+                "stages": [
+                    {"ranks": [2], "layers": [0, 3]},
+                    {"ranks": [0, 1], "speeds": [4.0, 1.0], "layers": [3, 11]},
+                ],
+            }
+        ],
+    },
+]
+
+
+def plans_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, int]:
+    """parallelize with the GPU rank's stages beside CPU ranks' (activations and gradients
+    staged through host memory for gloo): losses and full_state_dict() after 3 SGD-momentum
+    steps equal one process on the CPU, float64 to 1e-10."""
+    dev = device_of(rank, first)
+    done = 0
+    for spec in MIXED_PLANS:
+        plan = Plan.from_dict(spec)
+        torch.manual_seed(0)
+        model = plan_cases.cnn().double()
+        data = plan_cases.batches((3, 8, 8), plan.batch, 3)
+        want_losses, want_state = plan_cases.reference(model, data, 0.05)
+        par = parallelize(copy.deepcopy(model).to(dev), plan, loss_fn=nn.CrossEntropyLoss())
+        opt = torch.optim.SGD(par.parameters(), lr=0.05, momentum=0.9)
+        for (x, y), want in zip(data, want_losses, strict=True):
+            loss = par.step(x, y)
+            assert abs(loss - want) <= TOL * abs(want), (loss, want)
+            opt.step()
+            opt.zero_grad()
+        assert all(p.device == dev for p in par.parameters())
+        got = par.full_state_dict()
+        for k, v in want_state.items():
+            if v.is_floating_point():
+                assert plan_cases.rel(got[k].cpu(), v) <= TOL, (k, plan_cases.rel(got[k].cpu(), v))
+        done += 1
+    return {"plans": done}
+
+
+#: Two whole-model replicas: the GPU rank's and a CPU rank's.
+REPLICAS = {
+    "microbatches": 2,
+    "replicas": [
+        {"samples": 12, "stages": [{"ranks": [0], "layers": [0, 11]}]},
+        {"samples": 4, "stages": [{"ranks": [1], "layers": [0, 11]}]},
+    ],
+}
+
+#: The GPU rank's first stage feeding a CPU rank's second: a boundary under autocast.
+PIPELINE = {
+    "microbatches": 2,
+    "replicas": [
+        {
+            "samples": 9,
+            "stages": [{"ranks": [0], "layers": [0, 5]}, {"ranks": [1], "layers": [5, 11]}],
+        }
+    ],
+}
+
+#: float32 sums of the same bf16 products in another order (the gradient combination).
+AUTOCAST_TOL = 1e-5
+
+
+def _autocast_pipeline(rank: int, dev: torch.device, model: nn.Module) -> None:
+    """PIPELINE under autocast: the boundary travels in its own dtype (float32: the receiver's
+    buffer) whatever autocast computed it in, and its gradient back the same way. Rank 0 holds
+    both devices, so it checks against the same computation by hand in one process (stage 0
+    under autocast on its device, the boundary cast to float32 and moved, stage 1 under CPU
+    autocast): the loss and every gradient to 1e-5."""
+    plan = Plan.from_dict(PIPELINE)
+    x, y = plan_cases.batches((3, 8, 8), plan.batch, 1)[0]
+    x = x.float()
+    par = parallelize(copy.deepcopy(model).to(dev), plan, loss_fn=nn.CrossEntropyLoss())
+    with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
+        loss = par.step(x, y)
+    # Every gradient at rank 0: its own stage's, then rank 1's (sent over the group).
+    mine = torch.cat([p.grad.reshape(-1).cpu() for p in par.parameters()])
+    if rank == 1:
+        dist.send(mine, 0)
+        return
+    theirs = torch.empty(sum(p.numel() for p in model[5:].parameters()), dtype=mine.dtype)
+    dist.recv(theirs, 1)
+    got = torch.cat([mine, theirs])
+    ref = copy.deepcopy(model)
+    first, second = ref[:5].to(dev), ref[5:]
+    off, want_loss = 0, 0.0
+    for m in plan.microbatch_sizes(0):
+        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
+            h = first(x[off : off + m].to(dev))
+        assert h.dtype == torch.bfloat16, h.dtype  # autocast ran on stage 0
+        h = h.to("cpu", dtype=torch.float32)
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+            part = nn.functional.cross_entropy(second(h), y[off : off + m]) * (m / plan.batch)
+        part.backward()
+        want_loss += float(part.detach())
+        off += m
+    assert abs(loss - want_loss) <= AUTOCAST_TOL * abs(want_loss), (loss, want_loss)
+    want = torch.cat([p.grad.reshape(-1).cpu() for p in ref.parameters()])
+    assert rel_err(got, want) <= AUTOCAST_TOL, rel_err(got, want)
+
+
+def autocast_plan(rank: int, world: int, first: str = "cuda") -> dict[str, object]:
+    """bf16 autocast through a plan: each rank runs ``par.step`` under ``torch.autocast`` on
+    its own device (CUDA on the GPU rank, CPU on the other) with a float32 model. The stages
+    compute in bf16 (checked), the gradients are combined in float32, and the loss and every
+    gradient equal each rank's own replica run under the same autocast on its device (its
+    micro-batches, losses scaled by rows / batch) summed over the ranks, to 1e-5 (the same
+    bf16 products, summed in float32 in another order)."""
+    dev = device_of(rank, first)
+    plan = Plan.from_dict(REPLICAS)
+    torch.manual_seed(0)
+    model = plan_cases.cnn().float()
+    x, y = (t for t in plan_cases.batches((3, 8, 8), plan.batch, 1)[0])
+    x = x.float()
+    # The reference: this rank's replica by hand, summed over the ranks.
+    own = copy.deepcopy(model).to(dev)
+    off, loss_sum = sum(r.samples for r in plan.replicas[:rank]), 0.0
+    with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
+        for m in plan.microbatch_sizes(rank):
+            part = nn.functional.cross_entropy(
+                own(x[off : off + m].to(dev)), y[off : off + m].to(dev)
+            ) * (m / plan.batch)
+            part.backward()
+            loss_sum += float(part.detach())
+            off += m
+    want = torch.cat([p.grad.reshape(-1).cpu() for p in own.parameters()])
+    hetcoll.allreduce(want)
+    want_loss = torch.tensor([loss_sum], dtype=torch.float64)
+    hetcoll.allreduce(want_loss)
+
+    par = parallelize(copy.deepcopy(model).to(dev), plan, loss_fn=nn.CrossEntropyLoss())
+    seen: list[torch.dtype] = []
+    assert par.stage is not None
+    par.stage.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    with torch.autocast(device_type=dev.type, dtype=torch.bfloat16):
+        loss = par.step(x, y)
+    assert seen and set(seen) == {torch.bfloat16}, seen
+    assert abs(loss - float(want_loss)) <= AUTOCAST_TOL * abs(float(want_loss)), (loss, want_loss)
+    got = torch.cat([p.grad.reshape(-1).cpu() for p in par.parameters()])
+    assert got.dtype == torch.float32
+    assert rel_err(got, want) <= AUTOCAST_TOL, rel_err(got, want)
+    _autocast_pipeline(rank, dev, model)
+    return {"dtypes": sorted(str(d) for d in set(seen))}

@@ -1,0 +1,133 @@
+"""Padded language models and data shared by the token-weighted data-parallel tests (gloo DDP
+hook, MPI optimizer, Lightning): Hugging Face GPT-2 from a tiny config (eager attention) and a
+decoder of the user's own around ``torch.nn.TransformerEncoder``, in float64; global batches
+whose rows hold different numbers of valid labels (the rest -100), cut into uneven shares, and
+one process's reference training on the same global batches."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB, SEQ = 29, 8
+#: Rows per rank in every step (uneven), for 2 and 3 ranks.
+SHARES = {2: [3, 5], 3: [2, 3, 5]}
+STEPS, LR, MOMENTUM = 3, 0.2, 0.9
+
+
+def items(y: torch.Tensor) -> int:
+    """What :func:`lm_loss` averages over: the valid (not -100) labels."""
+    return int((y != -100).sum())
+
+
+def lm_loss(out: object, y: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy over the valid labels (``y`` is already aligned with the logits:
+    ``y[:, t]`` is the token after position ``t``), written two ways: for GPT-2's output (a
+    ``ModelOutput``) as Hugging Face computes it, torch's mean with ``ignore_index``; for plain
+    logits (the encoder LM) every position's loss masked by hand,
+    ``sum(loss * mask) / mask.sum()``, as Megatron does, whose gradient is NaN on a rank
+    without any valid label (what a rank weighing 0 must not send)."""
+    if hasattr(out, "logits"):
+        return nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+    assert isinstance(out, torch.Tensor)
+    mask = y.flatten() != -100  # every position's loss, the padding's masked out
+    per_token = nn.functional.cross_entropy(
+        out.flatten(0, 1), y.flatten().clamp(min=0), reduction="none"
+    )
+    return (per_token * mask).sum() / mask.sum()
+
+
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config).double()
+
+
+class EncoderLM(nn.Module):
+    """A user's own decoder: token and position embeddings, a causal
+    ``nn.TransformerEncoder`` (pre-norm layers) and a linear head, returning the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, 16)
+        self.positions = nn.Embedding(SEQ, 16)
+        layer = nn.TransformerEncoderLayer(
+            16, 2, dim_feedforward=32, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n = ids.shape[1]
+        h = self.tokens(ids) + self.positions(torch.arange(n, device=ids.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(n, dtype=h.dtype, device=h.device)
+        return self.head(self.blocks(h, mask=mask, is_causal=True))
+
+
+def encoder_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return EncoderLM().double()
+
+
+MODELS = {"gpt2": gpt2, "encoder": encoder_lm}
+
+
+def global_batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``STEPS`` global batches of ``sum(SHARES[world])`` rows: token ids and their next-token
+    labels, each row right-padded after a random number of valid labels (0 to SEQ). In step 1
+    the last rank's rows are all padding: it has no valid label (legal: it contributes
+    nothing)."""
+    g = torch.Generator().manual_seed(7)
+    shares = SHARES[world]
+    rows = sum(shares)
+    out = []
+    for step in range(STEPS):
+        ids = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=g)
+        labels = ids[:, 1:].clone()
+        valid = torch.randint(0, SEQ + 1, (rows,), generator=g)
+        if step == 1:
+            valid[rows - shares[-1] :] = 0
+        labels[torch.arange(SEQ)[None, :] >= valid[:, None]] = -100
+        out.append((ids[:, :SEQ], labels))
+    return out
+
+
+def rank_rows(world: int, rank: int) -> slice:
+    shares = SHARES[world]
+    start = sum(shares[:rank])
+    return slice(start, start + shares[rank])
+
+
+def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+def reference(name: str, world: int) -> list[torch.Tensor]:
+    """One process trained on the whole global batches: the loss is the mean over every valid
+    label of the global batch."""
+    model = MODELS[name]()
+    opt = optimizer(model)
+    for x, y in global_batches(world):
+        opt.zero_grad()
+        lm_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def rel_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """The largest relative error over the parameters."""
+    return max(float((a - b).norm() / max(float(b.norm()), 1e-300)) for a, b in zip(got, want))

@@ -1,0 +1,359 @@
+"""Costs and plans of token models (issue 38 item 3): Hugging Face Llama and GPT-2 built from
+configs (``attn_implementation="eager"``, no downloads) and a user's ``nn.TransformerEncoder``
+language model, costed on token inputs (a shape and ``torch.int64``, a dict of keyword inputs,
+example tensors).
+
+What is compared with torch's ``FlopCounterMode``: it counts matmul-class ops only (mm, addmm,
+bmm, convolutions, attention kernels), so the costs' ``forward_flops`` / ``backward_flops`` - the
+same class of FLOPs - must agree with it within 5% (they agree exactly: the same formulas on the
+same ops), forward and backward, fp32 and bf16, against a real run of the model. The element-wise
+FLOPs (embedding backward, softmax, masks, RoPE, RMSNorm / LayerNorm, SiLU gating, residual
+adds) have no torch counter to compare with; they are counted apart
+(``ModelCosts.elementwise_flops``) and checked here by hand on the norms."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from hetcoll import Plan
+from hetcoll.cli import main
+from hetcoll.model import cluster_from_dict, layer_costs, plan, predict_plan
+from hetcoll.torch.layers import model_cut, model_layers
+
+transformers = pytest.importorskip("transformers")
+
+SEQ = 16
+HIDDEN = 64
+
+
+def llama(dtype: torch.dtype = torch.float32, layers: int = 2) -> nn.Module:
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=HIDDEN,
+        intermediate_size=160,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to(dtype)
+
+
+def gpt2(dtype: torch.dtype = torch.float32, layers: int = 2) -> nn.Module:
+    cfg = transformers.GPT2Config(
+        vocab_size=128,
+        n_embd=HIDDEN,
+        n_layer=layers,
+        n_head=4,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).to(dtype)
+
+
+class EncoderLM(nn.Module):
+    """A user's own language model around ``nn.TransformerEncoder`` (causal mask in forward)."""
+
+    def __init__(self, vocab: int = 100, dim: int = 32, layers: int = 3) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n = ids.shape[1]
+        mask = torch.triu(torch.full((n, n), float("-inf"), device=ids.device), diagonal=1)
+        return self.head(self.enc(self.emb(ids), mask=mask, is_causal=True))
+
+
+def flop_counter(model: nn.Module, batch: int, seq: int = SEQ) -> tuple[int, int]:
+    """FlopCounterMode's forward and backward FLOPs of a real run on ``batch`` sequences."""
+    ids = torch.randint(0, 100, (batch, seq))
+    with FlopCounterMode(display=False) as fc:
+        out = model(ids)
+        forward = fc.get_total_flops()
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        logits.float().sum().backward()
+    return forward, fc.get_total_flops() - forward
+
+
+def close(a: float, b: float, tol: float = 0.05) -> bool:
+    return abs(a - b) <= tol * max(abs(a), abs(b))
+
+
+@pytest.mark.parametrize("make", [llama, gpt2, EncoderLM], ids=["llama", "gpt2", "encoder"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_matmul_flops_of_token_models_agree_with_flop_counter(
+    make: Any, dtype: torch.dtype
+) -> None:
+    model = make().to(dtype)
+    costs = layer_costs(model, (SEQ,), dtype=torch.int64)
+    fwd, bwd = flop_counter(model, 3)
+    assert fwd > 0 and bwd > 0
+    assert close(costs.forward_flops(3), fwd), (costs.forward_flops(3), fwd)
+    assert close(costs.backward_flops(3), bwd), (costs.backward_flops(3), bwd)
+    # Within 5% is the requirement. Eager attention agrees exactly (the same formulas on the
+    # same ops); nn.MultiheadAttention calls F.scaled_dot_product_attention, whose fused
+    # backward recomputes the scores on a real run, not on the meta device (docs/model.md).
+    if make is not EncoderLM:
+        assert (costs.forward_flops(3), costs.backward_flops(3)) == (fwd, bwd)
+    else:
+        assert costs.forward_flops(3) == fwd and 0.97 * bwd < costs.backward_flops(3) < bwd
+    # Bytes are the activations' (the model's dtype), not the token ids'.
+    assert costs.itemsize == torch.empty((), dtype=dtype).element_size()
+    assert costs.inputs[0].dtype == "int64" and costs.input_shape == (SEQ,)
+    # Element-wise work counted apart, forward and backward.
+    ew_f, ew_b = costs.elementwise_flops(1)
+    assert ew_f > 0 and ew_b > 0
+
+
+def test_elementwise_flops_of_the_norms_by_hand() -> None:
+    """Llama's RMSNorm: x.pow(2), .mean(-1), + eps, rsqrt, x * r, weight * x: four ops over the
+    S x d elements and two over the S rows. GPT-2's LayerNorm is one fused op: S x d. Attention
+    holds its softmax (at least one FLOP per score, heads x S x S) and RoPE."""
+    c = layer_costs(llama(), (SEQ,), dtype=torch.int64)
+    by = {x.name: x for x in c.layers}
+    assert by["model.layers.0.input_layernorm"].elementwise_flops_per_sample[0] == (
+        4 * SEQ * HIDDEN + 2 * SEQ
+    )
+    attention = by["model.layers.0.self_attn"].elementwise_flops_per_sample
+    assert attention[0] >= 4 * SEQ * SEQ and attention[1] >= 4 * SEQ * SEQ
+    g = layer_costs(gpt2(), (SEQ,), dtype=torch.int64)
+    ln = {x.name: x for x in g.layers}["transformer.h.0.ln_1"]
+    assert ln.elementwise_flops_per_sample[0] == SEQ * HIDDEN
+    # The embedding's lookup reads the rows it gathers, not the whole table.
+    emb = {x.name: x for x in g.layers}["transformer.wte"]
+    moved = emb.forward[0].bytes_per_sample + emb.forward[0].bytes_fixed
+    assert moved < 128 * HIDDEN * 4
+
+
+def test_keyword_inputs_shapes_pairs_and_example_tensors_cost_alike() -> None:
+    model = llama()
+    base = layer_costs(model, (SEQ,), dtype=torch.int64)
+    variants = [
+        layer_costs(model, {"input_ids": (SEQ,)}, dtype=torch.int64),
+        layer_costs(model, {"input_ids": (SEQ,), "attention_mask": (SEQ,)}, dtype=torch.int64),
+        layer_costs(model, {"input_ids": ((SEQ,), torch.int64)}),
+        layer_costs(model, {"input_ids": torch.zeros(2, SEQ, dtype=torch.long)}),
+        layer_costs(model, torch.zeros(5, SEQ, dtype=torch.long)),
+        layer_costs(model, str(SEQ), dtype=torch.int64),
+    ]
+    for c in variants:
+        assert c.forward_flops(1) == base.forward_flops(1)
+        assert c.backward_flops(1) == base.backward_flops(1)
+        assert c.plan_layers == base.plan_layers
+    assert [x.name for x in variants[1].inputs] == ["input_ids", "attention_mask"]
+    assert variants[3].inputs[0].to_json() == {
+        "name": "input_ids",
+        "shape": [SEQ],
+        "dtype": "int64",
+    }
+
+
+@pytest.mark.parametrize(
+    ("inputs", "kwargs", "words"),
+    [
+        ({}, {}, ("input_shape", "empty")),
+        ({"input ids": (4,)}, {}, ("input_shape", "keyword")),
+        ({"input_ids": (0,)}, {}, ("input_shape['input_ids']", "positive")),
+        ((SEQ, -1), {}, ("input_shape", "positive")),
+        (torch.tensor(3), {}, ("input_shape", "batch")),
+        ((SEQ,), {"dtype": "int64"}, ("dtype", "torch.dtype")),
+        ((SEQ,), {}, ("input_shape", "float32")),  # token ids given as floats
+    ],
+)
+def test_bad_inputs_raise_naming_the_argument(inputs: Any, kwargs: Any, words: Any) -> None:
+    with pytest.raises((ValueError, TypeError)) as e:
+        layer_costs(llama(), inputs, **kwargs)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+@pytest.mark.parametrize("make", [llama, gpt2, EncoderLM], ids=["llama", "gpt2", "encoder"])
+def test_costs_map_onto_the_blocks_a_plan_cuts(make: Any) -> None:
+    model = make()
+    costs = layer_costs(model, (SEQ,), dtype=torch.int64)
+    names = [n for n, _ in model_layers(model)]
+    assert model_cut(model).kind == "blocks" and costs.plan_cut == "blocks"
+    assert list(costs.plan_layers) == names, costs.plan_layers_note
+    # Every costed layer sits in the block holding it; the code between blocks with the
+    # block before it; in order.
+    for x, i in zip(costs.layers, costs.plan_layer_of, strict=True):
+        block = names[i]
+        assert x.name == block or x.name.startswith(block + ".") or x.own_ops, (x.name, block)
+    assert list(costs.plan_layer_of) == sorted(costs.plan_layer_of)
+    # Each decoder block's costs: its own layers' FLOPs, all alike.
+    decoders = [i for i, n in enumerate(names) if n.rsplit(".", 1)[-1].isdigit()]
+    per_block = []
+    for i in decoders:
+        lo, hi = costs.plan_range(i, i + 1)
+        per_block.append(sum(x.forward_flops(1) for x in costs.layers[lo:hi]))
+    assert len(set(per_block)) == 1 and per_block[0] > 0
+    # What crosses a cut between two decoder blocks: the hidden states (S x d floats per
+    # sample), and for Llama the rotary embedding's cos and sin (1 x S x head_dim each, sent
+    # whole with each micro-batch) that every decoder layer reads.
+    dim = HIDDEN if make is not EncoderLM else 32
+    hidden = SEQ * dim * 4
+    extra = 2 * SEQ * (HIDDEN // 4) * 4 if make is llama else 0
+    for i in decoders[:-1]:
+        assert costs.plan_out_bytes[i] == hidden + extra, (names[i], costs.plan_out_bytes[i])
+    # Stages are whole blocks on one rank: no filter split is offered, and a plan with a
+    # stage split over two ranks is refused, saying why.
+    assert costs.stage_filter_modes(0, len(names)) == {}
+    n = len(names)
+    split = Plan.from_dict(
+        {"replicas": [{"samples": 4, "stages": [{"ranks": [0, 1], "layers": [0, n]}]}]}
+    )
+    with pytest.raises(ValueError, match="model cut into blocks"):
+        predict_plan(costs, _cluster(1e12), split)
+
+
+def _cluster(memory: float) -> Any:
+    return cluster_from_dict(
+        {
+            "devices": {
+                "fast": {"flops_per_s": 1e12, "mem_bytes_per_s": 1e11, "memory_bytes": memory},
+                "slow": {"flops_per_s": 5e11, "mem_bytes_per_s": 5e10, "memory_bytes": memory},
+            },
+            "links": {"l": {"latency_s": 1e-6, "bytes_per_s": 1e10}},
+            "nodes": [
+                {"name": "a", "device": "fast", "count": 2, "link": "l"},
+                {"name": "b", "device": "slow", "count": 2, "link": "l"},
+            ],
+            "network": {"link": "l"},
+        }
+    )
+
+
+@pytest.mark.parametrize("make", [llama, gpt2], ids=["llama", "gpt2"])
+def test_planner_cuts_token_models_between_decoder_blocks(make: Any) -> None:
+    model = make(layers=4)
+    costs = layer_costs(model, (32,), dtype=torch.int64)
+    names = [n for n, _ in model_layers(model)]
+    whole = max(plan(costs, _cluster(1e12), 16)[0].memory_bytes)
+    # Devices that cannot hold the whole model's step: pipelines of several stages win.
+    ranked = plan(costs, _cluster(0.6 * whole), 16, prune=False)
+    best = ranked[0]
+    assert best.feasible and best.has_plan, best.reason
+    pipelines = []
+    for p in ranked:
+        if not (p.feasible and p.has_plan):
+            continue
+        doc = p.to_plan().to_dict()
+        for r in doc["replicas"]:
+            ranges = [tuple(st["layers"]) for st in r["stages"]]
+            # The stages' layer ranges index model_layers, cover it in order, one rank each.
+            assert ranges[0][0] == 0 and ranges[-1][1] == len(names)
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+            assert all(len(st["ranks"]) == 1 for st in r["stages"])
+            if len(ranges) > 1:
+                pipelines.append([names[a] for a, _ in ranges[1:]])
+    assert len(best.to_plan().to_dict()["replicas"][-1]["stages"]) > 1
+    # Some cut falls between two decoder blocks (before layers.k / h.k with k > 0).
+    assert any(
+        n.rsplit(".", 1)[-1].isdigit() and n.rsplit(".", 1)[-1] != "0"
+        for cuts in pipelines
+        for n in cuts
+    ), pipelines
+
+
+MYMODELS = """
+from torch import nn
+import transformers
+
+
+def llama() -> nn.Module:
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        attn_implementation="eager"))
+"""
+
+
+def test_cli_costs_and_plan_of_a_token_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "tokmodels.py").write_text(textwrap.dedent(MYMODELS))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "tokmodels", raising=False)
+    model_args = ["--model", "tokmodels:llama", "--input", "32", "--dtype", "int64"]
+    assert main(["model", "costs", *model_args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    import tokmodels
+
+    model = tokmodels.llama()
+    fwd, _ = flop_counter(model, 1, 32)
+    assert close(out["forward_flops"], fwd) and out["dtype"] == "int64"
+    assert out["inputs"] == [{"name": "", "shape": [32], "dtype": "int64"}]
+    assert out["elementwise_forward_flops"] > 0
+    whole = max(
+        plan(layer_costs(model, (32,), dtype=torch.int64), _cluster(1e12), 16)[0].memory_bytes
+    )
+    toml = textwrap.dedent(
+        f"""
+        [devices.fast]
+        flops_per_s = 1e12
+        mem_bytes_per_s = 1e11
+        memory_bytes = {0.6 * whole}
+        [devices.slow]
+        flops_per_s = 5e11
+        mem_bytes_per_s = 5e10
+        memory_bytes = {0.6 * whole}
+        [links.l]
+        latency_s = 1e-6
+        bytes_per_s = 1e10
+        [[nodes]]
+        name = "a"
+        device = "fast"
+        count = 2
+        link = "l"
+        [[nodes]]
+        name = "b"
+        device = "slow"
+        count = 2
+        link = "l"
+        [network]
+        link = "l"
+        """
+    )
+    (tmp_path / "cluster.toml").write_text(toml)
+    out_file = tmp_path / "plan.json"
+    args = ["plan", *model_args, "--cluster", "cluster.toml", "--batch", "16"]
+    assert main([*args, "--out", str(out_file)]) == 0
+    text = capsys.readouterr().out
+    assert "not searched: filter parallel: stages of a model cut into blocks" in text
+    doc = Plan.load(str(out_file)).to_dict()
+    names = [n for n, _ in model_layers(model)]
+    stages = [st for r in doc["replicas"] for st in r["stages"]]
+    assert any(st["layers"][0] > 0 for st in stages)  # a pipeline
+    for st in stages:
+        a, b = st["layers"]
+        assert 0 <= a < b <= len(names) and len(st["ranks"]) == 1
+
+
+def test_a_chain_of_token_layers_still_filter_splits() -> None:
+    """An nn.Sequential starting with an embedding is a chain: its Linear layers still split."""
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 50))
+    c = layer_costs(model, (8,), dtype=torch.int64)
+    assert c.plan_cut == "chain" and c.plan_layers == ("0", "1", "2", "3")
+    assert c.stage_filter_modes(0, 4) == {"1": "split-output", "3": "split-input"}
+    assert c.plan_out_bytes[0] == 8 * 16 * 4
+    assert math.isclose(c.forward_flops(1), 2 * 8 * (16 * 32 + 32 * 50))

@@ -1,0 +1,219 @@
+"""The CUDA paths (`pytest -m cuda`; skipped where no CUDA device is): hetcoll.weighted_sum and
+hetcoll.allreduce / allgatherv on CUDA tensors, the weighted DDP hook on NCCL (world size 1)
+and on gloo with a GPU rank beside CPU ranks, filter_parallel and parallelize with one CUDA
+rank beside CPU ranks over gloo (tensors staged through host memory), BalancedStrategy with
+accelerator="gpu", and bf16 autocast through a plan. The multi-rank cases live in
+tests/cuda_cases.py; float64 to 1e-10 where the math is exact, else the tolerance each states.
+
+Where no GPU is at hand the same code runs here with every rank on the CPU: the device-generic
+weighted sum against the Rust kernel, and the autocast plan cases on CPU ranks (not marked).
+"""
+
+from __future__ import annotations
+
+import re
+
+import cuda_cases
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import hetcoll
+from hetcoll import launch
+from hetcoll.kernels import weighted_sum_device
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+cuda = [pytest.mark.cuda, needs_cuda]
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+#: Against the Rust kernel (which accumulates 16-bit types in float32 too, in the same order):
+#: float64 1e-10 and float32 1e-6 relative; 16-bit types one rounding of the result apart.
+KERNEL_TOL = {torch.float64: 1e-10, torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def _inputs(dtype: torch.dtype, k: int = 4, n: int = 10_001) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(n, generator=g, dtype=torch.float64).to(dtype) for _ in range(k)]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+# -- weighted_sum ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda), "cpu"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_device_weighted_sum_equals_the_rust_kernel(device, dtype):
+    """torch's ops on the tensors' device (on the CPU too, where it can be compared with the
+    kernel in one process), new output and in place into one of the arrays."""
+    xs, w = _inputs(dtype), [0.25, -1.5, 3.0, 0.125]
+    want = hetcoll.weighted_sum(xs, w)  # the Rust kernel, CPU
+    on = [x.to(device) for x in xs]
+    got = weighted_sum_device(on, w) if device == "cpu" else hetcoll.weighted_sum(on, w)
+    assert got.device.type == device and got.dtype == dtype
+    assert _rel(got, want) <= KERNEL_TOL[dtype]
+    into = on[2]
+    out = hetcoll.weighted_sum(on, w, out=into) if device == "cuda" else None
+    if device == "cpu":
+        out = weighted_sum_device(on, w, out=into)
+    assert out is into
+    assert _rel(out, want) <= KERNEL_TOL[dtype]
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda), "cpu"])
+def test_device_weighted_sum_refuses_what_the_kernel_refuses(device):
+    """The same argument errors as the Rust path: the weights' own (count, finiteness, from the
+    kernel itself), dtype, shape, contiguity, overlap with out, out requiring grad."""
+    run = hetcoll.weighted_sum if device == "cuda" else weighted_sum_device
+    x, y = (t.to(device) for t in _inputs(torch.float64, 2, 16))
+    cases = [
+        (([x, y], [1.0]), ValueError, "weights: has 1 entries but arrays has 2"),
+        (([x, y], [1.0, float("nan")]), ValueError, "weights[1]: must be finite"),
+        (([x, y.float()], [1.0, 1.0]), TypeError, "arrays[1]: dtype torch.float32 does not"),
+        (([x, y[:8]], [1.0, 1.0]), ValueError, "arrays[1]: has shape (8,)"),
+        (([x.view(4, 4).t(), y.view(4, 4)], [1.0, 1.0]), ValueError, "must be C-contiguous"),
+        (([x.int(), y.int()], [1.0, 1.0]), TypeError, "arrays[0]: dtype torch.int32"),
+    ]
+    for args, kind, message in cases:
+        with pytest.raises(kind, match=re.escape(message)):
+            run(*args)
+        if device == "cpu":  # the Rust path says the same
+            with pytest.raises(kind):
+                hetcoll.weighted_sum(*args)
+    z = torch.zeros(24, dtype=torch.float64, device=device)
+    with pytest.raises(ValueError, match=re.escape("arrays[0]: overlaps out in memory")):
+        run([z[:16], y], [1.0, 1.0], out=z[8:])
+    with pytest.raises(RuntimeError, match="out: requires grad"):
+        run([x, y], [1.0, 1.0], out=torch.zeros(16, dtype=torch.float64, requires_grad=True))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_weighted_sum_refuses_a_mix_of_devices():
+    """CUDA and CPU tensors in one call: a TypeError that says to put them on one device."""
+    x = torch.ones(4, device="cuda")
+    with pytest.raises(TypeError, match=r"arrays\[1\]: is cpu but arrays\[0\] is on cuda"):
+        hetcoll.weighted_sum([x, torch.ones(4)], [1.0, 1.0])
+    with pytest.raises(TypeError, match=r"arrays\[1\]: is on cuda:0; the Rust kernels"):
+        hetcoll.weighted_sum([torch.ones(4), x], [1.0, 1.0])
+    with pytest.raises(TypeError, match="out: is ndarray"):
+        hetcoll.weighted_sum([x, x], [1.0, 1.0], out=np.zeros(4, np.float32))
+
+
+# -- collectives, DDP, filter_parallel, plans: real ranks ------------------------------------
+
+
+def _spawn(fn, world, *args, backend="gloo"):
+    return launch.spawn(fn, world, *args, backend=backend, timeout=240)
+
+
+@pytest.mark.multiproc
+@pytest.mark.cuda
+@needs_cuda
+def test_collectives_with_a_gpu_rank_beside_cpu_ranks():
+    """allreduce (auto, native, direct, ring; float64 1e-10, float32 / 16-bit at stated
+    tolerances) and allgatherv (bitwise) with rank 0's tensors on the GPU, over gloo."""
+    assert _spawn(cuda_cases.collectives, 3) == [{"checked": 18}] * 3
+
+
+@pytest.mark.multiproc
+@pytest.mark.cuda
+@needs_cuda
+def test_nccl_at_world_size_one():
+    """NCCL's own allreduce (weight in PREMUL_SUM) and allgatherv, and the weighted DDP hook:
+    one step equals one process in float64 to 1e-10."""
+    assert _spawn(cuda_cases.nccl_one_rank, 1, backend="nccl") == [{"steps": 1}]
+
+
+@pytest.mark.multiproc
+@pytest.mark.cuda
+@needs_cuda
+def test_ddp_hook_on_gloo_with_a_gpu_rank():
+    """DDP over gloo, rank 0's model on the GPU, shares 5:2:3: the weighted hook ("auto":
+    the direct exchange, and "allreduce") gives the full-batch gradient to 1e-10."""
+    assert _spawn(cuda_cases.ddp_mixed, 3) == [{"steps": 2}] * 3
+
+
+@pytest.mark.multiproc
+@pytest.mark.cuda
+@needs_cuda
+def test_filter_parallel_with_a_gpu_rank():
+    """filter_parallel over gloo with rank 0's channels on the GPU (speeds 29:7:1, and every
+    layer gathering in float32): equals the unsplit model."""
+    modes = ["gather", "split-input", "split-output"]
+    assert _spawn(cuda_cases.filter_mixed, 3) == [{"modes": modes}] * 3
+
+
+@pytest.mark.multiproc
+@pytest.mark.cuda
+@needs_cuda
+def test_parallelize_with_a_gpu_rank():
+    """Three plans with the GPU rank as a pipeline stage, a whole-model replica and one rank
+    of a split stage, beside CPU ranks over gloo: equal one process, float64 1e-10."""
+    assert _spawn(cuda_cases.plans_mixed, 3) == [{"plans": 3}] * 3
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("first", [pytest.param("cuda", marks=cuda), "cpu"])
+def test_bf16_autocast_through_a_plan(first):
+    """Each rank under torch.autocast(bf16) on its own device: replicas and a pipeline
+    boundary (which travels in its own dtype); equal the same autocast computation in one
+    process to 1e-5. With ``first="cpu"`` every rank is a CPU rank (CPU autocast)."""
+    assert _spawn(cuda_cases.autocast_plan, 2, first) == [{"dtypes": ["torch.bfloat16"]}] * 2
+
+
+# -- Lightning ------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_balanced_strategy_on_the_gpu(tmp_path, monkeypatch, backend):
+    """BalancedStrategy with accelerator="gpu" (one device, NCCL or gloo): the weights after
+    two epochs equal one process on the CPU, float64 to 1e-10. Lightning runs one device in
+    this process and keeps its process group until exit: the test ends it, so that the next
+    backend gets a group of its own."""
+    pytest.importorskip("lightning")
+    import torch.distributed as dist
+    from lightning.pytorch import Trainer
+    from test_lightning import BATCH, Regression, reference
+
+    from hetcoll.lightning import BalancedStrategy
+
+    trainer = Trainer(
+        strategy=BalancedStrategy(shares=[BATCH], process_group_backend=backend),
+        accelerator="gpu",
+        devices=1,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    monkeypatch.setenv("MASTER_PORT", str(launch.free_port()))
+    try:
+        trainer.fit(Regression(True, tmp_path))
+        assert dist.get_backend() == backend
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    got = list(trainer.lightning_module.net.parameters())
+    assert all(p.device.type == "cuda" for p in got)
+    assert trainer.strategy.hook_state is not None
+    for a, b in zip(got, reference(2, shuffle=True), strict=True):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a.detach().cpu(), b, rtol=0, atol=1e-10)
+
+
+def test_cuda_marker_is_registered(pytestconfig):
+    """`pytest -m cuda` selects these tests without an unknown-marker warning."""
+    markers = pytestconfig.getini("markers")
+    assert any(m.startswith("cuda:") for m in markers)
+
+
+_ = nn  # the cases module builds the models

@@ -1,0 +1,217 @@
+"""Token-weighted data parallelism on real gloo processes: a padded language model (Hugging Face
+GPT-2, and a decoder around torch.nn.TransformerEncoder) trained with the weighted DDP hook and
+``items=`` on ranks with uneven shares and uneven padding learns exactly what one process learns
+on the same global batches (the mean over every valid token), where weighing ranks by rows does
+not; bad counts raise ValueError naming ``items`` on every rank."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hetcoll.launch import spawn
+from hetcoll.torch import (
+    WeightedAllreduceState,
+    item_weights,
+    register_weighted_hook,
+    weighted_allreduce_hook,
+)
+from hetcoll.torch.batches import COUNTED, NEGATIVE, NOT_A_NUMBER, NOT_INTEGER, RAISED, count_items
+
+from lm_common import (
+    MODELS,
+    global_batches,
+    items,
+    lm_loss,
+    optimizer,
+    rank_rows,
+    reference,
+    rel_err,
+)
+
+pytestmark = pytest.mark.multiproc
+
+
+def _train(rank, world, name, algorithm, weigh):
+    """``weigh``: "items" (register_weighted_hook(ddp, items=...)), "state" (a state built by
+    hand with items=) or "rows" (today's default: each rank weighs its rows)."""
+    ddp = DDP(MODELS[name](), bucket_cap_mb=0.01)  # several buckets per step
+    if weigh == "items":
+        state = register_weighted_hook(ddp, items=items, algorithm=algorithm)
+    elif weigh == "state":
+        state = WeightedAllreduceState(None, items=items, algorithm=algorithm)
+        ddp.register_comm_hook(state, weighted_allreduce_hook)
+    else:
+        state = register_weighted_hook(ddp, algorithm=algorithm)
+    opt = optimizer(ddp)
+    seen = []
+    for x, y in global_batches(world):
+        xs, ys = x[rank_rows(world, rank)], y[rank_rows(world, rank)]
+        if weigh != "rows":
+            state.count(ys)
+        opt.zero_grad()
+        lm_loss(ddp(xs), ys).backward()
+        opt.step()
+        seen.append((state.local_batch, state.global_items))
+    return [p.detach().clone() for p in ddp.parameters()], seen
+
+
+@pytest.mark.parametrize(
+    ("name", "world", "algorithm", "weigh"),
+    [
+        ("gpt2", 3, "direct", "items"),
+        ("gpt2", 2, "allreduce", "state"),
+        ("encoder", 3, "allreduce", "items"),
+        ("encoder", 2, "auto", "state"),
+    ],
+)
+def test_items_weighted_hook_equals_one_process_on_a_padded_lm(name, world, algorithm, weigh):
+    batches = global_batches(world)
+    # The data really is uneven: ranks hold different numbers of valid labels per row, and in
+    # step 1 the last rank has none (its loss is a mean over nothing).
+    per_rank = [[items(y[rank_rows(world, r)]) for r in range(world)] for _, y in batches]
+    assert per_rank[1][-1] == 0 and all(len(set(counts)) == world for counts in per_rank[::2])
+    want = reference(name, world)
+    for rank, (params, seen) in enumerate(spawn(_train, world, name, algorithm, weigh)):
+        assert rel_err(params, want) <= 1e-10, rank
+        assert seen == [(c[rank], sum(c)) for c in per_rank]
+
+
+def test_rows_weighting_is_measurably_wrong_on_a_padded_lm():
+    """The same run weighted by rows (the default): not the one process's model. What the items
+    test above checks could fail."""
+    world = 3
+    results = spawn(_train, world, "gpt2", "auto", "rows")
+    params = results[0][0]
+    assert all(rel_err(p, params) == 0 for p, _ in results)  # the ranks agree with each other
+    assert not rel_err(params, reference("gpt2", world)) <= 1e-3
+
+
+# -- the rule ------------------------------------------------------------------------------------
+
+
+def test_item_weights_is_the_items_share_and_zero_items_weigh_zero():
+    counts = np.array([[COUNTED, 6], [COUNTED, 0], [COUNTED, 2]])
+    assert item_weights(counts).tolist() == [0.75, 0.0, 0.25]
+    assert count_items(items, torch.tensor([[1, -100], [2, 3]])) == (COUNTED, 3, None)
+    assert count_items(lambda y: torch.tensor(4), None).value == 4  # an integer tensor counts
+
+
+@pytest.mark.parametrize(
+    ("returned", "status", "message"),
+    [
+        (-3, NEGATIVE, "items: rank 1 counted -3 for this step; items(y) must be an integer >= 0"),
+        (2.5, NOT_INTEGER, "items: rank 1 counted 2.5 for this step"),
+        (torch.tensor(2.0), NOT_INTEGER, "items: rank 1 counted 2.0 for this step"),
+        (True, NOT_A_NUMBER, "items: rank 1 counted something that is not a number"),
+        ("7", NOT_A_NUMBER, "items: rank 1 counted something that is not a number"),
+    ],
+)
+def test_bad_counts_raise_the_same_error_for_every_rank(returned, status, message):
+    bad = count_items(lambda y: returned, None)
+    assert bad.status == status and bad.failure is not None
+    counts = np.array([[COUNTED, 4], bad.exchanged, [COUNTED, 1]])
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        item_weights(counts)  # another rank: no failure of its own
+    with pytest.raises(ValueError, match="items: rank 1") as raised:
+        item_weights(counts, failure=bad.failure)  # the failing rank: its own error chained
+    assert raised.value.__cause__ is bad.failure
+
+
+def test_zero_items_on_every_rank_and_a_raising_items_name_items():
+    with pytest.raises(ValueError, match="items: every rank counted 0 items for this step"):
+        item_weights(np.array([[COUNTED, 0], [COUNTED, 0]]))
+    boom = count_items(lambda y: 1 // 0, None)
+    assert boom.status == RAISED and isinstance(boom.failure, ZeroDivisionError)
+    with pytest.raises(ValueError, match="items: items\\(y\\) raised an exception on rank 0"):
+        item_weights(np.array([boom.exchanged, [COUNTED, 3]]))
+
+
+# -- bad input on real ranks: ValueError naming items on every rank, no hang -----------------------
+
+
+BAD = {
+    "non_integer": ("items: rank 1 counted 2.5 for this step", ValueError),
+    "negative": ("items: rank 0 counted -1 for this step", ValueError),
+    "all_zero": ("items: every rank counted 0 items for this step", ValueError),
+    "raises": ("items: items(y) raised an exception on rank 1", ValueError),
+    "not_counted": ("items: no count for this step; call state.count(y)", RuntimeError),
+}
+
+
+def _bad(rank, world):
+    out = {}
+    ids = torch.randint(0, 5, (2, 4))
+    for case in BAD:
+        model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5)).double()
+        ddp = DDP(model)
+
+        def count(y, case=case):
+            if case == "non_integer" and rank == 1:
+                return 2.5
+            if case == "negative" and rank == 0:
+                return -1
+            if case == "raises" and rank == 1:
+                raise KeyError("labels")
+            return 0 if case == "all_zero" else items(y)
+
+        state = register_weighted_hook(ddp, items=count)
+        try:
+            if case != "not_counted":
+                state.count(ids)
+            lm_loss(ddp(ids), ids).backward()
+            out[case] = "no error"
+        except Exception as e:
+            out[case] = (type(e).__name__, str(e))
+        # The ranks still work together afterwards: a good step goes through.
+        state = WeightedAllreduceState(None, items=items)
+        ddp = DDP(model)
+        ddp.register_comm_hook(state, weighted_allreduce_hook)
+        state.count(ids)
+        lm_loss(ddp(ids), ids).backward()
+    return out
+
+
+def test_bad_items_raise_on_every_rank():
+    for per_rank in spawn(_bad, 2, timeout=120):
+        for case, (message, kind) in BAD.items():
+            assert per_rank[case][0] == kind.__name__, (case, per_rank[case])
+            assert message in per_rank[case][1], (case, per_rank[case])
+
+
+def test_bad_arguments_name_items():
+    with pytest.raises(TypeError, match="items: must be a function"):
+        WeightedAllreduceState(None, items=3)
+    with pytest.raises(TypeError, match=r"items: give items= .* not both"):
+        WeightedAllreduceState(None, 4, items=items)
+    state = WeightedAllreduceState(None, 4)
+    with pytest.raises(TypeError, match="items: count\\(y\\) needs a state built with items="):
+        state.count(torch.zeros(2))
+    state = WeightedAllreduceState(None, items=items)
+    with pytest.raises(TypeError, match="local_batch: this state counts items"):
+        state.local_batch = 3
+
+
+def _no_samples(rank, world):
+    out = {}
+    for algorithm in ("direct", "allreduce"):
+        ddp = DDP(nn.Linear(3, 2).double())
+        state = WeightedAllreduceState(None, 0, algorithm=algorithm)
+        ddp.register_comm_hook(state, weighted_allreduce_hook)
+        try:
+            ddp(torch.zeros(2, 3, dtype=torch.float64)).sum().backward()
+            out[algorithm] = "no error"
+        except RuntimeError as e:  # DDP reports a hook's error as a RuntimeError around it
+            out[algorithm] = str(e)
+    return out
+
+
+def test_rows_weighting_goes_through_the_same_rule():
+    """Samples counted by hetcoll (local_batch, the forward's counter) are weighed by the same
+    rule: zero samples on every rank is the rule's error, by either exchange."""
+    for per_rank in spawn(_no_samples, 2, timeout=60):
+        for algorithm, message in per_rank.items():
+            assert "local_batch: every rank counted 0 samples for this step" in message, algorithm

@@ -1,0 +1,72 @@
+"""Transformers through plans: tests/transformer_cases.py inside every rank of a 4-process gloo
+job and of a 4-process MPI job (Hugging Face GPT-2 and Llama, a user's TransformerEncoder LM, each
+equal to one process averaging over valid tokens, and torchvision's ViT; bad input raises on
+every rank), and the
+blocks ``model_layers`` lists for them, in-process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import transformer_cases
+from torch import nn
+
+from hetcoll import launch
+from hetcoll.torch.layers import model_cut, model_layers
+
+HERE = Path(__file__).resolve().parent
+MODELS = ("gpt2", "llama", "encoder")
+EXPECTED = {
+    **{f"{m}_{p}": True for m in MODELS for p in ("pipeline", "hybrid")},
+    "vit_hybrid": True,
+    "rows_wrong": True,
+    "resumes": True,
+    "autocast": True,
+    "errors": 7,
+}
+
+
+@pytest.mark.multiproc
+def test_gloo_transformer_plans_equal_one_process():
+    for rank, r in enumerate(launch.spawn(transformer_cases.run_torch, 4, timeout=400)):
+        assert r == EXPECTED, (rank, r)
+
+
+@pytest.mark.multiproc
+def test_mpi_transformer_plans_equal_one_process():
+    proc = launch.mpiexec(
+        4, [str(HERE / "mpi_workers" / "cases.py"), "transformer_cases"], timeout=400
+    )
+    for rank, r in enumerate(json.loads(proc.stdout.strip().splitlines()[-1])):
+        assert r == EXPECTED, (rank, r)
+
+
+def test_blocks_of_hugging_face_and_torch_transformers():
+    llama = [n for n, _ in model_layers(transformer_cases.llama())]
+    assert llama == [
+        "model.embed_tokens",
+        "model.rotary_emb",  # called before the layers: the call order, not registration's
+        *[f"model.layers.{k}" for k in range(4)],
+        "model.norm",
+        "lm_head",
+    ]
+    gpt2 = [n for n, _ in model_layers(transformer_cases.gpt2())]
+    assert gpt2 == [
+        "transformer.wte",
+        "transformer.wpe",
+        "transformer.drop",
+        *[f"transformer.h.{k}" for k in range(4)],
+        "transformer.ln_f",
+        "lm_head",
+    ]
+    cut = model_cut(transformer_cases.EncoderLM())
+    assert cut.kind == "blocks"
+    assert [n for n, _ in cut.layers] == [
+        "embed",
+        *[f"encoder.layers.{k}" for k in range(4)],
+        "head",
+    ]
+    # A model of repeated blocks but nothing else stays whole where a Sequential is a chain.
+    assert model_cut(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))).kind == "chain"

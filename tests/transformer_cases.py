@@ -1,0 +1,396 @@
+"""Transformers through plans, inside every rank of a real 4-rank job (gloo through launch.spawn,
+or MPI): Hugging Face GPT-2 (its head tied to its embedding) and Llama (grouped-query attention,
+rotary embeddings passed beside the hidden states), both built from configs with eager attention,
+and a user's language model around ``torch.nn.TransformerEncoderLayer`` (a position table
+between its blocks, a padding mask as a keyword input). Each is cut between its blocks
+(``model_layers``), fed keyword inputs ``{"input_ids", "attention_mask"}`` with padded labels
+(-100), and trained a few SGD-momentum steps under pipelines with uneven stages and
+micro-batches, asymmetric replicas and a stage split over two ranks; losses and
+``full_state_dict()`` must equal one process averaging over the valid tokens of the same global
+batches: 1e-10 relative in float64, except Llama where rows are split (its rotary embedding
+computes cos/sin in float32: one process's full batch and the token-weighted sum of its
+sub-batches already differ by ~1e-7; see REFERENCES.md), compared at 1e-6.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetcoll import Plan
+from hetcoll.comm import wrap
+from hetcoll.torch import parallelize
+
+TOL = 1e-10
+VOCAB = 48
+SEQ = 9
+
+
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=16,
+        n_layer=4,
+        n_head=4,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        attn_implementation="eager",
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        use_cache=False,
+        attn_implementation="eager",
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+class EncoderLM(nn.Module):
+    """A user's own language model: embedding, a learned position table (a parameter outside
+    every block), torch's encoder layers with a causal and a padding mask, a head."""
+
+    def __init__(self, layers: int = 4, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.positions = nn.Parameter(torch.randn(1, 32, width) * 0.02)
+        layer = nn.TransformerEncoderLayer(width, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        n = input_ids.shape[1]
+        h = self.embed(input_ids) + self.positions[:, :n]
+        causal = nn.Transformer.generate_square_subsequent_mask(n, dtype=h.dtype)
+        h = self.encoder(h, mask=causal, src_key_padding_mask=attention_mask == 0, is_causal=True)
+        return self.head(h)
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def lm_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, the mean over the valid (not -100) labels."""
+    logits = logits_of(output)[:, :-1]
+    return nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
+
+
+def valid_tokens(labels: torch.Tensor) -> int:
+    return int((labels[:, 1:] != -100).sum())
+
+
+def batches(batch: int, steps: int) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """Token batches whose rows have different lengths (padding at the end, masked, labels
+    -100 there), so that micro-batches hold different numbers of valid tokens."""
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(1, VOCAB, (batch, SEQ), generator=g)
+        lengths = torch.randint(2, SEQ + 1, (batch,), generator=g)
+        mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+        labels = ids.masked_fill(mask == 0, -100)
+        out.append(({"input_ids": ids * mask, "attention_mask": mask}, labels))
+    return out
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / max(float(b.abs().max()), 1e-30))
+
+
+def reference(model: nn.Module, data: list[Any], lr: float) -> tuple[list[float], dict[str, Any]]:
+    """One process, the whole batch."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for x, y in data:
+        loss = lm_loss(model(**x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses, model.state_dict()
+
+
+def equals_one_process(
+    group: Any, make: Any, plan: Plan, *, tol: float = TOL, steps: int = 2
+) -> dict[str, int]:
+    torch.manual_seed(0)
+    model = make().double()
+    data = batches(plan.batch, steps)
+    want_losses, want_state = reference(model, data, 0.1)
+    par = parallelize(model, plan, loss_fn=lm_loss, items=valid_tokens, group=group)
+    opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)
+    for (x, y), want in zip(data, want_losses, strict=True):
+        loss = par.step(x, y)
+        assert abs(loss - want) <= tol * abs(want), (loss, want)
+        opt.step()
+        opt.zero_grad()
+    got = par.full_state_dict()
+    assert list(got) == list(want_state), (list(got)[:5], list(want_state)[:5])
+    for k, v in want_state.items():
+        if v.is_floating_point():
+            assert rel(got[k], v) <= tol, (k, rel(got[k], v))
+        else:
+            assert torch.equal(got[k], v), k
+    return par.traffic()
+
+
+def pipeline_4(n: int) -> dict[str, Any]:
+    """Four uneven stages over ``n`` layers, three uneven micro-batches (3, 2, 2), 1F1B."""
+    cuts = [0, 2, n // 2, n - 2, n]
+    return {
+        "microbatches": 3,
+        "schedule": "1F1B",
+        "replicas": [
+            {
+                "samples": 7,
+                "stages": [{"ranks": [r], "layers": [cuts[r], cuts[r + 1]]} for r in range(4)],
+            }
+        ],
+    }
+
+
+def hybrid(n: int) -> dict[str, Any]:
+    """A 2-stage pipeline replica beside a whole-model replica and a stage split over two
+    ranks: asymmetric replicas, GPipe."""
+    return {
+        "microbatches": 2,
+        "schedule": "GPipe",
+        "replicas": [
+            {
+                "samples": 4,
+                "stages": [{"ranks": [1], "layers": [0, 3]}, {"ranks": [0], "layers": [3, n]}],
+            },
+            {
+                "samples": 3,
+                "stages": [{"ranks": [2, 3], "speeds": [1.0, 0.5], "layers": [0, n]}],
+            },
+        ],
+    }
+
+
+class OutOfOrder(nn.Module):
+    """Registers ``late`` before ``early`` but calls ``early`` first (a residual around both,
+    so it is not a chain): model_layers lists ``late, early``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.late = nn.Linear(4, 3)
+        self.early = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.late(self.early(x) + x)
+
+
+class Branches(nn.Module):
+    """Decides between blocks on the values of a block's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a[0](x)
+        return self.a[1](h if h.sum() > 0 else -h)
+
+
+def bad_input(group: Any) -> int:
+    """Each mistake raises the same error on every rank; returns how many were checked."""
+    checked = 0
+
+    def raises(kind: type[BaseException], text: str, fn: Any) -> None:
+        nonlocal checked
+        try:
+            fn()
+        except kind as e:
+            assert text in str(e), (text, str(e))
+            checked += 1
+            return
+        raise AssertionError(f"no {kind.__name__} ({text})")
+
+    two = {
+        "replicas": [
+            {
+                "samples": 4,
+                "stages": [{"ranks": [0, 1], "layers": [0, 1]}, {"ranks": [2], "layers": [1, 2]}],
+            }
+        ]
+    }
+    ce = nn.CrossEntropyLoss()
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randint(0, 3, (4,))
+    par = parallelize(OutOfOrder().double(), two, loss_fn=ce, group=group)
+    raises(
+        ValueError, "reads the output of block 'early', which a later stage", lambda: par.step(x, y)
+    )
+    par = parallelize(Branches().double(), two, loss_fn=ce, group=group)
+    raises(ValueError, "reads the values of block 'a.0'", lambda: par.step(x, y))
+    torch.manual_seed(0)
+    model = gpt2().double()
+    n = 9  # wte, wpe, drop, h.0 .. h.3, ln_f, lm_head
+    plan = Plan.from_dict(pipeline_4(n))
+    owners = {
+        "replicas": [
+            {"samples": 2, "stages": [{"ranks": [0, 1], "layers": [0, n], "owners": {"3": [0, 1]}}]}
+        ]
+    }
+    raises(
+        ValueError,
+        "owners name layers of a chain",
+        lambda: parallelize(model, owners, loss_fn=lm_loss, group=group),
+    )
+    par = parallelize(model, plan, loss_fn=lm_loss, items=valid_tokens, group=group)
+    ((inputs, labels),) = batches(7, 1)
+    ragged = dict(inputs, attention_mask=inputs["attention_mask"][:6])
+    raises(ValueError, "its tensors must agree on dim 0", lambda: par.step(ragged, labels))
+    raises(
+        TypeError, "inputs: must be a tensor or a dict of tensors", lambda: par.step([1, 2], labels)
+    )
+    empty = torch.full_like(labels, -100)
+    raises(ValueError, "items: the batch has no items", lambda: par.step(inputs, empty))
+    par = parallelize(model, plan, loss_fn=lm_loss, items=lambda y: 0.5, group=group)
+    raises(ValueError, "it must return an integer >= 0", lambda: par.step(inputs, labels))
+    return checked
+
+
+def rows_are_the_wrong_weight(group: Any) -> bool:
+    """Without ``items``, micro-batches are weighted by rows: with uneven padding that is not
+    the mean over the batch's valid tokens (so the exact cases above can fail)."""
+    torch.manual_seed(0)
+    model = gpt2().double()
+    data = batches(7, 1)
+    (want,), _ = reference(model, data, 0.1)
+    n = 9
+    par = parallelize(model, pipeline_4(n), loss_fn=lm_loss, group=group)
+    got = par.step(*data[0])
+    return abs(got - want) > 1e-4 * abs(want)
+
+
+def vit() -> nn.Module:
+    """torchvision's ViT, small: a class token and a position table outside every block."""
+    from torchvision.models import VisionTransformer
+
+    return VisionTransformer(
+        image_size=8,
+        patch_size=4,
+        num_layers=3,
+        num_heads=2,
+        hidden_dim=8,
+        mlp_dim=16,
+        num_classes=5,
+    )
+
+
+def resumes_on_another_plan(group: Any) -> bool:
+    """A checkpoint of GPT-2 (its head tied to its embedding, in different stages) taken under
+    one plan — weights and Adam's state, gathered whole — resumes under another (other cuts,
+    a replica), and training goes on as if uninterrupted."""
+    torch.manual_seed(0)
+    model = gpt2().double()
+    data = batches(7, 4)
+
+    def adam(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params, lr=0.01)
+
+    one = copy.deepcopy(model)
+    opt = adam(one.parameters())
+    for x, y in data:
+        lm_loss(one(**x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    first = parallelize(model, pipeline_4(9), loss_fn=lm_loss, items=valid_tokens, group=group)
+    opt = adam(first.parameters())
+    for x, y in data[:2]:
+        first.step(x, y)
+        opt.step()
+        opt.zero_grad()
+    weights, state = first.full_state_dict(), first.full_optimizer_state_dict(opt)
+    second = parallelize(
+        gpt2().double(), hybrid(9), loss_fn=lm_loss, items=valid_tokens, group=group
+    )
+    opt = adam(second.parameters())
+    second.load_full_state_dict(weights)
+    second.load_full_optimizer_state_dict(opt, state)
+    for x, y in data[2:]:
+        second.step(x, y)
+        opt.step()
+        opt.zero_grad()
+    got = second.full_state_dict()
+    return all(rel(got[k], v) <= TOL for k, v in one.state_dict().items() if v.is_floating_point())
+
+
+def under_autocast(group: Any) -> bool:
+    """GPT-2 in float32 through a 4-stage pipeline under CPU bf16 autocast: what crosses the
+    cuts travels in the probe's float32 (autocast computed it in bf16), gradients the same way
+    back; the loss within bf16's rounding of one process under autocast."""
+    torch.manual_seed(0)
+    model = gpt2()
+    ((x, y),) = batches(7, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = float(lm_loss(copy.deepcopy(model)(**x), y))
+        par = parallelize(model, pipeline_4(9), loss_fn=lm_loss, items=valid_tokens, group=group)
+        got = par.step(x, y)
+    grads = [p.grad for p in par.parameters() if p.grad is not None]
+    return (
+        abs(got - want) <= 2e-2 * abs(want)
+        and bool(grads)
+        and all(bool(torch.isfinite(g).all()) for g in grads)
+    )
+
+
+def run_all(group: Any) -> dict[str, Any]:
+    assert wrap(group).size == 4
+    out: dict[str, Any] = {}
+    warnings.simplefilter("ignore")  # filter_parallel names the tied head it keeps whole
+    for name, make in (("gpt2", gpt2), ("llama", llama), ("encoder", EncoderLM)):
+        from hetcoll.torch.layers import model_layers
+
+        n = len(model_layers(make()))
+        tol = 1e-6 if name == "llama" else TOL
+        t = equals_one_process(group, make, Plan.from_dict(pipeline_4(n)), tol=tol)
+        out[f"{name}_pipeline"] = t["activations"] > 0 or wrap(group).rank == 3
+        equals_one_process(group, make, Plan.from_dict(hybrid(n)), tol=tol)
+        out[f"{name}_hybrid"] = True
+    # An image transformer: a tensor input, rows as items (conv_proj, encoder.dropout, its
+    # three encoder layers, encoder.ln, heads).
+    from plan_cases import equals_one_process as images_equal_one_process
+
+    images_equal_one_process(group, vit, Plan.from_dict(hybrid(7)), (3, 8, 8))
+    out["vit_hybrid"] = True
+    out["rows_wrong"] = rows_are_the_wrong_weight(group)
+    out["resumes"] = resumes_on_another_plan(group)
+    out["autocast"] = under_autocast(group)
+    out["errors"] = bad_input(group)
+    return out
+
+
+def run_torch(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return run_all(None)
