@@ -289,6 +289,55 @@ def test_validation_loaders_stay_lightnings(tmp_path):
     assert val == [[10, 5, 10, 5]] * 2
 
 
+class WithWorkers(Regression):
+    """The training loader fetches ahead in two persistent worker processes (``prefetch_factor``
+    2 each: the whole 4-step epoch is fetched before its first step is trained)."""
+
+    def train_dataloader(self):
+        return DataLoader(
+            data(), batch_size=BATCH, shuffle=self.shuffle, num_workers=2, persistent_workers=True
+        )
+
+
+def test_checkpoints_with_loader_workers_resume_at_the_next_step_trained(tmp_path):
+    """With worker processes fetching ahead, the checkpoint still holds the steps trained: saved
+    after step 2 (mid epoch 0) and, by Lightning's ModelCheckpoint, after step 5 (mid epoch 1)
+    on 3 ranks, resumed with ckpt_path on 2 ranks (shares re-solved) and on 3, both end with
+    one uninterrupted process's weights."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpts = {2: tmp_path / "step2.ckpt", 5: tmp_path / "mc" / "step=5.ckpt"}
+    every5 = ModelCheckpoint(tmp_path / "mc", "{step}", every_n_train_steps=5, save_top_k=-1)
+    trainer = Trainer(
+        strategy=BalancedStrategy(speeds=[1.0, 1.0, 2.0], start_method=START),
+        accelerator="cpu",
+        devices=3,
+        max_steps=5,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[SaveAt(2, ckpts[2]), every5],
+    )
+    trainer.fit(WithWorkers(True, tmp_path))
+    for k, devices, speeds in ((2, 2, [3.0, 1.0]), (5, 3, [1.0, 1.0, 2.0])):
+        out = tmp_path / f"resumed{k}"
+        out.mkdir()
+        trainer = Trainer(
+            strategy=BalancedStrategy(speeds=speeds, start_method=START),
+            accelerator="cpu",
+            devices=devices,
+            max_epochs=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(WithWorkers(True, out), ckpt_path=ckpts[k])
+        assert_exact(trainer, 2, shuffle=True)
+        # The steps after k, and no other: 8 steps in two epochs of 4.
+        assert [len(s) for s in batch_sizes(out, devices)] == [8 - k] * devices
+
+
 # -- a padded language model: items= weighs each rank by its valid tokens -------------------------
 
 

@@ -110,13 +110,8 @@ def test_restored_sampler_yields_what_the_original_would(
     change_at = data.draw(st.integers(0, max(stop, 0)), label="change_at")
     iters, _ = _run(original, stop, {change_at: changed})
     states = [s.state_dict() for s in original]
-    # Fresh samplers, built with other shares and another epoch and seed: the state decides.
-    restored = [
-        BalancedSampler(
-            range(n), [1] * p, r, seed=seed + 7, shuffle=shuffle, drop_last=drop_last, verify=False
-        )
-        for r in range(p)
-    ]
+    # Fresh samplers, built with other shares and at another epoch: the state decides.
+    restored = [BalancedSampler(range(n), [1] * p, r, **kw) for r in range(p)]
     for s, st_ in zip(restored, states):
         s.load_state_dict(st_)
     rest_original = [list(it) for it in iters]

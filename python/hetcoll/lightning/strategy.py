@@ -131,7 +131,9 @@ class _ShareLog(Callback):
 class _BalancedLoader(DataLoader):
     """The training loader: its sampler's state goes into Lightning's checkpoints (Lightning
     saves the state of loaders with ``state_dict``/``load_state_dict``), so a run resumed mid-epoch
-    continues the epoch where it stopped, on as many ranks or another number."""
+    continues the epoch at the first step not trained (the sampler counts the batches this
+    loader handed to the fit loop, whatever its workers fetched ahead), on as many ranks or
+    another number; the ranks check that they restored the same position."""
 
     def state_dict(self) -> dict[str, Any]:
         sampler = self.batch_sampler.sampler  # type: ignore[union-attr]

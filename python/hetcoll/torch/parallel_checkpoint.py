@@ -1,8 +1,10 @@
 """Checkpoints of a :class:`~hetcoll.torch.parallel.Parallel`: the unsplit model's state and
 optimizer state, gathered from the ranks that hold its pieces under any plan, and loaded back
 into any other plan's ranks (:mod:`hetcoll.torch.state_dicts` holds the rules every
-checkpointing path shares). :class:`PlanCheckpoints` is the part of ``Parallel`` that does it;
-``Parallel`` runs the steps.
+checkpointing path shares), and the data position: :meth:`PlanCheckpoints.sampler` orders the
+plan's global batches with a :class:`~hetcoll.torch.BalancedSampler` whose state resumes the
+epoch at the next step untrained, under any other plan. :class:`PlanCheckpoints` is the part of
+``Parallel`` that does it; ``Parallel`` runs the steps.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from hetcoll.comm import agree
 from hetcoll.plan import Plan
 from hetcoll.torch.filters import gather_state_dict, split_tensors
 from hetcoll.torch.placement import Block, OwnersStage
+from hetcoll.torch.sampler import BalancedSampler
 from hetcoll.torch.state_dicts import (
     Part,
     check_full_optimizer_state_dict,
@@ -48,6 +51,36 @@ class PlanCheckpoints:
     _blocks: dict[tuple[int, int], list[Block]]
     _alias: dict[str, str]
     _home: dict[str, int]
+
+    def sampler(
+        self, dataset: Any, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True
+    ) -> BalancedSampler:
+        """The order of ``dataset`` in the plan's global batches: every rank gets the same
+        ``plan.batch`` indices a step (:meth:`BalancedSampler.whole_batches`, checked across
+        the plan's group), for ``DataLoader(dataset, batch_sampler=s.batch_sampler(), ...)``
+        feeding :meth:`~hetcoll.torch.parallel.Parallel.step`. Its ``state_dict()`` is the
+        data position of a checkpoint: the steps the loader handed to training, whatever its
+        workers fetched ahead. A job resumed under another plan (other ranks, shares re-solved)
+        builds its own with the same ``shuffle`` and ``seed`` and loads the state into it
+        (``load_state_dict``, collective: the ranks check the position): the rest of the epoch is
+        cut into the new plan's batches, and the epoch sees every sample once. ``drop_last``
+        (default on): a step takes ``plan.batch`` rows, so an epoch's smaller remainder is
+        dropped; with it off the last step is smaller and ``step`` refuses it, unless the
+        dataset's length is a multiple of the batch. Collective over the group (the batch is
+        checked).
+
+        >>> s = par.sampler(dataset)  # doctest: +SKIP
+        >>> loader = DataLoader(dataset, batch_sampler=s.batch_sampler())  # doctest: +SKIP
+        >>> ckpt = {"model": par.full_state_dict(), "data": s.state_dict()}  # doctest: +SKIP
+        """
+        return BalancedSampler.whole_batches(
+            dataset,
+            self.plan.batch,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            group=self._tr.comm,
+        )
 
     def _wire_device(self) -> torch.device:
         # NCCL moves CUDA tensors only; gloo and MPI move host memory.

@@ -14,19 +14,40 @@ step; ``drop_last=True`` drops the remainder instead.
 
 Resuming (:meth:`BalancedSampler.state_dict` / :meth:`~BalancedSampler.load_state_dict`, the
 convention of torchdata's stateful samplers): the state is the epoch, seed, shares and the
-*global* position in the epoch's permutation, i.e. the samples all ranks' steps handed out so
-far. The permutation depends on the dataset length, seed and epoch only, so a restored sampler
-continues from that position: with the same number of ranks it takes the saved shares back and
-yields exactly the steps the original would have yielded next; with a different number of ranks
-it keeps the shares it was built with (e.g. re-solved for the new ranks) and splits the rest of
-the epoch with them, so the epoch still covers every sample exactly once. The position counts
-whole steps as they leave the sampler: the steps a ``DataLoader`` has fetched, which with
-``num_workers=0`` are the steps trained on.
+*global* position in the epoch's permutation, i.e. the samples of all ranks' steps that the
+training loop has taken. A ``DataLoader`` fetches ahead of training (``num_workers`` workers
+hold ``prefetch_factor`` steps each), so the sampler counts steps where they reach the loop:
+the first time a loader iterator pulls a step it is recognised (its ``_index_sampler`` is this
+sampler's batch view, or a batch sampler over this sampler), and the batches its ``__next__``
+returns are counted; :meth:`~BalancedSampler.state_dict` taken after step ``k`` is trained
+therefore resumes at step ``k + 1`` with any ``num_workers``, ``prefetch_factor`` and
+``pin_memory``, inside the loop or after leaving it. Iterated directly (no loader), a step
+counts when it is yielded. torchdata's ``StatefulDataLoader`` tracks consumption itself: it
+snapshots what left the sampler (the batch view's own ``state_dict``) and its
+``loader.state_dict()`` resumes exactly too. Out-of-order loaders (``in_order=False``) hand
+steps out in another order than the sampler's and cannot be resumed by a position.
+
+The permutation depends on the dataset length, seed and epoch only (a checkpoint of another
+length, seed, ``shuffle`` or ``drop_last`` is refused, naming it), so a restored sampler
+continues from that position: with the same number of ranks it takes the saved shares back
+and yields exactly the steps the original would have yielded next; with a different number of
+ranks it keeps the shares it was built with (e.g. re-solved for the new ranks) and splits the
+rest of the epoch with them, so the epoch still covers every sample exactly once. With
+``verify`` the ranks check that they restored the same epoch and position, and all raise if
+not.
+
+:meth:`BalancedSampler.whole_batches` builds the sampler of a job where every rank takes the
+whole global batch, as a plan's :meth:`~hetcoll.torch.Parallel.step` does
+(:meth:`~hetcoll.torch.Parallel.sampler`).
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
+import weakref
 from collections.abc import Iterator, Sequence
+from types import FrameType
 from typing import Any
 
 import torch
@@ -36,33 +57,149 @@ import hetcoll
 from hetcoll.comm import agree, has_default, wrap
 
 
+def _positive_int(value: Any, argument: str) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__") or int(value.__index__()) < 1:
+        raise ValueError(f"{argument}: must be a positive integer, got {value!r}")
+    return int(value.__index__())
+
+
 def _validate_shares(shares: Sequence[int], argument: str = "shares") -> list[int]:
     if isinstance(shares, (str, bytes)) or not hasattr(shares, "__iter__"):
         raise ValueError(f"{argument}: must be a sequence of positive integers, got {shares!r}")
-    out = []
-    for i, s in enumerate(shares):
-        if isinstance(s, bool) or not hasattr(s, "__index__"):
-            raise ValueError(f"{argument}[{i}]: must be a positive integer, got {s!r}")
-        s = int(s.__index__())
-        if s < 1:
-            raise ValueError(f"{argument}[{i}]: must be a positive integer, got {s}")
-        out.append(s)
+    out = [_positive_int(s, f"{argument}[{i}]") for i, s in enumerate(shares)]
     if not out:
         raise ValueError(f"{argument}: must not be empty")
     return out
 
 
-def _verify(group: Any, shares: list[int], failure: BaseException | None = None) -> None:
-    """Every rank checks that all ranks passed the same shares, one per rank of ``group``: a
-    rank that disagrees would otherwise run a different number of steps and hang the others.
-    One agreement (:func:`hetcoll.comm.agree`); a rank whose shares are invalid (``failure``)
-    joins it, so that the others raise at once, and then raises its own error."""
+def _verify(
+    group: Any, shares: list[int], failure: BaseException | None = None, *, whole: bool = False
+) -> None:
+    """Every rank checks that all ranks passed the same shares, one per rank of ``group`` (one,
+    the global batch, when every rank takes the ``whole`` batch): a rank that disagrees would
+    otherwise run a different number of steps and hang the others. One agreement
+    (:func:`hetcoll.comm.agree`); a rank whose shares are invalid (``failure``) joins it, so
+    that the others raise at once, and then raises its own error."""
     comm = wrap(group)
     fields = {"the number of shares": len(shares)}
     fields.update({f"shares[{i}]": int(v) for i, v in enumerate(shares)})
     agree(comm, fields, failure=failure)
-    if len(shares) != comm.size:  # agreed: every rank raises it
+    if not whole and len(shares) != comm.size:  # agreed: every rank raises it
         raise ValueError(f"shares: has {len(shares)} entries but the group has {comm.size} ranks")
+
+
+#: The attribute of a DataLoader iterator that holds the :class:`_Progress` it counts into.
+_PROGRESS = "_hetcoll_sampler_progress"
+#: Per DataLoader iterator type, its subclass whose ``__next__`` counts the batches it returns.
+_COUNTING: dict[type, type] = {}
+
+
+def _counting_next(parent_next: Any) -> Any:
+    """A ``__next__`` that calls ``parent_next`` and counts the batch it returns into the
+    :class:`_Progress` the iterator carries: the batches handed to the training loop."""
+
+    def __next__(self: Any) -> Any:
+        batch = parent_next(self)
+        progress = self.__dict__.get(_PROGRESS)
+        if progress is not None:
+            progress.taken += 1
+        return batch
+
+    return __next__
+
+
+_COUNTING_CODE = _counting_next(None).__code__
+
+
+def _counting_type(cls: type) -> type:
+    """``cls`` with :func:`_counting_next` as its ``__next__`` (made once per type)."""
+    if cls.__dict__.get("_hetcoll_counts_batches"):
+        return cls
+    sub = _COUNTING.get(cls)
+    if sub is None:
+        sub = type(
+            cls.__name__,
+            (cls,),
+            {
+                "__next__": _counting_next(cls.__next__),  # type: ignore[attr-defined]
+                "_hetcoll_counts_batches": True,
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+            },
+        )
+        _COUNTING[cls] = sub
+    return sub
+
+
+class _Progress:
+    """One iteration over the sampler: where each step it yielded ends in the epoch's
+    permutation, and how many of them the training loop has taken."""
+
+    def __init__(self, start: int) -> None:
+        #: ``ends[j]``: the global position after this iteration's first ``j`` steps.
+        self.ends = [start]
+        #: Batches the DataLoader iterator pulling the steps has returned (None: no loader,
+        #: every yielded step is taken).
+        self.taken: int | None = None
+        self.loader: weakref.ref[Any] | None = None
+
+    def attach(self, frame: FrameType | None, sampler: BalancedSampler) -> None:
+        """Find the DataLoader iterator that pulls the first step (a caller a few frames up,
+        whose index sampler is this sampler's batch view or a batch sampler over the sampler)
+        and count the batches it returns from now on. A loader without workers pulls the
+        first step inside the ``__next__`` that returns it: that batch counts as taken."""
+        it: Any = None
+        plain_next = counting_next = False
+        for _ in range(12):
+            if frame is None:
+                break
+            caller = frame.f_locals.get("self")
+            if it is None:
+                index_sampler = getattr(caller, "_index_sampler", None)
+                if getattr(index_sampler, "sampler", None) is sampler:
+                    it = caller
+            if it is not None and caller is it and frame.f_code.co_name == "__next__":
+                if frame.f_code is _COUNTING_CODE:
+                    counting_next = True
+                else:
+                    plain_next = True
+            frame = frame.f_back
+        if it is None:
+            return
+        try:
+            it.__class__ = _counting_type(type(it))
+            it.__dict__[_PROGRESS] = self
+        except (TypeError, AttributeError):  # not a plain Python object: counted as yielded
+            warnings.warn(
+                f"BalancedSampler: cannot count the batches a {type(it).__name__} hands out; "
+                "state_dict() counts the steps it fetched, ahead of training",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        self.loader = weakref.ref(it)
+        self.taken = int(plain_next and not counting_next)
+
+    def steps_taken(self) -> int:
+        """Steps of this iteration the loader handed out (or yielded, without a loader)."""
+        steps = len(self.ends) - 1 if self.taken is None else self.taken
+        return min(steps, len(self.ends) - 1)
+
+    def inside_loader(self) -> bool:
+        """Whether the call comes from the loader iterator itself (torchdata's
+        ``StatefulDataLoader`` snapshots its sampler as it pulls steps, and counts what it
+        hands out itself)."""
+        it = None if self.loader is None else self.loader()
+        if it is None:
+            return False
+        frame: FrameType | None = sys._getframe(2)
+        for _ in range(8):
+            if frame is None:
+                return False
+            if frame.f_locals.get("self") is it:
+                return True
+            frame = frame.f_back
+        return False
 
 
 class BalancedSampler(Sampler[int]):
@@ -74,12 +211,14 @@ class BalancedSampler(Sampler[int]):
     ``sampler.batch_sampler()`` as ``batch_sampler=`` to let :meth:`set_shares` take effect at
     the next step instead of the next epoch.
 
-    ``verify`` (default on) checks across the ranks of ``group``, here and in
-    :meth:`set_shares`, that every rank passed the same shares, one per rank, and raises on
-    every rank if not (one small all-gather, on
-    torch.distributed or MPI). ``group``: an mpi4py communicator or a torch.distributed process
-    group; None is :func:`hetcoll.comm.wrap`'s default (torch's default group, else
-    ``MPI.COMM_WORLD`` under mpiexec), and with neither (one process) nothing is checked.
+    ``verify`` (default on) checks across the ranks of ``group``, here, in :meth:`set_shares`
+    and in :meth:`load_state_dict`, that every rank passed the same shares, one per rank (and
+    restored the same position), and when an iteration starts, that every rank starts the same
+    epoch at the same position; it raises on every rank if not (one small all-gather, on
+    torch.distributed or MPI; iterate on every rank, or pass ``verify=False``). ``group``: an
+    mpi4py communicator or a torch.distributed process group; None is
+    :func:`hetcoll.comm.wrap`'s default (torch's default group, else ``MPI.COMM_WORLD`` under
+    mpiexec), and with neither (one process) nothing is checked.
 
     >>> s = BalancedSampler(range(10), [3, 1], rank=0, shuffle=False, verify=False)
     >>> list(s)
@@ -98,10 +237,57 @@ class BalancedSampler(Sampler[int]):
         verify: bool = True,
         group: Any = None,
     ) -> None:
+        self._init(dataset, shares, rank, shuffle, seed, drop_last, verify, group, whole=False)
+
+    @classmethod
+    def whole_batches(
+        cls,
+        dataset: Any,
+        batch: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        verify: bool = True,
+        group: Any = None,
+    ) -> BalancedSampler:
+        """A sampler that gives every rank the whole global batch of ``batch`` samples of each
+        step (the same indices on every rank), for jobs whose ranks all take the global batch:
+        a plan's :meth:`~hetcoll.torch.Parallel.step` (see
+        :meth:`~hetcoll.torch.Parallel.sampler`). The epoch's order, the last smaller step,
+        resuming and the checks across ``group`` are those of a :class:`BalancedSampler`; a
+        restored state keeps this sampler's ``batch`` (the plan's), whatever batch saved it.
+
+        >>> s = BalancedSampler.whole_batches(range(5), 2, shuffle=False, verify=False)
+        >>> list(s.batch_sampler())
+        [[0, 1], [2, 3], [4]]
+        """
+        self = cls.__new__(cls)
+        self._init(dataset, [batch], 0, shuffle, seed, drop_last, verify, group, whole=True)
+        return self
+
+    def _init(
+        self,
+        dataset: Any,
+        shares: Sequence[int],
+        rank: int,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        verify: bool,
+        group: Any,
+        *,
+        whole: bool,
+    ) -> None:
         self.group = group
         self.verify = bool(verify)
+        #: Every rank takes the whole global batch (:meth:`whole_batches`).
+        self.whole = whole
         try:
-            self.shares = _validate_shares(shares)
+            if whole:
+                self.shares = [_positive_int(shares[0], "batch")]
+            else:
+                self.shares = _validate_shares(shares)
             if (
                 isinstance(rank, bool)
                 or not isinstance(rank, int)
@@ -111,24 +297,28 @@ class BalancedSampler(Sampler[int]):
                     f"rank: must be an integer in [0, {len(self.shares)}) (one share per rank), "
                     f"got {rank!r}"
                 )
+            if isinstance(seed, bool) or not hasattr(seed, "__index__"):
+                raise ValueError(f"seed: must be an integer, got {seed!r}")
             try:
                 self.num_samples_total = len(dataset)
             except TypeError as e:
                 raise TypeError("dataset: must have a length (a map-style dataset)") from e
         except (TypeError, ValueError) as e:
             if self._checks():  # the other ranks raise too, at once
-                _verify(group, [], failure=e)
+                _verify(group, [], failure=e, whole=whole)
             raise
         self.rank = rank
         self.shuffle = bool(shuffle)
-        self.seed = int(seed)
+        self.seed = int(seed.__index__())
         self.drop_last = bool(drop_last)
         self.epoch = 0
-        #: Global samples of this epoch's permutation handed out by the steps yielded so far.
+        #: Global samples of this epoch's permutation in the steps that have left the sampler
+        #: (a DataLoader fetches ahead: :meth:`state_dict` counts the steps it handed out).
         self.position = 0
         self._resume_at = 0  # where the next iteration starts (set by load_state_dict)
+        self._progress: _Progress | None = None  # the current iteration's steps
         if self._checks():
-            _verify(group, self.shares)
+            _verify(group, self.shares, whole=whole)
 
     def _checks(self) -> bool:
         """Whether shares are checked across ranks: ``verify``, and a group to check on."""
@@ -148,6 +338,8 @@ class BalancedSampler(Sampler[int]):
         """Per-rank sizes of the final, smaller step (None when it is dropped)."""
         if remaining == 0 or self.drop_last:
             return None
+        if self.whole:
+            return [remaining]
         p = len(shares)
         padded = max(remaining, p)
         return hetcoll.split(padded, shares, minimum=1)
@@ -158,7 +350,12 @@ class BalancedSampler(Sampler[int]):
         perm = self._permutation()
         n = len(perm)
         pos, self._resume_at = self._resume_at, 0
+        if self._checks():  # ranks that start elsewhere (one resumed, one not) would hang
+            agree(wrap(self.group), {"the epoch": self.epoch, "the position it starts at": pos})
         self.position = pos
+        progress = self._progress = _Progress(pos)
+        # The caller of this first step: a DataLoader iterator counts what it hands out.
+        progress.attach(sys._getframe(1), self)
         while pos < n:
             shares = shares_of_step()
             total = sum(shares)
@@ -167,13 +364,15 @@ class BalancedSampler(Sampler[int]):
             else:
                 last = self._last_step(n - pos, shares)
                 if last is None:
-                    self.position = n  # the dropped remainder: the epoch is over
+                    # The dropped remainder: the epoch is over once the last step is taken.
+                    self.position = progress.ends[-1] = n
                     return
                 sizes = last
             start = pos + sum(sizes[: self.rank])
             idx = [perm[i % n] for i in range(start, start + sizes[self.rank])]
             pos += sum(sizes)
             self.position = min(pos, n)  # a padded last step ends the epoch
+            progress.ends.append(self.position)
             yield idx
 
     def __iter__(self) -> Iterator[int]:
@@ -219,6 +418,8 @@ class BalancedSampler(Sampler[int]):
         another epoch starts that one from its beginning."""
         if int(epoch) != self.epoch:
             self._resume_at = 0
+            self.position = 0
+            self._progress = None
         self.epoch = int(epoch)
 
     def set_shares(self, shares: Sequence[int]) -> None:
@@ -235,20 +436,40 @@ class BalancedSampler(Sampler[int]):
                 )
         except ValueError as e:
             if self._checks():  # the other ranks raise too, at once
-                _verify(self.group, [], failure=e)
+                _verify(self.group, [], failure=e, whole=self.whole)
             raise
         if self._checks():
-            _verify(self.group, shares)
+            _verify(self.group, shares, whole=self.whole)
         self.shares = shares
 
-    def state_dict(self) -> dict[str, Any]:
-        """Where this sampler is: epoch, seed, shares and the global position in the epoch (see
-        the module docstring). Plain ints, lists and bools, for any checkpoint format."""
+    def state_dict(self, *, ahead: int = 0) -> dict[str, Any]:
+        """Where this sampler is: epoch, seed, shares and the global position in the epoch after
+        the steps the training loop has taken (see the module docstring: with a ``DataLoader``
+        the batches it handed out, whatever it fetched ahead). Plain ints, lists and bools, for
+        any checkpoint format. Local: any rank's state is the job's.
+
+        ``ahead``: batches the loop itself has taken from the loader but not trained yet, for a
+        loop that fetches ahead of training (Accelerate's ``DataLoaderShard`` holds the next
+        batch): the position leaves them out.
+        """
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+            raise ValueError(f"ahead: must be an integer >= 0, got {ahead!r}")
+        progress = self._progress
+        if progress is None or progress.inside_loader():
+            if ahead:
+                raise ValueError(f"ahead: {ahead}, but no step of this epoch was taken")
+            return self._state(self.position)  # what left (a stateful loader counts the rest)
+        steps = progress.steps_taken()
+        if ahead > steps:
+            raise ValueError(f"ahead: {ahead}, but only {steps} steps of this epoch were taken")
+        return self._state(progress.ends[steps - ahead])
+
+    def _state(self, position: int) -> dict[str, Any]:
         return {
             "epoch": self.epoch,
             "seed": self.seed,
             "shares": list(self.shares),
-            "position": self.position,
+            "position": position,
             "num_samples_total": self.num_samples_total,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
@@ -256,24 +477,62 @@ class BalancedSampler(Sampler[int]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (a :meth:`state_dict`): the next iteration yields what the
-        saved sampler would have yielded next. Same number of ranks: the saved shares come back
-        (call :meth:`set_shares` afterwards to change them). Another number of ranks: this
-        sampler's own shares split the rest of the epoch. The dataset length, ``shuffle`` and
-        ``drop_last`` must match the saved ones (the permutation depends on them)."""
+        saved sampler's training loop would have taken next. Same number of ranks: the saved
+        shares come back (call :meth:`set_shares` afterwards to change them). Another number of
+        ranks: this sampler's own shares split the rest of the epoch. The dataset's length,
+        ``shuffle``, ``seed`` and ``drop_last`` must be the saved ones (the permutation depends
+        on them): another raises ``ValueError`` naming it. With ``verify``, collective: the
+        ranks check that they restored the same epoch, position and shares, and all raise
+        :class:`hetcoll.CollectiveMismatchError` if not (a rank whose state is bad raises its
+        own error, the others the mismatch)."""
+        try:
+            epoch, position, shares = self._check_state(state)
+        except (TypeError, ValueError) as e:
+            if self._checks():
+                agree(wrap(self.group), {}, failure=e)
+            raise
+        same_ranks = not self.whole and len(shares) == len(self.shares)
+        restored = shares if same_ranks else self.shares
+        if self._checks():
+            fields = {"the restored epoch": epoch, "the restored position": position}
+            fields.update({f"the restored shares[{i}]": v for i, v in enumerate(restored)})
+            agree(wrap(self.group), fields)
+        self.epoch = epoch
+        self.shares = restored
+        # An epoch that had ended starts afresh at the next iteration, as the original would.
+        self.position = position
+        self._resume_at = position if position < self.num_samples_total else 0
+        self._progress = None
+
+    def _check_state(self, state: Any) -> tuple[int, int, list[int]]:
+        """The epoch, position and shares of ``state``, checked against this sampler."""
         if not isinstance(state, dict):
             raise TypeError(f"state: must be a dict from state_dict(), got {type(state).__name__}")
         missing = [k for k in ("epoch", "seed", "shares", "position") if k not in state]
         if missing:
             raise ValueError(f"state: missing {missing} (not a BalancedSampler state_dict)")
+        theirs = state.get("num_samples_total", self.num_samples_total)
+        if theirs != self.num_samples_total:
+            raise ValueError(
+                f"dataset: has {self.num_samples_total} samples but the checkpoint's sampler had "
+                f"{theirs!r} (state['num_samples_total']): its position indexes the order of "
+                "another dataset"
+            )
         for key, mine in (
-            ("num_samples_total", self.num_samples_total),
+            ("seed", self.seed),
             ("shuffle", self.shuffle),
             ("drop_last", self.drop_last),
         ):
             if key in state and state[key] != mine:
-                raise ValueError(f"state: {key} was {state[key]!r}, this sampler has {mine!r}")
+                raise ValueError(
+                    f"{key}: is {mine!r} but the checkpoint's sampler had {key}={state[key]!r} "
+                    f"(state[{key!r}]); the epoch's order depends on it: build the sampler with "
+                    f"{key}={state[key]!r} to resume from this checkpoint"
+                )
         shares = _validate_shares(state["shares"], "state['shares']")
-        position = state["position"]
+        position, epoch = state["position"], state["epoch"]
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"state['epoch']: must be an integer >= 0, got {epoch!r}")
         if (
             isinstance(position, bool)
             or not isinstance(position, int)
@@ -283,17 +542,14 @@ class BalancedSampler(Sampler[int]):
                 f"state['position']: must be an integer in [0, {self.num_samples_total}], "
                 f"got {position!r}"
             )
-        self.epoch = int(state["epoch"])
-        self.seed = int(state["seed"])
-        if len(shares) == len(self.shares):
-            self.shares = shares
-        # An epoch that had ended starts afresh at the next iteration, as the original would.
-        self.position = position
-        self._resume_at = position if position < self.num_samples_total else 0
+        return epoch, position, shares
 
 
 class _BatchView:
-    """Per-step index lists of a :class:`BalancedSampler`, honouring ``set_shares`` each step."""
+    """Per-step index lists of a :class:`BalancedSampler`, honouring ``set_shares`` each step.
+    Its own ``state_dict`` / ``load_state_dict`` (torchdata's ``Stateful``) hold the position of
+    the steps that left it: a stateful loader (``StatefulDataLoader``) snapshots it as it pulls
+    steps and counts the ones it hands out itself."""
 
     def __init__(self, sampler: BalancedSampler) -> None:
         self.sampler = sampler
@@ -303,3 +559,9 @@ class _BatchView:
 
     def __len__(self) -> int:
         return len(self.sampler._plan_sizes())
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler._state(self.sampler.position)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
