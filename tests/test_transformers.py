@@ -21,6 +21,7 @@ MODELS = ("gpt2", "llama", "encoder")
 EXPECTED = {
     **{f"{m}_{p}": True for m in MODELS for p in ("pipeline", "hybrid")},
     "vit_hybrid": True,
+    "shared_activation": True,
     "rows_wrong": True,
     "resumes": True,
     "autocast": True,

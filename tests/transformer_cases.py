@@ -365,6 +365,23 @@ def under_autocast(group: Any) -> bool:
     )
 
 
+class SharedActivation(nn.Module):
+    """One activation module called between every pair of blocks (a common way to write a
+    model): it is code between blocks, run by every stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flat = nn.Flatten()
+        self.layers = nn.ModuleList([nn.Linear(192, 16), nn.Linear(16, 16), nn.Linear(16, 5)])
+        self.act = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.flat(x)
+        for layer in self.layers[:-1]:
+            x = self.act(layer(x))
+        return self.layers[-1](x)
+
+
 def run_all(group: Any) -> dict[str, Any]:
     assert wrap(group).size == 4
     out: dict[str, Any] = {}
@@ -384,6 +401,20 @@ def run_all(group: Any) -> dict[str, Any]:
 
     images_equal_one_process(group, vit, Plan.from_dict(hybrid(7)), (3, 8, 8))
     out["vit_hybrid"] = True
+    shared = {
+        "microbatches": 2,
+        "replicas": [
+            {
+                "samples": 7,
+                "stages": [
+                    {"ranks": [r], "layers": [lo, hi]}
+                    for r, (lo, hi) in enumerate([(0, 2), (2, 3), (3, 4), (4, 5)])
+                ],
+            }
+        ],
+    }
+    images_equal_one_process(group, SharedActivation, Plan.from_dict(shared), (3, 8, 8))
+    out["shared_activation"] = True
     out["rows_wrong"] = rows_are_the_wrong_weight(group)
     out["resumes"] = resumes_on_another_plan(group)
     out["autocast"] = under_autocast(group)

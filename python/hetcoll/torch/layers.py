@@ -151,16 +151,23 @@ def _repeated(m: nn.Module) -> bool:
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     holds = {id(m) for m in model.modules() if any(_repeated(d) for d in m.modules())}
     out: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()  # a module registered under two paths is one block, by its first
+
+    def add(path: str, m: nn.Module) -> None:
+        if id(m) not in seen:
+            seen.add(id(m))
+            out.append((path, m))
 
     def open_(m: nn.Module, prefix: str) -> None:
         for name, child in m.named_children():
             path = prefix + name
             if _repeated(child):
-                out.extend((f"{path}.{k}", item) for k, item in child.named_children())
+                for k, item in child.named_children():
+                    add(f"{path}.{k}", item)
             elif id(child) in holds:
                 open_(child, path + ".")
             else:
-                out.append((path, child))
+                add(path, child)
 
     open_(model, "")
     return out

@@ -950,6 +950,8 @@ def parallelize(
                 filter_parallel(module, group=counting, speeds=[speeds[k] for k in order])
         if par.stage is None:
             par.stage = module
+            if next(module.parameters(), None) is None:  # a stage of parameter-free layers
+                par.idle = nn.Parameter(torch.empty(0))
     else:
         par.idle = nn.Parameter(torch.empty(0))
         if cut.kind == "blocks":  # to probe micro-batches as the working ranks do

@@ -14,7 +14,9 @@ code as a graph, each stage runs the model's forward itself, with every block
   blocks) runs again here rather than crossing the cut;
 - ``"dummy"``: any other block returns zeros of its output's shape; nothing this stage computes
   reads them (checked once, below);
-- ``"stop"``: the first block after the stage ends the forward of a stage that is not the last.
+- ``"stop"``: the first block after the stage ends the forward of a stage that is not the last;
+- ``"glue"``: a block without parameters that the forward calls more than once (one activation
+  module used at several places) runs every time, on every stage, as the code between blocks.
 
 The code between blocks (masks, position ids, a residual at the top level) runs on every stage
 from the micro-batch's own inputs, which every rank holds. What crosses a cut is therefore
@@ -128,6 +130,8 @@ class Flow:
     specs: dict[int, tuple[pytree.TreeSpec, list[Any]]] = field(default_factory=dict)
     reads: dict[int, frozenset[int]] = field(default_factory=dict)
     output_reads: frozenset[int] = frozenset()
+    #: Blocks without parameters called more than once: run as code between blocks.
+    glue: frozenset[int] = frozenset()
     #: The roles of each (replica, stage) for this probe, kept by whoever computes them.
     roles: dict[tuple[int, int], StageRoles] = field(default_factory=dict)
 
@@ -239,8 +243,31 @@ def probe(
     ``blocks``) computed by ``meta_blocks[k]`` on the meta device and answered with zeros of
     its output's shape on the inputs' device; return what the run saw (:class:`Flow`). The code
     between blocks runs for real (so a forward that looks at its inputs' values works) and
-    ``model``'s own blocks are not run."""
-    flow = Flow()
+    ``model``'s own blocks are not run. A block without parameters that the forward calls
+    more than once (one dropout or activation module used at several places) is code between
+    blocks too: every stage runs each of its calls (``Flow.glue``)."""
+    glue: set[int] = set()
+    while True:
+        try:
+            return _probe(model, blocks, meta_blocks, inputs, frozenset(glue))
+        except _CalledAgain as e:
+            glue.add(e.block)
+
+
+class _CalledAgain(Exception):
+    def __init__(self, block: int):
+        super().__init__()
+        self.block = block
+
+
+def _probe(
+    model: nn.Module,
+    blocks: Sequence[str],
+    meta_blocks: Sequence[nn.Module],
+    inputs: Any,
+    glue: frozenset[int],
+) -> Flow:
+    flow = Flow(glue=glue)
     sources = _Sources()
     device = next(
         (t.device for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)),
@@ -249,7 +276,11 @@ def probe(
 
     def route(k: int, module: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
         name = blocks[k]
+        if k in glue:
+            return forward(*args, **kwargs)
         if k in flow.specs:
+            if next(module.parameters(), None) is None and not isinstance(module, StandIn):
+                raise _CalledAgain(k)
             raise ValueError(
                 f"model: block {name!r} is called more than once per forward; a plan needs each "
                 "block called once (give the repeated work its own module)"
@@ -366,7 +397,9 @@ def stage_roles(
                 needed[s].add(j)
     roles: dict[int, str] = {}
     for k in range(len(names)):
-        if stage_of[k] == stage:
+        if k in flow.glue:
+            roles[k] = "glue"
+        elif stage_of[k] == stage:
             roles[k] = "mine"
         elif k in recompute:
             roles[k] = "recompute"
@@ -407,6 +440,8 @@ def replay(
     def route(k: int, module: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
         nonlocal done
         role = roles.roles[k]
+        if role == "glue":
+            return forward(*args, **kwargs)
         if role == "mine" or role == "recompute":
             out = forward(*args, **kwargs)
             if role == "mine":
