@@ -1,10 +1,13 @@
 """The split modules: what every split module knows of its ranks and shares
 (:class:`ChannelSplit`), the rank's own computation (:class:`LocalConv2d`,
-:class:`LocalLinear`), the filter-parallel Conv2d and Linear layers around it and the BatchNorms
-that follow them, split along the same channels."""
+:class:`LocalLinear`, :class:`LocalConv1D`), the filter-parallel Conv2d, Linear and Hugging
+Face ``Conv1D`` layers around it, the BatchNorms that follow them, split along the same
+channels, and :class:`SharedCopy` (one input copied once to the several layers reading it: an
+attention's query, key and value projections, a gated MLP's gate and up)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,11 +30,33 @@ from hetcoll.torch.filters.checks import (
 )
 
 
+def split_runs(shares: Sequence[int], rank: int, unit: int, parts: int) -> list[tuple[int, int]]:
+    """Where rank ``rank``'s entries sit along a split dimension, as ``(start, length)`` runs:
+    the dimension holds ``parts`` equal blocks (1, or 3 for packed query/key/value), each of
+    ``sum(shares) * unit`` entries split alike, rank r holding ``shares[r] * unit`` of each.
+
+    >>> split_runs([2, 1], 1, 4, 3)
+    [(8, 4), (20, 4), (32, 4)]
+    """
+    block = sum(shares) * unit
+    start, length = sum(shares[:rank]) * unit, shares[rank] * unit
+    return [(p * block + start, length) for p in range(parts)]
+
+
+def take_runs(t: torch.Tensor, dim: int, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """The entries of ``t`` along ``dim`` in ``runs`` (:func:`split_runs`), joined."""
+    if len(runs) == 1:
+        return t.narrow(dim, runs[0][0], runs[0][1])
+    return torch.cat([t.narrow(dim, a, n) for a, n in runs], dim)
+
+
 class ChannelSplit:
     """What every split module knows: its ranks, its shares, and which tensors are split.
 
-    ``split_spec()`` maps a parameter or buffer name to ``(dim, unit)``: along ``dim`` rank r holds
-    ``shares[r] * unit`` entries starting at ``offsets[r] * unit``; unnamed tensors are replicated.
+    ``split_spec()`` maps a parameter or buffer name to ``(dim, unit, parts)``: along ``dim``
+    the full tensor holds ``parts`` equal blocks and of each rank r holds ``shares[r] * unit``
+    entries starting at ``offsets[r] * unit`` (:func:`split_runs`); unnamed tensors are
+    replicated.
     """
 
     comm: Communicator
@@ -45,22 +70,49 @@ class ChannelSplit:
         self.shares = list(shares)
         self.offset = sum(shares[: comm.rank])
 
-    def split_spec(self) -> dict[str, tuple[int, int]]:
+    def split_spec(self) -> dict[str, tuple[int, int, int]]:
         raise NotImplementedError
 
     def _slice_full(self, state_dict: dict[str, Any], prefix: str) -> None:
         """A full (unsplit) tensor in a state dict being loaded becomes this rank's slice."""
         total = sum(self.shares)
-        for name, (dim, unit) in self.split_spec().items():
+        for name, (dim, unit, parts) in self.split_spec().items():
             t = state_dict.get(prefix + name)
-            if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == total * unit:
-                count = self.shares[self.rank] * unit
-                if count != total * unit:
-                    state_dict[prefix + name] = t.narrow(dim, self.offset * unit, count)
+            full = total * unit * parts
+            if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == full:
+                if self.shares[self.rank] != total:
+                    runs = split_runs(self.shares, self.rank, unit, parts)
+                    state_dict[prefix + name] = take_runs(t, dim, runs)
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
         self._slice_full(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args)  # type: ignore[misc]
+
+
+class SharedCopy:
+    """The copy of one replicated input to the ranks (:class:`CopyToRanks`: its gradient
+    summed over the ranks) shared by the split layers that read it, so a tensor read by an
+    attention's query, key and value projections (a gated MLP's gate and up) costs one
+    reduction backward, not one per layer. It remembers the last tensor it copied (by
+    identity, weakly) and its copy until that copy's backward has run."""
+
+    def __init__(self, comm: Communicator, timeout: float | None) -> None:
+        self.comm, self.timeout = comm, timeout
+        self._input: Any = None
+        self._copy: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._copy is not None and self._input is not None and self._input() is x:
+            return self._copy
+        y = CopyToRanks.apply(x, self.comm, self.timeout, self)
+        self._input, self._copy = weakref.ref(x), y
+        return y  # type: ignore[no-any-return]
+
+    def clear(self) -> None:
+        self._input, self._copy = None, None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SharedCopy:
+        return SharedCopy(self.comm, self.timeout)
 
 
 class LocalConv2d(nn.Module):
@@ -111,6 +163,15 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
     weight: nn.Parameter
     bias: nn.Parameter | None
     local: nn.Module
+    # Output channels per share (a head's width when whole heads are split), and the equal
+    # blocks the output packs (3: query, key and value in one layer), each split alike.
+    out_unit: int = 1
+    parts: int = 1
+    # The copy of the input shared with the other layers reading it (None: its own).
+    shared_input: SharedCopy | None = None
+    # The weight's output and input dimensions (a Conv1D stores its weight transposed).
+    weight_out_dim: int = 0
+    weight_in_dim: int = 1
 
     # Dimensions the input must have (None: any); checked locally, before any collective, so a
     # wrong input raises on every rank instead of leaving the ranks' collectives mismatched.
@@ -141,18 +202,21 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
                 y = y + self.bias.view(shape)
             return y
         if x.requires_grad:
-            x = CopyToRanks.apply(x, self.comm, self.timeout)
+            if self.shared_input is not None:
+                x = self.shared_input(x)
+            else:
+                x = CopyToRanks.apply(x, self.comm, self.timeout)
         y = self.local(x, self.weight, self.bias)
         if self.mode == "split-output":
             return y
         return GatherChannels.apply(y, self.comm, self.shares, self.offset, self.dim, self.timeout)
 
-    def split_spec(self) -> dict[str, tuple[int, int]]:
+    def split_spec(self) -> dict[str, tuple[int, int, int]]:
         if self.mode == "split-input":
-            return {"weight": (1, self._unit())}
-        spec = {"weight": (0, 1)}
+            return {"weight": (self.weight_in_dim, self._unit(), 1)}
+        spec = {"weight": (self.weight_out_dim, self.out_unit, self.parts)}
         if self.bias is not None:
-            spec["bias"] = (0, 1)
+            spec["bias"] = (0, self.out_unit, self.parts)
         return spec
 
     def _unit(self) -> int:
@@ -174,13 +238,16 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
         unit = self._unit()
         with torch.no_grad():
             if mode == "split-input":
-                w = weight.narrow(1, self.offset * unit, shares[comm.rank] * unit)
+                w = weight.narrow(self.weight_in_dim, self.offset * unit, shares[comm.rank] * unit)
                 b = bias
             else:
-                w = weight.narrow(0, self.offset, shares[comm.rank])
-                b = None if bias is None else bias.narrow(0, self.offset, shares[comm.rank])
+                runs = split_runs(shares, comm.rank, self.out_unit, self.parts)
+                w = take_runs(weight, self.weight_out_dim, runs)
+                b = None if bias is None else take_runs(bias, 0, runs)
             self.weight = nn.Parameter(w.clone(), requires_grad=weight.requires_grad)
-            self.bias = None if b is None else nn.Parameter(b.clone(), b.requires_grad)
+            self.bias = (
+                None if b is None or bias is None else nn.Parameter(b.clone(), bias.requires_grad)
+            )
 
     def extra_repr(self) -> str:
         return f"mode={self.mode!r}, shares={self.shares}, rank={self.rank}"
@@ -353,7 +420,7 @@ class FilterParallelLinear(FilterParallelLayer):
     @classmethod
     def from_module(
         cls,
-        linear: nn.Linear,
+        linear: nn.Module,
         shares: Sequence[int] | None = None,
         group: Any = None,
         *,
@@ -361,39 +428,73 @@ class FilterParallelLinear(FilterParallelLayer):
         multiple_of: int = 1,
         mode: str = "gather",
         in_features_per_channel: int = 1,
+        out_unit: int = 1,
+        parts: int = 1,
+        shared_input: SharedCopy | None = None,
         timeout: float | None = None,
-    ) -> FilterParallelLinear:
+    ) -> Any:
         """This rank's part of an existing ``linear`` (its weights are copied, not shared).
+
+        Whole heads: with ``out_unit`` the shares count units of that many output features (a
+        head's width); with ``parts`` the output packs that many equal blocks (query, key and
+        value in one layer), each split alike, so a rank holds its heads of each.
+        ``shared_input``: the copy of the input shared with the other layers reading it
+        (:class:`SharedCopy`: one reduction of the input gradient for all of them).
 
         >>> FilterParallelLinear.from_module(nn.Linear(64, 37), [29, 7, 1], group)  # doctest: +SKIP
         """
-        check_linear(linear, "linear")
+        in_features, out_features = cls._check_module(linear)
         check_mode(mode)
         check_timeout(timeout)
-        unit = _check_unit(linear.in_features, in_features_per_channel)
+        unit = _check_unit(in_features, in_features_per_channel)
+        for name, v in (("out_unit", out_unit), ("parts", parts)):
+            if not is_int(v) or int(v) < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+        if mode != "split-input" and out_features % (out_unit * parts):
+            raise ValueError(
+                f"out_unit, parts: {parts} blocks of units of {out_unit} features do not divide "
+                f"out_features ({out_features})"
+            )
+        if mode == "gather" and (out_unit, parts) != (1, 1):
+            raise ValueError("out_unit, parts: only split-output layers split whole units")
         check_choice(shares, speeds, multiple_of)
         comm = wrap(group)
-        total = linear.in_features // unit if mode == "split-input" else linear.out_features
+        if mode == "split-input":
+            total = in_features // unit
+        else:
+            total = out_features // (out_unit * parts)
         counts = resolve_shares(shares, speeds, multiple_of, total, comm.size, "linear")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
+        self.out_unit, self.parts = int(out_unit), int(parts)
+        if mode == "split-output":
+            self.shared_input = shared_input
         self._from_linear(linear, comm, counts, mode, unit, timeout)
         return self
 
+    @staticmethod
+    def _check_module(linear: Any) -> tuple[int, int]:
+        check_linear(linear, "linear")
+        return linear.in_features, linear.out_features
+
     def _from_linear(
         self,
-        linear: nn.Linear,
+        linear: Any,
         comm: Communicator,
         counts: list[int],
         mode: str,
         unit: int,
         timeout: float | None,
     ) -> None:
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = self._check_module(linear)
         self.in_features_per_channel = unit
         self.dim = -1
-        self.local = LocalLinear()
+        self.local = self._local_module()
         self._adopt(linear.weight, linear.bias, comm, counts, mode, timeout)
+
+    @staticmethod
+    def _local_module() -> nn.Module:
+        return LocalLinear()
 
     def _unit(self) -> int:
         return self.in_features_per_channel
@@ -402,7 +503,63 @@ class FilterParallelLinear(FilterParallelLayer):
         return self.shares[self.rank] * self.in_features_per_channel
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, " + super().extra_repr()
+        extra = ""
+        if self.mode == "split-output" and (self.out_unit, self.parts) != (1, 1):
+            extra = f", out_unit={self.out_unit}, parts={self.parts}"
+        return f"{self.in_features}, {self.out_features}, " + super().extra_repr() + extra
+
+
+def is_conv1d(m: object) -> bool:
+    """Whether ``m`` is a Hugging Face ``Conv1D`` (GPT-2's linear layer, its weight stored
+    transposed: (in, out)), known by its structure: ``nf`` output and ``nx`` input features, a
+    weight of shape (nx, nf) and a bias of nf, no children."""
+    if not isinstance(m, nn.Module) or type(m).__name__ != "Conv1D":
+        return False
+    nf, nx = getattr(m, "nf", None), getattr(m, "nx", None)
+    # Read from _parameters: under torch.fx tracing, attribute access yields proxies.
+    w, b = m._parameters.get("weight"), m._parameters.get("bias")
+    return (
+        is_int(nf)
+        and is_int(nx)
+        and isinstance(w, torch.Tensor)
+        and tuple(w.shape) == (nx, nf)
+        and (b is None or (isinstance(b, torch.Tensor) and tuple(b.shape) == (nf,)))
+        and next(m.children(), None) is None
+    )
+
+
+class LocalConv1D(nn.Module):
+    """The computation a rank of a :class:`FilterParallelConv1D` does on its own,
+    ``local(x, weight, bias)`` with the weight stored (in, out), as Hugging Face's Conv1D."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Any) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        y = flat @ weight if bias is None else torch.addmm(bias, flat, weight)
+        return y.view(*x.shape[:-1], weight.shape[1])
+
+
+class FilterParallelConv1D(FilterParallelLinear):
+    """A Hugging Face ``Conv1D`` (GPT-2's linear layer, weight stored (in, out)) split as
+    :class:`FilterParallelLinear`; only :meth:`from_module` builds one.
+
+    >>> FilterParallelConv1D.from_module(gpt2_block.mlp.c_fc, [48, 16], group)  # doctest: +SKIP
+    """
+
+    weight_out_dim = 1
+    weight_in_dim = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("FilterParallelConv1D: build one with FilterParallelConv1D.from_module")
+
+    @staticmethod
+    def _check_module(linear: Any) -> tuple[int, int]:
+        if not is_conv1d(linear):
+            raise TypeError(f"conv: must be a Hugging Face Conv1D, got {type(linear).__name__}")
+        return int(linear.nx), int(linear.nf)
+
+    @staticmethod
+    def _local_module() -> nn.Module:
+        return LocalConv1D()
 
 
 def _check_unit(in_features: int, unit: object) -> int:
@@ -419,9 +576,9 @@ class _SplitBatchNorm(ChannelSplit):
     """Channels ``[offset, offset + share)`` of a BatchNorm: its statistics and affine map are
     per channel, so the split is exact and needs no communication."""
 
-    def split_spec(self) -> dict[str, tuple[int, int]]:
+    def split_spec(self) -> dict[str, tuple[int, int, int]]:
         names = ("weight", "bias", "running_mean", "running_var")
-        return {n: (0, 1) for n in names if getattr(self, n, None) is not None}
+        return {n: (0, 1, 1) for n in names if getattr(self, n, None) is not None}
 
     @classmethod
     def from_module(cls, bn: _BatchNorm, shares: Sequence[int], group: Any = None) -> Any:
