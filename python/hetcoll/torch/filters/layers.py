@@ -79,10 +79,10 @@ class ChannelSplit:
         for name, (dim, unit, parts) in self.split_spec().items():
             t = state_dict.get(prefix + name)
             full = total * unit * parts
-            if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == full:
-                if self.shares[self.rank] != total:
-                    runs = split_runs(self.shares, self.rank, unit, parts)
-                    state_dict[prefix + name] = take_runs(t, dim, runs)
+            whole = self.shares[self.rank] == total
+            if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == full and not whole:
+                runs = split_runs(self.shares, self.rank, unit, parts)
+                state_dict[prefix + name] = take_runs(t, dim, runs)
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
         self._slice_full(state_dict, prefix)
@@ -459,10 +459,8 @@ class FilterParallelLinear(FilterParallelLayer):
             raise ValueError("out_unit, parts: only split-output layers split whole units")
         check_choice(shares, speeds, multiple_of)
         comm = wrap(group)
-        if mode == "split-input":
-            total = in_features // unit
-        else:
-            total = out_features // (out_unit * parts)
+        split_in = mode == "split-input"
+        total = in_features // unit if split_in else out_features // (out_unit * parts)
         counts = resolve_shares(shares, speeds, multiple_of, total, comm.size, "linear")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
