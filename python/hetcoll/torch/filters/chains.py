@@ -317,7 +317,6 @@ _REPLICATED_KINDS = (
     nn.ConvTranspose2d,
     nn.ConvTranspose3d,
     nn.RNNBase,
-    nn.MultiheadAttention,
     nn.Bilinear,
 )
 
@@ -544,6 +543,35 @@ _ELEMENTWISE_TENSOR_METHODS = _ELEMENTWISE_METHODS | {
 }  # fmt: skip
 
 
+class _Method(nn.Module):
+    """``owner.<method>(x)`` as a module's forward, to trace one method of a module whose own
+    forward cannot be traced (torch's encoder layer: its feed-forward block)."""
+
+    def __init__(self, owner: nn.Module, method: str) -> None:
+        super().__init__()
+        self.owner = owner
+        self.method = method
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return getattr(self.owner, self.method)(x)
+
+
+def _mha(name: str, m: nn.Module) -> TensorSplit | str | None:
+    """torch's ``nn.MultiheadAttention`` (query, key and value packed in ``in_proj_weight``,
+    ``out_proj``) split by heads; a reason when it cannot be."""
+    from hetcoll.torch.filters.layers import FilterParallelMultiheadAttention
+
+    if not isinstance(m, nn.MultiheadAttention):
+        return None
+    why = FilterParallelMultiheadAttention.why_not(m)
+    if why is not None:
+        return why
+    prefix = f"{name}." if name else ""
+    return TensorSplit(
+        "mha", name, m.num_heads, m.head_dim, [(name, m.head_dim, 3)], prefix + "out_proj"
+    )
+
+
 def _mlp(name: str, m: nn.Module) -> TensorSplit | None:
     """``m`` as an MLP split by hidden units, read off its torch.fx graph (linear layers kept
     whole in it): a layer (the row) whose input is computed from the outputs of other linear
@@ -555,11 +583,17 @@ def _mlp(name: str, m: nn.Module) -> TensorSplit | None:
         def is_leaf_module(self, mod: nn.Module, qualname: str) -> bool:
             return linear_features(mod) is not None or super().is_leaf_module(mod, qualname)
 
+    root, inner_prefix = m, ""
+    if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        root, inner_prefix = _Method(m, "_ff_block"), "owner."  # its forward has fast paths
     try:
-        graph = _Tracer().trace(m)
+        graph = _Tracer().trace(root)
     except Exception:  # fx raises many kinds on untraceable code: then no MLP is seen here
         return None
-    named = dict(m.named_modules())
+    named = {k.removeprefix(inner_prefix): v for k, v in root.named_modules()}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            node.target = node.target.removeprefix(inner_prefix)
     calls: dict[str, int] = {}
     for node in graph.nodes:
         if node.op == "call_module":
@@ -625,11 +659,12 @@ def _is_node(a: Any) -> bool:
 
 
 def plan_tensor_splits(
-    model: nn.Module, candidates: Sequence[str]
+    model: nn.Module, candidates: Sequence[str], *, mha: bool = True
 ) -> tuple[list[TensorSplit], dict[str, str]]:
     """The attentions and MLPs of ``model`` to split by heads and hidden units
     (:class:`TensorSplit`), among the layers named in ``candidates`` (those the pairing rule
-    of :func:`plan_modes` would gather); and the attentions it leaves alone, by name, with why.
+    of :func:`plan_modes` would gather), and with ``mha`` torch's ``nn.MultiheadAttention``
+    modules; and the attentions it leaves alone, by name, with why.
     It reads module types, attributes and traced graphs only, so a model on the meta device
     works."""
     pool = set(candidates)
@@ -637,9 +672,11 @@ def plan_tensor_splits(
     kept: dict[str, str] = {}
     claimed: set[str] = set()
     for name, m in model.named_modules():
-        if any(name.startswith(c + ".") for c in claimed):
+        if name in claimed or any(name.startswith(c + ".") for c in claimed):
             continue
-        found: TensorSplit | str | None = _attention(name, m)
+        found: TensorSplit | str | None = _mha(name, m) if mha else None
+        if found is None:
+            found = _attention(name, m)
         if found is None:
             found = _mlp(name, m)
         if isinstance(found, str):
@@ -647,11 +684,11 @@ def plan_tensor_splits(
             continue
         if found is None:
             continue
-        missing = [n for n in found.layers() if n not in pool]
+        missing = [n for n in found.layers() if n not in pool and found.kind != "mha"]
         if missing:
             if found.kind == "attention":
                 kept[name] = f"its layers {missing} are not split or already paired"
             continue
         splits.append(found)
-        claimed.add(name)
+        claimed.update(found.layers())
     return splits, kept

@@ -34,6 +34,7 @@ from hetcoll.torch.filters.layers import (
     FilterParallelConv1D,
     FilterParallelConv2d,
     FilterParallelLinear,
+    FilterParallelMultiheadAttention,
     SharedCopy,
     is_conv1d,
 )
@@ -164,7 +165,8 @@ def _shares(
     modes, feeds, _ = plan_modes(model, chosen, avoid_gathers, untraced)
     splits: list[TensorSplit] = []
     if avoid_gathers and per_layer is None:
-        splits, kept = plan_tensor_splits(model, [n for n in chosen if modes[n] == "gather"])
+        gathered = [n for n in chosen if modes[n] == "gather"]
+        splits, kept = plan_tensor_splits(model, gathered, mha=layers is None)
         for ts in splits:
             modes.update({c: "split-output" for c, _, _ in ts.columns})
             modes[ts.row] = "split-input"
@@ -185,7 +187,7 @@ def _shares(
             UserWarning,
             stacklevel=4,
         )
-    size = size_of() if chosen else 1
+    size = size_of() if chosen or splits else 1
 
     in_splits = {n for ts in splits for n in ts.layers()}
     units = [
@@ -227,7 +229,9 @@ def _shares(
                 f"{argument}: layer {name!r} reads the channels of {src!r}, so its "
                 f"shares must be {src!r}'s ({shares[src]}), got {list(given)!r}"
             )
-    return {name: shares[name] for name in chosen if name in shares}, units, modes
+    order = {n: i for i, n in enumerate(named)}
+    listed = sorted((n for n in shares if n in set(chosen) | in_splits), key=order.__getitem__)
+    return {name: shares[name] for name in listed}, units, modes
 
 
 def _split_units(
@@ -240,6 +244,8 @@ def _split_units(
     if ts.kind == "attention":
         what = f"attention {ts.module!r}"
         noun = f"key/value groups (of {ts.width} query features each)"
+    elif ts.kind == "mha":
+        what, noun = f"attention {ts.module!r}", f"heads (of {ts.width} features each)"
     else:
         what, noun = f"MLP {ts.module!r}", "hidden units"
     total = ts.units * ts.width
@@ -322,13 +328,22 @@ def filter_parallel(
     )
     comm = wrap(group)
     named = dict(model.named_modules())
-    chosen = list(per_layer)
     in_splits = {n for ts, _ in splits for n in ts.layers()}
+    chosen = list(per_layer)
     _, feeds, bns = plan_modes(model, [n for n in chosen if n not in in_splits], avoid_gathers)
 
     _agree_on_plan(comm, chosen, modes, per_layer, timeout)
 
     for ts, counts in splits:
+        if ts.kind == "mha":
+            mha = FilterParallelMultiheadAttention.from_module(
+                named[ts.module],  # type: ignore[arg-type]
+                counts,
+                comm,
+                timeout=timeout,
+            )
+            _replace(model, ts.module, mha)
+            continue
         copy = SharedCopy(comm, timeout)
         for name, per, parts in ts.columns:
             _replace(

@@ -617,3 +617,208 @@ class FilterParallelBatchNorm2d(_SplitBatchNorm, nn.BatchNorm2d):
 class FilterParallelBatchNorm1d(_SplitBatchNorm, nn.BatchNorm1d):
     """This rank's features of a ``BatchNorm1d`` that follows a split linear layer (2-D
     input)."""
+
+
+class FilterParallelMultiheadAttention(ChannelSplit, nn.Module):
+    """This rank's heads of a ``torch.nn.MultiheadAttention`` (query, key and value packed in
+    ``in_proj_weight``, each split by whole heads alike; ``out_proj`` a split-input
+    :class:`FilterParallelLinear` reading them): the same call and results as the unsplit
+    module, one sum-reduction forward (and one of the input's gradient backward). Attention
+    weights, when asked for, are summed over the ranks' heads (averaged) or gathered (per
+    head). ``num_heads`` is this rank's; ``_qkv_same_embed_dim`` is False so torch's fused
+    fast paths, which would read the local weights as whole, are never taken.
+    Only :meth:`from_module` builds one.
+    """
+
+    in_proj_weight: nn.Parameter
+    in_proj_bias: nn.Parameter | None
+    out_proj: FilterParallelLinear
+    embed_dim: int
+    head_dim: int
+    total_heads: int
+    num_heads: int
+    dropout: float
+    batch_first: bool
+    kdim: int
+    vdim: int
+    timeout: float | None
+    shared_input: SharedCopy
+    _qkv_same_embed_dim: bool
+    add_zero_attn: bool
+    bias_k: None
+    bias_v: None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "FilterParallelMultiheadAttention: build one with "
+            "FilterParallelMultiheadAttention.from_module"
+        )
+
+    @staticmethod
+    def why_not(mha: nn.MultiheadAttention) -> str | None:
+        """Why ``mha`` cannot be split by heads (None: it can)."""
+        if not mha._qkv_same_embed_dim:
+            return "its keys or values have their own sizes (kdim, vdim)"
+        if mha.bias_k is not None or mha.add_zero_attn:
+            return "it adds a bias or zeros to the keys (add_bias_kv, add_zero_attn)"
+        if mha.in_proj_weight is None:
+            return "it has no packed in_proj_weight"
+        return None
+
+    @classmethod
+    def from_module(
+        cls,
+        mha: nn.MultiheadAttention,
+        shares: Sequence[int],
+        group: Any = None,
+        *,
+        timeout: float | None = None,
+    ) -> FilterParallelMultiheadAttention:
+        """This rank's heads of ``mha``: ``shares`` heads per rank, summing to its
+        ``num_heads``.
+
+        >>> FilterParallelMultiheadAttention.from_module(layer.self_attn, [3, 1])  # doctest: +SKIP
+        """
+        if not isinstance(mha, nn.MultiheadAttention):
+            raise TypeError(f"mha: must be a torch.nn.MultiheadAttention, got {type(mha).__name__}")
+        why = cls.why_not(mha)
+        if why is not None:
+            raise ValueError(f"mha: cannot be split by heads: {why}")
+        check_timeout(timeout)
+        comm = wrap(group)
+        counts = check_shares(shares, mha.num_heads, comm.size, "shares", "the attention")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._set_split(comm, counts)
+        self.timeout = timeout
+        self.embed_dim, self.head_dim = mha.embed_dim, mha.head_dim
+        self.total_heads, self.num_heads = mha.num_heads, counts[comm.rank]
+        self.dropout, self.batch_first = mha.dropout, mha.batch_first
+        self.kdim, self.vdim = mha.kdim, mha.vdim
+        self._qkv_same_embed_dim = False  # torch's fused paths would read local weights whole
+        self.bias_k = self.bias_v = None
+        self.add_zero_attn = False
+        runs = split_runs(counts, comm.rank, mha.head_dim, 3)
+        with torch.no_grad():
+            w = mha.in_proj_weight
+            self.in_proj_weight = nn.Parameter(take_runs(w, 0, runs).clone(), w.requires_grad)
+            b = mha.in_proj_bias
+            self.in_proj_bias = (
+                None if b is None else nn.Parameter(take_runs(b, 0, runs).clone(), b.requires_grad)
+            )
+        self.out_proj = FilterParallelLinear.from_module(
+            mha.out_proj,
+            counts,
+            comm,
+            mode="split-input",
+            in_features_per_channel=mha.head_dim,
+            timeout=timeout,
+        )
+        self.shared_input = SharedCopy(comm, timeout)
+        self.train(mha.training)
+        return self
+
+    def split_spec(self) -> dict[str, tuple[int, int, int]]:
+        spec = {"in_proj_weight": (0, self.head_dim, 3)}
+        if self.in_proj_bias is not None:
+            spec["in_proj_bias"] = (0, self.head_dim, 3)
+        return spec
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batched = query.dim() == 3
+        if not batched:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        elif self.batch_first:  # work in (L, N, E), as torch's multi_head_attention_forward
+            moved: dict[int, torch.Tensor] = {}
+            query, key, value = (
+                moved.setdefault(id(t), t.transpose(0, 1)) for t in (query, key, value)
+            )
+        tgt, n, _ = query.shape
+        src = key.shape[0]
+        h, hd = self.num_heads, self.head_dim
+        copies = {}
+        for t in (query, key, value):
+            if id(t) not in copies:
+                copies[id(t)] = self.shared_input(t) if t.requires_grad else t
+        wq, wk, wv = self.in_proj_weight.chunk(3)
+        bq = bk = bv = None
+        if self.in_proj_bias is not None:
+            bq, bk, bv = self.in_proj_bias.chunk(3)
+        q = F.linear(copies[id(query)], wq, bq).view(tgt, n, h, hd).permute(1, 2, 0, 3)
+        k = F.linear(copies[id(key)], wk, bk).view(src, n, h, hd).permute(1, 2, 0, 3)
+        v = F.linear(copies[id(value)], wv, bv).view(src, n, h, hd).permute(1, 2, 0, 3)
+        mask = self._mask(attn_mask, key_padding_mask, is_causal, n, tgt, src, q.dtype)
+        dropout = self.dropout if self.training else 0.0
+        weights = None
+        if need_weights:
+            scores = (q * hd**-0.5) @ k.transpose(-2, -1)
+            if mask is not None:
+                scores = scores + mask
+            probs = torch.softmax(scores, dim=-1)
+            out = F.dropout(probs, dropout) @ v if dropout > 0 else probs @ v
+            if average_attn_weights:
+                weights = ReduceSum.apply(probs.sum(1), self.comm, self.timeout) / self.total_heads
+            else:
+                weights = GatherChannels.apply(
+                    probs.contiguous(), self.comm, self.shares, self.offset, 1, self.timeout
+                )
+            if not batched:
+                weights = weights.squeeze(0)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        out = out.permute(2, 0, 1, 3).reshape(tgt, n, h * hd)
+        y = self.out_proj(out)
+        if not batched:
+            return y.squeeze(1), weights
+        return (y.transpose(0, 1) if self.batch_first else y), weights
+
+    def _mask(
+        self,
+        attn_mask: torch.Tensor | None,
+        key_padding_mask: torch.Tensor | None,
+        is_causal: bool,
+        n: int,
+        tgt: int,
+        src: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor | None:
+        """The additive mask of this rank's heads, (N or 1, heads, L, S), as torch merges
+        ``attn_mask`` (2-D, or 3-D per batch and head) and ``key_padding_mask``."""
+
+        def additive(m: torch.Tensor) -> torch.Tensor:
+            if m.dtype == torch.bool:
+                return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(
+                    m, float("-inf")
+                )
+            return m.to(dtype)
+
+        mask = None
+        if attn_mask is None and is_causal:
+            attn_mask = torch.ones(tgt, src, dtype=torch.bool).triu(1)
+        if attn_mask is not None:
+            mask = additive(attn_mask)
+            if mask.dim() == 2:
+                mask = mask.view(1, 1, tgt, src)
+            else:  # (N * all heads, L, S): this rank's heads
+                mask = mask.view(n, self.total_heads, tgt, src).narrow(
+                    1, self.offset, self.num_heads
+                )
+        if key_padding_mask is not None:
+            pad = additive(key_padding_mask).view(n, 1, 1, src)
+            mask = pad if mask is None else mask + pad
+        return mask
+
+    def extra_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, shares={self.shares}, rank={self.rank}"
