@@ -24,6 +24,7 @@ from torch import nn
 from hetcoll import Plan
 from hetcoll.comm import wrap
 from hetcoll.torch import parallelize
+from hetcoll.torch.filters import FilterParallelLayer
 
 TOL = 1e-10
 VOCAB = 48
@@ -153,6 +154,7 @@ def equals_one_process(
         assert abs(loss - want) <= tol * abs(want), (loss, want)
         opt.step()
         opt.zero_grad()
+    split_stage(par)
     got = par.full_state_dict()
     assert list(got) == list(want_state), (list(got)[:5], list(want_state)[:5])
     for k, v in want_state.items():
@@ -161,6 +163,23 @@ def equals_one_process(
         else:
             assert torch.equal(got[k], v), k
     return par.traffic()
+
+
+def split_stage(par: Any) -> None:
+    """On a rank of a stage split over several ranks, every attention is split by heads and
+    every MLP by hidden units, paired (no layer of a block gathers its output; only the head,
+    outside the blocks, may)."""
+    if par.place is None:
+        return
+    i, j = par.place
+    if len(par.plan.replicas[i].stages[j].ranks) < 2:
+        return
+    modes = {n: m.mode for n, m in par.stage.named_modules() if isinstance(m, FilterParallelLayer)}
+    heads = [n for n, m in par.stage.named_modules() if n.endswith((".attn", ".self_attn"))]
+    assert heads and all(
+        m != "gather" for n, m in modes.items() if n.rsplit(".", 1)[-1] not in ("lm_head", "head")
+    ), modes
+    assert sum(m == "split-input" for m in modes.values()) == 2 * len(heads), modes
 
 
 def pipeline_4(n: int) -> dict[str, Any]:
