@@ -55,6 +55,8 @@ STRATEGIES = ("paired, speed-proportional", "paired, even split", "gather mode, 
 
 def _example() -> Any:
     """examples/train_lm.py as a module (its make_model, SEQ and VOCAB)."""
+    if str(ROOT / "examples") not in sys.path:
+        sys.path.insert(0, str(ROOT / "examples"))  # it imports its neighbour train_plan
     spec = importlib.util.spec_from_file_location("train_lm", ROOT / "examples" / "train_lm.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
