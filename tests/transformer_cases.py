@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hetcoll import Plan
+from hetcoll.collectives import allreduce
 from hetcoll.comm import wrap
 from hetcoll.torch import parallelize
 from hetcoll.torch.filters import FilterParallelLayer
@@ -180,6 +181,27 @@ def split_stage(par: Any) -> None:
         m != "gather" for n, m in modes.items() if n.rsplit(".", 1)[-1] not in ("lm_head", "head")
     ), modes
     assert sum(m == "split-input" for m in modes.values()) == 2 * len(heads), modes
+    # The last step's bytes: per micro-batch, two reductions of rows x SEQ x hidden per block
+    # forward (attention, MLP) and two backward (their inputs' gradients); the head, when it is
+    # split (not tied), gathers its logits forward and reduces its input's gradient backward.
+    # One reduction's cost is measured here on the stage's counting communicator: the ring's
+    # 2 (p-1)/p of the buffer, or the agreement check that carries a small buffer itself.
+    traffic = par.traffic()
+    comm = par._stage_comm
+    p = comm.size
+    heads_out = [m for m in par.stage.modules() if isinstance(m, FilterParallelLayer)]
+    gathers = [m for m in heads_out if m.mode == "gather"]
+    hidden = next(m for m in heads_out if m.mode == "split-input").out_features
+    forward = backward = 0
+    for rows in par.plan.microbatch_sizes(i):
+        comm.kind = "probe"
+        allreduce(torch.zeros(rows * SEQ * hidden, dtype=torch.float64), comm)
+        reduction = comm.counts.pop("probe")
+        forward += 2 * len(heads) * reduction
+        forward += sum((p - 1) * rows * SEQ * m.shares[m.rank] * 8 for m in gathers)
+        backward += (2 * len(heads) + len(gathers)) * reduction
+    assert traffic["activations"] == forward, (traffic, forward)
+    assert traffic["gradients"] == backward, (traffic, backward)
 
 
 def pipeline_4(n: int) -> dict[str, Any]:
