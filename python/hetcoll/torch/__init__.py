@@ -1,14 +1,16 @@
 """PyTorch integration: balanced data parallelism (speed probe, sampler, exact sample-weighted
 gradient averaging for DDP and for MPI, rebalancing) and filter (model) parallelism with uneven,
-speed-proportional channel splits. Emulated heterogeneity, for trying these on one machine, is
-lab code: :mod:`hetcoll.lab.emulate`."""
+speed-proportional channel splits (transformers: attention by heads, MLPs by hidden units).
+Emulated heterogeneity, for trying these on one machine, is lab code: :mod:`hetcoll.lab.emulate`."""
 
 from hetcoll.torch.batches import BatchCounter
 from hetcoll.torch.filters import (
     FilterParallelBatchNorm1d,
     FilterParallelBatchNorm2d,
+    FilterParallelConv1D,
     FilterParallelConv2d,
     FilterParallelLinear,
+    FilterParallelMultiheadAttention,
     filter_parallel,
     gather_gradients,
     gather_optimizer_state_dict,
@@ -33,8 +35,10 @@ __all__ = [
     "DistributedOptimizer",
     "FilterParallelBatchNorm1d",
     "FilterParallelBatchNorm2d",
+    "FilterParallelConv1D",
     "FilterParallelConv2d",
     "FilterParallelLinear",
+    "FilterParallelMultiheadAttention",
     "Parallel",
     "Rebalancer",
     "SpeedFit",

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hetcoll.torch.filters.layers import is_conv1d
+from hetcoll.torch.filters.layers import FilterParallelMultiheadAttention, is_conv1d
 
 #: Modules that act on each channel (or element) on its own, so a channel-split tensor can pass
 #: through them unchanged: nothing needs gathering before them (the filter-parallel pairing rule
@@ -559,8 +559,6 @@ class _Method(nn.Module):
 def _mha(name: str, m: nn.Module) -> TensorSplit | str | None:
     """torch's ``nn.MultiheadAttention`` (query, key and value packed in ``in_proj_weight``,
     ``out_proj``) split by heads; a reason when it cannot be."""
-    from hetcoll.torch.filters.layers import FilterParallelMultiheadAttention
-
     if not isinstance(m, nn.MultiheadAttention):
         return None
     why = FilterParallelMultiheadAttention.why_not(m)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -432,7 +432,7 @@ class FilterParallelLinear(FilterParallelLayer):
         parts: int = 1,
         shared_input: SharedCopy | None = None,
         timeout: float | None = None,
-    ) -> Any:
+    ) -> Self:
         """This rank's part of an existing ``linear`` (its weights are copied, not shared).
 
         Whole heads: with ``out_unit`` the shares count units of that many output features (a
