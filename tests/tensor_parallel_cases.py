@@ -216,6 +216,30 @@ def equals_unsplit(group: Any, make: Any, optimizer: str, steps: int = 3) -> dic
     return modes(split)
 
 
+def sdpa_float32(group: Any) -> int:
+    """With Hugging Face's default attention (torch's scaled_dot_product_attention) in float32,
+    the split Llama and GPT-2 give the unsplit logits and gradients to 1e-5 relative."""
+    p = wrap(group).size
+    checked = 0
+    for make in (llama, gpt2):
+        torch.manual_seed(0)
+        ref = make()
+        ref.config._attn_implementation = "sdpa"
+        split = split_copy(ref, group, SPEEDS[:p])
+        ids = batch(0)
+        logits_ref, loss_ref = loss_of(ref, ids)
+        logits, loss = loss_of(split, ids)
+        assert rel(logits, logits_ref) <= 1e-5, rel(logits, logits_ref)
+        loss_ref.backward()
+        loss.backward()
+        grads = gather_gradients(split, dst=None)
+        assert grads is not None
+        for n, q in ref.named_parameters():
+            assert q.grad is not None and rel(grads[n], q.grad) <= 1e-5, (n, rel(grads[n], q.grad))
+        checked += 1
+    return checked
+
+
 def traffic(group: Any, make: Any, hidden: int) -> dict[str, int]:
     """Bytes per kind of one forward and backward: two reductions of batch x sequence x
     hidden per block forward (attention, MLP) and two backward (their inputs' gradients);
@@ -301,6 +325,7 @@ def run_all(group: Any) -> dict[str, Any]:
         out[f"{name}_split"] = sum(m != "gather" for m in got.values())
         traffic(group, make, 24)
     out["mha_weights"] = attention_weights(group)
+    out["sdpa_float32"] = sdpa_float32(group)
     out["errors"] = bad_input(group)
     return out
 

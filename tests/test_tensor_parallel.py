@@ -27,7 +27,7 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     assert r["llama_gathers"] == ["lm_head"] and r["gpt2_gathers"] == []
     assert r["llama_split"] == 2 * 7 and r["gpt2_split"] == 2 * 4
     assert r["encoder_gathers"] == ["head"] and r["encoder_split"] == 2 * 3
-    assert r["mha_weights"] == 2
+    assert r["mha_weights"] == 2 and r["sdpa_float32"] == 2
     assert r["errors"] == 3
 
 
