@@ -307,6 +307,22 @@ def bad_input(group: Any) -> int:
         "owners name layers of a chain",
         lambda: parallelize(model, owners, loss_fn=lm_loss, group=group),
     )
+    # A split stage with more ranks than Llama's key/value groups: refused on every rank, the
+    # idle one too, before any transfer.
+    three = {
+        "replicas": [
+            {
+                "samples": 4,
+                "stages": [{"ranks": [0, 1, 2], "speeds": [1.0, 1.0, 0.5], "layers": [0, 8]}],
+            }
+        ]
+    }
+    raises(
+        ValueError,
+        "plan.replicas[0].stages[0]: speeds: attention 'model.layers.0.self_attn' has 2 "
+        "key/value groups (of 8 query features each), too few for 3 ranks",
+        lambda: parallelize(llama().double(), three, loss_fn=lm_loss, group=group),
+    )
     par = parallelize(model, plan, loss_fn=lm_loss, items=valid_tokens, group=group)
     ((inputs, labels),) = batches(7, 1)
     ragged = dict(inputs, attention_mask=inputs["attention_mask"][:6])
