@@ -177,13 +177,21 @@ def _shares(
                 UserWarning,
                 stacklevel=4,
             )
-    if untraced and any(mode == "gather" for mode in modes.values()):
+    gathering = [n for n, m in modes.items() if m == "gather"]
+
+    def holds_gathering(entry: str) -> bool:  # an untraced module around a gathering layer
+        name = entry.split(" (", 1)[0]
+        return name == type(model).__name__ or any(g.startswith(name + ".") for g in gathering)
+
+    untraced = [u for u in untraced if holds_gathering(u)]
+    if untraced and gathering:
         warnings.warn(
             "filter_parallel: could not trace the forward of "
             + "; ".join(untraced)
             + ", so the layers split inside gather their whole outputs after each "
-            "(mode 'gather') unless an nn.Sequential shows what feeds what; modes: "
-            + ", ".join(f"{n!r} {m}" for n, m in modes.items()),
+            "(mode 'gather') unless an nn.Sequential shows what feeds what (or they form an "
+            "attention or MLP split by heads or hidden units); gathering: "
+            + ", ".join(f"{n!r} gather" for n in gathering),
             UserWarning,
             stacklevel=4,
         )
