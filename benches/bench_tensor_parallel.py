@@ -106,7 +106,7 @@ def _rank(rank: int, world: int, arch: str, batch: int, steps: int) -> dict[str,
         shares = {
             n: list(m.shares)
             for n, m in split.named_modules()
-            if isinstance(m, FilterParallelLayer) and n.endswith(("o_proj", "down_proj"))
+            if isinstance(m, FilterParallelLayer) and m.mode == "split-input"
         }
         runs[name] = {"step": step, "counts": counts, "modes": modes, "shares": shares}
     times: dict[str, list[float]] = {name: [] for name in STRATEGIES}
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{name:<34} {row['step_s'] * 1e3:10.1f} {base / row['step_s']:7.2f}x "
             f"{b.get('activations', 0):11,} {b.get('gradients', 0):11,}"
         )
-    print("shares (rows: o_proj / down_proj):", r0["paired, speed-proportional"]["shares"])
+    print("shares of the row-split layers:", r0["paired, speed-proportional"]["shares"])
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)
