@@ -1,6 +1,6 @@
 """Tensor parallelism of a decoder on two ranks of emulated speeds 1 and 0.25, one run:
 
-    python benches/bench_tensor_parallel.py [--batch 8] [--steps 20] [--arch llama] [--json F]
+    python benches/bench_tensor_parallel.py [--batch 32] [--steps 20] [--arch llama] [--json F]
 
 The decoder is the LM example's (``examples/train_lm.py``'s ``make_model``: a byte-level
 Llama of 6 blocks, hidden 64, 4 query heads in 2 key/value groups, MLP 176; or GPT-2), float32,
@@ -140,7 +140,7 @@ def _rank(rank: int, world: int, arch: str, batch: int, steps: int) -> dict[str,
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="llama", choices=["llama", "gpt2"])
-    ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    ap.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per strategy")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
