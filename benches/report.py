@@ -820,6 +820,93 @@ def adapt_filter_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
     )
 
 
+_TP_STRATEGIES = (
+    "paired, speed-proportional",
+    "paired, even split",
+    "gather mode, speed-proportional",
+)
+
+
+def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
+    """A ``bench_tensor_parallel.py --json`` file (a list with one result per rank, rank 0's
+    step times the slowest rank's) as a results file."""
+    if len(raw) != 1:
+        raise ResultError("tensor-parallel: give one bench_tensor_parallel.py --json file")
+    path = raw[0]
+    data = _raw_json(path, "bench_tensor_parallel.py --json")
+    if not isinstance(data, list) or not data:
+        raise ResultError(f"{path}: expected a list with one result per rank")
+    r0 = data[0]
+    rows = {name: _need(r0, name, f"{path}: [0]") for name in _TP_STRATEGIES}
+    even = _need(rows["paired, even split"], "step_s", f"{path}: [0].paired, even split")
+    prop = rows["paired, speed-proportional"]
+    gather = rows["gather mode, speed-proportional"]
+    where = f"{path}: [0]"
+    steps, traffic = [], []
+    for name, row in rows.items():
+        t = _need(row, "step_s", f"{where}.{name}")
+        q1, q3 = _need(row, "step_s_q1", f"{where}.{name}"), _need(row, "step_s_q3", f"{where}")
+        steps.append([name, t * 1e3, q1 * 1e3, q3 * 1e3, even / t])
+        b = _need(row, "bytes", f"{where}.{name}")
+        traffic.append(
+            [name, b.get("activations", 0), b.get("gradients", 0), str(row.get("modes", ""))]
+        )
+    pb = prop["bytes"].get("activations", 0) + prop["bytes"].get("gradients", 0)
+    gb = gather["bytes"].get("activations", 0) + gather["bytes"].get("gradients", 0)
+    what = f"{r0.get('arch', '?')}, batch {r0.get('batch', '?')} x {r0.get('seq', '?')}"
+    return _result(
+        "tensor_parallel",
+        "Tensor parallelism of a decoder",
+        command,
+        raw,
+        [
+            {
+                "title": f"Step time: speed-proportional vs even head split ({what})",
+                "peer": "the even split Megatron-LM, DTensor and DeepSpeed AutoTP use (the same "
+                "code at equal speeds), and gather mode (every Linear gathers its output)",
+                "columns": [
+                    _col("strategy"),
+                    _col("step (ms)", "{:.1f}"),
+                    _col("q1 (ms)", "{:.1f}"),
+                    _col("q3 (ms)", "{:.1f}"),
+                    _col("speed vs even split (even / time)", RATIO),
+                ],
+                "rows": steps,
+                "notes": [
+                    "Median and quartiles over steps of the slowest rank's step (forward, "
+                    "backward, SGD step); the strategies take turns step by step."
+                ],
+            },
+            {
+                "title": "Bytes sent per step by this rank",
+                "peer": "gather mode",
+                "columns": [
+                    _col("strategy"),
+                    _col("forward bytes", "{:,}"),
+                    _col("backward bytes", "{:,}"),
+                    _col("split layers by mode"),
+                ],
+                "rows": traffic,
+            },
+        ],
+        description=(
+            "Attention split by heads and MLPs by hidden units (`filter_parallel`) on two gloo "
+            "ranks of emulated speeds (`SPEEDS` in `benches/bench_tensor_parallel.py`), the LM "
+            "example's decoder; heterogeneity is emulated the same way for every strategy."
+        ),
+        headlines=[
+            (
+                "tensor parallel, speed-proportional vs even head split",
+                f"{even / prop['step_s']:.2f}x faster",
+            ),
+            (
+                "tensor parallel, paired vs gather mode: bytes per step",
+                f"{gb / max(pb, 1):.2f}x fewer",
+            ),
+        ],
+    )
+
+
 def adapt_model_validate(raw: Sequence[Path], command: str) -> dict[str, Any]:
     """A ``hetcoll model validate --json`` output as a results file."""
     if len(raw) != 1:
@@ -1678,6 +1765,7 @@ ADAPTERS: dict[str, Callable[[Sequence[Path], str], dict[str, Any]]] = {
     "microbatches": adapt_microbatches,
     "collectives": adapt_collectives,
     "filter-parallel": adapt_filter_parallel,
+    "tensor-parallel": adapt_tensor_parallel,
     "model-validate": adapt_model_validate,
     "plans": adapt_plans,
     "device": adapt_device,

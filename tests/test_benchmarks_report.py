@@ -197,6 +197,35 @@ def test_filter_parallel_adapter_reads_the_scripts_json(tmp_path: Path) -> None:
     assert "| 4 | 125.0 | 250.0 | 2.00x | [[4, 1]] |" in report.generate(tmp_path)
 
 
+def test_tensor_parallel_adapter_reads_the_scripts_json(tmp_path: Path) -> None:
+    def row(step: float, fwd: int, bwd: int) -> dict[str, object]:
+        return {
+            "step_s": step,
+            "step_s_q1": step * 0.9,
+            "step_s_q3": step * 1.1,
+            "bytes": {"activations": fwd, "gradients": bwd},
+            "modes": {"split-input": 12},
+        }
+
+    r0 = {
+        "arch": "llama",
+        "batch": 8,
+        "seq": 64,
+        "paired, speed-proportional": row(0.2, 1000, 800),
+        "paired, even split": row(0.3, 1000, 800),
+        "gather mode, speed-proportional": row(0.4, 3000, 2400),
+    }
+    raw = tmp_path / "raw" / "raw.json"
+    raw.parent.mkdir()
+    raw.write_text(json.dumps([r0, r0]))
+    result = report.adapt_tensor_parallel([raw], "python benches/bench_tensor_parallel.py")
+    report.write_result(tmp_path / "tensor_parallel.json", result)
+    assert [h["value"] for h in result["headlines"]] == ["1.50x faster", "3.00x fewer"]
+    text = report.generate(tmp_path)
+    assert "| gather mode, speed-proportional | 400.0 | 360.0 | 440.0 | 0.75x |" in text
+    assert "| paired, even split | 1,000 | 800 | {'split-input': 12} |" in text
+
+
 def test_plans_adapter_reads_the_scripts_json(tmp_path: Path) -> None:
     pipeline = {
         "microbatches": 4,

@@ -25,7 +25,7 @@ EXPECTED = {
     "rows_wrong": True,
     "resumes": True,
     "autocast": True,
-    "errors": 7,
+    "errors": 8,
 }
 
 

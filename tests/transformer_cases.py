@@ -22,8 +22,10 @@ import torch
 from torch import nn
 
 from hetcoll import Plan
+from hetcoll.collectives import allreduce
 from hetcoll.comm import wrap
 from hetcoll.torch import parallelize
+from hetcoll.torch.filters import FilterParallelLayer
 
 TOL = 1e-10
 VOCAB = 48
@@ -153,6 +155,7 @@ def equals_one_process(
         assert abs(loss - want) <= tol * abs(want), (loss, want)
         opt.step()
         opt.zero_grad()
+    split_stage(par)
     got = par.full_state_dict()
     assert list(got) == list(want_state), (list(got)[:5], list(want_state)[:5])
     for k, v in want_state.items():
@@ -161,6 +164,44 @@ def equals_one_process(
         else:
             assert torch.equal(got[k], v), k
     return par.traffic()
+
+
+def split_stage(par: Any) -> None:
+    """On a rank of a stage split over several ranks, every attention is split by heads and
+    every MLP by hidden units, paired (no layer of a block gathers its output; only the head,
+    outside the blocks, may)."""
+    if par.place is None:
+        return
+    i, j = par.place
+    if len(par.plan.replicas[i].stages[j].ranks) < 2:
+        return
+    modes = {n: m.mode for n, m in par.stage.named_modules() if isinstance(m, FilterParallelLayer)}
+    heads = [n for n, m in par.stage.named_modules() if n.endswith((".attn", ".self_attn"))]
+    assert heads and all(
+        m != "gather" for n, m in modes.items() if n.rsplit(".", 1)[-1] not in ("lm_head", "head")
+    ), modes
+    assert sum(m == "split-input" for m in modes.values()) == 2 * len(heads), modes
+    # The last step's bytes: per micro-batch, two reductions of rows x SEQ x hidden per block
+    # forward (attention, MLP) and two backward (their inputs' gradients); the head, when it is
+    # split (not tied), gathers its logits forward and reduces its input's gradient backward.
+    # One reduction's cost is measured here on the stage's counting communicator: the ring's
+    # 2 (p-1)/p of the buffer, or the agreement check that carries a small buffer itself.
+    traffic = par.traffic()
+    comm = par._stage_comm
+    p = comm.size
+    heads_out = [m for m in par.stage.modules() if isinstance(m, FilterParallelLayer)]
+    gathers = [m for m in heads_out if m.mode == "gather"]
+    hidden = next(m for m in heads_out if m.mode == "split-input").out_features
+    forward = backward = 0
+    for rows in par.plan.microbatch_sizes(i):
+        comm.kind = "probe"
+        allreduce(torch.zeros(rows * SEQ * hidden, dtype=torch.float64), comm)
+        reduction = comm.counts.pop("probe")
+        forward += 2 * len(heads) * reduction
+        forward += sum((p - 1) * rows * SEQ * m.shares[m.rank] * 8 for m in gathers)
+        backward += (2 * len(heads) + len(gathers)) * reduction
+    assert traffic["activations"] == forward, (traffic, forward)
+    assert traffic["gradients"] == backward, (traffic, backward)
 
 
 def pipeline_4(n: int) -> dict[str, Any]:
@@ -265,6 +306,22 @@ def bad_input(group: Any) -> int:
         ValueError,
         "owners name layers of a chain",
         lambda: parallelize(model, owners, loss_fn=lm_loss, group=group),
+    )
+    # A split stage with more ranks than Llama's key/value groups: refused on every rank, the
+    # idle one too, before any transfer.
+    three = {
+        "replicas": [
+            {
+                "samples": 4,
+                "stages": [{"ranks": [0, 1, 2], "speeds": [1.0, 1.0, 0.5], "layers": [0, 8]}],
+            }
+        ]
+    }
+    raises(
+        ValueError,
+        "plan.replicas[0].stages[0]: speeds: attention 'model.layers.0.self_attn' has 2 "
+        "key/value groups (of 8 query features each), too few for 3 ranks",
+        lambda: parallelize(llama().double(), three, loss_fn=lm_loss, group=group),
     )
     par = parallelize(model, plan, loss_fn=lm_loss, items=valid_tokens, group=group)
     ((inputs, labels),) = batches(7, 1)

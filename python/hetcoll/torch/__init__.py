@@ -1,14 +1,17 @@
 """PyTorch integration: balanced data parallelism (speed probe, sampler, exact sample- or
 token-weighted gradient averaging for DDP and for MPI, rebalancing) and filter (model)
-parallelism with uneven, speed-proportional channel splits. Emulated heterogeneity, for trying
-these on one machine, is lab code: :mod:`hetcoll.lab.emulate`."""
+parallelism with uneven, speed-proportional channel splits (transformers: attention by heads,
+MLPs by hidden units). Emulated heterogeneity, for trying these on one machine, is lab code:
+:mod:`hetcoll.lab.emulate`."""
 
 from hetcoll.torch.batches import BatchCounter, item_total, item_weights
 from hetcoll.torch.filters import (
     FilterParallelBatchNorm1d,
     FilterParallelBatchNorm2d,
+    FilterParallelConv1D,
     FilterParallelConv2d,
     FilterParallelLinear,
+    FilterParallelMultiheadAttention,
     filter_parallel,
     gather_gradients,
     gather_optimizer_state_dict,
@@ -33,8 +36,10 @@ __all__ = [
     "DistributedOptimizer",
     "FilterParallelBatchNorm1d",
     "FilterParallelBatchNorm2d",
+    "FilterParallelConv1D",
     "FilterParallelConv2d",
     "FilterParallelLinear",
+    "FilterParallelMultiheadAttention",
     "Parallel",
     "Rebalancer",
     "SpeedFit",

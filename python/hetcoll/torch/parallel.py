@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -863,7 +864,11 @@ def parallelize(
         if stage.owners is not None:
             blocks[i, j] = owners_blocks(layers, stage, where)
         elif len(stage.ranks) > 1:
-            split_args[i, j] = _stage_split(layers, stage, where) if cut.kind == "chain" else {}
+            if cut.kind == "chain":
+                split_args[i, j] = _stage_split(layers, stage, where)
+            else:
+                _check_blocks_split(layers, stage, where)
+                split_args[i, j] = {}
 
     par = Parallel()
     par.plan, par.rank, par._tr = plan, tr.rank, tr
@@ -1010,6 +1015,30 @@ def _stage_split(
     # splits only the layers a shares dict names, so leaving those out would keep them whole
     # on every rank and turn their feeders' mode into "gather".
     return shares_of
+
+
+def _check_blocks_split(layers: list[tuple[str, nn.Module]], stage: Stage, where: str) -> None:
+    """The checks filter_parallel makes of a blocks model's split stage (too few heads for its
+    ranks, say), made on every rank before any transfer, so that a split that cannot work
+    fails everywhere: on the stage's blocks, held under their own names."""
+    lo, hi = stage.layers
+    holder = nn.Module()
+    for path, m in layers[lo:hi]:
+        parent = holder
+        *outer, last = path.split(".")
+        for name in outer:
+            if name not in parent._modules:
+                parent.add_module(name, nn.Module())
+            parent = parent._modules[name]  # type: ignore[assignment]
+        parent.add_module(last, m)
+    p = len(stage.ranks)
+    speeds = list(stage.speeds) if stage.speeds is not None else [1.0] * p
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # filter_parallel warns on the stage's ranks
+            filter_shares(holder, size=p, speeds=speeds)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _plan_reductions(

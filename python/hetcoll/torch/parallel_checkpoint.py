@@ -297,8 +297,8 @@ class PlanCheckpoints:
                 for n, (t, index) in self.stage.local_state().items()
             }
         out = {n: (t, Part(shapes[n])) for n, t in self.stage.state_dict(keep_vars=True).items()}
-        for n, (t, dim, start) in split_tensors(self.stage).items():
-            out[n] = (t, Part(shapes[n], dim, start, int(t.shape[dim])))
+        for n, (t, part) in split_tensors(self.stage).items():
+            out[n] = (t, part)
         # A parameter tied to another (a head to its embedding) by the name the model gives it
         # once; a stage holding both holds one tensor.
         for alias, name in self._alias.items():

@@ -50,8 +50,9 @@ __all__ = [
 @dataclass(frozen=True)
 class Part:
     """Where a rank's tensor sits in the full tensor of ``shape``: entries ``start ..
-    start + length`` along ``dim`` (a channel split), the rows ``index`` along dim 0 (an owners
-    stage's channels), or the whole tensor (``length`` and ``index`` None)."""
+    start + length`` along ``dim`` (a channel split), the entries ``index`` along ``dim`` (an
+    owners stage's channels along dim 0, whole heads of packed query/key/value), or the whole
+    tensor (``length`` and ``index`` None)."""
 
     shape: tuple[int, ...]
     dim: int = 0
@@ -66,7 +67,7 @@ class Part:
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``full`` (a view where it can be one)."""
         if self.index is not None:
-            return full.index_select(0, self.index.to(full.device))
+            return full.index_select(self.dim, self.index.to(full.device))
         if self.length is None:
             return full
         return full.narrow(self.dim, self.start, self.length)
@@ -75,7 +76,7 @@ class Part:
         """Write this rank's ``local`` where it belongs in ``full``."""
         local = local.detach().to(full.device, full.dtype)
         if self.index is not None:
-            full.index_copy_(0, self.index.to(full.device), local)
+            full.index_copy_(self.dim, self.index.to(full.device), local)
         elif self.length is None:
             full.copy_(local)
         else:

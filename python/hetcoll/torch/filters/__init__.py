@@ -28,6 +28,13 @@ between a conv and a linear layer). A BatchNorm between the pair is split along 
 its statistics are per channel, so that is exact and needs no communication. Everything else
 stays replicated (and must be fed identical inputs on every rank: seed dropout identically).
 
+Transformers get the same pairing by another rule (:class:`~.chains.TensorSplit`): an attention
+split by whole heads (by key/value group under grouped-query attention; Hugging Face Llama-style
+q/k/v/o, GPT-2's packed ``Conv1D`` ``c_attn``, torch's ``nn.MultiheadAttention``) and an MLP by
+hidden units (read off its torch.fx graph), the layers reading the block's input split-output
+(one shared copy of the input: :class:`SharedCopy`), the one mapping back split-input: one
+sum-reduction per attention and per MLP forward, one of the input's gradient backward.
+
 >>> model = filter_parallel(DemoNet(), [1.0, 0.25], group)  # doctest: +SKIP
 >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)  # any elementwise optimizer  # doctest: +SKIP
 
@@ -44,7 +51,9 @@ from __future__ import annotations
 from hetcoll.torch.filters.chains import (
     ELEMENTWISE_MODULES,
     SPATIAL_MODULES,
+    TensorSplit,
     filter_modes,
+    plan_tensor_splits,
 )
 from hetcoll.torch.filters.chains import (
     chain_filter_modes as chain_filter_modes,
@@ -54,10 +63,14 @@ from hetcoll.torch.filters.convert import filter_parallel, filter_shares
 from hetcoll.torch.filters.layers import (
     FilterParallelBatchNorm1d,
     FilterParallelBatchNorm2d,
+    FilterParallelConv1D,
     FilterParallelConv2d,
     FilterParallelLinear,
+    FilterParallelMultiheadAttention,
+    LocalConv1D,
     LocalConv2d,
     LocalLinear,
+    SharedCopy,
 )
 from hetcoll.torch.filters.layers import (
     FilterParallelLayer as FilterParallelLayer,
@@ -77,10 +90,15 @@ __all__ = [
     "SPATIAL_MODULES",
     "FilterParallelBatchNorm1d",
     "FilterParallelBatchNorm2d",
+    "FilterParallelConv1D",
     "FilterParallelConv2d",
     "FilterParallelLinear",
+    "FilterParallelMultiheadAttention",
+    "LocalConv1D",
     "LocalConv2d",
     "LocalLinear",
+    "SharedCopy",
+    "TensorSplit",
     "filter_modes",
     "filter_parallel",
     "filter_shares",
@@ -89,5 +107,6 @@ __all__ = [
     "gather_state_dict",
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
+    "plan_tensor_splits",
     "split_tensors",
 ]

@@ -22,15 +22,19 @@ class CopyToRanks(torch.autograd.Function):
     (each rank's filters contribute their own part of dL/dx)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, timeout: float | None) -> Any:
-        ctx.comm, ctx.timeout = comm, timeout
+    def forward(
+        ctx: Any, x: torch.Tensor, comm: Communicator, timeout: float | None, owner: Any = None
+    ) -> Any:
+        ctx.comm, ctx.timeout, ctx.owner = comm, timeout, owner
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        if ctx.owner is not None:  # a SharedCopy: its copy is used up
+            ctx.owner.clear()
         g = grad.contiguous().clone()
         allreduce(g, ctx.comm, timeout=ctx.timeout)
-        return g, None, None
+        return g, None, None, None
 
 
 class ReduceSum(torch.autograd.Function):

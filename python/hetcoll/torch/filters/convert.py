@@ -4,6 +4,7 @@ in the modes the pairing rule gives (:mod:`.chains`), after one agreement check 
 
 from __future__ import annotations
 
+import math
 import warnings
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -13,7 +14,13 @@ import numpy as np
 from torch import nn
 
 from hetcoll.comm import Communicator, agree, deadline, wrap
-from hetcoll.torch.filters.chains import choose_layers, layer_channels, plan_modes
+from hetcoll.torch.filters.chains import (
+    TensorSplit,
+    choose_layers,
+    layer_channels,
+    plan_modes,
+    plan_tensor_splits,
+)
 from hetcoll.torch.filters.checks import (
     check_conv,
     check_shares,
@@ -24,8 +31,12 @@ from hetcoll.torch.filters.checks import (
 from hetcoll.torch.filters.layers import (
     FilterParallelBatchNorm1d,
     FilterParallelBatchNorm2d,
+    FilterParallelConv1D,
     FilterParallelConv2d,
     FilterParallelLinear,
+    FilterParallelMultiheadAttention,
+    SharedCopy,
+    is_conv1d,
 )
 
 
@@ -54,7 +65,7 @@ def filter_shares(
     if not is_int(size) or size < 1:
         raise ValueError(f"size: must be an integer >= 1, got {size!r}")
     value, argument = _split_argument(shares_or_speeds, speeds, shares)
-    return _shares(model, value, argument, lambda: int(size), layers, multiple_of, avoid_gathers)
+    return _shares(model, value, argument, lambda: int(size), layers, multiple_of, avoid_gathers)[0]
 
 
 def _split_argument(shares_or_speeds: Any, speeds: Any, shares: Any) -> tuple[Any, str]:
@@ -121,8 +132,10 @@ def _shares(
     layers: Sequence[str] | None,
     multiple_of: int,
     avoid_gathers: bool,
-) -> dict[str, list[int]]:
-    """:func:`filter_shares`, asking for the group size only once the arguments are checked."""
+) -> tuple[dict[str, list[int]], list[tuple[TensorSplit, list[int]]], dict[str, str]]:
+    """:func:`filter_shares`, asking for the group size only once the arguments are checked;
+    with the attentions and MLPs split by heads and hidden units (each with its units per
+    rank) and every layer's mode."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     if not is_int(multiple_of) or multiple_of < 1:
@@ -150,20 +163,52 @@ def _shares(
             check_conv(m, f"layers: {name!r}")
     untraced: list[str] = []
     modes, feeds, _ = plan_modes(model, chosen, avoid_gathers, untraced)
-    if untraced and any(mode == "gather" for mode in modes.values()):
+    splits: list[TensorSplit] = []
+    if avoid_gathers and per_layer is None:
+        gathered = [n for n in chosen if modes[n] == "gather"]
+        splits, kept = plan_tensor_splits(model, gathered, mha=layers is None)
+        for ts in splits:
+            modes.update({c: "split-output" for c, _, _ in ts.columns})
+            modes[ts.row] = "split-input"
+        if kept:
+            warnings.warn(
+                "filter_parallel: attention left unsplit by heads (its layers gather their "
+                "outputs): " + "; ".join(f"{n!r} ({why})" for n, why in kept.items()),
+                UserWarning,
+                stacklevel=4,
+            )
+    gathering = [n for n, m in modes.items() if m == "gather"]
+
+    def holds_gathering(entry: str) -> bool:  # an untraced module around a gathering layer
+        name = entry.split(" (", 1)[0]
+        return name == type(model).__name__ or any(g.startswith(name + ".") for g in gathering)
+
+    untraced = [u for u in untraced if holds_gathering(u)]
+    if untraced and gathering:
         warnings.warn(
             "filter_parallel: could not trace the forward of "
             + "; ".join(untraced)
             + ", so the layers split inside gather their whole outputs after each "
-            "(mode 'gather') unless an nn.Sequential shows what feeds what; modes: "
-            + ", ".join(f"{n!r} {m}" for n, m in modes.items()),
+            "(mode 'gather') unless an nn.Sequential shows what feeds what (or they form an "
+            "attention or MLP split by heads or hidden units); gathering: "
+            + ", ".join(f"{n!r} gather" for n in gathering),
             UserWarning,
             stacklevel=4,
         )
-    size = size_of() if chosen else 1
+    size = size_of() if chosen or splits else 1
 
+    in_splits = {n for ts in splits for n in ts.layers()}
+    units = [
+        (ts, _split_units(ts, shares_or_speeds, argument, size, int(multiple_of))) for ts in splits
+    ]
     shares: dict[str, list[int]] = {}
+    for ts, counts in units:
+        for c, per, parts in ts.columns:
+            shares[c] = [u * per * parts for u in counts]
+        shares[ts.row] = [u * ts.width for u in counts]
     for name in chosen:
+        if name in in_splits:
+            continue
         what = f"layer {name!r}"
         total = layer_channels(named[name])
         if per_layer is not None:
@@ -192,7 +237,52 @@ def _shares(
                 f"{argument}: layer {name!r} reads the channels of {src!r}, so its "
                 f"shares must be {src!r}'s ({shares[src]}), got {list(given)!r}"
             )
-    return {name: shares[name] for name in chosen if name in shares}
+    order = {n: i for i, n in enumerate(named)}
+    listed = sorted((n for n in shares if n in set(chosen) | in_splits), key=order.__getitem__)
+    return {name: shares[name] for name in listed}, units, modes
+
+
+def _split_units(
+    ts: TensorSplit, shares_or_speeds: Any, argument: str, size: int, multiple_of: int
+) -> list[int]:
+    """The heads' key/value groups (an attention) or hidden units (an MLP) each rank of a
+    tensor split holds: from speeds, :func:`hetcoll.split` over the row layer's input features
+    in multiples of whole units (and of ``multiple_of``); from shares (the row layer's input
+    features per rank), checked to be whole units."""
+    if ts.kind == "attention":
+        what = f"attention {ts.module!r}"
+        noun = f"key/value groups (of {ts.width} query features each)"
+    elif ts.kind == "mha":
+        what, noun = f"attention {ts.module!r}", f"heads (of {ts.width} features each)"
+    else:
+        what, noun = f"MLP {ts.module!r}", "hidden units"
+    total = ts.units * ts.width
+    if ts.units < size:
+        raise ValueError(
+            f"{argument}: {what} has {ts.units} {noun}, too few for {size} ranks with at least "
+            "one each; give fewer ranks, or leave its layers out (layers=...)"
+        )
+    if argument != "speeds" and all(is_int(s) for s in shares_or_speeds):
+        got = [int(s) for s in shares_or_speeds]
+        if len(got) != size:
+            raise ValueError(
+                f"{argument}: has {len(got)} shares but the group has {size} ranks (one per rank)"
+            )
+        if sum(got) != total or any(s < ts.width or s % ts.width for s in got):
+            raise ValueError(
+                f"{argument}: {got} are not whole {noun} of {what}: it splits {total} features "
+                f"in units of {ts.width}, at least one unit per rank"
+            )
+        return [s // ts.width for s in got]
+    step = ts.width * multiple_of // math.gcd(ts.width, multiple_of)
+    if total % step or total < size * step:
+        raise ValueError(
+            f"multiple_of: {multiple_of} cannot be met by whole {noun} of {what}: its "
+            f"{total} features come in units of {ts.width}, so each rank's would be a "
+            f"multiple of {step}, which {total} features over {size} ranks cannot be"
+        )
+    channels = speeds_to_shares(shares_or_speeds, total, size, step, argument, what)
+    return [c // ts.width for c in channels]
 
 
 def filter_parallel(
@@ -241,17 +331,62 @@ def filter_parallel(
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     check_timeout(timeout)
     value, argument = _split_argument(shares_or_speeds, speeds, shares)
-    per_layer = _shares(
+    per_layer, splits, modes = _shares(
         model, value, argument, lambda: wrap(group).size, layers, multiple_of, avoid_gathers
     )
     comm = wrap(group)
     named = dict(model.named_modules())
+    in_splits = {n for ts, _ in splits for n in ts.layers()}
     chosen = list(per_layer)
-    modes, feeds, bns = plan_modes(model, chosen, avoid_gathers)
+    _, feeds, bns = plan_modes(model, [n for n in chosen if n not in in_splits], avoid_gathers)
 
     _agree_on_plan(comm, chosen, modes, per_layer, timeout)
 
+    for ts, counts in splits:
+        if ts.kind == "mha":
+            mha = FilterParallelMultiheadAttention.from_module(
+                named[ts.module],  # type: ignore[arg-type]
+                counts,
+                comm,
+                timeout=timeout,
+            )
+            _replace(model, ts.module, mha)
+            continue
+        copy = SharedCopy(comm, timeout)
+        for name, per, parts in ts.columns:
+            _replace(
+                model,
+                name,
+                _linear_class(named[name]).from_module(
+                    named[name],
+                    counts,
+                    comm,
+                    mode="split-output",
+                    out_unit=per,
+                    parts=parts,
+                    shared_input=copy,
+                    timeout=timeout,
+                ),
+            )
+        row = named[ts.row]
+        _replace(
+            model,
+            ts.row,
+            _linear_class(row).from_module(
+                row,
+                counts,
+                comm,
+                mode="split-input",
+                in_features_per_channel=ts.width,
+                timeout=timeout,
+            ),
+        )
+        module = named[ts.module]
+        for attr, per in ts.attrs.items():  # the rank's module runs with its own head counts
+            setattr(module, attr, per * counts[comm.rank])
     for name in chosen:
+        if name in in_splits:
+            continue
         m = named[name]
         if isinstance(m, nn.Conv2d):
             new: nn.Module = FilterParallelConv2d.from_module(
@@ -259,7 +394,7 @@ def filter_parallel(
             )
         else:
             unit = feeds[name][1] if name in feeds else 1
-            new = FilterParallelLinear.from_module(
+            new = _linear_class(m).from_module(
                 m,
                 per_layer[name],
                 comm,
@@ -290,6 +425,10 @@ def _agree_on_plan(
     fingerprint = zlib.crc32(repr([(n, modes[n], shares[n]) for n in chosen]).encode())
     what = "filter_parallel's layers, modes and shares (same model and arguments needed)"
     agree(comm, {what: fingerprint}, deadline(timeout))
+
+
+def _linear_class(m: nn.Module) -> Any:
+    return FilterParallelConv1D if is_conv1d(m) else FilterParallelLinear
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -1,12 +1,15 @@
 """The split modules: what every split module knows of its ranks and shares
 (:class:`ChannelSplit`), the rank's own computation (:class:`LocalConv2d`,
-:class:`LocalLinear`), the filter-parallel Conv2d and Linear layers around it and the BatchNorms
-that follow them, split along the same channels."""
+:class:`LocalLinear`, :class:`LocalConv1D`), the filter-parallel Conv2d, Linear and Hugging
+Face ``Conv1D`` layers around it, the BatchNorms that follow them, split along the same
+channels, and :class:`SharedCopy` (one input copied once to the several layers reading it: an
+attention's query, key and value projections, a gated MLP's gate and up)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -27,11 +30,33 @@ from hetcoll.torch.filters.checks import (
 )
 
 
+def split_runs(shares: Sequence[int], rank: int, unit: int, parts: int) -> list[tuple[int, int]]:
+    """Where rank ``rank``'s entries sit along a split dimension, as ``(start, length)`` runs:
+    the dimension holds ``parts`` equal blocks (1, or 3 for packed query/key/value), each of
+    ``sum(shares) * unit`` entries split alike, rank r holding ``shares[r] * unit`` of each.
+
+    >>> split_runs([2, 1], 1, 4, 3)
+    [(8, 4), (20, 4), (32, 4)]
+    """
+    block = sum(shares) * unit
+    start, length = sum(shares[:rank]) * unit, shares[rank] * unit
+    return [(p * block + start, length) for p in range(parts)]
+
+
+def take_runs(t: torch.Tensor, dim: int, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """The entries of ``t`` along ``dim`` in ``runs`` (:func:`split_runs`), joined."""
+    if len(runs) == 1:
+        return t.narrow(dim, runs[0][0], runs[0][1])
+    return torch.cat([t.narrow(dim, a, n) for a, n in runs], dim)
+
+
 class ChannelSplit:
     """What every split module knows: its ranks, its shares, and which tensors are split.
 
-    ``split_spec()`` maps a parameter or buffer name to ``(dim, unit)``: along ``dim`` rank r holds
-    ``shares[r] * unit`` entries starting at ``offsets[r] * unit``; unnamed tensors are replicated.
+    ``split_spec()`` maps a parameter or buffer name to ``(dim, unit, parts)``: along ``dim``
+    the full tensor holds ``parts`` equal blocks and of each rank r holds ``shares[r] * unit``
+    entries starting at ``offsets[r] * unit`` (:func:`split_runs`); unnamed tensors are
+    replicated.
     """
 
     comm: Communicator
@@ -45,22 +70,49 @@ class ChannelSplit:
         self.shares = list(shares)
         self.offset = sum(shares[: comm.rank])
 
-    def split_spec(self) -> dict[str, tuple[int, int]]:
+    def split_spec(self) -> dict[str, tuple[int, int, int]]:
         raise NotImplementedError
 
     def _slice_full(self, state_dict: dict[str, Any], prefix: str) -> None:
         """A full (unsplit) tensor in a state dict being loaded becomes this rank's slice."""
         total = sum(self.shares)
-        for name, (dim, unit) in self.split_spec().items():
+        for name, (dim, unit, parts) in self.split_spec().items():
             t = state_dict.get(prefix + name)
-            if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == total * unit:
-                count = self.shares[self.rank] * unit
-                if count != total * unit:
-                    state_dict[prefix + name] = t.narrow(dim, self.offset * unit, count)
+            full = total * unit * parts
+            whole = self.shares[self.rank] == total
+            if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == full and not whole:
+                runs = split_runs(self.shares, self.rank, unit, parts)
+                state_dict[prefix + name] = take_runs(t, dim, runs)
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
         self._slice_full(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args)  # type: ignore[misc]
+
+
+class SharedCopy:
+    """The copy of one replicated input to the ranks (:class:`CopyToRanks`: its gradient
+    summed over the ranks) shared by the split layers that read it, so a tensor read by an
+    attention's query, key and value projections (a gated MLP's gate and up) costs one
+    reduction backward, not one per layer. It remembers the last tensor it copied (by
+    identity, weakly) and its copy until that copy's backward has run."""
+
+    def __init__(self, comm: Communicator, timeout: float | None) -> None:
+        self.comm, self.timeout = comm, timeout
+        self._input: Any = None
+        self._copy: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._copy is not None and self._input is not None and self._input() is x:
+            return self._copy
+        y = CopyToRanks.apply(x, self.comm, self.timeout, self)
+        self._input, self._copy = weakref.ref(x), y
+        return y  # type: ignore[no-any-return]
+
+    def clear(self) -> None:
+        self._input, self._copy = None, None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SharedCopy:
+        return SharedCopy(self.comm, self.timeout)
 
 
 class LocalConv2d(nn.Module):
@@ -111,6 +163,15 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
     weight: nn.Parameter
     bias: nn.Parameter | None
     local: nn.Module
+    # Output channels per share (a head's width when whole heads are split), and the equal
+    # blocks the output packs (3: query, key and value in one layer), each split alike.
+    out_unit: int = 1
+    parts: int = 1
+    # The copy of the input shared with the other layers reading it (None: its own).
+    shared_input: SharedCopy | None = None
+    # The weight's output and input dimensions (a Conv1D stores its weight transposed).
+    weight_out_dim: int = 0
+    weight_in_dim: int = 1
 
     # Dimensions the input must have (None: any); checked locally, before any collective, so a
     # wrong input raises on every rank instead of leaving the ranks' collectives mismatched.
@@ -141,18 +202,21 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
                 y = y + self.bias.view(shape)
             return y
         if x.requires_grad:
-            x = CopyToRanks.apply(x, self.comm, self.timeout)
+            if self.shared_input is not None:
+                x = self.shared_input(x)
+            else:
+                x = CopyToRanks.apply(x, self.comm, self.timeout)
         y = self.local(x, self.weight, self.bias)
         if self.mode == "split-output":
             return y
         return GatherChannels.apply(y, self.comm, self.shares, self.offset, self.dim, self.timeout)
 
-    def split_spec(self) -> dict[str, tuple[int, int]]:
+    def split_spec(self) -> dict[str, tuple[int, int, int]]:
         if self.mode == "split-input":
-            return {"weight": (1, self._unit())}
-        spec = {"weight": (0, 1)}
+            return {"weight": (self.weight_in_dim, self._unit(), 1)}
+        spec = {"weight": (self.weight_out_dim, self.out_unit, self.parts)}
         if self.bias is not None:
-            spec["bias"] = (0, 1)
+            spec["bias"] = (0, self.out_unit, self.parts)
         return spec
 
     def _unit(self) -> int:
@@ -174,13 +238,16 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
         unit = self._unit()
         with torch.no_grad():
             if mode == "split-input":
-                w = weight.narrow(1, self.offset * unit, shares[comm.rank] * unit)
+                w = weight.narrow(self.weight_in_dim, self.offset * unit, shares[comm.rank] * unit)
                 b = bias
             else:
-                w = weight.narrow(0, self.offset, shares[comm.rank])
-                b = None if bias is None else bias.narrow(0, self.offset, shares[comm.rank])
+                runs = split_runs(shares, comm.rank, self.out_unit, self.parts)
+                w = take_runs(weight, self.weight_out_dim, runs)
+                b = None if bias is None else take_runs(bias, 0, runs)
             self.weight = nn.Parameter(w.clone(), requires_grad=weight.requires_grad)
-            self.bias = None if b is None else nn.Parameter(b.clone(), b.requires_grad)
+            self.bias = (
+                None if b is None or bias is None else nn.Parameter(b.clone(), bias.requires_grad)
+            )
 
     def extra_repr(self) -> str:
         return f"mode={self.mode!r}, shares={self.shares}, rank={self.rank}"
@@ -353,7 +420,7 @@ class FilterParallelLinear(FilterParallelLayer):
     @classmethod
     def from_module(
         cls,
-        linear: nn.Linear,
+        linear: nn.Module,
         shares: Sequence[int] | None = None,
         group: Any = None,
         *,
@@ -361,39 +428,71 @@ class FilterParallelLinear(FilterParallelLayer):
         multiple_of: int = 1,
         mode: str = "gather",
         in_features_per_channel: int = 1,
+        out_unit: int = 1,
+        parts: int = 1,
+        shared_input: SharedCopy | None = None,
         timeout: float | None = None,
-    ) -> FilterParallelLinear:
+    ) -> Self:
         """This rank's part of an existing ``linear`` (its weights are copied, not shared).
+
+        Whole heads: with ``out_unit`` the shares count units of that many output features (a
+        head's width); with ``parts`` the output packs that many equal blocks (query, key and
+        value in one layer), each split alike, so a rank holds its heads of each.
+        ``shared_input``: the copy of the input shared with the other layers reading it
+        (:class:`SharedCopy`: one reduction of the input gradient for all of them).
 
         >>> FilterParallelLinear.from_module(nn.Linear(64, 37), [29, 7, 1], group)  # doctest: +SKIP
         """
-        check_linear(linear, "linear")
+        in_features, out_features = cls._check_module(linear)
         check_mode(mode)
         check_timeout(timeout)
-        unit = _check_unit(linear.in_features, in_features_per_channel)
+        unit = _check_unit(in_features, in_features_per_channel)
+        for name, v in (("out_unit", out_unit), ("parts", parts)):
+            if not is_int(v) or int(v) < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+        if mode != "split-input" and out_features % (out_unit * parts):
+            raise ValueError(
+                f"out_unit, parts: {parts} blocks of units of {out_unit} features do not divide "
+                f"out_features ({out_features})"
+            )
+        if mode == "gather" and (out_unit, parts) != (1, 1):
+            raise ValueError("out_unit, parts: only split-output layers split whole units")
         check_choice(shares, speeds, multiple_of)
         comm = wrap(group)
-        total = linear.in_features // unit if mode == "split-input" else linear.out_features
+        split_in = mode == "split-input"
+        total = in_features // unit if split_in else out_features // (out_unit * parts)
         counts = resolve_shares(shares, speeds, multiple_of, total, comm.size, "linear")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
+        self.out_unit, self.parts = int(out_unit), int(parts)
+        if mode == "split-output":
+            self.shared_input = shared_input
         self._from_linear(linear, comm, counts, mode, unit, timeout)
         return self
 
+    @staticmethod
+    def _check_module(linear: Any) -> tuple[int, int]:
+        check_linear(linear, "linear")
+        return linear.in_features, linear.out_features
+
     def _from_linear(
         self,
-        linear: nn.Linear,
+        linear: Any,
         comm: Communicator,
         counts: list[int],
         mode: str,
         unit: int,
         timeout: float | None,
     ) -> None:
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = self._check_module(linear)
         self.in_features_per_channel = unit
         self.dim = -1
-        self.local = LocalLinear()
+        self.local = self._local_module()
         self._adopt(linear.weight, linear.bias, comm, counts, mode, timeout)
+
+    @staticmethod
+    def _local_module() -> nn.Module:
+        return LocalLinear()
 
     def _unit(self) -> int:
         return self.in_features_per_channel
@@ -402,7 +501,63 @@ class FilterParallelLinear(FilterParallelLayer):
         return self.shares[self.rank] * self.in_features_per_channel
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, " + super().extra_repr()
+        extra = ""
+        if self.mode == "split-output" and (self.out_unit, self.parts) != (1, 1):
+            extra = f", out_unit={self.out_unit}, parts={self.parts}"
+        return f"{self.in_features}, {self.out_features}, " + super().extra_repr() + extra
+
+
+def is_conv1d(m: object) -> bool:
+    """Whether ``m`` is a Hugging Face ``Conv1D`` (GPT-2's linear layer, its weight stored
+    transposed: (in, out)), known by its structure: ``nf`` output and ``nx`` input features, a
+    weight of shape (nx, nf) and a bias of nf, no children."""
+    if not isinstance(m, nn.Module) or type(m).__name__ != "Conv1D":
+        return False
+    nf, nx = getattr(m, "nf", None), getattr(m, "nx", None)
+    # Read from _parameters: under torch.fx tracing, attribute access yields proxies.
+    w, b = m._parameters.get("weight"), m._parameters.get("bias")
+    return (
+        is_int(nf)
+        and is_int(nx)
+        and isinstance(w, torch.Tensor)
+        and tuple(w.shape) == (nx, nf)
+        and (b is None or (isinstance(b, torch.Tensor) and tuple(b.shape) == (nf,)))
+        and next(m.children(), None) is None
+    )
+
+
+class LocalConv1D(nn.Module):
+    """The computation a rank of a :class:`FilterParallelConv1D` does on its own,
+    ``local(x, weight, bias)`` with the weight stored (in, out), as Hugging Face's Conv1D."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Any) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        y = flat @ weight if bias is None else torch.addmm(bias, flat, weight)
+        return y.view(*x.shape[:-1], weight.shape[1])
+
+
+class FilterParallelConv1D(FilterParallelLinear):
+    """A Hugging Face ``Conv1D`` (GPT-2's linear layer, weight stored (in, out)) split as
+    :class:`FilterParallelLinear`; only :meth:`from_module` builds one.
+
+    >>> FilterParallelConv1D.from_module(gpt2_block.mlp.c_fc, [48, 16], group)  # doctest: +SKIP
+    """
+
+    weight_out_dim = 1
+    weight_in_dim = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("FilterParallelConv1D: build one with FilterParallelConv1D.from_module")
+
+    @staticmethod
+    def _check_module(linear: Any) -> tuple[int, int]:
+        if not is_conv1d(linear):
+            raise TypeError(f"conv: must be a Hugging Face Conv1D, got {type(linear).__name__}")
+        return int(linear.nx), int(linear.nf)
+
+    @staticmethod
+    def _local_module() -> nn.Module:
+        return LocalConv1D()
 
 
 def _check_unit(in_features: int, unit: object) -> int:
@@ -419,9 +574,9 @@ class _SplitBatchNorm(ChannelSplit):
     """Channels ``[offset, offset + share)`` of a BatchNorm: its statistics and affine map are
     per channel, so the split is exact and needs no communication."""
 
-    def split_spec(self) -> dict[str, tuple[int, int]]:
+    def split_spec(self) -> dict[str, tuple[int, int, int]]:
         names = ("weight", "bias", "running_mean", "running_var")
-        return {n: (0, 1) for n in names if getattr(self, n, None) is not None}
+        return {n: (0, 1, 1) for n in names if getattr(self, n, None) is not None}
 
     @classmethod
     def from_module(cls, bn: _BatchNorm, shares: Sequence[int], group: Any = None) -> Any:
@@ -462,3 +617,208 @@ class FilterParallelBatchNorm2d(_SplitBatchNorm, nn.BatchNorm2d):
 class FilterParallelBatchNorm1d(_SplitBatchNorm, nn.BatchNorm1d):
     """This rank's features of a ``BatchNorm1d`` that follows a split linear layer (2-D
     input)."""
+
+
+class FilterParallelMultiheadAttention(ChannelSplit, nn.Module):
+    """This rank's heads of a ``torch.nn.MultiheadAttention`` (query, key and value packed in
+    ``in_proj_weight``, each split by whole heads alike; ``out_proj`` a split-input
+    :class:`FilterParallelLinear` reading them): the same call and results as the unsplit
+    module, one sum-reduction forward (and one of the input's gradient backward). Attention
+    weights, when asked for, are summed over the ranks' heads (averaged) or gathered (per
+    head). ``num_heads`` is this rank's; ``_qkv_same_embed_dim`` is False so torch's fused
+    fast paths, which would read the local weights as whole, are never taken.
+    Only :meth:`from_module` builds one.
+    """
+
+    in_proj_weight: nn.Parameter
+    in_proj_bias: nn.Parameter | None
+    out_proj: FilterParallelLinear
+    embed_dim: int
+    head_dim: int
+    total_heads: int
+    num_heads: int
+    dropout: float
+    batch_first: bool
+    kdim: int
+    vdim: int
+    timeout: float | None
+    shared_input: SharedCopy
+    _qkv_same_embed_dim: bool
+    add_zero_attn: bool
+    bias_k: None
+    bias_v: None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "FilterParallelMultiheadAttention: build one with "
+            "FilterParallelMultiheadAttention.from_module"
+        )
+
+    @staticmethod
+    def why_not(mha: nn.MultiheadAttention) -> str | None:
+        """Why ``mha`` cannot be split by heads (None: it can)."""
+        if not mha._qkv_same_embed_dim:
+            return "its keys or values have their own sizes (kdim, vdim)"
+        if mha.bias_k is not None or mha.add_zero_attn:
+            return "it adds a bias or zeros to the keys (add_bias_kv, add_zero_attn)"
+        if mha.in_proj_weight is None:
+            return "it has no packed in_proj_weight"
+        return None
+
+    @classmethod
+    def from_module(
+        cls,
+        mha: nn.MultiheadAttention,
+        shares: Sequence[int],
+        group: Any = None,
+        *,
+        timeout: float | None = None,
+    ) -> FilterParallelMultiheadAttention:
+        """This rank's heads of ``mha``: ``shares`` heads per rank, summing to its
+        ``num_heads``.
+
+        >>> FilterParallelMultiheadAttention.from_module(layer.self_attn, [3, 1])  # doctest: +SKIP
+        """
+        if not isinstance(mha, nn.MultiheadAttention):
+            raise TypeError(f"mha: must be a torch.nn.MultiheadAttention, got {type(mha).__name__}")
+        why = cls.why_not(mha)
+        if why is not None:
+            raise ValueError(f"mha: cannot be split by heads: {why}")
+        check_timeout(timeout)
+        comm = wrap(group)
+        counts = check_shares(shares, mha.num_heads, comm.size, "shares", "the attention")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._set_split(comm, counts)
+        self.timeout = timeout
+        self.embed_dim, self.head_dim = mha.embed_dim, mha.head_dim
+        self.total_heads, self.num_heads = mha.num_heads, counts[comm.rank]
+        self.dropout, self.batch_first = mha.dropout, mha.batch_first
+        self.kdim, self.vdim = mha.kdim, mha.vdim
+        self._qkv_same_embed_dim = False  # torch's fused paths would read local weights whole
+        self.bias_k = self.bias_v = None
+        self.add_zero_attn = False
+        runs = split_runs(counts, comm.rank, mha.head_dim, 3)
+        with torch.no_grad():
+            w = mha.in_proj_weight
+            self.in_proj_weight = nn.Parameter(take_runs(w, 0, runs).clone(), w.requires_grad)
+            b = mha.in_proj_bias
+            self.in_proj_bias = (
+                None if b is None else nn.Parameter(take_runs(b, 0, runs).clone(), b.requires_grad)
+            )
+        self.out_proj = FilterParallelLinear.from_module(
+            mha.out_proj,
+            counts,
+            comm,
+            mode="split-input",
+            in_features_per_channel=mha.head_dim,
+            timeout=timeout,
+        )
+        self.shared_input = SharedCopy(comm, timeout)
+        self.train(mha.training)
+        return self
+
+    def split_spec(self) -> dict[str, tuple[int, int, int]]:
+        spec = {"in_proj_weight": (0, self.head_dim, 3)}
+        if self.in_proj_bias is not None:
+            spec["in_proj_bias"] = (0, self.head_dim, 3)
+        return spec
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batched = query.dim() == 3
+        if not batched:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        elif self.batch_first:  # work in (L, N, E), as torch's multi_head_attention_forward
+            moved: dict[int, torch.Tensor] = {}
+            query, key, value = (
+                moved.setdefault(id(t), t.transpose(0, 1)) for t in (query, key, value)
+            )
+        tgt, n, _ = query.shape
+        src = key.shape[0]
+        h, hd = self.num_heads, self.head_dim
+        copies = {}
+        for t in (query, key, value):
+            if id(t) not in copies:
+                copies[id(t)] = self.shared_input(t) if t.requires_grad else t
+        wq, wk, wv = self.in_proj_weight.chunk(3)
+        bq = bk = bv = None
+        if self.in_proj_bias is not None:
+            bq, bk, bv = self.in_proj_bias.chunk(3)
+        q = F.linear(copies[id(query)], wq, bq).view(tgt, n, h, hd).permute(1, 2, 0, 3)
+        k = F.linear(copies[id(key)], wk, bk).view(src, n, h, hd).permute(1, 2, 0, 3)
+        v = F.linear(copies[id(value)], wv, bv).view(src, n, h, hd).permute(1, 2, 0, 3)
+        mask = self._mask(attn_mask, key_padding_mask, is_causal, n, tgt, src, q.dtype)
+        dropout = self.dropout if self.training else 0.0
+        weights = None
+        if need_weights:
+            scores = (q * hd**-0.5) @ k.transpose(-2, -1)
+            if mask is not None:
+                scores = scores + mask
+            probs = torch.softmax(scores, dim=-1)
+            out = F.dropout(probs, dropout) @ v if dropout > 0 else probs @ v
+            if average_attn_weights:
+                weights = ReduceSum.apply(probs.sum(1), self.comm, self.timeout) / self.total_heads
+            else:
+                weights = GatherChannels.apply(
+                    probs.contiguous(), self.comm, self.shares, self.offset, 1, self.timeout
+                )
+            if not batched:
+                weights = weights.squeeze(0)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        out = out.permute(2, 0, 1, 3).reshape(tgt, n, h * hd)
+        y = self.out_proj(out)
+        if not batched:
+            return y.squeeze(1), weights
+        return (y.transpose(0, 1) if self.batch_first else y), weights
+
+    def _mask(
+        self,
+        attn_mask: torch.Tensor | None,
+        key_padding_mask: torch.Tensor | None,
+        is_causal: bool,
+        n: int,
+        tgt: int,
+        src: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor | None:
+        """The additive mask of this rank's heads, (N or 1, heads, L, S), as torch merges
+        ``attn_mask`` (2-D, or 3-D per batch and head) and ``key_padding_mask``."""
+
+        def additive(m: torch.Tensor) -> torch.Tensor:
+            if m.dtype == torch.bool:
+                return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(
+                    m, float("-inf")
+                )
+            return m.to(dtype)
+
+        mask = None
+        if attn_mask is None and is_causal:
+            attn_mask = torch.ones(tgt, src, dtype=torch.bool).triu(1)
+        if attn_mask is not None:
+            mask = additive(attn_mask)
+            if mask.dim() == 2:
+                mask = mask.view(1, 1, tgt, src)
+            else:  # (N * all heads, L, S): this rank's heads
+                mask = mask.view(n, self.total_heads, tgt, src).narrow(
+                    1, self.offset, self.num_heads
+                )
+        if key_padding_mask is not None:
+            pad = additive(key_padding_mask).view(n, 1, 1, src)
+            mask = pad if mask is None else mask + pad
+        return mask
+
+    def extra_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, shares={self.shares}, rank={self.rank}"

@@ -14,7 +14,7 @@ from torch import nn
 
 from hetcoll.comm import Communicator, agree
 from hetcoll.torch.filters.checks import is_int
-from hetcoll.torch.filters.layers import ChannelSplit
+from hetcoll.torch.filters.layers import ChannelSplit, split_runs
 from hetcoll.torch.state_dicts import (
     Part,
     check_full_optimizer_state_dict,
@@ -34,12 +34,12 @@ def _gather(
     Every rank's slices travel in one allgatherv of bytes: the shares say how long each rank's
     piece of each tensor is, so no sizes need exchanging first.
     """
-    split: dict[str, tuple[ChannelSplit, int, int]] = {}
+    split: dict[str, tuple[ChannelSplit, int, int, int]] = {}
     for mname, m in model.named_modules():
         if isinstance(m, ChannelSplit):
-            for pname, (dim, unit) in m.split_spec().items():
-                split[f"{mname}.{pname}" if mname else pname] = (m, dim, unit)
-    comms = {id(m.comm): m.comm for m, _, _ in split.values()}
+            for pname, (dim, unit, parts) in m.split_spec().items():
+                split[f"{mname}.{pname}" if mname else pname] = (m, dim, unit, parts)
+    comms = {id(m.comm): m.comm for m, *_ in split.values()}
     if len(comms) > 1:
         raise ValueError(f"{argument}: split modules on different process groups")
     comm = next(iter(comms.values()), None)
@@ -47,46 +47,52 @@ def _gather(
     if dst is not None and (not is_int(dst) or not 0 <= dst < size):
         raise ValueError(f"dst: must be a rank in [0, {size}) or None, got {dst!r}")
     keep = comm is None or dst is None or comm.rank == dst
-    pieces = []  # (key, dim, rows per rank, row shape, dtype, bytes per row)
+    pieces = []  # (key, dim, rows per rank, blocks, row shape, dtype, bytes per row)
     local = []
     for key, t in values.items():
         if key in split:
-            m, dim, unit = split[key]
+            m, dim, unit, blocks = split[key]
             moved = t.detach().cpu().movedim(dim, 0).contiguous()
             row = moved.shape[1:]
             row_bytes = moved[0].numel() * moved.element_size()
-            pieces.append((key, dim, [s * unit for s in m.shares], row, t.dtype, row_bytes))
+            rows = [s * unit * blocks for s in m.shares]
+            pieces.append((key, dim, rows, blocks, row, t.dtype, row_bytes))
             local.append(moved.reshape(-1).view(torch.uint8))
     full: dict[str, torch.Tensor] = {}
     if comm is not None and pieces:
-        per_rank = [sum(rows[r] * rb for _, _, rows, _, _, rb in pieces) for r in range(size)]
+        per_rank = [sum(rows[r] * rb for _, _, rows, _, _, _, rb in pieces) for r in range(size)]
         out = torch.empty(sum(per_rank), dtype=torch.uint8)
         comm.iallgatherv(torch.cat(local).numpy(), out.numpy(), per_rank).wait(None)
         if keep:
             start = [sum(per_rank[:r]) for r in range(size)]
-            for key, dim, rows, row, dtype, rb in pieces:
-                parts = []
+            for key, dim, rows, blocks, row, dtype, rb in pieces:
+                held = []
                 for r in range(size):
                     n = rows[r] * rb
-                    parts.append(out[start[r] : start[r] + n].view(dtype).view(rows[r], *row))
+                    held.append(out[start[r] : start[r] + n].view(dtype).view(rows[r], *row))
                     start[r] += n
-                full[key] = torch.cat(parts).movedim(0, dim).contiguous()
+                # Each rank's piece holds its entries of every block (packed q/k/v): the full
+                # tensor is block by block, rank by rank within a block.
+                joined = [h.chunk(blocks) if blocks > 1 else (h,) for h in held]
+                order = [joined[r][b] for b in range(blocks) for r in range(size)]
+                full[key] = torch.cat(order).movedim(0, dim).contiguous()
     if not keep:
         return None
     return {k: full[k] if k in full else t.detach().clone() for k, t in values.items()}
 
 
-def split_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
-    """This rank's slices of split parameters and buffers: ``{name: (tensor, dim, start)}``,
-    the tensor holding the full tensor's entries ``start ..`` along ``dim`` (names as in
-    ``model.state_dict()``). Tensors that are not split are left out: they are whole on every
-    rank.
+def split_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, Part]]:
+    """This rank's slices of split parameters and buffers: ``{name: (tensor, part)}``, the
+    :class:`~hetcoll.torch.state_dicts.Part` saying where the tensor sits in the full one
+    (entries ``start ..`` along ``dim``, or the entries ``index`` along it for whole heads of
+    a packed query/key/value layer); names as in ``model.state_dict()``. Tensors that are not
+    split are left out: they are whole on every rank.
 
     >>> split_tensors(nn.Linear(2, 2))
     {}
     """
     state = model.state_dict(keep_vars=True)
-    return {k: (state[k], p.dim, p.start) for k, p in _parts(model).items() if not p.whole}
+    return {k: (state[k], p) for k, p in _parts(model).items() if not p.whole}
 
 
 def gather_state_dict(model: nn.Module, *, dst: int | None = 0) -> dict[str, torch.Tensor] | None:
@@ -121,12 +127,18 @@ def _parts(model: nn.Module) -> dict[str, Part]:
     parts = {k: Part(tuple(t.shape)) for k, t in state.items()}
     for mname, m in model.named_modules():
         if isinstance(m, ChannelSplit):
-            for pname, (dim, unit) in m.split_spec().items():
+            for pname, (dim, unit, blocks) in m.split_spec().items():
                 key = f"{mname}.{pname}" if mname else pname
                 local = state[key]
                 shape = list(local.shape)
-                shape[dim] = sum(m.shares) * unit
-                parts[key] = Part(tuple(shape), dim, m.offset * unit, int(local.shape[dim]))
+                shape[dim] = sum(m.shares) * unit * blocks
+                if blocks == 1:
+                    count = int(local.shape[dim])
+                    parts[key] = Part(tuple(shape), dim, m.offset * unit, count)
+                else:
+                    runs = split_runs(m.shares, m.rank, unit, blocks)
+                    index = torch.cat([torch.arange(a, a + n) for a, n in runs])
+                    parts[key] = Part(tuple(shape), dim, index=index)
     return parts
 
 

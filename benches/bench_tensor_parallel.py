@@ -1,0 +1,170 @@
+"""Tensor parallelism of a decoder on two ranks of emulated speeds 1 and 0.25, one run:
+
+    python benches/bench_tensor_parallel.py [--batch 32] [--steps 20] [--arch llama] [--json F]
+
+The decoder is the LM example's (``examples/train_lm.py``'s ``make_model``: a byte-level
+Llama of 6 blocks, hidden 64, 4 query heads in 2 key/value groups, MLP 176; or GPT-2), float32,
+sequences of the example's length. Each strategy is :func:`hetcoll.torch.filter_parallel` on a
+copy of the same model, trained with SGD on the same global batch:
+
+1. the speed-proportional split (heads' key/value groups and MLP units from
+   :func:`hetcoll.split` over the speeds) against the even split that Megatron-LM, DTensor and
+   DeepSpeed AutoTP use (the same code with equal speeds): step time;
+2. the paired split (attention by heads, MLPs by hidden units: two reductions per block
+   forward) against gather mode (``avoid_gathers=False``: every Linear gathers its output,
+   what ``filter_parallel`` did for transformers before): step time and bytes sent per step
+   by kind (``CountingCommunicator``: a ring allreduce counts 2 (p-1)/p of its buffer).
+
+Step time: median over steps of the slowest rank's step (forward, backward, SGD step); the
+strategies take turns step by step, so a change in the machine's load hits them alike.
+Heterogeneity is emulated alike for every strategy: each rank's split model runs under
+:func:`hetcoll.lab.emulate.slow_down` at its speed (its layers with parameters, a split layer
+through its local computation, sleep ``(1/speed - 1)`` times their own forward and backward;
+collectives and the attention's parameter-free score products run at full speed). Ranks share
+the machine's cores (gloo over loopback), so compare the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hetcoll import launch
+from hetcoll.comm import wrap
+from hetcoll.lab.emulate import slow_down
+from hetcoll.torch import filter_parallel
+from hetcoll.torch.filters import FilterParallelLayer
+from hetcoll.torch.transport import CountingCommunicator
+
+SPEEDS = (1.0, 0.25)
+ROOT = Path(__file__).resolve().parent.parent
+STRATEGIES = ("paired, speed-proportional", "paired, even split", "gather mode, speed-proportional")
+
+
+def _example() -> Any:
+    """examples/train_lm.py as a module (its make_model, SEQ and VOCAB)."""
+    if str(ROOT / "examples") not in sys.path:
+        sys.path.insert(0, str(ROOT / "examples"))  # it imports its neighbour train_plan
+    spec = importlib.util.spec_from_file_location("train_lm", ROOT / "examples" / "train_lm.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _strategy(
+    name: str, model: nn.Module, speed: float, counts: dict[str, int]
+) -> tuple[nn.Module, CountingCommunicator]:
+    comm = CountingCommunicator(wrap(None), counts)
+    speeds = [1.0, 1.0] if "even" in name else list(SPEEDS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the untraceable HF forward and the head, named
+        split = filter_parallel(
+            copy.deepcopy(model), group=comm, speeds=speeds, avoid_gathers="gather" not in name
+        )
+    slow_down(split, speed)
+    return split, comm
+
+
+def _rank(rank: int, world: int, arch: str, batch: int, steps: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    ex = _example()
+    torch.manual_seed(0)
+    model = ex.make_model(arch)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, ex.VOCAB, (batch, ex.SEQ), generator=g)
+    runs: dict[str, Any] = {}
+    for name in STRATEGIES:
+        counts: dict[str, int] = {}
+        split, comm = _strategy(name, model, SPEEDS[rank], counts)
+        opt = torch.optim.SGD(split.parameters(), lr=1e-3)
+
+        def step(split: nn.Module = split, comm: Any = comm, opt: Any = opt) -> None:
+            opt.zero_grad()
+            comm.kind = "activations"
+            logits = split(input_ids=ids).logits
+            loss = nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+            )
+            comm.kind = "gradients"
+            loss.backward()
+            opt.step()
+
+        modes = [m.mode for m in split.modules() if isinstance(m, FilterParallelLayer)]
+        shares = {
+            n: list(m.shares)
+            for n, m in split.named_modules()
+            if isinstance(m, FilterParallelLayer) and m.mode == "split-input"
+        }
+        runs[name] = {"step": step, "counts": counts, "modes": modes, "shares": shares}
+    times: dict[str, list[float]] = {name: [] for name in STRATEGIES}
+    warmup = 2
+    for i in range(warmup + steps):
+        for name in STRATEGIES:
+            run = runs[name]
+            dist.barrier()
+            run["counts"].clear()
+            t0 = time.perf_counter()
+            run["step"]()
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if i >= warmup:
+                times[name].append(float(t))
+    out: dict[str, Any] = {"arch": arch, "batch": batch, "seq": ex.SEQ, "speeds": list(SPEEDS)}
+    for name in STRATEGIES:
+        ts = sorted(times[name])
+        run = runs[name]
+        out[name] = {
+            "step_s": statistics.median(ts),
+            "step_s_q1": ts[len(ts) // 4],
+            "step_s_q3": ts[(3 * len(ts)) // 4],
+            "bytes": dict(run["counts"]),  # the last step's, by kind (the same every step)
+            "modes": {m: run["modes"].count(m) for m in sorted(set(run["modes"]))},
+            "shares": run["shares"],
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="llama", choices=["llama", "gpt2"])
+    ap.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per strategy")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    results = launch.spawn(_rank, len(SPEEDS), args.arch, args.batch, args.steps, timeout=3600)
+    r0 = results[0]
+    print(
+        f"Emulated heterogeneity: 2 ranks, speeds {SPEEDS[0]:g} and {SPEEDS[1]:g}, gloo; "
+        f"{args.arch}, batch {args.batch} x {r0['seq']} tokens"
+    )
+    base = r0["paired, even split"]["step_s"]
+    print(f"{'strategy':<34} {'step (ms)':>10} {'vs even':>8} {'bytes fwd':>11} {'bytes bwd':>11}")
+    for name in STRATEGIES:
+        row = r0[name]
+        b = row["bytes"]
+        print(
+            f"{name:<34} {row['step_s'] * 1e3:10.1f} {base / row['step_s']:7.2f}x "
+            f"{b.get('activations', 0):11,} {b.get('gradients', 0):11,}"
+        )
+    print("shares of the row-split layers:", r0["paired, speed-proportional"]["shares"])
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    return {"results": results}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

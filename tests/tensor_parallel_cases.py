@@ -1,0 +1,336 @@
+"""Tensor-parallel cases (attention split by heads, MLPs by hidden units) that run inside every
+rank of a real gloo job: Hugging Face Llama (grouped-query attention, rotary embeddings, a
+gated MLP) and GPT-2 (``Conv1D``, query/key/value packed in ``c_attn``), built from configs
+with eager attention, split by :func:`hetcoll.torch.filter_parallel` at uneven speeds and
+trained beside the unsplit model in float64: logits, loss, every gradient, the parameters after
+SGD-momentum and Adam steps agree to 1e-10 relative; the gathered state dict has the unsplit
+model's keys; a checkpoint loads into another split; the bytes moved per step are counted.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from hetcoll.collectives import allreduce
+from hetcoll.comm import wrap
+from hetcoll.torch import filter_parallel, gather_gradients, gather_state_dict
+from hetcoll.torch.filters import (
+    FilterParallelLayer,
+    gather_optimizer_state_dict,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
+)
+from hetcoll.torch.transport import CountingCommunicator
+
+TOL = 1e-10
+VOCAB = 40
+SEQ = 7
+SPEEDS = [1.0, 0.5, 0.25, 0.75]
+
+
+def llama(kv_heads: int = 3) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=24,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=32,
+        use_cache=False,
+        attn_implementation="eager",
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=24,
+        n_layer=2,
+        n_head=6,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        attn_implementation="eager",
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+class EncoderLM(nn.Module):
+    """A user's language model around torch's encoder layers (``nn.MultiheadAttention`` with
+    its packed ``in_proj_weight``; ReLU feed-forward), a causal and a padding mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 24)
+        layer = nn.TransformerEncoderLayer(24, 6, 40, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(24, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> Any:
+        n = input_ids.shape[1]
+        causal = nn.Transformer.generate_square_subsequent_mask(n, dtype=torch.float64)
+        pad = input_ids == 1  # token 1 stands for padding
+        h = self.encoder(self.embed(input_ids), mask=causal, src_key_padding_mask=pad)
+        return SimpleNamespace(logits=self.head(h))
+
+
+def attention_weights(group: Any) -> int:
+    """A bare ``nn.MultiheadAttention`` (sequence first, cross-attention, a 3-D mask per head)
+    returns the same output and attention weights split as whole, averaged or per head."""
+    p = wrap(group).size
+    torch.manual_seed(3)
+    ref = nn.MultiheadAttention(12, 6, dtype=torch.float64)
+    q = torch.randn(5, 2, 12, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(4, 2, 12, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(2 * 6, 5, 4, dtype=torch.float64)
+    model = nn.Sequential()
+    model.add_module("mha", copy.deepcopy(ref))
+    split = filter_parallel(model, group=group, speeds=SPEEDS[:p]).mha
+    checked = 0
+    for average in (True, False):
+        want, want_w = ref(q, kv, kv, attn_mask=mask, average_attn_weights=average)
+        got, got_w = split(q, kv, kv, attn_mask=mask, average_attn_weights=average)
+        close(got, want, "mha output")
+        close(got_w, want_w, "mha weights")
+        gq, gkv = torch.autograd.grad(want.sum(), (q, kv))
+        sq, skv = torch.autograd.grad(got.sum(), (q, kv))
+        close(sq, gq, "mha query gradient")
+        close(skv, gkv, "mha key/value gradient")
+        checked += 1
+    return checked
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / max(float(b.abs().max()), 1e-30))
+
+
+def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.shape == b.shape, (what, tuple(a.shape), tuple(b.shape))
+    if what.endswith("in_proj_bias") and "gradient" not in what:
+        # The key bias (the middle third) moves no attention score (softmax ignores a shift
+        # per query): its gradient is rounding noise (~1e-18), which Adam scales to updates of
+        # ~1e-12 that differ between any two summation orders. Compare query and value biases.
+        a, b = torch.cat([a.chunk(3)[0], a.chunk(3)[2]]), torch.cat([b.chunk(3)[0], b.chunk(3)[2]])
+    assert rel(a, b) <= TOL, (what, rel(a, b))
+
+
+def batch(step: int, rows: int = 3) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(1, VOCAB, (rows, SEQ), generator=g)
+
+
+def loss_of(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = model(input_ids=ids).logits
+    loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    return logits, loss
+
+
+def split_copy(ref: nn.Module, group: Any, speeds: list[float]) -> nn.Module:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        split = filter_parallel(copy.deepcopy(ref), group=group, speeds=speeds)
+    unsplit = [str(w.message) for w in seen if "left unsplit by heads" in str(w.message)]
+    assert not unsplit, unsplit
+    return split
+
+
+def modes(model: nn.Module) -> dict[str, str]:
+    return {n: m.mode for n, m in model.named_modules() if isinstance(m, FilterParallelLayer)}
+
+
+def equals_unsplit(group: Any, make: Any, optimizer: str, steps: int = 3) -> dict[str, str]:
+    """Train the split and the unsplit model side by side; return the split's modes."""
+    p = wrap(group).size
+    torch.manual_seed(0)
+    ref = make().double()
+    split = split_copy(ref, group, SPEEDS[:p])
+
+    def opt_of(m: nn.Module) -> torch.optim.Optimizer:
+        if optimizer == "sgd":
+            return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        return torch.optim.Adam(m.parameters(), lr=1e-2)
+
+    opt_ref, opt_split = opt_of(ref), opt_of(split)
+    for step in range(steps):
+        ids = batch(step)
+        logits_ref, loss_ref = loss_of(ref, ids)
+        logits, loss = loss_of(split, ids)
+        close(logits, logits_ref, f"step {step}: logits")
+        close(loss, loss_ref, f"step {step}: loss")
+        loss_ref.backward()
+        loss.backward()
+        grads = gather_gradients(split, dst=None)
+        want = {n: q.grad for n, q in ref.named_parameters()}
+        assert grads is not None and set(grads) == set(want), sorted(set(grads) ^ set(want))
+        for n, g in want.items():
+            close(grads[n], g, f"step {step}: gradient of {n}")
+        opt_ref.step()
+        opt_split.step()
+        opt_ref.zero_grad()
+        opt_split.zero_grad()
+    full = gather_state_dict(split, dst=None)
+    want_state = ref.state_dict()
+    assert full is not None and list(full) == list(want_state), list(full)[:6]
+    for n, t in want_state.items():
+        close(full[n], t, f"after {steps} steps: {n}")
+
+    # A checkpoint resumes on another split (the speeds reversed): model and optimizer state.
+    opt_full = gather_optimizer_state_dict(split, opt_split, dst=None)
+    other = split_copy(make().double(), group, SPEEDS[:p][::-1])
+    load_full_state_dict(other, full)
+    opt_other = opt_of(other)
+    assert opt_full is not None
+    load_full_optimizer_state_dict(other, opt_other, opt_full)
+    ids = batch(steps)
+    _, loss_ref = loss_of(ref, ids)
+    _, loss = loss_of(other, ids)
+    close(loss, loss_ref, "resumed loss")
+    loss_ref.backward()
+    loss.backward()
+    opt_ref.step()
+    opt_other.step()
+    resumed = gather_state_dict(other, dst=None)
+    assert resumed is not None
+    for n, t in ref.state_dict().items():
+        close(resumed[n], t, f"resumed step: {n}")
+    return modes(split)
+
+
+def sdpa_float32(group: Any) -> int:
+    """With Hugging Face's default attention (torch's scaled_dot_product_attention) in float32,
+    the split Llama and GPT-2 give the unsplit logits and gradients to 1e-5 relative."""
+    p = wrap(group).size
+    checked = 0
+    for make in (llama, gpt2):
+        torch.manual_seed(0)
+        ref = make()
+        ref.config._attn_implementation = "sdpa"
+        split = split_copy(ref, group, SPEEDS[:p])
+        ids = batch(0)
+        logits_ref, loss_ref = loss_of(ref, ids)
+        logits, loss = loss_of(split, ids)
+        assert rel(logits, logits_ref) <= 1e-5, rel(logits, logits_ref)
+        loss_ref.backward()
+        loss.backward()
+        grads = gather_gradients(split, dst=None)
+        assert grads is not None
+        for n, q in ref.named_parameters():
+            assert q.grad is not None and rel(grads[n], q.grad) <= 1e-5, (n, rel(grads[n], q.grad))
+        checked += 1
+    return checked
+
+
+def traffic(group: Any, make: Any, hidden: int) -> dict[str, int]:
+    """Bytes per kind of one forward and backward: two reductions of batch x sequence x
+    hidden per block forward (attention, MLP) and two backward (their inputs' gradients);
+    besides, a layer left in gather mode (Llama's untied head) gathers its logits forward and
+    reduces its input's gradient backward."""
+    p = wrap(group).size
+    torch.manual_seed(0)
+    model = make().double()
+    counts: dict[str, int] = {}
+    comm = CountingCommunicator(wrap(group), counts)
+    split = filter_parallel(model, group=comm, speeds=SPEEDS[:p])
+    ids = batch(0, rows=2)
+    # What one reduction of batch x sequence x hidden float64 costs here: the ring's
+    # 2 (p-1)/p of the buffer and the agreement check every hetcoll collective makes first.
+    comm.kind = "probe"
+    allreduce(torch.zeros(ids.numel() * hidden, dtype=torch.float64), comm)
+    reduction = counts.pop("probe")
+    assert reduction >= 2 * (p - 1) / p * ids.numel() * hidden * 8
+    counts.clear()
+    comm.kind = "activations"
+    _, loss = loss_of(split, ids)
+    comm.kind = "gradients"
+    loss.backward()
+    blocks = sum(1 for n, _ in split.named_modules() if n.endswith((".self_attn", ".attn")))
+    gathered, gathers = 0, 0
+    for m in split.modules():
+        if isinstance(m, FilterParallelLayer) and m.mode == "gather":
+            gathered += (p - 1) * ids.numel() * m.shares[m.rank] * 8  # its logits' slice
+            gathers += 1
+    assert counts["activations"] == 2 * blocks * reduction + gathered, (counts, blocks)
+    assert counts["gradients"] == (2 * blocks + gathers) * reduction, (counts, blocks)
+    return counts
+
+
+def bad_input(group: Any) -> int:
+    """Each mistake raises the same error on every rank, before any collective."""
+    p = wrap(group).size
+    checked = 0
+
+    def raises(text: str, fn: Any) -> None:
+        nonlocal checked
+        try:
+            fn()
+        except ValueError as e:
+            assert text in str(e), (text, str(e))
+            checked += 1
+            return
+        raise AssertionError(f"no ValueError ({text})")
+
+    attn = [f"model.layers.0.self_attn.{n}_proj" for n in "qkvo"]
+    warnings.simplefilter("ignore")
+    # Fewer key/value groups than ranks.
+    raises(
+        "attention 'model.layers.0.self_attn' has 1 key/value groups",
+        lambda: filter_parallel(llama(kv_heads=1), group=group, speeds=SPEEDS[:p]),
+    )
+    # Shares of the query heads' features that are not whole groups (of 2 heads x 4 = 8).
+    bad = [8] * (p - 1) + [24 - 8 * (p - 1)]
+    bad[0] -= 4
+    bad[-1] += 4
+    raises(
+        "are not whole key/value groups (of 8 query features each) of attention "
+        "'model.layers.0.self_attn'",
+        lambda: filter_parallel(llama(), group=group, shares=bad, layers=attn),
+    )
+    # A multiple_of that whole heads cannot meet: 3 and 8-feature groups of 24 features.
+    raises(
+        "multiple_of: 3 cannot be met by whole key/value groups",
+        lambda: filter_parallel(
+            llama(), group=group, speeds=SPEEDS[:p], layers=attn, multiple_of=3
+        ),
+    )
+    return checked
+
+
+def run_all(group: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, make in (("llama", llama), ("gpt2", gpt2), ("encoder", EncoderLM)):
+        for optimizer in ("sgd", "adam"):
+            got = equals_unsplit(group, make, optimizer)
+        gathers = sorted(n for n, m in got.items() if m == "gather")
+        out[f"{name}_gathers"] = gathers
+        out[f"{name}_split"] = sum(m != "gather" for m in got.values())
+        traffic(group, make, 24)
+    out["mha_weights"] = attention_weights(group)
+    out["sdpa_float32"] = sdpa_float32(group)
+    out["errors"] = bad_input(group)
+    return out
+
+
+def run_torch(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*bos_token_id|.*eos_token_id")
+    return run_all(None)

@@ -1,0 +1,75 @@
+"""Tensor parallelism of transformer blocks through filter_parallel: attention split by whole
+heads (key/value groups), MLPs by hidden units, at uneven speeds, on real gloo ranks
+(tests/tensor_parallel_cases.py), and the layouts it recognises, locally."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import tensor_parallel_cases as cases
+import torch
+from torch import nn
+
+from hetcoll import launch
+from hetcoll.torch.filters import filter_shares
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("p", [2, 3])
+def test_gloo_transformers_split_by_heads_equal_unsplit(p):
+    results = launch.spawn(cases.run_torch, p, timeout=300)
+    assert all(r == results[0] for r in results)
+    r = results[0]
+    # Every block layer is split and paired; only Llama's untied head gathers (its logits).
+    assert r["llama_gathers"] == ["lm_head"] and r["gpt2_gathers"] == []
+    assert r["llama_split"] == 2 * 7 and r["gpt2_split"] == 2 * 4
+    assert r["encoder_gathers"] == ["head"] and r["encoder_split"] == 2 * 3
+    assert r["mha_weights"] == 2 and r["sdpa_float32"] == 2
+    assert r["errors"] == 3
+
+
+def test_shares_follow_heads_and_speeds():
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shares = filter_shares(cases.llama(), size=2, speeds=[1.0, 0.5])
+    attn = "model.layers.0.self_attn."
+    # 3 key/value groups of 2 query heads of 4: 2 groups to the fast rank, 1 to the slow one.
+    assert shares[attn + "q_proj"] == [16, 8]
+    assert shares[attn + "k_proj"] == shares[attn + "v_proj"] == [8, 4]
+    assert shares[attn + "o_proj"] == [16, 8]
+    # 40 hidden units at 2:1 (hetcoll.split: 27, 13), gate and up alike, down reading them.
+    mlp = "model.layers.0.mlp."
+    assert shares[mlp + "gate_proj"] == shares[mlp + "up_proj"] == shares[mlp + "down_proj"]
+    assert shares[mlp + "gate_proj"] in ([27, 13], [26, 14])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = filter_shares(cases.gpt2(), size=2, speeds=[1.0, 0.5])
+    # GPT-2's packed c_attn: 4 of 6 heads of 4 each of q, k and v to the fast rank.
+    assert g["transformer.h.0.attn.c_attn"] == [48, 24]
+    assert g["transformer.h.0.attn.c_proj"] == [16, 8]
+
+
+class _Unknown(nn.Module):
+    """Counts heads but its projections are neither separate nor packed q/k/v."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads = 2
+        self.head_dim = 4
+        self.qk = nn.Linear(8, 16)
+        self.v = nn.Linear(8, 8)
+        self.o = nn.Linear(8, 8)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.o(self.v(x) * self.qk(x)[..., :8])
+
+
+def test_an_attention_it_does_not_know_is_named_in_a_warning():
+    with pytest.warns(
+        UserWarning, match=r"left unsplit by heads.*'_Unknown' \(its projections \(qk 8->16"
+    ):
+        filter_shares(_Unknown(), size=2, speeds=[1.0, 1.0])
