@@ -12,8 +12,9 @@ Every optimizer step (``--accumulate`` micro-batches) counts its valid tokens on
 (``hetcoll.accelerate.step_items``); the model divides its summed token losses by the global
 count (``num_items_in_batch``) and the loss is scaled by ``step.loss_scale``, so the step is the
 gradient of the mean over every valid token of the global step: the model trains as one process
-on the same global batches (``--float64``: to rounding for GPT-2; Llama computes its rotary
-embedding in float32, so there to about 1e-7). The progress bar (Accelerate's tqdm, rank 0)
+on the same global batches (``--float64``: to rounding, Llama and GPT-2 alike; Llama's rotary
+table is computed in float32 but from positions only, the same on every split of the rows).
+``--plain-mean``, the loss as Accelerate's examples write it, does not. The progress bar (Accelerate's tqdm, rank 0)
 shows the shares and speeds.
 
 The model is a small byte-level Llama (or ``--arch gpt2``) built from a config (no download);

@@ -12,7 +12,7 @@ rank takes its share of every global batch. Trainer's own token averaging across
 (``average_tokens_across_devices``, on by default) weighs the gradients by tokens, so every
 step, gradient accumulation included, is the gradient of the mean over all valid tokens of the
 global step: the model trains as one process on the same global batches (``--float64``: to
-rounding for GPT-2; Llama computes its rotary embedding in float32, about 1e-7 there). Trainer's
+rounding, Llama and GPT-2 alike). Trainer's
 logs show every rank's share (``share/r``) and speed (``speed/r``).
 
 The model and text are those of ``examples/accelerate_balanced.py`` (a small byte-level Llama or
