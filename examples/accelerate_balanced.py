@@ -1,9 +1,11 @@
 """A language model trained with Hugging Face Accelerate on ranks of unequal speed:
 ``hetcoll.accelerate``.
 
-    python examples/accelerate_balanced.py                                      # one process
-    torchrun --standalone --nproc-per-node 2 examples/accelerate_balanced.py --emulate 1,0.5 --measure
-    torchrun --standalone --nproc-per-node 2 examples/accelerate_balanced.py --shares 5,3 --accumulate 2
+    python examples/accelerate_balanced.py                                  # one process
+    torchrun --standalone --nproc-per-node 2 examples/accelerate_balanced.py \
+        --emulate 1,0.5 --measure                                           # measured speeds
+    torchrun --standalone --nproc-per-node 2 examples/accelerate_balanced.py \
+        --shares 5,3 --accumulate 2                                         # given shares
 
 Each rank takes its share of every global batch (``--shares``, split from ``--speeds``, or
 ``--measure``d: every rank's training step timed, the fits exchanged and split), the loader
@@ -14,8 +16,8 @@ count (``num_items_in_batch``) and the loss is scaled by ``step.loss_scale``, so
 gradient of the mean over every valid token of the global step: the model trains as one process
 on the same global batches (``--float64``: to rounding, Llama and GPT-2 alike; Llama's rotary
 table is computed in float32 but from positions only, the same on every split of the rows).
-``--plain-mean``, the loss as Accelerate's examples write it, does not. The progress bar (Accelerate's tqdm, rank 0)
-shows the shares and speeds.
+``--plain-mean``, the loss as Accelerate's examples write it, does not. The progress bar
+(Accelerate's tqdm, rank 0) shows the shares and speeds.
 
 The model is a small byte-level Llama (or ``--arch gpt2``) built from a config (no download);
 the text, the Python standard library's own source: rows of ``SEQ`` bytes at random places, each

@@ -1,9 +1,11 @@
 """A language model trained with Hugging Face's ``Trainer`` on ranks of unequal speed:
 ``hetcoll.accelerate.BalancedTrainer``.
 
-    python examples/hf_trainer_balanced.py                                      # one process
-    torchrun --standalone --nproc-per-node 2 examples/hf_trainer_balanced.py --emulate 1,0.5 --measure
-    torchrun --standalone --nproc-per-node 2 examples/hf_trainer_balanced.py --shares 5,3 --accumulate 2
+    python examples/hf_trainer_balanced.py                                  # one process
+    torchrun --standalone --nproc-per-node 2 examples/hf_trainer_balanced.py \
+        --emulate 1,0.5 --measure                                           # measured speeds
+    torchrun --standalone --nproc-per-node 2 examples/hf_trainer_balanced.py \
+        --shares 5,3 --accumulate 2                                         # given shares
 
 ``BalancedTrainer`` is ``Trainer`` with the training loader balanced: the global batch
 (``--batch``, i.e. ``per_device_train_batch_size`` times the processes) is split among the ranks

@@ -19,7 +19,7 @@ import hetcoll
 from hetcoll.accelerate import BalancedTrainer, prepare_balanced, step_items
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from accelerate_balanced import SEQ, text_rows  # noqa: E402
+from accelerate_balanced import SEQ, text_rows
 
 
 def outcome(fn: Any) -> dict[str, str]:

@@ -62,7 +62,9 @@ def balanced_shares(
     gets at least one sample. Bad input raises ``ValueError`` naming the argument."""
     if isinstance(total, bool) or not isinstance(total, int) or total < 1:
         raise ValueError(f"batch_size: must be an integer >= 1 (the global batch), got {total!r}")
-    given = [n for n, v in (("shares", shares), ("speeds", speeds), ("fits", fits)) if v is not None]
+    given = [
+        n for n, v in (("shares", shares), ("speeds", speeds), ("fits", fits)) if v is not None
+    ]
     if len(given) > 1:
         raise ValueError(f"{given[1]}: give at most one of shares, speeds, fits")
     if shares is not None:

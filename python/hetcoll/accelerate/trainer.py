@@ -25,12 +25,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 from transformers import Trainer
 
 from hetcoll.accelerate.data import (
     BalancedLoader,
-    positive_numbers,
     measure_model_speed,
+    positive_numbers,
     prepare_balanced,
 )
 from hetcoll.torch import gather_speeds
@@ -120,6 +121,10 @@ class BalancedTrainer(Trainer):
         dataset, collate = plain.dataset, plain.collate_fn
         fits = None
         if self._measure and self.balanced is None:
+            if not isinstance(self.model, nn.Module):
+                raise TypeError(
+                    f"model: must be a torch.nn.Module, got {type(self.model).__name__}"
+                )
             fit = measure_model_speed(
                 self.model,
                 dataset,

@@ -114,11 +114,11 @@ def step_items(
         raise TypeError(
             f"accelerator: must be an accelerate.Accelerator, got {type(accelerator).__name__}"
         )
-    items = items_argument(items)
-    if items is None:
+    counter = items_argument(items)
+    if counter is None:
         raise TypeError("items: must be a function items(batch) -> int, got None")
     batches = list(batches)
-    mine, local = _count_step(items, batches)
+    mine, local = _count_step(counter, batches)
     fields = {"micro-batches in the step": len(batches)}
     if has_default():
         counts = agree(wrap(None), fields, values=mine.exchanged)
