@@ -32,7 +32,6 @@ import argparse
 import contextlib
 import json
 import sysconfig
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,12 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import default_collate
 
-from hetcoll.accelerate import measure_model_speed, prepare_balanced, step_items
+from hetcoll.accelerate import (
+    measure_model_speed,
+    optimizer_steps,
+    prepare_balanced,
+    step_items,
+)
 from hetcoll.torch import gather_speeds
 
 VOCAB = 256  # bytes
@@ -115,18 +119,6 @@ def text_rows(rows: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def groups(batches: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    """The micro-batches of each optimizer step (the last step may have fewer)."""
-    group: list[Any] = []
-    for batch in batches:
-        group.append(batch)
-        if len(group) == size:
-            yield group
-            group = []
-    if group:
-        yield group
-
-
 def train(args: argparse.Namespace) -> dict[str, Any]:
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(args.seed)  # every rank builds the same model
@@ -161,7 +153,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     for epoch in range(args.epochs):
         data.set_epoch(epoch)
         bar = data.progress(f"epoch {epoch + 1}/{args.epochs}", disable=args.quiet)
-        for micro in groups(bar, args.accumulate):
+        for micro in optimizer_steps(bar, args.accumulate):
             step = step_items(accelerator, micro)  # every rank's tokens in this step
             for i, batch in enumerate(micro):
                 last = i == len(micro) - 1

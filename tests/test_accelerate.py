@@ -208,7 +208,13 @@ def test_one_process_loader_steps_and_token_counts():
     from accelerate_balanced import text_rows
     from torch.utils.data import default_collate
 
-    from hetcoll.accelerate import causal_lm_items, label_items, prepare_balanced, step_items
+    from hetcoll.accelerate import (
+        causal_lm_items,
+        label_items,
+        optimizer_steps,
+        prepare_balanced,
+        step_items,
+    )
 
     accelerator = Accelerator(cpu=True)
     rows = text_rows(10)
@@ -232,5 +238,9 @@ def test_one_process_loader_steps_and_token_counts():
         step_items(accelerator, batches, items=lambda b: 0)
     with pytest.raises(TypeError, match=r"^accelerator"):
         step_items(None, batches)  # type: ignore[arg-type]
+    assert [len(g) for g in optimizer_steps(data, 2)] == [2, 1]
+    assert [len(g) for g in optimizer_steps(range(4), 2)] == [2, 2]
+    with pytest.raises(ValueError, match=r"^accumulate"):
+        list(optimizer_steps(data, 0))
     with pytest.raises(TypeError, match=r"^sampler"):
         prepare_balanced(accelerator, rows, 4, sampler=None)

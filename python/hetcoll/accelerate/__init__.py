@@ -6,7 +6,8 @@ gradients.
   (given, from relative speeds or from measured ones) of every global batch, placed on the
   device by Accelerate without its re-sharding; :class:`BalancedLoader` shows the shares and
   speeds in Accelerate's ``tqdm`` (:meth:`BalancedLoader.progress`) and logs.
-- :func:`step_items`: one optimizer step's items (valid tokens) counted on every rank and
+- :func:`optimizer_steps` groups a loader's micro-batches by optimizer step, and
+  :func:`step_items` counts one optimizer step's items (valid tokens) counted on every rank and
   exchanged, so that the step's loss weighs each micro-batch by its tokens over all the ranks'
   (hetcoll's rule, :func:`hetcoll.torch.item_weights`), gradient accumulation included.
 - :class:`BalancedTrainer`: ``transformers.Trainer`` with the balanced loader (Trainer's own
@@ -21,7 +22,13 @@ from hetcoll.accelerate.data import (
     measure_model_speed,
     prepare_balanced,
 )
-from hetcoll.accelerate.weighting import StepItems, causal_lm_items, label_items, step_items
+from hetcoll.accelerate.weighting import (
+    StepItems,
+    causal_lm_items,
+    label_items,
+    optimizer_steps,
+    step_items,
+)
 
 __all__ = [
     "BalancedLoader",
@@ -31,6 +38,7 @@ __all__ = [
     "causal_lm_items",
     "label_items",
     "measure_model_speed",
+    "optimizer_steps",
     "prepare_balanced",
     "step_items",
 ]

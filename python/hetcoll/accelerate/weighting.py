@@ -27,7 +27,7 @@ requires); here with hetcoll's checks and for loops of your own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +87,23 @@ class StepItems:
         if not 0 <= index < len(self.local):
             raise IndexError(f"index: the step has {len(self.local)} micro-batches, got {index}")
         return loss * (self.local[index] / self.num_items)
+
+
+def optimizer_steps(batches: Iterable[Any], accumulate: int = 1) -> Iterator[list[Any]]:
+    """The micro-batches of each optimizer step: ``batches`` (a loader) in groups of
+    ``accumulate``, the epoch's last group shorter when the steps do not divide evenly (as
+    Trainer accumulates). Every rank's loader has as many batches, so every rank's groups
+    match."""
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate: must be an integer >= 1, got {accumulate!r}")
+    group: list[Any] = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == accumulate:
+            yield group
+            group = []
+    if group:
+        yield group
 
 
 def _count_step(items: Items, batches: Sequence[Any]) -> tuple[LocalCount, list[int]]:
