@@ -115,6 +115,7 @@ def main() -> None:
 
     out["average_tokens"] = outcome(lambda: trainer(gpt2(), average_tokens_across_devices=False))
     out["no_kwargs"] = outcome(lambda: trainer(NoKwargs()))
+    out["strategy"] = outcome(lambda: trainer(gpt2(), train_sampling_strategy="group_by_length"))
     out["ranks"] = outcome(
         lambda: BalancedTrainer(
             model=gpt2(),

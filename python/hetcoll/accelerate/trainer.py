@@ -47,8 +47,9 @@ class BalancedTrainer(Trainer):
     (:func:`hetcoll.accelerate.measure_model_speed`, at most ``measure_budget`` seconds) and the
     fits are split with their fixed costs and memory capacities; none of them: equal shares.
     ``seed``: the shuffle's seed (default: ``args.data_seed``, else ``args.seed``); the epoch's
-    order is the seeded permutation one process would cut into global batches. Other arguments
-    are Trainer's.
+    order is the seeded permutation one process would cut into global batches
+    (``train_sampling_strategy="sequential"``: the dataset's order; samplers of other strategies
+    raise ``ValueError`` naming it). Other arguments are Trainer's.
 
     Every ``logging_steps`` the logs carry ``share/r`` (every rank's samples per step) and, when
     known, ``speed/r`` (samples/s measured; the relative speeds given), beside the loss.
@@ -103,6 +104,12 @@ class BalancedTrainer(Trainer):
                 "mean over its own rank's tokens and DDP would weigh the ranks alike; pass "
                 "compute_loss_func= (a loss that divides by num_items_in_batch)"
             )
+        if self.args.train_sampling_strategy not in ("random", "sequential"):
+            raise ValueError(
+                "train_sampling_strategy: BalancedTrainer cuts the epoch's order into global "
+                "batches itself and takes 'random' (shuffled) or 'sequential', got "
+                f"{self.args.train_sampling_strategy!r}"
+            )
         for name, values in (("shares", self._shares), ("speeds", self._speeds)):
             if values is not None and len(values) != ranks:
                 raise ValueError(f"{name}: has {len(values)} entries for {ranks} processes")
@@ -152,6 +159,7 @@ class BalancedTrainer(Trainer):
             shares=self._shares if previous is None else previous.shares,
             speeds=self._speeds if previous is None else None,
             fits=fits,
+            shuffle=self.args.train_sampling_strategy == "random",
             seed=seed,
             drop_last=self.args.dataloader_drop_last,
             collate_fn=collate,
