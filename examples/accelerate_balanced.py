@@ -14,8 +14,9 @@ Every optimizer step (``--accumulate`` micro-batches) counts its valid tokens on
 (``hetcoll.accelerate.step_items``); the model divides its summed token losses by the global
 count (``num_items_in_batch``) and the loss is scaled by ``step.loss_scale``, so the step is the
 gradient of the mean over every valid token of the global step: the model trains as one process
-on the same global batches (``--float64``: to rounding, Llama and GPT-2 alike; Llama's rotary
-table is computed in float32 but from positions only, the same on every split of the rows).
+on the same global batches (``--float64``: to rounding, Llama and GPT-2 alike, on 2 ranks;
+Hugging Face's loss computes in float32 inside, so on 3 ranks, whose loss scale 3 is not exact
+there, to float32's rounding, unless ``--own-loss`` sums the loss in float64 here).
 ``--plain-mean``, the loss as Accelerate's examples write it, does not. The progress bar
 (Accelerate's tqdm, rank 0) shows the shares and speeds.
 
@@ -119,6 +120,14 @@ def text_rows(rows: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of every valid next-token target, in the logits' precision
+    (Hugging Face's own loss computes in float32 inside, whatever the model's dtype)."""
+    return nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum"
+    )
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(args.seed)  # every rank builds the same model
@@ -160,7 +169,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 with contextlib.nullcontext() if last else accelerator.no_sync(model):
                     if args.plain_mean:  # each rank's own mean, DDP averaging ranks alike
                         loss = model(**batch).loss / len(micro)
-                    else:  # the global step's tokens
+                    elif args.own_loss:  # a summed loss of one's own over the step's tokens
+                        inputs = {k: v for k, v in batch.items() if k != "labels"}
+                        logits = model(**inputs).logits
+                        loss = token_loss_sum(logits, batch["labels"]) / step.num_items
+                        loss = loss * step.loss_scale
+                    else:  # Hugging Face's loss over the global step's tokens
                         loss = model(**batch, num_items_in_batch=step.num_items).loss
                         loss = loss * step.loss_scale
                     accelerator.backward(loss)
@@ -206,6 +220,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="the baseline: each rank's loss its own mean (as Accelerate's examples write it), "
         "DDP averaging the ranks alike: not the global step's mean on uneven shares",
+    )
+    p.add_argument(
+        "--own-loss",
+        action="store_true",
+        help="the loss summed by this script in the model's precision and divided by the "
+        "step's tokens, instead of Hugging Face's (float32 inside)",
     )
     p.add_argument("--float64", action="store_true", help="train in float64")
     p.add_argument("--save", help="write the trained state dict here (rank 0)")

@@ -14,7 +14,8 @@ rank takes its share of every global batch. Trainer's own token averaging across
 (``average_tokens_across_devices``, on by default) weighs the gradients by tokens, so every
 step, gradient accumulation included, is the gradient of the mean over all valid tokens of the
 global step: the model trains as one process on the same global batches (``--float64``: to
-rounding, Llama and GPT-2 alike). Trainer's
+rounding on 2 ranks; Hugging Face's loss computes in float32 inside, so on 3 ranks, whose loss
+scale 3 is not exact there, to float32's). Trainer's
 logs show every rank's share (``share/r``) and speed (``speed/r``).
 
 The model and text are those of ``examples/accelerate_balanced.py`` (a small byte-level Llama or

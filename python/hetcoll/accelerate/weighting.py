@@ -22,7 +22,9 @@ and ``accelerator.backward(loss * step.loss_scale)``: ``loss_scale`` is the numb
 items' gradients divided by ``N``: over the step, exactly the gradient of the mean over all ``N``
 items, on any shares and any accumulation. This is what Hugging Face's Trainer does with
 ``average_tokens_across_devices=True`` (which :class:`~hetcoll.accelerate.BalancedTrainer`
-requires); here with hetcoll's checks and for loops of your own.
+requires); here with hetcoll's checks and for loops of your own. (Hugging Face's causal-LM loss
+computes in float32 inside, even for a float64 model; there a loss scale that is not a power of
+two, 3 processes, rounds at float32's precision. A float64 loss of your own does not.)
 """
 
 from __future__ import annotations
