@@ -155,6 +155,30 @@ def test_trainer_measured_speeds_show_in_its_logs(tmp_path):
     assert "'share/1': " in proc.stdout + proc.stderr and "'speed/0': " in proc.stdout + proc.stderr
 
 
+@pytest.mark.multiproc
+def test_trainer_resumed_mid_epoch_from_its_checkpoint_is_the_uninterrupted_model(tmp_path):
+    # 5 steps an epoch: stopped after step 2, resumed from Trainer's checkpoint there (Trainer
+    # skips the epoch's first 2 balanced batches), on through the second epoch to step 7.
+    worker = ROOT / "tests" / "accelerate_workers" / "trainer_resume.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def run(out: Path, resume: str, steps: int) -> None:
+        proc = subprocess.run(
+            [*TORCHRUN, str(worker), str(out), resume, str(steps)],
+            capture_output=True, text=True, timeout=300, check=False, env=env,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    run(tmp_path / "whole", "none", 7)
+    run(tmp_path / "stopped", "none", 2)
+    run(tmp_path / "stopped", str(tmp_path / "stopped" / "checkpoint-2"), 7)
+    whole = torch.load(tmp_path / "whole" / "final-7.pt")
+    resumed = torch.load(tmp_path / "stopped" / "final-7.pt")
+    at_2 = torch.load(tmp_path / "stopped" / "final-2.pt")
+    assert _max_diff(whole, resumed) < 1e-10
+    assert _max_diff(whole, at_2) > 1e-4  # the steps after the checkpoint trained something
+
+
 # -- checks across real ranks ------------------------------------------------------------------
 
 
