@@ -14,7 +14,7 @@ gradients.
   token averaging across devices weighs the gradients) and the shares and speeds in its logs.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hetcoll.accelerate.data import (
     BalancedLoader,
@@ -29,6 +29,9 @@ from hetcoll.accelerate.weighting import (
     optimizer_steps,
     step_items,
 )
+
+if TYPE_CHECKING:  # loaded on use (below); typed for the checker
+    from hetcoll.accelerate.trainer import BalancedTrainer
 
 __all__ = [
     "BalancedLoader",
