@@ -127,7 +127,9 @@ def test_import_contracts_hold():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("package", ["hetcoll", "hetcoll.torch", "hetcoll.model"])
+@pytest.mark.parametrize(
+    "package", ["hetcoll", "hetcoll.torch", "hetcoll.model", "hetcoll.accelerate"]
+)
 def test_importing_the_library_imports_no_lab_module(package):
     code = (
         f"import json, sys, {package}\n"

@@ -1,0 +1,248 @@
+"""A language model trained with Hugging Face Accelerate on ranks of unequal speed:
+``hetcoll.accelerate``.
+
+    python examples/accelerate_balanced.py                                  # one process
+    torchrun --standalone --nproc-per-node 2 examples/accelerate_balanced.py \
+        --emulate 1,0.5 --measure                                           # measured speeds
+    torchrun --standalone --nproc-per-node 2 examples/accelerate_balanced.py \
+        --shares 5,3 --accumulate 2                                         # given shares
+
+Each rank takes its share of every global batch (``--shares``, split from ``--speeds``, or
+``--measure``d: every rank's training step timed, the fits exchanged and split), the loader
+prepared by Accelerate for the device but not re-sharded (``hetcoll.accelerate.prepare_balanced``).
+Every optimizer step (``--accumulate`` micro-batches) counts its valid tokens on every rank
+(``hetcoll.accelerate.step_items``); the model divides its summed token losses by the global
+count (``num_items_in_batch``) and the loss is scaled by ``step.loss_scale``, so the step is the
+gradient of the mean over every valid token of the global step: the model trains as one process
+on the same global batches (``--float64``: to rounding, Llama and GPT-2 alike, on 2 ranks;
+Hugging Face's loss computes in float32 inside, so on 3 ranks, whose loss scale 3 is not exact
+there, to float32's rounding, unless ``--own-loss`` sums the loss in float64 here).
+``--plain-mean``, the loss as Accelerate's examples write it, does not. The progress bar
+(Accelerate's tqdm, rank 0) shows the shares and speeds.
+
+The model is a small byte-level Llama (or ``--arch gpt2``) built from a config (no download);
+the text, the Python standard library's own source: rows of ``SEQ`` bytes at random places, each
+of a random length (the rest padding, labels -100), so ranks hold different numbers of tokens.
+``--emulate 1,0.5`` runs rank r at that fraction of its real speed (it sleeps: emulated
+heterogeneity, ``hetcoll.lab.emulate``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+from torch.utils.data import default_collate
+
+from hetcoll.accelerate import (
+    measure_model_speed,
+    optimizer_steps,
+    prepare_balanced,
+    step_items,
+)
+from hetcoll.torch import gather_speeds
+
+VOCAB = 256  # bytes
+SEQ = 16
+#: Attention as plain ops: the same numbers on any split of the rows (SDPA's fused kernels differ
+#: by ~1e-8 between a batch and its parts).
+EAGER: dict[str, Any] = {"attn_implementation": "eager"}
+#: Standard-library modules whose source is the text (they ship with every CPython).
+CORPUS = ("textwrap.py", "string.py", "difflib.py")
+
+
+def make_model(arch: str = "llama") -> nn.Module:
+    """A small byte-level decoder built from a config (no download)."""
+    if arch == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=VOCAB,
+                n_embd=32,
+                n_layer=2,
+                n_head=2,
+                n_positions=SEQ,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                use_cache=False,
+                bos_token_id=0,
+                eos_token_id=0,
+                **EAGER,
+            )
+        )
+    if arch != "llama":
+        raise ValueError(f"arch: 'llama' or 'gpt2', got {arch!r}")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=88,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+            **EAGER,
+        )
+    )
+
+
+def text_rows(rows: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """``rows`` samples of the standard library's source: ``SEQ`` bytes from a random place,
+    the first 2 to ``SEQ`` of them valid, the rest padding (0, masked, labels -100)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    data = b"".join((stdlib / name).read_bytes() for name in CORPUS)
+    text = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(text) - SEQ, (rows,), generator=g).tolist()
+    lengths = torch.randint(2, SEQ + 1, (rows,), generator=g).tolist()
+    out = []
+    for start, length in zip(starts, lengths):
+        mask = (torch.arange(SEQ) < length).long()
+        ids = text[start : start + SEQ] * mask
+        out.append(
+            {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+        )
+    return out
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of every valid next-token target, in the logits' precision
+    (Hugging Face's own loss computes in float32 inside, whatever the model's dtype)."""
+    return nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum"
+    )
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(args.seed)  # every rank builds the same model
+    model = make_model(args.arch)
+    if args.float64:
+        model = model.double()
+    rank, ranks = accelerator.process_index, accelerator.num_processes
+    if args.emulate is not None:
+        if len(args.emulate) != ranks:
+            raise SystemExit(f"--emulate: one speed per process ({ranks}), got {args.emulate}")
+        from hetcoll.lab.emulate import slow_down
+
+        slow_down(model, args.emulate[rank])
+    dataset = text_rows(args.rows, args.seed)
+    fits = None
+    if args.measure:
+        fit = measure_model_speed(model, dataset, default_collate, args.batch, time_budget=2.0)
+        fits = gather_speeds(fit) if ranks > 1 else [fit]
+    data = prepare_balanced(
+        accelerator,
+        dataset,
+        args.batch,
+        shares=args.shares,
+        speeds=args.speeds,
+        fits=fits,
+        seed=args.seed,
+        collate_fn=default_collate,
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    model, opt = accelerator.prepare(model, opt)
+    tokens = 0
+    for epoch in range(args.epochs):
+        data.set_epoch(epoch)
+        bar = data.progress(f"epoch {epoch + 1}/{args.epochs}", disable=args.quiet)
+        for micro in optimizer_steps(bar, args.accumulate):
+            step = step_items(accelerator, micro)  # every rank's tokens in this step
+            for i, batch in enumerate(micro):
+                last = i == len(micro) - 1
+                with contextlib.nullcontext() if last else accelerator.no_sync(model):
+                    if args.plain_mean:  # each rank's own mean, DDP averaging ranks alike
+                        loss = model(**batch).loss / len(micro)
+                    elif args.own_loss:  # a summed loss of one's own over the step's tokens
+                        inputs = {k: v for k, v in batch.items() if k != "labels"}
+                        logits = model(**inputs).logits
+                        loss = token_loss_sum(logits, batch["labels"]) / step.num_items
+                        loss = loss * step.loss_scale
+                    else:  # Hugging Face's loss over the global step's tokens
+                        loss = model(**batch, num_items_in_batch=step.num_items).loss
+                        loss = loss * step.loss_scale
+                    accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            tokens += sum(step.local)
+        bar.close()
+    report = {
+        "rank": rank,
+        "world": ranks,
+        "shares": data.shares,
+        "speeds": data.speeds,
+        "tokens": tokens,
+    }
+    if args.save and accelerator.is_main_process:
+        torch.save(accelerator.unwrap_model(model).state_dict(), args.save)
+    accelerator.end_training()
+    return report
+
+
+def numbers(kind: type) -> Any:
+    return lambda text: [kind(v) for v in text.split(",")]
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--arch", default="llama", choices=["llama", "gpt2"])
+    p.add_argument("--rows", type=int, default=96, help="training rows (samples)")
+    p.add_argument("--batch", type=int, default=16, help="the global batch of one micro-step")
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--shares", type=numbers(int), help="per-rank batch sizes, e.g. 5,3")
+    how.add_argument("--speeds", type=numbers(float), help="relative per-rank speeds, e.g. 2,1")
+    how.add_argument("--measure", action="store_true", help="time every rank's step first")
+    p.add_argument(
+        "--emulate", type=numbers(float), metavar="S0,S1,...", help="rank r at S_r of its speed"
+    )
+    p.add_argument(
+        "--plain-mean",
+        action="store_true",
+        help="the baseline: each rank's loss its own mean (as Accelerate's examples write it), "
+        "DDP averaging the ranks alike: not the global step's mean on uneven shares",
+    )
+    p.add_argument(
+        "--own-loss",
+        action="store_true",
+        help="the loss summed by this script in the model's precision and divided by the "
+        "step's tokens, instead of Hugging Face's (float32 inside)",
+    )
+    p.add_argument("--float64", action="store_true", help="train in float64")
+    p.add_argument("--save", help="write the trained state dict here (rank 0)")
+    p.add_argument("--json", help="write each rank's report here ({rank} is replaced)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.accumulate < 1:
+        p.error("--accumulate: must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    report = train(args)
+    if args.json:
+        Path(args.json.format(rank=report["rank"])).write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""A language model trained with Hugging Face's ``Trainer`` on ranks of unequal speed:
+``hetcoll.accelerate.BalancedTrainer``.
+
+    python examples/hf_trainer_balanced.py                                  # one process
+    torchrun --standalone --nproc-per-node 2 examples/hf_trainer_balanced.py \
+        --emulate 1,0.5 --measure                                           # measured speeds
+    torchrun --standalone --nproc-per-node 2 examples/hf_trainer_balanced.py \
+        --shares 5,3 --accumulate 2                                         # given shares
+
+``BalancedTrainer`` is ``Trainer`` with the training loader balanced: the global batch
+(``--batch``, i.e. ``per_device_train_batch_size`` times the processes) is split among the ranks
+by ``--shares``, relative ``--speeds`` or speeds ``--measure``d when training starts, and each
+rank takes its share of every global batch. Trainer's own token averaging across devices
+(``average_tokens_across_devices``, on by default) weighs the gradients by tokens, so every
+step, gradient accumulation included, is the gradient of the mean over all valid tokens of the
+global step: the model trains as one process on the same global batches (``--float64``: to
+rounding on 2 ranks; Hugging Face's loss computes in float32 inside, so on 3 ranks, whose loss
+scale 3 is not exact there, to float32's). Trainer's
+logs show every rank's share (``share/r``) and speed (``speed/r``).
+
+The model and text are those of ``examples/accelerate_balanced.py`` (a small byte-level Llama or
+GPT-2 from a config; rows of the standard library's source, padded). ``--emulate 1,0.5`` runs
+rank r at that fraction of its real speed (emulated heterogeneity, ``hetcoll.lab.emulate``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate_balanced import make_model, numbers, text_rows
+from transformers import TrainingArguments
+
+from hetcoll.accelerate import BalancedTrainer
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as out:
+        training = TrainingArguments(
+            output_dir=out,
+            use_cpu=True,
+            per_device_train_batch_size=1,  # set below, once the processes are known
+            gradient_accumulation_steps=args.accumulate,
+            num_train_epochs=args.epochs,
+            learning_rate=args.lr,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            seed=args.seed,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            ddp_find_unused_parameters=False,
+            disable_tqdm=args.quiet,
+        )
+        ranks = training.world_size
+        if args.batch % ranks:
+            raise SystemExit(f"--batch: {args.batch} is not a multiple of {ranks} processes")
+        training.per_device_train_batch_size = args.batch // ranks  # the global batch: --batch
+        torch.manual_seed(args.seed)  # every rank builds the same model
+        model = make_model(args.arch)
+        if args.float64:
+            model = model.double()
+        if args.emulate is not None:
+            if len(args.emulate) != ranks:
+                raise SystemExit(f"--emulate: one speed per process ({ranks}), got {args.emulate}")
+            from hetcoll.lab.emulate import slow_down
+
+            slow_down(model, args.emulate[training.process_index])
+        trainer = BalancedTrainer(
+            model=model,
+            args=training,
+            train_dataset=text_rows(args.rows, args.seed),
+            shares=args.shares,
+            speeds=args.speeds,
+            measure=args.measure,
+            measure_budget=2.0,
+        )
+        trainer.train()
+        assert trainer.balanced is not None
+        logged = [e for e in trainer.state.log_history if "share/0" in e]
+        report = {
+            "rank": training.process_index,
+            "world": ranks,
+            "shares": trainer.balanced.shares,
+            "speeds": trainer.balanced.speeds,
+            "logged": logged,
+        }
+        if args.save and training.process_index == 0:
+            torch.save(model.state_dict(), args.save)
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        return report
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--arch", default="llama", choices=["llama", "gpt2"])
+    p.add_argument("--rows", type=int, default=96, help="training rows (samples)")
+    p.add_argument("--batch", type=int, default=16, help="the global batch of one micro-step")
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--shares", type=numbers(int), help="per-rank batch sizes, e.g. 5,3")
+    how.add_argument("--speeds", type=numbers(float), help="relative per-rank speeds, e.g. 2,1")
+    how.add_argument("--measure", action="store_true", help="time every rank's step first")
+    p.add_argument(
+        "--emulate", type=numbers(float), metavar="S0,S1,...", help="rank r at S_r of its speed"
+    )
+    p.add_argument("--float64", action="store_true", help="train in float64")
+    p.add_argument("--save", help="write the trained state dict here (rank 0)")
+    p.add_argument("--json", help="write each rank's report here ({rank} is replaced)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    report = train(args)
+    if args.json:
+        Path(args.json.format(rank=report["rank"])).write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

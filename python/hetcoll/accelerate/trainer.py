@@ -1,0 +1,179 @@
+"""BalancedTrainer: Hugging Face's ``Trainer`` with uneven, speed-proportional per-rank batches.
+
+What stays Trainer's: the model, the arguments, the optimizer and schedule, gradient
+accumulation, logging and checkpoints. What changes is the training loader: the global batch
+(``per_device_train_batch_size`` times the number of processes, the batch Trainer would train
+on) is split among the ranks by given ``shares``, relative ``speeds`` or speeds measured when
+training starts (``measure=True``), and each rank takes its share of every global batch
+(:func:`hetcoll.accelerate.prepare_balanced`, so Accelerate does not re-shard it).
+
+The gradients need nothing more. With ``average_tokens_across_devices=True`` (Trainer's default)
+Trainer counts every rank's valid tokens over the step's accumulated micro-batches, gathers
+their sum ``N`` and has the model divide its summed token losses by ``N``
+(``num_items_in_batch``), then multiplies the loss by the number of processes, which DDP's
+averaging divides away: each step is the gradient of the mean over all ``N`` tokens of the
+global step whatever each rank holds, the weighting ``n_r / N`` of hetcoll's rule
+(:func:`hetcoll.torch.item_weights`). That holds only when the model takes ``num_items_in_batch``
+(Hugging Face's models do; or a ``compute_loss_func``) and the tokens are averaged across
+devices, so :class:`BalancedTrainer` raises naming the argument otherwise: a per-rank mean
+averaged by DDP would weigh a rank of 3 rows as much as one of 5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from transformers import Trainer
+
+from hetcoll.accelerate.data import (
+    BalancedLoader,
+    measure_model_speed,
+    positive_numbers,
+    prepare_balanced,
+)
+from hetcoll.torch import gather_speeds
+
+
+class BalancedTrainer(Trainer):
+    """``transformers.Trainer`` where each rank trains on its share of every global batch.
+
+    ``shares``: per-rank batch sizes (one per process, summing to the global batch,
+    ``per_device_train_batch_size`` times the number of processes); ``speeds``: relative
+    per-rank speeds, split exactly (:func:`hetcoll.split`); ``measure=True``: every rank's
+    training step is timed on the first samples when training starts
+    (:func:`hetcoll.accelerate.measure_model_speed`, at most ``measure_budget`` seconds) and the
+    fits are split with their fixed costs and memory capacities; none of them: equal shares.
+    ``seed``: the shuffle's seed (default: ``args.data_seed``, else ``args.seed``); the epoch's
+    order is the seeded permutation one process would cut into global batches
+    (``train_sampling_strategy="sequential"``: the dataset's order; samplers of other strategies
+    raise ``ValueError`` naming it). Other arguments are Trainer's.
+
+    Every ``logging_steps`` the logs carry ``share/r`` (every rank's samples per step) and, when
+    known, ``speed/r`` (samples/s measured; the relative speeds given), beside the loss.
+
+    Raises ``ValueError`` naming ``average_tokens_across_devices`` when it is off on several
+    processes and ``model`` when the model takes no ``num_items_in_batch`` and no
+    ``compute_loss_func`` is given (the token weighting would be wrong; see the module
+    docstring).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        shares: Sequence[int] | None = None,
+        speeds: Sequence[float] | None = None,
+        measure: bool = False,
+        measure_budget: float = 10.0,
+        seed: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        given = [n for n, v in (("shares", shares), ("speeds", speeds)) if v is not None]
+        if not isinstance(measure, bool):
+            raise TypeError(f"measure: must be True or False, got {measure!r}")
+        if measure:
+            given.append("measure")
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: give at most one of shares, speeds, measure=True")
+        if not (isinstance(measure_budget, (int, float)) and measure_budget > 0):
+            raise ValueError(
+                f"measure_budget: must be a number of seconds > 0, got {measure_budget!r}"
+            )
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed: must be an integer or None, got {seed!r}")
+        self._shares = None if shares is None else positive_numbers(shares, "shares", int)
+        self._speeds = None if speeds is None else positive_numbers(speeds, "speeds", float)
+        self._measure = measure
+        self._measure_budget = float(measure_budget)
+        self._seed = seed
+        #: The training loader once built (its sampler, shares, speeds and fits).
+        self.balanced: BalancedLoader | None = None
+        super().__init__(*args, **kwargs)
+        ranks = self.args.world_size
+        if ranks > 1 and not self.args.average_tokens_across_devices:
+            raise ValueError(
+                "average_tokens_across_devices: BalancedTrainer needs it True (TrainingArguments' "
+                "default): with uneven per-rank batches each rank's loss must be divided by the "
+                "tokens of all ranks, not its own"
+            )
+        if ranks > 1 and not (self.model_accepts_loss_kwargs or self.compute_loss_func):
+            raise ValueError(
+                "model: its forward takes no num_items_in_batch (no **kwargs), so its loss is a "
+                "mean over its own rank's tokens and DDP would weigh the ranks alike; pass "
+                "compute_loss_func= (a loss that divides by num_items_in_batch)"
+            )
+        if self.args.train_sampling_strategy not in ("random", "sequential"):
+            raise ValueError(
+                "train_sampling_strategy: BalancedTrainer cuts the epoch's order into global "
+                "batches itself and takes 'random' (shuffled) or 'sequential', got "
+                f"{self.args.train_sampling_strategy!r}"
+            )
+        for name, values in (("shares", self._shares), ("speeds", self._speeds)):
+            if values is not None and len(values) != ranks:
+                raise ValueError(f"{name}: has {len(values)} entries for {ranks} processes")
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per global batch: ``per_device_train_batch_size`` times the processes."""
+        return int(self.args.per_device_train_batch_size) * int(self.args.world_size)
+
+    def get_train_dataloader(self) -> Any:
+        """Trainer's training loader (its dataset with unused columns removed, collator and
+        worker settings), rebuilt around a :class:`~hetcoll.torch.BalancedSampler`."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        plain = super().get_train_dataloader()  # Trainer's column removal and collator
+        dataset, collate = plain.dataset, plain.collate_fn
+        fits = None
+        if self._measure and self.balanced is None:
+            if not isinstance(self.model, nn.Module):
+                raise TypeError(
+                    f"model: must be a torch.nn.Module, got {type(self.model).__name__}"
+                )
+            fit = measure_model_speed(
+                self.model,
+                dataset,
+                collate,
+                self.global_batch,
+                device=self.args.device,
+                time_budget=self._measure_budget,
+            )
+            fits = gather_speeds(fit) if dist.is_initialized() else [fit]
+        workers: dict[str, Any] = {}
+        if self.args.dataloader_num_workers > 0:
+            workers = {
+                "prefetch_factor": self.args.dataloader_prefetch_factor,
+                "persistent_workers": self.args.dataloader_persistent_workers,
+                "multiprocessing_context": self.args.dataloader_multiprocessing_context,
+            }
+        seed = self._seed
+        if seed is None:
+            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        previous = self.balanced  # a rebuilt loader keeps the shares and what is known
+        self.balanced = prepare_balanced(
+            self.accelerator,
+            dataset,
+            self.global_batch,
+            shares=self._shares if previous is None else previous.shares,
+            speeds=self._speeds if previous is None else None,
+            fits=fits,
+            shuffle=self.args.train_sampling_strategy == "random",
+            seed=seed,
+            drop_last=self.args.dataloader_drop_last,
+            collate_fn=collate,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+            worker_init_fn=plain.worker_init_fn,
+            **workers,
+        )
+        if previous is not None:
+            self.balanced.speeds, self.balanced.fits = previous.speeds, previous.fits
+        return self.balanced.loader
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Trainer's logs, with every rank's share and speed (training logs only)."""
+        if self.balanced is not None and "loss" in logs:
+            logs = {**logs, **self.balanced.log_entries()}
+        super().log(logs, start_time)

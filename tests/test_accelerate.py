@@ -1,0 +1,286 @@
+"""hetcoll.accelerate: Hugging Face Accelerate loops and Trainer on uneven per-rank batches.
+
+The examples (examples/accelerate_balanced.py, examples/hf_trainer_balanced.py) launched as users
+launch them, ``torchrun`` on CPU ranks (gloo) with two accumulated micro-batches per optimizer
+step, train GPT-2 and Llama (two ranks at shares 5:3; GPT-2 also on three at 4:3:1 with a
+float64 loss, see below), from configs, eager attention, float64, to the weights one process
+trains on the same global batches (one micro-batch of 16 rows a step), to 1e-10; the loss as
+Accelerate's own examples write it (each rank's mean, DDP averaging the ranks alike) does not.
+tests/accelerate_workers/cases.py runs the collective checks and a rank without any valid token
+on two real ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2"]
+# 40 rows: 5 micro-steps of 8 rows an epoch, i.e. optimizer steps of 2, 2 and 1 micro-batches
+# (the epoch's last step accumulates fewer); one process: steps of 16, 16 and 8 rows.
+COMMON = ["--rows", "40", "--epochs", "2", "--float64", "--quiet"]
+ONE = ["--batch", "16"]
+TWO = ["--batch", "8", "--accumulate", "2", "--shares", "5,3"]
+
+sys.path.insert(0, str(EXAMPLES))
+
+
+def _run(tmp: Path, name: str, launcher: list[str], script: str, *extra: str) -> tuple[dict, list]:
+    """The example under ``launcher``: the trained state dict and every rank's report."""
+    out = ["--save", str(tmp / f"{name}.pt"), "--json", str(tmp / f"{name}{{rank}}.json")]
+    proc = subprocess.run(
+        [*launcher, str(EXAMPLES / script), *COMMON, *out, *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, f"{launcher}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    reports = [json.loads(p.read_text()) for p in sorted(tmp.glob(f"{name}[0-9].json"))]
+    return torch.load(tmp / f"{name}.pt"), reports
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+# -- Accelerate --------------------------------------------------------------------------------
+
+
+# Hugging Face's causal-LM loss computes in float32 inside (``logits.float()``, a downcast for a
+# float64 model), and so does Llama's RMSNorm: their rounding meets the loss scale (processes x
+# accumulation), exact only when a power of two. 2 ranks: Hugging Face's loss, GPT-2 and Llama;
+# 3 ranks: GPT-2 (float64 LayerNorm) with the example's float64 loss (``--own-loss``).
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    ("arch", "shares", "loss"),
+    [("gpt2", "5,3", []), ("llama", "5,3", []), ("gpt2", "4,3,1", ["--own-loss"])],
+    ids=["gpt2-5:3", "llama-5:3", "gpt2-4:3:1-float64-loss"],
+)
+def test_accelerate_uneven_shares_with_accumulation_are_the_one_process_model(
+    arch, shares, loss, tmp_path
+):
+    one, (report,) = _run(tmp_path, "one", [sys.executable], "accelerate_balanced.py",
+                          "--arch", arch, *ONE, *loss)  # fmt: skip
+    assert report["world"] == 1 and report["shares"] == [16]
+    ranks = len(shares.split(","))
+    launcher = [*TORCHRUN[:-1], f"--nproc-per-node={ranks}"]
+    two = ["--batch", "8", "--accumulate", "2", "--shares", shares, *loss]
+    many, reports = _run(tmp_path, "many", launcher, "accelerate_balanced.py", "--arch", arch, *two)
+    assert [r["rank"] for r in reports] == list(range(ranks))
+    expected = [int(v) for v in shares.split(",")]
+    assert all(r["shares"] == expected and r["world"] == ranks for r in reports)
+    # The ranks trained on different numbers of tokens, together every token one process saw.
+    tokens = [r["tokens"] for r in reports]
+    assert len(set(tokens)) == ranks and sum(tokens) == report["tokens"]
+    assert _max_diff(one, many) < 1e-10
+    if arch == "gpt2" and not loss:
+        # The baseline (each rank's own mean, DDP averaging the ranks alike) is measurably off.
+        plain, _ = _run(
+            tmp_path, "plain", launcher, "accelerate_balanced.py", "--arch", arch, *two,
+            "--plain-mean",
+        )  # fmt: skip
+        assert _max_diff(one, plain) > 1e-4
+
+
+@pytest.mark.multiproc
+def test_accelerate_measured_speeds_show_in_the_progress_bar(tmp_path):
+    script = EXAMPLES / "accelerate_balanced.py"
+    proc = subprocess.run(
+        [*TORCHRUN, str(script), "--arch", "gpt2", "--rows", "24", "--batch", "8", "--epochs",
+         "1", "--measure", "--emulate", "1,0.5", "--json", str(tmp_path / "m{rank}.json")],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("m[0-9].json"))]
+    shares, speeds = reports[0]["shares"], reports[0]["speeds"]
+    assert all(r["shares"] == shares and r["speeds"] == speeds for r in reports)
+    assert sum(shares) == 8 and min(shares) >= 1
+    assert len(speeds) == 2 and all(s > 0 for s in speeds)
+    # Rank 0's tqdm bar (Accelerate's) carries the shares and the measured speeds.
+    bar = proc.stderr
+    assert f"shares={shares[0]}:{shares[1]}" in bar
+    assert "samples/s" in bar.split("speeds=", 1)[1].split("]", 1)[0]
+
+
+# -- Trainer -----------------------------------------------------------------------------------
+
+
+@pytest.mark.multiproc
+def test_trainer_at_shares_5_3_with_accumulation_is_the_one_process_model(tmp_path):
+    one, (report,) = _run(tmp_path, "one", [sys.executable], "hf_trainer_balanced.py",
+                          "--arch", "gpt2", *ONE)  # fmt: skip
+    two, reports = _run(tmp_path, "two", TORCHRUN, "hf_trainer_balanced.py", "--arch", "gpt2", *TWO)
+    assert _max_diff(one, two) < 1e-10
+    # 6 optimizer steps, each logged with every rank's share.
+    assert len(report["logged"]) == 6 and report["logged"][0]["share/0"] == 16
+    for r in reports:
+        assert r["shares"] == [5, 3]
+        assert [(e["share/0"], e["share/1"]) for e in r["logged"]] == [(5, 3)] * 6
+        # The same losses as one process's, step by step.
+        for mine, single in zip(r["logged"], report["logged"]):
+            assert mine["loss"] == pytest.approx(single["loss"], rel=1e-6)
+
+
+@pytest.mark.multiproc
+def test_trainer_measured_speeds_show_in_its_logs(tmp_path):
+    script = EXAMPLES / "hf_trainer_balanced.py"
+    proc = subprocess.run(
+        [*TORCHRUN, str(script), "--arch", "gpt2", "--rows", "16", "--batch", "8", "--epochs",
+         "1", "--measure", "--emulate", "1,0.5", "--json", str(tmp_path / "m{rank}.json")],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("m[0-9].json"))]
+    shares, speeds = reports[0]["shares"], reports[0]["speeds"]
+    assert sum(shares) == 8 and len(speeds) == 2 and all(s > 0 for s in speeds)
+    for r in reports:
+        assert r["shares"] == shares and r["speeds"] == speeds
+        assert len(r["logged"]) == 2
+        for entry in r["logged"]:
+            assert [entry["share/0"], entry["share/1"]] == shares
+            assert [entry["speed/0"], entry["speed/1"]] == pytest.approx(speeds)
+    # Trainer prints its logs: the shares and speeds with the loss.
+    assert "'share/1': " in proc.stdout + proc.stderr and "'speed/0': " in proc.stdout + proc.stderr
+
+
+@pytest.mark.multiproc
+def test_trainer_resumed_mid_epoch_from_its_checkpoint_is_the_uninterrupted_model(tmp_path):
+    # 5 steps an epoch: stopped after step 2, resumed from Trainer's checkpoint there (Trainer
+    # skips the epoch's first 2 balanced batches), on through the second epoch to step 7.
+    worker = ROOT / "tests" / "accelerate_workers" / "trainer_resume.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def run(out: Path, resume: str, steps: int) -> None:
+        proc = subprocess.run(
+            [*TORCHRUN, str(worker), str(out), resume, str(steps)],
+            capture_output=True, text=True, timeout=300, check=False, env=env,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    run(tmp_path / "whole", "none", 7)
+    run(tmp_path / "stopped", "none", 2)
+    run(tmp_path / "stopped", str(tmp_path / "stopped" / "checkpoint-2"), 7)
+    whole = torch.load(tmp_path / "whole" / "final-7.pt")
+    resumed = torch.load(tmp_path / "stopped" / "final-7.pt")
+    at_2 = torch.load(tmp_path / "stopped" / "final-2.pt")
+    assert _max_diff(whole, resumed) < 1e-10
+    assert _max_diff(whole, at_2) > 1e-4  # the steps after the checkpoint trained something
+
+
+# -- checks across real ranks ------------------------------------------------------------------
+
+
+@pytest.mark.multiproc
+def test_bad_input_raises_on_every_rank_and_a_rank_without_tokens_weighs_zero(tmp_path):
+    proc = subprocess.run(
+        [*TORCHRUN, str(ROOT / "tests" / "accelerate_workers" / "cases.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HETCOLL_TEST_OUT": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    for o in out:
+        assert o["world"] == 2
+        assert o["bad_items"]["raised"] == "ValueError"
+        assert o["bad_items"]["message"].startswith("items: rank 1 counted -3")
+        assert o["micro_batches"]["raised"] == "CollectiveMismatchError"
+        assert "micro-batches in the step" in o["micro_batches"]["message"]
+        assert o["shares"]["raised"] == "CollectiveMismatchError"
+        assert o["shares_sum"] == {
+            "raised": "ValueError",
+            "message": "shares: sum to 9, but the global batch is 8",
+        }
+        assert o["average_tokens"]["raised"] == "ValueError"
+        assert o["average_tokens"]["message"].startswith("average_tokens_across_devices:")
+        assert o["no_kwargs"]["raised"] == "ValueError"
+        assert o["no_kwargs"]["message"].startswith("model:")
+        assert o["strategy"]["message"].startswith("train_sampling_strategy:")
+        assert o["ranks"]["message"] == "speeds: has 3 entries for 2 processes"
+        zero = o["zero_rank"]
+        assert zero["weights"] == [1.0, 0.0] and zero["counts"][0] > 0 and zero["finite"]
+        assert zero["max_grad_diff"] < 1e-12
+
+
+# -- one process -------------------------------------------------------------------------------
+
+
+def test_balanced_shares_and_its_bad_input():
+    from hetcoll.accelerate import balanced_shares
+    from hetcoll.torch import SpeedFit
+
+    assert balanced_shares(8, 2, shares=[5, 3]) == [5, 3]
+    assert balanced_shares(8, 2, speeds=[3.0, 1.0]) == [6, 2]
+    assert balanced_shares(8, 2) == [4, 4]
+    fits = [SpeedFit(0.0, 300.0), SpeedFit(0.0, 100.0, capacity=1)]
+    assert balanced_shares(8, 2, fits=fits) == [7, 1]  # rank 1 holds one sample
+    for kwargs, argument in (
+        ({"shares": [5, 3], "speeds": [1, 1]}, "speeds"),
+        ({"shares": [5, 4]}, "shares"),
+        ({"shares": [8]}, "shares"),
+        ({"shares": [8, 0]}, "shares"),
+        ({"speeds": [1.0, -1.0]}, "speeds"),
+        ({"speeds": [1.0]}, "speeds"),
+        ({"fits": [fits[0]]}, "fits"),
+    ):
+        with pytest.raises(ValueError, match=rf"^{argument}"):
+            balanced_shares(8, 2, **kwargs)
+    with pytest.raises(ValueError, match=r"^batch_size"):
+        balanced_shares(1, 2)
+
+
+def test_one_process_loader_steps_and_token_counts():
+    from accelerate import Accelerator
+    from accelerate_balanced import text_rows
+    from torch.utils.data import default_collate
+
+    from hetcoll.accelerate import (
+        causal_lm_items,
+        label_items,
+        optimizer_steps,
+        prepare_balanced,
+        step_items,
+    )
+
+    accelerator = Accelerator(cpu=True)
+    rows = text_rows(10)
+    data = prepare_balanced(accelerator, rows, 4, shuffle=False, collate_fn=default_collate)
+    assert data.shares == [4] and len(data) == 3
+    batches = list(data)
+    assert [len(b["input_ids"]) for b in batches] == [4, 4, 2]
+    assert torch.equal(batches[1]["input_ids"], torch.stack([r["input_ids"] for r in rows[4:8]]))
+    assert data.postfix() == {"shares": "4"} and data.log_entries() == {"share/0": 4.0}
+    step = step_items(accelerator, batches[:2])
+    valid = [int((b["labels"][:, 1:] != -100).sum()) for b in batches[:2]]
+    assert step.local == tuple(valid) and step.num_items == sum(valid)
+    assert step.counts == (sum(valid),) and step.loss_scale == 1.0
+    assert step.weights.tolist() == [1.0]
+    loss = torch.tensor(2.0, dtype=torch.float64)
+    assert float(step.scale(loss, 1)) == 2.0 * valid[1] / sum(valid)
+    assert label_items(batches[0]) > causal_lm_items(batches[0])
+    with pytest.raises(ValueError, match=r"^items: rank 0 counted 1\.5"):
+        step_items(accelerator, batches, items=lambda b: 1.5)
+    with pytest.raises(ValueError, match=r"^items: every rank counted 0 items"):
+        step_items(accelerator, batches, items=lambda b: 0)
+    with pytest.raises(TypeError, match=r"^accelerator"):
+        step_items(None, batches)  # type: ignore[arg-type]
+    assert [len(g) for g in optimizer_steps(data, 2)] == [2, 1]
+    assert [len(g) for g in optimizer_steps(range(4), 2)] == [2, 2]
+    with pytest.raises(ValueError, match=r"^accumulate"):
+        list(optimizer_steps(data, 0))
+    with pytest.raises(TypeError, match=r"^sampler"):
+        prepare_balanced(accelerator, rows, 4, sampler=None)
