@@ -88,12 +88,14 @@ COLLECTIVES_RUN    := benches/bench_collectives.py --ranks 2 4 --max-mib 256 --j
 FILTER_PARALLEL_RUN := benches/bench_filter_parallel.py --json $(RAW)/filter_parallel.json
 PLANS_RUN          := benches/bench_plans.py --launches 3 --json $(RAW)/plans.json
 LM_PIPELINE_RUN    := benches/bench_lm_pipeline.py --launches 3 --json $(RAW)/lm_pipeline.json
+TENSOR_PARALLEL_RUN := benches/bench_tensor_parallel.py --batch 32 --steps 20 \
+	--json $(RAW)/tensor_parallel.json
 PLACEMENT_RUN      := benches/bench_placement.py --launches 3 --json $(RESULTS)/placement.json \
 	--plot docs/img/placement.png
 
 .PHONY: bench-report bench-kernels bench-split bench-partition bench-partitioners bench-planner \
 	bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate bench-plans \
-	bench-microbatches bench-planspace bench-placement bench-lm-pipeline
+	bench-microbatches bench-planspace bench-placement bench-lm-pipeline bench-tensor-parallel
 
 $(BENCHED): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet --group bench
@@ -101,7 +103,8 @@ $(BENCHED): $(STAMP) pyproject.toml
 
 bench: bench-kernels bench-split bench-partition bench-partitioners bench-planner \
 		bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate \
-		bench-microbatches bench-plans bench-planspace bench-placement bench-lm-pipeline
+		bench-microbatches bench-plans bench-planspace bench-placement bench-lm-pipeline \
+		bench-tensor-parallel
 	$(MAKE) bench-report
 
 bench-report:
@@ -170,6 +173,12 @@ bench-lm-pipeline: $(BUILT) $(BENCHED)
 	$(PY) $(LM_PIPELINE_RUN)
 	$(PY) benches/report.py import lm-pipeline $(RAW)/lm_pipeline.json \
 		--command "python $(LM_PIPELINE_RUN)"
+
+bench-tensor-parallel: $(BUILT) $(BENCHED)
+	mkdir -p $(RAW)
+	$(PY) $(TENSOR_PARALLEL_RUN)
+	$(PY) benches/report.py import tensor-parallel $(RAW)/tensor_parallel.json \
+		--command "python $(TENSOR_PARALLEL_RUN)"
 
 # Seed 002's comparison: writes its results file and docs/img/placement.png itself.
 bench-placement: $(BUILT) $(BENCHED)
