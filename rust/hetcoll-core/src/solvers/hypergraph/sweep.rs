@@ -130,10 +130,7 @@ fn block_orders(caps: &[f64], mem: Option<&[f64]>, n: usize, rng: &mut Rng) -> V
         sequence
             .iter()
             .map(|&c| {
-                let b = (0..k)
-                    .filter(|&b| class[b] == c)
-                    .nth(used[c])
-                    .unwrap_or(c);
+                let b = (0..k).filter(|&b| class[b] == c).nth(used[c]).unwrap_or(c);
                 used[c] += 1;
                 b
             })
@@ -162,7 +159,10 @@ fn next_permutation(xs: &mut [usize]) -> bool {
     let Some(i) = (1..xs.len()).rev().find(|&i| xs[i - 1] < xs[i]) else {
         return false;
     };
-    let j = (i..xs.len()).rev().find(|&j| xs[j] > xs[i - 1]).unwrap_or(i);
+    let j = (i..xs.len())
+        .rev()
+        .find(|&j| xs[j] > xs[i - 1])
+        .unwrap_or(i);
     xs.swap(i - 1, j);
     xs[i..].reverse();
     true
@@ -259,7 +259,11 @@ impl Table {
                 // Starts in loose..strict (and before x) enter the over-window in order.
                 while next_over < strict.min(x) {
                     let y = next_over;
-                    while self.over.back().is_some_and(|&b| over_key(b) >= over_key(y)) {
+                    while self
+                        .over
+                        .back()
+                        .is_some_and(|&b| over_key(b) >= over_key(y))
+                    {
                         self.over.pop_back();
                     }
                     self.over.push_back(y);
@@ -299,5 +303,135 @@ impl Table {
             x = self.from[j * stride + x] as usize;
         }
         Some((bound, ends))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::super::Rng;
+    use super::*;
+
+    fn interval_hypergraph(n: usize, spans: &[(usize, usize)], vw: &[f64]) -> Hypergraph {
+        let mut offsets = vec![0usize];
+        let mut pins = Vec::new();
+        let mut nw = Vec::new();
+        for (i, &(a, b)) in spans.iter().enumerate() {
+            let (lo, hi) = (a.min(b), a.max(b));
+            if lo == hi {
+                continue;
+            }
+            pins.extend(lo as u32..=hi as u32);
+            offsets.push(pins.len());
+            nw.push(1.0 + (i % 3) as f64);
+        }
+        Hypergraph::new(n, offsets, pins, Some(vw.to_vec()), Some(nw)).unwrap()
+    }
+
+    /// Least km1 over every split of `0..n` into `k` contiguous runs (some empty) and every
+    /// assignment of blocks to runs, within `caps`.
+    fn brute_force(hg: &Hypergraph, caps: &[f64]) -> f64 {
+        let (n, k) = (hg.num_vertices(), caps.len());
+        let mut best = f64::INFINITY;
+        let mut blocks: Vec<usize> = (0..k).collect();
+        loop {
+            // Ends e_1 <= ... <= e_{k-1} in 0..=n, by a counter.
+            let mut ends = vec![0usize; k - 1];
+            loop {
+                if ends.windows(2).all(|w| w[0] <= w[1]) {
+                    let mut parts = vec![0u32; n];
+                    let mut start = 0;
+                    let mut fits = true;
+                    for (j, &b) in blocks.iter().enumerate() {
+                        let end = if j + 1 < k { ends[j] } else { n };
+                        let w: f64 = (start..end.max(start)).map(|v| hg.vertex_weights[v]).sum();
+                        fits &= w <= caps[b];
+                        for p in parts.iter_mut().take(end).skip(start) {
+                            *p = b as u32;
+                        }
+                        start = end.max(start);
+                    }
+                    if fits {
+                        best = best.min(hg.km1(&parts));
+                    }
+                }
+                let Some(i) = (0..k - 1).find(|&i| ends[i] < n) else {
+                    break;
+                };
+                ends[i] += 1;
+                for e in ends.iter_mut().take(i) {
+                    *e = 0;
+                }
+            }
+            if !next_permutation(&mut blocks) {
+                return best;
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+
+        /// On nets that are intervals of the order the bound is km1, so the split is the exact
+        /// optimum over ordered splits, and it keeps every block within its limit.
+        #[test]
+        fn ordered_split_is_optimal_on_interval_nets(
+            n in 3usize..9,
+            spans in prop::collection::vec((0usize..9, 0usize..9), 1..10),
+            vw in prop::collection::vec(1u32..4, 9),
+            shares in prop::collection::vec(1u32..4, 2..4),
+        ) {
+            let spans: Vec<(usize, usize)> = spans.iter().map(|&(a, b)| (a % n, b % n)).collect();
+            prop_assume!(spans.iter().any(|&(a, b)| a != b));
+            let vw: Vec<f64> = vw[..n].iter().map(|&w| f64::from(w)).collect();
+            let hg = interval_hypergraph(n, &spans, &vw);
+            let total: f64 = vw.iter().sum();
+            let sum: u32 = shares.iter().sum();
+            let caps: Vec<f64> =
+                shares.iter().map(|&s| 1.2 * total * f64::from(s) / f64::from(sum)).collect();
+            let order: Vec<u32> = (0..n as u32).collect();
+            let zero = vec![0.0; caps.len()];
+            let want = brute_force(&hg, &caps);
+            let got = ordered_split(&hg, &order, &caps, &zero, None, &mut Rng::new(0));
+            prop_assert_eq!(got.is_some(), want.is_finite());
+            if let Some(parts) = got {
+                prop_assert_eq!(hg.km1(&parts), want);
+                let mut w = vec![0.0; caps.len()];
+                for (v, &b) in parts.iter().enumerate() {
+                    w[b as usize] += vw[v];
+                }
+                prop_assert!(w.iter().zip(&caps).all(|(w, c)| w <= c), "{:?} {:?}", w, caps);
+            }
+        }
+    }
+
+    /// Blocks of equal limits are interchangeable: k = 8 at speeds 4:2:1:1 repeated has
+    /// 8! / (2! 4! 2!) = 420 distinct orders, uniform targets one.
+    #[test]
+    fn block_orders_are_the_distinct_ones() {
+        let caps = [4.0, 2.0, 1.0, 1.0, 4.0, 2.0, 1.0, 1.0];
+        let orders = block_orders(&caps, None, 100, &mut Rng::new(0));
+        assert_eq!(orders.len(), 420);
+        let mut seen = std::collections::HashSet::new();
+        for o in &orders {
+            let limits: Vec<u64> = o.iter().map(|&b| caps[b] as u64).collect();
+            assert!(seen.insert(limits));
+            let mut sorted = o.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..8).collect::<Vec<_>>());
+        }
+        assert_eq!(
+            block_orders(&[1.0; 5], None, 100, &mut Rng::new(0)).len(),
+            1
+        );
+        // Beyond the step budget, a sample of the orders.
+        let many = block_orders(
+            &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0],
+            None,
+            50_000,
+            &mut Rng::new(0),
+        );
+        assert_eq!(many.len(), STEP_BUDGET / (8 * 50_001));
     }
 }
