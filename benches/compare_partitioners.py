@@ -12,6 +12,16 @@ a plain (no-shortcut) ResNet-18 chain, both at reduced width and 32x32 inputs
 same limits as individual maximum block weights ``floor((1 + eps) * targets[b] * W)`` (it takes
 integer weights, so weights are rounded to integers for both), one thread, the default preset.
 
+The CNN network family (issue 42, instances named ``net ...``): the hypergraphs of a CIFAR CNN
+(5 convolutions, 2 linear layers), VGG-11 and the ResNet-18 chain at half and full width, and
+MobileNetV3-small's chain of convolutions (224x224 inputs), at device speeds 1:0.5, 1:0.5:0.25,
+0.5:0.3:0.2, 4:2:1:1, (1:0.5:0.25) x 2 and (4:2:1:1) x 2, three of them also with memory
+capacities (each vertex's parameters' training state; every device holds at most
+``MEMORY_SLACK`` times an even share, or the largest layer's). Each cell reports km1, the bytes
+per step it means at batch ``BATCH`` (forward maps and backward gradients, from the nets' true
+bytes) and the time, beside Mt-KaHyPar's; Mt-KaHyPar takes no memory constraint, so with
+capacities it partitions without them and the table says whether its partition fits.
+
     python benches/compare_partitioners.py [--quick] [--family PREFIX] [--repeat N] [--json F]
 
 Needs ``mtkahypar`` (the ``bench`` dependency group, which ``make bench`` installs; hetcoll does
@@ -259,7 +269,9 @@ STATE_BYTES = 16
 #: Memory capacities: every device (equal memories, unequal speeds) holds at most this many
 #: times an even share of the parameters' training state, or of the largest layer's if that is
 #: more (a layer holding most of the parameters, as a CNN's first linear layer does, would
-#: otherwise have to be cut apart however much that costs).
+#: otherwise have to be cut apart however much that costs). At 1.1 the slow devices of a
+#: pipeline cannot hold VGG-11's or ResNet-18's parameter-heavy last layers at all, and km1 is
+#: 4-9x Mt-KaHyPar's unconstrained partition's: a comparison of different problems.
 MEMORY_SLACK = 2.0
 #: Batch of the bytes per step reported for the network family.
 BATCH = 64
@@ -447,7 +459,10 @@ def results_file(runs: list[dict[str, Any]], quick: bool, repeat: int) -> dict[s
             f"3-D (uniform points, one net per point and its {KNN} nearest); power-law nets "
             "(Chung-Lu, Pareto net sizes and vertex degrees); the weighted hypergraphs of CNNs "
             "(two small ones, VGG-11's convolutional stack and a plain ResNet-18 chain at reduced "
-            "width); k = 2, 4, 8; uniform targets and speeds 4:2:1:1 repeated. Mt-KaHyPar gets "
+            "width); k = 2, 4, 8; uniform targets and speeds 4:2:1:1 repeated; and the CNN "
+            "network family (a CIFAR CNN, VGG-11 and a ResNet-18 chain at half and full width, "
+            "MobileNetV3-small's convolutions; speeds 1:0.5 to (4:2:1:1) x 2, with and without "
+            "memory capacities, bytes per step at batch 64). Mt-KaHyPar gets "
             "the same per-block limits, floor((1 + eps) * target * W), eps = 0.03, and both get "
             "integer weights."
         ),
