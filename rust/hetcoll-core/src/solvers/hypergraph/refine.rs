@@ -107,19 +107,12 @@ impl<'h> State<'h> {
 
     /// What moving `v` out relieves its block of: its weight if the block is too heavy, else its
     /// memory (the block holds too much memory).
-    ///
-    /// Only what the block is over by counts: weight beyond it relieves nothing more, so a light
-    /// vertex that just suffices is not outranked by a heavy one of lower loss per unit (a block
-    /// a hair over its share after a layer-aligned split sheds two light filters rather than a
-    /// heavy one that cuts a layer's inputs).
     fn relief(&self, v: usize) -> f64 {
         let a = self.parts[v] as usize;
         if self.block_weights[a] > self.caps[a] {
-            self.hg.vertex_weights[v].min(self.block_weights[a] - self.caps[a])
+            self.hg.vertex_weights[v]
         } else {
-            self.hg
-                .memory(v)
-                .min(self.block_memory[a] - self.memory_caps[a])
+            self.hg.memory(v)
         }
     }
 
