@@ -493,7 +493,9 @@ fn pipeline_candidate(
     for slack in [setting.slack, &none[..]] {
         let mut best: Option<(f64, Vec<u32>)> = None;
         for order in [&identity, &bfs] {
-            if let Some(candidate) = sweep::ordered_split(hg, order, caps, slack, mem, rng) {
+            let give_up = SWEEP_GIVE_UP * current;
+            if let Some(candidate) = sweep::ordered_split(hg, order, caps, slack, mem, give_up, rng)
+            {
                 let cut = hg.km1(&candidate);
                 if best.as_ref().is_none_or(|(b, _)| cut < *b) {
                     best = Some((cut, candidate));
@@ -517,7 +519,9 @@ fn pipeline_candidate(
                 current_ok = true;
             }
         }
-        if within {
+        // The best split within the limits bounds no lower than this one: if this one was not
+        // worth refining, neither is that.
+        if within || cut > SWEEP_REFINE_RATIO * current {
             break;
         }
     }
@@ -526,6 +530,10 @@ fn pipeline_candidate(
 
 /// Inputs of at most this many vertices are also tried as pipelines (`pipeline_candidate`).
 const SWEEP_MAX_VERTICES: usize = 50_000;
+
+/// A vertex order whose first ordered split bounds km1 above this many times the multilevel
+/// result's is not searched further (random matrices, kNN and power-law inputs).
+const SWEEP_GIVE_UP: f64 = 3.0;
 
 /// A pipeline start is refined only if its km1 is at most this many times the multilevel
 /// result's.

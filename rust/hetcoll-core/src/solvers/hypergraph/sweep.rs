@@ -19,8 +19,11 @@ use super::{Hypergraph, Rng};
 const STEP_BUDGET: usize = 40_000_000;
 
 /// The best ordered split of `order` (a permutation of the vertices) into blocks within `caps`
-/// (and `mem`), over orders of the blocks; `None` when no order of the blocks admits a balanced
-/// split of this vertex order. The result is a block per vertex; its km1 is exact, the search's
+/// (and `mem`; each block may exceed its weight limit by `slack`, at a penalty), over orders of
+/// the blocks; `None` when no order of the blocks admits a split of this vertex order, or when
+/// the first order's bound exceeds `give_up` (an order that means nothing, as a random
+/// matrix's or a kNN input's, splits badly whatever the blocks' order, and the other orders are
+/// not worth their time). The result is a block per vertex; its km1 is exact, the search's
 /// bound only ranked the candidates.
 pub(super) fn ordered_split(
     hg: &Hypergraph,
@@ -28,6 +31,7 @@ pub(super) fn ordered_split(
     caps: &[f64],
     slack: &[f64],
     mem: Option<&[f64]>,
+    give_up: f64,
     rng: &mut Rng,
 ) -> Option<Vec<u32>> {
     let n = order.len();
@@ -81,7 +85,7 @@ pub(super) fn ordered_split(
     let block_orders = block_orders(caps, mem, n, rng);
     let mut table = Table::new(k, n);
     let mut best: Option<(f64, Vec<usize>)> = None;
-    for blocks in &block_orders {
+    for (i, blocks) in block_orders.iter().enumerate() {
         let limits: Vec<Limits> = blocks
             .iter()
             .map(|&b| Limits {
@@ -90,7 +94,11 @@ pub(super) fn ordered_split(
                 memory: mem.map_or(f64::INFINITY, |m| m[b]),
             })
             .collect();
-        if let Some((bound, ends)) = table.solve(&cost, &weight, &memory, &limits, penalty) {
+        let solved = table.solve(&cost, &weight, &memory, &limits, penalty);
+        if i == 0 && solved.as_ref().is_some_and(|(bound, _)| *bound > give_up) {
+            return None;
+        }
+        if let Some((bound, ends)) = solved {
             if best.as_ref().is_none_or(|(b, _)| bound < *b) {
                 let mut parts_of_runs = ends;
                 parts_of_runs.extend(blocks.iter().copied());
@@ -393,7 +401,7 @@ mod tests {
             let order: Vec<u32> = (0..n as u32).collect();
             let zero = vec![0.0; caps.len()];
             let want = brute_force(&hg, &caps);
-            let got = ordered_split(&hg, &order, &caps, &zero, None, &mut Rng::new(0));
+            let got = ordered_split(&hg, &order, &caps, &zero, None, f64::INFINITY, &mut Rng::new(0));
             prop_assert_eq!(got.is_some(), want.is_finite());
             if let Some(parts) = got {
                 prop_assert_eq!(hg.km1(&parts), want);
