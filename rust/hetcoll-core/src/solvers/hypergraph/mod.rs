@@ -531,9 +531,9 @@ fn pipeline_candidate(
 /// Inputs of at most this many vertices are also tried as pipelines (`pipeline_candidate`).
 const SWEEP_MAX_VERTICES: usize = 50_000;
 
-/// A vertex order whose first ordered split bounds km1 above this many times the multilevel
-/// result's is not searched further (random matrices, kNN and power-law inputs).
-const SWEEP_GIVE_UP: f64 = 3.0;
+/// A vertex order whose first few ordered splits bound km1 above this many times the
+/// multilevel result's is not searched further (random matrices, kNN and power-law inputs).
+const SWEEP_GIVE_UP: f64 = 2.0;
 
 /// A pipeline start is refined only if its km1 is at most this many times the multilevel
 /// result's.

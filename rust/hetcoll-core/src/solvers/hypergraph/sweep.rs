@@ -16,12 +16,16 @@ use super::{Hypergraph, Rng};
 
 /// Most (block order × run × vertex) steps one call spends: distinct block orders beyond the
 /// budget are sampled at random (k = 8 at targets 4:2:1:1 repeated has 420 distinct orders).
-const STEP_BUDGET: usize = 40_000_000;
+const STEP_BUDGET: usize = 15_000_000;
+
+/// Block orders tried before `give_up` is checked (the orders are shuffled first, so these are
+/// a sample of them).
+const PROBE: usize = 8;
 
 /// The best ordered split of `order` (a permutation of the vertices) into blocks within `caps`
 /// (and `mem`; each block may exceed its weight limit by `slack`, at a penalty), over orders of
 /// the blocks; `None` when no order of the blocks admits a split of this vertex order, or when
-/// the first order's bound exceeds `give_up` (an order that means nothing, as a random
+/// the best bound of the first `PROBE` orders exceeds `give_up` (an order that means nothing, as a random
 /// matrix's or a kNN input's, splits badly whatever the blocks' order, and the other orders are
 /// not worth their time). The result is a block per vertex; its km1 is exact, the search's
 /// bound only ranked the candidates.
@@ -82,7 +86,8 @@ pub(super) fn ordered_split(
         })
         .fold(f64::INFINITY, f64::min);
     let penalty = if penalty.is_finite() { penalty } else { 0.0 };
-    let block_orders = block_orders(caps, mem, n, rng);
+    let mut block_orders = block_orders(caps, mem, n, rng);
+    rng.shuffle(&mut block_orders);
     let mut table = Table::new(k, n);
     let mut best: Option<(f64, Vec<usize>)> = None;
     for (i, blocks) in block_orders.iter().enumerate() {
@@ -94,11 +99,10 @@ pub(super) fn ordered_split(
                 memory: mem.map_or(f64::INFINITY, |m| m[b]),
             })
             .collect();
-        let solved = table.solve(&cost, &weight, &memory, &limits, penalty);
-        if i == 0 && solved.as_ref().is_some_and(|(bound, _)| *bound > give_up) {
+        if i == PROBE && best.as_ref().is_none_or(|(bound, _)| *bound > give_up) {
             return None;
         }
-        if let Some((bound, ends)) = solved {
+        if let Some((bound, ends)) = table.solve(&cost, &weight, &memory, &limits, penalty) {
             if best.as_ref().is_none_or(|(b, _)| bound < *b) {
                 let mut parts_of_runs = ends;
                 parts_of_runs.extend(blocks.iter().copied());
@@ -441,5 +445,6 @@ mod tests {
             &mut Rng::new(0),
         );
         assert_eq!(many.len(), STEP_BUDGET / (8 * 50_001));
+        assert!(many.len() > PROBE);
     }
 }
