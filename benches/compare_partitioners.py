@@ -12,6 +12,16 @@ a plain (no-shortcut) ResNet-18 chain, both at reduced width and 32x32 inputs
 same limits as individual maximum block weights ``floor((1 + eps) * targets[b] * W)`` (it takes
 integer weights, so weights are rounded to integers for both), one thread, the default preset.
 
+The CNN network family (issue 42, instances named ``net ...``): the hypergraphs of a CIFAR CNN
+(5 convolutions, 2 linear layers), VGG-11 and the ResNet-18 chain at half and full width, and
+MobileNetV3-small's chain of convolutions (224x224 inputs), at device speeds 1:0.5, 1:0.5:0.25,
+0.5:0.3:0.2, 4:2:1:1, (1:0.5:0.25) x 2 and (4:2:1:1) x 2, three of them also with memory
+capacities (each vertex's parameters' training state; every device holds at most
+``MEMORY_SLACK`` times an even share, or the largest layer's). Each cell reports km1, the bytes
+per step it means at batch ``BATCH`` (forward maps and backward gradients, from the nets' true
+bytes) and the time, beside Mt-KaHyPar's; Mt-KaHyPar takes no memory constraint, so with
+capacities it partitions without them and the table says whether its partition fits.
+
     python benches/compare_partitioners.py [--quick] [--family PREFIX] [--repeat N] [--json F]
 
 Needs ``mtkahypar`` (the ``bench`` dependency group, which ``make bench`` installs; hetcoll does
@@ -191,6 +201,118 @@ def cnn_instances() -> list[Instance]:
     return out
 
 
+def cifar_cnn() -> Any:
+    """A CIFAR-style CNN: 5 convolutions (32, 32, 64, 64, 128 filters, pooling after the 2nd, 4th
+    and 5th) and 2 linear layers (256 neurons, 10 classes)."""
+    import torch
+
+    c = torch.nn
+    return c.Sequential(
+        c.Conv2d(3, 32, 3, padding=1), c.ReLU(), c.Conv2d(32, 32, 3, padding=1), c.ReLU(),
+        c.MaxPool2d(2),
+        c.Conv2d(32, 64, 3, padding=1), c.ReLU(), c.Conv2d(64, 64, 3, padding=1), c.ReLU(),
+        c.MaxPool2d(2),
+        c.Conv2d(64, 128, 3, padding=1), c.ReLU(), c.MaxPool2d(2),
+        c.Flatten(), c.Linear(128 * 4 * 4, 256), c.ReLU(), c.Linear(256, 10),
+    )  # fmt: skip
+
+
+def mobilenet_v3_small_convs() -> Any:
+    """torchvision's MobileNetV3-small, its convolutions as a chain in execution order (stem,
+    each inverted residual's expansion, depthwise and projection convolutions, the last 1x1):
+    ``network_hypergraph`` reads chains only, so the squeeze-excitation branches and the
+    shortcuts are left out, and so is the classifier."""
+    import torch
+    import torchvision
+    from torchvision.ops.misc import SqueezeExcitation
+
+    convs: list[torch.nn.Module] = []
+
+    def walk(module: torch.nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, SqueezeExcitation):
+                continue
+            if isinstance(child, torch.nn.Conv2d):
+                convs.extend([child, torch.nn.Hardswish()])
+            else:
+                walk(child)
+
+    walk(torchvision.models.mobilenet_v3_small().features)
+    return torch.nn.Sequential(*convs)
+
+
+#: The CNN network family (issue 42): name, model builder, one sample's shape.
+NETWORKS: tuple[tuple[str, Any, tuple[int, int, int]], ...] = (
+    ("cifar cnn 5 conv 2 fc", cifar_cnn, (3, 32, 32)),
+    ("vgg11 x0.5", lambda: vgg11_features(0.5), (3, 32, 32)),
+    ("vgg11 x1", lambda: vgg11_features(1.0), (3, 32, 32)),
+    ("resnet18 chain x0.5", lambda: plain_resnet18(0.5), (3, 32, 32)),
+    ("resnet18 chain x1", lambda: plain_resnet18(1.0), (3, 32, 32)),
+    ("mobilenetv3-small convs", mobilenet_v3_small_convs, (3, 224, 224)),
+)
+
+#: Device speeds of the CNN network family's cells (targets proportional to speed).
+NETWORK_SPEEDS: tuple[tuple[float, ...], ...] = (
+    (1.0, 0.5),
+    (1.0, 0.5, 0.25),
+    (0.5, 0.3, 0.2),
+    (4.0, 2.0, 1.0, 1.0),
+    (1.0, 0.5, 0.25) * 2,
+    (4.0, 2.0, 1.0, 1.0) * 2,
+)
+
+#: Speeds of the cells that are also run with memory capacities.
+NETWORK_MEMORY_SPEEDS = ((1.0, 0.5, 0.25), (4.0, 2.0, 1.0, 1.0), (4.0, 2.0, 1.0, 1.0) * 2)
+
+#: Bytes of a parameter's training state: fp32 weight, gradient and Adam's two moments.
+STATE_BYTES = 16
+#: Memory capacities: every device (equal memories, unequal speeds) holds at most this many
+#: times an even share of the parameters' training state, or of the largest layer's if that is
+#: more (a layer holding most of the parameters, as a CNN's first linear layer does, would
+#: otherwise have to be cut apart however much that costs). At 1.1 the slow devices of a
+#: pipeline cannot hold VGG-11's or ResNet-18's parameter-heavy last layers at all, and km1 is
+#: 4-9x Mt-KaHyPar's unconstrained partition's: a comparison of different problems.
+MEMORY_SLACK = 2.0
+#: Batch of the bytes per step reported for the network family.
+BATCH = 64
+
+
+def network_instances(
+    networks: tuple[tuple[str, Any, tuple[int, int, int]], ...] = NETWORKS,
+) -> list[dict[str, Any]]:
+    """The CNN network family's hypergraphs: integer weights for both partitioners (as for the
+    other CNN instances), the nets' bytes per sample, and each vertex's memory (its parameters'
+    training state, ``STATE_BYTES`` per parameter)."""
+    import torch
+
+    from hetcoll.model import network_hypergraph
+
+    out = []
+    for name, build, shape in networks:
+        torch.manual_seed(0)
+        model = build()
+        h = network_hypergraph(model, shape)
+        memory = np.zeros(h.num_vertices)
+        largest = 0.0
+        for layer, first, count in h.layers:
+            params = sum(p.numel() for p in model.get_submodule(layer).parameters())
+            memory[first : first + count] = STATE_BYTES * params / count
+            largest = max(largest, float(STATE_BYTES * params))
+        vw = np.maximum(1, np.round(h.vertex_weights / max(1.0, h.vertex_weights.max() / 1e4)))
+        nw = np.maximum(1, np.round(h.net_weights / max(1.0, h.net_weights.max() / 1e4)))
+        out.append(
+            dict(
+                name=f"net {name}", n=h.num_vertices, nets=h.nets, vw=vw, nw=nw,
+                net_bytes=h.net_weights, memory=memory, largest_layer_memory=largest,
+            )
+        )  # fmt: skip
+    return out
+
+
+def speeds_label(speeds: tuple[float, ...]) -> str:
+    return ":".join(f"{s:g}" for s in speeds)
+
+
 def targets_for(k: int, hetero: bool) -> list[float]:
     speeds = [(4.0, 2.0, 1.0, 1.0)[b % 4] if hetero else 1.0 for b in range(k)]
     return [s / sum(speeds) for s in speeds]
@@ -236,20 +358,30 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     ("kNN 3-D", "knn 3-D"),
     ("power-law", "power-law"),
     ("CNN hypergraphs", "cnn"),
+    ("CNN networks (issue 42)", "net "),
 )
 
-#: Summary rows: a name and which runs it covers (instance name, hetero).
+#: Summary rows: a name and which runs it covers (a run's record).
 GROUPS: tuple[tuple[str, Any], ...] = (
-    ("all", lambda name, hetero: True),
+    ("all", lambda r: True),
+    ("all but the CNN network family", lambda r: not r["instance"].startswith("net ")),
     (
         "beyond banded (kNN, power-law, CNN)",
-        lambda name, hetero: name.startswith(("knn", "power", "cnn")),
+        lambda r: r["instance"].startswith(("knn", "power", "cnn", "net ")),
     ),
-    ("uniform targets", lambda name, hetero: not hetero),
-    ("heterogeneous targets", lambda name, hetero: hetero),
+    ("uniform targets", lambda r: not r["hetero"]),
+    ("heterogeneous targets", lambda r: r["hetero"]),
     *(
-        (family, lambda name, hetero, prefix=prefix: name.startswith(prefix))
+        (family, lambda r, prefix=prefix: r["instance"].startswith(prefix))
         for family, prefix in FAMILIES
+    ),
+    (
+        "CNN networks without memory capacities",
+        lambda r: r["instance"].startswith("net ") and not r.get("memory"),
+    ),
+    (
+        "CNN networks with memory capacities",
+        lambda r: r["instance"].startswith("net ") and bool(r.get("memory")),
     ),
 )
 
@@ -294,7 +426,7 @@ def results_file(runs: list[dict[str, Any]], quick: bool, repeat: int) -> dict[s
 
     summary = []
     for group, covers in GROUPS:
-        chosen = [r for r in runs if covers(r["instance"], r["hetero"])]
+        chosen = [r for r in runs if covers(r)]
         if chosen:
             km1 = [r["km1_ratio"] for r in chosen]
             summary.append(
@@ -327,7 +459,10 @@ def results_file(runs: list[dict[str, Any]], quick: bool, repeat: int) -> dict[s
             f"3-D (uniform points, one net per point and its {KNN} nearest); power-law nets "
             "(Chung-Lu, Pareto net sizes and vertex degrees); the weighted hypergraphs of CNNs "
             "(two small ones, VGG-11's convolutional stack and a plain ResNet-18 chain at reduced "
-            "width); k = 2, 4, 8; uniform targets and speeds 4:2:1:1 repeated. Mt-KaHyPar gets "
+            "width); k = 2, 4, 8; uniform targets and speeds 4:2:1:1 repeated; and the CNN "
+            "network family (a CIFAR CNN, VGG-11 and a ResNet-18 chain at half and full width, "
+            "MobileNetV3-small's convolutions; speeds 1:0.5 to (4:2:1:1) x 2, with and without "
+            "memory capacities, bytes per step at batch 64). Mt-KaHyPar gets "
             "the same per-block limits, floor((1 + eps) * target * W), eps = 0.03, and both get "
             "integer weights."
         ),
@@ -401,10 +536,137 @@ def results_file(runs: list[dict[str, Any]], quick: bool, repeat: int) -> dict[s
                         r["balanced_mtkahypar"],
                     ]
                     for r in runs
+                    if not r["instance"].startswith("net ")
                 ],
             },
+            *([network_section(runs, version)] if any("speeds" in r for r in runs) else []),
         ],
     }
+
+
+def network_section(runs: list[dict[str, Any]], version: str) -> dict[str, Any]:
+    """The CNN network family's cells: km1, bytes per step and time beside Mt-KaHyPar's."""
+    from report import RATIO
+
+    return {
+        "title": f"CNN networks: km1, bytes per step (batch {BATCH}) and time",
+        "peer": f"Mt-KaHyPar {version}, default preset, 1 thread",
+        "columns": [
+            {"name": "network"},
+            {"name": "k"},
+            {"name": "speeds"},
+            {"name": "memory capacities"},
+            {"name": "km1 hetcoll", "format": "{:,.0f}"},
+            {"name": "km1 Mt-KaHyPar", "format": "{:,.0f}"},
+            {"name": "km1 ratio", "format": "{:.3f}"},
+            {"name": "MB/step hetcoll", "format": "{:,.2f}"},
+            {"name": "MB/step Mt-KaHyPar", "format": "{:,.2f}"},
+            {"name": "hetcoll (s)", "format": "{:.3f}"},
+            {"name": "Mt-KaHyPar (s)", "format": "{:.3f}"},
+            {"name": "time ratio", "format": RATIO},
+            {"name": "balanced (both)"},
+            {"name": "Mt-KaHyPar fits memory"},
+        ],
+        "rows": [
+            [
+                r["instance"].removeprefix("net "),
+                r["k"],
+                r["speeds"],
+                "yes" if r["memory"] else "no",
+                r["km1_hetcoll"],
+                r["km1_mtkahypar"],
+                r["km1_ratio"],
+                r["bytes_hetcoll"] / 1e6,
+                r["bytes_mtkahypar"] / 1e6,
+                r["seconds_hetcoll"],
+                r["seconds_mtkahypar"],
+                r["time_ratio"],
+                r["balanced_hetcoll"] and r["balanced_mtkahypar"],
+                ("yes" if r["fits_mtkahypar"] else "no") if r["memory"] else "",
+            ]
+            for r in runs
+            if "speeds" in r
+        ],
+    }
+
+
+def measure(
+    mtkahypar: Any,
+    mtk: Any,
+    n: int,
+    nets: list[np.ndarray],
+    vw: np.ndarray,
+    nw: np.ndarray,
+    targets: list[float],
+    repeat: int,
+    *,
+    memory: np.ndarray | None = None,
+    capacity: list[float] | None = None,
+    net_bytes: np.ndarray | None = None,
+) -> dict[str, Any]:
+    """One cell: ``repeat`` runs of each partitioner, the one that goes first alternating (a
+    change of load reaches both alike); km1, bytes and seconds are medians over the runs
+    (Mt-KaHyPar's km1 varies between runs with one seed, hetcoll's does not). With ``memory``
+    and ``capacity``, hetcoll also keeps every block's memory within its capacity; Mt-KaHyPar
+    takes no second constraint, so it partitions without, and ``fits_mtkahypar`` says whether its
+    partition happens to fit. ``net_bytes``: the nets' bytes per sample, for bytes per step at
+    ``BATCH`` samples (forward maps and backward gradients)."""
+    mine, yours = [], []
+    ok_ours = ok_theirs = fits_theirs = True
+    extra = {} if memory is None else dict(vertex_memory=memory, capacity=capacity)
+
+    def per_step(parts: np.ndarray) -> float:
+        return 2.0 * BATCH * km1_of(nets, parts, net_bytes) if net_bytes is not None else 0.0
+
+    for rep in range(repeat):
+        for go in ("ours", "theirs") if rep % 2 == 0 else ("theirs", "ours"):
+            if go == "ours":
+                start = time.perf_counter()
+                ours = hetcoll.partition_hypergraph(
+                    n, nets, targets, vertex_weights=vw, net_weights=nw, epsilon=EPS, seed=0,
+                    **extra,
+                )  # fmt: skip
+                seconds = time.perf_counter() - start
+                mine.append((km1_of(nets, ours, nw), seconds, per_step(ours)))
+                ok_ours = ok_ours and balanced(ours, vw, targets)
+                if memory is not None:
+                    held = np.bincount(ours, weights=memory, minlength=len(targets))
+                    ok_ours = ok_ours and bool(np.all(held <= np.asarray(capacity)))
+            else:
+                theirs, t = run_mtkahypar(mtkahypar, mtk, n, nets, vw, nw, targets)
+                yours.append((km1_of(nets, theirs, nw), t, per_step(theirs)))
+                ok_theirs = ok_theirs and balanced(theirs, vw, targets)
+                if memory is not None:
+                    held = np.bincount(theirs, weights=memory, minlength=len(targets))
+                    fits_theirs = fits_theirs and bool(np.all(held <= np.asarray(capacity)))
+    a, t_ours, bytes_ours = (statistics.median(x) for x in zip(*mine))
+    b, t_theirs, bytes_theirs = (statistics.median(x) for x in zip(*yours))
+    ratio = a / b if b > 0 else (1.0 if a == 0 else math.inf)
+    cell = dict(
+        km1_hetcoll=a,
+        km1_mtkahypar=b,
+        km1_ratio=ratio,
+        seconds_hetcoll=t_ours,
+        seconds_mtkahypar=t_theirs,
+        time_ratio=t_ours / t_theirs,
+        balanced_hetcoll=bool(ok_ours),
+        balanced_mtkahypar=bool(ok_theirs),
+    )
+    if net_bytes is not None:
+        cell |= dict(bytes_hetcoll=bytes_ours, bytes_mtkahypar=bytes_theirs)
+    if memory is not None:
+        cell |= dict(fits_mtkahypar=bool(fits_theirs))
+    return cell
+
+
+def print_cell(name: str, k: int, label: str, cell: dict[str, Any]) -> None:
+    ok = f"{cell['balanced_hetcoll']!s:>5}/{cell['balanced_mtkahypar']!s:<5}"
+    print(
+        f"{name:<28} {k:>2} {label:<7} {cell['km1_hetcoll']:>12.0f}"
+        f" {cell['km1_mtkahypar']:>14.0f} {cell['km1_ratio']:>6.3f}"
+        f" {cell['seconds_hetcoll']:>9.3f}s {cell['seconds_mtkahypar']:>10.3f}s {ok:>9}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -432,49 +694,36 @@ def main() -> None:
         for k in (2, 4, 8):
             for hetero in (False, True):
                 targets = targets_for(k, hetero)
-                # Each run times both partitioners, the one that goes first alternating (a
-                # change of load reaches both alike); km1 and seconds are medians over the runs
-                # (Mt-KaHyPar's km1 varies between runs with one seed, hetcoll's does not).
-                mine, yours = [], []
-                ok_ours = ok_theirs = True
-                for rep in range(args.repeat):
-                    for go in ("ours", "theirs") if rep % 2 == 0 else ("theirs", "ours"):
-                        if go == "ours":
-                            start = time.perf_counter()
-                            ours = hetcoll.partition_hypergraph(
-                                n, nets, targets, vertex_weights=vw, net_weights=nw,
-                                epsilon=EPS, seed=0,
-                            )  # fmt: skip
-                            mine.append((km1_of(nets, ours, nw), time.perf_counter() - start))
-                            ok_ours = ok_ours and balanced(ours, vw, targets)
-                        else:
-                            theirs, t = run_mtkahypar(mtkahypar, mtk, n, nets, vw, nw, targets)
-                            yours.append((km1_of(nets, theirs, nw), t))
-                            ok_theirs = ok_theirs and balanced(theirs, vw, targets)
-                a, t_ours = (statistics.median(x) for x in zip(*mine))
-                b, t_theirs = (statistics.median(x) for x in zip(*yours))
-                ratio = a / b if b > 0 else (1.0 if a == 0 else math.inf)
-                runs.append(
-                    dict(
-                        instance=name,
-                        k=k,
-                        hetero=hetero,
-                        km1_hetcoll=a,
-                        km1_mtkahypar=b,
-                        km1_ratio=ratio,
-                        seconds_hetcoll=t_ours,
-                        seconds_mtkahypar=t_theirs,
-                        time_ratio=t_ours / t_theirs,
-                        balanced_hetcoll=bool(ok_ours),
-                        balanced_mtkahypar=bool(ok_theirs),
-                    )
-                )
-                ok = f"{ok_ours!s:>5}/{ok_theirs!s:<5}"
-                print(
-                    f"{name:<28} {k:>2} {'hetero' if hetero else 'uniform':<7} {a:>12.0f}"
-                    f" {b:>14.0f} {ratio:>6.3f} {t_ours:>9.3f}s {t_theirs:>10.3f}s {ok:>9}",
-                    flush=True,
-                )
+                cell = measure(mtkahypar, mtk, n, nets, vw, nw, targets, args.repeat)
+                runs.append(dict(instance=name, k=k, hetero=hetero, **cell))
+                print_cell(name, k, "hetero" if hetero else "uniform", cell)
+    if args.family is None or "net ".startswith(args.family) or args.family.startswith("net"):
+        for inst in network_instances():
+            name, n, nets = inst["name"], inst["n"], inst["nets"]
+            if args.family is not None and not name.startswith(args.family):
+                continue
+            pins = sum(len(e) for e in nets)
+            print(f"# {name}: {n} vertices, {len(nets)} nets, {pins} pins", flush=True)
+            for speeds in NETWORK_SPEEDS:
+                for with_memory in (False, True) if speeds in NETWORK_MEMORY_SPEEDS else (False,):
+                    targets = [x / sum(speeds) for x in speeds]
+                    k = len(targets)
+                    memory = inst["memory"] if with_memory else None
+                    share = max(float(inst["memory"].sum()) / k, inst["largest_layer_memory"])
+                    capacity = [MEMORY_SLACK * share] * k
+                    cell = measure(
+                        mtkahypar, mtk, n, nets, inst["vw"], inst["nw"], targets, args.repeat,
+                        memory=memory, capacity=capacity if with_memory else None,
+                        net_bytes=inst["net_bytes"],
+                    )  # fmt: skip
+                    runs.append(
+                        dict(
+                            instance=name, k=k, hetero=len(set(speeds)) > 1,
+                            speeds=speeds_label(speeds), memory=with_memory, **cell,
+                        )
+                    )  # fmt: skip
+                    label = speeds_label(speeds) + (" mem" if with_memory else "")
+                    print_cell(name, k, label, cell)
     gm = geomean([r["km1_ratio"] for r in runs])
     gt = geomean([r["time_ratio"] for r in runs])
     print(f"geometric mean km1 ratio hetcoll / Mt-KaHyPar: {gm:.3f}")

@@ -304,7 +304,7 @@ fn bfs_sweep(
 
 /// Every vertex in breadth-first order from `start`, then the other components' from their
 /// lowest vertex.
-fn bfs_order(hg: &Hypergraph, start: usize) -> Vec<u32> {
+pub(super) fn bfs_order(hg: &Hypergraph, start: usize) -> Vec<u32> {
     let n = hg.num_vertices();
     let mut seen = vec![false; n];
     let mut seen_net = vec![false; hg.num_nets()];

@@ -32,6 +32,10 @@
 //!    balance whenever a level starts out of balance. On the input level, `flow`: max-flow
 //!    min-cut refinement between pairs of blocks on a region around their cut (KaHyPar-MF), then
 //!    FM again.
+//! 4. `sweep` (inputs of at most 50,000 vertices): the cheapest ordered split of the input order
+//!    and of a BFS order into `k` runs, over every distinct order of the blocks (a pipeline, for
+//!    a network's chain of layers), refined like the input level, replaces the multilevel
+//!    result if it cuts less.
 //!
 //! Balance is a hard constraint: the result always meets it, or the call fails with an error
 //! (`vertex_weights` when one vertex outweighs the largest block, `targets` when no packing was
@@ -43,6 +47,7 @@ mod community;
 mod flow;
 mod initial;
 mod refine;
+mod sweep;
 
 use crate::error::{CoreError, Result};
 
@@ -420,17 +425,17 @@ fn multilevel(hg: &Hypergraph, setting: &Setting<'_>, rng: &mut Rng) -> Vec<u32>
     // Recursive bisection cannot see past its own cut (a perfect first bisection may leave an
     // unsplittable half), so several independent runs compete on the k-way result.
     let mut best: Option<(bool, f64, Vec<u32>)> = None;
-    // Small coarsest hypergraphs (tiny inputs) get more runs: they cost next to nothing. So do
-    // inputs of a few thousand vertices (a CNN's filters), where a run takes milliseconds to a
-    // second and recursive bisection's luck decides most (VGG-11 at k = 8: 1.33x Mt-KaHyPar's km1
-    // with 2 runs, 1.03x with 6 flat ones). There, the bisections are multilevel whatever the
-    // nets' size: 4 such runs matched 6 flat ones on the CNN hypergraphs (and took ResNet-18's
-    // chain at k = 8, 4:2:1:1 from 1.15x to 1.00x Mt-KaHyPar's km1) in 80% of the time.
+    // Small coarsest hypergraphs (tiny inputs) get more runs: they cost next to nothing. On
+    // inputs of a few thousand vertices (a CNN's filters) the bisections are multilevel whatever
+    // the nets' size (4 such runs matched 6 flat ones on the CNN hypergraphs in 80% of the
+    // time); since ordered splits (`pipeline_candidate`) compete with the result, 3 runs reach
+    // the km1 of 4 on the CNN network family in less time (2 left VGG-11 at a quarter width,
+    // k = 8, at 1.26x Mt-KaHyPar's km1).
     let small_input = n <= SMALL_INPUT;
     let runs = if coarsest.num_vertices() < SMALL {
         4 * INITIAL_RUNS
     } else if small_input {
-        2 * INITIAL_RUNS
+        SMALL_INPUT_RUNS
     } else {
         INITIAL_RUNS
     };
@@ -457,8 +462,83 @@ fn multilevel(hg: &Hypergraph, setting: &Setting<'_>, rng: &mut Rng) -> Vec<u32>
         }
     }
     let parts = best.map(|(_, _, p)| p).unwrap_or_default();
-    uncoarsen(hg, &hierarchy, parts, caps, mem, Some(slack), rng)
+    let parts = uncoarsen(hg, &hierarchy, parts, caps, mem, Some(slack), rng);
+    if n <= SWEEP_MAX_VERTICES {
+        return pipeline_candidate(hg, parts, setting, rng);
+    }
+    parts
 }
+
+/// Pipelines against the multilevel result: the cheapest ordered split (see `sweep`) of the
+/// input order and of a BFS order, refined like the input level, replaces `parts` if it cuts
+/// less. A chain of layers numbered in order is split there as a pipeline would be, across the
+/// cheapest layers for each block's share, which recursive bisection under uneven targets misses
+/// (a 5-conv CIFAR CNN at targets 1 : 0.5 : 0.25: 2.3x Mt-KaHyPar's km1 without it).
+fn pipeline_candidate(
+    hg: &Hypergraph,
+    parts: Vec<u32>,
+    setting: &Setting<'_>,
+    rng: &mut Rng,
+) -> Vec<u32> {
+    let (caps, mem) = (setting.caps, setting.mem);
+    let n = hg.num_vertices();
+    let identity: Vec<u32> = (0..n as u32).collect();
+    let start = initial::bfs_order(hg, 0).last().copied().unwrap_or(0) as usize;
+    let bfs = initial::bfs_order(hg, start);
+    let mut current = hg.km1(&parts);
+    let mut current_ok = balanced(hg, &parts, caps, mem);
+    let mut parts = parts;
+    let none = vec![0.0; caps.len()];
+    // Splits that may exceed a block's limit (for rebalancing to repair) first; if the best one
+    // does, the best within the limits too, in case the repair costs more than it saved.
+    for slack in [setting.slack, &none[..]] {
+        let mut best: Option<(f64, Vec<u32>)> = None;
+        for order in [&identity, &bfs] {
+            let give_up = SWEEP_GIVE_UP * current;
+            if let Some(candidate) = sweep::ordered_split(hg, order, caps, slack, mem, give_up, rng)
+            {
+                let cut = hg.km1(&candidate);
+                if best.as_ref().is_none_or(|(b, _)| cut < *b) {
+                    best = Some((cut, candidate));
+                }
+            }
+        }
+        let Some((cut, mut candidate)) = best else {
+            return parts;
+        };
+        let within = balanced(hg, &candidate, caps, mem);
+        // Refinement seldom takes more than a fifth off a start: worse starts are not worth
+        // a pass (on random matrices and kNN inputs, whose order means nothing, they are
+        // 1.3-1.5x the multilevel result).
+        if cut <= SWEEP_REFINE_RATIO * current {
+            refine::refine(hg, &mut candidate, caps, mem, Some(setting.slack), rng);
+            let ok = balanced(hg, &candidate, caps, mem);
+            let refined = hg.km1(&candidate);
+            if ok && (refined < current || !current_ok) {
+                parts = candidate;
+                current = refined;
+                current_ok = true;
+            }
+        }
+        // The best split within the limits bounds no lower than this one: if this one was not
+        // worth refining, neither is that.
+        if within || cut > SWEEP_REFINE_RATIO * current {
+            break;
+        }
+    }
+    parts
+}
+
+/// Inputs of at most this many vertices are also tried as pipelines (`pipeline_candidate`).
+const SWEEP_MAX_VERTICES: usize = 50_000;
+
+/// A vertex order whose first few ordered splits bound km1 above this many times the
+/// multilevel result's is not searched further (random matrices, kNN and power-law inputs).
+const SWEEP_GIVE_UP: f64 = 2.0;
+
+/// A pipeline start is refined only if its km1 is at most this many times the multilevel
+/// result's.
+const SWEEP_REFINE_RATIO: f64 = 1.25;
 
 /// The hypergraph induced by the vertices not `dropped` (nets keep their pins among them, nets
 /// left with fewer than two pins go, memory comes along), and the input id of each of its
@@ -545,7 +625,11 @@ fn uncoarsen(
 /// Independent initial partitions of the coarsest hypergraph; the best one is uncoarsened.
 const INITIAL_RUNS: usize = 2;
 
-/// Inputs of at most this many vertices get twice the initial runs, with multilevel bisections.
+/// Initial runs on inputs of at most `SMALL_INPUT` vertices (more than the coarsest level's
+/// `SMALL`).
+const SMALL_INPUT_RUNS: usize = 3;
+
+/// Inputs of at most this many vertices get multilevel bisections (and `SMALL_INPUT_RUNS`).
 const SMALL_INPUT: usize = 2500;
 
 /// Below this many vertices the initial partitioner spends more tries.
