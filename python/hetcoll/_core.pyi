@@ -135,8 +135,9 @@ def partition_hypergraph(
     positive and sum to 1); among such partitions it seeks a small connectivity minus one
     (``km1``). Multilevel (heavy-edge clustering, recursive-bisection initial partitions, k-way FM
     and flow refinement; on inputs up to 50,000 vertices, the cheapest ordered split of the vertex
-    order, a pipeline for a network's layers, competes), deterministic for a ``seed``, GIL released. Balance is never
-    violated: if no balanced partition exists (or none is found) ``ValueError`` says so.
+    order, a pipeline for a network's layers, competes), deterministic for a ``seed``, GIL
+    released. Balance is never violated: if no balanced partition exists (or none is found)
+    ``ValueError`` says so.
 
     ``vertex_memory`` (bytes each vertex needs) and ``capacity`` (bytes block ``b`` may hold, one
     per block), together or not at all: every block also holds at most its capacity. Requests that
