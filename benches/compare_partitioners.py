@@ -223,8 +223,8 @@ def mobilenet_v3_small_convs() -> Any:
     ``network_hypergraph`` reads chains only, so the squeeze-excitation branches and the
     shortcuts are left out, and so is the classifier."""
     import torch
-    import torchvision
-    from torchvision.ops.misc import SqueezeExcitation
+    import torchvision  # type: ignore[import-untyped]
+    from torchvision.ops.misc import SqueezeExcitation  # type: ignore[import-untyped]
 
     convs: list[torch.nn.Module] = []
 
