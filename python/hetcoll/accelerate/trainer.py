@@ -35,6 +35,7 @@ from hetcoll.accelerate.data import (
     prepare_balanced,
 )
 from hetcoll.torch import gather_speeds
+from hetcoll.torch.speed import check_share_source
 
 
 class BalancedTrainer(Trainer):
@@ -70,17 +71,7 @@ class BalancedTrainer(Trainer):
         seed: int | None = None,
         **kwargs: Any,
     ) -> None:
-        given = [n for n, v in (("shares", shares), ("speeds", speeds)) if v is not None]
-        if not isinstance(measure, bool):
-            raise TypeError(f"measure: must be True or False, got {measure!r}")
-        if measure:
-            given.append("measure")
-        if len(given) > 1:
-            raise ValueError(f"{given[1]}: give at most one of shares, speeds, measure=True")
-        if not (isinstance(measure_budget, (int, float)) and measure_budget > 0):
-            raise ValueError(
-                f"measure_budget: must be a number of seconds > 0, got {measure_budget!r}"
-            )
+        check_share_source(shares, speeds, measure, measure_budget)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed: must be an integer or None, got {seed!r}")
         self._shares = None if shares is None else positive_numbers(shares, "shares", int)

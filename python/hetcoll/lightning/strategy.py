@@ -52,6 +52,7 @@ from hetcoll.torch import (
     weighted_allreduce_hook,
 )
 from hetcoll.torch.batches import Items, items_argument
+from hetcoll.torch.speed import check_share_source
 
 _OWN_HOOK_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper")
 
@@ -193,13 +194,7 @@ class BalancedStrategy(DDPStrategy):
         items: Items | None = None,
         **ddp_kwargs: Any,
     ) -> None:
-        given = [n for n, v in (("shares", shares), ("speeds", speeds)) if v is not None]
-        if not isinstance(measure, bool):
-            raise TypeError(f"measure: must be True or False, got {measure!r}")
-        if measure:
-            given.append("measure")
-        if len(given) > 1:
-            raise ValueError(f"{given[1]}: give at most one of shares, speeds, measure=True")
+        check_share_source(shares, speeds, measure, measure_budget)
         if rebalance_every is not None and (
             isinstance(rebalance_every, bool)
             or not isinstance(rebalance_every, int)
@@ -210,10 +205,6 @@ class BalancedStrategy(DDPStrategy):
             )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed: must be an integer, got {seed!r}")
-        if not (isinstance(measure_budget, (int, float)) and measure_budget > 0):
-            raise ValueError(
-                f"measure_budget: must be a number of seconds > 0, got {measure_budget!r}"
-            )
         self.items = items_argument(items)
         for name in _OWN_HOOK_ARGUMENTS:
             if name in ddp_kwargs:

@@ -430,6 +430,25 @@ def _precise(timings: Sequence[tuple[int, float]], rtol: float, quantile: float)
     return True
 
 
+def check_share_source(
+    shares: object, speeds: object, measure: object, measure_budget: object
+) -> None:
+    """The rule every balanced front end (Lightning's strategy, Hugging Face's trainer) applies
+    to where its shares come from: at most one of ``shares``, ``speeds`` and ``measure=True``,
+    and a measuring budget of seconds > 0. Raises naming the argument."""
+    given = [n for n, v in (("shares", shares), ("speeds", speeds)) if v is not None]
+    if not isinstance(measure, bool):
+        raise TypeError(f"measure: must be True or False, got {measure!r}")
+    if measure:
+        given.append("measure")
+    if len(given) > 1:
+        raise ValueError(f"{given[1]}: give at most one of shares, speeds, measure=True")
+    if isinstance(measure_budget, bool) or not (
+        isinstance(measure_budget, (int, float)) and measure_budget > 0
+    ):
+        raise ValueError(f"measure_budget: must be a number of seconds > 0, got {measure_budget!r}")
+
+
 def gather_speeds(fit: SpeedFit, group: Any = None) -> list[SpeedFit]:
     """Every rank's :class:`SpeedFit`, in rank order (a collective: call it on every rank).
 
