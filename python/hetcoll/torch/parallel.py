@@ -514,7 +514,7 @@ class Parallel(PlanCheckpoints, nn.Module):
         stage_of = self._stage_of[i]
         tr, wire, comm = self._tr, self._wire_device(), self._stage_comm
         sends: list[Any] = []
-        saved: dict[int, tuple[dict[int, list[torch.Tensor]], Any, StageRoles]] = {}
+        saved: dict[int, tuple[dict[int, list[torch.Tensor]], Any, StageRoles, Flow]] = {}
         loss_sum = 0.0
 
         def send(t: torch.Tensor, to: list[int], tag: int, kind: str) -> None:
@@ -560,7 +560,7 @@ class Parallel(PlanCheckpoints, nn.Module):
                     if last:
                         loss = self._loss(output, _rows(targets, rows), weights[k])
                         loss_sum += float(loss.detach())
-                        saved[k] = (received, loss, roles)
+                        saved[k] = (received, loss, roles, flow)
                     else:
                         if lead:  # in the probe's dtypes, whatever autocast computed them in
                             for b, readers in roles.sends.items():
@@ -575,11 +575,11 @@ class Parallel(PlanCheckpoints, nn.Module):
                                             _TAG_ACTIVATION,
                                             "activations",
                                         )
-                        saved[k] = (received, captured, roles)
+                        saved[k] = (received, captured, roles, flow)
                 else:
                     set_kind("gradients")
-                    received, y, roles = saved.pop(k)
-                    flow = self._flow(_rows(inputs, rows))
+                    # The forward's probe and roles: nothing is looked up twice.
+                    received, y, roles, flow = saved.pop(k)
                     if last:
                         if y.requires_grad:
                             y.backward()
