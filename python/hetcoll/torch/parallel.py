@@ -67,7 +67,7 @@ from hetcoll.torch.replay import (
 from hetcoll.torch.state_dicts import (
     Part,
 )
-from hetcoll.torch.transport import CountingCommunicator, Transport, transport
+from hetcoll.torch.transport import CountingCommunicator, Inbox, Transport, transport
 
 __all__ = ["TRAFFIC_KINDS", "Parallel", "parallelize", "schedule_order"]
 
@@ -368,20 +368,35 @@ class Parallel(PlanCheckpoints, nn.Module):
         # flight; every other stage communicates from its first forward on.
         if not (first and comm is None):
             checked()
+        ops = list(schedule_order(schedule, j, len(replica.stages), len(sizes)))
+
+        def messages(n: int) -> list[tuple[torch.Tensor, int, int]]:
+            op, k = ops[n]
+            if op == "F" and prev is not None:
+                shape, dtype = self._boundaries(inputs, sizes[k])[stage.layers[0] - 1]
+                return [
+                    (torch.empty(shape, dtype=dtype, device=wire), prev.ranks[0], _TAG_ACTIVATION)
+                ]
+            if op == "B" and not last:
+                shape, dtype = self._boundaries(inputs, sizes[k])[stage.layers[1] - 1]
+                return [
+                    (torch.empty(shape, dtype=dtype, device=wire), r, _TAG_GRADIENT)
+                    for r in grad_sources
+                ]
+            return []
+
+        inbox = Inbox(tr, len(ops), messages, checked)
         try:
-            for op, k in schedule_order(schedule, j, len(replica.stages), len(sizes)):
+            for n, (op, k) in enumerate(ops):
                 rows = slice(offsets[k], offsets[k] + sizes[k])
+                got = inbox.take(n)
                 if op == "F":
                     set_kind("activations")
                     if first:
                         x = inputs[rows].to(self._device)
                         x_in: torch.Tensor | None = None
                     else:
-                        assert prev is not None
-                        shape, dtype = self._boundaries(inputs, sizes[k])[stage.layers[0] - 1]
-                        buf = torch.empty(shape, dtype=dtype, device=wire)
-                        tr.recv(buf, prev.ranks[0], _TAG_ACTIVATION)
-                        x_in = buf.to(self._device).requires_grad_(True)
+                        x_in = got[0].to(self._device).requires_grad_(True)
                         x = x_in
                     y = self.stage(x)
                     if last:
@@ -402,9 +417,7 @@ class Parallel(PlanCheckpoints, nn.Module):
                         if y.requires_grad:
                             y.backward()
                     else:
-                        checked()
-                        out_dtype = self._boundaries(inputs, sizes[k])[stage.layers[1] - 1][1]
-                        grad = self._recv_sum(y, grad_sources, _TAG_GRADIENT, out_dtype)
+                        grad = self._gradient_sum(got, y)
                         if y.requires_grad:
                             torch.autograd.backward(y, grad)
                     if x_in is not None and lead:
@@ -518,6 +531,7 @@ class Parallel(PlanCheckpoints, nn.Module):
         loss_sum = 0.0
 
         def send(t: torch.Tensor, to: list[int], tag: int, kind: str) -> None:
+            checked()
             t = t.detach().to(wire).contiguous()
             for r in to:
                 sends.append(tr.isend(t, r, tag))
@@ -530,31 +544,61 @@ class Parallel(PlanCheckpoints, nn.Module):
         def tensors(value: Any) -> list[torch.Tensor]:
             return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
-        checked()
+        if not (j == 0 and comm is None):  # as in _run
+            checked()
+        ops = list(schedule_order(self._schedule(i), j, len(replica.stages), len(sizes)))
+        probes: dict[int, tuple[Any, Flow, StageRoles]] = {}
+
+        def probed(k: int) -> tuple[Any, Flow, StageRoles]:
+            """Micro-batch ``k``'s inputs, probe and roles, looked up once for its forward,
+            its backward and the receives posted ahead of them."""
+            if k not in probes:
+                batch_in = _rows(inputs, slice(offsets[k], offsets[k] + sizes[k]))
+                flow = self._flow(batch_in)
+                probes[k] = (batch_in, flow, self._roles(flow, i, j))
+            return probes[k]
+
+        def messages(n: int) -> list[tuple[torch.Tensor, int, int]]:
+            op, k = ops[n]
+            _, flow, roles = probed(k)
+            out = []
+            if op == "F":
+                for b in roles.receives:
+                    source = replica.stages[stage_of[b]].ranks[0]
+                    for leaf in flow.tensors(b):
+                        buf = torch.empty(leaf.shape, dtype=leaf.dtype, device=wire)
+                        out.append((buf, source, _TAG_ACTIVATION))
+            elif not last:
+                for b, readers in roles.sends.items():
+                    for leaf in flow.tensors(b):
+                        if leaf.requires_grad:
+                            for s in readers:
+                                buf = torch.empty(leaf.shape, dtype=leaf.dtype, device=wire)
+                                out.append((buf, replica.stages[s].ranks[0], _TAG_GRADIENT))
+            return out
+
+        inbox = Inbox(tr, len(ops), messages, checked)
         try:
-            for op, k in schedule_order(self._schedule(i), j, len(replica.stages), len(sizes)):
+            for n, (op, k) in enumerate(ops):
                 rows = slice(offsets[k], offsets[k] + sizes[k])
+                got = iter(inbox.take(n))  # this operation's messages, in order
                 if op == "F":
                     set_kind("activations")
-                    batch_in = _rows(inputs, rows)
-                    flow = self._flow(batch_in)
-                    roles = self._roles(flow, i, j)
-                    received: dict[int, list[torch.Tensor]] = {}
-                    for b in roles.receives:
-                        source = replica.stages[stage_of[b]].ranks[0]
-                        got = []
-                        for leaf in flow.tensors(b):
-                            buf = torch.empty(leaf.shape, dtype=leaf.dtype, device=wire)
-                            tr.recv(buf, source, _TAG_ACTIVATION)
-                            got.append(buf.to(self._device).requires_grad_(leaf.requires_grad))
-                        received[b] = got
+                    batch_in, flow, roles = probed(k)
+                    received: dict[int, list[torch.Tensor]] = {
+                        b: [
+                            next(got).to(self._device).requires_grad_(leaf.requires_grad)
+                            for leaf in flow.tensors(b)
+                        ]
+                        for b in roles.receives
+                    }
                     output, captured = replay(
                         self.stage,
                         self._names,
                         pytree.tree_map(self._on_device, batch_in),
                         flow,
                         roles,
-                        {b: flow.rebuild(b, got) for b, got in received.items()},
+                        {b: flow.rebuild(b, ts) for b, ts in received.items()},
                         self._device,
                     )
                     if last:
@@ -578,7 +622,6 @@ class Parallel(PlanCheckpoints, nn.Module):
                         saved[k] = (received, captured, roles, flow)
                 else:
                     set_kind("gradients")
-                    # The forward's probe and roles: nothing is looked up twice.
                     received, y, roles, flow = saved.pop(k)
                     if last:
                         if y.requires_grad:
@@ -589,8 +632,7 @@ class Parallel(PlanCheckpoints, nn.Module):
                             for leaf, t in zip(flow.tensors(b), tensors(y[b]), strict=True):
                                 if not leaf.requires_grad:
                                     continue
-                                sources = [replica.stages[s].ranks[0] for s in readers]
-                                total = self._recv_sum(t, sources, _TAG_GRADIENT, leaf.dtype)
+                                total = self._gradient_sum([next(got) for _ in readers], t)
                                 if t.requires_grad:
                                     outs.append(t)
                                     grads.append(total)
@@ -598,9 +640,9 @@ class Parallel(PlanCheckpoints, nn.Module):
                             grads = [g.to(t.dtype) for t, g in zip(outs, grads, strict=True)]
                             torch.autograd.backward(outs, grads)
                     if lead:
-                        for b, got in received.items():
+                        for b, inputs_of_b in received.items():
                             to = list(replica.stages[stage_of[b]].ranks)
-                            for t in got:
+                            for t in inputs_of_b:
                                 if t.requires_grad:
                                     g = t.grad if t.grad is not None else torch.zeros_like(t)
                                     send(g, to, _TAG_GRADIENT, "gradients")
@@ -631,6 +673,16 @@ class Parallel(PlanCheckpoints, nn.Module):
         (a filter-split stage's ranks each backpropagate), an owners stage's lead only."""
         ranks = self.plan.replicas[replica].stages[stage].ranks
         return [ranks[0]] if (replica, stage) in self._blocks else list(ranks)
+
+    def _gradient_sum(self, parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        """Gradients of one output received from its readers, summed in the readers'
+        (increasing rank) order on this rank's device, in the dtype they travelled in (under
+        autocast the boundary's own, not the 16-bit one ``like`` was computed in: autograd
+        casts it back)."""
+        total = torch.zeros(like.shape, dtype=parts[0].dtype, device=like.device)
+        for part in parts:
+            total += part.to(self._device)
+        return total
 
     def _recv_sum(
         self, like: torch.Tensor, sources: list[int], tag: int, dtype: Any = None

@@ -12,7 +12,7 @@ on MPI they travel as bytes of host memory.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,7 @@ import torch
 
 from hetcoll.comm import Communicator, Request, wrap
 
-__all__ = ["CountingCommunicator", "Transport", "transport"]
+__all__ = ["CountingCommunicator", "Inbox", "Transport", "transport"]
 
 
 class Transport(ABC):
@@ -36,12 +36,18 @@ class Transport(ABC):
         """Start sending ``t`` (contiguous) to group rank ``dst``; keep ``t`` until waited."""
 
     @abstractmethod
+    def irecv(self, t: torch.Tensor, src: int, tag: int) -> Any:
+        """Start receiving into ``t`` (contiguous) from group rank ``src``; ``t`` holds the
+        message once :meth:`wait` has returned. Messages of one source and tag are matched in
+        the order their receives were started."""
+
     def recv(self, t: torch.Tensor, src: int, tag: int) -> None:
         """Receive into ``t`` (contiguous) from group rank ``src``."""
+        self.wait([self.irecv(t, src, tag)])
 
     @abstractmethod
     def wait(self, handles: Sequence[Any]) -> None:
-        """Wait for the sends :meth:`isend` started."""
+        """Wait for the sends and receives :meth:`isend` and :meth:`irecv` started."""
 
     @abstractmethod
     def subgroup(self, ranks: Sequence[int]) -> Any:
@@ -73,6 +79,9 @@ class _TorchTransport(Transport):
 
     def isend(self, t: torch.Tensor, dst: int, tag: int) -> Any:
         return self._dist.isend(t, self._global[dst], tag=tag)
+
+    def irecv(self, t: torch.Tensor, src: int, tag: int) -> Any:
+        return self._dist.irecv(t, self._global[src], tag=tag)
 
     def recv(self, t: torch.Tensor, src: int, tag: int) -> None:
         self._dist.recv(t, self._global[src], tag=tag)
@@ -116,9 +125,15 @@ class _MpiTransport(Transport):
         self.rank, self.size, self.engine = comm.Get_rank(), comm.Get_size(), "mpi"
         self._subs: dict[tuple[int, ...], Any] = {}
 
+    # A handle is (request, host buffer, the tensor a received host buffer is copied into).
+
     def isend(self, t: torch.Tensor, dst: int, tag: int) -> Any:
         host = t if t.device.type == "cpu" else t.cpu()
-        return (self._c.Isend([_host_bytes(host), self._mpi.BYTE], dst, tag), host)
+        return (self._c.Isend([_host_bytes(host), self._mpi.BYTE], dst, tag), host, None)
+
+    def irecv(self, t: torch.Tensor, src: int, tag: int) -> Any:
+        host = t if t.device.type == "cpu" else torch.empty_like(t, device="cpu")
+        return (self._c.Irecv([_host_bytes(host), self._mpi.BYTE], src, tag), host, t)
 
     def recv(self, t: torch.Tensor, src: int, tag: int) -> None:
         host = t if t.device.type == "cpu" else torch.empty_like(t, device="cpu")
@@ -128,6 +143,9 @@ class _MpiTransport(Transport):
 
     def wait(self, handles: Sequence[Any]) -> None:
         self._mpi.Request.Waitall([h[0] for h in handles])
+        for _, host, t in handles:
+            if t is not None and host is not t:
+                t.copy_(host)
 
     def subgroup(self, ranks: Sequence[int]) -> Any:
         key = tuple(sorted(ranks))
@@ -154,6 +172,42 @@ class _MpiTransport(Transport):
     def broadcast(self, t: torch.Tensor, src: int, sub: Any = None) -> None:
         c = self._c if sub is None else sub
         self._inplace(t, lambda a: c.Bcast(a.reshape(-1).view(np.uint8), root=src))
+
+
+class Inbox:
+    """A stage's receives, posted an operation ahead. ``post(n)`` lists the messages of a
+    schedule's ``n``-th operation as ``(buffer, source, tag)``; :meth:`take` starts them all
+    before waiting for any (one handshake's latency, not one per message), and the next
+    operation's too, so that its messages land while this one computes. ``ready`` is called
+    once before the first receive (the runtime's batch check). Receives of one source and tag
+    match in the order they were started, so posting ahead keeps the schedule's order."""
+
+    def __init__(
+        self,
+        tr: Transport,
+        count: int,
+        post: Callable[[int], list[tuple[torch.Tensor, int, int]]],
+        ready: Callable[[], None],
+    ) -> None:
+        self._tr, self._count, self._post, self._ready = tr, count, post, ready
+        self._posted: dict[int, tuple[list[torch.Tensor], list[Any]]] = {}
+
+    def _start(self, n: int) -> None:
+        if n in self._posted or n >= self._count:
+            return
+        messages = self._post(n)
+        if messages:
+            self._ready()
+        handles = [self._tr.irecv(buf, src, tag) for buf, src, tag in messages]
+        self._posted[n] = ([buf for buf, _, _ in messages], handles)
+
+    def take(self, n: int) -> list[torch.Tensor]:
+        """Operation ``n``'s buffers, in ``post(n)``'s order, once they have arrived."""
+        self._start(n)
+        self._start(n + 1)
+        bufs, handles = self._posted.pop(n)
+        self._tr.wait(handles)
+        return bufs
 
 
 def transport(group: Any = None) -> Transport:
