@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hetcoll.comm import wrap
+from hetcoll.errors import CollectiveMismatchError
 from hetcoll.torch import (
     FilterParallelConv2d,
     FilterParallelLinear,
@@ -463,6 +464,13 @@ def run_hostile(rank: int, world_size: int) -> list[str]:
         conv_net(torch.zeros(3, 6, 6))
     except ValueError as e:
         seen.append(str(e).split(";")[0])
+    # Ranks passing batches of different sizes: the forward's one agreement raises on each,
+    # naming the inputs, before any layer's reduction (which no longer checks on its own).
+    try:
+        conv_net(torch.zeros(2 + rank, 3, 6, 6))
+    except CollectiveMismatchError as e:
+        seen.append(str(e))
+    assert conv_net(torch.zeros(2, 3, 6, 6)).shape == (2, 8, 4, 4)  # the group still works
     emb = nn.Embedding(10, 6)
     head = nn.Linear(6, 10, bias=False)
     head.weight = emb.weight

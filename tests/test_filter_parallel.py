@@ -207,7 +207,8 @@ def test_unbatched_input_and_tied_weights():
     split a Linear tied to an embedding and silently untied it."""
     results = launch.spawn(filter_cases.run_hostile, 2, timeout=90)
     assert results[0] == results[1]
-    unbatched, warning = results[0]
+    unbatched, mismatch, warning = results[0]
+    assert "the split model's inputs (shapes and dtypes)" in mismatch, mismatch
     assert unbatched == (
         "input: a filter-parallel FilterParallelConv2d takes batched 4-D input (N, C, H, W), "
         "got shape (3, 6, 6)"

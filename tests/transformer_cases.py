@@ -23,7 +23,7 @@ from torch import nn
 
 from hetcoll import Plan
 from hetcoll.collectives import allreduce
-from hetcoll.comm import wrap
+from hetcoll.comm import agree, wrap
 from hetcoll.torch import parallelize
 from hetcoll.torch.filters import FilterParallelLayer
 
@@ -184,8 +184,9 @@ def split_stage(par: Any) -> None:
     # The last step's bytes: per micro-batch, two reductions of rows x SEQ x hidden per block
     # forward (attention, MLP) and two backward (their inputs' gradients); the head, when it is
     # split (not tied), gathers its logits forward and reduces its input's gradient backward.
-    # One reduction's cost is measured here on the stage's counting communicator: the ring's
-    # 2 (p-1)/p of the buffer, or the agreement check that carries a small buffer itself.
+    # One reduction's cost is measured here on the stage's counting communicator: what its
+    # algorithm sends without the agreement check, which the split model makes once per
+    # forward (a micro-batch's) on its inputs instead of once per reduction.
     traffic = par.traffic()
     comm = par._stage_comm
     p = comm.size
@@ -193,11 +194,14 @@ def split_stage(par: Any) -> None:
     gathers = [m for m in heads_out if m.mode == "gather"]
     hidden = next(m for m in heads_out if m.mode == "split-input").out_features
     forward = backward = 0
+    comm.kind = "probe"
+    agree(comm, {"one field": 0})
+    agreement = comm.counts.pop("probe")
     for rows in par.plan.microbatch_sizes(i):
         comm.kind = "probe"
-        allreduce(torch.zeros(rows * SEQ * hidden, dtype=torch.float64), comm)
+        allreduce(torch.zeros(rows * SEQ * hidden, dtype=torch.float64), comm, check=False)
         reduction = comm.counts.pop("probe")
-        forward += 2 * len(heads) * reduction
+        forward += agreement + 2 * len(heads) * reduction
         forward += sum((p - 1) * rows * SEQ * m.shares[m.rank] * 8 for m in gathers)
         backward += (2 * len(heads) + len(gathers)) * reduction
     assert traffic["activations"] == forward, (traffic, forward)

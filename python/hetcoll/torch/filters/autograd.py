@@ -17,15 +17,42 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+class AgreedForward:
+    """Marks the forward of a split model whose inputs every rank has just agreed on
+    (:func:`hetcoll.torch.filter_parallel` hooks one agreement onto the model's forward). Its
+    layers' reductions then skip their own agreement check (one more exchange per reduction):
+    with the inputs and the split agreed, every reduction of that forward, and of its
+    backward, has the same length on every rank. Outside such a forward (a layer called on its
+    own) each reduction checks, as :func:`hetcoll.allreduce` does by default."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    @property
+    def active(self) -> bool:
+        return self.depth > 0
+
+
+def needs_check(agreed: AgreedForward | None) -> bool:
+    """Whether a reduction must run its own agreement check (no agreed forward is running)."""
+    return agreed is None or not agreed.active
+
+
 class CopyToRanks(torch.autograd.Function):
     """Identity forward on a replicated input; backward sums the ranks' partial input gradients
     (each rank's filters contribute their own part of dL/dx)."""
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, comm: Communicator, timeout: float | None, owner: Any = None
+        ctx: Any,
+        x: torch.Tensor,
+        comm: Communicator,
+        timeout: float | None,
+        owner: Any = None,
+        check: bool = True,
     ) -> Any:
-        ctx.comm, ctx.timeout, ctx.owner = comm, timeout, owner
+        # The backward's reduction checks as the forward did: its length is the input's.
+        ctx.comm, ctx.timeout, ctx.owner, ctx.check = comm, timeout, owner, check
         return x.view_as(x)
 
     @staticmethod
@@ -33,8 +60,8 @@ class CopyToRanks(torch.autograd.Function):
         if ctx.owner is not None:  # a SharedCopy: its copy is used up
             ctx.owner.clear()
         g = grad.contiguous().clone()
-        allreduce(g, ctx.comm, timeout=ctx.timeout)
-        return g, None, None, None
+        allreduce(g, ctx.comm, timeout=ctx.timeout, check=ctx.check)
+        return g, None, None, None, None
 
 
 class ReduceSum(torch.autograd.Function):
@@ -42,14 +69,16 @@ class ReduceSum(torch.autograd.Function):
     replicated, and each rank's partial depends only on its own input slice)."""
 
     @staticmethod
-    def forward(ctx: Any, partial: torch.Tensor, comm: Communicator, timeout: Any) -> Any:
+    def forward(
+        ctx: Any, partial: torch.Tensor, comm: Communicator, timeout: Any, check: bool = True
+    ) -> Any:
         out = partial.detach().clone(memory_format=torch.contiguous_format)
-        allreduce(out, comm, timeout=timeout)
+        allreduce(out, comm, timeout=timeout, check=check)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return grad, None, None
+        return grad, None, None, None
 
 
 class GatherChannels(torch.autograd.Function):

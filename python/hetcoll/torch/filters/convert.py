@@ -11,9 +11,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from hetcoll.comm import Communicator, agree, deadline, wrap
+from hetcoll.torch.filters.autograd import AgreedForward
 from hetcoll.torch.filters.chains import (
     TensorSplit,
     choose_layers,
@@ -29,6 +32,7 @@ from hetcoll.torch.filters.checks import (
     speeds_to_shares,
 )
 from hetcoll.torch.filters.layers import (
+    ChannelSplit,
     FilterParallelBatchNorm1d,
     FilterParallelBatchNorm2d,
     FilterParallelConv1D,
@@ -411,7 +415,50 @@ def filter_parallel(
             else FilterParallelBatchNorm1d
         )
         _replace(model, name, cls.from_module(bn, per_layer[src], comm))  # type: ignore[arg-type]
+    _agree_per_forward(model, comm, timeout)
     return model
+
+
+class _AgreeOnInputs:
+    """The split model's forward hooks: before each forward, one agreement that every rank
+    passes inputs of the same shapes and dtypes (a mismatch raises
+    :class:`hetcoll.CollectiveMismatchError` on every rank); during it, the layers' reductions
+    skip their own checks (:class:`AgreedForward`). An object rather than a closure, so that a
+    deep copy of the model gets hooks that mark its own layers."""
+
+    def __init__(self, comm: Communicator, agreed: AgreedForward, timeout: float | None) -> None:
+        self.comm, self.agreed, self.timeout = comm, agreed, timeout
+
+    def before(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if not self.agreed.active:  # the outermost call: a nested one is agreed already
+            shapes = [
+                (tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else type(t).__name__
+                for t in pytree.tree_leaves((args, kwargs))
+            ]
+            what = "the split model's inputs (shapes and dtypes)"
+            agree(self.comm, {what: zlib.crc32(repr(shapes).encode())}, deadline(self.timeout))
+        self.agreed.depth += 1
+
+    def after(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        self.agreed.depth = max(self.agreed.depth - 1, 0)
+
+
+def _agree_per_forward(model: nn.Module, comm: Communicator, timeout: float | None) -> None:
+    """One agreement per forward of ``model`` instead of one per reduction of its split
+    layers (:class:`_AgreeOnInputs`)."""
+    agreed = AgreedForward()
+    found = False
+    for m in model.modules():
+        if isinstance(m, ChannelSplit):
+            m.agreed, found = agreed, True
+            shared = getattr(m, "shared_input", None)
+            if isinstance(shared, SharedCopy):
+                shared.agreed = agreed
+    if not found or comm.size == 1:
+        return
+    hooks = _AgreeOnInputs(comm, agreed, timeout)
+    model.register_forward_pre_hook(hooks.before, with_kwargs=True)
+    model.register_forward_hook(hooks.after, with_kwargs=True, always_call=True)
 
 
 def _agree_on_plan(

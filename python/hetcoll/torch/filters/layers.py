@@ -7,6 +7,7 @@ attention's query, key and value projections, a gated MLP's gate and up)."""
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Sequence
 from typing import Any, Self
@@ -17,7 +18,13 @@ from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from hetcoll.comm import Communicator, wrap
-from hetcoll.torch.filters.autograd import CopyToRanks, GatherChannels, ReduceSum
+from hetcoll.torch.filters.autograd import (
+    AgreedForward,
+    CopyToRanks,
+    GatherChannels,
+    ReduceSum,
+    needs_check,
+)
 from hetcoll.torch.filters.checks import (
     check_choice,
     check_conv,
@@ -63,6 +70,8 @@ class ChannelSplit:
     rank: int
     shares: list[int]
     offset: int
+    #: The split model's agreed forward (set by filter_parallel; None: each reduction checks).
+    agreed: AgreedForward | None = None
 
     def _set_split(self, comm: Communicator, shares: list[int]) -> None:
         self.comm = comm
@@ -98,13 +107,14 @@ class SharedCopy:
 
     def __init__(self, comm: Communicator, timeout: float | None) -> None:
         self.comm, self.timeout = comm, timeout
+        self.agreed: AgreedForward | None = None
         self._input: Any = None
         self._copy: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._copy is not None and self._input is not None and self._input() is x:
             return self._copy
-        y = CopyToRanks.apply(x, self.comm, self.timeout, self)
+        y = CopyToRanks.apply(x, self.comm, self.timeout, self, needs_check(self.agreed))
         self._input, self._copy = weakref.ref(x), y
         return y  # type: ignore[no-any-return]
 
@@ -112,7 +122,9 @@ class SharedCopy:
         self._input, self._copy = None, None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SharedCopy:
-        return SharedCopy(self.comm, self.timeout)
+        c = SharedCopy(self.comm, self.timeout)
+        c.agreed = copy.deepcopy(self.agreed, memo)  # the copied model's, not this one's
+        return c
 
 
 class LocalConv2d(nn.Module):
@@ -195,7 +207,9 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
                     f"{self.dim} on rank {self.rank} (its slice of the previous layer's output), "
                     f"got shape {tuple(x.shape)}"
                 )
-            y = ReduceSum.apply(self.local(x, self.weight, None), self.comm, self.timeout)
+            y = ReduceSum.apply(
+                self.local(x, self.weight, None), self.comm, self.timeout, needs_check(self.agreed)
+            )
             if self.bias is not None:
                 shape = [1] * y.dim()
                 shape[self.dim] = -1
@@ -205,7 +219,7 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
             if self.shared_input is not None:
                 x = self.shared_input(x)
             else:
-                x = CopyToRanks.apply(x, self.comm, self.timeout)
+                x = CopyToRanks.apply(x, self.comm, self.timeout, None, needs_check(self.agreed))
         y = self.local(x, self.weight, self.bias)
         if self.mode == "split-output":
             return y
@@ -769,7 +783,10 @@ class FilterParallelMultiheadAttention(ChannelSplit, nn.Module):
             probs = torch.softmax(scores, dim=-1)
             out = F.dropout(probs, dropout) @ v if dropout > 0 else probs @ v
             if average_attn_weights:
-                weights = ReduceSum.apply(probs.sum(1), self.comm, self.timeout) / self.total_heads
+                summed = ReduceSum.apply(
+                    probs.sum(1), self.comm, self.timeout, needs_check(self.agreed)
+                )
+                weights = summed / self.total_heads
             else:
                 weights = GatherChannels.apply(
                     probs.contiguous(), self.comm, self.shares, self.offset, 1, self.timeout
