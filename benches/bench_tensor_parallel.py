@@ -13,7 +13,9 @@ copy of the same model, trained with SGD on the same global batch:
 2. the paired split (attention by heads, MLPs by hidden units: two reductions per block
    forward) against gather mode (``avoid_gathers=False``: every Linear gathers its output,
    what ``filter_parallel`` did for transformers before): step time and bytes sent per step
-   by kind (``CountingCommunicator``: a ring allreduce counts 2 (p-1)/p of its buffer).
+   by kind (``CountingCommunicator``: a ring allreduce counts 2 (p-1)/p of its buffer);
+3. every split against the unsplit model on the fast rank alone, the slow rank idle (what a
+   user without tensor parallelism would run): whether splitting pays at this size at all.
 
 Step time: median over steps of the slowest rank's step (forward, backward, SGD step); the
 strategies take turns step by step, so a change in the machine's load hits them alike.
@@ -51,6 +53,8 @@ from hetcoll.torch.transport import CountingCommunicator
 SPEEDS = (1.0, 0.25)
 ROOT = Path(__file__).resolve().parent.parent
 STRATEGIES = ("paired, speed-proportional", "paired, even split", "gather mode, speed-proportional")
+#: The peer of any split: the unsplit model on the fast rank alone (the slow rank idle).
+ALONE = "unsplit, fast rank alone"
 
 
 def _example() -> Any:
@@ -86,6 +90,21 @@ def _rank(rank: int, world: int, arch: str, batch: int, steps: int) -> dict[str,
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, ex.VOCAB, (batch, ex.SEQ), generator=g)
     runs: dict[str, Any] = {}
+    alone = copy.deepcopy(model)
+    slow_down(alone, SPEEDS[0])
+    alone_opt = torch.optim.SGD(alone.parameters(), lr=1e-3)
+
+    def alone_step() -> None:
+        if rank != 0:
+            return
+        alone_opt.zero_grad()
+        logits = alone(input_ids=ids).logits
+        nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+        ).backward()
+        alone_opt.step()
+
+    runs[ALONE] = {"step": alone_step, "counts": {}, "modes": [], "shares": {}}
     for name in STRATEGIES:
         counts: dict[str, int] = {}
         split, comm = _strategy(name, model, SPEEDS[rank], counts)
@@ -109,10 +128,10 @@ def _rank(rank: int, world: int, arch: str, batch: int, steps: int) -> dict[str,
             if isinstance(m, FilterParallelLayer) and m.mode == "split-input"
         }
         runs[name] = {"step": step, "counts": counts, "modes": modes, "shares": shares}
-    times: dict[str, list[float]] = {name: [] for name in STRATEGIES}
+    times: dict[str, list[float]] = {name: [] for name in (*STRATEGIES, ALONE)}
     warmup = 2
     for i in range(warmup + steps):
-        for name in STRATEGIES:
+        for name in (*STRATEGIES, ALONE):
             run = runs[name]
             dist.barrier()
             run["counts"].clear()
@@ -123,7 +142,7 @@ def _rank(rank: int, world: int, arch: str, batch: int, steps: int) -> dict[str,
             if i >= warmup:
                 times[name].append(float(t))
     out: dict[str, Any] = {"arch": arch, "batch": batch, "seq": ex.SEQ, "speeds": list(SPEEDS)}
-    for name in STRATEGIES:
+    for name in (*STRATEGIES, ALONE):
         ts = sorted(times[name])
         run = runs[name]
         out[name] = {
@@ -152,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     base = r0["paired, even split"]["step_s"]
     print(f"{'strategy':<34} {'step (ms)':>10} {'vs even':>8} {'bytes fwd':>11} {'bytes bwd':>11}")
-    for name in STRATEGIES:
+    for name in (*STRATEGIES, ALONE):
         row = r0[name]
         b = row["bytes"]
         print(

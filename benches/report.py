@@ -825,6 +825,7 @@ _TP_STRATEGIES = (
     "paired, even split",
     "gather mode, speed-proportional",
 )
+_TP_ALONE = "unsplit, fast rank alone"
 
 
 def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
@@ -838,6 +839,8 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
         raise ResultError(f"{path}: expected a list with one result per rank")
     r0 = data[0]
     rows = {name: _need(r0, name, f"{path}: [0]") for name in _TP_STRATEGIES}
+    if _TP_ALONE in r0:  # results from before it was measured lack it
+        rows[_TP_ALONE] = r0[_TP_ALONE]
     even = _need(rows["paired, even split"], "step_s", f"{path}: [0].paired, even split")
     prop = rows["paired, speed-proportional"]
     gather = rows["gather mode, speed-proportional"]
@@ -863,7 +866,8 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
             {
                 "title": f"Step time: speed-proportional vs even head split ({what})",
                 "peer": "the even split Megatron-LM, DTensor and DeepSpeed AutoTP use (the same "
-                "code at equal speeds), and gather mode (every Linear gathers its output)",
+                "code at equal speeds), gather mode (every Linear gathers its output), and the "
+                "unsplit model on the fast rank alone (no tensor parallelism)",
                 "columns": [
                     _col("strategy"),
                     _col("step (ms)", "{:.1f}"),
@@ -902,6 +906,17 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
             (
                 "tensor parallel, paired vs gather mode: bytes per step",
                 f"{gb / max(pb, 1):.2f}x fewer",
+            ),
+            *(
+                [
+                    (
+                        "tensor parallel, speed-proportional split vs the unsplit model on the "
+                        "fast rank alone",
+                        f"{rows[_TP_ALONE]['step_s'] / prop['step_s']:.2f}x",
+                    )
+                ]
+                if _TP_ALONE in rows
+                else []
             ),
         ],
     )

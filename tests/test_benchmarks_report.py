@@ -214,15 +214,17 @@ def test_tensor_parallel_adapter_reads_the_scripts_json(tmp_path: Path) -> None:
         "paired, speed-proportional": row(0.2, 1000, 800),
         "paired, even split": row(0.3, 1000, 800),
         "gather mode, speed-proportional": row(0.4, 3000, 2400),
+        "unsplit, fast rank alone": row(0.25, 0, 0),
     }
     raw = tmp_path / "raw" / "raw.json"
     raw.parent.mkdir()
     raw.write_text(json.dumps([r0, r0]))
     result = report.adapt_tensor_parallel([raw], "python benches/bench_tensor_parallel.py")
     report.write_result(tmp_path / "tensor_parallel.json", result)
-    assert [h["value"] for h in result["headlines"]] == ["1.50x faster", "3.00x fewer"]
+    assert [h["value"] for h in result["headlines"]] == ["1.50x faster", "3.00x fewer", "1.25x"]
     text = report.generate(tmp_path)
     assert "| gather mode, speed-proportional | 400.0 | 360.0 | 440.0 | 0.75x |" in text
+    assert "| unsplit, fast rank alone | 250.0 | 225.0 | 275.0 | 1.20x |" in text
     assert "| paired, even split | 1,000 | 800 | {'split-input': 12} |" in text
 
 
