@@ -20,9 +20,10 @@ there, to float32's rounding, unless ``--own-loss`` sums the loss in float64 her
 ``--plain-mean``, the loss as Accelerate's examples write it, does not. The progress bar
 (Accelerate's tqdm, rank 0) shows the shares and speeds.
 
-The model is a small byte-level Llama (or ``--arch gpt2``) built from a config (no download);
-the text, the Python standard library's own source: rows of ``SEQ`` bytes at random places, each
-of a random length (the rest padding, labels -100), so ranks hold different numbers of tokens.
+The model is a small byte-level Llama (or ``--arch gpt2``) built from a config (no download:
+``examples/train_lm.py``'s ``make_model``, smaller); the text, the Python standard library's own
+source: rows of ``SEQ`` bytes at random places, each of a random length (the rest padding,
+labels -100), so ranks hold different numbers of tokens.
 ``--emulate 1,0.5`` runs rank r at that fraction of its real speed (it sleeps: emulated
 heterogeneity, ``hetcoll.lab.emulate``).
 """
