@@ -20,9 +20,10 @@ there, to float32's rounding, unless ``--own-loss`` sums the loss in float64 her
 ``--plain-mean``, the loss as Accelerate's examples write it, does not. The progress bar
 (Accelerate's tqdm, rank 0) shows the shares and speeds.
 
-The model is a small byte-level Llama (or ``--arch gpt2``) built from a config (no download);
-the text, the Python standard library's own source: rows of ``SEQ`` bytes at random places, each
-of a random length (the rest padding, labels -100), so ranks hold different numbers of tokens.
+The model is a small byte-level Llama (or ``--arch gpt2``) built from a config (no download:
+``examples/train_lm.py``'s ``make_model``, smaller); the text, the Python standard library's own
+source: rows of ``SEQ`` bytes at random places, each of a random length (the rest padding,
+labels -100), so ranks hold different numbers of tokens.
 ``--emulate 1,0.5`` runs rank r at that fraction of its real speed (it sleeps: emulated
 heterogeneity, ``hetcoll.lab.emulate``).
 """
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import train_lm
 from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import default_collate
@@ -49,55 +51,22 @@ from hetcoll.accelerate import (
 )
 from hetcoll.torch import gather_speeds
 
-VOCAB = 256  # bytes
 SEQ = 16
-#: Attention as plain ops: the same numbers on any split of the rows (SDPA's fused kernels differ
-#: by ~1e-8 between a batch and its parts).
-EAGER: dict[str, Any] = {"attn_implementation": "eager"}
 #: Standard-library modules whose source is the text (they ship with every CPython).
 CORPUS = ("textwrap.py", "string.py", "difflib.py")
 
 
 def make_model(arch: str = "llama") -> nn.Module:
-    """A small byte-level decoder built from a config (no download)."""
-    if arch == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        return GPT2LMHeadModel(
-            GPT2Config(
-                vocab_size=VOCAB,
-                n_embd=32,
-                n_layer=2,
-                n_head=2,
-                n_positions=SEQ,
-                resid_pdrop=0.0,
-                embd_pdrop=0.0,
-                attn_pdrop=0.0,
-                use_cache=False,
-                bos_token_id=0,
-                eos_token_id=0,
-                **EAGER,
-            )
-        )
-    if arch != "llama":
-        raise ValueError(f"arch: 'llama' or 'gpt2', got {arch!r}")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=88,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=SEQ,
-            use_cache=False,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-            **EAGER,
-        )
+    """examples/train_lm.py's byte-level decoder, smaller: 2 layers of width 32 (Llama: 4 heads
+    in 2 key-value groups, MLP 88 wide; GPT-2: 2 heads), for rows of ``SEQ`` bytes."""
+    return train_lm.make_model(
+        arch,
+        hidden=32,
+        layers=2,
+        heads=2 if arch == "gpt2" else 4,
+        kv_heads=2,
+        intermediate=88,
+        positions=SEQ,
     )
 
 

@@ -51,18 +51,31 @@ EAGER: dict[str, Any] = {"attn_implementation": "eager"}
 CORPUS = ("textwrap.py", "string.py", "argparse.py", "difflib.py", "functools.py", "typing.py")
 
 
-def make_model(arch: str = "llama") -> nn.Module:
-    """A small byte-level decoder built from a config (no download)."""
+def make_model(
+    arch: str = "llama",
+    *,
+    hidden: int = 64,
+    layers: int = 6,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 176,
+    positions: int = SEQ,
+) -> nn.Module:
+    """A small byte-level decoder built from a config (no download): ``layers`` decoder layers
+    of width ``hidden`` with ``heads`` attention heads, for sequences of up to ``positions``
+    tokens. Llama's attention shares its keys and values among ``kv_heads`` groups and its MLP is
+    ``intermediate`` wide; GPT-2's MLP is 4 ``hidden`` wide (``kv_heads`` and ``intermediate``
+    are Llama's only). The defaults are this example's model."""
     if arch == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
         return GPT2LMHeadModel(
             GPT2Config(
                 vocab_size=VOCAB,
-                n_embd=64,
-                n_layer=6,
-                n_head=4,
-                n_positions=SEQ,
+                n_embd=hidden,
+                n_layer=layers,
+                n_head=heads,
+                n_positions=positions,
                 resid_pdrop=0.0,
                 embd_pdrop=0.0,
                 attn_pdrop=0.0,
@@ -79,12 +92,12 @@ def make_model(arch: str = "llama") -> nn.Module:
     return LlamaForCausalLM(
         LlamaConfig(
             vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=176,
-            num_hidden_layers=6,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=SEQ,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=positions,
             use_cache=False,
             bos_token_id=0,
             eos_token_id=0,

@@ -2,7 +2,9 @@
 hook, MPI optimizer, Lightning): Hugging Face GPT-2 from a tiny config (eager attention) and a
 decoder of the user's own around ``torch.nn.TransformerEncoder``, in float64; global batches
 whose rows hold different numbers of valid labels (the rest -100), cut into uneven shares, and
-one process's reference training on the same global batches."""
+one process's reference training on the same global batches. Also the builders of Hugging Face
+GPT-2 and Llama from a config that every transformer test's models come from (``hf_gpt2``,
+``hf_llama``: tests/transformer_cases.py, tests/tensor_parallel_cases.py)."""
 
 from __future__ import annotations
 
@@ -37,24 +39,63 @@ def lm_loss(out: object, y: torch.Tensor) -> torch.Tensor:
     return (per_token * mask).sum() / mask.sum()
 
 
-def gpt2() -> nn.Module:
+def hf_gpt2(*, vocab: int, hidden: int, layers: int, heads: int, positions: int) -> nn.Module:
+    """Hugging Face GPT-2 from a config (no download): no dropout, no cache, eager attention
+    (plain ops: the same numbers on any split of the rows, where SDPA's kernels differ)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=SEQ,
-        n_embd=16,
-        n_layer=2,
-        n_head=2,
+        vocab_size=vocab,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=heads,
+        n_positions=positions,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
+        use_cache=False,
+        attn_implementation="eager",
         bos_token_id=0,
         eos_token_id=0,
-        attn_implementation="eager",
     )
+    return GPT2LMHeadModel(config)
+
+
+def hf_llama(
+    *,
+    vocab: int,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    positions: int,
+) -> nn.Module:
+    """Hugging Face Llama from a config (no download): grouped-query attention (``kv_heads``
+    key/value groups), rotary embeddings, a gated MLP ``intermediate`` wide; no cache, eager
+    attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=positions,
+        use_cache=False,
+        attn_implementation="eager",
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config)
+
+
+def gpt2() -> nn.Module:
     torch.manual_seed(0)
-    return GPT2LMHeadModel(config).double()
+    return hf_gpt2(vocab=VOCAB, hidden=16, layers=2, heads=2, positions=SEQ).double()
 
 
 class EncoderLM(nn.Module):

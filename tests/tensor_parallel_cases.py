@@ -28,6 +28,8 @@ from hetcoll.torch.filters import (
 )
 from hetcoll.torch.transport import CountingCommunicator
 
+from lm_common import hf_gpt2, hf_llama
+
 TOL = 1e-10
 VOCAB = 40
 SEQ = 7
@@ -35,43 +37,13 @@ SPEEDS = [1.0, 0.5, 0.25, 0.75]
 
 
 def llama(kv_heads: int = 3) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=24,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=32,
-        use_cache=False,
-        attn_implementation="eager",
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
+    return hf_llama(
+        vocab=VOCAB, hidden=24, intermediate=40, layers=2, heads=6, kv_heads=kv_heads, positions=32
     )
-    return LlamaForCausalLM(cfg)
 
 
 def gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=24,
-        n_layer=2,
-        n_head=6,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-        attn_implementation="eager",
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2LMHeadModel(cfg)
+    return hf_gpt2(vocab=VOCAB, hidden=24, layers=2, heads=6, positions=32)
 
 
 class EncoderLM(nn.Module):

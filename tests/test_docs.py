@@ -30,7 +30,7 @@ def test_readme_examples():
         hetcoll.torch.sampler,
         *(
             importlib.import_module(f"hetcoll.torch.filters.{m}")
-            for m in ("checks", "autograd", "layers", "chains", "convert", "state")
+            for m in ("checks", "autograd", "layers", "chains", "tensor_split", "convert", "state")
         ),
         *(
             importlib.import_module(f"hetcoll.model.predict.{m}")

@@ -27,49 +27,21 @@ from hetcoll.comm import agree, wrap
 from hetcoll.torch import parallelize
 from hetcoll.torch.filters import FilterParallelLayer
 
+from lm_common import hf_gpt2, hf_llama
+
 TOL = 1e-10
 VOCAB = 48
 SEQ = 9
 
 
 def gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=16,
-        n_layer=4,
-        n_head=4,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-        attn_implementation="eager",
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2LMHeadModel(cfg)
+    return hf_gpt2(vocab=VOCAB, hidden=16, layers=4, heads=4, positions=32)
 
 
 def llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        use_cache=False,
-        attn_implementation="eager",
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
+    return hf_llama(
+        vocab=VOCAB, hidden=16, intermediate=24, layers=4, heads=4, kv_heads=2, positions=32
     )
-    return LlamaForCausalLM(cfg)
 
 
 class EncoderLM(nn.Module):

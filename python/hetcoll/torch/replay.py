@@ -135,18 +135,34 @@ class Flow:
     #: The roles of each (replica, stage) for this probe, kept by whoever computes them.
     roles: dict[tuple[int, int], StageRoles] = field(default_factory=dict)
 
-    def zeros(self, k: int, device: torch.device, cache: dict[Any, torch.Tensor]) -> Any:
-        """Block ``k``'s output structure with zeros for its tensors (shared by shape)."""
+    def zeros(
+        self,
+        k: int,
+        device: torch.device,
+        cache: dict[Any, torch.Tensor] | None = None,
+        *,
+        grad: bool = False,
+    ) -> Any:
+        """Block ``k``'s output structure with zeros for its tensors. With a ``cache``, tensors
+        of one shape and dtype are one tensor, kept there across calls (a stage's stand-ins for
+        blocks it skips, never written to); without, each is fresh. ``grad``: each requires a
+        gradient where the block's output does (the probe's, for the code between blocks to
+        pass on)."""
         spec, leaves = self.specs[k]
         out = []
         for leaf in leaves:
-            if isinstance(leaf, Leaf):
-                key = (leaf.shape, leaf.dtype)
-                if key not in cache:
-                    cache[key] = torch.zeros(leaf.shape, dtype=leaf.dtype, device=device)
-                out.append(cache[key])
-            else:
+            if not isinstance(leaf, Leaf):
                 out.append(leaf)
+                continue
+            key = (leaf.shape, leaf.dtype)
+            t = cache.get(key) if cache is not None else None
+            if t is None:
+                t = torch.zeros(leaf.shape, dtype=leaf.dtype, device=device)
+                if grad:
+                    t.requires_grad_(leaf.requires_grad)
+                if cache is not None:
+                    cache[key] = t
+            out.append(t)
         return pytree.tree_unflatten(out, spec)
 
     def tensors(self, k: int) -> list[Leaf]:
@@ -310,18 +326,7 @@ def _probe(
         )
         # Fresh zeros for each block (told apart by the sources), carrying a gradient where the
         # block's output does, so that the code between blocks passes that on.
-        spec, leaves = flow.specs[k]
-        out = pytree.tree_unflatten(
-            [
-                torch.zeros(leaf.shape, dtype=leaf.dtype, device=device).requires_grad_(
-                    leaf.requires_grad
-                )
-                if isinstance(leaf, Leaf)
-                else leaf
-                for leaf in leaves
-            ],
-            spec,
-        )
+        out = flow.zeros(k, device, grad=True)
         sources.mark(out, frozenset({k}))
         return out
 

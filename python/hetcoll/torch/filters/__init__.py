@@ -28,12 +28,13 @@ between a conv and a linear layer). A BatchNorm between the pair is split along 
 its statistics are per channel, so that is exact and needs no communication. Everything else
 stays replicated (and must be fed identical inputs on every rank: seed dropout identically).
 
-Transformers get the same pairing by another rule (:class:`~.chains.TensorSplit`): an attention
-split by whole heads (by key/value group under grouped-query attention; Hugging Face Llama-style
-q/k/v/o, GPT-2's packed ``Conv1D`` ``c_attn``, torch's ``nn.MultiheadAttention``) and an MLP by
-hidden units (read off its torch.fx graph), the layers reading the block's input split-output
-(one shared copy of the input: :class:`SharedCopy`), the one mapping back split-input: one
-sum-reduction per attention and per MLP forward, one of the input's gradient backward.
+Transformers get the same pairing by another rule (:class:`~.tensor_split.TensorSplit`): an
+attention split by whole heads (by key/value group under grouped-query attention; Hugging Face
+Llama-style q/k/v/o, GPT-2's packed ``Conv1D`` ``c_attn``, torch's ``nn.MultiheadAttention``) and
+an MLP by hidden units (read off its torch.fx graph), the layers reading the block's input
+split-output (one shared copy of the input: :class:`SharedCopy`), the one mapping back
+split-input: one sum-reduction per attention and per MLP forward, one of the input's gradient
+backward.
 
 >>> model = filter_parallel(DemoNet(), [1.0, 0.25], group)  # doctest: +SKIP
 >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)  # any elementwise optimizer  # doctest: +SKIP
@@ -41,9 +42,10 @@ sum-reduction per attention and per MLP forward, one of the input's gradient bac
 The package, each module importing only those named before it: :mod:`.checks` (argument
 checks, speeds into shares), :mod:`.autograd` (the layers' communication as autograd functions),
 :mod:`.layers` (the split modules), :mod:`.chains` (which layers split, and the pairing rule that
-picks their modes), :mod:`.convert` (:func:`filter_parallel`, :func:`filter_shares`) and
-:mod:`.state` (gathering a split model's state dict, gradients and optimizer state, and loading
-full ones back). Every name other code uses is importable from here.
+picks their modes), :mod:`.tensor_split` (the attentions split by heads and the MLPs by hidden
+units: :func:`plan_tensor_splits`), :mod:`.convert` (:func:`filter_parallel`,
+:func:`filter_shares`) and :mod:`.state` (gathering a split model's state dict, gradients and
+optimizer state, and loading full ones back). Every name other code uses is importable from here.
 """
 
 from __future__ import annotations
@@ -51,9 +53,7 @@ from __future__ import annotations
 from hetcoll.torch.filters.chains import (
     ELEMENTWISE_MODULES,
     SPATIAL_MODULES,
-    TensorSplit,
     filter_modes,
-    plan_tensor_splits,
 )
 from hetcoll.torch.filters.chains import (
     chain_filter_modes as chain_filter_modes,
@@ -83,6 +83,7 @@ from hetcoll.torch.filters.state import (
     load_full_state_dict,
     split_tensors,
 )
+from hetcoll.torch.filters.tensor_split import TensorSplit, plan_tensor_splits
 
 __all__ = [
     "ELEMENTWISE_MODULES",

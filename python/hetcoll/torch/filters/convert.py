@@ -1,5 +1,6 @@
 """Converting a model: :func:`filter_parallel` splits the chosen layers of a model in place,
-in the modes the pairing rule gives (:mod:`.chains`), after one agreement check on the plan;
+in the modes the pairing rule gives (:mod:`.chains`; transformer blocks by heads and hidden
+units, :mod:`.tensor_split`), after one agreement check on the plan;
 :func:`filter_shares` gives the channels per rank it would use, locally."""
 
 from __future__ import annotations
@@ -17,13 +18,7 @@ from torch.utils import _pytree as pytree
 
 from hetcoll.comm import Communicator, agree, deadline, wrap
 from hetcoll.torch.filters.autograd import AgreedForward
-from hetcoll.torch.filters.chains import (
-    TensorSplit,
-    choose_layers,
-    layer_channels,
-    plan_modes,
-    plan_tensor_splits,
-)
+from hetcoll.torch.filters.chains import choose_layers, layer_channels, plan_modes
 from hetcoll.torch.filters.checks import (
     check_conv,
     check_shares,
@@ -42,6 +37,7 @@ from hetcoll.torch.filters.layers import (
     SharedCopy,
     is_conv1d,
 )
+from hetcoll.torch.filters.tensor_split import TensorSplit, plan_tensor_splits
 
 
 def filter_shares(

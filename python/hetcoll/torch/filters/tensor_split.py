@@ -1,0 +1,299 @@
+"""Tensor parallelism of transformer blocks: which attentions split by heads and which MLPs by
+hidden units (:class:`TensorSplit`, :func:`plan_tensor_splits`), Megatron-LM's column/row pairing
+found by module attributes and torch.fx graphs. It reads module types, attributes and traced
+graphs only, so a model on the meta device works."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from hetcoll.torch.filters.chains import (
+    ELEMENTWISE_FUNCTIONS,
+    ELEMENTWISE_METHODS,
+    ELEMENTWISE_MODULES,
+    linear_features,
+)
+from hetcoll.torch.filters.layers import FilterParallelMultiheadAttention
+
+
+@dataclass
+class TensorSplit:
+    """An attention split by whole heads (by key/value group under grouped-query attention,
+    each query head following its group) or an MLP split by hidden units, paired as Megatron-LM
+    pairs them: ``columns`` — the layers reading the block's input, split along their outputs
+    ("split-output", one shared copy of the input) — feed ``row``, split along its input
+    ("split-input", one sum-reduction of the block's output).
+
+    ``units``: the key/value groups (attention) or hidden units (MLP) the ranks divide;
+    ``width``: the row layer's input features per unit; ``columns``: ``(layer, output features
+    per unit of each block, blocks)`` (blocks: 3 for a packed query/key/value layer);
+    ``attrs``: the module's attributes that count heads (or their features), by their value per
+    unit: a rank's module runs with its own counts.
+    """
+
+    kind: str
+    module: str
+    units: int
+    width: int
+    columns: list[tuple[str, int, int]]
+    row: str
+    attrs: dict[str, int] = field(default_factory=dict)
+
+    def layers(self) -> list[str]:
+        return [c for c, _, _ in self.columns] + [self.row]
+
+
+# The attributes an attention module counts its heads with, where its implementation keeps
+# them (Hugging Face, fairseq-style and timm-style modules): query heads, key/value heads, and
+# the width of all query heads together (GPT-2 splits its packed projection by it).
+_QUERY_HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+_QUERY_WIDTH = ("split_size", "all_head_size", "inner_dim")
+
+
+def _first_int(objs: Sequence[Any], names: Sequence[str]) -> int | None:
+    for o in objs:
+        for n in names:
+            v = getattr(o, n, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None
+
+
+def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
+    """``m`` as an attention split by heads; a reason when it counts heads but its layout is
+    not one this rule knows; None when it is no attention (no head counts)."""
+    # An attention counts its heads itself (a head size or a head count of its own), reading
+    # what it lacks from its config, and holds its projections.
+    if _first_int([m], (*_QUERY_HEADS, "head_dim")) is None:
+        return None
+    projs = [(n, f) for n, c in m.named_children() if (f := linear_features(c)) is not None]
+    if len(projs) < 2:
+        return None
+    config = getattr(m, "config", None)
+    sources = [m] if config is None else [m, config]
+    nq = _first_int(sources, _QUERY_HEADS)
+    if nq is None:
+        return "it has a head size but no head count"
+    nkv = _first_int(sources, _KV_HEADS) or nq
+    # The output projection reads every query head and maps them back: the last registered
+    # layer whose input is the query heads' width (q and o are both hidden -> hidden when the
+    # heads fill the hidden size; modules register the input projections first).
+    hd = _first_int(sources, ("head_dim",))
+    if hd is None:
+        hidden = projs[-1][1][1]
+        if hidden % nq:
+            return f"its {nq} heads do not divide its hidden size {hidden}"
+        hd = hidden // nq
+    width = nq * hd
+    outs = [i for i, (_, (fin, _)) in enumerate(projs) if fin == width]
+    if not outs:
+        return f"no projection reads its {nq} heads of {hd} ({width} features)"
+    row_name, (_, hidden) = projs[outs[-1]]
+    if nq % nkv:
+        return f"its {nq} query heads are not whole groups of its {nkv} key/value heads"
+    rep = nq // nkv
+    inputs = [(n, f) for i, (n, f) in enumerate(projs) if i != outs[-1]]
+    if any(fin != hidden for _, (fin, _) in inputs):
+        return "a projection reads something other than the hidden states"
+    outs_of = sorted(fout for _, (_, fout) in inputs)
+    columns: list[tuple[str, int, int]]
+    if outs_of == [(nq + 2 * nkv) * hd] and nq == nkv:
+        columns = [(inputs[0][0], hd, 3)]  # query, key and value packed, each split alike
+    elif outs_of == sorted([width, nkv * hd, nkv * hd]):
+        q = next(n for n, (_, fout) in inputs if fout == width)
+        columns = [(n, rep * hd if n == q else hd, 1) for n, _ in inputs]
+    else:
+        return (
+            f"its projections ({', '.join(f'{n} {a}->{b}' for n, (a, b) in projs)}) are not "
+            f"separate or packed query/key/value of {nq} heads ({nkv} key/value) of {hd} and "
+            "an output projection"
+        )
+    attrs: dict[str, int] = {}
+    for names, per_unit in ((_QUERY_HEADS, rep), (_KV_HEADS, 1), (_QUERY_WIDTH, rep * hd)):
+        for a in names:
+            v = getattr(m, a, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v == per_unit * nkv:
+                attrs[a] = per_unit
+    prefix = f"{name}." if name else ""
+    return TensorSplit(
+        "attention",
+        name,
+        nkv,
+        rep * hd,
+        [(prefix + c, per, parts) for c, per, parts in columns],
+        prefix + row_name,
+        attrs,
+    )
+
+
+# Operations that act on each element alone (or with a number): a hidden-unit-split tensor
+# passes through them unchanged, so an MLP's activation, gating product and casts keep its
+# split.
+_BINARY = {
+    operator.mul, operator.add, operator.sub, operator.truediv, operator.pow, torch.mul,
+    torch.add, torch.sub, torch.div, torch.pow,
+}  # fmt: skip
+_UNARY = ELEMENTWISE_FUNCTIONS | {
+    operator.neg, torch.neg, torch.exp, torch.erf, torch.square, F.sigmoid, F.tanh,
+}  # fmt: skip
+_ELEMENTWISE_TENSOR_METHODS = ELEMENTWISE_METHODS | {
+    "mul", "add", "sub", "div", "pow", "neg", "exp", "erf", "square", "float", "double", "to",
+    "type_as",
+}  # fmt: skip
+
+
+class _Method(nn.Module):
+    """``owner.<method>(x)`` as a module's forward, to trace one method of a module whose own
+    forward cannot be traced (torch's encoder layer: its feed-forward block)."""
+
+    def __init__(self, owner: nn.Module, method: str) -> None:
+        super().__init__()
+        self.owner = owner
+        self.method = method
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return getattr(self.owner, self.method)(x)
+
+
+def _mha(name: str, m: nn.Module) -> TensorSplit | str | None:
+    """torch's ``nn.MultiheadAttention`` (query, key and value packed in ``in_proj_weight``,
+    ``out_proj``) split by heads; a reason when it cannot be."""
+    if not isinstance(m, nn.MultiheadAttention):
+        return None
+    why = FilterParallelMultiheadAttention.why_not(m)
+    if why is not None:
+        return why
+    prefix = f"{name}." if name else ""
+    return TensorSplit(
+        "mha", name, m.num_heads, m.head_dim, [(name, m.head_dim, 3)], prefix + "out_proj"
+    )
+
+
+def _mlp(name: str, m: nn.Module) -> TensorSplit | None:
+    """``m`` as an MLP split by hidden units, read off its torch.fx graph (linear layers kept
+    whole in it): a layer (the row) whose input is computed from the outputs of other linear
+    layers (the columns, each called once, of as many outputs as the row's inputs) through
+    elementwise operations alone, those outputs read by nothing else."""
+    from torch import fx
+
+    class _Tracer(fx.Tracer):
+        def is_leaf_module(self, mod: nn.Module, qualname: str) -> bool:
+            return linear_features(mod) is not None or super().is_leaf_module(mod, qualname)
+
+    root, inner_prefix = m, ""
+    if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        root, inner_prefix = _Method(m, "_ff_block"), "owner."  # its forward has fast paths
+    try:
+        graph = _Tracer().trace(root)
+    except Exception:  # fx raises many kinds on untraceable code: then no MLP is seen here
+        return None
+    named = {k.removeprefix(inner_prefix): v for k, v in root.named_modules()}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            node.target = node.target.removeprefix(inner_prefix)
+    calls: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
+
+    def linear(node: Any) -> tuple[int, int] | None:
+        if node.op != "call_module" or calls[node.target] != 1:
+            return None
+        return linear_features(named[node.target])
+
+    def elementwise(node: Any) -> bool:
+        others = [a for a in list(node.args) + list(node.kwargs.values()) if not _is_node(a)]
+        if not all(isinstance(a, (int, float, torch.dtype)) for a in others):
+            return False
+        if node.op == "call_module":
+            return isinstance(named[node.target], ELEMENTWISE_MODULES)
+        if node.op == "call_function":
+            return node.target in _BINARY or node.target in _UNARY
+        if node.op == "call_method":
+            return node.target in _ELEMENTWISE_TENSOR_METHODS
+        return False
+
+    for row in graph.nodes:
+        f = linear(row)
+        if f is None or len(row.all_input_nodes) != 1:
+            continue
+        inner: set[Any] = set()
+        columns: list[Any] = []
+        todo, ok = [row.all_input_nodes[0]], True
+        while todo and ok:
+            node = todo.pop()
+            if node in inner:
+                continue
+            inner.add(node)
+            g = linear(node)
+            if g is not None:
+                ok = g[1] == f[0]
+                columns.append(node)
+            elif elementwise(node):
+                todo.extend(node.all_input_nodes)
+            else:
+                ok = False
+        # Nothing outside sees the split tensors: every user of an inner node is inner or row.
+        ok = ok and bool(columns) and all(u in inner or u is row for n in inner for u in n.users)
+        if ok:
+            prefix = f"{name}." if name else ""
+            ordered = [n for n in graph.nodes if n in columns]
+            return TensorSplit(
+                "mlp",
+                name,
+                f[0],
+                1,
+                [(prefix + c.target, 1, 1) for c in ordered],
+                prefix + row.target,
+            )
+    return None
+
+
+def _is_node(a: Any) -> bool:
+    from torch import fx
+
+    return isinstance(a, fx.Node)
+
+
+def plan_tensor_splits(
+    model: nn.Module, candidates: Sequence[str], *, mha: bool = True
+) -> tuple[list[TensorSplit], dict[str, str]]:
+    """The attentions and MLPs of ``model`` to split by heads and hidden units
+    (:class:`TensorSplit`), among the layers named in ``candidates`` (those the pairing rule
+    of :func:`~.chains.plan_modes` would gather), and with ``mha`` torch's ``nn.MultiheadAttention``
+    modules; and the attentions it leaves alone, by name, with why.
+    It reads module types, attributes and traced graphs only, so a model on the meta device
+    works."""
+    pool = set(candidates)
+    splits: list[TensorSplit] = []
+    kept: dict[str, str] = {}
+    claimed: set[str] = set()
+    for name, m in model.named_modules():
+        if name in claimed or any(name.startswith(c + ".") for c in claimed):
+            continue
+        found: TensorSplit | str | None = _mha(name, m) if mha else None
+        if found is None:
+            found = _attention(name, m)
+        if found is None:
+            found = _mlp(name, m)
+        if isinstance(found, str):
+            kept[name or type(model).__name__] = found
+            continue
+        if found is None:
+            continue
+        missing = [n for n in found.layers() if n not in pool and found.kind != "mha"]
+        if missing:
+            if found.kind == "attention":
+                kept[name] = f"its layers {missing} are not split or already paired"
+            continue
+        splits.append(found)
+        claimed.update(found.layers())
+    return splits, kept
