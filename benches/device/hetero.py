@@ -63,6 +63,33 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def speeds_here(
+    dev: torch.device, xd: torch.Tensor, yd: torch.Tensor, batch: int, probe_s: float
+) -> list[Any]:
+    """Every rank's fit of the demo CNN's training step (forward, backward, SGD) on batches of
+    up to ``batch`` rows of ``xd``/``yd`` (on ``dev``), probed for at most ``probe_s`` seconds
+    (:func:`hetcoll.torch.measure_speed`), exchanged (:func:`hetcoll.torch.gather_speeds`)."""
+    from hetcoll.torch import gather_speeds, measure_speed
+
+    n = len(xd)
+    sizes = sorted({max(1, batch // 8), max(2, batch // 4), max(3, batch // 2), batch})
+
+    def make_batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = (torch.arange(b) % n).to(dev)
+        return xd[idx], yd[idx]
+
+    fit = measure_speed(
+        _model().to(dev),
+        make_batch,
+        nn.functional.cross_entropy,
+        batch_sizes=sizes,
+        warmup=2,
+        time_budget=probe_s,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=LR),
+    )
+    return list(gather_speeds(fit))
+
+
 def _timed(dev: torch.device, step: Any, batches: list[Any], warmup: int) -> float:
     """Seconds per step of ``step(batch)`` over ``batches[warmup:]``, between barriers."""
     import torch.distributed as dist
@@ -84,7 +111,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from hetcoll.torch import BalancedSampler, gather_speeds, measure_speed, register_weighted_hook
+    from hetcoll.torch import BalancedSampler, register_weighted_hook
 
     gpu = rank == 0 and cfg["cuda"]
     dev = torch.device("cuda", 0) if gpu else torch.device("cpu")
@@ -98,22 +125,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
         return torch.optim.SGD(params, lr=LR)
 
     # 1. Each rank's own speed.
-    sizes = sorted({max(1, batch // 8), max(2, batch // 4), max(3, batch // 2), batch})
-
-    def make_batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.arange(b) % n
-        return xd[idx.to(dev)], yd[idx.to(dev)]
-
-    fit = measure_speed(
-        _model().to(dev),
-        make_batch,
-        loss_fn,
-        batch_sizes=sizes,
-        warmup=2,
-        time_budget=cfg["probe_s"],
-        optimizer=sgd,
-    )
-    fits = gather_speeds(fit)
+    fits = speeds_here(dev, xd, yd, batch, cfg["probe_s"])
     out: dict[str, Any] = {
         "devices": ["cuda" if (r == 0 and cfg["cuda"]) else "cpu" for r in range(world)],
         "speeds": [
@@ -217,30 +229,47 @@ def measure_gpu() -> dict[str, Any]:
     }
 
 
-def predict(
-    cluster_path: str | None, gpu: dict[str, Any] | None, row: dict[str, Any], batch: int
-) -> dict[str, Any]:
-    """The performance model's step for the three runs of ``row``."""
-    from hetcoll.model import Cluster, Device, Node, layer_costs, load_cluster
-    from hetcoll.model import predict_data_parallel as data_parallel
+def real_cluster(
+    cluster_path: str | None, gpu: dict[str, Any] | None, world: int
+) -> tuple[Any, Any, str | None]:
+    """The performance model's view of this machine's ranks: ``(cluster, alone, why_not)``.
+    Rank 0 the GPU (``gpu``: :func:`measure_gpu`'s figures) and ranks 1.. the CPU rank of
+    ``hetcoll model calibrate``'s file, all joined by its gloo link; ``alone``: rank 0 by
+    itself. Without a GPU (the dry run) every rank is the calibrated CPU rank. ``why_not``
+    says why there is no cluster (no calibration file), else None."""
+    from hetcoll.model import Cluster, Device, Node, load_cluster
 
     if not cluster_path or not os.path.exists(cluster_path):
-        return {"status": f"skipped: no calibration file ({cluster_path})"}
+        return None, None, f"skipped: no calibration file ({cluster_path})"
     calibrated = load_cluster(cluster_path)
     cpu_node = calibrated.nodes[0]
     link = cpu_node.link or calibrated.ring_link()
     cpu = cpu_node.device
-    world = len(row["devices"])
-    costs = layer_costs(_model(), SHAPE)
     if gpu is not None:
         figures = {k: v for k, v in gpu.items() if k != "name"}
         first = Device("gpu", **figures)
-        nodes = [Node("gpu", first, 1), Node("cpu", cpu, world - 1, link if world > 2 else None)]
-        cluster = Cluster(nodes, link)
-        alone = Cluster([Node("gpu", first, 1)])
-    else:  # dry run: every rank the calibrated CPU rank
-        cluster = Cluster([Node("cpu", cpu, world, link)])
-        alone = Cluster([Node("cpu", cpu, 1)])
+        nodes = [Node("gpu", first, 1)]
+        if world > 1:
+            nodes.append(Node("cpu", cpu, world - 1, link if world > 2 else None))
+        return Cluster(nodes, link if world > 1 else None), Cluster([Node("gpu", first, 1)]), None
+    return (
+        Cluster([Node("cpu", cpu, world, link if world > 1 else None)]),
+        Cluster([Node("cpu", cpu, 1)]),
+        None,
+    )
+
+
+def predict(
+    cluster_path: str | None, gpu: dict[str, Any] | None, row: dict[str, Any], batch: int
+) -> dict[str, Any]:
+    """The performance model's step for the three runs of ``row``."""
+    from hetcoll.model import layer_costs
+    from hetcoll.model import predict_data_parallel as data_parallel
+
+    cluster, alone, why_not = real_cluster(cluster_path, gpu, len(row["devices"]))
+    if why_not is not None:
+        return {"status": why_not}
+    costs = layer_costs(_model(), SHAPE)
     predicted = {
         name: data_parallel(costs, cluster, row["shares"][name]).step_s
         for name in ("balanced", "equal")
