@@ -495,6 +495,11 @@ def test_device_adapter_reads_a_dry_run(tmp_path: Path) -> None:
     assert "| skipped: no CUDA | 0 | 0 | 14 |" in text
     assert "| – | skipped: no CUDA | – | – | – |" in text
     assert "skipped: no CUDA (dry run, rank 0 on the CPU)" in text
+    # The plans and the LM example ran on the CPU (their steps are in the table) but show no
+    # figure: rank 0 was no GPU.
+    assert "| plans | ok |" in text and "| lm | ok |" in text
+    assert "| – | skipped: no CUDA | – | – | – | – |" in text
+    assert "| skipped: no CUDA | – | – | – | – | – | – |" in text
 
 
 def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
@@ -526,6 +531,24 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
             }
         ],
     }
+    # The plans and the LM runs the dry run measured, with predictions of known errors.
+    plans = data["plans"]
+    plans["status"] = "ok"
+    plan_errors = [0.05, -0.1, 0.2, 0.08, -0.3, 0.12, 0.02, -0.04, 0.15, 0.1]
+    assert len(plans["configurations"]) == len(plan_errors)
+    for c, e in zip(plans["configurations"], plan_errors):
+        c["prediction"] = {"status": "ok", "step_s": c["step_s"] * (1 + e), "error": e}
+    lm = data["lm"]
+    lm["status"] = "ok"
+    runs = {c["name"]: c for c in lm["configurations"]}
+    for name, rate in (
+        ("the GPU alone", 20_000.0),
+        ("balanced", 26_000.0),
+        ("equal split", 5_200.0),
+    ):
+        runs[name]["tokens_per_s"] = rate
+        runs[name]["prediction"] = {"status": "failed: ValueError: no"}
+    lm["balanced_over"] = {"equal split": 5.0, "the GPU alone": 1.3}
     raw = tmp_path / "raw" / "summary.json"
     raw.parent.mkdir()
     raw.write_text(json.dumps(data))
@@ -540,10 +563,38 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
         "10.0% / 12.5%"
     )
     assert heads["weighted_sum of 4 CUDA float32 tensors, time / add_ chain's"] == "1.00x"
+    # Ten plans' |errors|: median of 0.02 .. 0.3 is (0.1 + 0.1) / 2.
+    plan_head = (
+        "performance model, 10 plans (data-parallel, filter split, pipeline, hybrid) on a GPU "
+        "+ CPU ranks, median / worst |error|"
+    )
+    assert heads[plan_head] == "10.0% / 30.0%"
+    assert heads[
+        "LM example, 1 GPU + 2 CPU ranks: balanced tokens/s / equal split, / GPU alone"
+    ] == ("5.00x / 1.30x")
+    # Every prediction: the CNN runs' 3 (0.125, 0.1, 0), the plans' 10 and the LM's two
+    # predicted runs (the pipeline and the hybrid, their dry-run errors).
+    lm_errors = [abs(runs[n]["prediction"]["error"]) for n in runs if n.startswith(("pipe", "hyb"))]
+    every = sorted([0.125, 0.1, 0.0] + [abs(e) for e in plan_errors] + lm_errors)
+    assert len(every) == 15
+    head = (
+        "performance model, every configuration measured on a GPU + CPU ranks (15), "
+        "median / worst |error|"
+    )
+    assert heads[head] == f"{every[7]:.1%} / {every[-1]:.1%}"
     text = report.generate(tmp_path)
     assert "| 1 | 0 | cuda |" in text
     assert "| 1 | balanced | 3.60 | 3.20 | +12.5% |" in text
     assert "gpu NVIDIA H100 80GB HBM3 (79 GiB)" in text
+    first = plans["configurations"][0]
+    shares = "+".join(str(r["samples"]) for r in first["plan"]["replicas"])
+    assert (
+        f"| data-parallel, balanced | data-parallel | {shares} | {first['step_s'] * 1e3:.2f} | "
+        f"{first['step_s'] * 1.05e3:.2f} | +5.0% |"
+    ) in text
+    assert "Median |error| 10.0%, worst 30.0% over 10 plans" in text
+    # balanced / the GPU alone = 26,000 / 20,000; the model's refusal leaves its cells empty.
+    assert "| 26,000 | 1.00x | – | – |" in text and "| 20,000 | 1.30x | – | – |" in text
 
 
 def _load_summarize() -> ModuleType:
@@ -587,4 +638,6 @@ def test_device_summary_names_failed_and_timed_out_steps(tmp_path: Path) -> None
         {"test": "tests.test_cuda::test_b", "message": "AssertionError: 0.5 > 1e-10"}
     ]
     assert summary["hetero"]["status"].startswith("missing: hetero.json")
+    assert summary["plans"]["status"].startswith("missing: plans.json")
+    assert summary["lm"]["status"].startswith("missing: lm.json")
     assert summary["calibration"] is None

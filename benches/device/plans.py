@@ -115,12 +115,7 @@ def plans(
         "pipeline: GPU convs, head over CPU stages": (
             "pipeline",
             plan(
-                [
-                    one(
-                        [gpu_stage]
-                        + [{"ranks": [r], "layers": c} for r, c in zip(cpus, head_cuts)]
-                    )
-                ],
+                [one([gpu_stage] + [{"ranks": [r], "layers": c} for r, c in zip(cpus, head_cuts)])],
                 microbatches,
                 "GPipe",
             ),
@@ -135,7 +130,7 @@ def plans(
         "hybrid: pipeline beside CPU replicas": (
             "hybrid",
             plan(
-                [one(pipeline, hybrid[0])] + replicas(cpus[1:], hybrid[1:]),
+                [one(pipeline, hybrid[0]), *replicas(cpus[1:], hybrid[1:])],
                 microbatches,
             ),
         ),
@@ -202,7 +197,8 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
     dev = torch.device("cuda", 0) if gpu else torch.device("cpu")
     batch = cfg["batch"]
     x, y = _pool(batch)
-    fits = speeds_here(dev, x.to(dev), y.to(dev), batch, cfg["probe_s"])
+    x, y = x.to(dev), y.to(dev)  # the GPU rank's data on the GPU, as a loader would put it
+    fits = speeds_here(dev, x, y, batch, cfg["probe_s"])
     speeds = [f.samples_per_s for f in fits]
     latency = [f.latency_s for f in fits]
     result: dict[str, Any] = cfg["result"]
