@@ -61,22 +61,22 @@ export PYTHONUNBUFFERED=1
 
 # Each job's own limit (--timeout) is under its step's, so a hung job still leaves its
 # script the seconds to write what it measured.
-HETERO=(--timeout 35)
-PLANS=(--timeout 70)
-LM=(--timeout 60)
+HETERO=(--steps 12 --probe-s 2 --timeout 32)
+PLANS=(--timeout 75)
+LM=(--timeout 65)
+CPU_RANKS=8
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>>"$LOG"; then
     echo "no CUDA: the dry run (small step counts)" | tee -a "$LOG"
     HETERO=(--cpu-ranks 1 --batch 64 --warmup 1 --steps 3 --probe-s 1 --timeout 60)
-    PLANS=(--cpu-ranks 2 --batch 32 --warmup 1 --steps 3 --probe-s 1 --timeout 70)
-    LM=(--cpu-ranks 2 --batch 8 --warmup 1 --steps 2 --probe-s 1 --timeout 60)
+    PLANS=(--cpu-ranks 2 --batch 32 --warmup 1 --steps 3 --probe-s 1 --timeout 75)
+    LM=(--cpu-ranks 2 --batch 8 --warmup 1 --steps 2 --probe-s 1 --timeout 65)
+    CPU_RANKS=2
 fi
 
 step env 20 "$PY" benches/device/environment.py --json "$OUT/environment.json"
 step kernels 35 "$PY" benches/device/kernels.py --json "$OUT/kernels.json"
 step pytest 120 "$PY" -m pytest -m cuda -v -p no:cacheprovider -o addopts="" \
     --junitxml "$OUT/pytest-cuda.xml" tests/test_cuda.py
-CPU_RANKS=8
-[ "${HETERO[0]}" = --cpu-ranks ] && CPU_RANKS=2
 step calibrate 40 "$PY" -m hetcoll.cli model calibrate --links gloo --ranks "$CPU_RANKS" \
     --output "$OUT/cluster.toml"
 step hetero 75 "$PY" benches/device/hetero.py --cluster "$OUT/cluster.toml" \
