@@ -1531,9 +1531,11 @@ def adapt_device(raw: Sequence[Path], command: str) -> dict[str, Any]:
     plans = data.get("plans") if isinstance(data.get("plans"), dict) else {}
     sections.append(
         {
-            "title": (
-                f"Plans on the real devices: 1 GPU + {plans.get('cpu_ranks')} CPU ranks, "
-                f"global batch {plans.get('batch')}"
+            "title": "Plans on the real devices"
+            + (
+                f": 1 GPU + {plans['cpu_ranks']} CPU ranks, global batch {plans['batch']}"
+                if "cpu_ranks" in plans and "batch" in plans
+                else ""
             ),
             "peer": "the step measured in the same job",
             "columns": [
@@ -1561,9 +1563,12 @@ def adapt_device(raw: Sequence[Path], command: str) -> dict[str, Any]:
     lm = data.get("lm") if isinstance(data.get("lm"), dict) else {}
     sections.append(
         {
-            "title": (
-                f"The LM example (examples/train_lm.py's Llama): 1 GPU + {lm.get('cpu_ranks')} "
-                f"CPU ranks, global batch {lm.get('batch')} rows of {lm.get('seq')} bytes"
+            "title": "The LM example (examples/train_lm.py's Llama)"
+            + (
+                f": 1 GPU + {lm['cpu_ranks']} CPU ranks, global batch {lm['batch']} rows of "
+                f"{lm.get('seq')} bytes"
+                if "cpu_ranks" in lm and "batch" in lm
+                else ""
             ),
             "peer": "in the same job: the equal split (what DDP does) and the GPU rank alone",
             "columns": [

@@ -597,6 +597,22 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
     assert "| 26,000 | 1.00x | – | – |" in text and "| 20,000 | 1.30x | – | – |" in text
 
 
+def test_device_adapter_reads_a_summary_without_plans_or_lm(tmp_path: Path) -> None:
+    """A summary of the run.sh before the plans and LM steps imports, saying they are absent."""
+    data = json.loads(DEVICE_DRY_RUN.read_text())
+    data["cuda"] = True
+    del data["plans"], data["lm"]
+    raw = tmp_path / "raw" / "summary.json"
+    raw.parent.mkdir()
+    raw.write_text(json.dumps(data))
+    result = report.adapt_device([raw], "bash benches/device/run.sh out/device")
+    report.write_result(tmp_path / "device.json", result)
+    text = report.generate(tmp_path)
+    assert "### Plans on the real devices\n" in text
+    assert "| – | not in this summary (an older run.sh) | – | – | – | – |" in text
+    assert "| not in this summary (an older run.sh) | – | – | – | – | – | – |" in text
+
+
 def _load_summarize() -> ModuleType:
     path = ROOT / "benches" / "device" / "summarize.py"
     spec = importlib.util.spec_from_file_location("device_summarize", path)
