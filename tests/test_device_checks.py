@@ -20,6 +20,20 @@ sys.path.insert(0, str(ROOT / "benches" / "device"))
 
 import plans as device_plans  # noqa: E402
 
+#: The plans run at any speeds (an eleventh, "balanced, every rank", when the split idles a rank).
+BASE = (
+    "data-parallel, balanced",
+    "data-parallel, equal split",
+    "the GPU alone",
+    "device subset: GPU + CPU 1",
+    "filter split over every rank",
+    "filter split: GPU + CPU 1",
+    "pipeline: GPU convs, CPU 1 head",
+    "pipeline: GPU convs, head over CPU stages",
+    "pipeline: GPU convs, head split over CPUs",
+    "hybrid: pipeline beside CPU replicas",
+)
+
 #: A GPU rank about 20x a CPU rank, three CPU ranks of unequal speeds (samples/s, fixed s).
 SPEEDS = [6000.0, 300.0, 250.0, 200.0]
 LATENCY = [2e-3, 1e-3, 1e-3, 1e-3]
@@ -40,6 +54,8 @@ def test_cnn_plans_are_valid_and_predicted() -> None:
     from hetcoll.model import layer_costs, predict_plan
 
     built = device_plans.plans(SPEEDS, LATENCY, 256, 4)
+    assert set(built) >= set(BASE)
+    # The split leaves no CPU rank idle at these speeds: "every rank" would repeat "balanced".
     assert len(built) == 10
     assert {kind for kind, _ in built.values()} >= {
         "data-parallel",
@@ -84,9 +100,16 @@ def test_lm_plans_are_valid_and_predicted() -> None:
     layers = len(model_layers(model))
     shape = {"input_ids": (64,), "attention_mask": (64,)}
     costs = layer_costs(model, shape, dtype=torch.int64)
-    for world, runs in ((4, 5), (2, 4)):
-        built = device_lm.plans([f / 60 for f in SPEEDS[:world]], LATENCY[:world], 64, 4, layers)
-        assert len(built) == runs
+    cases = (
+        ([f / 60 for f in SPEEDS], LATENCY, 5),
+        ([f / 60 for f in SPEEDS[:2]], LATENCY[:2], 4),
+        # The CPU ranks' fixed cost outlasts the GPU's step: "balanced" idles them.
+        ([5000.0, 80.0, 80.0, 80.0], [0.02, 0.03, 0.03, 0.03], 6),
+    )
+    for speeds, latency, runs in cases:
+        world = len(speeds)
+        built = device_lm.plans(speeds, latency, 64, 4, layers)
+        assert len(built) == runs, list(built)
         for name, (_, spec) in built.items():
             plan = hetcoll.Plan.from_dict(spec)
             assert plan.num_layers == layers and plan.batch == 64, name
@@ -112,7 +135,8 @@ def test_plans_script_runs_every_plan(tmp_path: Path) -> None:
     got = json.loads(out.read_text())
     assert got["status"].startswith("skipped: no CUDA")
     rows = got["configurations"]
-    assert [r["name"] for r in rows] == list(device_plans.plans(SPEEDS[:3], LATENCY[:3], 16, 4))
+    names = [r["name"] for r in rows]
+    assert set(names) >= set(BASE) and len(names) in (10, 11), names
     for r in rows:
         assert r["status"] == "ok", (r["name"], r.get("traceback"))
         assert r["prediction"]["status"] == "ok", r["prediction"]
@@ -120,4 +144,15 @@ def test_plans_script_runs_every_plan(tmp_path: Path) -> None:
         assert r["prediction"]["error"] == pytest.approx(
             r["prediction"]["step_s"] / r["step_s"] - 1
         )
-    assert got["prediction_error"]["count"] == 10
+    assert got["prediction_error"]["count"] == len(names)
+
+
+def test_cnn_plans_idle_a_rank_the_split_leaves_out() -> None:
+    """A CPU rank whose fixed cost alone outlasts the GPU's whole step gets no sample from
+    hetcoll.split: "balanced" leaves it idle, "balanced, every rank" gives it one."""
+    speeds, latency = [500_000.0, 900.0, 800.0, 700.0], [1e-3, 5e-3, 5e-3, 5e-3]
+    built = device_plans.plans(speeds, latency, 256, 4)
+    assert len(built) == 11
+    assert [r["samples"] for r in built["data-parallel, balanced"][1]["replicas"]] == [256]
+    every = built["data-parallel, balanced, every rank"][1]["replicas"]
+    assert [r["samples"] for r in every] == [253, 1, 1, 1]

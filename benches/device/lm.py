@@ -13,8 +13,9 @@ Every rank measures its own training step in rows/s (:func:`hetcoll.torch.measur
 forward, backward and AdamW), then the ranks run, on the same global batches of ``--batch`` rows:
 
 - **the GPU alone** (the CPU ranks idle);
-- **balanced**: a whole-model replica per rank, rows from :func:`hetcoll.split` of the
-  measured fits;
+- **balanced**: whole-model replicas, rows from :func:`hetcoll.split` of the measured fits (a
+  rank whose fixed cost alone outlasts the step gets no row and idles); **balanced, every
+  rank**: the same with at least one row each (run when it differs);
 - **equal split**: the same replicas with equal rows (what DDP does);
 - **pipeline**: the GPU's stage (embedding, rotary, every decoder layer) feeding CPU rank 1's
   (the final norm and the head), 1F1B over ``--microbatches``;
@@ -120,9 +121,11 @@ def plans(
     whole = [0, layers]
 
     def replicas(ranks: list[int], shares: list[int]) -> list[dict[str, Any]]:
+        """A replica per rank with rows (ranks with none idle)."""
         return [
             {"samples": s, "stages": [{"ranks": [r], "layers": whole}]}
             for r, s in zip(ranks, shares)
+            if s
         ]
 
     def plan(reps: list[dict[str, Any]], m: int = 1) -> dict[str, Any]:
@@ -133,12 +136,11 @@ def plans(
         {"ranks": [0], "layers": [0, layers - 2]},
         {"ranks": [1], "layers": [layers - 2, layers]},
     ]
+    balanced = hetcoll.split(batch, speeds, latency=latency)
+    every = hetcoll.split(batch, speeds, latency=latency, minimum=1)
     out = {
         "the GPU alone": ("data-parallel", plan(replicas([0], [batch]))),
-        "balanced": (
-            "data-parallel",
-            plan(replicas([0, *cpus], hetcoll.split(batch, speeds, latency=latency, minimum=1))),
-        ),
+        "balanced": ("data-parallel", plan(replicas([0, *cpus], balanced))),
         "equal split": (
             "data-parallel",
             plan(replicas([0, *cpus], hetcoll.split(batch, [1.0] * world))),
@@ -148,6 +150,9 @@ def plans(
             plan([{"samples": batch, "stages": pipeline}], microbatches),
         ),
     }
+    if every != balanced:  # the split left a rank idle: also with every rank at work
+        out["balanced, every rank"] = ("data-parallel", plan(replicas([0, *cpus], every)))
+        out = {k: out[k] for k in ("the GPU alone", "balanced", "balanced, every rank", *out)}
     if len(cpus) >= 2:  # the pipeline's rate is about the GPU's: the head is little compute
         shares = hetcoll.split(
             batch, [speeds[0], *speeds[2:]], latency=[latency[0], *latency[2:]], minimum=1

@@ -1,6 +1,6 @@
 """Plans on real devices (issue 40, item 4): one GPU rank beside CPU ranks in one gloo group,
-the demo CNN run by :func:`hetcoll.torch.parallelize` under ten plans, each step measured and
-predicted by the performance model.
+the demo CNN run by :func:`hetcoll.torch.parallelize` under ten or eleven plans, each step
+measured and predicted by the performance model.
 
     python benches/device/plans.py --cluster OUT/cluster.toml --json OUT/plans.json
 
@@ -8,9 +8,11 @@ One job of 1 GPU rank + ``--cpu-ranks`` one-thread CPU ranks (3 by default; at l
 rank first measures its own training step (:func:`hetero.speeds_here`: the shares below come
 from these speeds), then the ranks run each plan in turn (global batch ``--batch``, SGD):
 
-- **data-parallel**, a whole-model replica per rank: *balanced* (:func:`hetcoll.split` of the
-  measured fits), *equal* (what DDP does), *the GPU alone* (the CPU ranks idle) and *a device
-  subset* (the GPU and CPU rank 1, balanced; the others idle);
+- **data-parallel**, whole-model replicas: *balanced* (:func:`hetcoll.split` of the measured
+  fits: a rank whose fixed cost alone outlasts the step gets no sample and idles), *balanced,
+  every rank* (the same with at least one sample each; run when it differs), *equal* (what DDP
+  does), *the GPU alone* (the CPU ranks idle) and *a device subset* (the GPU and CPU rank 1,
+  balanced; the others idle);
 - **filter split**: one stage of the whole model over every rank, its channels split by the
   measured speeds; the same over the GPU and CPU rank 1;
 - **pipeline**: the GPU's stage (the convolutions and the pool, layers 0-4) feeding CPU rank 1's
@@ -81,12 +83,14 @@ def plans(
         return {"samples": samples, "stages": stages}
 
     def replicas(ranks: list[int], shares: list[int]) -> list[dict[str, Any]]:
-        return [one([{"ranks": [r], "layers": whole}], s) for r, s in zip(ranks, shares)]
+        """A replica per rank with samples (ranks with none idle)."""
+        return [one([{"ranks": [r], "layers": whole}], s) for r, s in zip(ranks, shares) if s]
 
     def plan(reps: list[dict[str, Any]], m: int = 1, schedule: str = "1F1B") -> dict[str, Any]:
         return {"microbatches": m, "schedule": schedule, "replicas": reps}
 
-    balanced = hetcoll.split(batch, speeds, latency=latency, minimum=1)
+    balanced = hetcoll.split(batch, speeds, latency=latency)
+    every = hetcoll.split(batch, speeds, latency=latency, minimum=1)
     equal = hetcoll.split(batch, [1.0] * world)
     pair = hetcoll.split(batch, speeds[:2], latency=latency[:2], minimum=1)
     gpu_stage = {"ranks": [0], "layers": list(CONVS)}
@@ -98,8 +102,12 @@ def plans(
     hybrid = hetcoll.split(
         batch, [speeds[0], *speeds[2:]], latency=[latency[0], *latency[2:]], minimum=1
     )
-    return {
+    out = {
         "data-parallel, balanced": ("data-parallel", plan(replicas([0, *cpus], balanced))),
+        "data-parallel, balanced, every rank": (
+            "data-parallel",
+            plan(replicas([0, *cpus], every)),
+        ),
         "data-parallel, equal split": ("data-parallel", plan(replicas([0, *cpus], equal))),
         "the GPU alone": ("data-parallel", plan(replicas([0], [batch]))),
         "device subset: GPU + CPU 1": ("data-parallel", plan(replicas([0, 1], pair))),
@@ -135,6 +143,9 @@ def plans(
             ),
         ),
     }
+    if every == balanced:  # the split used every rank: one run of it is enough
+        del out["data-parallel, balanced, every rank"]
+    return out
 
 
 def _step_times(
