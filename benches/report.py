@@ -1646,8 +1646,8 @@ def adapt_device(raw: Sequence[Path], command: str) -> dict[str, Any]:
         description=(
             "`benches/device/run.sh` on a machine with one GPU (issue 40): the CUDA tests, the "
             "demo CNN trained by 1 GPU rank beside 3 and 7 one-thread CPU ranks over gloo "
-            "(real heterogeneity, no emulation), ten plans of it under parallelize and the LM "
-            "example beside 3 CPU ranks, the performance model calibrated on that machine "
+            "(real heterogeneity, no emulation), ten or eleven plans of it under parallelize and "
+            "the LM example beside 3 CPU ranks, the performance model calibrated on that machine "
             "against every measured step, and the GPU kernels. Details: "
             "benches/device/README.md."
         ),

@@ -534,8 +534,10 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
     # The plans and the LM runs the dry run measured, with predictions of known errors.
     plans = data["plans"]
     plans["status"] = "ok"
-    plan_errors = [0.05, -0.1, 0.2, 0.08, -0.3, 0.12, 0.02, -0.04, 0.15, 0.1]
-    assert len(plans["configurations"]) == len(plan_errors)
+    # Ten plans, or eleven when the split idled a rank: either way median 10%, worst 30%.
+    n = len(plans["configurations"])
+    assert n in (10, 11)
+    plan_errors = [0.05, -0.1, 0.2, 0.08, -0.3, 0.12, 0.02, -0.04, 0.15, 0.1, 0.1][:n]
     for c, e in zip(plans["configurations"], plan_errors):
         c["prediction"] = {"status": "ok", "step_s": c["step_s"] * (1 + e), "error": e}
     lm = data["lm"]
@@ -563,25 +565,27 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
         "10.0% / 12.5%"
     )
     assert heads["weighted_sum of 4 CUDA float32 tensors, time / add_ chain's"] == "1.00x"
-    # Ten plans' |errors|: median of 0.02 .. 0.3 is (0.1 + 0.1) / 2.
     plan_head = (
-        "performance model, 10 plans (data-parallel, filter split, pipeline, hybrid) on a GPU "
+        f"performance model, {n} plans (data-parallel, filter split, pipeline, hybrid) on a GPU "
         "+ CPU ranks, median / worst |error|"
     )
     assert heads[plan_head] == "10.0% / 30.0%"
     assert heads[
         "LM example, 1 GPU + 2 CPU ranks: balanced tokens/s / equal split, / GPU alone"
     ] == ("5.00x / 1.30x")
-    # Every prediction: the CNN runs' 3 (0.125, 0.1, 0), the plans' 10 and the LM's two
-    # predicted runs (the pipeline and the hybrid, their dry-run errors).
-    lm_errors = [abs(runs[n]["prediction"]["error"]) for n in runs if n.startswith(("pipe", "hyb"))]
+    # Every prediction: the CNN runs' 3 (0.125, 0.1, 0), the plans' and the LM's runs the
+    # model predicted (all but the three whose prediction failed above: their dry-run errors).
+    lm_errors = [
+        abs(c["prediction"]["error"]) for c in runs.values() if c["prediction"]["status"] == "ok"
+    ]
+    assert len(lm_errors) == len(runs) - 3
     every = sorted([0.125, 0.1, 0.0] + [abs(e) for e in plan_errors] + lm_errors)
-    assert len(every) == 15
     head = (
-        "performance model, every configuration measured on a GPU + CPU ranks (15), "
+        f"performance model, every configuration measured on a GPU + CPU ranks ({len(every)}), "
         "median / worst |error|"
     )
-    assert heads[head] == f"{every[7]:.1%} / {every[-1]:.1%}"
+    median = (every[(len(every) - 1) // 2] + every[len(every) // 2]) / 2
+    assert heads[head] == f"{median:.1%} / {every[-1]:.1%}"
     text = report.generate(tmp_path)
     assert "| 1 | 0 | cuda |" in text
     assert "| 1 | balanced | 3.60 | 3.20 | +12.5% |" in text
@@ -590,9 +594,9 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
     shares = "+".join(str(r["samples"]) for r in first["plan"]["replicas"])
     assert (
         f"| data-parallel, balanced | data-parallel | {shares} | {first['step_s'] * 1e3:.2f} | "
-        f"{first['step_s'] * 1.05e3:.2f} | +5.0% |"
+        f"{first['prediction']['step_s'] * 1e3:.2f} | +5.0% |"
     ) in text
-    assert "Median |error| 10.0%, worst 30.0% over 10 plans" in text
+    assert f"Median |error| 10.0%, worst 30.0% over {n} plans" in text
     # balanced / the GPU alone = 26,000 / 20,000; the model's refusal leaves its cells empty.
     assert "| 26,000 | 1.00x | – | – |" in text and "| 20,000 | 1.30x | – | – |" in text
 
