@@ -34,6 +34,13 @@ BASE = (
     "hybrid: pipeline beside CPU replicas",
 )
 
+#: A calibration file as `hetcoll model calibrate` writes it: the CPU rank and the gloo link.
+CALIBRATION = (
+    "[devices.cpu]\nflops_per_s = 5e10\nmem_bytes_per_s = 1e10\nmemory_bytes = 8e9\n"
+    "kernel_overhead_s = 5e-6\n[links.gloo]\nlatency_s = 5e-5\nbytes_per_s = 1e9\n"
+    '[[nodes]]\nname = "here"\ndevice = "cpu"\ncount = 2\nlink = "gloo"\n'
+)
+
 #: A GPU rank about 20x a CPU rank, three CPU ranks of unequal speeds (samples/s, fixed s).
 SPEEDS = [6000.0, 300.0, 250.0, 200.0]
 LATENCY = [2e-3, 1e-3, 1e-3, 1e-3]
@@ -82,6 +89,54 @@ def test_cnn_plans_are_valid_and_predicted() -> None:
     assert [r["samples"] for r in built["data-parallel, equal split"][1]["replicas"]] == [64] * 4
 
 
+def test_gpu_probes_make_the_models_device() -> None:
+    """hetero.measure_gpu's probes (run here on the CPU, as the dry run does): positive finite
+    figures, the Device fields among them."""
+    import torch
+
+    import hetero
+
+    figures = hetero.measure_gpu(torch.device("cpu"))
+    for key in (
+        "flops_per_s",
+        "conv_flops_per_s",
+        "mem_bytes_per_s",
+        "kernel_overhead_s",
+        "conv_overhead_s",
+        "launch_s",
+    ):
+        assert math.isfinite(figures[key]) and figures[key] >= 0, key
+    assert figures["flops_per_s"] > 0 and figures["kernel_overhead_s"] > 0
+
+
+def test_real_cluster_puts_the_gpu_first(tmp_path: Path) -> None:
+    """real_cluster: the GPU's figures at rank 0 (what is not a Device field, launch_s, left
+    out), the calibrated CPU rank after it, the gloo link between; no file, no cluster."""
+    import hetero
+
+    figures = {
+        "name": "H200",
+        "flops_per_s": 5e13,
+        "mem_bytes_per_s": 4e12,
+        "memory_bytes": 1.4e11,
+        "kernel_overhead_s": 1e-5,
+        "conv_overhead_s": 2e-5,
+        "launch_s": 3e-6,
+    }
+    cluster_file = tmp_path / "cluster.toml"
+    cluster_file.write_text(CALIBRATION)
+    cluster, alone, why_not = hetero.real_cluster(str(cluster_file), figures, 4)
+    assert why_not is None
+    assert cluster.num_devices == 4 and alone.num_devices == 1
+    first = cluster.devices[0]
+    assert (first.name, first.flops_per_s, first.conv_overhead_s) == ("gpu", 5e13, 2e-5)
+    assert [d.name for d in cluster.devices[1:]] == ["cpu"] * 3
+    link = cluster.link_between(0, 1)
+    assert (link.latency_s, link.bytes_per_s) == (5e-5, 1e9)
+    missing = hetero.real_cluster(str(tmp_path / "none.toml"), figures, 4)
+    assert missing[0] is None and missing[2].startswith("skipped: no calibration file")
+
+
 def test_cnn_plans_need_two_cpu_ranks() -> None:
     with pytest.raises(ValueError, match="--cpu-ranks: the plans need at least 2 CPU ranks"):
         device_plans.plans(SPEEDS[:2], LATENCY[:2], 64, 4)
@@ -123,11 +178,7 @@ def test_plans_script_runs_every_plan(tmp_path: Path) -> None:
     CPU ranks written here): every plan runs under parallelize and is predicted, and the JSON
     holds each one's measured and predicted step."""
     cluster = tmp_path / "cluster.toml"
-    cluster.write_text(
-        "[devices.cpu]\nflops_per_s = 5e10\nmem_bytes_per_s = 1e10\nmemory_bytes = 8e9\n"
-        "kernel_overhead_s = 5e-6\n[links.gloo]\nlatency_s = 5e-5\nbytes_per_s = 1e9\n"
-        '[[nodes]]\nname = "here"\ndevice = "cpu"\ncount = 2\nlink = "gloo"\n'
-    )
+    cluster.write_text(CALIBRATION)
     out = tmp_path / "plans.json"
     args = ["--cluster", str(cluster), "--json", str(out), "--cpu-ranks", "2", "--batch", "16"]
     args += ["--warmup", "0", "--steps", "2", "--probe-s", "0.2", "--timeout", "200"]

@@ -27,6 +27,7 @@ Lab code, like everything in benches/: it imports the library, the library never
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -115,6 +116,8 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
 
     gpu = rank == 0 and cfg["cuda"]
     dev = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    if gpu:
+        strict_fp32()
     batch, warmup, steps = cfg["batch"], cfg["warmup"], cfg["steps"]
     n = batch * (warmup + steps)
     x, y = _pool(n)
@@ -183,34 +186,63 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
     return out
 
 
-def _gpu_seconds(fn: Any, repeats: int) -> float:
+def _gpu_seconds(fn: Any, repeats: int, dev: torch.device | None = None) -> float:
+    """The best of ``repeats`` timed calls of ``fn``, the device synchronized after each."""
+    dev = dev or torch.device("cuda", 0)
     fn()
-    torch.cuda.synchronize()
+    _sync(dev)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync(dev)
         times.append(time.perf_counter() - t0)
     return min(times)
 
 
-def measure_gpu() -> dict[str, Any]:
-    """The GPU's figures for :class:`hetcoll.model.Device` (float32, TF32 off, as the model's
-    fp32 rates mean): GEMM 4096^3, a 3x3 convolution 64 -> 128 on 512 maps of 8x8 (forward),
-    a copy of 256 MiB, and one tiny kernel's time in a chain (launch-bound)."""
-    dev = torch.device("cuda", 0)
+def strict_fp32() -> None:
+    """float32 as float32 on the GPU (TF32 off for matmuls and convolutions): what
+    :func:`measure_gpu` measures and the model's fp32 rates mean; every GPU rank runs so."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    a = torch.randn(4096, 4096, device=dev)
-    gemm = _gpu_seconds(lambda: a @ a, 5)
+
+
+def _tiny_chain(depth: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(4, 4), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
+    """The GPU's figures for :class:`hetcoll.model.Device`, float32 (:func:`strict_fp32`):
+    GEMM 4096^3, a 3x3 convolution 64 -> 128 on 512 maps of 8x8 (forward), a copy of 256 MiB;
+    ``kernel_overhead_s`` and ``conv_overhead_s`` as ``hetcoll model calibrate`` measures the
+    CPU's (:mod:`hetcoll.lab.calibrate`), here on the GPU, synchronized: a training step of 24
+    tiny linear + ReLU layers per kernel the cost model counts (launch, dispatch and autograd:
+    what an eager step pays per kernel), and the intercept of a 3x3 64-channel convolution's
+    forward + backward at 1, 2 and 4 samples of 8x8 per counted kernel. ``launch_s``: one tiny
+    kernel's time in a chain of 200 (launch alone; not a field of the model's Device).
+    ``dev``: the GPU (default ``cuda:0``; another device runs the same probes, for tests)."""
+    import numpy as np
+
+    from hetcoll.lab.calibrate import conv_probe_counts
+    from hetcoll.model import layer_costs
+
+    dev = dev or torch.device("cuda", 0)
+    cuda = dev.type == "cuda"
+    strict_fp32()
+    n = 4096 if cuda else 256
+    a = torch.randn(n, n, device=dev)
+    gemm = _gpu_seconds(lambda: a @ a, 5, dev)
     conv = nn.Conv2d(64, 128, 3, padding=1).to(dev)
-    xc = torch.randn(512, 64, 8, 8, device=dev)
+    maps = 512 if cuda else 8
+    xc = torch.randn(maps, 64, 8, 8, device=dev)
     with torch.no_grad():
-        conv_s = _gpu_seconds(lambda: conv(xc), 5)
-    big = torch.empty(64 << 20, device=dev)  # 256 MiB of float32
+        conv_s = _gpu_seconds(lambda: conv(xc), 5, dev)
+    big = torch.empty((64 if cuda else 4) << 20, device=dev)  # 256 MiB of float32 on the GPU
     dst = torch.empty_like(big)
-    copy_s = _gpu_seconds(lambda: dst.copy_(big), 5)
+    copy_s = _gpu_seconds(lambda: dst.copy_(big), 5, dev)
     tiny = torch.zeros(1, device=dev)
     chain = 200
 
@@ -218,14 +250,43 @@ def measure_gpu() -> dict[str, Any]:
         for _ in range(chain):
             tiny.add_(1.0)
 
-    kernel_s = _gpu_seconds(launches, 3) / chain
+    launch_s = _gpu_seconds(launches, 3, dev) / chain
+    depth = 24
+    costs = layer_costs(_tiny_chain(depth), (4,))
+    kernels = sum(len(x.forward) + len(x.backward) for x in costs.layers)
+    model = _tiny_chain(depth).to(dev)
+    x1 = torch.randn(1, 4, device=dev)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x1).sum().backward()
+
+    kernel_s = _gpu_seconds(step, 20, dev) / kernels
+    probe = nn.Conv2d(64, 64, 3, padding=1, bias=False).to(dev)
+
+    def conv_step(b: int) -> Any:
+        xs = torch.randn(b, 64, 8, 8, device=dev)
+        grad = torch.ones(b, 64, 8, 8, device=dev)
+
+        def run() -> None:
+            probe.zero_grad(set_to_none=True)
+            probe(xs).backward(grad)
+
+        return run
+
+    batches = (1, 2, 4)
+    times = [_gpu_seconds(conv_step(b), 10, dev) for b in batches]
+    _, intercept = np.polyfit(batches, times, 1)
+    conv_overhead_s = max(float(intercept), 0.0) / conv_probe_counts(1, 8)[1]
     return {
-        "name": torch.cuda.get_device_name(dev),
-        "flops_per_s": 2 * 4096**3 / gemm,
-        "conv_flops_per_s": 2 * 512 * 128 * 64 * 9 * 8 * 8 / conv_s,
+        "name": torch.cuda.get_device_name(dev) if cuda else str(dev),
+        "flops_per_s": 2 * n**3 / gemm,
+        "conv_flops_per_s": 2 * maps * 128 * 64 * 9 * 8 * 8 / conv_s,
         "mem_bytes_per_s": 2 * big.numel() * 4 / copy_s,
-        "memory_bytes": float(torch.cuda.get_device_properties(dev).total_memory),
+        "memory_bytes": float(torch.cuda.get_device_properties(dev).total_memory if cuda else 8e9),
         "kernel_overhead_s": kernel_s,
+        "conv_overhead_s": conv_overhead_s,
+        "launch_s": launch_s,
     }
 
 
@@ -246,7 +307,8 @@ def real_cluster(
     link = cpu_node.link or calibrated.ring_link()
     cpu = cpu_node.device
     if gpu is not None:
-        figures = {k: v for k, v in gpu.items() if k != "name"}
+        known = {f.name for f in dataclasses.fields(Device)} - {"name"}
+        figures = {k: v for k, v in gpu.items() if k in known}
         first = Device("gpu", **figures)
         nodes = [Node("gpu", first, 1)]
         if world > 1:

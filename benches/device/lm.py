@@ -25,7 +25,8 @@ A step's time is the slowest rank's (barriers around, the GPU synchronized); thr
 timed steps' valid tokens over their seconds. Rank 0 predicts each step with
 :func:`hetcoll.model.predict_plan` (the costs of full 64-byte rows, the devices of
 :func:`hetero.real_cluster`) and rewrites ``--json`` after each run, so a timeout keeps what was
-measured. Without CUDA (the dry run) rank 0 is a CPU rank and the figures mean nothing.
+measured. Without CUDA (the dry run) rank 0 is a CPU rank (the model sees it through
+:func:`hetero.measure_gpu`'s probes run on the CPU) and the figures mean nothing.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from torch import nn
 import hetcoll
 from hetcoll import launch
 
-from hetero import _sync, measure_gpu, real_cluster
+from hetero import _sync, measure_gpu, real_cluster, strict_fp32
 
 # examples/train_lm.py (and its train_plan.py) as modules, here and in the ranks.
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -242,6 +243,8 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
     torch.set_num_threads(1)
     gpu = rank == 0 and cfg["cuda"]
     dev = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    if gpu:
+        strict_fp32()  # float32 as measure_gpu measured it
     batch, warmup = cfg["batch"], cfg["warmup"]
     corpus, what = text()
     # The GPU rank's batches on the GPU, as a loader would put them.
@@ -320,8 +323,10 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": None,
         "configurations": [],
     }
+    # Rank 0's device as the model sees it: the GPU's probes, run on the CPU in the dry run
+    # (so that the dry run predicts through the same path).
+    result["gpu"] = measure_gpu(torch.device("cuda", 0) if cuda else torch.device("cpu"))
     if cuda:
-        result["gpu"] = measure_gpu()
         torch.cuda.empty_cache()
     _write(args.json, result)
     cfg = {

@@ -28,7 +28,8 @@ predicts each plan's step with :func:`hetcoll.model.predict_plan` on this machin
 the CPU ranks and the gloo link from ``hetcoll model calibrate``'s ``--cluster``) and rewrites
 ``--json`` after each plan, so a timeout keeps what was measured.
 
-Without CUDA (the dry run) rank 0 is a CPU rank like the others, the JSON says
+Without CUDA (the dry run) rank 0 is a CPU rank like the others (the model sees it through
+:func:`hetero.measure_gpu`'s probes run on the CPU), the JSON says
 ``"status": "skipped: no CUDA (dry run, rank 0 on the CPU)"`` and its figures mean nothing.
 """
 
@@ -48,7 +49,16 @@ from torch import nn
 import hetcoll
 from hetcoll import launch
 
-from hetero import SHAPE, _model, _pool, _sync, measure_gpu, real_cluster, speeds_here
+from hetero import (
+    SHAPE,
+    _model,
+    _pool,
+    _sync,
+    measure_gpu,
+    real_cluster,
+    speeds_here,
+    strict_fp32,
+)
 
 LR = 0.05
 #: DemoNet's plan layers: the convolutions and the pool (the compute), then the head.
@@ -206,6 +216,8 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
 
     gpu = rank == 0 and cfg["cuda"]
     dev = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    if gpu:
+        strict_fp32()  # float32 as measure_gpu measured it
     batch = cfg["batch"]
     x, y = _pool(batch)
     x, y = x.to(dev), y.to(dev)  # the GPU rank's data on the GPU, as a loader would put it
@@ -274,8 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": None,
         "configurations": [],
     }
+    # Rank 0's device as the model sees it: the GPU's probes, run on the CPU in the dry run
+    # (so that the dry run predicts through the same path).
+    result["gpu"] = measure_gpu(torch.device("cuda", 0) if cuda else torch.device("cpu"))
     if cuda:
-        result["gpu"] = measure_gpu()
         torch.cuda.empty_cache()
     _write(args.json, result)
     cfg = {
