@@ -216,13 +216,14 @@ def _tiny_chain(depth: int) -> nn.Sequential:
 
 def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
     """The GPU's figures for :class:`hetcoll.model.Device`, float32 (:func:`strict_fp32`):
-    GEMM 4096^3, a 3x3 convolution 64 -> 128 on 512 maps of 8x8 (forward), a copy of 256 MiB;
-    ``kernel_overhead_s`` and ``conv_overhead_s`` as ``hetcoll model calibrate`` measures the
-    CPU's (:mod:`hetcoll.lab.calibrate`), here on the GPU, synchronized: a training step of 24
-    tiny linear + ReLU layers per kernel the cost model counts (launch, dispatch and autograd:
-    what an eager step pays per kernel), and the intercept of a 3x3 64-channel convolution's
-    forward + backward at 1, 2 and 4 samples of 8x8 per counted kernel. ``launch_s``: one tiny
-    kernel's time in a chain of 200 (launch alone; not a field of the model's Device).
+    GEMM 4096^3 and a copy of 256 MiB; the convolutions' rate and ``kernel_overhead_s`` and
+    ``conv_overhead_s`` as ``hetcoll model calibrate`` measures the CPU's
+    (:mod:`hetcoll.lab.calibrate`), here on the GPU, synchronized: a training step of 24 tiny
+    linear + ReLU layers per kernel the cost model counts (launch, dispatch and autograd: what
+    an eager step pays per kernel); the intercept of a 3x3 64-channel convolution's forward +
+    weight gradient at 1, 2 and 4 samples of 8x8 per counted kernel; its FLOPs (as the model
+    counts them) on 256 samples of 16x16 over its time less those fixed costs. ``launch_s``:
+    one tiny kernel's time in a chain of 200 (launch alone; not a field of the model's Device).
     ``dev``: the GPU (default ``cuda:0``; another device runs the same probes, for tests)."""
     import numpy as np
 
@@ -235,11 +236,6 @@ def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
     n = 4096 if cuda else 256
     a = torch.randn(n, n, device=dev)
     gemm = _gpu_seconds(lambda: a @ a, 5, dev)
-    conv = nn.Conv2d(64, 128, 3, padding=1).to(dev)
-    maps = 512 if cuda else 8
-    xc = torch.randn(maps, 64, 8, 8, device=dev)
-    with torch.no_grad():
-        conv_s = _gpu_seconds(lambda: conv(xc), 5, dev)
     big = torch.empty((64 if cuda else 4) << 20, device=dev)  # 256 MiB of float32 on the GPU
     dst = torch.empty_like(big)
     copy_s = _gpu_seconds(lambda: dst.copy_(big), 5, dev)
@@ -264,9 +260,9 @@ def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
     kernel_s = _gpu_seconds(step, 20, dev) / kernels
     probe = nn.Conv2d(64, 64, 3, padding=1, bias=False).to(dev)
 
-    def conv_step(b: int) -> Any:
-        xs = torch.randn(b, 64, 8, 8, device=dev)
-        grad = torch.ones(b, 64, 8, 8, device=dev)
+    def conv_step(b: int, size: int) -> Any:
+        xs = torch.randn(b, 64, size, size, device=dev)
+        grad = torch.ones(b, 64, size, size, device=dev)
 
         def run() -> None:
             probe.zero_grad(set_to_none=True)
@@ -275,13 +271,19 @@ def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
         return run
 
     batches = (1, 2, 4)
-    times = [_gpu_seconds(conv_step(b), 10, dev) for b in batches]
+    times = [_gpu_seconds(conv_step(b, 8), 10, dev) for b in batches]
     _, intercept = np.polyfit(batches, times, 1)
     conv_overhead_s = max(float(intercept), 0.0) / conv_probe_counts(1, 8)[1]
+    # The rate as calibrate measures it: forward + weight gradient (an input without
+    # gradient), the FLOPs the cost model counts, the kernels' fixed cost taken off first.
+    maps = 256 if cuda else 8
+    conv_s = _gpu_seconds(conv_step(maps, 16), 5, dev)
+    flops, conv_kernels = conv_probe_counts(maps, 16)
+    conv_rate = flops / max(conv_s - conv_kernels * conv_overhead_s, 0.5 * conv_s)
     return {
         "name": torch.cuda.get_device_name(dev) if cuda else str(dev),
         "flops_per_s": 2 * n**3 / gemm,
-        "conv_flops_per_s": 2 * maps * 128 * 64 * 9 * 8 * 8 / conv_s,
+        "conv_flops_per_s": conv_rate,
         "mem_bytes_per_s": 2 * big.numel() * 4 / copy_s,
         "memory_bytes": float(torch.cuda.get_device_properties(dev).total_memory if cuda else 8e9),
         "kernel_overhead_s": kernel_s,
