@@ -222,15 +222,20 @@ def _write(path: str, result: dict[str, Any]) -> None:
         json.dump(result, f, indent=1)
 
 
+#: The LM's layer costs, computed by the first prediction (rank 0).
+_COSTS: dict[str, Any] = {}
+
+
 def _predict(cfg: dict[str, Any], world: int, plan: dict[str, Any], measured: float) -> Any:
     from hetcoll.model import layer_costs, predict_plan
 
     cluster, _, why_not = real_cluster(cfg["cluster"], cfg["gpu"], world)
     if why_not is not None:
         return {"status": why_not}
-    shape = {"input_ids": (train_lm.SEQ,), "attention_mask": (train_lm.SEQ,)}
-    costs = layer_costs(_model(torch.device("cpu")), shape, dtype=torch.int64)
-    pred = predict_plan(costs, cluster, hetcoll.Plan.from_dict(plan))
+    if "costs" not in _COSTS:  # the model's costs once: ~1 s each time
+        shape = {"input_ids": (train_lm.SEQ,), "attention_mask": (train_lm.SEQ,)}
+        _COSTS["costs"] = layer_costs(_model(torch.device("cpu")), shape, dtype=torch.int64)
+    pred = predict_plan(_COSTS["costs"], cluster, hetcoll.Plan.from_dict(plan))
     return {"status": "ok", "step_s": pred.step_s, "error": pred.step_s / measured - 1}
 
 
