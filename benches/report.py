@@ -1542,6 +1542,72 @@ def adapt_device(raw: Sequence[Path], command: str) -> dict[str, Any]:
             "notes": model_notes,
         }
     )
+    plan_rows, plan_errors, plan_notes = _device_plans(data.get("plans"), cuda, where)
+    plans = data.get("plans") if isinstance(data.get("plans"), dict) else {}
+    sections.append(
+        {
+            "title": "Plans on the real devices"
+            + (
+                f": 1 GPU + {plans['cpu_ranks']} CPU ranks, global batch {plans['batch']}"
+                if "cpu_ranks" in plans and "batch" in plans
+                else ""
+            ),
+            "peer": "the step measured in the same job",
+            "columns": [
+                _col("plan"),
+                _col("kind"),
+                _col("samples per replica"),
+                _col("measured (ms)", "{:.2f}"),
+                _col("predicted (ms)", "{:.2f}"),
+                _col("error", "{:+.1%}"),
+            ],
+            "rows": plan_rows,
+            "notes": plan_notes,
+        }
+    )
+    if cuda and plan_errors:
+        headlines.append(
+            (
+                f"performance model, {len(plan_errors)} plans (data-parallel, filter split, "
+                "pipeline, hybrid) on a GPU + CPU ranks, median / worst |error|",
+                f"{statistics.median(plan_errors):.1%} / {max(plan_errors):.1%}",
+            )
+        )
+    lm_rows, lm_notes, lm_heads = _device_lm(data.get("lm"), cuda, where)
+    headlines.extend(lm_heads)
+    lm = data.get("lm") if isinstance(data.get("lm"), dict) else {}
+    sections.append(
+        {
+            "title": "The LM example (examples/train_lm.py's Llama)"
+            + (
+                f": 1 GPU + {lm['cpu_ranks']} CPU ranks, global batch {lm['batch']} rows of "
+                f"{lm.get('seq')} bytes"
+                if "cpu_ranks" in lm and "batch" in lm
+                else ""
+            ),
+            "peer": "in the same job: the equal split (what DDP does) and the GPU rank alone",
+            "columns": [
+                _col("run"),
+                _col("rows per replica"),
+                _col("step (ms)", "{:.2f}"),
+                _col("tokens/s", "{:,.0f}"),
+                _col("balanced / run", RATIO),
+                _col("predicted (ms)", "{:.2f}"),
+                _col("error", "{:+.1%}"),
+            ],
+            "rows": lm_rows,
+            "notes": lm_notes,
+        }
+    )
+    every = errors + plan_errors + [abs(r[6]) for r in lm_rows if isinstance(r[6], float)]
+    if cuda and every:
+        headlines.append(
+            (
+                f"performance model, every configuration measured on a GPU + CPU ranks "
+                f"({len(every)}), median / worst |error|",
+                f"{statistics.median(every):.1%} / {max(every):.1%}",
+            )
+        )
     kernels = _need(data, "kernels", where)
     kernel_rows = []
     for row in kernels.get("rows", []) if isinstance(kernels, dict) else []:
@@ -1595,8 +1661,10 @@ def adapt_device(raw: Sequence[Path], command: str) -> dict[str, Any]:
         description=(
             "`benches/device/run.sh` on a machine with one GPU (issue 40): the CUDA tests, the "
             "demo CNN trained by 1 GPU rank beside 3 and 7 one-thread CPU ranks over gloo "
-            "(real heterogeneity, no emulation), the performance model calibrated on that "
-            "machine, and the GPU kernels. Details: benches/device/README.md."
+            "(real heterogeneity, no emulation), ten or eleven plans of it under parallelize and "
+            "the LM example beside 3 CPU ranks, the performance model calibrated on that machine "
+            "against every measured step, and the GPU kernels. Details: "
+            "benches/device/README.md."
         ),
         notes=["Host: the GPU machine's, as the run recorded it."],
         headlines=headlines,
@@ -1605,6 +1673,135 @@ def adapt_device(raw: Sequence[Path], command: str) -> dict[str, Any]:
     result["notes"] = [n for n in result["notes"] if not n.startswith("Date: the raw file's")]
     result["notes"].append("Date: the summary file's.")
     return result
+
+
+def _samples(plan: Any) -> str:
+    """A plan's samples per replica, ``"239+6+6+5"``."""
+    reps = plan.get("replicas", []) if isinstance(plan, dict) else []
+    return "+".join(str(r.get("samples")) for r in reps)
+
+
+def _device_plans(
+    plans: Any, cuda: bool, where: str
+) -> tuple[list[list[Any]], list[float], list[str]]:
+    """benches/device/plans.py's results: a row per plan, the |errors|, the notes."""
+    status = "not in this summary (an older run.sh)"
+    if isinstance(plans, dict):
+        status = plans.get("status", status)
+    if not cuda or not isinstance(plans, dict):
+        skipped = "skipped: no CUDA" if not cuda else status
+        return [[None, skipped, None, None, None, None]], [], []
+    rows: list[list[Any]] = []
+    errors: list[float] = []
+    for i, c in enumerate(plans.get("configurations", [])):
+        at = f"{where}: plans.configurations[{i}]"
+        name = _need(c, "name", at)
+        if _need(c, "status", at) != "ok":
+            rows.append([name, c["status"], None, None, None, None])
+            continue
+        pred = c.get("prediction", {})
+        ok = pred.get("status") == "ok"
+        if ok:
+            errors.append(abs(pred["error"]))
+        rows.append(
+            [
+                name,
+                _need(c, "kind", at),
+                _samples(_need(c, "plan", at)),
+                _ms(_need(c, "step_s", at)),
+                _ms(pred["step_s"]) if ok else None,
+                pred["error"] if ok else None,
+            ]
+        )
+    notes = [
+        "Each plan run by `hetcoll.torch.parallelize` (the demo CNN, SGD); a step is the "
+        "slowest rank's, the median over the timed steps. Shares from each rank's measured "
+        "speed; rank 0 is the GPU. predicted: `hetcoll.model.predict_plan` with the CPU ranks "
+        "and the gloo link from `hetcoll model calibrate` on the same machine and the GPU "
+        "measured by benches/device/hetero.py; error = predicted / measured - 1."
+    ]
+    if status != "ok":
+        notes.append(f"Status: {status}.")
+    speeds = plans.get("speeds", [])
+    if speeds:
+        notes.append(
+            "Measured speeds (samples/s): "
+            + ", ".join(f"rank {s['rank']} {s['samples_per_s']:,.0f}" for s in speeds)
+            + "."
+        )
+    if errors:
+        notes.append(
+            f"Median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} over "
+            f"{len(errors)} plans (targets, issue 40: median <= 12%, worst <= 30%)."
+        )
+    if not rows:
+        rows.append([None, status, None, None, None, None])
+    return rows, errors, notes
+
+
+def _device_lm(
+    lm: Any, cuda: bool, where: str
+) -> tuple[list[list[Any]], list[str], list[tuple[str, str]]]:
+    """benches/device/lm.py's results: a row per run, the notes, the headlines."""
+    status = "not in this summary (an older run.sh)"
+    if isinstance(lm, dict):
+        status = lm.get("status", status)
+    if not cuda or not isinstance(lm, dict):
+        skipped = "skipped: no CUDA" if not cuda else status
+        return [[skipped, None, None, None, None, None, None]], [], []
+    runs = {}
+    for i, c in enumerate(lm.get("configurations", [])):
+        at = f"{where}: lm.configurations[{i}]"
+        runs[_need(c, "name", at)] = (c, at)
+    balanced = runs.get("balanced", (None, ""))[0]
+    top = balanced["tokens_per_s"] if balanced and balanced["status"] == "ok" else None
+    rows: list[list[Any]] = []
+    for name, (c, at) in runs.items():
+        if _need(c, "status", at) != "ok":
+            rows.append([name, c["status"], None, None, None, None, None])
+            continue
+        pred = c.get("prediction", {})
+        ok = pred.get("status") == "ok"
+        rate = _need(c, "tokens_per_s", at)
+        rows.append(
+            [
+                name,
+                _samples(_need(c, "plan", at)),
+                _ms(_need(c, "step_s", at)),
+                rate,
+                top / rate if top else None,
+                _ms(pred["step_s"]) if ok else None,
+                float(pred["error"]) if ok else None,
+            ]
+        )
+    notes = [
+        "Each run by `hetcoll.torch.parallelize` with `items=valid_tokens` (the gradient of "
+        "the mean over the batch's valid tokens), AdamW; balanced: `hetcoll.split` of each "
+        "rank's measured rows/s; tokens/s: the timed steps' valid tokens over their seconds. "
+        f"Data: {lm.get('corpus')}."
+    ]
+    if status != "ok":
+        notes.append(f"Status: {status}.")
+    speeds = lm.get("speeds", [])
+    if speeds:
+        notes.append(
+            "Measured speeds (tokens/s): "
+            + ", ".join(f"rank {s['rank']} {s['tokens_per_s']:,.0f}" for s in speeds)
+            + f"; balanced / their sum: {lm.get('balanced_over_sum_of_speeds', 0):.1%}."
+        )
+    heads = []
+    over = lm.get("balanced_over", {})
+    if "equal split" in over and "the GPU alone" in over:
+        heads.append(
+            (
+                f"LM example, 1 GPU + {lm.get('cpu_ranks')} CPU ranks: balanced tokens/s / "
+                "equal split, / GPU alone",
+                f"{ratio(over['equal split'])} / {ratio(over['the GPU alone'])}",
+            )
+        )
+    if not rows:
+        rows.append([status, None, None, None, None, None, None])
+    return rows, notes, heads
 
 
 def _launch_ms(values: Sequence[float]) -> str:

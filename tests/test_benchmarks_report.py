@@ -497,6 +497,11 @@ def test_device_adapter_reads_a_dry_run(tmp_path: Path) -> None:
     assert "| skipped: no CUDA | 0 | 0 | 14 |" in text
     assert "| – | skipped: no CUDA | – | – | – |" in text
     assert "skipped: no CUDA (dry run, rank 0 on the CPU)" in text
+    # The plans and the LM example ran on the CPU (their steps are in the table) but show no
+    # figure: rank 0 was no GPU.
+    assert "| plans | ok |" in text and "| lm | ok |" in text
+    assert "| – | skipped: no CUDA | – | – | – | – |" in text
+    assert "| skipped: no CUDA | – | – | – | – | – | – |" in text
 
 
 def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
@@ -528,6 +533,26 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
             }
         ],
     }
+    # The plans and the LM runs the dry run measured, with predictions of known errors.
+    plans = data["plans"]
+    plans["status"] = "ok"
+    # Ten plans, or eleven when the split idled a rank: either way median 10%, worst 30%.
+    n = len(plans["configurations"])
+    assert n in (10, 11)
+    plan_errors = [0.05, -0.1, 0.2, 0.08, -0.3, 0.12, 0.02, -0.04, 0.15, 0.1, 0.1][:n]
+    for c, e in zip(plans["configurations"], plan_errors):
+        c["prediction"] = {"status": "ok", "step_s": c["step_s"] * (1 + e), "error": e}
+    lm = data["lm"]
+    lm["status"] = "ok"
+    runs = {c["name"]: c for c in lm["configurations"]}
+    for name, rate in (
+        ("the GPU alone", 20_000.0),
+        ("balanced", 26_000.0),
+        ("equal split", 5_200.0),
+    ):
+        runs[name]["tokens_per_s"] = rate
+        runs[name]["prediction"] = {"status": "failed: ValueError: no"}
+    lm["balanced_over"] = {"equal split": 5.0, "the GPU alone": 1.3}
     raw = tmp_path / "raw" / "summary.json"
     raw.parent.mkdir()
     raw.write_text(json.dumps(data))
@@ -542,10 +567,56 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
         "10.0% / 12.5%"
     )
     assert heads["weighted_sum of 4 CUDA float32 tensors, time / add_ chain's"] == "1.00x"
+    plan_head = (
+        f"performance model, {n} plans (data-parallel, filter split, pipeline, hybrid) on a GPU "
+        "+ CPU ranks, median / worst |error|"
+    )
+    assert heads[plan_head] == "10.0% / 30.0%"
+    assert heads[
+        "LM example, 1 GPU + 2 CPU ranks: balanced tokens/s / equal split, / GPU alone"
+    ] == ("5.00x / 1.30x")
+    # Every prediction: the CNN runs' 3 (0.125, 0.1, 0), the plans' and the LM's runs the
+    # model predicted (all but the three whose prediction failed above: their dry-run errors).
+    lm_errors = [
+        abs(c["prediction"]["error"]) for c in runs.values() if c["prediction"]["status"] == "ok"
+    ]
+    assert len(lm_errors) == len(runs) - 3
+    every = sorted([0.125, 0.1, 0.0] + [abs(e) for e in plan_errors] + lm_errors)
+    head = (
+        f"performance model, every configuration measured on a GPU + CPU ranks ({len(every)}), "
+        "median / worst |error|"
+    )
+    median = (every[(len(every) - 1) // 2] + every[len(every) // 2]) / 2
+    assert heads[head] == f"{median:.1%} / {every[-1]:.1%}"
     text = report.generate(tmp_path)
     assert "| 1 | 0 | cuda |" in text
     assert "| 1 | balanced | 3.60 | 3.20 | +12.5% |" in text
     assert "gpu NVIDIA H100 80GB HBM3 (79 GiB)" in text
+    first = plans["configurations"][0]
+    shares = "+".join(str(r["samples"]) for r in first["plan"]["replicas"])
+    assert (
+        f"| data-parallel, balanced | data-parallel | {shares} | {first['step_s'] * 1e3:.2f} | "
+        f"{first['prediction']['step_s'] * 1e3:.2f} | +5.0% |"
+    ) in text
+    assert f"Median |error| 10.0%, worst 30.0% over {n} plans" in text
+    # balanced / the GPU alone = 26,000 / 20,000; the model's refusal leaves its cells empty.
+    assert "| 26,000 | 1.00x | – | – |" in text and "| 20,000 | 1.30x | – | – |" in text
+
+
+def test_device_adapter_reads_a_summary_without_plans_or_lm(tmp_path: Path) -> None:
+    """A summary of the run.sh before the plans and LM steps imports, saying they are absent."""
+    data = json.loads(DEVICE_DRY_RUN.read_text())
+    data["cuda"] = True
+    del data["plans"], data["lm"]
+    raw = tmp_path / "raw" / "summary.json"
+    raw.parent.mkdir()
+    raw.write_text(json.dumps(data))
+    result = report.adapt_device([raw], "bash benches/device/run.sh out/device")
+    report.write_result(tmp_path / "device.json", result)
+    text = report.generate(tmp_path)
+    assert "### Plans on the real devices\n" in text
+    assert "| – | not in this summary (an older run.sh) | – | – | – | – |" in text
+    assert "| not in this summary (an older run.sh) | – | – | – | – | – | – |" in text
 
 
 def _load_summarize() -> ModuleType:
@@ -589,4 +660,6 @@ def test_device_summary_names_failed_and_timed_out_steps(tmp_path: Path) -> None
         {"test": "tests.test_cuda::test_b", "message": "AssertionError: 0.5 > 1e-10"}
     ]
     assert summary["hetero"]["status"].startswith("missing: hetero.json")
+    assert summary["plans"]["status"].startswith("missing: plans.json")
+    assert summary["lm"]["status"].startswith("missing: lm.json")
     assert summary["calibration"] is None

@@ -27,6 +27,7 @@ Lab code, like everything in benches/: it imports the library, the library never
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -63,6 +64,33 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def speeds_here(
+    dev: torch.device, xd: torch.Tensor, yd: torch.Tensor, batch: int, probe_s: float
+) -> list[Any]:
+    """Every rank's fit of the demo CNN's training step (forward, backward, SGD) on batches of
+    up to ``batch`` rows of ``xd``/``yd`` (on ``dev``), probed for at most ``probe_s`` seconds
+    (:func:`hetcoll.torch.measure_speed`), exchanged (:func:`hetcoll.torch.gather_speeds`)."""
+    from hetcoll.torch import gather_speeds, measure_speed
+
+    n = len(xd)
+    sizes = sorted({max(1, batch // 8), max(2, batch // 4), max(3, batch // 2), batch})
+
+    def make_batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = (torch.arange(b) % n).to(dev)
+        return xd[idx], yd[idx]
+
+    fit = measure_speed(
+        _model().to(dev),
+        make_batch,
+        nn.functional.cross_entropy,
+        batch_sizes=sizes,
+        warmup=2,
+        time_budget=probe_s,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=LR),
+    )
+    return list(gather_speeds(fit))
+
+
 def _timed(dev: torch.device, step: Any, batches: list[Any], warmup: int) -> float:
     """Seconds per step of ``step(batch)`` over ``batches[warmup:]``, between barriers."""
     import torch.distributed as dist
@@ -84,10 +112,12 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from hetcoll.torch import BalancedSampler, gather_speeds, measure_speed, register_weighted_hook
+    from hetcoll.torch import BalancedSampler, register_weighted_hook
 
     gpu = rank == 0 and cfg["cuda"]
     dev = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    if gpu:
+        strict_fp32()
     batch, warmup, steps = cfg["batch"], cfg["warmup"], cfg["steps"]
     n = batch * (warmup + steps)
     x, y = _pool(n)
@@ -98,22 +128,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
         return torch.optim.SGD(params, lr=LR)
 
     # 1. Each rank's own speed.
-    sizes = sorted({max(1, batch // 8), max(2, batch // 4), max(3, batch // 2), batch})
-
-    def make_batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.arange(b) % n
-        return xd[idx.to(dev)], yd[idx.to(dev)]
-
-    fit = measure_speed(
-        _model().to(dev),
-        make_batch,
-        loss_fn,
-        batch_sizes=sizes,
-        warmup=2,
-        time_budget=cfg["probe_s"],
-        optimizer=sgd,
-    )
-    fits = gather_speeds(fit)
+    fits = speeds_here(dev, xd, yd, batch, cfg["probe_s"])
     out: dict[str, Any] = {
         "devices": ["cuda" if (r == 0 and cfg["cuda"]) else "cpu" for r in range(world)],
         "speeds": [
@@ -171,34 +186,59 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
     return out
 
 
-def _gpu_seconds(fn: Any, repeats: int) -> float:
+def _gpu_seconds(fn: Any, repeats: int, dev: torch.device | None = None) -> float:
+    """The best of ``repeats`` timed calls of ``fn``, the device synchronized after each."""
+    dev = dev or torch.device("cuda", 0)
     fn()
-    torch.cuda.synchronize()
+    _sync(dev)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync(dev)
         times.append(time.perf_counter() - t0)
     return min(times)
 
 
-def measure_gpu() -> dict[str, Any]:
-    """The GPU's figures for :class:`hetcoll.model.Device` (float32, TF32 off, as the model's
-    fp32 rates mean): GEMM 4096^3, a 3x3 convolution 64 -> 128 on 512 maps of 8x8 (forward),
-    a copy of 256 MiB, and one tiny kernel's time in a chain (launch-bound)."""
-    dev = torch.device("cuda", 0)
+def strict_fp32() -> None:
+    """float32 as float32 on the GPU (TF32 off for matmuls and convolutions): what
+    :func:`measure_gpu` measures and the model's fp32 rates mean; every GPU rank runs so."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    a = torch.randn(4096, 4096, device=dev)
-    gemm = _gpu_seconds(lambda: a @ a, 5)
-    conv = nn.Conv2d(64, 128, 3, padding=1).to(dev)
-    xc = torch.randn(512, 64, 8, 8, device=dev)
-    with torch.no_grad():
-        conv_s = _gpu_seconds(lambda: conv(xc), 5)
-    big = torch.empty(64 << 20, device=dev)  # 256 MiB of float32
+
+
+def _tiny_chain(depth: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(4, 4), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
+    """The GPU's figures for :class:`hetcoll.model.Device`, float32 (:func:`strict_fp32`):
+    GEMM 4096^3 and a copy of 256 MiB; the convolutions' rate and ``kernel_overhead_s`` and
+    ``conv_overhead_s`` as ``hetcoll model calibrate`` measures the CPU's
+    (:mod:`hetcoll.lab.calibrate`), here on the GPU, synchronized: a training step of 24 tiny
+    linear + ReLU layers per kernel the cost model counts (launch, dispatch and autograd: what
+    an eager step pays per kernel); the intercept of a 3x3 64-channel convolution's forward +
+    weight gradient at 1, 2 and 4 samples of 8x8 per counted kernel; its FLOPs (as the model
+    counts them) on 256 samples of 16x16 over its time less those fixed costs. ``launch_s``:
+    one tiny kernel's time in a chain of 200 (launch alone; not a field of the model's Device).
+    ``dev``: the GPU (default ``cuda:0``; another device runs the same probes, for tests)."""
+    import numpy as np
+
+    from hetcoll.lab.calibrate import conv_probe_counts
+    from hetcoll.model import layer_costs
+
+    dev = dev or torch.device("cuda", 0)
+    cuda = dev.type == "cuda"
+    strict_fp32()
+    n = 4096 if cuda else 256
+    a = torch.randn(n, n, device=dev)
+    gemm = _gpu_seconds(lambda: a @ a, 5, dev)
+    big = torch.empty((64 if cuda else 4) << 20, device=dev)  # 256 MiB of float32 on the GPU
     dst = torch.empty_like(big)
-    copy_s = _gpu_seconds(lambda: dst.copy_(big), 5)
+    copy_s = _gpu_seconds(lambda: dst.copy_(big), 5, dev)
     tiny = torch.zeros(1, device=dev)
     chain = 200
 
@@ -206,41 +246,94 @@ def measure_gpu() -> dict[str, Any]:
         for _ in range(chain):
             tiny.add_(1.0)
 
-    kernel_s = _gpu_seconds(launches, 3) / chain
+    launch_s = _gpu_seconds(launches, 3, dev) / chain
+    depth = 24
+    costs = layer_costs(_tiny_chain(depth), (4,))
+    kernels = sum(len(x.forward) + len(x.backward) for x in costs.layers)
+    model = _tiny_chain(depth).to(dev)
+    x1 = torch.randn(1, 4, device=dev)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x1).sum().backward()
+
+    kernel_s = _gpu_seconds(step, 20, dev) / kernels
+    probe = nn.Conv2d(64, 64, 3, padding=1, bias=False).to(dev)
+
+    def conv_step(b: int, size: int) -> Any:
+        xs = torch.randn(b, 64, size, size, device=dev)
+        grad = torch.ones(b, 64, size, size, device=dev)
+
+        def run() -> None:
+            probe.zero_grad(set_to_none=True)
+            probe(xs).backward(grad)
+
+        return run
+
+    batches = (1, 2, 4)
+    times = [_gpu_seconds(conv_step(b, 8), 10, dev) for b in batches]
+    _, intercept = np.polyfit(batches, times, 1)
+    conv_overhead_s = max(float(intercept), 0.0) / conv_probe_counts(1, 8)[1]
+    # The rate as calibrate measures it: forward + weight gradient (an input without
+    # gradient), the FLOPs the cost model counts, the kernels' fixed cost taken off first.
+    maps = 256 if cuda else 8
+    conv_s = _gpu_seconds(conv_step(maps, 16), 5, dev)
+    flops, conv_kernels = conv_probe_counts(maps, 16)
+    conv_rate = flops / max(conv_s - conv_kernels * conv_overhead_s, 0.5 * conv_s)
     return {
-        "name": torch.cuda.get_device_name(dev),
-        "flops_per_s": 2 * 4096**3 / gemm,
-        "conv_flops_per_s": 2 * 512 * 128 * 64 * 9 * 8 * 8 / conv_s,
+        "name": torch.cuda.get_device_name(dev) if cuda else str(dev),
+        "flops_per_s": 2 * n**3 / gemm,
+        "conv_flops_per_s": conv_rate,
         "mem_bytes_per_s": 2 * big.numel() * 4 / copy_s,
-        "memory_bytes": float(torch.cuda.get_device_properties(dev).total_memory),
+        "memory_bytes": float(torch.cuda.get_device_properties(dev).total_memory if cuda else 8e9),
         "kernel_overhead_s": kernel_s,
+        "conv_overhead_s": conv_overhead_s,
+        "launch_s": launch_s,
     }
+
+
+def real_cluster(
+    cluster_path: str | None, gpu: dict[str, Any] | None, world: int
+) -> tuple[Any, Any, str | None]:
+    """The performance model's view of this machine's ranks: ``(cluster, alone, why_not)``.
+    Rank 0 the GPU (``gpu``: :func:`measure_gpu`'s figures) and ranks 1.. the CPU rank of
+    ``hetcoll model calibrate``'s file, all joined by its gloo link; ``alone``: rank 0 by
+    itself. Without a GPU (the dry run) every rank is the calibrated CPU rank. ``why_not``
+    says why there is no cluster (no calibration file), else None."""
+    from hetcoll.model import Cluster, Device, Node, load_cluster
+
+    if not cluster_path or not os.path.exists(cluster_path):
+        return None, None, f"skipped: no calibration file ({cluster_path})"
+    calibrated = load_cluster(cluster_path)
+    cpu_node = calibrated.nodes[0]
+    link = cpu_node.link or calibrated.ring_link()
+    cpu = cpu_node.device
+    if gpu is not None:
+        known = {f.name for f in dataclasses.fields(Device)} - {"name"}
+        figures = {k: v for k, v in gpu.items() if k in known}
+        first = Device("gpu", **figures)
+        nodes = [Node("gpu", first, 1)]
+        if world > 1:
+            nodes.append(Node("cpu", cpu, world - 1, link if world > 2 else None))
+        return Cluster(nodes, link if world > 1 else None), Cluster([Node("gpu", first, 1)]), None
+    return (
+        Cluster([Node("cpu", cpu, world, link if world > 1 else None)]),
+        Cluster([Node("cpu", cpu, 1)]),
+        None,
+    )
 
 
 def predict(
     cluster_path: str | None, gpu: dict[str, Any] | None, row: dict[str, Any], batch: int
 ) -> dict[str, Any]:
     """The performance model's step for the three runs of ``row``."""
-    from hetcoll.model import Cluster, Device, Node, layer_costs, load_cluster
+    from hetcoll.model import layer_costs
     from hetcoll.model import predict_data_parallel as data_parallel
 
-    if not cluster_path or not os.path.exists(cluster_path):
-        return {"status": f"skipped: no calibration file ({cluster_path})"}
-    calibrated = load_cluster(cluster_path)
-    cpu_node = calibrated.nodes[0]
-    link = cpu_node.link or calibrated.ring_link()
-    cpu = cpu_node.device
-    world = len(row["devices"])
+    cluster, alone, why_not = real_cluster(cluster_path, gpu, len(row["devices"]))
+    if why_not is not None:
+        return {"status": why_not}
     costs = layer_costs(_model(), SHAPE)
-    if gpu is not None:
-        figures = {k: v for k, v in gpu.items() if k != "name"}
-        first = Device("gpu", **figures)
-        nodes = [Node("gpu", first, 1), Node("cpu", cpu, world - 1, link if world > 2 else None)]
-        cluster = Cluster(nodes, link)
-        alone = Cluster([Node("gpu", first, 1)])
-    else:  # dry run: every rank the calibrated CPU rank
-        cluster = Cluster([Node("cpu", cpu, world, link)])
-        alone = Cluster([Node("cpu", cpu, 1)])
     predicted = {
         name: data_parallel(costs, cluster, row["shares"][name]).step_s
         for name in ("balanced", "equal")

@@ -11,6 +11,10 @@
 #   calibrate  hetcoll model calibrate (the CPU ranks' device and the gloo link)
 #   hetero     1 GPU rank + 3 and 7 CPU ranks: speeds, balanced vs equal vs the GPU alone,
 #              the model's predictions
+#   plans      1 GPU rank + 3 CPU ranks: 10-11 plans of the demo CNN under parallelize
+#              (data-parallel, filter split, pipelines, hybrid), each measured and predicted
+#   lm         1 GPU rank + 3 CPU ranks: examples/train_lm.py's Llama, balanced vs equal vs the
+#              GPU alone (tokens/s), a pipeline and a hybrid, each measured and predicted
 # and writes OUTDIR/summary.json (every step's status, seconds and results) and OUTDIR/log.txt.
 # The step limits add up to 470 s, so a run ends within 8 minutes whatever hangs. Without CUDA
 # it is the dry run: every CUDA figure is "skipped: no CUDA", with small step counts.
@@ -48,28 +52,38 @@ if [ -z "$WHEEL" ]; then
     printf '{"step": "install", "rc": 2, "seconds": 0, "limit_s": 0}\n' >>"$STEPS"
 else
     rm -rf "$SITE"
-    step install 40 "$PY" -m pip install --no-index --no-deps --target "$SITE" "$WHEEL"
+    step install 30 "$PY" -m pip install --no-index --no-deps --target "$SITE" "$WHEEL"
 fi
 # The wheel's hetcoll, never the checkout's python/ folder; tests/ for the cases modules.
 export PYTHONPATH=$SITE
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export PYTHONUNBUFFERED=1
 
-QUICK=()
+# Each job's own limit (--timeout) is under its step's, so a hung job still leaves its
+# script the seconds to write what it measured.
+HETERO=(--steps 12 --probe-s 2 --timeout 32)
+PLANS=(--timeout 75)
+LM=(--timeout 65)
+CPU_RANKS=8
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>>"$LOG"; then
     echo "no CUDA: the dry run (small step counts)" | tee -a "$LOG"
-    QUICK=(--cpu-ranks 1 --batch 64 --warmup 1 --steps 3 --probe-s 1 --timeout 60)
+    HETERO=(--cpu-ranks 1 --batch 64 --warmup 1 --steps 3 --probe-s 1 --timeout 60)
+    PLANS=(--cpu-ranks 2 --batch 32 --warmup 1 --steps 3 --probe-s 1 --timeout 75)
+    LM=(--cpu-ranks 2 --batch 8 --warmup 1 --steps 2 --probe-s 1 --timeout 65)
+    CPU_RANKS=2
 fi
 
-step env 30 "$PY" benches/device/environment.py --json "$OUT/environment.json"
-step kernels 40 "$PY" benches/device/kernels.py --json "$OUT/kernels.json"
-step pytest 140 "$PY" -m pytest -m cuda -v -p no:cacheprovider -o addopts="" \
+step env 20 "$PY" benches/device/environment.py --json "$OUT/environment.json"
+step kernels 35 "$PY" benches/device/kernels.py --json "$OUT/kernels.json"
+step pytest 120 "$PY" -m pytest -m cuda -v -p no:cacheprovider -o addopts="" \
     --junitxml "$OUT/pytest-cuda.xml" tests/test_cuda.py
-CPU_RANKS=8
-[ ${#QUICK[@]} -gt 0 ] && CPU_RANKS=2
-step calibrate 50 "$PY" -m hetcoll.cli model calibrate --links gloo --ranks "$CPU_RANKS" \
+step calibrate 40 "$PY" -m hetcoll.cli model calibrate --links gloo --ranks "$CPU_RANKS" \
     --output "$OUT/cluster.toml"
-step hetero 170 "$PY" benches/device/hetero.py --cluster "$OUT/cluster.toml" \
-    --json "$OUT/hetero.json" "${QUICK[@]}"
+step hetero 75 "$PY" benches/device/hetero.py --cluster "$OUT/cluster.toml" \
+    --json "$OUT/hetero.json" "${HETERO[@]}"
+step plans 80 "$PY" benches/device/plans.py --cluster "$OUT/cluster.toml" \
+    --json "$OUT/plans.json" "${PLANS[@]}"
+step lm 70 "$PY" benches/device/lm.py --cluster "$OUT/cluster.toml" \
+    --json "$OUT/lm.json" "${LM[@]}"
 
 "$PY" benches/device/summarize.py "$OUT" 2>>"$LOG" | tee -a "$LOG"

@@ -1,6 +1,6 @@
 """OUTDIR/summary.json of a device check (benches/device/run.sh): every step's outcome, the
-CUDA tests' counts (from pytest's junit XML), the kernel and heterogeneity results and the
-calibration, in one file that ``benches/report.py import device`` reads.
+CUDA tests' counts (from pytest's junit XML), the kernel, heterogeneity, plans and LM results
+and the calibration, in one file that ``benches/report.py import device`` reads.
 
     python benches/device/summarize.py OUTDIR
 """
@@ -79,6 +79,8 @@ def summarize(out: Path) -> dict[str, Any]:
         "tests": tests(out / "pytest-cuda.xml", cuda),
         "kernels": _json(out / "kernels.json"),
         "hetero": _json(out / "hetero.json"),
+        "plans": _json(out / "plans.json"),
+        "lm": _json(out / "lm.json"),
         "calibration": cluster.read_text() if cluster.exists() else None,
     }
     bad = [s["step"] for s in steps if s["status"] != "ok"]
@@ -102,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     short = {k: summary[k] for k in ("status", "cuda", "seconds")}
     short["steps"] = {s["step"]: f"{s['status']} in {s['seconds']}s" for s in summary["steps"]}
     short["tests"] = {k: summary["tests"].get(k) for k in ("status", "passed", "failed", "skipped")}
+    # The model's error and the LM's ratios at a glance (the files hold the rows).
+    for part in ("hetero", "plans", "lm"):
+        got = summary[part] if isinstance(summary[part], dict) else {}
+        short[part] = {k: got.get(k) for k in ("status", "prediction_error", "balanced_over")}
     print(json.dumps(short, indent=1))
     return 0
 

@@ -1,0 +1,378 @@
+"""The LM example on real devices (issue 40, item 4): examples/train_lm.py's byte-level Llama
+(built from a config, float32, eager attention, AdamW) trained by one GPU rank beside CPU ranks
+in one gloo group, through :func:`hetcoll.torch.parallelize` with ``items=valid_tokens`` (every
+step the gradient of the mean over the global batch's valid tokens).
+
+    python benches/device/lm.py --cluster OUT/cluster.toml --json OUT/lm.json
+
+One job of 1 GPU rank + ``--cpu-ranks`` one-thread CPU ranks (3 by default). The data is
+train_lm's: the standard library's source read as bytes (``train_lm.corpus``), rows of random
+lengths padded and masked; where that source is missing (a Python installed without its
+``.py`` files) pseudo-random printable bytes of the same size stand in, and ``corpus`` says so.
+Every rank measures its own training step in rows/s (:func:`hetcoll.torch.measure_speed`,
+forward, backward and AdamW), then the ranks run, on the same global batches of ``--batch`` rows:
+
+- **the GPU alone** (the CPU ranks idle);
+- **balanced**: whole-model replicas, rows from :func:`hetcoll.split` of the measured fits (a
+  rank whose fixed cost alone outlasts the step gets no row and idles); **balanced, every
+  rank**: the same with at least one row each (run when it differs);
+- **equal split**: the same replicas with equal rows (what DDP does);
+- **pipeline**: the GPU's stage (embedding, rotary, every decoder layer) feeding CPU rank 1's
+  (the final norm and the head), 1F1B over ``--microbatches``;
+- **hybrid**: that pipeline beside whole-model replicas on CPU ranks 2.., rows split by speed.
+
+A step's time is the slowest rank's (barriers around, the GPU synchronized); throughput is the
+timed steps' valid tokens over their seconds. Rank 0 predicts each step with
+:func:`hetcoll.model.predict_plan` (the costs of full 64-byte rows, the devices of
+:func:`hetero.real_cluster`) and rewrites ``--json`` after each run, so a timeout keeps what was
+measured. Without CUDA (the dry run) rank 0 is a CPU rank (the model sees it through
+:func:`hetero.measure_gpu`'s probes run on the CPU) and the figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import hetcoll
+from hetcoll import launch
+
+from hetero import _sync, measure_gpu, real_cluster, strict_fp32
+
+# examples/train_lm.py (and its train_plan.py) as modules, here and in the ranks.
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
+
+import train_lm  # noqa: E402
+
+LR = 3e-3
+DATA_SEED = 0
+
+
+def text() -> tuple[torch.Tensor, str]:
+    """The corpus as byte ids, and what it is."""
+    try:
+        return train_lm.corpus(), "the standard library's source (examples/train_lm.py)"
+    except OSError as e:  # no .py files in this Python: bytes of the same kind
+        g = torch.Generator().manual_seed(DATA_SEED)
+        data = torch.randint(32, 127, (400_000,), generator=g)
+        return data, f"synthetic printable bytes (train_lm.corpus: {type(e).__name__}: {e})"
+
+
+class Keyword(nn.Module):
+    """The model called on a dict of keyword inputs, as parallelize calls it: what
+    :func:`hetcoll.torch.measure_speed` (which calls ``model(x)``) needs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: dict[str, torch.Tensor]) -> Any:
+        return self.model(**x)
+
+
+def _model(dev: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    return train_lm.make_model("llama").to(dev)
+
+
+def _rows(batch: tuple[dict[str, torch.Tensor], torch.Tensor], idx: torch.Tensor) -> Any:
+    x, y = batch
+    return {k: v[idx] for k, v in x.items()}, y[idx]
+
+
+def _speed(dev: torch.device, pool: Any, batch: int, probe_s: float) -> Any:
+    """This rank's fit of the LM's training step (rows/s), exchanged with every rank's."""
+    from hetcoll.torch import gather_speeds, measure_speed
+
+    xd, yd = pool
+    sizes = sorted({max(1, batch // 8), max(2, batch // 4), max(3, batch // 2), batch})
+
+    def make_batch(b: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        return _rows((xd, yd), (torch.arange(b) % len(yd)).to(dev))
+
+    fit = measure_speed(
+        Keyword(_model(dev)),
+        make_batch,
+        train_lm.lm_loss,
+        batch_sizes=sizes,
+        warmup=2,
+        time_budget=probe_s,
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.0),
+    )
+    return gather_speeds(fit)
+
+
+def plans(
+    speeds: list[float], latency: list[float], batch: int, microbatches: int, layers: int
+) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Name -> (kind, plan dict) for 1 GPU rank (rank 0) + CPU ranks, rows by speed."""
+    world = len(speeds)
+    cpus = list(range(1, world))
+    whole = [0, layers]
+
+    def replicas(ranks: list[int], shares: list[int]) -> list[dict[str, Any]]:
+        """A replica per rank with rows (ranks with none idle)."""
+        return [
+            {"samples": s, "stages": [{"ranks": [r], "layers": whole}]}
+            for r, s in zip(ranks, shares)
+            if s
+        ]
+
+    def plan(reps: list[dict[str, Any]], m: int = 1) -> dict[str, Any]:
+        return {"microbatches": m, "schedule": "1F1B", "replicas": reps}
+
+    # The GPU's stage: everything up to the final norm; CPU rank 1's: the norm and the head.
+    pipeline = [
+        {"ranks": [0], "layers": [0, layers - 2]},
+        {"ranks": [1], "layers": [layers - 2, layers]},
+    ]
+    balanced = hetcoll.split(batch, speeds, latency=latency)
+    every = hetcoll.split(batch, speeds, latency=latency, minimum=1)
+    out = {
+        "the GPU alone": ("data-parallel", plan(replicas([0], [batch]))),
+        "balanced": ("data-parallel", plan(replicas([0, *cpus], balanced))),
+        "equal split": (
+            "data-parallel",
+            plan(replicas([0, *cpus], hetcoll.split(batch, [1.0] * world))),
+        ),
+        "pipeline: GPU layers, CPU 1 norm + head": (
+            "pipeline",
+            plan([{"samples": batch, "stages": pipeline}], microbatches),
+        ),
+    }
+    if every != balanced:  # the split left a rank idle: also with every rank at work
+        out["balanced, every rank"] = ("data-parallel", plan(replicas([0, *cpus], every)))
+        out = {k: out[k] for k in ("the GPU alone", "balanced", "balanced, every rank", *out)}
+    if len(cpus) >= 2:  # the pipeline's rate is about the GPU's: the head is little compute
+        shares = hetcoll.split(
+            batch, [speeds[0], *speeds[2:]], latency=[latency[0], *latency[2:]], minimum=1
+        )
+        out["hybrid: pipeline beside CPU replicas"] = (
+            "hybrid",
+            plan(
+                [{"samples": shares[0], "stages": pipeline}, *replicas(cpus[1:], shares[1:])],
+                microbatches,
+            ),
+        )
+    return out
+
+
+def _run(
+    plan: dict[str, Any], dev: torch.device, data: list[Any], warmup: int
+) -> tuple[list[float], int]:
+    """Each timed step's seconds (the slowest rank's) and the timed steps' valid tokens."""
+    import torch.distributed as dist
+
+    from hetcoll.torch import parallelize
+
+    par = parallelize(_model(dev), plan, loss_fn=train_lm.lm_loss, items=train_lm.valid_tokens)
+    opt = torch.optim.AdamW(par.parameters(), lr=LR, weight_decay=0.0)
+    times, tokens = [], 0
+    for i, (x, y) in enumerate(data):
+        dist.barrier()
+        t0 = time.perf_counter()
+        par.step(x, y)
+        opt.step()
+        opt.zero_grad()
+        _sync(dev)
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            times.append(float(t))
+            tokens += train_lm.valid_tokens(y)
+    return times, tokens
+
+
+def _write(path: str, result: dict[str, Any]) -> None:
+    rows = {r["name"]: r for r in result["configurations"] if r["status"] == "ok"}
+    if "balanced" in rows:
+        rate = rows["balanced"]["tokens_per_s"]
+        result["balanced_over"] = {
+            name: rate / rows[name]["tokens_per_s"]
+            for name in ("equal split", "the GPU alone")
+            if name in rows
+        }
+        if "speeds" in result:
+            result["balanced_over_sum_of_speeds"] = rows["balanced"]["rows_per_s"] / sum(
+                s["rows_per_s"] for s in result["speeds"]
+            )
+    errors = [
+        abs(r["prediction"]["error"])
+        for r in rows.values()
+        if r.get("prediction", {}).get("status") == "ok"
+    ]
+    if errors:
+        result["prediction_error"] = {
+            "median": statistics.median(errors),
+            "worst": max(errors),
+            "count": len(errors),
+        }
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+#: The LM's layer costs, computed by the first prediction (rank 0).
+_COSTS: dict[str, Any] = {}
+
+
+def _predict(cfg: dict[str, Any], world: int, plan: dict[str, Any], measured: float) -> Any:
+    from hetcoll.model import layer_costs, predict_plan
+
+    cluster, _, why_not = real_cluster(cfg["cluster"], cfg["gpu"], world)
+    if why_not is not None:
+        return {"status": why_not}
+    if "costs" not in _COSTS:  # the model's costs once: ~1 s each time
+        shape = {"input_ids": (train_lm.SEQ,), "attention_mask": (train_lm.SEQ,)}
+        _COSTS["costs"] = layer_costs(_model(torch.device("cpu")), shape, dtype=torch.int64)
+    pred = predict_plan(_COSTS["costs"], cluster, hetcoll.Plan.from_dict(plan))
+    return {"status": "ok", "step_s": pred.step_s, "error": pred.step_s / measured - 1}
+
+
+def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """One rank; rank 0 writes ``cfg["json"]`` after each run and returns the result."""
+    import torch.distributed as dist
+
+    from hetcoll.torch.layers import model_layers
+
+    torch.set_num_threads(1)
+    gpu = rank == 0 and cfg["cuda"]
+    dev = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    if gpu:
+        strict_fp32()  # float32 as measure_gpu measured it
+    batch, warmup = cfg["batch"], cfg["warmup"]
+    corpus, what = text()
+    # The GPU rank's batches on the GPU, as a loader would put them.
+    data = [
+        ({k: v.to(dev) for k, v in x.items()}, y.to(dev))
+        for x, y in train_lm.batches(corpus, batch, warmup + cfg["steps"], DATA_SEED)
+    ]
+    fits = _speed(dev, data[0], batch, cfg["probe_s"])
+    speeds = [f.samples_per_s for f in fits]
+    latency = [f.latency_s for f in fits]
+    rows_tokens = sum(train_lm.valid_tokens(y) for _, y in data) / (batch * len(data))
+    result: dict[str, Any] = cfg["result"]
+    result["corpus"] = what
+    result["devices"] = ["cuda" if (r == 0 and cfg["cuda"]) else "cpu" for r in range(world)]
+    result["valid_tokens_per_row"] = rows_tokens
+    result["speeds"] = [
+        {"rank": r, "rows_per_s": s, "tokens_per_s": s * rows_tokens, "latency_s": a}
+        for r, (s, a) in enumerate(zip(speeds, latency))
+    ]
+    layers = len(model_layers(_model(torch.device("cpu"))))
+    runs = plans(speeds, latency, batch, cfg["microbatches"], layers)
+    for name, (kind, plan) in runs.items():
+        t0 = time.perf_counter()
+        row: dict[str, Any] = {"name": name, "kind": kind, "plan": plan}
+        try:
+            times, tokens = _run(plan, dev, data, warmup)
+            row["step_s"] = statistics.median(times)
+            row["tokens_per_s"] = tokens / sum(times)
+            row["rows_per_s"] = batch * len(times) / sum(times)
+            row["status"] = "ok"
+        except Exception as e:  # a plan the runtime refuses (on every rank) leaves the rest
+            row["status"] = f"failed: {type(e).__name__}: {e}"[:2000]
+            row["traceback"] = traceback.format_exc()[-4000:]
+        dist.barrier()
+        if rank == 0:
+            if row["status"] == "ok":
+                try:
+                    row["prediction"] = _predict(cfg, world, plan, row["step_s"])
+                except Exception as e:  # the model refusing a plan is a result too
+                    row["prediction"] = {"status": f"failed: {type(e).__name__}: {e}"[:2000]}
+            row["seconds"] = time.perf_counter() - t0
+            result["configurations"].append(row)
+            _write(cfg["json"], result)
+    return result if rank == 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", required=True, help="where to write the results")
+    ap.add_argument("--cluster", help="hetcoll model calibrate's file (CPU ranks, gloo link)")
+    ap.add_argument("--cpu-ranks", type=int, default=3, help="CPU ranks beside the GPU (>= 1)")
+    ap.add_argument("--batch", type=int, default=64, help="the global batch, rows of 64 bytes")
+    ap.add_argument("--microbatches", type=int, default=4, help="of the pipeline and hybrid")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--probe-s", type=float, default=2.0, help="each rank's speed probe budget")
+    ap.add_argument("--timeout", type=float, default=100.0, help="seconds for the job")
+    args = ap.parse_args(argv)
+    if args.cpu_ranks < 1:
+        ap.error(f"--cpu-ranks: at least 1, got {args.cpu_ranks}")
+    cuda = torch.cuda.is_available()
+    started = time.perf_counter()
+    result: dict[str, Any] = {
+        "status": "ok" if cuda else "skipped: no CUDA (dry run, rank 0 on the CPU)",
+        "cuda": cuda,
+        "model": "examples/train_lm.py's Llama (6 layers, hidden 64, bytes), float32, AdamW",
+        "batch": args.batch,
+        "seq": train_lm.SEQ,
+        "microbatches": args.microbatches,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "cpu_ranks": args.cpu_ranks,
+        "cpu_threads_per_rank": 1,
+        "torch": torch.__version__,
+        "hetcoll": hetcoll.__file__,
+        "gpu": None,
+        "configurations": [],
+    }
+    # Rank 0's device as the model sees it: the GPU's probes, run on the CPU in the dry run
+    # (so that the dry run predicts through the same path).
+    result["gpu"] = measure_gpu(torch.device("cuda", 0) if cuda else torch.device("cpu"))
+    if cuda:
+        torch.cuda.empty_cache()
+    _write(args.json, result)
+    cfg = {
+        "cuda": cuda,
+        "gpu": result["gpu"],
+        "cluster": args.cluster,
+        "json": args.json,
+        "batch": args.batch,
+        "microbatches": args.microbatches,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "probe_s": args.probe_s,
+        "result": result,
+    }
+    try:
+        ranks = launch.spawn(
+            rank_main, 1 + args.cpu_ranks, cfg, timeout=args.timeout, threads_per_rank=1
+        )
+        result = ranks[0]
+    except Exception as e:  # what rank 0 wrote before the failure stays in the file
+        try:
+            with open(args.json) as f:
+                result = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            pass
+        result["status"] = f"failed: {type(e).__name__}: {e}"[:2000]
+    result["seconds"] = time.perf_counter() - started
+    _write(args.json, result)
+    print(json.dumps({k: v for k, v in result.items() if k != "configurations"}, default=str))
+    for r in result["configurations"]:
+        p = r.get("prediction", {})
+        print(
+            f"{r['name']:<40} {r['status'][:40]:<40} "
+            f"{r.get('tokens_per_s', float('nan')):10,.0f} tokens/s  "
+            f"measured {r.get('step_s', float('nan')) * 1e3:9.2f} ms  "
+            f"predicted {p.get('step_s', float('nan')) * 1e3:9.2f} ms  "
+            f"error {p.get('error', float('nan')):+.1%}"
+        )
+    failed = [r for r in result["configurations"] if r["status"] != "ok"]
+    return 1 if failed or result["status"].startswith("failed") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,335 @@
+"""Plans on real devices (issue 40, item 4): one GPU rank beside CPU ranks in one gloo group,
+the demo CNN run by :func:`hetcoll.torch.parallelize` under ten or eleven plans, each step
+measured and predicted by the performance model.
+
+    python benches/device/plans.py --cluster OUT/cluster.toml --json OUT/plans.json
+
+One job of 1 GPU rank + ``--cpu-ranks`` one-thread CPU ranks (3 by default; at least 2). Every
+rank first measures its own training step (:func:`hetero.speeds_here`: the shares below come
+from these speeds), then the ranks run each plan in turn (global batch ``--batch``, SGD):
+
+- **data-parallel**, whole-model replicas: *balanced* (:func:`hetcoll.split` of the measured
+  fits: a rank whose fixed cost alone outlasts the step gets no sample and idles), *balanced,
+  every rank* (the same with at least one sample each; run when it differs), *equal* (what DDP
+  does), *the GPU alone* (the CPU ranks idle) and *a device subset* (the GPU and CPU rank 1,
+  balanced; the others idle);
+- **filter split**: one stage of the whole model over every rank, its channels split by the
+  measured speeds; the same over the GPU and CPU rank 1;
+- **pipeline**: the GPU's stage (the convolutions and the pool, layers 0-4) feeding CPU rank 1's
+  (the head, layers 5-8), 1F1B over ``--microbatches``; the head cut into one stage per CPU rank
+  (GPipe); the head as one stage filter-split over the CPU ranks;
+- **hybrid**: that 2-stage pipeline beside whole-model replicas on CPU ranks 2..C, the batch
+  split between the replicas by their speeds (the pipeline's: the GPU's).
+
+A step is ``par.step`` + the optimizer's step, between barriers, the GPU synchronized; its time is
+the slowest rank's; the figure is the median over ``--steps`` steps after ``--warmup``. Rank 0
+predicts each plan's step with :func:`hetcoll.model.predict_plan` on this machine's ranks
+(:func:`hetero.real_cluster`: the GPU as :func:`hetero.measure_gpu` measured it in the parent,
+the CPU ranks and the gloo link from ``hetcoll model calibrate``'s ``--cluster``) and rewrites
+``--json`` after each plan, so a timeout keeps what was measured.
+
+Without CUDA (the dry run) rank 0 is a CPU rank like the others (the model sees it through
+:func:`hetero.measure_gpu`'s probes run on the CPU), the JSON says
+``"status": "skipped: no CUDA (dry run, rank 0 on the CPU)"`` and its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+from torch import nn
+
+import hetcoll
+from hetcoll import launch
+
+from hetero import (
+    SHAPE,
+    _model,
+    _pool,
+    _sync,
+    measure_gpu,
+    real_cluster,
+    speeds_here,
+    strict_fp32,
+)
+
+LR = 0.05
+#: DemoNet's plan layers: the convolutions and the pool (the compute), then the head.
+CONVS = (0, 5)
+LAYERS = 9
+
+
+def _cut(lo: int, hi: int, parts: int) -> list[list[int]]:
+    """``[lo, hi)`` in ``parts`` contiguous near-equal ranges."""
+    n = hi - lo
+    sizes = [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+    out, at = [], lo
+    for s in sizes:
+        out.append([at, at + s])
+        at += s
+    return out
+
+
+def plans(
+    speeds: list[float], latency: list[float], batch: int, microbatches: int
+) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Name -> (kind, plan dict) for 1 GPU rank (rank 0) + ``len(speeds) - 1`` CPU ranks,
+    shares from the measured ``speeds`` (samples/s) and ``latency`` (fixed seconds a step)."""
+    world = len(speeds)
+    cpus = list(range(1, world))
+    if len(cpus) < 2:
+        raise ValueError(f"--cpu-ranks: the plans need at least 2 CPU ranks, got {len(cpus)}")
+    whole = [0, LAYERS]
+    head = [CONVS[1], LAYERS]
+
+    def one(stages: list[dict[str, Any]], samples: int = batch) -> dict[str, Any]:
+        return {"samples": samples, "stages": stages}
+
+    def replicas(ranks: list[int], shares: list[int]) -> list[dict[str, Any]]:
+        """A replica per rank with samples (ranks with none idle)."""
+        return [one([{"ranks": [r], "layers": whole}], s) for r, s in zip(ranks, shares) if s]
+
+    def plan(reps: list[dict[str, Any]], m: int = 1, schedule: str = "1F1B") -> dict[str, Any]:
+        return {"microbatches": m, "schedule": schedule, "replicas": reps}
+
+    balanced = hetcoll.split(batch, speeds, latency=latency)
+    every = hetcoll.split(batch, speeds, latency=latency, minimum=1)
+    equal = hetcoll.split(batch, [1.0] * world)
+    pair = hetcoll.split(batch, speeds[:2], latency=latency[:2], minimum=1)
+    gpu_stage = {"ranks": [0], "layers": list(CONVS)}
+    pipeline = [gpu_stage, {"ranks": [1], "layers": head}]
+    n_head = min(len(cpus), head[1] - head[0])
+    head_cuts = _cut(head[0], head[1], n_head)
+    # The hybrid: the 2-stage pipeline's throughput is about the GPU's (its convolutions are
+    # nearly all the compute, the head on CPU rank 1 little), beside CPU ranks 2.. as replicas.
+    hybrid = hetcoll.split(
+        batch, [speeds[0], *speeds[2:]], latency=[latency[0], *latency[2:]], minimum=1
+    )
+    out = {
+        "data-parallel, balanced": ("data-parallel", plan(replicas([0, *cpus], balanced))),
+        "data-parallel, balanced, every rank": (
+            "data-parallel",
+            plan(replicas([0, *cpus], every)),
+        ),
+        "data-parallel, equal split": ("data-parallel", plan(replicas([0, *cpus], equal))),
+        "the GPU alone": ("data-parallel", plan(replicas([0], [batch]))),
+        "device subset: GPU + CPU 1": ("data-parallel", plan(replicas([0, 1], pair))),
+        "filter split over every rank": (
+            "filter split",
+            plan([one([{"ranks": [0, *cpus], "speeds": speeds, "layers": whole}])]),
+        ),
+        "filter split: GPU + CPU 1": (
+            "filter split",
+            plan([one([{"ranks": [0, 1], "speeds": speeds[:2], "layers": whole}])]),
+        ),
+        "pipeline: GPU convs, CPU 1 head": ("pipeline", plan([one(pipeline)], microbatches)),
+        "pipeline: GPU convs, head over CPU stages": (
+            "pipeline",
+            plan(
+                [one([gpu_stage] + [{"ranks": [r], "layers": c} for r, c in zip(cpus, head_cuts)])],
+                microbatches,
+                "GPipe",
+            ),
+        ),
+        "pipeline: GPU convs, head split over CPUs": (
+            "pipeline + filter split",
+            plan(
+                [one([gpu_stage, {"ranks": cpus, "speeds": speeds[1:], "layers": head}])],
+                microbatches,
+            ),
+        ),
+        "hybrid: pipeline beside CPU replicas": (
+            "hybrid",
+            plan(
+                [one(pipeline, hybrid[0]), *replicas(cpus[1:], hybrid[1:])],
+                microbatches,
+            ),
+        ),
+    }
+    if every == balanced:  # the split used every rank: one run of it is enough
+        del out["data-parallel, balanced, every rank"]
+    return out
+
+
+def _step_times(
+    plan: dict[str, Any], dev: torch.device, x: Any, y: Any, warmup: int, steps: int
+) -> list[float]:
+    """Each timed step's seconds (the slowest rank's) of ``plan`` under parallelize."""
+    import torch.distributed as dist
+
+    from hetcoll.torch import parallelize
+
+    torch.manual_seed(0)
+    par = parallelize(_model().to(dev), plan, loss_fn=nn.functional.cross_entropy)
+    opt = torch.optim.SGD(par.parameters(), lr=LR)
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        par.step(x, y)
+        opt.step()
+        opt.zero_grad()
+        _sync(dev)
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            times.append(float(t))
+    return times
+
+
+def _predict(cfg: dict[str, Any], world: int, plan: dict[str, Any], measured: float) -> Any:
+    from hetcoll.model import layer_costs, predict_plan
+
+    cluster, _, why_not = real_cluster(cfg["cluster"], cfg["gpu"], world)
+    if why_not is not None:
+        return {"status": why_not}
+    pred = predict_plan(layer_costs(_model(), SHAPE), cluster, hetcoll.Plan.from_dict(plan))
+    return {"status": "ok", "step_s": pred.step_s, "error": pred.step_s / measured - 1}
+
+
+def _write(path: str, result: dict[str, Any]) -> None:
+    errors = [
+        abs(r["prediction"]["error"])
+        for r in result["configurations"]
+        if r.get("prediction", {}).get("status") == "ok"
+    ]
+    if errors:
+        result["prediction_error"] = {
+            "median": statistics.median(errors),
+            "worst": max(errors),
+            "count": len(errors),
+        }
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """One rank; rank 0 writes ``cfg["json"]`` after each plan and returns the result."""
+    import torch.distributed as dist
+
+    gpu = rank == 0 and cfg["cuda"]
+    dev = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    if gpu:
+        strict_fp32()  # float32 as measure_gpu measured it
+    batch = cfg["batch"]
+    x, y = _pool(batch)
+    x, y = x.to(dev), y.to(dev)  # the GPU rank's data on the GPU, as a loader would put it
+    fits = speeds_here(dev, x, y, batch, cfg["probe_s"])
+    speeds = [f.samples_per_s for f in fits]
+    latency = [f.latency_s for f in fits]
+    result: dict[str, Any] = cfg["result"]
+    result["devices"] = ["cuda" if (r == 0 and cfg["cuda"]) else "cpu" for r in range(world)]
+    result["speeds"] = [
+        {"rank": r, "samples_per_s": s, "latency_s": a}
+        for r, (s, a) in enumerate(zip(speeds, latency))
+    ]
+    for name, (kind, plan) in plans(speeds, latency, batch, cfg["microbatches"]).items():
+        t0 = time.perf_counter()
+        row: dict[str, Any] = {"name": name, "kind": kind, "plan": plan}
+        try:
+            times = _step_times(plan, dev, x, y, cfg["warmup"], cfg["steps"])
+            row["step_s"] = statistics.median(times)
+            row["quartiles_s"] = statistics.quantiles(times, n=4, method="inclusive")[::2]
+            row["samples_per_s"] = batch / row["step_s"]
+            row["status"] = "ok"
+        except Exception as e:  # a plan the runtime refuses (on every rank) leaves the rest
+            row["status"] = f"failed: {type(e).__name__}: {e}"[:2000]
+            row["traceback"] = traceback.format_exc()[-4000:]
+        dist.barrier()
+        if rank == 0:
+            if row["status"] == "ok":
+                try:
+                    row["prediction"] = _predict(cfg, world, plan, row["step_s"])
+                except Exception as e:  # the model refusing a plan is a result too
+                    row["prediction"] = {"status": f"failed: {type(e).__name__}: {e}"[:2000]}
+            row["seconds"] = time.perf_counter() - t0
+            result["configurations"].append(row)
+            _write(cfg["json"], result)
+    return result if rank == 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", required=True, help="where to write the results")
+    ap.add_argument("--cluster", help="hetcoll model calibrate's file (CPU ranks, gloo link)")
+    ap.add_argument("--cpu-ranks", type=int, default=3, help="CPU ranks beside the GPU (>= 2)")
+    ap.add_argument("--batch", type=int, default=256, help="the global batch")
+    ap.add_argument("--microbatches", type=int, default=4, help="of the pipelines and hybrid")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--probe-s", type=float, default=2.0, help="each rank's speed probe budget")
+    ap.add_argument("--timeout", type=float, default=100.0, help="seconds for the job")
+    args = ap.parse_args(argv)
+    if args.cpu_ranks < 2:
+        ap.error(f"--cpu-ranks: at least 2 (the hybrid needs them), got {args.cpu_ranks}")
+    cuda = torch.cuda.is_available()
+    started = time.perf_counter()
+    result: dict[str, Any] = {
+        "status": "ok" if cuda else "skipped: no CUDA (dry run, rank 0 on the CPU)",
+        "cuda": cuda,
+        "model": "DemoNet (hetcoll.lab.demo_ranks), 1x8x8 inputs, SGD",
+        "batch": args.batch,
+        "microbatches": args.microbatches,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "cpu_ranks": args.cpu_ranks,
+        "cpu_threads_per_rank": 1,
+        "torch": torch.__version__,
+        "hetcoll": hetcoll.__file__,
+        "gpu": None,
+        "configurations": [],
+    }
+    # Rank 0's device as the model sees it: the GPU's probes, run on the CPU in the dry run
+    # (so that the dry run predicts through the same path).
+    result["gpu"] = measure_gpu(torch.device("cuda", 0) if cuda else torch.device("cpu"))
+    if cuda:
+        torch.cuda.empty_cache()
+    _write(args.json, result)
+    cfg = {
+        "cuda": cuda,
+        "gpu": result["gpu"],
+        "cluster": args.cluster,
+        "json": args.json,
+        "batch": args.batch,
+        "microbatches": args.microbatches,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "probe_s": args.probe_s,
+        "result": result,
+    }
+    try:
+        ranks = launch.spawn(
+            rank_main, 1 + args.cpu_ranks, cfg, timeout=args.timeout, threads_per_rank=1
+        )
+        result = ranks[0]
+    except Exception as e:  # what rank 0 wrote before the failure stays in the file
+        try:
+            with open(args.json) as f:
+                result = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            pass
+        result["status"] = f"failed: {type(e).__name__}: {e}"[:2000]
+    result["seconds"] = time.perf_counter() - started
+    _write(args.json, result)
+    print(json.dumps({k: v for k, v in result.items() if k != "configurations"}, default=str))
+    for r in result["configurations"]:
+        p = r.get("prediction", {})
+        print(
+            f"{r['name']:<44} {r['status'][:40]:<40} "
+            f"measured {r.get('step_s', float('nan')) * 1e3:9.2f} ms  "
+            f"predicted {p.get('step_s', float('nan')) * 1e3:9.2f} ms  "
+            f"error {p.get('error', float('nan')):+.1%}"
+        )
+    failed = [r for r in result["configurations"] if r["status"] != "ok"]
+    return 1 if failed or result["status"].startswith("failed") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
