@@ -386,11 +386,11 @@ fn refine_pair(
         // Seeds: pins in `side` of nets that touch both blocks.
         let start = region.len();
         let mut weight = 0.0;
-        for e in 0..hg.num_nets() {
+        for (e, read) in read_by.iter_mut().enumerate() {
             if state.phi(e, side) == 0 || state.phi(e, other) == 0 {
                 continue;
             }
-            read_by[e] = side;
+            *read = side;
             for &v in hg.pins(e) {
                 let v = v as usize;
                 if state.parts[v] as usize == side && node_of[v] == u32::MAX {
