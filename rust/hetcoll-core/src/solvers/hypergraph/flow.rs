@@ -377,14 +377,20 @@ fn refine_pair(
     let limit_b = state.room(a).0 + (alpha - 1.0) * slack[a];
     let mut node_of = vec![u32::MAX; n];
     let mut region: Vec<u32> = Vec::new();
+    // The side whose growth last read each net's pins. The weight taken only grows, so a pin
+    // a net's first reading left out (taken, in another block, or too heavy) stays out: a
+    // second reading adds nothing, and reading each net once per side keeps the growth linear
+    // in the pins (a CNN's nets, each a filter and the whole next layer, made it quadratic).
+    let mut read_by = vec![usize::MAX; hg.num_nets()];
     for (side, other, limit) in [(a, b, limit_a), (b, a, limit_b)] {
         // Seeds: pins in `side` of nets that touch both blocks.
         let start = region.len();
         let mut weight = 0.0;
-        for e in 0..hg.num_nets() {
+        for (e, read) in read_by.iter_mut().enumerate() {
             if state.phi(e, side) == 0 || state.phi(e, other) == 0 {
                 continue;
             }
+            *read = side;
             for &v in hg.pins(e) {
                 let v = v as usize;
                 if state.parts[v] as usize == side && node_of[v] == u32::MAX {
@@ -403,7 +409,12 @@ fn refine_pair(
             let v = region[i] as usize;
             i += 1;
             for &e in hg.nets(v) {
-                for &u in hg.pins(e as usize) {
+                let e = e as usize;
+                if read_by[e] == side {
+                    continue;
+                }
+                read_by[e] = side;
+                for &u in hg.pins(e) {
                     let u = u as usize;
                     if state.parts[u] as usize == side && node_of[u] == u32::MAX {
                         let w = hg.vertex_weights[u];
