@@ -70,7 +70,7 @@ def test_cnn_plans_are_valid_and_predicted() -> None:
         "pipeline",
         "hybrid",
     }
-    costs = layer_costs(device_plans._model(), device_plans.SHAPE)
+    costs = layer_costs(device_plans.demo_model(), device_plans.SHAPE)
     cluster = _cluster(4)
     used: set[int] = set()
     for name, (_, spec) in built.items():
@@ -151,7 +151,7 @@ def test_lm_plans_are_valid_and_predicted() -> None:
     from hetcoll.torch.layers import model_layers
 
     device_lm = importlib.import_module("lm")  # benches/device/lm.py
-    model = device_lm._model(torch.device("cpu"))
+    model = device_lm.demo_model(torch.device("cpu"))
     layers = len(model_layers(model))
     shape = {"input_ids": (64,), "attention_mask": (64,)}
     costs = layer_costs(model, shape, dtype=torch.int64)

@@ -47,19 +47,19 @@ CLASSES = 10
 LR = 0.05
 
 
-def _model() -> nn.Module:
+def demo_model() -> nn.Module:
     from hetcoll.lab.demo_ranks import DemoNet
 
     torch.manual_seed(0)
     return DemoNet()
 
 
-def _pool(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def demo_pool(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return torch.randn(n, *SHAPE, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
 
 
-def _sync(dev: torch.device) -> None:
+def sync_gpu(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
@@ -80,7 +80,7 @@ def speeds_here(
         return xd[idx], yd[idx]
 
     fit = measure_speed(
-        _model().to(dev),
+        demo_model().to(dev),
         make_batch,
         nn.functional.cross_entropy,
         batch_sizes=sizes,
@@ -97,12 +97,12 @@ def _timed(dev: torch.device, step: Any, batches: list[Any], warmup: int) -> flo
 
     for b in batches[:warmup]:
         step(b)
-    _sync(dev)
+    sync_gpu(dev)
     dist.barrier()
     t0 = time.perf_counter()
     for b in batches[warmup:]:
         step(b)
-    _sync(dev)
+    sync_gpu(dev)
     dist.barrier()
     return (time.perf_counter() - t0) / max(1, len(batches) - warmup)
 
@@ -120,7 +120,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
         strict_fp32()
     batch, warmup, steps = cfg["batch"], cfg["warmup"], cfg["steps"]
     n = batch * (warmup + steps)
-    x, y = _pool(n)
+    x, y = demo_pool(n)
     xd, yd = x.to(dev), y.to(dev)  # the GPU rank's data lives on the GPU, as a loader would put it
     loss_fn = nn.functional.cross_entropy
 
@@ -140,7 +140,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
     # 2. The GPU (rank 0) alone, on the whole global batch.
     step_s: dict[str, float] = {}
     if rank == 0:
-        model = _model().to(dev)
+        model = demo_model().to(dev)
         opt = sgd(model.parameters())
 
         def alone(b: int) -> None:
@@ -161,7 +161,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
         "equal": hetcoll.split(batch, [1.0] * world),
     }
     for name, share in shares.items():
-        model = _model().to(dev)
+        model = demo_model().to(dev)
         ddp = DDP(model, device_ids=[0] if gpu else None)
         if name == "balanced":
             register_weighted_hook(ddp)
@@ -190,12 +190,12 @@ def _gpu_seconds(fn: Any, repeats: int, dev: torch.device | None = None) -> floa
     """The best of ``repeats`` timed calls of ``fn``, the device synchronized after each."""
     dev = dev or torch.device("cuda", 0)
     fn()
-    _sync(dev)
+    sync_gpu(dev)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        _sync(dev)
+        sync_gpu(dev)
         times.append(time.perf_counter() - t0)
     return min(times)
 
@@ -333,7 +333,7 @@ def predict(
     cluster, alone, why_not = real_cluster(cluster_path, gpu, len(row["devices"]))
     if why_not is not None:
         return {"status": why_not}
-    costs = layer_costs(_model(), SHAPE)
+    costs = layer_costs(demo_model(), SHAPE)
     predicted = {
         name: data_parallel(costs, cluster, row["shares"][name]).step_s
         for name in ("balanced", "equal")

@@ -46,7 +46,7 @@ from torch import nn
 import hetcoll
 from hetcoll import launch
 
-from hetero import _sync, measure_gpu, real_cluster, strict_fp32
+from hetero import measure_gpu, real_cluster, strict_fp32, sync_gpu
 
 # examples/train_lm.py (and its train_plan.py) as modules, here and in the ranks.
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -81,7 +81,7 @@ class Keyword(nn.Module):
         return self.model(**x)
 
 
-def _model(dev: torch.device) -> nn.Module:
+def demo_model(dev: torch.device) -> nn.Module:
     torch.manual_seed(0)
     return train_lm.make_model("llama").to(dev)
 
@@ -102,7 +102,7 @@ def _speed(dev: torch.device, pool: Any, batch: int, probe_s: float) -> Any:
         return _rows((xd, yd), (torch.arange(b) % len(yd)).to(dev))
 
     fit = measure_speed(
-        Keyword(_model(dev)),
+        Keyword(demo_model(dev)),
         make_batch,
         train_lm.lm_loss,
         batch_sizes=sizes,
@@ -176,7 +176,7 @@ def _run(
 
     from hetcoll.torch import parallelize
 
-    par = parallelize(_model(dev), plan, loss_fn=train_lm.lm_loss, items=train_lm.valid_tokens)
+    par = parallelize(demo_model(dev), plan, loss_fn=train_lm.lm_loss, items=train_lm.valid_tokens)
     opt = torch.optim.AdamW(par.parameters(), lr=LR, weight_decay=0.0)
     times, tokens = [], 0
     for i, (x, y) in enumerate(data):
@@ -185,7 +185,7 @@ def _run(
         par.step(x, y)
         opt.step()
         opt.zero_grad()
-        _sync(dev)
+        sync_gpu(dev)
         t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if i >= warmup:
@@ -234,7 +234,7 @@ def _predict(cfg: dict[str, Any], world: int, plan: dict[str, Any], measured: fl
         return {"status": why_not}
     if "costs" not in _COSTS:  # the model's costs once: ~1 s each time
         shape = {"input_ids": (train_lm.SEQ,), "attention_mask": (train_lm.SEQ,)}
-        _COSTS["costs"] = layer_costs(_model(torch.device("cpu")), shape, dtype=torch.int64)
+        _COSTS["costs"] = layer_costs(demo_model(torch.device("cpu")), shape, dtype=torch.int64)
     pred = predict_plan(_COSTS["costs"], cluster, hetcoll.Plan.from_dict(plan))
     return {"status": "ok", "step_s": pred.step_s, "error": pred.step_s / measured - 1}
 
@@ -269,7 +269,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
         {"rank": r, "rows_per_s": s, "tokens_per_s": s * rows_tokens, "latency_s": a}
         for r, (s, a) in enumerate(zip(speeds, latency))
     ]
-    layers = len(model_layers(_model(torch.device("cpu"))))
+    layers = len(model_layers(demo_model(torch.device("cpu"))))
     runs = plans(speeds, latency, batch, cfg["microbatches"], layers)
     for name, (kind, plan) in runs.items():
         t0 = time.perf_counter()

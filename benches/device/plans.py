@@ -51,13 +51,13 @@ from hetcoll import launch
 
 from hetero import (
     SHAPE,
-    _model,
-    _pool,
-    _sync,
+    demo_model,
+    demo_pool,
     measure_gpu,
     real_cluster,
     speeds_here,
     strict_fp32,
+    sync_gpu,
 )
 
 LR = 0.05
@@ -167,7 +167,7 @@ def _step_times(
     from hetcoll.torch import parallelize
 
     torch.manual_seed(0)
-    par = parallelize(_model().to(dev), plan, loss_fn=nn.functional.cross_entropy)
+    par = parallelize(demo_model().to(dev), plan, loss_fn=nn.functional.cross_entropy)
     opt = torch.optim.SGD(par.parameters(), lr=LR)
     times = []
     for i in range(warmup + steps):
@@ -176,7 +176,7 @@ def _step_times(
         par.step(x, y)
         opt.step()
         opt.zero_grad()
-        _sync(dev)
+        sync_gpu(dev)
         t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if i >= warmup:
@@ -190,7 +190,7 @@ def _predict(cfg: dict[str, Any], world: int, plan: dict[str, Any], measured: fl
     cluster, _, why_not = real_cluster(cfg["cluster"], cfg["gpu"], world)
     if why_not is not None:
         return {"status": why_not}
-    pred = predict_plan(layer_costs(_model(), SHAPE), cluster, hetcoll.Plan.from_dict(plan))
+    pred = predict_plan(layer_costs(demo_model(), SHAPE), cluster, hetcoll.Plan.from_dict(plan))
     return {"status": "ok", "step_s": pred.step_s, "error": pred.step_s / measured - 1}
 
 
@@ -219,7 +219,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
     if gpu:
         strict_fp32()  # float32 as measure_gpu measured it
     batch = cfg["batch"]
-    x, y = _pool(batch)
+    x, y = demo_pool(batch)
     x, y = x.to(dev), y.to(dev)  # the GPU rank's data on the GPU, as a loader would put it
     fits = speeds_here(dev, x, y, batch, cfg["probe_s"])
     speeds = [f.samples_per_s for f in fits]
