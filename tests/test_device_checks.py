@@ -151,7 +151,7 @@ def test_lm_plans_are_valid_and_predicted() -> None:
     from hetcoll.torch.layers import model_layers
 
     device_lm = importlib.import_module("lm")  # benches/device/lm.py
-    model = device_lm.demo_model(torch.device("cpu"))
+    model = device_lm.lm_model(torch.device("cpu"))
     layers = len(model_layers(model))
     shape = {"input_ids": (64,), "attention_mask": (64,)}
     costs = layer_costs(model, shape, dtype=torch.int64)

@@ -32,11 +32,9 @@ measured. Without CUDA (the dry run) rank 0 is a CPU rank (the model sees it thr
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +42,9 @@ import torch
 from torch import nn
 
 import hetcoll
-from hetcoll import launch
 
 from hetero import measure_gpu, real_cluster, strict_fp32, sync_gpu
+from jobs import run_configurations, run_job, write_results
 
 # examples/train_lm.py (and its train_plan.py) as modules, here and in the ranks.
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -81,7 +79,7 @@ class Keyword(nn.Module):
         return self.model(**x)
 
 
-def demo_model(dev: torch.device) -> nn.Module:
+def lm_model(dev: torch.device) -> nn.Module:
     torch.manual_seed(0)
     return train_lm.make_model("llama").to(dev)
 
@@ -102,7 +100,7 @@ def _speed(dev: torch.device, pool: Any, batch: int, probe_s: float) -> Any:
         return _rows((xd, yd), (torch.arange(b) % len(yd)).to(dev))
 
     fit = measure_speed(
-        Keyword(demo_model(dev)),
+        Keyword(lm_model(dev)),
         make_batch,
         train_lm.lm_loss,
         batch_sizes=sizes,
@@ -176,7 +174,7 @@ def _run(
 
     from hetcoll.torch import parallelize
 
-    par = parallelize(demo_model(dev), plan, loss_fn=train_lm.lm_loss, items=train_lm.valid_tokens)
+    par = parallelize(lm_model(dev), plan, loss_fn=train_lm.lm_loss, items=train_lm.valid_tokens)
     opt = torch.optim.AdamW(par.parameters(), lr=LR, weight_decay=0.0)
     times, tokens = [], 0
     for i, (x, y) in enumerate(data):
@@ -194,7 +192,9 @@ def _run(
     return times, tokens
 
 
-def _write(path: str, result: dict[str, Any]) -> None:
+def _balanced_over(result: dict[str, Any]) -> None:
+    """The balanced split's throughput over the equal split's, the GPU alone's and the sum of
+    the ranks' measured speeds, from the configurations measured so far."""
     rows = {r["name"]: r for r in result["configurations"] if r["status"] == "ok"}
     if "balanced" in rows:
         rate = rows["balanced"]["tokens_per_s"]
@@ -207,19 +207,6 @@ def _write(path: str, result: dict[str, Any]) -> None:
             result["balanced_over_sum_of_speeds"] = rows["balanced"]["rows_per_s"] / sum(
                 s["rows_per_s"] for s in result["speeds"]
             )
-    errors = [
-        abs(r["prediction"]["error"])
-        for r in rows.values()
-        if r.get("prediction", {}).get("status") == "ok"
-    ]
-    if errors:
-        result["prediction_error"] = {
-            "median": statistics.median(errors),
-            "worst": max(errors),
-            "count": len(errors),
-        }
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
 
 
 #: The LM's layer costs, computed by the first prediction (rank 0).
@@ -234,14 +221,13 @@ def _predict(cfg: dict[str, Any], world: int, plan: dict[str, Any], measured: fl
         return {"status": why_not}
     if "costs" not in _COSTS:  # the model's costs once: ~1 s each time
         shape = {"input_ids": (train_lm.SEQ,), "attention_mask": (train_lm.SEQ,)}
-        _COSTS["costs"] = layer_costs(demo_model(torch.device("cpu")), shape, dtype=torch.int64)
+        _COSTS["costs"] = layer_costs(lm_model(torch.device("cpu")), shape, dtype=torch.int64)
     pred = predict_plan(_COSTS["costs"], cluster, hetcoll.Plan.from_dict(plan))
     return {"status": "ok", "step_s": pred.step_s, "error": pred.step_s / measured - 1}
 
 
 def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
     """One rank; rank 0 writes ``cfg["json"]`` after each run and returns the result."""
-    import torch.distributed as dist
 
     from hetcoll.torch.layers import model_layers
 
@@ -269,31 +255,26 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
         {"rank": r, "rows_per_s": s, "tokens_per_s": s * rows_tokens, "latency_s": a}
         for r, (s, a) in enumerate(zip(speeds, latency))
     ]
-    layers = len(model_layers(demo_model(torch.device("cpu"))))
+    layers = len(model_layers(lm_model(torch.device("cpu"))))
     runs = plans(speeds, latency, batch, cfg["microbatches"], layers)
-    for name, (kind, plan) in runs.items():
-        t0 = time.perf_counter()
-        row: dict[str, Any] = {"name": name, "kind": kind, "plan": plan}
-        try:
-            times, tokens = _run(plan, dev, data, warmup)
-            row["step_s"] = statistics.median(times)
-            row["tokens_per_s"] = tokens / sum(times)
-            row["rows_per_s"] = batch * len(times) / sum(times)
-            row["status"] = "ok"
-        except Exception as e:  # a plan the runtime refuses (on every rank) leaves the rest
-            row["status"] = f"failed: {type(e).__name__}: {e}"[:2000]
-            row["traceback"] = traceback.format_exc()[-4000:]
-        dist.barrier()
-        if rank == 0:
-            if row["status"] == "ok":
-                try:
-                    row["prediction"] = _predict(cfg, world, plan, row["step_s"])
-                except Exception as e:  # the model refusing a plan is a result too
-                    row["prediction"] = {"status": f"failed: {type(e).__name__}: {e}"[:2000]}
-            row["seconds"] = time.perf_counter() - t0
-            result["configurations"].append(row)
-            _write(cfg["json"], result)
-    return result if rank == 0 else None
+
+    def measure(plan: dict[str, Any]) -> dict[str, Any]:
+        times, tokens = _run(plan, dev, data, warmup)
+        return {
+            "step_s": statistics.median(times),
+            "tokens_per_s": tokens / sum(times),
+            "rows_per_s": batch * len(times) / sum(times),
+        }
+
+    return run_configurations(
+        rank,
+        result,
+        runs,
+        measure,
+        lambda plan, step: _predict(cfg, world, plan, step),
+        cfg["json"],
+        _balanced_over,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     result["gpu"] = measure_gpu(torch.device("cuda", 0) if cuda else torch.device("cpu"))
     if cuda:
         torch.cuda.empty_cache()
-    _write(args.json, result)
+    write_results(args.json, result)
     cfg = {
         "cuda": cuda,
         "gpu": result["gpu"],
@@ -346,32 +327,20 @@ def main(argv: list[str] | None = None) -> int:
         "probe_s": args.probe_s,
         "result": result,
     }
-    try:
-        ranks = launch.spawn(
-            rank_main, 1 + args.cpu_ranks, cfg, timeout=args.timeout, threads_per_rank=1
-        )
-        result = ranks[0]
-    except Exception as e:  # what rank 0 wrote before the failure stays in the file
-        try:
-            with open(args.json) as f:
-                result = json.load(f)
-        except (OSError, json.JSONDecodeError):
-            pass
-        result["status"] = f"failed: {type(e).__name__}: {e}"[:2000]
-    result["seconds"] = time.perf_counter() - started
-    _write(args.json, result)
-    print(json.dumps({k: v for k, v in result.items() if k != "configurations"}, default=str))
-    for r in result["configurations"]:
+
+    def line(r: dict[str, Any]) -> str:
         p = r.get("prediction", {})
-        print(
+        return (
             f"{r['name']:<40} {r['status'][:40]:<40} "
             f"{r.get('tokens_per_s', float('nan')):10,.0f} tokens/s  "
             f"measured {r.get('step_s', float('nan')) * 1e3:9.2f} ms  "
             f"predicted {p.get('step_s', float('nan')) * 1e3:9.2f} ms  "
             f"error {p.get('error', float('nan')):+.1%}"
         )
-    failed = [r for r in result["configurations"] if r["status"] != "ok"]
-    return 1 if failed or result["status"].startswith("failed") else 0
+
+    return run_job(
+        rank_main, 1 + args.cpu_ranks, cfg, args.timeout, result, args.json, line, started
+    )
 
 
 if __name__ == "__main__":

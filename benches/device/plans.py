@@ -36,18 +36,15 @@ Without CUDA (the dry run) rank 0 is a CPU rank like the others (the model sees 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-import traceback
 from typing import Any
 
 import torch
 from torch import nn
 
 import hetcoll
-from hetcoll import launch
 
 from hetero import (
     SHAPE,
@@ -59,6 +56,7 @@ from hetero import (
     strict_fp32,
     sync_gpu,
 )
+from jobs import run_configurations, run_job, write_results
 
 LR = 0.05
 #: DemoNet's plan layers: the convolutions and the pool (the compute), then the head.
@@ -194,25 +192,8 @@ def _predict(cfg: dict[str, Any], world: int, plan: dict[str, Any], measured: fl
     return {"status": "ok", "step_s": pred.step_s, "error": pred.step_s / measured - 1}
 
 
-def _write(path: str, result: dict[str, Any]) -> None:
-    errors = [
-        abs(r["prediction"]["error"])
-        for r in result["configurations"]
-        if r.get("prediction", {}).get("status") == "ok"
-    ]
-    if errors:
-        result["prediction_error"] = {
-            "median": statistics.median(errors),
-            "worst": max(errors),
-            "count": len(errors),
-        }
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-
-
 def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
     """One rank; rank 0 writes ``cfg["json"]`` after each plan and returns the result."""
-    import torch.distributed as dist
 
     gpu = rank == 0 and cfg["cuda"]
     dev = torch.device("cuda", 0) if gpu else torch.device("cpu")
@@ -230,29 +211,24 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
         {"rank": r, "samples_per_s": s, "latency_s": a}
         for r, (s, a) in enumerate(zip(speeds, latency))
     ]
-    for name, (kind, plan) in plans(speeds, latency, batch, cfg["microbatches"]).items():
-        t0 = time.perf_counter()
-        row: dict[str, Any] = {"name": name, "kind": kind, "plan": plan}
-        try:
-            times = _step_times(plan, dev, x, y, cfg["warmup"], cfg["steps"])
-            row["step_s"] = statistics.median(times)
-            row["quartiles_s"] = statistics.quantiles(times, n=4, method="inclusive")[::2]
-            row["samples_per_s"] = batch / row["step_s"]
-            row["status"] = "ok"
-        except Exception as e:  # a plan the runtime refuses (on every rank) leaves the rest
-            row["status"] = f"failed: {type(e).__name__}: {e}"[:2000]
-            row["traceback"] = traceback.format_exc()[-4000:]
-        dist.barrier()
-        if rank == 0:
-            if row["status"] == "ok":
-                try:
-                    row["prediction"] = _predict(cfg, world, plan, row["step_s"])
-                except Exception as e:  # the model refusing a plan is a result too
-                    row["prediction"] = {"status": f"failed: {type(e).__name__}: {e}"[:2000]}
-            row["seconds"] = time.perf_counter() - t0
-            result["configurations"].append(row)
-            _write(cfg["json"], result)
-    return result if rank == 0 else None
+
+    def measure(plan: dict[str, Any]) -> dict[str, Any]:
+        times = _step_times(plan, dev, x, y, cfg["warmup"], cfg["steps"])
+        step = statistics.median(times)
+        return {
+            "step_s": step,
+            "quartiles_s": statistics.quantiles(times, n=4, method="inclusive")[::2],
+            "samples_per_s": batch / step,
+        }
+
+    return run_configurations(
+        rank,
+        result,
+        plans(speeds, latency, batch, cfg["microbatches"]),
+        measure,
+        lambda plan, step: _predict(cfg, world, plan, step),
+        cfg["json"],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     result["gpu"] = measure_gpu(torch.device("cuda", 0) if cuda else torch.device("cpu"))
     if cuda:
         torch.cuda.empty_cache()
-    _write(args.json, result)
+    write_results(args.json, result)
     cfg = {
         "cuda": cuda,
         "gpu": result["gpu"],
@@ -304,31 +280,19 @@ def main(argv: list[str] | None = None) -> int:
         "probe_s": args.probe_s,
         "result": result,
     }
-    try:
-        ranks = launch.spawn(
-            rank_main, 1 + args.cpu_ranks, cfg, timeout=args.timeout, threads_per_rank=1
-        )
-        result = ranks[0]
-    except Exception as e:  # what rank 0 wrote before the failure stays in the file
-        try:
-            with open(args.json) as f:
-                result = json.load(f)
-        except (OSError, json.JSONDecodeError):
-            pass
-        result["status"] = f"failed: {type(e).__name__}: {e}"[:2000]
-    result["seconds"] = time.perf_counter() - started
-    _write(args.json, result)
-    print(json.dumps({k: v for k, v in result.items() if k != "configurations"}, default=str))
-    for r in result["configurations"]:
+
+    def line(r: dict[str, Any]) -> str:
         p = r.get("prediction", {})
-        print(
+        return (
             f"{r['name']:<44} {r['status'][:40]:<40} "
             f"measured {r.get('step_s', float('nan')) * 1e3:9.2f} ms  "
             f"predicted {p.get('step_s', float('nan')) * 1e3:9.2f} ms  "
             f"error {p.get('error', float('nan')):+.1%}"
         )
-    failed = [r for r in result["configurations"] if r["status"] != "ok"]
-    return 1 if failed or result["status"].startswith("failed") else 0
+
+    return run_job(
+        rank_main, 1 + args.cpu_ranks, cfg, args.timeout, result, args.json, line, started
+    )
 
 
 if __name__ == "__main__":
