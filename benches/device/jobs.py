@@ -1,12 +1,13 @@
-"""What plans.py and lm.py share: running a list of plans on every rank of one job, each
-measured and (on rank 0) predicted, the results file rewritten after each plan so that a
-timeout keeps what was measured; and launching that job from the parent.
+"""What plans.py and lm.py share: their command line; running a list of plans on every rank of
+one job, each measured and (on rank 0) predicted, the results file rewritten after each plan so
+that a timeout keeps what was measured; and launching that job from the parent.
 
 Lab code, like everything in benches/: it imports the library, the library never imports it.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -14,9 +15,93 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+import hetcoll
 from hetcoll import launch
+
+from hetero import measure_gpu
+
+
+def parse(
+    doc: str,
+    argv: list[str] | None,
+    *,
+    min_cpu_ranks: int,
+    batch: int,
+    batch_help: str,
+    warmup: int,
+    steps: int,
+) -> argparse.Namespace:
+    """The scripts' one command line (their defaults differ)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--json", required=True, help="where to write the results")
+    ap.add_argument("--cluster", help="hetcoll model calibrate's file (CPU ranks, gloo link)")
+    ap.add_argument(
+        "--cpu-ranks", type=int, default=3, help=f"CPU ranks beside the GPU (>= {min_cpu_ranks})"
+    )
+    ap.add_argument("--batch", type=int, default=batch, help=batch_help)
+    ap.add_argument("--microbatches", type=int, default=4, help="of the pipelines and hybrid")
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--probe-s", type=float, default=2.0, help="each rank's speed probe budget")
+    ap.add_argument("--timeout", type=float, default=100.0, help="seconds for the job")
+    args = ap.parse_args(argv)
+    if args.cpu_ranks < min_cpu_ranks:
+        ap.error(f"--cpu-ranks: at least {min_cpu_ranks}, got {args.cpu_ranks}")
+    return args
+
+
+def main(rank_main: Callable[..., Any], args: argparse.Namespace, about: dict[str, Any]) -> int:
+    """The parent's side: the results' header (``about`` describes the model), rank 0's device
+    as the model sees it (the GPU's probes, run on the CPU in the dry run, so that the dry run
+    predicts through the same path), then the job (:func:`run_job`)."""
+    cuda = torch.cuda.is_available()
+    started = time.perf_counter()
+    result: dict[str, Any] = {
+        "status": "ok" if cuda else "skipped: no CUDA (dry run, rank 0 on the CPU)",
+        "cuda": cuda,
+        **about,
+        "batch": args.batch,
+        "microbatches": args.microbatches,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "cpu_ranks": args.cpu_ranks,
+        "cpu_threads_per_rank": 1,
+        "torch": torch.__version__,
+        "hetcoll": hetcoll.__file__,
+        "gpu": measure_gpu(torch.device("cuda", 0) if cuda else torch.device("cpu")),
+        "configurations": [],
+    }
+    if cuda:
+        torch.cuda.empty_cache()
+    write_results(args.json, result)
+    cfg = {
+        "cuda": cuda,
+        "gpu": result["gpu"],
+        "cluster": args.cluster,
+        "json": args.json,
+        "batch": args.batch,
+        "microbatches": args.microbatches,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "probe_s": args.probe_s,
+        "result": result,
+    }
+    return run_job(rank_main, 1 + args.cpu_ranks, cfg, args.timeout, result, args.json, started)
+
+
+def _line(r: dict[str, Any]) -> str:
+    """A configuration's row, as the job prints it."""
+    p = r.get("prediction", {})
+    tokens = f"{r['tokens_per_s']:10,.0f} tokens/s  " if "tokens_per_s" in r else ""
+    return (
+        f"{r['name']:<44} {r['status'][:40]:<40} {tokens}"
+        f"measured {r.get('step_s', float('nan')) * 1e3:9.2f} ms  "
+        f"predicted {p.get('step_s', float('nan')) * 1e3:9.2f} ms  "
+        f"error {p.get('error', float('nan')):+.1%}"
+    )
 
 
 def write_results(path: str, result: dict[str, Any]) -> None:
@@ -81,13 +166,12 @@ def run_job(
     timeout: float,
     result: dict[str, Any],
     path: str,
-    line: Callable[[dict[str, Any]], str],
     started: float,
 ) -> int:
     """Launch ``rank_main(rank, world, cfg)`` on ``world`` ranks; rank 0's result, or what it
     wrote to ``path`` before the job failed, is written back with the job's status and the
-    seconds since ``started`` (a :func:`time.perf_counter` value), printed (``line(row)`` a
-    configuration) and judged: 0 when the job and every configuration succeeded, else 1."""
+    seconds since ``started`` (a :func:`time.perf_counter` value), printed and judged: 0 when
+    the job and every configuration succeeded, else 1."""
     try:
         result = launch.spawn(rank_main, world, cfg, timeout=timeout, threads_per_rank=1)[0]
     except Exception as e:  # what rank 0 wrote before the failure stays in the file
@@ -101,6 +185,6 @@ def run_job(
     write_results(path, result)
     print(json.dumps({k: v for k, v in result.items() if k != "configurations"}, default=str))
     for r in result["configurations"]:
-        print(line(r))
+        print(_line(r))
     failed = [r for r in result["configurations"] if r["status"] != "ok"]
     return 1 if failed or result["status"].startswith("failed") else 0

@@ -31,7 +31,6 @@ measured. Without CUDA (the dry run) rank 0 is a CPU rank (the model sees it thr
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -43,8 +42,9 @@ from torch import nn
 
 import hetcoll
 
-from hetero import measure_gpu, real_cluster, strict_fp32, sync_gpu
-from jobs import run_configurations, run_job, write_results
+import jobs
+from hetero import real_cluster, strict_fp32, sync_gpu
+from jobs import run_configurations
 
 # examples/train_lm.py (and its train_plan.py) as modules, here and in the ranks.
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -278,69 +278,20 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", required=True, help="where to write the results")
-    ap.add_argument("--cluster", help="hetcoll model calibrate's file (CPU ranks, gloo link)")
-    ap.add_argument("--cpu-ranks", type=int, default=3, help="CPU ranks beside the GPU (>= 1)")
-    ap.add_argument("--batch", type=int, default=64, help="the global batch, rows of 64 bytes")
-    ap.add_argument("--microbatches", type=int, default=4, help="of the pipeline and hybrid")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--probe-s", type=float, default=2.0, help="each rank's speed probe budget")
-    ap.add_argument("--timeout", type=float, default=100.0, help="seconds for the job")
-    args = ap.parse_args(argv)
-    if args.cpu_ranks < 1:
-        ap.error(f"--cpu-ranks: at least 1, got {args.cpu_ranks}")
-    cuda = torch.cuda.is_available()
-    started = time.perf_counter()
-    result: dict[str, Any] = {
-        "status": "ok" if cuda else "skipped: no CUDA (dry run, rank 0 on the CPU)",
-        "cuda": cuda,
-        "model": "examples/train_lm.py's Llama (6 layers, hidden 64, bytes), float32, AdamW",
-        "batch": args.batch,
-        "seq": train_lm.SEQ,
-        "microbatches": args.microbatches,
-        "warmup": args.warmup,
-        "steps": args.steps,
-        "cpu_ranks": args.cpu_ranks,
-        "cpu_threads_per_rank": 1,
-        "torch": torch.__version__,
-        "hetcoll": hetcoll.__file__,
-        "gpu": None,
-        "configurations": [],
-    }
-    # Rank 0's device as the model sees it: the GPU's probes, run on the CPU in the dry run
-    # (so that the dry run predicts through the same path).
-    result["gpu"] = measure_gpu(torch.device("cuda", 0) if cuda else torch.device("cpu"))
-    if cuda:
-        torch.cuda.empty_cache()
-    write_results(args.json, result)
-    cfg = {
-        "cuda": cuda,
-        "gpu": result["gpu"],
-        "cluster": args.cluster,
-        "json": args.json,
-        "batch": args.batch,
-        "microbatches": args.microbatches,
-        "warmup": args.warmup,
-        "steps": args.steps,
-        "probe_s": args.probe_s,
-        "result": result,
-    }
-
-    def line(r: dict[str, Any]) -> str:
-        p = r.get("prediction", {})
-        return (
-            f"{r['name']:<40} {r['status'][:40]:<40} "
-            f"{r.get('tokens_per_s', float('nan')):10,.0f} tokens/s  "
-            f"measured {r.get('step_s', float('nan')) * 1e3:9.2f} ms  "
-            f"predicted {p.get('step_s', float('nan')) * 1e3:9.2f} ms  "
-            f"error {p.get('error', float('nan')):+.1%}"
-        )
-
-    return run_job(
-        rank_main, 1 + args.cpu_ranks, cfg, args.timeout, result, args.json, line, started
+    args = jobs.parse(
+        __doc__,
+        argv,
+        min_cpu_ranks=1,
+        batch=64,
+        batch_help="the global batch, rows of 64 bytes",
+        warmup=2,
+        steps=8,
     )
+    about = {
+        "model": "examples/train_lm.py's Llama (6 layers, hidden 64, bytes), float32, AdamW",
+        "seq": train_lm.SEQ,
+    }
+    return jobs.main(rank_main, args, about)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ Without CUDA (the dry run) rank 0 is a CPU rank like the others (the model sees 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -46,17 +45,17 @@ from torch import nn
 
 import hetcoll
 
+import jobs
 from hetero import (
     SHAPE,
     demo_model,
     demo_pool,
-    measure_gpu,
     real_cluster,
     speeds_here,
     strict_fp32,
     sync_gpu,
 )
-from jobs import run_configurations, run_job, write_results
+from jobs import run_configurations
 
 LR = 0.05
 #: DemoNet's plan layers: the convolutions and the pool (the compute), then the head.
@@ -232,67 +231,11 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", required=True, help="where to write the results")
-    ap.add_argument("--cluster", help="hetcoll model calibrate's file (CPU ranks, gloo link)")
-    ap.add_argument("--cpu-ranks", type=int, default=3, help="CPU ranks beside the GPU (>= 2)")
-    ap.add_argument("--batch", type=int, default=256, help="the global batch")
-    ap.add_argument("--microbatches", type=int, default=4, help="of the pipelines and hybrid")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=15)
-    ap.add_argument("--probe-s", type=float, default=2.0, help="each rank's speed probe budget")
-    ap.add_argument("--timeout", type=float, default=100.0, help="seconds for the job")
-    args = ap.parse_args(argv)
-    if args.cpu_ranks < 2:
-        ap.error(f"--cpu-ranks: at least 2 (the hybrid needs them), got {args.cpu_ranks}")
-    cuda = torch.cuda.is_available()
-    started = time.perf_counter()
-    result: dict[str, Any] = {
-        "status": "ok" if cuda else "skipped: no CUDA (dry run, rank 0 on the CPU)",
-        "cuda": cuda,
-        "model": "DemoNet (hetcoll.lab.demo_ranks), 1x8x8 inputs, SGD",
-        "batch": args.batch,
-        "microbatches": args.microbatches,
-        "warmup": args.warmup,
-        "steps": args.steps,
-        "cpu_ranks": args.cpu_ranks,
-        "cpu_threads_per_rank": 1,
-        "torch": torch.__version__,
-        "hetcoll": hetcoll.__file__,
-        "gpu": None,
-        "configurations": [],
-    }
-    # Rank 0's device as the model sees it: the GPU's probes, run on the CPU in the dry run
-    # (so that the dry run predicts through the same path).
-    result["gpu"] = measure_gpu(torch.device("cuda", 0) if cuda else torch.device("cpu"))
-    if cuda:
-        torch.cuda.empty_cache()
-    write_results(args.json, result)
-    cfg = {
-        "cuda": cuda,
-        "gpu": result["gpu"],
-        "cluster": args.cluster,
-        "json": args.json,
-        "batch": args.batch,
-        "microbatches": args.microbatches,
-        "warmup": args.warmup,
-        "steps": args.steps,
-        "probe_s": args.probe_s,
-        "result": result,
-    }
-
-    def line(r: dict[str, Any]) -> str:
-        p = r.get("prediction", {})
-        return (
-            f"{r['name']:<44} {r['status'][:40]:<40} "
-            f"measured {r.get('step_s', float('nan')) * 1e3:9.2f} ms  "
-            f"predicted {p.get('step_s', float('nan')) * 1e3:9.2f} ms  "
-            f"error {p.get('error', float('nan')):+.1%}"
-        )
-
-    return run_job(
-        rank_main, 1 + args.cpu_ranks, cfg, args.timeout, result, args.json, line, started
-    )
+    args = jobs.parse(
+        __doc__, argv, min_cpu_ranks=2, batch=256, batch_help="the global batch", warmup=3, steps=15
+    )  # two CPU ranks at least: the hybrid needs them
+    about = {"model": "DemoNet (hetcoll.lab.demo_ranks), 1x8x8 inputs, SGD"}
+    return jobs.main(rank_main, args, about)
 
 
 if __name__ == "__main__":
