@@ -168,8 +168,11 @@ def numbers(kind: type) -> Any:
     return lambda text: [kind(v) for v in text.split(",")]
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def arguments(description: str | None) -> argparse.ArgumentParser:
+    """The command line this script shares with examples/hf_trainer_balanced.py."""
+    p = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawTextHelpFormatter
+    )
     p.add_argument("--arch", default="llama", choices=["llama", "gpt2"])
     p.add_argument("--rows", type=int, default=96, help="training rows (samples)")
     p.add_argument("--batch", type=int, default=16, help="the global batch of one micro-step")
@@ -184,6 +187,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--emulate", type=numbers(float), metavar="S0,S1,...", help="rank r at S_r of its speed"
     )
+    p.add_argument("--float64", action="store_true", help="train in float64")
+    p.add_argument("--save", help="write the trained state dict here (rank 0)")
+    p.add_argument("--json", help="write each rank's report here ({rank} is replaced)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = arguments(__doc__)
     p.add_argument(
         "--plain-mean",
         action="store_true",
@@ -196,10 +208,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="the loss summed by this script in the model's precision and divided by the "
         "step's tokens, instead of Hugging Face's (float32 inside)",
     )
-    p.add_argument("--float64", action="store_true", help="train in float64")
-    p.add_argument("--save", help="write the trained state dict here (rank 0)")
-    p.add_argument("--json", help="write each rank's report here ({rank} is replaced)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.accumulate < 1:
         p.error("--accumulate: must be >= 1")

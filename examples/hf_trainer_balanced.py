@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from accelerate_balanced import make_model, numbers, text_rows
+from accelerate_balanced import arguments, make_model, text_rows
 from transformers import TrainingArguments
 
 from hetcoll.accelerate import BalancedTrainer
@@ -100,26 +100,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--arch", default="llama", choices=["llama", "gpt2"])
-    p.add_argument("--rows", type=int, default=96, help="training rows (samples)")
-    p.add_argument("--batch", type=int, default=16, help="the global batch of one micro-step")
-    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
-    how = p.add_mutually_exclusive_group()
-    how.add_argument("--shares", type=numbers(int), help="per-rank batch sizes, e.g. 5,3")
-    how.add_argument("--speeds", type=numbers(float), help="relative per-rank speeds, e.g. 2,1")
-    how.add_argument("--measure", action="store_true", help="time every rank's step first")
-    p.add_argument(
-        "--emulate", type=numbers(float), metavar="S0,S1,...", help="rank r at S_r of its speed"
-    )
-    p.add_argument("--float64", action="store_true", help="train in float64")
-    p.add_argument("--save", help="write the trained state dict here (rank 0)")
-    p.add_argument("--json", help="write each rank's report here ({rank} is replaced)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    return arguments(__doc__).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:

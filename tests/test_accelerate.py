@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -92,17 +93,23 @@ def test_accelerate_uneven_shares_with_accumulation_are_the_one_process_model(
         assert _max_diff(one, plain) > 1e-4
 
 
-@pytest.mark.multiproc
-def test_accelerate_measured_speeds_show_in_the_progress_bar(tmp_path):
-    script = EXAMPLES / "accelerate_balanced.py"
+def _measured(tmp_path: Any, script: str, rows: int) -> tuple[Any, list[dict[str, Any]]]:
+    """``script`` on two torchrun ranks with measured speeds (rank 1 emulated at half): the
+    finished process and each rank's report."""
     proc = subprocess.run(
-        [*TORCHRUN, str(script), "--arch", "gpt2", "--rows", "24", "--batch", "8", "--epochs",
-         "1", "--measure", "--emulate", "1,0.5", "--json", str(tmp_path / "m{rank}.json")],
+        [*TORCHRUN, str(EXAMPLES / script), "--arch", "gpt2", "--rows", str(rows), "--batch",
+         "8", "--epochs", "1", "--measure", "--emulate", "1,0.5", "--json",
+         str(tmp_path / "m{rank}.json")],
         capture_output=True, text=True, timeout=300, check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("m[0-9].json"))]
+    return proc, [json.loads(p.read_text()) for p in sorted(tmp_path.glob("m[0-9].json"))]
+
+
+@pytest.mark.multiproc
+def test_accelerate_measured_speeds_show_in_the_progress_bar(tmp_path):
+    proc, reports = _measured(tmp_path, "accelerate_balanced.py", 24)
     shares, speeds = reports[0]["shares"], reports[0]["speeds"]
     assert all(r["shares"] == shares and r["speeds"] == speeds for r in reports)
     assert sum(shares) == 8 and min(shares) >= 1
@@ -134,15 +141,7 @@ def test_trainer_at_shares_5_3_with_accumulation_is_the_one_process_model(tmp_pa
 
 @pytest.mark.multiproc
 def test_trainer_measured_speeds_show_in_its_logs(tmp_path):
-    script = EXAMPLES / "hf_trainer_balanced.py"
-    proc = subprocess.run(
-        [*TORCHRUN, str(script), "--arch", "gpt2", "--rows", "16", "--batch", "8", "--epochs",
-         "1", "--measure", "--emulate", "1,0.5", "--json", str(tmp_path / "m{rank}.json")],
-        capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("m[0-9].json"))]
+    proc, reports = _measured(tmp_path, "hf_trainer_balanced.py", 16)
     shares, speeds = reports[0]["shares"], reports[0]["speeds"]
     assert sum(shares) == 8 and len(speeds) == 2 and all(s > 0 for s in speeds)
     for r in reports:

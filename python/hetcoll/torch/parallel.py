@@ -417,7 +417,7 @@ class Parallel(PlanCheckpoints, nn.Module):
                         if y.requires_grad:
                             y.backward()
                     else:
-                        grad = self._gradient_sum(got, y)
+                        grad = self._gradient_sum(got)
                         if y.requires_grad:
                             torch.autograd.backward(y, grad)
                     if x_in is not None and lead:
@@ -632,7 +632,7 @@ class Parallel(PlanCheckpoints, nn.Module):
                             for leaf, t in zip(flow.tensors(b), tensors(y[b]), strict=True):
                                 if not leaf.requires_grad:
                                     continue
-                                total = self._gradient_sum([next(got) for _ in readers], t)
+                                total = self._gradient_sum([next(got) for _ in readers])
                                 if t.requires_grad:
                                     outs.append(t)
                                     grads.append(total)
@@ -674,30 +674,26 @@ class Parallel(PlanCheckpoints, nn.Module):
         ranks = self.plan.replicas[replica].stages[stage].ranks
         return [ranks[0]] if (replica, stage) in self._blocks else list(ranks)
 
-    def _gradient_sum(self, parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    def _gradient_sum(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """Gradients of one output received from its readers, summed in the readers'
         (increasing rank) order on this rank's device, in the dtype they travelled in (under
-        autocast the boundary's own, not the 16-bit one ``like`` was computed in: autograd
+        autocast the boundary's own, not the 16-bit one the output was computed in: autograd
         casts it back)."""
-        total = torch.zeros(like.shape, dtype=parts[0].dtype, device=like.device)
-        for part in parts:
+        # The received buffers are this step's own: the first one holds the sum (no zeros).
+        total = parts[0].to(self._device)
+        for part in parts[1:]:
             total += part.to(self._device)
         return total
 
     def _recv_sum(
         self, like: torch.Tensor, sources: list[int], tag: int, dtype: Any = None
     ) -> torch.Tensor:
-        """A tensor shaped as ``like`` received from each of ``sources`` and summed in their
-        (increasing) order, in ``dtype`` (default ``like``'s: under autocast a boundary's
-        gradient travels in the boundary's own dtype, not the 16-bit one ``like`` was computed
-        in; autograd casts it back)."""
+        """A tensor shaped as ``like`` received from each of ``sources`` (all in flight at
+        once) and summed as :meth:`_gradient_sum` sums, in ``dtype`` (default ``like``'s)."""
         dtype = like.dtype if dtype is None else dtype
-        total = torch.zeros(like.shape, dtype=dtype, device=like.device)
-        buf = torch.empty(like.shape, dtype=dtype, device=self._wire_device())
-        for r in sources:
-            self._tr.recv(buf, r, tag)
-            total += buf.to(self._device)
-        return total
+        bufs = [torch.empty(like.shape, dtype=dtype, device=self._wire_device()) for _ in sources]
+        self._tr.wait([self._tr.irecv(b, r, tag) for b, r in zip(bufs, sources, strict=True)])
+        return self._gradient_sum(bufs)
 
     def _run_owners(
         self,

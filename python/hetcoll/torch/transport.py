@@ -83,9 +83,6 @@ class _TorchTransport(Transport):
     def irecv(self, t: torch.Tensor, src: int, tag: int) -> Any:
         return self._dist.irecv(t, self._global[src], tag=tag)
 
-    def recv(self, t: torch.Tensor, src: int, tag: int) -> None:
-        self._dist.recv(t, self._global[src], tag=tag)
-
     def wait(self, handles: Sequence[Any]) -> None:
         for h in handles:
             h.wait()
@@ -134,12 +131,6 @@ class _MpiTransport(Transport):
     def irecv(self, t: torch.Tensor, src: int, tag: int) -> Any:
         host = t if t.device.type == "cpu" else torch.empty_like(t, device="cpu")
         return (self._c.Irecv([_host_bytes(host), self._mpi.BYTE], src, tag), host, t)
-
-    def recv(self, t: torch.Tensor, src: int, tag: int) -> None:
-        host = t if t.device.type == "cpu" else torch.empty_like(t, device="cpu")
-        self._c.Recv([_host_bytes(host), self._mpi.BYTE], src, tag)
-        if host is not t:
-            t.copy_(host)
 
     def wait(self, handles: Sequence[Any]) -> None:
         self._mpi.Request.Waitall([h[0] for h in handles])
