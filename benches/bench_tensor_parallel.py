@@ -76,7 +76,11 @@ def _strategy(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the untraceable HF forward and the head, named
         split = filter_parallel(
-            copy.deepcopy(model), group=comm, speeds=speeds, avoid_gathers="gather" not in name
+            copy.deepcopy(model),
+            group=comm,
+            speeds=speeds,
+            avoid_gathers="gather" not in name,
+            empty_blocks=True,
         )
     slow_down(split, speed)
     return split, comm

@@ -117,10 +117,14 @@ def loss_of(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return logits, loss
 
 
-def split_copy(ref: nn.Module, group: Any, speeds: list[float]) -> nn.Module:
+def split_copy(
+    ref: nn.Module, group: Any, speeds: list[float], empty_blocks: bool = False
+) -> nn.Module:
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        split = filter_parallel(copy.deepcopy(ref), group=group, speeds=speeds)
+        split = filter_parallel(
+            copy.deepcopy(ref), group=group, speeds=speeds, empty_blocks=empty_blocks
+        )
     unsplit = [str(w.message) for w in seen if "left unsplit by heads" in str(w.message)]
     assert not unsplit, unsplit
     return split
@@ -130,12 +134,18 @@ def modes(model: nn.Module) -> dict[str, str]:
     return {n: m.mode for n, m in model.named_modules() if isinstance(m, FilterParallelLayer)}
 
 
-def equals_unsplit(group: Any, make: Any, optimizer: str, steps: int = 3) -> dict[str, str]:
-    """Train the split and the unsplit model side by side; return the split's modes."""
+def equals_unsplit(
+    group: Any, make: Any, optimizer: str, steps: int = 3, speeds: list[float] | None = None
+) -> dict[str, str]:
+    """Train the split and the unsplit model side by side; return the split's modes. With
+    ``speeds`` (default: :data:`SPEEDS`), split with ``empty_blocks=True``, so a slow rank may
+    hold none of a block's heads or units."""
     p = wrap(group).size
+    empty = speeds is not None
+    speeds = SPEEDS[:p] if speeds is None else speeds
     torch.manual_seed(0)
     ref = make().double()
-    split = split_copy(ref, group, SPEEDS[:p])
+    split = split_copy(ref, group, speeds, empty)
 
     def opt_of(m: nn.Module) -> torch.optim.Optimizer:
         if optimizer == "sgd":
@@ -168,7 +178,7 @@ def equals_unsplit(group: Any, make: Any, optimizer: str, steps: int = 3) -> dic
 
     # A checkpoint resumes on another split (the speeds reversed): model and optimizer state.
     opt_full = gather_optimizer_state_dict(split, opt_split, dst=None)
-    other = split_copy(make().double(), group, SPEEDS[:p][::-1])
+    other = split_copy(make().double(), group, speeds[::-1], empty)
     load_full_state_dict(other, full)
     opt_other = opt_of(other)
     assert opt_full is not None
@@ -186,6 +196,25 @@ def equals_unsplit(group: Any, make: Any, optimizer: str, steps: int = 3) -> dic
     for n, t in ref.state_dict().items():
         close(resumed[n], t, f"resumed step: {n}")
     return modes(split)
+
+
+def empty_blocks(group: Any) -> dict[str, list[int]]:
+    """A rank too slow for a whole key/value group (``empty_blocks=True``) holds no heads of
+    each attention and few MLP units, runs its blocks on empty tensors and joins their
+    reductions: training, gathered state and a checkpoint resumed on the reversed split all
+    equal the unsplit model, for every layout. Returns each model's first attention's shares."""
+    p = wrap(group).size
+    speeds = [1.0, 0.1, 0.5, 0.75][:p]
+    shares: dict[str, list[int]] = {}
+    for name, make in (("llama", llama), ("gpt2", gpt2), ("encoder", EncoderLM)):
+        equals_unsplit(group, make, "adam", steps=2, speeds=speeds)
+        torch.manual_seed(0)
+        split = split_copy(make(), group, speeds, empty_blocks=True)
+        first = next(
+            m for m in split.modules() if isinstance(m, FilterParallelLayer) and m.mode != "gather"
+        )
+        shares[name] = list(first.shares)
+    return shares
 
 
 def sdpa_float32(group: Any) -> int:
@@ -300,6 +329,7 @@ def run_all(group: Any) -> dict[str, Any]:
         out[f"{name}_gathers"] = gathers
         out[f"{name}_split"] = sum(m != "gather" for m in got.values())
         traffic(group, make, 24)
+    out["empty_blocks"] = empty_blocks(group)
     out["mha_weights"] = attention_weights(group)
     out["sdpa_float32"] = sdpa_float32(group)
     out["errors"] = bad_input(group)

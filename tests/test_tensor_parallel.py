@@ -27,6 +27,11 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     assert r["llama_gathers"] == ["lm_head"] and r["gpt2_gathers"] == []
     assert r["llama_split"] == 2 * 7 and r["gpt2_split"] == 2 * 4
     assert r["encoder_gathers"] == ["head"] and r["encoder_split"] == 2 * 3
+    # With empty_blocks the slow rank (speed 0.1) holds none of Llama's 3 key/value groups,
+    # GPT-2's 6 heads (q, k and v packed) or the encoder's 6 heads.
+    empty = {2: [3, 0], 3: [2, 0, 1]}[p]
+    heads = [2 * u for u in empty]
+    assert r["empty_blocks"] == {"llama": empty, "gpt2": heads, "encoder": heads}
     assert r["mha_weights"] == 2 and r["sdpa_float32"] == 2
     assert r["errors"] == 3
 
@@ -73,3 +78,23 @@ def test_an_attention_it_does_not_know_is_named_in_a_warning():
         UserWarning, match=r"left unsplit by heads.*'_Unknown' \(its projections \(qk 8->16"
     ):
         filter_shares(_Unknown(), size=2, speeds=[1.0, 1.0])
+
+
+def test_empty_blocks_lets_a_slow_rank_hold_no_heads():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # One key/value group and two ranks: too few unless a rank may hold none.
+        too_few = r"has 1 key/value groups .*too few for 2 ranks.*empty_blocks=True"
+        with pytest.raises(ValueError, match=too_few):
+            filter_shares(cases.llama(kv_heads=1), size=2, speeds=[1.0, 1.0])
+        one = filter_shares(cases.llama(kv_heads=1), size=2, speeds=[1.0, 1.0], empty_blocks=True)
+        slow = filter_shares(cases.llama(), size=2, speeds=[1.0, 0.1], empty_blocks=True)
+        kept = filter_shares(cases.llama(), size=2, speeds=[1.0, 0.1])
+        with pytest.raises(TypeError, match="empty_blocks: must be True or False"):
+            filter_shares(cases.llama(), size=2, speeds=[1.0, 1.0], empty_blocks=1)
+    attn = "model.layers.0.self_attn."
+    assert one[attn + "q_proj"] == [24, 0] and one[attn + "k_proj"] == [4, 0]
+    # At 10:1 a whole group of 3 is too much for the slow rank: it gets none, and its MLP share
+    # stays in proportion; without empty_blocks it keeps one group.
+    assert slow[attn + "o_proj"] == [24, 0] and kept[attn + "o_proj"] == [16, 8]
+    assert slow["model.layers.0.mlp.down_proj"] == [37, 3]  # hetcoll.split(40, [1, 0.1])

@@ -20,12 +20,14 @@ HERE = Path(__file__).resolve().parent
 MODELS = ("gpt2", "llama", "encoder")
 EXPECTED = {
     **{f"{m}_{p}": True for m in MODELS for p in ("pipeline", "hybrid")},
+    "gpt2_empty_blocks": True,
+    "llama_empty_blocks": True,
     "vit_hybrid": True,
     "shared_activation": True,
     "rows_wrong": True,
     "resumes": True,
     "autocast": True,
-    "errors": 8,
+    "errors": 9,
 }
 
 
@@ -71,3 +73,20 @@ def test_blocks_of_hugging_face_and_torch_transformers():
     ]
     # A model of repeated blocks but nothing else stays whole where a Sequential is a chain.
     assert model_cut(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))).kind == "chain"
+
+
+def test_empty_blocks_in_a_plan_round_trips_and_is_checked():
+    from hetcoll.plan import Plan
+
+    plan = Plan.from_dict(transformer_cases.hybrid(9, empty_blocks=True))
+    assert plan.replicas[1].stages[0].empty_blocks
+    assert Plan.from_dict(plan.to_dict()) == plan
+    assert "empty_blocks" not in json.dumps(transformer_cases.hybrid(9))
+    one = {"ranks": [0], "layers": [0, 3], "empty_blocks": True}
+    bad = [
+        ({"ranks": [0, 1], "layers": [0, 3], "empty_blocks": 1}, "must be true or false"),
+        (one, "only a stage split over several ranks"),
+    ]
+    for stage, message in bad:
+        with pytest.raises(ValueError, match=r"stages\[0\]\.empty_blocks: " + message):
+            Plan.from_dict({"replicas": [{"samples": 4, "stages": [stage]}]})

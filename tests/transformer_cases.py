@@ -153,6 +153,11 @@ def split_stage(par: Any) -> None:
         m != "gather" for n, m in modes.items() if n.rsplit(".", 1)[-1] not in ("lm_head", "head")
     ), modes
     assert sum(m == "split-input" for m in modes.values()) == 2 * len(heads), modes
+    if par.plan.replicas[i].stages[j].empty_blocks:  # the slow rank holds no heads
+        attention = [
+            m for n, m in par.stage.named_modules() if n.endswith(("o_proj", "attn.c_proj"))
+        ]
+        assert attention and all(m.shares[-1] == 0 for m in attention), modes
     # The last step's bytes: per micro-batch, two reductions of rows x SEQ x hidden per block
     # forward (attention, MLP) and two backward (their inputs' gradients); the head, when it is
     # split (not tied), gathers its logits forward and reduces its input's gradient backward.
@@ -195,9 +200,13 @@ def pipeline_4(n: int) -> dict[str, Any]:
     }
 
 
-def hybrid(n: int) -> dict[str, Any]:
+def hybrid(n: int, empty_blocks: bool = False) -> dict[str, Any]:
     """A 2-stage pipeline replica beside a whole-model replica and a stage split over two
-    ranks: asymmetric replicas, GPipe."""
+    ranks: asymmetric replicas, GPipe. With ``empty_blocks`` the split stage's second rank is
+    too slow (0.1) for a whole key/value group or head: it holds none."""
+    split: dict[str, Any] = {"ranks": [2, 3], "speeds": [1.0, 0.5], "layers": [0, n]}
+    if empty_blocks:
+        split.update(speeds=[1.0, 0.1], empty_blocks=True)
     return {
         "microbatches": 2,
         "schedule": "GPipe",
@@ -208,7 +217,7 @@ def hybrid(n: int) -> dict[str, Any]:
             },
             {
                 "samples": 3,
-                "stages": [{"ranks": [2, 3], "speeds": [1.0, 0.5], "layers": [0, n]}],
+                "stages": [split],
             },
         ],
     }
@@ -269,6 +278,20 @@ def bad_input(group: Any) -> int:
     )
     par = parallelize(Branches().double(), two, loss_fn=ce, group=group)
     raises(ValueError, "reads the values of block 'a.0'", lambda: par.step(x, y))
+    chain = {
+        "replicas": [
+            {
+                "samples": 4,
+                "stages": [{"ranks": [0, 1], "layers": [0, 3], "empty_blocks": True}],
+            }
+        ]
+    }
+    seq = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    raises(
+        ValueError,
+        "empty_blocks: Sequential is a chain of layers",
+        lambda: parallelize(seq, chain, loss_fn=ce, group=group),
+    )
     torch.manual_seed(0)
     model = gpt2().double()
     n = 9  # wte, wpe, drop, h.0 .. h.3, ln_f, lm_head
@@ -428,6 +451,9 @@ def run_all(group: Any) -> dict[str, Any]:
         out[f"{name}_pipeline"] = t["activations"] > 0 or wrap(group).rank == 3
         equals_one_process(group, make, Plan.from_dict(hybrid(n)), tol=tol)
         out[f"{name}_hybrid"] = True
+        if name != "encoder":
+            equals_one_process(group, make, Plan.from_dict(hybrid(n, True)), tol=tol)
+            out[f"{name}_empty_blocks"] = True
     # An image transformer: a tensor input, rows as items (conv_proj, encoder.dropout, its
     # three encoder layers, encoder.ln, heads).
     from plan_cases import equals_one_process as images_equal_one_process

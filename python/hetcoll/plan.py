@@ -77,17 +77,25 @@ def _fields(d: object, where: str, allowed: Sequence[str], required: Sequence[st
 class Stage:
     """One pipeline stage: ``ranks`` run ``layers`` (half-open), their channels split by
     ``speeds`` or ``shares`` when there are several ranks, or placed one by one by ``owners``
-    (layer index -> for each output channel, the index in ``ranks`` of the rank computing it)."""
+    (layer index -> for each output channel, the index in ``ranks`` of the rank computing it).
+    ``empty_blocks``: a split stage's speeds may give a rank none of a transformer block's
+    heads or hidden units (:func:`hetcoll.torch.filter_parallel`'s ``empty_blocks``)."""
 
     ranks: tuple[int, ...]
     layers: tuple[int, int]
     speeds: tuple[float, ...] | None = None
     shares: Mapping[int, tuple[int, ...]] | None = None
     owners: Mapping[int, tuple[int, ...]] | None = None
+    empty_blocks: bool = False
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "stage") -> Stage:
-        _fields(d, where, ("ranks", "layers", "speeds", "shares", "owners"), ("ranks", "layers"))
+        _fields(
+            d,
+            where,
+            ("ranks", "layers", "speeds", "shares", "owners", "empty_blocks"),
+            ("ranks", "layers"),
+        )
         ranks = _list(d["ranks"], f"{where}.ranks")
         if not ranks:
             raise ValueError(f"{where}.ranks: must name at least one rank")
@@ -135,7 +143,15 @@ class Stage:
                 shares[layer] = tuple(_int(v, f"{w}[{i}]", minimum=1) for i, v in enumerate(values))
         if "owners" in d:
             owners = _owners(d["owners"], f"{where}.owners", len(ranks), lo, hi)
-        return cls(tuple(ranks), (lo, hi), speeds, shares, owners)
+        empty = d.get("empty_blocks", False)
+        if not isinstance(empty, bool):
+            raise ValueError(f"{where}.empty_blocks: must be true or false, got {empty!r}")
+        if empty and (len(ranks) < 2 or owners is not None):
+            raise ValueError(
+                f"{where}.empty_blocks: only a stage split over several ranks by speeds or "
+                "shares has blocks to leave empty"
+            )
+        return cls(tuple(ranks), (lo, hi), speeds, shares, owners, empty)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"ranks": list(self.ranks), "layers": list(self.layers)}
@@ -145,6 +161,8 @@ class Stage:
             d["shares"] = {str(k): list(v) for k, v in sorted(self.shares.items())}
         if self.owners is not None:
             d["owners"] = {str(k): list(v) for k, v in sorted(self.owners.items())}
+        if self.empty_blocks:
+            d["empty_blocks"] = True
         return d
 
 

@@ -904,6 +904,12 @@ def parallelize(
     blocks: dict[tuple[int, int], list[Block]] = {}
     for i, j, stage in plan.stages():
         where = f"plan.replicas[{i}].stages[{j}]"
+        if cut.kind == "chain" and stage.empty_blocks:
+            raise ValueError(
+                f"{where}.empty_blocks: {type(model).__name__} is a chain of layers, split by "
+                "channels; only a model cut between blocks has attention and MLP blocks to leave "
+                "empty on a rank"
+            )
         if cut.kind == "blocks" and (stage.owners is not None or stage.shares is not None):
             raise ValueError(
                 f"{where}: {'owners' if stage.owners is not None else 'shares'} name layers of a "
@@ -1000,7 +1006,12 @@ def parallelize(
                 filter_parallel(module, group=counting, shares=shares)
             else:
                 speeds = list(stage.speeds) if stage.speeds is not None else [1.0] * len(order)
-                filter_parallel(module, group=counting, speeds=[speeds[k] for k in order])
+                filter_parallel(
+                    module,
+                    group=counting,
+                    speeds=[speeds[k] for k in order],
+                    empty_blocks=stage.empty_blocks,
+                )
         if par.stage is None:
             par.stage = module
             if next(module.parameters(), None) is None:  # a stage of parameter-free layers
@@ -1084,7 +1095,7 @@ def _check_blocks_split(layers: list[tuple[str, nn.Module]], stage: Stage, where
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # filter_parallel warns on the stage's ranks
-            filter_shares(holder, size=p, speeds=speeds)
+            filter_shares(holder, size=p, speeds=speeds, empty_blocks=stage.empty_blocks)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
 

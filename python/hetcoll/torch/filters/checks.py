@@ -21,8 +21,11 @@ def is_int(x: object) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
-def check_shares(shares: object, total: int, size: int, argument: str, what: str) -> list[int]:
-    """``shares`` as a list of positive ints, one per rank, summing to ``total``."""
+def check_shares(
+    shares: object, total: int, size: int, argument: str, what: str, *, empty: bool = False
+) -> list[int]:
+    """``shares`` as a list of positive ints (non-negative with ``empty``, some rank's
+    positive), one per rank, summing to ``total``."""
     if isinstance(shares, (str, bytes)) or not isinstance(shares, Sequence):
         raise TypeError(f"{argument}: must be a sequence of integers, got {type(shares).__name__}")
     if not all(is_int(s) for s in shares):
@@ -33,9 +36,10 @@ def check_shares(shares: object, total: int, size: int, argument: str, what: str
             f"{argument}: has {len(out)} shares but the group has {size} ranks (one per rank)"
         )
     for r, s in enumerate(out):
-        if s < 1:
+        if s < 0 or (s == 0 and not empty):
             raise ValueError(
-                f"{argument}: rank {r} has a share of {s}; every rank needs at least one channel"
+                f"{argument}: rank {r} has a share of {s}; "
+                + ("none can be negative" if empty else "every rank needs at least one channel")
             )
     if sum(out) != total:
         raise ValueError(f"{argument}: shares sum to {sum(out)} but {what} has {total} channels")
@@ -43,22 +47,31 @@ def check_shares(shares: object, total: int, size: int, argument: str, what: str
 
 
 def speeds_to_shares(
-    speeds: Sequence[Any], total: int, size: int, multiple_of: int, argument: str, what: str
+    speeds: Sequence[Any],
+    total: int,
+    size: int,
+    multiple_of: int,
+    argument: str,
+    what: str,
+    *,
+    empty: bool = False,
 ) -> list[int]:
     """``total`` channels split over ``size`` ranks in proportion to ``speeds``
-    (:func:`hetcoll.split`, at least ``multiple_of`` each, in multiples of it)."""
+    (:func:`hetcoll.split`, in multiples of ``multiple_of``, at least one multiple each unless
+    ``empty``)."""
     if len(speeds) != size:
         raise ValueError(
             f"{argument}: has {len(speeds)} speeds but the group has {size} ranks (one per rank)"
         )
-    if total < size * multiple_of:
+    minimum = 0 if empty else multiple_of
+    if total < max(size * minimum, multiple_of):
         raise ValueError(
             f"{argument}: {what} has {total} channels, too few for {size} ranks with at least "
             f"{multiple_of} each; leave it out (layers=...)"
         )
     try:
         return hetcoll.split(
-            total, [float(s) for s in speeds], multiple_of=multiple_of, minimum=multiple_of
+            total, [float(s) for s in speeds], multiple_of=multiple_of, minimum=minimum
         )
     except ValueError as e:
         raise ValueError(f"{argument}: {what}: {e}") from e
@@ -79,11 +92,14 @@ def resolve_shares(
     total: int,
     size: int,
     what: str,
+    *,
+    empty: bool = False,
 ) -> list[int]:
-    """A layer's shares: from ``speeds`` when given, else ``shares`` checked."""
+    """A layer's shares: from ``speeds`` when given, else ``shares`` checked (a rank's may
+    be 0 with ``empty``)."""
     if speeds is not None:
         return speeds_to_shares(speeds, total, size, int(multiple_of), "speeds", what)
-    return check_shares(shares, total, size, "shares", what)
+    return check_shares(shares, total, size, "shares", what, empty=empty)
 
 
 def check_mode(mode: str) -> None:

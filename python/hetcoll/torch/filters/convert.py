@@ -37,7 +37,11 @@ from hetcoll.torch.filters.layers import (
     SharedCopy,
     is_conv1d,
 )
-from hetcoll.torch.filters.tensor_split import TensorSplit, plan_tensor_splits
+from hetcoll.torch.filters.tensor_split import (
+    EmptyPackedSplit,
+    TensorSplit,
+    plan_tensor_splits,
+)
 
 
 def filter_shares(
@@ -50,11 +54,12 @@ def filter_shares(
     layers: Sequence[str] | None = None,
     multiple_of: int = 1,
     avoid_gathers: bool = True,
+    empty_blocks: bool = False,
 ) -> dict[str, list[int]]:
     """The channels per rank :func:`filter_parallel` gives each layer it splits on ``size``
     ranks, by module name (split-input layers take the shares of the layer feeding them). Local:
     every argument check of :func:`filter_parallel` runs here, with the same errors, so a caller
-    can check a split on ranks outside it.
+    can check a split on ranks outside it (``empty_blocks`` as there).
 
     >>> model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2))
     >>> filter_shares(model, size=2, speeds=[2, 1])
@@ -65,7 +70,9 @@ def filter_shares(
     if not is_int(size) or size < 1:
         raise ValueError(f"size: must be an integer >= 1, got {size!r}")
     value, argument = _split_argument(shares_or_speeds, speeds, shares)
-    return _shares(model, value, argument, lambda: int(size), layers, multiple_of, avoid_gathers)[0]
+    return _shares(
+        model, value, argument, lambda: int(size), layers, multiple_of, avoid_gathers, empty_blocks
+    )[0]
 
 
 def _split_argument(shares_or_speeds: Any, speeds: Any, shares: Any) -> tuple[Any, str]:
@@ -132,6 +139,7 @@ def _shares(
     layers: Sequence[str] | None,
     multiple_of: int,
     avoid_gathers: bool,
+    empty_blocks: bool = False,
 ) -> tuple[dict[str, list[int]], list[tuple[TensorSplit, list[int]]], dict[str, str]]:
     """:func:`filter_shares`, asking for the group size only once the arguments are checked;
     with the attentions and MLPs split by heads and hidden units (each with its units per
@@ -140,6 +148,8 @@ def _shares(
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     if not is_int(multiple_of) or multiple_of < 1:
         raise ValueError(f"multiple_of: must be an integer >= 1, got {multiple_of!r}")
+    if not isinstance(empty_blocks, bool):
+        raise TypeError(f"empty_blocks: must be True or False, got {empty_blocks!r}")
     named = dict(model.named_modules())
     per_layer: Mapping[str, Any] | None = None
     if isinstance(shares_or_speeds, Mapping):
@@ -199,7 +209,8 @@ def _shares(
 
     in_splits = {n for ts in splits for n in ts.layers()}
     units = [
-        (ts, _split_units(ts, shares_or_speeds, argument, size, int(multiple_of))) for ts in splits
+        (ts, _split_units(ts, shares_or_speeds, argument, size, int(multiple_of), empty_blocks))
+        for ts in splits
     ]
     shares: dict[str, list[int]] = {}
     for ts, counts in units:
@@ -243,12 +254,18 @@ def _shares(
 
 
 def _split_units(
-    ts: TensorSplit, shares_or_speeds: Any, argument: str, size: int, multiple_of: int
+    ts: TensorSplit,
+    shares_or_speeds: Any,
+    argument: str,
+    size: int,
+    multiple_of: int,
+    empty: bool,
 ) -> list[int]:
     """The heads' key/value groups (an attention) or hidden units (an MLP) each rank of a
     tensor split holds: from speeds, :func:`hetcoll.split` over the row layer's input features
     in multiples of whole units (and of ``multiple_of``); from shares (the row layer's input
-    features per rank), checked to be whole units."""
+    features per rank), checked to be whole units. Each rank holds at least one unit unless
+    ``empty``."""
     if ts.kind == "attention":
         what = f"attention {ts.module!r}"
         noun = f"key/value groups (of {ts.width} query features each)"
@@ -257,10 +274,12 @@ def _split_units(
     else:
         what, noun = f"MLP {ts.module!r}", "hidden units"
     total = ts.units * ts.width
-    if ts.units < size:
+    least = 0 if empty else 1
+    if ts.units < size and not empty:
         raise ValueError(
             f"{argument}: {what} has {ts.units} {noun}, too few for {size} ranks with at least "
-            "one each; give fewer ranks, or leave its layers out (layers=...)"
+            "one each; give fewer ranks, let a rank hold none (empty_blocks=True), or leave "
+            "its layers out (layers=...)"
         )
     if argument != "speeds" and all(is_int(s) for s in shares_or_speeds):
         got = [int(s) for s in shares_or_speeds]
@@ -268,20 +287,21 @@ def _split_units(
             raise ValueError(
                 f"{argument}: has {len(got)} shares but the group has {size} ranks (one per rank)"
             )
-        if sum(got) != total or any(s < ts.width or s % ts.width for s in got):
+        if sum(got) != total or any(s < least * ts.width or s % ts.width for s in got):
             raise ValueError(
                 f"{argument}: {got} are not whole {noun} of {what}: it splits {total} features "
-                f"in units of {ts.width}, at least one unit per rank"
+                f"in units of {ts.width}, "
+                + ("none negative" if empty else "at least one per rank (empty_blocks=True: none)")
             )
         return [s // ts.width for s in got]
     step = ts.width * multiple_of // math.gcd(ts.width, multiple_of)
-    if total % step or total < size * step:
+    if total % step or total < max(least * size, 1) * step:
         raise ValueError(
             f"multiple_of: {multiple_of} cannot be met by whole {noun} of {what}: its "
             f"{total} features come in units of {ts.width}, so each rank's would be a "
             f"multiple of {step}, which {total} features over {size} ranks cannot be"
         )
-    channels = speeds_to_shares(shares_or_speeds, total, size, step, argument, what)
+    channels = speeds_to_shares(shares_or_speeds, total, size, step, argument, what, empty=empty)
     return [c // ts.width for c in channels]
 
 
@@ -295,6 +315,7 @@ def filter_parallel(
     layers: Sequence[str] | None = None,
     multiple_of: int = 1,
     avoid_gathers: bool = True,
+    empty_blocks: bool = False,
     timeout: float | None = None,
 ) -> nn.Module:
     """Split the Conv2d / Linear layers of ``model`` across the ranks of ``group``, in place;
@@ -310,7 +331,12 @@ def filter_parallel(
     ``nn.Conv2d`` with ``groups=1`` and ``nn.Linear``). Modes are chosen so a split layer feeding
     another through channel-wise modules only (inside an ``nn.Sequential``) skips the gather:
     split-output then split-input; a BatchNorm between them is split too. ``avoid_gathers=False``
-    gathers after every split layer. A layer that shares a parameter with another module (tied
+    gathers after every split layer. Attentions split by whole heads (key/value groups) and MLPs
+    by hidden units; every rank holds at least one of each, unless ``empty_blocks=True``: then
+    speeds (or shares) may give a rank none of a block's heads or units, as :func:`hetcoll.split`
+    gives a rank too slow for one whole key/value group. Such a rank runs the attention on empty
+    tensors and only joins its two reductions, and a block may then have fewer heads than the
+    group has ranks. A layer that shares a parameter with another module (tied
     weights, as a language model's head with its embedding, or one module registered under two
     names) stays replicated and is named in a ``UserWarning``, as PyTorch users expect ties to
     hold: a split layer would hold a slice of its own and untie them; naming it in ``layers``
@@ -332,7 +358,14 @@ def filter_parallel(
     check_timeout(timeout)
     value, argument = _split_argument(shares_or_speeds, speeds, shares)
     per_layer, splits, modes = _shares(
-        model, value, argument, lambda: wrap(group).size, layers, multiple_of, avoid_gathers
+        model,
+        value,
+        argument,
+        lambda: wrap(group).size,
+        layers,
+        multiple_of,
+        avoid_gathers,
+        empty_blocks,
     )
     comm = wrap(group)
     named = dict(model.named_modules())
@@ -384,6 +417,10 @@ def filter_parallel(
         module = named[ts.module]
         for attr, per in ts.attrs.items():  # the rank's module runs with its own head counts
             setattr(module, attr, per * counts[comm.rank])
+        if counts[comm.rank] == 0 and ts.packed() > 1:
+            empty = EmptyPackedSplit(ts.packed())
+            module.register_forward_pre_hook(empty.enter)
+            module.register_forward_hook(empty.leave, always_call=True)
     for name in chosen:
         if name in in_splits:
             continue

@@ -8,6 +8,7 @@ attention's query, key and value projections, a gated MLP's gate and up)."""
 from __future__ import annotations
 
 import copy
+import math
 import weakref
 from collections.abc import Sequence
 from typing import Any, Self
@@ -475,7 +476,11 @@ class FilterParallelLinear(FilterParallelLayer):
         comm = wrap(group)
         split_in = mode == "split-input"
         total = in_features // unit if split_in else out_features // (out_unit * parts)
-        counts = resolve_shares(shares, speeds, multiple_of, total, comm.size, "linear")
+        # A paired layer may hold nothing on a rank (an attention's heads or an MLP's units
+        # all elsewhere): its reduction still counts that rank in.
+        counts = resolve_shares(
+            shares, speeds, multiple_of, total, comm.size, "linear", empty=mode != "gather"
+        )
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.out_unit, self.parts = int(out_unit), int(parts)
@@ -545,7 +550,7 @@ class LocalConv1D(nn.Module):
     ``local(x, weight, bias)`` with the weight stored (in, out), as Hugging Face's Conv1D."""
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Any) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
+        flat = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # x may be empty: no -1
         y = flat @ weight if bias is None else torch.addmm(bias, flat, weight)
         return y.view(*x.shape[:-1], weight.shape[1])
 
@@ -700,7 +705,9 @@ class FilterParallelMultiheadAttention(ChannelSplit, nn.Module):
             raise ValueError(f"mha: cannot be split by heads: {why}")
         check_timeout(timeout)
         comm = wrap(group)
-        counts = check_shares(shares, mha.num_heads, comm.size, "shares", "the attention")
+        counts = check_shares(
+            shares, mha.num_heads, comm.size, "shares", "the attention", empty=True
+        )
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._set_split(comm, counts)

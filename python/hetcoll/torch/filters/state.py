@@ -5,6 +5,7 @@ split of it (a checkpoint that resumes on other ranks or speeds)."""
 from __future__ import annotations
 
 import copy
+import math
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -54,7 +55,7 @@ def _gather(
             m, dim, unit, blocks = split[key]
             moved = t.detach().cpu().movedim(dim, 0).contiguous()
             row = moved.shape[1:]
-            row_bytes = moved[0].numel() * moved.element_size()
+            row_bytes = math.prod(row) * moved.element_size()  # a rank may hold no rows
             rows = [s * unit * blocks for s in m.shares]
             pieces.append((key, dim, rows, blocks, row, t.dtype, row_bytes))
             local.append(moved.reshape(-1).view(torch.uint8))

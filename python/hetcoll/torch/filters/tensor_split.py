@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
 from hetcoll.torch.filters.chains import (
     ELEMENTWISE_FUNCTIONS,
@@ -48,6 +49,39 @@ class TensorSplit:
 
     def layers(self) -> list[str]:
         return [c for c, _, _ in self.columns] + [self.row]
+
+    def packed(self) -> int:
+        """How many blocks its most packed column holds (3: query, key and value in one)."""
+        return max(parts for _, _, parts in self.columns)
+
+
+class EmptyPackedSplit(TorchFunctionMode):
+    """The forward of an attention on a rank that holds none of its heads, when a projection
+    packs query, key and value (GPT-2's ``c_attn``): the module splits that projection's
+    output by its heads' width, now 0, and expects ``parts`` pieces, where torch gives one
+    piece of an empty dimension. Here a split of an empty dimension into pieces of 0 gives
+    ``parts`` empty pieces; every other op runs as torch runs it (the rest of an attention
+    runs on empty tensors as it is). Entered by a forward pre-hook of the attention module,
+    left by its forward hook."""
+
+    def __init__(self, parts: int) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.split, torch.split) and args:
+            t, size = args[0], args[1] if len(args) > 1 else kwargs.get("split_size")
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+            if isinstance(size, int) and size == 0 and t.shape[dim] == 0:
+                return tuple(t.narrow(dim, 0, 0) for _ in range(self.parts))
+        return func(*args, **kwargs)
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        self.__enter__()
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.__exit__(None, None, None)
 
 
 # The attributes an attention module counts its heads with, where its implementation keeps
