@@ -8,8 +8,9 @@ sequences of the example's length. Each strategy is :func:`hetcoll.torch.filter_
 copy of the same model, trained with SGD on the same global batch:
 
 1. the speed-proportional split (heads' key/value groups and MLP units from
-   :func:`hetcoll.split` over the speeds) against the even split that Megatron-LM, DTensor and
-   DeepSpeed AutoTP use (the same code with equal speeds): step time;
+   :func:`hetcoll.split` over the speeds, ``empty_blocks=True``: the slow rank, too slow for
+   one of the two key/value groups, holds none) against the even split that Megatron-LM,
+   DTensor and DeepSpeed AutoTP use (the same code with equal speeds): step time;
 2. the paired split (attention by heads, MLPs by hidden units: two reductions per block
    forward) against gather mode (``avoid_gathers=False``: every Linear gathers its output,
    what ``filter_parallel`` did for transformers before): step time and bytes sent per step
