@@ -325,3 +325,58 @@ def autocast_plan(rank: int, world: int, first: str = "cuda") -> dict[str, objec
     assert rel_err(got, want) <= AUTOCAST_TOL, rel_err(got, want)
     _autocast_pipeline(rank, dev, model)
     return {"dtypes": sorted(str(d) for d in set(seen))}
+
+
+def lm_plans_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, int]:
+    """Language models through plans with the GPU rank beside CPU ranks (4 ranks, gloo):
+    Hugging Face GPT-2 (its head tied to the embedding across stages) and Llama (grouped-query
+    attention, RoPE), token-weighted over padded labels, in the hybrid plan where the GPU rank
+    holds a pipeline's last stage, and in one where it shares a split stage with a CPU rank
+    too slow for any head (``empty_blocks``). Losses and full_state_dict() after 2 SGD-momentum
+    steps equal one process on the CPU: float64 to 1e-10 (Llama 1e-6: its rotary embedding
+    computes in float32)."""
+    import transformer_cases as lm
+
+    from hetcoll.torch.layers import model_layers
+
+    dev = device_of(rank, first)
+    done = 0
+    for make in (lm.gpt2, lm.llama):
+        n = len(model_layers(make()))
+        tol = 1e-6 if make is lm.llama else TOL
+        beside = lm.hybrid(n)
+        beside["replicas"][1]["stages"][0] = {
+            "ranks": [0, 3],
+            "speeds": [1.0, 0.1],
+            "empty_blocks": True,
+            "layers": [0, n],
+        }
+        beside["replicas"][0]["stages"] = [
+            {"ranks": [1], "layers": [0, 3]},
+            {"ranks": [2], "layers": [3, n]},
+        ]
+        for spec in (lm.hybrid(n), beside):
+            plan = Plan.from_dict(spec)
+            torch.manual_seed(0)
+            model = make().double()
+            data = lm.batches(plan.batch, 2)
+            want_losses, want_state = lm.reference(model, data, 0.1)
+            par = parallelize(
+                copy.deepcopy(model).to(dev),
+                plan,
+                loss_fn=lm.lm_loss,
+                items=lm.valid_tokens,
+            )
+            opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)
+            for (x, y), want in zip(data, want_losses, strict=True):
+                loss = par.step(x, y)
+                assert abs(loss - want) <= tol * abs(want), (loss, want)
+                opt.step()
+                opt.zero_grad()
+            assert all(p.device == dev for p in par.parameters())
+            got = par.full_state_dict()
+            for k, v in want_state.items():
+                if v.is_floating_point():
+                    assert lm.rel(got[k].cpu(), v) <= tol, (k, lm.rel(got[k].cpu(), v))
+            done += 1
+    return {"plans": done}

@@ -1,7 +1,8 @@
 """The CUDA paths (`pytest -m cuda`; skipped where no CUDA device is): hetcoll.weighted_sum and
 hetcoll.allreduce / allgatherv on CUDA tensors, the weighted DDP hook on NCCL (world size 1)
 and on gloo with a GPU rank beside CPU ranks, filter_parallel and parallelize with one CUDA
-rank beside CPU ranks over gloo (tensors staged through host memory), BalancedStrategy with
+rank beside CPU ranks over gloo (tensors staged through host memory), language models (GPT-2,
+Llama) through plans with the GPU rank beside CPU ranks, BalancedStrategy with
 accelerator="gpu", and bf16 autocast through a plan. The multi-rank cases live in
 tests/cuda_cases.py; float64 to 1e-10 where the math is exact, else the tolerance each states.
 
@@ -156,6 +157,15 @@ def test_parallelize_with_a_gpu_rank():
     """Three plans with the GPU rank as a pipeline stage, a whole-model replica and one rank
     of a split stage, beside CPU ranks over gloo: equal one process, float64 1e-10."""
     assert _spawn(cuda_cases.plans_mixed, 3) == [{"plans": 3}] * 3
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("first", [pytest.param("cuda", marks=cuda), "cpu"])
+def test_language_models_through_plans_with_a_gpu_rank(first):
+    """GPT-2 and Llama, token-weighted, in two plans each with the GPU rank as a pipeline
+    stage and as the fast rank of a split stage whose slow CPU rank holds no heads: equal one
+    process on the CPU. With ``first="cpu"`` every rank is a CPU rank."""
+    assert _spawn(cuda_cases.lm_plans_mixed, 4, first) == [{"plans": 4}] * 4
 
 
 @pytest.mark.multiproc
