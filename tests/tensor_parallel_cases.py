@@ -19,7 +19,12 @@ from torch import nn
 
 from hetcoll.collectives import allreduce
 from hetcoll.comm import agree, wrap
-from hetcoll.torch import filter_parallel, gather_gradients, gather_state_dict
+from hetcoll.torch import (
+    filter_parallel,
+    gather_gradients,
+    gather_state_dict,
+    split_traffic,
+)
 from hetcoll.torch.filters import (
     FilterParallelLayer,
     gather_optimizer_state_dict,
@@ -276,6 +281,15 @@ def traffic(group: Any, make: Any, hidden: int) -> dict[str, int]:
             gathers += 1
     assert counts["activations"] == agreement + 2 * blocks * reduction + gathered, (counts, blocks)
     assert counts["gradients"] == (2 * blocks + gathers) * reduction, (counts, blocks)
+    # A split made without a counter counts for itself: split_traffic reports the last
+    # forward and backward (each forward starts the count again; checkpoints are not counted).
+    torch.manual_seed(0)
+    own = filter_parallel(make().double(), group=group, speeds=SPEEDS[:p])
+    for _ in range(2):
+        _, loss = loss_of(own, ids)
+        loss.backward()
+    gather_state_dict(own, dst=None)
+    assert split_traffic(own) == counts, (split_traffic(own), counts)
     return counts
 
 

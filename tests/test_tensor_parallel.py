@@ -98,3 +98,12 @@ def test_empty_blocks_lets_a_slow_rank_hold_no_heads():
     # stays in proportion; without empty_blocks it keeps one group.
     assert slow[attn + "o_proj"] == [24, 0] and kept[attn + "o_proj"] == [16, 8]
     assert slow["model.layers.0.mlp.down_proj"] == [37, 3]  # hetcoll.split(40, [1, 0.1])
+
+
+def test_split_traffic_refuses_what_it_cannot_count():
+    from hetcoll.torch import split_traffic
+
+    with pytest.raises(TypeError, match="model: must be a torch.nn.Module"):
+        split_traffic("model")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="model: has no split layers"):
+        split_traffic(nn.Linear(2, 2))

@@ -18,6 +18,7 @@ from hetcoll.torch.filters import (
     gather_state_dict,
     load_full_optimizer_state_dict,
     load_full_state_dict,
+    split_traffic,
 )
 from hetcoll.torch.hooks import (
     WeightedAllreduceState,
@@ -57,6 +58,7 @@ __all__ = [
     "measure_speed",
     "parallelize",
     "register_weighted_hook",
+    "split_traffic",
     "weighted_allreduce_hook",
 ]
 

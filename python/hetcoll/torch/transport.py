@@ -231,6 +231,17 @@ class CountingCommunicator(Communicator):
     def _add(self, n: float) -> None:
         self.counts[self.kind] = self.counts.get(self.kind, 0) + round(n)
 
+    @staticmethod
+    def count_as(comm: Communicator, kind: str) -> None:
+        """Count what ``comm`` sends from now on as ``kind``, if it is counting."""
+        if isinstance(comm, CountingCommunicator):
+            comm.kind = kind
+
+    @staticmethod
+    def uncounted(comm: Communicator) -> Communicator:
+        """``comm`` without counting (for exchanges outside a step: checkpoints)."""
+        return comm.inner if isinstance(comm, CountingCommunicator) else comm
+
     def isend(self, buf: np.ndarray, dest: int, tag: int) -> Request:
         self._add(buf.nbytes)
         return self.inner.isend(buf, dest, tag)

@@ -44,8 +44,9 @@ checks, speeds into shares), :mod:`.autograd` (the layers' communication as auto
 :mod:`.layers` (the split modules), :mod:`.chains` (which layers split, and the pairing rule that
 picks their modes), :mod:`.tensor_split` (the attentions split by heads and the MLPs by hidden
 units: :func:`plan_tensor_splits`), :mod:`.convert` (:func:`filter_parallel`,
-:func:`filter_shares`) and :mod:`.state` (gathering a split model's state dict, gradients and
-optimizer state, and loading full ones back). Every name other code uses is importable from here.
+:func:`filter_shares`, :func:`split_traffic`) and :mod:`.state` (gathering a split model's
+state dict, gradients and optimizer state, and loading full ones back). Every name other
+code uses is importable from here.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from hetcoll.torch.filters.chains import (
     chain_filter_modes as chain_filter_modes,
 )
 from hetcoll.torch.filters.checks import MODES
-from hetcoll.torch.filters.convert import filter_parallel, filter_shares
+from hetcoll.torch.filters.convert import filter_parallel, filter_shares, split_traffic
 from hetcoll.torch.filters.layers import (
     FilterParallelBatchNorm1d,
     FilterParallelBatchNorm2d,
@@ -110,4 +111,5 @@ __all__ = [
     "load_full_state_dict",
     "plan_tensor_splits",
     "split_tensors",
+    "split_traffic",
 ]

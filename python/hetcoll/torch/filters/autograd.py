@@ -1,6 +1,8 @@
 """The communication of a filter-parallel layer, as autograd functions: the copy of a
 replicated input to the ranks (its gradient summed), the sum of split-input partial results,
-and the allgather of uneven channel slices (its gradient sliced, no communication)."""
+and the allgather of uneven channel slices (its gradient sliced, no communication). On a
+counting communicator, what a forward sends counts as ``"activations"`` and what a backward
+sends as ``"gradients"``."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 
 from hetcoll.collectives import allgatherv, allreduce
 from hetcoll.comm import Communicator, deadline
+from hetcoll.torch.transport import CountingCommunicator
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
@@ -60,6 +63,7 @@ class CopyToRanks(torch.autograd.Function):
         if ctx.owner is not None:  # a SharedCopy: its copy is used up
             ctx.owner.clear()
         g = grad.contiguous().clone()
+        CountingCommunicator.count_as(ctx.comm, "gradients")
         allreduce(g, ctx.comm, timeout=ctx.timeout, check=ctx.check)
         return g, None, None, None, None
 
@@ -73,6 +77,7 @@ class ReduceSum(torch.autograd.Function):
         ctx: Any, partial: torch.Tensor, comm: Communicator, timeout: Any, check: bool = True
     ) -> Any:
         out = partial.detach().clone(memory_format=torch.contiguous_format)
+        CountingCommunicator.count_as(comm, "activations")
         allreduce(out, comm, timeout=timeout, check=check)
         return out
 
@@ -96,6 +101,7 @@ class GatherChannels(torch.autograd.Function):
         timeout: float | None,
     ) -> Any:
         ctx.offset, ctx.count, ctx.dim = offset, y.shape[dim], dim
+        CountingCommunicator.count_as(comm, "activations")
         # Pieces join along axis 0 in every engine: move the channel dimension there.
         moved = y.detach().movedim(dim, 0).contiguous()
         if y.device.type != "cpu" and comm.engine == "nccl":

@@ -42,6 +42,7 @@ from hetcoll.torch.filters.tensor_split import (
     TensorSplit,
     plan_tensor_splits,
 )
+from hetcoll.torch.transport import CountingCommunicator
 
 
 def filter_shares(
@@ -367,7 +368,12 @@ def filter_parallel(
         avoid_gathers,
         empty_blocks,
     )
-    comm = wrap(group)
+    comm: Communicator = wrap(group)
+    # Its own count of the bytes it sends (split_traffic), unless the caller counts them (a
+    # plan's split stage, into Parallel.traffic()).
+    owned = not isinstance(comm, CountingCommunicator)
+    if owned:
+        comm = CountingCommunicator(comm, {})
     named = dict(model.named_modules())
     in_splits = {n for ts, _ in splits for n in ts.layers()}
     chosen = list(per_layer)
@@ -448,8 +454,38 @@ def filter_parallel(
             else FilterParallelBatchNorm1d
         )
         _replace(model, name, cls.from_module(bn, per_layer[src], comm))  # type: ignore[arg-type]
-    _agree_per_forward(model, comm, timeout)
+    _agree_per_forward(model, comm, timeout, owned)
     return model
+
+
+def split_traffic(model: nn.Module) -> dict[str, int]:
+    """Bytes this rank sent through the split layers of ``model``
+    (:func:`filter_parallel`) in its last forward and what followed it (its backward), by
+    kind, as :meth:`hetcoll.torch.Parallel.traffic` counts them: ``"activations"`` (the
+    forward's agreement on its inputs, its sum-reductions and gathers), ``"gradients"`` (the
+    backward's reductions of input gradients). A collective counts the ``2 (p-1)/p`` of its
+    buffer a ring sends, an allgather ``p - 1`` copies of this rank's piece. A split stage of
+    a plan counts into its ``Parallel.traffic()`` instead. Local.
+
+    >>> split_traffic(model)  # doctest: +SKIP
+    {'activations': 2101264, 'gradients': 2097152}
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    comms = {id(m.comm): m.comm for m in model.modules() if isinstance(m, ChannelSplit)}
+    if not comms:
+        raise ValueError("model: has no split layers (split it with filter_parallel)")
+    counting = [c for c in comms.values() if isinstance(c, CountingCommunicator)]
+    if not counting:
+        raise ValueError(
+            "model: its split layers were built one by one, not by filter_parallel, and count "
+            "nothing; give them a hetcoll.torch.transport.CountingCommunicator to count"
+        )
+    counts: dict[str, int] = {"activations": 0, "gradients": 0}
+    for comm in counting:
+        for kind, n in comm.counts.items():
+            counts[kind] = counts.get(kind, 0) + n
+    return counts
 
 
 class _AgreeOnInputs:
@@ -459,11 +495,16 @@ class _AgreeOnInputs:
     skip their own checks (:class:`AgreedForward`). An object rather than a closure, so that a
     deep copy of the model gets hooks that mark its own layers."""
 
-    def __init__(self, comm: Communicator, agreed: AgreedForward, timeout: float | None) -> None:
-        self.comm, self.agreed, self.timeout = comm, agreed, timeout
+    def __init__(
+        self, comm: Communicator, agreed: AgreedForward, timeout: float | None, owned: bool
+    ) -> None:
+        self.comm, self.agreed, self.timeout, self.owned = comm, agreed, timeout, owned
 
     def before(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not self.agreed.active:  # the outermost call: a nested one is agreed already
+            if self.owned and isinstance(self.comm, CountingCommunicator):
+                self.comm.counts.clear()  # split_traffic: this forward and its backward
+            CountingCommunicator.count_as(self.comm, "activations")
             shapes = [
                 (tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else type(t).__name__
                 for t in pytree.tree_leaves((args, kwargs))
@@ -476,9 +517,12 @@ class _AgreeOnInputs:
         self.agreed.depth = max(self.agreed.depth - 1, 0)
 
 
-def _agree_per_forward(model: nn.Module, comm: Communicator, timeout: float | None) -> None:
+def _agree_per_forward(
+    model: nn.Module, comm: Communicator, timeout: float | None, owned: bool
+) -> None:
     """One agreement per forward of ``model`` instead of one per reduction of its split
-    layers (:class:`_AgreeOnInputs`)."""
+    layers (:class:`_AgreeOnInputs`; ``owned``: the counts of ``comm`` are the model's own,
+    restarted by each forward)."""
     agreed = AgreedForward()
     found = False
     for m in model.modules():
@@ -489,7 +533,7 @@ def _agree_per_forward(model: nn.Module, comm: Communicator, timeout: float | No
                 shared.agreed = agreed
     if not found or comm.size == 1:
         return
-    hooks = _AgreeOnInputs(comm, agreed, timeout)
+    hooks = _AgreeOnInputs(comm, agreed, timeout, owned)
     model.register_forward_pre_hook(hooks.before, with_kwargs=True)
     model.register_forward_hook(hooks.after, with_kwargs=True, always_call=True)
 

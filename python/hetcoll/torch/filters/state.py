@@ -25,6 +25,7 @@ from hetcoll.torch.state_dicts import (
     named_optimizer_state,
     state_kind,
 )
+from hetcoll.torch.transport import CountingCommunicator
 
 
 def _gather(
@@ -43,7 +44,8 @@ def _gather(
     comms = {id(m.comm): m.comm for m, *_ in split.values()}
     if len(comms) > 1:
         raise ValueError(f"{argument}: split modules on different process groups")
-    comm = next(iter(comms.values()), None)
+    found = next(iter(comms.values()), None)
+    comm = None if found is None else CountingCommunicator.uncounted(found)  # not a step's
     size = comm.size if comm is not None else 1
     if dst is not None and (not is_int(dst) or not 0 <= dst < size):
         raise ValueError(f"dst: must be a rank in [0, {size}) or None, got {dst!r}")
@@ -144,7 +146,11 @@ def _parts(model: nn.Module) -> dict[str, Part]:
 
 
 def _split_comm(model: nn.Module) -> Communicator | None:
-    comms = {id(m.comm): m.comm for m in model.modules() if isinstance(m, ChannelSplit)}
+    comms = {
+        id(m.comm): CountingCommunicator.uncounted(m.comm)
+        for m in model.modules()
+        if isinstance(m, ChannelSplit)
+    }
     if len(comms) > 1:
         raise ValueError("model: split modules on different process groups")
     return next(iter(comms.values()), None)
