@@ -103,7 +103,7 @@ def test_empty_blocks_lets_a_slow_rank_hold_no_heads():
 def test_split_traffic_refuses_what_it_cannot_count():
     from hetcoll.torch import split_traffic
 
-    with pytest.raises(TypeError, match="model: must be a torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"model: must be a torch\.nn\.Module"):
         split_traffic("model")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="model: has no split layers"):
         split_traffic(nn.Linear(2, 2))
