@@ -356,27 +356,6 @@ def lm_plans_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, int]
             {"ranks": [2], "layers": [3, n]},
         ]
         for spec in (lm.hybrid(n), beside):
-            plan = Plan.from_dict(spec)
-            torch.manual_seed(0)
-            model = make().double()
-            data = lm.batches(plan.batch, 2)
-            want_losses, want_state = lm.reference(model, data, 0.1)
-            par = parallelize(
-                copy.deepcopy(model).to(dev),
-                plan,
-                loss_fn=lm.lm_loss,
-                items=lm.valid_tokens,
-            )
-            opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)
-            for (x, y), want in zip(data, want_losses, strict=True):
-                loss = par.step(x, y)
-                assert abs(loss - want) <= tol * abs(want), (loss, want)
-                opt.step()
-                opt.zero_grad()
-            assert all(p.device == dev for p in par.parameters())
-            got = par.full_state_dict()
-            for k, v in want_state.items():
-                if v.is_floating_point():
-                    assert lm.rel(got[k].cpu(), v) <= tol, (k, lm.rel(got[k].cpu(), v))
+            lm.equals_one_process(None, make, Plan.from_dict(spec), tol=tol, device=dev)
             done += 1
     return {"plans": done}

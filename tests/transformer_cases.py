@@ -114,12 +114,22 @@ def reference(model: nn.Module, data: list[Any], lr: float) -> tuple[list[float]
 
 
 def equals_one_process(
-    group: Any, make: Any, plan: Plan, *, tol: float = TOL, steps: int = 2
+    group: Any,
+    make: Any,
+    plan: Plan,
+    *,
+    tol: float = TOL,
+    steps: int = 2,
+    device: torch.device | None = None,
 ) -> dict[str, int]:
+    """``plan`` trains ``make()`` like one process on the CPU; with ``device`` this rank's
+    part of the model lives there (a GPU rank beside CPU ranks)."""
     torch.manual_seed(0)
     model = make().double()
     data = batches(plan.batch, steps)
     want_losses, want_state = reference(model, data, 0.1)
+    if device is not None:
+        model = copy.deepcopy(model).to(device)
     par = parallelize(model, plan, loss_fn=lm_loss, items=valid_tokens, group=group)
     opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)
     for (x, y), want in zip(data, want_losses, strict=True):
@@ -128,13 +138,15 @@ def equals_one_process(
         opt.step()
         opt.zero_grad()
     split_stage(par)
+    if device is not None:
+        assert all(p.device == device for p in par.parameters())
     got = par.full_state_dict()
     assert list(got) == list(want_state), (list(got)[:5], list(want_state)[:5])
     for k, v in want_state.items():
         if v.is_floating_point():
-            assert rel(got[k], v) <= tol, (k, rel(got[k], v))
+            assert rel(got[k].cpu(), v) <= tol, (k, rel(got[k].cpu(), v))
         else:
-            assert torch.equal(got[k], v), k
+            assert torch.equal(got[k].cpu(), v), k
     return par.traffic()
 
 
