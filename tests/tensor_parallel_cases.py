@@ -213,6 +213,7 @@ def empty_blocks(group: Any) -> dict[str, list[int]]:
     shares: dict[str, list[int]] = {}
     for name, make in (("llama", llama), ("gpt2", gpt2), ("encoder", EncoderLM)):
         equals_unsplit(group, make, "adam", steps=2, speeds=speeds)
+        traffic(group, make, 24, speeds)
         torch.manual_seed(0)
         split = split_copy(make(), group, speeds, empty_blocks=True)
         first = next(
@@ -246,17 +247,23 @@ def sdpa_float32(group: Any) -> int:
     return checked
 
 
-def traffic(group: Any, make: Any, hidden: int) -> dict[str, int]:
+def traffic(
+    group: Any, make: Any, hidden: int, speeds: list[float] | None = None
+) -> dict[str, int]:
     """Bytes per kind of one forward and backward: two reductions of batch x sequence x
     hidden per block forward (attention, MLP) and two backward (their inputs' gradients);
     besides, a layer left in gather mode (Llama's untied head) gathers its logits forward and
-    reduces its input's gradient backward."""
+    reduces its input's gradient backward. With ``speeds`` (``empty_blocks=True``), a block
+    held by one rank alone broadcasts from it instead: it sends the buffer to each other rank,
+    which send nothing."""
     p = wrap(group).size
+    empty = speeds is not None
+    speeds = SPEEDS[:p] if speeds is None else speeds
     torch.manual_seed(0)
     model = make().double()
     counts: dict[str, int] = {}
     comm = CountingCommunicator(wrap(group), counts)
-    split = filter_parallel(model, group=comm, speeds=SPEEDS[:p])
+    split = filter_parallel(model, group=comm, speeds=speeds, empty_blocks=empty)
     ids = batch(0, rows=2)
     # What one reduction of batch x sequence x hidden float64 costs here: the ring's
     # 2 (p-1)/p of the buffer. The split model's forward agrees on its inputs once (one
@@ -273,18 +280,23 @@ def traffic(group: Any, make: Any, hidden: int) -> dict[str, int]:
     _, loss = loss_of(split, ids)
     comm.kind = "gradients"
     loss.backward()
-    blocks = sum(1 for n, _ in split.named_modules() if n.endswith((".self_attn", ".attn")))
-    gathered, gathers = 0, 0
+    blocks, gathered, gathers = 0, 0, 0
     for m in split.modules():
+        if isinstance(m, FilterParallelLayer) and m.mode == "split-input":
+            holders = [r for r, n in enumerate(m.shares) if n > 0]
+            if len(holders) > 1:
+                blocks += reduction
+            elif holders == [m.rank]:
+                blocks += (p - 1) * ids.numel() * hidden * 8
         if isinstance(m, FilterParallelLayer) and m.mode == "gather":
             gathered += (p - 1) * ids.numel() * m.shares[m.rank] * 8  # its logits' slice
             gathers += 1
-    assert counts["activations"] == agreement + 2 * blocks * reduction + gathered, (counts, blocks)
-    assert counts["gradients"] == (2 * blocks + gathers) * reduction, (counts, blocks)
+    assert counts["activations"] == agreement + blocks + gathered, (counts, blocks)
+    assert counts["gradients"] == blocks + gathers * reduction, (counts, blocks)
     # A split made without a counter counts for itself: split_traffic reports the last
     # forward and backward (each forward starts the count again; checkpoints are not counted).
     torch.manual_seed(0)
-    own = filter_parallel(make().double(), group=group, speeds=SPEEDS[:p])
+    own = filter_parallel(make().double(), group=group, speeds=speeds, empty_blocks=empty)
     for _ in range(2):
         _, loss = loss_of(own, ids)
         loss.backward()

@@ -186,13 +186,23 @@ def split_stage(par: Any) -> None:
     comm.kind = "probe"
     agree(comm, {"one field": 0})
     agreement = comm.counts.pop("probe")
+    rows_in = [m for m in heads_out if m.mode == "split-input"]
     for rows in par.plan.microbatch_sizes(i):
         comm.kind = "probe"
         allreduce(torch.zeros(rows * SEQ * hidden, dtype=torch.float64), comm, check=False)
         reduction = comm.counts.pop("probe")
-        forward += agreement + 2 * len(heads) * reduction
+        # A block held by one rank alone (empty_blocks) broadcasts from it instead: it sends
+        # the buffer to each other rank, they send nothing.
+        blocks = 0
+        for m in rows_in:
+            holders = [r for r, s in enumerate(m.shares) if s > 0]
+            if len(holders) > 1:
+                blocks += reduction
+            elif holders == [m.rank]:
+                blocks += (p - 1) * rows * SEQ * hidden * 8
+        forward += agreement + blocks
         forward += sum((p - 1) * rows * SEQ * m.shares[m.rank] * 8 for m in gathers)
-        backward += (2 * len(heads) + len(gathers)) * reduction
+        backward += blocks + len(gathers) * reduction
     assert traffic["activations"] == forward, (traffic, forward)
     assert traffic["gradients"] == backward, (traffic, backward)
 

@@ -68,6 +68,10 @@ class Communicator(ABC):
     def iallreduce_sum(self, buf: np.ndarray, kind: str) -> Request:
         """Start ``buf <- sum over ranks of buf``, in place."""
 
+    @abstractmethod
+    def ibroadcast(self, buf: np.ndarray, root: int) -> Request:
+        """Start ``buf <- root's buf`` on every rank, in place (bytes: any dtype)."""
+
     def sendrecv(
         self,
         send: np.ndarray,

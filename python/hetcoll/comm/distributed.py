@@ -117,6 +117,15 @@ class TorchCommunicator(Communicator):
             work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.native, async_op=True)
         return TorchRequest(work, "all_reduce", t)
 
+    def ibroadcast(self, buf: np.ndarray, root: int) -> Request:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.from_numpy(buf.reshape(-1).view(np.uint8))
+        with _lost_peer("broadcast"):
+            work = dist.broadcast(t, self._global[root], group=self.native, async_op=True)
+        return TorchRequest(work, "broadcast", t)
+
     def allreduce_sum(self, buf: np.ndarray, kind: str, deadline: float | None) -> None:
         if deadline is not None:  # a timed wait needs the request
             return super().allreduce_sum(buf, kind, deadline)

@@ -189,6 +189,12 @@ class MpiCommunicator(Communicator):
         req = self.native.Iallreduce(MPI.IN_PLACE, [buf, self._type(kind)], op=self._sum(kind))
         return _MpiRequest(req, "MPI_Iallreduce")
 
+    def ibroadcast(self, buf: np.ndarray, root: int) -> Request:
+        from mpi4py import MPI
+
+        flat = buf.reshape(-1).view(np.uint8)
+        return _MpiRequest(self.native.Ibcast([flat, MPI.BYTE], root=root), "MPI_Ibcast")
+
     def sendrecv(
         self,
         send: np.ndarray,

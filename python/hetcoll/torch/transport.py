@@ -257,6 +257,11 @@ class CountingCommunicator(Communicator):
         self._add(2 * (self.size - 1) / self.size * buf.nbytes)
         self.inner.allreduce_sum(buf, kind, deadline)
 
+    def ibroadcast(self, buf: np.ndarray, root: int) -> Request:
+        if self.rank == root:
+            self._add((self.size - 1) * buf.nbytes)
+        return self.inner.ibroadcast(buf, root)
+
     def iallgatherv(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int]) -> Request:
         self._add((self.size - 1) * send.nbytes)
         return self.inner.iallgatherv(send, recv, counts)

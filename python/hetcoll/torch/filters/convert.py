@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from hetcoll.comm import Communicator, agree, deadline, wrap
-from hetcoll.torch.filters.autograd import AgreedForward
+from hetcoll.torch.filters.autograd import AgreedForward, sole_holder
 from hetcoll.torch.filters.chains import choose_layers, layer_channels, plan_modes
 from hetcoll.torch.filters.checks import (
     check_conv,
@@ -391,7 +391,7 @@ def filter_parallel(
             )
             _replace(model, ts.module, mha)
             continue
-        copy = SharedCopy(comm, timeout)
+        copy = SharedCopy(comm, timeout, sole_holder(counts))
         for name, per, parts in ts.columns:
             _replace(
                 model,

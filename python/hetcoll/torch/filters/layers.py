@@ -25,6 +25,7 @@ from hetcoll.torch.filters.autograd import (
     GatherChannels,
     ReduceSum,
     needs_check,
+    sole_holder,
 )
 from hetcoll.torch.filters.checks import (
     check_choice,
@@ -106,8 +107,10 @@ class SharedCopy:
     reduction backward, not one per layer. It remembers the last tensor it copied (by
     identity, weakly) and its copy until that copy's backward has run."""
 
-    def __init__(self, comm: Communicator, timeout: float | None) -> None:
+    def __init__(self, comm: Communicator, timeout: float | None, root: int | None = None) -> None:
         self.comm, self.timeout = comm, timeout
+        #: The one rank whose layers read the input (:func:`~.autograd.sole_holder`), if one.
+        self.root = root
         self.agreed: AgreedForward | None = None
         self._input: Any = None
         self._copy: torch.Tensor | None = None
@@ -115,7 +118,7 @@ class SharedCopy:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._copy is not None and self._input is not None and self._input() is x:
             return self._copy
-        y = CopyToRanks.apply(x, self.comm, self.timeout, self, needs_check(self.agreed))
+        y = CopyToRanks.apply(x, self.comm, self.timeout, self, needs_check(self.agreed), self.root)
         self._input, self._copy = weakref.ref(x), y
         return y  # type: ignore[no-any-return]
 
@@ -123,7 +126,7 @@ class SharedCopy:
         self._input, self._copy = None, None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SharedCopy:
-        c = SharedCopy(self.comm, self.timeout)
+        c = SharedCopy(self.comm, self.timeout, self.root)
         c.agreed = copy.deepcopy(self.agreed, memo)  # the copied model's, not this one's
         return c
 
@@ -209,7 +212,11 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
                     f"got shape {tuple(x.shape)}"
                 )
             y = ReduceSum.apply(
-                self.local(x, self.weight, None), self.comm, self.timeout, needs_check(self.agreed)
+                self.local(x, self.weight, None),
+                self.comm,
+                self.timeout,
+                needs_check(self.agreed),
+                sole_holder(self.shares),
             )
             if self.bias is not None:
                 shape = [1] * y.dim()
@@ -220,7 +227,14 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
             if self.shared_input is not None:
                 x = self.shared_input(x)
             else:
-                x = CopyToRanks.apply(x, self.comm, self.timeout, None, needs_check(self.agreed))
+                x = CopyToRanks.apply(
+                    x,
+                    self.comm,
+                    self.timeout,
+                    None,
+                    needs_check(self.agreed),
+                    sole_holder(self.shares),
+                )
         y = self.local(x, self.weight, self.bias)
         if self.mode == "split-output":
             return y
@@ -735,7 +749,7 @@ class FilterParallelMultiheadAttention(ChannelSplit, nn.Module):
             in_features_per_channel=mha.head_dim,
             timeout=timeout,
         )
-        self.shared_input = SharedCopy(comm, timeout)
+        self.shared_input = SharedCopy(comm, timeout, sole_holder(counts))
         self.train(mha.training)
         return self
 
