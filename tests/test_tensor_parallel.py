@@ -36,6 +36,15 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     assert r["errors"] == 3
 
 
+@pytest.mark.multiproc
+def test_gloo_four_ranks_where_one_holds_no_heads():
+    # Speeds 1 : 0.1 : 0.5 : 0.75 (hetcoll.split, least finishing time): Llama's 3 key/value
+    # groups go 2 : 0 : 0 : 1, two ranks holding none; 6 heads go 3 : 0 : 1 : 2. Several ranks
+    # hold each block, so its sums are reductions.
+    results = launch.spawn(cases.run_torch_empty, 4, timeout=300)
+    assert results == [{"llama": [2, 0, 0, 1], "gpt2": [3, 0, 1, 2], "encoder": [3, 0, 1, 2]}] * 4
+
+
 def test_shares_follow_heads_and_speeds():
     torch.manual_seed(0)
     with warnings.catch_warnings():
