@@ -10,7 +10,9 @@ copy of the same model, trained with SGD on the same global batch:
 1. the speed-proportional split (heads' key/value groups and MLP units from
    :func:`hetcoll.split` over the speeds, ``empty_blocks=True``: the slow rank, too slow for
    one of the two key/value groups, holds none) against the even split that Megatron-LM,
-   DTensor and DeepSpeed AutoTP use (the same code with equal speeds): step time;
+   DTensor and DeepSpeed AutoTP use (the same code with equal speeds): step time; and the
+   time-balanced split (``sample=``: the work every rank repeats around the blocks, timed on
+   the batch, charged at each rank's speed);
 2. the paired split (attention by heads, MLPs by hidden units: two reductions per block
    forward) against gather mode (``avoid_gathers=False``: every Linear gathers its output,
    what ``filter_parallel`` did for transformers before): step time and bytes sent per step
@@ -53,7 +55,12 @@ from hetcoll.torch.transport import CountingCommunicator
 
 SPEEDS = (1.0, 0.25)
 ROOT = Path(__file__).resolve().parent.parent
-STRATEGIES = ("paired, speed-proportional", "paired, even split", "gather mode, speed-proportional")
+STRATEGIES = (
+    "paired, speed-proportional",
+    "paired, even split",
+    "gather mode, speed-proportional",
+    "paired, time-balanced",
+)
 #: The peer of any split: the unsplit model on the fast rank alone (the slow rank idle).
 ALONE = "unsplit, fast rank alone"
 
@@ -70,7 +77,7 @@ def _example() -> Any:
 
 
 def _strategy(
-    name: str, model: nn.Module, speed: float, counts: dict[str, int]
+    name: str, model: nn.Module, speed: float, counts: dict[str, int], ids: torch.Tensor
 ) -> tuple[nn.Module, CountingCommunicator]:
     comm = CountingCommunicator(wrap(None), counts)
     speeds = [1.0, 1.0] if "even" in name else list(SPEEDS)
@@ -82,6 +89,7 @@ def _strategy(
             speeds=speeds,
             avoid_gathers="gather" not in name,
             empty_blocks=True,
+            sample={"input_ids": ids} if "time-balanced" in name else None,
         )
     slow_down(split, speed)
     return split, comm
@@ -112,7 +120,7 @@ def _rank(rank: int, world: int, arch: str, batch: int, steps: int) -> dict[str,
     runs[ALONE] = {"step": alone_step, "counts": {}, "modes": [], "shares": {}}
     for name in STRATEGIES:
         counts: dict[str, int] = {}
-        split, comm = _strategy(name, model, SPEEDS[rank], counts)
+        split, comm = _strategy(name, model, SPEEDS[rank], counts, ids)
         opt = torch.optim.SGD(split.parameters(), lr=1e-3)
 
         def step(split: nn.Module = split, comm: Any = comm, opt: Any = opt) -> None:

@@ -826,6 +826,7 @@ _TP_STRATEGIES = (
     "gather mode, speed-proportional",
 )
 _TP_ALONE = "unsplit, fast rank alone"
+_TP_TIMED = "paired, time-balanced"
 
 
 def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
@@ -839,8 +840,9 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
         raise ResultError(f"{path}: expected a list with one result per rank")
     r0 = data[0]
     rows = {name: _need(r0, name, f"{path}: [0]") for name in _TP_STRATEGIES}
-    if _TP_ALONE in r0:  # results from before it was measured lack it
-        rows[_TP_ALONE] = r0[_TP_ALONE]
+    for optional in (_TP_TIMED, _TP_ALONE):  # results from before they were measured lack them
+        if optional in r0:
+            rows[optional] = r0[optional]
     even = _need(rows["paired, even split"], "step_s", f"{path}: [0].paired, even split")
     prop = rows["paired, speed-proportional"]
     gather = rows["gather mode, speed-proportional"]
@@ -906,6 +908,16 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
             (
                 "tensor parallel, paired vs gather mode: bytes per step",
                 f"{gb / max(pb, 1):.2f}x fewer",
+            ),
+            *(
+                [
+                    (
+                        "tensor parallel, time-balanced vs even head split",
+                        f"{even / rows[_TP_TIMED]['step_s']:.2f}x faster",
+                    )
+                ]
+                if _TP_TIMED in rows
+                else []
             ),
             *(
                 [

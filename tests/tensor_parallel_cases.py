@@ -27,6 +27,7 @@ from hetcoll.torch import (
 )
 from hetcoll.torch.filters import (
     FilterParallelLayer,
+    filter_shares,
     gather_optimizer_state_dict,
     load_full_optimizer_state_dict,
     load_full_state_dict,
@@ -223,6 +224,40 @@ def empty_blocks(group: Any) -> dict[str, list[int]]:
     return shares
 
 
+def time_balanced(group: Any) -> dict[str, list[int]]:
+    """``sample=`` balances each split by time: the work every rank repeats around the splits
+    (norms, embeddings) counts at each rank's speed, so no rank holds more of a block than by
+    speed alone; the split is the same on every rank (the ranks' mean timings) and trains
+    like the unsplit model. Returns Llama's first MLP's shares, timed and by speed alone."""
+    p = wrap(group).size
+    torch.manual_seed(0)
+    ref = llama().double()
+    ids = batch(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        split = filter_parallel(
+            copy.deepcopy(ref),
+            group=group,
+            speeds=SPEEDS[:p],
+            empty_blocks=True,
+            sample={"input_ids": ids},
+        )
+        plain = filter_shares(copy.deepcopy(ref), size=p, speeds=SPEEDS[:p], empty_blocks=True)
+    logits_ref, loss_ref = loss_of(ref, ids)
+    logits, loss = loss_of(split, ids)
+    close(logits, logits_ref, "time-balanced logits")
+    loss_ref.backward()
+    loss.backward()
+    grads = gather_gradients(split, dst=None)
+    assert grads is not None
+    for n, q in ref.named_parameters():
+        assert q.grad is not None
+        close(grads[n], q.grad, f"time-balanced gradient of {n}")
+    mlp = "model.layers.0.mlp.down_proj"
+    timed = list(dict(split.named_modules())[mlp].shares)
+    return {"timed": timed, "by speed": plain[mlp]}
+
+
 def sdpa_float32(group: Any) -> int:
     """With Hugging Face's default attention (torch's scaled_dot_product_attention) in float32,
     the split Llama and GPT-2 give the unsplit logits and gradients to 1e-5 relative."""
@@ -336,6 +371,11 @@ def bad_input(group: Any) -> int:
         "'model.layers.0.self_attn'",
         lambda: filter_parallel(llama(), group=group, shares=bad, layers=attn),
     )
+    # A sample the model cannot run: every rank raises (the group is still usable after).
+    raises(
+        "sample: the model's forward on it failed",
+        lambda: filter_parallel(llama(), group=group, speeds=SPEEDS[:p], sample="not ids"),
+    )
     # A multiple_of that whole heads cannot meet: 3 and 8-feature groups of 24 features.
     raises(
         "multiple_of: 3 cannot be met by whole key/value groups",
@@ -356,6 +396,7 @@ def run_all(group: Any) -> dict[str, Any]:
         out[f"{name}_split"] = sum(m != "gather" for m in got.values())
         traffic(group, make, 24)
     out["empty_blocks"] = empty_blocks(group)
+    out["time_balanced"] = time_balanced(group)
     out["mha_weights"] = attention_weights(group)
     out["sdpa_float32"] = sdpa_float32(group)
     out["errors"] = bad_input(group)

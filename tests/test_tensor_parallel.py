@@ -33,7 +33,11 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     heads = [2 * u for u in empty]
     assert r["empty_blocks"] == {"llama": empty, "gpt2": heads, "encoder": heads}
     assert r["mha_weights"] == 2 and r["sdpa_float32"] == 2
-    assert r["errors"] == 3
+    assert r["errors"] == 4
+    # Timed, the slow ranks hold no more of an MLP than by speed alone (ranks in order of
+    # speed 1, 0.5, 0.25: each slower rank carries the repeated work at its speed).
+    timed, by_speed = r["time_balanced"]["timed"], r["time_balanced"]["by speed"]
+    assert sum(timed) == sum(by_speed) == 40 and timed[0] >= by_speed[0], r["time_balanced"]
 
 
 @pytest.mark.multiproc
@@ -116,3 +120,15 @@ def test_split_traffic_refuses_what_it_cannot_count():
         split_traffic("model")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="model: has no split layers"):
         split_traffic(nn.Linear(2, 2))
+
+
+def test_a_timed_split_needs_speeds():
+    ids = cases.batch(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="sample: balances a split by speeds"):
+            filter_shares(cases.llama(), size=2, shares=[12, 12], sample={"input_ids": ids})
+        timed = filter_shares(
+            cases.llama(), size=2, speeds=[1.0, 0.1], empty_blocks=True, sample={"input_ids": ids}
+        )
+    assert sum(timed["model.layers.0.mlp.down_proj"]) == 40

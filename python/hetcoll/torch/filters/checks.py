@@ -55,10 +55,12 @@ def speeds_to_shares(
     what: str,
     *,
     empty: bool = False,
+    latency: Sequence[float] | None = None,
 ) -> list[int]:
     """``total`` channels split over ``size`` ranks in proportion to ``speeds``
     (:func:`hetcoll.split`, in multiples of ``multiple_of``, at least one multiple each unless
-    ``empty``)."""
+    ``empty``; ``latency``: each rank's work beside its channels, as :func:`hetcoll.split`
+    takes it)."""
     if len(speeds) != size:
         raise ValueError(
             f"{argument}: has {len(speeds)} speeds but the group has {size} ranks (one per rank)"
@@ -71,7 +73,11 @@ def speeds_to_shares(
         )
     try:
         return hetcoll.split(
-            total, [float(s) for s in speeds], multiple_of=multiple_of, minimum=minimum
+            total,
+            [float(s) for s in speeds],
+            multiple_of=multiple_of,
+            minimum=minimum,
+            latency=None if latency is None else list(latency),
         )
     except ValueError as e:
         raise ValueError(f"{argument}: {what}: {e}") from e

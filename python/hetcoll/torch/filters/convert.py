@@ -6,6 +6,7 @@ units, :mod:`.tensor_split`), after one agreement check on the plan;
 from __future__ import annotations
 
 import math
+import time
 import warnings
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -56,11 +57,13 @@ def filter_shares(
     multiple_of: int = 1,
     avoid_gathers: bool = True,
     empty_blocks: bool = False,
+    sample: Any = None,
 ) -> dict[str, list[int]]:
     """The channels per rank :func:`filter_parallel` gives each layer it splits on ``size``
     ranks, by module name (split-input layers take the shares of the layer feeding them). Local:
     every argument check of :func:`filter_parallel` runs here, with the same errors, so a caller
-    can check a split on ranks outside it (``empty_blocks`` as there).
+    can check a split on ranks outside it (``empty_blocks`` and ``sample`` as there, ``sample``
+    timed on this rank alone).
 
     >>> model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2))
     >>> filter_shares(model, size=2, speeds=[2, 1])
@@ -71,8 +74,25 @@ def filter_shares(
     if not is_int(size) or size < 1:
         raise ValueError(f"size: must be an integer >= 1, got {size!r}")
     value, argument = _split_argument(shares_or_speeds, speeds, shares)
+    timed = None
+    if sample is not None:
+
+        def timed(splits: list[TensorSplit], others: list[str]) -> list[float]:
+            seconds, failure = _sample_seconds(model, sample, splits, others)
+            if failure is not None:
+                raise failure
+            return seconds
+
     return _shares(
-        model, value, argument, lambda: int(size), layers, multiple_of, avoid_gathers, empty_blocks
+        model,
+        value,
+        argument,
+        lambda: int(size),
+        layers,
+        multiple_of,
+        avoid_gathers,
+        empty_blocks,
+        timed,
     )[0]
 
 
@@ -141,10 +161,13 @@ def _shares(
     multiple_of: int,
     avoid_gathers: bool,
     empty_blocks: bool = False,
+    timed: Callable[[list[TensorSplit], list[str]], list[float]] | None = None,
 ) -> tuple[dict[str, list[int]], list[tuple[TensorSplit, list[int]]], dict[str, str]]:
     """:func:`filter_shares`, asking for the group size only once the arguments are checked;
     with the attentions and MLPs split by heads and hidden units (each with its units per
-    rank) and every layer's mode."""
+    rank) and every layer's mode. ``timed(splits, others)``: the seconds of a forward of the
+    unsplit model outside the other split layers, and of each split's own work in it
+    (:func:`_block_seconds`), to balance the work every rank repeats around the splits too."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     if not is_int(multiple_of) or multiple_of < 1:
@@ -209,9 +232,20 @@ def _shares(
     size = size_of() if chosen or splits else 1
 
     in_splits = {n for ts in splits for n in ts.layers()}
+    latencies: list[list[float] | None] = [None] * len(splits)
+    if timed is not None and splits:
+        if argument != "speeds":
+            raise ValueError("sample: balances a split by speeds; give speeds=, not shares")
+        others = [n for n in chosen if n not in in_splits]
+        latencies = _replicated_latencies(splits, timed(splits, others), shares_or_speeds)
     units = [
-        (ts, _split_units(ts, shares_or_speeds, argument, size, int(multiple_of), empty_blocks))
-        for ts in splits
+        (
+            ts,
+            _split_units(
+                ts, shares_or_speeds, argument, size, int(multiple_of), empty_blocks, latency
+            ),
+        )
+        for ts, latency in zip(splits, latencies, strict=True)
     ]
     shares: dict[str, list[int]] = {}
     for ts, counts in units:
@@ -261,6 +295,7 @@ def _split_units(
     size: int,
     multiple_of: int,
     empty: bool,
+    latency: list[float] | None = None,
 ) -> list[int]:
     """The heads' key/value groups (an attention) or hidden units (an MLP) each rank of a
     tensor split holds: from speeds, :func:`hetcoll.split` over the row layer's input features
@@ -302,8 +337,88 @@ def _split_units(
             f"{total} features come in units of {ts.width}, so each rank's would be a "
             f"multiple of {step}, which {total} features over {size} ranks cannot be"
         )
-    channels = speeds_to_shares(shares_or_speeds, total, size, step, argument, what, empty=empty)
+    channels = speeds_to_shares(
+        shares_or_speeds, total, size, step, argument, what, empty=empty, latency=latency
+    )
     return [c // ts.width for c in channels]
+
+
+def _replicated_latencies(
+    splits: list[TensorSplit], seconds: list[float], speeds: Sequence[float]
+) -> list[list[float] | None]:
+    """Each split's :func:`hetcoll.split` latency per rank: the work every rank repeats whole
+    (norms, embeddings, residual adds: the forward's time outside the splits), an equal part of
+    it before each split's reduction, in that split's features at each rank's speed.
+    ``seconds``: the whole forward's, then each split's own."""
+    total, own = seconds[0], seconds[1:]
+    replicated = max(total - sum(own), 0.0) / len(splits)
+    out: list[list[float] | None] = []
+    for ts, t in zip(splits, own, strict=True):
+        per_feature = t / (ts.units * ts.width)
+        if per_feature <= 0.0 or not math.isfinite(per_feature):
+            out.append(None)
+            continue
+        out.append([replicated / per_feature / float(v) for v in speeds])
+    return out
+
+
+def _block_seconds(
+    model: nn.Module, sample: Any, splits: list[TensorSplit], others: list[str]
+) -> list[float]:
+    """Seconds of a forward of the unsplit ``model`` on ``sample`` (a tensor, a tuple of
+    positional inputs or a dict of keyword inputs) less those of the layers ``others`` (split
+    on their own, by speed), then of each split's own work in it: an attention's whole module
+    (projections and scores), an MLP's layers. Without gradients; the median of three forwards
+    after one to warm up."""
+    named = dict(model.named_modules())
+    groups = [
+        [named[ts.module]] if ts.kind != "mlp" else [named[n] for n in ts.layers()] for ts in splits
+    ]
+    groups.append([named[n] for n in others])
+    spent = [0.0] * len(groups)
+    started: dict[int, float] = {}
+    handles = []
+    for k, modules in enumerate(groups):
+        for m in modules:
+
+            def before(mod: nn.Module, args: Any) -> None:
+                started[id(mod)] = time.perf_counter()
+
+            def after(mod: nn.Module, args: Any, out: Any, k: int = k) -> None:
+                spent[k] += time.perf_counter() - started.pop(id(mod), time.perf_counter())
+
+            handles.append(m.register_forward_pre_hook(before))
+            handles.append(m.register_forward_hook(after))
+    runs: list[list[float]] = []
+    try:
+        with torch.no_grad():
+            for _ in range(4):
+                spent[:] = [0.0] * len(groups)
+                t0 = time.perf_counter()
+                if isinstance(sample, Mapping):
+                    model(**sample)
+                elif isinstance(sample, (tuple, list)):
+                    model(*sample)
+                else:
+                    model(sample)
+                runs.append([time.perf_counter() - t0 - spent[-1], *spent[:-1]])
+    finally:
+        for h in handles:
+            h.remove()
+    timed = sorted(runs[1:], key=lambda r: r[0])
+    return timed[len(timed) // 2]
+
+
+def _sample_seconds(
+    model: nn.Module, sample: Any, splits: list[TensorSplit], others: list[str]
+) -> tuple[list[float], ValueError | None]:
+    """:func:`_block_seconds`, or zeros and the error naming ``sample`` when the model's
+    forward on it fails."""
+    try:
+        return _block_seconds(model, sample, splits, others), None
+    except Exception as e:  # whatever the user's forward raises
+        failure = ValueError(f"sample: the model's forward on it failed: {type(e).__name__}: {e}")
+        return [0.0] * (1 + len(splits)), failure
 
 
 def filter_parallel(
@@ -317,6 +432,7 @@ def filter_parallel(
     multiple_of: int = 1,
     avoid_gathers: bool = True,
     empty_blocks: bool = False,
+    sample: Any = None,
     timeout: float | None = None,
 ) -> nn.Module:
     """Split the Conv2d / Linear layers of ``model`` across the ranks of ``group``, in place;
@@ -337,7 +453,13 @@ def filter_parallel(
     speeds (or shares) may give a rank none of a block's heads or units, as :func:`hetcoll.split`
     gives a rank too slow for one whole key/value group. Such a rank runs the attention on empty
     tensors and only joins its two reductions, and a block may then have fewer heads than the
-    group has ranks. A layer that shares a parameter with another module (tied
+    group has ranks. ``sample`` (example inputs: a tensor, a tuple of positional inputs or a dict
+    of keyword inputs) balances those splits by time instead of by speed alone: every rank
+    repeats the work outside them (norms, embeddings, residual adds) at its own speed, which
+    the slow rank then also pays for; timed on a few forwards of the unsplit model on
+    ``sample`` (the ranks' mean), that work becomes :func:`hetcoll.split`'s ``latency``, and
+    the slow rank gets fewer heads and hidden units. A layer that shares a parameter with
+    another module (tied
     weights, as a language model's head with its embedding, or one module registered under two
     names) stays replicated and is named in a ``UserWarning``, as PyTorch users expect ties to
     hold: a split layer would hold a slice of its own and untie them; naming it in ``layers``
@@ -358,6 +480,24 @@ def filter_parallel(
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     check_timeout(timeout)
     value, argument = _split_argument(shares_or_speeds, speeds, shares)
+    timed = None
+    if sample is not None:
+
+        def timed(splits: list[TensorSplit], others: list[str]) -> list[float]:
+            # Every rank times its own forward, as fractions of it (ranks on different devices
+            # compare alike); all use the ranks' mean, so that they split alike (a rank whose
+            # forward fails raises here, the others a mismatch).
+            seconds, failure = _sample_seconds(model, sample, splits, others)
+            fractions = np.array(seconds, np.float64) / (seconds[0] or 1.0)
+            rows = agree(
+                wrap(group),
+                {"sample timings": len(seconds)},
+                deadline(timeout),
+                failure=failure,
+                values=fractions.view(np.int64),
+            )
+            return [float(x) for x in np.ascontiguousarray(rows).view(np.float64).mean(axis=0)]
+
     per_layer, splits, modes = _shares(
         model,
         value,
@@ -367,6 +507,7 @@ def filter_parallel(
         multiple_of,
         avoid_gathers,
         empty_blocks,
+        timed,
     )
     comm: Communicator = wrap(group)
     # Its own count of the bytes it sends (split_traffic), unless the caller counts them (a
