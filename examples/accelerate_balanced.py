@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> None:
     report = train(args)
     if args.json:
         Path(args.json.format(rank=report["rank"])).write_text(json.dumps(report))
+    if torch.distributed.is_initialized():  # an orderly end: the ranks leave the group together
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

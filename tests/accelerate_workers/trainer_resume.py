@@ -44,6 +44,11 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=None if resume == "none" else resume)
     if args.process_index == 0:
         torch.save(model.state_dict(), Path(out, f"final-{max_steps}.pt"))
+    # An orderly end, as torch.distributed asks: both ranks wait for the save, then leave the
+    # group together (a rank that exits while the other still holds the group can abort in
+    # gloo's teardown: "terminate called without an active exception").
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
