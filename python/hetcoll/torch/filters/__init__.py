@@ -43,7 +43,8 @@ The package, each module importing only those named before it: :mod:`.checks` (a
 checks, speeds into shares), :mod:`.autograd` (the layers' communication as autograd functions),
 :mod:`.layers` (the split modules), :mod:`.chains` (which layers split, and the pairing rule that
 picks their modes), :mod:`.tensor_split` (the attentions split by heads and the MLPs by hidden
-units: :func:`plan_tensor_splits`), :mod:`.convert` (:func:`filter_parallel`,
+units: :func:`plan_tensor_splits`), :mod:`.timing` (splits balanced by time),
+:mod:`.convert` (:func:`filter_parallel`,
 :func:`filter_shares`, :func:`split_traffic`) and :mod:`.state` (gathering a split model's
 state dict, gradients and optimizer state, and loading full ones back). Every name other
 code uses is importable from here.

@@ -6,7 +6,6 @@ units, :mod:`.tensor_split`), after one agreement check on the plan;
 from __future__ import annotations
 
 import math
-import time
 import warnings
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -37,12 +36,14 @@ from hetcoll.torch.filters.layers import (
     FilterParallelMultiheadAttention,
     SharedCopy,
     is_conv1d,
+    split_comms,
 )
 from hetcoll.torch.filters.tensor_split import (
     EmptyPackedSplit,
     TensorSplit,
     plan_tensor_splits,
 )
+from hetcoll.torch.filters.timing import replicated_latencies, sample_seconds
 from hetcoll.torch.transport import CountingCommunicator
 
 
@@ -78,7 +79,7 @@ def filter_shares(
     if sample is not None:
 
         def timed(splits: list[TensorSplit], others: list[str]) -> list[float]:
-            seconds, failure = _sample_seconds(model, sample, splits, others)
+            seconds, failure = sample_seconds(model, sample, splits, others)
             if failure is not None:
                 raise failure
             return seconds
@@ -167,7 +168,8 @@ def _shares(
     with the attentions and MLPs split by heads and hidden units (each with its units per
     rank) and every layer's mode. ``timed(splits, others)``: the seconds of a forward of the
     unsplit model outside the other split layers, and of each split's own work in it
-    (:func:`_block_seconds`), to balance the work every rank repeats around the splits too."""
+    (:func:`~.timing.sample_seconds`), to balance the work every rank repeats around the
+    splits too."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     if not is_int(multiple_of) or multiple_of < 1:
@@ -237,7 +239,7 @@ def _shares(
         if argument != "speeds":
             raise ValueError("sample: balances a split by speeds; give speeds=, not shares")
         others = [n for n in chosen if n not in in_splits]
-        latencies = _replicated_latencies(splits, timed(splits, others), shares_or_speeds)
+        latencies = replicated_latencies(splits, timed(splits, others), shares_or_speeds)
     units = [
         (
             ts,
@@ -343,84 +345,6 @@ def _split_units(
     return [c // ts.width for c in channels]
 
 
-def _replicated_latencies(
-    splits: list[TensorSplit], seconds: list[float], speeds: Sequence[float]
-) -> list[list[float] | None]:
-    """Each split's :func:`hetcoll.split` latency per rank: the work every rank repeats whole
-    (norms, embeddings, residual adds: the forward's time outside the splits), an equal part of
-    it before each split's reduction, in that split's features at each rank's speed.
-    ``seconds``: the whole forward's, then each split's own."""
-    total, own = seconds[0], seconds[1:]
-    replicated = max(total - sum(own), 0.0) / len(splits)
-    out: list[list[float] | None] = []
-    for ts, t in zip(splits, own, strict=True):
-        per_feature = t / (ts.units * ts.width)
-        if per_feature <= 0.0 or not math.isfinite(per_feature):
-            out.append(None)
-            continue
-        out.append([replicated / per_feature / float(v) for v in speeds])
-    return out
-
-
-def _block_seconds(
-    model: nn.Module, sample: Any, splits: list[TensorSplit], others: list[str]
-) -> list[float]:
-    """Seconds of a forward of the unsplit ``model`` on ``sample`` (a tensor, a tuple of
-    positional inputs or a dict of keyword inputs) less those of the layers ``others`` (split
-    on their own, by speed), then of each split's own work in it: an attention's whole module
-    (projections and scores), an MLP's layers. Without gradients; the median of three forwards
-    after one to warm up."""
-    named = dict(model.named_modules())
-    groups = [
-        [named[ts.module]] if ts.kind != "mlp" else [named[n] for n in ts.layers()] for ts in splits
-    ]
-    groups.append([named[n] for n in others])
-    spent = [0.0] * len(groups)
-    started: dict[int, float] = {}
-    handles = []
-    for k, modules in enumerate(groups):
-        for m in modules:
-
-            def before(mod: nn.Module, args: Any) -> None:
-                started[id(mod)] = time.perf_counter()
-
-            def after(mod: nn.Module, args: Any, out: Any, k: int = k) -> None:
-                spent[k] += time.perf_counter() - started.pop(id(mod), time.perf_counter())
-
-            handles.append(m.register_forward_pre_hook(before))
-            handles.append(m.register_forward_hook(after))
-    runs: list[list[float]] = []
-    try:
-        with torch.no_grad():
-            for _ in range(4):
-                spent[:] = [0.0] * len(groups)
-                t0 = time.perf_counter()
-                if isinstance(sample, Mapping):
-                    model(**sample)
-                elif isinstance(sample, (tuple, list)):
-                    model(*sample)
-                else:
-                    model(sample)
-                runs.append([time.perf_counter() - t0 - spent[-1], *spent[:-1]])
-    finally:
-        for h in handles:
-            h.remove()
-    timed = sorted(runs[1:], key=lambda r: r[0])
-    return timed[len(timed) // 2]
-
-
-def _sample_seconds(
-    model: nn.Module, sample: Any, splits: list[TensorSplit], others: list[str]
-) -> tuple[list[float], ValueError | None]:
-    """:func:`_block_seconds`, or zeros and the error naming ``sample`` when the model's
-    forward on it fails."""
-    try:
-        return _block_seconds(model, sample, splits, others), None
-    except Exception as e:  # whatever the user's forward raises
-        failure = ValueError(f"sample: the model's forward on it failed: {type(e).__name__}: {e}")
-        return [0.0] * (1 + len(splits)), failure
-
-
 def filter_parallel(
     model: nn.Module,
     shares_or_speeds: Sequence[float] | Sequence[int] | Mapping[str, Sequence[int]] | None = None,
@@ -487,7 +411,7 @@ def filter_parallel(
             # Every rank times its own forward, as fractions of it (ranks on different devices
             # compare alike); all use the ranks' mean, so that they split alike (a rank whose
             # forward fails raises here, the others a mismatch).
-            seconds, failure = _sample_seconds(model, sample, splits, others)
+            seconds, failure = sample_seconds(model, sample, splits, others)
             fractions = np.array(seconds, np.float64) / (seconds[0] or 1.0)
             rows = agree(
                 wrap(group),
@@ -613,10 +537,10 @@ def split_traffic(model: nn.Module) -> dict[str, int]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
-    comms = {id(m.comm): m.comm for m in model.modules() if isinstance(m, ChannelSplit)}
+    comms = split_comms(model)
     if not comms:
         raise ValueError("model: has no split layers (split it with filter_parallel)")
-    counting = [c for c in comms.values() if isinstance(c, CountingCommunicator)]
+    counting = [c for c in comms if isinstance(c, CountingCommunicator)]
     if not counting:
         raise ValueError(
             "model: its split layers were built one by one, not by filter_parallel, and count "

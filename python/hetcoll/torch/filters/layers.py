@@ -100,6 +100,12 @@ class ChannelSplit:
         super()._load_from_state_dict(state_dict, prefix, *args)  # type: ignore[misc]
 
 
+def split_comms(model: nn.Module) -> list[Communicator]:
+    """The communicators of ``model``'s split modules, each once."""
+    comms = {id(m.comm): m.comm for m in model.modules() if isinstance(m, ChannelSplit)}
+    return list(comms.values())
+
+
 class SharedCopy:
     """The copy of one replicated input to the ranks (:class:`CopyToRanks`: its gradient
     summed over the ranks) shared by the split layers that read it, so a tensor read by an

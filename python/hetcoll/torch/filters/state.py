@@ -15,7 +15,7 @@ from torch import nn
 
 from hetcoll.comm import Communicator, agree
 from hetcoll.torch.filters.checks import is_int
-from hetcoll.torch.filters.layers import ChannelSplit, split_runs
+from hetcoll.torch.filters.layers import ChannelSplit, split_comms, split_runs
 from hetcoll.torch.state_dicts import (
     Part,
     check_full_optimizer_state_dict,
@@ -146,11 +146,7 @@ def _parts(model: nn.Module) -> dict[str, Part]:
 
 
 def _split_comm(model: nn.Module) -> Communicator | None:
-    comms = {
-        id(m.comm): CountingCommunicator.uncounted(m.comm)
-        for m in model.modules()
-        if isinstance(m, ChannelSplit)
-    }
+    comms = {id(c): CountingCommunicator.uncounted(c) for c in split_comms(model)}
     if len(comms) > 1:
         raise ValueError("model: split modules on different process groups")
     return next(iter(comms.values()), None)
