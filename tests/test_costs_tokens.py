@@ -18,6 +18,7 @@ import json
 import math
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from hetcoll import Plan
 from hetcoll.cli import main
 from hetcoll.model import cluster_from_dict, layer_costs, plan, predict_plan
+from hetcoll.model.predict import filter_parallel_schedule
+from hetcoll.torch.filters import filter_shares
 from hetcoll.torch.layers import model_cut, model_layers
 
 transformers = pytest.importorskip("transformers")
@@ -214,15 +217,76 @@ def test_costs_map_onto_the_blocks_a_plan_cuts(make: Any) -> None:
     extra = 2 * SEQ * (HIDDEN // 4) * 4 if make is llama else 0
     for i in decoders[:-1]:
         assert costs.plan_out_bytes[i] == hidden + extra, (names[i], costs.plan_out_bytes[i])
-    # Stages are whole blocks on one rank: no filter split is offered, and a plan with a
-    # stage split over two ranks is refused, saying why.
-    assert costs.stage_filter_modes(0, len(names)) == {}
+    # A stage split over ranks splits as the runtime splits the model: its attentions by
+    # key/value groups, MLPs by hidden units, any other Linear gathering (the LM head).
     n = len(names)
+    modes = costs.stage_filter_modes(0, n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # layers left replicated
+        runtime = filter_shares(model, size=2, speeds=[1.0, 0.25], empty_blocks=True)
+    assert set(modes) == set(runtime), set(modes) ^ set(runtime)
+    two = decoders[1:3]
+    inside = costs.stage_filter_modes(two[0], two[-1] + 1)
+    assert inside and all(any(k.startswith(names[i] + ".") for i in two) for k in inside), inside
+    assert {k: modes[k] for k in inside} == inside
     split = Plan.from_dict(
-        {"replicas": [{"samples": 4, "stages": [{"ranks": [0, 1], "layers": [0, n]}]}]}
+        {
+            "replicas": [
+                {
+                    "samples": 4,
+                    "stages": [{"ranks": [0, 1], "layers": [0, n], "speeds": [1.0, 0.25]}],
+                }
+            ]
+        }
     )
-    with pytest.raises(ValueError, match="model cut into blocks"):
-        predict_plan(costs, _cluster(1e12), split)
+    pred = predict_plan(costs, _cluster(1e12), split)
+    assert pred.feasible and pred.step_s > 0
+    # Shares per layer as the runtime's (empty_blocks: a rank may hold no heads).
+    with_empty = Plan.from_dict(
+        {
+            "replicas": [
+                {
+                    "samples": 4,
+                    "stages": [
+                        {
+                            "ranks": [0, 1],
+                            "layers": [0, n],
+                            "speeds": [1.0, 0.25],
+                            "empty_blocks": True,
+                        }
+                    ],
+                }
+            ]
+        }
+    )
+    assert predict_plan(costs, _cluster(1e12), with_empty).feasible
+    sched = filter_parallel_schedule(
+        costs, _cluster(1e12).subset([0, 1]), 4, [1.0, 0.25], modes=modes, empty_blocks=True
+    )
+    assert sched.detail["shares_per_layer"] == {
+        k: v for k, v in runtime.items() if k in sched.detail["shares_per_layer"]
+    }
+    # One sum (or broadcast) per attention and MLP forward, one backward, besides the
+    # gathering layers' gather and input-gradient sum.
+    gathers = sum(1 for m in modes.values() if m == "gather")
+    assert sched.detail["collectives"] == 2 * len(costs.split_blocks) + 2 * gathers
+    with pytest.raises(ValueError, match="shares"):
+        predict_plan(
+            costs,
+            _cluster(1e12),
+            Plan.from_dict(
+                {
+                    "replicas": [
+                        {
+                            "samples": 4,
+                            "stages": [
+                                {"ranks": [0, 1], "layers": [0, n], "shares": {"0": [1, 1]}}
+                            ],
+                        }
+                    ]
+                }
+            ),
+        )
 
 
 def _cluster(memory: float) -> Any:
@@ -339,7 +403,7 @@ def test_cli_costs_and_plan_of_a_token_model(
     args = ["plan", *model_args, "--cluster", "cluster.toml", "--batch", "16"]
     assert main([*args, "--out", str(out_file)]) == 0
     text = capsys.readouterr().out
-    assert "not searched: filter parallel: stages of a model cut into blocks" in text
+    assert "filter parallel" not in text.split("not searched:", 1)[-1], text
     doc = Plan.load(str(out_file)).to_dict()
     names = [n for n, _ in model_layers(model)]
     stages = [st for r in doc["replicas"] for st in r["stages"]]

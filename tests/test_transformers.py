@@ -20,6 +20,8 @@ HERE = Path(__file__).resolve().parent
 MODELS = ("gpt2", "llama", "encoder")
 EXPECTED = {
     **{f"{m}_{p}": True for m in MODELS for p in ("pipeline", "hybrid")},
+    "gpt2_planned_split": True,
+    "llama_planned_split": True,
     "gpt2_empty_blocks": True,
     "llama_empty_blocks": True,
     "vit_hybrid": True,

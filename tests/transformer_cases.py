@@ -245,6 +245,41 @@ def hybrid(n: int, empty_blocks: bool = False) -> dict[str, Any]:
     }
 
 
+def planned_split(group: Any, make: Any) -> str:
+    """The planner's best plan with a stage split over several ranks, for four devices of
+    speeds 1 : 1 : 0.5 : 0.1, trains ``make()`` like one process; returns its strategy. (Not
+    for :class:`EncoderLM`: its forward makes its causal mask on the CPU, so its costs, read on
+    the meta device, cannot be.)"""
+    from hetcoll.model import cluster_from_dict, layer_costs, plan
+
+    model = make()
+    costs = layer_costs(model, {"input_ids": (SEQ,), "attention_mask": (SEQ,)}, dtype=torch.int64)
+    cluster = cluster_from_dict(
+        {
+            "devices": {
+                f"d{i}": {
+                    "flops_per_s": 1e10 * s,
+                    "mem_bytes_per_s": 1e10 * s,
+                    "memory_bytes": 1e10,
+                }
+                for i, s in enumerate((1.0, 1.0, 0.5, 0.1))
+            },
+            "links": {"l": {"latency_s": 1e-5, "bytes_per_s": 1e9}},
+            "nodes": [{"name": f"n{i}", "device": f"d{i}", "link": "l"} for i in range(4)],
+            "network": {"link": "l"},
+        }
+    )
+    for p in plan(costs, cluster, 7, prune=False):
+        if not (p.feasible and p.has_plan):
+            continue
+        chosen = p.to_plan()
+        if any(len(st.ranks) > 1 for r in chosen.replicas for st in r.stages):
+            tol = 1e-6 if make is llama else TOL
+            equals_one_process(group, make, chosen, tol=tol)
+            return p.strategy
+    raise AssertionError("the planner offers no plan with a split stage")
+
+
 class OutOfOrder(nn.Module):
     """Registers ``late`` before ``early`` but calls ``early`` first (a residual around both,
     so it is not a chain): model_layers lists ``late, early``."""
@@ -476,6 +511,7 @@ def run_all(group: Any) -> dict[str, Any]:
         if name != "encoder":
             equals_one_process(group, make, Plan.from_dict(hybrid(n, True)), tol=tol)
             out[f"{name}_empty_blocks"] = True
+            out[f"{name}_planned_split"] = bool(planned_split(group, make))
     # An image transformer: a tensor input, rows as items (conv_proj, encoder.dropout, its
     # three encoder layers, encoder.ln, heads).
     from plan_cases import equals_one_process as images_equal_one_process

@@ -25,6 +25,21 @@ predictions can scale it with a device's share of the filters.
 """
 
 from hetcoll.model.costs.layers import layer_costs
-from hetcoll.model.costs.records import Kernel, LayerCost, ModelCosts, ModelInput, parse_shape
+from hetcoll.model.costs.records import (
+    Kernel,
+    LayerCost,
+    ModelCosts,
+    ModelInput,
+    SplitBlock,
+    parse_shape,
+)
 
-__all__ = ["Kernel", "LayerCost", "ModelCosts", "ModelInput", "layer_costs", "parse_shape"]
+__all__ = [
+    "Kernel",
+    "LayerCost",
+    "ModelCosts",
+    "ModelInput",
+    "SplitBlock",
+    "layer_costs",
+    "parse_shape",
+]

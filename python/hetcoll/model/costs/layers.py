@@ -25,6 +25,7 @@ from hetcoll.model.costs.records import (
     Kernel,
     LayerCost,
     ModelCosts,
+    SplitBlock,
     _numel,
 )
 from hetcoll.model.hardware import check_precision
@@ -69,7 +70,7 @@ def layer_costs(
     >>> c.forward_flops(batch=1), c.plan_layers
     (25600.0, ('0', '1'))
     """
-    from hetcoll.torch.filters import filter_modes
+    from hetcoll.torch.filters import split_layout
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -158,8 +159,23 @@ def layer_costs(
         notes.append("some modules run more than once per step; each call is a layer")
     buffer_bytes = float(sum(b.numel() * b.element_size() for b in model.buffers()))
     # A bare leaf model is one layer named after its type (see ``_trace``).
-    modes = tuple((n or type(model).__name__, m) for n, m in filter_modes(model).items())
-    costs = ModelCosts(tuple(layers), shape, item, tuple(notes), buffer_bytes, modes, inputs=inputs)
+    # The split filter_parallel(model, speeds=...) makes: chain pairs, attentions and MLPs.
+    layout = split_layout(model)
+    modes = tuple((n or type(model).__name__, m) for n, m in layout.modes.items())
+    blocks = tuple(
+        SplitBlock(ts.module, ts.kind, ts.units, ts.width, tuple(ts.layers()))
+        for ts in layout.splits
+    )
+    costs = ModelCosts(
+        tuple(layers),
+        shape,
+        item,
+        tuple(notes),
+        buffer_bytes,
+        modes,
+        inputs=inputs,
+        split_blocks=blocks,
+    )
     costs = _with_plan_layers(costs, model)
     return costs if precision == "fp32" else costs.at_precision(precision)
 

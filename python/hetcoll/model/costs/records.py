@@ -1,6 +1,7 @@
 """What a model's costs are made of: :class:`Kernel` (one kernel of a layer, linear in the batch
 and the filter fraction), :class:`LayerCost` (one layer's kernels, parameters and bytes) and
-:class:`ModelCosts` (every layer of a model, and the model's top-level layers a plan counts)."""
+:class:`ModelCosts` (every layer of a model, and the model's top-level layers a plan counts);
+:class:`SplitBlock` (an attention or MLP that filter parallelism splits by heads or units)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import hetcoll
 from hetcoll.model.hardware import check_precision
 
 # Traced batch: 2, not 1, because batch norm in training mode refuses one sample.
@@ -116,6 +118,43 @@ class LayerCost:
 
 
 @dataclass(frozen=True)
+class SplitBlock:
+    """An attention split by heads or an MLP split by hidden units, as filter parallelism
+    splits it (:class:`hetcoll.torch.filters.TensorSplit`): the module's path, its ``kind``
+    (``"attention"``, ``"mha"`` for torch's ``nn.MultiheadAttention``, ``"mlp"``), the
+    ``units`` its ranks divide (key/value groups, heads or hidden units), ``width`` (the
+    output projection's input features per unit) and its split ``layers`` (the projections
+    reading the block's input, then the one mapping back). Every costed layer inside the module
+    runs on a rank's share of the units; its output is summed over the ranks once forward, its
+    input's gradient once backward."""
+
+    module: str
+    kind: str
+    units: int
+    width: int
+    layers: tuple[str, ...]
+
+    def shares(self, speeds: Sequence[float], *, empty: bool = False) -> list[int]:
+        """The units per rank at ``speeds``, as the runtime splits them (:func:`hetcoll.split`
+        over the features in whole units, at least one each unless ``empty``).
+
+        >>> SplitBlock("mlp", "mlp", 176, 1, ("up", "down")).shares([1.0, 0.25])
+        [141, 35]
+        """
+        features = hetcoll.split(
+            self.units * self.width,
+            [float(s) for s in speeds],
+            multiple_of=self.width,
+            minimum=0 if empty else self.width,
+        )
+        return [f // self.width for f in features]
+
+    def contains(self, layer: str) -> bool:
+        """Whether costed layer ``layer`` runs inside the module (its own ops included)."""
+        return layer == self.module or layer.startswith(self.module + ".") or not self.module
+
+
+@dataclass(frozen=True)
 class ModelCosts:
     """Every leaf layer of a model in execution order, for samples of ``input_shape`` (the shape
     of the first of ``inputs``, all of which ``inputs`` describes: names and dtypes too)."""
@@ -164,6 +203,9 @@ class ModelCosts:
     #: (stages of whole blocks, each on one rank, replaying the forward between them;
     #: ``plan_out_bytes`` are then what crosses each cut).
     plan_cut: str = "chain"
+    #: The attentions and MLPs filter parallelism splits by heads and hidden units, in the
+    #: model's order; their layers are in ``filter_modes`` too.
+    split_blocks: tuple[SplitBlock, ...] = ()
 
     def at_precision(self, precision: str) -> ModelCosts:
         """These costs for training at ``precision`` (``"fp32"``, ``"tf32"``, ``"bf16"``,
@@ -253,9 +295,15 @@ class ModelCosts:
         """
         self.check_plan_layers()
         lo, hi = self.plan_range(first, end)
-        if self.plan_cut == "blocks":
-            return {}  # whole blocks on one rank each (``plan_cut``)
         names = {x.name for x in self.layers[lo:hi]}
+        if self.plan_cut == "blocks":
+            # The whole model's split, restricted to the stage: the runtime splits a copy of
+            # the model that holds the stage's blocks alone (the attentions and MLPs inside
+            # them whole, their layers all named, costed or not).
+            for block in self.split_blocks:
+                if any(block.contains(n) for n in names):
+                    names.update(block.layers)
+            return {n: m for n, m in self.filter_modes if n in names}
         return {
             name: "gather" if mode == "split-output" and partner not in names else mode
             for name, mode, partner in self.stage_modes[first]

@@ -102,11 +102,6 @@ HYBRID_MICRO_PER_STAGE = (1, 2, 4)
 HYBRID_WORK_BUDGET = 1_000_000
 #: The largest micro-batch count the planner tries.
 MAX_MICRO_BATCHES = 32
-#: Why no stage of a blocks model (:attr:`ModelCosts.plan_cut`) is split over several devices.
-BLOCKS_WHOLE = (
-    "stages of a model cut into blocks (a transformer) are whole blocks, each on one device: "
-    "splitting a block's channels over devices (tensor parallelism) is not costed"
-)
 
 
 def _infeasible(strategy: str, batch: int, num_devices: int, unit: str, reason: str) -> Prediction:
@@ -196,13 +191,14 @@ def _asymmetric(
     for m in micro_batches:
         if m <= share_guess:
             options.append(("pipeline", m, predict.pipeline_stages(costs, sub, share_guess, m)))
+    slow_speeds = [speeds[d] for d in slow]
+    empty = predict.blocks_need_empty(costs, 0, n, slow_speeds)
     if costs.stage_filter_modes(0, n):
         try:
-            predict.stage_split(costs, 0, n, len(slow), None, "filter split")
+            predict.stage_split(costs, 0, n, len(slow), None, "filter split", empty)
             options.append(("filter", 1, None))
         except ValueError:
             pass
-    slow_speeds = [speeds[d] for d in slow]
     modes = costs.stage_filter_modes(0, n)
     out = []
     for kind, m, stages in options:
@@ -213,7 +209,13 @@ def _asymmetric(
                     costs, sub, b, m, layers_per_device=stages, optimizer_state_copies=s
                 )
             return predict.filter_parallel(
-                costs, sub, b, slow_speeds, modes=modes, optimizer_state_copies=s
+                costs,
+                sub,
+                b,
+                slow_speeds,
+                modes=modes,
+                optimizer_state_copies=s,
+                empty_blocks=empty,
             )
 
         b1 = max(m, share_guess // 2)
@@ -286,9 +288,6 @@ def _replicated_pipelines(
     family = "replicated pipeline"
     shapes = []
     for g in HYBRID_GROUP_SIZES:
-        if g > 1 and costs.plan_cut == "blocks":
-            report.skipped[f"{family}, stages of several devices"] = BLOCKS_WHOLE
-            continue
         groups = {
             k: np.asarray(gs, dtype=np.int64) for k, gs in node_groups(cluster, devices, g).items()
         }
@@ -443,9 +442,7 @@ def plan(
     modes = costs.stage_filter_modes(0, n) if n else None
     # Filter parallelism only where filter_parallel splits something (not an LSTM, say).
     splits = bool(modes) if n else bool(costs.filter_modes)
-    if costs.plan_cut == "blocks":
-        report.skipped["filter parallel"] = BLOCKS_WHOLE
-    elif not splits:
+    if not splits:
         report.skipped["filter parallel"] = "the model has no layer filter parallelism splits"
 
     def data_balanced(c: Cluster, strategy: str) -> Prediction:
@@ -460,7 +457,14 @@ def plan(
     def filter_balanced(c: Cluster, strategy: str) -> Prediction:
         speeds = device_speeds(costs, c, batch)
         return predict.filter_parallel(
-            costs, c, batch, speeds, modes=modes, strategy=strategy, optimizer_state_copies=s
+            costs,
+            c,
+            batch,
+            speeds,
+            modes=modes,
+            strategy=strategy,
+            optimizer_state_copies=s,
+            empty_blocks=bool(n) and predict.blocks_need_empty(costs, 0, n, speeds),
         )
 
     def best_step() -> float:

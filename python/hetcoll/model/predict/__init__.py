@@ -44,6 +44,7 @@ from hetcoll.model.predict.data import (
 from hetcoll.model.predict.filters import (
     FILTER_MODES,
     FilterParallelSchedule,
+    blocks_need_empty,
     filter_modes,
     filter_parallel,
     filter_parallel_schedule,
@@ -125,6 +126,7 @@ __all__ = [
     "Prediction",
     "StagesSpec",
     "balanced_batch_shares",
+    "blocks_need_empty",
     "chain_stages",
     "compute_seconds",
     "data_parallel",

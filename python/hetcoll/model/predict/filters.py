@@ -12,7 +12,7 @@ import numpy as np
 
 import hetcoll
 from hetcoll.model import terms
-from hetcoll.model.costs import ModelCosts
+from hetcoll.model.costs import ModelCosts, SplitBlock
 from hetcoll.model.hardware import Cluster
 from hetcoll.model.predict.prediction import Prediction
 from hetcoll.model.predict.timing import (
@@ -47,9 +47,10 @@ def _check_modes(costs: ModelCosts, modes: Mapping[str, str]) -> dict[str, str]:
     if not isinstance(modes, Mapping):
         raise TypeError(f"modes: must be a dict of layer name -> mode, got {type(modes).__name__}")
     by_name = {x.name: x for x in costs.layers}
+    in_blocks = {n for b in costs.split_blocks for n in b.layers}
     out = {}
     for name, mode in modes.items():
-        if name not in by_name or by_name[name].filters <= 0:
+        if name not in in_blocks and (name not in by_name or by_name[name].filters <= 0):
             raise ValueError(f"modes: {name!r} is not a layer with filters to split")
         if mode not in FILTER_MODES:
             raise ValueError(f"modes: {name!r} has mode {mode!r}; expected one of {FILTER_MODES}")
@@ -149,8 +150,10 @@ def filter_parallel_schedule(
     optimizer_state_copies: int = 1,
     strategy: str = "filter parallel",
     layer_shares: Mapping[str, Sequence[int]] | None = None,
+    empty_blocks: bool = False,
 ) -> FilterParallelSchedule:
-    """The step :func:`filter_parallel` predicts, laid out (arguments as there).
+    """The step :func:`filter_parallel` predicts, laid out (arguments as there; ``layer_shares``:
+    the channels per device of the layers named, the others split by ``parts``).
 
     >>> filter_parallel_schedule(costs, cluster, 64, [1.0, 0.5]).split  # doctest: +SKIP
     """
@@ -171,8 +174,35 @@ def filter_parallel_schedule(
     source: tuple[int, np.ndarray] | None = None  # the open split-output layer, its fractions
     speeds = [float(x) for x in parts]
     splits: dict[tuple[int, int], list[int]] = {}  # layers of equal filters split alike
+    # The attentions and MLPs split by heads and hidden units (every layer of theirs in the
+    # modes): each costed layer inside runs on a device's fraction of the units.
+    blocks = [b for b in costs.split_blocks if all(n in layer_modes for n in b.layers)]
+    unit_shares = [_block_shares(b, speeds, empty_blocks) for b in blocks]
+    block_of: dict[int, int] = {}
+    for k, b in enumerate(blocks):
+        # The block's span: from its first split layer's call to its last one's, inside its
+        # module (an encoder layer's MLP is named after the layer, which holds its attention).
+        at = [i for i, x in enumerate(costs.layers) if x.name in b.layers]
+        for i in range(min(at), max(at) + 1) if at else ():
+            if b.contains(costs.layers[i].name):
+                block_of.setdefault(i, k)
     for i, layer in enumerate(costs.layers):
         mode = layer_modes.get(layer.name)
+        if i in block_of:
+            units = unit_shares[block_of[i]]
+            fraction = np.asarray(units, dtype=np.float64) / blocks[block_of[i]].units
+            block = blocks[block_of[i]]
+            if layer.filters > 0 and layer.name in block.layers:
+                # Channels per device as the runtime counts them: a column's outputs, the
+                # row's inputs.
+                per_unit = block.width if layer.name == block.layers[-1] else None
+                filters_of[i] = [
+                    u * per_unit if per_unit else u * layer.filters // block.units for u in units
+                ]
+                phi[i, :] = fraction
+            else:
+                chan[i, :] = fraction  # the module's own ops, its activations: per unit
+            continue
         if mode == "split-input":
             if source is None:
                 raise ValueError(f"modes: split-input layer {layer.name!r} follows no split-output")
@@ -205,6 +235,7 @@ def filter_parallel_schedule(
     lt = _layer_times(costs, dev, np.full(n_dev, batch), phi, chan, by_input)
     split_rows = np.zeros(n_layers, dtype=bool)
     split_rows[list(filters_of)] = True
+    split_rows[list(block_of)] = True
     link = cluster.ring_link()
     reduce_bw = float(dev.mem_bytes_per_s.min())
 
@@ -220,9 +251,28 @@ def filter_parallel_schedule(
     def copy_s(nbytes: float) -> float:
         return float(terms.copy_seconds(nbytes, copy_bw))
 
+    def broadcast_s(nbytes: float) -> float:
+        return float(terms.broadcast_seconds(nbytes, n_dev, link.latency_s, link.bytes_per_s))
+
     fwd_comm = np.zeros(n_layers)  # after the layer's forward
     bwd_comm = np.zeros(n_layers)  # after the layer's backward
+    for k in range(len(blocks)):
+        # One sum of the block's output after its last layer's forward, one of its input's
+        # gradient after its first layer's backward; a block held by one device alone is
+        # broadcast from it instead (the others' partial sums are zero).
+        rows = [i for i, b in block_of.items() if b == k]
+        if not rows:
+            continue
+        first, last = costs.layers[min(rows)], costs.layers[max(rows)]
+        out = last.out_bytes_per_sample * batch
+        grad = first.in_bytes_per_sample * batch
+        alone = sum(1 for u in unit_shares[k] if u > 0) == 1
+        total = broadcast_s if alone else allreduce_s
+        fwd_comm[max(rows)] = total(out) + copy_s(out)
+        bwd_comm[min(rows)] = total(grad) + copy_s(grad)
     for i in filters_of:
+        if i in block_of:
+            continue
         layer, mode = costs.layers[i], layer_modes[costs.layers[i].name]
         # Every allreduce works on a copy of its tensor (the layers keep autograd's intact).
         if mode == "split-input":
@@ -247,7 +297,7 @@ def filter_parallel_schedule(
         terms.optimizer_update_seconds(owned, dev.mem_bytes_per_s, optimizer_state_copies)
     )
     mem = owned * (2 + optimizer_state_copies) + batch * costs.saved_bytes_per_sample()
-    if not filters_of and n_dev > 1:
+    if not filters_of and not block_of and n_dev > 1:
         reason = "the model has no conv or linear layer to split"
     else:
         reason = memory_shortfall(mem, devices)
@@ -269,8 +319,21 @@ def filter_parallel_schedule(
             "modes": {costs.layers[i].name: layer_modes[costs.layers[i].name] for i in filters_of},
             "collectives": int((fwd_comm > 0).sum() + (bwd_comm > 0).sum()),
             "shares_per_layer": {costs.layers[i].name: filters_of[i] for i in filters_of},
+            "units_per_block": {b.module: u for b, u in zip(blocks, unit_shares, strict=True)},
         },
     )
+
+
+def _block_shares(block: SplitBlock, speeds: Sequence[float], empty: bool) -> list[int]:
+    """The units of ``block`` per device, as the runtime splits them; ``ValueError`` (naming
+    ``parts``) where it cannot (fewer units than devices, without ``empty``)."""
+    if block.units < len(speeds) and not empty:
+        raise ValueError(
+            f"parts: {block.kind} {block.module!r} has {block.units} units (heads, key/value "
+            f"groups or hidden units), too few for {len(speeds)} devices with at least one "
+            "each (empty_blocks=True lets a device hold none)"
+        )
+    return block.shares(speeds, empty=empty)
 
 
 def filter_parallel(
@@ -282,6 +345,7 @@ def filter_parallel(
     modes: Mapping[str, str] | None = None,
     optimizer_state_copies: int = 1,
     strategy: str = "filter parallel",
+    empty_blocks: bool = False,
 ) -> Prediction:
     """One filter-parallel step on the whole ``batch``, as :func:`hetcoll.torch.filter_parallel`
     runs it. Each split layer (``modes``, default :func:`filter_modes`) divides its F filters
@@ -293,7 +357,11 @@ def filter_parallel(
     - gather: the output pieces are gathered (allgatherv, forward);
     - gather, split-output: the partial input gradients are summed (allreduce, backward) when
       the layer has an input gradient;
-    - split-input: the partial outputs are summed (allreduce, forward).
+    - split-input: the partial outputs are summed (allreduce, forward);
+    - an attention split by heads or an MLP by hidden units (``costs.split_blocks``): every
+      layer inside runs on the device's share of the units, its output is summed once
+      forward and its input's gradient once backward (broadcast where one device holds
+      every unit: ``empty_blocks``, as the runtime's, lets a device hold none).
 
     Ranks run in lock step between collectives: each stretch between two collectives takes its
     slowest device. No gradient allreduce: each device owns its filters, and replicated layers
@@ -315,16 +383,21 @@ def filter_parallel(
         modes=used,
         optimizer_state_copies=optimizer_state_copies,
         strategy=strategy,
+        empty_blocks=empty_blocks,
     ).prediction()
     try:
-        pred.plan = _filter_parallel_plan(costs, batch, parts, used)
+        pred.plan = _filter_parallel_plan(costs, batch, parts, used, empty_blocks)
     except ValueError as e:
         pred.plan_note = str(e)
     return pred
 
 
 def _filter_parallel_plan(
-    costs: ModelCosts, batch: int, parts: Sequence[float], modes: Mapping[str, str]
+    costs: ModelCosts,
+    batch: int,
+    parts: Sequence[float],
+    modes: Mapping[str, str],
+    empty_blocks: bool = False,
 ) -> Plan:
     """One replica: one stage over every device, split by ``parts`` as the runtime would."""
     costs.check_plan_layers()
@@ -336,8 +409,11 @@ def _filter_parallel_plan(
                 "the runtime pairs this model's layers differently in a stage (give modes="
                 "costs.stage_filter_modes(0, len(costs.plan_layers)))"
             )
-        stage_split(costs, 0, n, p, None, "filter parallel")
+        empty = empty_blocks and costs.plan_cut == "blocks"
+        stage_split(costs, 0, n, p, None, "filter parallel", empty)
         stage["speeds"] = [float(x) for x in parts]
+        if empty:
+            stage["empty_blocks"] = True
     return Plan.from_dict({"microbatches": 1, "replicas": [{"samples": batch, "stages": [stage]}]})
 
 
@@ -348,27 +424,34 @@ def stage_split(
     ranks: int,
     shares: Mapping[int, Sequence[int]] | None,
     where: str = "stage",
+    empty_blocks: bool = False,
 ) -> tuple[dict[str, str], dict[str, list[int]] | None]:
     """The modes and explicit shares (by layer name) of a stage over plan layers
     ``[first, end)`` split over ``ranks`` ranks, checked as :func:`hetcoll.torch.parallelize`
     checks them (``ValueError`` naming ``where``): something to split, no grouped
-    convolution, at least one channel per rank; ``shares`` (plan layer index -> channels per
+    convolution, at least one channel per rank (``empty_blocks``: a transformer block's heads
+    or hidden units may leave a rank none); ``shares`` (plan layer index -> channels per
     rank) name Conv2d / Linear layers of the stage and sum to their channels.
+
+    A stage of a model cut into blocks (a transformer) splits as the runtime splits it, by
+    speeds: its attentions by heads, its MLPs by hidden units, any other Linear gathering
+    its output (a language model's head).
 
     With explicit shares only the named layers are split; a pair of the full stage's modes
     stays paired when both are named, else its named layer gathers. (The runtime pairs the
     named layers by its rule; the two differ only when a named layer's neighbour in the full
     pairing is not named but another one could pair with it.)
     """
+    if costs.plan_cut == "blocks":
+        return _blocks_stage_split(costs, first, end, ranks, shares, where, empty_blocks), None
+    if empty_blocks:
+        raise ValueError(
+            f"{where}.empty_blocks: the model is a chain of layers, split by channels with at "
+            "least one per rank; empty_blocks is for transformer blocks"
+        )
     modes = costs.stage_filter_modes(first, end)
     lo, hi = costs.plan_range(first, end)
     by_name = {x.name: x for x in costs.layers[lo:hi]}
-    if costs.plan_cut == "blocks":
-        raise ValueError(
-            f"{where}: has {ranks} ranks, but the stages of a model cut into blocks (a "
-            "transformer) are costed on one rank each: a split of a block's channels over "
-            "ranks is not predicted"
-        )
     if not modes:
         raise ValueError(
             f"{where}: has {ranks} ranks but its layers hold no Conv2d or Linear to split"
@@ -418,3 +501,57 @@ def stage_split(
         else:
             out[name] = "gather"
     return out, {n: v for n, v in named.items() if out[n] != "split-input"}
+
+
+def _blocks_stage_split(
+    costs: ModelCosts,
+    first: int,
+    end: int,
+    ranks: int,
+    shares: Mapping[int, Sequence[int]] | None,
+    where: str,
+    empty_blocks: bool,
+) -> dict[str, str]:
+    """:func:`stage_split` of a blocks model: the modes of the stage's layers in the whole
+    model's split (the runtime splits a copy of the model holding the stage's blocks)."""
+    if shares is not None:
+        raise ValueError(
+            f"{where}.shares: a stage of a model cut into blocks (a transformer) splits by "
+            "speeds (its heads and hidden units in proportion); give speeds"
+        )
+    modes = costs.stage_filter_modes(first, end)
+    if not modes:
+        raise ValueError(
+            f"{where}: has {ranks} ranks but its blocks hold no attention, MLP or Linear to split"
+        )
+    for block in costs.split_blocks:
+        if block.layers[0] in modes and block.units < ranks and not empty_blocks:
+            raise ValueError(
+                f"{where}: {block.kind} {block.module!r} has {block.units} units (heads, "
+                f"key/value groups or hidden units), too few for {ranks} ranks with at least "
+                "one each (empty_blocks: true lets a rank hold none)"
+            )
+    in_blocks = {n for b in costs.split_blocks for n in b.layers}
+    by_name = {x.name: x for x in costs.layers}
+    for name, mode in modes.items():
+        if name not in in_blocks and mode == "gather" and by_name[name].filters < ranks:
+            raise ValueError(
+                f"{where}: layer {name!r} has {by_name[name].filters} channels, too few for "
+                f"{ranks} ranks with at least 1 each"
+            )
+    return modes
+
+
+def blocks_need_empty(costs: ModelCosts, first: int, end: int, speeds: Sequence[float]) -> bool:
+    """Whether a split stage over plan layers ``[first, end)`` of a blocks model at ``speeds``
+    needs ``empty_blocks`` to split as its speeds say: an attention or MLP of the stage has
+    fewer units than ranks, or its split in proportion leaves a rank none. (A split that
+    leaves no rank empty is the same either way.) False for a chain model."""
+    if costs.plan_cut != "blocks":
+        return False
+    modes = costs.stage_filter_modes(first, end)
+    return any(
+        b.units < len(speeds) or 0 in b.shares(speeds, empty=True)
+        for b in costs.split_blocks
+        if b.layers[0] in modes
+    )

@@ -28,6 +28,7 @@ class StageLayout:
     parts: tuple[float, ...] = ()
     modes: Mapping[str, str] | None = None
     layer_shares: Mapping[str, Sequence[int]] | None = None
+    empty_blocks: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,10 +73,24 @@ def plan_layout(costs: ModelCosts, cluster: Cluster, plan: Plan) -> list[Replica
                 if stage.shares is None
                 else tuple(sorted((k, tuple(v)) for k, v in stage.shares.items()))
             )
-            key = (len(stage.ranks), tuple(stage.layers), last, stage.speeds, shares)
+            key = (
+                len(stage.ranks),
+                tuple(stage.layers),
+                last,
+                stage.speeds,
+                shares,
+                stage.empty_blocks,
+            )
             if key not in built:
                 built[key] = stage_layout(
-                    costs, stage.ranks, stage.layers, last, stage.speeds, stage.shares, where
+                    costs,
+                    stage.ranks,
+                    stage.layers,
+                    last,
+                    stage.speeds,
+                    stage.shares,
+                    where,
+                    stage.empty_blocks,
                 )
             b = built[key]
             stages.append(
@@ -87,6 +102,7 @@ def plan_layout(costs: ModelCosts, cluster: Cluster, plan: Plan) -> list[Replica
                     b.parts,
                     b.modes,
                     b.layer_shares,
+                    b.empty_blocks,
                 )
             )
         out.append(ReplicaLayout(replica.samples, tuple(plan.microbatch_sizes(i)), tuple(stages)))
@@ -101,6 +117,7 @@ def stage_layout(
     speeds: Sequence[float] | None,
     shares: Mapping[int, Sequence[int]] | None,
     where: str,
+    empty_blocks: bool = False,
 ) -> StageLayout:
     """A stage over plan layers ``layers`` on ``ranks``, checked as the runtime checks it."""
     first, end = layers
@@ -109,6 +126,6 @@ def stage_layout(
     p = len(ranks)
     if p == 1:
         return StageLayout(tuple(ranks), lo, hi, sent)
-    modes, named = stage_split(costs, first, end, p, shares, where)
+    modes, named = stage_split(costs, first, end, p, shares, where, empty_blocks)
     parts = speeds if speeds is not None else (1.0,) * p
-    return StageLayout(tuple(ranks), lo, hi, sent, tuple(parts), modes, named)
+    return StageLayout(tuple(ranks), lo, hi, sent, tuple(parts), modes, named, empty_blocks)

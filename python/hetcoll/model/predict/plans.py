@@ -13,6 +13,7 @@ import numpy as np
 from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster, Link
 from hetcoll.model.predict.classes import cluster_facts, node_link_ids, ring_link_of, unique_rows
+from hetcoll.model.predict.filters import blocks_need_empty
 from hetcoll.model.predict.layout import ReplicaLayout, StageLayout, plan_layout, stage_layout
 from hetcoll.model.predict.prediction import Prediction
 from hetcoll.model.predict.schedule import layout_schedule
@@ -114,7 +115,9 @@ def predict_stages(
         return out
 
     classes: list[tuple[ReplicaLayout, np.ndarray]] = []
-    for (samples, _), members in templates.items():
+    empties: dict[tuple[Any, ...], list[bool]] = {}  # per template, its stages' empty_blocks
+    for template, members in templates.items():
+        samples = template[0]
         i = members[0]
         stages = entries[i][1]
         sizes_of = [x.shape[1] for x in entries[i][2]]
@@ -124,7 +127,11 @@ def predict_stages(
             last = j + 1 == len(stages)
             first_ranks = tuple(entries[i][2][j][0].tolist())
             span = (int(layers[0]), int(layers[1]))
-            laid.append(stage_layout(costs, first_ranks, span, last, speeds, None, where))
+            empty = len(first_ranks) > 1 and blocks_need_empty(
+                costs, *span, speeds if speeds is not None else (1.0,) * len(first_ranks)
+            )
+            laid.append(stage_layout(costs, first_ranks, span, last, speeds, None, where, empty))
+        empties[template] = [st.empty_blocks for st in laid]
         ranks_of = np.vstack([np.hstack(entries[x][2]) for x in members])
         signature = [dev_kind[ranks_of]]
         col, starts = 0, []
@@ -157,6 +164,7 @@ def predict_stages(
                         st.parts,
                         st.modes,
                         st.layer_shares,
+                        st.empty_blocks,
                     )
                 )
             # The class's first row is the replica simulated for it.
@@ -172,6 +180,12 @@ def predict_stages(
         classes,
     ).prediction()
 
+    def empty_of(samples: int, blocks: list[np.ndarray], stages: Any) -> list[bool]:
+        # The entry's template, as keyed above.
+        return empties[
+            samples, tuple((x.shape[1], tuple(lay), sp) for x, (_, lay, sp) in zip(blocks, stages))
+        ]
+
     def build() -> Plan:
         return Plan.from_dict(
             {
@@ -185,8 +199,11 @@ def predict_stages(
                                 "ranks": block[row].tolist(),
                                 "layers": list(layers),
                                 **({"speeds": list(speeds)} if speeds is not None else {}),
+                                **({"empty_blocks": True} if empty else {}),
                             }
-                            for block, (_, layers, speeds) in zip(blocks, stages)
+                            for block, (_, layers, speeds), empty in zip(
+                                blocks, stages, empty_of(samples, blocks, stages)
+                            )
                         ],
                     }
                     for samples, stages, blocks in entries

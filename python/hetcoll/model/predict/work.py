@@ -110,6 +110,9 @@ def stage_work(
         plan_out_bytes=(),
         plan_layer_kinds=(),
         stage_modes=(),
+        split_blocks=tuple(
+            b for b in costs.split_blocks if any(b.contains(x.name) for x in costs.layers[lo:hi])
+        ),
     )
     sched = filter_parallel_schedule(
         sub,
@@ -119,6 +122,7 @@ def stage_work(
         modes=stage.modes,
         optimizer_state_copies=state_copies,
         layer_shares=stage.layer_shares,
+        empty_blocks=stage.empty_blocks,
     )
     fwd, bwd, lt = [], [], sched.layers
     f_comm = sched.forward_collective_s.tolist()

@@ -41,9 +41,10 @@ backward.
 
 The package, each module importing only those named before it: :mod:`.checks` (argument
 checks, speeds into shares), :mod:`.autograd` (the layers' communication as autograd functions),
-:mod:`.layers` (the split modules), :mod:`.chains` (which layers split, and the pairing rule that
-picks their modes), :mod:`.tensor_split` (the attentions split by heads and the MLPs by hidden
-units: :func:`plan_tensor_splits`), :mod:`.timing` (splits balanced by time),
+:mod:`.layers` (the split modules), :mod:`.chains` (which layers split, and the chain pairing
+rule), :mod:`.tensor_split` (the attentions split by heads and the MLPs by hidden units:
+:func:`plan_tensor_splits`), :mod:`.pairing` (the two rules combined: :func:`split_layout`,
+:func:`filter_modes`), :mod:`.timing` (splits balanced by time),
 :mod:`.convert` (:func:`filter_parallel`,
 :func:`filter_shares`, :func:`split_traffic`) and :mod:`.state` (gathering a split model's
 state dict, gradients and optimizer state, and loading full ones back). Every name other
@@ -55,7 +56,6 @@ from __future__ import annotations
 from hetcoll.torch.filters.chains import (
     ELEMENTWISE_MODULES,
     SPATIAL_MODULES,
-    filter_modes,
 )
 from hetcoll.torch.filters.chains import (
     chain_filter_modes as chain_filter_modes,
@@ -77,6 +77,7 @@ from hetcoll.torch.filters.layers import (
 from hetcoll.torch.filters.layers import (
     FilterParallelLayer as FilterParallelLayer,
 )
+from hetcoll.torch.filters.pairing import SplitLayout, filter_modes, split_layout
 from hetcoll.torch.filters.state import (
     gather_gradients,
     gather_optimizer_state_dict,
@@ -101,6 +102,7 @@ __all__ = [
     "LocalConv2d",
     "LocalLinear",
     "SharedCopy",
+    "SplitLayout",
     "TensorSplit",
     "filter_modes",
     "filter_parallel",
@@ -111,6 +113,7 @@ __all__ = [
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "plan_tensor_splits",
+    "split_layout",
     "split_tensors",
     "split_traffic",
 ]

@@ -1,8 +1,8 @@
 """Which layers filter parallelism splits and in which mode: the runs (chains) of modules known
 to feed each other in order (plain nn.Sequential children, and what torch.fx finds in a traced
-forward), the pairing rule over them (:func:`filter_modes`, :func:`chain_filter_modes`,
-:func:`plan_modes`) and the choice of layers (:func:`choose_layers`: tied weights stay
-replicated). It reads module types and sizes only, so a model on the meta device works."""
+forward), the chain pairing rule over them (:func:`chain_filter_modes`, :func:`plan_modes`)
+and the choice of layers (:func:`choose_layers`: tied weights stay replicated). It reads module
+types and sizes only, so a model on the meta device works."""
 
 from __future__ import annotations
 
@@ -214,26 +214,10 @@ def layer_channels(m: nn.Module) -> int:
     return m.out_features if features is None else features[1]  # type: ignore[return-value]
 
 
-def filter_modes(
-    model: nn.Module, layers: Sequence[str] | None = None, *, avoid_gathers: bool = True
-) -> dict[str, str]:
-    """The mode :func:`filter_parallel` gives each layer it splits, by module name:
-    ``"gather"``, ``"split-output"`` or ``"split-input"``. This is the one place the pairing
-    rule lives; :func:`hetcoll.model.predict.filter_modes` asks it too. It only reads module
-    types and sizes, so a model on the meta device works.
-
-    >>> filter_modes(nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2)))
-    {'0': 'split-output', '2': 'split-input'}
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
-    chosen = choose_layers(model, layers, dict(model.named_modules()), warn=False)
-    return plan_modes(model, chosen, avoid_gathers)[0]
-
-
 def chain_filter_modes(chain: Sequence[tuple[str, nn.Module]]) -> list[dict[str, str]]:
-    """``filter_modes(nn.Sequential(OrderedDict(chain[lo:])))`` for every ``lo``: the modes of
-    a filter-split stage running from each layer of a chain of named layers to its end, each
+    """The chain-pair modes of ``nn.Sequential(OrderedDict(chain[lo:]))`` for every ``lo``: the
+    modes of a filter-split stage running from each layer of a chain of named layers to its
+    end, as a plan's split stage splits it (by shares per layer, so by chain pairs alone), each
     module's forward traced once for all of them (the chain is read, not changed).
 
     >>> chain = [("a", nn.Linear(8, 6)), ("b", nn.ReLU()), ("c", nn.Linear(6, 2))]

@@ -38,11 +38,8 @@ from hetcoll.torch.filters.layers import (
     is_conv1d,
     split_comms,
 )
-from hetcoll.torch.filters.tensor_split import (
-    EmptyPackedSplit,
-    TensorSplit,
-    plan_tensor_splits,
-)
+from hetcoll.torch.filters.pairing import split_layout
+from hetcoll.torch.filters.tensor_split import EmptyPackedSplit, TensorSplit
 from hetcoll.torch.filters.timing import replicated_latencies, sample_seconds
 from hetcoll.torch.transport import CountingCommunicator
 
@@ -198,21 +195,22 @@ def _shares(
         if isinstance(m, nn.Conv2d):
             check_conv(m, f"layers: {name!r}")
     untraced: list[str] = []
-    modes, feeds, _ = plan_modes(model, chosen, avoid_gathers, untraced)
-    splits: list[TensorSplit] = []
-    if avoid_gathers and per_layer is None:
-        gathered = [n for n in chosen if modes[n] == "gather"]
-        splits, kept = plan_tensor_splits(model, gathered, mha=layers is None)
-        for ts in splits:
-            modes.update({c: "split-output" for c, _, _ in ts.columns})
-            modes[ts.row] = "split-input"
-        if kept:
-            warnings.warn(
-                "filter_parallel: attention left unsplit by heads (its layers gather their "
-                "outputs): " + "; ".join(f"{n!r} ({why})" for n, why in kept.items()),
-                UserWarning,
-                stacklevel=4,
-            )
+    layout = split_layout(
+        model,
+        chosen,
+        avoid_gathers=avoid_gathers,
+        tensor_splits=per_layer is None,
+        mha=layers is None,
+        untraced=untraced,
+    )
+    modes, feeds, splits = layout.modes, layout.feeds, layout.splits
+    if layout.kept:
+        warnings.warn(
+            "filter_parallel: attention left unsplit by heads (its layers gather their "
+            "outputs): " + "; ".join(f"{n!r} ({why})" for n, why in layout.kept.items()),
+            UserWarning,
+            stacklevel=4,
+        )
     gathering = [n for n, m in modes.items() if m == "gather"]
 
     def holds_gathering(entry: str) -> bool:  # an untraced module around a gathering layer

@@ -1,0 +1,81 @@
+"""The modes filter parallelism gives a model's layers, by both of its pairing rules: a chain's
+split-output -> split-input pairs (:func:`~.chains.plan_modes`) and, among the layers that rule
+would gather, the attentions split by heads and MLPs by hidden units
+(:func:`~.tensor_split.plan_tensor_splits`). :func:`split_layout` is the one place the two
+combine: :func:`~.convert.filter_parallel` splits by it and :func:`filter_modes` reports it (as
+does the performance model, through the costs it reads off a model). It reads module types,
+attributes and traced graphs only, so a model on the meta device works."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from hetcoll.torch.filters.chains import Chain, choose_layers, plan_modes
+from hetcoll.torch.filters.tensor_split import TensorSplit, plan_tensor_splits
+
+
+@dataclass
+class SplitLayout:
+    """How filter parallelism splits the chosen layers of a model.
+
+    ``modes``: each split layer's mode by module name (``"gather"``, ``"split-output"``,
+    ``"split-input"``; an ``nn.MultiheadAttention`` split by heads appears under its own name,
+    split-output); ``feeds``: for each split-input layer of a chain pair, the layer whose
+    shares it takes and its input features per channel; ``batchnorms``: each BatchNorm split
+    with the layer it follows; ``splits``: the attentions and MLPs split by heads and hidden
+    units; ``kept``: the attentions left whole, by name, with why."""
+
+    modes: dict[str, str]
+    feeds: dict[str, tuple[str, int]]
+    batchnorms: dict[str, str]
+    splits: list[TensorSplit]
+    kept: dict[str, str]
+
+
+def split_layout(
+    model: nn.Module,
+    chosen: Sequence[str] | None = None,
+    *,
+    avoid_gathers: bool = True,
+    tensor_splits: bool = True,
+    mha: bool = True,
+    untraced: list[str] | None = None,
+    traced_cache: dict[tuple[int, str], list[Chain] | str] | None = None,
+) -> SplitLayout:
+    """The layout of a split of ``chosen`` (default: the layers :func:`~.chains.choose_layers`
+    picks, without its warnings): chain pairs first,
+    then, with ``tensor_splits`` and ``avoid_gathers``, the attentions (with ``mha`` torch's
+    ``nn.MultiheadAttention`` too) and MLPs among the layers left gathering. ``untraced`` and
+    ``traced_cache`` as for :func:`~.chains.plan_modes`."""
+    if chosen is None:
+        chosen = choose_layers(model, None, dict(model.named_modules()), warn=False)
+    modes, feeds, bns = plan_modes(model, list(chosen), avoid_gathers, untraced, traced_cache)
+    splits: list[TensorSplit] = []
+    kept: dict[str, str] = {}
+    if avoid_gathers and tensor_splits:
+        gathered = [n for n in chosen if modes[n] == "gather"]
+        splits, kept = plan_tensor_splits(model, gathered, mha=mha)
+        for ts in splits:
+            modes.update({c: "split-output" for c, _, _ in ts.columns})
+            modes[ts.row] = "split-input"
+    return SplitLayout(modes, feeds, bns, splits, kept)
+
+
+def filter_modes(
+    model: nn.Module, layers: Sequence[str] | None = None, *, avoid_gathers: bool = True
+) -> dict[str, str]:
+    """The mode :func:`filter_parallel` gives each layer it splits when split by speeds, by
+    module name: ``"gather"``, ``"split-output"`` or ``"split-input"`` (the layers of an
+    attention split by heads or an MLP by hidden units included: :func:`split_layout`).
+    :func:`hetcoll.model.predict.filter_modes` reads it off the costs.
+
+    >>> filter_modes(nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2)))
+    {'0': 'split-output', '2': 'split-input'}
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    chosen = choose_layers(model, layers, dict(model.named_modules()), warn=False)
+    return split_layout(model, chosen, avoid_gathers=avoid_gathers, mha=layers is None).modes
