@@ -169,27 +169,82 @@ def _rank(rank: int, world: int, arch: str, batch: int, steps: int) -> dict[str,
     return out
 
 
+def predicted(arch: str, batch: int) -> dict[str, float]:
+    """The performance model's step (seconds) for each strategy but the time-balanced one
+    (whose split follows timings the model does not make), on this machine's device and
+    gloo link as measured now (:mod:`hetcoll.lab.calibrate`), each rank's layers with
+    parameters slowed to its speed as :func:`slow_down` slows them
+    (:func:`hetcoll.lab.predict_emulated.filter_parallel`, ``slowed="parameters"``)."""
+    import hetcoll.model as hm
+    from hetcoll.lab import calibrate, predict_emulated
+    from hetcoll.lab.validate import validation_cluster
+    from hetcoll.model.predict import filter_modes
+
+    ex = _example()
+    device = calibrate.measure_device("rank", 4e9, quick=True)
+    fit = calibrate.measure_gloo_link()
+    link = hm.Link("gloo-local", fit.latency_s, fit.bytes_per_s)
+    cluster = validation_cluster([device, device], link)
+    costs = hm.layer_costs(ex.make_model(arch), (ex.SEQ,), dtype=torch.int64)
+    out = {}
+    for name in STRATEGIES:
+        if "time-balanced" in name:
+            continue
+        parts = [1.0, 1.0] if "even" in name else list(SPEEDS)
+        modes = filter_modes(costs, avoid_gathers="gather" not in name)
+        pred = predict_emulated.filter_parallel(
+            costs,
+            cluster,
+            batch,
+            parts,
+            list(SPEEDS),
+            slowed="parameters",
+            modes=modes,
+            empty_blocks=True,
+        )
+        out[name] = pred.step_s
+    alone = predict_emulated.filter_parallel(
+        costs, validation_cluster([device], None), batch, [1.0], [SPEEDS[0]], slowed="parameters"
+    )
+    out[ALONE] = alone.step_s
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="llama", choices=["llama", "gpt2"])
     ap.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per strategy")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--no-predict",
+        dest="predict",
+        action="store_false",
+        help="skip the performance model's predictions (and the device measurement they need)",
+    )
     args = ap.parse_args(argv)
     results = launch.spawn(_rank, len(SPEEDS), args.arch, args.batch, args.steps, timeout=3600)
     r0 = results[0]
+    if args.predict:
+        for name, step_s in predicted(args.arch, args.batch).items():
+            for r in results:
+                r[name]["predicted_s"] = step_s
     print(
         f"Emulated heterogeneity: 2 ranks, speeds {SPEEDS[0]:g} and {SPEEDS[1]:g}, gloo; "
         f"{args.arch}, batch {args.batch} x {r0['seq']} tokens"
     )
     base = r0["paired, even split"]["step_s"]
-    print(f"{'strategy':<34} {'step (ms)':>10} {'vs even':>8} {'bytes fwd':>11} {'bytes bwd':>11}")
+    print(
+        f"{'strategy':<34} {'step (ms)':>10} {'vs even':>8} {'bytes fwd':>11} {'bytes bwd':>11}"
+        f" {'predicted':>10}"
+    )
     for name in (*STRATEGIES, ALONE):
         row = r0[name]
         b = row["bytes"]
+        guess = f"{row['predicted_s'] * 1e3:10.1f}" if "predicted_s" in row else f"{'-':>10}"
         print(
             f"{name:<34} {row['step_s'] * 1e3:10.1f} {base / row['step_s']:7.2f}x "
-            f"{b.get('activations', 0):11,} {b.get('gradients', 0):11,}"
+            f"{b.get('activations', 0):11,} {b.get('gradients', 0):11,} {guess}"
         )
     print("shares of the row-split layers:", r0["paired, speed-proportional"]["shares"])
     if args.json:

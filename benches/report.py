@@ -859,6 +859,48 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
     pb = prop["bytes"].get("activations", 0) + prop["bytes"].get("gradients", 0)
     gb = gather["bytes"].get("activations", 0) + gather["bytes"].get("gradients", 0)
     what = f"{r0.get('arch', '?')}, batch {r0.get('batch', '?')} x {r0.get('seq', '?')}"
+    # The performance model's steps, where the run has them (runs before it do not).
+    even_guess = rows["paired, even split"].get("predicted_s")
+    guesses = [
+        [
+            name,
+            row["step_s"] * 1e3,
+            row["predicted_s"] * 1e3,
+            row["predicted_s"] / row["step_s"] - 1.0,
+            even / row["step_s"],
+            even_guess / row["predicted_s"] if even_guess else None,
+        ]
+        for name, row in rows.items()
+        if isinstance(row.get("predicted_s"), (int, float))
+    ]
+    predictions = (
+        [
+            {
+                "title": "Predicted against measured step (the performance model, emulation "
+                "modelled)",
+                "peer": "the measured step of the same strategy, in the same run",
+                "columns": [
+                    _col("strategy"),
+                    _col("measured (ms)", "{:.1f}"),
+                    _col("predicted (ms)", "{:.1f}"),
+                    _col("error (predicted / measured - 1)", "{:+.0%}"),
+                    _col("measured speed vs even split", RATIO),
+                    _col("predicted speed vs even split", RATIO),
+                ],
+                "rows": guesses,
+                "notes": [
+                    "hetcoll.model.predict's filter-parallel step of the split (attentions by "
+                    "key/value groups, MLPs by hidden units), on this machine's device and gloo "
+                    "link measured in the same run (hetcoll.lab.calibrate), each rank's layers "
+                    "with parameters slowed to its emulated speed as slow_down slows them "
+                    "(hetcoll.lab.predict_emulated.filter_parallel, slowed='parameters'). The "
+                    "time-balanced split is not predicted (its split follows the ranks' timings)."
+                ],
+            }
+        ]
+        if guesses
+        else []
+    )
     return _result(
         "tensor_parallel",
         "Tensor parallelism of a decoder",
@@ -894,6 +936,7 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
                 ],
                 "rows": traffic,
             },
+            *predictions,
         ],
         description=(
             "Attention split by heads and MLPs by hidden units (`filter_parallel`) on two gloo "

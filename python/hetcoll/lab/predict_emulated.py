@@ -183,21 +183,31 @@ def filter_parallel(
     speeds: Sequence[float],
     *,
     host: SharedCores | None = None,
+    slowed: str = "split",
     **options: Any,
 ) -> Prediction:
     """One filter-parallel step (:func:`hetcoll.model.predict.filter_parallel`, ``options`` as
     there) with device d emulated at ``speeds[d]``: the split layers' local computation takes
     ``1/f`` as long, as :func:`hetcoll.lab.emulate.slow_down_filter_parallel` makes it; the
-    replicated layers run at full speed. On a ``host`` with fewer cores than ranks, every
+    replicated layers run at full speed. ``slowed="parameters"``: every layer with parameters
+    takes ``1/f`` as long (split or replicated: :func:`hetcoll.lab.emulate.slow_down` of the
+    split model), the parameter-free ones (an attention's scores, activations) full speed. On a ``host`` with fewer cores than ranks, every
     stretch between two collectives runs on the shared-cores timeline (in lock step every rank
     computes the same stretch at once), an emulated sleep timed on the compute as it ran, waits
     for a core included; each collective then costs ``host.wake_s`` more.
 
     >>> filter_parallel(costs, cluster, 32, [1.0, 0.5], [1.0, 0.5]).step_s  # doctest: +SKIP
     """
+    if slowed not in ("split", "parameters"):
+        raise ValueError(f"slowed: must be 'split' or 'parameters', got {slowed!r}")
     schedule = filter_parallel_schedule(costs, cluster, batch, parts, **options)
     slow = _slowdowns(speeds, len(schedule.update_s))
-    factor = np.where(schedule.split[:, None], slow[None, :], 1.0)
+    rows = (
+        schedule.split
+        if slowed == "split"
+        else np.array([x.param_bytes > 0 for x in costs.layers], dtype=bool)
+    )
+    factor = np.where(rows[:, None], slow[None, :], 1.0)
     n = len(slow)
     if host is not None and host.shared_by(n):
         return _shared_filter_parallel(schedule, slow, factor * (n / host.cores), host)

@@ -176,7 +176,11 @@ def filter_parallel_schedule(
     splits: dict[tuple[int, int], list[int]] = {}  # layers of equal filters split alike
     # The attentions and MLPs split by heads and hidden units (every layer of theirs in the
     # modes): each costed layer inside runs on a device's fraction of the units.
-    blocks = [b for b in costs.split_blocks if all(n in layer_modes for n in b.layers)]
+    blocks = [
+        b
+        for b in costs.split_blocks
+        if all(layer_modes.get(n) in ("split-output", "split-input") for n in b.layers)
+    ]
     unit_shares = [_block_shares(b, speeds, empty_blocks) for b in blocks]
     block_of: dict[int, int] = {}
     for k, b in enumerate(blocks):
