@@ -124,13 +124,25 @@ def loss_of(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def split_copy(
-    ref: nn.Module, group: Any, speeds: list[float], empty_blocks: bool = False
+    ref: nn.Module,
+    group: Any,
+    speeds: list[float],
+    empty_blocks: bool = False,
+    by_shares: bool = False,
 ) -> nn.Module:
+    """``ref`` split at ``speeds``; with ``by_shares`` through the per-layer shares
+    ``filter_shares`` gives for them (the same split, by explicit shares)."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        split = filter_parallel(
-            copy.deepcopy(ref), group=group, speeds=speeds, empty_blocks=empty_blocks
-        )
+        if by_shares:
+            shares = filter_shares(ref, size=len(speeds), speeds=speeds, empty_blocks=empty_blocks)
+            split = filter_parallel(
+                copy.deepcopy(ref), group=group, shares=shares, empty_blocks=empty_blocks
+            )
+        else:
+            split = filter_parallel(
+                copy.deepcopy(ref), group=group, speeds=speeds, empty_blocks=empty_blocks
+            )
     unsplit = [str(w.message) for w in seen if "left unsplit by heads" in str(w.message)]
     assert not unsplit, unsplit
     return split
@@ -182,9 +194,10 @@ def equals_unsplit(
     for n, t in want_state.items():
         close(full[n], t, f"after {steps} steps: {n}")
 
-    # A checkpoint resumes on another split (the speeds reversed): model and optimizer state.
+    # A checkpoint resumes on another split (the speeds reversed; with empty_blocks given as
+    # per-layer shares): model and optimizer state.
     opt_full = gather_optimizer_state_dict(split, opt_split, dst=None)
-    other = split_copy(make().double(), group, speeds[::-1], empty)
+    other = split_copy(make().double(), group, speeds[::-1], empty, by_shares=empty)
     load_full_state_dict(other, full)
     opt_other = opt_of(other)
     assert opt_full is not None
@@ -370,6 +383,20 @@ def bad_input(group: Any) -> int:
         "are not whole key/value groups (of 8 query features each) of attention "
         "'model.layers.0.self_attn'",
         lambda: filter_parallel(llama(), group=group, shares=bad, layers=attn),
+    )
+    # Per-layer shares (a dict) of an attention's output projection that are not whole
+    # groups; its query projection's shares must follow the output's.
+    per_layer = filter_shares(llama(), size=p, speeds=SPEEDS[:p])
+    o_proj, q_proj = attn[3], attn[0]
+    raises(
+        f"shares[{o_proj!r}]: {bad} are not whole key/value groups",
+        lambda: filter_parallel(llama(), group=group, shares={**per_layer, o_proj: bad}),
+    )
+    moved = list(per_layer[q_proj])
+    moved[0], moved[1] = moved[0] + 8, moved[1] - 8
+    raises(
+        f"layer {q_proj!r} feeds {o_proj!r}",
+        lambda: filter_parallel(llama(), group=group, shares={**per_layer, q_proj: moved}),
     )
     # A sample the model cannot run: every rank raises (the group is still usable after).
     raises(

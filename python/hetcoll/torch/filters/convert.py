@@ -175,6 +175,7 @@ def _shares(
         raise TypeError(f"empty_blocks: must be True or False, got {empty_blocks!r}")
     named = dict(model.named_modules())
     per_layer: Mapping[str, Any] | None = None
+    mha: bool | set[str] = layers is None
     if isinstance(shares_or_speeds, Mapping):
         per_layer = shares_or_speeds
         if layers is None:
@@ -182,6 +183,10 @@ def _shares(
         missing = [k for k in per_layer if k not in layers]
         if missing:
             raise ValueError(f"{argument}: names layers not in layers: {missing}")
+        # torch's attentions named with their shares split by heads (their packed projection
+        # is no layer of its own).
+        mha = {k for k in per_layer if isinstance(named.get(k), nn.MultiheadAttention)}
+        layers = [k for k in layers if k not in mha]
     elif isinstance(shares_or_speeds, (str, bytes)) or not isinstance(shares_or_speeds, Sequence):
         raise TypeError(
             f"{argument}: must be a sequence (speeds or shares, one per rank) or a dict "
@@ -195,14 +200,7 @@ def _shares(
         if isinstance(m, nn.Conv2d):
             check_conv(m, f"layers: {name!r}")
     untraced: list[str] = []
-    layout = split_layout(
-        model,
-        chosen,
-        avoid_gathers=avoid_gathers,
-        tensor_splits=per_layer is None,
-        mha=layers is None,
-        untraced=untraced,
-    )
+    layout = split_layout(model, chosen, avoid_gathers=avoid_gathers, mha=mha, untraced=untraced)
     modes, feeds, splits = layout.modes, layout.feeds, layout.splits
     if layout.kept:
         warnings.warn(
@@ -242,7 +240,13 @@ def _shares(
         (
             ts,
             _split_units(
-                ts, shares_or_speeds, argument, size, int(multiple_of), empty_blocks, latency
+                ts,
+                shares_or_speeds if per_layer is None else _row_shares(ts, per_layer),
+                argument if per_layer is None else f"{argument}[{ts.row!r}]",
+                size,
+                int(multiple_of),
+                empty_blocks,
+                latency,
             ),
         )
         for ts, latency in zip(splits, latencies, strict=True)
@@ -251,6 +255,14 @@ def _shares(
     for ts, counts in units:
         for c, per, parts in ts.columns:
             shares[c] = [u * per * parts for u in counts]
+            given = None if per_layer is None else per_layer.get(c)
+            if given is not None and [int(v) for v in given] != shares[c]:
+                raise ValueError(
+                    f"{argument}: layer {c!r} feeds {ts.row!r} in {ts.kind} {ts.module!r}, "
+                    f"split by whole units alike, so its shares must be {shares[c]} (for "
+                    f"{ts.row!r}'s {shares[c] if c == ts.row else _row_shares(ts, per_layer)}), "
+                    f"got {list(given)!r}"
+                )
         shares[ts.row] = [u * ts.width for u in counts]
     for name in chosen:
         if name in in_splits:
@@ -286,6 +298,19 @@ def _shares(
     order = {n: i for i, n in enumerate(named)}
     listed = sorted((n for n in shares if n in set(chosen) | in_splits), key=order.__getitem__)
     return {name: shares[name] for name in listed}, units, modes
+
+
+def _row_shares(ts: TensorSplit, per_layer: Mapping[str, Any]) -> list[Any]:
+    """The row layer's input features per rank a per-layer dict gives an attention or MLP:
+    the row's own shares, else (torch's attention named alone) its packed projection's,
+    converted."""
+    if ts.row in per_layer:
+        return list(per_layer[ts.row])
+    c, per, parts = ts.columns[0]
+    return [
+        int(v) // (per * parts) * ts.width if is_int(v) and int(v) % (per * parts) == 0 else v
+        for v in per_layer[c]
+    ]
 
 
 def _split_units(
@@ -364,7 +389,8 @@ def filter_parallel(
     too, as :func:`hetcoll.split` reads them), each layer split with :func:`hetcoll.split`
     (``multiple_of``, at least ``multiple_of`` channels per rank); ``shares=`` — integers, one
     per rank, the same channels for every split layer, or a dict from layer name to shares (the
-    layers then default to its keys). The positional ``shares_or_speeds`` (floats: speeds,
+    layers then default to its keys; an attention or MLP whose projections it all names splits
+    by whole heads or units, as :func:`filter_shares` reports them). The positional ``shares_or_speeds`` (floats: speeds,
     integers: shares) still works; with integers it warns, being ambiguous. ``layers`` names
     the modules to split (default: every
     ``nn.Conv2d`` with ``groups=1`` and ``nn.Linear``). Modes are chosen so a split layer feeding

@@ -8,7 +8,7 @@ attributes and traced graphs only, so a model on the meta device works."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -41,14 +41,15 @@ def split_layout(
     *,
     avoid_gathers: bool = True,
     tensor_splits: bool = True,
-    mha: bool = True,
+    mha: bool | Collection[str] = True,
     untraced: list[str] | None = None,
     traced_cache: dict[tuple[int, str], list[Chain] | str] | None = None,
 ) -> SplitLayout:
     """The layout of a split of ``chosen`` (default: the layers :func:`~.chains.choose_layers`
     picks, without its warnings): chain pairs first,
     then, with ``tensor_splits`` and ``avoid_gathers``, the attentions (with ``mha`` torch's
-    ``nn.MultiheadAttention`` too) and MLPs among the layers left gathering. ``untraced`` and
+    ``nn.MultiheadAttention`` too: all, or those a collection names) and MLPs among the layers
+    left gathering. ``untraced`` and
     ``traced_cache`` as for :func:`~.chains.plan_modes`."""
     if chosen is None:
         chosen = choose_layers(model, None, dict(model.named_modules()), warn=False)
@@ -57,7 +58,9 @@ def split_layout(
     kept: dict[str, str] = {}
     if avoid_gathers and tensor_splits:
         gathered = [n for n in chosen if modes[n] == "gather"]
-        splits, kept = plan_tensor_splits(model, gathered, mha=mha)
+        splits, kept = plan_tensor_splits(model, gathered, mha=bool(mha))
+        if not isinstance(mha, bool):
+            splits = [ts for ts in splits if ts.kind != "mha" or ts.module in mha]
         for ts in splits:
             modes.update({c: "split-output" for c, _, _ in ts.columns})
             modes[ts.row] = "split-input"
