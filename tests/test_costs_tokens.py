@@ -266,6 +266,27 @@ def test_costs_map_onto_the_blocks_a_plan_cuts(make: Any) -> None:
     assert sched.detail["shares_per_layer"] == {
         k: v for k, v in runtime.items() if k in sched.detail["shares_per_layer"]
     }
+
+    # The same split by shares per module path (filter_shares' dict): the same layers, modes
+    # and shares; shares that are not whole units are refused as the runtime refuses them.
+    def by_path(shares: dict[str, list[int]]) -> Plan:
+        stage = {"ranks": [0, 1], "layers": [0, n], "shares": shares, "empty_blocks": True}
+        return Plan.from_dict({"replicas": [{"samples": 4, "stages": [stage]}]})
+
+    named = predict_plan(costs, _cluster(1e12), by_path(runtime))
+    assert named.feasible and math.isclose(
+        named.step_s, predict_plan(costs, _cluster(1e12), with_empty).step_s, rel_tol=1e-12
+    )
+    for block in costs.split_blocks[:2]:
+        if block.kind == "mha":
+            continue
+        row = block.layers[-1]
+        broken = {**runtime, row: [runtime[row][0] - 1, runtime[row][1] + 1]}
+        # Whole heads of several features; an MLP's units are single features, and its input
+        # projections must follow its output's shares.
+        why = "are not whole units" if block.width > 1 else "so its shares must be"
+        with pytest.raises(ValueError, match=why):
+            predict_plan(costs, _cluster(1e12), by_path(broken))
     # One sum (or broadcast) per attention and MLP forward, one backward, besides the
     # gathering layers' gather and input-gradient sum.
     gathers = sum(1 for m in modes.values() if m == "gather")

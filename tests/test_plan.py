@@ -130,11 +130,39 @@ def test_plan_round_trips_through_json(tmp_path):
                 "replicas": [
                     {
                         "samples": 2,
-                        "stages": [{"ranks": [0, 1], "layers": [0, 2], "shares": {"x": [1, 1]}}],
+                        "stages": [
+                            {
+                                "ranks": [0, 1],
+                                "layers": [0, 2],
+                                "shares": {"0": [1, 1], "x": [1, 1]},
+                            }
+                        ],
                     }
                 ]
             },
-            "layer index",
+            "names layers by index and by module path",
+        ),
+        (
+            {
+                "replicas": [
+                    {
+                        "samples": 2,
+                        "stages": [{"ranks": [0, 1], "layers": [0, 2], "shares": {" x": [1, 1]}}],
+                    }
+                ]
+            },
+            "the key must be a layer index or a module path",
+        ),
+        (
+            {
+                "replicas": [
+                    {
+                        "samples": 2,
+                        "stages": [{"ranks": [0, 1], "layers": [0, 2], "shares": {"9": [1, 1]}}],
+                    }
+                ]
+            },
+            "layer index in",
         ),
         (
             {

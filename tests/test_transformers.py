@@ -21,6 +21,8 @@ MODELS = ("gpt2", "llama", "encoder")
 EXPECTED = {
     **{f"{m}_{p}": True for m in MODELS for p in ("pipeline", "hybrid")},
     "gpt2_planned_split": True,
+    "gpt2_by_shares": True,
+    "llama_by_shares": True,
     "llama_planned_split": True,
     "gpt2_empty_blocks": True,
     "llama_empty_blocks": True,
@@ -29,7 +31,7 @@ EXPECTED = {
     "rows_wrong": True,
     "resumes": True,
     "autocast": True,
-    "errors": 9,
+    "errors": 11,
 }
 
 
@@ -92,3 +94,18 @@ def test_empty_blocks_in_a_plan_round_trips_and_is_checked():
     for stage, message in bad:
         with pytest.raises(ValueError, match=r"stages\[0\]\.empty_blocks: " + message):
             Plan.from_dict({"replicas": [{"samples": 4, "stages": [stage]}]})
+    # Shares by module path (a transformer's split stage): round trip, a rank holding none
+    # only with empty_blocks, and one kind of key.
+    by_path = transformer_cases.hybrid_by_shares(transformer_cases.gpt2, 9)
+    plan = Plan.from_dict(by_path)
+    split = plan.replicas[1].stages[0]
+    assert split.named_shares and split.shares is None and split.speeds is None
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    stage = by_path["replicas"][1]["stages"][0]
+    stage["empty_blocks"] = False
+    with pytest.raises(ValueError, match=r"shares\['transformer\.h\.0\.attn\.c_attn'\]\[1\]"):
+        Plan.from_dict(by_path)
+    stage["empty_blocks"] = True
+    stage["shares"]["3"] = [1, 1]
+    with pytest.raises(ValueError, match="names layers by index and by module path"):
+        Plan.from_dict(by_path)

@@ -25,7 +25,7 @@ from hetcoll import Plan
 from hetcoll.collectives import allreduce
 from hetcoll.comm import agree, wrap
 from hetcoll.torch import parallelize
-from hetcoll.torch.filters import FilterParallelLayer
+from hetcoll.torch.filters import FilterParallelLayer, filter_shares
 
 from lm_common import hf_gpt2, hf_llama
 
@@ -280,6 +280,18 @@ def planned_split(group: Any, make: Any) -> str:
     raise AssertionError("the planner offers no plan with a split stage")
 
 
+def hybrid_by_shares(make: Any, n: int) -> dict[str, Any]:
+    """:func:`hybrid` with ``empty_blocks``, its split stage given by shares per module path
+    (what ``filter_shares`` gives at speeds 1 : 0.1) instead of speeds."""
+    plan = hybrid(n, empty_blocks=True)
+    stage = plan["replicas"][1]["stages"][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shares = filter_shares(make(), size=2, speeds=stage.pop("speeds"), empty_blocks=True)
+    stage["shares"] = shares
+    return plan
+
+
 class OutOfOrder(nn.Module):
     """Registers ``late`` before ``early`` but calls ``early`` first (a residual around both,
     so it is not a chain): model_layers lists ``late, early``."""
@@ -362,6 +374,23 @@ def bad_input(group: Any) -> int:
         ValueError,
         "owners name layers of a chain",
         lambda: parallelize(model, owners, loss_fn=lm_loss, group=group),
+    )
+    # Shares by module path that are not whole heads (GPT-2's 4 heads of 4 features), and
+    # shares by module path for a chain of layers.
+    by_path = hybrid_by_shares(gpt2, n)
+    split = by_path["replicas"][1]["stages"][0]
+    split["shares"]["transformer.h.0.attn.c_proj"] = [15, 1]
+    raises(
+        ValueError,
+        "shares['transformer.h.0.attn.c_proj']: [15, 1] are not whole",
+        lambda: parallelize(model, by_path, loss_fn=lm_loss, group=group),
+    )
+    stage = {"ranks": [0, 1], "layers": [0, 3], "shares": {"0.weight": [5, 3]}}
+    named = {"replicas": [{"samples": 4, "stages": [stage]}]}
+    raises(
+        ValueError,
+        "shares: names layers by module path; Sequential is a chain",
+        lambda: parallelize(seq, named, loss_fn=ce, group=group),
     )
     # A split stage with more ranks than Llama's key/value groups: refused on every rank, the
     # idle one too, before any transfer.
@@ -511,6 +540,8 @@ def run_all(group: Any) -> dict[str, Any]:
         if name != "encoder":
             equals_one_process(group, make, Plan.from_dict(hybrid(n, True)), tol=tol)
             out[f"{name}_empty_blocks"] = True
+            equals_one_process(group, make, Plan.from_dict(hybrid_by_shares(make, n)), tol=tol)
+            out[f"{name}_by_shares"] = True
             out[f"{name}_planned_split"] = bool(planned_split(group, make))
     # An image transformer: a tensor input, rows as items (conv_proj, encoder.dropout, its
     # three encoder layers, encoder.ln, heads).

@@ -15,7 +15,9 @@ A plan is plain data, versioned and JSON-serialisable. Its dictionary form::
   replica's stages cover every layer, in order.
 - A stage with several ``ranks`` splits its Conv2d / Linear channels among them (filter
   parallelism inside the stage): by ``speeds`` (one per rank; the default is equal speeds) or by
-  explicit ``shares`` (``{"<layer index>": [channels per rank, ...]}`` for the layers to split).
+  explicit ``shares`` (``{"<layer index>": [channels per rank, ...]}`` for the layers to split;
+  for a model cut into blocks, a transformer, ``{"<module path>": [...]}`` as
+  :func:`hetcoll.torch.filters.filter_shares` gives them, heads and hidden units whole).
 - Or it places every channel itself (node-wise placement, seed 002): ``owners`` gives, for each
   Conv2d / Linear layer of the stage, ``{"<layer index>": [i, ...]}``, one entry per output
   channel or neuron, each an index into the stage's ``ranks``. The sets are arbitrary (not
@@ -79,7 +81,10 @@ class Stage:
     ``speeds`` or ``shares`` when there are several ranks, or placed one by one by ``owners``
     (layer index -> for each output channel, the index in ``ranks`` of the rank computing it).
     ``empty_blocks``: a split stage's speeds may give a rank none of a transformer block's
-    heads or hidden units (:func:`hetcoll.torch.filter_parallel`'s ``empty_blocks``)."""
+    heads or hidden units (:func:`hetcoll.torch.filter_parallel`'s ``empty_blocks``).
+    ``named_shares``: the shares of a transformer's split stage, by module path (the JSON's
+    ``shares`` with module paths for keys: :func:`hetcoll.torch.filters.filter_shares`' dict,
+    attentions and MLPs in whole heads and hidden units)."""
 
     ranks: tuple[int, ...]
     layers: tuple[int, int]
@@ -87,6 +92,7 @@ class Stage:
     shares: Mapping[int, tuple[int, ...]] | None = None
     owners: Mapping[int, tuple[int, ...]] | None = None
     empty_blocks: bool = False
+    named_shares: Mapping[str, tuple[int, ...]] | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "stage") -> Stage:
@@ -126,32 +132,51 @@ class Stage:
                 ):
                     raise ValueError(f"{where}.speeds[{i}]: must be a finite number > 0, got {s!r}")
             speeds = tuple(float(s) for s in raw)
+        empty = d.get("empty_blocks", False)
+        if not isinstance(empty, bool):
+            raise ValueError(f"{where}.empty_blocks: must be true or false, got {empty!r}")
+        named = None
         if "shares" in d:
             raw_shares = d["shares"]
             if not isinstance(raw_shares, Mapping) or not raw_shares:
                 raise ValueError(
-                    f"{where}.shares: must be a non-empty dict from layer index to channels per "
-                    f"rank, got {raw_shares!r}"
+                    f"{where}.shares: must be a non-empty dict from layer index (or, for a "
+                    f"transformer, module path) to channels per rank, got {raw_shares!r}"
                 )
-            shares = {}
+            by_path = [not _is_index(k) for k in raw_shares]
+            if any(by_path) and not all(by_path):
+                raise ValueError(
+                    f"{where}.shares: names layers by index and by module path; give one kind"
+                )
+            table: dict[Any, tuple[int, ...]] = {}
             for key, per_rank in raw_shares.items():
                 w = f"{where}.shares[{key!r}]"
-                layer = _layer_key(key, w, lo, hi)
+                if all(by_path):
+                    if not isinstance(key, str) or not key.strip() or key != key.strip():
+                        raise ValueError(f"{w}: the key must be a layer index or a module path")
+                    layer: Any = key
+                else:
+                    layer = _layer_key(key, w, lo, hi)
                 values = _list(per_rank, w)
                 if len(values) != len(ranks):
                     raise ValueError(f"{w}: needs one share per rank ({len(ranks)})")
-                shares[layer] = tuple(_int(v, f"{w}[{i}]", minimum=1) for i, v in enumerate(values))
+                # By module path, a transformer's heads: a rank may hold none (empty_blocks).
+                least = 0 if all(by_path) and empty else 1
+                table[layer] = tuple(
+                    _int(v, f"{w}[{i}]", minimum=least) for i, v in enumerate(values)
+                )
+            if all(by_path):
+                named = table
+            else:
+                shares = table
         if "owners" in d:
             owners = _owners(d["owners"], f"{where}.owners", len(ranks), lo, hi)
-        empty = d.get("empty_blocks", False)
-        if not isinstance(empty, bool):
-            raise ValueError(f"{where}.empty_blocks: must be true or false, got {empty!r}")
         if empty and (len(ranks) < 2 or owners is not None):
             raise ValueError(
                 f"{where}.empty_blocks: only a stage split over several ranks by speeds or "
                 "shares has blocks to leave empty"
             )
-        return cls(tuple(ranks), (lo, hi), speeds, shares, owners, empty)
+        return cls(tuple(ranks), (lo, hi), speeds, shares, owners, empty, named)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"ranks": list(self.ranks), "layers": list(self.layers)}
@@ -159,11 +184,21 @@ class Stage:
             d["speeds"] = list(self.speeds)
         if self.shares is not None:
             d["shares"] = {str(k): list(v) for k, v in sorted(self.shares.items())}
+        if self.named_shares is not None:
+            d["shares"] = {k: list(v) for k, v in self.named_shares.items()}
         if self.owners is not None:
             d["owners"] = {str(k): list(v) for k, v in sorted(self.owners.items())}
         if self.empty_blocks:
             d["empty_blocks"] = True
         return d
+
+
+def _is_index(key: object) -> bool:
+    """Whether a per-layer dict's key reads as a layer index (JSON keys are strings)."""
+    try:
+        return str(int(key)) == str(key).strip()  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return False
 
 
 def _layer_key(key: object, where: str, lo: int, hi: int) -> int:

@@ -191,10 +191,11 @@ def filter_parallel(
     ``1/f`` as long, as :func:`hetcoll.lab.emulate.slow_down_filter_parallel` makes it; the
     replicated layers run at full speed. ``slowed="parameters"``: every layer with parameters
     takes ``1/f`` as long (split or replicated: :func:`hetcoll.lab.emulate.slow_down` of the
-    split model), the parameter-free ones (an attention's scores, activations) full speed. On a ``host`` with fewer cores than ranks, every
-    stretch between two collectives runs on the shared-cores timeline (in lock step every rank
-    computes the same stretch at once), an emulated sleep timed on the compute as it ran, waits
-    for a core included; each collective then costs ``host.wake_s`` more.
+    split model), the parameter-free ones (an attention's scores, activations) full speed. On
+    a ``host`` with fewer cores than ranks, every stretch between two collectives runs on the
+    shared-cores timeline (in lock step every rank computes the same stretch at once), an
+    emulated sleep timed on the compute as it ran, waits for a core included; each collective
+    then costs ``host.wake_s`` more.
 
     >>> filter_parallel(costs, cluster, 32, [1.0, 0.5], [1.0, 0.5]).step_s  # doctest: +SKIP
     """

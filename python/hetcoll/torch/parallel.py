@@ -913,7 +913,13 @@ def parallelize(
         if cut.kind == "blocks" and (stage.owners is not None or stage.shares is not None):
             raise ValueError(
                 f"{where}: {'owners' if stage.owners is not None else 'shares'} name layers of a "
-                f"chain; {type(model).__name__} is cut between blocks (give a split stage speeds)"
+                f"chain by index; {type(model).__name__} is cut between blocks (give a split "
+                "stage speeds, or shares by module path as filter_shares gives them)"
+            )
+        if cut.kind == "chain" and stage.named_shares is not None:
+            raise ValueError(
+                f"{where}.shares: names layers by module path; {type(model).__name__} is a chain "
+                "of layers, whose shares name them by layer index"
             )
         if stage.owners is not None:
             blocks[i, j] = owners_blocks(layers, stage, where)
@@ -1004,6 +1010,13 @@ def parallelize(
             if cut.kind == "chain":
                 shares = {n: [s[k] for k in order] for n, s in split_args[i, j].items()}
                 filter_parallel(module, group=counting, shares=shares)
+            elif stage.named_shares is not None:
+                filter_parallel(
+                    module,
+                    group=counting,
+                    shares={n: [s[k] for k in order] for n, s in stage.named_shares.items()},
+                    empty_blocks=stage.empty_blocks,
+                )
             else:
                 speeds = list(stage.speeds) if stage.speeds is not None else [1.0] * len(order)
                 filter_parallel(
@@ -1095,7 +1108,11 @@ def _check_blocks_split(layers: list[tuple[str, nn.Module]], stage: Stage, where
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # filter_parallel warns on the stage's ranks
-            filter_shares(holder, size=p, speeds=speeds, empty_blocks=stage.empty_blocks)
+            if stage.named_shares is not None:
+                shares = {n: list(v) for n, v in stage.named_shares.items()}
+                filter_shares(holder, size=p, shares=shares, empty_blocks=stage.empty_blocks)
+            else:
+                filter_shares(holder, size=p, speeds=speeds, empty_blocks=stage.empty_blocks)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
 

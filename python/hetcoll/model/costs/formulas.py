@@ -118,14 +118,17 @@ def _as_tuple(x: object) -> tuple[int, ...]:
 
 
 def _linear_kernels(
-    mod: nn.Linear,
+    mod: nn.Module,
+    features: tuple[int, int],
     in_shape: tuple[int, ...],
     needs_input_grad: bool,
     item: int,
 ) -> tuple[list[Kernel], list[Kernel]]:
-    """Forward GEMM Y[b r, out] = X[b r, in] W^T; backward dW and dX GEMMs (PyDTNN ``FC``)."""
+    """Forward GEMM Y[b r, out] = X[b r, in] W^T; backward dW and dX GEMMs (PyDTNN ``FC``), for
+    a layer of ``features`` (in, out): ``nn.Linear``, or Hugging Face's ``Conv1D`` (the same
+    product, its weight stored transposed)."""
     rows = _numel(in_shape[:-1])  # rows per sample (1 for a plain [batch, features] input)
-    i, o = mod.in_features, mod.out_features
+    i, o = features
     fwd = [
         Kernel(
             "gemm",
@@ -157,7 +160,7 @@ def _linear_kernels(
                 scales_with_filters=True,
             )
         )
-    if mod.bias is not None:
+    if getattr(mod, "bias", None) is not None:
         _add_bias(fwd, bwd, rows * o, item)
     return fwd, bwd
 

@@ -70,7 +70,7 @@ def layer_costs(
     >>> c.forward_flops(batch=1), c.plan_layers
     (25600.0, ('0', '1'))
     """
-    from hetcoll.torch.filters import split_layout
+    from hetcoll.torch.filters import linear_features, split_layout
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -105,9 +105,16 @@ def layer_costs(
                     mod, in_s, out_s, c2.needs_input_grad, item, conv_algorithm == "im2col"
                 )
                 filters, groups = mod.out_channels, mod.groups
-            elif isinstance(mod, nn.Linear):
-                ks = _linear_kernels(mod, in_s, c2.needs_input_grad, item)
-                filters = mod.out_features
+            elif isinstance(mod, nn.Linear) or linear_features(mod) is not None:
+                # nn.Linear and its subclasses; Hugging Face's Conv1D (GPT-2's projections).
+                features = (
+                    (mod.in_features, mod.out_features)
+                    if isinstance(mod, nn.Linear)
+                    else linear_features(mod)
+                )
+                assert features is not None
+                ks = _linear_kernels(mod, features, in_s, c2.needs_input_grad, item)
+                filters = features[1]
             else:
                 ks = _elementwise_kernels(mod, in_e, out_e, item)
         if ks is not None:

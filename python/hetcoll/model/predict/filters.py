@@ -181,7 +181,7 @@ def filter_parallel_schedule(
         for b in costs.split_blocks
         if all(layer_modes.get(n) in ("split-output", "split-input") for n in b.layers)
     ]
-    unit_shares = [_block_shares(b, speeds, empty_blocks) for b in blocks]
+    unit_shares = [_block_shares(b, speeds, empty_blocks, layer_shares) for b in blocks]
     block_of: dict[int, int] = {}
     for k, b in enumerate(blocks):
         # The block's span: from its first split layer's call to its last one's, inside its
@@ -328,9 +328,20 @@ def filter_parallel_schedule(
     )
 
 
-def _block_shares(block: SplitBlock, speeds: Sequence[float], empty: bool) -> list[int]:
-    """The units of ``block`` per device, as the runtime splits them; ``ValueError`` (naming
-    ``parts``) where it cannot (fewer units than devices, without ``empty``)."""
+def _block_shares(
+    block: SplitBlock,
+    speeds: Sequence[float],
+    empty: bool,
+    layer_shares: Mapping[str, Sequence[int]] | None = None,
+) -> list[int]:
+    """The units of ``block`` per device, as the runtime splits them: from ``layer_shares`` of
+    its output projection (its input features) or, for torch's attention named alone, of its
+    packed projection; else by speeds. ``ValueError`` (naming ``parts``) where speeds cannot
+    split it (fewer units than devices, without ``empty``)."""
+    if layer_shares is not None and block.layers[-1] in layer_shares:
+        return [int(v) // block.width for v in layer_shares[block.layers[-1]]]
+    if layer_shares is not None and block.kind == "mha" and block.layers[0] in layer_shares:
+        return [int(v) // (3 * block.width) for v in layer_shares[block.layers[0]]]
     if block.units < len(speeds) and not empty:
         raise ValueError(
             f"parts: {block.kind} {block.module!r} has {block.units} units (heads, key/value "
@@ -429,6 +440,7 @@ def stage_split(
     shares: Mapping[int, Sequence[int]] | None,
     where: str = "stage",
     empty_blocks: bool = False,
+    named_shares: Mapping[str, Sequence[int]] | None = None,
 ) -> tuple[dict[str, str], dict[str, list[int]] | None]:
     """The modes and explicit shares (by layer name) of a stage over plan layers
     ``[first, end)`` split over ``ranks`` ranks, checked as :func:`hetcoll.torch.parallelize`
@@ -437,9 +449,10 @@ def stage_split(
     or hidden units may leave a rank none); ``shares`` (plan layer index -> channels per
     rank) name Conv2d / Linear layers of the stage and sum to their channels.
 
-    A stage of a model cut into blocks (a transformer) splits as the runtime splits it, by
-    speeds: its attentions by heads, its MLPs by hidden units, any other Linear gathering
-    its output (a language model's head).
+    A stage of a model cut into blocks (a transformer) splits as the runtime splits it: its
+    attentions by heads, its MLPs by hidden units, any other Linear gathering its output (a
+    language model's head); by speeds, or by ``named_shares`` (module path -> channels per
+    rank, :func:`hetcoll.torch.filters.filter_shares`' dict: only the layers named split).
 
     With explicit shares only the named layers are split; a pair of the full stage's modes
     stays paired when both are named, else its named layer gathers. (The runtime pairs the
@@ -447,7 +460,14 @@ def stage_split(
     pairing is not named but another one could pair with it.)
     """
     if costs.plan_cut == "blocks":
-        return _blocks_stage_split(costs, first, end, ranks, shares, where, empty_blocks), None
+        return _blocks_stage_split(
+            costs, first, end, ranks, shares, where, empty_blocks, named_shares
+        )
+    if named_shares is not None:
+        raise ValueError(
+            f"{where}.shares: names layers by module path; the model is a chain of layers, whose "
+            "shares name them by layer index"
+        )
     if empty_blocks:
         raise ValueError(
             f"{where}.empty_blocks: the model is a chain of layers, split by channels with at "
@@ -515,15 +535,19 @@ def _blocks_stage_split(
     shares: Mapping[int, Sequence[int]] | None,
     where: str,
     empty_blocks: bool,
-) -> dict[str, str]:
+    named_shares: Mapping[str, Sequence[int]] | None,
+) -> tuple[dict[str, str], dict[str, list[int]] | None]:
     """:func:`stage_split` of a blocks model: the modes of the stage's layers in the whole
-    model's split (the runtime splits a copy of the model holding the stage's blocks)."""
+    model's split (the runtime splits a copy of the model holding the stage's blocks), and
+    with ``named_shares`` the layers they name, checked as the runtime checks them."""
     if shares is not None:
         raise ValueError(
-            f"{where}.shares: a stage of a model cut into blocks (a transformer) splits by "
-            "speeds (its heads and hidden units in proportion); give speeds"
+            f"{where}.shares: a stage of a model cut into blocks (a transformer) names its "
+            "layers by module path (filter_shares' dict), not by layer index"
         )
     modes = costs.stage_filter_modes(first, end)
+    if named_shares is not None:
+        return _named_split(costs, modes, ranks, named_shares, where, empty_blocks)
     if not modes:
         raise ValueError(
             f"{where}: has {ranks} ranks but its blocks hold no attention, MLP or Linear to split"
@@ -543,7 +567,71 @@ def _blocks_stage_split(
                 f"{where}: layer {name!r} has {by_name[name].filters} channels, too few for "
                 f"{ranks} ranks with at least 1 each"
             )
-    return modes
+    return modes, None
+
+
+def _named_split(
+    costs: ModelCosts,
+    modes: Mapping[str, str],
+    ranks: int,
+    named: Mapping[str, Sequence[int]],
+    where: str,
+    empty: bool,
+) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """The split a blocks stage's shares by module path make: an attention or MLP whose every
+    layer is named (torch's attention: its own name) splits by whole units, its projections
+    following its output's shares; any other named layer gathers (as the runtime gathers a
+    projection named without the rest of its block); nothing else splits."""
+    given = {n: [int(v) for v in s] for n, s in named.items()}
+    out: dict[str, str] = {}
+    for block in costs.split_blocks:
+        layers = block.layers
+        if not (
+            block.layers[0] in modes
+            and (all(n in given for n in layers) or (block.kind == "mha" and layers[0] in given))
+        ):
+            continue
+        # The output projection's input features, or torch's packed q, k and v over three.
+        features = given[layers[-1]] if layers[-1] in given else [v // 3 for v in given[layers[0]]]
+        least = 0 if empty else 1
+        if (
+            len(features) != ranks
+            or sum(features) != block.units * block.width
+            or any(f % block.width or f < least * block.width for f in features)
+        ):
+            raise ValueError(
+                f"{where}.shares[{layers[-1]!r}]: {features} are not whole units of "
+                f"{block.width} features of {block.kind} {block.module!r} ({block.units} units"
+                + (", none negative)" if empty else ", at least one per rank)")
+            )
+        by_layer = {x.name: x for x in costs.layers}
+        for n in layers[:-1]:
+            # Each input projection takes its output features of every unit its rank holds.
+            if n in given and by_layer.get(n) is not None and by_layer[n].filters > 0:
+                per_unit = by_layer[n].filters // block.units
+                want = [f // block.width * per_unit for f in features]
+                if given[n] != want:
+                    raise ValueError(
+                        f"{where}.shares[{n!r}]: feeds {layers[-1]!r}, so its shares must be "
+                        f"{want}, got {given[n]}"
+                    )
+        out.update({n: modes[n] for n in layers})
+    by_name = {x.name: x for x in costs.layers}
+    for name, values in given.items():
+        if name in out:
+            continue
+        # A layer named alone (not every layer of its attention or MLP) gathers its output.
+        if name not in modes or by_name.get(name) is None or by_name[name].filters <= 0:
+            raise ValueError(f"{where}.shares[{name!r}]: names no Linear layer of the stage")
+        if len(values) != ranks or sum(values) != by_name[name].filters or min(values) < 1:
+            raise ValueError(
+                f"{where}.shares[{name!r}]: needs {ranks} shares >= 1 summing to its "
+                f"{by_name[name].filters} channels, got {values}"
+            )
+        out[name] = "gather"
+    if not out:
+        raise ValueError(f"{where}.shares: names no layer of the stage to split")
+    return out, given
 
 
 def blocks_need_empty(costs: ModelCosts, first: int, end: int, speeds: Sequence[float]) -> bool:

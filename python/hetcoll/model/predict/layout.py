@@ -80,6 +80,7 @@ def plan_layout(costs: ModelCosts, cluster: Cluster, plan: Plan) -> list[Replica
                 stage.speeds,
                 shares,
                 stage.empty_blocks,
+                None if stage.named_shares is None else tuple(stage.named_shares.items()),
             )
             if key not in built:
                 built[key] = stage_layout(
@@ -91,6 +92,7 @@ def plan_layout(costs: ModelCosts, cluster: Cluster, plan: Plan) -> list[Replica
                     stage.shares,
                     where,
                     stage.empty_blocks,
+                    stage.named_shares,
                 )
             b = built[key]
             stages.append(
@@ -118,14 +120,16 @@ def stage_layout(
     shares: Mapping[int, Sequence[int]] | None,
     where: str,
     empty_blocks: bool = False,
+    named_shares: Mapping[str, Sequence[int]] | None = None,
 ) -> StageLayout:
-    """A stage over plan layers ``layers`` on ``ranks``, checked as the runtime checks it."""
+    """A stage over plan layers ``layers`` on ``ranks``, checked as the runtime checks it
+    (``named_shares``: a transformer stage's shares by module path)."""
     first, end = layers
     lo, hi = costs.plan_range(first, end)
     sent = 0.0 if last else costs.plan_out_bytes[end - 1]
     p = len(ranks)
     if p == 1:
         return StageLayout(tuple(ranks), lo, hi, sent)
-    modes, named = stage_split(costs, first, end, p, shares, where, empty_blocks)
+    modes, named = stage_split(costs, first, end, p, shares, where, empty_blocks, named_shares)
     parts = speeds if speeds is not None else (1.0,) * p
     return StageLayout(tuple(ranks), lo, hi, sent, tuple(parts), modes, named, empty_blocks)

@@ -56,6 +56,7 @@ from __future__ import annotations
 from hetcoll.torch.filters.chains import (
     ELEMENTWISE_MODULES,
     SPATIAL_MODULES,
+    linear_features,
 )
 from hetcoll.torch.filters.chains import (
     chain_filter_modes as chain_filter_modes,
@@ -110,6 +111,7 @@ __all__ = [
     "gather_gradients",
     "gather_optimizer_state_dict",
     "gather_state_dict",
+    "linear_features",
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "plan_tensor_splits",

@@ -255,12 +255,13 @@ def _shares(
     for ts, counts in units:
         for c, per, parts in ts.columns:
             shares[c] = [u * per * parts for u in counts]
-            given = None if per_layer is None else per_layer.get(c)
+            given_all = {} if per_layer is None else per_layer
+            given = given_all.get(c)
             if given is not None and [int(v) for v in given] != shares[c]:
                 raise ValueError(
                     f"{argument}: layer {c!r} feeds {ts.row!r} in {ts.kind} {ts.module!r}, "
                     f"split by whole units alike, so its shares must be {shares[c]} (for "
-                    f"{ts.row!r}'s {shares[c] if c == ts.row else _row_shares(ts, per_layer)}), "
+                    f"{ts.row!r}'s {shares[c] if c == ts.row else _row_shares(ts, given_all)}), "
                     f"got {list(given)!r}"
                 )
         shares[ts.row] = [u * ts.width for u in counts]
@@ -390,9 +391,9 @@ def filter_parallel(
     (``multiple_of``, at least ``multiple_of`` channels per rank); ``shares=`` — integers, one
     per rank, the same channels for every split layer, or a dict from layer name to shares (the
     layers then default to its keys; an attention or MLP whose projections it all names splits
-    by whole heads or units, as :func:`filter_shares` reports them). The positional ``shares_or_speeds`` (floats: speeds,
-    integers: shares) still works; with integers it warns, being ambiguous. ``layers`` names
-    the modules to split (default: every
+    by whole heads or units, as :func:`filter_shares` reports them). The positional
+    ``shares_or_speeds`` (floats: speeds, integers: shares) still works; with integers it
+    warns, being ambiguous. ``layers`` names the modules to split (default: every
     ``nn.Conv2d`` with ``groups=1`` and ``nn.Linear``). Modes are chosen so a split layer feeding
     another through channel-wise modules only (inside an ``nn.Sequential``) skips the gather:
     split-output then split-input; a BatchNorm between them is split too. ``avoid_gathers=False``
