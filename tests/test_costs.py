@@ -289,3 +289,24 @@ def test_a_leaf_returning_a_tuple_is_costed_from_its_ops() -> None:
     lstm = costs.layers[0]
     assert (lstm.name, lstm.params) == ("lstm", sum(p.numel() for p in model.lstm.parameters()))
     assert lstm.out_bytes_per_sample == 5 * 16 * 4  # the output sequence, not the state
+
+
+class _MaskOnTheCpu(nn.Module):
+    """Makes a tensor of its own in its forward without ``device=`` (as a causal mask is
+    often built): it lands on the CPU, beside the meta tensors the costs run on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.triu(torch.ones(x.shape[1], x.shape[1]), diagonal=1)
+        return self.fc(x) + mask @ x
+
+
+def test_a_forward_making_cpu_tensors_is_costed_on_the_cpu() -> None:
+    costs = layer_costs(_MaskOnTheCpu(), (8, 8))
+    fc = next(x for x in costs.layers if x.name == "fc")
+    assert fc.forward_flops(1) == 2 * 8 * 8 * 8
+    # The mask product (8x8 @ 8x8 per sample), counted too.
+    assert costs.forward_flops(1) == fc.forward_flops(1) + 2 * 8 * 8 * 8

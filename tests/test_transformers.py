@@ -19,11 +19,9 @@ from hetcoll.torch.layers import model_cut, model_layers
 HERE = Path(__file__).resolve().parent
 MODELS = ("gpt2", "llama", "encoder")
 EXPECTED = {
-    **{f"{m}_{p}": True for m in MODELS for p in ("pipeline", "hybrid")},
-    "gpt2_planned_split": True,
+    **{f"{m}_{p}": True for m in MODELS for p in ("pipeline", "hybrid", "planned_split")},
     "gpt2_by_shares": True,
     "llama_by_shares": True,
-    "llama_planned_split": True,
     "gpt2_empty_blocks": True,
     "llama_empty_blocks": True,
     "vit_hybrid": True,

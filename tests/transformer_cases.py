@@ -247,9 +247,9 @@ def hybrid(n: int, empty_blocks: bool = False) -> dict[str, Any]:
 
 def planned_split(group: Any, make: Any) -> str:
     """The planner's best plan with a stage split over several ranks, for four devices of
-    speeds 1 : 1 : 0.5 : 0.1, trains ``make()`` like one process; returns its strategy. (Not
-    for :class:`EncoderLM`: its forward makes its causal mask on the CPU, so its costs, read on
-    the meta device, cannot be.)"""
+    speeds 1 : 1 : 0.5 : 0.1, trains ``make()`` like one process; returns its strategy.
+    (:class:`EncoderLM` makes its causal mask on the CPU in its forward: its costs are counted
+    on a CPU run.)"""
     from hetcoll.model import cluster_from_dict, layer_costs, plan
 
     model = make()
@@ -542,7 +542,7 @@ def run_all(group: Any) -> dict[str, Any]:
             out[f"{name}_empty_blocks"] = True
             equals_one_process(group, make, Plan.from_dict(hybrid_by_shares(make, n)), tol=tol)
             out[f"{name}_by_shares"] = True
-            out[f"{name}_planned_split"] = bool(planned_split(group, make))
+        out[f"{name}_planned_split"] = bool(planned_split(group, make))
     # An image transformer: a tensor input, rows as items (conv_proj, encoder.dropout, its
     # three encoder layers, encoder.ln, heads).
     from plan_cases import equals_one_process as images_equal_one_process

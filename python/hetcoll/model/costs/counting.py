@@ -350,9 +350,10 @@ def _trace(model: nn.Module, inputs: Sequence[ModelInput], batch: int) -> _OpCou
     """Run ``model`` forward and backward on meta tensors for ``batch`` samples of ``inputs``
     (one positional input or keyword inputs), counting every op (:class:`_OpCounter`). A
     forward that reads its inputs' values (Hugging Face's check for packed sequences when no
-    attention mask is given) cannot run on the meta device: it is counted on a real run of
-    zeros (valid token ids, zero weights) on the CPU instead, which holds the model's weights
-    in memory once."""
+    attention mask is given), or that makes tensors of its own on the CPU (a causal mask built
+    without ``device=``), cannot run on the meta device: it is counted on a real run of zeros
+    (valid token ids, zero weights) on the CPU instead, which holds the model's weights and
+    that batch's activations in memory."""
     try:
         return _count(model, inputs, batch, torch.device("meta"))
     except _NeedsValues:
@@ -402,7 +403,11 @@ def _count(
             if outs:
                 torch.autograd.backward(outs, [torch.zeros_like(t) for t in outs])
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
-        if device.type == "meta" and "meta tensor" in str(e):
+        # A forward that reads values, or makes a tensor on the CPU itself (a mask built
+        # without device=) and meets the meta ones: counted on the CPU instead.
+        if device.type == "meta" and any(
+            m in str(e) for m in ("meta tensor", "on the expected device", "same device")
+        ):
             raise _NeedsValues from e
         what = ", ".join(
             f"{x.name + '=' if x.name else ''}{'x'.join(map(str, x.shape))} {x.dtype}"
