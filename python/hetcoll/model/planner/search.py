@@ -216,6 +216,7 @@ def _asymmetric(
                 modes=modes,
                 optimizer_state_copies=s,
                 empty_blocks=empty,
+                balance="time" if costs.plan_cut == "blocks" and costs.split_blocks else "speed",
             )
 
         b1 = max(m, share_guess // 2)
@@ -454,6 +455,10 @@ def plan(
         except ValueError as e:
             return _infeasible(strategy, batch, c.num_devices, "samples", str(e))
 
+    # A transformer's heads and hidden units split by predicted time (the work every device
+    # repeats around them counted), as filter_parallel(sample=) splits them by measured time.
+    balance = "time" if costs.plan_cut == "blocks" and costs.split_blocks else "speed"
+
     def filter_balanced(c: Cluster, strategy: str) -> Prediction:
         speeds = device_speeds(costs, c, batch)
         return predict.filter_parallel(
@@ -465,6 +470,7 @@ def plan(
             strategy=strategy,
             optimizer_state_copies=s,
             empty_blocks=bool(n) and predict.blocks_need_empty(costs, 0, n, speeds),
+            balance=balance,
         )
 
     def best_step() -> float:

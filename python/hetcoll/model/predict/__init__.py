@@ -49,6 +49,7 @@ from hetcoll.model.predict.filters import (
     filter_parallel,
     filter_parallel_schedule,
     stage_split,
+    time_balanced_shares,
 )
 from hetcoll.model.predict.filters import (
     _check_modes as _check_modes,
@@ -142,4 +143,5 @@ __all__ = [
     "predict_plan",
     "predict_stages",
     "stage_split",
+    "time_balanced_shares",
 ]

@@ -176,20 +176,9 @@ def filter_parallel_schedule(
     splits: dict[tuple[int, int], list[int]] = {}  # layers of equal filters split alike
     # The attentions and MLPs split by heads and hidden units (every layer of theirs in the
     # modes): each costed layer inside runs on a device's fraction of the units.
-    blocks = [
-        b
-        for b in costs.split_blocks
-        if all(layer_modes.get(n) in ("split-output", "split-input") for n in b.layers)
-    ]
+    blocks = _split_blocks(costs, layer_modes)
     unit_shares = [_block_shares(b, speeds, empty_blocks, layer_shares) for b in blocks]
-    block_of: dict[int, int] = {}
-    for k, b in enumerate(blocks):
-        # The block's span: from its first split layer's call to its last one's, inside its
-        # module (an encoder layer's MLP is named after the layer, which holds its attention).
-        at = [i for i, x in enumerate(costs.layers) if x.name in b.layers]
-        for i in range(min(at), max(at) + 1) if at else ():
-            if b.contains(costs.layers[i].name):
-                block_of.setdefault(i, k)
+    block_of = _block_spans(costs, blocks)
     for i, layer in enumerate(costs.layers):
         mode = layer_modes.get(layer.name)
         if i in block_of:
@@ -328,6 +317,100 @@ def filter_parallel_schedule(
     )
 
 
+def _split_blocks(costs: ModelCosts, modes: Mapping[str, str]) -> list[SplitBlock]:
+    """The attentions and MLPs ``modes`` split by heads and hidden units."""
+    return [
+        b
+        for b in costs.split_blocks
+        if all(modes.get(n) in ("split-output", "split-input") for n in b.layers)
+    ]
+
+
+def _block_spans(costs: ModelCosts, blocks: Sequence[SplitBlock]) -> dict[int, int]:
+    """Costed layer -> the block of ``blocks`` it runs in: from the block's first split
+    layer's call to its last one's, inside its module (an encoder layer's MLP is named after
+    the layer, which holds its attention too)."""
+    block_of: dict[int, int] = {}
+    for k, b in enumerate(blocks):
+        at = [i for i, x in enumerate(costs.layers) if x.name in b.layers]
+        for i in range(min(at), max(at) + 1) if at else ():
+            if b.contains(costs.layers[i].name):
+                block_of.setdefault(i, k)
+    return block_of
+
+
+def time_balanced_shares(
+    costs: ModelCosts,
+    cluster: Cluster,
+    batch: int,
+    parts: Sequence[float],
+    *,
+    modes: Mapping[str, str] | None = None,
+    empty_blocks: bool = True,
+) -> dict[str, list[int]]:
+    """A transformer's split balanced by predicted time, by module path (what a plan's split
+    stage takes as ``shares``, :func:`hetcoll.torch.filters.filter_shares`' form): the model's
+    counterpart of ``filter_parallel(sample=...)``. Every device repeats the work outside the
+    attentions and MLPs (norms, embeddings, residual adds) at its own speed; that work, an equal
+    part before each block's reduction, is :func:`hetcoll.split`'s ``latency`` for the block's
+    units, each device's time per unit its own block time. The other split layers (a gathering
+    LM head) split by ``parts``, as by speed. ``empty_blocks``: a device may hold no units.
+
+    >>> time_balanced_shares(costs, cluster, 32, [1.0, 0.25])  # doctest: +SKIP
+    {'model.layers.0.self_attn.q_proj': [64, 0], ...}
+    """
+    layer_modes = filter_modes(costs) if modes is None else _check_modes(costs, modes)
+    n_dev = cluster.num_devices
+    if len(parts) != n_dev or any(not (float(x) > 0) for x in parts):
+        raise ValueError(f"parts: expected {n_dev} positive numbers (one per device)")
+    blocks = _split_blocks(costs, layer_modes)
+    if not blocks:
+        raise ValueError(
+            "costs: the model has no attention or MLP split by heads or hidden units to balance"
+        )
+    span = _block_spans(costs, blocks)
+    lt = _layer_times(costs, device_arrays(cluster.devices), np.full(n_dev, batch))
+    seconds = lt.forward_s + lt.backward_s  # each layer whole, on each device
+    in_blocks = {n for b in blocks for n in b.layers}
+    others = [x.name in layer_modes and x.name not in in_blocks for x in costs.layers]
+    repeated = np.array(
+        [not (i in span or others[i]) for i in range(len(costs.layers))], dtype=bool
+    )
+    latency = seconds[repeated].sum(axis=0) / len(blocks)
+    by_name = {x.name: x for x in costs.layers}
+    out: dict[str, list[int]] = {}
+    for k, b in enumerate(blocks):
+        rows = [i for i, kk in span.items() if kk == k]
+        per_feature = seconds[rows].sum(axis=0) / (b.units * b.width)
+        if not (per_feature > 0).all():
+            units = b.shares(parts, empty=empty_blocks)
+        else:
+            features = hetcoll.split(
+                b.units * b.width,
+                [float(1.0 / t) for t in per_feature],
+                multiple_of=b.width,
+                minimum=0 if empty_blocks else b.width,
+                latency=[float(x) for x in latency],
+            )
+            units = [f // b.width for f in features]
+        for n in b.layers:
+            if n == b.layers[-1]:
+                per_unit = b.width
+            elif b.kind == "mha":
+                per_unit = 3 * b.width  # its query, key and value packed
+            else:
+                per_unit = by_name[n].filters // b.units
+            out[n] = [u * per_unit for u in units]
+    for name, mode in layer_modes.items():
+        if name in in_blocks or mode == "split-input":
+            continue
+        filters = by_name[name].filters
+        out[name] = hetcoll.split(
+            filters, [float(x) for x in parts], minimum=1 if filters >= n_dev else 0
+        )
+    return out
+
+
 def _block_shares(
     block: SplitBlock,
     speeds: Sequence[float],
@@ -361,6 +444,7 @@ def filter_parallel(
     optimizer_state_copies: int = 1,
     strategy: str = "filter parallel",
     empty_blocks: bool = False,
+    balance: str = "speed",
 ) -> Prediction:
     """One filter-parallel step on the whole ``batch``, as :func:`hetcoll.torch.filter_parallel`
     runs it. Each split layer (``modes``, default :func:`filter_modes`) divides its F filters
@@ -383,13 +467,24 @@ def filter_parallel(
     see the same full data everywhere. (:func:`filter_parallel_schedule` gives the step before
     it is timed.)
 
+    ``balance="time"`` (a transformer): its attentions and MLPs split by predicted time, the
+    work every device repeats around them counted (:func:`time_balanced_shares`, a device
+    holding none of a block where that is faster), not in proportion to ``parts``.
+
     Its plan (:meth:`Prediction.to_plan`) is one replica of one stage over every device, split
-    by ``parts``, when the runtime splits the same way (every split layer has at least one
-    channel per device, and the modes are those of such a stage).
+    by ``parts`` (by time: by those shares, per module path), when the runtime splits the same
+    way (every split layer has at least one channel per device, and the modes are those of
+    such a stage).
 
     >>> filter_parallel(costs, cluster, 64, [1.0, 0.5]).step_s  # doctest: +SKIP
     """
+    if balance not in ("speed", "time"):
+        raise ValueError(f"balance: must be 'speed' or 'time', got {balance!r}")
     used = filter_modes(costs) if modes is None else _check_modes(costs, modes)
+    named = None
+    if balance == "time":
+        named = time_balanced_shares(costs, cluster, batch, parts, modes=used)
+        empty_blocks = any(0 in v for v in named.values())  # the plan says so where needed
     pred = filter_parallel_schedule(
         costs,
         cluster,
@@ -399,9 +494,10 @@ def filter_parallel(
         optimizer_state_copies=optimizer_state_copies,
         strategy=strategy,
         empty_blocks=empty_blocks,
+        layer_shares=named,
     ).prediction()
     try:
-        pred.plan = _filter_parallel_plan(costs, batch, parts, used, empty_blocks)
+        pred.plan = _filter_parallel_plan(costs, batch, parts, used, empty_blocks, named)
     except ValueError as e:
         pred.plan_note = str(e)
     return pred
@@ -413,8 +509,10 @@ def _filter_parallel_plan(
     parts: Sequence[float],
     modes: Mapping[str, str],
     empty_blocks: bool = False,
+    named: Mapping[str, Sequence[int]] | None = None,
 ) -> Plan:
-    """One replica: one stage over every device, split by ``parts`` as the runtime would."""
+    """One replica: one stage over every device, split by ``parts`` as the runtime would (or
+    by ``named`` shares, by module path)."""
     costs.check_plan_layers()
     n, p = len(costs.plan_layers), len(parts)
     stage: dict[str, Any] = {"ranks": list(range(p)), "layers": [0, n]}
@@ -425,8 +523,11 @@ def _filter_parallel_plan(
                 "costs.stage_filter_modes(0, len(costs.plan_layers)))"
             )
         empty = empty_blocks and costs.plan_cut == "blocks"
-        stage_split(costs, 0, n, p, None, "filter parallel", empty)
-        stage["speeds"] = [float(x) for x in parts]
+        stage_split(costs, 0, n, p, None, "filter parallel", empty, named)
+        if named is not None:
+            stage["shares"] = {k: list(v) for k, v in named.items()}
+        else:
+            stage["speeds"] = [float(x) for x in parts]
         if empty:
             stage["empty_blocks"] = True
     return Plan.from_dict({"microbatches": 1, "replicas": [{"samples": batch, "stages": [stage]}]})
