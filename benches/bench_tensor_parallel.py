@@ -12,7 +12,10 @@ copy of the same model, trained with SGD on the same global batch:
    one of the two key/value groups, holds none) against the even split that Megatron-LM,
    DTensor and DeepSpeed AutoTP use (the same code with equal speeds): step time; and the
    time-balanced split (``sample=``: the work every rank repeats around the blocks, timed on
-   the batch, charged at each rank's speed);
+   the batch, charged at each rank's speed); and the planned split (the same balance by
+   *predicted* time: :func:`hetcoll.model.predict.time_balanced_shares` on this machine's
+   device, measured before the run, slowed to each rank's speed; given as ``shares=`` per
+   module path, as a plan's split stage gives them);
 2. the paired split (attention by heads, MLPs by hidden units: two reductions per block
    forward) against gather mode (``avoid_gathers=False``: every Linear gathers its output,
    what ``filter_parallel`` did for transformers before): step time and bytes sent per step
@@ -60,6 +63,7 @@ STRATEGIES = (
     "paired, even split",
     "gather mode, speed-proportional",
     "paired, time-balanced",
+    "paired, planned",
 )
 #: The peer of any split: the unsplit model on the fast rank alone (the slow rank idle).
 ALONE = "unsplit, fast rank alone"
@@ -77,25 +81,37 @@ def _example() -> Any:
 
 
 def _strategy(
-    name: str, model: nn.Module, speed: float, counts: dict[str, int], ids: torch.Tensor
+    name: str,
+    model: nn.Module,
+    speed: float,
+    counts: dict[str, int],
+    ids: torch.Tensor,
+    planned: dict[str, list[int]],
 ) -> tuple[nn.Module, CountingCommunicator]:
     comm = CountingCommunicator(wrap(None), counts)
     speeds = [1.0, 1.0] if "even" in name else list(SPEEDS)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the untraceable HF forward and the head, named
-        split = filter_parallel(
-            copy.deepcopy(model),
-            group=comm,
-            speeds=speeds,
-            avoid_gathers="gather" not in name,
-            empty_blocks=True,
-            sample={"input_ids": ids} if "time-balanced" in name else None,
-        )
+        if "planned" in name:
+            split = filter_parallel(
+                copy.deepcopy(model), group=comm, shares=planned, empty_blocks=True
+            )
+        else:
+            split = filter_parallel(
+                copy.deepcopy(model),
+                group=comm,
+                speeds=speeds,
+                avoid_gathers="gather" not in name,
+                empty_blocks=True,
+                sample={"input_ids": ids} if "time-balanced" in name else None,
+            )
     slow_down(split, speed)
     return split, comm
 
 
-def _rank(rank: int, world: int, arch: str, batch: int, steps: int) -> dict[str, Any]:
+def _rank(
+    rank: int, world: int, arch: str, batch: int, steps: int, planned: dict[str, list[int]]
+) -> dict[str, Any]:
     torch.set_num_threads(1)
     ex = _example()
     torch.manual_seed(0)
@@ -120,7 +136,7 @@ def _rank(rank: int, world: int, arch: str, batch: int, steps: int) -> dict[str,
     runs[ALONE] = {"step": alone_step, "counts": {}, "modes": [], "shares": {}}
     for name in STRATEGIES:
         counts: dict[str, int] = {}
-        split, comm = _strategy(name, model, SPEEDS[rank], counts, ids)
+        split, comm = _strategy(name, model, SPEEDS[rank], counts, ids, planned)
         opt = torch.optim.SGD(split.parameters(), lr=1e-3)
 
         def step(split: nn.Module = split, comm: Any = comm, opt: Any = opt) -> None:
@@ -169,23 +185,45 @@ def _rank(rank: int, world: int, arch: str, batch: int, steps: int) -> dict[str,
     return out
 
 
-def predicted(arch: str, batch: int) -> dict[str, float]:
-    """The performance model's step (seconds) for each strategy but the time-balanced one
-    (whose split follows timings the model does not make), on this machine's device and
-    gloo link as measured now (:mod:`hetcoll.lab.calibrate`), each rank's layers with
-    parameters slowed to its speed as :func:`slow_down` slows them
-    (:func:`hetcoll.lab.predict_emulated.filter_parallel`, ``slowed="parameters"``)."""
+def machine(arch: str) -> tuple[Any, Any, Any]:
+    """The model's view of this machine, measured now (:mod:`hetcoll.lab.calibrate`): the
+    decoder's costs, one rank's device and the gloo link."""
     import hetcoll.model as hm
-    from hetcoll.lab import calibrate, predict_emulated
-    from hetcoll.lab.validate import validation_cluster
-    from hetcoll.model.predict import filter_modes
+    from hetcoll.lab import calibrate
 
     ex = _example()
     device = calibrate.measure_device("rank", 4e9, quick=True)
     fit = calibrate.measure_gloo_link()
     link = hm.Link("gloo-local", fit.latency_s, fit.bytes_per_s)
-    cluster = validation_cluster([device, device], link)
     costs = hm.layer_costs(ex.make_model(arch), (ex.SEQ,), dtype=torch.int64)
+    return costs, device, link
+
+
+def planned_shares(costs: Any, device: Any, link: Any, batch: int) -> dict[str, list[int]]:
+    """The planner's split of the decoder for the two emulated ranks: balanced by predicted
+    time (:func:`hetcoll.model.predict.time_balanced_shares`, what ``hetcoll plan`` writes for
+    a transformer's split stage) on the ranks as the planner sees them (this machine's device
+    slowed to each speed: :func:`hetcoll.lab.emulate.emulated_device`)."""
+    from hetcoll.lab.emulate import emulated_device
+    from hetcoll.lab.validate import validation_cluster
+    from hetcoll.model.predict import time_balanced_shares
+
+    cluster = validation_cluster([emulated_device(device, f) for f in SPEEDS], link)
+    return time_balanced_shares(costs, cluster, batch, list(SPEEDS))
+
+
+def predicted(
+    costs: Any, device: Any, link: Any, batch: int, planned: dict[str, list[int]]
+) -> dict[str, float]:
+    """The performance model's step (seconds) for each strategy but the time-balanced one
+    (whose split follows timings the model does not make), each rank's layers with
+    parameters slowed to its speed as :func:`slow_down` slows them
+    (:func:`hetcoll.lab.predict_emulated.filter_parallel`, ``slowed="parameters"``)."""
+    from hetcoll.lab import predict_emulated
+    from hetcoll.lab.validate import validation_cluster
+    from hetcoll.model.predict import filter_modes
+
+    cluster = validation_cluster([device, device], link)
     out = {}
     for name in STRATEGIES:
         if "time-balanced" in name:
@@ -201,6 +239,7 @@ def predicted(arch: str, batch: int) -> dict[str, float]:
             slowed="parameters",
             modes=modes,
             empty_blocks=True,
+            layer_shares=planned if "planned" in name else None,
         )
         out[name] = pred.step_s
     alone = predict_emulated.filter_parallel(
@@ -220,13 +259,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--no-predict",
         dest="predict",
         action="store_false",
-        help="skip the performance model's predictions (and the device measurement they need)",
+        help="skip the performance model's predictions (the planned row is still planned)",
     )
     args = ap.parse_args(argv)
-    results = launch.spawn(_rank, len(SPEEDS), args.arch, args.batch, args.steps, timeout=3600)
+    costs, device, link = machine(args.arch)
+    planned = planned_shares(costs, device, link, args.batch)
+    results = launch.spawn(
+        _rank, len(SPEEDS), args.arch, args.batch, args.steps, planned, timeout=3600
+    )
     r0 = results[0]
     if args.predict:
-        for name, step_s in predicted(args.arch, args.batch).items():
+        for name, step_s in predicted(costs, device, link, args.batch, planned).items():
             for r in results:
                 r[name]["predicted_s"] = step_s
     print(

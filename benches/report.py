@@ -827,6 +827,7 @@ _TP_STRATEGIES = (
 )
 _TP_ALONE = "unsplit, fast rank alone"
 _TP_TIMED = "paired, time-balanced"
+_TP_PLANNED = "paired, planned"
 
 
 def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
@@ -840,7 +841,8 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
         raise ResultError(f"{path}: expected a list with one result per rank")
     r0 = data[0]
     rows = {name: _need(r0, name, f"{path}: [0]") for name in _TP_STRATEGIES}
-    for optional in (_TP_TIMED, _TP_ALONE):  # results from before they were measured lack them
+    # Results from before they were measured lack them.
+    for optional in (_TP_TIMED, _TP_PLANNED, _TP_ALONE):
         if optional in r0:
             rows[optional] = r0[optional]
     even = _need(rows["paired, even split"], "step_s", f"{path}: [0].paired, even split")
@@ -960,6 +962,16 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
                     )
                 ]
                 if _TP_TIMED in rows
+                else []
+            ),
+            *(
+                [
+                    (
+                        "tensor parallel, planned (predicted-time-balanced) vs even head split",
+                        f"{even / rows[_TP_PLANNED]['step_s']:.2f}x faster",
+                    )
+                ]
+                if _TP_PLANNED in rows
                 else []
             ),
             *(

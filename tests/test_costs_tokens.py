@@ -442,3 +442,50 @@ def test_a_chain_of_token_layers_still_filter_splits() -> None:
     assert c.stage_filter_modes(0, 4) == {"1": "split-output", "3": "split-input"}
     assert c.plan_out_bytes[0] == 8 * 16 * 4
     assert math.isclose(c.forward_flops(1), 2 * 8 * (16 * 32 + 32 * 50))
+
+
+@pytest.mark.parametrize("make", [llama, gpt2, EncoderLM], ids=["llama", "gpt2", "encoder"])
+def test_time_balanced_shares_run_as_shares_by_module_path(make: Any) -> None:
+    """The model's split by predicted time names every layer the runtime splits, in whole
+    heads and units the runtime accepts; a device much slower than the others' repeated work
+    gets nothing of a block; its plan, by module path, predicts what the shares say."""
+    from hetcoll.model.predict import filter_parallel, time_balanced_shares
+
+    model = make()
+    costs = layer_costs(model, (SEQ,), dtype=torch.int64)
+    cluster = _cluster(1e12).subset([0, 2])  # a fast and a slow device (2:1)
+    shares = time_balanced_shares(costs, cluster, 8, [1.0, 0.5])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert filter_shares(model, size=2, shares=shares, empty_blocks=True) == shares
+        by_speed = filter_shares(model, size=2, speeds=[1.0, 0.5], empty_blocks=True)
+    assert set(shares) == set(by_speed)
+    # Far slower than the block's work is worth, the second device holds none of any block.
+    slow = cluster_from_dict(
+        {
+            "devices": {
+                "fast": {"flops_per_s": 1e12, "mem_bytes_per_s": 1e11, "memory_bytes": 1e12},
+                "crawl": {"flops_per_s": 1e8, "mem_bytes_per_s": 1e7, "memory_bytes": 1e12},
+            },
+            "links": {"l": {"latency_s": 1e-6, "bytes_per_s": 1e10}},
+            "nodes": [
+                {"name": "a", "device": "fast", "link": "l"},
+                {"name": "b", "device": "crawl", "link": "l"},
+            ],
+            "network": {"link": "l"},
+        }
+    )
+    none = time_balanced_shares(costs, slow, 8, [1.0, 1e-4])
+    rows = [b.layers[-1] for b in costs.split_blocks]
+    assert all(none[r][1] == 0 for r in rows), {r: none[r] for r in rows}
+    pred = filter_parallel(costs, cluster, 8, [1.0, 0.5], balance="time")
+    assert pred.has_plan, pred.plan_note
+    stage = pred.to_plan().replicas[0].stages[0]
+    assert stage.named_shares == {k: tuple(v) for k, v in shares.items()}
+    # The plan's step: the same, plus its loss allreduce, whose wait for the slower device
+    # comes before the optimizer (which the lock-step prediction lets each device start alone).
+    got = predict_plan(costs, cluster, pred.to_plan())
+    low = pred.step_s + got.detail["loss_allreduce_s"]
+    assert low - 1e-15 <= got.step_s <= low + got.breakdown["optimizer"]
+    with pytest.raises(ValueError, match="balance: must be 'speed' or 'time'"):
+        filter_parallel(costs, cluster, 8, [1.0, 0.5], balance="fast")

@@ -244,25 +244,15 @@ def filter_parallel_schedule(
     def copy_s(nbytes: float) -> float:
         return float(terms.copy_seconds(nbytes, copy_bw))
 
-    def broadcast_s(nbytes: float) -> float:
-        return float(terms.broadcast_seconds(nbytes, n_dev, link.latency_s, link.bytes_per_s))
-
     fwd_comm = np.zeros(n_layers)  # after the layer's forward
     bwd_comm = np.zeros(n_layers)  # after the layer's backward
     for k in range(len(blocks)):
-        # One sum of the block's output after its last layer's forward, one of its input's
-        # gradient after its first layer's backward; a block held by one device alone is
-        # broadcast from it instead (the others' partial sums are zero).
         rows = [i for i, b in block_of.items() if b == k]
-        if not rows:
-            continue
-        first, last = costs.layers[min(rows)], costs.layers[max(rows)]
-        out = last.out_bytes_per_sample * batch
-        grad = first.in_bytes_per_sample * batch
-        alone = sum(1 for u in unit_shares[k] if u > 0) == 1
-        total = broadcast_s if alone else allreduce_s
-        fwd_comm[max(rows)] = total(out) + copy_s(out)
-        bwd_comm[min(rows)] = total(grad) + copy_s(grad)
+        if rows:
+            alone = sum(1 for u in unit_shares[k] if u > 0) == 1
+            fwd_comm[max(rows)], bwd_comm[min(rows)] = _block_sums_s(
+                costs, cluster, batch, rows, alone
+            )
     for i in filters_of:
         if i in block_of:
             continue
@@ -315,6 +305,35 @@ def filter_parallel_schedule(
             "units_per_block": {b.module: u for b, u in zip(blocks, unit_shares, strict=True)},
         },
     )
+
+
+def _block_sums_s(
+    costs: ModelCosts, cluster: Cluster, batch: int, rows: Sequence[int], alone: bool
+) -> tuple[float, float]:
+    """Seconds of a split block's two sums: of its output after its last layer's forward, of
+    its input's gradient after its first layer's backward (``rows``: its costed layers), each a
+    ring allreduce on a copy; broadcast from its one holder instead when ``alone`` (the other
+    devices' partial sums are zero)."""
+    n_dev = cluster.num_devices
+    dev = device_arrays(cluster.devices)
+    link = cluster.ring_link()
+    first, last = costs.layers[min(rows)], costs.layers[max(rows)]
+    out: list[float] = []
+    for nbytes in (last.out_bytes_per_sample * batch, first.in_bytes_per_sample * batch):
+        if alone:
+            total = terms.broadcast_seconds(nbytes, n_dev, link.latency_s, link.bytes_per_s)
+        else:
+            total = terms.ring_allreduce_seconds(
+                nbytes,
+                n_dev,
+                link.latency_s,
+                link.bytes_per_s,
+                float(dev.mem_bytes_per_s.min()),
+                costs.itemsize,
+            )
+        copy = terms.copy_seconds(nbytes, float(dev.elementwise_bytes_per_s.min()))
+        out.append(float(total + copy))
+    return out[0], out[1]
 
 
 def _split_blocks(costs: ModelCosts, modes: Mapping[str, str]) -> list[SplitBlock]:
@@ -393,6 +412,16 @@ def time_balanced_shares(
                 latency=[float(x) for x in latency],
             )
             units = [f // b.width for f in features]
+            if empty_blocks and sum(1 for u in units if u > 0) > 1:
+                # The whole block on the device that finishes it first, broadcast, against
+                # the split and its allreduce: the better of the two.
+                total = latency + per_feature * b.units * b.width
+                split_s = float(np.max(latency + per_feature * np.asarray(features))) + sum(
+                    _block_sums_s(costs, cluster, batch, rows, False)
+                )
+                alone_s = float(total.min()) + sum(_block_sums_s(costs, cluster, batch, rows, True))
+                if alone_s < split_s:
+                    units = [b.units if d == int(total.argmin()) else 0 for d in range(n_dev)]
         for n in b.layers:
             if n == b.layers[-1]:
                 per_unit = b.width
