@@ -44,7 +44,7 @@ wheel: $(WHEELED)
 # run on the CPU that says what it skipped. DEVICE_OUT: where its JSON and log go.
 DEVICE_OUT ?= out/device
 device-check: wheel
-	bash benches/device/run.sh $(DEVICE_OUT)
+	PYTHON=$(abspath $(PY)) bash benches/device/run.sh $(DEVICE_OUT)
 
 demo: $(BUILT)
 	$(VENV)/bin/hetcoll demo

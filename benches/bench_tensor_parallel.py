@@ -243,7 +243,7 @@ def predicted(
         )
         out[name] = pred.step_s
     alone = predict_emulated.filter_parallel(
-        costs, validation_cluster([device], None), batch, [1.0], [SPEEDS[0]], slowed="parameters"
+        costs, validation_cluster([device], link), batch, [1.0], [SPEEDS[0]], slowed="parameters"
     )
     out[ALONE] = alone.step_s
     return out
