@@ -489,3 +489,32 @@ def test_time_balanced_shares_run_as_shares_by_module_path(make: Any) -> None:
     assert low - 1e-15 <= got.step_s <= low + got.breakdown["optimizer"]
     with pytest.raises(ValueError, match="balance: must be 'speed' or 'time'"):
         filter_parallel(costs, cluster, 8, [1.0, 0.5], balance="fast")
+
+
+def test_planned_split_stages_of_a_transformer_are_time_balanced() -> None:
+    """The planner's stage descriptions (predict_stages: replicated pipelines with stages of
+    several devices) split a transformer's stage by predicted time, over that stage's blocks
+    alone; the plan built carries the shares by module path and predicts the same step."""
+    import numpy as np
+
+    from hetcoll.model.predict import predict_stages, time_balanced_shares
+
+    model = llama(layers=4)
+    costs = layer_costs(model, (SEQ,), dtype=torch.int64)
+    n = len(costs.plan_layers)
+    cluster = _cluster(1e12)
+    # A replica of two stages: [0, 4) on one device, [4, n) split over two, beside a
+    # whole-model replica on the fourth.
+    spec = [
+        (8, (((0,), (0, 4), None), (np.array([[2, 1]]), (4, n), (1.0, 0.5)))),
+        (8, (((3,), (0, n), None),)),
+    ]
+    pred = predict_stages(costs, cluster, spec, 2, "1F1B")
+    the_plan = pred.to_plan()
+    split = the_plan.replicas[0].stages[1]
+    assert split.speeds is None and split.named_shares is not None
+    want = time_balanced_shares(costs, cluster.subset([2, 1]), 4, [1.0, 0.5], layers=(4, n))
+    assert split.named_shares == {k: tuple(v) for k, v in want.items()}
+    # Only the stage's blocks (decoder layers 2 and 3, and the head) are split.
+    assert all(k.startswith(("model.layers.2.", "model.layers.3.", "lm_head")) for k in want)
+    assert predict_plan(costs, cluster, the_plan).step_s == pytest.approx(pred.step_s, rel=1e-9)

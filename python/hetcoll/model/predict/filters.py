@@ -366,6 +366,7 @@ def time_balanced_shares(
     *,
     modes: Mapping[str, str] | None = None,
     empty_blocks: bool = True,
+    layers: tuple[int, int] | None = None,
 ) -> dict[str, list[int]]:
     """A transformer's split balanced by predicted time, by module path (what a plan's split
     stage takes as ``shares``, :func:`hetcoll.torch.filters.filter_shares`' form): the model's
@@ -374,11 +375,17 @@ def time_balanced_shares(
     part before each block's reduction, is :func:`hetcoll.split`'s ``latency`` for the block's
     units, each device's time per unit its own block time. The other split layers (a gathering
     LM head) split by ``parts``, as by speed. ``empty_blocks``: a device may hold no units.
+    ``layers``: a stage's plan layers ``(first, end)``, its own work alone (default: the whole
+    model; ``modes`` then default to the stage's).
 
     >>> time_balanced_shares(costs, cluster, 32, [1.0, 0.25])  # doctest: +SKIP
     {'model.layers.0.self_attn.q_proj': [64, 0], ...}
     """
-    layer_modes = filter_modes(costs) if modes is None else _check_modes(costs, modes)
+    lo, hi = (0, len(costs.layers)) if layers is None else costs.plan_range(*layers)
+    if modes is None:
+        layer_modes = filter_modes(costs) if layers is None else costs.stage_filter_modes(*layers)
+    else:
+        layer_modes = _check_modes(costs, modes)
     n_dev = cluster.num_devices
     if len(parts) != n_dev or any(not (float(x) > 0) for x in parts):
         raise ValueError(f"parts: expected {n_dev} positive numbers (one per device)")
@@ -393,7 +400,8 @@ def time_balanced_shares(
     in_blocks = {n for b in blocks for n in b.layers}
     others = [x.name in layer_modes and x.name not in in_blocks for x in costs.layers]
     repeated = np.array(
-        [not (i in span or others[i]) for i in range(len(costs.layers))], dtype=bool
+        [lo <= i < hi and not (i in span or others[i]) for i in range(len(costs.layers))],
+        dtype=bool,
     )
     latency = seconds[repeated].sum(axis=0) / len(blocks)
     by_name = {x.name: x for x in costs.layers}

@@ -13,7 +13,7 @@ import numpy as np
 from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster, Link
 from hetcoll.model.predict.classes import cluster_facts, node_link_ids, ring_link_of, unique_rows
-from hetcoll.model.predict.filters import blocks_need_empty
+from hetcoll.model.predict.filters import blocks_need_empty, time_balanced_shares
 from hetcoll.model.predict.layout import ReplicaLayout, StageLayout, plan_layout, stage_layout
 from hetcoll.model.predict.prediction import Prediction
 from hetcoll.model.predict.schedule import layout_schedule
@@ -116,6 +116,8 @@ def predict_stages(
 
     classes: list[tuple[ReplicaLayout, np.ndarray]] = []
     empties: dict[tuple[Any, ...], list[bool]] = {}  # per template, its stages' empty_blocks
+    # ... and a transformer's split stages' shares by module path (None: by speeds).
+    balanced: dict[tuple[Any, ...], list[Any]] = {}
     for template, members in templates.items():
         samples = template[0]
         i = members[0]
@@ -127,11 +129,30 @@ def predict_stages(
             last = j + 1 == len(stages)
             first_ranks = tuple(entries[i][2][j][0].tolist())
             span = (int(layers[0]), int(layers[1]))
-            empty = len(first_ranks) > 1 and blocks_need_empty(
-                costs, *span, speeds if speeds is not None else (1.0,) * len(first_ranks)
+            parts = speeds if speeds is not None else (1.0,) * len(first_ranks)
+            named = None
+            if len(first_ranks) > 1 and costs.plan_cut == "blocks":
+                # A transformer's split stage, balanced by predicted time on its devices.
+                try:
+                    named = time_balanced_shares(
+                        costs,
+                        cluster.subset(list(first_ranks)),
+                        max(1, samples // microbatches),
+                        parts,
+                        layers=span,
+                    )
+                except ValueError:
+                    named = None  # nothing to balance: by speeds
+            empty = len(first_ranks) > 1 and (
+                any(0 in v for v in named.values())
+                if named is not None
+                else blocks_need_empty(costs, *span, parts)
             )
-            laid.append(stage_layout(costs, first_ranks, span, last, speeds, None, where, empty))
+            laid.append(
+                stage_layout(costs, first_ranks, span, last, speeds, None, where, empty, named)
+            )
         empties[template] = [st.empty_blocks for st in laid]
+        balanced[template] = [st.layer_shares if st.modes else None for st in laid]
         ranks_of = np.vstack([np.hstack(entries[x][2]) for x in members])
         signature = [dev_kind[ranks_of]]
         col, starts = 0, []
@@ -180,11 +201,23 @@ def predict_stages(
         classes,
     ).prediction()
 
-    def empty_of(samples: int, blocks: list[np.ndarray], stages: Any) -> list[bool]:
+    def template_of(samples: int, blocks: list[np.ndarray], stages: Any) -> tuple[Any, ...]:
         # The entry's template, as keyed above.
-        return empties[
-            samples, tuple((x.shape[1], tuple(lay), sp) for x, (_, lay, sp) in zip(blocks, stages))
-        ]
+        return (
+            samples,
+            tuple((x.shape[1], tuple(lay), sp) for x, (_, lay, sp) in zip(blocks, stages)),
+        )
+
+    def split_of(speeds: Any, empty: bool, named: Any) -> dict[str, Any]:
+        # How a stage splits: by speeds, or by a transformer's shares per module path.
+        out: dict[str, Any] = {}
+        if named is not None:
+            out["shares"] = {k: list(v) for k, v in named.items()}
+        elif speeds is not None:
+            out["speeds"] = list(speeds)
+        if empty:
+            out["empty_blocks"] = True
+        return out
 
     def build() -> Plan:
         return Plan.from_dict(
@@ -198,11 +231,13 @@ def predict_stages(
                             {
                                 "ranks": block[row].tolist(),
                                 "layers": list(layers),
-                                **({"speeds": list(speeds)} if speeds is not None else {}),
-                                **({"empty_blocks": True} if empty else {}),
+                                **split_of(speeds, empty, named),
                             }
-                            for block, (_, layers, speeds), empty in zip(
-                                blocks, stages, empty_of(samples, blocks, stages)
+                            for block, (_, layers, speeds), empty, named in zip(
+                                blocks,
+                                stages,
+                                empties[template_of(samples, blocks, stages)],
+                                balanced[template_of(samples, blocks, stages)],
                             )
                         ],
                     }
