@@ -170,7 +170,14 @@ def layer_costs(
     layout = split_layout(model)
     modes = tuple((n or type(model).__name__, m) for n, m in layout.modes.items())
     blocks = tuple(
-        SplitBlock(ts.module, ts.kind, ts.units, ts.width, tuple(ts.layers()))
+        SplitBlock(
+            ts.module,
+            ts.kind,
+            ts.units,
+            ts.width,
+            tuple(ts.layers()),
+            tuple(ts.features_per_unit()),
+        )
         for ts in layout.splits
     )
     costs = ModelCosts(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import hetcoll
@@ -123,22 +123,24 @@ class SplitBlock:
     splits it (:class:`hetcoll.torch.filters.TensorSplit`): the module's path, its ``kind``
     (``"attention"``, ``"mha"`` for torch's ``nn.MultiheadAttention``, ``"mlp"``), the
     ``units`` its ranks divide (key/value groups, heads or hidden units), ``width`` (the
-    output projection's input features per unit) and its split ``layers`` (the projections
-    reading the block's input, then the one mapping back). Every costed layer inside the module
-    runs on a rank's share of the units; its output is summed over the ranks once forward, its
-    input's gradient once backward."""
+    output projection's input features per unit), its split ``layers`` (the projections
+    reading the block's input, then the one mapping back) and each layer's channels per unit
+    (``per_unit``: a projection's output features, the last layer's input features). Every
+    costed layer inside the module runs on a rank's share of the units; its output is summed
+    over the ranks once forward, its input's gradient once backward."""
 
     module: str
     kind: str
     units: int
     width: int
     layers: tuple[str, ...]
+    per_unit: tuple[int, ...]
 
     def shares(self, speeds: Sequence[float], *, empty: bool = False) -> list[int]:
         """The units per rank at ``speeds``, as the runtime splits them (:func:`hetcoll.split`
         over the features in whole units, at least one each unless ``empty``).
 
-        >>> SplitBlock("mlp", "mlp", 176, 1, ("up", "down")).shares([1.0, 0.25])
+        >>> SplitBlock("mlp", "mlp", 176, 1, ("up", "down"), (1, 1)).shares([1.0, 0.25])
         [141, 35]
         """
         features = hetcoll.split(
@@ -148,6 +150,24 @@ class SplitBlock:
             minimum=0 if empty else self.width,
         )
         return [f // self.width for f in features]
+
+    def layer_shares(self, units: Sequence[int]) -> dict[str, list[int]]:
+        """Each split layer's channels per rank when the ranks hold ``units``, by name (what
+        :func:`hetcoll.torch.filters.filter_shares` reports for them).
+
+        >>> SplitBlock("mlp", "mlp", 176, 1, ("up", "down"), (1, 1)).layer_shares([141, 35])
+        {'up': [141, 35], 'down': [141, 35]}
+        """
+        return {n: [u * f for u in units] for n, f in zip(self.layers, self.per_unit, strict=True)}
+
+    def units_of(self, shares: Mapping[str, Sequence[int]]) -> list[int] | None:
+        """The units per rank that ``shares`` (by layer name) give the block, read off the
+        first of its layers they name (the last layer first); None where they name none."""
+        last = len(self.layers) - 1
+        for k in (last, *range(last)):
+            if self.layers[k] in shares:
+                return [int(v) // self.per_unit[k] for v in shares[self.layers[k]]]
+        return None
 
     def contains(self, layer: str) -> bool:
         """Whether costed layer ``layer`` runs inside the module (its own ops included)."""

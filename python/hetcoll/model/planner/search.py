@@ -104,6 +104,13 @@ HYBRID_WORK_BUDGET = 1_000_000
 MAX_MICRO_BATCHES = 32
 
 
+def _balance(costs: ModelCosts) -> str:
+    """How the planner splits a stage over devices: a transformer's heads and hidden units by
+    predicted time (the work every device repeats around them counted, as
+    filter_parallel(sample=) counts it measured), anything else in proportion to speed."""
+    return "time" if costs.plan_cut == "blocks" and costs.split_blocks else "speed"
+
+
 def _infeasible(strategy: str, batch: int, num_devices: int, unit: str, reason: str) -> Prediction:
     return Prediction(
         strategy,
@@ -216,7 +223,7 @@ def _asymmetric(
                 modes=modes,
                 optimizer_state_copies=s,
                 empty_blocks=empty,
-                balance="time" if costs.plan_cut == "blocks" and costs.split_blocks else "speed",
+                balance=_balance(costs),
             )
 
         b1 = max(m, share_guess // 2)
@@ -455,10 +462,6 @@ def plan(
         except ValueError as e:
             return _infeasible(strategy, batch, c.num_devices, "samples", str(e))
 
-    # A transformer's heads and hidden units split by predicted time (the work every device
-    # repeats around them counted), as filter_parallel(sample=) splits them by measured time.
-    balance = "time" if costs.plan_cut == "blocks" and costs.split_blocks else "speed"
-
     def filter_balanced(c: Cluster, strategy: str) -> Prediction:
         speeds = device_speeds(costs, c, batch)
         return predict.filter_parallel(
@@ -470,7 +473,7 @@ def plan(
             strategy=strategy,
             optimizer_state_copies=s,
             empty_blocks=bool(n) and predict.blocks_need_empty(costs, 0, n, speeds),
-            balance=balance,
+            balance=_balance(costs),
         )
 
     def best_step() -> float:

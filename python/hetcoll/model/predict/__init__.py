@@ -44,7 +44,6 @@ from hetcoll.model.predict.data import (
 from hetcoll.model.predict.filters import (
     FILTER_MODES,
     FilterParallelSchedule,
-    blocks_need_empty,
     filter_modes,
     filter_parallel,
     filter_parallel_schedule,
@@ -84,6 +83,7 @@ from hetcoll.model.predict.prediction import (
     _set_plan as _set_plan,
 )
 from hetcoll.model.predict.schedule import PlanSchedule, plan_schedule
+from hetcoll.model.predict.splits import blocks_need_empty
 from hetcoll.model.predict.timing import (
     _ARRAYS as _ARRAYS,
 )

@@ -1,6 +1,7 @@
 """Filter parallelism: the layers' modes (:func:`filter_modes`), the laid-out step
-(:class:`FilterParallelSchedule`), its prediction, and a filter-split stage's split
-(:func:`stage_split`)."""
+(:class:`FilterParallelSchedule`), its prediction, a transformer's split balanced by predicted
+time (:func:`time_balanced_shares`) and a filter-split stage's split (:func:`stage_split`).
+Its collectives and a transformer's blocks split by heads are :mod:`.splits`'."""
 
 from __future__ import annotations
 
@@ -12,9 +13,16 @@ import numpy as np
 
 import hetcoll
 from hetcoll.model import terms
-from hetcoll.model.costs import ModelCosts, SplitBlock
+from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster
 from hetcoll.model.predict.prediction import Prediction
+from hetcoll.model.predict.splits import (
+    SplitCollectives,
+    block_spans,
+    block_units,
+    blocks_stage_split,
+    split_blocks,
+)
 from hetcoll.model.predict.timing import (
     LayerSeconds,
     _layer_times,
@@ -173,25 +181,19 @@ def filter_parallel_schedule(
     filters_of: dict[int, list[int]] = {}
     source: tuple[int, np.ndarray] | None = None  # the open split-output layer, its fractions
     speeds = [float(x) for x in parts]
-    splits: dict[tuple[int, int], list[int]] = {}  # layers of equal filters split alike
+    splits: dict[int, list[int]] = {}  # layers of equal filters split alike
     # The attentions and MLPs split by heads and hidden units (every layer of theirs in the
     # modes): each costed layer inside runs on a device's fraction of the units.
-    blocks = _split_blocks(costs, layer_modes)
-    unit_shares = [_block_shares(b, speeds, empty_blocks, layer_shares) for b in blocks]
-    block_of = _block_spans(costs, blocks)
+    blocks = split_blocks(costs, layer_modes)
+    unit_shares = [block_units(b, speeds, empty_blocks, layer_shares) for b in blocks]
+    block_of = block_spans(costs, blocks)
     for i, layer in enumerate(costs.layers):
         mode = layer_modes.get(layer.name)
         if i in block_of:
-            units = unit_shares[block_of[i]]
-            fraction = np.asarray(units, dtype=np.float64) / blocks[block_of[i]].units
-            block = blocks[block_of[i]]
+            block, units = blocks[block_of[i]], unit_shares[block_of[i]]
+            fraction = np.asarray(units, dtype=np.float64) / block.units
             if layer.filters > 0 and layer.name in block.layers:
-                # Channels per device as the runtime counts them: a column's outputs, the
-                # row's inputs.
-                per_unit = block.width if layer.name == block.layers[-1] else None
-                filters_of[i] = [
-                    u * per_unit if per_unit else u * layer.filters // block.units for u in units
-                ]
+                filters_of[i] = block.layer_shares(units)[layer.name]
                 phi[i, :] = fraction
             else:
                 chan[i, :] = fraction  # the module's own ops, its activations: per unit
@@ -211,12 +213,9 @@ def filter_parallel_schedule(
                         f"{layer.filters}, got {f}"
                     )
             else:
-                at_least = 1 if layer.filters >= n_dev else 0
-                if (layer.filters, at_least) not in splits:
-                    splits[layer.filters, at_least] = hetcoll.split(
-                        layer.filters, speeds, minimum=at_least
-                    )
-                f = list(splits[layer.filters, at_least])
+                if layer.filters not in splits:
+                    splits[layer.filters] = _by_speed(layer.filters, speeds)
+                f = list(splits[layer.filters])
             filters_of[i] = f
             phi[i, :] = np.asarray(f, dtype=np.float64) / layer.filters
             source = (i, phi[i].copy()) if mode == "split-output" else None
@@ -230,29 +229,15 @@ def filter_parallel_schedule(
     split_rows[list(filters_of)] = True
     split_rows[list(block_of)] = True
     link = cluster.ring_link()
-    reduce_bw = float(dev.mem_bytes_per_s.min())
-
-    def allreduce_s(nbytes: float) -> float:
-        return float(
-            terms.ring_allreduce_seconds(
-                nbytes, n_dev, link.latency_s, link.bytes_per_s, reduce_bw, costs.itemsize
-            )
-        )
-
-    copy_bw = float(dev.elementwise_bytes_per_s.min())
-
-    def copy_s(nbytes: float) -> float:
-        return float(terms.copy_seconds(nbytes, copy_bw))
-
+    sums = SplitCollectives(costs, cluster)
+    allreduce_s, copy_s = sums.allreduce_s, sums.copy_s
     fwd_comm = np.zeros(n_layers)  # after the layer's forward
     bwd_comm = np.zeros(n_layers)  # after the layer's backward
     for k in range(len(blocks)):
         rows = [i for i, b in block_of.items() if b == k]
         if rows:
             alone = sum(1 for u in unit_shares[k] if u > 0) == 1
-            fwd_comm[max(rows)], bwd_comm[min(rows)] = _block_sums_s(
-                costs, cluster, batch, rows, alone
-            )
+            fwd_comm[max(rows)], bwd_comm[min(rows)] = sums.block_sums_s(batch, rows, alone)
     for i in filters_of:
         if i in block_of:
             continue
@@ -307,57 +292,6 @@ def filter_parallel_schedule(
     )
 
 
-def _block_sums_s(
-    costs: ModelCosts, cluster: Cluster, batch: int, rows: Sequence[int], alone: bool
-) -> tuple[float, float]:
-    """Seconds of a split block's two sums: of its output after its last layer's forward, of
-    its input's gradient after its first layer's backward (``rows``: its costed layers), each a
-    ring allreduce on a copy; broadcast from its one holder instead when ``alone`` (the other
-    devices' partial sums are zero)."""
-    n_dev = cluster.num_devices
-    dev = device_arrays(cluster.devices)
-    link = cluster.ring_link()
-    first, last = costs.layers[min(rows)], costs.layers[max(rows)]
-    out: list[float] = []
-    for nbytes in (last.out_bytes_per_sample * batch, first.in_bytes_per_sample * batch):
-        if alone:
-            total = terms.broadcast_seconds(nbytes, n_dev, link.latency_s, link.bytes_per_s)
-        else:
-            total = terms.ring_allreduce_seconds(
-                nbytes,
-                n_dev,
-                link.latency_s,
-                link.bytes_per_s,
-                float(dev.mem_bytes_per_s.min()),
-                costs.itemsize,
-            )
-        copy = terms.copy_seconds(nbytes, float(dev.elementwise_bytes_per_s.min()))
-        out.append(float(total + copy))
-    return out[0], out[1]
-
-
-def _split_blocks(costs: ModelCosts, modes: Mapping[str, str]) -> list[SplitBlock]:
-    """The attentions and MLPs ``modes`` split by heads and hidden units."""
-    return [
-        b
-        for b in costs.split_blocks
-        if all(modes.get(n) in ("split-output", "split-input") for n in b.layers)
-    ]
-
-
-def _block_spans(costs: ModelCosts, blocks: Sequence[SplitBlock]) -> dict[int, int]:
-    """Costed layer -> the block of ``blocks`` it runs in: from the block's first split
-    layer's call to its last one's, inside its module (an encoder layer's MLP is named after
-    the layer, which holds its attention too)."""
-    block_of: dict[int, int] = {}
-    for k, b in enumerate(blocks):
-        at = [i for i, x in enumerate(costs.layers) if x.name in b.layers]
-        for i in range(min(at), max(at) + 1) if at else ():
-            if b.contains(costs.layers[i].name):
-                block_of.setdefault(i, k)
-    return block_of
-
-
 def time_balanced_shares(
     costs: ModelCosts,
     cluster: Cluster,
@@ -389,12 +323,13 @@ def time_balanced_shares(
     n_dev = cluster.num_devices
     if len(parts) != n_dev or any(not (float(x) > 0) for x in parts):
         raise ValueError(f"parts: expected {n_dev} positive numbers (one per device)")
-    blocks = _split_blocks(costs, layer_modes)
+    blocks = split_blocks(costs, layer_modes)
     if not blocks:
         raise ValueError(
             "costs: the model has no attention or MLP split by heads or hidden units to balance"
         )
-    span = _block_spans(costs, blocks)
+    span = block_spans(costs, blocks)
+    sums = SplitCollectives(costs, cluster)
     lt = _layer_times(costs, device_arrays(cluster.devices), np.full(n_dev, batch))
     seconds = lt.forward_s + lt.backward_s  # each layer whole, on each device
     in_blocks = {n for b in blocks for n in b.layers}
@@ -425,50 +360,22 @@ def time_balanced_shares(
                 # the split and its allreduce: the better of the two.
                 total = latency + per_feature * b.units * b.width
                 split_s = float(np.max(latency + per_feature * np.asarray(features))) + sum(
-                    _block_sums_s(costs, cluster, batch, rows, False)
+                    sums.block_sums_s(batch, rows, False)
                 )
-                alone_s = float(total.min()) + sum(_block_sums_s(costs, cluster, batch, rows, True))
+                alone_s = float(total.min()) + sum(sums.block_sums_s(batch, rows, True))
                 if alone_s < split_s:
                     units = [b.units if d == int(total.argmin()) else 0 for d in range(n_dev)]
-        for n in b.layers:
-            if n == b.layers[-1]:
-                per_unit = b.width
-            elif b.kind == "mha":
-                per_unit = 3 * b.width  # its query, key and value packed
-            else:
-                per_unit = by_name[n].filters // b.units
-            out[n] = [u * per_unit for u in units]
+        out.update(b.layer_shares(units))
     for name, mode in layer_modes.items():
-        if name in in_blocks or mode == "split-input":
-            continue
-        filters = by_name[name].filters
-        out[name] = hetcoll.split(
-            filters, [float(x) for x in parts], minimum=1 if filters >= n_dev else 0
-        )
+        if name not in in_blocks and mode != "split-input":
+            out[name] = _by_speed(by_name[name].filters, [float(x) for x in parts])
     return out
 
 
-def _block_shares(
-    block: SplitBlock,
-    speeds: Sequence[float],
-    empty: bool,
-    layer_shares: Mapping[str, Sequence[int]] | None = None,
-) -> list[int]:
-    """The units of ``block`` per device, as the runtime splits them: from ``layer_shares`` of
-    its output projection (its input features) or, for torch's attention named alone, of its
-    packed projection; else by speeds. ``ValueError`` (naming ``parts``) where speeds cannot
-    split it (fewer units than devices, without ``empty``)."""
-    if layer_shares is not None and block.layers[-1] in layer_shares:
-        return [int(v) // block.width for v in layer_shares[block.layers[-1]]]
-    if layer_shares is not None and block.kind == "mha" and block.layers[0] in layer_shares:
-        return [int(v) // (3 * block.width) for v in layer_shares[block.layers[0]]]
-    if block.units < len(speeds) and not empty:
-        raise ValueError(
-            f"parts: {block.kind} {block.module!r} has {block.units} units (heads, key/value "
-            f"groups or hidden units), too few for {len(speeds)} devices with at least one "
-            "each (empty_blocks=True lets a device hold none)"
-        )
-    return block.shares(speeds, empty=empty)
+def _by_speed(filters: int, speeds: list[float]) -> list[int]:
+    """A layer's channels split in proportion to ``speeds`` (:func:`hetcoll.split`), at
+    least one each where there are enough, as the runtime splits it."""
+    return hetcoll.split(filters, speeds, minimum=1 if filters >= len(speeds) else 0)
 
 
 def filter_parallel(
@@ -598,7 +505,7 @@ def stage_split(
     pairing is not named but another one could pair with it.)
     """
     if costs.plan_cut == "blocks":
-        return _blocks_stage_split(
+        return blocks_stage_split(
             costs, first, end, ranks, shares, where, empty_blocks, named_shares
         )
     if named_shares is not None:
@@ -663,125 +570,3 @@ def stage_split(
         else:
             out[name] = "gather"
     return out, {n: v for n, v in named.items() if out[n] != "split-input"}
-
-
-def _blocks_stage_split(
-    costs: ModelCosts,
-    first: int,
-    end: int,
-    ranks: int,
-    shares: Mapping[int, Sequence[int]] | None,
-    where: str,
-    empty_blocks: bool,
-    named_shares: Mapping[str, Sequence[int]] | None,
-) -> tuple[dict[str, str], dict[str, list[int]] | None]:
-    """:func:`stage_split` of a blocks model: the modes of the stage's layers in the whole
-    model's split (the runtime splits a copy of the model holding the stage's blocks), and
-    with ``named_shares`` the layers they name, checked as the runtime checks them."""
-    if shares is not None:
-        raise ValueError(
-            f"{where}.shares: a stage of a model cut into blocks (a transformer) names its "
-            "layers by module path (filter_shares' dict), not by layer index"
-        )
-    modes = costs.stage_filter_modes(first, end)
-    if named_shares is not None:
-        return _named_split(costs, modes, ranks, named_shares, where, empty_blocks)
-    if not modes:
-        raise ValueError(
-            f"{where}: has {ranks} ranks but its blocks hold no attention, MLP or Linear to split"
-        )
-    for block in costs.split_blocks:
-        if block.layers[0] in modes and block.units < ranks and not empty_blocks:
-            raise ValueError(
-                f"{where}: {block.kind} {block.module!r} has {block.units} units (heads, "
-                f"key/value groups or hidden units), too few for {ranks} ranks with at least "
-                "one each (empty_blocks: true lets a rank hold none)"
-            )
-    in_blocks = {n for b in costs.split_blocks for n in b.layers}
-    by_name = {x.name: x for x in costs.layers}
-    for name, mode in modes.items():
-        if name not in in_blocks and mode == "gather" and by_name[name].filters < ranks:
-            raise ValueError(
-                f"{where}: layer {name!r} has {by_name[name].filters} channels, too few for "
-                f"{ranks} ranks with at least 1 each"
-            )
-    return modes, None
-
-
-def _named_split(
-    costs: ModelCosts,
-    modes: Mapping[str, str],
-    ranks: int,
-    named: Mapping[str, Sequence[int]],
-    where: str,
-    empty: bool,
-) -> tuple[dict[str, str], dict[str, list[int]]]:
-    """The split a blocks stage's shares by module path make: an attention or MLP whose every
-    layer is named (torch's attention: its own name) splits by whole units, its projections
-    following its output's shares; any other named layer gathers (as the runtime gathers a
-    projection named without the rest of its block); nothing else splits."""
-    given = {n: [int(v) for v in s] for n, s in named.items()}
-    out: dict[str, str] = {}
-    for block in costs.split_blocks:
-        layers = block.layers
-        if not (
-            block.layers[0] in modes
-            and (all(n in given for n in layers) or (block.kind == "mha" and layers[0] in given))
-        ):
-            continue
-        # The output projection's input features, or torch's packed q, k and v over three.
-        features = given[layers[-1]] if layers[-1] in given else [v // 3 for v in given[layers[0]]]
-        least = 0 if empty else 1
-        if (
-            len(features) != ranks
-            or sum(features) != block.units * block.width
-            or any(f % block.width or f < least * block.width for f in features)
-        ):
-            raise ValueError(
-                f"{where}.shares[{layers[-1]!r}]: {features} are not whole units of "
-                f"{block.width} features of {block.kind} {block.module!r} ({block.units} units"
-                + (", none negative)" if empty else ", at least one per rank)")
-            )
-        by_layer = {x.name: x for x in costs.layers}
-        for n in layers[:-1]:
-            # Each input projection takes its output features of every unit its rank holds.
-            if n in given and by_layer.get(n) is not None and by_layer[n].filters > 0:
-                per_unit = by_layer[n].filters // block.units
-                want = [f // block.width * per_unit for f in features]
-                if given[n] != want:
-                    raise ValueError(
-                        f"{where}.shares[{n!r}]: feeds {layers[-1]!r}, so its shares must be "
-                        f"{want}, got {given[n]}"
-                    )
-        out.update({n: modes[n] for n in layers})
-    by_name = {x.name: x for x in costs.layers}
-    for name, values in given.items():
-        if name in out:
-            continue
-        # A layer named alone (not every layer of its attention or MLP) gathers its output.
-        if name not in modes or by_name.get(name) is None or by_name[name].filters <= 0:
-            raise ValueError(f"{where}.shares[{name!r}]: names no Linear layer of the stage")
-        if len(values) != ranks or sum(values) != by_name[name].filters or min(values) < 1:
-            raise ValueError(
-                f"{where}.shares[{name!r}]: needs {ranks} shares >= 1 summing to its "
-                f"{by_name[name].filters} channels, got {values}"
-            )
-        out[name] = "gather"
-    if not out:
-        raise ValueError(f"{where}.shares: names no layer of the stage to split")
-    return out, given
-
-
-def blocks_need_empty(costs: ModelCosts, first: int, end: int, speeds: Sequence[float]) -> bool:
-    """Whether a split stage over plan layers ``[first, end)`` of a blocks model at ``speeds``
-    needs ``empty_blocks`` to split as its speeds say: an attention or MLP of the stage has
-    fewer units than ranks, or its split in proportion leaves a rank none. (A split that
-    leaves no rank empty is the same either way.) False for a chain model."""
-    if costs.plan_cut != "blocks":
-        return False
-    modes = costs.stage_filter_modes(first, end)
-    return any(
-        b.units < len(speeds) or 0 in b.shares(speeds, empty=True)
-        for b in costs.split_blocks
-        if b.layers[0] in modes
-    )

@@ -13,10 +13,11 @@ import numpy as np
 from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster, Link
 from hetcoll.model.predict.classes import cluster_facts, node_link_ids, ring_link_of, unique_rows
-from hetcoll.model.predict.filters import blocks_need_empty, time_balanced_shares
+from hetcoll.model.predict.filters import time_balanced_shares
 from hetcoll.model.predict.layout import ReplicaLayout, StageLayout, plan_layout, stage_layout
 from hetcoll.model.predict.prediction import Prediction
 from hetcoll.model.predict.schedule import layout_schedule
+from hetcoll.model.predict.splits import blocks_need_empty
 from hetcoll.model.predict.timing import device_arrays
 from hetcoll.plan import Plan, microbatch_sizes
 
@@ -115,9 +116,7 @@ def predict_stages(
         return out
 
     classes: list[tuple[ReplicaLayout, np.ndarray]] = []
-    empties: dict[tuple[Any, ...], list[bool]] = {}  # per template, its stages' empty_blocks
-    # ... and a transformer's split stages' shares by module path (None: by speeds).
-    balanced: dict[tuple[Any, ...], list[Any]] = {}
+    laid_of: dict[tuple[Any, ...], list[StageLayout]] = {}  # per template, its stages laid out
     for template, members in templates.items():
         samples = template[0]
         i = members[0]
@@ -151,8 +150,7 @@ def predict_stages(
             laid.append(
                 stage_layout(costs, first_ranks, span, last, speeds, None, where, empty, named)
             )
-        empties[template] = [st.empty_blocks for st in laid]
-        balanced[template] = [st.layer_shares if st.modes else None for st in laid]
+        laid_of[template] = laid
         ranks_of = np.vstack([np.hstack(entries[x][2]) for x in members])
         signature = [dev_kind[ranks_of]]
         col, starts = 0, []
@@ -208,14 +206,15 @@ def predict_stages(
             tuple((x.shape[1], tuple(lay), sp) for x, (_, lay, sp) in zip(blocks, stages)),
         )
 
-    def split_of(speeds: Any, empty: bool, named: Any) -> dict[str, Any]:
-        # How a stage splits: by speeds, or by a transformer's shares per module path.
+    def split_of(speeds: Any, st: StageLayout) -> dict[str, Any]:
+        # How a stage splits: by speeds, or by a transformer's shares per module path (the
+        # only shares these stages are laid out with).
         out: dict[str, Any] = {}
-        if named is not None:
-            out["shares"] = {k: list(v) for k, v in named.items()}
+        if st.layer_shares is not None:
+            out["shares"] = {k: list(v) for k, v in st.layer_shares.items()}
         elif speeds is not None:
             out["speeds"] = list(speeds)
-        if empty:
+        if st.empty_blocks:
             out["empty_blocks"] = True
         return out
 
@@ -231,13 +230,10 @@ def predict_stages(
                             {
                                 "ranks": block[row].tolist(),
                                 "layers": list(layers),
-                                **split_of(speeds, empty, named),
+                                **split_of(speeds, st),
                             }
-                            for block, (_, layers, speeds), empty, named in zip(
-                                blocks,
-                                stages,
-                                empties[template_of(samples, blocks, stages)],
-                                balanced[template_of(samples, blocks, stages)],
+                            for block, (_, layers, speeds), st in zip(
+                                blocks, stages, laid_of[template_of(samples, blocks, stages)]
                             )
                         ],
                     }

@@ -253,18 +253,16 @@ def _shares(
     ]
     shares: dict[str, list[int]] = {}
     for ts, counts in units:
-        for c, per, parts in ts.columns:
-            shares[c] = [u * per * parts for u in counts]
-            given_all = {} if per_layer is None else per_layer
-            given = given_all.get(c)
+        for name, per_unit in zip(ts.layers(), ts.features_per_unit(), strict=True):
+            shares[name] = [u * per_unit for u in counts]
+        for c, _, _ in ts.columns:
+            given = None if per_layer is None else per_layer.get(c)
             if given is not None and [int(v) for v in given] != shares[c]:
                 raise ValueError(
                     f"{argument}: layer {c!r} feeds {ts.row!r} in {ts.kind} {ts.module!r}, "
                     f"split by whole units alike, so its shares must be {shares[c]} (for "
-                    f"{ts.row!r}'s {shares[c] if c == ts.row else _row_shares(ts, given_all)}), "
-                    f"got {list(given)!r}"
+                    f"{ts.row!r}'s {shares[ts.row]}), got {list(given)!r}"
                 )
-        shares[ts.row] = [u * ts.width for u in counts]
     for name in chosen:
         if name in in_splits:
             continue
@@ -307,10 +305,10 @@ def _row_shares(ts: TensorSplit, per_layer: Mapping[str, Any]) -> list[Any]:
     converted."""
     if ts.row in per_layer:
         return list(per_layer[ts.row])
-    c, per, parts = ts.columns[0]
+    per_unit = ts.features_per_unit()[0]
     return [
-        int(v) // (per * parts) * ts.width if is_int(v) and int(v) % (per * parts) == 0 else v
-        for v in per_layer[c]
+        int(v) // per_unit * ts.width if is_int(v) and int(v) % per_unit == 0 else v
+        for v in per_layer[ts.columns[0][0]]
     ]
 
 

@@ -50,6 +50,11 @@ class TensorSplit:
     def layers(self) -> list[str]:
         return [c for c, _, _ in self.columns] + [self.row]
 
+    def features_per_unit(self) -> list[int]:
+        """The channels each of :meth:`layers` splits per unit a rank holds: a column's output
+        features (every packed block's), the row's input features."""
+        return [per * parts for _, per, parts in self.columns] + [self.width]
+
     def packed(self) -> int:
         """How many blocks its most packed column holds (3: query, key and value in one)."""
         return max(parts for _, _, parts in self.columns)
