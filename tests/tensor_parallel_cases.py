@@ -52,6 +52,31 @@ def gpt2() -> nn.Module:
     return hf_gpt2(vocab=VOCAB, hidden=24, layers=2, heads=6, positions=32)
 
 
+def _hf(model: str, config: str, **kw: Any) -> nn.Module:
+    import transformers
+
+    cfg = getattr(transformers, config)(
+        vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=3, head_dim=4, max_position_embeddings=32,
+        use_cache=False, attn_implementation="eager", bos_token_id=0, eos_token_id=0,
+        pad_token_id=0, **kw,
+    )  # fmt: skip
+    return getattr(transformers, model)(cfg)
+
+
+def qwen3() -> nn.Module:
+    """Hugging Face Qwen3: a norm over the head dimension on each query and key head
+    (``q_norm``, ``k_norm``), one weight shared by every head: each rank's gradient of it is
+    its own heads' part."""
+    return _hf("Qwen3ForCausalLM", "Qwen3Config")
+
+
+def gemma() -> nn.Module:
+    """Hugging Face Gemma: a gated MLP whose activation is ``F.gelu(x, approximate="tanh")``
+    (an option's name among the elementwise op's arguments), its head tied to the embedding."""
+    return _hf("GemmaForCausalLM", "GemmaConfig", hidden_activation="gelu_pytorch_tanh")
+
+
 class EncoderLM(nn.Module):
     """A user's language model around torch's encoder layers (``nn.MultiheadAttention`` with
     its packed ``in_proj_weight``; ReLU feed-forward), a causal and a padding mask."""
@@ -68,6 +93,53 @@ class EncoderLM(nn.Module):
         causal = nn.Transformer.generate_square_subsequent_mask(n, dtype=torch.float64)
         pad = input_ids == 1  # token 1 stands for padding
         h = self.encoder(self.embed(input_ids), mask=causal, src_key_padding_mask=pad)
+        return SimpleNamespace(logits=self.head(h))
+
+
+class _OldStyleAttention(nn.Module):
+    """Separate q/k/v/o, reshaped as OPT's and many older attentions are: ``view(batch, -1,
+    heads, head_dim)``, and back with ``reshape(batch, seq, -1)`` - on a rank holding no heads
+    both are reshapes of empty tensors with an ambiguous ``-1``. With ``packed``, query, key
+    and value come from one projection packed head by head (BLOOM's layout)."""
+
+    def __init__(self, packed: bool = False) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = 6, 4
+        if packed:
+            self.qkv = nn.Linear(24, 72)
+        else:
+            # No key bias: its gradient is rounding noise (a shift of every score of a query).
+            self.q, self.v = nn.Linear(24, 24), nn.Linear(24, 24)
+            self.k = nn.Linear(24, 24, bias=False)
+        self.o = nn.Linear(24, 24)
+        self.packed = packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        if self.packed:
+            q, k, v = self.qkv(x).view(b, n, self.num_heads, 3, self.head_dim).unbind(3)
+        else:
+            q, k, v = (
+                f(x).view(b, -1, self.num_heads, self.head_dim) for f in (self.q, self.k, self.v)
+            )
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        att = torch.softmax(q @ k.transpose(-1, -2) / 2.0, dim=-1) @ v
+        return self.o(att.transpose(1, 2).reshape(b, n, -1))
+
+
+class OldStyleLM(nn.Module):
+    """Two residual blocks of :class:`_OldStyleAttention` between an embedding and a head."""
+
+    def __init__(self, packed: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 24)
+        self.blocks = nn.ModuleList(_OldStyleAttention(packed) for _ in range(2))
+        self.head = nn.Linear(24, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> Any:
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = h + block(h)
         return SimpleNamespace(logits=self.head(h))
 
 
@@ -225,7 +297,8 @@ def empty_blocks(group: Any) -> dict[str, list[int]]:
     p = wrap(group).size
     speeds = [1.0, 0.1, 0.5, 0.75][:p]
     shares: dict[str, list[int]] = {}
-    for name, make in (("llama", llama), ("gpt2", gpt2), ("encoder", EncoderLM)):
+    models = (("llama", llama), ("gpt2", gpt2), ("encoder", EncoderLM), ("old", OldStyleLM))
+    for name, make in models:
         equals_unsplit(group, make, "adam", steps=2, speeds=speeds)
         traffic(group, make, 24, speeds)
         torch.manual_seed(0)
@@ -403,6 +476,10 @@ def bad_input(group: Any) -> int:
         "sample: the model's forward on it failed",
         lambda: filter_parallel(llama(), group=group, speeds=SPEEDS[:p], sample="not ids"),
     )
+    # Query, key and value packed head by head (BLOOM's layout), which a split by heads would
+    # cut as three blocks: the first forward raises on every rank, before any reduction.
+    packed = filter_parallel(OldStyleLM(packed=True), group=group, speeds=SPEEDS[:p])
+    raises("attention 'blocks.0' packs query, key and value head by head", lambda: packed(batch(0)))
     # A multiple_of that whole heads cannot meet: 3 and 8-feature groups of 24 features.
     raises(
         "multiple_of: 3 cannot be met by whole key/value groups",
@@ -422,6 +499,10 @@ def run_all(group: Any) -> dict[str, Any]:
         out[f"{name}_gathers"] = gathers
         out[f"{name}_split"] = sum(m != "gather" for m in got.values())
         traffic(group, make, 24)
+    for name, make in (("qwen3", qwen3), ("gemma", gemma)):
+        got = equals_unsplit(group, make, "adam", steps=2)
+        out[f"{name}_gathers"] = sorted(n for n, m in got.items() if m == "gather")
+        out[f"{name}_split"] = sum(m != "gather" for m in got.values())
     out["empty_blocks"] = empty_blocks(group)
     out["time_balanced"] = time_balanced(group)
     out["mha_weights"] = attention_weights(group)

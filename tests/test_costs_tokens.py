@@ -127,6 +127,33 @@ def test_matmul_flops_of_token_models_agree_with_flop_counter(
     assert ew_f > 0 and ew_b > 0
 
 
+class SequenceFirst(nn.Module):
+    """torch's encoder layers as they come by default, sequence first: the batch is the
+    second dimension of every linear layer's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 100)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(ids).transpose(0, 1)).transpose(0, 1))
+
+
+def test_a_sequence_first_model_counts_its_rows_per_sample() -> None:
+    # One sample's rows are its sequence, wherever the batch dimension is: a linear layer of a
+    # sequence-first encoder costs what FlopCounterMode counts, as a batch-first one does.
+    model = SequenceFirst()
+    costs = layer_costs(model, (SEQ,), dtype=torch.int64)
+    fwd, bwd = flop_counter(model, 3)
+    assert costs.forward_flops(3) == fwd and not costs.notes, costs.notes
+    assert 0.97 * bwd < costs.backward_flops(3) <= bwd
+    linear1 = next(x for x in costs.layers if x.name == "enc.layers.0.linear1")
+    assert linear1.in_bytes_per_sample == SEQ * 32 * 4
+
+
 def test_elementwise_flops_of_the_norms_by_hand() -> None:
     """Llama's RMSNorm: x.pow(2), .mean(-1), + eps, rsqrt, x * r, weight * x: four ops over the
     S x d elements and two over the S rows. GPT-2's LayerNorm is one fused op: S x d. Attention

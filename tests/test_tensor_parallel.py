@@ -27,13 +27,18 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     assert r["llama_gathers"] == ["lm_head"] and r["gpt2_gathers"] == []
     assert r["llama_split"] == 2 * 7 and r["gpt2_split"] == 2 * 4
     assert r["encoder_gathers"] == ["head"] and r["encoder_split"] == 2 * 3
+    # Qwen3's per-head query/key norms (their gradients summed over the ranks) and Gemma's
+    # tanh-approximated GELU MLP split like Llama's blocks.
+    assert r["qwen3_gathers"] == ["lm_head"] and r["qwen3_split"] == 2 * 7
+    assert r["gemma_gathers"] == [] and r["gemma_split"] == 2 * 7
     # With empty_blocks the slow rank (speed 0.1) holds none of Llama's 3 key/value groups,
     # GPT-2's 6 heads (q, k and v packed) or the encoder's 6 heads.
     empty = {2: [3, 0], 3: [2, 0, 1]}[p]
     heads = [2 * u for u in empty]
-    assert r["empty_blocks"] == {"llama": empty, "gpt2": heads, "encoder": heads}
+    # OPT-style reshapes with -1 (OldStyleLM) run on the rank holding no heads too.
+    assert r["empty_blocks"] == {"llama": empty, "gpt2": heads, "encoder": heads, "old": heads}
     assert r["mha_weights"] == 2 and r["sdpa_float32"] == 2
-    assert r["errors"] == 6
+    assert r["errors"] == 7
     # Timed, the slow ranks hold no more of an MLP than by speed alone (ranks in order of
     # speed 1, 0.5, 0.25: each slower rank carries the repeated work at its speed).
     timed, by_speed = r["time_balanced"]["timed"], r["time_balanced"]["by speed"]
@@ -46,7 +51,8 @@ def test_gloo_four_ranks_where_one_holds_no_heads():
     # groups go 2 : 0 : 0 : 1, two ranks holding none; 6 heads go 3 : 0 : 1 : 2. Several ranks
     # hold each block, so its sums are reductions.
     results = launch.spawn(cases.run_torch_empty, 4, timeout=300)
-    assert results == [{"llama": [2, 0, 0, 1], "gpt2": [3, 0, 1, 2], "encoder": [3, 0, 1, 2]}] * 4
+    want = {"llama": [2, 0, 0, 1], "gpt2": [3, 0, 1, 2], "encoder": [3, 0, 1, 2]}
+    assert results == [{**want, "old": [3, 0, 1, 2]}] * 4
 
 
 def test_shares_follow_heads_and_speeds():
@@ -91,6 +97,37 @@ def test_an_attention_it_does_not_know_is_named_in_a_warning():
         UserWarning, match=r"left unsplit by heads.*'_Unknown' \(its projections \(qk 8->16"
     ):
         filter_shares(_Unknown(), size=2, speeds=[1.0, 1.0])
+
+
+class _NormAcrossHeads(nn.Module):
+    """Separate q/k/v/o of 2 heads of 4, and a norm over all query features (OLMo 2's
+    layout): a rank holding some heads could not apply it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = 2, 4
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+        self.q_norm = nn.LayerNorm(8)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.o(self.v(x) * self.k(x) * self.q_norm(self.q(x)))
+
+
+def test_a_parameter_spanning_heads_keeps_the_attention_whole():
+    with pytest.warns(UserWarning, match=r"'q_norm\.weight' \(8,\) is neither of one head's size"):
+        filter_shares(_NormAcrossHeads(), size=2, speeds=[1.0, 1.0])
+
+
+def test_per_head_norms_are_shared_by_the_heads():
+    from hetcoll.torch.filters import split_layout
+
+    layout = split_layout(cases.qwen3())
+    attn = [ts for ts in layout.splits if ts.kind == "attention"]
+    assert len(attn) == 2 and not layout.kept
+    assert attn[0].shared == [
+        "model.layers.0.self_attn.q_norm.weight",
+        "model.layers.0.self_attn.k_norm.weight",
+    ]
 
 
 def test_empty_blocks_lets_a_slow_rank_hold_no_heads():

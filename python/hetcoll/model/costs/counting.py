@@ -181,6 +181,18 @@ def _tensor_bytes(t: torch.Tensor) -> float:
         return float(nbytes)
 
 
+def per_sample_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """One sample's part of a tensor of the counting batch: its first dimension that holds
+    ``_COUNT_BATCH`` samples (the batch need not lead: a sequence-first layer's input is
+    ``(seq, batch, features)``, and rows flattened from batch and sequence hold ``seq`` per
+    sample) divided by the batch; a tensor without one (a constant) drops its first."""
+    for i, n in enumerate(shape):
+        if n > 0 and n % _COUNT_BATCH == 0:
+            per = n // _COUNT_BATCH
+            return (*shape[:i], *((per,) if per > 1 else ()), *shape[i + 1 :])
+    return tuple(shape[1:])
+
+
 @dataclass
 class _Call:
     """One costed layer as the trace meets it: a leaf module's call, or a run of ops that a
@@ -235,7 +247,7 @@ class _OpCounter(TorchDispatchMode):
             x = args[0] if args and isinstance(args[0], torch.Tensor) else None
             call = _Call(name, module, True)
             if x is not None:
-                call.in_shape = tuple(x.shape[1:])
+                call.in_shape = per_sample_shape(x.shape)
                 call.needs_input_grad = bool(x.requires_grad)
             self.calls.append(call)
         self.stack.append([name, module, call])
@@ -246,7 +258,7 @@ class _OpCounter(TorchDispatchMode):
         if call is not None and call.leaf:
             y = output[0] if isinstance(output, (tuple, list)) and output else output
             if isinstance(y, torch.Tensor):
-                call.out_shape = tuple(y.shape[1:])
+                call.out_shape = per_sample_shape(y.shape)
 
     def _forward_call(self) -> int | None:
         if not self.stack:

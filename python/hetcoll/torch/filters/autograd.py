@@ -60,6 +60,26 @@ def _sum_over_ranks(
         allreduce(t, comm, timeout=timeout, check=check)
 
 
+class SumGradient:
+    """A hook on a parameter every rank holds whole but applies to its own heads only (a
+    query/key norm over the head dimension inside an attention split by heads): each rank's
+    gradient is its heads' part, the hook returns their sum over the ranks, which every rank
+    then accumulates, as the unsplit model would. Registered with ``Tensor.register_hook``, it
+    runs once per backward, before accumulation, in the same place of every rank's backward
+    (the ranks run the same graph). An object rather than a closure, as a copied model's
+    hooks must be."""
+
+    def __init__(self, comm: Communicator, timeout: float | None) -> None:
+        self.comm, self.timeout = comm, timeout
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        g = grad.contiguous().clone()
+        CountingCommunicator.count_as(self.comm, "gradients")
+        # Its length is the parameter's, the same on every rank (the plan agreed on it).
+        _sum_over_ranks(g, self.comm, self.timeout, check=False, root=None)
+        return g
+
+
 class CopyToRanks(torch.autograd.Function):
     """Identity forward on a replicated input; backward sums the ranks' partial input gradients
     (each rank's filters contribute their own part of dL/dx)."""

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from hetcoll.comm import Communicator, agree, deadline, wrap
-from hetcoll.torch.filters.autograd import AgreedForward, sole_holder
+from hetcoll.torch.filters.autograd import AgreedForward, SumGradient, sole_holder
 from hetcoll.torch.filters.chains import choose_layers, layer_channels, plan_modes
 from hetcoll.torch.filters.checks import (
     check_conv,
@@ -39,7 +39,7 @@ from hetcoll.torch.filters.layers import (
     split_comms,
 )
 from hetcoll.torch.filters.pairing import split_layout
-from hetcoll.torch.filters.tensor_split import EmptyPackedSplit, TensorSplit
+from hetcoll.torch.filters.tensor_split import EmptyHeads, PackedLayoutGuard, TensorSplit
 from hetcoll.torch.filters.timing import replicated_latencies, sample_seconds
 from hetcoll.torch.transport import CountingCommunicator
 
@@ -467,7 +467,8 @@ def filter_parallel(
     chosen = list(per_layer)
     _, feeds, bns = plan_modes(model, [n for n in chosen if n not in in_splits], avoid_gathers)
 
-    _agree_on_plan(comm, chosen, modes, per_layer, timeout)
+    shared = [(n, tuple(model.get_parameter(n).shape)) for ts, _ in splits for n in ts.shared]
+    _agree_on_plan(comm, chosen, modes, per_layer, shared, timeout)
 
     for ts, counts in splits:
         if ts.kind == "mha":
@@ -511,10 +512,16 @@ def filter_parallel(
         module = named[ts.module]
         for attr, per in ts.attrs.items():  # the rank's module runs with its own head counts
             setattr(module, attr, per * counts[comm.rank])
-        if counts[comm.rank] == 0 and ts.packed() > 1:
-            empty = EmptyPackedSplit(ts.packed())
+        for pn in ts.shared:
+            model.get_parameter(pn).register_hook(SumGradient(comm, timeout))
+        if ts.kind == "attention" and ts.packed() > 1:
+            PackedLayoutGuard(ts, counts[comm.rank] * ts.width // ts.columns[0][1]).install(
+                module, model.get_submodule(ts.columns[0][0])
+            )
+        if ts.kind == "attention" and counts[comm.rank] == 0:
+            empty = EmptyHeads(ts.packed())  # entered after the guard's mode, left before it
             module.register_forward_pre_hook(empty.enter)
-            module.register_forward_hook(empty.leave, always_call=True)
+            module.register_forward_hook(empty.leave, always_call=True, prepend=True)
     for name in chosen:
         if name in in_splits:
             continue
@@ -631,10 +638,13 @@ def _agree_on_plan(
     chosen: list[str],
     modes: dict[str, str],
     shares: dict[str, list[int]],
+    shared: list[tuple[str, tuple[int, ...]]],
     timeout: float | None,
 ) -> None:
-    # One fingerprint of the whole plan: ranks that disagree anywhere raise on every rank.
-    fingerprint = zlib.crc32(repr([(n, modes[n], shares[n]) for n in chosen]).encode())
+    # One fingerprint of the whole plan: ranks that disagree anywhere raise on every rank
+    # (``shared``: the parameters whose gradients are summed over the ranks, and their shapes).
+    plan = [(n, modes[n], shares[n]) for n in chosen]
+    fingerprint = zlib.crc32(repr((plan, shared) if shared else plan).encode())
     what = "filter_parallel's layers, modes and shares (same model and arguments needed)"
     agree(comm, {what: fingerprint}, deadline(timeout))
 

@@ -36,7 +36,10 @@ class TensorSplit:
     ``width``: the row layer's input features per unit; ``columns``: ``(layer, output features
     per unit of each block, blocks)`` (blocks: 3 for a packed query/key/value layer);
     ``attrs``: the module's attributes that count heads (or their features), by their value per
-    unit: a rank's module runs with its own counts.
+    unit: a rank's module runs with its own counts. ``shared``: the module's other parameters
+    (a query/key norm over the head dimension, as Qwen3's and Gemma 3's), every rank holding
+    them whole and applying them to its own heads: each rank's gradient is its heads' part,
+    summed over the ranks in the backward.
     """
 
     kind: str
@@ -46,6 +49,7 @@ class TensorSplit:
     columns: list[tuple[str, int, int]]
     row: str
     attrs: dict[str, int] = field(default_factory=dict)
+    shared: list[str] = field(default_factory=list)
 
     def layers(self) -> list[str]:
         return [c for c, _, _ in self.columns] + [self.row]
@@ -60,14 +64,17 @@ class TensorSplit:
         return max(parts for _, _, parts in self.columns)
 
 
-class EmptyPackedSplit(TorchFunctionMode):
-    """The forward of an attention on a rank that holds none of its heads, when a projection
-    packs query, key and value (GPT-2's ``c_attn``): the module splits that projection's
-    output by its heads' width, now 0, and expects ``parts`` pieces, where torch gives one
-    piece of an empty dimension. Here a split of an empty dimension into pieces of 0 gives
-    ``parts`` empty pieces; every other op runs as torch runs it (the rest of an attention
-    runs on empty tensors as it is). Entered by a forward pre-hook of the attention module,
-    left by its forward hook."""
+class EmptyHeads(TorchFunctionMode):
+    """The forward of an attention on a rank that holds none of its heads: it runs on empty
+    tensors, where two kinds of op need help that torch cannot give an empty dimension.
+    - A projection packing query, key and value (GPT-2's ``c_attn``, ``parts`` 3) is split by
+      its heads' width, now 0, into ``parts`` pieces, where torch gives one piece of an empty
+      dimension: here it gives ``parts`` empty pieces.
+    - A reshape with ``-1`` (OPT's ``view(batch, -1, heads, head_dim)``) is ambiguous on an
+      empty tensor: here ``-1`` takes the size the tensor has in that position (the sequence,
+      or 0 where the heads were), else 0.
+    Every other op runs as torch runs it. Entered by a forward pre-hook of the attention
+    module, left by its forward hook."""
 
     def __init__(self, parts: int) -> None:
         super().__init__()
@@ -75,11 +82,21 @@ class EmptyPackedSplit(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in (torch.Tensor.split, torch.split) and args:
+        if func in (torch.Tensor.split, torch.split) and args and self.parts > 1:
             t, size = args[0], args[1] if len(args) > 1 else kwargs.get("split_size")
             dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
             if isinstance(size, int) and size == 0 and t.shape[dim] == 0:
                 return tuple(t.narrow(dim, 0, 0) for _ in range(self.parts))
+        if func in _RESHAPES and args and isinstance(args[0], torch.Tensor):
+            t = args[0]
+            shape = _target_shape(args[1:], kwargs)
+            if t.numel() == 0 and shape is not None and shape.count(-1) == 1:
+                i = shape.index(-1)
+                size = t.shape[i] if i < t.dim() else 0
+                resolved = [size if d == -1 else d for d in shape]
+                if 0 not in resolved:
+                    resolved[i] = 0
+                return func(t, resolved)
         return func(*args, **kwargs)
 
     def enter(self, module: nn.Module, args: Any) -> None:
@@ -87,6 +104,102 @@ class EmptyPackedSplit(TorchFunctionMode):
 
     def leave(self, module: nn.Module, args: Any, output: Any) -> None:
         self.__exit__(None, None, None)
+
+
+_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape}
+# Reads of a tensor's metadata (``.shape``, ``.size()``): no use of its values.
+_INSPECTIONS = {"__get__", "size", "dim", "numel", "stride", "is_contiguous", "contiguous"}
+
+
+def _target_shape(rest: Sequence[Any], kwargs: dict[str, Any]) -> list[int] | None:
+    """The shape a ``view`` / ``reshape`` call asks for (``view(2, -1)`` or ``view((2, -1))``);
+    None for anything else (a dtype view)."""
+    shape = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else rest
+    shape = kwargs.get("shape", kwargs.get("size", shape))
+    if not shape or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        return None
+    return list(shape)
+
+
+class PackedLayoutGuard(TorchFunctionMode):
+    """Checks, on an attention's first forward, that its packed query/key/value projection is
+    packed as a split by heads takes it: three blocks, query heads then key heads then value
+    heads (GPT-2's ``c_attn``, read with ``split(width, dim=-1)``). A module that packs them
+    head by head (BLOOM's and GPT-NeoX's ``query_key_value``, viewed as ``(..., heads, 3,
+    head_dim)``) would get a wrong slice on every rank: its first reshape of that output raises
+    ``ValueError`` instead, naming the attention, on every rank alike (before any reduction of
+    the block). The first op on that output decides; then the guard removes itself."""
+
+    def __init__(self, ts: TensorSplit, heads: int) -> None:
+        super().__init__()
+        self.ts, self.heads = ts, heads  # this rank's query heads
+        self.column, self.head_dim, _ = ts.columns[0]
+        self.watched: torch.Tensor | None = None
+        self.handles: list[Any] = []
+        self.failed = False
+
+    def install(self, attention: nn.Module, column: nn.Module) -> None:
+        # Entered before and left after any other mode of the attention (EmptyHeads).
+        self.handles = [
+            attention.register_forward_pre_hook(self.enter, prepend=True),
+            attention.register_forward_hook(self.leave, always_call=True),
+            column.register_forward_hook(self.watch),
+        ]
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        self.__enter__()
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.__exit__(None, None, None)
+        if self.watched is not None and not self.failed:  # decided: later forwards run unwatched
+            for h in self.handles:
+                h.remove()
+        self.watched = None
+
+    def watch(self, module: nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            self.watched = output
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if (
+            self.watched is not None
+            and args
+            and args[0] is self.watched
+            and name not in _INSPECTIONS
+        ):
+            shape = _target_shape(args[1:], kwargs) if func in _RESHAPES else None
+            if func is torch.Tensor.unflatten and len(args) > 2:
+                shape = [*args[0].shape[: args[1]], *args[2]]
+            if shape is not None and self._head_by_head(shape, args[0].dim()):
+                self.failed = True
+                raise ValueError(
+                    f"filter_parallel: attention {self.ts.module!r} packs query, key and value "
+                    f"head by head in {self.column!r} (its forward reshapes that output to "
+                    f"{tuple(shape)}: heads, then query/key/value), where a split by heads "
+                    "takes three blocks (query heads, key heads, value heads, as GPT-2's "
+                    "c_attn); leave its layers out of the split (layers=...)"
+                )
+            self.watched = self.watched.new_empty(0)  # decided: stop looking
+        return func(*args, **kwargs)
+
+    def _head_by_head(self, shape: list[int], packed: int) -> bool:
+        """Whether a reshape of the ``packed``-dimensional packed output to ``shape`` reads it
+        head by head: one more dimension, ``(..., heads, 3 * head_dim)`` rather than ``(...,
+        3, heads * head_dim)``; two more, ``(..., heads, 3, head_dim)`` rather than ``(..., 3,
+        heads, head_dim)``. Where both read alike (3 heads of 3), it cannot tell: no."""
+        h, d = self.heads, self.head_dim
+        heads = (h, -1)
+        if len(shape) == packed + 1:
+            by_head = shape[-2] in heads and shape[-1] == 3 * d
+            blocked = shape[-2] == 3 and shape[-1] in (h * d, -1)
+        elif len(shape) == packed + 2:
+            by_head = shape[-3] in heads and shape[-2:] == [3, d]
+            blocked = shape[-3] == 3 and shape[-2] in heads and shape[-1] == d
+        else:
+            return False
+        return by_head and not blocked
 
 
 # The attributes an attention module counts its heads with, where its implementation keeps
@@ -155,6 +268,21 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
             f"separate or packed query/key/value of {nq} heads ({nkv} key/value) of {hd} and "
             "an output projection"
         )
+    # Any other parameter is applied to the rank's own heads: one of a head's size (a norm over
+    # the head dimension) or a number is the same for every head, its gradient summed over the
+    # ranks; one that spans heads (a norm over all query features, a weight per head) would
+    # need a split of its own.
+    projections = {n for n, _ in projs}
+    shared = []
+    for pn, p in m.named_parameters():
+        if pn.split(".", 1)[0] in projections:
+            continue
+        if tuple(p.shape) not in ((hd,), (1,), ()):
+            return (
+                f"its parameter {pn!r} {tuple(p.shape)} is neither of one head's size ({hd}) "
+                "nor a number, so it may span heads"
+            )
+        shared.append(pn)
     attrs: dict[str, int] = {}
     for names, per_unit in ((_QUERY_HEADS, rep), (_KV_HEADS, 1), (_QUERY_WIDTH, rep * hd)):
         for a in names:
@@ -170,6 +298,7 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
         [(prefix + c, per, parts) for c, per, parts in columns],
         prefix + row_name,
         attrs,
+        [prefix + n for n in shared],
     )
 
 
@@ -250,7 +379,8 @@ def _mlp(name: str, m: nn.Module) -> TensorSplit | None:
 
     def elementwise(node: Any) -> bool:
         others = [a for a in list(node.args) + list(node.kwargs.values()) if not _is_node(a)]
-        if not all(isinstance(a, (int, float, torch.dtype)) for a in others):
+        # Numbers, dtypes and an option's name (``F.gelu(x, approximate="tanh")``, Gemma's).
+        if not all(isinstance(a, (int, float, str, torch.dtype)) for a in others):
             return False
         if node.op == "call_module":
             return isinstance(named[node.target], ELEMENTWISE_MODULES)
