@@ -130,6 +130,16 @@ def test_per_head_norms_are_shared_by_the_heads():
     ]
 
 
+@pytest.mark.parametrize("make", [cases.llama, cases.EncoderLM])
+def test_a_head_nothing_reads_is_no_reason_to_warn(make):
+    # Hugging Face's forwards cannot be traced; the one layer left gathering, the LM head,
+    # feeds no other split layer, so a trace would not pair it: no warning about tracing.
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        filter_shares(make(), size=2, speeds=[1.0, 0.5])
+    assert not [w for w in seen if "could not trace" in str(w.message)]
+
+
 def test_empty_blocks_lets_a_slow_rank_hold_no_heads():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

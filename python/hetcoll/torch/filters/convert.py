@@ -18,7 +18,12 @@ from torch.utils import _pytree as pytree
 
 from hetcoll.comm import Communicator, agree, deadline, wrap
 from hetcoll.torch.filters.autograd import AgreedForward, SumGradient, sole_holder
-from hetcoll.torch.filters.chains import choose_layers, layer_channels, plan_modes
+from hetcoll.torch.filters.chains import (
+    choose_layers,
+    layer_channels,
+    linear_features,
+    plan_modes,
+)
 from hetcoll.torch.filters.checks import (
     check_conv,
     check_shares,
@@ -209,7 +214,16 @@ def _shares(
             UserWarning,
             stacklevel=4,
         )
-    gathering = [n for n, m in modes.items() if m == "gather"]
+    # The gathering layers a trace could pair: another split layer (outside the heads' and
+    # units' splits) reads as many channels as one writes. A language model's head, which
+    # nothing reads, gathers whatever a trace would show: no warning for it.
+    in_blocks = {n for ts in splits for n in ts.layers()}
+
+    def pairable(g: str) -> bool:
+        out = layer_channels(named[g])
+        return any(_in_channels(named[r]) == out for r in modes if r != g and r not in in_blocks)
+
+    gathering = [n for n, m in modes.items() if m == "gather" and pairable(n)]
 
     def holds_gathering(entry: str) -> bool:  # an untraced module around a gathering layer
         name = entry.split(" (", 1)[0]
@@ -647,6 +661,15 @@ def _agree_on_plan(
     fingerprint = zlib.crc32(repr((plan, shared) if shared else plan).encode())
     what = "filter_parallel's layers, modes and shares (same model and arguments needed)"
     agree(comm, {what: fingerprint}, deadline(timeout))
+
+
+def _in_channels(m: nn.Module) -> int:
+    """The channels a splittable layer reads: a Conv2d's input channels, a linear layer's
+    input features."""
+    if isinstance(m, nn.Conv2d):
+        return m.in_channels
+    features = linear_features(m)
+    return features[0] if features is not None else -1
 
 
 def _linear_class(m: nn.Module) -> Any:
