@@ -233,3 +233,17 @@ def test_tied_layers_stay_replicated_or_raise_by_name():
     messages = [str(w.message) for w in record]
     assert "'0' (Linear, weight shared with '2': a split would untie them)" in messages[0]
     assert "no Conv2d (groups=1) or Linear layer it can split" in messages[1]
+
+
+def test_a_layer_too_small_for_the_ranks_stays_whole_by_default():
+    # A regression head of one output (or an MoE's one-output gate) cannot give each of two
+    # ranks a channel: chosen by default it stays replicated, named in a warning; the other
+    # layers split. Named in layers, it raises.
+    from hetcoll.torch.filters import filter_shares
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.Linear(8, 1))
+    with pytest.warns(UserWarning, match=r"'3' \(Linear, 1 output channels: fewer than 2"):
+        shares = filter_shares(model, size=2, speeds=[1.0, 0.5])
+    assert set(shares) == {"0", "2"}
+    with pytest.raises(ValueError, match="has 1 channels, too few for 2 ranks"):
+        filter_shares(model, size=2, speeds=[1.0, 0.5], layers=["0", "3"])

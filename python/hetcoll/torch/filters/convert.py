@@ -206,6 +206,35 @@ def _shares(
             check_conv(m, f"layers: {name!r}")
     untraced: list[str] = []
     layout = split_layout(model, chosen, avoid_gathers=avoid_gathers, mha=mha, untraced=untraced)
+    if layers is None and per_layer is None and chosen:
+        # Chosen by default, a layer of fewer channels than the ranks need (a gate or a
+        # router of one output, a regression head) stays whole, named in a warning; named
+        # in ``layers``, it raises.
+        need = size_of() * int(multiple_of)
+        in_blocks = {n for ts in layout.splits for n in ts.layers()}
+        small = [
+            n
+            for n in chosen
+            if n not in in_blocks
+            and layout.modes.get(n) != "split-input"
+            and layer_channels(named[n]) < need
+        ]
+        if small:
+            warnings.warn(
+                "filter_parallel: left replicated (every rank computes them whole): "
+                + ", ".join(
+                    f"{n!r} ({type(named[n]).__name__}, {layer_channels(named[n])} output "
+                    f"channels: fewer than {need} for the ranks)"
+                    for n in small
+                ),
+                UserWarning,
+                stacklevel=4,
+            )
+            chosen = [n for n in chosen if n not in small]
+            untraced = []
+            layout = split_layout(
+                model, chosen, avoid_gathers=avoid_gathers, mha=mha, untraced=untraced
+            )
     modes, feeds, splits = layout.modes, layout.feeds, layout.splits
     if layout.kept:
         warnings.warn(
