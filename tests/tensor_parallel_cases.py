@@ -143,6 +143,36 @@ class OldStyleLM(nn.Module):
         return SimpleNamespace(logits=self.head(h))
 
 
+class _GateUp(nn.Module):
+    """A gated MLP whose gate and up projections are one packed layer (Phi-3's
+    ``gate_up_proj``), cut in two along its features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(24, 80)
+        self.down = nn.Linear(40, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(nn.functional.silu(gate) * up)
+
+
+class GateUpLM(nn.Module):
+    """Two residual :class:`_GateUp` blocks between an embedding and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 24)
+        self.blocks = nn.ModuleList(_GateUp() for _ in range(2))
+        self.head = nn.Linear(24, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> Any:
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return SimpleNamespace(logits=self.head(h))
+
+
 def attention_weights(group: Any) -> int:
     """A bare ``nn.MultiheadAttention`` (sequence first, cross-attention, a 3-D mask per head)
     returns the same output and attention weights split as whole, averaged or per head."""
@@ -499,7 +529,7 @@ def run_all(group: Any) -> dict[str, Any]:
         out[f"{name}_gathers"] = gathers
         out[f"{name}_split"] = sum(m != "gather" for m in got.values())
         traffic(group, make, 24)
-    for name, make in (("qwen3", qwen3), ("gemma", gemma)):
+    for name, make in (("qwen3", qwen3), ("gemma", gemma), ("gate_up", GateUpLM)):
         got = equals_unsplit(group, make, "adam", steps=2)
         out[f"{name}_gathers"] = sorted(n for n, m in got.items() if m == "gather")
         out[f"{name}_split"] = sum(m != "gather" for m in got.values())

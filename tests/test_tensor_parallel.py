@@ -31,6 +31,8 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     # tanh-approximated GELU MLP split like Llama's blocks.
     assert r["qwen3_gathers"] == ["lm_head"] and r["qwen3_split"] == 2 * 7
     assert r["gemma_gathers"] == [] and r["gemma_split"] == 2 * 7
+    # A packed gate/up projection (Phi-3's gate_up_proj, chunked in two) splits by units.
+    assert r["gate_up_gathers"] == ["head"] and r["gate_up_split"] == 2 * 2
     # With empty_blocks the slow rank (speed 0.1) holds none of Llama's 3 key/value groups,
     # GPT-2's 6 heads (q, k and v packed) or the encoder's 6 heads.
     empty = {2: [3, 0], 3: [2, 0, 1]}[p]
@@ -138,6 +140,23 @@ def test_a_head_nothing_reads_is_no_reason_to_warn(make):
         warnings.simplefilter("always")
         filter_shares(make(), size=2, speeds=[1.0, 0.5])
     assert not [w for w in seen if "could not trace" in str(w.message)]
+
+
+def test_a_packed_gate_and_up_projection_splits_by_units():
+    import transformers
+
+    from hetcoll.torch.filters import split_layout
+
+    config = transformers.Phi3Config(
+        vocab_size=40, hidden_size=24, intermediate_size=40, num_hidden_layers=1,
+        num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=32,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    layout = split_layout(transformers.Phi3ForCausalLM(config))
+    (mlp,) = [ts for ts in layout.splits if ts.kind == "mlp"]
+    # Its 80 outputs are two blocks (gate, up) of the 40 units down_proj reads.
+    assert mlp.columns == [("model.layers.0.mlp.gate_up_proj", 1, 2)]
+    assert mlp.row == "model.layers.0.mlp.down_proj" and mlp.units == 40
 
 
 def test_empty_blocks_lets_a_slow_rank_hold_no_heads():

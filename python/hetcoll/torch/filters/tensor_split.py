@@ -395,7 +395,7 @@ def _mlp(name: str, m: nn.Module) -> TensorSplit | None:
         if f is None or len(row.all_input_nodes) != 1:
             continue
         inner: set[Any] = set()
-        columns: list[Any] = []
+        columns: dict[Any, int] = {}  # column node -> the blocks its output packs
         todo, ok = [row.all_input_nodes[0]], True
         while todo and ok:
             node = todo.pop()
@@ -403,9 +403,26 @@ def _mlp(name: str, m: nn.Module) -> TensorSplit | None:
                 continue
             inner.add(node)
             g = linear(node)
+            packed = _piece_of_packed(node, f[0])
             if g is not None:
                 ok = g[1] == f[0]
-                columns.append(node)
+                columns[node] = 1
+            elif packed is not None:
+                # One piece of a column's output cut into equal blocks along its features
+                # (Phi-3's gate_up_proj(x).chunk(2, dim=-1)): the column packs the blocks.
+                cut, column, parts = packed
+                g = linear(column)
+                if g is not None and parts is None and g[1] % f[0] == 0:
+                    parts = g[1] // f[0]
+                ok = (
+                    g is not None
+                    and parts is not None
+                    and parts > 1
+                    and g[1] == parts * f[0]
+                    and columns.get(column, parts) == parts
+                )
+                inner.update((cut, column))
+                columns[column] = parts or 1
             elif elementwise(node):
                 todo.extend(node.all_input_nodes)
             else:
@@ -420,10 +437,33 @@ def _mlp(name: str, m: nn.Module) -> TensorSplit | None:
                 name,
                 f[0],
                 1,
-                [(prefix + c.target, 1, 1) for c in ordered],
+                [(prefix + c.target, 1, columns[c]) for c in ordered],
                 prefix + row.target,
             )
     return None
+
+
+def _piece_of_packed(node: Any, width: int) -> tuple[Any, Any, int | None] | None:
+    """``(cut, column, parts)`` when ``node`` is one piece (``getitem``) of a column's output
+    ``cut`` into equal blocks of ``width`` features along its last dimension:
+    ``chunk(parts, dim=-1)``, or ``split(width, dim=-1)`` (``parts`` None: the column's
+    features over ``width``); else None."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return None
+    cut = node.args[0]
+    if not _is_node(cut) or cut.op not in ("call_method", "call_function"):
+        return None
+    name = cut.target if cut.op == "call_method" else getattr(cut.target, "__name__", "")
+    if name not in ("chunk", "split") or len(cut.all_input_nodes) != 1:
+        return None
+    args, kwargs = list(cut.args[1:]), dict(cut.kwargs)
+    size = args[0] if args else kwargs.get("chunks", kwargs.get("split_size"))
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if dim != -1 or not isinstance(size, int) or isinstance(size, bool):
+        return None
+    if name == "split" and size != width:
+        return None
+    return cut, cut.all_input_nodes[0], (size if name == "chunk" else None)
 
 
 def _is_node(a: Any) -> bool:
