@@ -205,7 +205,26 @@ def real_models(group, speeds) -> int:
         "fc1": "split-output",
         "fc2": "split-input",
     }, modes
-    return 2
+    # torchvision's Swin: its attention reads its qkv and proj weights itself (a functional
+    # call), so they stay whole; its MLPs pair.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        modes = equals_unsplit(group, speeds, torch.float64, build=swin, batches=_small_images)
+    assert not any(n.endswith(("attn.qkv", "attn.proj")) for n in modes), modes
+    assert modes["features.1.0.mlp.0"] == "split-output", modes
+    assert modes["features.1.0.mlp.3"] == "split-input", modes
+    return 3
+
+
+def swin() -> nn.Module:
+    """torchvision's Swin Transformer, small (no stochastic depth: the split and the unsplit
+    model must drop alike)."""
+    from torchvision.models import SwinTransformer
+
+    return SwinTransformer(
+        patch_size=[4, 4], embed_dim=12, depths=[2, 2], num_heads=[2, 4], window_size=[2, 2],
+        num_classes=5, stochastic_depth_prob=0.0,
+    )  # fmt: skip
 
 
 def load_full_state(group) -> None:

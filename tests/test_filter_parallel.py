@@ -23,7 +23,7 @@ from hetcoll.lab.emulate import slow_down_filter_parallel
 from hetcoll.torch import FilterParallelLinear, filter_parallel
 
 HERE = Path(__file__).resolve().parent
-EXPECTED = {"equal": 3, "random": 24, "errors": 8, "real_models": 2}
+EXPECTED = {"equal": 3, "random": 24, "errors": 8, "real_models": 3}
 
 
 @pytest.mark.multiproc
@@ -247,3 +247,18 @@ def test_a_layer_too_small_for_the_ranks_stays_whole_by_default():
     assert set(shares) == {"0", "2"}
     with pytest.raises(ValueError, match="has 1 channels, too few for 2 ranks"):
         filter_shares(model, size=2, speeds=[1.0, 0.5], layers=["0", "3"])
+
+
+def test_a_layer_whose_weight_the_forward_reads_stays_whole():
+    # Swin's attention calls a function with its qkv and proj weights instead of calling the
+    # layers: a split would hand that function a slice. By default they stay whole (warned);
+    # named in layers they raise.
+    from filter_cases import swin
+
+    from hetcoll.torch.filters import filter_shares
+
+    with pytest.warns(UserWarning, match=r"'features\.1\.0\.attn\.qkv'.*reads their parameters"):
+        shares = filter_shares(swin(), size=2, speeds=[1.0, 0.5])
+    assert "features.1.0.attn.qkv" not in shares and "features.1.0.mlp.0" in shares
+    with pytest.raises(ValueError, match=r"layers: 'features\.1\.0\.attn\.proj': a traced"):
+        filter_shares(swin(), size=2, speeds=[1.0, 0.5], layers=["features.1.0.attn.proj"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,11 +53,23 @@ SPATIAL_MODULES = (
 Chain = list[tuple[str, nn.Module]]
 
 
+@dataclass
+class Traced:
+    """What a module's traced forward shows: its runs (:func:`_traced_chains`) and the
+    splittable layers whose parameters it reads itself instead of calling the layer (a
+    functional ``F.linear(x, self.qkv.weight)``, torchvision Swin's attention): a split of
+    such a layer would hand that code its slice."""
+
+    chains: list[Chain]
+    reads: list[str]
+
+
 def _chains(
     module: nn.Module,
     prefix: str = "",
     untraced: list[str] | None = None,
-    traced_cache: dict[tuple[int, str], list[Chain] | str] | None = None,
+    traced_cache: dict[tuple[int, str], Traced | str] | None = None,
+    reads: list[str] | None = None,
 ) -> Iterator[Chain]:
     """Runs of modules known to feed each other in order, and nothing else: the children of
     plain nn.Sequential containers (nested ones flattened), and inside a module with its own
@@ -71,7 +84,7 @@ def _chains(
         _flatten(module, prefix, chain, inner)
         yield chain
         for name, m in inner:
-            yield from _chains(m, name, untraced, traced_cache)
+            yield from _chains(m, name, untraced, traced_cache, reads)
         return
     if next(module.children(), None) is None:
         return
@@ -82,13 +95,16 @@ def _chains(
         if key not in traced_cache:
             traced_cache[key] = _traced_chains(module, prefix)
         traced = traced_cache[key]
-    if isinstance(traced, list):
-        yield from traced
+    if isinstance(traced, Traced):
+        if reads is not None:
+            reads.extend(traced.reads)
+        yield from traced.chains
         return
     if untraced is not None:
         untraced.append(f"{prefix or type(module).__name__} ({traced})")
     for name, child in module.named_children():
-        yield from _chains(child, f"{prefix}.{name}" if prefix else name, untraced, traced_cache)
+        full = f"{prefix}.{name}" if prefix else name
+        yield from _chains(child, full, untraced, traced_cache, reads)
 
 
 # Functions and tensor methods a traced forward may call on a channel-split tensor, as the
@@ -131,7 +147,7 @@ def _has_state(m: nn.Module) -> bool:
     return any(True for _ in m.parameters()) or any(True for _ in m.buffers())
 
 
-def _traced_chains(module: nn.Module, prefix: str) -> list[Chain] | str:
+def _traced_chains(module: nn.Module, prefix: str) -> Traced | str:
     """The runs of :func:`_chains` in ``module``'s forward, read off its torch.fx graph: a run
     continues from one operation to the next while the next is the only user of the first's
     output and reads nothing else, so a channel-split tensor between them is seen by no one
@@ -160,6 +176,15 @@ def _traced_chains(module: nn.Module, prefix: str) -> list[Chain] | str:
         return (f"{prefix}.{name}" if prefix else name), m
 
     chains: list[Chain] = []
+    reads = sorted(
+        {
+            f"{prefix}.{owner}" if prefix else owner
+            for node in graph.nodes
+            if node.op == "get_attr"
+            and (owner := str(node.target).rpartition(".")[0]) in named
+            and _splittable(named[owner])
+        }
+    )
     seen: set[Any] = set()
     for node in graph.nodes:
         chain: Chain = []
@@ -172,7 +197,11 @@ def _traced_chains(module: nn.Module, prefix: str) -> list[Chain] | str:
             node = users[0]
         if chain:
             chains.append(chain)
-    return chains
+    return Traced(chains, reads)
+
+
+def _splittable(m: nn.Module) -> bool:
+    return linear_features(m) is not None or (type(m) is nn.Conv2d and m.groups == 1)
 
 
 def _is_plain_sequential(m: nn.Module) -> bool:
@@ -224,7 +253,7 @@ def chain_filter_modes(chain: Sequence[tuple[str, nn.Module]]) -> list[dict[str,
     >>> chain_filter_modes(chain)
     [{'a': 'split-output', 'c': 'split-input'}, {'c': 'gather'}, {'c': 'gather'}]
     """
-    traced: dict[tuple[int, str], list[Chain] | str] = {}
+    traced: dict[tuple[int, str], Traced | str] = {}
     out = []
     for lo in range(len(chain)):
         model = nn.Sequential(OrderedDict(chain[lo:]))
@@ -238,18 +267,22 @@ def plan_modes(
     chosen: list[str],
     avoid_gathers: bool,
     untraced: list[str] | None = None,
-    traced_cache: dict[tuple[int, str], list[Chain] | str] | None = None,
+    traced_cache: dict[tuple[int, str], Traced | str] | None = None,
+    reads: list[str] | None = None,
 ) -> tuple[dict[str, str], dict[str, tuple[str, int]], dict[str, str]]:
     """Modes of the chosen layers; for each split-input layer the layer whose shares it takes
     and its in_features_per_channel; for each BatchNorm to split, the layer it follows. The
     modules whose forwards could not be traced go to ``untraced`` (:func:`_chains`, as does
-    ``traced_cache``)."""
+    ``traced_cache``), and the layers a traced forward reads the parameters of to ``reads``."""
     modes = {name: "gather" for name in chosen}
     feeds: dict[str, tuple[str, int]] = {}
     bns: dict[str, str] = {}
     if not avoid_gathers:
+        if reads is not None:  # the traces, for what they read
+            for _ in _chains(model, untraced=untraced, traced_cache=traced_cache, reads=reads):
+                pass
         return modes, feeds, bns
-    for chain in _chains(model, untraced=untraced, traced_cache=traced_cache):
+    for chain in _chains(model, untraced=untraced, traced_cache=traced_cache, reads=reads):
         prev: tuple[str, nn.Module] | None = None
         flattened = False
         pending: list[str] = []

@@ -206,6 +206,20 @@ def _shares(
             check_conv(m, f"layers: {name!r}")
     untraced: list[str] = []
     layout = split_layout(model, chosen, avoid_gathers=avoid_gathers, mha=mha, untraced=untraced)
+    if layout.read_directly:
+        direct = ", ".join(repr(n) for n in layout.read_directly)
+        why = (
+            "a traced forward reads their parameters itself (functional code, such as "
+            "F.linear(x, layer.weight)), which a split would hand a slice"
+        )
+        if layers is not None:
+            raise ValueError(f"layers: {direct}: {why}; leave them out")
+        warnings.warn(
+            f"filter_parallel: left replicated (every rank computes them whole): {direct} ({why})",
+            UserWarning,
+            stacklevel=4,
+        )
+        chosen = [n for n in chosen if n not in layout.read_directly]
     if layers is None and per_layer is None and chosen:
         # Chosen by default, a layer of fewer channels than the ranks need (a gate or a
         # router of one output, a regression head) stays whole, named in a warning; named

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from hetcoll.torch.filters.chains import Chain, choose_layers, plan_modes
+from hetcoll.torch.filters.chains import Traced, choose_layers, plan_modes
 from hetcoll.torch.filters.tensor_split import TensorSplit, plan_tensor_splits
 
 
@@ -26,13 +26,16 @@ class SplitLayout:
     split-output); ``feeds``: for each split-input layer of a chain pair, the layer whose
     shares it takes and its input features per channel; ``batchnorms``: each BatchNorm split
     with the layer it follows; ``splits``: the attentions and MLPs split by heads and hidden
-    units; ``kept``: the attentions left whole, by name, with why."""
+    units; ``kept``: the attentions left whole, by name, with why; ``read_directly``: the
+    chosen layers left whole because a traced forward reads their parameters itself
+    (functional code, as torchvision Swin's attention: a split would hand it a slice)."""
 
     modes: dict[str, str]
     feeds: dict[str, tuple[str, int]]
     batchnorms: dict[str, str]
     splits: list[TensorSplit]
     kept: dict[str, str]
+    read_directly: list[str]
 
 
 def split_layout(
@@ -43,17 +46,28 @@ def split_layout(
     tensor_splits: bool = True,
     mha: bool | Collection[str] = True,
     untraced: list[str] | None = None,
-    traced_cache: dict[tuple[int, str], list[Chain] | str] | None = None,
+    traced_cache: dict[tuple[int, str], Traced | str] | None = None,
 ) -> SplitLayout:
     """The layout of a split of ``chosen`` (default: the layers :func:`~.chains.choose_layers`
     picks, without its warnings): chain pairs first,
     then, with ``tensor_splits`` and ``avoid_gathers``, the attentions (with ``mha`` torch's
     ``nn.MultiheadAttention`` too: all, or those a collection names) and MLPs among the layers
-    left gathering. ``untraced`` and
-    ``traced_cache`` as for :func:`~.chains.plan_modes`."""
+    left gathering; a layer whose parameters a traced forward reads itself stays whole
+    (``read_directly``). ``untraced`` and ``traced_cache`` as for
+    :func:`~.chains.plan_modes`."""
     if chosen is None:
         chosen = choose_layers(model, None, dict(model.named_modules()), warn=False)
-    modes, feeds, bns = plan_modes(model, list(chosen), avoid_gathers, untraced, traced_cache)
+    cache: dict[tuple[int, str], Traced | str] = {} if traced_cache is None else traced_cache
+    found: list[str] = []
+    first_untraced: list[str] = []
+    modes, feeds, bns = plan_modes(model, list(chosen), avoid_gathers, first_untraced, cache, found)
+    read_directly = [n for n in chosen if n in set(found)]
+    if read_directly:
+        chosen = [n for n in chosen if n not in read_directly]
+        first_untraced = []
+        modes, feeds, bns = plan_modes(model, chosen, avoid_gathers, first_untraced, cache)
+    if untraced is not None:
+        untraced.extend(first_untraced)
     splits: list[TensorSplit] = []
     kept: dict[str, str] = {}
     if avoid_gathers and tensor_splits:
@@ -64,7 +78,7 @@ def split_layout(
         for ts in splits:
             modes.update({c: "split-output" for c, _, _ in ts.columns})
             modes[ts.row] = "split-input"
-    return SplitLayout(modes, feeds, bns, splits, kept)
+    return SplitLayout(modes, feeds, bns, splits, kept, read_directly)
 
 
 def filter_modes(
