@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -310,3 +312,22 @@ def test_a_forward_making_cpu_tensors_is_costed_on_the_cpu() -> None:
     assert fc.forward_flops(1) == 2 * 8 * 8 * 8
     # The mask product (8x8 @ 8x8 per sample), counted too.
     assert costs.forward_flops(1) == fc.forward_flops(1) + 2 * 8 * 8 * 8
+
+
+@given(
+    shape=st.lists(st.integers(1, 6), min_size=1, max_size=4),
+    at=st.integers(0, 4),
+    rows=st.integers(1, 3),
+)
+def test_one_samples_shape_is_found_wherever_the_batch_is(
+    shape: list[int], at: int, rows: int
+) -> None:
+    """The counting batch's dimension (the batch, or batch x rows flattened) may sit anywhere:
+    one sample's shape drops it (``rows`` > 1: keeps the rows per sample in its place)."""
+    from hetcoll.model.costs.counting import per_sample_shape
+    from hetcoll.model.costs.records import _COUNT_BATCH
+
+    at = min(at, len(shape))
+    batched = [*shape[:at], _COUNT_BATCH * rows, *shape[at:]]
+    want = [*shape[:at], *([rows] if rows > 1 else []), *shape[at:]]
+    assert list(per_sample_shape(batched)) == want

@@ -7,6 +7,8 @@ from __future__ import annotations
 import warnings
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import tensor_parallel_cases as cases
 import torch
 from torch import nn
@@ -215,3 +217,27 @@ def test_per_layer_shares_round_trip_by_heads(make):
             filter_shares(make(), size=3, shares=by_speed)
     assert back == by_speed and again == by_speed
     assert any(0 in v for v in by_speed.values())
+
+
+@given(
+    heads=st.integers(0, 8),
+    head_dim=st.integers(1, 8),
+    lead=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    minus_one=st.booleans(),
+)
+def test_a_blocked_packing_is_never_taken_for_one_head_by_head(heads, head_dim, lead, minus_one):
+    """The first-forward check of a packed query/key/value projection: GPT-2-style blocks
+    (``(..., 3, heads, d)``, ``(..., 3, heads * d)``) pass; head by head (``(..., heads, 3,
+    d)``, ``(..., heads, 3 * d)``) is refused unless the two read alike (3 heads, spelled
+    out)."""
+    from hetcoll.torch.filters.tensor_split import PackedLayoutGuard, TensorSplit
+
+    ts = TensorSplit("attention", "attn", 8, head_dim, [("attn.qkv", head_dim, 3)], "attn.o")
+    guard = PackedLayoutGuard(ts, heads)
+    packed = len(lead) + 1  # the projection's output: lead dims, then 3 x heads x head_dim
+    h = -1 if minus_one else heads
+    assert not guard._head_by_head([*lead, 3, h, head_dim], packed)
+    assert not guard._head_by_head([*lead, 3, -1 if minus_one else heads * head_dim], packed)
+    by_head = [[*lead, h, 3, head_dim], [*lead, h, 3 * head_dim]]
+    ambiguous = heads == 3 and not minus_one  # (3, 3, d): either reading
+    assert all(guard._head_by_head(s, packed) == (not ambiguous) for s in by_head)
