@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode

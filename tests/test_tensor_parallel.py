@@ -7,10 +7,10 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 import tensor_parallel_cases as cases
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 from hetcoll import launch
