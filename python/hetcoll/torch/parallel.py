@@ -46,6 +46,7 @@ from hetcoll.torch.filters import (
     filter_parallel,
     filter_shares,
 )
+from hetcoll.torch.filters.chains import choose_layers
 from hetcoll.torch.layers import model_cut
 from hetcoll.torch.parallel_checkpoint import PlanCheckpoints, as_bytes
 from hetcoll.torch.placement import (
@@ -1078,7 +1079,10 @@ def _stage_split(
             shares_of = filter_shares(module, size=p, shares=per_layer)
         else:
             speeds = list(stage.speeds) if stage.speeds is not None else [1.0] * p
-            shares_of = filter_shares(module, size=p, speeds=speeds)
+            # Every splittable layer of the stage, named: the plan splits them all, so one too
+            # thin for the stage's ranks is an error here, not a layer left whole.
+            chosen = choose_layers(module, None, dict(module.named_modules()), warn=False)
+            shares_of = filter_shares(module, size=p, speeds=speeds, layers=chosen)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
     if not shares_of:

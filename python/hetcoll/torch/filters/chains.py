@@ -183,6 +183,7 @@ def _traced_chains(module: nn.Module, prefix: str) -> Traced | str:
             if node.op == "get_attr"
             and (owner := str(node.target).rpartition(".")[0]) in named
             and _splittable(named[owner])
+            and _traced_in(node) != owner  # not its own forward, traced through (a Conv1D)
         }
     )
     seen: set[Any] = set()
@@ -198,6 +199,12 @@ def _traced_chains(module: nn.Module, prefix: str) -> Traced | str:
         if chain:
             chains.append(chain)
     return Traced(chains, reads)
+
+
+def _traced_in(node: Any) -> str | None:
+    """The path of the module whose forward ``node`` was traced in (the innermost), if any."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return str(list(stack.values())[-1][0]) if stack else None
 
 
 def _splittable(m: nn.Module) -> bool:
