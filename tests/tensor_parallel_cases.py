@@ -127,13 +127,13 @@ class _OldStyleAttention(nn.Module):
         return self.o(att.transpose(1, 2).reshape(b, n, -1))
 
 
-class OldStyleLM(nn.Module):
-    """Two residual blocks of :class:`_OldStyleAttention` between an embedding and a head."""
+class ResidualLM(nn.Module):
+    """Two residual blocks made by ``block`` between an embedding and a head."""
 
-    def __init__(self, packed: bool = False) -> None:
+    def __init__(self, block: Any) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, 24)
-        self.blocks = nn.ModuleList(_OldStyleAttention(packed) for _ in range(2))
+        self.blocks = nn.ModuleList(block() for _ in range(2))
         self.head = nn.Linear(24, VOCAB)
 
     def forward(self, input_ids: torch.Tensor) -> Any:
@@ -141,6 +141,11 @@ class OldStyleLM(nn.Module):
         for block in self.blocks:
             h = h + block(h)
         return SimpleNamespace(logits=self.head(h))
+
+
+def old_style_lm(packed: bool = False) -> nn.Module:
+    """:class:`ResidualLM` of :class:`_OldStyleAttention` blocks."""
+    return ResidualLM(lambda: _OldStyleAttention(packed))
 
 
 class _GateUp(nn.Module):
@@ -157,20 +162,9 @@ class _GateUp(nn.Module):
         return self.down(nn.functional.silu(gate) * up)
 
 
-class GateUpLM(nn.Module):
-    """Two residual :class:`_GateUp` blocks between an embedding and a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, 24)
-        self.blocks = nn.ModuleList(_GateUp() for _ in range(2))
-        self.head = nn.Linear(24, VOCAB)
-
-    def forward(self, input_ids: torch.Tensor) -> Any:
-        h = self.embed(input_ids)
-        for block in self.blocks:
-            h = h + block(h)
-        return SimpleNamespace(logits=self.head(h))
+def gate_up_lm() -> nn.Module:
+    """:class:`ResidualLM` of :class:`_GateUp` blocks."""
+    return ResidualLM(_GateUp)
 
 
 def attention_weights(group: Any) -> int:
@@ -327,7 +321,7 @@ def empty_blocks(group: Any) -> dict[str, list[int]]:
     p = wrap(group).size
     speeds = [1.0, 0.1, 0.5, 0.75][:p]
     shares: dict[str, list[int]] = {}
-    models = (("llama", llama), ("gpt2", gpt2), ("encoder", EncoderLM), ("old", OldStyleLM))
+    models = (("llama", llama), ("gpt2", gpt2), ("encoder", EncoderLM), ("old", old_style_lm))
     for name, make in models:
         equals_unsplit(group, make, "adam", steps=2, speeds=speeds)
         traffic(group, make, 24, speeds)
@@ -508,7 +502,7 @@ def bad_input(group: Any) -> int:
     )
     # Query, key and value packed head by head (BLOOM's layout), which a split by heads would
     # cut as three blocks: the first forward raises on every rank, before any reduction.
-    packed = filter_parallel(OldStyleLM(packed=True), group=group, speeds=SPEEDS[:p])
+    packed = filter_parallel(old_style_lm(packed=True), group=group, speeds=SPEEDS[:p])
     raises("attention 'blocks.0' packs query, key and value head by head", lambda: packed(batch(0)))
     # A multiple_of that whole heads cannot meet: 3 and 8-feature groups of 24 features.
     raises(
@@ -529,7 +523,7 @@ def run_all(group: Any) -> dict[str, Any]:
         out[f"{name}_gathers"] = gathers
         out[f"{name}_split"] = sum(m != "gather" for m in got.values())
         traffic(group, make, 24)
-    for name, make in (("qwen3", qwen3), ("gemma", gemma), ("gate_up", GateUpLM)):
+    for name, make in (("qwen3", qwen3), ("gemma", gemma), ("gate_up", gate_up_lm)):
         got = equals_unsplit(group, make, "adam", steps=2)
         out[f"{name}_gathers"] = sorted(n for n, m in got.items() if m == "gather")
         out[f"{name}_split"] = sum(m != "gather" for m in got.values())

@@ -39,7 +39,7 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     # GPT-2's 6 heads (q, k and v packed) or the encoder's 6 heads.
     empty = {2: [3, 0], 3: [2, 0, 1]}[p]
     heads = [2 * u for u in empty]
-    # OPT-style reshapes with -1 (OldStyleLM) run on the rank holding no heads too.
+    # OPT-style reshapes with -1 (old_style_lm) run on the rank holding no heads too.
     assert r["empty_blocks"] == {"llama": empty, "gpt2": heads, "encoder": heads, "old": heads}
     assert r["mha_weights"] == 2 and r["sdpa_float32"] == 2
     assert r["errors"] == 7
