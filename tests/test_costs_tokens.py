@@ -545,3 +545,29 @@ def test_planned_split_stages_of_a_transformer_are_time_balanced() -> None:
     # Only the stage's blocks (decoder layers 2 and 3, and the head) are split.
     assert all(k.startswith(("model.layers.2.", "model.layers.3.", "lm_head")) for k in want)
     assert predict_plan(costs, cluster, the_plan).step_s == pytest.approx(pred.step_s, rel=1e-9)
+
+
+def test_parameters_the_heads_share_cost_a_sum_of_their_gradient() -> None:
+    # Qwen3's q_norm and k_norm (one weight of head_dim per attention, applied to every head):
+    # the costs record them with the attention, and a split step's backward pays one more
+    # allreduce for each, as the runtime sums their gradients.
+    from dataclasses import replace
+
+    import transformers
+
+    from hetcoll.model.predict.splits import SplitCollectives
+
+    cfg = transformers.Qwen3Config(
+        vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        attn_implementation="eager", bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    costs = layer_costs(transformers.Qwen3ForCausalLM(cfg), (SEQ,), dtype=torch.int64)
+    attention = [b for b in costs.split_blocks if b.kind == "attention"]
+    assert [b.shared for b in attention] == [(8, 8), (8, 8)]
+    assert all(b.shared == () for b in costs.split_blocks if b.kind == "mlp")
+    sums = SplitCollectives(costs, _cluster(1e10))
+    rows = [i for i, x in enumerate(costs.layers) if attention[0].contains(x.name)]
+    fwd, bwd = sums.block_sums_s(4, rows, False, attention[0])
+    fwd0, bwd0 = sums.block_sums_s(4, rows, False, replace(attention[0], shared=()))
+    assert fwd == fwd0 and bwd > bwd0

@@ -177,6 +177,7 @@ def layer_costs(
             ts.width,
             tuple(ts.layers()),
             tuple(ts.features_per_unit()),
+            tuple(model.get_parameter(n).numel() for n in ts.shared),
         )
         for ts in layout.splits
     )

@@ -127,7 +127,10 @@ class SplitBlock:
     reading the block's input, then the one mapping back) and each layer's channels per unit
     (``per_unit``: a projection's output features, the last layer's input features). Every
     costed layer inside the module runs on a rank's share of the units; its output is summed
-    over the ranks once forward, its input's gradient once backward."""
+    over the ranks once forward, its input's gradient once backward. ``shared``: the elements
+    of each parameter every rank holds whole and applies to its own heads (a per-head norm's
+    weight, as Qwen3's ``q_norm``), whose gradient is summed over the ranks once per backward
+    too."""
 
     module: str
     kind: str
@@ -135,6 +138,7 @@ class SplitBlock:
     width: int
     layers: tuple[str, ...]
     per_unit: tuple[int, ...]
+    shared: tuple[int, ...] = ()
 
     def shares(self, speeds: Sequence[float], *, empty: bool = False) -> list[int]:
         """The units per rank at ``speeds``, as the runtime splits them (:func:`hetcoll.split`

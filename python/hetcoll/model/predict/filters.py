@@ -237,7 +237,9 @@ def filter_parallel_schedule(
         rows = [i for i, b in block_of.items() if b == k]
         if rows:
             alone = sum(1 for u in unit_shares[k] if u > 0) == 1
-            fwd_comm[max(rows)], bwd_comm[min(rows)] = sums.block_sums_s(batch, rows, alone)
+            fwd_comm[max(rows)], bwd_comm[min(rows)] = sums.block_sums_s(
+                batch, rows, alone, blocks[k]
+            )
     for i in filters_of:
         if i in block_of:
             continue
@@ -360,9 +362,9 @@ def time_balanced_shares(
                 # the split and its allreduce: the better of the two.
                 total = latency + per_feature * b.units * b.width
                 split_s = float(np.max(latency + per_feature * np.asarray(features))) + sum(
-                    sums.block_sums_s(batch, rows, False)
+                    sums.block_sums_s(batch, rows, False, b)
                 )
-                alone_s = float(total.min()) + sum(sums.block_sums_s(batch, rows, True))
+                alone_s = float(total.min()) + sum(sums.block_sums_s(batch, rows, True, b))
                 if alone_s < split_s:
                     units = [b.units if d == int(total.argmin()) else 0 for d in range(n_dev)]
         out.update(b.layer_shares(units))

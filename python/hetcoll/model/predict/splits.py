@@ -48,16 +48,20 @@ class SplitCollectives:
         dev = device_arrays(self.cluster.devices)
         return float(terms.copy_seconds(nbytes, float(dev.elementwise_bytes_per_s.min())))
 
-    def block_sums_s(self, batch: int, rows: Sequence[int], alone: bool) -> tuple[float, float]:
+    def block_sums_s(
+        self, batch: int, rows: Sequence[int], alone: bool, block: SplitBlock
+    ) -> tuple[float, float]:
         """Seconds of a split block's two sums: of its output after its last layer's forward,
         of its input's gradient after its first layer's backward (``rows``: its costed layers),
         each an allreduce on a copy; broadcast from its one holder instead when ``alone`` (the
-        other devices' partial sums are zero)."""
+        other devices' partial sums are zero). The backward adds an allreduce of each
+        parameter the block's heads share (``block.shared``), on every split."""
         first, last = self.costs.layers[min(rows)], self.costs.layers[max(rows)]
         total = self.broadcast_s if alone else self.allreduce_s
         out = last.out_bytes_per_sample * batch
         grad = first.in_bytes_per_sample * batch
-        return total(out) + self.copy_s(out), total(grad) + self.copy_s(grad)
+        shared = sum(self.allreduce_s(n * self.costs.itemsize) for n in block.shared)
+        return total(out) + self.copy_s(out), total(grad) + self.copy_s(grad) + shared
 
 
 def split_blocks(costs: ModelCosts, modes: Mapping[str, str]) -> list[SplitBlock]:
