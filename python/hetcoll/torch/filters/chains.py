@@ -182,7 +182,7 @@ def _traced_chains(module: nn.Module, prefix: str) -> Traced | str:
             for node in graph.nodes
             if node.op == "get_attr"
             and (owner := str(node.target).rpartition(".")[0]) in named
-            and _splittable(named[owner])
+            and splittable(named[owner])
             and _traced_in(node) != owner  # not its own forward, traced through (a Conv1D)
         }
     )
@@ -207,7 +207,9 @@ def _traced_in(node: Any) -> str | None:
     return str(list(stack.values())[-1][0]) if stack else None
 
 
-def _splittable(m: nn.Module) -> bool:
+def splittable(m: nn.Module) -> bool:
+    """Whether filter parallelism can split layer ``m``: a linear layer (``nn.Linear``,
+    Hugging Face's ``Conv1D``) or an ``nn.Conv2d`` with ``groups=1``."""
     return linear_features(m) is not None or (type(m) is nn.Conv2d and m.groups == 1)
 
 
@@ -248,6 +250,15 @@ def layer_channels(m: nn.Module) -> int:
         return m.out_channels
     features = linear_features(m)
     return m.out_features if features is None else features[1]  # type: ignore[return-value]
+
+
+def layer_in_channels(m: nn.Module) -> int:
+    """The channels layer ``m`` reads: a Conv2d's input channels, a linear layer's input
+    features (-1 for any other module)."""
+    if isinstance(m, nn.Conv2d):
+        return m.in_channels
+    features = linear_features(m)
+    return features[0] if features is not None else -1
 
 
 def chain_filter_modes(chain: Sequence[tuple[str, nn.Module]]) -> list[dict[str, str]]:
@@ -395,7 +406,7 @@ def choose_layers(
         for n, m in named.items():
             if n in tied and (isinstance(m, (nn.Linear, nn.Conv2d)) or is_conv1d(m)):
                 kept.append(f"{n!r} ({type(m).__name__}, {tied[n]}: a split would untie them)")
-            elif linear_features(m) is not None or (type(m) is nn.Conv2d and m.groups == 1):
+            elif splittable(m):
                 chosen.append(n)
             elif isinstance(m, _REPLICATED_KINDS) and any(True for _ in m.parameters()):
                 kept.append(f"{n!r} ({type(m).__name__}{_why_kept(m)})")

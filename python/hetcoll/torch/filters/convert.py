@@ -21,7 +21,7 @@ from hetcoll.torch.filters.autograd import AgreedForward, SumGradient, sole_hold
 from hetcoll.torch.filters.chains import (
     choose_layers,
     layer_channels,
-    linear_features,
+    layer_in_channels,
     plan_modes,
 )
 from hetcoll.torch.filters.checks import (
@@ -43,7 +43,7 @@ from hetcoll.torch.filters.layers import (
     is_conv1d,
     split_comms,
 )
-from hetcoll.torch.filters.pairing import split_layout
+from hetcoll.torch.filters.pairing import SplitLayout, split_layout
 from hetcoll.torch.filters.tensor_split import EmptyHeads, PackedLayoutGuard, TensorSplit
 from hetcoll.torch.filters.timing import replicated_latencies, sample_seconds
 from hetcoll.torch.transport import CountingCommunicator
@@ -206,45 +206,16 @@ def _shares(
             check_conv(m, f"layers: {name!r}")
     untraced: list[str] = []
     layout = split_layout(model, chosen, avoid_gathers=avoid_gathers, mha=mha, untraced=untraced)
-    if layout.read_directly:
-        direct = ", ".join(repr(n) for n in layout.read_directly)
-        why = (
-            "a traced forward reads their parameters itself (functional code, such as "
-            "F.linear(x, layer.weight)), which a split would hand a slice"
-        )
-        if layers is not None:
-            raise ValueError(f"layers: {direct}: {why}; leave them out")
-        warnings.warn(
-            f"filter_parallel: left replicated (every rank computes them whole): {direct} ({why})",
-            UserWarning,
-            stacklevel=4,
-        )
-        chosen = [n for n in chosen if n not in layout.read_directly]
-    if layers is None and per_layer is None and chosen:
-        # Chosen by default, a layer of fewer channels than the ranks need (a gate or a
-        # router of one output, a regression head) stays whole, named in a warning; named
-        # in ``layers``, it raises.
-        need = size_of() * int(multiple_of)
-        in_blocks = {n for ts in layout.splits for n in ts.layers()}
-        small = [
-            n
-            for n in chosen
-            if n not in in_blocks
-            and layout.modes.get(n) != "split-input"
-            and layer_channels(named[n]) < need
-        ]
-        if small:
-            warnings.warn(
-                "filter_parallel: left replicated (every rank computes them whole): "
-                + ", ".join(
-                    f"{n!r} ({type(named[n]).__name__}, {layer_channels(named[n])} output "
-                    f"channels: fewer than {need} for the ranks)"
-                    for n in small
-                ),
-                UserWarning,
-                stacklevel=4,
-            )
-            chosen = [n for n in chosen if n not in small]
+
+    def need() -> int:  # the channels a layer needs for the ranks (the group asked only then)
+        return size_of() * int(multiple_of)
+
+    # Chosen by default, a layer no split can follow stays whole (named in a warning); named
+    # in ``layers``, it raises.
+    whole = _left_whole(layout, named, chosen, layers is not None, per_layer is None, need)
+    if whole:
+        chosen = [n for n in chosen if n not in whole]
+        if any(n not in layout.read_directly for n in whole):  # the layout changes with them
             untraced = []
             layout = split_layout(
                 model, chosen, avoid_gathers=avoid_gathers, mha=mha, untraced=untraced
@@ -260,11 +231,13 @@ def _shares(
     # The gathering layers a trace could pair: another split layer (outside the heads' and
     # units' splits) reads as many channels as one writes. A language model's head, which
     # nothing reads, gathers whatever a trace would show: no warning for it.
-    in_blocks = {n for ts in splits for n in ts.layers()}
+    in_splits = {n for ts in splits for n in ts.layers()}
 
     def pairable(g: str) -> bool:
         out = layer_channels(named[g])
-        return any(_in_channels(named[r]) == out for r in modes if r != g and r not in in_blocks)
+        return any(
+            layer_in_channels(named[r]) == out for r in modes if r != g and r not in in_splits
+        )
 
     gathering = [n for n, m in modes.items() if m == "gather" and pairable(n)]
 
@@ -286,7 +259,6 @@ def _shares(
         )
     size = size_of() if chosen or splits else 1
 
-    in_splits = {n for ts in splits for n in ts.layers()}
     latencies: list[list[float] | None] = [None] * len(splits)
     if timed is not None and splits:
         if argument != "speeds":
@@ -354,6 +326,51 @@ def _shares(
     order = {n: i for i, n in enumerate(named)}
     listed = sorted((n for n in shares if n in set(chosen) | in_splits), key=order.__getitem__)
     return {name: shares[name] for name in listed}, units, modes
+
+
+def _left_whole(
+    layout: SplitLayout,
+    named: dict[str, nn.Module],
+    chosen: list[str],
+    named_in_layers: bool,
+    by_speeds_or_list: bool,
+    size_of: Callable[[], int],
+) -> list[str]:
+    """The chosen layers no split can follow, warned about: those whose parameters a traced
+    forward reads itself (:attr:`SplitLayout.read_directly`), and, chosen by default with
+    speeds or one list of shares, those of fewer output channels than the ranks need (a gate
+    or a router of one output, a regression head). Layers named in ``layers`` raise instead."""
+    whole: list[str] = []
+    kept: list[str] = []
+    if layout.read_directly:
+        direct = ", ".join(repr(n) for n in layout.read_directly)
+        why = (
+            "a traced forward reads their parameters itself (functional code, such as "
+            "F.linear(x, layer.weight)), which a split would hand a slice"
+        )
+        if named_in_layers:
+            raise ValueError(f"layers: {direct}: {why}; leave them out")
+        whole += layout.read_directly
+        kept.append(f"{direct} ({why})")
+    if not named_in_layers and by_speeds_or_list and chosen:
+        need = size_of()
+        in_splits = {n for ts in layout.splits for n in ts.layers()}
+        for n in chosen:
+            channels = layer_channels(named[n])
+            if n in in_splits or layout.modes.get(n) == "split-input" or channels >= need:
+                continue
+            whole.append(n)
+            kept.append(
+                f"{n!r} ({type(named[n]).__name__}, {channels} output channels: fewer than "
+                f"{need} for the ranks)"
+            )
+    if kept:
+        warnings.warn(
+            "filter_parallel: left replicated (every rank computes them whole): " + ", ".join(kept),
+            UserWarning,
+            stacklevel=5,
+        )
+    return whole
 
 
 def _row_shares(ts: TensorSplit, per_layer: Mapping[str, Any]) -> list[Any]:
@@ -572,7 +589,7 @@ def filter_parallel(
         for pn in ts.shared:
             model.get_parameter(pn).register_hook(SumGradient(comm, timeout))
         if ts.kind == "attention" and ts.packed() > 1:
-            PackedLayoutGuard(ts, counts[comm.rank] * ts.width // ts.columns[0][1]).install(
+            PackedLayoutGuard(ts, counts[comm.rank]).install(
                 module, model.get_submodule(ts.columns[0][0])
             )
         if ts.kind == "attention" and counts[comm.rank] == 0:
@@ -704,15 +721,6 @@ def _agree_on_plan(
     fingerprint = zlib.crc32(repr((plan, shared) if shared else plan).encode())
     what = "filter_parallel's layers, modes and shares (same model and arguments needed)"
     agree(comm, {what: fingerprint}, deadline(timeout))
-
-
-def _in_channels(m: nn.Module) -> int:
-    """The channels a splittable layer reads: a Conv2d's input channels, a linear layer's
-    input features."""
-    if isinstance(m, nn.Conv2d):
-        return m.in_channels
-    features = linear_features(m)
-    return features[0] if features is not None else -1
 
 
 def _linear_class(m: nn.Module) -> Any:

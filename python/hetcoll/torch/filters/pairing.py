@@ -59,15 +59,15 @@ def split_layout(
         chosen = choose_layers(model, None, dict(model.named_modules()), warn=False)
     cache: dict[tuple[int, str], Traced | str] = {} if traced_cache is None else traced_cache
     found: list[str] = []
-    first_untraced: list[str] = []
-    modes, feeds, bns = plan_modes(model, list(chosen), avoid_gathers, first_untraced, cache, found)
-    read_directly = [n for n in chosen if n in set(found)]
-    if read_directly:
+    seen: list[str] = []  # untraced modules, reported once the modes are final
+    modes, feeds, bns = plan_modes(model, list(chosen), avoid_gathers, seen, cache, found)
+    read_directly = [n for n in chosen if n in found]
+    if read_directly:  # the modes again without them (the traces cached)
         chosen = [n for n in chosen if n not in read_directly]
-        first_untraced = []
-        modes, feeds, bns = plan_modes(model, chosen, avoid_gathers, first_untraced, cache)
+        seen = []
+        modes, feeds, bns = plan_modes(model, chosen, avoid_gathers, seen, cache)
     if untraced is not None:
-        untraced.extend(first_untraced)
+        untraced.extend(seen)
     splits: list[TensorSplit] = []
     kept: dict[str, str] = {}
     if avoid_gathers and tensor_splits:

@@ -130,10 +130,11 @@ class PackedLayoutGuard(TorchFunctionMode):
     ``ValueError`` instead, naming the attention, on every rank alike (before any reduction of
     the block). The first op on that output decides; then the guard removes itself."""
 
-    def __init__(self, ts: TensorSplit, heads: int) -> None:
+    def __init__(self, ts: TensorSplit, units: int) -> None:
         super().__init__()
-        self.ts, self.heads = ts, heads  # this rank's query heads
+        self.ts = ts
         self.column, self.head_dim, _ = ts.columns[0]
+        self.heads = units * ts.width // self.head_dim  # this rank's query heads
         self.watched: torch.Tensor | None = None
         self.handles: list[Any] = []
         self.failed = False
