@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import sysconfig
 from pathlib import Path
@@ -161,6 +162,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if args.save and accelerator.is_main_process:
         torch.save(accelerator.unwrap_model(model).state_dict(), args.save)
     accelerator.end_training()
+    # Accelerate keeps the DDP-wrapped model and the optimizer: released here, so that they go
+    # while the process group still exists (main collects them before destroying it).
+    accelerator.free_memory()
     return report
 
 
@@ -220,6 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         Path(args.json.format(rank=report["rank"])).write_text(json.dumps(report))
     if torch.distributed.is_initialized():  # an orderly end: the ranks leave the group together
+        # DDP's reducer, freed at interpreter exit after the group was destroyed, could abort
+        # a rank ("terminate called without an active exception"): free it first.
+        gc.collect()
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
