@@ -77,6 +77,34 @@ def gemma() -> nn.Module:
     return _hf("GemmaForCausalLM", "GemmaConfig", hidden_activation="gelu_pytorch_tanh")
 
 
+def neox() -> nn.Module:
+    """Hugging Face GPT-NeoX (Pythia's architecture): query, key and value packed head by head
+    in ``query_key_value`` (viewed as ``(..., -1, 3 * head_size)``), its head size in
+    ``head_size`` and its head count in its config alone; partial rotary embeddings."""
+    import transformers
+
+    cfg = transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=6, max_position_embeddings=32, hidden_dropout=0.0,
+        attention_dropout=0.0, use_cache=False, attn_implementation="eager", bos_token_id=0,
+        eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.GPTNeoXForCausalLM(cfg)
+
+
+def bloom() -> nn.Module:
+    """Hugging Face BLOOM: its attention adds ``alibi``, a bias of ``batch x heads`` rows
+    computed for every head outside it."""
+    import transformers
+
+    cfg = transformers.BloomConfig(
+        vocab_size=VOCAB, hidden_size=24, n_layer=2, n_head=6, hidden_dropout=0.0,
+        attention_dropout=0.0, use_cache=False, attn_implementation="eager", bos_token_id=0,
+        eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.BloomForCausalLM(cfg)
+
+
 class EncoderLM(nn.Module):
     """A user's language model around torch's encoder layers (``nn.MultiheadAttention`` with
     its packed ``in_proj_weight``; ReLU feed-forward), a causal and a padding mask."""
@@ -128,24 +156,43 @@ class _OldStyleAttention(nn.Module):
 
 
 class ResidualLM(nn.Module):
-    """Two residual blocks made by ``block`` between an embedding and a head."""
+    """Two residual blocks made by ``block`` between an embedding and a head; with ``keep``,
+    each block is also given a tensor of ones (a block that needs a second input)."""
 
-    def __init__(self, block: Any) -> None:
+    def __init__(self, block: Any, keep: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, 24)
         self.blocks = nn.ModuleList(block() for _ in range(2))
         self.head = nn.Linear(24, VOCAB)
+        self.keep = keep
 
     def forward(self, input_ids: torch.Tensor) -> Any:
         h = self.embed(input_ids)
+        ones = h.new_ones(*h.shape[:2], 1)
         for block in self.blocks:
-            h = h + block(h)
+            h = h + (block(h, ones) if self.keep else block(h))
         return SimpleNamespace(logits=self.head(h))
 
 
 def old_style_lm(packed: bool = False) -> nn.Module:
     """:class:`ResidualLM` of :class:`_OldStyleAttention` blocks."""
     return ResidualLM(lambda: _OldStyleAttention(packed))
+
+
+class _KeptAttention(_OldStyleAttention):
+    """:class:`_OldStyleAttention` packed head by head, scaling its input by a second input
+    it requires: a forward of the attention alone on one token cannot run."""
+
+    def __init__(self) -> None:
+        super().__init__(packed=True)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x * keep)
+
+
+def kept_lm() -> nn.Module:
+    """:class:`ResidualLM` of :class:`_KeptAttention` blocks."""
+    return ResidualLM(_KeptAttention, keep=True)
 
 
 class _GateUp(nn.Module):
@@ -321,7 +368,13 @@ def empty_blocks(group: Any) -> dict[str, list[int]]:
     p = wrap(group).size
     speeds = [1.0, 0.1, 0.5, 0.75][:p]
     shares: dict[str, list[int]] = {}
-    models = (("llama", llama), ("gpt2", gpt2), ("encoder", EncoderLM), ("old", old_style_lm))
+    models = (
+        ("llama", llama),
+        ("gpt2", gpt2),
+        ("encoder", EncoderLM),
+        ("old", old_style_lm),
+        ("neox", neox),
+    )
     for name, make in models:
         equals_unsplit(group, make, "adam", steps=2, speeds=speeds)
         traffic(group, make, 24, speeds)
@@ -500,10 +553,17 @@ def bad_input(group: Any) -> int:
         "sample: the model's forward on it failed",
         lambda: filter_parallel(llama(), group=group, speeds=SPEEDS[:p], sample="not ids"),
     )
-    # Query, key and value packed head by head (BLOOM's layout), which a split by heads would
-    # cut as three blocks: the first forward raises on every rank, before any reduction.
-    packed = filter_parallel(old_style_lm(packed=True), group=group, speeds=SPEEDS[:p])
-    raises("attention 'blocks.0' packs query, key and value head by head", lambda: packed(batch(0)))
+    # Query, key and value packed head by head where a forward of the attention alone cannot
+    # tell (it needs a second input), so the split takes three blocks: the first forward
+    # raises on every rank, before any reduction.
+    kept = filter_parallel(kept_lm(), group=group, speeds=SPEEDS[:p])
+    raises("attention 'blocks.0' packs query, key and value head by head", lambda: kept(batch(0)))
+    # BLOOM's attention is given alibi, a bias for every head: the first forward raises.
+    split_bloom = filter_parallel(bloom(), group=group, speeds=SPEEDS[:p])
+    raises(
+        "attention 'transformer.h.0.self_attention' is given alibi of shape",
+        lambda: split_bloom(input_ids=batch(0)),
+    )
     # A multiple_of that whole heads cannot meet: 3 and 8-feature groups of 24 features.
     raises(
         "multiple_of: 3 cannot be met by whole key/value groups",
@@ -523,7 +583,14 @@ def run_all(group: Any) -> dict[str, Any]:
         out[f"{name}_gathers"] = gathers
         out[f"{name}_split"] = sum(m != "gather" for m in got.values())
         traffic(group, make, 24)
-    for name, make in (("qwen3", qwen3), ("gemma", gemma), ("gate_up", gate_up_lm)):
+    packed = lambda: old_style_lm(packed=True)  # noqa: E731 - head by head, as BLOOM's
+    for name, make in (
+        ("qwen3", qwen3),
+        ("gemma", gemma),
+        ("gate_up", gate_up_lm),
+        ("neox", neox),
+        ("packed", packed),
+    ):
         got = equals_unsplit(group, make, "adam", steps=2)
         out[f"{name}_gathers"] = sorted(n for n, m in got.items() if m == "gather")
         out[f"{name}_split"] = sum(m != "gather" for m in got.values())

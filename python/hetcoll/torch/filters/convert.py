@@ -44,7 +44,12 @@ from hetcoll.torch.filters.layers import (
     split_comms,
 )
 from hetcoll.torch.filters.pairing import SplitLayout, split_layout
-from hetcoll.torch.filters.tensor_split import EmptyHeads, PackedLayoutGuard, TensorSplit
+from hetcoll.torch.filters.tensor_split import (
+    EmptyHeads,
+    PackedLayoutGuard,
+    PerHeadInputs,
+    TensorSplit,
+)
 from hetcoll.torch.filters.timing import replicated_latencies, sample_seconds
 from hetcoll.torch.transport import CountingCommunicator
 
@@ -229,14 +234,16 @@ def _shares(
             stacklevel=4,
         )
     # The gathering layers a trace could pair: another split layer (outside the heads' and
-    # units' splits) reads as many channels as one writes. A language model's head, which
-    # nothing reads, gathers whatever a trace would show: no warning for it.
+    # units' splits, and not paired already) reads as many channels as one writes. A language
+    # model's head, which nothing reads, gathers whatever a trace would show: no warning for it.
     in_splits = {n for ts in splits for n in ts.layers()}
 
     def pairable(g: str) -> bool:
         out = layer_channels(named[g])
         return any(
-            layer_in_channels(named[r]) == out for r in modes if r != g and r not in in_splits
+            layer_in_channels(named[r]) == out
+            for r, mode in modes.items()
+            if r != g and r not in in_splits and mode != "split-input"
         )
 
     gathering = [n for n, m in modes.items() if m == "gather" and pairable(n)]
@@ -588,6 +595,8 @@ def filter_parallel(
             setattr(module, attr, per * counts[comm.rank])
         for pn in ts.shared:
             model.get_parameter(pn).register_hook(SumGradient(comm, timeout))
+        if ts.kind == "attention":
+            PerHeadInputs(ts).install(module)
         if ts.kind == "attention" and ts.packed() > 1:
             PackedLayoutGuard(ts, counts[comm.rank]).install(
                 module, model.get_submodule(ts.columns[0][0])

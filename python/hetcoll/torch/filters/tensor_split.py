@@ -39,7 +39,7 @@ class TensorSplit:
     unit: a rank's module runs with its own counts. ``shared``: the module's other parameters
     (a query/key norm over the head dimension, as Qwen3's and Gemma 3's), every rank holding
     them whole and applying them to its own heads: each rank's gradient is its heads' part,
-    summed over the ranks in the backward.
+    summed over the ranks in the backward. ``head_dim``: an attention's head size.
     """
 
     kind: str
@@ -50,6 +50,11 @@ class TensorSplit:
     row: str
     attrs: dict[str, int] = field(default_factory=dict)
     shared: list[str] = field(default_factory=list)
+    head_dim: int = 0
+
+    def heads(self) -> int:
+        """An attention's query heads (unsplit); 0 for an MLP."""
+        return self.units * self.width // self.head_dim if self.head_dim else 0
 
     def layers(self) -> list[str]:
         return [c for c, _, _ in self.columns] + [self.row]
@@ -121,12 +126,127 @@ def _target_shape(rest: Sequence[Any], kwargs: dict[str, Any]) -> list[int] | No
     return list(shape)
 
 
-class PackedLayoutGuard(TorchFunctionMode):
+def packing_read(shape: Sequence[int], packed: int, heads: int, head_dim: int) -> str | None:
+    """How a reshape of a ``packed``-dimensional packed query/key/value output to ``shape``
+    reads it, for ``heads`` heads of ``head_dim``: ``"heads"`` head by head, one more
+    dimension ``(..., heads, 3 * head_dim)`` (GPT-NeoX) or two more ``(..., heads, 3,
+    head_dim)`` (BLOOM); ``"blocks"`` as three blocks, ``(..., 3, heads * head_dim)`` or
+    ``(..., 3, heads, head_dim)``; None for another reshape, or where both readings coincide
+    (3 heads of 3): it cannot tell."""
+    h, d = heads, head_dim
+    if len(shape) == packed + 1:
+        by_head = shape[-2] in (h, -1) and shape[-1] == 3 * d
+        blocked = shape[-2] == 3 and shape[-1] in (h * d, -1)
+    elif len(shape) == packed + 2:
+        by_head = shape[-3] in (h, -1) and list(shape[-2:]) == [3, d]
+        blocked = shape[-3] == 3 and shape[-2] in (h, -1) and shape[-1] == d
+    else:
+        return None
+    if by_head == blocked:
+        return None
+    return "heads" if by_head else "blocks"
+
+
+class _Watch(TorchFunctionMode):
+    """Watches the first op a forward applies to one tensor (a packed projection's output,
+    given to :meth:`watch` by that layer's forward hook) and hands ``(func, args, kwargs)`` to
+    ``decide``, which may raise to stop the forward there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watched: torch.Tensor | None = None
+        self.seen = False
+
+    def watch(self, module: nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and not self.seen:
+            self.watched = output
+
+    def decide(self, func: Any, args: Any, kwargs: Any) -> None:
+        raise NotImplementedError
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if (
+            self.watched is not None
+            and args
+            and args[0] is self.watched
+            and getattr(func, "__name__", "") not in _INSPECTIONS
+        ):
+            self.watched, self.seen = None, True  # the first op decides
+            self.decide(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _reshaped_to(func: Any, args: Any, kwargs: Any) -> list[int] | None:
+    """The shape a reshape of ``args[0]`` asks for (``view``, ``reshape``, ``unflatten``)."""
+    if func is torch.Tensor.unflatten and len(args) > 2:
+        return [*args[0].shape[: args[1]], *args[2]]
+    return _target_shape(args[1:], kwargs) if func in _RESHAPES else None
+
+
+class _Probed(Exception):
+    """Stops a probe's forward once its packed output's first op is seen."""
+
+
+class _PackingProbe(_Watch):
+    def __init__(self, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.read: str | None = None
+
+    def decide(self, func: Any, args: Any, kwargs: Any) -> None:
+        shape = _reshaped_to(func, args, kwargs)
+        if shape is not None:
+            self.read = packing_read(shape, args[0].dim(), self.heads, self.head_dim)
+        raise _Probed
+
+
+def probe_packing(
+    attention: nn.Module, column: str, hidden: int, heads: int, head_dim: int
+) -> str | None:
+    """How ``attention``'s forward reads its packed query/key/value projection ``column``
+    (:func:`packing_read`), seen on one probe forward: a single token of zeros as its first
+    input (on the projection's device, in its dtype; a model on the meta device works),
+    ``None`` for every other input it requires, stopped at the first op on the projection's
+    output, with no gradient. None when that forward fails before it (it needs an input the
+    probe lacks) or the first op is no reshape: the first real forward then checks
+    (:class:`PackedLayoutGuard`)."""
+    import inspect
+
+    layer = attention.get_submodule(column)
+    weight = next(layer.parameters(), None)
+    if weight is None:
+        return None
+    try:
+        params = list(inspect.signature(attention.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    rest = [
+        None for p in params[1:] if p.kind in positional and p.default is inspect.Parameter.empty
+    ]
+    x = torch.zeros(1, 1, hidden, device=weight.device, dtype=weight.dtype)
+    probe = _PackingProbe(heads, head_dim)
+    handle = layer.register_forward_hook(probe.watch)
+    try:
+        with torch.no_grad(), probe:
+            attention.forward(x, *rest)
+    except _Probed:
+        return probe.read
+    except Exception:  # the probe lacks an input the forward needs: undecided
+        return None
+    finally:
+        handle.remove()
+    return None
+
+
+class PackedLayoutGuard(_Watch):
     """Checks, on an attention's first forward, that its packed query/key/value projection is
     packed as a split by heads takes it: three blocks, query heads then key heads then value
-    heads (GPT-2's ``c_attn``, read with ``split(width, dim=-1)``). A module that packs them
-    head by head (BLOOM's and GPT-NeoX's ``query_key_value``, viewed as ``(..., heads, 3,
-    head_dim)``) would get a wrong slice on every rank: its first reshape of that output raises
+    heads (GPT-2's ``c_attn``, read with ``split(width, dim=-1)``), where no probe forward at
+    the split (:func:`probe_packing`) could tell. A module that packs them head by head
+    (BLOOM's and GPT-NeoX's ``query_key_value``, viewed as ``(..., heads, 3, head_dim)``)
+    would get a wrong slice on every rank: its first reshape of that output raises
     ``ValueError`` instead, naming the attention, on every rank alike (before any reduction of
     the block). The first op on that output decides; then the guard removes itself."""
 
@@ -135,9 +255,7 @@ class PackedLayoutGuard(TorchFunctionMode):
         self.ts = ts
         self.column, self.head_dim, _ = ts.columns[0]
         self.heads = units * ts.width // self.head_dim  # this rank's query heads
-        self.watched: torch.Tensor | None = None
         self.handles: list[Any] = []
-        self.failed = False
 
     def install(self, attention: nn.Module, column: nn.Module) -> None:
         # Entered before and left after any other mode of the attention (EmptyHeads).
@@ -152,55 +270,68 @@ class PackedLayoutGuard(TorchFunctionMode):
 
     def leave(self, module: nn.Module, args: Any, output: Any) -> None:
         self.__exit__(None, None, None)
-        if self.watched is not None and not self.failed:  # decided: later forwards run unwatched
+        if self.seen:  # decided: later forwards run unwatched
             for h in self.handles:
                 h.remove()
         self.watched = None
 
-    def watch(self, module: nn.Module, args: Any, output: Any) -> None:
-        if isinstance(output, torch.Tensor):
-            self.watched = output
+    def decide(self, func: Any, args: Any, kwargs: Any) -> None:
+        shape = _reshaped_to(func, args, kwargs)
+        if shape is None:
+            return
+        if packing_read(shape, args[0].dim(), self.heads, self.head_dim) == "heads":
+            self.seen = False  # the next forward checks again
+            raise ValueError(
+                f"filter_parallel: attention {self.ts.module!r} packs query, key and value "
+                f"head by head in {self.column!r} (its forward reshapes that output to "
+                f"{tuple(shape)}: heads, then query/key/value), where a split by heads "
+                "takes three blocks (query heads, key heads, value heads, as GPT-2's "
+                "c_attn), and the split could not tell (a forward of the attention alone, "
+                "given one token and no other input, failed); leave its layers out of the "
+                "split (layers=...)"
+            )
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if (
-            self.watched is not None
-            and args
-            and args[0] is self.watched
-            and name not in _INSPECTIONS
-        ):
-            shape = _target_shape(args[1:], kwargs) if func in _RESHAPES else None
-            if func is torch.Tensor.unflatten and len(args) > 2:
-                shape = [*args[0].shape[: args[1]], *args[2]]
-            if shape is not None and self._head_by_head(shape, args[0].dim()):
-                self.failed = True
-                raise ValueError(
-                    f"filter_parallel: attention {self.ts.module!r} packs query, key and value "
-                    f"head by head in {self.column!r} (its forward reshapes that output to "
-                    f"{tuple(shape)}: heads, then query/key/value), where a split by heads "
-                    "takes three blocks (query heads, key heads, value heads, as GPT-2's "
-                    "c_attn); leave its layers out of the split (layers=...)"
-                )
-            self.watched = self.watched.new_empty(0)  # decided: stop looking
-        return func(*args, **kwargs)
 
-    def _head_by_head(self, shape: list[int], packed: int) -> bool:
-        """Whether a reshape of the ``packed``-dimensional packed output to ``shape`` reads it
-        head by head: one more dimension, ``(..., heads, 3 * head_dim)`` rather than ``(...,
-        3, heads * head_dim)``; two more, ``(..., heads, 3, head_dim)`` rather than ``(..., 3,
-        heads, head_dim)``. Where both read alike (3 heads of 3), it cannot tell: no."""
-        h, d = self.heads, self.head_dim
-        heads = (h, -1)
-        if len(shape) == packed + 1:
-            by_head = shape[-2] in heads and shape[-1] == 3 * d
-            blocked = shape[-2] == 3 and shape[-1] in (h * d, -1)
-        elif len(shape) == packed + 2:
-            by_head = shape[-3] in heads and shape[-2:] == [3, d]
-            blocked = shape[-3] == 3 and shape[-2] in heads and shape[-1] == d
-        else:
-            return False
-        return by_head and not blocked
+class PerHeadInputs:
+    """Checks, before an attention's first forward after its split by heads, that no input
+    counts every head of the unsplit attention: a tensor of ``batch x heads`` rows (BLOOM's
+    ``alibi``) or of ``(batch, heads, ...)`` 4-D (a relative position bias, as T5's, or a
+    cache of keys) holds the other ranks' heads too, which the rank's heads cannot use. It
+    raises ``ValueError`` naming the attention and the input, on every rank alike (the ranks
+    agree on the model's input shapes first), before any reduction of the block; after one
+    forward that passes, it removes itself."""
+
+    def __init__(self, ts: TensorSplit) -> None:
+        self.ts = ts
+        self.heads = ts.heads()
+        self.handle: Any = None
+
+    def install(self, attention: nn.Module) -> None:
+        self.handle = attention.register_forward_pre_hook(self.check, with_kwargs=True)
+
+    def check(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        from torch.utils import _pytree as pytree
+
+        h = self.heads
+        first = next((a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)), None)
+        named = [(f"argument {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+        if h > 1 and first is not None and first.dim() >= 1:
+            batch = first.shape[0]
+            for what, value in named:
+                for t in pytree.tree_leaves(value):
+                    if t is first or not isinstance(t, torch.Tensor):
+                        continue
+                    if (t.dim() >= 2 and t.shape[0] == batch * h) or (
+                        t.dim() == 4 and t.shape[1] == h
+                    ):
+                        raise ValueError(
+                            f"filter_parallel: attention {self.ts.module!r} is given "
+                            f"{what} of shape {tuple(t.shape)}, which counts all {h} of its "
+                            "heads (a bias or cache per head, as BLOOM's alibi), where each "
+                            "rank holds only its own heads after the split; leave its layers "
+                            "out of the split (layers=...)"
+                        )
+        self.handle.remove()
 
 
 # The attributes an attention module counts its heads with, where its implementation keeps
@@ -209,6 +340,7 @@ class PackedLayoutGuard(TorchFunctionMode):
 _QUERY_HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 _QUERY_WIDTH = ("split_size", "all_head_size", "inner_dim")
+_HEAD_DIM = ("head_dim", "head_size")  # GPT-NeoX's
 
 
 def _first_int(objs: Sequence[Any], names: Sequence[str]) -> int | None:
@@ -225,7 +357,7 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
     not one this rule knows; None when it is no attention (no head counts)."""
     # An attention counts its heads itself (a head size or a head count of its own), reading
     # what it lacks from its config, and holds its projections.
-    if _first_int([m], (*_QUERY_HEADS, "head_dim")) is None:
+    if _first_int([m], (*_QUERY_HEADS, *_HEAD_DIM)) is None:
         return None
     projs = [(n, f) for n, c in m.named_children() if (f := linear_features(c)) is not None]
     if len(projs) < 2:
@@ -239,7 +371,7 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
     # The output projection reads every query head and maps them back: the last registered
     # layer whose input is the query heads' width (q and o are both hidden -> hidden when the
     # heads fill the hidden size; modules register the input projections first).
-    hd = _first_int(sources, ("head_dim",))
+    hd = _first_int(sources, _HEAD_DIM)
     if hd is None:
         hidden = projs[-1][1][1]
         if hidden % nq:
@@ -259,7 +391,14 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
     outs_of = sorted(fout for _, (_, fout) in inputs)
     columns: list[tuple[str, int, int]]
     if outs_of == [(nq + 2 * nkv) * hd] and nq == nkv:
-        columns = [(inputs[0][0], hd, 3)]  # query, key and value packed, each split alike
+        # Query, key and value packed in one projection: three blocks (GPT-2's c_attn), each
+        # split alike, unless a probe forward sees the module read it head by head (GPT-NeoX's
+        # query_key_value): then a rank's heads are one run of 3 x head_dim features each.
+        packed = inputs[0][0]
+        if probe_packing(m, packed, hidden, nq, hd) == "heads":
+            columns = [(packed, 3 * hd, 1)]
+        else:
+            columns = [(packed, hd, 3)]
     elif outs_of == sorted([width, nkv * hd, nkv * hd]):
         q = next(n for n, (_, fout) in inputs if fout == width)
         columns = [(n, rep * hd if n == q else hd, 1) for n, _ in inputs]
@@ -300,6 +439,7 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
         prefix + row_name,
         attrs,
         [prefix + n for n in shared],
+        hd,
     )
 
 
@@ -342,7 +482,13 @@ def _mha(name: str, m: nn.Module) -> TensorSplit | str | None:
         return why
     prefix = f"{name}." if name else ""
     return TensorSplit(
-        "mha", name, m.num_heads, m.head_dim, [(name, m.head_dim, 3)], prefix + "out_proj"
+        "mha",
+        name,
+        m.num_heads,
+        m.head_dim,
+        [(name, m.head_dim, 3)],
+        prefix + "out_proj",
+        head_dim=m.head_dim,
     )
 
 
