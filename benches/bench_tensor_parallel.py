@@ -20,7 +20,10 @@ copy of the same model, trained with SGD on the same global batch:
    forward) against gather mode (``avoid_gathers=False``: every Linear gathers its output,
    what ``filter_parallel`` did for transformers before): step time and bytes sent per step
    by kind (``CountingCommunicator``: a ring allreduce counts 2 (p-1)/p of its buffer);
-3. every split against the unsplit model on the fast rank alone, the slow rank idle (what a
+3. the speed-proportional split with its loss split too (``loss_parallel=True``: the head's
+   logits stay split by vocabulary, the cross-entropy exchanges three numbers per token)
+   against the same split gathering the logits: step time and bytes;
+4. every split against the unsplit model on the fast rank alone, the slow rank idle (what a
    user without tensor parallelism would run): whether splitting pays at this size at all.
 
 Step time: median over steps of the slowest rank's step (forward, backward, SGD step); the
@@ -64,6 +67,7 @@ STRATEGIES = (
     "gather mode, speed-proportional",
     "paired, time-balanced",
     "paired, planned",
+    "paired, speed-proportional, loss split",
 )
 #: The peer of any split: the unsplit model on the fast rank alone (the slow rank idle).
 ALONE = "unsplit, fast rank alone"
@@ -104,6 +108,7 @@ def _strategy(
                 avoid_gathers="gather" not in name,
                 empty_blocks=True,
                 sample={"input_ids": ids} if "time-balanced" in name else None,
+                loss_parallel="loss split" in name,
             )
     slow_down(split, speed)
     return split, comm
@@ -226,7 +231,7 @@ def predicted(
     cluster = validation_cluster([device, device], link)
     out = {}
     for name in STRATEGIES:
-        if "time-balanced" in name:
+        if "time-balanced" in name or "loss split" in name:
             continue
         parts = [1.0, 1.0] if "even" in name else list(SPEEDS)
         modes = filter_modes(costs, avoid_gathers="gather" not in name)

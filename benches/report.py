@@ -44,7 +44,7 @@ import re
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -828,6 +828,13 @@ _TP_STRATEGIES = (
 _TP_ALONE = "unsplit, fast rank alone"
 _TP_TIMED = "paired, time-balanced"
 _TP_PLANNED = "paired, planned"
+_TP_LOSS = "paired, speed-proportional, loss split"
+
+
+def _bytes_of(row: Mapping[str, Any]) -> int:
+    """A tensor-parallel strategy's bytes per step, forward and backward."""
+    b = row.get("bytes", {})
+    return int(b.get("activations", 0)) + int(b.get("gradients", 0))
 
 
 def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
@@ -842,7 +849,7 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
     r0 = data[0]
     rows = {name: _need(r0, name, f"{path}: [0]") for name in _TP_STRATEGIES}
     # Results from before they were measured lack them.
-    for optional in (_TP_TIMED, _TP_PLANNED, _TP_ALONE):
+    for optional in (_TP_TIMED, _TP_PLANNED, _TP_LOSS, _TP_ALONE):
         if optional in r0:
             rows[optional] = r0[optional]
     even = _need(rows["paired, even split"], "step_s", f"{path}: [0].paired, even split")
@@ -858,8 +865,7 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
         traffic.append(
             [name, b.get("activations", 0), b.get("gradients", 0), str(row.get("modes", ""))]
         )
-    pb = prop["bytes"].get("activations", 0) + prop["bytes"].get("gradients", 0)
-    gb = gather["bytes"].get("activations", 0) + gather["bytes"].get("gradients", 0)
+    pb, gb = _bytes_of(prop), _bytes_of(gather)
     what = f"{r0.get('arch', '?')}, batch {r0.get('batch', '?')} x {r0.get('seq', '?')}"
     # The performance model's steps, where the run has them (runs before it do not).
     even_guess = rows["paired, even split"].get("predicted_s")
@@ -896,7 +902,8 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
                     "link measured in the same run (hetcoll.lab.calibrate), each rank's layers "
                     "with parameters slowed to its emulated speed as slow_down slows them "
                     "(hetcoll.lab.predict_emulated.filter_parallel, slowed='parameters'). The "
-                    "time-balanced split is not predicted (its split follows the ranks' timings)."
+                    "time-balanced split is not predicted (its split follows the ranks' timings), "
+                    "nor the split loss (the model prices the head's gather)."
                 ],
             }
         ]
@@ -924,7 +931,9 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
                 "rows": steps,
                 "notes": [
                     "Median and quartiles over steps of the slowest rank's step (forward, "
-                    "backward, SGD step); the strategies take turns step by step."
+                    "backward, SGD step); the strategies take turns step by step.",
+                    "Loss split: filter_parallel(..., loss_parallel=True), the head's logits "
+                    "kept split by vocabulary through F.cross_entropy (SplitOutput).",
                 ],
             },
             {
@@ -972,6 +981,18 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
                     )
                 ]
                 if _TP_PLANNED in rows
+                else []
+            ),
+            *(
+                [
+                    (
+                        "tensor parallel, loss split by vocabulary vs gathered logits "
+                        "(speed-proportional)",
+                        f"{prop['step_s'] / rows[_TP_LOSS]['step_s']:.2f}x faster, "
+                        f"{pb / max(_bytes_of(rows[_TP_LOSS]), 1):.2f}x fewer bytes",
+                    )
+                ]
+                if _TP_LOSS in rows
                 else []
             ),
             *(

@@ -574,6 +574,126 @@ def bad_input(group: Any) -> int:
     return checked
 
 
+def loss_parallel(group: Any) -> dict[str, Any]:
+    """``filter_parallel(..., loss_parallel=True)``: the untied heads of Llama and the encoder
+    LM return their logits split by vocabulary (``SplitOutput``); ``F.cross_entropy`` of them
+    (padded targets ignored; mean, sum and per row) equals the unsplit model's loss, and two
+    Adam steps its gradients and parameters, in float64 to 1e-10, with fewer bytes sent than
+    gathering the logits; any other op gathers them whole. Hugging Face's own loss (labels)
+    upcasts the logits to float32 and agrees to float32 precision. Against a brute-force
+    oracle, random logits split over the ranks (a rank may hold no classes) give
+    ``F.cross_entropy``'s loss and gradient."""
+    from hetcoll.torch.filters.split_output import SplitOutput
+
+    p = wrap(group).size
+    comm = wrap(group)
+    out: dict[str, Any] = {}
+    for name, make in (("llama", llama), ("encoder", EncoderLM)):
+        torch.manual_seed(0)
+        ref = make().double()
+        split = filter_parallel(
+            copy.deepcopy(ref), group=group, speeds=SPEEDS[:p], loss_parallel=True
+        )
+        opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
+        opt = torch.optim.Adam(split.parameters(), lr=1e-2)
+        for step, reduction in enumerate(("mean", "sum", "none")):
+            ids = batch(step)
+            target = ids[:, 1:].clone()
+            target[0, : step + 1] = -100  # padding, ignored
+            losses = []
+            for model in (ref, split):
+                logits = model(input_ids=ids).logits
+                loss = nn.functional.cross_entropy(
+                    logits[:, :-1].reshape(-1, VOCAB), target.reshape(-1), reduction=reduction
+                )
+                losses.append((logits, loss))
+            (logits_ref, loss_ref), (logits, loss) = losses
+            assert isinstance(logits, SplitOutput) and logits.shape == logits_ref.shape
+            assert not isinstance(loss, SplitOutput)
+            close(loss, loss_ref, f"{name} step {step}: loss ({reduction})")
+            close(logits, logits_ref, f"{name} step {step}: logits (gathered)")
+            weights = torch.linspace(0.5, 1.5, loss.numel(), dtype=torch.float64)
+            (loss_ref * weights.view_as(loss_ref)).sum().backward()
+            (loss * weights.view_as(loss)).sum().backward()
+            grads = gather_gradients(split, dst=None)
+            assert grads is not None
+            for n, q in ref.named_parameters():
+                close(grads[n], q.grad, f"{name} step {step}: gradient of {n}")
+            for o in (opt_ref, opt):
+                o.step()
+                o.zero_grad()
+        full = gather_state_dict(split, dst=None)
+        assert full is not None
+        for n, t in ref.state_dict().items():
+            close(full[n], t, f"{name} after 3 steps: {n}")
+        # The bytes: a forward and its loss, split and gathered (the same model, no loss_parallel).
+        sent = {}
+        for flag in (True, False):
+            counts: dict[str, int] = {}
+            counting = CountingCommunicator(wrap(group), counts)
+            torch.manual_seed(0)
+            m = filter_parallel(
+                make().double(), group=counting, speeds=SPEEDS[:p], loss_parallel=flag
+            )
+            counting.kind = "activations"
+            _, loss = loss_of(m, batch(0))
+            sent[flag] = counts["activations"]
+        assert sent[True] < sent[False], sent
+        out[name] = "fewer bytes"  # the same on every rank (what each sends differs)
+    # Hugging Face's loss from labels (float32 inside, whatever the logits' dtype).
+    torch.manual_seed(0)
+    ref = llama().double()
+    split = filter_parallel(copy.deepcopy(ref), group=group, speeds=SPEEDS[:p], loss_parallel=True)
+    ids = batch(0)
+    labels = ids.clone()
+    labels[1, :4] = -100
+    want, got = ref(input_ids=ids, labels=labels).loss, split(input_ids=ids, labels=labels).loss
+    assert abs(float(got) - float(want)) <= 1e-6 * abs(float(want)), (float(got), float(want))
+    # The oracle: random logits, split by random shares (zeros too), every reduction.
+    g = torch.Generator().manual_seed(7)
+    checked = 0
+    for _ in range(6):
+        rows, classes = (
+            int(torch.randint(1, 9, (1,), generator=g)),
+            int(torch.randint(p, 12, (1,), generator=g)),
+        )
+        cuts = sorted(torch.randint(0, classes + 1, (p - 1,), generator=g).tolist())
+        shares = [b - a for a, b in zip([0, *cuts], [*cuts, classes], strict=True)]
+        whole = torch.randn(rows, classes, dtype=torch.float64, generator=g) * 4
+        target = torch.randint(0, classes, (rows,), generator=g)
+        target[torch.rand(rows, generator=g) < 0.3] = -100
+        offset = sum(shares[: comm.rank])
+        for reduction in ("mean", "sum", "none"):
+            w = whole.clone().requires_grad_()
+            piece = whole[:, offset : offset + shares[comm.rank]].clone().requires_grad_()
+            want = nn.functional.cross_entropy(w, target, reduction=reduction)
+            got = nn.functional.cross_entropy(
+                SplitOutput.of(piece, comm, shares), target, reduction=reduction
+            )
+            if bool((target == -100).all()) and reduction == "mean":
+                assert torch.isnan(got) and torch.isnan(want)
+                continue
+            close(got, want, f"oracle loss {shares} {reduction}")
+            want.sum().backward()
+            got.sum().backward()
+            assert piece.grad is not None and w.grad is not None
+            if shares[comm.rank]:  # a rank holding no classes has no gradient to compare
+                mine = w.grad[:, offset : offset + shares[comm.rank]]
+                close(piece.grad, mine, f"oracle grad {shares}")
+            checked += 1
+    out["oracle"] = checked
+    # A target outside the classes: the same error on every rank, before any exchange.
+    try:
+        nn.functional.cross_entropy(
+            SplitOutput.of(torch.zeros(2, 1 + comm.rank), comm, [1 + r for r in range(p)]),
+            torch.tensor([0, 999]),
+        )
+    except ValueError as e:
+        assert "target: class 999 outside" in str(e), str(e)
+        out["oracle"] += 1
+    return out
+
+
 def run_all(group: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, make in (("llama", llama), ("gpt2", gpt2), ("encoder", EncoderLM)):
@@ -599,6 +719,7 @@ def run_all(group: Any) -> dict[str, Any]:
     out["mha_weights"] = attention_weights(group)
     out["sdpa_float32"] = sdpa_float32(group)
     out["errors"] = bad_input(group)
+    out["loss_parallel"] = loss_parallel(group)
     return out
 
 

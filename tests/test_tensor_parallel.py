@@ -49,6 +49,9 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     }  # fmt: skip
     assert r["mha_weights"] == 2 and r["sdpa_float32"] == 2
     assert r["errors"] == 8
+    # loss_parallel: the untied heads' logits stay split by vocabulary through the loss.
+    assert r["loss_parallel"]["llama"] == r["loss_parallel"]["encoder"] == "fewer bytes"
+    assert r["loss_parallel"]["oracle"] >= 10
     # Timed, the slow ranks hold no more of an MLP than by speed alone (ranks in order of
     # speed 1, 0.5, 0.25: each slower rank carries the repeated work at its speed).
     timed, by_speed = r["time_balanced"]["timed"], r["time_balanced"]["by speed"]

@@ -41,8 +41,10 @@ backward.
 
 The package, each module importing only those named before it: :mod:`.checks` (argument
 checks, speeds into shares), :mod:`.autograd` (the layers' communication as autograd functions),
-:mod:`.layers` (the split modules), :mod:`.chains` (which layers split, and the chain pairing
-rule), :mod:`.tensor_split` (the attentions split by heads and the MLPs by hidden units:
+:mod:`.split_output` (a gathering layer's output kept split until an op needs it whole, and
+the cross-entropy of logits split by vocabulary), :mod:`.layers` (the split modules),
+:mod:`.chains` (which layers split, and the chain pairing rule), :mod:`.tensor_split` (the
+attentions split by heads and the MLPs by hidden units:
 :func:`plan_tensor_splits`), :mod:`.pairing` (the two rules combined: :func:`split_layout`,
 :func:`filter_modes`), :mod:`.timing` (splits balanced by time),
 :mod:`.convert` (:func:`filter_parallel`,
@@ -79,6 +81,7 @@ from hetcoll.torch.filters.layers import (
     FilterParallelLayer as FilterParallelLayer,
 )
 from hetcoll.torch.filters.pairing import SplitLayout, filter_modes, split_layout
+from hetcoll.torch.filters.split_output import SplitCrossEntropy, SplitOutput
 from hetcoll.torch.filters.state import (
     gather_gradients,
     gather_optimizer_state_dict,
@@ -103,7 +106,9 @@ __all__ = [
     "LocalConv2d",
     "LocalLinear",
     "SharedCopy",
+    "SplitCrossEntropy",
     "SplitLayout",
+    "SplitOutput",
     "TensorSplit",
     "filter_modes",
     "filter_parallel",

@@ -460,6 +460,7 @@ def filter_parallel(
     avoid_gathers: bool = True,
     empty_blocks: bool = False,
     sample: Any = None,
+    loss_parallel: bool = False,
     timeout: float | None = None,
 ) -> nn.Module:
     """Split the Conv2d / Linear layers of ``model`` across the ranks of ``group``, in place;
@@ -491,9 +492,15 @@ def filter_parallel(
     weights, as a language model's head with its embedding, or one module registered under two
     names) stays replicated and is named in a ``UserWarning``, as PyTorch users expect ties to
     hold: a split layer would hold a slice of its own and untie them; naming it in ``layers``
-    raises ``ValueError`` naming both. Every rank must pass the same arguments and the same
-    model; all checks run before the one collective (an agreement check on the plan, which
-    raises :class:`hetcoll.CollectiveMismatchError` on every rank if ranks disagree).
+    raises ``ValueError`` naming both. ``loss_parallel=True``: the split linear layers that
+    gather their outputs (a language model's head, split by vocabulary) return them split
+    along the last dimension instead, as :class:`~.split_output.SplitOutput`, which
+    ``F.cross_entropy`` reduces across the ranks without gathering the logits (three
+    numbers per row forward, none backward; Megatron-LM's vocabulary-parallel loss) and any
+    other op gathers first: every rank must then use the model's output alike. Every rank
+    must pass the same arguments and the same model; all checks run before the one
+    collective (an agreement check on the plan, which raises
+    :class:`hetcoll.CollectiveMismatchError` on every rank if ranks disagree).
 
     The result trains with any optimizer whose update is elementwise (SGD, Adam, AdamW,
     RMSprop, ...) exactly as the unsplit model would; global-norm clipping would see only the
@@ -507,6 +514,8 @@ def filter_parallel(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     check_timeout(timeout)
+    if not isinstance(loss_parallel, bool):
+        raise TypeError(f"loss_parallel: must be True or False, got {loss_parallel!r}")
     value, argument = _split_argument(shares_or_speeds, speeds, shares)
     timed = None
     if sample is not None:
@@ -615,7 +624,7 @@ def filter_parallel(
             )
         else:
             unit = feeds[name][1] if name in feeds else 1
-            new = _linear_class(m).from_module(
+            linear = _linear_class(m).from_module(
                 m,
                 per_layer[name],
                 comm,
@@ -623,6 +632,8 @@ def filter_parallel(
                 in_features_per_channel=unit,
                 timeout=timeout,
             )
+            linear.split_output = loss_parallel and modes[name] == "gather"
+            new = linear
         _replace(model, name, new)
     for name, src in bns.items():
         bn = named[name]

@@ -37,6 +37,7 @@ from hetcoll.torch.filters.checks import (
     is_int,
     resolve_shares,
 )
+from hetcoll.torch.filters.split_output import SplitOutput
 
 
 def split_runs(shares: Sequence[int], rank: int, unit: int, parts: int) -> list[tuple[int, int]]:
@@ -195,6 +196,10 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
     weight_out_dim: int = 0
     weight_in_dim: int = 1
 
+    # A gathering layer whose output stays split along its last dimension until an op needs it
+    # whole (filter_parallel's loss_parallel: a language model's head, its loss split too).
+    split_output: bool = False
+
     # Dimensions the input must have (None: any); checked locally, before any collective, so a
     # wrong input raises on every rank instead of leaving the ranks' collectives mismatched.
     input_dims: int | None = None
@@ -244,6 +249,8 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
         y = self.local(x, self.weight, self.bias)
         if self.mode == "split-output":
             return y
+        if self.split_output and self.dim == -1:
+            return SplitOutput.of(y, self.comm, self.shares, self.timeout, self.agreed)
         return GatherChannels.apply(y, self.comm, self.shares, self.offset, self.dim, self.timeout)
 
     def split_spec(self) -> dict[str, tuple[int, int, int]]:
