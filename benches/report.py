@@ -988,8 +988,8 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
                     (
                         "tensor parallel, loss split by vocabulary vs gathered logits "
                         "(speed-proportional)",
-                        f"{prop['step_s'] / rows[_TP_LOSS]['step_s']:.2f}x faster, "
-                        f"{pb / max(_bytes_of(rows[_TP_LOSS]), 1):.2f}x fewer bytes",
+                        f"speed {prop['step_s'] / rows[_TP_LOSS]['step_s']:.2f}x, bytes "
+                        f"{pb / max(_bytes_of(rows[_TP_LOSS]), 1):.2f}x fewer (vocabulary 256)",
                     )
                 ]
                 if _TP_LOSS in rows
