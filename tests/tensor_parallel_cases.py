@@ -26,6 +26,7 @@ from hetcoll.torch import (
     split_traffic,
 )
 from hetcoll.torch.filters import (
+    FilterParallelEmbedding,
     FilterParallelLayer,
     filter_shares,
     gather_optimizer_state_dict,
@@ -588,12 +589,27 @@ def loss_parallel(group: Any) -> dict[str, Any]:
     p = wrap(group).size
     comm = wrap(group)
     out: dict[str, Any] = {}
-    for name, make in (("llama", llama), ("encoder", EncoderLM)):
+    models = (("llama", llama), ("encoder", EncoderLM), ("gpt2", gpt2))
+    for name, make in models:
         torch.manual_seed(0)
         ref = make().double()
         split = filter_parallel(
             copy.deepcopy(ref), group=group, speeds=SPEEDS[:p], loss_parallel=True
         )
+        if name == "gpt2":
+            # A head tied to its token embedding: both split by vocabulary, still one parameter.
+            head, embedding = split.get_output_embeddings(), split.get_input_embeddings()
+            assert isinstance(head, FilterParallelLayer), type(head).__name__
+            assert isinstance(embedding, FilterParallelEmbedding), type(embedding).__name__
+            assert head.weight is embedding.weight and head.mode == "gather"
+            assert head.weight.shape[0] == head.shares[head.rank] < VOCAB
+            # A token outside the vocabulary raises on every rank, as the unsplit lookup does.
+            try:
+                split(input_ids=torch.tensor([[1, VOCAB]]))
+            except IndexError as e:
+                assert f"token ids must lie in [0, {VOCAB})" in str(e), str(e)
+            else:
+                raise AssertionError("no IndexError for a token outside the vocabulary")
         opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
         opt = torch.optim.Adam(split.parameters(), lr=1e-2)
         for step, reduction in enumerate(("mean", "sum", "none")):
@@ -638,6 +654,8 @@ def loss_parallel(group: Any) -> dict[str, Any]:
             counting.kind = "activations"
             _, loss = loss_of(m, batch(0))
             sent[flag] = counts["activations"]
+        if name == "gpt2":
+            continue  # unsplit without the option, its head gathers nothing
         assert sent[True] < sent[False], sent
         out[name] = "fewer bytes"  # the same on every rank (what each sends differs)
     # Hugging Face's loss from labels (float32 inside, whatever the logits' dtype).

@@ -389,21 +389,61 @@ def _tied(model: nn.Module) -> dict[str, str]:
     return tied
 
 
+def vocabulary_ties(model: nn.Module) -> dict[str, str]:
+    """The linear layers whose weight is an ``nn.Embedding``'s and no other module's (a
+    language model's head tied to its token embedding), each with that embedding's name: both
+    can be split by vocabulary alike, the head by its output features, the embedding by its
+    rows, so that they stay tied. An embedding with ``max_norm`` (it renormalises its rows in
+    place), ``scale_grad_by_freq`` or sparse gradients is not split."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    owners: dict[int, list[str]] = {}
+    for n, m in modules.items():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(n)
+    ties: dict[str, str] = {}
+    for n, m in modules.items():
+        if type(m) is not nn.Linear:
+            continue
+        holders = owners.get(id(m.weight), [])
+        if len(holders) != 2 or len(set(holders)) != 2 or len(owners.get(id(m.bias), [])) > 1:
+            continue
+        other = next(h for h in holders if h != n)
+        emb = modules[other]
+        if (
+            type(emb) is nn.Embedding
+            and emb.weight is m.weight
+            and emb.max_norm is None
+            and not emb.scale_grad_by_freq
+            and not emb.sparse
+        ):
+            ties[n] = other
+    return ties
+
+
 def choose_layers(
     model: nn.Module,
     layers: Sequence[str] | None,
     named: dict[str, nn.Module],
     *,
     warn: bool = True,
+    vocabulary: bool = False,
 ) -> list[str]:
     """The names of the layers to split, in the model's order: ``layers`` checked against
     ``named`` (``model.named_modules()``), or by default every Linear and groups=1 Conv2d whose
-    parameters no other module holds; with ``warn``, a ``UserWarning`` names the layers with
-    parameters that stay replicated."""
+    parameters no other module holds; with ``vocabulary``, also a head tied to its token
+    embedding (:func:`vocabulary_ties`: both split by vocabulary); with ``warn``, a
+    ``UserWarning`` names the layers with parameters that stay replicated."""
     tied = _tied(model)
+    ties = vocabulary_ties(model) if vocabulary else {}
+    for head, emb in ties.items():
+        tied.pop(head, None)
+        tied.pop(emb, None)
+    embeddings = set(ties.values())
     if layers is None:
         chosen, kept = [], []
         for n, m in named.items():
+            if n in embeddings:
+                continue  # split with its head
             if n in tied and (isinstance(m, (nn.Linear, nn.Conv2d)) or is_conv1d(m)):
                 kept.append(f"{n!r} ({type(m).__name__}, {tied[n]}: a split would untie them)")
             elif splittable(m):

@@ -23,6 +23,7 @@ from hetcoll.torch.filters.chains import (
     layer_channels,
     layer_in_channels,
     plan_modes,
+    vocabulary_ties,
 )
 from hetcoll.torch.filters.checks import (
     check_conv,
@@ -37,6 +38,7 @@ from hetcoll.torch.filters.layers import (
     FilterParallelBatchNorm2d,
     FilterParallelConv1D,
     FilterParallelConv2d,
+    FilterParallelEmbedding,
     FilterParallelLinear,
     FilterParallelMultiheadAttention,
     SharedCopy,
@@ -66,12 +68,13 @@ def filter_shares(
     avoid_gathers: bool = True,
     empty_blocks: bool = False,
     sample: Any = None,
+    loss_parallel: bool = False,
 ) -> dict[str, list[int]]:
     """The channels per rank :func:`filter_parallel` gives each layer it splits on ``size``
     ranks, by module name (split-input layers take the shares of the layer feeding them). Local:
     every argument check of :func:`filter_parallel` runs here, with the same errors, so a caller
-    can check a split on ranks outside it (``empty_blocks`` and ``sample`` as there, ``sample``
-    timed on this rank alone).
+    can check a split on ranks outside it (``empty_blocks``, ``sample`` and ``loss_parallel``
+    as there, ``sample`` timed on this rank alone).
 
     >>> model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2))
     >>> filter_shares(model, size=2, speeds=[2, 1])
@@ -81,6 +84,7 @@ def filter_shares(
         raise TypeError("size: required (the number of ranks)")
     if not is_int(size) or size < 1:
         raise ValueError(f"size: must be an integer >= 1, got {size!r}")
+    _check_flag(loss_parallel, "loss_parallel")
     value, argument = _split_argument(shares_or_speeds, speeds, shares)
     timed = None
     if sample is not None:
@@ -101,6 +105,7 @@ def filter_shares(
         avoid_gathers,
         empty_blocks,
         timed,
+        loss_parallel,
     )[0]
 
 
@@ -170,11 +175,13 @@ def _shares(
     avoid_gathers: bool,
     empty_blocks: bool = False,
     timed: Callable[[list[TensorSplit], list[str]], list[float]] | None = None,
+    vocabulary: bool = False,
 ) -> tuple[dict[str, list[int]], list[tuple[TensorSplit, list[int]]], dict[str, str]]:
     """:func:`filter_shares`, asking for the group size only once the arguments are checked;
     with the attentions and MLPs split by heads and hidden units (each with its units per
-    rank) and every layer's mode. ``timed(splits, others)``: the seconds of a forward of the
-    unsplit model outside the other split layers, and of each split's own work in it
+    rank) and every layer's mode; with ``vocabulary``, a head tied to its token embedding is
+    split too (:func:`~.chains.vocabulary_ties`). ``timed(splits, others)``: the seconds of a
+    forward of the unsplit model outside the other split layers, and of each split's own work in it
     (:func:`~.timing.sample_seconds`), to balance the work every rank repeats around the
     splits too."""
     if not isinstance(model, nn.Module):
@@ -204,7 +211,7 @@ def _shares(
         )
     elif any(isinstance(s, (bool, np.bool_)) for s in shares_or_speeds):
         raise TypeError(f"{argument}: booleans are neither speeds nor shares")
-    chosen = choose_layers(model, layers, named)
+    chosen = choose_layers(model, layers, named, vocabulary=vocabulary)
     for name in chosen:
         m = named[name]
         if isinstance(m, nn.Conv2d):
@@ -497,7 +504,9 @@ def filter_parallel(
     along the last dimension instead, as :class:`~.split_output.SplitOutput`, which
     ``F.cross_entropy`` reduces across the ranks without gathering the logits (three
     numbers per row forward, none backward; Megatron-LM's vocabulary-parallel loss) and any
-    other op gathers first: every rank must then use the model's output alike. Every rank
+    other op gathers first: every rank must then use the model's output alike; a head tied to
+    its token embedding (an ``nn.Embedding``) is then split too, by vocabulary with its
+    embedding (:class:`~.layers.FilterParallelEmbedding`), and they stay tied. Every rank
     must pass the same arguments and the same model; all checks run before the one
     collective (an agreement check on the plan, which raises
     :class:`hetcoll.CollectiveMismatchError` on every rank if ranks disagree).
@@ -514,8 +523,7 @@ def filter_parallel(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     check_timeout(timeout)
-    if not isinstance(loss_parallel, bool):
-        raise TypeError(f"loss_parallel: must be True or False, got {loss_parallel!r}")
+    _check_flag(loss_parallel, "loss_parallel")
     value, argument = _split_argument(shares_or_speeds, speeds, shares)
     timed = None
     if sample is not None:
@@ -545,6 +553,7 @@ def filter_parallel(
         avoid_gathers,
         empty_blocks,
         timed,
+        loss_parallel,
     )
     comm: Communicator = wrap(group)
     # Its own count of the bytes it sends (split_traffic), unless the caller counts them (a
@@ -556,6 +565,7 @@ def filter_parallel(
     in_splits = {n for ts, _ in splits for n in ts.layers()}
     chosen = list(per_layer)
     _, feeds, bns = plan_modes(model, [n for n in chosen if n not in in_splits], avoid_gathers)
+    ties = vocabulary_ties(model) if loss_parallel else {}
 
     shared = [(n, tuple(model.get_parameter(n).shape)) for ts, _ in splits for n in ts.shared]
     _agree_on_plan(comm, chosen, modes, per_layer, shared, timeout)
@@ -634,6 +644,15 @@ def filter_parallel(
             )
             linear.split_output = loss_parallel and modes[name] == "gather"
             new = linear
+            if name in ties:  # its token embedding, split by vocabulary alike, stays tied
+                emb = ties[name]
+                _replace(
+                    model,
+                    emb,
+                    FilterParallelEmbedding.from_module(
+                        named[emb], per_layer[name], comm, weight=linear.weight, timeout=timeout
+                    ),
+                )
         _replace(model, name, new)
     for name, src in bns.items():
         bn = named[name]
@@ -741,6 +760,11 @@ def _agree_on_plan(
     fingerprint = zlib.crc32(repr((plan, shared) if shared else plan).encode())
     what = "filter_parallel's layers, modes and shares (same model and arguments needed)"
     agree(comm, {what: fingerprint}, deadline(timeout))
+
+
+def _check_flag(value: Any, name: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: must be True or False, got {value!r}")
 
 
 def _linear_class(m: nn.Module) -> Any:

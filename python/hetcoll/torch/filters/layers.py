@@ -616,6 +616,97 @@ def _check_unit(in_features: int, unit: object) -> int:
     return int(unit)  # type: ignore[call-overload]
 
 
+class FilterParallelEmbedding(ChannelSplit, nn.Module):
+    """An ``nn.Embedding`` split by vocabulary: this rank holds rows ``[offset, offset +
+    share)`` of the table. Every rank looks up the tokens it holds (zeros for the others), and
+    one sum over the ranks gives every rank the whole lookup (each token's row comes from one
+    rank: the sum is exact). Backward needs no exchange: each rank's rows get their tokens'
+    gradients. The weight may be a split head's (:func:`filter_parallel` ties a language
+    model's head and its token embedding this way, both split by vocabulary alike).
+
+    >>> FilterParallelEmbedding.from_module(nn.Embedding(50, 8), [30, 20], group)  # doctest: +SKIP
+    """
+
+    weight: nn.Parameter
+    timeout: float | None = None
+    num_embeddings: int
+    embedding_dim: int
+    padding_idx: int | None
+
+    def split_spec(self) -> dict[str, tuple[int, int, int]]:
+        return {"weight": (0, 1, 1)}
+
+    @classmethod
+    def from_module(
+        cls,
+        embedding: nn.Module,
+        shares: Sequence[int],
+        group: Any = None,
+        *,
+        weight: nn.Parameter | None = None,
+        timeout: float | None = None,
+    ) -> FilterParallelEmbedding:
+        """This rank's rows of ``embedding`` (copied), or ``weight``, an existing parameter
+        holding them (a split head's, to stay tied to it)."""
+        if type(embedding) is not nn.Embedding:
+            raise TypeError(
+                f"embedding: must be a torch.nn.Embedding, got {type(embedding).__name__}"
+            )
+        if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
+            raise ValueError(
+                "embedding: max_norm, scale_grad_by_freq and sparse embeddings cannot be split"
+            )
+        check_timeout(timeout)
+        comm = wrap(group)
+        counts = check_shares(
+            shares, embedding.num_embeddings, comm.size, "shares", "the embedding"
+        )
+        self = cls()
+        self._set_split(comm, counts)
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.padding_idx = embedding.padding_idx
+        self.timeout = timeout
+        n = counts[comm.rank]
+        if weight is None:
+            with torch.no_grad():
+                local = embedding.weight.narrow(0, self.offset, n).clone()
+            weight = nn.Parameter(local, requires_grad=embedding.weight.requires_grad)
+        elif tuple(weight.shape) != (n, embedding.embedding_dim):
+            raise ValueError(
+                f"weight: must hold this rank's {n} rows of {embedding.embedding_dim}, got "
+                f"shape {tuple(weight.shape)}"
+            )
+        self.weight = weight
+        return self
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dtype not in (torch.int64, torch.int32) or ids.is_floating_point():
+            raise TypeError(f"input: token ids must be int64 or int32, got {ids.dtype}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(
+                f"input: token ids must lie in [0, {self.num_embeddings}), got "
+                f"[{int(ids.min())}, {int(ids.max())}]"
+            )
+        lo, n = self.offset, self.shares[self.rank]
+        w = self.weight
+        if n:
+            inside = (ids >= lo) & (ids < lo + n)
+            pad = self.padding_idx
+            local_pad = pad - lo if pad is not None and lo <= pad < lo + n else None
+            rows = F.embedding(torch.where(inside, ids - lo, 0), w, local_pad)
+            part = rows.masked_fill(~inside.unsqueeze(-1), 0.0)
+        else:  # no rows here: nothing to add
+            part = w.new_zeros((*ids.shape, self.embedding_dim))
+        return ReduceSum.apply(
+            part, self.comm, self.timeout, needs_check(self.agreed), sole_holder(self.shares)
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, shares={self.shares}, rank={self.rank}"
+        )
+
+
 class _SplitBatchNorm(ChannelSplit):
     """Channels ``[offset, offset + share)`` of a BatchNorm: its statistics and affine map are
     per channel, so the split is exact and needs no communication."""
