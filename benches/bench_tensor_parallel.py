@@ -1,9 +1,11 @@
 """Tensor parallelism of a decoder on two ranks of emulated speeds 1 and 0.25, one run:
 
-    python benches/bench_tensor_parallel.py [--batch 32] [--steps 20] [--arch llama] [--json F]
+    python benches/bench_tensor_parallel.py [--batch 32] [--steps 20] [--arch llama] [--vocab N]
+        [--json F]
 
 The decoder is the LM example's (``examples/train_lm.py``'s ``make_model``: a byte-level
-Llama of 6 blocks, hidden 64, 4 query heads in 2 key/value groups, MLP 176; or GPT-2), float32,
+Llama of 6 blocks, hidden 64, 4 query heads in 2 key/value groups, MLP 176; or GPT-2; with
+``--vocab`` a vocabulary of that many tokens instead of 256 bytes, random ids), float32,
 sequences of the example's length. Each strategy is :func:`hetcoll.torch.filter_parallel` on a
 copy of the same model, trained with SGD on the same global batch:
 
@@ -115,14 +117,20 @@ def _strategy(
 
 
 def _rank(
-    rank: int, world: int, arch: str, batch: int, steps: int, planned: dict[str, list[int]]
+    rank: int,
+    world: int,
+    arch: str,
+    batch: int,
+    steps: int,
+    planned: dict[str, list[int]],
+    vocab: int,
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
     ex = _example()
     torch.manual_seed(0)
-    model = ex.make_model(arch)
+    model = ex.make_model(arch, vocab=vocab)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, ex.VOCAB, (batch, ex.SEQ), generator=g)
+    ids = torch.randint(0, vocab, (batch, ex.SEQ), generator=g)
     runs: dict[str, Any] = {}
     alone = copy.deepcopy(model)
     slow_down(alone, SPEEDS[0])
@@ -175,7 +183,13 @@ def _rank(
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if i >= warmup:
                 times[name].append(float(t))
-    out: dict[str, Any] = {"arch": arch, "batch": batch, "seq": ex.SEQ, "speeds": list(SPEEDS)}
+    out: dict[str, Any] = {
+        "arch": arch,
+        "batch": batch,
+        "seq": ex.SEQ,
+        "vocab": vocab,
+        "speeds": list(SPEEDS),
+    }
     for name in (*STRATEGIES, ALONE):
         ts = sorted(times[name])
         run = runs[name]
@@ -190,7 +204,7 @@ def _rank(
     return out
 
 
-def machine(arch: str) -> tuple[Any, Any, Any]:
+def machine(arch: str, vocab: int) -> tuple[Any, Any, Any]:
     """The model's view of this machine, measured now (:mod:`hetcoll.lab.calibrate`): the
     decoder's costs, one rank's device and the gloo link."""
     import hetcoll.model as hm
@@ -200,7 +214,7 @@ def machine(arch: str) -> tuple[Any, Any, Any]:
     device = calibrate.measure_device("rank", 4e9, quick=True)
     fit = calibrate.measure_gloo_link()
     link = hm.Link("gloo-local", fit.latency_s, fit.bytes_per_s)
-    costs = hm.layer_costs(ex.make_model(arch), (ex.SEQ,), dtype=torch.int64)
+    costs = hm.layer_costs(ex.make_model(arch, vocab=vocab), (ex.SEQ,), dtype=torch.int64)
     return costs, device, link
 
 
@@ -258,6 +272,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="llama", choices=["llama", "gpt2"])
     ap.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
+    ap.add_argument(
+        "--vocab", type=int, default=256, help="vocabulary size (the example's: 256 bytes)"
+    )
     ap.add_argument("--steps", type=int, default=20, help="timed steps per strategy")
     ap.add_argument("--json", default=None)
     ap.add_argument(
@@ -267,10 +284,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="skip the performance model's predictions (the planned row is still planned)",
     )
     args = ap.parse_args(argv)
-    costs, device, link = machine(args.arch)
+    costs, device, link = machine(args.arch, args.vocab)
     planned = planned_shares(costs, device, link, args.batch)
     results = launch.spawn(
-        _rank, len(SPEEDS), args.arch, args.batch, args.steps, planned, timeout=3600
+        _rank,
+        len(SPEEDS),
+        args.arch,
+        args.batch,
+        args.steps,
+        planned,
+        args.vocab,
+        timeout=3600,
     )
     r0 = results[0]
     if args.predict:

@@ -505,11 +505,14 @@ def _result(
     description: str = "",
     notes: Iterable[str] = (),
     headlines: Iterable[tuple[str, str]] = (),
+    kind: str | None = None,
 ) -> dict[str, Any]:
-    """A results file for an adapter: ``command`` (the script's run), then the import line;
-    the date is the newest raw file's, the host the importing machine's (said in the notes)."""
+    """A results file for an adapter: ``command`` (the script's run), then the import line
+    (``kind``: the adapter's name, by default the benchmark's); the date is the newest raw
+    file's, the host the importing machine's (said in the notes)."""
     mtime = max(p.stat().st_mtime for p in raw)
-    imported = "python benches/report.py import " + benchmark.replace("_", "-") + " "
+    kind = benchmark.replace("_", "-") if kind is None else kind
+    imported = "python benches/report.py import " + kind + " "
     imported += " ".join(_relative(p) for p in raw)
     return {
         "schema": SCHEMA,
@@ -867,6 +870,12 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
         )
     pb, gb = _bytes_of(prop), _bytes_of(gather)
     what = f"{r0.get('arch', '?')}, batch {r0.get('batch', '?')} x {r0.get('seq', '?')}"
+    # The example's byte vocabulary is the main run; a run at another vocabulary (--vocab) is
+    # a results file of its own, its headline the split loss's.
+    vocab = r0.get("vocab", 256)
+    other_vocab = vocab != 256
+    if other_vocab:
+        what += f", vocabulary {vocab}"
     # The performance model's steps, where the run has them (runs before it do not).
     even_guess = rows["paired, even split"].get("predicted_s")
     guesses = [
@@ -910,9 +919,61 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
         if guesses
         else []
     )
+    headlines = [
+        (
+            "tensor parallel, speed-proportional vs even head split",
+            f"{even / prop['step_s']:.2f}x faster",
+        ),
+        ("tensor parallel, paired vs gather mode: bytes per step", f"{gb / max(pb, 1):.2f}x fewer"),
+        *(
+            [
+                (
+                    "tensor parallel, time-balanced vs even head split",
+                    f"{even / rows[_TP_TIMED]['step_s']:.2f}x faster",
+                )
+            ]
+            if _TP_TIMED in rows
+            else []
+        ),
+        *(
+            [
+                (
+                    "tensor parallel, planned (predicted-time-balanced) vs even head split",
+                    f"{even / rows[_TP_PLANNED]['step_s']:.2f}x faster",
+                )
+            ]
+            if _TP_PLANNED in rows
+            else []
+        ),
+        *(
+            [
+                (
+                    "tensor parallel, loss split by vocabulary vs gathered logits "
+                    f"(speed-proportional, vocabulary {vocab})",
+                    f"speed {prop['step_s'] / rows[_TP_LOSS]['step_s']:.2f}x, bytes "
+                    f"{pb / max(_bytes_of(rows[_TP_LOSS]), 1):.2f}x fewer",
+                )
+            ]
+            if _TP_LOSS in rows
+            else []
+        ),
+        *(
+            [
+                (
+                    "tensor parallel, speed-proportional split vs the unsplit model on the "
+                    "fast rank alone",
+                    f"{rows[_TP_ALONE]['step_s'] / prop['step_s']:.2f}x",
+                )
+            ]
+            if _TP_ALONE in rows
+            else []
+        ),
+    ]
+    if other_vocab:
+        headlines = [h for h in headlines if "loss split" in h[0]]
     return _result(
-        "tensor_parallel",
-        "Tensor parallelism of a decoder",
+        "tensor_parallel" + (f"_vocab{vocab}" if other_vocab else ""),
+        "Tensor parallelism of a decoder" + (f", vocabulary {vocab}" if other_vocab else ""),
         command,
         raw,
         [
@@ -954,59 +1015,8 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
             "ranks of emulated speeds (`SPEEDS` in `benches/bench_tensor_parallel.py`), the LM "
             "example's decoder; heterogeneity is emulated the same way for every strategy."
         ),
-        headlines=[
-            (
-                "tensor parallel, speed-proportional vs even head split",
-                f"{even / prop['step_s']:.2f}x faster",
-            ),
-            (
-                "tensor parallel, paired vs gather mode: bytes per step",
-                f"{gb / max(pb, 1):.2f}x fewer",
-            ),
-            *(
-                [
-                    (
-                        "tensor parallel, time-balanced vs even head split",
-                        f"{even / rows[_TP_TIMED]['step_s']:.2f}x faster",
-                    )
-                ]
-                if _TP_TIMED in rows
-                else []
-            ),
-            *(
-                [
-                    (
-                        "tensor parallel, planned (predicted-time-balanced) vs even head split",
-                        f"{even / rows[_TP_PLANNED]['step_s']:.2f}x faster",
-                    )
-                ]
-                if _TP_PLANNED in rows
-                else []
-            ),
-            *(
-                [
-                    (
-                        "tensor parallel, loss split by vocabulary vs gathered logits "
-                        "(speed-proportional)",
-                        f"speed {prop['step_s'] / rows[_TP_LOSS]['step_s']:.2f}x, bytes "
-                        f"{pb / max(_bytes_of(rows[_TP_LOSS]), 1):.2f}x fewer (vocabulary 256)",
-                    )
-                ]
-                if _TP_LOSS in rows
-                else []
-            ),
-            *(
-                [
-                    (
-                        "tensor parallel, speed-proportional split vs the unsplit model on the "
-                        "fast rank alone",
-                        f"{rows[_TP_ALONE]['step_s'] / prop['step_s']:.2f}x",
-                    )
-                ]
-                if _TP_ALONE in rows
-                else []
-            ),
-        ],
+        headlines=headlines,
+        kind="tensor-parallel",
     )
 
 

@@ -60,18 +60,20 @@ def make_model(
     kv_heads: int = 2,
     intermediate: int = 176,
     positions: int = SEQ,
+    vocab: int = VOCAB,
 ) -> nn.Module:
     """A small byte-level decoder built from a config (no download): ``layers`` decoder layers
     of width ``hidden`` with ``heads`` attention heads, for sequences of up to ``positions``
     tokens. Llama's attention shares its keys and values among ``kv_heads`` groups and its MLP is
     ``intermediate`` wide; GPT-2's MLP is 4 ``hidden`` wide (``kv_heads`` and ``intermediate``
-    are Llama's only). The defaults are this example's model."""
+    are Llama's only); ``vocab`` token ids (a benchmark's larger vocabulary; the example's
+    text is bytes). The defaults are this example's model."""
     if arch == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
         return GPT2LMHeadModel(
             GPT2Config(
-                vocab_size=VOCAB,
+                vocab_size=vocab,
                 n_embd=hidden,
                 n_layer=layers,
                 n_head=heads,
@@ -91,7 +93,7 @@ def make_model(
 
     return LlamaForCausalLM(
         LlamaConfig(
-            vocab_size=VOCAB,
+            vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=intermediate,
             num_hidden_layers=layers,
