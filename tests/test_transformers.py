@@ -24,6 +24,8 @@ EXPECTED = {
     "llama_by_shares": True,
     "gpt2_empty_blocks": True,
     "llama_empty_blocks": True,
+    "gpt2_loss_parallel": True,
+    "llama_loss_parallel": True,
     "vit_hybrid": True,
     "shared_activation": True,
     "rows_wrong": True,
@@ -92,6 +94,19 @@ def test_empty_blocks_in_a_plan_round_trips_and_is_checked():
     for stage, message in bad:
         with pytest.raises(ValueError, match=r"stages\[0\]\.empty_blocks: " + message):
             Plan.from_dict({"replicas": [{"samples": 4, "stages": [stage]}]})
+    # loss_parallel: a split last stage only; it round-trips.
+    split_loss = Plan.from_dict(transformer_cases.hybrid_loss_split(9))
+    assert split_loss.replicas[1].stages[0].loss_parallel
+    assert Plan.from_dict(split_loss.to_dict()) == split_loss
+    first = {"ranks": [0, 1], "layers": [0, 3], "speeds": [1, 1], "loss_parallel": True}
+    wrong = [
+        ([{**first, "loss_parallel": 1}], r"stages\[0\]\.loss_parallel: must be true or false"),
+        ([{"ranks": [0], "layers": [0, 3], "loss_parallel": True}], "only a stage split over"),
+        ([first, {"ranks": [2], "layers": [3, 5]}], "only the last stage of a replica"),
+    ]
+    for stages, message in wrong:
+        with pytest.raises(ValueError, match=message):
+            Plan.from_dict({"replicas": [{"samples": 4, "stages": stages}]})
     # Shares by module path (a transformer's split stage): round trip, a rank holding none
     # only with empty_blocks, and one kind of key.
     by_path = transformer_cases.hybrid_by_shares(transformer_cases.gpt2, 9)

@@ -168,6 +168,16 @@ def split_stage(par: Any) -> None:
     if par.plan.replicas[i].stages[j].empty_blocks:  # a slow rank holds none of some block
         rows = [m for m in par.stage.modules() if getattr(m, "mode", "") == "split-input"]
         assert rows and any(0 in m.shares for m in rows), modes
+    if par.plan.replicas[i].stages[j].loss_parallel:
+        # The head's logits stay split by vocabulary through the loss (a tied head with its
+        # embedding): nothing gathers them, so no gather is counted below.
+        from hetcoll.torch.filters import FilterParallelEmbedding
+
+        heads_of = [m for m in par.stage.modules() if getattr(m, "mode", "") == "gather"]
+        assert heads_of and all(m.split_output for m in heads_of), modes
+        tied = [m for m in par.stage.modules() if isinstance(m, FilterParallelEmbedding)]
+        assert all(any(h.weight is e.weight for h in heads_of) for e in tied)
+        return
     # The last step's bytes: per micro-batch, two reductions of rows x SEQ x hidden per block
     # forward (attention, MLP) and two backward (their inputs' gradients); the head, when it is
     # split (not tied), gathers its logits forward and reduces its input's gradient backward.
@@ -522,6 +532,13 @@ class SharedActivation(nn.Module):
         return self.layers[-1](x)
 
 
+def hybrid_loss_split(n: int) -> dict[str, Any]:
+    """:func:`hybrid` with its split stage's loss split by vocabulary (``loss_parallel``)."""
+    plan = hybrid(n)
+    plan["replicas"][1]["stages"][0]["loss_parallel"] = True
+    return plan
+
+
 def run_all(group: Any) -> dict[str, Any]:
     assert wrap(group).size == 4
     out: dict[str, Any] = {}
@@ -540,6 +557,8 @@ def run_all(group: Any) -> dict[str, Any]:
             out[f"{name}_empty_blocks"] = True
             equals_one_process(group, make, Plan.from_dict(hybrid_by_shares(make, n)), tol=tol)
             out[f"{name}_by_shares"] = True
+            equals_one_process(group, make, Plan.from_dict(hybrid_loss_split(n)), tol=tol)
+            out[f"{name}_loss_parallel"] = True
         out[f"{name}_planned_split"] = bool(planned_split(group, make))
     # An image transformer: a tensor input, rows as items (conv_proj, encoder.dropout, its
     # three encoder layers, encoder.ln, heads).

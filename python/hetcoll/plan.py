@@ -84,7 +84,9 @@ class Stage:
     heads or hidden units (:func:`hetcoll.torch.filter_parallel`'s ``empty_blocks``).
     ``named_shares``: the shares of a transformer's split stage, by module path (the JSON's
     ``shares`` with module paths for keys: :func:`hetcoll.torch.filters.filter_shares`' dict,
-    attentions and MLPs in whole heads and hidden units)."""
+    attentions and MLPs in whole heads and hidden units). ``loss_parallel``: the last stage of
+    a replica, split over several ranks, keeps its output split by vocabulary through the loss
+    (:func:`hetcoll.torch.filter_parallel`'s ``loss_parallel``)."""
 
     ranks: tuple[int, ...]
     layers: tuple[int, int]
@@ -93,13 +95,14 @@ class Stage:
     owners: Mapping[int, tuple[int, ...]] | None = None
     empty_blocks: bool = False
     named_shares: Mapping[str, tuple[int, ...]] | None = None
+    loss_parallel: bool = False
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "stage") -> Stage:
         _fields(
             d,
             where,
-            ("ranks", "layers", "speeds", "shares", "owners", "empty_blocks"),
+            ("ranks", "layers", "speeds", "shares", "owners", "empty_blocks", "loss_parallel"),
             ("ranks", "layers"),
         )
         ranks = _list(d["ranks"], f"{where}.ranks")
@@ -176,7 +179,15 @@ class Stage:
                 f"{where}.empty_blocks: only a stage split over several ranks by speeds or "
                 "shares has blocks to leave empty"
             )
-        return cls(tuple(ranks), (lo, hi), speeds, shares, owners, empty, named)
+        split_loss = d.get("loss_parallel", False)
+        if not isinstance(split_loss, bool):
+            raise ValueError(f"{where}.loss_parallel: must be true or false, got {split_loss!r}")
+        if split_loss and (len(ranks) < 2 or owners is not None):
+            raise ValueError(
+                f"{where}.loss_parallel: only a stage split over several ranks by speeds or "
+                "shares has an output to keep split"
+            )
+        return cls(tuple(ranks), (lo, hi), speeds, shares, owners, empty, named, split_loss)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"ranks": list(self.ranks), "layers": list(self.layers)}
@@ -190,6 +201,8 @@ class Stage:
             d["owners"] = {str(k): list(v) for k, v in sorted(self.owners.items())}
         if self.empty_blocks:
             d["empty_blocks"] = True
+        if self.loss_parallel:
+            d["loss_parallel"] = True
         return d
 
 
@@ -267,6 +280,12 @@ class Replica:
         stages = tuple(Stage.from_dict(s, f"{where}.stages[{i}]") for i, s in enumerate(raw))
         if stages[0].layers[0] != 0:
             raise ValueError(f"{where}.stages[0].layers: must start at layer 0")
+        for i, stage in enumerate(stages[:-1]):
+            if stage.loss_parallel:
+                raise ValueError(
+                    f"{where}.stages[{i}].loss_parallel: only the last stage of a replica "
+                    "computes the loss"
+                )
         for i in range(1, len(stages)):
             if stages[i].layers[0] != stages[i - 1].layers[1]:
                 raise ValueError(

@@ -1010,13 +1010,16 @@ def parallelize(
             order = [stage.ranks.index(r) for r in sorted(stage.ranks)]
             if cut.kind == "chain":
                 shares = {n: [s[k] for k in order] for n, s in split_args[i, j].items()}
-                filter_parallel(module, group=counting, shares=shares)
+                filter_parallel(
+                    module, group=counting, shares=shares, loss_parallel=stage.loss_parallel
+                )
             elif stage.named_shares is not None:
                 filter_parallel(
                     module,
                     group=counting,
                     shares={n: [s[k] for k in order] for n, s in stage.named_shares.items()},
                     empty_blocks=stage.empty_blocks,
+                    loss_parallel=stage.loss_parallel,
                 )
             else:
                 speeds = list(stage.speeds) if stage.speeds is not None else [1.0] * len(order)
@@ -1025,6 +1028,7 @@ def parallelize(
                     group=counting,
                     speeds=[speeds[k] for k in order],
                     empty_blocks=stage.empty_blocks,
+                    loss_parallel=stage.loss_parallel,
                 )
         if par.stage is None:
             par.stage = module
