@@ -245,7 +245,7 @@ def predicted(
     cluster = validation_cluster([device, device], link)
     out = {}
     for name in STRATEGIES:
-        if "time-balanced" in name or "loss split" in name:
+        if "time-balanced" in name:
             continue
         parts = [1.0, 1.0] if "even" in name else list(SPEEDS)
         modes = filter_modes(costs, avoid_gathers="gather" not in name)
@@ -259,6 +259,7 @@ def predicted(
             modes=modes,
             empty_blocks=True,
             layer_shares=planned if "planned" in name else None,
+            loss_parallel="loss split" in name,
         )
         out[name] = pred.step_s
     alone = predict_emulated.filter_parallel(

@@ -911,8 +911,7 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
                     "link measured in the same run (hetcoll.lab.calibrate), each rank's layers "
                     "with parameters slowed to its emulated speed as slow_down slows them "
                     "(hetcoll.lab.predict_emulated.filter_parallel, slowed='parameters'). The "
-                    "time-balanced split is not predicted (its split follows the ranks' timings), "
-                    "nor the split loss (the model prices the head's gather)."
+                    "time-balanced split is not predicted (its split follows the ranks' timings)."
                 ],
             }
         ]

@@ -571,3 +571,41 @@ def test_parameters_the_heads_share_cost_a_sum_of_their_gradient() -> None:
     fwd, bwd = sums.block_sums_s(4, rows, False, attention[0])
     fwd0, bwd0 = sums.block_sums_s(4, rows, False, replace(attention[0], shared=()))
     assert fwd == fwd0 and bwd > bwd0
+
+
+def test_the_loss_split_by_vocabulary_is_priced_as_the_runtime_runs_it() -> None:
+    """With ``loss_parallel`` the model's output layer (Llama's untied head) is not gathered:
+    its forward collective is the split cross-entropy's agreement (a latency each way) and its
+    allgather of three numbers per token; every other collective is unchanged, the plan says
+    so on its stage, and the plan's prediction agrees. A head tied to its embedding is priced
+    replicated either way."""
+    from hetcoll.model import terms
+    from hetcoll.model.predict import filter_parallel
+
+    costs = layer_costs(llama(), (SEQ,), dtype=torch.int64)
+    cluster = _cluster(1e12).subset([0, 2])
+    base = filter_parallel_schedule(costs, cluster, 8, [1.0, 0.5])
+    split = filter_parallel_schedule(costs, cluster, 8, [1.0, 0.5], loss_parallel=True)
+    head = next(i for i, x in enumerate(costs.layers) if x.name == "lm_head")
+    link = cluster.ring_link()
+    stats = 3 * 8 * SEQ * 4  # three float32 numbers per token
+    want = 2 * link.latency_s + terms.ring_allgatherv_seconds(
+        stats, 2, link.latency_s, link.bytes_per_s
+    )
+    assert split.forward_collective_s[head] == pytest.approx(want, rel=1e-12)
+    assert split.forward_collective_s[head] < base.forward_collective_s[head]
+    others = [i for i in range(len(costs.layers)) if i != head]
+    assert (split.forward_collective_s[others] == base.forward_collective_s[others]).all()
+    assert (split.backward_collective_s == base.backward_collective_s).all()
+    pred = filter_parallel(costs, cluster, 8, [1.0, 0.5], loss_parallel=True)
+    assert pred.step_s < filter_parallel(costs, cluster, 8, [1.0, 0.5]).step_s
+    assert pred.has_plan, pred.plan_note
+    the_plan = pred.to_plan()
+    assert the_plan.replicas[0].stages[0].loss_parallel
+    got = predict_plan(costs, cluster, the_plan)
+    low = pred.step_s + got.detail["loss_allreduce_s"]
+    assert low - 1e-15 <= got.step_s <= low + got.breakdown["optimizer"]
+    tied = layer_costs(gpt2(), (SEQ,), dtype=torch.int64)
+    assert filter_parallel(tied, cluster, 8, [1.0, 0.5], loss_parallel=True).step_s == (
+        filter_parallel(tied, cluster, 8, [1.0, 0.5]).step_s
+    )

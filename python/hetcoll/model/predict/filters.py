@@ -159,6 +159,7 @@ def filter_parallel_schedule(
     strategy: str = "filter parallel",
     layer_shares: Mapping[str, Sequence[int]] | None = None,
     empty_blocks: bool = False,
+    loss_parallel: bool = False,
 ) -> FilterParallelSchedule:
     """The step :func:`filter_parallel` predicts, laid out (arguments as there; ``layer_shares``:
     the channels per device of the layers named, the others split by ``parts``).
@@ -231,6 +232,9 @@ def filter_parallel_schedule(
     link = cluster.ring_link()
     sums = SplitCollectives(costs, cluster)
     allreduce_s, copy_s = sums.allreduce_s, sums.copy_s
+    # The layer whose output is the model's (the last with filters): with loss_parallel its
+    # output is not gathered.
+    output = max((i for i, x in enumerate(costs.layers) if x.filters > 0), default=-1)
     fwd_comm = np.zeros(n_layers)  # after the layer's forward
     bwd_comm = np.zeros(n_layers)  # after the layer's backward
     for k in range(len(blocks)):
@@ -249,7 +253,15 @@ def filter_parallel_schedule(
             out = layer.out_bytes_per_sample * batch
             fwd_comm[i] = allreduce_s(out) + copy_s(out)
             continue
-        if mode == "gather":
+        if mode == "gather" and loss_parallel and i == output:
+            # The model's output stays split through the loss (SplitOutput): the split
+            # cross-entropy's agreement on its rows (one latency each way) and its allgather
+            # of three numbers per row from every device, instead of the logits' gather.
+            stats = 3.0 * layer.out_bytes_per_sample * batch / max(layer.filters, 1)
+            fwd_comm[i] = 2.0 * link.latency_s + float(
+                terms.ring_allgatherv_seconds(stats, n_dev, link.latency_s, link.bytes_per_s)
+            )
+        elif mode == "gather":
             # The channel dimension moves to the front of the local piece and back in the full
             # output (two copies), and the engine's allgatherv takes a contiguous send buffer
             # (on gloo, all_to_all_single: the piece once per rank).
@@ -391,6 +403,7 @@ def filter_parallel(
     strategy: str = "filter parallel",
     empty_blocks: bool = False,
     balance: str = "speed",
+    loss_parallel: bool = False,
 ) -> Prediction:
     """One filter-parallel step on the whole ``batch``, as :func:`hetcoll.torch.filter_parallel`
     runs it. Each split layer (``modes``, default :func:`filter_modes`) divides its F filters
@@ -412,6 +425,11 @@ def filter_parallel(
     slowest device. No gradient allreduce: each device owns its filters, and replicated layers
     see the same full data everywhere. (:func:`filter_parallel_schedule` gives the step before
     it is timed.)
+
+    ``loss_parallel``: the layer whose output is the model's (a language model's head), when
+    it gathers, keeps its output split through the loss as the runtime's ``loss_parallel``
+    does: its gather becomes the split cross-entropy's exchange of three numbers per row.
+    (A head tied to its embedding is priced replicated, as without the option.)
 
     ``balance="time"`` (a transformer): its attentions and MLPs split by predicted time, the
     work every device repeats around them counted (:func:`time_balanced_shares`, a device
@@ -441,9 +459,12 @@ def filter_parallel(
         strategy=strategy,
         empty_blocks=empty_blocks,
         layer_shares=named,
+        loss_parallel=loss_parallel,
     ).prediction()
     try:
-        pred.plan = _filter_parallel_plan(costs, batch, parts, used, empty_blocks, named)
+        pred.plan = _filter_parallel_plan(
+            costs, batch, parts, used, empty_blocks, named, loss_parallel
+        )
     except ValueError as e:
         pred.plan_note = str(e)
     return pred
@@ -456,9 +477,10 @@ def _filter_parallel_plan(
     modes: Mapping[str, str],
     empty_blocks: bool = False,
     named: Mapping[str, Sequence[int]] | None = None,
+    loss_parallel: bool = False,
 ) -> Plan:
     """One replica: one stage over every device, split by ``parts`` as the runtime would (or
-    by ``named`` shares, by module path)."""
+    by ``named`` shares, by module path; ``loss_parallel`` as the stage's)."""
     costs.check_plan_layers()
     n, p = len(costs.plan_layers), len(parts)
     stage: dict[str, Any] = {"ranks": list(range(p)), "layers": [0, n]}
@@ -476,6 +498,8 @@ def _filter_parallel_plan(
             stage["speeds"] = [float(x) for x in parts]
         if empty:
             stage["empty_blocks"] = True
+        if loss_parallel:
+            stage["loss_parallel"] = True
     return Plan.from_dict({"microbatches": 1, "replicas": [{"samples": batch, "stages": [stage]}]})
 
 

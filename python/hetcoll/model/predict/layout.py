@@ -29,6 +29,7 @@ class StageLayout:
     modes: Mapping[str, str] | None = None
     layer_shares: Mapping[str, Sequence[int]] | None = None
     empty_blocks: bool = False
+    loss_parallel: bool = False  # the last stage's output split through the loss
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ def plan_layout(costs: ModelCosts, cluster: Cluster, plan: Plan) -> list[Replica
                     b.modes,
                     b.layer_shares,
                     b.empty_blocks,
+                    stage.loss_parallel and len(stage.ranks) > 1,
                 )
             )
         out.append(ReplicaLayout(replica.samples, tuple(plan.microbatch_sizes(i)), tuple(stages)))

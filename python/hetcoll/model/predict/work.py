@@ -123,6 +123,7 @@ def stage_work(
         optimizer_state_copies=state_copies,
         layer_shares=stage.layer_shares,
         empty_blocks=stage.empty_blocks,
+        loss_parallel=stage.loss_parallel,
     )
     fwd, bwd, lt = [], [], sched.layers
     f_comm = sched.forward_collective_s.tolist()
