@@ -699,6 +699,18 @@ def loss_parallel(group: Any) -> dict[str, Any]:
                 mine = w.grad[:, offset : offset + shares[comm.rank]]
                 close(piece.grad, mine, f"oracle grad {shares}")
             checked += 1
+    # Under bf16 autocast, as torch's, the loss of half-precision logits comes in float32.
+    w = torch.randn(10, 8, generator=g)
+    x, target = torch.randn(5, 8, generator=g), torch.randint(0, 10, (5,), generator=g)
+    shares = [10 - 2 * (p - 1)] + [2] * (p - 1)
+    offset = sum(shares[: comm.rank])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = nn.functional.cross_entropy(x @ w.T, target)
+        piece = x @ w[offset : offset + shares[comm.rank]].T
+        got = nn.functional.cross_entropy(SplitOutput.of(piece, comm, shares), target)
+    assert got.dtype == want.dtype == torch.float32, (got.dtype, want.dtype)
+    assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want)), (float(got), float(want))
+    checked += 1
     out["oracle"] = checked
     # A target outside the classes: the same error on every rank, before any exchange.
     try:

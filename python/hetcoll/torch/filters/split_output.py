@@ -317,12 +317,16 @@ class SplitCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(x, big, total, valid, inside, at)
         ctx.reduction, ctx.dtype = reduction, piece.dtype
         ctx.count = int(count)
+        # Under autocast torch computes the loss of half-precision logits in float32, and
+        # returns it so; without, in the logits' dtype.
+        low = piece.dtype in (torch.float16, torch.bfloat16)
+        out = torch.float32 if low and torch.is_autocast_enabled(piece.device.type) else piece.dtype
         if reduction == "none":
-            return per_row.to(piece.dtype)
+            return per_row.to(out)
         loss = per_row.sum()
         if reduction == "mean":
             loss = loss / count
-        return loss.to(piece.dtype)
+        return loss.to(out)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
