@@ -296,6 +296,17 @@ def modes(model: nn.Module) -> dict[str, str]:
     return {n: m.mode for n, m in model.named_modules() if isinstance(m, FilterParallelLayer)}
 
 
+def same_state(split: nn.Module, ref: nn.Module, what: str) -> dict[str, torch.Tensor]:
+    """The split model's gathered state dict: the unsplit model's keys, in its order, and
+    values; returned."""
+    full = gather_state_dict(split, dst=None)
+    want = ref.state_dict()
+    assert full is not None and list(full) == list(want), list(full or {})[:6]
+    for n, t in want.items():
+        close(full[n], t, f"{what}: {n}")
+    return full
+
+
 def equals_unsplit(
     group: Any, make: Any, optimizer: str, steps: int = 3, speeds: list[float] | None = None
 ) -> dict[str, str]:
@@ -332,11 +343,7 @@ def equals_unsplit(
         opt_split.step()
         opt_ref.zero_grad()
         opt_split.zero_grad()
-    full = gather_state_dict(split, dst=None)
-    want_state = ref.state_dict()
-    assert full is not None and list(full) == list(want_state), list(full)[:6]
-    for n, t in want_state.items():
-        close(full[n], t, f"after {steps} steps: {n}")
+    full = same_state(split, ref, f"after {steps} steps")
 
     # A checkpoint resumes on another split (the speeds reversed; with empty_blocks given as
     # per-layer shares): model and optimizer state.
@@ -354,10 +361,7 @@ def equals_unsplit(
     loss.backward()
     opt_ref.step()
     opt_other.step()
-    resumed = gather_state_dict(other, dst=None)
-    assert resumed is not None
-    for n, t in ref.state_dict().items():
-        close(resumed[n], t, f"resumed step: {n}")
+    same_state(other, ref, "resumed step")
     return modes(split)
 
 
@@ -638,10 +642,7 @@ def loss_parallel(group: Any) -> dict[str, Any]:
             for o in (opt_ref, opt):
                 o.step()
                 o.zero_grad()
-        full = gather_state_dict(split, dst=None)
-        assert full is not None
-        for n, t in ref.state_dict().items():
-            close(full[n], t, f"{name} after 3 steps: {n}")
+        same_state(split, ref, f"{name} after 3 steps")
         # The bytes: a forward and its loss, split and gathered (the same model, no loss_parallel).
         sent = {}
         for flag in (True, False):
