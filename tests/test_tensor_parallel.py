@@ -39,6 +39,11 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     # in a user's attention) split by heads as a probe forward of the attention reads them.
     assert r["neox_gathers"] == ["lm_head"] and r["neox_split"] == 2 * 4
     assert r["packed_gathers"] == ["head"] and r["packed_split"] == 2 * 2
+    # Falcon's FalconLinear (an nn.Linear subclass computing the same) splits: its MLPs by
+    # units; its multi-query attention packed in one projection is a layout left gathering.
+    falcon_attention = [f"transformer.h.{i}.self_attention.{n}" for i in (0, 1)
+                        for n in ("dense", "query_key_value")]  # fmt: skip
+    assert r["falcon_gathers"] == sorted(falcon_attention) and r["falcon_split"] == 2 * 2
     # With empty_blocks the slow rank (speed 0.1) holds none of Llama's 3 key/value groups,
     # GPT-2's 6 heads (q, k and v packed) or the encoder's 6 heads.
     empty = {2: [3, 0], 3: [2, 0, 1]}[p]
@@ -226,6 +231,38 @@ def test_per_layer_shares_round_trip_by_heads(make):
             filter_shares(make(), size=3, shares=by_speed)
     assert back == by_speed and again == by_speed
     assert any(0 in v for v in by_speed.values())
+
+
+def test_linear_subclasses_split_when_they_compute_what_linear_does():
+    """An nn.Linear subclass is split like nn.Linear when its traced forward is nn.Linear's
+    computation and it holds nothing else; otherwise it stays replicated."""
+    from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    from hetcoll.torch.filters.chains import computes_linear, linear_features
+
+    class Doubled(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    class WithBuffer(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(4, 3)
+            self.register_buffer("scale", torch.ones(1))
+
+    class Transposed(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.weight.t()  # ignores its bias
+
+    same = [
+        FalconLinear(4, 3),
+        FalconLinear(4, 3, bias=False),
+        NonDynamicallyQuantizableLinear(4, 3),
+    ]
+    other = [Doubled(4, 3), WithBuffer(), Transposed(4, 3), Transposed(4, 3, bias=False)]
+    assert all(computes_linear(m) and linear_features(m) == (4, 3) for m in same)
+    assert [computes_linear(m) for m in other] == [False, False, False, True]
+    assert linear_features(other[0]) is None
 
 
 @given(

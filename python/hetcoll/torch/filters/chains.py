@@ -235,12 +235,87 @@ def _flatten(
 
 def linear_features(m: nn.Module) -> tuple[int, int] | None:
     """``(in, out)`` features of a linear layer filter parallelism can split (``nn.Linear``,
+    a subclass whose forward computes what ``nn.Linear``'s does: :func:`computes_linear`;
     Hugging Face's ``Conv1D``), else None."""
-    if type(m) is nn.Linear:
+    if isinstance(m, nn.Linear) and computes_linear(m):
         return m.in_features, m.out_features
     if is_conv1d(m):
         return int(m.nx), int(m.nf)  # type: ignore[arg-type]
     return None
+
+
+# (class, has a bias) -> whether such a layer's traced forward is nn.Linear's computation.
+_LINEAR_FORWARDS: dict[tuple[type, bool], bool] = {}
+
+
+def computes_linear(m: nn.Linear) -> bool:
+    """Whether an ``nn.Linear`` (or subclass) computes ``x @ weight.T + bias`` and holds
+    nothing else, so that a split layer computing ``F.linear`` on its slices can stand in for
+    it: ``nn.Linear`` itself, a subclass keeping its forward (torch's
+    ``NonDynamicallyQuantizableLinear``), or one whose forward traces (``torch.fx``) to
+    ``F.linear(x, weight, bias)`` or to ``x @ weight.T`` plus ``bias`` (Falcon's
+    ``FalconLinear``), with no parameters but those, no buffers and no submodules. A
+    quantised or adapter layer computes something else and stays replicated."""
+    cls = type(m)
+    if cls is nn.Linear:
+        return True
+    own = {n for n, _ in m.named_parameters(recurse=False)}
+    if not own <= {"weight", "bias"} or next(m.buffers(), None) is not None:
+        return False
+    if next(m.children(), None) is not None:
+        return False
+    if cls.forward is nn.Linear.forward:
+        return True
+    key = (cls, m.bias is not None)
+    if key not in _LINEAR_FORWARDS:
+        _LINEAR_FORWARDS[key] = _traces_to_linear(m)
+    return _LINEAR_FORWARDS[key]
+
+
+def _traces_to_linear(m: nn.Linear) -> bool:
+    import operator
+
+    from torch import fx
+
+    try:
+        graph = fx.symbolic_trace(m).graph
+    except Exception:  # fx raises many kinds on untraceable code: not recognised then
+        return False
+    nodes = list(graph.nodes)
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    outputs = [n for n in nodes if n.op == "output"]
+    if len(inputs) != 1 or len(outputs) != 1:
+        return False
+    x, (result,) = inputs[0], outputs[0].args
+    attrs = {n.target: n for n in nodes if n.op == "get_attr"}
+    weight, bias = attrs.get("weight"), attrs.get("bias")
+    if weight is None or set(attrs) - {"weight", "bias"} or (bias is None) == (m.bias is not None):
+        return False
+    computed = [n for n in nodes if n.op in ("call_function", "call_method", "call_module")]
+    if [n.target for n in computed] == [F.linear]:
+        (call,) = computed
+        args = list(call.args) + [call.kwargs.get("bias")] * (len(call.args) < 3)
+        return call is result and args[:2] == [x, weight] and args[2] is bias
+    # x @ weight.T (+ bias)
+    if len(computed) != (3 if bias is not None else 2):
+        return False
+    t, mm = computed[0], computed[1]
+    transposed = (t.op == "call_function" and t.target is getattr and t.args == (weight, "T")) or (
+        t.op == "call_method" and t.target == "t" and t.args == (weight,)
+    )
+    matmul = mm.op == "call_function" and mm.target in (operator.matmul, torch.matmul)
+    if not (transposed and matmul and mm.args == (x, t)):
+        return False
+    if bias is None:
+        return mm is result
+    add = computed[2]
+    return (
+        add is result
+        and add.op == "call_function"
+        and add.target in (operator.add, torch.add)
+        and set(add.args) == {mm, bias}
+        and len(add.args) == 2
+    )
 
 
 def layer_channels(m: nn.Module) -> int:
