@@ -173,8 +173,9 @@ def split_stage(par: Any) -> None:
         # embedding): nothing gathers them, so no gather is counted below.
         from hetcoll.torch.filters import FilterParallelEmbedding
 
+        # (A tied head the plan's shares leave out stays replicated: none gathers then.)
         heads_of = [m for m in par.stage.modules() if getattr(m, "mode", "") == "gather"]
-        assert heads_of and all(m.split_output for m in heads_of), modes
+        assert all(m.split_output for m in heads_of), modes
         tied = [m for m in par.stage.modules() if isinstance(m, FilterParallelEmbedding)]
         assert all(any(h.weight is e.weight for h in heads_of) for e in tied)
         return
@@ -282,6 +283,13 @@ def planned_split(group: Any, make: Any) -> str:
             continue
         chosen = p.to_plan()
         if any(len(st.ranks) > 1 for r in chosen.replicas for st in r.stages):
+            # A language model's last stage split over several devices keeps its logits split
+            # through the loss (the planner writes loss_parallel there, and only there).
+            assert all(
+                st.loss_parallel == (len(st.ranks) > 1 and st is r.stages[-1])
+                for r in chosen.replicas
+                for st in r.stages
+            ), chosen.to_dict()
             tol = 1e-6 if make is llama else TOL
             equals_one_process(group, make, chosen, tol=tol)
             return p.strategy

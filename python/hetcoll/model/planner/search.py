@@ -224,6 +224,7 @@ def _asymmetric(
                 optimizer_state_copies=s,
                 empty_blocks=empty,
                 balance=_balance(costs),
+                loss_parallel=predict.splits_loss(costs),
             )
 
         b1 = max(m, share_guess // 2)
@@ -474,6 +475,7 @@ def plan(
             optimizer_state_copies=s,
             empty_blocks=bool(n) and predict.blocks_need_empty(costs, 0, n, speeds),
             balance=_balance(costs),
+            loss_parallel=predict.splits_loss(costs),
         )
 
     def best_step() -> float:

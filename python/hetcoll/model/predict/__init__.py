@@ -83,7 +83,7 @@ from hetcoll.model.predict.prediction import (
     _set_plan as _set_plan,
 )
 from hetcoll.model.predict.schedule import PlanSchedule, plan_schedule
-from hetcoll.model.predict.splits import blocks_need_empty
+from hetcoll.model.predict.splits import blocks_need_empty, splits_loss
 from hetcoll.model.predict.timing import (
     _ARRAYS as _ARRAYS,
 )
@@ -142,6 +142,7 @@ __all__ = [
     "plan_schedule",
     "predict_plan",
     "predict_stages",
+    "splits_loss",
     "stage_split",
     "time_balanced_shares",
 ]

@@ -123,9 +123,11 @@ def stage_layout(
     where: str,
     empty_blocks: bool = False,
     named_shares: Mapping[str, Sequence[int]] | None = None,
+    loss_parallel: bool = False,
 ) -> StageLayout:
     """A stage over plan layers ``layers`` on ``ranks``, checked as the runtime checks it
-    (``named_shares``: a transformer stage's shares by module path)."""
+    (``named_shares``: a transformer stage's shares by module path; ``loss_parallel``: a
+    last stage's output split through the loss, where several ranks split it)."""
     first, end = layers
     lo, hi = costs.plan_range(first, end)
     sent = 0.0 if last else costs.plan_out_bytes[end - 1]
@@ -134,4 +136,6 @@ def stage_layout(
         return StageLayout(tuple(ranks), lo, hi, sent)
     modes, named = stage_split(costs, first, end, p, shares, where, empty_blocks, named_shares)
     parts = speeds if speeds is not None else (1.0,) * p
-    return StageLayout(tuple(ranks), lo, hi, sent, tuple(parts), modes, named, empty_blocks)
+    return StageLayout(
+        tuple(ranks), lo, hi, sent, tuple(parts), modes, named, empty_blocks, loss_parallel and last
+    )

@@ -17,7 +17,7 @@ from hetcoll.model.predict.filters import time_balanced_shares
 from hetcoll.model.predict.layout import ReplicaLayout, StageLayout, plan_layout, stage_layout
 from hetcoll.model.predict.prediction import Prediction
 from hetcoll.model.predict.schedule import layout_schedule
-from hetcoll.model.predict.splits import blocks_need_empty
+from hetcoll.model.predict.splits import blocks_need_empty, splits_loss
 from hetcoll.model.predict.timing import device_arrays
 from hetcoll.plan import Plan, microbatch_sizes
 
@@ -148,7 +148,18 @@ def predict_stages(
                 else blocks_need_empty(costs, *span, parts)
             )
             laid.append(
-                stage_layout(costs, first_ranks, span, last, speeds, None, where, empty, named)
+                stage_layout(
+                    costs,
+                    first_ranks,
+                    span,
+                    last,
+                    speeds,
+                    None,
+                    where,
+                    empty,
+                    named,
+                    splits_loss(costs),
+                )
             )
         laid_of[template] = laid
         ranks_of = np.vstack([np.hstack(entries[x][2]) for x in members])
@@ -184,6 +195,7 @@ def predict_stages(
                         st.modes,
                         st.layer_shares,
                         st.empty_blocks,
+                        st.loss_parallel,
                     )
                 )
             # The class's first row is the replica simulated for it.
@@ -216,6 +228,8 @@ def predict_stages(
             out["speeds"] = list(speeds)
         if st.empty_blocks:
             out["empty_blocks"] = True
+        if st.loss_parallel:
+            out["loss_parallel"] = True
         return out
 
     def build() -> Plan:

@@ -212,6 +212,14 @@ def _named_split(
     return out, given
 
 
+def splits_loss(costs: ModelCosts) -> bool:
+    """Whether the planner keeps the output of a replica's last stage split over several
+    devices split through the loss (a plan stage's ``loss_parallel``): for a language model
+    (a model cut into blocks), whose head's logits are the largest tensor a split stage would
+    otherwise gather; a chain model's classifier gathers its few classes."""
+    return costs.plan_cut == "blocks"
+
+
 def blocks_need_empty(costs: ModelCosts, first: int, end: int, speeds: Sequence[float]) -> bool:
     """Whether a split stage over plan layers ``[first, end)`` of a blocks model at ``speeds``
     needs ``empty_blocks`` to split as its speeds say: an attention or MLP of the stage has
