@@ -446,16 +446,22 @@ def _why_kept(m: nn.Module) -> str:
     return ""
 
 
-def _tied(model: nn.Module) -> dict[str, str]:
-    """Modules whose own parameters another module also holds (tied weights, or one module
-    registered under two names), by name, each with what it shares: ``"weight shared with
-    'emb'"``. Splitting such a module would give it a slice of its own and untie the rest."""
+def _holders(model: nn.Module) -> dict[int, list[tuple[str, str]]]:
+    """Every parameter of ``model`` (by ``id``) with the modules holding it and its name in
+    each, a module registered under two names counted twice."""
     owners: dict[int, list[tuple[str, str]]] = {}
     for n, m in model.named_modules(remove_duplicate=False):
         for pname, p in m.named_parameters(recurse=False):
             owners.setdefault(id(p), []).append((n, pname))
+    return owners
+
+
+def _tied(model: nn.Module) -> dict[str, str]:
+    """Modules whose own parameters another module also holds (tied weights, or one module
+    registered under two names), by name, each with what it shares: ``"weight shared with
+    'emb'"``. Splitting such a module would give it a slice of its own and untie the rest."""
     tied: dict[str, str] = {}
-    for holders in owners.values():
+    for holders in _holders(model).values():
         if len(holders) < 2:
             continue
         for n, pname in holders:
@@ -471,10 +477,7 @@ def vocabulary_ties(model: nn.Module) -> dict[str, str]:
     rows, so that they stay tied. An embedding with ``max_norm`` (it renormalises its rows in
     place), ``scale_grad_by_freq`` or sparse gradients is not split."""
     modules = dict(model.named_modules(remove_duplicate=False))
-    owners: dict[int, list[str]] = {}
-    for n, m in modules.items():
-        for p in m.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(n)
+    owners = {k: [n for n, _ in v] for k, v in _holders(model).items()}
     ties: dict[str, str] = {}
     for n, m in modules.items():
         if type(m) is not nn.Linear:

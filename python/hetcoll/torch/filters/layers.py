@@ -682,11 +682,12 @@ class FilterParallelEmbedding(ChannelSplit, nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int64, torch.int32) or ids.is_floating_point():
             raise TypeError(f"input: token ids must be int64 or int32, got {ids.dtype}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-            raise IndexError(
-                f"input: token ids must lie in [0, {self.num_embeddings}), got "
-                f"[{int(ids.min())}, {int(ids.max())}]"
-            )
+        if ids.numel():
+            low, high = (int(v) for v in torch.aminmax(ids))
+            if low < 0 or high >= self.num_embeddings:
+                raise IndexError(
+                    f"input: token ids must lie in [0, {self.num_embeddings}), got [{low}, {high}]"
+                )
         lo, n = self.offset, self.shares[self.rank]
         w = self.weight
         if n:

@@ -6,6 +6,7 @@ the largest tensor a tensor-parallel step moves; its loss needs three numbers pe
 
 from __future__ import annotations
 
+import inspect
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -144,7 +145,8 @@ _WITH_NUMBERS = {
     torch.Tensor.sub, torch.Tensor.tanh, torch.tanh, torch.mul, torch.div, torch.add,
     torch.sub, torch.neg, torch.Tensor.neg,
 }  # fmt: skip
-_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape}
+#: The reshapes :func:`target_shape` reads (a split output keeps its split through them).
+RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape}
 
 
 def _split_op(t: SplitOutput, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -176,8 +178,8 @@ def _split_op(t: SplitOutput, func: Any, args: Any, kwargs: dict[str, Any]) -> A
         ):
             with torch._C.DisableTorchFunctionSubclass():
                 return SplitOutput._wrap(func(piece, *rest, **kwargs), s)
-        if func in _RESHAPES:
-            asked = _shape_arg(rest, kwargs)
+        if func in RESHAPES:
+            asked = target_shape(rest, kwargs)
             if asked and asked[-1] == s.total:
                 local = [*asked[:-1], s.shares[s.comm.rank]]
                 with torch._C.DisableTorchFunctionSubclass():
@@ -197,10 +199,12 @@ def _split_op(t: SplitOutput, func: Any, args: Any, kwargs: dict[str, Any]) -> A
     return _WHOLE
 
 
-def _shape_arg(rest: Any, kwargs: dict[str, Any]) -> list[int] | None:
+def target_shape(rest: Any, kwargs: dict[str, Any]) -> list[int] | None:
+    """The shape a ``view`` / ``reshape`` call asks for, from its arguments after the tensor
+    (``view(2, -1)`` or ``view((2, -1))``); None for anything else (a dtype view)."""
     shape = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else rest
     shape = kwargs.get("shape", kwargs.get("size", shape))
-    if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+    if not shape or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
         return None
     return list(shape)
 
@@ -229,11 +233,12 @@ def _keeps_last(index: Any, piece: torch.Tensor) -> bool:
     return consumed < piece.dim()
 
 
-def _cross_entropy(t: SplitOutput, args: Any, kwargs: dict[str, Any]) -> Any:
-    import inspect
+_CROSS_ENTROPY = inspect.signature(F.cross_entropy)
 
+
+def _cross_entropy(t: SplitOutput, args: Any, kwargs: dict[str, Any]) -> Any:
     try:
-        bound = inspect.signature(F.cross_entropy).bind(*args, **kwargs)
+        bound = _CROSS_ENTROPY.bind(*args, **kwargs)
     except TypeError:
         return _WHOLE
     bound.apply_defaults()
@@ -296,10 +301,12 @@ class SplitCrossEntropy(torch.autograd.Function):
         inside = valid & (target >= split.offset) & (target < split.offset + width)
         if width:
             m = x.max(dim=1).values
-            s = torch.exp(x - m[:, None]).sum(dim=1)
+            e = torch.exp(x - m[:, None])  # kept for the backward: the piece's softmax, scaled
+            s = e.sum(dim=1)
             at = (target - split.offset).clamp(0, width - 1).to(torch.int64)
             picked = x.gather(1, at[:, None]).squeeze(1)
         else:  # a rank holding no classes: nothing to add
+            e = x
             m = torch.full((rows,), -torch.inf, dtype=acc, device=x.device)
             s = torch.zeros(rows, dtype=acc, device=x.device)
             at = torch.zeros(rows, dtype=torch.int64, device=x.device)
@@ -314,7 +321,8 @@ class SplitCrossEntropy(torch.autograd.Function):
         target_logit = every[:, 2].sum(dim=0)  # the one holder's, zeros elsewhere
         per_row = torch.where(valid, big + torch.log(total) - target_logit, torch.zeros_like(big))
         count = valid.sum()
-        ctx.save_for_backward(x, big, total, valid, inside, at)
+        # softmax(x) = exp(x - m) * exp(m - M) / S: the backward rescales e, row by row.
+        ctx.save_for_backward(e, torch.exp(m - big) / total, valid, inside, at)
         ctx.reduction, ctx.dtype = reduction, piece.dtype
         ctx.count = int(count)
         # Under autocast torch computes the loss of half-precision logits in float32, and
@@ -330,9 +338,9 @@ class SplitCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        x, big, total, valid, inside, at = ctx.saved_tensors
-        g = torch.exp(x - big[:, None]) / total[:, None]
-        if x.shape[1]:
+        e, scale, valid, inside, at = ctx.saved_tensors
+        g = e * scale[:, None]
+        if e.shape[1]:
             rows = torch.nonzero(inside).squeeze(1)
             g[rows, at[rows]] -= 1.0
         g = g * valid[:, None]

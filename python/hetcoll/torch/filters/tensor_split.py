@@ -22,6 +22,7 @@ from hetcoll.torch.filters.chains import (
     linear_features,
 )
 from hetcoll.torch.filters.layers import FilterParallelMultiheadAttention
+from hetcoll.torch.filters.split_output import RESHAPES, target_shape
 
 
 @dataclass
@@ -92,9 +93,9 @@ class EmptyHeads(TorchFunctionMode):
             dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
             if isinstance(size, int) and size == 0 and t.shape[dim] == 0:
                 return tuple(t.narrow(dim, 0, 0) for _ in range(self.parts))
-        if func in _RESHAPES and args and isinstance(args[0], torch.Tensor):
+        if func in RESHAPES and args and isinstance(args[0], torch.Tensor):
             t = args[0]
-            shape = _target_shape(args[1:], kwargs)
+            shape = target_shape(args[1:], kwargs)
             if t.numel() == 0 and shape is not None and shape.count(-1) == 1:
                 i = shape.index(-1)
                 size = t.shape[i] if i < t.dim() else 0
@@ -111,19 +112,8 @@ class EmptyHeads(TorchFunctionMode):
         self.__exit__(None, None, None)
 
 
-_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape}
 # Reads of a tensor's metadata (``.shape``, ``.size()``): no use of its values.
 _INSPECTIONS = {"__get__", "size", "dim", "numel", "stride", "is_contiguous", "contiguous"}
-
-
-def _target_shape(rest: Sequence[Any], kwargs: dict[str, Any]) -> list[int] | None:
-    """The shape a ``view`` / ``reshape`` call asks for (``view(2, -1)`` or ``view((2, -1))``);
-    None for anything else (a dtype view)."""
-    shape = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else rest
-    shape = kwargs.get("shape", kwargs.get("size", shape))
-    if not shape or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-        return None
-    return list(shape)
 
 
 def packing_read(shape: Sequence[int], packed: int, heads: int, head_dim: int) -> str | None:
@@ -181,7 +171,7 @@ def _reshaped_to(func: Any, args: Any, kwargs: Any) -> list[int] | None:
     """The shape a reshape of ``args[0]`` asks for (``view``, ``reshape``, ``unflatten``)."""
     if func is torch.Tensor.unflatten and len(args) > 2:
         return [*args[0].shape[: args[1]], *args[2]]
-    return _target_shape(args[1:], kwargs) if func in _RESHAPES else None
+    return target_shape(args[1:], kwargs) if func in RESHAPES else None
 
 
 class _Probed(Exception):
