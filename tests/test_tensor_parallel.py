@@ -44,6 +44,11 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     falcon_attention = [f"transformer.h.{i}.self_attention.{n}" for i in (0, 1)
                         for n in ("dense", "query_key_value")]  # fmt: skip
     assert r["falcon_gathers"] == sorted(falcon_attention) and r["falcon_split"] == 2 * 2
+    # OPT's MLP is two layers of its decoder layer; BERT's attention output projection and
+    # MLP sit in sibling modules; the one layer left gathering is BERT's head transform.
+    assert r["opt_gathers"] == [] and r["opt_split"] == 2 * 6
+    assert r["bert_gathers"] == ["cls.predictions.transform.dense"]
+    assert r["bert_split"] == 2 * 6
     # With empty_blocks the slow rank (speed 0.1) holds none of Llama's 3 key/value groups,
     # GPT-2's 6 heads (q, k and v packed) or the encoder's 6 heads.
     empty = {2: [3, 0], 3: [2, 0, 1]}[p]
@@ -173,6 +178,73 @@ def test_a_packed_gate_and_up_projection_splits_by_units():
     # Its 80 outputs are two blocks (gate, up) of the 40 units down_proj reads.
     assert mlp.columns == [("model.layers.0.mlp.gate_up_proj", 1, 2)]
     assert mlp.row == "model.layers.0.mlp.down_proj" and mlp.units == 40
+
+
+def test_sibling_modules_pair_as_one_block():
+    # Hugging Face BERT: the attention module holds query, key and value; its output
+    # projection is a sibling's, and the MLP spans two sibling modules of the layer.
+    from hetcoll.torch.filters import split_layout
+
+    layout = split_layout(cases.bert())
+    layer = "bert.encoder.layer.0"
+    attn, mlp = sorted(layout.splits, key=lambda ts: ts.kind)[::2]
+    assert attn.module == f"{layer}.attention.self" and attn.units == 6
+    assert [c for c, _, _ in attn.columns] == [
+        f"{layer}.attention.self.{n}" for n in ("query", "key", "value")
+    ]
+    assert attn.row == f"{layer}.attention.output.dense"
+    assert attn.attrs == {"num_attention_heads": 1, "all_head_size": 4}
+    assert mlp.module == layer and mlp.columns == [(f"{layer}.intermediate.dense", 1, 1)]
+    assert mlp.row == f"{layer}.output.dense" and mlp.units == 40
+    assert not layout.kept
+
+
+def test_an_mlp_of_a_layers_own_linears_splits():
+    # OPT's fc1 and fc2 are layers of its decoder layer, whose forward fx cannot take as it
+    # is (Hugging Face's (*args, **kwargs) checkpointing wrapper): traced called with its
+    # hidden states, its attention (given no mask) traced through or kept whole.
+    from hetcoll.torch.filters import split_layout
+
+    layout = split_layout(cases.opt())
+    mlps = [ts for ts in layout.splits if ts.kind == "mlp"]
+    assert [(ts.module, ts.columns, ts.row) for ts in mlps] == [
+        (f"model.decoder.layers.{i}", [(f"model.decoder.layers.{i}.fc1", 1, 1)],
+         f"model.decoder.layers.{i}.fc2")
+        for i in (0, 1)
+    ]  # fmt: skip
+
+
+class _Branchy(nn.Module):
+    """A mixer whose forward branches on its input's values: fx cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.proj(x) if x.sum() > 0 else -self.proj(x)
+
+
+class _InlineBlock(nn.Module):
+    """A block whose MLP is two of its own layers, beside a mixer fx cannot trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = _Branchy()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x, scale):  # type: ignore[no-untyped-def]
+        x = x + self.mix(x) * scale
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def test_a_submodule_fx_cannot_trace_is_kept_whole_around_the_mlp():
+    from hetcoll.torch.filters import split_layout
+
+    layout = split_layout(_InlineBlock())
+    (mlp,) = layout.splits
+    assert (mlp.module, mlp.columns, mlp.row, mlp.units) == ("", [("up", 1, 1)], "down", 16)
 
 
 def test_empty_blocks_lets_a_slow_rank_hold_no_heads():

@@ -174,8 +174,14 @@ class SplitBlock:
         return None
 
     def contains(self, layer: str) -> bool:
-        """Whether costed layer ``layer`` runs inside the module (its own ops included)."""
-        return layer == self.module or layer.startswith(self.module + ".") or not self.module
+        """Whether costed layer ``layer`` runs inside the module (its own ops included), or is
+        one of its layers (an output projection held beside the attention, as BERT's)."""
+        return (
+            layer in self.layers
+            or layer == self.module
+            or layer.startswith(self.module + ".")
+            or not self.module
+        )
 
 
 @dataclass(frozen=True)

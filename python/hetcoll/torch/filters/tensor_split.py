@@ -342,6 +342,34 @@ def _first_int(objs: Sequence[Any], names: Sequence[str]) -> int | None:
     return None
 
 
+def _qkv_columns(
+    m: nn.Module,
+    inputs: list[tuple[str, tuple[int, int]]],
+    hidden: int,
+    nq: int,
+    nkv: int,
+    hd: int,
+) -> list[tuple[str, int, int]] | None:
+    """The column layout of an attention's input projections ``inputs`` (name, (in, out)),
+    each reading ``hidden`` features: separate query, key and value, or the three packed in
+    one layer (three blocks, as GPT-2's ``c_attn``, or head by head, as GPT-NeoX's
+    ``query_key_value``, told apart by a probe forward: :func:`probe_packing`); None when
+    they are neither."""
+    if not inputs or any(fin != hidden for _, (fin, _) in inputs):
+        return None
+    outs_of = sorted(fout for _, (_, fout) in inputs)
+    width, rep = nq * hd, nq // nkv
+    if outs_of == [(nq + 2 * nkv) * hd] and nq == nkv:
+        packed = inputs[0][0]
+        if probe_packing(m, packed, hidden, nq, hd) == "heads":
+            return [(packed, 3 * hd, 1)]
+        return [(packed, hd, 3)]
+    if outs_of == sorted([width, nkv * hd, nkv * hd]):
+        q = next(n for n, (_, fout) in inputs if fout == width)
+        return [(n, rep * hd if n == q else hd, 1) for n, _ in inputs]
+    return None
+
+
 def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
     """``m`` as an attention split by heads; a reason when it counts heads but its layout is
     not one this rule knows; None when it is no attention (no head counts)."""
@@ -368,31 +396,23 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
             return f"its {nq} heads do not divide its hidden size {hidden}"
         hd = hidden // nq
     width = nq * hd
+    if nq % nkv:
+        return f"its {nq} query heads are not whole groups of its {nkv} key/value heads"
+    rep = nq // nkv
     outs = [i for i, (_, (fin, _)) in enumerate(projs) if fin == width]
     if not outs:
         return f"no projection reads its {nq} heads of {hd} ({width} features)"
     row_name, (_, hidden) = projs[outs[-1]]
-    if nq % nkv:
-        return f"its {nq} query heads are not whole groups of its {nkv} key/value heads"
-    rep = nq // nkv
     inputs = [(n, f) for i, (n, f) in enumerate(projs) if i != outs[-1]]
-    if any(fin != hidden for _, (fin, _) in inputs):
-        return "a projection reads something other than the hidden states"
-    outs_of = sorted(fout for _, (_, fout) in inputs)
-    columns: list[tuple[str, int, int]]
-    if outs_of == [(nq + 2 * nkv) * hd] and nq == nkv:
-        # Query, key and value packed in one projection: three blocks (GPT-2's c_attn), each
-        # split alike, unless a probe forward sees the module read it head by head (GPT-NeoX's
-        # query_key_value): then a rank's heads are one run of 3 x head_dim features each.
-        packed = inputs[0][0]
-        if probe_packing(m, packed, hidden, nq, hd) == "heads":
-            columns = [(packed, 3 * hd, 1)]
-        else:
-            columns = [(packed, hd, 3)]
-    elif outs_of == sorted([width, nkv * hd, nkv * hd]):
-        q = next(n for n, (_, fout) in inputs if fout == width)
-        columns = [(n, rep * hd if n == q else hd, 1) for n, _ in inputs]
-    else:
+    columns = _qkv_columns(m, inputs, hidden, nq, nkv, hd)
+    if columns is None and len({fin for _, (fin, _) in projs}) == 1:
+        # Query, key and value alone: the output projection is a sibling's (BERT's and
+        # ViT's self.output.dense), found in the parent's forward (:func:`_row_after`).
+        row_name, hidden = "", projs[0][1][0]
+        columns = _qkv_columns(m, projs, hidden, nq, nkv, hd)
+    if columns is None:
+        if any(fin != hidden for _, (fin, _) in inputs):
+            return "a projection reads something other than the hidden states"
         return (
             f"its projections ({', '.join(f'{n} {a}->{b}' for n, (a, b) in projs)}) are not "
             f"separate or packed query/key/value of {nq} heads ({nkv} key/value) of {hd} and "
@@ -426,7 +446,7 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
         nkv,
         rep * hd,
         [(prefix + c, per, parts) for c, per, parts in columns],
-        prefix + row_name,
+        prefix + row_name if row_name else "",
         attrs,
         [prefix + n for n in shared],
         hd,
@@ -450,16 +470,97 @@ _ELEMENTWISE_TENSOR_METHODS = ELEMENTWISE_METHODS | {
 
 
 class _Method(nn.Module):
-    """``owner.<method>(x)`` as a module's forward, to trace one method of a module whose own
-    forward cannot be traced (torch's encoder layer: its feed-forward block)."""
+    """``owner.<method>(x)`` as a module's forward, to trace one method of a module whose
+    forward fx cannot take as it is: torch's encoder layer (its feed-forward block, beside
+    fast paths), or a forward behind a ``(*args, **kwargs)`` wrapper (Hugging Face's decoder
+    layers, for gradient checkpointing), called with its first input and ``None`` for the
+    ``nones`` other inputs it requires (an attention mask)."""
 
-    def __init__(self, owner: nn.Module, method: str) -> None:
+    def __init__(self, owner: nn.Module, method: str, nones: int = 0) -> None:
         super().__init__()
         self.owner = owner
         self.method = method
+        self.nones = nones
 
     def forward(self, x: torch.Tensor) -> Any:
-        return getattr(self.owner, self.method)(x)
+        return getattr(self.owner, self.method)(x, *[None] * self.nones)
+
+
+def _required(m: nn.Module) -> int:
+    """How many arguments ``m``'s forward requires (0 where its signature cannot be read)."""
+    import inspect
+
+    try:
+        params = inspect.signature(m.forward).parameters.values()
+    except (TypeError, ValueError):
+        return 0
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in positional and p.default is p.empty for p in params)
+
+
+#: How many submodules a trace may leave whole because fx cannot trace through them.
+_OPAQUE = 6
+
+
+def block_graph(m: nn.Module, whole: Any = None) -> tuple[Any, dict[str, nn.Module]] | None:
+    """``m``'s forward as a torch.fx graph, its linear layers (and any module ``whole``
+    accepts) kept as calls, with its modules by the names its graph calls them: the
+    dataflow between the layers of a block. Where fx cannot trace the forward as it is (a
+    ``(*args, **kwargs)`` wrapper, or a submodule with data-dependent code, as an attention
+    given no position embeddings), it traces ``m`` called with its first input (``None`` for
+    any other it requires, its optional ones left to their defaults), and a
+    submodule that fails is kept whole as one call (up to :data:`_OPAQUE` of them): what the
+    block does around it is still seen. None when no trace succeeds."""
+    from torch import fx
+
+    class Tracer(fx.Tracer):
+        def __init__(self, opaque: set[str]) -> None:
+            super().__init__()
+            self.opaque = opaque
+            self.failed: str | None = None
+
+        def is_leaf_module(self, mod: nn.Module, qualname: str) -> bool:
+            return (
+                qualname in self.opaque
+                or linear_features(mod) is not None
+                or (whole is not None and whole(mod))
+                or super().is_leaf_module(mod, qualname)
+            )
+
+        def call_module(self, mod: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+            try:
+                return super().call_module(mod, forward, args, kwargs)
+            except Exception:
+                if self.failed is None:  # the innermost module the failure came through
+                    try:
+                        self.failed = self.path_of_module(mod)
+                    except NameError:  # a module held outside the block
+                        self.failed = ""
+                raise
+
+    roots: list[tuple[nn.Module, str]]
+    if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        roots = [(_Method(m, "_ff_block"), "owner.")]  # its forward has fast paths
+    else:
+        n = _required(m)
+        roots = [(m, "")] + ([(_Method(m, "forward", n - 1), "owner.")] if n else [])
+    for root, prefix in roots:
+        opaque: set[str] = set()
+        for _ in range(_OPAQUE + 1):
+            tracer = Tracer(opaque)
+            try:
+                graph = tracer.trace(root)
+            except Exception:  # fx raises many kinds on untraceable code
+                if not tracer.failed or tracer.failed in opaque:
+                    break
+                opaque.add(tracer.failed)
+                continue
+            for node in graph.nodes:
+                if node.op == "call_module":
+                    node.target = node.target.removeprefix(prefix)
+            named = {k.removeprefix(prefix): v for k, v in root.named_modules()}
+            return graph, named
+    return None
 
 
 def _mha(name: str, m: nn.Module) -> TensorSplit | str | None:
@@ -487,23 +588,10 @@ def _mlp(name: str, m: nn.Module) -> TensorSplit | None:
     whole in it): a layer (the row) whose input is computed from the outputs of other linear
     layers (the columns, each called once, of as many outputs as the row's inputs) through
     elementwise operations alone, those outputs read by nothing else."""
-    from torch import fx
-
-    class _Tracer(fx.Tracer):
-        def is_leaf_module(self, mod: nn.Module, qualname: str) -> bool:
-            return linear_features(mod) is not None or super().is_leaf_module(mod, qualname)
-
-    root, inner_prefix = m, ""
-    if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
-        root, inner_prefix = _Method(m, "_ff_block"), "owner."  # its forward has fast paths
-    try:
-        graph = _Tracer().trace(root)
-    except Exception:  # fx raises many kinds on untraceable code: then no MLP is seen here
+    traced = block_graph(m)
+    if traced is None:  # no MLP is seen here
         return None
-    named = {k.removeprefix(inner_prefix): v for k, v in root.named_modules()}
-    for node in graph.nodes:
-        if node.op == "call_module":
-            node.target = node.target.removeprefix(inner_prefix)
+    graph, named = traced
     calls: dict[str, int] = {}
     for node in graph.nodes:
         if node.op == "call_module":
@@ -566,6 +654,9 @@ def _mlp(name: str, m: nn.Module) -> TensorSplit | None:
                 ok = False
         # Nothing outside sees the split tensors: every user of an inner node is inner or row.
         ok = ok and bool(columns) and all(u in inner or u is row for n in inner for u in n.users)
+        targets = [c.target for c in columns] + [row.target]
+        if ok and all("." in t for t in targets) and len({t.split(".")[0] for t in targets}) == 1:
+            continue  # inside one submodule: that module's own MLP, found and named there
         if ok:
             prefix = f"{name}." if name else ""
             ordered = [n for n in graph.nodes if n in columns]
@@ -609,6 +700,47 @@ def _is_node(a: Any) -> bool:
     return isinstance(a, fx.Node)
 
 
+def _row_after(
+    model: nn.Module, name: str, attention: nn.Module, ts: TensorSplit
+) -> TensorSplit | str:
+    """``ts`` (an attention of query, key and value alone) with its output projection: the
+    linear layer reading all its heads that its parent's forward applies to the attention's
+    output (its first, where it returns several), through elementwise ops (a dropout) that
+    nothing else reads, as BERT's ``attention.output.dense`` and ViT's; or why none is."""
+    width = ts.units * ts.width
+    why = f"no layer after it reads its heads ({width} features) alone"
+    parent_name, _, child = name.rpartition(".")
+    if not child:
+        return why
+    traced = block_graph(model.get_submodule(parent_name), whole=lambda m: m is attention)
+    if traced is None:
+        return why + f" in what its parent {parent_name or type(model).__name__!r} does"
+    graph, named = traced
+    calls = [n for n in graph.nodes if n.op == "call_module" and n.target == child]
+    if len(calls) != 1:
+        return why
+    node = calls[0]
+    data = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
+    if len(data) == 1:  # it returns (output, attention weights, ...)
+        node = data[0]
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.all_input_nodes != [node]:
+            break
+        layer = named[user.target] if user.op == "call_module" else None
+        f = linear_features(layer) if layer is not None else None
+        if f is not None and f[0] == width:
+            ts.row = (f"{parent_name}." if parent_name else "") + user.target
+            return ts
+        if not (
+            isinstance(layer, ELEMENTWISE_MODULES)
+            or (user.op == "call_function" and user.target in _UNARY)
+        ):
+            break
+        node = user
+    return why
+
+
 def plan_tensor_splits(
     model: nn.Module, candidates: Sequence[str], *, mha: bool = True
 ) -> tuple[list[TensorSplit], dict[str, str]]:
@@ -628,6 +760,8 @@ def plan_tensor_splits(
         found: TensorSplit | str | None = _mha(name, m) if mha else None
         if found is None:
             found = _attention(name, m)
+        if isinstance(found, TensorSplit) and not found.row:
+            found = _row_after(model, name, m, found)
         if found is None:
             found = _mlp(name, m)
         if isinstance(found, str):
