@@ -424,7 +424,7 @@ def random_pairs(group, trials: int = 12) -> int:
             assert_close(x.grad, want["x"], 1e-12, f"pair={pair}: input gradient")
             for name, m, full in (("a", fa, a), ("b", fb, b)):
                 spec = m.split_spec()
-                dim, _, _ = spec["weight"]
+                dim, _ = spec["weight"]
                 lo, n = m.offset, m.shares[c.rank]
                 expect = full.weight.grad.narrow(dim, lo, n)
                 assert_close(m.weight.grad, expect, 1e-12, f"pair={pair}: {name} weight grad")

@@ -107,6 +107,22 @@ def falcon() -> nn.Module:
     return transformers.FalconForCausalLM(cfg)
 
 
+def falcon_gqa() -> nn.Module:
+    """Hugging Face Falcon's new decoder architecture (Falcon-40B's): grouped-query attention
+    (6 query heads in 3 key/value groups) packed group by group in ``query_key_value``, viewed
+    as ``(batch, seq, -1, num_heads // num_kv_heads + 2, head_dim)``: a rank holding no group
+    would divide by zero there."""
+    import transformers
+
+    cfg = transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, num_attention_heads=6,
+        num_kv_heads=3, new_decoder_architecture=True, hidden_dropout=0.0,
+        attention_dropout=0.0, use_cache=False, attn_implementation="eager", bos_token_id=0,
+        eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.FalconForCausalLM(cfg)
+
+
 def bloom() -> nn.Module:
     """Hugging Face BLOOM: its attention adds ``alibi``, a bias of ``batch x heads`` rows
     computed for every head outside it."""
@@ -197,6 +213,39 @@ class _OldStyleAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         att = torch.softmax(q @ k.transpose(-1, -2) / 2.0, dim=-1) @ v
         return self.o(att.transpose(1, 2).reshape(b, n, -1))
+
+
+class _GroupedPacked(nn.Module):
+    """Grouped-query attention (6 query heads in 3 key/value groups of 4) with query, key and
+    value packed group by group in one projection, each group's 2 query heads, key head and
+    value head together: InternLM2's ``wqkv``, viewed as ``(batch, seq, -1, 2 + 2, head)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.head_dim = 6, 3, 4
+        self.wqkv = nn.Linear(24, 48, bias=False)
+        self.wo = nn.Linear(24, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        qkv = self.wqkv(x).view(b, n, -1, 4, self.head_dim)
+        q = qkv[..., :2, :].reshape(b, n, -1, self.head_dim).transpose(1, 2)
+        k, v = (qkv[..., i, :].repeat_interleave(2, dim=2).transpose(1, 2) for i in (2, 3))
+        att = torch.softmax(q @ k.transpose(-1, -2) / 2.0, dim=-1) @ v
+        return self.wo(att.transpose(1, 2).reshape(b, n, -1))
+
+
+def grouped_lm() -> nn.Module:
+    """:class:`ResidualLM` of :class:`_GroupedPacked` blocks."""
+    return ResidualLM(_GroupedPacked)
+
+
+def phi3() -> nn.Module:
+    """Hugging Face Phi-3: query, key and value packed in ``qkv_proj`` under grouped-query
+    attention (cut where the query heads end, at ``self.config.num_attention_heads *
+    head_dim``: read from the config shared by every layer), registered after ``o_proj``;
+    gate and up packed in ``gate_up_proj``."""
+    return _hf("Phi3ForCausalLM", "Phi3Config")
 
 
 class ResidualLM(nn.Module):
@@ -342,8 +391,10 @@ def split_copy(
             )
     unsplit = [str(w.message) for w in seen if "left unsplit by heads" in str(w.message)]
     # Falcon's multi-query attention packs its one key and value head with the queries: a
-    # layout left gathering, and named so.
-    expected = getattr(ref, "config", None) is not None and ref.config.model_type == "falcon"
+    # layout left gathering, and named so (its grouped-query architecture splits).
+    config = getattr(ref, "config", None)
+    expected = config is not None and config.model_type == "falcon"
+    expected = expected and not config.new_decoder_architecture
     assert bool(unsplit) == expected, unsplit
     return split
 
@@ -800,6 +851,9 @@ def run_all(group: Any) -> dict[str, Any]:
         ("falcon", falcon),
         ("opt", opt),
         ("bert", bert),
+        ("phi3", phi3),
+        ("grouped", grouped_lm),
+        ("falcon_gqa", falcon_gqa),
     ):
         got = equals_unsplit(group, make, "adam", steps=2)
         out[f"{name}_gathers"] = sorted(n for n, m in got.items() if m == "gather")

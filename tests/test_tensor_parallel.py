@@ -49,6 +49,11 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     assert r["opt_gathers"] == [] and r["opt_split"] == 2 * 6
     assert r["bert_gathers"] == ["cls.predictions.transform.dense"]
     assert r["bert_split"] == 2 * 6
+    # Query, key and value packed under grouped-query attention: Phi-3's three blocks (its
+    # forward reading the query heads' count from its config), and group by group.
+    assert r["phi3_gathers"] == ["lm_head"] and r["phi3_split"] == 2 * 4
+    assert r["grouped_gathers"] == ["head"] and r["grouped_split"] == 2 * 2
+    assert r["falcon_gqa_gathers"] == [] and r["falcon_gqa_split"] == 2 * 4
     # With empty_blocks the slow rank (speed 0.1) holds none of Llama's 3 key/value groups,
     # GPT-2's 6 heads (q, k and v packed) or the encoder's 6 heads.
     empty = {2: [3, 0], 3: [2, 0, 1]}[p]
@@ -176,7 +181,7 @@ def test_a_packed_gate_and_up_projection_splits_by_units():
     layout = split_layout(transformers.Phi3ForCausalLM(config))
     (mlp,) = [ts for ts in layout.splits if ts.kind == "mlp"]
     # Its 80 outputs are two blocks (gate, up) of the 40 units down_proj reads.
-    assert mlp.columns == [("model.layers.0.mlp.gate_up_proj", 1, 2)]
+    assert mlp.columns == [("model.layers.0.mlp.gate_up_proj", (1, 1))]
     assert mlp.row == "model.layers.0.mlp.down_proj" and mlp.units == 40
 
 
@@ -189,12 +194,12 @@ def test_sibling_modules_pair_as_one_block():
     layer = "bert.encoder.layer.0"
     attn, mlp = sorted(layout.splits, key=lambda ts: ts.kind)[::2]
     assert attn.module == f"{layer}.attention.self" and attn.units == 6
-    assert [c for c, _, _ in attn.columns] == [
+    assert [c for c, _ in attn.columns] == [
         f"{layer}.attention.self.{n}" for n in ("query", "key", "value")
     ]
     assert attn.row == f"{layer}.attention.output.dense"
     assert attn.attrs == {"num_attention_heads": 1, "all_head_size": 4}
-    assert mlp.module == layer and mlp.columns == [(f"{layer}.intermediate.dense", 1, 1)]
+    assert mlp.module == layer and mlp.columns == [(f"{layer}.intermediate.dense", (1,))]
     assert mlp.row == f"{layer}.output.dense" and mlp.units == 40
     assert not layout.kept
 
@@ -208,7 +213,7 @@ def test_an_mlp_of_a_layers_own_linears_splits():
     layout = split_layout(cases.opt())
     mlps = [ts for ts in layout.splits if ts.kind == "mlp"]
     assert [(ts.module, ts.columns, ts.row) for ts in mlps] == [
-        (f"model.decoder.layers.{i}", [(f"model.decoder.layers.{i}.fc1", 1, 1)],
+        (f"model.decoder.layers.{i}", [(f"model.decoder.layers.{i}.fc1", (1,))],
          f"model.decoder.layers.{i}.fc2")
         for i in (0, 1)
     ]  # fmt: skip
@@ -244,7 +249,58 @@ def test_a_submodule_fx_cannot_trace_is_kept_whole_around_the_mlp():
 
     layout = split_layout(_InlineBlock())
     (mlp,) = layout.splits
-    assert (mlp.module, mlp.columns, mlp.row, mlp.units) == ("", [("up", 1, 1)], "down", 16)
+    assert (mlp.module, mlp.columns, mlp.row, mlp.units) == ("", [("up", (1,))], "down", 16)
+
+
+def test_query_key_value_packed_under_grouped_query_attention():
+    from hetcoll.torch.filters import split_layout
+
+    # Phi-3 cuts qkv_proj's output where its query heads end: three blocks of 2 query heads,
+    # one key and one value head of 4 per key/value group; its forward reads the query
+    # heads' count from the config, so the rank's module gets its own view of it.
+    attn = [ts for ts in split_layout(cases.phi3()).splits if ts.kind == "attention"]
+    assert [(ts.columns, ts.row) for ts in attn[:1]] == [
+        ([("model.layers.0.self_attn.qkv_proj", (8, 4, 4))], "model.layers.0.self_attn.o_proj")
+    ]
+    assert attn[0].config == {"num_attention_heads": 2, "num_key_value_heads": 1}
+    # Packed group by group (InternLM2's wqkv): one run of 4 heads' features per group.
+    (grouped, _) = split_layout(cases.grouped_lm()).splits
+    assert grouped.columns == [("blocks.0.wqkv", (16,))] and grouped.units == 3
+
+
+def test_an_attention_that_cannot_run_without_heads_refuses_an_empty_rank():
+    # Falcon's grouped layout divides by the rank's key/value head count: a rank holding none
+    # would raise there alone while the others wait in the reduction. The split says so first.
+    with pytest.raises(
+        ValueError,
+        match=r"'transformer.h.0.self_attention' cannot run on a "
+        r"rank holding none of its heads, as rank 1 would \(ZeroDivisionError",
+    ):
+        filter_shares(cases.falcon_gqa(), size=2, speeds=[1.0, 0.1], empty_blocks=True)
+    # Llama's runs on empty tensors: the same split is fine.
+    got = filter_shares(cases.llama(), size=2, speeds=[1.0, 0.1], empty_blocks=True)
+    assert got["model.layers.0.self_attn.o_proj"] == [24, 0]
+
+
+def test_a_config_view_keeps_its_own_counts_and_shares_the_rest():
+    import copy
+    import pickle
+
+    import transformers
+
+    from hetcoll.torch.filters import ConfigView
+
+    base = transformers.LlamaConfig(hidden_size=24, num_attention_heads=6, num_key_value_heads=3)
+    view = ConfigView(base, {"num_attention_heads": 2})
+    assert view.num_attention_heads == 2 and view.num_key_value_heads == 3
+    base._attn_implementation = "eager"  # a later change to the shared config reaches it
+    assert view._attn_implementation == "eager"
+    view.num_key_value_heads = 1  # not its own: written through
+    assert base.num_key_value_heads == 1 and base.num_attention_heads == 6
+    assert ConfigView(view, {"num_key_value_heads": 1})._base is base  # one level
+    for twin in (copy.deepcopy(view), pickle.loads(pickle.dumps(view))):
+        assert twin.num_attention_heads == 2 and twin._base is not base
+        assert twin.hidden_size == base.hidden_size
 
 
 def test_empty_blocks_lets_a_slow_rank_hold_no_heads():

@@ -91,12 +91,13 @@ from hetcoll.torch.filters.state import (
     load_full_state_dict,
     split_tensors,
 )
-from hetcoll.torch.filters.tensor_split import TensorSplit, plan_tensor_splits
+from hetcoll.torch.filters.tensor_split import ConfigView, TensorSplit, plan_tensor_splits
 
 __all__ = [
     "ELEMENTWISE_MODULES",
     "MODES",
     "SPATIAL_MODULES",
+    "ConfigView",
     "FilterParallelBatchNorm1d",
     "FilterParallelBatchNorm2d",
     "FilterParallelConv1D",

@@ -47,10 +47,12 @@ from hetcoll.torch.filters.layers import (
 )
 from hetcoll.torch.filters.pairing import SplitLayout, split_layout
 from hetcoll.torch.filters.tensor_split import (
+    ConfigView,
     EmptyHeads,
     PackedLayoutGuard,
     PerHeadInputs,
     TensorSplit,
+    runs_without_heads,
 )
 from hetcoll.torch.filters.timing import replicated_latencies, sample_seconds
 from hetcoll.torch.transport import CountingCommunicator
@@ -294,11 +296,25 @@ def _shares(
         )
         for ts, latency in zip(splits, latencies, strict=True)
     ]
+    for ts, counts in units:
+        # A rank holding none of an attention's heads runs its forward on empty tensors; one
+        # that cannot would fail there alone while the others wait in the block's reduction.
+        # Every rank checks every such attention alike, so all raise.
+        why = None
+        if ts.kind == "attention" and 0 in counts:
+            why = runs_without_heads(model.get_submodule(ts.module), ts)
+        if why is not None:
+            raise ValueError(
+                f"{argument}: attention {ts.module!r} cannot run on a rank holding none of its "
+                f"heads, as rank {counts.index(0)} would ({why}); give every rank at least one "
+                "key/value group (empty_blocks=False, or shares), or leave its layers out "
+                "(layers=...)"
+            )
     shares: dict[str, list[int]] = {}
     for ts, counts in units:
         for name, per_unit in zip(ts.layers(), ts.features_per_unit(), strict=True):
             shares[name] = [u * per_unit for u in counts]
-        for c, _, _ in ts.columns:
+        for c, _ in ts.columns:
             given = None if per_layer is None else per_layer.get(c)
             if given is not None and [int(v) for v in given] != shares[c]:
                 raise ValueError(
@@ -581,7 +597,7 @@ def filter_parallel(
             _replace(model, ts.module, mha)
             continue
         copy = SharedCopy(comm, timeout, sole_holder(counts))
-        for name, per, parts in ts.columns:
+        for name, blocks in ts.columns:
             _replace(
                 model,
                 name,
@@ -590,8 +606,7 @@ def filter_parallel(
                     counts,
                     comm,
                     mode="split-output",
-                    out_unit=per,
-                    parts=parts,
+                    blocks=blocks,
                     shared_input=copy,
                     timeout=timeout,
                 ),
@@ -612,6 +627,9 @@ def filter_parallel(
         module = named[ts.module]
         for attr, per in ts.attrs.items():  # the rank's module runs with its own head counts
             setattr(module, attr, per * counts[comm.rank])
+        if ts.config:  # read from its config too (Phi-3's): a view of its own
+            own = {a: per * counts[comm.rank] for a, per in ts.config.items()}
+            module.config = ConfigView(module.config, own)
         for pn in ts.shared:
             model.get_parameter(pn).register_hook(SumGradient(comm, timeout))
         if ts.kind == "attention":

@@ -40,17 +40,23 @@ from hetcoll.torch.filters.checks import (
 from hetcoll.torch.filters.split_output import SplitOutput
 
 
-def split_runs(shares: Sequence[int], rank: int, unit: int, parts: int) -> list[tuple[int, int]]:
+def split_runs(shares: Sequence[int], rank: int, blocks: Sequence[int]) -> list[tuple[int, int]]:
     """Where rank ``rank``'s entries sit along a split dimension, as ``(start, length)`` runs:
-    the dimension holds ``parts`` equal blocks (1, or 3 for packed query/key/value), each of
-    ``sum(shares) * unit`` entries split alike, rank r holding ``shares[r] * unit`` of each.
+    the dimension holds one block per entry of ``blocks`` (one, or query, key and value packed
+    in one layer), block b of ``sum(shares) * blocks[b]`` entries, split alike: rank r holds
+    ``shares[r] * blocks[b]`` of each.
 
-    >>> split_runs([2, 1], 1, 4, 3)
+    >>> split_runs([2, 1], 1, (4, 4, 4))
     [(8, 4), (20, 4), (32, 4)]
+    >>> split_runs([2, 1], 1, (8, 4, 4))  # 2 query heads of 4 per key/value group
+    [(16, 8), (32, 4), (44, 4)]
     """
-    block = sum(shares) * unit
-    start, length = sum(shares[:rank]) * unit, shares[rank] * unit
-    return [(p * block + start, length) for p in range(parts)]
+    total, before = sum(shares), sum(shares[:rank])
+    runs, start = [], 0
+    for width in blocks:
+        runs.append((start + before * width, shares[rank] * width))
+        start += total * width
+    return runs
 
 
 def take_runs(t: torch.Tensor, dim: int, runs: list[tuple[int, int]]) -> torch.Tensor:
@@ -63,10 +69,10 @@ def take_runs(t: torch.Tensor, dim: int, runs: list[tuple[int, int]]) -> torch.T
 class ChannelSplit:
     """What every split module knows: its ranks, its shares, and which tensors are split.
 
-    ``split_spec()`` maps a parameter or buffer name to ``(dim, unit, parts)``: along ``dim``
-    the full tensor holds ``parts`` equal blocks and of each rank r holds ``shares[r] * unit``
-    entries starting at ``offsets[r] * unit`` (:func:`split_runs`); unnamed tensors are
-    replicated.
+    ``split_spec()`` maps a parameter or buffer name to ``(dim, blocks)``: along ``dim`` the
+    full tensor holds one block per entry of ``blocks``, of which rank r holds
+    ``shares[r] * blocks[b]`` entries starting at ``offsets[r] * blocks[b]`` into block b
+    (:func:`split_runs`); unnamed tensors are replicated.
     """
 
     comm: Communicator
@@ -82,18 +88,18 @@ class ChannelSplit:
         self.shares = list(shares)
         self.offset = sum(shares[: comm.rank])
 
-    def split_spec(self) -> dict[str, tuple[int, int, int]]:
+    def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         raise NotImplementedError
 
     def _slice_full(self, state_dict: dict[str, Any], prefix: str) -> None:
         """A full (unsplit) tensor in a state dict being loaded becomes this rank's slice."""
         total = sum(self.shares)
-        for name, (dim, unit, parts) in self.split_spec().items():
+        for name, (dim, blocks) in self.split_spec().items():
             t = state_dict.get(prefix + name)
-            full = total * unit * parts
+            full = total * sum(blocks)
             whole = self.shares[self.rank] == total
             if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == full and not whole:
-                runs = split_runs(self.shares, self.rank, unit, parts)
+                runs = split_runs(self.shares, self.rank, blocks)
                 state_dict[prefix + name] = take_runs(t, dim, runs)
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
@@ -186,10 +192,10 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
     weight: nn.Parameter
     bias: nn.Parameter | None
     local: nn.Module
-    # Output channels per share (a head's width when whole heads are split), and the equal
-    # blocks the output packs (3: query, key and value in one layer), each split alike.
-    out_unit: int = 1
-    parts: int = 1
+    # Output channels per share of each block the output packs (one block of 1 channel; a
+    # head's width when whole heads are split; three when query, key and value share a layer),
+    # each block split alike.
+    blocks: tuple[int, ...] = (1,)
     # The copy of the input shared with the other layers reading it (None: its own).
     shared_input: SharedCopy | None = None
     # The weight's output and input dimensions (a Conv1D stores its weight transposed).
@@ -253,12 +259,12 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
             return SplitOutput.of(y, self.comm, self.shares, self.timeout, self.agreed)
         return GatherChannels.apply(y, self.comm, self.shares, self.offset, self.dim, self.timeout)
 
-    def split_spec(self) -> dict[str, tuple[int, int, int]]:
+    def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         if self.mode == "split-input":
-            return {"weight": (self.weight_in_dim, self._unit(), 1)}
-        spec = {"weight": (self.weight_out_dim, self.out_unit, self.parts)}
+            return {"weight": (self.weight_in_dim, (self._unit(),))}
+        spec = {"weight": (self.weight_out_dim, self.blocks)}
         if self.bias is not None:
-            spec["bias"] = (0, self.out_unit, self.parts)
+            spec["bias"] = (0, self.blocks)
         return spec
 
     def _unit(self) -> int:
@@ -283,7 +289,7 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
                 w = weight.narrow(self.weight_in_dim, self.offset * unit, shares[comm.rank] * unit)
                 b = bias
             else:
-                runs = split_runs(shares, comm.rank, self.out_unit, self.parts)
+                runs = split_runs(shares, comm.rank, self.blocks)
                 w = take_runs(weight, self.weight_out_dim, runs)
                 b = None if bias is None else take_runs(bias, 0, runs)
             self.weight = nn.Parameter(w.clone(), requires_grad=weight.requires_grad)
@@ -470,16 +476,17 @@ class FilterParallelLinear(FilterParallelLayer):
         multiple_of: int = 1,
         mode: str = "gather",
         in_features_per_channel: int = 1,
-        out_unit: int = 1,
-        parts: int = 1,
+        blocks: Sequence[int] = (1,),
         shared_input: SharedCopy | None = None,
         timeout: float | None = None,
     ) -> Self:
         """This rank's part of an existing ``linear`` (its weights are copied, not shared).
 
-        Whole heads: with ``out_unit`` the shares count units of that many output features (a
-        head's width); with ``parts`` the output packs that many equal blocks (query, key and
-        value in one layer), each split alike, so a rank holds its heads of each.
+        Whole heads: with ``blocks`` the shares count units, each of ``blocks[b]`` output
+        features of block b the output packs: ``(head_dim,)`` for a projection of heads,
+        ``(head_dim,) * 3`` for query, key and value packed in one layer, ``(rep * head_dim,
+        head_dim, head_dim)`` for them packed under grouped-query attention (a unit: a
+        key/value group); each block is split alike, so a rank holds its units of each.
         ``shared_input``: the copy of the input shared with the other layers reading it
         (:class:`SharedCopy`: one reduction of the input gradient for all of them).
 
@@ -489,20 +496,19 @@ class FilterParallelLinear(FilterParallelLayer):
         check_mode(mode)
         check_timeout(timeout)
         unit = _check_unit(in_features, in_features_per_channel)
-        for name, v in (("out_unit", out_unit), ("parts", parts)):
-            if not is_int(v) or int(v) < 1:
-                raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
-        if mode != "split-input" and out_features % (out_unit * parts):
+        widths = _check_blocks(blocks)
+        per_unit = sum(widths)
+        if mode != "split-input" and out_features % per_unit:
             raise ValueError(
-                f"out_unit, parts: {parts} blocks of units of {out_unit} features do not divide "
-                f"out_features ({out_features})"
+                f"blocks: units of {list(widths)} features do not divide out_features "
+                f"({out_features})"
             )
-        if mode == "gather" and (out_unit, parts) != (1, 1):
-            raise ValueError("out_unit, parts: only split-output layers split whole units")
+        if mode == "gather" and widths != (1,):
+            raise ValueError("blocks: only split-output layers split whole units")
         check_choice(shares, speeds, multiple_of)
         comm = wrap(group)
         split_in = mode == "split-input"
-        total = in_features // unit if split_in else out_features // (out_unit * parts)
+        total = in_features // unit if split_in else out_features // per_unit
         # A paired layer may hold nothing on a rank (an attention's heads or an MLP's units
         # all elsewhere): its reduction still counts that rank in.
         counts = resolve_shares(
@@ -510,7 +516,7 @@ class FilterParallelLinear(FilterParallelLayer):
         )
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self.out_unit, self.parts = int(out_unit), int(parts)
+        self.blocks = widths
         if mode == "split-output":
             self.shared_input = shared_input
         self._from_linear(linear, comm, counts, mode, unit, timeout)
@@ -548,8 +554,8 @@ class FilterParallelLinear(FilterParallelLayer):
 
     def extra_repr(self) -> str:
         extra = ""
-        if self.mode == "split-output" and (self.out_unit, self.parts) != (1, 1):
-            extra = f", out_unit={self.out_unit}, parts={self.parts}"
+        if self.mode == "split-output" and self.blocks != (1,):
+            extra = f", blocks={self.blocks}"
         return f"{self.in_features}, {self.out_features}, " + super().extra_repr() + extra
 
 
@@ -606,6 +612,16 @@ class FilterParallelConv1D(FilterParallelLinear):
         return LocalConv1D()
 
 
+def _check_blocks(blocks: Any) -> tuple[int, ...]:
+    """``blocks`` (output features per unit of each block) as a tuple, checked."""
+    if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence):
+        raise TypeError(f"blocks: must be a sequence of integers >= 1, got {blocks!r}")
+    widths = tuple(blocks)
+    if not widths or any(not is_int(w) or int(w) < 1 for w in widths):
+        raise ValueError(f"blocks: must be integers >= 1 (at least one), got {list(widths)!r}")
+    return tuple(int(w) for w in widths)
+
+
 def _check_unit(in_features: int, unit: object) -> int:
     if not is_int(unit) or int(unit) < 1:  # type: ignore[call-overload]
         raise ValueError(f"in_features_per_channel: must be an integer >= 1, got {unit!r}")
@@ -633,8 +649,8 @@ class FilterParallelEmbedding(ChannelSplit, nn.Module):
     embedding_dim: int
     padding_idx: int | None
 
-    def split_spec(self) -> dict[str, tuple[int, int, int]]:
-        return {"weight": (0, 1, 1)}
+    def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        return {"weight": (0, (1,))}
 
     @classmethod
     def from_module(
@@ -712,9 +728,9 @@ class _SplitBatchNorm(ChannelSplit):
     """Channels ``[offset, offset + share)`` of a BatchNorm: its statistics and affine map are
     per channel, so the split is exact and needs no communication."""
 
-    def split_spec(self) -> dict[str, tuple[int, int, int]]:
+    def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         names = ("weight", "bias", "running_mean", "running_var")
-        return {n: (0, 1, 1) for n in names if getattr(self, n, None) is not None}
+        return {n: (0, (1,)) for n in names if getattr(self, n, None) is not None}
 
     @classmethod
     def from_module(cls, bn: _BatchNorm, shares: Sequence[int], group: Any = None) -> Any:
@@ -838,7 +854,7 @@ class FilterParallelMultiheadAttention(ChannelSplit, nn.Module):
         self._qkv_same_embed_dim = False  # torch's fused paths would read local weights whole
         self.bias_k = self.bias_v = None
         self.add_zero_attn = False
-        runs = split_runs(counts, comm.rank, mha.head_dim, 3)
+        runs = split_runs(counts, comm.rank, (mha.head_dim,) * 3)
         with torch.no_grad():
             w = mha.in_proj_weight
             self.in_proj_weight = nn.Parameter(take_runs(w, 0, runs).clone(), w.requires_grad)
@@ -858,10 +874,11 @@ class FilterParallelMultiheadAttention(ChannelSplit, nn.Module):
         self.train(mha.training)
         return self
 
-    def split_spec(self) -> dict[str, tuple[int, int, int]]:
-        spec = {"in_proj_weight": (0, self.head_dim, 3)}
+    def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        blocks: tuple[int, tuple[int, ...]] = (0, (self.head_dim,) * 3)
+        spec = {"in_proj_weight": blocks}
         if self.in_proj_bias is not None:
-            spec["in_proj_bias"] = (0, self.head_dim, 3)
+            spec["in_proj_bias"] = blocks
         return spec
 
     def forward(

@@ -76,7 +76,7 @@ def split_layout(
         if not isinstance(mha, bool):
             splits = [ts for ts in splits if ts.kind != "mha" or ts.module in mha]
         for ts in splits:
-            modes.update({c: "split-output" for c, _, _ in ts.columns})
+            modes.update({c: "split-output" for c, _ in ts.columns})
             modes[ts.row] = "split-input"
     return SplitLayout(modes, feeds, bns, splits, kept, read_directly)
 

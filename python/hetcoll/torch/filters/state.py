@@ -36,11 +36,11 @@ def _gather(
     Every rank's slices travel in one allgatherv of bytes: the shares say how long each rank's
     piece of each tensor is, so no sizes need exchanging first.
     """
-    split: dict[str, tuple[ChannelSplit, int, int, int]] = {}
+    split: dict[str, tuple[ChannelSplit, int, tuple[int, ...]]] = {}
     for mname, m in model.named_modules():
         if isinstance(m, ChannelSplit):
-            for pname, (dim, unit, parts) in m.split_spec().items():
-                split[f"{mname}.{pname}" if mname else pname] = (m, dim, unit, parts)
+            for pname, (dim, blocks) in m.split_spec().items():
+                split[f"{mname}.{pname}" if mname else pname] = (m, dim, blocks)
     comms = {id(m.comm): m.comm for m, *_ in split.values()}
     if len(comms) > 1:
         raise ValueError(f"{argument}: split modules on different process groups")
@@ -50,16 +50,18 @@ def _gather(
     if dst is not None and (not is_int(dst) or not 0 <= dst < size):
         raise ValueError(f"dst: must be a rank in [0, {size}) or None, got {dst!r}")
     keep = comm is None or dst is None or comm.rank == dst
-    pieces = []  # (key, dim, rows per rank, blocks, row shape, dtype, bytes per row)
+    # (key, dim, rows per rank, rows per rank of each block, row shape, dtype, bytes per row)
+    pieces = []
     local = []
     for key, t in values.items():
         if key in split:
-            m, dim, unit, blocks = split[key]
+            m, dim, blocks = split[key]
             moved = t.detach().cpu().movedim(dim, 0).contiguous()
             row = moved.shape[1:]
             row_bytes = math.prod(row) * moved.element_size()  # a rank may hold no rows
-            rows = [s * unit * blocks for s in m.shares]
-            pieces.append((key, dim, rows, blocks, row, t.dtype, row_bytes))
+            per_block = [[s * w for w in blocks] for s in m.shares]
+            rows = [sum(b) for b in per_block]
+            pieces.append((key, dim, rows, per_block, row, t.dtype, row_bytes))
             local.append(moved.reshape(-1).view(torch.uint8))
     full: dict[str, torch.Tensor] = {}
     if comm is not None and pieces:
@@ -68,7 +70,7 @@ def _gather(
         comm.iallgatherv(torch.cat(local).numpy(), out.numpy(), per_rank).wait(None)
         if keep:
             start = [sum(per_rank[:r]) for r in range(size)]
-            for key, dim, rows, blocks, row, dtype, rb in pieces:
+            for key, dim, rows, per_block, row, dtype, rb in pieces:
                 held = []
                 for r in range(size):
                     n = rows[r] * rb
@@ -76,8 +78,8 @@ def _gather(
                     start[r] += n
                 # Each rank's piece holds its entries of every block (packed q/k/v): the full
                 # tensor is block by block, rank by rank within a block.
-                joined = [h.chunk(blocks) if blocks > 1 else (h,) for h in held]
-                order = [joined[r][b] for b in range(blocks) for r in range(size)]
+                joined = [h.split(per_block[r]) for r, h in enumerate(held)]
+                order = [joined[r][b] for b in range(len(per_block[0])) for r in range(size)]
                 full[key] = torch.cat(order).movedim(0, dim).contiguous()
     if not keep:
         return None
@@ -130,16 +132,16 @@ def _parts(model: nn.Module) -> dict[str, Part]:
     parts = {k: Part(tuple(t.shape)) for k, t in state.items()}
     for mname, m in model.named_modules():
         if isinstance(m, ChannelSplit):
-            for pname, (dim, unit, blocks) in m.split_spec().items():
+            for pname, (dim, blocks) in m.split_spec().items():
                 key = f"{mname}.{pname}" if mname else pname
                 local = state[key]
                 shape = list(local.shape)
-                shape[dim] = sum(m.shares) * unit * blocks
-                if blocks == 1:
+                shape[dim] = sum(m.shares) * sum(blocks)
+                if len(blocks) == 1:
                     count = int(local.shape[dim])
-                    parts[key] = Part(tuple(shape), dim, m.offset * unit, count)
+                    parts[key] = Part(tuple(shape), dim, m.offset * blocks[0], count)
                 else:
-                    runs = split_runs(m.shares, m.rank, unit, blocks)
+                    runs = split_runs(m.shares, m.rank, blocks)
                     index = torch.cat([torch.arange(a, a + n) for a, n in runs])
                     parts[key] = Part(tuple(shape), dim, index=index)
     return parts

@@ -34,10 +34,13 @@ class TensorSplit:
     ("split-input", one sum-reduction of the block's output).
 
     ``units``: the key/value groups (attention) or hidden units (MLP) the ranks divide;
-    ``width``: the row layer's input features per unit; ``columns``: ``(layer, output features
-    per unit of each block, blocks)`` (blocks: 3 for a packed query/key/value layer);
+    ``width``: the row layer's input features per unit; ``columns``: ``(layer, blocks)``, the
+    output features per unit of each block the layer's output packs (one block; three for
+    query, key and value packed in one layer: ``(rep * head_dim, head_dim, head_dim)``);
     ``attrs``: the module's attributes that count heads (or their features), by their value per
-    unit: a rank's module runs with its own counts. ``shared``: the module's other parameters
+    unit: a rank's module runs with its own counts; ``config``: the same for the head counts
+    of its ``config``, which the rank's module sees in a view of its own (:class:`ConfigView`:
+    the config itself is shared by every layer). ``shared``: the module's other parameters
     (a query/key norm over the head dimension, as Qwen3's and Gemma 3's), every rank holding
     them whole and applying them to its own heads: each rank's gradient is its heads' part,
     summed over the ranks in the backward. ``head_dim``: an attention's head size.
@@ -47,9 +50,10 @@ class TensorSplit:
     module: str
     units: int
     width: int
-    columns: list[tuple[str, int, int]]
+    columns: list[tuple[str, tuple[int, ...]]]
     row: str
     attrs: dict[str, int] = field(default_factory=dict)
+    config: dict[str, int] = field(default_factory=dict)
     shared: list[str] = field(default_factory=list)
     head_dim: int = 0
 
@@ -58,16 +62,16 @@ class TensorSplit:
         return self.units * self.width // self.head_dim if self.head_dim else 0
 
     def layers(self) -> list[str]:
-        return [c for c, _, _ in self.columns] + [self.row]
+        return [c for c, _ in self.columns] + [self.row]
 
     def features_per_unit(self) -> list[int]:
         """The channels each of :meth:`layers` splits per unit a rank holds: a column's output
         features (every packed block's), the row's input features."""
-        return [per * parts for _, per, parts in self.columns] + [self.width]
+        return [sum(blocks) for _, blocks in self.columns] + [self.width]
 
     def packed(self) -> int:
         """How many blocks its most packed column holds (3: query, key and value in one)."""
-        return max(parts for _, _, parts in self.columns)
+        return max(len(blocks) for _, blocks in self.columns)
 
 
 class EmptyHeads(TorchFunctionMode):
@@ -178,29 +182,77 @@ class _Probed(Exception):
     """Stops a probe's forward once its packed output's first op is seen."""
 
 
+def _cut_read(
+    func: Any, args: Any, kwargs: Any, heads: int, kv_heads: int, head_dim: int
+) -> str | None:
+    """``"blocks"`` when ``func(*args)`` cuts a packed query/key/value output along its last
+    dimension where the query heads end: ``qkv[..., :heads * head_dim]`` (Phi-3's), or
+    ``split`` into the three blocks' widths; else None."""
+    t, width = args[0], heads * head_dim
+    if func is torch.Tensor.__getitem__ and len(args) > 1:
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        last = index[-1] if index else None
+        along_last = len(index) == t.dim() or (len(index) == 2 and index[0] is Ellipsis)
+        if along_last and isinstance(last, slice) and last.start in (None, 0):
+            return "blocks" if last.stop == width and last.step in (None, 1) else None
+        return None
+    if func in (torch.Tensor.split, torch.split) and len(args) > 1:
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+        if dim not in (-1, t.dim() - 1):
+            return None
+        sizes = args[1]
+        blocks = [width, kv_heads * head_dim, kv_heads * head_dim]
+        if sizes == blocks or (kv_heads == heads and sizes == width):
+            return "blocks"
+    return None
+
+
+def grouped_read(shape: Sequence[int], packed: int, kv_heads: int, per_group: int) -> str | None:
+    """``"groups"`` when a reshape of a ``packed``-dimensional output packing query, key and
+    value under grouped-query attention to ``shape`` reads it key/value group by group: each
+    group's query heads, key head and value head together, ``(..., kv_heads, per_group *
+    head_dim)`` or ``(..., kv_heads, per_group, head_dim)`` (InternLM2's ``wqkv``; ``per_group``
+    = query heads per group + 2); else None."""
+    if len(shape) == packed + 1:
+        return "groups" if shape[-2] in (kv_heads, -1) and shape[-1] % per_group == 0 else None
+    if len(shape) == packed + 2:
+        return "groups" if shape[-3] in (kv_heads, -1) and shape[-2] == per_group else None
+    return None
+
+
 class _PackingProbe(_Watch):
-    def __init__(self, heads: int, head_dim: int) -> None:
+    def __init__(self, heads: int, head_dim: int, kv_heads: int) -> None:
         super().__init__()
-        self.heads, self.head_dim = heads, head_dim
+        self.heads, self.head_dim, self.kv_heads = heads, head_dim, kv_heads
         self.read: str | None = None
 
     def decide(self, func: Any, args: Any, kwargs: Any) -> None:
         shape = _reshaped_to(func, args, kwargs)
-        if shape is not None:
-            self.read = packing_read(shape, args[0].dim(), self.heads, self.head_dim)
+        h, kv, d = self.heads, self.kv_heads, self.head_dim
+        if shape is not None and kv == h:
+            self.read = packing_read(shape, args[0].dim(), h, d)
+        elif shape is not None:
+            per_group = h // kv + 2
+            ok = shape[-1] in (per_group * d, d)
+            self.read = grouped_read(shape, args[0].dim(), kv, per_group) if ok else None
+        else:
+            self.read = _cut_read(func, args, kwargs, h, kv, d)
         raise _Probed
 
 
 def probe_packing(
-    attention: nn.Module, column: str, hidden: int, heads: int, head_dim: int
+    attention: nn.Module, column: str, hidden: int, heads: int, head_dim: int, kv_heads: int = 0
 ) -> str | None:
-    """How ``attention``'s forward reads its packed query/key/value projection ``column``
-    (:func:`packing_read`), seen on one probe forward: a single token of zeros as its first
-    input (on the projection's device, in its dtype; a model on the meta device works),
-    ``None`` for every other input it requires, stopped at the first op on the projection's
-    output, with no gradient. None when that forward fails before it (it needs an input the
-    probe lacks) or the first op is no reshape: the first real forward then checks
-    (:class:`PackedLayoutGuard`)."""
+    """How ``attention``'s forward reads its packed query/key/value projection ``column``, seen
+    on one probe forward: ``"heads"`` head by head, ``"groups"`` key/value group by group
+    (:func:`packing_read`, :func:`grouped_read`), ``"blocks"`` as query, key and value blocks
+    (cut where the query heads end: :func:`_cut_read`; or, with as many key/value heads as
+    query heads, reshaped so). The probe: a single token of zeros as its first input (on the
+    projection's device, in its dtype; a model on the meta device works), ``None`` for every
+    other input it requires, stopped at the first op on the projection's output, with no
+    gradient. None when that forward fails before it (it needs an input the probe lacks) or
+    the first op tells nothing: with as many key/value heads as query heads, the first real
+    forward then checks (:class:`PackedLayoutGuard`). ``kv_heads``: 0 for ``heads``."""
     import inspect
 
     layer = attention.get_submodule(column)
@@ -216,7 +268,7 @@ def probe_packing(
         None for p in params[1:] if p.kind in positional and p.default is inspect.Parameter.empty
     ]
     x = torch.zeros(1, 1, hidden, device=weight.device, dtype=weight.dtype)
-    probe = _PackingProbe(heads, head_dim)
+    probe = _PackingProbe(heads, head_dim, kv_heads or heads)
     handle = layer.register_forward_hook(probe.watch)
     try:
         with torch.no_grad(), probe:
@@ -228,6 +280,97 @@ def probe_packing(
     finally:
         handle.remove()
     return None
+
+
+class _Count(TorchFunctionMode):
+    """Counts the torch ops a forward runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _probe_run(attention: nn.Module, ts: TensorSplit, empty: bool) -> tuple[bool, int, str]:
+    """One probe forward of (a copy of) ``attention``: its first input one token of zeros,
+    ``None`` for every other input it requires, no gradient, stopped when its output
+    projection is called or its forward returns; with ``empty``, as on a rank holding none of
+    its heads (its columns' outputs emptied, its head counts 0, under :class:`EmptyHeads`).
+    Returns whether it got there, how many torch ops it ran, and the exception if not."""
+    import inspect
+
+    prefix = f"{ts.module}." if ts.module else ""
+    first = attention.get_submodule(ts.columns[0][0].removeprefix(prefix))
+    weight = next(first.parameters(), None)
+    hidden = linear_features(first)
+    if weight is None or hidden is None:
+        return True, 0, ""
+    try:
+        params = list(inspect.signature(attention.forward).parameters.values())
+    except (TypeError, ValueError):
+        return True, 0, ""
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    rest = [None for p in params[1:] if p.kind in positional and p.default is p.empty]
+    handles = []
+    if ts.row.startswith(prefix):
+        row = attention.get_submodule(ts.row.removeprefix(prefix))
+        handles.append(row.register_forward_pre_hook(_stop))
+    if empty:
+        for name, _ in ts.columns:
+            layer = attention.get_submodule(name.removeprefix(prefix))
+            handles.append(layer.register_forward_hook(_emptied))
+        for a in ts.attrs:
+            setattr(attention, a, 0)
+        if ts.config:
+            view: Any = ConfigView(attention.config, dict.fromkeys(ts.config, 0))
+            attention.config = view
+    x = torch.zeros(1, 1, hidden[0], device=weight.device, dtype=weight.dtype)
+    count = _Count()
+    modes = [count, EmptyHeads(ts.packed())] if empty else [count]
+    try:
+        with torch.no_grad():
+            for mode in modes:
+                mode.__enter__()
+            try:
+                attention.forward(x, *rest)
+            finally:
+                for mode in reversed(modes):
+                    mode.__exit__(None, None, None)
+    except _Probed:
+        return True, count.ops, ""
+    except Exception as e:  # where the forward fails tells whether the heads' absence did it
+        return False, count.ops, f"{type(e).__name__}: {e}".splitlines()[0]
+    finally:
+        for h in handles:
+            h.remove()
+    return True, count.ops, ""
+
+
+def _stop(module: nn.Module, args: Any) -> None:
+    raise _Probed
+
+
+def _emptied(module: nn.Module, args: Any, output: Any) -> Any:
+    return output.narrow(-1, 0, 0) if isinstance(output, torch.Tensor) else output
+
+
+def runs_without_heads(attention: nn.Module, ts: TensorSplit) -> str | None:
+    """Why ``attention`` (split as ``ts``) cannot run its forward on a rank holding none of
+    its heads, or None. Two probe forwards of copies of it (:func:`_probe_run`), one as the
+    unsplit module, one as such a rank's, each on one token of zeros with ``None`` for its
+    other required inputs: the heads' absence is to blame where the second fails before the
+    first gets as far (Falcon's ``num_heads // num_kv_heads`` divides by zero). Where both
+    fail alike (an input the probe lacks), it cannot tell: None."""
+    import copy
+
+    whole = _probe_run(copy.deepcopy(attention), ts, empty=False)
+    none = _probe_run(copy.deepcopy(attention), ts, empty=True)
+    if none[0] or (not whole[0] and whole[1] <= none[1]):
+        return None
+    return none[2]
 
 
 class PackedLayoutGuard(_Watch):
@@ -243,7 +386,7 @@ class PackedLayoutGuard(_Watch):
     def __init__(self, ts: TensorSplit, units: int) -> None:
         super().__init__()
         self.ts = ts
-        self.column, self.head_dim, _ = ts.columns[0]
+        self.column, self.head_dim = ts.columns[0][0], ts.head_dim
         self.heads = units * ts.width // self.head_dim  # this rank's query heads
         self.handles: list[Any] = []
 
@@ -324,6 +467,45 @@ class PerHeadInputs:
         self.handle.remove()
 
 
+class ConfigView:
+    """A split attention's view of the config it shares with every other layer: its own head
+    counts (``own``: the rank's, where the unsplit module's forward reads them from the
+    config, as Phi-3's ``self.config.num_attention_heads``), everything else read from and
+    written to the shared config, so a later change to it (the attention implementation) still
+    reaches the module."""
+
+    __slots__ = ("_base", "_own")
+
+    def __init__(self, base: Any, own: dict[str, int]) -> None:
+        if isinstance(base, ConfigView):  # a view of a view: one level, the counts updated
+            own, base = {**base._own, **own}, base._base
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_own", dict(own))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        own = object.__getattribute__(self, "_own")
+        return own[name] if name in own else getattr(object.__getattribute__(self, "_base"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ConfigView.__slots__:  # unpickling
+            object.__setattr__(self, name, value)
+        elif name in self._own:
+            self._own[name] = value
+        else:
+            setattr(self._base, name, value)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ConfigView:
+        import copy
+
+        return ConfigView(copy.deepcopy(self._base, memo), self._own)
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{k}={v}" for k, v in self._own.items())
+        return f"ConfigView({counts}) of {type(self._base).__name__}"
+
+
 # The attributes an attention module counts its heads with, where its implementation keeps
 # them (Hugging Face, fairseq-style and timm-style modules): query heads, key/value heads, and
 # the width of all query heads together (GPT-2 splits its packed projection by it).
@@ -349,24 +531,32 @@ def _qkv_columns(
     nq: int,
     nkv: int,
     hd: int,
-) -> list[tuple[str, int, int]] | None:
-    """The column layout of an attention's input projections ``inputs`` (name, (in, out)),
-    each reading ``hidden`` features: separate query, key and value, or the three packed in
-    one layer (three blocks, as GPT-2's ``c_attn``, or head by head, as GPT-NeoX's
-    ``query_key_value``, told apart by a probe forward: :func:`probe_packing`); None when
-    they are neither."""
+) -> list[tuple[str, tuple[int, ...]]] | None:
+    """The column layout (:attr:`TensorSplit.columns`) of an attention's input projections
+    ``inputs`` (name, (in, out)), each reading ``hidden`` features: separate query, key and
+    value, or the three packed in one layer, as a probe forward of the attention shows it
+    read (:func:`probe_packing`); None when they are neither, or packed under grouped-query
+    attention in a way the probe cannot tell."""
     if not inputs or any(fin != hidden for _, (fin, _) in inputs):
         return None
     outs_of = sorted(fout for _, (_, fout) in inputs)
     width, rep = nq * hd, nq // nkv
-    if outs_of == [(nq + 2 * nkv) * hd] and nq == nkv:
+    if outs_of == [(nq + 2 * nkv) * hd]:
+        # Query, key and value packed in one projection: three blocks (GPT-2's c_attn,
+        # Phi-3's qkv_proj), or head by head (GPT-NeoX's query_key_value) or group by group
+        # (InternLM2's wqkv), told apart by a probe forward of the attention.
         packed = inputs[0][0]
-        if probe_packing(m, packed, hidden, nq, hd) == "heads":
-            return [(packed, 3 * hd, 1)]
-        return [(packed, hd, 3)]
+        read = probe_packing(m, packed, hidden, nq, hd, nkv)
+        if read == "heads" and nq == nkv:
+            return [(packed, (3 * hd,))]
+        if read == "groups" and nq != nkv:
+            return [(packed, ((rep + 2) * hd,))]
+        if read == "blocks" or nq == nkv:  # undecided: the first forward checks
+            return [(packed, (rep * hd, hd, hd))]
+        return None
     if outs_of == sorted([width, nkv * hd, nkv * hd]):
         q = next(n for n, (_, fout) in inputs if fout == width)
-        return [(n, rep * hd if n == q else hd, 1) for n, _ in inputs]
+        return [(n, (rep * hd if n == q else hd,)) for n, _ in inputs]
     return None
 
 
@@ -386,9 +576,9 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
     if nq is None:
         return "it has a head size but no head count"
     nkv = _first_int(sources, _KV_HEADS) or nq
-    # The output projection reads every query head and maps them back: the last registered
-    # layer whose input is the query heads' width (q and o are both hidden -> hidden when the
-    # heads fill the hidden size; modules register the input projections first).
+    # The output projection reads every query head and maps them back: a layer whose input
+    # is the query heads' width (q and o are both hidden -> hidden when the heads fill the
+    # hidden size; modules mostly register the input projections first).
     hd = _first_int(sources, _HEAD_DIM)
     if hd is None:
         hidden = projs[-1][1][1]
@@ -402,9 +592,14 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
     outs = [i for i, (_, (fin, _)) in enumerate(projs) if fin == width]
     if not outs:
         return f"no projection reads its {nq} heads of {hd} ({width} features)"
-    row_name, (_, hidden) = projs[outs[-1]]
-    inputs = [(n, f) for i, (n, f) in enumerate(projs) if i != outs[-1]]
-    columns = _qkv_columns(m, inputs, hidden, nq, nkv, hd)
+    # The output projection: the last registered one that leaves the others a layout of
+    # query, key and value (Phi-3 registers o_proj before qkv_proj).
+    for k in reversed(outs):
+        row_name, (_, hidden) = projs[k]
+        inputs = [(n, f) for i, (n, f) in enumerate(projs) if i != k]
+        columns = _qkv_columns(m, inputs, hidden, nq, nkv, hd)
+        if columns is not None:
+            break
     if columns is None and len({fin for _, (fin, _) in projs}) == 1:
         # Query, key and value alone: the output projection is a sibling's (BERT's and
         # ViT's self.output.dense), found in the parent's forward (:func:`_row_after`).
@@ -434,20 +629,25 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
             )
         shared.append(pn)
     attrs: dict[str, int] = {}
+    own: dict[str, int] = {}
     for names, per_unit in ((_QUERY_HEADS, rep), (_KV_HEADS, 1), (_QUERY_WIDTH, rep * hd)):
         for a in names:
             v = getattr(m, a, None)
             if isinstance(v, int) and not isinstance(v, bool) and v == per_unit * nkv:
                 attrs[a] = per_unit
+            v = getattr(config, a, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v == per_unit * nkv:
+                own[a] = per_unit
     prefix = f"{name}." if name else ""
     return TensorSplit(
         "attention",
         name,
         nkv,
         rep * hd,
-        [(prefix + c, per, parts) for c, per, parts in columns],
+        [(prefix + c, blocks) for c, blocks in columns],
         prefix + row_name if row_name else "",
         attrs,
+        own,
         [prefix + n for n in shared],
         hd,
     )
@@ -577,7 +777,7 @@ def _mha(name: str, m: nn.Module) -> TensorSplit | str | None:
         name,
         m.num_heads,
         m.head_dim,
-        [(name, m.head_dim, 3)],
+        [(name, (m.head_dim,) * 3)],
         prefix + "out_proj",
         head_dim=m.head_dim,
     )
@@ -665,7 +865,7 @@ def _mlp(name: str, m: nn.Module) -> TensorSplit | None:
                 name,
                 f[0],
                 1,
-                [(prefix + c.target, 1, columns[c]) for c in ordered],
+                [(prefix + c.target, (1,) * columns[c]) for c in ordered],
                 prefix + row.target,
             )
     return None
