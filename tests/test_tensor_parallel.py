@@ -54,6 +54,9 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     assert r["phi3_gathers"] == ["lm_head"] and r["phi3_split"] == 2 * 4
     assert r["grouped_gathers"] == ["head"] and r["grouped_split"] == 2 * 2
     assert r["falcon_gqa_gathers"] == [] and r["falcon_gqa_split"] == 2 * 4
+    # BLOOM's alibi (batch x heads rows, computed outside the attention) is cut to each
+    # rank's heads.
+    assert r["bloom_gathers"] == [] and r["bloom_split"] == 2 * 4
     # With empty_blocks the slow rank (speed 0.1) holds none of Llama's 3 key/value groups,
     # GPT-2's 6 heads (q, k and v packed) or the encoder's 6 heads.
     empty = {2: [3, 0], 3: [2, 0, 1]}[p]
@@ -280,6 +283,52 @@ def test_an_attention_that_cannot_run_without_heads_refuses_an_empty_rank():
     # Llama's runs on empty tensors: the same split is fine.
     got = filter_shares(cases.llama(), size=2, speeds=[1.0, 0.1], empty_blocks=True)
     assert got["model.layers.0.self_attn.o_proj"] == [24, 0]
+
+
+def test_inputs_per_head_are_cut_to_the_ranks_heads():
+    from hetcoll.torch.filters.tensor_split import PerHeadInputs, TensorSplit
+
+    # 6 heads of 4 in 3 key/value groups of 2; this rank holds groups 1 and 2: heads 2 to 5.
+    ts = TensorSplit("attention", "attn", 3, 8, [], "attn.o", head_dim=4)
+    cut = PerHeadInputs(ts, 1, 2)
+    x = torch.zeros(2, 5, 24)
+    alibi = torch.arange(2 * 6 * 5.0).reshape(2 * 6, 1, 5)  # batch x heads rows (BLOOM's)
+    bias = torch.randn(2, 6, 5, 5)  # (batch, heads, ...)
+    mask = torch.ones(2, 1, 5, 5)  # not per head: left alone
+    (args, kwargs) = cut.cut(nn.Identity(), (x, alibi), {"bias": bias, "mask": mask})
+    assert args[0] is x and kwargs["mask"] is mask
+    assert torch.equal(args[1], alibi.reshape(2, 6, 1, 5)[:, 2:6].reshape(8, 1, 5))
+    assert torch.equal(kwargs["bias"], bias[:, 2:6])
+    # A learned bias per head would need the other ranks' heads' gradients.
+    with pytest.raises(
+        ValueError,
+        match=r"'attn' is given bias of shape \(2, 6, 5, 5\), .* "
+        "needs its gradient",
+    ):
+        cut.cut(nn.Identity(), (x,), {"bias": bias.requires_grad_()})
+
+
+def test_attentions_of_a_class_one_of_which_stays_whole_stay_whole():
+    # T5: the first attention of each stack holds the relative position bias of every head
+    # (a parameter spanning heads) and hands what it computes to the others of its class.
+    # Its MLPs split: reading their output layer's dtype (T5 casts to it) reads no values.
+    import transformers
+
+    from hetcoll.torch.filters import split_layout
+
+    config = transformers.T5Config(
+        vocab_size=40, d_model=24, d_kv=4, d_ff=40, num_layers=2, num_decoder_layers=2,
+        num_heads=6, decoder_start_token_id=0,
+    )  # fmt: skip
+    layout = split_layout(transformers.T5ForConditionalGeneration(config))
+    assert not [ts for ts in layout.splits if ts.kind == "attention"]
+    assert "relative_attention_bias" in layout.kept["encoder.block.0.layer.0.SelfAttention"]
+    assert layout.kept["encoder.block.1.layer.0.SelfAttention"].startswith(
+        "'encoder.block.0.layer.0.SelfAttention', of its class T5Attention, stays whole"
+    )
+    mlp = {n: m for n, m in layout.modes.items() if "DenseReluDense" in n}
+    assert mlp["encoder.block.1.layer.1.DenseReluDense.wi"] == "split-output"
+    assert mlp["encoder.block.1.layer.1.DenseReluDense.wo"] == "split-input"
 
 
 def test_a_config_view_keeps_its_own_counts_and_shares_the_rest():

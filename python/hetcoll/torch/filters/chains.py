@@ -184,6 +184,7 @@ def _traced_chains(module: nn.Module, prefix: str) -> Traced | str:
             and (owner := str(node.target).rpartition(".")[0]) in named
             and splittable(named[owner])
             and _traced_in(node) != owner  # not its own forward, traced through (a Conv1D)
+            and not _metadata_only(node)
         }
     )
     seen: set[Any] = set()
@@ -199,6 +200,19 @@ def _traced_chains(module: nn.Module, prefix: str) -> Traced | str:
         if chain:
             chains.append(chain)
     return Traced(chains, reads)
+
+
+def _metadata_only(node: Any) -> bool:
+    """Whether a ``get_attr`` node's tensor is used for nothing but its metadata (T5's
+    ``self.wo.weight.dtype``), or not at all: no read of its values."""
+    import builtins
+
+    return all(
+        u.op == "call_function"
+        and u.target is builtins.getattr
+        and u.args[1] in ("dtype", "shape", "device", "is_cuda")
+        for u in node.users
+    )
 
 
 def _traced_in(node: Any) -> str | None:

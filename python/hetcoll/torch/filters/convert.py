@@ -49,6 +49,7 @@ from hetcoll.torch.filters.pairing import SplitLayout, split_layout
 from hetcoll.torch.filters.tensor_split import (
     ConfigView,
     EmptyHeads,
+    EmptyRankCheck,
     PackedLayoutGuard,
     PerHeadInputs,
     TensorSplit,
@@ -596,6 +597,9 @@ def filter_parallel(
             )
             _replace(model, ts.module, mha)
             continue
+        empty_check = None
+        if ts.kind == "attention" and 0 in counts:  # a copy of it, before its split
+            empty_check = EmptyRankCheck(ts, named[ts.module], counts.index(0))
         copy = SharedCopy(comm, timeout, sole_holder(counts))
         for name, blocks in ts.columns:
             _replace(
@@ -633,7 +637,9 @@ def filter_parallel(
         for pn in ts.shared:
             model.get_parameter(pn).register_hook(SumGradient(comm, timeout))
         if ts.kind == "attention":
-            PerHeadInputs(ts).install(module)
+            PerHeadInputs(ts, sum(counts[: comm.rank]), counts[comm.rank]).install(module)
+        if empty_check is not None:
+            empty_check.install(module)
         if ts.kind == "attention" and ts.packed() > 1:
             PackedLayoutGuard(ts, counts[comm.rank]).install(
                 module, model.get_submodule(ts.columns[0][0])

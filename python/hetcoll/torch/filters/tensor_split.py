@@ -294,12 +294,15 @@ class _Count(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _probe_run(attention: nn.Module, ts: TensorSplit, empty: bool) -> tuple[bool, int, str]:
-    """One probe forward of (a copy of) ``attention``: its first input one token of zeros,
-    ``None`` for every other input it requires, no gradient, stopped when its output
-    projection is called or its forward returns; with ``empty``, as on a rank holding none of
-    its heads (its columns' outputs emptied, its head counts 0, under :class:`EmptyHeads`).
-    Returns whether it got there, how many torch ops it ran, and the exception if not."""
+def _probe_run(
+    attention: nn.Module, ts: TensorSplit, empty: bool, inputs: tuple[Any, Any] | None = None
+) -> tuple[bool, int, str]:
+    """One probe forward of (a copy of) ``attention``: on ``inputs`` (args, kwargs), or its
+    first input one token of zeros and ``None`` for every other input it requires; no
+    gradient, stopped when its output projection is called or its forward returns; with
+    ``empty``, as on a rank holding none of its heads (its columns' outputs emptied, its head
+    counts 0, inputs per head cut to none, under :class:`EmptyHeads`). Returns whether it got
+    there, how many torch ops it ran, and the exception if not."""
     import inspect
 
     prefix = f"{ts.module}." if ts.module else ""
@@ -327,7 +330,11 @@ def _probe_run(attention: nn.Module, ts: TensorSplit, empty: bool) -> tuple[bool
         if ts.config:
             view: Any = ConfigView(attention.config, dict.fromkeys(ts.config, 0))
             attention.config = view
-    x = torch.zeros(1, 1, hidden[0], device=weight.device, dtype=weight.dtype)
+    if inputs is None:
+        x = torch.zeros(1, 1, hidden[0], device=weight.device, dtype=weight.dtype)
+        inputs = ((x, *rest), {})
+    elif empty:
+        inputs = PerHeadInputs(ts, 0, 0).cut(attention, *inputs) or inputs
     count = _Count()
     modes = [count, EmptyHeads(ts.packed())] if empty else [count]
     try:
@@ -335,7 +342,7 @@ def _probe_run(attention: nn.Module, ts: TensorSplit, empty: bool) -> tuple[bool
             for mode in modes:
                 mode.__enter__()
             try:
-                attention.forward(x, *rest)
+                attention.forward(*inputs[0], **inputs[1])
             finally:
                 for mode in reversed(modes):
                     mode.__exit__(None, None, None)
@@ -357,20 +364,64 @@ def _emptied(module: nn.Module, args: Any, output: Any) -> Any:
     return output.narrow(-1, 0, 0) if isinstance(output, torch.Tensor) else output
 
 
-def runs_without_heads(attention: nn.Module, ts: TensorSplit) -> str | None:
+def runs_without_heads(
+    attention: nn.Module, ts: TensorSplit, inputs: tuple[Any, Any] | None = None
+) -> str | None:
     """Why ``attention`` (split as ``ts``) cannot run its forward on a rank holding none of
     its heads, or None. Two probe forwards of copies of it (:func:`_probe_run`), one as the
     unsplit module, one as such a rank's, each on one token of zeros with ``None`` for its
-    other required inputs: the heads' absence is to blame where the second fails before the
-    first gets as far (Falcon's ``num_heads // num_kv_heads`` divides by zero). Where both
-    fail alike (an input the probe lacks), it cannot tell: None."""
+    other required inputs (or ``inputs``, its args and kwargs): the heads' absence is to blame
+    where the second fails before the first gets as far (Falcon's ``num_heads //
+    num_kv_heads`` divides by zero). Where both fail alike (an input the probe lacks), it
+    cannot tell: None."""
     import copy
 
-    whole = _probe_run(copy.deepcopy(attention), ts, empty=False)
-    none = _probe_run(copy.deepcopy(attention), ts, empty=True)
+    whole = _probe_run(copy.deepcopy(attention), ts, empty=False, inputs=inputs)
+    none = _probe_run(copy.deepcopy(attention), ts, empty=True, inputs=inputs)
     if none[0] or (not whole[0] and whole[1] <= none[1]):
         return None
     return none[2]
+
+
+class EmptyRankCheck:
+    """At an attention's first forward, where a rank holds none of its heads: whether its
+    forward runs so (:func:`runs_without_heads`), on the forward's own inputs this time, where
+    the probe at the split could not tell (BLOOM's, given no ``alibi``). Every rank checks,
+    alike (their inputs to a split attention are the same), on a copy of the unsplit module
+    on the meta device, before the block runs: a forward failing on that rank alone would
+    leave the others waiting in the block's reduction; here all raise ``ValueError``."""
+
+    def __init__(self, ts: TensorSplit, attention: nn.Module, rank: int) -> None:
+        import copy
+
+        self.ts, self.rank = ts, rank
+        # Before the split replaces its layers.
+        self.meta: nn.Module | None = copy.deepcopy(attention).to("meta")
+        self.handle: Any = None
+
+    def install(self, attention: nn.Module) -> None:
+        self.handle = attention.register_forward_pre_hook(
+            self.check, with_kwargs=True, prepend=True
+        )
+
+    def check(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        from torch.utils import _pytree as pytree
+
+        self.handle.remove()
+
+        def meta(v: Any) -> Any:
+            return torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
+
+        inputs = pytree.tree_map(meta, (tuple(args), dict(kwargs)))
+        unsplit, self.meta = self.meta, None
+        why = None if unsplit is None else runs_without_heads(unsplit, self.ts, inputs)
+        if why is not None:
+            raise ValueError(
+                f"filter_parallel: attention {self.ts.module!r} cannot run on a rank holding "
+                f"none of its heads, as rank {self.rank} does ({why}); give every rank at least "
+                "one key/value group (empty_blocks=False, or shares), or leave its layers out "
+                "(layers=...)"
+            )
 
 
 class PackedLayoutGuard(_Watch):
@@ -426,45 +477,57 @@ class PackedLayoutGuard(_Watch):
 
 
 class PerHeadInputs:
-    """Checks, before an attention's first forward after its split by heads, that no input
-    counts every head of the unsplit attention: a tensor of ``batch x heads`` rows (BLOOM's
-    ``alibi``) or of ``(batch, heads, ...)`` 4-D (a relative position bias, as T5's, or a
-    cache of keys) holds the other ranks' heads too, which the rank's heads cannot use. It
-    raises ``ValueError`` naming the attention and the input, on every rank alike (the ranks
-    agree on the model's input shapes first), before any reduction of the block; after one
-    forward that passes, it removes itself."""
+    """An attention's inputs that count every head of the unsplit attention, cut to the rank's
+    heads before each forward: a tensor of ``batch x heads`` rows (BLOOM's ``alibi``, 3-D) or
+    a 4-D one of ``(batch, heads, ...)`` (a bias per head). One that needs a gradient (a
+    learned bias, as T5's relative position bias) would need its other heads' gradients from
+    the other ranks: it raises ``ValueError`` naming the attention and the input, on every
+    rank alike (the ranks agree on the model's input shapes first), before any reduction of
+    the block."""
 
-    def __init__(self, ts: TensorSplit) -> None:
+    def __init__(self, ts: TensorSplit, first: int, count: int) -> None:
         self.ts = ts
         self.heads = ts.heads()
-        self.handle: Any = None
+        per_unit = ts.width // ts.head_dim if ts.head_dim else 1
+        self.lo, self.hi = first * per_unit, (first + count) * per_unit  # the rank's heads
 
     def install(self, attention: nn.Module) -> None:
-        self.handle = attention.register_forward_pre_hook(self.check, with_kwargs=True)
+        attention.register_forward_pre_hook(self.cut, with_kwargs=True)
 
-    def check(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        from torch.utils import _pytree as pytree
-
+    def _cut_one(self, t: torch.Tensor, batch: int, what: str) -> torch.Tensor | None:
         h = self.heads
-        first = next((a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)), None)
-        named = [(f"argument {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
-        if h > 1 and first is not None and first.dim() >= 1:
-            batch = first.shape[0]
-            for what, value in named:
-                for t in pytree.tree_leaves(value):
-                    if t is first or not isinstance(t, torch.Tensor):
-                        continue
-                    if (t.dim() >= 2 and t.shape[0] == batch * h) or (
-                        t.dim() == 4 and t.shape[1] == h
-                    ):
-                        raise ValueError(
-                            f"filter_parallel: attention {self.ts.module!r} is given "
-                            f"{what} of shape {tuple(t.shape)}, which counts all {h} of its "
-                            "heads (a bias or cache per head, as BLOOM's alibi), where each "
-                            "rank holds only its own heads after the split; leave its layers "
-                            "out of the split (layers=...)"
-                        )
-        self.handle.remove()
+        rows = t.dim() == 3 and t.shape[0] == batch * h
+        if not rows and not (t.dim() == 4 and t.shape[1] == h):
+            return None
+        if t.requires_grad:
+            raise ValueError(
+                f"filter_parallel: attention {self.ts.module!r} is given {what} of shape "
+                f"{tuple(t.shape)}, which counts all {h} of its heads and needs its gradient "
+                "(a learned bias per head), where each rank holds only its own heads after "
+                "the split; leave its layers out of the split (layers=...)"
+            )
+        if rows:
+            per_head = t.reshape(batch, h, *t.shape[1:])[:, self.lo : self.hi]
+            return per_head.reshape(batch * (self.hi - self.lo), *t.shape[1:])
+        return t[:, self.lo : self.hi]
+
+    def cut(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is None:
+            first = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+        if self.heads < 2 or first is None or first.dim() < 1:
+            return None
+        batch = first.shape[0]
+
+        def cut(value: Any, what: str) -> Any:
+            if isinstance(value, torch.Tensor) and value is not first:
+                got = self._cut_one(value, batch, what)
+                return value if got is None else got
+            return value
+
+        new_args = tuple(cut(a, f"argument {i}") for i, a in enumerate(args))
+        new_kwargs = {k: cut(v, k) for k, v in kwargs.items()}
+        return new_args, new_kwargs
 
 
 class ConfigView:
@@ -702,6 +765,41 @@ def _required(m: nn.Module) -> int:
 _OPAQUE = 6
 
 
+def _dtype_test(node: Any, root: nn.Module, dtype: torch.dtype | None) -> bool | None:
+    """The value of ``node`` where it compares dtypes (``==`` / ``!=`` of a tensor's ``.dtype``
+    and a dtype, or another's): a parameter or buffer's own dtype, any other tensor's taken to
+    be ``dtype`` (the block's parameters'); None for any other test, or without ``dtype``."""
+    import builtins
+
+    if dtype is None or node.op != "call_function" or node.target not in (operator.eq, operator.ne):
+        return None
+
+    def dtype_of(a: Any) -> torch.dtype | None:
+        if isinstance(a, torch.dtype):
+            return a
+        if not (_is_node(a) and a.op == "call_function" and a.target is builtins.getattr):
+            return None
+        if a.args[1] != "dtype":
+            return None
+        t = a.args[0]
+        if _is_node(t) and t.op == "get_attr":
+            held = _attribute(root, str(t.target))
+            return held.dtype if isinstance(held, torch.Tensor) else None
+        return dtype
+
+    sides = [dtype_of(a) for a in node.args[:2]]
+    if len(sides) != 2 or None in sides:
+        return None
+    return (sides[0] == sides[1]) == (node.target is operator.eq)
+
+
+def _attribute(root: nn.Module, path: str) -> Any:
+    obj: Any = root
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
 def block_graph(m: nn.Module, whole: Any = None) -> tuple[Any, dict[str, nn.Module]] | None:
     """``m``'s forward as a torch.fx graph, its linear layers (and any module ``whole``
     accepts) kept as calls, with its modules by the names its graph calls them: the
@@ -738,6 +836,14 @@ def block_graph(m: nn.Module, whole: Any = None) -> tuple[Any, dict[str, nn.Modu
                         self.failed = ""
                 raise
 
+        def to_bool(self, obj: Any) -> bool:
+            # A test of a tensor's dtype (Hugging Face's `if hidden_states.dtype ==
+            # torch.float16` clamps, T5's cast to its weight's dtype) is decided as the block
+            # runs in its parameters' dtype; any other test of a traced value still fails.
+            decided = _dtype_test(obj.node, self.root, dtype)
+            return super().to_bool(obj) if decided is None else decided
+
+    dtype = next((p.dtype for p in m.parameters() if p.is_floating_point()), None)
     roots: list[tuple[nn.Module, str]]
     if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
         roots = [(_Method(m, "_ff_block"), "owner.")]  # its forward has fast paths
@@ -954,6 +1060,7 @@ def plan_tensor_splits(
     splits: list[TensorSplit] = []
     kept: dict[str, str] = {}
     claimed: set[str] = set()
+    by_layout: list[str] = []  # kept whole for their layout (not for the layers chosen)
     for name, m in model.named_modules():
         if name in claimed or any(name.startswith(c + ".") for c in claimed):
             continue
@@ -966,6 +1073,7 @@ def plan_tensor_splits(
             found = _mlp(name, m)
         if isinstance(found, str):
             kept[name or type(model).__name__] = found
+            by_layout.append(name)
             continue
         if found is None:
             continue
@@ -976,4 +1084,19 @@ def plan_tensor_splits(
             continue
         splits.append(found)
         claimed.update(found.layers())
+    # Attentions of one class run one code: where one stays whole for its layout (T5's first,
+    # holding the relative position bias of every head), the others of its class are handed
+    # what it computes for every head, so they stay whole too.
+    named = dict(model.named_modules())
+    whole: dict[type, str] = {}
+    for n in by_layout:
+        whole.setdefault(type(named[n]), n)
+    for ts in [ts for ts in splits if ts.kind == "attention"]:
+        first = whole.get(type(named[ts.module]))
+        if first is not None:
+            splits.remove(ts)
+            kept[ts.module] = (
+                f"{first!r}, of its class {type(named[first]).__name__}, stays whole, and may "
+                "hand it inputs for every head"
+            )
     return splits, kept
