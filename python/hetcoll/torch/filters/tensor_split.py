@@ -364,6 +364,19 @@ def _emptied(module: nn.Module, args: Any, output: Any) -> Any:
     return output.narrow(-1, 0, 0) if isinstance(output, torch.Tensor) else output
 
 
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` with its parameters and buffers on the meta device, made without
+    copying their data (a probe of a large layer costs no memory)."""
+    import copy
+
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)
+
+
 def runs_without_heads(
     attention: nn.Module, ts: TensorSplit, inputs: tuple[Any, Any] | None = None
 ) -> str | None:
@@ -373,11 +386,9 @@ def runs_without_heads(
     other required inputs (or ``inputs``, its args and kwargs): the heads' absence is to blame
     where the second fails before the first gets as far (Falcon's ``num_heads //
     num_kv_heads`` divides by zero). Where both fail alike (an input the probe lacks), it
-    cannot tell: None."""
-    import copy
-
-    whole = _probe_run(copy.deepcopy(attention), ts, empty=False, inputs=inputs)
-    none = _probe_run(copy.deepcopy(attention), ts, empty=True, inputs=inputs)
+    cannot tell: None. Both run on copies on the meta device (:func:`meta_copy`)."""
+    whole = _probe_run(meta_copy(attention), ts, empty=False, inputs=inputs)
+    none = _probe_run(meta_copy(attention), ts, empty=True, inputs=inputs)
     if none[0] or (not whole[0] and whole[1] <= none[1]):
         return None
     return none[2]
@@ -392,11 +403,9 @@ class EmptyRankCheck:
     leave the others waiting in the block's reduction; here all raise ``ValueError``."""
 
     def __init__(self, ts: TensorSplit, attention: nn.Module, rank: int) -> None:
-        import copy
-
         self.ts, self.rank = ts, rank
         # Before the split replaces its layers.
-        self.meta: nn.Module | None = copy.deepcopy(attention).to("meta")
+        self.meta: nn.Module | None = meta_copy(attention)
         self.handle: Any = None
 
     def install(self, attention: nn.Module) -> None:
