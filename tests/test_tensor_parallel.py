@@ -271,18 +271,29 @@ def test_query_key_value_packed_under_grouped_query_attention():
     assert grouped.columns == [("blocks.0.wqkv", (16,))] and grouped.units == 3
 
 
-def test_an_attention_that_cannot_run_without_heads_refuses_an_empty_rank():
+def test_an_attention_that_cannot_run_without_heads_gives_every_rank_a_group():
     # Falcon's grouped layout divides by the rank's key/value head count: a rank holding none
-    # would raise there alone while the others wait in the reduction. The split says so first.
+    # would raise there alone while the others wait in the reduction. With empty_blocks the
+    # split still gives every rank one of its 3 groups (of 2 query heads of 4: 8 features)...
+    got = filter_shares(cases.falcon_gqa(), size=2, speeds=[1.0, 0.1], empty_blocks=True)
+    assert got["transformer.h.0.self_attention.dense"] == [16, 8]
+    # ... and says why where it cannot.
     with pytest.raises(
         ValueError,
-        match=r"'transformer.h.0.self_attention' cannot run on a "
-        r"rank holding none of its heads, as rank 1 would \(ZeroDivisionError",
+        match=r"too few for 4 ranks .*\(attention "
+        r"'transformer.h.0.self_attention' cannot run on a rank holding none of "
+        r"its heads: ZeroDivisionError",
     ):
-        filter_shares(cases.falcon_gqa(), size=2, speeds=[1.0, 0.1], empty_blocks=True)
-    # Llama's runs on empty tensors: the same split is fine.
+        filter_shares(cases.falcon_gqa(), size=4, speeds=[1.0, 0.1, 0.1, 0.1], empty_blocks=True)
+    # Llama's runs on empty tensors: a rank may hold none.
     got = filter_shares(cases.llama(), size=2, speeds=[1.0, 0.1], empty_blocks=True)
     assert got["model.layers.0.self_attn.o_proj"] == [24, 0]
+    # The performance model and planner split them alike.
+    from hetcoll.model import layer_costs
+
+    blocks = layer_costs(cases.falcon_gqa(), (7,), dtype=torch.int64).split_blocks
+    assert [(b.kind, b.empty) for b in blocks[:2]] == [("attention", False), ("mlp", True)]
+    assert blocks[0].shares([1.0, 0.1], empty=True) == [2, 1]
 
 
 def test_inputs_per_head_are_cut_to_the_ranks_heads():

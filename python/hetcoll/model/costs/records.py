@@ -130,7 +130,8 @@ class SplitBlock:
     over the ranks once forward, its input's gradient once backward. ``shared``: the elements
     of each parameter every rank holds whole and applies to its own heads (a per-head norm's
     weight, as Qwen3's ``q_norm``), whose gradient is summed over the ranks once per backward
-    too."""
+    too. ``empty``: whether a rank may hold none of its units (False for an attention whose
+    forward cannot run without heads, as Falcon-40B's: every rank holds at least one)."""
 
     module: str
     kind: str
@@ -139,10 +140,12 @@ class SplitBlock:
     layers: tuple[str, ...]
     per_unit: tuple[int, ...]
     shared: tuple[int, ...] = ()
+    empty: bool = True
 
     def shares(self, speeds: Sequence[float], *, empty: bool = False) -> list[int]:
         """The units per rank at ``speeds``, as the runtime splits them (:func:`hetcoll.split`
-        over the features in whole units, at least one each unless ``empty``).
+        over the features in whole units, at least one each unless ``empty`` and the block
+        lets a rank hold none).
 
         >>> SplitBlock("mlp", "mlp", 176, 1, ("up", "down"), (1, 1)).shares([1.0, 0.25])
         [141, 35]
@@ -151,7 +154,7 @@ class SplitBlock:
             self.units * self.width,
             [float(s) for s in speeds],
             multiple_of=self.width,
-            minimum=0 if empty else self.width,
+            minimum=0 if empty and self.empty else self.width,
         )
         return [f // self.width for f in features]
 

@@ -358,18 +358,19 @@ def time_balanced_shares(
     for k, b in enumerate(blocks):
         rows = [i for i, kk in span.items() if kk == k]
         per_feature = seconds[rows].sum(axis=0) / (b.units * b.width)
+        empty = empty_blocks and b.empty
         if not (per_feature > 0).all():
-            units = b.shares(parts, empty=empty_blocks)
+            units = b.shares(parts, empty=empty)
         else:
             features = hetcoll.split(
                 b.units * b.width,
                 [float(1.0 / t) for t in per_feature],
                 multiple_of=b.width,
-                minimum=0 if empty_blocks else b.width,
+                minimum=0 if empty else b.width,
                 latency=[float(x) for x in latency],
             )
             units = [f // b.width for f in features]
-            if empty_blocks and sum(1 for u in units if u > 0) > 1:
+            if empty and sum(1 for u in units if u > 0) > 1:
                 # The whole block on the device that finishes it first, broadcast, against
                 # the split and its allreduce: the better of the two.
                 total = latency + per_feature * b.units * b.width

@@ -98,11 +98,16 @@ def block_units(
     given = None if layer_shares is None else block.units_of(layer_shares)
     if given is not None:
         return given
+    empty = empty and block.empty
     if block.units < len(speeds) and not empty:
         raise ValueError(
             f"parts: {block.kind} {block.module!r} has {block.units} units (heads, key/value "
             f"groups or hidden units), too few for {len(speeds)} devices with at least one "
-            "each (empty_blocks=True lets a device hold none)"
+            + (
+                "each (empty_blocks=True lets a device hold none)"
+                if block.empty
+                else "each (its forward cannot run on a device holding none of its heads)"
+            )
         )
     return block.shares(speeds, empty=empty)
 

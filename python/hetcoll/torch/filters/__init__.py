@@ -91,7 +91,12 @@ from hetcoll.torch.filters.state import (
     load_full_state_dict,
     split_tensors,
 )
-from hetcoll.torch.filters.tensor_split import ConfigView, TensorSplit, plan_tensor_splits
+from hetcoll.torch.filters.tensor_split import (
+    ConfigView,
+    TensorSplit,
+    plan_tensor_splits,
+    runs_without_heads,
+)
 
 __all__ = [
     "ELEMENTWISE_MODULES",
@@ -123,6 +128,7 @@ __all__ = [
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "plan_tensor_splits",
+    "runs_without_heads",
     "split_layout",
     "split_tensors",
     "split_traffic",

@@ -282,35 +282,38 @@ def _shares(
             raise ValueError("sample: balances a split by speeds; give speeds=, not shares")
         others = [n for n in chosen if n not in in_splits]
         latencies = replicated_latencies(splits, timed(splits, others), shares_or_speeds)
-    units = [
-        (
-            ts,
-            _split_units(
+    # A rank holding none of an attention's heads runs its forward on empty tensors. One whose
+    # forward cannot (a probe shows it failing for the heads' absence) would fail there alone
+    # while the others wait in the block's reduction: with empty_blocks it still gives every
+    # rank at least one key/value group. Every rank probes alike.
+    no_empty: dict[str, str] = {}
+    for ts in splits if empty_blocks else []:
+        why = None
+        if ts.kind == "attention":
+            why = runs_without_heads(model.get_submodule(ts.module), ts)
+        if why is not None:
+            no_empty[ts.module] = why
+
+    def units_of(ts: TensorSplit, latency: list[float] | None) -> list[int]:
+        try:
+            return _split_units(
                 ts,
                 shares_or_speeds if per_layer is None else _row_shares(ts, per_layer),
                 argument if per_layer is None else f"{argument}[{ts.row!r}]",
                 size,
                 int(multiple_of),
-                empty_blocks,
+                empty_blocks and ts.module not in no_empty,
                 latency,
-            ),
-        )
-        for ts, latency in zip(splits, latencies, strict=True)
-    ]
-    for ts, counts in units:
-        # A rank holding none of an attention's heads runs its forward on empty tensors; one
-        # that cannot would fail there alone while the others wait in the block's reduction.
-        # Every rank checks every such attention alike, so all raise.
-        why = None
-        if ts.kind == "attention" and 0 in counts:
-            why = runs_without_heads(model.get_submodule(ts.module), ts)
-        if why is not None:
-            raise ValueError(
-                f"{argument}: attention {ts.module!r} cannot run on a rank holding none of its "
-                f"heads, as rank {counts.index(0)} would ({why}); give every rank at least one "
-                "key/value group (empty_blocks=False, or shares), or leave its layers out "
-                "(layers=...)"
             )
+        except ValueError as e:
+            if ts.module not in no_empty:
+                raise
+            raise ValueError(
+                f"{e} ({ts.kind} {ts.module!r} cannot run on a rank holding none of its heads: "
+                f"{no_empty[ts.module]})"
+            ) from None
+
+    units = [(ts, units_of(ts, latency)) for ts, latency in zip(splits, latencies, strict=True)]
     shares: dict[str, list[int]] = {}
     for ts, counts in units:
         for name, per_unit in zip(ts.layers(), ts.features_per_unit(), strict=True):
