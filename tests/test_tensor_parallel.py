@@ -296,6 +296,34 @@ def test_an_attention_that_cannot_run_without_heads_gives_every_rank_a_group():
     assert blocks[0].shares([1.0, 0.1], empty=True) == [2, 1]
 
 
+@given(
+    b=st.integers(1, 4),
+    h=st.integers(1, 4),
+    n=st.integers(1, 6),
+    d=st.integers(1, 5),
+    pattern=st.integers(0, 3),
+)
+def test_an_empty_reshape_infers_what_it_would_with_heads(b, h, n, d, pattern):
+    from hetcoll.torch.filters.tensor_split import fill_empty_reshape
+
+    # How attentions reshape around their heads; with the rank's heads 0, -1 is as with h.
+    def case(heads: int) -> tuple[list[int], list[int]]:
+        return [
+            ([b, heads, n, d], [b * heads, -1, d]),  # BLOOM's queries
+            ([b * heads, n, n], [b, heads, n, -1]),  # BLOOM's scores
+            ([b, n, heads * d], [b, -1, heads, d]),  # OPT's projections
+            ([b, n, heads, d], [b, n, -1]),  # merging the heads back
+        ][pattern]
+
+    shape, target = case(h)
+    want = torch.empty(shape).reshape(target).shape
+    empty_shape, empty_target = case(0)
+    got = fill_empty_reshape(empty_shape, empty_target)
+    i = target.index(-1)
+    assert got[i] == (0 if pattern == 3 else want[i]), (got, list(want))
+    assert torch.empty(empty_shape).reshape(got).numel() == 0
+
+
 def test_inputs_per_head_are_cut_to_the_ranks_heads():
     from hetcoll.torch.filters.tensor_split import PerHeadInputs, TensorSplit
 

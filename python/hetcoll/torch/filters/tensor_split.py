@@ -5,6 +5,7 @@ graphs only, so a model on the meta device works."""
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -74,15 +75,66 @@ class TensorSplit:
         return max(len(blocks) for _, blocks in self.columns)
 
 
+def _aligned(dims: Sequence[int], wants: Sequence[int]) -> int | None:
+    """How many of ``dims`` (a tensor's sizes, from one end) the sizes ``wants`` of a reshape
+    cover, from the same end; None where they do not line up. An empty dimension (heads, 0)
+    meets a 0 (heads, or batch x heads) among ``wants``, the sizes before that 0 being part of
+    it (``(batch, 0)`` of a ``batch x heads`` dimension); a 0 among ``wants`` covers the sizes
+    up to the empty dimension (``batch x heads`` of ``(batch, 0, ...)``)."""
+    j = 0
+    for d in wants:
+        if j < len(dims) and dims[j] == 0:
+            j += d == 0  # a 0 meets the empty dimension; any other size is a part of it
+            continue
+        if d == 0:
+            while j < len(dims) and dims[j] != 0:
+                j += 1
+            if j == len(dims):
+                return None
+            j += 1
+            continue
+        product = 1
+        while product < d and j < len(dims) and dims[j] != 0:
+            product *= dims[j]
+            j += 1
+        if product != d:
+            return None
+    return j
+
+
+def fill_empty_reshape(shape: Sequence[int], target: Sequence[int]) -> list[int]:
+    """``target`` (one ``-1``) for a reshape of an empty tensor of ``shape`` whose emptiness is
+    a rank's heads (0): ``-1`` takes the sizes the other target sizes leave, lined up from both
+    ends (:func:`_aligned`), so it is what it would be with heads; where they do not line up,
+    the size the tensor has in its position; 0 where nothing else in the target is.
+
+    >>> fill_empty_reshape([0, 5, 4], [2, 0, 5, -1])  # BLOOM's scores: (batch x heads, q, k)
+    [2, 0, 5, 4]
+    >>> fill_empty_reshape([2, 0, 5, 4], [0, -1, 4])  # its queries: (batch, heads, q, head)
+    [0, 5, 4]
+    """
+    i = list(target).index(-1)
+    left = _aligned(shape, target[:i])
+    right = _aligned(list(shape)[::-1], list(target[i + 1 :])[::-1])
+    if left is not None and right is not None and left + right <= len(shape):
+        size = math.prod(shape[left : len(shape) - right])
+    else:
+        size = shape[i] if i < len(shape) else 0
+    resolved = [size if d == -1 else d for d in target]
+    if 0 not in resolved:
+        resolved[i] = 0
+    return resolved
+
+
 class EmptyHeads(TorchFunctionMode):
     """The forward of an attention on a rank that holds none of its heads: it runs on empty
     tensors, where two kinds of op need help that torch cannot give an empty dimension.
     - A projection packing query, key and value (GPT-2's ``c_attn``, ``parts`` 3) is split by
       its heads' width, now 0, into ``parts`` pieces, where torch gives one piece of an empty
       dimension: here it gives ``parts`` empty pieces.
-    - A reshape with ``-1`` (OPT's ``view(batch, -1, heads, head_dim)``) is ambiguous on an
-      empty tensor: here ``-1`` takes the size the tensor has in that position (the sequence,
-      or 0 where the heads were), else 0.
+    - A reshape with ``-1`` (OPT's ``view(batch, -1, heads, head_dim)``, BLOOM's
+      ``reshape(batch * heads, -1, head_dim)``) is ambiguous on an empty tensor: here ``-1``
+      takes the size it has where the heads are not 0 (:func:`fill_empty_reshape`).
     Every other op runs as torch runs it. Entered by a forward pre-hook of the attention
     module, left by its forward hook."""
 
@@ -101,12 +153,7 @@ class EmptyHeads(TorchFunctionMode):
             t = args[0]
             shape = target_shape(args[1:], kwargs)
             if t.numel() == 0 and shape is not None and shape.count(-1) == 1:
-                i = shape.index(-1)
-                size = t.shape[i] if i < t.dim() else 0
-                resolved = [size if d == -1 else d for d in shape]
-                if 0 not in resolved:
-                    resolved[i] = 0
-                return func(t, resolved)
+                return func(t, fill_empty_reshape(list(t.shape), shape))
         return func(*args, **kwargs)
 
     def enter(self, module: nn.Module, args: Any) -> None:
