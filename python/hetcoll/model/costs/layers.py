@@ -70,7 +70,7 @@ def layer_costs(
     >>> c.forward_flops(batch=1), c.plan_layers
     (25600.0, ('0', '1'))
     """
-    from hetcoll.torch.filters import linear_features, runs_without_heads, split_layout
+    from hetcoll.torch.filters import linear_features, split_layout
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -178,8 +178,7 @@ def layer_costs(
             tuple(ts.layers()),
             tuple(ts.features_per_unit()),
             tuple(model.get_parameter(n).numel() for n in ts.shared),
-            ts.kind != "attention"
-            or runs_without_heads(model.get_submodule(ts.module), ts) is None,
+            not ts.empty_fails,
         )
         for ts in layout.splits
     )

@@ -91,12 +91,7 @@ from hetcoll.torch.filters.state import (
     load_full_state_dict,
     split_tensors,
 )
-from hetcoll.torch.filters.tensor_split import (
-    ConfigView,
-    TensorSplit,
-    plan_tensor_splits,
-    runs_without_heads,
-)
+from hetcoll.torch.filters.tensor_split import ConfigView, TensorSplit, plan_tensor_splits
 
 __all__ = [
     "ELEMENTWISE_MODULES",
@@ -128,7 +123,6 @@ __all__ = [
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "plan_tensor_splits",
-    "runs_without_heads",
     "split_layout",
     "split_tensors",
     "split_traffic",

@@ -47,13 +47,11 @@ from hetcoll.torch.filters.layers import (
 )
 from hetcoll.torch.filters.pairing import SplitLayout, split_layout
 from hetcoll.torch.filters.tensor_split import (
-    ConfigView,
     EmptyHeads,
     EmptyRankCheck,
     PackedLayoutGuard,
     PerHeadInputs,
     TensorSplit,
-    runs_without_heads,
 )
 from hetcoll.torch.filters.timing import replicated_latencies, sample_seconds
 from hetcoll.torch.transport import CountingCommunicator
@@ -283,16 +281,10 @@ def _shares(
         others = [n for n in chosen if n not in in_splits]
         latencies = replicated_latencies(splits, timed(splits, others), shares_or_speeds)
     # A rank holding none of an attention's heads runs its forward on empty tensors. One whose
-    # forward cannot (a probe shows it failing for the heads' absence) would fail there alone
-    # while the others wait in the block's reduction: with empty_blocks it still gives every
-    # rank at least one key/value group. Every rank probes alike.
-    no_empty: dict[str, str] = {}
-    for ts in splits if empty_blocks else []:
-        why = None
-        if ts.kind == "attention":
-            why = runs_without_heads(model.get_submodule(ts.module), ts)
-        if why is not None:
-            no_empty[ts.module] = why
+    # forward cannot (TensorSplit.empty_fails) would fail there alone while the others wait in
+    # the block's reduction: with empty_blocks it still gives every rank at least one
+    # key/value group.
+    no_empty = {ts.module: ts.empty_fails for ts in splits if ts.empty_fails}
 
     def units_of(ts: TensorSplit, latency: list[float] | None) -> list[int]:
         try:
@@ -632,11 +624,7 @@ def filter_parallel(
             ),
         )
         module = named[ts.module]
-        for attr, per in ts.attrs.items():  # the rank's module runs with its own head counts
-            setattr(module, attr, per * counts[comm.rank])
-        if ts.config:  # read from its config too (Phi-3's): a view of its own
-            own = {a: per * counts[comm.rank] for a, per in ts.config.items()}
-            module.config = ConfigView(module.config, own)
+        ts.hold(module, counts[comm.rank])  # the rank's module runs with its own head counts
         for pn in ts.shared:
             model.get_parameter(pn).register_hook(SumGradient(comm, timeout))
         if ts.kind == "attention":

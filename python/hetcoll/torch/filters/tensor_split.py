@@ -41,7 +41,9 @@ class TensorSplit:
     ``attrs``: the module's attributes that count heads (or their features), by their value per
     unit: a rank's module runs with its own counts; ``config``: the same for the head counts
     of its ``config``, which the rank's module sees in a view of its own (:class:`ConfigView`:
-    the config itself is shared by every layer). ``shared``: the module's other parameters
+    the config itself is shared by every layer); ``empty_fails``: why its forward cannot run
+    on a rank holding none of its units ("" where it can, or no probe could tell:
+    :func:`runs_without_heads`). ``shared``: the module's other parameters
     (a query/key norm over the head dimension, as Qwen3's and Gemma 3's), every rank holding
     them whole and applying them to its own heads: each rank's gradient is its heads' part,
     summed over the ranks in the backward. ``head_dim``: an attention's head size.
@@ -57,6 +59,7 @@ class TensorSplit:
     config: dict[str, int] = field(default_factory=dict)
     shared: list[str] = field(default_factory=list)
     head_dim: int = 0
+    empty_fails: str = ""
 
     def heads(self) -> int:
         """An attention's query heads (unsplit); 0 for an MLP."""
@@ -73,6 +76,18 @@ class TensorSplit:
     def packed(self) -> int:
         """How many blocks its most packed column holds (3: query, key and value in one)."""
         return max(len(blocks) for _, blocks in self.columns)
+
+    def hold(self, module: nn.Module, units: int) -> None:
+        """Make ``module`` (its :attr:`module`) count the heads of ``units`` units, where it
+        counts them: its attributes, and its config's counts in a view of its own
+        (:class:`ConfigView`)."""
+        for attr, per in self.attrs.items():
+            setattr(module, attr, per * units)
+        if self.config:
+            view: Any = ConfigView(
+                module.config, {a: per * units for a, per in self.config.items()}
+            )
+            module.config = view
 
 
 def _aligned(dims: Sequence[int], wants: Sequence[int]) -> int | None:
@@ -287,6 +302,19 @@ class _PackingProbe(_Watch):
         raise _Probed
 
 
+def _probe_inputs(module: nn.Module, layer: nn.Module, hidden: int) -> tuple[Any, ...] | None:
+    """The arguments of a probe forward of ``module``: one token of zeros of ``hidden``
+    features (on ``layer``'s device, in its dtype; the meta device works), ``None`` for every
+    other input its forward requires; None where ``layer`` holds no parameter or the
+    forward's signature cannot be read."""
+    weight = next(layer.parameters(), None)
+    required = _required(module)
+    if weight is None or required is None:
+        return None
+    x = torch.zeros(1, 1, hidden, device=weight.device, dtype=weight.dtype)
+    return (x, *[None] * max(required - 1, 0))
+
+
 def probe_packing(
     attention: nn.Module, column: str, hidden: int, heads: int, head_dim: int, kv_heads: int = 0
 ) -> str | None:
@@ -300,26 +328,15 @@ def probe_packing(
     gradient. None when that forward fails before it (it needs an input the probe lacks) or
     the first op tells nothing: with as many key/value heads as query heads, the first real
     forward then checks (:class:`PackedLayoutGuard`). ``kv_heads``: 0 for ``heads``."""
-    import inspect
-
     layer = attention.get_submodule(column)
-    weight = next(layer.parameters(), None)
-    if weight is None:
+    token = _probe_inputs(attention, layer, hidden)
+    if token is None:
         return None
-    try:
-        params = list(inspect.signature(attention.forward).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    rest = [
-        None for p in params[1:] if p.kind in positional and p.default is inspect.Parameter.empty
-    ]
-    x = torch.zeros(1, 1, hidden, device=weight.device, dtype=weight.dtype)
     probe = _PackingProbe(heads, head_dim, kv_heads or heads)
     handle = layer.register_forward_hook(probe.watch)
     try:
         with torch.no_grad(), probe:
-            attention.forward(x, *rest)
+            attention.forward(*token)
     except _Probed:
         return probe.read
     except Exception:  # the probe lacks an input the forward needs: undecided
@@ -350,20 +367,12 @@ def _probe_run(
     ``empty``, as on a rank holding none of its heads (its columns' outputs emptied, its head
     counts 0, inputs per head cut to none, under :class:`EmptyHeads`). Returns whether it got
     there, how many torch ops it ran, and the exception if not."""
-    import inspect
-
     prefix = f"{ts.module}." if ts.module else ""
     first = attention.get_submodule(ts.columns[0][0].removeprefix(prefix))
-    weight = next(first.parameters(), None)
     hidden = linear_features(first)
-    if weight is None or hidden is None:
+    token = None if hidden is None else _probe_inputs(attention, first, hidden[0])
+    if token is None:
         return True, 0, ""
-    try:
-        params = list(inspect.signature(attention.forward).parameters.values())
-    except (TypeError, ValueError):
-        return True, 0, ""
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    rest = [None for p in params[1:] if p.kind in positional and p.default is p.empty]
     handles = []
     if ts.row.startswith(prefix):
         row = attention.get_submodule(ts.row.removeprefix(prefix))
@@ -372,14 +381,9 @@ def _probe_run(
         for name, _ in ts.columns:
             layer = attention.get_submodule(name.removeprefix(prefix))
             handles.append(layer.register_forward_hook(_emptied))
-        for a in ts.attrs:
-            setattr(attention, a, 0)
-        if ts.config:
-            view: Any = ConfigView(attention.config, dict.fromkeys(ts.config, 0))
-            attention.config = view
+        ts.hold(attention, 0)
     if inputs is None:
-        x = torch.zeros(1, 1, hidden[0], device=weight.device, dtype=weight.dtype)
-        inputs = ((x, *rest), {})
+        inputs = (token, {})
     elif empty:
         inputs = PerHeadInputs(ts, 0, 0).cut(attention, *inputs) or inputs
     count = _Count()
@@ -805,14 +809,15 @@ class _Method(nn.Module):
         return getattr(self.owner, self.method)(x, *[None] * self.nones)
 
 
-def _required(m: nn.Module) -> int:
-    """How many arguments ``m``'s forward requires (0 where its signature cannot be read)."""
+def _required(m: nn.Module) -> int | None:
+    """How many arguments ``m``'s forward requires (None where its signature cannot be
+    read)."""
     import inspect
 
     try:
         params = inspect.signature(m.forward).parameters.values()
     except (TypeError, ValueError):
-        return 0
+        return None
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return sum(p.kind in positional and p.default is p.empty for p in params)
 
@@ -904,7 +909,7 @@ def block_graph(m: nn.Module, whole: Any = None) -> tuple[Any, dict[str, nn.Modu
     if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
         roots = [(_Method(m, "_ff_block"), "owner.")]  # its forward has fast paths
     else:
-        n = _required(m)
+        n = _required(m) or 0
         roots = [(m, "")] + ([(_Method(m, "forward", n - 1), "owner.")] if n else [])
     for root, prefix in roots:
         opaque: set[str] = set()
@@ -1155,4 +1160,7 @@ def plan_tensor_splits(
                 f"{first!r}, of its class {type(named[first]).__name__}, stays whole, and may "
                 "hand it inputs for every head"
             )
+    for ts in splits:
+        if ts.kind == "attention":
+            ts.empty_fails = runs_without_heads(named[ts.module], ts) or ""
     return splits, kept
