@@ -470,7 +470,10 @@ def planner_plan() -> tuple[dict[str, Any] | None, str]:
     net = _model()
     seq = train_lm.SEQ
     costs = model.layer_costs(
-        net, {"input_ids": (seq,), "attention_mask": (seq,)}, dtype=torch.int64
+        net,
+        {"input_ids": (seq,), "attention_mask": (seq,)},
+        dtype=torch.int64,
+        loss=train_lm.costed_loss,
     )
     for p in model.plan(costs, cluster, BATCH, model=net):
         if p.feasible and p.has_plan:

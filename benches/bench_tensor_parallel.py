@@ -140,10 +140,7 @@ def _rank(
         if rank != 0:
             return
         alone_opt.zero_grad()
-        logits = alone(input_ids=ids).logits
-        nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
-        ).backward()
+        ex.lm_loss(alone(input_ids=ids), ids).backward()
         alone_opt.step()
 
     runs[ALONE] = {"step": alone_step, "counts": {}, "modes": [], "shares": {}}
@@ -155,10 +152,7 @@ def _rank(
         def step(split: nn.Module = split, comm: Any = comm, opt: Any = opt) -> None:
             opt.zero_grad()
             comm.kind = "activations"
-            logits = split(input_ids=ids).logits
-            loss = nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
-            )
+            loss = ex.lm_loss(split(input_ids=ids), ids)
             comm.kind = "gradients"
             loss.backward()
             opt.step()
@@ -206,7 +200,8 @@ def _rank(
 
 def machine(arch: str, vocab: int) -> tuple[Any, Any, Any]:
     """The model's view of this machine, measured now (:mod:`hetcoll.lab.calibrate`): the
-    decoder's costs, one rank's device and the gloo link."""
+    decoder's costs with the benchmark's loss (the example's next-token cross-entropy), one
+    rank's device and the gloo link."""
     import hetcoll.model as hm
     from hetcoll.lab import calibrate
 
@@ -214,7 +209,9 @@ def machine(arch: str, vocab: int) -> tuple[Any, Any, Any]:
     device = calibrate.measure_device("rank", 4e9, quick=True)
     fit = calibrate.measure_gloo_link()
     link = hm.Link("gloo-local", fit.latency_s, fit.bytes_per_s)
-    costs = hm.layer_costs(ex.make_model(arch, vocab=vocab), (ex.SEQ,), dtype=torch.int64)
+    costs = hm.layer_costs(
+        ex.make_model(arch, vocab=vocab), (ex.SEQ,), dtype=torch.int64, loss=ex.costed_loss
+    )
     return costs, device, link
 
 

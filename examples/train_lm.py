@@ -5,6 +5,7 @@ standard library's own source, read as bytes.
     torchrun --standalone --nproc-per-node 3 examples/train_lm.py --emulate 1,0.5,0.25
     mpiexec -n 3 python examples/train_lm.py --mpi --emulate 1,0.5,0.25
     hetcoll plan --model examples.train_lm:make_model --input 64 --dtype int64 \\
+        --loss cross-entropy \\
         --cluster my_cluster.toml --batch 16 --out plan.json              # the planner's plan
     torchrun --standalone --nproc-per-node 3 examples/train_lm.py --plan plan.json
 
@@ -35,7 +36,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from train_plan import Job
+
+try:
+    from train_plan import Job
+except ImportError:  # imported as examples.train_lm (hetcoll plan --model examples.train_lm:...)
+    from examples.train_plan import Job
 
 import hetcoll
 from hetcoll import Plan
@@ -140,6 +145,13 @@ def lm_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
     )
+
+
+def costed_loss(output: Any) -> torch.Tensor:
+    """lm_loss as the performance model costs it (``layer_costs(model, ..., loss=costed_loss)``):
+    on labels of zeros, one per token (the costs run on shapes, not on a batch)."""
+    logits = output.logits
+    return lm_loss(output, torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device))
 
 
 def valid_tokens(labels: torch.Tensor) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import sys
 import textwrap
 import warnings
@@ -415,7 +416,11 @@ def test_cli_costs_and_plan_of_a_token_model(
     fwd, _ = flop_counter(model, 1, 32)
     assert close(out["forward_flops"], fwd) and out["dtype"] == "int64"
     assert out["inputs"] == [{"name": "", "shape": [32], "dtype": "int64"}]
-    assert out["elementwise_forward_flops"] > 0
+    assert out["elementwise_forward_flops"] > 0 and out["loss"] is None
+    assert main(["model", "costs", *model_args, "--loss", "cross-entropy", "--json"]) == 0
+    lossy = json.loads(capsys.readouterr().out)
+    assert lossy["loss"] == "cross-entropy" and lossy["forward_flops"] == out["forward_flops"]
+    assert [x["name"] for x in lossy["layers"]] == [*(x["name"] for x in out["layers"]), "(loss)"]
     whole = max(
         plan(layer_costs(model, (32,), dtype=torch.int64), _cluster(1e12), 16)[0].memory_bytes
     )
@@ -609,3 +614,111 @@ def test_the_loss_split_by_vocabulary_is_priced_as_the_runtime_runs_it() -> None
     assert filter_parallel(tied, cluster, 8, [1.0, 0.5], loss_parallel=True).step_s == (
         filter_parallel(tied, cluster, 8, [1.0, 0.5]).step_s
     )
+
+
+def _shifted_loss(out: Any) -> torch.Tensor:
+    """A next-token cross-entropy as a causal LM's training loop computes it: the logits of
+    every token but the last (a copy: the slice is not contiguous) against the next token."""
+    logits = out.logits[:, :-1]
+    target = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _vocab_llama(vocab: int) -> nn.Module:
+    model = llama(layers=1)
+    model.resize_token_embeddings(vocab)
+    return model
+
+
+def test_the_loss_is_costed_after_the_model_on_its_last_plan_layer() -> None:
+    """``loss=`` costs the step's loss as one more layer, ``(loss)``, after the model's last
+    (on the last plan layer: a pipeline's last stage runs it). Its matmul FLOPs are none, the
+    model's are unchanged, and what it moves is the cross-entropy's passes over the logits,
+    linear in the vocabulary: forward, the log-softmax reads and writes them and the NLL reads
+    its row (3 passes); backward, the NLL's gradient is written (and its zeros), the
+    log-softmax's backward reads two and writes one (5). A classifier's chain costs its loss
+    the same way. Under bf16 the loss keeps float32 bytes (autocast runs it in float32)."""
+    costs = {v: layer_costs(_vocab_llama(v), (SEQ,), dtype=torch.int64) for v in (128, 256)}
+    with_loss = {
+        v: layer_costs(_vocab_llama(v), (SEQ,), dtype=torch.int64, loss="cross-entropy")
+        for v in (128, 256)
+    }
+    for v in (128, 256):
+        plain, lossy = costs[v], with_loss[v]
+        assert [x.name for x in lossy.layers] == [*(x.name for x in plain.layers), "(loss)"]
+        assert lossy.loss == "cross-entropy" and plain.loss == "" and plain.loss_layer is None
+        loss = lossy.layers[lossy.loss_layer]
+        assert (loss.kind, loss.params, loss.forward_flops(1), loss.backward_flops(1)) == (
+            "loss",
+            0,
+            0.0,
+            0.0,
+        )
+        assert lossy.forward_flops(8) == plain.forward_flops(8)
+        assert lossy.backward_flops(8) == plain.backward_flops(8)
+        assert lossy.plan_layers == plain.plan_layers
+        assert lossy.plan_layer_of == (*plain.plan_layer_of, len(plain.plan_layers) - 1)
+    item = 4
+    fwd, bwd = (
+        {v: sum(k.bytes_per_sample for k in getattr(c.layers[-1], d)) for v, c in with_loss.items()}
+        for d in ("forward", "backward")
+    )
+    assert fwd[256] - fwd[128] == 3 * SEQ * 128 * item
+    assert bwd[256] - bwd[128] == 5 * SEQ * 128 * item
+    bf16 = with_loss[128].at_precision("bf16")
+    assert bf16.layers[-1] == with_loss[128].layers[-1]
+    assert (
+        bf16.layers[-2].out_bytes_per_sample == with_loss[128].layers[-2].out_bytes_per_sample / 2
+    )
+    chain = layer_costs(nn.Sequential(nn.Linear(8, 10)), (8,), loss="cross-entropy")
+    assert [x.name for x in chain.layers] == ["0", "(loss)"] and chain.plan_layer_of == (0, 0)
+
+
+def test_a_loss_function_of_the_output_is_costed_as_it_runs() -> None:
+    """A function of the model's output is costed by its own ops: a shifted next-token loss
+    copies the sliced logits (a read and a write forward, and the slice's backward writes the
+    whole gradient), so it moves more than the plain cross-entropy of every token."""
+    plain = layer_costs(llama(layers=1), (SEQ,), dtype=torch.int64, loss="cross-entropy")
+    shifted = layer_costs(llama(layers=1), (SEQ,), dtype=torch.int64, loss=_shifted_loss)
+    assert shifted.loss == "_shifted_loss"
+    moved = [
+        sum(k.bytes_per_sample for k in (*c.layers[-1].forward, *c.layers[-1].backward))
+        for c in (plain, shifted)
+    ]
+    assert moved[1] > moved[0]
+    assert shifted.layers[:-1] == plain.layers[:-1]
+
+
+@pytest.mark.parametrize(
+    "loss, error, words",
+    [
+        ("mse", ValueError, "loss: expected None, one of ('cross-entropy',)"),
+        (3, TypeError, "loss: expected None"),
+        (lambda out: out.logits, ValueError, "loss: must return one number"),
+        (lambda out: out.logits.detach().sum(), ValueError, "loss: must return one number"),
+        (lambda out: out.nothing, ValueError, "loss: fails on the model's output"),
+    ],
+    ids=["unknown-name", "not-callable", "not-scalar", "no-gradient", "raises"],
+)
+def test_bad_losses_raise_naming_loss(loss: Any, error: type, words: str) -> None:
+    with pytest.raises(error, match=re.escape(words)):
+        layer_costs(llama(layers=1), (SEQ,), dtype=torch.int64, loss=loss)
+
+
+def test_the_split_loss_is_priced_on_each_devices_slice_of_the_vocabulary() -> None:
+    """With ``loss_parallel`` each device runs the cross-entropy on its columns of the head's
+    logits: the loss layer's time on a device is its share of the head's outputs times the
+    whole loss's (these devices have no kernel overhead; the loss's few scalars are fixed
+    bytes, hence the tolerance), where without it every device runs the whole loss."""
+    costs = layer_costs(llama(), (SEQ,), dtype=torch.int64, loss="cross-entropy")
+    cluster = _cluster(1e12).subset([0, 2])
+    base = filter_parallel_schedule(costs, cluster, 8, [1.0, 0.5])
+    split = filter_parallel_schedule(costs, cluster, 8, [1.0, 0.5], loss_parallel=True)
+    loss = costs.loss_layer
+    head = split.detail["shares_per_layer"]["lm_head"]
+    for d, share in enumerate(head):
+        for part in ("forward_s", "backward_s"):
+            whole = getattr(base.layers, part)[loss, d]
+            assert getattr(split.layers, part)[loss, d] == pytest.approx(
+                whole * share / sum(head), rel=1e-3
+            )

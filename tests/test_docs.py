@@ -74,15 +74,20 @@ def test_every_tuning_constant_has_its_heading_in_docs_collectives():
     assert sorted(anchors) == sorted(name.lower() for name in headings)
 
 
-def test_the_guides_plan_command_runs_as_written(tmp_path):
-    """docs/guides.md's `hetcoll plan` line, run from the repository with its --out redirected:
-    it writes a plan the runtime reads."""
+def _guide_plan_lines() -> list[str]:
+    text = (ROOT / "docs" / "guides.md").read_text().replace("\\\n", " ")
+    return [ln for ln in text.splitlines() if ln.startswith("hetcoll plan ")]
+
+
+@pytest.mark.parametrize("line", _guide_plan_lines(), ids=["cnn", "lm"])
+def test_the_guides_plan_commands_run_as_written(tmp_path, line):
+    """docs/guides.md's `hetcoll plan` lines (the CNN example's and the LM example's, its model
+    loaded as examples.train_lm from the repository's root), each run with its --out
+    redirected: each writes a plan the runtime reads, for the batch it asks."""
     import shlex
     import subprocess
     import sys
 
-    text = (ROOT / "docs" / "guides.md").read_text().replace("\\\n", " ")
-    line = next(ln for ln in text.splitlines() if ln.startswith("hetcoll plan "))
     argv = shlex.split(line)[1:]
     argv[argv.index("--out") + 1] = str(tmp_path / "plan.json")
     run = subprocess.run(
@@ -93,4 +98,5 @@ def test_the_guides_plan_command_runs_as_written(tmp_path):
         timeout=300,
     )
     assert run.returncode == 0, run.stderr
-    assert hetcoll.Plan.load(tmp_path / "plan.json").batch == 64
+    batch = int(argv[argv.index("--batch") + 1])
+    assert hetcoll.Plan.load(tmp_path / "plan.json").batch == batch

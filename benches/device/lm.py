@@ -221,7 +221,9 @@ def _predict(cfg: dict[str, Any], world: int, plan: dict[str, Any], measured: fl
         return {"status": why_not}
     if "costs" not in _COSTS:  # the model's costs once: ~1 s each time
         shape = {"input_ids": (train_lm.SEQ,), "attention_mask": (train_lm.SEQ,)}
-        _COSTS["costs"] = layer_costs(lm_model(torch.device("cpu")), shape, dtype=torch.int64)
+        _COSTS["costs"] = layer_costs(
+            lm_model(torch.device("cpu")), shape, dtype=torch.int64, loss=train_lm.costed_loss
+        )
     pred = predict_plan(_COSTS["costs"], cluster, hetcoll.Plan.from_dict(plan))
     return {"status": "ok", "step_s": pred.step_s, "error": pred.step_s / measured - 1}
 

@@ -44,7 +44,11 @@ def _costs(args: argparse.Namespace, **kwargs: Any) -> Any:
     from hetcoll.model import layer_costs, parse_shape
 
     return layer_costs(
-        build_model(args), parse_shape(args.input), dtype=input_dtype(args), **kwargs
+        build_model(args),
+        parse_shape(args.input),
+        dtype=input_dtype(args),
+        loss=input_loss(args),
+        **kwargs,
     )
 
 
@@ -85,10 +89,25 @@ DTYPE_HELP = (
 )
 
 
+LOSS_HELP = (
+    "the loss each step ends with, costed after the model's last layer: none (default) or "
+    "cross-entropy (of the output's logits, classes last; a language model's loss over its "
+    "vocabulary costs more than its blocks at a vocabulary of thousands)"
+)
+
+
 def add_input(p: argparse.ArgumentParser) -> None:
-    """The ``--input`` and ``--dtype`` flags."""
+    """The ``--input``, ``--dtype`` and ``--loss`` flags."""
+    from hetcoll.model.costs.losses import LOSSES
+
     p.add_argument("--input", required=True, help=INPUT_HELP)
     p.add_argument("--dtype", choices=INPUT_DTYPES, default="float32", help=DTYPE_HELP)
+    p.add_argument("--loss", choices=("none", *LOSSES), default="none", help=LOSS_HELP)
+
+
+def input_loss(args: argparse.Namespace) -> str | None:
+    """``--loss`` as ``layer_costs``' ``loss``."""
+    return None if args.loss == "none" else str(args.loss)
 
 
 CLASSES_HELP = "number of classes of the built-in models (default 10)"
@@ -116,6 +135,7 @@ def _cmd_costs(args: argparse.Namespace) -> int:
                 "dtype": args.dtype,
                 "inputs": [x.to_json() for x in costs.inputs],
                 "precision": costs.precision,
+                "loss": costs.loss or None,
                 "params": costs.params,
                 "forward_flops": costs.forward_flops(1),
                 "backward_flops": costs.backward_flops(1),

@@ -20,6 +20,7 @@ from hetcoll.cli.model import (
     build_model,
     fmt_s,
     input_dtype,
+    input_loss,
     shares_text,
 )
 
@@ -33,6 +34,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         model,
         parse_shape(args.input),
         dtype=input_dtype(args),
+        loss=input_loss(args),
         conv_algorithm=args.conv_algorithm,
         precision=args.precision,
     )

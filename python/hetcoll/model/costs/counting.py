@@ -5,7 +5,7 @@ formula describes, made from its counts."""
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from hetcoll.model.costs.losses import LOSS_LAYER
 from hetcoll.model.costs.records import _COUNT_BATCH, Kernel, ModelInput
 
 # Ops that allocate or alias without moving data, and ops that only write their output.
@@ -252,6 +253,10 @@ class _OpCounter(TorchDispatchMode):
             self.calls.append(call)
         self.stack.append([name, module, call])
 
+    def enter_code(self, name: str, module: nn.Module) -> None:
+        """Ops outside any module of the model (the loss), counted as ``name``'s own ops."""
+        self.stack.append([name, module, None])
+
     def leave(self, output: object) -> None:
         frame = self.stack.pop()
         call = frame[2]
@@ -358,26 +363,67 @@ class _OpCounter(TorchDispatchMode):
         return out
 
 
-def _trace(model: nn.Module, inputs: Sequence[ModelInput], batch: int) -> _OpCounter:
+def _trace(
+    model: nn.Module,
+    inputs: Sequence[ModelInput],
+    batch: int,
+    loss: Callable[[Any], torch.Tensor] | None = None,
+) -> _OpCounter:
     """Run ``model`` forward and backward on meta tensors for ``batch`` samples of ``inputs``
-    (one positional input or keyword inputs), counting every op (:class:`_OpCounter`). A
+    (one positional input or keyword inputs), counting every op (:class:`_OpCounter`); with
+    ``loss``, the backward starts from ``loss(output)``, whose ops are the call
+    :data:`LOSS_LAYER` (else from zero gradients of every output). A
     forward that reads its inputs' values (Hugging Face's check for packed sequences when no
     attention mask is given), or that makes tensors of its own on the CPU (a causal mask built
     without ``device=``), cannot run on the meta device: it is counted on a real run of zeros
     (valid token ids, zero weights) on the CPU instead, which holds the model's weights and
     that batch's activations in memory."""
     try:
-        return _count(model, inputs, batch, torch.device("meta"))
+        return _count(model, inputs, batch, torch.device("meta"), loss)
     except _NeedsValues:
-        return _count(model, inputs, batch, torch.device("cpu"))
+        return _count(model, inputs, batch, torch.device("cpu"), loss)
 
 
 class _NeedsValues(Exception):
     pass
 
 
+class _LossError(Exception):
+    pass
+
+
+class _Loss(nn.Module):
+    """What the loss's ops are attributed to (it owns no parameters)."""
+
+
+def _loss_value(
+    counter: _OpCounter, loss: Callable[[Any], torch.Tensor], y: object
+) -> torch.Tensor:
+    counter.enter_code(LOSS_LAYER, _Loss())
+    try:
+        value = loss(y)
+    except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
+        if any(m in str(e) for m in ("meta tensor", "on the expected device", "same device")):
+            raise
+        raise _LossError(f"loss: fails on the model's output: {type(e).__name__}: {e}") from e
+    finally:
+        counter.stack.pop()
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
+        raise _LossError(
+            "loss: must return one number that depends on the model's output (a tensor of one "
+            f"element with a gradient), got {type(value).__name__}"
+            + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "")
+        )
+    counter.finish_forward()
+    return value
+
+
 def _count(
-    model: nn.Module, inputs: Sequence[ModelInput], batch: int, device: torch.device
+    model: nn.Module,
+    inputs: Sequence[ModelInput],
+    batch: int,
+    device: torch.device,
+    loss: Callable[[Any], torch.Tensor] | None,
 ) -> _OpCounter:
     from torch.func import functional_call
 
@@ -409,11 +455,16 @@ def _count(
         with counter:
             y = functional_call(model, state, args, kwargs)
             counter.finish_forward()
-            outs = [
-                t for t in tree_flatten(y)[0] if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
-            if outs:
-                torch.autograd.backward(outs, [torch.zeros_like(t) for t in outs])
+            if loss is not None:
+                torch.autograd.backward(_loss_value(counter, loss, y))
+            else:
+                outs = [
+                    t for t in tree_flatten(y)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+                ]
+                if outs:
+                    torch.autograd.backward(outs, [torch.zeros_like(t) for t in outs])
+    except _LossError as e:
+        raise ValueError(str(e)) from None
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
         # A forward that reads values, or makes a tensor on the CPU itself (a mask built
         # without device=) and meets the meta ones: counted on the CPU instead.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from hetcoll.model.costs.formulas import (
     _linear_kernels,
 )
 from hetcoll.model.costs.inputs import activation_dtype, example_batch, model_inputs
+from hetcoll.model.costs.losses import LOSS_LAYER, resolve_loss
 from hetcoll.model.costs.records import (
     _COUNT_BATCH,
     _TRACE_BATCH,
@@ -38,6 +39,7 @@ def layer_costs(
     dtype: torch.dtype | None = None,
     conv_algorithm: str = "implicit-gemm",
     precision: str = "fp32",
+    loss: str | Callable[[Any], torch.Tensor] | None = None,
 ) -> ModelCosts:
     """Per-layer costs of ``model`` for one sample of ``input_shape`` (no batch dimension).
 
@@ -51,6 +53,12 @@ def layer_costs(
     ``conv_algorithm``: ``"implicit-gemm"`` (PyTorch's oneDNN / cuDNN kernels: no column
     matrix in memory) or ``"im2col"`` (PyDTNN's explicit im2col / col2im, seed 003).
     ``precision``: the training precision (:meth:`ModelCosts.at_precision`).
+    ``loss``: the loss each step ends with, costed as the last layer
+    (:data:`~hetcoll.model.costs.losses.LOSS_LAYER`, with the last plan layer): ``None`` (none:
+    the backward starts from the outputs), ``"cross-entropy"`` (of the output's logits, classes
+    last: a classifier's or a language model's) or a function of the model's output returning
+    the batch's loss (e.g. a shifted next-token cross-entropy, targets made inside). At a
+    vocabulary of thousands a language model's loss costs more than its blocks.
 
     The model runs forward and backward on the meta device (shapes only: no memory is
     allocated and no arithmetic runs, so a billion-parameter model costs the same to describe as
@@ -69,6 +77,9 @@ def layer_costs(
     ...                 dtype=torch.int64)
     >>> c.forward_flops(batch=1), c.plan_layers
     (25600.0, ('0', '1'))
+    >>> c = layer_costs(nn.Linear(4, 3), (4,), loss="cross-entropy")
+    >>> [x.name for x in c.layers], c.loss
+    (['Linear', '(loss)'], 'cross-entropy')
     """
     from hetcoll.torch.filters import linear_features, split_layout
 
@@ -79,11 +90,12 @@ def layer_costs(
             f"conv_algorithm: expected 'implicit-gemm' or 'im2col', got {conv_algorithm!r}"
         )
     check_precision(precision)
+    loss_name, loss_fn = resolve_loss(loss)
     inputs = model_inputs(input_shape, dtype)
     shape = inputs[0].shape
     item = torch.empty((), dtype=activation_dtype(model, inputs)).element_size()
 
-    counter = _trace(model, inputs, _COUNT_BATCH)
+    counter = _trace(model, inputs, _COUNT_BATCH, loss_fn)
     param_of = dict(model.named_parameters())
 
     layers: list[LayerCost] = []
@@ -139,7 +151,13 @@ def layer_costs(
         layers.append(
             LayerCost(
                 name=c2.name,
-                kind=type(mod).__name__ if c2.leaf else f"{type(mod).__name__}.forward",
+                kind=(
+                    "loss"
+                    if c2.name == LOSS_LAYER
+                    else type(mod).__name__
+                    if c2.leaf
+                    else f"{type(mod).__name__}.forward"
+                ),
                 params=n_params,
                 param_bytes=p_bytes,
                 in_bytes_per_sample=in_b,
@@ -191,6 +209,7 @@ def layer_costs(
         modes,
         inputs=inputs,
         split_blocks=blocks,
+        loss=loss_name,
     )
     costs = _with_plan_layers(costs, model)
     return costs if precision == "fp32" else costs.at_precision(precision)

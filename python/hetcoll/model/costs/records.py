@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import hetcoll
+from hetcoll.model.costs.losses import LOSS_LAYER
 from hetcoll.model.hardware import check_precision
 
 # Traced batch: 2, not 1, because batch norm in training mode refuses one sample.
@@ -239,6 +240,18 @@ class ModelCosts:
     #: The attentions and MLPs filter parallelism splits by heads and hidden units, in the
     #: model's order; their layers are in ``filter_modes`` too.
     split_blocks: tuple[SplitBlock, ...] = ()
+    #: The loss the costs end with (``layer_costs``' ``loss``: ``"cross-entropy"`` or the
+    #: function's name), costed as the last of ``layers``; ``""``: none.
+    loss: str = ""
+
+    @property
+    def loss_layer(self) -> int | None:
+        """The index in ``layers`` of the loss (the last layer, named
+        :data:`~hetcoll.model.costs.losses.LOSS_LAYER`), or None without one (a pipeline
+        stage's slice of the layers before the last stage's too)."""
+        if self.layers and self.layers[-1].name == LOSS_LAYER:
+            return len(self.layers) - 1
+        return None
 
     def at_precision(self, precision: str) -> ModelCosts:
         """These costs for training at ``precision`` (``"fp32"``, ``"tf32"``, ``"bf16"``,
@@ -268,7 +281,9 @@ class ModelCosts:
             )
 
         layers = tuple(
-            replace(
+            x
+            if i == self.loss_layer
+            else replace(
                 x,
                 in_bytes_per_sample=x.in_bytes_per_sample * f,
                 out_bytes_per_sample=x.out_bytes_per_sample * f,
@@ -276,7 +291,7 @@ class ModelCosts:
                 forward=tuple(kernel(k) for k in x.forward),
                 backward=tuple(kernel(k) for k in x.backward),
             )
-            for x in self.layers
+            for i, x in enumerate(self.layers)
         )
         return replace(
             self,

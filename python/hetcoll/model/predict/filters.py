@@ -222,6 +222,17 @@ def filter_parallel_schedule(
             source = (i, phi[i].copy()) if mode == "split-output" else None
         elif source is not None:
             chan[i, :] = source[1]
+    # The layer whose output is the model's (the last with filters): with loss_parallel its
+    # output is not gathered, and the loss runs on each device's slice of the vocabulary.
+    output = max((i for i, x in enumerate(costs.layers) if x.filters > 0), default=-1)
+    loss = costs.loss_layer
+    split_loss = (
+        loss_parallel
+        and output in filters_of
+        and layer_modes.get(costs.layers[output].name) == "gather"
+    )
+    if split_loss and loss is not None:
+        chan[loss, :] = phi[output]
     # A replicated layer between a pair runs on the channel slice: as many fewer samples' worth
     # of element-wise work (these kernels are linear in the batch and own no filters).
     by_input = np.array([layer_modes.get(x.name) == "split-input" for x in costs.layers])
@@ -232,9 +243,6 @@ def filter_parallel_schedule(
     link = cluster.ring_link()
     sums = SplitCollectives(costs, cluster)
     allreduce_s, copy_s = sums.allreduce_s, sums.copy_s
-    # The layer whose output is the model's (the last with filters): with loss_parallel its
-    # output is not gathered.
-    output = max((i for i, x in enumerate(costs.layers) if x.filters > 0), default=-1)
     fwd_comm = np.zeros(n_layers)  # after the layer's forward
     bwd_comm = np.zeros(n_layers)  # after the layer's backward
     for k in range(len(blocks)):
@@ -253,7 +261,7 @@ def filter_parallel_schedule(
             out = layer.out_bytes_per_sample * batch
             fwd_comm[i] = allreduce_s(out) + copy_s(out)
             continue
-        if mode == "gather" and loss_parallel and i == output:
+        if split_loss and i == output:
             # The model's output stays split through the loss (SplitOutput): the split
             # cross-entropy's agreement on its rows (one latency each way) and its allgather
             # of three numbers per row from every device, instead of the logits' gather.
