@@ -582,8 +582,7 @@ def test_the_loss_split_by_vocabulary_is_priced_as_the_runtime_runs_it() -> None
     """With ``loss_parallel`` the model's output layer (Llama's untied head) is not gathered:
     its forward collective is the split cross-entropy's agreement (a latency each way) and its
     allgather of three numbers per token; every other collective is unchanged, the plan says
-    so on its stage, and the plan's prediction agrees. A head tied to its embedding is priced
-    replicated either way."""
+    so on its stage, and the plan's prediction agrees."""
     from hetcoll.model import terms
     from hetcoll.model.predict import filter_parallel
 
@@ -610,10 +609,36 @@ def test_the_loss_split_by_vocabulary_is_priced_as_the_runtime_runs_it() -> None
     got = predict_plan(costs, cluster, the_plan)
     low = pred.step_s + got.detail["loss_allreduce_s"]
     assert low - 1e-15 <= got.step_s <= low + got.breakdown["optimizer"]
-    tied = layer_costs(gpt2(), (SEQ,), dtype=torch.int64)
-    assert filter_parallel(tied, cluster, 8, [1.0, 0.5], loss_parallel=True).step_s == (
-        filter_parallel(tied, cluster, 8, [1.0, 0.5]).step_s
-    )
+
+
+def test_a_tied_head_split_through_the_loss_is_priced_as_the_runtime_splits_it() -> None:
+    """GPT-2's head tied to its token embedding stays replicated without ``loss_parallel``;
+    with it, the runtime splits both by vocabulary (FilterParallelEmbedding): the head's
+    columns by speed like an untied head's, its logits kept split through the loss, and the
+    embedding's lookup summed over the devices (one allreduce of its output, forward only).
+    Each device owns its rows of the tied weight, so its optimizer step shrinks too."""
+    from hetcoll.model.predict.splits import SplitCollectives
+
+    costs = layer_costs(gpt2(), (SEQ,), dtype=torch.int64)
+    assert costs.vocabulary_ties == (("lm_head", "transformer.wte"),)
+    cluster = _cluster(1e12).subset([0, 2])
+    base = filter_parallel_schedule(costs, cluster, 8, [1.0, 0.5])
+    split = filter_parallel_schedule(costs, cluster, 8, [1.0, 0.5], loss_parallel=True)
+    index = {x.name: i for i, x in enumerate(costs.layers)}
+    head, wte = index["lm_head"], index["transformer.wte"]
+    assert "lm_head" not in base.detail["modes"] and not base.split[head]
+    assert split.detail["modes"]["lm_head"] == "gather" and split.split[head]
+    shares = split.detail["shares_per_layer"]["lm_head"]
+    assert shares[0] > shares[1] > 0 and sum(shares) == costs.layers[head].filters
+    for d, share in enumerate(shares):
+        assert split.layers.forward_s[head, d] == pytest.approx(
+            base.layers.forward_s[head, d] * share / sum(shares), rel=0.05
+        )
+    sums = SplitCollectives(costs, cluster)
+    out = costs.layers[wte].out_bytes_per_sample * 8
+    assert base.forward_collective_s[wte] == 0 and split.backward_collective_s[wte] == 0
+    assert split.forward_collective_s[wte] == sums.allreduce_s(out) + sums.copy_s(out)
+    assert (split.update_s < base.update_s).all()
 
 
 def _shifted_loss(out: Any) -> torch.Tensor:

@@ -81,7 +81,7 @@ def layer_costs(
     >>> [x.name for x in c.layers], c.loss
     (['Linear', '(loss)'], 'cross-entropy')
     """
-    from hetcoll.torch.filters import linear_features, split_layout
+    from hetcoll.torch.filters import linear_features, split_layout, vocabulary_ties
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -210,6 +210,7 @@ def layer_costs(
         inputs=inputs,
         split_blocks=blocks,
         loss=loss_name,
+        vocabulary_ties=tuple(vocabulary_ties(model).items()),
     )
     costs = _with_plan_layers(costs, model)
     return costs if precision == "fp32" else costs.at_precision(precision)

@@ -243,6 +243,10 @@ class ModelCosts:
     #: The loss the costs end with (``layer_costs``' ``loss``: ``"cross-entropy"`` or the
     #: function's name), costed as the last of ``layers``; ``""``: none.
     loss: str = ""
+    #: Heads tied to their token embedding, (head, embedding) by module path
+    #: (:func:`hetcoll.torch.filters.vocabulary_ties`): replicated, except under
+    #: ``loss_parallel``, where both split by vocabulary.
+    vocabulary_ties: tuple[tuple[str, str], ...] = ()
 
     @property
     def loss_layer(self) -> int | None:

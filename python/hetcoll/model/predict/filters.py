@@ -173,8 +173,18 @@ def filter_parallel_schedule(
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch: must be an integer >= 1, got {batch!r}")
     layer_modes = filter_modes(costs) if modes is None else _check_modes(costs, modes)
+    names = {x.name: i for i, x in enumerate(costs.layers)}
+    # With loss_parallel a head tied to its token embedding splits by vocabulary like an
+    # untied one, its embedding by rows alike (when both are in these layers).
+    tied = {
+        names[emb]: names[head]
+        for head, emb in costs.vocabulary_ties
+        if loss_parallel and head in names and emb in names and head not in layer_modes
+    }
+    layer_modes.update({costs.layers[h].name: "gather" for h in tied.values()})
     if n_dev == 1:
         layer_modes = {}
+        tied = {}
     dev = device_arrays(devices)
     n_layers = len(costs.layers)
     phi = np.ones((n_layers, n_dev))  # each device's fraction of the layer's kernels' filters
@@ -281,6 +291,12 @@ def filter_parallel_schedule(
         if any(k.name == "gemm-dX" for k in layer.backward):
             grad = layer.in_bytes_per_sample * batch
             bwd_comm[i] = allreduce_s(grad) + copy_s(grad)
+    for emb, head in tied.items():
+        # Each device looks up the tokens of its rows (zeros for the others), one sum gives
+        # every device the whole lookup; it owns its rows of the tied weight.
+        out = costs.layers[emb].out_bytes_per_sample * batch
+        fwd_comm[emb] = allreduce_s(out) + copy_s(out)
+        phi[emb, :] = phi[head]
     # phi is 1 for replicated layers: each device owns its filters' weights and all the rest.
     owned = (np.array([x.param_bytes for x in costs.layers])[:, None] * phi).sum(axis=0)
     opt = np.asarray(

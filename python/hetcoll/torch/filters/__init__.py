@@ -59,6 +59,7 @@ from hetcoll.torch.filters.chains import (
     ELEMENTWISE_MODULES,
     SPATIAL_MODULES,
     linear_features,
+    vocabulary_ties,
 )
 from hetcoll.torch.filters.chains import (
     chain_filter_modes as chain_filter_modes,
@@ -124,6 +125,7 @@ __all__ = [
     "load_full_state_dict",
     "plan_tensor_splits",
     "split_layout",
+    "vocabulary_ties",
     "split_tensors",
     "split_traffic",
 ]
