@@ -137,6 +137,28 @@ def bloom() -> nn.Module:
     return transformers.BloomForCausalLM(cfg)
 
 
+class T5LM(nn.Module):
+    """Hugging Face T5 (an encoder-decoder) as a model of ids: the encoder and the decoder
+    each read the ids. The first self-attention of each stack holds the relative position
+    bias of every head (an embedding, a column per head) and hands the bias it computes to
+    the other attentions of its stack: each rank reads its heads' columns, and every T5
+    attention holds the same heads."""
+
+    def __init__(self) -> None:
+        import transformers
+
+        super().__init__()
+        cfg = transformers.T5Config(
+            vocab_size=VOCAB, d_model=24, d_kv=4, d_ff=40, num_layers=2, num_decoder_layers=2,
+            num_heads=6, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
+            pad_token_id=0, eos_token_id=1, attn_implementation="eager",
+        )  # fmt: skip
+        self.t5 = transformers.T5ForConditionalGeneration(cfg)
+
+    def forward(self, input_ids: torch.Tensor) -> Any:
+        return self.t5(input_ids=input_ids, decoder_input_ids=input_ids)
+
+
 def opt() -> nn.Module:
     """Hugging Face OPT: its MLP is no module of its own, ``fc1`` and ``fc2`` are layers of
     the decoder layer, whose forward sits behind Hugging Face's ``(*args, **kwargs)``
@@ -487,10 +509,12 @@ def empty_blocks(group: Any) -> dict[str, list[int]]:
         ("encoder", EncoderLM),
         ("old", old_style_lm),
         ("neox", neox),
+        ("t5", T5LM),
     )
     for name, make in models:
         equals_unsplit(group, make, "adam", steps=2, speeds=speeds)
-        traffic(group, make, 24, speeds)
+        if make is not T5LM:  # an encoder-decoder: not the decoders' two reductions a block
+            traffic(group, make, 24, speeds)
         torch.manual_seed(0)
         split = split_copy(make(), group, speeds, empty_blocks=True)
         first = next(
@@ -681,6 +705,21 @@ def bad_input(group: Any) -> int:
         "heads, as rank 1 does",
         lambda: split_bloom(input_ids=batch(0)),
     )
+    # T5's attentions are handed the position bias of their heads by the first of their
+    # class: shares that give one of them other heads raise.
+    t5 = filter_shares(T5LM(), size=p, speeds=SPEEDS[:p])
+    other = "t5.decoder.block.1.layer.0.SelfAttention"
+    moved_head = {}
+    for n, step in (("q", 4), ("k", 4), ("v", 4), ("o", 4)):
+        heads = list(t5[f"{other}.{n}"])
+        heads[0], heads[1] = heads[0] - step, heads[1] + step
+        moved_head[f"{other}.{n}"] = heads
+    raises(
+        f"attention {other!r} is handed inputs for its heads by "
+        "'t5.encoder.block.0.layer.0.SelfAttention' (of its class), so it must hold the same "
+        "heads",
+        lambda: filter_parallel(T5LM(), group=group, shares={**t5, **moved_head}),
+    )
     # A multiple_of that whole heads cannot meet: 3 and 8-feature groups of 24 features.
     raises(
         "multiple_of: 3 cannot be met by whole key/value groups",
@@ -860,6 +899,7 @@ def run_all(group: Any) -> dict[str, Any]:
         ("grouped", grouped_lm),
         ("falcon_gqa", falcon_gqa),
         ("bloom", bloom),
+        ("t5", T5LM),
     ):
         got = equals_unsplit(group, make, "adam", steps=2)
         out[f"{name}_gathers"] = sorted(n for n, m in got.items() if m == "gather")

@@ -747,3 +747,33 @@ def test_the_split_loss_is_priced_on_each_devices_slice_of_the_vocabulary() -> N
             assert getattr(split.layers, part)[loss, d] == pytest.approx(
                 whole * share / sum(head), rel=1e-3
             )
+
+
+def test_t5s_attentions_are_balanced_with_the_heads_of_the_first_of_their_class() -> None:
+    """T5's first attention hands the position bias of the heads a device holds to every
+    attention of its class, so the runtime needs the same heads in each
+    (``SplitBlock.heads_with``): the time-balanced shares a plan's split stage is given keep
+    them so, where balancing each attention alone would not (its decoder, reading 3 tokens
+    against the encoder's 16, would go whole to the fast device)."""
+    from dataclasses import replace
+
+    from hetcoll.model.predict import time_balanced_shares
+
+    config = transformers.T5Config(
+        vocab_size=40, d_model=24, d_kv=4, d_ff=40, num_layers=2, num_decoder_layers=2,
+        num_heads=6, decoder_start_token_id=0,
+    )  # fmt: skip
+    t5 = transformers.T5ForConditionalGeneration(config)
+    costs = layer_costs(t5, {"input_ids": (16,), "decoder_input_ids": (3,)}, dtype=torch.int64)
+    blocks = [b for b in costs.split_blocks if b.kind == "attention"]
+    lead = "encoder.block.0.layer.0.SelfAttention"
+    assert len(blocks) == 6 and blocks[0].module == lead and blocks[0].heads_with == ""
+    assert all(b.heads_with == lead for b in blocks[1:])
+    cluster = _cluster(1e12).subset([0, 2])
+    shares = time_balanced_shares(costs, cluster, 8, [1.0, 0.5])
+    assert len({tuple(b.units_of(shares) or ()) for b in blocks}) == 1
+    alone = replace(
+        costs, split_blocks=tuple(replace(b, heads_with="") for b in costs.split_blocks)
+    )
+    apart = time_balanced_shares(alone, cluster, 8, [1.0, 0.5])
+    assert len({tuple(b.units_of(apart) or ()) for b in blocks}) > 1

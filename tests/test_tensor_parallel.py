@@ -57,16 +57,21 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     # BLOOM's alibi (batch x heads rows, computed outside the attention) is cut to each
     # rank's heads.
     assert r["bloom_gathers"] == [] and r["bloom_split"] == 2 * 4
+    # T5's relative position bias (a column per head, in the first attention of each stack)
+    # is read at each rank's heads, and every attention of its stack holds those heads: its
+    # encoder's and decoder's self-attentions, cross-attentions and MLPs all split.
+    assert r["t5_gathers"] == [] and r["t5_split"] == 2 * 6 + 2 * 10
     # With empty_blocks the slow rank (speed 0.1) holds none of Llama's 3 key/value groups,
     # GPT-2's 6 heads (q, k and v packed) or the encoder's 6 heads.
     empty = {2: [3, 0], 3: [2, 0, 1]}[p]
     heads = [2 * u for u in empty]
     # OPT-style reshapes with -1 (old_style_lm) run on the rank holding no heads too.
     assert r["empty_blocks"] == {
-        "llama": empty, "gpt2": heads, "encoder": heads, "old": heads, "neox": heads
+        "llama": empty, "gpt2": heads, "encoder": heads, "old": heads, "neox": heads,
+        "t5": heads,
     }  # fmt: skip
     assert r["mha_weights"] == 2 and r["sdpa_float32"] == 2
-    assert r["errors"] == 8
+    assert r["errors"] == 9
     # loss_parallel: the untied heads' logits stay split by vocabulary through the loss.
     assert r["loss_parallel"]["llama"] == r["loss_parallel"]["encoder"] == "fewer bytes"
     assert r["loss_parallel"]["oracle"] >= 10
@@ -304,7 +309,7 @@ def test_an_attention_that_cannot_run_without_heads_gives_every_rank_a_group():
     pattern=st.integers(0, 3),
 )
 def test_an_empty_reshape_infers_what_it_would_with_heads(b, h, n, d, pattern):
-    from hetcoll.torch.filters.tensor_split import fill_empty_reshape
+    from hetcoll.torch.filters.head_guards import fill_empty_reshape
 
     # How attentions reshape around their heads; with the rank's heads 0, -1 is as with h.
     def case(heads: int) -> tuple[list[int], list[int]]:
@@ -325,7 +330,8 @@ def test_an_empty_reshape_infers_what_it_would_with_heads(b, h, n, d, pattern):
 
 
 def test_inputs_per_head_are_cut_to_the_ranks_heads():
-    from hetcoll.torch.filters.tensor_split import PerHeadInputs, TensorSplit
+    from hetcoll.torch.filters.head_guards import PerHeadInputs
+    from hetcoll.torch.filters.heads import TensorSplit
 
     # 6 heads of 4 in 3 key/value groups of 2; this rank holds groups 1 and 2: heads 2 to 5.
     ts = TensorSplit("attention", "attn", 3, 8, [], "attn.o", head_dim=4)
@@ -347,9 +353,10 @@ def test_inputs_per_head_are_cut_to_the_ranks_heads():
         cut.cut(nn.Identity(), (x,), {"bias": bias.requires_grad_()})
 
 
-def test_attentions_of_a_class_one_of_which_stays_whole_stay_whole():
+def test_t5_attentions_split_by_heads_reading_their_tables_columns():
     # T5: the first attention of each stack holds the relative position bias of every head
-    # (a parameter spanning heads) and hands what it computes to the others of its class.
+    # (an embedding, one column per head), held whole and read at the rank's heads; it hands
+    # what it computes to the others of its class, which hold the same heads as the first.
     # Its MLPs split: reading their output layer's dtype (T5 casts to it) reads no values.
     import transformers
 
@@ -360,14 +367,41 @@ def test_attentions_of_a_class_one_of_which_stays_whole_stay_whole():
         num_heads=6, decoder_start_token_id=0,
     )  # fmt: skip
     layout = split_layout(transformers.T5ForConditionalGeneration(config))
-    assert not [ts for ts in layout.splits if ts.kind == "attention"]
-    assert "relative_attention_bias" in layout.kept["encoder.block.0.layer.0.SelfAttention"]
-    assert layout.kept["encoder.block.1.layer.0.SelfAttention"].startswith(
-        "'encoder.block.0.layer.0.SelfAttention', of its class T5Attention, stays whole"
-    )
+    assert not layout.kept
+    attention = {ts.module: ts for ts in layout.splits if ts.kind == "attention"}
+    assert len(attention) == 2 + 2 * 2  # encoder self; decoder self and cross
+    lead = "encoder.block.0.layer.0.SelfAttention"
+    for stack in ("encoder", "decoder"):
+        first = attention[f"{stack}.block.0.layer.0.SelfAttention"]
+        table = f"{first.module}.relative_attention_bias"
+        assert first.tables == [table] and first.shared == [f"{table}.weight"]
+    assert attention[lead].heads_with == ""
+    assert {ts.heads_with for n, ts in attention.items() if n != lead} == {lead}
+    assert all(not ts.tables for n, ts in attention.items() if ".block.1." in n)
     mlp = {n: m for n, m in layout.modes.items() if "DenseReluDense" in n}
     assert mlp["encoder.block.1.layer.1.DenseReluDense.wi"] == "split-output"
     assert mlp["encoder.block.1.layer.1.DenseReluDense.wo"] == "split-input"
+
+
+def test_attentions_of_a_class_one_of_which_stays_whole_stay_whole():
+    # The first attention of the class holds a parameter spanning heads (a scale of every
+    # query feature): it stays whole for its layout, and the others of its class with it (the
+    # same code may hand them what it computes for every head).
+    from hetcoll.torch.filters import split_layout
+
+    class Scaled(cases._OldStyleAttention):
+        def __init__(self, scaled: bool) -> None:
+            super().__init__(packed=False)
+            self.scale = nn.Parameter(torch.ones(24)) if scaled else None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return super().forward(x if self.scale is None else x * self.scale)
+
+    first = iter([True, False])
+    layout = split_layout(cases.ResidualLM(lambda: Scaled(next(first))))
+    assert not [ts for ts in layout.splits if ts.kind == "attention"]
+    assert "'scale' (24,)" in layout.kept["blocks.0"]
+    assert layout.kept["blocks.1"].startswith("'blocks.0', of its class Scaled, stays whole")
 
 
 def test_a_config_view_keeps_its_own_counts_and_shares_the_rest():
@@ -492,7 +526,7 @@ def test_a_packing_is_read_as_its_reshape_says(heads, head_dim, lead, minus_one)
     the first-forward check): GPT-2-style blocks (``(..., 3, heads, d)``, ``(..., 3, heads *
     d)``) read as blocks, head by head (``(..., heads, 3, d)``, ``(..., heads, 3 * d)``) as
     heads, except where the two read alike (3 heads, spelled out): undecided."""
-    from hetcoll.torch.filters.tensor_split import packing_read
+    from hetcoll.torch.filters.head_guards import packing_read
 
     packed = len(lead) + 1  # the projection's output: lead dims, then 3 x heads x head_dim
     h = -1 if minus_one else heads

@@ -197,6 +197,7 @@ def layer_costs(
             tuple(ts.features_per_unit()),
             tuple(model.get_parameter(n).numel() for n in ts.shared),
             not ts.empty_fails,
+            ts.heads_with,
         )
         for ts in layout.splits
     )

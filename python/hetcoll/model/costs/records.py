@@ -132,7 +132,9 @@ class SplitBlock:
     of each parameter every rank holds whole and applies to its own heads (a per-head norm's
     weight, as Qwen3's ``q_norm``), whose gradient is summed over the ranks once per backward
     too. ``empty``: whether a rank may hold none of its units (False for an attention whose
-    forward cannot run without heads, as Falcon-40B's: every rank holds at least one)."""
+    forward cannot run without heads, as Falcon-40B's: every rank holds at least one).
+    ``heads_with``: the attention whose units this one holds alike (one of its class hands it
+    inputs per head, as T5's first attention its position bias); "" for none."""
 
     module: str
     kind: str
@@ -142,6 +144,7 @@ class SplitBlock:
     per_unit: tuple[int, ...]
     shared: tuple[int, ...] = ()
     empty: bool = True
+    heads_with: str = ""
 
     def shares(self, speeds: Sequence[float], *, empty: bool = False) -> list[int]:
         """The units per rank at ``speeds``, as the runtime splits them (:func:`hetcoll.split`

@@ -379,7 +379,12 @@ def time_balanced_shares(
     latency = seconds[repeated].sum(axis=0) / len(blocks)
     by_name = {x.name: x for x in costs.layers}
     out: dict[str, list[int]] = {}
+    units_of: dict[str, list[int]] = {}
     for k, b in enumerate(blocks):
+        if b.heads_with in units_of:  # handed inputs per head: its heads as that attention's
+            units_of[b.module] = units_of[b.heads_with]
+            out.update(b.layer_shares(units_of[b.module]))
+            continue
         rows = [i for i, kk in span.items() if kk == k]
         per_feature = seconds[rows].sum(axis=0) / (b.units * b.width)
         empty = empty_blocks and b.empty
@@ -404,6 +409,7 @@ def time_balanced_shares(
                 alone_s = float(total.min()) + sum(sums.block_sums_s(batch, rows, True, b))
                 if alone_s < split_s:
                     units = [b.units if d == int(total.argmin()) else 0 for d in range(n_dev)]
+        units_of[b.module] = units
         out.update(b.layer_shares(units))
     for name, mode in layer_modes.items():
         if name not in in_blocks and mode != "split-input":

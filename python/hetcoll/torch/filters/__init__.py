@@ -28,7 +28,7 @@ between a conv and a linear layer). A BatchNorm between the pair is split along 
 its statistics are per channel, so that is exact and needs no communication. Everything else
 stays replicated (and must be fed identical inputs on every rank: seed dropout identically).
 
-Transformers get the same pairing by another rule (:class:`~.tensor_split.TensorSplit`): an
+Transformers get the same pairing by another rule (:class:`~.heads.TensorSplit`): an
 attention split by whole heads (by key/value group under grouped-query attention; Hugging Face
 Llama-style q/k/v/o, GPT-2's packed ``Conv1D`` ``c_attn``, torch's ``nn.MultiheadAttention``) and
 an MLP by hidden units (read off its torch.fx graph), the layers reading the block's input
@@ -43,9 +43,13 @@ The package, each module importing only those named before it: :mod:`.checks` (a
 checks, speeds into shares), :mod:`.autograd` (the layers' communication as autograd functions),
 :mod:`.split_output` (a gathering layer's output kept split until an op needs it whole, and
 the cross-entropy of logits split by vocabulary), :mod:`.layers` (the split modules),
-:mod:`.chains` (which layers split, and the chain pairing rule), :mod:`.tensor_split` (the
-attentions split by heads and the MLPs by hidden units:
-:func:`plan_tensor_splits`), :mod:`.pairing` (the two rules combined: :func:`split_layout`,
+:mod:`.chains` (which layers split, and the chain pairing rule), :mod:`.heads` (the record
+of a block split by heads or hidden units, and how a rank's module holds its share),
+:mod:`.head_guards` (what a split attention runs with: per-head inputs cut, empty ranks, a
+packed layout checked), :mod:`.head_probes` (probe forwards on meta copies: how a packed
+projection is read, whether a rank without heads runs), :mod:`.tensor_split` (which
+attentions split by heads and which MLPs by hidden units: :func:`plan_tensor_splits`),
+:mod:`.pairing` (the two rules combined: :func:`split_layout`,
 :func:`filter_modes`), :mod:`.timing` (splits balanced by time),
 :mod:`.convert` (:func:`filter_parallel`,
 :func:`filter_shares`, :func:`split_traffic`) and :mod:`.state` (gathering a split model's
@@ -66,6 +70,7 @@ from hetcoll.torch.filters.chains import (
 )
 from hetcoll.torch.filters.checks import MODES
 from hetcoll.torch.filters.convert import filter_parallel, filter_shares, split_traffic
+from hetcoll.torch.filters.heads import ConfigView, TensorSplit
 from hetcoll.torch.filters.layers import (
     FilterParallelBatchNorm1d,
     FilterParallelBatchNorm2d,
@@ -92,7 +97,7 @@ from hetcoll.torch.filters.state import (
     load_full_state_dict,
     split_tensors,
 )
-from hetcoll.torch.filters.tensor_split import ConfigView, TensorSplit, plan_tensor_splits
+from hetcoll.torch.filters.tensor_split import plan_tensor_splits
 
 __all__ = [
     "ELEMENTWISE_MODULES",
@@ -125,7 +130,7 @@ __all__ = [
     "load_full_state_dict",
     "plan_tensor_splits",
     "split_layout",
-    "vocabulary_ties",
     "split_tensors",
     "split_traffic",
+    "vocabulary_ties",
 ]

@@ -32,6 +32,14 @@ from hetcoll.torch.filters.checks import (
     is_int,
     speeds_to_shares,
 )
+from hetcoll.torch.filters.head_guards import (
+    EmptyHeads,
+    HeadColumns,
+    PackedLayoutGuard,
+    PerHeadInputs,
+)
+from hetcoll.torch.filters.head_probes import EmptyRankCheck
+from hetcoll.torch.filters.heads import TensorSplit
 from hetcoll.torch.filters.layers import (
     ChannelSplit,
     FilterParallelBatchNorm1d,
@@ -46,13 +54,6 @@ from hetcoll.torch.filters.layers import (
     split_comms,
 )
 from hetcoll.torch.filters.pairing import SplitLayout, split_layout
-from hetcoll.torch.filters.tensor_split import (
-    EmptyHeads,
-    EmptyRankCheck,
-    PackedLayoutGuard,
-    PerHeadInputs,
-    TensorSplit,
-)
 from hetcoll.torch.filters.timing import replicated_latencies, sample_seconds
 from hetcoll.torch.transport import CountingCommunicator
 
@@ -306,6 +307,19 @@ def _shares(
             ) from None
 
     units = [(ts, units_of(ts, latency)) for ts, latency in zip(splits, latencies, strict=True)]
+    # Attentions handed per-head inputs by the first of their class hold its heads.
+    first_of = {ts.module: counts for ts, counts in units}
+    for i, (ts, counts) in enumerate(units):
+        lead = first_of.get(ts.heads_with) if ts.heads_with else None
+        if lead is None or counts == lead:
+            continue
+        if per_layer is not None:
+            raise ValueError(
+                f"{argument}: attention {ts.module!r} is handed inputs for its heads by "
+                f"{ts.heads_with!r} (of its class), so it must hold the same heads: its "
+                f"shares give it {counts} key/value groups per rank against {lead}"
+            )
+        units[i] = (ts, list(lead))
     shares: dict[str, list[int]] = {}
     for ts, counts in units:
         for name, per_unit in zip(ts.layers(), ts.features_per_unit(), strict=True):
@@ -628,7 +642,10 @@ def filter_parallel(
         for pn in ts.shared:
             model.get_parameter(pn).register_hook(SumGradient(comm, timeout))
         if ts.kind == "attention":
-            PerHeadInputs(ts, sum(counts[: comm.rank]), counts[comm.rank]).install(module)
+            first = sum(counts[: comm.rank])
+            PerHeadInputs(ts, first, counts[comm.rank]).install(module)
+            for table in ts.tables:
+                HeadColumns(ts, first, counts[comm.rank]).install(named[table])
         if empty_check is not None:
             empty_check.install(module)
         if ts.kind == "attention" and ts.packed() > 1:

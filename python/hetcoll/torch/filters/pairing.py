@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from hetcoll.torch.filters.chains import Traced, choose_layers, plan_modes
-from hetcoll.torch.filters.tensor_split import TensorSplit, plan_tensor_splits
+from hetcoll.torch.filters.heads import TensorSplit
+from hetcoll.torch.filters.tensor_split import plan_tensor_splits
 
 
 @dataclass

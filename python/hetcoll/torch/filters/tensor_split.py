@@ -1,20 +1,18 @@
 """Tensor parallelism of transformer blocks: which attentions split by heads and which MLPs by
-hidden units (:class:`TensorSplit`, :func:`plan_tensor_splits`), Megatron-LM's column/row pairing
-found by module attributes and torch.fx graphs. It reads module types, attributes and traced
-graphs only, so a model on the meta device works."""
+hidden units (:class:`~.heads.TensorSplit`, :func:`plan_tensor_splits`), Megatron-LM's
+column/row pairing found by module attributes and torch.fx graphs. It reads module types,
+attributes and traced graphs only (and probe forwards on meta copies, :mod:`.head_probes`), so
+a model on the meta device works."""
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.overrides import TorchFunctionMode
 
 from hetcoll.torch.filters.chains import (
     ELEMENTWISE_FUNCTIONS,
@@ -22,619 +20,22 @@ from hetcoll.torch.filters.chains import (
     ELEMENTWISE_MODULES,
     linear_features,
 )
+from hetcoll.torch.filters.head_probes import probe_packing, required_inputs, runs_without_heads
+from hetcoll.torch.filters.heads import TensorSplit
 from hetcoll.torch.filters.layers import FilterParallelMultiheadAttention
-from hetcoll.torch.filters.split_output import RESHAPES, target_shape
-
-
-@dataclass
-class TensorSplit:
-    """An attention split by whole heads (by key/value group under grouped-query attention,
-    each query head following its group) or an MLP split by hidden units, paired as Megatron-LM
-    pairs them: ``columns`` — the layers reading the block's input, split along their outputs
-    ("split-output", one shared copy of the input) — feed ``row``, split along its input
-    ("split-input", one sum-reduction of the block's output).
-
-    ``units``: the key/value groups (attention) or hidden units (MLP) the ranks divide;
-    ``width``: the row layer's input features per unit; ``columns``: ``(layer, blocks)``, the
-    output features per unit of each block the layer's output packs (one block; three for
-    query, key and value packed in one layer: ``(rep * head_dim, head_dim, head_dim)``);
-    ``attrs``: the module's attributes that count heads (or their features), by their value per
-    unit: a rank's module runs with its own counts; ``config``: the same for the head counts
-    of its ``config``, which the rank's module sees in a view of its own (:class:`ConfigView`:
-    the config itself is shared by every layer); ``empty_fails``: why its forward cannot run
-    on a rank holding none of its units ("" where it can, or no probe could tell:
-    :func:`runs_without_heads`). ``shared``: the module's other parameters
-    (a query/key norm over the head dimension, as Qwen3's and Gemma 3's), every rank holding
-    them whole and applying them to its own heads: each rank's gradient is its heads' part,
-    summed over the ranks in the backward. ``head_dim``: an attention's head size.
-    """
-
-    kind: str
-    module: str
-    units: int
-    width: int
-    columns: list[tuple[str, tuple[int, ...]]]
-    row: str
-    attrs: dict[str, int] = field(default_factory=dict)
-    config: dict[str, int] = field(default_factory=dict)
-    shared: list[str] = field(default_factory=list)
-    head_dim: int = 0
-    empty_fails: str = ""
-
-    def heads(self) -> int:
-        """An attention's query heads (unsplit); 0 for an MLP."""
-        return self.units * self.width // self.head_dim if self.head_dim else 0
-
-    def layers(self) -> list[str]:
-        return [c for c, _ in self.columns] + [self.row]
-
-    def features_per_unit(self) -> list[int]:
-        """The channels each of :meth:`layers` splits per unit a rank holds: a column's output
-        features (every packed block's), the row's input features."""
-        return [sum(blocks) for _, blocks in self.columns] + [self.width]
-
-    def packed(self) -> int:
-        """How many blocks its most packed column holds (3: query, key and value in one)."""
-        return max(len(blocks) for _, blocks in self.columns)
-
-    def hold(self, module: nn.Module, units: int) -> None:
-        """Make ``module`` (its :attr:`module`) count the heads of ``units`` units, where it
-        counts them: its attributes, and its config's counts in a view of its own
-        (:class:`ConfigView`)."""
-        for attr, per in self.attrs.items():
-            setattr(module, attr, per * units)
-        if self.config:
-            view: Any = ConfigView(
-                module.config, {a: per * units for a, per in self.config.items()}
-            )
-            module.config = view
-
-
-def _aligned(dims: Sequence[int], wants: Sequence[int]) -> int | None:
-    """How many of ``dims`` (a tensor's sizes, from one end) the sizes ``wants`` of a reshape
-    cover, from the same end; None where they do not line up. An empty dimension (heads, 0)
-    meets a 0 (heads, or batch x heads) among ``wants``, the sizes before that 0 being part of
-    it (``(batch, 0)`` of a ``batch x heads`` dimension); a 0 among ``wants`` covers the sizes
-    up to the empty dimension (``batch x heads`` of ``(batch, 0, ...)``)."""
-    j = 0
-    for d in wants:
-        if j < len(dims) and dims[j] == 0:
-            j += d == 0  # a 0 meets the empty dimension; any other size is a part of it
-            continue
-        if d == 0:
-            while j < len(dims) and dims[j] != 0:
-                j += 1
-            if j == len(dims):
-                return None
-            j += 1
-            continue
-        product = 1
-        while product < d and j < len(dims) and dims[j] != 0:
-            product *= dims[j]
-            j += 1
-        if product != d:
-            return None
-    return j
-
-
-def fill_empty_reshape(shape: Sequence[int], target: Sequence[int]) -> list[int]:
-    """``target`` (one ``-1``) for a reshape of an empty tensor of ``shape`` whose emptiness is
-    a rank's heads (0): ``-1`` takes the sizes the other target sizes leave, lined up from both
-    ends (:func:`_aligned`), so it is what it would be with heads; where they do not line up,
-    the size the tensor has in its position; 0 where nothing else in the target is.
-
-    >>> fill_empty_reshape([0, 5, 4], [2, 0, 5, -1])  # BLOOM's scores: (batch x heads, q, k)
-    [2, 0, 5, 4]
-    >>> fill_empty_reshape([2, 0, 5, 4], [0, -1, 4])  # its queries: (batch, heads, q, head)
-    [0, 5, 4]
-    """
-    i = list(target).index(-1)
-    left = _aligned(shape, target[:i])
-    right = _aligned(list(shape)[::-1], list(target[i + 1 :])[::-1])
-    if left is not None and right is not None and left + right <= len(shape):
-        size = math.prod(shape[left : len(shape) - right])
-    else:
-        size = shape[i] if i < len(shape) else 0
-    resolved = [size if d == -1 else d for d in target]
-    if 0 not in resolved:
-        resolved[i] = 0
-    return resolved
-
-
-class EmptyHeads(TorchFunctionMode):
-    """The forward of an attention on a rank that holds none of its heads: it runs on empty
-    tensors, where two kinds of op need help that torch cannot give an empty dimension.
-    - A projection packing query, key and value (GPT-2's ``c_attn``, ``parts`` 3) is split by
-      its heads' width, now 0, into ``parts`` pieces, where torch gives one piece of an empty
-      dimension: here it gives ``parts`` empty pieces.
-    - A reshape with ``-1`` (OPT's ``view(batch, -1, heads, head_dim)``, BLOOM's
-      ``reshape(batch * heads, -1, head_dim)``) is ambiguous on an empty tensor: here ``-1``
-      takes the size it has where the heads are not 0 (:func:`fill_empty_reshape`).
-    Every other op runs as torch runs it. Entered by a forward pre-hook of the attention
-    module, left by its forward hook."""
-
-    def __init__(self, parts: int) -> None:
-        super().__init__()
-        self.parts = parts
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in (torch.Tensor.split, torch.split) and args and self.parts > 1:
-            t, size = args[0], args[1] if len(args) > 1 else kwargs.get("split_size")
-            dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-            if isinstance(size, int) and size == 0 and t.shape[dim] == 0:
-                return tuple(t.narrow(dim, 0, 0) for _ in range(self.parts))
-        if func in RESHAPES and args and isinstance(args[0], torch.Tensor):
-            t = args[0]
-            shape = target_shape(args[1:], kwargs)
-            if t.numel() == 0 and shape is not None and shape.count(-1) == 1:
-                return func(t, fill_empty_reshape(list(t.shape), shape))
-        return func(*args, **kwargs)
-
-    def enter(self, module: nn.Module, args: Any) -> None:
-        self.__enter__()
-
-    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.__exit__(None, None, None)
-
-
-# Reads of a tensor's metadata (``.shape``, ``.size()``): no use of its values.
-_INSPECTIONS = {"__get__", "size", "dim", "numel", "stride", "is_contiguous", "contiguous"}
-
-
-def packing_read(shape: Sequence[int], packed: int, heads: int, head_dim: int) -> str | None:
-    """How a reshape of a ``packed``-dimensional packed query/key/value output to ``shape``
-    reads it, for ``heads`` heads of ``head_dim``: ``"heads"`` head by head, one more
-    dimension ``(..., heads, 3 * head_dim)`` (GPT-NeoX) or two more ``(..., heads, 3,
-    head_dim)`` (BLOOM); ``"blocks"`` as three blocks, ``(..., 3, heads * head_dim)`` or
-    ``(..., 3, heads, head_dim)``; None for another reshape, or where both readings coincide
-    (3 heads of 3): it cannot tell."""
-    h, d = heads, head_dim
-    if len(shape) == packed + 1:
-        by_head = shape[-2] in (h, -1) and shape[-1] == 3 * d
-        blocked = shape[-2] == 3 and shape[-1] in (h * d, -1)
-    elif len(shape) == packed + 2:
-        by_head = shape[-3] in (h, -1) and list(shape[-2:]) == [3, d]
-        blocked = shape[-3] == 3 and shape[-2] in (h, -1) and shape[-1] == d
-    else:
-        return None
-    if by_head == blocked:
-        return None
-    return "heads" if by_head else "blocks"
-
-
-class _Watch(TorchFunctionMode):
-    """Watches the first op a forward applies to one tensor (a packed projection's output,
-    given to :meth:`watch` by that layer's forward hook) and hands ``(func, args, kwargs)`` to
-    ``decide``, which may raise to stop the forward there."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.watched: torch.Tensor | None = None
-        self.seen = False
-
-    def watch(self, module: nn.Module, args: Any, output: Any) -> None:
-        if isinstance(output, torch.Tensor) and not self.seen:
-            self.watched = output
-
-    def decide(self, func: Any, args: Any, kwargs: Any) -> None:
-        raise NotImplementedError
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if (
-            self.watched is not None
-            and args
-            and args[0] is self.watched
-            and getattr(func, "__name__", "") not in _INSPECTIONS
-        ):
-            self.watched, self.seen = None, True  # the first op decides
-            self.decide(func, args, kwargs)
-        return func(*args, **kwargs)
-
-
-def _reshaped_to(func: Any, args: Any, kwargs: Any) -> list[int] | None:
-    """The shape a reshape of ``args[0]`` asks for (``view``, ``reshape``, ``unflatten``)."""
-    if func is torch.Tensor.unflatten and len(args) > 2:
-        return [*args[0].shape[: args[1]], *args[2]]
-    return target_shape(args[1:], kwargs) if func in RESHAPES else None
-
-
-class _Probed(Exception):
-    """Stops a probe's forward once its packed output's first op is seen."""
-
-
-def _cut_read(
-    func: Any, args: Any, kwargs: Any, heads: int, kv_heads: int, head_dim: int
-) -> str | None:
-    """``"blocks"`` when ``func(*args)`` cuts a packed query/key/value output along its last
-    dimension where the query heads end: ``qkv[..., :heads * head_dim]`` (Phi-3's), or
-    ``split`` into the three blocks' widths; else None."""
-    t, width = args[0], heads * head_dim
-    if func is torch.Tensor.__getitem__ and len(args) > 1:
-        index = args[1] if isinstance(args[1], tuple) else (args[1],)
-        last = index[-1] if index else None
-        along_last = len(index) == t.dim() or (len(index) == 2 and index[0] is Ellipsis)
-        if along_last and isinstance(last, slice) and last.start in (None, 0):
-            return "blocks" if last.stop == width and last.step in (None, 1) else None
-        return None
-    if func in (torch.Tensor.split, torch.split) and len(args) > 1:
-        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-        if dim not in (-1, t.dim() - 1):
-            return None
-        sizes = args[1]
-        blocks = [width, kv_heads * head_dim, kv_heads * head_dim]
-        if sizes == blocks or (kv_heads == heads and sizes == width):
-            return "blocks"
-    return None
-
-
-def grouped_read(shape: Sequence[int], packed: int, kv_heads: int, per_group: int) -> str | None:
-    """``"groups"`` when a reshape of a ``packed``-dimensional output packing query, key and
-    value under grouped-query attention to ``shape`` reads it key/value group by group: each
-    group's query heads, key head and value head together, ``(..., kv_heads, per_group *
-    head_dim)`` or ``(..., kv_heads, per_group, head_dim)`` (InternLM2's ``wqkv``; ``per_group``
-    = query heads per group + 2); else None."""
-    if len(shape) == packed + 1:
-        return "groups" if shape[-2] in (kv_heads, -1) and shape[-1] % per_group == 0 else None
-    if len(shape) == packed + 2:
-        return "groups" if shape[-3] in (kv_heads, -1) and shape[-2] == per_group else None
-    return None
-
-
-class _PackingProbe(_Watch):
-    def __init__(self, heads: int, head_dim: int, kv_heads: int) -> None:
-        super().__init__()
-        self.heads, self.head_dim, self.kv_heads = heads, head_dim, kv_heads
-        self.read: str | None = None
-
-    def decide(self, func: Any, args: Any, kwargs: Any) -> None:
-        shape = _reshaped_to(func, args, kwargs)
-        h, kv, d = self.heads, self.kv_heads, self.head_dim
-        if shape is not None and kv == h:
-            self.read = packing_read(shape, args[0].dim(), h, d)
-        elif shape is not None:
-            per_group = h // kv + 2
-            ok = shape[-1] in (per_group * d, d)
-            self.read = grouped_read(shape, args[0].dim(), kv, per_group) if ok else None
-        else:
-            self.read = _cut_read(func, args, kwargs, h, kv, d)
-        raise _Probed
-
-
-def _probe_inputs(module: nn.Module, layer: nn.Module, hidden: int) -> tuple[Any, ...] | None:
-    """The arguments of a probe forward of ``module``: one token of zeros of ``hidden``
-    features (on ``layer``'s device, in its dtype; the meta device works), ``None`` for every
-    other input its forward requires; None where ``layer`` holds no parameter or the
-    forward's signature cannot be read."""
-    weight = next(layer.parameters(), None)
-    required = _required(module)
-    if weight is None or required is None:
-        return None
-    x = torch.zeros(1, 1, hidden, device=weight.device, dtype=weight.dtype)
-    return (x, *[None] * max(required - 1, 0))
-
-
-def probe_packing(
-    attention: nn.Module, column: str, hidden: int, heads: int, head_dim: int, kv_heads: int = 0
-) -> str | None:
-    """How ``attention``'s forward reads its packed query/key/value projection ``column``, seen
-    on one probe forward: ``"heads"`` head by head, ``"groups"`` key/value group by group
-    (:func:`packing_read`, :func:`grouped_read`), ``"blocks"`` as query, key and value blocks
-    (cut where the query heads end: :func:`_cut_read`; or, with as many key/value heads as
-    query heads, reshaped so). The probe: a single token of zeros as its first input (on the
-    projection's device, in its dtype; a model on the meta device works), ``None`` for every
-    other input it requires, stopped at the first op on the projection's output, with no
-    gradient. None when that forward fails before it (it needs an input the probe lacks) or
-    the first op tells nothing: with as many key/value heads as query heads, the first real
-    forward then checks (:class:`PackedLayoutGuard`). ``kv_heads``: 0 for ``heads``."""
-    layer = attention.get_submodule(column)
-    token = _probe_inputs(attention, layer, hidden)
-    if token is None:
-        return None
-    probe = _PackingProbe(heads, head_dim, kv_heads or heads)
-    handle = layer.register_forward_hook(probe.watch)
-    try:
-        with torch.no_grad(), probe:
-            attention.forward(*token)
-    except _Probed:
-        return probe.read
-    except Exception:  # the probe lacks an input the forward needs: undecided
-        return None
-    finally:
-        handle.remove()
-    return None
-
-
-class _Count(TorchFunctionMode):
-    """Counts the torch ops a forward runs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _probe_run(
-    attention: nn.Module, ts: TensorSplit, empty: bool, inputs: tuple[Any, Any] | None = None
-) -> tuple[bool, int, str]:
-    """One probe forward of (a copy of) ``attention``: on ``inputs`` (args, kwargs), or its
-    first input one token of zeros and ``None`` for every other input it requires; no
-    gradient, stopped when its output projection is called or its forward returns; with
-    ``empty``, as on a rank holding none of its heads (its columns' outputs emptied, its head
-    counts 0, inputs per head cut to none, under :class:`EmptyHeads`). Returns whether it got
-    there, how many torch ops it ran, and the exception if not."""
-    prefix = f"{ts.module}." if ts.module else ""
-    first = attention.get_submodule(ts.columns[0][0].removeprefix(prefix))
-    hidden = linear_features(first)
-    token = None if hidden is None else _probe_inputs(attention, first, hidden[0])
-    if token is None:
-        return True, 0, ""
-    handles = []
-    if ts.row.startswith(prefix):
-        row = attention.get_submodule(ts.row.removeprefix(prefix))
-        handles.append(row.register_forward_pre_hook(_stop))
-    if empty:
-        for name, _ in ts.columns:
-            layer = attention.get_submodule(name.removeprefix(prefix))
-            handles.append(layer.register_forward_hook(_emptied))
-        ts.hold(attention, 0)
-    if inputs is None:
-        inputs = (token, {})
-    elif empty:
-        inputs = PerHeadInputs(ts, 0, 0).cut(attention, *inputs) or inputs
-    count = _Count()
-    modes = [count, EmptyHeads(ts.packed())] if empty else [count]
-    try:
-        with torch.no_grad():
-            for mode in modes:
-                mode.__enter__()
-            try:
-                attention.forward(*inputs[0], **inputs[1])
-            finally:
-                for mode in reversed(modes):
-                    mode.__exit__(None, None, None)
-    except _Probed:
-        return True, count.ops, ""
-    except Exception as e:  # where the forward fails tells whether the heads' absence did it
-        return False, count.ops, f"{type(e).__name__}: {e}".splitlines()[0]
-    finally:
-        for h in handles:
-            h.remove()
-    return True, count.ops, ""
-
-
-def _stop(module: nn.Module, args: Any) -> None:
-    raise _Probed
-
-
-def _emptied(module: nn.Module, args: Any, output: Any) -> Any:
-    return output.narrow(-1, 0, 0) if isinstance(output, torch.Tensor) else output
-
-
-def meta_copy(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` with its parameters and buffers on the meta device, made without
-    copying their data (a probe of a large layer costs no memory)."""
-    import copy
-
-    memo: dict[int, Any] = {}
-    for p in module.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-    for b in module.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(module, memo)
-
-
-def runs_without_heads(
-    attention: nn.Module, ts: TensorSplit, inputs: tuple[Any, Any] | None = None
-) -> str | None:
-    """Why ``attention`` (split as ``ts``) cannot run its forward on a rank holding none of
-    its heads, or None. Two probe forwards of copies of it (:func:`_probe_run`), one as the
-    unsplit module, one as such a rank's, each on one token of zeros with ``None`` for its
-    other required inputs (or ``inputs``, its args and kwargs): the heads' absence is to blame
-    where the second fails before the first gets as far (Falcon's ``num_heads //
-    num_kv_heads`` divides by zero). Where both fail alike (an input the probe lacks), it
-    cannot tell: None. Both run on copies on the meta device (:func:`meta_copy`)."""
-    whole = _probe_run(meta_copy(attention), ts, empty=False, inputs=inputs)
-    none = _probe_run(meta_copy(attention), ts, empty=True, inputs=inputs)
-    if none[0] or (not whole[0] and whole[1] <= none[1]):
-        return None
-    return none[2]
-
-
-class EmptyRankCheck:
-    """At an attention's first forward, where a rank holds none of its heads: whether its
-    forward runs so (:func:`runs_without_heads`), on the forward's own inputs this time, where
-    the probe at the split could not tell (BLOOM's, given no ``alibi``). Every rank checks,
-    alike (their inputs to a split attention are the same), on a copy of the unsplit module
-    on the meta device, before the block runs: a forward failing on that rank alone would
-    leave the others waiting in the block's reduction; here all raise ``ValueError``."""
-
-    def __init__(self, ts: TensorSplit, attention: nn.Module, rank: int) -> None:
-        self.ts, self.rank = ts, rank
-        # Before the split replaces its layers.
-        self.meta: nn.Module | None = meta_copy(attention)
-        self.handle: Any = None
-
-    def install(self, attention: nn.Module) -> None:
-        self.handle = attention.register_forward_pre_hook(
-            self.check, with_kwargs=True, prepend=True
-        )
-
-    def check(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        from torch.utils import _pytree as pytree
-
-        self.handle.remove()
-
-        def meta(v: Any) -> Any:
-            return torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
-
-        inputs = pytree.tree_map(meta, (tuple(args), dict(kwargs)))
-        unsplit, self.meta = self.meta, None
-        why = None if unsplit is None else runs_without_heads(unsplit, self.ts, inputs)
-        if why is not None:
-            raise ValueError(
-                f"filter_parallel: attention {self.ts.module!r} cannot run on a rank holding "
-                f"none of its heads, as rank {self.rank} does ({why}); give every rank at least "
-                "one key/value group (empty_blocks=False, or shares), or leave its layers out "
-                "(layers=...)"
-            )
-
-
-class PackedLayoutGuard(_Watch):
-    """Checks, on an attention's first forward, that its packed query/key/value projection is
-    packed as a split by heads takes it: three blocks, query heads then key heads then value
-    heads (GPT-2's ``c_attn``, read with ``split(width, dim=-1)``), where no probe forward at
-    the split (:func:`probe_packing`) could tell. A module that packs them head by head
-    (BLOOM's and GPT-NeoX's ``query_key_value``, viewed as ``(..., heads, 3, head_dim)``)
-    would get a wrong slice on every rank: its first reshape of that output raises
-    ``ValueError`` instead, naming the attention, on every rank alike (before any reduction of
-    the block). The first op on that output decides; then the guard removes itself."""
-
-    def __init__(self, ts: TensorSplit, units: int) -> None:
-        super().__init__()
-        self.ts = ts
-        self.column, self.head_dim = ts.columns[0][0], ts.head_dim
-        self.heads = units * ts.width // self.head_dim  # this rank's query heads
-        self.handles: list[Any] = []
-
-    def install(self, attention: nn.Module, column: nn.Module) -> None:
-        # Entered before and left after any other mode of the attention (EmptyHeads).
-        self.handles = [
-            attention.register_forward_pre_hook(self.enter, prepend=True),
-            attention.register_forward_hook(self.leave, always_call=True),
-            column.register_forward_hook(self.watch),
-        ]
-
-    def enter(self, module: nn.Module, args: Any) -> None:
-        self.__enter__()
-
-    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.__exit__(None, None, None)
-        if self.seen:  # decided: later forwards run unwatched
-            for h in self.handles:
-                h.remove()
-        self.watched = None
-
-    def decide(self, func: Any, args: Any, kwargs: Any) -> None:
-        shape = _reshaped_to(func, args, kwargs)
-        if shape is None:
-            return
-        if packing_read(shape, args[0].dim(), self.heads, self.head_dim) == "heads":
-            self.seen = False  # the next forward checks again
-            raise ValueError(
-                f"filter_parallel: attention {self.ts.module!r} packs query, key and value "
-                f"head by head in {self.column!r} (its forward reshapes that output to "
-                f"{tuple(shape)}: heads, then query/key/value), where a split by heads "
-                "takes three blocks (query heads, key heads, value heads, as GPT-2's "
-                "c_attn), and the split could not tell (a forward of the attention alone, "
-                "given one token and no other input, failed); leave its layers out of the "
-                "split (layers=...)"
-            )
-
-
-class PerHeadInputs:
-    """An attention's inputs that count every head of the unsplit attention, cut to the rank's
-    heads before each forward: a tensor of ``batch x heads`` rows (BLOOM's ``alibi``, 3-D) or
-    a 4-D one of ``(batch, heads, ...)`` (a bias per head). One that needs a gradient (a
-    learned bias, as T5's relative position bias) would need its other heads' gradients from
-    the other ranks: it raises ``ValueError`` naming the attention and the input, on every
-    rank alike (the ranks agree on the model's input shapes first), before any reduction of
-    the block."""
-
-    def __init__(self, ts: TensorSplit, first: int, count: int) -> None:
-        self.ts = ts
-        self.heads = ts.heads()
-        per_unit = ts.width // ts.head_dim if ts.head_dim else 1
-        self.lo, self.hi = first * per_unit, (first + count) * per_unit  # the rank's heads
-
-    def install(self, attention: nn.Module) -> None:
-        attention.register_forward_pre_hook(self.cut, with_kwargs=True)
-
-    def _cut_one(self, t: torch.Tensor, batch: int, what: str) -> torch.Tensor | None:
-        h = self.heads
-        rows = t.dim() == 3 and t.shape[0] == batch * h
-        if not rows and not (t.dim() == 4 and t.shape[1] == h):
-            return None
-        if t.requires_grad:
-            raise ValueError(
-                f"filter_parallel: attention {self.ts.module!r} is given {what} of shape "
-                f"{tuple(t.shape)}, which counts all {h} of its heads and needs its gradient "
-                "(a learned bias per head), where each rank holds only its own heads after "
-                "the split; leave its layers out of the split (layers=...)"
-            )
-        if rows:
-            per_head = t.reshape(batch, h, *t.shape[1:])[:, self.lo : self.hi]
-            return per_head.reshape(batch * (self.hi - self.lo), *t.shape[1:])
-        return t[:, self.lo : self.hi]
-
-    def cut(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if first is None:
-            first = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
-        if self.heads < 2 or first is None or first.dim() < 1:
-            return None
-        batch = first.shape[0]
-
-        def cut(value: Any, what: str) -> Any:
-            if isinstance(value, torch.Tensor) and value is not first:
-                got = self._cut_one(value, batch, what)
-                return value if got is None else got
-            return value
-
-        new_args = tuple(cut(a, f"argument {i}") for i, a in enumerate(args))
-        new_kwargs = {k: cut(v, k) for k, v in kwargs.items()}
-        return new_args, new_kwargs
-
-
-class ConfigView:
-    """A split attention's view of the config it shares with every other layer: its own head
-    counts (``own``: the rank's, where the unsplit module's forward reads them from the
-    config, as Phi-3's ``self.config.num_attention_heads``), everything else read from and
-    written to the shared config, so a later change to it (the attention implementation) still
-    reaches the module."""
-
-    __slots__ = ("_base", "_own")
-
-    def __init__(self, base: Any, own: dict[str, int]) -> None:
-        if isinstance(base, ConfigView):  # a view of a view: one level, the counts updated
-            own, base = {**base._own, **own}, base._base
-        object.__setattr__(self, "_base", base)
-        object.__setattr__(self, "_own", dict(own))
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        own = object.__getattribute__(self, "_own")
-        return own[name] if name in own else getattr(object.__getattribute__(self, "_base"), name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in ConfigView.__slots__:  # unpickling
-            object.__setattr__(self, name, value)
-        elif name in self._own:
-            self._own[name] = value
-        else:
-            setattr(self._base, name, value)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> ConfigView:
-        import copy
-
-        return ConfigView(copy.deepcopy(self._base, memo), self._own)
-
-    def __repr__(self) -> str:
-        counts = ", ".join(f"{k}={v}" for k, v in self._own.items())
-        return f"ConfigView({counts}) of {type(self._base).__name__}"
-
 
 # The attributes an attention module counts its heads with, where its implementation keeps
 # them (Hugging Face, fairseq-style and timm-style modules): query heads, key/value heads, and
 # the width of all query heads together (GPT-2 splits its packed projection by it).
 _QUERY_HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+
+
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+
+
 _QUERY_WIDTH = ("split_size", "all_head_size", "inner_dim")
+
+
 _HEAD_DIM = ("head_dim", "head_size")  # GPT-NeoX's
 
 
@@ -655,11 +56,11 @@ def _qkv_columns(
     nkv: int,
     hd: int,
 ) -> list[tuple[str, tuple[int, ...]]] | None:
-    """The column layout (:attr:`TensorSplit.columns`) of an attention's input projections
+    """The column layout (:attr:`~.heads.TensorSplit.columns`) of an attention's input projections
     ``inputs`` (name, (in, out)), each reading ``hidden`` features: separate query, key and
     value, or the three packed in one layer, as a probe forward of the attention shows it
-    read (:func:`probe_packing`); None when they are neither, or packed under grouped-query
-    attention in a way the probe cannot tell."""
+    read (:func:`~.head_probes.probe_packing`); None when they are neither, or packed under
+    grouped-query attention in a way the probe cannot tell."""
     if not inputs or any(fin != hidden for _, (fin, _) in inputs):
         return None
     outs_of = sorted(fout for _, (_, fout) in inputs)
@@ -737,13 +138,22 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
             "an output projection"
         )
     # Any other parameter is applied to the rank's own heads: one of a head's size (a norm over
-    # the head dimension) or a number is the same for every head, its gradient summed over the
-    # ranks; one that spans heads (a norm over all query features, a weight per head) would
-    # need a split of its own.
+    # the head dimension) or a number is the same for every head, and a table of a weight per
+    # query head (T5's relative position bias: an embedding, one column per head) is read at
+    # the rank's heads' columns; each held whole, its gradient summed over the ranks. One that
+    # spans heads otherwise (a norm over all query features) would need a split of its own.
     projections = {n for n, _ in projs}
+    tables = [
+        n
+        for n, c in m.named_children()
+        if type(c) is nn.Embedding and c.embedding_dim == nq > 1 and c.max_norm is None
+    ]
     shared = []
     for pn, p in m.named_parameters():
         if pn.split(".", 1)[0] in projections:
+            continue
+        if pn.split(".", 1)[0] in tables:
+            shared.append(pn)
             continue
         if tuple(p.shape) not in ((hd,), (1,), ()):
             return (
@@ -773,6 +183,7 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
         own,
         [prefix + n for n in shared],
         hd,
+        tables=[prefix + n for n in tables],
     )
 
 
@@ -783,9 +194,13 @@ _BINARY = {
     operator.mul, operator.add, operator.sub, operator.truediv, operator.pow, torch.mul,
     torch.add, torch.sub, torch.div, torch.pow,
 }  # fmt: skip
+
+
 _UNARY = ELEMENTWISE_FUNCTIONS | {
     operator.neg, torch.neg, torch.exp, torch.erf, torch.square, F.sigmoid, F.tanh,
 }  # fmt: skip
+
+
 _ELEMENTWISE_TENSOR_METHODS = ELEMENTWISE_METHODS | {
     "mul", "add", "sub", "div", "pow", "neg", "exp", "erf", "square", "float", "double", "to",
     "type_as",
@@ -807,19 +222,6 @@ class _Method(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Any:
         return getattr(self.owner, self.method)(x, *[None] * self.nones)
-
-
-def _required(m: nn.Module) -> int | None:
-    """How many arguments ``m``'s forward requires (None where its signature cannot be
-    read)."""
-    import inspect
-
-    try:
-        params = inspect.signature(m.forward).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(p.kind in positional and p.default is p.empty for p in params)
 
 
 #: How many submodules a trace may leave whole because fx cannot trace through them.
@@ -909,7 +311,7 @@ def block_graph(m: nn.Module, whole: Any = None) -> tuple[Any, dict[str, nn.Modu
     if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
         roots = [(_Method(m, "_ff_block"), "owner.")]  # its forward has fast paths
     else:
-        n = _required(m) or 0
+        n = required_inputs(m) or 0
         roots = [(m, "")] + ([(_Method(m, "forward", n - 1), "owner.")] if n else [])
     for root, prefix in roots:
         opaque: set[str] = set()
@@ -1112,7 +514,7 @@ def plan_tensor_splits(
     model: nn.Module, candidates: Sequence[str], *, mha: bool = True
 ) -> tuple[list[TensorSplit], dict[str, str]]:
     """The attentions and MLPs of ``model`` to split by heads and hidden units
-    (:class:`TensorSplit`), among the layers named in ``candidates`` (those the pairing rule
+    (:class:`~.heads.TensorSplit`), among the layers named in ``candidates`` (those the pairing rule
     of :func:`~.chains.plan_modes` would gather), and with ``mha`` torch's ``nn.MultiheadAttention``
     modules; and the attentions it leaves alone, by name, with why.
     It reads module types, attributes and traced graphs only, so a model on the meta device
@@ -1160,6 +562,17 @@ def plan_tensor_splits(
                 f"{first!r}, of its class {type(named[first]).__name__}, stays whole, and may "
                 "hand it inputs for every head"
             )
+    # Where one of a class holds a per-head table (T5's first attention of each stack), the
+    # others are handed what it computes for the heads a rank holds: every attention of the
+    # class holds the same heads as the first.
+    leader: dict[type, str] = {}
+    for ts in splits:
+        if ts.kind == "attention" and ts.tables:
+            leader.setdefault(type(named[ts.module]), ts.module)
+    for ts in splits:
+        first = leader.get(type(named[ts.module])) if ts.kind == "attention" else None
+        if first is not None and first != ts.module:
+            ts.heads_with = first
     for ts in splits:
         if ts.kind == "attention":
             ts.empty_fails = runs_without_heads(named[ts.module], ts) or ""

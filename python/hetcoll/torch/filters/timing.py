@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetcoll.torch.filters.tensor_split import TensorSplit
+from hetcoll.torch.filters.heads import TensorSplit
 
 
 def replicated_latencies(

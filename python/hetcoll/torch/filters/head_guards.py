@@ -1,0 +1,292 @@
+"""What a split attention runs with on each rank (installed by :func:`~.convert.filter_parallel`
+on the rank's module): per-head inputs cut to its heads (:class:`PerHeadInputs`), a rank
+holding no heads run on empty tensors (:class:`EmptyHeads`), and a check that a packed
+projection's output is read as its layout was found (:class:`PackedLayoutGuard`, on
+:class:`OpWatch`, which sees the torch calls a forward makes)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from hetcoll.torch.filters.heads import TensorSplit
+from hetcoll.torch.filters.split_output import RESHAPES, target_shape
+
+
+def _aligned(dims: Sequence[int], wants: Sequence[int]) -> int | None:
+    """How many of ``dims`` (a tensor's sizes, from one end) the sizes ``wants`` of a reshape
+    cover, from the same end; None where they do not line up. An empty dimension (heads, 0)
+    meets a 0 (heads, or batch x heads) among ``wants``, the sizes before that 0 being part of
+    it (``(batch, 0)`` of a ``batch x heads`` dimension); a 0 among ``wants`` covers the sizes
+    up to the empty dimension (``batch x heads`` of ``(batch, 0, ...)``)."""
+    j = 0
+    for d in wants:
+        if j < len(dims) and dims[j] == 0:
+            j += d == 0  # a 0 meets the empty dimension; any other size is a part of it
+            continue
+        if d == 0:
+            while j < len(dims) and dims[j] != 0:
+                j += 1
+            if j == len(dims):
+                return None
+            j += 1
+            continue
+        product = 1
+        while product < d and j < len(dims) and dims[j] != 0:
+            product *= dims[j]
+            j += 1
+        if product != d:
+            return None
+    return j
+
+
+def fill_empty_reshape(shape: Sequence[int], target: Sequence[int]) -> list[int]:
+    """``target`` (one ``-1``) for a reshape of an empty tensor of ``shape`` whose emptiness is
+    a rank's heads (0): ``-1`` takes the sizes the other target sizes leave, lined up from both
+    ends (:func:`_aligned`), so it is what it would be with heads; where they do not line up,
+    the size the tensor has in its position; 0 where nothing else in the target is.
+
+    >>> fill_empty_reshape([0, 5, 4], [2, 0, 5, -1])  # BLOOM's scores: (batch x heads, q, k)
+    [2, 0, 5, 4]
+    >>> fill_empty_reshape([2, 0, 5, 4], [0, -1, 4])  # its queries: (batch, heads, q, head)
+    [0, 5, 4]
+    """
+    i = list(target).index(-1)
+    left = _aligned(shape, target[:i])
+    right = _aligned(list(shape)[::-1], list(target[i + 1 :])[::-1])
+    if left is not None and right is not None and left + right <= len(shape):
+        size = math.prod(shape[left : len(shape) - right])
+    else:
+        size = shape[i] if i < len(shape) else 0
+    resolved = [size if d == -1 else d for d in target]
+    if 0 not in resolved:
+        resolved[i] = 0
+    return resolved
+
+
+class EmptyHeads(TorchFunctionMode):
+    """The forward of an attention on a rank that holds none of its heads: it runs on empty
+    tensors, where two kinds of op need help that torch cannot give an empty dimension.
+    - A projection packing query, key and value (GPT-2's ``c_attn``, ``parts`` 3) is split by
+      its heads' width, now 0, into ``parts`` pieces, where torch gives one piece of an empty
+      dimension: here it gives ``parts`` empty pieces.
+    - A reshape with ``-1`` (OPT's ``view(batch, -1, heads, head_dim)``, BLOOM's
+      ``reshape(batch * heads, -1, head_dim)``) is ambiguous on an empty tensor: here ``-1``
+      takes the size it has where the heads are not 0 (:func:`fill_empty_reshape`).
+    Every other op runs as torch runs it. Entered by a forward pre-hook of the attention
+    module, left by its forward hook."""
+
+    def __init__(self, parts: int) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.split, torch.split) and args and self.parts > 1:
+            t, size = args[0], args[1] if len(args) > 1 else kwargs.get("split_size")
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+            if isinstance(size, int) and size == 0 and t.shape[dim] == 0:
+                return tuple(t.narrow(dim, 0, 0) for _ in range(self.parts))
+        if func in RESHAPES and args and isinstance(args[0], torch.Tensor):
+            t = args[0]
+            shape = target_shape(args[1:], kwargs)
+            if t.numel() == 0 and shape is not None and shape.count(-1) == 1:
+                return func(t, fill_empty_reshape(list(t.shape), shape))
+        return func(*args, **kwargs)
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        self.__enter__()
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.__exit__(None, None, None)
+
+
+# Reads of a tensor's metadata (``.shape``, ``.size()``): no use of its values.
+_INSPECTIONS = {"__get__", "size", "dim", "numel", "stride", "is_contiguous", "contiguous"}
+
+
+def packing_read(shape: Sequence[int], packed: int, heads: int, head_dim: int) -> str | None:
+    """How a reshape of a ``packed``-dimensional packed query/key/value output to ``shape``
+    reads it, for ``heads`` heads of ``head_dim``: ``"heads"`` head by head, one more
+    dimension ``(..., heads, 3 * head_dim)`` (GPT-NeoX) or two more ``(..., heads, 3,
+    head_dim)`` (BLOOM); ``"blocks"`` as three blocks, ``(..., 3, heads * head_dim)`` or
+    ``(..., 3, heads, head_dim)``; None for another reshape, or where both readings coincide
+    (3 heads of 3): it cannot tell."""
+    h, d = heads, head_dim
+    if len(shape) == packed + 1:
+        by_head = shape[-2] in (h, -1) and shape[-1] == 3 * d
+        blocked = shape[-2] == 3 and shape[-1] in (h * d, -1)
+    elif len(shape) == packed + 2:
+        by_head = shape[-3] in (h, -1) and list(shape[-2:]) == [3, d]
+        blocked = shape[-3] == 3 and shape[-2] in (h, -1) and shape[-1] == d
+    else:
+        return None
+    if by_head == blocked:
+        return None
+    return "heads" if by_head else "blocks"
+
+
+class OpWatch(TorchFunctionMode):
+    """Watches the first op a forward applies to one tensor (a packed projection's output,
+    given to :meth:`watch` by that layer's forward hook) and hands ``(func, args, kwargs)`` to
+    ``decide``, which may raise to stop the forward there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watched: torch.Tensor | None = None
+        self.seen = False
+
+    def watch(self, module: nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and not self.seen:
+            self.watched = output
+
+    def decide(self, func: Any, args: Any, kwargs: Any) -> None:
+        raise NotImplementedError
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if (
+            self.watched is not None
+            and args
+            and args[0] is self.watched
+            and getattr(func, "__name__", "") not in _INSPECTIONS
+        ):
+            self.watched, self.seen = None, True  # the first op decides
+            self.decide(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def reshaped_to(func: Any, args: Any, kwargs: Any) -> list[int] | None:
+    """The shape a reshape of ``args[0]`` asks for (``view``, ``reshape``, ``unflatten``)."""
+    if func is torch.Tensor.unflatten and len(args) > 2:
+        return [*args[0].shape[: args[1]], *args[2]]
+    return target_shape(args[1:], kwargs) if func in RESHAPES else None
+
+
+class PackedLayoutGuard(OpWatch):
+    """Checks, on an attention's first forward, that its packed query/key/value projection is
+    packed as a split by heads takes it: three blocks, query heads then key heads then value
+    heads (GPT-2's ``c_attn``, read with ``split(width, dim=-1)``), where no probe forward at
+    the split (:func:`~.head_probes.probe_packing`) could tell. A module that packs them head
+    by head (BLOOM's and GPT-NeoX's ``query_key_value``, viewed as ``(..., heads, 3, head_dim)``)
+    would get a wrong slice on every rank: its first reshape of that output raises
+    ``ValueError`` instead, naming the attention, on every rank alike (before any reduction of
+    the block). The first op on that output decides; then the guard removes itself."""
+
+    def __init__(self, ts: TensorSplit, units: int) -> None:
+        super().__init__()
+        self.ts = ts
+        self.column, self.head_dim = ts.columns[0][0], ts.head_dim
+        self.heads = units * ts.width // self.head_dim  # this rank's query heads
+        self.handles: list[Any] = []
+
+    def install(self, attention: nn.Module, column: nn.Module) -> None:
+        # Entered before and left after any other mode of the attention (EmptyHeads).
+        self.handles = [
+            attention.register_forward_pre_hook(self.enter, prepend=True),
+            attention.register_forward_hook(self.leave, always_call=True),
+            column.register_forward_hook(self.watch),
+        ]
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        self.__enter__()
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.__exit__(None, None, None)
+        if self.seen:  # decided: later forwards run unwatched
+            for h in self.handles:
+                h.remove()
+        self.watched = None
+
+    def decide(self, func: Any, args: Any, kwargs: Any) -> None:
+        shape = reshaped_to(func, args, kwargs)
+        if shape is None:
+            return
+        if packing_read(shape, args[0].dim(), self.heads, self.head_dim) == "heads":
+            self.seen = False  # the next forward checks again
+            raise ValueError(
+                f"filter_parallel: attention {self.ts.module!r} packs query, key and value "
+                f"head by head in {self.column!r} (its forward reshapes that output to "
+                f"{tuple(shape)}: heads, then query/key/value), where a split by heads "
+                "takes three blocks (query heads, key heads, value heads, as GPT-2's "
+                "c_attn), and the split could not tell (a forward of the attention alone, "
+                "given one token and no other input, failed); leave its layers out of the "
+                "split (layers=...)"
+            )
+
+
+class HeadColumns:
+    """A per-head table's output (:attr:`TensorSplit.tables`: an embedding, one column per
+    query head, as T5's relative position bias) cut to the rank's query heads, its last
+    dimension; the table itself stays whole on every rank, its gradient summed over them."""
+
+    def __init__(self, ts: TensorSplit, first: int, count: int) -> None:
+        per_unit = ts.width // ts.head_dim if ts.head_dim else 1
+        self.lo, self.hi = first * per_unit, (first + count) * per_unit
+
+    def install(self, table: nn.Module) -> Any:
+        return table.register_forward_hook(self.cut)
+
+    def cut(self, module: nn.Module, args: Any, output: Any) -> Any:
+        return output[..., self.lo : self.hi]
+
+
+class PerHeadInputs:
+    """An attention's inputs that count every head of the unsplit attention, cut to the rank's
+    heads before each forward: a tensor of ``batch x heads`` rows (BLOOM's ``alibi``, 3-D) or
+    a 4-D one of ``(batch, heads, ...)`` (a bias per head). One that needs a gradient (a
+    learned bias) would need its other heads' gradients from the other ranks: it raises
+    ``ValueError`` naming the attention and the input, on every rank alike (the ranks agree on
+    the model's input shapes first), before any reduction of the block; except where it comes
+    from an attention of its class holding its heads alike (:attr:`TensorSplit.heads_with`:
+    T5's position bias, computed from a table held whole, its gradient summed), which hands
+    it over already cut (or whole, where the rank holds every head)."""
+
+    def __init__(self, ts: TensorSplit, first: int, count: int) -> None:
+        self.ts = ts
+        self.heads = ts.heads()
+        per_unit = ts.width // ts.head_dim if ts.head_dim else 1
+        self.lo, self.hi = first * per_unit, (first + count) * per_unit  # the rank's heads
+
+    def install(self, attention: nn.Module) -> None:
+        attention.register_forward_pre_hook(self.cut, with_kwargs=True)
+
+    def _cut_one(self, t: torch.Tensor, batch: int, what: str) -> torch.Tensor | None:
+        h = self.heads
+        rows = t.dim() == 3 and t.shape[0] == batch * h
+        if not rows and not (t.dim() == 4 and t.shape[1] == h):
+            return None
+        if t.requires_grad and not self.ts.heads_with:
+            raise ValueError(
+                f"filter_parallel: attention {self.ts.module!r} is given {what} of shape "
+                f"{tuple(t.shape)}, which counts all {h} of its heads and needs its gradient "
+                "(a learned bias per head), where each rank holds only its own heads after "
+                "the split; leave its layers out of the split (layers=...)"
+            )
+        if rows:
+            per_head = t.reshape(batch, h, *t.shape[1:])[:, self.lo : self.hi]
+            return per_head.reshape(batch * (self.hi - self.lo), *t.shape[1:])
+        return t[:, self.lo : self.hi]
+
+    def cut(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is None:
+            first = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+        if self.heads < 2 or first is None or first.dim() < 1:
+            return None
+        batch = first.shape[0]
+
+        def cut(value: Any, what: str) -> Any:
+            if isinstance(value, torch.Tensor) and value is not first:
+                got = self._cut_one(value, batch, what)
+                return value if got is None else got
+            return value
+
+        new_args = tuple(cut(a, f"argument {i}") for i, a in enumerate(args))
+        new_kwargs = {k: cut(v, k) for k, v in kwargs.items()}
+        return new_args, new_kwargs

@@ -1,0 +1,275 @@
+"""Probe forwards of an attention, on copies of it on the meta device, where the module's
+attributes alone cannot say how it runs split: how its packed query/key/value projection's
+output is read (:func:`probe_packing`), and whether it runs on a rank holding none of its heads
+(:func:`runs_without_heads`, at the split; :class:`EmptyRankCheck`, at its first forward on the
+forward's own inputs)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from hetcoll.torch.filters.chains import linear_features
+from hetcoll.torch.filters.head_guards import (
+    EmptyHeads,
+    HeadColumns,
+    OpWatch,
+    PerHeadInputs,
+    packing_read,
+    reshaped_to,
+)
+from hetcoll.torch.filters.heads import TensorSplit
+from hetcoll.torch.replay import meta_copy
+
+
+def required_inputs(m: nn.Module) -> int | None:
+    """How many arguments ``m``'s forward requires (None where its signature cannot be
+    read)."""
+    import inspect
+
+    try:
+        params = inspect.signature(m.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in positional and p.default is p.empty for p in params)
+
+
+class _Probed(Exception):
+    """Stops a probe's forward once its packed output's first op is seen."""
+
+
+def _cut_read(
+    func: Any, args: Any, kwargs: Any, heads: int, kv_heads: int, head_dim: int
+) -> str | None:
+    """``"blocks"`` when ``func(*args)`` cuts a packed query/key/value output along its last
+    dimension where the query heads end: ``qkv[..., :heads * head_dim]`` (Phi-3's), or
+    ``split`` into the three blocks' widths; else None."""
+    t, width = args[0], heads * head_dim
+    if func is torch.Tensor.__getitem__ and len(args) > 1:
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        last = index[-1] if index else None
+        along_last = len(index) == t.dim() or (len(index) == 2 and index[0] is Ellipsis)
+        if along_last and isinstance(last, slice) and last.start in (None, 0):
+            return "blocks" if last.stop == width and last.step in (None, 1) else None
+        return None
+    if func in (torch.Tensor.split, torch.split) and len(args) > 1:
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+        if dim not in (-1, t.dim() - 1):
+            return None
+        sizes = args[1]
+        blocks = [width, kv_heads * head_dim, kv_heads * head_dim]
+        if sizes == blocks or (kv_heads == heads and sizes == width):
+            return "blocks"
+    return None
+
+
+def grouped_read(shape: Sequence[int], packed: int, kv_heads: int, per_group: int) -> str | None:
+    """``"groups"`` when a reshape of a ``packed``-dimensional output packing query, key and
+    value under grouped-query attention to ``shape`` reads it key/value group by group: each
+    group's query heads, key head and value head together, ``(..., kv_heads, per_group *
+    head_dim)`` or ``(..., kv_heads, per_group, head_dim)`` (InternLM2's ``wqkv``; ``per_group``
+    = query heads per group + 2); else None."""
+    if len(shape) == packed + 1:
+        return "groups" if shape[-2] in (kv_heads, -1) and shape[-1] % per_group == 0 else None
+    if len(shape) == packed + 2:
+        return "groups" if shape[-3] in (kv_heads, -1) and shape[-2] == per_group else None
+    return None
+
+
+class _PackingProbe(OpWatch):
+    def __init__(self, heads: int, head_dim: int, kv_heads: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.kv_heads = heads, head_dim, kv_heads
+        self.read: str | None = None
+
+    def decide(self, func: Any, args: Any, kwargs: Any) -> None:
+        shape = reshaped_to(func, args, kwargs)
+        h, kv, d = self.heads, self.kv_heads, self.head_dim
+        if shape is not None and kv == h:
+            self.read = packing_read(shape, args[0].dim(), h, d)
+        elif shape is not None:
+            per_group = h // kv + 2
+            ok = shape[-1] in (per_group * d, d)
+            self.read = grouped_read(shape, args[0].dim(), kv, per_group) if ok else None
+        else:
+            self.read = _cut_read(func, args, kwargs, h, kv, d)
+        raise _Probed
+
+
+def probe_inputs(module: nn.Module, layer: nn.Module, hidden: int) -> tuple[Any, ...] | None:
+    """The arguments of a probe forward of ``module``: one token of zeros of ``hidden``
+    features (on ``layer``'s device, in its dtype; the meta device works), ``None`` for every
+    other input its forward requires; None where ``layer`` holds no parameter or the
+    forward's signature cannot be read."""
+    weight = next(layer.parameters(), None)
+    required = required_inputs(module)
+    if weight is None or required is None:
+        return None
+    x = torch.zeros(1, 1, hidden, device=weight.device, dtype=weight.dtype)
+    return (x, *[None] * max(required - 1, 0))
+
+
+def probe_packing(
+    attention: nn.Module, column: str, hidden: int, heads: int, head_dim: int, kv_heads: int = 0
+) -> str | None:
+    """How ``attention``'s forward reads its packed query/key/value projection ``column``, seen
+    on one probe forward: ``"heads"`` head by head, ``"groups"`` key/value group by group
+    (:func:`~.head_guards.packing_read`, :func:`grouped_read`), ``"blocks"`` as query, key and
+    value blocks (cut where the query heads end: :func:`_cut_read`; or, with as many key/value
+    heads as query heads, reshaped so). The probe: a single token of zeros as its first input
+    (on the projection's device, in its dtype; a model on the meta device works), ``None`` for every
+    other input it requires, stopped at the first op on the projection's output, with no
+    gradient. None when that forward fails before it (it needs an input the probe lacks) or
+    the first op tells nothing: with as many key/value heads as query heads, the first real
+    forward then checks (:class:`~.head_guards.PackedLayoutGuard`). ``kv_heads``: 0 for
+    ``heads``."""
+    layer = attention.get_submodule(column)
+    token = probe_inputs(attention, layer, hidden)
+    if token is None:
+        return None
+    probe = _PackingProbe(heads, head_dim, kv_heads or heads)
+    handle = layer.register_forward_hook(probe.watch)
+    try:
+        with torch.no_grad(), probe:
+            attention.forward(*token)
+    except _Probed:
+        return probe.read
+    except Exception:  # the probe lacks an input the forward needs: undecided
+        return None
+    finally:
+        handle.remove()
+    return None
+
+
+class _Count(TorchFunctionMode):
+    """Counts the torch ops a forward runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _probe_run(
+    attention: nn.Module, ts: TensorSplit, empty: bool, inputs: tuple[Any, Any] | None = None
+) -> tuple[bool, int, str]:
+    """One probe forward of (a copy of) ``attention``: on ``inputs`` (args, kwargs), or its
+    first input one token of zeros and ``None`` for every other input it requires; no
+    gradient, stopped when its output projection is called or its forward returns; with
+    ``empty``, as on a rank holding none of its heads (its columns' outputs emptied, its head
+    counts 0, inputs per head cut to none, under :class:`~.head_guards.EmptyHeads`). Returns
+    whether it got there, how many torch ops it ran, and the exception if not."""
+    prefix = f"{ts.module}." if ts.module else ""
+    first = attention.get_submodule(ts.columns[0][0].removeprefix(prefix))
+    hidden = linear_features(first)
+    token = None if hidden is None else probe_inputs(attention, first, hidden[0])
+    if token is None:
+        return True, 0, ""
+    handles = []
+    if ts.row.startswith(prefix):
+        row = attention.get_submodule(ts.row.removeprefix(prefix))
+        handles.append(row.register_forward_pre_hook(_stop))
+    if empty:
+        for name, _ in ts.columns:
+            layer = attention.get_submodule(name.removeprefix(prefix))
+            handles.append(layer.register_forward_hook(_emptied))
+        for name in ts.tables:
+            table = attention.get_submodule(name.removeprefix(prefix))
+            handles.append(HeadColumns(ts, 0, 0).install(table))
+        ts.hold(attention, 0)
+    if inputs is None:
+        inputs = (token, {})
+    elif empty:
+        inputs = PerHeadInputs(ts, 0, 0).cut(attention, *inputs) or inputs
+    count = _Count()
+    modes = [count, EmptyHeads(ts.packed())] if empty else [count]
+    try:
+        with torch.no_grad():
+            for mode in modes:
+                mode.__enter__()
+            try:
+                attention.forward(*inputs[0], **inputs[1])
+            finally:
+                for mode in reversed(modes):
+                    mode.__exit__(None, None, None)
+    except _Probed:
+        return True, count.ops, ""
+    except Exception as e:  # where the forward fails tells whether the heads' absence did it
+        return False, count.ops, f"{type(e).__name__}: {e}".splitlines()[0]
+    finally:
+        for h in handles:
+            h.remove()
+    return True, count.ops, ""
+
+
+def _stop(module: nn.Module, args: Any) -> None:
+    raise _Probed
+
+
+def _emptied(module: nn.Module, args: Any, output: Any) -> Any:
+    return output.narrow(-1, 0, 0) if isinstance(output, torch.Tensor) else output
+
+
+def runs_without_heads(
+    attention: nn.Module, ts: TensorSplit, inputs: tuple[Any, Any] | None = None
+) -> str | None:
+    """Why ``attention`` (split as ``ts``) cannot run its forward on a rank holding none of
+    its heads, or None. Two probe forwards of copies of it (:func:`_probe_run`), one as the
+    unsplit module, one as such a rank's, each on one token of zeros with ``None`` for its
+    other required inputs (or ``inputs``, its args and kwargs): the heads' absence is to blame
+    where the second fails before the first gets as far (Falcon's ``num_heads //
+    num_kv_heads`` divides by zero). Where both fail alike (an input the probe lacks), it
+    cannot tell: None. Both run on copies on the meta device
+    (:func:`~hetcoll.torch.replay.meta_copy`)."""
+    whole = _probe_run(meta_copy(attention), ts, empty=False, inputs=inputs)
+    none = _probe_run(meta_copy(attention), ts, empty=True, inputs=inputs)
+    if none[0] or (not whole[0] and whole[1] <= none[1]):
+        return None
+    return none[2]
+
+
+class EmptyRankCheck:
+    """At an attention's first forward, where a rank holds none of its heads: whether its
+    forward runs so (:func:`runs_without_heads`), on the forward's own inputs this time, where
+    the probe at the split could not tell (BLOOM's, given no ``alibi``). Every rank checks,
+    alike (their inputs to a split attention are the same), on a copy of the unsplit module
+    on the meta device, before the block runs: a forward failing on that rank alone would
+    leave the others waiting in the block's reduction; here all raise ``ValueError``."""
+
+    def __init__(self, ts: TensorSplit, attention: nn.Module, rank: int) -> None:
+        self.ts, self.rank = ts, rank
+        # Before the split replaces its layers.
+        self.meta: nn.Module | None = meta_copy(attention)
+        self.handle: Any = None
+
+    def install(self, attention: nn.Module) -> None:
+        self.handle = attention.register_forward_pre_hook(
+            self.check, with_kwargs=True, prepend=True
+        )
+
+    def check(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        from torch.utils import _pytree as pytree
+
+        self.handle.remove()
+
+        def meta(v: Any) -> Any:
+            return torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
+
+        inputs = pytree.tree_map(meta, (tuple(args), dict(kwargs)))
+        unsplit, self.meta = self.meta, None
+        why = None if unsplit is None else runs_without_heads(unsplit, self.ts, inputs)
+        if why is not None:
+            raise ValueError(
+                f"filter_parallel: attention {self.ts.module!r} cannot run on a rank holding "
+                f"none of its heads, as rank {self.rank} does ({why}); give every rank at least "
+                "one key/value group (empty_blocks=False, or shares), or leave its layers out "
+                "(layers=...)"
+            )

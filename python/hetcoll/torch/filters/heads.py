@@ -1,0 +1,122 @@
+"""The record of a transformer block split by heads or hidden units (:class:`TensorSplit`), and
+how a rank's module holds its share: its head-counting attributes set to its own counts, its
+config's counts in a view of its own (:class:`ConfigView`). Made by
+:func:`~.tensor_split.plan_tensor_splits`; read by the split (:mod:`.convert`), its runtime
+guards (:mod:`.head_guards`) and probes (:mod:`.head_probes`), and the performance model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+
+@dataclass
+class TensorSplit:
+    """An attention split by whole heads (by key/value group under grouped-query attention,
+    each query head following its group) or an MLP split by hidden units, paired as Megatron-LM
+    pairs them: ``columns`` — the layers reading the block's input, split along their outputs
+    ("split-output", one shared copy of the input) — feed ``row``, split along its input
+    ("split-input", one sum-reduction of the block's output).
+
+    ``units``: the key/value groups (attention) or hidden units (MLP) the ranks divide;
+    ``width``: the row layer's input features per unit; ``columns``: ``(layer, blocks)``, the
+    output features per unit of each block the layer's output packs (one block; three for
+    query, key and value packed in one layer: ``(rep * head_dim, head_dim, head_dim)``);
+    ``attrs``: the module's attributes that count heads (or their features), by their value per
+    unit: a rank's module runs with its own counts; ``config``: the same for the head counts
+    of its ``config``, which the rank's module sees in a view of its own (:class:`ConfigView`:
+    the config itself is shared by every layer); ``empty_fails``: why its forward cannot run
+    on a rank holding none of its units ("" where it can, or no probe could tell:
+    :func:`~.head_probes.runs_without_heads`). ``shared``: the module's other parameters
+    (a query/key norm over the head dimension, as Qwen3's and Gemma 3's), every rank holding
+    them whole and applying them to its own heads: each rank's gradient is its heads' part,
+    summed over the ranks in the backward. ``head_dim``: an attention's head size.
+    ``tables``: its per-head tables, embeddings holding a weight per query head (T5's relative
+    position bias): every rank holds them whole (their parameters are in ``shared``) and
+    reads its own heads' columns. ``heads_with``: the attention whose heads this one must hold
+    alike, where one of its class holds a per-head table and hands what it computes to the
+    others (T5's position bias, one per stack); "" for none.
+    """
+
+    kind: str
+    module: str
+    units: int
+    width: int
+    columns: list[tuple[str, tuple[int, ...]]]
+    row: str
+    attrs: dict[str, int] = field(default_factory=dict)
+    config: dict[str, int] = field(default_factory=dict)
+    shared: list[str] = field(default_factory=list)
+    head_dim: int = 0
+    empty_fails: str = ""
+    tables: list[str] = field(default_factory=list)
+    heads_with: str = ""
+
+    def heads(self) -> int:
+        """An attention's query heads (unsplit); 0 for an MLP."""
+        return self.units * self.width // self.head_dim if self.head_dim else 0
+
+    def layers(self) -> list[str]:
+        return [c for c, _ in self.columns] + [self.row]
+
+    def features_per_unit(self) -> list[int]:
+        """The channels each of :meth:`layers` splits per unit a rank holds: a column's output
+        features (every packed block's), the row's input features."""
+        return [sum(blocks) for _, blocks in self.columns] + [self.width]
+
+    def packed(self) -> int:
+        """How many blocks its most packed column holds (3: query, key and value in one)."""
+        return max(len(blocks) for _, blocks in self.columns)
+
+    def hold(self, module: nn.Module, units: int) -> None:
+        """Make ``module`` (its :attr:`module`) count the heads of ``units`` units, where it
+        counts them: its attributes, and its config's counts in a view of its own
+        (:class:`ConfigView`)."""
+        for attr, per in self.attrs.items():
+            setattr(module, attr, per * units)
+        if self.config:
+            view: Any = ConfigView(
+                module.config, {a: per * units for a, per in self.config.items()}
+            )
+            module.config = view
+
+
+class ConfigView:
+    """A split attention's view of the config it shares with every other layer: its own head
+    counts (``own``: the rank's, where the unsplit module's forward reads them from the
+    config, as Phi-3's ``self.config.num_attention_heads``), everything else read from and
+    written to the shared config, so a later change to it (the attention implementation) still
+    reaches the module."""
+
+    __slots__ = ("_base", "_own")
+
+    def __init__(self, base: Any, own: dict[str, int]) -> None:
+        if isinstance(base, ConfigView):  # a view of a view: one level, the counts updated
+            own, base = {**base._own, **own}, base._base
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_own", dict(own))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        own = object.__getattribute__(self, "_own")
+        return own[name] if name in own else getattr(object.__getattribute__(self, "_base"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ConfigView.__slots__:  # unpickling
+            object.__setattr__(self, name, value)
+        elif name in self._own:
+            self._own[name] = value
+        else:
+            setattr(self._base, name, value)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ConfigView:
+        import copy
+
+        return ConfigView(copy.deepcopy(self._base, memo), self._own)
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{k}={v}" for k, v in self._own.items())
+        return f"ConfigView({counts}) of {type(self._base).__name__}"
