@@ -37,10 +37,11 @@ from typing import Any
 import torch
 from torch import nn
 
-try:
-    from train_plan import Job
-except ImportError:  # imported as examples.train_lm (hetcoll plan --model examples.train_lm:...)
-    from examples.train_plan import Job
+# Its neighbour train_plan, run as a script or imported as examples.train_lm (`hetcoll plan
+# --model examples.train_lm:make_model` from the repository's root).
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_plan import Job
 
 import hetcoll
 from hetcoll import Plan
