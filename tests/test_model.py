@@ -882,6 +882,33 @@ def test_calibrate_measures_gloo_and_mpi_links(tmp_path: Path) -> None:
     assert "mpi-local" in out.read_text()  # the unused link is kept in the file
 
 
+def test_a_device_is_measured_on_one_thread_as_a_rank_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """measure_device runs every probe on one thread, whatever the caller's count (restored
+    after): at torch's default of every core its GEMM and element-wise rates read as much as
+    twice a rank's."""
+    import torch
+
+    from hetcoll.lab import calibrate
+
+    seen: list[int] = []
+    real = calibrate.measure_gemm_flops_per_s
+
+    def spy(**kw: object) -> float:
+        seen.append(torch.get_num_threads())
+        return real(size=64, repeats=1)
+
+    monkeypatch.setattr(calibrate, "measure_gemm_flops_per_s", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        calibrate.measure_device("rank", 1e9, quick=True)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.multiproc
 def test_validation_subset_predicts_real_ddp_steps() -> None:
     from hetcoll.lab.validate import run_validation
