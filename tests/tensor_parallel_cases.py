@@ -49,6 +49,15 @@ def llama(kv_heads: int = 3) -> nn.Module:
     )
 
 
+def cached_llama() -> nn.Module:
+    """:func:`llama` with Hugging Face's default ``use_cache=True``: its forward hands every
+    attention a key/value cache, which the probe of whether a rank holding no heads runs
+    (at the first forward) must neither read nor grow."""
+    model = llama()
+    model.config.use_cache = True
+    return model
+
+
 def gpt2() -> nn.Module:
     return hf_gpt2(vocab=VOCAB, hidden=24, layers=2, heads=6, positions=32)
 
@@ -505,6 +514,7 @@ def empty_blocks(group: Any) -> dict[str, list[int]]:
     shares: dict[str, list[int]] = {}
     models = (
         ("llama", llama),
+        ("llama_cached", cached_llama),
         ("gpt2", gpt2),
         ("encoder", EncoderLM),
         ("old", old_style_lm),

@@ -777,3 +777,24 @@ def test_t5s_attentions_are_balanced_with_the_heads_of_the_first_of_their_class(
     )
     apart = time_balanced_shares(alone, cluster, 8, [1.0, 0.5])
     assert len({tuple(b.units_of(apart) or ()) for b in blocks}) > 1
+
+
+def test_an_attention_that_cannot_run_without_heads_is_never_planned_empty() -> None:
+    """BLOOM's attention divides by its head count to merge its heads, which only the model's
+    own forward shows (it hands the attention ``alibi``): the costs probe it on the inputs
+    that forward gives it (``check_empty_heads``), so its blocks may not be empty and a
+    time-balanced split with ``empty_blocks`` still gives every device a head, where Llama's
+    gives the slow device none."""
+    from hetcoll.model.predict import time_balanced_shares
+
+    config = transformers.BloomConfig(
+        vocab_size=128, hidden_size=HIDDEN, n_layer=2, n_head=4, attn_implementation="eager"
+    )
+    bloom = layer_costs(transformers.BloomForCausalLM(config), (SEQ,), dtype=torch.int64)
+    cluster = _cluster(1e12).subset([0, 2])
+    for costs, empty in ((bloom, False), (layer_costs(llama(), (SEQ,), dtype=torch.int64), True)):
+        attention = [b for b in costs.split_blocks if b.kind == "attention"]
+        assert len(attention) == 2 and all(b.empty is empty for b in attention)
+        shares = time_balanced_shares(costs, cluster, 8, [1.0, 0.01], empty_blocks=True)
+        units = [b.units_of(shares) for b in attention]
+        assert all(min(u or [0]) >= 1 for u in units) is not empty, units

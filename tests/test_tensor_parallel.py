@@ -67,8 +67,8 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     heads = [2 * u for u in empty]
     # OPT-style reshapes with -1 (old_style_lm) run on the rank holding no heads too.
     assert r["empty_blocks"] == {
-        "llama": empty, "gpt2": heads, "encoder": heads, "old": heads, "neox": heads,
-        "t5": heads,
+        "llama": empty, "llama_cached": empty, "gpt2": heads, "encoder": heads, "old": heads,
+        "neox": heads, "t5": heads,
     }  # fmt: skip
     assert r["mha_weights"] == 2 and r["sdpa_float32"] == 2
     assert r["errors"] == 9
@@ -87,9 +87,9 @@ def test_gloo_four_ranks_where_one_holds_no_heads():
     # groups go 2 : 0 : 0 : 1, two ranks holding none; 6 heads go 3 : 0 : 1 : 2. Several ranks
     # hold each block, so its sums are reductions.
     results = launch.spawn(cases.run_torch_empty, 4, timeout=300)
-    want = {"llama": [2, 0, 0, 1], "gpt2": [3, 0, 1, 2], "encoder": [3, 0, 1, 2]}
+    want = {"llama": [2, 0, 0, 1], "llama_cached": [2, 0, 0, 1], "gpt2": [3, 0, 1, 2]}
     heads = [3, 0, 1, 2]
-    assert results == [{**want, "old": heads, "neox": heads, "t5": heads}] * 4
+    assert results == [{**want, "encoder": heads, "old": heads, "neox": heads, "t5": heads}] * 4
 
 
 def test_shares_follow_heads_and_speeds():

@@ -81,7 +81,12 @@ def layer_costs(
     >>> [x.name for x in c.layers], c.loss
     (['Linear', '(loss)'], 'cross-entropy')
     """
-    from hetcoll.torch.filters import linear_features, split_layout, vocabulary_ties
+    from hetcoll.torch.filters import (
+        check_empty_heads,
+        linear_features,
+        split_layout,
+        vocabulary_ties,
+    )
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -186,6 +191,8 @@ def layer_costs(
     # A bare leaf model is one layer named after its type (see ``_trace``).
     # The split filter_parallel(model, speeds=...) makes: chain pairs, attentions and MLPs.
     layout = split_layout(model)
+    # Attentions that cannot run on a rank without heads, as the model's forward calls them.
+    check_empty_heads(model, layout.splits, example_batch(inputs, _TRACE_BATCH, "meta"))
     modes = tuple((n or type(model).__name__, m) for n, m in layout.modes.items())
     blocks = tuple(
         SplitBlock(

@@ -70,6 +70,7 @@ from hetcoll.torch.filters.chains import (
 )
 from hetcoll.torch.filters.checks import MODES
 from hetcoll.torch.filters.convert import filter_parallel, filter_shares, split_traffic
+from hetcoll.torch.filters.head_probes import check_empty_heads
 from hetcoll.torch.filters.heads import ConfigView, TensorSplit
 from hetcoll.torch.filters.layers import (
     FilterParallelBatchNorm1d,
@@ -119,6 +120,7 @@ __all__ = [
     "SplitLayout",
     "SplitOutput",
     "TensorSplit",
+    "check_empty_heads",
     "filter_modes",
     "filter_parallel",
     "filter_shares",

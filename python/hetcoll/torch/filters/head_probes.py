@@ -187,8 +187,10 @@ def _probe_run(
         ts.hold(attention, 0)
     if inputs is None:
         inputs = (token, {})
-    elif empty:
-        inputs = PerHeadInputs(ts, 0, 0).cut(attention, *inputs) or inputs
+    else:
+        inputs = _without_caches(inputs)
+        if empty:
+            inputs = PerHeadInputs(ts, 0, 0).cut(attention, *inputs) or inputs
     count = _Count()
     modes = [count, EmptyHeads(ts.packed())] if empty else [count]
     try:
@@ -208,6 +210,25 @@ def _probe_run(
         for h in handles:
             h.remove()
     return True, count.ops, ""
+
+
+def _is_cache(value: Any) -> bool:
+    """A key/value cache (Hugging Face's ``Cache``: ``update`` and ``get_seq_length``), which a
+    forward appends to: a probe given the model's own would grow it."""
+    return callable(getattr(value, "update", None)) and callable(
+        getattr(value, "get_seq_length", None)
+    )
+
+
+def _without_caches(inputs: tuple[Any, Any]) -> tuple[Any, Any]:
+    """``inputs`` (args, kwargs) with any key/value cache among them replaced by ``None``: a
+    probe neither reads nor grows the cache of the forward it copies its inputs from (the
+    model's, under Hugging Face's default ``use_cache=True``)."""
+    args, kwargs = inputs
+    return (
+        tuple(None if _is_cache(a) else a for a in args),
+        {k: None if _is_cache(v) else v for k, v in kwargs.items()},
+    )
 
 
 def _stop(module: nn.Module, args: Any) -> None:
@@ -234,6 +255,55 @@ def runs_without_heads(
     if none[0] or (not whole[0] and whole[1] <= none[1]):
         return None
     return none[2]
+
+
+def check_empty_heads(
+    model: nn.Module, splits: Sequence[TensorSplit], inputs: tuple[Any, Any]
+) -> None:
+    """Where the probe at the split could not tell (``empty_fails`` ""), whether the
+    attentions of ``splits`` run on a rank holding none of their heads, on the inputs the
+    model's own forward hands them: one forward of a meta copy of ``model`` on ``inputs``
+    (args and kwargs, meta tensors) records each class's first such attention's inputs, then
+    :func:`runs_without_heads` probes it with them; where it cannot run so (BLOOM's, given its
+    ``alibi``), every attention of its class gets the reason. What the performance model
+    reads before any rank runs, so a plan gives such an attention a key/value group on every
+    rank. A forward that does not run on the meta device tells nothing: they stay as they
+    are."""
+    todo = [ts for ts in splits if ts.kind == "attention" and not ts.empty_fails]
+    if not todo:
+        return
+    named = dict(model.named_modules())
+    first: dict[type, TensorSplit] = {}
+    for ts in todo:
+        first.setdefault(type(named[ts.module]), ts)
+    copy = meta_copy(model)
+    copies = dict(copy.named_modules())
+    seen: dict[str, tuple[Any, Any]] = {}
+
+    def record(name: str) -> Any:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            seen.setdefault(name, (tuple(args), dict(kwargs)))
+
+        return hook
+
+    handles = [
+        copies[ts.module].register_forward_pre_hook(record(ts.module), with_kwargs=True)
+        for ts in first.values()
+    ]
+    try:
+        with torch.no_grad():
+            copy(*inputs[0], **inputs[1])
+    except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError, AttributeError):
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    for cls, ts in first.items():
+        why = seen.get(ts.module) and runs_without_heads(named[ts.module], ts, seen[ts.module])
+        if why:
+            for other in todo:
+                if type(named[other.module]) is cls:
+                    other.empty_fails = why
 
 
 class EmptyRankCheck:
