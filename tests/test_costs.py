@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -331,3 +332,49 @@ def test_one_samples_shape_is_found_wherever_the_batch_is(
     batched = [*shape[:at], _COUNT_BATCH * rows, *shape[at:]]
     want = [*shape[:at], *([rows] if rows > 1 else []), *shape[at:]]
     assert list(per_sample_shape(batched)) == want
+
+
+def test_fresh_tensors_above_32_mib_cost_their_first_touch_on_a_cpu() -> None:
+    """Each layer keeps the tensors its ops allocate (per sample and fixed bytes, counted);
+    a device with ``first_touch_bytes_per_s`` pays ``bytes / rate`` for each one larger than
+    FRESH_PAGES_BYTES (a CPU maps it afresh every step), none for smaller ones, and a device
+    without the rate (a GPU, a cluster file's) nothing: the time of a 8192-wide linear layer
+    grows by exactly its output's and its gradients' first touches from the batch where they
+    pass 32 MiB. The rate is in the cluster file as written and read."""
+    from dataclasses import replace
+
+    from hetcoll.model.hardware import FRESH_PAGES_BYTES
+    from hetcoll.model.predict.timing import _layer_times, device_arrays
+
+    costs = layer_costs(nn.Sequential(nn.Linear(64, 8192)), (64,))
+    (layer,) = costs.layers
+    out = 8192 * 4  # its output per sample, float32
+    assert (out, 0.0, 1) in layer.allocations[0]
+    gpu = Device("d", flops_per_s=1e11, mem_bytes_per_s=2e10, memory_bytes=1e12)
+    cpu = replace(gpu, first_touch_bytes_per_s=2e9)
+
+    def times(device: Device, batch: int) -> np.ndarray:
+        lt = _layer_times(costs, device_arrays((device,)), np.array([batch]))
+        return np.array([lt.forward_s[0, 0], lt.backward_s[0, 0], lt.memory_s[0, 0]])
+
+    for batch in (256, 1024, 2048, 4096):
+        extra = times(cpu, batch) - times(gpu, batch)
+        want = [
+            sum(
+                n * (ps * batch + fixed) / 2e9
+                for ps, fixed, n in made
+                if ps * batch + fixed > FRESH_PAGES_BYTES
+            )
+            for made in layer.allocations
+        ]
+        assert extra == pytest.approx([*want, sum(want)], rel=1e-12, abs=1e-15)
+        assert bool(extra[0] > 0) is (out * batch > FRESH_PAGES_BYTES)
+    cluster = cluster_from_dict(
+        {"devices": {"c": {"flops_per_s": 1e11, "mem_bytes_per_s": 2e10, "memory_bytes": 1e9,
+                           "first_touch_bytes_per_s": 2e9}},
+         "nodes": [{"name": "n", "device": "c", "count": 1}]}
+    )  # fmt: skip
+    assert cluster.devices[0].first_touch_bytes_per_s == 2e9
+    assert "first_touch_bytes_per_s = 2e+09" in dumps_cluster(cluster)
+    with pytest.raises(ValueError, match="first_touch_bytes_per_s"):
+        replace(gpu, first_touch_bytes_per_s=-1.0)

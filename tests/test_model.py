@@ -875,6 +875,9 @@ def test_calibrate_measures_gloo_and_mpi_links(tmp_path: Path) -> None:
     assert 1e8 < dev.conv_rate < 1e13 and "conv_flops_per_s" in out.read_text()
     assert dev.conv_channel_block in (1, 8, 16) and "conv_channel_block" in out.read_text()
     assert 0 < dev.conv_call_s < 0.05 and "conv_overhead_s" in out.read_text()
+    # A fresh 64 MiB tensor's first touch (new pages on Linux; 0 where memory is reused).
+    touch = dev.first_touch_bytes_per_s
+    assert touch == 0 or ("first_touch_bytes_per_s" in out.read_text() and 1e8 < touch < 1e12)
     names = {link.name for link in cal.links}
     assert names == {"gloo-local", "mpi-local"}
     for link in cal.links:

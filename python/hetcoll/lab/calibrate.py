@@ -169,6 +169,22 @@ def measure_mem_bytes_per_s(nbytes: int = 64 * 1024 * 1024, repeats: int = 5) ->
     return 2.0 * nbytes / t
 
 
+def measure_first_touch_bytes_per_s(nbytes: int = 64 * 1024 * 1024, repeats: int = 5) -> float:
+    """Bytes/s of the first write to a fresh tensor of ``nbytes`` (above
+    :data:`~hetcoll.model.hardware.FRESH_PAGES_BYTES`: new pages at every allocation on a CPU):
+    filling a new tensor, less filling one already written; 0.0 where it costs nothing
+    measurable (the memory is reused)."""
+    import torch
+
+    n = nbytes // 4
+    dst = torch.empty(n)
+    dst.fill_(0.0)
+    fresh = _best_seconds(lambda: torch.full((n,), 1.0), repeats, warmup=1)
+    reused = _best_seconds(lambda: dst.fill_(1.0), repeats, warmup=1)
+    extra = fresh - reused
+    return nbytes / extra if extra > 0.1 * reused else 0.0
+
+
 def measure_kernel_overhead_s(depth: int = 24, repeats: int = 20) -> float:
     """Seconds per kernel of a training step with next to no arithmetic: forward + backward of a
     chain of ``depth`` tiny linear + ReLU layers on one sample, divided by the number of kernels
@@ -290,6 +306,7 @@ def _measure_device(name: str, memory_bytes: float, quick: bool) -> Device:
         elementwise_bytes_per_s=measure_elementwise_bytes_per_s(repeats=r),
         pool_bytes_per_s=measure_pool_bytes_per_s(repeats=r),
         conv_channel_block=conv_channel_block(),
+        first_touch_bytes_per_s=measure_first_touch_bytes_per_s(repeats=r),
     )
 
 
@@ -647,14 +664,15 @@ def calibrate(
         f"({device.conv_call_s * 1e6:.0f} us/convolution kernel), element-wise "
         f"{device.elementwise_rate / 1e9:.2f} GB/s, pooling {device.pool_rate / 1e9:.2f} GB/s, "
         "convolution channel block "
-        f"{device.conv_channel_block}"
+        f"{device.conv_channel_block}, first touch of a fresh 64 MiB tensor "
+        f"{device.first_touch_bytes_per_s / 1e9:.2f} GB/s"
     )
     comments = {
         device.name: "measured by `hetcoll model calibrate`, one thread: torch.mm 384^3 float32; "
         "3x3 64-channel convolution forward/backward (its fixed cost per call: the intercept "
         "over 1, 2 and 4 samples of 8x8 maps); channel block of torch's instruction set; "
         "copy of 64 MiB; per-kernel overhead of a tiny training step; batch norm, and max "
-        "pooling, forward/backward",
+        "pooling, forward/backward; a fresh 64 MiB tensor's fill against a written one's",
     }
     measured: dict[str, Link] = {}
     for name in links:

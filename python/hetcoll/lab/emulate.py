@@ -389,6 +389,7 @@ def emulated_device(device: Device, speed: float, name: str | None = None) -> De
         mem_bytes_per_s=device.mem_bytes_per_s * speed,
         elementwise_bytes_per_s=device.elementwise_rate * speed,
         pool_bytes_per_s=device.pool_rate * speed,
+        first_touch_bytes_per_s=device.first_touch_bytes_per_s * speed,
         kernel_overhead_s=device.kernel_overhead_s / speed,
         conv_overhead_s=device.conv_call_s / speed,
     )

@@ -16,6 +16,9 @@ A cluster file is a small TOML document (see ``examples/clusters/``)::
     conv_overhead_s = 5e-6         # optional: fixed cost of one convolution kernel call, seconds
                                    # (on CPUs oneDNN's set-up and weight reorders, ~100 us);
                                    # default kernel_overhead_s
+    first_touch_bytes_per_s = 2e9  # optional: CPUs: bytes/s at which a tensor above 32 MiB,
+                                   # given new pages at each allocation, is first written
+                                   # (page faults, the kernel zeroing them); default 0: none
     tf32_flops_per_s = 156e12      # optional: dense peaks of matmul-class ops at each training
     bf16_flops_per_s = 312e12      #   precision (tensor cores where the datasheet gives them);
     fp16_flops_per_s = 312e12      #   a precision without one is costed at fp32 (a warning)
@@ -84,6 +87,11 @@ MAX_FILE_BYTES = 2**20
 MAX_CHANNEL_BLOCK = 1024
 
 
+#: Tensors larger than this get new pages at every allocation on a CPU (glibc's largest
+#: ``mmap`` threshold, 32 MiB on 64-bit Linux): :attr:`Device.first_touch_bytes_per_s`.
+FRESH_PAGES_BYTES = 32 * 2**20
+
+
 @dataclass(frozen=True)
 class Device:
     """One rank's compute device.
@@ -105,6 +113,12 @@ class Device:
     input channels from one block up (fewer take a kernel of their own).
     ``tf32_flops_per_s``, ``bf16_flops_per_s``, ``fp16_flops_per_s``: dense datasheet peaks of
     matmul-class ops at that precision (0: none; :meth:`matmul_speedup` falls back to fp32).
+    ``first_touch_bytes_per_s``: the rate at which a fresh tensor larger than
+    :data:`FRESH_PAGES_BYTES` is first written, on top of its kernel (0: none). On Linux a CPU
+    allocation that large is mapped afresh every time (glibc's largest ``mmap`` threshold):
+    each page faults and is zeroed at its first write, 2.4 GB/s on one core here against 28
+    GB/s of a copy, so a language model's 67 MB logits cost 27 ms before any arithmetic;
+    smaller tensors reuse freed memory. GPUs' caching allocators pay nothing.
     ``conv_overhead_s``: fixed seconds of each convolution kernel (forward, input gradient,
     weight gradient) beyond its arithmetic (0: ``kernel_overhead_s``). On a CPU core here
     oneDNN spends 100-250 us a call setting up and reordering weights, 10-30 times a small
@@ -128,6 +142,7 @@ class Device:
     fp16_flops_per_s: float = 0.0
     pool_bytes_per_s: float = 0.0
     conv_overhead_s: float = 0.0
+    first_touch_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         for attr in ("flops_per_s", "mem_bytes_per_s", "memory_bytes"):
@@ -139,6 +154,9 @@ class Device:
         _check_nonnegative(self.conv_flops_per_s, f"Device {self.name!r}: conv_flops_per_s")
         _check_nonnegative(self.pool_bytes_per_s, f"Device {self.name!r}: pool_bytes_per_s")
         _check_nonnegative(self.conv_overhead_s, f"Device {self.name!r}: conv_overhead_s")
+        _check_nonnegative(
+            self.first_touch_bytes_per_s, f"Device {self.name!r}: first_touch_bytes_per_s"
+        )
         for attr in _PEAK_FIELDS:
             _check_nonnegative(getattr(self, attr), f"Device {self.name!r}: {attr}")
         block = self.conv_channel_block
@@ -319,6 +337,7 @@ class Cluster:
                 mem_bytes_per_s=d.mem_bytes_per_s * mem_bw,
                 elementwise_bytes_per_s=d.elementwise_bytes_per_s * mem_bw,
                 pool_bytes_per_s=d.pool_bytes_per_s * mem_bw,
+                first_touch_bytes_per_s=d.first_touch_bytes_per_s * mem_bw,
             )
 
         def lnk(link: Link | None) -> Link | None:
@@ -411,6 +430,7 @@ _DEVICE_FIELDS = {
     "conv_flops_per_s",
     "conv_channel_block",
     "conv_overhead_s",
+    "first_touch_bytes_per_s",
     *_PEAK_FIELDS,
 }
 _LINK_FIELDS = {"latency_s", "bytes_per_s"}
@@ -465,6 +485,7 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
                 "pool_bytes_per_s",
                 "conv_flops_per_s",
                 "conv_overhead_s",
+                "first_touch_bytes_per_s",
                 *_PEAK_FIELDS,
             )
         }
@@ -617,6 +638,11 @@ def dumps_cluster(
             f"conv_flops_per_s = {d.conv_rate:.6g}",
             f"conv_channel_block = {d.conv_channel_block}",
             f"conv_overhead_s = {d.conv_call_s:.6g}",
+            *(
+                [f"first_touch_bytes_per_s = {d.first_touch_bytes_per_s:.6g}"]
+                if d.first_touch_bytes_per_s > 0
+                else []
+            ),
             *(f"{k} = {getattr(d, k):.6g}" for k in _PEAK_FIELDS if getattr(d, k) > 0),
             "",
         ]

@@ -217,6 +217,9 @@ class _Call:
     params: list[str] = field(default_factory=list)
     #: [forward, backward] element-wise FLOPs of the traced batch (``_OpCounter``).
     elementwise_flops: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    #: [forward, backward]: the tensors its ops allocate (outputs that are none of their
+    #: inputs), as {(bytes per sample, fixed bytes): how many}.
+    allocations: list[dict[tuple[float, float], int]] = field(default_factory=lambda: [{}, {}])
 
 
 class _OpCounter(TorchDispatchMode):
@@ -341,6 +344,13 @@ class _OpCounter(TorchDispatchMode):
             return out
         call = self.calls[index]
         c = call.counts[1 if backward else 0]
+        made = call.allocations[1 if backward else 0]
+        given = {id(t) for t in inputs}
+        for t in outputs:
+            if id(t) not in given:
+                n = _tensor_bytes(t)
+                size = (n / _COUNT_BATCH, 0.0) if t.numel() % _COUNT_BATCH == 0 else (0.0, n)
+                made[size] = made.get(size, 0) + 1
         flops = (
             flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
         )

@@ -177,6 +177,10 @@ def layer_costs(
                     c2.elementwise_flops[0] / _COUNT_BATCH,
                     c2.elementwise_flops[1] / _COUNT_BATCH,
                 ),
+                allocations=tuple(
+                    tuple(sorted((ps, fixed, n) for (ps, fixed), n in made.items()))
+                    for made in c2.allocations
+                ),
             )
         )
     unused = set(param_of) - {n for c in counter.calls for n in c.params}

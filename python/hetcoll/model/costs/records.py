@@ -105,6 +105,10 @@ class LayerCost:
     #: apart from ``forward_flops`` (the matmul-class FLOPs FlopCounterMode counts); the
     #: predictors cost this work by the bytes it moves, not by these.
     elementwise_flops_per_sample: tuple[float, float] = (0.0, 0.0)
+    #: The tensors its ops allocate, (forward, backward), each as (bytes per sample, fixed
+    #: bytes, how many): a CPU maps those above :data:`~hetcoll.model.hardware.FRESH_PAGES_BYTES`
+    #: afresh at every step (``Device.first_touch_bytes_per_s``).
+    allocations: tuple[tuple[tuple[float, float, int], ...], ...] = ((), ())
 
     @property
     def gradient_bytes(self) -> float:
@@ -297,6 +301,9 @@ class ModelCosts:
                 saved_bytes_per_sample=x.saved_bytes_per_sample * f,
                 forward=tuple(kernel(k) for k in x.forward),
                 backward=tuple(kernel(k) for k in x.backward),
+                allocations=tuple(
+                    tuple((ps * f, fixed * f, n) for ps, fixed, n in made) for made in x.allocations
+                ),
             )
             for i, x in enumerate(self.layers)
         )

@@ -14,7 +14,7 @@ import numpy as np
 
 from hetcoll.model import terms
 from hetcoll.model.costs import ModelCosts
-from hetcoll.model.hardware import PRECISIONS, Device
+from hetcoll.model.hardware import FRESH_PAGES_BYTES, PRECISIONS, Device
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,13 @@ class _KernelTable:
     channels_in: np.ndarray
     num_layers: int
     onehot: np.ndarray  # (layers, kernels): 1 where the kernel belongs to the layer
+    # The tensors the layers' ops allocate (LayerCost.allocations), one row each.
+    alloc_forward: np.ndarray
+    alloc_ps: np.ndarray
+    alloc_fixed: np.ndarray
+    alloc_count: np.ndarray
+    alloc_layer: np.ndarray
+    alloc_onehot: np.ndarray  # (layers, allocations)
 
 
 #: The tables of the last few costs, by identity (hashing a ModelCosts hashes every layer:
@@ -81,6 +88,16 @@ def _costs_kernel_table(costs: ModelCosts) -> _KernelTable:
     cols = list(zip(*rows)) if rows else [()] * 13
     onehot = np.zeros((len(costs.layers), len(rows)))
     onehot[np.asarray(cols[0], dtype=np.int64), np.arange(len(rows))] = 1.0
+    allocs = [
+        (i, d == 0, ps, fixed, n)
+        for i, layer in enumerate(costs.layers)
+        for d, made in enumerate(layer.allocations)
+        for ps, fixed, n in made
+    ]
+    acols = list(zip(*allocs)) if allocs else [()] * 5
+    alloc_layer = np.asarray(acols[0], dtype=np.int64)
+    alloc_onehot = np.zeros((len(costs.layers), len(allocs)))
+    alloc_onehot[alloc_layer, np.arange(len(allocs))] = 1.0
     floats = [np.asarray(c, dtype=np.float64) for c in cols[2:7]]
     return _KernelTable(
         layer=np.asarray(cols[0], dtype=np.int64),
@@ -98,6 +115,12 @@ def _costs_kernel_table(costs: ModelCosts) -> _KernelTable:
         channels_in=np.asarray(cols[12], dtype=np.float64),
         num_layers=len(costs.layers),
         onehot=onehot,
+        alloc_forward=np.asarray(acols[1], dtype=bool),
+        alloc_ps=np.asarray(acols[2], dtype=np.float64),
+        alloc_fixed=np.asarray(acols[3], dtype=np.float64),
+        alloc_count=np.asarray(acols[4], dtype=np.float64),
+        alloc_layer=alloc_layer,
+        alloc_onehot=alloc_onehot,
     )
 
 
@@ -118,6 +141,8 @@ class _DeviceArrays:
     #: Each device's kind: the index of its Device among the distinct ones (equal devices time
     #: alike, so a cluster of 10,240 devices in two kinds is timed as two columns).
     kind: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    #: Bytes/s of a fresh large tensor's first write (Device.first_touch_bytes_per_s; 0: none).
+    first_touch_bytes_per_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     def matmul_speedup(self, precision: str) -> np.ndarray:
         """Each device's :meth:`Device.matmul_speedup` at ``precision``; a ``UserWarning`` names
@@ -147,6 +172,7 @@ class _DeviceArrays:
             {p: v[index] for p, v in self.speedup.items()},
             self.missing_peak,
             self.kind[index],
+            self.first_touch_bytes_per_s[index],
         )
 
 
@@ -210,6 +236,7 @@ def _new_device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
             for p in PRECISIONS
         },
         kind,
+        per_device([d.first_touch_bytes_per_s for d in unique]),
     )
 
 
@@ -365,13 +392,41 @@ def _layer_times(
         rows = x if mask is None else x * mask[:, None]
         return t.onehot @ rows  # type: ignore[no-any-return]
 
+    touch_f, touch_b = _first_touch_seconds(t, dev, batch, filter_fraction, channel_fraction)
     return LayerSeconds(
-        per_layer(total, t.forward),
-        per_layer(total, ~t.forward),
+        per_layer(total, t.forward) + touch_f,
+        per_layer(total, ~t.forward) + touch_b,
         per_layer(comp),
-        per_layer(np.maximum(mem - comp, 0.0)),
+        per_layer(np.maximum(mem - comp, 0.0)) + touch_f + touch_b,
         per_layer(ovh),
     )
+
+
+def _first_touch_seconds(
+    t: _KernelTable,
+    dev: _DeviceArrays,
+    batch: np.ndarray,
+    filter_fraction: np.ndarray | None,
+    channel_fraction: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer and device, (forward, backward) seconds of first writes to the fresh pages of
+    the tensors its ops allocate above :data:`FRESH_PAGES_BYTES`, on devices that pay them
+    (``first_touch_bytes_per_s`` > 0: CPUs). A split layer's tensors are its share's."""
+    zero = np.zeros((t.num_layers, len(batch)))
+    rate = dev.first_touch_bytes_per_s
+    if not t.alloc_ps.size or not (rate > 0).any():
+        return zero, zero
+    b = np.broadcast_to(batch[None, :].astype(np.float64), (len(t.alloc_ps), len(batch)))
+    if channel_fraction is not None:
+        b = b * channel_fraction[t.alloc_layer, :]
+    if filter_fraction is not None:
+        b = b * filter_fraction[t.alloc_layer, :]
+    size = t.alloc_ps[:, None] * b + t.alloc_fixed[:, None]
+    pays = (size > FRESH_PAGES_BYTES) & (rate[None, :] > 0) & (batch[None, :] > 0)
+    seconds = np.where(pays, t.alloc_count[:, None] * size / np.where(rate > 0, rate, 1.0), 0.0)
+    forward = t.alloc_onehot @ (seconds * t.alloc_forward[:, None])
+    backward = t.alloc_onehot @ (seconds * ~t.alloc_forward[:, None])
+    return forward, backward
 
 
 def _check_shares(shares: Sequence[int], num_devices: int, argument: str = "shares") -> np.ndarray:
