@@ -523,8 +523,7 @@ def empty_blocks(group: Any) -> dict[str, list[int]]:
     )
     for name, make in models:
         equals_unsplit(group, make, "adam", steps=2, speeds=speeds)
-        if make is not T5LM:  # an encoder-decoder: not the decoders' two reductions a block
-            traffic(group, make, 24, speeds)
+        traffic(group, make, 24, speeds)
         torch.manual_seed(0)
         split = split_copy(make(), group, speeds, empty_blocks=True)
         first = next(
@@ -596,7 +595,9 @@ def traffic(
     group: Any, make: Any, hidden: int, speeds: list[float] | None = None
 ) -> dict[str, int]:
     """Bytes per kind of one forward and backward: two reductions of batch x sequence x
-    hidden per block forward (attention, MLP) and two backward (their inputs' gradients);
+    hidden per block forward (attention, MLP) and two backward (their inputs' gradients; a
+    cross-attention's keys and values reduce the encoder states' too, and T5's per-head
+    tables' gradients are summed);
     besides, a layer left in gather mode (Llama's untied head) gathers its logits forward and
     reduces its input's gradient backward. With ``speeds`` (``empty_blocks=True``), a block
     held by one rank alone broadcasts from it instead: it sends the buffer to each other rank,
@@ -636,8 +637,25 @@ def traffic(
         if isinstance(m, FilterParallelLayer) and m.mode == "gather":
             gathered += (p - 1) * ids.numel() * m.shares[m.rank] * 8  # its logits' slice
             gathers += 1
+    # Besides (T5): each cross-attention reduces the gradient of the encoder's states its keys
+    # and values read (as many tokens here; a sole holder broadcasts it, as a block's sum),
+    # and the per-head tables' gradients are summed.
+    cross = 0
+    for n, m in split.named_modules():
+        if n.endswith("EncDecAttention"):
+            holders = [r for r, u in enumerate(m.get_submodule("o").shares) if u > 0]
+            if len(holders) > 1:
+                cross += reduction
+            elif holders == [m.get_submodule("o").rank]:
+                cross += (p - 1) * ids.numel() * hidden * 8
+    tables = 0
+    for n, m in split.named_modules():
+        if n.endswith("relative_attention_bias"):  # what summing its gradient sends
+            comm.kind = "probe"
+            allreduce(torch.zeros(m.weight.numel(), dtype=torch.float64), comm, check=False)
+            tables += counts.pop("probe")
     assert counts["activations"] == agreement + blocks + gathered, (counts, blocks)
-    assert counts["gradients"] == blocks + gathers * reduction, (counts, blocks)
+    assert counts["gradients"] == blocks + gathers * reduction + cross + tables, (counts, blocks)
     # A split made without a counter counts for itself: split_traffic reports the last
     # forward and backward (each forward starts the count again; checkpoints are not counted).
     torch.manual_seed(0)
