@@ -398,6 +398,12 @@ class _NeedsValues(Exception):
     pass
 
 
+def _wants_values(e: BaseException) -> bool:
+    """Whether ``e`` is a run on the meta device failing for want of values (a tensor read,
+    or one made on the CPU meeting meta ones): the count then runs on the CPU instead."""
+    return any(m in str(e) for m in ("meta tensor", "on the expected device", "same device"))
+
+
 class _LossError(Exception):
     pass
 
@@ -413,7 +419,7 @@ def _loss_value(
     try:
         value = loss(y)
     except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
-        if any(m in str(e) for m in ("meta tensor", "on the expected device", "same device")):
+        if _wants_values(e):
             raise
         raise _LossError(f"loss: fails on the model's output: {type(e).__name__}: {e}") from e
     finally:
@@ -478,9 +484,7 @@ def _count(
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
         # A forward that reads values, or makes a tensor on the CPU itself (a mask built
         # without device=) and meets the meta ones: counted on the CPU instead.
-        if device.type == "meta" and any(
-            m in str(e) for m in ("meta tensor", "on the expected device", "same device")
-        ):
+        if device.type == "meta" and _wants_values(e):
             raise _NeedsValues from e
         what = ", ".join(
             f"{x.name + '=' if x.name else ''}{'x'.join(map(str, x.shape))} {x.dtype}"

@@ -42,7 +42,6 @@ class _KernelTable:
     alloc_fixed: np.ndarray
     alloc_count: np.ndarray
     alloc_layer: np.ndarray
-    alloc_onehot: np.ndarray  # (layers, allocations)
 
 
 #: The tables of the last few costs, by identity (hashing a ModelCosts hashes every layer:
@@ -95,9 +94,6 @@ def _costs_kernel_table(costs: ModelCosts) -> _KernelTable:
         for ps, fixed, n in made
     ]
     acols = list(zip(*allocs)) if allocs else [()] * 5
-    alloc_layer = np.asarray(acols[0], dtype=np.int64)
-    alloc_onehot = np.zeros((len(costs.layers), len(allocs)))
-    alloc_onehot[alloc_layer, np.arange(len(allocs))] = 1.0
     floats = [np.asarray(c, dtype=np.float64) for c in cols[2:7]]
     return _KernelTable(
         layer=np.asarray(cols[0], dtype=np.int64),
@@ -119,8 +115,7 @@ def _costs_kernel_table(costs: ModelCosts) -> _KernelTable:
         alloc_ps=np.asarray(acols[2], dtype=np.float64),
         alloc_fixed=np.asarray(acols[3], dtype=np.float64),
         alloc_count=np.asarray(acols[4], dtype=np.float64),
-        alloc_layer=alloc_layer,
-        alloc_onehot=alloc_onehot,
+        alloc_layer=np.asarray(acols[0], dtype=np.int64),
     )
 
 
@@ -424,8 +419,9 @@ def _first_touch_seconds(
     size = t.alloc_ps[:, None] * b + t.alloc_fixed[:, None]
     pays = (size > FRESH_PAGES_BYTES) & (rate[None, :] > 0) & (batch[None, :] > 0)
     seconds = np.where(pays, t.alloc_count[:, None] * size / np.where(rate > 0, rate, 1.0), 0.0)
-    forward = t.alloc_onehot @ (seconds * t.alloc_forward[:, None])
-    backward = t.alloc_onehot @ (seconds * ~t.alloc_forward[:, None])
+    forward, backward = zero.copy(), zero.copy()
+    np.add.at(forward, t.alloc_layer, seconds * t.alloc_forward[:, None])
+    np.add.at(backward, t.alloc_layer, seconds * ~t.alloc_forward[:, None])
     return forward, backward
 
 

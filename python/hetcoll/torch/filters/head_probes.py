@@ -263,9 +263,10 @@ def check_empty_heads(
     """Where the probe at the split could not tell (``empty_fails`` ""), whether the
     attentions of ``splits`` run on a rank holding none of their heads, on the inputs the
     model's own forward hands them: one forward of a meta copy of ``model`` on ``inputs``
-    (args and kwargs, meta tensors) records each class's first such attention's inputs, then
-    :func:`runs_without_heads` probes it with them; where it cannot run so (BLOOM's, given its
-    ``alibi``), every attention of its class gets the reason. What the performance model
+    (args and kwargs, meta tensors) records each class's first such attention's inputs,
+    stopped once it has them all, then :func:`runs_without_heads` probes it with them; where
+    it cannot run so (BLOOM's, given its ``alibi``), every attention of its class gets the
+    reason. What the performance model
     reads before any rank runs, so a plan gives such an attention a key/value group on every
     rank. A forward that does not run on the meta device tells nothing: they stay as they
     are."""
@@ -283,6 +284,8 @@ def check_empty_heads(
     def record(name: str) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             seen.setdefault(name, (tuple(args), dict(kwargs)))
+            if len(seen) == len(first):
+                raise _Probed  # every class's inputs are in: the rest of the forward is not run
 
         return hook
 
@@ -293,7 +296,15 @@ def check_empty_heads(
     try:
         with torch.no_grad():
             copy(*inputs[0], **inputs[1])
-    except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError, AttributeError):
+    except (
+        _Probed,
+        RuntimeError,
+        TypeError,
+        ValueError,
+        IndexError,
+        NotImplementedError,
+        AttributeError,
+    ):
         pass
     finally:
         for h in handles:
