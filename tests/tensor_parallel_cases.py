@@ -49,6 +49,25 @@ def llama(kv_heads: int = 3) -> nn.Module:
     )
 
 
+def llama_mqa() -> nn.Module:
+    """:func:`llama` under multi-query attention: one key/value head, which every rank holds
+    and computes whole (its gradient summed over the ranks), its 6 query heads split one by
+    one."""
+    return llama(kv_heads=1)
+
+
+def gemma_mqa() -> nn.Module:
+    """Hugging Face Gemma with one key/value head, as Gemma's 2B model has."""
+    return _hf("GemmaForCausalLM", "GemmaConfig", hidden_activation="gelu_pytorch_tanh", kv_heads=1)
+
+
+def one_head() -> nn.Module:
+    """:func:`llama` with one attention head (of 24 features): one unit to split."""
+    return hf_llama(
+        vocab=VOCAB, hidden=24, intermediate=40, layers=2, heads=1, kv_heads=1, positions=32
+    )
+
+
 def cached_llama() -> nn.Module:
     """:func:`llama` with Hugging Face's default ``use_cache=True``: its forward hands every
     attention a key/value cache, which the probe of whether a rank holding no heads runs
@@ -62,12 +81,13 @@ def gpt2() -> nn.Module:
     return hf_gpt2(vocab=VOCAB, hidden=24, layers=2, heads=6, positions=32)
 
 
-def _hf(model: str, config: str, **kw: Any) -> nn.Module:
+def _hf(model: str, config: str, kv_heads: int = 3, **kw: Any) -> nn.Module:
     import transformers
 
     cfg = getattr(transformers, config)(
         vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=3, head_dim=4, max_position_embeddings=32,
+        num_attention_heads=6, num_key_value_heads=kv_heads, head_dim=4,
+        max_position_embeddings=32,
         use_cache=False, attn_implementation="eager", bos_token_id=0, eos_token_id=0,
         pad_token_id=0, **kw,
     )  # fmt: skip
@@ -105,7 +125,7 @@ def neox() -> nn.Module:
 def falcon() -> nn.Module:
     """Hugging Face Falcon: its projections are ``FalconLinear``, an ``nn.Linear`` subclass
     computing ``x @ weight.T + bias`` itself; multi-query attention packed in one projection
-    (q heads then one k and one v head), its head tied to the embedding."""
+    (q heads then one k and one v head: Falcon-7B's), its head tied to the embedding."""
     import transformers
 
     cfg = transformers.FalconConfig(
@@ -422,12 +442,7 @@ def split_copy(
                 copy.deepcopy(ref), group=group, speeds=speeds, empty_blocks=empty_blocks
             )
     unsplit = [str(w.message) for w in seen if "left unsplit by heads" in str(w.message)]
-    # Falcon's multi-query attention packs its one key and value head with the queries: a
-    # layout left gathering, and named so (its grouped-query architecture splits).
-    config = getattr(ref, "config", None)
-    expected = config is not None and config.model_type == "falcon"
-    expected = expected and not config.new_decoder_architecture
-    assert bool(unsplit) == expected, unsplit
+    assert not unsplit, unsplit
     return split
 
 
@@ -515,6 +530,8 @@ def empty_blocks(group: Any) -> dict[str, list[int]]:
     models = (
         ("llama", llama),
         ("llama_cached", cached_llama),
+        ("llama_mqa", llama_mqa),
+        ("falcon", falcon),
         ("gpt2", gpt2),
         ("encoder", EncoderLM),
         ("old", old_style_lm),
@@ -596,8 +613,8 @@ def traffic(
 ) -> dict[str, int]:
     """Bytes per kind of one forward and backward: two reductions of batch x sequence x
     hidden per block forward (attention, MLP) and two backward (their inputs' gradients; a
-    cross-attention's keys and values reduce the encoder states' too, and T5's per-head
-    tables' gradients are summed);
+    cross-attention's keys and values reduce the encoder states' too, and the gradients of
+    T5's per-head tables and of multi-query attention's whole key and value are summed);
     besides, a layer left in gather mode (Llama's untied head) gathers its logits forward and
     reduces its input's gradient backward. With ``speeds`` (``empty_blocks=True``), a block
     held by one rank alone broadcasts from it instead: it sends the buffer to each other rank,
@@ -648,11 +665,21 @@ def traffic(
                 cross += reduction
             elif holders == [m.get_submodule("o").rank]:
                 cross += (p - 1) * ids.numel() * hidden * 8
+    # Multi-query attention's key and value projections, whole on every rank, have their
+    # gradients summed alike.
+    # Falcon-7B's packs them with its query heads: the rows every rank holds are summed.
     tables = 0
     for n, m in split.named_modules():
-        if n.endswith("relative_attention_bias"):  # what summing its gradient sends
+        whole_kv = n.endswith(("k_proj", "v_proj")) and not isinstance(m, FilterParallelLayer)
+        summed = []
+        if n.endswith("relative_attention_bias") or whole_kv:
+            summed = [q.numel() for q in m.parameters()]
+        elif isinstance(m, FilterParallelLayer) and getattr(m, "whole", ()):
+            per_row = m.weight.numel() // m.weight.shape[m.weight_out_dim]
+            summed = [sum(m.whole) * per_row] + ([sum(m.whole)] if m.bias is not None else [])
+        for numel in summed:  # what summing a gradient sends
             comm.kind = "probe"
-            allreduce(torch.zeros(m.weight.numel(), dtype=torch.float64), comm, check=False)
+            allreduce(torch.zeros(numel, dtype=torch.float64), comm, check=False)
             tables += counts.pop("probe")
     assert counts["activations"] == agreement + blocks + gathered, (counts, blocks)
     assert counts["gradients"] == blocks + gathers * reduction + cross + tables, (counts, blocks)
@@ -685,10 +712,18 @@ def bad_input(group: Any) -> int:
 
     attn = [f"model.layers.0.self_attn.{n}_proj" for n in "qkvo"]
     warnings.simplefilter("ignore")
-    # Fewer key/value groups than ranks.
+    # Fewer key/value groups than ranks (one head).
     raises(
         "attention 'model.layers.0.self_attn' has 1 key/value groups",
-        lambda: filter_parallel(llama(kv_heads=1), group=group, speeds=SPEEDS[:p]),
+        lambda: filter_parallel(one_head(), group=group, speeds=SPEEDS[:p]),
+    )
+    # Multi-query attention splits by query head (of 4 features): shares of parts of one.
+    off = [4] * (p - 1) + [24 - 4 * (p - 1)]
+    off[0] -= 2
+    off[-1] += 2
+    raises(
+        "are not whole query heads (of 4 features each) of attention 'model.layers.0.self_attn'",
+        lambda: filter_parallel(llama_mqa(), group=group, shares=off, layers=attn[::3]),
     )
     # Shares of the query heads' features that are not whole groups (of 2 heads x 4 = 8).
     bad = [8] * (p - 1) + [24 - 8 * (p - 1)]
@@ -928,6 +963,7 @@ def run_all(group: Any) -> dict[str, Any]:
         ("falcon_gqa", falcon_gqa),
         ("bloom", bloom),
         ("t5", T5LM),
+        ("gemma_mqa", gemma_mqa),
     ):
         got = equals_unsplit(group, make, "adam", steps=2)
         out[f"{name}_gathers"] = sorted(n for n, m in got.items() if m == "gather")

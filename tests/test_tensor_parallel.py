@@ -4,6 +4,7 @@ heads (key/value groups), MLPs by hidden units, at uneven speeds, on real gloo r
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -40,10 +41,9 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     assert r["neox_gathers"] == ["lm_head"] and r["neox_split"] == 2 * 4
     assert r["packed_gathers"] == ["head"] and r["packed_split"] == 2 * 2
     # Falcon's FalconLinear (an nn.Linear subclass computing the same) splits: its MLPs by
-    # units; its multi-query attention packed in one projection is a layout left gathering.
-    falcon_attention = [f"transformer.h.{i}.self_attention.{n}" for i in (0, 1)
-                        for n in ("dense", "query_key_value")]  # fmt: skip
-    assert r["falcon_gathers"] == sorted(falcon_attention) and r["falcon_split"] == 2 * 2
+    # units; its multi-query attention packed in one projection (Falcon-7B's) by query head,
+    # the key and value rows whole on every rank.
+    assert r["falcon_gathers"] == [] and r["falcon_split"] == 2 * 4
     # OPT's MLP is two layers of its decoder layer; BERT's attention output projection and
     # MLP sit in sibling modules; the one layer left gathering is BERT's head transform.
     assert r["opt_gathers"] == [] and r["opt_split"] == 2 * 6
@@ -61,17 +61,22 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     # is read at each rank's heads, and every attention of its stack holds those heads: its
     # encoder's and decoder's self-attentions, cross-attentions and MLPs all split.
     assert r["t5_gathers"] == [] and r["t5_split"] == 2 * 6 + 2 * 10
+    # Multi-query attention (Gemma 2B's one key/value head): the query heads split one by
+    # one, the key and value projections whole on every rank (not split layers).
+    assert r["gemma_mqa_gathers"] == [] and r["gemma_mqa_split"] == 2 * 5
     # With empty_blocks the slow rank (speed 0.1) holds none of Llama's 3 key/value groups,
     # GPT-2's 6 heads (q, k and v packed) or the encoder's 6 heads.
     empty = {2: [3, 0], 3: [2, 0, 1]}[p]
     heads = [2 * u for u in empty]
     # OPT-style reshapes with -1 (old_style_lm) run on the rank holding no heads too.
+    # Under multi-query attention the slow rank holds no query head, and computes the whole
+    # key and value all the same.
     assert r["empty_blocks"] == {
-        "llama": empty, "llama_cached": empty, "gpt2": heads, "encoder": heads, "old": heads,
-        "neox": heads, "t5": heads,
+        "llama": empty, "llama_cached": empty, "llama_mqa": heads, "falcon": heads,
+        "gpt2": heads, "encoder": heads, "old": heads, "neox": heads, "t5": heads,
     }  # fmt: skip
     assert r["mha_weights"] == 2 and r["sdpa_float32"] == 2
-    assert r["errors"] == 9
+    assert r["errors"] == 10
     # loss_parallel: the untied heads' logits stay split by vocabulary through the loss.
     assert r["loss_parallel"]["llama"] == r["loss_parallel"]["encoder"] == "fewer bytes"
     assert r["loss_parallel"]["oracle"] >= 10
@@ -87,9 +92,10 @@ def test_gloo_four_ranks_where_one_holds_no_heads():
     # groups go 2 : 0 : 0 : 1, two ranks holding none; 6 heads go 3 : 0 : 1 : 2. Several ranks
     # hold each block, so its sums are reductions.
     results = launch.spawn(cases.run_torch_empty, 4, timeout=300)
+    # Multi-query attention splits its 6 query heads as GPT-2's.
     want = {"llama": [2, 0, 0, 1], "llama_cached": [2, 0, 0, 1], "gpt2": [3, 0, 1, 2]}
-    heads = [3, 0, 1, 2]
-    assert results == [{**want, "encoder": heads, "old": heads, "neox": heads, "t5": heads}] * 4
+    heads = {k: [3, 0, 1, 2] for k in ("llama_mqa", "falcon", "encoder", "old", "neox", "t5")}
+    assert results == [{**want, **heads}] * 4
 
 
 def test_shares_follow_heads_and_speeds():
@@ -277,6 +283,73 @@ def test_query_key_value_packed_under_grouped_query_attention():
     assert grouped.columns == [("blocks.0.wqkv", (16,))] and grouped.units == 3
 
 
+def test_multi_query_attention_splits_query_heads_beside_a_whole_key_and_value():
+    from hetcoll.model import layer_costs
+    from hetcoll.torch.filters import filter_modes, split_layout
+
+    # One key/value head, which every query head reads: each rank holds it whole (as
+    # Megatron-LM keeps a key/value head no split can divide), so the unit is a query head.
+    model = cases.llama_mqa()
+    attn = "model.layers.0.self_attn."
+    (ts,) = [t for t in split_layout(model).splits if t.module == attn[:-1]]
+    assert (ts.units, ts.width, ts.head_dim) == (6, 4, 4)
+    assert ts.columns == [(attn + "q_proj", (4,))] and ts.row == attn + "o_proj"
+    assert ts.whole == [attn + "k_proj", attn + "v_proj"]
+    assert ts.shared == [attn + "k_proj.weight", attn + "v_proj.weight"]
+    # A rank's module repeats the key/value head once per query head it holds.
+    assert ts.attrs == {"num_key_value_groups": 1}
+    assert ts.config == {"num_attention_heads": 1}
+    # Whole on every rank: neither split layers nor given shares.
+    assert attn + "k_proj" not in filter_modes(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shares = filter_shares(model, size=2, speeds=[1.0, 0.25])
+    assert shares[attn + "q_proj"] == shares[attn + "o_proj"] == [20, 4]
+    assert attn + "k_proj" not in shares
+    with pytest.raises(ValueError, match=r"shares: gives shares for \['model.layers.0.self_"):
+        filter_shares(model, size=2, shares={**shares, attn + "k_proj": [4, 0]})
+    # The performance model prices them whole on every device, and sums their gradients.
+    from hetcoll.model import cluster_from_dict
+    from hetcoll.model.predict import filter_parallel_schedule
+
+    costs = layer_costs(model, (7,), dtype=torch.int64)
+    block = costs.split_blocks[0]
+    assert block.whole == (attn + "k_proj", attn + "v_proj") and block.units == 6
+    assert block.shared == (24 * 4, 24 * 4)
+    device = {"flops_per_s": 1e12, "mem_bytes_per_s": 1e11, "memory_bytes": 1e12}
+    two = cluster_from_dict(
+        {
+            "devices": {"d": device},
+            "links": {"l": {"latency_s": 1e-6, "bytes_per_s": 1e10}},
+            "nodes": [{"name": "a", "device": "d", "count": 2, "link": "l"}],
+            "network": {"link": "l"},
+        }
+    )
+    sched = filter_parallel_schedule(costs, two, 4, [1.0, 0.25])
+    rows = {x.name: i for i, x in enumerate(costs.layers)}
+    compute = sched.layers.compute_s
+    k, q = compute[rows[attn + "k_proj"]], compute[rows[attn + "q_proj"]]
+    assert k[0] == k[1] > 0 and math.isclose(q[0] / q[1], 20 / 4)
+    assert sched.detail["units_per_block"][attn[:-1]] == [5, 1]
+
+    # Packed with the query heads (Falcon-7B's query_key_value: 6 query heads, then one key
+    # and one value head, of 4): its key and value rows are whole on every rank.
+    falcon = cases.falcon()
+    attn = "transformer.h.0.self_attention."
+    (ts,) = [t for t in split_layout(falcon).splits if t.module == attn[:-1]]
+    assert (ts.units, ts.width) == (6, 4) and ts.whole == [] and ts.shared == []
+    assert ts.columns == [(attn + "query_key_value", (4, 0, 0))]
+    assert ts.whole_features == {attn + "query_key_value": (0, 4, 4)}
+    assert ts.attrs == {"num_heads": 1, "split_size": 4} and ts.empty_fails == ""
+    costs = layer_costs(falcon, (7,), dtype=torch.int64)
+    block = costs.split_blocks[0]
+    assert block.whole_features == (8, 0) and block.shared == (8 * 24,)  # no biases
+    sched = filter_parallel_schedule(costs, two, 4, [1.0, 0.25])
+    rows = {x.name: i for i, x in enumerate(costs.layers)}
+    qkv = sched.layers.compute_s[rows[attn + "query_key_value"]]
+    assert math.isclose(qkv[0] / qkv[1], (20 + 8) / (4 + 8))
+
+
 def test_an_attention_that_cannot_run_without_heads_gives_every_rank_a_group():
     # Falcon's grouped layout divides by the rank's key/value head count: a rank holding none
     # would raise there alone while the others wait in the reduction. With empty_blocks the
@@ -429,17 +502,17 @@ def test_a_config_view_keeps_its_own_counts_and_shares_the_rest():
 def test_empty_blocks_lets_a_slow_rank_hold_no_heads():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # One key/value group and two ranks: too few unless a rank may hold none.
+        # One head and two ranks: too few unless a rank may hold none.
         too_few = r"has 1 key/value groups .*too few for 2 ranks.*empty_blocks=True"
         with pytest.raises(ValueError, match=too_few):
-            filter_shares(cases.llama(kv_heads=1), size=2, speeds=[1.0, 1.0])
-        one = filter_shares(cases.llama(kv_heads=1), size=2, speeds=[1.0, 1.0], empty_blocks=True)
+            filter_shares(cases.one_head(), size=2, speeds=[1.0, 1.0])
+        one = filter_shares(cases.one_head(), size=2, speeds=[1.0, 1.0], empty_blocks=True)
         slow = filter_shares(cases.llama(), size=2, speeds=[1.0, 0.1], empty_blocks=True)
         kept = filter_shares(cases.llama(), size=2, speeds=[1.0, 0.1])
         with pytest.raises(TypeError, match="empty_blocks: must be True or False"):
             filter_shares(cases.llama(), size=2, speeds=[1.0, 1.0], empty_blocks=1)
     attn = "model.layers.0.self_attn."
-    assert one[attn + "q_proj"] == [24, 0] and one[attn + "k_proj"] == [4, 0]
+    assert one[attn + "q_proj"] == [24, 0] and one[attn + "k_proj"] == [24, 0]
     # At 10:1 a whole group of 3 is too much for the slow rank: it gets none, and its MLP share
     # stays in proportion; without empty_blocks it keeps one group.
     assert slow[attn + "o_proj"] == [24, 0] and kept[attn + "o_proj"] == [16, 8]
@@ -467,7 +540,7 @@ def test_a_timed_split_needs_speeds():
     assert sum(timed["model.layers.0.mlp.down_proj"]) == 40
 
 
-@pytest.mark.parametrize("make", [cases.llama, cases.gpt2, cases.EncoderLM])
+@pytest.mark.parametrize("make", [cases.llama, cases.gpt2, cases.EncoderLM, cases.llama_mqa])
 def test_per_layer_shares_round_trip_by_heads(make):
     """``filter_shares``' dict given back as ``shares=`` splits the same way, by heads and
     hidden units (torch's attention named alone, its output projection following)."""
@@ -539,3 +612,50 @@ def test_a_packing_is_read_as_its_reshape_says(heads, head_dim, lead, minus_one)
     for shape in by_head:
         assert packing_read(shape, packed, heads, head_dim) == (None if ambiguous else "heads")
     assert packing_read([*lead, 3 * heads * head_dim], packed, heads, head_dim) is None
+
+
+@given(
+    shares=st.lists(st.integers(0, 4), min_size=1, max_size=4),
+    layout=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3)), min_size=1, max_size=3),
+)
+def test_runs_with_whole_entries_cover_the_tensor_once_besides_them(shares, layout):
+    """``split_runs`` with ``whole``: every split entry on exactly one rank, every whole entry
+    on every rank, and ``whole_positions`` says where those sit in each rank's tensor."""
+    from hetcoll.torch.filters.layers import split_runs, whole_positions
+
+    blocks, whole = tuple(b for b, _ in layout), tuple(w for _, w in layout)
+    total = sum(shares) * sum(blocks) + sum(whole)
+    kept = set()  # the whole entries, by position in the full tensor
+    start = 0
+    for b, w in layout:
+        start += sum(shares) * b
+        kept.update(range(start, start + w))
+        start += w
+    seen = [0] * total
+    for r in range(len(shares)):
+        entries = [i for a, n in split_runs(shares, r, blocks, whole) for i in range(a, a + n)]
+        for i in entries:
+            seen[i] += 1
+        mine = whole_positions(shares, r, blocks, whole)
+        assert [entries[k] for k in mine] == sorted(kept)
+        assert len(entries) == shares[r] * sum(blocks) + sum(whole)
+    assert all(seen[i] == (len(shares) if i in kept else 1) for i in range(total))
+
+
+def test_a_layer_keeping_whole_rows_checks_them():
+    """Checked before any group is needed (Falcon's gloo cases run such layers)."""
+    from hetcoll.torch.filters import FilterParallelLinear
+
+    full = nn.Linear(8, 32)
+    with pytest.raises(ValueError, match=r"whole: must be one integer >= 0 per block \(3\)"):
+        FilterParallelLinear.from_module(
+            full, [6], None, mode="split-output", blocks=(4, 0, 0), whole=(0, 4)
+        )
+    with pytest.raises(ValueError, match=r"blocks: must be integers >= 1"):
+        FilterParallelLinear.from_module(full, [6], None, mode="split-output", blocks=(4, 0, 0))
+    with pytest.raises(ValueError, match=r"do not divide out_features \(32\) less the 8 whole"):
+        FilterParallelLinear.from_module(
+            full, [6], None, mode="split-output", blocks=(5, 0, 0), whole=(0, 4, 4)
+        )
+    with pytest.raises(ValueError, match="only split-output layers split whole units"):
+        FilterParallelLinear.from_module(full, [32], None, blocks=(4, 0, 0), whole=(0, 4, 4))

@@ -38,10 +38,23 @@ def gpt2() -> nn.Module:
     return hf_gpt2(vocab=VOCAB, hidden=16, layers=4, heads=4, positions=32)
 
 
-def llama() -> nn.Module:
+def llama(kv_heads: int = 2) -> nn.Module:
     return hf_llama(
-        vocab=VOCAB, hidden=16, intermediate=24, layers=4, heads=4, kv_heads=2, positions=32
+        vocab=VOCAB, hidden=16, intermediate=24, layers=4, heads=4, kv_heads=kv_heads, positions=32
     )
+
+
+def falcon() -> nn.Module:
+    """Hugging Face Falcon-7B's layout: multi-query attention packed in one projection (the
+    query heads, then one key and one value head, which a split stage's ranks hold whole)."""
+    import transformers
+
+    cfg = transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=4, num_attention_heads=4,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cache=False, attn_implementation="eager",
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.FalconForCausalLM(cfg)
 
 
 class EncoderLM(nn.Module):
@@ -160,7 +173,11 @@ def split_stage(par: Any) -> None:
     if len(par.plan.replicas[i].stages[j].ranks) < 2:
         return
     modes = {n: m.mode for n, m in par.stage.named_modules() if isinstance(m, FilterParallelLayer)}
-    heads = [n for n, m in par.stage.named_modules() if n.endswith((".attn", ".self_attn"))]
+    heads = [
+        n
+        for n, m in par.stage.named_modules()
+        if n.endswith((".attn", ".self_attn", ".self_attention"))
+    ]
     assert heads and all(
         m != "gather" for n, m in modes.items() if n.rsplit(".", 1)[-1] not in ("lm_head", "head")
     ), modes
@@ -196,6 +213,23 @@ def split_stage(par: Any) -> None:
     agree(comm, {"one field": 0})
     agreement = comm.counts.pop("probe")
     rows_in = [m for m in heads_out if m.mode == "split-input"]
+    # Multi-query attention's key and value, whole on every rank of the stage (their own
+    # projections, or rows packed with the query heads): their gradients are summed over its
+    # ranks in each micro-batch's backward.
+    whole_kv = [
+        q.numel()
+        for n, m in par.stage.named_modules()
+        if n.endswith(("k_proj", "v_proj")) and not isinstance(m, FilterParallelLayer)
+        for q in m.parameters()
+    ]
+    for m in heads_out:
+        if getattr(m, "whole", ()):
+            per_row = m.weight.numel() // m.weight.shape[m.weight_out_dim]
+            whole_kv += [sum(m.whole) * per_row] + ([sum(m.whole)] if m.bias is not None else [])
+    for n in whole_kv:
+        comm.kind = "probe"
+        allreduce(torch.zeros(n, dtype=torch.float64), comm, check=False)
+        backward += comm.counts.pop("probe") * len(par.plan.microbatch_sizes(i))
     for rows in par.plan.microbatch_sizes(i):
         comm.kind = "probe"
         allreduce(torch.zeros(rows * SEQ * hidden, dtype=torch.float64), comm, check=False)
@@ -466,12 +500,34 @@ def vit() -> nn.Module:
     )
 
 
-def resumes_on_another_plan(group: Any) -> bool:
+def split_first(n: int) -> dict[str, Any]:
+    """A replica of one stage split over ranks 0 and 1 (the slow one holding no heads where
+    the model lets it), beside a 2-stage pipeline replica: the checkpoint's tensors come from
+    the split stage."""
+    split = {"ranks": [0, 1], "speeds": [1.0, 0.1], "layers": [0, n], "empty_blocks": True}
+    return {
+        "microbatches": 2,
+        "replicas": [
+            {"samples": 4, "stages": [split]},
+            {
+                "samples": 3,
+                "stages": [{"ranks": [2], "layers": [0, 3]}, {"ranks": [3], "layers": [3, n]}],
+            },
+        ],
+    }
+
+
+def resumes_on_another_plan(
+    group: Any, make: Any = None, plans: tuple[dict[str, Any], dict[str, Any]] | None = None
+) -> bool:
     """A checkpoint of GPT-2 (its head tied to its embedding, in different stages) taken under
     one plan — weights and Adam's state, gathered whole — resumes under another (other cuts,
-    a replica), and training goes on as if uninterrupted."""
+    a replica), and training goes on as if uninterrupted. ``make`` and ``plans``: another
+    model, and the plans it is checkpointed under and resumed under."""
+    make = gpt2 if make is None else make
+    plans = (pipeline_4(9), hybrid(9)) if plans is None else plans
     torch.manual_seed(0)
-    model = gpt2().double()
+    model = make().double()
     data = batches(7, 4)
 
     def adam(params: Any) -> torch.optim.Optimizer:
@@ -483,7 +539,7 @@ def resumes_on_another_plan(group: Any) -> bool:
         lm_loss(one(**x), y).backward()
         opt.step()
         opt.zero_grad()
-    first = parallelize(model, pipeline_4(9), loss_fn=lm_loss, items=valid_tokens, group=group)
+    first = parallelize(model, plans[0], loss_fn=lm_loss, items=valid_tokens, group=group)
     opt = adam(first.parameters())
     for x, y in data[:2]:
         first.step(x, y)
@@ -491,7 +547,7 @@ def resumes_on_another_plan(group: Any) -> bool:
         opt.zero_grad()
     weights, state = first.full_state_dict(), first.full_optimizer_state_dict(opt)
     second = parallelize(
-        gpt2().double(), hybrid(9), loss_fn=lm_loss, items=valid_tokens, group=group
+        make().double(), plans[1], loss_fn=lm_loss, items=valid_tokens, group=group
     )
     opt = adam(second.parameters())
     second.load_full_state_dict(weights)
@@ -568,6 +624,19 @@ def run_all(group: Any) -> dict[str, Any]:
             equals_one_process(group, make, Plan.from_dict(hybrid_loss_split(n)), tol=tol)
             out[f"{name}_loss_parallel"] = True
         out[f"{name}_planned_split"] = bool(planned_split(group, make))
+    # Multi-query attention: a split stage holds its key and value whole on each rank (their
+    # own projections, or rows packed with the query heads), and the data-parallel replicas
+    # sum their gradients once.
+    n = len(model_layers(llama()))
+    mqa = lambda: llama(kv_heads=1)  # noqa: E731
+    equals_one_process(group, mqa, Plan.from_dict(hybrid(n, True)), tol=1e-6)
+    out["llama_mqa_empty_blocks"] = True
+    n = len(model_layers(falcon()))
+    equals_one_process(group, falcon, Plan.from_dict(hybrid(n)))
+    out["falcon_hybrid"] = True
+    # Its checkpoint, gathered from a split stage (the slow rank holding none of the query
+    # heads, the key and value rows all the same), resumes on another split.
+    out["falcon_resumes"] = resumes_on_another_plan(group, falcon, (split_first(n), hybrid(n)))
     # An image transformer: a tensor input, rows as items (conv_proj, encoder.dropout, its
     # three encoder layers, encoder.ln, heads).
     from plan_cases import equals_one_process as images_equal_one_process

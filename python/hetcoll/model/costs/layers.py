@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from hetcoll.model.costs.records import (
     _numel,
 )
 from hetcoll.model.hardware import check_precision
+
+if TYPE_CHECKING:
+    from hetcoll.torch.filters import TensorSplit
 
 
 def layer_costs(
@@ -206,9 +209,14 @@ def layer_costs(
             ts.width,
             tuple(ts.layers()),
             tuple(ts.features_per_unit()),
-            tuple(model.get_parameter(n).numel() for n in ts.shared),
+            tuple(model.get_parameter(n).numel() for n in ts.shared)
+            + tuple(_whole_rows(model, ts)),
             not ts.empty_fails,
             ts.heads_with,
+            tuple(ts.whole),
+            tuple(sum(ts.whole_features.get(n, ())) for n in ts.layers())
+            if ts.whole_features
+            else (),
         )
         for ts in layout.splits
     )
@@ -408,3 +416,18 @@ def _with_blocks(
         stage_modes=(),
         plan_cut="blocks",
     )
+
+
+def _whole_rows(model: nn.Module, ts: TensorSplit) -> list[int]:
+    """The elements of each parameter of ``ts``'s columns that every rank holds whole (the
+    key and value rows packed with multi-query attention's query heads), whose gradients are
+    summed over the ranks."""
+    out = []
+    for name, blocks in ts.columns:
+        whole = sum(ts.whole_features.get(name, ()))
+        if not whole:
+            continue
+        features = ts.units * sum(blocks) + whole
+        for p in model.get_submodule(name).parameters(recurse=False):
+            out.append(whole * (p.numel() // features))
+    return out

@@ -131,7 +131,11 @@ class SplitBlock:
     output projection's input features per unit), its split ``layers`` (the projections
     reading the block's input, then the one mapping back) and each layer's channels per unit
     (``per_unit``: a projection's output features, the last layer's input features). Every
-    costed layer inside the module runs on a rank's share of the units; its output is summed
+    costed layer inside the module runs on a rank's share of the units (but the ``whole``
+    ones: multi-query attention's key and value projections, run whole on every rank, their
+    parameters among ``shared``; and a layer's ``whole_features``, one per layer: the
+    features of it every rank computes, as Falcon-7B's key and value rows packed with its
+    query heads); its output is summed
     over the ranks once forward, its input's gradient once backward. ``shared``: the elements
     of each parameter every rank holds whole and applies to its own heads (a per-head norm's
     weight, as Qwen3's ``q_norm``), whose gradient is summed over the ranks once per backward
@@ -149,6 +153,8 @@ class SplitBlock:
     shared: tuple[int, ...] = ()
     empty: bool = True
     heads_with: str = ""
+    whole: tuple[str, ...] = ()
+    whole_features: tuple[int, ...] = ()
 
     def shares(self, speeds: Sequence[float], *, empty: bool = False) -> list[int]:
         """The units per rank at ``speeds``, as the runtime splits them (:func:`hetcoll.split`

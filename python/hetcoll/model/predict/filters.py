@@ -206,6 +206,15 @@ def filter_parallel_schedule(
             if layer.filters > 0 and layer.name in block.layers:
                 filters_of[i] = block.layer_shares(units)[layer.name]
                 phi[i, :] = fraction
+                k = block.layers.index(layer.name)
+                if block.whole_features and block.whole_features[k]:
+                    # The features every device computes beside its units' (Falcon-7B's key
+                    # and value rows packed with its query heads).
+                    fixed = block.whole_features[k]
+                    per = np.asarray(units, dtype=np.float64) * block.per_unit[k]
+                    phi[i, :] = (per + fixed) / (block.units * block.per_unit[k] + fixed)
+            elif layer.name in block.whole:
+                pass  # whole on every device (multi-query key and value)
             else:
                 chan[i, :] = fraction  # the module's own ops, its activations: per unit
             continue
@@ -372,8 +381,14 @@ def time_balanced_shares(
     seconds = lt.forward_s + lt.backward_s  # each layer whole, on each device
     in_blocks = {n for b in blocks for n in b.layers}
     others = [x.name in layer_modes and x.name not in in_blocks for x in costs.layers]
+    # Multi-query attention's key and value projections run whole on every device, as the
+    # work around the blocks does.
+    whole = {n for b in blocks for n in b.whole}
     repeated = np.array(
-        [lo <= i < hi and not (i in span or others[i]) for i in range(len(costs.layers))],
+        [
+            lo <= i < hi and (x.name in whole or not (i in span or others[i]))
+            for i, x in enumerate(costs.layers)
+        ],
         dtype=bool,
     )
     latency = seconds[repeated].sum(axis=0) / len(blocks)
@@ -386,7 +401,9 @@ def time_balanced_shares(
             out.update(b.layer_shares(units_of[b.module]))
             continue
         rows = [i for i, kk in span.items() if kk == k]
-        per_feature = seconds[rows].sum(axis=0) / (b.units * b.width)
+        per_feature = seconds[[i for i in rows if not repeated[i]]].sum(axis=0) / (
+            b.units * b.width
+        )
         empty = empty_blocks and b.empty
         if not (per_feature > 0).all():
             units = b.shares(parts, empty=empty)

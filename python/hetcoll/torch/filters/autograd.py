@@ -67,17 +67,31 @@ class SumGradient:
     then accumulates, as the unsplit model would. Registered with ``Tensor.register_hook``, it
     runs once per backward, before accumulation, in the same place of every rank's backward
     (the ranks run the same graph). An object rather than a closure, as a copied model's
-    hooks must be."""
+    hooks must be. With ``rows`` (``(dim, positions)``) only those entries along ``dim`` are
+    summed, the rest being the rank's own: the key and value rows every rank holds of a layer
+    packing them with its split query heads."""
 
-    def __init__(self, comm: Communicator, timeout: float | None) -> None:
-        self.comm, self.timeout = comm, timeout
+    def __init__(
+        self,
+        comm: Communicator,
+        timeout: float | None,
+        rows: tuple[int, list[int]] | None = None,
+    ) -> None:
+        self.comm, self.timeout, self.rows = comm, timeout, rows
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor:
         g = grad.contiguous().clone()
         CountingCommunicator.count_as(self.comm, "gradients")
-        # Its length is the parameter's, the same on every rank (the plan agreed on it).
-        _sum_over_ranks(g, self.comm, self.timeout, check=False, root=None)
-        return g
+        # Its length is the parameter's (or its rows'), the same on every rank (the plan
+        # agreed on it).
+        if self.rows is None:
+            _sum_over_ranks(g, self.comm, self.timeout, check=False, root=None)
+            return g
+        dim, positions = self.rows
+        index = torch.tensor(positions, device=g.device)
+        part = g.index_select(dim, index).contiguous()
+        _sum_over_ranks(part, self.comm, self.timeout, check=False, root=None)
+        return g.index_copy_(dim, index, part)
 
 
 class CopyToRanks(torch.autograd.Function):

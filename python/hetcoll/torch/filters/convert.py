@@ -52,6 +52,7 @@ from hetcoll.torch.filters.layers import (
     SharedCopy,
     is_conv1d,
     split_comms,
+    whole_positions,
 )
 from hetcoll.torch.filters.pairing import SplitLayout, split_layout
 from hetcoll.torch.filters.timing import replicated_latencies, sample_seconds
@@ -235,6 +236,16 @@ def _shares(
                 model, chosen, avoid_gathers=avoid_gathers, mha=mha, untraced=untraced
             )
     modes, feeds, splits = layout.modes, layout.feeds, layout.splits
+    # Multi-query attention's key and value projections: whole on every rank, no split's.
+    held_whole = {n: ts.module for ts in splits for n in ts.whole}
+    named_whole = [n for n in per_layer or () if n in held_whole]
+    if named_whole:
+        raise ValueError(
+            f"{argument}: gives shares for {named_whole}, the key/value projections of "
+            f"multi-query attention {held_whole[named_whole[0]]!r}, which every rank holds "
+            "whole (its query heads split); leave them out"
+        )
+    chosen = [n for n in chosen if n not in held_whole]
     if layout.kept:
         warnings.warn(
             "filter_parallel: attention left unsplit by heads (its layers gather their "
@@ -443,6 +454,8 @@ def _split_units(
     if ts.kind == "attention":
         what = f"attention {ts.module!r}"
         noun = f"key/value groups (of {ts.width} query features each)"
+        if ts.whole:  # multi-query: its one key/value head whole on every rank
+            noun = f"query heads (of {ts.width} features each)"
     elif ts.kind == "mha":
         what, noun = f"attention {ts.module!r}", f"heads (of {ts.width} features each)"
     else:
@@ -611,19 +624,24 @@ def filter_parallel(
             empty_check = EmptyRankCheck(ts, named[ts.module], counts.index(0))
         copy = SharedCopy(comm, timeout, sole_holder(counts))
         for name, blocks in ts.columns:
-            _replace(
-                model,
-                name,
-                _linear_class(named[name]).from_module(
-                    named[name],
-                    counts,
-                    comm,
-                    mode="split-output",
-                    blocks=blocks,
-                    shared_input=copy,
-                    timeout=timeout,
-                ),
+            column = _linear_class(named[name]).from_module(
+                named[name],
+                counts,
+                comm,
+                mode="split-output",
+                blocks=blocks,
+                whole=ts.whole_features.get(name, ()),
+                shared_input=copy,
+                timeout=timeout,
             )
+            _replace(model, name, column)
+            if column.whole:  # the rows every rank holds: each rank's gradient its heads' part
+                at = whole_positions(counts, comm.rank, column.blocks, column.whole)
+                column.weight.register_hook(SumGradient(comm, timeout, (column.weight_out_dim, at)))
+                if column.bias is not None:
+                    column.bias.register_hook(SumGradient(comm, timeout, (0, at)))
+        for name in ts.whole:  # whole on every rank, reading the columns' copy of the input
+            named[name].register_forward_pre_hook(copy.read_copy)
         row = named[ts.row]
         _replace(
             model,

@@ -7,6 +7,7 @@ forward's own inputs)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from hetcoll.torch.filters.head_guards import (
     reshaped_to,
 )
 from hetcoll.torch.filters.heads import TensorSplit
+from hetcoll.torch.filters.layers import split_runs, take_runs
 from hetcoll.torch.replay import meta_copy
 
 
@@ -92,6 +94,12 @@ class _PackingProbe(OpWatch):
         h, kv, d = self.heads, self.kv_heads, self.head_dim
         if shape is not None and kv == h:
             self.read = packing_read(shape, args[0].dim(), h, d)
+        elif (
+            shape is not None and len(shape) == args[0].dim() + 1 and shape[-2:] == [h + 2 * kv, d]
+        ):
+            # Every query head, then the key heads, then the value heads (Falcon-7B's
+            # multi-query view(batch, seq, heads + 2, head_dim)): three blocks.
+            self.read = "blocks"
         elif shape is not None:
             per_group = h // kv + 2
             ok = shape[-1] in (per_group * d, d)
@@ -178,9 +186,12 @@ def _probe_run(
         row = attention.get_submodule(ts.row.removeprefix(prefix))
         handles.append(row.register_forward_pre_hook(_stop))
     if empty:
-        for name, _ in ts.columns:
+        for name, blocks in ts.columns:
             layer = attention.get_submodule(name.removeprefix(prefix))
-            handles.append(layer.register_forward_hook(_emptied))
+            # What the rank's layer computes: none of its units' features, only those every
+            # rank holds (multi-query key and value rows packed with the query heads).
+            kept = split_runs([0, ts.units], 0, blocks, ts.whole_features.get(name, ()))
+            handles.append(layer.register_forward_hook(partial(_emptied, kept)))
         for name in ts.tables:
             table = attention.get_submodule(name.removeprefix(prefix))
             handles.append(HeadColumns(ts, 0, 0).install(table))
@@ -235,8 +246,8 @@ def _stop(module: nn.Module, args: Any) -> None:
     raise _Probed
 
 
-def _emptied(module: nn.Module, args: Any, output: Any) -> Any:
-    return output.narrow(-1, 0, 0) if isinstance(output, torch.Tensor) else output
+def _emptied(kept: list[tuple[int, int]], module: nn.Module, args: Any, output: Any) -> Any:
+    return take_runs(output, -1, kept) if isinstance(output, torch.Tensor) else output
 
 
 def runs_without_heads(

@@ -37,7 +37,14 @@ class TensorSplit:
     position bias): every rank holds them whole (their parameters are in ``shared``) and
     reads its own heads' columns. ``heads_with``: the attention whose heads this one must hold
     alike, where one of its class holds a per-head table and hands what it computes to the
-    others (T5's position bias, one per stack); "" for none.
+    others (T5's position bias, one per stack); "" for none. ``whole``: its projections every
+    rank holds and runs whole, reading the block's input: multi-query attention's key and
+    value (one head, which every query head reads), kept whole on every rank as Megatron-LM
+    keeps them; its unit is then a query head. They read the columns' shared copy of the
+    input (its gradient summed once) and their parameters are in ``shared``.
+    ``whole_features``: for a column packing that key and value with the query heads
+    (Falcon-7B's ``query_key_value``), the output features after each block's split ones
+    that every rank holds (``(0, head_dim, head_dim)``), their gradients summed alike.
     """
 
     kind: str
@@ -53,6 +60,8 @@ class TensorSplit:
     empty_fails: str = ""
     tables: list[str] = field(default_factory=list)
     heads_with: str = ""
+    whole: list[str] = field(default_factory=list)
+    whole_features: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def heads(self) -> int:
         """An attention's query heads (unsplit); 0 for an MLP."""

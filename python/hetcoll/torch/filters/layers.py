@@ -40,23 +40,51 @@ from hetcoll.torch.filters.checks import (
 from hetcoll.torch.filters.split_output import SplitOutput
 
 
-def split_runs(shares: Sequence[int], rank: int, blocks: Sequence[int]) -> list[tuple[int, int]]:
+def split_runs(
+    shares: Sequence[int], rank: int, blocks: Sequence[int], whole: Sequence[int] = ()
+) -> list[tuple[int, int]]:
     """Where rank ``rank``'s entries sit along a split dimension, as ``(start, length)`` runs:
     the dimension holds one block per entry of ``blocks`` (one, or query, key and value packed
     in one layer), block b of ``sum(shares) * blocks[b]`` entries, split alike: rank r holds
-    ``shares[r] * blocks[b]`` of each.
+    ``shares[r] * blocks[b]`` of each; then, with ``whole``, ``whole[b]`` entries every rank
+    holds (multi-query attention's key and value packed with its query heads).
 
     >>> split_runs([2, 1], 1, (4, 4, 4))
     [(8, 4), (20, 4), (32, 4)]
     >>> split_runs([2, 1], 1, (8, 4, 4))  # 2 query heads of 4 per key/value group
     [(16, 8), (32, 4), (44, 4)]
+    >>> split_runs([2, 1], 1, (4, 0, 0), (0, 4, 4))  # 3 query heads, one key and value head
+    [(8, 4), (12, 4), (16, 4)]
     """
     total, before = sum(shares), sum(shares[:rank])
     runs, start = [], 0
-    for width in blocks:
-        runs.append((start + before * width, shares[rank] * width))
+    for b, width in enumerate(blocks):
+        if width:
+            runs.append((start + before * width, shares[rank] * width))
         start += total * width
+        if whole and whole[b]:
+            runs.append((start, whole[b]))
+            start += whole[b]
     return runs
+
+
+def whole_positions(
+    shares: Sequence[int], rank: int, blocks: Sequence[int], whole: Sequence[int]
+) -> list[int]:
+    """Where the entries every rank holds (:func:`split_runs`' ``whole``) sit in rank
+    ``rank``'s tensor along the split dimension.
+
+    >>> whole_positions([2, 1], 1, (4, 0, 0), (0, 4, 4))
+    [4, 5, 6, 7, 8, 9, 10, 11]
+    """
+    out: list[int] = []
+    at = 0
+    for b, width in enumerate(blocks):
+        at += shares[rank] * width
+        if whole and whole[b]:
+            out.extend(range(at, at + whole[b]))
+            at += whole[b]
+    return out
 
 
 def take_runs(t: torch.Tensor, dim: int, runs: list[tuple[int, int]]) -> torch.Tensor:
@@ -72,7 +100,8 @@ class ChannelSplit:
     ``split_spec()`` maps a parameter or buffer name to ``(dim, blocks)``: along ``dim`` the
     full tensor holds one block per entry of ``blocks``, of which rank r holds
     ``shares[r] * blocks[b]`` entries starting at ``offsets[r] * blocks[b]`` into block b
-    (:func:`split_runs`); unnamed tensors are replicated.
+    (:func:`split_runs`); unnamed tensors are replicated. ``whole_spec()`` names those whose
+    blocks end in entries every rank holds: ``whole[b]`` after block b's split ones.
     """
 
     comm: Communicator
@@ -91,15 +120,20 @@ class ChannelSplit:
     def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         raise NotImplementedError
 
+    def whole_spec(self) -> dict[str, tuple[int, ...]]:
+        return {}
+
     def _slice_full(self, state_dict: dict[str, Any], prefix: str) -> None:
         """A full (unsplit) tensor in a state dict being loaded becomes this rank's slice."""
         total = sum(self.shares)
+        kept = self.whole_spec()
         for name, (dim, blocks) in self.split_spec().items():
             t = state_dict.get(prefix + name)
-            full = total * sum(blocks)
-            whole = self.shares[self.rank] == total
-            if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == full and not whole:
-                runs = split_runs(self.shares, self.rank, blocks)
+            whole = kept.get(name, ())
+            full = total * sum(blocks) + sum(whole)
+            alone = self.shares[self.rank] == total
+            if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == full and not alone:
+                runs = split_runs(self.shares, self.rank, blocks, whole)
                 state_dict[prefix + name] = take_runs(t, dim, runs)
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
@@ -134,6 +168,14 @@ class SharedCopy:
         y = CopyToRanks.apply(x, self.comm, self.timeout, self, needs_check(self.agreed), self.root)
         self._input, self._copy = weakref.ref(x), y
         return y  # type: ignore[no-any-return]
+
+    def read_copy(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """A forward pre-hook handing a layer held whole on every rank (multi-query
+        attention's key and value projections) the copy in place of its input: its part of
+        the input's gradient is summed over the ranks with the split layers'."""
+        if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            return (self(args[0]), *args[1:])
+        return None
 
     def clear(self) -> None:
         self._input, self._copy = None, None
@@ -196,6 +238,9 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
     # head's width when whole heads are split; three when query, key and value share a layer),
     # each block split alike.
     blocks: tuple[int, ...] = (1,)
+    # Output channels after each block's split ones that every rank holds (() for none):
+    # multi-query attention's key and value head packed with its query heads.
+    whole: tuple[int, ...] = ()
     # The copy of the input shared with the other layers reading it (None: its own).
     shared_input: SharedCopy | None = None
     # The weight's output and input dimensions (a Conv1D stores its weight transposed).
@@ -267,6 +312,11 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
             spec["bias"] = (0, self.blocks)
         return spec
 
+    def whole_spec(self) -> dict[str, tuple[int, ...]]:
+        if self.mode != "split-output" or not self.whole:
+            return {}
+        return dict.fromkeys(self.split_spec(), self.whole)
+
     def _unit(self) -> int:
         return 1
 
@@ -289,7 +339,7 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
                 w = weight.narrow(self.weight_in_dim, self.offset * unit, shares[comm.rank] * unit)
                 b = bias
             else:
-                runs = split_runs(shares, comm.rank, self.blocks)
+                runs = split_runs(shares, comm.rank, self.blocks, self.whole)
                 w = take_runs(weight, self.weight_out_dim, runs)
                 b = None if bias is None else take_runs(bias, 0, runs)
             self.weight = nn.Parameter(w.clone(), requires_grad=weight.requires_grad)
@@ -477,6 +527,7 @@ class FilterParallelLinear(FilterParallelLayer):
         mode: str = "gather",
         in_features_per_channel: int = 1,
         blocks: Sequence[int] = (1,),
+        whole: Sequence[int] = (),
         shared_input: SharedCopy | None = None,
         timeout: float | None = None,
     ) -> Self:
@@ -487,8 +538,12 @@ class FilterParallelLinear(FilterParallelLayer):
         ``(head_dim,) * 3`` for query, key and value packed in one layer, ``(rep * head_dim,
         head_dim, head_dim)`` for them packed under grouped-query attention (a unit: a
         key/value group); each block is split alike, so a rank holds its units of each.
-        ``shared_input``: the copy of the input shared with the other layers reading it
-        (:class:`SharedCopy`: one reduction of the input gradient for all of them).
+        ``whole``: the output features after each block's split ones that every rank holds
+        and computes (multi-query attention packed in one layer, as Falcon-7B's: blocks
+        ``(head_dim, 0, 0)``, whole ``(0, head_dim, head_dim)``); their gradients are each
+        rank's part, which the caller sums over the ranks. ``shared_input``: the copy of the
+        input shared with the other layers reading it (:class:`SharedCopy`: one reduction of
+        the input gradient for all of them).
 
         >>> FilterParallelLinear.from_module(nn.Linear(64, 37), [29, 7, 1], group)  # doctest: +SKIP
         """
@@ -496,19 +551,19 @@ class FilterParallelLinear(FilterParallelLayer):
         check_mode(mode)
         check_timeout(timeout)
         unit = _check_unit(in_features, in_features_per_channel)
-        widths = _check_blocks(blocks)
+        widths, kept = _check_blocks(blocks, whole)
         per_unit = sum(widths)
-        if mode != "split-input" and out_features % per_unit:
+        if mode != "split-input" and (out_features - sum(kept)) % per_unit:
             raise ValueError(
                 f"blocks: units of {list(widths)} features do not divide out_features "
-                f"({out_features})"
+                f"({out_features})" + (f" less the {sum(kept)} whole" if kept else "")
             )
-        if mode == "gather" and widths != (1,):
+        if mode != "split-output" and (widths != (1,) or kept):
             raise ValueError("blocks: only split-output layers split whole units")
         check_choice(shares, speeds, multiple_of)
         comm = wrap(group)
         split_in = mode == "split-input"
-        total = in_features // unit if split_in else out_features // per_unit
+        total = in_features // unit if split_in else (out_features - sum(kept)) // per_unit
         # A paired layer may hold nothing on a rank (an attention's heads or an MLP's units
         # all elsewhere): its reduction still counts that rank in.
         counts = resolve_shares(
@@ -516,7 +571,7 @@ class FilterParallelLinear(FilterParallelLayer):
         )
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self.blocks = widths
+        self.blocks, self.whole = widths, kept
         if mode == "split-output":
             self.shared_input = shared_input
         self._from_linear(linear, comm, counts, mode, unit, timeout)
@@ -556,6 +611,8 @@ class FilterParallelLinear(FilterParallelLayer):
         extra = ""
         if self.mode == "split-output" and self.blocks != (1,):
             extra = f", blocks={self.blocks}"
+        if self.mode == "split-output" and self.whole:
+            extra += f", whole={self.whole}"
         return f"{self.in_features}, {self.out_features}, " + super().extra_repr() + extra
 
 
@@ -612,14 +669,30 @@ class FilterParallelConv1D(FilterParallelLinear):
         return LocalConv1D()
 
 
-def _check_blocks(blocks: Any) -> tuple[int, ...]:
-    """``blocks`` (output features per unit of each block) as a tuple, checked."""
-    if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence):
-        raise TypeError(f"blocks: must be a sequence of integers >= 1, got {blocks!r}")
-    widths = tuple(blocks)
-    if not widths or any(not is_int(w) or int(w) < 1 for w in widths):
-        raise ValueError(f"blocks: must be integers >= 1 (at least one), got {list(widths)!r}")
-    return tuple(int(w) for w in widths)
+def _check_blocks(blocks: Any, whole: Any = ()) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``blocks`` (output features per unit of each block) and ``whole`` (features after
+    each block's that every rank holds; () for none) as tuples, checked: with ``whole``, a
+    block may split none (0) where it holds whole ones."""
+    for name, value in (("blocks", blocks), ("whole", whole)):
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise TypeError(f"{name}: must be a sequence of integers, got {value!r}")
+    widths, kept = tuple(blocks), tuple(whole)
+    if kept and (len(kept) != len(widths) or any(not is_int(w) or int(w) < 0 for w in kept)):
+        raise ValueError(
+            f"whole: must be one integer >= 0 per block ({len(widths)}), got {list(kept)!r}"
+        )
+    least = 0 if kept else 1
+    if (
+        not widths
+        or any(not is_int(w) or int(w) < least for w in widths)
+        or sum(int(w) for w in widths) < 1
+        or any(int(w) + int(k) < 1 for w, k in zip(widths, kept, strict=False))
+    ):
+        raise ValueError(
+            f"blocks: must be integers >= {least} (at least one), each block holding some "
+            f"features, got {list(widths)!r}"
+        )
+    return tuple(int(w) for w in widths), tuple(int(k) for k in kept)
 
 
 def _check_unit(in_features: int, unit: object) -> int:

@@ -79,6 +79,8 @@ def split_layout(
         for ts in splits:
             modes.update({c: "split-output" for c, _ in ts.columns})
             modes[ts.row] = "split-input"
+            for n in ts.whole:  # held whole on every rank (multi-query key and value)
+                modes.pop(n, None)
     return SplitLayout(modes, feeds, bns, splits, kept, read_directly)
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from hetcoll.comm import Communicator, agree
 from hetcoll.torch.filters.checks import is_int
-from hetcoll.torch.filters.layers import ChannelSplit, split_comms, split_runs
+from hetcoll.torch.filters.layers import ChannelSplit, split_comms, split_runs, whole_positions
 from hetcoll.torch.state_dicts import (
     Part,
     check_full_optimizer_state_dict,
@@ -36,11 +36,13 @@ def _gather(
     Every rank's slices travel in one allgatherv of bytes: the shares say how long each rank's
     piece of each tensor is, so no sizes need exchanging first.
     """
-    split: dict[str, tuple[ChannelSplit, int, tuple[int, ...]]] = {}
+    split: dict[str, tuple[ChannelSplit, int, tuple[int, ...], tuple[int, ...]]] = {}
     for mname, m in model.named_modules():
         if isinstance(m, ChannelSplit):
+            whole_of = m.whole_spec()
             for pname, (dim, blocks) in m.split_spec().items():
-                split[f"{mname}.{pname}" if mname else pname] = (m, dim, blocks)
+                key = f"{mname}.{pname}" if mname else pname
+                split[key] = (m, dim, blocks, whole_of.get(pname, ()))
     comms = {id(m.comm): m.comm for m, *_ in split.values()}
     if len(comms) > 1:
         raise ValueError(f"{argument}: split modules on different process groups")
@@ -50,16 +52,20 @@ def _gather(
     if dst is not None and (not is_int(dst) or not 0 <= dst < size):
         raise ValueError(f"dst: must be a rank in [0, {size}) or None, got {dst!r}")
     keep = comm is None or dst is None or comm.rank == dst
-    # (key, dim, rows per rank, rows per rank of each block, row shape, dtype, bytes per row)
+    # (key, dim, rows per rank, rows per rank of each block (its split ones, then those every
+    # rank holds), row shape, dtype, bytes per row)
     pieces = []
     local = []
     for key, t in values.items():
         if key in split:
-            m, dim, blocks = split[key]
+            m, dim, blocks, whole = split[key]
             moved = t.detach().cpu().movedim(dim, 0).contiguous()
             row = moved.shape[1:]
             row_bytes = math.prod(row) * moved.element_size()  # a rank may hold no rows
-            per_block = [[s * w for w in blocks] for s in m.shares]
+            kept: tuple[int, ...] = whole or (0,) * len(blocks)
+            per_block = [
+                [n for w, k in zip(blocks, kept, strict=True) for n in (s * w, k)] for s in m.shares
+            ]
             rows = [sum(b) for b in per_block]
             pieces.append((key, dim, rows, per_block, row, t.dtype, row_bytes))
             local.append(moved.reshape(-1).view(torch.uint8))
@@ -76,10 +82,15 @@ def _gather(
                     n = rows[r] * rb
                     held.append(out[start[r] : start[r] + n].view(dtype).view(rows[r], *row))
                     start[r] += n
-                # Each rank's piece holds its entries of every block (packed q/k/v): the full
-                # tensor is block by block, rank by rank within a block.
+                # Each rank's piece holds its entries of every block (packed q/k/v), then the
+                # block's entries every rank holds: the full tensor is block by block, rank
+                # by rank within a block, then those entries (rank 0's).
                 joined = [h.split(per_block[r]) for r, h in enumerate(held)]
-                order = [joined[r][b] for b in range(len(per_block[0])) for r in range(size)]
+                order = [
+                    joined[r][b]
+                    for b in range(len(per_block[0]))
+                    for r in (range(size) if b % 2 == 0 else [0])
+                ]
                 full[key] = torch.cat(order).movedim(0, dim).contiguous()
     if not keep:
         return None
@@ -132,18 +143,28 @@ def _parts(model: nn.Module) -> dict[str, Part]:
     parts = {k: Part(tuple(t.shape)) for k, t in state.items()}
     for mname, m in model.named_modules():
         if isinstance(m, ChannelSplit):
+            kept = m.whole_spec()
             for pname, (dim, blocks) in m.split_spec().items():
                 key = f"{mname}.{pname}" if mname else pname
                 local = state[key]
                 shape = list(local.shape)
-                shape[dim] = sum(m.shares) * sum(blocks)
-                if len(blocks) == 1:
+                whole = kept.get(pname, ())
+                shape[dim] = sum(m.shares) * sum(blocks) + sum(whole)
+                if len(blocks) == 1 and not whole:
                     count = int(local.shape[dim])
                     parts[key] = Part(tuple(shape), dim, m.offset * blocks[0], count)
                 else:
-                    runs = split_runs(m.shares, m.rank, blocks)
+                    runs = split_runs(m.shares, m.rank, blocks, whole)
                     index = torch.cat([torch.arange(a, a + n) for a, n in runs])
-                    parts[key] = Part(tuple(shape), dim, index=index)
+                    # Entries every rank holds are written by the split's rank 0 alone.
+                    repeated = whole_positions(m.shares, m.rank, blocks, whole) if whole else []
+                    parts[key] = Part(
+                        tuple(shape),
+                        dim,
+                        index=index,
+                        repeated=torch.tensor(repeated, dtype=torch.long) if repeated else None,
+                        writes_repeated=m.rank == 0,
+                    )
     return parts
 
 

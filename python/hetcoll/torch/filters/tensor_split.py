@@ -36,6 +36,9 @@ _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 _QUERY_WIDTH = ("split_size", "all_head_size", "inner_dim")
 
 
+_KV_GROUPS = ("num_key_value_groups",)  # query heads per key/value head (Hugging Face's)
+
+
 _HEAD_DIM = ("head_dim", "head_size")  # GPT-NeoX's
 
 
@@ -137,6 +140,22 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
             f"separate or packed query/key/value of {nq} heads ({nkv} key/value) of {hd} and "
             "an output projection"
         )
+    # Multi-query attention with separate projections: its one key/value head, which every
+    # query head reads, is held and computed whole on every rank, and the query heads split
+    # one by one (a packed projection of it, as Falcon-7B's, stays as it is: one unit).
+    whole: list[str] = []
+    whole_features: dict[str, tuple[int, ...]] = {}
+    units, per_query = nkv, rep
+    if nkv == 1 < nq and len(columns) == 3:
+        whole = [c for c, blocks in columns if blocks != (rep * hd,)]
+        columns = [(c, (hd,)) for c, blocks in columns if c not in whole]
+        units, per_query = nq, 1
+    elif nkv == 1 < nq and columns[0][1] == (rep * hd, hd, hd):
+        # Packed with the queries (Falcon-7B's query_key_value): the key and value rows are
+        # held whole on every rank, after its query heads' rows.
+        whole_features = {columns[0][0]: (0, hd, hd)}
+        columns = [(columns[0][0], (hd, 0, 0))]
+        units, per_query = nq, 1
     # Any other parameter is applied to the rank's own heads: one of a head's size (a norm over
     # the head dimension) or a number is the same for every head, and a table of a weight per
     # query head (T5's relative position bias: an embedding, one column per head) is read at
@@ -150,6 +169,9 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
     ]
     shared = []
     for pn, p in m.named_parameters():
+        if pn.split(".", 1)[0] in whole:
+            shared.append(pn)
+            continue
         if pn.split(".", 1)[0] in projections:
             continue
         if pn.split(".", 1)[0] in tables:
@@ -163,20 +185,24 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
         shared.append(pn)
     attrs: dict[str, int] = {}
     own: dict[str, int] = {}
-    for names, per_unit in ((_QUERY_HEADS, rep), (_KV_HEADS, 1), (_QUERY_WIDTH, rep * hd)):
+    counts = [(_QUERY_HEADS, per_query), (_QUERY_WIDTH, per_query * hd)]
+    # A rank's key/value heads: its groups', or (multi-query) the one every rank holds, which
+    # each of its query heads reads (Hugging Face's num_key_value_groups).
+    counts.append((_KV_HEADS, 1) if units == nkv else (_KV_GROUPS, 1))
+    for names, per_unit in counts:
         for a in names:
             v = getattr(m, a, None)
-            if isinstance(v, int) and not isinstance(v, bool) and v == per_unit * nkv:
+            if isinstance(v, int) and not isinstance(v, bool) and v == per_unit * units:
                 attrs[a] = per_unit
             v = getattr(config, a, None)
-            if isinstance(v, int) and not isinstance(v, bool) and v == per_unit * nkv:
+            if isinstance(v, int) and not isinstance(v, bool) and v == per_unit * units:
                 own[a] = per_unit
     prefix = f"{name}." if name else ""
     return TensorSplit(
         "attention",
         name,
-        nkv,
-        rep * hd,
+        units,
+        per_query * hd,
         [(prefix + c, blocks) for c, blocks in columns],
         prefix + row_name if row_name else "",
         attrs,
@@ -184,6 +210,8 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
         [prefix + n for n in shared],
         hd,
         tables=[prefix + n for n in tables],
+        whole=[prefix + n for n in whole],
+        whole_features={prefix + n: f for n, f in whole_features.items()},
     )
 
 
@@ -546,7 +574,7 @@ def plan_tensor_splits(
                 kept[name] = f"its layers {missing} are not split or already paired"
             continue
         splits.append(found)
-        claimed.update(found.layers())
+        claimed.update(found.layers() + found.whole)
     # Attentions of one class run one code: where one stays whole for its layout (T5's first,
     # holding the relative position bias of every head), the others of its class are handed
     # what it computes for every head, so they stay whole too.

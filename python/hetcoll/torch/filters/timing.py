@@ -41,13 +41,15 @@ def _block_seconds(
     """Seconds of a forward of the unsplit ``model`` on ``sample`` (a tensor, a tuple of
     positional inputs or a dict of keyword inputs) less those of the layers ``others`` (split
     on their own, by speed), then of each split's own work in it: an attention's whole module
-    (projections and scores), an MLP's layers. Without gradients; the median of three forwards
-    after one to warm up."""
+    (projections and scores) less the projections every rank runs whole (multi-query key and
+    value), an MLP's layers. Without gradients; the median of three forwards after one to warm
+    up."""
     named = dict(model.named_modules())
     groups = [
         [named[ts.module]] if ts.kind != "mlp" else [named[n] for n in ts.layers()] for ts in splits
     ]
     groups.append([named[n] for n in others])
+    groups += [[named[n] for n in ts.whole] for ts in splits]  # inside their attention's
     spent = [0.0] * len(groups)
     started: dict[int, float] = {}
     handles = []
@@ -74,7 +76,9 @@ def _block_seconds(
                     model(*sample)
                 else:
                     model(sample)
-                runs.append([time.perf_counter() - t0 - spent[-1], *spent[:-1]])
+                whole = spent[len(splits) + 1 :]
+                own = [t - w for t, w in zip(spent[: len(splits)], whole, strict=True)]
+                runs.append([time.perf_counter() - t0 - spent[len(splits)], *own])
     finally:
         for h in handles:
             h.remove()
