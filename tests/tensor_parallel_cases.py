@@ -136,6 +136,20 @@ def falcon() -> nn.Module:
     return transformers.FalconForCausalLM(cfg)
 
 
+def bigcode() -> nn.Module:
+    """Hugging Face GPT-BigCode (StarCoder's and SantaCoder's architecture): multi-query
+    attention packed in ``c_attn`` (the query heads, one key and one value head), read as
+    ``c_attn(x).unsqueeze(1).split((embed_dim, kv_dim, kv_dim), dim=3)``."""
+    import transformers
+
+    cfg = transformers.GPTBigCodeConfig(
+        vocab_size=VOCAB, n_embd=24, n_layer=2, n_head=6, n_positions=32, multi_query=True,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        attn_implementation="eager", bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.GPTBigCodeForCausalLM(cfg)
+
+
 def falcon_gqa() -> nn.Module:
     """Hugging Face Falcon's new decoder architecture (Falcon-40B's): grouped-query attention
     (6 query heads in 3 key/value groups) packed group by group in ``query_key_value``, viewed
@@ -964,6 +978,7 @@ def run_all(group: Any) -> dict[str, Any]:
         ("bloom", bloom),
         ("t5", T5LM),
         ("gemma_mqa", gemma_mqa),
+        ("bigcode", bigcode),
     ):
         got = equals_unsplit(group, make, "adam", steps=2)
         out[f"{name}_gathers"] = sorted(n for n, m in got.items() if m == "gather")

@@ -64,6 +64,8 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     # Multi-query attention (Gemma 2B's one key/value head): the query heads split one by
     # one, the key and value projections whole on every rank (not split layers).
     assert r["gemma_mqa_gathers"] == [] and r["gemma_mqa_split"] == 2 * 5
+    # GPT-BigCode's (StarCoder's) packed with the queries in c_attn, read after an unsqueeze.
+    assert r["bigcode_gathers"] == [] and r["bigcode_split"] == 2 * 4
     # With empty_blocks the slow rank (speed 0.1) holds none of Llama's 3 key/value groups,
     # GPT-2's 6 heads (q, k and v packed) or the encoder's 6 heads.
     empty = {2: [3, 0], 3: [2, 0, 1]}[p]
@@ -537,7 +539,15 @@ def test_a_timed_split_needs_speeds():
         timed = filter_shares(
             cases.llama(), size=2, speeds=[1.0, 0.1], empty_blocks=True, sample={"input_ids": ids}
         )
+        # Multi-query attention: its key and value, whole on every rank, count as work every
+        # rank repeats; the query heads split whole.
+        mqa = filter_shares(
+            cases.llama_mqa(), size=2, speeds=[1.0, 0.25], sample={"input_ids": ids}
+        )
     assert sum(timed["model.layers.0.mlp.down_proj"]) == 40
+    o_proj = mqa["model.layers.0.self_attn.o_proj"]
+    assert sum(o_proj) == 24 and all(v % 4 == 0 and v > 0 for v in o_proj)
+    assert "model.layers.0.self_attn.k_proj" not in mqa
 
 
 @pytest.mark.parametrize("make", [cases.llama, cases.gpt2, cases.EncoderLM, cases.llama_mqa])

@@ -134,7 +134,8 @@ def packing_read(shape: Sequence[int], packed: int, heads: int, head_dim: int) -
 class OpWatch(TorchFunctionMode):
     """Watches the first op a forward applies to one tensor (a packed projection's output,
     given to :meth:`watch` by that layer's forward hook) and hands ``(func, args, kwargs)`` to
-    ``decide``, which may raise to stop the forward there."""
+    ``decide``, which may raise to stop the forward there. A new dimension before the features
+    (GPT-BigCode's ``c_attn(x).unsqueeze(1)``) is followed: the op after it decides."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -156,6 +157,11 @@ class OpWatch(TorchFunctionMode):
             and args[0] is self.watched
             and getattr(func, "__name__", "") not in _INSPECTIONS
         ):
+            if func in (torch.Tensor.unsqueeze, torch.unsqueeze):
+                dim = args[1] if len(args) > 1 else kwargs.get("dim")
+                if isinstance(dim, int) and -args[0].dim() - 1 <= dim < args[0].dim():
+                    self.watched = func(*args, **kwargs)  # the features still last
+                    return self.watched
             self.watched, self.seen = None, True  # the first op decides
             self.decide(func, args, kwargs)
         return func(*args, **kwargs)

@@ -63,7 +63,7 @@ def _cut_read(
         dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
         if dim not in (-1, t.dim() - 1):
             return None
-        sizes = args[1]
+        sizes = list(args[1]) if isinstance(args[1], (list, tuple)) else args[1]
         blocks = [width, kv_heads * head_dim, kv_heads * head_dim]
         if sizes == blocks or (kv_heads == heads and sizes == width):
             return "blocks"

@@ -30,10 +30,10 @@ from hetcoll.torch.filters.layers import FilterParallelMultiheadAttention
 _QUERY_HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 
 
-_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads")
 
 
-_QUERY_WIDTH = ("split_size", "all_head_size", "inner_dim")
+_QUERY_WIDTH = ("split_size", "all_head_size", "inner_dim", "embed_dim")
 
 
 _KV_GROUPS = ("num_key_value_groups",)  # query heads per key/value head (Hugging Face's)
