@@ -185,7 +185,10 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
         shared.append(pn)
     attrs: dict[str, int] = {}
     own: dict[str, int] = {}
-    counts = [(_QUERY_HEADS, per_query), (_QUERY_WIDTH, per_query * hd)]
+    counts: list[tuple[tuple[str, ...], int]] = [
+        (_QUERY_HEADS, per_query),
+        (_QUERY_WIDTH, per_query * hd),
+    ]
     # A rank's key/value heads: its groups', or (multi-query) the one every rank holds, which
     # each of its query heads reads (Hugging Face's num_key_value_groups).
     counts.append((_KV_HEADS, 1) if units == nkv else (_KV_GROUPS, 1))
