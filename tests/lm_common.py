@@ -172,3 +172,26 @@ def reference(name: str, world: int) -> list[torch.Tensor]:
 def rel_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     """The largest relative error over the parameters."""
     return max(float((a - b).norm() / max(float(b.norm()), 1e-300)) for a, b in zip(got, want))
+
+
+def hf_falcon(*, vocab: int, hidden: int, layers: int, heads: int) -> nn.Module:
+    """Hugging Face Falcon from a config (no download), Falcon-7B's layout: multi-query
+    attention packed in one projection (the query heads, then one key and one value head),
+    ``FalconLinear`` projections, rotary embeddings, its head tied to the embedding; no
+    cache, eager attention."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cache=False,
+        attn_implementation="eager",
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return FalconForCausalLM(config)

@@ -35,7 +35,7 @@ from hetcoll.torch.filters import (
 )
 from hetcoll.torch.transport import CountingCommunicator
 
-from lm_common import hf_gpt2, hf_llama
+from lm_common import hf_falcon, hf_gpt2, hf_llama
 
 TOL = 1e-10
 VOCAB = 40
@@ -54,11 +54,6 @@ def llama_mqa() -> nn.Module:
     and computes whole (its gradient summed over the ranks), its 6 query heads split one by
     one."""
     return llama(kv_heads=1)
-
-
-def gemma_mqa() -> nn.Module:
-    """Hugging Face Gemma with one key/value head, as Gemma's 2B model has."""
-    return _hf("GemmaForCausalLM", "GemmaConfig", hidden_activation="gelu_pytorch_tanh", kv_heads=1)
 
 
 def one_head() -> nn.Module:
@@ -81,13 +76,12 @@ def gpt2() -> nn.Module:
     return hf_gpt2(vocab=VOCAB, hidden=24, layers=2, heads=6, positions=32)
 
 
-def _hf(model: str, config: str, kv_heads: int = 3, **kw: Any) -> nn.Module:
+def _hf(model: str, config: str, **kw: Any) -> nn.Module:
     import transformers
 
     cfg = getattr(transformers, config)(
         vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=kv_heads, head_dim=4,
-        max_position_embeddings=32,
+        num_attention_heads=6, num_key_value_heads=3, head_dim=4, max_position_embeddings=32,
         use_cache=False, attn_implementation="eager", bos_token_id=0, eos_token_id=0,
         pad_token_id=0, **kw,
     )  # fmt: skip
@@ -126,14 +120,7 @@ def falcon() -> nn.Module:
     """Hugging Face Falcon: its projections are ``FalconLinear``, an ``nn.Linear`` subclass
     computing ``x @ weight.T + bias`` itself; multi-query attention packed in one projection
     (q heads then one k and one v head: Falcon-7B's), its head tied to the embedding."""
-    import transformers
-
-    cfg = transformers.FalconConfig(
-        vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, num_attention_heads=6,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cache=False, attn_implementation="eager",
-        bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
-    return transformers.FalconForCausalLM(cfg)
+    return hf_falcon(vocab=VOCAB, hidden=24, layers=2, heads=6)
 
 
 def bigcode() -> nn.Module:
@@ -977,7 +964,6 @@ def run_all(group: Any) -> dict[str, Any]:
         ("falcon_gqa", falcon_gqa),
         ("bloom", bloom),
         ("t5", T5LM),
-        ("gemma_mqa", gemma_mqa),
         ("bigcode", bigcode),
     ):
         got = equals_unsplit(group, make, "adam", steps=2)

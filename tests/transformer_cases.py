@@ -27,7 +27,7 @@ from hetcoll.comm import agree, wrap
 from hetcoll.torch import parallelize
 from hetcoll.torch.filters import FilterParallelLayer, filter_shares
 
-from lm_common import hf_gpt2, hf_llama
+from lm_common import hf_falcon, hf_gpt2, hf_llama
 
 TOL = 1e-10
 VOCAB = 48
@@ -45,16 +45,9 @@ def llama(kv_heads: int = 2) -> nn.Module:
 
 
 def falcon() -> nn.Module:
-    """Hugging Face Falcon-7B's layout: multi-query attention packed in one projection (the
-    query heads, then one key and one value head, which a split stage's ranks hold whole)."""
-    import transformers
-
-    cfg = transformers.FalconConfig(
-        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=4, num_attention_heads=4,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cache=False, attn_implementation="eager",
-        bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
-    return transformers.FalconForCausalLM(cfg)
+    """Falcon-7B's layout: multi-query attention packed in one projection (the query heads,
+    then one key and one value head, which a split stage's ranks hold whole)."""
+    return hf_falcon(vocab=VOCAB, hidden=16, layers=4, heads=4)
 
 
 class EncoderLM(nn.Module):
