@@ -340,6 +340,12 @@ def test_multi_query_attention_splits_query_heads_beside_a_whole_key_and_value()
     assert ts.columns == [(attn + "query_key_value", (4, 0, 0))]
     assert ts.whole_features == {attn + "query_key_value": (0, 4, 4)}
     assert ts.attrs == {"num_heads": 1, "split_size": 4} and ts.empty_fails == ""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"\[2, 22\] are not whole query heads \(of 4"):
+            filter_shares(
+                falcon, size=2, shares=[2, 22], layers=[attn + "query_key_value", attn + "dense"]
+            )
     costs = layer_costs(falcon, (7,), dtype=torch.int64)
     block = costs.split_blocks[0]
     assert block.whole_features == (8, 0) and block.shared == (8 * 24,)  # no biases

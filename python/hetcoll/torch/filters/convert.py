@@ -454,7 +454,7 @@ def _split_units(
     if ts.kind == "attention":
         what = f"attention {ts.module!r}"
         noun = f"key/value groups (of {ts.width} query features each)"
-        if ts.whole:  # multi-query: its one key/value head whole on every rank
+        if ts.by_query_head():  # multi-query: its one key/value head whole on every rank
             noun = f"query heads (of {ts.width} features each)"
     elif ts.kind == "mha":
         what, noun = f"attention {ts.module!r}", f"heads (of {ts.width} features each)"

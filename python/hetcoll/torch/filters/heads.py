@@ -63,6 +63,11 @@ class TensorSplit:
     whole: list[str] = field(default_factory=list)
     whole_features: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
+    def by_query_head(self) -> bool:
+        """Whether its units are query heads beside a key/value head every rank holds whole
+        (multi-query attention), not key/value groups."""
+        return bool(self.whole or self.whole_features)
+
     def heads(self) -> int:
         """An attention's query heads (unsplit); 0 for an MLP."""
         return self.units * self.width // self.head_dim if self.head_dim else 0
