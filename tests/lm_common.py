@@ -61,6 +61,17 @@ def hf_gpt2(*, vocab: int, hidden: int, layers: int, heads: int, positions: int)
     return GPT2LMHeadModel(config)
 
 
+#: What every config here sets: no cache, eager attention (plain ops: the same numbers on
+#: any split), special tokens inside the smallest vocabulary.
+PLAIN = {
+    "use_cache": False,
+    "attn_implementation": "eager",
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "pad_token_id": 0,
+}
+
+
 def hf_llama(
     *,
     vocab: int,
@@ -84,11 +95,7 @@ def hf_llama(
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=positions,
-        use_cache=False,
-        attn_implementation="eager",
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
+        **PLAIN,
     )
     return LlamaForCausalLM(config)
 
@@ -188,10 +195,6 @@ def hf_falcon(*, vocab: int, hidden: int, layers: int, heads: int) -> nn.Module:
         num_attention_heads=heads,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        use_cache=False,
-        attn_implementation="eager",
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
+        **PLAIN,
     )
     return FalconForCausalLM(config)

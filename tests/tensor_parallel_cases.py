@@ -35,7 +35,7 @@ from hetcoll.torch.filters import (
 )
 from hetcoll.torch.transport import CountingCommunicator
 
-from lm_common import hf_falcon, hf_gpt2, hf_llama
+from lm_common import PLAIN, hf_falcon, hf_gpt2, hf_llama
 
 TOL = 1e-10
 VOCAB = 40
@@ -131,8 +131,7 @@ def bigcode() -> nn.Module:
 
     cfg = transformers.GPTBigCodeConfig(
         vocab_size=VOCAB, n_embd=24, n_layer=2, n_head=6, n_positions=32, multi_query=True,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-        attn_implementation="eager", bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **PLAIN,
     )  # fmt: skip
     return transformers.GPTBigCodeForCausalLM(cfg)
 

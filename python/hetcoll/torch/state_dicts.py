@@ -52,18 +52,17 @@ class Part:
     """Where a rank's tensor sits in the full tensor of ``shape``: entries ``start ..
     start + length`` along ``dim`` (a channel split), the entries ``index`` along ``dim`` (an
     owners stage's channels along dim 0, whole heads of packed query/key/value), or the whole
-    tensor (``length`` and ``index`` None). ``repeated``: the entries along ``dim`` of the
-    rank's tensor that every rank of its split holds too (multi-query attention's key and
-    value packed with its split query heads), which only the rank that ``writes_repeated``
-    puts into a full tensor, so a sum over the ranks counts them once."""
+    tensor (``length`` and ``index`` None). ``written``: the entries along ``dim`` of the
+    rank's tensor it puts into a full tensor (None: all). Entries every rank of a split holds
+    (multi-query attention's key and value packed with its split query heads) are put by one
+    rank alone, so a sum over the ranks counts them once."""
 
     shape: tuple[int, ...]
     dim: int = 0
     start: int = 0
     length: int | None = None
     index: torch.Tensor | None = None
-    repeated: torch.Tensor | None = None
-    writes_repeated: bool = True
+    written: torch.Tensor | None = None
 
     @property
     def whole(self) -> bool:
@@ -80,14 +79,11 @@ class Part:
     def put(self, full: torch.Tensor, local: torch.Tensor) -> None:
         """Write this rank's ``local`` where it belongs in ``full``."""
         local = local.detach().to(full.device, full.dtype)
-        if self.index is not None and self.repeated is not None and not self.writes_repeated:
-            mine = torch.ones(self.index.numel(), dtype=torch.bool)
-            mine[self.repeated] = False
-            rows = torch.nonzero(mine).flatten()
+        if self.index is not None and self.written is not None:
             full.index_copy_(
                 self.dim,
-                self.index[rows].to(full.device),
-                local.index_select(self.dim, rows.to(local.device)),
+                self.index[self.written].to(full.device),
+                local.index_select(self.dim, self.written.to(local.device)),
             )
         elif self.index is not None:
             full.index_copy_(self.dim, self.index.to(full.device), local)

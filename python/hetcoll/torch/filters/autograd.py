@@ -77,7 +77,9 @@ class SumGradient:
         timeout: float | None,
         rows: tuple[int, list[int]] | None = None,
     ) -> None:
-        self.comm, self.timeout, self.rows = comm, timeout, rows
+        self.comm, self.timeout = comm, timeout
+        # (dim, the rows' index), built once rather than at every backward.
+        self.rows = None if rows is None else (rows[0], torch.tensor(rows[1], dtype=torch.long))
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor:
         g = grad.contiguous().clone()
@@ -87,8 +89,8 @@ class SumGradient:
         if self.rows is None:
             _sum_over_ranks(g, self.comm, self.timeout, check=False, root=None)
             return g
-        dim, positions = self.rows
-        index = torch.tensor(positions, device=g.device)
+        dim, index = self.rows
+        index = index.to(g.device)
         part = g.index_select(dim, index).contiguous()
         _sum_over_ranks(part, self.comm, self.timeout, check=False, root=None)
         return g.index_copy_(dim, index, part)

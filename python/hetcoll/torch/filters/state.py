@@ -157,14 +157,12 @@ def _parts(model: nn.Module) -> dict[str, Part]:
                     runs = split_runs(m.shares, m.rank, blocks, whole)
                     index = torch.cat([torch.arange(a, a + n) for a, n in runs])
                     # Entries every rank holds are written by the split's rank 0 alone.
-                    repeated = whole_positions(m.shares, m.rank, blocks, whole) if whole else []
-                    parts[key] = Part(
-                        tuple(shape),
-                        dim,
-                        index=index,
-                        repeated=torch.tensor(repeated, dtype=torch.long) if repeated else None,
-                        writes_repeated=m.rank == 0,
-                    )
+                    written = None
+                    if whole and m.rank != 0:
+                        mine = torch.ones(len(index), dtype=torch.bool)
+                        mine[whole_positions(m.shares, m.rank, blocks, whole)] = False
+                        written = torch.nonzero(mine).flatten()
+                    parts[key] = Part(tuple(shape), dim, index=index, written=written)
     return parts
 
 
