@@ -201,25 +201,7 @@ def layer_costs(
     # Attentions that cannot run on a rank without heads, as the model's forward calls them.
     check_empty_heads(model, layout.splits, example_batch(inputs, _TRACE_BATCH, "meta"))
     modes = tuple((n or type(model).__name__, m) for n, m in layout.modes.items())
-    blocks = tuple(
-        SplitBlock(
-            ts.module,
-            ts.kind,
-            ts.units,
-            ts.width,
-            tuple(ts.layers()),
-            tuple(ts.features_per_unit()),
-            tuple(model.get_parameter(n).numel() for n in ts.shared)
-            + tuple(_whole_rows(model, ts)),
-            not ts.empty_fails,
-            ts.heads_with,
-            tuple(ts.whole),
-            tuple(sum(ts.whole_features.get(n, ())) for n in ts.layers())
-            if ts.whole_features
-            else (),
-        )
-        for ts in layout.splits
-    )
+    blocks = tuple(_split_block(model, ts) for ts in layout.splits)
     costs = ModelCosts(
         tuple(layers),
         shape,
@@ -415,6 +397,27 @@ def _with_blocks(
         plan_layer_kinds=tuple(type(m).__name__ for _, m in blocks),
         stage_modes=(),
         plan_cut="blocks",
+    )
+
+
+def _split_block(model: nn.Module, ts: TensorSplit) -> SplitBlock:
+    """``ts`` as the performance model prices it (and its split by query head, where it has
+    one)."""
+    return SplitBlock(
+        ts.module,
+        ts.kind,
+        ts.units,
+        ts.width,
+        tuple(ts.layers()),
+        tuple(ts.features_per_unit()),
+        tuple(model.get_parameter(n).numel() for n in ts.shared) + tuple(_whole_rows(model, ts)),
+        not ts.empty_fails,
+        ts.heads_with,
+        tuple(ts.whole),
+        tuple(sum(ts.whole_features.get(n, ())) for n in ts.layers())
+        if ts.whole_features
+        else (),
+        None if ts.by_head is None else _split_block(model, ts.by_head),
     )
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import hetcoll
 from hetcoll.model.costs.losses import LOSS_LAYER
 from hetcoll.model.hardware import check_precision
+from hetcoll.torch.filters.heads import prefer_query_heads
 
 # Traced batch: 2, not 1, because batch norm in training mode refuses one sample.
 _TRACE_BATCH = 2
@@ -142,7 +143,11 @@ class SplitBlock:
     too. ``empty``: whether a rank may hold none of its units (False for an attention whose
     forward cannot run without heads, as Falcon-40B's: every rank holds at least one).
     ``heads_with``: the attention whose units this one holds alike (one of its class hands it
-    inputs per head, as T5's first attention its position bias); "" for none."""
+    inputs per head, as T5's first attention its position bias); "" for none. ``by_head``:
+    for grouped-query attention split by key/value group, the same attention split by query
+    head, its key and value whole on every device (:attr:`hetcoll.torch.filters.TensorSplit.
+    by_head`), which the runtime splits instead where the groups are too few or too coarse for
+    the speeds (:meth:`resolved`)."""
 
     module: str
     kind: str
@@ -155,6 +160,40 @@ class SplitBlock:
     heads_with: str = ""
     whole: tuple[str, ...] = ()
     whole_features: tuple[int, ...] = ()
+    by_head: SplitBlock | None = None
+
+    def resolved(
+        self,
+        speeds: Sequence[float],
+        *,
+        empty: bool = False,
+        shares: Mapping[str, Sequence[int]] | None = None,
+    ) -> SplitBlock:
+        """The split the runtime makes of it at ``speeds`` (or by layer ``shares``): itself,
+        or :attr:`by_head` where per-layer ``shares`` name its query and output projections
+        alone, or where speeds split its query heads better
+        (:func:`hetcoll.torch.filters.heads.prefer_query_heads`, the runtime's rule)."""
+        alt = self.by_head
+        if alt is None:
+            return self
+        if shares is not None and self.units_of(shares) is not None:
+            named = set(shares)
+            return self if all(n in named for n in self.layers) else alt
+        speeds = [float(s) for s in speeds]
+
+        def units(block: SplitBlock) -> list[int] | None:
+            if block.units < len(speeds) and not (empty and block.empty):
+                return None
+            try:
+                return block.shares(speeds, empty=empty)
+            except ValueError:
+                return None
+
+        heads = units(alt)
+        if heads is None:
+            return self
+        per_group = alt.units // self.units
+        return alt if prefer_query_heads(per_group, self.units, units(self), heads, speeds) else self
 
     def shares(self, speeds: Sequence[float], *, empty: bool = False) -> list[int]:
         """The units per rank at ``speeds``, as the runtime splits them (:func:`hetcoll.split`

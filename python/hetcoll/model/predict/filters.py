@@ -195,7 +195,10 @@ def filter_parallel_schedule(
     splits: dict[int, list[int]] = {}  # layers of equal filters split alike
     # The attentions and MLPs split by heads and hidden units (every layer of theirs in the
     # modes): each costed layer inside runs on a device's fraction of the units.
-    blocks = split_blocks(costs, layer_modes)
+    blocks = [
+        b.resolved(speeds, empty=empty_blocks, shares=layer_shares)
+        for b in split_blocks(costs, layer_modes)
+    ]
     unit_shares = [block_units(b, speeds, empty_blocks, layer_shares) for b in blocks]
     block_of = block_spans(costs, blocks)
     for i, layer in enumerate(costs.layers):
@@ -370,7 +373,7 @@ def time_balanced_shares(
     n_dev = cluster.num_devices
     if len(parts) != n_dev or any(not (float(x) > 0) for x in parts):
         raise ValueError(f"parts: expected {n_dev} positive numbers (one per device)")
-    blocks = split_blocks(costs, layer_modes)
+    blocks = [b.resolved(parts, empty=empty_blocks) for b in split_blocks(costs, layer_modes)]
     if not blocks:
         raise ValueError(
             "costs: the model has no attention or MLP split by heads or hidden units to balance"
@@ -429,7 +432,7 @@ def time_balanced_shares(
         units_of[b.module] = units
         out.update(b.layer_shares(units))
     for name, mode in layer_modes.items():
-        if name not in in_blocks and mode != "split-input":
+        if name not in in_blocks and name not in whole and mode != "split-input":
             out[name] = _by_speed(by_name[name].filters, [float(x) for x in parts])
     return out
 

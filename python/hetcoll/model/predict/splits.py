@@ -65,12 +65,18 @@ class SplitCollectives:
 
 
 def split_blocks(costs: ModelCosts, modes: Mapping[str, str]) -> list[SplitBlock]:
-    """The attentions and MLPs ``modes`` split by heads and hidden units."""
-    return [
-        b
-        for b in costs.split_blocks
-        if all(modes.get(n) in ("split-output", "split-input") for n in b.layers)
-    ]
+    """The attentions and MLPs ``modes`` split by heads and hidden units: a grouped-query
+    attention's split by query head (:attr:`~hetcoll.model.costs.SplitBlock.by_head`) where
+    ``modes`` split its query and output projections alone."""
+    out = []
+    for b in costs.split_blocks:
+        for variant in (b, b.by_head):
+            if variant is not None and all(
+                modes.get(n) in ("split-output", "split-input") for n in variant.layers
+            ):
+                out.append(variant)
+                break
+    return out
 
 
 def block_spans(costs: ModelCosts, blocks: Sequence[SplitBlock]) -> dict[int, int]:
@@ -138,7 +144,8 @@ def blocks_stage_split(
             f"{where}: has {ranks} ranks but its blocks hold no attention, MLP or Linear to split"
         )
     for block in costs.split_blocks:
-        if block.layers[0] in modes and block.units < ranks and not empty_blocks:
+        units = block.units if block.by_head is None else block.by_head.units
+        if block.layers[0] in modes and units < ranks and not empty_blocks:
             raise ValueError(
                 f"{where}: {block.kind} {block.module!r} has {block.units} units (heads, "
                 f"key/value groups or hidden units), too few for {ranks} ranks with at least "
@@ -171,6 +178,7 @@ def _named_split(
     least = 0 if empty else 1
     out: dict[str, str] = {}
     for block in costs.split_blocks:
+        block = block.resolved([1.0] * ranks, shares=given)  # noqa: PLW2901 - as named
         layers = block.layers
         if not (
             layers[0] in modes
@@ -233,8 +241,5 @@ def blocks_need_empty(costs: ModelCosts, first: int, end: int, speeds: Sequence[
     if costs.plan_cut != "blocks":
         return False
     modes = costs.stage_filter_modes(first, end)
-    return any(
-        b.units < len(speeds) or 0 in b.shares(speeds, empty=True)
-        for b in costs.split_blocks
-        if b.layers[0] in modes
-    )
+    blocks = [b.resolved(speeds) for b in costs.split_blocks if b.layers[0] in modes]
+    return any(b.units < len(speeds) or 0 in b.shares(speeds, empty=True) for b in blocks)

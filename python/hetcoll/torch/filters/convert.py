@@ -35,11 +35,12 @@ from hetcoll.torch.filters.checks import (
 from hetcoll.torch.filters.head_guards import (
     EmptyHeads,
     HeadColumns,
+    KeyValueOfHeads,
     PackedLayoutGuard,
     PerHeadInputs,
 )
 from hetcoll.torch.filters.head_probes import EmptyRankCheck
-from hetcoll.torch.filters.heads import TensorSplit
+from hetcoll.torch.filters.heads import TensorSplit, prefer_query_heads
 from hetcoll.torch.filters.layers import (
     ChannelSplit,
     FilterParallelBatchNorm1d,
@@ -235,15 +236,26 @@ def _shares(
             layout = split_layout(
                 model, chosen, avoid_gathers=avoid_gathers, mha=mha, untraced=untraced
             )
-    modes, feeds, splits = layout.modes, layout.feeds, layout.splits
-    # Multi-query attention's key and value projections: whole on every rank, no split's.
+    modes, feeds = layout.modes, layout.feeds
+    splits = [
+        _heads_or_groups(ts, shares_or_speeds, argument, size_of, multiple_of, empty_blocks)
+        if per_layer is None and ts.by_head is not None
+        else ts
+        for ts in layout.splits
+    ]
+    for ts in splits:
+        for n in ts.whole:  # held whole on every rank (the key and value split by query head)
+            modes.pop(n, None)
+    # The key and value projections of an attention split by query head (multi-query
+    # attention's; grouped-query attention's where its groups are too few or too coarse):
+    # whole on every rank, no split's.
     held_whole = {n: ts.module for ts in splits for n in ts.whole}
     named_whole = [n for n in per_layer or () if n in held_whole]
     if named_whole:
         raise ValueError(
             f"{argument}: gives shares for {named_whole}, the key/value projections of "
-            f"multi-query attention {held_whole[named_whole[0]]!r}, which every rank holds "
-            "whole (its query heads split); leave them out"
+            f"attention {held_whole[named_whole[0]]!r}, split by query head, which every rank "
+            "holds whole (its query heads split); leave them out"
         )
     chosen = [n for n in chosen if n not in held_whole]
     if layout.kept:
@@ -454,7 +466,7 @@ def _split_units(
     if ts.kind == "attention":
         what = f"attention {ts.module!r}"
         noun = f"key/value groups (of {ts.width} query features each)"
-        if ts.by_query_head():  # multi-query: its one key/value head whole on every rank
+        if ts.by_query_head():  # its key and value whole on every rank
             noun = f"query heads (of {ts.width} features each)"
     elif ts.kind == "mha":
         what, noun = f"attention {ts.module!r}", f"heads (of {ts.width} features each)"
@@ -492,6 +504,40 @@ def _split_units(
         shares_or_speeds, total, size, step, argument, what, empty=empty, latency=latency
     )
     return [c // ts.width for c in channels]
+
+
+def _heads_or_groups(
+    ts: TensorSplit,
+    shares_or_speeds: Any,
+    argument: str,
+    size_of: Callable[[], int],
+    multiple_of: int,
+    empty_blocks: bool,
+) -> TensorSplit:
+    """A grouped-query attention's split (``ts``, by key/value group) or the same split by query
+    head (:attr:`TensorSplit.by_head`): by query head where shares are whole query heads but
+    not whole groups, or where speeds split its query heads better so
+    (:func:`~.heads.prefer_query_heads`: its groups too few for the ranks, or too coarse for
+    their speeds)."""
+    by_head = ts.by_head
+    assert by_head is not None
+    if argument != "speeds" and all(is_int(s) for s in shares_or_speeds):
+        return ts if all(int(s) % ts.width == 0 for s in shares_or_speeds) else by_head
+    size = size_of()
+
+    def units(variant: TensorSplit) -> list[int] | None:
+        empty = empty_blocks and not variant.empty_fails
+        try:
+            return _split_units(variant, shares_or_speeds, argument, size, multiple_of, empty)
+        except ValueError:
+            return None
+
+    heads = units(by_head)
+    if heads is None:
+        return ts  # its groups' split raises, or runs
+    speeds = [float(s) for s in shares_or_speeds]
+    per_group = ts.width // ts.head_dim
+    return by_head if prefer_query_heads(per_group, ts.units, units(ts), heads, speeds) else ts
 
 
 def filter_parallel(
@@ -664,6 +710,8 @@ def filter_parallel(
             PerHeadInputs(ts, first, counts[comm.rank]).install(module)
             for table in ts.tables:
                 HeadColumns(ts, first, counts[comm.rank]).install(named[table])
+            for name in ts.whole if ts.kv_groups else ():
+                KeyValueOfHeads(ts, first, counts[comm.rank]).install(named[name])
         if empty_check is not None:
             empty_check.install(module)
         if ts.kind == "attention" and ts.packed() > 1:

@@ -1,6 +1,7 @@
 """What a split attention runs with on each rank (installed by :func:`~.convert.filter_parallel`
 on the rank's module): per-head inputs cut to its heads (:class:`PerHeadInputs`), a rank
-holding no heads run on empty tensors (:class:`EmptyHeads`), and a check that a packed
+holding no heads run on empty tensors (:class:`EmptyHeads`), grouped-query attention's key
+and value cut to the rank's query heads (:class:`KeyValueOfHeads`), and a check that a packed
 projection's output is read as its layout was found (:class:`PackedLayoutGuard`, on
 :class:`OpWatch`, which sees the torch calls a forward makes)."""
 
@@ -240,6 +241,31 @@ class HeadColumns:
 
     def cut(self, module: nn.Module, args: Any, output: Any) -> Any:
         return output[..., self.lo : self.hi]
+
+
+class KeyValueOfHeads:
+    """Grouped-query attention split by query head (:attr:`TensorSplit.kv_groups`): the output
+    of its key or value projection, which every rank computes whole (every key/value head),
+    cut to the head each of the rank's query heads reads, in their order: one key/value head
+    per query head, a head repeated where several of the rank's query heads share it. The
+    rank's module then reads them one per query head (``num_key_value_groups`` 1); the
+    gradient of a repeated head adds up through the cut, and the ranks' are summed."""
+
+    def __init__(self, ts: TensorSplit, first: int, count: int) -> None:
+        per_group = ts.heads() // ts.kv_groups
+        hd = ts.head_dim
+        self.index = torch.tensor(
+            [(h // per_group) * hd + j for h in range(first, first + count) for j in range(hd)],
+            dtype=torch.long,
+        )
+
+    def install(self, layer: nn.Module) -> Any:
+        return layer.register_forward_hook(self.cut)
+
+    def cut(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.index.device != output.device:
+            self.index = self.index.to(output.device)
+        return output.index_select(-1, self.index)
 
 
 class PerHeadInputs:

@@ -6,6 +6,8 @@ guards (:mod:`.head_guards`) and probes (:mod:`.head_probes`), and the performan
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +47,14 @@ class TensorSplit:
     ``whole_features``: for a column packing that key and value with the query heads
     (Falcon-7B's ``query_key_value``), the output features after each block's split ones
     that every rank holds (``(0, head_dim, head_dim)``), their gradients summed alike.
+    ``kv_groups``: for grouped-query attention split by query head (``whole``: its key and value
+    projections, every key/value head), the key/value heads; each rank cuts their outputs to
+    its own query heads' heads, one per query head (:class:`~.head_guards.KeyValueOfHeads`),
+    so its module reads them with ``fixed``'s counts (``num_key_value_groups`` 1). 0 for
+    none. ``fixed``: attributes set to the same value on every rank. ``by_head``: for
+    grouped-query attention split by key/value group, the same attention split by query head
+    instead, its key and value whole on every rank (:func:`prefer_query_heads` chooses): a
+    split that can follow speeds its groups are too few or too coarse for.
     """
 
     kind: str
@@ -62,6 +72,9 @@ class TensorSplit:
     heads_with: str = ""
     whole: list[str] = field(default_factory=list)
     whole_features: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    kv_groups: int = 0
+    fixed: dict[str, int] = field(default_factory=dict)
+    by_head: TensorSplit | None = None
 
     def by_query_head(self) -> bool:
         """Whether its units are query heads beside a key/value head every rank holds whole
@@ -90,6 +103,8 @@ class TensorSplit:
         (:class:`ConfigView`)."""
         for attr, per in self.attrs.items():
             setattr(module, attr, per * units)
+        for attr, value in self.fixed.items():
+            setattr(module, attr, value)
         if self.config:
             view: Any = ConfigView(
                 module.config, {a: per * units for a, per in self.config.items()}
@@ -134,3 +149,42 @@ class ConfigView:
     def __repr__(self) -> str:
         counts = ", ".join(f"{k}={v}" for k, v in self._own.items())
         return f"ConfigView({counts}) of {type(self._base).__name__}"
+
+
+def prefer_query_heads(
+    per_group: int,
+    kv_heads: int,
+    groups: Sequence[int] | None,
+    heads: Sequence[int],
+    speeds: Sequence[float],
+) -> bool:
+    """Whether a grouped-query attention of ``kv_heads`` key/value heads, ``per_group`` query
+    heads each, runs faster at ``speeds`` split by query head (``heads``: each rank's query
+    heads, beside every key/value head: :attr:`TensorSplit.by_head`) than by key/value group
+    (``groups``: each rank's groups; None where the groups are too few for the ranks). It
+    compares the slowest rank's projections (a query head's query and output projections
+    against a key/value head's key and value projections, alike in size), then, where those
+    tie, the slowest rank's query heads (their attention, which grows with the sequence).
+    Equal speeds keep the groups: the query-head split repeats the key and value on every
+    rank and sums their gradients.
+
+    >>> prefer_query_heads(2, 2, [1, 1], [3, 1], [1.0, 0.25])  # 4 heads: the groups split evenly
+    True
+    >>> prefer_query_heads(4, 8, [4, 4], [17, 15], [1.0, 0.9])  # the key/value repeated costs more
+    False
+    """
+    if groups is None:
+        return True
+
+    def slowest(query: Sequence[int], kv: Sequence[int]) -> tuple[float, float]:
+        return (
+            max((2 * q + 2 * k) / s for q, k, s in zip(query, kv, speeds, strict=True)),
+            max(q / s for q, s in zip(query, speeds, strict=True)),
+        )
+
+    by_group = slowest([g * per_group for g in groups], groups)
+    by_head = slowest(heads, [kv_heads] * len(heads))
+    close = math.isclose(by_head[0], by_group[0], rel_tol=1e-9)
+    return (by_head[0] < by_group[0] and not close) or (
+        close and by_head[1] < by_group[1] and not math.isclose(by_head[1], by_group[1])
+    )

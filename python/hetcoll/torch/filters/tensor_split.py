@@ -140,22 +140,6 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
             f"separate or packed query/key/value of {nq} heads ({nkv} key/value) of {hd} and "
             "an output projection"
         )
-    # Multi-query attention with separate projections: its one key/value head, which every
-    # query head reads, is held and computed whole on every rank, and the query heads split
-    # one by one (a packed projection of it, as Falcon-7B's, stays as it is: one unit).
-    whole: list[str] = []
-    whole_features: dict[str, tuple[int, ...]] = {}
-    units, per_query = nkv, rep
-    if nkv == 1 < nq and len(columns) == 3:
-        whole = [c for c, blocks in columns if blocks != (rep * hd,)]
-        columns = [(c, (hd,)) for c, blocks in columns if c not in whole]
-        units, per_query = nq, 1
-    elif nkv == 1 < nq and columns[0][1] == (rep * hd, hd, hd):
-        # Packed with the queries (Falcon-7B's query_key_value): the key and value rows are
-        # held whole on every rank, after its query heads' rows.
-        whole_features = {columns[0][0]: (0, hd, hd)}
-        columns = [(columns[0][0], (hd, 0, 0))]
-        units, per_query = nq, 1
     # Any other parameter is applied to the rank's own heads: one of a head's size (a norm over
     # the head dimension) or a number is the same for every head, and a table of a weight per
     # query head (T5's relative position bias: an embedding, one column per head) is read at
@@ -169,53 +153,91 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
     ]
     shared = []
     for pn, p in m.named_parameters():
-        if pn.split(".", 1)[0] in whole:
-            shared.append(pn)
-            continue
         if pn.split(".", 1)[0] in projections:
             continue
-        if pn.split(".", 1)[0] in tables:
-            shared.append(pn)
-            continue
-        if tuple(p.shape) not in ((hd,), (1,), ()):
+        if pn.split(".", 1)[0] not in tables and tuple(p.shape) not in ((hd,), (1,), ()):
             return (
                 f"its parameter {pn!r} {tuple(p.shape)} is neither of one head's size ({hd}) "
                 "nor a number, so it may span heads"
             )
         shared.append(pn)
-    attrs: dict[str, int] = {}
-    own: dict[str, int] = {}
-    counts: list[tuple[tuple[str, ...], int]] = [
-        (_QUERY_HEADS, per_query),
-        (_QUERY_WIDTH, per_query * hd),
-    ]
-    # A rank's key/value heads: its groups', or (multi-query) the one every rank holds, which
-    # each of its query heads reads (Hugging Face's num_key_value_groups).
-    counts.append((_KV_HEADS, 1) if units == nkv else (_KV_GROUPS, 1))
-    for names, per_unit in counts:
-        for a in names:
-            v = getattr(m, a, None)
-            if isinstance(v, int) and not isinstance(v, bool) and v == per_unit * units:
-                attrs[a] = per_unit
-            v = getattr(config, a, None)
-            if isinstance(v, int) and not isinstance(v, bool) and v == per_unit * units:
-                own[a] = per_unit
     prefix = f"{name}." if name else ""
-    return TensorSplit(
-        "attention",
-        name,
-        units,
-        per_query * hd,
-        [(prefix + c, blocks) for c, blocks in columns],
-        prefix + row_name if row_name else "",
-        attrs,
-        own,
-        [prefix + n for n in shared],
-        hd,
-        tables=[prefix + n for n in tables],
-        whole=[prefix + n for n in whole],
-        whole_features={prefix + n: f for n, f in whole_features.items()},
-    )
+
+    def split(
+        units: int,
+        per_query: int,
+        columns: list[tuple[str, tuple[int, ...]]],
+        whole: Sequence[str] = (),
+        whole_features: dict[str, tuple[int, ...]] | None = None,
+        kv_groups: int = 0,
+    ) -> TensorSplit:
+        # The head counts a rank's module runs with, where it keeps them: its query heads
+        # (and their features), and its key/value heads: its groups', or, split by query
+        # head, one per query head it holds (multi-query: the one every rank holds, which
+        # each of its query heads reads, Hugging Face's num_key_value_groups; grouped-query:
+        # each query head's own, cut from the whole key and value, one group each).
+        counts: list[tuple[tuple[str, ...], int, int]] = [
+            (_QUERY_HEADS, nq, per_query),
+            (_QUERY_WIDTH, width, per_query * hd),
+        ]
+        fixed: dict[str, int] = {}
+        if units == nkv:
+            counts.append((_KV_HEADS, nkv, 1))
+        elif kv_groups:
+            counts.append((_KV_HEADS, nkv, 1))
+            fixed = {a: 1 for a in _KV_GROUPS if getattr(m, a, None) == rep}
+        else:
+            counts.append((_KV_GROUPS, rep, 1))
+        attrs: dict[str, int] = {}
+        own: dict[str, int] = {}
+        for names, total, per_unit in counts:
+            for a in names:
+                for obj, into in ((m, attrs), (config, own)):
+                    v = getattr(obj, a, None)
+                    if isinstance(v, int) and not isinstance(v, bool) and v == total:
+                        into[a] = per_unit
+        held = set(shared)
+        shared_here = [
+            pn for pn, _ in m.named_parameters() if pn in held or pn.split(".", 1)[0] in whole
+        ]
+        return TensorSplit(
+            "attention",
+            name,
+            units,
+            per_query * hd,
+            [(prefix + c, blocks) for c, blocks in columns],
+            prefix + row_name if row_name else "",
+            attrs,
+            own,
+            [prefix + n for n in shared_here],
+            hd,
+            tables=[prefix + n for n in tables],
+            whole=[prefix + n for n in whole],
+            whole_features={prefix + n: f for n, f in (whole_features or {}).items()},
+            kv_groups=kv_groups,
+            fixed=fixed,
+        )
+
+    # Multi-query and grouped-query attention split by query head: the key and value, which
+    # the query heads read, are held and computed whole on every rank, as Megatron-LM keeps a
+    # key/value head it cannot divide, and the query heads split one by one. Multi-query
+    # attention splits so always (its one key/value head is no split); grouped-query
+    # attention by key/value group, or so where its groups are too few or too coarse for the
+    # speeds (TensorSplit.by_head).
+    if rep > 1 and len(columns) == 3:
+        whole = [c for c, blocks in columns if blocks != (rep * hd,)]
+        queries = [(c, (hd,)) for c, _ in columns if c not in whole]
+        if nkv == 1:
+            return split(nq, 1, queries, whole)
+        by_head = split(nq, 1, queries, whole, kv_groups=nkv)
+        grouped = split(nkv, rep, columns)
+        grouped.by_head = by_head
+        return grouped
+    if nkv == 1 < nq and columns[0][1] == (rep * hd, hd, hd):
+        # Packed with the queries (Falcon-7B's query_key_value): the key and value rows are
+        # held whole on every rank, after its query heads' rows.
+        return split(nq, 1, [(columns[0][0], (hd, 0, 0))], (), {columns[0][0]: (0, hd, hd)})
+    return split(nkv, rep, columns)
 
 
 # Operations that act on each element alone (or with a number): a hidden-unit-split tensor
@@ -572,6 +594,10 @@ def plan_tensor_splits(
         if found is None:
             continue
         missing = [n for n in found.layers() if n not in pool and found.kind != "mha"]
+        if missing and found.by_head and all(n in pool for n in found.by_head.layers()):
+            # Its key and value left out (shares naming only its query and output
+            # projections, as filter_shares reports a split by query head): split so.
+            found, missing = found.by_head, []
         if missing:
             if found.kind == "attention":
                 kept[name] = f"its layers {missing} are not split or already paired"
@@ -605,6 +631,7 @@ def plan_tensor_splits(
         if first is not None and first != ts.module:
             ts.heads_with = first
     for ts in splits:
-        if ts.kind == "attention":
-            ts.empty_fails = runs_without_heads(named[ts.module], ts) or ""
+        for variant in (ts, ts.by_head) if ts.kind == "attention" else ():
+            if variant is not None:
+                variant.empty_fails = runs_without_heads(named[ts.module], variant) or ""
     return splits, kept
