@@ -414,9 +414,7 @@ def _split_block(model: nn.Module, ts: TensorSplit) -> SplitBlock:
         not ts.empty_fails,
         ts.heads_with,
         tuple(ts.whole),
-        tuple(sum(ts.whole_features.get(n, ())) for n in ts.layers())
-        if ts.whole_features
-        else (),
+        tuple(sum(ts.whole_features.get(n, ())) for n in ts.layers()) if ts.whole_features else (),
         None if ts.by_head is None else _split_block(model, ts.by_head),
     )
 

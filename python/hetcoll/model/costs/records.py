@@ -193,7 +193,8 @@ class SplitBlock:
         if heads is None:
             return self
         per_group = alt.units // self.units
-        return alt if prefer_query_heads(per_group, self.units, units(self), heads, speeds) else self
+        better = prefer_query_heads(per_group, self.units, units(self), heads, speeds)
+        return alt if better else self
 
     def shares(self, speeds: Sequence[float], *, empty: bool = False) -> list[int]:
         """The units per rank at ``speeds``, as the runtime splits them (:func:`hetcoll.split`

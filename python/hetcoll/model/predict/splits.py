@@ -177,8 +177,8 @@ def _named_split(
     given = {n: [int(v) for v in s] for n, s in named.items()}
     least = 0 if empty else 1
     out: dict[str, str] = {}
-    for block in costs.split_blocks:
-        block = block.resolved([1.0] * ranks, shares=given)  # noqa: PLW2901 - as named
+    for grouped in costs.split_blocks:
+        block = grouped.resolved([1.0] * ranks, shares=given)  # by query head, as named
         layers = block.layers
         if not (
             layers[0] in modes

@@ -226,7 +226,9 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
     # speeds (TensorSplit.by_head).
     if rep > 1 and len(columns) == 3:
         whole = [c for c, blocks in columns if blocks != (rep * hd,)]
-        queries = [(c, (hd,)) for c, _ in columns if c not in whole]
+        queries: list[tuple[str, tuple[int, ...]]] = [
+            (c, (hd,)) for c, _ in columns if c not in whole
+        ]
         if nkv == 1:
             return split(nq, 1, queries, whole)
         by_head = split(nq, 1, queries, whole, kv_groups=nkv)
