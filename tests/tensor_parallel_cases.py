@@ -56,6 +56,13 @@ def llama_mqa() -> nn.Module:
     return llama(kv_heads=1)
 
 
+def llama_gqa() -> nn.Module:
+    """:func:`llama` with 2 key/value groups of 3 query heads: too few for 3 ranks, and too
+    coarse for uneven speeds on 2, so it splits by query head, its key and value whole on
+    every rank."""
+    return llama(kv_heads=2)
+
+
 def one_head() -> nn.Module:
     """:func:`llama` with one attention head (of 24 features): one unit to split."""
     return hf_llama(
@@ -725,15 +732,18 @@ def bad_input(group: Any) -> int:
         "are not whole query heads (of 4 features each) of attention 'model.layers.0.self_attn'",
         lambda: filter_parallel(llama_mqa(), group=group, shares=off, layers=attn[::3]),
     )
-    # Shares of the query heads' features that are not whole groups (of 2 heads x 4 = 8).
+    # Shares of the query heads' features that are not whole heads (of 4): neither whole
+    # groups (of 2 heads x 4 = 8) nor whole query heads, by which it splits otherwise.
+    off = [8] * (p - 1) + [24 - 8 * (p - 1)]
+    off[0] -= 2
+    off[-1] += 2
+    raises(
+        "are not whole query heads (of 4 features each) of attention 'model.layers.0.self_attn'",
+        lambda: filter_parallel(llama(), group=group, shares=off, layers=attn),
+    )
     bad = [8] * (p - 1) + [24 - 8 * (p - 1)]
     bad[0] -= 4
     bad[-1] += 4
-    raises(
-        "are not whole key/value groups (of 8 query features each) of attention "
-        "'model.layers.0.self_attn'",
-        lambda: filter_parallel(llama(), group=group, shares=bad, layers=attn),
-    )
     # Per-layer shares (a dict) of an attention's output projection that are not whole
     # groups; its query projection's shares must follow the output's.
     per_layer = filter_shares(llama(), size=p, speeds=SPEEDS[:p])
@@ -964,10 +974,15 @@ def run_all(group: Any) -> dict[str, Any]:
         ("bloom", bloom),
         ("t5", T5LM),
         ("bigcode", bigcode),
+        ("llama_gqa", llama_gqa),
     ):
         got = equals_unsplit(group, make, "adam", steps=2)
         out[f"{name}_gathers"] = sorted(n for n, m in got.items() if m == "gather")
         out[f"{name}_split"] = sum(m != "gather" for m in got.values())
+    torch.manual_seed(0)
+    gqa = split_copy(llama_gqa(), group, SPEEDS[: wrap(group).size])
+    out["llama_gqa_heads"] = list(gqa.get_submodule("model.layers.0.self_attn.q_proj").shares)
+    traffic(group, llama_gqa, 24)
     out["empty_blocks"] = empty_blocks(group)
     out["time_balanced"] = time_balanced(group)
     out["mha_weights"] = attention_weights(group)

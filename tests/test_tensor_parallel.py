@@ -4,13 +4,15 @@ heads (key/value groups), MLPs by hidden units, at uneven speeds, on real gloo r
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
+from typing import Any
 
 import pytest
 import tensor_parallel_cases as cases
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -63,6 +65,10 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     assert r["t5_gathers"] == [] and r["t5_split"] == 2 * 6 + 2 * 10
     # GPT-BigCode's (StarCoder's) packed with the queries in c_attn, read after an unsqueeze.
     assert r["bigcode_gathers"] == [] and r["bigcode_split"] == 2 * 4
+    # Grouped-query attention whose 2 groups are too few for 3 ranks, or too coarse for 2 at
+    # speeds 1 : 0.5 (3 heads each), splits by query head, its key and value whole.
+    assert r["llama_gqa_gathers"] == ["lm_head"] and r["llama_gqa_split"] == 2 * 5
+    assert r["llama_gqa_heads"] == {2: [4, 2], 3: [4, 1, 1]}[p]
     # With empty_blocks the slow rank (speed 0.1) holds none of Llama's 3 key/value groups,
     # GPT-2's 6 heads (q, k and v packed) or the encoder's 6 heads.
     empty = {2: [3, 0], 3: [2, 0, 1]}[p]
@@ -355,6 +361,103 @@ def test_multi_query_attention_splits_query_heads_beside_a_whole_key_and_value()
     assert math.isclose(qkv[0] / qkv[1], (20 + 8) / (4 + 8))
 
 
+def test_grouped_query_attention_splits_by_query_head_where_its_groups_cannot_follow():
+    from hetcoll.model import layer_costs
+    from hetcoll.model.predict import filter_parallel_schedule
+    from hetcoll.torch.filters import split_layout
+
+    # 2 key/value groups of 3 query heads of 4: split by group, or (by_head) by query head,
+    # every rank holding both key/value heads whole and cutting them to its query heads'.
+    model = cases.llama_gqa()
+    attn = "model.layers.0.self_attn."
+    (ts,) = [t for t in split_layout(model).splits if t.module == attn[:-1]]
+    assert (ts.units, ts.width) == (2, 12) and ts.by_head is not None
+    alt = ts.by_head
+    assert (alt.units, alt.width, alt.kv_groups) == (6, 4, 2)
+    assert alt.columns == [(attn + "q_proj", (4,))] and alt.row == attn + "o_proj"
+    assert alt.whole == [attn + "k_proj", attn + "v_proj"]
+    assert alt.shared == [attn + "k_proj.weight", attn + "v_proj.weight"]
+    # A rank's module reads one key/value head per query head it holds.
+    assert alt.fixed == {"num_key_value_groups": 1}
+    assert alt.config == {"num_attention_heads": 1, "num_key_value_heads": 1}
+    shares = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for speeds in ([1.0, 1.0], [1.0, 0.5], [1.0, 0.25], [1.0, 1.0, 1.0], [1.0, 0.1]):
+            got = filter_shares(model, size=len(speeds), speeds=speeds)
+            shares[tuple(speeds)] = (got[attn + "o_proj"], attn + "k_proj" in got)
+        # Shares of whole query heads but not whole groups split by query head too.
+        by_shares = filter_shares(
+            model,
+            size=2,
+            shares=[20, 4],
+            layers=[attn + "q_proj", attn + "k_proj", attn + "v_proj", attn + "o_proj"],
+        )
+        with pytest.raises(ValueError, match=r"\[22, 2\] are not whole query heads \(of 4"):
+            filter_shares(model, size=2, shares=[22, 2], layers=list(by_shares))
+    assert by_shares == {attn + "q_proj": [20, 4], attn + "o_proj": [20, 4]}
+    assert shares == {
+        (1.0, 1.0): ([12, 12], True),  # equal speeds: the groups, nothing repeated
+        (1.0, 0.5): ([16, 8], False),  # 3 : 3 heads by group against 4 : 2
+        (1.0, 0.25): ([20, 4], False),
+        (1.0, 1.0, 1.0): ([8, 8, 8], False),  # 2 groups for 3 ranks
+        (1.0, 0.1): ([20, 4], False),
+    }
+    # The performance model makes the runtime's choice (SplitBlock.resolved) and prices the
+    # key and value whole on every device.
+    costs = layer_costs(model, (7,), dtype=torch.int64)
+    block = costs.split_blocks[0]
+    assert block.units == 2 and block.by_head is not None
+    assert block.resolved([1.0, 1.0]) is block
+    assert block.resolved([1.0, 0.25]) is block.by_head
+    assert block.resolved([1.0, 0.25], shares={attn + "o_proj": [12, 12]}) is block.by_head
+    assert block.by_head.whole == (attn + "k_proj", attn + "v_proj")
+    sched = filter_parallel_schedule(costs, _two_devices(), 4, [1.0, 0.25])
+    rows = {x.name: i for i, x in enumerate(costs.layers)}
+    compute = sched.layers.compute_s
+    k, q = compute[rows[attn + "k_proj"]], compute[rows[attn + "q_proj"]]
+    assert k[0] == k[1] > 0 and math.isclose(q[0] / q[1], 20 / 4)
+    assert sched.detail["units_per_block"][attn[:-1]] == [5, 1]
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.sampled_from([1.0, 0.75, 0.5, 0.3, 0.25, 0.1]), min_size=2, max_size=4))
+def test_the_model_splits_grouped_query_attention_as_the_runtime(speeds):
+    """The performance model's split of each block (SplitBlock.resolved, then its shares) is
+    the one filter_parallel makes, by group or by query head, at any speeds."""
+    from hetcoll.model.predict import filter_parallel_schedule
+
+    costs = _gqa_costs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = filter_shares(cases.llama_gqa(), size=len(speeds), speeds=speeds)
+    cluster = _two_devices(len(speeds))
+    sched = filter_parallel_schedule(costs, cluster, 4, speeds)
+    want = {k: v for k, v in sched.detail["shares_per_layer"].items() if ".layers." in k}
+    assert {k: v for k, v in got.items() if ".layers." in k} == want
+
+
+@functools.cache
+def _gqa_costs() -> Any:
+    from hetcoll.model import layer_costs
+
+    return layer_costs(cases.llama_gqa(), (7,), dtype=torch.int64)
+
+
+def _two_devices(count: int = 2) -> Any:
+    from hetcoll.model import cluster_from_dict
+
+    device = {"flops_per_s": 1e12, "mem_bytes_per_s": 1e11, "memory_bytes": 1e12}
+    return cluster_from_dict(
+        {
+            "devices": {"d": device},
+            "links": {"l": {"latency_s": 1e-6, "bytes_per_s": 1e10}},
+            "nodes": [{"name": "a", "device": "d", "count": count, "link": "l"}],
+            "network": {"link": "l"},
+        }
+    )
+
+
 def test_an_attention_that_cannot_run_without_heads_gives_every_rank_a_group():
     # Falcon's grouped layout divides by the rank's key/value head count: a rank holding none
     # would raise there alone while the others wait in the reduction. With empty_blocks the
@@ -553,7 +656,9 @@ def test_a_timed_split_needs_speeds():
     assert "model.layers.0.self_attn.k_proj" not in mqa
 
 
-@pytest.mark.parametrize("make", [cases.llama, cases.gpt2, cases.EncoderLM, cases.llama_mqa])
+@pytest.mark.parametrize(
+    "make", [cases.llama, cases.gpt2, cases.EncoderLM, cases.llama_mqa, cases.llama_gqa]
+)
 def test_per_layer_shares_round_trip_by_heads(make):
     """``filter_shares``' dict given back as ``shares=`` splits the same way, by heads and
     hidden units (torch's attention named alone, its output projection following)."""
@@ -563,8 +668,8 @@ def test_per_layer_shares_round_trip_by_heads(make):
         back = filter_shares(make(), size=3, shares=by_speed, empty_blocks=True)
         alone = {k: v for k, v in by_speed.items() if not k.endswith("out_proj")}
         again = filter_shares(make(), size=3, shares=alone, empty_blocks=True)
-        # A rank holding no heads needs empty_blocks.
-        with pytest.raises(ValueError, match=r"at least one per rank \(empty_blocks=True"):
+        # A rank holding no heads needs empty_blocks (Llama's 2 groups: 3 ranks need it).
+        with pytest.raises(ValueError, match=r"at least one (per rank|each)\W.*empty_blocks=T"):
             filter_shares(make(), size=3, shares=by_speed)
     assert back == by_speed and again == by_speed
     assert any(0 in v for v in by_speed.values())

@@ -25,6 +25,7 @@ EXPECTED = {
     "gpt2_empty_blocks": True,
     "llama_empty_blocks": True,
     "llama_mqa_empty_blocks": True,
+    "llama_gqa_three_ranks": True,
     "falcon_hybrid": True,
     "falcon_resumes": True,
     "gpt2_loss_parallel": True,

@@ -26,6 +26,7 @@ from hetcoll.collectives import allreduce
 from hetcoll.comm import agree, wrap
 from hetcoll.torch import parallelize
 from hetcoll.torch.filters import FilterParallelLayer, filter_shares
+from hetcoll.torch.layers import model_layers
 
 from lm_common import hf_falcon, hf_gpt2, hf_llama
 
@@ -435,21 +436,22 @@ def bad_input(group: Any) -> int:
         "shares: names layers by module path; Sequential is a chain",
         lambda: parallelize(seq, named, loss_fn=ce, group=group),
     )
-    # A split stage with more ranks than Llama's key/value groups: refused on every rank, the
+    # A split stage with more ranks than the encoder's heads: refused on every rank, the
     # idle one too, before any transfer.
+    n = len(model_layers(EncoderLM()))
     three = {
         "replicas": [
             {
                 "samples": 4,
-                "stages": [{"ranks": [0, 1, 2], "speeds": [1.0, 1.0, 0.5], "layers": [0, 8]}],
+                "stages": [{"ranks": [0, 1, 2], "speeds": [1.0, 1.0, 0.5], "layers": [0, n]}],
             }
         ]
     }
     raises(
         ValueError,
-        "plan.replicas[0].stages[0]: speeds: attention 'model.layers.0.self_attn' has 2 "
-        "key/value groups (of 8 query features each), too few for 3 ranks",
-        lambda: parallelize(llama().double(), three, loss_fn=lm_loss, group=group),
+        "plan.replicas[0].stages[0]: speeds: attention 'encoder.layers.0.self_attn' has 2 "
+        "heads (of 8 features each), too few for 3 ranks",
+        lambda: parallelize(EncoderLM().double(), three, loss_fn=lm_loss, group=group),
     )
     par = parallelize(model, plan, loss_fn=lm_loss, items=valid_tokens, group=group)
     ((inputs, labels),) = batches(7, 1)
@@ -601,8 +603,6 @@ def run_all(group: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     warnings.simplefilter("ignore")  # filter_parallel names the tied head it keeps whole
     for name, make in (("gpt2", gpt2), ("llama", llama), ("encoder", EncoderLM)):
-        from hetcoll.torch.layers import model_layers
-
         n = len(model_layers(make()))
         tol = 1e-6 if name == "llama" else TOL
         t = equals_one_process(group, make, Plan.from_dict(pipeline_4(n)), tol=tol)
@@ -624,6 +624,19 @@ def run_all(group: Any) -> dict[str, Any]:
     mqa = lambda: llama(kv_heads=1)  # noqa: E731
     equals_one_process(group, mqa, Plan.from_dict(hybrid(n, True)), tol=1e-6)
     out["llama_mqa_empty_blocks"] = True
+    # Grouped-query attention on a stage of more ranks than its key/value groups (Llama's 2,
+    # 3 ranks): split by query head, its key and value whole on each rank.
+    three = {
+        "replicas": [
+            {
+                "samples": 5,
+                "stages": [{"ranks": [0, 1, 2], "speeds": [1.0, 1.0, 0.5], "layers": [0, n]}],
+            },
+            {"samples": 2, "stages": [{"ranks": [3], "layers": [0, n]}]},
+        ]
+    }
+    equals_one_process(group, llama, Plan.from_dict(three), tol=1e-6)
+    out["llama_gqa_three_ranks"] = True
     n = len(model_layers(falcon()))
     equals_one_process(group, falcon, Plan.from_dict(hybrid(n)))
     out["falcon_hybrid"] = True
