@@ -793,11 +793,12 @@ def bad_input(group: Any) -> int:
         "heads",
         lambda: filter_parallel(T5LM(), group=group, shares={**t5, **moved_head}),
     )
-    # A multiple_of that whole heads cannot meet: 3 and 8-feature groups of 24 features.
+    # A multiple_of that whole heads cannot meet: 5, against 8-feature groups or 4-feature
+    # query heads of 24 features (3 would be met by query heads on 2 ranks, 12 each).
     raises(
-        "multiple_of: 3 cannot be met by whole key/value groups",
+        "multiple_of: 5 cannot be met by whole key/value groups",
         lambda: filter_parallel(
-            llama(), group=group, speeds=SPEEDS[:p], layers=attn, multiple_of=3
+            llama(), group=group, speeds=SPEEDS[:p], layers=attn, multiple_of=5
         ),
     )
     return checked
