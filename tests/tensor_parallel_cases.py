@@ -526,6 +526,37 @@ def equals_unsplit(
     return modes(split)
 
 
+def gqa_heads_by_shares(group: Any) -> list[int]:
+    """Grouped-query attention split by query head through per-layer shares naming its query
+    and output projections alone (``filter_shares``' form of that split), the last rank
+    holding no query head (``empty_blocks``) but computing the whole key and value: loss and
+    every gradient equal the unsplit model's. Returns the first attention's heads per rank."""
+    p = wrap(group).size
+    torch.manual_seed(0)
+    ref = llama_gqa().double()
+    heads = [6 - (p - 2)] + [1] * (p - 2) + [0]
+    shares: dict[str, list[int]] = {}
+    for name, _ in ref.named_modules():
+        if name.endswith(("q_proj", "o_proj")):
+            shares[name] = [4 * h for h in heads]
+        elif name.endswith(("gate_proj", "up_proj", "down_proj")):
+            shares[name] = [40 - 4 * (p - 1)] + [4] * (p - 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        split = filter_parallel(copy.deepcopy(ref), group=group, shares=shares, empty_blocks=True)
+    ids = batch(0)
+    logits_ref, loss_ref = loss_of(ref, ids)
+    logits, loss = loss_of(split, ids)
+    close(logits, logits_ref, "logits")
+    loss_ref.backward()
+    loss.backward()
+    grads = gather_gradients(split, dst=None)
+    assert grads is not None
+    for n, q in ref.named_parameters():
+        close(grads[n], q.grad, f"gradient of {n}")
+    return list(split.get_submodule("model.layers.0.self_attn.q_proj").shares)
+
+
 def empty_blocks(group: Any) -> dict[str, list[int]]:
     """A rank too slow for a whole key/value group (``empty_blocks=True``) holds no heads of
     each attention and few MLP units, runs its blocks on empty tensors and joins their
@@ -984,6 +1015,7 @@ def run_all(group: Any) -> dict[str, Any]:
     gqa = split_copy(llama_gqa(), group, SPEEDS[: wrap(group).size])
     out["llama_gqa_heads"] = list(gqa.get_submodule("model.layers.0.self_attn.q_proj").shares)
     traffic(group, llama_gqa, 24)
+    out["llama_gqa_empty"] = gqa_heads_by_shares(group)
     out["empty_blocks"] = empty_blocks(group)
     out["time_balanced"] = time_balanced(group)
     out["mha_weights"] = attention_weights(group)

@@ -69,6 +69,8 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     # speeds 1 : 0.5 (3 heads each), splits by query head, its key and value whole.
     assert r["llama_gqa_gathers"] == ["lm_head"] and r["llama_gqa_split"] == 2 * 5
     assert r["llama_gqa_heads"] == {2: [4, 2], 3: [4, 1, 1]}[p]
+    # Named by its query and output projections alone, the last rank holding no query head.
+    assert r["llama_gqa_empty"] == {2: [6, 0], 3: [5, 1, 0]}[p]
     # With empty_blocks the slow rank (speed 0.1) holds none of Llama's 3 key/value groups,
     # GPT-2's 6 heads (q, k and v packed) or the encoder's 6 heads.
     empty = {2: [3, 0], 3: [2, 0, 1]}[p]

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import hetcoll
 from hetcoll.model.costs.losses import LOSS_LAYER
 from hetcoll.model.hardware import check_precision
-from hetcoll.torch.filters.heads import prefer_query_heads
 
 # Traced batch: 2, not 1, because batch norm in training mode refuses one sample.
 _TRACE_BATCH = 2
@@ -172,7 +171,9 @@ class SplitBlock:
         """The split the runtime makes of it at ``speeds`` (or by layer ``shares``): itself,
         or :attr:`by_head` where per-layer ``shares`` name its query and output projections
         alone, or where speeds split its query heads better
-        (:func:`hetcoll.torch.filters.heads.prefer_query_heads`, the runtime's rule)."""
+        (:func:`hetcoll.torch.filters.prefer_query_heads`, the runtime's rule)."""
+        from hetcoll.torch.filters import prefer_query_heads
+
         alt = self.by_head
         if alt is None:
             return self

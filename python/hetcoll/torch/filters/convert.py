@@ -569,7 +569,10 @@ def filter_parallel(
     ``nn.Conv2d`` with ``groups=1`` and ``nn.Linear``). Modes are chosen so a split layer feeding
     another through channel-wise modules only (inside an ``nn.Sequential``) skips the gather:
     split-output then split-input; a BatchNorm between them is split too. ``avoid_gathers=False``
-    gathers after every split layer. Attentions split by whole heads (key/value groups) and MLPs
+    gathers after every split layer. Attentions split by whole heads (key/value groups; by query
+    head, the key and value whole on every rank, under multi-query attention and where a
+    grouped-query attention's groups are too few or too coarse for the speeds,
+    :func:`~.heads.prefer_query_heads`) and MLPs
     by hidden units; every rank holds at least one of each, unless ``empty_blocks=True``: then
     speeds (or shares) may give a rank none of a block's heads or units, as :func:`hetcoll.split`
     gives a rank too slow for one whole key/value group. Such a rank runs the attention on empty
