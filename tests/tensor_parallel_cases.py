@@ -544,17 +544,23 @@ def gqa_heads_by_shares(group: Any) -> list[int]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         split = filter_parallel(copy.deepcopy(ref), group=group, shares=shares, empty_blocks=True)
-    ids = batch(0)
+    one_step_equal(split, ref, batch(0), "")
+    return list(split.get_submodule("model.layers.0.self_attn.q_proj").shares)
+
+
+def one_step_equal(split: nn.Module, ref: nn.Module, ids: torch.Tensor, what: str) -> None:
+    """One forward and backward of ``split`` on ``ids`` gives the unsplit ``ref``'s logits and
+    every gradient (gathered); ``what`` prefixes the failures' names."""
     logits_ref, loss_ref = loss_of(ref, ids)
     logits, loss = loss_of(split, ids)
-    close(logits, logits_ref, "logits")
+    close(logits, logits_ref, f"{what}logits")
     loss_ref.backward()
     loss.backward()
     grads = gather_gradients(split, dst=None)
     assert grads is not None
     for n, q in ref.named_parameters():
-        close(grads[n], q.grad, f"gradient of {n}")
-    return list(split.get_submodule("model.layers.0.self_attn.q_proj").shares)
+        assert q.grad is not None
+        close(grads[n], q.grad, f"{what}gradient of {n}")
 
 
 def empty_blocks(group: Any) -> dict[str, list[int]]:
@@ -607,16 +613,7 @@ def time_balanced(group: Any) -> dict[str, list[int]]:
             sample={"input_ids": ids},
         )
         plain = filter_shares(copy.deepcopy(ref), size=p, speeds=SPEEDS[:p], empty_blocks=True)
-    logits_ref, loss_ref = loss_of(ref, ids)
-    logits, loss = loss_of(split, ids)
-    close(logits, logits_ref, "time-balanced logits")
-    loss_ref.backward()
-    loss.backward()
-    grads = gather_gradients(split, dst=None)
-    assert grads is not None
-    for n, q in ref.named_parameters():
-        assert q.grad is not None
-        close(grads[n], q.grad, f"time-balanced gradient of {n}")
+    one_step_equal(split, ref, ids, "time-balanced ")
     mlp = "model.layers.0.mlp.down_proj"
     timed = list(dict(split.named_modules())[mlp].shares)
     return {"timed": timed, "by speed": plain[mlp]}
