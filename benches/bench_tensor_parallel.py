@@ -22,13 +22,10 @@ copy of the same model, trained with SGD on the same global batch:
    forward) against gather mode (``avoid_gathers=False``: every Linear gathers its output,
    what ``filter_parallel`` did for transformers before): step time and bytes sent per step
    by kind (``CountingCommunicator``: a ring allreduce counts 2 (p-1)/p of its buffer);
-3. the speed-proportional split without ``empty_blocks`` (every rank holding heads of each
-   attention: the 2 key/value groups would split 1 : 1, so it splits by query head, 3 : 1,
-   each rank computing both key/value heads whole), against the even split;
-4. the speed-proportional split with its loss split too (``loss_parallel=True``: the head's
+3. the speed-proportional split with its loss split too (``loss_parallel=True``: the head's
    logits stay split by vocabulary, the cross-entropy exchanges three numbers per token)
    against the same split gathering the logits: step time and bytes;
-5. every split against the unsplit model on the fast rank alone, the slow rank idle (what a
+4. every split against the unsplit model on the fast rank alone, the slow rank idle (what a
    user without tensor parallelism would run): whether splitting pays at this size at all.
 
 Step time: median over steps of the slowest rank's step (forward, backward, SGD step); the
@@ -73,7 +70,6 @@ STRATEGIES = (
     "paired, time-balanced",
     "paired, planned",
     "paired, speed-proportional, loss split",
-    "paired, speed-proportional, every rank holding heads",
 )
 #: The peer of any split: the unsplit model on the fast rank alone (the slow rank idle).
 ALONE = "unsplit, fast rank alone"
@@ -112,7 +108,7 @@ def _strategy(
                 group=comm,
                 speeds=speeds,
                 avoid_gathers="gather" not in name,
-                empty_blocks="every rank" not in name,
+                empty_blocks=True,
                 sample={"input_ids": ids} if "time-balanced" in name else None,
                 loss_parallel="loss split" in name,
             )
@@ -258,7 +254,7 @@ def predicted(
             list(SPEEDS),
             slowed="parameters",
             modes=modes,
-            empty_blocks="every rank" not in name,
+            empty_blocks=True,
             layer_shares=planned if "planned" in name else None,
             loss_parallel="loss split" in name,
         )

@@ -832,7 +832,6 @@ _TP_ALONE = "unsplit, fast rank alone"
 _TP_TIMED = "paired, time-balanced"
 _TP_PLANNED = "paired, planned"
 _TP_LOSS = "paired, speed-proportional, loss split"
-_TP_EVERY = "paired, speed-proportional, every rank holding heads"
 
 
 def _bytes_of(row: Mapping[str, Any]) -> int:
@@ -853,7 +852,7 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
     r0 = data[0]
     rows = {name: _need(r0, name, f"{path}: [0]") for name in _TP_STRATEGIES}
     # Results from before they were measured lack them.
-    for optional in (_TP_TIMED, _TP_PLANNED, _TP_LOSS, _TP_EVERY, _TP_ALONE):
+    for optional in (_TP_TIMED, _TP_PLANNED, _TP_LOSS, _TP_ALONE):
         if optional in r0:
             rows[optional] = r0[optional]
     even = _need(rows["paired, even split"], "step_s", f"{path}: [0].paired, even split")
@@ -960,17 +959,6 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
         *(
             [
                 (
-                    "tensor parallel, speed-proportional, every rank holding heads (grouped-"
-                    "query attention by query head) vs even head split",
-                    f"{even / rows[_TP_EVERY]['step_s']:.2f}x faster",
-                )
-            ]
-            if _TP_EVERY in rows
-            else []
-        ),
-        *(
-            [
-                (
                     "tensor parallel, speed-proportional split vs the unsplit model on the "
                     "fast rank alone",
                     f"{rows[_TP_ALONE]['step_s'] / prop['step_s']:.2f}x",
@@ -1006,10 +994,6 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
                     "backward, SGD step); the strategies take turns step by step.",
                     "Loss split: filter_parallel(..., loss_parallel=True), the head's logits "
                     "kept split by vocabulary through F.cross_entropy (SplitOutput).",
-                    "Every rank holding heads: empty_blocks=False, so the 2 key/value groups "
-                    "cannot both go to the fast rank; split 1 : 1 by group they would be too "
-                    "coarse for the speeds, so each attention splits 3 : 1 by query head, both "
-                    "key/value heads whole on each rank (the other splits: empty_blocks=True).",
                 ],
             },
             {
