@@ -332,7 +332,10 @@ def lm_plans_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, int]
     Hugging Face GPT-2 (its head tied to the embedding across stages) and Llama (grouped-query
     attention, RoPE), token-weighted over padded labels, in the hybrid plan where the GPU rank
     holds a pipeline's last stage, and in one where it shares a split stage with a CPU rank
-    too slow for any head (``empty_blocks``). Losses and full_state_dict() after 2 SGD-momentum
+    too slow for any head (``empty_blocks``); Llama also on a stage of the GPU rank and two CPU
+    ranks, more than its 2 key/value groups (split by query head, each rank cutting the whole
+    key and value to its heads' on its own device). Losses and full_state_dict() after 2
+    SGD-momentum
     steps equal one process on the CPU: float64 to 1e-10 (Llama 1e-6: its rotary embedding
     computes in float32)."""
     import transformer_cases as lm
@@ -355,7 +358,8 @@ def lm_plans_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, int]
             {"ranks": [1], "layers": [0, 3]},
             {"ranks": [2], "layers": [3, n]},
         ]
-        for spec in (lm.hybrid(n), beside):
+        specs = [lm.hybrid(n), beside] + ([lm.split_three(n)] if make is lm.llama else [])
+        for spec in specs:
             lm.equals_one_process(None, make, Plan.from_dict(spec), tol=tol, device=dev)
             done += 1
     return {"plans": done}

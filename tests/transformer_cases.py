@@ -282,6 +282,21 @@ def hybrid(n: int, empty_blocks: bool = False) -> dict[str, Any]:
     }
 
 
+def split_three(n: int) -> dict[str, Any]:
+    """A stage split over ranks 0, 1 and 2 (speeds 1 : 1 : 0.5) beside a whole-model replica on
+    rank 3: more ranks than Llama's 2 key/value groups, so its attention splits by query
+    head."""
+    return {
+        "replicas": [
+            {
+                "samples": 5,
+                "stages": [{"ranks": [0, 1, 2], "speeds": [1.0, 1.0, 0.5], "layers": [0, n]}],
+            },
+            {"samples": 2, "stages": [{"ranks": [3], "layers": [0, n]}]},
+        ]
+    }
+
+
 def planned_split(group: Any, make: Any) -> str:
     """The planner's best plan with a stage split over several ranks, for four devices of
     speeds 1 : 1 : 0.5 : 0.1, trains ``make()`` like one process; returns its strategy.
@@ -626,16 +641,7 @@ def run_all(group: Any) -> dict[str, Any]:
     out["llama_mqa_empty_blocks"] = True
     # Grouped-query attention on a stage of more ranks than its key/value groups (Llama's 2,
     # 3 ranks): split by query head, its key and value whole on each rank.
-    three = {
-        "replicas": [
-            {
-                "samples": 5,
-                "stages": [{"ranks": [0, 1, 2], "speeds": [1.0, 1.0, 0.5], "layers": [0, n]}],
-            },
-            {"samples": 2, "stages": [{"ranks": [3], "layers": [0, n]}]},
-        ]
-    }
-    equals_one_process(group, llama, Plan.from_dict(three), tol=1e-6)
+    equals_one_process(group, llama, Plan.from_dict(split_three(n)), tol=1e-6)
     out["llama_gqa_three_ranks"] = True
     n = len(model_layers(falcon()))
     equals_one_process(group, falcon, Plan.from_dict(hybrid(n)))
