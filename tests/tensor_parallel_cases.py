@@ -89,13 +89,24 @@ def gpt2() -> nn.Module:
 def _hf(model: str, config: str, **kw: Any) -> nn.Module:
     import transformers
 
-    cfg = getattr(transformers, config)(
-        vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=3, head_dim=4, max_position_embeddings=32,
-        use_cache=False, attn_implementation="eager", bos_token_id=0, eos_token_id=0,
-        pad_token_id=0, **kw,
-    )  # fmt: skip
+    settings = {
+        "vocab_size": VOCAB, "hidden_size": 24, "intermediate_size": 40, "num_hidden_layers": 2,
+        "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 4,
+        "max_position_embeddings": 32, "use_cache": False, "attn_implementation": "eager",
+        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
+    }  # fmt: skip
+    cfg = getattr(transformers, config)(**{**settings, **kw})
     return getattr(transformers, model)(cfg)
+
+
+def qwen2() -> nn.Module:
+    """Hugging Face Qwen2 in Qwen2-0.5B's layout: 14 query heads in 2 key/value groups of 7
+    (too coarse for uneven speeds on 2 ranks, too few for 3), biases on the query, key and
+    value projections (the whole key and value's summed over the ranks)."""
+    return _hf(
+        "Qwen2ForCausalLM", "Qwen2Config", num_attention_heads=14, num_key_value_heads=2,
+        hidden_size=56,
+    )  # fmt: skip
 
 
 def qwen3() -> nn.Module:
@@ -1020,12 +1031,14 @@ def run_all(group: Any) -> dict[str, Any]:
         out[f"{name}_gathers"] = sorted(n for n, m in got.items() if m == "gather")
         out[f"{name}_split"] = sum(m != "gather" for m in got.values())
     gqa_speeds = GQA_SPEEDS[: wrap(group).size]
-    got = equals_unsplit(group, llama_gqa, "adam", steps=2, speeds=gqa_speeds, empty=False)
-    out["llama_gqa_gathers"] = sorted(n for n, m in got.items() if m == "gather")
-    out["llama_gqa_split"] = sum(m != "gather" for m in got.values())
-    torch.manual_seed(0)
-    gqa = split_copy(llama_gqa(), group, gqa_speeds)
-    out["llama_gqa_heads"] = list(gqa.get_submodule("model.layers.0.self_attn.q_proj").shares)
+    for name, make in (("llama_gqa", llama_gqa), ("qwen2", qwen2)):
+        got = equals_unsplit(group, make, "adam", steps=2, speeds=gqa_speeds, empty=False)
+        out[f"{name}_gathers"] = sorted(n for n, m in got.items() if m == "gather")
+        out[f"{name}_split"] = sum(m != "gather" for m in got.values())
+        torch.manual_seed(0)
+        gqa = split_copy(make(), group, gqa_speeds)
+        q_proj = gqa.get_submodule("model.layers.0.self_attn.q_proj")
+        out[f"{name}_heads"] = list(q_proj.shares)
     traffic(group, llama_gqa, 24, gqa_speeds, empty=False)
     out["llama_gqa_empty"] = gqa_heads_by_shares(group)
     out["empty_blocks"] = empty_blocks(group)

@@ -69,6 +69,9 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     # speeds 1 : 0.25 (3 heads each), splits by query head, its key and value whole.
     assert r["llama_gqa_gathers"] == ["lm_head"] and r["llama_gqa_split"] == 2 * 5
     assert r["llama_gqa_heads"] == {2: [5, 1], 3: [4, 1, 1]}[p]
+    # Qwen2-0.5B's layout: 14 query heads in 2 groups, biases on the query, key and value.
+    assert r["qwen2_gathers"] == ["lm_head"] and r["qwen2_split"] == 2 * 5
+    assert r["qwen2_heads"] == {2: [12, 2], 3: [10, 2, 2]}[p]
     # Named by its query and output projections alone, the last rank holding no query head.
     assert r["llama_gqa_empty"] == {2: [6, 0], 3: [5, 1, 0]}[p]
     # With empty_blocks the slow rank (speed 0.1) holds none of Llama's 3 key/value groups,
