@@ -845,9 +845,10 @@ def bad_input(group: Any) -> int:
         lambda: filter_parallel(T5LM(), group=group, shares={**t5, **moved_head}),
     )
     # A multiple_of that whole heads cannot meet: 5, against 8-feature groups or 4-feature
-    # query heads of 24 features (3 would be met by query heads on 2 ranks, 12 each).
+    # query heads of 24 features (3 would be met by query heads on 2 ranks, 12 each); named
+    # by the finer split, the query heads'.
     raises(
-        "multiple_of: 5 cannot be met by whole key/value groups",
+        "multiple_of: 5 cannot be met by whole query heads (of 4 features each)",
         lambda: filter_parallel(
             llama(), group=group, speeds=SPEEDS[:p], layers=attn, multiple_of=5
         ),

@@ -400,6 +400,9 @@ def test_grouped_query_attention_splits_by_query_head_where_its_groups_cannot_fo
         )
         with pytest.raises(ValueError, match=r"\[22, 2\] are not whole query heads \(of 4"):
             filter_shares(model, size=2, shares=[22, 2], layers=list(by_shares))
+        # Too few for either split: the error names the finer one's units.
+        with pytest.raises(ValueError, match=r"has 6 query heads \(of 4 features each\), too few"):
+            filter_shares(model, size=7, speeds=[1.0] * 7)
     assert by_shares == {attn + "q_proj": [20, 4], attn + "o_proj": [20, 4]}
     assert shares == {
         (1.0, 1.0): ([12, 12], True),  # equal speeds: the groups, nothing repeated
@@ -416,6 +419,7 @@ def test_grouped_query_attention_splits_by_query_head_where_its_groups_cannot_fo
     assert block.resolved([1.0, 1.0]) is block
     assert block.resolved([1.0, 0.25]) is block.by_head
     assert block.resolved([1.0, 0.25], shares={attn + "o_proj": [12, 12]}) is block.by_head
+    assert block.resolved([1.0] * 7) is block.by_head  # too few for either: the finer one
     assert block.by_head.whole == (attn + "k_proj", attn + "v_proj")
     sched = filter_parallel_schedule(costs, _two_devices(), 4, [1.0, 0.25])
     rows = {x.name: i for i, x in enumerate(costs.layers)}

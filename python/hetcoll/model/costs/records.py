@@ -190,12 +190,11 @@ class SplitBlock:
             except ValueError:
                 return None
 
-        heads = units(alt)
-        if heads is None:
-            return self
+        heads, groups = units(alt), units(self)
+        if heads is None:  # where neither splits, the finer split's error says why
+            return self if groups is not None else alt
         per_group = alt.units // self.units
-        better = prefer_query_heads(per_group, self.units, units(self), heads, speeds)
-        return alt if better else self
+        return alt if prefer_query_heads(per_group, self.units, groups, heads, speeds) else self
 
     def shares(self, speeds: Sequence[float], *, empty: bool = False) -> list[int]:
         """The units per rank at ``speeds``, as the runtime splits them (:func:`hetcoll.split`

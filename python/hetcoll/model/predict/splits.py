@@ -143,9 +143,9 @@ def blocks_stage_split(
         raise ValueError(
             f"{where}: has {ranks} ranks but its blocks hold no attention, MLP or Linear to split"
         )
-    for block in costs.split_blocks:
-        units = block.units if block.by_head is None else block.by_head.units
-        if block.layers[0] in modes and units < ranks and not empty_blocks:
+    for grouped in costs.split_blocks:
+        block = grouped.by_head or grouped  # a grouped-query attention splits by query head
+        if grouped.layers[0] in modes and block.units < ranks and not empty_blocks:
             raise ValueError(
                 f"{where}: {block.kind} {block.module!r} has {block.units} units (heads, "
                 f"key/value groups or hidden units), too few for {ranks} ranks with at least "

@@ -532,12 +532,12 @@ def _heads_or_groups(
         except ValueError:
             return None
 
-    heads = units(by_head)
-    if heads is None:
-        return ts  # its groups' split raises, or runs
+    heads, groups = units(by_head), units(ts)
+    if heads is None:  # where neither splits, the finer split's error says why
+        return ts if groups is not None else by_head
     speeds = [float(s) for s in shares_or_speeds]
     per_group = ts.width // ts.head_dim
-    return by_head if prefer_query_heads(per_group, ts.units, units(ts), heads, speeds) else ts
+    return by_head if prefer_query_heads(per_group, ts.units, groups, heads, speeds) else ts
 
 
 def filter_parallel(
