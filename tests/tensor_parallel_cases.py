@@ -41,8 +41,8 @@ TOL = 1e-10
 VOCAB = 40
 SEQ = 7
 SPEEDS = [1.0, 0.5, 0.25, 0.75]
-#: Speeds that :func:`llama_gqa`'s 2 groups of 3 query heads are too coarse for (on 2 ranks)
-#: or too few for (on 3): it splits by query head.
+#: Uneven speeds for :func:`llama_gqa` and :func:`qwen2`: their 2 key/value groups split 1 : 1
+#: on 2 ranks, and are too few for 3, where they split by query head.
 GQA_SPEEDS = [1.0, 0.25, 0.25]
 
 
@@ -60,9 +60,8 @@ def llama_mqa() -> nn.Module:
 
 
 def llama_gqa() -> nn.Module:
-    """:func:`llama` with 2 key/value groups of 3 query heads: too few for 3 ranks, and too
-    coarse for uneven speeds on 2, so it splits by query head, its key and value whole on
-    every rank."""
+    """:func:`llama` with 2 key/value groups of 3 query heads: too few for 3 ranks, so it
+    splits by query head there, its key and value whole on every rank."""
     return llama(kv_heads=2)
 
 
@@ -101,7 +100,7 @@ def _hf(model: str, config: str, **kw: Any) -> nn.Module:
 
 def qwen2() -> nn.Module:
     """Hugging Face Qwen2 in Qwen2-0.5B's layout: 14 query heads in 2 key/value groups of 7
-    (too coarse for uneven speeds on 2 ranks, too few for 3), biases on the query, key and
+    (too few for 3 ranks: split by query head there), biases on the query, key and
     value projections (the whole key and value's summed over the ranks)."""
     return _hf(
         "Qwen2ForCausalLM", "Qwen2Config", num_attention_heads=14, num_key_value_heads=2,

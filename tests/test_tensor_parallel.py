@@ -65,13 +65,14 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     assert r["t5_gathers"] == [] and r["t5_split"] == 2 * 6 + 2 * 10
     # GPT-BigCode's (StarCoder's) packed with the queries in c_attn, read after an unsqueeze.
     assert r["bigcode_gathers"] == [] and r["bigcode_split"] == 2 * 4
-    # Grouped-query attention whose 2 groups are too few for 3 ranks, or too coarse for 2 at
-    # speeds 1 : 0.25 (3 heads each), splits by query head, its key and value whole.
-    assert r["llama_gqa_gathers"] == ["lm_head"] and r["llama_gqa_split"] == 2 * 5
-    assert r["llama_gqa_heads"] == {2: [5, 1], 3: [4, 1, 1]}[p]
+    # Grouped-query attention with 2 groups: by group on 2 ranks at speeds 1 : 0.25 (q_proj's
+    # shares in groups), by query head on 3 (shares in heads), its key and value whole.
+    assert r["llama_gqa_gathers"] == ["lm_head"]
+    assert r["llama_gqa_split"] == {2: 2 * 7, 3: 2 * 5}[p]
+    assert r["llama_gqa_heads"] == {2: [1, 1], 3: [4, 1, 1]}[p]
     # Qwen2-0.5B's layout: 14 query heads in 2 groups, biases on the query, key and value.
-    assert r["qwen2_gathers"] == ["lm_head"] and r["qwen2_split"] == 2 * 5
-    assert r["qwen2_heads"] == {2: [12, 2], 3: [10, 2, 2]}[p]
+    assert r["qwen2_gathers"] == ["lm_head"] and r["qwen2_split"] == {2: 2 * 7, 3: 2 * 5}[p]
+    assert r["qwen2_heads"] == {2: [1, 1], 3: [10, 2, 2]}[p]
     # Named by its query and output projections alone, the last rank holding no query head.
     assert r["llama_gqa_empty"] == {2: [6, 0], 3: [5, 1, 0]}[p]
     # With empty_blocks the slow rank (speed 0.1) holds none of Llama's 3 key/value groups,
@@ -388,10 +389,11 @@ def test_grouped_query_attention_splits_by_query_head_where_its_groups_cannot_fo
     shares = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for speeds in ([1.0, 1.0], [1.0, 0.5], [1.0, 0.25], [1.0, 1.0, 1.0], [1.0, 0.1]):
+        for speeds in ([1.0, 1.0], [1.0, 0.25], [1.0, 1.0, 1.0], [1.0, 0.25, 0.25]):
             got = filter_shares(model, size=len(speeds), speeds=speeds)
             shares[tuple(speeds)] = (got[attn + "o_proj"], attn + "k_proj" in got)
-        # Shares of whole query heads but not whole groups split by query head too.
+        # Shares of whole query heads but not whole groups split by query head (the way to
+        # ask for it on 2 ranks).
         by_shares = filter_shares(
             model,
             size=2,
@@ -405,28 +407,27 @@ def test_grouped_query_attention_splits_by_query_head_where_its_groups_cannot_fo
             filter_shares(model, size=7, speeds=[1.0] * 7)
     assert by_shares == {attn + "q_proj": [20, 4], attn + "o_proj": [20, 4]}
     assert shares == {
-        (1.0, 1.0): ([12, 12], True),  # equal speeds: the groups, nothing repeated
-        (1.0, 0.5): ([12, 12], True),  # 3 : 3 heads by group ties with 4 : 2 by head
-        (1.0, 0.25): ([20, 4], False),
-        (1.0, 1.0, 1.0): ([8, 8, 8], False),  # 2 groups for 3 ranks
-        (1.0, 0.1): ([20, 4], False),
+        (1.0, 1.0): ([12, 12], True),  # by group, nothing repeated
+        (1.0, 0.25): ([12, 12], True),  # coarse, but by group (Megatron-LM's convention)
+        (1.0, 1.0, 1.0): ([8, 8, 8], False),  # 2 groups for 3 ranks: by query head
+        (1.0, 0.25, 0.25): ([16, 4, 4], False),
     }
     # The performance model makes the runtime's choice (SplitBlock.resolved) and prices the
     # key and value whole on every device.
     costs = layer_costs(model, (7,), dtype=torch.int64)
     block = costs.split_blocks[0]
     assert block.units == 2 and block.by_head is not None
-    assert block.resolved([1.0, 1.0]) is block
-    assert block.resolved([1.0, 0.25]) is block.by_head
+    assert block.resolved([1.0, 0.25]) is block
+    assert block.resolved([1.0, 0.25, 0.25]) is block.by_head
     assert block.resolved([1.0, 0.25], shares={attn + "o_proj": [12, 12]}) is block.by_head
     assert block.resolved([1.0] * 7) is block.by_head  # too few for either: the finer one
     assert block.by_head.whole == (attn + "k_proj", attn + "v_proj")
-    sched = filter_parallel_schedule(costs, _two_devices(), 4, [1.0, 0.25])
+    sched = filter_parallel_schedule(costs, _two_devices(3), 4, [1.0, 0.25, 0.25])
     rows = {x.name: i for i, x in enumerate(costs.layers)}
     compute = sched.layers.compute_s
     k, q = compute[rows[attn + "k_proj"]], compute[rows[attn + "q_proj"]]
-    assert k[0] == k[1] > 0 and math.isclose(q[0] / q[1], 20 / 4)
-    assert sched.detail["units_per_block"][attn[:-1]] == [5, 1]
+    assert k[0] == k[1] == k[2] > 0 and math.isclose(q[0] / q[1], 16 / 4)
+    assert sched.detail["units_per_block"][attn[:-1]] == [4, 1, 1]
 
 
 @settings(max_examples=12, deadline=None)

@@ -145,8 +145,8 @@ class SplitBlock:
     inputs per head, as T5's first attention its position bias); "" for none. ``by_head``:
     for grouped-query attention split by key/value group, the same attention split by query
     head, its key and value whole on every device (:attr:`hetcoll.torch.filters.TensorSplit.
-    by_head`), which the runtime splits instead where the groups are too few or too coarse for
-    the speeds (:meth:`resolved`)."""
+    by_head`), which the runtime splits instead where the groups are too few for the devices
+    (:meth:`resolved`)."""
 
     module: str
     kind: str
@@ -170,31 +170,21 @@ class SplitBlock:
     ) -> SplitBlock:
         """The split the runtime makes of it at ``speeds`` (or by layer ``shares``): itself,
         or :attr:`by_head` where per-layer ``shares`` name its query and output projections
-        alone, or where speeds split its query heads better
-        (:func:`hetcoll.torch.filters.prefer_query_heads`, the runtime's rule)."""
-        from hetcoll.torch.filters import prefer_query_heads
-
+        alone, or where its groups are too few for the devices (the runtime's rule, as
+        :func:`hetcoll.torch.filter_parallel` splits)."""
         alt = self.by_head
         if alt is None:
             return self
         if shares is not None and self.units_of(shares) is not None:
             named = set(shares)
             return self if all(n in named for n in self.layers) else alt
-        speeds = [float(s) for s in speeds]
-
-        def units(block: SplitBlock) -> list[int] | None:
-            if block.units < len(speeds) and not (empty and block.empty):
-                return None
-            try:
-                return block.shares(speeds, empty=empty)
-            except ValueError:
-                return None
-
-        heads, groups = units(alt), units(self)
-        if heads is None:  # where neither splits, the finer split's error says why
-            return self if groups is not None else alt
-        per_group = alt.units // self.units
-        return alt if prefer_query_heads(per_group, self.units, groups, heads, speeds) else self
+        try:
+            if self.units < len(speeds) and not (empty and self.empty):
+                return alt
+            self.shares([float(s) for s in speeds], empty=empty)
+        except ValueError:
+            return alt
+        return self
 
     def shares(self, speeds: Sequence[float], *, empty: bool = False) -> list[int]:
         """The units per rank at ``speeds``, as the runtime splits them (:func:`hetcoll.split`

@@ -71,7 +71,7 @@ from hetcoll.torch.filters.chains import (
 from hetcoll.torch.filters.checks import MODES
 from hetcoll.torch.filters.convert import filter_parallel, filter_shares, split_traffic
 from hetcoll.torch.filters.head_probes import check_empty_heads
-from hetcoll.torch.filters.heads import ConfigView, TensorSplit, prefer_query_heads
+from hetcoll.torch.filters.heads import ConfigView, TensorSplit
 from hetcoll.torch.filters.layers import (
     FilterParallelBatchNorm1d,
     FilterParallelBatchNorm2d,
@@ -131,7 +131,6 @@ __all__ = [
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "plan_tensor_splits",
-    "prefer_query_heads",
     "split_layout",
     "split_tensors",
     "split_traffic",

@@ -40,7 +40,7 @@ from hetcoll.torch.filters.head_guards import (
     PerHeadInputs,
 )
 from hetcoll.torch.filters.head_probes import EmptyRankCheck
-from hetcoll.torch.filters.heads import TensorSplit, prefer_query_heads
+from hetcoll.torch.filters.heads import TensorSplit
 from hetcoll.torch.filters.layers import (
     ChannelSplit,
     FilterParallelBatchNorm1d,
@@ -247,7 +247,7 @@ def _shares(
         for n in ts.whole:  # held whole on every rank (the key and value split by query head)
             modes.pop(n, None)
     # The key and value projections of an attention split by query head (multi-query
-    # attention's; grouped-query attention's where its groups are too few or too coarse):
+    # attention's; grouped-query attention's where its groups are too few):
     # whole on every rank, no split's.
     held_whole = {n: ts.module for ts in splits for n in ts.whole}
     named_whole = [n for n in per_layer or () if n in held_whole]
@@ -516,28 +516,23 @@ def _heads_or_groups(
 ) -> TensorSplit:
     """A grouped-query attention's split (``ts``, by key/value group) or the same split by query
     head (:attr:`TensorSplit.by_head`): by query head where shares are whole query heads but
-    not whole groups, or where speeds split its query heads better so
-    (:func:`~.heads.prefer_query_heads`: its groups too few for the ranks, or too coarse for
-    their speeds)."""
+    not whole groups, or where its groups cannot split as asked (too few for the ranks, or
+    for ``multiple_of``), as Megatron-LM repeats key/value heads only where the ranks
+    outnumber them (where neither splits, the query heads' error says why). Groups too coarse
+    for uneven speeds still split by group: at 1 : 0.25 on 2 emulated ranks, a split by query
+    head measured no faster (see docs/filter_parallel.md), its key and value repeated on every
+    rank and their gradients summed. The performance model's rule is the same
+    (:meth:`hetcoll.model.costs.SplitBlock.resolved`)."""
     by_head = ts.by_head
     assert by_head is not None
     if argument != "speeds" and all(is_int(s) for s in shares_or_speeds):
         return ts if all(int(s) % ts.width == 0 for s in shares_or_speeds) else by_head
-    size = size_of()
-
-    def units(variant: TensorSplit) -> list[int] | None:
-        empty = empty_blocks and not variant.empty_fails
-        try:
-            return _split_units(variant, shares_or_speeds, argument, size, multiple_of, empty)
-        except ValueError:
-            return None
-
-    heads, groups = units(by_head), units(ts)
-    if heads is None:  # where neither splits, the finer split's error says why
-        return ts if groups is not None else by_head
-    speeds = [float(s) for s in shares_or_speeds]
-    per_group = ts.width // ts.head_dim
-    return by_head if prefer_query_heads(per_group, ts.units, groups, heads, speeds) else ts
+    empty = empty_blocks and not ts.empty_fails
+    try:
+        _split_units(ts, shares_or_speeds, argument, size_of(), multiple_of, empty)
+    except ValueError:
+        return by_head
+    return ts
 
 
 def filter_parallel(
@@ -571,8 +566,7 @@ def filter_parallel(
     split-output then split-input; a BatchNorm between them is split too. ``avoid_gathers=False``
     gathers after every split layer. Attentions split by whole heads (key/value groups; by query
     head, the key and value whole on every rank, under multi-query attention and where a
-    grouped-query attention's groups are too few or too coarse for the speeds,
-    :func:`~.heads.prefer_query_heads`) and MLPs
+    grouped-query attention's groups are too few for the ranks) and MLPs
     by hidden units; every rank holds at least one of each, unless ``empty_blocks=True``: then
     speeds (or shares) may give a rank none of a block's heads or units, as :func:`hetcoll.split`
     gives a rank too slow for one whole key/value group. Such a rank runs the attention on empty

@@ -6,8 +6,6 @@ guards (:mod:`.head_guards`) and probes (:mod:`.head_probes`), and the performan
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,8 +51,8 @@ class TensorSplit:
     so its module reads them with ``fixed``'s counts (``num_key_value_groups`` 1). 0 for
     none. ``fixed``: attributes set to the same value on every rank. ``by_head``: for
     grouped-query attention split by key/value group, the same attention split by query head
-    instead, its key and value whole on every rank (:func:`prefer_query_heads` chooses): a
-    split that can follow speeds its groups are too few or too coarse for.
+    instead, its key and value whole on every rank: the split where its groups are too few
+    for the ranks (Megatron-LM's convention), or where shares name whole query heads.
     """
 
     kind: str
@@ -149,39 +147,3 @@ class ConfigView:
     def __repr__(self) -> str:
         counts = ", ".join(f"{k}={v}" for k, v in self._own.items())
         return f"ConfigView({counts}) of {type(self._base).__name__}"
-
-
-def prefer_query_heads(
-    per_group: int,
-    kv_heads: int,
-    groups: Sequence[int] | None,
-    heads: Sequence[int],
-    speeds: Sequence[float],
-) -> bool:
-    """Whether a grouped-query attention of ``kv_heads`` key/value heads, ``per_group`` query
-    heads each, runs faster at ``speeds`` split by query head (``heads``: each rank's query
-    heads, beside every key/value head: :attr:`TensorSplit.by_head`) than by key/value group
-    (``groups``: each rank's groups; None where the groups are too few for the ranks): where
-    the slowest rank's projections take less time (a query head's query and output
-    projections against a key/value head's key and value projections, alike in size). A tie
-    keeps the groups: the split by query head computes the key and value on every rank and
-    sums their gradients, which the rule does not price (on 2 emulated ranks at 1 : 0.25,
-    Llama's 2 groups of 2 heads split 3 : 1 by query head stepped 0.77x as fast as 1 : 1 by
-    group, which ties with it here).
-
-    >>> prefer_query_heads(7, 2, [1, 1], [11, 3], [1.0, 0.25])  # Qwen2-0.5B's 14 heads
-    True
-    >>> prefer_query_heads(2, 2, [1, 1], [3, 1], [1.0, 0.25])  # 4 heads: a tie
-    False
-    >>> prefer_query_heads(4, 8, [4, 4], [17, 15], [1.0, 0.9])  # the key/value repeated costs more
-    False
-    """
-    if groups is None:
-        return True
-
-    def slowest(query: Sequence[int], kv: Sequence[int]) -> float:
-        return max((2 * q + 2 * k) / s for q, k, s in zip(query, kv, speeds, strict=True))
-
-    by_group = slowest([g * per_group for g in groups], groups)
-    by_head = slowest(heads, [kv_heads] * len(heads))
-    return by_head < by_group and not math.isclose(by_head, by_group, rel_tol=1e-9)

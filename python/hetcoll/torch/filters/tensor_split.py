@@ -222,8 +222,8 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
     # the query heads read, are held and computed whole on every rank, as Megatron-LM keeps a
     # key/value head it cannot divide, and the query heads split one by one. Multi-query
     # attention splits so always (its one key/value head is no split); grouped-query
-    # attention by key/value group, or so where its groups are too few or too coarse for the
-    # speeds (TensorSplit.by_head).
+    # attention by key/value group, or so where its groups are too few for the ranks
+    # (TensorSplit.by_head).
     if rep > 1 and len(columns) == 3:
         whole = [c for c, blocks in columns if blocks != (rep * hd,)]
         queries: list[tuple[str, tuple[int, ...]]] = [
