@@ -525,10 +525,8 @@ def _heads_or_groups(
     (:meth:`hetcoll.model.costs.SplitBlock.resolved`)."""
     by_head = ts.by_head
     assert by_head is not None
-    if argument != "speeds" and all(is_int(s) for s in shares_or_speeds):
-        return ts if all(int(s) % ts.width == 0 for s in shares_or_speeds) else by_head
     empty = empty_blocks and not ts.empty_fails
-    try:
+    try:  # the groups' split, by speeds or shares, as the split itself makes it
         _split_units(ts, shares_or_speeds, argument, size_of(), multiple_of, empty)
     except ValueError:
         return by_head
