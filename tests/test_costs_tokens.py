@@ -155,6 +155,50 @@ def test_a_sequence_first_model_counts_its_rows_per_sample() -> None:
     assert linear1.in_bytes_per_sample == SEQ * 32 * 4
 
 
+def mixture_of_experts(family: str, implementation: str) -> nn.Module:
+    """Hugging Face Mixtral or Qwen3-MoE from a config: 4 experts, 2 per token, run by
+    ``implementation`` (``"grouped_mm"``, the default, ``"batched_mm"`` or ``"eager"``)."""
+    settings: dict[str, Any] = {
+        "vocab_size": 128, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+        "num_experts_per_tok": 2, "attn_implementation": "eager",
+        "experts_implementation": implementation,
+    }  # fmt: skip
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(num_local_experts=4, **settings)
+        torch.manual_seed(0)
+        return transformers.MixtralForCausalLM(cfg)
+    cfg = transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=24, **settings)
+    torch.manual_seed(0)
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_mixture_of_experts_counts_every_routed_token_whatever_runs_the_experts(
+    family: str,
+) -> None:
+    """Every token goes through its 2 experts' gated MLPs, however Hugging Face runs them:
+    ``grouped_mm`` (one ``aten._grouped_mm``, which torch's formulas do not count), ``bmm``
+    or a loop of ``mm``. The experts' FLOPs are counted by hand, and the whole model's against
+    FlopCounterMode on a real run of the implementations it counts."""
+    experts = {}
+    for implementation in ("grouped_mm", "batched_mm", "eager"):
+        model = mixture_of_experts(family, implementation)
+        costs = layer_costs(model, (SEQ,), dtype=torch.int64)
+        mlp = model.model.layers[0].mlp.experts
+        hidden, units = mlp.hidden_dim, mlp.intermediate_dim
+        # Per token and expert: gate and up (hidden -> 2 x units), down (units -> hidden).
+        by_hand = 2 * SEQ * 2 * (hidden * 2 * units + units * hidden)
+        own = [x for x in costs.layers if x.name == "model.layers.0.mlp.experts"]
+        forward = sum(k.flops_per_sample for x in own for k in x.forward)
+        backward = sum(k.flops_per_sample for x in own for k in x.backward)
+        assert (forward, backward) == (by_hand, 2 * by_hand), (implementation, forward)
+        experts[implementation] = (costs.forward_flops(3), costs.backward_flops(3))
+        if implementation != "grouped_mm":
+            assert experts[implementation] == flop_counter(model, 3), implementation
+    assert len(set(experts.values())) == 1, experts
+
+
 def test_elementwise_flops_of_the_norms_by_hand() -> None:
     """Llama's RMSNorm: x.pow(2), .mean(-1), + eps, rsqrt, x * r, weight * x: four ops over the
     S x d elements and two over the S rows. GPT-2's LayerNorm is one fused op: S x d. Attention

@@ -88,6 +88,22 @@ _MOVES = frozenset(
 _NO_SEQUENCE = 2**64 - 1
 
 
+def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args: Any, out_val: Any, **kw: Any) -> int:
+    """``aten._grouped_mm``: a matmul per group of rows (or columns, or of the contraction),
+    groups given by offsets: what Hugging Face's mixture-of-experts layers run by default
+    (``experts_implementation="grouped_mm"``), every routed token through its experts.
+    torch's FLOP formulas have none. Two 2-D operands split the contraction (the weights'
+    gradient): each group contracts its own slice of it; otherwise every output element is
+    one dot product of ``a``'s last dimension."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2 * out_val.numel() * a.shape[-1]
+
+
+#: FLOP formulas of the ops torch's ``flop_registry`` lacks, in its calling convention.
+_OWN_FLOPS: dict[Any, Callable[..., int]] = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+
+
 def _computation_dtype(dtype: torch.dtype) -> torch.dtype:
     # What torch's decompositions compute half-precision batch norms in.
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -351,9 +367,8 @@ class _OpCounter(TorchDispatchMode):
                 n = _tensor_bytes(t)
                 size = (n / _COUNT_BATCH, 0.0) if t.numel() % _COUNT_BATCH == 0 else (0.0, n)
                 made[size] = made.get(size, 0) + 1
-        flops = (
-            flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
-        )
+        formula = flop_registry.get(packet) or _OWN_FLOPS.get(packet)
+        flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
         at = 1 if flops else 3
         if not flops and name not in _MOVES and name not in _WRITE_ONLY:
             # An arithmetic op: one FLOP per element of its largest floating tensor (a
@@ -400,8 +415,14 @@ class _NeedsValues(Exception):
 
 def _wants_values(e: BaseException) -> bool:
     """Whether ``e`` is a run on the meta device failing for want of values (a tensor read,
-    or one made on the CPU meeting meta ones): the count then runs on the CPU instead."""
-    return any(m in str(e) for m in ("meta tensor", "on the expected device", "same device"))
+    an output whose shape depends on values, as ``nonzero``'s in a mixture of experts'
+    routing, or a tensor made on the CPU meeting meta ones): the count then runs on the CPU
+    instead."""
+    return any(m in str(e) for m in _WANTS_VALUES)
+
+
+#: What torch's errors say where a meta run wants values.
+_WANTS_VALUES = ("meta tensor", "data-independent", "on the expected device", "same device")
 
 
 class _LossError(Exception):
