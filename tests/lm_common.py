@@ -100,6 +100,30 @@ def hf_llama(
     return LlamaForCausalLM(config)
 
 
+def hf_mixtral(
+    *, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, experts: int
+) -> nn.Module:
+    """Hugging Face Mixtral from a config (no download): a mixture of ``experts`` gated MLPs,
+    2 per token, picked by a router, in every block; run by the eager implementation (a loop
+    over the experts its tokens reach: ``grouped_mm``, the default, has no float64)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden + hidden // 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        num_local_experts=experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        experts_implementation="eager",
+        **PLAIN,
+    )
+    return MixtralForCausalLM(config)
+
+
 def gpt2() -> nn.Module:
     torch.manual_seed(0)
     return hf_gpt2(vocab=VOCAB, hidden=16, layers=2, heads=2, positions=SEQ).double()

@@ -26,6 +26,8 @@ EXPECTED = {
     "llama_empty_blocks": True,
     "llama_mqa_empty_blocks": True,
     "llama_gqa_three_ranks": True,
+    "mixtral_pipeline": True,
+    "mixtral_three_ranks": True,
     "falcon_hybrid": True,
     "falcon_resumes": True,
     "gpt2_loss_parallel": True,

@@ -28,7 +28,7 @@ from hetcoll.torch import parallelize
 from hetcoll.torch.filters import FilterParallelLayer, filter_shares
 from hetcoll.torch.layers import model_layers
 
-from lm_common import hf_falcon, hf_gpt2, hf_llama
+from lm_common import hf_falcon, hf_gpt2, hf_llama, hf_mixtral
 
 TOL = 1e-10
 VOCAB = 48
@@ -49,6 +49,12 @@ def falcon() -> nn.Module:
     """Falcon-7B's layout: multi-query attention packed in one projection (the query heads,
     then one key and one value head, which a split stage's ranks hold whole)."""
     return hf_falcon(vocab=VOCAB, hidden=16, layers=4, heads=4)
+
+
+def mixtral() -> nn.Module:
+    """A mixture of experts (Hugging Face Mixtral): 4 experts, 2 per token. A stage split over
+    several ranks splits its attention by heads and holds the experts whole on each rank."""
+    return hf_mixtral(vocab=VOCAB, hidden=16, layers=4, heads=4, kv_heads=2, experts=4)
 
 
 class EncoderLM(nn.Module):
@@ -175,7 +181,11 @@ def split_stage(par: Any) -> None:
     assert heads and all(
         m != "gather" for n, m in modes.items() if n.rsplit(".", 1)[-1] not in ("lm_head", "head")
     ), modes
-    assert sum(m == "split-input" for m in modes.values()) == 2 * len(heads), modes
+    # A mixture of experts' experts stay whole on each rank of the stage: its block has one
+    # pair (the attention's).
+    experts = [m for n, m in par.stage.named_modules() if n.endswith(".mlp.experts")]
+    assert not any(isinstance(m, FilterParallelLayer) for e in experts for m in e.modules())
+    assert sum(m == "split-input" for m in modes.values()) == 2 * len(heads) - len(experts), modes
     if par.plan.replicas[i].stages[j].empty_blocks:  # a slow rank holds none of some block
         rows = [m for m in par.stage.modules() if getattr(m, "mode", "") == "split-input"]
         assert rows and any(0 in m.shares for m in rows), modes
@@ -643,6 +653,12 @@ def run_all(group: Any) -> dict[str, Any]:
     # 3 ranks): split by query head, its key and value whole on each rank.
     equals_one_process(group, llama, Plan.from_dict(split_three(n)), tol=1e-6)
     out["llama_gqa_three_ranks"] = True
+    # A mixture of experts, whose routing (a loop over the experts its tokens reach) cannot
+    # run on the meta device: through a pipeline and a stage split over three ranks.
+    n = len(model_layers(mixtral()))
+    for name, cut in (("pipeline", pipeline_4), ("three_ranks", split_three)):
+        equals_one_process(group, mixtral, Plan.from_dict(cut(n)), tol=1e-6)
+        out[f"mixtral_{name}"] = True
     n = len(model_layers(falcon()))
     equals_one_process(group, falcon, Plan.from_dict(hybrid(n)))
     out["falcon_hybrid"] = True

@@ -56,6 +56,7 @@ __all__ = [
     "replay",
     "routed",
     "stage_roles",
+    "wants_values",
 ]
 
 
@@ -303,10 +304,9 @@ def _probe(
             )
         flow.order.append(k)
         flow.reads[k] = sources.sources((args, kwargs))
-        meta_args = pytree.tree_map(_on_meta, (args, kwargs))
         sources.paused += 1
         try:
-            out_meta = meta_blocks[k](*meta_args[0], **meta_args[1])
+            out_meta = _output_of(meta_blocks[k], args, kwargs, device)
         except Exception as e:
             raise ValueError(
                 f"model: block {name!r} does not run on the meta device ({type(e).__name__}: "
@@ -350,6 +350,47 @@ def _on_meta(t: Any) -> Any:
         return t
     m = t.detach().to("meta")
     return m.requires_grad_(t.requires_grad) if m.is_floating_point() else m
+
+
+#: What torch's errors say where a run on the meta device wants values: a tensor read into
+#: Python, an output whose shape depends on values (``nonzero``, as in a mixture of experts'
+#: routing), or a tensor made on the CPU meeting meta ones.
+_WANTS_VALUES = ("meta tensor", "data-independent", "on the expected device", "same device")
+
+
+def wants_values(e: BaseException) -> bool:
+    """Whether ``e``, raised by a run on the meta device, is for want of values: the run
+    must then be a real one."""
+    return any(m in str(e) for m in _WANTS_VALUES)
+
+
+def _output_of(
+    meta_block: nn.Module, args: tuple, kwargs: dict[str, Any], device: torch.device
+) -> Any:
+    """What ``meta_block`` returns for ``args`` and ``kwargs``: on the meta device, or, where
+    its forward decides something on values there (a mixture of experts picking the experts
+    its tokens reach: a loop over ``nonzero``), from a real run of a copy of it holding
+    zeros on ``device`` (one block's memory, once per input shape; the same on every rank).
+    Only the output's structure, shapes, dtypes and ``requires_grad`` are read off it."""
+    meta_args, meta_kwargs = pytree.tree_map(_on_meta, (args, kwargs))
+    try:
+        return meta_block(*meta_args, **meta_kwargs)
+    except Exception as e:
+        if not wants_values(e):
+            raise
+    real = copy.deepcopy(meta_block).to_empty(device=device)
+    with torch.no_grad():
+        for t in (*real.parameters(), *real.buffers()):
+            t.zero_()
+    own_args, own_kwargs = pytree.tree_map(_copied, (args, kwargs))
+    return pytree.tree_map(_on_meta, real(*own_args, **own_kwargs))
+
+
+def _copied(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    c = t.detach().clone()
+    return c.requires_grad_(t.requires_grad) if c.is_floating_point() else c
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten
 
 from hetcoll.model.costs.losses import LOSS_LAYER
 from hetcoll.model.costs.records import _COUNT_BATCH, Kernel, ModelInput
+from hetcoll.torch.replay import wants_values
 
 # Ops that allocate or alias without moving data, and ops that only write their output.
 _NO_BYTES = frozenset(
@@ -413,18 +414,6 @@ class _NeedsValues(Exception):
     pass
 
 
-def _wants_values(e: BaseException) -> bool:
-    """Whether ``e`` is a run on the meta device failing for want of values (a tensor read,
-    an output whose shape depends on values, as ``nonzero``'s in a mixture of experts'
-    routing, or a tensor made on the CPU meeting meta ones): the count then runs on the CPU
-    instead."""
-    return any(m in str(e) for m in _WANTS_VALUES)
-
-
-#: What torch's errors say where a meta run wants values.
-_WANTS_VALUES = ("meta tensor", "data-independent", "on the expected device", "same device")
-
-
 class _LossError(Exception):
     pass
 
@@ -440,7 +429,7 @@ def _loss_value(
     try:
         value = loss(y)
     except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
-        if _wants_values(e):
+        if wants_values(e):
             raise
         raise _LossError(f"loss: fails on the model's output: {type(e).__name__}: {e}") from e
     finally:
@@ -505,7 +494,7 @@ def _count(
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
         # A forward that reads values, or makes a tensor on the CPU itself (a mask built
         # without device=) and meets the meta ones: counted on the CPU instead.
-        if device.type == "meta" and _wants_values(e):
+        if device.type == "meta" and wants_values(e):
             raise _NeedsValues from e
         what = ", ".join(
             f"{x.name + '=' if x.name else ''}{'x'.join(map(str, x.shape))} {x.dtype}"
