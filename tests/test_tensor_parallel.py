@@ -153,6 +153,22 @@ def test_an_attention_it_does_not_know_is_named_in_a_warning():
         filter_shares(_Unknown(), size=2, speeds=[1.0, 1.0])
 
 
+def test_a_mixture_of_experts_is_named_in_a_warning_and_its_attention_splits():
+    """Mixtral's experts (4 experts' weights stacked in 3-D parameters) stay whole on every
+    rank, said in a warning; its attention still splits by heads."""
+    from lm_common import hf_mixtral
+
+    model = hf_mixtral(vocab=32, hidden=16, layers=2, heads=4, kv_heads=2, experts=4)
+    with pytest.warns(
+        UserWarning,
+        match=r"mixture-of-experts layers left whole.*"
+        r"'model\.layers\.0\.mlp\.experts', 'model\.layers\.1\.mlp\.experts'$",
+    ):
+        shares = filter_shares(model, size=2, speeds=[1.0, 0.5])
+    assert shares["model.layers.0.self_attn.q_proj"] == [8, 8]
+    assert not any(".mlp." in n for n in shares), sorted(shares)
+
+
 class _NormAcrossHeads(nn.Module):
     """Separate q/k/v/o of 2 heads of 4, and a norm over all query features (OLMo 2's
     layout): a rank holding some heads could not apply it."""

@@ -56,6 +56,7 @@ from hetcoll.torch.filters.layers import (
     whole_positions,
 )
 from hetcoll.torch.filters.pairing import SplitLayout, split_layout
+from hetcoll.torch.filters.tensor_split import whole_experts
 from hetcoll.torch.filters.timing import replicated_latencies, sample_seconds
 from hetcoll.torch.transport import CountingCommunicator
 
@@ -262,6 +263,15 @@ def _shares(
         warnings.warn(
             "filter_parallel: attention left unsplit by heads (its layers gather their "
             "outputs): " + "; ".join(f"{n!r} ({why})" for n, why in layout.kept.items()),
+            UserWarning,
+            stacklevel=4,
+        )
+    experts = whole_experts(model)
+    if experts:
+        warnings.warn(
+            "filter_parallel: mixture-of-experts layers left whole on every rank (each rank "
+            "runs every expert its tokens reach; only nn.Linear and convolution layers split): "
+            + ", ".join(repr(n) for n in experts),
             UserWarning,
             stacklevel=4,
         )

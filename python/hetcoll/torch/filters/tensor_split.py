@@ -565,6 +565,18 @@ def _row_after(
     return why
 
 
+def whole_experts(model: nn.Module) -> list[str]:
+    """The experts of ``model``'s mixtures of experts, by module path: a module holding every
+    expert's weights stacked in 3-D parameters (Hugging Face's, with ``num_experts``). No split
+    takes them: every rank of a split holds and runs them whole."""
+    return [
+        n
+        for n, m in model.named_modules()
+        if isinstance(getattr(m, "num_experts", None), int)
+        and any(p.dim() == 3 for p in m.parameters(recurse=False))
+    ]
+
+
 def plan_tensor_splits(
     model: nn.Module, candidates: Sequence[str], *, mha: bool = True
 ) -> tuple[list[TensorSplit], dict[str, str]]:
