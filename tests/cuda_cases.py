@@ -337,7 +337,8 @@ def lm_plans_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, int]
     key and value to its heads' on its own device). Losses and full_state_dict() after 2
     SGD-momentum
     steps equal one process on the CPU: float64 to 1e-10 (Llama 1e-6: its rotary embedding
-    computes in float32)."""
+    computes in float32). Mixtral (a mixture of experts, eager) on that 3-rank stage too:
+    each rank learns its experts' output shape from a copy of them run on its own device."""
     import transformer_cases as lm
 
     from hetcoll.torch.layers import model_layers
@@ -362,4 +363,6 @@ def lm_plans_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, int]
         for spec in specs:
             lm.equals_one_process(None, make, Plan.from_dict(spec), tol=tol, device=dev)
             done += 1
-    return {"plans": done}
+    n = len(model_layers(lm.mixtral()))
+    lm.equals_one_process(None, lm.mixtral, Plan.from_dict(lm.split_three(n)), tol=1e-6, device=dev)
+    return {"plans": done + 1}

@@ -101,11 +101,19 @@ def hf_llama(
 
 
 def hf_mixtral(
-    *, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, experts: int
+    *,
+    vocab: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    experts: int,
+    implementation: str = "eager",
 ) -> nn.Module:
     """Hugging Face Mixtral from a config (no download): a mixture of ``experts`` gated MLPs,
-    2 per token, picked by a router, in every block; run by the eager implementation (a loop
-    over the experts its tokens reach: ``grouped_mm``, the default, has no float64)."""
+    2 per token, picked by a router, in every block; run by ``implementation``: by default
+    the eager one (a loop over the experts its tokens reach), as ``grouped_mm``, Hugging
+    Face's default, has no float64."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(
@@ -118,7 +126,7 @@ def hf_mixtral(
         num_local_experts=experts,
         num_experts_per_tok=2,
         max_position_embeddings=32,
-        experts_implementation="eager",
+        experts_implementation=implementation,
         **PLAIN,
     )
     return MixtralForCausalLM(config)

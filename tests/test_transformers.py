@@ -28,6 +28,7 @@ EXPECTED = {
     "llama_gqa_three_ranks": True,
     "mixtral_pipeline": True,
     "mixtral_three_ranks": True,
+    "mixtral_grouped_mm": True,
     "falcon_hybrid": True,
     "falcon_resumes": True,
     "gpt2_loss_parallel": True,

@@ -51,10 +51,19 @@ def falcon() -> nn.Module:
     return hf_falcon(vocab=VOCAB, hidden=16, layers=4, heads=4)
 
 
-def mixtral() -> nn.Module:
+def mixtral(implementation: str = "eager") -> nn.Module:
     """A mixture of experts (Hugging Face Mixtral): 4 experts, 2 per token. A stage split over
     several ranks splits its attention by heads and holds the experts whole on each rank."""
-    return hf_mixtral(vocab=VOCAB, hidden=16, layers=4, heads=4, kv_heads=2, experts=4)
+    return hf_mixtral(
+        vocab=VOCAB, hidden=16, layers=4, heads=4, kv_heads=2, experts=4,
+        implementation=implementation,
+    )  # fmt: skip
+
+
+def mixtral_grouped_mm() -> nn.Module:
+    """:func:`mixtral` run by ``grouped_mm`` (Hugging Face's default: float32 and 16-bit
+    only), whose experts run on the meta device."""
+    return mixtral("grouped_mm")
 
 
 class EncoderLM(nn.Module):
@@ -134,11 +143,12 @@ def equals_one_process(
     tol: float = TOL,
     steps: int = 2,
     device: torch.device | None = None,
+    dtype: torch.dtype = torch.float64,
 ) -> dict[str, int]:
-    """``plan`` trains ``make()`` like one process on the CPU; with ``device`` this rank's
-    part of the model lives there (a GPU rank beside CPU ranks)."""
+    """``plan`` trains ``make()`` (in ``dtype``) like one process on the CPU; with ``device``
+    this rank's part of the model lives there (a GPU rank beside CPU ranks)."""
     torch.manual_seed(0)
-    model = make().double()
+    model = make().to(dtype)
     data = batches(plan.batch, steps)
     want_losses, want_state = reference(model, data, 0.1)
     if device is not None:
@@ -208,6 +218,8 @@ def split_stage(par: Any) -> None:
     # forward (a micro-batch's) on its inputs instead of once per reduction.
     traffic = par.traffic()
     comm = par._stage_comm
+    dtype = next(par.stage.parameters()).dtype  # the model's: what its reductions send
+    item = torch.empty((), dtype=dtype).element_size()
     p = comm.size
     heads_out = [m for m in par.stage.modules() if isinstance(m, FilterParallelLayer)]
     gathers = [m for m in heads_out if m.mode == "gather"]
@@ -232,11 +244,11 @@ def split_stage(par: Any) -> None:
             whole_kv += [sum(m.whole) * per_row] + ([sum(m.whole)] if m.bias is not None else [])
     for n in whole_kv:
         comm.kind = "probe"
-        allreduce(torch.zeros(n, dtype=torch.float64), comm, check=False)
+        allreduce(torch.zeros(n, dtype=dtype), comm, check=False)
         backward += comm.counts.pop("probe") * len(par.plan.microbatch_sizes(i))
     for rows in par.plan.microbatch_sizes(i):
         comm.kind = "probe"
-        allreduce(torch.zeros(rows * SEQ * hidden, dtype=torch.float64), comm, check=False)
+        allreduce(torch.zeros(rows * SEQ * hidden, dtype=dtype), comm, check=False)
         reduction = comm.counts.pop("probe")
         # A block held by one rank alone (empty_blocks) broadcasts from it instead: it sends
         # the buffer to each other rank, they send nothing.
@@ -246,9 +258,9 @@ def split_stage(par: Any) -> None:
             if len(holders) > 1:
                 blocks += reduction
             elif holders == [m.rank]:
-                blocks += (p - 1) * rows * SEQ * hidden * 8
+                blocks += (p - 1) * rows * SEQ * hidden * item
         forward += agreement + blocks
-        forward += sum((p - 1) * rows * SEQ * m.shares[m.rank] * 8 for m in gathers)
+        forward += sum((p - 1) * rows * SEQ * m.shares[m.rank] * item for m in gathers)
         backward += blocks + len(gathers) * reduction
     assert traffic["activations"] == forward, (traffic, forward)
     assert traffic["gradients"] == backward, (traffic, backward)
@@ -659,6 +671,11 @@ def run_all(group: Any) -> dict[str, Any]:
     for name, cut in (("pipeline", pipeline_4), ("three_ranks", split_three)):
         equals_one_process(group, mixtral, Plan.from_dict(cut(n)), tol=1e-6)
         out[f"mixtral_{name}"] = True
+    # The same model as Hugging Face runs it by default, in float32 (a tolerance: its sums
+    # run in another order).
+    plan = Plan.from_dict(split_three(n))
+    equals_one_process(group, mixtral_grouped_mm, plan, tol=1e-5, dtype=torch.float32)
+    out["mixtral_grouped_mm"] = True
     n = len(model_layers(falcon()))
     equals_one_process(group, falcon, Plan.from_dict(hybrid(n)))
     out["falcon_hybrid"] = True
