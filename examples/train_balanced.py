@@ -19,6 +19,7 @@ bundled digits); put your own in ``make_model``, ``make_optimizer`` and ``load_d
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -260,6 +261,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "rebalances": sum(e.applied for e in rebalancer.history) if rebalancer else 0,
         "epochs": epochs,
     }
+    # What holds the process groups (the split model's hooks; DDP's reducer) is freed while
+    # every rank is still in the group: freed after the group is destroyed, at interpreter
+    # exit, it can abort a rank ("terminate called without an active exception").
+    del wrapped, opt, rebalancer
+    gc.collect()
     job.close()
     return report
 

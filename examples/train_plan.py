@@ -23,6 +23,7 @@ it; the plan's layers count ``hetcoll.torch.layers.model_layers(make_model())``)
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -168,6 +169,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "traffic": par.traffic(),
         "epochs": epochs,
     }
+    # What holds the process groups (the split model's hooks; DDP's reducer) is freed while
+    # every rank is still in the group: freed after the group is destroyed, at interpreter
+    # exit, it can abort a rank ("terminate called without an active exception").
+    del par, opt
+    gc.collect()
     job.close()
     return report
 
