@@ -27,7 +27,6 @@ proportion to their compute: emulated heterogeneity, for trying plans on one mac
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import sysconfig
@@ -236,11 +235,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": seconds,
         "traffic": par.traffic(),
     }
-    # What holds the process groups (the split model's stages and hooks) is freed while every
-    # rank is still in the group: freed after the group is destroyed, it can abort a rank at
-    # exit ("terminate called without an active exception"; 2 of 18 runs before, 0 of 20 after).
-    del par, opt
-    gc.collect()
+    del par, opt  # before the group goes (Job.close)
     job.close()
     return report
 

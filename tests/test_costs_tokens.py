@@ -35,6 +35,8 @@ from hetcoll.model.predict import filter_parallel_schedule
 from hetcoll.torch.filters import filter_shares
 from hetcoll.torch.layers import model_cut, model_layers
 
+from lm_common import hf_mixtral
+
 transformers = pytest.importorskip("transformers")
 
 SEQ = 16
@@ -156,20 +158,21 @@ def test_a_sequence_first_model_counts_its_rows_per_sample() -> None:
 
 
 def mixture_of_experts(family: str, implementation: str) -> nn.Module:
-    """Hugging Face Mixtral or Qwen3-MoE from a config: 4 experts, 2 per token, run by
-    ``implementation`` (``"grouped_mm"``, the default, ``"batched_mm"`` or ``"eager"``)."""
-    settings: dict[str, Any] = {
-        "vocab_size": 128, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-        "num_experts_per_tok": 2, "attn_implementation": "eager",
-        "experts_implementation": implementation,
-    }  # fmt: skip
-    if family == "mixtral":
-        cfg = transformers.MixtralConfig(num_local_experts=4, **settings)
-        torch.manual_seed(0)
-        return transformers.MixtralForCausalLM(cfg)
-    cfg = transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=24, **settings)
+    """Hugging Face Mixtral (:func:`lm_common.hf_mixtral`) or Qwen3-MoE from a config: 4
+    experts, 2 per token, run by ``implementation`` (``"grouped_mm"``, the default,
+    ``"batched_mm"`` or ``"eager"``)."""
     torch.manual_seed(0)
+    if family == "mixtral":
+        return hf_mixtral(
+            vocab=128, hidden=32, layers=2, heads=4, kv_heads=2, experts=4,
+            implementation=implementation,
+        )  # fmt: skip
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
+        attn_implementation="eager", experts_implementation=implementation,
+    )  # fmt: skip
     return transformers.Qwen3MoeForCausalLM(cfg)
 
 
