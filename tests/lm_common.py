@@ -109,6 +109,7 @@ def hf_mixtral(
     kv_heads: int,
     experts: int,
     implementation: str = "eager",
+    intermediate: int | None = None,
 ) -> nn.Module:
     """Hugging Face Mixtral from a config (no download): a mixture of ``experts`` gated MLPs,
     2 per token, picked by a router, in every block; run by ``implementation``: by default
@@ -119,7 +120,7 @@ def hf_mixtral(
     config = MixtralConfig(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=hidden + hidden // 2,
+        intermediate_size=intermediate or hidden + hidden // 2,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,

@@ -153,20 +153,103 @@ def test_an_attention_it_does_not_know_is_named_in_a_warning():
         filter_shares(_Unknown(), size=2, speeds=[1.0, 1.0])
 
 
-def test_a_mixture_of_experts_is_named_in_a_warning_and_its_attention_splits():
-    """Mixtral's experts (4 experts' weights stacked in 3-D parameters) stay whole on every
-    rank, said in a warning; its attention still splits by heads."""
-    from lm_common import hf_mixtral
+@pytest.mark.multiproc
+def test_gloo_mixtures_of_experts_split_by_hidden_units_equal_unsplit():
+    results = launch.spawn(cases.run_torch_experts, 3, timeout=300)
+    assert all(r == results[0] for r in results)
+    # Speeds 1 : 0.5 : 0.25 over 5 steps of 8 hidden units (Mixtral's 40), 4 (32): every
+    # block's experts alike.
+    mixtral = [(24, 8, 8)]
+    assert results[0] == {
+        "mixtral": mixtral, "batched_mm": mixtral, "grouped_mm": mixtral,
+        "gpt_oss": [(16, 8, 8)], "qwen2_moe": [(16, 8, 8)],
+    }  # fmt: skip
 
-    model = hf_mixtral(vocab=32, hidden=16, layers=2, heads=4, kv_heads=2, experts=4)
-    with pytest.warns(
-        UserWarning,
-        match=r"mixture-of-experts layers left whole.*"
-        r"'model\.layers\.0\.mlp\.experts', 'model\.layers\.1\.mlp\.experts'$",
-    ):
-        shares = filter_shares(model, size=2, speeds=[1.0, 0.5])
+
+def test_a_mixture_of_experts_splits_by_hidden_units_beside_its_attention():
+    """Mixtral's experts (4 experts' weights stacked in 3-D parameters) split by each expert's
+    hidden units, in steps of 8 (grouped_mm's alignment), as its attention by heads; per-layer
+    shares naming them split them alike; the experts module is no layer to gather."""
+    shares = filter_shares(cases.mixtral(), size=2, speeds=[1.0, 0.25])
     assert shares["model.layers.0.self_attn.q_proj"] == [8, 8]
-    assert not any(".mlp." in n for n in shares), sorted(shares)
+    assert shares["model.layers.0.mlp.experts"] == shares["model.layers.1.mlp.experts"] == [32, 8]
+    assert filter_shares(cases.mixtral(), size=2, shares=shares) == shares
+    with pytest.raises(ValueError, match=r"\[36, 4\] are not whole steps of 8 hidden units"):
+        filter_shares(
+            cases.mixtral(), size=2, shares={**shares, "model.layers.0.mlp.experts": [36, 4]}
+        )
+    only = filter_shares(
+        cases.mixtral(), size=2, speeds=[1.0, 1.0], layers=["model.layers.1.mlp.experts"]
+    )
+    assert only == {"model.layers.1.mlp.experts": [24, 16]}
+    with pytest.raises(ValueError, match="too few for 6 ranks"):
+        filter_shares(cases.mixtral(), size=6, speeds=[1.0] * 6)
+
+
+def _muse_spark() -> nn.Module:
+    import transformers
+
+    cfg = transformers.MuseSparkTextConfig(
+        vocab_size=32, hidden_size=16, moe_hidden_size=16, intermediate_size=32,
+        moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=4, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    return transformers.MuseSparkTextModel(cfg)
+
+
+class _OwnExperts(nn.Module):
+    """A user's mixture of experts: stacked 3-D weights without Hugging Face's layout flags."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts = 2
+        self.w = nn.Parameter(torch.randn(2, 8, 8))
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return torch.einsum("eoi,ti->to", self.w, x)
+
+
+def test_experts_no_share_of_hidden_units_can_run_stay_whole_and_are_named():
+    """A norm of each expert's whole output (MuseSpark's has_post_expert_norm) and a layout
+    hetcoll does not know keep the experts whole on every rank, said in a warning; named in
+    layers, they raise."""
+    with pytest.warns(UserWarning, match=r"left whole on every rank.*has_post_expert_norm"):
+        shares = filter_shares(_muse_spark(), size=2, speeds=[1.0, 1.0])
+    assert not any("experts" in n for n in shares) and shares
+    with pytest.warns(UserWarning, match=r"'' \(its parameters are not laid out as Hugging"):
+        filter_shares(_OwnExperts(), size=2, speeds=[1.0, 1.0])
+    with pytest.raises(ValueError, match=r"layers: '' cannot split its experts by hidden units"):
+        filter_shares(_OwnExperts(), size=2, speeds=[1.0, 1.0], layers=[""])
+
+
+def test_experts_split_where_parts_of_their_hidden_units_add_up():
+    """The probe forward tells a layout it knows from one it does not: Nemotron-H's ungated
+    experts split; an experts module adding each routed token whole (an identity expert, as
+    LongCat's zero experts) does not."""
+    import transformers
+
+    from hetcoll.torch.filters import experts_layout
+    from hetcoll.torch.filters.experts import ExpertsLayout, experts_split
+
+    cfg = transformers.NemotronHConfig(
+        hidden_size=16, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2
+    )
+    nemotron = transformers.models.nemotron_h.modeling_nemotron_h.NemotronHExperts(cfg)
+    layout = experts_layout(nemotron)
+    assert isinstance(layout, ExpertsLayout)
+    assert layout.params == {"up_proj": (1, (1,)), "down_proj": (2, (1,))}
+    split = experts_split("e", nemotron)
+    assert split is not None and not isinstance(split, str)
+    assert (split.units, split.width) == (2, 8)
+
+    class Identity(type(nemotron)):  # type: ignore[misc]
+        def forward(self, hidden_states, top_k_index, top_k_weights):  # type: ignore[no-untyped-def]
+            return super().forward(hidden_states, top_k_index, top_k_weights) + hidden_states
+
+    odd = Identity(cfg)
+    assert experts_split("e", odd) == (
+        "parts of its hidden units do not add up to its output (a probe forward)"
+    )
 
 
 class _NormAcrossHeads(nn.Module):
@@ -181,6 +264,22 @@ class _NormAcrossHeads(nn.Module):
 
     def forward(self, x):  # type: ignore[no-untyped-def]
         return self.o(self.v(x) * self.k(x) * self.q_norm(self.q(x)))
+
+
+def test_a_parameter_of_one_number_per_query_head_is_read_at_the_ranks_heads():
+    """GPT-OSS's attention sinks (one per query head; as many heads as a head's features, so
+    told by their name) are held whole on every rank, their gradients summed, and read at the
+    rank's heads, by key/value group or by query head; a rank holding none runs."""
+    from hetcoll.torch.filters import split_layout
+
+    layout = split_layout(cases.gpt_oss())
+    attentions = [ts for ts in layout.splits if ts.kind == "attention"]
+    assert len(attentions) == 2 and not layout.kept
+    for ts in attentions:
+        assert ts.by_head is not None
+        for variant in (ts, ts.by_head):
+            assert variant.head_params == [f"{ts.module}.sinks"]
+            assert f"{ts.module}.sinks" in variant.shared and variant.empty_fails == ""
 
 
 def test_a_parameter_spanning_heads_keeps_the_attention_whole():
@@ -461,6 +560,37 @@ def test_the_model_splits_grouped_query_attention_as_the_runtime(speeds):
     sched = filter_parallel_schedule(costs, cluster, 4, speeds)
     want = {k: v for k, v in sched.detail["shares_per_layer"].items() if ".layers." in k}
     assert {k: v for k, v in got.items() if ".layers." in k} == want
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.sampled_from([1.0, 0.75, 0.5, 0.3, 0.25, 0.1]), min_size=2, max_size=4))
+def test_the_model_splits_experts_as_the_runtime(speeds):
+    """The performance model holds each device's hidden units of every expert as
+    filter_parallel does, and prices the experts' work and weights by them."""
+    from hetcoll.model.predict import filter_parallel_schedule
+
+    costs = _mixtral_costs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = filter_shares(cases.mixtral(), size=len(speeds), speeds=speeds)
+    sched = filter_parallel_schedule(costs, _two_devices(len(speeds)), 4, speeds)
+    want = sched.detail["shares_per_layer"]
+    experts = "model.layers.0.mlp.experts"
+    assert got[experts] == want[experts] == got["model.layers.1.mlp.experts"]
+    assert sched.detail["modes"][experts] == "split-input"
+    row = next(i for i, x in enumerate(costs.layers) if x.name == experts)
+    compute = sched.layers.compute_s[row]
+    assert all(
+        math.isclose(compute[d] / compute[0], got[experts][d] / got[experts][0])
+        for d in range(len(speeds))
+    ), (compute, got[experts])
+
+
+@functools.cache
+def _mixtral_costs() -> Any:
+    from hetcoll.model import layer_costs
+
+    return layer_costs(cases.mixtral(), (7,), dtype=torch.int64)
 
 
 @functools.cache

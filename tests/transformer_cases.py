@@ -25,7 +25,7 @@ from hetcoll import Plan
 from hetcoll.collectives import allreduce
 from hetcoll.comm import agree, wrap
 from hetcoll.torch import parallelize
-from hetcoll.torch.filters import FilterParallelLayer, filter_shares
+from hetcoll.torch.filters import FilterParallelExperts, FilterParallelLayer, filter_shares
 from hetcoll.torch.layers import model_layers
 
 from lm_common import hf_falcon, hf_gpt2, hf_llama, hf_mixtral
@@ -52,10 +52,11 @@ def falcon() -> nn.Module:
 
 
 def mixtral(implementation: str = "eager") -> nn.Module:
-    """A mixture of experts (Hugging Face Mixtral): 4 experts, 2 per token. A stage split over
-    several ranks splits its attention by heads and holds the experts whole on each rank."""
+    """A mixture of experts (Hugging Face Mixtral): 4 experts of 40 hidden units, 2 per token.
+    A stage split over several ranks splits its attention by heads and its experts by hidden
+    units."""
     return hf_mixtral(
-        vocab=VOCAB, hidden=16, layers=4, heads=4, kv_heads=2, experts=4,
+        vocab=VOCAB, hidden=16, layers=4, heads=4, kv_heads=2, experts=4, intermediate=40,
         implementation=implementation,
     )  # fmt: skip
 
@@ -191,10 +192,10 @@ def split_stage(par: Any) -> None:
     assert heads and all(
         m != "gather" for n, m in modes.items() if n.rsplit(".", 1)[-1] not in ("lm_head", "head")
     ), modes
-    # A mixture of experts' experts stay whole on each rank of the stage: its block has one
-    # pair (the attention's).
+    # A mixture of experts' experts split by each expert's hidden units on the stage's ranks:
+    # its block has one pair of layers (the attention's) and the experts module.
     experts = [m for n, m in par.stage.named_modules() if n.endswith(".mlp.experts")]
-    assert not any(isinstance(m, FilterParallelLayer) for e in experts for m in e.modules())
+    assert all(isinstance(e, FilterParallelExperts) for e in experts), experts
     assert sum(m == "split-input" for m in modes.values()) == 2 * len(heads) - len(experts), modes
     if par.plan.replicas[i].stages[j].empty_blocks:  # a slow rank holds none of some block
         rows = [m for m in par.stage.modules() if getattr(m, "mode", "") == "split-input"]
@@ -259,6 +260,14 @@ def split_stage(par: Any) -> None:
                 blocks += reduction
             elif holders == [m.rank]:
                 blocks += (p - 1) * rows * SEQ * hidden * item
+        # Each experts module sums its output forward, and the gradients of its hidden states
+        # and of its routing weights (top_k per token, float32: Mixtral's router's) backward.
+        blocks += len(experts) * reduction
+        for e in experts:
+            comm.kind = "probe"
+            weights = torch.zeros(rows * SEQ * e.config.num_experts_per_tok)
+            allreduce(weights, comm, check=False)
+            backward += comm.counts.pop("probe")
         forward += agreement + blocks
         forward += sum((p - 1) * rows * SEQ * m.shares[m.rank] * item for m in gathers)
         backward += blocks + len(gathers) * reduction

@@ -124,9 +124,11 @@ class LayerCost:
 
 @dataclass(frozen=True)
 class SplitBlock:
-    """An attention split by heads or an MLP split by hidden units, as filter parallelism
-    splits it (:class:`hetcoll.torch.filters.TensorSplit`): the module's path, its ``kind``
-    (``"attention"``, ``"mha"`` for torch's ``nn.MultiheadAttention``, ``"mlp"``), the
+    """An attention split by heads, an MLP split by hidden units or a mixture of experts split
+    by each expert's hidden units, as filter parallelism splits it
+    (:class:`hetcoll.torch.filters.TensorSplit`): the module's path, its ``kind``
+    (``"attention"``, ``"mha"`` for torch's ``nn.MultiheadAttention``, ``"mlp"``,
+    ``"experts"``: the experts module is its one layer, its weights held per unit), the
     ``units`` its ranks divide (key/value groups, heads or hidden units), ``width`` (the
     output projection's input features per unit), its split ``layers`` (the projections
     reading the block's input, then the one mapping back) and each layer's channels per unit

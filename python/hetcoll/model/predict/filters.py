@@ -220,6 +220,10 @@ def filter_parallel_schedule(
                 pass  # whole on every device (multi-query key and value)
             else:
                 chan[i, :] = fraction  # the module's own ops, its activations: per unit
+                if block.kind == "experts" and layer.name == block.module:
+                    # Each device holds its hidden units of every expert.
+                    filters_of[i] = block.layer_shares(units)[layer.name]
+                    phi[i, :] = fraction
             continue
         if mode == "split-input":
             if source is None:

@@ -34,7 +34,8 @@ Llama-style q/k/v/o, GPT-2's packed ``Conv1D`` ``c_attn``, torch's ``nn.Multihea
 an MLP by hidden units (read off its torch.fx graph), the layers reading the block's input
 split-output (one shared copy of the input: :class:`SharedCopy`), the one mapping back
 split-input: one sum-reduction per attention and per MLP forward, one of the input's gradient
-backward.
+backward. A mixture of experts (Hugging Face's experts modules) splits by each expert's hidden
+units: one sum-reduction of its output forward, whatever the router picks.
 
 >>> model = filter_parallel(DemoNet(), [1.0, 0.25], group)  # doctest: +SKIP
 >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)  # any elementwise optimizer  # doctest: +SKIP
@@ -49,7 +50,8 @@ of a block split by heads or hidden units, and how a rank's module holds its sha
 packed layout checked), :mod:`.head_probes` (probe forwards on meta copies: how a packed
 projection is read, whether a rank without heads runs), :mod:`.tensor_split` (which
 attentions split by heads and which MLPs by hidden units: :func:`plan_tensor_splits`),
-:mod:`.pairing` (the two rules combined: :func:`split_layout`,
+:mod:`.experts` (mixtures of experts split by each expert's hidden units:
+:class:`FilterParallelExperts`), :mod:`.pairing` (the two rules combined: :func:`split_layout`,
 :func:`filter_modes`), :mod:`.timing` (splits balanced by time),
 :mod:`.convert` (:func:`filter_parallel`,
 :func:`filter_shares`, :func:`split_traffic`) and :mod:`.state` (gathering a split model's
@@ -70,6 +72,7 @@ from hetcoll.torch.filters.chains import (
 )
 from hetcoll.torch.filters.checks import MODES
 from hetcoll.torch.filters.convert import filter_parallel, filter_shares, split_traffic
+from hetcoll.torch.filters.experts import FilterParallelExperts, experts_layout
 from hetcoll.torch.filters.head_probes import check_empty_heads
 from hetcoll.torch.filters.heads import ConfigView, TensorSplit
 from hetcoll.torch.filters.layers import (
@@ -110,6 +113,7 @@ __all__ = [
     "FilterParallelConv1D",
     "FilterParallelConv2d",
     "FilterParallelEmbedding",
+    "FilterParallelExperts",
     "FilterParallelLinear",
     "FilterParallelMultiheadAttention",
     "LocalConv1D",
@@ -121,6 +125,7 @@ __all__ = [
     "SplitOutput",
     "TensorSplit",
     "check_empty_heads",
+    "experts_layout",
     "filter_modes",
     "filter_parallel",
     "filter_shares",

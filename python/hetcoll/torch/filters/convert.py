@@ -32,9 +32,11 @@ from hetcoll.torch.filters.checks import (
     is_int,
     speeds_to_shares,
 )
+from hetcoll.torch.filters.experts import FilterParallelExperts, experts_layout
 from hetcoll.torch.filters.head_guards import (
     EmptyHeads,
     HeadColumns,
+    HeadParameters,
     KeyValueOfHeads,
     PackedLayoutGuard,
     PerHeadInputs,
@@ -56,7 +58,6 @@ from hetcoll.torch.filters.layers import (
     whole_positions,
 )
 from hetcoll.torch.filters.pairing import SplitLayout, split_layout
-from hetcoll.torch.filters.tensor_split import whole_experts
 from hetcoll.torch.filters.timing import replicated_latencies, sample_seconds
 from hetcoll.torch.transport import CountingCommunicator
 
@@ -216,13 +217,20 @@ def _shares(
         )
     elif any(isinstance(s, (bool, np.bool_)) for s in shares_or_speeds):
         raise TypeError(f"{argument}: booleans are neither speeds nor shares")
+    # Mixtures of experts named in layers split by hidden units: no Linear of theirs to choose.
+    experts = None
+    if layers is not None and not isinstance(layers, str) and isinstance(layers, Sequence):
+        experts = [n for n in layers if n in named and experts_layout(named[n]) is not None]
+        layers = [n for n in layers if n not in experts]
     chosen = choose_layers(model, layers, named, vocabulary=vocabulary)
     for name in chosen:
         m = named[name]
         if isinstance(m, nn.Conv2d):
             check_conv(m, f"layers: {name!r}")
     untraced: list[str] = []
-    layout = split_layout(model, chosen, avoid_gathers=avoid_gathers, mha=mha, untraced=untraced)
+    layout = split_layout(
+        model, chosen, avoid_gathers=avoid_gathers, mha=mha, untraced=untraced, experts=experts
+    )
 
     def need() -> int:  # the channels a layer needs for the ranks (the group asked only then)
         return size_of() * int(multiple_of)
@@ -235,7 +243,12 @@ def _shares(
         if any(n not in layout.read_directly for n in whole):  # the layout changes with them
             untraced = []
             layout = split_layout(
-                model, chosen, avoid_gathers=avoid_gathers, mha=mha, untraced=untraced
+                model,
+                chosen,
+                avoid_gathers=avoid_gathers,
+                mha=mha,
+                untraced=untraced,
+                experts=experts,
             )
     modes, feeds = layout.modes, layout.feeds
     splits = [
@@ -266,12 +279,18 @@ def _shares(
             UserWarning,
             stacklevel=4,
         )
-    experts = whole_experts(model)
-    if experts:
+    if layout.whole_experts:
+        whole_named = [n for n in experts or () if n in layout.whole_experts]
+        if whole_named:
+            n = whole_named[0]
+            raise ValueError(
+                f"layers: {n!r} cannot split its experts by hidden units "
+                f"({layout.whole_experts[n]}); leave it out"
+            )
         warnings.warn(
             "filter_parallel: mixture-of-experts layers left whole on every rank (each rank "
-            "runs every expert its tokens reach; only nn.Linear and convolution layers split): "
-            + ", ".join(repr(n) for n in experts),
+            "runs every expert its tokens reach): "
+            + "; ".join(f"{n!r} ({why})" for n, why in layout.whole_experts.items()),
             UserWarning,
             stacklevel=4,
         )
@@ -334,9 +353,10 @@ def _shares(
         except ValueError as e:
             if ts.module not in no_empty:
                 raise
+            held = "hidden units" if ts.kind == "experts" else "heads"
             raise ValueError(
-                f"{e} ({ts.kind} {ts.module!r} cannot run on a rank holding none of its heads: "
-                f"{no_empty[ts.module]})"
+                f"{e} ({ts.kind} {ts.module!r} cannot run on a rank holding none of its "
+                f"{held}: {no_empty[ts.module]})"
             ) from None
 
     units = [(ts, units_of(ts, latency)) for ts, latency in zip(splits, latencies, strict=True)]
@@ -480,6 +500,9 @@ def _split_units(
             noun = f"query heads (of {ts.width} features each)"
     elif ts.kind == "mha":
         what, noun = f"attention {ts.module!r}", f"heads (of {ts.width} features each)"
+    elif ts.kind == "experts":
+        what = f"experts {ts.module!r}"
+        noun = f"steps of {ts.width} hidden units (of every expert)"
     else:
         what, noun = f"MLP {ts.module!r}", "hidden units"
     total = ts.units * ts.width
@@ -661,6 +684,13 @@ def filter_parallel(
     _agree_on_plan(comm, chosen, modes, per_layer, shared, timeout)
 
     for ts, counts in splits:
+        if ts.kind == "experts":  # in place: the module keeps its class's forward and kernels
+            FilterParallelExperts.convert(
+                named[ts.module], [u * ts.width for u in counts], comm, timeout=timeout
+            )
+            for pn in ts.shared:  # the output bias the first rank adds
+                model.get_parameter(pn).register_hook(SumGradient(comm, timeout))
+            continue
         if ts.kind == "mha":
             mha = FilterParallelMultiheadAttention.from_module(
                 named[ts.module],  # type: ignore[arg-type]
@@ -715,6 +745,8 @@ def filter_parallel(
             PerHeadInputs(ts, first, counts[comm.rank]).install(module)
             for table in ts.tables:
                 HeadColumns(ts, first, counts[comm.rank]).install(named[table])
+            if ts.head_params:
+                HeadParameters(ts, first, counts[comm.rank]).install(module)
             for name in ts.whole if ts.kv_groups else ():
                 KeyValueOfHeads(ts, first, counts[comm.rank]).install(named[name])
         if empty_check is not None:

@@ -243,6 +243,37 @@ class HeadColumns:
         return output[..., self.lo : self.hi]
 
 
+class HeadParameters:
+    """An attention's parameters of one number per query head (:attr:`TensorSplit.head_params`:
+    GPT-OSS's attention sinks), held whole on every rank and seen by its forward at the rank's
+    query heads: for each forward the module holds a slice of each (a view: the rank's
+    gradient is its heads' part, summed over the ranks as every shared parameter's), the whole
+    parameter back after it."""
+
+    def __init__(self, ts: TensorSplit, first: int, count: int) -> None:
+        per_unit = ts.width // ts.head_dim if ts.head_dim else 1
+        self.lo, self.hi = first * per_unit, (first + count) * per_unit
+        prefix = f"{ts.module}." if ts.module else ""
+        self.names = [n.removeprefix(prefix) for n in ts.head_params]
+        self.held: dict[str, Any] = {}
+
+    def install(self, attention: nn.Module) -> list[Any]:
+        return [
+            attention.register_forward_pre_hook(self.enter),
+            attention.register_forward_hook(self.leave, always_call=True),
+        ]
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        for n in self.names:
+            whole = self.held.setdefault(n, module._parameters[n])
+            module._parameters[n] = whole[self.lo : self.hi]  # type: ignore[assignment,index]
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        for n, whole in self.held.items():
+            module._parameters[n] = whole
+        self.held.clear()
+
+
 class KeyValueOfHeads:
     """Grouped-query attention split by query head (:attr:`TensorSplit.kv_groups`): the output
     of its key or value projection, which every rank computes whole (every key/value head),

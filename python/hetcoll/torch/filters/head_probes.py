@@ -18,6 +18,7 @@ from hetcoll.torch.filters.chains import linear_features
 from hetcoll.torch.filters.head_guards import (
     EmptyHeads,
     HeadColumns,
+    HeadParameters,
     KeyValueOfHeads,
     OpWatch,
     PerHeadInputs,
@@ -196,6 +197,7 @@ def _probe_run(
         for name in ts.tables:
             table = attention.get_submodule(name.removeprefix(prefix))
             handles.append(HeadColumns(ts, 0, 0).install(table))
+        handles += HeadParameters(ts, 0, 0).install(attention)
         for name in ts.whole if ts.kv_groups else ():
             layer = attention.get_submodule(name.removeprefix(prefix))
             handles.append(KeyValueOfHeads(ts, 0, 0).install(layer))

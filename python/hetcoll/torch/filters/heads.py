@@ -16,7 +16,9 @@ from torch import nn
 class TensorSplit:
     """An attention split by whole heads (by key/value group under grouped-query attention,
     each query head following its group) or an MLP split by hidden units, paired as Megatron-LM
-    pairs them: ``columns`` — the layers reading the block's input, split along their outputs
+    pairs them (kind ``"experts"``: a mixture of experts split by each expert's hidden units,
+    ``width`` of them per unit, the experts module itself its ``row``, with no ``columns``:
+    :mod:`.experts`): ``columns`` — the layers reading the block's input, split along their outputs
     ("split-output", one shared copy of the input) — feed ``row``, split along its input
     ("split-input", one sum-reduction of the block's output).
 
@@ -34,14 +36,16 @@ class TensorSplit:
     them whole and applying them to its own heads: each rank's gradient is its heads' part,
     summed over the ranks in the backward. ``head_dim``: an attention's head size.
     ``tables``: its per-head tables, embeddings holding a weight per query head (T5's relative
-    position bias): every rank holds them whole (their parameters are in ``shared``) and
-    reads its own heads' columns. ``heads_with``: the attention whose heads this one must hold
-    alike, where one of its class holds a per-head table and hands what it computes to the
-    others (T5's position bias, one per stack); "" for none. ``whole``: its projections every
-    rank holds and runs whole, reading the block's input: multi-query attention's key and
-    value (one head, which every query head reads), kept whole on every rank as Megatron-LM
-    keeps them; its unit is then a query head. They read the columns' shared copy of the
-    input (its gradient summed once) and their parameters are in ``shared``.
+    position bias): every rank holds them whole (their parameters are in ``shared``) and reads
+    its own heads' columns. ``head_params``: its parameters of one number per query head
+    (GPT-OSS's attention sinks), held whole on every rank (in ``shared``) and read at the rank's
+    heads (:class:`~.head_guards.HeadParameters`). ``heads_with``: the attention whose heads
+    this one must hold alike, where one of its class holds a per-head table and hands what it
+    computes to the others (T5's position bias, one per stack); "" for none. ``whole``: its
+    projections every rank holds and runs whole, reading the block's input: multi-query
+    attention's key and value (one head, which every query head reads), kept whole on every rank
+    as Megatron-LM keeps them; its unit is then a query head. They read the columns' shared copy
+    of the input (its gradient summed once) and their parameters are in ``shared``.
     ``whole_features``: for a column packing that key and value with the query heads
     (Falcon-7B's ``query_key_value``), the output features after each block's split ones
     that every rank holds (``(0, head_dim, head_dim)``), their gradients summed alike.
@@ -67,6 +71,7 @@ class TensorSplit:
     head_dim: int = 0
     empty_fails: str = ""
     tables: list[str] = field(default_factory=list)
+    head_params: list[str] = field(default_factory=list)
     heads_with: str = ""
     whole: list[str] = field(default_factory=list)
     whole_features: dict[str, tuple[int, ...]] = field(default_factory=dict)

@@ -1,19 +1,22 @@
 """The modes filter parallelism gives a model's layers, by both of its pairing rules: a chain's
 split-output -> split-input pairs (:func:`~.chains.plan_modes`) and, among the layers that rule
 would gather, the attentions split by heads and MLPs by hidden units
-(:func:`~.tensor_split.plan_tensor_splits`). :func:`split_layout` is the one place the two
-combine: :func:`~.convert.filter_parallel` splits by it and :func:`filter_modes` reports it (as
-does the performance model, through the costs it reads off a model). It reads module types,
-attributes and traced graphs only, so a model on the meta device works."""
+(:func:`~.tensor_split.plan_tensor_splits`); and mixtures of experts by each expert's hidden
+units (:func:`~.experts.experts_split`). :func:`split_layout` is the one place they combine:
+:func:`~.convert.filter_parallel` splits by it and :func:`filter_modes` reports it (as does the
+performance model, through the costs it reads off a model). It reads module types, attributes
+and traced graphs only (and probe forwards: of meta copies, and of small copies of an experts
+module), so a model on the meta device works."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from hetcoll.torch.filters.chains import Traced, choose_layers, plan_modes
+from hetcoll.torch.filters.experts import experts_split
 from hetcoll.torch.filters.heads import TensorSplit
 from hetcoll.torch.filters.tensor_split import plan_tensor_splits
 
@@ -27,9 +30,11 @@ class SplitLayout:
     split-output); ``feeds``: for each split-input layer of a chain pair, the layer whose
     shares it takes and its input features per channel; ``batchnorms``: each BatchNorm split
     with the layer it follows; ``splits``: the attentions and MLPs split by heads and hidden
-    units; ``kept``: the attentions left whole, by name, with why; ``read_directly``: the
-    chosen layers left whole because a traced forward reads their parameters itself
-    (functional code, as torchvision Swin's attention: a split would hand it a slice)."""
+    units, and the mixtures of experts by each expert's hidden units (kind ``"experts"``, the
+    experts module its own row, split-input); ``kept``: the attentions left whole, by name,
+    with why; ``read_directly``: the chosen layers left whole because a traced forward reads
+    their parameters itself (functional code, as torchvision Swin's attention: a split would
+    hand it a slice); ``whole_experts``: the experts modules left whole, by name, with why."""
 
     modes: dict[str, str]
     feeds: dict[str, tuple[str, int]]
@@ -37,6 +42,7 @@ class SplitLayout:
     splits: list[TensorSplit]
     kept: dict[str, str]
     read_directly: list[str]
+    whole_experts: dict[str, str] = field(default_factory=dict)
 
 
 def split_layout(
@@ -48,13 +54,15 @@ def split_layout(
     mha: bool | Collection[str] = True,
     untraced: list[str] | None = None,
     traced_cache: dict[tuple[int, str], Traced | str] | None = None,
+    experts: Sequence[str] | None = None,
 ) -> SplitLayout:
     """The layout of a split of ``chosen`` (default: the layers :func:`~.chains.choose_layers`
     picks, without its warnings): chain pairs first,
     then, with ``tensor_splits`` and ``avoid_gathers``, the attentions (with ``mha`` torch's
     ``nn.MultiheadAttention`` too: all, or those a collection names) and MLPs among the layers
-    left gathering; a layer whose parameters a traced forward reads itself stays whole
-    (``read_directly``). ``untraced`` and ``traced_cache`` as for
+    left gathering, and the mixtures of experts ``experts`` names (default: all of the
+    model's) by hidden units; a layer whose parameters a traced forward reads itself stays
+    whole (``read_directly``). ``untraced`` and ``traced_cache`` as for
     :func:`~.chains.plan_modes`."""
     if chosen is None:
         chosen = choose_layers(model, None, dict(model.named_modules()), warn=False)
@@ -81,7 +89,16 @@ def split_layout(
             modes[ts.row] = "split-input"
             for n in ts.whole:  # held whole on every rank (multi-query key and value)
                 modes.pop(n, None)
-    return SplitLayout(modes, feeds, bns, splits, kept, read_directly)
+    whole_experts: dict[str, str] = {}
+    named = dict(model.named_modules())
+    for name in named if experts is None else experts:
+        split = experts_split(name, named[name])
+        if isinstance(split, TensorSplit) and avoid_gathers and tensor_splits:
+            splits.append(split)
+            modes[name] = "split-input"  # its partial outputs summed over the ranks
+        elif split is not None:
+            whole_experts[name] = split if isinstance(split, str) else "avoid_gathers=False"
+    return SplitLayout(modes, feeds, bns, splits, kept, read_directly, whole_experts)
 
 
 def filter_modes(

@@ -143,17 +143,25 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
     # Any other parameter is applied to the rank's own heads: one of a head's size (a norm over
     # the head dimension) or a number is the same for every head, and a table of a weight per
     # query head (T5's relative position bias: an embedding, one column per head) is read at
-    # the rank's heads' columns; each held whole, its gradient summed over the ranks. One that
-    # spans heads otherwise (a norm over all query features) would need a split of its own.
+    # the rank's heads' columns, as is a vector of one number per query head (GPT-OSS's
+    # attention sinks; where the heads are as many as a head's features, told by Hugging
+    # Face's name for them, ``sinks``); each held whole, its gradient summed over the ranks.
+    # One that spans heads otherwise (a norm over all query features) would need a split of
+    # its own.
     projections = {n for n, _ in projs}
     tables = [
         n
         for n, c in m.named_children()
         if type(c) is nn.Embedding and c.embedding_dim == nq > 1 and c.max_norm is None
     ]
-    shared = []
+    shared: list[str] = []
+    head_params: list[str] = []
     for pn, p in m.named_parameters():
         if pn.split(".", 1)[0] in projections:
+            continue
+        if "." not in pn and tuple(p.shape) == (nq,) and nq > 1 and (nq != hd or pn == "sinks"):
+            head_params.append(pn)
+            shared.append(pn)
             continue
         if pn.split(".", 1)[0] not in tables and tuple(p.shape) not in ((hd,), (1,), ()):
             return (
@@ -212,6 +220,7 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
             [prefix + n for n in shared_here],
             hd,
             tables=[prefix + n for n in tables],
+            head_params=[prefix + n for n in head_params],
             whole=[prefix + n for n in whole],
             whole_features={prefix + n: f for n, f in (whole_features or {}).items()},
             kv_groups=kv_groups,
@@ -563,18 +572,6 @@ def _row_after(
             break
         node = user
     return why
-
-
-def whole_experts(model: nn.Module) -> list[str]:
-    """The experts of ``model``'s mixtures of experts, by module path: a module holding every
-    expert's weights stacked in 3-D parameters (Hugging Face's, with ``num_experts``). No split
-    takes them: every rank of a split holds and runs them whole."""
-    return [
-        n
-        for n, m in model.named_modules()
-        if isinstance(getattr(m, "num_experts", None), int)
-        and any(p.dim() == 3 for p in m.parameters(recurse=False))
-    ]
 
 
 def plan_tensor_splits(
