@@ -723,6 +723,15 @@ def experts(group: Any) -> dict[str, Any]:
     out["grouped_mm"] = sorted(
         {tuple(m.shares) for m in split.modules() if isinstance(m, FilterParallelExperts)}
     )
+    # Emulated speeds slow a rank's own work on its hidden units, not the experts' reduction
+    # (the unsplit experts module, holding its weights above an activation, whole).
+    from hetcoll.lab.emulate import delay_points
+
+    experts = [m for m in split.modules() if isinstance(m, FilterParallelExperts)]
+    points = {id(m) for m in delay_points(split)}
+    assert all(id(e.local) in points and id(e) not in points for e in experts)
+    whole = [m for m in ref.modules() if type(m).__name__ == "MixtralExperts"]
+    assert whole and all(id(m) in {id(d) for d in delay_points(ref)} for m in whole)
     return out
 
 

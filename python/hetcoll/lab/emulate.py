@@ -51,7 +51,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hetcoll.model.hardware import Device
-from hetcoll.torch.filters import FilterParallelLayer
+from hetcoll.torch.filters import FilterParallelExperts, FilterParallelLayer
 from hetcoll.torch.speed import SpeedFit
 
 
@@ -63,14 +63,21 @@ def _check_speed(speed: float) -> float:
 
 
 def delay_points(module: nn.Module) -> list[nn.Module]:
-    """The layers that carry the delay: leaves with parameters (a filter-parallel layer counts
-    through its local computation, so that its collectives run at full speed), else all
-    leaves, else the root."""
-    local = {id(m.local) for m in module.modules() if isinstance(m, FilterParallelLayer)}
+    """The layers that carry the delay: leaves with parameters, and modules holding parameters
+    of their own above parameter-free children (Hugging Face's experts: stacked weights and an
+    activation); a split layer (a filter-parallel layer, split experts) counts through its
+    local computation, so that its collectives run at full speed; else all leaves, else the
+    root."""
+    split = (FilterParallelLayer, FilterParallelExperts)
+    local = {id(m.local) for m in module.modules() if isinstance(m, split)}
     leaves = [m for m in module.modules() if not list(m.children())]
-    with_params = [
-        m for m in leaves if id(m) in local or any(True for _ in m.parameters(recurse=False))
-    ]
+
+    def owns(m: nn.Module) -> bool:
+        if isinstance(m, split) or not any(True for _ in m.parameters(recurse=False)):
+            return False
+        return not any(True for c in m.children() for _ in c.parameters())
+
+    with_params = [m for m in module.modules() if id(m) in local or owns(m)]
     return with_params or leaves or [module]
 
 

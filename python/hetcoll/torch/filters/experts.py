@@ -188,6 +188,16 @@ def _separable(m: nn.Module, layout: ExpertsLayout) -> str:
     return ""
 
 
+class LocalExperts(nn.Module):
+    """The computation a rank of a :class:`FilterParallelExperts` does on its own, between its
+    collectives: ``local(compute, *args, **kwargs)`` calls ``compute`` (the experts module's
+    own forward, on its hidden units). No parameters; module hooks on it see the rank's own
+    work alone, as :attr:`~.layers.FilterParallelLayer.local`'s do."""
+
+    def forward(self, compute: Any, *args: Any, **kwargs: Any) -> Any:
+        return compute(*args, **kwargs)
+
+
 class FilterParallelExperts(ChannelSplit):
     """An experts module holding this rank's hidden units of every expert: the module's own
     class and forward (any of Hugging Face's kernels), on its slices, between a copy of its
@@ -197,6 +207,7 @@ class FilterParallelExperts(ChannelSplit):
     deriving from this and its own, made once per experts class."""
 
     timeout: float | None
+    local: LocalExperts
     _layout: ExpertsLayout
 
     def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
@@ -228,6 +239,7 @@ class FilterParallelExperts(ChannelSplit):
                 setattr(module, n, nn.Parameter(local, requires_grad=p.requires_grad))
         for a in layout.counts:
             setattr(module, a, shares[comm.rank])
+        module.local = LocalExperts()
         module.__class__ = _split_class(type(module))
         split: Any = module
         split._set_split(comm, shares)
@@ -251,7 +263,7 @@ class FilterParallelExperts(ChannelSplit):
         if held is not None:  # added by the first rank alone; its gradient 0 here, then summed
             params[bias] = held * 0
         try:
-            out = super().forward(*args, **kwargs)  # type: ignore[misc]
+            out = self.local(super().forward, *args, **kwargs)  # type: ignore[misc]
         finally:
             if held is not None:
                 params[bias] = held
