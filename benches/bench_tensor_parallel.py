@@ -6,7 +6,10 @@
 The decoder is the LM example's (``examples/train_lm.py``'s ``make_model``: a byte-level
 Llama of 6 blocks, hidden 64, 4 query heads in 2 key/value groups, MLP 176; or GPT-2; with
 ``--vocab`` a vocabulary of that many tokens instead of 256 bytes, random ids), float32,
-sequences of the example's length. Each strategy is :func:`hetcoll.torch.filter_parallel` on a
+sequences of the example's length; or (``--arch mixtral``) a mixture of experts in the same
+shape: Hugging Face Mixtral, each block's MLP 8 experts of 176 hidden units, 2 per token, run
+by Hugging Face's default kernel (``grouped_mm``), its experts split by hidden units. Each
+strategy is :func:`hetcoll.torch.filter_parallel` on a
 copy of the same model, trained with SGD on the same global batch:
 
 1. the speed-proportional split (heads' key/value groups and MLP units from
@@ -58,7 +61,7 @@ from hetcoll import launch
 from hetcoll.comm import wrap
 from hetcoll.lab.emulate import slow_down
 from hetcoll.torch import filter_parallel
-from hetcoll.torch.filters import FilterParallelLayer
+from hetcoll.torch.filters import FilterParallelExperts, FilterParallelLayer
 from hetcoll.torch.transport import CountingCommunicator
 
 SPEEDS = (1.0, 0.25)
@@ -84,6 +87,32 @@ def _example() -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def make_model(arch: str, vocab: int) -> nn.Module:
+    """The example's decoder (``arch`` llama or gpt2), or Mixtral in its shape."""
+    ex = _example()
+    if arch != "mixtral":
+        return ex.make_model(arch, vocab=vocab)  # type: ignore[no-any-return]
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=ex.SEQ,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        **ex.EAGER,
+    )
+    return MixtralForCausalLM(config)
 
 
 def _strategy(
@@ -128,7 +157,7 @@ def _rank(
     torch.set_num_threads(1)
     ex = _example()
     torch.manual_seed(0)
-    model = ex.make_model(arch, vocab=vocab)
+    model = make_model(arch, vocab)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (batch, ex.SEQ), generator=g)
     runs: dict[str, Any] = {}
@@ -161,7 +190,8 @@ def _rank(
         shares = {
             n: list(m.shares)
             for n, m in split.named_modules()
-            if isinstance(m, FilterParallelLayer) and m.mode == "split-input"
+            if (isinstance(m, FilterParallelLayer) and m.mode == "split-input")
+            or isinstance(m, FilterParallelExperts)
         }
         runs[name] = {"step": step, "counts": counts, "modes": modes, "shares": shares}
     times: dict[str, list[float]] = {name: [] for name in (*STRATEGIES, ALONE)}
@@ -210,7 +240,7 @@ def machine(arch: str, vocab: int) -> tuple[Any, Any, Any]:
     fit = calibrate.measure_gloo_link()
     link = hm.Link("gloo-local", fit.latency_s, fit.bytes_per_s)
     costs = hm.layer_costs(
-        ex.make_model(arch, vocab=vocab), (ex.SEQ,), dtype=torch.int64, loss=ex.costed_loss
+        make_model(arch, vocab), (ex.SEQ,), dtype=torch.int64, loss=ex.costed_loss
     )
     return costs, device, link
 
@@ -268,7 +298,7 @@ def predicted(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", default="llama", choices=["llama", "gpt2"])
+    ap.add_argument("--arch", default="llama", choices=["llama", "gpt2", "mixtral"])
     ap.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
     ap.add_argument(
         "--vocab", type=int, default=256, help="vocabulary size (the example's: 256 bytes)"

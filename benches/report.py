@@ -869,7 +869,10 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
             [name, b.get("activations", 0), b.get("gradients", 0), str(row.get("modes", ""))]
         )
     pb, gb = _bytes_of(prop), _bytes_of(gather)
-    what = f"{r0.get('arch', '?')}, batch {r0.get('batch', '?')} x {r0.get('seq', '?')}"
+    arch = r0.get("arch", "?")
+    what = f"{arch}, batch {r0.get('batch', '?')} x {r0.get('seq', '?')}"
+    # A mixture of experts (--arch mixtral) is a results file of its own.
+    moe = arch == "mixtral"
     # The example's byte vocabulary is the main run; a run at another vocabulary (--vocab) is
     # a results file of its own, its headline the split loss's.
     vocab = r0.get("vocab", 256)
@@ -970,9 +973,19 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
     ]
     if other_vocab:
         headlines = [h for h in headlines if "loss split" in h[0]]
+    if moe:
+        headlines = [
+            (
+                "mixture of experts (Mixtral), experts by hidden units: speed-proportional vs "
+                "even split",
+                f"{even / prop['step_s']:.2f}x faster",
+            ),
+            *[h for h in headlines if "fast rank alone" in h[0]],
+        ]
     return _result(
-        "tensor_parallel" + (f"_vocab{vocab}" if other_vocab else ""),
-        "Tensor parallelism of a decoder" + (f", vocabulary {vocab}" if other_vocab else ""),
+        "tensor_parallel" + (f"_vocab{vocab}" if other_vocab else "") + ("_moe" if moe else ""),
+        ("Tensor parallelism of a mixture of experts" if moe else "Tensor parallelism of a decoder")
+        + (f", vocabulary {vocab}" if other_vocab else ""),
         command,
         raw,
         [
@@ -1013,6 +1026,13 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
             "Attention split by heads and MLPs by hidden units (`filter_parallel`) on two gloo "
             "ranks of emulated speeds (`SPEEDS` in `benches/bench_tensor_parallel.py`), the LM "
             "example's decoder; heterogeneity is emulated the same way for every strategy."
+            if not moe
+            else "Attention split by heads and each expert's hidden units (`filter_parallel`: "
+            "`FilterParallelExperts`) on two gloo ranks of emulated speeds (`SPEEDS` in "
+            "`benches/bench_tensor_parallel.py`), Hugging Face Mixtral in the LM example's "
+            "shape (8 experts of 176 hidden units per block, 2 per token, `grouped_mm`); "
+            "heterogeneity is emulated the same way for every strategy (gather mode leaves the "
+            "experts whole)."
         ),
         headlines=headlines,
         kind="tensor-parallel",

@@ -226,6 +226,12 @@ def test_tensor_parallel_adapter_reads_the_scripts_json(tmp_path: Path) -> None:
     assert "| gather mode, speed-proportional | 400.0 | 360.0 | 440.0 | 0.75x |" in text
     assert "| unsplit, fast rank alone | 250.0 | 225.0 | 275.0 | 1.20x |" in text
     assert "| paired, even split | 1,000 | 800 | {'split-input': 12} |" in text
+    # A mixture of experts' run is a results file of its own, its headlines its own.
+    moe = {**r0, "arch": "mixtral"}
+    raw.write_text(json.dumps([moe, moe]))
+    result = report.adapt_tensor_parallel([raw], "python benches/bench_tensor_parallel.py")
+    assert result["benchmark"] == "tensor_parallel_moe", result["benchmark"]
+    assert [h["value"] for h in result["headlines"]] == ["1.50x faster", "1.25x"]
 
 
 def test_plans_adapter_reads_the_scripts_json(tmp_path: Path) -> None:

@@ -41,14 +41,18 @@ def filter_modes(costs: ModelCosts, *, avoid_gathers: bool = True) -> dict[str, 
     the model: a Conv2d / Linear layer feeding the next one through channel-wise modules only
     (inside an ``nn.Sequential``) becomes split-output, the next split-input (no gather between
     them; the pair's partial sums are allreduced once); every other split layer gathers.
-    ``avoid_gathers=False`` gathers after every split layer. Layers absent stay replicated.
+    ``avoid_gathers=False`` gathers after every split layer (mixtures of experts, which no
+    gather splits, stay whole then, as the runtime leaves them). Layers absent stay replicated.
 
     >>> from hetcoll.model import layer_costs, networks
     >>> filter_modes(layer_costs(networks.mlp((8,)), (8,)))
     {'1': 'split-output', '3': 'split-input', '5': 'gather'}
     """
     modes = dict(costs.filter_modes)
-    return modes if avoid_gathers else dict.fromkeys(modes, "gather")
+    if avoid_gathers:
+        return modes
+    experts = {b.module for b in costs.split_blocks if b.kind == "experts"}
+    return {n: "gather" for n in modes if n not in experts}
 
 
 def _check_modes(costs: ModelCosts, modes: Mapping[str, str]) -> dict[str, str]:
