@@ -976,11 +976,19 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
     if moe:
         headlines = [
             (
-                "mixture of experts (Mixtral), experts by hidden units: speed-proportional vs "
-                "even split",
+                "mixture of experts (Mixtral) at emulated speeds 1:0.25, experts by hidden "
+                "units: speed-proportional vs even split",
                 f"{even / prop['step_s']:.2f}x faster",
             ),
-            *[h for h in headlines if "fast rank alone" in h[0]],
+            *[
+                (
+                    "mixture of experts (Mixtral) at emulated speeds 1:0.25, "
+                    + h[0].removeprefix("tensor parallel, "),
+                    h[1],
+                )
+                for h in headlines
+                if "fast rank alone" in h[0]
+            ],
         ]
     return _result(
         "tensor_parallel" + (f"_vocab{vocab}" if other_vocab else "") + ("_moe" if moe else ""),

@@ -28,6 +28,8 @@ EXPECTED = {
     "llama_gqa_three_ranks": True,
     "mixtral_pipeline": True,
     "mixtral_three_ranks": True,
+    "mixtral_by_shares": True,
+    "mixtral_planned_split": True,
     "mixtral_grouped_mm": True,
     "falcon_hybrid": True,
     "falcon_resumes": True,

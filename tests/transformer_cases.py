@@ -364,7 +364,7 @@ def planned_split(group: Any, make: Any) -> str:
                 for r in chosen.replicas
                 for st in r.stages
             ), chosen.to_dict()
-            tol = 1e-6 if make is llama else TOL
+            tol = 1e-6 if make in (llama, mixtral) else TOL
             equals_one_process(group, make, chosen, tol=tol)
             return p.strategy
     raise AssertionError("the planner offers no plan with a split stage")
@@ -680,6 +680,11 @@ def run_all(group: Any) -> dict[str, Any]:
     for name, cut in (("pipeline", pipeline_4), ("three_ranks", split_three)):
         equals_one_process(group, mixtral, Plan.from_dict(cut(n)), tol=1e-6)
         out[f"mixtral_{name}"] = True
+    # Its split stage given by shares per module path (the experts' hidden units among them),
+    # and the planner's own plan with a split stage (its shares balanced by predicted time).
+    equals_one_process(group, mixtral, Plan.from_dict(hybrid_by_shares(mixtral, n)), tol=1e-6)
+    out["mixtral_by_shares"] = True
+    out["mixtral_planned_split"] = bool(planned_split(group, mixtral))
     # The same model as Hugging Face runs it by default, in float32 (a tolerance: its sums
     # run in another order).
     plan = Plan.from_dict(split_three(n))

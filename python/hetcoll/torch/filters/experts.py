@@ -61,6 +61,8 @@ def experts_layout(m: nn.Module) -> ExpertsLayout | str | None:
     experts = getattr(m, "num_experts", None)
     if not isinstance(experts, int) or not any(p.dim() == 3 for p in m.parameters(False)):
         return None
+    if isinstance(m, FilterParallelExperts):
+        return None  # split already: no unsplit experts to split
     if not all(isinstance(getattr(m, f, None), bool) for f in _FLAGS):
         return (
             "its parameters are not laid out as Hugging Face's use_experts_implementation "
@@ -139,11 +141,11 @@ _probed: dict[tuple[Any, ...], str] = {}
 
 
 def _separable(m: nn.Module, layout: ExpertsLayout) -> str:
-    """ "" where a copy of ``m`` holding 4 hidden units of random weights computes, on random
-    routed tokens, what two copies holding 2 of them each (:func:`split_runs`' slices, the
-    output bias on the first) sum to, in float32 on the CPU, with ``m``'s own forward and
-    kernel; else why not (a norm of the whole output, an expert added whole: work no share
-    of the hidden units can do)."""
+    """ "" where a copy of ``m`` holding ``2 * ALIGN`` hidden units of random weights computes,
+    on random routed tokens, what two copies holding half of them each (:func:`split_runs`'
+    slices, the output bias on the first) sum to, in float32 on the CPU, with ``m``'s own
+    forward and kernel; else why not (a norm of the whole output, an expert added whole: work
+    no share of the hidden units can do)."""
     g = torch.Generator().manual_seed(0)
     experts = int(m.num_experts)  # type: ignore[arg-type]
     full: dict[str, torch.Tensor] = {}
