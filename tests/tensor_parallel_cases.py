@@ -142,6 +142,20 @@ def gpt_oss() -> nn.Module:
     )  # fmt: skip
 
 
+def deepseek_v3(q_lora: int | None = 8) -> nn.Module:
+    """Hugging Face DeepSeek-V3: multi-head latent attention (keys and values expanded per
+    head from a latent of 8, queries from their own latent of ``q_lora``, or from ``q_proj``
+    with None, as DeepSeek-V2-Lite's), a dense first block, then routed experts of 32 hidden
+    units beside a shared expert."""
+    return _hf(
+        "DeepseekV3ForCausalLM", "DeepseekV3Config", num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=q_lora, kv_lora_rank=8, qk_nope_head_dim=4,
+        qk_rope_head_dim=4, v_head_dim=4, moe_intermediate_size=32, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+        first_k_dense_replace=1, experts_implementation="eager",
+    )  # fmt: skip
+
+
 def qwen3() -> nn.Module:
     """Hugging Face Qwen3: a norm over the head dimension on each query and key head
     (``q_norm``, ``k_norm``), one weight shared by every head: each rank's gradient of it is
@@ -693,25 +707,38 @@ def experts(group: Any) -> dict[str, Any]:
     """Mixtures of experts split by each expert's hidden units (with their attentions by heads,
     a shared expert by hidden units) train as the unsplit model, resume on another split, and
     hold the hidden units their speeds give: Mixtral by its eager loop and by batched_mm in
-    float64, GPT-OSS's biased, interleaved and transposed experts, Qwen2-MoE's shared expert;
-    Mixtral by Hugging Face's default kernel, grouped_mm (float32 alone), to 1e-5. Returns
-    each model's experts' hidden units per rank and the float32 checks made."""
+    float64, GPT-OSS's biased, interleaved and transposed experts, Qwen2-MoE's shared expert,
+    DeepSeek-V3's beside its latent attention (split by heads, V2-Lite's layout too); Mixtral
+    by Hugging Face's default kernel, grouped_mm (float32 alone), to 1e-5. Returns each
+    model's experts' hidden units per rank, and the latent attention's heads per rank."""
     p = wrap(group).size
     out: dict[str, Any] = {}
+    # DeepSeek's router scores in float32 too, whose rounding Adam's normalised steps
+    # magnify (4e-8 in the first step's gradients, 2e-5 after two Adam steps): SGD there.
     models = {
-        "mixtral": mixtral,
-        "batched_mm": lambda: mixtral("batched_mm"),
-        "gpt_oss": gpt_oss,
-        "qwen2_moe": qwen2_moe,
+        "mixtral": (mixtral, "adam"),
+        "batched_mm": (lambda: mixtral("batched_mm"), "adam"),
+        "gpt_oss": (gpt_oss, "adam"),
+        "qwen2_moe": (qwen2_moe, "adam"),
+        "deepseek_v3": (deepseek_v3, "sgd"),
     }
-    for name, make in models.items():
+    for name, (make, optimizer) in models.items():
         with tolerance(1e-6):  # the router's softmax runs in float32
-            equals_unsplit(group, make, "adam", steps=2)
+            equals_unsplit(group, make, optimizer, steps=2)
         torch.manual_seed(0)
         split = split_copy(make().double(), group, SPEEDS[:p])
         out[name] = sorted(
             {tuple(m.shares) for m in split.modules() if isinstance(m, FilterParallelExperts)}
         )
+    # Latent attention with its queries from q_proj (DeepSeek-V2-Lite's layout), a rank too
+    # slow for a head holding none (empty_blocks).
+    v2_lite = lambda: deepseek_v3(q_lora=None)  # noqa: E731
+    slow = [1.0, 0.5, 0.05][:p]
+    with tolerance(1e-6):
+        equals_unsplit(group, v2_lite, "sgd", steps=2, speeds=slow, empty=True)
+    torch.manual_seed(0)
+    split = split_copy(v2_lite().double(), group, slow, empty_blocks=True)
+    out["latent_heads"] = list(split.get_submodule("model.layers.1.self_attn.o_proj").shares)
     torch.manual_seed(0)
     ref = mixtral("grouped_mm")
     split = split_copy(ref, group, SPEEDS[:p])

@@ -158,11 +158,12 @@ def test_gloo_mixtures_of_experts_split_by_hidden_units_equal_unsplit():
     results = launch.spawn(cases.run_torch_experts, 3, timeout=300)
     assert all(r == results[0] for r in results)
     # Speeds 1 : 0.5 : 0.25 over 5 steps of 8 hidden units (Mixtral's 40), 4 (32): every
-    # block's experts alike.
+    # block's experts alike. DeepSeek-V3's latent attention splits by heads (no warning).
     mixtral = [(24, 8, 8)]
     assert results[0] == {
         "mixtral": mixtral, "batched_mm": mixtral, "grouped_mm": mixtral,
-        "gpt_oss": [(16, 8, 8)], "qwen2_moe": [(16, 8, 8)],
+        "gpt_oss": [(16, 8, 8)], "qwen2_moe": [(16, 8, 8)], "deepseek_v3": [(16, 8, 8)],
+        "latent_heads": [3, 1, 0],  # its 4 heads at speeds 1 : 0.5 : 0.05
     }  # fmt: skip
 
 
@@ -280,6 +281,47 @@ def test_a_parameter_of_one_number_per_query_head_is_read_at_the_ranks_heads():
         for variant in (ts, ts.by_head):
             assert variant.head_params == [f"{ts.module}.sinks"]
             assert f"{ts.module}.sinks" in variant.shared and variant.empty_fails == ""
+
+
+@pytest.mark.parametrize("q_lora", [8, None])
+def test_latent_attention_splits_by_heads_its_latents_whole(q_lora):
+    """DeepSeek's multi-head latent attention splits by heads: its queries' (q_b_proj, or
+    q_proj) and its keys' and values' (kv_b_proj) expansions by heads, o_proj by its input;
+    the latent projections and their norms whole on every rank, ahead of the heads (their
+    outputs copied, the norms' weights shared); the performance model holds the same heads
+    and prices the latents whole."""
+    from hetcoll.model import layer_costs
+    from hetcoll.model.predict import filter_parallel_schedule
+    from hetcoll.torch.filters import split_layout
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # YaRN's settings in a tiny config
+        model = cases.deepseek_v3(q_lora)
+        layout = split_layout(model)
+        costs = layer_costs(model, (7,), dtype=torch.int64)
+        shares = filter_shares(model, size=3, speeds=[1.0, 0.5, 0.25])
+    attn = "model.layers.1.self_attn."
+    ts = next(ts for ts in layout.splits if ts.module == attn[:-1])
+    query = "q_b_proj" if q_lora else "q_proj"
+    assert (ts.units, ts.width) == (4, 4) and not layout.kept
+    assert ts.columns == [(attn + query, (8,)), (attn + "kv_b_proj", (8,))]
+    latents = ["kv_a_proj_with_mqa", "kv_a_layernorm"]
+    if q_lora:
+        latents = ["kv_a_proj_with_mqa", "q_a_proj", "q_a_layernorm", "kv_a_layernorm"]
+    assert ts.upstream == [attn + n for n in latents]
+    assert ts.shared == [attn + n + ".weight" for n in latents if n.endswith("layernorm")]
+    assert ts.fed_by == {
+        attn + c: attn + u
+        for c, u in (("q_b_proj", "q_a_proj"), ("kv_b_proj", "kv_a_proj_with_mqa"))
+        if q_lora or c == "kv_b_proj"
+    }
+    assert shares[attn + "o_proj"] == [8, 4, 4] and shares[attn + query] == [16, 8, 8]
+    assert not any(attn + n in shares for n in latents)
+    block = next(b for b in costs.split_blocks if b.module == attn[:-1])
+    assert set(latents) <= {n.removeprefix(attn) for n in block.whole}
+    sched = filter_parallel_schedule(costs, _two_devices(3), 4, [1.0, 0.5, 0.25])
+    got = sched.detail["shares_per_layer"]
+    assert all(got[n] == v for n, v in shares.items() if n.startswith(attn)), got
 
 
 def test_a_parameter_spanning_heads_keeps_the_attention_whole():

@@ -413,7 +413,7 @@ def _split_block(model: nn.Module, ts: TensorSplit) -> SplitBlock:
         tuple(model.get_parameter(n).numel() for n in ts.shared) + tuple(_whole_rows(model, ts)),
         not ts.empty_fails,
         ts.heads_with,
-        tuple(ts.whole),
+        tuple(ts.whole + ts.upstream),
         tuple(sum(ts.whole_features.get(n, ())) for n in ts.layers()) if ts.whole_features else (),
         None if ts.by_head is None else _split_block(model, ts.by_head),
     )

@@ -53,6 +53,7 @@ from hetcoll.torch.filters.layers import (
     FilterParallelLinear,
     FilterParallelMultiheadAttention,
     SharedCopy,
+    UpstreamCopy,
     is_conv1d,
     split_comms,
     whole_positions,
@@ -258,18 +259,18 @@ def _shares(
         for ts in layout.splits
     ]
     for ts in splits:
-        for n in ts.whole:  # held whole on every rank (the key and value split by query head)
+        for n in ts.whole + ts.upstream:  # held whole on every rank
             modes.pop(n, None)
     # The key and value projections of an attention split by query head (multi-query
     # attention's; grouped-query attention's where its groups are too few):
     # whole on every rank, no split's.
-    held_whole = {n: ts.module for ts in splits for n in ts.whole}
+    held_whole = {n: ts.module for ts in splits for n in ts.whole + ts.upstream}
     named_whole = [n for n in per_layer or () if n in held_whole]
     if named_whole:
         raise ValueError(
-            f"{argument}: gives shares for {named_whole}, the key/value projections of "
-            f"attention {held_whole[named_whole[0]]!r}, split by query head, which every rank "
-            "holds whole (its query heads split); leave them out"
+            f"{argument}: gives shares for {named_whole}, the key/value (or latent) "
+            f"projections of attention {held_whole[named_whole[0]]!r}, split by heads, which "
+            "every rank holds whole (its heads split); leave them out"
         )
     chosen = [n for n in chosen if n not in held_whole]
     if layout.kept:
@@ -704,6 +705,9 @@ def filter_parallel(
         if ts.kind == "attention" and 0 in counts:  # a copy of it, before its split
             empty_check = EmptyRankCheck(ts, named[ts.module], counts.index(0))
         copy = SharedCopy(comm, timeout, sole_holder(counts))
+        upstream = {u: UpstreamCopy(comm, timeout, sole_holder(counts)) for u in ts.fed_by.values()}
+        for u, output_copy in upstream.items():  # its output copied, read by the columns as is
+            named[u].register_forward_hook(output_copy.output)
         for name, blocks in ts.columns:
             column = _linear_class(named[name]).from_module(
                 named[name],
@@ -712,7 +716,7 @@ def filter_parallel(
                 mode="split-output",
                 blocks=blocks,
                 whole=ts.whole_features.get(name, ()),
-                shared_input=copy,
+                shared_input=upstream[ts.fed_by[name]] if name in ts.fed_by else copy,
                 timeout=timeout,
             )
             _replace(model, name, column)

@@ -180,7 +180,11 @@ def _probe_run(
     prefix = f"{ts.module}." if ts.module else ""
     first = attention.get_submodule(ts.columns[0][0].removeprefix(prefix))
     hidden = linear_features(first)
-    token = None if hidden is None else probe_inputs(attention, first, hidden[0])
+    size = None if hidden is None else hidden[0]
+    if ts.fed_by and ts.row.startswith(prefix):  # a column reads a latent: the row's width
+        out = linear_features(attention.get_submodule(ts.row.removeprefix(prefix)))
+        size = None if out is None else out[1]
+    token = None if size is None else probe_inputs(attention, first, size)
     if token is None:
         return True, 0, ""
     handles = []

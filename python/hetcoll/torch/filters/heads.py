@@ -57,6 +57,11 @@ class TensorSplit:
     grouped-query attention split by key/value group, the same attention split by query head
     instead, its key and value whole on every rank: the split where its groups are too few
     for the ranks (Megatron-LM's convention), or where shares name whole query heads.
+    ``upstream``: the modules every rank runs whole ahead of the columns, on the block's input
+    itself (a latent attention's latent projections and their norms: DeepSeek's
+    ``kv_a_proj_with_mqa``, ``q_a_proj``); ``fed_by``: for each column reading one of them,
+    the upstream layer whose output is copied to the ranks (:class:`~.layers.UpstreamCopy`:
+    its gradient, each rank's its heads' part, summed) and which the column reads as is.
     """
 
     kind: str
@@ -78,6 +83,8 @@ class TensorSplit:
     kv_groups: int = 0
     fixed: dict[str, int] = field(default_factory=dict)
     by_head: TensorSplit | None = None
+    upstream: list[str] = field(default_factory=list)
+    fed_by: dict[str, str] = field(default_factory=dict)
 
     def by_query_head(self) -> bool:
         """Whether its units are query heads beside a key/value head every rank holds whole

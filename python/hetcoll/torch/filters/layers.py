@@ -181,9 +181,25 @@ class SharedCopy:
         self._input, self._copy = None, None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SharedCopy:
-        c = SharedCopy(self.comm, self.timeout, self.root)
+        c = type(self)(self.comm, self.timeout, self.root)
         c.agreed = copy.deepcopy(self.agreed, memo)  # the copied model's, not this one's
         return c
+
+
+class UpstreamCopy(SharedCopy):
+    """The copy to the ranks of the output of a layer every rank runs whole ahead of split
+    layers (:attr:`~.heads.TensorSplit.upstream`: a latent attention's latent projection),
+    made by a forward hook on that layer (:meth:`output`), its gradient summed over the ranks
+    in the backward; the split layers it feeds (through a norm, say) take it as their
+    ``shared_input`` and read their input as is (:meth:`__call__`): it is copied already."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def output(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            return SharedCopy.__call__(self, output)
+        return None
 
 
 class LocalConv2d(nn.Module):

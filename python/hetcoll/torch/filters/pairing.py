@@ -87,7 +87,7 @@ def split_layout(
         for ts in splits:
             modes.update({c: "split-output" for c, _ in ts.columns})
             modes[ts.row] = "split-input"
-            for n in ts.whole:  # held whole on every rank (multi-query key and value)
+            for n in ts.whole + ts.upstream:  # held whole on every rank
                 modes.pop(n, None)
     whole_experts: dict[str, str] = {}
     named = dict(model.named_modules())

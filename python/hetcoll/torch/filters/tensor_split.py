@@ -251,6 +251,97 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
     return split(nkv, rep, columns)
 
 
+#: What a multi-head latent attention (DeepSeek-V2's MLA, in Hugging Face's layout) counts its
+#: latent and head sizes with: the keys' and values' latent, the query/key features per head
+#: without and with rotary embedding, the value features per head.
+_LATENT = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _latent_attention(name: str, m: nn.Module) -> TensorSplit | str | None:
+    """``m`` as a multi-head latent attention split by heads; why not where it counts latent
+    sizes (:data:`_LATENT`) in a layout this rule does not know; None where it counts none.
+
+    Hugging Face's layout (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash, MiniCPM3 and more): keys and
+    values expanded per head from a latent, ``kv_b_proj(kv_a_layernorm(kv_a_proj_with_mqa(x)))``
+    beside one rotary key part every head reads (the rest of ``kv_a_proj_with_mqa``'s output);
+    queries per head from ``q_proj(x)`` or from their own latent, ``q_b_proj(q_a_layernorm(
+    q_a_proj(x)))``; ``o_proj`` reading every head's values. Split by heads as Megatron-LM
+    splits it: ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` by heads, ``o_proj`` by its
+    input, and the latent projections and their norms held whole on every rank ahead of them
+    (:attr:`~.heads.TensorSplit.upstream`), their outputs copied to the ranks (a rank's
+    gradient of a latent is its heads' part, summed over the ranks)."""
+    dims = [getattr(m, a, None) for a in _LATENT]
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
+        return None
+    kv_rank, nope, rope, v = (int(d) for d in dims)  # type: ignore[arg-type]
+    config = getattr(m, "config", None)
+    sources = [m] if config is None else [m, config]
+    nq = _first_int(sources, _QUERY_HEADS)
+    if nq is None:
+        return "it has latent sizes but no head count"
+    feats = {n: f for n, c in m.named_children() if (f := linear_features(c)) is not None}
+    names = dict(m.named_children())
+    if not all(n in feats for n in ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")):
+        return "its latent projections are not kv_a_proj_with_mqa, kv_b_proj and o_proj"
+    hidden = feats["o_proj"][1]
+    qk = nope + rope
+    want = {
+        "kv_a_proj_with_mqa": (hidden, kv_rank + rope),
+        "kv_b_proj": (kv_rank, nq * (nope + v)),
+        "o_proj": (nq * v, hidden),
+    }
+    columns: list[tuple[str, tuple[int, ...]]] = []
+    upstream = ["kv_a_proj_with_mqa"]
+    fed_by = {"kv_b_proj": "kv_a_proj_with_mqa"}
+    if "q_b_proj" in feats and "q_a_proj" in feats:
+        q_rank = feats["q_a_proj"][1]
+        want.update(q_a_proj=(hidden, q_rank), q_b_proj=(q_rank, nq * qk))
+        columns.append(("q_b_proj", (qk,)))
+        upstream.append("q_a_proj")
+        fed_by["q_b_proj"] = "q_a_proj"
+    elif "q_proj" in feats:
+        want["q_proj"] = (hidden, nq * qk)
+        columns.append(("q_proj", (qk,)))  # reads the block's input: its shared copy
+    else:
+        return "it has neither q_proj nor q_a_proj and q_b_proj"
+    wrong = [f"{n} {feats[n][0]}->{feats[n][1]}" for n, f in want.items() if feats[n] != f]
+    if wrong:
+        return (
+            f"its projections ({', '.join(wrong)}) are not a latent attention's of {nq} heads "
+            f"(query/key {nope}+{rope}, value {v} features; key/value latent {kv_rank})"
+        )
+    columns.append(("kv_b_proj", (nope + v,)))
+    # The latents' norms, held whole ahead of the heads too, between the copy of the latent
+    # and the columns: each rank's gradient of their weights is its heads' part (a norm's
+    # backward is linear in its output's gradient), summed over the ranks.
+    for norm, latent in (("q_a_layernorm", "q_a_proj"), ("kv_a_layernorm", "kv_a_proj_with_mqa")):
+        if norm in names and latent in upstream:
+            upstream.append(norm)
+    shared = [pn for pn, _ in m.named_parameters() if pn.split(".", 1)[0].endswith("layernorm")]
+    known = set(want) | set(upstream)
+    others = [pn for pn, _ in m.named_parameters() if pn.split(".", 1)[0] not in known]
+    if others:
+        return f"it holds parameters besides its projections and their norms: {others}"
+    attrs = {a: 1 for a in _QUERY_HEADS if getattr(m, a, None) == nq}
+    own = {a: 1 for a in _QUERY_HEADS if getattr(config, a, None) == nq}
+    own.update({a: 1 for a in _KV_HEADS if getattr(config, a, None) == nq})
+    prefix = f"{name}." if name else ""
+    return TensorSplit(
+        "attention",
+        name,
+        nq,
+        v,
+        [(prefix + c, blocks) for c, blocks in columns],
+        prefix + "o_proj",
+        attrs,
+        own,
+        [prefix + n for n in shared],
+        head_dim=v,
+        upstream=[prefix + n for n in upstream],
+        fed_by={prefix + c: prefix + u for c, u in fed_by.items()},
+    )
+
+
 # Operations that act on each element alone (or with a number): a hidden-unit-split tensor
 # passes through them unchanged, so an MLP's activation, gating product and casts keep its
 # split.
@@ -593,6 +684,8 @@ def plan_tensor_splits(
             continue
         found: TensorSplit | str | None = _mha(name, m) if mha else None
         if found is None:
+            found = _latent_attention(name, m)
+        if found is None:
             found = _attention(name, m)
         if isinstance(found, TensorSplit) and not found.row:
             found = _row_after(model, name, m, found)
@@ -614,7 +707,7 @@ def plan_tensor_splits(
                 kept[name] = f"its layers {missing} are not split or already paired"
             continue
         splits.append(found)
-        claimed.update(found.layers() + found.whole)
+        claimed.update(found.layers() + found.whole + found.upstream)
     # Attentions of one class run one code: where one stays whole for its layout (T5's first,
     # holding the relative position bias of every head), the others of its class are handed
     # what it computes for every head, so they stay whole too.
