@@ -593,14 +593,17 @@ def filter_parallel(
     by whole heads or units, as :func:`filter_shares` reports them). The positional
     ``shares_or_speeds`` (floats: speeds, integers: shares) still works; with integers it
     warns, being ambiguous. ``layers`` names the modules to split (default: every
-    ``nn.Conv2d`` with ``groups=1`` and ``nn.Linear``). Modes are chosen so a split layer feeding
+    ``nn.Conv2d`` with ``groups=1`` and ``nn.Linear``, and every mixture of experts: Hugging
+    Face's experts modules, split by each expert's hidden units, :mod:`.experts`; those it
+    cannot split are named in a ``UserWarning``). Modes are chosen so a split layer feeding
     another through channel-wise modules only (inside an ``nn.Sequential``) skips the gather:
     split-output then split-input; a BatchNorm between them is split too. ``avoid_gathers=False``
     gathers after every split layer. Attentions split by whole heads (key/value groups; by query
     head, the key and value whole on every rank, under multi-query attention and where a
-    grouped-query attention's groups are too few for the ranks) and MLPs
-    by hidden units; every rank holds at least one of each, unless ``empty_blocks=True``: then
-    speeds (or shares) may give a rank none of a block's heads or units, as :func:`hetcoll.split`
+    grouped-query attention's groups are too few for the ranks; a latent attention's latents
+    whole on every rank, ahead of its heads) and MLPs by hidden units; every rank holds at
+    least one of each, unless ``empty_blocks=True``: then speeds (or shares) may give a rank
+    none of a block's heads or units, as :func:`hetcoll.split`
     gives a rank too slow for one whole key/value group. Such a rank runs the attention on empty
     tensors and only joins its two reductions, and a block may then have fewer heads than the
     group has ranks. ``sample`` (example inputs: a tensor, a tuple of positional inputs or a dict
