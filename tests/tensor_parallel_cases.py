@@ -156,6 +156,22 @@ def deepseek_v3(q_lora: int | None = 8) -> nn.Module:
     )  # fmt: skip
 
 
+def olmo2() -> nn.Module:
+    """Hugging Face OLMo 2: an RMS norm over all query heads' features (``q_norm``) and one
+    over all key heads' (``k_norm``), split with their projections, each rank's sum of
+    squares summed with the others'."""
+    return _hf("Olmo2ForCausalLM", "Olmo2Config")
+
+
+def olmoe() -> nn.Module:
+    """Hugging Face OLMoE: OLMo 2's attention norms beside a mixture of 4 experts of 32 hidden
+    units."""
+    return _hf(
+        "OlmoeForCausalLM", "OlmoeConfig", intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, experts_implementation="eager",
+    )  # fmt: skip
+
+
 def qwen3() -> nn.Module:
     """Hugging Face Qwen3: a norm over the head dimension on each query and key head
     (``q_norm``, ``k_norm``), one weight shared by every head: each rank's gradient of it is
@@ -708,22 +724,27 @@ def experts(group: Any) -> dict[str, Any]:
     a shared expert by hidden units) train as the unsplit model, resume on another split, and
     hold the hidden units their speeds give: Mixtral by its eager loop and by batched_mm in
     float64, GPT-OSS's biased, interleaved and transposed experts, Qwen2-MoE's shared expert,
-    DeepSeek-V3's beside its latent attention (split by heads, V2-Lite's layout too); Mixtral
+    DeepSeek-V3's beside its latent attention (split by heads, V2-Lite's layout too), OLMoE's
+    beside an attention normalised over all its heads (split with them); Mixtral
     by Hugging Face's default kernel, grouped_mm (float32 alone), to 1e-5. Returns each
     model's experts' hidden units per rank, and the latent attention's heads per rank."""
     p = wrap(group).size
     out: dict[str, Any] = {}
     # DeepSeek's router scores in float32 too, whose rounding Adam's normalised steps
     # magnify (4e-8 in the first step's gradients, 2e-5 after two Adam steps): SGD there.
+    # OLMoE's attention norms (over all query heads, and all key heads) run in float32 too,
+    # each rank's sum of squares added to the others': 1e-7 in the first step's logits, 2e-6
+    # after three steps (with a larger epsilon, which hides the sums' rounding, 1e-12).
     models = {
-        "mixtral": (mixtral, "adam"),
-        "batched_mm": (lambda: mixtral("batched_mm"), "adam"),
-        "gpt_oss": (gpt_oss, "adam"),
-        "qwen2_moe": (qwen2_moe, "adam"),
-        "deepseek_v3": (deepseek_v3, "sgd"),
+        "mixtral": (mixtral, "adam", 1e-6),
+        "batched_mm": (lambda: mixtral("batched_mm"), "adam", 1e-6),
+        "gpt_oss": (gpt_oss, "adam", 1e-6),
+        "qwen2_moe": (qwen2_moe, "adam", 1e-6),
+        "deepseek_v3": (deepseek_v3, "sgd", 1e-6),
+        "olmoe": (olmoe, "sgd", 1e-5),
     }
-    for name, (make, optimizer) in models.items():
-        with tolerance(1e-6):  # the router's softmax runs in float32
+    for name, (make, optimizer, tol) in models.items():
+        with tolerance(tol):  # the router's softmax runs in float32
             equals_unsplit(group, make, optimizer, steps=2)
         torch.manual_seed(0)
         split = split_copy(make().double(), group, SPEEDS[:p])

@@ -163,6 +163,7 @@ def test_gloo_mixtures_of_experts_split_by_hidden_units_equal_unsplit():
     assert results[0] == {
         "mixtral": mixtral, "batched_mm": mixtral, "grouped_mm": mixtral,
         "gpt_oss": [(16, 8, 8)], "qwen2_moe": [(16, 8, 8)], "deepseek_v3": [(16, 8, 8)],
+        "olmoe": [(16, 8, 8)],
         "latent_heads": [3, 1, 0],  # its 4 heads at speeds 1 : 0.5 : 0.05
     }  # fmt: skip
 
@@ -322,6 +323,22 @@ def test_latent_attention_splits_by_heads_its_latents_whole(q_lora):
     sched = filter_parallel_schedule(costs, _two_devices(3), 4, [1.0, 0.5, 0.25])
     got = sched.detail["shares_per_layer"]
     assert all(got[n] == v for n, v in shares.items() if n.startswith(attn)), got
+
+
+def test_a_norm_over_all_heads_splits_with_its_projection():
+    """OLMo 2's q_norm and k_norm (RMS norms over all query heads' and all key heads'
+    features) split with q_proj and k_proj, by key/value group; split by query head, the key
+    (whole on every rank) keeps its norm whole, its weight shared. A norm of another formula
+    (a LayerNorm, below) keeps the attention whole."""
+    from hetcoll.torch.filters import split_layout
+
+    layout = split_layout(cases.olmo2())
+    attn = "model.layers.0.self_attn."
+    ts = next(ts for ts in layout.splits if ts.module == attn[:-1])
+    assert not layout.kept and ts.shared == []
+    assert ts.norms == {attn + "q_norm": attn + "q_proj", attn + "k_norm": attn + "k_proj"}
+    assert ts.by_head is not None and ts.by_head.norms == {attn + "q_norm": attn + "q_proj"}
+    assert attn + "k_norm.weight" in ts.by_head.shared
 
 
 def test_a_parameter_spanning_heads_keeps_the_attention_whole():

@@ -148,6 +148,27 @@ class ReduceSum(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+class SumEachWay(torch.autograd.Function):
+    """Allreduce of partial sums forward, whose total each rank then uses in its own way (a
+    norm's sum of squares over features split across the ranks, each rank normalising its
+    own): the total's gradient is each rank's part, so the backward sums it too."""
+
+    @staticmethod
+    def forward(ctx: Any, partial: torch.Tensor, comm: Communicator, timeout: Any) -> Any:
+        ctx.comm, ctx.timeout = comm, timeout
+        out = partial.detach().clone(memory_format=torch.contiguous_format)
+        CountingCommunicator.count_as(comm, "activations")
+        _sum_over_ranks(out, comm, timeout, False, None)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        g = grad.contiguous().clone()
+        CountingCommunicator.count_as(ctx.comm, "gradients")
+        _sum_over_ranks(g, ctx.comm, ctx.timeout, False, None)
+        return g, None, None
+
+
 class GatherChannels(torch.autograd.Function):
     """Allgather of uneven channel slices along ``dim``; backward keeps this rank's slice of
     the (replicated) output gradient — no communication."""

@@ -41,7 +41,7 @@ from hetcoll.torch.filters.head_guards import (
     PackedLayoutGuard,
     PerHeadInputs,
 )
-from hetcoll.torch.filters.head_probes import EmptyRankCheck
+from hetcoll.torch.filters.head_probes import EmptyRankCheck, rms_norm_eps
 from hetcoll.torch.filters.heads import TensorSplit
 from hetcoll.torch.filters.layers import (
     ChannelSplit,
@@ -52,6 +52,7 @@ from hetcoll.torch.filters.layers import (
     FilterParallelEmbedding,
     FilterParallelLinear,
     FilterParallelMultiheadAttention,
+    FilterParallelRMSNorm,
     SharedCopy,
     UpstreamCopy,
     is_conv1d,
@@ -730,6 +731,14 @@ def filter_parallel(
                     column.bias.register_hook(SumGradient(comm, timeout, (0, at)))
         for name in ts.whole:  # whole on every rank, reading the columns' copy of the input
             named[name].register_forward_pre_hook(copy.read_copy)
+        blocks_of = dict(ts.columns)
+        for norm, column in ts.norms.items():  # over the column's whole output: split with it
+            eps = rms_norm_eps(named[norm])
+            assert eps is not None  # the plan found it so
+            split_norm = FilterParallelRMSNorm.from_module(
+                named[norm], eps, counts, comm, blocks=blocks_of[column], timeout=timeout
+            )
+            _replace(model, norm, split_norm)
         row = named[ts.row]
         _replace(
             model,

@@ -7,6 +7,7 @@ forward's own inputs)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from copy import copy as shallow_copy
 from functools import partial
 from typing import Any
 
@@ -28,6 +29,32 @@ from hetcoll.torch.filters.head_guards import (
 from hetcoll.torch.filters.heads import TensorSplit
 from hetcoll.torch.filters.layers import split_runs, take_runs
 from hetcoll.torch.replay import meta_copy
+
+
+def rms_norm_eps(m: nn.Module) -> float | None:
+    """The epsilon of ``m`` where it is an RMS norm over its input's last dimension, as Hugging
+    Face's are (``weight * x / sqrt(mean(x^2) + eps)``, its epsilon ``variance_epsilon`` or
+    ``eps``), told by a probe forward of a copy holding a random weight on random rows (float32,
+    CPU); else None (a norm of another formula: Gemma's ``1 + weight``, a LayerNorm)."""
+    weight = getattr(m, "weight", None)
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or not isinstance(eps, float):
+        return None
+    if [n for n, _ in m.named_parameters()] != ["weight"]:
+        return None
+    g = torch.Generator().manual_seed(0)
+    probe = shallow_copy(m)
+    w = nn.Parameter(torch.randn(weight.shape, generator=g))
+    probe.__dict__["_parameters"] = {"weight": w}
+    x = torch.randn(3, weight.shape[0], generator=g)
+    want = w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    try:
+        with torch.no_grad():
+            got = type(m).forward(probe, x)
+    except Exception:  # whatever its own forward raises on a plain tensor
+        return None
+    ok = isinstance(got, torch.Tensor) and got.shape == want.shape
+    return eps if ok and torch.allclose(got, want, rtol=1e-5, atol=1e-6) else None
 
 
 def required_inputs(m: nn.Module) -> int | None:

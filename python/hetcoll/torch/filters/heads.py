@@ -62,6 +62,8 @@ class TensorSplit:
     ``kv_a_proj_with_mqa``, ``q_a_proj``); ``fed_by``: for each column reading one of them,
     the upstream layer whose output is copied to the ranks (:class:`~.layers.UpstreamCopy`:
     its gradient, each rank's its heads' part, summed) and which the column reads as is.
+    ``norms``: RMS norms over a column's whole output (OLMo 2's ``q_norm``), by name, with the
+    column each follows: split as its output is (:class:`~.layers.FilterParallelRMSNorm`).
     """
 
     kind: str
@@ -85,6 +87,7 @@ class TensorSplit:
     by_head: TensorSplit | None = None
     upstream: list[str] = field(default_factory=list)
     fed_by: dict[str, str] = field(default_factory=dict)
+    norms: dict[str, str] = field(default_factory=dict)
 
     def by_query_head(self) -> bool:
         """Whether its units are query heads beside a key/value head every rank holds whole

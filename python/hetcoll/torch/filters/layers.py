@@ -24,6 +24,7 @@ from hetcoll.torch.filters.autograd import (
     CopyToRanks,
     GatherChannels,
     ReduceSum,
+    SumEachWay,
     needs_check,
     sole_holder,
 )
@@ -200,6 +201,71 @@ class UpstreamCopy(SharedCopy):
         if isinstance(output, torch.Tensor) and output.requires_grad:
             return SharedCopy.__call__(self, output)
         return None
+
+
+class FilterParallelRMSNorm(ChannelSplit, nn.Module):
+    """An RMS norm over the features of a split layer's whole output (OLMo 2's ``q_norm`` over
+    every query head), holding this rank's features (its weight's slice, as the layer's
+    output is split: ``blocks``): each rank's sum of squares, summed over the ranks
+    (:class:`~.autograd.SumEachWay`: a number per token each way), gives the whole mean, with
+    which each rank normalises its own features. Computes ``weight * (x / rms(x))`` in
+    float32, as Hugging Face's RMS norms do. Only :meth:`from_module` builds one."""
+
+    weight: nn.Parameter
+    eps: float
+    features: int
+    timeout: float | None = None
+    blocks: tuple[int, ...] = (1,)
+
+    def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        return {"weight": (0, self.blocks)}
+
+    @classmethod
+    def from_module(
+        cls,
+        norm: nn.Module,
+        eps: float,
+        shares: Sequence[int],
+        group: Any = None,
+        *,
+        blocks: Sequence[int] = (1,),
+        timeout: float | None = None,
+    ) -> FilterParallelRMSNorm:
+        """This rank's features of ``norm`` (an RMS norm of epsilon ``eps`` whose 1-D weight
+        holds ``sum(shares) * sum(blocks)`` features), split as :func:`split_runs` says."""
+        weight = getattr(norm, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+            raise TypeError("norm: must hold a 1-D weight parameter")
+        comm = wrap(group)
+        units = list(shares)
+        if sum(units) * sum(blocks) != weight.shape[0] or len(units) != comm.size:
+            raise ValueError(
+                f"shares: {units} units of {tuple(blocks)} features do not split the norm's "
+                f"{weight.shape[0]} features over {comm.size} ranks"
+            )
+        self = cls()
+        self._set_split(comm, units)
+        self.eps, self.features, self.timeout = float(eps), int(weight.shape[0]), timeout
+        self.blocks = tuple(int(b) for b in blocks)
+        with torch.no_grad():
+            local = take_runs(weight, 0, split_runs(units, comm.rank, self.blocks)).clone()
+        self.weight = nn.Parameter(local, requires_grad=weight.requires_grad)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.weight.shape[0]:
+            raise ValueError(
+                f"input: this rank's norm holds {self.weight.shape[0]} features, got shape "
+                f"{tuple(x.shape)}"
+            )
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        squares = SumEachWay.apply(h.pow(2).sum(-1, keepdim=True), self.comm, self.timeout)
+        h = h * torch.rsqrt(squares / self.features + self.eps)
+        return (self.weight * h).to(dtype)  # type: ignore[no-any-return]
+
+    def extra_repr(self) -> str:
+        return f"{self.features}, eps={self.eps}, shares={self.shares}, rank={self.rank}"
 
 
 class LocalConv2d(nn.Module):

@@ -20,7 +20,12 @@ from hetcoll.torch.filters.chains import (
     ELEMENTWISE_MODULES,
     linear_features,
 )
-from hetcoll.torch.filters.head_probes import probe_packing, required_inputs, runs_without_heads
+from hetcoll.torch.filters.head_probes import (
+    probe_packing,
+    required_inputs,
+    rms_norm_eps,
+    runs_without_heads,
+)
 from hetcoll.torch.filters.heads import TensorSplit
 from hetcoll.torch.filters.layers import FilterParallelMultiheadAttention
 
@@ -85,6 +90,33 @@ def _qkv_columns(
         q = next(n for n, (_, fout) in inputs if fout == width)
         return [(n, (rep * hd if n == q else hd,)) for n, _ in inputs]
     return None
+
+
+def _whole_output_norms(m: nn.Module, columns: list[tuple[str, tuple[int, ...]]]) -> dict[str, str]:
+    """The RMS norms of ``m`` over a column's whole output, every head of it together (OLMo 2's
+    ``q_norm`` and ``k_norm``), by name, with the column each follows: a child ``<x>_norm``
+    (or ``<x>_layernorm``) whose weight is as wide as column ``<x>_proj``'s output (or
+    ``<x>``'s), one block of it, and which computes an RMS norm
+    (:func:`~.head_probes.rms_norm_eps`). A rank's norm then sums its squares with the other
+    ranks' (:class:`~.layers.FilterParallelRMSNorm`)."""
+    widths = {}
+    for c, blocks in columns:
+        layer = m.get_submodule(c)
+        f = linear_features(layer)
+        if f is not None and len(blocks) == 1:
+            widths[c] = f[1]
+    out = {}
+    for n, child in m.named_children():
+        stem = n.removesuffix("_layernorm").removesuffix("_norm")
+        if stem == n:
+            continue
+        col = next((c for c in (f"{stem}_proj", stem) if c in widths), None)
+        weight = getattr(child, "weight", None)
+        if col is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+            continue
+        if weight.shape[0] == widths[col] and rms_norm_eps(child) is not None:
+            out[n] = col
+    return out
 
 
 def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
@@ -156,8 +188,9 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
     ]
     shared: list[str] = []
     head_params: list[str] = []
+    norms = _whole_output_norms(m, columns)
     for pn, p in m.named_parameters():
-        if pn.split(".", 1)[0] in projections:
+        if pn.split(".", 1)[0] in projections or pn.split(".", 1)[0] in norms:
             continue
         if "." not in pn and tuple(p.shape) == (nq,) and nq > 1 and (nq != hd or pn == "sinks"):
             head_params.append(pn)
@@ -204,9 +237,14 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
                     v = getattr(obj, a, None)
                     if isinstance(v, int) and not isinstance(v, bool) and v == total:
                         into[a] = per_unit
+        # A norm of a projection held whole on every rank (a key split by query head) is
+        # shared as its projection is; the others split with their projection's output.
+        whole_norms = {n for n, c in norms.items() if c in whole}
         held = set(shared)
         shared_here = [
-            pn for pn, _ in m.named_parameters() if pn in held or pn.split(".", 1)[0] in whole
+            pn
+            for pn, _ in m.named_parameters()
+            if pn in held or pn.split(".", 1)[0] in whole or pn.split(".", 1)[0] in whole_norms
         ]
         return TensorSplit(
             "attention",
@@ -225,6 +263,7 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
             whole_features={prefix + n: f for n, f in (whole_features or {}).items()},
             kv_groups=kv_groups,
             fixed=fixed,
+            norms={prefix + n: prefix + c for n, c in norms.items() if n not in whole_norms},
         )
 
     # Multi-query and grouped-query attention split by query head: the key and value, which
