@@ -31,6 +31,8 @@ EXPECTED = {
     "mixtral_by_shares": True,
     "mixtral_planned_split": True,
     "mixtral_grouped_mm": True,
+    "deepseek_pipeline": True,
+    "deepseek_three_ranks": True,
     "falcon_hybrid": True,
     "falcon_resumes": True,
     "gpt2_loss_parallel": True,

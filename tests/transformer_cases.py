@@ -28,7 +28,7 @@ from hetcoll.torch import parallelize
 from hetcoll.torch.filters import FilterParallelExperts, FilterParallelLayer, filter_shares
 from hetcoll.torch.layers import model_layers
 
-from lm_common import hf_falcon, hf_gpt2, hf_llama, hf_mixtral
+from lm_common import PLAIN, hf_falcon, hf_gpt2, hf_llama, hf_mixtral
 
 TOL = 1e-10
 VOCAB = 48
@@ -65,6 +65,22 @@ def mixtral_grouped_mm() -> nn.Module:
     """:func:`mixtral` run by ``grouped_mm`` (Hugging Face's default: float32 and 16-bit
     only), whose experts run on the meta device."""
     return mixtral("grouped_mm")
+
+
+def deepseek() -> nn.Module:
+    """Hugging Face DeepSeek-V3: multi-head latent attention (4 heads), a dense first block,
+    then experts of 32 hidden units (2 of 4 per token) beside a shared expert."""
+    import transformers
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=8, kv_lora_rank=8,
+        qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, moe_intermediate_size=32,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+        first_k_dense_replace=1, experts_implementation="eager", max_position_embeddings=32,
+        **PLAIN,
+    )  # fmt: skip
+    return transformers.DeepseekV3ForCausalLM(config)
 
 
 class EncoderLM(nn.Module):
@@ -193,10 +209,13 @@ def split_stage(par: Any) -> None:
         m != "gather" for n, m in modes.items() if n.rsplit(".", 1)[-1] not in ("lm_head", "head")
     ), modes
     # A mixture of experts' experts split by each expert's hidden units on the stage's ranks:
-    # its block has one pair of layers (the attention's) and the experts module.
+    # its block has one pair of layers for its attention, one more only beside a shared
+    # expert (DeepSeek's), and the experts module.
     experts = [m for n, m in par.stage.named_modules() if n.endswith(".mlp.experts")]
     assert all(isinstance(e, FilterParallelExperts) for e in experts), experts
-    assert sum(m == "split-input" for m in modes.values()) == 2 * len(heads) - len(experts), modes
+    shared = [n for n in modes if ".shared_expert" in n and modes[n] == "split-input"]
+    rows = 2 * len(heads) - len(experts) + len(shared)
+    assert sum(m == "split-input" for m in modes.values()) == rows, modes
     if par.plan.replicas[i].stages[j].empty_blocks:  # a slow rank holds none of some block
         rows = [m for m in par.stage.modules() if getattr(m, "mode", "") == "split-input"]
         assert rows and any(0 in m.shares for m in rows), modes
@@ -243,6 +262,20 @@ def split_stage(par: Any) -> None:
         if getattr(m, "whole", ()):
             per_row = m.weight.numel() // m.weight.shape[m.weight_out_dim]
             whole_kv += [sum(m.whole) * per_row] + ([sum(m.whole)] if m.bias is not None else [])
+    # A latent attention's (DeepSeek's) latent norms, whole on every rank ahead of its heads:
+    # their weights' gradients are summed too.
+    latent = [
+        par.stage.get_submodule(n)
+        for n in heads
+        if hasattr(par.stage.get_submodule(n), "kv_a_proj_with_mqa")
+    ]
+    whole_kv += [
+        q.numel()
+        for a in latent
+        for norm in ("q_a_layernorm", "kv_a_layernorm")
+        if hasattr(a, norm)
+        for q in getattr(a, norm).parameters()
+    ]
     for n in whole_kv:
         comm.kind = "probe"
         allreduce(torch.zeros(n, dtype=dtype), comm, check=False)
@@ -261,13 +294,23 @@ def split_stage(par: Any) -> None:
             elif holders == [m.rank]:
                 blocks += (p - 1) * rows * SEQ * hidden * item
         # Each experts module sums its output forward, and the gradients of its hidden states
-        # and of its routing weights (top_k per token, float32: Mixtral's router's) backward.
+        # and of its routing weights (top_k per token, float32: the routers') backward.
         blocks += len(experts) * reduction
         for e in experts:
             comm.kind = "probe"
             weights = torch.zeros(rows * SEQ * e.config.num_experts_per_tok)
             allreduce(weights, comm, check=False)
             backward += comm.counts.pop("probe")
+        # A latent attention copies no hidden states: the gradients of its latent
+        # projections' outputs are summed instead.
+        for a in latent:
+            backward -= reduction
+            for proj in ("q_a_proj", "kv_a_proj_with_mqa"):
+                if hasattr(a, proj):
+                    comm.kind = "probe"
+                    out = getattr(a, proj).out_features
+                    allreduce(torch.zeros(rows * SEQ * out, dtype=dtype), comm, check=False)
+                    backward += comm.counts.pop("probe")
         forward += agreement + blocks
         forward += sum((p - 1) * rows * SEQ * m.shares[m.rank] * item for m in gathers)
         backward += blocks + len(gathers) * reduction
@@ -685,6 +728,12 @@ def run_all(group: Any) -> dict[str, Any]:
     equals_one_process(group, mixtral, Plan.from_dict(hybrid_by_shares(mixtral, n)), tol=1e-6)
     out["mixtral_by_shares"] = True
     out["mixtral_planned_split"] = bool(planned_split(group, mixtral))
+    # DeepSeek-V3: its latent attention split by heads (the latents whole on every rank),
+    # its experts by hidden units, beside a dense block and shared experts.
+    n_ds = len(model_layers(deepseek()))
+    for name, cut in (("pipeline", pipeline_4), ("three_ranks", split_three)):
+        equals_one_process(group, deepseek, Plan.from_dict(cut(n_ds)), tol=1e-6)
+        out[f"deepseek_{name}"] = True
     # The same model as Hugging Face runs it by default, in float32 (a tolerance: its sums
     # run in another order).
     plan = Plan.from_dict(split_three(n))
