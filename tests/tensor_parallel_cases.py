@@ -31,6 +31,7 @@ from hetcoll.torch.filters import (
     FilterParallelEmbedding,
     FilterParallelExperts,
     FilterParallelLayer,
+    FilterParallelRMSNorm,
     filter_shares,
     gather_optimizer_state_dict,
     load_full_optimizer_state_dict,
@@ -771,6 +772,28 @@ def experts(group: Any) -> dict[str, Any]:
     out["grouped_mm"] = sorted(
         {tuple(m.shares) for m in split.modules() if isinstance(m, FilterParallelExperts)}
     )
+    # The split modules' own constructors name what is wrong, before any collective.
+    comm = wrap(group)
+    errors = 0
+    for kind, text, call in (
+        (ValueError, "module: cannot split its experts", lambda: nn.Linear(2, 2)),
+        (ValueError, "shares: must be", lambda: mixtral().model.layers[0].mlp.experts),
+    ):
+        try:
+            FilterParallelExperts.convert(call(), [1] * p, comm)
+        except kind as e:
+            assert text in str(e), str(e)
+            errors += 1
+    for kind, text, norm in (
+        (TypeError, "norm: must hold a 1-D weight", nn.Linear(4, 4)),
+        (ValueError, "shares: [1, 1, 1] units", olmo2().model.layers[0].self_attn.q_norm),
+    ):
+        try:
+            FilterParallelRMSNorm.from_module(norm, 1e-6, [1] * p, comm)
+        except kind as e:
+            assert text.replace("[1, 1, 1]", str([1] * p)) in str(e), str(e)
+            errors += 1
+    out["errors"] = errors
     # Emulated speeds slow a rank's own work on its hidden units, not the experts' reduction
     # (the unsplit experts module, holding its weights above an activation, whole).
     from hetcoll.lab.emulate import delay_points

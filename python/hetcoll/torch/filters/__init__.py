@@ -83,10 +83,12 @@ from hetcoll.torch.filters.layers import (
     FilterParallelEmbedding,
     FilterParallelLinear,
     FilterParallelMultiheadAttention,
+    FilterParallelRMSNorm,
     LocalConv1D,
     LocalConv2d,
     LocalLinear,
     SharedCopy,
+    UpstreamCopy,
 )
 from hetcoll.torch.filters.layers import (
     FilterParallelLayer as FilterParallelLayer,
@@ -116,6 +118,7 @@ __all__ = [
     "FilterParallelExperts",
     "FilterParallelLinear",
     "FilterParallelMultiheadAttention",
+    "FilterParallelRMSNorm",
     "LocalConv1D",
     "LocalConv2d",
     "LocalLinear",
@@ -124,6 +127,7 @@ __all__ = [
     "SplitLayout",
     "SplitOutput",
     "TensorSplit",
+    "UpstreamCopy",
     "check_empty_heads",
     "experts_layout",
     "filter_modes",
