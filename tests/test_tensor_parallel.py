@@ -320,6 +320,8 @@ def test_latent_attention_splits_by_heads_its_latents_whole(q_lora):
     assert not any(attn + n in shares for n in latents)
     block = next(b for b in costs.split_blocks if b.module == attn[:-1])
     assert set(latents) <= {n.removeprefix(attn) for n in block.whole}
+    # The key/value latent's gradient (8 + 4 float32 features per token of 7) is summed too.
+    assert block.sums == ((7 * 12 * 4.0, False),)
     sched = filter_parallel_schedule(costs, _two_devices(3), 4, [1.0, 0.5, 0.25])
     got = sched.detail["shares_per_layer"]
     assert all(got[n] == v for n, v in shares.items() if n.startswith(attn)), got
@@ -339,6 +341,12 @@ def test_a_norm_over_all_heads_splits_with_its_projection():
     assert ts.norms == {attn + "q_norm": attn + "q_proj", attn + "k_norm": attn + "k_proj"}
     assert ts.by_head is not None and ts.by_head.norms == {attn + "q_norm": attn + "q_proj"}
     assert attn + "k_norm.weight" in ts.by_head.shared
+    # The performance model prices each norm's sums: a float32 number per token each way.
+    from hetcoll.model import layer_costs
+
+    costs = layer_costs(cases.olmo2(), (7,), dtype=torch.int64)
+    block = next(b for b in costs.split_blocks if b.module == attn[:-1])
+    assert block.sums == ((28.0, True), (28.0, False)) * 2
 
 
 def test_a_parameter_spanning_heads_keeps_the_attention_whole():
@@ -638,6 +646,19 @@ def test_the_model_splits_experts_as_the_runtime(speeds):
     assert got[experts] == want[experts] == got["model.layers.1.mlp.experts"]
     assert sched.detail["modes"][experts] == "split-input"
     row = next(i for i, x in enumerate(costs.layers) if x.name == experts)
+    # Its routing weights' gradient (2 float32 numbers per token of 7) is summed too.
+    from dataclasses import replace
+
+    from hetcoll.model.predict.splits import SplitCollectives
+
+    block = next(b for b in costs.split_blocks if b.module == experts)
+    assert block.sums == ((7 * 2 * 4.0, False),)
+    sums = SplitCollectives(costs, _two_devices(len(speeds)))
+    with_sums = sums.block_sums_s(4, [row], False, block)
+    without = sums.block_sums_s(4, [row], False, replace(block, sums=()))
+    assert with_sums[0] == without[0]
+    extra = sums.allreduce_s(7 * 2 * 4.0 * 4) + sums.copy_s(7 * 2 * 4.0 * 4)
+    assert math.isclose(with_sums[1] - without[1], extra)
     compute = sched.layers.compute_s[row]
     assert all(
         math.isclose(compute[d] / compute[0], got[experts][d] / got[experts][0])

@@ -201,7 +201,7 @@ def layer_costs(
     # Attentions that cannot run on a rank without heads, as the model's forward calls them.
     check_empty_heads(model, layout.splits, example_batch(inputs, _TRACE_BATCH, "meta"))
     modes = tuple((n or type(model).__name__, m) for n, m in layout.modes.items())
-    blocks = tuple(_split_block(model, ts) for ts in layout.splits)
+    blocks = tuple(_split_block(model, ts, layers, item) for ts in layout.splits)
     costs = ModelCosts(
         tuple(layers),
         shape,
@@ -400,9 +400,11 @@ def _with_blocks(
     )
 
 
-def _split_block(model: nn.Module, ts: TensorSplit) -> SplitBlock:
+def _split_block(
+    model: nn.Module, ts: TensorSplit, layers: Sequence[LayerCost], item: int
+) -> SplitBlock:
     """``ts`` as the performance model prices it (and its split by query head, where it has
-    one)."""
+    one), with the block's other sums (:func:`_other_sums`)."""
     return SplitBlock(
         ts.module,
         ts.kind,
@@ -415,8 +417,48 @@ def _split_block(model: nn.Module, ts: TensorSplit) -> SplitBlock:
         ts.heads_with,
         tuple(ts.whole + ts.upstream),
         tuple(sum(ts.whole_features.get(n, ())) for n in ts.layers()) if ts.whole_features else (),
-        None if ts.by_head is None else _split_block(model, ts.by_head),
+        None if ts.by_head is None else _split_block(model, ts.by_head, layers, item),
+        _other_sums(model, ts, layers, item),
     )
+
+
+def _other_sums(
+    model: nn.Module, ts: TensorSplit, layers: Sequence[LayerCost], item: int
+) -> tuple[tuple[float, bool], ...]:
+    """The sums over the ranks a split of ``ts`` makes besides its output's and its input
+    gradient's, ``(bytes per sample, forward)``, as the runtime makes them: each split RMS
+    norm's sum of squares (float32, a number per token, forward and backward); an experts
+    module's routing weights' gradient (float32, ``top_k`` per token, backward); a latent
+    attention's latents after the first's (their gradients, backward). Tokens per sample:
+    the block's output rows (its last layer's output bytes over its features)."""
+    from hetcoll.torch.filters import linear_features
+
+    by_name = {x.name: x for x in layers}
+    row = by_name.get(ts.row)
+    module = model.get_submodule(ts.row)
+    features = 0
+    if ts.kind == "experts":
+        down = getattr(module, "down_proj", None)
+        if isinstance(down, torch.Tensor):
+            features = int(down.shape[2 if getattr(module, "is_transposed", False) else 1])
+    else:
+        f = linear_features(module)
+        features = 0 if f is None else f[1]
+    if row is None or features <= 0:
+        return ()
+    tokens = row.out_bytes_per_sample / (features * item)
+    sums: list[tuple[float, bool]] = []
+    for _ in ts.norms:
+        sums += [(tokens * 4.0, True), (tokens * 4.0, False)]
+    if ts.kind == "experts":
+        top_k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
+        if isinstance(top_k, int):
+            sums.append((tokens * top_k * 4.0, False))
+    for column, upstream in ts.fed_by.items():
+        f = linear_features(model.get_submodule(upstream))
+        if column != ts.columns[0][0] and f is not None:
+            sums.append((tokens * f[1] * item, False))
+    return tuple(sums)
 
 
 def _whole_rows(model: nn.Module, ts: TensorSplit) -> list[int]:

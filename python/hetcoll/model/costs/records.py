@@ -162,6 +162,10 @@ class SplitBlock:
     whole: tuple[str, ...] = ()
     whole_features: tuple[int, ...] = ()
     by_head: SplitBlock | None = None
+    #: The block's other sums over the devices, ``(bytes per sample, forward)``: a split
+    #: norm's sum of squares (one number per token, each way), an experts module's routing
+    #: weights' gradient (``top_k`` per token), a latent attention's second latent's gradient.
+    sums: tuple[tuple[float, bool], ...] = ()
 
     def resolved(
         self,

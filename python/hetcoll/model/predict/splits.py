@@ -55,13 +55,23 @@ class SplitCollectives:
         of its input's gradient after its first layer's backward (``rows``: its costed layers),
         each an allreduce on a copy; broadcast from its one holder instead when ``alone`` (the
         other devices' partial sums are zero). The backward adds an allreduce of each
-        parameter the block's heads share (``block.shared``), on every split."""
+        parameter the block's heads share (``block.shared``), on every split; each way adds
+        the block's other sums (``block.sums``), each an allreduce on a copy."""
         first, last = self.costs.layers[min(rows)], self.costs.layers[max(rows)]
         total = self.broadcast_s if alone else self.allreduce_s
         out = last.out_bytes_per_sample * batch
         grad = first.in_bytes_per_sample * batch
         shared = sum(self.allreduce_s(n * self.costs.itemsize) for n in block.shared)
-        return total(out) + self.copy_s(out), total(grad) + self.copy_s(grad) + shared
+        other = [
+            sum(
+                self.allreduce_s(b * batch) + self.copy_s(b * batch)
+                for b, forward in block.sums
+                if forward == way
+            )
+            for way in (True, False)
+        ]
+        forward_s = total(out) + self.copy_s(out) + other[0]
+        return forward_s, total(grad) + self.copy_s(grad) + shared + other[1]
 
 
 def split_blocks(costs: ModelCosts, modes: Mapping[str, str]) -> list[SplitBlock]:
