@@ -60,6 +60,23 @@ def _sum_over_ranks(
         allreduce(t, comm, timeout=timeout, check=check)
 
 
+def _summed(
+    t: torch.Tensor,
+    comm: Communicator,
+    timeout: float | None,
+    kind: str,
+    check: bool = False,
+    root: int | None = None,
+) -> torch.Tensor:
+    """A contiguous copy of ``t`` summed over the ranks (:func:`_sum_over_ranks`), what it
+    sends counted as ``kind`` (``"activations"`` forward, ``"gradients"`` backward): the
+    autograd functions' collectives work on copies, so autograd's tensors stay intact."""
+    out = t.detach().clone(memory_format=torch.contiguous_format)
+    CountingCommunicator.count_as(comm, kind)
+    _sum_over_ranks(out, comm, timeout, check, root)
+    return out
+
+
 class SumGradient:
     """A hook on a parameter every rank holds whole but applies to its own heads only (a
     query/key norm over the head dimension inside an attention split by heads): each rank's
@@ -119,9 +136,7 @@ class CopyToRanks(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         if ctx.owner is not None:  # a SharedCopy: its copy is used up
             ctx.owner.clear()
-        g = grad.contiguous().clone()
-        CountingCommunicator.count_as(ctx.comm, "gradients")
-        _sum_over_ranks(g, ctx.comm, ctx.timeout, ctx.check, ctx.root)
+        g = _summed(grad, ctx.comm, ctx.timeout, "gradients", ctx.check, ctx.root)
         return g, None, None, None, None, None
 
 
@@ -138,10 +153,7 @@ class ReduceSum(torch.autograd.Function):
         check: bool = True,
         root: int | None = None,
     ) -> Any:
-        out = partial.detach().clone(memory_format=torch.contiguous_format)
-        CountingCommunicator.count_as(comm, "activations")
-        _sum_over_ranks(out, comm, timeout, check, root)
-        return out
+        return _summed(partial, comm, timeout, "activations", check, root)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -156,17 +168,11 @@ class SumEachWay(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, partial: torch.Tensor, comm: Communicator, timeout: Any) -> Any:
         ctx.comm, ctx.timeout = comm, timeout
-        out = partial.detach().clone(memory_format=torch.contiguous_format)
-        CountingCommunicator.count_as(comm, "activations")
-        _sum_over_ranks(out, comm, timeout, False, None)
-        return out
+        return _summed(partial, comm, timeout, "activations")
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        g = grad.contiguous().clone()
-        CountingCommunicator.count_as(ctx.comm, "gradients")
-        _sum_over_ranks(g, ctx.comm, ctx.timeout, False, None)
-        return g, None, None
+        return _summed(grad, ctx.comm, ctx.timeout, "gradients"), None, None
 
 
 class GatherChannels(torch.autograd.Function):
