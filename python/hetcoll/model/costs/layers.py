@@ -431,16 +431,15 @@ def _other_sums(
     module's routing weights' gradient (float32, ``top_k`` per token, backward); a latent
     attention's latents after the first's (their gradients, backward). Tokens per sample:
     the block's output rows (its last layer's output bytes over its features)."""
-    from hetcoll.torch.filters import linear_features
+    from hetcoll.torch.filters import ExpertsLayout, experts_layout, linear_features
 
     by_name = {x.name: x for x in layers}
     row = by_name.get(ts.row)
     module = model.get_submodule(ts.row)
     features = 0
     if ts.kind == "experts":
-        down = getattr(module, "down_proj", None)
-        if isinstance(down, torch.Tensor):
-            features = int(down.shape[2 if getattr(module, "is_transposed", False) else 1])
+        layout = experts_layout(module)
+        features = layout.features if isinstance(layout, ExpertsLayout) else 0
     else:
         f = linear_features(module)
         features = 0 if f is None else f[1]

@@ -72,7 +72,7 @@ from hetcoll.torch.filters.chains import (
 )
 from hetcoll.torch.filters.checks import MODES
 from hetcoll.torch.filters.convert import filter_parallel, filter_shares, split_traffic
-from hetcoll.torch.filters.experts import FilterParallelExperts, experts_layout
+from hetcoll.torch.filters.experts import ExpertsLayout, FilterParallelExperts, experts_layout
 from hetcoll.torch.filters.head_probes import check_empty_heads
 from hetcoll.torch.filters.heads import ConfigView, TensorSplit
 from hetcoll.torch.filters.layers import (
@@ -110,6 +110,7 @@ __all__ = [
     "MODES",
     "SPATIAL_MODULES",
     "ConfigView",
+    "ExpertsLayout",
     "FilterParallelBatchNorm1d",
     "FilterParallelBatchNorm2d",
     "FilterParallelConv1D",

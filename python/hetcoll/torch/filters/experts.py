@@ -45,12 +45,13 @@ class ExpertsLayout:
     ``(2,)``; one down column); ``counts``, the module's attributes counting the hidden units
     (a rank's module counts its own); ``bias``: the output projection's bias (``""`` for none),
     which every rank holds whole and the first rank alone adds, its gradient summed over the
-    ranks."""
+    ranks; ``features``: what each token's experts read and write (the hidden size)."""
 
     units: int
     params: dict[str, tuple[int, tuple[int, ...]]]
     counts: tuple[str, ...]
     bias: str = ""
+    features: int = 0
 
 
 def experts_layout(m: nn.Module) -> ExpertsLayout | str | None:
@@ -99,7 +100,8 @@ def experts_layout(m: nn.Module) -> ExpertsLayout | str | None:
     if others:
         return f"it holds parameters of no known role: {others}"
     counts = tuple(a for a in _COUNTS if getattr(m, a, None) == units)
-    return ExpertsLayout(units, params, counts, bias)
+    features = int(up.shape[3 - up_dim])  # the expert dimension is 0, the split one up_dim
+    return ExpertsLayout(units, params, counts, bias, features)
 
 
 def experts_split(name: str, m: nn.Module) -> TensorSplit | str | None:
@@ -155,10 +157,8 @@ def _separable(m: nn.Module, layout: ExpertsLayout) -> str:
             dim, blocks = layout.params[n]
             shape[dim] = 2 * ALIGN * sum(blocks)
         full[n] = torch.randn(shape, generator=g) / 4
-    up = full["gate_up_proj" if m.has_gate else "up_proj"]
-    features = int(up.shape[1 if m.is_transposed else 2])  # what the experts read
     tokens, top_k = 6, min(2, experts)
-    x = torch.randn(tokens, features, generator=g)
+    x = torch.randn(tokens, layout.features, generator=g)
     index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=g)
 

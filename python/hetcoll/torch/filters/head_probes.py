@@ -7,7 +7,6 @@ forward's own inputs)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from copy import copy as shallow_copy
 from functools import partial
 from typing import Any
 
@@ -27,7 +26,7 @@ from hetcoll.torch.filters.head_guards import (
     reshaped_to,
 )
 from hetcoll.torch.filters.heads import TensorSplit
-from hetcoll.torch.filters.layers import split_runs, take_runs
+from hetcoll.torch.filters.layers import ChannelSplit, split_runs, take_runs
 from hetcoll.torch.replay import meta_copy
 
 
@@ -35,7 +34,10 @@ def rms_norm_eps(m: nn.Module) -> float | None:
     """The epsilon of ``m`` where it is an RMS norm over its input's last dimension, as Hugging
     Face's are (``weight * x / sqrt(mean(x^2) + eps)``, its epsilon ``variance_epsilon`` or
     ``eps``), told by a probe forward of a copy holding a random weight on random rows (float32,
-    CPU); else None (a norm of another formula: Gemma's ``1 + weight``, a LayerNorm)."""
+    CPU); else None (a norm of another formula: Gemma's ``1 + weight``, a LayerNorm; a norm
+    split already, whose forward would sum over its ranks)."""
+    if isinstance(m, ChannelSplit):
+        return None
     weight = getattr(m, "weight", None)
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
     if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or not isinstance(eps, float):
@@ -43,14 +45,12 @@ def rms_norm_eps(m: nn.Module) -> float | None:
     if [n for n, _ in m.named_parameters()] != ["weight"]:
         return None
     g = torch.Generator().manual_seed(0)
-    probe = shallow_copy(m)
-    w = nn.Parameter(torch.randn(weight.shape, generator=g))
-    probe.__dict__["_parameters"] = {"weight": w}
+    w = torch.randn(weight.shape, generator=g)
     x = torch.randn(3, weight.shape[0], generator=g)
     want = w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     try:
         with torch.no_grad():
-            got = type(m).forward(probe, x)
+            got = torch.func.functional_call(m, {"weight": w}, (x,))
     except Exception:  # whatever its own forward raises on a plain tensor
         return None
     ok = isinstance(got, torch.Tensor) and got.shape == want.shape
