@@ -1,10 +1,18 @@
 """PyTorch integration: balanced data parallelism (speed probe, sampler, exact sample- or
-token-weighted gradient averaging for DDP and for MPI, rebalancing) and filter (model)
+token-weighted gradient averaging for DDP and for MPI, rebalancing), filter (model)
 parallelism with uneven, speed-proportional channel splits (transformers: attention by heads,
-MLPs by hidden units). Emulated heterogeneity, for trying these on one machine, is lab code:
-:mod:`hetcoll.lab.emulate`."""
+MLPs by hidden units), and expert parallelism (whole experts per rank, by speed and load).
+Emulated heterogeneity, for trying these on one machine, is lab code: :mod:`hetcoll.lab.emulate`.
+"""
 
 from hetcoll.torch.batches import BatchCounter, item_total, item_weights
+from hetcoll.torch.expert_parallel import (
+    ExpertParallelExperts,
+    expert_parallel,
+    expert_shares,
+    is_rank_local,
+    rank_local_parameters,
+)
 from hetcoll.torch.filters import (
     FilterParallelBatchNorm1d,
     FilterParallelBatchNorm2d,
@@ -36,6 +44,7 @@ __all__ = [
     "BalancedSampler",
     "BatchCounter",
     "DistributedOptimizer",
+    "ExpertParallelExperts",
     "FilterParallelBatchNorm1d",
     "FilterParallelBatchNorm2d",
     "FilterParallelConv1D",
@@ -48,17 +57,21 @@ __all__ = [
     "SplitOutput",
     "WeightedAllreduceState",
     "broadcast_parameters",
+    "expert_parallel",
+    "expert_shares",
     "filter_parallel",
     "gather_gradients",
     "gather_optimizer_state_dict",
     "gather_speeds",
     "gather_state_dict",
+    "is_rank_local",
     "item_total",
     "item_weights",
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "measure_speed",
     "parallelize",
+    "rank_local_parameters",
     "register_weighted_hook",
     "split_traffic",
     "weighted_allreduce_hook",

@@ -37,6 +37,7 @@ from hetcoll.torch.batches import (
     local_batch_value,
     not_counted,
 )
+from hetcoll.torch.expert_parallel import is_rank_local
 
 _SUPPORTED = (torch.float32, torch.float64)
 
@@ -156,7 +157,15 @@ class DistributedOptimizer:
         return self.optimizer.param_groups
 
     def _params(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
+        """The parameters averaged over the ranks: those that require a gradient, but for
+        each rank's own experts (:func:`hetcoll.torch.expert_parallel`), whose gradients sum
+        every rank's tokens already."""
+        return [
+            p
+            for g in self.optimizer.param_groups
+            for p in g["params"]
+            if p.requires_grad and not is_rank_local(p)
+        ]
 
     def synchronize(self) -> None:
         """Replace every gradient by the mean over all ranks weighted by their counts, samples

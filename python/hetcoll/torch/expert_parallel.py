@@ -1,0 +1,497 @@
+"""Expert parallelism over data-parallel ranks of unequal speed: each rank holds whole experts
+of every mixture-of-experts layer, as many as its speed (and the experts' measured loads) call
+for, and trains on its own share of the batch; every token its router sends to an expert
+travels to that expert's rank and back (two all-to-alls forward, two backward), so the
+experts' weights are held once across the group, not once per rank.
+
+The model learns what one process would on the whole batch. Data-parallel averaging weighs
+rank r's gradient by ``w_r = n_r / sum(n)`` (its share of the items the losses average over:
+:func:`hetcoll.torch.register_weighted_hook`, :class:`hetcoll.torch.DistributedOptimizer`);
+an expert's gradient sums the gradients of every rank's tokens, so the rows coming from rank r
+are weighed by ``w_r`` on the expert's rank in the backward, and the input gradients going back
+are divided by it again. Each forward exchanges the ranks' ``n_r`` with the token counts.
+
+Which modules: Hugging Face's experts modules (``use_experts_implementation``: every
+expert's weights stacked along dimension 0 of 3-D parameters, called as
+``experts(hidden_states, top_k_index, top_k_weights)``), whatever their layout (gated or not,
+transposed, biased, a norm of each expert's output). A rank's slice is the module's own class
+holding fewer experts, run with the module's own forward and kernel (``eager``,
+``batched_mm``, ``grouped_mm``) on the tokens it receives.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import hetcoll
+from hetcoll.comm import Communicator, deadline, wrap
+from hetcoll.torch.filters.layers import ChannelSplit
+from hetcoll.torch.transport import CountingCommunicator, transport
+
+#: The flags Hugging Face's ``use_experts_implementation`` sets on an experts module.
+_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
+
+#: A rank's weight in the step's gradient average: a function of nothing, called at each
+#: forward of an expert-parallel layer (None: the rows of that layer's input, its tokens).
+Weight = Callable[[], float]
+
+#: Codes of the dtypes the ranks' tokens may carry (exchanged to check that the ranks agree).
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+#: Fields of the counts every forward exchanges, per destination rank.
+_ROWS, _WEIGHT, _FEATURES, _DTYPE, _BAD = range(5)
+
+
+def experts_module(m: nn.Module) -> str | None:
+    """Why ``m`` cannot be placed by whole experts ("" where it can), or None where it holds
+    no experts: an experts module has an int ``num_experts`` and 3-D parameters; it must carry
+    Hugging Face's ``use_experts_implementation`` flags (its forward is then
+    ``experts(hidden_states, top_k_index, top_k_weights)``) and hold every parameter stacked
+    by expert (dimension 0 of length ``num_experts``)."""
+    experts = getattr(m, "num_experts", None)
+    if not isinstance(experts, int) or not any(p.dim() == 3 for p in m.parameters(False)):
+        return None
+    if isinstance(m, ExpertParallelExperts):
+        return None
+    if not all(isinstance(getattr(m, f, None), bool) for f in _FLAGS):
+        return (
+            "its parameters are not laid out as Hugging Face's use_experts_implementation "
+            "describes them"
+        )
+    odd = [n for n, p in m.named_parameters() if p.dim() < 1 or p.shape[0] != experts]
+    if odd:
+        return f"it holds parameters not stacked by expert (dimension 0 of {experts}): {odd}"
+    if list(m.buffers()):
+        return "it holds buffers, which no rule here places by expert"
+    return ""
+
+
+def expert_shares(
+    num_experts: int,
+    speeds: Sequence[float],
+    *,
+    loads: Sequence[float] | None = None,
+    memory: Sequence[float] | None = None,
+) -> list[int]:
+    """Experts per rank, in rank order (rank r holds the next ``shares[r]`` experts).
+
+    Without ``loads`` every expert counts alike: :func:`hetcoll.split` of ``num_experts`` by
+    ``speeds`` (a rank may get none). With ``loads`` (each expert's work: the tokens routed to
+    it, measured over recent steps) the experts are cut into contiguous runs whose load over
+    the rank's speed is smallest at the slowest rank (:func:`hetcoll.partition_chain`, exact);
+    ``memory`` (bytes each rank may give the experts, with ``loads``) bounds each rank's count by
+    what fits, an expert weighing the same on every rank.
+
+    >>> expert_shares(8, [3.0, 1.0])
+    [6, 2]
+    >>> expert_shares(4, [1.0, 1.0], loads=[3.0, 1.0, 1.0, 1.0])
+    [1, 3]
+    """
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts: must be an int >= 1, got {num_experts!r}")
+    speeds = [float(s) for s in speeds]
+    if loads is None:
+        if memory is not None:
+            raise ValueError("memory: needs loads (the experts' loads) to place experts by")
+        return [int(n) for n in hetcoll.split(num_experts, speeds)]
+    loads = [float(x) for x in loads]
+    if len(loads) != num_experts:
+        raise ValueError(f"loads: needs one entry per expert ({num_experts}), got {len(loads)}")
+    if any(not math.isfinite(x) or x < 0 for x in loads):
+        raise ValueError(f"loads: must be finite and >= 0, got {loads}")
+    if memory is None:
+        return [int(n) for n in hetcoll.partition_chain(loads, speeds)]
+    if len(memory) != len(speeds):
+        raise ValueError(f"memory: needs one entry per rank ({len(speeds)}), got {len(memory)}")
+    # partition_chain bounds bytes: each expert weighs 1, each rank holds its memory's count.
+    return [
+        int(n)
+        for n in hetcoll.partition_chain(
+            loads, speeds, memory=[1.0] * num_experts, capacity=[float(m) for m in memory]
+        )
+    ]
+
+
+#: The parameters holding a rank's own experts, by id (a weak reference each, so a freed
+#: parameter whose id is reused is not mistaken for one).
+_rank_local: dict[int, weakref.ReferenceType[torch.Tensor]] = {}
+
+
+def is_rank_local(p: torch.Tensor) -> bool:
+    """Whether ``p`` holds this rank's own experts (:func:`expert_parallel`): data-parallel
+    averaging must leave its gradient alone."""
+    ref = _rank_local.get(id(p))
+    return ref is not None and ref() is p
+
+
+def _mark_rank_local(p: torch.Tensor) -> None:
+    key = id(p)
+    _rank_local[key] = weakref.ref(p, lambda _: _rank_local.pop(key, None))
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of ``x`` sent in rank order (``send[q]`` rows to rank q), ``recv[q]`` rows received
+    from each rank q; backward sends the rows' gradients back the same way. On the CPU, over
+    the communicator's engine (gloo or MPI): device tensors travel through host memory."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        comm: Communicator,
+        send: list[int],
+        recv: list[int],
+        timeout: float | None,
+    ) -> torch.Tensor:
+        ctx.comm, ctx.send, ctx.recv, ctx.timeout = comm, send, recv, timeout
+        return _exchange(x, comm, send, recv, timeout, "activations")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        g = _exchange(grad, ctx.comm, ctx.recv, ctx.send, ctx.timeout, "gradients")
+        return g, None, None, None, None
+
+
+def _exchange(
+    x: torch.Tensor,
+    comm: Communicator,
+    send: list[int],
+    recv: list[int],
+    timeout: float | None,
+    kind: str,
+) -> torch.Tensor:
+    host = x.detach().to("cpu", memory_format=torch.contiguous_format).contiguous()
+    row = math.prod(host.shape[1:]) * host.element_size()
+    out = host.new_empty((sum(recv), *host.shape[1:]))
+    CountingCommunicator.count_as(comm, kind)
+    comm.ialltoallv(
+        _bytes(host), [n * row for n in send], _bytes(out), [n * row for n in recv]
+    ).wait(deadline(timeout))
+    return out.to(x.device)
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies each row's gradient by ``scale`` (one per row)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(scale)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        (scale,) = ctx.saved_tensors
+        return grad * scale.to(grad.dtype).view(-1, *([1] * (grad.dim() - 1))), None
+
+
+class ExpertParallelExperts(ChannelSplit):
+    """An experts module holding this rank's whole experts (``shares[rank]`` of them, from
+    ``offset``): its own class and forward on its slices, between an all-to-all of the routed
+    tokens to the experts' ranks and one of the experts' outputs back. Made by
+    :meth:`convert`, which gives the module a class deriving from this and its own.
+
+    ``weight`` (:data:`Weight`) gives this rank's weight in the gradient average at each
+    forward; None counts the rows of the layer's input (exact where each rank's loss is a mean
+    over its samples or tokens and every sample has as many tokens)."""
+
+    timeout: float | None
+    weight: Weight | None
+    #: This rank's experts (the module's own count, which its forward reads).
+    num_experts: int
+    #: Every rank's experts together.
+    all_experts: int
+
+    def _own(self) -> dict[str, nn.Parameter]:
+        """The module's own parameters (its experts' slices)."""
+        return dict(self._parameters)  # type: ignore[attr-defined]
+
+    def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        return {n: (0, (1,)) for n in self._own()}
+
+    @staticmethod
+    def convert(
+        module: nn.Module,
+        shares: Sequence[int],
+        comm: Communicator,
+        *,
+        weight: Weight | None = None,
+        timeout: float | None = None,
+    ) -> nn.Module:
+        """``module`` (an experts module :func:`experts_module` accepts) made to hold this
+        rank's ``shares[rank]`` experts, in place; returned."""
+        why = experts_module(module)
+        if why is None or why:
+            raise ValueError(f"module: cannot place its experts on ranks ({why or 'no experts'})")
+        experts = int(module.num_experts)  # type: ignore[arg-type]
+        shares = _check_shares(shares, experts, comm.size)
+        if weight is not None and not callable(weight):
+            raise TypeError(f"weight: must be a function of nothing or None, got {weight!r}")
+        start = sum(shares[: comm.rank])
+        with torch.no_grad():
+            for n, p in list(module.named_parameters(recurse=False)):
+                local = nn.Parameter(
+                    p[start : start + shares[comm.rank]].clone(), requires_grad=p.requires_grad
+                )
+                setattr(module, n, local)
+                _mark_rank_local(local)
+        module.__class__ = _parallel_class(type(module))
+        ep: Any = module
+        ep.num_experts, ep.all_experts = shares[comm.rank], experts
+        ep._set_split(comm, shares)
+        ep.timeout, ep.weight = timeout, weight
+        return module
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        x, index, weights = _routed(args, kwargs)
+        comm, p = self.comm, self.comm.size
+        tokens, top_k = index.shape
+        flat = index.reshape(-1).to(torch.long)
+        rows = torch.arange(tokens, device=x.device).repeat_interleave(top_k)
+        bounds = torch.tensor(np.cumsum(self.shares), device=flat.device)
+        owner = torch.bucketize(flat, bounds, right=True)
+        order = torch.argsort(owner, stable=True)
+        send = torch.bincount(owner, minlength=p)[:p].tolist()
+
+        # One exchange of counts: rows to each rank, this rank's weight, and what the ranks
+        # must agree on (features, dtype, indices in range); then every rank checks alike.
+        bad = bool(flat.numel()) and not (
+            int(flat.min()) >= 0 and int(flat.max()) < self.all_experts
+        )
+        n = _weight_of(self.weight, tokens)
+        mine = np.zeros((p, 5), dtype=np.float64)
+        mine[:, _ROWS] = send
+        mine[:, _WEIGHT] = n
+        mine[:, _FEATURES] = x.shape[-1]
+        mine[:, _DTYPE] = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1
+        mine[:, _BAD] = bad
+        got = np.empty_like(mine)
+        row = mine.shape[1] * mine.itemsize
+        CountingCommunicator.count_as(comm, "activations")
+        comm.ialltoallv(
+            mine.reshape(-1).view(np.uint8), [row] * p, got.reshape(-1).view(np.uint8), [row] * p
+        ).wait(deadline(self.timeout))
+        _check_counts(got, type(self).__name__)
+        recv = got[:, _ROWS].astype(np.int64).tolist()
+        total = float(got[:, _WEIGHT].sum())
+        share = torch.tensor(
+            got[:, _WEIGHT] / total if total > 0 else np.zeros(p), dtype=torch.float64
+        )
+
+        local = torch.tensor(np.repeat(np.cumsum([0, *self.shares[:-1]]), 1))
+        sent_ids = flat[order] - local.to(flat.device)[owner[order]]
+        ids = _AllToAll.apply(sent_ids, comm, send, recv, self.timeout)
+        received = _AllToAll.apply(x[rows[order]], comm, send, recv, self.timeout)
+        # The rows from rank s weigh share[s] in the experts' gradients; their input
+        # gradients go back unweighted (rank s's own data-parallel weight applies there).
+        scale = share.repeat_interleave(torch.tensor(recv)).to(x.device)
+        unscale = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        received = _ScaleGradient.apply(received, unscale)
+        out = self._experts(received, ids)
+        out = _ScaleGradient.apply(out, scale)
+        back = _AllToAll.apply(out, comm, recv, send, self.timeout)
+        gates = weights.reshape(-1)[order].unsqueeze(-1)
+        combined = torch.zeros_like(x)
+        return combined.index_add(0, rows[order], (back * gates).to(x.dtype))
+
+    def _experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on the rows it received (``ids``: each row's expert, counted
+        from this rank's first), each row weighted 1."""
+        params = list(self._own().values())
+        if not len(x):
+            # No rows: the experts' gradients are zeros, as one process has them, and the
+            # backward still reaches the exchange that brought the rows (every rank joins it).
+            touch = sum((q.sum() * 0 for q in params), x.new_zeros(()))
+            return x * 0 + touch.to(x.dtype)
+        ones = x.new_ones((len(x), 1))
+        out = super().forward(x, ids.unsqueeze(-1), ones)  # type: ignore[misc]
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"{type(self).__name__}: its forward returned a {type(out).__name__}, where an "
+                "experts module returns one tensor"
+            )
+        return out
+
+    def extra_repr(self) -> str:
+        inner = super().extra_repr()  # type: ignore[misc]
+        end = self.offset + self.shares[self.rank]
+        return (
+            f"{inner + ', ' if inner else ''}experts={self.offset}..{end} of "
+            f"{self.all_experts}, shares={self.shares}, rank={self.rank}"
+        )
+
+
+def _weight_of(weight: Weight | None, tokens: int) -> float:
+    """This rank's weight in the step (``tokens`` without a ``weight`` function); -1 where
+    ``weight()`` gives no finite number >= 0 or raises: the exchange goes on, and every rank
+    then raises (:func:`_check_counts`), none waiting for this one."""
+    if weight is None:
+        return float(tokens)
+    try:
+        n = float(weight())  # type: ignore[arg-type]
+    except Exception:  # whatever the user's function raises: reported on every rank
+        return -1.0
+    return n if math.isfinite(n) and n >= 0 else -1.0
+
+
+def _routed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """``(hidden_states, top_k_index, top_k_weights)`` from an experts module's call."""
+    names = ("hidden_states", "top_k_index", "top_k_weights")
+    if len(args) > 3 or set(kwargs) - set(names):
+        raise TypeError(f"an experts module is called as experts({', '.join(names)})")
+    values = dict(zip(names, args, strict=False)) | kwargs
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise TypeError(
+            f"an experts module is called as experts({', '.join(names)}); {missing} missing"
+        )
+    x, index, weights = (values[n] for n in names)
+    if not (isinstance(x, torch.Tensor) and x.dim() == 2):
+        raise ValueError("hidden_states: must be a 2-D tensor (tokens, features)")
+    if not (isinstance(index, torch.Tensor) and index.dim() == 2 and len(index) == len(x)):
+        raise ValueError("top_k_index: must be a 2-D tensor with a row per token")
+    if not (isinstance(weights, torch.Tensor) and weights.shape == index.shape):
+        raise ValueError("top_k_weights: must have top_k_index's shape")
+    return x, index, weights
+
+
+def _check_counts(got: np.ndarray, where: str) -> None:
+    """Raise, on every rank alike (each has every rank's fields), where the ranks' tokens do
+    not fit together."""
+    if (got[:, _BAD] != 0).any():
+        ranks = np.flatnonzero(got[:, _BAD]).tolist()
+        raise ValueError(f"top_k_index: ranks {ranks} route tokens to experts that do not exist")
+    if (got[:, _WEIGHT] < 0).any():
+        ranks = np.flatnonzero(got[:, _WEIGHT] < 0).tolist()
+        raise ValueError(f"weight: on ranks {ranks}, weight() raised or gave no finite number >= 0")
+    for field, name in ((_FEATURES, "features"), (_DTYPE, "dtype")):
+        if len(set(got[:, field].tolist())) > 1 or got[0, field] < 0:
+            raise ValueError(
+                f"hidden_states: the ranks' {name} differ or are not supported "
+                f"({got[:, field].tolist()}; dtypes {[str(d) for d in _DTYPES]}) in {where}"
+            )
+
+
+def _check_shares(shares: Sequence[int], experts: int, ranks: int) -> list[int]:
+    values = list(shares)
+    if (
+        len(values) != ranks
+        or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in values)
+        or sum(values) != experts
+    ):
+        raise ValueError(
+            f"shares: must be {ranks} ints >= 0 summing to the {experts} experts, got {values}"
+        )
+    return [int(s) for s in values]
+
+
+#: The derived classes made so far, by the experts class each derives from.
+_derived: dict[type, type] = {}
+
+
+def _parallel_class(cls: type) -> type:
+    if cls not in _derived:
+        made = type(f"ExpertParallel{cls.__name__}", (ExpertParallelExperts, cls), {})
+        made.__module__ = __name__
+        _derived[cls] = made
+    return _derived[cls]
+
+
+def expert_parallel(
+    model: nn.Module,
+    group: Any = None,
+    *,
+    speeds: Sequence[float] | None = None,
+    shares: Sequence[int] | None = None,
+    loads: Sequence[float] | Mapping[str, Sequence[float]] | None = None,
+    weight: Weight | None = None,
+    timeout: float | None = None,
+) -> nn.Module:
+    """Place the experts of every mixture-of-experts layer of ``model`` on the ranks of
+    ``group``, whole experts per rank, in place; return ``model``.
+
+    Exactly one of ``speeds=`` (one number per rank: :func:`expert_shares`, with ``loads``
+    if given: each expert's routed tokens, one list for every layer or a dict by experts
+    module name) or ``shares=`` (experts per rank, in rank order, the same for every layer).
+
+    Everything else stays replicated and trains data-parallel over the same ranks, each on
+    its own share of the batch, with hetcoll's weighted averaging:
+    ``DistributedDataParallel`` with :func:`~hetcoll.torch.register_weighted_hook` (this
+    function lists the experts in the model's ``_ddp_params_and_buffers_to_ignore``, DDP's
+    convention for parameters it leaves alone), or
+    :class:`~hetcoll.torch.DistributedOptimizer` (which skips them: :func:`is_rank_local`).
+    ``weight`` must count what that averaging weighs: None counts the tokens the experts
+    layer sees (right where each rank's loss is a mean over its samples or its tokens, every
+    sample as long); a language model padded with ``-100`` labels weighs its valid tokens,
+    ``weight=lambda: state.local_batch`` with ``state.count(y)`` called before the forward.
+
+    The tokens travel through host memory on the group's engine (gloo or MPI; a CUDA rank's
+    tokens are staged); an NCCL group raises ``ValueError``. The exchanges run on a group of
+    their own, made here (collective: every rank calls this with the same arguments). A
+    module holding experts in a layout this rule does not know raises ``ValueError`` naming
+    it; a forward whose ranks disagree (features, dtype, experts out of range, a bad
+    ``weight()``) raises the same ``ValueError`` on every rank.
+
+    >>> model = expert_parallel(model, speeds=[1.0, 0.25])  # doctest: +SKIP
+    >>> ddp = DistributedDataParallel(model)  # doctest: +SKIP
+    >>> register_weighted_hook(ddp)  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    if (speeds is None) == (shares is None):
+        raise TypeError("speeds: give exactly one of speeds= or shares=")
+    found: list[tuple[str, nn.Module]] = []
+    for name, m in model.named_modules():
+        why = experts_module(m)
+        if why:
+            raise ValueError(f"model: cannot place the experts of {name!r}: {why}")
+        if why == "":
+            found.append((name, m))
+    if not found:
+        raise ValueError("model: holds no experts module (Hugging Face's experts layout)")
+    whole = wrap(group)
+    if whole.engine == "nccl":
+        raise ValueError(
+            "group: expert parallelism exchanges tokens through host memory, on gloo or MPI; "
+            "give it a gloo group of the same ranks (torch.distributed.new_group(backend='gloo'))"
+        )
+    if speeds is not None and len(speeds) != whole.size:
+        raise ValueError(f"speeds: needs one per rank ({whole.size}), got {len(speeds)}")
+    # The experts' exchanges run on a group of their own: data parallelism's gradient
+    # reductions (DDP's hook) run during the same backward, on the user's group, and two
+    # streams of collectives on one group would interleave differently on different ranks.
+    comm = wrap(transport(group).subgroup(range(whole.size)))
+    if isinstance(loads, Mapping):
+        missing = [n for n, _ in found if n not in loads]
+        if missing:
+            raise ValueError(f"loads: names no load for the experts of {missing}")
+    for name, m in found:
+        experts = int(m.num_experts)  # type: ignore[arg-type]
+        load = loads.get(name) if isinstance(loads, Mapping) else loads
+        mine = expert_shares(experts, speeds, loads=load) if speeds else list(shares or ())
+        ExpertParallelExperts.convert(m, mine, comm, weight=weight, timeout=timeout)
+    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    # DistributedDataParallel's own convention for parameters it must not synchronise.
+    model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(rank_local_parameters(model)))  # type: ignore[assignment]
+    return model
+
+
+def rank_local_parameters(model: nn.Module) -> list[str]:
+    """The names of ``model``'s parameters each rank holds its own part of (its experts): the
+    data-parallel average must leave them alone."""
+    return [
+        f"{name}.{n}" if name else n
+        for name, m in model.named_modules()
+        if isinstance(m, ExpertParallelExperts)
+        for n in m._own()
+    ]

@@ -1,0 +1,200 @@
+"""Expert parallelism on real ranks: whole experts placed by speed, each rank training on its
+own share of the batch under DistributedDataParallel with hetcoll's weighted hook, against one
+process training on the whole batch. Run on every rank of a gloo group (test_expert_parallel)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import torch
+from tensor_parallel_cases import (
+    SEQ,
+    VOCAB,
+    close,
+    deepseek_v3,
+    gpt_oss,
+    mixtral,
+    olmoe,
+    qwen2_moe,
+    tolerance,
+)
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import hetcoll
+from hetcoll.comm import wrap
+from hetcoll.torch import (
+    DistributedOptimizer,
+    gather_gradients,
+    gather_state_dict,
+    register_weighted_hook,
+)
+from hetcoll.torch.expert_parallel import (
+    ExpertParallelExperts,
+    expert_parallel,
+    rank_local_parameters,
+)
+
+SPEEDS = [1.0, 0.5, 0.25, 0.75]
+ROWS = 7  # the global batch: split 4 : 2 : 1 at SPEEDS
+
+
+def tokens(step: int, pad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global batch of ``ROWS`` sequences and its next-token labels; with ``pad``, the later
+    rows' tails padded (-100 labels), unevenly, so the ranks' valid tokens are not their rows'
+    share."""
+    g = torch.Generator().manual_seed(200 + step)
+    ids = torch.randint(1, VOCAB, (ROWS, SEQ), generator=g)
+    labels = ids[:, 1:].clone()
+    if pad:
+        for r in range(ROWS):
+            labels[r, SEQ - 1 - (r * 3) % (SEQ - 1) :] = -100
+    return ids, labels
+
+
+def valid(labels: torch.Tensor) -> int:
+    """What the loss averages over: the valid (not padded) labels."""
+    return int((labels != -100).sum())
+
+
+def lm_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids).logits[:, :-1]
+    return nn.functional.cross_entropy(
+        logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100
+    )
+
+
+def trains_as_one_process(
+    group: Any,
+    make: Any,
+    speeds: list[float],
+    optimizer: str = "sgd",
+    pad: bool = False,
+    steps: int = 2,
+    shares: list[int] | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> list[int]:
+    """``make()``'s experts placed on the ranks by ``speeds``, each rank training on its
+    share of each step's rows (DDP with the weighted hook; with ``pad``, weighing valid
+    tokens), gives the gradients and the state of one process training on all the rows.
+    ``shares`` places the experts instead of ``speeds``. Returns the experts per rank."""
+    comm = wrap(group)
+    torch.manual_seed(0)
+    ref = make().to(dtype)
+    placed: dict[str, Any] = {"speeds": speeds} if shares is None else {"shares": shares}
+    step_labels: list[torch.Tensor] = []
+    if pad:  # each rank weighs its valid tokens: this step's, read at the forward
+        placed["weight"] = lambda: valid(step_labels[-1])
+    model = expert_parallel(copy.deepcopy(ref), group, **placed)
+    make_opt = {
+        "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    }[optimizer]
+    ref_opt = make_opt(ref.parameters())
+    if comm.engine == "mpi":
+        items = {"items": valid} if pad else {"model": model}
+        opt: Any = DistributedOptimizer(make_opt(model.parameters()), group, **items)
+        run: nn.Module = model
+    else:
+        run = DistributedDataParallel(model, process_group=group)
+        state = register_weighted_hook(run, items=valid if pad else None)
+        opt = make_opt(model.parameters())
+    rows = hetcoll.split(ROWS, speeds)
+    start = sum(rows[: comm.rank])
+    mine = slice(start, start + rows[comm.rank])
+    for step in range(steps):
+        ids, labels = tokens(step, pad)
+        step_labels.append(labels[mine])
+        if pad:
+            (opt if comm.engine == "mpi" else state).count(labels[mine])
+        lm_loss(run, ids[mine], labels[mine]).backward()
+        lm_loss(ref, ids, labels).backward()
+        if comm.engine == "mpi":
+            opt.synchronize()
+        grads = gather_gradients(model, dst=None)
+        assert grads is not None
+        for n, p in ref.named_parameters():
+            close(grads[n], p.grad, f"step {step} gradient of {n}")
+        # The MPI optimizer's step would synchronise again; its inner optimizer steps.
+        (opt.optimizer if comm.engine == "mpi" else opt).step()
+        ref_opt.step()
+        model.zero_grad()
+        ref.zero_grad()
+    full = gather_state_dict(model, dst=None)
+    assert full is not None
+    for n, t in ref.state_dict().items():
+        close(full[n], t, f"state {n}")
+    held = {m.shares[comm.rank] for m in model.modules() if isinstance(m, ExpertParallelExperts)}
+    assert len(held) == 1
+    assert set(rank_local_parameters(model)) == set(model._ddp_params_and_buffers_to_ignore)
+    return next(m.shares for m in model.modules() if isinstance(m, ExpertParallelExperts))
+
+
+def experts_placed(group: Any) -> dict[str, Any]:
+    """Each model's experts per rank, having trained as one process: Mixtral by its eager loop
+    and batched_mm, GPT-OSS's biased, transposed experts, Qwen2-MoE beside its shared expert,
+    DeepSeek-V3 beside its latent attention, OLMoE; a rank too slow for an expert holding none;
+    a batch whose valid tokens are not its rows' share; grouped_mm in float32."""
+    p = wrap(group).size
+    out: dict[str, Any] = {}
+    # Hugging Face's routers take their softmax, and its norms their mean square, in float32
+    # whatever the model's dtype: rows batched otherwise (each rank's share against the whole
+    # batch) round differently there, 2e-7 in the first step's gradients, which Adam's
+    # normalised steps would magnify to 5e-6. SGD keeps it 3e-7; a wrong weighting is 0.1.
+    models = {
+        "mixtral": mixtral,
+        "batched_mm": lambda: mixtral("batched_mm"),
+        "gpt_oss": gpt_oss,
+        "qwen2_moe": qwen2_moe,
+        "deepseek_v3": deepseek_v3,
+        "olmoe": olmoe,
+    }
+    with tolerance(1e-6):
+        for name, make in models.items():
+            out[name] = trains_as_one_process(group, make, SPEEDS[:p])
+        # At these speeds the last rank holds no expert (its tokens all travel); given
+        # shares, every rank holds some.
+        held = [2, 1, 1, 0][:p] if p > 2 else [3, 1]
+        out["every_rank"] = trains_as_one_process(group, mixtral, SPEEDS[:p], shares=held)
+        out["padded"] = trains_as_one_process(group, mixtral, SPEEDS[:p], pad=True)
+    with tolerance(1e-5):  # Hugging Face's default kernel, which has no float64
+        grouped = lambda: mixtral("grouped_mm")  # noqa: E731
+        out["grouped_mm"] = trains_as_one_process(group, grouped, SPEEDS[:p], dtype=torch.float32)
+    return out
+
+
+def disagreements(group: Any) -> list[str]:
+    """An experts layer whose ranks call it with what cannot fit together raises the same
+    ``ValueError`` on every rank, none waiting for another: a rank's tokens in float32 beside
+    the others' float64, a rank routing to an expert that does not exist, a rank whose
+    ``weight`` function raises. Returns the messages' first words."""
+    rank = wrap(group).rank
+    torch.manual_seed(0)
+    layer = mixtral().double().model.layers[0].mlp.experts
+    layer = expert_parallel(
+        nn.ModuleDict({"experts": layer}), group, speeds=SPEEDS[: wrap(group).size],
+        weight=lambda: 1 / 0 if rank == 1 else 1.0,
+    ).experts  # fmt: skip
+    seen: list[str] = []
+
+    def call(x: torch.Tensor, index: torch.Tensor) -> None:
+        try:
+            layer(x, index, torch.ones(index.shape, dtype=x.dtype))
+        except ValueError as e:
+            seen.append(str(e).split(":")[0])
+
+    x = torch.randn(5, 16, dtype=torch.float64)
+    index = torch.zeros(5, 2, dtype=torch.long)
+    call(x, index)  # rank 1's weight() raises
+    layer.weight = None
+    call(x if rank else x.float(), index)
+    call(x, index + 9 * (rank == 0))
+    return seen
+
+
+def run_torch(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*bos_token_id|.*eos_token_id")
+    return {**experts_placed(None), "errors": disagreements(None)}

@@ -1,0 +1,141 @@
+"""Expert parallelism: whole experts placed on data-parallel ranks by speed (and load), tokens
+sent to their experts' ranks and back, training as one process on the whole batch."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from hetcoll import launch
+from hetcoll.torch.expert_parallel import expert_parallel, expert_shares, experts_module
+
+pytest.importorskip("transformers")
+
+import expert_parallel_cases as cases
+import tensor_parallel_cases as tp
+
+MPI_WORKER = os.path.join(os.path.dirname(__file__), "mpi_workers", "expert_parallel.py")
+
+#: Mixtral's 4 experts at speeds 1 : 0.5 : 0.25 (the last rank too slow for one).
+PLACED = [3, 1, 0]
+
+
+@pytest.mark.multiproc
+def test_gloo_experts_placed_by_speed_train_as_one_process():
+    """DDP with the weighted hook over 3 gloo ranks, rows 4 : 2 : 1 of each step's batch,
+    experts 3 : 1 : 0 (and 2 : 1 : 1 given as shares): every model's gathered gradients and
+    state equal one process's on the whole batch (expert_parallel_cases)."""
+    results = launch.spawn(cases.run_torch, 3, timeout=300)
+    assert all(r == results[0] for r in results)
+    models = ["mixtral", "batched_mm", "gpt_oss", "qwen2_moe", "deepseek_v3", "olmoe"]
+    assert results[0] == {
+        **{m: PLACED for m in models}, "padded": PLACED, "grouped_mm": PLACED,
+        "every_rank": [2, 1, 1], "errors": ["weight", "hidden_states", "top_k_index"],
+    }  # fmt: skip
+
+
+@pytest.mark.multiproc
+def test_mpi_experts_placed_by_speed_train_as_one_process():
+    """The same under mpiexec: DistributedOptimizer averages all but each rank's own experts
+    (samples, then valid tokens), the experts' tokens travel by MPI's all-to-all."""
+    out = launch.mpiexec(3, [MPI_WORKER], timeout=240).stdout
+    results = json.loads(next(line for line in out.splitlines() if line.startswith("[")))
+    assert results == [{"mixtral": PLACED, "gpt_oss": PLACED, "padded": PLACED}] * 3
+
+
+def test_expert_shares_follow_speeds_and_loads():
+    assert expert_shares(8, [3.0, 1.0]) == [6, 2]
+    assert expert_shares(4, [1.0, 0.5, 0.25]) == PLACED
+    # A hot first expert: the fast rank takes it alone.
+    assert expert_shares(4, [1.0, 1.0], loads=[3.0, 1.0, 1.0, 1.0]) == [1, 3]
+    # Memory for 2 experts on the first rank bounds it below its speed's share.
+    assert expert_shares(4, [9.0, 1.0], loads=[1.0] * 4) == [4, 0]
+    assert expert_shares(4, [9.0, 1.0], loads=[1.0] * 4, memory=[2, 4]) == [2, 2]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "text"),
+    [
+        ({"num_experts": 0, "speeds": [1.0]}, ValueError, "num_experts: must be an int >= 1"),
+        ({"num_experts": 4, "speeds": [1.0], "loads": [1.0]}, ValueError, "loads: needs one"),
+        (
+            {"num_experts": 2, "speeds": [1.0], "loads": [1.0, -1.0]},
+            ValueError,
+            "loads: must be finite",
+        ),
+        ({"num_experts": 2, "speeds": [1.0], "memory": [1.0]}, ValueError, "memory: needs loads"),
+        (
+            {"num_experts": 2, "speeds": [1.0, 1.0], "loads": [1.0, 1.0], "memory": [1.0]},
+            ValueError,
+            "memory: needs one entry per rank",
+        ),
+        ({"num_experts": 2, "speeds": [1.0, -1.0]}, ValueError, "speeds"),
+    ],
+)
+def test_expert_shares_name_bad_input(kwargs, error, text):
+    with pytest.raises(error, match=text):
+        expert_shares(**kwargs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 20), min_size=1, max_size=7),
+    speeds=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+)
+def test_expert_shares_by_load_are_the_best_contiguous_placement(loads, speeds):
+    """Against brute force over every contiguous placement: the slowest rank's load over its
+    speed is the smallest there is."""
+    shares = expert_shares(len(loads), [float(s) for s in speeds], loads=[float(x) for x in loads])
+    assert sum(shares) == len(loads) and min(shares) >= 0
+
+    def slowest(cut: list[int]) -> float:
+        bounds = [0, *itertools.accumulate(cut)]
+        return max(
+            sum(loads[a:b]) / s for a, b, s in zip(bounds[:-1], bounds[1:], speeds, strict=True)
+        )
+
+    best = min(
+        slowest(list(c))
+        for c in itertools.product(range(len(loads) + 1), repeat=len(speeds))
+        if sum(c) == len(loads)
+    )
+    assert slowest(shares) == pytest.approx(best, rel=1e-12)
+
+
+def test_experts_modules_are_found_in_hugging_face_models():
+    """Every experts module of the Hugging Face families the tests train is placed by whole
+    experts; a module holding experts in another layout is named with the reason."""
+    both = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    for make, want in (
+        (tp.mixtral, both), (tp.gpt_oss, both), (tp.qwen2_moe, both), (tp.olmoe, both),
+        (tp.deepseek_v3, both[1:]),  # its first block is dense
+    ):  # fmt: skip
+        found = [n for n, m in make().named_modules() if experts_module(m) == ""]
+        assert found == want, found
+    assert experts_module(nn.Linear(2, 2)) is None
+
+    class Stacked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_experts = 2
+            self.w = nn.Parameter(torch.zeros(2, 3, 4))
+
+    assert "use_experts_implementation" in (experts_module(Stacked()) or "")
+    with pytest.raises(ValueError, match="model: cannot place the experts of 'x'"):
+        expert_parallel(nn.ModuleDict({"x": Stacked()}), speeds=[1.0])
+
+
+def test_expert_parallel_names_bad_arguments_before_any_collective():
+    with pytest.raises(TypeError, match=r"model: must be a torch\.nn\.Module"):
+        expert_parallel("model", speeds=[1.0])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="speeds: give exactly one of speeds= or shares="):
+        expert_parallel(tp.mixtral())
+    with pytest.raises(ValueError, match="model: holds no experts module"):
+        expert_parallel(nn.Linear(2, 2), speeds=[1.0])
