@@ -92,13 +92,15 @@ TENSOR_PARALLEL_RUN := benches/bench_tensor_parallel.py --batch 32 --steps 20 \
 	--json $(RAW)/tensor_parallel.json
 TENSOR_PARALLEL_MOE_RUN := benches/bench_tensor_parallel.py --arch mixtral --batch 32 \
 	--steps 20 --json $(RAW)/tensor_parallel_moe.json
+EXPERT_PARALLEL_RUN := benches/bench_expert_parallel.py --batch 32 --steps 20 \
+	--json $(RAW)/expert_parallel.json
 PLACEMENT_RUN      := benches/bench_placement.py --launches 3 --json $(RESULTS)/placement.json \
 	--plot docs/img/placement.png
 
 .PHONY: bench-report bench-kernels bench-split bench-partition bench-partitioners bench-planner \
 	bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate bench-plans \
 	bench-microbatches bench-planspace bench-placement bench-lm-pipeline bench-tensor-parallel \
-	bench-tensor-parallel-moe
+	bench-tensor-parallel-moe bench-expert-parallel
 
 $(BENCHED): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet --group bench
@@ -107,7 +109,7 @@ $(BENCHED): $(STAMP) pyproject.toml
 bench: bench-kernels bench-split bench-partition bench-partitioners bench-planner \
 		bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate \
 		bench-microbatches bench-plans bench-planspace bench-placement bench-lm-pipeline \
-		bench-tensor-parallel bench-tensor-parallel-moe
+		bench-tensor-parallel bench-tensor-parallel-moe bench-expert-parallel
 	$(MAKE) bench-report
 
 bench-report:
@@ -188,6 +190,12 @@ bench-tensor-parallel-moe: $(BUILT) $(BENCHED)
 	$(PY) $(TENSOR_PARALLEL_MOE_RUN)
 	$(PY) benches/report.py import tensor-parallel $(RAW)/tensor_parallel_moe.json \
 		--command "python $(TENSOR_PARALLEL_MOE_RUN)"
+
+bench-expert-parallel: $(BUILT) $(BENCHED)
+	mkdir -p $(RAW)
+	$(PY) $(EXPERT_PARALLEL_RUN)
+	$(PY) benches/report.py import expert-parallel $(RAW)/expert_parallel.json \
+		--command "python $(EXPERT_PARALLEL_RUN)"
 
 # Seed 002's comparison: writes its results file and docs/img/placement.png itself.
 bench-placement: $(BUILT) $(BENCHED)

@@ -1047,6 +1047,90 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
     )
 
 
+#: bench_expert_parallel.py's strategies, in its order; the even placement is the peer.
+_EP_STRATEGIES = (
+    "experts by speed, rows by speed",
+    "experts even, rows by speed",
+    "experts even, rows even",
+    "experts replicated, rows by speed",
+    "unsplit, fast rank alone",
+)
+_EP_EVEN = "experts even, rows even"
+
+
+def adapt_expert_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
+    """A ``bench_expert_parallel.py --json`` file (a list with one result per rank, rank 0's
+    step times the slowest rank's) as a results file."""
+    if len(raw) != 1:
+        raise ResultError("expert-parallel: give one bench_expert_parallel.py --json file")
+    path = raw[0]
+    data = _raw_json(path, "bench_expert_parallel.py --json")
+    if not isinstance(data, list) or not data:
+        raise ResultError(f"{path}: expected a list with one result per rank")
+    r0 = data[0]
+    where = f"{path}: [0]"
+    rows = {name: _need(r0, name, where) for name in _EP_STRATEGIES}
+    even = _need(rows[_EP_EVEN], "step_s", f"{where}.{_EP_EVEN}")
+    steps = []
+    for name, row in rows.items():
+        t = _need(row, "step_s", f"{where}.{name}")
+        q1, q3 = _need(row, "step_s_q1", f"{where}.{name}"), _need(row, "step_s_q3", where)
+        held = ":".join(str(n) for n in _need(row, "experts", f"{where}.{name}"))
+        share = ":".join(str(n) for n in _need(row, "rows", f"{where}.{name}"))
+        steps.append([name, held, share, t * 1e3, q1 * 1e3, q3 * 1e3, even / t])
+    speeds = ":".join(f"{s:g}" for s in r0.get("speeds", []))
+    by_speed = rows["experts by speed, rows by speed"]["step_s"]
+    head = f"expert parallelism (Mixtral) at emulated speeds {speeds}"
+    return _result(
+        "expert_parallel",
+        "Expert parallelism of a mixture of experts",
+        command,
+        raw,
+        [
+            {
+                "title": "Step time: experts placed by speed vs evenly (Mixtral, batch "
+                f"{r0.get('batch', '?')} x {r0.get('seq', '?')})",
+                "peer": "the even placement DeepSpeed-MoE and Megatron-LM use, with even rows "
+                "(their data parallelism too); the same code given shares",
+                "columns": [
+                    _col("strategy"),
+                    _col("experts per rank"),
+                    _col("rows per rank"),
+                    _col("step (ms)", "{:.1f}"),
+                    _col("q1 (ms)", "{:.1f}"),
+                    _col("q3 (ms)", "{:.1f}"),
+                    _col("speed vs even (even / time)", RATIO),
+                ],
+                "rows": steps,
+                "notes": [
+                    "Median and quartiles over steps of the slowest rank's step (forward, "
+                    "backward, SGD step); the strategies take turns step by step.",
+                    "Replicated: every rank holds all 8 experts (plain data parallelism, twice "
+                    "the experts' memory, no all-to-all).",
+                ],
+            }
+        ],
+        description=(
+            "Whole experts placed on data-parallel ranks (`expert_parallel`) on two gloo ranks "
+            "of emulated speeds (`SPEEDS` in `benches/bench_expert_parallel.py`), Hugging Face "
+            "Mixtral in the LM example's shape (8 experts of 176 hidden units per block, 2 per "
+            "token, `grouped_mm`), DDP with the weighted hook; heterogeneity is emulated the "
+            "same way for every strategy."
+        ),
+        headlines=[
+            (f"{head}: experts and rows by speed vs even", f"{even / by_speed:.2f}x faster"),
+            (
+                f"{head}: experts by speed vs replicated experts (data parallel)",
+                f"{rows['experts replicated, rows by speed']['step_s'] / by_speed:.2f}x",
+            ),
+            (
+                f"{head}: experts by speed vs the unsplit model on the fast rank alone",
+                f"{rows['unsplit, fast rank alone']['step_s'] / by_speed:.2f}x",
+            ),
+        ],
+    )
+
+
 def adapt_model_validate(raw: Sequence[Path], command: str) -> dict[str, Any]:
     """A ``hetcoll model validate --json`` output as a results file."""
     if len(raw) != 1:
@@ -2103,6 +2187,7 @@ ADAPTERS: dict[str, Callable[[Sequence[Path], str], dict[str, Any]]] = {
     "collectives": adapt_collectives,
     "filter-parallel": adapt_filter_parallel,
     "tensor-parallel": adapt_tensor_parallel,
+    "expert-parallel": adapt_expert_parallel,
     "model-validate": adapt_model_validate,
     "plans": adapt_plans,
     "device": adapt_device,

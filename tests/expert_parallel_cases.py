@@ -29,6 +29,7 @@ from hetcoll.torch import (
     DistributedOptimizer,
     gather_gradients,
     gather_state_dict,
+    load_full_state_dict,
     register_weighted_hook,
 )
 from hetcoll.torch.expert_parallel import (
@@ -126,9 +127,19 @@ def trains_as_one_process(
     assert full is not None
     for n, t in ref.state_dict().items():
         close(full[n], t, f"state {n}")
+    # Resumed on the reversed placement, every expert lands where that placement puts it.
+    again = expert_parallel(make().to(dtype), group, shares=placed_shares(model)[::-1])
+    load_full_state_dict(again, full)
+    back = gather_state_dict(again, dst=None)
+    assert back is not None and all(torch.equal(back[n], t) for n, t in full.items())
     held = {m.shares[comm.rank] for m in model.modules() if isinstance(m, ExpertParallelExperts)}
     assert len(held) == 1
     assert set(rank_local_parameters(model)) == set(model._ddp_params_and_buffers_to_ignore)
+    return placed_shares(model)
+
+
+def placed_shares(model: nn.Module) -> list[int]:
+    """The experts per rank of ``model``'s first experts layer."""
     return next(m.shares for m in model.modules() if isinstance(m, ExpertParallelExperts))
 
 

@@ -51,6 +51,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hetcoll.model.hardware import Device
+from hetcoll.torch.expert_parallel import ExpertParallelExperts
 from hetcoll.torch.filters import FilterParallelExperts, FilterParallelLayer
 from hetcoll.torch.speed import SpeedFit
 
@@ -65,10 +66,10 @@ def _check_speed(speed: float) -> float:
 def delay_points(module: nn.Module) -> list[nn.Module]:
     """The layers that carry the delay: leaves with parameters, and modules holding parameters
     of their own above parameter-free children (Hugging Face's experts: stacked weights and an
-    activation); a split layer (a filter-parallel layer, split experts) counts through its
-    local computation, so that its collectives run at full speed; else all leaves, else the
-    root."""
-    split = (FilterParallelLayer, FilterParallelExperts)
+    activation); a split layer (a filter-parallel layer, split experts, experts placed on
+    ranks) counts through its local computation, so that its collectives run at full speed;
+    else all leaves, else the root."""
+    split = (FilterParallelLayer, FilterParallelExperts, ExpertParallelExperts)
     local = {id(m.local) for m in module.modules() if isinstance(m, split)}
     leaves = [m for m in module.modules() if not list(m.children())]
 

@@ -32,6 +32,7 @@ from torch import nn
 
 import hetcoll
 from hetcoll.comm import Communicator, deadline, wrap
+from hetcoll.torch.filters.experts import LocalExperts
 from hetcoll.torch.filters.layers import ChannelSplit
 from hetcoll.torch.transport import CountingCommunicator, transport
 
@@ -207,6 +208,8 @@ class ExpertParallelExperts(ChannelSplit):
 
     timeout: float | None
     weight: Weight | None
+    #: The rank's own computation on the tokens it received, between the exchanges.
+    local: LocalExperts
     #: This rank's experts (the module's own count, which its forward reads).
     num_experts: int
     #: Every rank's experts together.
@@ -245,6 +248,7 @@ class ExpertParallelExperts(ChannelSplit):
                 )
                 setattr(module, n, local)
                 _mark_rank_local(local)
+        module.local = LocalExperts()
         module.__class__ = _parallel_class(type(module))
         ep: Any = module
         ep.num_experts, ep.all_experts = shares[comm.rank], experts
@@ -314,7 +318,7 @@ class ExpertParallelExperts(ChannelSplit):
             touch = sum((q.sum() * 0 for q in params), x.new_zeros(()))
             return x * 0 + touch.to(x.dtype)
         ones = x.new_ones((len(x), 1))
-        out = super().forward(x, ids.unsqueeze(-1), ones)  # type: ignore[misc]
+        out = self.local(super().forward, x, ids.unsqueeze(-1), ones)  # type: ignore[misc]
         if not isinstance(out, torch.Tensor):
             raise TypeError(
                 f"{type(self).__name__}: its forward returned a {type(out).__name__}, where an "

@@ -1,0 +1,177 @@
+"""Expert parallelism of a mixture of experts on two ranks of emulated speeds 1 and 0.25:
+
+    python benches/bench_expert_parallel.py [--batch 32] [--steps 20] [--json F]
+
+The model is Hugging Face Mixtral in the LM example's shape (``bench_tensor_parallel.py
+--arch mixtral``'s: 6 blocks, hidden 64, each block's MLP 8 experts of 176 hidden units, 2
+per token, Hugging Face's default kernel ``grouped_mm``), float32, random byte sequences of
+the example's length. Each strategy trains a copy of the same model with SGD on the same
+global batch, data-parallel (DDP with :func:`hetcoll.torch.register_weighted_hook`, rows of
+the batch by :func:`hetcoll.split` over the speeds unless said otherwise):
+
+1. experts placed by speed (:func:`hetcoll.torch.expert_parallel`, ``speeds=``: 7 of the 8
+   experts on the fast rank) against the even placement DeepSpeed-MoE and Megatron-LM use
+   (4 and 4, the same code given ``shares=``), both with rows by speed; and the even
+   placement with even rows too (16 and 16: those libraries' data parallelism as well);
+2. every expert on every rank (plain data parallelism, the experts replicated: twice their
+   memory, no all-to-all), rows by speed;
+3. the unsplit model on the fast rank alone, the slow rank idle.
+
+Step time: median over steps of the slowest rank's step (forward, backward, SGD step); the
+strategies take turns step by step, so a change in the machine's load hits them alike.
+Heterogeneity is emulated alike for every strategy: each rank's model runs under
+:func:`hetcoll.lab.emulate.slow_down` at its speed (its layers with parameters, the placed
+experts through their local computation, sleep ``(1/speed - 1)`` times their own forward and
+backward; collectives run at full speed). Ranks share the machine's cores (gloo over
+loopback), so compare the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from bench_tensor_parallel import _example
+from bench_tensor_parallel import make_model as bench_model
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import hetcoll
+from hetcoll import launch
+from hetcoll.lab.emulate import slow_down
+from hetcoll.torch import ExpertParallelExperts, expert_parallel, register_weighted_hook
+
+SPEEDS = (1.0, 0.25)
+EXPERTS = 8
+#: name -> (experts placed: "speed", "even" or None for replicated; rows: "speed" or "even")
+STRATEGIES: dict[str, tuple[str | None, str]] = {
+    "experts by speed, rows by speed": ("speed", "speed"),
+    "experts even, rows by speed": ("even", "speed"),
+    "experts even, rows even": ("even", "even"),
+    "experts replicated, rows by speed": (None, "speed"),
+}
+#: The peer of any placement: the unsplit model on the fast rank alone (the slow rank idle).
+ALONE = "unsplit, fast rank alone"
+#: The peer the placement by speed is compared with: the even placement of DeepSpeed-MoE and
+#: Megatron-LM, rows even too.
+EVEN = "experts even, rows even"
+
+
+def make_model() -> nn.Module:
+    return bench_model("mixtral", 256)
+
+
+def _strategy(name: str, model: nn.Module, speed: float) -> tuple[nn.Module, list[int]]:
+    """The rank's model for strategy ``name``, slowed to ``speed``; the experts per rank."""
+    experts, _ = STRATEGIES[name]
+    placed = copy.deepcopy(model)
+    if experts is not None:
+        how: dict[str, Any] = (
+            {"speeds": list(SPEEDS)} if experts == "speed" else {"shares": [EXPERTS // 2] * 2}
+        )
+        expert_parallel(placed, **how)
+    slow_down(placed, speed)
+    held = next(
+        (list(m.shares) for m in placed.modules() if isinstance(m, ExpertParallelExperts)),
+        [EXPERTS] * len(SPEEDS),
+    )
+    return placed, held
+
+
+def _rank(rank: int, world: int, batch: int, steps: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*bos_token_id|.*eos_token_id")
+    ex = _example()
+    torch.manual_seed(0)
+    model = make_model()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (batch, ex.SEQ), generator=g)
+    runs: dict[str, Any] = {}
+    alone = copy.deepcopy(model)
+    slow_down(alone, SPEEDS[0])
+    alone_opt = torch.optim.SGD(alone.parameters(), lr=1e-3)
+
+    def alone_step() -> None:
+        if rank != 0:
+            return
+        alone_opt.zero_grad()
+        ex.lm_loss(alone(input_ids=ids), ids).backward()
+        alone_opt.step()
+
+    runs[ALONE] = {"step": alone_step, "experts": [EXPERTS, 0], "rows": [batch, 0]}
+    for name, (_, rows_by) in STRATEGIES.items():
+        placed, held = _strategy(name, model, SPEEDS[rank])
+        ddp = DistributedDataParallel(placed)
+        register_weighted_hook(ddp)
+        opt = torch.optim.SGD(placed.parameters(), lr=1e-3)
+        rows = hetcoll.split(batch, list(SPEEDS) if rows_by == "speed" else [1.0] * world)
+        start = sum(rows[:rank])
+        mine = ids[start : start + rows[rank]]
+
+        def step(ddp: nn.Module = ddp, opt: Any = opt, mine: torch.Tensor = mine) -> None:
+            opt.zero_grad()
+            ex.lm_loss(ddp(input_ids=mine), mine).backward()
+            opt.step()
+
+        runs[name] = {"step": step, "experts": held, "rows": [int(r) for r in rows]}
+    names = (*STRATEGIES, ALONE)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    warmup = 2
+    for i in range(warmup + steps):
+        for name in names:
+            dist.barrier()
+            t0 = time.perf_counter()
+            runs[name]["step"]()
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if i >= warmup:
+                times[name].append(float(t))
+    out: dict[str, Any] = {"arch": "mixtral", "batch": batch, "seq": ex.SEQ, "speeds": [*SPEEDS]}
+    for name in names:
+        ts = sorted(times[name])
+        out[name] = {
+            "step_s": statistics.median(ts),
+            "step_s_q1": ts[len(ts) // 4],
+            "step_s_q3": ts[(3 * len(ts)) // 4],
+            "experts": runs[name]["experts"],
+            "rows": runs[name]["rows"],
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per strategy")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    results = launch.spawn(_rank, len(SPEEDS), args.batch, args.steps, timeout=3600)
+    r0 = results[0]
+    print(
+        f"Emulated heterogeneity: 2 ranks, speeds {SPEEDS[0]:g} and {SPEEDS[1]:g}, gloo; "
+        f"Mixtral ({EXPERTS} experts, 2 per token), batch {args.batch} x {r0['seq']} tokens"
+    )
+    base = r0[EVEN]["step_s"]
+    print(f"{'strategy':<36} {'step (ms)':>10} {'vs even':>8} {'experts':>9} {'rows':>9}")
+    for name in (*STRATEGIES, ALONE):
+        row = r0[name]
+        print(
+            f"{name:<36} {row['step_s'] * 1e3:10.1f} {base / row['step_s']:7.2f}x "
+            f"{':'.join(map(str, row['experts'])):>9} {':'.join(map(str, row['rows'])):>9}"
+        )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    return {"results": results}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
