@@ -366,3 +366,21 @@ def lm_plans_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, int]
     n = len(model_layers(lm.mixtral()))
     lm.equals_one_process(None, lm.mixtral, Plan.from_dict(lm.split_three(n)), tol=1e-6, device=dev)
     return {"plans": done + 1}
+
+
+def experts_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, object]:
+    """Expert parallelism with the GPU rank beside CPU ranks (3 ranks, gloo): Mixtral and
+    GPT-OSS in float64, experts placed by speed (the GPU rank, first, holds most), DDP with
+    the weighted hook (the GPU rank's buckets staged through host memory), the tokens to and
+    from the GPU rank's experts staged the same way; gradients and state after 2 SGD steps
+    equal one process on the CPU (1e-6: the routers' softmax in float32)."""
+    import expert_parallel_cases as ep
+    import tensor_parallel_cases as tp
+
+    dev = device_of(rank, first)
+    with tp.tolerance(1e-6):
+        placed = {
+            name: ep.trains_as_one_process(None, make, ep.SPEEDS[:world], device=dev)
+            for name, make in (("mixtral", tp.mixtral), ("gpt_oss", tp.gpt_oss))
+        }
+    return placed

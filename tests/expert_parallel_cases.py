@@ -76,11 +76,13 @@ def trains_as_one_process(
     steps: int = 2,
     shares: list[int] | None = None,
     dtype: torch.dtype = torch.float64,
+    device: torch.device | None = None,
 ) -> list[int]:
     """``make()``'s experts placed on the ranks by ``speeds``, each rank training on its
     share of each step's rows (DDP with the weighted hook; with ``pad``, weighing valid
     tokens), gives the gradients and the state of one process training on all the rows.
-    ``shares`` places the experts instead of ``speeds``. Returns the experts per rank."""
+    ``shares`` places the experts instead of ``speeds``; ``device``: this rank's (the
+    reference runs on the CPU). Returns the experts per rank."""
     comm = wrap(group)
     torch.manual_seed(0)
     ref = make().to(dtype)
@@ -88,7 +90,8 @@ def trains_as_one_process(
     step_labels: list[torch.Tensor] = []
     if pad:  # each rank weighs its valid tokens: this step's, read at the forward
         placed["weight"] = lambda: valid(step_labels[-1])
-    model = expert_parallel(copy.deepcopy(ref), group, **placed)
+    dev = device or torch.device("cpu")
+    model = expert_parallel(copy.deepcopy(ref).to(dev), group, **placed)
     make_opt = {
         "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
         "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
@@ -110,14 +113,14 @@ def trains_as_one_process(
         step_labels.append(labels[mine])
         if pad:
             (opt if comm.engine == "mpi" else state).count(labels[mine])
-        lm_loss(run, ids[mine], labels[mine]).backward()
+        lm_loss(run, ids[mine].to(dev), labels[mine].to(dev)).backward()
         lm_loss(ref, ids, labels).backward()
         if comm.engine == "mpi":
             opt.synchronize()
         grads = gather_gradients(model, dst=None)
         assert grads is not None
         for n, p in ref.named_parameters():
-            close(grads[n], p.grad, f"step {step} gradient of {n}")
+            close(grads[n].cpu(), p.grad, f"step {step} gradient of {n}")
         # The MPI optimizer's step would synchronise again; its inner optimizer steps.
         (opt.optimizer if comm.engine == "mpi" else opt).step()
         ref_opt.step()
@@ -126,9 +129,9 @@ def trains_as_one_process(
     full = gather_state_dict(model, dst=None)
     assert full is not None
     for n, t in ref.state_dict().items():
-        close(full[n], t, f"state {n}")
+        close(full[n].cpu(), t, f"state {n}")
     # Resumed on the reversed placement, every expert lands where that placement puts it.
-    again = expert_parallel(make().to(dtype), group, shares=placed_shares(model)[::-1])
+    again = expert_parallel(make().to(dev, dtype), group, shares=placed_shares(model)[::-1])
     load_full_state_dict(again, full)
     back = gather_state_dict(again, dst=None)
     assert back is not None and all(torch.equal(back[n], t) for n, t in full.items())

@@ -178,6 +178,16 @@ def test_bf16_autocast_through_a_plan(first):
     assert _spawn(cuda_cases.autocast_plan, 2, first) == [{"dtypes": ["torch.bfloat16"]}] * 2
 
 
+@pytest.mark.multiproc
+@pytest.mark.parametrize("first", [pytest.param("cuda", marks=cuda), "cpu"])
+def test_expert_parallel_with_a_gpu_rank(first):
+    """Mixtral's and GPT-OSS's experts placed on a GPU rank and two CPU ranks by speed, DDP
+    with the weighted hook over gloo: equal one process on the CPU. With ``first="cpu"`` every
+    rank is a CPU rank."""
+    placed = {"mixtral": [3, 1, 0], "gpt_oss": [3, 1, 0]}
+    assert _spawn(cuda_cases.experts_mixed, 3, first) == [placed] * 3
+
+
 # -- Lightning ------------------------------------------------------------------------------
 
 
