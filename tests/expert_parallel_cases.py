@@ -28,13 +28,17 @@ from hetcoll.comm import wrap
 from hetcoll.torch import (
     DistributedOptimizer,
     gather_gradients,
+    gather_optimizer_state_dict,
     gather_state_dict,
+    load_full_optimizer_state_dict,
     load_full_state_dict,
     register_weighted_hook,
 )
 from hetcoll.torch.expert_parallel import (
     ExpertParallelExperts,
+    expert_loads,
     expert_parallel,
+    experts_module,
     rank_local_parameters,
 )
 
@@ -179,6 +183,75 @@ def experts_placed(group: Any) -> dict[str, Any]:
     return out
 
 
+def placed_again_by_load(group: Any) -> dict[str, Any]:
+    """Mixtral trained 2 steps with its experts placed by speed, SGD with momentum, counts
+    the tokens routed to each expert as one process does (:func:`expert_loads`); placed
+    again by those loads (its state and momentum gathered, loaded on the new placement) it
+    trains a third step as one process still, its rows where they were. Returns the loads and
+    both placements."""
+    comm = wrap(group)
+    speeds = SPEEDS[: comm.size]
+    torch.manual_seed(0)
+    ref = mixtral().double()
+    counted: dict[str, torch.Tensor] = {}
+
+    def count(name: str) -> Any:
+        def hook(_: nn.Module, args: tuple[Any, ...]) -> None:
+            n = torch.bincount(args[1].reshape(-1), minlength=4)
+            counted[name] = counted.get(name, torch.zeros_like(n)) + n
+
+        return hook
+
+    model = expert_parallel(copy.deepcopy(ref), group, speeds=speeds)  # before the hooks
+    for name, m in ref.named_modules():
+        if experts_module(m) == "":
+            m.register_forward_pre_hook(count(name))
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    ref_opt = sgd(ref.parameters())
+    rows = hetcoll.split(ROWS, speeds)
+    start = sum(rows[: comm.rank])
+    mine = slice(start, start + rows[comm.rank])
+
+    def step(model: nn.Module, opt: Any, n: int) -> None:
+        ids, labels = tokens(n)
+        run = DistributedDataParallel(model, process_group=group)
+        register_weighted_hook(run)
+        lm_loss(run, ids[mine], labels[mine]).backward()
+        lm_loss(ref, ids, labels).backward()
+        grads = gather_gradients(model, dst=None)
+        assert grads is not None
+        for name, p in ref.named_parameters():
+            close(grads[name], p.grad, f"step {n} gradient of {name}")
+        opt.step()
+        ref_opt.step()
+        model.zero_grad()
+        ref.zero_grad()
+
+    opt = sgd(model.parameters())
+    for n in range(2):
+        step(model, opt, n)
+    loads = expert_loads(model)
+    assert loads == {name: c.tolist() for name, c in counted.items()}, (loads, counted)
+    assert expert_loads(model) == {name: [0] * 4 for name in loads}  # taken: counted anew
+    full = gather_state_dict(model, dst=None)
+    full_opt = gather_optimizer_state_dict(model, opt, dst=None)
+    assert full is not None and full_opt is not None
+    # The ranks' speeds changed (the slowest is now the fastest): each layer placed anew by
+    # them and its own loads.
+    again = expert_parallel(mixtral().double(), group, speeds=speeds[::-1], loads=loads)
+    load_full_state_dict(again, full)
+    opt = sgd(again.parameters())
+    load_full_optimizer_state_dict(again, opt, full_opt)
+    step(again, opt, 2)
+    return {
+        "by_speed": placed_shares(model),
+        "by_load": {
+            n: m.shares for n, m in again.named_modules() if isinstance(m, ExpertParallelExperts)
+        },
+        "loads": loads,
+    }
+
+
 def disagreements(group: Any) -> list[str]:
     """An experts layer whose ranks call it with what cannot fit together raises the same
     ``ValueError`` on every rank, none waiting for another: a rank's tokens in float32 beside
@@ -211,4 +284,6 @@ def disagreements(group: Any) -> list[str]:
 def run_torch(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*bos_token_id|.*eos_token_id")
-    return {**experts_placed(None), "errors": disagreements(None)}
+    with tolerance(1e-6):
+        again = placed_again_by_load(None)
+    return {**experts_placed(None), "errors": disagreements(None), "again": again}

@@ -31,13 +31,23 @@ PLACED = [3, 1, 0]
 def test_gloo_experts_placed_by_speed_train_as_one_process():
     """DDP with the weighted hook over 3 gloo ranks, rows 4 : 2 : 1 of each step's batch,
     experts 3 : 1 : 0 (and 2 : 1 : 1 given as shares): every model's gathered gradients and
-    state equal one process's on the whole batch (expert_parallel_cases)."""
+    state equal one process's on the whole batch, and resume on another placement; measured
+    loads place the experts again, their momentum moved with them (expert_parallel_cases)."""
     results = launch.spawn(cases.run_torch, 3, timeout=300)
     assert all(r == results[0] for r in results)
     models = ["mixtral", "batched_mm", "gpt_oss", "qwen2_moe", "deepseek_v3", "olmoe"]
+    # Placed again when the speeds reverse, each layer by its own routed tokens (2 steps of 7
+    # rows of 7 tokens, 2 experts each: 196), counted as one process routes them.
+    layer0, layer1 = "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"
+    again = {
+        "by_speed": PLACED,
+        "loads": {layer0: [62, 47, 44, 43], layer1: [38, 39, 63, 56]},
+        "by_load": {layer0: [0, 1, 3], layer1: [1, 1, 2]},
+    }
     assert results[0] == {
         **{m: PLACED for m in models}, "padded": PLACED, "grouped_mm": PLACED,
         "every_rank": [2, 1, 1], "errors": ["weight", "hidden_states", "top_k_index"],
+        "again": again,
     }  # fmt: skip
 
 

@@ -8,6 +8,7 @@ Emulated heterogeneity, for trying these on one machine, is lab code: :mod:`hetc
 from hetcoll.torch.batches import BatchCounter, item_total, item_weights
 from hetcoll.torch.expert_parallel import (
     ExpertParallelExperts,
+    expert_loads,
     expert_parallel,
     expert_shares,
     is_rank_local,
@@ -57,6 +58,7 @@ __all__ = [
     "SplitOutput",
     "WeightedAllreduceState",
     "broadcast_parameters",
+    "expert_loads",
     "expert_parallel",
     "expert_shares",
     "filter_parallel",

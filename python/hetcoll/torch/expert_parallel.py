@@ -214,6 +214,9 @@ class ExpertParallelExperts(ChannelSplit):
     num_experts: int
     #: Every rank's experts together.
     all_experts: int
+    #: The tokens this rank's router sent to each expert (all of them, by global index) since
+    #: :func:`expert_loads` last took them: what a placement by load reads.
+    routed: torch.Tensor
 
     def _own(self) -> dict[str, nn.Parameter]:
         """The module's own parameters (its experts' slices)."""
@@ -254,6 +257,7 @@ class ExpertParallelExperts(ChannelSplit):
         ep.num_experts, ep.all_experts = shares[comm.rank], experts
         ep._set_split(comm, shares)
         ep.timeout, ep.weight = timeout, weight
+        ep.routed = torch.zeros(experts, dtype=torch.int64)
         return module
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -266,12 +270,14 @@ class ExpertParallelExperts(ChannelSplit):
         owner = torch.bucketize(flat, bounds, right=True)
         order = torch.argsort(owner, stable=True)
         send = torch.bincount(owner, minlength=p)[:p].tolist()
-
-        # One exchange of counts: rows to each rank, this rank's weight, and what the ranks
-        # must agree on (features, dtype, indices in range); then every rank checks alike.
         bad = bool(flat.numel()) and not (
             int(flat.min()) >= 0 and int(flat.max()) < self.all_experts
         )
+        if not bad:
+            self.routed += torch.bincount(flat, minlength=self.all_experts).cpu()
+
+        # One exchange of counts: rows to each rank, this rank's weight, and what the ranks
+        # must agree on (features, dtype, indices in range); then every rank checks alike.
         n = _weight_of(self.weight, tokens)
         mine = np.zeros((p, 5), dtype=np.float64)
         mine[:, _ROWS] = send
@@ -488,6 +494,28 @@ def expert_parallel(
     # DistributedDataParallel's own convention for parameters it must not synchronise.
     model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(rank_local_parameters(model)))  # type: ignore[assignment]
     return model
+
+
+def expert_loads(model: nn.Module, *, timeout: float | None = None) -> dict[str, list[int]]:
+    """Each experts layer's routed tokens per expert, every rank's summed, since the previous
+    call (or the placement), by experts module name: ``expert_parallel(..., loads=...)``'s
+    (or :func:`expert_shares`') argument for a placement by load. Collective over the
+    experts' group (every rank calls it); the counts start again from zero."""
+    layers = [
+        (name, m) for name, m in model.named_modules() if isinstance(m, ExpertParallelExperts)
+    ]
+    if not layers:
+        raise ValueError("model: holds no experts placed by expert_parallel")
+    comm = layers[0][1].comm
+    mine = np.concatenate([m.routed.numpy() for _, m in layers]).astype(np.int64)
+    total = comm.allgather_int64(mine, deadline(timeout)).sum(axis=0)
+    out: dict[str, list[int]] = {}
+    start = 0
+    for name, m in layers:
+        out[name] = [int(n) for n in total[start : start + m.all_experts]]
+        start += m.all_experts
+        m.routed.zero_()
+    return out
 
 
 def rank_local_parameters(model: nn.Module) -> list[str]:
