@@ -17,6 +17,13 @@ the batch by :func:`hetcoll.split` over the speeds unless said otherwise):
    memory, no all-to-all), rows by speed;
 3. the unsplit model on the fast rank alone, the slow rank idle.
 
+Predicted: the performance model's step for each strategy
+(:func:`hetcoll.model.predict.expert_parallel_schedule`, replicated experts and the fast rank
+alone :func:`~hetcoll.model.predict.data_parallel_schedule`), on this machine's device and gloo
+link measured before the run (:mod:`hetcoll.lab.calibrate`), each rank's layers with
+parameters slowed to its speed as ``slow_down`` slows them
+(:func:`hetcoll.lab.predict_emulated.slowed_by_parameters`).
+
 Step time: median over steps of the slowest rank's step (forward, backward, SGD step); the
 strategies take turns step by step, so a change in the machine's load hits them alike.
 Heterogeneity is emulated alike for every strategy: each rank's model runs under
@@ -45,6 +52,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import hetcoll
+import hetcoll.torch
 from hetcoll import launch
 from hetcoll.lab.emulate import slow_down
 from hetcoll.torch import ExpertParallelExperts, expert_parallel, register_weighted_hook
@@ -147,25 +155,68 @@ def _rank(rank: int, world: int, batch: int, steps: int) -> dict[str, Any]:
     return out
 
 
+def predicted(batch: int) -> dict[str, float]:
+    """The performance model's step (seconds) for each strategy, the emulation modelled."""
+    from bench_tensor_parallel import machine
+
+    from hetcoll.lab.predict_emulated import slowed_by_parameters
+    from hetcoll.lab.validate import validation_cluster
+    from hetcoll.model.predict import data_parallel_schedule, expert_parallel_schedule
+
+    costs, device, link = machine("mixtral", 256)
+    cluster = validation_cluster([device] * len(SPEEDS), link)
+    out: dict[str, float] = {}
+    for name, (experts, rows_by) in STRATEGIES.items():
+        rows = hetcoll.split(batch, list(SPEEDS) if rows_by == "speed" else [1.0] * len(SPEEDS))
+        if experts is None:
+            schedule: Any = data_parallel_schedule(costs, cluster, rows)
+        else:
+            held = (
+                hetcoll.torch.expert_shares(EXPERTS, list(SPEEDS))
+                if experts == "speed"
+                else [EXPERTS // 2] * 2
+            )
+            schedule = expert_parallel_schedule(costs, cluster, rows, held)
+        out[name] = slowed_by_parameters(schedule, costs, list(SPEEDS)).step_s
+    alone = data_parallel_schedule(costs, validation_cluster([device], link), [batch])
+    out[ALONE] = slowed_by_parameters(alone, costs, [SPEEDS[0]]).step_s
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per strategy")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--no-predict",
+        dest="predict",
+        action="store_false",
+        help="skip the performance model's predictions",
+    )
     args = ap.parse_args(argv)
+    guesses = predicted(args.batch) if args.predict else {}
     results = launch.spawn(_rank, len(SPEEDS), args.batch, args.steps, timeout=3600)
+    for r in results:
+        for name, step_s in guesses.items():
+            r[name]["predicted_s"] = step_s
     r0 = results[0]
     print(
         f"Emulated heterogeneity: 2 ranks, speeds {SPEEDS[0]:g} and {SPEEDS[1]:g}, gloo; "
         f"Mixtral ({EXPERTS} experts, 2 per token), batch {args.batch} x {r0['seq']} tokens"
     )
     base = r0[EVEN]["step_s"]
-    print(f"{'strategy':<36} {'step (ms)':>10} {'vs even':>8} {'experts':>9} {'rows':>9}")
+    print(
+        f"{'strategy':<36} {'step (ms)':>10} {'vs even':>8} {'experts':>9} {'rows':>9}"
+        f" {'predicted':>10}"
+    )
     for name in (*STRATEGIES, ALONE):
         row = r0[name]
+        guess = f"{row['predicted_s'] * 1e3:10.1f}" if "predicted_s" in row else f"{'-':>10}"
         print(
             f"{name:<36} {row['step_s'] * 1e3:10.1f} {base / row['step_s']:7.2f}x "
             f"{':'.join(map(str, row['experts'])):>9} {':'.join(map(str, row['rows'])):>9}"
+            f" {guess}"
         )
     if args.json:
         with open(args.json, "w") as fh:

@@ -1078,6 +1078,46 @@ def adapt_expert_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
         held = ":".join(str(n) for n in _need(row, "experts", f"{where}.{name}"))
         share = ":".join(str(n) for n in _need(row, "rows", f"{where}.{name}"))
         steps.append([name, held, share, t * 1e3, q1 * 1e3, q3 * 1e3, even / t])
+    guesses = [
+        [
+            name,
+            row["step_s"] * 1e3,
+            row["predicted_s"] * 1e3,
+            row["predicted_s"] / row["step_s"] - 1.0,
+            even / row["step_s"],
+            rows[_EP_EVEN]["predicted_s"] / row["predicted_s"],
+        ]
+        for name, row in rows.items()
+        if isinstance(row.get("predicted_s"), (int, float))
+        and isinstance(rows[_EP_EVEN].get("predicted_s"), (int, float))
+    ]
+    predictions = (
+        [
+            {
+                "title": "Predicted against measured step (the performance model, emulation "
+                "modelled)",
+                "peer": "the measured step of the same strategy, in the same run",
+                "columns": [
+                    _col("strategy"),
+                    _col("measured (ms)", "{:.1f}"),
+                    _col("predicted (ms)", "{:.1f}"),
+                    _col("error (predicted / measured - 1)", "{:+.0%}"),
+                    _col("measured speed vs even", RATIO),
+                    _col("predicted speed vs even", RATIO),
+                ],
+                "rows": guesses,
+                "notes": [
+                    "hetcoll.model.predict.expert_parallel_schedule (replicated experts and the "
+                    "fast rank alone: data_parallel_schedule) on this machine's device and gloo "
+                    "link measured in the same run (hetcoll.lab.calibrate), each rank's layers "
+                    "with parameters slowed to its emulated speed as slow_down slows them "
+                    "(hetcoll.lab.predict_emulated.slowed_by_parameters)."
+                ],
+            }
+        ]
+        if guesses
+        else []
+    )
     speeds = ":".join(f"{s:g}" for s in r0.get("speeds", []))
     by_speed = rows["experts by speed, rows by speed"]["step_s"]
     head = f"expert parallelism (Mixtral) at emulated speeds {speeds}"
@@ -1108,7 +1148,8 @@ def adapt_expert_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
                     "Replicated: every rank holds all 8 experts (plain data parallelism, twice "
                     "the experts' memory, no all-to-all).",
                 ],
-            }
+            },
+            *predictions,
         ],
         description=(
             "Whole experts placed on data-parallel ranks (`expert_parallel`) on two gloo ranks "

@@ -149,3 +149,81 @@ def test_expert_parallel_names_bad_arguments_before_any_collective():
         expert_parallel(tp.mixtral())
     with pytest.raises(ValueError, match="model: holds no experts module"):
         expert_parallel(nn.Linear(2, 2), speeds=[1.0])
+
+
+# -- the performance model ------------------------------------------------------------------
+
+
+def _costs(make=tp.mixtral):
+    from hetcoll.model import layer_costs
+
+    return layer_costs(
+        make("grouped_mm") if make is tp.mixtral else make(), (7,), dtype=torch.int64
+    )
+
+
+def _cluster(*flops: float, latency: float = 1e-4, bandwidth: float = 1e9):
+    from hetcoll.lab.validate import validation_cluster
+    from hetcoll.model import Device, Link
+
+    devices = [Device(f"d{i}", f, f, 8e9) for i, f in enumerate(flops)]
+    return validation_cluster(devices, Link("link", latency, bandwidth))
+
+
+def test_the_model_places_the_experts_the_runtime_places():
+    """The experts layers the costs record are those expert_parallel converts, with their
+    experts, top_k and tokens (Mixtral's 2 of 4 per token; DeepSeek-V3's first block dense)."""
+    for make in (tp.mixtral, tp.gpt_oss, tp.deepseek_v3):
+        costs = _costs(make)
+        placed = [n for n, m in make().named_modules() if experts_module(m) == ""]
+        assert [b.module for b in costs.experts] == placed
+        assert {(b.experts, b.top_k, b.tokens_per_sample) for b in costs.experts} == {(4, 2, 7.0)}
+
+
+def test_one_device_of_expert_parallelism_is_data_parallelism():
+    """Holding every expert, one device exchanges nothing: the step is data parallelism's."""
+    from hetcoll.model.predict import data_parallel
+    from hetcoll.model.predict import expert_parallel as predict
+
+    costs, one = _costs(), _cluster(1e10)
+    assert predict(costs, one, [16], [4]).step_s == pytest.approx(
+        data_parallel(costs, one, [16]).step_s, rel=1e-12
+    )
+
+
+def test_the_model_prefers_experts_and_rows_by_speed_and_prices_the_exchanges():
+    """On a fast and a slow device, experts and rows by speed step faster than evenly; the
+    all-to-alls grow with the link's latency; loads move the slow device's work."""
+    from hetcoll.model.predict import expert_parallel as predict
+
+    costs, two = _costs(), _cluster(1e11, 2.5e10)
+    by_speed = predict(costs, two, [26, 6], [3, 1])
+    even = predict(costs, two, [16, 16], [2, 2])
+    assert by_speed.step_s < even.step_s
+    assert by_speed.detail["experts"] == {b.module: [3, 1] for b in costs.experts}
+    slower = predict(costs, _cluster(1e11, 2.5e10, latency=1e-3), [26, 6], [3, 1])
+    assert slower.detail["all_to_all_s"] > by_speed.detail["all_to_all_s"]
+    # Its one expert cold, the slow device computes less, and the step shortens.
+    cold = {b.module: [1.0, 1.0, 1.0, 0.0] for b in costs.experts}
+    assert predict(costs, two, [26, 6], [3, 1], loads=cold).step_s < by_speed.step_s
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "text"),
+    [
+        ({"shares": [16, 16], "experts": [4]}, "experts: 'model.layers.0.mlp.experts' needs 2"),
+        ({"shares": [16, 16], "experts": {"x": [2, 2]}}, "experts: names no placement"),
+        ({"shares": [16], "experts": [2, 2]}, "shares: expected 2 values"),
+        (
+            {"shares": [16, 16], "experts": [2, 2], "loads": {"model.layers.0.mlp.experts": [1]}},
+            "loads: 'model.layers.0.mlp.experts' needs 4",
+        ),
+    ],
+)
+def test_the_model_names_bad_placements(kwargs, text):
+    from hetcoll.model.predict import expert_parallel as predict
+
+    with pytest.raises(ValueError, match=text):
+        predict(_costs(), _cluster(1e10, 1e10), **kwargs)
+    with pytest.raises(ValueError, match="costs: the model holds no experts layer"):
+        predict(_costs(tp.qwen2), _cluster(1e10, 1e10), [16, 16], [2, 2])

@@ -42,6 +42,7 @@ from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster
 from hetcoll.model.predict import (
     DataParallelSchedule,
+    ExpertParallelSchedule,
     FilterParallelSchedule,
     Prediction,
     data_parallel_schedule,
@@ -213,6 +214,30 @@ def filter_parallel(
     if host is not None and host.shared_by(n):
         return _shared_filter_parallel(schedule, slow, factor * (n / host.cores), host)
     return replace(schedule, layers=schedule.layers.scaled(factor)).prediction()
+
+
+def slowed_by_parameters(
+    schedule: DataParallelSchedule | ExpertParallelSchedule,
+    costs: ModelCosts,
+    speeds: Sequence[float],
+) -> Prediction:
+    """A data- or expert-parallel step whose devices run under :func:`hetcoll.lab.emulate.
+    slow_down` at ``speeds``: every layer with parameters takes ``1/f`` as long on a device of
+    speed f (placed experts through their own computation), the parameter-free ones, the
+    collectives and the update full speed.
+
+    >>> slowed_by_parameters(expert_parallel_schedule(costs, c, [26, 6], [7, 1]), costs,
+    ...                      [1.0, 0.25]).step_s  # doctest: +SKIP
+    """
+    slow = _slowdowns(speeds, len(schedule.update_s))
+    rows = np.array([x.param_bytes > 0 for x in costs.layers], dtype=bool)
+    factor = np.where(rows[:, None], slow[None, :], 1.0)
+    layers = schedule.layers.scaled(factor)
+    if isinstance(schedule, DataParallelSchedule):  # its backward starts after the slower forward
+        return replace(
+            schedule, layers=layers, backward_start_s=layers.forward_s.sum(axis=0)
+        ).prediction()
+    return replace(schedule, layers=layers).prediction()
 
 
 def _shared_filter_parallel(

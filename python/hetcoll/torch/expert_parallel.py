@@ -46,8 +46,9 @@ Weight = Callable[[], float]
 #: Codes of the dtypes the ranks' tokens may carry (exchanged to check that the ranks agree).
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
-#: Fields of the counts every forward exchanges, per destination rank.
-_ROWS, _WEIGHT, _FEATURES, _DTYPE, _BAD = range(5)
+#: Fields of the counts every forward exchanges, per destination rank; then the rows it sends
+#: to each of that rank's experts.
+_WEIGHT, _FEATURES, _DTYPE, _BAD, _FIELDS = range(5)
 
 
 def experts_module(m: nn.Module) -> str | None:
@@ -266,22 +267,24 @@ class ExpertParallelExperts(ChannelSplit):
         tokens, top_k = index.shape
         flat = index.reshape(-1).to(torch.long)
         rows = torch.arange(tokens, device=x.device).repeat_interleave(top_k)
-        bounds = torch.tensor(np.cumsum(self.shares), device=flat.device)
-        owner = torch.bucketize(flat, bounds, right=True)
-        order = torch.argsort(owner, stable=True)
-        send = torch.bincount(owner, minlength=p)[:p].tolist()
-        bad = bool(flat.numel()) and not (
-            int(flat.min()) >= 0 and int(flat.max()) < self.all_experts
-        )
+        experts = self.all_experts
+        bad = bool(flat.numel()) and not (int(flat.min()) >= 0 and int(flat.max()) < experts)
+        # Rows sorted by expert are sorted by rank too (each rank holds a run of experts).
+        order = torch.argsort(flat.clamp(0, experts - 1), stable=True)
+        per_expert = torch.bincount(flat.clamp(0, experts - 1), minlength=experts).cpu()
         if not bad:
-            self.routed += torch.bincount(flat, minlength=self.all_experts).cpu()
+            self.routed += per_expert
 
-        # One exchange of counts: rows to each rank, this rank's weight, and what the ranks
-        # must agree on (features, dtype, indices in range); then every rank checks alike.
-        n = _weight_of(self.weight, tokens)
-        mine = np.zeros((p, 5), dtype=np.float64)
-        mine[:, _ROWS] = send
-        mine[:, _WEIGHT] = n
+        # One exchange of counts: each rank's rows for each of its experts (so the rows need
+        # no expert index), this rank's weight, and what the ranks must agree on (features,
+        # dtype, indices in range); then every rank checks alike.
+        held = self.shares
+        starts = np.cumsum([0, *held[:-1]])
+        mine = np.zeros((p, _FIELDS + max(held)), dtype=np.float64)
+        counts = per_expert.numpy()
+        for q in range(p):
+            mine[q, _FIELDS : _FIELDS + held[q]] = counts[starts[q] : starts[q] + held[q]]
+        mine[:, _WEIGHT] = _weight_of(self.weight, tokens)
         mine[:, _FEATURES] = x.shape[-1]
         mine[:, _DTYPE] = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1
         mine[:, _BAD] = bad
@@ -292,15 +295,17 @@ class ExpertParallelExperts(ChannelSplit):
             mine.reshape(-1).view(np.uint8), [row] * p, got.reshape(-1).view(np.uint8), [row] * p
         ).wait(deadline(self.timeout))
         _check_counts(got, type(self).__name__)
-        recv = got[:, _ROWS].astype(np.int64).tolist()
+        send = mine[:, _FIELDS:].sum(axis=1).astype(np.int64).tolist()
+        from_each = got[:, _FIELDS : _FIELDS + held[self.rank]].astype(np.int64)
+        recv = from_each.sum(axis=1).tolist()
         total = float(got[:, _WEIGHT].sum())
         share = torch.tensor(
             got[:, _WEIGHT] / total if total > 0 else np.zeros(p), dtype=torch.float64
         )
-
-        local = torch.tensor(np.repeat(np.cumsum([0, *self.shares[:-1]]), 1))
-        sent_ids = flat[order] - local.to(flat.device)[owner[order]]
-        ids = _AllToAll.apply(sent_ids, comm, send, recv, self.timeout)
+        # Each rank's rows come sorted by expert: their experts, counted from this rank's first.
+        ids = torch.repeat_interleave(
+            torch.arange(held[self.rank]).repeat(p), torch.from_numpy(from_each.reshape(-1))
+        ).to(x.device)
         received = _AllToAll.apply(x[rows[order]], comm, send, recv, self.timeout)
         # The rows from rank s weigh share[s] in the experts' gradients; their input
         # gradients go back unweighted (rank s's own data-parallel weight applies there).

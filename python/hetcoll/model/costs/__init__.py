@@ -26,6 +26,7 @@ predictions can scale it with a device's share of the filters.
 
 from hetcoll.model.costs.layers import layer_costs
 from hetcoll.model.costs.records import (
+    ExpertsBlock,
     Kernel,
     LayerCost,
     ModelCosts,
@@ -35,6 +36,7 @@ from hetcoll.model.costs.records import (
 )
 
 __all__ = [
+    "ExpertsBlock",
     "Kernel",
     "LayerCost",
     "ModelCosts",

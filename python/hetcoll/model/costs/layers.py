@@ -23,6 +23,7 @@ from hetcoll.model.costs.losses import LOSS_LAYER, resolve_loss
 from hetcoll.model.costs.records import (
     _COUNT_BATCH,
     _TRACE_BATCH,
+    ExpertsBlock,
     Kernel,
     LayerCost,
     ModelCosts,
@@ -211,6 +212,7 @@ def layer_costs(
         modes,
         inputs=inputs,
         split_blocks=blocks,
+        experts=_experts_blocks(model, layers, item),
         loss=loss_name,
         vocabulary_ties=tuple(vocabulary_ties(model).items()),
     )
@@ -420,6 +422,35 @@ def _split_block(
         None if ts.by_head is None else _split_block(model, ts.by_head, layers, item),
         _other_sums(model, ts, layers, item),
     )
+
+
+def _experts_blocks(
+    model: nn.Module, layers: Sequence[LayerCost], item: int
+) -> tuple[ExpertsBlock, ...]:
+    """The experts modules expert parallelism places (:func:`hetcoll.torch.expert_parallel.
+    experts_module`), with their tokens per sample: the module's output rows (its last costed
+    layer's output bytes over its features)."""
+    from hetcoll.torch.expert_parallel import experts_module
+    from hetcoll.torch.filters import ExpertsLayout, experts_layout
+
+    last = {x.name: x for x in layers}
+    out = []
+    for name, m in model.named_modules():
+        row = last.get(name)
+        if row is None or experts_module(m) != "":
+            continue
+        layout = experts_layout(m)
+        features = layout.features if isinstance(layout, ExpertsLayout) else 0
+        for attribute in ("hidden_dim", "hidden_size"):
+            value = getattr(m, attribute, None)
+            features = value if not features and isinstance(value, int) else features
+        config = getattr(m, "config", None)
+        top_k = getattr(config, "num_experts_per_tok", None)
+        if features <= 0 or not isinstance(top_k, int):
+            continue
+        tokens = row.out_bytes_per_sample / (features * item)
+        out.append(ExpertsBlock(name, int(m.num_experts), top_k, tokens, features))  # type: ignore[arg-type]
+    return tuple(out)
 
 
 def _other_sums(

@@ -123,6 +123,25 @@ class LayerCost:
 
 
 @dataclass(frozen=True)
+class ExpertsBlock:
+    """A mixture-of-experts layer as expert parallelism places it
+    (:func:`hetcoll.torch.expert_parallel`: whole experts per rank, each token's ``top_k``
+    rows sent to their experts' ranks and back): the experts module's path (its costed
+    layers carry that name), its ``experts``, ``top_k`` experts per token, the tokens of one
+    sample (``tokens_per_sample``) and each token's ``features``."""
+
+    module: str
+    experts: int
+    top_k: int
+    tokens_per_sample: float
+    features: int
+
+    def routed_bytes_per_sample(self, itemsize: int) -> float:
+        """Bytes of one sample's routed rows (one way), at ``itemsize`` bytes an element."""
+        return self.tokens_per_sample * self.top_k * self.features * itemsize
+
+
+@dataclass(frozen=True)
 class SplitBlock:
     """An attention split by heads, an MLP split by hidden units or a mixture of experts split
     by each expert's hidden units, as filter parallelism splits it
@@ -289,6 +308,9 @@ class ModelCosts:
     #: The attentions and MLPs filter parallelism splits by heads and hidden units, in the
     #: model's order; their layers are in ``filter_modes`` too.
     split_blocks: tuple[SplitBlock, ...] = ()
+    #: The mixture-of-experts layers expert parallelism places by whole experts, in the
+    #: model's order.
+    experts: tuple[ExpertsBlock, ...] = ()
     #: The loss the costs end with (``layer_costs``' ``loss``: ``"cross-entropy"`` or the
     #: function's name), costed as the last of ``layers``; ``""``: none.
     loss: str = ""

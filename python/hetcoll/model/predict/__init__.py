@@ -11,6 +11,8 @@ Three strategies, each evaluated with the terms of :mod:`hetcoll.model.terms`:
   backward pass;
 - pipeline (:func:`pipeline`): contiguous stages of layers on the devices in order, GPipe
   or 1F1B micro-batches, with the bubble;
+- expert parallel (:func:`expert_parallel`): data parallelism whose mixture-of-experts layers
+  hold whole experts per device, the routed tokens exchanged by all-to-all;
 - any :class:`hetcoll.Plan` (:func:`predict_plan`): replicas of any shape, each a pipeline of
   one-rank or filter-split stages over uneven micro-batches, as
   :func:`hetcoll.torch.parallelize` runs it; the pipeline above is one such plan.
@@ -22,9 +24,10 @@ planner can say why a strategy lost). Everything is vectorised over devices: a 1
 cluster costs a few numpy calls per strategy.
 
 The package: :mod:`.prediction` (what every predictor returns), :mod:`.timing` (layers on
-devices), :mod:`.data`, :mod:`.filters`, :mod:`.plans` and :mod:`.pipelines` (one module per
-strategy); any plan is laid out in costed layers (:mod:`.layout`), its alike replicas grouped
-(:mod:`.classes`) and its step laid out (:mod:`.schedule`) of its stages' work (:mod:`.work`).
+devices), :mod:`.data`, :mod:`.experts`, :mod:`.filters`, :mod:`.plans` and :mod:`.pipelines`
+(one module per strategy); any plan is laid out in costed layers (:mod:`.layout`), its alike
+replicas grouped (:mod:`.classes`) and its step laid out (:mod:`.schedule`) of its stages' work
+(:mod:`.work`).
 Its modules share their private names; every name is importable from here.
 """
 
@@ -40,6 +43,11 @@ from hetcoll.model.predict.data import (
 )
 from hetcoll.model.predict.data import (
     _data_parallel_plan as _data_parallel_plan,
+)
+from hetcoll.model.predict.experts import (
+    ExpertParallelSchedule,
+    expert_parallel,
+    expert_parallel_schedule,
 )
 from hetcoll.model.predict.filters import (
     FILTER_MODES,
@@ -121,6 +129,7 @@ __all__ = [
     "DDP_FIRST_BUCKET_BYTES",
     "FILTER_MODES",
     "DataParallelSchedule",
+    "ExpertParallelSchedule",
     "FilterParallelSchedule",
     "LayerSeconds",
     "PlanSchedule",
@@ -134,6 +143,8 @@ __all__ = [
     "data_parallel_schedule",
     "ddp_buckets",
     "even_batch_shares",
+    "expert_parallel",
+    "expert_parallel_schedule",
     "filter_modes",
     "filter_parallel",
     "filter_parallel_schedule",

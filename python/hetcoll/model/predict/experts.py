@@ -1,0 +1,290 @@
+"""Expert parallelism (:func:`hetcoll.torch.expert_parallel`): data parallelism whose
+mixture-of-experts layers hold whole experts per device, the routed tokens sent to their
+experts' devices and back. The laid-out step (:class:`ExpertParallelSchedule`) and its
+prediction (:func:`expert_parallel`)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from hetcoll.model import terms
+from hetcoll.model.costs import ExpertsBlock, ModelCosts
+from hetcoll.model.hardware import Cluster
+from hetcoll.model.predict.data import ddp_buckets
+from hetcoll.model.predict.prediction import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, Prediction
+from hetcoll.model.predict.timing import (
+    LayerSeconds,
+    _check_shares,
+    _layer_times,
+    _memory_common,
+    device_arrays,
+    memory_shortfall,
+)
+
+#: Experts per device: one list for every experts layer, or a dict by experts module path.
+Placement = Sequence[int] | Mapping[str, Sequence[int]]
+
+
+@dataclass(frozen=True)
+class ExpertParallelSchedule:
+    """One expert-parallel step laid out, before its devices are timed against each other
+    (:func:`expert_parallel_schedule` builds it, :meth:`prediction` times it).
+
+    ``shares``: samples per device; ``experts``: each experts layer's experts per device;
+    ``layers``: per layer and device, the layers outside the experts at the device's samples,
+    an experts layer's at the tokens its experts receive; ``groups``: each experts layer's
+    first and last costed layer, with the seconds of its exchanges, forward before and after
+    its experts run and backward likewise (every device waits for the others at each);
+    ``update_s``: each device's optimizer step (its replicated parameters and its experts);
+    ``buckets``: DDP's buckets of the replicated parameters' gradients, as in
+    :class:`~hetcoll.model.predict.DataParallelSchedule`; ``memory_bytes`` and ``reason`` as
+    in :class:`Prediction`."""
+
+    strategy: str
+    shares: np.ndarray
+    experts: dict[str, list[int]]
+    layers: LayerSeconds
+    groups: list[tuple[int, int, float, float, float, float]]
+    update_s: np.ndarray
+    buckets: list[tuple[int, float]]
+    overlap: bool
+    memory_bytes: np.ndarray
+    reason: str
+
+    def prediction(self) -> Prediction:
+        """The step: each device's forward, its devices meeting at every experts layer's
+        exchanges; the backward likewise, the buckets' allreduces overlapping it (as DDP's do)
+        or after it; then the optimizer."""
+        lt, n = self.layers, self.layers.forward_s.shape[0]
+        first = {g[0]: g for g in self.groups}
+        last = {g[1]: g for g in self.groups}
+        t = np.zeros(lt.forward_s.shape[1])
+        for i in range(n):
+            if i in first:
+                t[:] = t.max() + first[i][2]
+            t = t + lt.forward_s[i]
+            if i in last:
+                t[:] = t.max() + last[i][3]
+        done = np.zeros_like(lt.backward_s)
+        for i in range(n - 1, -1, -1):
+            if i in last:
+                t[:] = t.max() + last[i][4]
+            t = t + lt.backward_s[i]
+            if i in first:
+                t[:] = t.max() + first[i][5]
+            done[i] = t
+        busy = float(t.max())
+        end = 0.0
+        for first_layer, c in self.buckets:
+            ready = float(done[first_layer].max()) if self.overlap else busy
+            end = max(end, ready) + c
+        opt = self.update_s
+        slowest = int(np.argmax(t + opt))
+        step = max(busy, end) + float(opt.max())
+        exchange = sum(g[2] + g[3] + g[4] + g[5] for g in self.groups)
+        breakdown = {
+            "compute": float(lt.compute_s[:, slowest].sum()),
+            "memory": float(lt.memory_s[:, slowest].sum()),
+            "overhead": float(lt.overhead_s[:, slowest].sum()),
+            "communication": 0.0,
+            "optimizer": float(opt[slowest]),
+        }
+        breakdown["communication"] = max(0.0, step - sum(breakdown.values()))
+        b = self.shares
+        return Prediction(
+            self.strategy,
+            [int(x) for x in b],
+            "samples",
+            step,
+            breakdown,
+            [float(x) for x in self.memory_bytes],
+            not self.reason,
+            self.reason,
+            int(b.sum()),
+            {
+                "all_to_all_s": exchange,
+                "allreduce_s": float(sum(c for _, c in self.buckets)),
+                "buckets": len(self.buckets),
+                "experts": {name: list(held) for name, held in self.experts.items()},
+                "critical_device": slowest,
+            },
+        )
+
+
+def _placement(block: ExpertsBlock, experts: Placement, devices: int) -> list[int]:
+    held = experts.get(block.module) if isinstance(experts, Mapping) else experts
+    if held is None:
+        raise ValueError(f"experts: names no placement for {block.module!r}")
+    values = list(held)
+    if (
+        len(values) != devices
+        or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0 for v in values)
+        or sum(values) != block.experts
+    ):
+        raise ValueError(
+            f"experts: {block.module!r} needs {devices} counts >= 0 summing to its "
+            f"{block.experts} experts, got {values}"
+        )
+    return [int(v) for v in values]
+
+
+def _fractions(
+    block: ExpertsBlock, held: list[int], loads: Mapping[str, Sequence[float]] | None
+) -> np.ndarray:
+    """The share of the layer's routed tokens each device's experts receive: their loads'
+    (each expert alike without ``loads``)."""
+    load = np.ones(block.experts)
+    if loads is not None and block.module in loads:
+        load = np.asarray(loads[block.module], dtype=np.float64)
+        if load.shape != (block.experts,) or not np.isfinite(load).all() or (load < 0).any():
+            raise ValueError(
+                f"loads: {block.module!r} needs {block.experts} finite numbers >= 0, "
+                f"got {list(load)}"
+            )
+        if load.sum() <= 0:
+            load = np.ones(block.experts)
+    bounds = np.cumsum([0, *held])
+    return np.array([load[a:z].sum() for a, z in itertools.pairwise(bounds)]) / load.sum()
+
+
+def expert_parallel_schedule(
+    costs: ModelCosts,
+    cluster: Cluster,
+    shares: Sequence[int],
+    experts: Placement,
+    *,
+    loads: Mapping[str, Sequence[float]] | None = None,
+    overlap: bool = True,
+    optimizer_state_copies: int = 1,
+    first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
+    bucket_bytes: float = DDP_BUCKET_BYTES,
+    strategy: str = "expert parallel",
+) -> ExpertParallelSchedule:
+    """The step :func:`expert_parallel` predicts, laid out (arguments as there)."""
+    if not costs.experts:
+        raise ValueError("costs: the model holds no experts layer expert parallelism places")
+    devices = cluster.devices
+    p = len(devices)
+    b = _check_shares(shares, p)
+    dev = device_arrays(devices)
+    lt = _layer_times(costs, dev, b)
+    arrays = [a.copy() for a in (lt.forward_s, lt.backward_s, lt.compute_s, lt.memory_s)]
+    arrays.append(lt.overhead_s.copy())
+    link = cluster.ring_link()
+    item = costs.activation_itemsize or costs.itemsize
+    total = float(b.sum())
+    names = [x.name for x in costs.layers]
+    placed: dict[str, list[int]] = {}
+    groups: list[tuple[int, int, float, float, float, float]] = []
+    expert_bytes = np.zeros(p)
+    for block in costs.experts:
+        held = _placement(block, experts, p)
+        placed[block.module] = held
+        frac = _fractions(block, held, loads)
+        rows = [i for i, name in enumerate(names) if name == block.module]
+        # The experts' work: the tokens routed to them, from every device, as samples.
+        at = _layer_times(costs, dev, total * frac)
+        for mine, theirs in zip(
+            arrays,
+            (at.forward_s, at.backward_s, at.compute_s, at.memory_s, at.overhead_s),
+            strict=True,
+        ):
+            mine[rows] = theirs[rows]
+        # One all-to-all: the busiest device's rows out or in, over the link, after a
+        # message latency to each other device.
+        routed = block.routed_bytes_per_sample(item)
+        sent = b * routed * (1.0 - frac)
+        received = (total - b) * routed * frac
+        a2a = (p - 1) * link.latency_s + float(np.maximum(sent, received).max()) / (
+            link.bytes_per_s
+        )
+        counts = (p - 1) * link.latency_s  # the counts' exchange opening each forward
+        groups.append((rows[0], rows[-1], counts + a2a, a2a, a2a, a2a))
+        expert_bytes += (
+            sum(costs.layers[i].param_bytes for i in rows) * np.asarray(held) / (block.experts)
+        )
+    layers = LayerSeconds(*arrays)
+    held_names = set(placed)
+    replicated = replace(
+        costs,
+        layers=tuple(
+            replace(x, param_bytes=0.0) if x.name in held_names else x for x in costs.layers
+        ),
+    )
+    reduce_bw = float(dev.mem_bytes_per_s.min())
+    active = max(1, int((b > 0).sum()))
+    buckets = [
+        (
+            first_layer,
+            float(
+                terms.ring_allreduce_seconds(
+                    nbytes, active, link.latency_s, link.bytes_per_s, reduce_bw, costs.itemsize
+                )
+            ),
+        )
+        for first_layer, nbytes in ddp_buckets(replicated, first_bucket_bytes, bucket_bytes)
+    ]
+    own = replicated.param_bytes + expert_bytes
+    update = terms.optimizer_update_seconds(own, dev.mem_bytes_per_s, optimizer_state_copies)
+    memory = (
+        _memory_common(replicated, optimizer_state_copies)
+        + replicated.param_bytes
+        + expert_bytes * (2 + optimizer_state_copies)
+        + b * costs.saved_bytes_per_sample()
+    )
+    return ExpertParallelSchedule(
+        strategy,
+        b,
+        placed,
+        layers,
+        groups,
+        np.asarray(update, dtype=np.float64),
+        buckets,
+        overlap,
+        memory,
+        memory_shortfall(memory, devices),
+    )
+
+
+def expert_parallel(
+    costs: ModelCosts,
+    cluster: Cluster,
+    shares: Sequence[int],
+    experts: Placement,
+    *,
+    loads: Mapping[str, Sequence[float]] | None = None,
+    overlap: bool = True,
+    optimizer_state_copies: int = 1,
+    first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
+    bucket_bytes: float = DDP_BUCKET_BYTES,
+    strategy: str = "expert parallel",
+) -> Prediction:
+    """One expert-parallel step, as :func:`hetcoll.torch.expert_parallel` with DDP and the
+    weighted hook runs it: device d trains on ``shares[d]`` samples; each experts layer
+    (``costs.experts``) holds ``experts[d]`` whole experts on device d (one list for every
+    layer, or a dict by module path), whose work is the tokens the router sends them from
+    every device (in proportion to their ``loads``, each expert's routed tokens, by module
+    path; each expert alike without), and opens with an exchange of counts, then one
+    all-to-all of the routed tokens forward and one back, the same two backward; every device
+    waits for the others at each. The replicated parameters' gradients are allreduced in DDP's
+    buckets (``overlap`` as in :func:`~hetcoll.model.predict.data_parallel`); each device
+    updates them and its own experts.
+
+    >>> expert_parallel(costs, cluster, [26, 6], [7, 1]).step_s  # doctest: +SKIP
+    """
+    return expert_parallel_schedule(
+        costs,
+        cluster,
+        shares,
+        experts,
+        loads=loads,
+        overlap=overlap,
+        optimizer_state_copies=optimizer_state_copies,
+        first_bucket_bytes=first_bucket_bytes,
+        bucket_bytes=bucket_bytes,
+        strategy=strategy,
+    ).prediction()
