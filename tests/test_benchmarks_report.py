@@ -669,3 +669,48 @@ def test_device_summary_names_failed_and_timed_out_steps(tmp_path: Path) -> None
     assert summary["plans"]["status"].startswith("missing: plans.json")
     assert summary["lm"]["status"].startswith("missing: lm.json")
     assert summary["calibration"] is None
+
+
+def test_expert_parallel_adapter_reads_the_scripts_json(tmp_path: Path) -> None:
+    def row(step: float, experts: list[int], rows: list[int], guess: float) -> dict[str, object]:
+        return {
+            "step_s": step,
+            "step_s_q1": step * 0.9,
+            "step_s_q3": step * 1.1,
+            "experts": experts,
+            "rows": rows,
+            "predicted_s": guess,
+        }
+
+    r0 = {
+        "arch": "mixtral",
+        "batch": 32,
+        "seq": 64,
+        "speeds": [1.0, 0.25],
+        "experts by speed, rows by speed": row(0.2, [7, 1], [26, 6], 0.1),
+        "experts even, rows by speed": row(0.3, [4, 4], [26, 6], 0.15),
+        "experts even, rows even": row(0.4, [4, 4], [16, 16], 0.2),
+        "experts replicated, rows by speed": row(0.16, [8, 8], [26, 6], 0.08),
+        "unsplit, fast rank alone": row(0.15, [8, 0], [32, 0], 0.12),
+    }
+    raw = tmp_path / "raw" / "raw.json"
+    raw.parent.mkdir()
+    raw.write_text(json.dumps([r0, r0]))
+    result = report.adapt_expert_parallel([raw], "python benches/bench_expert_parallel.py")
+    report.write_result(tmp_path / "expert_parallel.json", result)
+    assert [h["value"] for h in result["headlines"]] == ["2.00x faster", "0.80x", "0.75x"]
+    text = report.generate(tmp_path)
+    assert (
+        "| experts by speed, rows by speed | 7:1 | 26:6 | 200.0 | 180.0 | 220.0 | 2.00x |" in text
+    )
+    assert "| experts even, rows even | 400.0 | 200.0 | -50% | 1.00x | 1.00x |" in text
+    # A run without predictions (--no-predict) has no predicted table.
+    for name in report._EP_STRATEGIES:
+        del r0[name]["predicted_s"]  # type: ignore[attr-defined]
+    raw.write_text(json.dumps([r0]))
+    result = report.adapt_expert_parallel([raw], "python benches/bench_expert_parallel.py")
+    assert len(result["sections"]) == 1
+    missing = {k: v for k, v in r0.items() if k != "experts even, rows even"}
+    raw.write_text(json.dumps([missing]))
+    with pytest.raises(report.ResultError, match="experts even, rows even"):
+        report.adapt_expert_parallel([raw], "python benches/bench_expert_parallel.py")

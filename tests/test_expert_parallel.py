@@ -67,7 +67,8 @@ def test_expert_shares_follow_speeds_and_loads():
     assert expert_shares(4, [1.0, 1.0], loads=[3.0, 1.0, 1.0, 1.0]) == [1, 3]
     # Memory for 2 experts on the first rank bounds it below its speed's share.
     assert expert_shares(4, [9.0, 1.0], loads=[1.0] * 4) == [4, 0]
-    assert expert_shares(4, [9.0, 1.0], loads=[1.0] * 4, memory=[2, 4]) == [2, 2]
+    assert expert_shares(4, [9.0, 1.0], loads=[1.0] * 4, capacity=[2, 4]) == [2, 2]
+    assert expert_shares(4, [9.0, 1.0], capacity=[3, 4]) == [3, 1]
 
 
 @pytest.mark.parametrize(
@@ -80,11 +81,16 @@ def test_expert_shares_follow_speeds_and_loads():
             ValueError,
             "loads: must be finite",
         ),
-        ({"num_experts": 2, "speeds": [1.0], "memory": [1.0]}, ValueError, "memory: needs loads"),
         (
-            {"num_experts": 2, "speeds": [1.0, 1.0], "loads": [1.0, 1.0], "memory": [1.0]},
+            {"num_experts": 2, "speeds": [1.0, 1.0], "loads": [1.0, 1.0], "capacity": [1]},
             ValueError,
-            "memory: needs one entry per rank",
+            "capacity: needs one int >= 0 per rank",
+        ),
+        ({"num_experts": 4, "speeds": [1.0, 1.0], "capacity": [1, 1]}, ValueError, "capacity"),
+        (
+            {"num_experts": 4, "speeds": [1.0, 1.0], "loads": [1.0] * 4, "capacity": [1, 1]},
+            ValueError,
+            "capacity: infeasible",
         ),
         ({"num_experts": 2, "speeds": [1.0, -1.0]}, ValueError, "speeds"),
     ],

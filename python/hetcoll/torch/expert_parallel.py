@@ -80,43 +80,49 @@ def expert_shares(
     speeds: Sequence[float],
     *,
     loads: Sequence[float] | None = None,
-    memory: Sequence[float] | None = None,
+    capacity: Sequence[int] | None = None,
 ) -> list[int]:
     """Experts per rank, in rank order (rank r holds the next ``shares[r]`` experts).
 
     Without ``loads`` every expert counts alike: :func:`hetcoll.split` of ``num_experts`` by
     ``speeds`` (a rank may get none). With ``loads`` (each expert's work: the tokens routed to
-    it, measured over recent steps) the experts are cut into contiguous runs whose load over
-    the rank's speed is smallest at the slowest rank (:func:`hetcoll.partition_chain`, exact);
-    ``memory`` (bytes each rank may give the experts, with ``loads``) bounds each rank's count by
-    what fits, an expert weighing the same on every rank.
+    it, :func:`expert_loads`) the experts are cut into contiguous runs whose load over the
+    rank's speed is smallest at the slowest rank (:func:`hetcoll.partition_chain`, exact).
+    ``capacity``: the most experts each rank may hold (what its memory fits); a request none
+    fits raises ``ValueError``.
 
     >>> expert_shares(8, [3.0, 1.0])
     [6, 2]
     >>> expert_shares(4, [1.0, 1.0], loads=[3.0, 1.0, 1.0, 1.0])
     [1, 3]
+    >>> expert_shares(4, [9.0, 1.0], capacity=[2, 4])
+    [2, 2]
     """
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts: must be an int >= 1, got {num_experts!r}")
     speeds = [float(s) for s in speeds]
+    if capacity is not None:
+        capacity = list(capacity)
+        if len(capacity) != len(speeds) or any(
+            isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0 for c in capacity
+        ):
+            raise ValueError(
+                f"capacity: needs one int >= 0 per rank ({len(speeds)}), got {capacity}"
+            )
     if loads is None:
-        if memory is not None:
-            raise ValueError("memory: needs loads (the experts' loads) to place experts by")
-        return [int(n) for n in hetcoll.split(num_experts, speeds)]
+        return [int(n) for n in hetcoll.split(num_experts, speeds, capacity=capacity)]
     loads = [float(x) for x in loads]
     if len(loads) != num_experts:
         raise ValueError(f"loads: needs one entry per expert ({num_experts}), got {len(loads)}")
     if any(not math.isfinite(x) or x < 0 for x in loads):
         raise ValueError(f"loads: must be finite and >= 0, got {loads}")
-    if memory is None:
+    if capacity is None:
         return [int(n) for n in hetcoll.partition_chain(loads, speeds)]
-    if len(memory) != len(speeds):
-        raise ValueError(f"memory: needs one entry per rank ({len(speeds)}), got {len(memory)}")
-    # partition_chain bounds bytes: each expert weighs 1, each rank holds its memory's count.
+    # partition_chain bounds bytes: each expert weighs one, each rank holds its capacity.
     return [
         int(n)
         for n in hetcoll.partition_chain(
-            loads, speeds, memory=[1.0] * num_experts, capacity=[float(m) for m in memory]
+            loads, speeds, memory=[1.0] * num_experts, capacity=[float(c) for c in capacity]
         )
     ]
 
@@ -429,6 +435,7 @@ def expert_parallel(
     speeds: Sequence[float] | None = None,
     shares: Sequence[int] | None = None,
     loads: Sequence[float] | Mapping[str, Sequence[float]] | None = None,
+    capacity: Sequence[int] | None = None,
     weight: Weight | None = None,
     timeout: float | None = None,
 ) -> nn.Module:
@@ -437,7 +444,8 @@ def expert_parallel(
 
     Exactly one of ``speeds=`` (one number per rank: :func:`expert_shares`, with ``loads``
     if given: each expert's routed tokens, one list for every layer or a dict by experts
-    module name) or ``shares=`` (experts per rank, in rank order, the same for every layer).
+    module name, and ``capacity``, the most experts a rank holds of each layer) or
+    ``shares=`` (experts per rank, in rank order, the same for every layer).
 
     Everything else stays replicated and trains data-parallel over the same ranks, each on
     its own share of the batch, with hetcoll's weighted averaging:
@@ -493,7 +501,11 @@ def expert_parallel(
     for name, m in found:
         experts = int(m.num_experts)  # type: ignore[arg-type]
         load = loads.get(name) if isinstance(loads, Mapping) else loads
-        mine = expert_shares(experts, speeds, loads=load) if speeds else list(shares or ())
+        mine = (
+            expert_shares(experts, speeds, loads=load, capacity=capacity)
+            if speeds
+            else list(shares or ())
+        )
         ExpertParallelExperts.convert(m, mine, comm, weight=weight, timeout=timeout)
     ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
     # DistributedDataParallel's own convention for parameters it must not synchronise.
