@@ -384,3 +384,25 @@ def experts_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, objec
             for name, make in (("mixtral", tp.mixtral), ("gpt_oss", tp.gpt_oss))
         }
     return placed
+
+
+def experts_nccl(rank: int, world: int) -> dict[str, object]:
+    """Expert parallelism on NCCL at world size 1 (the tokens' all-to-all on the GPU): Mixtral
+    in float64 holding every expert, its gradients after one step equal one process's on the
+    CPU (1e-6: the router's softmax in float32)."""
+    import expert_parallel_cases as ep
+    import tensor_parallel_cases as tp
+
+    from hetcoll.torch import expert_parallel
+
+    torch.manual_seed(0)
+    ref = tp.mixtral().double()
+    model = expert_parallel(copy.deepcopy(ref).cuda(), speeds=[1.0])
+    ids, labels = ep.tokens(0)
+    ep.lm_loss(model, ids.cuda(), labels.cuda()).backward()
+    ep.lm_loss(ref, ids, labels).backward()
+    grads = dict(model.named_parameters())
+    with tp.tolerance(1e-6):
+        for name, p in ref.named_parameters():
+            tp.close(grads[name].grad.cpu(), p.grad, f"gradient of {name}")
+    return {"checked": len(grads)}

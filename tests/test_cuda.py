@@ -188,6 +188,14 @@ def test_expert_parallel_with_a_gpu_rank(first):
     assert _spawn(cuda_cases.experts_mixed, 3, first) == [placed] * 3
 
 
+@pytest.mark.multiproc
+@pytest.mark.cuda
+@needs_cuda
+def test_expert_parallel_on_nccl():
+    """The tokens' all-to-all on NCCL (world size 1): Mixtral equals one process on the CPU."""
+    assert _spawn(cuda_cases.experts_nccl, 1, backend="nccl") == [{"checked": 21}]
+
+
 # -- Lightning ------------------------------------------------------------------------------
 
 

@@ -146,8 +146,8 @@ def _mark_rank_local(p: torch.Tensor) -> None:
 
 class _AllToAll(torch.autograd.Function):
     """Rows of ``x`` sent in rank order (``send[q]`` rows to rank q), ``recv[q]`` rows received
-    from each rank q; backward sends the rows' gradients back the same way. On the CPU, over
-    the communicator's engine (gloo or MPI): device tensors travel through host memory."""
+    from each rank q; backward sends the rows' gradients back the same way
+    (:func:`_exchange`)."""
 
     @staticmethod
     def forward(
@@ -175,10 +175,20 @@ def _exchange(
     timeout: float | None,
     kind: str,
 ) -> torch.Tensor:
+    """``x``'s rows all-to-all (``send[q]`` rows to rank q, ``recv[q]`` from it), on ``x``'s
+    device: NCCL's own all-to-all on its device tensors; gloo's and MPI's on host memory,
+    device tensors staged there and back."""
+    CountingCommunicator.count_as(comm, kind)
+    if comm.engine == "nccl":
+        import torch.distributed as dist
+
+        inp = x.detach().contiguous()
+        out = inp.new_empty((sum(recv), *inp.shape[1:]))
+        dist.all_to_all_single(out, inp, recv, send, group=comm.native)
+        return out
     host = x.detach().to("cpu", memory_format=torch.contiguous_format).contiguous()
     row = math.prod(host.shape[1:]) * host.element_size()
     out = host.new_empty((sum(recv), *host.shape[1:]))
-    CountingCommunicator.count_as(comm, kind)
     comm.ialltoallv(
         _bytes(host), [n * row for n in send], _bytes(out), [n * row for n in recv]
     ).wait(deadline(timeout))
@@ -294,12 +304,19 @@ class ExpertParallelExperts(ChannelSplit):
         mine[:, _FEATURES] = x.shape[-1]
         mine[:, _DTYPE] = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1
         mine[:, _BAD] = bad
-        got = np.empty_like(mine)
-        row = mine.shape[1] * mine.itemsize
-        CountingCommunicator.count_as(comm, "activations")
-        comm.ialltoallv(
-            mine.reshape(-1).view(np.uint8), [row] * p, got.reshape(-1).view(np.uint8), [row] * p
-        ).wait(deadline(self.timeout))
+        everyone = [1] * p
+        got = (
+            _exchange(
+                torch.from_numpy(mine).to(x.device),
+                comm,
+                everyone,
+                everyone,
+                self.timeout,
+                "activations",
+            )
+            .cpu()
+            .numpy()
+        )
         _check_counts(got, type(self).__name__)
         send = mine[:, _FIELDS:].sum(axis=1).astype(np.int64).tolist()
         from_each = got[:, _FIELDS : _FIELDS + held[self.rank]].astype(np.int64)
@@ -458,9 +475,9 @@ def expert_parallel(
     sample as long); a language model padded with ``-100`` labels weighs its valid tokens,
     ``weight=lambda: state.local_batch`` with ``state.count(y)`` called before the forward.
 
-    The tokens travel through host memory on the group's engine (gloo or MPI; a CUDA rank's
-    tokens are staged); an NCCL group raises ``ValueError``. The exchanges run on a group of
-    their own, made here (collective: every rank calls this with the same arguments). A
+    The tokens travel on the group's engine: NCCL's all-to-all on the GPUs, or gloo's and
+    MPI's through host memory (a CUDA rank's tokens staged there). The exchanges run on a
+    group of their own, made here (collective: every rank calls this with the same arguments). A
     module holding experts in a layout this rule does not know raises ``ValueError`` naming
     it; a forward whose ranks disagree (features, dtype, experts out of range, a bad
     ``weight()``) raises the same ``ValueError`` on every rank.
@@ -483,11 +500,6 @@ def expert_parallel(
     if not found:
         raise ValueError("model: holds no experts module (Hugging Face's experts layout)")
     whole = wrap(group)
-    if whole.engine == "nccl":
-        raise ValueError(
-            "group: expert parallelism exchanges tokens through host memory, on gloo or MPI; "
-            "give it a gloo group of the same ranks (torch.distributed.new_group(backend='gloo'))"
-        )
     if speeds is not None and len(speeds) != whole.size:
         raise ValueError(f"speeds: needs one per rank ({whole.size}), got {len(speeds)}")
     # The experts' exchanges run on a group of their own: data parallelism's gradient
