@@ -28,9 +28,7 @@ from hetcoll.comm import wrap
 from hetcoll.torch import (
     DistributedOptimizer,
     gather_gradients,
-    gather_optimizer_state_dict,
     gather_state_dict,
-    load_full_optimizer_state_dict,
     load_full_state_dict,
     register_weighted_hook,
 )
@@ -39,6 +37,7 @@ from hetcoll.torch.expert_parallel import (
     expert_loads,
     expert_parallel,
     experts_module,
+    place_experts,
     rank_local_parameters,
 )
 
@@ -186,9 +185,9 @@ def experts_placed(group: Any) -> dict[str, Any]:
 def placed_again_by_load(group: Any) -> dict[str, Any]:
     """Mixtral trained 2 steps with its experts placed by speed, SGD with momentum, counts
     the tokens routed to each expert as one process does (:func:`expert_loads`); placed
-    again by those loads (its state and momentum gathered, loaded on the new placement) it
-    trains a third step as one process still, its rows where they were. Returns the loads and
-    both placements."""
+    again by those loads it trains a third step as one process still, its rows where they
+    were (:func:`place_experts`, in place: the same parameters, optimizer and DDP). Returns
+    the loads and both placements."""
     comm = wrap(group)
     speeds = SPEEDS[: comm.size]
     torch.manual_seed(0)
@@ -212,10 +211,8 @@ def placed_again_by_load(group: Any) -> dict[str, Any]:
     start = sum(rows[: comm.rank])
     mine = slice(start, start + rows[comm.rank])
 
-    def step(model: nn.Module, opt: Any, n: int) -> None:
+    def step(n: int) -> None:
         ids, labels = tokens(n)
-        run = DistributedDataParallel(model, process_group=group)
-        register_weighted_hook(run)
         lm_loss(run, ids[mine], labels[mine]).backward()
         lm_loss(ref, ids, labels).backward()
         grads = gather_gradients(model, dst=None)
@@ -228,28 +225,19 @@ def placed_again_by_load(group: Any) -> dict[str, Any]:
         ref.zero_grad()
 
     opt = sgd(model.parameters())
+    run = DistributedDataParallel(model, process_group=group)
+    register_weighted_hook(run)
     for n in range(2):
-        step(model, opt, n)
+        step(n)
+    by_speed = placed_shares(model)
     loads = expert_loads(model)
     assert loads == {name: c.tolist() for name, c in counted.items()}, (loads, counted)
     assert expert_loads(model) == {name: [0] * 4 for name in loads}  # taken: counted anew
-    full = gather_state_dict(model, dst=None)
-    full_opt = gather_optimizer_state_dict(model, opt, dst=None)
-    assert full is not None and full_opt is not None
     # The ranks' speeds changed (the slowest is now the fastest): each layer placed anew by
-    # them and its own loads.
-    again = expert_parallel(mixtral().double(), group, speeds=speeds[::-1], loads=loads)
-    load_full_state_dict(again, full)
-    opt = sgd(again.parameters())
-    load_full_optimizer_state_dict(again, opt, full_opt)
-    step(again, opt, 2)
-    return {
-        "by_speed": placed_shares(model),
-        "by_load": {
-            n: m.shares for n, m in again.named_modules() if isinstance(m, ExpertParallelExperts)
-        },
-        "loads": loads,
-    }
+    # them and its own loads, in place, its momentum moved with its experts.
+    placed = place_experts(model, opt, speeds=speeds[::-1], loads=loads)
+    step(2)
+    return {"by_speed": by_speed, "by_load": placed, "loads": loads}
 
 
 def disagreements(group: Any) -> list[str]:

@@ -12,6 +12,7 @@ from hetcoll.torch.expert_parallel import (
     expert_parallel,
     expert_shares,
     is_rank_local,
+    place_experts,
     rank_local_parameters,
 )
 from hetcoll.torch.filters import (
@@ -73,6 +74,7 @@ __all__ = [
     "load_full_state_dict",
     "measure_speed",
     "parallelize",
+    "place_experts",
     "rank_local_parameters",
     "register_weighted_hook",
     "split_traffic",

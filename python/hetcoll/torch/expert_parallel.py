@@ -547,6 +547,71 @@ def expert_loads(model: nn.Module, *, timeout: float | None = None) -> dict[str,
     return out
 
 
+def place_experts(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    speeds: Sequence[float] | None = None,
+    shares: Sequence[int] | None = None,
+    loads: Sequence[float] | Mapping[str, Sequence[float]] | None = None,
+    capacity: Sequence[int] | None = None,
+) -> dict[str, list[int]]:
+    """Place ``model``'s experts (:func:`expert_parallel`'s) on the ranks again, in place:
+    when the ranks' speeds or the experts' loads (:func:`expert_loads`) have moved. Exactly
+    one of ``speeds=`` (with ``loads`` and ``capacity`` as :func:`expert_parallel` takes
+    them) or ``shares=``. Every expert's weights move to their new rank, and, with
+    ``optimizer`` (built over ``model.parameters()``), their optimizer state too: the same
+    parameter objects hold the new experts, so the optimizer and a ``DistributedDataParallel``
+    around the model carry on. Collective (every rank, the same arguments). Returns each
+    layer's experts per rank, by experts module name.
+
+    >>> place_experts(model, opt, speeds=new_speeds, loads=expert_loads(model))  # doctest: +SKIP
+    """
+    from hetcoll.torch.filters import (
+        gather_optimizer_state_dict,
+        gather_state_dict,
+        load_full_optimizer_state_dict,
+    )
+
+    if (speeds is None) == (shares is None):
+        raise TypeError("speeds: give exactly one of speeds= or shares=")
+    layers = [
+        (name, m) for name, m in model.named_modules() if isinstance(m, ExpertParallelExperts)
+    ]
+    if not layers:
+        raise ValueError("model: holds no experts placed by expert_parallel")
+    if isinstance(loads, Mapping):
+        missing = [n for n, _ in layers if n not in loads]
+        if missing:
+            raise ValueError(f"loads: names no load for the experts of {missing}")
+    # Every check before the first collective: a bad argument raises on every rank alike.
+    placed: dict[str, list[int]] = {}
+    for name, m in layers:
+        if speeds is not None:
+            if len(speeds) != m.comm.size:
+                raise ValueError(f"speeds: needs one per rank ({m.comm.size}), got {len(speeds)}")
+            load = loads.get(name) if isinstance(loads, Mapping) else loads
+            placed[name] = expert_shares(m.all_experts, speeds, loads=load, capacity=capacity)
+        else:
+            placed[name] = _check_shares(shares or (), m.all_experts, m.comm.size)
+    full = gather_state_dict(model, dst=None)
+    full_state = (
+        None if optimizer is None else gather_optimizer_state_dict(model, optimizer, dst=None)
+    )
+    assert full is not None  # dst=None: every rank has it
+    with torch.no_grad():
+        for name, m in layers:
+            new = placed[name]
+            m._set_split(m.comm, new)
+            m.num_experts = new[m.rank]
+            for n, p in m._own().items():
+                whole = full[f"{name}.{n}" if name else n]
+                p.data = whole[m.offset : m.offset + new[m.rank]].to(p.device).clone()
+    if optimizer is not None and full_state is not None:
+        load_full_optimizer_state_dict(model, optimizer, full_state)
+    return placed
+
+
 def rank_local_parameters(model: nn.Module) -> list[str]:
     """The names of ``model``'s parameters each rank holds its own part of (its experts): the
     data-parallel average must leave them alone."""
