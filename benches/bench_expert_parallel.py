@@ -17,6 +17,8 @@ the batch by :func:`hetcoll.split` over the speeds unless said otherwise):
    memory, no all-to-all), rows by speed;
 3. the unsplit model on the fast rank alone, the slow rank idle.
 
+Each strategy also reports the bytes of parameters each rank holds (the experts' memory).
+
 Predicted: the performance model's step for each strategy
 (:func:`hetcoll.model.predict.expert_parallel_schedule`, replicated experts and the fast rank
 alone :func:`~hetcoll.model.predict.data_parallel_schedule`), on this machine's device and gloo
@@ -114,7 +116,13 @@ def _rank(rank: int, world: int, batch: int, steps: int) -> dict[str, Any]:
         ex.lm_loss(alone(input_ids=ids), ids).backward()
         alone_opt.step()
 
-    runs[ALONE] = {"step": alone_step, "experts": [EXPERTS, 0], "rows": [batch, 0]}
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    runs[ALONE] = {
+        "step": alone_step,
+        "experts": [EXPERTS, 0],
+        "rows": [batch, 0],
+        "param_bytes": int(whole) if rank == 0 else 0,
+    }
     for name, (_, rows_by) in STRATEGIES.items():
         placed, held = _strategy(name, model, SPEEDS[rank])
         ddp = DistributedDataParallel(placed)
@@ -129,7 +137,13 @@ def _rank(rank: int, world: int, batch: int, steps: int) -> dict[str, Any]:
             ex.lm_loss(ddp(input_ids=mine), mine).backward()
             opt.step()
 
-        runs[name] = {"step": step, "experts": held, "rows": [int(r) for r in rows]}
+        own = sum(p.numel() * p.element_size() for p in placed.parameters())
+        runs[name] = {
+            "step": step,
+            "experts": held,
+            "rows": [int(r) for r in rows],
+            "param_bytes": int(own),
+        }
     names = (*STRATEGIES, ALONE)
     times: dict[str, list[float]] = {name: [] for name in names}
     warmup = 2
@@ -151,6 +165,7 @@ def _rank(rank: int, world: int, batch: int, steps: int) -> dict[str, Any]:
             "step_s_q3": ts[(3 * len(ts)) // 4],
             "experts": runs[name]["experts"],
             "rows": runs[name]["rows"],
+            "param_bytes": runs[name]["param_bytes"],  # this rank's
         }
     return out
 
@@ -200,6 +215,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in results:
         for name, step_s in guesses.items():
             r[name]["predicted_s"] = step_s
+        for name in (*STRATEGIES, ALONE):
+            r[name]["param_bytes_per_rank"] = [q[name]["param_bytes"] for q in results]
     r0 = results[0]
     print(
         f"Emulated heterogeneity: 2 ranks, speeds {SPEEDS[0]:g} and {SPEEDS[1]:g}, gloo; "

@@ -1077,7 +1077,9 @@ def adapt_expert_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
         q1, q3 = _need(row, "step_s_q1", f"{where}.{name}"), _need(row, "step_s_q3", where)
         held = ":".join(str(n) for n in _need(row, "experts", f"{where}.{name}"))
         share = ":".join(str(n) for n in _need(row, "rows", f"{where}.{name}"))
-        steps.append([name, held, share, t * 1e3, q1 * 1e3, q3 * 1e3, even / t])
+        # Runs from before it was measured lack it.
+        kib = ":".join(f"{b / 1024:.0f}" for b in row.get("param_bytes_per_rank", [])) or "-"
+        steps.append([name, held, share, kib, t * 1e3, q1 * 1e3, q3 * 1e3, even / t])
     guesses = [
         [
             name,
@@ -1136,6 +1138,7 @@ def adapt_expert_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
                     _col("strategy"),
                     _col("experts per rank"),
                     _col("rows per rank"),
+                    _col("parameters per rank (KiB)"),
                     _col("step (ms)", "{:.1f}"),
                     _col("q1 (ms)", "{:.1f}"),
                     _col("q3 (ms)", "{:.1f}"),
