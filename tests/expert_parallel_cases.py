@@ -240,6 +240,68 @@ def placed_again_by_load(group: Any) -> dict[str, Any]:
     return {"by_speed": by_speed, "by_load": placed, "loads": loads}
 
 
+def random_layers(group: Any, cases: int = 30) -> list[tuple[int, ...]]:
+    """One experts layer against the unsplit layer on every rank's tokens together, in
+    float64 to 1e-12, over ``cases`` random set-ups alike on every rank: 1-6 experts placed
+    at random (a rank may hold none), 1-3 per token, 0-4 tokens a rank (a rank may have none),
+    routing at random, gates and output gradients at random. Rank r's loss is its share of
+    ``sum(out * g)`` over its share of the weight (its tokens over all), so the experts'
+    gradients are the unsplit layer's, and rank r's input and gate gradients its rows' times
+    the weight's inverse. Returns each case's (experts, top_k, tokens per rank...)."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    comm = wrap(group)
+    p, rank = comm.size, comm.rank
+    seen: list[tuple[int, ...]] = []
+    for case in range(cases):
+        g = torch.Generator().manual_seed(1000 + case)
+        experts = int(torch.randint(1, 7, (), generator=g))
+        top_k = int(torch.randint(1, min(experts, 3) + 1, (), generator=g))
+        cuts = torch.sort(torch.randint(0, experts + 1, (p - 1,), generator=g)).values.tolist()
+        shares = [b - a for a, b in zip([0, *cuts], [*cuts, experts], strict=True)]
+        rows = torch.randint(0, 5, (p,), generator=g).tolist()
+        rows[case % p] = max(rows[case % p], 1)  # some rank has tokens
+        total = sum(rows)
+        config = MixtralConfig(
+            hidden_size=8, intermediate_size=8, num_local_experts=experts,
+            num_experts_per_tok=top_k, experts_implementation="eager",
+        )  # fmt: skip
+        ref = MixtralExperts(config).double()
+        with torch.no_grad():
+            for q in ref.parameters():
+                q.copy_(torch.randn(q.shape, generator=g, dtype=torch.float64) / 3)
+        x = torch.randn(total, 8, generator=g, dtype=torch.float64)
+        index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(total)])
+        gates = torch.rand(total, top_k, generator=g, dtype=torch.float64)
+        out_grad = torch.randn(total, 8, generator=g, dtype=torch.float64)
+        layer = expert_parallel(
+            nn.ModuleDict({"experts": copy.deepcopy(ref)}), group, shares=shares
+        ).experts  # fmt: skip
+        mine = slice(sum(rows[:rank]), sum(rows[: rank + 1]))
+        xs, gs = x[mine].clone().requires_grad_(), gates[mine].clone().requires_grad_()
+        weight = rows[rank] / total
+        out = layer(xs, index[mine], gs)
+        if rows[rank]:
+            ((out * out_grad[mine]).sum() / weight).backward()
+        else:
+            (out.sum() * 0).backward()  # no tokens: the rank still joins the exchanges
+        xr, gr = x.clone().requires_grad_(), gates.clone().requires_grad_()
+        (ref(xr, index, gr) * out_grad).sum().backward()
+        start = sum(shares[:rank])
+        for name, q in layer.named_parameters(recurse=False):
+            want = ref.get_parameter(name).grad[start : start + shares[rank]]
+            assert q.grad is not None, (case, name)
+            torch.testing.assert_close(q.grad, want, rtol=1e-12, atol=1e-12)
+        if rows[rank]:
+            assert xs.grad is not None and gs.grad is not None
+            torch.testing.assert_close(xs.grad * weight, xr.grad[mine], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(gs.grad * weight, gr.grad[mine], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(out, ref(x, index, gates)[mine], rtol=1e-12, atol=1e-12)
+        seen.append((experts, top_k, *rows, *shares))
+    return seen
+
+
 def disagreements(group: Any) -> list[str]:
     """An experts layer whose ranks call it with what cannot fit together raises the same
     ``ValueError`` on every rank, none waiting for another: a rank's tokens in float32 beside
@@ -274,4 +336,9 @@ def run_torch(rank: int, world: int) -> dict[str, Any]:
     warnings.filterwarnings("ignore", message=".*bos_token_id|.*eos_token_id")
     with tolerance(1e-6):
         again = placed_again_by_load(None)
-    return {**experts_placed(None), "errors": disagreements(None), "again": again}
+    return {
+        **experts_placed(None),
+        "errors": disagreements(None),
+        "again": again,
+        "random": random_layers(None),
+    }
