@@ -423,3 +423,84 @@ def test_a_bad_item_count_raises_naming_items():
     )
     with pytest.raises(Exception, match="ValueError: items: rank 0 counted -1 for this step"):
         trainer.fit(PaddedLM("encoder", 2))
+
+
+# -- a mixture of experts, its experts placed on the ranks: expert_parallel -----------------------
+
+
+class ExpertsLM(LightningModule):
+    """Hugging Face Mixtral whose experts ``configure_model`` places on the ranks by speed
+    (:func:`hetcoll.torch.expert_parallel`); at the end every rank gathers the whole model and
+    rank 0 saves it in ``out/full.pt``."""
+
+    def __init__(self, out: Path, world: int) -> None:
+        super().__init__()
+        import tensor_parallel_cases as tp
+
+        torch.manual_seed(0)
+        self.net = tp.mixtral().double()
+        self.out, self.world = out, world
+
+    def configure_model(self) -> None:
+        from expert_parallel_cases import SPEEDS
+
+        from hetcoll.torch import expert_parallel
+
+        expert_parallel(self.net, speeds=SPEEDS[: self.world])
+
+    def training_step(self, batch, batch_idx):
+        from expert_parallel_cases import lm_loss
+
+        return lm_loss(self.net, *batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+    def train_dataloader(self):
+        from expert_parallel_cases import ROWS, tokens
+
+        ids, labels = (torch.cat(t) for t in zip(*(tokens(step) for step in range(2))))
+        return DataLoader(TensorDataset(ids, labels), batch_size=ROWS, shuffle=False)
+
+    def on_train_end(self) -> None:
+        from hetcoll.torch import gather_state_dict
+
+        full = gather_state_dict(self.net, dst=None)
+        if self.global_rank == 0:
+            torch.save(full, self.out / "full.pt")
+
+
+def test_experts_placed_on_the_ranks_train_as_one_process(tmp_path):
+    """Mixtral's experts placed by speed in configure_model (3 : 1 : 0 of 4), rows 4 : 2 : 1 of
+    each global batch of 7: BalancedStrategy's DDP leaves each rank's experts to it, and the
+    gathered model after 2 steps equals one process's on the same batches (1e-6: the router's
+    softmax in float32), in the ranks and, sent back whole, in the main process."""
+    import tensor_parallel_cases as tp
+    from expert_parallel_cases import lm_loss, tokens
+
+    trainer = Trainer(
+        strategy=BalancedStrategy(shares=[4, 2, 1], start_method=START),
+        accelerator="cpu",
+        devices=3,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(ExpertsLM(tmp_path, 3))
+    torch.manual_seed(0)
+    ref = tp.mixtral().double()
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for step in range(2):
+        opt.zero_grad()
+        lm_loss(ref, *tokens(step)).backward()
+        opt.step()
+    full = torch.load(tmp_path / "full.pt")
+    # The main process's module gets the whole model back too, every expert in place.
+    back = trainer.lightning_module.net.state_dict()
+    with tp.tolerance(1e-6):
+        for name, t in ref.state_dict().items():
+            tp.close(full[name], t, name)
+            tp.close(back[name], t, f"main process: {name}")

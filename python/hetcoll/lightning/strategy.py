@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -48,10 +49,13 @@ from hetcoll.torch import (
     SpeedFit,
     WeightedAllreduceState,
     gather_speeds,
+    gather_state_dict,
     measure_speed,
+    rank_local_parameters,
     weighted_allreduce_hook,
 )
 from hetcoll.torch.batches import Items, items_argument
+from hetcoll.torch.filters.layers import split_comms
 from hetcoll.torch.speed import check_share_source
 
 _OWN_HOOK_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper")
@@ -150,6 +154,24 @@ class _BalancedLoader(DataLoader):
         return int(self.batch_sampler.sampler.steps_per_epoch)  # type: ignore[union-attr]
 
 
+class _WholeModelLauncher(_MultiProcessingLauncher):
+    """Lightning's launcher of spawned or forked ranks, sending the main process the whole
+    model where the ranks hold parts of it (experts placed by :func:`hetcoll.torch.
+    expert_parallel`, filter-parallel layers): rank 0's own part would not load into the main
+    process's whole module. The gather is collective, as Lightning's own collection is."""
+
+    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
+        module = trainer.lightning_module
+        if not split_comms(module):
+            return super()._collect_rank_zero_results(trainer, results)
+        full = gather_state_dict(module, dst=None)
+        module.state_dict = lambda *args, **kwargs: full  # type: ignore[method-assign, assignment]
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            del module.state_dict
+
+
 class BalancedStrategy(DDPStrategy):
     """Lightning's DDP strategy where each rank takes its share of every global batch and
     gradients are averaged weighted by samples (exact: the full-batch gradient).
@@ -235,7 +257,24 @@ class BalancedStrategy(DDPStrategy):
             return [f.samples_per_s for f in self.fits]
         return None
 
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if isinstance(self._launcher, _MultiProcessingLauncher):
+            method: Any = self._start_method  # not "popen": that launcher is another
+            self._launcher = _WholeModelLauncher(self, start_method=method)
+
     # -- DDP: hetcoll's comm hook ---------------------------------------------------------
+
+    def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
+        # Experts placed by expert_parallel (in configure_model, on any submodule) are each
+        # rank's own: DDP must leave them alone, named from the module it wraps.
+        own = rank_local_parameters(model)
+        if own:
+            ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                model, sorted(ignored | set(own))
+            )
+        return super()._setup_model(model)
 
     def _register_ddp_hooks(self) -> None:
         # Lightning registers hooks on CUDA only; this one runs on every device.
