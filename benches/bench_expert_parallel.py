@@ -40,15 +40,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
-import time
 import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from bench_tensor_parallel import _example
+from bench_tensor_parallel import lm_example, quartiles, take_turns
 from bench_tensor_parallel import make_model as bench_model
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -99,7 +96,7 @@ def _strategy(name: str, model: nn.Module, speed: float) -> tuple[nn.Module, lis
 def _rank(rank: int, world: int, batch: int, steps: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*bos_token_id|.*eos_token_id")
-    ex = _example()
+    ex = lm_example()
     torch.manual_seed(0)
     model = make_model()
     g = torch.Generator().manual_seed(1)
@@ -145,24 +142,11 @@ def _rank(rank: int, world: int, batch: int, steps: int) -> dict[str, Any]:
             "param_bytes": int(own),
         }
     names = (*STRATEGIES, ALONE)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    warmup = 2
-    for i in range(warmup + steps):
-        for name in names:
-            dist.barrier()
-            t0 = time.perf_counter()
-            runs[name]["step"]()
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            if i >= warmup:
-                times[name].append(float(t))
+    times = take_turns({name: runs[name]["step"] for name in names}, steps)
     out: dict[str, Any] = {"arch": "mixtral", "batch": batch, "seq": ex.SEQ, "speeds": [*SPEEDS]}
     for name in names:
-        ts = sorted(times[name])
         out[name] = {
-            "step_s": statistics.median(ts),
-            "step_s_q1": ts[len(ts) // 4],
-            "step_s_q3": ts[(3 * len(ts)) // 4],
+            **quartiles(times[name]),
             "experts": runs[name]["experts"],
             "rows": runs[name]["rows"],
             "param_bytes": runs[name]["param_bytes"],  # this rank's

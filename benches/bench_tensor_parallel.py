@@ -78,7 +78,7 @@ STRATEGIES = (
 ALONE = "unsplit, fast rank alone"
 
 
-def _example() -> Any:
+def lm_example() -> Any:
     """examples/train_lm.py as a module (its make_model, SEQ and VOCAB)."""
     if str(ROOT / "examples") not in sys.path:
         sys.path.insert(0, str(ROOT / "examples"))  # it imports its neighbour train_plan
@@ -91,7 +91,7 @@ def _example() -> Any:
 
 def make_model(arch: str, vocab: int) -> nn.Module:
     """The example's decoder (``arch`` llama or gpt2), or Mixtral in its shape."""
-    ex = _example()
+    ex = lm_example()
     if arch != "mixtral":
         return ex.make_model(arch, vocab=vocab)  # type: ignore[no-any-return]
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -155,7 +155,7 @@ def _rank(
     vocab: int,
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
-    ex = _example()
+    ex = lm_example()
     torch.manual_seed(0)
     model = make_model(arch, vocab)
     g = torch.Generator().manual_seed(1)
@@ -194,19 +194,15 @@ def _rank(
             or isinstance(m, FilterParallelExperts)
         }
         runs[name] = {"step": step, "counts": counts, "modes": modes, "shares": shares}
-    times: dict[str, list[float]] = {name: [] for name in (*STRATEGIES, ALONE)}
-    warmup = 2
-    for i in range(warmup + steps):
-        for name in (*STRATEGIES, ALONE):
-            run = runs[name]
-            dist.barrier()
-            run["counts"].clear()
-            t0 = time.perf_counter()
-            run["step"]()
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            if i >= warmup:
-                times[name].append(float(t))
+    for run in runs.values():
+        step_of = run["step"]
+
+        def counted(run: dict[str, Any] = run, step_of: Any = step_of) -> None:
+            run["counts"].clear()  # the last step's bytes are kept
+            step_of()
+
+        run["step"] = counted
+    times = take_turns({name: runs[name]["step"] for name in (*STRATEGIES, ALONE)}, steps)
     out: dict[str, Any] = {
         "arch": arch,
         "batch": batch,
@@ -215,17 +211,41 @@ def _rank(
         "speeds": list(SPEEDS),
     }
     for name in (*STRATEGIES, ALONE):
-        ts = sorted(times[name])
         run = runs[name]
         out[name] = {
-            "step_s": statistics.median(ts),
-            "step_s_q1": ts[len(ts) // 4],
-            "step_s_q3": ts[(3 * len(ts)) // 4],
+            **quartiles(times[name]),
             "bytes": dict(run["counts"]),  # the last step's, by kind (the same every step)
             "modes": {m: run["modes"].count(m) for m in sorted(set(run["modes"]))},
             "shares": run["shares"],
         }
     return out
+
+
+def take_turns(steps_of: dict[str, Any], steps: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Every strategy's timed steps (seconds, the slowest rank's), the strategies taking
+    turns step by step (so a change in the machine's load hits them alike), after ``warmup``
+    untimed rounds. Collective: every rank runs it with the same strategies."""
+    times: dict[str, list[float]] = {name: [] for name in steps_of}
+    for i in range(warmup + steps):
+        for name, step in steps_of.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if i >= warmup:
+                times[name].append(float(t))
+    return times
+
+
+def quartiles(times: list[float]) -> dict[str, float]:
+    """The median step and its quartiles, as the results files record them."""
+    ts = sorted(times)
+    return {
+        "step_s": statistics.median(ts),
+        "step_s_q1": ts[len(ts) // 4],
+        "step_s_q3": ts[(3 * len(ts)) // 4],
+    }
 
 
 def machine(arch: str, vocab: int) -> tuple[Any, Any, Any]:
@@ -235,7 +255,7 @@ def machine(arch: str, vocab: int) -> tuple[Any, Any, Any]:
     import hetcoll.model as hm
     from hetcoll.lab import calibrate
 
-    ex = _example()
+    ex = lm_example()
     device = calibrate.measure_device("rank", 4e9, quick=True)
     fit = calibrate.measure_gloo_link()
     link = hm.Link("gloo-local", fit.latency_s, fit.bytes_per_s)

@@ -840,6 +840,46 @@ def _bytes_of(row: Mapping[str, Any]) -> int:
     return int(b.get("activations", 0)) + int(b.get("gradients", 0))
 
 
+def _predicted_section(
+    rows: Mapping[str, Mapping[str, Any]], peer: str, peer_label: str, note: str
+) -> list[dict[str, Any]]:
+    """The table of the performance model's steps against the measured ones, for the
+    strategies whose rows have a ``predicted_s`` (none: no table), each strategy's speed
+    against ``peer``'s measured and predicted (``peer_label`` names it in the columns)."""
+    measured_peer = rows[peer]["step_s"]
+    predicted_peer = rows[peer].get("predicted_s")
+    guesses = [
+        [
+            name,
+            row["step_s"] * 1e3,
+            row["predicted_s"] * 1e3,
+            row["predicted_s"] / row["step_s"] - 1.0,
+            measured_peer / row["step_s"],
+            predicted_peer / row["predicted_s"] if predicted_peer else None,
+        ]
+        for name, row in rows.items()
+        if isinstance(row.get("predicted_s"), (int, float))
+    ]
+    if not guesses:
+        return []
+    return [
+        {
+            "title": "Predicted against measured step (the performance model, emulation modelled)",
+            "peer": "the measured step of the same strategy, in the same run",
+            "columns": [
+                _col("strategy"),
+                _col("measured (ms)", "{:.1f}"),
+                _col("predicted (ms)", "{:.1f}"),
+                _col("error (predicted / measured - 1)", "{:+.0%}"),
+                _col(f"measured speed vs {peer_label}", RATIO),
+                _col(f"predicted speed vs {peer_label}", RATIO),
+            ],
+            "rows": guesses,
+            "notes": [note],
+        }
+    ]
+
+
 def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
     """A ``bench_tensor_parallel.py --json`` file (a list with one result per rank, rank 0's
     step times the slowest rank's) as a results file."""
@@ -880,46 +920,16 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
     if other_vocab:
         what += f", vocabulary {vocab}"
     # The performance model's steps, where the run has them (runs before it do not).
-    even_guess = rows["paired, even split"].get("predicted_s")
-    guesses = [
-        [
-            name,
-            row["step_s"] * 1e3,
-            row["predicted_s"] * 1e3,
-            row["predicted_s"] / row["step_s"] - 1.0,
-            even / row["step_s"],
-            even_guess / row["predicted_s"] if even_guess else None,
-        ]
-        for name, row in rows.items()
-        if isinstance(row.get("predicted_s"), (int, float))
-    ]
-    predictions = (
-        [
-            {
-                "title": "Predicted against measured step (the performance model, emulation "
-                "modelled)",
-                "peer": "the measured step of the same strategy, in the same run",
-                "columns": [
-                    _col("strategy"),
-                    _col("measured (ms)", "{:.1f}"),
-                    _col("predicted (ms)", "{:.1f}"),
-                    _col("error (predicted / measured - 1)", "{:+.0%}"),
-                    _col("measured speed vs even split", RATIO),
-                    _col("predicted speed vs even split", RATIO),
-                ],
-                "rows": guesses,
-                "notes": [
-                    "hetcoll.model.predict's filter-parallel step of the split (attentions by "
-                    "key/value groups, MLPs by hidden units), on this machine's device and gloo "
-                    "link measured in the same run (hetcoll.lab.calibrate), each rank's layers "
-                    "with parameters slowed to its emulated speed as slow_down slows them "
-                    "(hetcoll.lab.predict_emulated.filter_parallel, slowed='parameters'). The "
-                    "time-balanced split is not predicted (its split follows the ranks' timings)."
-                ],
-            }
-        ]
-        if guesses
-        else []
+    predictions = _predicted_section(
+        rows,
+        "paired, even split",
+        "even split",
+        "hetcoll.model.predict's filter-parallel step of the split (attentions by key/value "
+        "groups, MLPs by hidden units), on this machine's device and gloo link measured in the "
+        "same run (hetcoll.lab.calibrate), each rank's layers with parameters slowed to its "
+        "emulated speed as slow_down slows them (hetcoll.lab.predict_emulated.filter_parallel, "
+        "slowed='parameters'). The time-balanced split is not predicted (its split follows the "
+        "ranks' timings).",
     )
     headlines = [
         (
@@ -1080,45 +1090,15 @@ def adapt_expert_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
         # Runs from before it was measured lack it.
         kib = ":".join(f"{b / 1024:.0f}" for b in row.get("param_bytes_per_rank", [])) or "-"
         steps.append([name, held, share, kib, t * 1e3, q1 * 1e3, q3 * 1e3, even / t])
-    guesses = [
-        [
-            name,
-            row["step_s"] * 1e3,
-            row["predicted_s"] * 1e3,
-            row["predicted_s"] / row["step_s"] - 1.0,
-            even / row["step_s"],
-            rows[_EP_EVEN]["predicted_s"] / row["predicted_s"],
-        ]
-        for name, row in rows.items()
-        if isinstance(row.get("predicted_s"), (int, float))
-        and isinstance(rows[_EP_EVEN].get("predicted_s"), (int, float))
-    ]
-    predictions = (
-        [
-            {
-                "title": "Predicted against measured step (the performance model, emulation "
-                "modelled)",
-                "peer": "the measured step of the same strategy, in the same run",
-                "columns": [
-                    _col("strategy"),
-                    _col("measured (ms)", "{:.1f}"),
-                    _col("predicted (ms)", "{:.1f}"),
-                    _col("error (predicted / measured - 1)", "{:+.0%}"),
-                    _col("measured speed vs even", RATIO),
-                    _col("predicted speed vs even", RATIO),
-                ],
-                "rows": guesses,
-                "notes": [
-                    "hetcoll.model.predict.expert_parallel_schedule (replicated experts and the "
-                    "fast rank alone: data_parallel_schedule) on this machine's device and gloo "
-                    "link measured in the same run (hetcoll.lab.calibrate), each rank's layers "
-                    "with parameters slowed to its emulated speed as slow_down slows them "
-                    "(hetcoll.lab.predict_emulated.slowed_by_parameters)."
-                ],
-            }
-        ]
-        if guesses
-        else []
+    predictions = _predicted_section(
+        rows,
+        _EP_EVEN,
+        "even",
+        "hetcoll.model.predict.expert_parallel_schedule (replicated experts and the fast rank "
+        "alone: data_parallel_schedule) on this machine's device and gloo link measured in the "
+        "same run (hetcoll.lab.calibrate), each rank's layers with parameters slowed to its "
+        "emulated speed as slow_down slows them "
+        "(hetcoll.lab.predict_emulated.slowed_by_parameters).",
     )
     speeds = ":".join(f"{s:g}" for s in r0.get("speeds", []))
     by_speed = rows["experts by speed, rows by speed"]["step_s"]

@@ -153,13 +153,7 @@ def _shared_data_parallel(
     pred = replace(
         pred,
         step_s=step,
-        breakdown={
-            "compute": float(lt.compute_s[:, slowest].sum()),
-            "memory": float(lt.memory_s[:, slowest].sum()),
-            "overhead": float(lt.overhead_s[:, slowest].sum()),
-            "communication": 0.0,
-            "optimizer": float(opt[slowest]),
-        },
+        breakdown=lt.breakdown(slowest, float(opt[slowest]), step),
         detail={
             **pred.detail,
             "compute_s_per_device": (

@@ -95,14 +95,7 @@ class DataParallelSchedule:
             end = max(end, ready) + c
         slowest = int(np.argmax(compute + opt))
         step = self.broadcast_s + max(busy, end) + float(opt.max())
-        breakdown = {
-            "compute": float(lt.compute_s[:, slowest].sum()),
-            "memory": float(lt.memory_s[:, slowest].sum()),
-            "overhead": float(lt.overhead_s[:, slowest].sum()),
-            "communication": 0.0,
-            "optimizer": float(opt[slowest]),
-        }
-        breakdown["communication"] = max(0.0, step - sum(breakdown.values()))
+        breakdown = lt.breakdown(slowest, float(opt[slowest]), step)
         b = self.shares
         return Prediction(
             self.strategy,

@@ -86,14 +86,7 @@ class ExpertParallelSchedule:
         slowest = int(np.argmax(t + opt))
         step = max(busy, end) + float(opt.max())
         exchange = sum(g[2] + g[3] + g[4] + g[5] for g in self.groups)
-        breakdown = {
-            "compute": float(lt.compute_s[:, slowest].sum()),
-            "memory": float(lt.memory_s[:, slowest].sum()),
-            "overhead": float(lt.overhead_s[:, slowest].sum()),
-            "communication": 0.0,
-            "optimizer": float(opt[slowest]),
-        }
-        breakdown["communication"] = max(0.0, step - sum(breakdown.values()))
+        breakdown = lt.breakdown(slowest, float(opt[slowest]), step)
         b = self.shares
         return Prediction(
             self.strategy,

@@ -286,6 +286,20 @@ class LayerSeconds:
             self.overhead_s * factor,
         )
 
+    def breakdown(self, device: int, optimizer_s: float, step_s: float) -> dict[str, float]:
+        """Device ``device``'s step by cause: its layers' compute, memory stalls and kernel
+        overheads, its optimizer step, and the rest of ``step_s`` as exposed communication
+        (waits included)."""
+        out = {
+            "compute": float(self.compute_s[:, device].sum()),
+            "memory": float(self.memory_s[:, device].sum()),
+            "overhead": float(self.overhead_s[:, device].sum()),
+            "communication": 0.0,
+            "optimizer": float(optimizer_s),
+        }
+        out["communication"] = max(0.0, step_s - sum(out.values()))
+        return out
+
     def columns(self, index: np.ndarray) -> LayerSeconds:
         """The devices ``index`` (an integer array) of these, in that order: the times of
         devices timed once per kind, spread back to every device."""
