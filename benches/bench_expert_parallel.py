@@ -45,7 +45,8 @@ import warnings
 from typing import Any
 
 import torch
-from bench_tensor_parallel import lm_example, quartiles, take_turns
+from bench_filter_parallel import quartiles, take_turns
+from bench_tensor_parallel import lm_example
 from bench_tensor_parallel import make_model as bench_model
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel

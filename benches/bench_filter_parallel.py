@@ -64,12 +64,13 @@ def _batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(b, 3, 16, 16, generator=g), torch.randint(0, 10, (b,), generator=g)
 
 
-def _timed(steps: dict[str, Any], repeats: int, warmup: int = 2) -> dict[str, float]:
-    """Median over ``repeats`` of the slowest rank's step time (seconds), per strategy. The
-    strategies take turns step by step, so a change in the machine's load hits them alike."""
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for i in range(warmup + repeats):
-        for name, step in steps.items():
+def take_turns(steps_of: dict[str, Any], steps: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Every strategy's timed steps (seconds, the slowest rank's), the strategies taking
+    turns step by step (so a change in the machine's load hits them alike), after ``warmup``
+    untimed rounds. Collective: every rank runs it with the same strategies."""
+    times: dict[str, list[float]] = {name: [] for name in steps_of}
+    for i in range(warmup + steps):
+        for name, step in steps_of.items():
             dist.barrier()
             t0 = time.perf_counter()
             step()
@@ -77,7 +78,23 @@ def _timed(steps: dict[str, Any], repeats: int, warmup: int = 2) -> dict[str, fl
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if i >= warmup:
                 times[name].append(float(t))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
+
+
+def quartiles(times: list[float]) -> dict[str, float]:
+    """The median step and its quartiles, as the results files record them."""
+    ts = sorted(times)
+    return {
+        "step_s": statistics.median(ts),
+        "step_s_q1": ts[len(ts) // 4],
+        "step_s_q3": ts[(3 * len(ts)) // 4],
+    }
+
+
+def _timed(steps: dict[str, Any], repeats: int, warmup: int = 2) -> dict[str, float]:
+    """Median over ``repeats`` of the slowest rank's step time (seconds), per strategy
+    (:func:`take_turns`)."""
+    return {name: statistics.median(ts) for name, ts in take_turns(steps, repeats, warmup).items()}
 
 
 def _filter_step(speeds: list[float], speed: float, b: int):

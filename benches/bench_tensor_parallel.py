@@ -46,15 +46,13 @@ import argparse
 import copy
 import importlib.util
 import json
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from bench_filter_parallel import quartiles, take_turns
 from torch import nn
 
 from hetcoll import launch
@@ -219,33 +217,6 @@ def _rank(
             "shares": run["shares"],
         }
     return out
-
-
-def take_turns(steps_of: dict[str, Any], steps: int, warmup: int = 2) -> dict[str, list[float]]:
-    """Every strategy's timed steps (seconds, the slowest rank's), the strategies taking
-    turns step by step (so a change in the machine's load hits them alike), after ``warmup``
-    untimed rounds. Collective: every rank runs it with the same strategies."""
-    times: dict[str, list[float]] = {name: [] for name in steps_of}
-    for i in range(warmup + steps):
-        for name, step in steps_of.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            if i >= warmup:
-                times[name].append(float(t))
-    return times
-
-
-def quartiles(times: list[float]) -> dict[str, float]:
-    """The median step and its quartiles, as the results files record them."""
-    ts = sorted(times)
-    return {
-        "step_s": statistics.median(ts),
-        "step_s_q1": ts[len(ts) // 4],
-        "step_s_q3": ts[(3 * len(ts)) // 4],
-    }
 
 
 def machine(arch: str, vocab: int) -> tuple[Any, Any, Any]:
