@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import hetcoll
+from hetcoll import CollectiveMismatchError
 from hetcoll.comm import wrap
 from hetcoll.torch import (
     DistributedOptimizer,
@@ -306,7 +307,11 @@ def disagreements(group: Any) -> list[str]:
     """An experts layer whose ranks call it with what cannot fit together raises the same
     ``ValueError`` on every rank, none waiting for another: a rank's tokens in float32 beside
     the others' float64, a rank routing to an expert that does not exist, a rank whose
-    ``weight`` function raises. Returns the messages' first words."""
+    ``weight`` function raises. Placing experts raises on every rank too, before any other
+    exchange: a rank whose model holds no experts (it raises its own error, the others
+    :class:`hetcoll.CollectiveMismatchError`), ranks whose speeds differ, experts in a layout
+    of no known role. Returns what each call raised (the message's first word, or the error's
+    class)."""
     rank = wrap(group).rank
     torch.manual_seed(0)
     layer = mixtral().double().model.layers[0].mlp.experts
@@ -328,6 +333,25 @@ def disagreements(group: Any) -> list[str]:
     layer.weight = None
     call(x if rank else x.float(), index)
     call(x, index + 9 * (rank == 0))
+
+    class Stacked(nn.Module):  # experts stacked in no layout Hugging Face's flags describe
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_experts = 2
+            self.w = nn.Parameter(torch.zeros(2, 3, 4))
+
+    p = wrap(group).size
+    for model, speeds in (
+        (nn.Linear(2, 2) if rank == 1 else mixtral(), SPEEDS[:p]),
+        (mixtral(), [1.0] * p if rank == 0 else SPEEDS[:p]),
+        (nn.ModuleDict({"x": Stacked()}), SPEEDS[:p]),
+    ):
+        try:
+            expert_parallel(model, group, speeds=speeds)
+        except CollectiveMismatchError:
+            seen.append("CollectiveMismatchError")
+        except ValueError as e:
+            seen.append(str(e).split(":")[0])
     return seen
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import weakref
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 import hetcoll
-from hetcoll.comm import Communicator, deadline, wrap
+from hetcoll.comm import Communicator, agree, deadline, wrap
 from hetcoll.torch.filters.experts import LocalExperts
 from hetcoll.torch.filters.layers import ChannelSplit
 from hetcoll.torch.transport import CountingCommunicator, transport
@@ -490,6 +491,40 @@ def expert_parallel(
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     if (speeds is None) == (shares is None):
         raise TypeError("speeds: give exactly one of speeds= or shares=")
+    whole = wrap(group)
+    placed: dict[str, list[int]] = {}
+    failure: ValueError | None = None
+    try:
+        placed = _placements(model, whole.size, speeds, shares, loads, capacity)
+    except ValueError as e:  # raised here after the others learn of it, none waiting
+        failure = e
+    # One agreement before any other collective: every layer's placement, the same on every
+    # rank, or every rank raises (a rank whose arguments failed names its error to the others).
+    fields = {f"experts of {n}": zlib.crc32(repr(held).encode()) for n, held in placed.items()}
+    agree(whole, {"experts layers": len(placed), **fields}, failure=failure)
+    # The experts' exchanges run on a group of their own: data parallelism's gradient
+    # reductions (DDP's hook) run during the same backward, on the user's group, and two
+    # streams of collectives on one group would interleave differently on different ranks.
+    comm = wrap(transport(group).subgroup(range(whole.size)))
+    for name, held in placed.items():
+        module = model.get_submodule(name)
+        ExpertParallelExperts.convert(module, held, comm, weight=weight, timeout=timeout)
+    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    # DistributedDataParallel's own convention for parameters it must not synchronise.
+    model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(rank_local_parameters(model)))  # type: ignore[assignment]
+    return model
+
+
+def _placements(
+    model: nn.Module,
+    ranks: int,
+    speeds: Sequence[float] | None,
+    shares: Sequence[int] | None,
+    loads: Sequence[float] | Mapping[str, Sequence[float]] | None,
+    capacity: Sequence[int] | None,
+) -> dict[str, list[int]]:
+    """Each experts module's experts per rank, by module path (:func:`expert_parallel`'s
+    arguments); ``ValueError`` naming the argument where they do not make one."""
     found: list[tuple[str, nn.Module]] = []
     for name, m in model.named_modules():
         why = experts_module(m)
@@ -499,30 +534,22 @@ def expert_parallel(
             found.append((name, m))
     if not found:
         raise ValueError("model: holds no experts module (Hugging Face's experts layout)")
-    whole = wrap(group)
-    if speeds is not None and len(speeds) != whole.size:
-        raise ValueError(f"speeds: needs one per rank ({whole.size}), got {len(speeds)}")
-    # The experts' exchanges run on a group of their own: data parallelism's gradient
-    # reductions (DDP's hook) run during the same backward, on the user's group, and two
-    # streams of collectives on one group would interleave differently on different ranks.
-    comm = wrap(transport(group).subgroup(range(whole.size)))
+    if speeds is not None and len(speeds) != ranks:
+        raise ValueError(f"speeds: needs one per rank ({ranks}), got {len(speeds)}")
     if isinstance(loads, Mapping):
         missing = [n for n, _ in found if n not in loads]
         if missing:
             raise ValueError(f"loads: names no load for the experts of {missing}")
+    placed = {}
     for name, m in found:
         experts = int(m.num_experts)  # type: ignore[arg-type]
         load = loads.get(name) if isinstance(loads, Mapping) else loads
-        mine = (
+        placed[name] = (
             expert_shares(experts, speeds, loads=load, capacity=capacity)
-            if speeds
-            else list(shares or ())
+            if speeds is not None
+            else _check_shares(shares or (), experts, ranks)
         )
-        ExpertParallelExperts.convert(m, mine, comm, weight=weight, timeout=timeout)
-    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-    # DistributedDataParallel's own convention for parameters it must not synchronise.
-    model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(rank_local_parameters(model)))  # type: ignore[assignment]
-    return model
+    return placed
 
 
 def expert_loads(model: nn.Module, *, timeout: float | None = None) -> dict[str, list[int]]:
