@@ -37,6 +37,7 @@ from hetcoll.torch.expert_parallel import (
     ExpertParallelExperts,
     expert_loads,
     expert_parallel,
+    expert_shares,
     experts_module,
     place_experts,
     rank_local_parameters,
@@ -309,9 +310,9 @@ def disagreements(group: Any) -> list[str]:
     the others' float64, a rank routing to an expert that does not exist, a rank whose
     ``weight`` function raises. Placing experts raises on every rank too, before any other
     exchange: a rank whose model holds no experts (it raises its own error, the others
-    :class:`hetcoll.CollectiveMismatchError`), ranks whose speeds differ, experts in a layout
-    of no known role. Returns what each call raised (the message's first word, or the error's
-    class)."""
+    :class:`hetcoll.CollectiveMismatchError`), ranks whose speeds differ (placing or placing
+    again), experts in a layout of no known role. Returns what each call raised (the
+    message's first word, or the error's class)."""
     rank = wrap(group).rank
     torch.manual_seed(0)
     layer = mixtral().double().model.layers[0].mlp.experts
@@ -352,6 +353,12 @@ def disagreements(group: Any) -> list[str]:
             seen.append("CollectiveMismatchError")
         except ValueError as e:
             seen.append(str(e).split(":")[0])
+    placed = expert_parallel(mixtral(), group, speeds=SPEEDS[:p])
+    try:  # placed again at speeds that differ between the ranks: nothing moves
+        place_experts(placed, speeds=[1.0] * p if rank == 0 else SPEEDS[:p])
+    except CollectiveMismatchError:
+        seen.append("CollectiveMismatchError")
+    assert placed_shares(placed) == expert_shares(4, SPEEDS[:p])
     return seen
 
 

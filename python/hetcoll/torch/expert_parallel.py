@@ -498,10 +498,7 @@ def expert_parallel(
         placed = _placements(model, whole.size, speeds, shares, loads, capacity)
     except ValueError as e:  # raised here after the others learn of it, none waiting
         failure = e
-    # One agreement before any other collective: every layer's placement, the same on every
-    # rank, or every rank raises (a rank whose arguments failed names its error to the others).
-    fields = {f"experts of {n}": zlib.crc32(repr(held).encode()) for n, held in placed.items()}
-    agree(whole, {"experts layers": len(placed), **fields}, failure=failure)
+    _agree_placed(whole, placed, failure)
     # The experts' exchanges run on a group of their own: data parallelism's gradient
     # reductions (DDP's hook) run during the same backward, on the user's group, and two
     # streams of collectives on one group would interleave differently on different ranks.
@@ -534,20 +531,44 @@ def _placements(
             found.append((name, m))
     if not found:
         raise ValueError("model: holds no experts module (Hugging Face's experts layout)")
+    counts = [(name, int(m.num_experts)) for name, m in found]  # type: ignore[arg-type]
+    return _placed(counts, ranks, speeds, shares, loads, capacity)
+
+
+def _agree_placed(
+    comm: Communicator, placed: dict[str, list[int]], failure: ValueError | None
+) -> None:
+    """One agreement before any other collective: every layer's placement the same on every
+    rank, or every rank raises (:class:`hetcoll.CollectiveMismatchError` naming the layer, or
+    a rank whose own arguments failed: it raises ``failure``, the others name it)."""
+    fields = {f"experts of {n}": zlib.crc32(repr(held).encode()) for n, held in placed.items()}
+    agree(comm, {"experts layers": len(placed), **fields}, failure=failure)
+
+
+def _placed(
+    experts: list[tuple[str, int]],
+    ranks: int,
+    speeds: Sequence[float] | None,
+    shares: Sequence[int] | None,
+    loads: Sequence[float] | Mapping[str, Sequence[float]] | None,
+    capacity: Sequence[int] | None,
+) -> dict[str, list[int]]:
+    """Each experts layer (its path and experts) placed on ``ranks`` ranks by ``speeds``
+    (with ``loads`` and ``capacity``) or ``shares``; ``ValueError`` naming the argument where
+    they do not make a placement."""
     if speeds is not None and len(speeds) != ranks:
         raise ValueError(f"speeds: needs one per rank ({ranks}), got {len(speeds)}")
     if isinstance(loads, Mapping):
-        missing = [n for n, _ in found if n not in loads]
+        missing = [n for n, _ in experts if n not in loads]
         if missing:
             raise ValueError(f"loads: names no load for the experts of {missing}")
     placed = {}
-    for name, m in found:
-        experts = int(m.num_experts)  # type: ignore[arg-type]
+    for name, count in experts:
         load = loads.get(name) if isinstance(loads, Mapping) else loads
         placed[name] = (
-            expert_shares(experts, speeds, loads=load, capacity=capacity)
+            expert_shares(count, speeds, loads=load, capacity=capacity)
             if speeds is not None
-            else _check_shares(shares or (), experts, ranks)
+            else _check_shares(shares or (), count, ranks)
         )
     return placed
 
@@ -607,20 +628,15 @@ def place_experts(
     ]
     if not layers:
         raise ValueError("model: holds no experts placed by expert_parallel")
-    if isinstance(loads, Mapping):
-        missing = [n for n, _ in layers if n not in loads]
-        if missing:
-            raise ValueError(f"loads: names no load for the experts of {missing}")
-    # Every check before the first collective: a bad argument raises on every rank alike.
+    comm = layers[0][1].comm
     placed: dict[str, list[int]] = {}
-    for name, m in layers:
-        if speeds is not None:
-            if len(speeds) != m.comm.size:
-                raise ValueError(f"speeds: needs one per rank ({m.comm.size}), got {len(speeds)}")
-            load = loads.get(name) if isinstance(loads, Mapping) else loads
-            placed[name] = expert_shares(m.all_experts, speeds, loads=load, capacity=capacity)
-        else:
-            placed[name] = _check_shares(shares or (), m.all_experts, m.comm.size)
+    failure: ValueError | None = None
+    try:
+        counts = [(name, m.all_experts) for name, m in layers]
+        placed = _placed(counts, comm.size, speeds, shares, loads, capacity)
+    except ValueError as e:  # raised after the others learn of it, none waiting
+        failure = e
+    _agree_placed(comm, placed, failure)  # before anything moves
     full = gather_state_dict(model, dst=None)
     full_state = (
         None if optimizer is None else gather_optimizer_state_dict(model, optimizer, dst=None)
