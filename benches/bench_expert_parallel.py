@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 from bench_filter_parallel import quartiles, take_turns
-from bench_tensor_parallel import lm_example
+from bench_tensor_parallel import fast_rank_alone, lm_example
 from bench_tensor_parallel import make_model as bench_model
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -103,20 +103,9 @@ def _rank(rank: int, world: int, batch: int, steps: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (batch, ex.SEQ), generator=g)
     runs: dict[str, Any] = {}
-    alone = copy.deepcopy(model)
-    slow_down(alone, SPEEDS[0])
-    alone_opt = torch.optim.SGD(alone.parameters(), lr=1e-3)
-
-    def alone_step() -> None:
-        if rank != 0:
-            return
-        alone_opt.zero_grad()
-        ex.lm_loss(alone(input_ids=ids), ids).backward()
-        alone_opt.step()
-
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     runs[ALONE] = {
-        "step": alone_step,
+        "step": fast_rank_alone(model, ids, rank, SPEEDS[0]),
         "experts": [EXPERTS, 0],
         "rows": [batch, 0],
         "param_bytes": int(whole) if rank == 0 else 0,

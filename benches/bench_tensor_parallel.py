@@ -113,6 +113,25 @@ def make_model(arch: str, vocab: int) -> nn.Module:
     return MixtralForCausalLM(config)
 
 
+def fast_rank_alone(model: nn.Module, ids: torch.Tensor, rank: int, speed: float) -> Any:
+    """The peer of any split: one step of a copy of the unsplit ``model`` on the whole batch
+    ``ids`` (the example's loss, SGD) on rank 0 alone, at its emulated ``speed``; the other
+    ranks idle."""
+    ex = lm_example()
+    alone = copy.deepcopy(model)
+    slow_down(alone, speed)
+    opt = torch.optim.SGD(alone.parameters(), lr=1e-3)
+
+    def step() -> None:
+        if rank != 0:
+            return
+        opt.zero_grad()
+        ex.lm_loss(alone(input_ids=ids), ids).backward()
+        opt.step()
+
+    return step
+
+
 def _strategy(
     name: str,
     model: nn.Module,
@@ -159,18 +178,12 @@ def _rank(
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (batch, ex.SEQ), generator=g)
     runs: dict[str, Any] = {}
-    alone = copy.deepcopy(model)
-    slow_down(alone, SPEEDS[0])
-    alone_opt = torch.optim.SGD(alone.parameters(), lr=1e-3)
-
-    def alone_step() -> None:
-        if rank != 0:
-            return
-        alone_opt.zero_grad()
-        ex.lm_loss(alone(input_ids=ids), ids).backward()
-        alone_opt.step()
-
-    runs[ALONE] = {"step": alone_step, "counts": {}, "modes": [], "shares": {}}
+    runs[ALONE] = {
+        "step": fast_rank_alone(model, ids, rank, SPEEDS[0]),
+        "counts": {},
+        "modes": [],
+        "shares": {},
+    }
     for name in STRATEGIES:
         counts: dict[str, int] = {}
         split, comm = _strategy(name, model, SPEEDS[rank], counts, ids, planned)

@@ -725,15 +725,22 @@ def adapt_collectives(raw: Sequence[Path], command: str) -> dict[str, Any]:
 _STRATEGIES = ("filter, even split", "filter, speed-proportional", "data, balanced batches")
 
 
+def _rank_results(raw: Sequence[Path], kind: str, script: str) -> tuple[Path, list[Any]]:
+    """The one ``script --json`` file of an import of ``kind``: its path and its list of one
+    result per rank (rank 0's step times the slowest rank's)."""
+    if len(raw) != 1:
+        raise ResultError(f"{kind}: give one {script} --json file")
+    path = raw[0]
+    data = _raw_json(path, f"{script} --json")
+    if not isinstance(data, list) or not data:
+        raise ResultError(f"{path}: expected a list with one result per rank")
+    return path, data
+
+
 def adapt_filter_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
     """A ``bench_filter_parallel.py --json`` file (a list with one result per rank, rank 0's
     step times the slowest rank's) as a results file."""
-    if len(raw) != 1:
-        raise ResultError("filter-parallel: give one bench_filter_parallel.py --json file")
-    path = raw[0]
-    data = _raw_json(path, "bench_filter_parallel.py --json")
-    if not isinstance(data, list) or not data:
-        raise ResultError(f"{path}: expected a list with one result per rank")
+    path, data = _rank_results(raw, "filter-parallel", "bench_filter_parallel.py")
     batches = _need(data[0], "batches", f"{path}: [0]")
     steps, versus, headlines = [], [], []
     for b in sorted(batches, key=int):
@@ -883,12 +890,7 @@ def _predicted_section(
 def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
     """A ``bench_tensor_parallel.py --json`` file (a list with one result per rank, rank 0's
     step times the slowest rank's) as a results file."""
-    if len(raw) != 1:
-        raise ResultError("tensor-parallel: give one bench_tensor_parallel.py --json file")
-    path = raw[0]
-    data = _raw_json(path, "bench_tensor_parallel.py --json")
-    if not isinstance(data, list) or not data:
-        raise ResultError(f"{path}: expected a list with one result per rank")
+    path, data = _rank_results(raw, "tensor-parallel", "bench_tensor_parallel.py")
     r0 = data[0]
     rows = {name: _need(r0, name, f"{path}: [0]") for name in _TP_STRATEGIES}
     # Results from before they were measured lack them.
@@ -1071,12 +1073,7 @@ _EP_EVEN = "experts even, rows even"
 def adapt_expert_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
     """A ``bench_expert_parallel.py --json`` file (a list with one result per rank, rank 0's
     step times the slowest rank's) as a results file."""
-    if len(raw) != 1:
-        raise ResultError("expert-parallel: give one bench_expert_parallel.py --json file")
-    path = raw[0]
-    data = _raw_json(path, "bench_expert_parallel.py --json")
-    if not isinstance(data, list) or not data:
-        raise ResultError(f"{path}: expected a list with one result per rank")
+    path, data = _rank_results(raw, "expert-parallel", "bench_expert_parallel.py")
     r0 = data[0]
     where = f"{path}: [0]"
     rows = {name: _need(r0, name, where) for name in _EP_STRATEGIES}

@@ -77,20 +77,24 @@ def reference(epochs: int, shuffle: bool, seed: int = 0) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def fit(
-    out: Path, strategy: BalancedStrategy, devices: int, shuffle: bool, epochs: int = 2, **kw
-) -> Trainer:
-    trainer = Trainer(
+def quiet_trainer(strategy: BalancedStrategy, devices: int, **kw) -> Trainer:
+    """A CPU Trainer on ``devices`` ranks without logger, progress bar, model summary or (unless
+    ``kw`` asks) checkpoints; ``kw``: the rest of Trainer's arguments."""
+    return Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=devices,
-        max_epochs=epochs,
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        **kw,
+        **{"enable_checkpointing": False, **kw},
     )
+
+
+def fit(
+    out: Path, strategy: BalancedStrategy, devices: int, shuffle: bool, epochs: int = 2, **kw
+) -> Trainer:
+    trainer = quiet_trainer(strategy, devices, max_epochs=epochs, **kw)
     trainer.fit(Regression(shuffle, out))
     return trainer
 
@@ -236,15 +240,10 @@ def test_checkpoint_on_three_ranks_resumes_mid_epoch_on_two(tmp_path):
     ckpt = tmp_path / "step2.ckpt"
     first = BalancedStrategy(speeds=[1.0, 1.0, 2.0], start_method=START)
     fit(tmp_path, first, 3, shuffle=True, max_steps=2, callbacks=[SaveAt(2, ckpt)])
-    trainer = Trainer(
-        strategy=BalancedStrategy(speeds=[3.0, 1.0], start_method=START),
-        accelerator="cpu",
-        devices=2,
+    trainer = quiet_trainer(
+        BalancedStrategy(speeds=[3.0, 1.0], start_method=START),
+        2,
         max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(Regression(True, tmp_path), ckpt_path=ckpt)
     assert_exact(trainer, 2, shuffle=True)
@@ -273,15 +272,10 @@ class WithValidation(Regression):
 def test_validation_loaders_stay_lightnings(tmp_path):
     """Only the training loader is balanced: validation keeps Lightning's DistributedSampler
     (29 samples -> 15 per rank, in batches of 10 and 5; the sanity check, then the epoch's end)."""
-    trainer = Trainer(
-        strategy=BalancedStrategy(shares=[5, 3], start_method=START),
-        accelerator="cpu",
-        devices=2,
+    trainer = quiet_trainer(
+        BalancedStrategy(shares=[5, 3], start_method=START),
+        2,
         max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(WithValidation(False, tmp_path))
     assert batch_sizes(tmp_path, 2) == [[5, 5, 5, 3], [3, 3, 3, 2]]
@@ -308,29 +302,21 @@ def test_checkpoints_with_loader_workers_resume_at_the_next_step_trained(tmp_pat
 
     ckpts = {2: tmp_path / "step2.ckpt", 5: tmp_path / "mc" / "step=5.ckpt"}
     every5 = ModelCheckpoint(tmp_path / "mc", "{step}", every_n_train_steps=5, save_top_k=-1)
-    trainer = Trainer(
-        strategy=BalancedStrategy(speeds=[1.0, 1.0, 2.0], start_method=START),
-        accelerator="cpu",
-        devices=3,
+    trainer = quiet_trainer(
+        BalancedStrategy(speeds=[1.0, 1.0, 2.0], start_method=START),
+        3,
+        enable_checkpointing=True,
         max_steps=5,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[SaveAt(2, ckpts[2]), every5],
     )
     trainer.fit(WithWorkers(True, tmp_path))
     for k, devices, speeds in ((2, 2, [3.0, 1.0]), (5, 3, [1.0, 1.0, 2.0])):
         out = tmp_path / f"resumed{k}"
         out.mkdir()
-        trainer = Trainer(
-            strategy=BalancedStrategy(speeds=speeds, start_method=START),
-            accelerator="cpu",
-            devices=devices,
+        trainer = quiet_trainer(
+            BalancedStrategy(speeds=speeds, start_method=START),
+            devices,
             max_epochs=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
         trainer.fit(WithWorkers(True, out), ckpt_path=ckpts[k])
         assert_exact(trainer, 2, shuffle=True)
@@ -382,15 +368,10 @@ def test_items_train_a_padded_lm_as_one_process(name, world, weigh):
     from lm_common import SHARES, items, reference, rel_err
 
     count = {"items": lambda batch: items(batch[1]), "rows": None}[weigh]
-    trainer = Trainer(
-        strategy=BalancedStrategy(shares=SHARES[world], items=count, start_method=START),
-        accelerator="cpu",
-        devices=world,
+    trainer = quiet_trainer(
+        BalancedStrategy(shares=SHARES[world], items=count, start_method=START),
+        world,
         max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
     )
     trainer.fit(PaddedLM(name, world))
@@ -410,15 +391,10 @@ def test_items_must_be_a_function():
 def test_a_bad_item_count_raises_naming_items():
     """Raised on every rank at the step's start (no rank waits in the backward); Lightning's
     launcher re-raises it here."""
-    trainer = Trainer(
-        strategy=BalancedStrategy(shares=[3, 5], items=lambda batch: -1, start_method=START),
-        accelerator="cpu",
-        devices=2,
+    trainer = quiet_trainer(
+        BalancedStrategy(shares=[3, 5], items=lambda batch: -1, start_method=START),
+        2,
         max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
     )
     with pytest.raises(Exception, match="ValueError: items: rank 0 counted -1 for this step"):
@@ -478,15 +454,10 @@ def test_experts_placed_on_the_ranks_train_as_one_process(tmp_path):
     import tensor_parallel_cases as tp
     from expert_parallel_cases import lm_loss, tokens
 
-    trainer = Trainer(
-        strategy=BalancedStrategy(shares=[4, 2, 1], start_method=START),
-        accelerator="cpu",
-        devices=3,
+    trainer = quiet_trainer(
+        BalancedStrategy(shares=[4, 2, 1], start_method=START),
+        3,
         max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
     )
     trainer.fit(ExpertsLM(tmp_path, 3))

@@ -50,8 +50,8 @@ from hetcoll.torch import (
     WeightedAllreduceState,
     gather_speeds,
     gather_state_dict,
+    leave_to_ranks,
     measure_speed,
-    rank_local_parameters,
     weighted_allreduce_hook,
 )
 from hetcoll.torch.batches import Items, items_argument
@@ -268,12 +268,7 @@ class BalancedStrategy(DDPStrategy):
     def _setup_model(self, model: nn.Module) -> DistributedDataParallel:
         # Experts placed by expert_parallel (in configure_model, on any submodule) are each
         # rank's own: DDP must leave them alone, named from the module it wraps.
-        own = rank_local_parameters(model)
-        if own:
-            ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                model, sorted(ignored | set(own))
-            )
+        leave_to_ranks(model)
         return super()._setup_model(model)
 
     def _register_ddp_hooks(self) -> None:

@@ -12,6 +12,7 @@ from hetcoll.torch.expert_parallel import (
     expert_parallel,
     expert_shares,
     is_rank_local,
+    leave_to_ranks,
     place_experts,
     rank_local_parameters,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "is_rank_local",
     "item_total",
     "item_weights",
+    "leave_to_ranks",
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "measure_speed",

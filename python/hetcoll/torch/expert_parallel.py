@@ -33,7 +33,7 @@ from torch import nn
 
 import hetcoll
 from hetcoll.comm import Communicator, agree, deadline, wrap
-from hetcoll.torch.filters.experts import LocalExperts
+from hetcoll.torch.filters.experts import LocalExperts, derived_class
 from hetcoll.torch.filters.layers import ChannelSplit
 from hetcoll.torch.transport import CountingCommunicator, transport
 
@@ -270,7 +270,7 @@ class ExpertParallelExperts(ChannelSplit):
                 setattr(module, n, local)
                 _mark_rank_local(local)
         module.local = LocalExperts()
-        module.__class__ = _parallel_class(type(module))
+        module.__class__ = derived_class(ExpertParallelExperts, type(module), "ExpertParallel")
         ep: Any = module
         ep.num_experts, ep.all_experts = shares[comm.rank], experts
         ep._set_split(comm, shares)
@@ -287,8 +287,9 @@ class ExpertParallelExperts(ChannelSplit):
         experts = self.all_experts
         bad = bool(flat.numel()) and not (int(flat.min()) >= 0 and int(flat.max()) < experts)
         # Rows sorted by expert are sorted by rank too (each rank holds a run of experts).
-        order = torch.argsort(flat.clamp(0, experts - 1), stable=True)
-        per_expert = torch.bincount(flat.clamp(0, experts - 1), minlength=experts).cpu()
+        clamped = flat.clamp(0, experts - 1)  # in range: bad indices raise after the exchange
+        order = torch.argsort(clamped, stable=True)
+        per_expert = torch.bincount(clamped, minlength=experts).cpu()
         if not bad:
             self.routed += per_expert
 
@@ -434,18 +435,6 @@ def _check_shares(shares: Sequence[int], experts: int, ranks: int) -> list[int]:
     return [int(s) for s in values]
 
 
-#: The derived classes made so far, by the experts class each derives from.
-_derived: dict[type, type] = {}
-
-
-def _parallel_class(cls: type) -> type:
-    if cls not in _derived:
-        made = type(f"ExpertParallel{cls.__name__}", (ExpertParallelExperts, cls), {})
-        made.__module__ = __name__
-        _derived[cls] = made
-    return _derived[cls]
-
-
 def expert_parallel(
     model: nn.Module,
     group: Any = None,
@@ -468,8 +457,9 @@ def expert_parallel(
     Everything else stays replicated and trains data-parallel over the same ranks, each on
     its own share of the batch, with hetcoll's weighted averaging:
     ``DistributedDataParallel`` with :func:`~hetcoll.torch.register_weighted_hook` (this
-    function lists the experts in the model's ``_ddp_params_and_buffers_to_ignore``, DDP's
-    convention for parameters it leaves alone), or
+    function names the experts among the parameters a DDP around ``model`` leaves alone:
+    :func:`leave_to_ranks`, which a DDP around a module holding ``model`` needs called on
+    that module), or
     :class:`~hetcoll.torch.DistributedOptimizer` (which skips them: :func:`is_rank_local`).
     ``weight`` must count what that averaging weighs: None counts the tokens the experts
     layer sees (right where each rank's loss is a mean over its samples or its tokens, every
@@ -495,7 +485,7 @@ def expert_parallel(
     placed: dict[str, list[int]] = {}
     failure: ValueError | None = None
     try:
-        placed = _placements(model, whole.size, speeds, shares, loads, capacity)
+        placed = _placed(_experts_of(model), whole.size, speeds, shares, loads, capacity)
     except ValueError as e:  # raised here after the others learn of it, none waiting
         failure = e
     _agree_placed(whole, placed, failure)
@@ -506,33 +496,35 @@ def expert_parallel(
     for name, held in placed.items():
         module = model.get_submodule(name)
         ExpertParallelExperts.convert(module, held, comm, weight=weight, timeout=timeout)
-    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-    # DistributedDataParallel's own convention for parameters it must not synchronise.
-    model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(rank_local_parameters(model)))  # type: ignore[assignment]
+    leave_to_ranks(model)
     return model
 
 
-def _placements(
-    model: nn.Module,
-    ranks: int,
-    speeds: Sequence[float] | None,
-    shares: Sequence[int] | None,
-    loads: Sequence[float] | Mapping[str, Sequence[float]] | None,
-    capacity: Sequence[int] | None,
-) -> dict[str, list[int]]:
-    """Each experts module's experts per rank, by module path (:func:`expert_parallel`'s
-    arguments); ``ValueError`` naming the argument where they do not make one."""
-    found: list[tuple[str, nn.Module]] = []
+def leave_to_ranks(model: nn.Module) -> None:
+    """Name ``model``'s rank-local parameters (:func:`rank_local_parameters`, relative to
+    ``model``) among those a ``DistributedDataParallel`` wrapping ``model`` leaves alone
+    (DDP's own ``_ddp_params_and_buffers_to_ignore``, kept with any already there)."""
+    own = rank_local_parameters(model)
+    if own:
+        ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, sorted(ignored | set(own))
+        )
+
+
+def _experts_of(model: nn.Module) -> list[tuple[str, int]]:
+    """``model``'s experts modules, by path, with their experts; ``ValueError`` naming
+    ``model`` where it holds none, or experts in a layout no rule here knows."""
+    found = []
     for name, m in model.named_modules():
         why = experts_module(m)
         if why:
             raise ValueError(f"model: cannot place the experts of {name!r}: {why}")
         if why == "":
-            found.append((name, m))
+            found.append((name, int(m.num_experts)))  # type: ignore[arg-type]
     if not found:
         raise ValueError("model: holds no experts module (Hugging Face's experts layout)")
-    counts = [(name, int(m.num_experts)) for name, m in found]  # type: ignore[arg-type]
-    return _placed(counts, ranks, speeds, shares, loads, capacity)
+    return found
 
 
 def _agree_placed(

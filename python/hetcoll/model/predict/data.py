@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -51,6 +52,32 @@ def ddp_buckets(
     return buckets
 
 
+def timed_buckets(
+    costs: ModelCosts,
+    cluster: Cluster,
+    shares: np.ndarray,
+    first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
+    bucket_bytes: float = DDP_BUCKET_BYTES,
+) -> list[tuple[int, float]]:
+    """DDP's buckets of ``costs``' gradients (:func:`ddp_buckets`) as (earliest layer, seconds
+    of its ring allreduce over the cluster's ring link). Devices given no samples sit the
+    step out (a plan would not start them), so the ring runs over the others only."""
+    p = max(1, int((np.asarray(shares) > 0).sum()))
+    link = cluster.ring_link()
+    reduce_bw = float(device_arrays(cluster.devices).mem_bytes_per_s.min())
+    return [
+        (
+            first_layer,
+            float(
+                terms.ring_allreduce_seconds(
+                    nbytes, p, link.latency_s, link.bytes_per_s, reduce_bw, costs.itemsize
+                )
+            ),
+        )
+        for first_layer, nbytes in ddp_buckets(costs, first_bucket_bytes, bucket_bytes)
+    ]
+
+
 @dataclass(frozen=True)
 class DataParallelSchedule:
     """One data-parallel step laid out, before its devices are timed against each other:
@@ -89,24 +116,18 @@ class DataParallelSchedule:
         busy = float(compute.max())
         # Backward runs layers last to first: cumulative backward time after layer i's backward.
         bwd_rev_cum = np.cumsum(lt.backward_s[::-1, :], axis=0)[::-1, :]
-        end = 0.0
-        for first_layer, c in self.buckets:
-            ready = float((start + bwd_rev_cum[first_layer, :]).max()) if self.overlap else busy
-            end = max(end, ready) + c
+        ready = (start[None, :] + bwd_rev_cum).max(axis=1)
+        end = buckets_end(self.buckets, ready, busy, self.overlap)
         slowest = int(np.argmax(compute + opt))
         step = self.broadcast_s + max(busy, end) + float(opt.max())
-        breakdown = lt.breakdown(slowest, float(opt[slowest]), step)
         b = self.shares
-        return Prediction(
+        return samples_prediction(
             self.strategy,
-            [int(x) for x in b],
-            "samples",
+            b,
             step,
-            breakdown,
-            [float(x) for x in self.memory_bytes],
-            not self.reason,
+            lt.breakdown(slowest, float(opt[slowest]), step),
+            self.memory_bytes,
             self.reason,
-            int(b.sum()),
             {
                 "allreduce_s": float(sum(c for _, c in self.buckets)),
                 "broadcast_s": self.broadcast_s,
@@ -117,6 +138,45 @@ class DataParallelSchedule:
                 "critical_device": slowest,
             },
         )
+
+
+def buckets_end(
+    buckets: list[tuple[int, float]], ready_s: np.ndarray, busy_s: float, overlap: bool
+) -> float:
+    """When DDP's last bucket allreduce ends: each bucket (earliest layer, seconds) starts once
+    every device has produced it (``ready_s[layer]``, the latest device's end of that layer's
+    backward) and the previous one is done; without ``overlap``, all after the backward
+    (``busy_s``)."""
+    end = 0.0
+    for first_layer, seconds in buckets:
+        ready = float(ready_s[first_layer]) if overlap else busy_s
+        end = max(end, ready) + seconds
+    return end
+
+
+def samples_prediction(
+    strategy: str,
+    shares: np.ndarray,
+    step_s: float,
+    breakdown: dict[str, float],
+    memory_bytes: np.ndarray,
+    reason: str,
+    detail: dict[str, Any],
+) -> Prediction:
+    """A data-parallel kind of step's :class:`Prediction`: ``shares`` samples per device,
+    feasible unless ``reason`` says why not."""
+    return Prediction(
+        strategy,
+        [int(x) for x in shares],
+        "samples",
+        step_s,
+        breakdown,
+        [float(x) for x in memory_bytes],
+        not reason,
+        reason,
+        int(shares.sum()),
+        detail,
+    )
 
 
 def data_parallel_schedule(
@@ -147,21 +207,8 @@ def data_parallel_schedule(
         0.0,
     )
     link = cluster.ring_link()
-    # Devices given no samples sit the step out (a plan would not start them), so the ring
-    # runs over the others only.
     p = max(1, int((b > 0).sum()))
-    reduce_bw = float(dev.mem_bytes_per_s.min())
-    buckets = [
-        (
-            first_layer,
-            float(
-                terms.ring_allreduce_seconds(
-                    nbytes, p, link.latency_s, link.bytes_per_s, reduce_bw, costs.itemsize
-                )
-            ),
-        )
-        for first_layer, nbytes in ddp_buckets(costs, first_bucket_bytes, bucket_bytes)
-    ]
+    buckets = timed_buckets(costs, cluster, b, first_bucket_bytes, bucket_bytes)
     bcast = (
         float(terms.broadcast_seconds(costs.buffer_bytes, p, link.latency_s, link.bytes_per_s))
         if broadcast_buffers and costs.buffer_bytes > 0

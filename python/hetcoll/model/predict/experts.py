@@ -14,7 +14,7 @@ import numpy as np
 from hetcoll.model import terms
 from hetcoll.model.costs import ExpertsBlock, ModelCosts
 from hetcoll.model.hardware import Cluster
-from hetcoll.model.predict.data import ddp_buckets
+from hetcoll.model.predict.data import buckets_end, samples_prediction, timed_buckets
 from hetcoll.model.predict.prediction import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, Prediction
 from hetcoll.model.predict.timing import (
     LayerSeconds,
@@ -78,26 +78,18 @@ class ExpertParallelSchedule:
                 t[:] = t.max() + first[i][5]
             done[i] = t
         busy = float(t.max())
-        end = 0.0
-        for first_layer, c in self.buckets:
-            ready = float(done[first_layer].max()) if self.overlap else busy
-            end = max(end, ready) + c
+        end = buckets_end(self.buckets, done.max(axis=1), busy, self.overlap)
         opt = self.update_s
         slowest = int(np.argmax(t + opt))
         step = max(busy, end) + float(opt.max())
         exchange = sum(g[2] + g[3] + g[4] + g[5] for g in self.groups)
-        breakdown = lt.breakdown(slowest, float(opt[slowest]), step)
-        b = self.shares
-        return Prediction(
+        return samples_prediction(
             self.strategy,
-            [int(x) for x in b],
-            "samples",
+            self.shares,
             step,
-            breakdown,
-            [float(x) for x in self.memory_bytes],
-            not self.reason,
+            lt.breakdown(slowest, float(opt[slowest]), step),
+            self.memory_bytes,
             self.reason,
-            int(b.sum()),
             {
                 "all_to_all_s": exchange,
                 "allreduce_s": float(sum(c for _, c in self.buckets)),
@@ -174,13 +166,18 @@ def expert_parallel_schedule(
     placed: dict[str, list[int]] = {}
     groups: list[tuple[int, int, float, float, float, float]] = []
     expert_bytes = np.zeros(p)
+    timed: dict[tuple[float, ...], LayerSeconds] = {}
     for block in costs.experts:
         held = _placement(block, experts, p)
         placed[block.module] = held
         frac = _fractions(block, held, loads)
         rows = [i for i, name in enumerate(names) if name == block.module]
-        # The experts' work: the tokens routed to them, from every device, as samples.
-        at = _layer_times(costs, dev, total * frac)
+        # The experts' work: the tokens routed to them, from every device, as samples (timed
+        # once per distinct share: layers placed and loaded alike share it).
+        key = tuple(frac.tolist())
+        if key not in timed:
+            timed[key] = _layer_times(costs, dev, total * frac)
+        at = timed[key]
         for mine, theirs in zip(
             arrays,
             (at.forward_s, at.backward_s, at.compute_s, at.memory_s, at.overhead_s),
@@ -208,19 +205,7 @@ def expert_parallel_schedule(
             replace(x, param_bytes=0.0) if x.name in held_names else x for x in costs.layers
         ),
     )
-    reduce_bw = float(dev.mem_bytes_per_s.min())
-    active = max(1, int((b > 0).sum()))
-    buckets = [
-        (
-            first_layer,
-            float(
-                terms.ring_allreduce_seconds(
-                    nbytes, active, link.latency_s, link.bytes_per_s, reduce_bw, costs.itemsize
-                )
-            ),
-        )
-        for first_layer, nbytes in ddp_buckets(replicated, first_bucket_bytes, bucket_bytes)
-    ]
+    buckets = timed_buckets(replicated, cluster, b, first_bucket_bytes, bucket_bytes)
     own = replicated.param_bytes + expert_bytes
     update = terms.optimizer_update_seconds(own, dev.mem_bytes_per_s, optimizer_state_copies)
     memory = (

@@ -242,7 +242,7 @@ class FilterParallelExperts(ChannelSplit):
         for a in layout.counts:
             setattr(module, a, shares[comm.rank])
         module.local = LocalExperts()
-        module.__class__ = _split_class(type(module))
+        module.__class__ = derived_class(FilterParallelExperts, type(module), "FilterParallel")
         split: Any = module
         split._set_split(comm, shares)
         split.timeout = timeout
@@ -281,13 +281,17 @@ class FilterParallelExperts(ChannelSplit):
         return f"{inner + ', ' if inner else ''}shares={self.shares}, rank={self.rank}"
 
 
-#: The derived classes made so far, by the experts class each derives from.
-_derived: dict[type, type] = {}
+#: The derived classes made so far, by (mixin, experts class).
+_derived: dict[tuple[type, type], type] = {}
 
 
-def _split_class(cls: type) -> type:
-    if cls not in _derived:
-        made = type(f"FilterParallel{cls.__name__}", (FilterParallelExperts, cls), {})
-        made.__module__ = __name__
-        _derived[cls] = made
-    return _derived[cls]
+def derived_class(mixin: type, cls: type, prefix: str) -> type:
+    """The class deriving from ``mixin`` and an experts module's own class ``cls``, named
+    ``prefix + cls.__name__``, made once per pair: what a module's ``__class__`` becomes when
+    it is converted in place (:class:`FilterParallelExperts`,
+    :class:`hetcoll.torch.expert_parallel.ExpertParallelExperts`)."""
+    if (mixin, cls) not in _derived:
+        made = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+        made.__module__ = mixin.__module__
+        _derived[mixin, cls] = made
+    return _derived[mixin, cls]
