@@ -28,6 +28,14 @@ A plan is plain data, versioned and JSON-serialisable. Its dictionary form::
 - ``microbatches``: how many micro-batches each replica's samples are cut into (uneven when they
   do not divide; a replica with fewer samples runs one sample per micro-batch). ``schedule``:
   ``"GPipe"`` (every forward, then every backward) or ``"1F1B"``.
+- ``experts`` (expert parallelism, :func:`hetcoll.torch.expert_parallel`): each replica's
+  ranks hold whole experts of the model's mixture-of-experts layers instead of all of them,
+  and the routed tokens travel to their experts' replica and back. A list of experts per
+  replica (in replica order, every experts layer alike), or ``{"<experts module path>":
+  [...], ...}`` naming every experts layer (placements by load differ by layer). A replica
+  may hold none of a layer. The replicas then share one shape: the same stages (the same
+  layer ranges), each of one rank, and at least ``microbatches`` samples each (every replica
+  runs every micro-batch: the experts' exchanges meet there).
 - A rank in no stage is idle: it takes part in the collectives of every call and computes nothing.
 
 :func:`hetcoll.torch.parallelize` runs a plan; ``hetcoll plan --out`` writes one.
@@ -263,6 +271,61 @@ def _owner(value: object, where: str, num_ranks: int) -> int:
     return int(value)  # type: ignore[call-overload]
 
 
+def _experts(
+    raw: object, replicas: tuple[Replica, ...], microbatches: int
+) -> tuple[int, ...] | dict[str, tuple[int, ...]]:
+    """A plan's ``experts``, checked: experts per replica (a list, or a dict by experts module
+    path), on replicas of one shape (the same stages, one rank each, every micro-batch run).
+    Whether the paths are the model's experts modules and the counts sum to their experts
+    depends on the model: :func:`hetcoll.torch.parallelize` checks that."""
+    where = "plan.experts"
+
+    def counts(values: object, w: str) -> tuple[int, ...]:
+        listed = _list(values, w)
+        if len(listed) != len(replicas):
+            raise ValueError(
+                f"{w}: needs one count per replica ({len(replicas)}), got {len(listed)}"
+            )
+        out = tuple(_int(v, f"{w}[{i}]", minimum=0) for i, v in enumerate(listed))
+        if not sum(out):
+            raise ValueError(f"{w}: places no expert")
+        return out
+
+    placed: tuple[int, ...] | dict[str, tuple[int, ...]]
+    if isinstance(raw, Mapping):
+        if not raw:
+            raise ValueError(f"{where}: must name at least one experts module")
+        placed = {}
+        for key, values in raw.items():
+            if not isinstance(key, str) or not key.strip() or key != key.strip():
+                raise ValueError(f"{where}: the key {key!r} must be an experts module's path")
+            placed[key] = counts(values, f"{where}[{key!r}]")
+    else:
+        placed = counts(raw, where)
+    first = replicas[0]
+    for i, r in enumerate(replicas):
+        for j, s in enumerate(r.stages):
+            if len(s.ranks) > 1:
+                raise ValueError(
+                    f"{where}: places whole experts on each replica's ranks; "
+                    f"plan.replicas[{i}].stages[{j}] splits over {len(s.ranks)} ranks (give "
+                    "every stage one rank)"
+                )
+        if [s.layers for s in r.stages] != [s.layers for s in first.stages]:
+            raise ValueError(
+                f"{where}: the replicas must share their stages (the experts of a layer meet "
+                f"at its stage); plan.replicas[{i}] runs layers "
+                f"{[list(s.layers) for s in r.stages]}, replica 0 "
+                f"{[list(s.layers) for s in first.stages]}"
+            )
+        if r.samples < microbatches:
+            raise ValueError(
+                f"{where}: every replica runs the plan's {microbatches} micro-batches (the "
+                f"experts' exchanges meet at each); plan.replicas[{i}] has {r.samples} samples"
+            )
+    return placed
+
+
 @dataclass(frozen=True)
 class Replica:
     """A data-parallel replica: ``samples`` rows of every global batch through ``stages``."""
@@ -316,17 +379,25 @@ class Plan:
     replicas: tuple[Replica, ...]
     microbatches: int = 1
     schedule: str = "GPipe"
+    #: Experts per replica: one tuple for every experts layer, or a dict by experts module
+    #: path (None: no expert parallelism; every rank holds its stages' experts whole).
+    experts: tuple[int, ...] | Mapping[str, tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
         # A plan built in code is checked (and normalised) as one read from JSON is.
         parsed = Plan.from_dict(self.to_dict())
-        for name in ("replicas", "microbatches", "schedule"):
+        for name in ("replicas", "microbatches", "schedule", "experts"):
             object.__setattr__(self, name, getattr(parsed, name))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Plan:
         """The plan a dictionary describes; ``ValueError`` naming the field if it is invalid."""
-        _fields(d, "plan", ("version", "microbatches", "schedule", "replicas"), ("replicas",))
+        _fields(
+            d,
+            "plan",
+            ("version", "microbatches", "schedule", "replicas", "experts"),
+            ("replicas",),
+        )
         version = d.get("version", VERSION)
         if version != VERSION:
             raise ValueError(f"plan.version: this hetcoll reads version {VERSION}, got {version!r}")
@@ -359,19 +430,28 @@ class Plan:
                             "one stage of one replica"
                         )
                     seen[rank] = where
+        experts = None
+        if "experts" in d:
+            experts = _experts(d["experts"], replicas, microbatches)
         plan = object.__new__(cls)
         object.__setattr__(plan, "replicas", replicas)
         object.__setattr__(plan, "microbatches", microbatches)
         object.__setattr__(plan, "schedule", match[0])
+        object.__setattr__(plan, "experts", experts)
         return plan
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "version": VERSION,
             "microbatches": self.microbatches,
             "schedule": self.schedule,
             "replicas": [r.to_dict() for r in self.replicas],
         }
+        if isinstance(self.experts, Mapping):
+            d["experts"] = {k: list(v) for k, v in self.experts.items()}
+        elif self.experts is not None:
+            d["experts"] = list(self.experts)
+        return d
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:

@@ -44,8 +44,17 @@ _FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
 #: forward of an expert-parallel layer (None: the rows of that layer's input, its tokens).
 Weight = Callable[[], float]
 
+#: Experts per rank, in rank order: one list for every experts layer, or a dict by experts
+#: module name.
+Shares = Sequence[int] | Mapping[str, Sequence[int]]
+
 #: Codes of the dtypes the ranks' tokens may carry (exchanged to check that the ranks agree).
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+#: How the data-parallel step combines the ranks' gradients: ``"average"`` weighs rank r's by
+#: its share of the batch (DDP with hetcoll's weighted hook, DistributedOptimizer);
+#: ``"sum"`` adds them, each rank's loss already scaled by its share (parallelize's replicas).
+COMBINE = ("average", "sum")
 
 #: Fields of the counts every forward exchanges, per destination rank; then the rows it sends
 #: to each of that rank's experts.
@@ -226,6 +235,8 @@ class ExpertParallelExperts(ChannelSplit):
 
     timeout: float | None
     weight: Weight | None
+    #: How the data-parallel step combines the ranks' gradients (:data:`COMBINE`).
+    combine: str
     #: The rank's own computation on the tokens it received, between the exchanges.
     local: LocalExperts
     #: This rank's experts (the module's own count, which its forward reads).
@@ -250,10 +261,12 @@ class ExpertParallelExperts(ChannelSplit):
         comm: Communicator,
         *,
         weight: Weight | None = None,
+        combine: str = "average",
         timeout: float | None = None,
     ) -> nn.Module:
         """``module`` (an experts module :func:`experts_module` accepts) made to hold this
-        rank's ``shares[rank]`` experts, in place; returned."""
+        rank's ``shares[rank]`` experts, in place; returned. ``weight`` and ``combine`` as
+        :func:`expert_parallel` takes them."""
         why = experts_module(module)
         if why is None or why:
             raise ValueError(f"module: cannot place its experts on ranks ({why or 'no experts'})")
@@ -261,6 +274,8 @@ class ExpertParallelExperts(ChannelSplit):
         shares = _check_shares(shares, experts, comm.size)
         if weight is not None and not callable(weight):
             raise TypeError(f"weight: must be a function of nothing or None, got {weight!r}")
+        if combine not in COMBINE:
+            raise ValueError(f"combine: must be one of {COMBINE}, got {combine!r}")
         start = sum(shares[: comm.rank])
         with torch.no_grad():
             for n, p in list(module.named_parameters(recurse=False)):
@@ -274,7 +289,7 @@ class ExpertParallelExperts(ChannelSplit):
         ep: Any = module
         ep.num_experts, ep.all_experts = shares[comm.rank], experts
         ep._set_split(comm, shares)
-        ep.timeout, ep.weight = timeout, weight
+        ep.timeout, ep.weight, ep.combine = timeout, weight, combine
         ep.routed = torch.zeros(experts, dtype=torch.int64)
         return module
 
@@ -332,13 +347,15 @@ class ExpertParallelExperts(ChannelSplit):
             torch.arange(held[self.rank]).repeat(p), torch.from_numpy(from_each.reshape(-1))
         ).to(x.device)
         received = _AllToAll.apply(x[rows[order]], comm, send, recv, self.timeout)
-        # The rows from rank s weigh share[s] in the experts' gradients; their input
-        # gradients go back unweighted (rank s's own data-parallel weight applies there).
-        scale = share.repeat_interleave(torch.tensor(recv)).to(x.device)
-        unscale = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-        received = _ScaleGradient.apply(received, unscale)
-        out = self._experts(received, ids)
-        out = _ScaleGradient.apply(out, scale)
+        if self.combine == "average":
+            # The rows from rank s weigh share[s] in the experts' gradients; their input
+            # gradients go back unweighted (rank s's own data-parallel weight applies there).
+            scale = share.repeat_interleave(torch.tensor(recv)).to(x.device)
+            unscale = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+            received = _ScaleGradient.apply(received, unscale)
+            out = _ScaleGradient.apply(self._experts(received, ids), scale)
+        else:  # each rank's loss already weighs its rows: their gradients add up as they come
+            out = self._experts(received, ids)
         back = _AllToAll.apply(out, comm, recv, send, self.timeout)
         gates = weights.reshape(-1)[order].unsqueeze(-1)
         combined = torch.zeros_like(x)
@@ -422,7 +439,9 @@ def _check_counts(got: np.ndarray, where: str) -> None:
             )
 
 
-def _check_shares(shares: Sequence[int], experts: int, ranks: int) -> list[int]:
+def _check_shares(
+    shares: Sequence[int], experts: int, ranks: int, where: str = "shares"
+) -> list[int]:
     values = list(shares)
     if (
         len(values) != ranks
@@ -430,7 +449,7 @@ def _check_shares(shares: Sequence[int], experts: int, ranks: int) -> list[int]:
         or sum(values) != experts
     ):
         raise ValueError(
-            f"shares: must be {ranks} ints >= 0 summing to the {experts} experts, got {values}"
+            f"{where}: must be {ranks} ints >= 0 summing to the {experts} experts, got {values}"
         )
     return [int(s) for s in values]
 
@@ -440,10 +459,11 @@ def expert_parallel(
     group: Any = None,
     *,
     speeds: Sequence[float] | None = None,
-    shares: Sequence[int] | None = None,
+    shares: Shares | None = None,
     loads: Sequence[float] | Mapping[str, Sequence[float]] | None = None,
     capacity: Sequence[int] | None = None,
     weight: Weight | None = None,
+    combine: str = "average",
     timeout: float | None = None,
 ) -> nn.Module:
     """Place the experts of every mixture-of-experts layer of ``model`` on the ranks of
@@ -452,7 +472,8 @@ def expert_parallel(
     Exactly one of ``speeds=`` (one number per rank: :func:`expert_shares`, with ``loads``
     if given: each expert's routed tokens, one list for every layer or a dict by experts
     module name, and ``capacity``, the most experts a rank holds of each layer) or
-    ``shares=`` (experts per rank, in rank order, the same for every layer).
+    ``shares=`` (experts per rank, in rank order: one list for every layer, or a dict by
+    experts module name, as :func:`place_experts` returns them).
 
     Everything else stays replicated and trains data-parallel over the same ranks, each on
     its own share of the batch, with hetcoll's weighted averaging:
@@ -465,6 +486,10 @@ def expert_parallel(
     layer sees (right where each rank's loss is a mean over its samples or its tokens, every
     sample as long); a language model padded with ``-100`` labels weighs its valid tokens,
     ``weight=lambda: state.local_batch`` with ``state.count(y)`` called before the forward.
+    ``combine="sum"`` instead where the ranks' gradients are summed, each rank's loss
+    already scaled by its share of the batch (as :func:`hetcoll.torch.parallelize` runs a
+    plan's replicas, whose ``experts`` place them this way): the experts' gradients then add
+    every rank's rows as they come, and ``weight`` is not read.
 
     The tokens travel on the group's engine: NCCL's all-to-all on the GPUs, or gloo's and
     MPI's through host memory (a CUDA rank's tokens staged there). The exchanges run on a
@@ -485,7 +510,16 @@ def expert_parallel(
     placed: dict[str, list[int]] = {}
     failure: ValueError | None = None
     try:
-        placed = _placed(_experts_of(model), whole.size, speeds, shares, loads, capacity)
+        placed = experts_placement(
+            find_experts(model),
+            whole.size,
+            speeds=speeds,
+            shares=shares,
+            loads=loads,
+            capacity=capacity,
+        )
+        if combine not in COMBINE:
+            raise ValueError(f"combine: must be one of {COMBINE}, got {combine!r}")
     except ValueError as e:  # raised here after the others learn of it, none waiting
         failure = e
     _agree_placed(whole, placed, failure)
@@ -495,7 +529,9 @@ def expert_parallel(
     comm = wrap(transport(group).subgroup(range(whole.size)))
     for name, held in placed.items():
         module = model.get_submodule(name)
-        ExpertParallelExperts.convert(module, held, comm, weight=weight, timeout=timeout)
+        ExpertParallelExperts.convert(
+            module, held, comm, weight=weight, combine=combine, timeout=timeout
+        )
     leave_to_ranks(model)
     return model
 
@@ -512,9 +548,10 @@ def leave_to_ranks(model: nn.Module) -> None:
         )
 
 
-def _experts_of(model: nn.Module) -> list[tuple[str, int]]:
-    """``model``'s experts modules, by path, with their experts; ``ValueError`` naming
-    ``model`` where it holds none, or experts in a layout no rule here knows."""
+def find_experts(model: nn.Module) -> list[tuple[str, int]]:
+    """``model``'s experts modules (:func:`experts_module`), by path, with their experts;
+    ``ValueError`` naming ``model`` where it holds none, or experts in a layout no rule here
+    knows."""
     found = []
     for name, m in model.named_modules():
         why = experts_module(m)
@@ -537,31 +574,41 @@ def _agree_placed(
     agree(comm, {"experts layers": len(placed), **fields}, failure=failure)
 
 
-def _placed(
-    experts: list[tuple[str, int]],
+def experts_placement(
+    experts: Sequence[tuple[str, int]],
     ranks: int,
-    speeds: Sequence[float] | None,
-    shares: Sequence[int] | None,
-    loads: Sequence[float] | Mapping[str, Sequence[float]] | None,
-    capacity: Sequence[int] | None,
+    *,
+    speeds: Sequence[float] | None = None,
+    shares: Shares | None = None,
+    loads: Sequence[float] | Mapping[str, Sequence[float]] | None = None,
+    capacity: Sequence[int] | None = None,
+    where: str = "shares",
 ) -> dict[str, list[int]]:
-    """Each experts layer (its path and experts) placed on ``ranks`` ranks by ``speeds``
-    (with ``loads`` and ``capacity``) or ``shares``; ``ValueError`` naming the argument where
-    they do not make a placement."""
+    """Each experts layer (its path and experts: :func:`find_experts`) placed on ``ranks``
+    ranks: by ``speeds`` (:func:`expert_shares`, with ``loads`` and ``capacity``), or as
+    ``shares`` give them (one list for every layer, or a dict by path naming every layer;
+    ``where``: the argument they came as, for the errors). ``ValueError`` naming the argument
+    where they do not make a placement."""
     if speeds is not None and len(speeds) != ranks:
         raise ValueError(f"speeds: needs one per rank ({ranks}), got {len(speeds)}")
-    if isinstance(loads, Mapping):
-        missing = [n for n, _ in experts if n not in loads]
-        if missing:
-            raise ValueError(f"loads: names no load for the experts of {missing}")
+    for arg, given in (("loads", loads), (where, shares)):
+        if isinstance(given, Mapping):
+            missing = [n for n, _ in experts if n not in given]
+            unknown = [n for n in given if n not in dict(experts)]
+            if missing or unknown:
+                raise ValueError(
+                    f"{arg}: must name every experts module ({[n for n, _ in experts]}), "
+                    + (f"misses {missing}" if missing else f"names {unknown}, which are not")
+                )
     placed = {}
     for name, count in experts:
         load = loads.get(name) if isinstance(loads, Mapping) else loads
-        placed[name] = (
-            expert_shares(count, speeds, loads=load, capacity=capacity)
-            if speeds is not None
-            else _check_shares(shares or (), count, ranks)
-        )
+        if speeds is not None:
+            placed[name] = expert_shares(count, speeds, loads=load, capacity=capacity)
+        else:
+            held = shares.get(name) if isinstance(shares, Mapping) else shares
+            w = f"{where}[{name!r}]" if isinstance(shares, Mapping) else where
+            placed[name] = _check_shares(held or (), count, ranks, w)
     return placed
 
 
@@ -592,7 +639,7 @@ def place_experts(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     speeds: Sequence[float] | None = None,
-    shares: Sequence[int] | None = None,
+    shares: Shares | None = None,
     loads: Sequence[float] | Mapping[str, Sequence[float]] | None = None,
     capacity: Sequence[int] | None = None,
 ) -> dict[str, list[int]]:
@@ -625,7 +672,9 @@ def place_experts(
     failure: ValueError | None = None
     try:
         counts = [(name, m.all_experts) for name, m in layers]
-        placed = _placed(counts, comm.size, speeds, shares, loads, capacity)
+        placed = experts_placement(
+            counts, comm.size, speeds=speeds, shares=shares, loads=loads, capacity=capacity
+        )
     except ValueError as e:  # raised after the others learn of it, none waiting
         failure = e
     _agree_placed(comm, placed, failure)  # before anything moves

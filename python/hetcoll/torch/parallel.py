@@ -42,6 +42,11 @@ from torch.utils import _pytree as pytree
 from hetcoll.comm import agree, start_agreement, wrap
 from hetcoll.plan import Plan, Stage
 from hetcoll.torch.batches import count_items, counted, item_weights, items_argument
+from hetcoll.torch.expert_parallel import (
+    ExpertParallelExperts,
+    experts_placement,
+    find_experts,
+)
 from hetcoll.torch.filters import (
     filter_parallel,
     filter_shares,
@@ -187,6 +192,11 @@ class Parallel(PlanCheckpoints, nn.Module):
         # layer whose stage writes each state-dict entry into a full checkpoint.
         self._alias: dict[str, str] = {}
         self._home: dict[str, int] = {}
+        # Expert parallelism (the plan's ``experts``): the experts' parameter names (each
+        # rank holds its own experts: summed over no replicas, gathered from every replica),
+        # and whether this rank's stage holds experts (its forwards exchange tokens).
+        self._experts_names: frozenset[str] = frozenset()
+        self._experts_here = False
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -366,8 +376,9 @@ class Parallel(PlanCheckpoints, nn.Module):
             return self._run_blocks(inputs, targets, checked, offsets, sizes, weights[i])
 
         # A single-rank first stage computes its first forwards while the batch check is in
-        # flight; every other stage communicates from its first forward on.
-        if not (first and comm is None):
+        # flight; every other stage communicates from its first forward on (a stage holding
+        # experts exchanges tokens in it).
+        if not (first and comm is None and not self._experts_here):
             checked()
         ops = list(schedule_order(schedule, j, len(replica.stages), len(sizes)))
 
@@ -434,8 +445,13 @@ class Parallel(PlanCheckpoints, nn.Module):
 
     def _loss(self, output: Any, targets: Any, weight: float) -> torch.Tensor:
         """A micro-batch's loss scaled by its share of the batch's items; a micro-batch without
-        items contributes nothing (its mean loss is undefined) and is not backpropagated."""
+        items contributes nothing (its mean loss is undefined) and is not backpropagated, but
+        where experts sit on the stage: its backward still meets the other replicas' at the
+        experts' exchanges, carrying zeros."""
         if weight == 0.0:
+            if self._experts_here:
+                leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+                return sum((t.sum() * 0.0 for t in leaves if t.requires_grad), torch.zeros(()))
             return torch.zeros((), dtype=torch.float64)
         loss = self._loss_fn(output, pytree.tree_map(self._on_device, targets))
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -545,7 +561,7 @@ class Parallel(PlanCheckpoints, nn.Module):
         def tensors(value: Any) -> list[torch.Tensor]:
             return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
-        if not (j == 0 and comm is None):  # as in _run
+        if not (j == 0 and comm is None and not self._experts_here):  # as in _run
             checked()
         ops = list(schedule_order(self._schedule(i), j, len(replica.stages), len(sizes)))
         probes: dict[int, tuple[Any, Flow, StageRoles]] = {}
@@ -931,6 +947,8 @@ def parallelize(
                 _check_blocks_split(layers, stage, where)
                 split_args[i, j] = {}
 
+    experts = _plan_experts(model, plan, names)
+
     par = Parallel()
     par.plan, par.rank, par._tr = plan, tr.rank, tr
     par.place = plan.place(tr.rank)
@@ -982,6 +1000,17 @@ def parallelize(
     # Sub-groups, every rank creating each in the same order: the split stages, then the sets
     # of ranks that hold a parameter in several replicas.
     subs = {key: tr.subgroup(plan.replicas[key[0]].stages[key[1]].ranks) for key in split_args}
+    # The experts' exchanges: one group per stage holding experts, of that stage's rank in
+    # every replica (numbered in increasing rank order).
+    experts_subs = {
+        j: tr.subgroup(sorted(r.stages[j].ranks[0] for r in plan.replicas))
+        for j in sorted({j for j, _ in experts.values()})
+    }
+    par._experts_names = frozenset(
+        f"{path}.{n}"
+        for path in experts
+        for n, _ in model.get_submodule(path).named_parameters(recurse=False)
+    )
     if par.place is not None:
         i, j = par.place
         stage = plan.replicas[i].stages[j]
@@ -1030,6 +1059,21 @@ def parallelize(
                     empty_blocks=stage.empty_blocks,
                     loss_parallel=stage.loss_parallel,
                 )
+        if j in experts_subs:
+            # This stage's experts: each replica's rank holds its own, its share of the plan's.
+            counting = CountingCommunicator(wrap(experts_subs[j]), par._traffic)
+            by_rank = sorted(
+                range(len(plan.replicas)), key=lambda r: plan.replicas[r].stages[j].ranks[0]
+            )
+            for path, (at, held) in experts.items():
+                if at == j:
+                    ExpertParallelExperts.convert(
+                        module.get_submodule(path),
+                        [held[r] for r in by_rank],
+                        counting,
+                        combine="sum",
+                    )
+            par._experts_here = True
         if par.stage is None:
             par.stage = module
             if next(module.parameters(), None) is None:  # a stage of parameter-free layers
@@ -1040,6 +1084,33 @@ def parallelize(
             par._skeleton = [_stage_copy(model, layers, par._meta_blocks, 0, 0)]
     _plan_reductions(par, plan, names, model, cut.kind)
     return par
+
+
+def _plan_experts(
+    model: nn.Module, plan: Plan, names: list[str]
+) -> dict[str, tuple[int, list[int]]]:
+    """The plan's ``experts`` on ``model``: each experts module's path, the stage holding its
+    layer (the same in every replica) and its experts per replica; empty without
+    ``experts``. ``ValueError`` naming ``plan.experts`` where they do not fit the model."""
+    if plan.experts is None:
+        return {}
+    placed = experts_placement(
+        find_experts(model), len(plan.replicas), shares=plan.experts, where="plan.experts"
+    )
+    out = {}
+    stages = plan.replicas[0].stages
+    for path, held in placed.items():
+        layer = _layer_of(path + ".", names)
+        if layer is None:
+            raise ValueError(
+                f"plan.experts: the experts of {path!r} lie outside the model's layers "
+                f"({', '.join(names)}); expert parallelism places the experts of a layer"
+            )
+        out[path] = (
+            next(j for j, st in enumerate(stages) if st.layers[0] <= layer < st.layers[1]),
+            held,
+        )
+    return out
 
 
 def _stage_copy(
@@ -1145,6 +1216,8 @@ def _plan_reductions(
     local = {n: tp for n, tp in par._parts().items() if isinstance(tp[0], nn.Parameter)}
     groups: dict[tuple[tuple[int, ...], torch.dtype], list[str]] = {}
     for n, p in model.named_parameters():
+        if n in par._experts_names:
+            continue  # each rank holds its own experts: nothing to sum
         holding = [
             (i, j)
             for i, replica in enumerate(plan.replicas)

@@ -51,6 +51,7 @@ class PlanCheckpoints:
     _blocks: dict[tuple[int, int], list[Block]]
     _alias: dict[str, str]
     _home: dict[str, int]
+    _experts_names: frozenset[str]
 
     def sampler(
         self, dataset: Any, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True
@@ -101,8 +102,13 @@ class PlanCheckpoints:
                 local = gather_state_dict(self.stage, dst=sorted(ranks).index(ranks[0]))
             else:
                 local = self.stage.state_dict()
+        experts = self._experts_names
         for j, stage in enumerate(replica0.stages):
-            keys = [e for e in self._state_layout if stage.layers[0] <= e[1] < stage.layers[1]]
+            keys = [
+                e
+                for e in self._state_layout
+                if stage.layers[0] <= e[1] < stage.layers[1] and e[0] not in experts
+            ]
             if not keys:
                 continue
             if (0, j) in self._blocks:
@@ -120,6 +126,18 @@ class PlanCheckpoints:
             for (key, _, shape, dtype), n in zip(keys, sizes, strict=True):
                 out[key] = host[at : at + n].view(dtype).reshape(shape).clone()
                 at += n
+        if experts:  # every replica holds its own experts: each rank adds its slices
+            parts = self._parts()
+            out.update(
+                self._summed(
+                    [
+                        (k, shape, dtype)
+                        for k, _, shape, dtype in self._state_layout
+                        if k in experts
+                    ],
+                    {n: tp for n, tp in parts.items() if n in experts},
+                )
+            )
         return {k: out[k] for k, *_ in self._state_layout}
 
     def _owners_state(
@@ -191,10 +209,12 @@ class PlanCheckpoints:
         # full_state_dict reads them), tensors by (name, field, dtype), the rest by value.
         held: list[str] = []
         entries: list[tuple[str, str, str, Any]] = []
-        if self.place is not None and self.place[0] == 0:
+        if self.place is not None:
             for n, (t, part) in parts.items():
                 if id(t) not in names or not self._counts(n, part):
                     continue
+                if self.place[0] != 0 and n not in self._experts_names:
+                    continue  # replica 0's, but for the experts every replica holds its own
                 held.append(n)
                 for f, v in state.get(n, {}).items():
                     if state_kind(v, t.shape) == "sliced":
