@@ -440,7 +440,7 @@ def _check_counts(got: np.ndarray, where: str) -> None:
 
 
 def _check_shares(
-    shares: Sequence[int], experts: int, ranks: int, where: str = "shares"
+    shares: Sequence[int], experts: int, ranks: int, where: str = "shares", module: str = ""
 ) -> list[int]:
     values = list(shares)
     if (
@@ -448,8 +448,9 @@ def _check_shares(
         or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in values)
         or sum(values) != experts
     ):
+        of = f" of {module!r}" if module else ""
         raise ValueError(
-            f"{where}: must be {ranks} ints >= 0 summing to the {experts} experts, got {values}"
+            f"{where}: must be {ranks} ints >= 0 summing to the {experts} experts{of}, got {values}"
         )
     return [int(s) for s in values]
 
@@ -608,7 +609,7 @@ def experts_placement(
         else:
             held = shares.get(name) if isinstance(shares, Mapping) else shares
             w = f"{where}[{name!r}]" if isinstance(shares, Mapping) else where
-            placed[name] = _check_shares(held or (), count, ranks, w)
+            placed[name] = _check_shares(held or (), count, ranks, w, name)
     return placed
 
 

@@ -7,7 +7,8 @@ draws predicted step time by plan; :func:`sweep` re-plans along one axis.
 
 The package, one purpose a module, each importing only those below it: :mod:`.sweeps` (the
 axes), then :mod:`.search` (:func:`plan`: the space and how it is searched fast, described
-there), then :mod:`.placements` (seed 002's node-wise plans as candidates), then
+there), then :mod:`.placements` (seed 002's node-wise plans as candidates) and
+:mod:`.experts` (expert parallelism's candidates), then
 :mod:`.rates` (how fast each device trains the model), :mod:`.subsets` (the device sets the
 search tries) and :mod:`.report` (:class:`SearchReport`, :func:`explain`, :func:`plot_plans`).
 Every public name is importable from here.

@@ -5,7 +5,8 @@ first. Each candidate carries the :class:`hetcoll.Plan` the runtime runs (built 
 read: a plan of 10,240 replicas takes longer to build and check than to cost). The space:
 
 - data parallel with balanced and with even shares; filter parallel (one stage over the
-  devices, filters split by speed);
+  devices, filters split by speed); for a mixture-of-experts model, expert parallelism (whole
+  experts per device, samples and experts by speed, and both even: :mod:`.experts`);
 - one pipeline of one-device stages over the cluster, 1 to 32 micro-batches, GPipe and 1F1B
   (the same bubble; 1F1B keeps fewer micro-batches' activations, which the predictor counts);
 - replicated pipelines: replicas of S = 2, 4, 8 stages of g = 1, 2, 4, 8 devices of one node
@@ -63,6 +64,7 @@ import hetcoll
 from hetcoll.model import predict, terms
 from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster
+from hetcoll.model.planner.experts import expert_parallel_candidates
 from hetcoll.model.planner.placements import OWNERS_MAX_DEVICES, node_wise_candidates
 from hetcoll.model.planner.rates import (
     device_speeds,
@@ -412,7 +414,9 @@ def plan(
     cannot run are marked infeasible.
 
     The candidates: data parallel with balanced and with even shares; filter parallel with
-    balanced filters; pipelines of one-device stages cut between top-level layers, for each
+    balanced filters; for a model with experts layers (``costs.experts``), expert parallelism
+    with samples and experts by speed and with both even (:func:`expert_parallel_candidates`);
+    pipelines of one-device stages cut between top-level layers, for each
     count of ``micro_batches``, GPipe and 1F1B; with ``replicated_pipelines``, replicas of
     2, 4 or 8 stages of 1, 2, 4 or 8 devices of one node (filter-split stages), each kind of
     device its own replicas, S, 2S or 4S micro-batches, GPipe and 1F1B, on all devices and on
@@ -499,6 +503,8 @@ def plan(
     if p > 1:
         speeds = device_speeds(costs, cluster, batch)
         tiers = device_tiers(cluster, speeds)
+        if n:
+            out += expert_parallel_candidates(costs, cluster, batch, speeds, s)
         if subsets:
             # A subset's plan can be one already there (a balanced split that leaves the same
             # devices out): not repeated.

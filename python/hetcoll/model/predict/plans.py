@@ -5,14 +5,17 @@ laid-out step (:mod:`.schedule`, whose stages' work is :mod:`.work`'s)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from hetcoll.model import terms
 from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster, Link
 from hetcoll.model.predict.classes import cluster_facts, node_link_ids, ring_link_of, unique_rows
+from hetcoll.model.predict.experts import expert_parallel_schedule
 from hetcoll.model.predict.filters import time_balanced_shares
 from hetcoll.model.predict.layout import ReplicaLayout, StageLayout, plan_layout, stage_layout
 from hetcoll.model.predict.prediction import Prediction
@@ -290,12 +293,84 @@ def predict_plan(
     the rest (``bubble``: waiting for other stages and ranks). Raises ``ValueError`` when the
     plan does not fit the model (layer count, a split the runtime refuses) or the cluster.
 
+    A plan whose replicas hold whole experts (its ``experts``) is the expert-parallel step
+    (:func:`~hetcoll.model.predict.expert_parallel_schedule`) of its replicas' samples, one
+    rank and one micro-batch each (other shapes raise ``ValueError``), with the runtime's
+    one allreduce of the replicated gradients after the backward.
+
     >>> predict_plan(costs, cluster, Plan.load("plan.json")).step_s  # doctest: +SKIP
     """
+    if plan.experts is not None:
+        return _experts_plan(costs, cluster, plan, optimizer_state_copies, strategy)
     # Replicas that run alike are simulated once (the same step: :func:`layout_schedule`).
     layout = plan_layout(costs, cluster, plan)
     pred = layout_schedule(
         costs, cluster, layout, plan.schedule, optimizer_state_copies, strategy
     ).prediction()
+    pred.plan = plan
+    return pred
+
+
+def _experts_plan(
+    costs: ModelCosts,
+    cluster: Cluster,
+    plan: Plan,
+    optimizer_state_copies: int,
+    strategy: str,
+) -> Prediction:
+    """:func:`predict_plan` of a plan with ``experts``: the expert-parallel step on the plan's
+    ranks (the others idle), its gradients summed in one buffer after the backward."""
+    if plan.microbatches > 1 or len(plan.replicas[0].stages) > 1:
+        raise ValueError(
+            "plan: predict_plan prices expert parallelism over replicas of one stage and one "
+            f"micro-batch; this plan has {len(plan.replicas[0].stages)} stages per replica and "
+            f"{plan.microbatches} micro-batches"
+        )
+    ranks = [r.stages[0].ranks[0] for r in plan.replicas]
+    if max(ranks) >= cluster.num_devices:
+        raise ValueError(
+            f"plan: names rank {max(ranks)} but the cluster has {cluster.num_devices} devices"
+        )
+    order = sorted(range(len(ranks)), key=ranks.__getitem__)
+    keep = [ranks[i] for i in order]
+    given = plan.experts
+    assert given is not None
+    experts = (
+        {path: [held[i] for i in order] for path, held in given.items()}
+        if isinstance(given, Mapping)
+        else [given[i] for i in order]
+    )
+    pred = expert_parallel_schedule(
+        costs,
+        cluster.subset(keep),
+        [plan.replicas[i].samples for i in order],
+        experts,
+        overlap=False,
+        optimizer_state_copies=optimizer_state_copies,
+        first_bucket_bytes=math.inf,
+        bucket_bytes=math.inf,
+        strategy=strategy,
+    ).prediction()
+    shares = [0] * cluster.num_devices
+    memory = [0.0] * cluster.num_devices
+    for j, d in enumerate(keep):
+        shares[d], memory[d] = pred.shares[j], pred.memory_bytes[j]
+    pred.shares, pred.memory_bytes = shares, memory
+    pred.detail["critical_device"] = keep[pred.detail["critical_device"]]
+    # Then the step's loss, summed over every rank of the group (one float64), as any plan's.
+    link = cluster.ring_link()
+    loss_s = float(
+        terms.ring_allreduce_seconds(
+            8.0,
+            cluster.num_devices,
+            link.latency_s,
+            link.bytes_per_s,
+            float(device_arrays(cluster.devices).mem_bytes_per_s.min()),
+            8,
+        )
+    )
+    pred.step_s += loss_s
+    pred.breakdown["communication"] = pred.breakdown.get("communication", 0.0) + loss_s
+    pred.detail["loss_allreduce_s"] = loss_s
     pred.plan = plan
     return pred

@@ -1,0 +1,138 @@
+"""Plans with experts on real ranks: each replica's rank holds whole experts of Hugging Face
+Mixtral, the routed tokens travel between the replicas, and training equals one process on
+the whole batch. Run on every rank of a 4-process gloo group (test_plan_experts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import transformer_cases as tc
+
+from hetcoll import Plan
+from hetcoll.torch import parallelize
+from hetcoll.torch.expert_parallel import ExpertParallelExperts
+
+LAYERS = 8  # Mixtral's plan layers: embedding, rotary table, 4 blocks, norm, head
+EXPERTS = "model.layers.{}.mlp.experts"
+
+
+def replicas(*samples: int, ranks: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
+    """One single-stage replica per entry of ``samples``, on ``ranks`` (default 0, 1, ...)."""
+    ranks = ranks or tuple(range(len(samples)))
+    return [
+        {"samples": n, "stages": [{"ranks": [r], "layers": [0, LAYERS]}]}
+        for n, r in zip(samples, ranks, strict=True)
+    ]
+
+
+#: 3 replicas (rank 3 idle), 2 micro-batches each, experts 3 : 1 : 0 of every layer.
+BY_SPEED = {"microbatches": 2, "replicas": replicas(3, 2, 2), "experts": [3, 1, 0]}
+
+#: 2 replicas of 2 stages (their ranks crossed), 1F1B, each layer's experts placed its own way.
+PIPELINES = {
+    "microbatches": 2,
+    "schedule": "1F1B",
+    "replicas": [
+        {
+            "samples": 4,
+            "stages": [{"ranks": [0], "layers": [0, 4]}, {"ranks": [2], "layers": [4, LAYERS]}],
+        },
+        {
+            "samples": 3,
+            "stages": [{"ranks": [3], "layers": [0, 4]}, {"ranks": [1], "layers": [4, LAYERS]}],
+        },
+    ],
+    "experts": {
+        EXPERTS.format(0): [4, 0],
+        EXPERTS.format(1): [1, 3],
+        EXPERTS.format(2): [2, 2],
+        EXPERTS.format(3): [0, 4],
+    },
+}
+
+
+def prompt_rows(plan: Plan, steps: int = 2) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """:func:`transformer_cases.batches` whose last row is all prompt (every label -100, as in
+    supervised fine-tuning): the micro-batch holding it weighs nothing in the loss, and its
+    backward must still meet the other replicas' at the experts' exchanges."""
+    data = tc.batches(plan.batch, steps)
+    for _, labels in data:
+        labels[-1] = -100
+    return data
+
+
+def trains_as_one_process(group: Any, plan: Plan, data: Any) -> dict[str, Any]:
+    """``plan`` trains Mixtral (float64, SGD with momentum) as one process on the whole batch
+    does: each step's loss and the gathered state to 1e-10. Returns this rank's experts per
+    layer and the traffic of its last step."""
+    torch.manual_seed(0)
+    model = tc.mixtral().double()
+    want_losses, want_state = tc.reference(model, data, 0.1)
+    par = parallelize(model, plan, loss_fn=tc.lm_loss, items=tc.valid_tokens, group=group)
+    opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)
+    for (x, y), want in zip(data, want_losses, strict=True):
+        loss = par.step(x, y)
+        assert abs(loss - want) <= tc.TOL * abs(want), (loss, want)
+        opt.step()
+        opt.zero_grad()
+    got = par.full_state_dict()
+    assert list(got) == list(want_state)
+    worst = max(tc.rel(got[k], v) for k, v in want_state.items() if v.is_floating_point())
+    assert worst <= tc.TOL, worst
+    held = {
+        n: m.num_experts
+        for n, m in (par.stage.named_modules() if par.stage is not None else [])
+        if isinstance(m, ExpertParallelExperts)
+    }
+    return {"held": held, "traffic": par.traffic()}
+
+
+def planned(group: Any) -> dict[str, Any]:
+    """The planner's expert-parallel plan for Mixtral on a fast device and a slower one (the
+    other two ranks idle) trains as one process does."""
+    from hetcoll.lab.validate import validation_cluster
+    from hetcoll.model import Device, Link, layer_costs, plan
+
+    costs = layer_costs(tc.mixtral("grouped_mm"), (tc.SEQ,), dtype=torch.int64)
+    devices = [Device(f"d{i}", f, f, 8e9) for i, f in enumerate((2e10, 1e10, 1e10, 1e10))]
+    cluster = validation_cluster(devices, Link("link", 1e-4, 1e9))
+    found = {p.strategy: p for p in plan(costs, cluster, 8, subsets=False)}
+    best = found["expert parallel, balanced"]
+    assert best.feasible, best.reason
+    chosen = best.to_plan()
+    return {"plan": chosen.to_dict(), **trains_as_one_process(group, chosen, tc.batches(8, 2))}
+
+
+def bad_plans(group: Any) -> list[str]:
+    """Plans with experts that do not fit the model raise the same error on every rank, before
+    any transfer (the group works on afterwards)."""
+    seen = []
+    for model, change in (
+        (tc.mixtral(), {"experts": [2, 1, 0]}),  # 3 of Mixtral's 4 experts
+        (tc.mixtral(), {"experts": {EXPERTS.format(0): [4, 0, 0]}}),  # one layer of 4
+        (tc.llama(), {}),  # no experts to place
+    ):
+        try:
+            parallelize(model, {**BY_SPEED, **change}, loss_fn=tc.lm_loss, group=group)
+        except ValueError as e:
+            seen.append(str(e))
+    return seen
+
+
+def run_all(group: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    by_speed = Plan.from_dict(BY_SPEED)
+    out["by_speed"] = trains_as_one_process(group, by_speed, prompt_rows(by_speed))
+    pipelines = Plan.from_dict(PIPELINES)
+    out["pipelines"] = trains_as_one_process(group, pipelines, tc.batches(pipelines.batch, 2))
+    # Weights and Adam's state gathered under one placement resume under the other.
+    out["resumed"] = tc.resumes_on_another_plan(group, tc.mixtral, (BY_SPEED, PIPELINES))
+    out["planned"] = planned(group)
+    out["errors"] = bad_plans(group)
+    return out
+
+
+def run_torch(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return run_all(None)

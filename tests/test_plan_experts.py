@@ -1,0 +1,163 @@
+"""Expert parallelism inside a Plan: the plan's ``experts`` place whole experts on its
+replicas' ranks, :func:`parallelize` runs it as one process trains (tests/plan_experts_cases.py
+on 4 gloo ranks), the performance model prices it and the planner proposes it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hetcoll import Plan, launch
+
+pytest.importorskip("transformers")
+
+import plan_experts_cases as cases
+import transformer_cases as tc
+
+LAYER = cases.EXPERTS.format
+
+
+@pytest.mark.multiproc
+def test_gloo_plans_with_experts_train_as_one_process():
+    """Every case against one process on the whole batch, float64, 1e-10: 3 single-rank
+    replicas (experts 3 : 1 : 0, a micro-batch of prompt only, rank 3 idle); 2 replicas of 2
+    stages under 1F1B, each layer placed its own way; a checkpoint (weights and Adam's state)
+    taken under the first and resumed under the second; the planner's plan. Plans that do not
+    fit the model raise the same error on every rank."""
+    results = launch.spawn(cases.run_torch, 4, timeout=400)
+    by_speed = [r["by_speed"]["held"] for r in results]
+    assert by_speed == [{LAYER(k): n for k in range(4)} for n in (3, 1, 0)] + [{}]
+    assert results[3]["by_speed"]["traffic"] == dict.fromkeys(
+        ("activations", "gradients", "outputs", "allreduce"), 0
+    )  # the idle rank joins no exchange
+    # Ranks 0 and 3 run the first stage of replicas 0 and 1, ranks 2 and 1 the second.
+    assert [r["pipelines"]["held"] for r in results] == [
+        {LAYER(0): 4, LAYER(1): 1},
+        {LAYER(2): 2, LAYER(3): 4},
+        {LAYER(2): 2, LAYER(3): 0},
+        {LAYER(0): 0, LAYER(1): 3},
+    ]
+    assert all(r["resumed"] for r in results)
+    planned = results[0]["planned"]["plan"]
+    assert "experts" in planned and all(r["planned"]["plan"] == planned for r in results)
+    assert sum(r["planned"]["held"][LAYER(0)] for r in results) == 4
+    errors = results[0]["errors"]
+    assert all(r["errors"] == errors for r in results)
+    assert len(errors) == 3
+    assert errors[0].startswith("plan.experts: must be 3 ints >= 0 summing to the 4 experts of")
+    assert errors[1].startswith("plan.experts: must name every experts module")
+    assert errors[2].startswith("model: holds no experts module")
+
+
+def test_plan_with_experts_round_trips_through_json(tmp_path):
+    for doc in (cases.BY_SPEED, cases.PIPELINES):
+        plan = Plan.from_dict(doc)
+        path = tmp_path / "plan.json"
+        plan.save(path)
+        assert Plan.load(path) == plan
+        assert json.loads(path.read_text())["experts"] == doc["experts"]
+    assert Plan.from_dict(cases.BY_SPEED).experts == (3, 1, 0)
+    assert Plan.from_dict(cases.PIPELINES).experts[LAYER(1)] == (1, 3)
+    no_experts = {k: v for k, v in cases.BY_SPEED.items() if k != "experts"}
+    assert "experts" not in Plan.from_dict(no_experts).to_dict()
+
+
+def _two_ranks_stage() -> dict:
+    doc = json.loads(json.dumps(cases.BY_SPEED))
+    doc["replicas"][0]["stages"][0]["ranks"] = [0, 3]
+    return doc
+
+
+def _other_cut() -> dict:
+    doc = json.loads(json.dumps(cases.PIPELINES))
+    doc["replicas"][1]["stages"][0]["layers"] = [0, 3]
+    doc["replicas"][1]["stages"][1]["layers"] = [3, cases.LAYERS]
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({**cases.BY_SPEED, "experts": [3, 1]}, r"plan.experts: needs one count per replica \(3\)"),
+        ({**cases.BY_SPEED, "experts": [0, 0, 0]}, "plan.experts: places no expert"),
+        ({**cases.BY_SPEED, "experts": [3, -1, 2]}, r"plan.experts\[1\]: must be an integer >= 0"),
+        ({**cases.BY_SPEED, "experts": {}}, "plan.experts: must name at least one"),
+        ({**cases.BY_SPEED, "experts": {" x": [1, 1, 1]}}, "must be an experts module's path"),
+        ({**cases.BY_SPEED, "experts": {"x": [1, 1]}}, r"plan.experts\['x'\]: needs one count"),
+        (_two_ranks_stage(), r"stages\[0\] splits over 2 ranks"),
+        (_other_cut(), "the replicas must share their stages"),
+        ({**cases.BY_SPEED, "microbatches": 3}, r"plan.replicas\[1\] has 2 samples"),
+    ],
+)
+def test_invalid_experts_name_the_field(doc, message):
+    with pytest.raises(ValueError, match=message):
+        Plan.from_dict(doc)
+
+
+# -- the performance model and the planner ----------------------------------------------------
+
+
+def _costs(make=tc.mixtral):
+    from hetcoll.model import layer_costs
+
+    model = make("grouped_mm") if make is tc.mixtral else make()
+    return layer_costs(model, (tc.SEQ,), dtype=torch.int64)
+
+
+def _cluster(*flops: float, memory: float = 8e9):
+    from hetcoll.lab.validate import validation_cluster
+    from hetcoll.model import Device, Link
+
+    devices = [Device(f"d{i}", f, f, memory) for i, f in enumerate(flops)]
+    return validation_cluster(devices, Link("link", 1e-4, 1e9))
+
+
+def test_predict_plan_prices_a_plan_with_experts():
+    """One device holding every expert steps as the plan without experts does; on a fast and
+    a slow device, experts and samples by speed beat even; an idle device holds nothing;
+    shapes the model does not price are named."""
+    from hetcoll.model.predict import predict_plan
+
+    costs = _costs()
+    one = Plan.from_dict({"replicas": cases.replicas(16)})
+    alone = Plan.from_dict({"replicas": cases.replicas(16), "experts": [4]})
+    c1 = _cluster(1e10)
+    assert predict_plan(costs, c1, alone).step_s == pytest.approx(
+        predict_plan(costs, c1, one).step_s, rel=1e-12
+    )
+    two = _cluster(1e11, 2.5e10, 1e11)
+    by_speed = Plan.from_dict({"replicas": cases.replicas(26, 6), "experts": [3, 1]})
+    even = Plan.from_dict({"replicas": cases.replicas(16, 16), "experts": [2, 2]})
+    fast = predict_plan(costs, two, by_speed)
+    assert fast.step_s < predict_plan(costs, two, even).step_s
+    assert fast.shares == [26, 6, 0] and fast.memory_bytes[2] == 0.0
+    assert fast.plan is by_speed and fast.detail["experts"][LAYER(0)] == [3, 1]
+    assert fast.detail["all_to_all_s"] > 0 and fast.detail["loss_allreduce_s"] > 0
+    with pytest.raises(ValueError, match="one stage and one micro-batch"):
+        predict_plan(costs, two, Plan.from_dict(cases.PIPELINES))
+
+
+def test_the_planner_proposes_expert_parallelism():
+    """For a mixture of experts the planner costs expert parallelism (by speed, and even);
+    for a dense model it does not. Where every device is too small for all the experts but
+    the devices together hold them, it is feasible where data parallelism is not."""
+    from hetcoll.model import plan
+
+    costs = _costs()
+    found = {p.strategy: p for p in plan(costs, _cluster(4e10, 1e10), 8)}
+    assert {"expert parallel, balanced", "expert parallel, even"} <= set(found)
+    assert found["expert parallel, balanced"].to_plan().experts is not None
+    dense = plan(_costs(tc.llama), _cluster(4e10, 1e10), 8)
+    assert not [p for p in dense if p.strategy.startswith("expert")]
+    # Memory for about half the experts' weights and state on each device: data parallelism
+    # no longer fits, expert parallelism does (and pipelines, which hold half the layers).
+    whole = found["data parallel, even"].memory_bytes[0]
+    experts = found["expert parallel, even"].memory_bytes[0]
+    tight = {
+        p.strategy: p for p in plan(costs, _cluster(4e10, 4e10, memory=(whole + experts) / 2), 8)
+    }
+    assert not tight["data parallel, even"].feasible
+    assert not tight["data parallel, balanced"].feasible
+    assert tight["expert parallel, even"].feasible
