@@ -5,6 +5,7 @@ on 4 gloo ranks), the performance model prices it and the planner proposes it.""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,3 +162,16 @@ def test_the_planner_proposes_expert_parallelism():
     assert not tight["data parallel, even"].feasible
     assert not tight["data parallel, balanced"].feasible
     assert tight["expert parallel, even"].feasible
+
+
+@pytest.mark.multiproc
+def test_mpi_plans_with_experts_train_as_one_process():
+    """The same on 4 MPI ranks (mpi4py, no torch.distributed): the experts' exchanges on an
+    MPI sub-communicator of their own."""
+    worker = str(Path(__file__).parent / "mpi_workers" / "cases.py")
+    proc = launch.mpiexec(4, [worker, "plan_experts_cases", "by_speed", "pipelines"], timeout=400)
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["by_speed"]["held"].get(LAYER(0)) for r in results] == [3, 1, 0, None]
+    assert [sorted(r["pipelines"]["held"].values()) for r in results] == [
+        [1, 4], [2, 4], [0, 2], [0, 3]
+    ]  # fmt: skip
