@@ -15,13 +15,18 @@ the batch by :func:`hetcoll.split` over the speeds unless said otherwise):
    placement with even rows too (16 and 16: those libraries' data parallelism as well);
 2. every expert on every rank (plain data parallelism, the experts replicated: twice their
    memory, no all-to-all), rows by speed;
-3. the unsplit model on the fast rank alone, the slow rank idle.
+3. the unsplit model on the fast rank alone, the slow rank idle;
+4. the placement by speed as a plan (:func:`hetcoll.torch.parallelize` of a
+   :class:`hetcoll.Plan` with ``experts``, the plan the planner's ``"expert parallel,
+   balanced"`` candidate writes at these speeds): the same experts and rows, run by the plan
+   runtime (its gradients summed after the backward) rather than DDP's bucketed hook.
 
 Each strategy also reports the bytes of parameters each rank holds (the experts' memory).
 
 Predicted: the performance model's step for each strategy
 (:func:`hetcoll.model.predict.expert_parallel_schedule`, replicated experts and the fast rank
-alone :func:`~hetcoll.model.predict.data_parallel_schedule`), on this machine's device and gloo
+alone :func:`~hetcoll.model.predict.data_parallel_schedule`, the plan
+:func:`~hetcoll.model.predict.expert_plan_schedule`), on this machine's device and gloo
 link measured before the run (:mod:`hetcoll.lab.calibrate`), each rank's layers with
 parameters slowed to its speed as ``slow_down`` slows them
 (:func:`hetcoll.lab.predict_emulated.slowed_by_parameters`).
@@ -53,9 +58,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hetcoll
 import hetcoll.torch
-from hetcoll import launch
+from hetcoll import Plan, launch
 from hetcoll.lab.emulate import slow_down
-from hetcoll.torch import ExpertParallelExperts, expert_parallel, register_weighted_hook
+from hetcoll.torch import (
+    ExpertParallelExperts,
+    expert_parallel,
+    parallelize,
+    register_weighted_hook,
+)
+from hetcoll.torch.layers import model_layers
 
 SPEEDS = (1.0, 0.25)
 EXPERTS = 8
@@ -68,6 +79,8 @@ STRATEGIES: dict[str, tuple[str | None, str]] = {
 }
 #: The peer of any placement: the unsplit model on the fast rank alone (the slow rank idle).
 ALONE = "unsplit, fast rank alone"
+#: The placement by speed as a plan run by parallelize.
+PLANNED = "experts by speed, rows by speed, plan"
 #: The peer the placement by speed is compared with: the even placement of DeepSpeed-MoE and
 #: Megatron-LM, rows even too.
 EVEN = "experts even, rows even"
@@ -131,7 +144,24 @@ def _rank(rank: int, world: int, batch: int, steps: int) -> dict[str, Any]:
             "rows": [int(r) for r in rows],
             "param_bytes": int(own),
         }
-    names = (*STRATEGIES, ALONE)
+    plan = planned_plan(batch, len(model_layers(model)))
+    par = parallelize(copy.deepcopy(model), plan, loss_fn=ex.lm_loss)
+    assert par.stage is not None
+    slow_down(par.stage, SPEEDS[rank])
+    par_opt = torch.optim.SGD(par.parameters(), lr=1e-3)
+
+    def plan_step() -> None:
+        par_opt.zero_grad()
+        par.step({"input_ids": ids}, ids)
+        par_opt.step()
+
+    runs[PLANNED] = {
+        "step": plan_step,
+        "experts": [int(n) for n in (plan.experts or ())],
+        "rows": [r.samples for r in plan.replicas],
+        "param_bytes": int(sum(p.numel() * p.element_size() for p in par.parameters())),
+    }
+    names = (*STRATEGIES, PLANNED, ALONE)
     times = take_turns({name: runs[name]["step"] for name in names}, steps)
     out: dict[str, Any] = {"arch": "mixtral", "batch": batch, "seq": ex.SEQ, "speeds": [*SPEEDS]}
     for name in names:
@@ -144,13 +174,34 @@ def _rank(rank: int, world: int, batch: int, steps: int) -> dict[str, Any]:
     return out
 
 
+def planned_plan(batch: int, layers: int) -> Plan:
+    """The plan of the planner's ``"expert parallel, balanced"`` candidate at ``SPEEDS``:
+    one single-rank replica per rank, rows and experts by speed."""
+    from hetcoll.torch import expert_shares
+
+    rows = hetcoll.split(batch, list(SPEEDS))
+    return Plan.from_dict(
+        {
+            "replicas": [
+                {"samples": int(n), "stages": [{"ranks": [r], "layers": [0, layers]}]}
+                for r, n in enumerate(rows)
+            ],
+            "experts": expert_shares(EXPERTS, list(SPEEDS)),
+        }
+    )
+
+
 def predicted(batch: int) -> dict[str, float]:
     """The performance model's step (seconds) for each strategy, the emulation modelled."""
     from bench_tensor_parallel import machine
 
     from hetcoll.lab.predict_emulated import slowed_by_parameters
     from hetcoll.lab.validate import validation_cluster
-    from hetcoll.model.predict import data_parallel_schedule, expert_parallel_schedule
+    from hetcoll.model.predict import (
+        data_parallel_schedule,
+        expert_parallel_schedule,
+        expert_plan_schedule,
+    )
 
     costs, device, link = machine("mixtral", 256)
     cluster = validation_cluster([device] * len(SPEEDS), link)
@@ -167,6 +218,10 @@ def predicted(batch: int) -> dict[str, float]:
             )
             schedule = expert_parallel_schedule(costs, cluster, rows, held)
         out[name] = slowed_by_parameters(schedule, costs, list(SPEEDS)).step_s
+    plan = planned_plan(batch, len(costs.plan_layers))
+    out[PLANNED] = slowed_by_parameters(
+        expert_plan_schedule(costs, cluster, plan), costs, list(SPEEDS)
+    ).step_s
     alone = data_parallel_schedule(costs, validation_cluster([device], link), [batch])
     out[ALONE] = slowed_by_parameters(alone, costs, [SPEEDS[0]]).step_s
     return out
@@ -189,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in results:
         for name, step_s in guesses.items():
             r[name]["predicted_s"] = step_s
-        for name in (*STRATEGIES, ALONE):
+        for name in (*STRATEGIES, PLANNED, ALONE):
             r[name]["param_bytes_per_rank"] = [q[name]["param_bytes"] for q in results]
     r0 = results[0]
     print(
@@ -198,14 +253,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     base = r0[EVEN]["step_s"]
     print(
-        f"{'strategy':<36} {'step (ms)':>10} {'vs even':>8} {'experts':>9} {'rows':>9}"
+        f"{'strategy':<38} {'step (ms)':>10} {'vs even':>8} {'experts':>9} {'rows':>9}"
         f" {'predicted':>10}"
     )
-    for name in (*STRATEGIES, ALONE):
+    for name in (*STRATEGIES, PLANNED, ALONE):
         row = r0[name]
         guess = f"{row['predicted_s'] * 1e3:10.1f}" if "predicted_s" in row else f"{'-':>10}"
         print(
-            f"{name:<36} {row['step_s'] * 1e3:10.1f} {base / row['step_s']:7.2f}x "
+            f"{name:<38} {row['step_s'] * 1e3:10.1f} {base / row['step_s']:7.2f}x "
             f"{':'.join(map(str, row['experts'])):>9} {':'.join(map(str, row['rows'])):>9}"
             f" {guess}"
         )

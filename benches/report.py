@@ -1068,6 +1068,8 @@ _EP_STRATEGIES = (
     "unsplit, fast rank alone",
 )
 _EP_EVEN = "experts even, rows even"
+#: The placement by speed as a plan run by parallelize (runs from before it lack it).
+_EP_PLANNED = "experts by speed, rows by speed, plan"
 
 
 def adapt_expert_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
@@ -1076,7 +1078,10 @@ def adapt_expert_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
     path, data = _rank_results(raw, "expert-parallel", "bench_expert_parallel.py")
     r0 = data[0]
     where = f"{path}: [0]"
-    rows = {name: _need(r0, name, where) for name in _EP_STRATEGIES}
+    names = list(_EP_STRATEGIES)
+    if _EP_PLANNED in r0:
+        names.insert(-1, _EP_PLANNED)
+    rows = {name: _need(r0, name, where) for name in names}
     even = _need(rows[_EP_EVEN], "step_s", f"{where}.{_EP_EVEN}")
     steps = []
     for name, row in rows.items():
@@ -1092,9 +1097,9 @@ def adapt_expert_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
         _EP_EVEN,
         "even",
         "hetcoll.model.predict.expert_parallel_schedule (replicated experts and the fast rank "
-        "alone: data_parallel_schedule) on this machine's device and gloo link measured in the "
-        "same run (hetcoll.lab.calibrate), each rank's layers with parameters slowed to its "
-        "emulated speed as slow_down slows them "
+        "alone: data_parallel_schedule; the plan: expert_plan_schedule) on this machine's "
+        "device and gloo link measured in the same run (hetcoll.lab.calibrate), each rank's "
+        "layers with parameters slowed to its emulated speed as slow_down slows them "
         "(hetcoll.lab.predict_emulated.slowed_by_parameters).",
     )
     speeds = ":".join(f"{s:g}" for s in r0.get("speeds", []))
@@ -1127,6 +1132,15 @@ def adapt_expert_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
                     "backward, SGD step); the strategies take turns step by step.",
                     "Replicated: every rank holds all 8 experts (plain data parallelism, twice "
                     "the experts' memory, no all-to-all).",
+                    *(
+                        [
+                            "Plan: the placement by speed as a `Plan` with `experts` (the "
+                            "planner's balanced expert-parallel candidate) run by `parallelize`: "
+                            "its gradients summed after the backward, not in DDP's buckets."
+                        ]
+                        if _EP_PLANNED in rows
+                        else []
+                    ),
                 ],
             },
             *predictions,

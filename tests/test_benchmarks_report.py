@@ -703,6 +703,19 @@ def test_expert_parallel_adapter_reads_the_scripts_json(tmp_path: Path) -> None:
     text = report.generate(tmp_path)
     first = "| experts by speed, rows by speed | 7:1 | 26:6 | 2:1 | 200.0 | 180.0 | 220.0 | 2.00x |"
     assert first in text
+    assert "rows by speed, plan" not in text and "Plan: the placement" not in text
+    # The placement as a plan (runs from before it lack it): a row of its own, before the
+    # fast rank alone, and its note.
+    planned = {**r0, "experts by speed, rows by speed, plan": row(0.25, [7, 1], [26, 6], 0.1)}
+    raw.write_text(json.dumps([planned]))
+    report.write_result(
+        tmp_path / "expert_parallel.json",
+        report.adapt_expert_parallel([raw], "python benches/bench_expert_parallel.py"),
+    )
+    text = report.generate(tmp_path)
+    plan_row = "| experts by speed, rows by speed, plan | 7:1 | 26:6 | 2:1 | 250.0 |"
+    assert plan_row in text and "Plan: the placement" in text
+    assert text.index(plan_row) < text.index("| unsplit, fast rank alone | 8:0")
     assert "| experts even, rows even | 400.0 | 200.0 | -50% | 1.00x | 1.00x |" in text
     # A run without predictions (--no-predict) has no predicted table.
     for name in report._EP_STRATEGIES:

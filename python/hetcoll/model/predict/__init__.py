@@ -78,7 +78,12 @@ from hetcoll.model.predict.pipelines import (
     pipeline,
     pipeline_stages,
 )
-from hetcoll.model.predict.plans import StagesSpec, predict_plan, predict_stages
+from hetcoll.model.predict.plans import (
+    StagesSpec,
+    expert_plan_schedule,
+    predict_plan,
+    predict_stages,
+)
 from hetcoll.model.predict.prediction import (
     DDP_BUCKET_BYTES,
     DDP_FIRST_BUCKET_BYTES,
@@ -145,6 +150,7 @@ __all__ = [
     "even_batch_shares",
     "expert_parallel",
     "expert_parallel_schedule",
+    "expert_plan_schedule",
     "filter_modes",
     "filter_parallel",
     "filter_parallel_schedule",

@@ -15,7 +15,7 @@ from hetcoll.model import terms
 from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster, Link
 from hetcoll.model.predict.classes import cluster_facts, node_link_ids, ring_link_of, unique_rows
-from hetcoll.model.predict.experts import expert_parallel_schedule
+from hetcoll.model.predict.experts import ExpertParallelSchedule, expert_parallel_schedule
 from hetcoll.model.predict.filters import time_balanced_shares
 from hetcoll.model.predict.layout import ReplicaLayout, StageLayout, plan_layout, stage_layout
 from hetcoll.model.predict.prediction import Prediction
@@ -311,15 +311,21 @@ def predict_plan(
     return pred
 
 
-def _experts_plan(
+def expert_plan_schedule(
     costs: ModelCosts,
     cluster: Cluster,
     plan: Plan,
-    optimizer_state_copies: int,
-    strategy: str,
-) -> Prediction:
-    """:func:`predict_plan` of a plan with ``experts``: the expert-parallel step on the plan's
-    ranks (the others idle), its gradients summed in one buffer after the backward."""
+    *,
+    optimizer_state_copies: int = 1,
+    strategy: str = "plan",
+) -> ExpertParallelSchedule:
+    """The step of a plan with ``experts`` laid out (:func:`predict_plan` times it): the
+    expert-parallel step (:func:`~hetcoll.model.predict.expert_parallel_schedule`) of the
+    plan's ranks, in increasing order (the others idle), each at its replica's samples, its
+    gradients summed in one buffer after the backward, as the runtime sums them. Replicas of
+    one stage and one micro-batch only: other shapes raise ``ValueError``."""
+    if plan.experts is None:
+        raise ValueError("plan: places no experts (its experts field is empty)")
     if plan.microbatches > 1 or len(plan.replicas[0].stages) > 1:
         raise ValueError(
             "plan: predict_plan prices expert parallelism over replicas of one stage and one "
@@ -332,17 +338,15 @@ def _experts_plan(
             f"plan: names rank {max(ranks)} but the cluster has {cluster.num_devices} devices"
         )
     order = sorted(range(len(ranks)), key=ranks.__getitem__)
-    keep = [ranks[i] for i in order]
     given = plan.experts
-    assert given is not None
     experts = (
         {path: [held[i] for i in order] for path, held in given.items()}
         if isinstance(given, Mapping)
         else [given[i] for i in order]
     )
-    pred = expert_parallel_schedule(
+    return expert_parallel_schedule(
         costs,
-        cluster.subset(keep),
+        cluster.subset(sorted(ranks)),
         [plan.replicas[i].samples for i in order],
         experts,
         overlap=False,
@@ -350,7 +354,22 @@ def _experts_plan(
         first_bucket_bytes=math.inf,
         bucket_bytes=math.inf,
         strategy=strategy,
+    )
+
+
+def _experts_plan(
+    costs: ModelCosts,
+    cluster: Cluster,
+    plan: Plan,
+    optimizer_state_copies: int,
+    strategy: str,
+) -> Prediction:
+    """:func:`predict_plan` of a plan with ``experts``: :func:`expert_plan_schedule` timed, on
+    the whole cluster's devices, then the loss's allreduce."""
+    pred = expert_plan_schedule(
+        costs, cluster, plan, optimizer_state_copies=optimizer_state_copies, strategy=strategy
     ).prediction()
+    keep = plan.ranks
     shares = [0] * cluster.num_devices
     memory = [0.0] * cluster.num_devices
     for j, d in enumerate(keep):
