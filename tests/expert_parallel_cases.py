@@ -151,11 +151,22 @@ def placed_shares(model: nn.Module) -> list[int]:
     return next(m.shares for m in model.modules() if isinstance(m, ExpertParallelExperts))
 
 
+def checkpointed(reentrant: bool = False) -> nn.Module:
+    """Mixtral under Hugging Face's gradient checkpointing: each block's forward, its experts'
+    exchanges included, runs again in the backward (``torch.utils.checkpoint``)."""
+    model = mixtral()
+    model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+    model.train()
+    return model
+
+
 def experts_placed(group: Any) -> dict[str, Any]:
     """Each model's experts per rank, having trained as one process: Mixtral by its eager loop
     and batched_mm, GPT-OSS's biased, transposed experts, Qwen2-MoE beside its shared expert,
     DeepSeek-V3 beside its latent attention, OLMoE; a rank too slow for an expert holding none;
-    a batch whose valid tokens are not its rows' share; grouped_mm in float32."""
+    a batch whose valid tokens are not its rows' share; Mixtral under gradient checkpointing
+    (every rank's recomputed forward exchanging again in the backward); grouped_mm in
+    float32."""
     p = wrap(group).size
     out: dict[str, Any] = {}
     # Hugging Face's routers take their softmax, and its norms their mean square, in float32
@@ -178,6 +189,7 @@ def experts_placed(group: Any) -> dict[str, Any]:
         held = [2, 1, 1, 0][:p] if p > 2 else [3, 1]
         out["every_rank"] = trains_as_one_process(group, mixtral, SPEEDS[:p], shares=held)
         out["padded"] = trains_as_one_process(group, mixtral, SPEEDS[:p], pad=True)
+        out["checkpointed"] = trains_as_one_process(group, checkpointed, SPEEDS[:p])
     with tolerance(1e-5):  # Hugging Face's default kernel, which has no float64
         grouped = lambda: mixtral("grouped_mm")  # noqa: E731
         out["grouped_mm"] = trains_as_one_process(group, grouped, SPEEDS[:p], dtype=torch.float32)
@@ -188,8 +200,9 @@ def placed_again_by_load(group: Any) -> dict[str, Any]:
     """Mixtral trained 2 steps with its experts placed by speed, SGD with momentum, counts
     the tokens routed to each expert as one process does (:func:`expert_loads`); placed
     again by those loads it trains a third step as one process still, its rows where they
-    were (:func:`place_experts`, in place: the same parameters, optimizer and DDP). Returns
-    the loads and both placements."""
+    were (:func:`place_experts`, in place: the same parameters, optimizer and DDP). Its
+    blocks are checkpointed (reentrant, Hugging Face's default): the forwards recomputed in
+    the backward are not counted again. Returns the loads and both placements."""
     comm = wrap(group)
     speeds = SPEEDS[: comm.size]
     torch.manual_seed(0)
@@ -203,7 +216,10 @@ def placed_again_by_load(group: Any) -> dict[str, Any]:
 
         return hook
 
-    model = expert_parallel(copy.deepcopy(ref), group, speeds=speeds)  # before the hooks
+    copied = copy.deepcopy(ref)  # before the hooks
+    copied.gradient_checkpointing_enable({"use_reentrant": True})
+    copied.train()
+    model = expert_parallel(copied, group, speeds=speeds)
     for name, m in ref.named_modules():
         if experts_module(m) == "":
             m.register_forward_pre_hook(count(name))

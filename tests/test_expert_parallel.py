@@ -32,7 +32,8 @@ def test_gloo_experts_placed_by_speed_train_as_one_process():
     """DDP with the weighted hook over 3 gloo ranks, rows 4 : 2 : 1 of each step's batch,
     experts 3 : 1 : 0 (and 2 : 1 : 1 given as shares): every model's gathered gradients and
     state equal one process's on the whole batch, and resume on another placement; measured
-    loads place the experts again, their momentum moved with them (expert_parallel_cases)."""
+    loads place the experts again, their momentum moved with them; gradient checkpointing
+    recomputes the exchanges and counts no token twice (expert_parallel_cases)."""
     results = launch.spawn(cases.run_torch, 3, timeout=300)
     # What each rank raised: a forward's disagreements on every rank alike; placements that
     # differ, or a rank's own bad argument, agreed on before any other exchange.
@@ -61,6 +62,7 @@ def test_gloo_experts_placed_by_speed_train_as_one_process():
     }
     assert results[0] == {
         **{m: PLACED for m in models}, "padded": PLACED, "grouped_mm": PLACED,
+        "checkpointed": PLACED,
         "every_rank": [2, 1, 1],
         "again": again,
     }  # fmt: skip

@@ -305,7 +305,7 @@ class ExpertParallelExperts(ChannelSplit):
         clamped = flat.clamp(0, experts - 1)  # in range: bad indices raise after the exchange
         order = torch.argsort(clamped, stable=True)
         per_expert = torch.bincount(clamped, minlength=experts).cpu()
-        if not bad:
+        if not bad and not _recomputing():
             self.routed += per_expert
 
         # One exchange of counts: each rank's rows for each of its experts (so the rows need
@@ -386,6 +386,13 @@ class ExpertParallelExperts(ChannelSplit):
             f"{inner + ', ' if inner else ''}experts={self.offset}..{end} of "
             f"{self.all_experts}, shares={self.shares}, rank={self.rank}"
         )
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside a backward pass: gradient checkpointing recomputing
+    it (``torch.utils.checkpoint``, reentrant or not), whose tokens the first forward counted.
+    torch's own checkpoint asks the autograd engine the same way."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def _weight_of(weight: Weight | None, tokens: int) -> float:
