@@ -88,29 +88,8 @@ def lm_example() -> Any:
 
 
 def make_model(arch: str, vocab: int) -> nn.Module:
-    """The example's decoder (``arch`` llama or gpt2), or Mixtral in its shape."""
-    ex = lm_example()
-    if arch != "mixtral":
-        return ex.make_model(arch, vocab=vocab)  # type: ignore[no-any-return]
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    config = MixtralConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        max_position_embeddings=ex.SEQ,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-        **ex.EAGER,
-    )
-    return MixtralForCausalLM(config)
+    """The example's decoder (``arch`` llama, gpt2 or mixtral: its mixture of experts)."""
+    return lm_example().make_model(arch, vocab=vocab)  # type: ignore[no-any-return]
 
 
 def fast_rank_alone(model: nn.Module, ids: torch.Tensor, rank: int, speed: float) -> Any:

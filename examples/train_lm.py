@@ -4,13 +4,15 @@ standard library's own source, read as bytes.
     python examples/train_lm.py                                         # one process
     torchrun --standalone --nproc-per-node 3 examples/train_lm.py --emulate 1,0.5,0.25
     mpiexec -n 3 python examples/train_lm.py --mpi --emulate 1,0.5,0.25
-    hetcoll plan --model examples.train_lm:make_model --input 64 --dtype int64 \\
-        --loss cross-entropy \\
+    hetcoll plan --model examples.train_lm:make_model --dtype int64 \\
+        --input input_ids=64,attention_mask=64 --loss cross-entropy \\
         --cluster my_cluster.toml --batch 16 --out plan.json              # the planner's plan
     torchrun --standalone --nproc-per-node 3 examples/train_lm.py --plan plan.json
 
 The model is Hugging Face's Llama (grouped-query attention, rotary embeddings) built from a
-config, or GPT-2 (``--arch gpt2``), byte-level (vocabulary 256). A plan (``hetcoll.Plan``,
+config, Mixtral (``--arch mixtral``: Llama's layout, each MLP a mixture of 8 experts, whose
+plans may place whole experts on the replicas' ranks: the plan's ``experts``) or GPT-2
+(``--arch gpt2``), byte-level (vocabulary 256). A plan (``hetcoll.Plan``,
 JSON) says which ranks run which of its blocks (``hetcoll.torch.layers.model_layers``:
 ``model.embed_tokens, model.rotary_emb, model.layers.0 ..``) on how many samples of every global
 batch; without ``--plan`` the ranks form one pipeline, its stages cut between decoder layers.
@@ -67,13 +69,18 @@ def make_model(
     intermediate: int = 176,
     positions: int = SEQ,
     vocab: int = VOCAB,
+    experts: int = 8,
+    experts_implementation: str = "grouped_mm",
 ) -> nn.Module:
     """A small byte-level decoder built from a config (no download): ``layers`` decoder layers
     of width ``hidden`` with ``heads`` attention heads, for sequences of up to ``positions``
     tokens. Llama's attention shares its keys and values among ``kv_heads`` groups and its MLP is
-    ``intermediate`` wide; GPT-2's MLP is 4 ``hidden`` wide (``kv_heads`` and ``intermediate``
-    are Llama's only); ``vocab`` token ids (a benchmark's larger vocabulary; the example's
-    text is bytes). The defaults are this example's model."""
+    ``intermediate`` wide; Mixtral's is Llama's with each MLP a mixture of ``experts`` experts
+    of that width, 2 per token, run by ``experts_implementation`` (Hugging Face's default,
+    ``grouped_mm``, has no float64: ``batched_mm`` has); GPT-2's MLP is
+    4 ``hidden`` wide (``kv_heads``, ``intermediate`` and ``experts`` are Llama's and
+    Mixtral's only); ``vocab`` token ids (a benchmark's larger vocabulary; the example's text
+    is bytes). The defaults are this example's model."""
     if arch == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -93,8 +100,30 @@ def make_model(
                 **EAGER,
             )
         )
+    if arch == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        return MixtralForCausalLM(
+            MixtralConfig(
+                vocab_size=vocab,
+                hidden_size=hidden,
+                intermediate_size=intermediate,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=kv_heads,
+                num_local_experts=experts,
+                num_experts_per_tok=2,
+                experts_implementation=experts_implementation,
+                max_position_embeddings=positions,
+                use_cache=False,
+                bos_token_id=0,
+                eos_token_id=0,
+                pad_token_id=0,
+                **EAGER,
+            )
+        )
     if arch != "llama":
-        raise ValueError(f"arch: 'llama' or 'gpt2', got {arch!r}")
+        raise ValueError(f"arch: 'llama', 'mixtral' or 'gpt2', got {arch!r}")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM(
@@ -113,6 +142,12 @@ def make_model(
             **EAGER,
         )
     )
+
+
+def make_mixtral() -> nn.Module:
+    """The example's mixture of experts (``--arch mixtral``), for ``hetcoll plan --model
+    train_lm:make_mixtral``: the planner proposes its experts placed on the ranks."""
+    return make_model("mixtral")
 
 
 def corpus() -> torch.Tensor:
@@ -188,7 +223,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(hetcoll.num_threads())  # the node's cores shared among its ranks
     dtype = torch.float64 if args.float64 else torch.float32
     torch.manual_seed(args.seed)
-    net = make_model(args.arch).to(job.device, dtype)
+    # Mixtral's default experts kernel (grouped_mm) has no float64; batched_mm computes the same.
+    kernel = "batched_mm" if args.float64 else "grouped_mm"
+    net = make_model(args.arch, experts_implementation=kernel).to(job.device, dtype)
     plan = (
         Plan.load(args.plan)
         if args.plan
@@ -251,7 +288,7 @@ def progress(job: Job, steps: int, quiet: bool) -> Any:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--plan", help="a plan file (hetcoll plan ... --out); default: one pipeline")
-    p.add_argument("--arch", default="llama", choices=("llama", "gpt2"))
+    p.add_argument("--arch", default="llama", choices=("llama", "mixtral", "gpt2"))
     p.add_argument("--mpi", action="store_true", help="run on MPI (under mpiexec)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=16, help="global batch without --plan")

@@ -95,6 +95,11 @@ RUN_ERRORS = [
     (("demo", "--out", "/proc/no/such/dir"), "demo", ("out", "/proc/no/such/dir")),
     ((*PLAN[:3], "--input", f"3x{2**40}x{2**40}", *PLAN[5:], "--batch", "8"), "plan", ("input",)),
     (
+        ("model", "costs", "--model", "cnn", "--input", "x=3x8x8,x=3x8x8"),
+        "model costs",
+        ("--input", "keyword inputs", "each name once"),
+    ),
+    (
         ("plan", "--model", "os:system", *PLAN[3:], "--batch", "8"),
         "plan",
         ("os:system", "nn.Module"),
@@ -194,6 +199,26 @@ def test_module_attr_finds_the_working_directory_like_python_m(tmp_path: Path) -
     )
     assert run.returncode == 0, run.stderr
     assert [row["params"] for row in json.loads(run.stdout)["layers"]] == [0, 39]
+
+
+def test_keyword_inputs_reach_the_forward_by_name(tmp_path: Path) -> None:
+    """``--input NAME=SHAPE,...`` calls the forward with keyword inputs (as a Hugging Face
+    model takes ``input_ids`` and ``attention_mask``)."""
+    (tmp_path / "kw_models.py").write_text(
+        "import torch\nfrom torch import nn\n\n\nclass Pair(nn.Module):\n"
+        "    def __init__(self) -> None:\n"
+        "        super().__init__()\n"
+        "        self.a = nn.Linear(4, 3)\n"
+        "        self.b = nn.Linear(2, 3)\n\n"
+        "    def forward(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:\n"
+        "        return self.a(left) + self.b(right)\n"
+    )
+    argv = ("model", "costs", "--model", "kw_models:Pair", "--input", "right=2, left=4")
+    run = hetcoll(*argv, "--json", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    costs = json.loads(run.stdout)
+    assert sorted(row["params"] for row in costs["layers"] if row["params"]) == [9, 15]
+    assert {x["name"]: x["shape"] for x in costs["inputs"]} == {"right": [2], "left": [4]}
 
 
 # ------------------------------------------------------------------------- cluster files

@@ -158,7 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OverflowError) as e:
         # One line: the first of the message (torch's own messages add a C++ stack after it).
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        parser.exit(2, f"hetcoll {args.command}: error: {first}\n")
+        # The command as typed: `hetcoll model costs`, as argparse names it for a bad flag.
+        command = " ".join(
+            filter(None, (args.command, getattr(args, f"{args.command}_command", None)))
+        )
+        parser.exit(2, f"hetcoll {command}: error: {first}\n")
 
 
 if __name__ == "__main__":

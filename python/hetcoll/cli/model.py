@@ -41,15 +41,35 @@ def shares_text(shares: list[int], limit: int = 16) -> str:
 def _costs(args: argparse.Namespace, **kwargs: Any) -> Any:
     """The layer costs of ``--model`` on samples of ``--input``, the model built on the meta
     device: shapes only, so a model too large for this machine's memory is costed, not built."""
-    from hetcoll.model import layer_costs, parse_shape
+    from hetcoll.model import layer_costs
 
     return layer_costs(
         build_model(args),
-        parse_shape(args.input),
+        input_spec(args),
         dtype=input_dtype(args),
         loss=input_loss(args),
         **kwargs,
     )
+
+
+def input_spec(args: argparse.Namespace) -> Any:
+    """``--input`` as ``layer_costs``' ``inputs``: one sample's shape (the forward's one
+    positional input), or ``NAME=SHAPE,NAME=SHAPE`` keyword inputs (``{name: shape}``)."""
+    from hetcoll.model import parse_shape
+
+    text = args.input
+    if "=" not in text:
+        return parse_shape(text)
+    out = {}
+    for part in text.split(","):
+        name, sep, shape = (x.strip() for x in part.partition("="))
+        if not sep or not name.isidentifier() or name in out:
+            raise ValueError(
+                "--input: keyword inputs are NAME=SHAPE pairs, comma-separated, each name "
+                f"once (input_ids=512,attention_mask=512), got {text!r}"
+            )
+        out[name] = parse_shape(shape)
+    return out
 
 
 def input_dtype(args: argparse.Namespace) -> Any:
@@ -62,9 +82,10 @@ def input_dtype(args: argparse.Namespace) -> Any:
 def build_model(args: argparse.Namespace) -> Any:
     """``--model`` built on the meta device (shapes only: a model too large for this machine's
     memory is costed, not built)."""
-    from hetcoll.model import networks, parse_shape
+    from hetcoll.model import networks
 
-    shape = parse_shape(args.input)
+    spec = input_spec(args)
+    shape = next(iter(spec.values())) if isinstance(spec, dict) else spec
     if ":" in args.model and "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # module:attr finds the working directory's modules,
         # as `python -m` does (the `hetcoll` script's own directory comes first otherwise)
@@ -79,7 +100,11 @@ MODEL_HELP = (
 )
 INPUT_HELP = (
     "the shape of one sample, without the batch: e.g. 3x32x32 (an image, channels first) or "
-    "512 (a sequence of 512 token ids, with --dtype int64)"
+    "512 (a sequence of 512 token ids, with --dtype int64); or the forward's keyword inputs, "
+    "NAME=SHAPE,...: input_ids=512,attention_mask=512 (a Hugging Face language model given "
+    "its attention mask is costed on the meta device in a second; given token ids alone, its "
+    "mask code reads their values, and the costs are counted on the CPU, a real run of a "
+    "thousand samples)"
 )
 #: The dtypes ``--dtype`` offers (torch's names).
 INPUT_DTYPES = ("float32", "float64", "bfloat16", "float16", "int64", "int32")

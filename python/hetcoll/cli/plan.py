@@ -21,18 +21,19 @@ from hetcoll.cli.model import (
     fmt_s,
     input_dtype,
     input_loss,
+    input_spec,
     shares_text,
 )
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    from hetcoll.model import layer_costs, load_cluster, parse_shape
+    from hetcoll.model import layer_costs, load_cluster
 
     cluster = load_cluster(args.cluster)  # first: a bad file fails before the model is costed
     model = build_model(args)
     costs = layer_costs(
         model,
-        parse_shape(args.input),
+        input_spec(args),
         dtype=input_dtype(args),
         loss=input_loss(args),
         conv_algorithm=args.conv_algorithm,
@@ -54,7 +55,7 @@ def _ranks_text(ranks: list[int]) -> str:
 
 def _plan_text(plan: Any) -> str:
     """A plan on one line: runs of one-rank whole-model replicas, then each other replica's
-    samples and its stages' ranks and layers."""
+    samples and its stages' ranks and layers, then how its experts are placed."""
     parts: list[str] = []
     ranks: list[int] = []
     samples: list[int] = []
@@ -79,6 +80,11 @@ def _plan_text(plan: Any) -> str:
         parts.append(f"{r.samples} samples through [{stages}]")
     flush()
     head = f"{plan.microbatches} micro-batches {plan.schedule}; " if plan.microbatches > 1 else ""
+    if plan.experts is not None:  # whole experts per replica, in replica order
+        per_layer = plan.experts.values() if isinstance(plan.experts, dict) else [plan.experts]
+        placed = sorted({":".join(map(str, held)) for held in per_layer})
+        which = "each experts layer" if len(placed) == 1 else "the experts layers"
+        parts.append(f"experts per replica {', '.join(placed)} ({which})")
     return head + "; ".join(parts)
 
 
