@@ -94,7 +94,8 @@ def planned(group: Any) -> dict[str, Any]:
     from hetcoll.lab.validate import validation_cluster
     from hetcoll.model import Device, Link, layer_costs, plan
 
-    costs = layer_costs(tc.mixtral("grouped_mm"), (tc.SEQ,), dtype=torch.int64)
+    tokens = {"input_ids": (tc.SEQ,), "attention_mask": (tc.SEQ,)}  # as the batches hold them
+    costs = layer_costs(tc.mixtral("grouped_mm"), tokens, dtype=torch.int64)
     devices = [Device(f"d{i}", f, f, 8e9) for i, f in enumerate((2e10, 1e10, 1e10, 1e10))]
     cluster = validation_cluster(devices, Link("link", 1e-4, 1e9))
     found = {p.strategy: p for p in plan(costs, cluster, 8, subsets=False)}

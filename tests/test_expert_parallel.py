@@ -178,9 +178,9 @@ def test_expert_parallel_names_bad_arguments_before_any_collective():
 def _costs(make=tp.mixtral):
     from hetcoll.model import layer_costs
 
-    return layer_costs(
-        make("grouped_mm") if make is tp.mixtral else make(), (7,), dtype=torch.int64
-    )
+    model = make("grouped_mm") if make is tp.mixtral else make()
+    # With the attention mask, as the models run: costed on the meta device (no CPU run).
+    return layer_costs(model, {"input_ids": (7,), "attention_mask": (7,)}, dtype=torch.int64)
 
 
 def _cluster(*flops: float, latency: float = 1e-4, bandwidth: float = 1e9):

@@ -104,7 +104,9 @@ def _costs(make=tc.mixtral):
     from hetcoll.model import layer_costs
 
     model = make("grouped_mm") if make is tc.mixtral else make()
-    return layer_costs(model, (tc.SEQ,), dtype=torch.int64)
+    # The forward's inputs as parallelize gives them (with the mask: costed on the meta device).
+    tokens = {"input_ids": (tc.SEQ,), "attention_mask": (tc.SEQ,)}
+    return layer_costs(model, tokens, dtype=torch.int64)
 
 
 def _cluster(*flops: float, memory: float = 8e9):

@@ -5,6 +5,7 @@ formula describes, made from its counts."""
 from __future__ import annotations
 
 import bisect
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -406,7 +407,22 @@ def _trace(
     that batch's activations in memory."""
     try:
         return _count(model, inputs, batch, torch.device("meta"), loss)
-    except _NeedsValues:
+    except _NeedsValues as e:
+        cause = str(e.__cause__).splitlines()[0] if e.__cause__ is not None else "values"
+        named = {x.name for x in inputs}
+        hint = (
+            " (a Hugging Face model given its attention_mask among the inputs runs there: "
+            '{"input_ids": ..., "attention_mask": ...}, or --input '
+            "input_ids=N,attention_mask=N)"
+            if "attention_mask" not in named
+            else ""
+        )
+        warnings.warn(
+            f"layer_costs: {type(model).__name__}'s forward does not run on the meta device "
+            f"({cause}){hint}; counted by a real run of {batch} samples on the CPU instead, "
+            "which is slow for a large model and must fit in this machine's memory",
+            stacklevel=3,
+        )
         return _count(model, inputs, batch, torch.device("cpu"), loss)
 
 
