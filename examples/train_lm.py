@@ -100,48 +100,33 @@ def make_model(
                 **EAGER,
             )
         )
-    if arch == "mixtral":
-        from transformers import MixtralConfig, MixtralForCausalLM
-
-        return MixtralForCausalLM(
-            MixtralConfig(
-                vocab_size=vocab,
-                hidden_size=hidden,
-                intermediate_size=intermediate,
-                num_hidden_layers=layers,
-                num_attention_heads=heads,
-                num_key_value_heads=kv_heads,
-                num_local_experts=experts,
-                num_experts_per_tok=2,
-                experts_implementation=experts_implementation,
-                max_position_embeddings=positions,
-                use_cache=False,
-                bos_token_id=0,
-                eos_token_id=0,
-                pad_token_id=0,
-                **EAGER,
-            )
-        )
-    if arch != "llama":
+    if arch not in ("llama", "mixtral"):
         raise ValueError(f"arch: 'llama', 'mixtral' or 'gpt2', got {arch!r}")
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=intermediate,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            max_position_embeddings=positions,
-            use_cache=False,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-            **EAGER,
-        )
-    )
+    # Mixtral is Llama's layout with each MLP a mixture of experts.
+    llama: dict[str, Any] = {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": positions,
+        "use_cache": False,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "pad_token_id": 0,
+        **EAGER,
+    }
+    if arch == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama))
+    mixture: dict[str, Any] = {
+        "num_local_experts": experts,
+        "num_experts_per_tok": 2,
+        "experts_implementation": experts_implementation,
+    }
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**llama, **mixture))
 
 
 def make_mixtral() -> nn.Module:
