@@ -879,7 +879,10 @@ def parallelize(
     gradients summed, as a head tied to its embedding is). A stage with several ranks splits
     its Conv2d / Linear channels among them with :func:`hetcoll.torch.filter_parallel` (by its
     ``speeds``, or its ``shares``), or, given ``owners``, keeps each rank's own channels
-    (:mod:`hetcoll.torch.placement`).
+    (:mod:`hetcoll.torch.placement`). With the plan's ``experts``, each mixture-of-experts
+    layer holds, on each replica's rank of its stage, the whole experts the plan gives that
+    replica, and sends every routed token to its expert's replica and back
+    (:func:`hetcoll.torch.expert_parallel`'s layer, the replicas' losses weighing the rows).
 
     >>> plan = Plan.load("plan.json")  # doctest: +SKIP
     >>> par = parallelize(net, plan, loss_fn=nn.CrossEntropyLoss())  # doctest: +SKIP
