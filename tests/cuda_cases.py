@@ -338,7 +338,9 @@ def lm_plans_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, int]
     SGD-momentum
     steps equal one process on the CPU: float64 to 1e-10 (Llama 1e-6: its rotary embedding
     computes in float32). Mixtral (a mixture of experts, eager) on that 3-rank stage too:
-    each rank learns its experts' output shape from a copy of them run on its own device."""
+    each rank learns its experts' output shape from a copy of them run on its own device; and
+    with its experts placed whole on the replicas' ranks (plans with ``experts``: 3 replicas,
+    then 2 pipelines of 2 stages), float64 to 1e-10."""
     import transformer_cases as lm
 
     from hetcoll.torch.layers import model_layers
@@ -365,7 +367,13 @@ def lm_plans_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, int]
             done += 1
     n = len(model_layers(lm.mixtral()))
     lm.equals_one_process(None, lm.mixtral, Plan.from_dict(lm.split_three(n)), tol=1e-6, device=dev)
-    return {"plans": done + 1}
+    # Its experts placed whole on the replicas' ranks (the plan's experts): the GPU rank holds
+    # most, the tokens to and from it staged through host memory.
+    import plan_experts_cases as experts
+
+    for spec in (experts.BY_SPEED, experts.PIPELINES):
+        lm.equals_one_process(None, lm.mixtral, Plan.from_dict(spec), device=dev)
+    return {"plans": done + 3}
 
 
 def experts_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, object]:
