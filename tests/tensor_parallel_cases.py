@@ -571,10 +571,12 @@ def equals_unsplit(
     steps: int = 3,
     speeds: list[float] | None = None,
     empty: bool | None = None,
-) -> dict[str, str]:
-    """Train the split and the unsplit model side by side; return the split's modes. With
-    ``speeds`` (default: :data:`SPEEDS`), split with ``empty_blocks=True`` (or ``empty``), so
-    a slow rank may hold none of a block's heads or units."""
+) -> nn.Module:
+    """Train the split and the unsplit model side by side; return the split (its
+    :func:`modes`, its shares, and the traffic it counts for itself are read from it: a second
+    split at the same speeds would only repeat the analysis). With ``speeds`` (default:
+    :data:`SPEEDS`), split with ``empty_blocks=True`` (or ``empty``), so a slow rank may hold
+    none of a block's heads or units."""
     p = wrap(group).size
     empty = speeds is not None if empty is None else empty
     speeds = SPEEDS[:p] if speeds is None else speeds
@@ -624,7 +626,7 @@ def equals_unsplit(
     opt_ref.step()
     opt_other.step()
     same_state(other, ref, "resumed step")
-    return modes(split)
+    return split
 
 
 def gqa_heads_by_shares(group: Any) -> list[int]:
@@ -684,10 +686,8 @@ def empty_blocks(group: Any) -> dict[str, list[int]]:
         ("t5", T5LM),
     )
     for name, make in models:
-        equals_unsplit(group, make, "adam", steps=2, speeds=speeds)
-        traffic(group, make, 24, speeds)
-        torch.manual_seed(0)
-        split = split_copy(make(), group, speeds, empty_blocks=True)
+        split = equals_unsplit(group, make, "adam", steps=2, speeds=speeds)
+        traffic(group, make, 24, speeds, own=split)
         first = next(
             m for m in split.modules() if isinstance(m, FilterParallelLayer) and m.mode != "gather"
         )
@@ -746,9 +746,7 @@ def experts(group: Any) -> dict[str, Any]:
     }
     for name, (make, optimizer, tol) in models.items():
         with tolerance(tol):  # the router's softmax runs in float32
-            equals_unsplit(group, make, optimizer, steps=2)
-        torch.manual_seed(0)
-        split = split_copy(make().double(), group, SPEEDS[:p])
+            split = equals_unsplit(group, make, optimizer, steps=2)
         out[name] = sorted(
             {tuple(m.shares) for m in split.modules() if isinstance(m, FilterParallelExperts)}
         )
@@ -757,9 +755,7 @@ def experts(group: Any) -> dict[str, Any]:
     v2_lite = lambda: deepseek_v3(q_lora=None)  # noqa: E731
     slow = [1.0, 0.5, 0.05][:p]
     with tolerance(1e-6):
-        equals_unsplit(group, v2_lite, "sgd", steps=2, speeds=slow, empty=True)
-    torch.manual_seed(0)
-    split = split_copy(v2_lite().double(), group, slow, empty_blocks=True)
+        split = equals_unsplit(group, v2_lite, "sgd", steps=2, speeds=slow, empty=True)
     out["latent_heads"] = list(split.get_submodule("model.layers.1.self_attn.o_proj").shares)
     torch.manual_seed(0)
     ref = mixtral("grouped_mm")
@@ -836,6 +832,7 @@ def traffic(
     hidden: int,
     speeds: list[float] | None = None,
     empty: bool | None = None,
+    own: nn.Module | None = None,
 ) -> dict[str, int]:
     """Bytes per kind of one forward and backward: two reductions of batch x sequence x
     hidden per block forward (attention, MLP) and two backward (their inputs' gradients; a
@@ -844,7 +841,9 @@ def traffic(
     besides, a layer left in gather mode (Llama's untied head) gathers its logits forward and
     reduces its input's gradient backward. With ``speeds`` (``empty_blocks=True``), a block
     held by one rank alone broadcasts from it instead: it sends the buffer to each other rank,
-    which send nothing (``empty`` overrides it)."""
+    which send nothing (``empty`` overrides it). ``own``: a split of ``make()`` at the same
+    speeds made without a counter (:func:`equals_unsplit`'s, trained already: what it moves
+    does not depend on its values), whose own count must agree; default: a new one."""
     p = wrap(group).size
     empty = speeds is not None if empty is None else empty
     speeds = SPEEDS[:p] if speeds is None else speeds
@@ -911,8 +910,9 @@ def traffic(
     assert counts["gradients"] == blocks + gathers * reduction + cross + tables, (counts, blocks)
     # A split made without a counter counts for itself: split_traffic reports the last
     # forward and backward (each forward starts the count again; checkpoints are not counted).
-    torch.manual_seed(0)
-    own = filter_parallel(make().double(), group=group, speeds=speeds, empty_blocks=empty)
+    if own is None:
+        torch.manual_seed(0)
+        own = filter_parallel(make().double(), group=group, speeds=speeds, empty_blocks=empty)
     for _ in range(2):
         _, loss = loss_of(own, ids)
         loss.backward()
@@ -1174,11 +1174,12 @@ def run_all(group: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, make in (("llama", llama), ("gpt2", gpt2), ("encoder", EncoderLM)):
         for optimizer in ("sgd", "adam"):
-            got = equals_unsplit(group, make, optimizer)
+            split = equals_unsplit(group, make, optimizer)
+        got = modes(split)
         gathers = sorted(n for n, m in got.items() if m == "gather")
         out[f"{name}_gathers"] = gathers
         out[f"{name}_split"] = sum(m != "gather" for m in got.values())
-        traffic(group, make, 24)
+        traffic(group, make, 24, own=split)
     packed = lambda: old_style_lm(packed=True)  # noqa: E731 - head by head, as BLOOM's
     for name, make in (
         ("qwen3", qwen3),
@@ -1196,19 +1197,19 @@ def run_all(group: Any) -> dict[str, Any]:
         ("t5", T5LM),
         ("bigcode", bigcode),
     ):
-        got = equals_unsplit(group, make, "adam", steps=2)
+        got = modes(equals_unsplit(group, make, "adam", steps=2))
         out[f"{name}_gathers"] = sorted(n for n, m in got.items() if m == "gather")
         out[f"{name}_split"] = sum(m != "gather" for m in got.values())
     gqa_speeds = GQA_SPEEDS[: wrap(group).size]
+    gqa = {}
     for name, make in (("llama_gqa", llama_gqa), ("qwen2", qwen2)):
-        got = equals_unsplit(group, make, "adam", steps=2, speeds=gqa_speeds, empty=False)
+        gqa[name] = equals_unsplit(group, make, "adam", steps=2, speeds=gqa_speeds, empty=False)
+        got = modes(gqa[name])
         out[f"{name}_gathers"] = sorted(n for n, m in got.items() if m == "gather")
         out[f"{name}_split"] = sum(m != "gather" for m in got.values())
-        torch.manual_seed(0)
-        gqa = split_copy(make(), group, gqa_speeds)
-        q_proj = gqa.get_submodule("model.layers.0.self_attn.q_proj")
+        q_proj = gqa[name].get_submodule("model.layers.0.self_attn.q_proj")
         out[f"{name}_heads"] = list(q_proj.shares)
-    traffic(group, llama_gqa, 24, gqa_speeds, empty=False)
+    traffic(group, llama_gqa, 24, gqa_speeds, empty=False, own=gqa["llama_gqa"])
     out["llama_gqa_empty"] = gqa_heads_by_shares(group)
     out["empty_blocks"] = empty_blocks(group)
     out["time_balanced"] = time_balanced(group)
@@ -1219,21 +1220,13 @@ def run_all(group: Any) -> dict[str, Any]:
     return out
 
 
-def run_torch(rank: int, world: int) -> dict[str, Any]:
+def run_parts(rank: int, world: int, parts: tuple[str, ...]) -> dict[str, Any]:
+    """Several parts in one gloo job, each rank's result of each by name: ``"all"``
+    (:func:`run_all`), ``"experts"`` (:func:`experts`), ``"empty"`` (:func:`empty_blocks`
+    alone: on 4 ranks, where Llama's 3 key/value groups need a rank that holds none). One job
+    for the parts of one rank count, as each rank's imports (torch, transformers) take
+    seconds."""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*bos_token_id|.*eos_token_id")
-    return run_all(None)
-
-
-def run_torch_experts(rank: int, world: int) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", message=".*bos_token_id|.*eos_token_id")
-    return experts(None)
-
-
-def run_torch_empty(rank: int, world: int) -> dict[str, list[int]]:
-    """:func:`empty_blocks` alone: on 4 ranks, where Llama's 3 key/value groups need a rank
-    that holds none."""
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", message=".*bos_token_id|.*eos_token_id")
-    return empty_blocks(None)
+    run = {"all": run_all, "experts": experts, "empty": empty_blocks}
+    return {part: run[part](None) for part in parts}

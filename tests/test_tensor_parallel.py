@@ -21,11 +21,31 @@ from hetcoll.torch.filters import filter_shares
 
 pytest.importorskip("transformers")
 
+#: What the gloo job of each rank count runs (tests/tensor_parallel_cases.py's run_parts): one
+#: job per rank count, as each rank's imports (torch, transformers) take seconds; the 3-rank
+#: job runs the mixtures of experts beside the rest.
+PARTS = {2: ("all",), 3: ("all", "experts"), 4: ("empty",)}
+_jobs: dict[int, list[dict[str, Any]] | launch.RankFailed] = {}
+
+
+def _gloo(p: int, part: str) -> list[Any]:
+    """Each rank's result of ``part`` in the gloo job of ``p`` ranks, run by the first test
+    that reads it (a failed job fails each test that reads it, with its ranks' errors)."""
+    if p not in _jobs:
+        try:
+            _jobs[p] = launch.spawn(cases.run_parts, p, PARTS[p], timeout=400)
+        except launch.RankFailed as e:
+            _jobs[p] = e
+    job = _jobs[p]
+    if isinstance(job, launch.RankFailed):
+        raise launch.RankFailed(f"the {p}-rank gloo job ({', '.join(PARTS[p])}) failed") from job
+    return [r[part] for r in job]
+
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("p", [2, 3])
 def test_gloo_transformers_split_by_heads_equal_unsplit(p):
-    results = launch.spawn(cases.run_torch, p, timeout=300)
+    results = _gloo(p, "all")
     assert all(r == results[0] for r in results)
     r = results[0]
     # Every block layer is split and paired; only Llama's untied head gathers (its logits).
@@ -102,7 +122,7 @@ def test_gloo_four_ranks_where_one_holds_no_heads():
     # Speeds 1 : 0.1 : 0.5 : 0.75 (hetcoll.split, least finishing time): Llama's 3 key/value
     # groups go 2 : 0 : 0 : 1, two ranks holding none; 6 heads go 3 : 0 : 1 : 2. Several ranks
     # hold each block, so its sums are reductions.
-    results = launch.spawn(cases.run_torch_empty, 4, timeout=300)
+    results = _gloo(4, "empty")
     # Multi-query attention splits its 6 query heads as GPT-2's.
     want = {"llama": [2, 0, 0, 1], "llama_cached": [2, 0, 0, 1], "gpt2": [3, 0, 1, 2]}
     heads = {k: [3, 0, 1, 2] for k in ("llama_mqa", "falcon", "encoder", "old", "neox", "t5")}
@@ -155,7 +175,7 @@ def test_an_attention_it_does_not_know_is_named_in_a_warning():
 
 @pytest.mark.multiproc
 def test_gloo_mixtures_of_experts_split_by_hidden_units_equal_unsplit():
-    results = launch.spawn(cases.run_torch_experts, 3, timeout=300)
+    results = _gloo(3, "experts")
     assert all(r == results[0] for r in results)
     # Speeds 1 : 0.5 : 0.25 over 5 steps of 8 hidden units (Mixtral's 40), 4 (32): every
     # block's experts alike. DeepSeek-V3's latent attention splits by heads (no warning).
