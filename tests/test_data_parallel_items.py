@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hetcoll.launch import spawn
+from hetcoll.launch import RankFailed, spawn
 from hetcoll.torch import (
     WeightedAllreduceState,
     item_weights,
@@ -59,6 +59,35 @@ def _train(rank, world, name, algorithm, weigh):
     return [p.detach().clone() for p in ddp.parameters()], seen
 
 
+def _train_all(rank, world, runs):
+    """Every run of ``runs`` ((name, algorithm, weigh) each), one after another."""
+    return [_train(rank, world, *run) for run in runs]
+
+
+#: The language-model runs on each number of ranks, (name, algorithm, weigh): one gloo job per
+#: number of ranks runs them all (each rank's imports of torch and transformers take seconds).
+RUNS = {
+    3: [("gpt2", "direct", "items"), ("encoder", "allreduce", "items"), ("gpt2", "auto", "rows")],
+    2: [("gpt2", "allreduce", "state"), ("encoder", "auto", "state")],
+}
+_jobs: dict[int, list | RankFailed] = {}
+
+
+def _trained(world, name, algorithm, weigh):
+    """Each rank's result of one run of :data:`RUNS`, from the job of ``world`` ranks, run by
+    the first test that reads it (a failed job fails each test that reads it)."""
+    if world not in _jobs:
+        try:
+            _jobs[world] = spawn(_train_all, world, RUNS[world], timeout=300)
+        except RankFailed as e:
+            _jobs[world] = e
+    job = _jobs[world]
+    if isinstance(job, RankFailed):
+        raise RankFailed(f"the {world}-rank gloo job of {RUNS[world]} failed") from job
+    k = RUNS[world].index((name, algorithm, weigh))
+    return [per_rank[k] for per_rank in job]
+
+
 @pytest.mark.parametrize(
     ("name", "world", "algorithm", "weigh"),
     [
@@ -75,7 +104,7 @@ def test_items_weighted_hook_equals_one_process_on_a_padded_lm(name, world, algo
     per_rank = [[items(y[rank_rows(world, r)]) for r in range(world)] for _, y in batches]
     assert per_rank[1][-1] == 0 and all(len(set(counts)) == world for counts in per_rank[::2])
     want = reference(name, world)
-    for rank, (params, seen) in enumerate(spawn(_train, world, name, algorithm, weigh)):
+    for rank, (params, seen) in enumerate(_trained(world, name, algorithm, weigh)):
         assert rel_err(params, want) <= 1e-10, rank
         assert seen == [(c[rank], sum(c)) for c in per_rank]
 
@@ -84,7 +113,7 @@ def test_rows_weighting_is_measurably_wrong_on_a_padded_lm():
     """The same run weighted by rows (the default): not the one process's model. What the items
     test above checks could fail."""
     world = 3
-    results = spawn(_train, world, "gpt2", "auto", "rows")
+    results = _trained(world, "gpt2", "auto", "rows")
     params = results[0][0]
     assert all(rel_err(p, params) == 0 for p, _ in results)  # the ranks agree with each other
     assert not rel_err(params, reference("gpt2", world)) <= 1e-3
