@@ -58,14 +58,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hetcoll
 import hetcoll.torch
-from hetcoll import Plan, launch
+from hetcoll import launch
 from hetcoll.lab.emulate import slow_down
+from hetcoll.model.planner.experts import expert_parallel_plan
 from hetcoll.torch import (
     ExpertParallelExperts,
     expert_parallel,
     parallelize,
     register_weighted_hook,
 )
+from hetcoll.torch.expert_parallel import find_experts
 from hetcoll.torch.layers import model_layers
 
 SPEEDS = (1.0, 0.25)
@@ -144,7 +146,7 @@ def _rank(rank: int, world: int, batch: int, steps: int) -> dict[str, Any]:
             "rows": [int(r) for r in rows],
             "param_bytes": int(own),
         }
-    plan = planned_plan(batch, len(model_layers(model)))
+    plan = expert_parallel_plan(batch, SPEEDS, find_experts(model), len(model_layers(model)))
     par = parallelize(copy.deepcopy(model), plan, loss_fn=ex.lm_loss)
     assert par.stage is not None
     slow_down(par.stage, SPEEDS[rank])
@@ -174,23 +176,6 @@ def _rank(rank: int, world: int, batch: int, steps: int) -> dict[str, Any]:
     return out
 
 
-def planned_plan(batch: int, layers: int) -> Plan:
-    """The plan of the planner's ``"expert parallel, balanced"`` candidate at ``SPEEDS``:
-    one single-rank replica per rank, rows and experts by speed."""
-    from hetcoll.torch import expert_shares
-
-    rows = hetcoll.split(batch, list(SPEEDS))
-    return Plan.from_dict(
-        {
-            "replicas": [
-                {"samples": int(n), "stages": [{"ranks": [r], "layers": [0, layers]}]}
-                for r, n in enumerate(rows)
-            ],
-            "experts": expert_shares(EXPERTS, list(SPEEDS)),
-        }
-    )
-
-
 def predicted(batch: int) -> dict[str, float]:
     """The performance model's step (seconds) for each strategy, the emulation modelled."""
     from bench_tensor_parallel import machine
@@ -218,7 +203,8 @@ def predicted(batch: int) -> dict[str, float]:
             )
             schedule = expert_parallel_schedule(costs, cluster, rows, held)
         out[name] = slowed_by_parameters(schedule, costs, list(SPEEDS)).step_s
-    plan = planned_plan(batch, len(costs.plan_layers))
+    layers = [(block.module, block.experts) for block in costs.experts]
+    plan = expert_parallel_plan(batch, SPEEDS, layers, len(costs.plan_layers))
     out[PLANNED] = slowed_by_parameters(
         expert_plan_schedule(costs, cluster, plan), costs, list(SPEEDS)
     ).step_s

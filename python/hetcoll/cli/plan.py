@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from hetcoll.cli.arguments import MAX_UNITS, integer, writable_file
@@ -81,7 +82,7 @@ def _plan_text(plan: Any) -> str:
     flush()
     head = f"{plan.microbatches} micro-batches {plan.schedule}; " if plan.microbatches > 1 else ""
     if plan.experts is not None:  # whole experts per replica, in replica order
-        per_layer = plan.experts.values() if isinstance(plan.experts, dict) else [plan.experts]
+        per_layer = plan.experts.values() if isinstance(plan.experts, Mapping) else [plan.experts]
         placed = sorted({":".join(map(str, held)) for held in per_layer})
         which = "each experts layer" if len(placed) == 1 else "the experts layers"
         parts.append(f"experts per replica {', '.join(placed)} ({which})")

@@ -338,10 +338,6 @@ class ExpertParallelExperts(ChannelSplit):
         send = mine[:, _FIELDS:].sum(axis=1).astype(np.int64).tolist()
         from_each = got[:, _FIELDS : _FIELDS + held[self.rank]].astype(np.int64)
         recv = from_each.sum(axis=1).tolist()
-        total = float(got[:, _WEIGHT].sum())
-        share = torch.tensor(
-            got[:, _WEIGHT] / total if total > 0 else np.zeros(p), dtype=torch.float64
-        )
         # Each rank's rows come sorted by expert: their experts, counted from this rank's first.
         ids = torch.repeat_interleave(
             torch.arange(held[self.rank]).repeat(p), torch.from_numpy(from_each.reshape(-1))
@@ -350,6 +346,10 @@ class ExpertParallelExperts(ChannelSplit):
         if self.combine == "average":
             # The rows from rank s weigh share[s] in the experts' gradients; their input
             # gradients go back unweighted (rank s's own data-parallel weight applies there).
+            total = float(got[:, _WEIGHT].sum())
+            share = torch.tensor(
+                got[:, _WEIGHT] / total if total > 0 else np.zeros(p), dtype=torch.float64
+            )
             scale = share.repeat_interleave(torch.tensor(recv)).to(x.device)
             unscale = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
             received = _ScaleGradient.apply(received, unscale)

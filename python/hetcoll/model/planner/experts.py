@@ -15,6 +15,33 @@ from hetcoll.model.predict import Prediction
 from hetcoll.plan import Plan
 
 
+def expert_parallel_plan(
+    batch: int, speeds: Sequence[float], experts: Sequence[tuple[str, int]], layers: int
+) -> Plan:
+    """Expert parallelism at ``speeds`` (one per device) as a :class:`hetcoll.Plan`: a
+    single-rank replica of the model's ``layers`` on each device its share of ``batch``
+    (:func:`hetcoll.split`) gives samples, and each experts layer (``experts``: module path
+    and experts, as :func:`hetcoll.torch.expert_parallel.find_experts` and ``costs.experts``
+    give them) placed on those devices by the same speeds (:func:`hetcoll.torch.expert_shares`,
+    the runtime's rule): one list where every layer is placed alike."""
+    from hetcoll.torch.expert_parallel import expert_shares
+
+    rows = [int(n) for n in hetcoll.split(batch, list(speeds))]
+    keep = [d for d, n in enumerate(rows) if n > 0]
+    placed = {path: expert_shares(n, [speeds[d] for d in keep]) for path, n in experts}
+    alike = {tuple(v) for v in placed.values()}
+    return Plan.from_dict(
+        {
+            "microbatches": 1,
+            "replicas": [
+                {"samples": rows[d], "stages": [{"ranks": [d], "layers": [0, layers]}]}
+                for d in keep
+            ],
+            "experts": list(alike.pop()) if len(alike) == 1 else placed,
+        }
+    )
+
+
 def expert_parallel_candidates(
     costs: ModelCosts,
     cluster: Cluster,
@@ -22,45 +49,22 @@ def expert_parallel_candidates(
     speeds: Sequence[float],
     optimizer_state_copies: int = 1,
 ) -> list[Prediction]:
-    """Expert parallelism over the cluster: ``"balanced"``, each device's samples and
-    experts in proportion to its ``speeds`` (a device given no sample sits the step out),
-    and ``"even"`` (the even experts and samples of DeepSpeed-MoE and Megatron-LM). None
-    where the model holds no experts layer or the cluster one device. A placement that does
-    not fit a device's memory is an infeasible candidate, as any other."""
-    from hetcoll.torch.expert_parallel import expert_shares
-
+    """Expert parallelism over the cluster (:func:`expert_parallel_plan`): ``"balanced"``,
+    each device's samples and experts in proportion to its ``speeds`` (a device given no
+    sample sits the step out), and ``"even"`` (the even experts and samples of DeepSpeed-MoE
+    and Megatron-LM). None where the model holds no experts layer or the cluster one device.
+    A placement that does not fit a device's memory is an infeasible candidate, as any
+    other."""
     if not costs.experts or cluster.num_devices < 2:
         return []
-    out = []
-    even = [1.0] * cluster.num_devices
-    for name, by in (("balanced", list(speeds)), ("even", even)):
-        rows = [int(n) for n in hetcoll.split(batch, by)]
-        keep = [d for d, n in enumerate(rows) if n > 0]
-        placed = {
-            block.module: expert_shares(block.experts, [by[d] for d in keep])
-            for block in costs.experts
-        }
-        alike = {tuple(v) for v in placed.values()}
-        plan = Plan.from_dict(
-            {
-                "microbatches": 1,
-                "replicas": [
-                    {
-                        "samples": rows[d],
-                        "stages": [{"ranks": [d], "layers": [0, len(costs.plan_layers)]}],
-                    }
-                    for d in keep
-                ],
-                "experts": list(alike.pop()) if len(alike) == 1 else placed,
-            }
+    layers = [(block.module, block.experts) for block in costs.experts]
+    return [
+        predict.predict_plan(
+            costs,
+            cluster,
+            expert_parallel_plan(batch, by, layers, len(costs.plan_layers)),
+            optimizer_state_copies=optimizer_state_copies,
+            strategy=f"expert parallel, {name}",
         )
-        out.append(
-            predict.predict_plan(
-                costs,
-                cluster,
-                plan,
-                optimizer_state_copies=optimizer_state_copies,
-                strategy=f"expert parallel, {name}",
-            )
-        )
-    return out
+        for name, by in (("balanced", list(speeds)), ("even", [1.0] * cluster.num_devices))
+    ]

@@ -80,6 +80,7 @@ from hetcoll.model.planner.subsets import (
     node_groups,
 )
 from hetcoll.model.predict import Prediction
+from hetcoll.model.predict.prediction import on_devices
 from hetcoll.model.predict.timing import device_arrays, linear_fit
 from hetcoll.plan import Plan
 
@@ -139,11 +140,6 @@ def _runnable(pred: Prediction, costs: ModelCosts) -> Prediction:
 def _on_devices(pred: Prediction, keep: Sequence[int], num_devices: int, suffix: str) -> Prediction:
     """A prediction made on the sub-cluster of devices ``keep``, in the whole cluster's device
     numbering: the others idle."""
-    shares = [0] * num_devices
-    memory = [0.0] * num_devices
-    for j, d in enumerate(keep):
-        shares[d] = pred.shares[j]
-        memory[d] = pred.memory_bytes[j]
     factory = None
     if pred.has_plan:
 
@@ -154,17 +150,13 @@ def _on_devices(pred: Prediction, keep: Sequence[int], num_devices: int, suffix:
                     st["ranks"] = [keep[x] for x in st["ranks"]]
             return Plan.from_dict(doc)
 
-    detail = {**pred.detail, "devices": list(keep)}
-    if "critical_device" in detail:
-        detail["critical_device"] = keep[detail["critical_device"]]
+    placed = on_devices(pred, keep, num_devices)
     return replace(
-        pred,
+        placed,
         strategy=f"{pred.strategy}{suffix}",
-        shares=shares,
-        memory_bytes=memory,
         plan=None,
         plan_factory=factory,
-        detail=detail,
+        detail={**placed.detail, "devices": list(keep)},
     )
 
 

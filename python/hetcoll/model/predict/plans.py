@@ -11,15 +11,14 @@ from typing import Any
 
 import numpy as np
 
-from hetcoll.model import terms
 from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster, Link
 from hetcoll.model.predict.classes import cluster_facts, node_link_ids, ring_link_of, unique_rows
 from hetcoll.model.predict.experts import ExpertParallelSchedule, expert_parallel_schedule
 from hetcoll.model.predict.filters import time_balanced_shares
 from hetcoll.model.predict.layout import ReplicaLayout, StageLayout, plan_layout, stage_layout
-from hetcoll.model.predict.prediction import Prediction
-from hetcoll.model.predict.schedule import layout_schedule
+from hetcoll.model.predict.prediction import Prediction, on_devices
+from hetcoll.model.predict.schedule import layout_schedule, loss_allreduce_seconds
 from hetcoll.model.predict.splits import blocks_need_empty, splits_loss
 from hetcoll.model.predict.timing import device_arrays
 from hetcoll.plan import Plan, microbatch_sizes
@@ -366,28 +365,15 @@ def _experts_plan(
 ) -> Prediction:
     """:func:`predict_plan` of a plan with ``experts``: :func:`expert_plan_schedule` timed, on
     the whole cluster's devices, then the loss's allreduce."""
-    pred = expert_plan_schedule(
-        costs, cluster, plan, optimizer_state_copies=optimizer_state_copies, strategy=strategy
-    ).prediction()
-    keep = plan.ranks
-    shares = [0] * cluster.num_devices
-    memory = [0.0] * cluster.num_devices
-    for j, d in enumerate(keep):
-        shares[d], memory[d] = pred.shares[j], pred.memory_bytes[j]
-    pred.shares, pred.memory_bytes = shares, memory
-    pred.detail["critical_device"] = keep[pred.detail["critical_device"]]
-    # Then the step's loss, summed over every rank of the group (one float64), as any plan's.
-    link = cluster.ring_link()
-    loss_s = float(
-        terms.ring_allreduce_seconds(
-            8.0,
-            cluster.num_devices,
-            link.latency_s,
-            link.bytes_per_s,
-            float(device_arrays(cluster.devices).mem_bytes_per_s.min()),
-            8,
-        )
+    pred = on_devices(
+        expert_plan_schedule(
+            costs, cluster, plan, optimizer_state_copies=optimizer_state_copies, strategy=strategy
+        ).prediction(),
+        plan.ranks,
+        cluster.num_devices,
     )
+    # Then the step's loss, summed over every rank of the group, as any plan's.
+    loss_s = loss_allreduce_seconds(cluster)
     pred.step_s += loss_s
     pred.breakdown["communication"] = pred.breakdown.get("communication", 0.0) + loss_s
     pred.detail["loss_allreduce_s"] = loss_s

@@ -4,8 +4,8 @@ the runnable plan), and torch DDP's bucket sizes."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hetcoll.plan import Plan
@@ -96,6 +96,24 @@ class Prediction:
             **({"detail": self.detail} if self.detail else {}),
             **({"plan": plan.to_dict()} if plan is not None else {}),
         }
+
+
+def on_devices(pred: Prediction, keep: Sequence[int], num_devices: int) -> Prediction:
+    """``pred``, made on the sub-cluster of devices ``keep``, in the whole cluster's numbering
+    of ``num_devices``: the others idle (no share, no memory), ``detail["critical_device"]``
+    renumbered. Without a plan (the caller places one, or its factory)."""
+    shares = [0] * num_devices
+    memory = [0.0] * num_devices
+    for j, d in enumerate(keep):
+        shares[d] = pred.shares[j]
+        memory[d] = pred.memory_bytes[j]
+    detail = dict(pred.detail)
+    if "critical_device" in detail:
+        detail["critical_device"] = keep[detail["critical_device"]]
+    # plan=None: reading pred.plan here would build a large candidate's plan for nothing.
+    return replace(
+        pred, shares=shares, memory_bytes=memory, detail=detail, plan=None, plan_factory=None
+    )
 
 
 def _get_plan(self: Prediction) -> Plan | None:

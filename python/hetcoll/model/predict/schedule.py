@@ -138,6 +138,18 @@ def plan_schedule(
     )
 
 
+def loss_allreduce_seconds(cluster: Cluster) -> float:
+    """The step's loss summed over every rank of the group, as :meth:`Parallel.step
+    <hetcoll.torch.parallel.Parallel.step>` sums it (one float64 ring allreduce)."""
+    link = cluster_facts(cluster).ring_link
+    slowest = float(device_arrays(cluster.devices).mem_bytes_per_s.min())
+    return float(
+        terms.ring_allreduce_seconds(
+            8.0, cluster.num_devices, link.latency_s, link.bytes_per_s, slowest, 8
+        )
+    )
+
+
 def layout_schedule(
     costs: ModelCosts,
     cluster: Cluster,
@@ -351,13 +363,8 @@ def layout_schedule(
         for x in taking_part:
             programs[x].append(("collective", ("sum", g)))
         state[held] += nbytes  # the full-size buffer the gradients are summed in
-    # The loss, summed over every rank of the group (one float64); idle ranks join it at once.
-    link = facts.ring_link
-    loss_s = float(
-        terms.ring_allreduce_seconds(
-            8.0, n_dev, link.latency_s, link.bytes_per_s, float(dev.mem_bytes_per_s.min()), 8
-        )
-    )
+    # The loss, summed over every rank of the group; idle ranks join it at once.
+    loss_s = loss_allreduce_seconds(cluster)
     collectives["loss"] = (len(programs), loss_s)
     for prog in programs:
         prog.append(("collective", "loss"))
