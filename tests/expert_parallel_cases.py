@@ -42,6 +42,7 @@ from hetcoll.torch.expert_parallel import (
     place_experts,
     rank_local_parameters,
 )
+from hetcoll.torch.transport import CountingCommunicator
 
 SPEEDS = [1.0, 0.5, 0.25, 0.75]
 ROWS = 7  # the global batch: split 4 : 2 : 1 at SPEEDS
@@ -197,12 +198,14 @@ def experts_placed(group: Any) -> dict[str, Any]:
 
 
 def placed_again_by_load(group: Any) -> dict[str, Any]:
-    """Mixtral trained 2 steps with its experts placed by speed, SGD with momentum, counts
-    the tokens routed to each expert as one process does (:func:`expert_loads`); placed
-    again by those loads it trains a third step as one process still, its rows where they
-    were (:func:`place_experts`, in place: the same parameters, optimizer and DDP). Its
-    blocks are checkpointed (reentrant, Hugging Face's default): the forwards recomputed in
-    the backward are not counted again. Returns the loads and both placements."""
+    """Mixtral trained 2 steps with its experts placed by speed, AdamW, counts the tokens
+    routed to each expert as one process does (:func:`expert_loads`); placed again by those
+    loads between its third step's backward and its optimizer step, it trains that step and
+    a fourth as one process still, its rows where they were (:func:`place_experts`, in place:
+    the same parameters, optimizer and DDP; the experts' gradients and Adam moments move with
+    them). Only the experts that change rank travel: this rank sends exactly their bytes.
+    Its blocks are checkpointed (reentrant, Hugging Face's default): the forwards recomputed
+    in the backward are not counted again. Returns the loads and both placements."""
     comm = wrap(group)
     speeds = SPEEDS[: comm.size]
     torch.manual_seed(0)
@@ -223,16 +226,19 @@ def placed_again_by_load(group: Any) -> dict[str, Any]:
     for name, m in ref.named_modules():
         if experts_module(m) == "":
             m.register_forward_pre_hook(count(name))
-    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
-    ref_opt = sgd(ref.parameters())
+    # eps large: tiny gradients (float64 rounding) are not scaled up to whole steps.
+    adam = lambda ps: torch.optim.AdamW(ps, lr=0.05, eps=1.0)  # noqa: E731
+    ref_opt = adam(ref.parameters())
     rows = hetcoll.split(ROWS, speeds)
     start = sum(rows[: comm.rank])
     mine = slice(start, start + rows[comm.rank])
 
-    def step(n: int) -> None:
+    def step(n: int, before_step: Any = None) -> None:
         ids, labels = tokens(n)
         lm_loss(run, ids[mine], labels[mine]).backward()
         lm_loss(ref, ids, labels).backward()
+        if before_step is not None:
+            before_step()
         grads = gather_gradients(model, dst=None)
         assert grads is not None
         for name, p in ref.named_parameters():
@@ -242,7 +248,7 @@ def placed_again_by_load(group: Any) -> dict[str, Any]:
         model.zero_grad()
         ref.zero_grad()
 
-    opt = sgd(model.parameters())
+    opt = adam(model.parameters())
     run = DistributedDataParallel(model, process_group=group)
     register_weighted_hook(run)
     for n in range(2):
@@ -252,9 +258,28 @@ def placed_again_by_load(group: Any) -> dict[str, Any]:
     assert loads == {name: c.tolist() for name, c in counted.items()}, (loads, counted)
     assert expert_loads(model) == {name: [0] * 4 for name in loads}  # taken: counted anew
     # The ranks' speeds changed (the slowest is now the fastest): each layer placed anew by
-    # them and its own loads, in place, its momentum moved with its experts.
-    placed = place_experts(model, opt, speeds=speeds[::-1], loads=loads)
-    step(2)
+    # them and its own loads, in place, its gradients and moments moved with its experts.
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, ExpertParallelExperts)}
+    sent: dict[str, int] = {}
+    counting = CountingCommunicator(next(iter(layers.values())).comm, sent)
+    for m in layers.values():
+        m.comm = counting
+    placed: dict[str, list[int]] = {}
+    step(2, lambda: placed.update(place_experts(model, opt, speeds=speeds[::-1], loads=loads)))
+    step(3)
+    # What leaves this rank: its old experts that another rank now holds, each as its
+    # parameters, their gradients and Adam's two moments (float64).
+    expected = 0
+    for name, new in placed.items():
+        first_old, first_new = sum(by_speed[: comm.rank]), sum(new[: comm.rank])
+        kept = max(
+            0,
+            min(first_old + by_speed[comm.rank], first_new + new[comm.rank])
+            - max(first_old, first_new),
+        )
+        row = sum(p[0].numel() * p.element_size() for p in ref.get_submodule(name).parameters())
+        expected += (by_speed[comm.rank] - kept) * row * 4
+    assert sent["placement"] == expected, (sent, expected)
     return {"by_speed": by_speed, "by_load": placed, "loads": loads}
 
 

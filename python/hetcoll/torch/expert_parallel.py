@@ -25,6 +25,8 @@ import math
 import weakref
 import zlib
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -625,11 +627,7 @@ def expert_loads(model: nn.Module, *, timeout: float | None = None) -> dict[str,
     call (or the placement), by experts module name: ``expert_parallel(..., loads=...)``'s
     (or :func:`expert_shares`') argument for a placement by load. Collective over the
     experts' group (every rank calls it); the counts start again from zero."""
-    layers = [
-        (name, m) for name, m in model.named_modules() if isinstance(m, ExpertParallelExperts)
-    ]
-    if not layers:
-        raise ValueError("model: holds no experts placed by expert_parallel")
+    layers = _placed_layers(model)
     comm = layers[0][1].comm
     mine = np.concatenate([m.routed.numpy() for _, m in layers]).astype(np.int64)
     total = comm.allgather_int64(mine, deadline(timeout)).sum(axis=0)
@@ -654,27 +652,24 @@ def place_experts(
     """Place ``model``'s experts (:func:`expert_parallel`'s) on the ranks again, in place:
     when the ranks' speeds or the experts' loads (:func:`expert_loads`) have moved. Exactly
     one of ``speeds=`` (with ``loads`` and ``capacity`` as :func:`expert_parallel` takes
-    them) or ``shares=``. Every expert's weights move to their new rank, and, with
-    ``optimizer`` (built over ``model.parameters()``), their optimizer state too: the same
-    parameter objects hold the new experts, so the optimizer and a ``DistributedDataParallel``
-    around the model carry on. Collective (every rank, the same arguments). Returns each
-    layer's experts per rank, by experts module name.
+    them) or ``shares=``. Collective (every rank, the same arguments). Returns each layer's
+    experts per rank, by experts module name.
+
+    Only the experts that change rank move, each straight from its old rank to its new one
+    (one all-to-all per layer that changes, on the experts' own group): a rank holds at most
+    its old and its new experts meanwhile, never the whole layer. Their gradients move with
+    them where they have any, and, with ``optimizer`` (built over ``model.parameters()``),
+    their optimizer state: every state tensor stacked by expert as the parameter is (momentum,
+    Adam's moments; scalars such as Adam's step stay). The same parameter objects hold the
+    new experts, so the optimizer and a ``DistributedDataParallel`` around the model carry on.
+    A state laid out differently on different ranks raises on every rank before anything
+    moves.
 
     >>> place_experts(model, opt, speeds=new_speeds, loads=expert_loads(model))  # doctest: +SKIP
     """
-    from hetcoll.torch.filters import (
-        gather_optimizer_state_dict,
-        gather_state_dict,
-        load_full_optimizer_state_dict,
-    )
-
     if (speeds is None) == (shares is None):
         raise TypeError("speeds: give exactly one of speeds= or shares=")
-    layers = [
-        (name, m) for name, m in model.named_modules() if isinstance(m, ExpertParallelExperts)
-    ]
-    if not layers:
-        raise ValueError("model: holds no experts placed by expert_parallel")
+    layers = _placed_layers(model)
     comm = layers[0][1].comm
     placed: dict[str, list[int]] = {}
     failure: ValueError | None = None
@@ -686,22 +681,94 @@ def place_experts(
     except ValueError as e:  # raised after the others learn of it, none waiting
         failure = e
     _agree_placed(comm, placed, failure)  # before anything moves
-    full = gather_state_dict(model, dst=None)
-    full_state = (
-        None if optimizer is None else gather_optimizer_state_dict(model, optimizer, dst=None)
+    moving = [(name, m) for name, m in layers if placed[name] != m.shares]
+    carried = {name: _carried(m, optimizer) for name, m in moving}
+    agree(
+        comm,
+        {
+            f"the gradients and optimizer state of {name}'s experts": zlib.crc32(
+                repr([(c.what, c.tensor.dtype, tuple(c.tensor.shape[1:])) for c in held]).encode()
+            )
+            for name, held in carried.items()
+        },
+        deadline(layers[0][1].timeout),
     )
-    assert full is not None  # dst=None: every rank has it
-    with torch.no_grad():
-        for name, m in layers:
-            new = placed[name]
-            m._set_split(m.comm, new)
-            m.num_experts = new[m.rank]
-            for n, p in m._own().items():
-                whole = full[f"{name}.{n}" if name else n]
-                p.data = whole[m.offset : m.offset + new[m.rank]].to(p.device).clone()
-    if optimizer is not None and full_state is not None:
-        load_full_optimizer_state_dict(model, optimizer, full_state)
+    for name, m in moving:
+        _move_experts(m, placed[name], carried[name])
     return placed
+
+
+def _placed_layers(model: nn.Module) -> list[tuple[str, ExpertParallelExperts]]:
+    """``model``'s experts layers placed by :func:`expert_parallel`, by module name;
+    ``ValueError`` naming ``model`` where it holds none."""
+    layers = [
+        (name, m) for name, m in model.named_modules() if isinstance(m, ExpertParallelExperts)
+    ]
+    if not layers:
+        raise ValueError("model: holds no experts placed by expert_parallel")
+    return layers
+
+
+@dataclass(frozen=True)
+class _Carried:
+    """A tensor that moves with a rank's experts (stacked by expert along dimension 0, as
+    the experts' parameters are): what it is, for the ranks' agreement, and where its new
+    rows go."""
+
+    what: str
+    tensor: torch.Tensor
+    install: Callable[[torch.Tensor], None]
+
+
+def _carried(m: ExpertParallelExperts, optimizer: torch.optim.Optimizer | None) -> list[_Carried]:
+    """The tensors that move with ``m``'s experts: its parameters, their gradients, and every
+    optimizer state tensor stacked by expert as its parameter is (more than zero dimensions,
+    the first of the parameter's length)."""
+    out: list[_Carried] = []
+    for n, p in m._own().items():
+        out.append(_Carried(n, p.data, partial(setattr, p, "data")))
+        if p.grad is not None:
+            out.append(_Carried(f"{n}.grad", p.grad, partial(setattr, p, "grad")))
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        for key in sorted(state, key=str):
+            t = state[key]
+            if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == p.shape[0]:
+                out.append(_Carried(f"{n}.state[{key!r}]", t, partial(state.__setitem__, key)))
+    return out
+
+
+def _move_experts(m: ExpertParallelExperts, new: list[int], carried: list[_Carried]) -> None:
+    """``m``'s experts moved to the placement ``new``: each rank sends every rank the experts
+    of its old run that fall in that rank's new run (one all-to-all per dtype), then holds its
+    new run in the same parameter objects (and gradients, optimizer state)."""
+    comm, rank, old = m.comm, m.rank, m.shares
+    first_old = np.cumsum([0, *old[:-1]])
+    first_new = np.cumsum([0, *new[:-1]])
+
+    def overlap(a: int, q: int) -> int:  # experts of a's old run in q's new run
+        lo = max(first_old[a], first_new[q])
+        hi = min(first_old[a] + old[a], first_new[q] + new[q])
+        return int(max(0, hi - lo))
+
+    # Runs are in expert order on both sides, so each rank's rows go out, and come in, in
+    # rank order: the received rows are the new run in order.
+    send = [overlap(rank, q) for q in range(comm.size)]
+    recv = [overlap(q, rank) for q in range(comm.size)]
+    by_dtype: dict[torch.dtype, list[_Carried]] = {}
+    for c in carried:
+        by_dtype.setdefault(c.tensor.dtype, []).append(c)
+    with torch.no_grad():
+        for members in by_dtype.values():
+            widths = [math.prod(c.tensor.shape[1:]) for c in members]
+            rows = torch.cat(
+                [c.tensor.reshape(old[rank], w) for c, w in zip(members, widths)], dim=1
+            )
+            got = _exchange(rows, comm, send, recv, m.timeout, "placement")
+            for c, part in zip(members, got.split(widths, dim=1)):
+                shape = (new[rank], *c.tensor.shape[1:])
+                c.install(part.reshape(shape).to(c.tensor.device).clone())
+    m._set_split(comm, new)
+    m.num_experts = new[rank]
 
 
 def rank_local_parameters(model: nn.Module) -> list[str]:
