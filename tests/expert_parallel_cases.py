@@ -8,6 +8,7 @@ import copy
 import warnings
 from typing import Any
 
+import pytest
 import torch
 from tensor_parallel_cases import (
     SEQ,
@@ -42,6 +43,7 @@ from hetcoll.torch.expert_parallel import (
     place_experts,
     rank_local_parameters,
 )
+from hetcoll.torch.expert_rebalance import ExpertRebalancer
 from hetcoll.torch.transport import CountingCommunicator
 
 SPEEDS = [1.0, 0.5, 0.25, 0.75]
@@ -83,12 +85,14 @@ def trains_as_one_process(
     shares: list[int] | None = None,
     dtype: torch.dtype = torch.float64,
     device: torch.device | None = None,
+    watch: Any = None,
 ) -> list[int]:
     """``make()``'s experts placed on the ranks by ``speeds``, each rank training on its
     share of each step's rows (DDP with the weighted hook; with ``pad``, weighing valid
     tokens), gives the gradients and the state of one process training on all the rows.
     ``shares`` places the experts instead of ``speeds``; ``device``: this rank's (the
-    reference runs on the CPU). Returns the experts per rank."""
+    reference runs on the CPU); ``watch(model, optimizer)``: a function called after every
+    optimizer step. Returns the experts per rank."""
     comm = wrap(group)
     torch.manual_seed(0)
     ref = make().to(dtype)
@@ -101,6 +105,7 @@ def trains_as_one_process(
     make_opt = {
         "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
         "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+        "momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
     }[optimizer]
     ref_opt = make_opt(ref.parameters())
     if comm.engine == "mpi":
@@ -111,6 +116,7 @@ def trains_as_one_process(
         run = DistributedDataParallel(model, process_group=group)
         state = register_weighted_hook(run, items=valid if pad else None)
         opt = make_opt(model.parameters())
+    after_step = watch(model, opt.optimizer if comm.engine == "mpi" else opt) if watch else None
     rows = hetcoll.split(ROWS, speeds)
     start = sum(rows[: comm.rank])
     mine = slice(start, start + rows[comm.rank])
@@ -132,6 +138,8 @@ def trains_as_one_process(
         ref_opt.step()
         model.zero_grad()
         ref.zero_grad()
+        if after_step is not None:
+            after_step()
     full = gather_state_dict(model, dst=None)
     assert full is not None
     for n, t in ref.state_dict().items():
@@ -142,9 +150,41 @@ def trains_as_one_process(
     back = gather_state_dict(again, dst=None)
     assert back is not None and all(torch.equal(back[n], t) for n, t in full.items())
     held = {m.shares[comm.rank] for m in model.modules() if isinstance(m, ExpertParallelExperts)}
-    assert len(held) == 1
+    assert len(held) == 1 or watch is not None  # by speed alone, every layer alike
     assert set(rank_local_parameters(model)) == set(model._ddp_params_and_buffers_to_ignore)
     return placed_shares(model)
+
+
+def rebalanced_while_training(group: Any) -> list[list[Any]]:
+    """Mixtral placed by speed, its ranks' speeds then reversed: an
+    :class:`ExpertRebalancer` looking every 2 steps moves the experts (with their Adam
+    momentum) by the loads it counted, and training goes on as one process's. Returns its
+    decisions (step, before, after, moved)."""
+    speeds = SPEEDS[: wrap(group).size]
+    made: list[ExpertRebalancer] = []
+
+    def watch(model: nn.Module, opt: torch.optim.Optimizer) -> Any:
+        made.append(ExpertRebalancer(model, opt, speeds=speeds[::-1], every=2, threshold=0.0))
+        return made[0].step
+
+    trains_as_one_process(group, mixtral, speeds, optimizer="momentum", steps=4, watch=watch)
+    # Bad arguments raise on construction, naming the argument (nothing is exchanged).
+    model = made[0].model
+    bad: list[tuple[Any, dict[str, Any], str]] = [
+        ("model", {}, "model: must be a torch.nn.Module"),
+        (nn.Linear(2, 2), {}, "model: holds no experts"),
+        (model, {"optimizer": "adam"}, "optimizer: must be"),
+        (model, {"speeds": [1.0]}, "speeds: needs one"),
+        (model, {"speeds": ["fast"] * len(speeds)}, "speeds: must be numbers"),
+        (model, {"every": 0}, "every: must be"),
+        (model, {"threshold": -0.1}, "threshold: must be"),
+        (model, {"smoothing": 0.0}, "smoothing: must be"),
+        (model, {"capacity": [1]}, "capacity: needs one"),
+    ]
+    for m, kwargs, text in bad:
+        with pytest.raises((TypeError, ValueError), match=text):
+            ExpertRebalancer(m, **{"speeds": speeds, **kwargs})
+    return [[e.step, e.old_shares, e.new_shares, e.applied] for e in made[0].history]
 
 
 def placed_shares(model: nn.Module) -> list[int]:
@@ -406,11 +446,13 @@ def disagreements(group: Any) -> list[str]:
 def run_torch(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*bos_token_id|.*eos_token_id")
-    with tolerance(1e-6):
+    with tolerance(1e-6):  # the routers' float32 softmax
         again = placed_again_by_load(None)
+        rebalanced = rebalanced_while_training(None)
     return {
         **experts_placed(None),
         "errors": disagreements(None),
         "again": again,
+        "rebalanced": rebalanced,
         "random": random_layers(None),
     }

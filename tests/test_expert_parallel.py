@@ -15,6 +15,7 @@ from torch import nn
 
 from hetcoll import launch
 from hetcoll.torch.expert_parallel import expert_parallel, expert_shares, experts_module
+from hetcoll.torch.expert_rebalance import placement_time
 
 pytest.importorskip("transformers")
 
@@ -25,6 +26,13 @@ MPI_WORKER = os.path.join(os.path.dirname(__file__), "mpi_workers", "expert_para
 
 #: Mixtral's 4 experts at speeds 1 : 0.5 : 0.25 (the last rank too slow for one).
 PLACED = [3, 1, 0]
+LAYER0, LAYER1 = "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"
+#: An ExpertRebalancer's decisions when the speeds reverse (0.25 : 0.5 : 1), looking every
+#: 2 steps: the experts move by the loads of steps 0-1, then stay (already the best).
+REBALANCED = [
+    [2, {LAYER0: PLACED, LAYER1: PLACED}, {LAYER0: [0, 1, 3], LAYER1: [1, 1, 2]}, True],
+    [4, {LAYER0: [0, 1, 3], LAYER1: [1, 1, 2]}, {LAYER0: [0, 1, 3], LAYER1: [1, 1, 2]}, False],
+]
 
 
 @pytest.mark.multiproc
@@ -56,27 +64,29 @@ def test_gloo_experts_placed_by_speed_train_as_one_process():
     models = ["mixtral", "batched_mm", "gpt_oss", "qwen2_moe", "deepseek_v3", "olmoe"]
     # Placed again when the speeds reverse, by each layer's routed tokens (2 steps of 7
     # rows of 7 tokens, 2 experts each: 196), counted as one process routes them.
-    layer0, layer1 = "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"
     again = {
         "by_speed": PLACED,
-        "loads": {layer0: [63, 46, 44, 43], layer1: [40, 45, 59, 52]},
-        "by_load": {layer0: [0, 1, 3], layer1: [0, 1, 3]},
+        "loads": {LAYER0: [63, 46, 44, 43], LAYER1: [40, 45, 59, 52]},
+        "by_load": {LAYER0: [0, 1, 3], LAYER1: [0, 1, 3]},
     }
     assert results[0] == {
         **{m: PLACED for m in models}, "padded": PLACED, "grouped_mm": PLACED,
         "checkpointed": PLACED,
         "every_rank": [2, 1, 1],
         "again": again,
+        "rebalanced": REBALANCED,
     }  # fmt: skip
 
 
 @pytest.mark.multiproc
 def test_mpi_experts_placed_by_speed_train_as_one_process():
     """The same under mpiexec: DistributedOptimizer averages all but each rank's own experts
-    (samples, then valid tokens), the experts' tokens travel by MPI's all-to-all."""
+    (samples, then valid tokens), the experts' tokens travel by MPI's all-to-all, and an
+    ExpertRebalancer moves them when the speeds reverse."""
     out = launch.mpiexec(3, [MPI_WORKER], timeout=240).stdout
     results = json.loads(next(line for line in out.splitlines() if line.startswith("[")))
-    assert results == [{"mixtral": PLACED, "gpt_oss": PLACED, "padded": PLACED}] * 3
+    expected = {"mixtral": PLACED, "gpt_oss": PLACED, "padded": PLACED, "rebalanced": REBALANCED}
+    assert results == [expected] * 3
 
 
 def test_expert_shares_follow_speeds_and_loads():
@@ -126,7 +136,7 @@ def test_expert_shares_name_bad_input(kwargs, error, text):
 )
 def test_expert_shares_by_load_are_the_best_contiguous_placement(loads, speeds):
     """Against brute force over every contiguous placement: the slowest rank's load over its
-    speed is the smallest there is."""
+    speed is the smallest there is (and what placement_time reads, summed over layers)."""
     shares = expert_shares(len(loads), [float(s) for s in speeds], loads=[float(x) for x in loads])
     assert sum(shares) == len(loads) and min(shares) >= 0
 
@@ -142,6 +152,12 @@ def test_expert_shares_by_load_are_the_best_contiguous_placement(loads, speeds):
         if sum(c) == len(loads)
     )
     assert slowest(shares) == pytest.approx(best, rel=1e-12)
+    # The rebalancer's predicted time of a placement is that same slowest rank's.
+    one = {"experts": shares}
+    assert placement_time(one, {"experts": loads}, speeds) == pytest.approx(best, rel=1e-12)
+    assert placement_time({**one, "again": shares}, {"experts": loads, "again": loads}, speeds) == (
+        pytest.approx(2 * best, rel=1e-12)
+    )
 
 
 def test_experts_modules_are_found_in_hugging_face_models():

@@ -1,6 +1,7 @@
 """MPI worker for tests/test_expert_parallel.py: experts placed on the ranks by speed, the rest
-averaged by DistributedOptimizer, against one process on the whole batch; prints one JSON line
-(rank 0) with every rank's experts per rank."""
+averaged by DistributedOptimizer, against one process on the whole batch, and placed again by
+an ExpertRebalancer; prints one JSON line (rank 0) with every rank's experts per rank and the
+rebalancer's decisions."""
 
 import json
 import os
@@ -10,7 +11,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
-from expert_parallel_cases import SPEEDS, trains_as_one_process
+from expert_parallel_cases import SPEEDS, rebalanced_while_training, trains_as_one_process
 from mpi4py import MPI
 from tensor_parallel_cases import gpt_oss, mixtral, tolerance
 
@@ -23,6 +24,7 @@ with tolerance(1e-6):  # the routers' float32 softmax (expert_parallel_cases)
         "mixtral": trains_as_one_process(comm, mixtral, speeds),
         "gpt_oss": trains_as_one_process(comm, gpt_oss, speeds),
         "padded": trains_as_one_process(comm, mixtral, speeds, pad=True),
+        "rebalanced": rebalanced_while_training(comm),
     }
 results = comm.gather(result)
 if comm.Get_rank() == 0:

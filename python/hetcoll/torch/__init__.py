@@ -16,6 +16,7 @@ from hetcoll.torch.expert_parallel import (
     place_experts,
     rank_local_parameters,
 )
+from hetcoll.torch.expert_rebalance import ExpertRebalanceEvent, ExpertRebalancer, placement_time
 from hetcoll.torch.filters import (
     FilterParallelBatchNorm1d,
     FilterParallelBatchNorm2d,
@@ -48,6 +49,8 @@ __all__ = [
     "BatchCounter",
     "DistributedOptimizer",
     "ExpertParallelExperts",
+    "ExpertRebalanceEvent",
+    "ExpertRebalancer",
     "FilterParallelBatchNorm1d",
     "FilterParallelBatchNorm2d",
     "FilterParallelConv1D",
@@ -77,6 +80,7 @@ __all__ = [
     "measure_speed",
     "parallelize",
     "place_experts",
+    "placement_time",
     "rank_local_parameters",
     "register_weighted_hook",
     "split_traffic",

@@ -1,0 +1,198 @@
+"""ExpertRebalancer: place the experts again while their loads drift.
+
+A router's preferences move as a mixture of experts trains: an expert that received a tenth
+of the tokens at the start may receive a third later, and the rank holding it then holds up
+every other rank at each experts layer's exchange. Every ``every`` steps the rebalancer
+takes the tokens each expert received since the last look (:func:`expert_loads`, one small
+all-gather), smooths them into a running estimate, and asks what each layer's slowest rank
+would spend on its experts' tokens under the current placement and under the best placement
+for those loads (:func:`expert_shares` at the ranks' speeds: contiguous runs, exact). When
+the second is better by more than ``threshold`` of the first it moves the experts
+(:func:`place_experts`: only those that change rank, with their gradients and optimizer
+state). Every rank decides on the same gathered counts, so every rank decides alike.
+
+The predicted time of a placement is, summed over the experts layers (each is a barrier: its
+exchange waits for every rank's experts), the most tokens any rank's experts receive over
+that rank's speed: the quantity :func:`expert_shares` minimises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from hetcoll.torch.expert_parallel import (
+    ExpertParallelExperts,
+    expert_loads,
+    experts_placement,
+    place_experts,
+)
+
+#: The ranks' speeds (any unit, one per rank), or a function of nothing giving them at each
+#: decision (None while they are not known yet: :attr:`hetcoll.torch.Rebalancer.speeds`).
+Speeds = Sequence[float] | Callable[[], Sequence[float] | None]
+
+
+@dataclass(frozen=True)
+class ExpertRebalanceEvent:
+    """One decision: the step, the ranks' speeds, each layer's experts per rank before and
+    after (by experts module name), the predicted experts' time per step before and after (in
+    tokens over speed: seconds where the speeds are tokens per second), and whether the
+    experts moved."""
+
+    step: int
+    speeds: tuple[float, ...]
+    old_shares: dict[str, list[int]]
+    new_shares: dict[str, list[int]]
+    predicted_old: float
+    predicted_new: float
+    applied: bool
+
+
+def placement_time(
+    shares: Mapping[str, Sequence[int]],
+    loads: Mapping[str, Sequence[float]],
+    speeds: Sequence[float],
+) -> float:
+    """The experts' time of a placement: over the layers in ``shares`` (experts per rank, by
+    experts module name), the largest ``tokens / speed`` of any rank, summed; ``loads``: each
+    expert's tokens, by the same names. The objective :func:`expert_shares` minimises per
+    layer (a rank of speed 0 holding tokens takes forever)."""
+    total = 0.0
+    for name, held in shares.items():
+        load = np.asarray(loads[name], dtype=np.float64)
+        if len(load) != sum(held):
+            raise ValueError(
+                f"loads: {name!r} needs one entry per expert ({sum(held)}), got {len(load)}"
+            )
+        cuts = np.cumsum([0, *held])
+        worst = 0.0
+        for r, s in enumerate(speeds):
+            work = float(load[cuts[r] : cuts[r + 1]].sum())
+            if work > 0:
+                worst = max(worst, work / s if s > 0 else float("inf"))
+        total += worst
+    return total
+
+
+class ExpertRebalancer:
+    """Watch the experts' loads of a model placed by :func:`expert_parallel` and place its
+    experts again when that pays.
+
+    Call :meth:`step` on every rank after every optimizer step; every ``every`` steps it
+    decides (collectively, on the experts' group) and returns True when the experts moved.
+    ``speeds``: the ranks' speeds, one per rank, or a function of nothing that gives them (or
+    None while unknown) at each decision, e.g. ``lambda: rebalancer.speeds`` of the
+    :class:`~hetcoll.torch.Rebalancer` that splits the batch. ``optimizer`` (built over
+    ``model.parameters()``): its state moves with the experts. ``threshold``: the least
+    relative gain in the predicted experts' time that moves them (moving costs one exchange
+    of the moving experts' weights and state). ``smoothing`` (0, 1]: the weight of the latest
+    window's loads in the running estimate (1: the latest window alone). ``capacity``: the
+    most experts each rank may hold of a layer (:func:`expert_shares`).
+
+    >>> watch = ExpertRebalancer(model, opt, speeds=[1.0, 0.25], every=100)  # doctest: +SKIP
+    >>> opt.step(); watch.step()  # on every rank  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        speeds: Speeds,
+        every: int = 100,
+        threshold: float = 0.05,
+        smoothing: float = 0.5,
+        capacity: Sequence[int] | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+        layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+        if not layers:
+            raise ValueError("model: holds no experts placed by expert_parallel")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "optimizer: must be a torch.optim.Optimizer or None, got "
+                f"{type(optimizer).__name__}"
+            )
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every: must be an integer >= 1, got {every!r}")
+        if not (isinstance(threshold, (int, float)) and threshold >= 0.0):
+            raise ValueError(f"threshold: must be a number >= 0, got {threshold!r}")
+        if not (isinstance(smoothing, (int, float)) and 0.0 < smoothing <= 1.0):
+            raise ValueError(f"smoothing: must be in (0, 1], got {smoothing!r}")
+        self.size = layers[0].comm.size
+        if not callable(speeds):
+            speeds = self._checked_speeds(speeds)
+        if capacity is not None and (
+            isinstance(capacity, (str, bytes))
+            or len(capacity) != self.size
+            or any(isinstance(c, bool) or not isinstance(c, (int, np.integer)) for c in capacity)
+            or min(capacity) < 0
+        ):
+            raise ValueError(
+                f"capacity: needs one int >= 0 per rank ({self.size}), got {capacity!r}"
+            )
+        self.model, self.optimizer = model, optimizer
+        self._speeds = speeds
+        self.every, self.threshold, self.smoothing = every, float(threshold), float(smoothing)
+        self.capacity = None if capacity is None else list(capacity)
+        #: Each layer's estimated tokens per expert per window (by experts module name).
+        self.loads: dict[str, list[float]] | None = None
+        self.history: list[ExpertRebalanceEvent] = []
+        self._step = 0
+
+    def _checked_speeds(self, speeds: object) -> list[float]:
+        try:
+            values = [float(s) for s in speeds]  # type: ignore[attr-defined]
+        except (TypeError, ValueError):
+            raise ValueError(f"speeds: must be numbers, one per rank, got {speeds!r}") from None
+        if len(values) != self.size or not all(np.isfinite(values)) or min(values) < 0:
+            raise ValueError(
+                f"speeds: needs one finite number >= 0 per rank ({self.size}), got {values}"
+            )
+        return values
+
+    def step(self) -> bool:
+        """Count one step; every ``every`` steps take the loads and decide (collective: every
+        rank of the experts' group calls it as often). True when the experts moved."""
+        self._step += 1
+        if self._step % self.every:
+            return False
+        window = expert_loads(self.model)
+        a = self.smoothing
+        self.loads = {
+            name: [float(x) for x in counts]
+            if self.loads is None
+            else [a * x + (1 - a) * y for x, y in zip(counts, self.loads[name])]
+            for name, counts in window.items()
+        }
+        given = self._speeds() if callable(self._speeds) else self._speeds
+        if given is None:
+            return False  # the speeds are not known yet: the loads are kept
+        speeds = self._checked_speeds(given)
+        old = {
+            name: list(m.shares)
+            for name, m in self.model.named_modules()
+            if isinstance(m, ExpertParallelExperts)
+        }
+        new = experts_placement(
+            [(name, sum(held)) for name, held in old.items()],
+            self.size,
+            speeds=speeds,
+            loads=self.loads,
+            capacity=self.capacity,
+        )
+        before = placement_time(old, self.loads, speeds)
+        after = placement_time(new, self.loads, speeds)
+        applied = new != old and after < before * (1 - self.threshold)
+        if applied:
+            place_experts(self.model, self.optimizer, shares=new)
+        self.history.append(
+            ExpertRebalanceEvent(self._step, tuple(speeds), old, new, before, after, applied)
+        )
+        return applied
