@@ -405,9 +405,10 @@ def test_a_bad_item_count_raises_naming_items():
 
 
 class ExpertsLM(LightningModule):
-    """Hugging Face Mixtral whose experts ``configure_model`` places on the ranks by speed
-    (:func:`hetcoll.torch.expert_parallel`); at the end every rank gathers the whole model and
-    rank 0 saves it in ``out/full.pt``."""
+    """Hugging Face Mixtral whose experts ``configure_model`` places on the ranks
+    (:func:`hetcoll.torch.expert_parallel`: 2 : 1 : 1, not by speed); at the end every rank
+    gathers the whole model and rank 0 saves it in ``out/full.pt``, with the strategy's
+    expert rebalancer's decisions in ``out/moves.json``."""
 
     def __init__(self, out: Path, world: int) -> None:
         super().__init__()
@@ -418,11 +419,9 @@ class ExpertsLM(LightningModule):
         self.out, self.world = out, world
 
     def configure_model(self) -> None:
-        from expert_parallel_cases import SPEEDS
-
         from hetcoll.torch import expert_parallel
 
-        expert_parallel(self.net, speeds=SPEEDS[: self.world])
+        expert_parallel(self.net, shares=[2, 1, 1])
 
     def training_step(self, batch, batch_idx):
         from expert_parallel_cases import lm_loss
@@ -442,25 +441,37 @@ class ExpertsLM(LightningModule):
         from hetcoll.torch import gather_state_dict
 
         full = gather_state_dict(self.net, dst=None)
+        watch = self.trainer.strategy.expert_rebalancer
         if self.global_rank == 0:
             torch.save(full, self.out / "full.pt")
+            moves = [[e.step, e.old_shares, e.new_shares, e.applied] for e in watch.history]
+            (self.out / "moves.json").write_text(json.dumps(moves))
 
 
 def test_experts_placed_on_the_ranks_train_as_one_process(tmp_path):
-    """Mixtral's experts placed by speed in configure_model (3 : 1 : 0 of 4), rows 4 : 2 : 1 of
-    each global batch of 7: BalancedStrategy's DDP leaves each rank's experts to it, and the
-    gathered model after 2 steps equals one process's on the same batches (1e-6: the router's
-    softmax in float32), in the ranks and, sent back whole, in the main process."""
+    """Mixtral's experts placed 2 : 1 : 1 in configure_model, rows 4 : 2 : 1 of each global
+    batch of 7: BalancedStrategy's DDP leaves each rank's experts to it; its expert rebalancer,
+    looking after every step, moves them by their loads at the shares' speeds (each layer to
+    3 : 1 : 0, one after each step); the gathered model after 2 steps equals one process's on the
+    same batches (1e-6: the router's softmax in float32), in the ranks and, sent back whole, in
+    the main process."""
     import tensor_parallel_cases as tp
     from expert_parallel_cases import lm_loss, tokens
 
     trainer = quiet_trainer(
-        BalancedStrategy(shares=[4, 2, 1], start_method=START),
+        BalancedStrategy(shares=[4, 2, 1], start_method=START, rebalance_experts_every=1),
         3,
         max_epochs=1,
         use_distributed_sampler=False,
     )
     trainer.fit(ExpertsLM(tmp_path, 3))
+    # Placed by the loads seen so far: the first step's keep layer 0 where it is, both move it.
+    layer0, layer1 = "net.model.layers.0.mlp.experts", "net.model.layers.1.mlp.experts"
+    even, fast = [2, 1, 1], [3, 1, 0]
+    assert json.loads((tmp_path / "moves.json").read_text()) == [
+        [1, {layer0: even, layer1: even}, {layer0: even, layer1: fast}, True],
+        [2, {layer0: even, layer1: fast}, {layer0: fast, layer1: fast}, True],
+    ]
     torch.manual_seed(0)
     ref = tp.mixtral().double()
     opt = torch.optim.SGD(ref.parameters(), lr=LR)

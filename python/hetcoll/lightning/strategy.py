@@ -21,7 +21,11 @@ adds a :class:`~hetcoll.torch.Rebalancer` fed with each rank's compute time per 
 start to its last gradient bucket ready); new shares apply from the next batch the loader
 fetches, with Lightning's default fetching and ``num_workers=0`` the next step (worker processes
 fetch ahead, so there a few steps later; exact either way, as the hook weights each rank by the
-batch it actually ran).
+batch it actually ran). ``rebalance_experts_every`` adds an
+:class:`~hetcoll.torch.ExpertRebalancer` to a model whose experts ``configure_model`` placed
+(:func:`~hetcoll.torch.expert_parallel`): after every optimizer step it counts, and every so
+many steps it places the experts again by their routed tokens when that pays, at the ranks'
+speeds as last known (measured, else given, else the shares).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 import hetcoll
 from hetcoll.torch import (
     BalancedSampler,
+    ExpertRebalancer,
     Rebalancer,
     SpeedFit,
     WeightedAllreduceState,
@@ -181,16 +186,20 @@ class BalancedStrategy(DDPStrategy):
     exactly (:func:`hetcoll.split`). ``measure``: time every rank's training step when training
     starts and split by the fits (``measure_budget`` seconds at most for the probe). None of
     them: equal shares. ``rebalance_every``: re-solve the shares from the step times every so
-    many steps (:class:`hetcoll.torch.Rebalancer`). ``seed``: the shuffle's seed when the
-    loader's sampler is a ``RandomSampler`` (with Lightning's injected ``DistributedSampler``
-    its seed is used). ``items``: when ``training_step``'s loss is a mean over something else
-    than the batch's rows, such as a language model's valid tokens, a function of the batch as
-    the loader yields it that counts them (``items=lambda batch: int((batch[1] != -100).sum())``
-    for ``(ids, labels)`` batches); each rank's gradient is then weighed by its items and every
-    step is the gradient of the mean over all valid items of the global batch (the shares, the
-    probe and the rebalancer still count rows). A bad count raises ``ValueError`` naming
-    ``items`` on every rank. Other keyword arguments go to ``DDPStrategy`` (e.g.
-    ``start_method="spawn"``); its comm-hook arguments are taken by this strategy.
+    many steps (:class:`hetcoll.torch.Rebalancer`). ``rebalance_experts_every``: for experts
+    placed in ``configure_model`` (:func:`hetcoll.torch.expert_parallel`), look at their routed
+    tokens every so many steps and place them again when that pays
+    (:class:`hetcoll.torch.ExpertRebalancer`, at the ranks' speeds as last known: measured, else
+    ``speeds``, else the shares; :attr:`expert_rebalancer`). ``seed``: the shuffle's seed when
+    the loader's sampler is a ``RandomSampler`` (with Lightning's injected
+    ``DistributedSampler`` its seed is used). ``items``: when ``training_step``'s loss is a mean
+    over something else than the batch's rows, such as a language model's valid tokens, a
+    function of the batch as the loader yields it that counts them (``items=lambda batch:
+    int((batch[1] != -100).sum())`` for ``(ids, labels)`` batches); each rank's gradient is then
+    weighed by its items and every step is the gradient of the mean over all valid items of the
+    global batch (the shares, the probe and the rebalancer still count rows). A bad count raises
+    ``ValueError`` naming ``items`` on every rank. Other keyword arguments go to ``DDPStrategy``
+    (e.g. ``start_method="spawn"``); its comm-hook arguments are taken by this strategy.
 
     The training loader's sampler decides the order: Lightning's ``DistributedSampler`` (its
     default) and ``RandomSampler`` shuffle, ``SequentialSampler`` (``shuffle=False`` with
@@ -214,17 +223,18 @@ class BalancedStrategy(DDPStrategy):
         seed: int = 0,
         measure_budget: float = 10.0,
         items: Items | None = None,
+        rebalance_experts_every: int | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         check_share_source(shares, speeds, measure, measure_budget)
-        if rebalance_every is not None and (
-            isinstance(rebalance_every, bool)
-            or not isinstance(rebalance_every, int)
-            or rebalance_every < 1
+        for name, every in (
+            ("rebalance_every", rebalance_every),
+            ("rebalance_experts_every", rebalance_experts_every),
         ):
-            raise ValueError(
-                f"rebalance_every: must be an integer >= 1 or None, got {rebalance_every!r}"
-            )
+            if every is not None and (
+                isinstance(every, bool) or not isinstance(every, int) or every < 1
+            ):
+                raise ValueError(f"{name}: must be an integer >= 1 or None, got {every!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed: must be an integer, got {seed!r}")
         self.items = items_argument(items)
@@ -243,6 +253,9 @@ class BalancedStrategy(DDPStrategy):
         #: Every rank's measured fit (``measure=True``), in rank order.
         self.fits: list[SpeedFit] | None = None
         self.rebalancer: Rebalancer | None = None
+        self.rebalance_experts_every = rebalance_experts_every
+        #: Watches the experts' loads (``rebalance_experts_every``), from the first step on.
+        self.expert_rebalancer: ExpertRebalancer | None = None
         self.hook_state: WeightedAllreduceState | None = None
         self._step_start = 0.0
         self._local_batch = 0
@@ -256,6 +269,35 @@ class BalancedStrategy(DDPStrategy):
         if self.fits is not None:
             return [f.samples_per_s for f in self.fits]
         return None
+
+    def _expert_speeds(self) -> list[float]:
+        """The ranks' speeds the experts are placed by: as last measured, else given, else the
+        ranks' shares of the batch."""
+        known = self.speeds
+        if known is not None:
+            return known
+        if self._given_speeds is not None:
+            return list(self._given_speeds)
+        if self.sampler is not None:
+            return [float(n) for n in self.sampler.shares]
+        return [1.0] * self.world_size
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.rebalance_experts_every is not None:
+            if self.expert_rebalancer is None:
+                assert self.lightning_module is not None  # set while training
+                try:
+                    self.expert_rebalancer = ExpertRebalancer(
+                        self.lightning_module,
+                        getattr(optimizer, "optimizer", optimizer),  # a LightningOptimizer's
+                        speeds=self._expert_speeds,
+                        every=self.rebalance_experts_every,
+                    )
+                except ValueError as e:
+                    raise ValueError(f"rebalance_experts_every: {e}") from None
+            self.expert_rebalancer.step()
+        return out
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
