@@ -381,16 +381,21 @@ def experts_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, objec
     GPT-OSS in float64, experts placed by speed (the GPU rank, first, holds most), DDP with
     the weighted hook (the GPU rank's buckets staged through host memory), the tokens to and
     from the GPU rank's experts staged the same way; gradients and state after 2 SGD steps
-    equal one process on the CPU (1e-6: the routers' softmax in float32)."""
+    equal one process on the CPU (1e-6: the routers' softmax in float32). Then an
+    ExpertRebalancer moves Mixtral's experts between the devices as training goes on (its
+    decisions under ``"rebalanced"``)."""
     import expert_parallel_cases as ep
     import tensor_parallel_cases as tp
 
     dev = device_of(rank, first)
     with tp.tolerance(1e-6):
-        placed = {
+        placed: dict[str, object] = {
             name: ep.trains_as_one_process(None, make, ep.SPEEDS[:world], device=dev)
             for name, make in (("mixtral", tp.mixtral), ("gpt_oss", tp.gpt_oss))
         }
+        placed["rebalanced"] = [
+            [e[0], e[2], e[3]] for e in ep.rebalanced_while_training(None, device=dev)
+        ]
     return placed
 
 

@@ -155,10 +155,11 @@ def trains_as_one_process(
     return placed_shares(model)
 
 
-def rebalanced_while_training(group: Any) -> list[list[Any]]:
+def rebalanced_while_training(group: Any, device: torch.device | None = None) -> list[list[Any]]:
     """Mixtral placed by speed, its ranks' speeds then reversed: an
     :class:`ExpertRebalancer` looking every 2 steps moves the experts (with their Adam
-    momentum) by the loads it counted, and training goes on as one process's. Returns its
+    momentum) by the loads it counted, and training goes on as one process's (``device``:
+    this rank's, the experts moving between devices through host memory). Returns its
     decisions (step, before, after, moved)."""
     speeds = SPEEDS[: wrap(group).size]
     made: list[ExpertRebalancer] = []
@@ -167,7 +168,9 @@ def rebalanced_while_training(group: Any) -> list[list[Any]]:
         made.append(ExpertRebalancer(model, opt, speeds=speeds[::-1], every=2, threshold=0.0))
         return made[0].step
 
-    trains_as_one_process(group, mixtral, speeds, optimizer="momentum", steps=4, watch=watch)
+    trains_as_one_process(
+        group, mixtral, speeds, optimizer="momentum", steps=4, watch=watch, device=device
+    )
     # Bad arguments raise on construction, naming the argument (nothing is exchanged).
     model = made[0].model
     bad: list[tuple[Any, dict[str, Any], str]] = [

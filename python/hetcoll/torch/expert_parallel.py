@@ -739,8 +739,8 @@ def _carried(m: ExpertParallelExperts, optimizer: torch.optim.Optimizer | None) 
 
 def _move_experts(m: ExpertParallelExperts, new: list[int], carried: list[_Carried]) -> None:
     """``m``'s experts moved to the placement ``new``: each rank sends every rank the experts
-    of its old run that fall in that rank's new run (one all-to-all per dtype), then holds its
-    new run in the same parameter objects (and gradients, optimizer state)."""
+    of its old run that fall in that rank's new run (one all-to-all per dtype), then
+    holds its new run in the same parameter objects (and gradients, optimizer state)."""
     comm, rank, old = m.comm, m.rank, m.shares
     first_old = np.cumsum([0, *old[:-1]])
     first_new = np.cumsum([0, *new[:-1]])
@@ -754,14 +754,18 @@ def _move_experts(m: ExpertParallelExperts, new: list[int], carried: list[_Carri
     # rank order: the received rows are the new run in order.
     send = [overlap(rank, q) for q in range(comm.size)]
     recv = [overlap(q, rank) for q in range(comm.size)]
-    by_dtype: dict[torch.dtype, list[_Carried]] = {}
+    # One exchange per dtype, the same on every rank (agreed); a pack travels on its first
+    # tensor's device (a parameter's) and each part returns to its own (optimizer state may
+    # live elsewhere).
+    packs: dict[torch.dtype, list[_Carried]] = {}
     for c in carried:
-        by_dtype.setdefault(c.tensor.dtype, []).append(c)
+        packs.setdefault(c.tensor.dtype, []).append(c)
     with torch.no_grad():
-        for members in by_dtype.values():
+        for members in packs.values():
+            on = members[0].tensor.device
             widths = [math.prod(c.tensor.shape[1:]) for c in members]
             rows = torch.cat(
-                [c.tensor.reshape(old[rank], w) for c, w in zip(members, widths)], dim=1
+                [c.tensor.reshape(old[rank], w).to(on) for c, w in zip(members, widths)], dim=1
             )
             got = _exchange(rows, comm, send, recv, m.timeout, "placement")
             for c, part in zip(members, got.split(widths, dim=1)):
