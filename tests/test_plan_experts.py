@@ -138,15 +138,52 @@ def test_predict_plan_prices_a_plan_with_experts():
     assert fast.shares == [26, 6, 0] and fast.memory_bytes[2] == 0.0
     assert fast.plan is by_speed and fast.detail["experts"][LAYER(0)] == [3, 1]
     assert fast.detail["all_to_all_s"] > 0 and fast.detail["loss_allreduce_s"] > 0
-    with pytest.raises(ValueError, match="one stage and one micro-batch"):
+    with pytest.raises(ValueError, match="over replicas of one stage; this plan has 2 stages"):
         predict_plan(costs, two, Plan.from_dict(cases.PIPELINES))
+
+
+def test_predict_plan_prices_micro_batches_of_a_plan_with_experts():
+    """Micro-batches run one after another, every replica in each: on one device holding
+    every expert the step is the plan's without experts; two micro-batches of equal halves
+    take exactly one half's forward and backward more than that half alone (one sum, one
+    update, one loss), holding its activations only; the runtime's plan of 2 micro-batches
+    (3 replicas, one of them without experts) is priced."""
+    from hetcoll.model.predict import expert_plan_schedule, predict_plan
+
+    costs = _costs()
+    c1 = _cluster(1e10)
+    for m in (2, 3):
+        alone = Plan.from_dict({"microbatches": m, "replicas": cases.replicas(16), "experts": [4]})
+        one = Plan.from_dict({"microbatches": m, "replicas": cases.replicas(16)})
+        assert predict_plan(costs, c1, alone).step_s == pytest.approx(
+            predict_plan(costs, c1, one).step_s, rel=1e-12
+        )
+    two = _cluster(1e11, 2.5e10)
+    halves = Plan.from_dict(
+        {"microbatches": 2, "replicas": cases.replicas(26, 6), "experts": [3, 1]}
+    )
+    half = Plan.from_dict({"replicas": cases.replicas(13, 3), "experts": [3, 1]})
+    both, once = predict_plan(costs, two, halves), predict_plan(costs, two, half)
+    passes = expert_plan_schedule(costs, two, halves).passes
+    assert len(passes) == 2 and [list(p.shares) for p in passes] == [[13, 3], [13, 3]]
+    end, _ = expert_plan_schedule(costs, two, half).passes[0].timeline()
+    assert both.step_s - once.step_s == pytest.approx(float(end.max()), rel=1e-12)
+    assert both.memory_bytes == pytest.approx(once.memory_bytes, rel=1e-12)
+    whole = predict_plan(costs, two, Plan.from_dict({**halves.to_dict(), "microbatches": 1}))
+    assert all(a < b for a, b in zip(both.memory_bytes, whole.memory_bytes, strict=True))
+    assert both.shares == [26, 6] and both.detail["microbatches"] == 2
+    runtime = predict_plan(costs, _cluster(1e11, 5e10, 2.5e10), Plan.from_dict(cases.BY_SPEED))
+    assert runtime.feasible and runtime.shares == [3, 2, 2]
 
 
 def test_the_planner_proposes_expert_parallelism():
     """For a mixture of experts the planner costs expert parallelism (by speed, and even);
     for a dense model it does not. Where every device is too small for all the experts but
-    the devices together hold them, it is feasible where data parallelism is not."""
+    the devices together hold them, it is feasible where data parallelism is not; where one
+    pass's activations do not fit either, in micro-batches."""
     from hetcoll.model import plan
+    from hetcoll.model.planner.experts import expert_parallel_plan
+    from hetcoll.model.predict import predict_plan
 
     costs = _costs()
     found = {p.strategy: p for p in plan(costs, _cluster(4e10, 1e10), 8)}
@@ -164,6 +201,20 @@ def test_the_planner_proposes_expert_parallelism():
     assert not tight["data parallel, even"].feasible
     assert not tight["data parallel, balanced"].feasible
     assert tight["expert parallel, even"].feasible
+    assert tight["expert parallel, even"].to_plan().microbatches == 1
+    # Memory between two micro-batches' activations and one's: in micro-batches it fits.
+    layers = [(b.module, b.experts) for b in costs.experts]
+    even_plan = expert_parallel_plan(8, [1.0, 1.0], layers, len(costs.plan_layers))
+    cluster = _cluster(4e10, 4e10)
+    once = predict_plan(costs, cluster, even_plan).memory_bytes[0]
+    twice = predict_plan(costs, cluster, Plan.from_dict({**even_plan.to_dict(), "microbatches": 2}))
+    squeezed = {
+        p.strategy: p
+        for p in plan(costs, _cluster(4e10, 4e10, memory=(once + twice.memory_bytes[0]) / 2), 8)
+    }
+    assert squeezed["expert parallel, even"].feasible
+    assert squeezed["expert parallel, even"].to_plan().microbatches == 2
+    assert squeezed["expert parallel, even"].step_s == pytest.approx(twice.step_s, rel=1e-12)
 
 
 @pytest.mark.multiproc

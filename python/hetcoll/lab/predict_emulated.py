@@ -43,6 +43,7 @@ from hetcoll.model.hardware import Cluster
 from hetcoll.model.predict import (
     DataParallelSchedule,
     ExpertParallelSchedule,
+    ExpertPlanSchedule,
     FilterParallelSchedule,
     Prediction,
     data_parallel_schedule,
@@ -211,7 +212,7 @@ def filter_parallel(
 
 
 def slowed_by_parameters(
-    schedule: DataParallelSchedule | ExpertParallelSchedule,
+    schedule: DataParallelSchedule | ExpertParallelSchedule | ExpertPlanSchedule,
     costs: ModelCosts,
     speeds: Sequence[float],
 ) -> Prediction:
@@ -223,9 +224,13 @@ def slowed_by_parameters(
     >>> slowed_by_parameters(expert_parallel_schedule(costs, c, [26, 6], [7, 1]), costs,
     ...                      [1.0, 0.25]).step_s  # doctest: +SKIP
     """
-    slow = _slowdowns(speeds, len(schedule.update_s))
+    one = schedule.passes[0] if isinstance(schedule, ExpertPlanSchedule) else schedule
+    slow = _slowdowns(speeds, len(one.update_s))
     rows = np.array([x.param_bytes > 0 for x in costs.layers], dtype=bool)
     factor = np.where(rows[:, None], slow[None, :], 1.0)
+    if isinstance(schedule, ExpertPlanSchedule):  # each micro-batch's pass alike
+        passes = tuple(replace(p, layers=p.layers.scaled(factor)) for p in schedule.passes)
+        return replace(schedule, passes=passes).prediction()
     layers = schedule.layers.scaled(factor)
     if isinstance(schedule, DataParallelSchedule):  # its backward starts after the slower forward
         return replace(

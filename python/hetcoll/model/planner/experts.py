@@ -16,14 +16,19 @@ from hetcoll.plan import Plan
 
 
 def expert_parallel_plan(
-    batch: int, speeds: Sequence[float], experts: Sequence[tuple[str, int]], layers: int
+    batch: int,
+    speeds: Sequence[float],
+    experts: Sequence[tuple[str, int]],
+    layers: int,
+    microbatches: int = 1,
 ) -> Plan:
     """Expert parallelism at ``speeds`` (one per device) as a :class:`hetcoll.Plan`: a
     single-rank replica of the model's ``layers`` on each device its share of ``batch``
     (:func:`hetcoll.split`) gives samples, and each experts layer (``experts``: module path
     and experts, as :func:`hetcoll.torch.expert_parallel.find_experts` and ``costs.experts``
     give them) placed on those devices by the same speeds (:func:`hetcoll.torch.expert_shares`,
-    the runtime's rule): one list where every layer is placed alike."""
+    the runtime's rule): one list where every layer is placed alike. ``microbatches``: each
+    replica's samples run in that many passes (every replica at least that many samples)."""
     from hetcoll.torch.expert_parallel import expert_shares
 
     rows = [int(n) for n in hetcoll.split(batch, list(speeds))]
@@ -32,7 +37,7 @@ def expert_parallel_plan(
     alike = {tuple(v) for v in placed.values()}
     return Plan.from_dict(
         {
-            "microbatches": 1,
+            "microbatches": microbatches,
             "replicas": [
                 {"samples": rows[d], "stages": [{"ranks": [d], "layers": [0, layers]}]}
                 for d in keep
@@ -53,18 +58,26 @@ def expert_parallel_candidates(
     each device's samples and experts in proportion to its ``speeds`` (a device given no
     sample sits the step out), and ``"even"`` (the even experts and samples of DeepSpeed-MoE
     and Megatron-LM). None where the model holds no experts layer or the cluster one device.
-    A placement that does not fit a device's memory is an infeasible candidate, as any
-    other."""
+    Where a placement's activations do not fit a device's memory, its samples run in
+    micro-batches, the fewest of 2, 4, 8, ... that fit (each replica at least one sample a
+    micro-batch); a placement that fits in none is an infeasible candidate, as any other."""
     if not costs.experts or cluster.num_devices < 2:
         return []
     layers = [(block.module, block.experts) for block in costs.experts]
-    return [
-        predict.predict_plan(
-            costs,
-            cluster,
-            expert_parallel_plan(batch, by, layers, len(costs.plan_layers)),
-            optimizer_state_copies=optimizer_state_copies,
-            strategy=f"expert parallel, {name}",
-        )
-        for name, by in (("balanced", list(speeds)), ("even", [1.0] * cluster.num_devices))
-    ]
+    out = []
+    for name, by in (("balanced", list(speeds)), ("even", [1.0] * cluster.num_devices)):
+        fewest = min(n for n in hetcoll.split(batch, by) if n > 0)
+        m = 1
+        while True:
+            found = predict.predict_plan(
+                costs,
+                cluster,
+                expert_parallel_plan(batch, by, layers, len(costs.plan_layers), m),
+                optimizer_state_copies=optimizer_state_copies,
+                strategy=f"expert parallel, {name}",
+            )
+            if found.feasible or 2 * m > fewest:
+                break
+            m *= 2
+        out.append(found)
+    return out

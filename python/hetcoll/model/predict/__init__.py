@@ -79,6 +79,7 @@ from hetcoll.model.predict.pipelines import (
     pipeline_stages,
 )
 from hetcoll.model.predict.plans import (
+    ExpertPlanSchedule,
     StagesSpec,
     expert_plan_schedule,
     predict_plan,
@@ -135,6 +136,7 @@ __all__ = [
     "FILTER_MODES",
     "DataParallelSchedule",
     "ExpertParallelSchedule",
+    "ExpertPlanSchedule",
     "FilterParallelSchedule",
     "LayerSeconds",
     "PlanSchedule",

@@ -55,14 +55,14 @@ class ExpertParallelSchedule:
     memory_bytes: np.ndarray
     reason: str
 
-    def prediction(self) -> Prediction:
-        """The step: each device's forward, its devices meeting at every experts layer's
-        exchanges; the backward likewise, the buckets' allreduces overlapping it (as DDP's do)
-        or after it; then the optimizer."""
+    def timeline(self, start: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The forward and backward from ``start`` (each device's clock; zeros): each device's
+        clock at the end of its backward, and when each layer's backward ended on each device.
+        The devices meet at every experts layer's exchanges."""
         lt, n = self.layers, self.layers.forward_s.shape[0]
         first = {g[0]: g for g in self.groups}
         last = {g[1]: g for g in self.groups}
-        t = np.zeros(lt.forward_s.shape[1])
+        t = np.zeros(lt.forward_s.shape[1]) if start is None else np.array(start, dtype=float)
         for i in range(n):
             if i in first:
                 t[:] = t.max() + first[i][2]
@@ -77,25 +77,56 @@ class ExpertParallelSchedule:
             if i in first:
                 t[:] = t.max() + first[i][5]
             done[i] = t
+        return t, done
+
+    @property
+    def exchange_s(self) -> float:
+        """The seconds of every experts layer's exchanges, forward and backward."""
+        return float(sum(g[2] + g[3] + g[4] + g[5] for g in self.groups))
+
+    def prediction(self) -> Prediction:
+        """The step: each device's forward, its devices meeting at every experts layer's
+        exchanges; the backward likewise, the buckets' allreduces overlapping it (as DDP's do)
+        or after it; then the optimizer."""
+        t, done = self.timeline()
+        return self.finish(
+            t, done, self.layers, self.exchange_s, self.shares, self.memory_bytes, self.reason
+        )
+
+    def finish(
+        self,
+        t: np.ndarray,
+        done: np.ndarray,
+        layers: LayerSeconds,
+        exchange_s: float,
+        shares: np.ndarray,
+        memory_bytes: np.ndarray,
+        reason: str,
+        **detail: object,
+    ) -> Prediction:
+        """The step whose backward ended at ``t`` (``done``: each layer's, as
+        :meth:`timeline` gives them): the buckets' allreduces, then the optimizer. ``layers``,
+        ``exchange_s``, ``shares``, ``memory_bytes`` and ``reason``: the whole step's (every
+        pass's), for the prediction's breakdown and record; ``detail`` joins its detail."""
         busy = float(t.max())
         end = buckets_end(self.buckets, done.max(axis=1), busy, self.overlap)
         opt = self.update_s
         slowest = int(np.argmax(t + opt))
         step = max(busy, end) + float(opt.max())
-        exchange = sum(g[2] + g[3] + g[4] + g[5] for g in self.groups)
         return samples_prediction(
             self.strategy,
-            self.shares,
+            shares,
             step,
-            lt.breakdown(slowest, float(opt[slowest]), step),
-            self.memory_bytes,
-            self.reason,
+            layers.breakdown(slowest, float(opt[slowest]), step),
+            memory_bytes,
+            reason,
             {
-                "all_to_all_s": exchange,
+                "all_to_all_s": exchange_s,
                 "allreduce_s": float(sum(c for _, c in self.buckets)),
                 "buckets": len(self.buckets),
                 "experts": {name: list(held) for name, held in self.experts.items()},
                 "critical_device": slowest,
+                **detail,
             },
         )
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,7 @@ from hetcoll.model.predict.layout import ReplicaLayout, StageLayout, plan_layout
 from hetcoll.model.predict.prediction import Prediction, on_devices
 from hetcoll.model.predict.schedule import layout_schedule, loss_allreduce_seconds
 from hetcoll.model.predict.splits import blocks_need_empty, splits_loss
-from hetcoll.model.predict.timing import device_arrays
+from hetcoll.model.predict.timing import LayerSeconds, device_arrays
 from hetcoll.plan import Plan, microbatch_sizes
 
 #: Replicas as the planner lays them out before building their plan: samples, and per stage
@@ -294,8 +295,9 @@ def predict_plan(
 
     A plan whose replicas hold whole experts (its ``experts``) is the expert-parallel step
     (:func:`~hetcoll.model.predict.expert_parallel_schedule`) of its replicas' samples, one
-    rank and one micro-batch each (other shapes raise ``ValueError``), with the runtime's
-    one allreduce of the replicated gradients after the backward.
+    rank each (other shapes raise ``ValueError``), one pass per micro-batch, with the
+    runtime's one allreduce of the replicated gradients after the backward
+    (:func:`expert_plan_schedule`).
 
     >>> predict_plan(costs, cluster, Plan.load("plan.json")).step_s  # doctest: +SKIP
     """
@@ -310,6 +312,38 @@ def predict_plan(
     return pred
 
 
+@dataclass(frozen=True)
+class ExpertPlanSchedule:
+    """The step of a plan with ``experts`` laid out (:func:`expert_plan_schedule` builds it,
+    :meth:`prediction` times it): one expert-parallel pass per micro-batch, every replica
+    running each at its micro-batch's samples (the devices meet at every pass's exchanges),
+    then the replicated gradients summed once, in one buffer, and the optimizer."""
+
+    passes: tuple[ExpertParallelSchedule, ...]
+
+    def prediction(self) -> Prediction:
+        """The passes one after another on each device, then the sum and the update (the
+        last pass's); memory is the largest pass's (one micro-batch's activations live at a
+        time)."""
+        t: np.ndarray | None = None
+        done = np.zeros(0)
+        layers: LayerSeconds | None = None
+        for one in self.passes:
+            t, done = one.timeline(t)
+            layers = one.layers if layers is None else layers + one.layers
+        assert t is not None and layers is not None  # a plan has a micro-batch at least
+        return self.passes[-1].finish(
+            t,
+            done,
+            layers,
+            sum(one.exchange_s for one in self.passes),
+            np.sum([one.shares for one in self.passes], axis=0),
+            np.max([one.memory_bytes for one in self.passes], axis=0),
+            next((one.reason for one in self.passes if one.reason), ""),
+            microbatches=len(self.passes),
+        )
+
+
 def expert_plan_schedule(
     costs: ModelCosts,
     cluster: Cluster,
@@ -317,19 +351,19 @@ def expert_plan_schedule(
     *,
     optimizer_state_copies: int = 1,
     strategy: str = "plan",
-) -> ExpertParallelSchedule:
-    """The step of a plan with ``experts`` laid out (:func:`predict_plan` times it): the
-    expert-parallel step (:func:`~hetcoll.model.predict.expert_parallel_schedule`) of the
-    plan's ranks, in increasing order (the others idle), each at its replica's samples, its
-    gradients summed in one buffer after the backward, as the runtime sums them. Replicas of
-    one stage and one micro-batch only: other shapes raise ``ValueError``."""
+) -> ExpertPlanSchedule:
+    """The step of a plan with ``experts`` laid out (:func:`predict_plan` times it): for each
+    micro-batch, the expert-parallel step's forward and backward
+    (:func:`~hetcoll.model.predict.expert_parallel_schedule`) of the plan's ranks, in
+    increasing order (the others idle), each at its replica's samples in that micro-batch
+    (:meth:`hetcoll.Plan.microbatch_sizes`); then its gradients summed in one buffer, as
+    the runtime sums them. Replicas of one stage only: other shapes raise ``ValueError``."""
     if plan.experts is None:
         raise ValueError("plan: places no experts (its experts field is empty)")
-    if plan.microbatches > 1 or len(plan.replicas[0].stages) > 1:
+    if len(plan.replicas[0].stages) > 1:
         raise ValueError(
-            "plan: predict_plan prices expert parallelism over replicas of one stage and one "
-            f"micro-batch; this plan has {len(plan.replicas[0].stages)} stages per replica and "
-            f"{plan.microbatches} micro-batches"
+            "plan: predict_plan prices expert parallelism over replicas of one stage; this "
+            f"plan has {len(plan.replicas[0].stages)} stages per replica"
         )
     ranks = [r.stages[0].ranks[0] for r in plan.replicas]
     if max(ranks) >= cluster.num_devices:
@@ -343,16 +377,23 @@ def expert_plan_schedule(
         if isinstance(given, Mapping)
         else [given[i] for i in order]
     )
-    return expert_parallel_schedule(
-        costs,
-        cluster.subset(sorted(ranks)),
-        [plan.replicas[i].samples for i in order],
-        experts,
-        overlap=False,
-        optimizer_state_copies=optimizer_state_copies,
-        first_bucket_bytes=math.inf,
-        bucket_bytes=math.inf,
-        strategy=strategy,
+    sizes = [plan.microbatch_sizes(i) for i in order]
+    on = cluster.subset(sorted(ranks))
+    return ExpertPlanSchedule(
+        tuple(
+            expert_parallel_schedule(
+                costs,
+                on,
+                [mine[k] for mine in sizes],
+                experts,
+                overlap=False,
+                optimizer_state_copies=optimizer_state_copies,
+                first_bucket_bytes=math.inf,
+                bucket_bytes=math.inf,
+                strategy=strategy,
+            )
+            for k in range(plan.microbatches)
+        )
     )
 
 

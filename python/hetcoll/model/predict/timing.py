@@ -286,6 +286,17 @@ class LayerSeconds:
             self.overhead_s * factor,
         )
 
+    def __add__(self, other: LayerSeconds) -> LayerSeconds:
+        """Both steps' times, layer by layer and device by device (a step of several passes:
+        micro-batches)."""
+        return LayerSeconds(
+            self.forward_s + other.forward_s,
+            self.backward_s + other.backward_s,
+            self.compute_s + other.compute_s,
+            self.memory_s + other.memory_s,
+            self.overhead_s + other.overhead_s,
+        )
+
     def breakdown(self, device: int, optimizer_s: float, step_s: float) -> dict[str, float]:
         """Device ``device``'s step by cause: its layers' compute, memory stalls and kernel
         overheads, its optimizer step, and the rest of ``step_s`` as exposed communication
