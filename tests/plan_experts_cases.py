@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import transformer_cases as tc
 
-from hetcoll import Plan
+from hetcoll import CollectiveMismatchError, Plan
 from hetcoll.torch import parallelize
 from hetcoll.torch.expert_parallel import ExpertParallelExperts
 
@@ -62,20 +63,27 @@ def prompt_rows(plan: Plan, steps: int = 2) -> list[tuple[dict[str, torch.Tensor
     return data
 
 
-def trains_as_one_process(group: Any, plan: Plan, data: Any) -> dict[str, Any]:
+def trains_as_one_process(
+    group: Any, plan: Plan, data: Any, between: Any = None, after: Any = None
+) -> dict[str, Any]:
     """``plan`` trains Mixtral (float64, SGD with momentum) as one process on the whole batch
-    does: each step's loss and the gathered state to 1e-10. Returns this rank's experts per
-    layer and the traffic of its last step."""
+    does: each step's loss and the gathered state to 1e-10. ``between(step, par, opt)`` runs
+    between each step's backward and its optimizer step, ``after(step, par, opt)`` after it.
+    Returns this rank's experts per layer and the traffic of its last step."""
     torch.manual_seed(0)
     model = tc.mixtral().double()
     want_losses, want_state = tc.reference(model, data, 0.1)
     par = parallelize(model, plan, loss_fn=tc.lm_loss, items=tc.valid_tokens, group=group)
     opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)
-    for (x, y), want in zip(data, want_losses, strict=True):
+    for n, ((x, y), want) in enumerate(zip(data, want_losses, strict=True)):
         loss = par.step(x, y)
         assert abs(loss - want) <= tc.TOL * abs(want), (loss, want)
+        if between is not None:
+            between(n, par, opt)
         opt.step()
         opt.zero_grad()
+        if after is not None:
+            after(n, par, opt)
     got = par.full_state_dict()
     assert list(got) == list(want_state)
     worst = max(tc.rel(got[k], v) for k, v in want_state.items() if v.is_floating_point())
@@ -86,6 +94,58 @@ def trains_as_one_process(group: Any, plan: Plan, data: Any) -> dict[str, Any]:
         if isinstance(m, ExpertParallelExperts)
     }
     return {"held": held, "traffic": par.traffic()}
+
+
+#: PIPELINES' experts placed again by hand, per replica (each layer its own way).
+BY_HAND = {
+    EXPERTS.format(0): [1, 3],
+    EXPERTS.format(1): [4, 0],
+    EXPERTS.format(2): [3, 1],
+    EXPERTS.format(3): [2, 2],
+}
+
+
+def placed_again(group: Any) -> dict[str, Any]:
+    """PIPELINES' plan (2 replicas of 2 stages, their ranks crossed) trains 4 steps as one
+    process does while its experts move: by hand between the first step's backward and its
+    optimizer step (:meth:`Parallel.place_experts`, with their gradients and momentum), then
+    by an :class:`ExpertRebalancer` at speeds 1 : 0.25 after the third (looking every 2
+    steps). Returns the plan's experts after each move, the rebalancer's decisions, and the
+    routed tokens per layer it placed them by (every replica's, summed)."""
+    from hetcoll.torch import ExpertRebalancer
+
+    plan = Plan.from_dict(PIPELINES)
+    seen: dict[str, Any] = {}
+    watch: list[ExpertRebalancer] = []
+
+    def by_hand(n: int, par: Any, opt: Any) -> None:
+        if n == 0:
+            # Bad arguments raise on every rank, and placements that differ between ranks
+            # raise CollectiveMismatchError on every rank, before anything moves.
+            for kwargs, error, text in (
+                ({}, TypeError, "speeds: give exactly one"),
+                ({"speeds": [1.0]}, ValueError, r"speeds: needs one per replica \(2\)"),
+                ({"shares": {EXPERTS.format(0): [4, 0]}}, ValueError, "shares: must name every"),
+                ({"shares": [4, 0] if par.rank else [0, 4]}, CollectiveMismatchError, "experts"),
+            ):
+                with pytest.raises(error, match=text):
+                    par.place_experts(opt, **kwargs)
+            assert par.expert_loads() != {}  # taken: the rebalancer counts from here
+            seen["by_hand"] = par.place_experts(opt, shares=BY_HAND)
+            assert par.experts_placement == BY_HAND  # the plan names them now
+            watch.append(ExpertRebalancer(par, opt, speeds=[1.0, 0.25], every=2, threshold=0))
+
+    def rebalance(n: int, par: Any, opt: Any) -> None:
+        if n > 0:
+            watch[0].step()
+        if n == 2:  # the tokens the rebalancer placed by: steps 1 and 2's
+            assert watch[0].loads is not None
+            seen["routed"] = {k: sum(v) for k, v in watch[0].loads.items()}
+            seen["plan"] = par.experts_placement
+
+    out = trains_as_one_process(group, plan, tc.batches(plan.batch, 4), by_hand, rebalance)
+    decisions = [[e.step, e.new_shares, e.applied] for e in watch[0].history]
+    return {**seen, "decisions": decisions, "held": out["held"]}
 
 
 def planned(group: Any) -> dict[str, Any]:
@@ -133,6 +193,7 @@ def run_all(group: Any, *parts: str) -> dict[str, Any]:
         # Weights and Adam's state gathered under one placement resume under the other.
         "resumed": lambda: tc.resumes_on_another_plan(group, tc.mixtral, (BY_SPEED, PIPELINES)),
         "planned": lambda: planned(group),
+        "placed_again": lambda: placed_again(group),
         "errors": lambda: bad_plans(group),
     }
     return {name: run() for name, run in cases.items() if not parts or name in parts}

@@ -25,7 +25,8 @@ def test_gloo_plans_with_experts_train_as_one_process():
     """Every case against one process on the whole batch, float64, 1e-10: 3 single-rank
     replicas (experts 3 : 1 : 0, a micro-batch of prompt only, rank 3 idle); 2 replicas of 2
     stages under 1F1B, each layer placed its own way; a checkpoint (weights and Adam's state)
-    taken under the first and resumed under the second; the planner's plan. Plans that do not
+    taken under the first and resumed under the second; the planner's plan; the second's
+    experts placed again by hand and by an ExpertRebalancer as it trains. Plans that do not
     fit the model raise the same error on every rank."""
     results = launch.spawn(cases.run_torch, 4, timeout=400)
     by_speed = [r["by_speed"]["held"] for r in results]
@@ -41,6 +42,7 @@ def test_gloo_plans_with_experts_train_as_one_process():
         {LAYER(0): 0, LAYER(1): 3},
     ]
     assert all(r["resumed"] for r in results)
+    _placed_again(results)
     planned = results[0]["planned"]["plan"]
     assert "experts" in planned and all(r["planned"]["plan"] == planned for r in results)
     assert sum(r["planned"]["held"][LAYER(0)] for r in results) == 4
@@ -50,6 +52,24 @@ def test_gloo_plans_with_experts_train_as_one_process():
     assert errors[0].startswith("plan.experts: must be 3 ints >= 0 summing to the 4 experts of")
     assert errors[1].startswith("plan.experts: must name every experts module")
     assert errors[2].startswith("model: holds no experts module")
+
+
+def _placed_again(results: list[dict]) -> None:
+    """PIPELINES' experts moved by hand, then by the rebalancer (plan_experts_cases.
+    placed_again): every rank's plan follows; each replica's ranks hold what it says."""
+    again = [r.pop("placed_again") for r in results]
+    moved = {LAYER(0): [4, 0], LAYER(1): [3, 1], LAYER(2): [3, 1], LAYER(3): [4, 0]}
+    # 2 steps of 7 rows of 9 tokens, 2 experts each, every replica's summed.
+    assert [a["decisions"] for a in again] == [[[2, moved, True]]] * 4
+    assert all(a["routed"] == dict.fromkeys(moved, 252) for a in again)
+    assert all(a["by_hand"] == cases.BY_HAND and a["plan"] == moved for a in again)
+    # Ranks 0 and 3 run replica 0's and 1's first stage, ranks 2 and 1 their second.
+    assert [a["held"] for a in again] == [
+        {LAYER(0): 4, LAYER(1): 3},
+        {LAYER(2): 1, LAYER(3): 0},
+        {LAYER(2): 3, LAYER(3): 4},
+        {LAYER(0): 0, LAYER(1): 1},
+    ]
 
 
 def test_plan_with_experts_round_trips_through_json(tmp_path):
@@ -220,10 +240,12 @@ def test_the_planner_proposes_expert_parallelism():
 @pytest.mark.multiproc
 def test_mpi_plans_with_experts_train_as_one_process():
     """The same on 4 MPI ranks (mpi4py, no torch.distributed): the experts' exchanges on an
-    MPI sub-communicator of their own."""
+    MPI sub-communicator of their own, and moved on it."""
     worker = str(Path(__file__).parent / "mpi_workers" / "cases.py")
-    proc = launch.mpiexec(4, [worker, "plan_experts_cases", "by_speed", "pipelines"], timeout=400)
+    parts = ["by_speed", "pipelines", "placed_again"]
+    proc = launch.mpiexec(4, [worker, "plan_experts_cases", *parts], timeout=400)
     results = json.loads(proc.stdout.strip().splitlines()[-1])
+    _placed_again(results)
     assert [r["by_speed"]["held"].get(LAYER(0)) for r in results] == [3, 1, 0, None]
     assert [sorted(r["pipelines"]["held"].values()) for r in results] == [
         [1, 4], [2, 4], [0, 2], [0, 3]

@@ -532,7 +532,7 @@ def expert_parallel(
             raise ValueError(f"combine: must be one of {COMBINE}, got {combine!r}")
     except ValueError as e:  # raised here after the others learn of it, none waiting
         failure = e
-    _agree_placed(whole, placed, failure)
+    agree_placement(whole, placed, failure)
     # The experts' exchanges run on a group of their own: data parallelism's gradient
     # reductions (DDP's hook) run during the same backward, on the user's group, and two
     # streams of collectives on one group would interleave differently on different ranks.
@@ -574,8 +574,8 @@ def find_experts(model: nn.Module) -> list[tuple[str, int]]:
     return found
 
 
-def _agree_placed(
-    comm: Communicator, placed: dict[str, list[int]], failure: ValueError | None
+def agree_placement(
+    comm: Communicator, placed: Mapping[str, Sequence[int]], failure: ValueError | None
 ) -> None:
     """One agreement before any other collective: every layer's placement the same on every
     rank, or every rank raises (:class:`hetcoll.CollectiveMismatchError` naming the layer, or
@@ -680,22 +680,37 @@ def place_experts(
         )
     except ValueError as e:  # raised after the others learn of it, none waiting
         failure = e
-    _agree_placed(comm, placed, failure)  # before anything moves
-    moving = [(name, m) for name, m in layers if placed[name] != m.shares]
-    carried = {name: _carried(m, optimizer) for name, m in moving}
+    agree_placement(comm, placed, failure)  # before anything moves
+    move_experts([(name, m, placed[name]) for name, m in layers], optimizer)
+    return placed
+
+
+def move_experts(
+    moves: Sequence[tuple[str, ExpertParallelExperts, list[int]]],
+    optimizer: torch.optim.Optimizer | None = None,
+) -> None:
+    """Each experts layer of ``moves`` (its name, the layer, its new experts per rank of its
+    group: every layer on one group) holding its new placement, in place, only the experts
+    that change rank moving (with their gradients and, with ``optimizer``, their state:
+    :func:`place_experts`). Collective over the layers' group, every rank with the same
+    placements (agreed by the caller); the state's layout is agreed here, before anything
+    moves."""
+    moving = [(name, m, new) for name, m, new in moves if new != m.shares]
+    if not moving:
+        return
+    carried = {name: _carried(m, optimizer) for name, m, _ in moving}
     agree(
-        comm,
+        moving[0][1].comm,
         {
             f"the gradients and optimizer state of {name}'s experts": zlib.crc32(
                 repr([(c.what, c.tensor.dtype, tuple(c.tensor.shape[1:])) for c in held]).encode()
             )
             for name, held in carried.items()
         },
-        deadline(layers[0][1].timeout),
+        deadline(moving[0][1].timeout),
     )
-    for name, m in moving:
-        _move_experts(m, placed[name], carried[name])
-    return placed
+    for name, m, new in moving:
+        _move_experts(m, new, carried[name])
 
 
 def _placed_layers(model: nn.Module) -> list[tuple[str, ExpertParallelExperts]]:

@@ -31,6 +31,7 @@ from hetcoll.torch.expert_parallel import (
     experts_placement,
     place_experts,
 )
+from hetcoll.torch.parallel_experts import PlanExperts
 
 #: The ranks' speeds (any unit, one per rank), or a function of nothing giving them at each
 #: decision (None while they are not known yet: :attr:`hetcoll.torch.Rebalancer.speeds`).
@@ -80,12 +81,14 @@ def placement_time(
 
 
 class ExpertRebalancer:
-    """Watch the experts' loads of a model placed by :func:`expert_parallel` and place its
-    experts again when that pays.
+    """Watch the experts' loads of a model placed by :func:`expert_parallel` (or of a
+    :class:`~hetcoll.torch.Parallel` whose plan places experts) and place its experts again
+    when that pays.
 
     Call :meth:`step` on every rank after every optimizer step; every ``every`` steps it
-    decides (collectively, on the experts' group) and returns True when the experts moved.
-    ``speeds``: the ranks' speeds, one per rank, or a function of nothing that gives them (or
+    decides (collectively, on the experts' group; a ``Parallel``'s whole group) and returns
+    True when the experts moved. ``speeds``: the ranks' speeds, one per rank (a ``Parallel``:
+    one per replica, in its plan's order), or a function of nothing that gives them (or
     None while unknown) at each decision, e.g. ``lambda: rebalancer.speeds`` of the
     :class:`~hetcoll.torch.Rebalancer` that splits the batch. ``optimizer`` (built over
     ``model.parameters()``): its state moves with the experts. ``threshold``: the least
@@ -111,9 +114,15 @@ class ExpertRebalancer:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
-        layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
-        if not layers:
-            raise ValueError("model: holds no experts placed by expert_parallel")
+        if isinstance(model, PlanExperts):  # a plan's replicas
+            if not model.plan.experts:
+                raise ValueError("model: its plan places no experts (its experts field)")
+            self.size = len(model.plan.replicas)
+        else:
+            layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+            if not layers:
+                raise ValueError("model: holds no experts placed by expert_parallel")
+            self.size = layers[0].comm.size
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 "optimizer: must be a torch.optim.Optimizer or None, got "
@@ -125,7 +134,6 @@ class ExpertRebalancer:
             raise ValueError(f"threshold: must be a number >= 0, got {threshold!r}")
         if not (isinstance(smoothing, (int, float)) and 0.0 < smoothing <= 1.0):
             raise ValueError(f"smoothing: must be in (0, 1], got {smoothing!r}")
-        self.size = layers[0].comm.size
         if not callable(speeds):
             speeds = self._checked_speeds(speeds)
         if capacity is not None and (
@@ -163,7 +171,8 @@ class ExpertRebalancer:
         self._step += 1
         if self._step % self.every:
             return False
-        window = expert_loads(self.model)
+        plan = self.model if isinstance(self.model, PlanExperts) else None
+        window = plan.expert_loads() if plan is not None else expert_loads(self.model)
         a = self.smoothing
         self.loads = {
             name: [float(x) for x in counts]
@@ -175,11 +184,15 @@ class ExpertRebalancer:
         if given is None:
             return False  # the speeds are not known yet: the loads are kept
         speeds = self._checked_speeds(given)
-        old = {
-            name: list(m.shares)
-            for name, m in self.model.named_modules()
-            if isinstance(m, ExpertParallelExperts)
-        }
+        old = (
+            plan.experts_placement
+            if plan is not None
+            else {
+                name: list(m.shares)
+                for name, m in self.model.named_modules()
+                if isinstance(m, ExpertParallelExperts)
+            }
+        )
         new = experts_placement(
             [(name, sum(held)) for name, held in old.items()],
             self.size,
@@ -190,7 +203,9 @@ class ExpertRebalancer:
         before = placement_time(old, self.loads, speeds)
         after = placement_time(new, self.loads, speeds)
         applied = new != old and after < before * (1 - self.threshold)
-        if applied:
+        if applied and plan is not None:
+            plan.place_experts(self.optimizer, shares=new)
+        elif applied:
             place_experts(self.model, self.optimizer, shares=new)
         self.history.append(
             ExpertRebalanceEvent(self._step, tuple(speeds), old, new, before, after, applied)

@@ -54,6 +54,7 @@ from hetcoll.torch.filters import (
 from hetcoll.torch.filters.chains import choose_layers
 from hetcoll.torch.layers import model_cut
 from hetcoll.torch.parallel_checkpoint import PlanCheckpoints, as_bytes
+from hetcoll.torch.parallel_experts import PlanExperts
 from hetcoll.torch.placement import (
     Block,
     OwnersStage,
@@ -148,7 +149,7 @@ def _device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-class Parallel(PlanCheckpoints, nn.Module):
+class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
     """This rank's part of a model run under a :class:`~hetcoll.plan.Plan` (made by
     :func:`parallelize`). ``parameters()`` are this rank's: any optimizer with an elementwise
     update (SGD, Adam, ...) steps them as the unsplit model's. An idle rank holds one empty
@@ -197,6 +198,7 @@ class Parallel(PlanCheckpoints, nn.Module):
         # and whether this rank's stage holds experts (its forwards exchange tokens).
         self._experts_names: frozenset[str] = frozenset()
         self._experts_here = False
+        self._experts_layers: list[tuple[str, int, int]] = []
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -1014,6 +1016,7 @@ def parallelize(
         for path in experts
         for n, _ in model.get_submodule(path).named_parameters(recurse=False)
     )
+    par._experts_layers = [(path, sum(held), j) for path, (j, held) in experts.items()]
     if par.place is not None:
         i, j = par.place
         stage = plan.replicas[i].stages[j]
