@@ -19,7 +19,9 @@ the batch by :func:`hetcoll.split` over the speeds unless said otherwise):
 4. the placement by speed as a plan (:func:`hetcoll.torch.parallelize` of a
    :class:`hetcoll.Plan` with ``experts``, the plan the planner's ``"expert parallel,
    balanced"`` candidate writes at these speeds): the same experts and rows, run by the plan
-   runtime (its gradients summed after the backward) rather than DDP's bucketed hook.
+   runtime (its gradients summed after the backward) rather than DDP's bucketed hook;
+5. the same plan in 4 micro-batches (one forward and backward per micro-batch, every
+   replica in each: a quarter of the activations held, four times the exchanges).
 
 Each strategy also reports the bytes of parameters each rank holds (the experts' memory).
 
@@ -81,8 +83,10 @@ STRATEGIES: dict[str, tuple[str | None, str]] = {
 }
 #: The peer of any placement: the unsplit model on the fast rank alone (the slow rank idle).
 ALONE = "unsplit, fast rank alone"
-#: The placement by speed as a plan run by parallelize.
+#: The placement by speed as a plan run by parallelize, in one micro-batch and in several.
 PLANNED = "experts by speed, rows by speed, plan"
+PLANNED_MB = "experts by speed, rows by speed, plan, 4 micro-batches"
+PLANS = {PLANNED: 1, PLANNED_MB: 4}
 #: The peer the placement by speed is compared with: the even placement of DeepSpeed-MoE and
 #: Megatron-LM, rows even too.
 EVEN = "experts even, rows even"
@@ -146,24 +150,25 @@ def _rank(rank: int, world: int, batch: int, steps: int) -> dict[str, Any]:
             "rows": [int(r) for r in rows],
             "param_bytes": int(own),
         }
-    plan = expert_parallel_plan(batch, SPEEDS, find_experts(model), len(model_layers(model)))
-    par = parallelize(copy.deepcopy(model), plan, loss_fn=ex.lm_loss)
-    assert par.stage is not None
-    slow_down(par.stage, SPEEDS[rank])
-    par_opt = torch.optim.SGD(par.parameters(), lr=1e-3)
+    for name, m in PLANS.items():
+        plan = expert_parallel_plan(batch, SPEEDS, find_experts(model), len(model_layers(model)), m)
+        par = parallelize(copy.deepcopy(model), plan, loss_fn=ex.lm_loss)
+        assert par.stage is not None
+        slow_down(par.stage, SPEEDS[rank])
+        par_opt = torch.optim.SGD(par.parameters(), lr=1e-3)
 
-    def plan_step() -> None:
-        par_opt.zero_grad()
-        par.step({"input_ids": ids}, ids)
-        par_opt.step()
+        def plan_step(par: Any = par, par_opt: Any = par_opt) -> None:
+            par_opt.zero_grad()
+            par.step({"input_ids": ids}, ids)
+            par_opt.step()
 
-    runs[PLANNED] = {
-        "step": plan_step,
-        "experts": [int(n) for n in (plan.experts or ())],
-        "rows": [r.samples for r in plan.replicas],
-        "param_bytes": int(sum(p.numel() * p.element_size() for p in par.parameters())),
-    }
-    names = (*STRATEGIES, PLANNED, ALONE)
+        runs[name] = {
+            "step": plan_step,
+            "experts": [int(n) for n in (plan.experts or ())],
+            "rows": [r.samples for r in plan.replicas],
+            "param_bytes": int(sum(p.numel() * p.element_size() for p in par.parameters())),
+        }
+    names = (*STRATEGIES, *PLANS, ALONE)
     times = take_turns({name: runs[name]["step"] for name in names}, steps)
     out: dict[str, Any] = {"arch": "mixtral", "batch": batch, "seq": ex.SEQ, "speeds": [*SPEEDS]}
     for name in names:
@@ -204,10 +209,11 @@ def predicted(batch: int) -> dict[str, float]:
             schedule = expert_parallel_schedule(costs, cluster, rows, held)
         out[name] = slowed_by_parameters(schedule, costs, list(SPEEDS)).step_s
     layers = [(block.module, block.experts) for block in costs.experts]
-    plan = expert_parallel_plan(batch, SPEEDS, layers, len(costs.plan_layers))
-    out[PLANNED] = slowed_by_parameters(
-        expert_plan_schedule(costs, cluster, plan), costs, list(SPEEDS)
-    ).step_s
+    for name, m in PLANS.items():
+        plan = expert_parallel_plan(batch, SPEEDS, layers, len(costs.plan_layers), m)
+        out[name] = slowed_by_parameters(
+            expert_plan_schedule(costs, cluster, plan), costs, list(SPEEDS)
+        ).step_s
     alone = data_parallel_schedule(costs, validation_cluster([device], link), [batch])
     out[ALONE] = slowed_by_parameters(alone, costs, [SPEEDS[0]]).step_s
     return out
@@ -230,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in results:
         for name, step_s in guesses.items():
             r[name]["predicted_s"] = step_s
-        for name in (*STRATEGIES, PLANNED, ALONE):
+        for name in (*STRATEGIES, *PLANS, ALONE):
             r[name]["param_bytes_per_rank"] = [q[name]["param_bytes"] for q in results]
     r0 = results[0]
     print(
@@ -239,14 +245,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     base = r0[EVEN]["step_s"]
     print(
-        f"{'strategy':<38} {'step (ms)':>10} {'vs even':>8} {'experts':>9} {'rows':>9}"
+        f"{'strategy':<55} {'step (ms)':>10} {'vs even':>8} {'experts':>9} {'rows':>9}"
         f" {'predicted':>10}"
     )
-    for name in (*STRATEGIES, PLANNED, ALONE):
+    for name in (*STRATEGIES, *PLANS, ALONE):
         row = r0[name]
         guess = f"{row['predicted_s'] * 1e3:10.1f}" if "predicted_s" in row else f"{'-':>10}"
         print(
-            f"{name:<38} {row['step_s'] * 1e3:10.1f} {base / row['step_s']:7.2f}x "
+            f"{name:<55} {row['step_s'] * 1e3:10.1f} {base / row['step_s']:7.2f}x "
             f"{':'.join(map(str, row['experts'])):>9} {':'.join(map(str, row['rows'])):>9}"
             f" {guess}"
         )

@@ -1068,8 +1068,10 @@ _EP_STRATEGIES = (
     "unsplit, fast rank alone",
 )
 _EP_EVEN = "experts even, rows even"
-#: The placement by speed as a plan run by parallelize (runs from before it lack it).
+#: The placement by speed as a plan run by parallelize, in one micro-batch and in 4 (runs
+#: from before them lack them).
 _EP_PLANNED = "experts by speed, rows by speed, plan"
+_EP_MICRO = "experts by speed, rows by speed, plan, 4 micro-batches"
 
 
 def adapt_expert_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
@@ -1079,8 +1081,9 @@ def adapt_expert_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
     r0 = data[0]
     where = f"{path}: [0]"
     names = list(_EP_STRATEGIES)
-    if _EP_PLANNED in r0:
-        names.insert(-1, _EP_PLANNED)
+    for planned in (_EP_PLANNED, _EP_MICRO):
+        if planned in r0:
+            names.insert(-1, planned)
     rows = {name: _need(r0, name, where) for name in names}
     even = _need(rows[_EP_EVEN], "step_s", f"{where}.{_EP_EVEN}")
     steps = []
@@ -1139,6 +1142,15 @@ def adapt_expert_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
                             "its gradients summed after the backward, not in DDP's buckets."
                         ]
                         if _EP_PLANNED in rows
+                        else []
+                    ),
+                    *(
+                        [
+                            "4 micro-batches: the same plan run in 4 passes (a quarter of the "
+                            "activations held, four times the exchanges); predicted by "
+                            "expert_plan_schedule's one pass per micro-batch."
+                        ]
+                        if _EP_MICRO in rows
                         else []
                     ),
                 ],
