@@ -24,6 +24,10 @@ runs agree to about 1e-7 where rows are split).
 
 ``--emulate 1,0.5,0.25`` runs rank r at that fraction of its real speed (its blocks sleep in
 proportion to their compute: emulated heterogeneity, for trying plans on one machine).
+``--rebalance-experts N``, for a plan with ``experts``: every N steps an
+``hetcoll.torch.ExpertRebalancer`` places them again by the tokens their routers sent them,
+at the replicas' speeds as the plan's samples give them; the report then holds the plan as
+last placed and every decision.
 """
 
 from __future__ import annotations
@@ -223,6 +227,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
         slow_down(par.stage, args.emulate[job.rank])
     opt = torch.optim.AdamW(par.parameters(), lr=args.lr, weight_decay=0.0)
+    watch = None
+    if args.rebalance_experts is not None:
+        if plan.experts is None:
+            raise SystemExit("--rebalance-experts: the plan places no experts (its experts)")
+        from hetcoll.torch import ExpertRebalancer
+
+        speeds = [float(r.samples) for r in plan.replicas]  # what the planner split them by
+        watch = ExpertRebalancer(par, opt, speeds=speeds, every=args.rebalance_experts)
     data = batches(corpus(), plan.batch, args.steps, args.seed)
     bar = progress(job, args.steps, args.quiet)
     losses, t0 = [], time.perf_counter()
@@ -231,6 +243,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         losses.append(par.step(x, y.to(job.device)))
         opt.step()
         opt.zero_grad()
+        if watch is not None:
+            watch.step()
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
@@ -252,10 +266,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "backend": job.backend,
         "world": job.world,
         "place": par.place,
-        "plan": plan.to_dict(),
+        "plan": par.plan.to_dict(),  # as last placed
         "losses": losses,
         "seconds": seconds,
         "traffic": par.traffic(),
+        "experts_moves": [
+            {"step": e.step, "experts": e.new_shares, "moved": e.applied} for e in watch.history
+        ]
+        if watch is not None
+        else [],
     }
     del par, opt  # before the group goes (Job.close)
     job.close()
@@ -286,10 +305,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         type=lambda s: [float(v) for v in s.split(",")],
         help="run rank r at S_r times its real speed (0 < S_r <= 1): emulated heterogeneity",
     )
+    p.add_argument(
+        "--rebalance-experts",
+        type=int,
+        metavar="N",
+        help="with a plan placing experts: place them again by their loads every N steps",
+    )
     p.add_argument("--save", help="write the trained state dict here (rank 0)")
     p.add_argument("--json", help="write each rank's report here ({rank} is replaced)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary line")
     args = p.parse_args(argv)
+    if args.rebalance_experts is not None and args.rebalance_experts < 1:
+        p.error(f"--rebalance-experts: must be >= 1, got {args.rebalance_experts}")
     if args.plan:
         try:
             Plan.load(args.plan)

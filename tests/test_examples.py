@@ -345,8 +345,9 @@ def test_hetcoll_plan_writes_a_plan_train_lm_runs_like_one_process(tmp_path):
 
 def test_hetcoll_plan_places_mixtral_s_experts_and_train_lm_runs_it_like_one_process(tmp_path):
     """The planner's plan for the example's Mixtral on two devices too small for all its
-    experts each: whole experts placed on the ranks (the plan's ``experts``); run by torchrun
-    it trains what one process trains (to 1e-6: Hugging Face's router takes its softmax in
+    experts each: whole experts placed on the ranks (the plan's ``experts``); run by torchrun,
+    its experts placed again by their loads after every step (``--rebalance-experts 1``), it
+    trains what one process trains (to 1e-6: Hugging Face's router takes its softmax in
     float32, which rounds a batch and its rows apart by ~1e-7)."""
     from hetcoll import Plan
     from hetcoll.cli import main
@@ -372,8 +373,14 @@ def test_hetcoll_plan_places_mixtral_s_experts_and_train_lm_runs_it_like_one_pro
     one, (report,) = _train_lm(tmp_path, "one", [sys.executable], *mixtral)
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone"]
     torchrun.append("--nproc-per-node=2")
-    state, reports = _train_lm(tmp_path, "planned", torchrun, *mixtral, "--plan", str(plan))
-    assert reports[0]["plan"] == written.to_dict()
+    planned = [*mixtral, "--plan", str(plan), "--rebalance-experts", "1"]
+    state, reports = _train_lm(tmp_path, "planned", torchrun, *planned)
+    # Placed again after each step by the tokens routed (--rebalance-experts 1): the
+    # experts moved both times, training as one process still; the plan follows.
+    moves = reports[0]["experts_moves"]
+    assert [(m["step"], m["moved"]) for m in moves] == [(1, True), (2, True)]
+    assert all(r["plan"] == reports[0]["plan"] for r in reports)
+    assert reports[0]["plan"] == {**written.to_dict(), "experts": moves[-1]["experts"]}
     assert reports[0]["losses"] == pytest.approx(report["losses"], rel=1e-6)
     for k, v in one.items():
         assert float((state[k] - v).abs().max()) <= 1e-6 * float(v.abs().max()), k
