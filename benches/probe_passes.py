@@ -10,7 +10,9 @@ this machine measured first, :mod:`hetcoll.lab.calibrate`).
 Prints each step's median (the slower rank's) and, per extra micro-batch, the measured and the
 predicted extra seconds: what a pass costs whatever its rows (Python and dispatch in each
 layer's forward and backward, the experts' exchanges), which the model prices as its kernels'
-launch overheads and the link's latency.
+launch overheads and the link's latency. Then the collectives' own fixed cost: a small
+all-to-all and allreduce (64 floats) on the same 2 gloo ranks, against the link latency the
+model prices each with (:func:`hetcoll.lab.calibrate.measure_gloo_link`, one way).
 """
 
 from __future__ import annotations
@@ -70,6 +72,30 @@ def _rank(rank: int, world: int, steps: int) -> dict[str, Any]:
     return out
 
 
+def _collectives(rank: int, world: int, calls: int = 200) -> dict[str, float]:
+    """Seconds per call of a small all-to-all and allreduce, back to back (median of 5)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    x = torch.zeros(64)
+    ops = {
+        "all_to_all_single": lambda: dist.all_to_all_single(torch.empty(64), x),
+        "all_reduce": lambda: dist.all_reduce(x),
+    }
+    out = {}
+    for name, op in ops.items():
+        for _ in range(calls // 4):
+            op()
+        rounds = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(calls):
+                op()
+            rounds.append((time.perf_counter() - start) / calls)
+        out[name] = statistics.median(rounds)
+    return out
+
+
 def predicted() -> dict[int, float]:
     """The model's step for each number of micro-batches (the emulation not modelled: the
     plain runs' peer)."""
@@ -114,7 +140,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"each extra micro-batch: {extra['plain'] * 1e3:.1f} ms plain, "
         f"{extra['emulated'] * 1e3:.1f} ms emulated, {model * 1e3:.1f} ms predicted"
     )
-    result = {"measured_s": measured, "predicted_s": guesses, "extra_pass_s": extra}
+    from hetcoll.lab.calibrate import measure_gloo_link
+
+    calls = launch.spawn(_collectives, len(SPEEDS), timeout=600)[0]
+    latency = measure_gloo_link().latency_s
+    for name, seconds in calls.items():
+        print(
+            f"{name}: {seconds * 1e6:.0f} us a call; the model's link latency "
+            f"{latency * 1e6:.0f} us ({seconds / latency:.1f}x)"
+        )
+    result = {
+        "measured_s": measured,
+        "predicted_s": guesses,
+        "extra_pass_s": extra,
+        "collective_call_s": calls,
+        "link_latency_s": latency,
+    }
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({**result, "predicted_extra_pass_s": model}, fh, indent=1)
