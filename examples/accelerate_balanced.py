@@ -59,7 +59,8 @@ CORPUS = ("textwrap.py", "string.py", "difflib.py")
 
 def make_model(arch: str = "llama") -> nn.Module:
     """examples/train_lm.py's byte-level decoder, smaller: 2 layers of width 32 (Llama: 4 heads
-    in 2 key-value groups, MLP 88 wide; GPT-2: 2 heads), for rows of ``SEQ`` bytes."""
+    in 2 key-value groups, MLP 88 wide; Mixtral: Llama's with each MLP 4 experts that wide, 2
+    per token, its eager kernel; GPT-2: 2 heads), for rows of ``SEQ`` bytes."""
     return train_lm.make_model(
         arch,
         hidden=32,
@@ -68,6 +69,8 @@ def make_model(arch: str = "llama") -> nn.Module:
         kv_heads=2,
         intermediate=88,
         positions=SEQ,
+        experts=4,
+        experts_implementation="eager",
     )
 
 
@@ -177,7 +180,7 @@ def arguments(description: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawTextHelpFormatter
     )
-    p.add_argument("--arch", default="llama", choices=["llama", "gpt2"])
+    p.add_argument("--arch", default="llama", choices=["llama", "mixtral", "gpt2"])
     p.add_argument("--rows", type=int, default=96, help="training rows (samples)")
     p.add_argument("--batch", type=int, default=16, help="the global batch of one micro-step")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")

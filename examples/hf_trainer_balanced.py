@@ -18,9 +18,16 @@ rounding on 2 ranks; Hugging Face's loss computes in float32 inside, so on 3 ran
 scale 3 is not exact there, to float32's). Trainer's
 logs show every rank's share (``share/r``) and speed (``speed/r``).
 
-The model and text are those of ``examples/accelerate_balanced.py`` (a small byte-level Llama or
-GPT-2 from a config; rows of the standard library's source, padded). ``--emulate 1,0.5`` runs
-rank r at that fraction of its real speed (emulated heterogeneity, ``hetcoll.lab.emulate``).
+The model and text are those of ``examples/accelerate_balanced.py`` (a small byte-level Llama,
+Mixtral or GPT-2 from a config; rows of the standard library's source, padded). ``--emulate
+1,0.5`` runs rank r at that fraction of its real speed (emulated heterogeneity,
+``hetcoll.lab.emulate``). ``--arch mixtral --experts`` places Mixtral's experts on the ranks,
+whole, by the same shares or speeds (``hetcoll.torch.expert_parallel``): each rank holds its
+own experts only, the routed tokens travel between the ranks, and it still trains as one
+process (to the router's float32 softmax).
+
+    torchrun --standalone --nproc-per-node 2 examples/hf_trainer_balanced.py \
+        --arch mixtral --experts --shares 5,3                               # experts placed
 """
 
 from __future__ import annotations
@@ -66,6 +73,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         model = make_model(args.arch)
         if args.float64:
             model = model.double()
+        if args.experts:
+            from hetcoll.torch import expert_parallel
+
+            by = args.shares or args.speeds or [1] * ranks  # as the rows are split
+            expert_parallel(model, speeds=[float(v) for v in by])
         if args.emulate is not None:
             if len(args.emulate) != ranks:
                 raise SystemExit(f"--emulate: one speed per process ({ranks}), got {args.emulate}")
@@ -91,8 +103,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             "speeds": trainer.balanced.speeds,
             "logged": logged,
         }
+        # The whole model on rank 0 (with placed experts, every rank's gathered: collective).
+        if args.experts:
+            from hetcoll.torch import gather_state_dict
+
+            state = gather_state_dict(model, dst=0)
+        else:
+            state = model.state_dict()
         if args.save and training.process_index == 0:
-            torch.save(model.state_dict(), args.save)
+            torch.save(state, args.save)
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
@@ -100,7 +119,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    return arguments(__doc__).parse_args(argv)
+    p = arguments(__doc__)
+    p.add_argument(
+        "--experts",
+        action="store_true",
+        help="--arch mixtral: place its experts on the ranks by the shares or speeds",
+    )
+    args = p.parse_args(argv)
+    if args.experts and args.arch != "mixtral":
+        p.error("--experts: places a mixture of experts' experts; use --arch mixtral")
+    if args.experts and args.measure:
+        p.error("--experts: give --shares or --speeds (the probe cannot time placed experts)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

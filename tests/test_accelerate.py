@@ -140,6 +140,24 @@ def test_trainer_at_shares_5_3_with_accumulation_is_the_one_process_model(tmp_pa
 
 
 @pytest.mark.multiproc
+def test_trainer_with_experts_placed_on_the_ranks_is_the_one_process_model(tmp_path):
+    """Mixtral under BalancedTrainer at shares 5:3 with two accumulated micro-batches a step,
+    its experts placed on the ranks by the same shares (3 and 1 of 4: ``expert_parallel``):
+    the experts weigh every rank's rows as Trainer's loss scaling needs (``combine="mean"``,
+    which the trainer sets) and Trainer's clipping (max_grad_norm 1) takes the whole model's
+    norm (``clip_grad_norm_``: each rank's own would clip each differently), so the gathered
+    model is one process's on the same global batches, to 1e-10. Either alone leaves it
+    1e-5 to 1e-4 away."""
+    mixtral = ["--arch", "mixtral"]
+    one, _ = _run(tmp_path, "one", [sys.executable], "hf_trainer_balanced.py", *mixtral, *ONE)
+    two, reports = _run(
+        tmp_path, "two", TORCHRUN, "hf_trainer_balanced.py", *mixtral, *TWO, "--experts"
+    )
+    assert _max_diff(one, two) < 1e-10
+    assert [r["shares"] for r in reports] == [[5, 3], [5, 3]]
+
+
+@pytest.mark.multiproc
 def test_trainer_measured_speeds_show_in_its_logs(tmp_path):
     proc, reports = _measured(tmp_path, "hf_trainer_balanced.py", 16)
     shares, speeds = reports[0]["shares"], reports[0]["speeds"]

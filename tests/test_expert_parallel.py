@@ -181,6 +181,36 @@ def test_experts_modules_are_found_in_hugging_face_models():
     assert "use_experts_implementation" in (experts_module(Stacked()) or "")
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    shapes=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 4)), min_size=1, max_size=4),
+    scale=st.floats(0.01, 100.0),
+    max_norm=st.sampled_from([0.5, 1.0, 1e6, float("inf")]),
+)
+def test_clip_grad_norm_of_replicated_parameters_is_torch_s(shapes, scale, max_norm):
+    """Without rank-local parameters, on one rank (MPI.COMM_SELF), clip_grad_norm_ is torch's
+    (the same norm, the same gradients after, in float64); the ranks' own parameters' norms
+    are summed over real ranks in test_accelerate (experts under Trainer's clipping)."""
+    from mpi4py import MPI
+
+    from hetcoll.torch import clip_grad_norm_
+
+    g = torch.Generator().manual_seed(len(shapes))
+    ours = [nn.Parameter(torch.zeros(s, dtype=torch.float64)) for s in shapes]
+    theirs = [nn.Parameter(torch.zeros(s, dtype=torch.float64)) for s in shapes]
+    for p, q in zip(ours, theirs, strict=True):
+        p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64) * scale
+        q.grad = p.grad.clone()
+    norm = clip_grad_norm_(ours, max_norm, group=MPI.COMM_SELF)
+    assert float(norm) == pytest.approx(float(torch.nn.utils.clip_grad_norm_(theirs, max_norm)))
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="max_norm: must be a number >= 0"):
+        clip_grad_norm_(ours, -1.0)
+    with pytest.raises(TypeError, match="parameters: must be tensors"):
+        clip_grad_norm_(["weight"], 1.0)  # type: ignore[list-item]
+
+
 def test_expert_parallel_names_bad_arguments_before_any_collective():
     """Argument errors every rank sees alike raise before any exchange (the rest are agreed
     on, on real ranks: expert_parallel_cases.disagreements)."""

@@ -21,6 +21,7 @@ averaged by DDP would weigh a rank of 3 rows as much as one of 5.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ from hetcoll.accelerate.data import (
     positive_numbers,
     prepare_balanced,
 )
-from hetcoll.torch import gather_speeds
+from hetcoll.torch import ExpertParallelExperts, clip_grad_norm_, gather_speeds
 from hetcoll.torch.speed import check_share_source
 
 
@@ -54,6 +55,13 @@ class BalancedTrainer(Trainer):
 
     Every ``logging_steps`` the logs carry ``share/r`` (every rank's samples per step) and, when
     known, ``speed/r`` (samples/s measured; the relative speeds given), beside the loss.
+
+    A model whose experts :func:`hetcoll.torch.expert_parallel` placed on the ranks trains as
+    one process too: its experts weigh every rank's rows as Trainer's loss scaling needs
+    (``combine="mean"``, set here) and its gradient is clipped by the whole model's norm
+    (:func:`hetcoll.torch.clip_grad_norm_`). Save it whole with
+    :func:`hetcoll.torch.gather_state_dict` (Trainer's own checkpoints hold each rank's
+    experts only); ``measure=True`` is not supported with it.
 
     Raises ``ValueError`` naming ``average_tokens_across_devices`` when it is off on several
     processes and ``model`` when the model takes no ``num_items_in_batch`` and no
@@ -104,6 +112,37 @@ class BalancedTrainer(Trainer):
         for name, values in (("shares", self._shares), ("speeds", self._speeds)):
             if values is not None and len(values) != ranks:
                 raise ValueError(f"{name}: has {len(values)} entries for {ranks} processes")
+        # Experts placed on the ranks (expert_parallel): Trainer scales each rank's loss by the
+        # processes over all the step's tokens and DDP averages the ranks alike, so the rows
+        # each expert receives weigh 1 / processes ("mean").
+        placed = isinstance(self.model, nn.Module) and [
+            m for m in self.model.modules() if isinstance(m, ExpertParallelExperts)
+        ]
+        for m in placed or ():
+            m.combine = "mean"
+        if placed and measure:
+            raise ValueError(
+                "measure: BalancedTrainer cannot time a model whose experts are placed on the "
+                "ranks (its probe steps would exchange tokens); give shares= or speeds="
+            )
+
+    def _placed_experts(self, model: Any) -> bool:
+        return isinstance(model, nn.Module) and any(
+            isinstance(m, ExpertParallelExperts) for m in model.modules()
+        )
+
+    def _clip_grad_norm(self, model: Any) -> Any:
+        """Trainer's clipping, over the whole model's gradient where the ranks hold experts
+        of their own (:func:`hetcoll.torch.clip_grad_norm_`): each rank's own norm alone would
+        scale each rank's gradients differently."""
+        if self._placed_experts(model):
+            return clip_grad_norm_(model.parameters(), float(self.args.max_grad_norm))
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        if grad_norm is None and self._placed_experts(model):
+            grad_norm = clip_grad_norm_(model.parameters(), math.inf)
+        return super()._get_grad_norm(model, grad_norm)
 
     @property
     def global_batch(self) -> int:

@@ -6,6 +6,7 @@ Emulated heterogeneity, for trying these on one machine, is lab code: :mod:`hetc
 """
 
 from hetcoll.torch.batches import BatchCounter, item_total, item_weights
+from hetcoll.torch.clipping import clip_grad_norm_
 from hetcoll.torch.expert_parallel import (
     ExpertParallelExperts,
     expert_loads,
@@ -63,6 +64,7 @@ __all__ = [
     "SplitOutput",
     "WeightedAllreduceState",
     "broadcast_parameters",
+    "clip_grad_norm_",
     "expert_loads",
     "expert_parallel",
     "expert_shares",

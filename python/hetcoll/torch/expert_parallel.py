@@ -55,8 +55,10 @@ _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 #: How the data-parallel step combines the ranks' gradients: ``"average"`` weighs rank r's by
 #: its share of the batch (DDP with hetcoll's weighted hook, DistributedOptimizer);
-#: ``"sum"`` adds them, each rank's loss already scaled by its share (parallelize's replicas).
-COMBINE = ("average", "sum")
+#: ``"sum"`` adds them, each rank's loss already scaled by its share (parallelize's replicas);
+#: ``"mean"`` averages them alike (DDP's own hook), each rank's loss already scaled by its
+#: share times the number of ranks (Hugging Face Trainer's ``num_items_in_batch``).
+COMBINE = ("average", "sum", "mean")
 
 #: Fields of the counts every forward exchanges, per destination rank; then the rows it sends
 #: to each of that rank's experts.
@@ -345,13 +347,16 @@ class ExpertParallelExperts(ChannelSplit):
             torch.arange(held[self.rank]).repeat(p), torch.from_numpy(from_each.reshape(-1))
         ).to(x.device)
         received = _AllToAll.apply(x[rows[order]], comm, send, recv, self.timeout)
-        if self.combine == "average":
-            # The rows from rank s weigh share[s] in the experts' gradients; their input
-            # gradients go back unweighted (rank s's own data-parallel weight applies there).
+        if self.combine in ("average", "mean"):
+            # The rows from rank s weigh share[s] in the experts' gradients (its share of the
+            # batch; 1/p where each loss already holds it, times p); their input gradients go
+            # back unweighted (rank s's own data-parallel weight applies there).
             total = float(got[:, _WEIGHT].sum())
-            share = torch.tensor(
-                got[:, _WEIGHT] / total if total > 0 else np.zeros(p), dtype=torch.float64
-            )
+            if self.combine == "mean":
+                weights_of = np.full(p, 1.0 / p)
+            else:
+                weights_of = got[:, _WEIGHT] / total if total > 0 else np.zeros(p)
+            share = torch.tensor(weights_of, dtype=torch.float64)
             scale = share.repeat_interleave(torch.tensor(recv)).to(x.device)
             unscale = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
             received = _ScaleGradient.apply(received, unscale)
@@ -499,7 +504,10 @@ def expert_parallel(
     ``combine="sum"`` instead where the ranks' gradients are summed, each rank's loss
     already scaled by its share of the batch (as :func:`hetcoll.torch.parallelize` runs a
     plan's replicas, whose ``experts`` place them this way): the experts' gradients then add
-    every rank's rows as they come, and ``weight`` is not read.
+    every rank's rows as they come, and ``weight`` is not read. ``combine="mean"`` where DDP
+    averages the ranks alike (its own hook), each rank's loss already scaled by its share
+    times the number of ranks (Hugging Face Trainer's ``num_items_in_batch`` with
+    ``average_tokens_across_devices``; :class:`hetcoll.accelerate.BalancedTrainer` sets it).
 
     The tokens travel on the group's engine: NCCL's all-to-all on the GPUs, or gloo's and
     MPI's through host memory (a CUDA rank's tokens staged there). The exchanges run on a

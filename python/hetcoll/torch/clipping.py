@@ -1,0 +1,59 @@
+"""Global-norm gradient clipping for a model whose ranks hold parameters of their own.
+
+``torch.nn.utils.clip_grad_norm_`` takes the norm of the gradients it is given: on a rank
+holding only its own experts (:func:`hetcoll.torch.expert_parallel`) that is not the model's
+norm, every rank gets a different one, and each scales its gradients by a different factor.
+:func:`clip_grad_norm_` sums every rank's own parameters' squared gradients over the group
+(one allreduce of a number) and adds the replicated ones' once, so every rank scales by the
+factor one process would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from hetcoll.comm import deadline, wrap
+from hetcoll.torch.expert_parallel import is_rank_local
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    *,
+    group: Any = None,
+    timeout: float | None = None,
+) -> torch.Tensor:
+    """Clip the gradients of ``parameters`` (this rank's: replicated ones, and its own, those
+    :func:`hetcoll.torch.is_rank_local` names) to the 2-norm ``max_norm`` of the whole
+    model's gradient: the replicated gradients counted once, every rank's own summed over
+    ``group`` (an mpi4py communicator or a torch.distributed process group; None:
+    :func:`hetcoll.comm.wrap`'s default). Every rank scales by ``max_norm / (norm + 1e-6)``
+    where that is below 1, as ``torch.nn.utils.clip_grad_norm_`` does; ``max_norm=inf``
+    measures without clipping. Collective: every rank calls it. Returns the norm before
+    clipping (a float64 tensor, the same on every rank).
+
+    >>> clip_grad_norm_(model.parameters(), 1.0)  # doctest: +SKIP
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
+        raise ValueError(f"max_norm: must be a number >= 0, got {max_norm!r}")
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if not all(isinstance(p, torch.Tensor) for p in params):
+        raise TypeError("parameters: must be tensors (a model's parameters())")
+    grads = [(p.grad, is_rank_local(p)) for p in params if p.grad is not None]
+    sums = np.zeros(2)  # the replicated gradients' squares, this rank's own
+    for g, local in grads:
+        sums[int(local)] += float(g.detach().double().pow(2).sum())
+    own = sums[1:].copy()
+    wrap(group).allreduce_sum(own, "float64", deadline(timeout))
+    norm = math.sqrt(sums[0] + own[0])
+    coefficient = float(max_norm) / (norm + 1e-6)
+    if coefficient < 1.0:
+        with torch.no_grad():
+            for g, _ in grads:
+                g.mul_(coefficient)
+    return torch.tensor(norm, dtype=torch.float64)
