@@ -403,6 +403,9 @@ def test_a_bad_item_count_raises_naming_items():
 
 # -- a mixture of experts, its experts placed on the ranks: expert_parallel -----------------------
 
+#: The experts test's gradient clipping (below the model's gradient norm: it clips each step).
+CLIP = 0.05
+
 
 class ExpertsLM(LightningModule):
     """Hugging Face Mixtral whose experts ``configure_model`` places on the ranks
@@ -450,7 +453,9 @@ class ExpertsLM(LightningModule):
 
 def test_experts_placed_on_the_ranks_train_as_one_process(tmp_path):
     """Mixtral's experts placed 2 : 1 : 1 in configure_model, rows 4 : 2 : 1 of each global
-    batch of 7: BalancedStrategy's DDP leaves each rank's experts to it; its expert rebalancer,
+    batch of 7, gradients clipped by norm (``gradient_clip_val``: the whole model's norm,
+    every rank's own experts included): BalancedStrategy's DDP leaves each rank's experts to
+    it; its expert rebalancer,
     looking after every step, moves them by their loads at the shares' speeds (each layer to
     3 : 1 : 0, one after each step); the gathered model after 2 steps equals one process's on the
     same batches (1e-6: the router's softmax in float32), in the ranks and, sent back whole, in
@@ -463,6 +468,7 @@ def test_experts_placed_on_the_ranks_train_as_one_process(tmp_path):
         3,
         max_epochs=1,
         use_distributed_sampler=False,
+        gradient_clip_val=CLIP,
     )
     trainer.fit(ExpertsLM(tmp_path, 3))
     # Placed by the loads seen so far: the first step's keep layer 0 where it is, both move it.
@@ -478,6 +484,7 @@ def test_experts_placed_on_the_ranks_train_as_one_process(tmp_path):
     for step in range(2):
         opt.zero_grad()
         lm_loss(ref, *tokens(step)).backward()
+        assert torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP) > CLIP  # it clips
         opt.step()
     full = torch.load(tmp_path / "full.pt")
     # The main process's module gets the whole model back too, every expert in place.

@@ -49,10 +49,12 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 import hetcoll
 from hetcoll.torch import (
     BalancedSampler,
+    ExpertParallelExperts,
     ExpertRebalancer,
     Rebalancer,
     SpeedFit,
     WeightedAllreduceState,
+    clip_grad_norm_,
     gather_speeds,
     gather_state_dict,
     leave_to_ranks,
@@ -329,6 +331,17 @@ class BalancedStrategy(DDPStrategy):
                 "the sample-weighted averaging)"
             )
         super().setup(trainer)
+        if self.lightning_module is not None and any(
+            isinstance(m, ExpertParallelExperts) for m in self.lightning_module.modules()
+        ):
+            # Each rank holds experts of its own: clipping by norm (gradient_clip_val) takes
+            # the whole model's norm, every rank's own parameters' squares summed.
+            plugin = self.precision_plugin
+
+            def by_norm(optimizer: Any, clip_val: float) -> None:
+                clip_grad_norm_(list(plugin.main_params(optimizer)), float(clip_val))
+
+            plugin.clip_grad_by_norm = by_norm  # type: ignore[method-assign]
         # The trainer's callback list (set by its callback connector, hence unseen by mypy).
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if not any(isinstance(c, _ShareLog) and c.strategy is self for c in callbacks):
