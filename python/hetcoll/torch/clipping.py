@@ -35,7 +35,9 @@ def clip_grad_norm_(
     :func:`hetcoll.comm.wrap`'s default). Every rank scales by ``max_norm / (norm + 1e-6)``
     where that is below 1, as ``torch.nn.utils.clip_grad_norm_`` does; ``max_norm=inf``
     measures without clipping. Collective: every rank calls it. Returns the norm before
-    clipping (a float64 tensor, the same on every rank).
+    clipping (a float64 tensor, the same on every rank). For a model whose other parameters
+    every rank holds whole (:func:`~hetcoll.torch.expert_parallel`'s); not for the pieces
+    of a :class:`~hetcoll.torch.Parallel` (pipeline stages, split layers).
 
     >>> clip_grad_norm_(model.parameters(), 1.0)  # doctest: +SKIP
     """
