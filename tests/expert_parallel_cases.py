@@ -29,6 +29,7 @@ from hetcoll import CollectiveMismatchError
 from hetcoll.comm import wrap
 from hetcoll.torch import (
     DistributedOptimizer,
+    clip_grad_norm_,
     gather_gradients,
     gather_state_dict,
     load_full_state_dict,
@@ -86,13 +87,16 @@ def trains_as_one_process(
     dtype: torch.dtype = torch.float64,
     device: torch.device | None = None,
     watch: Any = None,
+    clip: float | None = None,
 ) -> list[int]:
     """``make()``'s experts placed on the ranks by ``speeds``, each rank training on its
     share of each step's rows (DDP with the weighted hook; with ``pad``, weighing valid
     tokens), gives the gradients and the state of one process training on all the rows.
     ``shares`` places the experts instead of ``speeds``; ``device``: this rank's (the
     reference runs on the CPU); ``watch(model, optimizer)``: a function called after every
-    optimizer step. Returns the experts per rank."""
+    optimizer step; ``clip``: each step's gradients clipped to that norm
+    (:func:`hetcoll.torch.clip_grad_norm_`, the reference by torch's, the same norm).
+    Returns the experts per rank."""
     comm = wrap(group)
     torch.manual_seed(0)
     ref = make().to(dtype)
@@ -133,6 +137,11 @@ def trains_as_one_process(
         assert grads is not None
         for n, p in ref.named_parameters():
             close(grads[n].cpu(), p.grad, f"step {step} gradient of {n}")
+        if clip is not None:  # every rank's own experts in the norm, each counted once
+            norm = clip_grad_norm_(model.parameters(), clip, group=group)
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            assert want > clip  # it clips
+            close(norm, want.to(norm.dtype), f"step {step} gradient norm")
         # The MPI optimizer's step would synchronise again; its inner optimizer steps.
         (opt.optimizer if comm.engine == "mpi" else opt).step()
         ref_opt.step()
@@ -158,7 +167,8 @@ def trains_as_one_process(
 def rebalanced_while_training(group: Any, device: torch.device | None = None) -> list[list[Any]]:
     """Mixtral placed by speed, its ranks' speeds then reversed: an
     :class:`ExpertRebalancer` looking every 2 steps moves the experts (with their Adam
-    momentum) by the loads it counted, and training goes on as one process's (``device``:
+    momentum) by the loads it counted, and training goes on as one process's, its gradients
+    clipped by the whole model's norm (``device``:
     this rank's, the experts moving between devices through host memory). Returns its
     decisions (step, before, after, moved)."""
     speeds = SPEEDS[: wrap(group).size]
@@ -169,7 +179,7 @@ def rebalanced_while_training(group: Any, device: torch.device | None = None) ->
         return made[0].step
 
     trains_as_one_process(
-        group, mixtral, speeds, optimizer="momentum", steps=4, watch=watch, device=device
+        group, mixtral, speeds, optimizer="momentum", steps=4, watch=watch, device=device, clip=0.05
     )
     # Bad arguments raise on construction, naming the argument (nothing is exchanged).
     model = made[0].model

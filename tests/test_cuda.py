@@ -184,14 +184,16 @@ def test_bf16_autocast_through_a_plan(first):
 def test_expert_parallel_with_a_gpu_rank(first):
     """Mixtral's and GPT-OSS's experts placed on a GPU rank and two CPU ranks by speed, DDP
     with the weighted hook over gloo: equal one process on the CPU; an ExpertRebalancer moves
-    Mixtral's between the GPU and the CPU ranks (the speeds reversed) and training still
-    equals it. With ``first="cpu"`` every rank is a CPU rank."""
+    Mixtral's between the GPU and the CPU ranks (the speeds reversed), its gradients clipped
+    by the whole model's norm, and training still equals it. With ``first="cpu"`` every rank
+    is a CPU rank."""
     layers = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
-    moved = dict(zip(layers, [[0, 1, 3], [1, 1, 2]], strict=True))
+    first = dict(zip(layers, [[0, 1, 3], [0, 1, 3]], strict=True))
+    then = dict(zip(layers, [[0, 1, 3], [1, 1, 2]], strict=True))
     placed = {
         "mixtral": [3, 1, 0],
         "gpt_oss": [3, 1, 0],
-        "rebalanced": [[2, moved, True], [4, moved, False]],
+        "rebalanced": [[2, first, True], [4, then, True]],
     }
     assert _spawn(cuda_cases.experts_mixed, 3, first) == [placed] * 3
 
