@@ -64,15 +64,21 @@ def prompt_rows(plan: Plan, steps: int = 2) -> list[tuple[dict[str, torch.Tensor
 
 
 def trains_as_one_process(
-    group: Any, plan: Plan, data: Any, between: Any = None, after: Any = None
+    group: Any,
+    plan: Plan,
+    data: Any,
+    between: Any = None,
+    after: Any = None,
+    clip: float | None = None,
 ) -> dict[str, Any]:
     """``plan`` trains Mixtral (float64, SGD with momentum) as one process on the whole batch
     does: each step's loss and the gathered state to 1e-10. ``between(step, par, opt)`` runs
-    between each step's backward and its optimizer step, ``after(step, par, opt)`` after it.
-    Returns this rank's experts per layer and the traffic of its last step."""
+    between each step's backward and its optimizer step, ``after(step, par, opt)`` after it;
+    ``clip``: both clip each step's gradients to that norm (every replica's own experts in
+    the plan's). Returns this rank's experts per layer and the traffic of its last step."""
     torch.manual_seed(0)
     model = tc.mixtral().double()
-    want_losses, want_state = tc.reference(model, data, 0.1)
+    want_losses, want_state = tc.reference(model, data, 0.1, clip)
     par = parallelize(model, plan, loss_fn=tc.lm_loss, items=tc.valid_tokens, group=group)
     opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)
     for n, ((x, y), want) in enumerate(zip(data, want_losses, strict=True)):
@@ -80,6 +86,8 @@ def trains_as_one_process(
         assert abs(loss - want) <= tc.TOL * abs(want), (loss, want)
         if between is not None:
             between(n, par, opt)
+        if clip is not None:
+            assert par.clip_grad_norm_(clip) > clip
         opt.step()
         opt.zero_grad()
         if after is not None:
@@ -110,8 +118,10 @@ def placed_again(group: Any) -> dict[str, Any]:
     process does while its experts move: by hand between the first step's backward and its
     optimizer step (:meth:`Parallel.place_experts`, with their gradients and momentum), then
     by an :class:`ExpertRebalancer` at speeds 1 : 0.25 after the third (looking every 2
-    steps). Returns the plan's experts after each move, the rebalancer's decisions, and the
-    routed tokens per layer it placed them by (every replica's, summed)."""
+    steps), its gradients clipped by the whole model's norm
+    (:meth:`Parallel.clip_grad_norm_`). Returns the plan's experts after each move, the
+    rebalancer's decisions, and the routed tokens per layer it placed them by (every
+    replica's, summed)."""
     from hetcoll.torch import ExpertRebalancer
 
     plan = Plan.from_dict(PIPELINES)
@@ -143,7 +153,8 @@ def placed_again(group: Any) -> dict[str, Any]:
             seen["routed"] = {k: sum(v) for k, v in watch[0].loads.items()}
             seen["plan"] = par.experts_placement
 
-    out = trains_as_one_process(group, plan, tc.batches(plan.batch, 4), by_hand, rebalance)
+    batches = tc.batches(plan.batch, 4)
+    out = trains_as_one_process(group, plan, batches, by_hand, rebalance, clip=0.05)
     decisions = [[e.step, e.new_shares, e.applied] for e in watch[0].history]
     return {**seen, "decisions": decisions, "held": out["held"]}
 

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from hetcoll.comm import agree, start_agreement, wrap
+from hetcoll.comm import agree, deadline, start_agreement, wrap
 from hetcoll.plan import Plan, Stage
 from hetcoll.torch.batches import count_items, counted, item_weights, items_argument
 from hetcoll.torch.expert_parallel import (
@@ -216,6 +216,40 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         gradients sent back) and ``"allreduce"`` (the gradient combination across replicas; a
         collective counts the ``2 (p-1)/p`` of its buffer a ring sends)."""
         return dict(self._traffic)
+
+    def clip_grad_norm_(self, max_norm: float, *, timeout: float | None = None) -> torch.Tensor:
+        """After :meth:`step`, clip this rank's gradients to the 2-norm ``max_norm`` of the
+        whole model's gradient, as ``torch.nn.utils.clip_grad_norm_`` clips one process's: the
+        step's sums leave every holder of a tensor its whole gradient, so each tensor's piece
+        counts once, at the rank a full checkpoint takes it from (replica 0's stage holding
+        its layer, a split stage's slices and its lead's whole tensors, every replica's own
+        experts); the squares are summed over the plan's group, and every rank scales by the
+        same ``max_norm / (norm + 1e-6)`` where that is below 1 (``inf``: measure only).
+        Collective: every rank, idle ones too. Returns the norm before clipping (float64)."""
+        if (
+            isinstance(max_norm, bool)
+            or not isinstance(max_norm, (int, float))
+            or not max_norm >= 0
+        ):
+            raise ValueError(f"max_norm: must be a number >= 0, got {max_norm!r}")
+        mine = np.zeros(1)
+        if self.place is not None:
+            for name, (t, part) in self._parts().items():
+                grad = t.grad if isinstance(t, nn.Parameter) else None
+                taken = self.place[0] == 0 or name in self._experts_names
+                if grad is not None and taken and self._counts(name, part):
+                    mine[0] += float(grad.detach().double().pow(2).sum())
+        CountingCommunicator.uncounted(self._tr.comm).allreduce_sum(
+            mine, "float64", deadline(timeout)
+        )
+        norm = math.sqrt(float(mine[0]))
+        coefficient = float(max_norm) / (norm + 1e-6)
+        if coefficient < 1.0:
+            with torch.no_grad():
+                for q in self.parameters():
+                    if q.grad is not None:
+                        q.grad.mul_(coefficient)
+        return torch.tensor(norm, dtype=torch.float64)
 
     def step(self, inputs: Any, targets: Any) -> float:
         """Forward and backward of the global batch (the same ``inputs`` and ``targets`` on
