@@ -20,12 +20,14 @@ there, to float32's rounding, unless ``--own-loss`` sums the loss in float64 her
 ``--plain-mean``, the loss as Accelerate's examples write it, does not. The progress bar
 (Accelerate's tqdm, rank 0) shows the shares and speeds.
 
-The model is a small byte-level Llama (or ``--arch gpt2``) built from a config (no download:
-``examples/train_lm.py``'s ``make_model``, smaller); the text, the Python standard library's own
-source: rows of ``SEQ`` bytes at random places, each of a random length (the rest padding,
-labels -100), so ranks hold different numbers of tokens.
+The model is a small byte-level Llama (or ``--arch gpt2``, ``--arch mixtral``) built from a
+config (no download: ``examples/train_lm.py``'s ``make_model``, smaller); the text, the Python
+standard library's own source: rows of ``SEQ`` bytes at random places, each of a random
+length (the rest padding, labels -100), so ranks hold different numbers of tokens.
 ``--emulate 1,0.5`` runs rank r at that fraction of its real speed (it sleeps: emulated
-heterogeneity, ``hetcoll.lab.emulate``).
+heterogeneity, ``hetcoll.lab.emulate``). ``--arch mixtral --experts`` places Mixtral's experts
+on the ranks, whole, by the same shares or speeds (``hetcoll.torch.expert_parallel`` with
+``combine="mean"``, as this loss is scaled for DDP's mean): it still trains as one process.
 """
 
 from __future__ import annotations
@@ -108,6 +110,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if args.float64:
         model = model.double()
     rank, ranks = accelerator.process_index, accelerator.num_processes
+    if args.experts:
+        from hetcoll.torch import expert_parallel
+
+        # The loss below is scaled for DDP's mean (step.loss_scale): the experts' rows weigh
+        # 1 / processes ("mean"), as Trainer's do.
+        by = args.shares or args.speeds or [1] * ranks  # as the rows are split
+        expert_parallel(model, speeds=[float(v) for v in by], combine="mean")
     if args.emulate is not None:
         if len(args.emulate) != ranks:
             raise SystemExit(f"--emulate: one speed per process ({ranks}), got {args.emulate}")
@@ -162,8 +171,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "speeds": data.speeds,
         "tokens": tokens,
     }
+    whole = accelerator.unwrap_model(model)
+    if args.experts:  # every rank's experts gathered (collective)
+        from hetcoll.torch import gather_state_dict
+
+        state = gather_state_dict(whole, dst=0)
+    else:
+        state = whole.state_dict()
     if args.save and accelerator.is_main_process:
-        torch.save(accelerator.unwrap_model(model).state_dict(), args.save)
+        torch.save(state, args.save)
     accelerator.end_training()
     # Accelerate keeps the DDP-wrapped model and the optimizer: released here, so that they go
     # while the process group still exists (main collects them before destroying it).
@@ -194,11 +210,26 @@ def arguments(description: str | None) -> argparse.ArgumentParser:
     p.add_argument(
         "--emulate", type=numbers(float), metavar="S0,S1,...", help="rank r at S_r of its speed"
     )
+    p.add_argument(
+        "--experts",
+        action="store_true",
+        help="--arch mixtral: place its experts on the ranks by the shares or speeds",
+    )
     p.add_argument("--float64", action="store_true", help="train in float64")
     p.add_argument("--save", help="write the trained state dict here (rank 0)")
     p.add_argument("--json", help="write each rank's report here ({rank} is replaced)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
+
+
+def checked(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``p``'s arguments, ``--experts`` checked (this script's and hf_trainer_balanced.py's)."""
+    args = p.parse_args(argv)
+    if args.experts and args.arch != "mixtral":
+        p.error("--experts: places a mixture of experts' experts; use --arch mixtral")
+    if args.experts and args.measure:
+        p.error("--experts: give --shares or --speeds (the probe cannot time placed experts)")
+    return args
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -215,7 +246,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="the loss summed by this script in the model's precision and divided by the "
         "step's tokens, instead of Hugging Face's (float32 inside)",
     )
-    args = p.parse_args(argv)
+    args = checked(p, argv)
     if args.accumulate < 1:
         p.error("--accumulate: must be >= 1")
     return args

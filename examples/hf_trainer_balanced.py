@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from accelerate_balanced import arguments, make_model, text_rows
+from accelerate_balanced import arguments, checked, make_model, text_rows
 from transformers import TrainingArguments
 
 from hetcoll.accelerate import BalancedTrainer
@@ -119,18 +119,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = arguments(__doc__)
-    p.add_argument(
-        "--experts",
-        action="store_true",
-        help="--arch mixtral: place its experts on the ranks by the shares or speeds",
-    )
-    args = p.parse_args(argv)
-    if args.experts and args.arch != "mixtral":
-        p.error("--experts: places a mixture of experts' experts; use --arch mixtral")
-    if args.experts and args.measure:
-        p.error("--experts: give --shares or --speeds (the probe cannot time placed experts)")
-    return args
+    return checked(arguments(__doc__), argv)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -140,19 +140,19 @@ def test_trainer_at_shares_5_3_with_accumulation_is_the_one_process_model(tmp_pa
 
 
 @pytest.mark.multiproc
-def test_trainer_with_experts_placed_on_the_ranks_is_the_one_process_model(tmp_path):
-    """Mixtral under BalancedTrainer at shares 5:3 with two accumulated micro-batches a step,
-    its experts placed on the ranks by the same shares (3 and 1 of 4: ``expert_parallel``):
-    the experts weigh every rank's rows as Trainer's loss scaling needs (``combine="mean"``,
-    which the trainer sets) and Trainer's clipping (max_grad_norm 1) takes the whole model's
-    norm (``clip_grad_norm_``: each rank's own would clip each differently), so the gathered
-    model is one process's on the same global batches, to 1e-10. Either alone leaves it
-    1e-5 to 1e-4 away."""
+@pytest.mark.parametrize("script", ["hf_trainer_balanced.py", "accelerate_balanced.py"])
+def test_experts_placed_on_the_ranks_train_as_the_one_process_model(tmp_path, script):
+    """Mixtral at shares 5:3 with two accumulated micro-batches a step, its experts placed on
+    the ranks by the same shares (3 and 1 of 4: ``expert_parallel``), under Trainer and under
+    the Accelerate loop. Each scales every rank's loss for DDP's mean, so the experts weigh
+    every rank's rows 1 / processes (``combine="mean"``: BalancedTrainer sets it, the loop
+    passes it); Trainer's clipping (max_grad_norm 1) takes the whole model's norm
+    (``clip_grad_norm_``: each rank's own would clip each differently). The gathered model
+    is one process's on the same global batches, to 1e-10; under Trainer, either fix alone
+    leaves it 1e-5 to 1e-4 away."""
     mixtral = ["--arch", "mixtral"]
-    one, _ = _run(tmp_path, "one", [sys.executable], "hf_trainer_balanced.py", *mixtral, *ONE)
-    two, reports = _run(
-        tmp_path, "two", TORCHRUN, "hf_trainer_balanced.py", *mixtral, *TWO, "--experts"
-    )
+    one, _ = _run(tmp_path, "one", [sys.executable], script, *mixtral, *ONE)
+    two, reports = _run(tmp_path, "two", TORCHRUN, script, *mixtral, *TWO, "--experts")
     assert _max_diff(one, two) < 1e-10
     assert [r["shares"] for r in reports] == [[5, 3], [5, 3]]
 
