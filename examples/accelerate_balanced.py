@@ -116,7 +116,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         # The loss below is scaled for DDP's mean (step.loss_scale): the experts' rows weigh
         # 1 / processes ("mean"), as Trainer's do.
         by = args.shares or args.speeds or [1] * ranks  # as the rows are split
-        expert_parallel(model, speeds=[float(v) for v in by], combine="mean")
+        placed = (
+            {"shares": args.expert_shares}
+            if args.expert_shares
+            else {"speeds": [float(v) for v in by]}
+        )
+        expert_parallel(model, **placed, combine="mean")
     if args.emulate is not None:
         if len(args.emulate) != ranks:
             raise SystemExit(f"--emulate: one speed per process ({ranks}), got {args.emulate}")
@@ -215,6 +220,12 @@ def arguments(description: str | None) -> argparse.ArgumentParser:
         action="store_true",
         help="--arch mixtral: place its experts on the ranks by the shares or speeds",
     )
+    p.add_argument(
+        "--expert-shares",
+        type=numbers(int),
+        metavar="E0,E1,...",
+        help="--experts, each rank holding that many experts of every layer instead",
+    )
     p.add_argument("--float64", action="store_true", help="train in float64")
     p.add_argument("--save", help="write the trained state dict here (rank 0)")
     p.add_argument("--json", help="write each rank's report here ({rank} is replaced)")
@@ -225,6 +236,7 @@ def arguments(description: str | None) -> argparse.ArgumentParser:
 def checked(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """``p``'s arguments, ``--experts`` checked (this script's and hf_trainer_balanced.py's)."""
     args = p.parse_args(argv)
+    args.experts = args.experts or args.expert_shares is not None
     if args.experts and args.arch != "mixtral":
         p.error("--experts: places a mixture of experts' experts; use --arch mixtral")
     if args.experts and args.measure:

@@ -28,6 +28,9 @@ process (to the router's float32 softmax).
 
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer_balanced.py \
         --arch mixtral --experts --shares 5,3                               # experts placed
+
+``--rebalance-experts N`` places them again by their routed tokens every N optimizer steps
+(``BalancedTrainer(rebalance_experts_every=N)``: an ``hetcoll.torch.ExpertRebalancer``).
 """
 
 from __future__ import annotations
@@ -77,7 +80,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             from hetcoll.torch import expert_parallel
 
             by = args.shares or args.speeds or [1] * ranks  # as the rows are split
-            expert_parallel(model, speeds=[float(v) for v in by])
+            if args.expert_shares:
+                expert_parallel(model, shares=args.expert_shares)
+            else:
+                expert_parallel(model, speeds=[float(v) for v in by])
         if args.emulate is not None:
             if len(args.emulate) != ranks:
                 raise SystemExit(f"--emulate: one speed per process ({ranks}), got {args.emulate}")
@@ -92,6 +98,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             speeds=args.speeds,
             measure=args.measure,
             measure_budget=2.0,
+            rebalance_experts_every=args.rebalance_experts,
         )
         trainer.train()
         assert trainer.balanced is not None
@@ -102,6 +109,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             "shares": trainer.balanced.shares,
             "speeds": trainer.balanced.speeds,
             "logged": logged,
+            "experts_moves": [
+                {"step": e.step, "experts": e.new_shares, "moved": e.applied}
+                for e in (trainer.expert_rebalancer.history if trainer.expert_rebalancer else [])
+            ],
         }
         # The whole model on rank 0 (with placed experts, every rank's gathered: collective).
         if args.experts:
@@ -119,7 +130,17 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    return checked(arguments(__doc__), argv)
+    p = arguments(__doc__)
+    p.add_argument(
+        "--rebalance-experts",
+        type=int,
+        metavar="N",
+        help="with --experts: place them again by their routed tokens every N steps",
+    )
+    args = checked(p, argv)
+    if args.rebalance_experts is not None and not args.experts:
+        p.error("--rebalance-experts: needs --experts (experts placed on the ranks)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -149,12 +149,21 @@ def test_experts_placed_on_the_ranks_train_as_the_one_process_model(tmp_path, sc
     passes it); Trainer's clipping (max_grad_norm 1) takes the whole model's norm
     (``clip_grad_norm_``: each rank's own would clip each differently). The gathered model
     is one process's on the same global batches, to 1e-10; under Trainer, either fix alone
-    leaves it 1e-5 to 1e-4 away."""
+    leaves it 1e-5 to 1e-4 away. Under Trainer they start 1 : 3 and its expert rebalancer
+    (``rebalance_experts_every=1``) moves them after the first step, exactly still."""
     mixtral = ["--arch", "mixtral"]
+    trainer = script.startswith("hf_trainer")
+    # Under Trainer, placed 1 : 3 (against the rows' 5 : 3) and watched after every step.
+    watch = ["--expert-shares", "1,3", "--rebalance-experts", "1"] if trainer else []
     one, _ = _run(tmp_path, "one", [sys.executable], script, *mixtral, *ONE)
-    two, reports = _run(tmp_path, "two", TORCHRUN, script, *mixtral, *TWO, "--experts")
+    two, reports = _run(tmp_path, "two", TORCHRUN, script, *mixtral, *TWO, "--experts", *watch)
     assert _max_diff(one, two) < 1e-10
     assert [r["shares"] for r in reports] == [[5, 3], [5, 3]]
+    if trainer:  # moved after the first step (to 3 : 1), then left there (within 5%)
+        moves = [(m["step"], m["moved"]) for m in reports[0]["experts_moves"]]
+        assert moves == [(1, True)] + [(n, False) for n in range(2, 7)]
+        layers = ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+        assert reports[0]["experts_moves"][0]["experts"] == {k: [3, 1] for k in layers}
 
 
 @pytest.mark.multiproc

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from hetcoll.accelerate.data import (
     BalancedLoader,
@@ -35,8 +35,26 @@ from hetcoll.accelerate.data import (
     positive_numbers,
     prepare_balanced,
 )
-from hetcoll.torch import ExpertParallelExperts, clip_grad_norm_, gather_speeds
+from hetcoll.torch import ExpertParallelExperts, ExpertRebalancer, clip_grad_norm_, gather_speeds
 from hetcoll.torch.speed import check_share_source
+
+
+class _WatchExperts(TrainerCallback):
+    """After every optimizer step, the trainer's :class:`~hetcoll.torch.ExpertRebalancer`
+    (made at the first, over the trainer's optimizer, at the ranks' shares of the batch)."""
+
+    def __init__(self, trainer: BalancedTrainer, every: int) -> None:
+        self.trainer, self.every = trainer, every
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        t = self.trainer
+        if t.expert_rebalancer is None:
+            assert isinstance(t.model, nn.Module)  # checked when the trainer was made
+            optimizer = getattr(t.optimizer, "optimizer", t.optimizer)  # Accelerate's wrapper
+            t.expert_rebalancer = ExpertRebalancer(
+                t.model, optimizer, speeds=t._expert_speeds, every=self.every
+            )
+        t.expert_rebalancer.step()
 
 
 class BalancedTrainer(Trainer):
@@ -59,7 +77,10 @@ class BalancedTrainer(Trainer):
     A model whose experts :func:`hetcoll.torch.expert_parallel` placed on the ranks trains as
     one process too: its experts weigh every rank's rows as Trainer's loss scaling needs
     (``combine="mean"``, set here) and its gradient is clipped by the whole model's norm
-    (:func:`hetcoll.torch.clip_grad_norm_`). Save it whole with
+    (:func:`hetcoll.torch.clip_grad_norm_`); ``rebalance_experts_every``: an
+    :class:`~hetcoll.torch.ExpertRebalancer` after every optimizer step, placing them again by
+    their routed tokens every so many steps (:attr:`expert_rebalancer`; at the ranks' speeds
+    as given, else their shares). Save it whole with
     :func:`hetcoll.torch.gather_state_dict` (Trainer's own checkpoints hold each rank's
     experts only); ``measure=True`` is not supported with it.
 
@@ -77,9 +98,19 @@ class BalancedTrainer(Trainer):
         measure: bool = False,
         measure_budget: float = 10.0,
         seed: int | None = None,
+        rebalance_experts_every: int | None = None,
         **kwargs: Any,
     ) -> None:
         check_share_source(shares, speeds, measure, measure_budget)
+        if rebalance_experts_every is not None and (
+            isinstance(rebalance_experts_every, bool)
+            or not isinstance(rebalance_experts_every, int)
+            or rebalance_experts_every < 1
+        ):
+            raise ValueError(
+                "rebalance_experts_every: must be an integer >= 1 or None, got "
+                f"{rebalance_experts_every!r}"
+            )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed: must be an integer or None, got {seed!r}")
         self._shares = None if shares is None else positive_numbers(shares, "shares", int)
@@ -125,6 +156,14 @@ class BalancedTrainer(Trainer):
                 "measure: BalancedTrainer cannot time a model whose experts are placed on the "
                 "ranks (its probe steps would exchange tokens); give shares= or speeds="
             )
+        #: Watches the placed experts' loads (``rebalance_experts_every``), once training starts.
+        self.expert_rebalancer: ExpertRebalancer | None = None
+        if rebalance_experts_every is not None:
+            if not placed:
+                raise ValueError(
+                    "rebalance_experts_every: the model holds no experts placed by expert_parallel"
+                )
+            self.add_callback(_WatchExperts(self, rebalance_experts_every))
 
     def _placed_experts(self, model: Any) -> bool:
         return isinstance(model, nn.Module) and any(
@@ -143,6 +182,15 @@ class BalancedTrainer(Trainer):
         if grad_norm is None and self._placed_experts(model):
             grad_norm = clip_grad_norm_(model.parameters(), math.inf)
         return super()._get_grad_norm(model, grad_norm)
+
+    def _expert_speeds(self) -> list[float] | None:
+        """The ranks' speeds the experts are placed by: as measured or given, else their
+        shares of the batch (None before the loader is built)."""
+        if self.balanced is None:
+            return None
+        if self.balanced.speeds is not None:
+            return [float(v) for v in self.balanced.speeds]
+        return [float(n) for n in self.balanced.shares]
 
     @property
     def global_batch(self) -> int:
