@@ -76,6 +76,30 @@ def make_model(arch: str = "llama") -> nn.Module:
     )
 
 
+def place_experts_on_ranks(
+    model: nn.Module, args: argparse.Namespace, ranks: int, combine: str = "average"
+) -> None:
+    """``--experts``: the model's experts placed whole on the ranks (collective), by
+    ``--expert-shares``, else as the rows are split (``--shares``, ``--speeds``, else evenly)."""
+    from hetcoll.torch import expert_parallel
+
+    if args.expert_shares:
+        expert_parallel(model, shares=args.expert_shares, combine=combine)
+    else:
+        by = args.shares or args.speeds or [1] * ranks
+        expert_parallel(model, speeds=[float(v) for v in by], combine=combine)
+
+
+def whole_state(model: nn.Module, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """The model's state dict, with ``--experts`` every rank's experts gathered (collective;
+    rank 0's holds them)."""
+    if not args.experts:
+        return model.state_dict()
+    from hetcoll.torch import gather_state_dict
+
+    return gather_state_dict(model, dst=0) or {}
+
+
 def text_rows(rows: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """``rows`` samples of the standard library's source: ``SEQ`` bytes from a random place,
     the first 2 to ``SEQ`` of them valid, the rest padding (0, masked, labels -100)."""
@@ -111,17 +135,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         model = model.double()
     rank, ranks = accelerator.process_index, accelerator.num_processes
     if args.experts:
-        from hetcoll.torch import expert_parallel
-
         # The loss below is scaled for DDP's mean (step.loss_scale): the experts' rows weigh
         # 1 / processes ("mean"), as Trainer's do.
-        by = args.shares or args.speeds or [1] * ranks  # as the rows are split
-        placed = (
-            {"shares": args.expert_shares}
-            if args.expert_shares
-            else {"speeds": [float(v) for v in by]}
-        )
-        expert_parallel(model, **placed, combine="mean")
+        place_experts_on_ranks(model, args, ranks, combine="mean")
     if args.emulate is not None:
         if len(args.emulate) != ranks:
             raise SystemExit(f"--emulate: one speed per process ({ranks}), got {args.emulate}")
@@ -176,13 +192,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "speeds": data.speeds,
         "tokens": tokens,
     }
-    whole = accelerator.unwrap_model(model)
-    if args.experts:  # every rank's experts gathered (collective)
-        from hetcoll.torch import gather_state_dict
-
-        state = gather_state_dict(whole, dst=0)
-    else:
-        state = whole.state_dict()
+    state = whole_state(accelerator.unwrap_model(model), args)
     if args.save and accelerator.is_main_process:
         torch.save(state, args.save)
     accelerator.end_training()

@@ -43,7 +43,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from accelerate_balanced import arguments, checked, make_model, text_rows
+from accelerate_balanced import (
+    arguments,
+    checked,
+    make_model,
+    place_experts_on_ranks,
+    text_rows,
+    whole_state,
+)
 from transformers import TrainingArguments
 
 from hetcoll.accelerate import BalancedTrainer
@@ -76,14 +83,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         model = make_model(args.arch)
         if args.float64:
             model = model.double()
-        if args.experts:
-            from hetcoll.torch import expert_parallel
-
-            by = args.shares or args.speeds or [1] * ranks  # as the rows are split
-            if args.expert_shares:
-                expert_parallel(model, shares=args.expert_shares)
-            else:
-                expert_parallel(model, speeds=[float(v) for v in by])
+        if args.experts:  # BalancedTrainer weighs their rows as Trainer's loss needs
+            place_experts_on_ranks(model, args, ranks)
         if args.emulate is not None:
             if len(args.emulate) != ranks:
                 raise SystemExit(f"--emulate: one speed per process ({ranks}), got {args.emulate}")
@@ -114,13 +115,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 for e in (trainer.expert_rebalancer.history if trainer.expert_rebalancer else [])
             ],
         }
-        # The whole model on rank 0 (with placed experts, every rank's gathered: collective).
-        if args.experts:
-            from hetcoll.torch import gather_state_dict
-
-            state = gather_state_dict(model, dst=0)
-        else:
-            state = model.state_dict()
+        state = whole_state(model, args)  # collective with placed experts
         if args.save and training.process_index == 0:
             torch.save(state, args.save)
         if dist.is_initialized():

@@ -501,6 +501,19 @@ class Plan:
         return microbatch_sizes(self.replicas[replica].samples, self.microbatches)
 
 
+def experts_field(placed: Mapping[str, Sequence[int]]) -> list[int] | dict[str, list[int]]:
+    """A plan's ``experts`` for each experts layer's experts per replica (by module path):
+    one list where every layer is placed alike, else the dict by path.
+
+    >>> experts_field({"a": [3, 1], "b": [3, 1]})
+    [3, 1]
+    """
+    alike = {tuple(held) for held in placed.values()}
+    if len(alike) == 1:
+        return list(alike.pop())
+    return {path: list(held) for path, held in placed.items()}
+
+
 def microbatch_sizes(samples: int, microbatches: int) -> list[int]:
     """A replica's micro-batch sizes: its ``samples`` cut into ``microbatches`` near-equal parts
     (the first ones one larger), at most one part per sample. (The planner costs plans it has

@@ -41,21 +41,36 @@ def clip_grad_norm_(
 
     >>> clip_grad_norm_(model.parameters(), 1.0)  # doctest: +SKIP
     """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
-        raise ValueError(f"max_norm: must be a number >= 0, got {max_norm!r}")
+    limit = checked_max_norm(max_norm)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     if not all(isinstance(p, torch.Tensor) for p in params):
         raise TypeError("parameters: must be tensors (a model's parameters())")
-    grads = [(p.grad, is_rank_local(p)) for p in params if p.grad is not None]
-    sums = np.zeros(2)  # the replicated gradients' squares, this rank's own
-    for g, local in grads:
-        sums[int(local)] += float(g.detach().double().pow(2).sum())
-    own = sums[1:].copy()
+    grads = [p.grad for p in params if p.grad is not None]
+    shared = squares(p.grad for p in params if p.grad is not None and not is_rank_local(p))
+    own = np.array([squares(p.grad for p in params if p.grad is not None and is_rank_local(p))])
     wrap(group).allreduce_sum(own, "float64", deadline(timeout))
-    norm = math.sqrt(sums[0] + own[0])
-    coefficient = float(max_norm) / (norm + 1e-6)
+    norm = math.sqrt(shared + float(own[0]))
+    scale_to_norm(grads, norm, limit)
+    return torch.tensor(norm, dtype=torch.float64)
+
+
+def checked_max_norm(max_norm: object) -> float:
+    """``max_norm`` as a float; ``ValueError`` naming it unless a number >= 0 (inf too)."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
+        raise ValueError(f"max_norm: must be a number >= 0, got {max_norm!r}")
+    return float(max_norm)
+
+
+def squares(grads: Iterable[torch.Tensor]) -> float:
+    """The sum of the gradients' squared entries, in float64."""
+    return sum((float(g.detach().double().pow(2).sum()) for g in grads), 0.0)
+
+
+def scale_to_norm(grads: Iterable[torch.Tensor], norm: float, max_norm: float) -> None:
+    """Scale ``grads`` in place by ``max_norm / (norm + 1e-6)`` where that is below 1, as
+    ``torch.nn.utils.clip_grad_norm_`` does once it has the total ``norm``."""
+    coefficient = max_norm / (norm + 1e-6)
     if coefficient < 1.0:
         with torch.no_grad():
-            for g, _ in grads:
+            for g in grads:
                 g.mul_(coefficient)
-    return torch.tensor(norm, dtype=torch.float64)

@@ -49,6 +49,8 @@ Weight = Callable[[], float]
 #: Experts per rank, in rank order: one list for every experts layer, or a dict by experts
 #: module name.
 Shares = Sequence[int] | Mapping[str, Sequence[int]]
+#: Each expert's routed tokens: one list for every experts layer, or a dict by module name.
+Loads = Sequence[float] | Mapping[str, Sequence[float]]
 
 #: Codes of the dtypes the ranks' tokens may carry (exchanged to check that the ranks agree).
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -354,8 +356,10 @@ class ExpertParallelExperts(ChannelSplit):
             total = float(got[:, _WEIGHT].sum())
             if self.combine == "mean":
                 weights_of = np.full(p, 1.0 / p)
+            elif total > 0:
+                weights_of = got[:, _WEIGHT] / total
             else:
-                weights_of = got[:, _WEIGHT] / total if total > 0 else np.zeros(p)
+                weights_of = np.zeros(p)
             share = torch.tensor(weights_of, dtype=torch.float64)
             scale = share.repeat_interleave(torch.tensor(recv)).to(x.device)
             unscale = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
@@ -475,7 +479,7 @@ def expert_parallel(
     *,
     speeds: Sequence[float] | None = None,
     shares: Shares | None = None,
-    loads: Sequence[float] | Mapping[str, Sequence[float]] | None = None,
+    loads: Loads | None = None,
     capacity: Sequence[int] | None = None,
     weight: Weight | None = None,
     combine: str = "average",
@@ -598,17 +602,19 @@ def experts_placement(
     *,
     speeds: Sequence[float] | None = None,
     shares: Shares | None = None,
-    loads: Sequence[float] | Mapping[str, Sequence[float]] | None = None,
+    loads: Loads | None = None,
     capacity: Sequence[int] | None = None,
     where: str = "shares",
+    of: str = "rank",
 ) -> dict[str, list[int]]:
     """Each experts layer (its path and experts: :func:`find_experts`) placed on ``ranks``
     ranks: by ``speeds`` (:func:`expert_shares`, with ``loads`` and ``capacity``), or as
     ``shares`` give them (one list for every layer, or a dict by path naming every layer;
-    ``where``: the argument they came as, for the errors). ``ValueError`` naming the argument
-    where they do not make a placement."""
+    ``where``: the argument they came as, ``of``: what one entry is for, a rank or a plan's
+    replica, for the errors). ``ValueError`` naming the argument where they do not make a
+    placement."""
     if speeds is not None and len(speeds) != ranks:
-        raise ValueError(f"speeds: needs one per rank ({ranks}), got {len(speeds)}")
+        raise ValueError(f"speeds: needs one per {of} ({ranks}), got {len(speeds)}")
     for arg, given in (("loads", loads), (where, shares)):
         if isinstance(given, Mapping):
             missing = [n for n, _ in experts if n not in given]
@@ -654,7 +660,7 @@ def place_experts(
     *,
     speeds: Sequence[float] | None = None,
     shares: Shares | None = None,
-    loads: Sequence[float] | Mapping[str, Sequence[float]] | None = None,
+    loads: Loads | None = None,
     capacity: Sequence[int] | None = None,
 ) -> dict[str, list[int]]:
     """Place ``model``'s experts (:func:`expert_parallel`'s) on the ranks again, in place:
@@ -675,21 +681,52 @@ def place_experts(
 
     >>> place_experts(model, opt, speeds=new_speeds, loads=expert_loads(model))  # doctest: +SKIP
     """
-    if (speeds is None) == (shares is None):
-        raise TypeError("speeds: give exactly one of speeds= or shares=")
     layers = _placed_layers(model)
     comm = layers[0][1].comm
+    placed = agreed_placement(
+        comm,
+        [(name, m.all_experts) for name, m in layers],
+        comm.size,
+        speeds=speeds,
+        shares=shares,
+        loads=loads,
+        capacity=capacity,
+    )
+    move_experts([(name, m, placed[name]) for name, m in layers], optimizer)
+    return placed
+
+
+def agreed_placement(
+    comm: Communicator,
+    experts: Sequence[tuple[str, int]],
+    ranks: int,
+    *,
+    speeds: Sequence[float] | None,
+    shares: Shares | None,
+    loads: Loads | None,
+    capacity: Sequence[int] | None,
+    of: str = "rank",
+) -> dict[str, list[int]]:
+    """:func:`experts_placement` of exactly one of ``speeds=`` or ``shares=`` (``TypeError``
+    otherwise), agreed over ``comm`` before anything moves (:func:`agree_placement`: a
+    rank's bad argument, or placements that differ, raise on every rank)."""
+    if (speeds is None) == (shares is None):
+        raise TypeError("speeds: give exactly one of speeds= or shares=")
     placed: dict[str, list[int]] = {}
     failure: ValueError | None = None
     try:
-        counts = [(name, m.all_experts) for name, m in layers]
         placed = experts_placement(
-            counts, comm.size, speeds=speeds, shares=shares, loads=loads, capacity=capacity
+            experts,
+            ranks,
+            speeds=speeds,
+            shares=shares,
+            loads=loads,
+            capacity=capacity,
+            of=of,
         )
     except ValueError as e:  # raised after the others learn of it, none waiting
         failure = e
-    agree_placement(comm, placed, failure)  # before anything moves
-    move_experts([(name, m, placed[name]) for name, m in layers], optimizer)
+    agree_placement(comm, placed, failure)
     return placed
 
 
@@ -774,9 +811,12 @@ def _move_experts(m: ExpertParallelExperts, new: list[int], carried: list[_Carri
         return int(max(0, hi - lo))
 
     # Runs are in expert order on both sides, so each rank's rows go out, and come in, in
-    # rank order: the received rows are the new run in order.
-    send = [overlap(rank, q) for q in range(comm.size)]
-    recv = [overlap(q, rank) for q in range(comm.size)]
+    # rank order. The rows a rank keeps stay out of the exchange: its new run is the rows
+    # from lower ranks, then those it kept (from ``kept`` in its old run), then the rest.
+    send = [overlap(rank, q) if q != rank else 0 for q in range(comm.size)]
+    recv = [overlap(q, rank) if q != rank else 0 for q in range(comm.size)]
+    kept, keep = max(first_old[rank], first_new[rank]) - first_old[rank], overlap(rank, rank)
+    below = sum(recv[:rank])
     # One exchange per dtype, the same on every rank (agreed); a pack travels on its first
     # tensor's device (a parameter's) and each part returns to its own (optimizer state may
     # live elsewhere).
@@ -787,13 +827,16 @@ def _move_experts(m: ExpertParallelExperts, new: list[int], carried: list[_Carri
         for members in packs.values():
             on = members[0].tensor.device
             widths = [math.prod(c.tensor.shape[1:]) for c in members]
-            rows = torch.cat(
-                [c.tensor.reshape(old[rank], w).to(on) for c, w in zip(members, widths)], dim=1
+            flat = [c.tensor.reshape(old[rank], w) for c, w in zip(members, widths)]
+            leaving = torch.cat(
+                [torch.cat([f[:kept], f[kept + keep :]]).to(on) for f in flat], dim=1
             )
-            got = _exchange(rows, comm, send, recv, m.timeout, "placement")
-            for c, part in zip(members, got.split(widths, dim=1)):
-                shape = (new[rank], *c.tensor.shape[1:])
-                c.install(part.reshape(shape).to(c.tensor.device).clone())
+            got = _exchange(leaving, comm, send, recv, m.timeout, "placement")
+            for c, f, part in zip(members, flat, got.split(widths, dim=1)):
+                rows = torch.cat(
+                    [part[:below].to(f.device), f[kept : kept + keep], part[below:].to(f.device)]
+                )
+                c.install(rows.reshape(new[rank], *c.tensor.shape[1:]))
     m._set_split(comm, new)
     m.num_experts = new[rank]
 

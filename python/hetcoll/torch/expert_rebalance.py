@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -114,15 +115,27 @@ class ExpertRebalancer:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
-        if isinstance(model, PlanExperts):  # a plan's replicas
+        # The three things a decision does, for a plan's replicas or a model's ranks.
+        self._loads_now: Callable[[], dict[str, list[int]]]
+        self._placed_now: Callable[[], dict[str, list[int]]]
+        self._place: Callable[..., dict[str, list[int]]]
+        if isinstance(model, PlanExperts):
             if not model.plan.experts:
                 raise ValueError("model: its plan places no experts (its experts field)")
             self.size = len(model.plan.replicas)
+            self._loads_now = model.expert_loads
+            self._placed_now = lambda: model.experts_placement
+            self._place = model.place_experts
         else:
-            layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+            layers = {
+                name: m for name, m in model.named_modules() if isinstance(m, ExpertParallelExperts)
+            }
             if not layers:
                 raise ValueError("model: holds no experts placed by expert_parallel")
-            self.size = layers[0].comm.size
+            self.size = next(iter(layers.values())).comm.size
+            self._loads_now = partial(expert_loads, model)
+            self._placed_now = lambda: {name: list(m.shares) for name, m in layers.items()}
+            self._place = partial(place_experts, model)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 "optimizer: must be a torch.optim.Optimizer or None, got "
@@ -171,8 +184,7 @@ class ExpertRebalancer:
         self._step += 1
         if self._step % self.every:
             return False
-        plan = self.model if isinstance(self.model, PlanExperts) else None
-        window = plan.expert_loads() if plan is not None else expert_loads(self.model)
+        window = self._loads_now()
         a = self.smoothing
         self.loads = {
             name: [float(x) for x in counts]
@@ -184,15 +196,7 @@ class ExpertRebalancer:
         if given is None:
             return False  # the speeds are not known yet: the loads are kept
         speeds = self._checked_speeds(given)
-        old = (
-            plan.experts_placement
-            if plan is not None
-            else {
-                name: list(m.shares)
-                for name, m in self.model.named_modules()
-                if isinstance(m, ExpertParallelExperts)
-            }
-        )
+        old = self._placed_now()
         new = experts_placement(
             [(name, sum(held)) for name, held in old.items()],
             self.size,
@@ -203,10 +207,8 @@ class ExpertRebalancer:
         before = placement_time(old, self.loads, speeds)
         after = placement_time(new, self.loads, speeds)
         applied = new != old and after < before * (1 - self.threshold)
-        if applied and plan is not None:
-            plan.place_experts(self.optimizer, shares=new)
-        elif applied:
-            place_experts(self.model, self.optimizer, shares=new)
+        if applied:
+            self._place(self.optimizer, shares=new)
         self.history.append(
             ExpertRebalanceEvent(self._step, tuple(speeds), old, new, before, after, applied)
         )

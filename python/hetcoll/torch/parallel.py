@@ -42,6 +42,7 @@ from torch.utils import _pytree as pytree
 from hetcoll.comm import agree, deadline, start_agreement, wrap
 from hetcoll.plan import Plan, Stage
 from hetcoll.torch.batches import count_items, counted, item_weights, items_argument
+from hetcoll.torch.clipping import checked_max_norm, scale_to_norm, squares
 from hetcoll.torch.expert_parallel import (
     ExpertParallelExperts,
     experts_placement,
@@ -226,29 +227,20 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         experts); the squares are summed over the plan's group, and every rank scales by the
         same ``max_norm / (norm + 1e-6)`` where that is below 1 (``inf``: measure only).
         Collective: every rank, idle ones too. Returns the norm before clipping (float64)."""
-        if (
-            isinstance(max_norm, bool)
-            or not isinstance(max_norm, (int, float))
-            or not max_norm >= 0
-        ):
-            raise ValueError(f"max_norm: must be a number >= 0, got {max_norm!r}")
-        mine = np.zeros(1)
+        limit = checked_max_norm(max_norm)
+        pieces = []  # each tensor's piece once, where a full checkpoint takes it
         if self.place is not None:
             for name, (t, part) in self._parts().items():
                 grad = t.grad if isinstance(t, nn.Parameter) else None
                 taken = self.place[0] == 0 or name in self._experts_names
                 if grad is not None and taken and self._counts(name, part):
-                    mine[0] += float(grad.detach().double().pow(2).sum())
+                    pieces.append(grad)
+        mine = np.array([squares(pieces)])
         CountingCommunicator.uncounted(self._tr.comm).allreduce_sum(
             mine, "float64", deadline(timeout)
         )
         norm = math.sqrt(float(mine[0]))
-        coefficient = float(max_norm) / (norm + 1e-6)
-        if coefficient < 1.0:
-            with torch.no_grad():
-                for q in self.parameters():
-                    if q.grad is not None:
-                        q.grad.mul_(coefficient)
+        scale_to_norm([q.grad for q in self.parameters() if q.grad is not None], norm, limit)
         return torch.tensor(norm, dtype=torch.float64)
 
     def step(self, inputs: Any, targets: Any) -> float:

@@ -11,18 +11,19 @@ experts too, so that every rank's ``plan`` stays the same.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from hetcoll.comm import deadline
-from hetcoll.plan import Plan
+from hetcoll.plan import Plan, experts_field
 from hetcoll.torch.expert_parallel import (
     ExpertParallelExperts,
+    Loads,
     Shares,
-    agree_placement,
+    agreed_placement,
     experts_placement,
     move_experts,
 )
@@ -93,7 +94,7 @@ class PlanExperts:
         *,
         speeds: Sequence[float] | None = None,
         shares: Shares | None = None,
-        loads: Sequence[float] | Mapping[str, Sequence[float]] | None = None,
+        loads: Loads | None = None,
         capacity: Sequence[int] | None = None,
     ) -> dict[str, list[int]]:
         """Place the plan's experts on its replicas again, in place, as
@@ -105,27 +106,17 @@ class PlanExperts:
         (on every rank). Collective over the plan's whole group, every rank with the same
         arguments. Returns each layer's experts per replica, by path."""
         self._check_has_experts()
-        if (speeds is None) == (shares is None):
-            raise TypeError("speeds: give exactly one of speeds= or shares=")
         replicas = self.plan.replicas
-        placed: dict[str, list[int]] = {}
-        failure: ValueError | None = None
-        try:
-            if speeds is not None and len(speeds) != len(replicas):
-                raise ValueError(
-                    f"speeds: needs one per replica ({len(replicas)}), got {len(speeds)}"
-                )
-            placed = experts_placement(
-                [(path, n) for path, n, _ in self._experts_layers],
-                len(replicas),
-                speeds=speeds,
-                shares=shares,
-                loads=loads,
-                capacity=capacity,
-            )
-        except ValueError as e:  # raised after the others learn of it, none waiting
-            failure = e
-        agree_placement(CountingCommunicator.uncounted(self._tr.comm), placed, failure)
+        placed = agreed_placement(
+            CountingCommunicator.uncounted(self._tr.comm),
+            [(path, n) for path, n, _ in self._experts_layers],
+            len(replicas),
+            speeds=speeds,
+            shares=shares,
+            loads=loads,
+            capacity=capacity,
+            of="replica",
+        )
         here = self._held_experts()
         moves = []
         for path, _, j in self._experts_layers:
@@ -133,7 +124,5 @@ class PlanExperts:
                 by_rank = sorted(range(len(replicas)), key=lambda r: replicas[r].stages[j].ranks[0])
                 moves.append((path, here[path], [placed[path][r] for r in by_rank]))
         move_experts(moves, optimizer)
-        alike = {tuple(held) for held in placed.values()}
-        experts: list[int] | dict[str, list[int]] = list(alike.pop()) if len(alike) == 1 else placed
-        self.plan = Plan.from_dict({**self.plan.to_dict(), "experts": experts})
+        self.plan = Plan.from_dict({**self.plan.to_dict(), "experts": experts_field(placed)})
         return placed

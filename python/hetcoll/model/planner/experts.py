@@ -12,7 +12,7 @@ from hetcoll.model import predict
 from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster
 from hetcoll.model.predict import Prediction
-from hetcoll.plan import Plan
+from hetcoll.plan import Plan, experts_field
 
 
 def expert_parallel_plan(
@@ -34,7 +34,6 @@ def expert_parallel_plan(
     rows = [int(n) for n in hetcoll.split(batch, list(speeds))]
     keep = [d for d, n in enumerate(rows) if n > 0]
     placed = {path: expert_shares(n, [speeds[d] for d in keep]) for path, n in experts}
-    alike = {tuple(v) for v in placed.values()}
     return Plan.from_dict(
         {
             "microbatches": microbatches,
@@ -42,7 +41,7 @@ def expert_parallel_plan(
                 {"samples": rows[d], "stages": [{"ranks": [d], "layers": [0, layers]}]}
                 for d in keep
             ],
-            "experts": list(alike.pop()) if len(alike) == 1 else placed,
+            "experts": experts_field(placed),
         }
     )
 
