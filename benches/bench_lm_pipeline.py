@@ -465,7 +465,7 @@ def planner_plan() -> tuple[dict[str, Any] | None, str]:
 
     device = calibrate.measure_device("rank", 4e9, quick=True)
     fit = calibrate.measure_gloo_link()
-    link = model.Link("gloo-local", fit.latency_s, fit.bytes_per_s)
+    link = fit.link("gloo-local")
     cluster = validation_cluster([emulated_device(device, f) for f in SPEEDS], link)
     net = _model()
     seq = train_lm.SEQ

@@ -320,14 +320,13 @@ def emulated_cluster() -> Any:
     (:func:`hetcoll.lab.calibrate.measure_device`, quick) at each emulated speed
     (:func:`hetcoll.lab.emulate.emulated_device`), joined by the measured gloo link between two
     local ranks (as ``benches/bench_plans.py`` predicts its plans)."""
-    import hetcoll.model as model
     from hetcoll.lab import calibrate
     from hetcoll.lab.emulate import emulated_device
     from hetcoll.lab.validate import validation_cluster
 
     device = calibrate.measure_device("this-machine-1-thread", 4e9, quick=True)
     fit = calibrate.measure_gloo_link()
-    link = model.Link("gloo-local", fit.latency_s, fit.bytes_per_s)
+    link = fit.link("gloo-local")
     return validation_cluster([emulated_device(device, f) for f in SPEEDS], link)
 
 

@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     cores = os.cpu_count() or 1
     fit = calibrate.measure_gloo_link()
-    link = model.Link("gloo-local", fit.latency_s, fit.bytes_per_s)
+    link = fit.link("gloo-local")
     model_costs = model.layer_costs(conv_net(), SHAPE)
     launches, predictions, hosts = [], [], []
     for _ in range(args.launches):

@@ -221,7 +221,7 @@ def machine(arch: str, vocab: int) -> tuple[Any, Any, Any]:
     ex = lm_example()
     device = calibrate.measure_device("rank", 4e9, quick=True)
     fit = calibrate.measure_gloo_link()
-    link = hm.Link("gloo-local", fit.latency_s, fit.bytes_per_s)
+    link = fit.link("gloo-local")
     costs = hm.layer_costs(
         make_model(arch, vocab), (ex.SEQ,), dtype=torch.int64, loss=ex.costed_loss
     )

@@ -239,6 +239,8 @@ link = "fast"
         ("[devices.gpu]", "[devices.gpu]\nconv_channel_block = 0", "conv_channel_block"),
         ("[devices.gpu]", "[devices.gpu]\nconv_channel_block = 1.5", "conv_channel_block"),
         ("[devices.gpu]", "[devices.gpu]\nconv_overhead_s = -1e-4", "devices.gpu.conv_overhead_s"),
+        ("latency_s = 1e-6", "latency_s = 1e-6\ncall_s = -1e-5", "links.fast.call_s"),
+        ("latency_s = 1e-6", "latency_s = 1e-6\ncall_s = 'slow'", "links.fast.call_s"),
     ],
 )
 def test_bad_cluster_files_name_file_and_field(
@@ -278,6 +280,38 @@ def _cluster(
 @pytest.fixture(scope="module")
 def cnn_costs():  # type: ignore[no-untyped-def]
     return layer_costs(networks.cnn(), (3, 32, 32))
+
+
+def test_every_collective_call_pays_the_links_call_cost(cnn_costs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A link's ``call_s`` is paid once by every collective call, whatever its bytes: DDP's
+    step without overlap pays it for each bucket and for the buffers' broadcast; a file
+    carries it and a cluster's ring over several links takes the largest; point-to-point
+    sends (a pipeline's) do not pay it."""
+    from hetcoll.model.hardware import dumps_cluster
+
+    call = 3e-4
+    plain, costly = (
+        Cluster([Node("n", Device("d", 1e11, 2e10, 1e10, 1e-6), 2, Link("l", 1e-5, 1e9, c))])
+        for c in (0.0, call)
+    )
+    calls = len(ddp_buckets(cnn_costs)) + (cnn_costs.buffer_bytes > 0)
+    a, b = (data_parallel(cnn_costs, c, [16, 16], overlap=False) for c in (plain, costly))
+    assert calls >= 2 and b.step_s - a.step_s == pytest.approx(calls * call, rel=1e-9)
+    assert terms.all_to_all_seconds(0.0, 1, 1.0, 1.0, 1.0) == 0.0  # one rank calls nobody
+    path = tmp_path / "c.toml"
+    path.write_text(dumps_cluster(costly))
+    assert "call_s = 0.0003" in path.read_text()
+    assert load_cluster(path).nodes[0].link == costly.nodes[0].link
+    assert "call_s" not in dumps_cluster(plain)
+    net = Link("net", 1e-5, 1e9, 1e-3)
+    two = Cluster([Node("a", plain.devices[0], 1), Node("b", plain.devices[0], 1)], net)
+    assert two.ring_link().call_s == 1e-3
+    with pytest.raises(ValueError, match="call_s"):
+        Link("l", 1e-5, 1e9, -1.0)
+    # A pipeline's activations and gradients go point to point; its one collective is the
+    # step's loss, summed over the ranks as Parallel.step sums it.
+    stages = pipeline(cnn_costs, plain, 16, 2).step_s
+    assert pipeline(cnn_costs, costly, 16, 2).step_s == pytest.approx(stages + call, rel=1e-9)
 
 
 def test_data_parallel_with_free_links_exposes_only_the_last_bucket(cnn_costs) -> None:  # type: ignore[no-untyped-def]
@@ -882,7 +916,26 @@ def test_calibrate_measures_gloo_and_mpi_links(tmp_path: Path) -> None:
     assert names == {"gloo-local", "mpi-local"}
     for link in cal.links:
         assert 0 < link.latency_s < 0.05 and 1e7 < link.bytes_per_s < 1e12
+        assert 0 <= link.call_s < 0.05
     assert "mpi-local" in out.read_text()  # the unused link is kept in the file
+    # The ranks' link carries the fixed cost of a collective call the calibration fitted.
+    gloo = next(link for link in cal.links if link.name == "gloo-local")
+    assert cluster.nodes[0].link is not None
+    assert cluster.nodes[0].link.call_s == pytest.approx(gloo.call_s, rel=1e-5)
+
+
+def test_a_calls_fixed_cost_is_what_the_latencies_leave() -> None:
+    from hetcoll.lab.calibrate import fit_call_seconds
+
+    # On 4 ranks the model charges an allreduce 6 latencies, an allgather and an all-to-all
+    # 3, a broadcast 2: what is left of each is 1 ms, 2 ms, 3 ms and 4 ms.
+    calls = {"allreduce": 7e-3, "allgather": 5e-3, "all_to_all": 6e-3, "broadcast": 6e-3}
+    assert fit_call_seconds(calls, 1e-3, 4) == pytest.approx(2.5e-3)
+    assert fit_call_seconds({"broadcast": 1e-6}, 1e-3) == 0.0  # never below nothing
+    with pytest.raises(ValueError, match="num_ranks"):
+        fit_call_seconds(calls, 1e-3, 1)
+    with pytest.raises(ValueError, match="calls_s"):
+        fit_call_seconds({}, 1e-3)
 
 
 def test_a_device_is_measured_on_one_thread_as_a_rank_runs(

@@ -129,12 +129,12 @@ def _costs(make=tc.mixtral):
     return layer_costs(model, tokens, dtype=torch.int64)
 
 
-def _cluster(*flops: float, memory: float = 8e9):
+def _cluster(*flops: float, memory: float = 8e9, call_s: float = 0.0):
     from hetcoll.lab.validate import validation_cluster
     from hetcoll.model import Device, Link
 
     devices = [Device(f"d{i}", f, f, memory) for i, f in enumerate(flops)]
-    return validation_cluster(devices, Link("link", 1e-4, 1e9))
+    return validation_cluster(devices, Link("link", 1e-4, 1e9, call_s))
 
 
 def test_predict_plan_prices_a_plan_with_experts():
@@ -194,6 +194,24 @@ def test_predict_plan_prices_micro_batches_of_a_plan_with_experts():
     assert both.shares == [26, 6] and both.detail["microbatches"] == 2
     runtime = predict_plan(costs, _cluster(1e11, 5e10, 2.5e10), Plan.from_dict(cases.BY_SPEED))
     assert runtime.feasible and runtime.shares == [3, 2, 2]
+
+
+def test_every_exchange_of_a_plan_with_experts_pays_the_links_call_cost():
+    """Each experts layer opens every forward with an exchange of counts and sends its rows
+    out and back, forward and backward: five all-to-alls a pass, each paying the link's fixed
+    cost per call; then one sum of the replicated gradients and the loss's allreduce."""
+    from hetcoll.model.predict import predict_plan
+
+    costs = _costs()
+    call = 2e-4
+    plain, costly = _cluster(1e11, 2.5e10), _cluster(1e11, 2.5e10, call_s=call)
+    for m in (1, 2):
+        plan = Plan.from_dict(
+            {"microbatches": m, "replicas": cases.replicas(26, 6), "experts": [3, 1]}
+        )
+        calls = m * 5 * len(costs.experts) + 2
+        a, b = (predict_plan(costs, c, plan).step_s for c in (plain, costly))
+        assert b - a == pytest.approx(calls * call, rel=1e-9), m
 
 
 def test_the_planner_proposes_expert_parallelism():

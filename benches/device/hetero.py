@@ -249,7 +249,7 @@ def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
     launch_s = _gpu_seconds(launches, 3, dev) / chain
     depth = 24
     costs = layer_costs(_tiny_chain(depth), (4,))
-    kernels = sum(len(x.forward) + len(x.backward) for x in costs.layers)
+    kernels = sum(k.launches for x in costs.layers for k in (*x.forward, *x.backward))
     model = _tiny_chain(depth).to(dev)
     x1 = torch.randn(1, 4, device=dev)
 

@@ -6,18 +6,20 @@ The result is a cluster file (one node of as many one-thread ranks as there are 
 ``hetcoll plan`` and ``hetcoll model validate`` read like any hand-written one.
 
 Run as ``python -m hetcoll.lab.calibrate`` under ``mpiexec -n 2`` it does the MPI ping-pong
-and prints the fit as JSON (that is how :func:`measure_mpi_link` runs it).
+and times small collectives, and prints the times as JSON (that is how
+:func:`measure_mpi_link` runs it).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,7 +137,7 @@ def conv_probe_counts(
 
     costs = layer_costs(nn.Conv2d(64, 64, 3, padding=1, bias=False), (64, size, size))
     kernels = [k for layer in costs.layers for k in (*layer.forward, *layer.backward)]
-    return float(sum(k.flops(batch) for k in kernels)), len(kernels)
+    return float(sum(k.flops(batch) for k in kernels)), sum(k.launches for k in kernels)
 
 
 #: oneDNN's channel block per vector instruction set torch dispatches to (its blocked layouts
@@ -216,7 +218,7 @@ def _kernel_count(depth: int) -> int:
     for _ in range(depth):
         layers += [nn.Linear(4, 4), nn.ReLU()]
     costs = layer_costs(nn.Sequential(*layers), (4,))
-    return sum(len(x.forward) + len(x.backward) for x in costs.layers)
+    return sum(k.launches for x in costs.layers for k in (*x.forward, *x.backward))
 
 
 def measure_elementwise_bytes_per_s(batch: int = 16, repeats: int = 5) -> float:
@@ -312,12 +314,77 @@ def _measure_device(name: str, memory_bytes: float, quick: bool) -> Device:
 
 @dataclass(frozen=True)
 class LinkFit:
-    """alpha-beta fit of one-way message times: ``latency_s + bytes / bytes_per_s``."""
+    """alpha-beta fit of one-way message times: ``latency_s + bytes / bytes_per_s``; and the
+    fixed cost of a collective call beyond its messages (``call_s``,
+    :func:`fit_call_seconds`), from the seconds a call of each small collective took
+    (``calls_s``)."""
 
     latency_s: float
     bytes_per_s: float
     sizes_bytes: tuple[int, ...]
     one_way_s: tuple[float, ...]
+    call_s: float = 0.0
+    calls_s: tuple[tuple[str, float], ...] = ()
+
+    def link(self, name: str) -> Link:
+        """The performance model's :class:`~hetcoll.model.hardware.Link` of this fit."""
+        return Link(name, self.latency_s, self.bytes_per_s, self.call_s)
+
+    def describe(self) -> str:
+        """What was measured, for a cluster file's comment."""
+        one_way = ", ".join(f"{n}B:{t:.3g}" for n, t in zip(self.sizes_bytes, self.one_way_s))
+        calls = ", ".join(f"{name}:{t:.3g}" for name, t in self.calls_s)
+        return (
+            f"one-way seconds {one_way}; seconds a call of {CALL_PROBE_ELEMENTS} floats, back "
+            f"to back: {calls}"
+        )
+
+
+#: float32 elements of the small collectives whose calls time an engine's fixed cost per call.
+CALL_PROBE_ELEMENTS = 64
+#: Message latencies the model charges each probed collective on ``p`` ranks (a ring
+#: allreduce's ``2(p-1)``, an allgather's and an all-to-all's ``p-1``, a binomial broadcast's
+#: ``ceil(log2 p)``: :mod:`hetcoll.model.terms`).
+CALL_PROBE_LATENCIES: dict[str, Callable[[int], int]] = {
+    "allreduce": lambda p: 2 * (p - 1),
+    "allgather": lambda p: p - 1,
+    "all_to_all": lambda p: p - 1,
+    "broadcast": lambda p: math.ceil(math.log2(p)),
+}
+
+
+def fit_call_seconds(calls_s: Mapping[str, float], latency_s: float, num_ranks: int = 2) -> float:
+    """The fixed seconds of a collective call beyond its messages: the median over the probed
+    collectives (:data:`CALL_PROBE_LATENCIES`) of each call's seconds less the message
+    latencies the model already charges it, at least 0 (their bytes are negligible).
+
+    >>> fit_call_seconds({"allreduce": 5e-4, "allgather": 3e-4, "all_to_all": 3e-4,
+    ...                   "broadcast": 2e-4}, 5e-5)
+    0.00025
+    """
+    if num_ranks < 2:
+        raise ValueError(f"num_ranks: a collective call needs at least 2 ranks, got {num_ranks}")
+    excess = [t - CALL_PROBE_LATENCIES[name](num_ranks) * latency_s for name, t in calls_s.items()]
+    if not excess:
+        raise ValueError("calls_s: no collective was timed")
+    return round(max(0.0, float(statistics.median(excess))), 9)
+
+
+def _calls_seconds(ops: Mapping[str, Callable[[], object]], calls: int = 100) -> dict[str, float]:
+    """Seconds per call of each collective, called back to back by every rank: the median of
+    5 rounds of ``calls`` calls, after a quarter round to warm up."""
+    out = {}
+    for name, op in ops.items():
+        for _ in range(calls // 4):
+            op()
+        rounds = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(calls):
+                op()
+            rounds.append((time.perf_counter() - start) / calls)
+        out[name] = statistics.median(rounds)
+    return out
 
 
 def fit_alpha_beta(sizes_bytes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
@@ -369,7 +436,9 @@ def _ping_pong(
     return out
 
 
-def _gloo_ping_pong(rank: int, world: int, sizes: Sequence[int], repeats: int) -> list[float]:
+def _gloo_ping_pong(
+    rank: int, world: int, sizes: Sequence[int], repeats: int
+) -> tuple[list[float], dict[str, float]]:
     import torch
     import torch.distributed as dist
 
@@ -381,18 +450,41 @@ def _gloo_ping_pong(rank: int, world: int, sizes: Sequence[int], repeats: int) -
         elif rank == 1:
             dist.recv(warm, 0)
             dist.send(warm, 0)
-    return _ping_pong(
+    times = _ping_pong(
         rank, sizes, repeats, lambda n: torch.zeros(n), dist.barrier, dist.send, dist.recv
+    )
+    x = torch.zeros(CALL_PROBE_ELEMENTS)
+    gathered = torch.empty(CALL_PROBE_ELEMENTS * world)
+    calls = _calls_seconds(
+        {
+            "allreduce": lambda: dist.all_reduce(x),
+            "allgather": lambda: dist.all_gather_into_tensor(gathered, x),
+            "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(x), x),
+            "broadcast": lambda: dist.broadcast(x, 0),
+        }
+    )
+    return times, calls
+
+
+def _fit(sizes: Sequence[int], times: Sequence[float], calls: Mapping[str, float]) -> LinkFit:
+    alpha, bw = fit_alpha_beta(sizes, times)
+    return LinkFit(
+        alpha,
+        bw,
+        tuple(sizes),
+        tuple(times),
+        fit_call_seconds(calls, alpha),
+        tuple(sorted(calls.items())),
     )
 
 
 def measure_gloo_link(sizes: Sequence[int] = PING_PONG_BYTES, repeats: int = 9) -> LinkFit:
-    """Ping-pong between two local gloo ranks; one-way time fitted to alpha-beta."""
+    """Ping-pong between two local gloo ranks, one-way time fitted to alpha-beta; then small
+    collectives called back to back, for the fixed cost of a call (:func:`fit_call_seconds`)."""
     from hetcoll.launch import spawn
 
-    times = spawn(_gloo_ping_pong, 2, list(sizes), repeats, timeout=120.0)[0]
-    alpha, bw = fit_alpha_beta(sizes, times)
-    return LinkFit(alpha, bw, tuple(sizes), tuple(times))
+    times, calls = spawn(_gloo_ping_pong, 2, list(sizes), repeats, timeout=120.0)[0]
+    return _fit(sizes, times, calls)
 
 
 def gloo_allreduce_seconds(
@@ -585,7 +677,9 @@ def fit_wake_seconds(
     return round(max(0.0, float(statistics.median(excess))), 7)
 
 
-def _mpi_ping_pong(sizes: Sequence[int], repeats: int) -> list[float] | None:
+def _mpi_ping_pong(
+    sizes: Sequence[int], repeats: int
+) -> tuple[list[float], dict[str, float]] | None:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -599,7 +693,17 @@ def _mpi_ping_pong(sizes: Sequence[int], repeats: int) -> list[float] | None:
         comm.Send,
         comm.Recv,
     )
-    return out if rank == 0 else None
+    x = np.zeros(CALL_PROBE_ELEMENTS, dtype=np.float32)
+    into = np.empty(CALL_PROBE_ELEMENTS * comm.Get_size(), dtype=np.float32)
+    calls = _calls_seconds(
+        {
+            "allreduce": lambda: comm.Allreduce(MPI.IN_PLACE, x),
+            "allgather": lambda: comm.Allgather(x, into),
+            "all_to_all": lambda: comm.Alltoall(x, np.empty_like(x)),
+            "broadcast": lambda: comm.Bcast(x, 0),
+        }
+    )
+    return (out, calls) if rank == 0 else None
 
 
 def measure_mpi_link(sizes: Sequence[int] = PING_PONG_BYTES, repeats: int = 9) -> LinkFit:
@@ -622,9 +726,8 @@ def measure_mpi_link(sizes: Sequence[int] = PING_PONG_BYTES, repeats: int = 9) -
         env=env,
     )
     line = [x for x in proc.stdout.splitlines() if x.startswith("{")][-1]
-    times = json.loads(line)["one_way_s"]
-    alpha, bw = fit_alpha_beta(sizes, times)
-    return LinkFit(alpha, bw, tuple(sizes), tuple(times))
+    found = json.loads(line)
+    return _fit(sizes, found["one_way_s"], found["calls_s"])
 
 
 def _memory_per_rank_bytes(ranks: int) -> float:
@@ -678,13 +781,16 @@ def calibrate(
     for name in links:
         say(f"{name} ping-pong ...")
         fit = measure_gloo_link() if name == "gloo" else measure_mpi_link()
-        link = Link(f"{name}-local", fit.latency_s, fit.bytes_per_s)
+        link = fit.link(f"{name}-local")
         measured[name] = link
         comments[link.name] = (
-            f"measured: {name} ping-pong between 2 local ranks, one-way seconds "
-            + ", ".join(f"{s}B:{t:.3g}" for s, t in zip(fit.sizes_bytes, fit.one_way_s))
+            f"measured: {name} ping-pong and small collectives between 2 local ranks, "
+            + fit.describe()
         )
-        say(f"  latency {link.latency_s * 1e6:.1f} us, {link.bytes_per_s / 1e9:.2f} GB/s")
+        say(
+            f"  latency {link.latency_s * 1e6:.1f} us, {link.bytes_per_s / 1e9:.2f} GB/s, "
+            f"{link.call_s * 1e6:.0f} us per collective call"
+        )
     if transport not in measured:
         raise ValueError(f"transport: {transport!r} was not measured")
     node = Node("this-machine", device, ranks, measured[transport] if ranks > 1 else None)
@@ -711,4 +817,4 @@ if __name__ == "__main__":  # the MPI side of measure_mpi_link, under mpiexec -n
     cfg = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
     result = _mpi_ping_pong(cfg.get("sizes", PING_PONG_BYTES), cfg.get("repeats", 9))
     if result is not None:
-        print(json.dumps({"one_way_s": result}), flush=True)
+        print(json.dumps({"one_way_s": result[0], "calls_s": result[1]}), flush=True)

@@ -44,7 +44,7 @@ from hetcoll.lab.demo_ranks import (
     train_data_parallel,
 )
 from hetcoll.lab.emulate import emulated_device
-from hetcoll.model.hardware import Cluster, Link, Node
+from hetcoll.model.hardware import Cluster, Node
 from hetcoll.plan import Plan
 
 
@@ -59,7 +59,7 @@ def choose_plan(cfg: DemoConfig) -> dict[str, Any]:
     link_fit = (
         calibrate.measure_mpi_link() if cfg.backend == "mpi" else calibrate.measure_gloo_link()
     )
-    link = Link(f"{cfg.backend}, local", link_fit.latency_s, link_fit.bytes_per_s)
+    link = link_fit.link(f"{cfg.backend}, local")
     nodes = [
         Node(f"rank{r}", emulated_device(base, s, f"rank{r}"), 1) for r, s in enumerate(cfg.speeds)
     ]

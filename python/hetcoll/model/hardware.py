@@ -26,6 +26,9 @@ A cluster file is a small TOML document (see ``examples/clusters/``)::
     [links.nvlink3]
     latency_s = 2e-6               # one-message start-up, seconds (alpha)
     bytes_per_s = 300e9            # one direction, bytes/s (B)
+    call_s = 1e-5                  # optional: fixed cost of each collective call beyond its
+                                   # messages (the engine's set-up and synchronisation), seconds;
+                                   # default 0
 
     [[nodes]]                      # a group of identical devices joined by one link
     name = "dgx-a100"
@@ -216,7 +219,11 @@ class Device:
 @dataclass(frozen=True)
 class Link:
     """A network or bus link: ``latency_s`` seconds per message (alpha) and ``bytes_per_s`` in one
-    direction (B, so 1/B is beta).
+    direction (B, so 1/B is beta). ``call_s``: the fixed seconds every collective call costs
+    on it beyond its messages - the engine's own work (a call's set-up, the ranks meeting, its
+    progress threads waking): a gloo all-to-all of 64 floats between two local ranks takes
+    several times the one-way latency of a message. Point-to-point sends, whose ping-pong
+    measures ``latency_s``, do not pay it. 0 where unknown (a datasheet's link).
 
     >>> Link("hdr200", latency_s=0.6e-6, bytes_per_s=25e9).bytes_per_s
     25000000000.0
@@ -225,9 +232,11 @@ class Link:
     name: str
     latency_s: float
     bytes_per_s: float
+    call_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_nonnegative(self.latency_s, f"Link {self.name!r}: latency_s")
+        _check_nonnegative(self.call_s, f"Link {self.name!r}: call_s")
         # inf is allowed here (a device talking to itself), never in a file.
         if not (isinstance(self.bytes_per_s, (int, float)) and self.bytes_per_s > 0):
             raise ValueError(f"Link {self.name!r}: bytes_per_s: must be a number > 0")
@@ -400,6 +409,7 @@ def _slowest(links: Sequence[Link | None]) -> Link:
         "+".join(x.name for x in real),
         max(x.latency_s for x in real),
         min(x.bytes_per_s for x in real),
+        max(x.call_s for x in real),
     )
 
 
@@ -433,7 +443,7 @@ _DEVICE_FIELDS = {
     "first_touch_bytes_per_s",
     *_PEAK_FIELDS,
 }
-_LINK_FIELDS = {"latency_s", "bytes_per_s"}
+_LINK_FIELDS = {"latency_s", "bytes_per_s", "call_s"}
 _NODE_FIELDS = {"name", "device", "count", "link", "repeat"}
 
 
@@ -513,7 +523,10 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
         latency, bandwidth = _number(t, "latency_s", where), _number(t, "bytes_per_s", where)
         _check_nonnegative(latency, f"{where}.latency_s")
         _check_positive(bandwidth, f"{where}.bytes_per_s")
-        links[name] = Link(name, latency, bandwidth)
+        call = _number(t, "call_s", where, required=False)
+        if call is not None:
+            _check_nonnegative(call, f"{where}.call_s")
+        links[name] = Link(name, latency, bandwidth, call or 0.0)
 
     def link_named(value: Any, where: str) -> Link:
         if not isinstance(value, str) or value not in links:
@@ -653,6 +666,7 @@ def dumps_cluster(
             f'[links."{lk.name}"]',
             f"latency_s = {lk.latency_s:.6g}",
             f"bytes_per_s = {lk.bytes_per_s:.6g}",
+            *([f"call_s = {lk.call_s:.6g}"] if lk.call_s > 0 else []),
             "",
         ]
     for n in cluster.nodes:

@@ -60,9 +60,11 @@ def ring_allreduce_seconds(
     reduce_bytes_per_s: float,
     itemsize_bytes: int = 4,
     reduce_flops_per_s: float = float("inf"),
+    call_s: float = 0.0,
 ) -> Num:
     """Seconds of a ring allreduce of ``message_bytes`` over ``num_ranks`` ranks (alpha-beta):
-    ``2(p-1) alpha + 2(p-1)/p * n b / B + (p-1)/p * reduce(n)``.
+    ``2(p-1) alpha + 2(p-1)/p * n b / B + (p-1)/p * reduce(n)``, plus the engine's fixed
+    ``call_s`` per collective call (:class:`~hetcoll.model.hardware.Link`).
 
     Models the ring allreduce of seed 003 (Castelló et al., PDP 2021; Patarasuk & Yuan 2009) and
     PyDTNN's ``allreduce_time`` in ``pydtnn/performance_models.py`` (whose "bta"
@@ -79,17 +81,22 @@ def ring_allreduce_seconds(
     elems = message_bytes / itemsize_bytes
     reduce_s = roofline_seconds(elems, 3.0 * message_bytes, reduce_flops_per_s, reduce_bytes_per_s)
     return (
-        2.0 * (p - 1) * latency_s
+        call_s
+        + 2.0 * (p - 1) * latency_s
         + 2.0 * (p - 1) / p * message_bytes / link_bytes_per_s
         + (p - 1) / p * reduce_s
     )
 
 
 def ring_allgatherv_seconds(
-    largest_piece_bytes: Num, num_ranks: int, latency_s: float, link_bytes_per_s: float
+    largest_piece_bytes: Num,
+    num_ranks: int,
+    latency_s: float,
+    link_bytes_per_s: float,
+    call_s: float = 0.0,
 ) -> Num:
     """Seconds of a ring allgather(v) whose largest piece has ``largest_piece_bytes``:
-    ``(p-1) (alpha + largest / B)``.
+    ``(p-1) (alpha + largest / B)``, plus the engine's fixed ``call_s`` per call.
 
     Models PyDTNN ``allgather_time`` ("bta": (p-1) alpha + (p-1)/p n/B). With even pieces
     largest = n/p and the two agree; with uneven pieces every ring step waits for the largest
@@ -101,7 +108,26 @@ def ring_allgatherv_seconds(
     p = num_ranks
     if p <= 1:
         return 0.0 * largest_piece_bytes
-    return (p - 1) * (latency_s + largest_piece_bytes / link_bytes_per_s)
+    return call_s + (p - 1) * (latency_s + largest_piece_bytes / link_bytes_per_s)
+
+
+def all_to_all_seconds(
+    busiest_bytes: Num,
+    num_ranks: int,
+    latency_s: float,
+    link_bytes_per_s: float,
+    call_s: float = 0.0,
+) -> Num:
+    """Seconds of an all-to-all(v) whose busiest rank sends or receives ``busiest_bytes``:
+    ``(p-1) alpha + busiest / B`` (a message to each other rank, the busiest rank's bytes over
+    its link), plus the engine's fixed ``call_s`` per call; 0 on one rank.
+
+    >>> all_to_all_seconds(1e6, 3, 1e-3, 1e9, 1e-3)
+    0.004
+    """
+    if num_ranks <= 1:
+        return 0.0 * busiest_bytes
+    return call_s + (num_ranks - 1) * latency_s + busiest_bytes / link_bytes_per_s
 
 
 def copy_seconds(copied_bytes: Num, mem_bytes_per_s: Num) -> Num:
@@ -127,11 +153,15 @@ def point_to_point_seconds(message_bytes: Num, latency_s: float, link_bytes_per_
 
 
 def broadcast_seconds(
-    message_bytes: Num, num_ranks: int, latency_s: float, link_bytes_per_s: float
+    message_bytes: Num,
+    num_ranks: int,
+    latency_s: float,
+    link_bytes_per_s: float,
+    call_s: float = 0.0,
 ) -> Num:
-    """Seconds of a binomial-tree broadcast: ``ceil(log2 p) * (alpha + n / B)``, and 0 on one
-    rank. Here DDP's broadcast of the module buffers (BatchNorm statistics) from rank 0 at the
-    start of every forward.
+    """Seconds of a binomial-tree broadcast: ``ceil(log2 p) * (alpha + n / B)`` plus the
+    engine's fixed ``call_s`` per call, and 0 on one rank. Here DDP's broadcast of the module
+    buffers (BatchNorm statistics) from rank 0 at the start of every forward.
 
     >>> broadcast_seconds(1e6, 4, 1e-3, 1e9)
     0.004
@@ -141,7 +171,7 @@ def broadcast_seconds(
     if num_ranks <= 1:
         return 0.0 * message_bytes
     rounds = math.ceil(math.log2(num_ranks))
-    return rounds * (latency_s + message_bytes / link_bytes_per_s)
+    return call_s + rounds * (latency_s + message_bytes / link_bytes_per_s)
 
 
 def optimizer_update_seconds(param_bytes: Num, mem_bytes_per_s: Num, state_copies: int = 1) -> Num:

@@ -238,6 +238,9 @@ class _Call:
     #: [forward, backward]: the tensors its ops allocate (outputs that are none of their
     #: inputs), as {(bytes per sample, fixed bytes): how many}.
     allocations: list[dict[tuple[float, float], int]] = field(default_factory=lambda: [{}, {}])
+    #: [forward, backward] x [matmul-class ops, every other op that runs a kernel] (views and
+    #: allocations without data run none): each pays a device's fixed cost per kernel.
+    launches: list[list[int]] = field(default_factory=lambda: [[0, 0], [0, 0]])
 
 
 class _OpCounter(TorchDispatchMode):
@@ -379,6 +382,7 @@ class _OpCounter(TorchDispatchMode):
             if n % _COUNT_BATCH == 0:
                 call.elementwise_flops[1 if backward else 0] += n
         c[0] += flops
+        call.launches[1 if backward else 0][0 if flops else 1] += 1
         c[at] += per_sample
         c[at + 1] += fixed
         if not backward:
@@ -527,16 +531,25 @@ def _count(
 def _counted_kernels(call: _Call) -> tuple[list[Kernel], list[Kernel]]:
     """Kernels of a layer no formula describes, from its op counts: per direction one
     matmul-class kernel (the FLOPs FlopCounterMode counts: matmuls, convolutions, attention) and
-    one element-wise kernel (every other op, costed by the bytes it moves)."""
+    one element-wise kernel (every other op, costed by the bytes it moves), each standing for
+    as many kernel launches as the ops it sums (a transformer block's own code runs hundreds of
+    small ops a pass, each paying the device's fixed cost per kernel whatever its size)."""
     out: tuple[list[Kernel], list[Kernel]] = ([], [])
     for d, (kernels, suffix) in enumerate(zip(out, ("", "-grad"))):
         flops, mm, mm_fixed, ew, ew_fixed = call.counts[d]
         flops_ps, mm_ps, ew_ps = flops / _COUNT_BATCH, mm / _COUNT_BATCH, ew / _COUNT_BATCH
-        if flops_ps or mm_ps or mm_fixed:
+        mm_launches, ew_launches = call.launches[d]
+        if flops_ps or mm_ps or mm_fixed or mm_launches:
             kernels.append(
-                Kernel("matmul" + suffix, flops_ps, bytes_per_sample=mm_ps, bytes_fixed=mm_fixed)
+                Kernel(
+                    "matmul" + suffix,
+                    flops_ps,
+                    bytes_per_sample=mm_ps,
+                    bytes_fixed=mm_fixed,
+                    launches=max(mm_launches, 1),
+                )
             )
-        if ew_ps or ew_fixed:
+        if ew_ps or ew_fixed or ew_launches:
             kernels.append(
                 Kernel(
                     "ops" + suffix,
@@ -544,6 +557,7 @@ def _counted_kernels(call: _Call) -> tuple[list[Kernel], list[Kernel]]:
                     bytes_per_sample=ew_ps,
                     bytes_fixed=ew_fixed,
                     elementwise=True,
+                    launches=max(ew_launches, 1),
                 )
             )
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -147,6 +148,7 @@ def layer_costs(
                     f"layer {c2.name!r}: formula {formula:.4g} matmul FLOPs per sample, "
                     f"ops counted {counted:.4g}"
                 )
+            ks = _with_traced_launches(ks, c2.launches)
             in_b, out_b = float(in_e * item), float(out_e * item)
             saved = 0.0 if isinstance(mod, _VIEWS) else in_b
         else:
@@ -220,12 +222,26 @@ def layer_costs(
     return costs if precision == "fp32" else costs.at_precision(precision)
 
 
+def _with_traced_launches(
+    kernels: tuple[list[Kernel], list[Kernel]], launches: list[list[int]]
+) -> tuple[list[Kernel], list[Kernel]]:
+    """A formula layer's kernels, the last of each direction standing for the launches the
+    trace counted beyond them: a backward's sums of the gradients of an input several layers
+    read (a transformer's query, key and value projections), which no formula describes."""
+    out: list[list[Kernel]] = []
+    for ks, counted in zip(kernels, launches, strict=True):
+        surplus = sum(counted) - sum(k.launches for k in ks)
+        if ks and surplus > 0:
+            ks = [*ks[:-1], replace(ks[-1], launches=ks[-1].launches + surplus)]
+        out.append(ks)
+    return out[0], out[1]
+
+
 def _with_plan_layers(costs: ModelCosts, model: nn.Module) -> ModelCosts:
     """``costs`` with the model's layers as a Plan counts them
     (:func:`hetcoll.torch.layers.model_cut`): each costed layer's plan layer, what a stage ending
     at each plan layer sends, and - for a chain - the modes the runtime would give a
     filter-split stage starting at each of them (:func:`_with_blocks` for blocks)."""
-    from dataclasses import replace
 
     from torch.func import functional_call
 
@@ -319,7 +335,6 @@ def _with_blocks(
     output reads, except those of parameter-free blocks reading only the inputs (rotary
     embeddings), which every stage recomputes. Stages are whole blocks on one rank each
     (``plan_cut = "blocks"``: no filter split of a transformer block is costed)."""
-    from dataclasses import replace
 
     from hetcoll.torch.replay import meta_copy, probe, stage_roles
 

@@ -50,6 +50,9 @@ class Kernel:
     # of one group.
     conv: bool = False
     channels: tuple[int, int] = (0, 0)
+    #: The kernel launches this kernel stands for, each paying the device's fixed cost per
+    #: kernel: one for a formula's kernel; a traced layer's summed ops count each of theirs.
+    launches: int = 1
 
     def flops(self, batch: float, filter_fraction: float = 1.0) -> float:
         f = self.flops_per_sample * batch

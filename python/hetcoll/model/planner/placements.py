@@ -92,7 +92,13 @@ def node_wise_candidates(
     rest = max(costs.param_bytes - placed, 0.0)
     loss_s = float(
         terms.ring_allreduce_seconds(
-            8.0, k, link.latency_s, link.bytes_per_s, min(d.mem_bytes_per_s for d in sub.devices), 8
+            8.0,
+            k,
+            link.latency_s,
+            link.bytes_per_s,
+            min(d.mem_bytes_per_s for d in sub.devices),
+            8,
+            call_s=link.call_s,
         )
     )
 
@@ -146,8 +152,9 @@ def node_wise_candidates(
         if layer.name in placed_names:
             current = layer.name
         if current:
-            conv = sum(k.conv for k in (*layer.forward, *layer.backward))
-            other = len(layer.forward) + len(layer.backward) - conv
+            both = (*layer.forward, *layer.backward)
+            conv = sum(k.launches for k in both if k.conv)
+            other = sum(k.launches for k in both if not k.conv)
             kernels[current] = kernels.get(current, np.zeros(2)) + np.array([conv, other])
     overhead = np.array([[d.conv_call_s, d.kernel_overhead_s] for d in sub.devices])
     out: list[Prediction] = []

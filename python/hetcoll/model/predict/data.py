@@ -70,7 +70,13 @@ def timed_buckets(
             first_layer,
             float(
                 terms.ring_allreduce_seconds(
-                    nbytes, p, link.latency_s, link.bytes_per_s, reduce_bw, costs.itemsize
+                    nbytes,
+                    p,
+                    link.latency_s,
+                    link.bytes_per_s,
+                    reduce_bw,
+                    costs.itemsize,
+                    call_s=link.call_s,
                 )
             ),
         )
@@ -210,7 +216,11 @@ def data_parallel_schedule(
     p = max(1, int((b > 0).sum()))
     buckets = timed_buckets(costs, cluster, b, first_bucket_bytes, bucket_bytes)
     bcast = (
-        float(terms.broadcast_seconds(costs.buffer_bytes, p, link.latency_s, link.bytes_per_s))
+        float(
+            terms.broadcast_seconds(
+                costs.buffer_bytes, p, link.latency_s, link.bytes_per_s, link.call_s
+            )
+        )
         if broadcast_buffers and costs.buffer_bytes > 0
         else 0.0
     )

@@ -220,10 +220,17 @@ def expert_parallel_schedule(
         routed = block.routed_bytes_per_sample(item)
         sent = b * routed * (1.0 - frac)
         received = (total - b) * routed * frac
-        a2a = (p - 1) * link.latency_s + float(np.maximum(sent, received).max()) / (
-            link.bytes_per_s
+        a2a = float(
+            terms.all_to_all_seconds(
+                float(np.maximum(sent, received).max()),
+                p,
+                link.latency_s,
+                link.bytes_per_s,
+                link.call_s,
+            )
         )
-        counts = (p - 1) * link.latency_s  # the counts' exchange opening each forward
+        # The counts' exchange opening each forward.
+        counts = float(terms.all_to_all_seconds(0.0, p, link.latency_s, 1.0, link.call_s))
         groups.append((rows[0], rows[-1], counts + a2a, a2a, a2a, a2a))
         expert_bytes += (
             sum(costs.layers[i].param_bytes for i in rows) * np.asarray(held) / (block.experts)

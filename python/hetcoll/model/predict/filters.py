@@ -296,8 +296,14 @@ def filter_parallel_schedule(
             # cross-entropy's agreement on its rows (one latency each way) and its allgather
             # of three numbers per row from every device, instead of the logits' gather.
             stats = 3.0 * layer.out_bytes_per_sample * batch / max(layer.filters, 1)
-            fwd_comm[i] = 2.0 * link.latency_s + float(
-                terms.ring_allgatherv_seconds(stats, n_dev, link.latency_s, link.bytes_per_s)
+            fwd_comm[i] = (
+                2.0 * link.latency_s
+                + link.call_s
+                + float(
+                    terms.ring_allgatherv_seconds(
+                        stats, n_dev, link.latency_s, link.bytes_per_s, link.call_s
+                    )
+                )
             )
         elif mode == "gather":
             # The channel dimension moves to the front of the local piece and back in the full
@@ -306,7 +312,9 @@ def filter_parallel_schedule(
             out = layer.out_bytes_per_sample * batch
             largest = float(phi[i].max()) * out
             fwd_comm[i] = float(
-                terms.ring_allgatherv_seconds(largest, n_dev, link.latency_s, link.bytes_per_s)
+                terms.ring_allgatherv_seconds(
+                    largest, n_dev, link.latency_s, link.bytes_per_s, link.call_s
+                )
             ) + copy_s((1 + n_dev) * largest + out)
         if any(k.name == "gemm-dX" for k in layer.backward):
             grad = layer.in_bytes_per_sample * batch

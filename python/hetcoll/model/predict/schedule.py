@@ -145,7 +145,13 @@ def loss_allreduce_seconds(cluster: Cluster) -> float:
     slowest = float(device_arrays(cluster.devices).mem_bytes_per_s.min())
     return float(
         terms.ring_allreduce_seconds(
-            8.0, cluster.num_devices, link.latency_s, link.bytes_per_s, slowest, 8
+            8.0,
+            cluster.num_devices,
+            link.latency_s,
+            link.bytes_per_s,
+            slowest,
+            8,
+            call_s=link.call_s,
         )
     )
 
@@ -356,6 +362,7 @@ def layout_schedule(
                 link.bytes_per_s,
                 float(dev.mem_bytes_per_s[held].min()),
                 costs.itemsize,
+                call_s=link.call_s,
             )
         )
         collectives[("sum", g)] = (len(taking_part), seconds)

@@ -36,13 +36,16 @@ class SplitCollectives:
                 link.bytes_per_s,
                 float(dev.mem_bytes_per_s.min()),
                 self.costs.itemsize,
+                call_s=link.call_s,
             )
         )
 
     def broadcast_s(self, nbytes: float) -> float:
         link = self.cluster.ring_link()
         n = self.cluster.num_devices
-        return float(terms.broadcast_seconds(nbytes, n, link.latency_s, link.bytes_per_s))
+        return float(
+            terms.broadcast_seconds(nbytes, n, link.latency_s, link.bytes_per_s, link.call_s)
+        )
 
     def copy_s(self, nbytes: float) -> float:
         dev = device_arrays(self.cluster.devices)

@@ -34,6 +34,7 @@ class _KernelTable:
     conv: np.ndarray  # True for convolution GEMMs (arithmetic at the convolution FLOP rate)
     channels_out: np.ndarray  # convolutions: output and input channels of one group
     channels_in: np.ndarray
+    launches: np.ndarray  # kernel launches each row stands for (Kernel.launches)
     num_layers: int
     onehot: np.ndarray  # (layers, kernels): 1 where the kernel belongs to the layer
     # The tensors the layers' ops allocate (LayerCost.allocations), one row each.
@@ -63,7 +64,7 @@ def _kernel_table(costs: ModelCosts) -> _KernelTable:
 @functools.lru_cache(maxsize=128)
 def _costs_kernel_table(costs: ModelCosts) -> _KernelTable:
     rows: list[
-        tuple[int, bool, float, float, float, float, float, bool, bool, bool, bool, int, int]
+        tuple[int, bool, float, float, float, float, float, bool, bool, bool, bool, int, int, int]
     ] = []
     for i, layer in enumerate(costs.layers):
         for fwd, kernels in ((True, layer.forward), (False, layer.backward)):
@@ -82,9 +83,10 @@ def _costs_kernel_table(costs: ModelCosts) -> _KernelTable:
                         k.pool,
                         k.conv,
                         *k.channels,
+                        k.launches,
                     )
                 )
-    cols = list(zip(*rows)) if rows else [()] * 13
+    cols = list(zip(*rows)) if rows else [()] * 14
     onehot = np.zeros((len(costs.layers), len(rows)))
     onehot[np.asarray(cols[0], dtype=np.int64), np.arange(len(rows))] = 1.0
     allocs = [
@@ -109,6 +111,7 @@ def _costs_kernel_table(costs: ModelCosts) -> _KernelTable:
         conv=np.asarray(cols[10], dtype=bool),
         channels_out=np.asarray(cols[11], dtype=np.float64),
         channels_in=np.asarray(cols[12], dtype=np.float64),
+        launches=np.asarray(cols[13], dtype=np.float64),
         num_layers=len(costs.layers),
         onehot=onehot,
         alloc_forward=np.asarray(acols[1], dtype=bool),
@@ -399,10 +402,12 @@ def _layer_times(
     work = flops * _channel_padding(t, dev, phi, split_input)
     comp = np.where(runs, work / rate, 0.0)
     mem = np.where(runs, moved / bandwidth, 0.0)
-    # Convolution kernels have a fixed cost of their own (set-up, weight reorders).
+    # Every launch has a fixed cost; convolution kernels one of their own (set-up, weight
+    # reorders).
     ovh = np.where(
         runs,
-        np.where(t.conv[:, None], dev.conv_overhead_s[None, :], dev.overhead_s[None, :]),
+        np.where(t.conv[:, None], dev.conv_overhead_s[None, :], dev.overhead_s[None, :])
+        * t.launches[:, None],
         0.0,
     )
     total = terms.roofline_seconds(work, moved, rate, bandwidth)
