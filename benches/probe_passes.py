@@ -10,9 +10,11 @@ this machine measured first, :mod:`hetcoll.lab.calibrate`).
 Prints each step's median (the slower rank's) and, per extra micro-batch, the measured and the
 predicted extra seconds: what a pass costs whatever its rows (Python and dispatch in each
 layer's forward and backward, the experts' exchanges), which the model prices as its kernels'
-launch overheads and the link's latency. Then the collectives' own fixed cost: a small
-all-to-all and allreduce (64 floats) on the same 2 gloo ranks, against the link latency the
-model prices each with (:func:`hetcoll.lab.calibrate.measure_gloo_link`, one way).
+launch overheads and the link's latency and fixed cost per collective call. Then the
+collectives' own fixed cost: a small all-to-all and allreduce (64 floats) on the same 2 gloo
+ranks, against what the model prices each at on the link
+:func:`hetcoll.lab.calibrate.measure_gloo_link` measures (its latency, one way, and its fixed
+cost per call).
 """
 
 from __future__ import annotations
@@ -141,20 +143,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{extra['emulated'] * 1e3:.1f} ms emulated, {model * 1e3:.1f} ms predicted"
     )
     from hetcoll.lab.calibrate import measure_gloo_link
+    from hetcoll.model import terms
 
     calls = launch.spawn(_collectives, len(SPEEDS), timeout=600)[0]
-    latency = measure_gloo_link().latency_s
+    link = measure_gloo_link().link("gloo-local")
+    p = len(SPEEDS)
+    priced = {
+        "all_to_all_single": terms.all_to_all_seconds(
+            256.0, p, link.latency_s, link.bytes_per_s, link.call_s
+        ),
+        "all_reduce": terms.ring_allreduce_seconds(
+            256.0, p, link.latency_s, link.bytes_per_s, float("inf"), call_s=link.call_s
+        ),
+    }
     for name, seconds in calls.items():
         print(
-            f"{name}: {seconds * 1e6:.0f} us a call; the model's link latency "
-            f"{latency * 1e6:.0f} us ({seconds / latency:.1f}x)"
+            f"{name}: {seconds * 1e6:.0f} us a call; the model prices it at "
+            f"{priced[name] * 1e6:.0f} us (link latency {link.latency_s * 1e6:.0f} us, "
+            f"{link.call_s * 1e6:.0f} us a call)"
         )
     result = {
         "measured_s": measured,
         "predicted_s": guesses,
         "extra_pass_s": extra,
         "collective_call_s": calls,
-        "link_latency_s": latency,
+        "priced_call_s": priced,
+        "link_latency_s": link.latency_s,
+        "link_call_s": link.call_s,
     }
     if args.json:
         with open(args.json, "w") as fh:
