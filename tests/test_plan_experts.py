@@ -158,8 +158,6 @@ def test_predict_plan_prices_a_plan_with_experts():
     assert fast.shares == [26, 6, 0] and fast.memory_bytes[2] == 0.0
     assert fast.plan is by_speed and fast.detail["experts"][LAYER(0)] == [3, 1]
     assert fast.detail["all_to_all_s"] > 0 and fast.detail["loss_allreduce_s"] > 0
-    with pytest.raises(ValueError, match="over replicas of one stage; this plan has 2 stages"):
-        predict_plan(costs, two, Plan.from_dict(cases.PIPELINES))
 
 
 def test_predict_plan_prices_micro_batches_of_a_plan_with_experts():
@@ -194,6 +192,61 @@ def test_predict_plan_prices_micro_batches_of_a_plan_with_experts():
     assert both.shares == [26, 6] and both.detail["microbatches"] == 2
     runtime = predict_plan(costs, _cluster(1e11, 5e10, 2.5e10), Plan.from_dict(cases.BY_SPEED))
     assert runtime.feasible and runtime.shares == [3, 2, 2]
+
+
+def test_predict_plan_prices_pipelines_of_expert_parallel_replicas():
+    """Replicas of several stages are simulated as any plan: a stage holding experts layers
+    runs each at the tokens routed to its replica's experts, between exchanges with the same
+    stage of every replica. One replica holding every expert steps as the plan without
+    experts; the simulation of replicas of one stage is expert_plan_schedule's step; on a
+    fast and a slow pipeline the experts by speed beat the reverse; each rank holds its own
+    experts; the plan refuses a stage split over several ranks."""
+    from hetcoll.model.predict import expert_plan_schedule, predict_plan
+    from hetcoll.model.predict.layout import plan_layout
+    from hetcoll.model.predict.schedule import layout_schedule
+    from hetcoll.model.predict.staged_experts import StagedExperts
+
+    costs = _costs()
+    four = _cluster(1e11, 2.5e10, 1e11, 2.5e10)
+    pipeline = cases.PIPELINES["replicas"][0]
+    for schedule in ("1F1B", "GPipe"):
+        alone = {"microbatches": 2, "schedule": schedule, "replicas": [pipeline]}
+        assert predict_plan(costs, four, Plan.from_dict({**alone, "experts": [4]})).step_s == (
+            pytest.approx(predict_plan(costs, four, Plan.from_dict(alone)).step_s, rel=1e-12)
+        )
+    thirds = {"microbatches": 3, "schedule": "GPipe", "replicas": cases.replicas(9, 4, 3)}
+    for doc in (cases.BY_SPEED, {**thirds, "experts": [2, 1, 1]}):
+        plan = Plan.from_dict(doc)
+        layout = plan_layout(costs, four, plan)
+        staged = StagedExperts(costs, four, layout, plan.experts)
+        simulated = layout_schedule(costs, four, layout, plan.schedule, 1, "plan", experts=staged)
+        passes = expert_plan_schedule(costs, four, plan).prediction()
+        # (expert_plan_schedule's step leaves out the loss's allreduce, which predict_plan adds.)
+        loss = simulated.detail["loss_allreduce_s"]
+        assert simulated.prediction().step_s - loss == pytest.approx(passes.step_s, rel=1e-12)
+    # Replica 0 on the fast devices (ranks 0, 2), replica 1 on the slow ones (3, 1).
+    placed = Plan.from_dict(cases.PIPELINES)
+    pred = predict_plan(costs, four, placed)
+    assert pred.feasible and pred.shares == [4, 3, 4, 3]
+    assert pred.detail["experts"] == {k: list(v) for k, v in placed.experts.items()}
+    assert pred.detail["all_to_all_s"] > 0 and pred.detail["stages"] == 2
+    steps = {}
+    for name, held in (("by speed", [3, 1]), ("reversed", [1, 3])):
+        plan = Plan.from_dict({**cases.PIPELINES, "experts": held})
+        steps[name] = predict_plan(costs, four, plan)
+    assert steps["by speed"].step_s < steps["reversed"].step_s
+    # Rank 0 holds 3 experts of the first stage's layers, rank 3 one; their others alike.
+    held_bytes = steps["by speed"].memory_bytes
+    assert held_bytes[0] > held_bytes[3] and held_bytes[2] > held_bytes[1]
+    split = {
+        "replicas": [
+            {"samples": 4, "stages": [{"ranks": [0, 1], "layers": [0, cases.LAYERS]}]},
+            {"samples": 4, "stages": [{"ranks": [2, 3], "layers": [0, cases.LAYERS]}]},
+        ],
+        "experts": [2, 2],
+    }
+    with pytest.raises(ValueError, match="give every stage one rank"):
+        predict_plan(costs, four, Plan.from_dict(split))
 
 
 def test_every_exchange_of_a_plan_with_experts_pays_the_links_call_cost():

@@ -13,7 +13,7 @@ import numpy as np
 
 from hetcoll.model import terms
 from hetcoll.model.costs import ExpertsBlock, ModelCosts
-from hetcoll.model.hardware import Cluster
+from hetcoll.model.hardware import Cluster, Link
 from hetcoll.model.predict.data import buckets_end, samples_prediction, timed_buckets
 from hetcoll.model.predict.prediction import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, Prediction
 from hetcoll.model.predict.timing import (
@@ -131,7 +131,8 @@ class ExpertParallelSchedule:
         )
 
 
-def _placement(block: ExpertsBlock, experts: Placement, devices: int) -> list[int]:
+def placement(block: ExpertsBlock, experts: Placement, devices: int) -> list[int]:
+    """``block``'s experts on each of ``devices`` (devices or replicas), checked."""
     held = experts.get(block.module) if isinstance(experts, Mapping) else experts
     if held is None:
         raise ValueError(f"experts: names no placement for {block.module!r}")
@@ -148,7 +149,7 @@ def _placement(block: ExpertsBlock, experts: Placement, devices: int) -> list[in
     return [int(v) for v in values]
 
 
-def _fractions(
+def fractions(
     block: ExpertsBlock, held: list[int], loads: Mapping[str, Sequence[float]] | None
 ) -> np.ndarray:
     """The share of the layer's routed tokens each device's experts receive: their loads'
@@ -165,6 +166,24 @@ def _fractions(
             load = np.ones(block.experts)
     bounds = np.cumsum([0, *held])
     return np.array([load[a:z].sum() for a, z in itertools.pairwise(bounds)]) / load.sum()
+
+
+def exchange_seconds(
+    block: ExpertsBlock, rows: np.ndarray, frac: np.ndarray, link: Link, itemsize: int
+) -> tuple[float, float]:
+    """An experts layer's exchanges among devices each sending the routed tokens of ``rows``
+    samples, whose experts receive ``frac`` of every device's: the counts' exchange opening
+    each forward, and one all-to-all of routed rows - the busiest device's out or in, over
+    ``link``, after a message to each other device and the link's fixed cost per call (two
+    forward, after the counts and back; two backward)."""
+    p = len(rows)
+    routed = block.routed_bytes_per_sample(itemsize)
+    sent = rows * routed * (1.0 - frac)
+    received = (float(rows.sum()) - rows) * routed * frac
+    busiest = float(np.maximum(sent, received).max()) if p else 0.0
+    a2a = float(terms.all_to_all_seconds(busiest, p, link.latency_s, link.bytes_per_s, link.call_s))
+    counts = float(terms.all_to_all_seconds(0.0, p, link.latency_s, 1.0, link.call_s))
+    return counts, a2a
 
 
 def expert_parallel_schedule(
@@ -199,9 +218,9 @@ def expert_parallel_schedule(
     expert_bytes = np.zeros(p)
     timed: dict[tuple[float, ...], LayerSeconds] = {}
     for block in costs.experts:
-        held = _placement(block, experts, p)
+        held = placement(block, experts, p)
         placed[block.module] = held
-        frac = _fractions(block, held, loads)
+        frac = fractions(block, held, loads)
         rows = [i for i, name in enumerate(names) if name == block.module]
         # The experts' work: the tokens routed to them, from every device, as samples (timed
         # once per distinct share: layers placed and loaded alike share it).
@@ -215,22 +234,7 @@ def expert_parallel_schedule(
             strict=True,
         ):
             mine[rows] = theirs[rows]
-        # One all-to-all: the busiest device's rows out or in, over the link, after a
-        # message latency to each other device.
-        routed = block.routed_bytes_per_sample(item)
-        sent = b * routed * (1.0 - frac)
-        received = (total - b) * routed * frac
-        a2a = float(
-            terms.all_to_all_seconds(
-                float(np.maximum(sent, received).max()),
-                p,
-                link.latency_s,
-                link.bytes_per_s,
-                link.call_s,
-            )
-        )
-        # The counts' exchange opening each forward.
-        counts = float(terms.all_to_all_seconds(0.0, p, link.latency_s, 1.0, link.call_s))
+        counts, a2a = exchange_seconds(block, b, frac, link, item)
         groups.append((rows[0], rows[-1], counts + a2a, a2a, a2a, a2a))
         expert_bytes += (
             sum(costs.layers[i].param_bytes for i in rows) * np.asarray(held) / (block.experts)

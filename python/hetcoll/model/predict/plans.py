@@ -21,6 +21,7 @@ from hetcoll.model.predict.layout import ReplicaLayout, StageLayout, plan_layout
 from hetcoll.model.predict.prediction import Prediction, on_devices
 from hetcoll.model.predict.schedule import layout_schedule, loss_allreduce_seconds
 from hetcoll.model.predict.splits import blocks_need_empty, splits_loss
+from hetcoll.model.predict.staged_experts import StagedExperts
 from hetcoll.model.predict.timing import LayerSeconds, device_arrays
 from hetcoll.plan import Plan, microbatch_sizes
 
@@ -293,20 +294,25 @@ def predict_plan(
     the rest (``bubble``: waiting for other stages and ranks). Raises ``ValueError`` when the
     plan does not fit the model (layer count, a split the runtime refuses) or the cluster.
 
-    A plan whose replicas hold whole experts (its ``experts``) is the expert-parallel step
-    (:func:`~hetcoll.model.predict.expert_parallel_schedule`) of its replicas' samples, one
-    rank each (other shapes raise ``ValueError``), one pass per micro-batch, with the
-    runtime's one allreduce of the replicated gradients after the backward
-    (:func:`expert_plan_schedule`).
+    A plan whose replicas hold whole experts (its ``experts``) of one stage each is the
+    expert-parallel step (:func:`~hetcoll.model.predict.expert_parallel_schedule`) of its
+    replicas' samples, one pass per micro-batch, with the runtime's one allreduce of the
+    replicated gradients after the backward (:func:`expert_plan_schedule`). Replicas of
+    several stages (pipelines, one rank a stage) are simulated as any plan, each stage
+    holding experts layers running them at the tokens routed to its replica's experts,
+    between exchanges with the same stage of every replica
+    (:class:`~hetcoll.model.predict.staged_experts.StagedExperts`); its ranks hold their own
+    experts, and the replicas sum the other parameters' gradients only.
 
     >>> predict_plan(costs, cluster, Plan.load("plan.json")).step_s  # doctest: +SKIP
     """
-    if plan.experts is not None:
+    if plan.experts is not None and len(plan.replicas[0].stages) == 1:
         return _experts_plan(costs, cluster, plan, optimizer_state_copies, strategy)
     # Replicas that run alike are simulated once (the same step: :func:`layout_schedule`).
     layout = plan_layout(costs, cluster, plan)
+    staged = None if plan.experts is None else StagedExperts(costs, cluster, layout, plan.experts)
     pred = layout_schedule(
-        costs, cluster, layout, plan.schedule, optimizer_state_copies, strategy
+        costs, cluster, layout, plan.schedule, optimizer_state_copies, strategy, experts=staged
     ).prediction()
     pred.plan = plan
     return pred

@@ -25,6 +25,7 @@ from hetcoll.model.predict.classes import (
 )
 from hetcoll.model.predict.layout import ReplicaLayout, StageLayout, plan_layout
 from hetcoll.model.predict.prediction import Prediction
+from hetcoll.model.predict.staged_experts import StagedExperts
 from hetcoll.model.predict.timing import (
     LayerSeconds,
     _layer_times,
@@ -166,6 +167,7 @@ def layout_schedule(
     classes: Sequence[tuple[ReplicaLayout, np.ndarray]] | None = None,
     *,
     group: bool = True,
+    experts: StagedExperts | None = None,
 ) -> PlanSchedule:
     """Lay out one step of the plan (:func:`plan_schedule`).
 
@@ -174,7 +176,12 @@ def layout_schedule(
     out once: the gradient sums and the loss's allreduce are timed over all their holders, but
     only one replica of each class has programs, and the others copy its figures. That is the
     same step (the copies would reach every collective at the same moment), at the cost of the
-    distinct replicas only: a 10,240-device plan of a few kinds of replica simulates a few."""
+    distinct replicas only: a 10,240-device plan of a few kinds of replica simulates a few.
+
+    ``experts``: the plan's experts (:class:`StagedExperts`, of ``replicas`` in order): its
+    stages holding experts layers run them at their routed tokens between exchanges with the
+    same stage of every other replica (so every replica is laid out), each rank holds its own
+    experts, and the replicas sum only the other parameters' gradients."""
     from hetcoll.torch.parallel import schedule_order
 
     devices = cluster.devices
@@ -226,7 +233,7 @@ def layout_schedule(
             memo.work[key] = hit
         return hit
 
-    if classes is None and not group:
+    if experts is not None or (classes is None and not group):
         classes = [(rep, np.array([flat_ranks(rep)])) for rep in replicas]
     elif classes is None:
         classes = replica_classes(cluster, replicas, dev.kind)
@@ -262,10 +269,21 @@ def layout_schedule(
             for op, k in order:
                 if op == "F":
                     acc += work[rep.micro[k]].causes
+                    if experts is not None:
+                        own = times(rep.micro[k])[0]
+                        acc += experts.causes_delta(s, r, k, int(dev.kind[lead]), own)[:, None]
             causes[:, columns] = acc
             for j, d in enumerate(stage.ranks):
                 state[d] = any_work.state_bytes[j]
                 update[d] = any_work.update_s[j]
+                if experts is not None:
+                    # A rank holds its replica's experts only (one rank a stage).
+                    owned = sum(x.param_bytes for x in costs.layers[stage.lo : stage.hi])
+                    owned += experts.owned_delta(s, r)
+                    state[d] = owned * (2 + state_copies)
+                    update[d] = float(
+                        terms.optimizer_update_seconds(owned, dev.mem_bytes_per_s[d], state_copies)
+                    )
                 activations[d] = any_work.saved_per_sample * kept
                 prog = programs[local[d]]
                 for op, k in order:
@@ -278,6 +296,8 @@ def layout_schedule(
                         if nxt is not None:
                             prog.append(("recv", ("grad", r, s, k, d)))
                         pieces = w.backward[j]
+                    if experts is not None:
+                        pieces = experts.pieces(s, r, k, op, pieces, int(dev.kind[d]))
                     for piece in pieces:
                         if piece[0] == "compute":
                             if prog and prog[-1][0] == "compute":
@@ -285,6 +305,11 @@ def layout_schedule(
                                 prog[-1] = ("compute", last[1] + piece[1], last[2] + piece[2])
                             else:
                                 prog.append(piece)
+                        elif piece[1][0] == "experts":
+                            # An exchange with this stage's rank of every replica.
+                            assert experts is not None
+                            collectives[piece[1]] = (experts.participants, piece[2])
+                            prog.append(("collective", piece[1]))
                         else:
                             key = (r, s, k, op, piece[1])
                             collectives[key] = (len(stage.ranks), piece[2])
@@ -343,7 +368,11 @@ def layout_schedule(
             mask = np.zeros(n_dev, dtype=bool)  # (np.unique of the parts, without a sort)
             mask[np.concatenate(parts)] = True
             held = np.flatnonzero(mask)
-            nbytes = sum(costs.layers[i].param_bytes for i in range(a, b))
+            nbytes = sum(
+                costs.layers[i].param_bytes
+                for i in range(a, b)
+                if experts is None or i not in experts.rows
+            )
             if nbytes <= 0:
                 continue
             holders = tuple(held.tolist())
@@ -396,6 +425,11 @@ def layout_schedule(
             "gradient_allreduce_s": reduce_s,
             "loss_allreduce_s": loss_s,
             "simulated_replicas": len(classes),
+            **(
+                {"experts": experts.experts_of(), "all_to_all_s": experts.exchange_s}
+                if experts is not None
+                else {}
+            ),
         },
         tuple(local),
         source,
