@@ -176,6 +176,23 @@ def planned(group: Any) -> dict[str, Any]:
     return {"plan": chosen.to_dict(), **trains_as_one_process(group, chosen, tc.batches(8, 2))}
 
 
+def planned_pipeline(group: Any) -> dict[str, Any]:
+    """The planner's fastest pipeline of expert-parallel replicas for Mixtral on one node of
+    four devices (2 replicas of 2 stages, each replica's experts by its samples) trains as
+    one process does."""
+    from hetcoll.model import Cluster, Device, Link, Node, layer_costs, plan
+
+    tokens = {"input_ids": (tc.SEQ,), "attention_mask": (tc.SEQ,)}
+    costs = layer_costs(tc.mixtral("grouped_mm"), tokens, dtype=torch.int64)
+    node = Node("n", Device("d", 4e10, 4e10, 8e9), 4, Link("l", 1e-4, 1e9))
+    twins = [
+        p for p in plan(costs, Cluster([node]), 8) if p.strategy.endswith(", experts by speed")
+    ]
+    assert twins and twins[0].feasible, [p.strategy for p in twins]
+    chosen = twins[0].to_plan()
+    return {"plan": chosen.to_dict(), **trains_as_one_process(group, chosen, tc.batches(8, 2))}
+
+
 def bad_plans(group: Any) -> list[str]:
     """Plans with experts that do not fit the model raise the same error on every rank, before
     any transfer (the group works on afterwards)."""
@@ -204,6 +221,7 @@ def run_all(group: Any, *parts: str) -> dict[str, Any]:
         # Weights and Adam's state gathered under one placement resume under the other.
         "resumed": lambda: tc.resumes_on_another_plan(group, tc.mixtral, (BY_SPEED, PIPELINES)),
         "planned": lambda: planned(group),
+        "planned_pipeline": lambda: planned_pipeline(group),
         "placed_again": lambda: placed_again(group),
         "errors": lambda: bad_plans(group),
     }

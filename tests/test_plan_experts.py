@@ -25,7 +25,8 @@ def test_gloo_plans_with_experts_train_as_one_process():
     """Every case against one process on the whole batch, float64, 1e-10: 3 single-rank
     replicas (experts 3 : 1 : 0, a micro-batch of prompt only, rank 3 idle); 2 replicas of 2
     stages under 1F1B, each layer placed its own way; a checkpoint (weights and Adam's state)
-    taken under the first and resumed under the second; the planner's plan; the second's
+    taken under the first and resumed under the second; the planner's plans (replicas of one
+    stage, and its pipelines of expert-parallel replicas); the second's
     experts placed again by hand and by an ExpertRebalancer as it trains. Plans that do not
     fit the model raise the same error on every rank."""
     results = launch.spawn(cases.run_torch, 4, timeout=400)
@@ -46,6 +47,14 @@ def test_gloo_plans_with_experts_train_as_one_process():
     planned = results[0]["planned"]["plan"]
     assert "experts" in planned and all(r["planned"]["plan"] == planned for r in results)
     assert sum(r["planned"]["held"][LAYER(0)] for r in results) == 4
+    # The planner's pipeline of expert-parallel replicas: 2 replicas of 2 stages.
+    pipeline = results[0]["planned_pipeline"]["plan"]
+    assert all(r["planned_pipeline"]["plan"] == pipeline for r in results)
+    assert pipeline["experts"] == [2, 2] and [len(r["stages"]) for r in pipeline["replicas"]] == [
+        2,
+        2,
+    ]
+    assert all(sum(r["planned_pipeline"]["held"].values()) > 0 for r in results)
     errors = results[0]["errors"]
     assert all(r["errors"] == errors for r in results)
     assert len(errors) == 3
@@ -306,6 +315,40 @@ def test_the_planner_proposes_expert_parallelism():
     assert squeezed["expert parallel, even"].feasible
     assert squeezed["expert parallel, even"].to_plan().microbatches == 2
     assert squeezed["expert parallel, even"].step_s == pytest.approx(twice.step_s, rel=1e-12)
+
+
+def test_the_planner_places_experts_on_its_replicated_pipelines():
+    """The fastest replicated pipelines the planner finds are costed again with each
+    replica's experts only (placed by its samples): each rank then holds fewer experts, so
+    where the devices are too small for every pipeline with all its experts, the pipeline
+    with its replica's experts still fits, and the planner proposes it as a plan the runtime
+    runs."""
+    from hetcoll.model import Cluster, Device, Link, Node, plan
+
+    costs = _costs()
+
+    def node(memory: float) -> Cluster:  # one node: the planner's pipelines stay in a node
+        return Cluster([Node("n", Device("d", 4e10, 4e10, memory), 4, Link("l", 1e-4, 1e9))])
+
+    found = plan(costs, node(8e9), 16)
+    twins = [p for p in found if p.strategy.endswith(", experts by speed")]
+    assert twins and all(p.detail["stages"] == 2 and p.detail["replicas"] == 2 for p in twins)
+    by_name = {p.strategy: p for p in found}
+    for twin in twins:
+        base = by_name[twin.strategy.removesuffix(", experts by speed")]
+        assert max(twin.memory_bytes) < max(base.memory_bytes)
+        assert twin.to_plan().experts == (2, 2) and twin.to_plan().replicas == (
+            base.to_plan().replicas
+        )
+    # Two replicas of two one-device stages: with every expert, none fits; with their own,
+    # they do. (A replica of two filter-split stages, which splits every expert, fits too.)
+    shape = "replicated pipeline, 2 replicas x 2 stages,"
+    pipelines = [p for p in found if p.strategy.startswith(shape)]
+    smallest = min(max(p.memory_bytes) for p in pipelines if p not in twins)
+    fits = min(max(p.memory_bytes) for p in twins)
+    tight = plan(costs, node((smallest + fits) / 2), 16)
+    feasible = [p.strategy for p in tight if p.feasible and p.strategy.startswith(shape)]
+    assert feasible and all(name.endswith(", experts by speed") for name in feasible)
 
 
 @pytest.mark.multiproc

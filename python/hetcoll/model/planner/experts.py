@@ -1,7 +1,9 @@
 """Expert parallelism as planner candidates: data-parallel replicas of one device each, every
 mixture-of-experts layer's experts placed on them whole (:func:`hetcoll.torch.expert_parallel`'s
 rule, :func:`hetcoll.torch.expert_shares`), as a :class:`hetcoll.Plan` with ``experts``
-that :func:`hetcoll.torch.parallelize` runs, priced by :func:`predict.predict_plan`."""
+that :func:`hetcoll.torch.parallelize` runs, priced by :func:`predict.predict_plan`; and the
+replicated pipelines the planner found, their experts placed on their replicas likewise
+(:func:`expert_pipeline_candidates`)."""
 
 from __future__ import annotations
 
@@ -79,4 +81,65 @@ def expert_parallel_candidates(
                 break
             m *= 2
         out.append(found)
+    return out
+
+
+#: The replicated pipelines whose expert-parallel twin the planner costs: the fastest few, of
+#: one-rank stages and at most ``EXPERT_PIPELINE_MAX_REPLICAS`` replicas (a twin is simulated
+#: replica by replica: its replicas meet at every exchange).
+EXPERT_PIPELINES = 4
+EXPERT_PIPELINE_MAX_REPLICAS = 64
+
+
+def expert_pipeline_candidates(
+    costs: ModelCosts,
+    cluster: Cluster,
+    candidates: Sequence[Prediction],
+    optimizer_state_copies: int = 1,
+) -> list[Prediction]:
+    """Pipelines of expert-parallel replicas: of ``candidates``, the ``EXPERT_PIPELINES``
+    fastest replicated pipelines of one-rank stages (feasible or not), each again with every
+    experts layer's experts placed on its replicas in proportion to their samples (the
+    planner split the batch by each replica's speed; :func:`hetcoll.torch.expert_shares`),
+    priced by :func:`predict.predict_plan`. Each rank then holds its replica's experts of its
+    stage only, so pipelines too large for a device with every expert can fit. None for a
+    model without experts layers."""
+    from hetcoll.torch.expert_parallel import expert_shares
+
+    if not costs.experts:
+        return []
+    layers = [(block.module, block.experts) for block in costs.experts]
+    pipelines = sorted(
+        (
+            x
+            for x in candidates
+            if x.has_plan
+            and 2 <= x.detail.get("replicas", 0) <= EXPERT_PIPELINE_MAX_REPLICAS
+            and x.detail.get("stages", 1) > 1
+            and "experts" not in x.detail
+        ),
+        key=lambda x: x.step_s,
+    )
+    out: list[Prediction] = []
+    for pred in pipelines:
+        if len(out) == EXPERT_PIPELINES:
+            break
+        base = pred.plan
+        if base is None or any(len(st.ranks) != 1 for r in base.replicas for st in r.stages):
+            continue
+        samples = [float(r.samples) for r in base.replicas]
+        placed = {path: expert_shares(n, samples) for path, n in layers}
+        try:
+            twin = Plan.from_dict({**base.to_dict(), "experts": experts_field(placed)})
+            out.append(
+                predict.predict_plan(
+                    costs,
+                    cluster,
+                    twin,
+                    optimizer_state_copies=optimizer_state_copies,
+                    strategy=f"{pred.strategy}, experts by speed",
+                )
+            )
+        except ValueError:
+            continue  # replicas the experts cannot span (stages apart, too few samples)
     return out

@@ -6,7 +6,8 @@ read: a plan of 10,240 replicas takes longer to build and check than to cost). T
 
 - data parallel with balanced and with even shares; filter parallel (one stage over the
   devices, filters split by speed); for a mixture-of-experts model, expert parallelism (whole
-  experts per device, samples and experts by speed, and both even: :mod:`.experts`);
+  experts per device, samples and experts by speed, and both even: :mod:`.experts`), and the
+  fastest few replicated pipelines below again with their experts placed on their replicas;
 - one pipeline of one-device stages over the cluster, 1 to 32 micro-batches, GPipe and 1F1B
   (the same bubble; 1F1B keeps fewer micro-batches' activations, which the predictor counts);
 - replicated pipelines: replicas of S = 2, 4, 8 stages of g = 1, 2, 4, 8 devices of one node
@@ -64,7 +65,7 @@ import hetcoll
 from hetcoll.model import predict, terms
 from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster
-from hetcoll.model.planner.experts import expert_parallel_candidates
+from hetcoll.model.planner.experts import expert_parallel_candidates, expert_pipeline_candidates
 from hetcoll.model.planner.placements import OWNERS_MAX_DEVICES, node_wise_candidates
 from hetcoll.model.planner.rates import (
     device_speeds,
@@ -407,7 +408,9 @@ def plan(
 
     The candidates: data parallel with balanced and with even shares; filter parallel with
     balanced filters; for a model with experts layers (``costs.experts``), expert parallelism
-    with samples and experts by speed and with both even (:func:`expert_parallel_candidates`);
+    with samples and experts by speed and with both even (:func:`expert_parallel_candidates`),
+    and the fastest few replicated pipelines found again with each replica's experts only
+    (:func:`expert_pipeline_candidates`);
     pipelines of one-device stages cut between top-level layers, for each
     count of ``micro_batches``, GPipe and 1F1B; with ``replicated_pipelines``, replicas of
     2, 4 or 8 stages of 1, 2, 4 or 8 devices of one node (filter-split stages), each kind of
@@ -600,6 +603,8 @@ def plan(
                     out += _asymmetric(
                         costs, cluster, batch, fast, slow, speeds, ASYMMETRIC_MICRO_BATCHES, s
                     )
+        if n:
+            out += expert_pipeline_candidates(costs, cluster, out, s)
         if model is not None and n and costs.plan_cut == "blocks":
             report.skipped["node-wise placement"] = (
                 "places the filters and neurons of a chain of layers; this model is cut into "
