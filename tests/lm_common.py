@@ -110,11 +110,13 @@ def hf_mixtral(
     experts: int,
     implementation: str = "eager",
     intermediate: int | None = None,
+    attention: str = "eager",
 ) -> nn.Module:
     """Hugging Face Mixtral from a config (no download): a mixture of ``experts`` gated MLPs,
     2 per token, picked by a router, in every block; run by ``implementation``: by default
     the eager one (a loop over the experts its tokens reach), as ``grouped_mm``, Hugging
-    Face's default, has no float64."""
+    Face's default, has no float64; its ``attention`` eager by default (``"sdpa"``: Hugging
+    Face's)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(
@@ -128,7 +130,7 @@ def hf_mixtral(
         num_experts_per_tok=2,
         max_position_embeddings=32,
         experts_implementation=implementation,
-        **PLAIN,
+        **{**PLAIN, "attn_implementation": attention},
     )
     return MixtralForCausalLM(config)
 

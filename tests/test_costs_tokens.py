@@ -911,3 +911,37 @@ def test_a_traced_layer_pays_a_launch_for_every_op_it_sums(make: Any) -> None:
     for batch in (1, 5):
         schedule = data_parallel_schedule(costs, cluster, [batch])
         assert schedule.layers.overhead_s.sum() == pytest.approx(launches * 1e-5, rel=1e-12)
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_default_sdpa_attention_given_its_mask_costs_on_the_meta_device(family: str) -> None:
+    """Hugging Face's default attention (``sdpa``) reads the attention mask's values to leave
+    a mask of no padding out, which the meta device cannot: the model is counted there with
+    its eager attention instead (a note says so), costs what its eager twin costs, layer by
+    layer, and gets its own attention back; nothing runs on the CPU."""
+
+    def make(attention: str) -> nn.Module:
+        torch.manual_seed(0)
+        if family == "llama":
+            return transformers.LlamaForCausalLM(
+                transformers.LlamaConfig(
+                    vocab_size=128, hidden_size=HIDDEN, intermediate_size=160,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    attn_implementation=attention,
+                )
+            )  # fmt: skip
+        return hf_mixtral(
+            vocab=128, hidden=32, layers=2, heads=4, kv_heads=2, experts=4,
+            implementation="grouped_mm", attention=attention,
+        )  # fmt: skip
+
+    tokens = {"input_ids": (SEQ,), "attention_mask": (SEQ,)}
+    sdpa = make("sdpa")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to a CPU run
+        costs = layer_costs(sdpa, tokens, dtype=torch.int64)
+    eager = layer_costs(make("eager"), tokens, dtype=torch.int64)
+    assert sdpa.config._attn_implementation == "sdpa"
+    assert costs.layers == eager.layers and costs.plan_out_bytes == eager.plan_out_bytes
+    assert costs.split_blocks == eager.split_blocks and costs.experts == eager.experts
+    assert any("eager implementation" in n for n in costs.notes) and not eager.notes

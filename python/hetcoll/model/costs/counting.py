@@ -5,8 +5,9 @@ formula describes, made from its counts."""
 from __future__ import annotations
 
 import bisect
+import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,6 +265,8 @@ class _OpCounter(TorchDispatchMode):
         self._node_seq: list[int] = []
         self._node_call: list[int] = []
         self.unattributed_bytes = 0.0
+        #: Whether the model was counted with its eager attention (see ``_trace``).
+        self.eager_attention = False
 
     def enter(self, name: str, module: nn.Module, args: tuple) -> None:
         leaf = not any(True for _ in module.children())
@@ -408,10 +411,26 @@ def _trace(
     attention mask is given), or that makes tensors of its own on the CPU (a causal mask built
     without ``device=``), cannot run on the meta device: it is counted on a real run of zeros
     (valid token ids, zero weights) on the CPU instead, which holds the model's weights and
-    that batch's activations in memory."""
+    that batch's activations in memory.
+
+    A Hugging Face model attending through ``F.scaled_dot_product_attention`` (its default,
+    ``"sdpa"``) reads the attention mask's values, to leave a mask of no padding out: where
+    that stops the meta run, the model is counted there again with its eager attention (the
+    same matmuls and softmax, written out; ``eager_attention`` on the counter), and its own
+    implementation is set back after."""
+    meta = torch.device("meta")
     try:
-        return _count(model, inputs, batch, torch.device("meta"), loss)
-    except _NeedsValues as e:
+        return _count(model, inputs, batch, meta, loss)
+    except _NeedsValues as first:
+        e = first
+        with _eager_attention(model) as switched:
+            if switched:
+                try:
+                    counter = _count(model, inputs, batch, meta, loss)
+                    counter.eager_attention = True
+                    return counter
+                except _NeedsValues as again:
+                    e = again
         cause = str(e.__cause__).splitlines()[0] if e.__cause__ is not None else "values"
         named = {x.name for x in inputs}
         hint = (
@@ -432,6 +451,23 @@ def _trace(
 
 class _NeedsValues(Exception):
     pass
+
+
+@contextlib.contextmanager
+def _eager_attention(model: nn.Module) -> Iterator[bool]:
+    """``model`` (a Hugging Face model whose attention is not eager) with its attention set to
+    the eager implementation, and set back after; yields whether it was switched."""
+    config = getattr(model, "config", None)
+    own = getattr(config, "_attn_implementation", None)
+    switch = getattr(model, "set_attn_implementation", None)
+    if own in (None, "eager") or not callable(switch):
+        yield False
+        return
+    switch("eager")
+    try:
+        yield getattr(config, "_attn_implementation", None) == "eager"
+    finally:
+        switch(own)
 
 
 class _LossError(Exception):

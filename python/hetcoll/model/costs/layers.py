@@ -189,6 +189,11 @@ def layer_costs(
                 ),
             )
         )
+    if counter.eager_attention:
+        notes.append(
+            "attention counted in its eager implementation: the model's own (sdpa) reads the "
+            "attention mask's values, which the meta device has not"
+        )
     unused = set(param_of) - {n for c in counter.calls for n in c.params}
     if unused:
         notes.append(f"{len(unused)} parameters are not used by the forward pass")
