@@ -779,7 +779,7 @@ def calibrate(
     }
     measured: dict[str, Link] = {}
     for name in links:
-        say(f"{name} ping-pong ...")
+        say(f"{name} ping-pong, then small collectives ...")
         fit = measure_gloo_link() if name == "gloo" else measure_mpi_link()
         link = fit.link(f"{name}-local")
         measured[name] = link
