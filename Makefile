@@ -100,7 +100,7 @@ PLACEMENT_RUN      := benches/bench_placement.py --launches 3 --json $(RESULTS)/
 .PHONY: bench-report bench-kernels bench-split bench-partition bench-partitioners bench-planner \
 	bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate bench-plans \
 	bench-microbatches bench-planspace bench-placement bench-lm-pipeline bench-tensor-parallel \
-	bench-tensor-parallel-moe bench-expert-parallel
+	bench-tensor-parallel-moe bench-expert-parallel bench-fixed-costs
 
 $(BENCHED): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet --group bench
@@ -109,7 +109,7 @@ $(BENCHED): $(STAMP) pyproject.toml
 bench: bench-kernels bench-split bench-partition bench-partitioners bench-planner \
 		bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate \
 		bench-microbatches bench-plans bench-planspace bench-placement bench-lm-pipeline \
-		bench-tensor-parallel bench-tensor-parallel-moe bench-expert-parallel
+		bench-tensor-parallel bench-tensor-parallel-moe bench-expert-parallel bench-fixed-costs
 	$(MAKE) bench-report
 
 bench-report:
@@ -161,6 +161,12 @@ bench-microbatches: $(BUILT) $(BENCHED)
 	$(PY) benches/bench_microbatches.py --json $(RAW)/microbatches.json
 	$(PY) benches/report.py import microbatches $(RAW)/microbatches.json \
 		--command "python benches/bench_microbatches.py --json $(RAW)/microbatches.json"
+
+bench-fixed-costs: $(BUILT) $(BENCHED)
+	mkdir -p $(RAW)
+	$(PY) benches/bench_fixed_costs.py --json $(RAW)/fixed_costs.json
+	$(PY) benches/report.py import fixed-costs $(RAW)/fixed_costs.json \
+		--command "python benches/bench_fixed_costs.py --json $(RAW)/fixed_costs.json"
 
 bench-planspace: $(BUILT) $(BENCHED)
 	mkdir -p $(RAW)

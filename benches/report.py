@@ -1626,6 +1626,153 @@ def adapt_microbatches(raw: Sequence[Path], command: str) -> dict[str, Any]:
     )
 
 
+def adapt_fixed_costs(raw: Sequence[Path], command: str) -> dict[str, Any]:
+    """A ``bench_fixed_costs.py --json`` file (kernel launches of a pass, collective calls,
+    passes of an expert-parallel plan; each against the model with and without its
+    fixed-cost terms) as a results file."""
+    if len(raw) != 1:
+        raise ResultError("fixed-costs: give one bench_fixed_costs.py --json file")
+    path = raw[0]
+    data = _raw_json(path, "bench_fixed_costs.py --json")
+    where = str(path)
+
+    def err(predicted: float, measured: float) -> float:
+        return predicted / measured - 1
+
+    launch_rows = []
+    for i, row in enumerate(_need(data, "launches", where)):
+        at = f"{where}: launches[{i}]"
+        fixed = _need(row, "fixed_s", at)
+        new, old = _need(row, "predicted_fixed_s", at), _need(row, "predicted_fixed_kernels_s", at)
+        launch_rows.append(
+            [
+                _need(row, "arch", at),
+                _need(row, "kernels", at),
+                _need(row, "launches", at),
+                _need(row, "real_ops", at),
+                fixed * 1e3,
+                new * 1e3,
+                err(new, fixed),
+                old * 1e3,
+                err(old, fixed),
+            ]
+        )
+    call_rows = []
+    for i, row in enumerate(_need(data, "calls", where)):
+        at = f"{where}: calls[{i}]"
+        measured = _need(row, "measured_s", at)
+        new, old = _need(row, "predicted_s", at), _need(row, "predicted_without_s", at)
+        call_rows.append(
+            [
+                _need(row, "collective", at),
+                measured * 1e6,
+                new * 1e6,
+                err(new, measured),
+                old * 1e6,
+                err(old, measured),
+            ]
+        )
+    pass_rows, steps = [], []
+    for i, row in enumerate(_need(data, "passes", where)):
+        at = f"{where}: passes[{i}]"
+        m = _need(row, "microbatches", at)
+        measured = _need(row, "measured_s", at)
+        new, old = _need(row, "predicted_s", at), _need(row, "predicted_without_s", at)
+        steps.append((m, measured, new, old))
+        pass_rows.append(
+            [m, measured * 1e3, new * 1e3, err(new, measured), old * 1e3, err(old, measured)]
+        )
+    (m0, *first), (m1, *last) = steps[0], steps[-1]
+    extra = [(b - a) / (m1 - m0) * 1e3 for a, b in zip(first, last, strict=True)]
+    link = _need(data, "link", where)
+    overhead = _need(data, "kernel_overhead_s", where)
+    speeds = " : ".join(f"{x:g}" for x in _need(data, "speeds", where))
+    per_pass = (
+        f"Each extra micro-batch: measured {extra[0]:.1f} ms, predicted {extra[1]:.1f} ms "
+        f"with the fixed costs, {extra[2]:.1f} ms without."
+    )
+    return _result(
+        "fixed_costs",
+        "Performance model: fixed costs of a pass",
+        command,
+        raw,
+        [
+            {
+                "title": "Kernel launches: a decoder's forward and backward on one thread",
+                "peer": "the measured fixed cost of a pass (the intercept of its forward and "
+                "backward timed at 2, 4 and 8 samples); the model by launches and, as before, "
+                "by summed kernels",
+                "columns": [
+                    _col("model"),
+                    _col("kernels counted"),
+                    _col("launches counted"),
+                    _col("ops a real run launches"),
+                    _col("fixed cost, measured (ms)", "{:.2f}"),
+                    _col("by launches (ms)", "{:.2f}"),
+                    _col("error", "{:+.0%}"),
+                    _col("by kernels (ms)", "{:.2f}"),
+                    _col("error by kernels", "{:+.0%}"),
+                ],
+                "rows": launch_rows,
+                "notes": [
+                    f"The LM example's shapes (bench_tensor_parallel.make_model, vocabulary "
+                    f"256), costed with its loss; cost per kernel calibrated here: "
+                    f"{overhead * 1e6:.1f} us. Ops a real run launches: those that are not "
+                    "views or bare allocations (GPT-2's formulas count each bias as a kernel "
+                    "of its own).",
+                ],
+            },
+            {
+                "title": "Collective calls: 64 floats between two local gloo ranks",
+                "peer": "the same calls measured back to back; the model with the link's fixed "
+                "cost per call (Link.call_s) and without",
+                "columns": [
+                    _col("collective"),
+                    _col("measured (us)", "{:.0f}"),
+                    _col("priced (us)", "{:.0f}"),
+                    _col("error", "{:+.0%}"),
+                    _col("without the call's cost (us)", "{:.0f}"),
+                    _col("error without", "{:+.0%}"),
+                ],
+                "rows": call_rows,
+                "notes": [
+                    f"The link as hetcoll.lab.calibrate measures it: one-way latency "
+                    f"{link['latency_s'] * 1e6:.0f} us, {link['bytes_per_s'] / 1e9:.2f} GB/s, "
+                    f"{link['call_s'] * 1e6:.0f} us a call (the median over these four of "
+                    "each call's excess over the latencies the model charges it).",
+                ],
+            },
+            {
+                "title": "Passes: the expert-parallel plan in micro-batches",
+                "peer": "the model with both fixed-cost terms and with neither, from the same "
+                "device and link figures",
+                "columns": [
+                    _col("micro-batches"),
+                    _col("measured (ms)", "{:.1f}"),
+                    _col("predicted (ms)", "{:.1f}"),
+                    _col("error", "{:+.0%}"),
+                    _col("without the fixed costs (ms)", "{:.1f}"),
+                    _col("error without", "{:+.0%}"),
+                ],
+                "rows": pass_rows,
+                "notes": [
+                    f"bench_expert_parallel.py's plan: Mixtral, 2 gloo ranks, rows and experts "
+                    f"by speeds {speeds} (no emulation: both ranks at full speed), batch "
+                    f"{_need(data, 'batch', where)}; the slower rank's median step.",
+                    per_pass,
+                ],
+            },
+        ],
+        description=(
+            "What a step costs whatever its size, against the performance model with and "
+            "without its two fixed-cost terms: a kernel launch for every op a layer runs "
+            "(`Kernel.launches`) and a fixed cost per collective call (`Link.call_s`). "
+            "Details: [docs/model.md](model.md#fixed-costs-kernel-launches-and-collective-calls)."
+        ),
+        notes=[per_pass],
+    )
+
+
 def _ms(seconds: Any) -> float | None:
     return None if seconds is None else float(seconds) * 1e3
 
@@ -2231,6 +2378,7 @@ def adapt_lm_pipeline(raw: Sequence[Path], command: str) -> dict[str, Any]:
 ADAPTERS: dict[str, Callable[[Sequence[Path], str], dict[str, Any]]] = {
     "planspace": adapt_planspace,
     "microbatches": adapt_microbatches,
+    "fixed-costs": adapt_fixed_costs,
     "collectives": adapt_collectives,
     "filter-parallel": adapt_filter_parallel,
     "tensor-parallel": adapt_tensor_parallel,

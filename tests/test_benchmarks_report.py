@@ -727,3 +727,62 @@ def test_expert_parallel_adapter_reads_the_scripts_json(tmp_path: Path) -> None:
     raw.write_text(json.dumps([missing]))
     with pytest.raises(report.ResultError, match="experts even, rows even"):
         report.adapt_expert_parallel([raw], "python benches/bench_expert_parallel.py")
+
+
+def test_fixed_costs_adapter_reads_the_scripts_json(tmp_path: Path) -> None:
+    raw = tmp_path / "raw" / "fixed_costs.json"
+    raw.parent.mkdir()
+    data = {
+        "kernel_overhead_s": 4e-6,
+        "link": {"latency_s": 5e-5, "bytes_per_s": 5e9, "call_s": 2e-4},
+        "launches": [
+            {
+                "arch": "llama",
+                "kernels": 200,
+                "launches": 800,
+                "real_ops": 790,
+                "pass_s": {"2": 0.01, "4": 0.014, "8": 0.022},
+                "fixed_s": 0.004,
+                "predicted_fixed_s": 0.0032,
+                "predicted_fixed_kernels_s": 0.0008,
+            }
+        ],
+        "calls": [
+            {
+                "collective": "allreduce",
+                "measured_s": 1e-3,
+                "predicted_s": 4e-4,
+                "predicted_without_s": 1e-4,
+            }
+        ],
+        "passes": [
+            {
+                "microbatches": 1,
+                "measured_s": 0.1,
+                "predicted_s": 0.09,
+                "predicted_without_s": 0.08,
+            },
+            {
+                "microbatches": 4,
+                "measured_s": 0.19,
+                "predicted_s": 0.15,
+                "predicted_without_s": 0.086,
+            },
+        ],
+        "speeds": [1.0, 0.25],
+        "batch": 32,
+    }
+    raw.write_text(json.dumps(data))
+    result = report.adapt_fixed_costs([raw], "python benches/bench_fixed_costs.py")
+    report.write_result(tmp_path / "fixed_costs.json", result)
+    text = report.generate(tmp_path)
+    assert "| llama | 200 | 800 | 790 | 4.00 | 3.20 | -20% | 0.80 | -80% |" in text
+    assert "| allreduce | 1000 | 400 | -60% | 100 | -90% |" in text
+    assert "| 4 | 190.0 | 150.0 | -21% | 86.0 | -55% |" in text
+    # (190 - 100) / 3 measured, (150 - 90) / 3 and (86 - 80) / 3 predicted.
+    assert "Each extra micro-batch: measured 30.0 ms, predicted 20.0 ms with the fixed" in text
+    assert "by speeds 1 : 0.25" in text and "200 us a call" in text
+    del data["calls"]
+    raw.write_text(json.dumps(data))
+    with pytest.raises(report.ResultError, match="field 'calls' is missing"):
+        report.adapt_fixed_costs([raw], "python benches/bench_fixed_costs.py")
