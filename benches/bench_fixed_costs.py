@@ -7,8 +7,10 @@
   and a pass's fixed cost: the intercept of its forward and backward timed at 2, 4 and 8
   samples, against the launches (and the kernels, as before) at the calibrated cost per kernel;
 - **collective calls**: small collectives (64 floats) between two local gloo ranks, called
-  back to back (:func:`hetcoll.lab.calibrate.measure_gloo_link`), against what the model
-  prices each at with the link's fixed cost per call (``Link.call_s``) and without;
+  back to back in ranks of their own, against what the model prices each at on the link
+  :func:`hetcoll.lab.calibrate.measure_gloo_link` calibrated just before (its own such
+  calls): with its kind's fixed cost per call (``Link.call_of``), with one cost for every
+  kind (``Link.call_s``: the median) and without;
 - **passes**: ``bench_expert_parallel.py``'s expert-parallel plan (Mixtral, 2 gloo ranks, rows
   and experts by speeds 1 : 0.25, no emulation) run by :func:`hetcoll.torch.parallelize` in
   1, 2 and 4 micro-batches, against :func:`hetcoll.model.predict.predict_plan` with both
@@ -125,9 +127,38 @@ def launches(device: Any, rounds: int = 7) -> list[dict[str, Any]]:
     return out
 
 
+def _calls(rank: int, world: int, calls: int = 100) -> dict[str, float]:
+    """Seconds a call of each small collective (64 floats), back to back: the median of 5
+    rounds of ``calls`` calls, after a quarter round to warm up."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    x = torch.zeros(64)
+    gathered = torch.empty(64 * world)
+    ops = {
+        "allreduce": lambda: dist.all_reduce(x),
+        "allgather": lambda: dist.all_gather_into_tensor(gathered, x),
+        "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(x), x),
+        "broadcast": lambda: dist.broadcast(x, 0),
+    }
+    out = {}
+    for name, op in ops.items():
+        for _ in range(calls // 4):
+            op()
+        rounds = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(calls):
+                op()
+            rounds.append((time.perf_counter() - start) / calls)
+        out[name] = statistics.median(rounds)
+    return out
+
+
 def calls(fit: Any) -> list[dict[str, Any]]:
-    """Each probed collective's seconds a call against the model's price of it on the link
-    ``fit`` measured, with and without its fixed cost per call (2 ranks, 256 bytes)."""
+    """Each collective's seconds a call, timed in ranks of their own after the calibration,
+    against the model's price of it on the link ``fit`` calibrated, with its kind's fixed cost
+    per call, with one cost for every kind and without (2 ranks, 256 bytes)."""
     from hetcoll.model import terms
 
     link, p, n = fit.link("gloo-local"), 2, 256.0
@@ -142,11 +173,14 @@ def calls(fit: Any) -> list[dict[str, Any]]:
             return float(terms.all_to_all_seconds(n, p, lat, bw, call_s))
         return float(terms.broadcast_seconds(n, p, lat, bw, call_s))
 
+    measured = launch.spawn(_calls, 2, timeout=600)[0]
     return [
         {
             "collective": name,
-            "measured_s": seconds,
-            "predicted_s": priced(name, link.call_s),
+            "measured_s": measured[name],
+            "calibrated_s": seconds,
+            "predicted_s": priced(name, link.call_of(name)),
+            "predicted_one_cost_s": priced(name, link.call_s),
             "predicted_without_s": priced(name, 0.0),
         }
         for name, seconds in fit.calls_s
@@ -192,7 +226,7 @@ def passes(costs: Any, device: Any, link: Any, steps: int) -> list[dict[str, Any
 
     layers = [(block.module, block.experts) for block in costs.experts]
     both = validation_cluster([device] * len(SPEEDS), link)
-    neither = validation_cluster([device] * len(SPEEDS), replace(link, call_s=0.0))
+    neither = validation_cluster([device] * len(SPEEDS), replace(link, call_s=0.0, calls_s=()))
     before = _one_launch(costs)
     ranks = launch.spawn(_rank, len(SPEEDS), steps, timeout=1800)
     out = []
@@ -254,8 +288,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for row in rows["calls"]:
         print(
             f"{row['collective']:>10}: {row['measured_s'] * 1e6:.0f} us a call, priced "
-            f"{row['predicted_s'] * 1e6:.0f} us ({row['predicted_without_s'] * 1e6:.0f} us "
-            "without the call's cost)"
+            f"{row['predicted_s'] * 1e6:.0f} us (at one cost for every kind "
+            f"{row['predicted_one_cost_s'] * 1e6:.0f} us, without "
+            f"{row['predicted_without_s'] * 1e6:.0f} us)"
         )
     for row in rows["passes"]:
         print(

@@ -1662,12 +1662,15 @@ def adapt_fixed_costs(raw: Sequence[Path], command: str) -> dict[str, Any]:
         at = f"{where}: calls[{i}]"
         measured = _need(row, "measured_s", at)
         new, old = _need(row, "predicted_s", at), _need(row, "predicted_without_s", at)
+        one = _need(row, "predicted_one_cost_s", at)
         call_rows.append(
             [
                 _need(row, "collective", at),
                 measured * 1e6,
                 new * 1e6,
                 err(new, measured),
+                one * 1e6,
+                err(one, measured),
                 old * 1e6,
                 err(old, measured),
             ]
@@ -1724,13 +1727,16 @@ def adapt_fixed_costs(raw: Sequence[Path], command: str) -> dict[str, Any]:
             },
             {
                 "title": "Collective calls: 64 floats between two local gloo ranks",
-                "peer": "the same calls measured back to back; the model with the link's fixed "
-                "cost per call (Link.call_s) and without",
+                "peer": "the same calls timed back to back in ranks of their own, after the "
+                "calibration; the model on the calibrated link with each kind's fixed cost per "
+                "call (Link.call_of), with one cost for every kind (Link.call_s) and without",
                 "columns": [
                     _col("collective"),
                     _col("measured (us)", "{:.0f}"),
                     _col("priced (us)", "{:.0f}"),
                     _col("error", "{:+.0%}"),
+                    _col("one cost for every kind (us)", "{:.0f}"),
+                    _col("error, one cost", "{:+.0%}"),
                     _col("without the call's cost (us)", "{:.0f}"),
                     _col("error without", "{:+.0%}"),
                 ],
@@ -1738,8 +1744,9 @@ def adapt_fixed_costs(raw: Sequence[Path], command: str) -> dict[str, Any]:
                 "notes": [
                     f"The link as hetcoll.lab.calibrate measures it: one-way latency "
                     f"{link['latency_s'] * 1e6:.0f} us, {link['bytes_per_s'] / 1e9:.2f} GB/s, "
-                    f"{link['call_s'] * 1e6:.0f} us a call (the median over these four of "
-                    "each call's excess over the latencies the model charges it).",
+                    f"{link['call_s'] * 1e6:.0f} us a call of any kind (the median over these "
+                    "four of each call's excess over the latencies the model charges it), each "
+                    "of these at its own excess.",
                 ],
             },
             {

@@ -752,6 +752,7 @@ def test_fixed_costs_adapter_reads_the_scripts_json(tmp_path: Path) -> None:
                 "collective": "allreduce",
                 "measured_s": 1e-3,
                 "predicted_s": 4e-4,
+                "predicted_one_cost_s": 3e-4,
                 "predicted_without_s": 1e-4,
             }
         ],
@@ -777,7 +778,7 @@ def test_fixed_costs_adapter_reads_the_scripts_json(tmp_path: Path) -> None:
     report.write_result(tmp_path / "fixed_costs.json", result)
     text = report.generate(tmp_path)
     assert "| llama | 200 | 800 | 790 | 4.00 | 3.20 | -20% | 0.80 | -80% |" in text
-    assert "| allreduce | 1000 | 400 | -60% | 100 | -90% |" in text
+    assert "| allreduce | 1000 | 400 | -60% | 300 | -70% | 100 | -90% |" in text
     assert "| 4 | 190.0 | 150.0 | -21% | 86.0 | -55% |" in text
     # (190 - 100) / 3 measured, (150 - 90) / 3 and (86 - 80) / 3 predicted.
     assert "Each extra micro-batch: measured 30.0 ms, predicted 20.0 ms with the fixed" in text

@@ -241,6 +241,9 @@ link = "fast"
         ("[devices.gpu]", "[devices.gpu]\nconv_overhead_s = -1e-4", "devices.gpu.conv_overhead_s"),
         ("latency_s = 1e-6", "latency_s = 1e-6\ncall_s = -1e-5", "links.fast.call_s"),
         ("latency_s = 1e-6", "latency_s = 1e-6\ncall_s = 'slow'", "links.fast.call_s"),
+        ("latency_s = 1e-6", "latency_s = 1e-6\ncalls_s = { reduce = 1e-5 }", "links.fast.calls_s"),
+        ("latency_s = 1e-6", "latency_s = 1e-6\ncalls_s = { allreduce = -1.0 }", "allreduce"),
+        ("latency_s = 1e-6", "latency_s = 1e-6\ncalls_s = 3", "links.fast.calls_s"),
     ],
 )
 def test_bad_cluster_files_name_file_and_field(
@@ -283,35 +286,42 @@ def cnn_costs():  # type: ignore[no-untyped-def]
 
 
 def test_every_collective_call_pays_the_links_call_cost(cnn_costs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """A link's ``call_s`` is paid once by every collective call, whatever its bytes: DDP's
-    step without overlap pays it for each bucket and for the buffers' broadcast; a file
-    carries it and a cluster's ring over several links takes the largest; point-to-point
-    sends (a pipeline's) do not pay it."""
+    """A link's ``call_s`` is paid once by every collective call, whatever its bytes, or its
+    kind's own (``calls_s``): DDP's step without overlap pays the allreduce's for each bucket
+    and the broadcast's for the buffers; a file carries both and a cluster's ring over several
+    links takes the largest of each; point-to-point sends (a pipeline's) pay neither."""
     from hetcoll.model.hardware import dumps_cluster
 
-    call = 3e-4
+    call, allreduce = 3e-4, 1e-3
+    dev = Device("d", 1e11, 2e10, 1e10, 1e-6)
     plain, costly = (
-        Cluster([Node("n", Device("d", 1e11, 2e10, 1e10, 1e-6), 2, Link("l", 1e-5, 1e9, c))])
-        for c in (0.0, call)
+        Cluster([Node("n", dev, 2, Link("l", 1e-5, 1e9, c, (("allreduce", r),) if c else ()))])
+        for c, r in ((0.0, 0.0), (call, allreduce))
     )
-    calls = len(ddp_buckets(cnn_costs)) + (cnn_costs.buffer_bytes > 0)
+    buckets = len(ddp_buckets(cnn_costs))
+    assert buckets >= 2 and cnn_costs.buffer_bytes > 0  # one broadcast of the buffers
     a, b = (data_parallel(cnn_costs, c, [16, 16], overlap=False) for c in (plain, costly))
-    assert calls >= 2 and b.step_s - a.step_s == pytest.approx(calls * call, rel=1e-9)
+    assert b.step_s - a.step_s == pytest.approx(buckets * allreduce + call, rel=1e-9)
     assert terms.all_to_all_seconds(0.0, 1, 1.0, 1.0, 1.0) == 0.0  # one rank calls nobody
     path = tmp_path / "c.toml"
     path.write_text(dumps_cluster(costly))
-    assert "call_s = 0.0003" in path.read_text()
+    assert "call_s = 0.0003" in path.read_text() and "allreduce = 0.001" in path.read_text()
     assert load_cluster(path).nodes[0].link == costly.nodes[0].link
     assert "call_s" not in dumps_cluster(plain)
-    net = Link("net", 1e-5, 1e9, 1e-3)
-    two = Cluster([Node("a", plain.devices[0], 1), Node("b", plain.devices[0], 1)], net)
-    assert two.ring_link().call_s == 1e-3
-    with pytest.raises(ValueError, match="call_s"):
-        Link("l", 1e-5, 1e9, -1.0)
+    net = Link("net", 1e-5, 1e9, 1e-4, (("broadcast", 2e-3),))
+    two = Cluster([Node("a", dev, 2, costly.nodes[0].link), Node("b", dev, 1)], net)
+    ring = two.ring_link()
+    assert ring.call_s == call and ring.call_of("allreduce") == allreduce
+    assert ring.call_of("broadcast") == 2e-3 and ring.call_of("all_to_all") == call
+    for bad in ((-1.0, ()), (0.0, (("reduce", 1.0),)), (0.0, (("allreduce", 1.0),) * 2)):
+        with pytest.raises(ValueError, match=r"calls?_s"):
+            Link("l", 1e-5, 1e9, *bad)
+    with pytest.raises(ValueError, match="kind"):
+        ring.call_of("reduce")
     # A pipeline's activations and gradients go point to point; its one collective is the
     # step's loss, summed over the ranks as Parallel.step sums it.
     stages = pipeline(cnn_costs, plain, 16, 2).step_s
-    assert pipeline(cnn_costs, costly, 16, 2).step_s == pytest.approx(stages + call, rel=1e-9)
+    assert pipeline(cnn_costs, costly, 16, 2).step_s == pytest.approx(stages + allreduce, rel=1e-9)
 
 
 def test_data_parallel_with_free_links_exposes_only_the_last_bucket(cnn_costs) -> None:  # type: ignore[no-untyped-def]
@@ -922,6 +932,10 @@ def test_calibrate_measures_gloo_and_mpi_links(tmp_path: Path) -> None:
     gloo = next(link for link in cal.links if link.name == "gloo-local")
     assert cluster.nodes[0].link is not None
     assert cluster.nodes[0].link.call_s == pytest.approx(gloo.call_s, rel=1e-5)
+    # Each probed kind at its own cost, the median of them for any other.
+    kinds = dict(cluster.nodes[0].link.calls_s)
+    assert sorted(kinds) == ["all_to_all", "allgather", "allreduce", "broadcast"]
+    assert min(kinds.values()) <= gloo.call_s <= max(kinds.values())
 
 
 def test_a_calls_fixed_cost_is_what_the_latencies_leave() -> None:

@@ -138,12 +138,12 @@ def _costs(make=tc.mixtral):
     return layer_costs(model, tokens, dtype=torch.int64)
 
 
-def _cluster(*flops: float, memory: float = 8e9, call_s: float = 0.0):
+def _cluster(*flops: float, memory: float = 8e9, calls_s: tuple = ()):
     from hetcoll.lab.validate import validation_cluster
     from hetcoll.model import Device, Link
 
     devices = [Device(f"d{i}", f, f, memory) for i, f in enumerate(flops)]
-    return validation_cluster(devices, Link("link", 1e-4, 1e9, call_s))
+    return validation_cluster(devices, Link("link", 1e-4, 1e9, 0.0, calls_s))
 
 
 def test_predict_plan_prices_a_plan_with_experts():
@@ -261,19 +261,21 @@ def test_predict_plan_prices_pipelines_of_expert_parallel_replicas():
 def test_every_exchange_of_a_plan_with_experts_pays_the_links_call_cost():
     """Each experts layer opens every forward with an exchange of counts and sends its rows
     out and back, forward and backward: five all-to-alls a pass, each paying the link's fixed
-    cost per call; then one sum of the replicated gradients and the loss's allreduce."""
+    cost of an all-to-all call; then one sum of the replicated gradients and the loss's
+    allreduce, each an allreduce's."""
     from hetcoll.model.predict import predict_plan
 
     costs = _costs()
-    call = 2e-4
-    plain, costly = _cluster(1e11, 2.5e10), _cluster(1e11, 2.5e10, call_s=call)
+    a2a, allreduce = 2e-4, 7e-4
+    plain = _cluster(1e11, 2.5e10)
+    costly = _cluster(1e11, 2.5e10, calls_s=(("all_to_all", a2a), ("allreduce", allreduce)))
     for m in (1, 2):
         plan = Plan.from_dict(
             {"microbatches": m, "replicas": cases.replicas(26, 6), "experts": [3, 1]}
         )
-        calls = m * 5 * len(costs.experts) + 2
+        added = m * 5 * len(costs.experts) * a2a + 2 * allreduce
         a, b = (predict_plan(costs, c, plan).step_s for c in (plain, costly))
-        assert b - a == pytest.approx(calls * call, rel=1e-9), m
+        assert b - a == pytest.approx(added, rel=1e-9), m
 
 
 def test_the_planner_proposes_expert_parallelism():

@@ -327,8 +327,11 @@ class LinkFit:
     calls_s: tuple[tuple[str, float], ...] = ()
 
     def link(self, name: str) -> Link:
-        """The performance model's :class:`~hetcoll.model.hardware.Link` of this fit."""
-        return Link(name, self.latency_s, self.bytes_per_s, self.call_s)
+        """The performance model's :class:`~hetcoll.model.hardware.Link` of this fit: each
+        probed kind of collective at its own fixed cost per call (:func:`call_excess`), any
+        other at the median of them."""
+        own = call_excess(dict(self.calls_s), self.latency_s) if self.calls_s else {}
+        return Link(name, self.latency_s, self.bytes_per_s, self.call_s, tuple(sorted(own.items())))
 
     def describe(self) -> str:
         """What was measured, for a cluster file's comment."""
@@ -353,21 +356,36 @@ CALL_PROBE_LATENCIES: dict[str, Callable[[int], int]] = {
 }
 
 
+def call_excess(
+    calls_s: Mapping[str, float], latency_s: float, num_ranks: int = 2
+) -> dict[str, float]:
+    """Each probed collective's (:data:`CALL_PROBE_LATENCIES`) fixed seconds a call beyond its
+    messages: its call's seconds less the message latencies the model already charges it, at
+    least 0 (its bytes are negligible).
+
+    >>> call_excess({"allreduce": 5e-4, "broadcast": 2e-5}, 5e-5)
+    {'allreduce': 0.0004, 'broadcast': 0.0}
+    """
+    if num_ranks < 2:
+        raise ValueError(f"num_ranks: a collective call needs at least 2 ranks, got {num_ranks}")
+    if not calls_s:
+        raise ValueError("calls_s: no collective was timed")
+    return {
+        name: round(max(0.0, t - CALL_PROBE_LATENCIES[name](num_ranks) * latency_s), 9)
+        for name, t in calls_s.items()
+    }
+
+
 def fit_call_seconds(calls_s: Mapping[str, float], latency_s: float, num_ranks: int = 2) -> float:
-    """The fixed seconds of a collective call beyond its messages: the median over the probed
-    collectives (:data:`CALL_PROBE_LATENCIES`) of each call's seconds less the message
-    latencies the model already charges it, at least 0 (their bytes are negligible).
+    """The fixed seconds of a collective call beyond its messages, for the kinds not probed:
+    the median over the probed collectives of :func:`call_excess`.
 
     >>> fit_call_seconds({"allreduce": 5e-4, "allgather": 3e-4, "all_to_all": 3e-4,
     ...                   "broadcast": 2e-4}, 5e-5)
     0.00025
     """
-    if num_ranks < 2:
-        raise ValueError(f"num_ranks: a collective call needs at least 2 ranks, got {num_ranks}")
-    excess = [t - CALL_PROBE_LATENCIES[name](num_ranks) * latency_s for name, t in calls_s.items()]
-    if not excess:
-        raise ValueError("calls_s: no collective was timed")
-    return round(max(0.0, float(statistics.median(excess))), 9)
+    excess = call_excess(calls_s, latency_s, num_ranks)
+    return round(float(statistics.median(excess.values())), 9)
 
 
 def _calls_seconds(ops: Mapping[str, Callable[[], object]], calls: int = 100) -> dict[str, float]:
@@ -787,9 +805,10 @@ def calibrate(
             f"measured: {name} ping-pong and small collectives between 2 local ranks, "
             + fit.describe()
         )
+        each = ", ".join(f"{kind} {seconds * 1e6:.0f}" for kind, seconds in link.calls_s)
         say(
             f"  latency {link.latency_s * 1e6:.1f} us, {link.bytes_per_s / 1e9:.2f} GB/s, "
-            f"{link.call_s * 1e6:.0f} us per collective call"
+            f"a collective call {link.call_s * 1e6:.0f} us ({each})"
         )
     if transport not in measured:
         raise ValueError(f"transport: {transport!r} was not measured")

@@ -29,6 +29,8 @@ A cluster file is a small TOML document (see ``examples/clusters/``)::
     call_s = 1e-5                  # optional: fixed cost of each collective call beyond its
                                    # messages (the engine's set-up and synchronisation), seconds;
                                    # default 0
+    calls_s = { allreduce = 2e-5 } # optional: that cost for a kind of collective (allreduce,
+                                   # allgather, all_to_all, broadcast); default call_s
 
     [[nodes]]                      # a group of identical devices joined by one link
     name = "dgx-a100"
@@ -216,6 +218,10 @@ class Device:
         return peak / self.flops_per_s if peak > 0 else 1.0
 
 
+#: The kinds of collective a link's fixed cost per call can name (``Link.calls_s``).
+COLLECTIVE_KINDS = ("allreduce", "allgather", "all_to_all", "broadcast")
+
+
 @dataclass(frozen=True)
 class Link:
     """A network or bus link: ``latency_s`` seconds per message (alpha) and ``bytes_per_s`` in one
@@ -223,20 +229,40 @@ class Link:
     on it beyond its messages - the engine's own work (a call's set-up, the ranks meeting, its
     progress threads waking): a gloo all-to-all of 64 floats between two local ranks takes
     several times the one-way latency of a message. Point-to-point sends, whose ping-pong
-    measures ``latency_s``, do not pay it. 0 where unknown (a datasheet's link).
+    measures ``latency_s``, do not pay it. 0 where unknown (a datasheet's link). ``calls_s``:
+    that cost for each kind of collective that has its own (:data:`COLLECTIVE_KINDS`; gloo's
+    allreduce of a few floats costs several times its broadcast), as ``(kind, seconds)`` pairs;
+    the others cost ``call_s`` (:meth:`call_of`).
 
     >>> Link("hdr200", latency_s=0.6e-6, bytes_per_s=25e9).bytes_per_s
     25000000000.0
+    >>> Link("gloo", 4e-5, 5e9, 3e-4, (("allreduce", 1e-3),)).call_of("broadcast")
+    0.0003
     """
 
     name: str
     latency_s: float
     bytes_per_s: float
     call_s: float = 0.0
+    calls_s: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check_nonnegative(self.latency_s, f"Link {self.name!r}: latency_s")
         _check_nonnegative(self.call_s, f"Link {self.name!r}: call_s")
+        kinds = [kind for kind, _ in self.calls_s]
+        for kind, seconds in self.calls_s:
+            if kind not in COLLECTIVE_KINDS or kinds.count(kind) > 1:
+                raise ValueError(
+                    f"Link {self.name!r}: calls_s: {kind!r} must be one of {COLLECTIVE_KINDS}, "
+                    "each once"
+                )
+            _check_nonnegative(seconds, f"Link {self.name!r}: calls_s.{kind}")
+
+    def call_of(self, kind: str) -> float:
+        """The fixed seconds of one call of a collective of ``kind`` (:data:`COLLECTIVE_KINDS`)."""
+        if kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"kind: must be one of {COLLECTIVE_KINDS}, got {kind!r}")
+        return dict(self.calls_s).get(kind, self.call_s)
         # inf is allowed here (a device talking to itself), never in a file.
         if not (isinstance(self.bytes_per_s, (int, float)) and self.bytes_per_s > 0):
             raise ValueError(f"Link {self.name!r}: bytes_per_s: must be a number > 0")
@@ -410,6 +436,11 @@ def _slowest(links: Sequence[Link | None]) -> Link:
         max(x.latency_s for x in real),
         min(x.bytes_per_s for x in real),
         max(x.call_s for x in real),
+        tuple(
+            (kind, max(x.call_of(kind) for x in real))
+            for kind in COLLECTIVE_KINDS
+            if any(kind in dict(x.calls_s) for x in real)
+        ),
     )
 
 
@@ -443,7 +474,7 @@ _DEVICE_FIELDS = {
     "first_touch_bytes_per_s",
     *_PEAK_FIELDS,
 }
-_LINK_FIELDS = {"latency_s", "bytes_per_s", "call_s"}
+_LINK_FIELDS = {"latency_s", "bytes_per_s", "call_s", "calls_s"}
 _NODE_FIELDS = {"name", "device", "count", "link", "repeat"}
 
 
@@ -526,7 +557,15 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
         call = _number(t, "call_s", where, required=False)
         if call is not None:
             _check_nonnegative(call, f"{where}.call_s")
-        links[name] = Link(name, latency, bandwidth, call or 0.0)
+        kinds = t.get("calls_s", {})
+        if not isinstance(kinds, Mapping):
+            raise ValueError(f"{where}.calls_s: must be a table of seconds by kind of collective")
+        _unknown(kinds, set(COLLECTIVE_KINDS), f"{where}.calls_s")
+        for kind in kinds:
+            _check_nonnegative(_number(kinds, kind, f"{where}.calls_s"), f"{where}.calls_s.{kind}")
+        links[name] = Link(
+            name, latency, bandwidth, call or 0.0, tuple((k, kinds[k]) for k in sorted(kinds))
+        )
 
     def link_named(value: Any, where: str) -> Link:
         if not isinstance(value, str) or value not in links:
@@ -667,6 +706,15 @@ def dumps_cluster(
             f"latency_s = {lk.latency_s:.6g}",
             f"bytes_per_s = {lk.bytes_per_s:.6g}",
             *([f"call_s = {lk.call_s:.6g}"] if lk.call_s > 0 else []),
+            *(
+                [
+                    "calls_s = { "
+                    + ", ".join(f"{kind} = {seconds:.6g}" for kind, seconds in lk.calls_s)
+                    + " }"
+                ]
+                if lk.calls_s
+                else []
+            ),
             "",
         ]
     for n in cluster.nodes:

@@ -98,7 +98,7 @@ def node_wise_candidates(
             link.bytes_per_s,
             min(d.mem_bytes_per_s for d in sub.devices),
             8,
-            call_s=link.call_s,
+            call_s=link.call_of("allreduce"),
         )
     )
 

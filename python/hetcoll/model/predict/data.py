@@ -76,7 +76,7 @@ def timed_buckets(
                     link.bytes_per_s,
                     reduce_bw,
                     costs.itemsize,
-                    call_s=link.call_s,
+                    call_s=link.call_of("allreduce"),
                 )
             ),
         )
@@ -218,7 +218,7 @@ def data_parallel_schedule(
     bcast = (
         float(
             terms.broadcast_seconds(
-                costs.buffer_bytes, p, link.latency_s, link.bytes_per_s, link.call_s
+                costs.buffer_bytes, p, link.latency_s, link.bytes_per_s, link.call_of("broadcast")
             )
         )
         if broadcast_buffers and costs.buffer_bytes > 0

@@ -181,8 +181,9 @@ def exchange_seconds(
     sent = rows * routed * (1.0 - frac)
     received = (float(rows.sum()) - rows) * routed * frac
     busiest = float(np.maximum(sent, received).max()) if p else 0.0
-    a2a = float(terms.all_to_all_seconds(busiest, p, link.latency_s, link.bytes_per_s, link.call_s))
-    counts = float(terms.all_to_all_seconds(0.0, p, link.latency_s, 1.0, link.call_s))
+    call = link.call_of("all_to_all")
+    a2a = float(terms.all_to_all_seconds(busiest, p, link.latency_s, link.bytes_per_s, call))
+    counts = float(terms.all_to_all_seconds(0.0, p, link.latency_s, 1.0, call))
     return counts, a2a
 
 

@@ -298,10 +298,10 @@ def filter_parallel_schedule(
             stats = 3.0 * layer.out_bytes_per_sample * batch / max(layer.filters, 1)
             fwd_comm[i] = (
                 2.0 * link.latency_s
-                + link.call_s
+                + link.call_of("allgather")
                 + float(
                     terms.ring_allgatherv_seconds(
-                        stats, n_dev, link.latency_s, link.bytes_per_s, link.call_s
+                        stats, n_dev, link.latency_s, link.bytes_per_s, link.call_of("allgather")
                     )
                 )
             )
@@ -313,7 +313,7 @@ def filter_parallel_schedule(
             largest = float(phi[i].max()) * out
             fwd_comm[i] = float(
                 terms.ring_allgatherv_seconds(
-                    largest, n_dev, link.latency_s, link.bytes_per_s, link.call_s
+                    largest, n_dev, link.latency_s, link.bytes_per_s, link.call_of("allgather")
                 )
             ) + copy_s((1 + n_dev) * largest + out)
         if any(k.name == "gemm-dX" for k in layer.backward):

@@ -152,7 +152,7 @@ def loss_allreduce_seconds(cluster: Cluster) -> float:
             link.bytes_per_s,
             slowest,
             8,
-            call_s=link.call_s,
+            call_s=link.call_of("allreduce"),
         )
     )
 
@@ -391,7 +391,7 @@ def layout_schedule(
                 link.bytes_per_s,
                 float(dev.mem_bytes_per_s[held].min()),
                 costs.itemsize,
-                call_s=link.call_s,
+                call_s=link.call_of("allreduce"),
             )
         )
         collectives[("sum", g)] = (len(taking_part), seconds)

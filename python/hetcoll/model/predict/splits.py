@@ -36,7 +36,7 @@ class SplitCollectives:
                 link.bytes_per_s,
                 float(dev.mem_bytes_per_s.min()),
                 self.costs.itemsize,
-                call_s=link.call_s,
+                call_s=link.call_of("allreduce"),
             )
         )
 
@@ -44,7 +44,9 @@ class SplitCollectives:
         link = self.cluster.ring_link()
         n = self.cluster.num_devices
         return float(
-            terms.broadcast_seconds(nbytes, n, link.latency_s, link.bytes_per_s, link.call_s)
+            terms.broadcast_seconds(
+                nbytes, n, link.latency_s, link.bytes_per_s, link.call_of("broadcast")
+            )
         )
 
     def copy_s(self, nbytes: float) -> float:
