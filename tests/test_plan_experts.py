@@ -173,8 +173,9 @@ def test_predict_plan_prices_micro_batches_of_a_plan_with_experts():
     """Micro-batches run one after another, every replica in each: on one device holding
     every expert the step is the plan's without experts; two micro-batches of equal halves
     take exactly one half's forward and backward more than that half alone (one sum, one
-    update, one loss), holding its activations only; the runtime's plan of 2 micro-batches
-    (3 replicas, one of them without experts) is priced."""
+    update, one loss), holding its activations only under 1F1B, and under GPipe (every
+    forward before the first backward) the whole batch's, as in one pass; the runtime's plan
+    of 2 micro-batches (3 replicas, one of them without experts) is priced."""
     from hetcoll.model.predict import expert_plan_schedule, predict_plan
 
     costs = _costs()
@@ -187,7 +188,12 @@ def test_predict_plan_prices_micro_batches_of_a_plan_with_experts():
         )
     two = _cluster(1e11, 2.5e10)
     halves = Plan.from_dict(
-        {"microbatches": 2, "replicas": cases.replicas(26, 6), "experts": [3, 1]}
+        {
+            "microbatches": 2,
+            "schedule": "1F1B",
+            "replicas": cases.replicas(26, 6),
+            "experts": [3, 1],
+        }
     )
     half = Plan.from_dict({"replicas": cases.replicas(13, 3), "experts": [3, 1]})
     both, once = predict_plan(costs, two, halves), predict_plan(costs, two, half)
@@ -198,7 +204,17 @@ def test_predict_plan_prices_micro_batches_of_a_plan_with_experts():
     assert both.memory_bytes == pytest.approx(once.memory_bytes, rel=1e-12)
     whole = predict_plan(costs, two, Plan.from_dict({**halves.to_dict(), "microbatches": 1}))
     assert all(a < b for a, b in zip(both.memory_bytes, whole.memory_bytes, strict=True))
-    assert both.shares == [26, 6] and both.detail["microbatches"] == 2
+    gpipe = Plan.from_dict({**halves.to_dict(), "schedule": "GPipe"})
+    held = predict_plan(costs, two, gpipe)
+    assert held.step_s == pytest.approx(both.step_s, rel=1e-12)
+    assert held.memory_bytes == pytest.approx(whole.memory_bytes, rel=1e-12)
+    # The closed form holds the same: the other half's activations on top of one half's.
+    closed = [expert_plan_schedule(costs, two, p).prediction() for p in (halves, gpipe)]
+    saved = costs.saved_bytes_per_sample()
+    assert [b - a for a, b in zip(*(c.memory_bytes for c in closed), strict=True)] == (
+        pytest.approx([13 * saved, 3 * saved], rel=1e-12)
+    )
+    assert both.shares == [26, 6] and both.detail["micro_batches"] == 2
     runtime = predict_plan(costs, _cluster(1e11, 5e10, 2.5e10), Plan.from_dict(cases.BY_SPEED))
     assert runtime.feasible and runtime.shares == [3, 2, 2]
 
@@ -309,7 +325,11 @@ def test_the_planner_proposes_expert_parallelism():
     even_plan = expert_parallel_plan(8, [1.0, 1.0], layers, len(costs.plan_layers))
     cluster = _cluster(4e10, 4e10)
     once = predict_plan(costs, cluster, even_plan).memory_bytes[0]
-    twice = predict_plan(costs, cluster, Plan.from_dict({**even_plan.to_dict(), "microbatches": 2}))
+    twice = predict_plan(
+        costs,
+        cluster,
+        Plan.from_dict({**even_plan.to_dict(), "microbatches": 2, "schedule": "1F1B"}),
+    )
     squeezed = {
         p.strategy: p
         for p in plan(costs, _cluster(4e10, 4e10, memory=(once + twice.memory_bytes[0]) / 2), 8)

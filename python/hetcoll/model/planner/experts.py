@@ -30,7 +30,8 @@ def expert_parallel_plan(
     and experts, as :func:`hetcoll.torch.expert_parallel.find_experts` and ``costs.experts``
     give them) placed on those devices by the same speeds (:func:`hetcoll.torch.expert_shares`,
     the runtime's rule): one list where every layer is placed alike. ``microbatches``: each
-    replica's samples run in that many passes (every replica at least that many samples)."""
+    replica's samples run in that many passes (every replica at least that many samples),
+    under 1F1B, so that one pass's activations live at a time (GPipe would hold them all)."""
     from hetcoll.torch.expert_parallel import expert_shares
 
     rows = [int(n) for n in hetcoll.split(batch, list(speeds))]
@@ -39,6 +40,7 @@ def expert_parallel_plan(
     return Plan.from_dict(
         {
             "microbatches": microbatches,
+            **({"schedule": "1F1B"} if microbatches > 1 else {}),
             "replicas": [
                 {"samples": rows[d], "stages": [{"ranks": [d], "layers": [0, layers]}]}
                 for d in keep

@@ -18,8 +18,8 @@ from hetcoll.model.predict.classes import cluster_facts, node_link_ids, ring_lin
 from hetcoll.model.predict.experts import ExpertParallelSchedule, expert_parallel_schedule
 from hetcoll.model.predict.filters import time_balanced_shares
 from hetcoll.model.predict.layout import ReplicaLayout, StageLayout, plan_layout, stage_layout
-from hetcoll.model.predict.prediction import Prediction, on_devices
-from hetcoll.model.predict.schedule import layout_schedule, loss_allreduce_seconds
+from hetcoll.model.predict.prediction import Prediction
+from hetcoll.model.predict.schedule import layout_schedule
 from hetcoll.model.predict.splits import blocks_need_empty, splits_loss
 from hetcoll.model.predict.staged_experts import StagedExperts
 from hetcoll.model.predict.timing import LayerSeconds, device_arrays
@@ -294,20 +294,16 @@ def predict_plan(
     the rest (``bubble``: waiting for other stages and ranks). Raises ``ValueError`` when the
     plan does not fit the model (layer count, a split the runtime refuses) or the cluster.
 
-    A plan whose replicas hold whole experts (its ``experts``) of one stage each is the
-    expert-parallel step (:func:`~hetcoll.model.predict.expert_parallel_schedule`) of its
-    replicas' samples, one pass per micro-batch, with the runtime's one allreduce of the
-    replicated gradients after the backward (:func:`expert_plan_schedule`). Replicas of
-    several stages (pipelines, one rank a stage) are simulated as any plan, each stage
-    holding experts layers running them at the tokens routed to its replica's experts,
-    between exchanges with the same stage of every replica
+    A plan whose replicas hold whole experts (its ``experts``; replicas of one rank a stage)
+    is simulated as any plan, each stage holding experts layers running them at the tokens
+    routed to its replica's experts, between exchanges with the same stage of every replica
     (:class:`~hetcoll.model.predict.staged_experts.StagedExperts`); its ranks hold their own
-    experts, and the replicas sum the other parameters' gradients only.
+    experts, and the replicas sum the other parameters' gradients only. For replicas of one
+    stage that is :func:`expert_plan_schedule`'s step (the expert-parallel step of each
+    micro-batch, one after another).
 
     >>> predict_plan(costs, cluster, Plan.load("plan.json")).step_s  # doctest: +SKIP
     """
-    if plan.experts is not None and len(plan.replicas[0].stages) == 1:
-        return _experts_plan(costs, cluster, plan, optimizer_state_copies, strategy)
     # Replicas that run alike are simulated once (the same step: :func:`layout_schedule`).
     layout = plan_layout(costs, cluster, plan)
     staged = None if plan.experts is None else StagedExperts(costs, cluster, layout, plan.experts)
@@ -323,14 +319,19 @@ class ExpertPlanSchedule:
     """The step of a plan with ``experts`` laid out (:func:`expert_plan_schedule` builds it,
     :meth:`prediction` times it): one expert-parallel pass per micro-batch, every replica
     running each at its micro-batch's samples (the devices meet at every pass's exchanges),
-    then the replicated gradients summed once, in one buffer, and the optimizer."""
+    then the replicated gradients summed once, in one buffer, and the optimizer. Under the
+    plan's ``schedule`` "GPipe" every micro-batch's forward runs before the first backward,
+    so every micro-batch's activations (``saved_per_sample`` bytes a sample) live at once;
+    under "1F1B" one micro-batch's."""
 
     passes: tuple[ExpertParallelSchedule, ...]
+    schedule: str = "1F1B"
+    saved_per_sample: float = 0.0
 
     def prediction(self) -> Prediction:
         """The passes one after another on each device, then the sum and the update (the
-        last pass's); memory is the largest pass's (one micro-batch's activations live at a
-        time)."""
+        last pass's); memory is the largest pass's, and under GPipe the other micro-batches'
+        activations too."""
         t: np.ndarray | None = None
         done = np.zeros(0)
         layers: LayerSeconds | None = None
@@ -344,10 +345,17 @@ class ExpertPlanSchedule:
             layers,
             sum(one.exchange_s for one in self.passes),
             np.sum([one.shares for one in self.passes], axis=0),
-            np.max([one.memory_bytes for one in self.passes], axis=0),
+            self._memory_bytes(),
             next((one.reason for one in self.passes if one.reason), ""),
             microbatches=len(self.passes),
         )
+
+    def _memory_bytes(self) -> np.ndarray:
+        largest = np.max([one.memory_bytes for one in self.passes], axis=0)
+        if self.schedule != "GPipe":
+            return largest  # type: ignore[no-any-return]
+        rows = np.array([one.shares for one in self.passes], dtype=np.float64)
+        return largest + (rows.sum(axis=0) - rows.max(axis=0)) * self.saved_per_sample  # type: ignore[no-any-return]
 
 
 def expert_plan_schedule(
@@ -358,12 +366,14 @@ def expert_plan_schedule(
     optimizer_state_copies: int = 1,
     strategy: str = "plan",
 ) -> ExpertPlanSchedule:
-    """The step of a plan with ``experts`` laid out (:func:`predict_plan` times it): for each
-    micro-batch, the expert-parallel step's forward and backward
+    """The step of a plan with ``experts`` laid out in closed form: for each micro-batch, the
+    expert-parallel step's forward and backward
     (:func:`~hetcoll.model.predict.expert_parallel_schedule`) of the plan's ranks, in
     increasing order (the others idle), each at its replica's samples in that micro-batch
     (:meth:`hetcoll.Plan.microbatch_sizes`); then its gradients summed in one buffer, as
-    the runtime sums them. Replicas of one stage only: other shapes raise ``ValueError``."""
+    the runtime sums them. Its step is :func:`predict_plan`'s simulation's (less the loss's
+    allreduce; tested), in a form whose passes a caller can re-time layer by layer (the lab's
+    emulation model does). Replicas of one stage only: other shapes raise ``ValueError``."""
     if plan.experts is None:
         raise ValueError("plan: places no experts (its experts field is empty)")
     if len(plan.replicas[0].stages) > 1:
@@ -399,30 +409,7 @@ def expert_plan_schedule(
                 strategy=strategy,
             )
             for k in range(plan.microbatches)
-        )
+        ),
+        plan.schedule,
+        costs.saved_bytes_per_sample(),
     )
-
-
-def _experts_plan(
-    costs: ModelCosts,
-    cluster: Cluster,
-    plan: Plan,
-    optimizer_state_copies: int,
-    strategy: str,
-) -> Prediction:
-    """:func:`predict_plan` of a plan with ``experts``: :func:`expert_plan_schedule` timed, on
-    the whole cluster's devices, then the loss's allreduce."""
-    pred = on_devices(
-        expert_plan_schedule(
-            costs, cluster, plan, optimizer_state_copies=optimizer_state_copies, strategy=strategy
-        ).prediction(),
-        plan.ranks,
-        cluster.num_devices,
-    )
-    # Then the step's loss, summed over every rank of the group, as any plan's.
-    loss_s = loss_allreduce_seconds(cluster)
-    pred.step_s += loss_s
-    pred.breakdown["communication"] = pred.breakdown.get("communication", 0.0) + loss_s
-    pred.detail["loss_allreduce_s"] = loss_s
-    pred.plan = plan
-    return pred
