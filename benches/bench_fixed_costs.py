@@ -127,38 +127,11 @@ def launches(device: Any, rounds: int = 7) -> list[dict[str, Any]]:
     return out
 
 
-def _calls(rank: int, world: int, calls: int = 100) -> dict[str, float]:
-    """Seconds a call of each small collective (64 floats), back to back: the median of 5
-    rounds of ``calls`` calls, after a quarter round to warm up."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    x = torch.zeros(64)
-    gathered = torch.empty(64 * world)
-    ops = {
-        "allreduce": lambda: dist.all_reduce(x),
-        "allgather": lambda: dist.all_gather_into_tensor(gathered, x),
-        "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(x), x),
-        "broadcast": lambda: dist.broadcast(x, 0),
-    }
-    out = {}
-    for name, op in ops.items():
-        for _ in range(calls // 4):
-            op()
-        rounds = []
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(calls):
-                op()
-            rounds.append((time.perf_counter() - start) / calls)
-        out[name] = statistics.median(rounds)
-    return out
-
-
 def calls(fit: Any) -> list[dict[str, Any]]:
     """Each collective's seconds a call, timed in ranks of their own after the calibration,
     against the model's price of it on the link ``fit`` calibrated, with its kind's fixed cost
     per call, with one cost for every kind and without (2 ranks, 256 bytes)."""
+    from hetcoll.lab.calibrate import gloo_calls
     from hetcoll.model import terms
 
     link, p, n = fit.link("gloo-local"), 2, 256.0
@@ -173,7 +146,7 @@ def calls(fit: Any) -> list[dict[str, Any]]:
             return float(terms.all_to_all_seconds(n, p, lat, bw, call_s))
         return float(terms.broadcast_seconds(n, p, lat, bw, call_s))
 
-    measured = launch.spawn(_calls, 2, timeout=600)[0]
+    measured = launch.spawn(gloo_calls, 2, timeout=600)[0]
     return [
         {
             "collective": name,

@@ -388,7 +388,7 @@ def fit_call_seconds(calls_s: Mapping[str, float], latency_s: float, num_ranks: 
     return round(float(statistics.median(excess.values())), 9)
 
 
-def _calls_seconds(ops: Mapping[str, Callable[[], object]], calls: int = 100) -> dict[str, float]:
+def call_seconds(ops: Mapping[str, Callable[[], object]], calls: int = 100) -> dict[str, float]:
     """Seconds per call of each collective, called back to back by every rank: the median of
     5 rounds of ``calls`` calls, after a quarter round to warm up."""
     out = {}
@@ -471,9 +471,20 @@ def _gloo_ping_pong(
     times = _ping_pong(
         rank, sizes, repeats, lambda n: torch.zeros(n), dist.barrier, dist.send, dist.recv
     )
+    return times, gloo_calls(rank, world)
+
+
+def gloo_calls(rank: int, world: int) -> dict[str, float]:
+    """Seconds a call of each probed collective (:data:`CALL_PROBE_LATENCIES`) of
+    ``CALL_PROBE_ELEMENTS`` floats on the current torch.distributed group, called back to back
+    (:func:`call_seconds`); every rank calls it (a rank function for
+    :func:`hetcoll.launch.spawn`)."""
+    import torch
+    import torch.distributed as dist
+
     x = torch.zeros(CALL_PROBE_ELEMENTS)
     gathered = torch.empty(CALL_PROBE_ELEMENTS * world)
-    calls = _calls_seconds(
+    return call_seconds(
         {
             "allreduce": lambda: dist.all_reduce(x),
             "allgather": lambda: dist.all_gather_into_tensor(gathered, x),
@@ -481,7 +492,6 @@ def _gloo_ping_pong(
             "broadcast": lambda: dist.broadcast(x, 0),
         }
     )
-    return times, calls
 
 
 def _fit(sizes: Sequence[int], times: Sequence[float], calls: Mapping[str, float]) -> LinkFit:
@@ -713,7 +723,7 @@ def _mpi_ping_pong(
     )
     x = np.zeros(CALL_PROBE_ELEMENTS, dtype=np.float32)
     into = np.empty(CALL_PROBE_ELEMENTS * comm.Get_size(), dtype=np.float32)
-    calls = _calls_seconds(
+    calls = call_seconds(
         {
             "allreduce": lambda: comm.Allreduce(MPI.IN_PLACE, x),
             "allgather": lambda: comm.Allgather(x, into),
