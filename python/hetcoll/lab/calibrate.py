@@ -390,7 +390,15 @@ def fit_call_seconds(calls_s: Mapping[str, float], latency_s: float, num_ranks: 
 
 def call_seconds(ops: Mapping[str, Callable[[], object]], calls: int = 100) -> dict[str, float]:
     """Seconds per call of each collective, called back to back by every rank: the median of
-    5 rounds of ``calls`` calls, after a quarter round to warm up."""
+    5 rounds of ``calls`` calls, after a quarter round to warm up.
+
+    >>> call_seconds({"nothing": lambda: None}, calls=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: calls: must be an integer >= 1, got 0
+    """
+    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
+        raise ValueError(f"calls: must be an integer >= 1, got {calls!r}")
     out = {}
     for name, op in ops.items():
         for _ in range(calls // 4):
