@@ -106,7 +106,8 @@ class StagedExperts:
 
     @property
     def exchange_s(self) -> float:
-        """Seconds of every exchange of a step on one rank, forward and backward."""
+        """Seconds of a step's exchanges, forward and backward, over every experts layer (a
+        rank takes part in its own stage's)."""
         return float(sum(counts + 4.0 * a2a for counts, a2a in self._exchange.values()))
 
     def _at(self, tokens: float) -> LayerSeconds:
