@@ -138,9 +138,9 @@ def calls(fit: Any) -> list[dict[str, Any]]:
 
     def priced(name: str, call_s: float) -> float:
         lat, bw = link.latency_s, link.bytes_per_s
-        if name == "allreduce":
+        if name in ("allreduce", "hetcoll_allreduce"):
             return float(terms.ring_allreduce_seconds(n, p, lat, bw, float("inf"), call_s=call_s))
-        if name == "allgather":
+        if name in ("allgather", "hetcoll_allgatherv"):
             return float(terms.ring_allgatherv_seconds(n, p, lat, bw, call_s))
         if name == "all_to_all":
             return float(terms.all_to_all_seconds(n, p, lat, bw, call_s))

@@ -10,6 +10,7 @@ import math
 import os
 import statistics
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -35,6 +36,7 @@ from hetcoll.model import (
 from hetcoll.model import predict_data_parallel as data_parallel
 from hetcoll.model import predict_filter_parallel as filter_parallel
 from hetcoll.model import predict_pipeline as pipeline
+from hetcoll.model.hardware import COLLECTIVE_KINDS
 from hetcoll.model.predict import ddp_buckets, even_batch_shares
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -322,6 +324,23 @@ def test_every_collective_call_pays_the_links_call_cost(cnn_costs, tmp_path: Pat
     # step's loss, summed over the ranks as Parallel.step sums it.
     stages = pipeline(cnn_costs, plain, 16, 2).step_s
     assert pipeline(cnn_costs, costly, 16, 2).step_s == pytest.approx(stages + allreduce, rel=1e-9)
+
+
+def test_a_filter_splits_reductions_pay_hetcolls_own_call_cost(cnn_costs) -> None:  # type: ignore[no-untyped-def]
+    """The filter-split layers' reductions go through hetcoll.allreduce: each pays its cost per
+    call (``hetcoll_allreduce``), once, in lock step; the engine's allreduce cost is DDP's."""
+    dev = Device("d", 1e11, 2e10, 1e10, 1e-6)
+
+    def split(calls_s: tuple[tuple[str, float], ...]) -> Any:
+        link = Link("l", 1e-5, 1e9, 0.0, calls_s)
+        return filter_parallel(cnn_costs, Cluster([Node("n", dev, 2, link)]), 16, [1.0, 1.0])
+
+    plain, own, engine = (
+        split(c) for c in ((), (("hetcoll_allreduce", 1e-3),), (("allreduce", 1e-3),))
+    )
+    calls = (own.step_s - plain.step_s) / 1e-3
+    assert calls >= 2 and calls == pytest.approx(round(calls), abs=1e-6)
+    assert engine.step_s == pytest.approx(plain.step_s, rel=1e-12)
 
 
 def test_data_parallel_with_free_links_exposes_only_the_last_bucket(cnn_costs) -> None:  # type: ignore[no-untyped-def]
@@ -934,7 +953,7 @@ def test_calibrate_measures_gloo_and_mpi_links(tmp_path: Path) -> None:
     assert cluster.nodes[0].link.call_s == pytest.approx(gloo.call_s, rel=1e-5)
     # Each probed kind at its own cost, the median of them for any other.
     kinds = dict(cluster.nodes[0].link.calls_s)
-    assert sorted(kinds) == ["all_to_all", "allgather", "allreduce", "broadcast"]
+    assert sorted(kinds) == sorted(COLLECTIVE_KINDS)
     assert min(kinds.values()) <= gloo.call_s <= max(kinds.values())
 
 

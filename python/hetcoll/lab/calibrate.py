@@ -353,6 +353,8 @@ CALL_PROBE_LATENCIES: dict[str, Callable[[int], int]] = {
     "allgather": lambda p: p - 1,
     "all_to_all": lambda p: p - 1,
     "broadcast": lambda p: math.ceil(math.log2(p)),
+    "hetcoll_allreduce": lambda p: 2 * (p - 1),
+    "hetcoll_allgatherv": lambda p: p - 1,
 }
 
 
@@ -490,6 +492,8 @@ def gloo_calls(rank: int, world: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
+    import hetcoll
+
     x = torch.zeros(CALL_PROBE_ELEMENTS)
     gathered = torch.empty(CALL_PROBE_ELEMENTS * world)
     return call_seconds(
@@ -498,6 +502,9 @@ def gloo_calls(rank: int, world: int) -> dict[str, float]:
             "allgather": lambda: dist.all_gather_into_tensor(gathered, x),
             "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(x), x),
             "broadcast": lambda: dist.broadcast(x, 0),
+            # As the filter-split layers call them, inside their agreed forward.
+            "hetcoll_allreduce": lambda: hetcoll.allreduce(x, check=False),
+            "hetcoll_allgatherv": lambda: hetcoll.allgatherv(x),
         }
     )
 
@@ -718,6 +725,8 @@ def _mpi_ping_pong(
 ) -> tuple[list[float], dict[str, float]] | None:
     from mpi4py import MPI
 
+    import hetcoll
+
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     out = _ping_pong(
@@ -737,6 +746,8 @@ def _mpi_ping_pong(
             "allgather": lambda: comm.Allgather(x, into),
             "all_to_all": lambda: comm.Alltoall(x, np.empty_like(x)),
             "broadcast": lambda: comm.Bcast(x, 0),
+            "hetcoll_allreduce": lambda: hetcoll.allreduce(x, comm, check=False),
+            "hetcoll_allgatherv": lambda: hetcoll.allgatherv(x, comm),
         }
     )
     return (out, calls) if rank == 0 else None

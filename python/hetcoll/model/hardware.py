@@ -29,8 +29,9 @@ A cluster file is a small TOML document (see ``examples/clusters/``)::
     call_s = 1e-5                  # optional: fixed cost of each collective call beyond its
                                    # messages (the engine's set-up and synchronisation), seconds;
                                    # default 0
-    calls_s = { allreduce = 2e-5 } # optional: that cost for a kind of collective (allreduce,
-                                   # allgather, all_to_all, broadcast); default call_s
+    calls_s = { allreduce = 2e-5 } # optional: that cost for a kind of collective (the engine's
+                                   # allreduce, allgather, all_to_all, broadcast; hetcoll's own
+                                   # hetcoll_allreduce, hetcoll_allgatherv); default call_s
 
     [[nodes]]                      # a group of identical devices joined by one link
     name = "dgx-a100"
@@ -218,8 +219,18 @@ class Device:
         return peak / self.flops_per_s if peak > 0 else 1.0
 
 
-#: The kinds of collective a link's fixed cost per call can name (``Link.calls_s``).
-COLLECTIVE_KINDS = ("allreduce", "allgather", "all_to_all", "broadcast")
+#: The kinds of collective a link's fixed cost per call can name (``Link.calls_s``): the
+#: engine's own (DDP's buckets and buffers, a plan's sums and loss, the experts' exchanges), and
+#: hetcoll's, which the filter-split layers call (:func:`hetcoll.allreduce`,
+#: :func:`hetcoll.allgatherv`: its own algorithms and agreement on the engine's messages).
+COLLECTIVE_KINDS = (
+    "allreduce",
+    "allgather",
+    "all_to_all",
+    "broadcast",
+    "hetcoll_allreduce",
+    "hetcoll_allgatherv",
+)
 
 
 @dataclass(frozen=True)

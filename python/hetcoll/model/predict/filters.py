@@ -313,7 +313,11 @@ def filter_parallel_schedule(
             largest = float(phi[i].max()) * out
             fwd_comm[i] = float(
                 terms.ring_allgatherv_seconds(
-                    largest, n_dev, link.latency_s, link.bytes_per_s, link.call_of("allgather")
+                    largest,
+                    n_dev,
+                    link.latency_s,
+                    link.bytes_per_s,
+                    link.call_of("hetcoll_allgatherv"),
                 )
             ) + copy_s((1 + n_dev) * largest + out)
         if any(k.name == "gemm-dX" for k in layer.backward):

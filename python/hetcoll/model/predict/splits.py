@@ -36,7 +36,7 @@ class SplitCollectives:
                 link.bytes_per_s,
                 float(dev.mem_bytes_per_s.min()),
                 self.costs.itemsize,
-                call_s=link.call_of("allreduce"),
+                call_s=link.call_of("hetcoll_allreduce"),
             )
         )
 
