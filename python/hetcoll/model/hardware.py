@@ -269,11 +269,15 @@ class Link:
                 )
             _check_nonnegative(seconds, f"Link {self.name!r}: calls_s.{kind}")
 
+    @functools.cached_property
+    def _calls(self) -> dict[str, float]:
+        return dict(self.calls_s)
+
     def call_of(self, kind: str) -> float:
         """The fixed seconds of one call of a collective of ``kind`` (:data:`COLLECTIVE_KINDS`)."""
         if kind not in COLLECTIVE_KINDS:
             raise ValueError(f"kind: must be one of {COLLECTIVE_KINDS}, got {kind!r}")
-        return dict(self.calls_s).get(kind, self.call_s)
+        return self._calls.get(kind, self.call_s)
         # inf is allowed here (a device talking to itself), never in a file.
         if not (isinstance(self.bytes_per_s, (int, float)) and self.bytes_per_s > 0):
             raise ValueError(f"Link {self.name!r}: bytes_per_s: must be a number > 0")
@@ -447,10 +451,11 @@ def _slowest(links: Sequence[Link | None]) -> Link:
         max(x.latency_s for x in real),
         min(x.bytes_per_s for x in real),
         max(x.call_s for x in real),
+        # Only the kinds some link names (most clusters' links name none).
         tuple(
             (kind, max(x.call_of(kind) for x in real))
             for kind in COLLECTIVE_KINDS
-            if any(kind in dict(x.calls_s) for x in real)
+            if kind in {k for x in real for k, _ in x.calls_s}
         ),
     )
 

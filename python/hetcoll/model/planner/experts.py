@@ -127,7 +127,7 @@ def expert_pipeline_candidates(
         if len(out) == EXPERT_PIPELINES:
             break
         base = pred.plan
-        if base is None or any(len(st.ranks) != 1 for r in base.replicas for st in r.stages):
+        if base is None:
             continue
         samples = [float(r.samples) for r in base.replicas]
         placed = {path: expert_shares(n, samples) for path, n in layers}
@@ -143,5 +143,7 @@ def expert_pipeline_candidates(
                 )
             )
         except ValueError:
-            continue  # replicas the experts cannot span (stages apart, too few samples)
+            # Replicas the plan's experts cannot span (a stage over several ranks, too few
+            # samples for the micro-batches; Plan says which), or experts across stages.
+            continue
     return out

@@ -65,6 +65,7 @@ def timed_buckets(
     p = max(1, int((np.asarray(shares) > 0).sum()))
     link = cluster.ring_link()
     reduce_bw = float(device_arrays(cluster.devices).mem_bytes_per_s.min())
+    call = link.call_of("allreduce")
     return [
         (
             first_layer,
@@ -76,7 +77,7 @@ def timed_buckets(
                     link.bytes_per_s,
                     reduce_bw,
                     costs.itemsize,
-                    call_s=link.call_of("allreduce"),
+                    call_s=call,
                 )
             ),
         )

@@ -353,9 +353,9 @@ class ExpertPlanSchedule:
     def _memory_bytes(self) -> np.ndarray:
         largest = np.max([one.memory_bytes for one in self.passes], axis=0)
         if self.schedule != "GPipe":
-            return largest  # type: ignore[no-any-return]
+            return np.asarray(largest)
         rows = np.array([one.shares for one in self.passes], dtype=np.float64)
-        return largest + (rows.sum(axis=0) - rows.max(axis=0)) * self.saved_per_sample  # type: ignore[no-any-return]
+        return np.asarray(largest + (rows.sum(axis=0) - rows.max(axis=0)) * self.saved_per_sample)
 
 
 def expert_plan_schedule(
