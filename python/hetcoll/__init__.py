@@ -12,6 +12,7 @@ from hetcoll._core import (
     km1,
     partition_chain,
     partition_hypergraph,
+    partition_items,
     split,
 )
 from hetcoll.collectives import allgatherv, allreduce
@@ -34,6 +35,7 @@ __all__ = [
     "num_threads",
     "partition_chain",
     "partition_hypergraph",
+    "partition_items",
     "split",
     "weighted_sum",
 ]

@@ -117,6 +117,30 @@ def chain_stage_times(
 ) -> list[float]:
     """Seconds of each stage for ``layers`` per device, in the cost model of ``partition_chain``."""
 
+def partition_items(
+    loads: Sequence[float],
+    speeds: Sequence[float],
+    *,
+    capacity: Sequence[int] | None = None,
+    max_nodes: int | None = None,
+) -> tuple[list[int], bool]:
+    """Each item's device, any items on any device, and whether that is proved optimal.
+
+    Item ``i`` carries ``loads[i]`` (an expert's routed tokens, any work), device ``d`` runs
+    ``speeds[d]`` per second and holds at most ``capacity[d]`` items; the assignment minimises
+    the slowest device's ``sum(loads of its items) / speeds[d]`` (scheduling on uniformly related
+    machines; NP-hard). Branch and bound over the items in decreasing load from the greedy
+    schedule, cut by the fluid bound, devices of equal speed, room and load tried once; exact
+    (the flag is True) when it ends within ``max_nodes`` nodes (default 200000), else the best
+    found, never worse than greedy. Items of zero load go, after the others, where items per speed
+    stay lowest; a device of speed 0 holds only those. Deterministic: every rank solving the same
+    inputs gets the same answer. A request none fits raises ``ValueError`` naming ``capacity``
+    (or ``speeds``, where devices of speed 0 leave too little room).
+
+    >>> partition_items([9.0, 9.0, 1.0, 1.0], [1.0, 1.0])
+    ([0, 1, 0, 1], True)
+    """
+
 def partition_hypergraph(
     num_vertices: int,
     nets: Sequence[Sequence[int]] | Sequence[np.ndarray],

@@ -53,7 +53,27 @@ from typing import Any
 VERSION = 1
 SCHEDULES = ("GPipe", "1F1B")
 
-__all__ = ["SCHEDULES", "VERSION", "Plan", "Replica", "Stage", "microbatch_sizes"]
+__all__ = [
+    "SCHEDULES",
+    "VERSION",
+    "ExpertsHeld",
+    "Plan",
+    "Replica",
+    "Stage",
+    "expert_indices",
+    "expert_runs",
+    "experts_field",
+    "microbatch_sizes",
+]
+
+
+#: A plan's checked ``experts``: one layer's placement (counts, or each replica's expert
+#: indices) for every experts layer, or a dict of them by experts module path.
+ExpertsField = (
+    tuple[int, ...]
+    | tuple[tuple[int, ...], ...]
+    | Mapping[str, tuple[int, ...] | tuple[tuple[int, ...], ...]]
+)
 
 
 def _is_int(x: object) -> bool:
@@ -271,27 +291,103 @@ def _owner(value: object, where: str, num_ranks: int) -> int:
     return int(value)  # type: ignore[call-overload]
 
 
-def _experts(
-    raw: object, replicas: tuple[Replica, ...], microbatches: int
-) -> tuple[int, ...] | dict[str, tuple[int, ...]]:
-    """A plan's ``experts``, checked: experts per replica (a list, or a dict by experts module
-    path), on replicas of one shape (the same stages, one rank each, every micro-batch run).
-    Whether the paths are the model's experts modules and the counts sum to their experts
-    depends on the model: :func:`hetcoll.torch.parallelize` checks that."""
+#: One experts layer's placement, per replica (or rank) in order: counts, entry r holding the
+#: next ``counts[r]`` experts in expert order; or each one's expert indices, any experts.
+ExpertsHeld = Sequence[int] | Sequence[Sequence[int]]
+
+
+def expert_indices(
+    held: object,
+    ranks: int,
+    where: str,
+    *,
+    experts: int | None = None,
+    of: str = "replica",
+) -> tuple[tuple[int, ...], ...]:
+    """One experts layer's placement (:data:`ExpertsHeld`) as each of ``ranks`` entries' expert
+    indices, ascending: counts become runs in expert order (``[2, 1]`` is ``((0, 1), (2,))``);
+    indices must name every expert once (``experts`` of them where given, else as many as
+    they name). ``ValueError`` naming ``where`` (and ``of``: what one entry is for) where
+    ``held`` is no placement.
+
+    >>> expert_indices([2, 1], 2, "shares")
+    ((0, 1), (2,))
+    >>> expert_indices([[2, 0], [1]], 2, "shares")
+    ((0, 2), (1,))
+    """
+    listed = _list(held, where)
+    if len(listed) != ranks:
+        raise ValueError(f"{where}: needs one entry per {of} ({ranks}), got {len(listed)}")
+    if all(_is_int(v) for v in listed):
+        counts = [_int(v, f"{where}[{i}]", minimum=0) for i, v in enumerate(listed)]
+        total = sum(counts)
+        if experts is not None and total != experts:
+            raise ValueError(
+                f"{where}: must be {ranks} ints >= 0 summing to the {experts} experts, got "
+                f"{counts} (sum {total})"
+            )
+        if not total:
+            raise ValueError(f"{where}: places no expert")
+        cuts = [0]
+        for c in counts:
+            cuts.append(cuts[-1] + c)
+        return tuple(tuple(range(cuts[r], cuts[r + 1])) for r in range(ranks))
+    out = []
+    for i, v in enumerate(listed):
+        if _is_int(v):
+            raise ValueError(
+                f"{where}: gives counts and expert indices together (entry {i} is {v!r}); give "
+                "one count per entry or one list of experts per entry"
+            )
+        out.append(
+            tuple(sorted(_int(e, f"{where}[{i}]", minimum=0) for e in _list(v, f"{where}[{i}]")))
+        )
+    named = sorted(e for held_ in out for e in held_)
+    total = len(named) if experts is None else experts
+    if not named:
+        raise ValueError(f"{where}: places no expert")
+    if named != list(range(total)):
+        twice = sorted({e for e in named if named.count(e) > 1})
+        missing = sorted(set(range(total)) - set(named))
+        beyond = sorted(e for e in set(named) if e >= total)
+        why = (
+            f"names expert {twice[0]} twice"
+            if twice
+            else f"misses expert {missing[0]}"
+            if missing
+            else f"names expert {beyond[0]}, beyond the {total} experts"
+        )
+        raise ValueError(f"{where}: must name each of the {total} experts once; {why}")
+    return tuple(out)
+
+
+def expert_runs(placement: Sequence[Sequence[int]]) -> list[int] | None:
+    """Experts per entry where ``placement`` (each entry's expert indices, ascending) is runs in
+    expert order, entry after entry; else None.
+
+    >>> expert_runs([[0, 1], [2]]), expert_runs([[0, 2], [1]])
+    ([2, 1], None)
+    """
+    flat = [e for held in placement for e in held]
+    return [len(held) for held in placement] if flat == list(range(len(flat))) else None
+
+
+def _experts(raw: object, replicas: tuple[Replica, ...], microbatches: int) -> ExpertsField:
+    """A plan's ``experts``, checked: a placement per experts layer (:func:`expert_indices`: a
+    list for every layer, or a dict by experts module path), kept in the form given (counts,
+    or each replica's experts), on replicas of one shape (the same stages, one rank each,
+    every micro-batch run). Whether the paths are the model's experts modules and the
+    placements hold their experts depends on the model: :func:`hetcoll.torch.parallelize`
+    checks that."""
     where = "plan.experts"
 
-    def counts(values: object, w: str) -> tuple[int, ...]:
-        listed = _list(values, w)
-        if len(listed) != len(replicas):
-            raise ValueError(
-                f"{w}: needs one count per replica ({len(replicas)}), got {len(listed)}"
-            )
-        out = tuple(_int(v, f"{w}[{i}]", minimum=0) for i, v in enumerate(listed))
-        if not sum(out):
-            raise ValueError(f"{w}: places no expert")
-        return out
+    def layer(values: object, w: str) -> tuple[int, ...] | tuple[tuple[int, ...], ...]:
+        placed = expert_indices(values, len(replicas), w)
+        counts = expert_runs(placed)
+        given_counts = all(_is_int(v) for v in _list(values, w))
+        return tuple(counts) if given_counts and counts is not None else placed
 
-    placed: tuple[int, ...] | dict[str, tuple[int, ...]]
+    placed: ExpertsField
     if isinstance(raw, Mapping):
         if not raw:
             raise ValueError(f"{where}: must name at least one experts module")
@@ -299,9 +395,9 @@ def _experts(
         for key, values in raw.items():
             if not isinstance(key, str) or not key.strip() or key != key.strip():
                 raise ValueError(f"{where}: the key {key!r} must be an experts module's path")
-            placed[key] = counts(values, f"{where}[{key!r}]")
+            placed[key] = layer(values, f"{where}[{key!r}]")
     else:
-        placed = counts(raw, where)
+        placed = layer(raw, where)
     first = replicas[0]
     for i, r in enumerate(replicas):
         for j, s in enumerate(r.stages):
@@ -379,9 +475,10 @@ class Plan:
     replicas: tuple[Replica, ...]
     microbatches: int = 1
     schedule: str = "GPipe"
-    #: Experts per replica: one tuple for every experts layer, or a dict by experts module
-    #: path (None: no expert parallelism; every rank holds its stages' experts whole).
-    experts: tuple[int, ...] | Mapping[str, tuple[int, ...]] | None = None
+    #: Experts per replica (:data:`ExpertsHeld`: counts, or each replica's expert indices):
+    #: one placement for every experts layer, or a dict by experts module path (None: no
+    #: expert parallelism; every rank holds its stages' experts whole).
+    experts: ExpertsField | None = None
 
     def __post_init__(self) -> None:
         # A plan built in code is checked (and normalised) as one read from JSON is.
@@ -448,9 +545,9 @@ class Plan:
             "replicas": [r.to_dict() for r in self.replicas],
         }
         if isinstance(self.experts, Mapping):
-            d["experts"] = {k: list(v) for k, v in self.experts.items()}
+            d["experts"] = {k: _plain(v) for k, v in self.experts.items()}
         elif self.experts is not None:
-            d["experts"] = list(self.experts)
+            d["experts"] = _plain(self.experts)
         return d
 
     @classmethod
@@ -501,17 +598,36 @@ class Plan:
         return microbatch_sizes(self.replicas[replica].samples, self.microbatches)
 
 
-def experts_field(placed: Mapping[str, Sequence[int]]) -> list[int] | dict[str, list[int]]:
-    """A plan's ``experts`` for each experts layer's experts per replica (by module path):
-    one list where every layer is placed alike, else the dict by path.
+def experts_field(
+    placed: Mapping[str, Sequence[int] | Sequence[Sequence[int]]],
+) -> list[Any] | dict[str, list[Any]]:
+    """A plan's ``experts`` for each experts layer's placement per replica (by module path;
+    counts or each replica's expert indices): one placement where every layer is placed
+    alike, else the dict by path; each as counts where its experts lie in runs in expert
+    order (:func:`expert_runs`), else as indices.
 
-    >>> experts_field({"a": [3, 1], "b": [3, 1]})
+    >>> experts_field({"a": [3, 1], "b": [[0, 1, 2], [3]]})
     [3, 1]
+    >>> experts_field({"a": [[0, 2], [1]]})
+    [[0, 2], [1]]
     """
-    alike = {tuple(held) for held in placed.values()}
+
+    def short(held: Sequence[int] | Sequence[Sequence[int]]) -> list[Any]:
+        listed: list[Any] = list(held)
+        if all(_is_int(v) for v in listed):
+            return [int(v) for v in listed]
+        runs = expert_runs(listed)
+        return runs if runs is not None else [sorted(int(e) for e in h) for h in listed]
+
+    forms = {path: short(held) for path, held in placed.items()}
+    alike = {repr(f) for f in forms.values()}
     if len(alike) == 1:
-        return list(alike.pop())
-    return {path: list(held) for path, held in placed.items()}
+        return next(iter(forms.values()))
+    return forms
+
+
+def _plain(held: tuple[int, ...] | tuple[tuple[int, ...], ...]) -> list[Any]:
+    return [v if _is_int(v) else list(v) for v in held]  # type: ignore[arg-type]
 
 
 def microbatch_sizes(samples: int, microbatches: int) -> list[int]:

@@ -83,7 +83,15 @@ def _plan_text(plan: Any) -> str:
     head = f"{plan.microbatches} micro-batches {plan.schedule}; " if plan.microbatches > 1 else ""
     if plan.experts is not None:  # whole experts per replica, in replica order
         per_layer = plan.experts.values() if isinstance(plan.experts, Mapping) else [plan.experts]
-        placed = sorted({":".join(map(str, held)) for held in per_layer})
+        placed = sorted(
+            {
+                ":".join(
+                    str(h) if isinstance(h, int) else "[" + ",".join(map(str, h)) + "]"
+                    for h in held
+                )
+                for held in per_layer
+            }
+        )
         which = "each experts layer" if len(placed) == 1 else "the experts layers"
         parts.append(f"experts per replica {', '.join(placed)} ({which})")
     return head + "; ".join(parts)

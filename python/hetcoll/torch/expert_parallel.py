@@ -35,6 +35,7 @@ from torch import nn
 
 import hetcoll
 from hetcoll.comm import Communicator, agree, deadline, wrap
+from hetcoll.plan import expert_indices, expert_runs
 from hetcoll.torch.filters.experts import LocalExperts, derived_class
 from hetcoll.torch.filters.layers import ChannelSplit
 from hetcoll.torch.transport import CountingCommunicator, transport
@@ -46,9 +47,14 @@ _FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
 #: forward of an expert-parallel layer (None: the rows of that layer's input, its tokens).
 Weight = Callable[[], float]
 
-#: Experts per rank, in rank order: one list for every experts layer, or a dict by experts
-#: module name.
-Shares = Sequence[int] | Mapping[str, Sequence[int]]
+#: One experts layer's experts per rank, in rank order: counts (rank r holds the next
+#: ``counts[r]`` experts in expert order) or each rank's expert indices (any experts).
+Held = Sequence[int] | Sequence[Sequence[int]]
+#: Experts per rank: one placement (:data:`Held`) for every experts layer, or a dict by
+#: experts module name.
+Shares = Held | Mapping[str, Held]
+#: Each rank's expert indices (ascending), by experts module name: what a placement returns.
+Placement = dict[str, list[list[int]]]
 #: Each expert's routed tokens: one list for every experts layer, or a dict by module name.
 Loads = Sequence[float] | Mapping[str, Sequence[float]]
 
@@ -141,6 +147,55 @@ def expert_shares(
             loads, speeds, memory=[1.0] * num_experts, capacity=[float(c) for c in capacity]
         )
     ]
+
+
+def expert_assignment(
+    num_experts: int,
+    speeds: Sequence[float],
+    *,
+    loads: Sequence[float] | None = None,
+    capacity: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """Each rank's experts (their indices, ascending), in rank order: any experts on any rank.
+
+    Without ``loads`` every expert counts alike and the runs of :func:`expert_shares` are as
+    good as any (``[[0, 1, 2, 3, 4, 5], [6, 7]]`` for 8 experts at 3:1). With ``loads`` (each
+    expert's routed tokens: :func:`expert_loads`) the experts go where the slowest rank's
+    tokens over its speed are fewest, whichever experts those are
+    (:func:`hetcoll.partition_items`, exact within its search budget; never worse than the
+    best contiguous runs, which it keeps on a tie): two hot experts side by side are parted,
+    which no cut into runs can do. ``capacity``: the most experts each rank may hold; a
+    request none fits raises ``ValueError``.
+
+    >>> expert_assignment(4, [1.0, 1.0], loads=[5.0, 5.0, 1.0, 1.0])
+    [[0, 2], [1, 3]]
+    >>> expert_assignment(4, [3.0, 1.0])
+    [[0, 1, 2], [3]]
+    """
+    runs = expert_shares(num_experts, speeds, loads=loads, capacity=capacity)
+    contiguous = [list(held) for held in expert_indices(runs, len(runs), "shares")]
+    if loads is None:
+        return contiguous
+    load = [float(x) for x in loads]
+    owner, _ = hetcoll.partition_items(load, [float(s) for s in speeds], capacity=capacity)
+    anywhere = [[e for e in range(num_experts) if owner[e] == r] for r in range(len(runs))]
+    if assignment_seconds(contiguous, load, speeds) <= assignment_seconds(anywhere, load, speeds):
+        return contiguous
+    return anywhere
+
+
+def assignment_seconds(
+    placement: Sequence[Sequence[int]], loads: Sequence[float], speeds: Sequence[float]
+) -> float:
+    """One experts layer's time under ``placement`` (each rank's expert indices): the largest
+    ``tokens / speed`` of any rank holding tokens (a rank of speed 0 holding tokens takes
+    forever); ``loads``: each expert's tokens."""
+    worst = 0.0
+    for held, s in zip(placement, speeds, strict=True):
+        work = float(sum(loads[e] for e in held))
+        if work > 0:
+            worst = max(worst, work / s if s > 0 else math.inf)
+    return worst
 
 
 #: The parameters holding a rank's own experts, by id (a weak reference each, so a freed
@@ -249,6 +304,10 @@ class ExpertParallelExperts(ChannelSplit):
     num_experts: int
     #: Every rank's experts together.
     all_experts: int
+    #: Each rank's experts (their indices, ascending), in rank order.
+    placement: tuple[tuple[int, ...], ...]
+    #: Each expert's place in rank order (rank 0's experts, then rank 1's, ...).
+    _position: torch.Tensor
     #: The tokens this rank's router sent to each expert (all of them, by global index) since
     #: :func:`expert_loads` last took them: what a placement by load reads.
     routed: torch.Tensor
@@ -260,10 +319,23 @@ class ExpertParallelExperts(ChannelSplit):
     def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         return {n: (0, (1,)) for n in self._own()}
 
+    def _set_placement(self, comm: Communicator, placement: Sequence[Sequence[int]]) -> None:
+        """Hold ``placement`` (each rank's expert indices, ascending): the split's shares,
+        and where the rank order puts each expert (:attr:`ChannelSplit.order` where the
+        experts are not runs in expert order)."""
+        self.placement = tuple(tuple(int(e) for e in held) for held in placement)
+        counts = [len(held) for held in self.placement]
+        self._set_split(comm, counts)
+        flat = [e for held in self.placement for e in held]
+        self.order = None if expert_runs(self.placement) is not None else tuple(flat)
+        position = torch.empty(len(flat), dtype=torch.long)
+        position[torch.tensor(flat, dtype=torch.long)] = torch.arange(len(flat))
+        self._position = position
+
     @staticmethod
     def convert(
         module: nn.Module,
-        shares: Sequence[int],
+        shares: Held,
         comm: Communicator,
         *,
         weight: Weight | None = None,
@@ -271,30 +343,31 @@ class ExpertParallelExperts(ChannelSplit):
         timeout: float | None = None,
     ) -> nn.Module:
         """``module`` (an experts module :func:`experts_module` accepts) made to hold this
-        rank's ``shares[rank]`` experts, in place; returned. ``weight`` and ``combine`` as
-        :func:`expert_parallel` takes them."""
+        rank's experts of ``shares`` (:data:`Held`: counts, or each rank's expert indices),
+        in place; returned. ``weight`` and ``combine`` as :func:`expert_parallel` takes
+        them."""
         why = experts_module(module)
         if why is None or why:
             raise ValueError(f"module: cannot place its experts on ranks ({why or 'no experts'})")
         experts = int(module.num_experts)  # type: ignore[arg-type]
-        shares = _check_shares(shares, experts, comm.size)
+        placement = _check_shares(shares, experts, comm.size)
         if weight is not None and not callable(weight):
             raise TypeError(f"weight: must be a function of nothing or None, got {weight!r}")
         if combine not in COMBINE:
             raise ValueError(f"combine: must be one of {COMBINE}, got {combine!r}")
-        start = sum(shares[: comm.rank])
+        mine = torch.tensor(placement[comm.rank], dtype=torch.long)
         with torch.no_grad():
             for n, p in list(module.named_parameters(recurse=False)):
                 local = nn.Parameter(
-                    p[start : start + shares[comm.rank]].clone(), requires_grad=p.requires_grad
+                    p.index_select(0, mine.to(p.device)), requires_grad=p.requires_grad
                 )
                 setattr(module, n, local)
                 _mark_rank_local(local)
         module.local = LocalExperts()
         module.__class__ = derived_class(ExpertParallelExperts, type(module), "ExpertParallel")
         ep: Any = module
-        ep.num_experts, ep.all_experts = shares[comm.rank], experts
-        ep._set_split(comm, shares)
+        ep.num_experts, ep.all_experts = len(placement[comm.rank]), experts
+        ep._set_placement(comm, placement)
         ep.timeout, ep.weight, ep.combine = timeout, weight, combine
         ep.routed = torch.zeros(experts, dtype=torch.int64)
         return module
@@ -307,9 +380,10 @@ class ExpertParallelExperts(ChannelSplit):
         rows = torch.arange(tokens, device=x.device).repeat_interleave(top_k)
         experts = self.all_experts
         bad = bool(flat.numel()) and not (int(flat.min()) >= 0 and int(flat.max()) < experts)
-        # Rows sorted by expert are sorted by rank too (each rank holds a run of experts).
         clamped = flat.clamp(0, experts - 1)  # in range: bad indices raise after the exchange
-        order = torch.argsort(clamped, stable=True)
+        # Rows sorted by their expert's place in rank order: by rank, then by the rank's own
+        # expert index.
+        order = torch.argsort(self._position.to(x.device)[clamped], stable=True)
         per_expert = torch.bincount(clamped, minlength=experts).cpu()
         if not bad and not _recomputing():
             self.routed += per_expert
@@ -318,11 +392,10 @@ class ExpertParallelExperts(ChannelSplit):
         # no expert index), this rank's weight, and what the ranks must agree on (features,
         # dtype, indices in range); then every rank checks alike.
         held = self.shares
-        starts = np.cumsum([0, *held[:-1]])
         mine = np.zeros((p, _FIELDS + max(held)), dtype=np.float64)
         counts = per_expert.numpy()
         for q in range(p):
-            mine[q, _FIELDS : _FIELDS + held[q]] = counts[starts[q] : starts[q] + held[q]]
+            mine[q, _FIELDS : _FIELDS + held[q]] = counts[list(self.placement[q])]
         mine[:, _WEIGHT] = _weight_of(self.weight, tokens)
         mine[:, _FEATURES] = x.shape[-1]
         mine[:, _DTYPE] = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1
@@ -392,10 +465,12 @@ class ExpertParallelExperts(ChannelSplit):
 
     def extra_repr(self) -> str:
         inner = super().extra_repr()  # type: ignore[misc]
-        end = self.offset + self.shares[self.rank]
+        mine = list(self.placement[self.rank])
+        runs = expert_runs(self.placement)
+        held = f"{self.offset}..{self.offset + len(mine)}" if runs is not None else str(mine)
         return (
-            f"{inner + ', ' if inner else ''}experts={self.offset}..{end} of "
-            f"{self.all_experts}, shares={self.shares}, rank={self.rank}"
+            f"{inner + ', ' if inner else ''}experts={held} of {self.all_experts}, "
+            f"shares={self.shares}, rank={self.rank}"
         )
 
 
@@ -458,19 +533,25 @@ def _check_counts(got: np.ndarray, where: str) -> None:
 
 
 def _check_shares(
-    shares: Sequence[int], experts: int, ranks: int, where: str = "shares", module: str = ""
-) -> list[int]:
-    values = list(shares)
-    if (
-        len(values) != ranks
-        or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0 for s in values)
-        or sum(values) != experts
-    ):
-        of = f" of {module!r}" if module else ""
-        raise ValueError(
-            f"{where}: must be {ranks} ints >= 0 summing to the {experts} experts{of}, got {values}"
-        )
-    return [int(s) for s in values]
+    shares: object,
+    experts: int,
+    ranks: int,
+    where: str = "shares",
+    module: str = "",
+    of: str = "rank",
+) -> list[list[int]]:
+    """A layer's placement (:data:`Held`) of ``experts`` on ``ranks`` ranks, as each rank's
+    expert indices; ``ValueError`` naming ``where`` (and the layer, ``module``) where it is
+    none."""
+    if isinstance(shares, np.ndarray):
+        shares = shares.tolist()
+    elif isinstance(shares, Sequence) and not isinstance(shares, (str, bytes)):
+        shares = [v.item() if isinstance(v, np.generic) else v for v in shares]
+    try:
+        placed = expert_indices(shares, ranks, where, experts=experts, of=of)
+    except ValueError as e:
+        raise ValueError(f"{e} (experts of {module!r})" if module else str(e)) from None
+    return [list(held) for held in placed]
 
 
 def expert_parallel(
@@ -529,7 +610,7 @@ def expert_parallel(
     if (speeds is None) == (shares is None):
         raise TypeError("speeds: give exactly one of speeds= or shares=")
     whole = wrap(group)
-    placed: dict[str, list[int]] = {}
+    placed: Placement = {}
     failure: ValueError | None = None
     try:
         placed = experts_placement(
@@ -586,9 +667,7 @@ def find_experts(model: nn.Module) -> list[tuple[str, int]]:
     return found
 
 
-def agree_placement(
-    comm: Communicator, placed: Mapping[str, Sequence[int]], failure: ValueError | None
-) -> None:
+def agree_placement(comm: Communicator, placed: Placement, failure: ValueError | None) -> None:
     """One agreement before any other collective: every layer's placement the same on every
     rank, or every rank raises (:class:`hetcoll.CollectiveMismatchError` naming the layer, or
     a rank whose own arguments failed: it raises ``failure``, the others name it)."""
@@ -606,13 +685,13 @@ def experts_placement(
     capacity: Sequence[int] | None = None,
     where: str = "shares",
     of: str = "rank",
-) -> dict[str, list[int]]:
+) -> Placement:
     """Each experts layer (its path and experts: :func:`find_experts`) placed on ``ranks``
-    ranks: by ``speeds`` (:func:`expert_shares`, with ``loads`` and ``capacity``), or as
-    ``shares`` give them (one list for every layer, or a dict by path naming every layer;
-    ``where``: the argument they came as, ``of``: what one entry is for, a rank or a plan's
-    replica, for the errors). ``ValueError`` naming the argument where they do not make a
-    placement."""
+    ranks, as each rank's expert indices: by ``speeds`` (:func:`expert_assignment`, with
+    ``loads`` and ``capacity``), or as ``shares`` give them (:data:`Shares`: one placement
+    for every layer, or a dict by path naming every layer; ``where``: the argument they came
+    as, ``of``: what one entry is for, a rank or a plan's replica, for the errors).
+    ``ValueError`` naming the argument where they do not make a placement."""
     if speeds is not None and len(speeds) != ranks:
         raise ValueError(f"speeds: needs one per {of} ({ranks}), got {len(speeds)}")
     for arg, given in (("loads", loads), (where, shares)):
@@ -628,11 +707,11 @@ def experts_placement(
     for name, count in experts:
         load = loads.get(name) if isinstance(loads, Mapping) else loads
         if speeds is not None:
-            placed[name] = expert_shares(count, speeds, loads=load, capacity=capacity)
+            placed[name] = expert_assignment(count, speeds, loads=load, capacity=capacity)
         else:
             held = shares.get(name) if isinstance(shares, Mapping) else shares
             w = f"{where}[{name!r}]" if isinstance(shares, Mapping) else where
-            placed[name] = _check_shares(held or (), count, ranks, w, name)
+            placed[name] = _check_shares(held or (), count, ranks, w, name, of)
     return placed
 
 
@@ -662,12 +741,12 @@ def place_experts(
     shares: Shares | None = None,
     loads: Loads | None = None,
     capacity: Sequence[int] | None = None,
-) -> dict[str, list[int]]:
+) -> Placement:
     """Place ``model``'s experts (:func:`expert_parallel`'s) on the ranks again, in place:
     when the ranks' speeds or the experts' loads (:func:`expert_loads`) have moved. Exactly
     one of ``speeds=`` (with ``loads`` and ``capacity`` as :func:`expert_parallel` takes
-    them) or ``shares=``. Collective (every rank, the same arguments). Returns each layer's
-    experts per rank, by experts module name.
+    them) or ``shares=``. Collective (every rank, the same arguments). Returns each rank's
+    experts (their indices), by experts module name.
 
     Only the experts that change rank move, each straight from its old rank to its new one
     (one all-to-all per layer that changes, on the experts' own group): a rank holds at most
@@ -706,13 +785,13 @@ def agreed_placement(
     loads: Loads | None,
     capacity: Sequence[int] | None,
     of: str = "rank",
-) -> dict[str, list[int]]:
+) -> Placement:
     """:func:`experts_placement` of exactly one of ``speeds=`` or ``shares=`` (``TypeError``
     otherwise), agreed over ``comm`` before anything moves (:func:`agree_placement`: a
     rank's bad argument, or placements that differ, raise on every rank)."""
     if (speeds is None) == (shares is None):
         raise TypeError("speeds: give exactly one of speeds= or shares=")
-    placed: dict[str, list[int]] = {}
+    placed: Placement = {}
     failure: ValueError | None = None
     try:
         placed = experts_placement(
@@ -731,16 +810,20 @@ def agreed_placement(
 
 
 def move_experts(
-    moves: Sequence[tuple[str, ExpertParallelExperts, list[int]]],
+    moves: Sequence[tuple[str, ExpertParallelExperts, Sequence[Sequence[int]]]],
     optimizer: torch.optim.Optimizer | None = None,
 ) -> None:
-    """Each experts layer of ``moves`` (its name, the layer, its new experts per rank of its
-    group: every layer on one group) holding its new placement, in place, only the experts
+    """Each experts layer of ``moves`` (its name, the layer, its new placement: each rank of
+    its group's expert indices, every layer on one group) holding it, in place, only the experts
     that change rank moving (with their gradients and, with ``optimizer``, their state:
     :func:`place_experts`). Collective over the layers' group, every rank with the same
     placements (agreed by the caller); the state's layout is agreed here, before anything
     moves."""
-    moving = [(name, m, new) for name, m, new in moves if new != m.shares]
+    moving = [
+        (name, m, new)
+        for name, m, new in moves
+        if tuple(tuple(held) for held in new) != m.placement
+    ]
     if not moving:
         return
     carried = {name: _carried(m, optimizer) for name, m, _ in moving}
@@ -797,26 +880,30 @@ def _carried(m: ExpertParallelExperts, optimizer: torch.optim.Optimizer | None) 
     return out
 
 
-def _move_experts(m: ExpertParallelExperts, new: list[int], carried: list[_Carried]) -> None:
-    """``m``'s experts moved to the placement ``new``: each rank sends every rank the experts
-    of its old run that fall in that rank's new run (one all-to-all per dtype), then
-    holds its new run in the same parameter objects (and gradients, optimizer state)."""
-    comm, rank, old = m.comm, m.rank, m.shares
-    first_old = np.cumsum([0, *old[:-1]])
-    first_new = np.cumsum([0, *new[:-1]])
-
-    def overlap(a: int, q: int) -> int:  # experts of a's old run in q's new run
-        lo = max(first_old[a], first_new[q])
-        hi = min(first_old[a] + old[a], first_new[q] + new[q])
-        return int(max(0, hi - lo))
-
-    # Runs are in expert order on both sides, so each rank's rows go out, and come in, in
-    # rank order. The rows a rank keeps stay out of the exchange: its new run is the rows
-    # from lower ranks, then those it kept (from ``kept`` in its old run), then the rest.
-    send = [overlap(rank, q) if q != rank else 0 for q in range(comm.size)]
-    recv = [overlap(q, rank) if q != rank else 0 for q in range(comm.size)]
-    kept, keep = max(first_old[rank], first_new[rank]) - first_old[rank], overlap(rank, rank)
-    below = sum(recv[:rank])
+def _move_experts(
+    m: ExpertParallelExperts, new: Sequence[Sequence[int]], carried: list[_Carried]
+) -> None:
+    """``m``'s experts moved to the placement ``new`` (each rank's expert indices, ascending):
+    each rank sends every rank those of its experts that rank holds next (one all-to-all per
+    dtype), then holds its new experts in the same parameter objects (and gradients,
+    optimizer state)."""
+    comm, rank, old = m.comm, m.rank, m.placement
+    mine = {e: i for i, e in enumerate(old[rank])}  # each old expert's row here
+    wanted = [set(held) for held in new]
+    # To each rank q: the experts of mine q holds next, ascending (rows out in rank order);
+    # from each rank q: the experts of q's that this rank holds next, ascending.
+    going = [[e for e in old[rank] if e in wanted[q]] for q in range(comm.size)]
+    coming = [[e for e in old[q] if e in wanted[rank]] for q in range(comm.size)]
+    send = [len(going[q]) if q != rank else 0 for q in range(comm.size)]
+    recv = [len(coming[q]) if q != rank else 0 for q in range(comm.size)]
+    out_rows = torch.tensor(
+        [mine[e] for q in range(comm.size) if q != rank for e in going[q]], dtype=torch.long
+    )
+    kept_rows = torch.tensor([mine[e] for e in going[rank]], dtype=torch.long)
+    # The new rows come as those received (in rank order), then those kept: each one's
+    # expert, put in ascending order.
+    arrived = [e for q in range(comm.size) if q != rank for e in coming[q]] + going[rank]
+    into = torch.argsort(torch.tensor(arrived, dtype=torch.long))
     # One exchange per dtype, the same on every rank (agreed); a pack travels on its first
     # tensor's device (a parameter's) and each part returns to its own (optimizer state may
     # live elsewhere).
@@ -827,18 +914,15 @@ def _move_experts(m: ExpertParallelExperts, new: list[int], carried: list[_Carri
         for members in packs.values():
             on = members[0].tensor.device
             widths = [math.prod(c.tensor.shape[1:]) for c in members]
-            flat = [c.tensor.reshape(old[rank], w) for c, w in zip(members, widths)]
-            leaving = torch.cat(
-                [torch.cat([f[:kept], f[kept + keep :]]).to(on) for f in flat], dim=1
-            )
+            flat = [c.tensor.reshape(len(old[rank]), w) for c, w in zip(members, widths)]
+            leaving = torch.cat([f[out_rows.to(f.device)].to(on) for f in flat], dim=1)
             got = _exchange(leaving, comm, send, recv, m.timeout, "placement")
             for c, f, part in zip(members, flat, got.split(widths, dim=1)):
-                rows = torch.cat(
-                    [part[:below].to(f.device), f[kept : kept + keep], part[below:].to(f.device)]
-                )
-                c.install(rows.reshape(new[rank], *c.tensor.shape[1:]))
-    m._set_split(comm, new)
-    m.num_experts = new[rank]
+                rows = torch.cat([part.to(f.device), f[kept_rows.to(f.device)]])
+                rows = rows[into.to(f.device)]
+                c.install(rows.reshape(len(new[rank]), *c.tensor.shape[1:]))
+    m._set_placement(comm, new)
+    m.num_experts = len(new[rank])
 
 
 def rank_local_parameters(model: nn.Module) -> list[str]:

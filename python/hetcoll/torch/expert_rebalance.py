@@ -6,14 +6,14 @@ every other rank at each experts layer's exchange. Every ``every`` steps the reb
 takes the tokens each expert received since the last look (:func:`expert_loads`, one small
 all-gather), smooths them into a running estimate, and asks what each layer's slowest rank
 would spend on its experts' tokens under the current placement and under the best placement
-for those loads (:func:`expert_shares` at the ranks' speeds: contiguous runs, exact). When
+for those loads (:func:`expert_assignment` at the ranks' speeds: any experts on any rank). When
 the second is better by more than ``threshold`` of the first it moves the experts
 (:func:`place_experts`: only those that change rank, with their gradients and optimizer
 state). Every rank decides on the same gathered counts, so every rank decides alike.
 
 The predicted time of a placement is, summed over the experts layers (each is a barrier: its
 exchange waits for every rank's experts), the most tokens any rank's experts receive over
-that rank's speed: the quantity :func:`expert_shares` minimises.
+that rank's speed: the quantity :func:`expert_assignment` minimises.
 """
 
 from __future__ import annotations
@@ -26,8 +26,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from hetcoll.plan import expert_indices
 from hetcoll.torch.expert_parallel import (
     ExpertParallelExperts,
+    Held,
+    Placement,
+    assignment_seconds,
     expert_loads,
     experts_placement,
     place_experts,
@@ -42,9 +46,10 @@ Speeds = Sequence[float] | Callable[[], Sequence[float] | None]
 @dataclass(frozen=True)
 class ExpertRebalanceEvent:
     """One decision: the step, the ranks' speeds, each layer's experts per rank before and
-    after (by experts module name), the predicted experts' time per step before and after (in
-    tokens over speed: seconds where the speeds are tokens per second), and whether the
-    experts moved."""
+    after (by experts module name: counts in ``old_shares`` and ``new_shares``, each rank's
+    expert indices in ``old_placement`` and ``new_placement``), the predicted experts' time
+    per step before and after (in tokens over speed: seconds where the speeds are tokens per
+    second), and whether the experts moved."""
 
     step: int
     speeds: tuple[float, ...]
@@ -53,31 +58,30 @@ class ExpertRebalanceEvent:
     predicted_old: float
     predicted_new: float
     applied: bool
+    old_placement: Placement
+    new_placement: Placement
 
 
 def placement_time(
-    shares: Mapping[str, Sequence[int]],
+    shares: Mapping[str, Held],
     loads: Mapping[str, Sequence[float]],
     speeds: Sequence[float],
 ) -> float:
     """The experts' time of a placement: over the layers in ``shares`` (experts per rank, by
-    experts module name), the largest ``tokens / speed`` of any rank, summed; ``loads``: each
-    expert's tokens, by the same names. The objective :func:`expert_shares` minimises per
-    layer (a rank of speed 0 holding tokens takes forever)."""
+    experts module name: counts, or each rank's expert indices), the largest ``tokens /
+    speed`` of any rank, summed; ``loads``: each expert's tokens, by the same names. The
+    objective :func:`expert_assignment` minimises per layer (a rank of speed 0 holding tokens
+    takes forever)."""
     total = 0.0
     for name, held in shares.items():
-        load = np.asarray(loads[name], dtype=np.float64)
-        if len(load) != sum(held):
+        load = [float(x) for x in loads[name]]
+        placed = expert_indices(held, len(speeds), f"shares[{name!r}]", of="speed")
+        experts = sum(map(len, placed))
+        if len(load) != experts:
             raise ValueError(
-                f"loads: {name!r} needs one entry per expert ({sum(held)}), got {len(load)}"
+                f"loads: {name!r} needs one entry per expert ({experts}), got {len(load)}"
             )
-        cuts = np.cumsum([0, *held])
-        worst = 0.0
-        for r, s in enumerate(speeds):
-            work = float(load[cuts[r] : cuts[r + 1]].sum())
-            if work > 0:
-                worst = max(worst, work / s if s > 0 else float("inf"))
-        total += worst
+        total += assignment_seconds(placed, load, speeds)
     return total
 
 
@@ -96,7 +100,7 @@ class ExpertRebalancer:
     relative gain in the predicted experts' time that moves them (moving costs one exchange
     of the moving experts' weights and state). ``smoothing`` (0, 1]: the weight of the latest
     window's loads in the running estimate (1: the latest window alone). ``capacity``: the
-    most experts each rank may hold of a layer (:func:`expert_shares`).
+    most experts each rank may hold of a layer (:func:`expert_assignment`).
 
     >>> watch = ExpertRebalancer(model, opt, speeds=[1.0, 0.25], every=100)  # doctest: +SKIP
     >>> opt.step(); watch.step()  # on every rank  # doctest: +SKIP
@@ -117,8 +121,8 @@ class ExpertRebalancer:
             raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
         # The three things a decision does, for a plan's replicas or a model's ranks.
         self._loads_now: Callable[[], dict[str, list[int]]]
-        self._placed_now: Callable[[], dict[str, list[int]]]
-        self._place: Callable[..., dict[str, list[int]]]
+        self._placed_now: Callable[[], Placement]
+        self._place: Callable[..., Placement]
         if isinstance(model, PlanExperts):
             if not model.plan.experts:
                 raise ValueError("model: its plan places no experts (its experts field)")
@@ -134,7 +138,9 @@ class ExpertRebalancer:
                 raise ValueError("model: holds no experts placed by expert_parallel")
             self.size = next(iter(layers.values())).comm.size
             self._loads_now = partial(expert_loads, model)
-            self._placed_now = lambda: {name: list(m.shares) for name, m in layers.items()}
+            self._placed_now = lambda: {
+                name: [list(held) for held in m.placement] for name, m in layers.items()
+            }
             self._place = partial(place_experts, model)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -198,7 +204,7 @@ class ExpertRebalancer:
         speeds = self._checked_speeds(given)
         old = self._placed_now()
         new = experts_placement(
-            [(name, sum(held)) for name, held in old.items()],
+            [(name, sum(map(len, held))) for name, held in old.items()],
             self.size,
             speeds=speeds,
             loads=self.loads,
@@ -209,7 +215,11 @@ class ExpertRebalancer:
         applied = new != old and after < before * (1 - self.threshold)
         if applied:
             self._place(self.optimizer, shares=new)
+        counts = {name: [len(h) for h in held] for name, held in old.items()}
+        new_counts = {name: [len(h) for h in held] for name, held in new.items()}
         self.history.append(
-            ExpertRebalanceEvent(self._step, tuple(speeds), old, new, before, after, applied)
+            ExpertRebalanceEvent(
+                self._step, tuple(speeds), counts, new_counts, before, after, applied, old, new
+            )
         )
         return applied

@@ -1042,7 +1042,7 @@ def parallelize(
         for path in experts
         for n, _ in model.get_submodule(path).named_parameters(recurse=False)
     )
-    par._experts_layers = [(path, sum(held), j) for path, (j, held) in experts.items()]
+    par._experts_layers = [(path, sum(map(len, held)), j) for path, (j, held) in experts.items()]
     if par.place is not None:
         i, j = par.place
         stage = plan.replicas[i].stages[j]
@@ -1120,7 +1120,7 @@ def parallelize(
 
 def _plan_experts(
     model: nn.Module, plan: Plan, names: list[str]
-) -> dict[str, tuple[int, list[int]]]:
+) -> dict[str, tuple[int, list[list[int]]]]:
     """The plan's ``experts`` on ``model``: each experts module's path, the stage holding its
     layer (the same in every replica) and its experts per replica; empty without
     ``experts``. ``ValueError`` naming ``plan.experts`` where they do not fit the model."""

@@ -22,6 +22,7 @@ from hetcoll.plan import Plan, experts_field
 from hetcoll.torch.expert_parallel import (
     ExpertParallelExperts,
     Loads,
+    Placement,
     Shares,
     agreed_placement,
     experts_placement,
@@ -57,9 +58,9 @@ class PlanExperts:
             raise ValueError("plan: places no experts (its experts field is empty)")
 
     @property
-    def experts_placement(self) -> dict[str, list[int]]:
-        """Each experts module's experts per replica (in the plan's replica order), by path:
-        the plan's ``experts``, as last placed."""
+    def experts_placement(self) -> Placement:
+        """Each experts module's experts per replica (in the plan's replica order: each
+        replica's expert indices), by path: the plan's ``experts``, as last placed."""
         self._check_has_experts()
         return experts_placement(
             [(path, n) for path, n, _ in self._experts_layers],
@@ -96,15 +97,16 @@ class PlanExperts:
         shares: Shares | None = None,
         loads: Loads | None = None,
         capacity: Sequence[int] | None = None,
-    ) -> dict[str, list[int]]:
+    ) -> Placement:
         """Place the plan's experts on its replicas again, in place, as
         :func:`hetcoll.torch.place_experts` places a model's: exactly one of ``speeds=`` (one
         per replica, in the plan's order; with ``loads``, :meth:`expert_loads`, and
-        ``capacity``) or ``shares=`` (experts per replica: one list for every layer, or a dict
-        by path). Only the experts that change replica move, each within its stage's group,
-        with their gradients and ``optimizer``'s state. ``plan`` then names the new placement
-        (on every rank). Collective over the plan's whole group, every rank with the same
-        arguments. Returns each layer's experts per replica, by path."""
+        ``capacity``) or ``shares=`` (experts per replica, counts or each replica's expert
+        indices: one placement for every layer, or a dict by path). Only the experts that
+        change replica move, each within its stage's group, with their gradients and
+        ``optimizer``'s state. ``plan`` then names the new placement (on every rank).
+        Collective over the plan's whole group, every rank with the same arguments. Returns
+        each layer's experts per replica (their indices), by path."""
         self._check_has_experts()
         replicas = self.plan.replicas
         placed = agreed_placement(

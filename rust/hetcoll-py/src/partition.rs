@@ -242,3 +242,33 @@ fn compressed_nets(nets: &Bound<'_, PyAny>, limit: u64) -> PyResult<(Vec<usize>,
     }
     Ok((offsets, pins))
 }
+
+/// Each item's device, any items on any device, smallest bottleneck `max_d load_d / speeds[d]`
+/// (`hetcoll_core::solvers::assign_items`: branch and bound, exact within `max_nodes`).
+#[pyfunction]
+#[pyo3(signature = (loads, speeds, *, capacity=None, max_nodes=None))]
+pub fn partition_items(
+    py: Python<'_>,
+    loads: &Bound<'_, PyAny>,
+    speeds: &Bound<'_, PyAny>,
+    capacity: Option<&Bound<'_, PyAny>>,
+    max_nodes: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(Vec<usize>, bool)> {
+    let loads = floats(loads, "loads")?;
+    let speeds = floats(speeds, "speeds")?;
+    let capacity = capacity
+        .map(|c| crate::convert::counts(c, "capacity"))
+        .transpose()?;
+    let max_nodes = match max_nodes {
+        Some(x) => count(x, "max_nodes")?,
+        None => 200_000,
+    };
+    if max_nodes == 0 {
+        return Err(invalid("max_nodes", "must be >= 1, got 0"));
+    }
+    let a = detached(py, || {
+        solvers::assign_items(&loads, &speeds, capacity.as_deref(), max_nodes)
+    })?
+    .py_err()?;
+    Ok((a.owner, a.exact))
+}

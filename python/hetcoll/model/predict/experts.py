@@ -5,7 +5,6 @@ prediction (:func:`expert_parallel`)."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -24,9 +23,11 @@ from hetcoll.model.predict.timing import (
     device_arrays,
     memory_shortfall,
 )
+from hetcoll.plan import ExpertsHeld, expert_indices, expert_runs
 
-#: Experts per device: one list for every experts layer, or a dict by experts module path.
-Placement = Sequence[int] | Mapping[str, Sequence[int]]
+#: Experts per device (counts, or each device's expert indices: :data:`hetcoll.plan.ExpertsHeld`):
+#: one placement for every experts layer, or a dict by experts module path.
+Placement = ExpertsHeld | Mapping[str, ExpertsHeld]
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class ExpertParallelSchedule:
 
     strategy: str
     shares: np.ndarray
-    experts: dict[str, list[int]]
+    experts: dict[str, list[int] | list[list[int]]]
     layers: LayerSeconds
     groups: list[tuple[int, int, float, float, float, float]]
     update_s: np.ndarray
@@ -131,29 +132,29 @@ class ExpertParallelSchedule:
         )
 
 
-def placement(block: ExpertsBlock, experts: Placement, devices: int) -> list[int]:
-    """``block``'s experts on each of ``devices`` (devices or replicas), checked."""
+def placement(block: ExpertsBlock, experts: Placement, devices: int) -> list[list[int]]:
+    """``block``'s experts on each of ``devices`` (devices or replicas): each one's expert
+    indices, checked."""
     held = experts.get(block.module) if isinstance(experts, Mapping) else experts
     if held is None:
         raise ValueError(f"experts: names no placement for {block.module!r}")
-    values = list(held)
-    if (
-        len(values) != devices
-        or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0 for v in values)
-        or sum(values) != block.experts
-    ):
-        raise ValueError(
-            f"experts: {block.module!r} needs {devices} counts >= 0 summing to its "
-            f"{block.experts} experts, got {values}"
-        )
-    return [int(v) for v in values]
+    where = f"experts[{block.module!r}]" if isinstance(experts, Mapping) else "experts"
+    placed = expert_indices(held, devices, where, experts=block.experts, of="device")
+    return [list(h) for h in placed]
+
+
+def record_form(held: list[list[int]]) -> list[int] | list[list[int]]:
+    """A placement as a prediction records it: counts where the experts lie in runs in
+    expert order, else each device's indices."""
+    runs = expert_runs(held)
+    return held if runs is None else runs
 
 
 def fractions(
-    block: ExpertsBlock, held: list[int], loads: Mapping[str, Sequence[float]] | None
+    block: ExpertsBlock, held: list[list[int]], loads: Mapping[str, Sequence[float]] | None
 ) -> np.ndarray:
-    """The share of the layer's routed tokens each device's experts receive: their loads'
-    (each expert alike without ``loads``)."""
+    """The share of the layer's routed tokens each device's experts (``held``: each one's
+    expert indices) receive: their loads' (each expert alike without ``loads``)."""
     load = np.ones(block.experts)
     if loads is not None and block.module in loads:
         load = np.asarray(loads[block.module], dtype=np.float64)
@@ -164,8 +165,7 @@ def fractions(
             )
         if load.sum() <= 0:
             load = np.ones(block.experts)
-    bounds = np.cumsum([0, *held])
-    return np.array([load[a:z].sum() for a, z in itertools.pairwise(bounds)]) / load.sum()
+    return np.array([load[list(h)].sum() for h in held]) / load.sum()
 
 
 def exchange_seconds(
@@ -214,13 +214,13 @@ def expert_parallel_schedule(
     item = costs.activation_itemsize or costs.itemsize
     total = float(b.sum())
     names = [x.name for x in costs.layers]
-    placed: dict[str, list[int]] = {}
+    placed: dict[str, list[int] | list[list[int]]] = {}
     groups: list[tuple[int, int, float, float, float, float]] = []
     expert_bytes = np.zeros(p)
     timed: dict[tuple[float, ...], LayerSeconds] = {}
     for block in costs.experts:
         held = placement(block, experts, p)
-        placed[block.module] = held
+        placed[block.module] = record_form(held)
         frac = fractions(block, held, loads)
         rows = [i for i, name in enumerate(names) if name == block.module]
         # The experts' work: the tokens routed to them, from every device, as samples (timed
@@ -238,7 +238,9 @@ def expert_parallel_schedule(
         counts, a2a = exchange_seconds(block, b, frac, link, item)
         groups.append((rows[0], rows[-1], counts + a2a, a2a, a2a, a2a))
         expert_bytes += (
-            sum(costs.layers[i].param_bytes for i in rows) * np.asarray(held) / (block.experts)
+            sum(costs.layers[i].param_bytes for i in rows)
+            * np.array([len(h) for h in held])
+            / block.experts
         )
     layers = LayerSeconds(*arrays)
     held_names = set(placed)

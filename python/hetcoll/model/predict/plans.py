@@ -15,7 +15,11 @@ import numpy as np
 from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster, Link
 from hetcoll.model.predict.classes import cluster_facts, node_link_ids, ring_link_of, unique_rows
-from hetcoll.model.predict.experts import ExpertParallelSchedule, expert_parallel_schedule
+from hetcoll.model.predict.experts import (
+    ExpertParallelSchedule,
+    Placement,
+    expert_parallel_schedule,
+)
 from hetcoll.model.predict.filters import time_balanced_shares
 from hetcoll.model.predict.layout import ReplicaLayout, StageLayout, plan_layout, stage_layout
 from hetcoll.model.predict.prediction import Prediction
@@ -23,7 +27,7 @@ from hetcoll.model.predict.schedule import layout_schedule
 from hetcoll.model.predict.splits import blocks_need_empty, splits_loss
 from hetcoll.model.predict.staged_experts import StagedExperts
 from hetcoll.model.predict.timing import LayerSeconds, device_arrays
-from hetcoll.plan import Plan, microbatch_sizes
+from hetcoll.plan import ExpertsHeld, Plan, microbatch_sizes
 
 #: Replicas as the planner lays them out before building their plan: samples, and per stage
 #: its ranks, plan layers ``(first, end)`` and the ranks' speeds (None: one rank, or equal).
@@ -358,6 +362,12 @@ class ExpertPlanSchedule:
         return np.asarray(largest + (rows.sum(axis=0) - rows.max(axis=0)) * self.saved_per_sample)
 
 
+def _by(held: ExpertsHeld, order: list[int]) -> ExpertsHeld:
+    """A layer's placement per replica (counts or each one's expert indices) in ``order``."""
+    listed: list[Any] = list(held)
+    return [listed[i] for i in order]
+
+
 def expert_plan_schedule(
     costs: ModelCosts,
     cluster: Cluster,
@@ -388,10 +398,10 @@ def expert_plan_schedule(
         )
     order = sorted(range(len(ranks)), key=ranks.__getitem__)
     given = plan.experts
-    experts = (
-        {path: [held[i] for i in order] for path, held in given.items()}
+    experts: Placement = (
+        {path: _by(held, order) for path, held in given.items()}
         if isinstance(given, Mapping)
-        else [given[i] for i in order]
+        else _by(given, order)
     )
     sizes = [plan.microbatch_sizes(i) for i in order]
     on = cluster.subset(sorted(ranks))

@@ -17,7 +17,13 @@ import numpy as np
 from hetcoll.model.costs import ExpertsBlock, ModelCosts
 from hetcoll.model.hardware import Cluster
 from hetcoll.model.predict.classes import cluster_facts
-from hetcoll.model.predict.experts import Placement, exchange_seconds, fractions, placement
+from hetcoll.model.predict.experts import (
+    Placement,
+    exchange_seconds,
+    fractions,
+    placement,
+    record_form,
+)
 from hetcoll.model.predict.layout import ReplicaLayout
 from hetcoll.model.predict.timing import LayerSeconds, _layer_times, device_arrays
 
@@ -29,7 +35,8 @@ class _Placed:
     block: ExpertsBlock
     rows: tuple[int, ...]
     stage: int
-    held: list[int]
+    #: Each replica's expert indices.
+    held: list[list[int]]
     frac: np.ndarray
     param_bytes: float
 
@@ -100,9 +107,10 @@ class StagedExperts:
         """Ranks meeting at each exchange: one per replica."""
         return len(self.replicas)
 
-    def experts_of(self) -> dict[str, list[int]]:
-        """Each experts layer's experts per replica, by module path."""
-        return {p.block.module: list(p.held) for p in self.placed}
+    def experts_of(self) -> dict[str, list[int] | list[list[int]]]:
+        """Each experts layer's experts per replica, by module path (counts where they lie in
+        runs in expert order, else each replica's indices)."""
+        return {p.block.module: record_form(p.held) for p in self.placed}
 
     @property
     def exchange_s(self) -> float:
@@ -125,7 +133,9 @@ class StagedExperts:
     def owned_delta(self, s: int, r: int) -> float:
         """Parameter bytes replica r's rank of stage s does not hold: the others' experts."""
         return -sum(
-            p.param_bytes * (1.0 - p.held[r] / p.block.experts) for p in self.placed if p.stage == s
+            p.param_bytes * (1.0 - len(p.held[r]) / p.block.experts)
+            for p in self.placed
+            if p.stage == s
         )
 
     def causes_delta(self, s: int, r: int, k: int, kind: int, own: LayerSeconds) -> np.ndarray:

@@ -109,6 +109,10 @@ class ChannelSplit:
     rank: int
     shares: list[int]
     offset: int
+    #: The unsplit tensors' entries in rank order (rank 0's, then rank 1's, ...) where the
+    #: ranks hold them out of order (whole experts placed anywhere: split specs of one block
+    #: without entries every rank holds); None where rank r holds the run from ``offset``.
+    order: tuple[int, ...] | None = None
     #: The split model's agreed forward (set by filter_parallel; None: each reduction checks).
     agreed: AgreedForward | None = None
 
@@ -124,6 +128,13 @@ class ChannelSplit:
     def whole_spec(self) -> dict[str, tuple[int, ...]]:
         return {}
 
+    def held_index(self) -> torch.Tensor:
+        """The entries this rank holds of an unsplit tensor split along one block (the
+        :attr:`order` of its rank's run), in the order it holds them."""
+        order = range(sum(self.shares)) if self.order is None else self.order
+        lo = self.offset
+        return torch.tensor(order[lo : lo + self.shares[self.rank]], dtype=torch.long)
+
     def _slice_full(self, state_dict: dict[str, Any], prefix: str) -> None:
         """A full (unsplit) tensor in a state dict being loaded becomes this rank's slice."""
         total = sum(self.shares)
@@ -134,6 +145,9 @@ class ChannelSplit:
             full = total * sum(blocks) + sum(whole)
             alone = self.shares[self.rank] == total
             if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == full and not alone:
+                if self.order is not None:
+                    state_dict[prefix + name] = t.index_select(dim, self.held_index().to(t.device))
+                    continue
                 runs = split_runs(self.shares, self.rank, blocks, whole)
                 state_dict[prefix + name] = take_runs(t, dim, runs)
 

@@ -91,7 +91,12 @@ def _gather(
                     for b in range(len(per_block[0]))
                     for r in (range(size) if b % 2 == 0 else [0])
                 ]
-                full[key] = torch.cat(order).movedim(0, dim).contiguous()
+                joined_rows = torch.cat(order)
+                if m.order is not None:  # each rank's entries back where the unsplit has them
+                    placed = torch.empty_like(joined_rows)
+                    placed[torch.tensor(m.order, dtype=torch.long)] = joined_rows
+                    joined_rows = placed
+                full[key] = joined_rows.movedim(0, dim).contiguous()
     if not keep:
         return None
     return {k: full[k] if k in full else t.detach().clone() for k, t in values.items()}
@@ -150,7 +155,9 @@ def _parts(model: nn.Module) -> dict[str, Part]:
                 shape = list(local.shape)
                 whole = kept.get(pname, ())
                 shape[dim] = sum(m.shares) * sum(blocks) + sum(whole)
-                if len(blocks) == 1 and not whole:
+                if m.order is not None:  # entries held out of order: one block, none whole
+                    parts[key] = Part(tuple(shape), dim, index=m.held_index())
+                elif len(blocks) == 1 and not whole:
                     count = int(local.shape[dim])
                     parts[key] = Part(tuple(shape), dim, m.offset * blocks[0], count)
                 else:

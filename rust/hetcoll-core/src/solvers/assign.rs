@@ -1,0 +1,509 @@
+//! Independent items on devices of unequal speed, any items on any device: the assignment whose
+//! slowest device finishes first.
+//!
+//! Item `i` carries load `w_i` (the tokens routed to an expert of a mixture-of-experts layer, or
+//! any work unit), device `d` runs `s_d` load units per second and holds at most `cap_d` items.
+//! Device `d` finishes its items after `(Σ_{i on d} w_i) / s_d` seconds; the solver minimises the
+//! largest of these (scheduling on uniformly related machines, `Q||C_max`, with a cardinality
+//! limit per machine). Unlike [`super::chain`], a device's items need not be contiguous: with
+//! skewed loads that is worth a fifth of the bottleneck and more (two hot experts side by side
+//! cannot be separated by a contiguous cut).
+//!
+//! # Algorithm
+//!
+//! The problem is NP-hard, so the solver is a depth-first branch and bound over the items in
+//! decreasing load, each tried on the devices in the order they would finish it:
+//!
+//! - the first bound is the greedy schedule (each item, heaviest first, on the device where it
+//!   finishes soonest: LPT for uniform machines), so the answer is never worse than greedy;
+//! - a branch is cut when the device it uses would reach the best bottleneck found, or when the
+//!   load still to place exceeds what every device could still take below that bottleneck
+//!   (`Σ_d max(0, B · s_d − L_d)`, the fluid bound), or when no device has room left;
+//! - devices of the same speed, room and load are interchangeable: only the first is tried;
+//! - the search ends as soon as the best equals the lower bound `max(Σ w / Σ s, max w / max s)`.
+//!
+//! It is exact when it ends within `max_nodes` nodes ([`Assignment::exact`]); past that budget it
+//! returns the best assignment found. Everything is deterministic: the same inputs give the same
+//! assignment on every rank that solves them.
+//!
+//! # Items without load, devices without speed
+//!
+//! Items of zero load cost no time anywhere; they are placed after the others, each on the device
+//! with room whose items per speed stay lowest (memory spreads as speed does). A device of speed 0
+//! holds only such items.
+
+use crate::error::{CoreError, Result};
+
+/// The solver's answer: each item's device, and whether the search proved it optimal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Assignment {
+    /// `owner[i]`: the device holding item `i`.
+    pub owner: Vec<usize>,
+    /// Whether the branch and bound finished within its node budget (the bottleneck is then the
+    /// smallest possible, as computed in IEEE double).
+    pub exact: bool,
+}
+
+/// The greedy bound's and the search's relative slack: a bottleneck within it of the lower bound
+/// ends the search (rounding in the lower bound's sums must not keep an optimum unproved).
+const PROVED: f64 = 1e-12;
+
+/// Each item's device (see the module documentation): `loads` one per item, `speeds` one per
+/// device, `capacity` the most items each device holds (none: unlimited), `max_nodes` the search's
+/// budget. Requests no assignment satisfies are refused with [`CoreError::Infeasible`].
+///
+/// ```
+/// use hetcoll_core::solvers::assign_items;
+/// // Two hot items go to different devices, whatever their order.
+/// let a = assign_items(&[9.0, 9.0, 1.0, 1.0], &[1.0, 1.0], None, 10_000).unwrap();
+/// assert_ne!(a.owner[0], a.owner[1]);
+/// assert!(a.exact);
+/// ```
+pub fn assign_items(
+    loads: &[f64],
+    speeds: &[f64],
+    capacity: Option<&[u64]>,
+    max_nodes: u64,
+) -> Result<Assignment> {
+    let n = loads.len();
+    let p = speeds.len();
+    if n == 0 {
+        return Err(CoreError::invalid("loads", "must hold at least one item"));
+    }
+    for (i, &w) in loads.iter().enumerate() {
+        if !w.is_finite() || w < 0.0 {
+            return Err(CoreError::invalid(
+                format!("loads[{i}]"),
+                format!("must be finite and >= 0, got {w}"),
+            ));
+        }
+    }
+    if p == 0 {
+        return Err(CoreError::invalid("speeds", "must not be empty"));
+    }
+    for (d, &s) in speeds.iter().enumerate() {
+        if !s.is_finite() || s < 0.0 {
+            return Err(CoreError::invalid(
+                format!("speeds[{d}]"),
+                format!("must be finite and >= 0, got {s}"),
+            ));
+        }
+    }
+    let room: Vec<u64> = match capacity {
+        None => vec![n as u64; p],
+        Some(c) if c.len() != p => {
+            return Err(CoreError::invalid(
+                "capacity",
+                format!("must hold one count per device ({p}), got {}", c.len()),
+            ))
+        }
+        Some(c) => c.iter().map(|&x| x.min(n as u64)).collect(),
+    };
+    let total_room: u64 = room.iter().sum();
+    if total_room < n as u64 {
+        return Err(CoreError::infeasible(
+            "capacity",
+            format!("the devices hold {total_room} items in all, {n} need a place"),
+        ));
+    }
+    let mut heavy: Vec<usize> = (0..n).filter(|&i| loads[i] > 0.0).collect();
+    // Heaviest first; equal loads in item order.
+    heavy.sort_by(|&a, &b| loads[b].total_cmp(&loads[a]).then(a.cmp(&b)));
+    let working_room: u64 = (0..p).filter(|&d| speeds[d] > 0.0).map(|d| room[d]).sum();
+    if (heavy.len() as u64) > working_room {
+        return Err(CoreError::infeasible(
+            if working_room < total_room {
+                "speeds"
+            } else {
+                "capacity"
+            },
+            format!(
+                "{} items carry load but the devices of speed > 0 hold {working_room}",
+                heavy.len()
+            ),
+        ));
+    }
+
+    let mut owner = vec![usize::MAX; n];
+    let mut exact = true;
+    if !heavy.is_empty() {
+        let search = Search::new(loads, speeds, &room, &heavy);
+        let (best, proved) = search.run(max_nodes);
+        exact = proved;
+        for (k, &i) in heavy.iter().enumerate() {
+            owner[i] = best[k];
+        }
+    }
+    // Items without load: on the device with room whose items per speed stay lowest.
+    let mut held = vec![0u64; p];
+    for &d in owner.iter().filter(|&&d| d != usize::MAX) {
+        held[d] += 1;
+    }
+    for i in 0..n {
+        if owner[i] != usize::MAX {
+            continue;
+        }
+        let d = (0..p)
+            .filter(|&d| held[d] < room[d])
+            .min_by(|&a, &b| {
+                let key = |d: usize| {
+                    if speeds[d] > 0.0 {
+                        (held[d] + 1) as f64 / speeds[d]
+                    } else {
+                        f64::INFINITY
+                    }
+                };
+                key(a).total_cmp(&key(b)).then(a.cmp(&b))
+            })
+            .expect("the total room was checked to hold every item");
+        owner[i] = d;
+        held[d] += 1;
+    }
+    Ok(Assignment { owner, exact })
+}
+
+/// The bottleneck of an assignment: the largest `load / speed` over the devices (a device of speed
+/// 0 holding load takes forever). `owner[i]` is item `i`'s device.
+pub fn assignment_time(loads: &[f64], speeds: &[f64], owner: &[usize]) -> Result<f64> {
+    if owner.len() != loads.len() {
+        return Err(CoreError::invalid(
+            "owner",
+            format!(
+                "must hold one device per item ({}), got {}",
+                loads.len(),
+                owner.len()
+            ),
+        ));
+    }
+    let mut load = vec![0.0f64; speeds.len()];
+    for (i, &d) in owner.iter().enumerate() {
+        if d >= speeds.len() {
+            return Err(CoreError::invalid(
+                format!("owner[{i}]"),
+                format!("must be a device in [0, {}), got {d}", speeds.len()),
+            ));
+        }
+        load[d] += loads[i];
+    }
+    Ok(time_of(&load, speeds))
+}
+
+fn time_of(load: &[f64], speeds: &[f64]) -> f64 {
+    load.iter()
+        .zip(speeds)
+        .map(|(&l, &s)| finish(l, s))
+        .fold(0.0, f64::max)
+}
+
+/// Seconds a device of speed `s` takes over load `l`.
+fn finish(l: f64, s: f64) -> f64 {
+    if l <= 0.0 {
+        0.0
+    } else if s > 0.0 {
+        l / s
+    } else {
+        f64::INFINITY
+    }
+}
+
+/// The branch and bound over the items that carry load, heaviest first.
+struct Search<'a> {
+    /// Load of the `k`-th heaviest item.
+    w: Vec<f64>,
+    /// `rest[k]`: the load of items `k..`.
+    rest: Vec<f64>,
+    speeds: &'a [f64],
+    room: &'a [u64],
+    /// No assignment finishes sooner.
+    lower: f64,
+}
+
+/// The search's mutable state.
+struct State {
+    load: Vec<f64>,
+    left: Vec<u64>,
+    at: Vec<usize>,
+    best: Vec<usize>,
+    best_time: f64,
+    nodes: u64,
+    budget: u64,
+    stopped: bool,
+}
+
+impl<'a> Search<'a> {
+    fn new(loads: &[f64], speeds: &'a [f64], room: &'a [u64], heavy: &[usize]) -> Self {
+        let w: Vec<f64> = heavy.iter().map(|&i| loads[i]).collect();
+        let mut rest = vec![0.0; w.len() + 1];
+        for k in (0..w.len()).rev() {
+            rest[k] = rest[k + 1] + w[k];
+        }
+        let fastest = speeds.iter().copied().fold(0.0, f64::max);
+        let total_speed: f64 = speeds.iter().sum();
+        let lower = (rest[0] / total_speed).max(w[0] / fastest);
+        Search {
+            w,
+            rest,
+            speeds,
+            room,
+            lower,
+        }
+    }
+
+    /// The best assignment of the heavy items (device of the `k`-th heaviest) and whether the
+    /// search proved it optimal.
+    fn run(&self, max_nodes: u64) -> (Vec<usize>, bool) {
+        let p = self.speeds.len();
+        let greedy = self.greedy();
+        let mut load = vec![0.0; p];
+        for (k, &d) in greedy.iter().enumerate() {
+            load[d] += self.w[k];
+        }
+        let mut st = State {
+            load: vec![0.0; p],
+            left: self.room.to_vec(),
+            at: vec![0; self.w.len()],
+            best_time: time_of(&load, self.speeds),
+            best: greedy,
+            nodes: 0,
+            budget: max_nodes,
+            stopped: false,
+        };
+        if !self.proved(st.best_time) {
+            self.branch(0, &mut st);
+        }
+        let proved = !st.stopped || self.proved(st.best_time);
+        (st.best, proved)
+    }
+
+    fn proved(&self, t: f64) -> bool {
+        t <= self.lower * (1.0 + PROVED)
+    }
+
+    /// Each item, heaviest first, on the device with room where it finishes soonest.
+    fn greedy(&self) -> Vec<usize> {
+        let p = self.speeds.len();
+        let mut load = vec![0.0; p];
+        let mut left = self.room.to_vec();
+        self.w
+            .iter()
+            .map(|&w| {
+                let d = (0..p)
+                    .filter(|&d| left[d] > 0 && self.speeds[d] > 0.0)
+                    .min_by(|&a, &b| {
+                        finish(load[a] + w, self.speeds[a])
+                            .total_cmp(&finish(load[b] + w, self.speeds[b]))
+                            .then(a.cmp(&b))
+                    })
+                    .expect("the room of the devices of speed > 0 was checked");
+                load[d] += w;
+                left[d] -= 1;
+                d
+            })
+            .collect()
+    }
+
+    fn branch(&self, k: usize, st: &mut State) {
+        if k == self.w.len() {
+            let t = time_of(&st.load, self.speeds);
+            if t < st.best_time {
+                st.best_time = t;
+                st.best.copy_from_slice(&st.at);
+            }
+            return;
+        }
+        if st.stopped || self.proved(st.best_time) {
+            return;
+        }
+        st.nodes += 1;
+        if st.nodes > st.budget {
+            st.stopped = true;
+            return;
+        }
+        // The fluid bound: can the devices still take the rest below the best bottleneck?
+        let bound = st.best_time;
+        let free: f64 = (0..self.speeds.len())
+            .filter(|&d| st.left[d] > 0)
+            .map(|d| (bound * self.speeds[d] - st.load[d]).max(0.0))
+            .sum();
+        if self.rest[k] > free * (1.0 + PROVED) {
+            return;
+        }
+        let w = self.w[k];
+        let mut tried: Vec<usize> = (0..self.speeds.len())
+            .filter(|&d| st.left[d] > 0 && self.speeds[d] > 0.0)
+            .filter(|&d| finish(st.load[d] + w, self.speeds[d]) < bound)
+            .collect();
+        tried.sort_by(|&a, &b| {
+            finish(st.load[a] + w, self.speeds[a])
+                .total_cmp(&finish(st.load[b] + w, self.speeds[b]))
+                .then(a.cmp(&b))
+        });
+        for (j, &d) in tried.iter().enumerate() {
+            // Interchangeable with a device tried already: the same subtree.
+            let twin = tried[..j].iter().any(|&e| {
+                self.speeds[e] == self.speeds[d]
+                    && st.left[e] == st.left[d]
+                    && st.load[e] == st.load[d]
+            });
+            if twin || finish(st.load[d] + w, self.speeds[d]) >= st.best_time {
+                continue;
+            }
+            st.load[d] += w;
+            st.left[d] -= 1;
+            st.at[k] = d;
+            let before = st.load[d] - w;
+            self.branch(k + 1, st);
+            st.load[d] = before;
+            st.left[d] += 1;
+            if st.stopped {
+                return;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The best bottleneck over every assignment that fits.
+    fn brute_force(loads: &[f64], speeds: &[f64], room: Option<&[u64]>) -> Option<f64> {
+        let (n, p) = (loads.len(), speeds.len());
+        let mut best: Option<f64> = None;
+        let mut owner = vec![0usize; n];
+        loop {
+            let fits = room.is_none_or(|c| {
+                (0..p).all(|d| owner.iter().filter(|&&o| o == d).count() as u64 <= c[d])
+            });
+            if fits {
+                let t = assignment_time(loads, speeds, &owner).unwrap();
+                if t.is_finite() && best.is_none_or(|b| t < b) {
+                    best = Some(t);
+                }
+            }
+            let mut i = 0;
+            while i < n {
+                owner[i] += 1;
+                if owner[i] < p {
+                    break;
+                }
+                owner[i] = 0;
+                i += 1;
+            }
+            if i == n {
+                return best;
+            }
+        }
+    }
+
+    #[test]
+    fn separates_hot_items() {
+        let a = assign_items(&[1.0, 9.0, 9.0, 1.0], &[1.0, 1.0], None, 1000).unwrap();
+        assert_ne!(a.owner[1], a.owner[2]);
+        assert_eq!(
+            assignment_time(&[1.0, 9.0, 9.0, 1.0], &[1.0, 1.0], &a.owner).unwrap(),
+            10.0
+        );
+        assert!(a.exact);
+    }
+
+    #[test]
+    fn beats_greedy() {
+        // LPT puts 3,3 then 2,2,2 as 3+2+2 / 3+2 = 7; the optimum is 3+3 / 2+2+2 = 6.
+        let loads = [3.0, 3.0, 2.0, 2.0, 2.0];
+        let a = assign_items(&loads, &[1.0, 1.0], None, 10_000).unwrap();
+        assert_eq!(assignment_time(&loads, &[1.0, 1.0], &a.owner).unwrap(), 6.0);
+        assert!(a.exact);
+    }
+
+    #[test]
+    fn zero_loads_spread_by_speed_and_zero_speeds_hold_no_load() {
+        let a = assign_items(&[0.0; 6], &[2.0, 1.0, 0.0], None, 100).unwrap();
+        let count = |d| a.owner.iter().filter(|&&o| o == d).count();
+        assert_eq!((count(0), count(1), count(2)), (4, 2, 0));
+        let b = assign_items(&[1.0, 0.0, 0.0], &[1.0, 0.0], Some(&[1, 2]), 100).unwrap();
+        assert_eq!(b.owner, vec![0, 1, 1]);
+    }
+
+    #[test]
+    fn budget_spent_returns_greedy_or_better() {
+        let loads: Vec<f64> = (0..40).map(|i| ((i * 37) % 17 + 1) as f64).collect();
+        let speeds = [1.0, 0.7, 0.45, 0.3];
+        let a = assign_items(&loads, &speeds, None, 1).unwrap();
+        let g = Search::new(
+            &loads,
+            &speeds,
+            &[40; 4],
+            &{
+                let mut h: Vec<usize> = (0..40).collect();
+                h.sort_by(|&x, &y| loads[y].total_cmp(&loads[x]).then(x.cmp(&y)));
+                h
+            },
+        )
+        .greedy();
+        let mut load = [0.0; 4];
+        let mut sorted: Vec<f64> = loads.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        for (k, &d) in g.iter().enumerate() {
+            load[d] += sorted[k];
+        }
+        assert!(assignment_time(&loads, &speeds, &a.owner).unwrap() <= time_of(&load, &speeds));
+    }
+
+    #[test]
+    fn bad_input_names_the_argument() {
+        let err = |r: Result<Assignment>| r.unwrap_err().argument().to_string();
+        assert_eq!(err(assign_items(&[], &[1.0], None, 10)), "loads");
+        assert_eq!(err(assign_items(&[f64::NAN], &[1.0], None, 10)), "loads[0]");
+        assert_eq!(err(assign_items(&[1.0], &[], None, 10)), "speeds");
+        assert_eq!(err(assign_items(&[1.0], &[-1.0], None, 10)), "speeds[0]");
+        assert_eq!(err(assign_items(&[1.0], &[1.0], Some(&[]), 10)), "capacity");
+        assert_eq!(
+            err(assign_items(&[1.0, 1.0], &[1.0, 1.0], Some(&[1, 0]), 10)),
+            "capacity"
+        );
+        assert_eq!(
+            err(assign_items(&[1.0, 1.0], &[1.0, 0.0], Some(&[1, 2]), 10)),
+            "speeds"
+        );
+        assert_eq!(err(assignment_time(&[1.0], &[1.0], &[1]).map(|_| Assignment {
+            owner: vec![],
+            exact: true
+        })), "owner[0]");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(400))]
+
+        #[test]
+        fn optimal_against_brute_force(
+            loads in prop::collection::vec(
+                prop_oneof![Just(0.0), 0.0f64..10.0, (1u32..5).prop_map(f64::from)],
+                1..8,
+            ),
+            speeds in prop::collection::vec(prop_oneof![Just(1.0f64), 0.1f64..4.0], 1..4),
+            cap in prop::collection::vec(0u64..5, 1..4),
+            limited in any::<bool>(),
+        ) {
+            let p = speeds.len();
+            let room: Vec<u64> = (0..p).map(|d| cap[d % cap.len()]).collect();
+            let room = limited.then_some(room.as_slice());
+            let got = assign_items(&loads, &speeds, room, 1_000_000);
+            match brute_force(&loads, &speeds, room) {
+                None => prop_assert!(got.is_err()),
+                Some(best) => {
+                    let a = got.unwrap();
+                    prop_assert!(a.exact);
+                    let t = assignment_time(&loads, &speeds, &a.owner).unwrap();
+                    prop_assert!(t <= best * (1.0 + 1e-9), "{t} vs {best}");
+                    if let Some(c) = room {
+                        for d in 0..p {
+                            prop_assert!(a.owner.iter().filter(|&&o| o == d).count() as u64 <= c[d]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
