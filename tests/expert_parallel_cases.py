@@ -167,10 +167,10 @@ def trains_as_one_process(
 def rebalanced_while_training(group: Any, device: torch.device | None = None) -> list[list[Any]]:
     """Mixtral placed by speed, its ranks' speeds then reversed: an
     :class:`ExpertRebalancer` looking every 2 steps moves the experts (with their Adam
-    momentum) by the loads it counted, and training goes on as one process's, its gradients
-    clipped by the whole model's norm (``device``:
-    this rank's, the experts moving between devices through host memory). Returns its
-    decisions (step, before, after, moved)."""
+    momentum) by the loads it counted, any experts to any rank, and training goes on as one
+    process's, its gradients clipped by the whole model's norm (``device``: this rank's, the
+    experts moving between devices through host memory). Returns its decisions (step, each
+    rank's experts before and after, moved)."""
     speeds = SPEEDS[: wrap(group).size]
     made: list[ExpertRebalancer] = []
 
@@ -197,7 +197,10 @@ def rebalanced_while_training(group: Any, device: torch.device | None = None) ->
     for m, kwargs, text in bad:
         with pytest.raises((TypeError, ValueError), match=text):
             ExpertRebalancer(m, **{"speeds": speeds, **kwargs})
-    return [[e.step, e.old_shares, e.new_shares, e.applied] for e in made[0].history]
+    for e in made[0].history:  # the counts are the placements'
+        for shares, placement in ((e.old_shares, e.old_placement), (e.new_shares, e.new_placement)):
+            assert shares == {n: [len(h) for h in held] for n, held in placement.items()}
+    return [[e.step, e.old_placement, e.new_placement, e.applied] for e in made[0].history]
 
 
 def placed_shares(model: nn.Module) -> list[int]:
@@ -317,21 +320,17 @@ def placed_again_by_load(group: Any) -> dict[str, Any]:
     counting = CountingCommunicator(next(iter(layers.values())).comm, sent)
     for m in layers.values():
         m.comm = counting
-    placed: dict[str, list[int]] = {}
+    placed: dict[str, list[list[int]]] = {}
     step(2, lambda: placed.update(place_experts(model, opt, speeds=speeds[::-1], loads=loads)))
     step(3)
-    # What leaves this rank: its old experts that another rank now holds, each as its
-    # parameters, their gradients and Adam's two moments (float64).
+    # What leaves this rank: its old experts (a run from the first, by speed) that another
+    # rank now holds, each as its parameters, their gradients and Adam's two moments (float64).
+    first = sum(by_speed[: comm.rank])
     expected = 0
     for name, new in placed.items():
-        first_old, first_new = sum(by_speed[: comm.rank]), sum(new[: comm.rank])
-        kept = max(
-            0,
-            min(first_old + by_speed[comm.rank], first_new + new[comm.rank])
-            - max(first_old, first_new),
-        )
+        leaving = set(range(first, first + by_speed[comm.rank])) - set(new[comm.rank])
         row = sum(p[0].numel() * p.element_size() for p in ref.get_submodule(name).parameters())
-        expected += (by_speed[comm.rank] - kept) * row * 4
+        expected += len(leaving) * row * 4
     assert sent["placement"] == expected, (sent, expected)
     return {"by_speed": by_speed, "by_load": placed, "loads": loads}
 

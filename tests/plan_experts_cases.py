@@ -47,7 +47,7 @@ PIPELINES = {
     "experts": {
         EXPERTS.format(0): [4, 0],
         EXPERTS.format(1): [1, 3],
-        EXPERTS.format(2): [2, 2],
+        EXPERTS.format(2): [[1, 3], [0, 2]],  # any experts: each replica's indices
         EXPERTS.format(3): [0, 4],
     },
 }
@@ -104,12 +104,20 @@ def trains_as_one_process(
     return {"held": held, "traffic": par.traffic()}
 
 
-#: PIPELINES' experts placed again by hand, per replica (each layer its own way).
+#: PIPELINES' experts placed again by hand, per replica (each layer its own way: counts, or
+#: each replica's experts).
 BY_HAND = {
     EXPERTS.format(0): [1, 3],
     EXPERTS.format(1): [4, 0],
-    EXPERTS.format(2): [3, 1],
-    EXPERTS.format(3): [2, 2],
+    EXPERTS.format(2): [[0, 2, 3], [1]],
+    EXPERTS.format(3): [[1, 2], [0, 3]],
+}
+#: BY_HAND as each replica's experts.
+BY_HAND_LISTS = {
+    EXPERTS.format(0): [[0], [1, 2, 3]],
+    EXPERTS.format(1): [[0, 1, 2, 3], []],
+    EXPERTS.format(2): [[0, 2, 3], [1]],
+    EXPERTS.format(3): [[1, 2], [0, 3]],
 }
 
 
@@ -142,7 +150,8 @@ def placed_again(group: Any) -> dict[str, Any]:
                     par.place_experts(opt, **kwargs)
             assert par.expert_loads() != {}  # taken: the rebalancer counts from here
             seen["by_hand"] = par.place_experts(opt, shares=BY_HAND)
-            assert par.experts_placement == BY_HAND  # the plan names them now
+            assert par.experts_placement == BY_HAND_LISTS  # the plan names them now
+            assert par.plan.to_dict()["experts"] == BY_HAND
             watch.append(ExpertRebalancer(par, opt, speeds=[1.0, 0.25], every=2, threshold=0))
 
     def rebalance(n: int, par: Any, opt: Any) -> None:
@@ -151,11 +160,12 @@ def placed_again(group: Any) -> dict[str, Any]:
         if n == 2:  # the tokens the rebalancer placed by: steps 1 and 2's
             assert watch[0].loads is not None
             seen["routed"] = {k: sum(v) for k, v in watch[0].loads.items()}
+            seen["loads"] = watch[0].loads
             seen["plan"] = par.experts_placement
 
     batches = tc.batches(plan.batch, 4)
     out = trains_as_one_process(group, plan, batches, by_hand, rebalance, clip=0.05)
-    decisions = [[e.step, e.new_shares, e.applied] for e in watch[0].history]
+    decisions = [[e.step, e.new_shares, e.new_placement, e.applied] for e in watch[0].history]
     return {**seen, "decisions": decisions, "held": out["held"]}
 
 

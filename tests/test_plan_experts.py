@@ -58,7 +58,7 @@ def test_gloo_plans_with_experts_train_as_one_process():
     errors = results[0]["errors"]
     assert all(r["errors"] == errors for r in results)
     assert len(errors) == 3
-    assert errors[0].startswith("plan.experts: must be 3 ints >= 0 summing to the 4 experts of")
+    assert errors[0].startswith("plan.experts: must be 3 ints >= 0 summing to the 4 experts")
     assert errors[1].startswith("plan.experts: must name every experts module")
     assert errors[2].startswith("model: holds no experts module")
 
@@ -67,17 +67,27 @@ def _placed_again(results: list[dict]) -> None:
     """PIPELINES' experts moved by hand, then by the rebalancer (plan_experts_cases.
     placed_again): every rank's plan follows; each replica's ranks hold what it says."""
     again = [r.pop("placed_again") for r in results]
-    moved = {LAYER(0): [4, 0], LAYER(1): [3, 1], LAYER(2): [3, 1], LAYER(3): [4, 0]}
+    # At 1 : 0.25 each layer's coolest expert goes to the slow replica, wherever it is: in
+    # layer 0 (loads 65, 58, 63, 66) it takes 58 x 4 = 232 against 252 for every expert on
+    # the fast one, the best of any runs in expert order.
+    moved = {
+        LAYER(0): [[0, 2, 3], [1]],
+        LAYER(1): [[0, 1, 3], [2]],
+        LAYER(2): [[0, 1, 2], [3]],
+        LAYER(3): [[0, 2, 3], [1]],
+    }
+    counts = {k: [3, 1] for k in moved}
     # 2 steps of 7 rows of 9 tokens, 2 experts each, every replica's summed.
-    assert [a["decisions"] for a in again] == [[[2, moved, True]]] * 4
+    assert [a["decisions"] for a in again] == [[[2, counts, moved, True]]] * 4
     assert all(a["routed"] == dict.fromkeys(moved, 252) for a in again)
-    assert all(a["by_hand"] == cases.BY_HAND and a["plan"] == moved for a in again)
+    assert again[0]["loads"][LAYER(0)] == [65, 58, 63, 66]
+    assert all(a["by_hand"] == cases.BY_HAND_LISTS and a["plan"] == moved for a in again)
     # Ranks 0 and 3 run replica 0's and 1's first stage, ranks 2 and 1 their second.
     assert [a["held"] for a in again] == [
-        {LAYER(0): 4, LAYER(1): 3},
-        {LAYER(2): 1, LAYER(3): 0},
-        {LAYER(2): 3, LAYER(3): 4},
-        {LAYER(0): 0, LAYER(1): 1},
+        {LAYER(0): 3, LAYER(1): 3},
+        {LAYER(2): 1, LAYER(3): 1},
+        {LAYER(2): 3, LAYER(3): 3},
+        {LAYER(0): 1, LAYER(1): 1},
     ]
 
 
@@ -90,6 +100,7 @@ def test_plan_with_experts_round_trips_through_json(tmp_path):
         assert json.loads(path.read_text())["experts"] == doc["experts"]
     assert Plan.from_dict(cases.BY_SPEED).experts == (3, 1, 0)
     assert Plan.from_dict(cases.PIPELINES).experts[LAYER(1)] == (1, 3)
+    assert Plan.from_dict(cases.PIPELINES).experts[LAYER(2)] == ((1, 3), (0, 2))
     no_experts = {k: v for k, v in cases.BY_SPEED.items() if k != "experts"}
     assert "experts" not in Plan.from_dict(no_experts).to_dict()
 
@@ -110,12 +121,22 @@ def _other_cut() -> dict:
 @pytest.mark.parametrize(
     ("doc", "message"),
     [
-        ({**cases.BY_SPEED, "experts": [3, 1]}, r"plan.experts: needs one count per replica \(3\)"),
+        ({**cases.BY_SPEED, "experts": [3, 1]}, r"plan.experts: needs one entry per replica \(3\)"),
+        (
+            {**cases.BY_SPEED, "experts": [[0, 1], [1], []]},
+            "plan.experts: must name each of the 3 experts once; names expert 1 twice",
+        ),
+        (
+            {**cases.BY_SPEED, "experts": [[0, 2], [3], []]},
+            "plan.experts: must name each of the 3 experts once; misses expert 1",
+        ),
+        ({**cases.BY_SPEED, "experts": [[0], 1, []]}, "gives counts and expert indices together"),
+        ({**cases.BY_SPEED, "experts": [[0], ["a"], []]}, r"plan.experts\[1\]\[0\]: must be an"),
         ({**cases.BY_SPEED, "experts": [0, 0, 0]}, "plan.experts: places no expert"),
         ({**cases.BY_SPEED, "experts": [3, -1, 2]}, r"plan.experts\[1\]: must be an integer >= 0"),
         ({**cases.BY_SPEED, "experts": {}}, "plan.experts: must name at least one"),
         ({**cases.BY_SPEED, "experts": {" x": [1, 1, 1]}}, "must be an experts module's path"),
-        ({**cases.BY_SPEED, "experts": {"x": [1, 1]}}, r"plan.experts\['x'\]: needs one count"),
+        ({**cases.BY_SPEED, "experts": {"x": [1, 1]}}, r"plan.experts\['x'\]: needs one entry"),
         (_two_ranks_stage(), r"stages\[0\] splits over 2 ranks"),
         (_other_cut(), "the replicas must share their stages"),
         ({**cases.BY_SPEED, "microbatches": 3}, r"plan.replicas\[1\] has 2 samples"),

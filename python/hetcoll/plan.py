@@ -340,7 +340,12 @@ def expert_indices(
                 "one count per entry or one list of experts per entry"
             )
         out.append(
-            tuple(sorted(_int(e, f"{where}[{i}]", minimum=0) for e in _list(v, f"{where}[{i}]")))
+            tuple(
+                sorted(
+                    _int(e, f"{where}[{i}][{k}]", minimum=0)
+                    for k, e in enumerate(_list(v, f"{where}[{i}]"))
+                )
+            )
         )
     named = sorted(e for held_ in out for e in held_)
     total = len(named) if experts is None else experts

@@ -139,7 +139,10 @@ def placement(block: ExpertsBlock, experts: Placement, devices: int) -> list[lis
     if held is None:
         raise ValueError(f"experts: names no placement for {block.module!r}")
     where = f"experts[{block.module!r}]" if isinstance(experts, Mapping) else "experts"
-    placed = expert_indices(held, devices, where, experts=block.experts, of="device")
+    try:
+        placed = expert_indices(held, devices, where, experts=block.experts, of="device")
+    except ValueError as e:
+        raise ValueError(f"{e} (experts of {block.module!r})") from None
     return [list(h) for h in placed]
 
 

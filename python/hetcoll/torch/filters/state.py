@@ -53,7 +53,7 @@ def _gather(
         raise ValueError(f"dst: must be a rank in [0, {size}) or None, got {dst!r}")
     keep = comm is None or dst is None or comm.rank == dst
     # (key, dim, rows per rank, rows per rank of each block (its split ones, then those every
-    # rank holds), row shape, dtype, bytes per row)
+    # rank holds), row shape, dtype, bytes per row, the entries' rank order where not runs)
     pieces = []
     local = []
     for key, t in values.items():
@@ -67,16 +67,16 @@ def _gather(
                 [n for w, k in zip(blocks, kept, strict=True) for n in (s * w, k)] for s in m.shares
             ]
             rows = [sum(b) for b in per_block]
-            pieces.append((key, dim, rows, per_block, row, t.dtype, row_bytes))
+            pieces.append((key, dim, rows, per_block, row, t.dtype, row_bytes, m.order))
             local.append(moved.reshape(-1).view(torch.uint8))
     full: dict[str, torch.Tensor] = {}
     if comm is not None and pieces:
-        per_rank = [sum(rows[r] * rb for _, _, rows, _, _, _, rb in pieces) for r in range(size)]
+        per_rank = [sum(rows[r] * rb for _, _, rows, _, _, _, rb, _ in pieces) for r in range(size)]
         out = torch.empty(sum(per_rank), dtype=torch.uint8)
         comm.iallgatherv(torch.cat(local).numpy(), out.numpy(), per_rank).wait(None)
         if keep:
             start = [sum(per_rank[:r]) for r in range(size)]
-            for key, dim, rows, per_block, row, dtype, rb in pieces:
+            for key, dim, rows, per_block, row, dtype, rb, out_of_order in pieces:
                 held = []
                 for r in range(size):
                     n = rows[r] * rb
@@ -92,9 +92,9 @@ def _gather(
                     for r in (range(size) if b % 2 == 0 else [0])
                 ]
                 joined_rows = torch.cat(order)
-                if m.order is not None:  # each rank's entries back where the unsplit has them
+                if out_of_order is not None:  # each rank's entries where the unsplit has them
                     placed = torch.empty_like(joined_rows)
-                    placed[torch.tensor(m.order, dtype=torch.long)] = joined_rows
+                    placed[torch.tensor(out_of_order, dtype=torch.long)] = joined_rows
                     joined_rows = placed
                 full[key] = joined_rows.movedim(0, dim).contiguous()
     if not keep:
