@@ -274,7 +274,7 @@ def test_predict_plan_prices_pipelines_of_expert_parallel_replicas():
     placed = Plan.from_dict(cases.PIPELINES)
     pred = predict_plan(costs, four, placed)
     assert pred.feasible and pred.shares == [4, 3, 4, 3]
-    assert pred.detail["experts"] == {k: list(v) for k, v in placed.experts.items()}
+    assert pred.detail["experts"] == placed.to_dict()["experts"]
     assert pred.detail["all_to_all_s"] > 0 and pred.detail["stages"] == 2
     steps = {}
     for name, held in (("by speed", [3, 1]), ("reversed", [1, 3])):
