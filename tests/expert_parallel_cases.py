@@ -5,6 +5,7 @@ process training on the whole batch. Run on every rank of a gloo group (test_exp
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 from typing import Any
 
@@ -83,7 +84,7 @@ def trains_as_one_process(
     optimizer: str = "sgd",
     pad: bool = False,
     steps: int = 2,
-    shares: list[int] | None = None,
+    shares: list[int] | list[list[int]] | None = None,
     dtype: torch.dtype = torch.float64,
     device: torch.device | None = None,
     watch: Any = None,
@@ -153,8 +154,13 @@ def trains_as_one_process(
     assert full is not None
     for n, t in ref.state_dict().items():
         close(full[n].cpu(), t, f"state {n}")
-    # Resumed on the reversed placement, every expert lands where that placement puts it.
-    again = expert_parallel(make().to(dev, dtype), group, shares=placed_shares(model)[::-1])
+    # Resumed on the reversed counts, the experts taken from the last (not runs in expert
+    # order), every expert lands where that placement puts it.
+    counts = placed_shares(model)[::-1]
+    backwards = list(range(sum(counts)))[::-1]
+    cuts = [0, *itertools.accumulate(counts)]
+    resumed = [sorted(backwards[a:b]) for a, b in itertools.pairwise(cuts)]
+    again = expert_parallel(make().to(dev, dtype), group, shares=resumed)
     load_full_state_dict(again, full)
     back = gather_state_dict(again, dst=None)
     assert back is not None and all(torch.equal(back[n], t) for n, t in full.items())
@@ -242,8 +248,8 @@ def experts_placed(group: Any) -> dict[str, Any]:
         for name, make in models.items():
             out[name] = trains_as_one_process(group, make, SPEEDS[:p])
         # At these speeds the last rank holds no expert (its tokens all travel); given
-        # shares, every rank holds some.
-        held = [2, 1, 1, 0][:p] if p > 2 else [3, 1]
+        # shares (any experts), every rank holds some.
+        held = [[0, 3], [2], [1], []][:p] if p > 2 else [[1, 2, 3], [0]]
         out["every_rank"] = trains_as_one_process(group, mixtral, SPEEDS[:p], shares=held)
         out["padded"] = trains_as_one_process(group, mixtral, SPEEDS[:p], pad=True)
         out["checkpointed"] = trains_as_one_process(group, checkpointed, SPEEDS[:p])
@@ -338,7 +344,8 @@ def placed_again_by_load(group: Any) -> dict[str, Any]:
 def random_layers(group: Any, cases: int = 30) -> list[tuple[int, ...]]:
     """One experts layer against the unsplit layer on every rank's tokens together, in
     float64 to 1e-12, over ``cases`` random set-ups alike on every rank: 1-6 experts placed
-    at random (a rank may hold none), 1-3 per token, 0-4 tokens a rank (a rank may have none),
+    at random (runs in expert order in even cases, any experts in odd ones; a rank may hold
+    none), 1-3 per token, 0-4 tokens a rank (a rank may have none),
     routing at random, gates and output gradients at random. Rank r's loss is its share of
     ``sum(out * g)`` over its share of the weight (its tokens over all), so the experts'
     gradients are the unsplit layer's, and rank r's input and gate gradients its rows' times
@@ -355,6 +362,8 @@ def random_layers(group: Any, cases: int = 30) -> list[tuple[int, ...]]:
         top_k = int(torch.randint(1, min(experts, 3) + 1, (), generator=g))
         cuts = torch.sort(torch.randint(0, experts + 1, (p - 1,), generator=g)).values.tolist()
         shares = [b - a for a, b in zip([0, *cuts], [*cuts, experts], strict=True)]
+        order = torch.randperm(experts, generator=g).tolist() if case % 2 else range(experts)
+        held = [sorted(order[a:b]) for a, b in zip([0, *cuts], [*cuts, experts], strict=True)]
         rows = torch.randint(0, 5, (p,), generator=g).tolist()
         rows[case % p] = max(rows[case % p], 1)  # some rank has tokens
         total = sum(rows)
@@ -371,7 +380,7 @@ def random_layers(group: Any, cases: int = 30) -> list[tuple[int, ...]]:
         gates = torch.rand(total, top_k, generator=g, dtype=torch.float64)
         out_grad = torch.randn(total, 8, generator=g, dtype=torch.float64)
         layer = expert_parallel(
-            nn.ModuleDict({"experts": copy.deepcopy(ref)}), group, shares=shares
+            nn.ModuleDict({"experts": copy.deepcopy(ref)}), group, shares=held
         ).experts  # fmt: skip
         mine = slice(sum(rows[:rank]), sum(rows[: rank + 1]))
         xs, gs = x[mine].clone().requires_grad_(), gates[mine].clone().requires_grad_()
@@ -383,9 +392,8 @@ def random_layers(group: Any, cases: int = 30) -> list[tuple[int, ...]]:
             (out.sum() * 0).backward()  # no tokens: the rank still joins the exchanges
         xr, gr = x.clone().requires_grad_(), gates.clone().requires_grad_()
         (ref(xr, index, gr) * out_grad).sum().backward()
-        start = sum(shares[:rank])
         for name, q in layer.named_parameters(recurse=False):
-            want = ref.get_parameter(name).grad[start : start + shares[rank]]
+            want = ref.get_parameter(name).grad[held[rank]]
             assert q.grad is not None, (case, name)
             torch.testing.assert_close(q.grad, want, rtol=1e-12, atol=1e-12)
         if rows[rank]:

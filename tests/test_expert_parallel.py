@@ -14,7 +14,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from hetcoll import launch
-from hetcoll.torch.expert_parallel import expert_parallel, expert_shares, experts_module
+from hetcoll.torch.expert_parallel import (
+    expert_assignment,
+    expert_parallel,
+    expert_shares,
+    experts_module,
+)
 from hetcoll.torch.expert_rebalance import placement_time
 
 pytest.importorskip("transformers")
@@ -164,6 +169,57 @@ def test_expert_shares_by_load_are_the_best_contiguous_placement(loads, speeds):
     assert placement_time({**one, "again": shares}, {"experts": loads, "again": loads}, speeds) == (
         pytest.approx(2 * best, rel=1e-12)
     )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 20), min_size=1, max_size=6),
+    speeds=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+)
+def test_expert_assignment_is_the_best_placement_of_any_experts(loads, speeds):
+    """Against brute force over every placement of any experts on any rank: the slowest
+    rank's tokens over its speed are the fewest there are, never more than the best runs
+    (which it keeps on a tie), and what placement_time reads; every expert placed once."""
+    speeds_f = [float(v) for v in speeds]
+    held = expert_assignment(len(loads), speeds_f, loads=[float(x) for x in loads])
+    assert sorted(e for h in held for e in h) == list(range(len(loads)))
+    assert all(h == sorted(h) for h in held)
+
+    def slowest(owner: tuple[int, ...]) -> float:
+        work = [
+            sum(x for x, o in zip(loads, owner, strict=True) if o == r) for r in range(len(speeds))
+        ]
+        return max(w / s for w, s in zip(work, speeds, strict=True))
+
+    best = min(slowest(o) for o in itertools.product(range(len(speeds)), repeat=len(loads)))
+    got = placement_time({"experts": held}, {"experts": loads}, speeds_f)
+    assert got == pytest.approx(best, rel=1e-9)
+    runs = expert_shares(len(loads), speeds_f, loads=[float(x) for x in loads])
+    by_runs = placement_time({"experts": runs}, {"experts": loads}, speeds_f)
+    assert got <= by_runs
+    if got == by_runs:
+        cuts = [0, *itertools.accumulate(runs)]
+        assert held == [list(range(a, b)) for a, b in itertools.pairwise(cuts)]
+
+
+def test_expert_assignment_parts_hot_experts():
+    """Two hot experts side by side: runs cannot part them, any experts can; without loads
+    the runs of expert_shares; capacity bounds each rank; bad input names the argument."""
+    assert expert_assignment(4, [1.0, 1.0], loads=[5.0, 5.0, 1.0, 1.0]) == [[0, 2], [1, 3]]
+    assert placement_time({"x": [[0, 2], [1, 3]]}, {"x": [5, 5, 1, 1]}, [1.0, 1.0]) == 6.0
+    assert placement_time({"x": [1, 3]}, {"x": [5, 5, 1, 1]}, [1.0, 1.0]) == 7.0
+    assert expert_assignment(8, [3.0, 1.0]) == [[0, 1, 2, 3, 4, 5], [6, 7]]
+    held = expert_assignment(6, [9.0, 1.0], loads=[1.0] * 6, capacity=[2, 4])
+    assert [len(h) for h in held] == [2, 4]
+    for kwargs, text in (
+        ({"loads": [1.0]}, "loads: needs one entry per expert"),
+        ({"loads": [1.0] * 4, "capacity": [1, 1]}, "capacity: infeasible"),
+        ({"loads": [1.0, -1.0, 1.0, 1.0]}, "loads: must be finite"),
+    ):
+        with pytest.raises(ValueError, match=text):
+            expert_assignment(4, [1.0, 1.0], **kwargs)
+    with pytest.raises(ValueError, match=r"shares\['x'\]: must name each of the 4 experts once"):
+        placement_time({"x": [[0, 1], [1, 3]]}, {"x": [1, 1, 1, 1]}, [1.0, 1.0])
 
 
 def test_experts_modules_are_found_in_hugging_face_models():

@@ -195,6 +195,89 @@ def test_chain_memory_bad_input_names_the_argument(kwargs, argument):
         hetcoll.partition_chain([1.0, 1.0], [1.0], **kwargs)
 
 
+# ---------------------------------------------------------------- partition_items
+
+
+def items_time(loads, speeds, owner):
+    """The slowest device's load over its speed (inf where a device of speed 0 holds load)."""
+    work = [0.0] * len(speeds)
+    for i, d in enumerate(owner):
+        work[d] += loads[i]
+    return max((w / s if s > 0 else math.inf) if w > 0 else 0.0 for w, s in zip(work, speeds))
+
+
+def items_brute_force(loads, speeds, capacity=None):
+    best = math.inf
+    for owner in itertools.product(range(len(speeds)), repeat=len(loads)):
+        if capacity is None or all(owner.count(d) <= c for d, c in enumerate(capacity)):
+            best = min(best, items_time(loads, speeds, owner))
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    loads=st.lists(st.one_of(st.just(0.0), st.floats(0.0, 50.0)), min_size=1, max_size=7),
+    speeds=st.lists(st.one_of(st.just(1.0), st.floats(0.05, 4.0)), min_size=1, max_size=3),
+    capacity=st.none() | st.lists(st.integers(0, 5), min_size=3, max_size=3),
+)
+def test_items_are_optimal_against_brute_force(loads, speeds, capacity):
+    """Any items on any device: the slowest device's time is brute force's best, within each
+    device's capacity, proved (the flag), and the same on a second call (deterministic)."""
+    capacity = None if capacity is None else capacity[: len(speeds)]
+    best = items_brute_force(loads, speeds, capacity)
+    if math.isinf(best):
+        with pytest.raises(ValueError, match=r"^(capacity|speeds):"):
+            hetcoll.partition_items(loads, speeds, capacity=capacity)
+        return
+    owner, exact = hetcoll.partition_items(loads, speeds, capacity=capacity)
+    assert exact and len(owner) == len(loads)
+    assert items_time(loads, speeds, owner) <= best * (1 + 1e-9)
+    if capacity is not None:
+        assert all(owner.count(d) <= c for d, c in enumerate(capacity))
+    assert hetcoll.partition_items(loads, speeds, capacity=capacity) == (owner, exact)
+
+
+def test_items_part_hot_items_and_beat_every_contiguous_cut():
+    """Two hot items side by side go to different devices, which no cut into runs can do; a
+    spent budget returns the greedy bound or better, unproved."""
+    loads = [9.0, 9.0, 1.0, 1.0]
+    owner, exact = hetcoll.partition_items(loads, [1.0, 1.0])
+    assert exact and owner[0] != owner[1] and items_time(loads, [1.0, 1.0], owner) == 10.0
+    runs = hetcoll.partition_chain(loads, [1.0, 1.0])
+    assert python_stage_times(loads, [1.0, 1.0], runs) == [9.0, 11.0]
+    rng = np.random.default_rng(0)
+    many = rng.uniform(1.0, 10.0, 64).tolist()
+    speeds = [1.0, 0.7, 0.5, 0.5, 0.3, 0.2, 0.2, 0.1]
+    owner, exact = hetcoll.partition_items(many, speeds, max_nodes=1)
+    assert not exact
+    lower = max(sum(many) / sum(speeds), max(many) / max(speeds))
+    greedy = items_time(many, speeds, owner)
+    assert greedy <= 1.05 * lower
+    owner, _ = hetcoll.partition_items(many, speeds)  # the default budget searches further
+    assert items_time(many, speeds, owner) <= min(greedy, 1.005 * lower)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "argument"),
+    [
+        (([], [1.0]), {}, "loads"),
+        (([1.0, float("nan")], [1.0]), {}, "loads[1]"),
+        (([1.0], []), {}, "speeds"),
+        (([1.0], [-1.0]), {}, "speeds[0]"),
+        (([1.0], [1.0]), {"capacity": [1, 1]}, "capacity"),
+        (([1.0], [1.0]), {"capacity": [-1]}, "capacity[0]"),
+        (([1.0, 1.0], [1.0, 1.0]), {"capacity": [1, 0]}, "capacity"),
+        (([1.0, 1.0], [1.0, 0.0]), {"capacity": [1, 5]}, "speeds"),
+        (([1.0], [1.0]), {"max_nodes": 0}, "max_nodes"),
+        (([1.0], [1.0]), {"max_nodes": 1.5}, "max_nodes"),
+        (("ab", [1.0]), {}, "loads"),
+    ],
+)
+def test_items_bad_input_names_the_argument(args, kwargs, argument):
+    with pytest.raises(ValueError, match=rf"^{re.escape(argument)}:"):
+        hetcoll.partition_items(*args, **kwargs)
+
+
 # ---------------------------------------------------------------- partition_hypergraph / km1
 
 
