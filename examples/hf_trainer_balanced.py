@@ -54,6 +54,7 @@ from accelerate_balanced import (
 from transformers import TrainingArguments
 
 from hetcoll.accelerate import BalancedTrainer
+from hetcoll.plan import experts_field
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -111,7 +112,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             "speeds": trainer.balanced.speeds,
             "logged": logged,
             "experts_moves": [
-                {"step": e.step, "experts": e.new_shares, "moved": e.applied}
+                # Counts where runs in expert order, else each rank's experts.
+                {"step": e.step, "experts": experts_field(e.new_placement), "moved": e.applied}
                 for e in (trainer.expert_rebalancer.history if trainer.expert_rebalancer else [])
             ],
         }

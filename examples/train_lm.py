@@ -51,6 +51,7 @@ from train_plan import Job
 
 import hetcoll
 from hetcoll import Plan
+from hetcoll.plan import experts_field
 from hetcoll.torch import parallelize
 from hetcoll.torch.layers import model_layers
 
@@ -271,7 +272,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": seconds,
         "traffic": par.traffic(),
         "experts_moves": [
-            {"step": e.step, "experts": e.new_shares, "moved": e.applied} for e in watch.history
+            # As the plan writes them: counts where runs in expert order, else each replica's.
+            {"step": e.step, "experts": experts_field(e.new_placement), "moved": e.applied}
+            for e in watch.history
         ]
         if watch is not None
         else [],

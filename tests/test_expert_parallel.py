@@ -211,6 +211,20 @@ def test_expert_assignment_parts_hot_experts():
     assert expert_assignment(8, [3.0, 1.0]) == [[0, 1, 2, 3, 4, 5], [6, 7]]
     held = expert_assignment(6, [9.0, 1.0], loads=[1.0] * 6, capacity=[2, 4])
     assert [len(h) for h in held] == [2, 4]
+    # Ranks of one speed are interchangeable: given the placement now, their sets go where
+    # most of each already is (the same time, fewer experts moving).
+    loads, speeds = [5.0, 5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0, 0.5]
+    now = [[7, 6], [5, 4], [3, 2], [1], [0]]
+    fresh = expert_assignment(8, speeds, loads=loads)
+    kept = expert_assignment(8, speeds, loads=loads, current=now)
+    assert placement_time({"x": kept}, {"x": loads}, speeds) == 5.0
+    assert placement_time({"x": fresh}, {"x": loads}, speeds) == 5.0
+    assert sorted(map(sorted, kept[:4])) == sorted(map(sorted, fresh[:4])) and kept[4] == fresh[4]
+
+    def moved(held: list[list[int]]) -> int:
+        return sum(len(set(h) - set(n)) for h, n in zip(held, now, strict=True))
+
+    assert moved(kept) < moved(fresh)
     for kwargs, text in (
         ({"loads": [1.0]}, "loads: needs one entry per expert"),
         ({"loads": [1.0] * 4, "capacity": [1, 1]}, "capacity: infeasible"),

@@ -155,6 +155,7 @@ def expert_assignment(
     *,
     loads: Sequence[float] | None = None,
     capacity: Sequence[int] | None = None,
+    current: Sequence[Sequence[int]] | None = None,
 ) -> list[list[int]]:
     """Each rank's experts (their indices, ascending), in rank order: any experts on any rank.
 
@@ -165,7 +166,9 @@ def expert_assignment(
     (:func:`hetcoll.partition_items`, exact within its search budget; never worse than the
     best contiguous runs, which it keeps on a tie): two hot experts side by side are parted,
     which no cut into runs can do. ``capacity``: the most experts each rank may hold; a
-    request none fits raises ``ValueError``.
+    request none fits raises ``ValueError``. ``current``: the placement now (each rank's
+    expert indices); ranks of the same speed and capacity are interchangeable, so their
+    sets are handed out to keep as many experts where they are as they can (fewer move).
 
     >>> expert_assignment(4, [1.0, 1.0], loads=[5.0, 5.0, 1.0, 1.0])
     [[0, 2], [1, 3]]
@@ -179,9 +182,47 @@ def expert_assignment(
     load = [float(x) for x in loads]
     owner, _ = hetcoll.partition_items(load, [float(s) for s in speeds], capacity=capacity)
     anywhere = [[e for e in range(num_experts) if owner[e] == r] for r in range(len(runs))]
+    best = anywhere
     if assignment_seconds(contiguous, load, speeds) <= assignment_seconds(anywhere, load, speeds):
-        return contiguous
-    return anywhere
+        best = contiguous
+    if current is None:
+        return best
+    return _least_moved(best, current, speeds, capacity)
+
+
+def _least_moved(
+    placement: list[list[int]],
+    current: Sequence[Sequence[int]],
+    speeds: Sequence[float],
+    capacity: Sequence[int] | None,
+) -> list[list[int]]:
+    """``placement`` with the sets of interchangeable ranks (the same speed and capacity)
+    handed out again, each set to the rank of its kind that holds most of it now (the
+    largest overlaps first; ties to the lower rank, then the lower set), so that fewer
+    experts move and the time is the same."""
+    if len(current) != len(placement):
+        raise ValueError(
+            f"current: needs one entry per rank ({len(placement)}), got {len(current)}"
+        )
+    now = [set(held) for held in current]
+    out = [list(held) for held in placement]
+    kinds: dict[tuple[float, int | None], list[int]] = {}
+    for r, s in enumerate(speeds):
+        kinds.setdefault((float(s), None if capacity is None else int(capacity[r])), []).append(r)
+    for ranks in kinds.values():
+        if len(ranks) < 2:
+            continue
+        pairs = sorted(
+            ((len(now[r] & set(placement[k])), r, k) for r in ranks for k in ranks),
+            key=lambda t: (-t[0], t[1], t[2]),
+        )
+        free_ranks, free_sets = set(ranks), set(ranks)
+        for _, r, k in pairs:
+            if r in free_ranks and k in free_sets:
+                out[r] = list(placement[k])
+                free_ranks.discard(r)
+                free_sets.discard(k)
+    return out
 
 
 def assignment_seconds(
@@ -685,13 +726,16 @@ def experts_placement(
     capacity: Sequence[int] | None = None,
     where: str = "shares",
     of: str = "rank",
+    current: Placement | None = None,
 ) -> Placement:
     """Each experts layer (its path and experts: :func:`find_experts`) placed on ``ranks``
     ranks, as each rank's expert indices: by ``speeds`` (:func:`expert_assignment`, with
     ``loads`` and ``capacity``), or as ``shares`` give them (:data:`Shares`: one placement
     for every layer, or a dict by path naming every layer; ``where``: the argument they came
-    as, ``of``: what one entry is for, a rank or a plan's replica, for the errors).
-    ``ValueError`` naming the argument where they do not make a placement."""
+    as, ``of``: what one entry is for, a rank or a plan's replica, for the errors;
+    ``current``: each layer's placement now, which placing by speed disturbs least:
+    :func:`expert_assignment`). ``ValueError`` naming the argument where they do not make a
+    placement."""
     if speeds is not None and len(speeds) != ranks:
         raise ValueError(f"speeds: needs one per {of} ({ranks}), got {len(speeds)}")
     for arg, given in (("loads", loads), (where, shares)):
@@ -707,7 +751,10 @@ def experts_placement(
     for name, count in experts:
         load = loads.get(name) if isinstance(loads, Mapping) else loads
         if speeds is not None:
-            placed[name] = expert_assignment(count, speeds, loads=load, capacity=capacity)
+            now = None if current is None else current.get(name)
+            placed[name] = expert_assignment(
+                count, speeds, loads=load, capacity=capacity, current=now
+            )
         else:
             held = shares.get(name) if isinstance(shares, Mapping) else shares
             w = f"{where}[{name!r}]" if isinstance(shares, Mapping) else where

@@ -209,6 +209,7 @@ class ExpertRebalancer:
             speeds=speeds,
             loads=self.loads,
             capacity=self.capacity,
+            current=old,
         )
         before = placement_time(old, self.loads, speeds)
         after = placement_time(new, self.loads, speeds)
