@@ -2,6 +2,11 @@
 
 - ``hetcoll.partition_chain`` on 10,000 layers x 1,000 devices vs the same probe + bisection
   written with numpy (``searchsorted`` per device, 64 float bisection steps, no transfers).
+- ``hetcoll.partition_items`` (any items on any device: the experts of a mixture-of-experts
+  layer) on 64 and 256 skewed loads (log-normal, as routed tokens are) over 8 ranks of unequal
+  speed vs the greedy schedule written in Python (LPT: heaviest first, each where it finishes
+  soonest) and vs the best runs in expert order (``hetcoll.partition_chain``, what placing
+  experts in runs gives); each one's slowest rank over the lower bound in the note.
 - ``hetcoll.partition_hypergraph`` vs Mt-KaHyPar's default preset (1 thread) on the column-net
   hypergraph of a 10^4 x 10^4 random sparse matrix, k = 4 with heterogeneous targets; km1 of both
   in the note. Skipped when ``mtkahypar`` is not installed (``make bench`` installs it: the
@@ -81,6 +86,64 @@ def test_chain_numpy_peer(benchmark, record):
         note=f"bottleneck / exact = {bottleneck(c, s, layers) / exact:.9f}",
     )
     assert bottleneck(c, s, layers) >= exact
+
+
+RANK_SPEEDS = [1.0, 0.8, 0.6, 0.5, 0.5, 0.3, 0.2, 0.1]
+
+
+def items_instance(n: int) -> list[float]:
+    return np.random.default_rng(n).lognormal(0.0, 1.0, n).tolist()
+
+
+def items_bottleneck(loads: list[float], owner: list[int]) -> float:
+    """The slowest rank's load over its speed, over the lower bound (fluid, or the heaviest
+    item on the fastest rank)."""
+    work = np.zeros(len(RANK_SPEEDS))
+    np.add.at(work, owner, loads)
+    lower = max(sum(loads) / sum(RANK_SPEEDS), max(loads) / max(RANK_SPEEDS))
+    return float((work / np.asarray(RANK_SPEEDS)).max() / lower)
+
+
+def greedy_items(loads: list[float]) -> list[int]:
+    """LPT on uniformly related machines: heaviest first, each on the rank where it ends
+    soonest."""
+    work = [0.0] * len(RANK_SPEEDS)
+    owner = [0] * len(loads)
+    for i in sorted(range(len(loads)), key=lambda i: -loads[i]):
+        d = min(range(len(work)), key=lambda d: (work[d] + loads[i]) / RANK_SPEEDS[d])
+        work[d] += loads[i]
+        owner[i] = d
+    return owner
+
+
+def runs_items(loads: list[float]) -> list[int]:
+    """The best runs in expert order (what placing experts in runs gives)."""
+    layers = hetcoll.partition_chain(loads, RANK_SPEEDS)
+    return [d for d, n in enumerate(layers) for _ in range(n)]
+
+
+@pytest.mark.parametrize("n", [64, 256])
+@pytest.mark.parametrize(
+    ("name", "solve", "peer"),
+    [
+        ("hetcoll.partition_items (Rust, branch and bound)", None, False),
+        ("greedy LPT (Python)", greedy_items, True),
+        ("best runs in expert order (partition_chain)", runs_items, False),
+    ],
+)
+def test_items(benchmark, record, n, name, solve, peer):
+    loads = items_instance(n)
+    if solve is None:
+        owner, exact = benchmark.pedantic(
+            hetcoll.partition_items, args=(loads, RANK_SPEEDS), rounds=10
+        )
+        proved = ", proved optimal" if exact else ""
+    else:
+        owner, proved = benchmark.pedantic(solve, args=(loads,), rounds=10), ""
+    ratio = items_bottleneck(loads, owner)
+    group = f"partition_items {n} experts x 8 ranks (log-normal loads)"
+    record(benchmark, group, name, peer=peer, note=f"slowest / lower bound = {ratio:.4f}{proved}")
+    assert sorted(set(owner)) <= list(range(len(RANK_SPEEDS)))
 
 
 def random_hypergraph(n: int = 10_000, per_row: int = 5):

@@ -11,6 +11,7 @@ import hetcoll.collectives.speculative
 import hetcoll.fusion
 import hetcoll.kernels
 import hetcoll.model.predict
+import hetcoll.plan
 import hetcoll.torch.sampler
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +29,8 @@ def test_readme_examples():
         hetcoll.fusion,
         hetcoll.collectives.speculative,
         hetcoll.torch.sampler,
+        hetcoll.plan,
+        importlib.import_module("hetcoll.torch.expert_parallel"),
         *(
             importlib.import_module(f"hetcoll.torch.filters.{m}")
             for m in ("checks", "autograd", "layers", "chains", "tensor_split", "convert", "state")

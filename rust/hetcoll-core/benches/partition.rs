@@ -1,11 +1,14 @@
 //! Criterion benchmarks of the partitioners: exact pipeline stages at 10,000 layers x 1,000
 //! devices (with and without boundary transfers), and the multilevel hypergraph partitioner on a
-//! 2D grid of 10,000 vertices into 4 heterogeneous blocks.
+//! 2D grid of 10,000 vertices into 4 heterogeneous blocks; the experts of a mixture-of-experts
+//! layer (64 and 256 skewed loads) on 8 ranks of unequal speed, any experts on any rank.
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use hetcoll_core::solvers::{partition_chain, partition_hypergraph, Hypergraph, PartitionOptions};
+use hetcoll_core::solvers::{
+    assign_items, partition_chain, partition_hypergraph, Hypergraph, PartitionOptions,
+};
 
 fn bench_chain(c: &mut Criterion) {
     let (n, p) = (10_000usize, 1_000usize);
@@ -57,5 +60,21 @@ fn bench_hypergraph(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_chain, bench_hypergraph);
+fn bench_assign(c: &mut Criterion) {
+    let speeds = [1.0, 0.8, 0.6, 0.5, 0.5, 0.3, 0.2, 0.1];
+    let mut g = c.benchmark_group("assign_items");
+    g.sample_size(20);
+    for n in [64usize, 256] {
+        // Skewed, as routed tokens are: a few hot experts, a long cool tail.
+        let loads: Vec<f64> = (0..n)
+            .map(|i| 1000.0 / (1.0 + (i * 7919 % n) as f64).powf(0.8))
+            .collect();
+        g.bench_function(format!("{n}_experts_8_ranks"), |b| {
+            b.iter(|| assign_items(black_box(&loads), black_box(&speeds), None, 200_000).unwrap())
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench_chain, bench_hypergraph, bench_assign);
 criterion_main!(benches);

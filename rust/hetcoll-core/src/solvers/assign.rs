@@ -139,10 +139,7 @@ pub fn assign_items(
     for &d in owner.iter().filter(|&&d| d != usize::MAX) {
         held[d] += 1;
     }
-    for i in 0..n {
-        if owner[i] != usize::MAX {
-            continue;
-        }
+    for slot in owner.iter_mut().filter(|o| **o == usize::MAX) {
         let d = (0..p)
             .filter(|&d| held[d] < room[d])
             .min_by(|&a, &b| {
@@ -156,7 +153,7 @@ pub fn assign_items(
                 key(a).total_cmp(&key(b)).then(a.cmp(&b))
             })
             .expect("the total room was checked to hold every item");
-        owner[i] = d;
+        *slot = d;
         held[d] += 1;
     }
     Ok(Assignment { owner, exact })
@@ -431,16 +428,11 @@ mod tests {
         let loads: Vec<f64> = (0..40).map(|i| ((i * 37) % 17 + 1) as f64).collect();
         let speeds = [1.0, 0.7, 0.45, 0.3];
         let a = assign_items(&loads, &speeds, None, 1).unwrap();
-        let g = Search::new(
-            &loads,
-            &speeds,
-            &[40; 4],
-            &{
-                let mut h: Vec<usize> = (0..40).collect();
-                h.sort_by(|&x, &y| loads[y].total_cmp(&loads[x]).then(x.cmp(&y)));
-                h
-            },
-        )
+        let g = Search::new(&loads, &speeds, &[40; 4], &{
+            let mut h: Vec<usize> = (0..40).collect();
+            h.sort_by(|&x, &y| loads[y].total_cmp(&loads[x]).then(x.cmp(&y)));
+            h
+        })
         .greedy();
         let mut load = [0.0; 4];
         let mut sorted: Vec<f64> = loads.clone();
@@ -467,10 +459,13 @@ mod tests {
             err(assign_items(&[1.0, 1.0], &[1.0, 0.0], Some(&[1, 2]), 10)),
             "speeds"
         );
-        assert_eq!(err(assignment_time(&[1.0], &[1.0], &[1]).map(|_| Assignment {
-            owner: vec![],
-            exact: true
-        })), "owner[0]");
+        assert_eq!(
+            err(assignment_time(&[1.0], &[1.0], &[1]).map(|_| Assignment {
+                owner: vec![],
+                exact: true
+            })),
+            "owner[0]"
+        );
     }
 
     proptest! {
@@ -498,8 +493,8 @@ mod tests {
                     let t = assignment_time(&loads, &speeds, &a.owner).unwrap();
                     prop_assert!(t <= best * (1.0 + 1e-9), "{t} vs {best}");
                     if let Some(c) = room {
-                        for d in 0..p {
-                            prop_assert!(a.owner.iter().filter(|&&o| o == d).count() as u64 <= c[d]);
+                        for (d, &cap) in c.iter().enumerate() {
+                            prop_assert!(a.owner.iter().filter(|&&o| o == d).count() as u64 <= cap);
                         }
                     }
                 }
