@@ -188,12 +188,12 @@ def test_expert_parallel_with_a_gpu_rank(first):
     by the whole model's norm, and training still equals it. With ``first="cpu"`` every rank
     is a CPU rank."""
     layers = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
-    first = dict(zip(layers, [[0, 1, 3], [0, 1, 3]], strict=True))
-    then = dict(zip(layers, [[0, 1, 3], [1, 1, 2]], strict=True))
+    # Each rank's experts (test_expert_parallel's BY_LOAD): moved after step 2, kept after 4.
+    by_load = dict(zip(layers, [[[], [0], [1, 2, 3]], [[], [2], [0, 1, 3]]], strict=True))
     placed = {
         "mixtral": [3, 1, 0],
         "gpt_oss": [3, 1, 0],
-        "rebalanced": [[2, first, True], [4, then, True]],
+        "rebalanced": [[2, by_load, True], [4, by_load, False]],
     }
     assert _spawn(cuda_cases.experts_mixed, 3, first) == [placed] * 3
 
