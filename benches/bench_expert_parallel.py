@@ -164,7 +164,7 @@ def _rank(rank: int, world: int, batch: int, steps: int) -> dict[str, Any]:
 
         runs[name] = {
             "step": plan_step,
-            "experts": [int(n) for n in (plan.experts or ())],
+            "experts": plan.to_dict().get("experts", []),  # counts where runs: as written
             "rows": [r.samples for r in plan.replicas],
             "param_bytes": int(sum(p.numel() * p.element_size() for p in par.parameters())),
         }
