@@ -13,6 +13,7 @@ __all__ = [
     "pack_into",
     "partition_chain",
     "partition_hypergraph",
+    "partition_items",
     "ring_schedule",
     "split",
     "unpack_from",

@@ -70,25 +70,11 @@ pub fn assign_items(
     if n == 0 {
         return Err(CoreError::invalid("loads", "must hold at least one item"));
     }
-    for (i, &w) in loads.iter().enumerate() {
-        if !w.is_finite() || w < 0.0 {
-            return Err(CoreError::invalid(
-                format!("loads[{i}]"),
-                format!("must be finite and >= 0, got {w}"),
-            ));
-        }
-    }
+    non_negative(loads, "loads")?;
     if p == 0 {
         return Err(CoreError::invalid("speeds", "must not be empty"));
     }
-    for (d, &s) in speeds.iter().enumerate() {
-        if !s.is_finite() || s < 0.0 {
-            return Err(CoreError::invalid(
-                format!("speeds[{d}]"),
-                format!("must be finite and >= 0, got {s}"),
-            ));
-        }
-    }
+    non_negative(speeds, "speeds")?;
     let room: Vec<u64> = match capacity {
         None => vec![n as u64; p],
         Some(c) if c.len() != p => {
@@ -157,6 +143,17 @@ pub fn assign_items(
         held[d] += 1;
     }
     Ok(Assignment { owner, exact })
+}
+
+/// Every entry of `values` (the argument `name`) finite and >= 0.
+fn non_negative(values: &[f64], name: &str) -> Result<()> {
+    match values.iter().position(|x| !x.is_finite() || *x < 0.0) {
+        Some(i) => Err(CoreError::invalid(
+            format!("{name}[{i}]"),
+            format!("must be finite and >= 0, got {}", values[i]),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// The bottleneck of an assignment: the largest `load / speed` over the devices (a device of speed
