@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import hetcoll
@@ -102,6 +102,30 @@ def test_partition_chain_never_panics(costs, speeds, boundary_bytes, bandwidth):
 @pytest.mark.timeout(60)
 @FUZZ
 @given(
+    loads=hostile_list,
+    speeds=hostile_list,
+    capacity=st.one_of(st.none(), hostile_list),
+    max_nodes=st.one_of(st.none(), hostile_scalar),
+)
+def test_partition_items_never_panics(loads, speeds, capacity, max_nodes):
+    kwargs = {
+        k: v for k, v in dict(capacity=capacity, max_nodes=max_nodes).items() if v is not None
+    }
+    if isinstance(max_nodes, int) and not isinstance(max_nodes, bool) and max_nodes > 10**5:
+        kwargs["max_nodes"] = 10**5  # a budget is the caller's to spend: keep the run short
+    try:
+        owner, exact = hetcoll.partition_items(loads, speeds, **kwargs)
+    except (ValueError, TypeError) as e:
+        names = ("loads", "speeds", "capacity", "max_nodes")
+        assert re.match(rf"^({'|'.join(names)})\b", str(e)), str(e)
+        return
+    assert len(owner) == len(loads) and all(0 <= d < len(speeds) for d in owner)
+    assert isinstance(exact, bool)
+
+
+@pytest.mark.timeout(60)
+@FUZZ
+@given(
     num_vertices=st.one_of(st.integers(0, 12), hostile_int),
     nets=st.one_of(
         st.lists(st.lists(st.one_of(st.integers(-2, 14), hostile_scalar), max_size=4), max_size=6),
@@ -111,6 +135,9 @@ def test_partition_chain_never_panics(costs, speeds, boundary_bytes, bandwidth):
     epsilon=st.one_of(st.none(), hostile_float),
     seed=st.one_of(st.none(), hostile_int),
 )
+# More vertices than memory holds (about 640 GiB to partition): refused by name, where the
+# allocation once aborted the process or had the system kill it.
+@example(num_vertices=2**32 - 1, nets=[[0, 1]], targets=[0.5, 0.5], epsilon=None, seed=None)
 def test_partition_hypergraph_never_panics(num_vertices, nets, targets, epsilon, seed):
     names = ("num_vertices", "nets", "targets", "vertex_weights", "net_weights", "epsilon", "seed")
     try:

@@ -6,8 +6,8 @@
 use hetcoll_core::kernels::{pack, unpack, weighted_sum, Source};
 use hetcoll_core::schedules::ring::ring_allreduce;
 use hetcoll_core::solvers::{
-    finish_times, km1, partition_chain, partition_hypergraph, split, stage_times, Hypergraph,
-    PartitionOptions, SplitOptions,
+    assign_items, assignment_time, finish_times, km1, partition_chain, partition_hypergraph, split,
+    stage_times, Hypergraph, PartitionOptions, SplitOptions,
 };
 use hetcoll_core::CoreError;
 use proptest::prelude::*;
@@ -101,6 +101,28 @@ proptest! {
                 prop_assert_eq!(layers.len(), speeds.len());
                 prop_assert_eq!(layers.iter().sum::<u64>(), costs.len() as u64);
                 prop_assert!(stage_times(&costs, &speeds, &layers, bytes.as_deref(), bandwidth).is_ok());
+            }
+            Err(e) => prop_assert!(names_an_argument(&e), "{e}"),
+        }
+    }
+
+    #[test]
+    fn assign_never_panics(
+        loads in prop::collection::vec(hostile_f64(), 0..9),
+        speeds in prop::collection::vec(hostile_f64(), 0..4),
+        capacity in prop::option::of(prop::collection::vec(hostile_u64(), 0..4)),
+        max_nodes in 0u64..100_000,
+    ) {
+        match assign_items(&loads, &speeds, capacity.as_deref(), max_nodes) {
+            Ok(a) => {
+                prop_assert_eq!(a.owner.len(), loads.len());
+                prop_assert!(a.owner.iter().all(|&d| d < speeds.len()));
+                if let Some(c) = &capacity {
+                    for (d, &cap) in c.iter().enumerate() {
+                        prop_assert!(a.owner.iter().filter(|&&o| o == d).count() as u64 <= cap);
+                    }
+                }
+                prop_assert!(assignment_time(&loads, &speeds, &a.owner).is_ok());
             }
             Err(e) => prop_assert!(names_an_argument(&e), "{e}"),
         }

@@ -266,7 +266,8 @@ pub fn partition_items(
     if max_nodes == 0 {
         return Err(invalid("max_nodes", "must be >= 1, got 0"));
     }
-    let a = detached(py, || {
+    // A large budget on many items may search long: Ctrl-C ends the wait at once.
+    let a = interruptible(py, move || {
         solvers::assign_items(&loads, &speeds, capacity.as_deref(), max_nodes)
     })?
     .py_err()?;

@@ -671,3 +671,16 @@ fn cifar_cnn_is_split_as_a_pipeline() {
         assert!(balanced(&hg, &parts, &caps, None));
     }
 }
+
+#[test]
+fn a_hypergraph_larger_than_memory_is_refused_by_name() {
+    let gib = 1u64 << 30;
+    let err = check_memory(1 << 31, 0, Some(8 * gib)).unwrap_err();
+    assert_eq!(err.argument(), "num_vertices");
+    assert!(
+        err.to_string().contains("GiB of memory is available"),
+        "{err}"
+    );
+    assert!(check_memory(1 << 20, 5 << 20, Some(8 * gib)).is_ok());
+    assert!(check_memory(1 << 31, 0, None).is_ok()); // unknown: nothing to judge by
+}
