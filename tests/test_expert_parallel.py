@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -20,7 +21,7 @@ from hetcoll.torch.expert_parallel import (
     expert_shares,
     experts_module,
 )
-from hetcoll.torch.expert_rebalance import placement_time
+from hetcoll.torch.expert_rebalance import placement_time, refined_placement
 
 pytest.importorskip("transformers")
 
@@ -234,6 +235,56 @@ def test_expert_assignment_parts_hot_experts():
             expert_assignment(4, [1.0, 1.0], **kwargs)
     with pytest.raises(ValueError, match=r"shares\['x'\]: must name each of the 4 experts once"):
         placement_time({"x": [[0, 1], [1, 3]]}, {"x": [1, 1, 1, 1]}, [1.0, 1.0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 20), min_size=1, max_size=9),
+    speeds=st.lists(st.integers(1, 6), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+    limited=st.booleans(),
+)
+def test_refined_placement_only_improves_and_moves_few(loads, speeds, seed, limited):
+    """From any placement: every expert still placed once, within capacity, the slowest
+    rank's time never higher, and no step left that lowers it (a move off the slowest rank
+    or a swap there for a lighter expert)."""
+    rng = np.random.default_rng(seed)
+    owner = rng.integers(0, len(speeds), len(loads))
+    now = [[e for e in range(len(loads)) if owner[e] == r] for r in range(len(speeds))]
+    capacity = [max(len(h), 1) + int(rng.integers(0, 2)) for h in now] if limited else None
+    s = [float(v) for v in speeds]
+    got = refined_placement(now, loads, s, capacity=capacity)
+    assert sorted(e for h in got for e in h) == list(range(len(loads)))
+    if capacity is not None:
+        assert all(len(h) <= c for h, c in zip(got, capacity, strict=True))
+    before = placement_time({"x": now}, {"x": loads}, s)
+    after = placement_time({"x": got}, {"x": loads}, s)
+    assert after <= before
+    work = [sum(loads[e] for e in h) for h in got]
+    r = max(range(len(s)), key=lambda q: (work[q] / s[q], -q))
+    for e in got[r]:
+        for q in range(len(s)):
+            if q == r:
+                continue
+            if capacity is None or len(got[q]) < capacity[q]:
+                assert max((work[r] - loads[e]) / s[r], (work[q] + loads[e]) / s[q]) >= after
+            for f in got[q]:
+                if loads[f] < loads[e]:
+                    here = (work[r] - loads[e] + loads[f]) / s[r]
+                    assert max(here, (work[q] - loads[f] + loads[e]) / s[q]) >= after
+
+
+def test_refined_placement_reaches_the_best_time_in_one_move():
+    """A hot expert beside a cool one on one rank: one move (the cool one away) reaches the
+    best time there is, which the rebalancer then takes over any placement moving more."""
+    loads = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 9.0, 1.0]
+    now = [[0, 1, 2, 3, 4, 5], [6, 7]]
+    speeds = [1.0, 1.0]
+    near = refined_placement(now, loads, speeds)
+    assert near == [[0, 1, 2, 3, 4, 5, 7], [6]]
+    assert placement_time({"x": near}, {"x": loads}, speeds) == 9.0
+    best = expert_assignment(8, speeds, loads=loads, current=now)
+    assert placement_time({"x": best}, {"x": loads}, speeds) == 9.0
 
 
 def test_experts_modules_are_found_in_hugging_face_models():

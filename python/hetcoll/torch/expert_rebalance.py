@@ -5,11 +5,15 @@ of the tokens at the start may receive a third later, and the rank holding it th
 every other rank at each experts layer's exchange. Every ``every`` steps the rebalancer
 takes the tokens each expert received since the last look (:func:`expert_loads`, one small
 all-gather), smooths them into a running estimate, and asks what each layer's slowest rank
-would spend on its experts' tokens under the current placement and under the best placement
-for those loads (:func:`expert_assignment` at the ranks' speeds: any experts on any rank). When
-the second is better by more than ``threshold`` of the first it moves the experts
-(:func:`place_experts`: only those that change rank, with their gradients and optimizer
-state). Every rank decides on the same gathered counts, so every rank decides alike.
+would spend on its experts' tokens under the current placement and under a better one for
+those loads. Two candidates: the current placement improved by a few moves and swaps of
+experts off its slowest rank (:func:`refined_placement`), and the best placement of any
+experts on any rank (:func:`expert_assignment` at the ranks' speeds), which may move most of
+them. Of the two, within ``threshold`` (what a move must gain to be made) of the faster, the
+one moving fewer experts is taken, and the experts move only where it beats the current
+placement by more than ``threshold`` (:func:`place_experts`: only those that change rank,
+with their gradients and optimizer state). Every rank decides on the same gathered counts,
+so every rank decides alike.
 
 The predicted time of a placement is, summed over the experts layers (each is a barrier: its
 exchange waits for every rank's experts), the most tokens any rank's experts receive over
@@ -85,6 +89,79 @@ def placement_time(
     return total
 
 
+def refined_placement(
+    current: Sequence[Sequence[int]],
+    loads: Sequence[float],
+    speeds: Sequence[float],
+    *,
+    capacity: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """``current`` (each rank's expert indices) improved a step at a time: an expert moved off
+    the slowest rank, or swapped there for a lighter one, wherever that lowers the larger of
+    the two ranks' ``tokens / speed`` below the slowest rank's (the step that lowers it most;
+    ties to the lower expert and rank), until no step does (at most twice as many steps as
+    experts). Few experts move, and the slowest rank's time never rises. Swaps are tried on
+    layers of at most 64 experts. ``capacity``: the most experts each rank may hold."""
+    held = [sorted(int(e) for e in h) for h in current]
+    load = np.asarray(loads, dtype=np.float64)
+    speed = np.asarray(speeds, dtype=np.float64)
+    room = None if capacity is None else np.asarray(capacity)
+    work = np.array([load[h].sum() if h else 0.0 for h in held])
+
+    def seconds(w: np.ndarray, s: np.ndarray) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = np.where(s > 0, w / np.where(s > 0, s, 1.0), np.inf)
+        return np.where(w > 0, t, 0.0)
+
+    for _ in range(2 * len(load) + 2):
+        times = seconds(work, speed)
+        r = int(np.argmax(times))
+        worst = float(times[r])
+        if worst <= 0:
+            break
+        best: tuple[float, int, int, int] | None = None  # (pair's time, expert, rank, swapped)
+        for e in held[r]:
+            left = seconds(np.array([work[r] - load[e]]), speed[r : r + 1])[0]
+            for q in range(len(held)):
+                if q == r:
+                    continue
+                fits = room is None or len(held[q]) < room[q]
+                if fits:
+                    pair = max(left, seconds(np.array([work[q] + load[e]]), speed[q : q + 1])[0])
+                    if pair < worst and (best is None or pair < best[0]):
+                        best = (float(pair), e, q, -1)
+                if len(load) > 64 or not held[q]:
+                    continue
+                lighter = [f for f in held[q] if load[f] < load[e]]
+                if not lighter:
+                    continue
+                f_loads = load[lighter]
+                here = seconds(work[r] - load[e] + f_loads, np.full(len(lighter), speed[r]))
+                there = seconds(work[q] - f_loads + load[e], np.full(len(lighter), speed[q]))
+                pairs = np.maximum(here, there)
+                k = int(np.argmin(pairs))
+                if pairs[k] < worst and (best is None or pairs[k] < best[0]):
+                    best = (float(pairs[k]), e, q, lighter[k])
+        if best is None:
+            break
+        _, e, q, f = best
+        held[r].remove(e)
+        held[q].append(e)
+        work[r] -= load[e]
+        work[q] += load[e]
+        if f >= 0:
+            held[q].remove(f)
+            held[r].append(f)
+            work[q] -= load[f]
+            work[r] += load[f]
+    return [sorted(h) for h in held]
+
+
+def _moved(old: Sequence[Sequence[int]], new: Sequence[Sequence[int]]) -> int:
+    """Experts that change rank between two placements."""
+    return sum(len(set(a) - set(b)) for a, b in zip(old, new, strict=True))
+
+
 class ExpertRebalancer:
     """Watch the experts' loads of a model placed by :func:`expert_parallel` (or of a
     :class:`~hetcoll.torch.Parallel` whose plan places experts) and place its experts again
@@ -98,9 +175,12 @@ class ExpertRebalancer:
     :class:`~hetcoll.torch.Rebalancer` that splits the batch. ``optimizer`` (built over
     ``model.parameters()``): its state moves with the experts. ``threshold``: the least
     relative gain in the predicted experts' time that moves them (moving costs one exchange
-    of the moving experts' weights and state). ``smoothing`` (0, 1]: the weight of the latest
-    window's loads in the running estimate (1: the latest window alone). ``capacity``: the
-    most experts each rank may hold of a layer (:func:`expert_assignment`).
+    of the moving experts' weights and state); of the best placement and the current one
+    refined by a few moves (:func:`refined_placement`), the one moving fewer experts is
+    taken unless the other is faster by more than it.
+    ``smoothing`` (0, 1]: the weight of the latest window's loads in the running estimate
+    (1: the latest window alone). ``capacity``: the most experts each rank may hold of a
+    layer (:func:`expert_assignment`).
 
     >>> watch = ExpertRebalancer(model, opt, speeds=[1.0, 0.25], every=100)  # doctest: +SKIP
     >>> opt.step(); watch.step()  # on every rank  # doctest: +SKIP
@@ -211,6 +291,21 @@ class ExpertRebalancer:
             capacity=self.capacity,
             current=old,
         )
+        # Per layer, two candidates: the best placement, and the current one refined by a
+        # few moves. Of those within the threshold of the faster, the one moving fewer
+        # experts (then the faster).
+        for name, held in old.items():
+            load = self.loads[name]
+            near = refined_placement(held, load, speeds, capacity=self.capacity)
+            options = [
+                (assignment_seconds(c, load, speeds), _moved(held, c), k, c)
+                for k, c in enumerate((new[name], near))
+            ]
+            fastest = min(t for t, *_ in options)
+            new[name] = min(
+                (o for o in options if o[0] * (1 - self.threshold) <= fastest),
+                key=lambda o: (o[1], o[0], o[2]),
+            )[3]
         before = placement_time(old, self.loads, speeds)
         after = placement_time(new, self.loads, speeds)
         applied = new != old and after < before * (1 - self.threshold)
