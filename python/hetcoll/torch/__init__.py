@@ -9,6 +9,7 @@ from hetcoll.torch.batches import BatchCounter, item_total, item_weights
 from hetcoll.torch.clipping import clip_grad_norm_
 from hetcoll.torch.expert_parallel import (
     ExpertParallelExperts,
+    expert_assignment,
     expert_loads,
     expert_parallel,
     expert_shares,
@@ -17,7 +18,12 @@ from hetcoll.torch.expert_parallel import (
     place_experts,
     rank_local_parameters,
 )
-from hetcoll.torch.expert_rebalance import ExpertRebalanceEvent, ExpertRebalancer, placement_time
+from hetcoll.torch.expert_rebalance import (
+    ExpertRebalanceEvent,
+    ExpertRebalancer,
+    placement_time,
+    refined_placement,
+)
 from hetcoll.torch.filters import (
     FilterParallelBatchNorm1d,
     FilterParallelBatchNorm2d,
@@ -65,6 +71,7 @@ __all__ = [
     "WeightedAllreduceState",
     "broadcast_parameters",
     "clip_grad_norm_",
+    "expert_assignment",
     "expert_loads",
     "expert_parallel",
     "expert_shares",
@@ -84,6 +91,7 @@ __all__ = [
     "place_experts",
     "placement_time",
     "rank_local_parameters",
+    "refined_placement",
     "register_weighted_hook",
     "split_traffic",
     "weighted_allreduce_hook",
