@@ -60,6 +60,7 @@ __all__ = [
     "Plan",
     "Replica",
     "Stage",
+    "expert_form",
     "expert_indices",
     "expert_runs",
     "experts_field",
@@ -617,18 +618,25 @@ def experts_field(
     [[0, 2], [1]]
     """
 
-    def short(held: Sequence[int] | Sequence[Sequence[int]]) -> list[Any]:
-        listed: list[Any] = list(held)
-        if all(_is_int(v) for v in listed):
-            return [int(v) for v in listed]
-        runs = expert_runs(listed)
-        return runs if runs is not None else [sorted(int(e) for e in h) for h in listed]
-
-    forms = {path: short(held) for path, held in placed.items()}
+    forms = {path: expert_form(held) for path, held in placed.items()}
     alike = {repr(f) for f in forms.values()}
     if len(alike) == 1:
         return next(iter(forms.values()))
     return forms
+
+
+def expert_form(held: Sequence[int] | Sequence[Sequence[int]]) -> list[Any]:
+    """One layer's placement as plans and predictions write it: counts where its experts lie
+    in runs in expert order (or were given as counts), else each entry's indices, ascending.
+
+    >>> expert_form([[0, 1], [2]]), expert_form([[2, 0], [1]])
+    ([2, 1], [[0, 2], [1]])
+    """
+    listed: list[Any] = list(held)
+    if all(_is_int(v) for v in listed):
+        return [int(v) for v in listed]
+    runs = expert_runs(listed)
+    return runs if runs is not None else [sorted(int(e) for e in h) for h in listed]
 
 
 def _plain(held: tuple[int, ...] | tuple[tuple[int, ...], ...]) -> list[Any]:

@@ -424,7 +424,9 @@ class ExpertParallelExperts(ChannelSplit):
         clamped = flat.clamp(0, experts - 1)  # in range: bad indices raise after the exchange
         # Rows sorted by their expert's place in rank order: by rank, then by the rank's own
         # expert index.
-        order = torch.argsort(self._position.to(x.device)[clamped], stable=True)
+        if self._position.device != x.device:  # moved once, not at every forward
+            self._position = self._position.to(x.device)
+        order = torch.argsort(self._position[clamped], stable=True)
         per_expert = torch.bincount(clamped, minlength=experts).cpu()
         if not bad and not _recomputing():
             self.routed += per_expert

@@ -23,7 +23,7 @@ from hetcoll.model.predict.timing import (
     device_arrays,
     memory_shortfall,
 )
-from hetcoll.plan import ExpertsHeld, expert_indices, expert_runs
+from hetcoll.plan import ExpertsHeld, expert_form, expert_indices
 
 #: Experts per device (counts, or each device's expert indices: :data:`hetcoll.plan.ExpertsHeld`):
 #: one placement for every experts layer, or a dict by experts module path.
@@ -146,13 +146,6 @@ def placement(block: ExpertsBlock, experts: Placement, devices: int) -> list[lis
     return [list(h) for h in placed]
 
 
-def record_form(held: list[list[int]]) -> list[int] | list[list[int]]:
-    """A placement as a prediction records it: counts where the experts lie in runs in
-    expert order, else each device's indices."""
-    runs = expert_runs(held)
-    return held if runs is None else runs
-
-
 def fractions(
     block: ExpertsBlock, held: list[list[int]], loads: Mapping[str, Sequence[float]] | None
 ) -> np.ndarray:
@@ -223,7 +216,7 @@ def expert_parallel_schedule(
     timed: dict[tuple[float, ...], LayerSeconds] = {}
     for block in costs.experts:
         held = placement(block, experts, p)
-        placed[block.module] = record_form(held)
+        placed[block.module] = expert_form(held)
         frac = fractions(block, held, loads)
         rows = [i for i, name in enumerate(names) if name == block.module]
         # The experts' work: the tokens routed to them, from every device, as samples (timed

@@ -22,10 +22,10 @@ from hetcoll.model.predict.experts import (
     exchange_seconds,
     fractions,
     placement,
-    record_form,
 )
 from hetcoll.model.predict.layout import ReplicaLayout
 from hetcoll.model.predict.timing import LayerSeconds, _layer_times, device_arrays
+from hetcoll.plan import expert_form
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class StagedExperts:
     def experts_of(self) -> dict[str, list[int] | list[list[int]]]:
         """Each experts layer's experts per replica, by module path (counts where they lie in
         runs in expert order, else each replica's indices)."""
-        return {p.block.module: record_form(p.held) for p in self.placed}
+        return {p.block.module: expert_form(p.held) for p in self.placed}
 
     @property
     def exchange_s(self) -> float:
