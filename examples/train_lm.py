@@ -27,7 +27,10 @@ proportion to their compute: emulated heterogeneity, for trying plans on one mac
 ``--rebalance-experts N``, for a plan with ``experts``: every N steps an
 ``hetcoll.torch.ExpertRebalancer`` places them again by the tokens their routers sent them,
 at the replicas' speeds as the plan's samples give them; the report then holds the plan as
-last placed and every decision.
+last placed and every decision. ``--save-expert-loads loads.json`` writes the experts' measured
+loads (tokens per expert, by experts module) for the planner to place them by:
+
+    hetcoll plan --model examples.train_lm:make_mixtral ... --expert-loads loads.json --out p.json
 """
 
 from __future__ import annotations
@@ -253,6 +256,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if bar is not None:
         bar.close()
     state = par.full_state_dict()  # collective
+    if args.save_expert_loads:
+        # Each experts layer's routed tokens per expert, for `hetcoll plan --expert-loads`:
+        # the whole run's (collective), or the rebalancer's running estimate where it ran.
+        loads = par.expert_loads() if watch is None or watch.loads is None else watch.loads
+        if job.rank == 0:
+            with open(args.save_expert_loads, "w", encoding="utf-8") as f:
+                json.dump(loads, f, indent=1)
     if job.rank == 0 and not args.quiet:
         tokens = sum(valid_tokens(y) for _, y in data)
         print(
@@ -315,6 +325,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="with a plan placing experts: place them again by their loads every N steps",
     )
     p.add_argument("--save", help="write the trained state dict here (rank 0)")
+    p.add_argument(
+        "--save-expert-loads",
+        metavar="LOADS.json",
+        help="with a plan placing experts: write each experts layer's routed tokens per expert "
+        "here (rank 0), for hetcoll plan --expert-loads",
+    )
     p.add_argument("--json", help="write each rank's report here ({rank} is replaced)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary line")
     args = p.parse_args(argv)

@@ -82,17 +82,25 @@ def _guide_plan_lines() -> list[str]:
     return [ln for ln in text.splitlines() if ln.startswith("hetcoll plan ")]
 
 
-@pytest.mark.parametrize("line", _guide_plan_lines(), ids=["cnn", "lm"])
+@pytest.mark.parametrize("line", _guide_plan_lines(), ids=["cnn", "lm", "mixtral by loads"])
 def test_the_guides_plan_commands_run_as_written(tmp_path, line):
     """docs/guides.md's `hetcoll plan` lines (the CNN example's and the LM example's, its model
-    loaded as examples.train_lm from the repository's root), each run with its --out
-    redirected: each writes a plan the runtime reads, for the batch it asks."""
+    loaded as examples.train_lm from the repository's root; its mixture of experts with the
+    loads a run measured), each run with its --out redirected (and --expert-loads, to loads
+    skewed toward each layer's first two experts, as train_lm.py --save-expert-loads writes
+    them): each writes a plan the runtime reads, for the batch it asks."""
+    import json
     import shlex
     import subprocess
     import sys
 
     argv = shlex.split(line)[1:]
     argv[argv.index("--out") + 1] = str(tmp_path / "plan.json")
+    if "--expert-loads" in argv:
+        loads = tmp_path / "loads.json"
+        skewed = [40, 30, 5, 5, 5, 5, 5, 5]
+        loads.write_text(json.dumps({f"model.layers.{i}.mlp.experts": skewed for i in range(6)}))
+        argv[argv.index("--expert-loads") + 1] = str(loads)
     run = subprocess.run(
         [sys.executable, "-m", "hetcoll.cli", *argv],
         cwd=ROOT,

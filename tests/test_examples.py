@@ -343,12 +343,16 @@ def test_hetcoll_plan_writes_a_plan_train_lm_runs_like_one_process(tmp_path):
         assert float((state[k] - v).abs().max()) <= 1e-6 * float(v.abs().max()), k
 
 
-def test_hetcoll_plan_places_mixtral_s_experts_and_train_lm_runs_it_like_one_process(tmp_path):
+def test_hetcoll_plan_places_mixtral_s_experts_and_train_lm_runs_it_like_one_process(
+    tmp_path, capsys
+):
     """The planner's plan for the example's Mixtral on two devices too small for all its
     experts each: whole experts placed on the ranks (the plan's ``experts``); run by torchrun,
     its experts placed again by their loads after every step (``--rebalance-experts 1``), it
     trains what one process trains (to 1e-6: Hugging Face's router takes its softmax in
-    float32, which rounds a batch and its rows apart by ~1e-7)."""
+    float32, which rounds a batch and its rows apart by ~1e-7). The loads it measured
+    (``--save-expert-loads``) plan again (``hetcoll plan --expert-loads``); a file that does
+    not fit the model is refused by name."""
     from hetcoll import Plan
     from hetcoll.cli import main
 
@@ -373,7 +377,9 @@ def test_hetcoll_plan_places_mixtral_s_experts_and_train_lm_runs_it_like_one_pro
     one, (report,) = _train_lm(tmp_path, "one", [sys.executable], *mixtral)
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone"]
     torchrun.append("--nproc-per-node=2")
+    loads = tmp_path / "loads.json"
     planned = [*mixtral, "--plan", str(plan), "--rebalance-experts", "1"]
+    planned += ["--save-expert-loads", str(loads)]
     state, reports = _train_lm(tmp_path, "planned", torchrun, *planned)
     # Placed again after each step by the tokens routed (--rebalance-experts 1): the
     # experts moved both times, training as one process still; the plan follows.
@@ -384,3 +390,21 @@ def test_hetcoll_plan_places_mixtral_s_experts_and_train_lm_runs_it_like_one_pro
     assert reports[0]["losses"] == pytest.approx(report["losses"], rel=1e-6)
     for k, v in one.items():
         assert float((state[k] - v).abs().max()) <= 1e-6 * float(v.abs().max()), k
+    # The experts' measured loads (the rebalancer's estimate), for the planner to place them
+    # by: each of the 6 layers' 8 experts, and the plan it writes from them.
+    measured = json.loads(loads.read_text())
+    assert sorted(measured) == [f"model.layers.{i}.mlp.experts" for i in range(6)]
+    assert all(len(v) == 8 and min(v) >= 0 and sum(v) > 0 for v in measured.values())
+    again = tmp_path / "by_load.json"
+    sys.path.insert(0, str(LM_SCRIPT.parent))
+    try:
+        assert main([*argv, "--expert-loads", str(loads), "--out", str(again)]) == 0
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({"model.layers.0.mlp.experts": [1, 2]}))
+        with pytest.raises(SystemExit) as exit_:
+            main([*argv, "--expert-loads", str(bad)])
+        assert exit_.value.code == 2
+        assert "--expert-loads: 'model.layers.0.mlp.experts' needs 8" in capsys.readouterr().err
+    finally:
+        sys.path.remove(str(LM_SCRIPT.parent))
+    assert Plan.load(again).experts is not None

@@ -394,6 +394,68 @@ def test_the_planner_places_experts_on_its_replicated_pipelines():
     assert feasible and all(name.endswith(", experts by speed") for name in feasible)
 
 
+def test_the_planner_places_experts_by_measured_loads():
+    """Given each experts layer's measured loads (two hot experts side by side), the
+    planner's expert parallelism by speed parts the hot experts (any experts on any device:
+    expert_assignment), which no cut into runs can do, and prices every experts plan at those
+    loads: it beats the plan by speed alone priced at the same loads, which the skew slows
+    down; the even candidate stays DeepSpeed's runs; the replicated pipelines' twins are
+    placed by the loads too."""
+    from hetcoll.model import Cluster, Device, Link, Node, plan
+    from hetcoll.model.planner.experts import expert_parallel_plan
+    from hetcoll.model.predict import predict_plan
+
+    costs = _costs()
+    layers = [(b.module, b.experts) for b in costs.experts]
+    loads = {path: [8.0, 8.0, 1.0, 1.0] for path, _ in layers}
+    cluster = _cluster(4e10, 4e10)
+    found = {p.strategy: p for p in plan(costs, cluster, 8, expert_loads=loads)}
+    balanced = found["expert parallel, balanced"]
+    # (Every layer placed alike: one placement, as the plan writes it.)
+    assert balanced.to_plan().experts == ((0, 2), (1, 3))
+    assert found["expert parallel, even"].to_plan().experts == (2, 2)
+    by_speed = expert_parallel_plan(8, [1.0, 1.0], layers, len(costs.plan_layers))
+    assert by_speed.experts == (2, 2)
+    skewed = predict_plan(costs, cluster, by_speed, loads=loads).step_s
+    assert balanced.step_s < skewed
+    assert skewed > predict_plan(costs, cluster, by_speed).step_s
+    assert balanced.step_s == pytest.approx(
+        predict_plan(costs, cluster, balanced.to_plan(), loads=loads).step_s, rel=1e-12
+    )
+    # Without loads: the runs by speed, as before.
+    plain = {p.strategy: p for p in plan(costs, cluster, 8)}
+    assert plain["expert parallel, balanced"].to_plan().experts == (2, 2)
+    # Two replicas of two stages on four equal devices: their experts by load, parted too.
+    node = Cluster([Node("n", Device("d", 4e10, 4e10, 8e9), 4, Link("l", 1e-4, 1e9))])
+    twins = [p for p in plan(costs, node, 16, expert_loads=loads) if p.strategy.endswith("by load")]
+    assert twins and all(t.to_plan().experts == ((0, 2), (1, 3)) for t in twins)
+
+
+@pytest.mark.parametrize(
+    "loads, message",
+    [
+        ({"nope": [1, 1, 1, 1]}, r"'nope' is no experts layer of the model \(they are: '"),
+        ({LAYER(0): [1, 1, 1]}, f"'{LAYER(0)}' needs 4 finite numbers >= 0"),
+        ({LAYER(0): [1, -1, 1, 1]}, f"'{LAYER(0)}' needs 4 finite numbers >= 0"),
+        ({LAYER(0): [1, float("nan"), 1, 1]}, f"'{LAYER(0)}' needs 4 finite numbers >= 0"),
+        ({LAYER(0): "many"}, f"'{LAYER(0)}' needs 4 finite numbers >= 0"),
+        ([1, 2, 3, 4], "must map experts module paths to token counts, got list"),
+    ],
+)
+def test_bad_expert_loads_name_the_argument(loads, message):
+    """Loads for a layer the model does not have, or counts that are not one number >= 0 per
+    expert, are refused by name, by the planner and by the model alike."""
+    from hetcoll.model import plan
+    from hetcoll.model.predict import expert_parallel
+
+    costs = _costs()
+    cluster = _cluster(4e10, 1e10)
+    with pytest.raises(ValueError, match="^expert_loads: " + message):
+        plan(costs, cluster, 8, expert_loads=loads)
+    with pytest.raises(ValueError, match="^loads: " + message):
+        expert_parallel(costs, cluster, [4, 4], [2, 2], loads=loads)
+
+
 @pytest.mark.multiproc
 def test_mpi_plans_with_experts_train_as_one_process():
     """The same on 4 MPI ranks (mpi4py, no torch.distributed): the experts' exchanges on an

@@ -196,6 +196,21 @@ def _comparison_lines(table: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _expert_loads(path: str | None, costs: Any) -> dict[str, Any] | None:
+    """The ``--expert-loads`` file (a JSON object: each experts module's routed tokens per
+    expert), checked against the model's experts layers."""
+    from hetcoll.model import predict
+
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            loads = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--expert-loads: cannot read {path!r} as JSON ({e})") from None
+    return predict.checked_loads(costs, loads, "--expert-loads")
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from hetcoll.model import plan, sweep
     from hetcoll.model.planner import SearchReport, explain, plot_plans, plot_sweep
@@ -203,8 +218,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.sweep and args.out:
         raise ValueError("--out: writes the best plan of one planning run, not of a sweep")
     costs, cluster, model = _load(args)
+    loads = _expert_loads(args.expert_loads, costs)
     if args.sweep:
-        points = sweep(costs, cluster, args.batch, args.sweep)
+        points = sweep(costs, cluster, args.batch, args.sweep, expert_loads=loads)
         families = sorted({f for pt in points for f in pt.best})
         if args.json:
             json.dump(
@@ -234,7 +250,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 0
     t0 = time.perf_counter()
     report = SearchReport()
-    ranked = plan(costs, cluster, args.batch, model=model, report=report)
+    ranked = plan(costs, cluster, args.batch, model=model, report=report, expert_loads=loads)
     planning_s = time.perf_counter() - t0
     if args.out:
         if not ranked[0].feasible:
@@ -369,6 +385,13 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
         help="global batch size: samples per training step over all devices",
     )
     p.add_argument("--classes", type=integer(1), default=10, help=CLASSES_HELP)
+    p.add_argument(
+        "--expert-loads",
+        metavar="LOADS.json",
+        help="a mixture of experts' measured loads: a JSON object of each experts module's "
+        "routed tokens per expert (hetcoll.torch.expert_loads, examples/train_lm.py "
+        "--save-expert-loads); expert-parallel plans place the experts by them",
+    )
     p.add_argument(
         "--conv-algorithm",
         choices=("implicit-gemm", "im2col"),

@@ -1,13 +1,16 @@
 """Expert parallelism as planner candidates: data-parallel replicas of one device each, every
 mixture-of-experts layer's experts placed on them whole (:func:`hetcoll.torch.expert_parallel`'s
-rule, :func:`hetcoll.torch.expert_shares`), as a :class:`hetcoll.Plan` with ``experts``
-that :func:`hetcoll.torch.parallelize` runs, priced by :func:`predict.predict_plan`; and the
+rule, :func:`hetcoll.torch.expert_assignment`: in runs by speed, or by the experts' measured
+loads where they are given), as a :class:`hetcoll.Plan` with ``experts`` that
+:func:`hetcoll.torch.parallelize` runs, priced by :func:`predict.predict_plan`; and the
 replicated pipelines the planner found, their experts placed on their replicas likewise
 (:func:`expert_pipeline_candidates`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 import hetcoll
 from hetcoll.model import predict
@@ -17,26 +20,48 @@ from hetcoll.model.predict import Prediction
 from hetcoll.plan import Plan, experts_field
 
 
+def place_layers(
+    experts: Sequence[tuple[str, int]],
+    speeds: Sequence[float],
+    loads: Mapping[str, np.ndarray] | None = None,
+) -> dict[str, list[list[int]]]:
+    """Each experts layer's experts (``experts``: module path and experts) on devices of
+    ``speeds``: :func:`hetcoll.torch.expert_assignment`, which places them in runs by speed
+    where every expert counts alike, and where ``loads`` (checked:
+    :func:`predict.checked_loads`) gives the layer's measured tokens per expert, any experts on
+    any device so that the slowest device's tokens over its speed are fewest."""
+    from hetcoll.torch.expert_parallel import expert_assignment
+
+    placed = {}
+    for path, n in experts:
+        load = None if loads is None else loads.get(path)
+        if load is not None and load.sum() <= 0:
+            load = None
+        placed[path] = expert_assignment(
+            n, list(speeds), loads=None if load is None else load.tolist()
+        )
+    return placed
+
+
 def expert_parallel_plan(
     batch: int,
     speeds: Sequence[float],
     experts: Sequence[tuple[str, int]],
     layers: int,
     microbatches: int = 1,
+    loads: Mapping[str, np.ndarray] | None = None,
 ) -> Plan:
     """Expert parallelism at ``speeds`` (one per device) as a :class:`hetcoll.Plan`: a
     single-rank replica of the model's ``layers`` on each device its share of ``batch``
     (:func:`hetcoll.split`) gives samples, and each experts layer (``experts``: module path
     and experts, as :func:`hetcoll.torch.expert_parallel.find_experts` and ``costs.experts``
-    give them) placed on those devices by the same speeds (:func:`hetcoll.torch.expert_shares`,
-    the runtime's rule): one list where every layer is placed alike. ``microbatches``: each
+    give them) placed on those devices by the same speeds and by ``loads`` where given
+    (:func:`place_layers`): counts where a layer's experts lie in runs. ``microbatches``: each
     replica's samples run in that many passes (every replica at least that many samples),
     under 1F1B, so that one pass's activations live at a time (GPipe would hold them all)."""
-    from hetcoll.torch.expert_parallel import expert_shares
-
     rows = [int(n) for n in hetcoll.split(batch, list(speeds))]
     keep = [d for d, n in enumerate(rows) if n > 0]
-    placed = {path: expert_shares(n, [speeds[d] for d in keep]) for path, n in experts}
+    placed = place_layers(experts, [speeds[d] for d in keep], loads)
     return Plan.from_dict(
         {
             "microbatches": microbatches,
@@ -56,11 +81,14 @@ def expert_parallel_candidates(
     batch: int,
     speeds: Sequence[float],
     optimizer_state_copies: int = 1,
+    loads: Mapping[str, np.ndarray] | None = None,
 ) -> list[Prediction]:
     """Expert parallelism over the cluster (:func:`expert_parallel_plan`): ``"balanced"``,
     each device's samples and experts in proportion to its ``speeds`` (a device given no
-    sample sits the step out), and ``"even"`` (the even experts and samples of DeepSpeed-MoE
-    and Megatron-LM). None where the model holds no experts layer or the cluster one device.
+    sample sits the step out; with ``loads``, the experts placed by them), and ``"even"``
+    (the even runs of experts and the even samples of DeepSpeed-MoE and Megatron-LM, whatever
+    the loads). Both priced at ``loads`` (checked: :func:`predict.checked_loads`) where given.
+    None where the model holds no experts layer or the cluster one device.
     Where a placement's activations do not fit a device's memory, its samples run in
     micro-batches, the fewest of 2, 4, 8, ... that fit (each replica at least one sample a
     micro-batch); a placement that fits in none is an infeasible candidate, as any other."""
@@ -68,16 +96,20 @@ def expert_parallel_candidates(
         return []
     layers = [(block.module, block.experts) for block in costs.experts]
     out = []
-    for name, by in (("balanced", list(speeds)), ("even", [1.0] * cluster.num_devices)):
+    speeds = list(speeds)
+    for name, by in (("balanced", speeds), ("even", [1.0] * cluster.num_devices)):
         fewest = min(n for n in hetcoll.split(batch, by) if n > 0)
         m = 1
         while True:
             found = predict.predict_plan(
                 costs,
                 cluster,
-                expert_parallel_plan(batch, by, layers, len(costs.plan_layers), m),
+                expert_parallel_plan(
+                    batch, by, layers, len(costs.plan_layers), m, loads if by is speeds else None
+                ),
                 optimizer_state_copies=optimizer_state_copies,
                 strategy=f"expert parallel, {name}",
+                loads=loads,
             )
             if found.feasible or 2 * m > fewest:
                 break
@@ -98,16 +130,15 @@ def expert_pipeline_candidates(
     cluster: Cluster,
     candidates: Sequence[Prediction],
     optimizer_state_copies: int = 1,
+    loads: Mapping[str, np.ndarray] | None = None,
 ) -> list[Prediction]:
     """Pipelines of expert-parallel replicas: of ``candidates``, the ``EXPERT_PIPELINES``
     fastest replicated pipelines of one-rank stages (feasible or not), each again with every
     experts layer's experts placed on its replicas in proportion to their samples (the
-    planner split the batch by each replica's speed; :func:`hetcoll.torch.expert_shares`),
-    priced by :func:`predict.predict_plan`. Each rank then holds its replica's experts of its
-    stage only, so pipelines too large for a device with every expert can fit. None for a
-    model without experts layers."""
-    from hetcoll.torch.expert_parallel import expert_shares
-
+    planner split the batch by each replica's speed), and by ``loads`` where given
+    (:func:`place_layers`), priced by :func:`predict.predict_plan` at those loads. Each rank
+    then holds its replica's experts of its stage only, so pipelines too large for a device
+    with every expert can fit. None for a model without experts layers."""
     if not costs.experts:
         return []
     layers = [(block.module, block.experts) for block in costs.experts]
@@ -130,7 +161,7 @@ def expert_pipeline_candidates(
         if base is None:
             continue
         samples = [float(r.samples) for r in base.replicas]
-        placed = {path: expert_shares(n, samples) for path, n in layers}
+        placed = place_layers(layers, samples, loads)
         try:
             twin = Plan.from_dict({**base.to_dict(), "experts": experts_field(placed)})
             out.append(
@@ -139,7 +170,8 @@ def expert_pipeline_candidates(
                     cluster,
                     twin,
                     optimizer_state_copies=optimizer_state_copies,
-                    strategy=f"{pred.strategy}, experts by speed",
+                    strategy=f"{pred.strategy}, experts by {'load' if loads else 'speed'}",
+                    loads=loads,
                 )
             )
         except ValueError:

@@ -399,6 +399,7 @@ def plan(
     model: Any = None,
     report: SearchReport | None = None,
     prune: bool = True,
+    expert_loads: predict.Loads | None = None,
 ) -> list[Prediction]:
     """Every candidate plan for one step of ``batch`` samples, best first (feasible before
     infeasible, then by predicted step time). Each carries the :class:`hetcoll.Plan` that
@@ -429,7 +430,11 @@ def plan(
     :meth:`ModelCosts.at_precision`); default that of ``costs`` (``costs.precision``).
     ``report``: a :class:`SearchReport` the search fills in (counts, the seed-002 table).
     ``prune=False`` costs every candidate (the bounds never drop the best plan, but they drop
-    runners-up; the tests compare both).
+    runners-up; the tests compare both). ``expert_loads``: each experts layer's routed tokens
+    per expert, by module path, measured in a run (:func:`hetcoll.torch.expert_loads`, an
+    ``ExpertRebalancer``'s ``loads``): the expert-parallel candidates place those layers'
+    experts by them (any experts on any device, :func:`hetcoll.torch.expert_assignment`)
+    and every candidate holding experts is priced at them; without, each expert counts alike.
 
     >>> best = plan(costs, cluster, 256, precision="bf16")[0]  # doctest: +SKIP
     >>> best.strategy, best.shares, best.step_s  # doctest: +SKIP
@@ -442,6 +447,7 @@ def plan(
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     if precision is not None:
         costs = costs.at_precision(precision)
+    loads = predict.checked_loads(costs, expert_loads, "expert_loads")
     report = report if report is not None else SearchReport()
     p = cluster.num_devices
     out: list[Prediction] = []
@@ -499,7 +505,7 @@ def plan(
         speeds = device_speeds(costs, cluster, batch)
         tiers = device_tiers(cluster, speeds)
         if n:
-            out += expert_parallel_candidates(costs, cluster, batch, speeds, s)
+            out += expert_parallel_candidates(costs, cluster, batch, speeds, s, loads)
         if subsets:
             # A subset's plan can be one already there (a balanced split that leaves the same
             # devices out): not repeated.
@@ -524,6 +530,7 @@ def plan(
                         replicated_pipelines=replicated_pipelines,
                         report=report,
                         prune=prune,
+                        expert_loads=loads,
                     )
                 else:
                     candidates = [data_balanced(sub, "data parallel, balanced")]
@@ -604,7 +611,7 @@ def plan(
                         costs, cluster, batch, fast, slow, speeds, ASYMMETRIC_MICRO_BATCHES, s
                     )
         if n:
-            out += expert_pipeline_candidates(costs, cluster, out, s)
+            out += expert_pipeline_candidates(costs, cluster, out, s, loads)
         if model is not None and n and costs.plan_cut == "blocks":
             report.skipped["node-wise placement"] = (
                 "places the filters and neurons of a chain of layers; this model is cut into "

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hetcoll.model import predict
 from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster
 from hetcoll.model.planner.report import strategy_family
@@ -35,11 +36,12 @@ def sweep(
     *,
     optimizer_state_copies: int = 1,
     precision: str | None = None,
+    expert_loads: predict.Loads | None = None,
 ) -> list[SweepPoint]:
     """Plan at each value of ``axis``: ``batch`` (samples), ``flops`` / ``mem_bw`` / ``link_bw``
     (factors applied to every device or link), ``nodes`` (the first k nodes, or the first k
     devices of a single-node cluster). Default values: powers of two around the given point.
-    ``precision`` as in :func:`plan`.
+    ``precision`` and ``expert_loads`` as in :func:`plan`.
     """
     if precision is not None:
         costs = costs.at_precision(precision)
@@ -66,7 +68,9 @@ def sweep(
         else:
             c = first_nodes(cluster, int(v))
         best: dict[str, Prediction] = {}
-        for pred in plan(costs, c, b, optimizer_state_copies=optimizer_state_copies):
+        for pred in plan(
+            costs, c, b, optimizer_state_copies=optimizer_state_copies, expert_loads=expert_loads
+        ):
             fam = strategy_family(pred.strategy)
             if pred.feasible and fam not in best:
                 best[fam] = pred

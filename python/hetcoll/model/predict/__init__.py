@@ -46,6 +46,8 @@ from hetcoll.model.predict.data import (
 )
 from hetcoll.model.predict.experts import (
     ExpertParallelSchedule,
+    Loads,
+    checked_loads,
     expert_parallel,
     expert_parallel_schedule,
 )
@@ -139,12 +141,14 @@ __all__ = [
     "ExpertPlanSchedule",
     "FilterParallelSchedule",
     "LayerSeconds",
+    "Loads",
     "PlanSchedule",
     "Prediction",
     "StagesSpec",
     "balanced_batch_shares",
     "blocks_need_empty",
     "chain_stages",
+    "checked_loads",
     "compute_seconds",
     "data_parallel",
     "data_parallel_schedule",

@@ -146,21 +146,55 @@ def placement(block: ExpertsBlock, experts: Placement, devices: int) -> list[lis
     return [list(h) for h in placed]
 
 
+#: Each experts layer's routed tokens per expert, by module path, as checked by
+#: :func:`checked_loads`.
+Loads = Mapping[str, Sequence[float] | np.ndarray]
+
+
+def checked_loads(
+    costs: ModelCosts, loads: Loads | None, where: str = "loads"
+) -> dict[str, np.ndarray] | None:
+    """``loads`` (each experts layer's routed tokens per expert, by module path: what
+    :func:`hetcoll.torch.expert_loads` or an ``ExpertRebalancer``'s ``loads`` hold) checked
+    against the model's experts layers (``costs.experts``): a ``ValueError`` naming ``where``
+    for a path that is no experts layer, or counts that are not one finite number >= 0 per
+    expert. A layer it leaves out counts each expert alike."""
+    if loads is None:
+        return None
+    if not isinstance(loads, Mapping):
+        raise ValueError(
+            f"{where}: must map experts module paths to token counts, got {type(loads).__name__}"
+        )
+    sizes = {block.module: block.experts for block in costs.experts}
+    out: dict[str, np.ndarray] = {}
+    for path, counts in loads.items():
+        if path not in sizes:
+            known = ", ".join(repr(m) for m in sizes) or "none"
+            raise ValueError(
+                f"{where}: {path!r} is no experts layer of the model (they are: {known})"
+            )
+        try:
+            load = np.asarray(counts, dtype=np.float64)
+        except (TypeError, ValueError):
+            load = np.full(0, np.nan)
+        if load.shape != (sizes[path],) or not np.isfinite(load).all() or (load < 0).any():
+            raise ValueError(
+                f"{where}: {path!r} needs {sizes[path]} finite numbers >= 0 (one per expert), "
+                f"got {counts!r}"
+            )
+        out[path] = load
+    return out
+
+
 def fractions(
-    block: ExpertsBlock, held: list[list[int]], loads: Mapping[str, Sequence[float]] | None
+    block: ExpertsBlock, held: list[list[int]], loads: Mapping[str, np.ndarray] | None
 ) -> np.ndarray:
     """The share of the layer's routed tokens each device's experts (``held``: each one's
-    expert indices) receive: their loads' (each expert alike without ``loads``)."""
+    expert indices) receive: their loads' (``loads`` as :func:`checked_loads` gives them; each
+    expert alike without, or where they sum to 0)."""
     load = np.ones(block.experts)
-    if loads is not None and block.module in loads:
-        load = np.asarray(loads[block.module], dtype=np.float64)
-        if load.shape != (block.experts,) or not np.isfinite(load).all() or (load < 0).any():
-            raise ValueError(
-                f"loads: {block.module!r} needs {block.experts} finite numbers >= 0, "
-                f"got {list(load)}"
-            )
-        if load.sum() <= 0:
-            load = np.ones(block.experts)
+    if loads is not None and block.module in loads and loads[block.module].sum() > 0:
+        load = loads[block.module]
     return np.array([load[list(h)].sum() for h in held]) / load.sum()
 
 
@@ -189,7 +223,7 @@ def expert_parallel_schedule(
     shares: Sequence[int],
     experts: Placement,
     *,
-    loads: Mapping[str, Sequence[float]] | None = None,
+    loads: Loads | None = None,
     overlap: bool = True,
     optimizer_state_copies: int = 1,
     first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
@@ -199,6 +233,7 @@ def expert_parallel_schedule(
     """The step :func:`expert_parallel` predicts, laid out (arguments as there)."""
     if not costs.experts:
         raise ValueError("costs: the model holds no experts layer expert parallelism places")
+    checked = checked_loads(costs, loads)
     devices = cluster.devices
     p = len(devices)
     b = _check_shares(shares, p)
@@ -217,7 +252,7 @@ def expert_parallel_schedule(
     for block in costs.experts:
         held = placement(block, experts, p)
         placed[block.module] = expert_form(held)
-        frac = fractions(block, held, loads)
+        frac = fractions(block, held, checked)
         rows = [i for i, name in enumerate(names) if name == block.module]
         # The experts' work: the tokens routed to them, from every device, as samples (timed
         # once per distinct share: layers placed and loaded alike share it).
@@ -275,7 +310,7 @@ def expert_parallel(
     shares: Sequence[int],
     experts: Placement,
     *,
-    loads: Mapping[str, Sequence[float]] | None = None,
+    loads: Loads | None = None,
     overlap: bool = True,
     optimizer_state_copies: int = 1,
     first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,

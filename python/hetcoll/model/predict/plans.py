@@ -17,6 +17,7 @@ from hetcoll.model.hardware import Cluster, Link
 from hetcoll.model.predict.classes import cluster_facts, node_link_ids, ring_link_of, unique_rows
 from hetcoll.model.predict.experts import (
     ExpertParallelSchedule,
+    Loads,
     Placement,
     expert_parallel_schedule,
 )
@@ -276,6 +277,7 @@ def predict_plan(
     *,
     optimizer_state_copies: int = 1,
     strategy: str = "plan",
+    loads: Loads | None = None,
 ) -> Prediction:
     """One step of ``plan`` (device i = rank i) as :func:`hetcoll.torch.parallelize` runs it.
 
@@ -304,13 +306,19 @@ def predict_plan(
     (:class:`~hetcoll.model.predict.staged_experts.StagedExperts`); its ranks hold their own
     experts, and the replicas sum the other parameters' gradients only. For replicas of one
     stage that is :func:`expert_plan_schedule`'s step (the expert-parallel step of each
-    micro-batch, one after another).
+    micro-batch, one after another). ``loads``: each experts layer's routed tokens per expert,
+    by module path (:func:`hetcoll.torch.expert_loads`' counts from a run), which its
+    experts' work follows; each expert alike without (or for a layer it does not name).
 
     >>> predict_plan(costs, cluster, Plan.load("plan.json")).step_s  # doctest: +SKIP
     """
     # Replicas that run alike are simulated once (the same step: :func:`layout_schedule`).
     layout = plan_layout(costs, cluster, plan)
-    staged = None if plan.experts is None else StagedExperts(costs, cluster, layout, plan.experts)
+    staged = (
+        None
+        if plan.experts is None
+        else StagedExperts(costs, cluster, layout, plan.experts, loads=loads)
+    )
     pred = layout_schedule(
         costs, cluster, layout, plan.schedule, optimizer_state_copies, strategy, experts=staged
     ).prediction()

@@ -8,7 +8,7 @@ exchanges as collectives its stage's ranks meet at, and what each rank holds."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,9 @@ from hetcoll.model.costs import ExpertsBlock, ModelCosts
 from hetcoll.model.hardware import Cluster
 from hetcoll.model.predict.classes import cluster_facts
 from hetcoll.model.predict.experts import (
+    Loads,
     Placement,
+    checked_loads,
     exchange_seconds,
     fractions,
     placement,
@@ -52,10 +54,11 @@ class StagedExperts:
         cluster: Cluster,
         replicas: Sequence[ReplicaLayout],
         experts: Placement,
-        loads: Mapping[str, Sequence[float]] | None = None,
+        loads: Loads | None = None,
     ) -> None:
         if not costs.experts:
             raise ValueError("costs: the model holds no experts layer expert parallelism places")
+        checked = checked_loads(costs, loads)
         # (A Plan with experts has checked its replicas: one rank a stage, the same stages and
         # as many micro-batches in each.)
         first = replicas[0]
@@ -78,7 +81,7 @@ class StagedExperts:
                     rows,
                     stage,
                     held,
-                    fractions(block, held, loads),
+                    fractions(block, held, checked),
                     float(sum(costs.layers[i].param_bytes for i in rows)),
                 )
             )
