@@ -7,6 +7,11 @@
   speed vs the greedy schedule written in Python (LPT: heaviest first, each where it finishes
   soonest) and vs the best runs in expert order (``hetcoll.partition_chain``, what placing
   experts in runs gives); each one's slowest rank over the lower bound in the note.
+- ``hetcoll.refine_items`` (a placement improved by moves and swaps off its slowest rank: what
+  an ``ExpertRebalancer`` weighs beside the best placement) from a random placement of the same
+  loads vs the same local search written with numpy (hetcoll's before it moved to Rust, which
+  tried swaps on at most 64 items); each one's slowest rank over the lower bound and the items
+  moved in the note.
 - ``hetcoll.partition_hypergraph`` vs Mt-KaHyPar's default preset (1 thread) on the column-net
   hypergraph of a 10^4 x 10^4 random sparse matrix, k = 4 with heterogeneous targets; km1 of both
   in the note. Skipped when ``mtkahypar`` is not installed (``make bench`` installs it: the
@@ -144,6 +149,83 @@ def test_items(benchmark, record, n, name, solve, peer):
     group = f"partition_items {n} experts x 8 ranks (log-normal loads)"
     record(benchmark, group, name, peer=peer, note=f"slowest / lower bound = {ratio:.4f}{proved}")
     assert sorted(set(owner)) <= list(range(len(RANK_SPEEDS)))
+
+
+def numpy_refine(owner: list[int], loads: list[float]) -> list[int]:
+    """The local search of ``refine_items`` in numpy: each step moves an item off the slowest
+    rank, or swaps it for a lighter one (on at most 64 items), where the pair's larger time
+    drops most below the slowest rank's."""
+    speed = np.asarray(RANK_SPEEDS)
+    load = np.asarray(loads)
+    held = [[i for i, d in enumerate(owner) if d == r] for r in range(len(speed))]
+    work = np.array([load[h].sum() for h in held])
+    for _ in range(2 * len(load) + 2):
+        times = work / speed
+        r = int(np.argmax(times))
+        worst = float(times[r])
+        best: tuple[float, int, int, int] | None = None
+        for e in held[r]:
+            left = (work[r] - load[e]) / speed[r]
+            for q in range(len(held)):
+                if q == r:
+                    continue
+                pair = max(left, (work[q] + load[e]) / speed[q])
+                if pair < worst and (best is None or pair < best[0]):
+                    best = (float(pair), e, q, -1)
+                if len(load) > 64 or not held[q]:
+                    continue
+                lighter = [f for f in held[q] if load[f] < load[e]]
+                if not lighter:
+                    continue
+                f_loads = load[lighter]
+                pairs = np.maximum(
+                    (work[r] - load[e] + f_loads) / speed[r],
+                    (work[q] - f_loads + load[e]) / speed[q],
+                )
+                k = int(np.argmin(pairs))
+                if pairs[k] < worst and (best is None or pairs[k] < best[0]):
+                    best = (float(pairs[k]), e, q, lighter[k])
+        if best is None:
+            break
+        _, e, q, f = best
+        held[r].remove(e)
+        held[q].append(e)
+        work[r] -= load[e]
+        work[q] += load[e]
+        if f >= 0:
+            held[q].remove(f)
+            held[r].append(f)
+            work[q] -= load[f]
+            work[r] += load[f]
+    out = [0] * len(load)
+    for r, h in enumerate(held):
+        for i in h:
+            out[i] = r
+    return out
+
+
+@pytest.mark.parametrize("n", [64, 256])
+@pytest.mark.parametrize(
+    ("name", "peer"),
+    [("hetcoll.refine_items (Rust)", False), ("the same local search in numpy", True)],
+)
+def test_refine(benchmark, record, n, name, peer):
+    loads = items_instance(n)
+    start = np.random.default_rng(n + 1).integers(0, len(RANK_SPEEDS), n).tolist()
+    if peer:
+        owner = benchmark.pedantic(numpy_refine, args=(start, loads), rounds=5)
+    else:
+        owner = benchmark.pedantic(
+            hetcoll.refine_items, args=(loads, RANK_SPEEDS, start), rounds=20
+        )
+    moved = sum(a != b for a, b in zip(start, owner, strict=True))
+    note = (
+        f"slowest / lower bound = {items_bottleneck(loads, owner):.4f} "
+        f"(start {items_bottleneck(loads, start):.4f}), {moved} moved"
+    )
+    group = f"refine_items {n} experts x 8 ranks from a random placement (log-normal loads)"
+    record(benchmark, group, name, peer=peer, note=note)
+    assert items_bottleneck(loads, owner) <= items_bottleneck(loads, start)
 
 
 def random_hypergraph(n: int = 10_000, per_row: int = 5):

@@ -126,6 +126,24 @@ def test_partition_items_never_panics(loads, speeds, capacity, max_nodes):
 @pytest.mark.timeout(60)
 @FUZZ
 @given(
+    loads=hostile_list,
+    speeds=hostile_list,
+    owner=hostile_list,
+    capacity=st.one_of(st.none(), hostile_list),
+)
+def test_refine_items_never_panics(loads, speeds, owner, capacity):
+    try:
+        got = hetcoll.refine_items(loads, speeds, owner, capacity=capacity)
+    except (ValueError, TypeError) as e:
+        names = ("loads", "speeds", "owner", "capacity")
+        assert re.match(rf"^({'|'.join(names)})\b", str(e)), str(e)
+        return
+    assert len(got) == len(loads) and all(0 <= d < len(speeds) for d in got)
+
+
+@pytest.mark.timeout(60)
+@FUZZ
+@given(
     num_vertices=st.one_of(st.integers(0, 12), hostile_int),
     nets=st.one_of(
         st.lists(st.lists(st.one_of(st.integers(-2, 14), hostile_scalar), max_size=4), max_size=6),

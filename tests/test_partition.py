@@ -278,6 +278,88 @@ def test_items_bad_input_names_the_argument(args, kwargs, argument):
         hetcoll.partition_items(*args, **kwargs)
 
 
+def refine_oracle(loads, speeds, owner, capacity=None):
+    """refine_items' rule, step by step in plain Python: every move off the slowest device and
+    every swap there for a lighter item, in the order ties are broken (item, device, move
+    before swaps, item swapped back); the first that leaves the pair lowest, below the
+    slowest device's time."""
+
+    def finish(w, s):
+        return 0.0 if w <= 0 else (w / s if s > 0 else math.inf)
+
+    owner = list(owner)
+    p = len(speeds)
+    room = capacity or [math.inf] * p
+    for _ in range(2 * len(loads) + 2):
+        work = [sum(w for w, o in zip(loads, owner, strict=True) if o == d) for d in range(p)]
+        times = [finish(work[d], speeds[d]) for d in range(p)]
+        r = times.index(max(times))
+        worst = times[r]
+        if worst <= 0:
+            break
+        best = None
+        for e in (i for i in range(len(loads)) if owner[i] == r):
+            for q in (q for q in range(p) if q != r):
+                steps = [None] if owner.count(q) < room[q] else []
+                steps += [f for f in range(len(loads)) if owner[f] == q and loads[f] < loads[e]]
+                for f in steps:
+                    back = 0.0 if f is None else loads[f]
+                    pair = max(
+                        finish(work[r] - loads[e] + back, speeds[r]),
+                        finish(work[q] - back + loads[e], speeds[q]),
+                    )
+                    if pair < worst and (best is None or pair < best[0]):
+                        best = (pair, e, q, f)
+        if best is None:
+            break
+        _, e, q, f = best
+        owner[e] = q
+        if f is not None:
+            owner[f] = r
+    return owner
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    loads=st.lists(st.one_of(st.just(0.0), st.integers(1, 9).map(float)), min_size=1, max_size=9),
+    speeds=st.lists(st.sampled_from([1.0, 0.5, 0.25, 2.0, 0.0]), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+    limited=st.booleans(),
+)
+def test_refine_items_follows_its_rule_step_by_step(loads, speeds, seed, limited):
+    """The Rust local search takes exactly the steps its rule names (a plain Python oracle),
+    so every rank refining one placement gets the same; never slower than where it started.
+    (Loads and speeds are exact in binary: the oracle sums them in another order.)"""
+    rng = np.random.default_rng(seed)
+    owner = [int(d) for d in rng.integers(0, len(speeds), len(loads))]
+    capacity = None
+    if limited:
+        capacity = [owner.count(d) + int(rng.integers(0, 2)) for d in range(len(speeds))]
+    got = hetcoll.refine_items(loads, speeds, owner, capacity=capacity)
+    assert got == refine_oracle(loads, speeds, owner, capacity)
+    assert items_time(loads, speeds, got) <= items_time(loads, speeds, owner)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "argument"),
+    [
+        (([], [1.0], []), {}, "loads"),
+        (([float("inf")], [1.0], [0]), {}, "loads[0]"),
+        (([1.0], [], [0]), {}, "speeds"),
+        (([1.0], [-2.0], [0]), {}, "speeds[0]"),
+        (([1.0, 1.0], [1.0], [0]), {}, "owner"),
+        (([1.0], [1.0], [1]), {}, "owner[0]"),
+        (([1.0], [1.0], [-1]), {}, "owner[0]"),
+        (([1.0], [1.0], [0.5]), {}, "owner[0]"),
+        (([1.0], [1.0], [0]), {"capacity": [1, 1]}, "capacity"),
+        (([1.0], [1.0], [0]), {"capacity": [-1]}, "capacity[0]"),
+    ],
+)
+def test_refine_items_bad_input_names_the_argument(args, kwargs, argument):
+    with pytest.raises(ValueError, match=rf"^{re.escape(argument)}:"):
+        hetcoll.refine_items(*args, **kwargs)
+
+
 # ---------------------------------------------------------------- partition_hypergraph / km1
 
 

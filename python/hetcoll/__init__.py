@@ -13,6 +13,7 @@ from hetcoll._core import (
     partition_chain,
     partition_hypergraph,
     partition_items,
+    refine_items,
     split,
 )
 from hetcoll.collectives import allgatherv, allreduce
@@ -36,6 +37,7 @@ __all__ = [
     "partition_chain",
     "partition_hypergraph",
     "partition_items",
+    "refine_items",
     "split",
     "weighted_sum",
 ]

@@ -14,6 +14,7 @@ __all__ = [
     "partition_chain",
     "partition_hypergraph",
     "partition_items",
+    "refine_items",
     "ring_schedule",
     "split",
     "unpack_from",
@@ -140,6 +141,28 @@ def partition_items(
 
     >>> partition_items([9.0, 9.0, 1.0, 1.0], [1.0, 1.0])
     ([0, 1, 0, 1], True)
+    """
+
+def refine_items(
+    loads: Sequence[float],
+    speeds: Sequence[float],
+    owner: Sequence[int],
+    *,
+    capacity: Sequence[int] | None = None,
+) -> list[int]:
+    """``owner`` (each item's device) improved a step at a time, few items moving.
+
+    Each step moves one item off the slowest device (largest ``sum(loads) / speeds[d]``), or
+    swaps it there for a lighter item of another device: the step leaving the larger of the two
+    devices' times lowest, taken only if that is below the slowest device's; it stops when no
+    step is, or after ``2 * len(loads) + 2`` steps. The slowest device's time never rises; a
+    device receives an item only with room for it under ``capacity`` (the most items each holds),
+    and swaps keep every device's count. Ties go to the lower item, then device, a move before
+    a swap: deterministic. The local counterpart of :func:`partition_items`, which may move most
+    items for a small gain. Bad input raises ``ValueError`` naming the argument.
+
+    >>> refine_items([9.0, 9.0, 1.0, 1.0], [1.0, 1.0], [0, 0, 1, 1])
+    [1, 0, 0, 1]
     """
 
 def partition_hypergraph(

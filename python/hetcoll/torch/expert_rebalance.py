@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from hetcoll import refine_items
 from hetcoll.plan import expert_indices
 from hetcoll.torch.expert_parallel import (
     ExpertParallelExperts,
@@ -100,61 +101,20 @@ def refined_placement(
     the slowest rank, or swapped there for a lighter one, wherever that lowers the larger of
     the two ranks' ``tokens / speed`` below the slowest rank's (the step that lowers it most;
     ties to the lower expert and rank), until no step does (at most twice as many steps as
-    experts). Few experts move, and the slowest rank's time never rises. Swaps are tried on
-    layers of at most 64 experts. ``capacity``: the most experts each rank may hold."""
-    held = [sorted(int(e) for e in h) for h in current]
-    load = np.asarray(loads, dtype=np.float64)
-    speed = np.asarray(speeds, dtype=np.float64)
-    room = None if capacity is None else np.asarray(capacity)
-    work = np.array([load[h].sum() if h else 0.0 for h in held])
-
-    def seconds(w: np.ndarray, s: np.ndarray) -> np.ndarray:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            t = np.where(s > 0, w / np.where(s > 0, s, 1.0), np.inf)
-        return np.where(w > 0, t, 0.0)
-
-    for _ in range(2 * len(load) + 2):
-        times = seconds(work, speed)
-        r = int(np.argmax(times))
-        worst = float(times[r])
-        if worst <= 0:
-            break
-        best: tuple[float, int, int, int] | None = None  # (pair's time, expert, rank, swapped)
-        for e in held[r]:
-            left = seconds(np.array([work[r] - load[e]]), speed[r : r + 1])[0]
-            for q in range(len(held)):
-                if q == r:
-                    continue
-                fits = room is None or len(held[q]) < room[q]
-                if fits:
-                    pair = max(left, seconds(np.array([work[q] + load[e]]), speed[q : q + 1])[0])
-                    if pair < worst and (best is None or pair < best[0]):
-                        best = (float(pair), e, q, -1)
-                if len(load) > 64 or not held[q]:
-                    continue
-                lighter = [f for f in held[q] if load[f] < load[e]]
-                if not lighter:
-                    continue
-                f_loads = load[lighter]
-                here = seconds(work[r] - load[e] + f_loads, np.full(len(lighter), speed[r]))
-                there = seconds(work[q] - f_loads + load[e], np.full(len(lighter), speed[q]))
-                pairs = np.maximum(here, there)
-                k = int(np.argmin(pairs))
-                if pairs[k] < worst and (best is None or pairs[k] < best[0]):
-                    best = (float(pairs[k]), e, q, lighter[k])
-        if best is None:
-            break
-        _, e, q, f = best
-        held[r].remove(e)
-        held[q].append(e)
-        work[r] -= load[e]
-        work[q] += load[e]
-        if f >= 0:
-            held[q].remove(f)
-            held[r].append(f)
-            work[q] -= load[f]
-            work[r] += load[f]
-    return [sorted(h) for h in held]
+    experts): :func:`hetcoll.refine_items` (Rust). Few experts move, and the slowest rank's
+    time never rises. ``capacity``: the most experts each rank may hold."""
+    placed = expert_indices(current, len(speeds), "current", of="speed")
+    experts = sum(map(len, placed))
+    if len(loads) != experts:
+        raise ValueError(f"loads: needs one entry per expert ({experts}), got {len(loads)}")
+    owner = [0] * experts
+    for rank, held in enumerate(placed):
+        for e in held:
+            owner[e] = rank
+    refined = refine_items(
+        [float(x) for x in loads], [float(s) for s in speeds], owner, capacity=capacity
+    )
+    return [[e for e, r in enumerate(refined) if r == rank] for rank in range(len(speeds))]
 
 
 def _moved(old: Sequence[Sequence[int]], new: Sequence[Sequence[int]]) -> int:

@@ -7,7 +7,8 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use hetcoll_core::solvers::{
-    assign_items, partition_chain, partition_hypergraph, Hypergraph, PartitionOptions,
+    assign_items, partition_chain, partition_hypergraph, refine_assignment, Hypergraph,
+    PartitionOptions,
 };
 
 fn bench_chain(c: &mut Criterion) {
@@ -76,5 +77,30 @@ fn bench_assign(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_chain, bench_hypergraph, bench_assign);
+fn bench_refine(c: &mut Criterion) {
+    let speeds = [1.0, 0.8, 0.6, 0.5, 0.5, 0.3, 0.2, 0.1];
+    let mut g = c.benchmark_group("refine_assignment");
+    g.sample_size(20);
+    for n in [64usize, 256] {
+        let loads: Vec<f64> = (0..n)
+            .map(|i| 1000.0 / (1.0 + (i * 7919 % n) as f64).powf(0.8))
+            .collect();
+        // A placement that ignores the loads: runs of equal counts.
+        let start: Vec<usize> = (0..n).map(|i| i * speeds.len() / n).collect();
+        g.bench_function(format!("{n}_experts_8_ranks"), |b| {
+            b.iter(|| {
+                refine_assignment(black_box(&loads), black_box(&speeds), &start, None).unwrap()
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    bench_chain,
+    bench_hypergraph,
+    bench_assign,
+    bench_refine
+);
 criterion_main!(benches);

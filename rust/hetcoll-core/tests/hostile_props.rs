@@ -6,8 +6,8 @@
 use hetcoll_core::kernels::{pack, unpack, weighted_sum, Source};
 use hetcoll_core::schedules::ring::ring_allreduce;
 use hetcoll_core::solvers::{
-    assign_items, assignment_time, finish_times, km1, partition_chain, partition_hypergraph, split,
-    stage_times, Hypergraph, PartitionOptions, SplitOptions,
+    assign_items, assignment_time, finish_times, km1, partition_chain, partition_hypergraph,
+    refine_assignment, split, stage_times, Hypergraph, PartitionOptions, SplitOptions,
 };
 use hetcoll_core::CoreError;
 use proptest::prelude::*;
@@ -123,6 +123,29 @@ proptest! {
                     }
                 }
                 prop_assert!(assignment_time(&loads, &speeds, &a.owner).is_ok());
+            }
+            Err(e) => prop_assert!(names_an_argument(&e), "{e}"),
+        }
+    }
+
+    #[test]
+    fn refine_assignment_never_panics(
+        loads in prop::collection::vec(hostile_f64(), 0..9),
+        speeds in prop::collection::vec(hostile_f64(), 0..4),
+        owner in prop::collection::vec(0usize..5, 0..9),
+        capacity in prop::option::of(prop::collection::vec(hostile_u64(), 0..4)),
+    ) {
+        match refine_assignment(&loads, &speeds, &owner, capacity.as_deref()) {
+            Ok(got) => {
+                prop_assert_eq!(got.len(), loads.len());
+                prop_assert!(got.iter().all(|&d| d < speeds.len()));
+                let before = assignment_time(&loads, &speeds, &owner).unwrap();
+                let after = assignment_time(&loads, &speeds, &got).unwrap();
+                // (NaN where huge loads overflow: no order to keep.)
+                prop_assert!(
+                    after.partial_cmp(&before) != Some(std::cmp::Ordering::Greater),
+                    "{after} > {before}"
+                );
             }
             Err(e) => prop_assert!(names_an_argument(&e), "{e}"),
         }

@@ -25,6 +25,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(partition::partition_chain, m)?)?;
     m.add_function(wrap_pyfunction!(partition::chain_stage_times, m)?)?;
     m.add_function(wrap_pyfunction!(partition::partition_items, m)?)?;
+    m.add_function(wrap_pyfunction!(partition::refine_items, m)?)?;
     m.add_function(wrap_pyfunction!(partition::partition_hypergraph, m)?)?;
     m.add_function(wrap_pyfunction!(partition::km1, m)?)?;
     Ok(())

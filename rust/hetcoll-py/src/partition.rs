@@ -273,3 +273,29 @@ pub fn partition_items(
     .py_err()?;
     Ok((a.owner, a.exact))
 }
+
+/// `owner` (each item's device) improved by single moves and swaps off the slowest device, few
+/// items moving (`hetcoll_core::solvers::refine_assignment`).
+#[pyfunction]
+#[pyo3(signature = (loads, speeds, owner, *, capacity=None))]
+pub fn refine_items(
+    py: Python<'_>,
+    loads: &Bound<'_, PyAny>,
+    speeds: &Bound<'_, PyAny>,
+    owner: &Bound<'_, PyAny>,
+    capacity: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Vec<usize>> {
+    let loads = floats(loads, "loads")?;
+    let speeds = floats(speeds, "speeds")?;
+    let owner: Vec<usize> = crate::convert::counts(owner, "owner")?
+        .into_iter()
+        .map(|d| usize::try_from(d).unwrap_or(usize::MAX))
+        .collect();
+    let capacity = capacity
+        .map(|c| crate::convert::counts(c, "capacity"))
+        .transpose()?;
+    detached(py, move || {
+        solvers::refine_assignment(&loads, &speeds, &owner, capacity.as_deref())
+    })?
+    .py_err()
+}

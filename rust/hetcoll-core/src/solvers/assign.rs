@@ -182,6 +182,131 @@ pub fn assignment_time(loads: &[f64], speeds: &[f64], owner: &[usize]) -> Result
     Ok(time_of(&load, speeds))
 }
 
+/// `owner` (each item's device) improved a step at a time, few items moving: each step moves one
+/// item off the slowest device, or swaps it there for a lighter item of another device, taking
+/// the step that leaves the larger of the two devices' `load / speed` lowest, and only one that
+/// leaves it below the slowest device's; it stops when no step does, or after `2·n + 2` steps.
+/// The slowest device's time never rises, so the result is never slower than `owner`; a device
+/// only receives an item with room for it under `capacity` (the most items each device holds;
+/// none: unlimited), and swaps keep every device's count. Ties go to the lower item, then the
+/// lower device, a move before a swap, then the lower item swapped back: deterministic, as every
+/// rank that refines the same placement must agree.
+///
+/// This is the local counterpart of [`assign_items`]: where that one may hand out a new
+/// assignment that moves most items for a small gain, this one keeps the current one but for the
+/// few steps that lower its bottleneck (an `ExpertRebalancer` weighs both).
+///
+/// ```
+/// use hetcoll_core::solvers::{assignment_time, refine_assignment};
+/// // Two hot items on device 0: one of them moves, a cold one comes back.
+/// let loads = [9.0, 9.0, 1.0, 1.0];
+/// let better = refine_assignment(&loads, &[1.0, 1.0], &[0, 0, 1, 1], None).unwrap();
+/// assert_eq!(assignment_time(&loads, &[1.0, 1.0], &better).unwrap(), 10.0);
+/// ```
+pub fn refine_assignment(
+    loads: &[f64],
+    speeds: &[f64],
+    owner: &[usize],
+    capacity: Option<&[u64]>,
+) -> Result<Vec<usize>> {
+    let n = loads.len();
+    let p = speeds.len();
+    if n == 0 {
+        return Err(CoreError::invalid("loads", "must hold at least one item"));
+    }
+    non_negative(loads, "loads")?;
+    if p == 0 {
+        return Err(CoreError::invalid("speeds", "must not be empty"));
+    }
+    non_negative(speeds, "speeds")?;
+    if owner.len() != n {
+        return Err(CoreError::invalid(
+            "owner",
+            format!("must hold one device per item ({n}), got {}", owner.len()),
+        ));
+    }
+    if let Some(i) = owner.iter().position(|&d| d >= p) {
+        return Err(CoreError::invalid(
+            format!("owner[{i}]"),
+            format!("must be a device in [0, {p}), got {}", owner[i]),
+        ));
+    }
+    let room: Vec<u64> = match capacity {
+        None => vec![u64::MAX; p],
+        Some(c) if c.len() != p => {
+            return Err(CoreError::invalid(
+                "capacity",
+                format!("must hold one count per device ({p}), got {}", c.len()),
+            ))
+        }
+        Some(c) => c.to_vec(),
+    };
+    // Each device's items, ascending (the order ties are broken in).
+    let mut held: Vec<Vec<usize>> = vec![Vec::new(); p];
+    let mut work = vec![0.0f64; p];
+    for (i, &d) in owner.iter().enumerate() {
+        held[d].push(i);
+        work[d] += loads[i];
+    }
+    for _ in 0..2 * n + 2 {
+        let (r, worst) = (0..p)
+            .map(|d| (d, finish(work[d], speeds[d])))
+            .fold((0, f64::NEG_INFINITY), |b, x| if x.1 > b.1 { x } else { b });
+        if worst <= 0.0 {
+            break;
+        }
+        // (the pair's time, the item leaving r, its device, the item coming back).
+        let mut best: Option<(f64, usize, usize, Option<usize>)> = None;
+        let mut consider = |pair: f64, e: usize, q: usize, f: Option<usize>| {
+            if pair < worst && best.is_none_or(|b| pair < b.0) {
+                best = Some((pair, e, q, f));
+            }
+        };
+        for &e in &held[r] {
+            let left = finish(work[r] - loads[e], speeds[r]);
+            for q in (0..p).filter(|&q| q != r) {
+                if (held[q].len() as u64) < room[q] {
+                    let pair = left.max(finish(work[q] + loads[e], speeds[q]));
+                    consider(pair, e, q, None);
+                }
+                for &f in held[q].iter().filter(|&&f| loads[f] < loads[e]) {
+                    let here = finish(work[r] - loads[e] + loads[f], speeds[r]);
+                    let there = finish(work[q] - loads[f] + loads[e], speeds[q]);
+                    consider(here.max(there), e, q, Some(f));
+                }
+            }
+        }
+        let Some((_, e, q, f)) = best else { break };
+        move_item(&mut held, &mut work, loads, e, r, q);
+        if let Some(f) = f {
+            move_item(&mut held, &mut work, loads, f, q, r);
+        }
+    }
+    let mut out = vec![0usize; n];
+    for (d, items) in held.iter().enumerate() {
+        for &i in items {
+            out[i] = d;
+        }
+    }
+    Ok(out)
+}
+
+/// Item `i` from device `from` to device `to`, its list kept ascending.
+fn move_item(
+    held: &mut [Vec<usize>],
+    work: &mut [f64],
+    loads: &[f64],
+    i: usize,
+    from: usize,
+    to: usize,
+) {
+    held[from].retain(|&x| x != i);
+    let at = held[to].partition_point(|&x| x < i);
+    held[to].insert(at, i);
+    work[from] -= loads[i];
+    work[to] += loads[i];
+}
+
 fn time_of(load: &[f64], speeds: &[f64]) -> f64 {
     load.iter()
         .zip(speeds)
@@ -463,6 +588,129 @@ mod tests {
             })),
             "owner[0]"
         );
+    }
+
+    /// Whether some move or swap off the slowest device lowers the pair's larger time below it
+    /// (what `refine_assignment` stops without), by brute force over every step.
+    fn improving_step_left(loads: &[f64], speeds: &[f64], owner: &[usize], room: &[u64]) -> bool {
+        let p = speeds.len();
+        let work = |o: &[usize], d: usize| -> f64 {
+            o.iter()
+                .zip(loads)
+                .filter(|(&x, _)| x == d)
+                .map(|(_, &w)| w)
+                .sum()
+        };
+        let times: Vec<f64> = (0..p).map(|d| finish(work(owner, d), speeds[d])).collect();
+        let worst = times.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let r = times.iter().position(|&t| t == worst).unwrap();
+        let count = |d: usize| owner.iter().filter(|&&o| o == d).count() as u64;
+        for e in (0..owner.len()).filter(|&e| owner[e] == r) {
+            for q in (0..p).filter(|&q| q != r) {
+                let mut moved = owner.to_vec();
+                moved[e] = q;
+                let pair =
+                    |o: &[usize]| finish(work(o, r), speeds[r]).max(finish(work(o, q), speeds[q]));
+                if count(q) < room[q] && pair(&moved) < worst * (1.0 - 1e-9) {
+                    return true;
+                }
+                for f in (0..owner.len()).filter(|&f| owner[f] == q && loads[f] < loads[e]) {
+                    let mut swapped = moved.clone();
+                    swapped[f] = r;
+                    if pair(&swapped) < worst * (1.0 - 1e-9) {
+                        return true;
+                    }
+                }
+            }
+        }
+        false
+    }
+
+    #[test]
+    fn refine_moves_few_items_and_keeps_what_cannot_improve() {
+        // Device 0 holds both hot items: one swaps with a cold one, the rest stay.
+        let loads = [9.0, 9.0, 1.0, 1.0, 1.0, 1.0];
+        let start = [0, 0, 0, 1, 1, 1];
+        let better = refine_assignment(&loads, &[1.0, 1.0], &start, None).unwrap();
+        let moved = start.iter().zip(&better).filter(|(a, b)| a != b).count();
+        assert_eq!(assignment_time(&loads, &[1.0, 1.0], &better).unwrap(), 11.0);
+        assert!(moved <= 3, "{better:?}");
+        // Already balanced: nothing moves. Full devices take swaps only.
+        let even = [0, 1, 0, 1, 0, 1];
+        assert_eq!(
+            refine_assignment(&loads, &[1.0, 1.0], &even, None).unwrap(),
+            even
+        );
+        let capped = refine_assignment(&loads, &[1.0, 1.0], &start, Some(&[3, 3])).unwrap();
+        assert_eq!(capped.iter().filter(|&&d| d == 0).count(), 3);
+        assert!(assignment_time(&loads, &[1.0, 1.0], &capped).unwrap() < 19.0);
+        // A device of speed 0 holding one loaded item hands it on; holding two, it keeps them
+        // (either step alone leaves it infinitely slow: `assign_items` places them anew).
+        let off = refine_assignment(&[0.0, 2.0], &[1.0, 0.0], &[1, 1], None).unwrap();
+        assert_eq!(off, vec![1, 0]);
+        let stuck = refine_assignment(&[1.0, 2.0], &[1.0, 0.0], &[1, 1], None).unwrap();
+        assert_eq!(stuck, vec![1, 1]);
+    }
+
+    #[test]
+    fn refine_names_bad_input() {
+        let err = |r: Result<Vec<usize>>| r.unwrap_err().argument().to_string();
+        assert_eq!(err(refine_assignment(&[], &[1.0], &[], None)), "loads");
+        assert_eq!(
+            err(refine_assignment(&[-1.0], &[1.0], &[0], None)),
+            "loads[0]"
+        );
+        assert_eq!(err(refine_assignment(&[1.0], &[], &[0], None)), "speeds");
+        assert_eq!(
+            err(refine_assignment(&[1.0], &[f64::INFINITY], &[0], None)),
+            "speeds[0]"
+        );
+        assert_eq!(err(refine_assignment(&[1.0], &[1.0], &[], None)), "owner");
+        assert_eq!(
+            err(refine_assignment(&[1.0], &[1.0], &[1], None)),
+            "owner[0]"
+        );
+        assert_eq!(
+            err(refine_assignment(&[1.0], &[1.0], &[0], Some(&[]))),
+            "capacity"
+        );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(400))]
+
+        /// Never slower than the start, never over a device's room (unless it started over),
+        /// and no improving step left.
+        #[test]
+        fn refine_never_slower_within_room_and_locally_optimal(
+            loads in prop::collection::vec(
+                prop_oneof![Just(0.0), 0.0f64..10.0, (1u32..5).prop_map(f64::from)],
+                1..10,
+            ),
+            speeds in prop::collection::vec(prop_oneof![Just(1.0f64), Just(0.0), 0.1f64..4.0], 1..4),
+            seed in any::<u64>(),
+            cap in prop::collection::vec(0u64..6, 1..4),
+            limited in any::<bool>(),
+        ) {
+            let p = speeds.len();
+            let start: Vec<usize> = (0..loads.len())
+                .map(|i| ((seed >> (i % 32)) as usize + i * 7) % p)
+                .collect();
+            let room: Vec<u64> = (0..p).map(|d| cap[d % cap.len()]).collect();
+            let limit = limited.then_some(room.as_slice());
+            let got = refine_assignment(&loads, &speeds, &start, limit).unwrap();
+            let before = assignment_time(&loads, &speeds, &start).unwrap();
+            let after = assignment_time(&loads, &speeds, &got).unwrap();
+            prop_assert!(after <= before, "{after} > {before}");
+            let count = |o: &[usize], d: usize| o.iter().filter(|&&x| x == d).count() as u64;
+            let unlimited = vec![u64::MAX; p];
+            let bound = if limited { &room } else { &unlimited };
+            for (d, &cap) in bound.iter().enumerate() {
+                prop_assert!(count(&got, d) <= cap.max(count(&start, d)));
+            }
+            prop_assert!(!improving_step_left(&loads, &speeds, &got, bound), "{got:?}");
+            prop_assert_eq!(refine_assignment(&loads, &speeds, &start, limit).unwrap(), got);
+        }
     }
 
     proptest! {
