@@ -106,17 +106,17 @@ def test_partition_chain_never_panics(costs, speeds, boundary_bytes, bandwidth):
     speeds=hostile_list,
     capacity=st.one_of(st.none(), hostile_list),
     max_nodes=st.one_of(st.none(), hostile_scalar),
+    gap=st.one_of(st.none(), hostile_scalar),
 )
-def test_partition_items_never_panics(loads, speeds, capacity, max_nodes):
-    kwargs = {
-        k: v for k, v in dict(capacity=capacity, max_nodes=max_nodes).items() if v is not None
-    }
+def test_partition_items_never_panics(loads, speeds, capacity, max_nodes, gap):
+    given = dict(capacity=capacity, max_nodes=max_nodes, gap=gap)
+    kwargs = {k: v for k, v in given.items() if v is not None}
     if isinstance(max_nodes, int) and not isinstance(max_nodes, bool) and max_nodes > 10**5:
         kwargs["max_nodes"] = 10**5  # a budget is the caller's to spend: keep the run short
     try:
         owner, exact = hetcoll.partition_items(loads, speeds, **kwargs)
     except (ValueError, TypeError) as e:
-        names = ("loads", "speeds", "capacity", "max_nodes")
+        names = ("loads", "speeds", "capacity", "max_nodes", "gap")
         assert re.match(rf"^({'|'.join(names)})\b", str(e)), str(e)
         return
     assert len(owner) == len(loads) and all(0 <= d < len(speeds) for d in owner)

@@ -237,6 +237,32 @@ def test_items_are_optimal_against_brute_force(loads, speeds, capacity):
     assert hetcoll.partition_items(loads, speeds, capacity=capacity) == (owner, exact)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    loads=st.lists(st.floats(0.0, 50.0), min_size=1, max_size=7),
+    speeds=st.lists(st.one_of(st.just(1.0), st.floats(0.05, 4.0)), min_size=1, max_size=3),
+    gap=st.one_of(st.just(0.0), st.floats(0.0, 0.3)),
+)
+def test_items_within_a_gap_of_brute_force(loads, speeds, gap):
+    """With ``gap``, the answer is proved within that fraction of brute force's best."""
+    owner, exact = hetcoll.partition_items(loads, speeds, gap=gap)
+    assert exact
+    assert items_time(loads, speeds, owner) <= items_brute_force(loads, speeds, None) * (
+        1 + gap
+    ) * (1 + 1e-9)
+
+
+def test_a_gap_ends_a_search_that_would_spend_its_budget():
+    """64 skewed loads on 8 ranks: unproved in the whole budget, proved at once within 1%."""
+    speeds = [1.0, 0.8, 0.6, 0.5, 0.5, 0.3, 0.2, 0.1]
+    loads = np.random.default_rng(64).lognormal(0.0, 1.0, 64).tolist()
+    lower = max(sum(loads) / sum(speeds), max(loads) / max(speeds))
+    _, exact = hetcoll.partition_items(loads, speeds, max_nodes=20_000)
+    owner, near = hetcoll.partition_items(loads, speeds, max_nodes=20_000, gap=0.01)
+    assert not exact and near
+    assert items_time(loads, speeds, owner) <= 1.01 * lower
+
+
 def test_items_part_hot_items_and_beat_every_contiguous_cut():
     """Two hot items side by side go to different devices, which no cut into runs can do; a
     spent budget returns the greedy bound or better, unproved."""
@@ -270,6 +296,9 @@ def test_items_part_hot_items_and_beat_every_contiguous_cut():
         (([1.0, 1.0], [1.0, 0.0]), {"capacity": [1, 5]}, "speeds"),
         (([1.0], [1.0]), {"max_nodes": 0}, "max_nodes"),
         (([1.0], [1.0]), {"max_nodes": 1.5}, "max_nodes"),
+        (([1.0], [1.0]), {"gap": -0.5}, "gap"),
+        (([1.0], [1.0]), {"gap": float("nan")}, "gap"),
+        (([1.0], [1.0]), {"gap": "small"}, "gap"),
         (("ab", [1.0]), {}, "loads"),
     ],
 )

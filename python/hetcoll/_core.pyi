@@ -125,6 +125,7 @@ def partition_items(
     *,
     capacity: Sequence[int] | None = None,
     max_nodes: int | None = None,
+    gap: float = 0.0,
 ) -> tuple[list[int], bool]:
     """Each item's device, any items on any device, and whether that is proved optimal.
 
@@ -134,7 +135,10 @@ def partition_items(
     machines; NP-hard). Branch and bound over the items in decreasing load from the greedy
     schedule, cut by the fluid bound, devices of equal speed, room and load tried once; exact
     (the flag is True) when it ends within ``max_nodes`` nodes (default 200000), else the best
-    found, never worse than greedy. Items of zero load go, after the others, where items per speed
+    found, never worse than greedy. With ``gap`` > 0 it seeks only bottlenecks below the best
+    found over ``1 + gap`` and stops at the lower bound times ``1 + gap``: the flag then says the
+    answer is proved within that fraction of the optimum (most searches end at once). Items of
+    zero load go, after the others, where items per speed
     stay lowest; a device of speed 0 holds only those. Deterministic: every rank solving the same
     inputs gets the same answer. A request none fits raises ``ValueError`` naming ``capacity``
     (or ``speeds``, where devices of speed 0 leave too little room).

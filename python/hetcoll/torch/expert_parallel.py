@@ -156,6 +156,7 @@ def expert_assignment(
     loads: Sequence[float] | None = None,
     capacity: Sequence[int] | None = None,
     current: Sequence[Sequence[int]] | None = None,
+    gap: float = 0.0,
 ) -> list[list[int]]:
     """Each rank's experts (their indices, ascending), in rank order: any experts on any rank.
 
@@ -169,6 +170,9 @@ def expert_assignment(
     request none fits raises ``ValueError``. ``current``: the placement now (each rank's
     expert indices); ranks of the same speed and capacity are interchangeable, so their
     sets are handed out to keep as many experts where they are as they can (fewer move).
+    ``gap``: content with a placement within that fraction of the best (``partition_items``'
+    ``gap``: a search that would spend its budget proving the last fraction of a percent
+    ends at once).
 
     >>> expert_assignment(4, [1.0, 1.0], loads=[5.0, 5.0, 1.0, 1.0])
     [[0, 2], [1, 3]]
@@ -180,7 +184,7 @@ def expert_assignment(
     if loads is None:
         return contiguous
     load = [float(x) for x in loads]
-    owner, _ = hetcoll.partition_items(load, [float(s) for s in speeds], capacity=capacity)
+    owner, _ = hetcoll.partition_items(load, [float(s) for s in speeds], capacity=capacity, gap=gap)
     anywhere = [[e for e in range(num_experts) if owner[e] == r] for r in range(len(runs))]
     best = anywhere
     if assignment_seconds(contiguous, load, speeds) <= assignment_seconds(anywhere, load, speeds):
@@ -729,15 +733,16 @@ def experts_placement(
     where: str = "shares",
     of: str = "rank",
     current: Placement | None = None,
+    gap: float = 0.0,
 ) -> Placement:
     """Each experts layer (its path and experts: :func:`find_experts`) placed on ``ranks``
     ranks, as each rank's expert indices: by ``speeds`` (:func:`expert_assignment`, with
     ``loads`` and ``capacity``), or as ``shares`` give them (:data:`Shares`: one placement
     for every layer, or a dict by path naming every layer; ``where``: the argument they came
     as, ``of``: what one entry is for, a rank or a plan's replica, for the errors;
-    ``current``: each layer's placement now, which placing by speed disturbs least:
-    :func:`expert_assignment`). ``ValueError`` naming the argument where they do not make a
-    placement."""
+    ``current``: each layer's placement now, which placing by speed disturbs least, and
+    ``gap``: :func:`expert_assignment`'s). ``ValueError`` naming the argument where they do
+    not make a placement."""
     if speeds is not None and len(speeds) != ranks:
         raise ValueError(f"speeds: needs one per {of} ({ranks}), got {len(speeds)}")
     for arg, given in (("loads", loads), (where, shares)):
@@ -755,7 +760,7 @@ def experts_placement(
         if speeds is not None:
             now = None if current is None else current.get(name)
             placed[name] = expert_assignment(
-                count, speeds, loads=load, capacity=capacity, current=now
+                count, speeds, loads=load, capacity=capacity, current=now, gap=gap
             )
         else:
             held = shares.get(name) if isinstance(shares, Mapping) else shares

@@ -6,7 +6,7 @@
 use hetcoll_core::kernels::{pack, unpack, weighted_sum, Source};
 use hetcoll_core::schedules::ring::ring_allreduce;
 use hetcoll_core::solvers::{
-    assign_items, assignment_time, finish_times, km1, partition_chain, partition_hypergraph,
+    assign_items_near, assignment_time, finish_times, km1, partition_chain, partition_hypergraph,
     refine_assignment, split, stage_times, Hypergraph, PartitionOptions, SplitOptions,
 };
 use hetcoll_core::CoreError;
@@ -112,8 +112,9 @@ proptest! {
         speeds in prop::collection::vec(hostile_f64(), 0..4),
         capacity in prop::option::of(prop::collection::vec(hostile_u64(), 0..4)),
         max_nodes in 0u64..100_000,
+        gap in prop_oneof![Just(0.0), hostile_f64()],
     ) {
-        match assign_items(&loads, &speeds, capacity.as_deref(), max_nodes) {
+        match assign_items_near(&loads, &speeds, capacity.as_deref(), max_nodes, gap) {
             Ok(a) => {
                 prop_assert_eq!(a.owner.len(), loads.len());
                 prop_assert!(a.owner.iter().all(|&d| d < speeds.len()));

@@ -244,15 +244,20 @@ fn compressed_nets(nets: &Bound<'_, PyAny>, limit: u64) -> PyResult<(Vec<usize>,
 }
 
 /// Each item's device, any items on any device, smallest bottleneck `max_d load_d / speeds[d]`
-/// (`hetcoll_core::solvers::assign_items`: branch and bound, exact within `max_nodes`).
+/// (`hetcoll_core::solvers::assign_items_near`: branch and bound, exact within `max_nodes`, or
+/// within `gap` of the optimum).
 #[pyfunction]
-#[pyo3(signature = (loads, speeds, *, capacity=None, max_nodes=None))]
+#[pyo3(
+    signature = (loads, speeds, *, capacity=None, max_nodes=None, gap=None),
+    text_signature = "(loads, speeds, *, capacity=None, max_nodes=None, gap=0.0)"
+)]
 pub fn partition_items(
     py: Python<'_>,
     loads: &Bound<'_, PyAny>,
     speeds: &Bound<'_, PyAny>,
     capacity: Option<&Bound<'_, PyAny>>,
     max_nodes: Option<&Bound<'_, PyAny>>,
+    gap: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(Vec<usize>, bool)> {
     let loads = floats(loads, "loads")?;
     let speeds = floats(speeds, "speeds")?;
@@ -266,9 +271,10 @@ pub fn partition_items(
     if max_nodes == 0 {
         return Err(invalid("max_nodes", "must be >= 1, got 0"));
     }
+    let gap = gap.map_or(Ok(0.0), |x| number(x, "gap"))?;
     // A large budget on many items may search long: Ctrl-C ends the wait at once.
     let a = interruptible(py, move || {
-        solvers::assign_items(&loads, &speeds, capacity.as_deref(), max_nodes)
+        solvers::assign_items_near(&loads, &speeds, capacity.as_deref(), max_nodes, gap)
     })?
     .py_err()?;
     Ok((a.owner, a.exact))

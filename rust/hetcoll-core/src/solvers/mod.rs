@@ -13,7 +13,7 @@ pub mod chain;
 pub mod hypergraph;
 pub mod split;
 
-pub use assign::{assign_items, assignment_time, refine_assignment, Assignment};
+pub use assign::{assign_items, assign_items_near, assignment_time, refine_assignment, Assignment};
 pub use chain::{partition_chain, partition_chain_within, stage_times, ChainMemory};
 pub use hypergraph::{km1, partition_hypergraph, Hypergraph, PartitionOptions};
 pub use split::{finish_times, split, SplitOptions};
