@@ -206,6 +206,13 @@ def rebalanced_while_training(group: Any, device: torch.device | None = None) ->
     for e in made[0].history:  # the counts are the placements'
         for shares, placement in ((e.old_shares, e.old_placement), (e.new_shares, e.new_placement)):
             assert shares == {n: [len(h) for h in held] for n, held in placement.items()}
+        # The experts put on another rank, and the time moving them took where they moved.
+        assert e.moved == sum(
+            len(set(a) - set(b))
+            for n, old in e.old_placement.items()
+            for a, b in zip(old, e.new_placement[n], strict=True)
+        )
+        assert (e.seconds > 0) == e.applied and (e.moved > 0 or not e.applied)
     return [[e.step, e.old_placement, e.new_placement, e.applied] for e in made[0].history]
 
 

@@ -22,6 +22,7 @@ that rank's speed: the quantity :func:`expert_assignment` minimises.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -54,7 +55,9 @@ class ExpertRebalanceEvent:
     after (by experts module name: counts in ``old_shares`` and ``new_shares``, each rank's
     expert indices in ``old_placement`` and ``new_placement``), the predicted experts' time
     per step before and after (in tokens over speed: seconds where the speeds are tokens per
-    second), and whether the experts moved."""
+    second), and whether the experts moved; ``moved``: the experts the new placement puts on
+    another rank (over every layer, whether or not applied), ``seconds``: this rank's wall
+    time moving them (0 when not applied), what the ``threshold`` is to outweigh."""
 
     step: int
     speeds: tuple[float, ...]
@@ -65,6 +68,8 @@ class ExpertRebalanceEvent:
     applied: bool
     old_placement: Placement
     new_placement: Placement
+    moved: int = 0
+    seconds: float = 0.0
 
 
 def placement_time(
@@ -274,13 +279,27 @@ class ExpertRebalancer:
         before = placement_time(old, self.loads, speeds)
         after = placement_time(new, self.loads, speeds)
         applied = new != old and after < before * (1 - self.threshold)
+        seconds = 0.0
         if applied:
+            start = time.perf_counter()
             self._place(self.optimizer, shares=new)
+            seconds = time.perf_counter() - start
         counts = {name: [len(h) for h in held] for name, held in old.items()}
         new_counts = {name: [len(h) for h in held] for name, held in new.items()}
+        moved = sum(_moved(held, new[name]) for name, held in old.items())
         self.history.append(
             ExpertRebalanceEvent(
-                self._step, tuple(speeds), counts, new_counts, before, after, applied, old, new
+                self._step,
+                tuple(speeds),
+                counts,
+                new_counts,
+                before,
+                after,
+                applied,
+                old,
+                new,
+                moved,
+                seconds,
             )
         )
         return applied
