@@ -61,15 +61,22 @@ fn bench_hypergraph(c: &mut Criterion) {
     g.finish();
 }
 
+/// Ranks of unequal speed, for the experts benchmarks.
+const RANK_SPEEDS: [f64; 8] = [1.0, 0.8, 0.6, 0.5, 0.5, 0.3, 0.2, 0.1];
+
+/// `n` experts' loads, skewed as routed tokens are: a few hot experts, a long cool tail.
+fn skewed_loads(n: usize) -> Vec<f64> {
+    (0..n)
+        .map(|i| 1000.0 / (1.0 + (i * 7919 % n) as f64).powf(0.8))
+        .collect()
+}
+
 fn bench_assign(c: &mut Criterion) {
-    let speeds = [1.0, 0.8, 0.6, 0.5, 0.5, 0.3, 0.2, 0.1];
+    let speeds = RANK_SPEEDS;
     let mut g = c.benchmark_group("assign_items");
     g.sample_size(20);
     for n in [64usize, 256] {
-        // Skewed, as routed tokens are: a few hot experts, a long cool tail.
-        let loads: Vec<f64> = (0..n)
-            .map(|i| 1000.0 / (1.0 + (i * 7919 % n) as f64).powf(0.8))
-            .collect();
+        let loads = skewed_loads(n);
         g.bench_function(format!("{n}_experts_8_ranks"), |b| {
             b.iter(|| assign_items(black_box(&loads), black_box(&speeds), None, 200_000).unwrap())
         });
@@ -78,13 +85,11 @@ fn bench_assign(c: &mut Criterion) {
 }
 
 fn bench_refine(c: &mut Criterion) {
-    let speeds = [1.0, 0.8, 0.6, 0.5, 0.5, 0.3, 0.2, 0.1];
+    let speeds = RANK_SPEEDS;
     let mut g = c.benchmark_group("refine_assignment");
     g.sample_size(20);
     for n in [64usize, 256] {
-        let loads: Vec<f64> = (0..n)
-            .map(|i| 1000.0 / (1.0 + (i * 7919 % n) as f64).powf(0.8))
-            .collect();
+        let loads = skewed_loads(n);
         // A placement that ignores the loads: runs of equal counts.
         let start: Vec<usize> = (0..n).map(|i| i * speeds.len() / n).collect();
         g.bench_function(format!("{n}_experts_8_ranks"), |b| {

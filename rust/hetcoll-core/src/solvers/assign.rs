@@ -97,24 +97,10 @@ pub fn assign_items_near(
             format!("must be finite and >= 0, got {gap}"),
         ));
     }
-    let n = loads.len();
-    let p = speeds.len();
-    if n == 0 {
-        return Err(CoreError::invalid("loads", "must hold at least one item"));
-    }
-    non_negative(loads, "loads")?;
-    if p == 0 {
-        return Err(CoreError::invalid("speeds", "must not be empty"));
-    }
-    non_negative(speeds, "speeds")?;
+    check_items(loads, speeds, capacity)?;
+    let (n, p) = (loads.len(), speeds.len());
     let room: Vec<u64> = match capacity {
         None => vec![n as u64; p],
-        Some(c) if c.len() != p => {
-            return Err(CoreError::invalid(
-                "capacity",
-                format!("must hold one count per device ({p}), got {}", c.len()),
-            ))
-        }
         Some(c) => c.iter().map(|&x| x.min(n as u64)).collect(),
     };
     let total_room: u64 = room.iter().sum();
@@ -177,6 +163,47 @@ pub fn assign_items_near(
     Ok(Assignment { owner, exact })
 }
 
+/// The items' loads and the devices' speeds (each finite and >= 0, at least one of each) and
+/// the devices' capacity, one count per device, as both solvers take them.
+fn check_items(loads: &[f64], speeds: &[f64], capacity: Option<&[u64]>) -> Result<()> {
+    if loads.is_empty() {
+        return Err(CoreError::invalid("loads", "must hold at least one item"));
+    }
+    non_negative(loads, "loads")?;
+    if speeds.is_empty() {
+        return Err(CoreError::invalid("speeds", "must not be empty"));
+    }
+    non_negative(speeds, "speeds")?;
+    match capacity {
+        Some(c) if c.len() != speeds.len() => Err(CoreError::invalid(
+            "capacity",
+            format!(
+                "must hold one count per device ({}), got {}",
+                speeds.len(),
+                c.len()
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// `owner`: one device in `[0, p)` for each of `n` items.
+fn check_owner(owner: &[usize], n: usize, p: usize) -> Result<()> {
+    if owner.len() != n {
+        return Err(CoreError::invalid(
+            "owner",
+            format!("must hold one device per item ({n}), got {}", owner.len()),
+        ));
+    }
+    match owner.iter().position(|&d| d >= p) {
+        Some(i) => Err(CoreError::invalid(
+            format!("owner[{i}]"),
+            format!("must be a device in [0, {p}), got {}", owner[i]),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Every entry of `values` (the argument `name`) finite and >= 0.
 fn non_negative(values: &[f64], name: &str) -> Result<()> {
     match values.iter().position(|x| !x.is_finite() || *x < 0.0) {
@@ -191,24 +218,9 @@ fn non_negative(values: &[f64], name: &str) -> Result<()> {
 /// The bottleneck of an assignment: the largest `load / speed` over the devices (a device of speed
 /// 0 holding load takes forever). `owner[i]` is item `i`'s device.
 pub fn assignment_time(loads: &[f64], speeds: &[f64], owner: &[usize]) -> Result<f64> {
-    if owner.len() != loads.len() {
-        return Err(CoreError::invalid(
-            "owner",
-            format!(
-                "must hold one device per item ({}), got {}",
-                loads.len(),
-                owner.len()
-            ),
-        ));
-    }
+    check_owner(owner, loads.len(), speeds.len())?;
     let mut load = vec![0.0f64; speeds.len()];
     for (i, &d) in owner.iter().enumerate() {
-        if d >= speeds.len() {
-            return Err(CoreError::invalid(
-                format!("owner[{i}]"),
-                format!("must be a device in [0, {}), got {d}", speeds.len()),
-            ));
-        }
         load[d] += loads[i];
     }
     Ok(time_of(&load, speeds))
@@ -241,38 +253,10 @@ pub fn refine_assignment(
     owner: &[usize],
     capacity: Option<&[u64]>,
 ) -> Result<Vec<usize>> {
-    let n = loads.len();
-    let p = speeds.len();
-    if n == 0 {
-        return Err(CoreError::invalid("loads", "must hold at least one item"));
-    }
-    non_negative(loads, "loads")?;
-    if p == 0 {
-        return Err(CoreError::invalid("speeds", "must not be empty"));
-    }
-    non_negative(speeds, "speeds")?;
-    if owner.len() != n {
-        return Err(CoreError::invalid(
-            "owner",
-            format!("must hold one device per item ({n}), got {}", owner.len()),
-        ));
-    }
-    if let Some(i) = owner.iter().position(|&d| d >= p) {
-        return Err(CoreError::invalid(
-            format!("owner[{i}]"),
-            format!("must be a device in [0, {p}), got {}", owner[i]),
-        ));
-    }
-    let room: Vec<u64> = match capacity {
-        None => vec![u64::MAX; p],
-        Some(c) if c.len() != p => {
-            return Err(CoreError::invalid(
-                "capacity",
-                format!("must hold one count per device ({p}), got {}", c.len()),
-            ))
-        }
-        Some(c) => c.to_vec(),
-    };
+    check_items(loads, speeds, capacity)?;
+    check_owner(owner, loads.len(), speeds.len())?;
+    let (n, p) = (loads.len(), speeds.len());
+    let room: Vec<u64> = capacity.map_or_else(|| vec![u64::MAX; p], <[u64]>::to_vec);
     // Each device's items, ascending (the order ties are broken in).
     let mut held: Vec<Vec<usize>> = vec![Vec::new(); p];
     let mut work = vec![0.0f64; p];
