@@ -398,7 +398,9 @@ def test_hetcoll_plan_places_mixtral_s_experts_and_train_lm_runs_it_like_one_pro
     again = tmp_path / "by_load.json"
     sys.path.insert(0, str(LM_SCRIPT.parent))
     try:
+        capsys.readouterr()
         assert main([*argv, "--expert-loads", str(loads), "--out", str(again)]) == 0
+        assert f"expert loads: {loads} (6 of 6 experts layers)" in capsys.readouterr().out
         bad = tmp_path / "bad.json"
         bad.write_text(json.dumps({"model.layers.0.mlp.experts": [1, 2]}))
         with pytest.raises(SystemExit) as exit_:

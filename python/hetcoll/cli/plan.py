@@ -290,6 +290,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                     for i, p in enumerate(ranked)
                 ],
                 "notes": list(costs.notes),
+                **({"expert_loads": args.expert_loads} if args.expert_loads else {}),
                 **({"plot": args.plot} if args.plot else {}),
             },
             sys.stdout,
@@ -305,6 +306,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     )
     for note in costs.notes:
         print(f"note: {note}")
+    if loads:
+        print(
+            f"expert loads: {args.expert_loads} ({len(loads)} of {len(costs.experts)} experts "
+            "layers): expert-parallel plans place their experts by them, and every plan holding "
+            "experts is priced at them"
+        )
     if not best.feasible:
         print(f"no feasible plan: {best.reason}")
     print(
