@@ -23,6 +23,12 @@ the batch by :func:`hetcoll.split` over the speeds unless said otherwise):
 5. the same plan in 4 micro-batches (one forward and backward per micro-batch, every
    replica in each: a quarter of the activations held, four times the exchanges).
 
+6. a router that favours two experts (``SKEWED``: a bias of ``SKEW_BIAS`` on the logits of
+   experts 5 and 7, as a trained router's loads can drift): the experts placed by speed (runs:
+   expert 7 alone on the slow rank) against placed by the loads measured in one forward of
+   the batch (:func:`hetcoll.torch.expert_loads`, then ``expert_parallel(..., loads=)``: any
+   experts on any rank), rows by speed for both; predicted at those loads.
+
 Each strategy also reports the bytes of parameters each rank holds (the experts' memory).
 
 Predicted: the performance model's step for each strategy
@@ -90,6 +96,54 @@ PLANS = {PLANNED: 1, PLANNED_MB: 4}
 #: The peer the placement by speed is compared with: the even placement of DeepSpeed-MoE and
 #: Megatron-LM, rows even too.
 EVEN = "experts even, rows even"
+#: The router that favours two experts: its logits get SKEW_BIAS on experts SKEW_HOT.
+SKEW_HOT = (5, 7)
+SKEW_BIAS = 0.2
+#: Strategies on the skewed router: experts by speed (the peer) and by measured loads.
+SKEWED = {
+    "skewed router: experts by speed": "speed",
+    "skewed router: experts by load": "load",
+}
+
+
+class SkewedRouter(nn.Module):
+    """Mixtral's top-k router (the same weight, the same softmax, top-k and renormalisation)
+    with a fixed bias on some experts' logits: a router whose loads lean to those experts."""
+
+    def __init__(self, router: Any, hot: tuple[int, ...], bias: float) -> None:
+        super().__init__()
+        self.top_k: int = router.top_k
+        self.hidden_dim: int = router.hidden_dim
+        self.weight: nn.Parameter = router.weight
+        self.shift = torch.zeros(int(self.weight.shape[0]))
+        self.shift[list(hot)] = bias
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(hidden_states, self.weight) + self.shift
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, index = torch.topk(probs, self.top_k, dim=-1)
+        return logits, top / top.sum(dim=-1, keepdim=True), index
+
+
+def skewed(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose every router favours experts ``SKEW_HOT``."""
+    out = copy.deepcopy(model)
+    for block in [m for m in out.modules() if hasattr(m, "gate") and hasattr(m, "experts")]:
+        block.gate = SkewedRouter(block.gate, SKEW_HOT, SKEW_BIAS)
+    return out
+
+
+def measured_loads(model: nn.Module, mine: torch.Tensor) -> dict[str, list[int]]:
+    """The tokens each expert of ``model`` (placed by speed here) receives in one forward of
+    every rank's rows: :func:`hetcoll.torch.expert_loads` (collective)."""
+    from hetcoll.torch import expert_loads
+
+    probe = copy.deepcopy(model)
+    expert_parallel(probe, speeds=list(SPEEDS))
+    with torch.no_grad():
+        probe(input_ids=mine)
+    return expert_loads(probe)
 
 
 def make_model() -> nn.Module:
@@ -168,7 +222,38 @@ def _rank(rank: int, world: int, batch: int, steps: int) -> dict[str, Any]:
             "rows": [r.samples for r in plan.replicas],
             "param_bytes": int(sum(p.numel() * p.element_size() for p in par.parameters())),
         }
-    names = (*STRATEGIES, *PLANS, ALONE)
+    lean = skewed(model)
+    rows = hetcoll.split(batch, list(SPEEDS))
+    mine = ids[sum(rows[:rank]) : sum(rows[: rank + 1])]
+    loads = measured_loads(lean, mine)
+    placements: dict[str, Any] = {}
+    for name, by in SKEWED.items():
+        placed = copy.deepcopy(lean)
+        how: dict[str, Any] = {"loads": loads} if by == "load" else {}
+        expert_parallel(placed, speeds=list(SPEEDS), **how)
+        placements[name] = {
+            path: [list(h) for h in m.placement]
+            for path, m in placed.named_modules()
+            if isinstance(m, ExpertParallelExperts)
+        }
+        slow_down(placed, SPEEDS[rank])
+        ddp = DistributedDataParallel(placed)
+        register_weighted_hook(ddp)
+        opt = torch.optim.SGD(placed.parameters(), lr=1e-3)
+
+        def lean_step(ddp: nn.Module = ddp, opt: Any = opt, mine: torch.Tensor = mine) -> None:
+            opt.zero_grad()
+            ex.lm_loss(ddp(input_ids=mine), mine).backward()
+            opt.step()
+
+        first = next(iter(placements[name].values()))
+        runs[name] = {
+            "step": lean_step,
+            "experts": [len(h) for h in first],
+            "rows": [int(r) for r in rows],
+            "param_bytes": int(sum(p.numel() * p.element_size() for p in placed.parameters())),
+        }
+    names = (*STRATEGIES, *PLANS, ALONE, *SKEWED)
     times = take_turns({name: runs[name]["step"] for name in names}, steps)
     out: dict[str, Any] = {"arch": "mixtral", "batch": batch, "seq": ex.SEQ, "speeds": [*SPEEDS]}
     for name in names:
@@ -178,6 +263,12 @@ def _rank(rank: int, world: int, batch: int, steps: int) -> dict[str, Any]:
             "rows": runs[name]["rows"],
             "param_bytes": runs[name]["param_bytes"],  # this rank's
         }
+    out["skewed router"] = {
+        "hot": list(SKEW_HOT),
+        "bias": SKEW_BIAS,
+        "loads": loads,
+        "placements": placements,
+    }
     return out
 
 
@@ -219,6 +310,30 @@ def predicted(batch: int) -> dict[str, float]:
     return out
 
 
+def predicted_skewed(batch: int, skew: dict[str, Any]) -> dict[str, float]:
+    """The model's step for the skewed router's strategies: each placement priced at the loads
+    the run measured (``expert_parallel_schedule(..., loads=)``), the emulation modelled."""
+    from bench_tensor_parallel import machine
+
+    from hetcoll.lab.predict_emulated import slowed_by_parameters
+    from hetcoll.lab.validate import validation_cluster
+    from hetcoll.model.predict import expert_parallel_schedule
+
+    costs, device, link = machine("mixtral", 256)
+    cluster = validation_cluster([device] * len(SPEEDS), link)
+    rows = hetcoll.split(batch, list(SPEEDS))
+    return {
+        name: slowed_by_parameters(
+            expert_parallel_schedule(
+                costs, cluster, rows, skew["placements"][name], loads=skew["loads"]
+            ),
+            costs,
+            list(SPEEDS),
+        ).step_s
+        for name in SKEWED
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
@@ -233,10 +348,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     guesses = predicted(args.batch) if args.predict else {}
     results = launch.spawn(_rank, len(SPEEDS), args.batch, args.steps, timeout=3600)
+    if args.predict:
+        guesses.update(predicted_skewed(args.batch, results[0]["skewed router"]))
     for r in results:
         for name, step_s in guesses.items():
             r[name]["predicted_s"] = step_s
-        for name in (*STRATEGIES, *PLANS, ALONE):
+        for name in (*STRATEGIES, *PLANS, ALONE, *SKEWED):
             r[name]["param_bytes_per_rank"] = [q[name]["param_bytes"] for q in results]
     r0 = results[0]
     print(
@@ -248,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{'strategy':<55} {'step (ms)':>10} {'vs even':>8} {'experts':>9} {'rows':>9}"
         f" {'predicted':>10}"
     )
-    for name in (*STRATEGIES, *PLANS, ALONE):
+    for name in (*STRATEGIES, *PLANS, ALONE, *SKEWED):
         row = r0[name]
         guess = f"{row['predicted_s'] * 1e3:10.1f}" if "predicted_s" in row else f"{'-':>10}"
         print(

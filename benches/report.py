@@ -1072,6 +1072,68 @@ _EP_EVEN = "experts even, rows even"
 #: from before them lack them).
 _EP_PLANNED = "experts by speed, rows by speed, plan"
 _EP_MICRO = "experts by speed, rows by speed, plan, 4 micro-batches"
+#: The router favouring two experts: placed by speed (the peer) and by measured loads (runs
+#: from before it lack it).
+_EP_SKEWED = ("skewed router: experts by speed", "skewed router: experts by load")
+
+
+def _skewed_router_section(r0: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
+    """bench_expert_parallel.py's skewed router: the experts by speed against by the loads
+    measured in the run, measured and predicted at those loads (none in runs before it)."""
+    skew = r0.get("skewed router")
+    if skew is None:
+        return []
+    peer = _need(_need(r0, _EP_SKEWED[0], where), "step_s", f"{where}.{_EP_SKEWED[0]}")
+    guess_peer = r0[_EP_SKEWED[0]].get("predicted_s")
+    rows = []
+    for name in _EP_SKEWED:
+        row = _need(r0, name, where)
+        t = _need(row, "step_s", f"{where}.{name}")
+        first = next(iter(_need(skew, "placements", where)[name].values()))
+        held = " | ".join(",".join(map(str, h)) or "-" for h in first)
+        guess = row.get("predicted_s")
+        rows.append(
+            [
+                name.removeprefix("skewed router: "),
+                held,
+                t * 1e3,
+                row["step_s_q1"] * 1e3,
+                row["step_s_q3"] * 1e3,
+                peer / t,
+                None if guess is None else guess * 1e3,
+                None if guess is None else guess / t - 1.0,
+                None if guess is None or guess_peer is None else guess_peer / guess,
+            ]
+        )
+    layer, loads = next(iter(_need(skew, "loads", where).items()))
+    total = sum(loads) or 1
+    shares = ", ".join(f"{100 * x / total:.0f}%" for x in loads)
+    return [
+        {
+            "title": "A router favouring two experts: placed by speed vs by measured loads",
+            "peer": "the experts placed by speed (runs in expert order), rows by speed",
+            "columns": [
+                _col("experts placed"),
+                _col("each rank's experts (first layer)"),
+                _col("step (ms)", "{:.1f}"),
+                _col("q1 (ms)", "{:.1f}"),
+                _col("q3 (ms)", "{:.1f}"),
+                _col("speed vs by speed", RATIO),
+                _col("predicted (ms)", "{:.1f}"),
+                _col("error (predicted / measured - 1)", "{:+.0%}"),
+                _col("predicted speed vs by speed", RATIO),
+            ],
+            "rows": rows,
+            "notes": [
+                f"Every router's logits get +{skew.get('bias')} on experts "
+                f"{', '.join(map(str, skew.get('hot', [])))}; the loads measured in one "
+                f"forward of the batch ({layer}: {shares} of the tokens' picks, expert 0 "
+                "first) place the experts by `expert_parallel(..., loads=)` (any experts on "
+                "any rank), and price both placements (`expert_parallel_schedule(..., "
+                "loads=)`, emulation modelled as above).",
+            ],
+        }
+    ]
 
 
 def adapt_expert_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
@@ -1156,6 +1218,7 @@ def adapt_expert_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
                 ],
             },
             *predictions,
+            *_skewed_router_section(r0, where),
         ],
         description=(
             "Whole experts placed on data-parallel ranks (`expert_parallel`) on two gloo ranks "
@@ -1173,6 +1236,17 @@ def adapt_expert_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
             (
                 f"{head}: experts by speed vs the unsplit model on the fast rank alone",
                 f"{rows['unsplit, fast rank alone']['step_s'] / by_speed:.2f}x",
+            ),
+            *(
+                [
+                    (
+                        f"{head}, a router favouring two experts: experts by measured loads "
+                        "vs by speed",
+                        f"{r0[_EP_SKEWED[0]]['step_s'] / r0[_EP_SKEWED[1]]['step_s']:.2f}x faster",
+                    )
+                ]
+                if "skewed router" in r0
+                else []
             ),
         ],
     )
