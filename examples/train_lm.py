@@ -224,6 +224,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if args.plan
         else default_plan(net, job.world, args.batch, args.microbatches)
     )
+    for flag, given in (
+        ("--rebalance-experts", args.rebalance_experts is not None),
+        ("--save-expert-loads", bool(args.save_expert_loads)),
+    ):
+        if given and plan.experts is None:
+            raise SystemExit(f"{flag}: the plan places no experts (its experts)")
     # Collective: every rank passes the same plan (rank 0's weights are used).
     par = parallelize(net, plan, loss_fn=lm_loss, items=valid_tokens, group=job.group)
     if args.emulate and par.stage is not None:
@@ -233,8 +239,6 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     opt = torch.optim.AdamW(par.parameters(), lr=args.lr, weight_decay=0.0)
     watch = None
     if args.rebalance_experts is not None:
-        if plan.experts is None:
-            raise SystemExit("--rebalance-experts: the plan places no experts (its experts)")
         from hetcoll.torch import ExpertRebalancer
 
         speeds = [float(r.samples) for r in plan.replicas]  # what the planner split them by

@@ -343,6 +343,22 @@ def test_hetcoll_plan_writes_a_plan_train_lm_runs_like_one_process(tmp_path):
         assert float((state[k] - v).abs().max()) <= 1e-6 * float(v.abs().max()), k
 
 
+def test_train_lm_names_save_expert_loads_without_experts_to_save(tmp_path):
+    """--save-expert-loads needs a plan placing experts (as --rebalance-experts does): without
+    one (the default pipeline) the run stops at once, naming the flag."""
+    argv = ["--steps", "1", "--quiet", "--save-expert-loads", str(tmp_path / "loads.json")]
+    run = subprocess.run(
+        [sys.executable, str(LM_SCRIPT), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode != 0
+    assert "--save-expert-loads: the plan places no experts" in run.stderr, run.stderr
+    assert not (tmp_path / "loads.json").exists()
+
+
 def test_hetcoll_plan_places_mixtral_s_experts_and_train_lm_runs_it_like_one_process(
     tmp_path, capsys
 ):
