@@ -263,7 +263,8 @@ class ExpertRebalancer:
         )
         # Per layer, two candidates: the best placement, and the current one refined by a
         # few moves. Of those within the threshold of the faster, the one moving fewer
-        # experts (then the faster).
+        # experts (then the faster). The chosen ones' times and moves make the decision's.
+        after, moved = 0.0, 0
         for name, held in old.items():
             load = self.loads[name]
             near = refined_placement(held, load, speeds, capacity=self.capacity)
@@ -272,12 +273,13 @@ class ExpertRebalancer:
                 for k, c in enumerate((new[name], near))
             ]
             fastest = min(t for t, *_ in options)
-            new[name] = min(
+            layer_time, moves, _, new[name] = min(
                 (o for o in options if o[0] * (1 - self.threshold) <= fastest),
                 key=lambda o: (o[1], o[0], o[2]),
-            )[3]
+            )
+            after += layer_time
+            moved += moves
         before = placement_time(old, self.loads, speeds)
-        after = placement_time(new, self.loads, speeds)
         applied = new != old and after < before * (1 - self.threshold)
         seconds = 0.0
         if applied:
@@ -286,7 +288,6 @@ class ExpertRebalancer:
             seconds = time.perf_counter() - start
         counts = {name: [len(h) for h in held] for name, held in old.items()}
         new_counts = {name: [len(h) for h in held] for name, held in new.items()}
-        moved = sum(_moved(held, new[name]) for name, held in old.items())
         self.history.append(
             ExpertRebalanceEvent(
                 self._step,

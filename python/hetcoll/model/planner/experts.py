@@ -35,8 +35,6 @@ def place_layers(
     placed = {}
     for path, n in experts:
         load = None if loads is None else loads.get(path)
-        if load is not None and load.sum() <= 0:
-            load = None
         placed[path] = expert_assignment(
             n, list(speeds), loads=None if load is None else load.tolist()
         )
@@ -96,17 +94,18 @@ def expert_parallel_candidates(
         return []
     layers = [(block.module, block.experts) for block in costs.experts]
     out = []
-    speeds = list(speeds)
-    for name, by in (("balanced", speeds), ("even", [1.0] * cluster.num_devices)):
+    # The even candidate stays in runs whatever the loads (the peer's placement).
+    for name, by, placed_by in (
+        ("balanced", list(speeds), loads),
+        ("even", [1.0] * cluster.num_devices, None),
+    ):
         fewest = min(n for n in hetcoll.split(batch, by) if n > 0)
         m = 1
         while True:
             found = predict.predict_plan(
                 costs,
                 cluster,
-                expert_parallel_plan(
-                    batch, by, layers, len(costs.plan_layers), m, loads if by is speeds else None
-                ),
+                expert_parallel_plan(batch, by, layers, len(costs.plan_layers), m, placed_by),
                 optimizer_state_copies=optimizer_state_copies,
                 strategy=f"expert parallel, {name}",
                 loads=loads,

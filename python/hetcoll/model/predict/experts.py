@@ -158,7 +158,8 @@ def checked_loads(
     :func:`hetcoll.torch.expert_loads` or an ``ExpertRebalancer``'s ``loads`` hold) checked
     against the model's experts layers (``costs.experts``): a ``ValueError`` naming ``where``
     for a path that is no experts layer, or counts that are not one finite number >= 0 per
-    expert. A layer it leaves out counts each expert alike."""
+    expert. A layer it leaves out, or whose counts are all 0, counts each expert alike (it is
+    left out of the result)."""
     if loads is None:
         return None
     if not isinstance(loads, Mapping):
@@ -182,7 +183,8 @@ def checked_loads(
                 f"{where}: {path!r} needs {sizes[path]} finite numbers >= 0 (one per expert), "
                 f"got {counts!r}"
             )
-        out[path] = load
+        if load.sum() > 0:
+            out[path] = load
     return out
 
 
@@ -191,9 +193,9 @@ def fractions(
 ) -> np.ndarray:
     """The share of the layer's routed tokens each device's experts (``held``: each one's
     expert indices) receive: their loads' (``loads`` as :func:`checked_loads` gives them; each
-    expert alike without, or where they sum to 0)."""
+    expert alike without)."""
     load = np.ones(block.experts)
-    if loads is not None and block.module in loads and loads[block.module].sum() > 0:
+    if loads is not None and block.module in loads:
         load = loads[block.module]
     return np.array([load[list(h)].sum() for h in held]) / load.sum()
 
