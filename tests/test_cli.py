@@ -88,6 +88,30 @@ def test_bad_flags_are_one_line_and_status_2(
     assert_usage_error(hetcoll(*argv), command, *words)
 
 
+def test_flags_are_refused_and_split_runs_without_importing_torch() -> None:
+    """A mistyped flag is answered in a tenth of a second, not after torch's import (a second
+    and more): every parse error above, ``hetcoll split`` and ``--help``, in one process."""
+    argvs = [list(argv) for argv, _, _ in PARSE_ERRORS]
+    argvs += [["split", "10", "--speeds", "1,2"], ["--help"], ["plan", "--help"]]
+    code = (
+        "import contextlib, io, sys\n"
+        "from hetcoll.cli import main\n"
+        f"for argv in {argvs!r}:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), "
+        "contextlib.redirect_stderr(io.StringIO()):\n"
+        "        try:\n"
+        "            main(argv)\n"
+        "        except SystemExit:\n"
+        "            pass\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-P", "-c", code], env=ENV, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]", run.stdout[:500]
+
+
 # Refused by the library once the command runs (torch imported: a few seconds each).
 RUN_ERRORS = [
     (("demo", "--lr", "-1"), "demo", ("lr", "> 0")),

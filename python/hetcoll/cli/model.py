@@ -123,7 +123,7 @@ LOSS_HELP = (
 
 def add_input(p: argparse.ArgumentParser) -> None:
     """The ``--input``, ``--dtype`` and ``--loss`` flags."""
-    from hetcoll.model.costs.losses import LOSSES
+    from hetcoll.model.costs.records import LOSSES
 
     p.add_argument("--input", required=True, help=INPUT_HELP)
     p.add_argument("--dtype", choices=INPUT_DTYPES, default="float32", help=DTYPE_HELP)

@@ -24,16 +24,40 @@ the bytes that belongs to the layer's output channels (filters) is kept apart, s
 predictions can scale it with a device's share of the filters.
 """
 
-from hetcoll.model.costs.layers import layer_costs
-from hetcoll.model.costs.records import (
-    ExpertsBlock,
-    Kernel,
-    LayerCost,
-    ModelCosts,
-    ModelInput,
-    SplitBlock,
-    parse_shape,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hetcoll.model.costs.layers import layer_costs
+    from hetcoll.model.costs.records import (
+        ExpertsBlock,
+        Kernel,
+        LayerCost,
+        ModelCosts,
+        ModelInput,
+        SplitBlock,
+        parse_shape,
+    )
+
+# Imported on first use: ``layer_costs`` imports torch (a second), while the records and the
+# names of losses do not, so the command line parses its flags without it.
+_WHERE = {
+    "layer_costs": "hetcoll.model.costs.layers",
+    **{
+        name: "hetcoll.model.costs.records"
+        for name in (
+            "ExpertsBlock",
+            "Kernel",
+            "LayerCost",
+            "ModelCosts",
+            "ModelInput",
+            "SplitBlock",
+            "parse_shape",
+        )
+    },
+}
 
 __all__ = [
     "ExpertsBlock",
@@ -45,3 +69,15 @@ __all__ = [
     "layer_costs",
     "parse_shape",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

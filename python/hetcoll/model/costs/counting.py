@@ -16,8 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from hetcoll.model.costs.losses import LOSS_LAYER
-from hetcoll.model.costs.records import _COUNT_BATCH, Kernel, ModelInput
+from hetcoll.model.costs.records import _COUNT_BATCH, LOSS_LAYER, Kernel, ModelInput
 from hetcoll.torch.replay import wants_values
 
 # Ops that allocate or alias without moving data, and ops that only write their output.

@@ -20,10 +20,11 @@ from hetcoll.model.costs.formulas import (
     _linear_kernels,
 )
 from hetcoll.model.costs.inputs import activation_dtype, example_batch, model_inputs
-from hetcoll.model.costs.losses import LOSS_LAYER, resolve_loss
+from hetcoll.model.costs.losses import resolve_loss
 from hetcoll.model.costs.records import (
     _COUNT_BATCH,
     _TRACE_BATCH,
+    LOSS_LAYER,
     ExpertsBlock,
     Kernel,
     LayerCost,
@@ -59,7 +60,7 @@ def layer_costs(
     matrix in memory) or ``"im2col"`` (PyDTNN's explicit im2col / col2im, seed 003).
     ``precision``: the training precision (:meth:`ModelCosts.at_precision`).
     ``loss``: the loss each step ends with, costed as the last layer
-    (:data:`~hetcoll.model.costs.losses.LOSS_LAYER`, with the last plan layer): ``None`` (none:
+    (:data:`~hetcoll.model.costs.records.LOSS_LAYER`, with the last plan layer): ``None`` (none:
     the backward starts from the outputs), ``"cross-entropy"`` (of the output's logits, classes
     last: a classifier's or a language model's) or a function of the model's output returning
     the batch's loss (e.g. a shifted next-token cross-entropy, targets made inside). At a

@@ -1,6 +1,6 @@
 """The loss a step's costs end with (``layer_costs(..., loss=...)``): a function of the model's
 output to one number, counted like any layer (its ops on the meta device, forward and backward)
-as the last costed layer, :data:`LOSS_LAYER`.
+as the last costed layer, :data:`~hetcoll.model.costs.records.LOSS_LAYER`.
 
 A language model's cross-entropy is a softmax over every token's vocabulary: at a vocabulary of
 thousands it moves more bytes than the decoder blocks, so a prediction without it is low by as
@@ -15,10 +15,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-#: The name of the costed layer the loss is (not a module path: no module is called so).
-LOSS_LAYER = "(loss)"
-#: The losses named by a string (``layer_costs``' and the command line's ``loss``).
-LOSSES = ("cross-entropy",)
+from hetcoll.model.costs.records import LOSSES
 
 
 def output_logits(output: object) -> torch.Tensor:

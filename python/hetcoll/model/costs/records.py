@@ -12,8 +12,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import hetcoll
-from hetcoll.model.costs.losses import LOSS_LAYER
 from hetcoll.model.hardware import check_precision
+
+#: The name of the costed layer a step's loss is (not a module path: no module is called so;
+#: :mod:`hetcoll.model.costs.losses`).
+LOSS_LAYER = "(loss)"
+#: The losses named by a string (``layer_costs``' and the command line's ``loss``).
+LOSSES = ("cross-entropy",)
 
 # Traced batch: 2, not 1, because batch norm in training mode refuses one sample.
 _TRACE_BATCH = 2
@@ -325,7 +330,7 @@ class ModelCosts:
     @property
     def loss_layer(self) -> int | None:
         """The index in ``layers`` of the loss (the last layer, named
-        :data:`~hetcoll.model.costs.losses.LOSS_LAYER`), or None without one (a pipeline
+        :data:`LOSS_LAYER`), or None without one (a pipeline
         stage's slice of the layers before the last stage's too)."""
         if self.layers and self.layers[-1].name == LOSS_LAYER:
             return len(self.layers) - 1
