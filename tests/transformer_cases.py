@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from functools import partial
 from typing import Any
 
 import torch
@@ -696,91 +697,140 @@ def hybrid_loss_split(n: int) -> dict[str, Any]:
     return plan
 
 
-def run_all(group: Any) -> dict[str, Any]:
-    assert wrap(group).size == 4
-    out: dict[str, Any] = {}
-    warnings.simplefilter("ignore")  # filter_parallel names the tied head it keeps whole
-    for name, make in (("gpt2", gpt2), ("llama", llama), ("encoder", EncoderLM)):
-        n = len(model_layers(make()))
-        tol = 1e-6 if name == "llama" else TOL
-        t = equals_one_process(group, make, Plan.from_dict(pipeline_4(n)), tol=tol)
-        out[f"{name}_pipeline"] = t["activations"] > 0 or wrap(group).rank == 3
-        # Clipped by the whole model's norm: a pipeline replica (GPT-2's head tied to its
-        # embedding across its stages) beside a split stage.
-        equals_one_process(group, make, Plan.from_dict(hybrid(n)), tol=tol, clip=0.05)
-        out[f"{name}_hybrid"] = True
-        if name != "encoder":
-            equals_one_process(group, make, Plan.from_dict(hybrid(n, True)), tol=tol)
-            out[f"{name}_empty_blocks"] = True
-            equals_one_process(group, make, Plan.from_dict(hybrid_by_shares(make, n)), tol=tol)
-            out[f"{name}_by_shares"] = True
-            equals_one_process(group, make, Plan.from_dict(hybrid_loss_split(n)), tol=tol)
-            out[f"{name}_loss_parallel"] = True
-        out[f"{name}_planned_split"] = bool(planned_split(group, make))
-    # Multi-query attention: a split stage holds its key and value whole on each rank (their
-    # own projections, or rows packed with the query heads), and the data-parallel replicas
-    # sum their gradients once.
-    n = len(model_layers(llama()))
-    mqa = lambda: llama(kv_heads=1)  # noqa: E731
-    equals_one_process(group, mqa, Plan.from_dict(hybrid(n, True)), tol=1e-6)
-    out["llama_mqa_empty_blocks"] = True
-    # Grouped-query attention on a stage of more ranks than its key/value groups (Llama's 2,
-    # 3 ranks): split by query head, its key and value whole on each rank.
-    equals_one_process(group, llama, Plan.from_dict(split_three(n)), tol=1e-6)
-    out["llama_gqa_three_ranks"] = True
-    # A mixture of experts, whose routing (a loop over the experts its tokens reach) cannot
-    # run on the meta device: through a pipeline and a stage split over three ranks.
-    n = len(model_layers(mixtral()))
-    for name, cut in (("pipeline", pipeline_4), ("three_ranks", split_three)):
-        equals_one_process(group, mixtral, Plan.from_dict(cut(n)), tol=1e-6)
-        out[f"mixtral_{name}"] = True
-    # Its split stage given by shares per module path (the experts' hidden units among them),
-    # and the planner's own plan with a split stage (its shares balanced by predicted time).
-    equals_one_process(group, mixtral, Plan.from_dict(hybrid_by_shares(mixtral, n)), tol=1e-6)
-    out["mixtral_by_shares"] = True
-    out["mixtral_planned_split"] = bool(planned_split(group, mixtral))
-    # DeepSeek-V3: its latent attention split by heads (the latents whole on every rank),
-    # its experts by hidden units, beside a dense block and shared experts.
-    n_ds = len(model_layers(deepseek()))
-    for name, cut in (("pipeline", pipeline_4), ("three_ranks", split_three)):
-        equals_one_process(group, deepseek, Plan.from_dict(cut(n_ds)), tol=1e-6)
-        out[f"deepseek_{name}"] = True
-    # The same model as Hugging Face runs it by default, in float32 (a tolerance: its sums
-    # run in another order).
-    plan = Plan.from_dict(split_three(n))
-    equals_one_process(group, mixtral_grouped_mm, plan, tol=1e-5, dtype=torch.float32)
-    out["mixtral_grouped_mm"] = True
-    n = len(model_layers(falcon()))
-    equals_one_process(group, falcon, Plan.from_dict(hybrid(n)))
-    out["falcon_hybrid"] = True
+def _equal(make: Any, cut: Any, tol: float = TOL, **kwargs: Any) -> Any:
+    """A case: ``make()`` under the plan ``cut(n)`` (``n``: its layers) equals one process."""
+
+    def case(group: Any) -> bool:
+        plan = Plan.from_dict(cut(len(model_layers(make()))))
+        equals_one_process(group, make, plan, tol=tol, **kwargs)
+        return True
+
+    return case
+
+
+def _pipeline(make: Any, tol: float) -> Any:
+    """A case: ``make()`` through 4 pipeline stages equals one process, activations sent."""
+
+    def case(group: Any) -> bool:
+        plan = Plan.from_dict(pipeline_4(len(model_layers(make()))))
+        t = equals_one_process(group, make, plan, tol=tol)
+        return t["activations"] > 0 or wrap(group).rank == 3
+
+    return case
+
+
+def _falcon_resumes(group: Any) -> bool:
     # Its checkpoint, gathered from a split stage (the slow rank holding none of the query
     # heads, the key and value rows all the same), resumes on another split.
-    out["falcon_resumes"] = resumes_on_another_plan(group, falcon, (split_first(n), hybrid(n)))
-    # An image transformer: a tensor input, rows as items (conv_proj, encoder.dropout, its
-    # three encoder layers, encoder.ln, heads).
-    from plan_cases import equals_one_process as images_equal_one_process
+    n = len(model_layers(falcon()))
+    return resumes_on_another_plan(group, falcon, (split_first(n), hybrid(n)))
 
-    images_equal_one_process(group, vit, Plan.from_dict(hybrid(7)), (3, 8, 8))
-    out["vit_hybrid"] = True
-    shared = {
-        "microbatches": 2,
-        "replicas": [
+
+def _images(make: Any, plan: dict[str, Any]) -> Any:
+    """A case: an image model (a tensor input, rows as items) under ``plan``."""
+
+    def case(group: Any) -> bool:
+        from plan_cases import equals_one_process as images_equal_one_process
+
+        images_equal_one_process(group, make, Plan.from_dict(plan), (3, 8, 8))
+        return True
+
+    return case
+
+
+#: Every case by name: a function of the group, giving what the tests expect of it.
+CASES: dict[str, Any] = {}
+for _name, _make in (("gpt2", gpt2), ("llama", llama), ("encoder", EncoderLM)):
+    _tol = 1e-6 if _name == "llama" else TOL
+    CASES[f"{_name}_pipeline"] = _pipeline(_make, _tol)
+    # Clipped by the whole model's norm: a pipeline replica (GPT-2's head tied to its
+    # embedding across its stages) beside a split stage.
+    CASES[f"{_name}_hybrid"] = _equal(_make, hybrid, _tol, clip=0.05)
+    if _name != "encoder":
+        CASES[f"{_name}_empty_blocks"] = _equal(_make, partial(hybrid, empty_blocks=True), _tol)
+        CASES[f"{_name}_by_shares"] = _equal(_make, partial(hybrid_by_shares, _make), _tol)
+        CASES[f"{_name}_loss_parallel"] = _equal(_make, hybrid_loss_split, _tol)
+    CASES[f"{_name}_planned_split"] = lambda group, make=_make: bool(planned_split(group, make))
+CASES.update(
+    {
+        # Multi-query attention: a split stage holds its key and value whole on each rank
+        # (their own projections, or rows packed with the query heads), and the data-parallel
+        # replicas sum their gradients once.
+        "llama_mqa_empty_blocks": _equal(
+            partial(llama, kv_heads=1), partial(hybrid, empty_blocks=True), 1e-6
+        ),
+        # Grouped-query attention on a stage of more ranks than its key/value groups (Llama's
+        # 2, 3 ranks): split by query head, its key and value whole on each rank.
+        "llama_gqa_three_ranks": _equal(llama, split_three, 1e-6),
+        # A mixture of experts, whose routing (a loop over the experts its tokens reach) cannot
+        # run on the meta device: through a pipeline and a stage split over three ranks.
+        "mixtral_pipeline": _equal(mixtral, pipeline_4, 1e-6),
+        "mixtral_three_ranks": _equal(mixtral, split_three, 1e-6),
+        # Its split stage given by shares per module path (the experts' hidden units among
+        # them), and the planner's own plan with a split stage (its shares balanced by
+        # predicted time).
+        "mixtral_by_shares": _equal(mixtral, partial(hybrid_by_shares, mixtral), 1e-6),
+        "mixtral_planned_split": lambda group: bool(planned_split(group, mixtral)),
+        # DeepSeek-V3: its latent attention split by heads (the latents whole on every rank),
+        # its experts by hidden units, beside a dense block and shared experts.
+        "deepseek_pipeline": _equal(deepseek, pipeline_4, 1e-6),
+        "deepseek_three_ranks": _equal(deepseek, split_three, 1e-6),
+        # The same model as Hugging Face runs it by default, in float32 (a tolerance: its sums
+        # run in another order).
+        "mixtral_grouped_mm": _equal(mixtral_grouped_mm, split_three, 1e-5, dtype=torch.float32),
+        "falcon_hybrid": _equal(falcon, hybrid),
+        "falcon_resumes": _falcon_resumes,
+        # An image transformer: a tensor input, rows as items (conv_proj, encoder.dropout, its
+        # three encoder layers, encoder.ln, heads).
+        "vit_hybrid": _images(vit, hybrid(7)),
+        "shared_activation": _images(
+            SharedActivation,
             {
-                "samples": 7,
-                "stages": [
-                    {"ranks": [r], "layers": [lo, hi]}
-                    for r, (lo, hi) in enumerate([(0, 2), (2, 3), (3, 4), (4, 5)])
+                "microbatches": 2,
+                "replicas": [
+                    {
+                        "samples": 7,
+                        "stages": [
+                            {"ranks": [r], "layers": [lo, hi]}
+                            for r, (lo, hi) in enumerate([(0, 2), (2, 3), (3, 4), (4, 5)])
+                        ],
+                    }
                 ],
-            }
-        ],
+            },
+        ),
+        "rows_wrong": rows_are_the_wrong_weight,
+        "resumes": resumes_on_another_plan,
+        "autocast": under_autocast,
+        "errors": bad_input,
     }
-    images_equal_one_process(group, SharedActivation, Plan.from_dict(shared), (3, 8, 8))
-    out["shared_activation"] = True
-    out["rows_wrong"] = rows_are_the_wrong_weight(group)
-    out["resumes"] = resumes_on_another_plan(group)
-    out["autocast"] = under_autocast(group)
-    out["errors"] = bad_input(group)
-    return out
+)
+
+#: What the MPI job runs of these cases (``run_all(group, "backend")``): every kind of exchange
+#: between ranks the plans make (pipeline sends, a split stage's gathers and sums, the loss
+#: split over a stage, experts' tokens, a checkpoint gathered and resumed, autocast, bad input
+#: raising on every rank), on GPT-2, Mixtral and Falcon. The other models split by the same
+#: runtime whichever backend carries its messages: the gloo job runs every case.
+BACKEND = (
+    "gpt2_pipeline",
+    "gpt2_hybrid",
+    "gpt2_empty_blocks",
+    "gpt2_by_shares",
+    "gpt2_loss_parallel",
+    "gpt2_planned_split",
+    "mixtral_pipeline",
+    "mixtral_three_ranks",
+    "falcon_resumes",
+    "rows_wrong",
+    "autocast",
+    "errors",
+)
+
+
+def run_all(group: Any, part: str = "all") -> dict[str, Any]:
+    """Each case's result by name: every case (``part="all"``), or :data:`BACKEND`."""
+    assert wrap(group).size == 4 and part in ("all", "backend")
+    warnings.simplefilter("ignore")  # filter_parallel names the tied head it keeps whole
+    return {name: CASES[name](group) for name in (CASES if part == "all" else BACKEND)}
 
 
 def run_torch(rank: int, world: int) -> dict[str, Any]:
