@@ -724,6 +724,8 @@ def main() -> None:
                     )  # fmt: skip
                     label = speeds_label(speeds) + (" mem" if with_memory else "")
                     print_cell(name, k, label, cell)
+    if not runs:
+        ap.error(f"--family: no instance's name starts with {args.family!r}")
     gm = geomean([r["km1_ratio"] for r in runs])
     gt = geomean([r["time_ratio"] for r in runs])
     print(f"geometric mean km1 ratio hetcoll / Mt-KaHyPar: {gm:.3f}")
