@@ -1170,6 +1170,39 @@ def loss_parallel(group: Any) -> dict[str, Any]:
     return out
 
 
+def layouts(group: Any, models: Any) -> dict[str, Any]:
+    """Each model of ``(name, make)`` pairs split by heads and units equals it unsplit: the
+    layers left gathering (``NAME_gathers``) and the split layers (``NAME_split``), by name."""
+    out: dict[str, Any] = {}
+    for name, make in models:
+        got = modes(equals_unsplit(group, make, "adam", steps=2))
+        out[f"{name}_gathers"] = sorted(n for n, m in got.items() if m == "gather")
+        out[f"{name}_split"] = sum(m != "gather" for m in got.values())
+    return out
+
+
+def architectures(group: Any) -> dict[str, Any]:
+    """The other architectures' layouts (:func:`layouts`): each splits on any ranks as the
+    models of :func:`run_all` do (the 3-rank job runs them, uneven)."""
+    packed = lambda: old_style_lm(packed=True)  # noqa: E731 - head by head, as BLOOM's
+    return layouts(
+        group,
+        (
+            ("qwen3", qwen3),
+            ("gemma", gemma),
+            ("gate_up", gate_up_lm),
+            ("neox", neox),
+            ("packed", packed),
+            ("falcon", falcon),
+            ("opt", opt),
+            ("bert", bert),
+            ("bloom", bloom),
+            ("t5", T5LM),
+            ("bigcode", bigcode),
+        ),
+    )
+
+
 def run_all(group: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, make in (("llama", llama), ("gpt2", gpt2), ("encoder", EncoderLM)):
@@ -1180,26 +1213,10 @@ def run_all(group: Any) -> dict[str, Any]:
         out[f"{name}_gathers"] = gathers
         out[f"{name}_split"] = sum(m != "gather" for m in got.values())
         traffic(group, make, 24, own=split)
-    packed = lambda: old_style_lm(packed=True)  # noqa: E731 - head by head, as BLOOM's
-    for name, make in (
-        ("qwen3", qwen3),
-        ("gemma", gemma),
-        ("gate_up", gate_up_lm),
-        ("neox", neox),
-        ("packed", packed),
-        ("falcon", falcon),
-        ("opt", opt),
-        ("bert", bert),
-        ("phi3", phi3),
-        ("grouped", grouped_lm),
-        ("falcon_gqa", falcon_gqa),
-        ("bloom", bloom),
-        ("t5", T5LM),
-        ("bigcode", bigcode),
-    ):
-        got = modes(equals_unsplit(group, make, "adam", steps=2))
-        out[f"{name}_gathers"] = sorted(n for n, m in got.items() if m == "gather")
-        out[f"{name}_split"] = sum(m != "gather" for m in got.values())
+    # Grouped-query attention packed: by group on 2 ranks, by query head on 3.
+    out.update(
+        layouts(group, (("phi3", phi3), ("grouped", grouped_lm), ("falcon_gqa", falcon_gqa)))
+    )
     gqa_speeds = GQA_SPEEDS[: wrap(group).size]
     gqa = {}
     for name, make in (("llama_gqa", llama_gqa), ("qwen2", qwen2)):
@@ -1222,11 +1239,17 @@ def run_all(group: Any) -> dict[str, Any]:
 
 def run_parts(rank: int, world: int, parts: tuple[str, ...]) -> dict[str, Any]:
     """Several parts in one gloo job, each rank's result of each by name: ``"all"``
-    (:func:`run_all`), ``"experts"`` (:func:`experts`), ``"empty"`` (:func:`empty_blocks`
+    (:func:`run_all`), ``"architectures"`` (:func:`architectures`), ``"experts"``
+    (:func:`experts`), ``"empty"`` (:func:`empty_blocks`
     alone: on 4 ranks, where Llama's 3 key/value groups need a rank that holds none). One job
     for the parts of one rank count, as each rank's imports (torch, transformers) take
     seconds."""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*bos_token_id|.*eos_token_id")
-    run = {"all": run_all, "experts": experts, "empty": empty_blocks}
+    run = {
+        "all": run_all,
+        "architectures": architectures,
+        "experts": experts,
+        "empty": empty_blocks,
+    }
     return {part: run[part](None) for part in parts}

@@ -23,8 +23,8 @@ pytest.importorskip("transformers")
 
 #: What the gloo job of each rank count runs (tests/tensor_parallel_cases.py's run_parts): one
 #: job per rank count, as each rank's imports (torch, transformers) take seconds; the 3-rank
-#: job runs the mixtures of experts beside the rest.
-PARTS = {2: ("all",), 3: ("all", "experts"), 4: ("empty",)}
+#: job runs the mixtures of experts and the other architectures beside the rest.
+PARTS = {2: ("all",), 3: ("all", "architectures", "experts"), 4: ("empty",)}
 _jobs: dict[int, list[dict[str, Any]] | launch.RankFailed] = {}
 
 
@@ -52,39 +52,11 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     assert r["llama_gathers"] == ["lm_head"] and r["gpt2_gathers"] == []
     assert r["llama_split"] == 2 * 7 and r["gpt2_split"] == 2 * 4
     assert r["encoder_gathers"] == ["head"] and r["encoder_split"] == 2 * 3
-    # Qwen3's per-head query/key norms (their gradients summed over the ranks) and Gemma's
-    # tanh-approximated GELU MLP split like Llama's blocks.
-    assert r["qwen3_gathers"] == ["lm_head"] and r["qwen3_split"] == 2 * 7
-    assert r["gemma_gathers"] == [] and r["gemma_split"] == 2 * 7
-    # A packed gate/up projection (Phi-3's gate_up_proj, chunked in two) splits by units.
-    assert r["gate_up_gathers"] == ["head"] and r["gate_up_split"] == 2 * 2
-    # Query, key and value packed head by head (GPT-NeoX's query_key_value; BLOOM's layout
-    # in a user's attention) split by heads as a probe forward of the attention reads them.
-    assert r["neox_gathers"] == ["lm_head"] and r["neox_split"] == 2 * 4
-    assert r["packed_gathers"] == ["head"] and r["packed_split"] == 2 * 2
-    # Falcon's FalconLinear (an nn.Linear subclass computing the same) splits: its MLPs by
-    # units; its multi-query attention packed in one projection (Falcon-7B's) by query head,
-    # the key and value rows whole on every rank.
-    assert r["falcon_gathers"] == [] and r["falcon_split"] == 2 * 4
-    # OPT's MLP is two layers of its decoder layer; BERT's attention output projection and
-    # MLP sit in sibling modules; the one layer left gathering is BERT's head transform.
-    assert r["opt_gathers"] == [] and r["opt_split"] == 2 * 6
-    assert r["bert_gathers"] == ["cls.predictions.transform.dense"]
-    assert r["bert_split"] == 2 * 6
     # Query, key and value packed under grouped-query attention: Phi-3's three blocks (its
     # forward reading the query heads' count from its config), and group by group.
     assert r["phi3_gathers"] == ["lm_head"] and r["phi3_split"] == 2 * 4
     assert r["grouped_gathers"] == ["head"] and r["grouped_split"] == 2 * 2
     assert r["falcon_gqa_gathers"] == [] and r["falcon_gqa_split"] == 2 * 4
-    # BLOOM's alibi (batch x heads rows, computed outside the attention) is cut to each
-    # rank's heads.
-    assert r["bloom_gathers"] == [] and r["bloom_split"] == 2 * 4
-    # T5's relative position bias (a column per head, in the first attention of each stack)
-    # is read at each rank's heads, and every attention of its stack holds those heads: its
-    # encoder's and decoder's self-attentions, cross-attentions and MLPs all split.
-    assert r["t5_gathers"] == [] and r["t5_split"] == 2 * 6 + 2 * 10
-    # GPT-BigCode's (StarCoder's) packed with the queries in c_attn, read after an unsqueeze.
-    assert r["bigcode_gathers"] == [] and r["bigcode_split"] == 2 * 4
     # Grouped-query attention with 2 groups: by group on 2 ranks at speeds 1 : 0.25 (q_proj's
     # shares in groups), by query head on 3 (shares in heads), its key and value whole.
     assert r["llama_gqa_gathers"] == ["lm_head"]
@@ -115,6 +87,43 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     # speed 1, 0.5, 0.25: each slower rank carries the repeated work at its speed).
     timed, by_speed = r["time_balanced"]["timed"], r["time_balanced"]["by speed"]
     assert sum(timed) == sum(by_speed) == 40 and timed[0] >= by_speed[0], r["time_balanced"]
+
+
+@pytest.mark.multiproc
+def test_gloo_architectures_split_by_heads_equal_unsplit():
+    """More architectures' layouts, on the 3-rank job (uneven, 1 : 0.5 : 0.25): each split
+    model trains as the unsplit one; which layers split and which gather."""
+    results = _gloo(3, "architectures")
+    assert all(r == results[0] for r in results)
+    r = results[0]
+    # Qwen3's per-head query/key norms (their gradients summed over the ranks) and Gemma's
+    # tanh-approximated GELU MLP split like Llama's blocks.
+    assert r["qwen3_gathers"] == ["lm_head"] and r["qwen3_split"] == 2 * 7
+    assert r["gemma_gathers"] == [] and r["gemma_split"] == 2 * 7
+    # A packed gate/up projection (Phi-3's gate_up_proj, chunked in two) splits by units.
+    assert r["gate_up_gathers"] == ["head"] and r["gate_up_split"] == 2 * 2
+    # Query, key and value packed head by head (GPT-NeoX's query_key_value; BLOOM's layout
+    # in a user's attention) split by heads as a probe forward of the attention reads them.
+    assert r["neox_gathers"] == ["lm_head"] and r["neox_split"] == 2 * 4
+    assert r["packed_gathers"] == ["head"] and r["packed_split"] == 2 * 2
+    # Falcon's FalconLinear (an nn.Linear subclass computing the same) splits: its MLPs by
+    # units; its multi-query attention packed in one projection (Falcon-7B's) by query head,
+    # the key and value rows whole on every rank.
+    assert r["falcon_gathers"] == [] and r["falcon_split"] == 2 * 4
+    # OPT's MLP is two layers of its decoder layer; BERT's attention output projection and
+    # MLP sit in sibling modules; the one layer left gathering is BERT's head transform.
+    assert r["opt_gathers"] == [] and r["opt_split"] == 2 * 6
+    assert r["bert_gathers"] == ["cls.predictions.transform.dense"]
+    assert r["bert_split"] == 2 * 6
+    # BLOOM's alibi (batch x heads rows, computed outside the attention) is cut to each
+    # rank's heads.
+    assert r["bloom_gathers"] == [] and r["bloom_split"] == 2 * 4
+    # T5's relative position bias (a column per head, in the first attention of each stack)
+    # is read at each rank's heads, and every attention of its stack holds those heads: its
+    # encoder's and decoder's self-attentions, cross-attentions and MLPs all split.
+    assert r["t5_gathers"] == [] and r["t5_split"] == 2 * 6 + 2 * 10
+    # GPT-BigCode's (StarCoder's) packed with the queries in c_attn, read after an unsqueeze.
+    assert r["bigcode_gathers"] == [] and r["bigcode_split"] == 2 * 4
 
 
 @pytest.mark.multiproc
