@@ -186,32 +186,66 @@ def test_trainer_measured_speeds_show_in_its_logs(tmp_path):
     assert "'share/1': " in proc.stdout + proc.stderr and "'speed/0': " in proc.stdout + proc.stderr
 
 
+def _resume_run(out: Path, resume: str, steps: int, *extra: str) -> None:
+    """tests/accelerate_workers/trainer_resume.py on two torchrun ranks."""
+    worker = ROOT / "tests" / "accelerate_workers" / "trainer_resume.py"
+    proc = subprocess.run(
+        [*TORCHRUN, str(worker), str(out), resume, str(steps), *extra],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 @pytest.mark.multiproc
 def test_trainer_resumed_mid_epoch_from_its_checkpoint_is_the_uninterrupted_model(tmp_path):
     # 5 steps an epoch: resumed from Trainer's checkpoint after step 2 (Trainer skips the
     # epoch's first 2 balanced batches), on through the second epoch to step 7. The checkpoint
     # is the uninterrupted run's own (a run stopped after step 2 writes the same one, at the
     # same step: one launch fewer).
-    worker = ROOT / "tests" / "accelerate_workers" / "trainer_resume.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-    def run(out: Path, resume: str, steps: int) -> None:
-        proc = subprocess.run(
-            [*TORCHRUN, str(worker), str(out), resume, str(steps)],
-            capture_output=True, text=True, timeout=300, check=False, env=env,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-
     from safetensors.torch import load_file
 
-    run(tmp_path / "whole", "none", 7)
-    run(tmp_path / "resumed", str(tmp_path / "whole" / "checkpoint-2"), 7)
+    _resume_run(tmp_path / "whole", "none", 7)
+    _resume_run(tmp_path / "resumed", str(tmp_path / "whole" / "checkpoint-2"), 7)
     whole = torch.load(tmp_path / "whole" / "final-7.pt")
     resumed = torch.load(tmp_path / "resumed" / "final-7.pt")
     at_2 = load_file(tmp_path / "whole" / "checkpoint-2" / "model.safetensors")  # no tied copy
     assert _max_diff(whole, resumed) < 1e-10
     # The steps after the checkpoint trained something.
     assert _max_diff({k: whole[k] for k in at_2}, at_2) > 1e-4
+
+
+@pytest.mark.multiproc
+def test_trainer_with_placed_experts_resumes_from_its_checkpoint_as_the_uninterrupted_model(
+    tmp_path,
+):
+    """Mixtral, its experts placed 1 : 3 and placed again by their loads every 2 steps, AdamW:
+    Trainer's checkpoint after step 2 holds the unsplit model and optimizer state (every
+    rank's experts and moments gathered, under the model's own names), taken after the
+    rebalancer moved them; resumed into the starting placement, training to step 7 ends
+    where the uninterrupted run does. ``from_pretrained`` reads the checkpoints too.
+    (Before, each rank's moments went to every rank and the resume failed; Hugging Face's
+    ``save_pretrained`` writes Mixtral's experts in a layout its resume silently skips.)"""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    _resume_run(tmp_path / "whole", "none", 7, "experts")
+    checkpoint = tmp_path / "whole" / "checkpoint-2"
+    _resume_run(tmp_path / "resumed", str(checkpoint), 7, "experts")
+    whole = torch.load(tmp_path / "whole" / "final-7.pt")
+    resumed = torch.load(tmp_path / "resumed" / "final-7.pt")
+    assert _max_diff(whole, resumed) < 1e-10
+    # The checkpoint was written after the experts moved (the rebalancer's decision at step
+    # 2), and the resumed run started from the placement 1 : 3.
+    assert 2 in json.loads((tmp_path / "whole" / "moved.json").read_text())
+    at_2 = load_file(checkpoint / "model.safetensors")
+    assert at_2.keys() == whole.keys()  # the unsplit model, every expert
+    assert _max_diff(whole, at_2) > 1e-4  # and the steps after it trained
+    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    experts = "model.layers.0.mlp.experts.down_proj"
+    assert optimizer["state"][experts]["exp_avg"].shape == whole[experts].shape
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "whole" / "checkpoint-7")
+    assert _max_diff({k: v.double() for k, v in loaded.state_dict().items()}, whole) < 1e-10
 
 
 # -- checks across real ranks ------------------------------------------------------------------

@@ -1,13 +1,16 @@
 """Run under ``torchrun --nproc-per-node 2`` by tests/test_accelerate.py: BalancedTrainer on
 GPT-2 (float64) at shares 5:3, checkpointing every 2 steps (Trainer's own checkpoints), for
 ``max_steps`` steps, from ``resume`` (a checkpoint directory, or "none"). Rank 0 writes the
-trained weights to ``out/final-{max_steps}.pt``.
+trained weights to ``out/final-{max_steps}.pt``. With ``experts``: Mixtral, its experts placed
+on the ranks 1 : 3 and placed again by their loads every 2 steps, under AdamW (whose moments
+the checkpoint must hold); the weights written are the unsplit model's (gathered).
 
-    torchrun --nproc-per-node 2 trainer_resume.py OUT RESUME MAX_STEPS
+    torchrun --nproc-per-node 2 trainer_resume.py OUT RESUME MAX_STEPS [experts]
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import torch
 from transformers import TrainingArguments
 
 from hetcoll.accelerate import BalancedTrainer
+from hetcoll.torch import expert_parallel, gather_state_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from accelerate_balanced import make_model, text_rows
@@ -22,6 +26,7 @@ from accelerate_balanced import make_model, text_rows
 
 def main() -> None:
     out, resume, max_steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    experts = sys.argv[4:] == ["experts"]
     args = TrainingArguments(
         output_dir=out,
         use_cpu=True,
@@ -29,7 +34,7 @@ def main() -> None:
         num_train_epochs=2,
         max_steps=max_steps,
         learning_rate=0.05,
-        optim="sgd",
+        optim="adamw_torch" if experts else "sgd",
         lr_scheduler_type="constant",
         seed=0,
         save_strategy="steps",
@@ -39,11 +44,23 @@ def main() -> None:
         ddp_find_unused_parameters=False,
     )
     torch.manual_seed(0)
-    model = make_model("gpt2").double()
-    trainer = BalancedTrainer(model=model, args=args, train_dataset=text_rows(40), shares=[5, 3])
+    model = make_model("mixtral" if experts else "gpt2").double()
+    if experts:
+        expert_parallel(model, shares=[1, 3])
+    trainer = BalancedTrainer(
+        model=model,
+        args=args,
+        train_dataset=text_rows(40),
+        shares=[5, 3],
+        rebalance_experts_every=2 if experts else None,
+    )
     trainer.train(resume_from_checkpoint=None if resume == "none" else resume)
+    state = gather_state_dict(model) if experts else model.state_dict()
     if args.process_index == 0:
-        torch.save(model.state_dict(), Path(out, f"final-{max_steps}.pt"))
+        torch.save(state, Path(out, f"final-{max_steps}.pt"))
+        if trainer.expert_rebalancer is not None:  # the steps at which the experts moved
+            moved = [e.step for e in trainer.expert_rebalancer.history if e.applied]
+            Path(out, "moved.json").write_text(json.dumps(moved))
     # An orderly end, as torch.distributed asks: both ranks wait for the save, then leave the
     # group together (a rank that exits while the other still holds the group can abort in
     # gloo's teardown: "terminate called without an active exception").

@@ -22,12 +22,17 @@ averaged by DDP would weigh a rank of 3 rows as much as one of 5.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
+import safetensors.torch
+import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import Trainer, TrainerCallback
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME
+from transformers.utils import SAFE_WEIGHTS_NAME
 
 from hetcoll.accelerate.data import (
     BalancedLoader,
@@ -35,7 +40,16 @@ from hetcoll.accelerate.data import (
     positive_numbers,
     prepare_balanced,
 )
-from hetcoll.torch import ExpertParallelExperts, ExpertRebalancer, clip_grad_norm_, gather_speeds
+from hetcoll.torch import (
+    ExpertParallelExperts,
+    ExpertRebalancer,
+    clip_grad_norm_,
+    gather_optimizer_state_dict,
+    gather_speeds,
+    gather_state_dict,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
+)
 from hetcoll.torch.speed import check_share_source
 
 
@@ -80,9 +94,10 @@ class BalancedTrainer(Trainer):
     (:func:`hetcoll.torch.clip_grad_norm_`); ``rebalance_experts_every``: an
     :class:`~hetcoll.torch.ExpertRebalancer` after every optimizer step, placing them again by
     their routed tokens every so many steps (:attr:`expert_rebalancer`; at the ranks' speeds
-    as given, else their shares). Save it whole with
-    :func:`hetcoll.torch.gather_state_dict` (Trainer's own checkpoints hold each rank's
-    experts only); ``measure=True`` is not supported with it.
+    as given, else their shares). Its checkpoints (and :meth:`save_model`) hold the unsplit
+    model and optimizer state, every rank's experts gathered, so a run resumes from them into
+    whatever placement it starts with (the rebalancer's running loads start afresh);
+    ``measure=True`` is not supported with it.
 
     Raises ``ValueError`` naming ``average_tokens_across_devices`` when it is off on several
     processes and ``model`` when the model takes no ``num_items_in_batch`` and no
@@ -182,6 +197,107 @@ class BalancedTrainer(Trainer):
         if grad_norm is None and self._placed_experts(model):
             grad_norm = clip_grad_norm_(model.parameters(), math.inf)
         return super()._get_grad_norm(model, grad_norm)
+
+    # -- checkpoints of a model whose experts are placed on the ranks -----------------------
+
+    def _experts_model(self) -> nn.Module | None:
+        """The model, where its experts are placed on the ranks (else None)."""
+        return self.model if self._placed_experts(self.model) else None  # type: ignore[return-value]
+
+    def _gather_to(self, model: nn.Module) -> int | None:
+        """Where gathering the experts' state goes: rank 0 of their group when that is
+        Trainer's one writer (the group is every process), else every rank."""
+        comm = next(m for m in model.modules() if isinstance(m, ExpertParallelExperts)).comm
+        whole = comm.size == self.args.world_size and not self.args.save_on_each_node
+        return 0 if whole else None
+
+    def _inner_optimizer(self) -> torch.optim.Optimizer:
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's wrapper
+        assert isinstance(inner, torch.optim.Optimizer)
+        return inner
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Trainer's; a model whose experts are placed on the ranks is written whole, every
+        rank's experts gathered (collective: every rank calls it, as Trainer does), so that
+        ``from_pretrained`` and a resumed run read the unsplit model."""
+        model = self._experts_model()
+        if model is None:
+            return super().save_model(output_dir, _internal_call)
+        full = gather_state_dict(model, dst=self._gather_to(model))
+        if self.args.should_save and full is not None:
+            self._save_whole(output_dir or str(self.args.output_dir), full)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_whole(self, output_dir: str, state_dict: dict[str, torch.Tensor]) -> None:
+        """The unsplit model's weights, under the model's own parameter names (one safetensors
+        file: what ``from_pretrained`` and Trainer's resume read; ``save_pretrained`` would
+        rename some models' experts, Mixtral's among them, into a layout Trainer's resume does
+        not map back), its config, and the rest of what Trainer's ``_save`` writes."""
+        os.makedirs(output_dir, exist_ok=True)
+        safetensors.torch.save_file(
+            {k: v.contiguous() for k, v in state_dict.items()},
+            os.path.join(output_dir, SAFE_WEIGHTS_NAME),
+            metadata={"format": "pt"},
+        )
+        config = getattr(self.model, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(output_dir)
+        generation = getattr(self.model, "generation_config", None)
+        can_generate = getattr(self.model, "can_generate", lambda: False)
+        if generation is not None and can_generate():
+            generation.save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: nn.Module | None = None
+    ) -> None:
+        """Trainer's; with experts placed on the ranks, the checkpoint's unsplit weights
+        (:meth:`save_model`'s) loaded into this placement, every key checked
+        (:func:`hetcoll.torch.load_full_state_dict`)."""
+        target = self.model if model is None else model
+        if not isinstance(target, nn.Module) or not self._placed_experts(target):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        weights = os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME)
+        if not os.path.isfile(weights):
+            raise ValueError(
+                f"resume_from_checkpoint: {resume_from_checkpoint!r} holds no {SAFE_WEIGHTS_NAME} "
+                "(a model whose experts are placed on the ranks resumes from BalancedTrainer's "
+                "own checkpoints)"
+            )
+        load_full_state_dict(target, safetensors.torch.load_file(weights, device="cpu"))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Trainer's; with experts placed on the ranks, the unsplit model's optimizer state
+        (:func:`hetcoll.torch.gather_optimizer_state_dict`, keyed by parameter name), not one
+        rank's, which holds its own experts' moments only."""
+        model = self._experts_model()
+        if model is None or self.lr_scheduler is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        full = gather_optimizer_state_dict(
+            model, self._inner_optimizer(), dst=self._gather_to(model)
+        )
+        if self.args.should_save and full is not None:
+            torch.save(full, os.path.join(output_dir, OPTIMIZER_NAME))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Trainer's; with experts placed on the ranks, each rank takes its experts' part of
+        the unsplit optimizer state the checkpoint holds, whatever placement wrote it
+        (:func:`hetcoll.torch.load_full_optimizer_state_dict`: a checkpoint of one rank's
+        state raises ``ValueError`` naming ``state_dict``)."""
+        model = self._experts_model()
+        if checkpoint is None or model is None or self.lr_scheduler is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        optimizer_file = os.path.join(checkpoint, OPTIMIZER_NAME)
+        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        if not (os.path.isfile(optimizer_file) and os.path.isfile(scheduler_file)):
+            return  # as Trainer: a checkpoint without them resumes with fresh ones
+        full = torch.load(optimizer_file, map_location="cpu", weights_only=True)
+        load_full_optimizer_state_dict(model, self._inner_optimizer(), full)
+        self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
 
     def _expert_speeds(self) -> list[float] | None:
         """The ranks' speeds the experts are placed by: as measured or given, else their
