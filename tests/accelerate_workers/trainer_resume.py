@@ -1,9 +1,10 @@
 """Run under ``torchrun --nproc-per-node 2`` by tests/test_accelerate.py: BalancedTrainer on
-GPT-2 (float64) at shares 5:3, checkpointing every 2 steps (Trainer's own checkpoints), for
-``max_steps`` steps, from ``resume`` (a checkpoint directory, or "none"). Rank 0 writes the
-trained weights to ``out/final-{max_steps}.pt``. With ``experts``: Mixtral, its experts placed
-on the ranks 1 : 3 and placed again by their loads every 2 steps, under AdamW (whose moments
-the checkpoint must hold); the weights written are the unsplit model's (gathered).
+Mixtral (float64, AdamW: the checkpoint must hold its moments) at shares 5:3, checkpointing
+every 2 steps (Trainer's own checkpoints), for ``max_steps`` steps, from ``resume`` (a
+checkpoint directory, or "none"). Rank 0 writes the trained weights to
+``out/final-{max_steps}.pt``. With ``experts``: its experts placed on the ranks 1 : 3 and
+placed again by their loads every 2 steps (the steps they moved at in ``out/moved.json``); the
+weights written are then the unsplit model's (gathered).
 
     torchrun --nproc-per-node 2 trainer_resume.py OUT RESUME MAX_STEPS [experts]
 """
@@ -34,7 +35,7 @@ def main() -> None:
         num_train_epochs=2,
         max_steps=max_steps,
         learning_rate=0.05,
-        optim="adamw_torch" if experts else "sgd",
+        optim="adamw_torch",
         lr_scheduler_type="constant",
         seed=0,
         save_strategy="steps",
@@ -44,7 +45,7 @@ def main() -> None:
         ddp_find_unused_parameters=False,
     )
     torch.manual_seed(0)
-    model = make_model("mixtral" if experts else "gpt2").double()
+    model = make_model("mixtral").double()
     if experts:
         expert_parallel(model, shares=[1, 3])
     trainer = BalancedTrainer(

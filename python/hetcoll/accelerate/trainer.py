@@ -21,6 +21,7 @@ averaged by DDP would weigh a rank of 3 rows as much as one of 5.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -30,9 +31,9 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import Trainer, TrainerCallback
+from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME
-from transformers.utils import SAFE_WEIGHTS_NAME
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from hetcoll.accelerate.data import (
     BalancedLoader,
@@ -254,20 +255,33 @@ class BalancedTrainer(Trainer):
     def _load_from_checkpoint(
         self, resume_from_checkpoint: str, model: nn.Module | None = None
     ) -> None:
-        """Trainer's; with experts placed on the ranks, the checkpoint's unsplit weights
-        (:meth:`save_model`'s) loaded into this placement, every key checked
+        """Trainer's, except where a checkpoint's weights are not under the model's own
+        names: ``save_pretrained`` writes some models in another layout (Mixtral's experts
+        one by one), which Trainer's resume loads without mapping back, leaving those weights
+        as they were with only a warning. Those are read as ``from_pretrained`` reads them
+        (mapped back; a copy of the model on the CPU meanwhile). With experts placed on the
+        ranks, the unsplit weights are loaded into this placement, every key checked
         (:func:`hetcoll.torch.load_full_state_dict`)."""
         target = self.model if model is None else model
-        if not isinstance(target, nn.Module) or not self._placed_experts(target):
+        if not isinstance(target, nn.Module):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        weights = os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME)
-        if not os.path.isfile(weights):
-            raise ValueError(
-                f"resume_from_checkpoint: {resume_from_checkpoint!r} holds no {SAFE_WEIGHTS_NAME} "
-                "(a model whose experts are placed on the ranks resumes from BalancedTrainer's "
-                "own checkpoints)"
-            )
-        load_full_state_dict(target, safetensors.torch.load_file(weights, device="cpu"))
+        placed = self._placed_experts(target)
+        state = _renamed_checkpoint(resume_from_checkpoint, target)
+        if state is None and not placed:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if state is None:
+            weights = os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME)
+            if not os.path.isfile(weights):
+                raise ValueError(
+                    f"resume_from_checkpoint: {resume_from_checkpoint!r} holds no "
+                    f"{SAFE_WEIGHTS_NAME} (a model whose experts are placed on the ranks "
+                    "resumes from a checkpoint of its unsplit weights, as BalancedTrainer writes)"
+                )
+            state = safetensors.torch.load_file(weights, device="cpu")
+        if placed:
+            load_full_state_dict(target, state)
+        else:
+            target.load_state_dict(state)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Trainer's; with experts placed on the ranks, the unsplit model's optimizer state
@@ -371,3 +385,24 @@ class BalancedTrainer(Trainer):
         if self.balanced is not None and "loss" in logs:
             logs = {**logs, **self.balanced.log_entries()}
         super().log(logs, start_time)
+
+
+def _renamed_checkpoint(checkpoint: str, model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The unsplit state dict of a Hugging Face checkpoint whose weights are not under
+    ``model``'s own names, read by ``from_pretrained`` (which maps them back), in the model's
+    dtype; None where they are (or where the checkpoint is no safetensors one)."""
+    single = os.path.join(checkpoint, SAFE_WEIGHTS_NAME)
+    index = os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)
+    if os.path.isfile(single):
+        with safetensors.safe_open(single, "pt") as f:
+            keys = set(f.keys())
+    elif os.path.isfile(index):
+        with open(index) as f:
+            keys = set(json.load(f)["weight_map"])
+    else:
+        return None
+    if keys <= set(model.state_dict()) or not isinstance(model, PreTrainedModel):
+        return None
+    dtype = next(model.parameters()).dtype
+    loaded = type(model).from_pretrained(checkpoint, dtype=dtype)
+    return {k: v.detach() for k, v in loaded.state_dict().items()}
