@@ -219,6 +219,8 @@ def test_trainer_resumed_mid_epoch_from_its_checkpoint_is_the_uninterrupted_mode
     # The steps after the checkpoint trained something.
     at_2 = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).state_dict()
     assert _max_diff(whole, at_2) > 1e-4
+    # load_best_model_at_end's load of that checkpoint reads it alike.
+    assert _max_diff(torch.load(tmp_path / "whole" / "best.pt"), at_2) < 1e-12
 
 
 @pytest.mark.multiproc
@@ -247,6 +249,7 @@ def test_trainer_with_placed_experts_resumes_from_its_checkpoint_as_the_uninterr
     at_2 = load_file(checkpoint / "model.safetensors")
     assert at_2.keys() == whole.keys()  # the unsplit model, every expert
     assert _max_diff(whole, at_2) > 1e-4  # and the steps after it trained
+    assert _max_diff(torch.load(tmp_path / "whole" / "best.pt"), at_2) < 1e-12  # best model
     optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
     experts = "model.layers.0.mlp.experts.down_proj"
     assert optimizer["state"][experts]["exp_avg"].shape == whole[experts].shape

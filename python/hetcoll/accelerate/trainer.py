@@ -255,33 +255,45 @@ class BalancedTrainer(Trainer):
     def _load_from_checkpoint(
         self, resume_from_checkpoint: str, model: nn.Module | None = None
     ) -> None:
-        """Trainer's, except where a checkpoint's weights are not under the model's own
-        names: ``save_pretrained`` writes some models in another layout (Mixtral's experts
-        one by one), which Trainer's resume loads without mapping back, leaving those weights
-        as they were with only a warning. Those are read as ``from_pretrained`` reads them
-        (mapped back; a copy of the model on the CPU meanwhile). With experts placed on the
-        ranks, the unsplit weights are loaded into this placement, every key checked
-        (:func:`hetcoll.torch.load_full_state_dict`)."""
+        """Trainer's, except as :meth:`_load_weights` says."""
         target = self.model if model is None else model
+        if not self._load_weights(resume_from_checkpoint, target):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        """Trainer's (``load_best_model_at_end``), except as :meth:`_load_weights` says."""
+        best = self.state.best_model_checkpoint
+        if best is None or not self._load_weights(best, self.model):
+            super()._load_best_model()
+
+    def _load_weights(self, checkpoint: str, target: Any) -> bool:
+        """Load ``checkpoint``'s weights into ``target`` where Trainer's own way would not
+        (True), else leave it to Trainer (False). ``save_pretrained`` writes some models in
+        another layout than their own (Mixtral's experts one by one), which Trainer loads
+        without mapping back, leaving those weights as they were with only a warning: those
+        are read as ``from_pretrained`` reads them (mapped back; a copy of the model on the
+        CPU meanwhile). With experts placed on the ranks, the unsplit weights are loaded into
+        this placement, every key checked (:func:`hetcoll.torch.load_full_state_dict`)."""
         if not isinstance(target, nn.Module):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return False
         placed = self._placed_experts(target)
-        state = _renamed_checkpoint(resume_from_checkpoint, target)
+        state = _renamed_checkpoint(checkpoint, target)
         if state is None and not placed:
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return False
         if state is None:
-            weights = os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME)
+            weights = os.path.join(checkpoint, SAFE_WEIGHTS_NAME)
             if not os.path.isfile(weights):
                 raise ValueError(
-                    f"resume_from_checkpoint: {resume_from_checkpoint!r} holds no "
-                    f"{SAFE_WEIGHTS_NAME} (a model whose experts are placed on the ranks "
-                    "resumes from a checkpoint of its unsplit weights, as BalancedTrainer writes)"
+                    f"resume_from_checkpoint: {checkpoint!r} holds no {SAFE_WEIGHTS_NAME} (a "
+                    "model whose experts are placed on the ranks resumes from a checkpoint of "
+                    "its unsplit weights, as BalancedTrainer writes)"
                 )
             state = safetensors.torch.load_file(weights, device="cpu")
         if placed:
             load_full_state_dict(target, state)
         else:
             target.load_state_dict(state)
+        return True
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Trainer's; with experts placed on the ranks, the unsplit model's optimizer state
