@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -405,6 +406,8 @@ def test_a_bad_item_count_raises_naming_items():
 
 #: The experts test's gradient clipping (below the model's gradient norm: it clips each step).
 CLIP = 0.05
+#: Its SGD's momentum (state the checkpoint must hold).
+MOMENTUM = 0.9
 
 
 class ExpertsLM(LightningModule):
@@ -432,7 +435,7 @@ class ExpertsLM(LightningModule):
         return lm_loss(self.net, *batch)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=LR)
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
 
     def train_dataloader(self):
         from expert_parallel_cases import ROWS, tokens
@@ -464,13 +467,18 @@ def test_experts_placed_on_the_ranks_train_as_one_process(tmp_path):
     import tensor_parallel_cases as tp
     from expert_parallel_cases import lm_loss, tokens
 
-    trainer = quiet_trainer(
-        BalancedStrategy(shares=[4, 2, 1], start_method=START, rebalance_experts_every=1),
-        3,
-        max_epochs=1,
-        use_distributed_sampler=False,
-        gradient_clip_val=CLIP,
-    )
+    def experts_trainer(**kw: Any) -> Trainer:
+        return quiet_trainer(
+            BalancedStrategy(shares=[4, 2, 1], start_method=START, rebalance_experts_every=1),
+            3,
+            max_epochs=1,
+            use_distributed_sampler=False,
+            gradient_clip_val=CLIP,
+            **kw,
+        )
+
+    ckpt = tmp_path / "step1.ckpt"
+    trainer = experts_trainer(callbacks=[SaveAt(1, ckpt)])
     trainer.fit(ExpertsLM(tmp_path, 3))
     # Placed by the first step's loads, any experts on any rank: 3 : 1 : 0 each. Layer 1's
     # slowest rank is as fast with expert 3 moved alone (refined_placement) as by the best
@@ -484,7 +492,7 @@ def test_experts_placed_on_the_ranks_train_as_one_process(tmp_path):
     ]
     torch.manual_seed(0)
     ref = tp.mixtral().double()
-    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
     for step in range(2):
         opt.zero_grad()
         lm_loss(ref, *tokens(step)).backward()
@@ -497,3 +505,15 @@ def test_experts_placed_on_the_ranks_train_as_one_process(tmp_path):
         for name, t in ref.state_dict().items():
             tp.close(full[name], t, name)
             tp.close(back[name], t, f"main process: {name}")
+    # Lightning's checkpoint after step 1 (taken after the experts moved) holds the unsplit
+    # model and momentum, gathered: it loads into the main process's whole module, and a run
+    # resumed from it (the experts placed 2 : 1 : 1 again) ends as the uninterrupted one.
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["state_dict"].keys() == {f"net.{k}" for k in ref.state_dict()}
+    momentum = saved["optimizer_states"][0]["state"][f"{layer0}.down_proj"]["momentum_buffer"]
+    assert momentum.shape == ref.state_dict()["model.layers.0.mlp.experts.down_proj"].shape
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    experts_trainer().fit(ExpertsLM(resumed_dir, 3), ckpt_path=ckpt)
+    again = torch.load(resumed_dir / "full.pt")
+    assert max(float((again[k] - full[k]).abs().max()) for k in full) < 1e-10

@@ -55,9 +55,12 @@ from hetcoll.torch import (
     SpeedFit,
     WeightedAllreduceState,
     clip_grad_norm_,
+    gather_optimizer_state_dict,
     gather_speeds,
     gather_state_dict,
     leave_to_ranks,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
     measure_speed,
     weighted_allreduce_hook,
 )
@@ -306,6 +309,57 @@ class BalancedStrategy(DDPStrategy):
         if isinstance(self._launcher, _MultiProcessingLauncher):
             method: Any = self._start_method  # not "popen": that launcher is another
             self._launcher = _WholeModelLauncher(self, start_method=method)
+
+    # -- checkpoints: the unsplit model where the ranks hold parts of it -------------------
+
+    def _split_module(self) -> LightningModule | None:
+        """The LightningModule where its ranks hold parts of it (experts placed by
+        :func:`~hetcoll.torch.expert_parallel`, filter-parallel layers), else None."""
+        module = self.lightning_module
+        return module if module is not None and split_comms(module) else None
+
+    def _gather_to(self, module: nn.Module) -> int | None:
+        """Rank 0, Lightning's writer, where the parts are split over every rank; else every
+        rank gathers."""
+        return 0 if all(c.size == self.world_size for c in split_comms(module)) else None
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Lightning's; where the ranks hold parts of the model, the unsplit model's state,
+        every rank's part gathered (collective: Lightning takes a checkpoint's state on every
+        rank and writes rank 0's), so the checkpoint loads into any split and into the
+        unsplit module."""
+        module = self._split_module()
+        if module is None:
+            return super().lightning_module_state_dict()
+        return gather_state_dict(module, dst=self._gather_to(module)) or {}
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Lightning's; where the ranks hold parts of the model, the unsplit model's optimizer
+        state (:func:`~hetcoll.torch.gather_optimizer_state_dict`, keyed by parameter name):
+        one rank's holds its own part's only."""
+        module = self._split_module()
+        if module is None:
+            return super().optimizer_state(optimizer)
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        return gather_optimizer_state_dict(module, inner, dst=self._gather_to(module)) or {}
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Lightning's; where the ranks hold parts of the model, each rank takes its part of
+        the checkpoint's unsplit state, whatever split wrote it, every key checked
+        (:func:`~hetcoll.torch.load_full_state_dict`)."""
+        module = self._split_module()
+        if module is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        load_full_state_dict(module, checkpoint["state_dict"])
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Lightning's; where the ranks hold parts of the model, each rank takes its part of
+        the unsplit optimizer state (:func:`~hetcoll.torch.load_full_optimizer_state_dict`)."""
+        module = self._split_module()
+        if module is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            load_full_optimizer_state_dict(module, optimizer, state)
 
     # -- DDP: hetcoll's comm hook ---------------------------------------------------------
 
