@@ -133,6 +133,10 @@ RUN_ERRORS = [
         "plan",
         ("/dev/zero", "regular file"),
     ),
+    # Read only if a regular file, and only so far: /dev/zero read whole would never end.
+    ((*PLAN, "--batch", "8", "--expert-loads", "/dev/zero"), "plan", ("/dev/zero", "regular file")),
+    ((*PLAN[:2], "hf:/dev/zero", *PLAN[3:], "--batch", "8"), "plan", ("hf:/dev/zero", "regular")),
+    ((*PLAN[:2], "hf:/no/such", *PLAN[3:], "--batch", "8"), "plan", ("hf:/no/such", "config.json")),
 ]
 
 
@@ -210,6 +214,76 @@ def test_module_attr_loads_module_classes_and_annotated_builders_on_meta(attr: s
     assert isinstance(model, nn.Module)
     if attr != "tests.cli_models:INSTANCE":  # an instance was built when its module loaded
         assert all(p.is_meta for p in model.parameters())
+
+
+# ------------------------------------------------------------------------- hf:CONFIG
+
+
+def _llama_config(directory: Path) -> Path:
+    """A small Llama's config.json (written as the Hub holds one) in ``directory``."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=88,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    ).save_pretrained(directory)
+    return directory / "config.json"
+
+
+def test_hugging_face_models_are_built_from_their_config(tmp_path: Path) -> None:
+    """``hf:PATH`` (a config.json or its directory) builds transformers' class for its
+    model_type, with the language-model head where there is one, on the meta device; no
+    weights, no download."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, ViTConfig
+
+    config = _llama_config(tmp_path / "llama")
+    for spec in (f"hf:{config}", f"hf:{config.parent}"):
+        model = networks.build(spec, (16,), device="meta")
+        assert type(model).__name__ == "LlamaForCausalLM"
+        assert all(p.is_meta for p in model.parameters())
+    same = AutoModelForCausalLM.from_config(LlamaConfig.from_json_file(config))
+    assert [(n, p.shape) for n, p in model.named_parameters()] == [
+        (n, p.shape) for n, p in same.named_parameters()
+    ]
+    # A model type without a language-modelling head: its bare model.
+    ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(
+        tmp_path / "vit"
+    )
+    assert type(networks.build(f"hf:{tmp_path / 'vit'}", (3, 224, 224))).__name__ == "ViTModel"
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ('{"hidden_size": 32}', "model_type"),
+        ("[1, 2]", "model_type"),
+        ('{"model_type": "no-such-model"}', "no-such-model"),
+        ("{not json", "not a JSON config"),
+        ("[" * 100_000, "not a JSON config"),
+        ('{"model_type": "llama", "num_attention_heads": "many"}', "num_attention_heads"),
+    ],
+)
+def test_hugging_face_configs_that_are_not_are_refused_by_name(
+    tmp_path: Path, text: str, why: str
+) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"model: hf:{re.escape(str(path))}.*{re.escape(why)}"):
+        networks.build(f"hf:{path}", (16,), device="meta")
+
+
+def test_plan_takes_a_hugging_face_config_and_says_how_to_build_it(tmp_path: Path) -> None:
+    config = _llama_config(tmp_path)
+    argv = ("plan", "--model", f"hf:{config}", "--input", "input_ids=16,attention_mask=16")
+    run = hetcoll(*argv, "--dtype", "int64", "--cluster", CLUSTER, "--batch", "8")
+    assert run.returncode == 0, run.stderr
+    assert f"hf:{config} (" in run.stdout and "best:" in run.stdout
+    assert f"hetcoll.model.networks.hugging_face({str(config)!r})" in run.stdout
 
 
 def test_module_attr_finds_the_working_directory_like_python_m(tmp_path: Path) -> None:

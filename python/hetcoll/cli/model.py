@@ -93,7 +93,9 @@ def build_model(args: argparse.Namespace) -> Any:
 
 
 MODEL_HELP = (
-    "the model: a built-in (cnn, vgg, resnet, mlp) or MODULE:ATTR, where ATTR is an "
+    "the model: a built-in (cnn, vgg, resnet, mlp); hf:PATH, a Hugging Face model built from "
+    "its config (PATH: a config.json, or a directory holding one, as on the Hub; no weights "
+    "or download needed, no remote code run); or MODULE:ATTR, where ATTR is an "
     "nn.Module subclass or a function annotated '-> nn.Module' taking no arguments "
     "(e.g. torchvision.models:resnet18 or mymodels:Net, found in the working directory); "
     "nothing else is called"

@@ -200,15 +200,21 @@ def _expert_loads(path: str | None, costs: Any) -> dict[str, Any] | None:
     """The ``--expert-loads`` file (a JSON object: each experts module's routed tokens per
     expert), checked against the model's experts layers."""
     from hetcoll.model import predict
+    from hetcoll.model.files import read_small_file
 
     if path is None:
         return None
+    data = read_small_file(path, "--expert-loads: a JSON file", MAX_LOADS_BYTES)
     try:
-        with open(path, encoding="utf-8") as f:
-            loads = json.load(f)
-    except (OSError, ValueError) as e:
+        loads = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ValueError(f"--expert-loads: cannot read {path!r} as JSON ({e})") from None
     return predict.checked_loads(costs, loads, "--expert-loads")
+
+
+#: The longest ``--expert-loads`` file read: a thousand layers of a thousand experts, each
+#: count in up to 15 characters.
+MAX_LOADS_BYTES = 16 * 2**20
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -357,10 +363,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         script = _script(costs)
         for command in _run_commands(best, path, cluster, script):
             print(f"  {command}")
-        print(
-            f"  ({script} is in hetcoll's repository: its make_model must build "
-            f"{args.model}; or call hetcoll.torch.parallelize in your own script)"
-        )
+        if args.model.startswith("hf:"):
+            build = f"hetcoll.model.networks.hugging_face({args.model.removeprefix('hf:')!r})"
+            print(f"  ({script} is in hetcoll's repository: its make_model must return {build}")
+            print(
+                "  with your weights loaded; or call hetcoll.torch.parallelize in your own script)"
+            )
+        else:
+            print(
+                f"  ({script} is in hetcoll's repository: its make_model must build "
+                f"{args.model}; or call hetcoll.torch.parallelize in your own script)"
+            )
     elif best.feasible:
         print(f"no plan file for this model: {best.plan_note}")
     return 0

@@ -53,13 +53,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import stat
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from hetcoll.model.files import read_small_file
 
 #: Training precisions, as ``torch.autocast`` runs them (docs/model.md, "Precision"): ``fp32``;
 #: ``tf32`` (fp32 tensors, matmuls on tf32 tensor cores); ``bf16`` and ``fp16`` (autocast:
@@ -644,24 +644,12 @@ def load_cluster(path: str | Path) -> Cluster:
     18
     """
     p = Path(path)
-    try:
-        # Non-blocking, so that a FIFO without a writer does not hang the open; then only a
-        # regular file is read, and at most MAX_FILE_BYTES of it (not /dev/zero for ever).
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ValueError(f"{p}: not a regular file (a cluster file is a TOML file)")
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                data = f.read(MAX_FILE_BYTES + 1)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        raise ValueError(f"{p}: cannot read cluster file: {e.strerror}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise ValueError(
-            f"{p}: longer than {MAX_FILE_BYTES:,} bytes; describe identical nodes by count "
-            "and repeat"
-        )
+    data = read_small_file(
+        p,
+        "a cluster file is a TOML file",
+        MAX_FILE_BYTES,
+        too_long="; describe identical nodes by count and repeat",
+    )
     try:
         doc = tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:

@@ -5,7 +5,8 @@ norm, ReLU, max pooling, two dense layers). ``vgg``: a VGG-11-like stack for 32x
 ``resnet``: a ResNet-18-like network of basic blocks for 32x32 inputs. ``mlp``: three dense
 layers. Each takes the sample shape (channels first) and the number of classes.
 
-Users name their own model as ``module:attr`` (see :func:`build` for what ``attr`` may be).
+Users name their own model as ``module:attr`` (see :func:`build` for what ``attr`` may be), or a
+Hugging Face model by its config as ``hf:PATH`` (:func:`hugging_face`).
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import json
 import math
 import typing
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+
+from hetcoll.model.files import read_small_file
 
 
 def cnn(input_shape: Sequence[int] = (3, 32, 32), classes: int = 10) -> nn.Module:
@@ -144,9 +149,10 @@ def build(
     *,
     device: torch.device | str | None = None,
 ) -> nn.Module:
-    """A built-in network by name (``cnn``, ``vgg``, ``resnet``, ``mlp``) or a user model as
-    ``module:attr``, constructed on ``device`` (``"meta"``: shapes only, no memory; ``None``:
-    torch's default device).
+    """A built-in network by name (``cnn``, ``vgg``, ``resnet``, ``mlp``), a Hugging Face model
+    as ``hf:PATH`` (its ``config.json``, or a directory holding one: :func:`hugging_face`) or a
+    user model as ``module:attr``, constructed on ``device`` (``"meta"``: shapes only, no
+    memory; ``None``: torch's default device).
 
     ``module`` is imported (its top-level code runs, as with ``python -m``); ``attr`` must be
     one of, and nothing else is called:
@@ -178,9 +184,12 @@ def build(
                 f"input_shape: {name} cannot be built for {tuple(input_shape)}: "
                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
             ) from None
+    if name.startswith("hf:"):
+        return hugging_face(name.removeprefix("hf:"), device=device)
     if ":" not in name:
         raise ValueError(
-            f"model: unknown built-in {name!r} (built-ins: {sorted(BUILTIN)}; or module:attr)"
+            f"model: unknown built-in {name!r} (built-ins: {sorted(BUILTIN)}; or module:attr, "
+            "or hf:CONFIG)"
         )
     mod_name, attr = name.split(":", 1)
     try:
@@ -195,6 +204,63 @@ def build(
     if not isinstance(made, nn.Module):
         raise ValueError(f"model: {name!r} returned a {type(made).__name__}, not an nn.Module")
     return made
+
+
+#: The longest Hugging Face config read (a model's config.json is a few kilobytes).
+MAX_CONFIG_BYTES = 2**20
+
+
+def hugging_face(path: str | Path, *, device: torch.device | str | None = None) -> nn.Module:
+    """A Hugging Face model built from its config: ``path`` is a ``config.json`` or a directory
+    holding one, as a model's page on the Hub has it (no weights are read, nothing is
+    downloaded, no code of the model's own runs: ``transformers``' class for its
+    ``model_type``), with its language-modelling head where the type has one
+    (``AutoModelForCausalLM``), else its bare model (``AutoModel``); constructed on ``device``
+    (``"meta"``: a model of any size, costed without its memory). ``ValueError`` names
+    ``path`` where it is not such a config.
+
+    >>> hugging_face("/dev/null")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: model: hf:/dev/null: not a regular file (...)
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    where = f"hf:{path}"
+    try:
+        data = read_small_file(p, "a Hugging Face model's config.json", MAX_CONFIG_BYTES)
+    except ValueError as e:
+        raise ValueError(f"model: hf:{e}") from None
+    try:
+        values = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(f"model: {where}: not a JSON config ({e})") from None
+    if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
+        raise ValueError(
+            f"model: {where}: a Hugging Face config is a JSON object naming its model_type "
+            '("llama", "gpt2", ...)'
+        )
+    try:
+        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    except ImportError:
+        raise ValueError(f"model: {where} needs transformers (pip install transformers)") from None
+    values = dict(values)
+    model_type = values.pop("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **values)
+        with _on(device):
+            try:
+                return typing.cast(nn.Module, AutoModelForCausalLM.from_config(config))
+            except ValueError as e:
+                if "Unrecognized configuration class" not in str(e):
+                    raise
+                # No language-modelling head for this model type: its bare model.
+                return typing.cast(nn.Module, AutoModel.from_config(config))
+    except Exception as e:  # a field transformers refuses (its own exception types vary)
+        # transformers lists every model type it knows after ". Should contain": hundreds.
+        why = (str(e).splitlines() or [type(e).__name__])[0].split(". Should contain", 1)[0]
+        raise ValueError(f"model: {where}: {why}") from None
 
 
 def _on(device: torch.device | str | None) -> typing.ContextManager[object]:
