@@ -286,6 +286,60 @@ def test_plan_takes_a_hugging_face_config_and_says_how_to_build_it(tmp_path: Pat
     assert f"hetcoll.model.networks.hugging_face({str(config)!r})" in run.stdout
 
 
+#: Two devices that cannot hold a 1.1B-parameter model's training state alone, on a slow link:
+#: a pipeline.
+TWO_SMALL = """
+[devices.small-gpu]
+flops_per_s = 10e12
+mem_bytes_per_s = 500e9
+memory_bytes = 12e9
+
+[links.slow]
+latency_s = 1e-5
+bytes_per_s = 1e9
+
+[[nodes]]
+name = "box"
+device = "small-gpu"
+count = 1
+repeat = 2
+
+[network]
+link = "slow"
+"""
+
+
+def test_a_pipeline_of_a_transformer_counts_its_layers_as_its_plan_does(tmp_path: Path) -> None:
+    """TinyLlama's shape (1.1B parameters, 22 blocks) on two 12 GB devices: a pipeline. Each
+    device's layers are the plan's top-level layers (embedding, rotary table, blocks, norm,
+    head: 26), as the plan line cuts them, not the ~150 costed layers it was priced by."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+    ).save_pretrained(tmp_path)
+    (tmp_path / "two.toml").write_text(TWO_SMALL)
+    argv = ("plan", "--model", f"hf:{tmp_path}", "--input", "input_ids=64,attention_mask=64")
+    run = hetcoll(
+        *argv, "--dtype", "int64", "--batch", "16", "--cluster", str(tmp_path / "two.toml")
+    )
+    assert run.returncode == 0, run.stderr
+    assert "best: pipeline" in run.stdout, run.stdout
+    cuts = re.search(r"rank 0 layers 0-(\d+) \| rank 1 layers \1-26\]", run.stdout)
+    assert cuts is not None, run.stdout
+    first = int(cuts.group(1))
+    held = re.search(r"ranks 0-1: (?:layers (\d+),(\d+)|(\d+) layers each)", run.stdout)
+    assert held is not None, run.stdout
+    counts = [int(held.group(3))] * 2 if held.group(3) else [int(held.group(1)), int(held.group(2))]
+    assert counts == [first, 26 - first]
+
+
 def test_module_attr_finds_the_working_directory_like_python_m(tmp_path: Path) -> None:
     (tmp_path / "my_models.py").write_text(
         "from torch import nn\n\n\nclass Net(nn.Sequential):\n"

@@ -129,11 +129,26 @@ def _device_lines(cluster: Any, shares: list[int], unit: str) -> list[str]:
         if not any(sh):
             what = "left out"
         elif len(set(sh)) == 1:
-            what = f"{sh[0]} {unit}" + (" each" if len(sh) > 1 or len(names) > 1 else "")
+            one = unit.removesuffix("s") if sh[0] == 1 else unit  # "1 layer", "2 layers"
+            what = f"{sh[0]} {one}" + (" each" if len(sh) > 1 or len(names) > 1 else "")
         else:
             what = f"{unit} {shares_text(list(sh))}"
         lines.append(f"    {where} ({devices}), {ranks}: {what}")
     return lines
+
+
+def _shown_shares(best: Any, devices: int) -> list[int]:
+    """The best plan's shares per device as printed: a pipeline's in the plan's (top-level)
+    layers, as its plan line names them, not in the costed layers it was priced by (a decoder
+    block is a dozen of those)."""
+    if best.share_unit != "layers" or best.plan is None:
+        return list(best.shares)
+    held = [0] * devices
+    for replica in best.plan.replicas:
+        for stage in replica.stages:
+            for r in stage.ranks:
+                held[r] += stage.layers[1] - stage.layers[0]
+    return held
 
 
 def _left_out_text(cluster: Any, shares: list[int]) -> str:
@@ -324,7 +339,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         f"best: {best.strategy}: {fmt_s(best.step_s)} per step, {best.samples_per_s:.4g} samples/s"
     )
     print(f"  {best.share_unit} per device:")
-    for line in _device_lines(cluster, best.shares, best.share_unit):
+    for line in _device_lines(cluster, _shown_shares(best, cluster.num_devices), best.share_unit):
         print(line)
     if best.feasible and not all(best.shares):
         everyone = next((p for p in ranked if p.feasible and all(p.shares)), None)
