@@ -213,9 +213,10 @@ MAX_CONFIG_BYTES = 2**20
 def hugging_face(path: str | Path, *, device: torch.device | str | None = None) -> nn.Module:
     """A Hugging Face model built from its config: ``path`` is a ``config.json`` or a directory
     holding one, as a model's page on the Hub has it (no weights are read, nothing is
-    downloaded, no code of the model's own runs: ``transformers``' class for its
-    ``model_type``), with its language-modelling head where the type has one
-    (``AutoModelForCausalLM``), else its bare model (``AutoModel``); constructed on ``device``
+    downloaded, no code of the model's own runs): the ``transformers`` class its
+    ``architectures`` names (``BertForMaskedLM``), else the class for its ``model_type``
+    with its language-modelling head where the type has one (``AutoModelForCausalLM``), else
+    its bare model (``AutoModel``); constructed on ``device``
     (``"meta"``: a model of any size, costed without its memory). ``ValueError`` names
     ``path`` where it is not such a config.
 
@@ -247,9 +248,25 @@ def hugging_face(path: str | Path, *, device: torch.device | str | None = None) 
         raise ValueError(f"model: {where} needs transformers (pip install transformers)") from None
     values = dict(values)
     model_type = values.pop("model_type")
+    named = values.get("architectures")
+    architecture = None
+    if isinstance(named, list) and named and isinstance(named[0], str):
+        import transformers
+
+        architecture = getattr(transformers, named[0], None)
+        if not (
+            isinstance(architecture, type)
+            and issubclass(architecture, transformers.PreTrainedModel)
+        ):
+            raise ValueError(
+                f"model: {where}: architectures names {named[0]!r}, which is no model class "
+                "of transformers (a model's own code is not run)"
+            )
     try:
         config = AutoConfig.for_model(model_type, **values)
         with _on(device):
+            if architecture is not None:
+                return typing.cast(nn.Module, architecture(config))
             try:
                 return typing.cast(nn.Module, AutoModelForCausalLM.from_config(config))
             except ValueError as e:

@@ -266,6 +266,8 @@ class _OpCounter(TorchDispatchMode):
         self.unattributed_bytes = 0.0
         #: Whether the model was counted with its eager attention (see ``_trace``).
         self.eager_attention = False
+        #: Counted without the attention mask the inputs name (see ``_trace``).
+        self.mask_left_out = False
 
     def enter(self, name: str, module: nn.Module, args: tuple) -> None:
         leaf = not any(True for _ in module.children())
@@ -416,7 +418,11 @@ def _trace(
     ``"sdpa"``) reads the attention mask's values, to leave a mask of no padding out: where
     that stops the meta run, the model is counted there again with its eager attention (the
     same matmuls and softmax, written out; ``eager_attention`` on the counter), and its own
-    implementation is set back after."""
+    implementation is set back after. An encoder's bidirectional mask is read for its values
+    in either implementation (to leave out a mask of no padding): where it still stops the
+    meta run, the model is counted without the ``attention_mask`` input (``mask_left_out``):
+    what it runs for a mask of no padding, the one the count's inputs are, save the masks'
+    own few element-wise passes of eager attention."""
     meta = torch.device("meta")
     try:
         return _count(model, inputs, batch, meta, loss)
@@ -430,6 +436,14 @@ def _trace(
                     return counter
                 except _NeedsValues as again:
                     e = again
+        unmasked = [x for x in inputs if x.name != "attention_mask"]
+        if unmasked and len(unmasked) < len(inputs):
+            try:
+                counter = _count(model, unmasked, batch, meta, loss)
+                counter.mask_left_out = True
+                return counter
+            except _NeedsValues as again:
+                e = again
         cause = str(e.__cause__).splitlines()[0] if e.__cause__ is not None else "values"
         named = {x.name for x in inputs}
         hint = (

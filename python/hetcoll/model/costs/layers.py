@@ -195,6 +195,11 @@ def layer_costs(
             "attention counted in its eager implementation: the model's own (sdpa) reads the "
             "attention mask's values, which the meta device has not"
         )
+    if counter.mask_left_out:
+        notes.append(
+            "counted without the attention_mask: the model reads its values (to skip a mask of "
+            "no padding), which the meta device has not; a mask of no padding costs the same"
+        )
     unused = set(param_of) - {n for c in counter.calls for n in c.params}
     if unused:
         notes.append(f"{len(unused)} parameters are not used by the forward pass")
