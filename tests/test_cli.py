@@ -311,6 +311,29 @@ def test_hugging_face_configs_that_are_not_are_refused_by_name(
         networks.build(f"hf:{path}", (16,), device="meta")
 
 
+def test_a_filter_split_the_devices_cannot_take_is_a_plan_ranked_infeasible(tmp_path: Path) -> None:
+    """T5 (encoder and decoder, not cut into blocks: no plan file) with 2 heads on 18 devices:
+    its filter split over all 18 would give devices no head, which T5's split cannot; the
+    planner ranks that candidate infeasible, saying why, and plans the rest (it raised,
+    ending the search)."""
+    t5 = tmp_path / "t5.json"
+    t5.write_text(
+        '{"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "d_model": 32, '
+        '"d_kv": 16, "d_ff": 64, "num_layers": 1, "num_heads": 2, "vocab_size": 64}'
+    )
+    inputs = "input_ids=16,attention_mask=16,decoder_input_ids=8"
+    argv = ("plan", "--model", f"hf:{t5}", "--input", inputs, "--dtype", "int64")
+    run = hetcoll(*argv, "--cluster", CLUSTER, "--batch", "32", "--json", "--top", "100")
+    assert run.returncode == 0, run.stderr
+    plans = json.loads(run.stdout)["plans"]
+    assert plans[0]["feasible"]
+    (refused,) = [p for p in plans if p["strategy"] == "filter parallel, balanced"]
+    assert not refused["feasible"] and "2 units" in refused["reason"]
+    assert "too few for 18 devices" in refused["reason"]
+    # On 2 devices the heads split: a feasible filter split of a subset.
+    assert any(p["strategy"].startswith("filter parallel") and p["feasible"] for p in plans)
+
+
 def test_plan_takes_a_hugging_face_config_and_says_how_to_build_it(tmp_path: Path) -> None:
     config = _llama_config(tmp_path)
     argv = ("plan", "--model", f"hf:{config}", "--input", "input_ids=16,attention_mask=16")

@@ -470,18 +470,21 @@ def plan(
 
     def filter_balanced(c: Cluster, strategy: str) -> Prediction:
         speeds = device_speeds(costs, c, batch)
-        return predict.filter_parallel(
-            costs,
-            c,
-            batch,
-            speeds,
-            modes=modes,
-            strategy=strategy,
-            optimizer_state_copies=s,
-            empty_blocks=bool(n) and predict.blocks_need_empty(costs, 0, n, speeds),
-            balance=_balance(costs),
-            loss_parallel=predict.splits_loss(costs),
-        )
+        try:
+            return predict.filter_parallel(
+                costs,
+                c,
+                batch,
+                speeds,
+                modes=modes,
+                strategy=strategy,
+                optimizer_state_copies=s,
+                empty_blocks=bool(n) and predict.blocks_need_empty(costs, 0, n, speeds),
+                balance=_balance(costs),
+                loss_parallel=predict.splits_loss(costs),
+            )
+        except ValueError as e:  # a split the devices cannot take (too few heads for them)
+            return _infeasible(strategy, batch, c.num_devices, "filters", str(e))
 
     def best_step() -> float:
         if not prune:
