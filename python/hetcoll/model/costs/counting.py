@@ -442,8 +442,10 @@ def _trace(
                 counter = _count(model, unmasked, batch, meta, loss)
                 counter.mask_left_out = True
                 return counter
-            except _NeedsValues as again:
-                e = again
+            except (_NeedsValues, ValueError):
+                # Not the mask's values that stopped it (a forward that needs its mask, or
+                # makes tensors on the CPU): the real run below, with every input.
+                pass
         cause = str(e.__cause__).splitlines()[0] if e.__cause__ is not None else "values"
         named = {x.name for x in inputs}
         hint = (
