@@ -221,18 +221,29 @@ def test_module_attr_loads_module_classes_and_annotated_builders_on_meta(attr: s
 # ------------------------------------------------------------------------- hf:CONFIG
 
 
-def _llama_config(directory: Path) -> Path:
-    """A small Llama's config.json (written as the Hub holds one) in ``directory``."""
+def _llama_config(
+    directory: Path,
+    *,
+    vocab: int = 64,
+    hidden: int = 32,
+    intermediate: int = 88,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    positions: int = 16,
+) -> Path:
+    """A Llama's config.json (written as the Hub holds one) in ``directory``; small unless
+    the sizes say otherwise."""
     from transformers import LlamaConfig
 
     LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=88,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=positions,
     ).save_pretrained(directory)
     return directory / "config.json"
 
@@ -370,17 +381,16 @@ def test_a_pipeline_of_a_transformer_counts_its_layers_as_its_plan_does(tmp_path
     """TinyLlama's shape (1.1B parameters, 22 blocks) on two 12 GB devices: a pipeline. Each
     device's layers are the plan's top-level layers (embedding, rotary table, blocks, norm,
     head: 26), as the plan line cuts them, not the ~150 costed layers it was priced by."""
-    from transformers import LlamaConfig
-
-    LlamaConfig(
-        vocab_size=32000,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-    ).save_pretrained(tmp_path)
+    _llama_config(
+        tmp_path,
+        vocab=32000,
+        hidden=2048,
+        intermediate=5632,
+        layers=22,
+        heads=32,
+        kv_heads=4,
+        positions=2048,
+    )
     (tmp_path / "two.toml").write_text(TWO_SMALL)
     argv = ("plan", "--model", f"hf:{tmp_path}", "--input", "input_ids=64,attention_mask=64")
     run = hetcoll(

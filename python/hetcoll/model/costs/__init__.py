@@ -43,22 +43,6 @@ if TYPE_CHECKING:
 
 # Imported on first use: ``layer_costs`` imports torch (a second), while the records and the
 # names of losses do not, so the command line parses its flags without it.
-_WHERE = {
-    "layer_costs": "hetcoll.model.costs.layers",
-    **{
-        name: "hetcoll.model.costs.records"
-        for name in (
-            "ExpertsBlock",
-            "Kernel",
-            "LayerCost",
-            "ModelCosts",
-            "ModelInput",
-            "SplitBlock",
-            "parse_shape",
-        )
-    },
-}
-
 __all__ = [
     "ExpertsBlock",
     "Kernel",
@@ -69,6 +53,10 @@ __all__ = [
     "layer_costs",
     "parse_shape",
 ]
+_WHERE = {
+    name: "hetcoll.model.costs.layers" if name == "layer_costs" else "hetcoll.model.costs.records"
+    for name in __all__
+}
 
 
 def __getattr__(name: str) -> Any:
