@@ -233,18 +233,20 @@ def _llama_config(
     positions: int = 16,
 ) -> Path:
     """A Llama's config.json (written as the Hub holds one) in ``directory``; small unless
-    the sizes say otherwise."""
-    from transformers import LlamaConfig
+    the sizes say otherwise (the tests' Llama builder, on the meta device: no weights)."""
+    from lm_common import hf_llama
 
-    LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=positions,
-    ).save_pretrained(directory)
+    with torch.device("meta"):
+        model = hf_llama(
+            vocab=vocab,
+            hidden=hidden,
+            intermediate=intermediate,
+            layers=layers,
+            heads=heads,
+            kv_heads=kv_heads,
+            positions=positions,
+        )
+    model.config.save_pretrained(directory)
     return directory / "config.json"
 
 

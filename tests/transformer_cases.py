@@ -15,6 +15,7 @@ sub-batches already differ by ~1e-7; see REFERENCES.md), compared at 1e-6.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from functools import partial
 from typing import Any
@@ -697,24 +698,19 @@ def hybrid_loss_split(n: int) -> dict[str, Any]:
     return plan
 
 
-def _equal(make: Any, cut: Any, tol: float = TOL, **kwargs: Any) -> Any:
-    """A case: ``make()`` under the plan ``cut(n)`` (``n``: its layers) equals one process."""
+@functools.cache
+def _layers(make: Any) -> int:
+    """How many layers ``make()``'s model is cut into (counted once per model)."""
+    return len(model_layers(make()))
+
+
+def _equal(make: Any, cut: Any, tol: float = TOL, sent: bool = False, **kwargs: Any) -> Any:
+    """A case: ``make()`` under the plan ``cut(n)`` (``n``: its layers) equals one process;
+    with ``sent``, every rank but the last also sent activations (a pipeline)."""
 
     def case(group: Any) -> bool:
-        plan = Plan.from_dict(cut(len(model_layers(make()))))
-        equals_one_process(group, make, plan, tol=tol, **kwargs)
-        return True
-
-    return case
-
-
-def _pipeline(make: Any, tol: float) -> Any:
-    """A case: ``make()`` through 4 pipeline stages equals one process, activations sent."""
-
-    def case(group: Any) -> bool:
-        plan = Plan.from_dict(pipeline_4(len(model_layers(make()))))
-        t = equals_one_process(group, make, plan, tol=tol)
-        return t["activations"] > 0 or wrap(group).rank == 3
+        t = equals_one_process(group, make, Plan.from_dict(cut(_layers(make))), tol=tol, **kwargs)
+        return not sent or t["activations"] > 0 or wrap(group).rank == 3
 
     return case
 
@@ -722,7 +718,7 @@ def _pipeline(make: Any, tol: float) -> Any:
 def _falcon_resumes(group: Any) -> bool:
     # Its checkpoint, gathered from a split stage (the slow rank holding none of the query
     # heads, the key and value rows all the same), resumes on another split.
-    n = len(model_layers(falcon()))
+    n = _layers(falcon)
     return resumes_on_another_plan(group, falcon, (split_first(n), hybrid(n)))
 
 
@@ -742,7 +738,7 @@ def _images(make: Any, plan: dict[str, Any]) -> Any:
 CASES: dict[str, Any] = {}
 for _name, _make in (("gpt2", gpt2), ("llama", llama), ("encoder", EncoderLM)):
     _tol = 1e-6 if _name == "llama" else TOL
-    CASES[f"{_name}_pipeline"] = _pipeline(_make, _tol)
+    CASES[f"{_name}_pipeline"] = _equal(_make, pipeline_4, _tol, sent=True)
     # Clipped by the whole model's norm: a pipeline replica (GPT-2's head tied to its
     # embedding across its stages) beside a split stage.
     CASES[f"{_name}_hybrid"] = _equal(_make, hybrid, _tol, clip=0.05)

@@ -51,6 +51,7 @@ from hetcoll.torch import (
     load_full_optimizer_state_dict,
     load_full_state_dict,
 )
+from hetcoll.torch.filters.layers import split_comms
 from hetcoll.torch.speed import check_share_source
 
 
@@ -208,9 +209,8 @@ class BalancedTrainer(Trainer):
     def _gather_to(self, model: nn.Module) -> int | None:
         """Where gathering the experts' state goes: rank 0 of their group when that is
         Trainer's one writer (the group is every process), else every rank."""
-        comm = next(m for m in model.modules() if isinstance(m, ExpertParallelExperts)).comm
-        whole = comm.size == self.args.world_size and not self.args.save_on_each_node
-        return 0 if whole else None
+        whole = all(c.size == self.args.world_size for c in split_comms(model))
+        return 0 if whole and not self.args.save_on_each_node else None
 
     def _inner_optimizer(self) -> torch.optim.Optimizer:
         inner = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's wrapper
@@ -300,8 +300,9 @@ class BalancedTrainer(Trainer):
         (:func:`hetcoll.torch.gather_optimizer_state_dict`, keyed by parameter name), not one
         rank's, which holds its own experts' moments only."""
         model = self._experts_model()
-        if model is None or self.lr_scheduler is None:
+        if model is None:
             return super()._save_optimizer_and_scheduler(output_dir)
+        assert self.lr_scheduler is not None  # made with the optimizer, before any step
         full = gather_optimizer_state_dict(
             model, self._inner_optimizer(), dst=self._gather_to(model)
         )
@@ -315,8 +316,9 @@ class BalancedTrainer(Trainer):
         (:func:`hetcoll.torch.load_full_optimizer_state_dict`: a checkpoint of one rank's
         state raises ``ValueError`` naming ``state_dict``)."""
         model = self._experts_model()
-        if checkpoint is None or model is None or self.lr_scheduler is None:
+        if checkpoint is None or model is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
+        assert self.lr_scheduler is not None  # made with the optimizer, before loading
         optimizer_file = os.path.join(checkpoint, OPTIMIZER_NAME)
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
         if not (os.path.isfile(optimizer_file) and os.path.isfile(scheduler_file)):

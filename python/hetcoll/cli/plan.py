@@ -211,6 +211,11 @@ def _comparison_lines(table: dict[str, Any]) -> list[str]:
     return lines
 
 
+#: The longest ``--expert-loads`` file read: a thousand layers of a thousand experts, each
+#: count in up to 15 characters.
+MAX_LOADS_BYTES = 16 * 2**20
+
+
 def _expert_loads(path: str | None, costs: Any) -> dict[str, Any] | None:
     """The ``--expert-loads`` file (a JSON object: each experts module's routed tokens per
     expert), checked against the model's experts layers."""
@@ -225,11 +230,6 @@ def _expert_loads(path: str | None, costs: Any) -> dict[str, Any] | None:
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ValueError(f"--expert-loads: cannot read {path!r} as JSON ({e})") from None
     return predict.checked_loads(costs, loads, "--expert-loads")
-
-
-#: The longest ``--expert-loads`` file read: a thousand layers of a thousand experts, each
-#: count in up to 15 characters.
-MAX_LOADS_BYTES = 16 * 2**20
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -378,17 +378,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         script = _script(costs)
         for command in _run_commands(best, path, cluster, script):
             print(f"  {command}")
-        if args.model.startswith("hf:"):
-            build = f"hetcoll.model.networks.hugging_face({args.model.removeprefix('hf:')!r})"
-            print(f"  ({script} is in hetcoll's repository: its make_model must return {build}")
-            print(
-                "  with your weights loaded; or call hetcoll.torch.parallelize in your own script)"
-            )
-        else:
-            print(
-                f"  ({script} is in hetcoll's repository: its make_model must build "
-                f"{args.model}; or call hetcoll.torch.parallelize in your own script)"
-            )
+        config = args.model.removeprefix("hf:")
+        must = (
+            f"return hetcoll.model.networks.hugging_face({config!r})\n  with your weights loaded"
+            if config != args.model
+            else f"build {args.model}"
+        )
+        print(
+            f"  ({script} is in hetcoll's repository: its make_model must {must}; or call "
+            "hetcoll.torch.parallelize in your own script)"
+        )
     elif best.feasible:
         print(f"no plan file for this model: {best.plan_note}")
     return 0

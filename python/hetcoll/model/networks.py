@@ -243,16 +243,15 @@ def hugging_face(path: str | Path, *, device: torch.device | str | None = None) 
             '("llama", "gpt2", ...)'
         )
     try:
-        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except ImportError:
         raise ValueError(f"model: {where} needs transformers (pip install transformers)") from None
     values = dict(values)
     model_type = values.pop("model_type")
     named = values.get("architectures")
-    architecture = None
+    make: Callable[[typing.Any], object]
     if isinstance(named, list) and named and isinstance(named[0], str):
-        import transformers
-
         architecture = getattr(transformers, named[0], None)
         if not (
             isinstance(architecture, type)
@@ -262,18 +261,15 @@ def hugging_face(path: str | Path, *, device: torch.device | str | None = None) 
                 f"model: {where}: architectures names {named[0]!r}, which is no model class "
                 "of transformers (a model's own code is not run)"
             )
+        make = architecture
+    elif model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:  # with its language-modelling head
+        make = transformers.AutoModelForCausalLM.from_config
+    else:
+        make = transformers.AutoModel.from_config
     try:
-        config = AutoConfig.for_model(model_type, **values)
+        config = transformers.AutoConfig.for_model(model_type, **values)
         with _on(device):
-            if architecture is not None:
-                return typing.cast(nn.Module, architecture(config))
-            try:
-                return typing.cast(nn.Module, AutoModelForCausalLM.from_config(config))
-            except ValueError as e:
-                if "Unrecognized configuration class" not in str(e):
-                    raise
-                # No language-modelling head for this model type: its bare model.
-                return typing.cast(nn.Module, AutoModel.from_config(config))
+            return typing.cast(nn.Module, make(config))
     except Exception as e:  # a field transformers refuses (its own exception types vary)
         # transformers lists every model type it knows after ". Should contain": hundreds.
         why = (str(e).splitlines() or [type(e).__name__])[0].split(". Should contain", 1)[0]
