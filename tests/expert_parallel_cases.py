@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import warnings
 from typing import Any
 
@@ -32,7 +33,9 @@ from hetcoll.torch import (
     DistributedOptimizer,
     clip_grad_norm_,
     gather_gradients,
+    gather_optimizer_state_dict,
     gather_state_dict,
+    load_full_optimizer_state_dict,
     load_full_state_dict,
     register_weighted_hook,
 )
@@ -203,6 +206,7 @@ def rebalanced_while_training(group: Any, device: torch.device | None = None) ->
     for m, kwargs, text in bad:
         with pytest.raises((TypeError, ValueError), match=text):
             ExpertRebalancer(m, **{"speeds": speeds, **kwargs})
+    resumed_from_state(group, made[0], device)
     for e in made[0].history:  # the counts are the placements'
         for shares, placement in ((e.old_shares, e.old_placement), (e.new_shares, e.new_placement)):
             assert shares == {n: [len(h) for h in held] for n, held in placement.items()}
@@ -214,6 +218,66 @@ def rebalanced_while_training(group: Any, device: torch.device | None = None) ->
         )
         assert (e.seconds > 0) == e.applied and (e.moved > 0 or not e.applied)
     return [[e.step, e.old_placement, e.new_placement, e.applied] for e in made[0].history]
+
+
+def resumed_from_state(group: Any, watch: ExpertRebalancer, device: torch.device | None) -> None:
+    """A run resumed from ``watch``'s state: Mixtral placed by speed again (where the run
+    started), the trained weights and momentum loaded unsplit, then the rebalancer's state:
+    the experts go where the rebalancer had put them, with their momentum, and its steps and
+    loads come back, so it decides on as the saved one would. Bad states raise naming the
+    field, on every rank; the ranks' differing states raise on every rank; a state saved on
+    more ranks keeps the placement and takes the loads."""
+    comm = wrap(group)
+    dev = device or torch.device("cpu")
+    saved = watch.state_dict()
+    assert saved["step"] == 4 and saved["loads"] is not None
+    weights = gather_state_dict(watch.model, dst=None)
+    assert watch.optimizer is not None and weights is not None
+    moments = gather_optimizer_state_dict(watch.model, watch.optimizer, dst=None)
+    start = expert_parallel(mixtral().to(dev, torch.float64), group, speeds=SPEEDS[: comm.size])
+    opt = torch.optim.SGD(start.parameters(), lr=0.1, momentum=0.9)
+    load_full_state_dict(start, weights)
+    load_full_optimizer_state_dict(start, opt, moments)
+    again = ExpertRebalancer(start, opt, speeds=SPEEDS[: comm.size], every=2)
+    assert again.state_dict()["placement"] != saved["placement"]  # it starts elsewhere
+    again.load_state_dict(json.loads(json.dumps(saved)))  # as a JSON checkpoint holds it
+    assert again.state_dict() == saved and again.loads == watch.loads
+    for name, t in (gather_state_dict(start, dst=None) or {}).items():
+        assert torch.equal(t, weights[name]), name
+    state = gather_optimizer_state_dict(start, opt, dst=None)["state"]
+    for name, entry in moments["state"].items():
+        assert torch.equal(state[name]["momentum_buffer"], entry["momentum_buffer"]), name
+    layer = next(iter(saved["placement"]))
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({**saved, "step": -1}, r"state\['step'\]: must be an integer >= 0"),
+        ({"step": 1}, r"state: missing \['loads', 'placement'\]"),
+        ({**saved, "placement": {}}, r"state\['placement'\]: must place the model's"),
+        (
+            {**saved, "loads": {**saved["loads"], layer: [1.0]}},
+            rf"state\['loads'\]\[{layer!r}\]: needs one finite number",
+        ),
+        (
+            {**saved, "placement": {**saved["placement"], layer: [[0, 0]] * comm.size}},
+            rf"state\['placement'\]\[{layer!r}\]",
+        ),
+    ]
+    for state_, text in bad:  # on every rank alike: each raises its own error
+        with pytest.raises(ValueError, match=text):
+            again.load_state_dict(state_)
+    with pytest.raises(TypeError, match="state: must be a dict"):
+        again.load_state_dict([])  # type: ignore[arg-type]
+    # One rank's bad state: it raises its own error, the others the mismatch, before anything
+    # moves; states that differ by rank raise the mismatch on every rank.
+    with pytest.raises((ValueError, CollectiveMismatchError)) as raised:
+        again.load_state_dict({**saved, "step": -1} if comm.rank == 1 else saved)
+    assert raised.type is (ValueError if comm.rank == 1 else CollectiveMismatchError)
+    with pytest.raises(CollectiveMismatchError, match="the restored step"):
+        again.load_state_dict({**saved, "step": comm.rank})
+    assert again.state_dict() == saved  # nothing changed
+    # Saved on one more rank: the loads come back, the experts stay where they are.
+    wider = {name: [[], *held] for name, held in saved["placement"].items()}
+    again.load_state_dict({"step": 8, "loads": saved["loads"], "placement": wider})
+    assert again.state_dict() == {**saved, "step": 8}
 
 
 def placed_shares(model: nn.Module) -> list[int]:

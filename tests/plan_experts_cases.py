@@ -127,7 +127,8 @@ def placed_again(group: Any) -> dict[str, Any]:
     optimizer step (:meth:`Parallel.place_experts`, with their gradients and momentum), then
     by an :class:`ExpertRebalancer` at speeds 1 : 0.25 after the third (looking every 2
     steps), its gradients clipped by the whole model's norm
-    (:meth:`Parallel.clip_grad_norm_`). Returns the plan's experts after each move, the
+    (:meth:`Parallel.clip_grad_norm_`), its state loaded in between (the experts moving
+    away and back). Returns the plan's experts after each move, the
     rebalancer's decisions, and the routed tokens per layer it placed them by (every
     replica's, summed)."""
     from hetcoll.torch import ExpertRebalancer
@@ -162,6 +163,16 @@ def placed_again(group: Any) -> dict[str, Any]:
             seen["routed"] = {k: sum(v) for k, v in watch[0].loads.items()}
             seen["loads"] = watch[0].loads
             seen["plan"] = par.experts_placement
+            # Its state, as a checkpoint holds it: loaded, the experts go where it puts them,
+            # with their momentum, and back (training goes on as one process's).
+            saved = watch[0].state_dict()
+            assert saved["placement"] == seen["plan"] != BY_HAND_LISTS
+            watch[0].load_state_dict({**saved, "step": 0, "placement": BY_HAND_LISTS})
+            assert (
+                par.experts_placement == BY_HAND_LISTS and par.plan.to_dict()["experts"] == BY_HAND
+            )
+            watch[0].load_state_dict(saved)
+            assert watch[0].state_dict() == saved and par.experts_placement == seen["plan"]
 
     batches = tc.batches(plan.batch, 4)
     out = trains_as_one_process(group, plan, batches, by_hand, rebalance, clip=0.05)

@@ -230,10 +230,13 @@ def test_trainer_with_placed_experts_resumes_from_its_checkpoint_as_the_uninterr
     """Mixtral, its experts placed 1 : 3 and placed again by their loads every 2 steps, AdamW:
     Trainer's checkpoint after step 2 holds the unsplit model and optimizer state (every
     rank's experts and moments gathered, under the model's own names), taken after the
-    rebalancer moved them; resumed into the starting placement, training to step 7 ends
-    where the uninterrupted run does. ``from_pretrained`` reads the checkpoints too.
-    (Before, each rank's moments went to every rank and the resume failed; Hugging Face's
-    ``save_pretrained`` writes Mixtral's experts in a layout its resume silently skips.)"""
+    rebalancer moved them, and the rebalancer's state; resumed, the experts go back where
+    the checkpoint had them (from the starting placement 1 : 3), the rebalancer decides at
+    steps 4 and 6 exactly as the uninterrupted run did, and training to step 7 ends where
+    that run does. ``from_pretrained`` reads the checkpoints too. (Before, each rank's
+    moments went to every rank and the resume failed; then the resumed run started from
+    1 : 3 with no loads; Hugging Face's ``save_pretrained`` writes Mixtral's experts in a
+    layout its resume silently skips.)"""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -244,8 +247,14 @@ def test_trainer_with_placed_experts_resumes_from_its_checkpoint_as_the_uninterr
     resumed = torch.load(tmp_path / "resumed" / "final-7.pt")
     assert _max_diff(whole, resumed) < 1e-10
     # The checkpoint was written after the experts moved (the rebalancer's decision at step
-    # 2), and the resumed run started from the placement 1 : 3.
-    assert 2 in json.loads((tmp_path / "whole" / "moved.json").read_text())
+    # 2); the resumed run's decisions after it are the uninterrupted run's, from the same
+    # placement and loads.
+    events = json.loads((tmp_path / "whole" / "events.json").read_text())
+    assert [e[0] for e in events] == [2, 4, 6] and events[0][4]  # moved at step 2
+    assert events[0][1] != events[0][2]
+    assert json.loads((tmp_path / "resumed" / "events.json").read_text()) == events[1:]
+    state = json.loads((checkpoint / "expert_rebalancer.json").read_text())
+    assert state["step"] == 2 and state["placement"] == events[0][2]
     at_2 = load_file(checkpoint / "model.safetensors")
     assert at_2.keys() == whole.keys()  # the unsplit model, every expert
     assert _max_diff(whole, at_2) > 1e-4  # and the steps after it trained

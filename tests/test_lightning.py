@@ -252,6 +252,41 @@ def test_checkpoint_on_three_ranks_resumes_mid_epoch_on_two(tmp_path):
     assert batch_sizes(tmp_path, 2) == [[6, 4, 6, 6, 6, 4], [2, 1, 2, 2, 2, 1]]
 
 
+class RecordRebalancer(Callback):
+    """Rank 0 writes its batch rebalancer's state as the first step starts to
+    ``out/rebalancer.json``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        reb = trainer.strategy.rebalancer
+        if trainer.global_rank == 0 and not (self.out / "rebalancer.json").exists():
+            (self.out / "rebalancer.json").write_text(json.dumps(reb.state_dict()))
+
+
+def test_a_resumed_run_starts_from_the_saved_speed_models(tmp_path):
+    """rebalance_every's Rebalancer rides in Lightning's checkpoint: resumed after 2 steps on
+    as many ranks, the first step starts from the saved rebalancer's models and steps
+    (without it, from none); the weights stay one process's."""
+    ckpt = tmp_path / "step2.ckpt"
+    strategy = BalancedStrategy(speeds=[1.0, 3.0], rebalance_every=1, start_method=START)
+    fit(tmp_path, strategy, 2, shuffle=True, max_steps=2, callbacks=[SaveAt(2, ckpt)])
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]["_RebalancersState"]
+    assert saved["rebalancer"]["step"] == 2 and len(saved["rebalancer"]["models"]) == 2
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    trainer = quiet_trainer(
+        BalancedStrategy(speeds=[1.0, 3.0], rebalance_every=1, start_method=START),
+        2,
+        max_epochs=1,
+        callbacks=[RecordRebalancer(resumed)],
+    )
+    trainer.fit(Regression(True, resumed), ckpt_path=ckpt)
+    assert json.loads((resumed / "rebalancer.json").read_text()) == saved["rebalancer"]
+    assert_exact(trainer, 1, shuffle=True)
+
+
 class WithValidation(Regression):
     """Also records each rank's validation batch sizes in ``out/val{rank}.json``."""
 
@@ -506,9 +541,13 @@ def test_experts_placed_on_the_ranks_train_as_one_process(tmp_path):
             tp.close(full[name], t, name)
             tp.close(back[name], t, f"main process: {name}")
     # Lightning's checkpoint after step 1 (taken after the experts moved) holds the unsplit
-    # model and momentum, gathered: it loads into the main process's whole module, and a run
-    # resumed from it (the experts placed 2 : 1 : 1 again) ends as the uninterrupted one.
+    # model and momentum, gathered, and the expert rebalancer's state: it loads into the main
+    # process's whole module, and a run resumed from it (the experts placed 2 : 1 : 1 again,
+    # then back where the checkpoint had them) decides at step 2 as the uninterrupted run
+    # did and ends as it does.
     saved = torch.load(ckpt, weights_only=False)
+    watched = saved["callbacks"]["_RebalancersState"]["experts"]
+    assert watched["step"] == 1 and watched["placement"] == first
     assert saved["state_dict"].keys() == {f"net.{k}" for k in ref.state_dict()}
     momentum = saved["optimizer_states"][0]["state"][f"{layer0}.down_proj"]["momentum_buffer"]
     assert momentum.shape == ref.state_dict()["model.layers.0.mlp.experts.down_proj"].shape
@@ -517,3 +556,4 @@ def test_experts_placed_on_the_ranks_train_as_one_process(tmp_path):
     experts_trainer().fit(ExpertsLM(resumed_dir, 3), ckpt_path=ckpt)
     again = torch.load(resumed_dir / "full.pt")
     assert max(float((again[k] - full[k]).abs().max()) for k in full) < 1e-10
+    assert json.loads((resumed_dir / "moves.json").read_text()) == [[2, first, first, False]]

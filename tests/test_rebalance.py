@@ -222,3 +222,61 @@ def test_the_same_observations_give_the_same_decisions():
     one = simulate(A2, C2, [250, 6], 10, seed=7)[0]
     two = simulate(A2, C2, [250, 6], 10, seed=7)[0]
     assert one == two
+
+
+def _windows(reb, a, c, rng, count, every=10):
+    """``count`` windows of noisy step times at the sampler's shares, fed to ``reb``."""
+    for _ in range(count):
+        rows = []
+        for i, b in enumerate(reb.sampler.shares):
+            times = (a[i] + c[i] * b) * (1 + 0.03 * rng.standard_normal(every))
+            rows.append(window_summary([(b, float(t)) for t in times]))
+        reb.update(np.stack(rows))
+
+
+def test_a_rebalancer_resumed_from_its_state_decides_as_the_saved_one():
+    """Saved after 4 windows (JSON, as a checkpoint holds it) and loaded into a new
+    rebalancer over a sampler at the saved shares, it takes the same next windows to the same
+    models and shares as the saved one; without the state it starts from scratch and differs."""
+    import json
+
+    def made(shares):
+        sampler = BalancedSampler(range(10**6), shares, 0, shuffle=False, verify=False)
+        return Rebalancer(sampler, every=10)
+
+    saved = made([250, 6])
+    _windows(saved, A2, C2, np.random.default_rng(3), 4)
+    state = json.loads(json.dumps(saved.state_dict()))
+    assert state["step"] == 0 and len(state["models"]) == 2  # update() counts no steps
+    resumed, fresh = made(list(saved.sampler.shares)), made(list(saved.sampler.shares))
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == saved.state_dict() and resumed.speeds == saved.speeds
+    for reb in (saved, resumed, fresh):
+        _windows(reb, A2, C2, np.random.default_rng(4), 3)
+    assert resumed.history == saved.history[4:]
+    assert resumed.state_dict() == saved.state_dict()
+    assert fresh.speeds != saved.speeds
+    # Saved on another number of ranks: the steps come back, the models stay this one's own.
+    fits = probe_fits([*A2, A2[0]], [*C2, C2[0]])
+    three = Rebalancer(BalancedSampler(range(100), [4, 4, 4], 0, verify=False), fits=fits)
+    before = three.speeds
+    three.load_state_dict({**state, "step": 30})
+    assert three.speeds == before and three.state_dict()["step"] == 30
+
+
+@pytest.mark.parametrize(
+    ("state", "error", "text"),
+    [
+        ([], TypeError, "state: must be a dict"),
+        ({"step": 1}, ValueError, r"state: missing \['models'\]"),
+        ({"step": -1, "models": None}, ValueError, r"state\['step'\]: must be an integer >= 0"),
+        ({"step": 0, "models": "x"}, ValueError, r"state\['models'\]: must be a list or None"),
+        ({"step": 0, "models": [[1.0] * 5]}, ValueError, r"state\['models'\]\[0\]: must be 6"),
+        ({"step": 0, "models": [[float("nan")] * 6]}, ValueError, r"state\['models'\]\[0\]"),
+    ],
+)
+def test_a_bad_rebalancer_state_is_named(state, error, text):
+    reb = Rebalancer(BalancedSampler(range(100), [5, 5], 0, verify=False))
+    with pytest.raises(error, match=text):
+        reb.load_state_dict(state)
+    assert reb.state_dict() == {"step": 0, "models": None}  # unchanged

@@ -5,8 +5,8 @@ checkpoint directory, or "none"). Rank 0 writes the trained weights to
 ``out/final-{max_steps}.pt`` and, not resumed, the weights Trainer's
 ``load_best_model_at_end`` loads from the step-2 checkpoint to ``out/best.pt``. With
 ``experts``: its experts placed on the ranks 1 : 3 and placed again by their loads every 2
-steps (the steps they moved at in ``out/moved.json``); the weights written are then the
-unsplit model's (gathered).
+steps (its decisions in ``out/events.json``: step, placement before and after, predicted
+time before, applied); the weights written are then the unsplit model's (gathered).
 
     torchrun --nproc-per-node 2 trainer_resume.py OUT RESUME MAX_STEPS [experts]
 """
@@ -61,15 +61,19 @@ def main() -> None:
     state = gather_state_dict(model) if experts else model.state_dict()
     if args.process_index == 0:
         torch.save(state, Path(out, f"final-{max_steps}.pt"))
+    if trainer.expert_rebalancer is not None and args.process_index == 0:
+        # The rebalancer's decisions: step, placement before and after, moved or not.
+        events = [
+            [e.step, e.old_placement, e.new_placement, e.predicted_old, e.applied]
+            for e in trainer.expert_rebalancer.history
+        ]
+        Path(out, "events.json").write_text(json.dumps(events))
     if resume == "none":  # load_best_model_at_end's load, of the step-2 checkpoint
         trainer.state.best_model_checkpoint = str(Path(out, "checkpoint-2"))
         trainer._load_best_model()
         best = gather_state_dict(model) if experts else model.state_dict()
         if args.process_index == 0:
             torch.save(best, Path(out, "best.pt"))
-        if trainer.expert_rebalancer is not None:  # the steps at which the experts moved
-            moved = [e.step for e in trainer.expert_rebalancer.history if e.applied]
-            Path(out, "moved.json").write_text(json.dumps(moved))
     # An orderly end, as torch.distributed asks: both ranks wait for the save, then leave the
     # group together (a rank that exits while the other still holds the group can abort in
     # gloo's teardown: "terminate called without an active exception").

@@ -54,23 +54,19 @@ from hetcoll.torch import (
 from hetcoll.torch.filters.layers import split_comms
 from hetcoll.torch.speed import check_share_source
 
+#: The file of a checkpoint holding the trainer's :class:`~hetcoll.torch.ExpertRebalancer`
+#: state (JSON), beside the optimizer's.
+EXPERTS_STATE_NAME = "expert_rebalancer.json"
+
 
 class _WatchExperts(TrainerCallback):
-    """After every optimizer step, the trainer's :class:`~hetcoll.torch.ExpertRebalancer`
-    (made at the first, over the trainer's optimizer, at the ranks' shares of the batch)."""
+    """After every optimizer step, the trainer's :class:`~hetcoll.torch.ExpertRebalancer`."""
 
-    def __init__(self, trainer: BalancedTrainer, every: int) -> None:
-        self.trainer, self.every = trainer, every
+    def __init__(self, trainer: BalancedTrainer) -> None:
+        self.trainer = trainer
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        t = self.trainer
-        if t.expert_rebalancer is None:
-            assert isinstance(t.model, nn.Module)  # checked when the trainer was made
-            optimizer = getattr(t.optimizer, "optimizer", t.optimizer)  # Accelerate's wrapper
-            t.expert_rebalancer = ExpertRebalancer(
-                t.model, optimizer, speeds=t._expert_speeds, every=self.every
-            )
-        t.expert_rebalancer.step()
+        self.trainer._experts_watch().step()
 
 
 class BalancedTrainer(Trainer):
@@ -98,8 +94,10 @@ class BalancedTrainer(Trainer):
     their routed tokens every so many steps (:attr:`expert_rebalancer`; at the ranks' speeds
     as given, else their shares). Its checkpoints (and :meth:`save_model`) hold the unsplit
     model and optimizer state, every rank's experts gathered, so a run resumes from them into
-    whatever placement it starts with (the rebalancer's running loads start afresh);
-    ``measure=True`` is not supported with it.
+    whatever placement it starts with; with ``rebalance_experts_every`` they hold the
+    rebalancer's state too (``expert_rebalancer.json``), and the resumed run puts the experts
+    back where they were and decides on as the saved run would have. ``measure=True`` is not
+    supported with it.
 
     Raises ``ValueError`` naming ``average_tokens_across_devices`` when it is off on several
     processes and ``model`` when the model takes no ``num_items_in_batch`` and no
@@ -175,12 +173,27 @@ class BalancedTrainer(Trainer):
             )
         #: Watches the placed experts' loads (``rebalance_experts_every``), once training starts.
         self.expert_rebalancer: ExpertRebalancer | None = None
+        self._rebalance_experts_every = rebalance_experts_every
         if rebalance_experts_every is not None:
             if not placed:
                 raise ValueError(
                     "rebalance_experts_every: the model holds no experts placed by expert_parallel"
                 )
-            self.add_callback(_WatchExperts(self, rebalance_experts_every))
+            self.add_callback(_WatchExperts(self))
+
+    def _experts_watch(self) -> ExpertRebalancer:
+        """The trainer's :class:`~hetcoll.torch.ExpertRebalancer`, made at the first call
+        (over the trainer's optimizer, at the ranks' speeds or shares of the batch)."""
+        if self.expert_rebalancer is None:
+            assert isinstance(self.model, nn.Module)  # checked when the trainer was made
+            assert self._rebalance_experts_every is not None
+            self.expert_rebalancer = ExpertRebalancer(
+                self.model,
+                self._inner_optimizer(),
+                speeds=self._expert_speeds,
+                every=self._rebalance_experts_every,
+            )
+        return self.expert_rebalancer
 
     def _placed_experts(self, model: Any) -> bool:
         return isinstance(model, nn.Module) and any(
@@ -309,23 +322,34 @@ class BalancedTrainer(Trainer):
         if self.args.should_save and full is not None:
             torch.save(full, os.path.join(output_dir, OPTIMIZER_NAME))
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            if self.expert_rebalancer is not None:  # the same on every rank
+                with open(os.path.join(output_dir, EXPERTS_STATE_NAME), "w") as f:
+                    json.dump(self.expert_rebalancer.state_dict(), f)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Trainer's; with experts placed on the ranks, each rank takes its experts' part of
         the unsplit optimizer state the checkpoint holds, whatever placement wrote it
         (:func:`hetcoll.torch.load_full_optimizer_state_dict`: a checkpoint of one rank's
-        state raises ``ValueError`` naming ``state_dict``)."""
+        state raises ``ValueError`` naming ``state_dict``), and with
+        ``rebalance_experts_every`` the experts go back where the saved run had placed them
+        (:meth:`hetcoll.torch.ExpertRebalancer.load_state_dict`)."""
         model = self._experts_model()
         if checkpoint is None or model is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
         assert self.lr_scheduler is not None  # made with the optimizer, before loading
         optimizer_file = os.path.join(checkpoint, OPTIMIZER_NAME)
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
-        if not (os.path.isfile(optimizer_file) and os.path.isfile(scheduler_file)):
-            return  # as Trainer: a checkpoint without them resumes with fresh ones
-        full = torch.load(optimizer_file, map_location="cpu", weights_only=True)
-        load_full_optimizer_state_dict(model, self._inner_optimizer(), full)
-        self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+        # As Trainer: a checkpoint without them resumes with fresh ones.
+        if os.path.isfile(optimizer_file) and os.path.isfile(scheduler_file):
+            full = torch.load(optimizer_file, map_location="cpu", weights_only=True)
+            load_full_optimizer_state_dict(model, self._inner_optimizer(), full)
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+        watched = os.path.join(checkpoint, EXPERTS_STATE_NAME)
+        if self._rebalance_experts_every is not None and os.path.isfile(watched):
+            # The experts go back where the saved run had placed them, with their optimizer
+            # state, and the rebalancer decides on from the saved loads.
+            with open(watched) as f:
+                self._experts_watch().load_state_dict(json.load(f))
 
     def _expert_speeds(self) -> list[float] | None:
         """The ranks' speeds the experts are placed by: as measured or given, else their

@@ -25,7 +25,9 @@ batch it actually ran). ``rebalance_experts_every`` adds an
 :class:`~hetcoll.torch.ExpertRebalancer` to a model whose experts ``configure_model`` placed
 (:func:`~hetcoll.torch.expert_parallel`): after every optimizer step it counts, and every so
 many steps it places the experts again by their routed tokens when that pays, at the ranks'
-speeds as last known (measured, else given, else the shares).
+speeds as last known (measured, else given, else the shares). Lightning's checkpoints hold
+both rebalancers' state: a resumed run starts from the saved speed models, and its experts
+go back where they were, the rebalancer deciding on as the saved run's would.
 """
 
 from __future__ import annotations
@@ -141,6 +143,38 @@ class _ShareLog(Callback):
                 on_step=True,
                 on_epoch=False,
             )
+
+
+class _RebalancersState(Callback):
+    """The strategy's rebalancers' state in Lightning's checkpoints (a callback's
+    ``state_dict``; the same on every rank), put back when training starts, once the loader,
+    the sampler's restored position and the optimizer are there: the batch rebalancer's
+    models (:meth:`~hetcoll.torch.Rebalancer.load_state_dict`), and the experts where the
+    expert rebalancer had placed them, with its steps and loads
+    (:meth:`~hetcoll.torch.ExpertRebalancer.load_state_dict`)."""
+
+    def __init__(self, strategy: BalancedStrategy) -> None:
+        self.strategy = strategy
+        self._restored: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        s, state = self.strategy, {}
+        if s.rebalancer is not None:
+            state["rebalancer"] = s.rebalancer.state_dict()
+        if s.expert_rebalancer is not None:
+            state["experts"] = s.expert_rebalancer.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = state_dict  # Lightning restores callbacks before the optimizers
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        state, self._restored = self._restored or {}, None
+        s = self.strategy
+        if "rebalancer" in state and s.rebalancer is not None:
+            s.rebalancer.load_state_dict(state["rebalancer"])
+        if "experts" in state and s.rebalance_experts_every is not None:
+            s._experts_watch(trainer.optimizers[0]).load_state_dict(state["experts"])
 
 
 class _BalancedLoader(DataLoader):
@@ -290,19 +324,25 @@ class BalancedStrategy(DDPStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.rebalance_experts_every is not None:
-            if self.expert_rebalancer is None:
-                assert self.lightning_module is not None  # set while training
-                try:
-                    self.expert_rebalancer = ExpertRebalancer(
-                        self.lightning_module,
-                        getattr(optimizer, "optimizer", optimizer),  # a LightningOptimizer's
-                        speeds=self._expert_speeds,
-                        every=self.rebalance_experts_every,
-                    )
-                except ValueError as e:
-                    raise ValueError(f"rebalance_experts_every: {e}") from None
-            self.expert_rebalancer.step()
+            self._experts_watch(getattr(optimizer, "optimizer", optimizer)).step()
         return out
+
+    def _experts_watch(self, optimizer: torch.optim.Optimizer) -> ExpertRebalancer:
+        """The strategy's :class:`~hetcoll.torch.ExpertRebalancer`, made at the first call
+        (over ``optimizer``, the module's), with ``rebalance_experts_every``."""
+        if self.expert_rebalancer is None:
+            assert self.lightning_module is not None  # set while training
+            assert self.rebalance_experts_every is not None
+            try:
+                self.expert_rebalancer = ExpertRebalancer(
+                    self.lightning_module,
+                    optimizer,
+                    speeds=self._expert_speeds,
+                    every=self.rebalance_experts_every,
+                )
+            except ValueError as e:
+                raise ValueError(f"rebalance_experts_every: {e}") from None
+        return self.expert_rebalancer
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
@@ -396,10 +436,19 @@ class BalancedStrategy(DDPStrategy):
                 clip_grad_norm_(list(plugin.main_params(optimizer)), float(clip_val))
 
             plugin.clip_grad_by_norm = by_norm  # type: ignore[method-assign]
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # The strategy's callbacks, there before Lightning restores a checkpoint's callbacks.
+        module = self.lightning_module
+        trainer = module.trainer if module is not None else None
+        if trainer is None:
+            return
         # The trainer's callback list (set by its callback connector, hence unseen by mypy).
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
-        if not any(isinstance(c, _ShareLog) and c.strategy is self for c in callbacks):
-            callbacks.append(_ShareLog(self))
+        for kind in (_ShareLog, _RebalancersState):
+            if not any(isinstance(c, kind) and c.strategy is self for c in callbacks):
+                callbacks.append(kind(self))
 
     # -- the training loader --------------------------------------------------------------
 

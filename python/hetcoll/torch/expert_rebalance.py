@@ -26,12 +26,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from hetcoll import refine_items
+from hetcoll.comm import Communicator, agree
 from hetcoll.plan import expert_indices
 from hetcoll.torch.expert_parallel import (
     ExpertParallelExperts,
@@ -148,6 +150,9 @@ class ExpertRebalancer:
     (1: the latest window alone). ``capacity``: the most experts each rank may hold of a
     layer (:func:`expert_assignment`).
 
+    A checkpoint that holds :meth:`state_dict` resumes the decisions exactly
+    (:meth:`load_state_dict`): the steps counted, the running loads and the placement.
+
     >>> watch = ExpertRebalancer(model, opt, speeds=[1.0, 0.25], every=100)  # doctest: +SKIP
     >>> opt.step(); watch.step()  # on every rank  # doctest: +SKIP
     """
@@ -166,6 +171,7 @@ class ExpertRebalancer:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
         # The three things a decision does, for a plan's replicas or a model's ranks.
+        self._comm: Communicator
         self._loads_now: Callable[[], dict[str, list[int]]]
         self._placed_now: Callable[[], Placement]
         self._place: Callable[..., Placement]
@@ -176,6 +182,7 @@ class ExpertRebalancer:
             self._loads_now = model.expert_loads
             self._placed_now = lambda: model.experts_placement
             self._place = model.place_experts
+            self._comm = model.experts_comm
         else:
             layers = {
                 name: m for name, m in model.named_modules() if isinstance(m, ExpertParallelExperts)
@@ -188,6 +195,7 @@ class ExpertRebalancer:
                 name: [list(held) for held in m.placement] for name, m in layers.items()
             }
             self._place = partial(place_experts, model)
+            self._comm = next(iter(layers.values())).comm
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 "optimizer: must be a torch.optim.Optimizer or None, got "
@@ -304,3 +312,92 @@ class ExpertRebalancer:
             )
         )
         return applied
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to decide as this one would: the steps counted, the running
+        loads (None before the first decision) and the placement, each rank's expert indices by
+        experts module name. Plain ints, floats, lists and dicts, for any checkpoint format;
+        the same on every rank. :attr:`history` is not part of it."""
+        return {
+            "step": self._step,
+            "loads": None if self.loads is None else {k: list(v) for k, v in self.loads.items()},
+            "placement": {
+                name: [list(held) for held in ranks] for name, ranks in self._placed_now().items()
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (a :meth:`state_dict`): the steps counted and the running
+        loads come back, and the experts move to the saved placement, with their optimizer
+        state (load the model's and the optimizer's state first: any placement takes them).
+        On another number of ranks the placement stays as it is (the loads, per expert, still
+        come back). Collective (every rank, the same state): a state that does not fit the
+        model's experts raises ``ValueError`` naming its field, and ranks whose states differ
+        raise :class:`hetcoll.CollectiveMismatchError`, on every rank before anything moves."""
+        try:
+            step, loads, placement = self._checked_state(state)
+        except (TypeError, ValueError) as e:
+            agree(self._comm, {}, failure=e)  # the other ranks raise at once
+            raise
+        fields = {"the restored step": step}
+        for name, values in (loads or {}).items():
+            bits = np.asarray(values, np.float64).view(np.int64)  # exact, as ints
+            fields.update(
+                {f"the restored loads[{name!r}][{i}]": int(v) for i, v in enumerate(bits)}
+            )
+        agree(self._comm, fields)
+        self._step, self.loads = step, loads
+        if placement is not None and placement != self._placed_now():
+            self._place(self.optimizer, shares=placement)
+
+    def _checked_state(
+        self, state: object
+    ) -> tuple[int, dict[str, list[float]] | None, Placement | None]:
+        """The step, loads and placement of ``state`` (the placement None on another number
+        of ranks), checked against the model's experts layers."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state: must be a dict from state_dict(), got {type(state).__name__}")
+        missing = [k for k in ("step", "loads", "placement") if k not in state]
+        if missing:
+            raise ValueError(f"state: missing {missing} (not an ExpertRebalancer state_dict)")
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"state['step']: must be an integer >= 0, got {step!r}")
+        layers = {name: sum(map(len, held)) for name, held in self._placed_now().items()}
+        saved = state["placement"]
+        if not isinstance(saved, Mapping) or set(saved) != set(layers):
+            raise ValueError(
+                f"state['placement']: must place the model's experts layers {sorted(layers)}, "
+                f"got {sorted(saved) if isinstance(saved, Mapping) else saved!r}"
+            )
+        placement: Placement | None = {}
+        for name, held in saved.items():
+            ranks = len(held) if isinstance(held, Sequence) else self.size
+            where = f"state['placement'][{name!r}]"
+            placed = expert_indices(held, ranks, where, experts=layers[name], of="rank")
+            if placement is not None:
+                placement[name] = [list(h) for h in placed]
+            if ranks != self.size:
+                placement = None  # saved on another number of ranks: the loads alone carry over
+        loads = state["loads"]
+        if loads is not None:
+            if not isinstance(loads, Mapping) or set(loads) != set(layers):
+                raise ValueError(
+                    f"state['loads']: must be None or hold the model's experts layers "
+                    f"{sorted(layers)}"
+                )
+            checked: dict[str, list[float]] = {}
+            for name, values in loads.items():
+                try:
+                    checked[name] = [float(x) for x in values]
+                except (TypeError, ValueError):
+                    raise ValueError(f"state['loads'][{name!r}]: must be numbers") from None
+                if len(checked[name]) != layers[name] or not all(
+                    np.isfinite(x) and x >= 0 for x in checked[name]
+                ):
+                    raise ValueError(
+                        f"state['loads'][{name!r}]: needs one finite number >= 0 per expert "
+                        f"({layers[name]})"
+                    )
+            loads = checked
+        return step, loads, placement

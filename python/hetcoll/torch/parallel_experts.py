@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hetcoll.comm import deadline
+from hetcoll.comm import Communicator, deadline
 from hetcoll.plan import Plan, experts_field
 from hetcoll.torch.expert_parallel import (
     ExpertParallelExperts,
@@ -58,6 +58,12 @@ class PlanExperts:
             raise ValueError("plan: places no experts (its experts field is empty)")
 
     @property
+    def experts_comm(self) -> Communicator:
+        """The communicator the experts methods are collective over: the plan's whole group
+        (its traffic uncounted)."""
+        return CountingCommunicator.uncounted(self._tr.comm)
+
+    @property
     def experts_placement(self) -> Placement:
         """Each experts module's experts per replica (in the plan's replica order: each
         replica's expert indices), by path: the plan's ``experts``, as last placed."""
@@ -82,8 +88,7 @@ class PlanExperts:
             if path in here:  # every replica's rank of the stage counts its own tokens
                 mine[cuts[k] : cuts[k + 1]] = here[path].routed.numpy()
                 here[path].routed.zero_()
-        comm = CountingCommunicator.uncounted(self._tr.comm)
-        total = comm.allgather_int64(mine, deadline(timeout)).sum(axis=0)
+        total = self.experts_comm.allgather_int64(mine, deadline(timeout)).sum(axis=0)
         return {
             path: [int(x) for x in total[cuts[k] : cuts[k + 1]]]
             for k, (path, _, _) in enumerate(self._experts_layers)
@@ -110,7 +115,7 @@ class PlanExperts:
         self._check_has_experts()
         replicas = self.plan.replicas
         placed = agreed_placement(
-            CountingCommunicator.uncounted(self._tr.comm),
+            self.experts_comm,
             [(path, n) for path, n, _ in self._experts_layers],
             len(replicas),
             speeds=speeds,

@@ -356,6 +356,55 @@ class Rebalancer:
             self.sampler.set_shares(new)
         return applied
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to carry on learning where this one was: the steps counted
+        and every rank's model (``(a, c)`` and their covariance; None before the first
+        window). Plain ints, floats and lists, for any checkpoint format; the same on every
+        rank. The shares are the sampler's (its own ``state_dict``); the steps of a window not
+        yet decided on, each rank's own, are not kept, nor is :attr:`history`."""
+        models = None
+        if self._models is not None:
+            models = [
+                [float(m.theta[0]), float(m.theta[1]), *(float(x) for x in m.cov.ravel())]
+                for m in self._models
+            ]
+        return {"step": self._step, "models": models}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (a :meth:`state_dict`): the steps counted and, saved on as
+        many ranks, every rank's model (else this rebalancer's own start stays: its ``fits``,
+        or the first window). Local (every rank loads the same state). ``ValueError`` naming
+        the field where ``state`` is no such state."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state: must be a dict from state_dict(), got {type(state).__name__}")
+        missing = [k for k in ("step", "models") if k not in state]
+        if missing:
+            raise ValueError(f"state: missing {missing} (not a Rebalancer state_dict)")
+        step, models = state["step"], state["models"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"state['step']: must be an integer >= 0, got {step!r}")
+        restored: list[_Model] | None = None
+        if models is not None:
+            if not isinstance(models, list):
+                raise ValueError(f"state['models']: must be a list or None, got {models!r}")
+            rows = []
+            for i, row in enumerate(models):
+                try:
+                    values = np.array(row, np.float64)
+                except (TypeError, ValueError):
+                    values = np.empty(0)
+                if values.shape != (6,) or not np.isfinite(values).all():
+                    raise ValueError(
+                        f"state['models'][{i}]: must be 6 finite numbers (a, c and their "
+                        f"covariance), got {row!r}"
+                    )
+                rows.append(values)
+            if len(rows) == len(self.sampler.shares):
+                restored = [_Model(v[:2].copy(), v[2:].reshape(2, 2).copy()) for v in rows]
+        self._step, self._window = step, []
+        if restored is not None:
+            self._models = restored
+
     def _explore(self, old: list[int], a: list[float], c: list[float]) -> list[int] | None:
         """Shares that try a rank whose per-sample cost is still unknown (relative standard
         error above :data:`EXPLORE_ABOVE`) and that idles more than ``threshold`` of the step,
