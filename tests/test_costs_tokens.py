@@ -945,3 +945,48 @@ def test_default_sdpa_attention_given_its_mask_costs_on_the_meta_device(family: 
     assert costs.layers == eager.layers and costs.plan_out_bytes == eager.plan_out_bytes
     assert costs.split_blocks == eager.split_blocks and costs.experts == eager.experts
     assert any("eager implementation" in n for n in costs.notes) and not eager.notes
+
+
+def test_an_encoder_decoder_is_costed_by_the_blocks_a_plan_cuts() -> None:
+    """Hugging Face T5 on the meta device, its blocks in call order: each stack's dropout,
+    called before its first block and after its last norm (listed last), is code between
+    blocks, costed with the block before each call, as every stage runs it; the encoder's
+    output crosses every cut up to the decoder's blocks that read it; the planner cuts T5
+    into pipelines."""
+    cfg = transformers.T5Config(
+        vocab_size=48, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=2,
+        num_heads=4, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.T5ForConditionalGeneration(cfg)
+    inputs = {"input_ids": (8,), "attention_mask": (8,), "decoder_input_ids": (6,)}
+    costs = layer_costs(model, inputs, dtype=torch.int64)
+    names = [n for n, _ in model_layers(model)]
+    assert costs.plan_cut == "blocks" and list(costs.plan_layers) == names, costs.plan_layers_note
+    assert names[-3:] == ["shared", "encoder.dropout", "decoder.dropout"]
+    assert list(costs.plan_layer_of) == sorted(costs.plan_layer_of)
+    dropouts = [i for x, i in zip(costs.layers, costs.plan_layer_of) if x.name.endswith("dropout")]
+    at = {n: i for i, n in enumerate(names)}
+    assert at["encoder.embed_tokens"] in dropouts and at["encoder.final_layer_norm"] in dropouts
+    # After the encoder, its output (8 tokens x 16 floats); after the decoder's embedding,
+    # that and the decoder's hidden states (6 x 16).
+    assert costs.plan_out_bytes[at["encoder.final_layer_norm"]] == 8 * 16 * 4
+    assert costs.plan_out_bytes[at["decoder.embed_tokens"]] == (8 + 6) * 16 * 4
+    devices = {"d": {"flops_per_s": 1e10, "mem_bytes_per_s": 1e10, "memory_bytes": 1e10}}
+    cluster = cluster_from_dict(
+        {
+            "devices": devices,
+            "links": {"l": {"latency_s": 1e-6, "bytes_per_s": 1e10}},
+            "nodes": [{"name": "n", "device": "d", "count": 2, "link": "l"}],
+            "network": {"link": "l"},
+        }
+    )
+    pipelines = [
+        p.to_plan().to_dict()
+        for p in plan(costs, cluster, 8, prune=False)
+        if p.feasible and p.has_plan and p.strategy.startswith("pipeline")
+    ]
+    assert pipelines and all(len(r["stages"]) == 2 for doc in pipelines for r in doc["replicas"]), (
+        pipelines
+    )

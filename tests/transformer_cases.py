@@ -1,6 +1,7 @@
 """Transformers through plans, inside every rank of a real 4-rank job (gloo through launch.spawn,
-or MPI): Hugging Face GPT-2 (its head tied to its embedding) and Llama (grouped-query attention,
-rotary embeddings passed beside the hidden states), both built from configs with eager attention,
+or MPI): Hugging Face GPT-2 (its head tied to its embedding), Llama (grouped-query attention,
+rotary embeddings passed beside the hidden states) and T5 (an encoder-decoder), built from
+configs with eager attention,
 and a user's language model around ``torch.nn.TransformerEncoderLayer`` (a position table
 between its blocks, a padding mask as a keyword input). Each is cut between its blocks
 (``model_layers``), fed keyword inputs ``{"input_ids", "attention_mask"}`` with padded labels
@@ -83,6 +84,31 @@ def deepseek() -> nn.Module:
         **PLAIN,
     )  # fmt: skip
     return transformers.DeepseekV3ForCausalLM(config)
+
+
+class T5(nn.Module):
+    """Hugging Face T5, an encoder-decoder, on keyword inputs: the encoder reads the ids under
+    the padding mask, the decoder reads them too (its cross-attentions the encoder's output).
+    Its blocks (registration order) include a tied embedding no block calls (``t5.shared``)
+    and each stack's dropout, called before its first block and after its last norm: code
+    between blocks, which every stage runs. The first self-attention of each stack holds the
+    relative position bias of every head and hands it to the others."""
+
+    def __init__(self) -> None:
+        import transformers
+
+        super().__init__()
+        cfg = transformers.T5Config(
+            vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=2,
+            num_heads=4, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
+            pad_token_id=0, eos_token_id=1, attn_implementation="eager",
+        )  # fmt: skip
+        self.t5 = transformers.T5ForConditionalGeneration(cfg)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+        return self.t5(
+            input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=input_ids
+        )
 
 
 class EncoderLM(nn.Module):
@@ -211,11 +237,8 @@ def split_stage(par: Any) -> None:
     if len(par.plan.replicas[i].stages[j].ranks) < 2:
         return
     modes = {n: m.mode for n, m in par.stage.named_modules() if isinstance(m, FilterParallelLayer)}
-    heads = [
-        n
-        for n, m in par.stage.named_modules()
-        if n.endswith((".attn", ".self_attn", ".self_attention"))
-    ]
+    attentions = (".attn", ".self_attn", ".self_attention", ".SelfAttention", ".EncDecAttention")
+    heads = [n for n, m in par.stage.named_modules() if n.endswith(attentions)]
     assert heads and all(
         m != "gather" for n, m in modes.items() if n.rsplit(".", 1)[-1] not in ("lm_head", "head")
     ), modes
@@ -225,7 +248,9 @@ def split_stage(par: Any) -> None:
     experts = [m for n, m in par.stage.named_modules() if n.endswith(".mlp.experts")]
     assert all(isinstance(e, FilterParallelExperts) for e in experts), experts
     shared = [n for n in modes if ".shared_expert" in n and modes[n] == "split-input"]
-    rows = 2 * len(heads) - len(experts) + len(shared)
+    # A decoder's cross-attention (T5's) shares its block's MLP: one pair more, not two.
+    cross = [n for n in heads if n.endswith(".EncDecAttention")]
+    rows = 2 * len(heads) - len(experts) + len(shared) - len(cross)
     assert sum(m == "split-input" for m in modes.values()) == rows, modes
     if par.plan.replicas[i].stages[j].empty_blocks:  # a slow rank holds none of some block
         rows = [m for m in par.stage.modules() if getattr(m, "mode", "") == "split-input"]
@@ -287,6 +312,13 @@ def split_stage(par: Any) -> None:
         if hasattr(a, norm)
         for q in getattr(a, norm).parameters()
     ]
+    # T5's tables of a position bias per head (replicated, each rank reading its heads'
+    # columns): their gradients are summed too.
+    whole_kv += [
+        m.weight.numel()
+        for n, m in par.stage.named_modules()
+        if n.endswith(".relative_attention_bias")
+    ]
     for n in whole_kv:
         comm.kind = "probe"
         allreduce(torch.zeros(n, dtype=dtype), comm, check=False)
@@ -323,6 +355,15 @@ def split_stage(par: Any) -> None:
                     allreduce(torch.zeros(rows * SEQ * out, dtype=dtype), comm, check=False)
                     backward += comm.counts.pop("probe")
         forward += agreement + blocks
+        # A cross-attention's keys and values read the encoder's output: its gradient summed
+        # (broadcast from a rank holding all its heads).
+        for name in cross:
+            key = par.stage.get_submodule(f"{name}.k")
+            holders = [r for r, s in enumerate(key.shares) if s > 0]
+            if len(holders) > 1:
+                backward += reduction
+            elif holders == [key.rank]:
+                backward += (p - 1) * rows * SEQ * hidden * item
         forward += sum((p - 1) * rows * SEQ * m.shares[m.rank] * item for m in gathers)
         backward += blocks + len(gathers) * reduction
     assert traffic["activations"] == forward, (traffic, forward)
@@ -747,6 +788,14 @@ for _name, _make in (("gpt2", gpt2), ("llama", llama), ("encoder", EncoderLM)):
         CASES[f"{_name}_by_shares"] = _equal(_make, partial(hybrid_by_shares, _make), _tol)
         CASES[f"{_name}_loss_parallel"] = _equal(_make, hybrid_loss_split, _tol)
     CASES[f"{_name}_planned_split"] = lambda group, make=_make: bool(planned_split(group, make))
+# An encoder-decoder: through a pipeline (the encoder's output crossing to the decoder's
+# stage), a pipeline beside a split stage, its slow rank holding no heads (each rank's
+# backward reaches the position-bias table at another point: its gradient is summed after
+# the backward, on every rank alike), and the planner's own plan with a split stage.
+CASES["t5_pipeline"] = _equal(T5, pipeline_4, sent=True)
+CASES["t5_hybrid"] = _equal(T5, hybrid)
+CASES["t5_empty_blocks"] = _equal(T5, partial(hybrid, empty_blocks=True))
+CASES["t5_planned_split"] = lambda group: bool(planned_split(group, T5))
 CASES.update(
     {
         # Multi-query attention: a split stage holds its key and value whole on each rank

@@ -360,18 +360,6 @@ def _with_blocks(
                 return i
         return None
 
-    of: list[int] = []
-    for layer in costs.layers:
-        i = block_of(layer.name)
-        if i is None:
-            if not layer.own_ops:
-                return replace(
-                    costs, plan_layers_note=f"layer {layer.name!r} runs outside the model's blocks"
-                )
-            i = of[-1] if of else 0  # code between blocks: with the block before
-        of.append(i)
-    if any(b < a for a, b in itertools.pairwise(of)):
-        return replace(costs, plan_layers_note="the model's blocks do not run in the order listed")
     flow = None
     errors = []
     was_training = model.training
@@ -395,6 +383,21 @@ def _with_blocks(
             + "; ".join(errors)
             + ")",
         )
+    of: list[int] = []
+    for layer in costs.layers:
+        i = block_of(layer.name)
+        if i is None and not layer.own_ops:
+            return replace(
+                costs, plan_layers_note=f"layer {layer.name!r} runs outside the model's blocks"
+            )
+        if i is None or i in flow.glue:
+            # Code between blocks, and blocks without parameters called at several places
+            # (one dropout module before and after a stack), which every stage runs as code
+            # between blocks: with the block before.
+            i = of[-1] if of else 0
+        of.append(i)
+    if any(b < a for a, b in itertools.pairwise(of)):
+        return replace(costs, plan_layers_note="the model's blocks do not run in the order listed")
     n = len(names)
     out_bytes = [0.0] * n
     for k in flow.order:

@@ -187,7 +187,8 @@ def _named_split(
 ) -> tuple[dict[str, str], dict[str, list[int]]]:
     """The split a blocks stage's shares by module path make: an attention or MLP whose every
     layer is named (torch's attention: its own name) splits by whole units, its projections
-    following its output's shares; any other named layer gathers (as the runtime gathers a
+    following its output's shares; a pair of the pairing rule named with the same shares
+    (T5's MLP) splits as a pair; any other named layer gathers (as the runtime gathers a
     projection named without the rest of its block); nothing else splits."""
     given = {n: [int(v) for v in s] for n, s in named.items()}
     least = 0 if empty else 1
@@ -223,6 +224,26 @@ def _named_split(
                 )
         out.update({n: modes[n] for n in layers})
     by_name = {x.name: x for x in costs.layers}
+    names = list(modes)
+    for k, name in enumerate(names[:-1]):
+        # A pair of the pairing rule (a split-output layer and the split-input layer reading
+        # its channels, as T5's MLP), both named with the same shares, splits as a pair.
+        after = names[k + 1]
+        if (
+            name in given
+            and name not in out
+            and modes[name] == "split-output"
+            and modes[after] == "split-input"
+            and after not in out
+            and given.get(after) == given[name]
+        ):
+            values = given[name]
+            if len(values) != ranks or sum(values) != by_name[name].filters or min(values) < 1:
+                raise ValueError(
+                    f"{where}.shares[{name!r}]: needs {ranks} shares >= 1 summing to its "
+                    f"{by_name[name].filters} channels, got {values}"
+                )
+            out[name], out[after] = "split-output", "split-input"
     for name, values in given.items():
         if name in out:
             continue

@@ -6,6 +6,7 @@ sends as ``"gradients"``."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -77,40 +78,148 @@ def _summed(
     return out
 
 
-class SumGradient:
-    """A hook on a parameter every rank holds whole but applies to its own heads only (a
-    query/key norm over the head dimension inside an attention split by heads): each rank's
-    gradient is its heads' part, the hook returns their sum over the ranks, which every rank
-    then accumulates, as the unsplit model would. Registered with ``Tensor.register_hook``, it
-    runs once per backward, before accumulation, in the same place of every rank's backward
-    (the ranks run the same graph). An object rather than a closure, as a copied model's
-    hooks must be. With ``rows`` (``(dim, positions)``) only those entries along ``dim`` are
-    summed, the rest being the rank's own: the key and value rows every rank holds of a layer
-    packing them with its split query heads."""
+class GradientSums:
+    """The gradients of the parameters every rank of a split model holds whole but applies
+    to its own heads only (a query/key norm over the head dimension inside an attention split
+    by heads, T5's table of a position bias per head, the key and value rows every rank holds
+    of a layer packing them with its split query heads): each rank's gradient is its heads'
+    part, and their sum over the ranks is what every rank accumulates, as the unsplit model
+    would.
 
-    def __init__(
-        self,
-        comm: Communicator,
-        timeout: float | None,
-        rows: tuple[int, list[int]] | None = None,
-    ) -> None:
-        self.comm, self.timeout = comm, timeout
-        # (dim, the rows' index), built once rather than at every backward.
-        self.rows = None if rows is None else (rows[0], torch.tensor(rows[1], dtype=torch.long))
+    The sums are made once a backward has run, all of them, in the order the parameters were
+    added, on every rank alike: a hook on each parameter (``Tensor.register_hook``) keeps the
+    rank's part and hands autograd zeros in its place, and one callback queued for the end of
+    the backward (by the first hook, or the first of the split layers' backward on the same
+    communicator to run: :func:`queue_gradient_sums`) sums every part over the ranks and adds
+    it to the parameter's gradient (exact: the gradient is its previous value plus the sum, as
+    a hook returning the sum would make it). One per communicator (:meth:`of`), so that the
+    split models sharing one make their sums in one order.
+
+    Summing where each rank's backward reaches each gradient would not do: the ranks' graphs
+    differ where a rank holds no heads of an attention (it runs on empty tensors), so one rank
+    may reach a table's gradient before another rank's sum of an input's gradient, and each
+    would wait for the other for ever (T5's position bias, its slow rank holding no heads). A
+    parameter whose hook did not run on a rank adds zeros there. With ``rows`` (``(dim,
+    positions)``) only those entries along ``dim`` are summed, the rest being the rank's
+    own. The sums land in ``.grad`` only: ``torch.autograd.grad`` returns zeros for the parts
+    summed (the ranks still exchange them, every rank alike)."""
+
+    def __init__(self, comm: Communicator, timeout: float | None) -> None:
+        # Weak references: the registry (kept by the communicator) keeps neither alive.
+        self.comm, self.timeout = weakref.ref(comm), timeout
+        self.params: list[weakref.ref[torch.Tensor]] = []
+        #: Per parameter: (dim, the rows' index) of the entries summed, None for all.
+        self.rows: list[tuple[int, torch.Tensor] | None] = []
+        self.parts: dict[int, torch.Tensor] = {}
+        #: The parameters whose gradient this backward accumulated (not ``autograd.grad``'s).
+        self.accumulated: set[int] = set()
+        self.queued = False
+
+    @classmethod
+    def of(cls, comm: Communicator, timeout: float | None) -> GradientSums:
+        """The sums of the split models on ``comm`` (made at the first call)."""
+        sums = _GRADIENT_SUMS.get(comm)
+        if sums is None:
+            sums = _GRADIENT_SUMS[comm] = cls(comm, timeout)
+        return sums
+
+    def queue(self) -> None:
+        """Have this backward end with the sums (once; none where no parameter was added)."""
+        if self.params and not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+
+    def add(self, param: torch.Tensor, rows: tuple[int, list[int]] | None = None) -> None:
+        """Sum ``param``'s gradient over the ranks after each backward (``rows``: only those
+        entries along a dimension)."""
+        self.params.append(weakref.ref(param))
+        self.rows.append(None if rows is None else (rows[0], torch.tensor(rows[1])))
+        param.register_hook(_KeepPart(self, len(self.params) - 1))
+        param.register_post_accumulate_grad_hook(_Accumulated(self, len(self.params) - 1))
+
+    def keep(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        """The hook of parameter ``index``: keep this rank's part, give autograd zeros there."""
+        rows = self.rows[index]
+        if rows is None:
+            part, left = grad.detach().clone(), torch.zeros_like(grad)
+        else:
+            dim, at = rows
+            at = at.to(grad.device)
+            part = grad.detach().index_select(dim, at)
+            left = grad.clone().index_fill_(dim, at, 0)
+        previous = self.parts.get(index)
+        self.parts[index] = part if previous is None else previous + part
+        self.queue()
+        return left
+
+    def flush(self) -> None:
+        """At the end of a backward: every parameter's parts summed over the ranks, in order,
+        and added to its gradient."""
+        self.queued = False
+        parts, self.parts = self.parts, {}
+        accumulated, self.accumulated = self.accumulated, set()
+        comm = self.comm()
+        if comm is None:
+            return
+        CountingCommunicator.count_as(comm, "gradients")
+        for index, (ref, rows) in enumerate(zip(self.params, self.rows, strict=True)):
+            param = ref()
+            if param is None:  # its model is gone (on every rank)
+                continue
+            part = parts.get(index)
+            if part is None:  # not reached on this rank: it adds nothing
+                shape = list(param.shape)
+                if rows is not None:
+                    shape[rows[0]] = len(rows[1])
+                part = torch.zeros(shape, dtype=param.dtype, device=param.device)
+            part = part.contiguous()
+            # Its length is the parameter's (or its rows'), the same on every rank (the plan
+            # agreed on it).
+            _sum_over_ranks(part, comm, self.timeout, check=False, root=None)
+            if index in parts and index not in accumulated:
+                continue  # a backward that accumulates nothing (torch.autograd.grad)
+            with torch.no_grad():
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                if rows is None:
+                    param.grad.add_(part)
+                else:
+                    dim, at = rows
+                    param.grad.index_add_(dim, at.to(part.device), part)
+
+
+#: Each communicator's :class:`GradientSums` (gone with the communicator).
+_GRADIENT_SUMS: weakref.WeakKeyDictionary[Communicator, GradientSums] = weakref.WeakKeyDictionary()
+
+
+def queue_gradient_sums(comm: Communicator) -> None:
+    """Called by every split layer's backward on ``comm``: the backward ends with the sums of
+    the whole parameters' gradients (:class:`GradientSums`), on every rank, whether or not a
+    rank's backward reached those parameters."""
+    sums = _GRADIENT_SUMS.get(comm)
+    if sums is not None:
+        sums.queue()
+
+
+class _Accumulated:
+    """A parameter's post-accumulation hook for :class:`GradientSums`: its gradient went to
+    ``.grad`` in this backward."""
+
+    def __init__(self, sums: GradientSums, index: int) -> None:
+        self.sums, self.index = sums, index
+
+    def __call__(self, param: torch.Tensor) -> None:
+        self.sums.accumulated.add(self.index)
+
+
+class _KeepPart:
+    """A parameter's hook for :class:`GradientSums` (an object rather than a closure)."""
+
+    def __init__(self, sums: GradientSums, index: int) -> None:
+        self.sums, self.index = sums, index
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        g = grad.contiguous().clone()
-        CountingCommunicator.count_as(self.comm, "gradients")
-        # Its length is the parameter's (or its rows'), the same on every rank (the plan
-        # agreed on it).
-        if self.rows is None:
-            _sum_over_ranks(g, self.comm, self.timeout, check=False, root=None)
-            return g
-        dim, index = self.rows
-        index = index.to(g.device)
-        part = g.index_select(dim, index).contiguous()
-        _sum_over_ranks(part, self.comm, self.timeout, check=False, root=None)
-        return g.index_copy_(dim, index, part)
+        return self.sums.keep(self.index, grad)
 
 
 class CopyToRanks(torch.autograd.Function):
@@ -134,6 +243,7 @@ class CopyToRanks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        queue_gradient_sums(ctx.comm)
         if ctx.owner is not None:  # a SharedCopy: its copy is used up
             ctx.owner.clear()
         g = _summed(grad, ctx.comm, ctx.timeout, "gradients", ctx.check, ctx.root)
@@ -153,10 +263,12 @@ class ReduceSum(torch.autograd.Function):
         check: bool = True,
         root: int | None = None,
     ) -> Any:
+        ctx.comm = comm
         return _summed(partial, comm, timeout, "activations", check, root)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        queue_gradient_sums(ctx.comm)
         return grad, None, None, None, None
 
 
@@ -172,6 +284,7 @@ class SumEachWay(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        queue_gradient_sums(ctx.comm)
         return _summed(grad, ctx.comm, ctx.timeout, "gradients"), None, None
 
 
@@ -189,7 +302,7 @@ class GatherChannels(torch.autograd.Function):
         dim: int,
         timeout: float | None,
     ) -> Any:
-        ctx.offset, ctx.count, ctx.dim = offset, y.shape[dim], dim
+        ctx.offset, ctx.count, ctx.dim, ctx.comm = offset, y.shape[dim], dim, comm
         CountingCommunicator.count_as(comm, "activations")
         # Pieces join along axis 0 in every engine: move the channel dimension there.
         moved = y.detach().movedim(dim, 0).contiguous()
@@ -209,4 +322,5 @@ class GatherChannels(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        queue_gradient_sums(ctx.comm)
         return grad.narrow(ctx.dim, ctx.offset, ctx.count), None, None, None, None, None

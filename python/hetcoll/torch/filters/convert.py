@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from hetcoll.comm import Communicator, agree, deadline, wrap
-from hetcoll.torch.filters.autograd import AgreedForward, SumGradient, sole_holder
+from hetcoll.torch.filters.autograd import AgreedForward, GradientSums, sole_holder
 from hetcoll.torch.filters.chains import (
     choose_layers,
     layer_channels,
@@ -688,13 +688,14 @@ def filter_parallel(
     shared = [(n, tuple(model.get_parameter(n).shape)) for ts, _ in splits for n in ts.shared]
     _agree_on_plan(comm, chosen, modes, per_layer, shared, timeout)
 
+    sums = GradientSums.of(comm, timeout)  # the whole parameters' gradients, summed per backward
     for ts, counts in splits:
         if ts.kind == "experts":  # in place: the module keeps its class's forward and kernels
             FilterParallelExperts.convert(
                 named[ts.module], [u * ts.width for u in counts], comm, timeout=timeout
             )
             for pn in ts.shared:  # the output bias the first rank adds
-                model.get_parameter(pn).register_hook(SumGradient(comm, timeout))
+                sums.add(model.get_parameter(pn))
             continue
         if ts.kind == "mha":
             mha = FilterParallelMultiheadAttention.from_module(
@@ -726,9 +727,9 @@ def filter_parallel(
             _replace(model, name, column)
             if column.whole:  # the rows every rank holds: each rank's gradient its heads' part
                 at = whole_positions(counts, comm.rank, column.blocks, column.whole)
-                column.weight.register_hook(SumGradient(comm, timeout, (column.weight_out_dim, at)))
+                sums.add(column.weight, (column.weight_out_dim, at))
                 if column.bias is not None:
-                    column.bias.register_hook(SumGradient(comm, timeout, (0, at)))
+                    sums.add(column.bias, (0, at))
         for name in ts.whole:  # whole on every rank, reading the columns' copy of the input
             named[name].register_forward_pre_hook(copy.read_copy)
         blocks_of = dict(ts.columns)
@@ -755,7 +756,7 @@ def filter_parallel(
         module = named[ts.module]
         ts.hold(module, counts[comm.rank])  # the rank's module runs with its own head counts
         for pn in ts.shared:
-            model.get_parameter(pn).register_hook(SumGradient(comm, timeout))
+            sums.add(model.get_parameter(pn))
         if ts.kind == "attention":
             first = sum(counts[: comm.rank])
             PerHeadInputs(ts, first, counts[comm.rank]).install(module)
