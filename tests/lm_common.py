@@ -3,8 +3,8 @@ hook, MPI optimizer, Lightning): Hugging Face GPT-2 from a tiny config (eager at
 decoder of the user's own around ``torch.nn.TransformerEncoder``, in float64; global batches
 whose rows hold different numbers of valid labels (the rest -100), cut into uneven shares, and
 one process's reference training on the same global batches. Also the builders of Hugging Face
-GPT-2 and Llama from a config that every transformer test's models come from (``hf_gpt2``,
-``hf_llama``: tests/transformer_cases.py, tests/tensor_parallel_cases.py)."""
+GPT-2, Llama and T5 from a config that every transformer test's models come from (``hf_gpt2``,
+``hf_llama``, ``hf_t5``: tests/transformer_cases.py, tests/tensor_parallel_cases.py)."""
 
 from __future__ import annotations
 
@@ -233,3 +233,17 @@ def hf_falcon(*, vocab: int, hidden: int, layers: int, heads: int) -> nn.Module:
         **PLAIN,
     )
     return FalconForCausalLM(config)
+
+
+def hf_t5(*, vocab: int, hidden: int, kv: int, ff: int, layers: int, heads: int) -> nn.Module:
+    """Hugging Face T5 (an encoder-decoder) from a config (no download): ``layers`` blocks in
+    each stack, ``heads`` of ``kv`` features, an MLP of ``ff``; no dropout, no cache, eager
+    attention. Built on the current default device (the meta device too)."""
+    import transformers
+
+    config = transformers.T5Config(
+        vocab_size=vocab, d_model=hidden, d_kv=kv, d_ff=ff, num_layers=layers,
+        num_decoder_layers=layers, num_heads=heads, dropout_rate=0.0, use_cache=False,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, attn_implementation="eager",
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)

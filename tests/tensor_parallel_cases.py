@@ -39,7 +39,7 @@ from hetcoll.torch.filters import (
 )
 from hetcoll.torch.transport import CountingCommunicator
 
-from lm_common import PLAIN, hf_falcon, hf_gpt2, hf_llama, hf_mixtral
+from lm_common import PLAIN, hf_falcon, hf_gpt2, hf_llama, hf_mixtral, hf_t5
 
 TOL = 1e-10
 VOCAB = 40
@@ -259,15 +259,8 @@ class T5LM(nn.Module):
     attention holds the same heads."""
 
     def __init__(self) -> None:
-        import transformers
-
         super().__init__()
-        cfg = transformers.T5Config(
-            vocab_size=VOCAB, d_model=24, d_kv=4, d_ff=40, num_layers=2, num_decoder_layers=2,
-            num_heads=6, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
-            pad_token_id=0, eos_token_id=1, attn_implementation="eager",
-        )  # fmt: skip
-        self.t5 = transformers.T5ForConditionalGeneration(cfg)
+        self.t5 = hf_t5(vocab=VOCAB, hidden=24, kv=4, ff=40, layers=2, heads=6)
 
     def forward(self, input_ids: torch.Tensor) -> Any:
         return self.t5(input_ids=input_ids, decoder_input_ids=input_ids)

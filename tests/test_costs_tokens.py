@@ -37,7 +37,7 @@ from hetcoll.model.predict import filter_parallel_schedule
 from hetcoll.torch.filters import filter_shares
 from hetcoll.torch.layers import model_cut, model_layers
 
-from lm_common import hf_mixtral
+from lm_common import hf_mixtral, hf_t5
 
 transformers = pytest.importorskip("transformers")
 
@@ -953,13 +953,8 @@ def test_an_encoder_decoder_is_costed_by_the_blocks_a_plan_cuts() -> None:
     blocks, costed with the block before each call, as every stage runs it; the encoder's
     output crosses every cut up to the decoder's blocks that read it; the planner cuts T5
     into pipelines."""
-    cfg = transformers.T5Config(
-        vocab_size=48, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=2,
-        num_heads=4, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
-        pad_token_id=0, eos_token_id=1,
-    )  # fmt: skip
     with torch.device("meta"):
-        model = transformers.T5ForConditionalGeneration(cfg)
+        model = hf_t5(vocab=48, hidden=16, kv=4, ff=24, layers=2, heads=4)
     inputs = {"input_ids": (8,), "attention_mask": (8,), "decoder_input_ids": (6,)}
     costs = layer_costs(model, inputs, dtype=torch.int64)
     names = [n for n, _ in model_layers(model)]

@@ -31,7 +31,7 @@ from hetcoll.torch import parallelize
 from hetcoll.torch.filters import FilterParallelExperts, FilterParallelLayer, filter_shares
 from hetcoll.torch.layers import model_layers
 
-from lm_common import PLAIN, hf_falcon, hf_gpt2, hf_llama, hf_mixtral
+from lm_common import PLAIN, hf_falcon, hf_gpt2, hf_llama, hf_mixtral, hf_t5
 
 TOL = 1e-10
 VOCAB = 48
@@ -95,15 +95,8 @@ class T5(nn.Module):
     relative position bias of every head and hands it to the others."""
 
     def __init__(self) -> None:
-        import transformers
-
         super().__init__()
-        cfg = transformers.T5Config(
-            vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=2,
-            num_heads=4, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
-            pad_token_id=0, eos_token_id=1, attn_implementation="eager",
-        )  # fmt: skip
-        self.t5 = transformers.T5ForConditionalGeneration(cfg)
+        self.t5 = hf_t5(vocab=VOCAB, hidden=16, kv=4, ff=24, layers=2, heads=4)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
         return self.t5(
