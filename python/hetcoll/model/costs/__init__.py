@@ -52,6 +52,7 @@ __all__ = [
     "SplitBlock",
     "layer_costs",
     "parse_shape",
+    "split_input_partners",
 ]
 _WHERE = {
     name: "hetcoll.model.costs.layers" if name == "layer_costs" else "hetcoll.model.costs.records"

@@ -31,6 +31,7 @@ from hetcoll.model.costs.records import (
     ModelCosts,
     SplitBlock,
     _numel,
+    split_input_partners,
 )
 from hetcoll.model.hardware import check_precision
 
@@ -311,15 +312,8 @@ def _with_plan_layers(costs: ModelCosts, model: nn.Module) -> ModelCosts:
     stage_modes = []
     # filter_modes(nn.Sequential(OrderedDict(chain[lo:]))) for every lo, each forward traced once
     for modes in chain_filter_modes(chain):
-        keys = list(modes)
-        rows = []
-        for k, (name, mode) in enumerate(modes.items()):
-            # The rule pairs a split-output layer with the next layer it splits.
-            partner = ""
-            if mode == "split-output" and k + 1 < len(keys) and modes[keys[k + 1]] == "split-input":
-                partner = keys[k + 1]
-            rows.append((name, mode, partner))
-        stage_modes.append(tuple(rows))
+        partners = split_input_partners(modes)
+        stage_modes.append(tuple((n, m, partners.get(n, "")) for n, m in modes.items()))
     return replace(
         costs,
         plan_layers=tuple(names),

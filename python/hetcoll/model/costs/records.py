@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -514,6 +515,21 @@ class ModelCosts:
 def _bisect(sorted_ints: Sequence[int], value: int) -> int:
     """The first index whose value is >= ``value``."""
     return bisect.bisect_left(sorted_ints, value)
+
+
+def split_input_partners(modes: Mapping[str, str]) -> dict[str, str]:
+    """Each split-output layer's partner under the runtime's pairing rule, by name: the next
+    layer in ``modes``' order (layer name -> mode), where it is split-input (it reads the
+    split channels, so the pair sums once instead of gathering).
+
+    >>> split_input_partners({"wi": "split-output", "wo": "split-input", "head": "gather"})
+    {'wi': 'wo'}
+    """
+    return {
+        name: after
+        for name, after in itertools.pairwise(modes)
+        if modes[name] == "split-output" and modes[after] == "split-input"
+    }
 
 
 def parse_shape(text: str) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ import numpy as np
 
 import hetcoll
 from hetcoll.model import terms
-from hetcoll.model.costs import ModelCosts
+from hetcoll.model.costs import ModelCosts, split_input_partners
 from hetcoll.model.hardware import Cluster
 from hetcoll.model.predict.prediction import Prediction
 from hetcoll.model.predict.splits import (
@@ -451,15 +451,14 @@ def time_balanced_shares(
                     units = [b.units if d == int(total.argmin()) else 0 for d in range(n_dev)]
         units_of[b.module] = units
         out.update(b.layer_shares(units))
-    names = list(layer_modes)
-    for k, (name, mode) in enumerate(layer_modes.items()):
+    partners = split_input_partners(layer_modes)
+    for name, mode in layer_modes.items():
         if name not in in_blocks and name not in whole and mode != "split-input":
             out[name] = _by_speed(by_name[name].filters, [float(x) for x in parts])
             # Its split-input partner (the pairing rule's: T5's MLP) reads those channels:
             # named with the same shares, as the runtime pairs them only when both are named.
-            after = names[k + 1] if k + 1 < len(names) else None
-            if mode == "split-output" and after and layer_modes[after] == "split-input":
-                out[after] = list(out[name])
+            if name in partners:
+                out[partners[name]] = list(out[name])
     return out
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hetcoll.model import terms
-from hetcoll.model.costs import ModelCosts, SplitBlock
+from hetcoll.model.costs import ModelCosts, SplitBlock, split_input_partners
 from hetcoll.model.hardware import Cluster
 from hetcoll.model.predict.timing import device_arrays
 
@@ -224,16 +224,12 @@ def _named_split(
                 )
         out.update({n: modes[n] for n in layers})
     by_name = {x.name: x for x in costs.layers}
-    names = list(modes)
-    for k, name in enumerate(names[:-1]):
+    for name, after in split_input_partners(modes).items():
         # A pair of the pairing rule (a split-output layer and the split-input layer reading
         # its channels, as T5's MLP), both named with the same shares, splits as a pair.
-        after = names[k + 1]
         if (
             name in given
             and name not in out
-            and modes[name] == "split-output"
-            and modes[after] == "split-input"
             and after not in out
             and given.get(after) == given[name]
         ):
