@@ -26,18 +26,20 @@ TOL = 1e-10
 
 
 def cnn() -> nn.Sequential:
-    """11 layers; awkward channel counts."""
+    """11 layers; awkward channel counts. Some ReLUs work in place, as torchvision's do: a
+    stage that starts with one (layer 1 in PIPELINE_4) modifies the activation it received,
+    and an owners stage's readers run them on the input they assembled (layers 6 and 9)."""
     return nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1),
-        nn.ReLU(),
+        nn.ReLU(inplace=True),
         nn.Conv2d(8, 12, 3, padding=1),
         nn.ReLU(),
         nn.MaxPool2d(2),
         nn.Conv2d(12, 10, 3, padding=1),
-        nn.ReLU(),
+        nn.ReLU(inplace=True),
         nn.Flatten(),
         nn.Linear(10 * 4 * 4, 20),
-        nn.ReLU(),
+        nn.ReLU(inplace=True),
         nn.Linear(20, 5),
     )
 
@@ -46,6 +48,17 @@ def resnet18() -> nn.Module:
     import torchvision
 
     return torchvision.models.resnet18(num_classes=5)
+
+
+def densenet() -> nn.Module:
+    """torchvision's DenseNet, small: 11 blocks (features.conv0 .. features.norm5,
+    classifier), in-place ReLUs as blocks (features.relu0) and in its forward, between
+    features.norm5 and the classifier (``F.relu(features, inplace=True)``)."""
+    import torchvision
+
+    return torchvision.models.DenseNet(
+        growth_rate=4, block_config=(2, 2), num_init_features=8, bn_size=2, num_classes=5
+    )
 
 
 def batches(shape: tuple[int, ...], batch: int, steps: int, classes: int = 5) -> list[Any]:
@@ -175,6 +188,22 @@ RESNET = {
     ],
 }
 
+#: DenseNet's stages start with in-place ops on the activations they receive: features.relu0
+#: (rank 1) and the forward's own ReLU of features.norm5's output (rank 2).
+DENSENET = {
+    "microbatches": 2,
+    "replicas": [
+        {
+            "samples": 5,
+            "stages": [
+                {"ranks": [0], "layers": [0, 2]},
+                {"ranks": [1], "layers": [2, 10]},
+                {"ranks": [2], "layers": [10, 11]},
+            ],
+        },
+        {"samples": 3, "stages": [{"ranks": [3], "layers": [0, 11]}]},
+    ],
+}
 
 #: A filter-split stage feeding an owners stage (node-wise placement, hetcoll.torch.placement):
 #: both split ranks take the owners' summed input gradient.
@@ -271,6 +300,10 @@ def run_all(group: Any) -> dict[str, Any]:
         group, resnet18, Plan.from_dict(RESNET), (3, 32, 32), steps=2, eval_mode=True
     )
     out["resnet18"] = True
+    equals_one_process(
+        group, densenet, Plan.from_dict(DENSENET), (3, 16, 16), steps=2, eval_mode=True
+    )
+    out["densenet"] = True
     equals_one_process(group, cnn, Plan.from_dict(OWNERS_AFTER_SPLIT), (3, 8, 8))
     out["owners_after_split"] = True
     out["errors"] = bad_input(group)

@@ -290,9 +290,14 @@ def test_sampler_bad_input(kwargs, pattern):
         BalancedSampler(range(4), args["shares"], args["rank"])
 
 
-def test_spawn_reports_a_failing_rank():
-    with pytest.raises(RankFailed, match="rank 1"):
-        spawn(_fail_on_rank_one, 2, timeout=60)
+@pytest.mark.timeout(150)
+def test_spawn_reports_a_failing_rank_and_its_waiting_peer_without_waiting_for_the_timeout():
+    # Rank 0 waits for a message rank 1 never sends: once rank 1 has raised, its connections
+    # close and rank 0's receive fails too, long before spawn's timeout (and the group's).
+    with pytest.raises(RankFailed) as failed:
+        spawn(_fail_on_rank_one, 2, timeout=600)
+    assert "rank 1: ValueError: boom" in str(failed.value)
+    assert "rank 0: " in str(failed.value) and "still running" not in str(failed.value)
 
 
 def test_spawned_ranks_are_processes_of_their_own_with_the_callers_environment(monkeypatch):
@@ -328,7 +333,7 @@ def _rank_facts(rank, world):
 def _fail_on_rank_one(rank, world):
     if rank == 1:
         raise ValueError("boom")
-    return dist.get_rank()
+    dist.recv(torch.zeros(1), 1)
 
 
 # -- the README's tour, as written ---------------------------------------------------------------

@@ -23,6 +23,7 @@ EXPECTED = {
     "asymmetric": True,
     "shares": True,
     "resnet18": True,
+    "densenet": True,
     "owners_after_split": True,
     "errors": 5,
 }

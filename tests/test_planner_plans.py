@@ -82,6 +82,18 @@ def test_costs_know_the_top_level_layers_a_plan_counts() -> None:
         bare.check_plan_layers()
 
 
+def test_a_model_whose_blocks_work_in_place_has_plan_layers() -> None:
+    # DenseNet's forward runs F.relu(features, inplace=True) between features.norm5 and the
+    # classifier, and features.relu0 is an in-place block: the probe's stand-ins for blocks'
+    # outputs used to be leaves requiring a gradient, which torch refuses to modify in place,
+    # and the model had no plan layers.
+    model = plan_cases.densenet()
+    costs = layer_costs(model, (3, 16, 16))
+    assert costs.plan_layers_note == ""
+    assert costs.plan_layers == tuple(n for n, _ in model_layers(model))
+    assert costs.plan_layers[2] == "features.relu0" and len(costs.plan_layers) == 11
+
+
 def _runtime_stage_modes(model: nn.Module, lo: int, hi: int) -> dict[str, str]:
     layers = model_layers(model)
     return filter_modes(nn.Sequential(OrderedDict(layers[lo:hi])))

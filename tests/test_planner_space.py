@@ -14,7 +14,16 @@ import pytest
 
 from hetcoll import Plan, launch
 from hetcoll.cli import main
-from hetcoll.model import Cluster, Device, Link, Node, layer_costs, plan, predict_plan
+from hetcoll.model import (
+    Cluster,
+    Device,
+    Link,
+    Node,
+    layer_costs,
+    load_cluster,
+    plan,
+    predict_plan,
+)
 from hetcoll.model.planner import SearchReport, explain
 
 SHAPE = (3, 8, 8)
@@ -302,3 +311,36 @@ def test_alike_replicas_simulated_once_give_the_full_simulation_s_step(ranked) -
         assert once.step_s == each.step_s
         assert once.memory_bytes == each.memory_bytes and once.shares == each.shares
         assert once.breakdown == each.breakdown
+
+
+def test_a_split_the_slow_devices_cannot_take_leaves_the_rest_of_the_search() -> None:
+    # OLMo-2 at hidden 32 (4 heads of 8, 2 key/value groups): the asymmetric family's replica
+    # of the 8 slow devices cannot split its 32 channels eight ways in whole groups. That
+    # split's ValueError used to end the whole search ("hetcoll plan: error: minimum:
+    # infeasible"); it is now one option fewer, and the search finds the others.
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    config = transformers.Olmo2Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        max_position_embeddings=64,
+    )
+    with torch.device("meta"):
+        model = transformers.Olmo2ForCausalLM(config)
+    costs = layer_costs(
+        model,
+        {"input_ids": (16,), "attention_mask": (16,)},
+        dtype=torch.int64,
+        loss="cross-entropy",
+    )
+    cluster = load_cluster(
+        Path(__file__).resolve().parent.parent / "examples" / "clusters" / "a100_v100_cpu.toml"
+    )
+    report = SearchReport()
+    found = plan(costs, cluster, 8, model=model, report=report)
+    assert found[0].feasible and found[0].to_plan() is not None

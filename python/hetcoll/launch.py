@@ -73,11 +73,11 @@ def _worker(
         )
         try:
             outcome = ("ok", fn(rank, world_size, *args))
+            dist.barrier()  # no rank leaves while a peer may still talk to it
         finally:
-            try:
-                dist.barrier()
-            finally:
-                dist.destroy_process_group()
+            # A rank that raised leaves at once: its peers, waiting on it, see the connection
+            # close and fail now rather than at the group's timeout.
+            dist.destroy_process_group()
     except BaseException as e:  # every failure goes back to the parent
         outcome = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     with open(result_path, "wb") as f:

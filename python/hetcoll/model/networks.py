@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from hetcoll.model.files import read_small_file
+from hetcoll.torch.replay import wants_values
 
 
 def cnn(input_shape: Sequence[int] = (3, 32, 32), classes: int = 10) -> nn.Module:
@@ -199,8 +200,17 @@ def build(
     if isinstance(obj, nn.Module):
         return obj
     make = _constructor(obj, name)
-    with _on(device):
-        made = make()
+    try:
+        with _on(device):
+            made = make()
+    except Exception as e:
+        if device is None or torch.device(device).type != "meta" or not wants_values(e):
+            raise
+        # A constructor that computes with tensors (torchvision's RegNet reads its widths off
+        # them) cannot run with every tensor on the meta device: only its parameters and
+        # buffers go there.
+        with _parameters_on(torch.device(device)):
+            made = make()
     if not isinstance(made, nn.Module):
         raise ValueError(f"model: {name!r} returned a {type(made).__name__}, not an nn.Module")
     return made
@@ -279,6 +289,37 @@ def hugging_face(path: str | Path, *, device: torch.device | str | None = None) 
 def _on(device: torch.device | str | None) -> typing.ContextManager[object]:
     """Construct tensors on ``device`` (``None``: wherever torch would)."""
     return contextlib.nullcontext() if device is None else torch.device(device)
+
+
+@contextlib.contextmanager
+def _parameters_on(device: torch.device) -> typing.Iterator[None]:
+    """Modules constructed meanwhile hold their parameters and buffers on ``device``, each
+    moved there as it is registered; other tensors are made where torch makes them. Each
+    parameter exists on torch's default device only until its registration (its
+    initialisation, after, runs on ``device``)."""
+    register_parameter = nn.Module.register_parameter
+    register_buffer = nn.Module.register_buffer
+
+    def parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register_parameter(module, name, param)
+        if param is not None:
+            moved = param.detach().to(device)
+            module._parameters[name] = type(param)(moved, requires_grad=param.requires_grad)
+
+    def buffer(
+        module: nn.Module, name: str, tensor: Tensor | None, persistent: bool = True
+    ) -> None:
+        register_buffer(module, name, tensor, persistent)
+        if tensor is not None:
+            module._buffers[name] = tensor.to(device)
+
+    nn.Module.register_parameter = parameter  # type: ignore[method-assign,assignment]
+    nn.Module.register_buffer = buffer  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+        nn.Module.register_buffer = register_buffer  # type: ignore[method-assign]
 
 
 def _constructor(obj: object, name: str) -> Callable[[], object]:

@@ -72,6 +72,7 @@ from hetcoll.torch.replay import (
     replay,
     stage_roles,
 )
+from hetcoll.torch.stage_inputs import StageInput
 from hetcoll.torch.state_dicts import (
     Part,
 )
@@ -377,7 +378,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         comm = self._stage_comm
         wire = self._wire_device()
         sends: list[Any] = []
-        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        saved: dict[int, tuple[StageInput | None, torch.Tensor]] = {}
         loss_sum = 0.0
 
         def send(t: torch.Tensor, to: list[int], tag: int, kind: str, dtype: Any = None) -> None:
@@ -434,10 +435,10 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                     set_kind("activations")
                     if first:
                         x = inputs[rows].to(self._device)
-                        x_in: torch.Tensor | None = None
+                        x_in: StageInput | None = None
                     else:
-                        x_in = got[0].to(self._device).requires_grad_(True)
-                        x = x_in
+                        x_in = StageInput(got[0].to(self._device))
+                        x = x_in.tensor
                     y = self.stage(x)
                     if last:
                         loss = self._loss(y, _rows(targets, rows), weights[i][k])
@@ -462,8 +463,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                             torch.autograd.backward(y, grad)
                     if x_in is not None and lead:
                         assert prev is not None
-                        g = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
-                        send(g, self._output_ranks(i, j - 1), _TAG_GRADIENT, "gradients")
+                        send(x_in.grad(), self._output_ranks(i, j - 1), _TAG_GRADIENT, "gradients")
         except BaseException:
             checked()  # a batch the ranks disagree on raises that, the same on every rank
             raise
@@ -572,7 +572,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         stage_of = self._stage_of[i]
         tr, wire, comm = self._tr, self._wire_device(), self._stage_comm
         sends: list[Any] = []
-        saved: dict[int, tuple[dict[int, list[torch.Tensor]], Any, StageRoles, Flow]] = {}
+        saved: dict[int, tuple[dict[int, list[StageInput]], Any, StageRoles, Flow]] = {}
         loss_sum = 0.0
 
         def send(t: torch.Tensor, to: list[int], tag: int, kind: str) -> None:
@@ -630,9 +630,9 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                 if op == "F":
                     set_kind("activations")
                     batch_in, flow, roles = probed(k)
-                    received: dict[int, list[torch.Tensor]] = {
+                    received: dict[int, list[StageInput]] = {
                         b: [
-                            next(got).to(self._device).requires_grad_(leaf.requires_grad)
+                            StageInput(next(got).to(self._device), leaf.requires_grad)
                             for leaf in flow.tensors(b)
                         ]
                         for b in roles.receives
@@ -643,7 +643,10 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                         pytree.tree_map(self._on_device, batch_in),
                         flow,
                         roles,
-                        {b: flow.rebuild(b, ts) for b, ts in received.items()},
+                        {
+                            b: flow.rebuild(b, [s.tensor for s in ins])
+                            for b, ins in received.items()
+                        },
                         self._device,
                     )
                     if last:
@@ -687,10 +690,9 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                     if lead:
                         for b, inputs_of_b in received.items():
                             to = list(replica.stages[stage_of[b]].ranks)
-                            for t in inputs_of_b:
-                                if t.requires_grad:
-                                    g = t.grad if t.grad is not None else torch.zeros_like(t)
-                                    send(g, to, _TAG_GRADIENT, "gradients")
+                            for inbound in inputs_of_b:
+                                if inbound.requires_grad:
+                                    send(inbound.grad(), to, _TAG_GRADIENT, "gradients")
         except BaseException:
             checked()
             raise

@@ -49,6 +49,7 @@ from torch import nn
 
 from hetcoll.plan import Stage
 from hetcoll.torch.filters import ELEMENTWISE_MODULES, SPATIAL_MODULES
+from hetcoll.torch.stage_inputs import StageInput
 
 __all__ = ["CHANNELWISE", "Block", "OwnersStage", "StepIO", "check_block_shapes", "owners_blocks"]
 
@@ -292,7 +293,7 @@ class OwnersStage(nn.Module):
         blocks, rank, M = self.blocks, self.rank, io.micro_batches
         K = len(blocks)
         own = [rank in b.owner_ranks for b in blocks]
-        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        saved: dict[tuple[int, int], tuple[StageInput, torch.Tensor]] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}  # own channels, detached
         grads: dict[tuple[int, int], torch.Tensor] = {}  # own slices of readers' gradients
 
@@ -331,11 +332,11 @@ class OwnersStage(nn.Module):
             b = blocks[k]
             for m in range(M):
                 if k == 0:
-                    x_in = io.stage_input(m).detach().requires_grad_(io.input_grad is not None)
-                    z = x_in
+                    x_in = StageInput(io.stage_input(m).detach(), io.input_grad is not None)
+                    z = x_in.tensor
                 else:
-                    x_in = assemble(k - 1, m).requires_grad_(True)
-                    z = self._through(blocks[k - 1].reader_tail, x_in)
+                    x_in = StageInput(assemble(k - 1, m))
+                    z = self._through(blocks[k - 1].reader_tail, x_in.tensor)
                 y = self._through(b.owner_tail, self.parts[b.name](z))
                 saved[k, m] = (x_in, y)
                 for r in self._readers(k):
@@ -349,14 +350,15 @@ class OwnersStage(nn.Module):
         if rank == self.lead:
             ends = []
             for m in range(M):
-                x_out = assemble(K - 1, m).requires_grad_(True)
-                ends.append((x_out, io.finish(m, self._through(blocks[-1].reader_tail, x_out))))
+                x_out = StageInput(assemble(K - 1, m))
+                ends.append(
+                    (x_out, io.finish(m, self._through(blocks[-1].reader_tail, x_out.tensor)))
+                )
             for m, (x_out, end) in enumerate(ends):
                 g = io.output_grad(m, end)
                 if end.requires_grad:
                     torch.autograd.backward(end, g)
-                grad = x_out.grad if x_out.grad is not None else torch.zeros_like(x_out)
-                scatter(K - 1, m, grad, "outputs")
+                scatter(K - 1, m, x_out.grad(), "outputs")
         # Backwards, layer-major in reverse.
         for k in reversed(range(K)):
             if not own[k]:
@@ -375,7 +377,7 @@ class OwnersStage(nn.Module):
                     torch.autograd.backward(y, dy)
                 if k == 0 and io.input_grad is None:
                     continue  # the data: no gradient wanted
-                g = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
+                g = x_in.grad()
                 if k > 0:
                     scatter(k - 1, m, g, "gradients")
                 else:

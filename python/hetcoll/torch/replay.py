@@ -44,6 +44,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from hetcoll.torch.stage_inputs import StageInput
+
 __all__ = [
     "Flow",
     "Leaf",
@@ -159,8 +161,8 @@ class Flow:
             t = cache.get(key) if cache is not None else None
             if t is None:
                 t = torch.zeros(leaf.shape, dtype=leaf.dtype, device=device)
-                if grad:
-                    t.requires_grad_(leaf.requires_grad)
+                if grad:  # not a leaf: code between blocks may work on it in place
+                    t = StageInput(t, leaf.requires_grad).tensor
                 if cache is not None:
                     cache[key] = t
             out.append(t)
@@ -348,8 +350,7 @@ def _probe(
 def _on_meta(t: Any) -> Any:
     if not isinstance(t, torch.Tensor):
         return t
-    m = t.detach().to("meta")
-    return m.requires_grad_(t.requires_grad) if m.is_floating_point() else m
+    return StageInput(t.detach().to("meta"), t.requires_grad).tensor
 
 
 #: What torch's errors say where a run on the meta device wants values: a tensor read into
@@ -389,8 +390,7 @@ def _output_of(
 def _copied(t: Any) -> Any:
     if not isinstance(t, torch.Tensor):
         return t
-    c = t.detach().clone()
-    return c.requires_grad_(t.requires_grad) if c.is_floating_point() else c
+    return StageInput(t.detach().clone(), t.requires_grad).tensor
 
 
 @dataclass(frozen=True)

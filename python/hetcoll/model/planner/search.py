@@ -223,12 +223,15 @@ def _asymmetric(
             )
 
         b1 = max(m, share_guess // 2)
-        fit = _fit(replica(b1).step_s, replica(2 * b1).step_s, b1)
-        fits = [*whole, fit]
-        shares = hetcoll.split(batch, [f[1] for f in fits], latency=[f[0] for f in fits])
-        if shares[-1] < m:
-            continue  # the slow devices' replica gets (almost) nothing: a subset plan
-        slow_plan = replica(shares[-1]).plan
+        try:
+            fit = _fit(replica(b1).step_s, replica(2 * b1).step_s, b1)
+            fits = [*whole, fit]
+            shares = hetcoll.split(batch, [f[1] for f in fits], latency=[f[0] for f in fits])
+            if shares[-1] < m:
+                continue  # the slow devices' replica gets (almost) nothing: a subset plan
+            slow_plan = replica(shares[-1]).plan
+        except ValueError:
+            continue  # a split the slow devices cannot take (too few filters for them)
         if slow_plan is None:
             continue
         stage_dicts = slow_plan.to_dict()["replicas"][0]["stages"]
