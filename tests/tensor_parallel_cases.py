@@ -112,6 +112,26 @@ def qwen2() -> nn.Module:
     )  # fmt: skip
 
 
+def stablelm_head_norms() -> nn.Module:
+    """Hugging Face StableLM with ``qk_layernorm`` (stablelm-2-12b's layout): a LayerNorm for
+    each query head and each key/value head, in lists its forward zips with the heads."""
+    return _hf(
+        "StableLmForCausalLM", "StableLmConfig", qk_layernorm=True, use_parallel_residual=True
+    )
+
+
+def codegen() -> nn.Module:
+    """Hugging Face CodeGen: its qkv_proj packs four blocks of heads (``mp_num``), each its
+    heads' query, value and key, which its forward reads by reshaping to ``(..., 4, -1)``."""
+    import transformers
+
+    config = transformers.CodeGenConfig(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=16, rotary_dim=2, n_positions=32,
+        n_ctx=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+    )  # fmt: skip
+    return transformers.CodeGenForCausalLM(config)
+
+
 def mixtral(implementation: str = "eager") -> nn.Module:
     """Hugging Face Mixtral: 4 experts of 40 hidden units (5 steps of 8) in each block, 2 per
     token, run by ``implementation``."""

@@ -116,8 +116,11 @@ def packing_read(shape: Sequence[int], packed: int, heads: int, head_dim: int) -
     reads it, for ``heads`` heads of ``head_dim``: ``"heads"`` head by head, one more
     dimension ``(..., heads, 3 * head_dim)`` (GPT-NeoX) or two more ``(..., heads, 3,
     head_dim)`` (BLOOM); ``"blocks"`` as three blocks, ``(..., 3, heads * head_dim)`` or
-    ``(..., 3, heads, head_dim)``; None for another reshape, or where both readings coincide
-    (3 heads of 3): it cannot tell."""
+    ``(..., 3, heads, head_dim)``; ``"other"`` for a reshape to more dimensions that is
+    neither (CodeGen's ``(..., 4, -1)``: four blocks of heads, each its heads' query, value
+    and key; or a rank's multi-query view, its heads beside one key and value head); None for
+    a reshape that adds none, or where both readings coincide (3 heads of 3): it cannot
+    tell."""
     h, d = heads, head_dim
     if len(shape) == packed + 1:
         by_head = shape[-2] in (h, -1) and shape[-1] == 3 * d
@@ -126,9 +129,9 @@ def packing_read(shape: Sequence[int], packed: int, heads: int, head_dim: int) -
         by_head = shape[-3] in (h, -1) and list(shape[-2:]) == [3, d]
         blocked = shape[-3] == 3 and shape[-2] in (h, -1) and shape[-1] == d
     else:
-        return None
+        return "other" if len(shape) > packed else None
     if by_head == blocked:
-        return None
+        return None if by_head else "other"
     return "heads" if by_head else "blocks"
 
 

@@ -79,6 +79,8 @@ def _qkv_columns(
         # (InternLM2's wqkv), told apart by a probe forward of the attention.
         packed = inputs[0][0]
         read = probe_packing(m, packed, hidden, nq, hd, nkv)
+        if read == "other":
+            return None  # a layout of its own (CodeGen's)
         if read == "heads" and nq == nkv:
             return [(packed, (3 * hd,))]
         if read == "groups" and nq != nkv:
@@ -89,6 +91,19 @@ def _qkv_columns(
     if outs_of == sorted([width, nkv * hd, nkv * hd]):
         q = next(n for n, (_, fout) in inputs if fout == width)
         return [(n, (rep * hd if n == q else hd,)) for n, _ in inputs]
+    return None
+
+
+def _per_head_container(m: nn.Module, param: str, heads: Sequence[int]) -> str | None:
+    """The path of the ``ModuleList`` (or ``ModuleDict``) holding parameter ``param`` of
+    ``m`` when it has as many modules as one of the ``heads`` counts (a module for each
+    head), else None."""
+    parts = param.split(".")
+    for k in range(1, len(parts) - 1):
+        container = m.get_submodule(".".join(parts[:k]))
+        n = len(container) if isinstance(container, (nn.ModuleList, nn.ModuleDict)) else 0
+        if n > 1 and n in heads:
+            return ".".join(parts[:k])
     return None
 
 
@@ -192,6 +207,14 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
     for pn, p in m.named_parameters():
         if pn.split(".", 1)[0] in projections or pn.split(".", 1)[0] in norms:
             continue
+        per_head = _per_head_container(m, pn, (nq, nkv))
+        if per_head is not None:
+            # StableLM's q_layernorm.norms: a LayerNorm for each head, which its forward
+            # zips with the heads it is given: a rank's heads would meet the first norms.
+            return (
+                f"its parameter {pn!r} belongs to {per_head!r}, a list of a module for each "
+                "head, which a rank's heads would not meet in order"
+            )
         if "." not in pn and tuple(p.shape) == (nq,) and nq > 1 and (nq != hd or pn == "sinks"):
             head_params.append(pn)
             shared.append(pn)
