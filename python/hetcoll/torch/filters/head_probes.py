@@ -159,13 +159,13 @@ def probe_packing(
     (:func:`~.head_guards.packing_read`, :func:`grouped_read`), ``"blocks"`` as query, key and
     value blocks (cut where the query heads end: :func:`_cut_read`; or, with as many key/value
     heads as query heads, reshaped so), ``"other"`` reshaped to a layout of its own (neither,
-    with as many key/value heads as query heads). The probe: a single token of zeros as its first input
-    (on the projection's device, in its dtype; a model on the meta device works), ``None`` for every
-    other input it requires, stopped at the first op on the projection's output, with no
-    gradient. None when that forward fails before it (it needs an input the probe lacks) or
-    the first op tells nothing: with as many key/value heads as query heads, the first real
-    forward then checks (:class:`~.head_guards.PackedLayoutGuard`). ``kv_heads``: 0 for
-    ``heads``."""
+    with as many key/value heads as query heads). The probe: a single token of zeros as its
+    first input (on the projection's device, in its dtype; a model on the meta device works),
+    ``None`` for every other input it requires, stopped at the first op on the projection's
+    output, with no gradient. None when that forward fails before it (it needs an input the
+    probe lacks) or the first op tells nothing: with as many key/value heads as query heads,
+    the first real forward then checks (:class:`~.head_guards.PackedLayoutGuard`).
+    ``kv_heads``: 0 for ``heads``."""
     layer = attention.get_submodule(column)
     token = probe_inputs(attention, layer, hidden)
     if token is None:
