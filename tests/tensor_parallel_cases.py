@@ -120,6 +120,19 @@ def stablelm_head_norms() -> nn.Module:
     )
 
 
+def mpt() -> nn.Module:
+    """Hugging Face MPT with ALiBi: ``position_bias`` of ``(heads, 1, keys)``, computed
+    outside the attention, given to each block. 3 heads: as many as the test batch's rows."""
+    import transformers
+
+    config = transformers.MptConfig(
+        vocab_size=VOCAB, d_model=24, n_heads=3, n_layers=2, expansion_ratio=2,
+        max_seq_len=32, resid_pdrop=0.0, emb_pdrop=0.0,
+        attn_config={"attn_pdrop": 0, "alibi": True}, **PLAIN,
+    )  # fmt: skip
+    return transformers.MptForCausalLM(config)
+
+
 def codegen() -> nn.Module:
     """Hugging Face CodeGen: its qkv_proj packs four blocks of heads (``mp_num``), each its
     heads' query, value and key, which its forward reads by reshaping to ``(..., 4, -1)``."""
@@ -1212,6 +1225,7 @@ def architectures(group: Any) -> dict[str, Any]:
             ("bloom", bloom),
             ("t5", T5LM),
             ("bigcode", bigcode),
+            ("mpt", mpt),
         ),
     )
 

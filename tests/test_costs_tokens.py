@@ -985,3 +985,47 @@ def test_an_encoder_decoder_is_costed_by_the_blocks_a_plan_cuts() -> None:
     assert pipelines and all(len(r["stages"]) == 2 for doc in pipelines for r in doc["replicas"]), (
         pipelines
     )
+
+
+def _bart() -> nn.Module:
+    import transformers
+
+    config = transformers.BartConfig(
+        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, max_position_embeddings=32, pad_token_id=0, bos_token_id=0,
+        eos_token_id=0, decoder_start_token_id=0, forced_eos_token_id=None,
+    )  # fmt: skip
+    return transformers.BartForConditionalGeneration(config)
+
+
+def _gemma3() -> nn.Module:
+    import transformers
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=4,
+        query_pre_attn_scalar=8, max_position_embeddings=32,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
+    )  # fmt: skip
+    return transformers.Gemma3ForCausalLM(config)
+
+
+@pytest.mark.parametrize("make", [_bart, _gemma3], ids=["bart", "gemma3"])
+def test_a_model_on_the_meta_device_is_probed_on_the_cpu_where_its_forward_wants_values(
+    make: Any,
+) -> None:
+    # Hugging Face's sdpa masks read a value (padding_mask.all()), so the probe of the code
+    # between blocks runs on the CPU; there it read tensors the model holds outside its blocks
+    # (BART's final_logits_bias, Gemma 3's rotary inv_freq: one rotary module called for two
+    # kinds of layer, so run between blocks) from the meta device, and the model had no plan
+    # layers ("hetcoll plan: error: ... top-level layers are unknown").
+    with torch.device("meta"):
+        model = make()
+    costs = layer_costs(model, {"input_ids": (8,), "attention_mask": (8,)}, dtype=torch.int64)
+    assert costs.plan_layers_note == ""
+    assert list(costs.plan_layers) == [n for n, _ in model_layers(model)]
+    assert {t.device.type for t in (*model.parameters(), *model.buffers())} == {"meta"}
+    # The blocks a plan counts are the runtime's, the model built for real: in call order
+    # (BART's layernorm_embedding, registered after its layers, runs before them).
+    assert costs.plan_layers == tuple(n for n, _ in model_layers(make()))

@@ -124,6 +124,9 @@ def test_gloo_architectures_split_by_heads_equal_unsplit():
     assert r["t5_gathers"] == [] and r["t5_split"] == 2 * 6 + 2 * 10
     # GPT-BigCode's (StarCoder's) packed with the queries in c_attn, read after an unsqueeze.
     assert r["bigcode_gathers"] == [] and r["bigcode_split"] == 2 * 4
+    # MPT's ALiBi (heads x 1 x keys, computed outside the attention, as many heads as the
+    # batch's rows) is cut to each rank's heads.
+    assert r["mpt_gathers"] == [] and r["mpt_split"] == 2 * 4
 
 
 @pytest.mark.multiproc

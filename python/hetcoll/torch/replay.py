@@ -255,6 +255,42 @@ def routed(model: nn.Module, blocks: Sequence[str], route: Callable[..., Any]) -
             del m.forward
 
 
+@contextmanager
+def zeros_outside_blocks(
+    model: nn.Module, blocks: Sequence[nn.Module], device: torch.device
+) -> Iterator[None]:
+    """For a :func:`probe` on ``device`` of a ``model`` built on the meta device: what the code
+    between blocks may read for real (every buffer: a rotary embedding's ``inv_freq``, run
+    between blocks where the forward calls it at several places; and the parameters no block
+    holds: BART's ``final_logits_bias``) as zeros on ``device`` meanwhile, the model's own
+    tensors back after. The blocks themselves run as meta copies. Nothing changes on the meta
+    device, or for a model whose tensors have storage."""
+    if device.type == "meta":
+        yield
+        return
+    held = {id(p) for b in blocks for p in b.parameters()}
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    zeros: dict[int, torch.Tensor] = {}  # one stand-in for a tensor registered twice
+    for module in model.modules():
+        stores: tuple[dict[str, Any], dict[str, Any]] = (module._parameters, module._buffers)
+        for store in stores:
+            for name, t in store.items():
+                if t is None or not t.is_meta or (store is module._parameters and id(t) in held):
+                    continue
+                if id(t) not in zeros:
+                    z = torch.zeros(t.shape, dtype=t.dtype, device=device)
+                    zeros[id(t)] = (
+                        nn.Parameter(z, t.requires_grad) if store is module._parameters else z
+                    )
+                swapped.append((store, name, t))
+                store[name] = zeros[id(t)]
+    try:
+        yield
+    finally:
+        for kept, name, t in swapped:
+            kept[name] = t
+
+
 def probe(
     model: nn.Module, blocks: Sequence[str], meta_blocks: Sequence[nn.Module], inputs: Any
 ) -> Flow:

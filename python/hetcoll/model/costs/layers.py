@@ -341,7 +341,7 @@ def _with_blocks(
     embeddings), which every stage recomputes. Stages are whole blocks on one rank each
     (``plan_cut = "blocks"``: no filter split of a transformer block is costed)."""
 
-    from hetcoll.torch.replay import meta_copy, probe, stage_roles
+    from hetcoll.torch.replay import meta_copy, probe, stage_roles, zeros_outside_blocks
 
     names = [n for n, _ in blocks]
     index = {n: i for i, n in enumerate(names)}
@@ -363,8 +363,10 @@ def _with_blocks(
         # zeros on the CPU (valid token ids and positions).
         for device in ("meta", "cpu"):
             args, kwargs = example_batch(costs.inputs, _TRACE_BATCH, device)
+            meta_blocks = [meta_copy(m) for _, m in blocks]
             try:
-                flow = probe(model, names, [meta_copy(m) for _, m in blocks], kwargs or args[0])
+                with zeros_outside_blocks(model, [m for _, m in blocks], torch.device(device)):
+                    flow = probe(model, names, meta_blocks, kwargs or args[0])
                 break
             except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError) as e:
                 errors.append(f"{device}: {type(e).__name__}: {e}")

@@ -304,8 +304,9 @@ class KeyValueOfHeads:
 
 class PerHeadInputs:
     """An attention's inputs that count every head of the unsplit attention, cut to the rank's
-    heads before each forward: a tensor of ``batch x heads`` rows (BLOOM's ``alibi``, 3-D) or
-    a 4-D one of ``(batch, heads, ...)`` (a bias per head). One that needs a gradient (a
+    heads before each forward: a tensor of ``batch x heads`` rows (BLOOM's ``alibi``, 3-D), a
+    3-D one of ``(heads, ...)`` (MPT's ``position_bias``, the batch's rows alike) or a 4-D one
+    of ``(batch, heads, ...)`` (a bias per head). One that needs a gradient (a
     learned bias) would need its other heads' gradients from the other ranks: it raises
     ``ValueError`` naming the attention and the input, on every rank alike (the ranks agree on
     the model's input shapes first), before any reduction of the block; except where it comes
@@ -325,7 +326,13 @@ class PerHeadInputs:
     def _cut_one(self, t: torch.Tensor, batch: int, what: str) -> torch.Tensor | None:
         h = self.heads
         rows = t.dim() == 3 and t.shape[0] == batch * h
-        if not rows and not (t.dim() == 4 and t.shape[1] == h):
+        # MPT's position_bias: (heads, 1, keys), for every row of the batch alike. Where the
+        # batch has as many rows as there are heads, only its name tells it from a tensor of
+        # rows (Llama's rotary cos and sin: (batch, tokens, head_dim)).
+        heads_first = (
+            t.dim() == 3 and t.shape[0] == h and (batch != h or "bias" in what or "alibi" in what)
+        )
+        if not rows and not heads_first and not (t.dim() == 4 and t.shape[1] == h):
             return None
         if t.requires_grad and not self.ts.heads_with:
             raise ValueError(
@@ -337,6 +344,8 @@ class PerHeadInputs:
         if rows:
             per_head = t.reshape(batch, h, *t.shape[1:])[:, self.lo : self.hi]
             return per_head.reshape(batch * (self.hi - self.lo), *t.shape[1:])
+        if heads_first:
+            return t[self.lo : self.hi]
         return t[:, self.lo : self.hi]
 
     def cut(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
