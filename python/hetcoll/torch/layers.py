@@ -38,7 +38,7 @@ from typing import Any, Literal
 import torch
 from torch import fx, nn
 
-from hetcoll.torch.replay import meta_copy, probe, zeros_outside_blocks
+from hetcoll.torch.replay import probe_first_that_runs
 
 __all__ = ["Call", "ModelCut", "model_cut", "model_layers"]
 
@@ -188,19 +188,12 @@ def _in_call_order(
     if any(v.is_meta for v in example.values()):
         # A model built on the meta device makes its example there, where a forward that
         # reads a value (Hugging Face's sdpa masks: padding_mask.all()) fails: then ones of
-        # its shapes on the CPU (valid token ids, a mask attending everywhere), the model's
-        # tensors outside its blocks read there as zeros.
+        # its shapes on the CPU (valid token ids, a mask attending everywhere).
         examples.append({k: torch.ones(v.shape, dtype=v.dtype) for k, v in example.items()})
-    order = None
-    for inputs in examples:
-        device = next(iter(inputs.values())).device
-        try:
-            with torch.no_grad(), zeros_outside_blocks(model, [m for _, m in blocks], device):
-                order = probe(model, names, [meta_copy(m) for _, m in blocks], inputs).order
-            break
-        except Exception:  # its example does not run: keep the registration order
-            continue
-    if order is None:
+    try:
+        with torch.no_grad():
+            order = probe_first_that_runs(model, blocks, examples).order
+    except Exception:  # its example does not run: keep the registration order
         return blocks
     called = {names[k]: i for i, k in enumerate(order)}
     at = {n: i for i, (n, _) in enumerate(blocks)}

@@ -55,10 +55,12 @@ __all__ = [
     "call_model",
     "meta_copy",
     "probe",
+    "probe_first_that_runs",
     "replay",
     "routed",
     "stage_roles",
     "wants_values",
+    "zeros_outside_blocks",
 ]
 
 
@@ -313,6 +315,31 @@ class _CalledAgain(Exception):
     def __init__(self, block: int):
         super().__init__()
         self.block = block
+
+
+def probe_first_that_runs(
+    model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], attempts: Sequence[Any]
+) -> Flow:
+    """:func:`probe` of ``model`` cut into ``blocks`` (path, module), on each of ``attempts``
+    (the forward's inputs, a tensor or a dict of keyword inputs) in turn until one runs, on
+    the device of its tensors: the meta device first (no memory), then the CPU for a forward
+    that wants values there (Hugging Face's sdpa masks read ``padding_mask.all()``), where a
+    model built on the meta device reads its tensors outside the blocks as zeros
+    (:func:`zeros_outside_blocks`). The blocks' meta copies are made once for all attempts.
+    ``ValueError`` saying why each failed where none runs."""
+    names = [n for n, _ in blocks]
+    modules = [m for _, m in blocks]
+    meta_blocks = [meta_copy(m) for m in modules]
+    errors = []
+    for inputs in attempts:
+        leaves = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+        device = leaves[0].device if leaves else torch.device("cpu")
+        try:
+            with zeros_outside_blocks(model, modules, device):
+                return probe(model, names, meta_blocks, inputs)
+        except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError) as e:
+            errors.append(f"{device.type}: {type(e).__name__}: {e}")
+    raise ValueError("; ".join(errors))
 
 
 def _probe(

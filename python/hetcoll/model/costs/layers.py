@@ -341,7 +341,7 @@ def _with_blocks(
     embeddings), which every stage recomputes. Stages are whole blocks on one rank each
     (``plan_cut = "blocks"``: no filter split of a transformer block is costed)."""
 
-    from hetcoll.torch.replay import meta_copy, probe, stage_roles, zeros_outside_blocks
+    from hetcoll.torch.replay import probe_first_that_runs, stage_roles
 
     names = [n for n, _ in blocks]
     index = {n: i for i, n in enumerate(names)}
@@ -354,31 +354,23 @@ def _with_blocks(
                 return i
         return None
 
-    flow = None
-    errors = []
+    # The meta device first (shapes only); a forward that reads its inputs' values gets zeros
+    # on the CPU (valid token ids and positions).
+    attempts = []
+    for device in ("meta", "cpu"):
+        args, kwargs = example_batch(costs.inputs, _TRACE_BATCH, device)
+        attempts.append(kwargs or args[0])
     was_training = model.training
     model.train()
     try:
-        # The meta device first (shapes only); a forward that reads its inputs' values gets
-        # zeros on the CPU (valid token ids and positions).
-        for device in ("meta", "cpu"):
-            args, kwargs = example_batch(costs.inputs, _TRACE_BATCH, device)
-            meta_blocks = [meta_copy(m) for _, m in blocks]
-            try:
-                with zeros_outside_blocks(model, [m for _, m in blocks], torch.device(device)):
-                    flow = probe(model, names, meta_blocks, kwargs or args[0])
-                break
-            except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError) as e:
-                errors.append(f"{device}: {type(e).__name__}: {e}")
-    finally:
-        model.train(was_training)
-    if flow is None:
+        flow = probe_first_that_runs(model, blocks, attempts)
+    except ValueError as e:
         return replace(
             costs,
-            plan_layers_note="the forward does not run with its blocks on the meta device ("
-            + "; ".join(errors)
-            + ")",
+            plan_layers_note=f"the forward does not run with its blocks on the meta device ({e})",
         )
+    finally:
+        model.train(was_training)
     of: list[int] = []
     for layer in costs.layers:
         i = block_of(layer.name)
