@@ -120,6 +120,42 @@ def stablelm_head_norms() -> nn.Module:
     )
 
 
+def _cohere_in_its_dtype() -> None:
+    """Hugging Face's Cohere computes its LayerNorms and its rotary embedding in float32
+    whatever the model's dtype; in these cases (worker processes) both run in the model's
+    dtype, the same formulas, so a float64 split is checked against the unsplit model at
+    1e-10, not at float32's rounding."""
+    import transformers.models.cohere.modeling_cohere as cohere
+
+    def norm(self: Any, x: torch.Tensor) -> torch.Tensor:
+        centred = x - x.mean(-1, keepdim=True)
+        variance = centred.pow(2).mean(-1, keepdim=True)
+        return self.weight * (centred * torch.rsqrt(variance + self.variance_epsilon))
+
+    def rotary(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: int = 1) -> Any:
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        turn = cohere.rotate_half
+        return q * cos + turn(q) * sin, k * cos + turn(k) * sin
+
+    cohere.CohereLayerNorm.forward = norm
+    cohere.apply_rotary_pos_emb = rotary
+
+
+def cohere(kv_heads: int = 2) -> nn.Module:
+    """Hugging Face Cohere with ``use_qk_norm`` (Command R+'s layout): a LayerNorm weight of
+    a row per query head (``q_norm``, heads x head size) and per key/value head (``k_norm``),
+    random so that a rank meeting another head's row would show; 2 key/value groups (by group
+    on 2 ranks, by query head on 3, each query head's key row gathered), or 1 (multi-query:
+    the key's row whole on every rank)."""
+    _cohere_in_its_dtype()
+    model = _hf("CohereForCausalLM", "CohereConfig", use_qk_norm=True, num_key_value_heads=kv_heads)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
 def mpt() -> nn.Module:
     """Hugging Face MPT with ALiBi: ``position_bias`` of ``(heads, 1, keys)``, computed
     outside the attention, given to each block. 3 heads: as many as the test batch's rows."""
@@ -710,6 +746,7 @@ def empty_blocks(group: Any) -> dict[str, list[int]]:
         ("old", old_style_lm),
         ("neox", neox),
         ("t5", T5LM),
+        ("cohere", lambda: cohere(kv_heads=3)),
     )
     for name, make in models:
         split = equals_unsplit(group, make, "adam", steps=2, speeds=speeds)
@@ -917,13 +954,14 @@ def traffic(
             elif holders == [m.get_submodule("o").rank]:
                 cross += (p - 1) * ids.numel() * hidden * 8
     # Multi-query attention's key and value projections, whole on every rank, have their
-    # gradients summed alike.
+    # gradients summed alike, as have Cohere's query and key norms (a row per head).
     # Falcon-7B's packs them with its query heads: the rows every rank holds are summed.
     tables = 0
     for n, m in split.named_modules():
         whole_kv = n.endswith(("k_proj", "v_proj")) and not isinstance(m, FilterParallelLayer)
+        head_rows = n.endswith(("q_norm", "k_norm")) and m.weight.dim() == 2
         summed = []
-        if n.endswith("relative_attention_bias") or whole_kv:
+        if n.endswith("relative_attention_bias") or whole_kv or head_rows:
             summed = [q.numel() for q in m.parameters()]
         elif isinstance(m, FilterParallelLayer) and getattr(m, "whole", ()):
             per_row = m.weight.numel() // m.weight.shape[m.weight_out_dim]
@@ -1226,6 +1264,7 @@ def architectures(group: Any) -> dict[str, Any]:
             ("t5", T5LM),
             ("bigcode", bigcode),
             ("mpt", mpt),
+            ("cohere_mqa", lambda: cohere(kv_heads=1)),
         ),
     )
 
@@ -1242,7 +1281,15 @@ def run_all(group: Any) -> dict[str, Any]:
         traffic(group, make, 24, own=split)
     # Grouped-query attention packed: by group on 2 ranks, by query head on 3.
     out.update(
-        layouts(group, (("phi3", phi3), ("grouped", grouped_lm), ("falcon_gqa", falcon_gqa)))
+        layouts(
+            group,
+            (
+                ("phi3", phi3),
+                ("grouped", grouped_lm),
+                ("falcon_gqa", falcon_gqa),
+                ("cohere", cohere),
+            ),
+        )
     )
     gqa_speeds = GQA_SPEEDS[: wrap(group).size]
     gqa = {}

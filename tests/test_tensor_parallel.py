@@ -57,6 +57,9 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     assert r["phi3_gathers"] == ["lm_head"] and r["phi3_split"] == 2 * 4
     assert r["grouped_gathers"] == ["head"] and r["grouped_split"] == 2 * 2
     assert r["falcon_gqa_gathers"] == [] and r["falcon_gqa_split"] == 2 * 4
+    # Cohere's query and key norms, a row per head (Command R+'s use_qk_norm), read at the
+    # rank's heads: by group on 2 ranks, by query head on 3 (key and value whole).
+    assert r["cohere_gathers"] == [] and r["cohere_split"] == {2: 2 * 7, 3: 2 * 5}[p]
     # Grouped-query attention with 2 groups: by group on 2 ranks at speeds 1 : 0.25 (q_proj's
     # shares in groups), by query head on 3 (shares in heads), its key and value whole.
     assert r["llama_gqa_gathers"] == ["lm_head"]
@@ -75,7 +78,7 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     # Under multi-query attention the slow rank holds no query head, and computes the whole
     # key and value all the same.
     assert r["empty_blocks"] == {
-        "llama": empty, "llama_cached": empty, "llama_mqa": heads, "falcon": heads,
+        "llama": empty, "llama_cached": empty, "cohere": empty, "llama_mqa": heads, "falcon": heads,
         "gpt2": heads, "encoder": heads, "old": heads, "neox": heads, "t5": heads,
     }  # fmt: skip
     assert r["mha_weights"] == 2 and r["sdpa_float32"] == 2
@@ -127,6 +130,8 @@ def test_gloo_architectures_split_by_heads_equal_unsplit():
     # MPT's ALiBi (heads x 1 x keys, computed outside the attention, as many heads as the
     # batch's rows) is cut to each rank's heads.
     assert r["mpt_gathers"] == [] and r["mpt_split"] == 2 * 4
+    # Cohere's key norm under multi-query attention: its one row, whole on every rank.
+    assert r["cohere_mqa_gathers"] == [] and r["cohere_mqa_split"] == 2 * 5
 
 
 @pytest.mark.multiproc
@@ -136,7 +141,9 @@ def test_gloo_four_ranks_where_one_holds_no_heads():
     # hold each block, so its sums are reductions.
     results = _gloo(4, "empty")
     # Multi-query attention splits its 6 query heads as GPT-2's.
+    # Cohere's query and key norm rows: none on the ranks holding no group.
     want = {"llama": [2, 0, 0, 1], "llama_cached": [2, 0, 0, 1], "gpt2": [3, 0, 1, 2]}
+    want["cohere"] = want["llama"]
     heads = {k: [3, 0, 1, 2] for k in ("llama_mqa", "falcon", "encoder", "old", "neox", "t5")}
     assert results == [{**want, **heads}] * 4
 
@@ -314,6 +321,29 @@ def test_a_parameter_of_one_number_per_query_head_is_read_at_the_ranks_heads():
         for variant in (ts, ts.by_head):
             assert variant.head_params == [f"{ts.module}.sinks"]
             assert f"{ts.module}.sinks" in variant.shared and variant.empty_fails == ""
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 6])
+def test_norm_weights_of_a_row_per_head_are_read_at_the_ranks_heads(kv_heads):
+    """Cohere's query and key norms (``use_qk_norm``: a weight row per query head, one per
+    key/value head) no longer keep its attention whole: both are held whole on every rank,
+    their gradients summed, the query norm's rows read at the rank's query heads and the key
+    norm's at its key/value heads (by group, or gathered by query head); under multi-head
+    attention both follow the query heads."""
+    from hetcoll.torch.filters import split_layout
+
+    layout = split_layout(cases.cohere(kv_heads))
+    attentions = [ts for ts in layout.splits if ts.kind == "attention"]
+    assert len(attentions) == 2 and not layout.kept
+    for ts in attentions:
+        q, k = f"{ts.module}.q_norm.weight", f"{ts.module}.k_norm.weight"
+        for variant in (ts, ts.by_head) if ts.by_head else (ts,):
+            assert {q, k} <= set(variant.shared)
+            assert variant.empty_fails == ""  # a rank holding no heads holds no rows
+            if kv_heads == 6:
+                assert variant.head_params == [q, k] and variant.key_params == []
+            else:
+                assert variant.head_params == [q] and variant.key_params == [k]
 
 
 @pytest.mark.parametrize("q_lora", [8, None])

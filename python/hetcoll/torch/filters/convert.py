@@ -762,7 +762,7 @@ def filter_parallel(
             PerHeadInputs(ts, first, counts[comm.rank]).install(module)
             for table in ts.tables:
                 HeadColumns(ts, first, counts[comm.rank]).install(named[table])
-            if ts.head_params:
+            if ts.head_params or ts.key_params:
                 HeadParameters(ts, first, counts[comm.rank]).install(module)
             for name in ts.whole if ts.kv_groups else ():
                 KeyValueOfHeads(ts, first, counts[comm.rank]).install(named[name])

@@ -247,18 +247,35 @@ class HeadColumns:
 
 
 class HeadParameters:
-    """An attention's parameters of one number per query head (:attr:`TensorSplit.head_params`:
-    GPT-OSS's attention sinks), held whole on every rank and seen by its forward at the rank's
-    query heads: for each forward the module holds a slice of each (a view: the rank's
-    gradient is its heads' part, summed over the ranks as every shared parameter's), the whole
-    parameter back after it."""
+    """An attention's parameters of a number or a row per head (:attr:`TensorSplit.head_params`
+    and :attr:`TensorSplit.key_params`: GPT-OSS's attention sinks, Cohere's query and key
+    norms), held whole on every rank and seen by its forward at the heads the rank's module
+    computes: for each forward the module holds the rank's part of each (the gradient of the
+    whole parameter flows through it: the rank's is its heads' part, summed over the ranks as
+    every shared parameter's), the whole parameter back after it.
+
+    A query head's rows are the rank's query heads (a view); a key/value head's are its
+    key/value groups' (a view), or, split by query head (:class:`KeyValueOfHeads`), the key
+    head each of its query heads reads (gathered), or all of them where every rank computes
+    the one key head whole (multi-query attention)."""
 
     def __init__(self, ts: TensorSplit, first: int, count: int) -> None:
         per_unit = ts.width // ts.head_dim if ts.head_dim else 1
-        self.lo, self.hi = first * per_unit, (first + count) * per_unit
+        lo, hi = first * per_unit, (first + count) * per_unit
         prefix = f"{ts.module}." if ts.module else ""
-        self.names = [n.removeprefix(prefix) for n in ts.head_params]
-        self.held: dict[str, Any] = {}
+        self.parts: dict[str, slice | torch.Tensor | None] = {
+            n.removeprefix(prefix): slice(lo, hi) for n in ts.head_params
+        }
+        keys: slice | torch.Tensor | None
+        if ts.kv_groups:
+            per_group = ts.heads() // ts.kv_groups
+            keys = torch.tensor([h // per_group for h in range(lo, hi)], dtype=torch.long)
+        elif ts.by_query_head():
+            keys = None  # the key head every rank holds whole
+        else:
+            keys = slice(first, first + count)
+        self.parts.update({n.removeprefix(prefix): keys for n in ts.key_params})
+        self.held: dict[str, tuple[nn.Module, str, Any]] = {}
 
     def install(self, attention: nn.Module) -> list[Any]:
         return [
@@ -267,13 +284,24 @@ class HeadParameters:
         ]
 
     def enter(self, module: nn.Module, args: Any) -> None:
-        for n in self.names:
-            whole = self.held.setdefault(n, module._parameters[n])
-            module._parameters[n] = whole[self.lo : self.hi]  # type: ignore[assignment,index]
+        for n, part in self.parts.items():
+            if part is None:
+                continue
+            path, _, leaf = n.rpartition(".")
+            owner = module.get_submodule(path) if path else module
+            whole = owner._parameters[leaf]
+            assert whole is not None
+            self.held.setdefault(n, (owner, leaf, whole))
+            if isinstance(part, torch.Tensor):
+                if part.device != whole.device:
+                    part = self.parts[n] = part.to(whole.device)
+                owner._parameters[leaf] = whole.index_select(0, part)  # type: ignore[assignment]
+            else:
+                owner._parameters[leaf] = whole[part]  # type: ignore[assignment]
 
     def leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        for n, whole in self.held.items():
-            module._parameters[n] = whole
+        for owner, leaf, whole in self.held.values():
+            owner._parameters[leaf] = whole
         self.held.clear()
 
 

@@ -229,7 +229,6 @@ def _probe_run(
         for name in ts.tables:
             table = attention.get_submodule(name.removeprefix(prefix))
             handles.append(HeadColumns(ts, 0, 0).install(table))
-        handles += HeadParameters(ts, 0, 0).install(attention)
         for name in ts.whole if ts.kv_groups else ():
             layer = attention.get_submodule(name.removeprefix(prefix))
             handles.append(KeyValueOfHeads(ts, 0, 0).install(layer))
@@ -242,13 +241,20 @@ def _probe_run(
             inputs = PerHeadInputs(ts, 0, 0).cut(attention, *inputs) or inputs
     count = _Count()
     modes = [count, EmptyHeads(ts.packed())] if empty else [count]
+    # The forward is called, not the module (its own hooks would stop the probe): the rank's
+    # rows of its per-head parameters are put in place around it here.
+    rows = HeadParameters(ts, 0, 0) if empty else None
     try:
         with torch.no_grad():
             for mode in modes:
                 mode.__enter__()
+            if rows is not None:
+                rows.enter(attention, ())
             try:
                 attention.forward(*inputs[0], **inputs[1])
             finally:
+                if rows is not None:
+                    rows.leave(attention, (), None)
                 for mode in reversed(modes):
                     mode.__exit__(None, None, None)
     except _Probed:

@@ -37,9 +37,12 @@ class TensorSplit:
     summed over the ranks in the backward. ``head_dim``: an attention's head size.
     ``tables``: its per-head tables, embeddings holding a weight per query head (T5's relative
     position bias): every rank holds them whole (their parameters are in ``shared``) and reads
-    its own heads' columns. ``head_params``: its parameters of one number per query head
-    (GPT-OSS's attention sinks), held whole on every rank (in ``shared``) and read at the rank's
-    heads (:class:`~.head_guards.HeadParameters`). ``heads_with``: the attention whose heads
+    its own heads' columns. ``head_params``: its parameters of a number or a row per query head
+    (GPT-OSS's attention sinks; Cohere's ``q_norm.weight``, heads x head size), held whole on
+    every rank (in ``shared``) and read at the rank's heads
+    (:class:`~.head_guards.HeadParameters`); ``key_params``: those of a row per key/value head
+    (Cohere's ``k_norm.weight``), read at the key/value heads the rank's module computes.
+    ``heads_with``: the attention whose heads
     this one must hold alike, where one of its class holds a per-head table and hands what it
     computes to the others (T5's position bias, one per stack); "" for none. ``whole``: its
     projections every rank holds and runs whole, reading the block's input: multi-query
@@ -79,6 +82,7 @@ class TensorSplit:
     empty_fails: str = ""
     tables: list[str] = field(default_factory=list)
     head_params: list[str] = field(default_factory=list)
+    key_params: list[str] = field(default_factory=list)
     heads_with: str = ""
     whole: list[str] = field(default_factory=list)
     whole_features: dict[str, tuple[int, ...]] = field(default_factory=dict)

@@ -107,6 +107,24 @@ def _per_head_container(m: nn.Module, param: str, heads: Sequence[int]) -> str |
     return None
 
 
+def _head_rows(pn: str, p: torch.Tensor, nq: int, nkv: int, hd: int) -> str | None:
+    """Whether parameter ``pn`` of an attention of ``nq`` query heads (``nkv`` key/value) of
+    ``hd`` features holds a row per head, and of which: ``"query"`` for one row per query head
+    (Cohere's ``q_norm.weight``, ``(heads, head_dim)``, scaling ``(..., heads, head_dim)``),
+    ``"key"`` for one per key/value head (its ``k_norm.weight``); None for neither. Only a
+    child module's parameter (a norm's weight, applied to the heads it is given); where the
+    heads are as many as a head's features, only a norm's, told by its name (a square matrix
+    over the head's features is no row per head)."""
+    parts = pn.split(".")
+    if len(parts) < 2 or p.dim() != 2 or p.shape[1] != hd or nq < 2:
+        return None
+    if p.shape[0] == hd and "norm" not in parts[-2]:
+        return None
+    if p.shape[0] == nq:
+        return "query"
+    return "key" if p.shape[0] == nkv else None
+
+
 def _whole_output_norms(m: nn.Module, columns: list[tuple[str, tuple[int, ...]]]) -> dict[str, str]:
     """The RMS norms of ``m`` over a column's whole output, every head of it together (OLMo 2's
     ``q_norm`` and ``k_norm``), by name, with the column each follows: a child ``<x>_norm``
@@ -192,9 +210,10 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
     # query head (T5's relative position bias: an embedding, one column per head) is read at
     # the rank's heads' columns, as is a vector of one number per query head (GPT-OSS's
     # attention sinks; where the heads are as many as a head's features, told by Hugging
-    # Face's name for them, ``sinks``); each held whole, its gradient summed over the ranks.
-    # One that spans heads otherwise (a norm over all query features) would need a split of
-    # its own.
+    # Face's name for them, ``sinks``) or a row per query or key/value head (Cohere's
+    # ``q_norm`` and ``k_norm``: :func:`_head_rows`); each held whole, its gradient summed
+    # over the ranks. One that spans heads otherwise (a norm over all query features) would
+    # need a split of its own.
     projections = {n for n, _ in projs}
     tables = [
         n
@@ -203,6 +222,7 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
     ]
     shared: list[str] = []
     head_params: list[str] = []
+    key_params: list[str] = []
     norms = _whole_output_norms(m, columns)
     for pn, p in m.named_parameters():
         if pn.split(".", 1)[0] in projections or pn.split(".", 1)[0] in norms:
@@ -217,6 +237,11 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
             )
         if "." not in pn and tuple(p.shape) == (nq,) and nq > 1 and (nq != hd or pn == "sinks"):
             head_params.append(pn)
+            shared.append(pn)
+            continue
+        rows = _head_rows(pn, p, nq, nkv, hd)
+        if rows is not None:
+            (head_params if rows == "query" else key_params).append(pn)
             shared.append(pn)
             continue
         if pn.split(".", 1)[0] not in tables and tuple(p.shape) not in ((hd,), (1,), ()):
@@ -282,6 +307,7 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
             hd,
             tables=[prefix + n for n in tables],
             head_params=[prefix + n for n in head_params],
+            key_params=[prefix + n for n in key_params],
             whole=[prefix + n for n in whole],
             whole_features={prefix + n: f for n, f in (whole_features or {}).items()},
             kv_groups=kv_groups,
