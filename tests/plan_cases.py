@@ -6,13 +6,16 @@ float64 to 1e-10 (relative). Plan shapes: a 4-stage pipeline with uneven stages 
 micro-batches (1F1B), asymmetric replicas (one rank holding the whole model beside a 2-stage
 replica whose second stage is split over two ranks), an idle rank, explicit shares, and
 torchvision's ResNet-18 (traced: its forward calls torch.flatten) as an uneven 2-stage pipeline
-beside a whole-model replica, and a filter-split stage feeding an owners (node-wise) stage. Bad
-input must raise the same error on every rank.
+beside a whole-model replica, a filter-split stage feeding an owners (node-wise) stage, a
+model whose two layers tie a weight (pipelined, and split), and torchvision's Swin with its
+features split (its attentions' functionally read layers whole). Bad input must raise the same
+error on every rank.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import torch
@@ -59,6 +62,34 @@ def densenet() -> nn.Module:
     return torchvision.models.DenseNet(
         growth_rate=4, block_config=(2, 2), num_init_features=8, bn_size=2, num_classes=5
     )
+
+
+def swin() -> nn.Module:
+    """torchvision's Swin Transformer (v1), small: a chain of 6 layers (features, norm,
+    permute, avgpool, flatten, head), its attentions reading their qkv and proj weights
+    themselves (F.linear): a split stage keeps those whole and splits the MLPs."""
+    from torchvision.models import SwinTransformer
+
+    return SwinTransformer(
+        patch_size=[4, 4], embed_dim=12, depths=[2, 2], num_heads=[2, 4], window_size=[2, 2],
+        num_classes=5, stochastic_depth_prob=0.0,
+    )  # fmt: skip
+
+
+class Tied(nn.Module):
+    """A chain of calls whose two layers share one weight (``fc2.weight is fc1.weight``): cut
+    by its blocks, not as a chain, whose stages copy their layers one by one and would part
+    the weight (each trained by its own gradient alone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 8)
+        self.fc2.weight = self.fc1.weight
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
 
 
 def batches(shape: tuple[int, ...], batch: int, steps: int, classes: int = 5) -> list[Any]:
@@ -205,6 +236,34 @@ DENSENET = {
     ],
 }
 
+#: Swin's features split over two ranks (its attentions' layers whole), then the rest.
+SWIN = {
+    "microbatches": 2,
+    "replicas": [
+        {
+            "samples": 5,
+            "stages": [
+                {"ranks": [0, 1], "speeds": [1.0, 0.5], "layers": [0, 1]},
+                {"ranks": [2], "layers": [1, 6]},
+            ],
+        },
+        {"samples": 3, "stages": [{"ranks": [3], "layers": [0, 6]}]},
+    ],
+}
+
+#: The tied weight on two stages of a pipeline (its gradient summed over them) beside a
+#: replica whose one stage is split over two ranks.
+TIED = {
+    "microbatches": 2,
+    "replicas": [
+        {
+            "samples": 6,
+            "stages": [{"ranks": [0], "layers": [0, 1]}, {"ranks": [1], "layers": [1, 3]}],
+        },
+        {"samples": 4, "stages": [{"ranks": [2, 3], "speeds": [1.0, 0.5], "layers": [0, 3]}]},
+    ],
+}
+
 #: A filter-split stage feeding an owners stage (node-wise placement, hetcoll.torch.placement):
 #: both split ranks take the owners' summed input gradient.
 OWNERS_AFTER_SPLIT = {
@@ -306,6 +365,12 @@ def run_all(group: Any) -> dict[str, Any]:
     out["densenet"] = True
     equals_one_process(group, cnn, Plan.from_dict(OWNERS_AFTER_SPLIT), (3, 8, 8))
     out["owners_after_split"] = True
+    equals_one_process(group, Tied, Plan.from_dict(TIED), (8,))
+    out["tied"] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its attentions are left unsplit
+        equals_one_process(group, swin, Plan.from_dict(SWIN), (3, 16, 16), steps=2)
+    out["swin"] = True
     out["errors"] = bad_input(group)
     return out
 

@@ -16,6 +16,7 @@ from torch import nn
 from hetcoll import Plan, launch
 from hetcoll.torch.layers import model_cut, model_layers
 from hetcoll.torch.parallel import schedule_order
+from hetcoll.torch.replay import probe_first_that_runs
 
 HERE = Path(__file__).resolve().parent
 EXPECTED = {
@@ -25,6 +26,8 @@ EXPECTED = {
     "resnet18": True,
     "densenet": True,
     "owners_after_split": True,
+    "tied": True,
+    "swin": True,
     "errors": 5,
 }
 
@@ -208,6 +211,17 @@ def test_schedules_run_every_micro_batch_once_in_dependency_order():
                         assert peak <= max(1, stages - s)
 
 
+class Twice(nn.Module):
+    """One module called twice in a chain of calls."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(torch.relu(self.layer(x)))
+
+
 def test_model_layers_of_real_models():
     names = [n for n, _ in model_layers(torchvision.models.resnet18())]
     assert names == [
@@ -250,6 +264,18 @@ def test_model_layers_of_real_models():
             return self.b(self.a(x)) + x
 
     assert model_cut(Residual()).kind == "blocks"
+    # A chain of calls sharing a module or a weight is cut by its blocks (a chain's stages
+    # copy their layers one by one, which would part them), where a block called twice
+    # raises when the plan runs it; an nn.Sequential holding one module twice lists it twice.
+    tied = plan_cases.Tied()
+    assert model_cut(tied).kind == "blocks"
+    assert [n for n, _ in model_layers(tied)] == ["fc1", "fc2", "head"]
+    same = nn.Linear(4, 4)
+    for twice in (nn.Sequential(same, nn.ReLU(), same), Twice(same)):
+        cut = model_cut(twice)
+        assert cut.kind == "blocks"
+        with pytest.raises(ValueError, match="is called more than once per forward"):
+            probe_first_that_runs(twice, cut.layers, [torch.zeros(2, 4)])
     assert [n for n, _ in model_layers(Residual())] == ["a", "b"]
     with pytest.raises(TypeError, match=r"model: must be a torch\.nn\.Module"):
         model_layers("resnet")

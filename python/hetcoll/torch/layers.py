@@ -122,11 +122,13 @@ def model_cut(model: nn.Module) -> ModelCut:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     if _is_plain_sequential(model):
-        chain = list(model.named_children())
+        # Its calls, one per entry: named_children() would list a module held twice once.
+        chain = [(n, m) for n, m in model._modules.items() if m is not None]
         if not chain:
             raise ValueError("model: an empty nn.Sequential has no layers")
-        return ModelCut("chain", chain)
-    if not any(isinstance(m, nn.ModuleList | nn.ModuleDict) for m in model.modules()):
+        if _shared_between(chain) is None:
+            return ModelCut("chain", chain)
+    elif not any(isinstance(m, nn.ModuleList | nn.ModuleDict) for m in model.modules()):
         try:
             return ModelCut("chain", _chain(model))
         except ValueError:
@@ -257,4 +259,25 @@ def _chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
         prev = node
     if not layers:
         raise ValueError(f"model: {type(model).__name__} has no layers")
+    shared = _shared_between(layers)
+    if shared is not None:
+        raise ValueError(f"model: {type(model).__name__} {shared}, so it is no chain of layers")
     return layers
+
+
+def _shared_between(layers: list[tuple[str, nn.Module]]) -> str | None:
+    """What two of a chain's ``layers`` share, or None: the same module called twice, or a
+    parameter or buffer held by two (tied weights). A chain's stages copy their layers one by
+    one, which would part them, so such a model is cut by its blocks (whose runtime keeps a
+    tied weight one and sums its gradients, and refuses a block called twice)."""
+    owner: dict[int, str] = {}
+    for name, m in layers:
+        if id(m) in owner:
+            return f"calls {owner[id(m)]!r} again as {name!r}"
+        owner[id(m)] = name
+    held: dict[int, str] = {}
+    for name, m in layers:
+        for t in (*m.parameters(), *m.buffers()):
+            if held.setdefault(id(t), name) != name:
+                return f"ties a tensor of {held[id(t)]!r} to {name!r}"
+    return None

@@ -51,6 +51,7 @@ from hetcoll.torch.expert_parallel import (
 from hetcoll.torch.filters import (
     filter_parallel,
     filter_shares,
+    split_layout,
 )
 from hetcoll.torch.filters.chains import choose_layers
 from hetcoll.torch.layers import model_cut
@@ -1189,8 +1190,12 @@ def _stage_split(
         else:
             speeds = list(stage.speeds) if stage.speeds is not None else [1.0] * p
             # Every splittable layer of the stage, named: the plan splits them all, so one too
-            # thin for the stage's ranks is an error here, not a layer left whole.
+            # thin for the stage's ranks is an error here, not a layer left whole. Those whose
+            # parameters the forward reads itself (Swin's attention: F.linear(x, qkv.weight))
+            # stay whole, as filter_parallel keeps them and the planner prices them.
             chosen = choose_layers(module, None, dict(module.named_modules()), warn=False)
+            direct = set(split_layout(module, chosen).read_directly)
+            chosen = [n for n in chosen if n not in direct]
             shares_of = filter_shares(module, size=p, speeds=speeds, layers=chosen)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
