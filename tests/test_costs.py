@@ -298,6 +298,62 @@ def test_a_leaf_returning_a_tuple_is_costed_from_its_ops() -> None:
     assert lstm.out_bytes_per_sample == 5 * 16 * 4  # the output sequence, not the state
 
 
+class _Stores(nn.Module):
+    """Keeps what its forward computed in a plain attribute, as RAFT's correlation block
+    keeps its pyramid: after a count on meta tensors, a tensor with a graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.kept = [torch.zeros(1)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.kept = [self.fc(x)]
+        return self.kept[0] * 2
+
+
+def test_tensors_a_forward_stores_on_the_model_are_set_back_after_counting() -> None:
+    # Before: the count left meta tensors with a graph on the user's model, and the costs'
+    # block mapping then failed to copy it (deepcopy of a non-leaf tensor); torchvision's
+    # RAFT raised so from `hetcoll model costs` and `hetcoll plan`.
+    model = _Stores()
+    kept = model.kept
+    costs = layer_costs(model, (8,))
+    assert model.kept is kept and kept[0].device.type == "cpu"
+    assert costs.forward_flops(1) == 2 * 8 * 8
+    import torchvision
+
+    raft = torchvision.models.optical_flow.raft_small()
+    pyramid = raft.corr_block.corr_pyramid
+    costs = layer_costs(raft, {"image1": (3, 128, 128), "image2": (3, 128, 128)})
+    assert raft.corr_block.corr_pyramid is pyramid and costs.forward_flops(1) > 0
+
+
+class _Frames(nn.Module):
+    """A CNN run on every frame of a clip, the frames folded into the batch it sees: one
+    sample's input to the conv is (frames, channels, height, width)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t = x.shape[:2]
+        f = self.conv(x.flatten(0, 1)).mean((2, 3))
+        return self.fc(f.view(b, t, -1).mean(1))
+
+
+def test_a_conv_seeing_frames_folded_into_its_batch_is_costed_per_frame() -> None:
+    # Before: the formula read a sample's first dimension (the 8 frames) as the channels,
+    # 2.7x the forward FLOPs (torchvision's MViT folds heads so, its pooling convs' 0).
+    model = _Frames()
+    costs = layer_costs(model, (8, 3, 16, 16))
+    fwd, bwd = _meta_flops(model, (8, 3, 16, 16), batch=2)
+    assert costs.forward_flops(2) == fwd and costs.backward_flops(2) == bwd
+    assert not costs.notes
+
+
 class _MaskOnTheCpu(nn.Module):
     """Makes a tensor of its own in its forward without ``device=`` (as a causal mask is
     often built): it lands on the CPU, beside the meta tensors the costs run on."""

@@ -38,7 +38,7 @@ from typing import Any, Literal
 import torch
 from torch import fx, nn
 
-from hetcoll.torch.replay import probe_first_that_runs
+from hetcoll.torch.replay import probe_first_that_runs, tensor_attributes_kept
 
 __all__ = ["Call", "ModelCut", "model_cut", "model_layers"]
 
@@ -205,7 +205,8 @@ def _in_call_order(
 def _chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """A model's top-level calls, if its traced graph is a chain of one-tensor calls."""
     try:
-        graph = _TopLevel().trace(model)
+        with tensor_attributes_kept(model):  # a forward storing what it computed
+            graph = _TopLevel().trace(model)
     except Exception as e:  # any tracing failure gets the same advice
         raise ValueError(
             f"model: {type(model).__name__} could not be traced into a chain of layers "

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
@@ -59,6 +59,7 @@ __all__ = [
     "replay",
     "routed",
     "stage_roles",
+    "tensor_attributes_kept",
     "wants_values",
     "zeros_outside_blocks",
 ]
@@ -66,7 +67,9 @@ __all__ = [
 
 def meta_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers live on the meta device (shapes and
-    dtypes only), made without copying any data; ties between parameters are kept."""
+    dtypes only), made without copying any data; ties between parameters are kept. Tensors a
+    module holds as plain attributes (what a forward stored there: RAFT's ``corr_pyramid``,
+    which deepcopy cannot copy where autograd made them) are copied alike, without a graph."""
     memo: dict[int, Any] = {}
     for t in (*model.parameters(), *model.buffers()):
         if id(t) not in memo:
@@ -76,7 +79,43 @@ def meta_copy(model: nn.Module) -> nn.Module:
                 if isinstance(t, nn.Parameter)
                 else empty
             )
+    for _, value in _tensor_attributes(model):
+        for t in pytree.tree_leaves(value):
+            if isinstance(t, torch.Tensor) and id(t) not in memo:
+                memo[id(t)] = torch.empty_like(t.detach(), device="meta")
     return copy.deepcopy(model, memo)
+
+
+def _holds_tensors(value: Any) -> bool:
+    return any(isinstance(t, torch.Tensor | fx.Proxy) for t in pytree.tree_leaves(value))
+
+
+def _attributes(model: nn.Module) -> dict[tuple[nn.Module, str], Any]:
+    """The plain attributes of ``model``'s modules (not parameters, buffers or submodules),
+    by (module, name), with their values."""
+    return {(m, k): v for m in model.modules() for k, v in vars(m).items() if k[0] != "_"}
+
+
+def _tensor_attributes(model: nn.Module) -> list[tuple[tuple[nn.Module, str], Any]]:
+    """Those of :func:`_attributes` that hold tensors."""
+    return [(at, v) for at, v in _attributes(model).items() if _holds_tensors(v)]
+
+
+@contextmanager
+def tensor_attributes_kept(model: nn.Module) -> Iterator[None]:
+    """Inside, ``model``'s forward may store tensors (or a trace's proxies) in its modules'
+    plain attributes (RAFT's ``corr_block.corr_pyramid``); after, those attributes are as they
+    were (set back, or removed where they were not there): a probe, a trace or a count of the
+    forward, on meta tensors or zeros, leaves the user's model holding none of them."""
+    before = _attributes(model)
+    try:
+        yield
+    finally:
+        for (m, k), v in _tensor_attributes(model):
+            if (m, k) not in before:
+                delattr(m, k)
+            elif before[m, k] is not v:
+                setattr(m, k, before[m, k])
 
 
 def call_model(model: nn.Module, inputs: Any) -> Any:
@@ -335,7 +374,7 @@ def probe_first_that_runs(
         leaves = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
         device = leaves[0].device if leaves else torch.device("cpu")
         try:
-            with zeros_outside_blocks(model, modules, device):
+            with zeros_outside_blocks(model, modules, device), tensor_attributes_kept(model):
                 return probe(model, names, meta_blocks, inputs)
         except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError) as e:
             errors.append(f"{device.type}: {type(e).__name__}: {e}")

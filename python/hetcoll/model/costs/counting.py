@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hetcoll.model.costs.records import _COUNT_BATCH, LOSS_LAYER, Kernel, ModelInput
-from hetcoll.torch.replay import wants_values
+from hetcoll.torch.replay import tensor_attributes_kept, wants_values
 
 # Ops that allocate or alias without moving data, and ops that only write their output.
 _NO_BYTES = frozenset(
@@ -549,7 +549,7 @@ def _count(
     was_training = model.training
     model.train()
     try:
-        with counter:
+        with counter, tensor_attributes_kept(model):
             y = functional_call(model, state, args, kwargs)
             counter.finish_forward()
             if loss is not None:

@@ -38,13 +38,17 @@ def _conv_kernels(
     item: int,
     im2col: bool,
 ) -> tuple[list[Kernel], list[Kernel]]:
-    """GEMM forward; weight-gradient GEMM and input-gradient GEMM backward, per sample. With
+    """GEMM forward; weight-gradient GEMM and input-gradient GEMM backward, per sample (of
+    ``in_shape`` in, ``out_shape`` out, whatever leads the channels). With
     ``im2col`` the column matrix is materialised (im2col before the forward GEMM, col2im after
     the input-gradient GEMM) as in PyDTNN's ``Conv2D``; without, the convolution is an implicit
     GEMM (oneDNN, cuDNN) that never writes it."""
     g = mod.groups
-    c_in, spatial_in = in_shape[0], _numel(in_shape[1:])
-    c_out, spatial_out = out_shape[0], _numel(out_shape[1:])
+    # The channels are the layer's own: a sample's shape may lead with more than them (a
+    # clip's frames or a block's heads folded into the batch the layer sees: (frames, C, H,
+    # W)), each a position more of the GEMM (the caller checks the sizes divide).
+    c_in, c_out = mod.in_channels, mod.out_channels
+    spatial_in, spatial_out = _numel(in_shape) // c_in, _numel(out_shape) // c_out
     kk = (c_in // g) * _numel(mod.kernel_size)  # GEMM inner dimension of one group
     m = c_out // g  # filters of one group
     n = spatial_out  # output positions of one sample

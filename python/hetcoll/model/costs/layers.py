@@ -125,10 +125,11 @@ def layer_costs(
             if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and not isinstance(
                 mod, nn.modules.conv._ConvTransposeNd
             ):
-                ks = _conv_kernels(
-                    mod, in_s, out_s, c2.needs_input_grad, item, conv_algorithm == "im2col"
-                )
                 filters, groups = mod.out_channels, mod.groups
+                if in_e % mod.in_channels == 0 and out_e % mod.out_channels == 0:
+                    ks = _conv_kernels(
+                        mod, in_s, out_s, c2.needs_input_grad, item, conv_algorithm == "im2col"
+                    )  # else (a shape the trace could not read per sample): its counted ops
             elif isinstance(mod, nn.Linear) or linear_features(mod) is not None:
                 # nn.Linear and its subclasses; Hugging Face's Conv1D (GPT-2's projections).
                 features = (

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hetcoll.torch.filters.layers import is_conv1d
+from hetcoll.torch.replay import tensor_attributes_kept
 
 #: Modules that act on each channel (or element) on its own, so a channel-split tensor can pass
 #: through them unchanged: nothing needs gathering before them (the filter-parallel pairing rule
@@ -157,7 +158,8 @@ def _traced_chains(module: nn.Module, prefix: str) -> Traced | str:
     from torch import fx
 
     try:
-        graph = fx.Tracer().trace(module)
+        with tensor_attributes_kept(module):  # a forward storing what it computed
+            graph = fx.Tracer().trace(module)
     except Exception as e:  # fx raises many kinds on untraceable code; the reason is reported
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
     named = dict(module.named_modules())

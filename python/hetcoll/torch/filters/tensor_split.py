@@ -28,6 +28,7 @@ from hetcoll.torch.filters.head_probes import (
 )
 from hetcoll.torch.filters.heads import TensorSplit
 from hetcoll.torch.filters.layers import FilterParallelMultiheadAttention
+from hetcoll.torch.replay import tensor_attributes_kept
 
 # The attributes an attention module counts its heads with, where its implementation keeps
 # them (Hugging Face, fairseq-style and timm-style modules): query heads, key/value heads, and
@@ -561,7 +562,8 @@ def block_graph(m: nn.Module, whole: Any = None) -> tuple[Any, dict[str, nn.Modu
         for _ in range(_OPAQUE + 1):
             tracer = Tracer(opaque)
             try:
-                graph = tracer.trace(root)
+                with tensor_attributes_kept(m):  # a forward storing what it computed
+                    graph = tracer.trace(root)
             except Exception:  # fx raises many kinds on untraceable code
                 if not tracer.failed or tracer.failed in opaque:
                     break
