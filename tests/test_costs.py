@@ -6,7 +6,9 @@ cluster TOML, element sizes, and bad precision names."""
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -352,6 +354,29 @@ def test_a_conv_seeing_frames_folded_into_its_batch_is_costed_per_frame() -> Non
     fwd, bwd = _meta_flops(model, (8, 3, 16, 16), batch=2)
     assert costs.forward_flops(2) == fwd and costs.backward_flops(2) == bwd
     assert not costs.notes
+
+
+class _Wrapped(nn.Module):
+    """Attention whose matmuls live in its forward, its output a tensor or held by a
+    ``types.SimpleNamespace`` (as many users' wrappers return)."""
+
+    def __init__(self, wrap: bool) -> None:
+        super().__init__()
+        self.q, self.wrap = nn.Linear(16, 16), wrap
+
+    def forward(self, x: torch.Tensor) -> Any:
+        q = self.q(x)
+        y = torch.softmax(q @ q.transpose(-1, -2), -1) @ q
+        return types.SimpleNamespace(logits=y) if self.wrap else y
+
+
+def test_an_output_outside_pytrees_is_costed_backward_too() -> None:
+    # Before: no tensor found in a SimpleNamespace, no backward run: the forward's own
+    # matmuls and element-wise ops had no backward cost.
+    fwd, bwd = _meta_flops(_Wrapped(False), (8, 16), batch=2)
+    for wrap in (False, True):
+        costs = layer_costs(_Wrapped(wrap), (8, 16))
+        assert costs.forward_flops(2) == fwd and costs.backward_flops(2) == bwd
 
 
 class _MaskOnTheCpu(nn.Module):

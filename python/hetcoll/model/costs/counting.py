@@ -493,6 +493,19 @@ class _Loss(nn.Module):
     """What the loss's ops are attributed to (it owns no parameters)."""
 
 
+def _output_tensors(value: object, depth: int = 3) -> list[torch.Tensor]:
+    """The tensors of a forward's output: its pytree's (tuples, lists, dicts, Hugging Face's
+    ``ModelOutput``), and those an object of another kind holds as attributes
+    (``types.SimpleNamespace(logits=...)``, a user's dataclass), a few levels down."""
+    out = []
+    for leaf in tree_flatten(value)[0]:
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+        elif depth and hasattr(leaf, "__dict__") and not isinstance(leaf, nn.Module | type):
+            out += _output_tensors(dict(vars(leaf)), depth - 1)
+    return out
+
+
 def _loss_value(
     counter: _OpCounter, loss: Callable[[Any], torch.Tensor], y: object
 ) -> torch.Tensor:
@@ -555,9 +568,7 @@ def _count(
             if loss is not None:
                 torch.autograd.backward(_loss_value(counter, loss, y))
             else:
-                outs = [
-                    t for t in tree_flatten(y)[0] if isinstance(t, torch.Tensor) and t.requires_grad
-                ]
+                outs = [t for t in _output_tensors(y) if t.requires_grad]
                 if outs:
                     torch.autograd.backward(outs, [torch.zeros_like(t) for t in outs])
     except _LossError as e:
