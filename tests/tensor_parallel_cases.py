@@ -156,6 +156,21 @@ def cohere(kv_heads: int = 2) -> nn.Module:
     return model
 
 
+def electra() -> nn.Module:
+    """Hugging Face ELECTRA's generator: embeddings narrower than the hidden states, so
+    ``embeddings_project`` (and ``generator_predictions.dense``) are split layers inside the
+    network gathering their outputs, which ``loss_parallel=True`` keeps split until the next
+    layer reads them whole; its head tied to its token embedding."""
+    import transformers
+
+    config = transformers.ElectraConfig(
+        vocab_size=VOCAB, embedding_size=16, hidden_size=24, num_hidden_layers=2,
+        num_attention_heads=6, intermediate_size=40, max_position_embeddings=32,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **PLAIN,
+    )  # fmt: skip
+    return transformers.ElectraForMaskedLM(config)
+
+
 def mpt() -> nn.Module:
     """Hugging Face MPT with ALiBi: ``position_bias`` of ``(heads, 1, keys)``, computed
     outside the attention, given to each block. 3 heads: as many as the test batch's rows."""
@@ -1090,19 +1105,20 @@ def bad_input(group: Any) -> int:
 
 def loss_parallel(group: Any) -> dict[str, Any]:
     """``filter_parallel(..., loss_parallel=True)``: the untied heads of Llama and the encoder
-    LM return their logits split by vocabulary (``SplitOutput``); ``F.cross_entropy`` of them
-    (padded targets ignored; mean, sum and per row) equals the unsplit model's loss, and two
-    Adam steps its gradients and parameters, in float64 to 1e-10, with fewer bytes sent than
-    gathering the logits; any other op gathers them whole. Hugging Face's own loss (labels)
-    upcasts the logits to float32 and agrees to float32 precision. Against a brute-force
-    oracle, random logits split over the ranks (a rank may hold no classes) give
-    ``F.cross_entropy``'s loss and gradient."""
+    LM return their logits split by vocabulary (``SplitOutput``), as do GPT-2's and
+    ELECTRA's tied ones (ELECTRA's split layers inside the network too, read whole by the
+    next); ``F.cross_entropy`` of them (padded targets ignored; mean, sum and per row)
+    equals the unsplit model's loss, and two Adam steps its gradients and parameters, in
+    float64 to 1e-10, with fewer bytes sent than gathering the logits; any other op gathers
+    them whole. Hugging Face's own loss (labels) upcasts the logits to float32 and agrees to
+    float32 precision. Against a brute-force oracle, random logits split over the ranks (a
+    rank may hold no classes) give ``F.cross_entropy``'s loss and gradient."""
     from hetcoll.torch.filters.split_output import SplitOutput
 
     p = wrap(group).size
     comm = wrap(group)
     out: dict[str, Any] = {}
-    models = (("llama", llama), ("encoder", EncoderLM), ("gpt2", gpt2))
+    models = (("llama", llama), ("encoder", EncoderLM), ("gpt2", gpt2), ("electra", electra))
     for name, make in models:
         torch.manual_seed(0)
         ref = make().double()
@@ -1164,8 +1180,8 @@ def loss_parallel(group: Any) -> dict[str, Any]:
             counting.kind = "activations"
             _, loss = loss_of(m, batch(0))
             sent[flag] = counts["activations"]
-        if name == "gpt2":
-            continue  # unsplit without the option, its head gathers nothing
+        if name in ("gpt2", "electra"):
+            continue  # unsplit without the option, its tied head gathers nothing
         assert sent[True] < sent[False], sent
         out[name] = "fewer bytes"  # the same on every rank (what each sends differs)
     # Hugging Face's loss from labels (float32 inside, whatever the logits' dtype).

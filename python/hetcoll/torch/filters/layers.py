@@ -178,6 +178,8 @@ class SharedCopy:
         self._copy: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, SplitOutput):  # as FilterParallelLayer.forward
+            x = x.whole()
         if self._copy is not None and self._input is not None and self._input() is x:
             return self._copy
         y = CopyToRanks.apply(x, self.comm, self.timeout, self, needs_check(self.agreed), self.root)
@@ -355,6 +357,11 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, SplitOutput):
+            # An earlier layer's output kept split (loss_parallel=True on a layer inside the
+            # network, as ELECTRA's embeddings_project): whole before the autograd functions
+            # here, which take a tensor's own shape, the piece's, not the one it reports.
+            x = x.whole()
         if self.input_dims is not None and x.dim() != self.input_dims:
             raise ValueError(
                 f"input: a filter-parallel {type(self).__name__} takes batched {self.input_dims}-D "

@@ -85,12 +85,18 @@ class SplitOutput(torch.Tensor):
             return self.as_subclass(torch.Tensor)
 
     def whole(self) -> torch.Tensor:
-        """The whole tensor, gathered from every rank (every rank must call it)."""
+        """The whole tensor, gathered from every rank (every rank must call it); gathered
+        once, the same tensor for every later use (every rank uses it alike)."""
+        gathered = self.__dict__.get("_gathered")
+        if gathered is not None:
+            return gathered  # type: ignore[no-any-return]
         piece = self.local()
         s = self._split
         s.check("the split output's shape", tuple(self._whole_shape()))
         with torch._C.DisableTorchFunctionSubclass():
-            return GatherChannels.apply(piece, s.comm, s.shares, s.offset, -1, s.timeout)
+            gathered = GatherChannels.apply(piece, s.comm, s.shares, s.offset, -1, s.timeout)
+        self.__dict__["_gathered"] = gathered
+        return gathered  # type: ignore[no-any-return]
 
     def _whole_shape(self) -> torch.Size:
         with torch._C.DisableTorchFunctionSubclass():
