@@ -171,6 +171,19 @@ def electra() -> nn.Module:
     return transformers.ElectraForMaskedLM(config)
 
 
+def mamba() -> nn.Module:
+    """Hugging Face Mamba: no attention; its mixer's forward, which torch.fx cannot trace,
+    reads ``self.dt_proj.weight`` itself (and, on its fused kernels' path, ``x_proj``'s and
+    ``out_proj``'s): those stay whole, its ``in_proj`` splits (gathering its output)."""
+    import transformers
+
+    config = transformers.MambaConfig(
+        vocab_size=VOCAB, hidden_size=24, state_size=8, num_hidden_layers=2, expand=2,
+        conv_kernel=4, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.MambaForCausalLM(config)
+
+
 def mpt() -> nn.Module:
     """Hugging Face MPT with ALiBi: ``position_bias`` of ``(heads, 1, keys)``, computed
     outside the attention, given to each block. 3 heads: as many as the test batch's rows."""
@@ -1281,6 +1294,7 @@ def architectures(group: Any) -> dict[str, Any]:
             ("bigcode", bigcode),
             ("mpt", mpt),
             ("cohere_mqa", lambda: cohere(kv_heads=1)),
+            ("mamba", mamba),
         ),
     )
 

@@ -470,6 +470,24 @@ def test_keyword_inputs_reach_the_forward_by_name(tmp_path: Path) -> None:
     costs = json.loads(run.stdout)
     assert sorted(row["params"] for row in costs["layers"] if row["params"]) == [9, 15]
     assert {x["name"]: x["shape"] for x in costs["inputs"]} == {"right": [2], "left": [4]}
+    # NAME=SHAPE:DTYPE: each input of its own dtype (Whisper's float features beside int64
+    # decoder ids; one --dtype for all failed there).
+    (tmp_path / "mixed_models.py").write_text(
+        "import torch\nfrom torch import nn\n\n\nclass Mixed(nn.Module):\n"
+        "    def __init__(self) -> None:\n"
+        "        super().__init__()\n"
+        "        self.embed = nn.Embedding(10, 4)\n"
+        "        self.a = nn.Linear(4, 4)\n\n"
+        "    def forward(self, features: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:\n"
+        "        return self.a(features) + self.embed(ids)\n"
+    )
+    argv = ("model", "costs", "--model", "mixed_models:Mixed")
+    run = hetcoll(*argv, "--input", "features=3x4:float32,ids=3:int64", "--json", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    inputs = {x["name"]: (x["shape"], x["dtype"]) for x in json.loads(run.stdout)["inputs"]}
+    assert inputs == {"features": ([3, 4], "float32"), "ids": ([3], "int64")}
+    run = hetcoll(*argv, "--input", "features=3x4:float99,ids=3", cwd=tmp_path)
+    assert run.returncode != 0 and "--input: features: dtype" in run.stderr, run.stderr
 
 
 # ------------------------------------------------------------------------- cluster files

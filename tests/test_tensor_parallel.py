@@ -132,6 +132,11 @@ def test_gloo_architectures_split_by_heads_equal_unsplit():
     assert r["mpt_gathers"] == [] and r["mpt_split"] == 2 * 4
     # Cohere's key norm under multi-query attention: its one row, whole on every rank.
     assert r["cohere_mqa_gathers"] == [] and r["cohere_mqa_split"] == 2 * 5
+    # Mamba's mixer, which fx cannot trace, reads dt_proj's weight itself (its fused path
+    # x_proj's and out_proj's too): those stay whole, in_proj splits and gathers (the mixer
+    # crashed on the split weight).
+    mixers = [f"backbone.layers.{k}.mixer.in_proj" for k in range(2)]
+    assert r["mamba_gathers"] == mixers and r["mamba_split"] == 0
 
 
 @pytest.mark.multiproc
@@ -321,6 +326,25 @@ def test_a_parameter_of_one_number_per_query_head_is_read_at_the_ranks_heads():
         for variant in (ts, ts.by_head):
             assert variant.head_params == [f"{ts.module}.sinks"]
             assert f"{ts.module}.sinks" in variant.shared and variant.empty_fails == ""
+
+
+def test_weights_an_untraceable_forward_reads_itself_stay_whole():
+    """Mamba's mixer, which torch.fx cannot trace, computes ``self.dt_proj.weight @ ...``
+    and hands ``x_proj``'s and ``out_proj``'s weights to a fused kernel: its class's code
+    shows it, so those layers stay whole (a split crashed in the scan); BLOOM's weight rows
+    read on its pretraining's tensor-parallel path and T5's dtype checks are no such reads."""
+    from hetcoll.torch.filters import split_layout
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layout = split_layout(cases.mamba())
+    mixers = [f"backbone.layers.{k}.mixer" for k in range(2)]
+    assert layout.read_directly == [
+        f"{m}.{n}" for m in mixers for n in ("x_proj", "dt_proj", "out_proj")
+    ]
+    assert layout.modes == {f"{m}.in_proj": "gather" for m in mixers}
+    for make in (cases.bloom, cases.T5LM):
+        assert split_layout(make()).read_directly == []
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 6])

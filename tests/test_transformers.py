@@ -39,6 +39,7 @@ EXPECTED = {
     "deepseek_pipeline": True,
     "deepseek_three_ranks": True,
     "falcon_hybrid": True,
+    "deberta_pipeline": True,
     "falcon_resumes": True,
     "gpt2_loss_parallel": True,
     "llama_loss_parallel": True,
@@ -100,6 +101,13 @@ def test_blocks_of_hugging_face_and_torch_transformers():
         "embed",
         *[f"encoder.layers.{k}" for k in range(4)],
         "head",
+    ]
+    # DeBERTa's relative position table, which its encoder reads itself, is no block.
+    deberta = [n for n, _ in model_layers(transformer_cases.deberta())]
+    assert deberta == [
+        "deberta.embeddings",
+        *[f"deberta.encoder.layer.{k}" for k in range(4)],
+        "cls",
     ]
     # A model of repeated blocks but nothing else stays whole where a Sequential is a chain.
     assert model_cut(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))).kind == "chain"

@@ -54,21 +54,29 @@ def _costs(args: argparse.Namespace, **kwargs: Any) -> Any:
 
 def input_spec(args: argparse.Namespace) -> Any:
     """``--input`` as ``layer_costs``' ``inputs``: one sample's shape (the forward's one
-    positional input), or ``NAME=SHAPE,NAME=SHAPE`` keyword inputs (``{name: shape}``)."""
+    positional input), or ``NAME=SHAPE,NAME=SHAPE`` keyword inputs (``{name: shape}``), each
+    of ``--dtype`` or of its own, ``NAME=SHAPE:DTYPE`` (``{name: (shape, dtype)}``: Whisper's
+    float features beside its int64 decoder ids)."""
     from hetcoll.model import parse_shape
+    from hetcoll.model.costs.inputs import dtype_of
 
     text = args.input
     if "=" not in text:
         return parse_shape(text)
-    out = {}
+    out: dict[str, Any] = {}
     for part in text.split(","):
-        name, sep, shape = (x.strip() for x in part.partition("="))
+        name, sep, spec = (x.strip() for x in part.partition("="))
         if not sep or not name.isidentifier() or name in out:
             raise ValueError(
-                "--input: keyword inputs are NAME=SHAPE pairs, comma-separated, each name "
-                f"once (input_ids=512,attention_mask=512), got {text!r}"
+                "--input: keyword inputs are NAME=SHAPE (or NAME=SHAPE:DTYPE) pairs, "
+                "comma-separated, each name once (input_ids=512,attention_mask=512, "
+                f"input_features=80x3000:float32,decoder_input_ids=8:int64), got {text!r}"
             )
-        out[name] = parse_shape(shape)
+        shape, colon, dtype = spec.partition(":")
+        try:
+            out[name] = (parse_shape(shape), dtype_of(dtype)) if colon else parse_shape(shape)
+        except ValueError as e:
+            raise ValueError(f"--input: {name}: {e}") from None
     return out
 
 
@@ -86,6 +94,8 @@ def build_model(args: argparse.Namespace) -> Any:
 
     spec = input_spec(args)
     shape = next(iter(spec.values())) if isinstance(spec, dict) else spec
+    if isinstance(shape, tuple) and shape and isinstance(shape[0], tuple):
+        shape = shape[0]  # NAME=SHAPE:DTYPE
     if ":" in args.model and "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # module:attr finds the working directory's modules,
         # as `python -m` does (the `hetcoll` script's own directory comes first otherwise)
@@ -106,7 +116,8 @@ INPUT_HELP = (
     "NAME=SHAPE,...: input_ids=512,attention_mask=512 (a Hugging Face language model given "
     "its attention mask is costed on the meta device in a second; given token ids alone, its "
     "mask code reads their values, and the costs are counted on the CPU, a real run of a "
-    "thousand samples)"
+    "thousand samples); NAME=SHAPE:DTYPE gives one input a dtype of its own "
+    "(input_features=80x3000:float32,decoder_input_ids=8:int64)"
 )
 #: The dtypes ``--dtype`` offers (torch's names).
 INPUT_DTYPES = ("float32", "float64", "bfloat16", "float16", "int64", "int32")

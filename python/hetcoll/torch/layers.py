@@ -30,6 +30,7 @@ stay the original ones.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -178,8 +179,9 @@ def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _in_call_order(
     model: nn.Module, blocks: list[tuple[str, nn.Module]]
 ) -> list[tuple[str, nn.Module]]:
-    """``blocks`` in the order a forward of the model's own example inputs calls them (blocks
-    it does not call last), or as they are when the model brings none."""
+    """``blocks`` in the order a forward of the model's own example inputs calls them (those
+    it does not call last, less those of them holding tensors), or as they are when the model
+    brings none."""
     example = getattr(model, "dummy_inputs", None)
     if not isinstance(example, Mapping) or not all(
         isinstance(v, torch.Tensor) for v in example.values()
@@ -194,12 +196,23 @@ def _in_call_order(
         examples.append({k: torch.ones(v.shape, dtype=v.dtype) for k, v in example.items()})
     try:
         with torch.no_grad():
-            order = probe_first_that_runs(model, blocks, examples).order
+            flow = probe_first_that_runs(model, blocks, examples)
     except Exception:  # its example does not run: keep the registration order
         return blocks
-    called = {names[k]: i for i, k in enumerate(order)}
+    called = {names[k]: i for i, k in enumerate(flow.order)}
+    glue = {names[k] for k in flow.glue}  # called at several places (Gemma 3's rotary)
     at = {n: i for i, (n, _) in enumerate(blocks)}
-    return sorted(blocks, key=lambda b: (called.get(b[0], len(blocks) + at[b[0]]), at[b[0]]))
+
+    # A module the forward never calls but whose tensors it reads (DeBERTa's rel_embeddings,
+    # its weight read by the encoder's own code) is no block: its parameters lie outside
+    # every block, on every stage, as the code between blocks that reads them does. One whose
+    # tensors a called block holds (T5's shared embedding, tied to its stacks') stays, last.
+    def tensors(m: nn.Module) -> set[int]:
+        return {id(t) for t in itertools.chain(m.parameters(), m.buffers())}
+
+    in_called = set().union(*(tensors(m) for n, m in blocks if n in called))
+    kept = [b for b in blocks if b[0] in called or b[0] in glue or not tensors(b[1]) - in_called]
+    return sorted(kept, key=lambda b: (called.get(b[0], len(blocks) + at[b[0]]), at[b[0]]))
 
 
 def _chain(model: nn.Module) -> list[tuple[str, nn.Module]]:

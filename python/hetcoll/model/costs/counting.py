@@ -495,13 +495,15 @@ class _Loss(nn.Module):
 
 def _output_tensors(value: object, depth: int = 3) -> list[torch.Tensor]:
     """The tensors of a forward's output: its pytree's (tuples, lists, dicts, Hugging Face's
-    ``ModelOutput``), and those an object of another kind holds as attributes
-    (``types.SimpleNamespace(logits=...)``, a user's dataclass), a few levels down."""
-    out = []
-    for leaf in tree_flatten(value)[0]:
-        if isinstance(leaf, torch.Tensor):
-            out.append(leaf)
-        elif depth and hasattr(leaf, "__dict__") and not isinstance(leaf, nn.Module | type):
+    ``ModelOutput``); where it has none, those an object of another kind holds as attributes
+    (``types.SimpleNamespace(logits=...)``, a user's dataclass), a few levels down. (Not
+    beside tensors: a key/value cache in a ``ModelOutput`` is no output to start from.)"""
+    leaves = tree_flatten(value)[0]
+    out = [t for t in leaves if isinstance(t, torch.Tensor)]
+    if out or not depth:
+        return out
+    for leaf in leaves:
+        if hasattr(leaf, "__dict__") and not isinstance(leaf, nn.Module | type):
             out += _output_tensors(dict(vars(leaf)), depth - 1)
     return out
 

@@ -6,6 +6,8 @@ types and sizes only, so a model on the meta device works."""
 
 from __future__ import annotations
 
+import inspect
+import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -103,6 +105,8 @@ def _chains(
         return
     if untraced is not None:
         untraced.append(f"{prefix or type(module).__name__} ({traced})")
+    if reads is not None:
+        reads.extend(_source_reads(module, prefix))
     for name, child in module.named_children():
         full = f"{prefix}.{name}" if prefix else name
         yield from _chains(child, full, untraced, traced_cache, reads)
@@ -146,6 +150,36 @@ def _as_module(node: Any, named: dict[str, nn.Module]) -> nn.Module | None:
 
 def _has_state(m: nn.Module) -> bool:
     return any(True for _ in m.parameters()) or any(True for _ in m.buffers())
+
+
+#: ``self.<child>.weight`` (or ``.bias``) in a module's code used whole as a tensor: an operand
+#: of ``@``, or an argument (Mamba's ``self.dt_proj.weight @ time_step``, a fused kernel given
+#: ``self.out_proj.weight``); not read for its metadata (``self.q_proj.weight.dtype``), type
+#: (``isinstance``, dropped first) or rows (BLOOM's ``self.dense.weight[:, ...]``, a path of
+#: its pretraining's tensor parallelism).
+_SOURCE_READ = re.compile(
+    r"self\.(\w+)\.(?:weight|bias)\s*(?=[@,)])|@\s*self\.(\w+)\.(?:weight|bias)\b(?!\s*[.\[])"
+)
+_TYPE_TEST = re.compile(r"isinstance\(\s*self\.\w+\.(?:weight|bias)\s*,")
+
+
+def _source_reads(module: nn.Module, prefix: str) -> list[str]:
+    """The children of ``module`` (a module whose forward torch.fx cannot trace) whose
+    parameters its class's code reads itself (Hugging Face Mamba's ``self.dt_proj.weight @
+    time_step``), by name, as a trace would show them: read off the source of its class's
+    methods (any of them: the forward may call another, a fused kernel's path among them).
+    None where the source cannot be read (an empty list), and none for torch's own modules,
+    whose weights their fast paths read (``nn.MultiheadAttention``'s ``out_proj``,
+    ``nn.TransformerEncoderLayer``'s MLP), which rules of their own split."""
+    if type(module).__module__.split(".")[0] == "torch":
+        return []
+    try:
+        source = inspect.getsource(type(module))
+    except (OSError, TypeError):
+        return []
+    children = dict(module.named_children())
+    found = {a or b for a, b in _SOURCE_READ.findall(_TYPE_TEST.sub("", source))}
+    return [f"{prefix}.{n}" if prefix else n for n in sorted(found) if n in children]
 
 
 def _traced_chains(module: nn.Module, prefix: str) -> Traced | str:
