@@ -184,6 +184,22 @@ def mamba() -> nn.Module:
     return transformers.MambaForCausalLM(config)
 
 
+def dbrx() -> nn.Module:
+    """Hugging Face DBRX: query, key and value packed in three blocks (``Wqkv``, Phi-3's
+    layout, 3 key/value groups of 2 query heads), clamped (``clip_qkv``) before they are cut
+    apart at its ``hidden_size`` (the query heads' width: a rank's own); its experts,
+    stacked in 2-D weights, stay whole."""
+    import transformers
+
+    config = transformers.DbrxConfig(
+        d_model=24, n_heads=6, n_layers=2, max_seq_len=32, vocab_size=VOCAB,
+        attn_config={"kv_n_heads": 3, "clip_qkv": 8.0, "rope_theta": 10000.0},
+        ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2},
+        resid_pdrop=0.0, emb_pdrop=0.0, **PLAIN,
+    )  # fmt: skip
+    return transformers.DbrxForCausalLM(config)
+
+
 def mpt() -> nn.Module:
     """Hugging Face MPT with ALiBi: ``position_bias`` of ``(heads, 1, keys)``, computed
     outside the attention, given to each block. 3 heads: as many as the test batch's rows."""
@@ -1295,6 +1311,7 @@ def architectures(group: Any) -> dict[str, Any]:
             ("mpt", mpt),
             ("cohere_mqa", lambda: cohere(kv_heads=1)),
             ("mamba", mamba),
+            ("dbrx", dbrx),
         ),
     )
 

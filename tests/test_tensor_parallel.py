@@ -137,6 +137,10 @@ def test_gloo_architectures_split_by_heads_equal_unsplit():
     # crashed on the split weight).
     mixers = [f"backbone.layers.{k}.mixer.in_proj" for k in range(2)]
     assert r["mamba_gathers"] == mixers and r["mamba_split"] == 0
+    # DBRX's packed Wqkv, clamped before it is cut at its hidden_size (the rank's query
+    # width), splits by group; its routers gather, its experts (2-D weights) stay whole.
+    routers = [f"transformer.blocks.{k}.ffn.router.layer" for k in range(2)]
+    assert r["dbrx_gathers"] == ["lm_head", *routers] and r["dbrx_split"] == 2 * 2
 
 
 @pytest.mark.multiproc
@@ -642,7 +646,9 @@ def test_multi_query_attention_splits_query_heads_beside_a_whole_key_and_value()
     assert (ts.units, ts.width) == (6, 4) and ts.whole == [] and ts.shared == []
     assert ts.columns == [(attn + "query_key_value", (4, 0, 0))]
     assert ts.whole_features == {attn + "query_key_value": (0, 4, 4)}
-    assert ts.attrs == {"num_heads": 1, "split_size": 4} and ts.empty_fails == ""
+    # Its own hidden_size is its query heads' width: the rank's (DBRX cuts at it).
+    assert ts.attrs == {"num_heads": 1, "split_size": 4, "hidden_size": 4}
+    assert ts.empty_fails == ""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(ValueError, match=r"\[2, 22\] are not whole query heads \(of 4"):

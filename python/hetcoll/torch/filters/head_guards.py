@@ -135,11 +135,19 @@ def packing_read(shape: Sequence[int], packed: int, heads: int, head_dim: int) -
     return "heads" if by_head else "blocks"
 
 
+#: Ops bounding each element by numbers, which keep a packed output's layout as it was.
+_CLAMPS = {
+    torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip, torch.Tensor.clamp_,
+    torch.Tensor.clip_,
+}  # fmt: skip
+
+
 class OpWatch(TorchFunctionMode):
     """Watches the first op a forward applies to one tensor (a packed projection's output,
     given to :meth:`watch` by that layer's forward hook) and hands ``(func, args, kwargs)`` to
     ``decide``, which may raise to stop the forward there. A new dimension before the features
-    (GPT-BigCode's ``c_attn(x).unsqueeze(1)``) is followed: the op after it decides."""
+    (GPT-BigCode's ``c_attn(x).unsqueeze(1)``) and a clamp by numbers (DBRX's ``clip_qkv``) are
+    followed: the op after them decides."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -166,6 +174,12 @@ class OpWatch(TorchFunctionMode):
                 if isinstance(dim, int) and -args[0].dim() - 1 <= dim < args[0].dim():
                     self.watched = func(*args, **kwargs)  # the features still last
                     return self.watched
+            if func in _CLAMPS and all(
+                not isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())
+            ):
+                # Each feature bounded alike (DBRX's clip_qkv): the layout is the next op's.
+                self.watched = func(*args, **kwargs)
+                return self.watched
             self.watched, self.seen = None, True  # the first op decides
             self.decide(func, args, kwargs)
         return func(*args, **kwargs)

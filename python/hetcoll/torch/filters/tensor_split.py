@@ -41,6 +41,11 @@ _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads")
 
 _QUERY_WIDTH = ("split_size", "all_head_size", "inner_dim", "embed_dim")
 
+#: The query heads' width under a name the config gives the model's hidden size: the rank's
+#: own where the attention itself holds it (DBRX's ``self.hidden_size``, where its forward
+#: cuts the packed projection), never in the config's view (every layer's hidden size).
+_OWN_QUERY_WIDTH = ("hidden_size",)
+
 
 _KV_GROUPS = ("num_key_value_groups",)  # query heads per key/value head (Hugging Face's)
 
@@ -286,6 +291,10 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
                     v = getattr(obj, a, None)
                     if isinstance(v, int) and not isinstance(v, bool) and v == total:
                         into[a] = per_unit
+        for a in _OWN_QUERY_WIDTH:
+            v = vars(m).get(a)
+            if isinstance(v, int) and not isinstance(v, bool) and v == width:
+                attrs[a] = per_query * hd
         # A norm of a projection held whole on every rank (a key split by query head) is
         # shared as its projection is; the others split with their projection's output.
         whole_norms = {n for n, c in norms.items() if c in whole}
