@@ -282,41 +282,56 @@ class HeadParameters:
         }
         keys: slice | torch.Tensor | None
         if ts.kv_groups:
-            per_group = ts.heads() // ts.kv_groups
-            keys = torch.tensor([h // per_group for h in range(lo, hi)], dtype=torch.long)
+            keys = torch.tensor(key_heads(ts, first, count), dtype=torch.long)
         elif ts.by_query_head():
             keys = None  # the key head every rank holds whole
         else:
             keys = slice(first, first + count)
         self.parts.update({n.removeprefix(prefix): keys for n in ts.key_params})
-        self.held: dict[str, tuple[nn.Module, str, Any]] = {}
+        #: Each part's holder and parameter name, read off the attention once (:meth:`install`).
+        self.places: list[tuple[nn.Module, str, slice | torch.Tensor]] = []
+        self.held: list[tuple[nn.Module, str, Any]] = []
 
     def install(self, attention: nn.Module) -> list[Any]:
+        self.place(attention)
         return [
             attention.register_forward_pre_hook(self.enter),
             attention.register_forward_hook(self.leave, always_call=True),
         ]
 
-    def enter(self, module: nn.Module, args: Any) -> None:
+    def place(self, attention: nn.Module) -> None:
+        """Find each part's holder in ``attention`` (the rank's parts of a whole-held key are
+        none: left out)."""
+        self.places = []
         for n, part in self.parts.items():
-            if part is None:
-                continue
-            path, _, leaf = n.rpartition(".")
-            owner = module.get_submodule(path) if path else module
+            if part is not None:
+                path, _, leaf = n.rpartition(".")
+                self.places.append((attention.get_submodule(path), leaf, part))
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        for k, (owner, leaf, part) in enumerate(self.places):
             whole = owner._parameters[leaf]
             assert whole is not None
-            self.held.setdefault(n, (owner, leaf, whole))
+            self.held.append((owner, leaf, whole))
             if isinstance(part, torch.Tensor):
                 if part.device != whole.device:
-                    part = self.parts[n] = part.to(whole.device)
+                    part = part.to(whole.device)
+                    self.places[k] = (owner, leaf, part)
                 owner._parameters[leaf] = whole.index_select(0, part)  # type: ignore[assignment]
             else:
                 owner._parameters[leaf] = whole[part]  # type: ignore[assignment]
 
     def leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        for owner, leaf, whole in self.held.values():
+        for owner, leaf, whole in self.held:
             owner._parameters[leaf] = whole
         self.held.clear()
+
+
+def key_heads(ts: TensorSplit, first: int, count: int) -> list[int]:
+    """Grouped-query attention split by query head (:attr:`TensorSplit.kv_groups`): the
+    key/value head each of the query heads ``first .. first + count`` reads, in their order."""
+    per_group = ts.heads() // ts.kv_groups
+    return [h // per_group for h in range(first, first + count)]
 
 
 class KeyValueOfHeads:
@@ -328,10 +343,9 @@ class KeyValueOfHeads:
     gradient of a repeated head adds up through the cut, and the ranks' are summed."""
 
     def __init__(self, ts: TensorSplit, first: int, count: int) -> None:
-        per_group = ts.heads() // ts.kv_groups
         hd = ts.head_dim
         self.index = torch.tensor(
-            [(h // per_group) * hd + j for h in range(first, first + count) for j in range(hd)],
+            [k * hd + j for k in key_heads(ts, first, count) for j in range(hd)],
             dtype=torch.long,
         )
 

@@ -244,6 +244,8 @@ def _probe_run(
     # The forward is called, not the module (its own hooks would stop the probe): the rank's
     # rows of its per-head parameters are put in place around it here.
     rows = HeadParameters(ts, 0, 0) if empty else None
+    if rows is not None:
+        rows.place(attention)
     try:
         with torch.no_grad():
             for mode in modes:
