@@ -188,13 +188,14 @@ def dbrx() -> nn.Module:
     """Hugging Face DBRX: query, key and value packed in three blocks (``Wqkv``, Phi-3's
     layout, 3 key/value groups of 2 query heads), clamped (``clip_qkv``) before they are cut
     apart at its ``hidden_size`` (the query heads' width: a rank's own); its experts,
-    stacked in 2-D weights, stay whole."""
+    stacked in 2-D weights (``mlp.w1``: experts x hidden units by features), split by hidden
+    units (20: not in steps of 8, so by speed)."""
     import transformers
 
     config = transformers.DbrxConfig(
         d_model=24, n_heads=6, n_layers=2, max_seq_len=32, vocab_size=VOCAB,
         attn_config={"kv_n_heads": 3, "clip_qkv": 8.0, "rope_theta": 10000.0},
-        ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2},
+        ffn_config={"ffn_hidden_size": 20, "moe_num_experts": 4, "moe_top_k": 2},
         resid_pdrop=0.0, emb_pdrop=0.0, **PLAIN,
     )  # fmt: skip
     return transformers.DbrxForCausalLM(config)
@@ -1281,12 +1282,17 @@ def loss_parallel(group: Any) -> dict[str, Any]:
 
 def layouts(group: Any, models: Any) -> dict[str, Any]:
     """Each model of ``(name, make)`` pairs split by heads and units equals it unsplit: the
-    layers left gathering (``NAME_gathers``) and the split layers (``NAME_split``), by name."""
+    layers left gathering (``NAME_gathers``) and the split layers (``NAME_split``), by name;
+    the shares of its experts modules split by hidden units (``NAME_experts``), if any."""
     out: dict[str, Any] = {}
     for name, make in models:
-        got = modes(equals_unsplit(group, make, "adam", steps=2))
+        split = equals_unsplit(group, make, "adam", steps=2)
+        got = modes(split)
         out[f"{name}_gathers"] = sorted(n for n, m in got.items() if m == "gather")
         out[f"{name}_split"] = sum(m != "gather" for m in got.values())
+        experts = [m.shares for m in split.modules() if isinstance(m, FilterParallelExperts)]
+        if experts:
+            out[f"{name}_experts"] = experts
     return out
 
 

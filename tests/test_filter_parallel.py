@@ -232,7 +232,7 @@ def test_tied_layers_stay_replicated_or_raise_by_name():
         assert filter_shares(twice, [1.0, 1.0], 2) == {}
     messages = [str(w.message) for w in record]
     assert "'0' (Linear, weight shared with '2': a split would untie them)" in messages[0]
-    assert "no Conv2d (groups=1) or Linear layer it can split" in messages[1]
+    assert "no Conv2d (groups=1) or Linear layer or experts it can split" in messages[1]
 
 
 def test_a_layer_too_small_for_the_ranks_stays_whole_by_default():

@@ -138,9 +138,11 @@ def test_gloo_architectures_split_by_heads_equal_unsplit():
     mixers = [f"backbone.layers.{k}.mixer.in_proj" for k in range(2)]
     assert r["mamba_gathers"] == mixers and r["mamba_split"] == 0
     # DBRX's packed Wqkv, clamped before it is cut at its hidden_size (the rank's query
-    # width), splits by group; its routers gather, its experts (2-D weights) stay whole.
+    # width), splits by group; its routers gather; its experts, stacked in 2-D weights, split
+    # by hidden units (20 of each expert, by speed 1 : 0.5 : 0.25).
     routers = [f"transformer.blocks.{k}.ffn.router.layer" for k in range(2)]
     assert r["dbrx_gathers"] == ["lm_head", *routers] and r["dbrx_split"] == 2 * 2
+    assert r["dbrx_experts"] == [[12, 6, 2]] * 2
 
 
 @pytest.mark.multiproc
@@ -300,6 +302,64 @@ def test_experts_split_where_parts_of_their_hidden_units_add_up():
     assert experts_split("e", odd) == (
         "parts of its hidden units do not add up to its output (a probe forward)"
     )
+
+
+class _Weights(nn.Module):
+    """A module holding weights its parent reads."""
+
+
+class _StackedWeights(nn.Module):
+    """A user's experts stacked in 2-D weights (experts x hidden units by features) in a
+    child, as DBRX's; with ``count`` the parent's attribute its forward views them by."""
+
+    def __init__(self, count: bool) -> None:
+        super().__init__()
+        self.num_experts, self.features = 2, 4
+        if count:
+            self.ffn_hidden_size = 3
+        self.mlp = _Weights()
+        self.mlp.w_in = nn.Parameter(torch.randn(6, 4))
+        self.mlp.w_out = nn.Parameter(torch.randn(6, 4))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):  # type: ignore[no-untyped-def]
+        units = getattr(self, "ffn_hidden_size", 3)
+        w_in = self.mlp.w_in.view(-1, units, self.features)
+        w_out = self.mlp.w_out.view(-1, units, self.features)
+        out = torch.zeros_like(hidden_states)
+        for k in range(top_k_index.shape[1]):
+            e = top_k_index[:, k]
+            h = torch.relu(torch.einsum("tf,tuf->tu", hidden_states, w_in[e]))
+            out = out + top_k_weights[:, k, None] * torch.einsum("tu,tuf->tf", h, w_out[e])
+        return out
+
+
+def test_experts_stacked_in_two_dimensional_weights_split_by_their_count():
+    """DBRX's experts (``mlp.w1``, ``mlp.v1``, ``mlp.w2``: experts x hidden units by features,
+    counted by ``ffn_hidden_size``) split by each expert's hidden units, a run of rows of
+    each expert; the same layout without a count to set is named in a warning and stays
+    whole (it was kept whole silently)."""
+    from hetcoll.torch.filters import experts_layout
+    from hetcoll.torch.filters.experts import ExpertsLayout, experts_split
+
+    dbrx = cases.dbrx().get_submodule("transformer.blocks.0.ffn.experts")
+    layout = experts_layout(dbrx)
+    assert isinstance(layout, ExpertsLayout)
+    four = (0, (1, 1, 1, 1))  # 4 experts of 20 hidden units each
+    assert layout.params == {"mlp.w1": four, "mlp.v1": four, "mlp.w2": four}
+    assert (layout.units, layout.features) == (20, 24)
+    assert layout.counts == ("ffn_hidden_size", "mlp.ffn_hidden_size")
+    split = experts_split("e", dbrx)
+    assert split is not None and not isinstance(split, str) and split.units == 20
+    # A user's own module in that layout: the probe forward checks it.
+    assert isinstance(experts_split("e", _StackedWeights(count=True)), type(split))
+    assert experts_split("e", _StackedWeights(count=False)) == (
+        "its experts' weights ['mlp.w_in', 'mlp.w_out'] are stacked in 2-D, with no attribute "
+        "of its own (intermediate_dim, intermediate_size, expert_dim, ffn_hidden_size) "
+        "counting each expert's 3 hidden units"
+    )
+    with pytest.warns(UserWarning, match=r"left whole on every rank.*stacked in 2-D"):
+        filter_shares(_StackedWeights(count=False), size=2, speeds=[1.0, 1.0])
+    assert filter_shares(_StackedWeights(count=True), size=2, speeds=[1.0, 0.5]) == {"": [2, 1]}
 
 
 class _NormAcrossHeads(nn.Module):

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from hetcoll.torch.filters.experts import experts_layout
 from hetcoll.torch.filters.layers import is_conv1d
 from hetcoll.torch.replay import tensor_attributes_kept
 
@@ -585,10 +586,11 @@ def choose_layers(
                 UserWarning,
                 stacklevel=4,
             )
-        if not chosen and warn:
+        experts = any(experts_layout(m) is not None for m in named.values())
+        if not chosen and not experts and warn:
             warnings.warn(
                 f"filter_parallel: {type(model).__name__} has no Conv2d (groups=1) or Linear "
-                "layer it can split; it runs unchanged on every rank",
+                "layer or experts it can split; it runs unchanged on every rank",
                 UserWarning,
                 stacklevel=4,
             )

@@ -30,7 +30,7 @@ from hetcoll.torch.filters.layers import ChannelSplit, split_runs, take_runs
 _FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
 
 #: Attributes an experts module counts each expert's hidden units with.
-_COUNTS = ("intermediate_dim", "intermediate_size", "expert_dim")
+_COUNTS = ("intermediate_dim", "intermediate_size", "expert_dim", "ffn_hidden_size")
 
 #: Hidden units per share step: Hugging Face's default kernel (``grouped_mm``) needs every
 #: weight's strides in multiples of 16 bytes, 8 units of bf16 / fp16 (4 of float32).
@@ -60,10 +60,10 @@ def experts_layout(m: nn.Module) -> ExpertsLayout | str | None:
     holds none. It reads the flags Hugging Face's ``use_experts_implementation`` sets
     (transposed, interleaved, biased, gated or not) and the parameters' shapes."""
     experts = getattr(m, "num_experts", None)
-    if not isinstance(experts, int) or not any(p.dim() == 3 for p in m.parameters(False)):
-        return None
-    if isinstance(m, FilterParallelExperts):
-        return None  # split already: no unsplit experts to split
+    if isinstance(m, FilterParallelExperts) or not isinstance(experts, int):
+        return None  # split already (no unsplit experts to split), or no experts
+    if not any(p.dim() == 3 for p in m.parameters(False)):
+        return _stacked_layout(m, experts)
     if not all(isinstance(getattr(m, f, None), bool) for f in _FLAGS):
         return (
             "its parameters are not laid out as Hugging Face's use_experts_implementation "
@@ -104,6 +104,47 @@ def experts_layout(m: nn.Module) -> ExpertsLayout | str | None:
     return ExpertsLayout(units, params, counts, bias, features)
 
 
+def _stacked_layout(m: nn.Module, experts: int) -> ExpertsLayout | str | None:
+    """``m`` as experts whose weights a child holds stacked in 2-D, every expert's hidden
+    units one run of rows of each (DBRX's ``mlp.w1``, ``mlp.v1``, ``mlp.w2``: experts x hidden
+    units by features, each viewed as experts x hidden units x features), its count of them
+    an attribute the forward views them by; why not where it holds such weights otherwise;
+    None where it holds none (no parameters of its own, all in children not torch's own
+    layers: a router's weight is its own, an expert's ``nn.Linear`` splits by its rule)."""
+    params = dict(m.named_parameters())
+    if not params or list(m.parameters(False)):
+        return None
+    owners = {n.rpartition(".")[0] for n in params}
+    if any(type(m.get_submodule(o)).__module__.startswith("torch.") for o in owners):
+        return None
+    shapes = {tuple(p.shape) for p in params.values()}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        return None
+    rows, features = next(iter(shapes))
+    if rows % experts or rows == experts:
+        return None
+    units = rows // experts
+    counts = tuple(
+        f"{o}.{a}" if o else a
+        for o in sorted({"", *owners})
+        for a in _COUNTS
+        if getattr(m.get_submodule(o), a, None) == units
+    )
+    if not any("." not in a for a in counts):
+        return (
+            f"its experts' weights {sorted(params)} are stacked in 2-D, with no attribute of "
+            f"its own ({', '.join(_COUNTS)}) counting each expert's {units} hidden units"
+        )
+    spec = (0, (1,) * experts)
+    return ExpertsLayout(units, dict.fromkeys(params, spec), counts, "", features)
+
+
+def _set(module: nn.Module, name: str, value: Any) -> None:
+    """``module``'s attribute ``name`` (dotted: a child's) set to ``value``."""
+    owner, _, leaf = name.rpartition(".")
+    setattr(module.get_submodule(owner) if owner else module, leaf, value)
+
+
 def experts_split(name: str, m: nn.Module) -> TensorSplit | str | None:
     """``m`` (at ``name``) as a split by hidden units (:class:`~.heads.TensorSplit` of kind
     ``"experts"``: its units are :data:`ALIGN` hidden units where each expert's hidden units
@@ -135,7 +176,8 @@ def experts_split(name: str, m: nn.Module) -> TensorSplit | str | None:
         [],
         name,
         shared=[f"{name}.{layout.bias}"] if layout.bias else [],
-        empty_fails="Hugging Face's grouped_mm kernel cannot run on no hidden units",
+        empty_fails="its forward runs on no hidden units in no kernel (Hugging Face's "
+        "grouped_mm, DBRX's view by their count)",
     )
 
 
@@ -151,7 +193,7 @@ def _separable(m: nn.Module, layout: ExpertsLayout) -> str:
     g = torch.Generator().manual_seed(0)
     experts = int(m.num_experts)  # type: ignore[arg-type]
     full: dict[str, torch.Tensor] = {}
-    for n, p in m.named_parameters(recurse=False):
+    for n, p in m.named_parameters():
         shape = list(p.shape)
         if n in layout.params:
             dim, blocks = layout.params[n]
@@ -163,17 +205,17 @@ def _separable(m: nn.Module, layout: ExpertsLayout) -> str:
     weights = torch.rand(tokens, top_k, generator=g)
 
     def run(shares: list[int], rank: int) -> torch.Tensor:
-        c = copy.copy(m)
-        c.__dict__["_parameters"] = {}
+        held = {}
         for n, t in full.items():
             if n in layout.params:
                 dim, blocks = layout.params[n]
                 t = take_runs(t, dim, split_runs(shares, rank, blocks))
             elif n == layout.bias and rank:
                 t = torch.zeros_like(t)
-            c._parameters[n] = nn.Parameter(t.contiguous())
+            held[n] = t.contiguous()
+        c = _holding(m, held)
         for a in layout.counts:
-            c.__dict__[a] = shares[rank]
+            _set(c, a, shares[rank])
         out = type(m).forward(c, x, index, weights)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"its forward returns a {type(out).__name__}, not a tensor")
@@ -188,6 +230,22 @@ def _separable(m: nn.Module, layout: ExpertsLayout) -> str:
     if halves.shape != whole.shape or not torch.allclose(halves, whole, rtol=1e-4, atol=1e-5):
         return "parts of its hidden units do not add up to its output (a probe forward)"
     return ""
+
+
+def _holding(m: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """A shallow copy of ``m`` holding ``tensors`` as its parameters, by name (a child's
+    dotted), its children that hold some copied alike; ``m`` is left as it is."""
+    c = copy.copy(m)
+    c.__dict__["_parameters"] = {n: nn.Parameter(t) for n, t in tensors.items() if "." not in n}
+    c.__dict__["_modules"] = dict(m._modules)
+    nested: dict[str, dict[str, torch.Tensor]] = {}
+    for n, t in tensors.items():
+        if "." in n:
+            first, rest = n.split(".", 1)
+            nested.setdefault(first, {})[rest] = t
+    for first, inner in nested.items():
+        c._modules[first] = _holding(m.get_submodule(first), inner)
+    return c
 
 
 class LocalExperts(nn.Module):
@@ -238,9 +296,9 @@ class FilterParallelExperts(ChannelSplit):
             for n, (dim, blocks) in layout.params.items():
                 p = module.get_parameter(n)
                 local = take_runs(p, dim, split_runs(shares, comm.rank, blocks)).clone()
-                setattr(module, n, nn.Parameter(local, requires_grad=p.requires_grad))
+                _set(module, n, nn.Parameter(local, requires_grad=p.requires_grad))
         for a in layout.counts:
-            setattr(module, a, shares[comm.rank])
+            _set(module, a, shares[comm.rank])
         module.local = LocalExperts()
         module.__class__ = derived_class(FilterParallelExperts, type(module), "FilterParallel")
         split: Any = module
