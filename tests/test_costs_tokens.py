@@ -204,6 +204,40 @@ def test_mixture_of_experts_counts_every_routed_token_whatever_runs_the_experts(
     assert len(set(experts.values())) == 1, experts
 
 
+def _phimoe(implementation: str) -> nn.Module:
+    """Hugging Face PhiMoE from a config: 4 experts, 2 per token, its router sampling the
+    experts at random in training (sparsemixer)."""
+    torch.manual_seed(0)
+    cfg = transformers.PhimoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64,
+        attn_implementation="eager", experts_implementation=implementation,
+    )  # fmt: skip
+    return transformers.PhimoeForCausalLM(cfg)
+
+
+def test_tokens_routed_at_random_cost_bytes_per_sample_not_fixed() -> None:
+    """PhiMoE's router samples its experts at random in training, so the tokens each expert
+    gets in the counting batch are no multiple of its samples: the eager loop's tensors of
+    them were booked as fixed bytes (megabytes paid at every step: PhiMoE's predicted step
+    was about 80x too slow). Their bytes now grow with the batch, as grouped_mm's; what stays
+    fixed is what the weights cost: read forward and backward, and per expert its slice's
+    gradient written into zeros of the whole stacked weight, then added to the gradient (a
+    write and two reads more)."""
+    moved = {}
+    for implementation in ("grouped_mm", "eager"):
+        model = _phimoe(implementation)
+        costs = layer_costs(model, (SEQ,), dtype=torch.int64)
+        own = [x for x in costs.layers if x.name == "model.layers.0.mlp.experts"]
+        kernels = [k for x in own for k in (*x.forward, *x.backward)]
+        weights = sum(p.numel() * 4 for p in model.model.layers[0].mlp.experts.parameters())
+        fixed = sum(k.bytes_fixed for k in kernels)
+        assert fixed <= (2 + 4 * 4) * weights, (implementation, fixed, weights)
+        moved[implementation] = sum(k.bytes_per_sample for k in kernels)
+    assert 0.5 < moved["eager"] / moved["grouped_mm"] < 2, moved
+
+
 def test_elementwise_flops_of_the_norms_by_hand() -> None:
     """Llama's RMSNorm: x.pow(2), .mean(-1), + eps, rsqrt, x * r, weight * x: four ops over the
     S x d elements and two over the S rows. GPT-2's LayerNorm is one fused op: S x d. Attention

@@ -51,6 +51,12 @@ _WRITE_ONLY = frozenset(
     }
 )
 # Ops that only move, select or fill data: no element-wise FLOP (see ``_OpCounter``).
+#: Ops whose output's length is a count of what they find in their input (a mask's true
+#: elements): the tokens routed to an expert, where the input grows with the batch.
+_SELECTS = frozenset(
+    {"nonzero", "argwhere", "masked_select", "_unique2", "unique_dim", "unique_consecutive"}
+)
+
 _MOVES = frozenset(
     {
         "copy_",
@@ -268,6 +274,16 @@ class _OpCounter(TorchDispatchMode):
         self.eager_attention = False
         #: Counted without the attention mask the inputs name (see ``_trace``).
         self.mask_left_out = False
+        #: Sizes the data decides that grow with the batch: the counts of what an op that
+        #: selects elements (:data:`_SELECTS`) found in a tensor that grows with it (the
+        #: tokens routed to an expert by an eager loop over experts), not multiples of the
+        #: counting batch.
+        self.routed_sizes: set[int] = set()
+
+    def grows(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s size grows with the batch: a multiple of the counting batch's
+        samples, or a dimension the data decided (:attr:`routed_sizes`)."""
+        return t.numel() % _COUNT_BATCH == 0 or any(n in self.routed_sizes for n in t.shape)
 
     def enter(self, name: str, module: nn.Module, args: tuple) -> None:
         leaf = not any(True for _ in module.children())
@@ -349,6 +365,11 @@ class _OpCounter(TorchDispatchMode):
                     self.calls[index].params.append(self.param_names[id(t)])
                 self._pending.extend((t, index) for t in outputs)
         name = packet.__name__
+        selects = name in _SELECTS or (
+            name == "index" and any(t.dtype == torch.bool for t in inputs[1:])
+        )
+        if selects and inputs and self.grows(inputs[0]):
+            self.routed_sizes.update(n for t in outputs for n in t.shape[:1] if n > 1)
         if func.is_view or name in _NO_BYTES:
             return out
         if name in _WRITE_ONLY:
@@ -360,7 +381,7 @@ class _OpCounter(TorchDispatchMode):
             moved = [*{id(t): t for t in inputs}.values(), *outputs]
         per_sample = fixed = 0.0
         for t in moved:
-            if t.numel() % _COUNT_BATCH == 0:
+            if self.grows(t):
                 per_sample += _tensor_bytes(t)
             else:
                 fixed += _tensor_bytes(t)
@@ -374,7 +395,7 @@ class _OpCounter(TorchDispatchMode):
         for t in outputs:
             if id(t) not in given:
                 n = _tensor_bytes(t)
-                size = (n / _COUNT_BATCH, 0.0) if t.numel() % _COUNT_BATCH == 0 else (0.0, n)
+                size = (n / _COUNT_BATCH, 0.0) if self.grows(t) else (0.0, n)
                 made[size] = made.get(size, 0) + 1
         formula = flop_registry.get(packet) or _OWN_FLOPS.get(packet)
         flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
@@ -382,18 +403,22 @@ class _OpCounter(TorchDispatchMode):
         if not flops and name not in _MOVES and name not in _WRITE_ONLY:
             # An arithmetic op: one FLOP per element of its largest floating tensor (a
             # reduction reads more than it writes), counted where it grows with the batch.
-            n = max((t.numel() for t in (*inputs, *outputs) if t.is_floating_point()), default=0)
-            if n % _COUNT_BATCH == 0:
-                call.elementwise_flops[1 if backward else 0] += n
+            big = max(
+                (t for t in (*inputs, *outputs) if t.is_floating_point()),
+                key=lambda t: t.numel(),
+                default=None,
+            )
+            if big is not None and self.grows(big):
+                call.elementwise_flops[1 if backward else 0] += big.numel()
         c[0] += flops
         call.launches[1 if backward else 0][0 if flops else 1] += 1
         c[at] += per_sample
         c[at + 1] += fixed
         if not backward:
             # Only tensors that grow with the batch stand for the layer's input and output.
-            if call.first_in_bytes < 0 and inputs and inputs[0].numel() % _COUNT_BATCH == 0:
+            if call.first_in_bytes < 0 and inputs and self.grows(inputs[0]):
                 call.first_in_bytes = _tensor_bytes(inputs[0])
-            if outputs and outputs[0].numel() % _COUNT_BATCH == 0:
+            if outputs and self.grows(outputs[0]):
                 call.last_out_bytes = _tensor_bytes(outputs[0])
         return out
 
