@@ -171,6 +171,20 @@ def electra() -> nn.Module:
     return transformers.ElectraForMaskedLM(config)
 
 
+def albert() -> nn.Module:
+    """Hugging Face ALBERT: one layer shared by its 2 layers (called twice per forward), its
+    attention's output projection followed by a norm of the residual sum inside the
+    attention module (``LayerNorm``: it runs on the whole output, so the heads split)."""
+    import transformers
+
+    config = transformers.AlbertConfig(
+        vocab_size=VOCAB, embedding_size=16, hidden_size=24, num_hidden_layers=2,
+        num_attention_heads=6, intermediate_size=40, max_position_embeddings=32,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **PLAIN,
+    )  # fmt: skip
+    return transformers.AlbertForMaskedLM(config)
+
+
 def mamba() -> nn.Module:
     """Hugging Face Mamba: no attention; its mixer's forward, which torch.fx cannot trace,
     reads ``self.dt_proj.weight`` itself (and, on its fused kernels' path, ``x_proj``'s and
@@ -1318,6 +1332,7 @@ def architectures(group: Any) -> dict[str, Any]:
             ("cohere_mqa", lambda: cohere(kv_heads=1)),
             ("mamba", mamba),
             ("dbrx", dbrx),
+            ("albert", albert),
         ),
     )
 

@@ -143,6 +143,14 @@ def test_gloo_architectures_split_by_heads_equal_unsplit():
     routers = [f"transformer.blocks.{k}.ffn.router.layer" for k in range(2)]
     assert r["dbrx_gathers"] == ["lm_head", *routers] and r["dbrx_split"] == 2 * 2
     assert r["dbrx_experts"] == [[12, 6, 2]] * 2
+    # ALBERT's attention splits by heads though a norm of its residual sum follows the output
+    # projection inside it (that norm runs on the summed output); its one layer, called
+    # once per layer, is split once. Its embeddings' projection and head's dense layer gather.
+    assert r["albert_gathers"] == [
+        "albert.encoder.embedding_hidden_mapping_in",
+        "predictions.dense",
+    ]
+    assert r["albert_split"] == 6
 
 
 @pytest.mark.multiproc

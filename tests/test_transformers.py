@@ -40,6 +40,7 @@ EXPECTED = {
     "deepseek_three_ranks": True,
     "falcon_hybrid": True,
     "deberta_pipeline": True,
+    "albert_hybrid": True,
     "falcon_resumes": True,
     "gpt2_loss_parallel": True,
     "llama_loss_parallel": True,
@@ -109,6 +110,10 @@ def test_blocks_of_hugging_face_and_torch_transformers():
         *[f"deberta.encoder.layer.{k}" for k in range(4)],
         "cls",
     ]
+    # ALBERT's one layer group, called once per layer, cannot be a block: the encoder
+    # around it is one.
+    albert = [n for n, _ in model_layers(transformer_cases.albert())]
+    assert albert == ["albert.embeddings", "albert.encoder", "predictions"]
     # A model of repeated blocks but nothing else stays whole where a Sequential is a chain.
     assert model_cut(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))).kind == "chain"
 

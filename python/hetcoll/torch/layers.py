@@ -22,7 +22,9 @@ Two kinds of models, told apart by :func:`model_cut`:
 
   Blocks are listed in call order when the model brings example inputs of its own (Hugging
   Face's ``dummy_inputs``: a run on the meta device, no memory, no compute), else in the order
-  the model registers them, which is the call order of nearly every model.
+  the model registers them, which is the call order of nearly every model. That run also
+  finds a block the forward calls more than once (ALBERT's one layer group, run once per
+  layer): the module around it is then one block, not opened (ALBERT's encoder).
 
 Either way the modules are the model's own, so their parameter names (and the state dict's keys)
 stay the original ones.
@@ -33,13 +35,14 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import fx, nn
 
-from hetcoll.torch.replay import probe_first_that_runs, tensor_attributes_kept
+from hetcoll.torch.replay import BlockCalledAgain, probe_first_that_runs, tensor_attributes_kept
 
 __all__ = ["Call", "ModelCut", "model_cut", "model_layers"]
 
@@ -134,10 +137,21 @@ def model_cut(model: nn.Module) -> ModelCut:
             return ModelCut("chain", _chain(model))
         except ValueError:
             pass  # not a chain: its blocks
-    blocks = _blocks(model)
-    if not blocks:
-        raise ValueError(f"model: {type(model).__name__} has no child modules to cut between")
-    return ModelCut("blocks", _in_call_order(model, blocks))
+    # A block the forward calls more than once (ALBERT's layer group, run once per layer)
+    # cannot be a stage's alone: the module around it that the forward calls once is a
+    # block instead, whole (ALBERT's encoder).
+    whole: set[int] = set()
+    while True:
+        blocks = _blocks(model, whole)
+        if not blocks:
+            raise ValueError(f"model: {type(model).__name__} has no child modules to cut between")
+        try:
+            return ModelCut("blocks", _in_call_order(model, blocks))
+        except BlockCalledAgain as e:
+            around = _opened_around(model, e.block)
+            if around is None or id(around) in whole:
+                raise
+            whole.add(id(around))
 
 
 def _repeated(m: nn.Module) -> bool:
@@ -151,8 +165,25 @@ def _repeated(m: nn.Module) -> bool:
     return False
 
 
-def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    holds = {id(m) for m in model.modules() if any(_repeated(d) for d in m.modules())}
+def _opened_around(model: nn.Module, block: str) -> nn.Module | None:
+    """The innermost module around ``block`` that :func:`_blocks` opens, neither the root
+    nor a repeated container; None where there is none."""
+    parts = block.split(".")
+    for k in range(len(parts) - 1, 0, -1):
+        m = model.get_submodule(".".join(parts[:k]))
+        if not _repeated(m):
+            return m
+    return None
+
+
+def _blocks(model: nn.Module, whole: AbstractSet[int] = frozenset()) -> list[tuple[str, nn.Module]]:
+    """The blocks of ``model`` (module docs); a module in ``whole`` (by id) is one block,
+    not opened."""
+    holds = {
+        id(m)
+        for m in model.modules()
+        if id(m) not in whole and any(_repeated(d) for d in m.modules())
+    }
     out: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()  # a module registered under two paths is one block, by its first
 
@@ -197,6 +228,8 @@ def _in_call_order(
     try:
         with torch.no_grad():
             flow = probe_first_that_runs(model, blocks, examples)
+    except BlockCalledAgain:
+        raise  # cut otherwise (model_cut)
     except Exception:  # its example does not run: keep the registration order
         return blocks
     called = {names[k]: i for i, k in enumerate(flow.order)}

@@ -47,6 +47,7 @@ from torch.utils import _pytree as pytree
 from hetcoll.torch.stage_inputs import StageInput
 
 __all__ = [
+    "BlockCalledAgain",
     "Flow",
     "Leaf",
     "StageRoles",
@@ -350,6 +351,18 @@ def probe(
             glue.add(e.block)
 
 
+class BlockCalledAgain(ValueError):
+    """A block with parameters that the forward calls more than once (ALBERT's one layer
+    group, run once per layer): no stage can hold it alone. ``block``: its path."""
+
+    def __init__(self, block: str):
+        super().__init__(
+            f"model: block {block!r} is called more than once per forward; a plan needs each "
+            "block called once (give the repeated work its own module)"
+        )
+        self.block = block
+
+
 class _CalledAgain(Exception):
     def __init__(self, block: int):
         super().__init__()
@@ -376,6 +389,8 @@ def probe_first_that_runs(
         try:
             with zeros_outside_blocks(model, modules, device), tensor_attributes_kept(model):
                 return probe(model, names, meta_blocks, inputs)
+        except BlockCalledAgain:
+            raise  # how the model is cut, not how it was run
         except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError) as e:
             errors.append(f"{device.type}: {type(e).__name__}: {e}")
     raise ValueError("; ".join(errors))
@@ -402,10 +417,7 @@ def _probe(
         if k in flow.specs:
             if next(module.parameters(), None) is None and not isinstance(module, StandIn):
                 raise _CalledAgain(k)
-            raise ValueError(
-                f"model: block {name!r} is called more than once per forward; a plan needs each "
-                "block called once (give the repeated work its own module)"
-            )
+            raise BlockCalledAgain(name)
         flow.order.append(k)
         flow.reads[k] = sources.sources((args, kwargs))
         sources.paused += 1

@@ -184,6 +184,34 @@ def probe_packing(
     return None
 
 
+def applied_after(attention: nn.Module, row: str, hidden: int) -> set[str]:
+    """The children of ``attention`` its forward first calls after its output projection
+    ``row`` (a norm of the residual sum after it, inside the attention: ALBERT's
+    ``LayerNorm``), seen on one probe forward (:func:`probe_inputs`: a token of zeros, no
+    gradient); empty where the forward fails on the probe's inputs."""
+    layer = attention.get_submodule(row)
+    token = probe_inputs(attention, layer, hidden)
+    if token is None:
+        return set()
+    order: list[str] = []
+    handles = [
+        child.register_forward_pre_hook(lambda m, args, n=n: order.append(n))
+        for n, child in attention.named_children()
+    ]
+    try:
+        with torch.no_grad():
+            attention.forward(*token)
+    except Exception:  # the probe lacks an input the forward needs: nothing known
+        return set()
+    finally:
+        for h in handles:
+            h.remove()
+    if row not in order:
+        return set()
+    before = set(order[: order.index(row) + 1])
+    return {n for n in order if n not in before}
+
+
 class _Count(TorchFunctionMode):
     """Counts the torch ops a forward runs."""
 

@@ -21,6 +21,7 @@ from hetcoll.torch.filters.chains import (
     linear_features,
 )
 from hetcoll.torch.filters.head_probes import (
+    applied_after,
     probe_packing,
     required_inputs,
     rms_norm_eps,
@@ -219,8 +220,17 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
     # Face's name for them, ``sinks``) or a row per query or key/value head (Cohere's
     # ``q_norm`` and ``k_norm``: :func:`_head_rows`); each held whole, its gradient summed
     # over the ranks. One that spans heads otherwise (a norm over all query features) would
-    # need a split of its own.
+    # need a split of its own. A child the forward calls after the output projection (a
+    # norm of the residual sum, ALBERT's LayerNorm) runs on the whole output, the ranks'
+    # parts summed: as a layer after the attention, every rank computes it alike.
     projections = {n for n, _ in projs}
+    after: list[set[str]] = []
+
+    def after_row() -> set[str]:
+        if not after:
+            after.append(applied_after(m, row_name, hidden) if row_name else set())
+        return after[0]
+
     tables = [
         n
         for n, c in m.named_children()
@@ -249,6 +259,8 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
         if rows is not None:
             (head_params if rows == "query" else key_params).append(pn)
             shared.append(pn)
+            continue
+        if pn.split(".", 1)[0] in after_row():
             continue
         if pn.split(".", 1)[0] not in tables and tuple(p.shape) not in ((hd,), (1,), ()):
             return (
