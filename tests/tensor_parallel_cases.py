@@ -112,12 +112,14 @@ def qwen2() -> nn.Module:
     )  # fmt: skip
 
 
-def stablelm_head_norms() -> nn.Module:
+def stablelm_head_norms(kv_heads: int = 3) -> nn.Module:
     """Hugging Face StableLM with ``qk_layernorm`` (stablelm-2-12b's layout): a LayerNorm for
-    each query head and each key/value head, in lists its forward zips with the heads."""
+    each query head and each key/value head (of ``kv_heads``), in lists its forward zips with
+    the heads it is given."""
     return _hf(
-        "StableLmForCausalLM", "StableLmConfig", qk_layernorm=True, use_parallel_residual=True
-    )
+        "StableLmForCausalLM", "StableLmConfig", qk_layernorm=True, use_parallel_residual=True,
+        num_key_value_heads=kv_heads,
+    )  # fmt: skip
 
 
 def _cohere_in_its_dtype() -> None:
@@ -1333,6 +1335,7 @@ def architectures(group: Any) -> dict[str, Any]:
             ("mamba", mamba),
             ("dbrx", dbrx),
             ("albert", albert),
+            ("stablelm_gqa", lambda: stablelm_head_norms(kv_heads=2)),
         ),
     )
 
@@ -1356,6 +1359,7 @@ def run_all(group: Any) -> dict[str, Any]:
                 ("grouped", grouped_lm),
                 ("falcon_gqa", falcon_gqa),
                 ("cohere", cohere),
+                ("stablelm", stablelm_head_norms),
             ),
         )
     )

@@ -60,6 +60,9 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     # Cohere's query and key norms, a row per head (Command R+'s use_qk_norm), read at the
     # rank's heads: by group on 2 ranks, by query head on 3 (key and value whole).
     assert r["cohere_gathers"] == [] and r["cohere_split"] == {2: 2 * 7, 3: 2 * 5}[p]
+    # StableLM's lists of a LayerNorm per query and per key/value head (stablelm-2-12b's
+    # qk_layernorm), its forward given the rank's heads' norms: by group on 2 and 3 ranks.
+    assert r["stablelm_gathers"] == ["lm_head"] and r["stablelm_split"] == 2 * 7
     # Grouped-query attention with 2 groups: by group on 2 ranks at speeds 1 : 0.25 (q_proj's
     # shares in groups), by query head on 3 (shares in heads), its key and value whole.
     assert r["llama_gqa_gathers"] == ["lm_head"]
@@ -151,6 +154,9 @@ def test_gloo_architectures_split_by_heads_equal_unsplit():
         "predictions.dense",
     ]
     assert r["albert_split"] == 6
+    # StableLM's per-head norms split by query head (2 key/value groups on 3 ranks): each
+    # rank's key norms are those of the key/value head each of its query heads reads.
+    assert r["stablelm_gqa_gathers"] == ["lm_head"] and r["stablelm_gqa_split"] == 2 * 5
 
 
 @pytest.mark.multiproc
@@ -512,16 +518,30 @@ def test_a_parameter_spanning_heads_keeps_the_attention_whole():
         filter_shares(_NormAcrossHeads(), size=2, speeds=[1.0, 1.0])
 
 
-def test_a_module_for_each_head_keeps_the_attention_whole():
+def test_a_module_for_each_head_is_seen_at_the_ranks_heads():
     # StableLM's qk_layernorm (stablelm-2-12b): q_layernorm.norms holds a LayerNorm for each
-    # query head, zipped with the heads its forward is given. Split, a rank's heads met the
-    # first norms (logits 7e-5 off, the others' norms never trained), with no warning.
-    with pytest.warns(
-        UserWarning,
-        match=r"'q_layernorm\.norms\.0\.weight' belongs to 'q_layernorm\.norms', a list of a "
-        "module for each head",
-    ):
-        filter_shares(cases.stablelm_head_norms(), size=2, speeds=[1.0, 1.0])
+    # query head, k_layernorm.norms one for each key/value head, zipped with the heads its
+    # forward is given. Split as they were, a rank's heads met the first norms (logits 7e-5
+    # off, the others' norms never trained); then they kept the attention whole. Now each
+    # list is held whole, its weights shared, and the forward sees the rank's heads' norms.
+    from hetcoll.torch.filters import split_layout
+    from hetcoll.torch.filters.head_guards import HeadParameters
+
+    model = cases.stablelm_head_norms()
+    attn = "model.layers.0.self_attn"
+    ts = next(ts for ts in split_layout(model).splits if ts.module == attn)
+    assert ts.head_params == [f"{attn}.q_layernorm.norms"]
+    assert ts.key_params == [f"{attn}.k_layernorm.norms"]
+    assert f"{attn}.q_layernorm.norms.5.weight" in ts.shared
+    attention = model.get_submodule(attn)
+    whole, keys = attention.q_layernorm.norms, attention.k_layernorm.norms
+    rows = HeadParameters(ts, 1, 1)  # the second key/value group: query heads 2, 3
+    rows.place(attention)
+    rows.enter(attention, ())
+    assert list(attention.q_layernorm.norms) == [whole[2], whole[3]]
+    assert list(attention.k_layernorm.norms) == [keys[1]]
+    rows.leave(attention, (), None)
+    assert attention.q_layernorm.norms is whole and attention.k_layernorm.norms is keys
 
 
 def test_a_packing_of_its_own_keeps_the_attention_whole():

@@ -271,7 +271,9 @@ class HeadParameters:
     A query head's rows are the rank's query heads (a view); a key/value head's are its
     key/value groups' (a view), or, split by query head (:class:`KeyValueOfHeads`), the key
     head each of its query heads reads (gathered), or all of them where every rank computes
-    the one key head whole (multi-query attention)."""
+    the one key head whole (multi-query attention). A list of a module per head (StableLM's
+    ``q_layernorm.norms``, which its forward zips with the heads it is given) is seen as the
+    list of the rank's heads' modules, picked alike."""
 
     def __init__(self, ts: TensorSplit, first: int, count: int) -> None:
         per_unit = ts.width // ts.head_dim if ts.head_dim else 1
@@ -291,6 +293,9 @@ class HeadParameters:
         #: Each part's holder and parameter name, read off the attention once (:meth:`install`).
         self.places: list[tuple[nn.Module, str, slice | torch.Tensor]] = []
         self.held: list[tuple[nn.Module, str, Any]] = []
+        #: Each list of a module per head (StableLM's ``q_layernorm.norms``): its holder, its
+        #: name, and the list of the rank's heads' modules its forward sees instead.
+        self.lists: list[tuple[nn.Module, str, nn.ModuleList]] = []
 
     def install(self, attention: nn.Module) -> list[Any]:
         self.place(attention)
@@ -301,14 +306,26 @@ class HeadParameters:
 
     def place(self, attention: nn.Module) -> None:
         """Find each part's holder in ``attention`` (the rank's parts of a whole-held key are
-        none: left out)."""
+        none: left out); a list of a module per head gets the list of the rank's."""
         self.places = []
+        self.lists = []
         for n, part in self.parts.items():
-            if part is not None:
-                path, _, leaf = n.rpartition(".")
-                self.places.append((attention.get_submodule(path), leaf, part))
+            if part is None:
+                continue
+            path, _, leaf = n.rpartition(".")
+            owner = attention.get_submodule(path)
+            whole = owner._modules.get(leaf)
+            if isinstance(whole, nn.ModuleList):
+                heads = list(whole)
+                picked = heads[part] if isinstance(part, slice) else [heads[int(i)] for i in part]
+                self.lists.append((owner, leaf, nn.ModuleList(picked)))
+            else:
+                self.places.append((owner, leaf, part))
 
     def enter(self, module: nn.Module, args: Any) -> None:
+        for owner, leaf, mine in self.lists:
+            self.held.append((owner, leaf, owner._modules[leaf]))
+            owner._modules[leaf] = mine
         for k, (owner, leaf, part) in enumerate(self.places):
             whole = owner._parameters[leaf]
             assert whole is not None
@@ -323,7 +340,10 @@ class HeadParameters:
 
     def leave(self, module: nn.Module, args: Any, output: Any) -> None:
         for owner, leaf, whole in self.held:
-            owner._parameters[leaf] = whole
+            if isinstance(whole, nn.Module):
+                owner._modules[leaf] = whole
+            else:
+                owner._parameters[leaf] = whole
         self.held.clear()
 
 

@@ -245,12 +245,18 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
             continue
         per_head = _per_head_container(m, pn, (nq, nkv))
         if per_head is not None:
-            # StableLM's q_layernorm.norms: a LayerNorm for each head, which its forward
-            # zips with the heads it is given: a rank's heads would meet the first norms.
-            return (
-                f"its parameter {pn!r} belongs to {per_head!r}, a list of a module for each "
-                "head, which a rank's heads would not meet in order"
-            )
+            # StableLM's q_layernorm.norms: a LayerNorm for each head, which its forward zips
+            # with the heads it is given: held whole, its forward sees the rank's heads'.
+            if not isinstance(m.get_submodule(per_head), nn.ModuleList):
+                return (
+                    f"its parameter {pn!r} belongs to {per_head!r}, a dict of a module for "
+                    "each head, which no rule here picks the rank's heads of"
+                )
+            by = head_params if len(m.get_submodule(per_head)) == nq else key_params
+            if per_head not in by:
+                by.append(per_head)
+            shared.append(pn)
+            continue
         if "." not in pn and tuple(p.shape) == (nq,) and nq > 1 and (nq != hd or pn == "sinks"):
             head_params.append(pn)
             shared.append(pn)
