@@ -247,12 +247,13 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
         if per_head is not None:
             # StableLM's q_layernorm.norms: a LayerNorm for each head, which its forward zips
             # with the heads it is given: held whole, its forward sees the rank's heads'.
-            if not isinstance(m.get_submodule(per_head), nn.ModuleList):
+            heads_list = m.get_submodule(per_head)
+            if not isinstance(heads_list, nn.ModuleList):
                 return (
                     f"its parameter {pn!r} belongs to {per_head!r}, a dict of a module for "
                     "each head, which no rule here picks the rank's heads of"
                 )
-            by = head_params if len(m.get_submodule(per_head)) == nq else key_params
+            by = head_params if len(heads_list) == nq else key_params
             if per_head not in by:
                 by.append(per_head)
             shared.append(pn)
