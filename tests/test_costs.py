@@ -379,6 +379,40 @@ def test_an_output_outside_pytrees_is_costed_backward_too() -> None:
         assert costs.forward_flops(2) == fwd and costs.backward_flops(2) == bwd
 
 
+class _TableBias(nn.Module):
+    """A bias computed by an MLP from a constant table, once a forward whatever the batch
+    (Swin v2's continuous position bias), beside a layer on the samples, and a product of
+    the table by a weight in the forward's own code (DeBERTa's and Funnel's projections of
+    their relative positions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.randn(5, 16))
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+        self.kernel = nn.Parameter(torch.randn(16, 8))
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.mlp(self.table) + self.table @ self.kernel  # (5, 8), once a forward
+        return self.fc(x) + bias
+
+
+@pytest.mark.parametrize("batch", [1, 3, 64])
+def test_work_on_a_constant_table_is_costed_once_a_step(batch: int) -> None:
+    # Before: the MLP's formula took the table's first dimension for the batch (its FLOPs
+    # per sample, 1.26x Swin v2-T's forward at 16x16), and the product in the forward's code
+    # was divided among the counting batch's samples (DeBERTa-v2 1.16x high at batch 2).
+    costs = layer_costs(_TableBias(), (5, 8))
+    fwd, bwd = _meta_flops(_TableBias(), (5, 8), batch=batch)
+    assert costs.forward_flops(batch) == fwd and costs.backward_flops(batch) == bwd
+    mlp = next(x for x in costs.layers if x.name == "mlp.0")
+    assert mlp.forward_flops(batch) == mlp.forward_flops(1) == 2 * 5 * 16 * 32
+    assert mlp.forward_flops(0) == 0  # a device with no samples runs no step
+    # The performance model prices the same FLOPs.
+    seconds = compute_seconds(costs, _compute_bound(), batch)
+    assert seconds == pytest.approx((fwd + bwd) / 1e12, rel=1e-12)
+
+
 class _MaskOnTheCpu(nn.Module):
     """Makes a tensor of its own in its forward without ``device=`` (as a causal mask is
     often built): it lands on the CPU, beside the meta tensors the costs run on."""

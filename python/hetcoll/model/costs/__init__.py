@@ -18,7 +18,8 @@ bytes it moves; the other arithmetic ops' FLOPs (norms, softmax, masks, RoPE) ar
 A model's inputs may be a float sample shape, token ids (a shape and ``torch.int64``), example
 tensors or a dict of keyword inputs (:mod:`hetcoll.model.costs.inputs`).
 
-Every kernel is linear in the batch: ``flops = flops_per_sample * b`` and
+Every kernel is affine in the batch: ``flops = flops_per_sample * b + flops_fixed`` (work on
+tensors that do not grow with the batch, once a step) and
 ``bytes = bytes_per_sample * b + bytes_fixed`` (weights do not grow with the batch). The part of
 the bytes that belongs to the layer's output channels (filters) is kept apart, so filter-parallel
 predictions can scale it with a device's share of the filters.

@@ -231,8 +231,13 @@ class _Call:
     out_shape: tuple[int, ...] = ()
     needs_input_grad: bool = False
     # [forward, backward] x [matmul-class FLOPs, their per-sample bytes, their fixed bytes,
-    # per-sample bytes of every other op, their fixed bytes], for the whole traced batch
-    counts: list[list[float]] = field(default_factory=lambda: [[0.0] * 5, [0.0] * 5])
+    # per-sample bytes of every other op, their fixed bytes, matmul-class FLOPs of ops none
+    # of whose tensors grows with the batch (a position table's projection, run once per
+    # forward)], for the whole traced batch
+    counts: list[list[float]] = field(default_factory=lambda: [[0.0] * 6, [0.0] * 6])
+    #: Whether a leaf's input grows with the batch (a layer run on a constant table, Swin
+    #: v2's position-bias MLP, does not: its formula per sample would not hold).
+    input_grows: bool = True
     #: Per-sample shapes are unknown for runs of ops: bytes of the first tensor the run reads
     #: and of the last one it writes stand for its input and output.
     first_in_bytes: float = -1.0
@@ -294,6 +299,7 @@ class _OpCounter(TorchDispatchMode):
             if x is not None:
                 call.in_shape = per_sample_shape(x.shape)
                 call.needs_input_grad = bool(x.requires_grad)
+                call.input_grows = self.grows(x)
             self.calls.append(call)
         self.stack.append([name, module, call])
 
@@ -410,7 +416,10 @@ class _OpCounter(TorchDispatchMode):
             )
             if big is not None and self.grows(big):
                 call.elementwise_flops[1 if backward else 0] += big.numel()
-        c[0] += flops
+        if flops and not any(self.grows(t) for t in moved):
+            c[5] += flops  # the same whatever the batch: once a step
+        else:
+            c[0] += flops
         call.launches[1 if backward else 0][0 if flops else 1] += 1
         c[at] += per_sample
         c[at + 1] += fixed
@@ -625,10 +634,10 @@ def _counted_kernels(call: _Call) -> tuple[list[Kernel], list[Kernel]]:
     small ops a pass, each paying the device's fixed cost per kernel whatever its size)."""
     out: tuple[list[Kernel], list[Kernel]] = ([], [])
     for d, (kernels, suffix) in enumerate(zip(out, ("", "-grad"))):
-        flops, mm, mm_fixed, ew, ew_fixed = call.counts[d]
+        flops, mm, mm_fixed, ew, ew_fixed, flops_fixed = call.counts[d]
         flops_ps, mm_ps, ew_ps = flops / _COUNT_BATCH, mm / _COUNT_BATCH, ew / _COUNT_BATCH
         mm_launches, ew_launches = call.launches[d]
-        if flops_ps or mm_ps or mm_fixed or mm_launches:
+        if flops_ps or flops_fixed or mm_ps or mm_fixed or mm_launches:
             kernels.append(
                 Kernel(
                     "matmul" + suffix,
@@ -636,6 +645,7 @@ def _counted_kernels(call: _Call) -> tuple[list[Kernel], list[Kernel]]:
                     bytes_per_sample=mm_ps,
                     bytes_fixed=mm_fixed,
                     launches=max(mm_launches, 1),
+                    flops_fixed=flops_fixed,
                 )
             )
         if ew_ps or ew_fixed or ew_launches:

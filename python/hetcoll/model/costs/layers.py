@@ -121,7 +121,9 @@ def layer_costs(
         in_e, out_e = _numel(in_s), _numel(out_s)
         filters, groups = 0, 1
         ks: tuple[list[Kernel], list[Kernel]] | None = None
-        if c2.leaf and in_s and out_s:
+        # A formula per sample where the layer's input grows with the batch; a layer run on a
+        # constant table (Swin v2's position-bias MLP) keeps its counted ops, once a step.
+        if c2.leaf and in_s and out_s and c2.input_grows:
             if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and not isinstance(
                 mod, nn.modules.conv._ConvTransposeNd
             ):
@@ -156,7 +158,7 @@ def layer_costs(
             saved = 0.0 if isinstance(mod, _VIEWS) else in_b
         else:
             ks = _counted_kernels(c2)
-            if c2.leaf and in_s and out_s:
+            if c2.leaf and in_s and out_s and c2.input_grows:
                 in_b, out_b = float(in_e * item), float(out_e * item)
             else:
                 in_b = max(c2.first_in_bytes, 0.0) / _COUNT_BATCH

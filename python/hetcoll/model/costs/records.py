@@ -32,12 +32,16 @@ _COUNT_BATCH = 1009
 
 @dataclass(frozen=True)
 class Kernel:
-    """One kernel of a layer, linear in the batch ``b`` and the filter fraction ``phi``.
+    """One kernel of a layer, affine in the batch ``b`` and linear in the filter fraction
+    ``phi``.
 
-    flops(b, phi) = flops_per_sample * b * (phi if scales_with_filters else 1)
+    flops(b, phi) = (flops_per_sample * b + flops_fixed [b > 0])
+                    * (phi if scales_with_filters else 1)
     bytes(b, phi) = (bytes_per_sample + phi * filter_bytes_per_sample) * b
                     + bytes_fixed + phi * filter_bytes_fixed
-    """
+
+    ``flops_fixed``: work the layer does once a step whatever the batch (a relative-position
+    table's projection, Swin v2's position-bias MLP)."""
 
     name: str
     flops_per_sample: float
@@ -59,9 +63,10 @@ class Kernel:
     #: The kernel launches this kernel stands for, each paying the device's fixed cost per
     #: kernel: one for a formula's kernel; a traced layer's summed ops count each of theirs.
     launches: int = 1
+    flops_fixed: float = 0.0
 
     def flops(self, batch: float, filter_fraction: float = 1.0) -> float:
-        f = self.flops_per_sample * batch
+        f = self.flops_per_sample * batch + self.flops_fixed * (batch > 0)
         return f * filter_fraction if self.scales_with_filters else f
 
     def moved_bytes(self, batch: float, filter_fraction: float = 1.0) -> float:

@@ -35,6 +35,7 @@ class _KernelTable:
     channels_out: np.ndarray  # convolutions: output and input channels of one group
     channels_in: np.ndarray
     launches: np.ndarray  # kernel launches each row stands for (Kernel.launches)
+    flops_fixed: np.ndarray  # FLOPs once a step on a device with samples (Kernel.flops_fixed)
     num_layers: int
     onehot: np.ndarray  # (layers, kernels): 1 where the kernel belongs to the layer
     # The tensors the layers' ops allocate (LayerCost.allocations), one row each.
@@ -64,7 +65,23 @@ def _kernel_table(costs: ModelCosts) -> _KernelTable:
 @functools.lru_cache(maxsize=128)
 def _costs_kernel_table(costs: ModelCosts) -> _KernelTable:
     rows: list[
-        tuple[int, bool, float, float, float, float, float, bool, bool, bool, bool, int, int, int]
+        tuple[
+            int,
+            bool,
+            float,
+            float,
+            float,
+            float,
+            float,
+            bool,
+            bool,
+            bool,
+            bool,
+            int,
+            int,
+            int,
+            float,
+        ]
     ] = []
     for i, layer in enumerate(costs.layers):
         for fwd, kernels in ((True, layer.forward), (False, layer.backward)):
@@ -84,9 +101,10 @@ def _costs_kernel_table(costs: ModelCosts) -> _KernelTable:
                         k.conv,
                         *k.channels,
                         k.launches,
+                        k.flops_fixed,
                     )
                 )
-    cols = list(zip(*rows)) if rows else [()] * 14
+    cols = list(zip(*rows)) if rows else [()] * 15
     onehot = np.zeros((len(costs.layers), len(rows)))
     onehot[np.asarray(cols[0], dtype=np.int64), np.arange(len(rows))] = 1.0
     allocs = [
@@ -112,6 +130,7 @@ def _costs_kernel_table(costs: ModelCosts) -> _KernelTable:
         channels_out=np.asarray(cols[11], dtype=np.float64),
         channels_in=np.asarray(cols[12], dtype=np.float64),
         launches=np.asarray(cols[13], dtype=np.float64),
+        flops_fixed=np.asarray(cols[14], dtype=np.float64),
         num_layers=len(costs.layers),
         onehot=onehot,
         alloc_forward=np.asarray(acols[1], dtype=bool),
@@ -379,7 +398,9 @@ def _layer_times(
     if channel_fraction is not None:
         b = b * channel_fraction[t.layer, :]
     phi = np.ones((len(t.layer), n_dev)) if filter_fraction is None else filter_fraction[t.layer, :]
-    flops = t.flops_ps[:, None] * b * np.where(t.scales[:, None], phi, 1.0)
+    flops = (t.flops_ps[:, None] * b + t.flops_fixed[:, None] * (b > 0)) * np.where(
+        t.scales[:, None], phi, 1.0
+    )
     moved = (t.bytes_ps[:, None] + phi * t.fbytes_ps[:, None]) * b + (
         t.bytes_fixed[:, None] + phi * t.fbytes_fixed[:, None]
     )
