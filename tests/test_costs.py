@@ -413,6 +413,51 @@ def test_work_on_a_constant_table_is_costed_once_a_step(batch: int) -> None:
     assert seconds == pytest.approx((fwd + bwd) / 1e12, rel=1e-12)
 
 
+def _frozen_backbone() -> nn.Module:
+    """A classifier fine-tuned on a frozen backbone (its convolutions' weights and biases
+    need no gradient), the head trained."""
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.Flatten(),
+        nn.Linear(8 * 4 * 4, 10),
+    )  # fmt: skip
+    for p in model[:4].parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def test_a_frozen_backbone_costs_no_weight_gradients() -> None:
+    # Before: every conv got its weight-gradient GEMM (backward 3.85x FlopCounterMode's), and
+    # the frozen weights were allreduced and updated.
+    costs = layer_costs(_frozen_backbone(), (3, 8, 8))
+    fwd, bwd = _meta_flops(_frozen_backbone(), (3, 8, 8), batch=4)
+    assert costs.forward_flops(4) == fwd and costs.backward_flops(4) == bwd
+    by = {x.name: x for x in costs.layers}
+    # The first conv needs no gradient at all; the second its input's alone (none either).
+    assert by["0"].backward == () and by["2"].backward == ()
+    assert [k.name for k in by["5"].backward] == ["gemm-dW", "bias-grad"]
+    head = (8 * 4 * 4 * 10 + 10) * 4
+    assert costs.gradient_bytes == by["5"].gradient_bytes == head
+    assert costs.param_bytes == head + (3 * 8 * 9 + 8 + 8 * 8 * 9 + 8) * 4
+    # Data parallelism allreduces and updates the head's weights alone.
+    from hetcoll.model.predict import data_parallel_schedule
+
+    trainable = _frozen_backbone().requires_grad_(True)
+    cluster = cluster_from_dict(
+        {
+            "devices": {"d": {"flops_per_s": 1e12, "mem_bytes_per_s": 1e10, "memory_bytes": 1e12}},
+            "links": {"l": {"latency_s": 0.0, "bytes_per_s": 1e9}},
+            "nodes": [{"name": "a", "device": "d", "count": 2, "link": "l"}],
+            "network": {"link": "l"},
+        }
+    )
+    frozen = data_parallel_schedule(costs, cluster, [4, 4])
+    trained = data_parallel_schedule(layer_costs(trainable, (3, 8, 8)), cluster, [4, 4])
+    whole = layer_costs(trainable, (3, 8, 8)).gradient_bytes
+    assert frozen.update_s[0] / trained.update_s[0] == pytest.approx(head / whole, rel=1e-12)
+    allreduce = [sum(c for _, c in s.buckets) for s in (frozen, trained)]
+    assert allreduce[0] / allreduce[1] == pytest.approx(head / whole, rel=1e-12)
+
+
 class _MaskOnTheCpu(nn.Module):
     """Makes a tensor of its own in its forward without ``device=`` (as a causal mask is
     often built): it lands on the CPU, beside the meta tensors the costs run on."""

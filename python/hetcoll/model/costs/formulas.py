@@ -4,14 +4,22 @@ memory passes of normalisation, activation and pooling layers."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from hetcoll.model.costs.records import Kernel, _numel
 
 
+def _trains(mod: nn.Module, name: str) -> bool:
+    """Whether ``mod``'s parameter ``name`` gets a gradient (not a frozen one's)."""
+    p = getattr(mod, name, None)
+    return isinstance(p, torch.Tensor) and p.requires_grad
+
+
 def _add_bias(fwd: list[Kernel], bwd: list[Kernel], outputs_per_sample: int, item: int) -> None:
     """The bias of a conv or linear layer: an element-wise add over its outputs (read and write)
-    forward, a reduction of the output gradient backward; both scale with the filters."""
+    forward, a reduction of the output gradient backward (where the bias trains; the caller
+    drops it for a frozen one); both scale with the filters."""
     fwd.append(
         Kernel(
             "bias",
@@ -73,19 +81,20 @@ def _conv_kernels(
         )
     )
     bwd: list[Kernel] = []
-    # dW[m, kk] = dY[m, n b] X_col^T[n b, kk]
-    bwd.append(
-        Kernel(
-            "gemm-dW",
-            2.0 * m * kk * n * g,
-            bytes_per_sample=n * kk * g * item,
-            filter_bytes_per_sample=m * n * g * item,
-            filter_bytes_fixed=m * kk * g * item,
-            scales_with_filters=True,
-            conv=True,
-            channels=(m, c_in // g),
+    if _trains(mod, "weight"):  # a frozen weight gets no gradient
+        # dW[m, kk] = dY[m, n b] X_col^T[n b, kk]
+        bwd.append(
+            Kernel(
+                "gemm-dW",
+                2.0 * m * kk * n * g,
+                bytes_per_sample=n * kk * g * item,
+                filter_bytes_per_sample=m * n * g * item,
+                filter_bytes_fixed=m * kk * g * item,
+                scales_with_filters=True,
+                conv=True,
+                channels=(m, c_in // g),
+            )
         )
-    )
     if needs_input_grad:
         # dX_col[kk, n b] = W^T[kk, m] dY[m, n b], then col2im adds the columns back.
         bwd.append(
@@ -110,6 +119,8 @@ def _conv_kernels(
             )
     if mod.bias is not None:
         _add_bias(fwd, bwd, c_out * n, item)
+        if not _trains(mod, "bias"):
+            bwd.pop()
     return fwd, bwd
 
 
@@ -153,6 +164,8 @@ def _linear_kernels(
             scales_with_filters=True,
         )
     ]
+    if not _trains(mod, "weight"):  # a frozen weight gets no gradient
+        bwd.clear()
     if needs_input_grad:
         bwd.append(
             Kernel(
@@ -166,6 +179,8 @@ def _linear_kernels(
         )
     if getattr(mod, "bias", None) is not None:
         _add_bias(fwd, bwd, rows * o, item)
+        if not _trains(mod, "bias"):
+            bwd.pop()
     return fwd, bwd
 
 

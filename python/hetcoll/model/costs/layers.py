@@ -117,6 +117,7 @@ def layer_costs(
         owned = [param_of[n] for n in c2.params if n in param_of]
         n_params = sum(p.numel() for p in owned)
         p_bytes = float(sum(p.numel() * p.element_size() for p in owned))
+        frozen = float(sum(p.numel() * p.element_size() for p in owned if not p.requires_grad))
         in_s, out_s = c2.in_shape, c2.out_shape
         in_e, out_e = _numel(in_s), _numel(out_s)
         filters, groups = 0, 1
@@ -176,6 +177,7 @@ def layer_costs(
                 ),
                 params=n_params,
                 param_bytes=p_bytes,
+                frozen_bytes=frozen,
                 in_bytes_per_sample=in_b,
                 out_bytes_per_sample=out_b,
                 saved_bytes_per_sample=saved,

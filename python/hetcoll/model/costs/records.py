@@ -123,11 +123,15 @@ class LayerCost:
     #: bytes, how many): a CPU maps those above :data:`~hetcoll.model.hardware.FRESH_PAGES_BYTES`
     #: afresh at every step (``Device.first_touch_bytes_per_s``).
     allocations: tuple[tuple[tuple[float, float, int], ...], ...] = ((), ())
+    #: Bytes of its parameters that need no gradient (a frozen backbone's): held, neither
+    #: given a gradient, allreduced nor updated.
+    frozen_bytes: float = 0.0
 
     @property
     def gradient_bytes(self) -> float:
-        """Bytes of this layer's weight gradients (what data parallelism allreduces)."""
-        return self.param_bytes
+        """Bytes of this layer's weight gradients (what data parallelism allreduces and the
+        optimizer updates): its parameters' but the frozen ones'."""
+        return self.param_bytes - self.frozen_bytes
 
     def forward_flops(self, batch: float) -> float:
         return sum(k.flops(batch) for k in self.forward)
@@ -469,6 +473,12 @@ class ModelCosts:
     @property
     def param_bytes(self) -> float:
         return sum(x.param_bytes for x in self.layers)
+
+    @property
+    def gradient_bytes(self) -> float:
+        """Bytes of the weight gradients (:attr:`LayerCost.gradient_bytes`): what a replica
+        allreduces and its optimizer updates."""
+        return sum(x.gradient_bytes for x in self.layers)
 
     def forward_flops(self, batch: float) -> float:
         key = (True, type(batch), batch)

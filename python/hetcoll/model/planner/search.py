@@ -183,7 +183,9 @@ def _asymmetric(
     dev = device_arrays([cluster.devices[d] for d in fast])
     guess = max(1, batch // max(1, len(fast) + 1))
     a, c = linear_fit(costs, dev, guess)
-    update = np.asarray(terms.optimizer_update_seconds(costs.param_bytes, dev.mem_bytes_per_s, s))
+    update = np.asarray(
+        terms.optimizer_update_seconds(costs.gradient_bytes, dev.mem_bytes_per_s, s)
+    )
     whole = [(float(a[i] + update[i]), 1.0 / float(c[i])) for i in range(len(fast))]
     sub = cluster.subset(slow)
     total_speed = sum(speeds)

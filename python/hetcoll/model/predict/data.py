@@ -209,7 +209,7 @@ def data_parallel_schedule(
     opt = np.where(
         b > 0,
         terms.optimizer_update_seconds(
-            costs.param_bytes, dev.mem_bytes_per_s, optimizer_state_copies
+            costs.gradient_bytes, dev.mem_bytes_per_s, optimizer_state_copies
         ),
         0.0,
     )
@@ -225,7 +225,8 @@ def data_parallel_schedule(
         if broadcast_buffers and costs.buffer_bytes > 0
         else 0.0
     )
-    memory = _memory_common(costs, optimizer_state_copies) + costs.param_bytes  # + DDP bucket copy
+    # + DDP's bucket copy of the gradients
+    memory = _memory_common(costs, optimizer_state_copies) + costs.gradient_bytes
     mem = np.where(b > 0, memory + b * costs.saved_bytes_per_sample(), 0.0)
     return DataParallelSchedule(
         strategy,
@@ -308,7 +309,7 @@ def balanced_batch_shares(
     a, c = linear_fit(costs, dev, max(1, batch // max(1, len(devices))))
     capacity = None
     if respect_memory:
-        fixed = _memory_common(costs, optimizer_state_copies) + costs.param_bytes
+        fixed = _memory_common(costs, optimizer_state_copies) + costs.gradient_bytes
         per = max(costs.saved_bytes_per_sample(), 1e-9)
         caps = np.floor((dev.memory_bytes - fixed) / per)
         capacity = [int(min(max(x, 0), batch)) for x in caps]

@@ -488,8 +488,8 @@ def _check_shares(shares: Sequence[int], num_devices: int, argument: str = "shar
 
 
 def _memory_common(costs: ModelCosts, state_copies: int) -> float:
-    # weights + gradients + optimizer state
-    return costs.param_bytes * (2 + state_copies)
+    # weights, and the gradients and optimizer state of those that train
+    return costs.param_bytes + costs.gradient_bytes * (1 + state_copies)
 
 
 def memory_shortfall(mem: np.ndarray, devices: Sequence[Any]) -> str:
