@@ -41,6 +41,7 @@ EXPECTED = {
     "falcon_hybrid": True,
     "deberta_pipeline": True,
     "albert_hybrid": True,
+    "funnel_pipeline": True,
     "falcon_resumes": True,
     "gpt2_loss_parallel": True,
     "llama_loss_parallel": True,
@@ -114,6 +115,11 @@ def test_blocks_of_hugging_face_and_torch_transformers():
     # around it is one.
     albert = [n for n, _ in model_layers(transformer_cases.albert())]
     assert albert == ["albert.embeddings", "albert.encoder", "predictions"]
+    # Funnel's blocks, a ModuleList of ModuleLists its encoder iterates: their layers.
+    funnel = [n for n, _ in model_layers(transformer_cases.funnel())]
+    assert [n for n in funnel if ".blocks." in n] == [
+        f"funnel.encoder.blocks.{b}.{k}" for b in range(2) for k in range(2)
+    ]
     # A model of repeated blocks but nothing else stays whole where a Sequential is a chain.
     assert model_cut(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))).kind == "chain"
 

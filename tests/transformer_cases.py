@@ -115,6 +115,19 @@ def albert() -> nn.Module:
     return transformers.AlbertForMaskedLM(config)
 
 
+def funnel() -> nn.Module:
+    """Hugging Face Funnel: its encoder's blocks a ModuleList of ModuleLists (two layers
+    each), which its forward iterates, never calls: their layers are the blocks."""
+    import transformers
+
+    config = transformers.FunnelConfig(
+        vocab_size=VOCAB, block_sizes=[2, 2], num_decoder_layers=1, d_model=16, n_head=4,
+        d_head=4, d_inner=24, hidden_dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, max_position_embeddings=32, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.FunnelForMaskedLM(config)
+
+
 class T5(nn.Module):
     """Hugging Face T5, an encoder-decoder, on keyword inputs: the encoder reads the ids under
     the padding mask, the decoder reads them too (its cross-attentions the encoder's output).
@@ -245,10 +258,10 @@ def equals_one_process(
     got = par.full_state_dict()
     assert list(got) == list(want_state), (list(got)[:5], list(want_state)[:5])
     for k, v in want_state.items():
-        if k.endswith(("key_proj.bias", "attention.key.bias")):
+        if k.endswith(("key_proj.bias", "attention.key.bias", "k_head.bias")):
             # A bias on the keys moves no attention score (softmax ignores a shift per query:
-            # DeBERTa's pos_key_proj, ALBERT's key): its gradient and updates are rounding
-            # noise (~1e-18),
+            # DeBERTa's pos_key_proj, ALBERT's key, Funnel's k_head): its gradient and updates
+            # are rounding noise (~1e-18),
             # which differ between any two summation orders: bounded absolutely.
             assert float((got[k].cpu() - v).abs().max()) <= tol, k
         elif v.is_floating_point():
@@ -872,6 +885,9 @@ CASES.update(
         # (Its one layer, called three times, makes its reductions three times per forward,
         # which split_stage's count of bytes does not model.)
         "albert_hybrid": _equal(albert, partial(hybrid, cut=2), traffic=False),
+        # Blocks inside a ModuleList of ModuleLists, through a pipeline (a stage holding none
+        # of them crashed: the stand-in for a list was iterated).
+        "funnel_pipeline": _equal(funnel, pipeline_4, sent=True),
         "falcon_resumes": _falcon_resumes,
         # An image transformer: a tensor input, rows as items (conv_proj, encoder.dropout, its
         # three encoder layers, encoder.ln, heads).

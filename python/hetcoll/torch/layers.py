@@ -192,12 +192,20 @@ def _blocks(model: nn.Module, whole: AbstractSet[int] = frozenset()) -> list[tup
             seen.add(id(m))
             out.append((path, m))
 
+    def items(container: nn.Module, path: str) -> None:
+        # A repeated container's items, a container among them opened in turn (Funnel's
+        # blocks: a ModuleList of ModuleLists its encoder iterates, never calls).
+        for k, item in container.named_children():
+            if isinstance(item, nn.ModuleList | nn.ModuleDict):
+                items(item, f"{path}.{k}")
+            else:
+                add(f"{path}.{k}", item)
+
     def open_(m: nn.Module, prefix: str) -> None:
         for name, child in m.named_children():
             path = prefix + name
             if _repeated(child):
-                for k, item in child.named_children():
-                    add(f"{path}.{k}", item)
+                items(child, path)
             elif id(child) in holds:
                 open_(child, path + ".")
             else:
