@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.nn import functional as F
 
 from hetcoll import launch
 from hetcoll.torch.filters import filter_shares
@@ -374,6 +375,58 @@ def test_experts_stacked_in_two_dimensional_weights_split_by_their_count():
     with pytest.warns(UserWarning, match=r"left whole on every rank.*stacked in 2-D"):
         filter_shares(_StackedWeights(count=False), size=2, speeds=[1.0, 1.0])
     assert filter_shares(_StackedWeights(count=True), size=2, speeds=[1.0, 0.5]) == {"": [2, 1]}
+
+
+class _Coefficients(nn.Module):
+    """Gemma 3n's AltUp in small: a forward fx traces, and a method its parent calls instead,
+    which in training reads its child's weight itself (clamped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.coefs = nn.Linear(4, 2, bias=False)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.coefs(x)
+
+    def correct(self, x):  # type: ignore[no-untyped-def]
+        return F.linear(x, self.coefs.weight.clamp(-1.0, 1.0)) + 1.0
+
+
+class _CallsCorrect(nn.Module):
+    """Calls the method, in a forward fx cannot trace (a branch on values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.altup = _Coefficients()
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        h = self.inp(x)
+        return self.altup.correct(h) if bool(h.sum() > -1e9) else self.altup(h)
+
+
+def test_weights_a_method_other_than_forward_reads_stay_whole():
+    """A child's weight read by a method of its parent's class other than ``forward``
+    (Gemma 3n's ``altup.correct``, in training) stays whole: split, each rank computed one of
+    the two coefficients, broadcast over both silently (logits 6e-5 off, the weight's
+    gradient wholly wrong). The metadata of a weight (its shape, dtype) reads no values."""
+    from hetcoll.torch.filters import split_layout
+
+    assert split_layout(_CallsCorrect()).read_directly == ["altup.coefs"]
+    assert filter_shares(_CallsCorrect(), size=2, speeds=[1.0, 1.0]) == {"inp": [2, 2]}
+    import transformers
+
+    config = transformers.Gemma3nTextConfig(
+        vocab_size=40, vocab_size_per_layer_input=40, hidden_size=16,
+        hidden_size_per_layer_input=8, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=4, max_position_embeddings=32,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"], laurel_rank=4,
+        altup_num_inputs=2, num_kv_shared_layers=0, activation_sparsity_pattern=[0.0, 0.0],
+    )  # fmt: skip
+    reads = split_layout(transformers.Gemma3nForCausalLM(config)).read_directly
+    assert [n for n in reads if "correction_coefs" in n] == [
+        f"model.layers.{k}.altup.correction_coefs" for k in range(2)
+    ]
 
 
 class _NormAcrossHeads(nn.Module):

@@ -102,6 +102,7 @@ def _chains(
     if isinstance(traced, Traced):
         if reads is not None:
             reads.extend(traced.reads)
+            reads.extend(_method_reads(module, prefix))
         yield from traced.chains
         return
     if untraced is not None:
@@ -160,6 +161,10 @@ def _has_state(m: nn.Module) -> bool:
 #: its pretraining's tensor parallelism).
 _SOURCE_READ = re.compile(
     r"self\.(\w+)\.(?:weight|bias)\s*(?=[@,)])|@\s*self\.(\w+)\.(?:weight|bias)\b(?!\s*[.\[])"
+    # a method of the weight's values (Gemma 3n's ``self.correction_coefs.weight.clamp(...)``),
+    # not of its metadata
+    r"|self\.(\w+)\.(?:weight|bias)\.(?!(?:shape|dtype|device|size|dim|ndim|numel|nelement"
+    r"|element_size|stride|requires_grad|data|grad|is_\w+)\b)\w+"
 )
 _TYPE_TEST = re.compile(r"isinstance\(\s*self\.\w+\.(?:weight|bias)\s*,")
 
@@ -179,7 +184,27 @@ def _source_reads(module: nn.Module, prefix: str) -> list[str]:
     except (OSError, TypeError):
         return []
     children = dict(module.named_children())
-    found = {a or b for a, b in _SOURCE_READ.findall(_TYPE_TEST.sub("", source))}
+    found = {a or b or c for a, b, c in _SOURCE_READ.findall(_TYPE_TEST.sub("", source))}
+    return [f"{prefix}.{n}" if prefix else n for n in sorted(found) if n in children]
+
+
+def _method_reads(module: nn.Module, prefix: str) -> list[str]:
+    """:func:`_source_reads` of the methods of ``module``'s class other than ``forward`` and
+    ``__init__``, for a module whose forward torch.fx traced: its parent may call them
+    instead (Gemma 3n's AltUp: ``altup.correct(...)``, which reads
+    ``self.correction_coefs.weight`` in training), and no trace saw them."""
+    if type(module).__module__.split(".")[0] == "torch":
+        return []
+    children = dict(module.named_children())
+    found: set[str] = set()
+    for name, f in vars(type(module)).items():
+        if name in ("forward", "__init__") or not inspect.isfunction(f):
+            continue
+        try:
+            source = inspect.getsource(f)
+        except (OSError, TypeError):
+            continue
+        found |= {a or b or c for a, b, c in _SOURCE_READ.findall(_TYPE_TEST.sub("", source))}
     return [f"{prefix}.{n}" if prefix else n for n in sorted(found) if n in children]
 
 
