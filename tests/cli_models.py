@@ -51,3 +51,25 @@ class NotAModel:
 
 
 INSTANCE = nn.Sequential(nn.Flatten(), nn.Linear(32, 4))
+
+
+class OutOfOrder(nn.Module):
+    """Blocks registered out of the order its forward calls them (its ``layers`` before the
+    ``embed`` that feeds them, as MBart's ``layernorm_embedding`` comes after its layers), with
+    no example inputs of its own to tell the call order: no plan can cut it, but one of
+    whole-model replicas needs no cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.embed = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return h
+
+
+def out_of_order() -> nn.Module:
+    return OutOfOrder()

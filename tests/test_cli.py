@@ -577,6 +577,21 @@ def test_plan_names_devices_leaves_slow_ones_out_and_says_how_to_run(tmp_path: P
     assert nodes[0] == {"node": "dgx-a100", "device": "a100-sxm4-40gb", "ranks": [0, 7]}
 
 
+def test_plan_writes_the_best_plan_the_runtime_can_run(tmp_path: Path) -> None:
+    # A model whose blocks are listed out of call order cannot be cut, so its pipelines have
+    # no plan; whole-model replicas need no cut. Before, --out failed (exit 2) even for them.
+    out = tmp_path / "plan.json"
+    run = hetcoll(
+        "plan", "--model", "tests.cli_models:out_of_order", "--input", "8", "--cluster",
+        CLUSTER, "--batch", "64", "--out", str(out),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(out.read_text())
+    stages = [st for r in doc["replicas"] for st in r["stages"]]
+    assert stages and all(st["layers"] == [0, 3] and len(st["ranks"]) == 1 for st in stages)
+    assert f"wrote {out}" in run.stdout
+
+
 def test_plan_offers_filter_parallelism_only_where_it_splits_something() -> None:
     cluster = load_cluster(CLUSTER)
     lstm = layer_costs(networks.build("tests.cli_models:Recurrent", (6, 8), device="meta"), (6, 8))

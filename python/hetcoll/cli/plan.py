@@ -166,6 +166,17 @@ def _script(costs: Any) -> str:
     return "examples/train_lm.py" if tokens else "examples/train_plan.py"
 
 
+def _plan_of(pred: Any) -> Any:
+    """``pred``'s plan, or None where the runtime cannot run it (``pred.plan_note`` says
+    why)."""
+    try:
+        return pred.to_plan()
+    except ValueError as e:
+        if not pred.plan_note:
+            pred.plan_note = str(e)
+        return None
+
+
 def _run_commands(best: Any, path: str, cluster: Any, script: str) -> list[str]:
     """How to run the plan of ``best`` written to ``path`` with ``script``: rank r
     is device r of the cluster file; a plan on a subset of the devices runs on the ranks up to
@@ -273,10 +284,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     report = SearchReport()
     ranked = plan(costs, cluster, args.batch, model=model, report=report, expert_loads=loads)
     planning_s = time.perf_counter() - t0
+    # The plan to write: the best's, or, where the runtime cannot run the best (a model whose
+    # blocks it cannot order, say), the best one it can run.
+    written = next((p for p in ranked if p.feasible and _plan_of(p) is not None), ranked[0])
     if args.out:
-        if not ranked[0].feasible:
-            raise ValueError(f"--out: no feasible plan ({ranked[0].reason})")
-        ranked[0].to_plan().save(args.out)  # ValueError (exit 2) saying why there is none
+        if not written.feasible:
+            raise ValueError(f"--out: no feasible plan ({written.reason})")
+        written.to_plan().save(args.out)  # ValueError (exit 2) saying why there is none
     if args.plot:
         plot_plans(
             ranked,
@@ -369,14 +383,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"not searched: {family}: {reason}")
     if args.plot:
         print(f"plot: {args.plot}")
-    if best.feasible and best.plan is not None:
+    if written is not best and written.plan is not None:
+        print(
+            f"the runtime cannot run the best ({best.plan_note}); the best it can run: "
+            f"{written.strategy}: {fmt_s(written.step_s)} per step "
+            f"({written.step_s / best.step_s:.2f}x the best's)"
+        )
+        print(f"  plan: {_plan_text(written.plan)}")
+    if written.feasible and written.plan is not None:
         path = args.out or "PLAN.json"
         if args.out:
             print(f"wrote {args.out}; run it (rank r on device r as listed above) with")
         else:
             print("write it with --out PLAN.json, then run it (rank r on device r above) with")
         script = _script(costs)
-        for command in _run_commands(best, path, cluster, script):
+        for command in _run_commands(written, path, cluster, script):
             print(f"  {command}")
         config = args.model.removeprefix("hf:")
         must = (

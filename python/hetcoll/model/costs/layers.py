@@ -269,6 +269,7 @@ def _with_plan_layers(costs: ModelCosts, model: nn.Module) -> ModelCosts:
         cut = model_cut(model)
     except (TypeError, ValueError) as e:
         return replace(costs, plan_layers_note=str(e))
+    costs = replace(costs, whole_model_layers=len(cut.layers))
     if cut.kind == "blocks":
         return _with_blocks(costs, model, cut.layers)
     chain = cut.layers

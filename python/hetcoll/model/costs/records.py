@@ -309,6 +309,10 @@ class ModelCosts:
     #: end (:meth:`stage_filter_modes`).
     stage_modes: tuple[tuple[tuple[str, str, str], ...], ...] = ()
     plan_layers_note: str = ""
+    #: How many layers :func:`hetcoll.torch.layers.model_layers` lists for the model, known
+    #: even where ``plan_layers`` are not (its blocks listed out of call order, say): a plan of
+    #: whole-model replicas, which cuts nothing, needs only this.
+    whole_model_layers: int = 0
     #: The training precision these costs are for (:data:`hetcoll.model.hardware.PRECISIONS`):
     #: the predictors run matmul-class kernels at the devices' peak for it.
     precision: str = "fp32"
@@ -414,6 +418,16 @@ class ModelCosts:
                 f"{len(self.plan_layers)} layers"
             )
         return _bisect(self.plan_layer_of, first), _bisect(self.plan_layer_of, end)
+
+    def whole_model_plan_layers(self) -> int:
+        """How many layers a whole-model stage spans in a Plan (:attr:`whole_model_layers`);
+        ``ValueError`` (saying why) where the model cannot be cut at all."""
+        if self.plan_layers:
+            return len(self.plan_layers)
+        if self.whole_model_layers:
+            return self.whole_model_layers
+        self.check_plan_layers()
+        raise AssertionError("unreachable")  # check_plan_layers raised
 
     def check_plan_layers(self) -> None:
         """Raise ``ValueError`` (saying why) when the model's layers cannot be cut as a Plan

@@ -280,7 +280,7 @@ def data_parallel(
         broadcast_buffers=broadcast_buffers,
     ).prediction()
     try:
-        costs.check_plan_layers()
+        costs.whole_model_plan_layers()  # whole-model replicas: no cut to know
         if not any(pred.shares):
             raise ValueError("shares: no device has samples")
         shares = list(pred.shares)
@@ -330,8 +330,7 @@ def even_batch_shares(batch: int, num_devices: int) -> list[int]:
 
 def _data_parallel_plan(costs: ModelCosts, shares: Sequence[int]) -> Plan:
     """One whole-model replica per device with samples."""
-    costs.check_plan_layers()
-    n = len(costs.plan_layers)
+    n = costs.whole_model_plan_layers()
     replicas = [
         {"samples": int(b), "stages": [{"ranks": [d], "layers": [0, n]}]}
         for d, b in enumerate(shares)
