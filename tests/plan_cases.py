@@ -92,6 +92,20 @@ class Tied(nn.Module):
         return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
 
 
+class Unused(nn.Module):
+    """A chain holding a module its forward never calls (GoogLeNet's aux heads in eval): on
+    no stage, untrained, in the full state as it was (its key raised KeyError there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.aux = nn.Linear(8, 5)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc1(x)))
+
+
 def batches(shape: tuple[int, ...], batch: int, steps: int, classes: int = 5) -> list[Any]:
     g = torch.Generator().manual_seed(7)
     return [
@@ -367,6 +381,8 @@ def run_all(group: Any) -> dict[str, Any]:
     out["owners_after_split"] = True
     equals_one_process(group, Tied, Plan.from_dict(TIED), (8,))
     out["tied"] = True
+    equals_one_process(group, Unused, Plan.from_dict(TIED), (8,))  # fc1, relu | head
+    out["unused"] = True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # its attentions are left unsplit
         equals_one_process(group, swin, Plan.from_dict(SWIN), (3, 16, 16), steps=2)

@@ -27,6 +27,7 @@ EXPECTED = {
     "densenet": True,
     "owners_after_split": True,
     "tied": True,
+    "unused": True,
     "swin": True,
     "errors": 5,
 }

@@ -174,6 +174,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         self._device: torch.device
         self._layers_meta: list[nn.Module]
         self._state_layout: list[tuple[str, int, tuple[int, ...], torch.dtype]]
+        self._unheld: dict[str, torch.Tensor] = {}  # a chain's state outside its layers
         self._param_names: list[str]  # the model's parameters, in its order
         self._stage_comm: CountingCommunicator | None = None  # a split stage's sub-group
         self._blocks: dict[tuple[int, int], list[Block]] = {}  # owners stages' blocks
@@ -995,6 +996,13 @@ def parallelize(
     state = model.state_dict()
     par._home = {k: _layer_of(k, names) or 0 for k in state}
     par._state_layout = [(k, par._home[k], tuple(v.shape), v.dtype) for k, v in state.items()]
+    # A chain's state outside its layers (a module its forward never calls: GoogLeNet's aux
+    # heads in eval) is on no stage and never trains: kept as it is for the full state.
+    par._unheld = {
+        k: v.detach().cpu().clone()
+        for k, v in state.items()
+        if cut.kind == "chain" and _layer_of(k, names) is None
+    }
     par._param_names = [n for n, _ in model.named_parameters()]
     canonical = {id(p): n for n, p in model.named_parameters()}
     par._alias = {

@@ -52,6 +52,8 @@ class PlanCheckpoints:
     _alias: dict[str, str]
     _home: dict[str, int]
     _experts_names: frozenset[str]
+    #: A chain's state outside its layers (modules its forward never calls): on no stage.
+    _unheld: dict[str, torch.Tensor]
 
     def sampler(
         self, dataset: Any, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True
@@ -107,7 +109,9 @@ class PlanCheckpoints:
             keys = [
                 e
                 for e in self._state_layout
-                if stage.layers[0] <= e[1] < stage.layers[1] and e[0] not in experts
+                if stage.layers[0] <= e[1] < stage.layers[1]
+                and e[0] not in experts
+                and e[0] not in self._unheld
             ]
             if not keys:
                 continue
@@ -138,6 +142,7 @@ class PlanCheckpoints:
                     {n: tp for n, tp in parts.items() if n in experts},
                 )
             )
+        out.update({k: t.clone() for k, t in self._unheld.items()})
         return {k: out[k] for k, *_ in self._state_layout}
 
     def _owners_state(
@@ -281,6 +286,8 @@ class PlanCheckpoints:
         with torch.no_grad():
             for n, (t, part) in self._parts().items():
                 t.copy_(part.take(state_dict[n]).to(t.device, t.dtype))
+            for n, t in self._unheld.items():
+                t.copy_(state_dict[n].to(t.dtype))
 
     def load_full_optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
