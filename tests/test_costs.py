@@ -458,6 +458,44 @@ def test_a_frozen_backbone_costs_no_weight_gradients() -> None:
     assert allreduce[0] / allreduce[1] == pytest.approx(head / whole, rel=1e-12)
 
 
+class _Checkpointed(nn.Module):
+    """A residual block run under gradient checkpointing (recomputed in the backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+        self.head = nn.Linear(8 * 8 * 8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.stem(x)
+        h = h + checkpoint(self.block, h, use_reentrant=False)
+        return self.head(h.flatten(1))
+
+
+def test_gradient_checkpointing_costs_its_recompute_in_the_backward() -> None:
+    # Before: on a model built on the CPU the count failed (the recompute ran on the model's
+    # own weights, not the counted ones); on the meta device each recomputed call was a layer
+    # more, with a formula backward that never runs (forward 1.48x, backward 1.20x), and the
+    # planner found its layers out of order (no plan at all).
+    costs = layer_costs(_Checkpointed(), (3, 8, 8))
+    assert [x.name for x in costs.layers if not x.own_ops] == ["stem", "block.0", "block.1", "head"]
+    model, x = _Checkpointed(), torch.randn(4, 3, 8, 8)
+    with FlopCounterMode(display=False) as fwd:
+        y = model(x)
+    with FlopCounterMode(display=False) as bwd:
+        y.sum().backward()  # the recompute among the backward's FLOPs
+    assert costs.forward_flops(4) == fwd.get_total_flops()
+    assert costs.backward_flops(4) == bwd.get_total_flops()
+    # The recomputed convolution, with the backward node that ran it (the block's last).
+    conv = next(x for x in costs.layers if x.name == "block.0")
+    recompute = [k for x in costs.layers for k in x.backward if k.name == "recompute"]
+    assert sum(k.flops(4) for k in recompute) == conv.forward_flops(4) > 0
+    assert costs.plan_layers == ("stem", "block", "head")
+
+
 class _MaskOnTheCpu(nn.Module):
     """Makes a tensor of its own in its forward without ``device=`` (as a causal mask is
     often built): it lands on the CPU, beside the meta tensors the costs run on."""

@@ -235,6 +235,9 @@ class _Call:
     # of whose tensors grows with the batch (a position table's projection, run once per
     # forward)], for the whole traced batch
     counts: list[list[float]] = field(default_factory=lambda: [[0.0] * 6, [0.0] * 6])
+    #: Matmul-class FLOPs of the traced batch that gradient checkpointing's recompute ran in
+    #: its backward (within ``counts[1][0]``): work a layer's formula does not hold.
+    recomputed_flops: float = 0.0
     #: Whether a leaf's input grows with the batch (a layer run on a constant table, Swin
     #: v2's position-bias MLP, does not: its formula per sample would not hold).
     input_grows: bool = True
@@ -284,6 +287,8 @@ class _OpCounter(TorchDispatchMode):
         #: tokens routed to an expert by an eager loop over experts), not multiples of the
         #: counting batch.
         self.routed_sizes: set[int] = set()
+        #: How deep the module calls gradient checkpointing recomputes in the backward nest.
+        self.recomputing = 0
 
     def grows(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s size grows with the batch: a multiple of the counting batch's
@@ -293,6 +298,12 @@ class _OpCounter(TorchDispatchMode):
     def enter(self, name: str, module: nn.Module, args: tuple) -> None:
         leaf = not any(True for _ in module.children())
         call = None
+        if torch._C._current_graph_task_id() != -1:
+            # Called inside the backward: gradient checkpointing recomputing its forward. No
+            # layer of its own: its ops are backward work of the layer whose node runs them.
+            self.stack.append([name, module, None, True])
+            self.recomputing += 1
+            return
         if leaf:
             x = args[0] if args and isinstance(args[0], torch.Tensor) else None
             call = _Call(name, module, True)
@@ -309,6 +320,9 @@ class _OpCounter(TorchDispatchMode):
 
     def leave(self, output: object) -> None:
         frame = self.stack.pop()
+        if len(frame) > 3:  # a recomputed call's
+            self.recomputing -= 1
+            return
         call = frame[2]
         if call is not None and call.leaf:
             y = output[0] if isinstance(output, (tuple, list)) and output else output
@@ -420,6 +434,8 @@ class _OpCounter(TorchDispatchMode):
             c[5] += flops  # the same whatever the batch: once a step
         else:
             c[0] += flops
+            if backward and self.recomputing:
+                call.recomputed_flops += flops
         call.launches[1 if backward else 0][0 if flops else 1] += 1
         c[at] += per_sample
         c[at + 1] += fixed
@@ -564,6 +580,30 @@ def _loss_value(
     return value
 
 
+@contextlib.contextmanager
+def _holding(model: nn.Module, state: dict[str, torch.Tensor]) -> Iterator[None]:
+    """``model`` holding ``state``'s tensors (by parameter or buffer name) in place of its
+    own while the context lasts, every module holding a tied one alike (as
+    ``torch.func.functional_call`` does, but for the backward too)."""
+    own: dict[str, torch.Tensor] = dict(model.named_parameters())
+    own.update(model.named_buffers())
+    by_id = {id(own[k]): t for k, t in state.items() if k in own}
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    for m in model.modules():
+        tables: tuple[dict[str, Any], ...] = (m._parameters, m._buffers)
+        for table in tables:
+            for leaf, t in table.items():
+                if t is not None and id(t) in by_id:
+                    swapped.append((table, leaf, t))
+    for table, leaf, t in swapped:
+        table[leaf] = by_id[id(t)]
+    try:
+        yield
+    finally:
+        for table, leaf, t in swapped:
+            table[leaf] = t
+
+
 def _count(
     model: nn.Module,
     inputs: Sequence[ModelInput],
@@ -571,8 +611,6 @@ def _count(
     device: torch.device,
     loss: Callable[[Any], torch.Tensor] | None,
 ) -> _OpCounter:
-    from torch.func import functional_call
-
     from hetcoll.model.costs.inputs import example_batch
 
     def on(v: torch.Tensor) -> torch.Tensor:
@@ -598,8 +636,10 @@ def _count(
     was_training = model.training
     model.train()
     try:
-        with counter, tensor_attributes_kept(model):
-            y = functional_call(model, state, args, kwargs)
+        # The model holds the counting tensors through the backward too: gradient
+        # checkpointing recomputes its forward there, on the tensors it holds then.
+        with counter, tensor_attributes_kept(model), _holding(model, state):
+            y = model(*args, **kwargs)
             counter.finish_forward()
             if loss is not None:
                 torch.autograd.backward(_loss_value(counter, loss, y))

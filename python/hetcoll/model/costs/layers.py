@@ -155,6 +155,8 @@ def layer_costs(
                     f"ops counted {counted:.4g}"
                 )
             ks = _with_traced_launches(ks, c2.launches)
+            if c2.recomputed_flops:  # gradient checkpointing's recompute, run by its backward
+                ks[1].append(Kernel("recompute", c2.recomputed_flops / _COUNT_BATCH, launches=0))
             in_b, out_b = float(in_e * item), float(out_e * item)
             saved = 0.0 if isinstance(mod, _VIEWS) else in_b
         else:
