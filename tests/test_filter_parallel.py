@@ -262,3 +262,17 @@ def test_a_layer_whose_weight_the_forward_reads_stays_whole():
     assert "features.1.0.attn.qkv" not in shares and "features.1.0.mlp.0" in shares
     with pytest.raises(ValueError, match=r"layers: 'features\.1\.0\.attn\.proj': a traced"):
         filter_shares(swin(), size=2, speeds=[1.0, 0.5], layers=["features.1.0.attn.proj"])
+
+
+def test_a_parametrized_linear_stays_replicated_and_is_named() -> None:
+    # A weight-normed Linear computes more than x @ W.T + b: left whole, as a weight-normed
+    # Conv2d is, but it was left out of the warning.
+    from torch.nn.utils.parametrizations import weight_norm
+
+    from hetcoll.torch.filters import filter_shares
+
+    model = nn.Sequential(
+        nn.Linear(4, 8), nn.ReLU(), weight_norm(nn.Linear(8, 8)), nn.ReLU(), nn.Linear(8, 2)
+    )
+    with pytest.warns(UserWarning, match=r"left replicated .*'2' \(ParametrizedLinear, param"):
+        assert filter_shares(model, size=2, speeds=[1.0, 1.0]) == {"0": [4, 4], "4": [1, 1]}

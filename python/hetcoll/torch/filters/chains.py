@@ -513,12 +513,15 @@ _REPLICATED_KINDS = (
     nn.ConvTranspose3d,
     nn.RNNBase,
     nn.Bilinear,
+    nn.Linear,  # a subclass computing more than x @ W.T + b: parametrized, quantised, adapted
 )
 
 
 def _why_kept(m: nn.Module) -> str:
     if isinstance(m, nn.Conv2d) and not isinstance(m, nn.ConvTranspose2d) and m.groups != 1:
         return f", groups={m.groups}"
+    if hasattr(m, "parametrizations"):  # torch.nn.utils.parametrize (weight or spectral norm)
+        return ", parametrized"
     return ""
 
 
