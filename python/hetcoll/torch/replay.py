@@ -61,6 +61,7 @@ __all__ = [
     "routed",
     "stage_roles",
     "tensor_attributes_kept",
+    "tensors_replaced",
     "wants_values",
     "zeros_outside_blocks",
 ]
@@ -311,26 +312,43 @@ def zeros_outside_blocks(
         yield
         return
     held = {id(p) for b in blocks for p in b.parameters()}
-    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     zeros: dict[int, torch.Tensor] = {}  # one stand-in for a tensor registered twice
+
+    def zeros_of(t: torch.Tensor, parameter: bool) -> torch.Tensor | None:
+        if not t.is_meta or (parameter and id(t) in held):
+            return None
+        if id(t) not in zeros:
+            z = torch.zeros(t.shape, dtype=t.dtype, device=device)
+            zeros[id(t)] = nn.Parameter(z, t.requires_grad) if parameter else z
+        return zeros[id(t)]
+
+    with tensors_replaced(model, zeros_of):
+        yield
+
+
+@contextmanager
+def tensors_replaced(
+    model: nn.Module, stand_in: Callable[[torch.Tensor, bool], torch.Tensor | None]
+) -> Iterator[None]:
+    """Every parameter and buffer of ``model``'s modules for which ``stand_in(tensor,
+    is_parameter)`` gives a tensor held as that tensor while the context lasts (each module
+    holding a tensor registered twice gets what ``stand_in`` gives for it), the model's own
+    back after."""
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
     for module in model.modules():
         stores: tuple[dict[str, Any], dict[str, Any]] = (module._parameters, module._buffers)
         for store in stores:
             for name, t in store.items():
-                if t is None or not t.is_meta or (store is module._parameters and id(t) in held):
-                    continue
-                if id(t) not in zeros:
-                    z = torch.zeros(t.shape, dtype=t.dtype, device=device)
-                    zeros[id(t)] = (
-                        nn.Parameter(z, t.requires_grad) if store is module._parameters else z
-                    )
-                swapped.append((store, name, t))
-                store[name] = zeros[id(t)]
+                new = None if t is None else stand_in(t, store is module._parameters)
+                if new is not None:
+                    swapped.append((store, name, t, new))
+    for store, name, _, new in swapped:
+        store[name] = new
     try:
         yield
     finally:
-        for kept, name, t in swapped:
-            kept[name] = t
+        for store, name, t, _ in swapped:
+            store[name] = t
 
 
 def probe(

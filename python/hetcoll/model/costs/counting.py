@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hetcoll.model.costs.records import _COUNT_BATCH, LOSS_LAYER, Kernel, ModelInput
-from hetcoll.torch.replay import tensor_attributes_kept, wants_values
+from hetcoll.torch.replay import tensor_attributes_kept, tensors_replaced, wants_values
 
 # Ops that allocate or alias without moving data, and ops that only write their output.
 _NO_BYTES = frozenset(
@@ -588,20 +588,8 @@ def _holding(model: nn.Module, state: dict[str, torch.Tensor]) -> Iterator[None]
     own: dict[str, torch.Tensor] = dict(model.named_parameters())
     own.update(model.named_buffers())
     by_id = {id(own[k]): t for k, t in state.items() if k in own}
-    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
-    for m in model.modules():
-        tables: tuple[dict[str, Any], ...] = (m._parameters, m._buffers)
-        for table in tables:
-            for leaf, t in table.items():
-                if t is not None and id(t) in by_id:
-                    swapped.append((table, leaf, t))
-    for table, leaf, t in swapped:
-        table[leaf] = by_id[id(t)]
-    try:
+    with tensors_replaced(model, lambda t, _: by_id.get(id(t))):
         yield
-    finally:
-        for table, leaf, t in swapped:
-            table[leaf] = t
 
 
 def _count(
