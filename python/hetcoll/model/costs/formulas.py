@@ -67,10 +67,12 @@ def _conv_kernels(
     col_bytes = kk * g * n * item  # the column matrix of one sample
     if not trivial:
         fwd.append(Kernel("im2col", 0.0, bytes_per_sample=c_in * spatial_in * item + col_bytes))
-    # Forward GEMM, per group: Y[m, n b] = W[m, kk] X_col[kk, n b].
-    fwd.append(
-        Kernel(
-            "gemm",
+
+    def gemm(name: str) -> Kernel:
+        # Each of the three GEMMs, per group, m x kk x n b: the columns (or their gradient)
+        # per sample, the filters' outputs (or their gradient) per sample, their weights.
+        return Kernel(
+            name,
             2.0 * m * n * kk * g,
             bytes_per_sample=n * kk * g * item,
             filter_bytes_per_sample=m * n * g * item,
@@ -79,36 +81,14 @@ def _conv_kernels(
             conv=True,
             channels=(m, c_in // g),
         )
-    )
+
+    fwd.append(gemm("gemm"))  # Y[m, n b] = W[m, kk] X_col[kk, n b]
     bwd: list[Kernel] = []
     if _trains(mod, "weight"):  # a frozen weight gets no gradient
-        # dW[m, kk] = dY[m, n b] X_col^T[n b, kk]
-        bwd.append(
-            Kernel(
-                "gemm-dW",
-                2.0 * m * kk * n * g,
-                bytes_per_sample=n * kk * g * item,
-                filter_bytes_per_sample=m * n * g * item,
-                filter_bytes_fixed=m * kk * g * item,
-                scales_with_filters=True,
-                conv=True,
-                channels=(m, c_in // g),
-            )
-        )
+        bwd.append(gemm("gemm-dW"))  # dW[m, kk] = dY[m, n b] X_col^T[n b, kk]
     if needs_input_grad:
         # dX_col[kk, n b] = W^T[kk, m] dY[m, n b], then col2im adds the columns back.
-        bwd.append(
-            Kernel(
-                "gemm-dX",
-                2.0 * kk * n * m * g,
-                bytes_per_sample=n * kk * g * item,
-                filter_bytes_per_sample=m * n * g * item,
-                filter_bytes_fixed=m * kk * g * item,
-                scales_with_filters=True,
-                conv=True,
-                channels=(m, c_in // g),
-            )
-        )
+        bwd.append(gemm("gemm-dX"))
         if not trivial:
             bwd.append(
                 Kernel(
@@ -144,39 +124,23 @@ def _linear_kernels(
     product, its weight stored transposed)."""
     rows = _numel(in_shape[:-1])  # rows per sample (1 for a plain [batch, features] input)
     i, o = features
-    fwd = [
-        Kernel(
-            "gemm",
+
+    def gemm(name: str) -> Kernel:
+        # Each of the three GEMMs, b r x in x out: the input (or its gradient) per sample, the
+        # output's features (or their gradient) per sample, the weight.
+        return Kernel(
+            name,
             2.0 * rows * o * i,
             bytes_per_sample=rows * i * item,
             filter_bytes_per_sample=rows * o * item,
             filter_bytes_fixed=o * i * item,
             scales_with_filters=True,
         )
-    ]
-    bwd = [
-        Kernel(
-            "gemm-dW",
-            2.0 * o * i * rows,
-            bytes_per_sample=rows * i * item,
-            filter_bytes_per_sample=rows * o * item,
-            filter_bytes_fixed=o * i * item,
-            scales_with_filters=True,
-        )
-    ]
-    if not _trains(mod, "weight"):  # a frozen weight gets no gradient
-        bwd.clear()
+
+    fwd = [gemm("gemm")]
+    bwd = [gemm("gemm-dW")] if _trains(mod, "weight") else []  # a frozen weight: no gradient
     if needs_input_grad:
-        bwd.append(
-            Kernel(
-                "gemm-dX",
-                2.0 * rows * i * o,
-                bytes_per_sample=rows * i * item,
-                filter_bytes_per_sample=rows * o * item,
-                filter_bytes_fixed=o * i * item,
-                scales_with_filters=True,
-            )
-        )
+        bwd.append(gemm("gemm-dX"))
     if getattr(mod, "bias", None) is not None:
         _add_bias(fwd, bwd, rows * o, item)
         if not _trains(mod, "bias"):
