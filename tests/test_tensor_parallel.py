@@ -429,6 +429,33 @@ def test_weights_a_method_other_than_forward_reads_stay_whole():
     ]
 
 
+def test_an_attention_that_cannot_run_on_part_of_its_heads_stays_whole():
+    """Hugging Face LED's decoder attention reshapes its heads' output to its input's width
+    (``embed_dim`` read off the hidden states): split, the first forward crashed inside it.
+    A probe forward holding one unit of heads tells it; the attention stays whole, named in
+    the warning, and its MLPs still split."""
+    import transformers
+
+    from hetcoll.torch.filters import split_layout
+
+    config = transformers.LEDConfig(
+        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=24,
+        decoder_ffn_dim=24, max_encoder_position_embeddings=32,
+        max_decoder_position_embeddings=32, attention_window=4, attn_implementation="eager",
+        pad_token_id=0, bos_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )  # fmt: skip
+    layout = split_layout(transformers.LEDForConditionalGeneration(config))
+    decoder = ["led.decoder.layers.0.encoder_attn", "led.decoder.layers.0.self_attn"]
+    assert sorted(n for n in layout.kept if n.startswith("led.decoder")) == decoder
+    assert all("fails on a rank holding some of its heads" in layout.kept[n] for n in decoder)
+    # The layers' MLPs (fc1, fc2) still split.
+    assert sorted(ts.module for ts in layout.splits) == [
+        "led.decoder.layers.0",
+        "led.encoder.layers.0",
+    ]
+
+
 class _NormAcrossHeads(nn.Module):
     """Separate q/k/v/o of 2 heads of 4, and a norm over all query features (OLMo 2's
     layout): a rank holding some heads could not apply it."""

@@ -225,14 +225,18 @@ class _Count(TorchFunctionMode):
 
 
 def _probe_run(
-    attention: nn.Module, ts: TensorSplit, empty: bool, inputs: tuple[Any, Any] | None = None
+    attention: nn.Module,
+    ts: TensorSplit,
+    held: int | None,
+    inputs: tuple[Any, Any] | None = None,
 ) -> tuple[bool, int, str]:
     """One probe forward of (a copy of) ``attention``: on ``inputs`` (args, kwargs), or its
     first input one token of zeros and ``None`` for every other input it requires; no
     gradient, stopped when its output projection is called or its forward returns; with
-    ``empty``, as on a rank holding none of its heads (its columns' outputs emptied, its head
-    counts 0, inputs per head cut to none, under :class:`~.head_guards.EmptyHeads`). Returns
-    whether it got there, how many torch ops it ran, and the exception if not."""
+    ``held`` units (None: unsplit), as on a rank holding that many of its heads, the first
+    (its columns' outputs cut to them, its head counts theirs, inputs per head cut to them;
+    none under :class:`~.head_guards.EmptyHeads`). Returns whether it got there, how many
+    torch ops it ran, and the exception if not."""
     prefix = f"{ts.module}." if ts.module else ""
     first = attention.get_submodule(ts.columns[0][0].removeprefix(prefix))
     hidden = linear_features(first)
@@ -247,31 +251,32 @@ def _probe_run(
     if ts.row.startswith(prefix):
         row = attention.get_submodule(ts.row.removeprefix(prefix))
         handles.append(row.register_forward_pre_hook(_stop))
-    if empty:
+    if held is not None:
         for name, blocks in ts.columns:
             layer = attention.get_submodule(name.removeprefix(prefix))
-            # What the rank's layer computes: none of its units' features, only those every
-            # rank holds (multi-query key and value rows packed with the query heads).
-            kept = split_runs([0, ts.units], 0, blocks, ts.whole_features.get(name, ()))
+            # What the rank's layer computes: its units' features, and those every rank
+            # holds (multi-query key and value rows packed with the query heads).
+            shares = [held, ts.units - held]
+            kept = split_runs(shares, 0, blocks, ts.whole_features.get(name, ()))
             handles.append(layer.register_forward_hook(partial(_emptied, kept)))
         for name in ts.tables:
             table = attention.get_submodule(name.removeprefix(prefix))
-            handles.append(HeadColumns(ts, 0, 0).install(table))
+            handles.append(HeadColumns(ts, 0, held).install(table))
         for name in ts.whole if ts.kv_groups else ():
             layer = attention.get_submodule(name.removeprefix(prefix))
-            handles.append(KeyValueOfHeads(ts, 0, 0).install(layer))
-        ts.hold(attention, 0)
+            handles.append(KeyValueOfHeads(ts, 0, held).install(layer))
+        ts.hold(attention, held)
     if inputs is None:
         inputs = (token, {})
     else:
         inputs = _without_caches(inputs)
-        if empty:
-            inputs = PerHeadInputs(ts, 0, 0).cut(attention, *inputs) or inputs
+        if held is not None:
+            inputs = PerHeadInputs(ts, 0, held).cut(attention, *inputs) or inputs
     count = _Count()
-    modes = [count, EmptyHeads(ts.packed())] if empty else [count]
+    modes = [count, EmptyHeads(ts.packed())] if held == 0 else [count]
     # The forward is called, not the module (its own hooks would stop the probe): the rank's
     # rows of its per-head parameters are put in place around it here.
-    rows = HeadParameters(ts, 0, 0) if empty else None
+    rows = HeadParameters(ts, 0, held) if held is not None else None
     if rows is not None:
         rows.place(attention)
     try:
@@ -335,11 +340,31 @@ def runs_without_heads(
     num_kv_heads`` divides by zero). Where both fail alike (an input the probe lacks), it
     cannot tell: None. Both run on copies on the meta device
     (:func:`~hetcoll.torch.replay.meta_copy`)."""
-    whole = _probe_run(meta_copy(attention), ts, empty=False, inputs=inputs)
-    none = _probe_run(meta_copy(attention), ts, empty=True, inputs=inputs)
-    if none[0] or (not whole[0] and whole[1] <= none[1]):
+    return _fails_held(attention, ts, 0, inputs)
+
+
+def runs_with_some_heads(attention: nn.Module, ts: TensorSplit) -> str | None:
+    """Why ``attention`` (split as ``ts``) cannot run its forward on a rank holding some of
+    its heads (one unit of them), or None: as :func:`runs_without_heads`, with one unit.
+    Hugging Face's LED decoder attention reshapes its heads' output to its input's width
+    (``embed_dim`` read off the hidden states), which no rank holding part of its heads
+    has."""
+    if ts.units < 2 or ts.norms:  # (the probe does not split a norm over all heads)
         return None
-    return none[2]
+    return _fails_held(attention, ts, 1, None)
+
+
+def _fails_held(
+    attention: nn.Module, ts: TensorSplit, held: int, inputs: tuple[Any, Any] | None
+) -> str | None:
+    """Why a probe forward of ``attention`` holding ``held`` units fails before the unsplit
+    one gets as far, or None (it runs, or both fail alike: an input the probe lacks, where
+    the ops before it may be fewer on fewer heads)."""
+    whole = _probe_run(meta_copy(attention), ts, None, inputs=inputs)
+    part = _probe_run(meta_copy(attention), ts, held, inputs=inputs)
+    if part[0] or (not whole[0] and (whole[1] <= part[1] or whole[2] == part[2])):
+        return None
+    return part[2]
 
 
 def check_empty_heads(

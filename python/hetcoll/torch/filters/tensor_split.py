@@ -25,6 +25,7 @@ from hetcoll.torch.filters.head_probes import (
     probe_packing,
     required_inputs,
     rms_norm_eps,
+    runs_with_some_heads,
     runs_without_heads,
 )
 from hetcoll.torch.filters.heads import TensorSplit
@@ -797,6 +798,7 @@ def plan_tensor_splits(
     kept: dict[str, str] = {}
     claimed: set[str] = set()
     by_layout: list[str] = []  # kept whole for their layout (not for the layers chosen)
+    partial: dict[type, str | None] = {}  # why each attention class cannot run on some heads
     for name, m in model.named_modules():
         if name in claimed or any(name.startswith(c + ".") for c in claimed):
             continue
@@ -815,6 +817,16 @@ def plan_tensor_splits(
             continue
         if found is None:
             continue
+        if found.kind == "attention":
+            # One probe per class (its attentions run one code): a forward that cannot run on
+            # part of its heads (LED's decoder reshapes them to its input's width) stays whole.
+            if type(m) not in partial:
+                partial[type(m)] = runs_with_some_heads(m, found)
+            why = partial[type(m)]
+            if why:
+                kept[name] = f"its forward fails on a rank holding some of its heads ({why})"
+                by_layout.append(name)
+                continue
         missing = [n for n in found.layers() if n not in pool and found.kind != "mha"]
         if missing and found.by_head and all(n in pool for n in found.by_head.layers()):
             # Its key and value left out (shares naming only its query and output
