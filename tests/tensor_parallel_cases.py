@@ -163,28 +163,27 @@ def electra() -> nn.Module:
     ``embeddings_project`` (and ``generator_predictions.dense``) are split layers inside the
     network gathering their outputs, which ``loss_parallel=True`` keeps split until the next
     layer reads them whole; its head tied to its token embedding."""
+    return _masked_lm("ElectraForMaskedLM", "ElectraConfig")
+
+
+def _masked_lm(model: str, config: str) -> nn.Module:
+    """A BERT-family masked language model of Hugging Face's (``model`` and ``config`` by
+    class name): embeddings of 16 features under 24 hidden, 2 layers of 6 heads."""
     import transformers
 
-    config = transformers.ElectraConfig(
+    cfg = getattr(transformers, config)(
         vocab_size=VOCAB, embedding_size=16, hidden_size=24, num_hidden_layers=2,
         num_attention_heads=6, intermediate_size=40, max_position_embeddings=32,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **PLAIN,
     )  # fmt: skip
-    return transformers.ElectraForMaskedLM(config)
+    return getattr(transformers, model)(cfg)
 
 
 def albert() -> nn.Module:
     """Hugging Face ALBERT: one layer shared by its 2 layers (called twice per forward), its
     attention's output projection followed by a norm of the residual sum inside the
     attention module (``LayerNorm``: it runs on the whole output, so the heads split)."""
-    import transformers
-
-    config = transformers.AlbertConfig(
-        vocab_size=VOCAB, embedding_size=16, hidden_size=24, num_hidden_layers=2,
-        num_attention_heads=6, intermediate_size=40, max_position_embeddings=32,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **PLAIN,
-    )  # fmt: skip
-    return transformers.AlbertForMaskedLM(config)
+    return _masked_lm("AlbertForMaskedLM", "AlbertConfig")
 
 
 def mamba() -> nn.Module:

@@ -400,8 +400,9 @@ class _OpCounter(TorchDispatchMode):
         else:
             moved = [*{id(t): t for t in inputs}.values(), *outputs]
         per_sample = fixed = 0.0
-        for t in moved:
-            if self.grows(t):
+        grown = [self.grows(t) for t in moved]
+        for t, grows in zip(moved, grown, strict=True):
+            if grows:
                 per_sample += _tensor_bytes(t)
             else:
                 fixed += _tensor_bytes(t)
@@ -430,7 +431,7 @@ class _OpCounter(TorchDispatchMode):
             )
             if big is not None and self.grows(big):
                 call.elementwise_flops[1 if backward else 0] += big.numel()
-        if flops and not any(self.grows(t) for t in moved):
+        if flops and not any(grown):
             c[5] += flops  # the same whatever the batch: once a step
         else:
             c[0] += flops

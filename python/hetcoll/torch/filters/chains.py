@@ -183,8 +183,18 @@ def _source_reads(module: nn.Module, prefix: str) -> list[str]:
         source = inspect.getsource(type(module))
     except (OSError, TypeError):
         return []
+    return _reads_in([source], module, prefix)
+
+
+def _reads_in(sources: list[str], module: nn.Module, prefix: str) -> list[str]:
+    """The children of ``module`` whose weights ``sources`` (code of its class) use whole
+    (:data:`_SOURCE_READ`), by name under ``prefix``."""
     children = dict(module.named_children())
-    found = {a or b or c for a, b, c in _SOURCE_READ.findall(_TYPE_TEST.sub("", source))}
+    found = {
+        a or b or c
+        for source in sources
+        for a, b, c in _SOURCE_READ.findall(_TYPE_TEST.sub("", source))
+    }
     return [f"{prefix}.{n}" if prefix else n for n in sorted(found) if n in children]
 
 
@@ -195,17 +205,15 @@ def _method_reads(module: nn.Module, prefix: str) -> list[str]:
     ``self.correction_coefs.weight`` in training), and no trace saw them."""
     if type(module).__module__.split(".")[0] == "torch":
         return []
-    children = dict(module.named_children())
-    found: set[str] = set()
+    sources = []
     for name, f in vars(type(module)).items():
         if name in ("forward", "__init__") or not inspect.isfunction(f):
             continue
         try:
-            source = inspect.getsource(f)
+            sources.append(inspect.getsource(f))
         except (OSError, TypeError):
             continue
-        found |= {a or b or c for a, b, c in _SOURCE_READ.findall(_TYPE_TEST.sub("", source))}
-    return [f"{prefix}.{n}" if prefix else n for n in sorted(found) if n in children]
+    return _reads_in(sources, module, prefix)
 
 
 def _traced_chains(module: nn.Module, prefix: str) -> Traced | str:

@@ -56,6 +56,7 @@ from hetcoll.torch.filters.layers import (
     SharedCopy,
     UpstreamCopy,
     is_conv1d,
+    set_attribute,
     split_comms,
     whole_positions,
 )
@@ -704,7 +705,7 @@ def filter_parallel(
                 comm,
                 timeout=timeout,
             )
-            _replace(model, ts.module, mha)
+            set_attribute(model, ts.module, mha)
             continue
         empty_check = None
         if ts.kind == "attention" and 0 in counts:  # a copy of it, before its split
@@ -724,7 +725,7 @@ def filter_parallel(
                 shared_input=upstream[ts.fed_by[name]] if name in ts.fed_by else copy,
                 timeout=timeout,
             )
-            _replace(model, name, column)
+            set_attribute(model, name, column)
             if column.whole:  # the rows every rank holds: each rank's gradient its heads' part
                 at = whole_positions(counts, comm.rank, column.blocks, column.whole)
                 sums.add(column.weight, (column.weight_out_dim, at))
@@ -739,9 +740,9 @@ def filter_parallel(
             split_norm = FilterParallelRMSNorm.from_module(
                 named[norm], eps, counts, comm, blocks=blocks_of[column], timeout=timeout
             )
-            _replace(model, norm, split_norm)
+            set_attribute(model, norm, split_norm)
         row = named[ts.row]
-        _replace(
+        set_attribute(
             model,
             ts.row,
             _linear_class(row).from_module(
@@ -798,14 +799,14 @@ def filter_parallel(
             new = linear
             if name in ties:  # its token embedding, split by vocabulary alike, stays tied
                 emb = ties[name]
-                _replace(
+                set_attribute(
                     model,
                     emb,
                     FilterParallelEmbedding.from_module(
                         named[emb], per_layer[name], comm, weight=linear.weight, timeout=timeout
                     ),
                 )
-        _replace(model, name, new)
+        set_attribute(model, name, new)
     for name, src in bns.items():
         bn = named[name]
         cls = (
@@ -813,7 +814,7 @@ def filter_parallel(
             if isinstance(bn, nn.BatchNorm2d)
             else FilterParallelBatchNorm1d
         )
-        _replace(model, name, cls.from_module(bn, per_layer[src], comm))  # type: ignore[arg-type]
+        set_attribute(model, name, cls.from_module(bn, per_layer[src], comm))  # type: ignore[arg-type]
     _agree_per_forward(model, comm, timeout, owned)
     return model
 
@@ -921,9 +922,3 @@ def _check_flag(value: Any, name: str) -> None:
 
 def _linear_class(m: nn.Module) -> Any:
     return FilterParallelConv1D if is_conv1d(m) else FilterParallelLinear
-
-
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, attr = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, attr, new)

@@ -24,7 +24,7 @@ from torch import nn
 from hetcoll.comm import Communicator
 from hetcoll.torch.filters.autograd import CopyToRanks, ReduceSum, needs_check
 from hetcoll.torch.filters.heads import TensorSplit
-from hetcoll.torch.filters.layers import ChannelSplit, split_runs, take_runs
+from hetcoll.torch.filters.layers import ChannelSplit, set_attribute, split_runs, take_runs
 
 #: The flags Hugging Face's ``use_experts_implementation`` sets on an experts module.
 _FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
@@ -139,12 +139,6 @@ def _stacked_layout(m: nn.Module, experts: int) -> ExpertsLayout | str | None:
     return ExpertsLayout(units, dict.fromkeys(params, spec), counts, "", features)
 
 
-def _set(module: nn.Module, name: str, value: Any) -> None:
-    """``module``'s attribute ``name`` (dotted: a child's) set to ``value``."""
-    owner, _, leaf = name.rpartition(".")
-    setattr(module.get_submodule(owner) if owner else module, leaf, value)
-
-
 def experts_split(name: str, m: nn.Module) -> TensorSplit | str | None:
     """``m`` (at ``name``) as a split by hidden units (:class:`~.heads.TensorSplit` of kind
     ``"experts"``: its units are :data:`ALIGN` hidden units where each expert's hidden units
@@ -215,7 +209,7 @@ def _separable(m: nn.Module, layout: ExpertsLayout) -> str:
             held[n] = t.contiguous()
         c = _holding(m, held)
         for a in layout.counts:
-            _set(c, a, shares[rank])
+            set_attribute(c, a, shares[rank])
         out = type(m).forward(c, x, index, weights)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"its forward returns a {type(out).__name__}, not a tensor")
@@ -296,9 +290,9 @@ class FilterParallelExperts(ChannelSplit):
             for n, (dim, blocks) in layout.params.items():
                 p = module.get_parameter(n)
                 local = take_runs(p, dim, split_runs(shares, comm.rank, blocks)).clone()
-                _set(module, n, nn.Parameter(local, requires_grad=p.requires_grad))
+                set_attribute(module, n, nn.Parameter(local, requires_grad=p.requires_grad))
         for a in layout.counts:
-            _set(module, a, shares[comm.rank])
+            set_attribute(module, a, shares[comm.rank])
         module.local = LocalExperts()
         module.__class__ = derived_class(FilterParallelExperts, type(module), "FilterParallel")
         split: Any = module

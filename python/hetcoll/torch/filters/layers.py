@@ -88,6 +88,13 @@ def whole_positions(
     return out
 
 
+def set_attribute(module: nn.Module, name: str, value: Any) -> None:
+    """``module``'s attribute ``name`` (dotted: a descendant's) set to ``value``: a split
+    layer in place of the model's, a split parameter, a rank's count of hidden units."""
+    owner, _, leaf = name.rpartition(".")
+    setattr(module.get_submodule(owner) if owner else module, leaf, value)
+
+
 def take_runs(t: torch.Tensor, dim: int, runs: list[tuple[int, int]]) -> torch.Tensor:
     """The entries of ``t`` along ``dim`` in ``runs`` (:func:`split_runs`), joined."""
     if len(runs) == 1:
