@@ -458,6 +458,47 @@ def test_a_frozen_backbone_costs_no_weight_gradients() -> None:
     assert allreduce[0] / allreduce[1] == pytest.approx(head / whole, rel=1e-12)
 
 
+def test_frozen_weights_hold_no_gradients_or_optimizer_state_in_any_plan() -> None:
+    # Before: pipelines, filter splits and expert placements held, updated and summed the
+    # frozen backbone's gradients and optimizer state (a LoRA fine-tune's plans were priced
+    # as a full fine-tune's: up to 3x the memory).
+    from hetcoll import Plan
+    from hetcoll.model.predict import filter_parallel_schedule, plan_schedule
+
+    costs = layer_costs(_frozen_backbone(), (3, 8, 8))
+    trainable = layer_costs(_frozen_backbone().requires_grad_(True), (3, 8, 8))
+    backbone = costs.param_bytes - costs.gradient_bytes
+    head = costs.gradient_bytes
+    cluster = cluster_from_dict(
+        {
+            "devices": {"d": {"flops_per_s": 1e12, "mem_bytes_per_s": 1e10, "memory_bytes": 1e12}},
+            "links": {"l": {"latency_s": 0.0, "bytes_per_s": 1e9}},
+            "nodes": [{"name": "a", "device": "d", "count": 4, "link": "l"}],
+            "network": {"link": "l"},
+        }
+    )
+    # Two replicas of a two-stage pipeline: the backbone's stage holds its weights alone; the
+    # head's, weights, gradients, momentum and the buffer the replicas sum gradients in.
+    stages = [{"ranks": [0], "layers": [0, 3]}, {"ranks": [1], "layers": [3, 6]}]
+    other = [{"ranks": [2], "layers": [0, 3]}, {"ranks": [3], "layers": [3, 6]}]
+    plan = Plan.from_dict(
+        {
+            "microbatches": 2,
+            "schedule": "1F1B",
+            "replicas": [{"samples": 4, "stages": stages}, {"samples": 4, "stages": other}],
+        }
+    )
+    laid = plan_schedule(costs, cluster, plan, optimizer_state_copies=1)
+    assert list(laid.state_bytes) == [backbone, 4 * head, backbone, 4 * head]
+    assert list(laid.update_s) == [0.0, 5 * head / 1e10, 0.0, 5 * head / 1e10]
+    # A filter split over 4 devices: each holds a quarter of the backbone's filters, frozen.
+    split = filter_parallel_schedule(costs, cluster, 8, [1, 1, 1, 1])
+    whole = filter_parallel_schedule(trainable, cluster, 8, [1, 1, 1, 1])
+    assert list(whole.memory_bytes - split.memory_bytes) == [2 * backbone / 4] * 4
+    rows = np.array([3, 3, 2, 2])  # the head's 10 outputs, each 8 * 4 * 4 weights and a bias
+    assert split.update_s == pytest.approx(5 * rows * (8 * 4 * 4 + 1) * 4 / 1e10, rel=1e-12)
+
+
 class _Checkpointed(nn.Module):
     """A residual block run under gradient checkpointing (recomputed in the backward)."""
 

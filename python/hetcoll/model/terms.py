@@ -174,11 +174,23 @@ def broadcast_seconds(
     return call_s + rounds * (latency_s + message_bytes / link_bytes_per_s)
 
 
+def training_state_bytes(param_bytes: Num, gradient_bytes: Num, state_copies: int = 1) -> Num:
+    """Bytes a device holds for its parameters between steps: the weights
+    (``param_bytes``), and the gradients and ``state_copies`` optimizer state tensors of
+    those that train (``gradient_bytes``: frozen weights have neither).
+
+    >>> training_state_bytes(100.0, 40.0, state_copies=2)
+    220.0
+    """
+    return param_bytes + gradient_bytes * (1 + state_copies)
+
+
 def optimizer_update_seconds(param_bytes: Num, mem_bytes_per_s: Num, state_copies: int = 1) -> Num:
-    """Seconds of an element-wise optimizer step (memory-bound): it reads weights, gradients and
-    ``state_copies`` state tensors and writes weights and state, ``(3 + 2 s) * param_bytes``
-    bytes (SGD s=0, SGD with momentum s=1, Adam s=2). Not in PyDTNN (its model ends at the
-    allreduce); measurable on small CNNs, whose update moves more bytes than a GEMM.
+    """Seconds of an element-wise optimizer step (memory-bound) on the ``param_bytes`` of
+    weights that train: it reads weights, gradients and ``state_copies`` state tensors and
+    writes weights and state, ``(3 + 2 s) * param_bytes`` bytes (SGD s=0, SGD with momentum
+    s=1, Adam s=2). Not in PyDTNN (its model ends at the allreduce); measurable on small CNNs,
+    whose update moves more bytes than a GEMM.
 
     >>> optimizer_update_seconds(1e9, 5e9, state_copies=1)
     1.0

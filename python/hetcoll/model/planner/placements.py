@@ -88,8 +88,14 @@ def node_wise_candidates(
     link = sub.ring_link()
     bw = link.bytes_per_s if math.isfinite(link.bytes_per_s) else 1e30
     param_elems = {name: model.get_submodule(name).weight[0].numel() for name, _, _ in h.layers}
+    # the share of each placed layer's weights that trains (frozen weights: no gradient)
+    trains = {x.name: x.gradient_bytes / x.param_bytes for x in costs.layers if x.param_bytes > 0}
     placed = sum(param_elems[name] * count for name, _, count in h.layers) * costs.itemsize
+    placed_trained = sum(
+        param_elems[name] * count * trains.get(name, 1.0) for name, _, count in h.layers
+    )
     rest = max(costs.param_bytes - placed, 0.0)
+    rest_trained = max(costs.gradient_bytes - placed_trained * costs.itemsize, 0.0)
     loss_s = float(
         terms.ring_allreduce_seconds(
             8.0,
@@ -175,25 +181,30 @@ def node_wise_candidates(
             # rest (BatchNorm and the like, per channel too) in proportion; activations kept:
             # its share of the work times the batch (GPipe keeps every micro-batch).
             work = np.zeros(k)
-            owned = np.zeros(k)
+            owned, trained = np.zeros(k), np.zeros(k)
             for name, first, count in h.layers:
                 who = np.asarray(owners[str(index[name])])
                 work += np.bincount(
                     who, weights=h.vertex_weights[first : first + count], minlength=k
                 )
-                owned += np.bincount(who, minlength=k) * param_elems[name] * costs.itemsize
+                mine = np.bincount(who, minlength=k) * param_elems[name] * costs.itemsize
+                owned += mine
+                trained += mine * trains.get(name, 1.0)
             launches = np.zeros((k, 2))
             for name, _, _ in h.layers:
                 launches[np.unique(owners[str(index[name])])] += kernels.get(name, np.zeros(2))
             extra = (launches * overhead).sum(axis=1) * m
             frac = work / max(work.sum(), 1e-30)
             owned += rest * frac
+            trained += rest_trained * frac
             update = np.asarray(
                 terms.optimizer_update_seconds(
-                    owned, np.array([d.mem_bytes_per_s for d in sub.devices]), s
+                    trained, np.array([d.mem_bytes_per_s for d in sub.devices]), s
                 )
             )
-            mem = owned * (2 + s) + frac * batch * costs.saved_bytes_per_sample()
+            mem = terms.training_state_bytes(owned, trained, s) + (
+                frac * batch * costs.saved_bytes_per_sample()
+            )
             step = run.step_s + float(extra.max()) + loss_s + float(update.max())
             crit = int(np.argmax(np.asarray(run.compute_s[:k]) + extra))
             breakdown = {
@@ -279,7 +290,7 @@ def node_wise_candidates(
         rows.append(
             {
                 "strategy": "data parallel",
-                "bytes_per_step": int(2 * (k - 1) * costs.param_bytes),
+                "bytes_per_step": int(2 * (k - 1) * costs.gradient_bytes),
                 "load_balance": terms.load_balance(dp_shares, rates),
                 "step_s": dp.step_s,
                 "plan": f"data parallel, balanced{suffix}",

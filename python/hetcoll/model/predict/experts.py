@@ -249,7 +249,7 @@ def expert_parallel_schedule(
     names = [x.name for x in costs.layers]
     placed: dict[str, list[int] | list[list[int]]] = {}
     groups: list[tuple[int, int, float, float, float, float]] = []
-    expert_bytes = np.zeros(p)
+    expert_bytes, expert_trained = np.zeros(p), np.zeros(p)
     timed: dict[tuple[float, ...], LayerSeconds] = {}
     for block in costs.experts:
         held = placement(block, experts, p)
@@ -270,26 +270,25 @@ def expert_parallel_schedule(
             mine[rows] = theirs[rows]
         counts, a2a = exchange_seconds(block, b, frac, link, item)
         groups.append((rows[0], rows[-1], counts + a2a, a2a, a2a, a2a))
-        expert_bytes += (
-            sum(costs.layers[i].param_bytes for i in rows)
-            * np.array([len(h) for h in held])
-            / block.experts
-        )
+        share = np.array([len(h) for h in held]) / block.experts
+        expert_bytes += sum(costs.layers[i].param_bytes for i in rows) * share
+        expert_trained += sum(costs.layers[i].gradient_bytes for i in rows) * share
     layers = LayerSeconds(*arrays)
     held_names = set(placed)
     replicated = replace(
         costs,
         layers=tuple(
-            replace(x, param_bytes=0.0) if x.name in held_names else x for x in costs.layers
+            replace(x, param_bytes=0.0, frozen_bytes=0.0) if x.name in held_names else x
+            for x in costs.layers
         ),
     )
     buckets = timed_buckets(replicated, cluster, b, first_bucket_bytes, bucket_bytes)
-    own = replicated.param_bytes + expert_bytes
+    own = replicated.gradient_bytes + expert_trained
     update = terms.optimizer_update_seconds(own, dev.mem_bytes_per_s, optimizer_state_copies)
     memory = (
         _memory_common(replicated, optimizer_state_copies)
-        + replicated.param_bytes
-        + expert_bytes * (2 + optimizer_state_copies)
+        + replicated.gradient_bytes  # DDP's bucket copy of the replicated gradients
+        + terms.training_state_bytes(expert_bytes, expert_trained, optimizer_state_copies)
         + b * costs.saved_bytes_per_sample()
     )
     return ExpertParallelSchedule(

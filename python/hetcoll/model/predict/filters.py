@@ -331,10 +331,12 @@ def filter_parallel_schedule(
         phi[emb, :] = phi[head]
     # phi is 1 for replicated layers: each device owns its filters' weights and all the rest.
     owned = (np.array([x.param_bytes for x in costs.layers])[:, None] * phi).sum(axis=0)
+    trained = (np.array([x.gradient_bytes for x in costs.layers])[:, None] * phi).sum(axis=0)
     opt = np.asarray(
-        terms.optimizer_update_seconds(owned, dev.mem_bytes_per_s, optimizer_state_copies)
+        terms.optimizer_update_seconds(trained, dev.mem_bytes_per_s, optimizer_state_copies)
     )
-    mem = owned * (2 + optimizer_state_copies) + batch * costs.saved_bytes_per_sample()
+    mem = np.asarray(terms.training_state_bytes(owned, trained, optimizer_state_copies))
+    mem = mem + batch * costs.saved_bytes_per_sample()
     if not filters_of and not block_of and n_dev > 1:
         reason = "the model has no conv or linear layer to split"
     else:

@@ -278,11 +278,15 @@ def layout_schedule(
                 update[d] = any_work.update_s[j]
                 if experts is not None:
                     # A rank holds its replica's experts only (one rank a stage).
-                    owned = sum(x.param_bytes for x in costs.layers[stage.lo : stage.hi])
-                    owned += experts.owned_delta(s, r)
-                    state[d] = owned * (2 + state_copies)
+                    layers = costs.layers[stage.lo : stage.hi]
+                    less, less_trained = experts.owned_delta(s, r)
+                    owned = sum(x.param_bytes for x in layers) + less
+                    trained = sum(x.gradient_bytes for x in layers) + less_trained
+                    state[d] = float(terms.training_state_bytes(owned, trained, state_copies))
                     update[d] = float(
-                        terms.optimizer_update_seconds(owned, dev.mem_bytes_per_s[d], state_copies)
+                        terms.optimizer_update_seconds(
+                            trained, dev.mem_bytes_per_s[d], state_copies
+                        )
                     )
                 activations[d] = any_work.saved_per_sample * kept
                 prog = programs[local[d]]
@@ -369,7 +373,7 @@ def layout_schedule(
             mask[np.concatenate(parts)] = True
             held = np.flatnonzero(mask)
             nbytes = sum(
-                costs.layers[i].param_bytes
+                costs.layers[i].gradient_bytes
                 for i in range(a, b)
                 if experts is None or i not in experts.rows
             )

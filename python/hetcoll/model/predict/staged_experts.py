@@ -41,6 +41,7 @@ class _Placed:
     held: list[list[int]]
     frac: np.ndarray
     param_bytes: float
+    gradient_bytes: float
 
 
 class StagedExperts:
@@ -83,6 +84,7 @@ class StagedExperts:
                     held,
                     fractions(block, held, checked),
                     float(sum(costs.layers[i].param_bytes for i in rows)),
+                    float(sum(costs.layers[i].gradient_bytes for i in rows)),
                 )
             )
         self.rows = frozenset(i for p in self.placed for i in p.rows)
@@ -133,12 +135,13 @@ class StagedExperts:
         e receive in micro-batch k (every replica's, by its experts' share)."""
         return self._at(float(self._micro[:, k].sum() * self.placed[e].frac[r]))
 
-    def owned_delta(self, s: int, r: int) -> float:
-        """Parameter bytes replica r's rank of stage s does not hold: the others' experts."""
-        return -sum(
-            p.param_bytes * (1.0 - len(p.held[r]) / p.block.experts)
-            for p in self.placed
-            if p.stage == s
+    def owned_delta(self, s: int, r: int) -> tuple[float, float]:
+        """Parameter bytes, and bytes of those that train, replica r's rank of stage s does
+        not hold: the others' experts."""
+        parts = [(p, 1.0 - len(p.held[r]) / p.block.experts) for p in self.placed if p.stage == s]
+        return (
+            -sum(p.param_bytes * f for p, f in parts),
+            -sum(p.gradient_bytes * f for p, f in parts),
         )
 
     def causes_delta(self, s: int, r: int, k: int, kind: int, own: LayerSeconds) -> np.ndarray:

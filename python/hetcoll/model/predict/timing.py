@@ -488,8 +488,7 @@ def _check_shares(shares: Sequence[int], num_devices: int, argument: str = "shar
 
 
 def _memory_common(costs: ModelCosts, state_copies: int) -> float:
-    # weights, and the gradients and optimizer state of those that train
-    return costs.param_bytes + costs.gradient_bytes * (1 + state_copies)
+    return float(terms.training_state_bytes(costs.param_bytes, costs.gradient_bytes, state_copies))
 
 
 def memory_shortfall(mem: np.ndarray, devices: Sequence[Any]) -> str:

@@ -82,6 +82,7 @@ def stage_work(
         lt, column = times(batch)  # per kind of device, and each device's kind
         c = column[d]
         owned = float(sum(x.param_bytes for x in costs.layers[lo:hi]))
+        trained = float(sum(x.gradient_bytes for x in costs.layers[lo:hi]))
         mem_bw = cluster.devices[d].mem_bytes_per_s
         fwd_s, bwd_s = lt.forward_s[lo:hi, c], lt.backward_s[lo:hi, c]
         fwd_parts = tuple((lo + i, float(t), "F") for i, t in enumerate(fwd_s))
@@ -96,9 +97,9 @@ def stage_work(
                     [lt.overhead_s[lo:hi, c].sum()],
                 ]
             ),
-            np.array([owned * (2 + state_copies)]),
+            np.array([float(terms.training_state_bytes(owned, trained, state_copies))]),
             float(sum(x.saved_bytes_per_sample for x in costs.layers[lo:hi])),
-            np.array([float(terms.optimizer_update_seconds(owned, mem_bw, state_copies))]),
+            np.array([float(terms.optimizer_update_seconds(trained, mem_bw, state_copies))]),
         )
     assert stage.modes is not None
     sub = replace(
