@@ -621,3 +621,42 @@ def test_fresh_tensors_above_32_mib_cost_their_first_touch_on_a_cpu() -> None:
     assert "first_touch_bytes_per_s = 2e+09" in dumps_cluster(cluster)
     with pytest.raises(ValueError, match="first_touch_bytes_per_s"):
         replace(gpu, first_touch_bytes_per_s=-1.0)
+
+
+class _WithUnused(nn.Module):
+    """Blocks of which each holds a projection its forward never calls (as Longformer's
+    global-attention projections without global tokens), and a root weight never read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"used": nn.Linear(8, 8), "spare": nn.Linear(8, 8)}) for _ in range(2)
+        )
+        self.mask_embedding = nn.Parameter(torch.zeros(8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block["used"](x))
+        return self.head(x)
+
+
+def test_parameters_the_forward_never_reads_are_held_without_gradients() -> None:
+    # Before: they were in no layer (the costs' parameter count short of the model's, and no
+    # device held their bytes).
+    model = _WithUnused()
+    costs = layer_costs(model, (8,))
+    assert costs.params == sum(p.numel() for p in model.parameters())
+    spare = (8 * 8 + 8) * 4
+    by = {x.name: x for x in costs.layers}
+    for i in range(2):
+        # the block's used projection: its sibling's weights, which never get a gradient
+        x = by[f"blocks.{i}.used"]
+        assert (x.param_bytes, x.frozen_bytes, x.gradient_bytes) == (2 * spare, spare, spare)
+    assert costs.gradient_bytes == costs.param_bytes - 2 * spare - 8 * 4
+    assert any("5 parameters are not used" in n for n in costs.notes)
+    # A pipeline stage holding the second block holds its spare projection's weights.
+    cut = costs.plan_layers.index("blocks.1.used")
+    assert sum(x.param_bytes for x in costs.layers[costs.plan_layer_of.index(cut) :]) == (
+        2 * spare + (8 * 3 + 3) * 4
+    )

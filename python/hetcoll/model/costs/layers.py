@@ -210,7 +210,13 @@ def layer_costs(
         )
     unused = set(param_of) - {n for c in counter.calls for n in c.params}
     if unused:
-        notes.append(f"{len(unused)} parameters are not used by the forward pass")
+        notes.append(
+            f"{len(unused)} parameters are not used by the forward pass: held, as weights "
+            "without gradients, by the layer of the module they belong to"
+        )
+        layers = _holding_unused(
+            layers, {n: param_of[n] for n in sorted(unused)}, type(model).__name__
+        )
     if not layers or sum(x.forward_flops(1) for x in layers) == 0:
         notes.append("no costed layers found")
     leaves = [id(c.module) for c in counter.calls if c.leaf]
@@ -239,6 +245,40 @@ def layer_costs(
     )
     costs = _with_plan_layers(costs, model)
     return costs if precision == "fp32" else costs.at_precision(precision)
+
+
+def _holding_unused(
+    layers: list[LayerCost], unused: dict[str, torch.Tensor], root: str
+) -> list[LayerCost]:
+    """``layers`` with the parameters the forward never reads (Longformer's global-attention
+    projections without global tokens, XLNet's segment weights) added to the layer of the
+    nearest module that runs (the most leading path components in common, an ancestor before
+    a sibling; else the first layer): every device holding that layer holds them, and, never
+    given a gradient, they are neither summed nor updated."""
+    out = list(layers)
+    for name, p in unused.items():
+        path = name.split(".")
+        owner, best = 0, (0, False)
+        for i, x in enumerate(out):
+            # (the root's own ops are named after its type)
+            theirs = [] if x.own_ops and x.name == root else x.name.split(".")
+            common = 0
+            for a, b in zip(path, theirs):
+                if a != b:
+                    break
+                common += 1
+            key = (common, common == len(theirs))
+            if key > best:
+                owner, best = i, key
+        nbytes = float(p.numel() * p.element_size())
+        x = out[owner]
+        out[owner] = replace(
+            x,
+            params=x.params + p.numel(),
+            param_bytes=x.param_bytes + nbytes,
+            frozen_bytes=x.frozen_bytes + nbytes,
+        )
+    return out
 
 
 def _with_traced_launches(
