@@ -48,6 +48,9 @@ def seconds_per_sample(costs: ModelCosts, cluster: Cluster, d: int, batch: int) 
     return _kind_seconds_per_sample(costs, cluster.devices[d], batch)
 
 
-def flops_rate(costs: ModelCosts, seconds_per_sample: float) -> float:
-    """FLOP/s of a device that trains one sample in ``seconds_per_sample``."""
-    return (costs.forward_flops(1) + costs.backward_flops(1)) / max(seconds_per_sample, 1e-30)
+def flops_rate(costs: ModelCosts, seconds_per_sample: float, batch: int) -> float:
+    """FLOP/s of a device that trains one sample in ``seconds_per_sample`` at ``batch``
+    samples (work done once a step whatever the batch, a constant table's, shared among
+    them as in :func:`per_sample_seconds`)."""
+    flops = costs.forward_flops(batch) + costs.backward_flops(batch)
+    return flops / batch / max(seconds_per_sample, 1e-30)

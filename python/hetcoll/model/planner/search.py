@@ -358,7 +358,10 @@ def _replicated_pipelines(
                 link = cluster.link_between(int(r[0, 0, 0]), int(r[0, 1, 0])) if n_st > 1 else None
                 bw = link.bytes_per_s if link and math.isfinite(link.bytes_per_s) else None
                 ranges = predict.chain_stages(
-                    costs, [g * flops_rate(costs, per_sample[int(r[0, 0, 0])])] * n_st, micro, bw
+                    costs,
+                    [g * flops_rate(costs, per_sample[int(r[0, 0, 0])], batch)] * n_st,
+                    micro,
+                    bw,
                 )
                 # A stage without layers: the same as fewer stages, costed there.
                 cuts[k, micro] = None if any(a == e for a, e in ranges) else ranges
