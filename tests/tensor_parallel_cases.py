@@ -186,6 +186,40 @@ def albert() -> nn.Module:
     return _masked_lm("AlbertForMaskedLM", "AlbertConfig")
 
 
+def mpnet() -> nn.Module:
+    """Hugging Face MPNet: its relative-position bias (one embedding of a column per head, at
+    the encoder, its output handed to every layer's attention) is learned outside the split
+    attentions."""
+    return _masked_lm("MPNetForMaskedLM", "MPNetConfig")
+
+
+class BeitOnIds(nn.Module):
+    """Hugging Face BEiT (a relative-position bias table of a column per head in each layer,
+    its output handed to the attention as its mask) classifying a 14 x 14 image made of the
+    token ids (a fixed projection), its classes read as a logit per token:
+    :func:`loss_of`'s language-model loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.BeitConfig(
+            hidden_size=24, num_hidden_layers=2, num_attention_heads=6, intermediate_size=40,
+            image_size=14, patch_size=7, num_channels=3, use_relative_position_bias=True,
+            use_mean_pooling=True, layer_scale_init_value=0.1, drop_path_rate=0.0,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            num_labels=SEQ * VOCAB, attn_implementation="eager",
+        )  # fmt: skip
+        self.beit = transformers.BeitForImageClassification(cfg)
+        self.register_buffer("pixels", torch.randn(VOCAB, 3 * 14 * 14 // SEQ))
+
+    def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
+        onehot = nn.functional.one_hot(input_ids, VOCAB).to(self.pixels.dtype)
+        image = (onehot @ self.pixels).reshape(len(input_ids), 3, 14, 14)
+        logits = self.beit(pixel_values=image).logits
+        return SimpleNamespace(logits=logits.reshape(len(input_ids), SEQ, VOCAB))
+
+
 def mamba() -> nn.Module:
     """Hugging Face Mamba: no attention; its mixer's forward, which torch.fx cannot trace,
     reads ``self.dt_proj.weight`` itself (and, on its fused kernels' path, ``x_proj``'s and
@@ -597,8 +631,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / max(float(b.abs().max()), 1e-30))
 
 
-#: Separate key projections' biases (BERT's, OPT's): see :func:`close`.
-KEY_BIASES = ("key.bias", "k_proj.bias")
+#: Separate key projections' biases (BERT's, OPT's, MPNet's): see :func:`close`.
+KEY_BIASES = ("key.bias", "k_proj.bias", "attn.k.bias")
 
 
 #: The tolerance :func:`close` holds to (:func:`tolerance` widens it for a model computing
@@ -1335,6 +1369,8 @@ def architectures(group: Any) -> dict[str, Any]:
             ("dbrx", dbrx),
             ("albert", albert),
             ("stablelm_gqa", lambda: stablelm_head_norms(kv_heads=2)),
+            ("mpnet", mpnet),
+            ("beit", BeitOnIds),
         ),
     )
 

@@ -158,6 +158,14 @@ def test_gloo_architectures_split_by_heads_equal_unsplit():
     # StableLM's per-head norms split by query head (2 key/value groups on 3 ranks): each
     # rank's key norms are those of the key/value head each of its query heads reads.
     assert r["stablelm_gqa_gathers"] == ["lm_head"] and r["stablelm_gqa_split"] == 2 * 5
+    # A learned bias per head made outside the attention and handed to it: MPNet's (one
+    # embedding at the encoder for every layer) and BEiT's (each layer's table, given as the
+    # attention's mask). Every rank computes it whole from its tables, held whole, and reads
+    # its heads; the tables' gradients, each rank's its heads' part, are summed (the first
+    # forward raised ValueError).
+    assert r["mpnet_gathers"] == ["lm_head.dense"] and r["mpnet_split"] == 2 * 6
+    patches = "beit.beit.embeddings.patch_embeddings.projection"
+    assert r["beit_gathers"] == [patches, "beit.classifier"] and r["beit_split"] == 2 * 6
 
 
 @pytest.mark.multiproc
@@ -1052,6 +1060,24 @@ def test_inputs_per_head_are_cut_to_the_ranks_heads():
         "needs its gradient",
     ):
         cut.cut(nn.Identity(), (x,), {"bias": bias.requires_grad_()})
+    # Unless it is made of tables of a column per head alone, held whole (MPNet's, BEiT's):
+    # then their gradients are summed over the ranks.
+    table = nn.Embedding(9, 6)
+    hidden = nn.Linear(24, 6)
+    wide = nn.Parameter(torch.randn(5, 5))
+    positional = nn.Parameter(torch.randn(5, 24))  # the hidden states' own parameters
+    held = [("table", table.weight), ("wide", wide), ("positional", positional)]
+    whole = {id(p): (n, p) for n, p in [*held, *hidden.named_parameters()]}
+    summed: list[torch.Tensor] = []
+    learned = PerHeadInputs(ts, 1, 2, lambda: (whole, summed.append))
+    positions = torch.randint(0, 9, (5, 5))
+    bias = table(positions).permute(2, 0, 1).unsqueeze(0).expand(2, 6, 5, 5)
+    (_, kwargs) = learned.cut(nn.Identity(), (x,), {"bias": bias})
+    assert torch.equal(kwargs["bias"], bias[:, 2:6]) and summed == [table.weight]
+    states = hidden(x + positional).transpose(1, 2).unsqueeze(-1).expand(2, 6, 5, 5)
+    for made in (states, bias + wide):
+        with pytest.raises(ValueError, match="needs its gradient"):
+            learned.cut(nn.Identity(), (x,), {"bias": made})
 
 
 def test_t5_attentions_split_by_heads_reading_their_tables_columns():

@@ -137,6 +137,11 @@ class GradientSums:
         param.register_hook(_KeepPart(self, len(self.params) - 1))
         param.register_post_accumulate_grad_hook(_Accumulated(self, len(self.params) - 1))
 
+    def add_once(self, param: torch.Tensor) -> None:
+        """:meth:`add` ``param`` (all its entries) unless it is added already."""
+        if not any(ref() is param for ref in self.params):
+            self.add(param)
+
     def keep(self, index: int, grad: torch.Tensor) -> torch.Tensor:
         """The hook of parameter ``index``: keep this rank's part, give autograd zeros there."""
         rows = self.rows[index]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -690,6 +691,18 @@ def filter_parallel(
     _agree_on_plan(comm, chosen, modes, per_layer, shared, timeout)
 
     sums = GradientSums.of(comm, timeout)  # the whole parameters' gradients, summed per backward
+    before = {id(p): tuple(p.shape) for p in model.parameters()}
+    home = weakref.ref(model)
+
+    def held_whole() -> tuple[dict[int, tuple[str, nn.Parameter]], Callable[..., None]]:
+        # The parameters the split left as they were (same tensor, same shape), once split.
+        m = home()
+        assert m is not None  # asked by its own forward
+        whole = {
+            id(p): (n, p) for n, p in m.named_parameters() if before.get(id(p)) == tuple(p.shape)
+        }
+        return whole, sums.add_once
+
     for ts, counts in splits:
         if ts.kind == "experts":  # in place: the module keeps its class's forward and kernels
             FilterParallelExperts.convert(
@@ -760,7 +773,7 @@ def filter_parallel(
             sums.add(model.get_parameter(pn))
         if ts.kind == "attention":
             first = sum(counts[: comm.rank])
-            PerHeadInputs(ts, first, counts[comm.rank]).install(module)
+            PerHeadInputs(ts, first, counts[comm.rank], held_whole).install(module)
             for table in ts.tables:
                 HeadColumns(ts, first, counts[comm.rank]).install(named[table])
             if ts.head_params or ts.key_params:

@@ -8,7 +8,7 @@ projection's output is read as its layout was found (:class:`PackedLayoutGuard`,
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -378,23 +378,68 @@ class KeyValueOfHeads:
         return output.index_select(-1, self.index)
 
 
+def per_head_tables(
+    t: torch.Tensor, heads: int, whole: dict[int, tuple[str, nn.Parameter]]
+) -> list[tuple[str, nn.Parameter]] | None:
+    """The parameters ``t`` is computed from, by name, where every one is a table of a row or
+    column per head (a dimension of ``heads``) among ``whole`` (the model's parameters every
+    rank holds whole, by id) and ``t`` reads no other tensor that needs a gradient: a learned
+    bias per head made of its tables alone (MPNet's relative-position bias, one embedding at
+    the encoder for every layer; BEiT's table of a column per head). None otherwise (a bias
+    computed from the hidden states, a parameter without a dimension per head)."""
+    found: dict[int, tuple[str, nn.Parameter]] = {}
+    seen: set[int] = set()
+    stack = [t.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if len(seen) > 10_000:  # a graph this deep is not a table's lookup
+            return None
+        leaf = getattr(fn, "variable", None)  # AccumulateGrad: a tensor that needs a gradient
+        if leaf is not None:
+            if id(leaf) not in whole or heads not in leaf.shape:
+                return None
+            found[id(leaf)] = whole[id(leaf)]
+            continue
+        stack.extend(f for f, _ in fn.next_functions)
+    return sorted(found.values(), key=lambda x: x[0]) or None
+
+
 class PerHeadInputs:
     """An attention's inputs that count every head of the unsplit attention, cut to the rank's
     heads before each forward: a tensor of ``batch x heads`` rows (BLOOM's ``alibi``, 3-D), a
     3-D one of ``(heads, ...)`` (MPT's ``position_bias``, the batch's rows alike) or a 4-D one
-    of ``(batch, heads, ...)`` (a bias per head). One that needs a gradient (a
-    learned bias) would need its other heads' gradients from the other ranks: it raises
-    ``ValueError`` naming the attention and the input, on every rank alike (the ranks agree on
-    the model's input shapes first), before any reduction of the block; except where it comes
-    from an attention of its class holding its heads alike (:attr:`TensorSplit.heads_with`:
-    T5's position bias, computed from a table held whole, its gradient summed), which hands
-    it over already cut (or whole, where the rank holds every head)."""
+    of ``(batch, heads, ...)`` (a bias per head).
 
-    def __init__(self, ts: TensorSplit, first: int, count: int) -> None:
+    One that needs a gradient (a learned bias) has, on each rank, its heads' part of the
+    gradient: where it is computed from tables of a row or column per head alone
+    (:func:`per_head_tables`: MPNet's and BEiT's relative-position biases, made outside the
+    attention and handed to it), every rank computes it whole from those tables, held whole,
+    and their gradients are summed over the ranks after each backward (``shared``: registered
+    once, at the first forward, alike on every rank). Any other raises ``ValueError`` naming
+    the attention and the input, on every rank alike (the ranks agree on the model's input
+    shapes first), before any reduction of the block. One that comes from an attention of its
+    class holding its heads alike (:attr:`TensorSplit.heads_with`: T5's position bias,
+    computed from a table held whole, its gradient summed) is handed over already cut (or
+    whole, where the rank holds every head)."""
+
+    def __init__(
+        self,
+        ts: TensorSplit,
+        first: int,
+        count: int,
+        shared: Callable[[], tuple[dict[int, tuple[str, nn.Parameter]], Callable[..., None]]]
+        | None = None,
+    ) -> None:
         self.ts = ts
         self.heads = ts.heads()
         per_unit = ts.width // ts.head_dim if ts.head_dim else 1
         self.lo, self.hi = first * per_unit, (first + count) * per_unit  # the rank's heads
+        #: The model's parameters held whole (by id) and what sums a parameter's gradient over
+        #: the ranks, asked for at the first learned bias (after the whole model's split).
+        self.shared = shared
 
     def install(self, attention: nn.Module) -> None:
         attention.register_forward_pre_hook(self.cut, with_kwargs=True)
@@ -410,7 +455,13 @@ class PerHeadInputs:
         )
         if not rows and not heads_first and not (t.dim() == 4 and t.shape[1] == h):
             return None
-        if t.requires_grad and not self.ts.heads_with:
+        tables = None
+        if t.requires_grad and not self.ts.heads_with and self.shared is not None:
+            whole, add = self.shared()
+            tables = per_head_tables(t, h, whole)
+            for _, table in tables or ():
+                add(table)
+        if t.requires_grad and not self.ts.heads_with and tables is None:
             raise ValueError(
                 f"filter_parallel: attention {self.ts.module!r} is given {what} of shape "
                 f"{tuple(t.shape)}, which counts all {h} of its heads and needs its gradient "
