@@ -193,31 +193,64 @@ def mpnet() -> nn.Module:
     return _masked_lm("MPNetForMaskedLM", "MPNetConfig")
 
 
-class BeitOnIds(nn.Module):
-    """Hugging Face BEiT (a relative-position bias table of a column per head in each layer,
-    its output handed to the attention as its mask) classifying a 14 x 14 image made of the
-    token ids (a fixed projection), its classes read as a logit per token:
-    :func:`loss_of`'s language-model loss."""
+class ImageOnIds(nn.Module):
+    """A Hugging Face image classifier (``classifier``, of ``SEQ * VOCAB`` classes) run on a
+    ``size`` x ``size`` image made of the token ids (a fixed projection), its classes read as
+    a logit per token: :func:`loss_of`'s language-model loss."""
 
-    def __init__(self) -> None:
+    def __init__(self, classifier: nn.Module, size: int) -> None:
         super().__init__()
-        import transformers
-
-        cfg = transformers.BeitConfig(
-            hidden_size=24, num_hidden_layers=2, num_attention_heads=6, intermediate_size=40,
-            image_size=14, patch_size=7, num_channels=3, use_relative_position_bias=True,
-            use_mean_pooling=True, layer_scale_init_value=0.1, drop_path_rate=0.0,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-            num_labels=SEQ * VOCAB, attn_implementation="eager",
-        )  # fmt: skip
-        self.beit = transformers.BeitForImageClassification(cfg)
-        self.register_buffer("pixels", torch.randn(VOCAB, 3 * 14 * 14 // SEQ))
+        self.classifier, self.size = classifier, size
+        self.register_buffer("pixels", torch.randn(SEQ * VOCAB, 3 * size * size))
 
     def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
-        onehot = nn.functional.one_hot(input_ids, VOCAB).to(self.pixels.dtype)
-        image = (onehot @ self.pixels).reshape(len(input_ids), 3, 14, 14)
-        logits = self.beit(pixel_values=image).logits
+        onehot = nn.functional.one_hot(input_ids, VOCAB).to(self.pixels.dtype).flatten(1)
+        image = (onehot @ self.pixels).reshape(len(input_ids), 3, self.size, self.size)
+        logits = self.classifier(pixel_values=image).logits
         return SimpleNamespace(logits=logits.reshape(len(input_ids), SEQ, VOCAB))
+
+
+def beit() -> nn.Module:
+    """Hugging Face BEiT: a relative-position bias table of a column per head in each layer,
+    outside its attention, its output handed to the attention as its mask."""
+    import transformers
+
+    cfg = transformers.BeitConfig(
+        hidden_size=24, num_hidden_layers=2, num_attention_heads=6, intermediate_size=40,
+        image_size=14, patch_size=7, num_channels=3, use_relative_position_bias=True,
+        use_mean_pooling=True, layer_scale_init_value=0.1, drop_path_rate=0.0,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=SEQ * VOCAB,
+        attn_implementation="eager",
+    )  # fmt: skip
+    return ImageOnIds(transformers.BeitForImageClassification(cfg), 14)
+
+
+def swin() -> nn.Module:
+    """Hugging Face Swin: each attention adds a bias per head from a table of a column per
+    head, looked up at the window's positions by a child module called without inputs
+    (``relative_position_bias``: 1 x heads x window x window)."""
+    import transformers
+
+    cfg = transformers.SwinConfig(
+        image_size=16, patch_size=2, num_channels=3, embed_dim=12, depths=[1, 1],
+        num_heads=[3, 6], window_size=4, drop_path_rate=0.0, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, num_labels=SEQ * VOCAB, attn_implementation="eager",
+    )  # fmt: skip
+    return ImageOnIds(transformers.SwinForImageClassification(cfg), 16)
+
+
+def swinv2() -> nn.Module:
+    """Hugging Face Swin v2: each attention scales its cosine scores by a learned number per
+    head (``logit_scale``, heads x 1 x 1) and adds a bias per head made by an MLP of its own
+    on a constant table of coordinates (``continuous_position_bias_mlp``: 2 -> 512 -> heads)."""
+    import transformers
+
+    cfg = transformers.Swinv2Config(
+        image_size=16, patch_size=2, num_channels=3, embed_dim=12, depths=[1, 1],
+        num_heads=[3, 6], window_size=4, drop_path_rate=0.0, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, num_labels=SEQ * VOCAB,
+    )  # fmt: skip
+    return ImageOnIds(transformers.Swinv2ForImageClassification(cfg), 16)
 
 
 def mamba() -> nn.Module:
@@ -1370,7 +1403,9 @@ def architectures(group: Any) -> dict[str, Any]:
             ("albert", albert),
             ("stablelm_gqa", lambda: stablelm_head_norms(kv_heads=2)),
             ("mpnet", mpnet),
-            ("beit", BeitOnIds),
+            ("beit", beit),
+            ("swinv2", swinv2),
+            ("swin", swin),
         ),
     )
 

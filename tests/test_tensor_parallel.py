@@ -164,8 +164,22 @@ def test_gloo_architectures_split_by_heads_equal_unsplit():
     # its heads; the tables' gradients, each rank's its heads' part, are summed (the first
     # forward raised ValueError).
     assert r["mpnet_gathers"] == ["lm_head.dense"] and r["mpnet_split"] == 2 * 6
-    patches = "beit.beit.embeddings.patch_embeddings.projection"
-    assert r["beit_gathers"] == [patches, "beit.classifier"] and r["beit_split"] == 2 * 6
+    patches = "classifier.beit.embeddings.patch_embeddings.projection"
+    assert r["beit_gathers"] == [patches, "classifier.classifier"] and r["beit_split"] == 2 * 6
+    # Swin v2's attentions: a learned number per head (logit_scale, heads x 1 x 1) read at
+    # the rank's heads, and an MLP of its own making a bias per head (held whole, its output
+    # read at the rank's heads' columns, its gradients summed). They stayed whole before.
+    # (Its MLPs gather: its layers' forwards are not traced.)
+    assert r["swinv2_split"] == 2 * 4
+    assert not any(n.endswith(("query", "key", "value")) for n in r["swinv2_gathers"])
+    # Swin's (v1) table of a column per head, looked up by a child called without inputs
+    # (1 x heads x window x window): its output is read at the rank's heads, dimension 1.
+    assert r["swin_gathers"] == [
+        "classifier.classifier",
+        "classifier.swin.embeddings.patch_embeddings.projection",
+        "classifier.swin.encoder.layers.0.downsample.reduction",
+    ]
+    assert r["swin_split"] == 2 * 6
 
 
 @pytest.mark.multiproc
@@ -1322,3 +1336,28 @@ def test_a_layer_keeping_whole_rows_checks_them():
         )
     with pytest.raises(ValueError, match="only split-output layers split whole units"):
         FilterParallelLinear.from_module(full, [32], None, blocks=(4, 0, 0), whole=(0, 4, 4))
+
+
+def test_swin_attentions_read_their_scales_and_bias_tables_at_the_ranks_heads():
+    # Swin v2: logit_scale (heads x 1 x 1) and continuous_position_bias_mlp (an MLP of its
+    # own, 2 -> 512 -> heads, on a constant table) stayed whole: "its parameter
+    # 'logit_scale' (3, 1, 1) is neither of one head's size nor a number".
+    from hetcoll.torch.filters import split_layout
+
+    layout = split_layout(cases.swinv2())
+    attentions = [ts for ts in layout.splits if ts.kind == "attention"]
+    assert len(attentions) == 2 and not layout.kept
+    for ts in attentions:
+        assert ts.tables == [f"{ts.module}.continuous_position_bias_mlp"]
+        assert ts.head_params == [f"{ts.module}.logit_scale"]
+        assert ts.heads_with == ""  # each holds its own table: no heads handed over
+        # The MLP's layers are no split's: whole on every rank, their gradients summed.
+        assert not any(n.startswith(ts.tables[0]) for n in layout.modes)
+        assert f"{ts.tables[0]}.0.weight" in ts.shared
+    # Swin's: a child called without inputs, its output's heads its second dimension.
+    layout = split_layout(cases.swin())
+    attentions = [ts for ts in layout.splits if ts.kind == "attention"]
+    assert len(attentions) == 2 and not layout.kept
+    for ts in attentions:
+        assert ts.tables == [f"{ts.module}.relative_position_bias"]
+        assert ts.table_dims == {ts.tables[0]: 1}

@@ -482,7 +482,7 @@ def _split_block(
         tuple(model.get_parameter(n).numel() for n in ts.shared) + tuple(_whole_rows(model, ts)),
         not ts.empty_fails,
         ts.heads_with,
-        tuple(ts.whole + ts.upstream),
+        tuple(ts.held_whole(x.name for x in layers)),
         tuple(sum(ts.whole_features.get(n, ())) for n in ts.layers()) if ts.whole_features else (),
         None if ts.by_head is None else _split_block(model, ts.by_head, layers, item),
         _other_sums(model, ts, layers, item),

@@ -262,12 +262,12 @@ def _shares(
         for ts in layout.splits
     ]
     for ts in splits:
-        for n in ts.whole + ts.upstream:  # held whole on every rank
+        for n in ts.held_whole(chosen):  # held whole on every rank
             modes.pop(n, None)
     # The key and value projections of an attention split by query head (multi-query
-    # attention's; grouped-query attention's where its groups are too few):
-    # whole on every rank, no split's.
-    held_whole = {n: ts.module for ts in splits for n in ts.whole + ts.upstream}
+    # attention's; grouped-query attention's where its groups are too few), and the layers
+    # of its per-head tables: whole on every rank, no split's.
+    held_whole = {n: ts.module for ts in splits for n in ts.held_whole(chosen)}
     named_whole = [n for n in per_layer or () if n in held_whole]
     if named_whole:
         raise ValueError(
@@ -775,7 +775,7 @@ def filter_parallel(
             first = sum(counts[: comm.rank])
             PerHeadInputs(ts, first, counts[comm.rank], held_whole).install(module)
             for table in ts.tables:
-                HeadColumns(ts, first, counts[comm.rank]).install(named[table])
+                HeadColumns(ts, first, counts[comm.rank], table).install(named[table])
             if ts.head_params or ts.key_params:
                 HeadParameters(ts, first, counts[comm.rank]).install(module)
             for name in ts.whole if ts.kv_groups else ():

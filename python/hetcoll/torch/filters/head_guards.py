@@ -245,19 +245,21 @@ class PackedLayoutGuard(OpWatch):
 
 
 class HeadColumns:
-    """A per-head table's output (:attr:`TensorSplit.tables`: an embedding, one column per
-    query head, as T5's relative position bias) cut to the rank's query heads, its last
-    dimension; the table itself stays whole on every rank, its gradient summed over them."""
+    """A per-head table's output (:attr:`TensorSplit.tables` ``name``: an embedding, one
+    column per query head, as T5's relative position bias) cut to the rank's query heads,
+    along its dimension of heads (:attr:`TensorSplit.table_dims`, default the last); the
+    table itself stays whole on every rank, its gradient summed over them."""
 
-    def __init__(self, ts: TensorSplit, first: int, count: int) -> None:
+    def __init__(self, ts: TensorSplit, first: int, count: int, name: str) -> None:
         per_unit = ts.width // ts.head_dim if ts.head_dim else 1
         self.lo, self.hi = first * per_unit, (first + count) * per_unit
+        self.dim = ts.table_dims.get(name, -1)
 
     def install(self, table: nn.Module) -> Any:
         return table.register_forward_hook(self.cut)
 
     def cut(self, module: nn.Module, args: Any, output: Any) -> Any:
-        return output[..., self.lo : self.hi]
+        return output.narrow(self.dim, self.lo, self.hi - self.lo)
 
 
 class HeadParameters:

@@ -261,7 +261,7 @@ def _probe_run(
             handles.append(layer.register_forward_hook(partial(_emptied, kept)))
         for name in ts.tables:
             table = attention.get_submodule(name.removeprefix(prefix))
-            handles.append(HeadColumns(ts, 0, held).install(table))
+            handles.append(HeadColumns(ts, 0, held, name).install(table))
         for name in ts.whole if ts.kv_groups else ():
             layer = attention.get_submodule(name.removeprefix(prefix))
             handles.append(KeyValueOfHeads(ts, 0, held).install(layer))

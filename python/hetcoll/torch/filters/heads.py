@@ -6,6 +6,7 @@ guards (:mod:`.head_guards`) and probes (:mod:`.head_probes`), and the performan
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,9 +36,11 @@ class TensorSplit:
     (a query/key norm over the head dimension, as Qwen3's and Gemma 3's), every rank holding
     them whole and applying them to its own heads: each rank's gradient is its heads' part,
     summed over the ranks in the backward. ``head_dim``: an attention's head size.
-    ``tables``: its per-head tables, embeddings holding a weight per query head (T5's relative
-    position bias): every rank holds them whole (their parameters are in ``shared``) and reads
-    its own heads' columns. ``head_params``: its parameters of a number or a row per query head
+    ``tables``: its per-head tables, children making a part per query head (T5's relative
+    position bias, an embedding; Swin v2's MLP; Swin's table of a column per head): every rank
+    holds them whole (their parameters are in ``shared``) and reads its own heads' part of
+    their output, along the dimension ``table_dims`` gives (default the last).
+    ``head_params``: its parameters of a number or a row per query head
     (GPT-OSS's attention sinks; Cohere's ``q_norm.weight``, heads x head size), held whole on
     every rank (in ``shared``) and read at the rank's heads
     (:class:`~.head_guards.HeadParameters`); ``key_params``: those of a row per key/value head
@@ -81,6 +84,7 @@ class TensorSplit:
     head_dim: int = 0
     empty_fails: str = ""
     tables: list[str] = field(default_factory=list)
+    table_dims: dict[str, int] = field(default_factory=dict)
     head_params: list[str] = field(default_factory=list)
     key_params: list[str] = field(default_factory=list)
     heads_with: str = ""
@@ -104,6 +108,13 @@ class TensorSplit:
 
     def layers(self) -> list[str]:
         return [c for c, _ in self.columns] + [self.row]
+
+    def held_whole(self, names: Iterable[str]) -> list[str]:
+        """Its layers every rank holds and runs whole, by name: :attr:`whole` and
+        :attr:`upstream`, and those of ``names`` inside its :attr:`tables` (the layers of an
+        MLP making a table per head: Swin v2's)."""
+        inside = [n for n in names if any(n.startswith(f"{t}.") for t in self.tables)]
+        return [*self.whole, *self.upstream, *inside]
 
     def features_per_unit(self) -> list[int]:
         """The channels each of :meth:`layers` splits per unit a rank holds: a column's output

@@ -87,8 +87,9 @@ def split_layout(
         for ts in splits:
             modes.update({c: "split-output" for c, _ in ts.columns})
             modes[ts.row] = "split-input"
-            for n in ts.whole + ts.upstream:  # held whole on every rank
+            for n in ts.held_whole(list(modes)):  # held whole on every rank
                 modes.pop(n, None)
+                feeds.pop(n, None)
     whole_experts: dict[str, str] = {}
     named = dict(model.named_modules())
     for name in named if experts is None else experts:

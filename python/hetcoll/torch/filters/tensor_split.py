@@ -30,7 +30,7 @@ from hetcoll.torch.filters.head_probes import (
 )
 from hetcoll.torch.filters.heads import TensorSplit
 from hetcoll.torch.filters.layers import FilterParallelMultiheadAttention
-from hetcoll.torch.replay import tensor_attributes_kept
+from hetcoll.torch.replay import meta_copy, tensor_attributes_kept
 
 # The attributes an attention module counts its heads with, where its implementation keeps
 # them (Hugging Face, fairseq-style and timm-style modules): query heads, key/value heads, and
@@ -113,6 +113,42 @@ def _per_head_container(m: nn.Module, param: str, heads: Sequence[int]) -> str |
         if n > 1 and n in heads:
             return ".".join(parts[:k])
     return None
+
+
+def _per_head_table(c: nn.Module, nq: int) -> int | None:
+    """Where child ``c`` of an attention of ``nq`` query heads makes a table of a part per
+    head, the dimension of its output holding the heads; else None. An embedding of ``nq``
+    features (T5's relative position bias) or an MLP of linear layers and activations whose
+    last layer has ``nq`` outputs (Swin v2's continuous position bias, on a constant table of
+    coordinates): the last. A module called without inputs whose every parameter has a
+    dimension of ``nq`` (Hugging Face Swin's ``relative_position_bias``, a table of a column
+    per head looked up at the window's positions): a probe call of a copy on the meta device
+    tells it, the heads second of four dimensions (batch, heads, queries, keys), else last."""
+    if nq < 2:
+        return None
+    if type(c) is nn.Embedding:
+        return -1 if c.embedding_dim == nq and c.max_norm is None else None
+    if type(c) is nn.Sequential:
+        ok = (
+            len(c) >= 2
+            and type(c[-1]) is nn.Linear
+            and c[-1].out_features == nq
+            and all(type(x) is nn.Linear or type(x) in ELEMENTWISE_MODULES for x in c)
+        )
+        return -1 if ok else None
+    params = list(c.parameters())
+    if not params or any(nq not in p.shape for p in params) or required_inputs(c) != 0:
+        return None
+    try:
+        with torch.no_grad():
+            out = meta_copy(c)()
+    except Exception:  # whatever its forward raises without inputs
+        return None
+    if not isinstance(out, torch.Tensor) or nq not in out.shape:
+        return None
+    if out.dim() == 4 and out.shape[1] == nq:
+        return 1
+    return -1 if out.shape[-1] == nq else None
 
 
 def _head_rows(pn: str, p: torch.Tensor, nq: int, nkv: int, hd: int) -> str | None:
@@ -232,11 +268,8 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
             after.append(applied_after(m, row_name, hidden) if row_name else set())
         return after[0]
 
-    tables = [
-        n
-        for n, c in m.named_children()
-        if type(c) is nn.Embedding and c.embedding_dim == nq > 1 and c.max_norm is None
-    ]
+    table_dims = {n: _per_head_table(c, nq) for n, c in m.named_children()}
+    tables = [n for n, d in table_dims.items() if d is not None]
     shared: list[str] = []
     head_params: list[str] = []
     key_params: list[str] = []
@@ -257,6 +290,12 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
             by = head_params if len(heads_list) == nq else key_params
             if per_head not in by:
                 by.append(per_head)
+            shared.append(pn)
+            continue
+        if "." not in pn and p.dim() > 1 and p.shape[0] == nq > 1 and p[0].numel() == 1:
+            # a number per query head, shaped to broadcast over (batch, heads, ...): Swin v2's
+            # logit_scale, (heads, 1, 1)
+            head_params.append(pn)
             shared.append(pn)
             continue
         if "." not in pn and tuple(p.shape) == (nq,) and nq > 1 and (nq != hd or pn == "sinks"):
@@ -336,6 +375,7 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
             [prefix + n for n in shared_here],
             hd,
             tables=[prefix + n for n in tables],
+            table_dims={prefix + n: d for n, d in table_dims.items() if d is not None and d != -1},
             head_params=[prefix + n for n in head_params],
             key_params=[prefix + n for n in key_params],
             whole=[prefix + n for n in whole],
@@ -837,7 +877,7 @@ def plan_tensor_splits(
                 kept[name] = f"its layers {missing} are not split or already paired"
             continue
         splits.append(found)
-        claimed.update(found.layers() + found.whole + found.upstream)
+        claimed.update(found.layers() + found.held_whole(pool))
     # Attentions of one class run one code: where one stays whole for its layout (T5's first,
     # holding the relative position bias of every head), the others of its class are handed
     # what it computes for every head, so they stay whole too.
@@ -856,10 +896,14 @@ def plan_tensor_splits(
     # Where one of a class holds a per-head table (T5's first attention of each stack), the
     # others are handed what it computes for the heads a rank holds: every attention of the
     # class holds the same heads as the first.
+    # (Where every one of a class holds its own table, as Swin v2's, none is handed one.)
     leader: dict[type, str] = {}
     for ts in splits:
         if ts.kind == "attention" and ts.tables:
             leader.setdefault(type(named[ts.module]), ts.module)
+    for kind in list(leader):
+        if all(x.tables for x in splits if x.kind == "attention" and type(named[x.module]) is kind):
+            del leader[kind]
     for ts in splits:
         first = leader.get(type(named[ts.module])) if ts.kind == "attention" else None
         if first is not None and first != ts.module:

@@ -49,7 +49,7 @@ def _block_seconds(
         [named[ts.module]] if ts.kind != "mlp" else [named[n] for n in ts.layers()] for ts in splits
     ]
     groups.append([named[n] for n in others])
-    groups += [[named[n] for n in ts.whole + ts.upstream] for ts in splits]  # inside theirs
+    groups += [[named[n] for n in ts.held_whole(named)] for ts in splits]  # inside theirs
     spent = [0.0] * len(groups)
     started: dict[int, float] = {}
     handles = []
