@@ -23,7 +23,7 @@ from hetcoll.lab.emulate import slow_down_filter_parallel
 from hetcoll.torch import FilterParallelLinear, filter_parallel
 
 HERE = Path(__file__).resolve().parent
-EXPECTED = {"equal": 3, "random": 24, "errors": 8, "real_models": 3}
+EXPECTED = {"equal": 3, "random": 24, "errors": 8, "real_models": 4}
 
 
 @pytest.mark.multiproc

@@ -10,7 +10,7 @@ import inspect
 import re
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -448,7 +448,8 @@ def plan_modes(
     reads: list[str] | None = None,
 ) -> tuple[dict[str, str], dict[str, tuple[str, int]], dict[str, str]]:
     """Modes of the chosen layers; for each split-input layer the layer whose shares it takes
-    and its in_features_per_channel; for each BatchNorm to split, the layer it follows. The
+    and its in_features_per_channel; for each per-channel layer to split (a BatchNorm, a
+    depthwise convolution), the layer it follows. The
     modules whose forwards could not be traced go to ``untraced`` (:func:`_chains`, as does
     ``traced_cache``), and the layers a traced forward reads the parameters of to ``reads``."""
     modes = {name: "gather" for name in chosen}
@@ -486,12 +487,26 @@ def plan_modes(
             if type(m) is bn_type and not flattened and m.num_features == layer_channels(prev[1]):
                 pending.append(name)
                 continue
+            if conv and not flattened and is_depthwise(m, layer_channels(prev[1])):
+                pending.append(name)  # per channel too (MobileNet's, between its 1x1 convs)
+                continue
             flat = isinstance(m, nn.Flatten) and m.start_dim == 1 and m.end_dim == -1
             if conv and not flattened and flat:
                 flattened = True
                 continue
             prev, pending = None, []  # anything else needs the full tensor
     return modes, feeds, bns
+
+
+def is_depthwise(m: nn.Module, channels: int) -> bool:
+    """Whether ``m`` is a depthwise convolution of ``channels`` channels, each output channel
+    its own input channel's (``groups`` = in = out channels, zero or no padding mode of its
+    own across channels): it runs on a slice of the channels as it runs on all."""
+    return (
+        type(m) is nn.Conv2d
+        and m.groups == m.in_channels == m.out_channels == channels
+        and channels > 1
+    )
 
 
 def _pairs(prev: tuple[str, nn.Module], m: nn.Module, flattened: bool) -> int | None:
@@ -592,12 +607,14 @@ def choose_layers(
     *,
     warn: bool = True,
     vocabulary: bool = False,
+    per_channel: Collection[str] = (),
 ) -> list[str]:
     """The names of the layers to split, in the model's order: ``layers`` checked against
     ``named`` (``model.named_modules()``), or by default every Linear and groups=1 Conv2d whose
     parameters no other module holds; with ``vocabulary``, also a head tied to its token
     embedding (:func:`vocabulary_ties`: both split by vocabulary); with ``warn``, a
-    ``UserWarning`` names the layers with parameters that stay replicated."""
+    ``UserWarning`` names the layers with parameters that stay replicated (but the
+    ``per_channel`` ones, split with the layer they follow: depthwise convolutions)."""
     tied = _tied(model)
     ties = vocabulary_ties(model) if vocabulary else {}
     for head, emb in ties.items():
@@ -613,7 +630,11 @@ def choose_layers(
                 kept.append(f"{n!r} ({type(m).__name__}, {tied[n]}: a split would untie them)")
             elif splittable(m):
                 chosen.append(n)
-            elif isinstance(m, _REPLICATED_KINDS) and any(True for _ in m.parameters()):
+            elif (
+                isinstance(m, _REPLICATED_KINDS)
+                and any(True for _ in m.parameters())
+                and n not in per_channel
+            ):
                 kept.append(f"{n!r} ({type(m).__name__}{_why_kept(m)})")
         if kept and warn:
             warnings.warn(

@@ -50,6 +50,7 @@ from hetcoll.torch.filters.layers import (
     FilterParallelBatchNorm2d,
     FilterParallelConv1D,
     FilterParallelConv2d,
+    FilterParallelDepthwiseConv2d,
     FilterParallelEmbedding,
     FilterParallelLinear,
     FilterParallelMultiheadAttention,
@@ -226,7 +227,7 @@ def _shares(
     if layers is not None and not isinstance(layers, str) and isinstance(layers, Sequence):
         experts = [n for n in layers if n in named and experts_layout(named[n]) is not None]
         layers = [n for n in layers if n not in experts]
-    chosen = choose_layers(model, layers, named, vocabulary=vocabulary)
+    chosen = choose_layers(model, layers, named, warn=False, vocabulary=vocabulary)
     for name in chosen:
         m = named[name]
         if isinstance(m, nn.Conv2d):
@@ -254,6 +255,8 @@ def _shares(
                 untraced=untraced,
                 experts=experts,
             )
+    if layers is None:  # the layers left replicated, but those split per channel
+        choose_layers(model, None, named, vocabulary=vocabulary, per_channel=layout.batchnorms)
     modes, feeds = layout.modes, layout.feeds
     splits = [
         _heads_or_groups(ts, shares_or_speeds, argument, size_of, multiple_of, empty_blocks)
@@ -820,14 +823,16 @@ def filter_parallel(
                     ),
                 )
         set_attribute(model, name, new)
-    for name, src in bns.items():
-        bn = named[name]
-        cls = (
-            FilterParallelBatchNorm2d
-            if isinstance(bn, nn.BatchNorm2d)
-            else FilterParallelBatchNorm1d
-        )
-        set_attribute(model, name, cls.from_module(bn, per_layer[src], comm))  # type: ignore[arg-type]
+    for name, src in bns.items():  # per channel: a BatchNorm, a depthwise convolution
+        m = named[name]
+        split: nn.Module
+        if isinstance(m, nn.Conv2d):
+            split = FilterParallelDepthwiseConv2d.from_module(m, per_layer[src], comm)
+        elif isinstance(m, nn.BatchNorm2d):
+            split = FilterParallelBatchNorm2d.from_module(m, per_layer[src], comm)
+        else:
+            split = FilterParallelBatchNorm1d.from_module(m, per_layer[src], comm)  # type: ignore[arg-type]
+        set_attribute(model, name, split)
     _agree_per_forward(model, comm, timeout, owned)
     return model
 

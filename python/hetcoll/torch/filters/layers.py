@@ -956,6 +956,62 @@ class FilterParallelBatchNorm1d(_SplitBatchNorm, nn.BatchNorm1d):
     input)."""
 
 
+class FilterParallelDepthwiseConv2d(ChannelSplit, nn.Conv2d):
+    """Channels ``[offset, offset + share)`` of a depthwise ``Conv2d`` (``groups`` = in = out
+    channels) that follows a split conv layer: each output channel reads its own input
+    channel alone, so the split is exact and needs no communication (MobileNet's 3x3
+    convolution between its 1x1 expansion and projection)."""
+
+    def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        return {n: (0, (1,)) for n in ("weight", "bias") if getattr(self, n, None) is not None}
+
+    @classmethod
+    def from_module(
+        cls, conv: nn.Conv2d, shares: Sequence[int], group: Any = None
+    ) -> FilterParallelDepthwiseConv2d:
+        """This rank's channels of ``conv``, a depthwise convolution of ``sum(shares)``
+        channels.
+
+        >>> FilterParallelDepthwiseConv2d.from_module(  # doctest: +SKIP
+        ...     nn.Conv2d(37, 37, 3, groups=37), [29, 7, 1])
+        """
+        comm = wrap(group)
+        channels = conv.out_channels
+        if not conv.groups == conv.in_channels == channels:
+            raise ValueError(
+                f"conv: a depthwise convolution has groups = in = out channels, got groups "
+                f"{conv.groups}, {conv.in_channels} in, {channels} out"
+            )
+        counts = check_shares(shares, channels, comm.size, "shares", "the depthwise Conv2d")
+        off, n = sum(counts[: comm.rank]), counts[comm.rank]
+        new = cls.__new__(cls)
+        nn.Conv2d.__init__(
+            new,
+            n,
+            n,
+            conv.kernel_size,  # type: ignore[arg-type]
+            conv.stride,  # type: ignore[arg-type]
+            conv.padding,  # type: ignore[arg-type]
+            conv.dilation,  # type: ignore[arg-type]
+            groups=max(n, 1),
+            bias=conv.bias is not None,
+            padding_mode=conv.padding_mode,
+            device=conv.weight.device,
+            dtype=conv.weight.dtype,
+        )
+        new._set_split(comm, counts)
+        with torch.no_grad():
+            new.weight = nn.Parameter(
+                conv.weight.narrow(0, off, n).clone(), requires_grad=conv.weight.requires_grad
+            )
+            if conv.bias is not None:
+                new.bias = nn.Parameter(
+                    conv.bias.narrow(0, off, n).clone(), requires_grad=conv.bias.requires_grad
+                )
+        new.train(conv.training)
+        return new
+
+
 class FilterParallelMultiheadAttention(ChannelSplit, nn.Module):
     """This rank's heads of a ``torch.nn.MultiheadAttention`` (query, key and value packed in
     ``in_proj_weight``, each split by whole heads alike; ``out_proj`` a split-input
