@@ -476,6 +476,17 @@ def test_an_attention_that_cannot_run_on_part_of_its_heads_stays_whole():
         "led.decoder.layers.0",
         "led.encoder.layers.0",
     ]
+    # ProphetNet's attention counts its heads as num_attn_heads, and reshapes as LED's: it
+    # was kept whole for "a head size but no head count"; now for what its forward does.
+    config = transformers.ProphetNetConfig(
+        vocab_size=40, hidden_size=16, encoder_ffn_dim=24, decoder_ffn_dim=24,
+        num_encoder_layers=1, num_decoder_layers=1, num_encoder_attention_heads=4,
+        num_decoder_attention_heads=4, max_position_embeddings=32, ngram=2,
+        pad_token_id=0, bos_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )  # fmt: skip
+    layout = split_layout(transformers.ProphetNetForConditionalGeneration(config))
+    attention = "prophetnet.encoder.layers.0.self_attn"
+    assert "fails on a rank holding some of its heads" in layout.kept[attention]
 
 
 class _NormAcrossHeads(nn.Module):

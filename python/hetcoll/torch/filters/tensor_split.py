@@ -35,7 +35,7 @@ from hetcoll.torch.replay import meta_copy, tensor_attributes_kept
 # The attributes an attention module counts its heads with, where its implementation keeps
 # them (Hugging Face, fairseq-style and timm-style modules): query heads, key/value heads, and
 # the width of all query heads together (GPT-2 splits its packed projection by it).
-_QUERY_HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+_QUERY_HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attn_heads")
 
 
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads")
