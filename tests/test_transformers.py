@@ -41,6 +41,7 @@ EXPECTED = {
     "falcon_hybrid": True,
     "deberta_pipeline": True,
     "albert_hybrid": True,
+    "llava_after_projector": True,
     "funnel_pipeline": True,
     "falcon_resumes": True,
     "gpt2_loss_parallel": True,

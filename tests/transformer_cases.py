@@ -128,6 +128,59 @@ def funnel() -> nn.Module:
     return transformers.FunnelForMaskedLM(config)
 
 
+class Llava(nn.Module):
+    """Hugging Face Llava (a CLIP vision tower of 2 layers, its projector and a Llama of 2)
+    on token batches: an image made of the ids (a fixed projection) takes the 4 image tokens
+    put before them, and the logits of the text are read. Llava picks its vision feature out
+    of the hidden states Hugging Face records with hooks on the tower's layers (the second to
+    last, by default)."""
+
+    IMAGE_TOKENS = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        text = transformers.LlamaConfig(
+            vocab_size=VOCAB + 1, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, **PLAIN,
+        )  # fmt: skip
+        vision = transformers.CLIPVisionConfig(
+            hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+            image_size=16, patch_size=8, num_channels=3, projection_dim=16,
+        )  # fmt: skip
+        config = transformers.LlavaConfig(
+            text_config=text, vision_config=vision, image_token_id=VOCAB,
+            vision_feature_layer=-2, vision_feature_select_strategy="default",
+        )  # fmt: skip
+        config._attn_implementation = "eager"
+        self.inner = transformers.LlavaForConditionalGeneration(config)
+        self.register_buffer("pixels", torch.randn(SEQ * VOCAB, 3 * 16 * 16))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+        rows, k = len(input_ids), self.IMAGE_TOKENS
+        onehot = nn.functional.one_hot(input_ids, VOCAB).to(self.pixels.dtype).flatten(1)
+        image = (onehot @ self.pixels).reshape(rows, 3, 16, 16)
+        ids = torch.cat([torch.full((rows, k), VOCAB, dtype=input_ids.dtype), input_ids], 1)
+        mask = torch.cat([torch.ones_like(attention_mask[:, :k]), attention_mask], 1)
+        out = self.inner(input_ids=ids, attention_mask=mask, pixel_values=image)
+        return out.logits[:, k:, :VOCAB]
+
+
+def after_projector(n: int) -> dict[str, Any]:
+    """Two replicas of two stages: Llava's vision tower and projector (its first 6 layers),
+    then its language model, 2 micro-batches each."""
+    stages = [[0, 6], [6, n]]
+    return {
+        "microbatches": 2,
+        "schedule": "1F1B",
+        "replicas": [
+            {"samples": 4, "stages": [{"ranks": [r], "layers": s} for r, s in zip(ranks, stages)]}
+            for ranks in ([0, 1], [2, 3])
+        ],
+    }
+
+
 class T5(nn.Module):
     """Hugging Face T5, an encoder-decoder, on keyword inputs: the encoder reads the ids under
     the padding mask, the decoder reads them too (its cross-attentions the encoder's output).
@@ -258,9 +311,10 @@ def equals_one_process(
     got = par.full_state_dict()
     assert list(got) == list(want_state), (list(got)[:5], list(want_state)[:5])
     for k, v in want_state.items():
-        if k.endswith(("key_proj.bias", "attention.key.bias", "k_head.bias")):
+        if k.endswith(("key_proj.bias", "attention.key.bias", "k_head.bias", "attn.k_proj.bias")):
             # A bias on the keys moves no attention score (softmax ignores a shift per query:
-            # DeBERTa's pos_key_proj, ALBERT's key, Funnel's k_head): its gradient and updates
+            # DeBERTa's pos_key_proj, ALBERT's key, Funnel's k_head, CLIP's k_proj): its
+            # gradient and updates
             # are rounding noise (~1e-18),
             # which differ between any two summation orders: bounded absolutely.
             assert float((got[k].cpu() - v).abs().max()) <= tol, k
@@ -888,6 +942,10 @@ CASES.update(
         # Blocks inside a ModuleList of ModuleLists, through a pipeline (a stage holding none
         # of them crashed: the stand-in for a list was iterated).
         "funnel_pipeline": _equal(funnel, pipeline_4, sent=True),
+        # A vision-language model cut after its vision tower: the language model's stage
+        # picks the vision feature out of what Hugging Face's hooks record on the tower's
+        # layers, which it does not hold (its stand-ins record alike; it raised IndexError).
+        "llava_after_projector": _equal(Llava, after_projector),
         "falcon_resumes": _falcon_resumes,
         # An image transformer: a tensor input, rows as items (conv_proj, encoder.dropout, its
         # three encoder layers, encoder.ln, heads).

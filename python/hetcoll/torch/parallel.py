@@ -68,7 +68,9 @@ from hetcoll.torch.replay import (
     Flow,
     StageRoles,
     StandIn,
+    install_output_recorders,
     meta_copy,
+    output_recorders,
     probe,
     replay,
     stage_roles,
@@ -1013,6 +1015,7 @@ def parallelize(
     if cut.kind == "chain":
         par._layers_meta = [copy.deepcopy(m).to("meta") for _, m in layers]
     else:
+        install_output_recorders(model)
         par._meta_blocks = [meta_copy(m) for _, m in layers]
         par._parameter_free = [next(m.parameters(), None) is None for _, m in layers]
         par._stage_of = [
@@ -1167,7 +1170,7 @@ def _stage_copy(
     blocks without parameters and everything between blocks are copied; every other block is
     a :class:`~hetcoll.torch.replay.StandIn` (its weights are not copied)."""
     memo: dict[int, Any] = {
-        id(m): StandIn(n, meta_blocks[k])
+        id(m): StandIn(n, meta_blocks[k], output_recorders(m))
         for k, (n, m) in enumerate(layers)
         if not lo <= k < hi and next(m.parameters(), None) is not None
     }

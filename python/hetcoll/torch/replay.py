@@ -54,7 +54,9 @@ __all__ = [
     "StandIn",
     "StopForward",
     "call_model",
+    "install_output_recorders",
     "meta_copy",
+    "output_recorders",
     "probe",
     "probe_first_that_runs",
     "replay",
@@ -67,11 +69,17 @@ __all__ = [
 ]
 
 
+#: The module whose forward hooks only record a module's output (Hugging Face's capture of
+#: hidden states and attentions, put on the modules of the classes it records).
+_RECORDERS = "transformers.utils.output_capturing"
+
+
 def meta_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers live on the meta device (shapes and
     dtypes only), made without copying any data; ties between parameters are kept. Tensors a
     module holds as plain attributes (what a forward stored there: RAFT's ``corr_pyramid``,
-    which deepcopy cannot copy where autograd made them) are copied alike, without a graph."""
+    which deepcopy cannot copy where autograd made them) are copied alike, without a graph.
+    Hooks that record outputs (:func:`output_recorders`) are left out of the copy."""
     memo: dict[int, Any] = {}
     for t in (*model.parameters(), *model.buffers()):
         if id(t) not in memo:
@@ -85,7 +93,13 @@ def meta_copy(model: nn.Module) -> nn.Module:
         for t in pytree.tree_leaves(value):
             if isinstance(t, torch.Tensor) and id(t) not in memo:
                 memo[id(t)] = torch.empty_like(t.detach(), device="meta")
-    return copy.deepcopy(model, memo)
+    out = copy.deepcopy(model, memo)
+    # A copy that only tells shapes records nothing (the model's own modules do, once).
+    for m in out.modules():
+        for key, hook in list(m._forward_hooks.items()):
+            if getattr(hook, "__module__", "") == _RECORDERS:
+                del m._forward_hooks[key]
+    return out
 
 
 def _holds_tensors(value: Any) -> bool:
@@ -131,16 +145,44 @@ class StopForward(Exception):
     """Ends the forward of a stage that is not the last, once its blocks have run."""
 
 
+def output_recorders(m: nn.Module) -> list[Callable[..., Any]]:
+    """The forward hooks of ``m`` that only record its output, for the code between blocks to
+    read (Hugging Face's: Llava picks a vision layer's hidden state out of what they record)."""
+    return [h for h in m._forward_hooks.values() if getattr(h, "__module__", "") == _RECORDERS]
+
+
+def install_output_recorders(model: nn.Module) -> None:
+    """Have ``model``'s Hugging Face parts put their output recorders on the modules they
+    record now (they would at their first forward, on a stage's copy, where a block it does
+    not hold is a :class:`StandIn` of no recorded class): a stand-in then runs its block's
+    (:func:`output_recorders`). Nothing for a model of no Hugging Face part."""
+    import sys
+
+    capture = sys.modules.get(_RECORDERS)
+    utils = sys.modules.get("transformers.modeling_utils")
+    install = getattr(capture, "maybe_install_capturing_hooks", None)
+    pretrained = getattr(utils, "PreTrainedModel", None)
+    if install is None or pretrained is None:
+        return
+    for m in model.modules():
+        if isinstance(m, pretrained):
+            install(m)
+
+
 class StandIn(nn.Module):
     """Holds a block's place in a stage's copy of the model when the stage does not hold its
     weights; :func:`routed` decides what its calls return. Attributes the code between blocks
     reads off a block (``layers[0].self_attn.batch_first``) come from the block's copy on the
-    meta device, which is not a submodule: the stage neither holds nor trains its weights."""
+    meta device, which is not a submodule: the stage neither holds nor trains its weights.
+    ``recorders``: its block's hooks that record its output (:func:`output_recorders`), which
+    it runs alike."""
 
-    def __init__(self, name: str, meta: nn.Module):
+    def __init__(self, name: str, meta: nn.Module, recorders: Sequence[Callable[..., Any]] = ()):
         super().__init__()
         self.block = name
         object.__setattr__(self, "meta", meta)
+        for hook in recorders:
+            self.register_forward_hook(hook)
 
     def __getattr__(self, name: str) -> Any:
         try:
