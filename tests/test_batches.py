@@ -93,3 +93,22 @@ def test_optimizer_needs_exactly_one_of_local_batch_and_model():
 def test_register_weighted_hook_wants_ddp():
     with pytest.raises(TypeError, match="ddp: must be a torch"):
         hetcoll.torch.register_weighted_hook(nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+def test_a_list_of_samples_counts_its_entries():
+    from hetcoll.torch.batches import batch_size, loader_batch_size
+
+    image = torch.zeros(3, 8, 8)
+    targets = [{"boxes": torch.zeros(1, 4)}] * 2
+    # torchvision's detection models: a list of images beside a list of their targets.
+    assert batch_size(([image, image], targets), {}) == 2
+    assert batch_size((), {"images": [image] * 3, "targets": targets + targets[:1]}) == 3
+    # Images of several sizes are samples, even alone.
+    assert batch_size(([image, torch.zeros(3, 6, 6)],), {}) == 2
+    # A list of batched tensors alone, or a tensor first, is read by its first tensor's rows.
+    assert batch_size(([torch.zeros(5, 2), torch.zeros(5, 2)],), {}) == 5
+    assert batch_size((torch.zeros(7, 2), [image, image], targets), {}) == 7
+    assert batch_size((torch.zeros(()),), {}) is None
+    # A DataLoader's batch: its entries are the arguments (Lightning's strategy reads it so).
+    assert loader_batch_size(([image] * 4, targets * 2)) == 4
+    assert loader_batch_size({"x": torch.zeros(6, 2), "y": torch.zeros(6)}) == 6

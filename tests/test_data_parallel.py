@@ -393,3 +393,61 @@ def test_readme_ddp_tour_as_written_equals_one_process():
     for _, params in results:
         for p, r in zip(params, model.parameters()):
             assert rel_err(p, r.detach()) <= 1e-10
+
+
+# -- a list of samples: torchvision's detection convention ---------------------------------------
+
+
+class _ListModel(nn.Module):
+    """Takes a list of images and a list of their targets, as torchvision's detection models
+    do; its loss is a mean over the images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, images: list[torch.Tensor], targets: list[dict]) -> torch.Tensor:
+        logits = self.fc(self.conv(torch.stack(images)).mean((2, 3)))
+        labels = torch.stack([t["label"] for t in targets])
+        return nn.functional.cross_entropy(logits, labels)
+
+
+def _list_data() -> tuple[list[torch.Tensor], list[dict]]:
+    g = torch.Generator().manual_seed(5)
+    images = [torch.randn(3, 8, 8, generator=g, dtype=torch.float64) for _ in range(4)]
+    return images, [{"label": torch.tensor(i % 2)} for i in range(4)]
+
+
+def _list_step(rank, world, by_hand):
+    torch.manual_seed(0)
+    ddp = DDP(_ListModel().double())
+    state = register_weighted_hook(ddp)
+    images, targets = _list_data()
+    mine = [0, 1, 2] if rank == 0 else [3]  # shares 3 : 1
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    loss = ddp([images[i] for i in mine], [targets[i] for i in mine])
+    if by_hand:
+        # this step's count, over the counter's
+        state.local_batch = len(mine) if rank == 0 else 5
+    loss.backward()
+    opt.step()
+    return state.local_batch, [p.detach().clone() for p in ddp.parameters()]
+
+
+@pytest.mark.multiproc
+def test_a_list_of_images_counts_its_images_and_a_count_set_by_hand_wins():
+    # Before: the counter took dimension 0 of the first image (its 3 channels) for the batch:
+    # ranks of 3 and 1 images were weighed 3 : 3 (1.39 relative error against one process),
+    # and a count set by hand was overwritten by the counter's.
+    torch.manual_seed(0)
+    ref = _ListModel().double()
+    images, targets = _list_data()
+    ref(images, targets).backward()
+    torch.optim.SGD(ref.parameters(), lr=1.0).step()
+    results = spawn(_list_step, 2, False)
+    assert [n for n, _ in results] == [3, 1]
+    for _, params in results:
+        for p, r in zip(params, ref.parameters()):
+            assert rel_err(p, r.detach()) <= 1e-12
+    assert [n for n, _ in spawn(_list_step, 2, True)] == [3, 5]

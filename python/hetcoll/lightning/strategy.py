@@ -43,7 +43,6 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.utilities.data import extract_batch_size
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
@@ -66,7 +65,7 @@ from hetcoll.torch import (
     measure_speed,
     weighted_allreduce_hook,
 )
-from hetcoll.torch.batches import Items, items_argument
+from hetcoll.torch.batches import Items, items_argument, loader_batch_size
 from hetcoll.torch.filters.layers import split_comms
 from hetcoll.torch.speed import check_share_source
 
@@ -565,7 +564,12 @@ class BalancedStrategy(DDPStrategy):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        self._local_batch = int(extract_batch_size(batch))
+        n = loader_batch_size(batch)  # rows, or a list of samples' entries (detection)
+        if n is None:
+            raise TypeError(
+                "batch: cannot count this step's samples: it holds no tensor with a batch dimension"
+            )
+        self._local_batch = n
         if self.hook_state is not None:
             if self.items is not None:
                 self.hook_state.count(batch)  # collective: every rank's items for this step

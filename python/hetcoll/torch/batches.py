@@ -47,13 +47,68 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
+def _sample_list(value: Any, others: list[Any]) -> bool:
+    """Whether ``value`` is a list of samples: a list or tuple of tensors (or dicts of them)
+    beside another argument of as many entries (torchvision's detection models: a list of
+    images and a list of their targets), or whose tensors differ in shape (images of several
+    sizes)."""
+    if not isinstance(value, (list, tuple)) or not value:
+        return False
+    if not all(isinstance(x, (torch.Tensor, dict)) for x in value):
+        return False
+    partnered = any(
+        o is not value and isinstance(o, (list, tuple)) and len(o) == len(value) for o in others
+    )
+    shapes = {tuple(x.shape) for x in value if isinstance(x, torch.Tensor)}
+    return partnered or len(shapes) > 1
+
+
+def batch_size(args: tuple, kwargs: dict, batch_dim: int = 0) -> int | None:
+    """The samples a forward's arguments hold (``args`` positional, ``kwargs`` keyword; None
+    where none tells): the first argument that holds tensors decides, in order. A list of
+    samples (:func:`_sample_list`: torchvision's detection models take a list of images and a
+    list of their targets) holds as many as it has entries; any other, dimension
+    ``batch_dim`` of its first tensor (through tuples, lists and dicts) that has it, the
+    convention of PyTorch's DataLoader and DDP.
+
+    >>> batch_size((torch.zeros(5, 3),), {})
+    5
+    >>> batch_size(([torch.zeros(3, 8, 8)] * 2, [{"boxes": torch.zeros(1, 4)}] * 2), {})
+    2
+    """
+    values = [*args, *kwargs.values()]
+    for v in values:
+        if _sample_list(v, values):
+            return len(v)
+        for t in _tensors(v):
+            if t.dim() > batch_dim:
+                return int(t.shape[batch_dim])
+    return None
+
+
+def loader_batch_size(batch: Any) -> int | None:
+    """The samples of a DataLoader's batch, its entries read as a forward's arguments
+    (:func:`batch_size`): a tuple or list of them, a dict of them, or one tensor.
+
+    >>> loader_batch_size((torch.zeros(4, 3), torch.zeros(4)))
+    4
+    """
+    if isinstance(batch, (list, tuple)):
+        return batch_size(tuple(batch), {})
+    if isinstance(batch, dict):
+        return batch_size((), batch)
+    return batch_size((batch,), {})
+
+
 class BatchCounter:
     """Counts the samples of ``module``'s forwards since the last :meth:`take`.
 
-    A forward's batch size is dimension ``batch_dim`` of the first tensor among its arguments
-    (positional first, then keyword; through tuples, lists and dicts), the convention of
-    PyTorch's DataLoader and DDP. Forwards run with gradients disabled (evaluation) are not
-    counted: no gradient comes of them.
+    A forward's batch size is :func:`batch_size` of its arguments: dimension ``batch_dim`` of
+    the first tensor among them (positional first, then keyword; through tuples, lists and
+    dicts), the convention of PyTorch's DataLoader and DDP, or the length of a list of samples
+    (torchvision's detection models: a list of images beside a list of their targets).
+    Forwards run with gradients disabled (evaluation) are not counted: no gradient comes of
+    them.
     """
 
     def __init__(self, module: nn.Module, *, batch_dim: int = 0) -> None:
@@ -69,11 +124,11 @@ class BatchCounter:
     def _see(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled():
             return
-        for t in _tensors((args, kwargs)):
-            if t.dim() > self.batch_dim:
-                self._count += int(t.shape[self.batch_dim])
-                self._forwards += 1
-                return
+        n = batch_size(args, kwargs, self.batch_dim)
+        if n is not None:
+            self._count += n
+            self._forwards += 1
+            return
         raise TypeError(
             f"module: cannot count this forward's samples: no tensor argument has dimension "
             f"{self.batch_dim} (batch_dim); set the local batch yourself instead"
@@ -99,6 +154,12 @@ class BatchCounter:
         self._count = 0
         self._forwards = 0
         return n
+
+    def discard(self) -> None:
+        """Start counting again, the samples counted so far dropped (a step whose count was
+        set by hand)."""
+        self._count = 0
+        self._forwards = 0
 
     def remove(self) -> None:
         """Stop counting (removes the forward pre-hook)."""

@@ -154,6 +154,7 @@ class WeightedAllreduceState:
         #: ``items(y)`` (None: samples are counted): see :meth:`count`.
         self.items = items
         self._local_batch: int | None = None
+        self._by_hand = False  # the current step's count set by hand: the counter's dropped
         if local_batch is not None:
             self.local_batch = local_batch
         #: The global batch's items in the latest step :meth:`count` saw (with ``items``).
@@ -180,7 +181,8 @@ class WeightedAllreduceState:
     @property
     def local_batch(self) -> int | None:
         """This rank's count in the current step: its samples (with a counter: in the latest
-        step whose exchange began), or with ``items`` its items (the latest :meth:`count`);
+        step whose exchange began; set by hand before a step's backward, that step's count
+        instead of the counter's), or with ``items`` its items (the latest :meth:`count`);
         None before the first."""
         return self._local_batch
 
@@ -189,6 +191,7 @@ class WeightedAllreduceState:
         if self.items is not None:
             raise TypeError("local_batch: this state counts items; call state.count(y) instead")
         self._local_batch = local_batch_value(n)
+        self._by_hand = True  # for the next step, over what a counter counted
 
     def count(self, y: Any) -> None:
         """This step's targets ``y``: this rank's count is ``items(y)``. Collective: every rank
@@ -229,8 +232,11 @@ class WeightedAllreduceState:
                 )
             return self._weight, True
         if not self._in_step:
-            if self.counter is not None:
+            if self.counter is not None and self._by_hand:
+                self.counter.discard()
+            elif self.counter is not None:
                 self._local_batch = self.counter.take()
+            self._by_hand = False
             self._in_step = True
         assert self._local_batch is not None  # the constructor requires it or a counter
         return float(self._local_batch), False
@@ -341,8 +347,10 @@ def register_weighted_hook(
     batch_dim: int = 0,
 ) -> WeightedAllreduceState:
     """Make ``ddp``'s gradient the exact sample-weighted mean over ranks, each step weighing
-    the samples that went through ``ddp``'s forwards since the previous step (dimension
-    ``batch_dim`` of the forward's first tensor argument; forwards without gradients, such as
+    the samples that went through ``ddp``'s forwards since the previous step
+    (:func:`hetcoll.torch.batches.batch_size`: dimension ``batch_dim`` of the forward's first
+    tensor argument, or the length of a list of samples, as torchvision's detection models
+    take a list of images and a list of their targets; forwards without gradients, such as
     evaluation, do not count). Nothing to set in the training loop: uneven shares, a ragged
     last batch and new shares from :meth:`BalancedSampler.set_shares` are all weighed right.
 
