@@ -236,6 +236,10 @@ def _bad_cases(rank, world):
                 BalancedSampler(range(10), [1, 2, 3], rank)
             elif case == "disagree":
                 BalancedSampler(range(10), [1, 2] if rank == 0 else [2, 1], rank)
+            elif case == "disagree_seed":  # overlapping permutations, silently (before)
+                BalancedSampler(range(10), [1, 2], rank, seed=rank)
+            elif case == "disagree_length":
+                BalancedSampler(range(10 + rank), [1, 2], rank)
             elif case == "hook_state":
                 ddp = DDP(make_model())
                 ddp.register_comm_hook(None, weighted_allreduce_hook)
@@ -259,6 +263,8 @@ def _bad_cases(rank, world):
 BAD_CASES = {
     "world": "shares: has 3 entries",
     "disagree": "ranks disagree",
+    "disagree_seed": "CollectiveMismatchError: ranks disagree on seed (rank 0: 0, rank 1: 1)",
+    "disagree_length": "ranks disagree on the dataset's length (rank 0: 10, rank 1: 11)",
     "hook_state": "state: weighted_allreduce_hook needs a WeightedAllreduceState",
     "hook_algorithm": (
         "CollectiveMismatchError: ranks disagree on algorithm ('auto' = 0, 'direct' = 1, "

@@ -73,16 +73,24 @@ def _validate_shares(shares: Sequence[int], argument: str = "shares") -> list[in
 
 
 def _verify(
-    group: Any, shares: list[int], failure: BaseException | None = None, *, whole: bool = False
+    group: Any,
+    shares: list[int],
+    failure: BaseException | None = None,
+    *,
+    whole: bool = False,
+    also: dict[str, int] | None = None,
 ) -> None:
     """Every rank checks that all ranks passed the same shares, one per rank of ``group`` (one,
-    the global batch, when every rank takes the ``whole`` batch): a rank that disagrees would
-    otherwise run a different number of steps and hang the others. One agreement
-    (:func:`hetcoll.comm.agree`); a rank whose shares are invalid (``failure``) joins it, so
-    that the others raise at once, and then raises its own error."""
+    the global batch, when every rank takes the ``whole`` batch), and the same of ``also`` (the
+    permutation's seed, shuffle, drop_last and the dataset's length: ranks that disagree there
+    would take overlapping samples and leave others out, without a word): a rank that
+    disagrees would otherwise run a different number of steps and hang the others. One
+    agreement (:func:`hetcoll.comm.agree`); a rank whose shares are invalid (``failure``) joins
+    it, so that the others raise at once, and then raises its own error."""
     comm = wrap(group)
     fields = {"the number of shares": len(shares)}
     fields.update({f"shares[{i}]": int(v) for i, v in enumerate(shares)})
+    fields.update(also or {})
     agree(comm, fields, failure=failure)
     if not whole and len(shares) != comm.size:  # agreed: every rank raises it
         raise ValueError(f"shares: has {len(shares)} entries but the group has {comm.size} ranks")
@@ -318,7 +326,13 @@ class BalancedSampler(Sampler[int]):
         self._resume_at = 0  # where the next iteration starts (set by load_state_dict)
         self._progress: _Progress | None = None  # the current iteration's steps
         if self._checks():
-            _verify(group, self.shares, whole=whole)
+            also = {
+                "seed": self.seed % (1 << 63),
+                "shuffle": int(self.shuffle),
+                "drop_last": int(self.drop_last),
+                "the dataset's length": self.num_samples_total,
+            }
+            _verify(group, self.shares, whole=whole, also=also)
 
     def _checks(self) -> bool:
         """Whether shares are checked across ranks: ``verify``, and a group to check on."""
