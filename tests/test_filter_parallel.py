@@ -276,3 +276,35 @@ def test_a_parametrized_linear_stays_replicated_and_is_named() -> None:
     )
     with pytest.warns(UserWarning, match=r"left replicated .*'2' \(ParametrizedLinear, param"):
         assert filter_shares(model, size=2, speeds=[1.0, 1.0]) == {"0": [4, 4], "4": [1, 1]}
+
+
+class _RunningMean(nn.Module):
+    """Updates a running mean and a call counter in its forward (in training)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.ones(d))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+                self.calls += 1
+        return x - self.mean
+
+
+def test_looking_at_a_model_leaves_its_buffers_as_they_were() -> None:
+    # Before: torch.fx's traces ran the forward's in-place updates of buffers for real (they
+    # read buffers as the tensors they are): after filter_shares, the running mean was 0.9^4
+    # and the counter 4, in the user's model and in the copy a plan trained.
+    from hetcoll.model import layer_costs
+    from hetcoll.torch.filters import filter_shares, split_layout
+    from hetcoll.torch.layers import model_layers
+
+    model = nn.Sequential(nn.Linear(16, 32), _RunningMean(32), nn.ReLU(), nn.Linear(32, 10))
+    model_layers(model)
+    split_layout(model)
+    filter_shares(model, size=2, speeds=[1.0, 0.5])
+    layer_costs(model, (16,))
+    assert torch.equal(model[1].mean, torch.ones(32)) and int(model[1].calls) == 0

@@ -74,6 +74,7 @@ from hetcoll.torch.replay import (
     probe,
     replay,
     stage_roles,
+    tensor_attributes_kept,
 )
 from hetcoll.torch.stage_inputs import StageInput
 from hetcoll.torch.state_dicts import (
@@ -529,7 +530,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         key = _signature(inputs, 0)
         if key not in self._flows:
             model = self.stage if self.stage is not None else self._skeleton[0]
-            with torch.no_grad():
+            with torch.no_grad(), tensor_attributes_kept(model):  # the step runs it, once
                 flow = probe(
                     model, self._names, self._meta_blocks, pytree.tree_map(self._on_device, inputs)
                 )

@@ -120,10 +120,19 @@ def _tensor_attributes(model: nn.Module) -> list[tuple[tuple[nn.Module, str], An
 @contextmanager
 def tensor_attributes_kept(model: nn.Module) -> Iterator[None]:
     """Inside, ``model``'s forward may store tensors (or a trace's proxies) in its modules'
-    plain attributes (RAFT's ``corr_block.corr_pyramid``); after, those attributes are as they
-    were (set back, or removed where they were not there): a probe, a trace or a count of the
-    forward, on meta tensors or zeros, leaves the user's model holding none of them."""
+    plain attributes (RAFT's ``corr_block.corr_pyramid``) and update its buffers (a running
+    mean, a call counter: in place, or a new tensor); after, those attributes and buffers are
+    as they were (set back, or removed where they were not there): a probe, a trace or a
+    count of the forward, on meta tensors or zeros, leaves the user's model as it was. (A
+    torch.fx trace runs a forward's in-place updates of buffers for real: it reads buffers as
+    the tensors they are.)"""
     before = _attributes(model)
+    buffers = {
+        (m, k): (b, b.detach().clone() if not b.is_meta else None)
+        for m in model.modules()
+        for k, b in m._buffers.items()
+        if b is not None
+    }
     try:
         yield
     finally:
@@ -132,6 +141,12 @@ def tensor_attributes_kept(model: nn.Module) -> Iterator[None]:
                 delattr(m, k)
             elif before[m, k] is not v:
                 setattr(m, k, before[m, k])
+        with torch.no_grad():
+            for (m, k), (b, values) in buffers.items():
+                if m._buffers.get(k) is not b:
+                    m._buffers[k] = b
+                if values is not None and not torch.equal(b, values):
+                    b.copy_(values)
 
 
 def call_model(model: nn.Module, inputs: Any) -> Any:

@@ -362,7 +362,8 @@ def _traces_to_linear(m: nn.Linear) -> bool:
     from torch import fx
 
     try:
-        graph = fx.symbolic_trace(m).graph
+        with tensor_attributes_kept(m):  # a forward updating its buffers
+            graph = fx.symbolic_trace(m).graph
     except Exception:  # fx raises many kinds on untraceable code: not recognised then
         return False
     nodes = list(graph.nodes)
