@@ -296,6 +296,12 @@ def test_bad_input_raises_on_every_rank_and_a_rank_without_tokens_weighs_zero(tm
         assert o["average_tokens"]["message"].startswith("average_tokens_across_devices:")
         assert o["no_kwargs"]["raised"] == "ValueError"
         assert o["no_kwargs"]["message"].startswith("model:")
+        # A forward taking num_items_in_batch whose loss ignores it (BERT's classification
+        # heads: the ranks were weighed 1 : 1 at shares 5 : 3, silently).
+        assert o["ignores_items"]["raised"] == "ValueError"
+        assert o["ignores_items"]["message"].startswith(
+            "model: its forward takes num_items_in_batch but its loss does not divide by it"
+        )
         assert o["strategy"]["message"].startswith("train_sampling_strategy:")
         assert o["ranks"]["message"] == "speeds: has 3 entries for 2 processes"
         zero = o["zero_rank"]

@@ -61,6 +61,20 @@ class NoKwargs(torch.nn.Module):
         return (self.lin(input_ids.double()).mean(),)
 
 
+class IgnoresItems(torch.nn.Module):
+    """A forward that takes ``**kwargs`` (so Trainer hands it ``num_items_in_batch``) but
+    whose loss is a mean over its own rows, as Hugging Face's sequence classification heads'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(SEQ, 1).double()
+
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, **kwargs: Any
+    ) -> tuple[torch.Tensor]:
+        return (self.lin(input_ids.double()).square().mean(),)
+
+
 def main() -> None:
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
@@ -115,6 +129,10 @@ def main() -> None:
 
     out["average_tokens"] = outcome(lambda: trainer(gpt2(), average_tokens_across_devices=False))
     out["no_kwargs"] = outcome(lambda: trainer(NoKwargs()))
+    # Its loss does not divide by num_items_in_batch: told at the first step, on every rank.
+    out["ignores_items"] = outcome(
+        lambda: trainer(IgnoresItems(), max_steps=1, per_device_train_batch_size=4).train()
+    )
     out["strategy"] = outcome(lambda: trainer(gpt2(), train_sampling_strategy="group_by_length"))
     out["ranks"] = outcome(
         lambda: BalancedTrainer(

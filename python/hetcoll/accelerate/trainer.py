@@ -102,7 +102,8 @@ class BalancedTrainer(Trainer):
     Raises ``ValueError`` naming ``average_tokens_across_devices`` when it is off on several
     processes and ``model`` when the model takes no ``num_items_in_batch`` and no
     ``compute_loss_func`` is given (the token weighting would be wrong; see the module
-    docstring).
+    docstring), or, at the first step, when it takes it but its loss does not divide by it
+    (Hugging Face's sequence classification heads: a mean over the rank's own rows).
     """
 
     def __init__(
@@ -135,6 +136,7 @@ class BalancedTrainer(Trainer):
         self._seed = seed
         #: The training loader once built (its sampler, shares, speeds and fits).
         self.balanced: BalancedLoader | None = None
+        self._loss_checked = False  # whether the model's loss divides by num_items_in_batch
         super().__init__(*args, **kwargs)
         ranks = self.args.world_size
         if ranks > 1 and not self.args.average_tokens_across_devices:
@@ -180,6 +182,58 @@ class BalancedTrainer(Trainer):
                     "rebalance_experts_every: the model holds no experts placed by expert_parallel"
                 )
             self.add_callback(_WatchExperts(self))
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
+        """Trainer's, once the model's loss is seen to divide by ``num_items_in_batch``
+        (:meth:`_check_loss_divides`, at the first step)."""
+        if (
+            not self._loss_checked
+            and num_items_in_batch is not None
+            and self.compute_loss_func is None
+            and self.model_accepts_loss_kwargs
+            and self.args.world_size > 1
+        ):
+            self._loss_checked = True
+            self._check_loss_divides(model, inputs, num_items_in_batch)
+        return super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+
+    def _check_loss_divides(self, model: nn.Module, inputs: dict[str, Any], n: Any) -> None:
+        """Raise ``ValueError`` naming ``model`` where its loss does not divide by
+        ``num_items_in_batch`` though its forward takes it (Hugging Face's sequence
+        classification heads take ``**kwargs`` but average over their own rank's rows): the
+        loss of this rank's batch at ``n`` and at ``2 n`` items, without gradients, in eval
+        mode (no dropout), on the unwrapped model (no collective); every rank reaches the same
+        verdict, its model's."""
+        inner = self.accelerator.unwrap_model(model)
+        training = inner.training
+        # Placed experts count the tokens routed to them (their rebalancer's loads): these
+        # two forwards are no step's (their tokens' exchanges run alike on every rank).
+        placed = [m for m in inner.modules() if isinstance(m, ExpertParallelExperts)]
+        routed = [m.routed.clone() for m in placed]
+        inner.eval()
+        try:
+            with torch.no_grad():
+                losses = [_loss_of(inner(**inputs, num_items_in_batch=k)) for k in (n, 2 * n)]
+        finally:
+            inner.train(training)
+            for m, counts in zip(placed, routed, strict=True):
+                m.routed.copy_(counts)
+        once, twice = (float(x) for x in losses)
+        if not math.isclose(once, 2 * twice, rel_tol=1e-3, abs_tol=1e-12):
+            raise ValueError(
+                "model: its forward takes num_items_in_batch but its loss does not divide by it "
+                f"(loss {once:.6g} at {int(n)} items, {twice:.6g} at {2 * int(n)}): a mean over "
+                "its own rank's rows, which DDP would weigh alike on every rank; pass "
+                "compute_loss_func= (a loss that divides by num_items_in_batch)"
+            )
 
     def _experts_watch(self) -> ExpertRebalancer:
         """The trainer's :class:`~hetcoll.torch.ExpertRebalancer`, made at the first call
@@ -444,3 +498,8 @@ def _renamed_checkpoint(checkpoint: str, model: nn.Module) -> dict[str, torch.Te
     dtype = next(model.parameters()).dtype
     loaded = type(model).from_pretrained(checkpoint, dtype=dtype)
     return {k: v.detach() for k, v in loaded.state_dict().items()}
+
+
+def _loss_of(outputs: Any) -> torch.Tensor:
+    """The loss a model's outputs carry (a ``ModelOutput``'s ``loss``, or the first entry)."""
+    return outputs["loss"] if isinstance(outputs, dict) else outputs[0]
