@@ -5,7 +5,7 @@
     torchrun --standalone --nproc-per-node 2 examples/accelerate_balanced.py \
         --emulate 1,0.5 --measure                                           # measured speeds
     torchrun --standalone --nproc-per-node 2 examples/accelerate_balanced.py \
-        --shares 5,3 --accumulate 2                                         # given shares
+        --shares 5,3 --batch 8 --accumulate 2                               # given shares
 
 Each rank takes its share of every global batch (``--shares``, split from ``--speeds``, or
 ``--measure``d: every rank's training step timed, the fits exchanged and split), the loader

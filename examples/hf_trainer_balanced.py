@@ -5,7 +5,7 @@
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer_balanced.py \
         --emulate 1,0.5 --measure                                           # measured speeds
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer_balanced.py \
-        --shares 5,3 --accumulate 2                                         # given shares
+        --shares 5,3 --batch 8 --accumulate 2                               # given shares
 
 ``BalancedTrainer`` is ``Trainer`` with the training loader balanced: the global batch
 (``--batch``, i.e. ``per_device_train_batch_size`` times the processes) is split among the ranks

@@ -73,3 +73,16 @@ class OutOfOrder(nn.Module):
 
 def out_of_order() -> nn.Module:
     return OutOfOrder()
+
+
+class WantsTargets(nn.Module):
+    """A model that checks its inputs itself, as torchvision's detection models assert
+    targets in training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x: Tensor, targets: object = None) -> Tensor:
+        assert targets is not None, "targets should not be none when in training mode"
+        return self.conv(x)

@@ -615,3 +615,13 @@ def test_plan_is_never_slower_than_the_best_of_the_nodes_sweep(
         best = plan(costs, cluster, batch)[0]
         swept = [p for pt in sweep(costs, cluster, batch, "nodes") for p in pt.best.values()]
         assert best.feasible and best.step_s <= min(p.step_s for p in swept) * (1 + 1e-12)
+
+
+def test_a_model_whose_forward_raises_its_own_error_is_one_line() -> None:
+    # Before: a 36-line traceback ending in the model's AssertionError (torchvision's
+    # Faster R-CNN asserting targets in training), exit status 1.
+    run = hetcoll(
+        "plan", "--model", "tests.cli_models:WantsTargets", "--input", "3x8x8", "--batch", "8",
+        "--cluster", CLUSTER,
+    )  # fmt: skip
+    assert_usage_error(run, "plan", "input_shape", "targets should not be none")

@@ -638,7 +638,15 @@ def _count(
                     torch.autograd.backward(outs, [torch.zeros_like(t) for t in outs])
     except _LossError as e:
         raise ValueError(str(e)) from None
-    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+    except (
+        RuntimeError,
+        ValueError,
+        TypeError,
+        IndexError,
+        KeyError,
+        AssertionError,  # a model's own check of its inputs (torchvision's detection targets)
+        NotImplementedError,
+    ) as e:
         # A forward that reads values, or makes a tensor on the CPU itself (a mask built
         # without device=) and meets the meta ones: counted on the CPU instead.
         if device.type == "meta" and wants_values(e):
