@@ -250,10 +250,12 @@ def check_mismatch(comm: Communicator, native: Any) -> int:
         dict(buf=np.ones(10, np.float32 if r == 0 else np.float64), algorithm="native"),
         dict(buf=np.ones(10), algorithm="ring" if r == 0 else "native"),
     ]
-    for kw in cases:
+    for kw, names in zip(cases, ([], ["float32 = 1", "float64 = 2"], ["'ring' = "]), strict=True):
         try:
             hetcoll.allreduce(kw["buf"], native, algorithm=kw["algorithm"], check=True, timeout=30)
-        except hetcoll.CollectiveMismatchError:
+        except hetcoll.CollectiveMismatchError as e:
+            # The codes ranks passed are named (they were bare numbers).
+            assert all(n in str(e) for n in names), e
             continue
         raise AssertionError(f"rank {r}: no CollectiveMismatchError for {kw}")
     shared = 0

@@ -183,6 +183,12 @@ def _local_arguments(
     return view.reshape(-1), bf16, kind, w
 
 
+#: The codes named in the fields, so that ranks that disagree read which dtype and algorithm
+#: each passed (as the DDP hook names its algorithms).
+_DTYPE_FIELD = "dtype (" + ", ".join(f"{k} = {v}" for k, v in _KIND_CODE.items()) + ")"
+_ALGORITHM_FIELD = "algorithm (" + ", ".join(f"{a!r} = {i}" for i, a in enumerate(ALGORITHMS)) + ")"
+
+
 def _fingerprint(
     length: int,
     kind: str,
@@ -193,8 +199,8 @@ def _fingerprint(
     """What every rank of one allreduce must pass alike, as integers for :func:`agree`."""
     return {
         "length": length,
-        "dtype": _KIND_CODE[kind],
-        "algorithm": ALGORITHMS.index(algorithm),
+        _DTYPE_FIELD: _KIND_CODE[kind],
+        _ALGORITHM_FIELD: ALGORITHMS.index(algorithm),
         "speeds (crc32)": -1
         if speeds is None
         else zlib.crc32(np.asarray(speeds, np.float64).tobytes()),
