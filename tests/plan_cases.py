@@ -394,3 +394,52 @@ def run_all(group: Any) -> dict[str, Any]:
 def run_torch(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     return run_all(None)
+
+
+class ReadsABlock(nn.Module):
+    """A forward that reads a module's weight itself, never calling it (as Hugging Face
+    ProphetNet's decoder reads ``ngram_embeddings.weight``); with ``example``, the model
+    brings example inputs (``dummy_inputs``), whose forward tells the blocks' call order."""
+
+    def __init__(self, example: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.extra = nn.Embedding(2, 8)  # read, never called
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.head = nn.Linear(8, 20)
+        if example:
+            self.dummy_inputs = {"input_ids": torch.zeros(1, 3, dtype=torch.long)}
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        h = torch.cat([h, self.extra.weight[None].expand(len(h), -1, -1)], 1)
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+        return self.head(h)[:, : input_ids.shape[1]]
+
+
+def reads_a_block(rank: int, world: int, example: bool) -> float:
+    """Two stages of :class:`ReadsABlock` (cut before its second layer): its loss, equal to
+    one process's."""
+    from hetcoll.torch.layers import model_layers
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = ReadsABlock(example).double()
+    n = len(model_layers(model))
+    plan = {
+        "microbatches": 2,
+        "replicas": [
+            {"samples": 4, "stages": [{"ranks": [0], "layers": [0, n - 2]},
+                                      {"ranks": [1], "layers": [n - 2, n]}]},
+        ],
+    }  # fmt: skip
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.reshape(-1, 20), y.reshape(-1))
+
+    ids = torch.randint(0, 20, (4, 5), generator=torch.Generator().manual_seed(1))
+    want = float(loss_fn(model(ids), ids))
+    got = parallelize(model, Plan.from_dict(plan), loss_fn=loss_fn).step({"input_ids": ids}, ids)
+    assert abs(got - want) <= 1e-12 * want, (got, want)
+    return got

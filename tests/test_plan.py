@@ -280,3 +280,16 @@ def test_model_layers_of_real_models():
     assert [n for n, _ in model_layers(Residual())] == ["a", "b"]
     with pytest.raises(TypeError, match=r"model: must be a torch\.nn\.Module"):
         model_layers("resnet")
+
+
+@pytest.mark.multiproc
+def test_a_forward_reading_a_block_it_does_not_call_says_what_to_do():
+    # Before: "RuntimeError: Tensor on device meta is not on the expected device cpu!" on
+    # the stage not holding the module whose weight the forward reads (ProphetNet's decoder).
+    with pytest.raises(launch.RankFailed) as failed:
+        launch.spawn(plan_cases.reads_a_block, 2, False, timeout=120)
+    assert "rank 1: ValueError: model: its forward reads 'extra.weight' itself" in str(failed.value)
+    assert "dummy_inputs" in str(failed.value)
+    # With example inputs that module is no block: every stage holds its weight.
+    losses = launch.spawn(plan_cases.reads_a_block, 2, True, timeout=120)
+    assert losses[0] == losses[1]

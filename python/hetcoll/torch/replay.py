@@ -184,6 +184,11 @@ def install_output_recorders(model: nn.Module) -> None:
             install(m)
 
 
+#: The tensors of blocks held elsewhere that code between blocks read off their stand-ins
+#: (on the meta device), latest last: what a probe that fails on them names.
+_TENSORS_READ: list[str] = []
+
+
 class StandIn(nn.Module):
     """Holds a block's place in a stage's copy of the model when the stage does not hold its
     weights; :func:`routed` decides what its calls return. Attributes the code between blocks
@@ -203,7 +208,10 @@ class StandIn(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(object.__getattribute__(self, "meta"), name)
+            value = getattr(object.__getattribute__(self, "meta"), name)
+            if isinstance(value, torch.Tensor):  # its weights, which this stage does not hold
+                _TENSORS_READ.append(f"{self.block}.{name}")
+            return value
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
@@ -521,9 +529,21 @@ def _probe(
         sources.mark(out, frozenset({k}))
         return out
 
+    _TENSORS_READ.clear()
     try:
         with routed(model, blocks, route), torch.enable_grad(), sources:
             output = call_model(model, inputs)
+    except RuntimeError as e:
+        read = sorted(set(_TENSORS_READ))
+        if not read or "meta" not in str(e):
+            raise
+        raise ValueError(
+            f"model: its forward reads {', '.join(map(repr, read))} itself, outside the "
+            "block's call, on a stage that does not hold that block (its weights are on "
+            "another stage): give the model example inputs (dummy_inputs, a dict of tensors "
+            "whose forward tells the blocks' call order), which make a module the forward "
+            "never calls but reads no block, its weights held by every stage"
+        ) from e
     except _DecidesOnData as e:
         which = ", ".join(repr(blocks[k]) for k in sorted(e.blocks))
         raise ValueError(
