@@ -127,6 +127,8 @@ def test_sixteen_bit_types_accumulate_in_float32():
         ([[1.0, 2.0]], [1.0], {}, TypeError, r"^arrays\[0\]"),
         ([np.ones(3)], [1.0], {"out": np.ones(3)[::1].copy()[:2]}, ValueError, r"^arrays\[0\]"),
         ([torch.ones(3, dtype=torch.int32)], [1.0], {}, TypeError, r"^arrays\[0\]"),
+        # Meta tensors hold no values ("overlaps out in memory" before: their addresses are 0).
+        ([torch.ones(3, device="meta")] * 2, [1.0, 1.0], {}, TypeError, r"^arrays\[0\].*meta"),
         (
             [torch.ones(3), torch.ones(3, dtype=torch.bfloat16)],
             [1.0, 1.0],

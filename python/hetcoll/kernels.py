@@ -156,6 +156,11 @@ def weighted_sum_device(arrays: Sequence[Any], weights: Sequence[float], *, out:
 
     first = arrays[0]
     for i, a in enumerate(arrays):
+        if is_tensor(a) and a.device.type == "meta":
+            raise TypeError(
+                f"arrays[{i}]: is on the meta device, which holds shapes but no values to sum "
+                "(a model built on it has no weights yet: materialise them first)"
+            )
         if not is_tensor(a) or a.device != first.device:
             where = a.device if is_tensor(a) else type(a).__name__
             raise TypeError(
