@@ -42,6 +42,7 @@ EXPECTED = {
     "deberta_pipeline": True,
     "albert_hybrid": True,
     "llava_after_projector": True,
+    "llava_inside_language_model": True,
     "funnel_pipeline": True,
     "falcon_resumes": True,
     "gpt2_loss_parallel": True,

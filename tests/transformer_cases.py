@@ -167,10 +167,10 @@ class Llava(nn.Module):
         return out.logits[:, k:, :VOCAB]
 
 
-def after_projector(n: int) -> dict[str, Any]:
+def after_projector(n: int, cut: int = 6) -> dict[str, Any]:
     """Two replicas of two stages: Llava's vision tower and projector (its first 6 layers),
-    then its language model, 2 micro-batches each."""
-    stages = [[0, 6], [6, n]]
+    then its language model, 2 micro-batches each (or cut before layer ``cut``)."""
+    stages = [[0, cut], [cut, n]]
     return {
         "microbatches": 2,
         "schedule": "1F1B",
@@ -946,6 +946,12 @@ CASES.update(
         # picks the vision feature out of what Hugging Face's hooks record on the tower's
         # layers, which it does not hold (its stand-ins record alike; it raised IndexError).
         "llava_after_projector": _equal(Llava, after_projector),
+        # Cut inside its language model (after its first layer): the layers of the first
+        # stage read the rotary embedding, a block registered last (the wrapper brings no
+        # example inputs to order them) that reads the hidden states for their dtype alone: the
+        # stage computes it itself (it raised: "reads the output of block ... rotary_emb,
+        # which a later stage holds").
+        "llava_inside_language_model": _equal(Llava, partial(after_projector, cut=8)),
         "falcon_resumes": _falcon_resumes,
         # An image transformer: a tensor input, rows as items (conv_proj, encoder.dropout, its
         # three encoder layers, encoder.ln, heads).

@@ -243,6 +243,10 @@ class Flow:
     output_reads: frozenset[int] = frozenset()
     #: Blocks without parameters called more than once: run as code between blocks.
     glue: frozenset[int] = frozenset()
+    #: Blocks without parameters whose output the values of their inputs do not change (a
+    #: rotary embedding reads the hidden states for their dtype and device alone): any stage
+    #: computes them from stand-ins of their inputs (:func:`_reads_no_values`).
+    value_free: set[int] = field(default_factory=set)
     #: The roles of each (replica, stage) for this probe, kept by whoever computes them.
     roles: dict[tuple[int, int], StageRoles] = field(default_factory=dict)
 
@@ -523,6 +527,14 @@ def _probe(
                 for t in leaves
             ],
         )
+        free = not isinstance(module, StandIn) and next(module.parameters(), None) is None
+        if (
+            free
+            and flow.reads[k]
+            and device.type != "meta"
+            and _reads_no_values(forward, args, kwargs)
+        ):
+            flow.value_free.add(k)
         # Fresh zeros for each block (told apart by the sources), carrying a gradient where the
         # block's output does, so that the code between blocks passes that on.
         out = flow.zeros(k, device, grad=True)
@@ -554,6 +566,37 @@ def _probe(
         ) from None
     flow.output_reads = sources.sources(output)
     return flow
+
+
+def _reads_no_values(forward: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether a block without parameters gives the same output for its floating-point
+    inputs' values as for other values of theirs (zeros, then a random draw): it reads their
+    shapes, dtypes and devices alone (a rotary embedding). Without gradients; a forward that
+    fails on them, or draws at random itself (dropout), does not."""
+
+    def other(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return torch.rand_like(t.detach()) + 1.0
+        return t
+
+    other_args, other_kwargs = pytree.tree_map(other, (args, kwargs))
+    try:
+        with torch.no_grad():
+            first = pytree.tree_leaves(forward(*args, **kwargs))
+            again = pytree.tree_leaves(forward(*other_args, **other_kwargs))
+    except Exception:  # whatever a block's forward raises on other values
+        return False
+    if len(first) != len(again):
+        return False
+    for a, b in zip(first, again, strict=True):
+        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+            return False
+        if isinstance(a, torch.Tensor):
+            if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+                return False
+        elif a != b:
+            return False
+    return True
 
 
 def _on_meta(t: Any) -> Any:
@@ -625,8 +668,8 @@ def stage_roles(
     ``stage_of[k]``. Raises ``ValueError`` (naming the block) for a cut that cannot run: a
     block that reads the output of a later stage's block."""
     recompute: set[int] = set()
-    for k in flow.order:  # a block that reads only the inputs and such blocks
-        if parameter_free[k] and flow.reads[k] <= recompute:
+    for k in flow.order:  # a block that reads only the inputs and such blocks, or no values
+        if parameter_free[k] and (flow.reads[k] <= recompute or k in flow.value_free):
             recompute.add(k)
 
     def reads_of(s: int) -> list[tuple[str, frozenset[int]]]:
