@@ -668,9 +668,13 @@ def stage_roles(
     ``stage_of[k]``. Raises ``ValueError`` (naming the block) for a cut that cannot run: a
     block that reads the output of a later stage's block."""
     recompute: set[int] = set()
-    for k in flow.order:  # a block that reads only the inputs and such blocks, or no values
-        if parameter_free[k] and (flow.reads[k] <= recompute or k in flow.value_free):
+    for k in flow.order:  # a block that reads only the inputs and such blocks
+        if parameter_free[k] and flow.reads[k] <= recompute:
             recompute.add(k)
+    # A block of a later stage that a stage reads is one it computes itself where its output
+    # does not change with its inputs' values (a rotary embedding registered after the layers
+    # that read it); a block in order is sent as any other.
+    early: dict[int, set[int]] = {}
 
     def reads_of(s: int) -> list[tuple[str, frozenset[int]]]:
         out = [(f"block {names[k]!r}", flow.reads[k]) for k in flow.order if stage_of[k] == s]
@@ -686,6 +690,9 @@ def stage_roles(
             for j in sorted(reads):
                 if stage_of[j] == s or j in recompute:
                     continue
+                if stage_of[j] > s and parameter_free[j] and j in flow.value_free:
+                    early.setdefault(s, set()).add(j)
+                    continue
                 if stage_of[j] > s:
                     raise ValueError(
                         f"{where(s)}: {what} reads the output of block {names[j]!r}, which a "
@@ -699,7 +706,7 @@ def stage_roles(
             roles[k] = "glue"
         elif stage_of[k] == stage:
             roles[k] = "mine"
-        elif k in recompute:
+        elif k in recompute or k in early.get(stage, ()):
             roles[k] = "recompute"
         elif k in needed[stage]:
             roles[k] = "received"
