@@ -97,9 +97,14 @@ def meta_copy(model: nn.Module) -> nn.Module:
     # A copy that only tells shapes records nothing (the model's own modules do, once).
     for m in out.modules():
         for key, hook in list(m._forward_hooks.items()):
-            if getattr(hook, "__module__", "") == _RECORDERS:
+            if _records(hook):
                 del m._forward_hooks[key]
     return out
+
+
+def _records(hook: Any) -> bool:
+    """Whether a forward hook only records its module's output (:data:`_RECORDERS`)."""
+    return getattr(hook, "__module__", "") == _RECORDERS
 
 
 def _holds_tensors(value: Any) -> bool:
@@ -163,7 +168,7 @@ class StopForward(Exception):
 def output_recorders(m: nn.Module) -> list[Callable[..., Any]]:
     """The forward hooks of ``m`` that only record its output, for the code between blocks to
     read (Hugging Face's: Llava picks a vision layer's hidden state out of what they record)."""
-    return [h for h in m._forward_hooks.values() if getattr(h, "__module__", "") == _RECORDERS]
+    return [h for h in m._forward_hooks.values() if _records(h)]
 
 
 def install_output_recorders(model: nn.Module) -> None:

@@ -442,6 +442,7 @@ class PerHeadInputs:
         #: The model's parameters held whole (by id) and what sums a parameter's gradient over
         #: the ranks, asked for at the first learned bias (after the whole model's split).
         self.shared = shared
+        self.held: tuple[dict[int, tuple[str, nn.Parameter]], Callable[..., None]] | None = None
 
     def install(self, attention: nn.Module) -> None:
         attention.register_forward_pre_hook(self.cut, with_kwargs=True)
@@ -459,7 +460,9 @@ class PerHeadInputs:
             return None
         tables = None
         if t.requires_grad and not self.ts.heads_with and self.shared is not None:
-            whole, add = self.shared()
+            if self.held is None:  # once: the model's parameters every rank holds whole
+                self.held = self.shared()
+            whole, add = self.held
             tables = per_head_tables(t, h, whole)
             for _, table in tables or ():
                 add(table)
