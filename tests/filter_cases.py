@@ -235,7 +235,52 @@ def real_models(group, speeds) -> int:
         "filter_parallel: left replicated (every rank computes them whole): "
         "'features.1.conv.0.0' (Conv2d, groups=8)"
     ], replicated
-    return 4
+    # torchvision's EfficientNet and MobileNetV3: a squeeze-and-excitation between the 1x1
+    # expansion and projection broke their pairing (both gathered, and the depthwise
+    # convolution ran whole on every rank). It now splits with them: its reducing 1x1
+    # convolution sums the rank's channels (split-input), its expanding one computes the
+    # rank's channels' gates (split-output, by the expansion's shares).
+    for build, blocks in ((efficientnet, ["features.2.0", "features.4.0"]), (mobilenet_v3, [])):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            modes = equals_unsplit(
+                group, speeds, torch.float64, build=build, batches=_images_64, steps=2
+            )
+        se = [n[: -len(".fc1")] for n in modes if n.endswith(".fc1")]
+        assert se, modes
+        for n in se:
+            if modes[n + ".fc1"] == "split-input":
+                assert modes[n + ".fc2"] == "split-output", (n, modes)
+        for block in blocks or [n.rpartition(".block")[0] for n in se[1:]]:
+            names = sorted(n for n in modes if n.startswith(block + ".block."))
+            assert [modes[n] for n in names] == [
+                "split-output", "split-input", "split-output", "split-input"
+            ], (block, modes)  # fmt: skip
+    return 6
+
+
+def efficientnet() -> nn.Module:
+    """torchvision's EfficientNet, four stages at a quarter width, without dropout or
+    stochastic depth (the split and the unsplit model must drop alike)."""
+    from functools import partial
+
+    from torchvision.models.efficientnet import EfficientNet, MBConvConfig
+
+    stage = partial(MBConvConfig, width_mult=0.25, depth_mult=0.3)
+    settings = [
+        stage(1, 3, 1, 32, 16, 1),
+        stage(6, 3, 2, 16, 24, 2),
+        stage(6, 5, 2, 24, 40, 2),
+        stage(6, 3, 2, 40, 80, 3),
+    ]
+    return EfficientNet(settings, dropout=0.0, stochastic_depth_prob=0.0, num_classes=5)
+
+
+def mobilenet_v3() -> nn.Module:
+    """torchvision's MobileNetV3-Small at half width, without dropout."""
+    from torchvision.models import mobilenet_v3_small
+
+    return mobilenet_v3_small(num_classes=5, width_mult=0.5, dropout=0.0)
 
 
 def mobilenet() -> nn.Module:

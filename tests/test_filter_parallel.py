@@ -16,6 +16,7 @@ import filter_cases
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from hetcoll import launch
 from hetcoll.lab.demo import DemoConfig, DemoNet, format_table, run, summary_rows
@@ -23,7 +24,7 @@ from hetcoll.lab.emulate import slow_down_filter_parallel
 from hetcoll.torch import FilterParallelLinear, filter_parallel
 
 HERE = Path(__file__).resolve().parent
-EXPECTED = {"equal": 3, "random": 24, "errors": 8, "real_models": 4}
+EXPECTED = {"equal": 3, "random": 24, "errors": 8, "real_models": 6}
 
 
 @pytest.mark.multiproc
@@ -189,6 +190,87 @@ def test_pairing_through_traced_forwards():
     modes = filter_modes(torchvision.models.resnet18())
     assert modes["layer3.1.conv1"] == "split-output" and modes["layer3.1.conv2"] == "split-input"
     assert modes["conv1"] == modes["fc"] == "gather"
+
+
+class _Excite(nn.Module):
+    """A squeeze-and-excitation written as users write it: a mean, two 1x1 convolutions."""
+
+    def __init__(self, channels: int, squeezed: int, gate_read_twice: bool = False) -> None:
+        super().__init__()
+        self.reduce = nn.Conv2d(channels, squeezed, 1)
+        self.expand = nn.Conv2d(squeezed, channels, 1)
+        self.twice = gate_read_twice
+
+    def forward(self, x):
+        gate = torch.sigmoid(self.expand(F.silu(self.reduce(x.mean((2, 3), keepdim=True)))))
+        return x * gate + gate if self.twice else x * gate
+
+
+class _Inverted(nn.Module):
+    """An inverted residual block without its residual: one run, input to output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.norm = nn.BatchNorm2d(16)
+        self.excite = _Excite(16, 4)
+
+    def forward(self, x):
+        return self.excite(F.relu(self.norm(self.depthwise(x))))
+
+
+def test_a_squeeze_and_excitation_splits_with_the_run_around_it():
+    from hetcoll.torch.filters import chain_filter_modes, filter_modes, filter_shares
+
+    run = {"0": "split-output", "2.reduce": "split-input", "2.expand": "split-output"}
+    model = nn.Sequential(nn.Conv2d(3, 16, 1), nn.ReLU(), _Excite(16, 4), nn.Conv2d(16, 6, 1))
+    assert filter_modes(model) == {**run, "3": "split-input"}
+    # The expanding layer computes the gates of the rank's channels: the first layer's shares.
+    shares = filter_shares(model, size=2, speeds=[1.0, 0.25])
+    assert shares["2.expand"] == shares["0"] == shares["2.reduce"] == shares["3"] == [13, 3]
+    given = {"0": [10, 6], "2.reduce": [10, 6], "2.expand": [10, 6], "3": [10, 6]}
+    assert filter_shares(model, given, 2) == given
+    given["2.expand"] = [8, 8]
+    with pytest.raises(ValueError, match=r"'2.expand' scales the channels of '0', so its shares"):
+        filter_shares(model, given, 2)
+    # Alone, its two layers pair with each other, as any two layers in a run.
+    alone = {"0.reduce": "split-output", "0.expand": "split-input"}
+    assert filter_modes(nn.Sequential(_Excite(16, 4))) == alone
+    model = nn.Sequential(nn.Conv2d(3, 16, 1), nn.Flatten(), _Excite(16, 4))
+    assert filter_modes(model) == {
+        "0": "gather",
+        "2.reduce": "split-output",
+        "2.expand": "split-input",
+    }
+    # A gate read twice is no excitation: the run stops there.
+    model = nn.Sequential(nn.Conv2d(3, 16, 1), _Excite(16, 4, True), nn.Conv2d(16, 6, 1))
+    assert filter_modes(model) == {
+        "0": "gather",
+        "1.reduce": "split-output",
+        "1.expand": "split-input",
+        "2": "gather",
+    }
+    # A block whose forward is one run continues a run around it (the depthwise convolution
+    # and the BatchNorm split with it): a plan's stage, an nn.Sequential of a model's layers,
+    # pairs as the whole model's traced forward does.
+    model = nn.Sequential(nn.Conv2d(3, 16, 1), _Inverted(), nn.Conv2d(16, 6, 1))
+    assert filter_modes(model) == {
+        "0": "split-output", "1.excite.reduce": "split-input",
+        "1.excite.expand": "split-output", "2": "split-input",
+    }  # fmt: skip
+    assert chain_filter_modes(list(model.named_children()))[0] == filter_modes(model)
+    import torchvision
+
+    for build in (torchvision.models.mobilenet_v3_small, torchvision.models.efficientnet_b0):
+        whole = build()
+        layers = [*whole.named_children()]  # features, avgpool, classifier
+        layers.insert(2, ("flatten", _Flatten()))
+        assert chain_filter_modes(layers)[0] == filter_modes(whole)
+
+
+class _Flatten(nn.Module):
+    def forward(self, x):
+        return torch.flatten(x, 1)
 
 
 def test_an_untraceable_forward_is_named_in_a_warning():

@@ -54,7 +54,21 @@ SPATIAL_MODULES = (
 )
 
 
-Chain = list[tuple[str, nn.Module]]
+@dataclass(frozen=True)
+class Excitation:
+    """A squeeze-and-excitation in a run (torchvision's ``SqueezeExcitation``, EfficientNet's
+    and MobileNetV3's): ``x * gate(expand(act(reduce(mean(x)))))``, with ``reduce`` and
+    ``expand`` 1x1 convolutions (by name) over ``channels`` channels and the mean global.
+    On a channel-split ``x`` it needs no gather: ``reduce`` sums its split input (split-input),
+    ``expand`` computes the rank's own channels' gates (split-output, by the shares of the
+    layer whose output ``x`` is), each rank scales its own channels."""
+
+    reduce: str
+    expand: str
+    channels: int
+
+
+Chain = list[tuple[str, "nn.Module | Excitation"]]
 
 
 @dataclass
@@ -66,6 +80,9 @@ class Traced:
 
     chains: list[Chain]
     reads: list[str]
+    #: the run, when the whole forward is one from its input to its output (an inverted
+    #: residual block without its residual): a run around the module goes on through it
+    through: Chain | None = None
 
 
 def _chains(
@@ -84,21 +101,29 @@ def _chains(
     asking about the same unchanged modules several times)."""
     if _is_plain_sequential(module):
         chain: Chain = []
-        inner: Chain = []
+        inner: list[tuple[str, nn.Module]] = []
         _flatten(module, prefix, chain, inner)
-        yield chain
+        opened = {name for name, _ in inner}
+        spliced: Chain = []
+        for name, m in chain:
+            if name in opened and isinstance(m, nn.Module):
+                t = _traced(m, name, traced_cache)
+                if isinstance(t, Traced) and t.through is not None:
+                    spliced.extend(t.through)
+                    opened.discard(name)
+                    if reads is not None:
+                        reads.extend(t.reads)
+                        reads.extend(_method_reads(m, name))
+                    continue
+            spliced.append((name, m))
+        yield spliced
         for name, m in inner:
-            yield from _chains(m, name, untraced, traced_cache, reads)
+            if name in opened:
+                yield from _chains(m, name, untraced, traced_cache, reads)
         return
     if next(module.children(), None) is None:
         return
-    if traced_cache is None:
-        traced = _traced_chains(module, prefix)
-    else:
-        key = (id(module), prefix)
-        if key not in traced_cache:
-            traced_cache[key] = _traced_chains(module, prefix)
-        traced = traced_cache[key]
+    traced = _traced(module, prefix, traced_cache)
     if isinstance(traced, Traced):
         if reads is not None:
             reads.extend(traced.reads)
@@ -112,6 +137,18 @@ def _chains(
     for name, child in module.named_children():
         full = f"{prefix}.{name}" if prefix else name
         yield from _chains(child, full, untraced, traced_cache, reads)
+
+
+def _traced(
+    module: nn.Module, prefix: str, cache: dict[tuple[int, str], Traced | str] | None
+) -> Traced | str:
+    """:func:`_traced_chains`, read from and added to ``cache`` when one is given."""
+    if cache is None:
+        return _traced_chains(module, prefix)
+    key = (id(module), prefix)
+    if key not in cache:
+        cache[key] = _traced_chains(module, prefix)
+    return cache[key]
 
 
 # Functions and tensor methods a traced forward may call on a channel-split tensor, as the
@@ -258,18 +295,186 @@ def _traced_chains(module: nn.Module, prefix: str) -> Traced | str:
         }
     )
     seen: set[Any] = set()
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    computed = [n for n in graph.nodes if n.op in ("call_module", "call_function", "call_method")]
+    result = next(n for n in graph.nodes if n.op == "output").args
+    through = None
     for node in graph.nodes:
         chain: Chain = []
+        first, before = node, len(seen)
+        last = node
         while node not in seen and (el := element(node)) is not None:
             seen.add(node)
             chain.append(el)
+            last = node
             users = list(node.users)
+            # x -> mean -> reduce -> act -> expand -> gate -> x * gate: the run goes on
+            # after the product, the excitation one element of it
+            found = _excitation(node, named, calls) if len(users) == 2 else None
+            if found is not None:
+                se, branch, node = found
+                seen.update(branch)
+                seen.add(node)
+                last = node
+                where = f"{prefix}.{se.reduce}" if prefix else se.reduce
+                chain.append((f"<{where}>", _prefixed(se, prefix)))
+                users = list(node.users)
             if len(users) != 1 or users[0].all_input_nodes != [node]:
                 break
             node = users[0]
         if chain:
             chains.append(chain)
-    return Traced(chains, reads)
+            if (
+                len(inputs) == 1
+                and list(inputs[0].users) == [first]
+                and first.all_input_nodes == inputs
+                and result == (last,)
+                and len(seen) - before == len(computed)
+            ):
+                through = chain
+    return Traced(chains, reads, through)
+
+
+def _one_operation(module: nn.Module) -> nn.Module | None:
+    """The module of the pairing rule that a stateless module of a class of its own stands
+    for, when its traced forward is one known channel-wise operation on its input (a Plan's
+    layer calling ``torch.flatten(x, 1)``, :class:`hetcoll.torch.layers.Call`; a user's
+    ``Flatten``), else None."""
+    from torch import fx
+
+    if type(module).__module__.split(".")[0] == "torch" or _has_state(module):
+        return None
+    if next(module.children(), None) is not None:
+        return None
+    try:
+        graph = fx.Tracer().trace(module)
+    except Exception:  # fx raises many kinds on untraceable code: not one then
+        return None
+    nodes = list(graph.nodes)
+    computed = [n for n in nodes if n.op in ("call_function", "call_method")]
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    if (
+        len(computed) != 1
+        or len(inputs) != 1
+        or computed[0].all_input_nodes != inputs
+        or nodes[-1].args != (computed[0],)
+    ):
+        return None
+    return _as_module(computed[0], {})
+
+
+def _prefixed(se: Excitation, prefix: str) -> Excitation:
+    if not prefix:
+        return se
+    return Excitation(f"{prefix}.{se.reduce}", f"{prefix}.{se.expand}", se.channels)
+
+
+def _global_mean(node: Any, named: dict[str, nn.Module]) -> bool:
+    """Whether ``node`` averages a 4-D tensor over its whole map, keeping its dimensions
+    (``nn.AdaptiveAvgPool2d(1)``, ``F.adaptive_avg_pool2d(x, 1)``, ``x.mean((2, 3),
+    keepdim=True)``)."""
+    if node.op == "call_module":
+        m = named[node.target]
+        return isinstance(m, nn.AdaptiveAvgPool2d) and m.output_size in (1, (1, 1))
+    args = list(node.args[1:])
+    if node.op == "call_function" and node.target is F.adaptive_avg_pool2d:
+        size = args[0] if args else node.kwargs.get("output_size")
+        return size in (1, (1, 1), [1, 1])
+    if node.op == "call_method" and node.target == "mean":
+        dims = args[0] if args else node.kwargs.get("dim")
+        keep = args[1] if len(args) > 1 else node.kwargs.get("keepdim", False)
+        return keep is True and dims in ((2, 3), [2, 3], (-2, -1), [-2, -1])
+    return False
+
+
+def _is_product(node: Any) -> bool:
+    import operator
+
+    return (
+        (
+            (node.op == "call_function" and node.target in (operator.mul, torch.mul))
+            or (node.op == "call_method" and node.target == "mul")
+        )
+        and len(node.args) == 2
+        and not node.kwargs
+    )
+
+
+def _excitation(
+    x: Any, named: dict[str, nn.Module], calls: dict[str, int]
+) -> tuple[Excitation, list[Any], Any] | None:
+    """The squeeze-and-excitation reading traced node ``x`` (:class:`Excitation`): its
+    branch's nodes and the product node, or None. The branch must be a global mean, a 1x1
+    convolution (``groups=1``, no padding) from ``x``'s channels, element-wise operations, a
+    1x1 convolution back to them and element-wise operations, each node's output read by the
+    next alone; the product multiplies ``x`` by the branch's end."""
+    users = list(x.users)
+    for start, product in (users, users[::-1]):
+        if not _is_product(product) or x not in product.args or not _global_mean(start, named):
+            continue
+        branch, convs, node = [start], [], start
+        while True:
+            after = list(node.users)
+            if after == [product]:
+                node = product
+                break
+            if len(after) != 1 or after[0].all_input_nodes != [node]:
+                break
+            node = after[0]
+            if node.op == "call_module" and type(named[node.target]) is nn.Conv2d:
+                if calls[node.target] > 1:
+                    break
+                convs.append(node.target)
+            elif not isinstance(_as_module(node, named), ELEMENTWISE_MODULES):
+                break
+            branch.append(node)
+        end = branch[-1]
+        if node is not product or set(product.args) != {x, end} or x is end or len(convs) != 2:
+            continue
+        reduce, expand = (named[c] for c in convs)
+        assert isinstance(reduce, nn.Conv2d) and isinstance(expand, nn.Conv2d)
+        if (
+            all(
+                c.kernel_size == (1, 1) and c.groups == 1 and c.padding in ((0, 0), "valid")
+                for c in (reduce, expand)
+            )
+            and reduce.out_channels == expand.in_channels
+            and reduce.in_channels == expand.out_channels
+            and branch[1].target == convs[0]  # the mean feeds the first convolution
+            and isinstance(_as_module(end, named), ELEMENTWISE_MODULES)  # the gate
+        ):
+            return Excitation(convs[0], convs[1], reduce.in_channels), branch, product
+    return None
+
+
+def _excitation_module(module: nn.Module, prefix: str) -> Excitation | None:
+    """``module`` as an :class:`Excitation` (named under ``prefix``) when its forward, traced,
+    is one and nothing else: its input, the branch, the product returned."""
+    from torch import fx
+
+    convs = [m for m in module.modules() if type(m) is nn.Conv2d]
+    if len(convs) != 2 or any(
+        True for m in module.modules() if m not in convs for _ in m.parameters(recurse=False)
+    ):
+        return None
+    try:
+        with tensor_attributes_kept(module):
+            graph = fx.Tracer().trace(module)
+    except Exception:  # fx raises many kinds on untraceable code: not one then
+        return None
+    nodes = list(graph.nodes)
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    if len(inputs) != 1 or len(inputs[0].users) != 2:
+        return None
+    named = dict(module.named_modules())
+    calls: dict[str, int] = {}
+    for n in nodes:
+        if n.op == "call_module":
+            calls[n.target] = calls.get(n.target, 0) + 1
+    found = _excitation(inputs[0], named, calls)
+    if found is None or nodes[-1].op != "output" or nodes[-1].args != (found[2],):
+        return None
+    return _prefixed(found[0], prefix)
 
 
 def _metadata_only(node: Any) -> bool:
@@ -304,13 +509,17 @@ def _is_plain_sequential(m: nn.Module) -> bool:
 def _flatten(
     seq: nn.Module,
     prefix: str,
-    chain: list[tuple[str, nn.Module]],
+    chain: Chain,
     inner: list[tuple[str, nn.Module]],
 ) -> None:
     for name, child in seq.named_children():
         full = f"{prefix}.{name}" if prefix else name
         if _is_plain_sequential(child):
             _flatten(child, full, chain, inner)
+        elif (se := _excitation_module(child, full)) is not None:
+            chain.append((f"<{full}>", se))  # its layers split with the run, or as a pair
+        elif (op := _one_operation(child)) is not None:
+            chain.append((full, op))  # a plan's ``torch.flatten(x, 1)`` layer, say
         else:
             chain.append((full, child))
             if next(child.children(), None) is not None:
@@ -449,8 +658,10 @@ def plan_modes(
     reads: list[str] | None = None,
 ) -> tuple[dict[str, str], dict[str, tuple[str, int]], dict[str, str]]:
     """Modes of the chosen layers; for each split-input layer the layer whose shares it takes
-    and its in_features_per_channel; for each per-channel layer to split (a BatchNorm, a
-    depthwise convolution), the layer it follows. The
+    and its in_features_per_channel (and for the expanding layer of a squeeze-and-excitation
+    on a split run, split-output, the layer whose shares it takes and 1: :class:`Excitation`);
+    for each per-channel layer to split (a BatchNorm, a depthwise convolution), the layer it
+    follows. The
     modules whose forwards could not be traced go to ``untraced`` (:func:`_chains`, as does
     ``traced_cache``), and the layers a traced forward reads the parameters of to ``reads``."""
     modes = {name: "gather" for name in chosen}
@@ -461,21 +672,48 @@ def plan_modes(
             for _ in _chains(model, untraced=untraced, traced_cache=traced_cache, reads=reads):
                 pass
         return modes, feeds, bns
+
+    def alone(ses: list[Excitation]) -> None:
+        # excitations not on a split run: their two layers pair with each other
+        for se in ses:
+            if se.reduce in modes and se.expand in modes:
+                modes[se.reduce], modes[se.expand] = "split-output", "split-input"
+                feeds[se.expand] = (se.reduce, 1)
+
     for chain in _chains(model, untraced=untraced, traced_cache=traced_cache, reads=reads):
         prev: tuple[str, nn.Module] | None = None
         flattened = False
         pending: list[str] = []
+        excitations: list[Excitation] = []
         for name, m in chain:
+            if isinstance(m, Excitation):
+                if (
+                    prev is not None
+                    and isinstance(prev[1], nn.Conv2d)
+                    and not flattened
+                    and m.channels == prev[1].out_channels
+                    and m.reduce in modes
+                    and m.expand in modes
+                ):
+                    excitations.append(m)
+                    continue
+                alone([*excitations, m])
+                prev, pending, excitations = None, [], []
+                continue
             if name in modes:
                 unit = _pairs(prev, m, flattened) if prev is not None else None
                 if prev is not None and unit is not None:
                     modes[prev[0]], modes[name] = "split-output", "split-input"
                     feeds[name] = (prev[0], unit)
                     bns.update({b: prev[0] for b in pending})
+                    for se in excitations:  # on the split channels, by the pair's shares
+                        modes[se.reduce], modes[se.expand] = "split-input", "split-output"
+                        feeds[se.reduce] = feeds[se.expand] = (prev[0], 1)
                     prev = None
                 else:
+                    alone(excitations)
                     prev = (name, m)
-                flattened, pending = False, []
+                flattened, pending, excitations = False, [], []
                 continue
             if prev is None:
                 continue
@@ -495,7 +733,9 @@ def plan_modes(
             if conv and not flattened and flat:
                 flattened = True
                 continue
-            prev, pending = None, []  # anything else needs the full tensor
+            alone(excitations)
+            prev, pending, excitations = None, [], []  # anything else needs the full tensor
+        alone(excitations)
     return modes, feeds, bns
 
 

@@ -397,16 +397,15 @@ def _shares(
             continue
         what = f"layer {name!r}"
         total = layer_channels(named[name])
+        if name in feeds:
+            continue  # it takes the shares of the layer whose channels it reads: checked below
         if per_layer is not None:
-            if modes[name] == "split-input":
-                continue  # it reads the channels of the layer feeding it: checked below
             if name not in per_layer:
                 raise ValueError(f"{argument}: gives no shares for {what}")
             shares[name] = check_shares(per_layer[name], total, size, argument, what)
         elif argument != "speeds" and all(is_int(s) for s in shares_or_speeds):  # type: ignore[union-attr]
-            if modes[name] != "split-input":
-                shares[name] = check_shares(shares_or_speeds, total, size, argument, what)
-        elif modes[name] != "split-input":
+            shares[name] = check_shares(shares_or_speeds, total, size, argument, what)
+        else:
             shares[name] = speeds_to_shares(
                 shares_or_speeds,  # type: ignore[arg-type]
                 total,
@@ -419,8 +418,9 @@ def _shares(
         shares[name] = shares[src]
         given = None if per_layer is None else per_layer.get(name)
         if given is not None and [int(s) for s in given] != shares[src]:
+            what = "reads" if modes[name] == "split-input" else "scales"  # an excitation's
             raise ValueError(
-                f"{argument}: layer {name!r} reads the channels of {src!r}, so its "
+                f"{argument}: layer {name!r} {what} the channels of {src!r}, so its "
                 f"shares must be {src!r}'s ({shares[src]}), got {list(given)!r}"
             )
     order = {n: i for i, n in enumerate(named)}
