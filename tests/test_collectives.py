@@ -170,6 +170,59 @@ def test_gloo_dead_peer_raises_timeout_on_survivors():
             assert all(seconds < 30.0 for _, seconds in outcomes)
 
 
+def _hook_dead_peer_rank(rank, world, port, result_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    from hetcoll.torch import register_weighted_hook
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02)  # a bucket each
+    register_weighted_hook(ddp, algorithm="direct")
+    ddp(torch.randn(3 + rank, 64)).sum().backward()  # everybody alive: works
+    if rank == world - 1:  # dies in its backward, after its last layers' buckets went out
+        model[0].weight.register_hook(lambda _: os._exit(3))
+    try:
+        ddp(torch.randn(3 + rank, 64)).sum().backward()
+        outcome = "completed"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    with open(result_path, "wb") as f:
+        pickle.dump(outcome, f)
+    os._exit(0)  # no teardown with a peer gone (see _dead_peer_rank)
+
+
+@pytest.mark.multiproc
+def test_a_dead_peer_under_the_ddp_hook_raises_a_timeout_the_backward_names():
+    # The direct exchange's worker thread set its CollectiveTimeout on the bucket's future,
+    # which DDP's reducer read in C++ as the bucket's value: "Unable to cast ... to Tensor".
+    # DDP's backward raises RuntimeError for any error of a hook's future; its message now
+    # names the timeout and the lost peer.
+    ctx = torch.multiprocessing.get_context("spawn")
+    port = launch.free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [os.path.join(tmp, f"{r}.pkl") for r in range(2)]
+        procs = [
+            ctx.Process(target=_hook_dead_peer_rank, args=(r, 2, port, paths[r])) for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(90)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        assert [p.exitcode for p in procs] == [0, 3]
+        with open(paths[0], "rb") as f:
+            outcome = pickle.load(f)
+    assert outcome.startswith("RuntimeError: "), outcome
+    assert "CollectiveTimeout: receive from rank 1" in outcome, outcome
+    assert "Unable to cast" not in outcome, outcome
+
+
 def test_single_process_argument_errors():
     import torch.distributed as dist
 

@@ -21,6 +21,7 @@ def test_mpi_optimizer_matches_single_process(world):
         assert r["step_param"] <= 1e-10
         assert r["epoch_param"] <= 1e-10
         assert "ranks disagree" in r["disagree"]
+        assert r["heads"] <= 1e-10 and r["unused_grad"] == [True, True]
         reb = r["rebalance"]  # the same decisions on every rank, and the right ones
         assert reb["settled_before"] == reb["want_before"]
         assert reb["settled_after"] == reb["want_after"] and reb["stable"]

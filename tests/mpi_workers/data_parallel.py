@@ -90,6 +90,41 @@ try:
 except ValueError as e:
     result["disagree"] = str(e)
 
+
+# A layer no rank uses in a step keeps no gradient and does not move, as in one process; it
+# was given zeros, which momentum and weight decay then moved. A layer rank 0 alone uses in the
+# second step is averaged with the others' zeros, as one process weighs those rows.
+def three_heads():
+    torch.manual_seed(3)
+    return nn.ModuleDict({h: nn.Linear(4, 2) for h in "abc"}).double()
+
+
+def heads_loss(m, x, n, n0, second):
+    loss = m["a"](x).pow(2).sum() / n
+    if second and n0:
+        loss = loss + m["c"](x[:n0]).pow(2).sum() / n
+    return loss
+
+
+heads, ref = three_heads(), three_heads()
+sgd = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}
+opt = DistributedOptimizer(torch.optim.SGD(heads.parameters(), **sgd), local_batch=shares[rank])
+ref_opt = torch.optim.SGD(ref.parameters(), **sgd)
+for k in range(3):
+    g = torch.Generator().manual_seed(k)
+    x_all = torch.randn(sum(shares), 4, generator=g, dtype=torch.float64)
+    opt.zero_grad()
+    mine = x_all[start : start + shares[rank]]
+    heads_loss(heads, mine, shares[rank], shares[rank] if rank == 0 else 0, k == 1).backward()
+    opt.step()
+    ref_opt.zero_grad()
+    heads_loss(ref, x_all, sum(shares), shares[0], k == 1).backward()
+    ref_opt.step()
+result["heads"] = max(
+    rel_err(p.detach(), r.detach()) for p, r in zip(heads.parameters(), ref.parameters())
+)
+result["unused_grad"] = [heads["b"].weight.grad is None, heads["b"].bias.grad is None]
+
 # The Rebalancer over the MPI communicator: compute times at true speeds that change at step
 # 20 (the first two ranks swap roles); the shares follow.
 speeds_before = [100.0, 25.0, 50.0][:world]

@@ -248,6 +248,35 @@ def count_items(items: Items, y: Any) -> LocalCount:
     return LocalCount(NOT_INTEGER, bits, ValueError(what))
 
 
+def added_count(earlier: LocalCount | None, count: LocalCount) -> LocalCount:
+    """A step's count after another micro-batch's ``count``: the sum (counts of micro-batches
+    whose gradients accumulate into one step, under DDP's ``no_sync``), or the first problem."""
+    if earlier is None or earlier.status != COUNTED:
+        return count if earlier is None else earlier
+    if count.status != COUNTED:
+        return count
+    if earlier.value + count.value >= MAX_ITEMS:
+        return LocalCount(TOO_LARGE, 0, ValueError("items: the step's items must be below 2**53"))
+    return counted(earlier.value + count.value)
+
+
+def added_counts(
+    earlier: np.ndarray | None, counts: np.ndarray, failure: BaseException | None
+) -> np.ndarray:
+    """Every rank's step count after another exchange of micro-batch ``counts`` (``(ranks, 2)``
+    as :func:`item_weights` reads them): each checked as there (raising the same errors on every
+    rank) but for a total of 0, which one micro-batch may have; then summed per rank."""
+    counts = np.asarray(counts, np.int64).reshape(-1, 2)
+    for rank, (status, value) in enumerate(counts.tolist()):
+        if status != COUNTED:
+            raise _problem("items", rank, status, value) from failure
+    if earlier is None:
+        return counts.copy()
+    out = earlier.copy()
+    out[:, 1] += counts[:, 1]
+    return out
+
+
 def _problem(argument: str, rank: int, status: int, value: int) -> BaseException:
     """The error every rank raises for ``rank``'s bad count (the same text on every rank)."""
     counted_by = "items(y)" if argument == "items" else argument

@@ -71,8 +71,10 @@ from hetcoll.collectives import choose_algorithm, direct_allreduce, premul_sum_o
 from hetcoll.comm import NOT_GIVEN, Communicator, agree, group_argument, is_mpi_comm, wrap
 from hetcoll.kernels import numpy_view
 from hetcoll.torch.batches import (
+    NOT_COUNTED,
     BatchCounter,
     Items,
+    added_counts,
     count_items,
     counted_rows,
     item_total,
@@ -160,6 +162,7 @@ class WeightedAllreduceState:
         #: The global batch's items in the latest step :meth:`count` saw (with ``items``).
         self.global_items: int | None = None
         self._weight: float | None = None  # this step's n_r / N, set by count(), used once
+        self._step_items: np.ndarray | None = None  # every rank's counts so far this step
         self._comm: Communicator | None = None
         self._in_step = False
         self._step_total: torch.futures.Future | None = None
@@ -172,18 +175,21 @@ class WeightedAllreduceState:
         messages of different kinds forever; raise :class:`hetcoll.CollectiveMismatchError` on
         every rank instead (:func:`hetcoll.comm.agree`; under NCCL its few bytes go through the
         current CUDA device, the one DDP's buckets are on)."""
-        if self._agreed:
+        if self._agreed or self.items is not None:  # count's exchange carries it
             return
-        codes = ", ".join(f"{a!r} = {i}" for i, a in enumerate(ALGORITHMS))
-        agree(wrap(self.process_group), {f"algorithm ({codes})": ALGORITHMS.index(self.algorithm)})
+        agree(wrap(self.process_group), self._fields())
         self._agreed = True
+
+    def _fields(self) -> dict[str, int]:
+        codes = ", ".join(f"{a!r} = {i}" for i, a in enumerate(ALGORITHMS))
+        return {f"algorithm ({codes})": ALGORITHMS.index(self.algorithm)}
 
     @property
     def local_batch(self) -> int | None:
         """This rank's count in the current step: its samples (with a counter: in the latest
         step whose exchange began; set by hand before a step's backward, that step's count
-        instead of the counter's), or with ``items`` its items (the latest :meth:`count`);
-        None before the first."""
+        instead of the counter's), or with ``items`` its items (summed over the step's
+        :meth:`count` calls so far); None before the first."""
         return self._local_batch
 
     @local_batch.setter
@@ -195,13 +201,16 @@ class WeightedAllreduceState:
 
     def count(self, y: Any) -> None:
         """This step's targets ``y``: this rank's count is ``items(y)``. Collective: every rank
-        of the group calls it once per step, before the backward; the ranks' counts are
-        exchanged here (one small allgather) and each rank's weight is ``n_r / N``
-        (:func:`hetcoll.torch.item_weights`), used by the next gradient exchange. A bad count on
-        any rank (``items(y)`` negative, not an integer, or raising; zero items on every rank)
-        raises ``ValueError`` naming ``items`` here, on every rank. A rank whose ``items(y)`` is
-        0 is legal: it contributes nothing that step (its loss, a mean over nothing, may be
-        NaN)."""
+        of the group calls it once per forward, before the backward (with gradient accumulation
+        under DDP's ``no_sync``, once per micro-batch: the step's count is their sum, each
+        rank's loss then the sum over its micro-batches divided by its step's items); the
+        ranks' counts are exchanged here (one small allgather) and each rank's weight is
+        ``n_r / N`` (:func:`hetcoll.torch.item_weights`), used by the next gradient exchange. A
+        bad count on any rank (``items(y)`` negative, not an integer, or raising; zero items on
+        every rank) raises ``ValueError`` naming ``items`` here, on every rank; a rank that
+        skips the call raises ``RuntimeError`` in its backward, and the others here. A rank
+        whose ``items(y)`` is 0 is legal: it contributes nothing that step (its loss, a mean
+        over nothing, may be NaN)."""
         if self.items is None:
             raise TypeError(
                 "items: count(y) needs a state built with items= (this one counts samples)"
@@ -211,13 +220,14 @@ class WeightedAllreduceState:
         mine = count_items(self.items, y)
         # The algorithm rides in the same exchange: ranks that chose differently would wait on
         # messages of different kinds in the hook.
-        codes = ", ".join(f"{a!r} = {i}" for i, a in enumerate(ALGORITHMS))
-        fields = {f"algorithm ({codes})": ALGORITHMS.index(self.algorithm)}
-        counts = agree(self._comm, fields, values=mine.exchanged)
+        counts = agree(self._comm, self._fields(), values=mine.exchanged)
         self._agreed = True
-        weights = item_weights(counts, "items", mine.failure)
-        self._local_batch = mine.value
-        self.global_items = int(counts[:, 1].sum())
+        # Micro-batches whose gradients accumulate (DDP's no_sync) each count theirs: the step
+        # weighs their sum.
+        self._step_items = added_counts(self._step_items, counts, mine.failure)
+        weights = item_weights(self._step_items, "items")
+        self._local_batch = int(self._step_items[self._comm.rank, 1])
+        self.global_items = int(self._step_items[:, 1].sum())
         self._weight = float(weights[self._comm.rank])
 
     def _begin_step(self) -> tuple[float, bool]:
@@ -226,10 +236,16 @@ class WeightedAllreduceState:
         ranks' sum (False)."""
         if self.items is not None:
             if self._weight is None:
-                raise RuntimeError(
+                # Joins the exchange a rank that did count is in (count's), so that it raises
+                # at once too, not after a timeout or a mismatched gather.
+                missing = RuntimeError(
                     "items: no count for this step; call state.count(y) with the step's targets "
                     "on every rank before the backward"
                 )
+                if self._comm is None:
+                    self._comm = wrap(self.process_group)
+                agree(self._comm, self._fields(), values=[NOT_COUNTED, 0], failure=missing)
+            assert self._weight is not None  # agree raised otherwise
             return self._weight, True
         if not self._in_step:
             if self.counter is not None and self._by_hand:
@@ -246,6 +262,7 @@ class WeightedAllreduceState:
         :meth:`count` sets anew."""
         self._in_step = False
         self._weight = None
+        self._step_items = None
 
     def _global_batch(self, local_batch: float) -> torch.futures.Future:
         """Future of every rank's ``n_r`` for the current step (their sum is ``N``, see
@@ -400,7 +417,10 @@ class _DirectExchange:
             self._run(fut, buf, factor, normalize, index)
         else:
             self._jobs.put((fut, buf, factor, normalize, index))
-        return fut
+        # DDP's reducer reads a future's value in C++, where an exception set on a Python
+        # future is a value like any other ("Unable to cast ... to Tensor"); raised in a
+        # callback, it is the future's error, which the backward raises.
+        return fut.then(_value)
 
     def _serve(self) -> None:
         while True:
@@ -425,6 +445,10 @@ class _DirectExchange:
         if host is not buf:
             buf.copy_(host)
         return buf
+
+
+def _value(fut: torch.futures.Future) -> torch.Tensor:
+    return fut.wait()
 
 
 def _weigh_samples(sent: np.ndarray) -> np.ndarray:

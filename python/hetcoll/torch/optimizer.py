@@ -30,6 +30,7 @@ from hetcoll.torch.batches import (
     BatchCounter,
     Items,
     LocalCount,
+    added_count,
     count_items,
     counted,
     item_weights,
@@ -128,13 +129,13 @@ class DistributedOptimizer:
     def count(self, y: Any) -> None:
         """This step's targets ``y``: this rank's count is ``items(y)``, weighed at the next
         :meth:`step` (or :meth:`synchronize`). Local: nothing is exchanged here, and a bad count
-        raises from :meth:`step`, on every rank. Called again before the step, the last call
-        counts."""
+        raises from :meth:`step`, on every rank. Called again before the step (once per
+        micro-batch, the gradients accumulating), the step's count is the sum."""
         if self.items is None:
             raise TypeError(
                 "items: count(y) needs an optimizer built with items= (this one counts samples)"
             )
-        self._pending = count_items(self.items, y)
+        self._pending = added_count(self._pending, count_items(self.items, y))
 
     def _local_count(self) -> tuple[LocalCount, str]:
         """This step's count as exchanged, and the argument its errors name."""
@@ -179,17 +180,27 @@ class DistributedOptimizer:
                         "handles float32/float64 CPU parameters"
                     )
         except TypeError as e:  # the others raise too, at once (hetcoll.comm.agree)
-            agree(self._comm, {}, failure=e, values=[0, 0])
+            agree(self._comm, {}, failure=e, values=[0, 0, 0])
             raise
         mine, argument = self._local_count()
         # One allgather per step: the layout's fingerprint (ranks whose parameters differ in
         # number, order, shape or dtype would sum unrelated gradients, or abort MPI on buffers
-        # of different sizes) with every rank's count.
+        # of different sizes) with every rank's count, and whether it lacks a gradient.
         fields = {**_layout(params), "fusion_bytes": self.fusion_bytes}
-        counts = agree(self._comm, fields, values=mine.exchanged)
+        missing = [p.grad is None for p in params]
+        rows = agree(self._comm, fields, values=[*mine.exchanged, int(any(missing))])
+        counts = rows[:, :2]
         scale = float(item_weights(counts, argument, mine.failure)[self._comm.rank])
         self._local_batch = mine.value
         self.global_batch = int(counts[:, 1].sum())
+        if rows[:, 2].any():
+            # A parameter no rank gave a gradient stays without one, as in one process: the
+            # optimizer skips it (a rank's zeros would move it by momentum and weight decay).
+            # The layouts agree, so every rank sends as many words.
+            used = np.bitwise_or.reduce(
+                self._comm.allgather_int64(_bits([not m for m in missing]), None), axis=0
+            )
+            params = [p for i, p in enumerate(params) if used[i // 63] >> (i % 63) & 1]
         grads: list[torch.Tensor] = []
         for p in params:
             if p.grad is None or scale == 0:
@@ -230,6 +241,15 @@ class DistributedOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+
+
+def _bits(flags: list[bool]) -> np.ndarray:
+    """``flags`` packed 63 to an int64 word (non-negative words, as the gather carries them)."""
+    words = np.zeros(max(1, -(-len(flags) // 63)), np.int64)
+    for i, f in enumerate(flags):
+        if f:
+            words[i // 63] |= 1 << (i % 63)
+    return words
 
 
 def _layout(params: list[torch.Tensor]) -> dict[str, int]:
