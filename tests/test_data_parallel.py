@@ -254,6 +254,16 @@ def _bad_cases(rank, world):
                 nn.functional.cross_entropy(ddp(x), y).backward()
             elif case == "hook_algorithm_name":
                 WeightedAllreduceState(None, 2, algorithm="fast")
+            elif case == "hook_sparse":  # numpy could not read it: "can't convert Sparse ..."
+                torch.manual_seed(0)
+                emb = nn.EmbeddingBag(6, 3, mode="sum", sparse=True)
+                ddp = DDP(nn.Sequential(emb, nn.Linear(3, 2)))
+                register_weighted_hook(ddp)
+                ddp(torch.tensor([[1, 2], [3, 4 + rank]])).sum().backward()
+            elif case == "clip_one_rank":  # the other rank waited in the sum until the timeout
+                weight = nn.Parameter(torch.ones(2))
+                weight.grad = torch.ones(2)
+                hetcoll.torch.clip_grad_norm_([weight], 1.0 if rank == 0 else float("nan"))
             out[case] = "no error"
         except (ValueError, TypeError, RuntimeError, hetcoll.CollectiveMismatchError) as e:
             out[case] = f"{type(e).__name__}: {e}"
@@ -271,6 +281,8 @@ BAD_CASES = {
         "'allreduce' = 2) (rank 0: 1, rank 1: 2)"
     ),
     "hook_algorithm_name": "algorithm: must be one of",
+    "hook_sparse": "is torch.sparse_coo (an nn.Embedding(sparse=True)'s gradient); the weighted",
+    "clip_one_rank": "max_norm: must be a number >= 0, got nan",
 }
 
 

@@ -22,6 +22,13 @@ def test_mpi_optimizer_matches_single_process(world):
         assert r["epoch_param"] <= 1e-10
         assert "ranks disagree" in r["disagree"]
         assert r["heads"] <= 1e-10 and r["unused_grad"] == [True, True]
+        assert (
+            "ranks disagree on the module tensor elements (rank 0: 15, rank 1: 10"
+            in (r["bcast_mismatch"])
+        )
+        assert r["bcast_bf16"] == 6.0  # rank 0's ones
+        assert r["scheduled_lr"] == [0.025, 0.025]
+        assert r["sparse"].startswith("TypeError: optimizer: parameter 0's gradient is "), r
         reb = r["rebalance"]  # the same decisions on every rank, and the right ones
         assert reb["settled_before"] == reb["want_before"]
         assert reb["settled_after"] == reb["want_after"] and reb["stable"]

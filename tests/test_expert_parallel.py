@@ -320,6 +320,35 @@ def test_clip_grad_norm_names_bad_input_before_any_collective():
         clip_grad_norm_(["weight"], 1.0)  # type: ignore[list-item]
 
 
+def _clip_disagreeing(rank, world):
+    from hetcoll.torch import clip_grad_norm_
+
+    weight = nn.Parameter(torch.ones(3))
+    weight.grad = torch.full((3,), 2.0)
+    out = []
+    for max_norm in ([1.0, -1.0], [1.0, 2.0], [1.0, 1.0]):
+        try:
+            out.append(float(clip_grad_norm_([weight], max_norm[rank])))
+        except Exception as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+@pytest.mark.multiproc
+def test_clip_grad_norm_raises_on_every_rank_when_one_rank_s_argument_is_bad():
+    # One rank's bad max_norm raised there alone, and the others waited in the sum of squares
+    # until the process group's timeout; ranks clipping to different norms clipped silently
+    # differently. Both raise on every rank now; the same norm on each still clips.
+    from hetcoll.launch import spawn
+
+    first, second = spawn(_clip_disagreeing, 2, timeout=120)
+    assert second[0] == "ValueError: max_norm: must be a number >= 0, got -1.0"
+    assert first[0].startswith("CollectiveMismatchError: rank 1 raised ValueError: max_norm")
+    for mine in (first[1], second[1]):
+        assert mine.startswith("CollectiveMismatchError: ranks disagree on max_norm"), mine
+    assert first[2] == second[2] == pytest.approx(12.0**0.5)  # replicated: counted once
+
+
 def test_expert_parallel_names_bad_arguments_before_any_collective():
     """Argument errors every rank sees alike raise before any exchange (the rest are agreed
     on, on real ranks: expert_parallel_cases.disagreements)."""

@@ -91,6 +91,40 @@ except ValueError as e:
     result["disagree"] = str(e)
 
 
+# torch's learning-rate schedulers take the optimizer (it is a torch.optim.Optimizer whose
+# groups are the wrapped one's): StepLR refused it.
+model = make_model()
+opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), local_batch=1)
+schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+for _ in range(2):
+    model(x[:1]).sum().backward()
+    opt.step()
+    schedule.step()
+result["scheduled_lr"] = [opt.optimizer.param_groups[0]["lr"], schedule.get_last_lr()[0]]
+
+# broadcast_parameters on models that differ raises on every rank (MPI's "Message truncated"
+# on one rank, nothing on the other, before); bfloat16 broadcasts (numpy has no such type).
+try:
+    broadcast_parameters(nn.Linear(4, 3 if rank == 0 else 2))
+    result["bcast_mismatch"] = "no error"
+except hetcoll.CollectiveMismatchError as e:
+    result["bcast_mismatch"] = str(e)
+half = nn.Linear(3, 2).to(torch.bfloat16)
+with torch.no_grad():
+    half.weight.fill_(rank + 1)
+broadcast_parameters(half)
+result["bcast_bf16"] = float(half.weight.float().sum())
+# A sparse gradient is named, on every rank (numpy could not read it).
+emb = nn.Embedding(5, 2, sparse=True).double()
+sparse_opt = DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), local_batch=1)
+emb(torch.tensor([rank])).sum().backward()
+try:
+    sparse_opt.step()
+    result["sparse"] = "no error"
+except (TypeError, hetcoll.CollectiveMismatchError) as e:
+    result["sparse"] = f"{type(e).__name__}: {e}"
+
+
 # A layer no rank uses in a step keeps no gradient and does not move, as in one process; it
 # was given zeros, which momentum and weight decay then moved. A layer rank 0 alone uses in the
 # second step is averaged with the others' zeros, as one process weighs those rows.

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hetcoll.comm import deadline, wrap
+from hetcoll.comm import Communicator, agree, deadline, wrap
 from hetcoll.torch.expert_parallel import is_rank_local
 
 
@@ -41,15 +41,24 @@ def clip_grad_norm_(
 
     >>> clip_grad_norm_(model.parameters(), 1.0)  # doctest: +SKIP
     """
-    limit = checked_max_norm(max_norm)
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    if not all(isinstance(p, torch.Tensor) for p in params):
-        raise TypeError("parameters: must be tensors (a model's parameters())")
+    failure: Exception | None = None
+    try:
+        limit = checked_max_norm(max_norm)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if not all(isinstance(p, torch.Tensor) for p in params):
+            raise TypeError("parameters: must be tensors (a model's parameters())")
+    except (TypeError, ValueError) as e:  # raised on every rank, after the exchange
+        failure, limit, params = e, 0.0, []
+    try:
+        comm = wrap(group)
+    except (TypeError, ValueError):
+        if failure is not None:  # no group to tell: this rank's own error first
+            raise failure from None
+        raise
     grads = [p.grad for p in params if p.grad is not None]
     shared = squares(p.grad for p in params if p.grad is not None and not is_rank_local(p))
-    own = np.array([squares(p.grad for p in params if p.grad is not None and is_rank_local(p))])
-    wrap(group).allreduce_sum(own, "float64", deadline(timeout))
-    norm = math.sqrt(shared + float(own[0]))
+    own = squares(p.grad for p in params if p.grad is not None and is_rank_local(p))
+    norm = math.sqrt(shared + summed_squares(comm, own, limit, failure, timeout))
     scale_to_norm(grads, norm, limit)
     return torch.tensor(norm, dtype=torch.float64)
 
@@ -59,6 +68,29 @@ def checked_max_norm(max_norm: object) -> float:
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
         raise ValueError(f"max_norm: must be a number >= 0, got {max_norm!r}")
     return float(max_norm)
+
+
+def summed_squares(
+    comm: Communicator,
+    mine: float,
+    max_norm: float,
+    failure: Exception | None,
+    timeout: float | None,
+) -> float:
+    """The sum over ``comm``'s ranks of their squares ``mine``, in rank order (the same float
+    on every rank), with the ranks' agreement on ``max_norm``: one small allgather
+    (:func:`hetcoll.comm.agree`). A rank's own argument error (``failure``) or ranks clipping
+    to different norms raise on every rank, where one rank's error alone left the others
+    waiting in the sum."""
+    bits = np.array([max_norm, mine], np.float64).view(np.int64)
+    rows = agree(
+        comm,
+        {"max_norm (its float64 bits)": int(bits[0])},
+        deadline(timeout),
+        failure=failure,
+        values=[int(bits[1])],
+    )
+    return float(sum(np.ascontiguousarray(rows[:, 0]).view(np.float64).tolist()))
 
 
 def squares(grads: Iterable[torch.Tensor]) -> float:

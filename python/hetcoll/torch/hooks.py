@@ -311,6 +311,12 @@ def weighted_allreduce_hook(
     if last:
         state.ready_at = time.perf_counter()
     buf = bucket.buffer()
+    if buf.layout != torch.strided:  # every rank's bucket alike: every rank raises here
+        raise TypeError(
+            f"ddp: gradient bucket {bucket.index()} is {buf.layout} (an "
+            "nn.Embedding(sparse=True)'s gradient); the weighted hook averages dense buckets: "
+            "build the embedding with sparse=False"
+        )
     state._agree()
     # factor: this rank's weight n_r / N (weighted) or its count n_r, the sum divided by N after.
     factor, weighted = state._begin_step()

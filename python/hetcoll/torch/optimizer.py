@@ -43,9 +43,11 @@ from hetcoll.torch.expert_parallel import is_rank_local
 _SUPPORTED = (torch.float32, torch.float64)
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` so that :meth:`step` first averages gradients across the ranks of
-    ``group``, weighted by each rank's ``local_batch``.
+    ``group``, weighted by each rank's ``local_batch``. It is a ``torch.optim.Optimizer`` whose
+    ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's, so that torch's
+    learning-rate schedulers take it (``StepLR(opt, ...)``).
 
     ``group``: an mpi4py communicator or a torch.distributed process group; None is
     :func:`hetcoll.comm.wrap`'s default (torch's default group, else ``MPI.COMM_WORLD`` under
@@ -153,9 +155,42 @@ class DistributedOptimizer:
         assert self._local_batch is not None  # the constructor requires it or a counter
         return counted(self._local_batch), "local_batch"
 
-    @property
+    # Not torch.optim.Optimizer.__init__: the wrapped optimizer holds the groups and state.
+    @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.optimizer.state = state
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.optimizer.defaults = defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r})"
+
+    def __getstate__(self) -> dict[str, Any]:  # torch's would keep the groups alone
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def _params(self) -> list[torch.Tensor]:
         """The parameters averaged over the ranks: those that require a gradient, but for
@@ -178,6 +213,12 @@ class DistributedOptimizer:
                     raise TypeError(
                         f"optimizer: parameter {i} is {p.dtype} on {p.device}; the MPI path "
                         "handles float32/float64 CPU parameters"
+                    )
+                if p.grad is not None and p.grad.layout != torch.strided:
+                    raise TypeError(
+                        f"optimizer: parameter {i}'s gradient is {p.grad.layout} (an "
+                        "nn.Embedding(sparse=True)'s); the MPI path averages dense gradients: "
+                        "build the embedding with sparse=False"
                     )
         except TypeError as e:  # the others raise too, at once (hetcoll.comm.agree)
             agree(self._comm, {}, failure=e, values=[0, 0, 0])
@@ -252,15 +293,17 @@ def _bits(flags: list[bool]) -> np.ndarray:
     return words
 
 
-def _layout(params: list[torch.Tensor]) -> dict[str, int]:
-    """The parameters' order, shapes and dtypes as :func:`hetcoll.comm.agree` fields."""
+def _layout(params: list[torch.Tensor], what: str = "parameter") -> dict[str, int]:
+    """The tensors' order, shapes and dtypes as :func:`hetcoll.comm.agree` fields (``what``
+    they are, in the names)."""
     shapes = np.array([d for p in params for d in (p.dim(), *p.shape)], np.int64)
     dtypes = ",".join(str(p.dtype) for p in params).encode()
+    elements = "the gradient elements" if what == "parameter" else f"the {what} elements"
     return {
-        "the number of parameters": len(params),
-        "the gradient elements": sum(p.numel() for p in params),
-        "the parameter shapes, in order (crc32)": zlib.crc32(shapes.tobytes()),
-        "the parameter dtypes, in order (crc32)": zlib.crc32(dtypes),
+        f"the number of {what}s": len(params),
+        elements: sum(p.numel() for p in params),
+        f"the {what} shapes, in order (crc32)": zlib.crc32(shapes.tobytes()),
+        f"the {what} dtypes, in order (crc32)": zlib.crc32(dtypes),
     }
 
 
@@ -272,6 +315,9 @@ def broadcast_parameters(
     group = group_argument(group, "broadcast_parameters", comm=comm)
     c = wrap(group)
     tensors = [*module.parameters(), *module.buffers()]
+    # Ranks whose models differ would broadcast into tensors of other sizes (MPI: "Message
+    # truncated" on some ranks, none on others): they raise on every rank instead.
+    agree(c, {**_layout(tensors, "module tensor"), "root": int(root)})
     if c.engine != "mpi":
         import torch.distributed as dist
 
@@ -282,7 +328,7 @@ def broadcast_parameters(
         return
     for t in tensors:
         with torch.no_grad():
-            view = t.detach().numpy() if t.is_contiguous() else None
-            if view is None:
+            if not t.is_contiguous():
                 raise ValueError("module: parameters must be contiguous to broadcast")
-            c.native.Bcast(view, root=root)
+            # as bytes: any dtype (bfloat16 has no numpy type)
+            c.native.Bcast(t.detach().reshape(-1).view(torch.uint8).numpy(), root=root)

@@ -39,10 +39,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from hetcoll.comm import agree, deadline, start_agreement, wrap
+from hetcoll.comm import agree, start_agreement, wrap
 from hetcoll.plan import Plan, Stage
 from hetcoll.torch.batches import count_items, counted, item_weights, items_argument
-from hetcoll.torch.clipping import checked_max_norm, scale_to_norm, squares
+from hetcoll.torch.clipping import checked_max_norm, scale_to_norm, squares, summed_squares
 from hetcoll.torch.expert_parallel import (
     ExpertParallelExperts,
     experts_placement,
@@ -233,7 +233,11 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         experts); the squares are summed over the plan's group, and every rank scales by the
         same ``max_norm / (norm + 1e-6)`` where that is below 1 (``inf``: measure only).
         Collective: every rank, idle ones too. Returns the norm before clipping (float64)."""
-        limit = checked_max_norm(max_norm)
+        failure: ValueError | None = None
+        try:
+            limit = checked_max_norm(max_norm)
+        except ValueError as e:  # raised on every rank, after the exchange
+            failure, limit = e, 0.0
         pieces = []  # each tensor's piece once, where a full checkpoint takes it
         if self.place is not None:
             for name, (t, part) in self._parts().items():
@@ -241,11 +245,8 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                 taken = self.place[0] == 0 or name in self._experts_names
                 if grad is not None and taken and self._counts(name, part):
                     pieces.append(grad)
-        mine = np.array([squares(pieces)])
-        CountingCommunicator.uncounted(self._tr.comm).allreduce_sum(
-            mine, "float64", deadline(timeout)
-        )
-        norm = math.sqrt(float(mine[0]))
+        comm = CountingCommunicator.uncounted(self._tr.comm)
+        norm = math.sqrt(summed_squares(comm, squares(pieces), limit, failure, timeout))
         scale_to_norm([q.grad for q in self.parameters() if q.grad is not None], norm, limit)
         return torch.tensor(norm, dtype=torch.float64)
 

@@ -396,7 +396,10 @@ class BalancedSampler(Sampler[int]):
 
     def batch_sampler(self) -> _BatchView:
         """An iterable of per-step index lists for ``DataLoader(batch_sampler=...)``; shares set
-        with :meth:`set_shares` apply from the next step."""
+        with :meth:`set_shares` apply from the next step the loader fetches (with
+        ``num_workers > 0`` its workers prefetch ``prefetch_factor`` steps each, which keep the
+        shares they were cut with: give every rank's loader the same ``num_workers`` and
+        ``prefetch_factor``, or the ranks take new shares at different steps)."""
         return _BatchView(self)
 
     def __len__(self) -> int:
