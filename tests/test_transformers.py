@@ -44,6 +44,7 @@ EXPECTED = {
     "llava_after_projector": True,
     "llava_inside_language_model": True,
     "funnel_pipeline": True,
+    "mbart_pipeline": True,
     "falcon_resumes": True,
     "gpt2_loss_parallel": True,
     "llama_loss_parallel": True,

@@ -199,6 +199,31 @@ class T5(nn.Module):
         )
 
 
+class MBart(nn.Module):
+    """Hugging Face MBart in a user's module, which brings no example inputs of its own:
+    each stack's ``layernorm_embedding`` is registered after its layers but called before
+    them. The blocks are in call order by the example inputs of the model inside (its
+    ``dummy_inputs``, those the wrapper's forward takes); in registration order no cut inside
+    a stack could run ("a block with parameters out of call order")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.MBartConfig(
+            vocab_size=VOCAB, d_model=16, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24,
+            decoder_ffn_dim=24, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+            activation_dropout=0.0, use_cache=False, pad_token_id=0, attn_implementation="eager",
+        )  # fmt: skip
+        self.mbart = transformers.MBartForConditionalGeneration(config)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+        return self.mbart(
+            input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=input_ids
+        )
+
+
 class EncoderLM(nn.Module):
     """A user's own language model: embedding, a learned position table (a parameter outside
     every block), torch's encoder layers with a causal and a padding mask, a head."""
@@ -476,9 +501,10 @@ def split_stage(par: Any, traffic: bool = True) -> None:
     assert traffic["gradients"] == backward, (traffic, backward)
 
 
-def pipeline_4(n: int) -> dict[str, Any]:
-    """Four uneven stages over ``n`` layers, three uneven micro-batches (3, 2, 2), 1F1B."""
-    cuts = [0, 2, n // 2, n - 2, n]
+def pipeline_4(n: int, cuts: list[int] | None = None) -> dict[str, Any]:
+    """Four uneven stages over ``n`` layers (cut at ``cuts``, default after 2, n / 2 and n -
+    2), three uneven micro-batches (3, 2, 2), 1F1B."""
+    cuts = [0, *(cuts or [2, n // 2, n - 2]), n]
     return {
         "microbatches": 3,
         "schedule": "1F1B",
@@ -942,6 +968,8 @@ CASES.update(
         # Blocks inside a ModuleList of ModuleLists, through a pipeline (a stage holding none
         # of them crashed: the stand-in for a list was iterated).
         "funnel_pipeline": _equal(funnel, pipeline_4, sent=True),
+        # Cut inside each stack, after its first layer (MBart's layernorm_embedding before).
+        "mbart_pipeline": _equal(MBart, partial(pipeline_4, cuts=[4, 10, 12]), sent=True),
         # A vision-language model cut after its vision tower: the language model's stage
         # picks the vision feature out of what Hugging Face's hooks record on the tower's
         # layers, which it does not hold (its stand-ins record alike; it raised IndexError).

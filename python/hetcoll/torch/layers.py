@@ -21,8 +21,10 @@ Two kinds of models, told apart by :func:`model_cut`:
   cross the cut, whatever their structure.
 
   Blocks are listed in call order when the model brings example inputs of its own (Hugging
-  Face's ``dummy_inputs``: a run on the meta device, no memory, no compute), else in the order
-  the model registers them, which is the call order of nearly every model. That run also
+  Face's ``dummy_inputs``: a run on the meta device, no memory, no compute), or a module inside
+  it does whose inputs its forward takes by name (a user's module around a Hugging Face model:
+  MBart's ``layernorm_embedding``, registered after its layers, runs before them), else in the
+  order the model registers them, which is the call order of nearly every model. That run also
   finds a block the forward calls more than once (ALBERT's one layer group, run once per
   layer): the module around it is then one block, not opened (ALBERT's encoder).
 
@@ -32,6 +34,7 @@ stay the original ones.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import operator
 from collections.abc import Callable, Mapping
@@ -221,10 +224,8 @@ def _in_call_order(
     """``blocks`` in the order a forward of the model's own example inputs calls them (those
     it does not call last, less those of them holding tensors), or as they are when the model
     brings none."""
-    example = getattr(model, "dummy_inputs", None)
-    if not isinstance(example, Mapping) or not all(
-        isinstance(v, torch.Tensor) for v in example.values()
-    ):
+    example = _example_inputs(model)
+    if example is None:
         return blocks
     names = [n for n, _ in blocks]
     examples = [dict(example)]
@@ -254,6 +255,42 @@ def _in_call_order(
     in_called = set().union(*(tensors(m) for n, m in blocks if n in called))
     kept = [b for b in blocks if b[0] in called or b[0] in glue or not tensors(b[1]) - in_called]
     return sorted(kept, key=lambda b: (called.get(b[0], len(blocks) + at[b[0]]), at[b[0]]))
+
+
+def _example_inputs(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The model's own example inputs (Hugging Face's ``dummy_inputs``), or where it has none,
+    those of the outermost module inside that has (a user's module around a Hugging Face
+    model) that its forward takes by name: those of them its signature names (all, where it
+    takes ``**kwargs``). None where there are none; a forward they do not run keeps the
+    registration order (:func:`_in_call_order`)."""
+
+    def own(m: nn.Module) -> dict[str, torch.Tensor] | None:
+        example = getattr(m, "dummy_inputs", None)
+        if not isinstance(example, Mapping) or not example:
+            return None
+        if not all(isinstance(v, torch.Tensor) for v in example.values()):
+            return None
+        return dict(example)
+
+    found = own(model)
+    if found is not None:
+        return found
+    inner = next((e for m in model.modules() if m is not model and (e := own(m))), None)
+    if inner is None:
+        return None
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return inner
+    named = {
+        p.name
+        for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    taken = {k: v for k, v in inner.items() if k in named}
+    return taken or None
 
 
 def _chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
