@@ -28,6 +28,7 @@ EXPECTED = {
     "owners_after_split": True,
     "tied": True,
     "unused": True,
+    "casts": True,
     "swin": True,
     "errors": 5,
 }

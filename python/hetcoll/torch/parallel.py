@@ -26,6 +26,7 @@ user — the three things a heterogeneous plan needs (see docs/architecture.md).
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import warnings
 import zlib
@@ -130,8 +131,8 @@ class _Piece:
         self.part.put(self._full(buffer), t)
 
     def take(self, buffer: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the buffer (a copy on the parameter's device)."""
-        return self.part.take(self._full(buffer)).to(self.param.device, copy=True)
+        """This rank's part of the buffer (a copy on the parameter's device, in its dtype)."""
+        return self.part.take(self._full(buffer)).to(self.param.device, self.param.dtype, copy=True)
 
 
 @dataclass
@@ -824,6 +825,12 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
     def _combine(self) -> None:
         """Sum the replicas' gradients: one flat buffer per set of holders and dtype."""
         for r in self._reductions:
+            # A forward may convert its own weights (Switch Transformers' router casts its
+            # classifier to float32 at each call): the sum runs in a dtype exact for every
+            # piece, as the holders see them alike.
+            dtype = functools.reduce(torch.promote_types, (q.param.dtype for q in r.pieces))
+            if dtype != r.buffer.dtype:
+                r.buffer = torch.empty(r.buffer.numel(), dtype=dtype, device=r.buffer.device)
             buf = r.buffer.zero_()
             for piece in r.pieces:
                 if piece.contributes and piece.param.grad is not None:

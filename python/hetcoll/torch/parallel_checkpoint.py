@@ -35,6 +35,9 @@ from hetcoll.torch.state_dicts import (
 )
 from hetcoll.torch.transport import Transport
 
+#: Every dtype of this torch, in one order on every rank: a tensor's dtype as a number.
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
 
 class PlanCheckpoints:
     """The checkpoint methods of :class:`~hetcoll.torch.parallel.Parallel` (which sets the
@@ -118,16 +121,29 @@ class PlanCheckpoints:
             if (0, j) in self._blocks:
                 out.update(self._owners_state(keys, self.place == (0, j)))
                 continue
-            sizes = [math.prod(shape) * dtype.itemsize for _, _, shape, dtype in keys]
-            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self._wire_device())
             lead = stage.ranks[0]
+            # The dtypes as the lead holds them now: a forward may convert its own weights
+            # (Switch Transformers' router casts its classifier to float32 at each call).
+            held = local if self.rank == lead else None
+            codes = torch.tensor(
+                [_DTYPES.index(held[k].dtype) if held is not None else 0 for k, *_ in keys],
+                dtype=torch.int64,
+                device=self._wire_device(),
+            )
+            self._tr.broadcast(codes, lead)
+            dtypes = [_DTYPES[c] for c in codes.tolist()]
+            sizes = [
+                math.prod(shape) * dtype.itemsize
+                for (_, _, shape, _), dtype in zip(keys, dtypes, strict=True)
+            ]
+            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self._wire_device())
             if self.rank == lead:
                 assert local is not None
                 buf.copy_(torch.cat([as_bytes(local[k]) for k, *_ in keys]))
             self._tr.broadcast(buf, lead)
             at = 0
             host = buf.cpu()
-            for (key, _, shape, dtype), n in zip(keys, sizes, strict=True):
+            for (key, _, shape, _), dtype, n in zip(keys, dtypes, sizes, strict=True):
                 out[key] = host[at : at + n].view(dtype).reshape(shape).clone()
                 at += n
         if experts:  # every replica holds its own experts: each rank adds its slices
