@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetcoll import CollectiveMismatchError
 from hetcoll.collectives import allreduce
 from hetcoll.comm import agree, wrap
 from hetcoll.torch import (
@@ -1450,7 +1451,74 @@ def run_all(group: Any) -> dict[str, Any]:
     out["sdpa_float32"] = sdpa_float32(group)
     out["errors"] = bad_input(group)
     out["loss_parallel"] = loss_parallel(group)
+    out["dropout"] = dropout(group)
     return out
+
+
+def _same_on_every_rank(group: Any, t: torch.Tensor) -> bool:
+    """Whether ``t`` is bitwise the same tensor on every rank."""
+    import zlib
+
+    mine = zlib.crc32(t.detach().contiguous().numpy().tobytes())
+    rows = wrap(group).allgather_int64(torch.tensor([mine]).numpy(), None)
+    return bool((rows == rows[0]).all())
+
+
+def dropout(group: Any) -> dict[str, Any]:
+    """Dropout on the rank's heads (BERT's attention probabilities) and on whole tensors (its
+    hidden states), and a chain whose pairs drop the rank's channels between their layers and
+    whole tensors after: the ranks' copies of whole tensors stay the same, step after step.
+    The split parts drew a number of random values that differs per rank, so the next
+    dropout on a whole tensor drew other masks on each rank: the ranks' replicated hidden
+    states (and then their LayerNorm weights) drifted apart, silently. Ranks seeded apart
+    raise on every rank at the forward, naming the generators."""
+    import transformers
+
+    size = wrap(group).size
+    speeds = [1.0, 0.4, 0.7][:size]
+    cfg = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.2,
+        attention_probs_dropout_prob=0.2, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    bert = filter_parallel(transformers.BertForMaskedLM(cfg).double(), speeds, group)
+    chain = nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 12), nn.Dropout(0.3),
+        nn.Linear(12, 10), nn.ReLU(), nn.Dropout(0.3), nn.Linear(10, 5),
+    ).double()  # fmt: skip
+    chain = filter_parallel(chain, speeds, group)
+    seen: dict[str, torch.Tensor] = {}
+    bert.get_submodule("bert.encoder.layer.1.output.LayerNorm").register_forward_hook(
+        lambda m, i, o: seen.__setitem__("hidden", o)
+    )
+    chain.get_submodule("4").register_forward_hook(lambda m, i, o: seen.__setitem__("chain", o))
+    torch.manual_seed(5)  # the same seed on every rank
+    ids = torch.randint(1, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    opt = torch.optim.Adam([*bert.parameters(), *chain.parameters()], lr=1e-2)
+    same = []
+    for _ in range(3):
+        loss = bert(input_ids=ids, labels=ids).loss + chain(x).pow(2).mean()
+        same += [
+            _same_on_every_rank(group, seen["hidden"]),
+            _same_on_every_rank(group, seen["chain"]),
+        ]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    norms = torch.cat(
+        [p.detach().flatten() for n, p in bert.named_parameters() if "LayerNorm" in n]
+    )
+    torch.manual_seed(wrap(group).rank)  # seeded apart
+    try:
+        bert(input_ids=ids)
+        apart = "no error"
+    except CollectiveMismatchError as e:
+        apart = str(e).split(" (rank 0")[0]
+    bert.eval()
+    bert(input_ids=ids)  # no dropout in evaluation: not checked
+    return {"same": all(same), "norms": _same_on_every_rank(group, norms), "apart": apart}
 
 
 def run_parts(rank: int, world: int, parts: tuple[str, ...]) -> dict[str, Any]:

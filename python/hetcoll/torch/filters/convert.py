@@ -63,6 +63,11 @@ from hetcoll.torch.filters.layers import (
     whole_positions,
 )
 from hetcoll.torch.filters.pairing import SplitLayout, split_layout
+from hetcoll.torch.filters.streams import (
+    draws_random,
+    generator_fingerprint,
+    install_rank_streams,
+)
 from hetcoll.torch.filters.timing import replicated_latencies, sample_seconds
 from hetcoll.torch.transport import CountingCommunicator
 
@@ -833,6 +838,7 @@ def filter_parallel(
         else:
             split = FilterParallelBatchNorm1d.from_module(m, per_layer[src], comm)  # type: ignore[arg-type]
         set_attribute(model, name, split)
+    install_rank_streams(model, comm.rank)
     _agree_per_forward(model, comm, timeout, owned)
     return model
 
@@ -867,6 +873,15 @@ def split_traffic(model: nn.Module) -> dict[str, int]:
     return counts
 
 
+#: The agreement's field on the generators (:func:`~.streams.generator_fingerprint`).
+_GENERATORS = (
+    "the random generator's state in training, the model having dropout (seed every rank "
+    "alike, torch.manual_seed(s) with one s, and run a split's ranks on one kind of device, "
+    "or set the dropout to 0: dropout on whole tensors must draw the same masks on every "
+    "rank)"
+)
+
+
 class _AgreeOnInputs:
     """The split model's forward hooks: before each forward, one agreement that every rank
     passes inputs of the same shapes and dtypes (a mismatch raises
@@ -875,9 +890,15 @@ class _AgreeOnInputs:
     deep copy of the model gets hooks that mark its own layers."""
 
     def __init__(
-        self, comm: Communicator, agreed: AgreedForward, timeout: float | None, owned: bool
+        self,
+        comm: Communicator,
+        agreed: AgreedForward,
+        timeout: float | None,
+        owned: bool,
+        draws: bool,
     ) -> None:
         self.comm, self.agreed, self.timeout, self.owned = comm, agreed, timeout, owned
+        self.draws = draws  # the model has dropout: the ranks' generators are checked
 
     def before(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not self.agreed.active:  # the outermost call: a nested one is agreed already
@@ -889,7 +910,12 @@ class _AgreeOnInputs:
                 for t in pytree.tree_leaves((args, kwargs))
             ]
             what = "the split model's inputs (shapes and dtypes)"
-            agree(self.comm, {what: zlib.crc32(repr(shapes).encode())}, deadline(self.timeout))
+            fields = {what: zlib.crc32(repr(shapes).encode())}
+            if self.draws and module.training:
+                # Dropout on whole tensors must draw the same masks on every rank, or the
+                # ranks' copies of them drift apart: the generators must agree.
+                fields[_GENERATORS] = generator_fingerprint(module)
+            agree(self.comm, fields, deadline(self.timeout))
         self.agreed.depth += 1
 
     def after(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -912,7 +938,7 @@ def _agree_per_forward(
                 shared.agreed = agreed
     if not found or comm.size == 1:
         return
-    hooks = _AgreeOnInputs(comm, agreed, timeout, owned)
+    hooks = _AgreeOnInputs(comm, agreed, timeout, owned, draws_random(model))
     model.register_forward_pre_hook(hooks.before, with_kwargs=True)
     model.register_forward_hook(hooks.after, with_kwargs=True, always_call=True)
 
