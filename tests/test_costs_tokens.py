@@ -981,6 +981,27 @@ def test_default_sdpa_attention_given_its_mask_costs_on_the_meta_device(family: 
     assert any("eager implementation" in n for n in costs.notes) and not eager.notes
 
 
+def test_each_sub_model_gets_its_own_attention_back_after_the_count() -> None:
+    """DETR (sdpa) around a ResNet backbone (eager: it supports no other): the count switched
+    the model to eager and back with the model's own, which set sdpa on the backbone too,
+    and the backbone refused it (ValueError: the costs and ``hetcoll plan`` failed)."""
+    backbone = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16, 16, 32], depths=[1, 1, 1, 1],
+        layer_type="basic", out_features=["stage4"],
+    )  # fmt: skip
+    config = transformers.DetrConfig(
+        use_timm_backbone=False, backbone_config=backbone, use_pretrained_backbone=False,
+        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, num_queries=6,
+    )  # fmt: skip
+    model = transformers.DetrModel(config)
+    assert model.config._attn_implementation == "sdpa"
+    costs = layer_costs(model, (3, 64, 64))
+    assert costs.forward_flops(1) > 0
+    assert model.config._attn_implementation == "sdpa"
+    assert model.backbone.model.config._attn_implementation == "eager"
+
+
 def test_an_encoder_decoder_is_costed_by_the_blocks_a_plan_cuts() -> None:
     """Hugging Face T5 on the meta device, its blocks in call order: each stack's dropout,
     called before its first block and after its last norm (listed last), is code between

@@ -529,11 +529,17 @@ def _eager_attention(model: nn.Module) -> Iterator[bool]:
     if own in (None, "eager") or not callable(switch):
         yield False
         return
+    # Each sub-model's own, set back as it was: switching back with the model's would give
+    # every sub-model the model's (DETR's ResNet backbone refuses sdpa).
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    owns = [(c, getattr(c, "_attn_implementation", None)) for c in configs.values()]
     switch("eager")
     try:
         yield getattr(config, "_attn_implementation", None) == "eager"
     finally:
-        switch(own)
+        for c, value in owns:
+            with contextlib.suppress(AttributeError, TypeError, ValueError):
+                c._attn_implementation = value
 
 
 class _LossError(Exception):
