@@ -590,6 +590,11 @@ def test_plan_writes_the_best_plan_the_runtime_can_run(tmp_path: Path) -> None:
     stages = [st for r in doc["replicas"] for st in r["stages"]]
     assert stages and all(st["layers"] == [0, 3] and len(st["ranks"]) == 1 for st in stages)
     assert f"wrote {out}" in run.stdout
+    # Why no plan cuts it is said (it was in the costs' plan_layers_note alone).
+    assert (
+        "not searched: plans cutting the model (pipelines, split stages): the model's blocks "
+        "do not run in the order listed" in run.stdout
+    ), run.stdout
 
 
 def test_plan_offers_filter_parallelism_only_where_it_splits_something() -> None:

@@ -433,7 +433,14 @@ def _with_blocks(
             i = of[-1] if of else 0
         of.append(i)
     if any(b < a for a, b in itertools.pairwise(of)):
-        return replace(costs, plan_layers_note="the model's blocks do not run in the order listed")
+        return replace(
+            costs,
+            plan_layers_note=(
+                "the model's blocks do not run in the order listed (the order it registers "
+                "them; a model bringing example inputs, as Hugging Face's dummy_inputs, is cut "
+                "in the order its forward calls them)"
+            ),
+        )
     n = len(names)
     out_bytes = [0.0] * n
     for k in flow.order:

@@ -466,6 +466,8 @@ def plan(
     splits = bool(modes) if n else bool(costs.filter_modes)
     if not splits:
         report.skipped["filter parallel"] = "the model has no layer filter parallelism splits"
+    if not n and costs.plan_layers_note:  # the predictions stand, no plan runs them
+        report.skipped["plans cutting the model (pipelines, split stages)"] = costs.plan_layers_note
 
     def data_balanced(c: Cluster, strategy: str) -> Prediction:
         try:
