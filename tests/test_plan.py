@@ -224,6 +224,27 @@ class Twice(nn.Module):
         return self.layer(torch.relu(self.layer(x)))
 
 
+def test_a_weight_normed_module_is_one_block():
+    # Its parametrizations (a ModuleDict of ParametrizationLists) were taken for repeated
+    # blocks: WavLM's positional convolution became the blocks
+    # 'encoder.pos_conv_embed.conv.parametrizations.weight.0', its padding and activation.
+    from torch.nn.utils.parametrizations import weight_norm
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos = nn.Sequential(weight_norm(nn.Conv1d(4, 4, 3, padding=1)), nn.GELU())
+            self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x + self.pos(x.transpose(1, 2)).transpose(1, 2)
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    assert [n for n, _ in model_layers(Net())] == ["pos", "layers.0", "layers.1"]
+
+
 def test_model_layers_of_real_models():
     names = [n for n, _ in model_layers(torchvision.models.resnet18())]
     assert names == [

@@ -44,6 +44,7 @@ from typing import Any, Literal
 
 import torch
 from torch import fx, nn
+from torch.nn.utils.parametrize import ParametrizationList
 
 from hetcoll.torch.replay import BlockCalledAgain, probe_first_that_runs, tensor_attributes_kept
 
@@ -160,6 +161,11 @@ def model_cut(model: nn.Module) -> ModelCut:
 def _repeated(m: nn.Module) -> bool:
     """A container of repeated blocks: a ModuleList or ModuleDict, or a plain Sequential of
     two or more children of one class."""
+    children = list(m.children())
+    if isinstance(m, ParametrizationList) or (
+        children and all(isinstance(c, ParametrizationList) for c in children)
+    ):  # a module's parametrizations (weight norm): part of that module, no blocks
+        return False
     if isinstance(m, nn.ModuleList | nn.ModuleDict):
         return True
     if _is_plain_sequential(m):
