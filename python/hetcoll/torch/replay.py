@@ -252,6 +252,9 @@ class Flow:
     #: rotary embedding reads the hidden states for their dtype and device alone): any stage
     #: computes them from stand-ins of their inputs (:func:`_reads_no_values`).
     value_free: set[int] = field(default_factory=set)
+    #: Blocks whose parameters the code between blocks reads itself, outside their calls
+    #: (DETR's query embeddings' weight): only a stage holding them could run that code.
+    read_outside: frozenset[int] = frozenset()
     #: The roles of each (replica, stage) for this probe, kept by whoever computes them.
     roles: dict[tuple[int, int], StageRoles] = field(default_factory=dict)
 
@@ -301,11 +304,20 @@ class _Sources(TorchFunctionMode):
     """Follows, for every tensor the code between blocks computes, the blocks whose outputs it
     was computed from (the union over each op's tensor arguments)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, owned: Mapping[int, int] | None = None, device: torch.device | None = None
+    ) -> None:
         super().__init__()
         self.of: dict[int, frozenset[int]] = {}
         self.keep: list[torch.Tensor] = []  # no id is reused while the probe runs
         self.paused = 0
+        #: The blocks' parameters (by id: their block), and the blocks whose parameters the
+        #: code between blocks reads itself (DETR's query embeddings' weight): every stage
+        #: runs that code, and only one holds the block. A stand-in's parameters (on the meta
+        #: device) read so are zeros on the probe's ``device``, so that the probe goes on.
+        self.owned = dict(owned or {})
+        self.read_outside: set[int] = set()
+        self.device = device
 
     def mark(self, value: Any, sources: frozenset[int]) -> None:
         for t in pytree.tree_leaves(value):
@@ -322,16 +334,30 @@ class _Sources(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        hit: set[int] = set()
+        if not self.paused and self.owned:
+            args, kwargs = pytree.tree_map(lambda t: self._read(t, hit), (args, kwargs))
         if not self.paused and func in _TO_PYTHON:
             found = self.sources((args, kwargs))
             if found:
                 raise _DecidesOnData(found)
         out = func(*args, **kwargs)
+        if hit and any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(out)):
+            self.read_outside |= hit  # its values computed on, not its dtype or shape read
         if not self.paused:
             found = self.sources((args, kwargs))
             if found:
                 self.mark(out, found)
         return out
+
+    def _read(self, t: Any, hit: set[int]) -> Any:
+        k = self.owned.get(id(t)) if isinstance(t, torch.Tensor) else None
+        if k is None:
+            return t
+        hit.add(k)
+        if t.is_meta and self.device is not None and self.device.type != "meta":
+            return torch.zeros(t.shape, dtype=t.dtype, device=self.device)
+        return t
 
 
 #: Reading a tensor's values into Python: a branch or a size decided by data.
@@ -496,11 +522,17 @@ def _probe(
     glue: frozenset[int],
 ) -> Flow:
     flow = Flow(glue=glue)
-    sources = _Sources()
     device = next(
         (t.device for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)),
         torch.device("cpu"),
     )
+    owned = {}
+    for k, name in enumerate(blocks):
+        m = model.get_submodule(name)
+        held = object.__getattribute__(m, "meta") if isinstance(m, StandIn) else m
+        if k not in glue:  # run as code between blocks on every stage, its tensors too
+            owned.update({id(p): k for p in held.parameters()})
+    sources = _Sources(owned, device)
 
     def route(k: int, module: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
         name = blocks[k]
@@ -570,6 +602,7 @@ def _probe(
             "inputs"
         ) from None
     flow.output_reads = sources.sources(output)
+    flow.read_outside = frozenset(sources.read_outside)
     return flow
 
 
@@ -671,7 +704,18 @@ def stage_roles(
 ) -> StageRoles:
     """The roles of every block for ``stage`` of a pipeline whose block ``k`` belongs to stage
     ``stage_of[k]``. Raises ``ValueError`` (naming the block) for a cut that cannot run: a
-    block that reads the output of a later stage's block."""
+    block that reads the output of a later stage's block, a block whose parameters the code
+    between blocks reads (which every stage runs) on a plan of several stages."""
+    if flow.read_outside and max(stage_of) > 0:
+        which = ", ".join(repr(names[k]) for k in sorted(flow.read_outside))
+        raise ValueError(
+            f"{where(stage_of[min(flow.read_outside)])}: the model's forward reads the "
+            f"parameters of block {which} itself, outside the block's call, in code between "
+            "blocks that every stage runs, and only this stage holds them: give the model "
+            "example inputs (dummy_inputs, a dict of tensors whose forward tells the blocks' "
+            "call order), which make a module the forward never calls no block, its weights "
+            "held by every stage"
+        )
     recompute: set[int] = set()
     for k in flow.order:  # a block that reads only the inputs and such blocks
         if parameter_free[k] and flow.reads[k] <= recompute:
