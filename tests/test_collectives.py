@@ -146,28 +146,37 @@ def _dead_peer_rank(rank, world, port, result_path):
 
 @pytest.mark.multiproc
 def test_gloo_dead_peer_raises_timeout_on_survivors():
+    exits, results = _with_a_dying_rank(_dead_peer_rank, 3)
+    assert exits == [0, 0, 3]
+    for outcomes in results[:2]:
+        # gloo notices the closed connection at once; the timeout bounds the wait otherwise.
+        # A loose bound: it tells a timeout from a hang, not how fast a busy host wakes up.
+        assert [o for o, _ in outcomes] == ["CollectiveTimeout"] * 3
+        assert all(seconds < 30.0 for _, seconds in outcomes)
+
+
+def _with_a_dying_rank(target, world: int) -> tuple[list[int | None], list[object]]:
+    """``target(rank, world, port, result_path)`` on ``world`` spawned processes, the last of
+    which dies (exit code 3) while the others pickle their outcomes: every exit code (None for
+    a process still alive after 90 s, killed) and the survivors' outcomes."""
     ctx = torch.multiprocessing.get_context("spawn")
     port = launch.free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        paths = [os.path.join(tmp, f"{r}.pkl") for r in range(3)]
-        procs = [ctx.Process(target=_dead_peer_rank, args=(r, 3, port, paths[r])) for r in range(3)]
+        paths = [os.path.join(tmp, f"{r}.pkl") for r in range(world)]
+        procs = [ctx.Process(target=target, args=(r, world, port, paths[r])) for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
             p.join(90)
-        alive = [p.is_alive() for p in procs]
+        exits = [None if p.is_alive() else p.exitcode for p in procs]
         for p in procs:
             if p.is_alive():
                 p.kill()
-        assert alive == [False] * 3
-        assert [p.exitcode for p in procs] == [0, 0, 3]
-        for path in paths[:2]:
+        results = []
+        for path in paths[:-1]:
             with open(path, "rb") as f:
-                outcomes = pickle.load(f)
-            # gloo notices the closed connection at once; the timeout bounds the wait otherwise.
-            # A loose bound: it tells a timeout from a hang, not how fast a busy host wakes up.
-            assert [o for o, _ in outcomes] == ["CollectiveTimeout"] * 3
-            assert all(seconds < 30.0 for _, seconds in outcomes)
+                results.append(pickle.load(f))
+    return exits, results
 
 
 def _hook_dead_peer_rank(rank, world, port, result_path):
@@ -201,23 +210,9 @@ def test_a_dead_peer_under_the_ddp_hook_raises_a_timeout_the_backward_names():
     # which DDP's reducer read in C++ as the bucket's value: "Unable to cast ... to Tensor".
     # DDP's backward raises RuntimeError for any error of a hook's future; its message now
     # names the timeout and the lost peer.
-    ctx = torch.multiprocessing.get_context("spawn")
-    port = launch.free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = [os.path.join(tmp, f"{r}.pkl") for r in range(2)]
-        procs = [
-            ctx.Process(target=_hook_dead_peer_rank, args=(r, 2, port, paths[r])) for r in range(2)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(90)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        assert [p.exitcode for p in procs] == [0, 3]
-        with open(paths[0], "rb") as f:
-            outcome = pickle.load(f)
+    exits, (outcome,) = _with_a_dying_rank(_hook_dead_peer_rank, 2)
+    assert exits == [0, 3]
+    assert isinstance(outcome, str)
     assert outcome.startswith("RuntimeError: "), outcome
     assert "CollectiveTimeout: receive from rank 1" in outcome, outcome
     assert "Unable to cast" not in outcome, outcome
