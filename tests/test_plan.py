@@ -245,6 +245,26 @@ def test_a_weight_normed_module_is_one_block():
     assert [n for n, _ in model_layers(Net())] == ["pos", "layers.0", "layers.1"]
 
 
+def test_a_vision_model_s_blocks_are_in_call_order():
+    # Hugging Face's example inputs are token ids, which a vision model does not take: its
+    # blocks stayed in registration order, YOLOS's encoder.interpolation (called before the
+    # layers, registered after) among them, and a plan could not cut between its layers.
+    # An image of its configured size tells the order.
+    import transformers
+
+    config = transformers.YolosConfig(
+        hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        image_size=[32, 32], patch_size=8, num_detection_tokens=3,
+    )  # fmt: skip
+    names = [n for n, _ in model_layers(transformers.YolosModel(config))]
+    assert names[:4] == [
+        "embeddings",
+        "encoder.interpolation",
+        "encoder.layer.0",
+        "encoder.layer.1",
+    ]
+
+
 def test_model_layers_of_real_models():
     names = [n for n, _ in model_layers(torchvision.models.resnet18())]
     assert names == [

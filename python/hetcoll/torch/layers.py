@@ -21,10 +21,12 @@ Two kinds of models, told apart by :func:`model_cut`:
   cross the cut, whatever their structure.
 
   Blocks are listed in call order when the model brings example inputs of its own (Hugging
-  Face's ``dummy_inputs``: a run on the meta device, no memory, no compute), or a module inside
-  it does whose inputs its forward takes by name (a user's module around a Hugging Face model:
-  MBart's ``layernorm_embedding``, registered after its layers, runs before them), else in the
-  order the model registers them, which is the call order of nearly every model. That run also
+  Face's ``dummy_inputs``: a run on the meta device, no memory, no compute; for a vision model,
+  whose ``dummy_inputs`` are token ids it does not take, an image of its configured size), or
+  a module inside it does whose inputs its forward takes by name (a user's module around a
+  Hugging Face model: MBart's ``layernorm_embedding``, registered after its layers, runs before
+  them), else in the order the model registers them, which is the call order of nearly every
+  model. That run also
   finds a block the forward calls more than once (ALBERT's one layer group, run once per
   layer): the module around it is then one block, not opened (ALBERT's encoder).
 
@@ -276,7 +278,7 @@ def _example_inputs(model: nn.Module) -> dict[str, torch.Tensor] | None:
             return None
         if not all(isinstance(v, torch.Tensor) for v in example.values()):
             return None
-        return dict(example)
+        return _images_of(m) or dict(example)
 
     found = own(model)
     if found is not None:
@@ -297,6 +299,29 @@ def _example_inputs(model: nn.Module) -> dict[str, torch.Tensor] | None:
     }
     taken = {k: v for k, v in inner.items() if k in named}
     return taken or None
+
+
+def _images_of(m: nn.Module) -> dict[str, torch.Tensor] | None:
+    """An image of ``m``'s configured size, for a Hugging Face vision model (its main input
+    ``pixel_values``), whose own ``dummy_inputs`` are token ids it does not take: one image
+    of ``config.image_size`` and ``config.num_channels``, zeros in the model's dtype, on its
+    device (the meta device too). None for any other model."""
+    config = getattr(m, "config", None)
+    size = getattr(config, "image_size", None)
+    if getattr(m, "main_input_name", None) != "pixel_values" or size is None:
+        return None
+    if isinstance(size, int):
+        size = (size, size)
+    if not (
+        isinstance(size, list | tuple) and len(size) == 2 and all(isinstance(x, int) for x in size)
+    ):
+        return None
+    channels = getattr(config, "num_channels", 3)
+    weight = next((p for p in m.parameters() if p.is_floating_point()), None)
+    if weight is None or not isinstance(channels, int):
+        return None
+    shape = (1, channels, *size)
+    return {"pixel_values": torch.zeros(shape, dtype=weight.dtype, device=weight.device)}
 
 
 def _chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
