@@ -334,7 +334,7 @@ class _Sources(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        hit: set[int] = set()
+        hit = set[int]()
         if not self.paused and self.owned:
             args, kwargs = pytree.tree_map(lambda t: self._read(t, hit), (args, kwargs))
         if not self.paused and func in _TO_PYTHON:
