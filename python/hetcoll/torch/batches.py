@@ -266,15 +266,22 @@ def added_counts(
     """Every rank's step count after another exchange of micro-batch ``counts`` (``(ranks, 2)``
     as :func:`item_weights` reads them): each checked as there (raising the same errors on every
     rank) but for a total of 0, which one micro-batch may have; then summed per rank."""
-    counts = np.asarray(counts, np.int64).reshape(-1, 2)
-    for rank, (status, value) in enumerate(counts.tolist()):
-        if status != COUNTED:
-            raise _problem("items", rank, status, value) from failure
+    counts = _checked(counts, "items", failure)
     if earlier is None:
         return counts.copy()
     out = earlier.copy()
     out[:, 1] += counts[:, 1]
     return out
+
+
+def _checked(counts: Any, argument: str, failure: BaseException | None) -> np.ndarray:
+    """``counts`` as ``(ranks, 2)`` int64, raising (the same on every rank) for the first rank
+    whose count has a problem."""
+    counts = np.asarray(counts, np.int64).reshape(-1, 2)
+    for rank, (status, value) in enumerate(counts.tolist()):
+        if status != COUNTED:
+            raise _problem(argument, rank, status, value) from failure
+    return counts
 
 
 def _problem(argument: str, rank: int, status: int, value: int) -> BaseException:
@@ -315,10 +322,7 @@ def item_total(
 ) -> int:
     """``N = sum_r n_r``, the denominator of :func:`item_weights` (which see), checked alike:
     for a sum formed after the ranks' scaled gradients were reduced."""
-    counts = np.asarray(counts, np.int64).reshape(-1, 2)
-    for rank, (status, value) in enumerate(counts.tolist()):
-        if status != COUNTED:
-            raise _problem(argument, rank, status, value) from failure
+    counts = _checked(counts, argument, failure)
     total = int(counts[:, 1].sum())
     if total <= 0:
         unit = "items" if argument == "items" else "samples"

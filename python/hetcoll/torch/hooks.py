@@ -177,8 +177,14 @@ class WeightedAllreduceState:
         current CUDA device, the one DDP's buckets are on)."""
         if self._agreed or self.items is not None:  # count's exchange carries it
             return
-        agree(wrap(self.process_group), self._fields())
+        agree(self._wrapped(), self._fields())
         self._agreed = True
+
+    def _wrapped(self) -> Communicator:
+        """The group as hetcoll's communicator, wrapped once."""
+        if self._comm is None:
+            self._comm = wrap(self.process_group)
+        return self._comm
 
     def _fields(self) -> dict[str, int]:
         codes = ", ".join(f"{a!r} = {i}" for i, a in enumerate(ALGORITHMS))
@@ -215,20 +221,19 @@ class WeightedAllreduceState:
             raise TypeError(
                 "items: count(y) needs a state built with items= (this one counts samples)"
             )
-        if self._comm is None:
-            self._comm = wrap(self.process_group)
+        comm = self._wrapped()
         mine = count_items(self.items, y)
         # The algorithm rides in the same exchange: ranks that chose differently would wait on
         # messages of different kinds in the hook.
-        counts = agree(self._comm, self._fields(), values=mine.exchanged)
+        counts = agree(comm, self._fields(), values=mine.exchanged)
         self._agreed = True
         # Micro-batches whose gradients accumulate (DDP's no_sync) each count theirs: the step
         # weighs their sum.
         self._step_items = added_counts(self._step_items, counts, mine.failure)
         weights = item_weights(self._step_items, "items")
-        self._local_batch = int(self._step_items[self._comm.rank, 1])
+        self._local_batch = int(self._step_items[comm.rank, 1])
         self.global_items = int(self._step_items[:, 1].sum())
-        self._weight = float(weights[self._comm.rank])
+        self._weight = float(weights[comm.rank])
 
     def _begin_step(self) -> tuple[float, bool]:
         """This step's factor for the buckets, fixed at the step's first bucket: this rank's
@@ -242,9 +247,7 @@ class WeightedAllreduceState:
                     "items: no count for this step; call state.count(y) with the step's targets "
                     "on every rank before the backward"
                 )
-                if self._comm is None:
-                    self._comm = wrap(self.process_group)
-                agree(self._comm, self._fields(), values=[NOT_COUNTED, 0], failure=missing)
+                agree(self._wrapped(), self._fields(), values=[NOT_COUNTED, 0], failure=missing)
             assert self._weight is not None  # agree raised otherwise
             return self._weight, True
         if not self._in_step:
