@@ -79,6 +79,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rebalance-every", type=int, default=None, help="re-solve every N steps")
     p.add_argument("--batch", type=int, default=128, help="the global batch")
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument(
+        "--accumulate", type=int, default=1, help="micro-batches per optimizer step (Lightning's)"
+    )
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--float64", action="store_true", help="train in float64")
     p.add_argument("--fast", action="store_true", help="a few steps only (the test suite)")
@@ -109,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> Digits:
         devices=args.devices,
         max_epochs=1 if args.fast else args.epochs,
         max_steps=4 if args.fast else -1,
+        accumulate_grad_batches=args.accumulate,
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,

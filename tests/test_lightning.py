@@ -64,16 +64,20 @@ class Regression(LightningModule):
         return DataLoader(data(), batch_size=BATCH, shuffle=self.shuffle)
 
 
-def reference(epochs: int, shuffle: bool, seed: int = 0) -> list[torch.Tensor]:
-    """One process, plain loop, over the global batches the strategy's ranks share."""
+def reference(epochs: int, shuffle: bool, seed: int = 0, accumulate: int = 1) -> list[torch.Tensor]:
+    """One process, plain loop, over the global batches the strategy's ranks share;
+    ``accumulate``: Lightning's gradient accumulation (each micro-batch's loss divided by it, a
+    step every so many batches and at the epoch's end)."""
     model, (x, y) = net(), data().tensors
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     order = BalancedSampler(range(N), [BATCH], 0, shuffle=shuffle, seed=seed, verify=False)
     for epoch in range(epochs):
         order.set_epoch(epoch)
-        for idx in order.batch_sampler():
+        batches = list(order.batch_sampler())
+        for start in range(0, len(batches), accumulate):
             opt.zero_grad()
-            nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+            for idx in batches[start : start + accumulate]:
+                (nn.functional.mse_loss(model(x[idx]), y[idx]) / accumulate).backward()
             opt.step()
     return [p.detach() for p in model.parameters()]
 
@@ -121,9 +125,9 @@ def planned(shares: list[int], epochs: int, changes: dict[int, list[int]] | None
     return sizes
 
 
-def assert_exact(trainer: Trainer, epochs: int, shuffle: bool) -> None:
+def assert_exact(trainer: Trainer, epochs: int, shuffle: bool, accumulate: int = 1) -> None:
     got = [p.detach() for p in trainer.lightning_module.net.parameters()]
-    for a, b in zip(got, reference(epochs, shuffle)):
+    for a, b in zip(got, reference(epochs, shuffle, accumulate=accumulate)):
         assert a.dtype == torch.float64
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
@@ -162,14 +166,41 @@ def test_speeds_on_three_ranks_in_dataset_order_with_a_share_change(tmp_path):
     assert [trainer.callback_metrics[f"share/{r}"] for r in range(3)] == [3.0, 3.0, 2.0]
 
 
-def test_measured_and_rebalanced_shares_stay_exact(tmp_path):
-    """measure=True probes each rank and rebalance_every re-solves the shares while training:
+class ChangeSharesAfterBatch(Callback):
+    """Sets new shares after the epoch's batch ``at`` (inside an accumulation window)."""
+
+    def __init__(self, at: int, shares: list[int]) -> None:
+        self.at, self.shares = at, shares
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == self.at:
+            trainer.strategy.sampler.set_shares(self.shares)
+
+
+def test_gradient_accumulation_trains_as_one_process_accumulating_alike(tmp_path):
+    """accumulate_grad_batches=3 on 3 ranks: each epoch's four batches (the last of 5 rows) make
+    a step of three micro-batches and one of one; the shares change inside the first window
+    (micro-batches at [2, 4, 2], then [3, 3, 2]) and the last batch splits [2, 2, 1]. Every step
+    is one process's, its micro-batches' losses divided by 3."""
+    strategy = BalancedStrategy(speeds=[1.0, 2.0, 1.0], start_method=START)
+    change = ChangeSharesAfterBatch(0, [3, 3, 2])
+    trainer = fit(
+        tmp_path, strategy, 3, shuffle=True, callbacks=[change], accumulate_grad_batches=3
+    )
+    assert_exact(trainer, 2, shuffle=True, accumulate=3)
+    assert batch_sizes(tmp_path, 3)[0] == [2, 3, 3, 2, 3, 3, 3, 2]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_measured_and_rebalanced_shares_stay_exact(tmp_path, accumulate):
+    """measure=True probes each rank and rebalance_every re-solves the shares while training
+    (with accumulation, from every micro-batch's time, new shares possibly inside a step):
     whatever shares result, the weights are those of one process."""
     strategy = BalancedStrategy(
         measure=True, rebalance_every=2, measure_budget=1.0, start_method=START
     )
-    trainer = fit(tmp_path, strategy, 2, shuffle=True, epochs=3)
-    assert_exact(trainer, 3, shuffle=True)
+    trainer = fit(tmp_path, strategy, 2, shuffle=True, epochs=3, accumulate_grad_batches=accumulate)
+    assert_exact(trainer, 3, shuffle=True, accumulate=accumulate)
     shares = [trainer.callback_metrics[f"share/{r}"] for r in range(2)]
     assert sum(shares) == BATCH and min(shares) >= 1
     assert all(trainer.callback_metrics[f"speed/{r}"] > 0 for r in range(2))
@@ -417,6 +448,36 @@ def test_items_train_a_padded_lm_as_one_process(name, world, weigh):
         assert err <= 1e-10
     else:
         assert not err <= 1e-3
+
+
+@pytest.mark.parametrize(("name", "world", "accumulate"), [("encoder", 3, 2), ("gpt2", 2, 3)])
+def test_items_with_gradient_accumulation_train_as_one_process(name, world, accumulate):
+    """Gradient accumulation weighs each micro-batch's ranks by their valid labels in it, as one
+    process under Lightning does (each micro-batch's mean over its valid labels, divided by the
+    accumulation). The micro-batch where the last rank has no valid label (a NaN loss) is the
+    last of its step (encoder, 2 micro-batches a step) or inside it (GPT-2, 3)."""
+    from lm_common import MODELS, SHARES, global_batches, items, lm_loss, optimizer, rel_err
+
+    trainer = quiet_trainer(
+        BalancedStrategy(
+            shares=SHARES[world], items=lambda batch: items(batch[1]), start_method=START
+        ),
+        world,
+        max_epochs=1,
+        use_distributed_sampler=False,
+        accumulate_grad_batches=accumulate,
+    )
+    trainer.fit(PaddedLM(name, world))
+    got = [p.detach() for p in trainer.lightning_module.net.parameters()]
+    model = MODELS[name]()
+    opt = optimizer(model)
+    batches = global_batches(world)
+    for start in range(0, len(batches), accumulate):
+        opt.zero_grad()
+        for x, y in batches[start : start + accumulate]:
+            (lm_loss(model(x), y) / accumulate).backward()
+        opt.step()
+    assert rel_err(got, [p.detach() for p in model.parameters()]) <= 1e-10
 
 
 def test_items_must_be_a_function():

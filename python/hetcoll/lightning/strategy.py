@@ -48,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 import hetcoll
+from hetcoll.comm import Communicator, agree, wrap
 from hetcoll.torch import (
     BalancedSampler,
     ExpertParallelExperts,
@@ -59,13 +60,14 @@ from hetcoll.torch import (
     gather_optimizer_state_dict,
     gather_speeds,
     gather_state_dict,
+    item_weights,
     leave_to_ranks,
     load_full_optimizer_state_dict,
     load_full_state_dict,
     measure_speed,
     weighted_allreduce_hook,
 )
-from hetcoll.torch.batches import Items, items_argument, loader_batch_size
+from hetcoll.torch.batches import Items, count_items, counted, items_argument, loader_batch_size
 from hetcoll.torch.filters.layers import split_comms
 from hetcoll.torch.speed import check_share_source
 
@@ -242,8 +244,16 @@ class BalancedStrategy(DDPStrategy):
     The training loader's sampler decides the order: Lightning's ``DistributedSampler`` (its
     default) and ``RandomSampler`` shuffle, ``SequentialSampler`` (``shuffle=False`` with
     ``Trainer(use_distributed_sampler=False)``) keeps the dataset order; other samplers and
-    batch samplers raise. Validation and test loaders are Lightning's as usual. Gradient
-    accumulation is not supported (its steps skip the comm hook).
+    batch samplers raise. Validation and test loaders are Lightning's as usual.
+
+    Gradient accumulation (``Trainer(accumulate_grad_batches=k)``) trains as one process with
+    the same ``k``: Lightning divides every micro-batch's loss by ``k`` and DDP skips the
+    exchange until the step's last micro-batch, so the step is the mean of its micro-batches'
+    full-batch gradients. Each micro-batch's ranks weigh their rows (or ``items``) in it:
+    their counts are exchanged as the micro-batch starts (one small allgather), each rank's
+    loss is scaled by its weight ``n_r / N`` times the ranks (DDP's mean divides that away),
+    and a rank with no item in a micro-batch adds nothing (its gradient, NaN for a mean over
+    nothing, is dropped), whichever shares each micro-batch ran at.
 
     >>> trainer = Trainer(strategy=BalancedStrategy(speeds=[3, 1]), accelerator="cpu",
     ...                   devices=2)  # doctest: +SKIP
@@ -297,6 +307,13 @@ class BalancedStrategy(DDPStrategy):
         self.hook_state: WeightedAllreduceState | None = None
         self._step_start = 0.0
         self._local_batch = 0
+        #: Trainer's ``accumulate_grad_batches``, known from ``setup``.
+        self._accumulate = 1
+        #: With accumulation: the running micro-batch's loss factor (its weight times the ranks).
+        self._micro_scale = 1.0
+        #: With accumulation and items: drops the gradients of micro-batches weighing 0.
+        self._weightless_hooks: list[Any] = []
+        self._comm: Communicator | None = None
 
     @property
     def speeds(self) -> list[float] | None:
@@ -411,18 +428,27 @@ class BalancedStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # Lightning registers hooks on CUDA only; this one runs on every device.
         assert isinstance(self.model, DistributedDataParallel)
-        if self.items is not None:
+        if self.items is not None and self._accumulate == 1:
             self.hook_state = WeightedAllreduceState(None, items=self.items)
         else:
+            # With accumulation the micro-batches' losses carry the weights: the hook takes
+            # the plain mean (one sample each).
             self.hook_state = WeightedAllreduceState(None, local_batch=0)
         self.model.register_comm_hook(self.hook_state, weighted_allreduce_hook)
+        if self._accumulate > 1 and self.items is not None:
+            self._weightless_hooks = [
+                p.register_hook(self._drop_if_weightless)
+                for p in self.model.parameters()
+                if p.requires_grad
+            ]
+
+    def _drop_if_weightless(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """A parameter's gradient from a micro-batch this rank weighs 0 in: zeros (a mean over
+        no item is NaN, and ``0 * NaN`` is NaN), before it accumulates or reaches the hook."""
+        return torch.zeros_like(grad) if self._micro_scale == 0 else None
 
     def setup(self, trainer: Trainer) -> None:
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                "accumulate_grad_batches: BalancedStrategy needs 1 (accumulation steps skip "
-                "the sample-weighted averaging)"
-            )
+        self._accumulate = int(trainer.accumulate_grad_batches)
         super().setup(trainer)
         if self.lightning_module is not None and any(
             isinstance(m, ExpertParallelExperts) for m in self.lightning_module.modules()
@@ -570,15 +596,49 @@ class BalancedStrategy(DDPStrategy):
                 "batch: cannot count this step's samples: it holds no tensor with a batch dimension"
             )
         self._local_batch = n
-        if self.hook_state is not None:
+        if self.hook_state is not None and self._accumulate > 1:
+            self._micro_scale = self._micro_batch_scale(batch, n)
+            self.hook_state.local_batch = 1
+        elif self.hook_state is not None:
             if self.items is not None:
                 self.hook_state.count(batch)  # collective: every rank's items for this step
             else:
                 self.hook_state.local_batch = self._local_batch
         self._step_start = time.perf_counter()
 
+    def _micro_batch_scale(self, batch: Any, rows: int) -> float:
+        """With gradient accumulation: this micro-batch's loss factor, ``R n_r / N`` over its
+        rows (or ``items``) on every rank (collective: one small allgather, which also checks
+        that the ranks accumulate alike). A bad count raises ``ValueError`` naming ``items`` on
+        every rank."""
+        assert self.hook_state is not None
+        mine = counted(rows) if self.items is None else count_items(self.items, batch)
+        if self._comm is None:
+            self._comm = wrap(self.hook_state.process_group)
+        comm = self._comm
+        fields = {"accumulate_grad_batches": self._accumulate}
+        counts = agree(comm, fields, values=mine.exchanged, failure=None)
+        weights = item_weights(counts, "items" if self.items is not None else "batch", mine.failure)
+        return float(weights[comm.rank]) * comm.size
+
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        if self._accumulate > 1:
+            # The micro-batch's weight, on the loss Lightning divided by accumulate_grad_batches.
+            closure_loss = closure_loss * self._micro_scale
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
         if self.rebalancer is not None and self.hook_state is not None:
-            seconds = max(0.0, self.hook_state.ready_at - self._step_start)
-            self.rebalancer.observe(self._local_batch, seconds)
+            # Accumulating micro-batches reach no hook: their backward's end is their own.
+            ready = self.hook_state.ready_at
+            end = ready if ready >= self._step_start else time.perf_counter()
+            self.rebalancer.observe(self._local_batch, end - self._step_start)
+
+    def teardown(self) -> None:
+        for handle in self._weightless_hooks:
+            handle.remove()
+        self._weightless_hooks = []
+        super().teardown()
