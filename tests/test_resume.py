@@ -506,3 +506,33 @@ def test_a_plan_resumes_its_data_position_on_another_number_of_ranks():
     for name, want in model.state_dict().items():
         assert torch.equal(weights[name], weights1[name])
         assert rel(weights[name], want) <= 1e-10, name
+
+
+# -- new shares with loaders that fetch ahead by different numbers of steps ----------------------
+
+
+def steps_with_uneven_prefetch(rank, world):
+    """Rank 0's loader has 2 workers fetching 3 steps each, rank 1's none: after step 2 both set
+    new shares. Returns this rank's indices per step."""
+    data = TensorDataset(torch.arange(2 * N))
+    sampler = BalancedSampler(data, [5, 3], rank, seed=SEED)
+    kw = {"num_workers": 2, "prefetch_factor": 3, "multiprocessing_context": "fork"}
+    loader = DataLoader(data, batch_sampler=sampler.batch_sampler(), **(kw if rank == 0 else {}))
+    steps = []
+    for k, (idx,) in enumerate(loader):
+        steps.append(idx.tolist())
+        if k == 1:
+            sampler.set_shares([2, 6])
+    return steps
+
+
+@pytest.mark.multiproc
+def test_new_shares_apply_at_one_step_whatever_each_loader_fetched_ahead():
+    """Set after step 2, the new shares [2, 6] apply from step 9 on both ranks (rank 0's workers
+    had cut steps 3 to 8 at the old shares, rank 1 none): every step is one global batch of the
+    one-process order, no sample twice or left out (the last, of 2 samples, split 1 : 1)."""
+    rank0, rank1 = spawn(steps_with_uneven_prefetch, 2, timeout=120)
+    order = BalancedSampler(range(2 * N), [BATCH], 0, seed=SEED, verify=False).batch_sampler()
+    assert [a + b for a, b in zip(rank0, rank1, strict=True)] == list(order)
+    assert [len(s) for s in rank0] == [5] * 8 + [2] * 5 + [1]
+    assert [len(s) for s in rank1] == [3] * 8 + [6] * 5 + [1]

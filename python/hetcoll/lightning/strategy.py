@@ -20,8 +20,8 @@ rank's memory capacity from the same probe), or equal. ``rebalance_every``
 adds a :class:`~hetcoll.torch.Rebalancer` fed with each rank's compute time per step (batch
 start to its last gradient bucket ready); new shares apply from the next batch the loader
 fetches, with Lightning's default fetching and ``num_workers=0`` the next step (worker processes
-fetch ahead, so there a few steps later; exact either way, as the hook weights each rank by the
-batch it actually ran). ``rebalance_experts_every`` adds an
+fetch ahead, so there a few steps later, the same step on every rank: the first that no rank's
+loader had fetched). ``rebalance_experts_every`` adds an
 :class:`~hetcoll.torch.ExpertRebalancer` to a model whose experts ``configure_model`` placed
 (:func:`~hetcoll.torch.expert_parallel`): after every optimizer step it counts, and every so
 many steps it places the experts again by their routed tokens when that pays, at the ranks'

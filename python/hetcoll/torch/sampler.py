@@ -50,6 +50,7 @@ from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -79,21 +80,24 @@ def _verify(
     *,
     whole: bool = False,
     also: dict[str, int] | None = None,
-) -> None:
+    values: Sequence[int] = (),
+) -> np.ndarray:
     """Every rank checks that all ranks passed the same shares, one per rank of ``group`` (one,
     the global batch, when every rank takes the ``whole`` batch), and the same of ``also`` (the
     permutation's seed, shuffle, drop_last and the dataset's length: ranks that disagree there
     would take overlapping samples and leave others out, without a word): a rank that
     disagrees would otherwise run a different number of steps and hang the others. One
     agreement (:func:`hetcoll.comm.agree`); a rank whose shares are invalid (``failure``) joins
-    it, so that the others raise at once, and then raises its own error."""
+    it, so that the others raise at once, and then raises its own error. ``values``: integers
+    that may differ per rank, returned for every rank (:func:`hetcoll.comm.agree`)."""
     comm = wrap(group)
     fields = {"the number of shares": len(shares)}
     fields.update({f"shares[{i}]": int(v) for i, v in enumerate(shares)})
     fields.update(also or {})
-    agree(comm, fields, failure=failure)
+    got = agree(comm, fields, failure=failure, values=values)
     if not whole and len(shares) != comm.size:  # agreed: every rank raises it
         raise ValueError(f"shares: has {len(shares)} entries but the group has {comm.size} ranks")
+    return got
 
 
 #: The attribute of a DataLoader iterator that holds the :class:`_Progress` it counts into.
@@ -325,6 +329,9 @@ class BalancedSampler(Sampler[int]):
         self.position = 0
         self._resume_at = 0  # where the next iteration starts (set by load_state_dict)
         self._progress: _Progress | None = None  # the current iteration's steps
+        #: Shares still to cut steps with in an iteration, up to a global position, after
+        #: :meth:`set_shares` (for ranks whose loaders fetched less far ahead).
+        self._earlier: tuple[_Progress, int, list[int]] | None = None
         if self._checks():
             also = {
                 "seed": self.seed % (1 << 63),
@@ -359,8 +366,9 @@ class BalancedSampler(Sampler[int]):
         return hetcoll.split(padded, shares, minimum=1)
 
     def _steps(self, shares_of_step: Any) -> Iterator[list[int]]:
-        """This rank's indices step by step; ``shares_of_step()`` is re-read at each step so that
-        :meth:`set_shares` applies from the next step on."""
+        """This rank's indices step by step; ``shares_of_step(pos)`` is re-read at each step
+        (starting at global position ``pos``) so that :meth:`set_shares` applies from the next
+        step on."""
         perm = self._permutation()
         n = len(perm)
         pos, self._resume_at = self._resume_at, 0
@@ -371,7 +379,7 @@ class BalancedSampler(Sampler[int]):
         # The caller of this first step: a DataLoader iterator counts what it hands out.
         progress.attach(sys._getframe(1), self)
         while pos < n:
-            shares = shares_of_step()
+            shares = shares_of_step(pos)
             total = sum(shares)
             if n - pos >= total:
                 sizes = shares
@@ -391,15 +399,16 @@ class BalancedSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         shares = list(self.shares)  # fixed for the epoch: DataLoader batches by a fixed size
-        for step in self._steps(lambda: shares):
+        for step in self._steps(lambda _: shares):
             yield from step
 
     def batch_sampler(self) -> _BatchView:
         """An iterable of per-step index lists for ``DataLoader(batch_sampler=...)``; shares set
         with :meth:`set_shares` apply from the next step the loader fetches (with
         ``num_workers > 0`` its workers prefetch ``prefetch_factor`` steps each, which keep the
-        shares they were cut with: give every rank's loader the same ``num_workers`` and
-        ``prefetch_factor``, or the ranks take new shares at different steps)."""
+        shares they were cut with). Ranks whose loaders fetch ahead by different numbers of
+        steps (other ``num_workers``) still switch at the same step: the first one no rank
+        had fetched (with ``verify``; without it, give every rank the same loader settings)."""
         return _BatchView(self)
 
     def __len__(self) -> int:
@@ -443,7 +452,9 @@ class BalancedSampler(Sampler[int]):
         """New per-rank batch sizes (call on every rank with the same values, e.g. from a
         :class:`~hetcoll.torch.Rebalancer`). Checked across the ranks as at construction
         (``verify``): ranks that disagree raise :class:`hetcoll.CollectiveMismatchError`, all of
-        them, and keep their old shares."""
+        them, and keep their old shares. The new shares apply from the first step that no
+        rank's loader has fetched yet (the same step on every rank, however far each loader
+        fetches ahead)."""
         try:
             shares = _validate_shares(shares)
             if len(shares) != len(self.shares):
@@ -455,9 +466,24 @@ class BalancedSampler(Sampler[int]):
             if self._checks():  # the other ranks raise too, at once
                 _verify(self.group, [], failure=e, whole=self.whole)
             raise
+        # Loaders fetch ahead (workers prefetch steps cut at the old shares), by as many steps
+        # as their num_workers and prefetch_factor say: the new shares apply from the first step
+        # no rank has cut yet, every rank cutting the steps before it at the old shares.
+        switch = self.position
         if self._checks():
-            _verify(self.group, shares, whole=self.whole)
+            cut = _verify(self.group, shares, whole=self.whole, values=[self.position])
+            switch = int(cut[:, 0].max())
+        if self._progress is not None and switch > self.position:
+            self._earlier = (self._progress, switch, list(self.shares))
         self.shares = shares
+
+    def _shares_at(self, pos: int) -> list[int]:
+        """The shares of the step starting at global position ``pos`` of the current
+        iteration: the old ones before the step :meth:`set_shares` switched at."""
+        earlier = self._earlier
+        if earlier is not None and earlier[0] is self._progress and pos < earlier[1]:
+            return earlier[2]
+        return list(self.shares)
 
     def state_dict(self, *, ahead: int = 0) -> dict[str, Any]:
         """Where this sampler is: epoch, seed, shares and the global position in the epoch after
@@ -572,7 +598,7 @@ class _BatchView:
         self.sampler = sampler
 
     def __iter__(self) -> Iterator[list[int]]:
-        return self.sampler._steps(lambda: self.sampler.shares)
+        return self.sampler._steps(self.sampler._shares_at)
 
     def __len__(self) -> int:
         return len(self.sampler._plan_sizes())
