@@ -419,3 +419,55 @@ def experts_nccl(rank: int, world: int) -> dict[str, object]:
         for name, p in ref.named_parameters():
             tp.close(grads[name].grad.cpu(), p.grad, f"gradient of {name}")
     return {"checked": len(grads)}
+
+
+def dropout_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, object]:
+    """BERT with dropout (0.2 on its attention probabilities and hidden states) split by heads
+    over the GPU rank and CPU ranks, every rank seeded alike: the dropout on whole tensors
+    draws the same masks on every rank (on the CPU: ``CpuDraws``), so the ranks' copies of the
+    hidden states agree over 3 Adam steps (1e-10 relative in float64: the GPU's matmuls round
+    otherwise than the CPU's) and so do their LayerNorm weights; ranks seeded apart raise
+    ``CollectiveMismatchError`` on every rank. A mask drawn otherwise would be O(1) off."""
+    import transformers
+
+    from hetcoll.torch import filter_parallel
+
+    dev = device_of(rank, first)
+    cfg = transformers.BertConfig(
+        vocab_size=23, hidden_size=24, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.2,
+        attention_probs_dropout_prob=0.2, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    bert = filter_parallel(transformers.BertForMaskedLM(cfg).double(), [3.0, 1.0, 1.0][:world])
+    bert.to(dev)
+    seen: dict[str, torch.Tensor] = {}
+    bert.get_submodule("bert.encoder.layer.1.output.LayerNorm").register_forward_hook(
+        lambda m, i, o: seen.__setitem__("hidden", o)
+    )
+    ids = torch.randint(1, 23, (4, 8), generator=torch.Generator().manual_seed(0)).to(dev)
+    opt = torch.optim.Adam(bert.parameters(), lr=1e-2)
+    torch.manual_seed(5)
+
+    def apart(t: torch.Tensor) -> float:
+        mine = t.detach().double().cpu().contiguous()
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
+        return max(rel_err(e, every[0]) for e in every)
+
+    worst = 0.0
+    for _ in range(3):
+        bert(input_ids=ids, labels=ids).loss.backward()
+        worst = max(worst, apart(seen["hidden"]))
+        opt.step()
+        opt.zero_grad()
+    norms = torch.cat([p.flatten() for n, p in bert.named_parameters() if "LayerNorm" in n])
+    worst = max(worst, apart(norms))
+    assert worst <= TOL, worst
+    torch.manual_seed(rank)
+    try:
+        bert(input_ids=ids)
+        raised = False
+    except CollectiveMismatchError:
+        raised = True
+    return {"raised": raised}

@@ -1518,7 +1518,36 @@ def dropout(group: Any) -> dict[str, Any]:
         apart = str(e).split(" (rank 0")[0]
     bert.eval()
     bert(input_ids=ids)  # no dropout in evaluation: not checked
-    return {"same": all(same), "norms": _same_on_every_rank(group, norms), "apart": apart}
+    # Ranks on several kinds of device (here the last one says it runs on another kind) draw
+    # on the CPU (CpuDraws, in force through the forward): their CPU generators must agree.
+    from hetcoll.torch.filters import streams
+
+    bert.train()
+    kind, mixed = streams.device_kind, []
+    if wrap(group).rank == size - 1:
+        streams.device_kind = lambda model: len(streams.DEVICE_KINDS)  # type: ignore[assignment]
+    stack = torch.overrides._get_current_function_mode_stack
+    bert.get_submodule("bert.encoder.layer.0").register_forward_hook(
+        lambda m, i, o: mixed.append(any(isinstance(d, streams.CpuDraws) for d in stack()))
+    )
+    try:
+        torch.manual_seed(5)
+        bert(input_ids=ids, labels=ids).loss.backward()
+        kinds_same = _same_on_every_rank(group, seen["hidden"])
+        torch.manual_seed(wrap(group).rank)
+        try:
+            bert(input_ids=ids)
+            kinds_apart = "no error"
+        except CollectiveMismatchError as e:
+            kinds_apart = str(e).split(" (rank 0")[0]
+    finally:
+        streams.device_kind = kind  # type: ignore[assignment]
+    return {
+        "same": all(same),
+        "norms": _same_on_every_rank(group, norms),
+        "apart": apart,
+        "kinds": {"same": kinds_same, "cpu draws": mixed == [True], "apart": kinds_apart},
+    }
 
 
 def run_parts(rank: int, world: int, parts: tuple[str, ...]) -> dict[str, Any]:

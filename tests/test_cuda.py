@@ -179,6 +179,54 @@ def test_bf16_autocast_through_a_plan(first):
     assert _spawn(cuda_cases.autocast_plan, 2, first) == [{"dtypes": ["torch.bfloat16"]}] * 2
 
 
+@pytest.mark.cuda
+@needs_cuda
+def test_cpu_draws_give_a_gpu_tensor_the_cpus_masks():
+    """Under CpuDraws a CUDA tensor's dropout, channel dropout, ``bernoulli_`` fill,
+    ``rand(device=cuda)`` and in-place dropout draw from the CPU generator: bitwise what the
+    CPU computes from the same seed, the gradient too; the CUDA generator is left as it was."""
+    from hetcoll.torch.filters.streams import CpuDraws
+
+    x = torch.randn(6, 5, 4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    gx = x.cuda().requires_grad_()
+    cx = x.clone().requires_grad_()
+    cuda_state = torch.cuda.get_rng_state()
+    torch.manual_seed(3)
+    with CpuDraws():
+        got = [
+            nn.functional.dropout(gx, 0.3),
+            nn.functional.dropout2d(gx, 0.5),
+            torch.empty(7, device="cuda").bernoulli_(0.4),
+            torch.rand(3, device="cuda"),
+            nn.Dropout(0.5, inplace=True)(gx * 1),
+        ]
+    torch.manual_seed(3)
+    want = [
+        nn.functional.dropout(cx, 0.3),
+        nn.functional.dropout2d(cx, 0.5),
+        torch.empty(7).bernoulli_(0.4),
+        torch.rand(3),
+        nn.Dropout(0.5, inplace=True)(cx * 1),
+    ]
+    for g, w in zip(got, want, strict=True):
+        assert g.device.type == "cuda"
+        assert torch.equal(g.cpu(), w)
+    (got[0].sum() + got[1].pow(2).sum() + got[4].sum()).backward()
+    (want[0].sum() + want[1].pow(2).sum() + want[4].sum()).backward()
+    assert torch.equal(gx.grad.cpu(), cx.grad)
+    assert torch.equal(torch.cuda.get_rng_state(), cuda_state)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("first", [pytest.param("cuda", marks=cuda), "cpu"])
+def test_dropout_in_a_split_with_a_gpu_rank(first):
+    """BERT with dropout split by heads over the GPU rank and two CPU ranks: the masks on
+    whole tensors are drawn on the CPU on every rank, so the ranks' copies of the hidden
+    states and LayerNorms agree to 1e-10 over 3 steps; ranks seeded apart raise. With
+    ``first="cpu"`` every rank is a CPU rank."""
+    assert _spawn(cuda_cases.dropout_mixed, 3, first) == [{"raised": True}] * 3
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("first", [pytest.param("cuda", marks=cuda), "cpu"])
 def test_expert_parallel_with_a_gpu_rank(first):

@@ -50,13 +50,21 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     assert all(r == results[0] for r in results)
     r = results[0]
     # With dropout, every rank's whole tensors stay the same (cases.dropout).
+    why = (
+        "state in training, the model having dropout (seed every rank alike, "
+        "torch.manual_seed(s) with one s, or set the dropout to 0: dropout on whole tensors "
+        "must draw the same masks on every rank)"
+    )
     assert r["dropout"] == {
         "same": True,
         "norms": True,
-        "apart": "ranks disagree on the random generator's state in training, the model "
-        "having dropout (seed every rank alike, torch.manual_seed(s) with one s, and run a "
-        "split's ranks on one kind of device, or set the dropout to 0: dropout on whole "
-        "tensors must draw the same masks on every rank)",
+        "apart": f"ranks disagree on the random generator's {why}",
+        # Ranks on several kinds of device: every draw on the CPU, its generators checked.
+        "kinds": {
+            "same": True,
+            "cpu draws": True,
+            "apart": f"ranks disagree on the CPU random generator's {why}",
+        },
     }, r["dropout"]
     # Every block layer is split and paired; only Llama's untied head gathers (its logits).
     assert r["llama_gathers"] == ["lm_head"] and r["gpt2_gathers"] == []

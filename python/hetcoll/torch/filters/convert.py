@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from hetcoll.comm import Communicator, agree, deadline, wrap
+from hetcoll.errors import CollectiveMismatchError
 from hetcoll.torch.filters.autograd import AgreedForward, GradientSums, sole_holder
 from hetcoll.torch.filters.chains import (
     choose_layers,
@@ -64,9 +65,12 @@ from hetcoll.torch.filters.layers import (
 )
 from hetcoll.torch.filters.pairing import SplitLayout, split_layout
 from hetcoll.torch.filters.streams import (
+    CpuDraws,
+    RankStream,
     draws_random,
-    generator_fingerprint,
+    generator_states,
     install_rank_streams,
+    unequal_generators,
 )
 from hetcoll.torch.filters.timing import replicated_latencies, sample_seconds
 from hetcoll.torch.transport import CountingCommunicator
@@ -838,8 +842,8 @@ def filter_parallel(
         else:
             split = FilterParallelBatchNorm1d.from_module(m, per_layer[src], comm)  # type: ignore[arg-type]
         set_attribute(model, name, split)
-    install_rank_streams(model, comm.rank)
-    _agree_per_forward(model, comm, timeout, owned)
+    stream = install_rank_streams(model, comm.rank)
+    _agree_per_forward(model, comm, timeout, owned, stream)
     return model
 
 
@@ -873,12 +877,11 @@ def split_traffic(model: nn.Module) -> dict[str, int]:
     return counts
 
 
-#: The agreement's field on the generators (:func:`~.streams.generator_fingerprint`).
+#: Why the ranks' generators must agree (:func:`~.streams.unequal_generators`).
 _GENERATORS = (
-    "the random generator's state in training, the model having dropout (seed every rank "
-    "alike, torch.manual_seed(s) with one s, and run a split's ranks on one kind of device, "
-    "or set the dropout to 0: dropout on whole tensors must draw the same masks on every "
-    "rank)"
+    "state in training, the model having dropout (seed every rank alike, torch.manual_seed(s) "
+    "with one s, or set the dropout to 0: dropout on whole tensors must draw the same masks "
+    "on every rank)"
 )
 
 
@@ -896,9 +899,12 @@ class _AgreeOnInputs:
         timeout: float | None,
         owned: bool,
         draws: bool,
+        stream: RankStream | None,
     ) -> None:
         self.comm, self.agreed, self.timeout, self.owned = comm, agreed, timeout, owned
         self.draws = draws  # the model has dropout: the ranks' generators are checked
+        self.stream = stream
+        self._cpu_draws: CpuDraws | None = None  # entered for this forward: ranks of kinds
 
     def before(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not self.agreed.active:  # the outermost call: a nested one is agreed already
@@ -911,19 +917,41 @@ class _AgreeOnInputs:
             ]
             what = "the split model's inputs (shapes and dtypes)"
             fields = {what: zlib.crc32(repr(shapes).encode())}
+            states: list[int] = []
+            if self.draws:  # as many values on every rank (training or not: a field)
+                fields["training"] = int(module.training)
+                states = generator_states(module)
+            got = agree(self.comm, fields, deadline(self.timeout), values=states)
             if self.draws and module.training:
                 # Dropout on whole tensors must draw the same masks on every rank, or the
-                # ranks' copies of them drift apart: the generators must agree.
-                fields[_GENERATORS] = generator_fingerprint(module)
-            agree(self.comm, fields, deadline(self.timeout))
+                # ranks' copies of them drift apart: the generators must agree; ranks on
+                # several kinds of device draw on the CPU.
+                mixed, unequal = unequal_generators(got)
+                if unequal is not None:
+                    listed = ", ".join(
+                        f"rank {q}: {int(row[2 - mixed])}" for q, row in enumerate(got)
+                    )
+                    raise CollectiveMismatchError(
+                        f"ranks disagree on {unequal} {_GENERATORS} ({listed})"
+                    )
+                if mixed:
+                    self._cpu_draws = CpuDraws(self.stream)
+                    self._cpu_draws.__enter__()
         self.agreed.depth += 1
 
     def after(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         self.agreed.depth = max(self.agreed.depth - 1, 0)
+        if self.agreed.depth == 0 and self._cpu_draws is not None:
+            draws, self._cpu_draws = self._cpu_draws, None
+            draws.__exit__(None, None, None)
 
 
 def _agree_per_forward(
-    model: nn.Module, comm: Communicator, timeout: float | None, owned: bool
+    model: nn.Module,
+    comm: Communicator,
+    timeout: float | None,
+    owned: bool,
+    stream: RankStream | None = None,
 ) -> None:
     """One agreement per forward of ``model`` instead of one per reduction of its split
     layers (:class:`_AgreeOnInputs`; ``owned``: the counts of ``comm`` are the model's own,
@@ -938,7 +966,7 @@ def _agree_per_forward(
                 shared.agreed = agreed
     if not found or comm.size == 1:
         return
-    hooks = _AgreeOnInputs(comm, agreed, timeout, owned, draws_random(model))
+    hooks = _AgreeOnInputs(comm, agreed, timeout, owned, draws_random(model), stream)
     model.register_forward_pre_hook(hooks.before, with_kwargs=True)
     model.register_forward_hook(hooks.after, with_kwargs=True, always_call=True)
 

@@ -13,6 +13,12 @@ seeds the rank's stream together with the rank (masks independent between ranks 
 calls); on leaving, the common stream is restored. Hooks enter it around an attention or MLP
 split by heads or hidden units, and between a split-output layer and the split-input layer
 after it (:func:`install_rank_streams`).
+
+A split whose ranks run on different kinds of device (a CUDA rank beside CPU ranks) has
+generators that draw different masks from one state. There every random function of the split
+model's forward (dropout, and the random tensor functions drop path uses) runs on the CPU,
+from the CPU generator, on every rank (:class:`CpuDraws`): a CUDA rank moves the tensors to
+the CPU and the result back, so it draws and computes exactly what the CPU ranks do.
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ import zlib
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 #: Mixes the rank into the seed drawn from the common stream (the 64-bit golden ratio).
 _MIX = 0x9E3779B97F4A7C15
@@ -44,6 +53,11 @@ class RankStream:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._saved: tuple[torch.Tensor, torch.Tensor | None, int | None] | None = None
+
+    @property
+    def inside(self) -> bool:
+        """Whether a split part runs in the stream now."""
+        return self._saved is not None
 
     def enter(self, module: nn.Module, *_: Any) -> None:
         if self._saved is not None or not module.training:  # no dropout in evaluation
@@ -67,12 +81,13 @@ class RankStream:
             torch.cuda.set_rng_state(cuda, device)
 
 
-def install_rank_streams(model: nn.Module, rank: int) -> None:
+def install_rank_streams(model: nn.Module, rank: int) -> RankStream | None:
     """Run ``model``'s split parts in this rank's stream (:class:`RankStream`): what follows a
     split-output layer (its output the rank's channels, heads or hidden units) up to the next
     split-input layer, which sums the ranks' parts into a whole tensor; the whole forward of
     a mixture of experts split by hidden units and of torch's attention split by heads. The
-    model's forward leaves the stream in any case (an exception on the way)."""
+    model's forward leaves the stream in any case (an exception on the way). Returns the
+    stream, or None where the model has no split part."""
     from hetcoll.torch.filters.experts import FilterParallelExperts
     from hetcoll.torch.filters.layers import FilterParallelLayer, FilterParallelMultiheadAttention
 
@@ -89,8 +104,10 @@ def install_rank_streams(model: nn.Module, rank: int) -> None:
         else:
             continue
         found = True
-    if found:
-        model.register_forward_hook(stream.leave, always_call=True)
+    if not found:
+        return None
+    model.register_forward_hook(stream.leave, always_call=True)
+    return stream
 
 
 _DROPOUT_NAME = re.compile(r"drop(out|_?path|_prob|_rate)|pdrop|stochastic_depth", re.IGNORECASE)
@@ -116,10 +133,117 @@ def draws_random(model: nn.Module) -> bool:
     return False
 
 
-def generator_fingerprint(model: nn.Module) -> int:
-    """The state of the generator ``model``'s dropout draws from (the CPU's, or its CUDA
-    device's), with that device's type: equal on ranks that will draw the same masks."""
+#: The kinds of device a rank's generators are told apart by (:func:`generator_states`).
+DEVICE_KINDS = ("cpu", "cuda")
+
+
+def device_kind(model: nn.Module) -> int:
+    """The kind of device ``model``'s parameters are on, as an index of :data:`DEVICE_KINDS`
+    (another kind counts as a kind of its own)."""
     device = next((t.device for t in model.parameters()), torch.device("cpu"))
-    cuda = device.type == "cuda"
-    state = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
-    return zlib.crc32(device.type.encode() + state.numpy().tobytes())
+    kind = device.type
+    return DEVICE_KINDS.index(kind) if kind in DEVICE_KINDS else len(DEVICE_KINDS)
+
+
+def generator_states(model: nn.Module) -> list[int]:
+    """This rank's ``[kind, cpu, device]``: the kind of device ``model`` is on
+    (:func:`device_kind`), the CPU generator's state and that device's generator's state
+    (fingerprints). Ranks of one kind draw the same masks when their device's states are
+    equal; ranks of several kinds, from the CPU (:class:`CpuDraws`), when their CPU states
+    are."""
+    kind = device_kind(model)
+    cpu = zlib.crc32(torch.get_rng_state().numpy().tobytes())
+    device = cpu
+    if DEVICE_KINDS[kind : kind + 1] == ("cuda",):
+        at = next(t.device for t in model.parameters())
+        device = zlib.crc32(torch.cuda.get_rng_state(at).numpy().tobytes())
+    return [kind, cpu, device]
+
+
+def unequal_generators(states: Any) -> tuple[bool, str | None]:
+    """From every rank's :func:`generator_states` (rows in rank order): whether the ranks run
+    on several kinds of device, and the generator whose states differ among the ranks (a
+    description for the error every rank raises), or None."""
+    kinds = {int(row[0]) for row in states}
+    mixed = len(kinds) > 1
+    column = [int(row[1 if mixed else 2]) for row in states]
+    if all(v == column[0] for v in column):
+        return mixed, None
+    which = "the CPU random generator's" if mixed else "the random generator's"
+    return mixed, which
+
+
+#: Random functions of torch that :class:`CpuDraws` runs on the CPU.
+_RANDOM = {
+    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+    torch.dropout, torch.feature_dropout, torch.alpha_dropout, torch.feature_alpha_dropout,
+    torch.bernoulli, torch.rand_like, torch.randn_like, torch.randint_like, torch.rand,
+    torch.randn, torch.randint, torch.randperm, torch.normal, torch.poisson, torch.multinomial,
+    torch.Tensor.bernoulli, torch.Tensor.multinomial,
+}  # fmt: skip
+#: Their in-place forms, which fill a tensor.
+_FILLS = {
+    torch.Tensor.bernoulli_, torch.Tensor.uniform_, torch.Tensor.normal_,
+    torch.Tensor.exponential_, torch.Tensor.random_, torch.Tensor.geometric_,
+    torch.Tensor.cauchy_, torch.Tensor.log_normal_,
+}  # fmt: skip
+
+
+def _off_cpu(args: Any, kwargs: dict[str, Any]) -> torch.device | None:
+    """The device, not the CPU, that a random function's tensors or ``device=`` are on."""
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type != "cpu":
+        return torch.device(device)
+    for t in pytree.tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            return t.device
+    return None
+
+
+def _to(device: Any) -> Any:
+    return lambda t: t.to(device) if isinstance(t, torch.Tensor) else t
+
+
+class CpuDraws(TorchFunctionMode):
+    """Inside: torch's random functions (dropout, ``rand``, ``bernoulli_``, ...) on tensors
+    off the CPU run on the CPU, from the CPU generator, their results moved back (gradients
+    flow through the moves). Outside ``stream`` only: a split part's draws are the rank's
+    own. A call given its own ``generator=`` is left alone."""
+
+    def __init__(self, stream: RankStream | None = None) -> None:
+        super().__init__()
+        self.stream = stream
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        routed = func in _RANDOM or func in _FILLS
+        if (
+            not routed
+            or kwargs.get("generator") is not None
+            or (self.stream is not None and self.stream.inside)
+        ):
+            return func(*args, **kwargs)
+        device = _off_cpu(args, kwargs)
+        if device is None:
+            return func(*args, **kwargs)
+        if func in _FILLS:  # tensor.bernoulli_(p): fill a CPU copy, then the tensor
+            target, rest = args[0], pytree.tree_map(_to("cpu"), (args[1:], kwargs))
+            filled = torch.empty(target.shape, dtype=target.dtype)
+            func(filled, *rest[0], **rest[1])
+            with torch.no_grad():
+                target.copy_(filled)
+            return target
+        cpu_args, cpu_kwargs = pytree.tree_map(_to("cpu"), (args, kwargs))
+        if "device" in cpu_kwargs:
+            cpu_kwargs["device"] = "cpu"
+        inplace = bool(cpu_kwargs.pop("inplace", False))
+        if func in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+                    F.feature_alpha_dropout) and len(cpu_args) >= 4:  # fmt: skip
+            inplace = bool(cpu_args[3])
+            cpu_args = (*cpu_args[:3], False, *cpu_args[4:])
+        out = pytree.tree_map(_to(device), func(*cpu_args, **cpu_kwargs))
+        if inplace:
+            return args[0].copy_(out)
+        return out
