@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 import pytest
@@ -67,6 +68,20 @@ def test_epochs_reshuffle_and_last_step_is_proportional():
     # 1000 = 25 * 40; 1010 leaves 10 -> split 3:1 -> [8, 2] (exact makespan split).
     _, b0 = plans(1010, [30, 10], shuffle=False)
     assert [len(b[-1]) for b in b0] == [8, 2]
+
+
+def test_a_padded_last_step_is_warned_about_once():
+    """50 = 6 * 8 + 2 on 3 ranks: the last step repeats one sample from the epoch's start, so
+    it is not one process's step; the sampler says so, once. 51 leaves one per rank."""
+    s = BalancedSampler(range(50), [3, 3, 2], 2, shuffle=False, verify=False)
+    with pytest.warns(UserWarning, match="holds 2 samples for 3 ranks.*1 are repeated"):
+        steps = list(s.batch_sampler())
+    assert steps[-1] == [0]  # rank 2's sample of the last step: the epoch's first
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(s.batch_sampler())  # told already
+        list(BalancedSampler(range(51), [3, 3, 2], 2, verify=False).batch_sampler())
+        list(BalancedSampler(range(50), [3, 3, 2], 2, drop_last=True, verify=False))
 
 
 # -- resuming: state_dict / load_state_dict ----------------------------------------------------

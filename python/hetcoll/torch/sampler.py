@@ -329,6 +329,7 @@ class BalancedSampler(Sampler[int]):
         self.position = 0
         self._resume_at = 0  # where the next iteration starts (set by load_state_dict)
         self._progress: _Progress | None = None  # the current iteration's steps
+        self._padding_told = False  # warned once that a last step is padded
         #: Shares still to cut steps with in an iteration, up to a global position, after
         #: :meth:`set_shares` (for ranks whose loaders fetched less far ahead).
         self._earlier: tuple[_Progress, int, list[int]] | None = None
@@ -385,6 +386,16 @@ class BalancedSampler(Sampler[int]):
                 sizes = shares
             else:
                 last = self._last_step(n - pos, shares)
+                if last is not None and sum(last) > n - pos and not self._padding_told:
+                    self._padding_told = True
+                    warnings.warn(
+                        f"BalancedSampler: the epoch's last step holds {n - pos} samples for "
+                        f"{len(shares)} ranks, and every rank needs one, so {sum(last) - n + pos} "
+                        "are repeated from the epoch's start (as DistributedSampler pads): that "
+                        "step's gradient is not one process's. drop_last=True drops it; a "
+                        "global batch that leaves at least one sample per rank avoids it",
+                        stacklevel=2,
+                    )
                 if last is None:
                     # The dropped remainder: the epoch is over once the last step is taken.
                     self.position = progress.ends[-1] = n
