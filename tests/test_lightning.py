@@ -64,20 +64,23 @@ class Regression(LightningModule):
         return DataLoader(data(), batch_size=BATCH, shuffle=self.shuffle)
 
 
-def reference(epochs: int, shuffle: bool, seed: int = 0, accumulate: int = 1) -> list[torch.Tensor]:
+def reference(
+    epochs: int, shuffle: bool, seed: int = 0, accumulate: int | list[int] = 1
+) -> list[torch.Tensor]:
     """One process, plain loop, over the global batches the strategy's ranks share;
     ``accumulate``: Lightning's gradient accumulation (each micro-batch's loss divided by it, a
-    step every so many batches and at the epoch's end)."""
+    step every so many batches and at the epoch's end), or one per epoch."""
     model, (x, y) = net(), data().tensors
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     order = BalancedSampler(range(N), [BATCH], 0, shuffle=shuffle, seed=seed, verify=False)
     for epoch in range(epochs):
         order.set_epoch(epoch)
         batches = list(order.batch_sampler())
-        for start in range(0, len(batches), accumulate):
+        k = accumulate[epoch] if isinstance(accumulate, list) else accumulate
+        for start in range(0, len(batches), k):
             opt.zero_grad()
-            for idx in batches[start : start + accumulate]:
-                (nn.functional.mse_loss(model(x[idx]), y[idx]) / accumulate).backward()
+            for idx in batches[start : start + k]:
+                (nn.functional.mse_loss(model(x[idx]), y[idx]) / k).backward()
             opt.step()
     return [p.detach() for p in model.parameters()]
 
@@ -125,7 +128,9 @@ def planned(shares: list[int], epochs: int, changes: dict[int, list[int]] | None
     return sizes
 
 
-def assert_exact(trainer: Trainer, epochs: int, shuffle: bool, accumulate: int = 1) -> None:
+def assert_exact(
+    trainer: Trainer, epochs: int, shuffle: bool, accumulate: int | list[int] = 1
+) -> None:
     got = [p.detach() for p in trainer.lightning_module.net.parameters()]
     for a, b in zip(got, reference(epochs, shuffle, accumulate=accumulate)):
         assert a.dtype == torch.float64
@@ -189,6 +194,42 @@ def test_gradient_accumulation_trains_as_one_process_accumulating_alike(tmp_path
     )
     assert_exact(trainer, 2, shuffle=True, accumulate=3)
     assert batch_sizes(tmp_path, 3)[0] == [2, 3, 3, 2, 3, 3, 3, 2]
+
+
+class ManualAccumulation(Regression):
+    """Manual optimization accumulating two batches a step, as Lightning documents it (the
+    ranks' gradients exchanged on the window's last batch only, ``toggle_model``)."""
+
+    def __init__(self, shuffle: bool, out: Path) -> None:
+        super().__init__(shuffle, out)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        self.sizes.append(len(x))
+        loss = nn.functional.mse_loss(self.net(x), y) / 2
+        last = (batch_idx + 1) % 2 == 0 or batch_idx + 1 == self.trainer.num_training_batches
+        with opt.toggle_model(sync_grad=last):
+            self.manual_backward(loss)
+        if last:
+            opt.step()
+            opt.zero_grad()
+
+
+def test_accumulation_scheduled_or_by_hand_trains_as_one_process(tmp_path):
+    """Lightning's GradientAccumulationScheduler (1 batch a step in epoch 0, 2 in epoch 1) and
+    manual optimization accumulating by hand, on shares 5:3 whose epochs end on a batch split
+    3:2: each window's batches weighed by their own rows, as one process accumulating alike."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    scheduled = GradientAccumulationScheduler({0: 1, 1: 2})
+    strategy = BalancedStrategy(shares=[5, 3], start_method=START)
+    trainer = fit(tmp_path, strategy, 2, shuffle=True, callbacks=[scheduled])
+    assert_exact(trainer, 2, shuffle=True, accumulate=[1, 2])
+    trainer = quiet_trainer(BalancedStrategy(shares=[5, 3], start_method=START), 2, max_epochs=2)
+    trainer.fit(ManualAccumulation(True, tmp_path))
+    assert_exact(trainer, 2, shuffle=True, accumulate=2)
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])

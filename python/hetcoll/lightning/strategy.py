@@ -246,14 +246,16 @@ class BalancedStrategy(DDPStrategy):
     ``Trainer(use_distributed_sampler=False)``) keeps the dataset order; other samplers and
     batch samplers raise. Validation and test loaders are Lightning's as usual.
 
-    Gradient accumulation (``Trainer(accumulate_grad_batches=k)``) trains as one process with
-    the same ``k``: Lightning divides every micro-batch's loss by ``k`` and DDP skips the
-    exchange until the step's last micro-batch, so the step is the mean of its micro-batches'
-    full-batch gradients. Each micro-batch's ranks weigh their rows (or ``items``) in it:
-    their counts are exchanged as the micro-batch starts (one small allgather), each rank's
-    loss is scaled by its weight ``n_r / N`` times the ranks (DDP's mean divides that away),
-    and a rank with no item in a micro-batch adds nothing (its gradient, NaN for a mean over
-    nothing, is dropped), whichever shares each micro-batch ran at.
+    Gradient accumulation (``Trainer(accumulate_grad_batches=k)``, or changing with a
+    ``GradientAccumulationScheduler``, or the user's own under manual optimization) trains as
+    one process accumulating alike: Lightning divides every micro-batch's loss by ``k`` and DDP
+    skips the exchange until the step's last micro-batch, so the step is the mean of its
+    micro-batches' full-batch gradients. Each micro-batch's ranks weigh their rows (or
+    ``items``) in it: their counts are exchanged as the micro-batch starts (one small
+    allgather), each rank's loss is scaled by its weight ``n_r / N`` times the ranks (DDP's
+    mean divides that away), and a rank with no item in a micro-batch adds nothing (its
+    gradient, NaN for a mean over nothing, is dropped), whichever shares each micro-batch ran
+    at. ``items`` is weighed so always; rows without accumulation in the hook.
 
     >>> trainer = Trainer(strategy=BalancedStrategy(speeds=[3, 1]), accelerator="cpu",
     ...                   devices=2)  # doctest: +SKIP
@@ -307,11 +309,10 @@ class BalancedStrategy(DDPStrategy):
         self.hook_state: WeightedAllreduceState | None = None
         self._step_start = 0.0
         self._local_batch = 0
-        #: Trainer's ``accumulate_grad_batches``, known from ``setup``.
-        self._accumulate = 1
-        #: With accumulation: the running micro-batch's loss factor (its weight times the ranks).
-        self._micro_scale = 1.0
-        #: With accumulation and items: drops the gradients of micro-batches weighing 0.
+        #: Weighing by micro-batch (:meth:`_by_micro_batch`): the running micro-batch's loss
+        #: factor (its weight times the ranks); None weighing in the hook.
+        self._micro_scale: float | None = None
+        #: With items: drops the gradients of micro-batches this rank weighs 0 in.
         self._weightless_hooks: list[Any] = []
         self._comm: Communicator | None = None
 
@@ -428,14 +429,11 @@ class BalancedStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # Lightning registers hooks on CUDA only; this one runs on every device.
         assert isinstance(self.model, DistributedDataParallel)
-        if self.items is not None and self._accumulate == 1:
-            self.hook_state = WeightedAllreduceState(None, items=self.items)
-        else:
-            # With accumulation the micro-batches' losses carry the weights: the hook takes
-            # the plain mean (one sample each).
-            self.hook_state = WeightedAllreduceState(None, local_batch=0)
+        # Weighing by rows in the hook, or (by micro-batch) the plain mean of losses that carry
+        # the weights: one sample each.
+        self.hook_state = WeightedAllreduceState(None, local_batch=0)
         self.model.register_comm_hook(self.hook_state, weighted_allreduce_hook)
-        if self._accumulate > 1 and self.items is not None:
+        if self.items is not None:
             self._weightless_hooks = [
                 p.register_hook(self._drop_if_weightless)
                 for p in self.model.parameters()
@@ -448,7 +446,6 @@ class BalancedStrategy(DDPStrategy):
         return torch.zeros_like(grad) if self._micro_scale == 0 else None
 
     def setup(self, trainer: Trainer) -> None:
-        self._accumulate = int(trainer.accumulate_grad_batches)
         super().setup(trainer)
         if self.lightning_module is not None and any(
             isinstance(m, ExpertParallelExperts) for m in self.lightning_module.modules()
@@ -596,27 +593,40 @@ class BalancedStrategy(DDPStrategy):
                 "batch: cannot count this step's samples: it holds no tensor with a batch dimension"
             )
         self._local_batch = n
-        if self.hook_state is not None and self._accumulate > 1:
-            self._micro_scale = self._micro_batch_scale(batch, n)
-            self.hook_state.local_batch = 1
-        elif self.hook_state is not None:
-            if self.items is not None:
-                self.hook_state.count(batch)  # collective: every rank's items for this step
+        self._micro_scale = None
+        if self.hook_state is not None:
+            by_micro_batch = self._by_micro_batch()
+            if by_micro_batch is not None:
+                self._micro_scale = self._micro_batch_scale(batch, n, by_micro_batch)
+                self.hook_state.local_batch = 1
             else:
                 self.hook_state.local_batch = self._local_batch
         self._step_start = time.perf_counter()
 
-    def _micro_batch_scale(self, batch: Any, rows: int) -> float:
-        """With gradient accumulation: this micro-batch's loss factor, ``R n_r / N`` over its
-        rows (or ``items``) on every rank (collective: one small allgather, which also checks
-        that the ranks accumulate alike). A bad count raises ``ValueError`` naming ``items`` on
-        every rank."""
+    def _by_micro_batch(self) -> dict[str, int] | None:
+        """Whether this batch's ranks are weighed on its loss rather than in the hook (which
+        weighs the gradients that reach it, summed over a window, by the last batch's rows):
+        with ``items``, with gradient accumulation (``accumulate_grad_batches`` now, which a
+        ``GradientAccumulationScheduler`` changes), and under manual optimization (whose
+        windows only the user's code knows). Then the fields the ranks must agree on; else
+        None."""
+        module = self.lightning_module
+        trainer = module.trainer if module is not None else None
+        accumulate = int(trainer.accumulate_grad_batches) if trainer is not None else 1
+        manual = module is not None and not module.automatic_optimization
+        if self.items is None and accumulate == 1 and not manual:
+            return None
+        return {"accumulate_grad_batches": accumulate, "manual optimization": int(manual)}
+
+    def _micro_batch_scale(self, batch: Any, rows: int, fields: dict[str, int]) -> float:
+        """This batch's loss factor, ``R n_r / N`` over its rows (or ``items``) on every rank
+        (collective: one small allgather, which also checks ``fields`` alike on every rank).
+        A bad count raises ``ValueError`` naming ``items`` on every rank."""
         assert self.hook_state is not None
         mine = counted(rows) if self.items is None else count_items(self.items, batch)
         if self._comm is None:
             self._comm = wrap(self.hook_state.process_group)
         comm = self._comm
-        fields = {"accumulate_grad_batches": self._accumulate}
         counts = agree(comm, fields, values=mine.exchanged, failure=None)
         weights = item_weights(counts, "items" if self.items is not None else "batch", mine.failure)
         return float(weights[comm.rank]) * comm.size
@@ -624,8 +634,9 @@ class BalancedStrategy(DDPStrategy):
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
-        if self._accumulate > 1:
-            # The micro-batch's weight, on the loss Lightning divided by accumulate_grad_batches.
+        if self._micro_scale is not None:
+            # The batch's weight on its loss (which Lightning divided by
+            # accumulate_grad_batches); the hook takes the ranks' plain mean.
             closure_loss = closure_loss * self._micro_scale
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
