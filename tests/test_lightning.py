@@ -268,6 +268,49 @@ def test_shares_that_do_not_make_the_global_batch_raise(tmp_path):
         fit(tmp_path, BalancedStrategy(shares=[4, 3], start_method=START), 2, shuffle=False)
 
 
+class BatchSamplerLoader(Regression):
+    def train_dataloader(self):
+        from torch.utils.data import BatchSampler, SequentialSampler
+
+        return DataLoader(data(), batch_sampler=BatchSampler(SequentialSampler(data()), 8, False))
+
+
+def test_a_loader_made_with_a_batch_sampler_is_named(tmp_path):
+    """Lightning rebuilds it with batch_size=1 around its DistributedSampler: the error says
+    so, rather than only that the global batch of 1 is too small."""
+    trainer = quiet_trainer(BalancedStrategy(start_method=START), 2, max_epochs=1)
+    with pytest.raises(Exception, match="made with batch_sampler= comes here as batch_size 1"):
+        trainer.fit(BatchSamplerLoader(False, tmp_path))
+
+
+class OtherBatch(Regression):
+    """The global batch 6 on every rank (``rank0``: on rank 0 only, the others keep 8)."""
+
+    rank0 = False
+
+    def train_dataloader(self):
+        size = 6 if not self.rank0 or self.global_rank == 0 else BATCH
+        return DataLoader(data(), batch_size=size, shuffle=self.shuffle)
+
+
+class OtherBatchOnRankZero(OtherBatch):
+    rank0 = True
+
+
+def test_global_batches_that_differ_are_named(tmp_path):
+    """Ranks whose loaders differ in batch_size, and a checkpoint resumed at another global
+    batch (Lightning counts an epoch's batches once): each raises naming batch_size."""
+    trainer = quiet_trainer(BalancedStrategy(start_method=START), 2, max_epochs=1)
+    with pytest.raises(Exception, match="ranks disagree on the train_dataloader's batch_size"):
+        trainer.fit(OtherBatchOnRankZero(False, tmp_path))
+    ckpt = tmp_path / "step2.ckpt"
+    fit(tmp_path, BalancedStrategy(start_method=START), 2, False, max_steps=2,
+        callbacks=[SaveAt(2, ckpt)])  # fmt: skip
+    trainer = quiet_trainer(BalancedStrategy(start_method=START), 2, max_epochs=1)
+    with pytest.raises(Exception, match=r"batch_size 6 .* trained at 8: resume with the same"):
+        trainer.fit(OtherBatch(False, tmp_path), ckpt_path=ckpt)
+
+
 def test_example_trains_as_one_process(tmp_path):
     """examples/lightning_balanced.py, fast mode, on two forked ranks with shares split 3:1:
     the weights equal one process's plain loop over the same shuffled global batches."""
@@ -403,22 +446,27 @@ class WithWorkers(Regression):
 
 def test_checkpoints_with_loader_workers_resume_at_the_next_step_trained(tmp_path):
     """With worker processes fetching ahead, the checkpoint still holds the steps trained: saved
-    after step 2 (mid epoch 0) and, by Lightning's ModelCheckpoint, after step 5 (mid epoch 1)
-    on 3 ranks, resumed with ckpt_path on 2 ranks (shares re-solved) and on 3, both end with
-    one uninterrupted process's weights."""
+    after step 2 (mid epoch 0), after step 4 (epoch 0's last: Lightning makes the resumed
+    epoch's iterator before it sets the sampler's epoch) and, by Lightning's ModelCheckpoint,
+    after step 5 (mid epoch 1) on 3 ranks, resumed with ckpt_path on 2 ranks (shares re-solved)
+    and on 3, all end with one uninterrupted process's weights."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    ckpts = {2: tmp_path / "step2.ckpt", 5: tmp_path / "mc" / "step=5.ckpt"}
+    ckpts = {
+        2: tmp_path / "step2.ckpt",
+        4: tmp_path / "step4.ckpt",
+        5: tmp_path / "mc" / "step=5.ckpt",
+    }
     every5 = ModelCheckpoint(tmp_path / "mc", "{step}", every_n_train_steps=5, save_top_k=-1)
     trainer = quiet_trainer(
         BalancedStrategy(speeds=[1.0, 1.0, 2.0], start_method=START),
         3,
         enable_checkpointing=True,
         max_steps=5,
-        callbacks=[SaveAt(2, ckpts[2]), every5],
+        callbacks=[SaveAt(2, ckpts[2]), SaveAt(4, ckpts[4]), every5],
     )
     trainer.fit(WithWorkers(True, tmp_path))
-    for k, devices, speeds in ((2, 2, [3.0, 1.0]), (5, 3, [1.0, 1.0, 2.0])):
+    for k, devices, speeds in ((2, 2, [3.0, 1.0]), (4, 2, [3.0, 1.0]), (5, 3, [1.0, 1.0, 2.0])):
         out = tmp_path / f"resumed{k}"
         out.mkdir()
         trainer = quiet_trainer(

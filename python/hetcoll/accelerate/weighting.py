@@ -95,7 +95,10 @@ def optimizer_steps(batches: Iterable[Any], accumulate: int = 1) -> Iterator[lis
     """The micro-batches of each optimizer step: ``batches`` (a loader) in groups of
     ``accumulate``, the epoch's last group shorter when the steps do not divide evenly (as
     Trainer accumulates). Every rank's loader has as many batches, so every rank's groups
-    match."""
+    match. Run each group with ``accelerator.no_sync(model)`` on all but its last micro-batch
+    and ``opt.step()`` after it, not with ``accelerator.accumulate(model)``: that decides when
+    to synchronise from the loader's end, which the epoch's last group has reached before its
+    first micro-batch runs (every micro-batch of it would synchronise and step)."""
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"accumulate: must be an integer >= 1, got {accumulate!r}")
     group: list[Any] = []

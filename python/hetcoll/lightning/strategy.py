@@ -190,13 +190,47 @@ class _BalancedLoader(DataLoader):
         return dict(sampler.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.batch_sampler.sampler.load_state_dict(state)  # type: ignore[union-attr]
+        sampler = self.batch_sampler.sampler  # type: ignore[union-attr]
+        saved = state.get("shares") if isinstance(state, dict) else None
+        if isinstance(saved, list) and sum(saved) != sum(sampler.shares):
+            # Lightning counts an epoch's batches once, at the global batch it finds.
+            raise ValueError(
+                f"train_dataloader: batch_size {sum(sampler.shares)} (the global batch), but the "
+                f"checkpoint was trained at {sum(saved)}: resume with the same batch_size"
+            )
+        sampler.load_state_dict(state)
 
     def __len__(self) -> int:
         # Lightning counts an epoch's batches once, before a restored state takes effect, and
         # keeps the count for every epoch: the whole epoch's (a resumed epoch ends when the
         # sampler runs out, on the step it would have ended on).
         return int(self.batch_sampler.sampler.steps_per_epoch)  # type: ignore[union-attr]
+
+    def __iter__(self) -> Any:
+        # Lightning makes the first epoch's iterator before it sets the sampler's epoch
+        # (FitLoop.setup_data, then set_epoch in on_advance_start): loader workers would start
+        # cutting the steps of the epoch before (a run resumed from an epoch's last step
+        # replayed that epoch's order). The iterator is made at the first batch instead.
+        return _Deferred(self)
+
+
+class _Deferred:
+    """A loader's iterator, made when the first batch is asked for."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+        self.iterator: Any = None
+
+    def __iter__(self) -> _Deferred:
+        return self
+
+    def __next__(self) -> Any:
+        if self.iterator is None:
+            self.iterator = DataLoader.__iter__(self.loader)
+        return next(self.iterator)
+
+    def __len__(self) -> int:
+        return len(self.loader)
 
 
 class _WholeModelLauncher(_MultiProcessingLauncher):
@@ -527,6 +561,16 @@ class BalancedStrategy(DDPStrategy):
 
     def _resolve_shares(self, dl: DataLoader) -> list[int]:
         total, ranks = int(dl.batch_size or 0), self.world_size
+        if self.sampler is None:  # ranks whose loaders differ would blame the shares
+            agree(wrap(None), {"the train_dataloader's batch_size (the global batch)": total})
+        # Lightning rebuilds a loader made with batch_sampler= around its own sampler, with
+        # batch_size=1: say so where the global batch of 1 is refused.
+        hint = (
+            "; a train_dataloader made with batch_sampler= comes here as batch_size 1 "
+            "(Lightning rebuilds it): BalancedStrategy needs batch_size=, the global batch"
+            if total == 1
+            else ""
+        )
         if self.sampler is not None:  # a reloaded loader keeps the current shares
             return list(self.sampler.shares)
         if self.shares is not None:
@@ -535,13 +579,13 @@ class BalancedStrategy(DDPStrategy):
             if sum(self.shares) != total:
                 raise ValueError(
                     f"shares: sum to {sum(self.shares)}, but the train_dataloader's batch_size "
-                    f"(the global batch) is {total}"
+                    f"(the global batch) is {total}{hint}"
                 )
             return list(self.shares)
         if total < ranks:
             raise ValueError(
                 f"train_dataloader: batch_size {total} (the global batch) is smaller than the "
-                f"number of ranks ({ranks})"
+                f"number of ranks ({ranks}){hint}"
             )
         if self._given_speeds is not None:
             if len(self._given_speeds) != ranks:
