@@ -1002,6 +1002,24 @@ def test_each_sub_model_gets_its_own_attention_back_after_the_count() -> None:
     assert model.backbone.model.config._attn_implementation == "eager"
 
 
+def test_a_parameter_free_module_every_block_holds_belongs_to_the_block_running_it() -> None:
+    """OpenAI GPT takes its activation from a module-level table: one module object in every
+    block's MLP, named by the first. Its call inside the second block counted for the first,
+    so the blocks seemed to run out of order and no plan could cut the model."""
+    config = transformers.OpenAIGPTConfig(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    model = transformers.OpenAIGPTLMHeadModel(config)
+    assert model.transformer.h[0].mlp.act is model.transformer.h[1].mlp.act
+    ids = torch.randint(1, 60, (2, 8))
+    costs = layer_costs(model, {"input_ids": ids})
+    assert costs.plan_layers_note == ""
+    assert costs.plan_layers[3:5] == ("transformer.h.0", "transformer.h.1")
+    acts = [b for layer, b in zip(costs.layers, costs.plan_layer_of) if layer.name.endswith("act")]
+    assert acts == [3, 4]
+
+
 def test_an_encoder_decoder_is_costed_by_the_blocks_a_plan_cuts() -> None:
     """Hugging Face T5 on the meta device, its blocks in call order: each stack's dropout,
     called before its first block and after its last norm (listed last), is code between

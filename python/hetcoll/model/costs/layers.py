@@ -393,6 +393,12 @@ def _with_blocks(
 
     names = [n for n, _ in blocks]
     index = {n: i for i, n in enumerate(names)}
+    # Modules without parameters held by several blocks, by the name costs know them by (the
+    # first): the blocks holding them.
+    where: dict[int, list[str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        if not any(True for _ in m.parameters()):
+            where.setdefault(id(m), []).append(name)
 
     def block_of(name: str) -> int | None:
         parts = name.split(".")
@@ -401,6 +407,12 @@ def _with_blocks(
             if i is not None:
                 return i
         return None
+
+    holders = {
+        paths[0]: {b for b in map(block_of, paths) if b is not None}
+        for paths in where.values()
+        if len(paths) > 1
+    }
 
     # The meta device first (shapes only); a forward that reads its inputs' values gets zeros
     # on the CPU (valid token ids and positions).
@@ -431,6 +443,11 @@ def _with_blocks(
             # (one dropout module before and after a stack), which every stage runs as code
             # between blocks: with the block before.
             i = of[-1] if of else 0
+        elif of and i < of[-1] and of[-1] in holders.get(layer.name, ()):
+            # A module without parameters that several blocks hold (OpenAI GPT's activation,
+            # one object in every MLP) is named by its first holder: its call belongs to the
+            # block running it.
+            i = of[-1]
         of.append(i)
     if any(b < a for a, b in itertools.pairwise(of)):
         return replace(
