@@ -1464,6 +1464,22 @@ def _same_on_every_rank(group: Any, t: torch.Tensor) -> bool:
     return bool((rows == rows[0]).all())
 
 
+def _deberta_v2(dropout: float) -> nn.Module:
+    """Hugging Face DeBERTa-v2 from a tiny config: relative attention (position buckets, both
+    position terms, shared keys), ``dropout`` everywhere, float64."""
+    import transformers
+
+    cfg = transformers.DebertaV2Config(
+        vocab_size=VOCAB, hidden_size=24, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=16, hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout, pad_token_id=0, relative_attention=True,
+        position_buckets=8, max_relative_positions=16, pos_att_type=["p2c", "c2p"],
+        norm_rel_ebd="layer_norm", share_att_key=True, position_biased_input=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.DebertaV2ForMaskedLM(cfg).double()
+
+
 def dropout(group: Any) -> dict[str, Any]:
     """Dropout on the rank's heads (BERT's attention probabilities) and on whole tensors (its
     hidden states), and a chain whose pairs drop the rank's channels between their layers and
@@ -1518,6 +1534,16 @@ def dropout(group: Any) -> dict[str, Any]:
         apart = str(e).split(" (rank 0")[0]
     bert.eval()
     bert(input_ids=ids)  # no dropout in evaluation: not checked
+    # DeBERTa-v2 drops its whole relative-position table inside the attention split by heads
+    # (pos_dropout): that mask is every rank's, or the table's gradients differ per rank.
+    deberta = filter_parallel(_deberta_v2(dropout=0.2), speeds, group)
+    torch.manual_seed(5)
+    opt = torch.optim.SGD(deberta.parameters(), lr=0.1)
+    for _ in range(2):
+        deberta(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    table = deberta.get_parameter("deberta.encoder.rel_embeddings.weight")
     # Ranks on several kinds of device (here the last one says it runs on another kind) draw
     # on the CPU (CpuDraws, in force through the forward): their CPU generators must agree.
     from hetcoll.torch.filters import streams
@@ -1545,6 +1571,7 @@ def dropout(group: Any) -> dict[str, Any]:
     return {
         "same": all(same),
         "norms": _same_on_every_rank(group, norms),
+        "deberta": _same_on_every_rank(group, table),
         "apart": apart,
         "kinds": {"same": kinds_same, "cpu draws": mixed == [True], "apart": kinds_apart},
     }

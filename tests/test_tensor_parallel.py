@@ -58,6 +58,7 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     assert r["dropout"] == {
         "same": True,
         "norms": True,
+        "deberta": True,
         "apart": f"ranks disagree on the random generator's {why}",
         # Ranks on several kinds of device: every draw on the CPU, its generators checked.
         "kinds": {

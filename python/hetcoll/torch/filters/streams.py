@@ -53,6 +53,9 @@ class RankStream:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._saved: tuple[torch.Tensor, torch.Tensor | None, int | None] | None = None
+        #: The tensors (by id) that modules holding split layers were given: whole tensors.
+        self.whole: set[int] = set()
+        self._paused = 0  # dropout calls on whole tensors inside a split part, running
 
     @property
     def inside(self) -> bool:
@@ -79,6 +82,28 @@ class RankStream:
         torch.set_rng_state(cpu)
         if cuda is not None and device is not None:
             torch.cuda.set_rng_state(cuda, device)
+
+    # A dropout module inside a split part given a whole tensor the part was given (DeBERTa's
+    # relative-position table, inside its attention): its mask must be every rank's, so it
+    # draws from the common stream, and the rank's stream is entered anew after it.
+
+    def given(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """Before a module holding split layers: its inputs are whole tensors."""
+        self.whole.update(id(t) for t in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t))
+
+    def done(self, *_: Any) -> None:
+        self.whole.clear()
+
+    def drop_whole(self, module: nn.Module, args: Any) -> None:
+        """Before a dropout module: a whole tensor's draws leave the rank's stream."""
+        if self.inside and args and id(args[0]) in self.whole:
+            self.leave()
+            self._paused += 1
+
+    def dropped(self, module: nn.Module, *_: Any) -> None:
+        if self._paused:
+            self._paused -= 1
+            self.enter(module)
 
 
 def install_rank_streams(model: nn.Module, rank: int) -> RankStream | None:
@@ -107,6 +132,18 @@ def install_rank_streams(model: nn.Module, rank: int) -> RankStream | None:
     if not found:
         return None
     model.register_forward_hook(stream.leave, always_call=True)
+    for parent in model.modules():
+        if isinstance(parent, FilterParallelLayer) or not any(
+            isinstance(c, FilterParallelLayer) and c.mode == "split-output"
+            for c in parent.children()
+        ):
+            continue
+        parent.register_forward_pre_hook(stream.given, with_kwargs=True)
+        parent.register_forward_hook(stream.done, always_call=True)
+        for m in parent.modules():
+            if isinstance(m, nn.modules.dropout._DropoutNd):
+                m.register_forward_pre_hook(stream.drop_whole)
+                m.register_forward_hook(stream.dropped, always_call=True)
     return stream
 
 
