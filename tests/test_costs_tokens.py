@@ -1020,6 +1020,34 @@ def test_a_parameter_free_module_every_block_holds_belongs_to_the_block_running_
     assert acts == [3, 4]
 
 
+def test_experts_given_routed_rows_that_hold_no_whole_samples_keep_their_counted_ops() -> None:
+    """NLLB-MoE's experts run on the tokens routed to them (a gather of rows). The decoder's
+    rows (6 tokens a sample) made no multiple of the batch, so a Linear's per-sample formula
+    read the features as the samples: its experts counted 24576 FLOPs where they run 294912,
+    the model 0.84x FlopCounterMode's. Their counted ops are kept: every count equal."""
+    config = transformers.NllbMoeConfig(
+        vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48,
+        max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        pad_token_id=0, eos_token_id=1, bos_token_id=0, decoder_start_token_id=0,
+        use_cache=False, num_experts=4, expert_capacity=64, encoder_sparse_step=2,
+        decoder_sparse_step=2, router_z_loss_coef=0.0, router_aux_loss_coef=0.0,
+        moe_token_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
+        attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.NllbMoeForConditionalGeneration(config)
+    g = torch.Generator().manual_seed(1000)
+    batch = {
+        "input_ids": torch.randint(1, 60, (2, 8), generator=g),
+        "decoder_input_ids": torch.randint(1, 64, (2, 6), generator=g),
+    }
+    costs = layer_costs(model, batch)
+    with FlopCounterMode(display=False) as counter:
+        model(**batch)
+    assert costs.forward_flops(2) == counter.get_total_flops()
+
+
 def test_an_encoder_decoder_is_costed_by_the_blocks_a_plan_cuts() -> None:
     """Hugging Face T5 on the meta device, its blocks in call order: each stack's dropout,
     called before its first block and after its last norm (listed last), is code between

@@ -241,6 +241,8 @@ class _Call:
     #: Whether a leaf's input grows with the batch (a layer run on a constant table, Swin
     #: v2's position-bias MLP, does not: its formula per sample would not hold).
     input_grows: bool = True
+    #: The input's rows are routed tokens (a dimension the data decided): no whole samples.
+    routed: bool = False
     #: Per-sample shapes are unknown for runs of ops: bytes of the first tensor the run reads
     #: and of the last one it writes stand for its input and output.
     first_in_bytes: float = -1.0
@@ -311,6 +313,7 @@ class _OpCounter(TorchDispatchMode):
                 call.in_shape = per_sample_shape(x.shape)
                 call.needs_input_grad = bool(x.requires_grad)
                 call.input_grows = self.grows(x)
+                call.routed = any(n in self.routed_sizes for n in x.shape)
             self.calls.append(call)
         self.stack.append([name, module, call])
 

@@ -153,7 +153,11 @@ def layer_costs(
                 notes.append(
                     f"layer {c2.name!r}: formula {formula:.4g} matmul FLOPs per sample, "
                     f"ops counted {counted:.4g}"
+                    + (" (routed rows: the ops counted kept)" if c2.routed else "")
                 )
+                if c2.routed:  # an expert's share of the tokens holds no whole samples
+                    ks = None
+        if ks is not None:
             ks = _with_traced_launches(ks, c2.launches)
             if c2.recomputed_flops:  # gradient checkpointing's recompute, run by its backward
                 ks[1].append(Kernel("recompute", c2.recomputed_flops / _COUNT_BATCH, launches=0))
