@@ -474,8 +474,8 @@ class BalancedSampler(Sampler[int]):
                     "ranks"
                 )
         except ValueError as e:
-            if self._checks():  # the other ranks raise too, at once
-                _verify(self.group, [], failure=e, whole=self.whole)
+            if self._checks():  # the other ranks raise too, at once (as many values as theirs)
+                _verify(self.group, [], failure=e, whole=self.whole, values=[self.position])
             raise
         # Loaders fetch ahead (workers prefetch steps cut at the old shares), by as many steps
         # as their num_workers and prefetch_factor say: the new shares apply from the first step

@@ -917,8 +917,10 @@ class _AgreeOnInputs:
             ]
             what = "the split model's inputs (shapes and dtypes)"
             fields = {what: zlib.crc32(repr(shapes).encode())}
-            states: list[int] = []
-            if self.draws:  # as many values on every rank (training or not: a field)
+            # As many values on every rank, whatever it holds (a model unlike the others'
+            # fails the fields' check, not the exchange).
+            states = [0, 0, 0]
+            if self.draws:
                 fields["training"] = int(module.training)
                 states = generator_states(module)
             got = agree(self.comm, fields, deadline(self.timeout), values=states)
