@@ -917,9 +917,9 @@ class _AgreeOnInputs:
             ]
             what = "the split model's inputs (shapes and dtypes)"
             fields = {what: zlib.crc32(repr(shapes).encode())}
-            # As many values on every rank, whatever it holds (a model unlike the others'
-            # fails the fields' check, not the exchange).
-            states = [0, 0, 0]
+            # The generators' states where the model has dropout (every rank's model alike,
+            # checked at filter_parallel): as many values on every rank.
+            states: list[int] = []
             if self.draws:
                 fields["training"] = int(module.training)
                 states = generator_states(module)
