@@ -174,11 +174,14 @@ def draws_random(model: nn.Module) -> bool:
 DEVICE_KINDS = ("cpu", "cuda")
 
 
+def _device(model: nn.Module) -> torch.device:
+    return next((t.device for t in model.parameters()), torch.device("cpu"))
+
+
 def device_kind(model: nn.Module) -> int:
     """The kind of device ``model``'s parameters are on, as an index of :data:`DEVICE_KINDS`
     (another kind counts as a kind of its own)."""
-    device = next((t.device for t in model.parameters()), torch.device("cpu"))
-    kind = device.type
+    kind = _device(model).type
     return DEVICE_KINDS.index(kind) if kind in DEVICE_KINDS else len(DEVICE_KINDS)
 
 
@@ -191,9 +194,8 @@ def generator_states(model: nn.Module) -> list[int]:
     kind = device_kind(model)
     cpu = zlib.crc32(torch.get_rng_state().numpy().tobytes())
     device = cpu
-    if DEVICE_KINDS[kind : kind + 1] == ("cuda",):
-        at = next(t.device for t in model.parameters())
-        device = zlib.crc32(torch.cuda.get_rng_state(at).numpy().tobytes())
+    if kind == DEVICE_KINDS.index("cuda"):
+        device = zlib.crc32(torch.cuda.get_rng_state(_device(model)).numpy().tobytes())
     return [kind, cpu, device]
 
 
@@ -210,13 +212,21 @@ def unequal_generators(states: Any) -> tuple[bool, str | None]:
     return mixed, which
 
 
+#: torch's functional dropouts: ``(input, p, training, inplace)``.
+_DROPOUTS = (
+    F.dropout,
+    F.dropout1d,
+    F.dropout2d,
+    F.dropout3d,
+    F.alpha_dropout,
+    F.feature_alpha_dropout,
+)
 #: Random functions of torch that :class:`CpuDraws` runs on the CPU.
 _RANDOM = {
-    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
-    torch.dropout, torch.feature_dropout, torch.alpha_dropout, torch.feature_alpha_dropout,
-    torch.bernoulli, torch.rand_like, torch.randn_like, torch.randint_like, torch.rand,
-    torch.randn, torch.randint, torch.randperm, torch.normal, torch.poisson, torch.multinomial,
-    torch.Tensor.bernoulli, torch.Tensor.multinomial,
+    *_DROPOUTS, torch.dropout, torch.feature_dropout, torch.alpha_dropout,
+    torch.feature_alpha_dropout, torch.bernoulli, torch.rand_like, torch.randn_like,
+    torch.randint_like, torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal,
+    torch.poisson, torch.multinomial, torch.Tensor.bernoulli, torch.Tensor.multinomial,
 }  # fmt: skip
 #: Their in-place forms, which fill a tensor.
 _FILLS = {
@@ -276,8 +286,7 @@ class CpuDraws(TorchFunctionMode):
         if "device" in cpu_kwargs:
             cpu_kwargs["device"] = "cpu"
         inplace = bool(cpu_kwargs.pop("inplace", False))
-        if func in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
-                    F.feature_alpha_dropout) and len(cpu_args) >= 4:  # fmt: skip
+        if func in _DROPOUTS and len(cpu_args) >= 4:
             inplace = bool(cpu_args[3])
             cpu_args = (*cpu_args[:3], False, *cpu_args[4:])
         out = pytree.tree_map(_to(device), func(*cpu_args, **cpu_kwargs))
