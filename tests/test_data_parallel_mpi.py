@@ -28,6 +28,11 @@ def test_mpi_optimizer_matches_single_process(world):
         )
         assert r["bcast_bf16"] == 6.0  # rank 0's ones
         assert r["scheduled_lr"] == [0.025, 0.025]
+        for name in ("lbfgs", "sgd"):  # step(closure): one process's steps and losses
+            got = r[f"closure_{name}"]
+            assert got["param"] <= 1e-10 and got["loss"] <= 1e-10, (name, got)
+            assert got["calls"][0] == got["calls"][1], (name, got)
+        assert r["closure_lbfgs"]["calls"][0] > 3  # several calls a step
         assert r["sparse"].startswith("TypeError: optimizer: parameter 0's gradient is "), r
         reb = r["rebalance"]  # the same decisions on every rank, and the right ones
         assert reb["settled_before"] == reb["want_before"]

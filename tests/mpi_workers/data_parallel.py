@@ -159,6 +159,49 @@ result["heads"] = max(
 )
 result["unused_grad"] = [heads["b"].weight.grad is None, heads["b"].bias.grad is None]
 
+
+# step(closure): the closure computes the gradients, so the average follows each of its calls,
+# and its loss is the global batch's: LBFGS (several calls a step, a line search on the loss)
+# then runs as one process's on every rank. The closure's gradients were used unaveraged
+# (ranks 0.33 apart), or a closure without a forward before it raised "counted nothing".
+def closure_run(make_opt, steps, data, lo, hi):
+    xs, ys = data
+    model = make_model()
+    opt = make_opt(model)
+    calls = 0
+
+    def closure():
+        nonlocal calls
+        calls += 1
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(xs[lo:hi]), ys[lo:hi])
+        loss.backward()
+        return loss
+
+    losses = [float(opt.step(closure)) for _ in range(steps)]
+    return [p.detach().clone() for p in model.parameters()], losses, calls
+
+
+data = make_data(sum(shares))
+lbfgs = {"lr": 0.5, "max_iter": 6, "line_search_fn": "strong_wolfe"}
+for name, make in (
+    ("lbfgs", lambda m: torch.optim.LBFGS(m.parameters(), **lbfgs)),
+    ("sgd", lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)),
+):
+    want, want_losses, want_calls = closure_run(make, 3, data, 0, sum(shares))
+    got, got_losses, got_calls = closure_run(
+        lambda m, make=make: DistributedOptimizer(make(m), model=m),
+        3,
+        data,
+        start,
+        start + shares[rank],
+    )
+    result[f"closure_{name}"] = {
+        "param": max(rel_err(p, r) for p, r in zip(got, want)),
+        "loss": max(abs(a - b) / abs(b) for a, b in zip(got_losses, want_losses)),
+        "calls": [got_calls, want_calls],
+    }
+
 # The Rebalancer over the MPI communicator: compute times at true speeds that change at step
 # 20 (the first two ranks swap roles); the shares follow.
 speeds_before = [100.0, 25.0, 50.0][:world]

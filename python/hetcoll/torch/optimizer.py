@@ -41,6 +41,7 @@ from hetcoll.torch.batches import (
 from hetcoll.torch.expert_parallel import is_rank_local
 
 _SUPPORTED = (torch.float32, torch.float64)
+_NO_CLOSURE = object()  # _average's loss when no closure runs: gradients only
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -206,6 +207,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Replace every gradient by the mean over all ranks weighted by their counts, samples
         or items (collective; :func:`hetcoll.torch.item_weights`)."""
+        self._average(_NO_CLOSURE)
+
+    def _average(self, loss: Any) -> Any:
+        """:meth:`synchronize`; given a closure's ``loss`` (None where it returns none), also
+        the global batch's loss: each rank's weighed as its gradients are, summed over the
+        ranks (one process's mean), as a tensor of the loss's dtype and device (a float for a
+        float)."""
         params = self._params()
         try:
             for i, p in enumerate(params):
@@ -227,7 +235,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # One allgather per step: the layout's fingerprint (ranks whose parameters differ in
         # number, order, shape or dtype would sum unrelated gradients, or abort MPI on buffers
         # of different sizes) with every rank's count, and whether it lacks a gradient.
-        fields = {**_layout(params), "fusion_bytes": self.fusion_bytes}
+        fields = {
+            **_layout(params),
+            "fusion_bytes": self.fusion_bytes,
+            # Ranks must agree on exchanging a closure's loss: one more collective follows.
+            "step's closure (0: none, 1: returns a loss, 2: returns None)": (
+                0 if loss is _NO_CLOSURE else 2 if loss is None else 1
+            ),
+        }
         missing = [p.grad is None for p in params]
         rows = agree(self._comm, fields, values=[*mine.exchanged, int(any(missing))])
         counts = rows[:, :2]
@@ -254,6 +269,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # The engine's allreduce or hetcoll's ring, by size; the layout is agreed already.
             allreduce(flat, self._comm, check=False)
             fusion.unpack(flat, bucket)
+        if loss is _NO_CLOSURE or loss is None:
+            return loss
+        # A rank weighing 0 adds nothing (its loss, a mean over nothing, may be NaN).
+        weighed = np.array([scale * float(loss) if scale else 0.0])
+        total = float(allreduce(weighed, self._comm, check=False)[0])
+        if isinstance(loss, torch.Tensor):
+            return torch.tensor(total, dtype=loss.dtype, device=loss.device)
+        return total
 
     def _buckets(self, grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Consecutive gradients of one dtype, at most ``fusion_bytes`` per bucket (a larger
@@ -270,9 +293,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return buckets
 
     def step(self, closure: Any = None) -> Any:
-        """Average gradients across ranks, then step the wrapped optimizer."""
-        self.synchronize()
-        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        """Average gradients across ranks, then step the wrapped optimizer.
+
+        With ``closure`` (``torch.optim.LBFGS``, or any optimizer's ``step(closure)``), the
+        closure computes the gradients (zero them, forward, ``opt.count(y)`` with ``items``,
+        backward, return the loss), so the average follows each of its calls, and the call
+        returns the global batch's loss: each rank's loss weighed as its gradients are, summed
+        over the ranks. Every rank's optimizer then sees one process's loss and gradients and
+        decides alike (LBFGS's line search and stopping test), so every rank calls the closure
+        as often. Returns what the wrapped optimizer's step returns (with a closure, that
+        loss)."""
+        if closure is None:
+            self.synchronize()
+            return self.optimizer.step()
+        if not callable(closure):
+            raise TypeError(f"closure: must be callable, got {type(closure).__name__}")
+
+        def averaged() -> Any:
+            return self._average(closure())
+
+        return self.optimizer.step(averaged)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
