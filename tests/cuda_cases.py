@@ -9,6 +9,7 @@ raises, which fails the launch.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import filter_cases
 import plan_cases
@@ -98,7 +99,28 @@ def nccl_one_rank(rank: int, world: int) -> dict[str, int]:
     assert buf.device == dev and rel_err(buf.cpu(), want) <= TOL
     out = hetcoll.allgatherv(torch.arange(6.0, device=dev).view(2, 3))
     assert out.device == dev and torch.equal(out.cpu(), torch.arange(6.0).view(2, 3))
-    return {"steps": ddp_steps(dev, [10], 0)}
+    return {"steps": ddp_steps(dev, [10], 0), "sync_bn_told": sync_bn_told(dev)}
+
+
+def sync_bn_told(dev: torch.device) -> list[int]:
+    """A SyncBatchNorm training under the weighted hook: steps whose losses are not weighed
+    (``state.weigh``) warn once, weighed ones never (the warnings of [not weighed, weighed])."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    told = []
+    for weigh in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.SyncBatchNorm(6), nn.Linear(6, 3))
+        ddp = DDP(model.double().to(dev), device_ids=[dev.index])
+        state = register_weighted_hook(ddp)
+        x = torch.randn(8, 4, dtype=torch.float64, device=dev)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                loss = ddp(x).pow(2).mean()
+                (state.weigh(loss) if weigh else loss).backward()
+        told.append(sum("state.weigh(loss)" in str(w.message) for w in seen))
+    return told
 
 
 def ddp_steps(dev: torch.device, shares: list[int], rank: int, algorithm: str = "auto") -> int:

@@ -127,8 +127,10 @@ def test_collectives_with_a_gpu_rank_beside_cpu_ranks():
 @needs_cuda
 def test_nccl_at_world_size_one():
     """NCCL's own allreduce (weight in PREMUL_SUM) and allgatherv, and the weighted DDP hook:
-    one step equals one process in float64 to 1e-10."""
-    assert _spawn(cuda_cases.nccl_one_rank, 1, backend="nccl") == [{"steps": 1}]
+    one step equals one process in float64 to 1e-10; a SyncBatchNorm training under the hook
+    warns once where the loss is not weighed (``state.weigh``)."""
+    got = _spawn(cuda_cases.nccl_one_rank, 1, backend="nccl")
+    assert got == [{"steps": 1, "sync_bn_told": [1, 0]}]
 
 
 @pytest.mark.multiproc

@@ -60,6 +60,7 @@ every rank there, before the backward; the hook then scales each bucket by this 
 import queue
 import threading
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -74,8 +75,10 @@ from hetcoll.torch.batches import (
     NOT_COUNTED,
     BatchCounter,
     Items,
+    LocalCount,
     added_counts,
     count_items,
+    counted,
     counted_rows,
     item_total,
     item_weights,
@@ -168,6 +171,14 @@ class WeightedAllreduceState:
         self._step_total: torch.futures.Future | None = None
         self._direct_exchange: _DirectExchange | None = None
         self._agreed = False
+        self._latest: np.ndarray | None = None  # every rank's count in the latest count(y)
+        # This step's losses weighed by weigh(): None (not weighed), else whether any of them
+        # weighed this rank above 0.
+        self._weighed: bool | None = None
+        # Layers of the model whose forward exchanges between the ranks in training
+        # (SyncBatchNorm), as register_weighted_hook finds them: a step not weighed on its loss
+        # while one of them trains warns once.
+        self._exchanging: list[tuple[str, torch.nn.Module]] = []
         self.ready_at = 0.0
 
     def _agree(self) -> None:
@@ -230,15 +241,76 @@ class WeightedAllreduceState:
         # Micro-batches whose gradients accumulate (DDP's no_sync) each count theirs: the step
         # weighs their sum.
         self._step_items = added_counts(self._step_items, counts, mine.failure)
+        self._latest = counts
         weights = item_weights(self._step_items, "items")
         self._local_batch = int(self._step_items[comm.rank, 1])
         self.global_items = int(self._step_items[:, 1].sum())
         self._weight = float(weights[comm.rank])
 
+    def weigh(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` weighed before its backward, for a forward that exchanges between the ranks
+        itself (``nn.SyncBatchNorm``; a loss over features gathered with
+        ``torch.distributed.nn``): their backward sums the ranks' gradients inside the
+        backward, before the hook could weigh them, so each rank's loss must carry its weight
+        already. Returns ``loss * R * n_r / N`` (``R`` ranks; ``n_r`` this rank's count as the
+        hook takes it: the samples counted off the forward or the ``local_batch`` set, or with
+        ``items`` the latest :meth:`count`), and the step's hook then takes the ranks' plain
+        mean. Under ``no_sync`` each micro-batch is weighed by its own count over the ranks:
+        the step sums the micro-batches' weighted means, as one process does when it
+        accumulates their means (divide each loss by their number for the mean of means).
+
+        Collective: every rank calls it once per forward, after the forward and before the
+        backward (counting samples: one small allgather of the ranks' counts; with ``items``,
+        none, :meth:`count`'s exchange had them). A rank with nothing to count raises
+        ``RuntimeError`` and the others :class:`hetcoll.CollectiveMismatchError`, at once."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss: must be a tensor, got {type(loss).__name__}")
+        comm = self._wrapped()
+        if self.items is not None:
+            if self._latest is None:
+                missing = RuntimeError(
+                    "items: no count for this forward; call state.count(y) before weigh(loss)"
+                )
+                agree(comm, self._fields(), values=[NOT_COUNTED, 0], failure=missing)
+            assert self._latest is not None  # agree raised otherwise
+            counts, self._latest = self._latest, None
+            weight = float(item_weights(counts, "items")[comm.rank])
+        else:
+            if self.counter is not None and not self._by_hand:
+                try:
+                    mine = counted(self.counter.take())
+                except RuntimeError as e:  # no forward: every rank raises, none waits
+                    mine = LocalCount(NOT_COUNTED, 0, e)
+            else:
+                if self.counter is not None:  # local_batch set by hand: this forward's count
+                    self.counter.discard()
+                    self._by_hand = False
+                assert self._local_batch is not None  # the constructor requires it or a counter
+                mine = counted(self._local_batch)
+            counts = agree(comm, self._fields(), values=mine.exchanged)
+            self._agreed = True
+            weight = float(item_weights(counts, "local_batch", mine.failure)[comm.rank])
+            self._local_batch = mine.value
+        self._weighed = bool(self._weighed) or weight > 0
+        return loss * (comm.size * weight)
+
     def _begin_step(self) -> tuple[float, bool]:
         """This step's factor for the buckets, fixed at the step's first bucket: this rank's
         weight ``n_r / N`` (with ``items``; True) or its samples ``n_r``, to be divided by the
-        ranks' sum (False)."""
+        ranks' sum (False); after :meth:`weigh`, ``1 / R`` (0 where every weighed loss of the
+        step weighed this rank 0), the losses weighed already (True)."""
+        if self._weighed is not None:
+            return (1.0 / self._wrapped().size if self._weighed else 0.0), True
+        names = [name for name, m in self._exchanging if m.training]
+        if names:
+            self._exchanging = []
+            warnings.warn(
+                f"ddp: {_few(names)} exchange between the ranks in the forward (SyncBatchNorm), "
+                "and their backward sums the ranks' gradients before this hook weighs them: "
+                "with uneven shares the gradient is not the global batch's. Weigh each loss "
+                "before its backward: loss = state.weigh(loss)",
+                stacklevel=2,
+            )
         if self.items is not None:
             if self._weight is None:
                 # Joins the exchange a rank that did count is in (count's), so that it raises
@@ -266,6 +338,8 @@ class WeightedAllreduceState:
         self._in_step = False
         self._weight = None
         self._step_items = None
+        self._latest = None
+        self._weighed = None
 
     def _global_batch(self, local_batch: float) -> torch.futures.Future:
         """Future of every rank's ``n_r`` for the current step (their sum is ``N``, see
@@ -386,6 +460,12 @@ def register_weighted_hook(
     (:meth:`WeightedAllreduceState.count`). The gradient is then that of the mean over all valid
     items of the global batch.
 
+    A forward that exchanges between the ranks itself (``nn.SyncBatchNorm``, a loss over
+    features gathered from every rank) mixes the ranks' gradients inside the backward, before
+    the hook: weigh each loss before its backward, ``loss = state.weigh(loss)``
+    (:meth:`WeightedAllreduceState.weigh`). A step that does not, while a ``SyncBatchNorm``
+    trains, warns once.
+
     The hook runs on ``ddp``'s own process group; ``algorithm`` as in
     :class:`WeightedAllreduceState`. Returns the state (its ``ready_at`` feeds the
     :class:`hetcoll.torch.Rebalancer`).
@@ -399,8 +479,16 @@ def register_weighted_hook(
     else:
         counter = BatchCounter(ddp, batch_dim=batch_dim)
         state = WeightedAllreduceState(ddp.process_group, algorithm=algorithm, counter=counter)
+    state._exchanging = [
+        (name, m) for name, m in ddp.module.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)
+    ]
     ddp.register_comm_hook(state, weighted_allreduce_hook)
     return state
+
+
+def _few(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 class _DirectExchange:
