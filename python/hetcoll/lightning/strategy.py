@@ -348,6 +348,9 @@ class BalancedStrategy(DDPStrategy):
         self._micro_scale: float | None = None
         #: With items: drops the gradients of micro-batches this rank weighs 0 in.
         self._weightless_hooks: list[Any] = []
+        #: The model's SyncBatchNorms (Trainer's ``sync_batchnorm=True``): while one trains,
+        #: batches are weighed on their loss (their backward mixes the ranks' gradients).
+        self._sync_norms: list[nn.SyncBatchNorm] = []
         self._comm: Communicator | None = None
 
     @property
@@ -466,6 +469,7 @@ class BalancedStrategy(DDPStrategy):
         # Weighing by rows in the hook, or (by micro-batch) the plain mean of losses that carry
         # the weights: one sample each.
         self.hook_state = WeightedAllreduceState(None, local_batch=0)
+        self._sync_norms = [m for m in self.model.modules() if isinstance(m, nn.SyncBatchNorm)]
         self.model.register_comm_hook(self.hook_state, weighted_allreduce_hook)
         if self.items is not None:
             self._weightless_hooks = [
@@ -651,16 +655,22 @@ class BalancedStrategy(DDPStrategy):
         """Whether this batch's ranks are weighed on its loss rather than in the hook (which
         weighs the gradients that reach it, summed over a window, by the last batch's rows):
         with ``items``, with gradient accumulation (``accumulate_grad_batches`` now, which a
-        ``GradientAccumulationScheduler`` changes), and under manual optimization (whose
-        windows only the user's code knows). Then the fields the ranks must agree on; else
-        None."""
+        ``GradientAccumulationScheduler`` changes), under manual optimization (whose
+        windows only the user's code knows), and while a ``SyncBatchNorm`` trains (its
+        backward sums the ranks' gradients before the hook). Then the fields the ranks must
+        agree on; else None."""
         module = self.lightning_module
         trainer = module.trainer if module is not None else None
         accumulate = int(trainer.accumulate_grad_batches) if trainer is not None else 1
         manual = module is not None and not module.automatic_optimization
-        if self.items is None and accumulate == 1 and not manual:
+        synced = any(m.training for m in self._sync_norms)
+        if self.items is None and accumulate == 1 and not manual and not synced:
             return None
-        return {"accumulate_grad_batches": accumulate, "manual optimization": int(manual)}
+        return {
+            "accumulate_grad_batches": accumulate,
+            "manual optimization": int(manual),
+            "training SyncBatchNorm": int(synced),
+        }
 
     def _micro_batch_scale(self, batch: Any, rows: int, fields: dict[str, int]) -> float:
         """This batch's loss factor, ``R n_r / N`` over its rows (or ``items``) on every rank
