@@ -78,6 +78,32 @@ def test_weighted_hook_equals_full_batch_and_plain_ddp_does_not(algorithm):
     assert max(rel_err(g, r) for g, r in zip(grads, ref_grads)) > 1e-3
 
 
+def _half_step(rank, world, shares, width, algorithm):
+    torch.manual_seed(0)
+    model = nn.Linear(width, 3 * width // 4).half()
+    ddp = DDP(model)
+    register_weighted_hook(ddp, algorithm=algorithm)
+    x = torch.randn(sum(shares), width, generator=torch.Generator().manual_seed(1)).half()
+    lo = sum(shares[:rank])
+    (ddp(x[lo : lo + shares[rank]]).float().sum(1).mean() * 150).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(("width", "algorithm"), [(8, "allreduce"), (8, "direct"), (1024, "auto")])
+def test_float16_buckets_do_not_overflow(width, algorithm):
+    """Gradients of 150 on shares 700:300: a bucket scaled by the count (700 x 150) before the
+    sum overflowed float16 to inf on the allreduce path ("auto" takes it from 1 MiB)."""
+    shares = [700, 300]
+    torch.manual_seed(0)
+    model = nn.Linear(width, 3 * width // 4).half()
+    x = torch.randn(sum(shares), width, generator=torch.Generator().manual_seed(1)).half()
+    (model(x).float().sum(1).mean() * 150).backward()
+    for grads in spawn(_half_step, 2, shares, width, algorithm):
+        for got, want in zip(grads, (p.grad for p in model.parameters()), strict=True):
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=1e-2)
+
+
 # -- a whole epoch: ragged last step and a share change mid-run ----------------------------------
 
 

@@ -416,6 +416,15 @@ def weighted_allreduce_hook(
         two = c.size == 2 and nbytes < TWO_RANK_DIRECT_BELOW_BYTES.get(c.engine, 0)
         if state.algorithm == "direct" or two or choose_algorithm(c, nbytes, False) == "direct":
             return direct.submit(buf, factor, not weighted, bucket.index(), last)
+    if not weighted and buf.dtype == torch.float16:
+        # n_r times a gradient overflows float16 (65504) from gradients of 65504 / n_r: the
+        # step's counts are awaited first (the allgather the step's first bucket launched) and
+        # the bucket scaled by the weight n_r / N.
+        counts = state._global_batch(factor).wait().cpu().numpy()
+        if last:
+            state._step_total = None
+        factor /= float(item_total(counted_rows(counts), "local_batch"))
+        weighted = True
     # On NCCL each rank's factor is applied inside the reduction kernel (PREMUL_SUM).
     op = premul_sum_op(_backend(state.process_group), factor)
     if op is None:
