@@ -202,6 +202,40 @@ for name, make in (
         "calls": [got_calls, want_calls],
     }
 
+
+# torch.amp.GradScaler: an inf on one rank alone (its loss blown up in step 1) made that rank
+# skip its step while the others waited in theirs. Averaged first (opt.synchronize()), every
+# rank finds the inf, skips alike and lowers its scale alike; the other steps are one process's.
+def scaled_run(lo, hi, blow_up_rows):
+    xs, ys = data
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if hi - lo < sum(shares):
+        opt = DistributedOptimizer(opt, model=model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(4):
+        opt.zero_grad()
+        per_row = nn.functional.cross_entropy(model(xs[lo:hi]), ys[lo:hi], reduction="none")
+        if step == 1:
+            per_row = per_row * (blow_up_rows[lo:hi].double() * 1e308 + 1)
+        scaler.scale(per_row.mean()).backward()
+        if isinstance(opt, DistributedOptimizer):
+            opt.synchronize()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    return [p.detach().clone() for p in model.parameters()], scaler.get_scale()
+
+
+blow_up = torch.zeros(sum(shares), dtype=torch.bool)
+blow_up[sum(shares) - 1] = True  # the last rank's last row
+want, want_scale = scaled_run(0, sum(shares), blow_up)
+got, got_scale = scaled_run(start, start + shares[rank], blow_up)
+result["grad_scaler"] = {
+    "param": max(rel_err(p, r) for p, r in zip(got, want)),
+    "scales": [got_scale, want_scale],
+}
+
 # The Rebalancer over the MPI communicator: compute times at true speeds that change at step
 # 20 (the first two ranks swap roles); the shares follow.
 speeds_before = [100.0, 25.0, 50.0][:world]

@@ -115,6 +115,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if local_batch is not None:
             self.local_batch = local_batch
         self.fusion_bytes = int(fusion_bytes)
+        # synchronize() ran since the last step() / zero_grad(): step() does not average again.
+        self._synchronized = False
 
     @property
     def local_batch(self) -> int | None:
@@ -208,6 +210,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Replace every gradient by the mean over all ranks weighted by their counts, samples
         or items (collective; :func:`hetcoll.torch.item_weights`)."""
         self._average(_NO_CLOSURE)
+        self._synchronized = True
 
     def _average(self, loss: Any) -> Any:
         """:meth:`synchronize`; given a closure's ``loss`` (None where it returns none), also
@@ -302,9 +305,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         over the ranks. Every rank's optimizer then sees one process's loss and gradients and
         decides alike (LBFGS's line search and stopping test), so every rank calls the closure
         as often. Returns what the wrapped optimizer's step returns (with a closure, that
-        loss)."""
+        loss).
+
+        After :meth:`synchronize` (since the last step or ``zero_grad``), the gradients are
+        averaged already and ``step()`` steps. That is the way with ``torch.amp.GradScaler``,
+        which skips the step of a rank whose gradients hold an inf (its peers would wait for
+        it): ``scaler.scale(loss).backward(); opt.synchronize(); scaler.unscale_(opt)``
+        (clipping, if any) ``; scaler.step(opt); scaler.update()``. Averaged first, every
+        rank finds the same infs and skips or steps alike."""
+        synchronized, self._synchronized = self._synchronized, False
         if closure is None:
-            self.synchronize()
+            if not synchronized:
+                self._average(_NO_CLOSURE)
             return self.optimizer.step()
         if not callable(closure):
             raise TypeError(f"closure: must be callable, got {type(closure).__name__}")
@@ -315,6 +327,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.optimizer.step(averaged)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._synchronized = False
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
