@@ -70,6 +70,27 @@ def test_epochs_reshuffle_and_last_step_is_proportional():
     assert [len(b[-1]) for b in b0] == [8, 2]
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_batching_by_another_size_than_the_share_is_refused(workers):
+    """DataLoader(sampler=..., batch_size=B), DistributedSampler's form, with one B on every
+    rank cut this rank's steps elsewhere than the others' (ranks ran other numbers of steps
+    and waited for each other); batch_size=sampler.batch_size, or the batch view, is fine."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    data = torch.arange(40)
+    for rank, share in enumerate([5, 3]):
+        sampler = BalancedSampler(data, [5, 3], rank, shuffle=False, verify=False)
+        bad = DataLoader(data, sampler=sampler, batch_size=4, num_workers=workers)
+        with pytest.raises(ValueError, match=f"^batch_size: .* by 4, .* is {share};"):
+            next(iter(bad))
+        good = DataLoader(data, sampler=sampler, batch_size=sampler.batch_size)
+        view = DataLoader(data, batch_sampler=sampler.batch_sampler(), num_workers=workers)
+        want = [b.tolist() for b in DataLoader(data, batch_sampler=sampler.batch_sampler())]
+        assert [b.tolist() for b in good] == want == [b.tolist() for b in view]
+        assert len(want) == 5 and all(len(b) == share for b in want)
+
+
 def test_a_padded_last_step_is_warned_about_once():
     """50 = 6 * 8 + 2 on 3 ranks: the last step repeats one sample from the epoch's start, so
     it is not one process's step; the sampler says so, once. 51 leaves one per rank."""

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import BatchSampler, Sampler
 
 import hetcoll
 from hetcoll.comm import agree, has_default, wrap
@@ -143,6 +143,23 @@ def _counting_type(cls: type) -> type:
     return sub
 
 
+def _check_batch_size(loader: Any, sampler: BalancedSampler) -> None:
+    """A loader batching this sampler's samples itself (``DataLoader(sampler=..., batch_size=B)``)
+    must batch them by this rank's share: another size cuts this rank's steps elsewhere than
+    the other ranks', which then run other numbers of steps and wait for each other."""
+    batches = getattr(loader, "_index_sampler", None)
+    size = getattr(batches, "batch_size", None)
+    if not isinstance(batches, BatchSampler) or size == sampler.batch_size:
+        return
+    raise ValueError(
+        f"batch_size: the DataLoader batches rank {sampler.rank}'s samples by {size}, but its "
+        f"share of each global step is {sampler.batch_size}; the ranks would take steps of "
+        "other sizes and numbers. Build it with DataLoader(dataset, "
+        "batch_sampler=sampler.batch_sampler()) (new shares then apply from the next step), "
+        "or batch_size=sampler.batch_size"
+    )
+
+
 class _Progress:
     """One iteration over the sampler: where each step it yielded ends in the epoch's
     permutation, and how many of them the training loop has taken."""
@@ -155,11 +172,12 @@ class _Progress:
         self.taken: int | None = None
         self.loader: weakref.ref[Any] | None = None
 
-    def attach(self, frame: FrameType | None, sampler: BalancedSampler) -> None:
+    def attach(self, frame: FrameType | None, sampler: BalancedSampler) -> Any:
         """Find the DataLoader iterator that pulls the first step (a caller a few frames up,
         whose index sampler is this sampler's batch view or a batch sampler over the sampler)
         and count the batches it returns from now on. A loader without workers pulls the
-        first step inside the ``__next__`` that returns it: that batch counts as taken."""
+        first step inside the ``__next__`` that returns it: that batch counts as taken.
+        Returns the iterator (None: no loader found)."""
         it: Any = None
         plain_next = counting_next = False
         for _ in range(12):
@@ -177,7 +195,7 @@ class _Progress:
                     plain_next = True
             frame = frame.f_back
         if it is None:
-            return
+            return None
         try:
             it.__class__ = _counting_type(type(it))
             it.__dict__[_PROGRESS] = self
@@ -188,9 +206,10 @@ class _Progress:
                 RuntimeWarning,
                 stacklevel=2,
             )
-            return
+            return it
         self.loader = weakref.ref(it)
         self.taken = int(plain_next and not counting_next)
+        return it
 
     def steps_taken(self) -> int:
         """Steps of this iteration the loader handed out (or yielded, without a loader)."""
@@ -219,7 +238,8 @@ class BalancedSampler(Sampler[int]):
 
     ``shares[r]`` is rank ``r``'s batch size per step (integers, e.g. from
     :func:`hetcoll.split` over measured speeds). Use it with
-    ``DataLoader(dataset, batch_size=shares[rank], sampler=sampler)``, or pass
+    ``DataLoader(dataset, batch_size=shares[rank], sampler=sampler)`` (a loader batching by
+    another size raises ``ValueError`` naming ``batch_size`` at its first batch), or pass
     ``sampler.batch_sampler()`` as ``batch_sampler=`` to let :meth:`set_shares` take effect at
     the next step instead of the next epoch.
 
@@ -378,7 +398,7 @@ class BalancedSampler(Sampler[int]):
         self.position = pos
         progress = self._progress = _Progress(pos)
         # The caller of this first step: a DataLoader iterator counts what it hands out.
-        progress.attach(sys._getframe(1), self)
+        _check_batch_size(progress.attach(sys._getframe(1), self), self)
         while pos < n:
             shares = shares_of_step(pos)
             total = sum(shares)
