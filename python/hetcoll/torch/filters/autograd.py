@@ -102,7 +102,13 @@ class GradientSums:
     parameter whose hook did not run on a rank adds zeros there. With ``rows`` (``(dim,
     positions)``) only those entries along ``dim`` are summed, the rest being the rank's
     own. The sums land in ``.grad`` only: ``torch.autograd.grad`` returns zeros for the parts
-    summed (the ranks still exchange them, every rank alike)."""
+    summed (the ranks still exchange them, every rank alike).
+
+    A frozen parameter (``requires_grad`` False, on every rank alike, as DDP also needs) is
+    neither exchanged nor given a gradient: a fine-tuning run's frozen key and value
+    projections cost nothing. One frozen when it is added has no hooks (torch refuses them);
+    unfrozen later, its gradient would be this rank's part alone, so the backward raises
+    ``RuntimeError`` instead."""
 
     def __init__(self, comm: Communicator, timeout: float | None) -> None:
         # Weak references: the registry (kept by the communicator) keeps neither alive.
@@ -111,6 +117,8 @@ class GradientSums:
         #: Per parameter: (dim, the rows' index) of the entries summed, None for all.
         self.rows: list[tuple[int, torch.Tensor] | None] = []
         self.parts: dict[int, torch.Tensor] = {}
+        #: Per parameter: whether its hooks are registered (not while it was frozen).
+        self.hooked: list[bool] = []
         #: The parameters whose gradient this backward accumulated (not ``autograd.grad``'s).
         self.accumulated: set[int] = set()
         self.queued = False
@@ -134,8 +142,10 @@ class GradientSums:
         entries along a dimension)."""
         self.params.append(weakref.ref(param))
         self.rows.append(None if rows is None else (rows[0], torch.tensor(rows[1])))
-        param.register_hook(_KeepPart(self, len(self.params) - 1))
-        param.register_post_accumulate_grad_hook(_Accumulated(self, len(self.params) - 1))
+        self.hooked.append(param.requires_grad)
+        if param.requires_grad:
+            param.register_hook(_KeepPart(self, len(self.params) - 1))
+            param.register_post_accumulate_grad_hook(_Accumulated(self, len(self.params) - 1))
 
     def add_once(self, param: torch.Tensor) -> None:
         """:meth:`add` ``param`` (all its entries) unless it is added already."""
@@ -171,6 +181,16 @@ class GradientSums:
             param = ref()
             if param is None:  # its model is gone (on every rank)
                 continue
+            if param.requires_grad and not self.hooked[index]:
+                raise RuntimeError(
+                    f"model: a parameter of shape {tuple(param.shape)} that the split holds "
+                    "whole on every rank, its gradients summed over the ranks, was frozen "
+                    "(requires_grad=False) when the model was split and has been unfrozen "
+                    "since: its gradient would be this rank's part alone. Unfreeze it before "
+                    "splitting the model (freezing after the split is fine)"
+                )
+            if not param.requires_grad:
+                continue  # frozen on every rank: nothing to sum
             part = parts.get(index)
             if part is None:  # not reached on this rank: it adds nothing
                 shape = list(param.shape)

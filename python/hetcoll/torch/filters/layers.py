@@ -943,6 +943,9 @@ class _SplitBatchNorm(ChannelSplit):
                     getattr(new, name).copy_(src.narrow(0, off, n))
             if bn.num_batches_tracked is not None:
                 new.num_batches_tracked.copy_(bn.num_batches_tracked)
+        for name in ("weight", "bias"):  # a frozen BatchNorm stays frozen
+            if getattr(bn, name, None) is not None:
+                getattr(new, name).requires_grad_(getattr(bn, name).requires_grad)
         new.train(bn.training)
         return new
 
