@@ -1,11 +1,12 @@
 """Global-norm gradient clipping for a model whose ranks hold parameters of their own.
 
 ``torch.nn.utils.clip_grad_norm_`` takes the norm of the gradients it is given: on a rank
-holding only its own experts (:func:`hetcoll.torch.expert_parallel`) that is not the model's
-norm, every rank gets a different one, and each scales its gradients by a different factor.
-:func:`clip_grad_norm_` sums every rank's own parameters' squared gradients over the group
-(one allreduce of a number) and adds the replicated ones' once, so every rank scales by the
-factor one process would.
+holding only its own experts (:func:`hetcoll.torch.expert_parallel`) or its slices of split
+layers (:func:`hetcoll.torch.filter_parallel`) that is not the model's norm, every rank gets a
+different one, and each scales its gradients by a different factor (a split model's
+replicated weights then drift apart). :func:`clip_grad_norm_` sums every rank's own
+parameters' squared gradients over the group (one allreduce of a number) and adds the
+replicated ones' once, so every rank scales by the factor one process would.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import torch
 
 from hetcoll.comm import Communicator, agree, deadline, wrap
 from hetcoll.torch.expert_parallel import is_rank_local
+from hetcoll.torch.filters.layers import split_modules
+from hetcoll.torch.filters.state import split_parts
+from hetcoll.torch.state_dicts import Part
 
 
 def clip_grad_norm_(
@@ -35,9 +39,12 @@ def clip_grad_norm_(
     :func:`hetcoll.comm.wrap`'s default). Every rank scales by ``max_norm / (norm + 1e-6)``
     where that is below 1, as ``torch.nn.utils.clip_grad_norm_`` does; ``max_norm=inf``
     measures without clipping. Collective: every rank calls it. Returns the norm before
-    clipping (a float64 tensor, the same on every rank). For a model whose other parameters
-    every rank holds whole (:func:`~hetcoll.torch.expert_parallel`'s); not for the pieces
-    of a :class:`~hetcoll.torch.Parallel` (pipeline stages, split layers).
+    clipping (a float64 tensor, the same on every rank). For a model whose ranks hold their
+    own experts (:func:`~hetcoll.torch.expert_parallel`) or their slices of split layers
+    (:func:`~hetcoll.torch.filter_parallel`: each slice's squares summed over the ranks,
+    entries every rank holds counted once), the rest whole on every rank; a
+    :class:`~hetcoll.torch.Parallel` clips with its own
+    :meth:`~hetcoll.torch.Parallel.clip_grad_norm_` (pipeline stages hold other layers).
 
     >>> clip_grad_norm_(model.parameters(), 1.0)  # doctest: +SKIP
     """
@@ -56,11 +63,42 @@ def clip_grad_norm_(
             raise failure from None
         raise
     grads = [p.grad for p in params if p.grad is not None]
-    shared = squares(p.grad for p in params if p.grad is not None and not is_rank_local(p))
-    own = squares(p.grad for p in params if p.grad is not None and is_rank_local(p))
+    pieces = _split_pieces(params, comm) if failure is None else {}
+    shared = 0.0
+    own = 0.0
+    for p in params:
+        if p.grad is None:
+            continue
+        if is_rank_local(p):
+            own += squares([p.grad])
+        elif id(p) in pieces:
+            own += squares([pieces[id(p)].written_of(p.grad)])
+        else:
+            shared += squares([p.grad])
     norm = math.sqrt(shared + summed_squares(comm, own, limit, failure, timeout))
     scale_to_norm(grads, norm, limit)
     return torch.tensor(norm, dtype=torch.float64)
+
+
+def _split_pieces(params: list[torch.Tensor], comm: Communicator) -> dict[int, Part]:
+    """The split layers' slices among ``params`` (by ``id``): where each sits in its unsplit
+    tensor. A split over another number of ranks than ``comm``'s raises ``ValueError``."""
+    wanted = {id(p) for p in params}
+    pieces: dict[int, Part] = {}
+    for m in split_modules():
+        assert isinstance(m, torch.nn.Module)
+        local = dict(m.named_parameters())
+        if not wanted.intersection(id(t) for t in local.values()):
+            continue
+        if m.comm.size != comm.size:
+            raise ValueError(
+                f"group: its {comm.size} ranks are not the {m.comm.size} a split layer among "
+                "the parameters is split over; pass the split model's group"
+            )
+        for name, part in split_parts(m, local).items():
+            if id(local[name]) in wanted:
+                pieces[id(local[name])] = part
+    return pieces
 
 
 def checked_max_norm(max_norm: object) -> float:

@@ -68,6 +68,13 @@ class Part:
     def whole(self) -> bool:
         return self.length is None and self.index is None
 
+    def written_of(self, local: torch.Tensor) -> torch.Tensor:
+        """The entries of this rank's ``local`` tensor (or its gradient) that it puts into a
+        full tensor (:meth:`put`): all but those another rank writes."""
+        if self.written is None:
+            return local
+        return local.index_select(self.dim, self.written.to(local.device))
+
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``full`` (a view where it can be one)."""
         if self.index is not None:
@@ -81,9 +88,7 @@ class Part:
         local = local.detach().to(full.device, full.dtype)
         if self.index is not None and self.written is not None:
             full.index_copy_(
-                self.dim,
-                self.index[self.written].to(full.device),
-                local.index_select(self.dim, self.written.to(local.device)),
+                self.dim, self.index[self.written].to(full.device), self.written_of(local)
             )
         elif self.index is not None:
             full.index_copy_(self.dim, self.index.to(full.device), local)

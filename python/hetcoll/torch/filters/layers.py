@@ -128,6 +128,7 @@ class ChannelSplit:
         self.rank = comm.rank
         self.shares = list(shares)
         self.offset = sum(shares[: comm.rank])
+        _SPLIT_MODULES.add(self)
 
     def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         raise NotImplementedError
@@ -161,6 +162,15 @@ class ChannelSplit:
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
         self._slice_full(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args)  # type: ignore[misc]
+
+
+#: Every split module alive in this process (weakly): clipping finds a parameter's split here.
+_SPLIT_MODULES: weakref.WeakSet[ChannelSplit] = weakref.WeakSet()
+
+
+def split_modules() -> list[ChannelSplit]:
+    """Every split module alive in this process (of any model)."""
+    return list(_SPLIT_MODULES)
 
 
 def split_comms(model: nn.Module) -> list[Communicator]:

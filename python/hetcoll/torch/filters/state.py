@@ -148,28 +148,40 @@ def _parts(model: nn.Module) -> dict[str, Part]:
     parts = {k: Part(tuple(t.shape)) for k, t in state.items()}
     for mname, m in model.named_modules():
         if isinstance(m, ChannelSplit):
-            kept = m.whole_spec()
-            for pname, (dim, blocks) in m.split_spec().items():
-                key = f"{mname}.{pname}" if mname else pname
-                local = state[key]
-                shape = list(local.shape)
-                whole = kept.get(pname, ())
-                shape[dim] = sum(m.shares) * sum(blocks) + sum(whole)
-                if m.order is not None:  # entries held out of order: one block, none whole
-                    parts[key] = Part(tuple(shape), dim, index=m.held_index())
-                elif len(blocks) == 1 and not whole:
-                    count = int(local.shape[dim])
-                    parts[key] = Part(tuple(shape), dim, m.offset * blocks[0], count)
-                else:
-                    runs = split_runs(m.shares, m.rank, blocks, whole)
-                    index = torch.cat([torch.arange(a, a + n) for a, n in runs])
-                    # Entries every rank holds are written by the split's rank 0 alone.
-                    written = None
-                    if whole and m.rank != 0:
-                        mine = torch.ones(len(index), dtype=torch.bool)
-                        mine[whole_positions(m.shares, m.rank, blocks, whole)] = False
-                        written = torch.nonzero(mine).flatten()
-                    parts[key] = Part(tuple(shape), dim, index=index, written=written)
+            prefix = f"{mname}." if mname else ""
+            local = {pname: state[prefix + pname] for pname in m.split_spec()}
+            for pname, part in split_parts(m, local).items():
+                parts[prefix + pname] = part
+    return parts
+
+
+def split_parts(m: ChannelSplit, local: Mapping[str, torch.Tensor]) -> dict[str, Part]:
+    """Where each of split module ``m``'s split tensors given in ``local`` (by their names in
+    ``m``) sits in the unsplit tensor: a channel slice, or the entries ``index`` (with
+    ``written`` where the split's rank 0 alone writes the entries every rank holds)."""
+    parts = {}
+    kept = m.whole_spec()
+    for pname, (dim, blocks) in m.split_spec().items():
+        if pname not in local:
+            continue
+        shape = list(local[pname].shape)
+        whole = kept.get(pname, ())
+        shape[dim] = sum(m.shares) * sum(blocks) + sum(whole)
+        if m.order is not None:  # entries held out of order: one block, none whole
+            parts[pname] = Part(tuple(shape), dim, index=m.held_index())
+        elif len(blocks) == 1 and not whole:
+            count = int(local[pname].shape[dim])
+            parts[pname] = Part(tuple(shape), dim, m.offset * blocks[0], count)
+        else:
+            runs = split_runs(m.shares, m.rank, blocks, whole)
+            index = torch.cat([torch.arange(a, a + n) for a, n in runs])
+            # Entries every rank holds are written by the split's rank 0 alone.
+            written = None
+            if whole and m.rank != 0:
+                mine = torch.ones(len(index), dtype=torch.bool)
+                mine[whole_positions(m.shares, m.rank, blocks, whole)] = False
+                written = torch.nonzero(mine).flatten()
+            parts[pname] = Part(tuple(shape), dim, index=index, written=written)
     return parts
 
 
