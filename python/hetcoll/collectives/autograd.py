@@ -32,9 +32,23 @@ def allgatherv_autograd(
     return _AllgathervFn.apply(tensor, wrap(group), timeout)
 
 
+def exchanging(cls: Any) -> Any:
+    """An autograd function that exchanges between the ranks, run as it is under
+    ``torch.compile``: its forward and backward are never traced (the graph breaks around
+    them). They move bytes through numpy views and the communicator, which a trace cannot
+    see: a traced gather took its output for an alias of its input (torchvision's ViT split
+    by ``filter_parallel``, then compiled: "setStorage ... out of bounds")."""
+    import torch
+
+    for name in ("forward", "backward"):
+        setattr(cls, name, staticmethod(torch.compiler.disable(getattr(cls, name))))
+    return cls
+
+
 def _make_function() -> Any:
     import torch
 
+    @exchanging
     class AllgathervFn(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, tensor: Any, comm: Communicator, timeout: float | None) -> Any:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 import hetcoll
+from hetcoll.collectives.autograd import exchanging
 from hetcoll.comm import Communicator, agree, deadline, wrap
 from hetcoll.plan import expert_indices, expert_runs
 from hetcoll.torch.filters.experts import LocalExperts, derived_class
@@ -260,6 +261,7 @@ def _mark_rank_local(p: torch.Tensor) -> None:
     _rank_local[key] = weakref.ref(p, lambda _: _rank_local.pop(key, None))
 
 
+@exchanging
 class _AllToAll(torch.autograd.Function):
     """Rows of ``x`` sent in rank order (``send[q]`` rows to rank q), ``recv[q]`` rows received
     from each rank q; backward sends the rows' gradients back the same way

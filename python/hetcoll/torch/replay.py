@@ -548,9 +548,15 @@ def _probe(
         try:
             out_meta = _output_of(meta_blocks[k], args, kwargs, device)
         except Exception as e:
+            compiled = (
+                "; the model is compiled (torch.compile): give the model before compiling it "
+                "(model._orig_mod), and compile the result"
+                if name.startswith("_orig_mod.")
+                else ""
+            )
             raise ValueError(
                 f"model: block {name!r} does not run on the meta device ({type(e).__name__}: "
-                f"{e}); a plan learns its output's shape there"
+                f"{e}); a plan learns its output's shape there{compiled}"
             ) from None
         finally:
             sources.paused -= 1

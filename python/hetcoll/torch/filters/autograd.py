@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from hetcoll.collectives import allgatherv, allreduce
+from hetcoll.collectives.autograd import exchanging
 from hetcoll.comm import Communicator, deadline
 from hetcoll.torch.transport import CountingCommunicator
 
@@ -247,6 +248,7 @@ class _KeepPart:
         return self.sums.keep(self.index, grad)
 
 
+@exchanging
 class CopyToRanks(torch.autograd.Function):
     """Identity forward on a replicated input; backward sums the ranks' partial input gradients
     (each rank's filters contribute their own part of dL/dx)."""
@@ -275,6 +277,7 @@ class CopyToRanks(torch.autograd.Function):
         return g, None, None, None, None, None
 
 
+@exchanging
 class ReduceSum(torch.autograd.Function):
     """Allreduce of the partial sums forward; identity backward (the output gradient is
     replicated, and each rank's partial depends only on its own input slice)."""
@@ -297,6 +300,7 @@ class ReduceSum(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+@exchanging
 class SumEachWay(torch.autograd.Function):
     """Allreduce of partial sums forward, whose total each rank then uses in its own way (a
     norm's sum of squares over features split across the ranks, each rank normalising its
@@ -313,6 +317,7 @@ class SumEachWay(torch.autograd.Function):
         return _summed(grad, ctx.comm, ctx.timeout, "gradients"), None, None
 
 
+@exchanging
 class GatherChannels(torch.autograd.Function):
     """Allgather of uneven channel slices along ``dim``; backward keeps this rank's slice of
     the (replicated) output gradient — no communication."""

@@ -15,6 +15,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils import _pytree as pytree
 
+from hetcoll.collectives.autograd import exchanging
 from hetcoll.comm import Communicator, agree, deadline
 from hetcoll.torch.filters.autograd import AgreedForward, GatherChannels, needs_check
 
@@ -271,6 +272,7 @@ def _cross_entropy(t: SplitOutput, args: Any, kwargs: dict[str, Any]) -> Any:
         )
 
 
+@exchanging
 class SplitCrossEntropy(torch.autograd.Function):
     """Cross-entropy of logits split by class (vocabulary) across ranks, the targets whole on
     every rank, as ``F.cross_entropy(logits, target, ignore_index=..., reduction=...)`` of the
