@@ -275,7 +275,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if loss is _NO_CLOSURE or loss is None:
             return loss
         # A rank weighing 0 adds nothing (its loss, a mean over nothing, may be NaN).
-        weighed = np.array([scale * float(loss) if scale else 0.0])
+        value = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        weighed = np.array([scale * value if scale else 0.0])
         total = float(allreduce(weighed, self._comm, check=False)[0])
         if isinstance(loss, torch.Tensor):
             return torch.tensor(total, dtype=loss.dtype, device=loss.device)
