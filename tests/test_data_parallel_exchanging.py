@@ -132,3 +132,15 @@ def test_unweighed_losses_are_not_one_process():
     want = _reference(shares, False, 1)
     for params in spawn(_ranks, 2, shares, "plain", 1):
         assert _off(params, want) > 1e-3
+
+
+def test_weigh_refuses_bad_arguments_naming_them():
+    from hetcoll.torch import WeightedAllreduceState
+
+    state = WeightedAllreduceState(None, local_batch=3)
+    with pytest.raises(TypeError, match="^loss: must be a tensor, got float"):
+        state.weigh(1.0)
+    with pytest.raises(ValueError, match=r"^weight: must be in \[0, 1\]"):
+        state.weigh(torch.ones(()), weight=1.5)
+    with pytest.raises(TypeError, match="^weight: must be a number, got bool"):
+        state.weigh(torch.ones(()), weight=True)

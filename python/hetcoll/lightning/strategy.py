@@ -646,7 +646,7 @@ class BalancedStrategy(DDPStrategy):
             by_micro_batch = self._by_micro_batch()
             if by_micro_batch is not None:
                 self._micro_scale = self._micro_batch_scale(batch, n, by_micro_batch)
-                self.hook_state.local_batch = 1
+                self.hook_state.local_batch = 1  # unused: backward weighs the loss
             else:
                 self.hook_state.local_batch = self._local_batch
         self._step_start = time.perf_counter()
@@ -673,7 +673,7 @@ class BalancedStrategy(DDPStrategy):
         }
 
     def _micro_batch_scale(self, batch: Any, rows: int, fields: dict[str, int]) -> float:
-        """This batch's loss factor, ``R n_r / N`` over its rows (or ``items``) on every rank
+        """This batch's weight ``n_r / N`` over its rows (or ``items``) on every rank
         (collective: one small allgather, which also checks ``fields`` alike on every rank).
         A bad count raises ``ValueError`` naming ``items`` on every rank."""
         assert self.hook_state is not None
@@ -683,15 +683,16 @@ class BalancedStrategy(DDPStrategy):
         comm = self._comm
         counts = agree(comm, fields, values=mine.exchanged, failure=None)
         weights = item_weights(counts, "items" if self.items is not None else "batch", mine.failure)
-        return float(weights[comm.rank]) * comm.size
+        return float(weights[comm.rank])
 
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
-        if self._micro_scale is not None:
+        if self._micro_scale is not None and self.hook_state is not None:
             # The batch's weight on its loss (which Lightning divided by
-            # accumulate_grad_batches); the hook takes the ranks' plain mean.
-            closure_loss = closure_loss * self._micro_scale
+            # accumulate_grad_batches); the hook takes the ranks' plain mean, exchanging no
+            # counts of its own.
+            closure_loss = self.hook_state.weigh(closure_loss, weight=self._micro_scale)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:

@@ -247,7 +247,7 @@ class WeightedAllreduceState:
         self.global_items = int(self._step_items[:, 1].sum())
         self._weight = float(weights[comm.rank])
 
-    def weigh(self, loss: torch.Tensor) -> torch.Tensor:
+    def weigh(self, loss: torch.Tensor, *, weight: float | None = None) -> torch.Tensor:
         """``loss`` weighed before its backward, for a forward that exchanges between the ranks
         itself (``nn.SyncBatchNorm``; a loss over features gathered with
         ``torch.distributed.nn``): their backward sums the ranks' gradients inside the
@@ -262,11 +262,22 @@ class WeightedAllreduceState:
         Collective: every rank calls it once per forward, after the forward and before the
         backward (counting samples: one small allgather of the ranks' counts; with ``items``,
         none, :meth:`count`'s exchange had them). A rank with nothing to count raises
-        ``RuntimeError`` and the others :class:`hetcoll.CollectiveMismatchError`, at once."""
+        ``RuntimeError`` and the others :class:`hetcoll.CollectiveMismatchError`, at once.
+
+        ``weight``: this rank's weight ``n_r / N``, where the caller has agreed on the counts
+        already (the weights summing to 1 over the ranks; :func:`hetcoll.torch.item_weights`):
+        nothing is counted or exchanged."""
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss: must be a tensor, got {type(loss).__name__}")
+        if weight is not None:
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+                raise TypeError(f"weight: must be a number, got {type(weight).__name__}")
+            if not 0.0 <= weight <= 1.0:
+                raise ValueError(f"weight: must be in [0, 1] (n_r / N), got {weight!r}")
         comm = self._wrapped()
-        if self.items is not None:
+        if weight is not None:
+            weight = float(weight)
+        elif self.items is not None:
             if self._latest is None:
                 missing = RuntimeError(
                     "items: no count for this forward; call state.count(y) before weigh(loss)"
