@@ -138,9 +138,9 @@ def test_weigh_refuses_bad_arguments_naming_them():
     from hetcoll.torch import WeightedAllreduceState
 
     state = WeightedAllreduceState(None, local_batch=3)
-    with pytest.raises(TypeError, match="^loss: must be a tensor, got float"):
+    with pytest.raises(TypeError, match=r"^loss: must be a tensor, got float"):
         state.weigh(1.0)
     with pytest.raises(ValueError, match=r"^weight: must be in \[0, 1\]"):
         state.weigh(torch.ones(()), weight=1.5)
-    with pytest.raises(TypeError, match="^weight: must be a number, got bool"):
+    with pytest.raises(TypeError, match=r"^weight: must be a number, got bool"):
         state.weigh(torch.ones(()), weight=True)
