@@ -50,12 +50,16 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 6), _GlobalBatchNorm(6), nn.Tanh(), nn.Linear(6, 3)).double()
 
 
-def _data(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _data(step: int, n: int, last: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``last``: in step 1, the global batch's last ``last`` rows hold no label (the last
+    rank's, with ``last`` its share: a rank weighing 0)."""
     g = torch.Generator().manual_seed(10 + step)
     x = torch.randn(n, 4, generator=g, dtype=torch.float64)
     y = torch.randint(0, 3, (n,), generator=g)
     y[torch.rand(n, generator=g) < 0.3] = -100  # rows without a label (items=)
     y[0] = 0
+    if step == 1 and last:
+        y[n - last :] = -100
     return x, y
 
 
@@ -63,14 +67,14 @@ def _loss(out: torch.Tensor, y: torch.Tensor, items: bool) -> torch.Tensor:
     return F.cross_entropy(out, y if items else y.clamp(min=0), ignore_index=-100)
 
 
-def _reference(shares: list[int], items: bool, micro: int) -> list[torch.Tensor]:
+def _reference(shares: list[int], items: bool, micro: int, last: int = 0) -> list[torch.Tensor]:
     """One process: each micro-batch the ranks' rows together, their losses averaged."""
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     n = sum(shares)
     for step in range(STEPS):
         opt.zero_grad()
-        x, y = _data(step, n * micro)
+        x, y = _data(step, n * micro, last)
         for k in range(micro):
             rows = slice(k * n, (k + 1) * n)
             (_loss(model(x[rows]), y[rows], items) / micro).backward()
@@ -80,7 +84,8 @@ def _reference(shares: list[int], items: bool, micro: int) -> list[torch.Tensor]
 
 def _ranks(rank, world, shares, mode, micro):
     ddp = DistributedDataParallel(_net())
-    items = mode == "items"
+    items = mode.startswith("items")
+    last = shares[-1] if mode == "items_empty" else 0
     if items:
         state = register_weighted_hook(ddp, items=lambda y: int((y != -100).sum()))
     else:
@@ -89,7 +94,7 @@ def _ranks(rank, world, shares, mode, micro):
     n, lo = sum(shares), sum(shares[:rank])
     for step in range(STEPS):
         opt.zero_grad()
-        x, y = _data(step, n * micro)
+        x, y = _data(step, n * micro, last)
         for k in range(micro):
             rows = slice(k * n + lo, k * n + lo + shares[rank])
             if mode == "by_hand":
@@ -118,10 +123,15 @@ def _off(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
         ([4, 3, 2], "items", 1),
         ([5, 3], "counted", 2),
         ([5, 3], "items", 2),
+        ([4, 3, 2], "items_empty", 1),
+        ([5, 3], "items_empty", 2),
     ],
 )
 def test_a_weighed_loss_makes_a_synced_batch_norm_one_process(shares, mode, micro):
-    want = _reference(shares, mode == "items", micro)
+    """``items_empty``: the last rank has no valid label in step 1 (in its last micro-batch
+    with 2): it weighs 0, and its gradients still carry what the others' losses gave it."""
+    last = shares[-1] if mode == "items_empty" else 0
+    want = _reference(shares, mode.startswith("items"), micro, last)
     for params in spawn(_ranks, len(shares), shares, mode, micro):
         assert _off(params, want) <= 1e-10
 

@@ -172,9 +172,8 @@ class WeightedAllreduceState:
         self._direct_exchange: _DirectExchange | None = None
         self._agreed = False
         self._latest: np.ndarray | None = None  # every rank's count in the latest count(y)
-        # This step's losses weighed by weigh(): None (not weighed), else whether any of them
-        # weighed this rank above 0.
-        self._weighed: bool | None = None
+        # This step's losses are weighed by weigh(): the hook takes the plain mean.
+        self._weighed = False
         # Layers of the model whose forward exchanges between the ranks in training
         # (SyncBatchNorm), as register_weighted_hook finds them: a step not weighed on its loss
         # while one of them trains warns once.
@@ -264,6 +263,11 @@ class WeightedAllreduceState:
         none, :meth:`count`'s exchange had them). A rank with nothing to count raises
         ``RuntimeError`` and the others :class:`hetcoll.CollectiveMismatchError`, at once.
 
+        A rank weighing 0 (no valid item) adds nothing of its own loss and still sends its
+        gradients: they hold what the other ranks' losses gave its parameters through the
+        exchange in the forward (its loss's gradient must be finite: torch's cross-entropy
+        over no valid label gives zeros).
+
         ``weight``: this rank's weight ``n_r / N``, where the caller has agreed on the counts
         already (the weights summing to 1 over the ranks; :func:`hetcoll.torch.item_weights`):
         nothing is counted or exchanged."""
@@ -302,16 +306,18 @@ class WeightedAllreduceState:
             self._agreed = True
             weight = float(item_weights(counts, "local_batch", mine.failure)[comm.rank])
             self._local_batch = mine.value
-        self._weighed = bool(self._weighed) or weight > 0
+        # A rank weighing 0 still sends its gradients: they hold what the other ranks' losses
+        # gave its parameters through the exchange in the forward (its own loss adds none).
+        self._weighed = True
         return loss * (comm.size * weight)
 
     def _begin_step(self) -> tuple[float, bool]:
         """This step's factor for the buckets, fixed at the step's first bucket: this rank's
         weight ``n_r / N`` (with ``items``; True) or its samples ``n_r``, to be divided by the
-        ranks' sum (False); after :meth:`weigh`, ``1 / R`` (0 where every weighed loss of the
-        step weighed this rank 0), the losses weighed already (True)."""
-        if self._weighed is not None:
-            return (1.0 / self._wrapped().size if self._weighed else 0.0), True
+        ranks' sum (False); after :meth:`weigh`, ``1 / R``, the losses weighed already
+        (True)."""
+        if self._weighed:
+            return 1.0 / self._wrapped().size, True
         names = [name for name, m in self._exchanging if m.training]
         if names:
             self._exchanging = []
@@ -350,7 +356,7 @@ class WeightedAllreduceState:
         self._weight = None
         self._step_items = None
         self._latest = None
-        self._weighed = None
+        self._weighed = False
 
     def _global_batch(self, local_batch: float) -> torch.futures.Future:
         """Future of every rank's ``n_r`` for the current step (their sum is ``N``, see
