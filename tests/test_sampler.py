@@ -91,6 +91,32 @@ def test_a_loader_batching_by_another_size_than_the_share_is_refused(workers):
         assert len(want) == 5 and all(len(b) == share for b in want)
 
 
+def _one_batch_size(rank, world):
+    import torch
+    from torch.utils.data import DataLoader
+
+    import hetcoll
+
+    data = torch.arange(40)
+    sampler = BalancedSampler(data, [5, 3], rank, shuffle=False)
+    try:
+        next(iter(DataLoader(data, sampler=sampler, batch_size=5)))  # rank 0's share
+    except (ValueError, hetcoll.CollectiveMismatchError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.multiproc
+def test_one_batch_size_on_every_rank_raises_on_every_rank():
+    """The rank whose share the loader's batch size is raises too (it went on into its first
+    collective and waited for the other)."""
+    from hetcoll.launch import spawn
+
+    first, second = spawn(_one_batch_size, 2, timeout=60)
+    assert first.startswith("CollectiveMismatchError: ") and "rank 1" in first, first
+    assert second.startswith("ValueError: batch_size: the DataLoader batches rank 1's"), second
+
+
 def test_a_padded_last_step_is_warned_about_once():
     """50 = 6 * 8 + 2 on 3 ranks: the last step repeats one sample from the epoch's start, so
     it is not one process's step; the sampler says so, once. 51 leaves one per rank."""

@@ -143,15 +143,16 @@ def _counting_type(cls: type) -> type:
     return sub
 
 
-def _check_batch_size(loader: Any, sampler: BalancedSampler) -> None:
+def _batch_size_failure(loader: Any, sampler: BalancedSampler) -> ValueError | None:
     """A loader batching this sampler's samples itself (``DataLoader(sampler=..., batch_size=B)``)
     must batch them by this rank's share: another size cuts this rank's steps elsewhere than
-    the other ranks', which then run other numbers of steps and wait for each other."""
+    the other ranks', which then run other numbers of steps and wait for each other. The
+    error, or None."""
     batches = getattr(loader, "_index_sampler", None)
     size = getattr(batches, "batch_size", None)
     if not isinstance(batches, BatchSampler) or size == sampler.batch_size:
-        return
-    raise ValueError(
+        return None
+    return ValueError(
         f"batch_size: the DataLoader batches rank {sampler.rank}'s samples by {size}, but its "
         f"share of each global step is {sampler.batch_size}; the ranks would take steps of "
         "other sizes and numbers. Build it with DataLoader(dataset, "
@@ -393,12 +394,17 @@ class BalancedSampler(Sampler[int]):
         perm = self._permutation()
         n = len(perm)
         pos, self._resume_at = self._resume_at, 0
-        if self._checks():  # ranks that start elsewhere (one resumed, one not) would hang
-            agree(wrap(self.group), {"the epoch": self.epoch, "the position it starts at": pos})
-        self.position = pos
-        progress = self._progress = _Progress(pos)
+        progress = _Progress(pos)
         # The caller of this first step: a DataLoader iterator counts what it hands out.
-        _check_batch_size(progress.attach(sys._getframe(1), self), self)
+        failure = _batch_size_failure(progress.attach(sys._getframe(1), self), self)
+        if self._checks():  # ranks that start elsewhere (one resumed, one not) would hang
+            fields = {"the epoch": self.epoch, "the position it starts at": pos}
+            # A rank batching by another size than its share: every rank raises, none waits.
+            agree(wrap(self.group), fields, failure=failure)
+        elif failure is not None:
+            raise failure
+        self.position = pos
+        self._progress = progress
         while pos < n:
             shares = shares_of_step(pos)
             total = sum(shares)
