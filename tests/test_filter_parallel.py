@@ -390,3 +390,20 @@ def test_looking_at_a_model_leaves_its_buffers_as_they_were() -> None:
     filter_shares(model, size=2, speeds=[1.0, 0.5])
     layer_costs(model, (16,))
     assert torch.equal(model[1].mean, torch.ones(32)) and int(model[1].calls) == 0
+
+
+def _split_twice(rank, world):
+    model = filter_parallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), [1.0, 0.5])
+    try:
+        filter_parallel(model, [1.0, 0.5])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.multiproc
+def test_a_split_model_is_not_split_again():
+    """expert_parallel's placed experts then filter_parallel failed at the first forward with
+    numpy's "could not broadcast input array from shape (3,) into shape (32,)"."""
+    for said in launch.spawn(_split_twice, 2, timeout=60):
+        assert said.startswith("model: '0' is split across the ranks already"), said

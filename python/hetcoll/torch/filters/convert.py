@@ -654,6 +654,13 @@ def filter_parallel(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    held = [n for n, m in model.named_modules() if isinstance(m, ChannelSplit)]
+    if held:  # the same model on every rank: every rank raises here
+        raise ValueError(
+            f"model: {held[0]!r} is split across the ranks already (by filter_parallel, or "
+            "its experts placed by expert_parallel); give filter_parallel the unsplit model "
+            "(a split model's gather_state_dict loads into one)"
+        )
     check_timeout(timeout)
     _check_flag(loss_parallel, "loss_parallel")
     value, argument = _split_argument(shares_or_speeds, speeds, shares)
