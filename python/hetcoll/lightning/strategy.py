@@ -480,8 +480,12 @@ class BalancedStrategy(DDPStrategy):
 
     def _drop_if_weightless(self, grad: torch.Tensor) -> torch.Tensor | None:
         """A parameter's gradient from a micro-batch this rank weighs 0 in: zeros (a mean over
-        no item is NaN, and ``0 * NaN`` is NaN), before it accumulates or reaches the hook."""
-        return torch.zeros_like(grad) if self._micro_scale == 0 else None
+        no item is NaN, and ``0 * NaN`` is NaN), before it accumulates or reaches the hook;
+        kept while a SyncBatchNorm trains, whose exchange gives this rank's parameters what
+        the other ranks' losses make of them."""
+        if self._micro_scale != 0 or any(m.training for m in self._sync_norms):
+            return None
+        return torch.zeros_like(grad)
 
     def setup(self, trainer: Trainer) -> None:
         super().setup(trainer)
