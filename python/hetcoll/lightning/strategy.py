@@ -351,6 +351,8 @@ class BalancedStrategy(DDPStrategy):
         #: The model's SyncBatchNorms (Trainer's ``sync_batchnorm=True``): while one trains,
         #: batches are weighed on their loss (their backward mixes the ranks' gradients).
         self._sync_norms: list[nn.SyncBatchNorm] = []
+        #: This micro-batch's gradients are dropped (:meth:`_drop_if_weightless`).
+        self._drop_weightless = False
         self._comm: Communicator | None = None
 
     @property
@@ -483,9 +485,7 @@ class BalancedStrategy(DDPStrategy):
         no item is NaN, and ``0 * NaN`` is NaN), before it accumulates or reaches the hook;
         kept while a SyncBatchNorm trains, whose exchange gives this rank's parameters what
         the other ranks' losses make of them."""
-        if self._micro_scale != 0 or any(m.training for m in self._sync_norms):
-            return None
-        return torch.zeros_like(grad)
+        return torch.zeros_like(grad) if self._drop_weightless else None
 
     def setup(self, trainer: Trainer) -> None:
         super().setup(trainer)
@@ -646,10 +646,13 @@ class BalancedStrategy(DDPStrategy):
             )
         self._local_batch = n
         self._micro_scale = None
+        self._drop_weightless = False
         if self.hook_state is not None:
             by_micro_batch = self._by_micro_batch()
             if by_micro_batch is not None:
                 self._micro_scale = self._micro_batch_scale(batch, n, by_micro_batch)
+                synced = by_micro_batch["training SyncBatchNorm"]
+                self._drop_weightless = self._micro_scale == 0 and not synced
                 self.hook_state.local_batch = 1  # unused: backward weighs the loss
             else:
                 self.hook_state.local_batch = self._local_batch

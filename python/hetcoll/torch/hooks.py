@@ -85,6 +85,7 @@ from hetcoll.torch.batches import (
     items_argument,
     local_batch_value,
 )
+from hetcoll.torch.state_dicts import few_names
 
 ALGORITHMS = ("auto", "direct", "allreduce")
 #: "auto" sends a bucket on two ranks through the direct exchange below this size, per
@@ -291,25 +292,32 @@ class WeightedAllreduceState:
             counts, self._latest = self._latest, None
             weight = float(item_weights(counts, "items")[comm.rank])
         else:
-            if self.counter is not None and not self._by_hand:
-                try:
-                    mine = counted(self.counter.take())
-                except RuntimeError as e:  # no forward: every rank raises, none waits
-                    mine = LocalCount(NOT_COUNTED, 0, e)
-            else:
-                if self.counter is not None:  # local_batch set by hand: this forward's count
-                    self.counter.discard()
-                    self._by_hand = False
-                assert self._local_batch is not None  # the constructor requires it or a counter
-                mine = counted(self._local_batch)
+            mine = self._take_count()  # a failure is carried: every rank raises, none waits
             counts = agree(comm, self._fields(), values=mine.exchanged)
             self._agreed = True
             weight = float(item_weights(counts, "local_batch", mine.failure)[comm.rank])
-            self._local_batch = mine.value
         # A rank weighing 0 still sends its gradients: they hold what the other ranks' losses
         # gave its parameters through the exchange in the forward (its own loss adds none).
         self._weighed = True
         return loss * (comm.size * weight)
+
+    def _take_count(self) -> LocalCount:
+        """This step's samples: those the counter counted since it was last taken, or the
+        ``local_batch`` set by hand (the counter's then discarded); a counter that counted
+        nothing gives its error, carried rather than raised."""
+        if self.counter is not None and not self._by_hand:
+            try:
+                mine = counted(self.counter.take())
+            except RuntimeError as e:  # no forward since the last take
+                return LocalCount(NOT_COUNTED, 0, e)
+        else:
+            if self.counter is not None:
+                self.counter.discard()
+            assert self._local_batch is not None  # the constructor requires it or a counter
+            mine = counted(self._local_batch)
+        self._by_hand = False
+        self._local_batch = mine.value
+        return mine
 
     def _begin_step(self) -> tuple[float, bool]:
         """This step's factor for the buckets, fixed at the step's first bucket: this rank's
@@ -322,10 +330,10 @@ class WeightedAllreduceState:
         if names:
             self._exchanging = []
             warnings.warn(
-                f"ddp: {_few(names)} exchange between the ranks in the forward (SyncBatchNorm), "
-                "and their backward sums the ranks' gradients before this hook weighs them: "
-                "with uneven shares the gradient is not the global batch's. Weigh each loss "
-                "before its backward: loss = state.weigh(loss)",
+                f"ddp: {few_names(names)} exchange between the ranks in the forward "
+                "(SyncBatchNorm), and their backward sums the ranks' gradients before this "
+                "hook weighs them: with uneven shares the gradient is not the global batch's. "
+                "Weigh each loss before its backward: loss = state.weigh(loss)",
                 stacklevel=2,
             )
         if self.items is not None:
@@ -340,11 +348,9 @@ class WeightedAllreduceState:
             assert self._weight is not None  # agree raised otherwise
             return self._weight, True
         if not self._in_step:
-            if self.counter is not None and self._by_hand:
-                self.counter.discard()
-            elif self.counter is not None:
-                self._local_batch = self.counter.take()
-            self._by_hand = False
+            mine = self._take_count()
+            if mine.failure is not None:
+                raise mine.failure
             self._in_step = True
         assert self._local_batch is not None  # the constructor requires it or a counter
         return float(self._local_batch), False
@@ -510,11 +516,6 @@ def register_weighted_hook(
     ]
     ddp.register_comm_hook(state, weighted_allreduce_hook)
     return state
-
-
-def _few(names: list[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:3])
-    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 class _DirectExchange:

@@ -175,11 +175,11 @@ def check_full_state_dict(
     unexpected = [k for k in state_dict if k not in shapes]
     if unexpected:
         raise ValueError(
-            f"{argument}: has key(s) the model does not have: {_few(unexpected)} (a state dict "
-            "of another model?)" + (f"; and lacks {_few(missing)}" if missing else "")
+            f"{argument}: has key(s) the model does not have: {few_names(unexpected)} (a state "
+            "dict of another model?)" + (f"; and lacks {few_names(missing)}" if missing else "")
         )
     if missing:
-        raise ValueError(f"{argument}: lacks key(s) {_few(missing)}")
+        raise ValueError(f"{argument}: lacks key(s) {few_names(missing)}")
     for k, want in shapes.items():
         v = state_dict[k]
         if not isinstance(v, torch.Tensor):
@@ -191,7 +191,8 @@ def check_full_state_dict(
             )
 
 
-def _few(keys: Sequence[str]) -> str:
+def few_names(keys: Sequence[str]) -> str:
+    """The first five of ``keys``, quoted, and how many more (for error messages)."""
     shown = ", ".join(repr(k) for k in keys[:5])
     return shown + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
