@@ -33,8 +33,13 @@ def test_mpi_optimizer_matches_single_process(world):
             assert got["param"] <= 1e-10 and got["loss"] <= 1e-10, (name, got)
             assert got["calls"][0] == got["calls"][1], (name, got)
         assert r["closure_lbfgs"]["calls"][0] > 3  # several calls a step
-        scaled = r["grad_scaler"]  # an inf on one rank: every rank skips that step alike
-        assert scaled["param"] <= 1e-10 and scaled["scales"] == [512.0, 512.0], scaled
+        for recipe in ("synchronize", "plain", "unscale"):  # an inf on one rank's rows:
+            scaled = r[f"grad_scaler_{recipe}"]  # every rank skips that step alike
+            assert scaled["param"] <= 1e-10, (recipe, scaled)
+            assert scaled["skipped"] == [False, True, False, False], (recipe, scaled)
+            # Averaged first, every rank lowers its scale; else the rank that overflowed alone.
+            lowered = recipe == "synchronize" or r["rank"] == world - 1
+            assert scaled["scales"] == [512.0 if lowered else 1024.0, 512.0], (recipe, scaled)
         assert r["sparse"].startswith("TypeError: optimizer: parameter 0's gradient is "), r
         reb = r["rebalance"]  # the same decisions on every rank, and the right ones
         assert reb["settled_before"] == reb["want_before"]

@@ -204,37 +204,45 @@ for name, make in (
 
 
 # torch.amp.GradScaler: an inf on one rank alone (its loss blown up in step 1) made that rank
-# skip its step while the others waited in theirs. Averaged first (opt.synchronize()), every
-# rank finds the inf, skips alike and lowers its scale alike; the other steps are one process's.
-def scaled_run(lo, hi, blow_up_rows):
+# skip its step while the others waited in theirs. Now every rank skips that step alike, and
+# the other steps are one process's, in each recipe: "synchronize" averages first (every rank
+# then finds the inf and lowers its scale alike), "plain" is scaler.step(opt) alone and
+# "unscale" unscales before the step (GradScaler hands the step each rank's scale and inf
+# check: the rank that overflowed lowers its scale alone).
+def scaled_run(lo, hi, blow_up_rows, recipe):
     xs, ys = data
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if hi - lo < sum(shares):
         opt = DistributedOptimizer(opt, model=model)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    skipped = []
     for step in range(4):
         opt.zero_grad()
         per_row = nn.functional.cross_entropy(model(xs[lo:hi]), ys[lo:hi], reduction="none")
         if step == 1:
             per_row = per_row * (blow_up_rows[lo:hi].double() * 1e308 + 1)
         scaler.scale(per_row.mean()).backward()
-        if isinstance(opt, DistributedOptimizer):
+        if isinstance(opt, DistributedOptimizer) and recipe == "synchronize":
             opt.synchronize()
-        scaler.unscale_(opt)
+        if recipe != "plain":
+            scaler.unscale_(opt)
         scaler.step(opt)
         scaler.update()
-    return [p.detach().clone() for p in model.parameters()], scaler.get_scale()
+        skipped.append(getattr(opt, "skipped", None))
+    return [p.detach().clone() for p in model.parameters()], scaler.get_scale(), skipped
 
 
 blow_up = torch.zeros(sum(shares), dtype=torch.bool)
 blow_up[sum(shares) - 1] = True  # the last rank's last row
-want, want_scale = scaled_run(0, sum(shares), blow_up)
-got, got_scale = scaled_run(start, start + shares[rank], blow_up)
-result["grad_scaler"] = {
-    "param": max(rel_err(p, r) for p, r in zip(got, want)),
-    "scales": [got_scale, want_scale],
-}
+for recipe in ("synchronize", "plain", "unscale"):
+    want, want_scale, _ = scaled_run(0, sum(shares), blow_up, recipe)
+    got, got_scale, skipped = scaled_run(start, start + shares[rank], blow_up, recipe)
+    result[f"grad_scaler_{recipe}"] = {
+        "param": max(rel_err(p, r) for p, r in zip(got, want)),
+        "scales": [got_scale, want_scale],
+        "skipped": skipped,
+    }
 
 # The Rebalancer over the MPI communicator: compute times at true speeds that change at step
 # 20 (the first two ranks swap roles); the shares follow.

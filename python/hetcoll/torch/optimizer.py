@@ -70,6 +70,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     >>> opt.count(y); loss_fn(model(x), y).backward(); opt.step()  # doctest: +SKIP
     """
 
+    #: ``torch.amp.GradScaler`` then calls :meth:`step` on every rank, giving this rank's scale
+    #: (``grad_scale``) and inf check (``found_inf``), where it would skip the step of a rank
+    #: whose gradients hold an inf while the others wait in theirs.
+    _step_supports_amp_scaling = True
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -117,6 +122,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.fusion_bytes = int(fusion_bytes)
         # synchronize() ran since the last step() / zero_grad(): step() does not average again.
         self._synchronized = False
+        #: Whether the latest :meth:`step` under a ``torch.amp.GradScaler`` was skipped on
+        #: every rank, some rank's gradients holding an inf or a NaN.
+        self.skipped = False
 
     @property
     def local_batch(self) -> int | None:
@@ -212,11 +220,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._average(_NO_CLOSURE)
         self._synchronized = True
 
-    def _average(self, loss: Any) -> Any:
+    def _average(self, loss: Any, amp: tuple[float, bool] | None = None) -> Any:
         """:meth:`synchronize`; given a closure's ``loss`` (None where it returns none), also
         the global batch's loss: each rank's weighed as its gradients are, summed over the
         ranks (one process's mean), as a tensor of the loss's dtype and device (a float for a
-        float)."""
+        float).
+
+        ``amp``: under ``torch.amp.GradScaler``, this rank's ``(1 / scale, found an inf)``:
+        each rank's gradients are unscaled by its own scale as they are packed, and where any
+        rank found an inf nothing is exchanged and :attr:`skipped` is set on every rank."""
         params = self._params()
         try:
             for i, p in enumerate(params):
@@ -241,17 +253,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         fields = {
             **_layout(params),
             "fusion_bytes": self.fusion_bytes,
+            "scaled by a GradScaler": int(amp is not None),
             # Ranks must agree on exchanging a closure's loss: one more collective follows.
             "step's closure (0: none, 1: returns a loss, 2: returns None)": (
                 0 if loss is _NO_CLOSURE else 2 if loss is None else 1
             ),
         }
         missing = [p.grad is None for p in params]
-        rows = agree(self._comm, fields, values=[*mine.exchanged, int(any(missing))])
+        found_inf = int(amp is not None and amp[1])
+        rows = agree(self._comm, fields, values=[*mine.exchanged, int(any(missing)), found_inf])
         counts = rows[:, :2]
         scale = float(item_weights(counts, argument, mine.failure)[self._comm.rank])
         self._local_batch = mine.value
         self.global_batch = int(counts[:, 1].sum())
+        self.skipped = bool(rows[:, 3].any())
+        if self.skipped:  # one process's GradScaler would skip this step: every rank does
+            return None
+        if amp is not None:
+            scale *= amp[0]
         if rows[:, 2].any():
             # A parameter no rank gave a gradient stays without one, as in one process: the
             # optimizer skips it (a rank's zeros would move it by momentum and weight decay).
@@ -309,16 +328,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
         loss).
 
         After :meth:`synchronize` (since the last step or ``zero_grad``), the gradients are
-        averaged already and ``step()`` steps. That is the way with ``torch.amp.GradScaler``,
-        which skips the step of a rank whose gradients hold an inf (its peers would wait for
-        it): ``scaler.scale(loss).backward(); opt.synchronize(); scaler.unscale_(opt)``
-        (clipping, if any) ``; scaler.step(opt); scaler.update()``. Averaged first, every
-        rank finds the same infs and skips or steps alike."""
+        averaged already and ``step()`` steps.
+
+        Under ``torch.amp.GradScaler`` (``scaler.step(opt)``), each rank's gradients are
+        unscaled by its own scale and averaged, and where any rank's hold an inf or a NaN every
+        rank skips the step (:attr:`skipped`), as one process would. Each rank's scaler backs
+        off by its own inf check, so a rank that overflowed alone lowers its scale alone; the
+        steps are one process's all the same. To clip, average first: ``opt.synchronize();
+        scaler.unscale_(opt)``, clip, ``scaler.step(opt)``: every rank then checks the averaged
+        gradients, finds the same infs, and keeps the same scale."""
         synchronized, self._synchronized = self._synchronized, False
+        amp = self._amp_scaling()
         if closure is None:
-            if not synchronized:
-                self._average(_NO_CLOSURE)
-            return self.optimizer.step()
+            if synchronized:
+                self.skipped = amp is not None and amp[1]  # averaged: every rank's check alike
+                if amp is not None and not self.skipped and amp[0] != 1.0:
+                    with torch.no_grad():
+                        for p in self._params():
+                            if p.grad is not None:
+                                p.grad.mul_(amp[0])
+            else:
+                self._average(_NO_CLOSURE, amp)
+            return None if self.skipped else self.optimizer.step()
         if not callable(closure):
             raise TypeError(f"closure: must be callable, got {type(closure).__name__}")
 
@@ -326,6 +357,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return self._average(closure())
 
         return self.optimizer.step(averaged)
+
+    def _amp_scaling(self) -> tuple[float, bool] | None:
+        """``(1 / scale, found an inf)`` where ``torch.amp.GradScaler.step`` calls this step
+        (it sets ``grad_scale``, None once :func:`unscale_` ran, and ``found_inf`` for the
+        call), else None. ``1 / scale`` is GradScaler's own (a float32 reciprocal)."""
+        if "found_inf" not in self.__dict__:
+            return None
+        scale = self.__dict__.get("grad_scale")
+        inv = 1.0 if scale is None else float(torch.as_tensor(scale).double().reciprocal().float())
+        return inv, bool(float(self.__dict__["found_inf"]))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._synchronized = False
