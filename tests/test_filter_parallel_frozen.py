@@ -162,3 +162,28 @@ def test_unfreezing_what_the_split_found_frozen_raises_on_every_rank():
     for rank in range(3):
         assert f"rank {rank}: RuntimeError: model: a parameter of shape" in text
     assert "Unfreeze it before splitting the model" in text
+
+
+def _llama_frozen_on_one_rank(rank, world):
+    from hetcoll.torch import filter_parallel
+
+    split = filter_parallel(_llama(), speeds=[1.0, 0.5, 0.25])
+    if rank == 1:  # the key and value projections (held whole) frozen here only
+        for p in split.model.layers[0].parameters():
+            p.requires_grad_(False)
+    x, y = _lm_batches()[0]
+    _lm_loss(split, x, y).backward()
+
+
+def test_ranks_that_freeze_differently_raise_on_every_rank():
+    """Frozen on one rank only, the whole parameters' gradient sums waited for ever (the
+    ranks summed different parameters): now every rank raises, naming what differs."""
+    pytest.importorskip("transformers")
+    with pytest.raises(RankFailed) as failed:
+        spawn(_llama_frozen_on_one_rank, 3, timeout=240)
+    text = str(failed.value)
+    for rank in range(3):
+        assert (
+            f"rank {rank}: CollectiveMismatchError: ranks disagree on the parameters held " in text
+        )
+    assert "frozen (requires_grad False)" in text

@@ -7,6 +7,7 @@ sends as ``"gradients"``."""
 from __future__ import annotations
 
 import weakref
+import zlib
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 
 from hetcoll.collectives import allgatherv, allreduce
 from hetcoll.collectives.autograd import exchanging
-from hetcoll.comm import Communicator, deadline
+from hetcoll.comm import Communicator, agree, deadline
 from hetcoll.torch.transport import CountingCommunicator
 
 
@@ -105,9 +106,10 @@ class GradientSums:
     own. The sums land in ``.grad`` only: ``torch.autograd.grad`` returns zeros for the parts
     summed (the ranks still exchange them, every rank alike).
 
-    A frozen parameter (``requires_grad`` False, on every rank alike, as DDP also needs) is
-    neither exchanged nor given a gradient: a fine-tuning run's frozen key and value
-    projections cost nothing. One frozen when it is added has no hooks (torch refuses them);
+    A frozen parameter (``requires_grad`` False) is neither exchanged nor given a gradient: a
+    fine-tuning run's frozen key and value projections cost nothing. Every rank must freeze
+    alike (as DDP also needs): each backward's sums start with one small exchange that raises
+    :class:`~hetcoll.CollectiveMismatchError` on every rank where they differ. One frozen when it is added has no hooks (torch refuses them);
     unfrozen later, its gradient would be this rank's part alone, so the backward raises
     ``RuntimeError`` instead."""
 
@@ -178,6 +180,22 @@ class GradientSums:
         if comm is None:
             return
         CountingCommunicator.count_as(comm, "gradients")
+        # Ranks that froze differently would sum different parameters (a wait for ever, or
+        # sums of unrelated gradients): one small exchange, and every rank raises instead.
+        live = [ref() for ref in self.params]
+        frozen = np.array([p is not None and not p.requires_grad for p in live], bool)
+        agree(
+            comm,
+            {
+                "the parameters held whole that are frozen (requires_grad False)": int(
+                    frozen.sum()
+                ),
+                "which of the parameters held whole are frozen (crc32)": zlib.crc32(
+                    np.packbits(frozen).tobytes()
+                ),
+            },
+            deadline(self.timeout),
+        )
         for index, (ref, rows) in enumerate(zip(self.params, self.rows, strict=True)):
             param = ref()
             if param is None:  # its model is gone (on every rank)
