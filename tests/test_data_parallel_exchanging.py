@@ -154,3 +154,35 @@ def test_weigh_refuses_bad_arguments_naming_them():
         state.weigh(torch.ones(()), weight=1.5)
     with pytest.raises(TypeError, match=r"^weight: must be a number, got bool"):
         state.weigh(torch.ones(()), weight=True)
+
+
+def _weigh_twice(rank, world, items):
+    ddp = DistributedDataParallel(_net())
+    if items:
+        state = register_weighted_hook(ddp, items=lambda y: int((y != -100).sum()))
+    else:
+        state = register_weighted_hook(ddp)
+    x, y = _data(0, 4 * world)
+    rows = slice(4 * rank, 4 * rank + 4)
+    if items:
+        state.count(y[rows])
+    out = ddp(x[rows])
+    first = state.weigh(_loss(out, y[rows], items))
+    second = state.weigh(out.square().mean())  # a second term of the same forward's loss
+    (first + second).backward()
+
+
+@pytest.mark.parametrize("items", [False, True])
+def test_weighing_twice_for_one_forward_says_so_on_every_rank(items):
+    """A second weigh() without a forward between took no count: every rank raised "counted
+    nothing" (or "no count for this forward"), which did not say what was called twice."""
+    from hetcoll.launch import RankFailed
+
+    with pytest.raises(RankFailed) as failed:
+        spawn(_weigh_twice, 2, items)
+    text = str(failed.value)
+    argument = "items" if items else "local_batch"
+    for rank in range(2):
+        assert f"rank {rank}: " in text
+    assert text.count("state.weigh(loss) was called twice for one step") >= 2, text
+    assert f"{argument}: " in text and "sum its terms first" in text

@@ -21,6 +21,10 @@ def test_mpi_optimizer_matches_single_process(world):
         assert r["step_param"] <= 1e-10
         assert r["epoch_param"] <= 1e-10
         assert "ranks disagree" in r["disagree"]
+        assert r["twice"] == (
+            "local_batch: on rank 0, opt.synchronize() was called twice for one step (its count "
+            "was taken already); the step() after it averages no more"
+        ), r
         assert r["heads"] <= 1e-10 and r["unused_grad"] == [True, True]
         assert (
             "ranks disagree on the module tensor elements (rank 0: 15, rank 1: 10"

@@ -90,6 +90,17 @@ try:
 except ValueError as e:
     result["disagree"] = str(e)
 
+# synchronize() twice for one step raised "counted nothing", not saying what was called twice.
+twice_model = make_model()
+twice = DistributedOptimizer(torch.optim.SGD(twice_model.parameters(), lr=0.1), model=twice_model)
+nn.functional.cross_entropy(twice_model(x[:2]), y[:2]).backward()
+twice.synchronize()
+try:
+    twice.synchronize()
+    result["twice"] = "no error"
+except RuntimeError as e:
+    result["twice"] = str(e)
+
 
 # torch's learning-rate schedulers take the optimizer (it is a torch.optim.Optimizer whose
 # groups are the wrapped one's): StepLR refused it.

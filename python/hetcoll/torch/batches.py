@@ -187,8 +187,11 @@ def items_argument(items: object) -> Items | None:
 
 #: A rank's count as exchanged, ``(status, value)`` (two int64, so it rides in
 #: :func:`hetcoll.comm.agree`'s per-rank values): ``COUNTED`` with the count, or why there is
-#: none. ``NOT_INTEGER`` carries the float64 bits of the value (every rank can print it).
-COUNTED, NEGATIVE, NOT_INTEGER, NOT_A_NUMBER, RAISED, TOO_LARGE, NOT_COUNTED = range(7)
+#: none. ``NOT_INTEGER`` carries the float64 bits of the value (every rank can print it);
+#: ``TWICE`` (a step weighed twice) the index in :data:`TWICE_CALLS` of the call repeated.
+COUNTED, NEGATIVE, NOT_INTEGER, NOT_A_NUMBER, RAISED, TOO_LARGE, NOT_COUNTED, TWICE = range(8)
+#: The calls that weigh a step once, as ``TWICE`` names them.
+TWICE_CALLS = ("state.weigh(loss)", "opt.synchronize()")
 #: Counts travel as float64 weights too: beyond 2**53 they would no longer be exact.
 MAX_ITEMS = 1 << 53
 
@@ -216,6 +219,22 @@ def counted(n: int) -> LocalCount:
 def not_counted(argument: str, why: str) -> LocalCount:
     """No count for this step on this rank (nothing was counted since the last exchange)."""
     return LocalCount(NOT_COUNTED, 0, RuntimeError(f"{argument}: {why}"))
+
+
+def called_twice(argument: str, call: str) -> LocalCount:
+    """``call`` (one of :data:`TWICE_CALLS`) made a second time for one step on this rank: the
+    step's count was taken already."""
+    return LocalCount(TWICE, TWICE_CALLS.index(call), RuntimeError(f"{argument}: {_twice(call)}"))
+
+
+def _twice(call: str) -> str:
+    """What a ``TWICE`` count says: ``call`` repeated, and what to do instead."""
+    once = (
+        "weigh the forward's whole loss once (sum its terms first)"
+        if call == TWICE_CALLS[0]
+        else "the step() after it averages no more"
+    )
+    return f"{call} was called twice for one step (its count was taken already); {once}"
 
 
 def count_items(items: Items, y: Any) -> LocalCount:
@@ -294,6 +313,9 @@ def _problem(argument: str, rank: int, status: int, value: int) -> BaseException
             else "run the step's forward (with gradients) through the model the counter watches"
         )
         return RuntimeError(f"{argument}: rank {rank} counted nothing for this step; {fix}")
+    if status == TWICE:
+        call = TWICE_CALLS[value] if 0 <= value < len(TWICE_CALLS) else "a weighing call"
+        return RuntimeError(f"{argument}: on rank {rank}, {_twice(call)}")
     if status == RAISED:
         return ValueError(f"{argument}: {counted_by} raised an exception on rank {rank}")
     if status == NEGATIVE:

@@ -77,6 +77,7 @@ from hetcoll.torch.batches import (
     Items,
     LocalCount,
     added_counts,
+    called_twice,
     count_items,
     counted,
     counted_rows,
@@ -84,6 +85,7 @@ from hetcoll.torch.batches import (
     item_weights,
     items_argument,
     local_batch_value,
+    not_counted,
 )
 from hetcoll.torch.state_dicts import few_names
 
@@ -284,15 +286,21 @@ class WeightedAllreduceState:
             weight = float(weight)
         elif self.items is not None:
             if self._latest is None:
-                missing = RuntimeError(
-                    "items: no count for this forward; call state.count(y) before weigh(loss)"
+                missing = (
+                    called_twice("items", "state.weigh(loss)")
+                    if self._weighed
+                    else not_counted(
+                        "items", "no count for this forward; call state.count(y) before weigh(loss)"
+                    )
                 )
-                agree(comm, self._fields(), values=[NOT_COUNTED, 0], failure=missing)
+                agree(comm, self._fields(), values=missing.exchanged, failure=missing.failure)
             assert self._latest is not None  # agree raised otherwise
             counts, self._latest = self._latest, None
             weight = float(item_weights(counts, "items")[comm.rank])
         else:
             mine = self._take_count()  # a failure is carried: every rank raises, none waits
+            if mine.status == NOT_COUNTED and self._weighed:  # no forward since the last weigh
+                mine = called_twice("local_batch", "state.weigh(loss)")
             counts = agree(comm, self._fields(), values=mine.exchanged)
             self._agreed = True
             weight = float(item_weights(counts, "local_batch", mine.failure)[comm.rank])

@@ -31,6 +31,7 @@ from hetcoll.torch.batches import (
     Items,
     LocalCount,
     added_count,
+    called_twice,
     count_items,
     counted,
     item_weights,
@@ -246,7 +247,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         except TypeError as e:  # the others raise too, at once (hetcoll.comm.agree)
             agree(self._comm, {}, failure=e, values=[0, 0, 0])
             raise
-        mine, argument = self._local_count()
+        if self._synchronized:  # every rank raises (the others wait in this exchange)
+            argument = "items" if self.items is not None else "local_batch"
+            mine = called_twice(argument, "opt.synchronize()")
+        else:
+            mine, argument = self._local_count()
         # One allgather per step: the layout's fingerprint (ranks whose parameters differ in
         # number, order, shape or dtype would sum unrelated gradients, or abort MPI on buffers
         # of different sizes) with every rank's count, and whether it lacks a gradient.

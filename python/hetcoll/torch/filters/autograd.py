@@ -109,9 +109,9 @@ class GradientSums:
     A frozen parameter (``requires_grad`` False) is neither exchanged nor given a gradient: a
     fine-tuning run's frozen key and value projections cost nothing. Every rank must freeze
     alike (as DDP also needs): each backward's sums start with one small exchange that raises
-    :class:`~hetcoll.CollectiveMismatchError` on every rank where they differ. One frozen when it is added has no hooks (torch refuses them);
-    unfrozen later, its gradient would be this rank's part alone, so the backward raises
-    ``RuntimeError`` instead."""
+    :class:`~hetcoll.CollectiveMismatchError` on every rank where they differ. One frozen
+    when it is added has no hooks (torch refuses them); unfrozen later, its gradient would be
+    this rank's part alone, so the backward raises ``RuntimeError`` instead."""
 
     def __init__(self, comm: Communicator, timeout: float | None) -> None:
         # Weak references: the registry (kept by the communicator) keeps neither alive.
