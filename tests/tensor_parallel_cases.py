@@ -1099,7 +1099,12 @@ def traffic(
             allreduce(torch.zeros(numel, dtype=torch.float64), comm, check=False)
             tables += counts.pop("probe")
     assert counts["activations"] == agreement + blocks + gathered, (counts, blocks)
-    assert counts["gradients"] == blocks + gathers * reduction + cross + tables, (counts, blocks)
+    # The sums start by agreeing on which of those parameters are frozen (one check).
+    checked = agreement if tables else 0
+    assert counts["gradients"] == blocks + gathers * reduction + cross + tables + checked, (
+        counts,
+        blocks,
+    )
     # A split made without a counter counts for itself: split_traffic reports the last
     # forward and backward (each forward starts the count again; checkpoints are not counted).
     if own is None:

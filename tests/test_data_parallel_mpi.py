@@ -44,6 +44,8 @@ def test_mpi_optimizer_matches_single_process(world):
             # Averaged first, every rank lowers its scale; else the rank that overflowed alone.
             lowered = recipe == "synchronize" or r["rank"] == world - 1
             assert scaled["scales"] == [512.0 if lowered else 1024.0, 512.0], (recipe, scaled)
+        assert r["layouts_every_rank"] <= 1e-10 and r["layouts_rank_0"] <= 1e-10, r
+        assert r["bcast_layouts"], r
         assert r["sparse"].startswith("TypeError: optimizer: parameter 0's gradient is "), r
         reb = r["rebalance"]  # the same decisions on every rank, and the right ones
         assert reb["settled_before"] == reb["want_before"]

@@ -454,6 +454,8 @@ def split_stage(par: Any, traffic: bool = True) -> None:
         comm.kind = "probe"
         allreduce(torch.zeros(n, dtype=dtype), comm, check=False)
         backward += comm.counts.pop("probe") * len(par.plan.microbatch_sizes(i))
+    if whole_kv:  # each backward's sums start by agreeing on which of them are frozen
+        backward += agreement * len(par.plan.microbatch_sizes(i))
     for rows in par.plan.microbatch_sizes(i):
         comm.kind = "probe"
         allreduce(torch.zeros(rows * SEQ * hidden, dtype=dtype), comm, check=False)

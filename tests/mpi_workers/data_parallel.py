@@ -125,6 +125,45 @@ with torch.no_grad():
     half.weight.fill_(rank + 1)
 broadcast_parameters(half)
 result["bcast_bf16"] = float(half.weight.float().sum())
+
+
+# Tensors in other layouts than C-contiguous: channels_last weights and a transposed one. The
+# optimizer's pack refused their gradients ("arrays[0]: must be C-contiguous"), or, where one
+# rank alone was channels_last, that rank raised while the other waited; broadcast refused them.
+def layouts_net(last):
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
+    net = net.double()
+    if last:
+        net = net.to(memory_format=torch.channels_last)
+    net[3].weight = nn.Parameter(net[3].weight.detach().t().contiguous().t())  # transposed
+    return net
+
+
+images = torch.randn(sum(shares), 3, 6, 6, dtype=torch.float64, generator=torch.Generator())
+labels = torch.arange(sum(shares)) % 3
+ref_net = layouts_net(False)
+ref_opt = torch.optim.SGD(ref_net.parameters(), lr=0.1)
+nn.functional.cross_entropy(ref_net(images), labels).backward()
+ref_opt.step()
+for name, last in (("every_rank", True), ("rank_0", rank == 0)):
+    net = layouts_net(last)
+    layout_opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model=net)
+    mine = slice(start, start + shares[rank])
+    nn.functional.cross_entropy(net(images[mine]), labels[mine]).backward()
+    layout_opt.step()
+    result[f"layouts_{name}"] = max(
+        rel_err(p.detach(), r.detach()) for p, r in zip(net.parameters(), ref_net.parameters())
+    )
+torch.manual_seed(rank)  # every rank different, then rank 0's everywhere
+strided = layouts_net(True)
+with torch.no_grad():
+    for p in strided.parameters():
+        p.normal_()
+broadcast_parameters(strided)
+sums = np.array([float(p.double().sum()) for p in strided.parameters()])
+result["bcast_layouts"] = bool((comm.allgather(sums)[0] == sums).all())
+
 # A sparse gradient is named, on every rank (numpy could not read it).
 emb = nn.Embedding(5, 2, sparse=True).double()
 sparse_opt = DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), local_batch=1)

@@ -95,7 +95,12 @@ class Call(nn.Module):
 
 
 class _TopLevel(fx.Tracer):
-    """Keeps every direct child of the traced module whole (one call node each)."""
+    """Keeps every direct child of the traced module whole (one call node each). Buffers
+    are traced too (not read as constants), so that a forward that reads or updates its own
+    buffers (a step counter, a decay kept as a buffer) is no chain: a chain's stages would
+    hold a copy taken at tracing, and drop the updates."""
+
+    proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return "." not in qualname

@@ -291,11 +291,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 # its loss was a mean over nothing).
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        for bucket in self._buckets(grads):
+        # The kernels pack C-contiguous memory: a gradient in another layout (channels_last,
+        # a transposed view) goes through a contiguous copy.
+        dense = [g if g.is_contiguous() else g.contiguous() for g in grads]
+        for bucket in self._buckets(dense):
             flat = fusion.pack(bucket, scale=scale)
             # The engine's allreduce or hetcoll's ring, by size; the layout is agreed already.
             allreduce(flat, self._comm, check=False)
             fusion.unpack(flat, bucket)
+        with torch.no_grad():
+            for g, d in zip(grads, dense, strict=True):
+                if d is not g:
+                    g.copy_(d)
         if loss is _NO_CLOSURE or loss is None:
             return loss
         # A rank weighing 0 adds nothing (its loss, a mean over nothing, may be NaN).
@@ -422,13 +429,15 @@ def broadcast_parameters(
         import torch.distributed as dist
 
         src = root if c.native is None else dist.get_global_rank(c.native, root)
-        with torch.no_grad():
-            for t in tensors:
-                dist.broadcast(t.detach(), src=src, group=c.native)
-        return
-    for t in tensors:
-        with torch.no_grad():
-            if not t.is_contiguous():
-                raise ValueError("module: parameters must be contiguous to broadcast")
-            # as bytes: any dtype (bfloat16 has no numpy type)
-            c.native.Bcast(t.detach().reshape(-1).view(torch.uint8).numpy(), root=root)
+    with torch.no_grad():
+        for t in tensors:
+            # Engines write C-contiguous memory (gloo left a strided view as it was): a tensor
+            # in another layout goes through a contiguous copy.
+            dense = t.is_contiguous()
+            buf = t.detach() if dense else t.detach().contiguous()
+            if c.engine != "mpi":
+                dist.broadcast(buf, src=src, group=c.native)
+            else:  # as bytes: any dtype (bfloat16 has no numpy type)
+                c.native.Bcast(buf.reshape(-1).view(torch.uint8).numpy(), root=root)
+            if not dense:
+                t.copy_(buf)

@@ -56,7 +56,7 @@ from hetcoll.torch.filters import (
 )
 from hetcoll.torch.filters.chains import choose_layers
 from hetcoll.torch.layers import model_cut
-from hetcoll.torch.parallel_checkpoint import PlanCheckpoints, as_bytes
+from hetcoll.torch.parallel_checkpoint import PlanCheckpoints
 from hetcoll.torch.parallel_experts import PlanExperts
 from hetcoll.torch.placement import (
     Block,
@@ -81,7 +81,14 @@ from hetcoll.torch.stage_inputs import StageInput
 from hetcoll.torch.state_dicts import (
     Part,
 )
-from hetcoll.torch.transport import CountingCommunicator, Inbox, Transport, transport
+from hetcoll.torch.transport import (
+    CountingCommunicator,
+    Inbox,
+    Transport,
+    as_bytes,
+    from_bytes,
+    transport,
+)
 
 __all__ = ["TRAFFIC_KINDS", "Parallel", "parallelize", "schedule_order"]
 
@@ -1048,7 +1055,7 @@ def parallelize(
     host = flat.cpu()
     for k, v in state.items():
         n = v.numel() * v.element_size()
-        weights[k] = host[at : at + n].view(v.dtype).reshape(v.shape)
+        weights[k] = from_bytes(host[at : at + n], v.dtype, v.shape)
         at += n
 
     # Sub-groups, every rank creating each in the same order: the split stages, then the sets

@@ -33,7 +33,7 @@ from hetcoll.torch.state_dicts import (
     named_optimizer_state,
     state_kind,
 )
-from hetcoll.torch.transport import Transport
+from hetcoll.torch.transport import Transport, as_bytes, from_bytes
 
 #: Every dtype of this torch, in one order on every rank: a tensor's dtype as a number.
 _DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
@@ -144,7 +144,7 @@ class PlanCheckpoints:
             at = 0
             host = buf.cpu()
             for (key, _, shape, _), dtype, n in zip(keys, dtypes, sizes, strict=True):
-                out[key] = host[at : at + n].view(dtype).reshape(shape).clone()
+                out[key] = from_bytes(host[at : at + n], dtype, shape).clone()
                 at += n
         if experts:  # every replica holds its own experts: each rank adds its slices
             parts = self._parts()
@@ -403,7 +403,3 @@ def allgather_objects(comm: Any, obj: Any) -> list[Any]:
     padded[: data.size] = data
     rows = comm.allgather_fixed(padded, None)
     return [pickle.loads(rows[q, : int(n)].tobytes()) for q, n in enumerate(sizes)]
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)

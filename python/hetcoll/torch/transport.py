@@ -108,6 +108,21 @@ class _TorchTransport(Transport):
         self._dist.broadcast(t, self._dist.get_global_rank(group, src) if group else src, group)
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes on the host, as a flat uint8 tensor (a copy where ``t`` is not dense)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def from_bytes(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """The ``dtype`` tensor of ``shape`` held in the uint8 tensor ``raw`` (a slice of a packed
+    buffer, :func:`as_bytes`'s bytes of tensors of several dtypes one after the other): a view
+    where its offset suits ``dtype``, else a copy (a float64 after 3 bytes of a bool mask
+    cannot be viewed in place)."""
+    if raw.storage_offset() % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype).reshape(shape)
+
+
 def _host_bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 

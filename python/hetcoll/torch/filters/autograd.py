@@ -179,10 +179,12 @@ class GradientSums:
         comm = self.comm()
         if comm is None:
             return
+        live = [ref() for ref in self.params]
+        if all(p is None for p in live):  # their models are gone (on every rank)
+            return
         CountingCommunicator.count_as(comm, "gradients")
         # Ranks that froze differently would sum different parameters (a wait for ever, or
         # sums of unrelated gradients): one small exchange, and every rank raises instead.
-        live = [ref() for ref in self.params]
         frozen = np.array([p is not None and not p.requires_grad for p in live], bool)
         agree(
             comm,

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from hetcoll.torch.filters.experts import experts_layout
 from hetcoll.torch.filters.layers import is_conv1d
@@ -498,8 +500,32 @@ def _traced_in(node: Any) -> str | None:
 
 def splittable(m: nn.Module) -> bool:
     """Whether filter parallelism can split layer ``m``: a linear layer (``nn.Linear``,
-    Hugging Face's ``Conv1D``) or an ``nn.Conv2d`` with ``groups=1``."""
-    return linear_features(m) is not None or (type(m) is nn.Conv2d and m.groups == 1)
+    Hugging Face's ``Conv1D``) or an ``nn.Conv2d`` with ``groups=1``, computing its kind's
+    forward on its own weights alone (:func:`forward_changed`)."""
+    return linear_features(m) is not None or (
+        type(m) is nn.Conv2d and m.groups == 1 and forward_changed(m) is None
+    )
+
+
+def forward_changed(m: nn.Module) -> str | None:
+    """Why layer ``m`` computes more than its kind's forward on its own parameters, which a
+    split layer (the kind's forward on its slices) would not, as what it has:
+    ``"parametrizations"`` (``torch.nn.utils.parametrize``: weight or spectral norm,
+    orthogonal), ``"a weight made by a hook"`` (the hook-based
+    ``torch.nn.utils.spectral_norm`` and ``weight_norm``: its ``weight`` is no parameter of
+    its own but computed before each forward) or ``"forward hooks"`` (the user's, which may
+    change its inputs or output); else None. Hugging Face's output recorders, hooks that
+    only record an output, do not count."""
+    if hasattr(m, "parametrizations"):
+        return "parametrizations"
+    for hooks in (m._forward_pre_hooks, m._forward_hooks):
+        for hook in hooks.values():
+            if isinstance(hook, (SpectralNorm, WeightNorm)):
+                return "a weight made by a hook"
+            code = getattr(hook, "__module__", None) or ""
+            if not code.startswith("transformers.utils.output_capturing"):
+                return "forward hooks"
+    return None
 
 
 def _is_plain_sequential(m: nn.Module) -> bool:
@@ -549,6 +575,8 @@ def computes_linear(m: nn.Linear) -> bool:
     ``F.linear(x, weight, bias)`` or to ``x @ weight.T`` plus ``bias`` (Falcon's
     ``FalconLinear``), with no parameters but those, no buffers and no submodules. A
     quantised or adapter layer computes something else and stays replicated."""
+    if forward_changed(m) is not None:
+        return False
     cls = type(m)
     if cls is nn.Linear:
         return True
@@ -784,9 +812,8 @@ _REPLICATED_KINDS = (
 def _why_kept(m: nn.Module) -> str:
     if isinstance(m, nn.Conv2d) and not isinstance(m, nn.ConvTranspose2d) and m.groups != 1:
         return f", groups={m.groups}"
-    if hasattr(m, "parametrizations"):  # torch.nn.utils.parametrize (weight or spectral norm)
-        return ", parametrized"
-    return ""
+    changed = forward_changed(m)
+    return "" if changed is None else f", {changed}"
 
 
 def _holders(model: nn.Module) -> dict[int, list[tuple[str, str]]]:
@@ -902,6 +929,14 @@ def choose_layers(
             raise ValueError(
                 f"layers: {name!r} is a {type(named[name]).__name__}; only Conv2d, Linear and "
                 "Hugging Face Conv1D layers can be split"
+            )
+        changed = forward_changed(named[name])
+        if changed is not None:
+            kind = "Conv2d" if isinstance(named[name], nn.Conv2d) else "Linear"
+            raise ValueError(
+                f"layers: {name!r} cannot be split: it has {changed}, and a split layer computes "
+                f"a plain {kind} on its slice of the weights (leave it out of layers: it then "
+                "stays replicated)"
             )
         if name in tied:
             raise ValueError(

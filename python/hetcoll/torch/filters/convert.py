@@ -661,6 +661,16 @@ def filter_parallel(
             "its experts placed by expert_parallel); give filter_parallel the unsplit model "
             "(a split model's gather_state_dict loads into one)"
         )
+    meta = next(
+        (n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None
+    )
+    if meta is not None:  # the same model on every rank: every rank raises here
+        raise ValueError(
+            f"model: {meta!r} is on the meta device; materialise the model first (to_empty, "
+            "then initialise or load its weights): each rank keeps its slice of the weights "
+            "the model holds when it is split, and a split layer has no reset_parameters "
+            "that would initialise it as the unsplit layer"
+        )
     check_timeout(timeout)
     _check_flag(loss_parallel, "loss_parallel")
     value, argument = _split_argument(shares_or_speeds, speeds, shares)

@@ -25,7 +25,7 @@ from hetcoll.torch.state_dicts import (
     named_optimizer_state,
     state_kind,
 )
-from hetcoll.torch.transport import CountingCommunicator
+from hetcoll.torch.transport import CountingCommunicator, from_bytes
 
 
 def _gather(
@@ -80,7 +80,7 @@ def _gather(
                 held = []
                 for r in range(size):
                     n = rows[r] * rb
-                    held.append(out[start[r] : start[r] + n].view(dtype).view(rows[r], *row))
+                    held.append(from_bytes(out[start[r] : start[r] + n], dtype, (rows[r], *row)))
                     start[r] += n
                 # Each rank's piece holds its entries of every block (packed q/k/v), then the
                 # block's entries every rank holds: the full tensor is block by block, rank
