@@ -139,6 +139,11 @@ class BatchCounter:
         """Samples counted since the last :meth:`take`."""
         return self._count
 
+    @property
+    def forwards(self) -> int:
+        """Forwards counted since the last :meth:`take` (a forward may hold no sample)."""
+        return self._forwards
+
     def take(self) -> int:
         """The samples counted since the last call, and start counting again. Raises
         ``RuntimeError`` when no training forward ran in between (the exchange would weigh this

@@ -247,7 +247,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         except TypeError as e:  # the others raise too, at once (hetcoll.comm.agree)
             agree(self._comm, {}, failure=e, values=[0, 0, 0])
             raise
-        if self._synchronized:  # every rank raises (the others wait in this exchange)
+        # Counting samples or items, a second average of one step has no count: every rank
+        # raises, saying so (the others wait in this exchange). A local_batch set by hand is
+        # no count of a step: averaging twice gives the same gradients again.
+        counted = self.items is not None or self.counter is not None
+        if counted and self._averaged():
             argument = "items" if self.items is not None else "local_batch"
             mine = called_twice(argument, "opt.synchronize()")
         else:
@@ -349,7 +353,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         steps are one process's all the same. To clip, average first: ``opt.synchronize();
         scaler.unscale_(opt)``, clip, ``scaler.step(opt)``: every rank then checks the averaged
         gradients, finds the same infs, and keeps the same scale."""
-        synchronized, self._synchronized = self._synchronized, False
+        synchronized, self._synchronized = self._averaged(), False
         amp = self._amp_scaling()
         if closure is None:
             if synchronized:
@@ -369,6 +373,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return self._average(closure())
 
         return self.optimizer.step(averaged)
+
+    def _averaged(self) -> bool:
+        """Whether the gradients are averaged already: :meth:`synchronize` ran, and no count
+        came since (a forward counted by ``model=``, a :meth:`count` with ``items``), which
+        would be of new gradients (a loop that steps the wrapped optimizer itself after
+        synchronising, and zeroes the model's gradients rather than this optimizer's)."""
+        if not self._synchronized:
+            return False
+        if self.items is not None:
+            return self._pending is None
+        return self.counter is None or self.counter.forwards == 0  # by hand: until zero_grad
 
     def _amp_scaling(self) -> tuple[float, bool] | None:
         """``(1 / scale, found an inf)`` where ``torch.amp.GradScaler.step`` calls this step
