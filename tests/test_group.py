@@ -182,3 +182,65 @@ def test_every_function_takes_none_or_a_group_on_gloo():
             assert got["allreduce"] == [2.0, 2.0]
             assert "ranks disagree on shares[0]" in got["sampler"]
             assert got["rebalanced"] == per_rank[0][name]["rebalanced"] != [8, 8]
+
+
+def _split_stage_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 4 * 4, 5)
+    ).double()
+
+
+def _planned_on(rank, world, members, reordered):
+    from hetcoll.torch import parallelize
+
+    group = dist.new_group(members, sort_ranks=not reordered)
+    out: dict = {}
+    if rank in members:
+        plan = {
+            "microbatches": 1,
+            "replicas": [
+                {
+                    "samples": 6,
+                    "stages": [{"ranks": [0, 1], "speeds": [1.0, 0.25], "layers": [0, 4]}],
+                }
+            ],
+        }
+        par = parallelize(
+            _split_stage_net(), plan, loss_fn=nn.functional.cross_entropy, group=group
+        )
+        ref = _split_stage_net()
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (par, ref)]
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(6, 3, 4, 4, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 5, (6,), generator=g)
+        par.step(x, y)
+        nn.functional.cross_entropy(ref(x), y).backward()
+        for opt in opts:
+            opt.step()
+        full = par.full_state_dict()
+        out["off"] = max(float((full[k] - v).abs().max()) for k, v in ref.state_dict().items())
+        out["channels"] = next(par.stage.parameters()).shape[0]
+        out["group rank"] = dist.get_rank(group)
+    # Every rank then makes a group of its own and uses it: the plan's groups made on the
+    # members alone had moved torch's count of groups there, and this one never connected.
+    later = dist.new_group([0, world - 1])
+    if rank in (0, world - 1):
+        t = torch.ones(1)
+        dist.all_reduce(t, group=later)
+        out["later"] = float(t)
+    return out
+
+
+@pytest.mark.parametrize(("world", "members", "reordered"), [(3, [1, 2], False), (2, [1, 0], True)])
+def test_a_plan_on_a_subgroup_or_a_reordered_world(world, members, reordered):
+    """A split stage over the whole group: on ranks [1, 2] of 3 (the next group every rank made
+    waited for ever), and on every rank in another order (the fast group rank got 1 of 8
+    channels, and full_state_dict failed)."""
+    results = spawn(_planned_on, world, members, reordered, timeout=120)
+    for rank, got in enumerate(results):
+        if rank in members:
+            assert got["off"] <= 1e-12, got
+            assert got["channels"] == (7 if got["group rank"] == 0 else 1), got  # speeds 1 : 0.25
+        if rank in (0, world - 1):
+            assert got["later"] == 2.0

@@ -117,6 +117,42 @@ def test_one_batch_size_on_every_rank_raises_on_every_rank():
     assert second.startswith("ValueError: batch_size: the DataLoader batches rank 1's"), second
 
 
+def _on_a_subgroup(rank, world):
+    import torch.distributed as dist
+
+    from hetcoll.torch import Rebalancer
+
+    members = dist.new_group([1, 2])
+    if rank == 0:  # outside the group: takes no part
+        return None
+    mine = dist.get_rank(members)
+    try:
+        BalancedSampler(range(40), [5, 3], 0, group=members)  # both pass rank 0
+        wrong = "no error"
+    except ValueError as e:
+        wrong = str(e)
+    sampler = BalancedSampler(range(400), [4, 4], mine, group=members)
+    # No group given: the sampler's (it took the default group, and waited for rank 0).
+    reb = Rebalancer(sampler, every=2, threshold=0.0)
+    speeds = [100.0, 25.0]
+    for _ in range(8):
+        reb.observe(sampler.shares[mine], sampler.shares[mine] / speeds[mine])
+    return wrong, sampler.shares
+
+
+@pytest.mark.multiproc
+def test_a_sampler_and_its_rebalancer_on_a_subgroup():
+    """Two ranks passing one rank would take the same samples; the Rebalancer took the default
+    group rather than the sampler's (a shape error, or a wait for a rank outside it)."""
+    from hetcoll.launch import spawn
+
+    got = spawn(_on_a_subgroup, 3, timeout=60)
+    assert got[0] is None
+    for wrong, shares in got[1:]:
+        assert wrong.startswith("rank: the group's rank 1 passed rank=0; each rank passes"), wrong
+        assert shares == got[1][1] and shares[0] > shares[1], shares  # the fast rank gets more
+
+
 def test_a_padded_last_step_is_warned_about_once():
     """50 = 6 * 8 + 2 on 3 ranks: the last step repeats one sample from the epoch's start, so
     it is not one process's step; the sampler says so, once. 51 leaves one per rank."""

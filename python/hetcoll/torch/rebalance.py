@@ -188,9 +188,10 @@ class Rebalancer:
     rank. ``smoothing`` (0, 1]: the largest share of a window's surprise the models take in.
     ``threshold``: the relative gain in predicted step time a change must bring. ``drift``: how
     much a rank's speed may change from one window to the next (relative standard deviation).
-    ``group``: an mpi4py communicator or a torch.distributed process group; None is
-    :func:`hetcoll.comm.wrap`'s default (torch's default group, else ``MPI.COMM_WORLD`` under
-    mpiexec; resolved at the first exchange). ``comm=`` is its deprecated name. A sampler whose
+    ``group``: an mpi4py communicator or a torch.distributed process group; None is the
+    sampler's group, else :func:`hetcoll.comm.wrap`'s default (torch's default group, else
+    ``MPI.COMM_WORLD`` under mpiexec; resolved at the first exchange). ``comm=`` is its
+    deprecated name. A sampler whose
     shares break ``capacity`` or ``minimum`` is re-split at once (on every rank alike, no
     communication).
 
@@ -225,6 +226,8 @@ class Rebalancer:
         if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 1:
             raise ValueError(f"minimum: must be an integer >= 1, got {minimum!r}")
         group = group_argument(group, "Rebalancer", comm=comm)
+        if group is None:  # the sampler's ranks: their shares are what it decides
+            group = sampler.group
         size = len(sampler.shares)
         if fits is not None:
             fits = list(fits)

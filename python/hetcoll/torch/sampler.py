@@ -361,7 +361,15 @@ class BalancedSampler(Sampler[int]):
                 "drop_last": int(self.drop_last),
                 "the dataset's length": self.num_samples_total,
             }
-            _verify(group, self.shares, whole=whole, also=also)
+            passed = _verify(group, self.shares, whole=whole, also=also, values=[rank])[:, 0]
+            # Two ranks passing one rank would take the same samples, and leave others out.
+            wrong = [q for q, r in enumerate(passed.tolist()) if r != q]
+            if wrong and not whole:  # the same rows on every rank: every rank raises
+                raise ValueError(
+                    f"rank: the group's rank {wrong[0]} passed rank={int(passed[wrong[0]])}; "
+                    "each rank passes its own rank in the group (torch.distributed.get_rank("
+                    "group), comm.Get_rank())"
+                )
 
     def _checks(self) -> bool:
         """Whether shares are checked across ranks: ``verify``, and a group to check on."""

@@ -92,9 +92,16 @@ class _TorchTransport(Transport):
         if key not in self._subs:
             dist = self._dist
             world = self._group is None or dist.get_world_size(self._group) == dist.get_world_size()
-            if world:
-                # Every rank of the default group creates every group, in one order.
-                sub = dist.new_group([self._global[r] for r in key])
+            if key == tuple(range(self.size)):
+                # The whole group, numbered alike: no group to make (torch's split_group on a
+                # group of some ranks only moves its count of groups on those ranks alone, so
+                # that a group every rank makes later never connects).
+                sub = self._group
+            elif world:
+                # Every rank of the default group creates every group, in one order, numbered
+                # in the order of this group's ranks (a group of every rank in another order
+                # is no default group).
+                sub = dist.new_group([self._global[r] for r in key], sort_ranks=False)
             else:
                 sub = dist.split_group(self._group, [list(key)])
             self._subs[key] = sub if self.rank in key else None
