@@ -244,3 +244,39 @@ def test_a_plan_on_a_subgroup_or_a_reordered_world(world, members, reordered):
             assert got["channels"] == (7 if got["group rank"] == 0 else 1), got  # speeds 1 : 0.25
         if rank in (0, world - 1):
             assert got["later"] == 2.0
+
+
+def _ddp_over_a_split(rank, world):
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,  # multi-query: key and value held whole, their gradients summed
+        head_dim=8,
+        use_cache=False,
+    )
+    split = filter_parallel(LlamaForCausalLM(config).double(), speeds=[1.0, 0.5])
+    alone = [dist.new_group([r]) for r in range(world)][rank]  # each rank its own replica
+    ddp = DistributedDataParallel(split, process_group=alone)
+    ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(1))
+    try:
+        ddp(input_ids=ids, labels=ids).loss.backward()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ddp_over_a_split_holding_parameters_whole_is_refused():
+    """DDP over the replicas of a split model averaged the gradients of what the split holds
+    whole before their sums over the split were added, and wrote its average over them (a
+    multi-query attention's key and value projections never trained): every rank raises."""
+    pytest.importorskip("transformers")
+    for got in spawn(_ddp_over_a_split, 2, timeout=120):
+        assert got.startswith("model: DDP runs a split model whose 'model.layers.0.self_attn"), got
+        assert "Average the replicas after the backward instead" in got

@@ -73,6 +73,7 @@ from hetcoll.torch.filters.streams import (
     unequal_generators,
 )
 from hetcoll.torch.filters.timing import replicated_latencies, sample_seconds
+from hetcoll.torch.state_dicts import few_names
 from hetcoll.torch.transport import CountingCommunicator
 
 
@@ -902,6 +903,31 @@ _GENERATORS = (
 )
 
 
+def _refuse_ddp_over_sums(model: nn.Module, comm: Communicator) -> None:
+    """Raise where DDP runs this forward of a split model that holds parameters whole (their
+    gradients summed over the split's ranks after the backward, :class:`GradientSums`): DDP
+    would average those gradients before the sums are added, and write its average over
+    them (the key and value projections of multi-query attention would not train). Every
+    rank runs under DDP alike: every rank raises."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if getattr(DistributedDataParallel, "_active_ddp_module", None) is None:
+        return
+    sums = GradientSums.of(comm, None)
+    held = {id(p) for ref in sums.params if (p := ref()) is not None and p.requires_grad}
+    whole = [n for n, p in model.named_parameters() if id(p) in held]
+    if whole:
+        raise ValueError(
+            f"model: DDP runs a split model whose {few_names(whole)} hold entries every rank "
+            "of its split keeps whole, their gradients summed over those ranks once the "
+            "backward ends; DDP "
+            "averages them over its replicas before that, and writes its average over the "
+            "sums. Average the replicas after the backward instead: hetcoll.allreduce of the "
+            "gradients over the replicas' group, or a plan (hetcoll.torch.parallelize) with "
+            "replicas of split stages"
+        )
+
+
 class _AgreeOnInputs:
     """The split model's forward hooks: before each forward, one agreement that every rank
     passes inputs of the same shapes and dtypes (a mismatch raises
@@ -925,6 +951,8 @@ class _AgreeOnInputs:
 
     def before(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not self.agreed.active:  # the outermost call: a nested one is agreed already
+            if module.training and torch.is_grad_enabled():
+                _refuse_ddp_over_sums(module, self.comm)
             if self.owned and isinstance(self.comm, CountingCommunicator):
                 self.comm.counts.clear()  # split_traffic: this forward and its backward
             CountingCommunicator.count_as(self.comm, "activations")
