@@ -280,3 +280,12 @@ def test_ddp_over_a_split_holding_parameters_whole_is_refused():
     for got in spawn(_ddp_over_a_split, 2, timeout=120):
         assert got.startswith("model: DDP runs a split model whose 'model.layers.0.self_attn"), got
         assert "Average the replicas after the backward instead" in got
+
+
+def test_a_rank_outside_the_group_is_told_so(no_engine):
+    """torch gives a rank outside a new group GroupMember.NON_GROUP_MEMBER (the int -100):
+    every function said "must be ... got int"."""
+    with pytest.raises(ValueError, match=r"^group: this rank is not a member of the group"):
+        hetcoll.allreduce(np.ones(2), group=dist.GroupMember.NON_GROUP_MEMBER)
+    with pytest.raises(ValueError, match=r"^group: this rank is not a member of the group"):
+        BalancedSampler(range(4), [2, 2], 0, group=dist.GroupMember.NON_GROUP_MEMBER)

@@ -164,6 +164,17 @@ broadcast_parameters(strided)
 sums = np.array([float(p.double().sum()) for p in strided.parameters()])
 result["bcast_layouts"] = bool((comm.allgather(sums)[0] == sums).all())
 
+# A rank left out of a sub-communicator (MPI.COMM_NULL) is told so ("Invalid communicator").
+left_out = comm.Split(MPI.UNDEFINED if rank == 0 else 1, rank)
+if rank == 0:
+    try:
+        hetcoll.allreduce(np.ones(2), group=left_out)
+        result["left_out"] = "no error"
+    except ValueError as e:
+        result["left_out"] = str(e)
+else:
+    left_out.Free()
+
 # A sparse gradient is named, on every rank (numpy could not read it).
 emb = nn.Embedding(5, 2, sparse=True).double()
 sparse_opt = DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), local_batch=1)

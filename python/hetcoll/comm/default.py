@@ -99,12 +99,19 @@ def wrap(x: Any = None) -> Communicator:
             "(init_process_group) and this is no MPI job (mpiexec); pass group= an mpi4py "
             "communicator or a torch.distributed process group"
         )
+    outside = (
+        "group: this rank is not a member of the group ({}); call with a group only on its members"
+    )
     if is_mpi_comm(x):
         mpi = sys.modules["mpi4py.MPI"]
+        if x == mpi.COMM_NULL:
+            raise ValueError(outside.format("MPI.COMM_NULL, as comm.Split gives a rank left out"))
         if not isinstance(x, mpi.Intracomm):
             raise TypeError("group: an MPI intercommunicator is not supported")
         return MpiCommunicator(x)
     torch_dist = sys.modules.get("torch.distributed")
+    if torch_dist is not None and type(x) is int and x == torch_dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(outside.format("GroupMember.NON_GROUP_MEMBER, as new_group gives it"))
     if torch_dist is not None and isinstance(x, torch_dist.ProcessGroup):
         if not torch_dist.is_initialized():
             raise ValueError("group: torch.distributed is not initialised (init_process_group)")
