@@ -133,3 +133,26 @@ def test_clipping_a_split_model_takes_the_unsplit_models_norm(name, world):
             assert abs(a - b) <= 1e-10 * b, (mine, want)
         assert got["off"] <= 1e-9
         assert max(got["replicated"]) == 0.0
+
+
+def _other_group(rank, world):
+    import torch.distributed as dist
+
+    from hetcoll.torch import clip_grad_norm_, filter_parallel
+
+    torch.manual_seed(0)
+    split = filter_parallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), [1.0, 0.5])
+    split(torch.ones(3, 4)).sum().backward()
+    reordered = dist.new_group([1, 0], sort_ranks=False)  # as many ranks, another group
+    try:
+        clip_grad_norm_(split.parameters(), 1.0, group=reordered)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_clipping_on_another_group_of_as_many_ranks_raises():
+    """Only the number of ranks was checked: a hybrid's data-parallel group in place of the
+    split's took other ranks' slices for the norm (0.915 and 0.468 where it is 0.727)."""
+    for got in spawn(_other_group, 2):
+        assert got.startswith("group: its ranks (2) are not those a split layer among"), got

@@ -26,6 +26,7 @@ from hetcoll.comm.default import (
     group_argument,
     has_default,
     is_mpi_comm,
+    same_processes,
     wrap,
 )
 from hetcoll.comm.distributed import TorchCommunicator, TorchRequest
@@ -47,6 +48,7 @@ __all__ = [
     "group_argument",
     "has_default",
     "is_mpi_comm",
+    "same_processes",
     "same_rows",
     "start_agreement",
     "wait_all",

@@ -122,6 +122,26 @@ def wrap(x: Any = None) -> Communicator:
     )
 
 
+def same_processes(a: Communicator, b: Communicator) -> bool:
+    """Whether ``a`` and ``b`` hold the same processes in the same rank order (their engines'
+    groups may be distinct objects: a group made twice over the same ranks). Local."""
+    if a.native is b.native:
+        return True
+    if a.engine == "mpi" or b.engine == "mpi":
+        if a.engine != b.engine:
+            return False
+        mpi = sys.modules["mpi4py.MPI"]
+        return bool(mpi.Comm.Compare(a.native, b.native) in (mpi.IDENT, mpi.CONGRUENT))
+    import torch.distributed as dist
+
+    def ranks(group: Any) -> list[int]:
+        if group is None:
+            return list(range(dist.get_world_size()))
+        return list(dist.get_process_group_ranks(group))
+
+    return ranks(a.native) == ranks(b.native)
+
+
 def group_argument(group: Any, where: str, **old: Any) -> Any:
     """``group``, or the value of a deprecated keyword that named it before (``comm=`` ...;
     pass ``name=value`` with :data:`NOT_GIVEN` as the keyword's default): that one still works

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hetcoll.comm import Communicator, agree, deadline, wrap
+from hetcoll.comm import Communicator, agree, deadline, same_processes, wrap
 from hetcoll.torch.expert_parallel import is_rank_local
 from hetcoll.torch.filters.layers import split_modules
 from hetcoll.torch.filters.state import split_parts
@@ -90,10 +90,10 @@ def _split_pieces(params: list[torch.Tensor], comm: Communicator) -> dict[int, P
         local = dict(m.named_parameters())
         if not wanted.intersection(id(t) for t in local.values()):
             continue
-        if m.comm.size != comm.size:
+        if m.comm.size != comm.size or not same_processes(m.comm, comm):
             raise ValueError(
-                f"group: its {comm.size} ranks are not the {m.comm.size} a split layer among "
-                "the parameters is split over; pass the split model's group"
+                f"group: its ranks ({comm.size}) are not those a split layer among the "
+                f"parameters is split over ({m.comm.size}); pass the split model's group"
             )
         for name, part in split_parts(m, local).items():
             if id(local[name]) in wanted:
