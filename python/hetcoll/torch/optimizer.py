@@ -432,7 +432,8 @@ def _layout(params: list[torch.Tensor], what: str = "parameter") -> dict[str, in
 def broadcast_parameters(
     module: torch.nn.Module, group: Any = None, root: int = 0, *, comm: Any = NOT_GIVEN
 ) -> None:
-    """Copy ``root``'s parameters and buffers to every rank of ``group`` (call before training;
+    """Copy ``root``'s parameters and buffers to every rank of ``group`` (``root`` a rank of
+    ``group``, as torch's ``group_src``; call before training;
     ``group`` as :class:`DistributedOptimizer` takes it, ``comm=`` its deprecated name)."""
     group = group_argument(group, "broadcast_parameters", comm=comm)
     c = wrap(group)

@@ -118,8 +118,9 @@ def split_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, Part]]:
 
 def gather_state_dict(model: nn.Module, *, dst: int | None = 0) -> dict[str, torch.Tensor] | None:
     """The state dict of the unsplit model: split parameters and buffers gathered from every
-    rank; keys as in the original model. Returned on rank ``dst`` (None elsewhere), or on every
-    rank with ``dst=None``. Every rank must call it (one allgatherv of all the slices; gathered
+    rank; keys as in the original model. Returned on rank ``dst`` (None elsewhere; a rank of
+    the split's group, as torch's ``group_dst``), or on every rank with ``dst=None``. Every
+    rank must call it (one allgatherv of all the slices; gathered
     tensors are on the CPU).
 
     >>> full = gather_state_dict(model)  # doctest: +SKIP
