@@ -123,6 +123,14 @@ def test_naming_a_layer_that_cannot_be_split_raises():
     with pytest.raises(ValueError, match=r"'1' cannot be split: it has parametrizations, and"):
         filter_shares(model, size=2, speeds=[1.0, 1.0], layers=["1"])
 
+    class Scaled(nn.Linear):  # an adapter-like layer: more than x @ W.T + b
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    model = nn.Sequential(nn.Linear(4, 4), Scaled(4, 4))
+    with pytest.raises(ValueError, match=r"'1' cannot be split: it has a forward of its own"):
+        filter_shares(model, size=2, speeds=[1.0, 1.0], layers=["1"])
+
 
 def test_a_model_on_the_meta_device_is_refused():
     from hetcoll.torch import filter_parallel

@@ -43,6 +43,9 @@ from hetcoll.torch.expert_parallel import is_rank_local
 
 _SUPPORTED = (torch.float32, torch.float64)
 _NO_CLOSURE = object()  # _average's loss when no closure runs: gradients only
+#: The integers each rank sends in a step's agreement: its count (two), whether it lacks a
+#: gradient, whether GradScaler found an inf. A rank that fails first sends as many zeros.
+_STEP_VALUES = 4
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -245,7 +248,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         "build the embedding with sparse=False"
                     )
         except TypeError as e:  # the others raise too, at once (hetcoll.comm.agree)
-            agree(self._comm, {}, failure=e, values=[0, 0, 0])
+            agree(self._comm, {}, failure=e, values=[0] * _STEP_VALUES)
             raise
         # Counting samples or items, a second average of one step has no count: every rank
         # raises, saying so (the others wait in this exchange). A local_batch set by hand is
@@ -270,7 +273,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         }
         missing = [p.grad is None for p in params]
         found_inf = int(amp is not None and amp[1])
-        rows = agree(self._comm, fields, values=[*mine.exchanged, int(any(missing)), found_inf])
+        values = [*mine.exchanged, int(any(missing)), found_inf]
+        assert len(values) == _STEP_VALUES
+        rows = agree(self._comm, fields, values=values)
         counts = rows[:, :2]
         scale = float(item_weights(counts, argument, mine.failure)[self._comm.rank])
         self._local_batch = mine.value

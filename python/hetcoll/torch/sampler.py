@@ -337,8 +337,8 @@ class BalancedSampler(Sampler[int]):
             except TypeError as e:
                 raise TypeError("dataset: must have a length (a map-style dataset)") from e
         except (TypeError, ValueError) as e:
-            if self._checks():  # the other ranks raise too, at once
-                _verify(group, [], failure=e, whole=whole)
+            if self._checks():  # the other ranks raise too, at once (as many values as theirs)
+                _verify(group, [], failure=e, whole=whole, values=[0])
             raise
         self.rank = rank
         self.shuffle = bool(shuffle)

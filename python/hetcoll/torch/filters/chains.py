@@ -930,7 +930,10 @@ def choose_layers(
                 f"layers: {name!r} is a {type(named[name]).__name__}; only Conv2d, Linear and "
                 "Hugging Face Conv1D layers can be split"
             )
-        changed = forward_changed(named[name])
+        layer = named[name]
+        changed = forward_changed(layer)
+        if changed is None and isinstance(layer, nn.Linear) and not computes_linear(layer):
+            changed = f"a forward of its own ({type(layer).__name__})"
         if changed is not None:
             kind = "Conv2d" if isinstance(named[name], nn.Conv2d) else "Linear"
             raise ValueError(
