@@ -248,20 +248,15 @@ def test_a_plan_on_a_subgroup_or_a_reordered_world(world, members, reordered):
 
 def _ddp_over_a_split(rank, world):
     from torch.nn.parallel import DistributedDataParallel
-    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lm_common import hf_llama
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,  # multi-query: key and value held whole, their gradients summed
-        head_dim=8,
-        use_cache=False,
+    # Multi-query: the key and value held whole on both ranks, their gradients summed.
+    model = hf_llama(
+        vocab=32, hidden=16, intermediate=24, layers=1, heads=2, kv_heads=1, positions=8
     )
-    split = filter_parallel(LlamaForCausalLM(config).double(), speeds=[1.0, 0.5])
+    split = filter_parallel(model.double(), speeds=[1.0, 0.5])
     alone = [dist.new_group([r]) for r in range(world)][rank]  # each rank its own replica
     ddp = DistributedDataParallel(split, process_group=alone)
     ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(1))

@@ -134,6 +134,15 @@ class GradientSums:
             sums = _GRADIENT_SUMS[comm] = cls(comm, timeout)
         return sums
 
+    @staticmethod
+    def trained(comm: Communicator) -> set[int]:
+        """The ``id`` of every live parameter requiring a gradient whose gradient the split
+        models on ``comm`` sum after each backward (none where no split made sums on it)."""
+        sums = _GRADIENT_SUMS.get(comm)
+        if sums is None:
+            return set()
+        return {id(p) for ref in sums.params if (p := ref()) is not None and p.requires_grad}
+
     def queue(self) -> None:
         """Have this backward end with the sums (once; none where no parameter was added)."""
         if self.params and not self.queued:
@@ -198,8 +207,7 @@ class GradientSums:
             },
             deadline(self.timeout),
         )
-        for index, (ref, rows) in enumerate(zip(self.params, self.rows, strict=True)):
-            param = ref()
+        for index, (param, rows) in enumerate(zip(live, self.rows, strict=True)):
             if param is None:  # its model is gone (on every rank)
                 continue
             if param.requires_grad and not self.hooked[index]:

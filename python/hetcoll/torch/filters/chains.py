@@ -935,7 +935,7 @@ def choose_layers(
         if changed is None and isinstance(layer, nn.Linear) and not computes_linear(layer):
             changed = f"a forward of its own ({type(layer).__name__})"
         if changed is not None:
-            kind = "Conv2d" if isinstance(named[name], nn.Conv2d) else "Linear"
+            kind = "Conv2d" if isinstance(layer, nn.Conv2d) else "Linear"
             raise ValueError(
                 f"layers: {name!r} cannot be split: it has {changed}, and a split layer computes "
                 f"a plain {kind} on its slice of the weights (leave it out of layers: it then "

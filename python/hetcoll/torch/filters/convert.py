@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
 from hetcoll.comm import Communicator, agree, deadline, wrap
@@ -909,22 +910,17 @@ def _refuse_ddp_over_sums(model: nn.Module, comm: Communicator) -> None:
     would average those gradients before the sums are added, and write its average over
     them (the key and value projections of multi-query attention would not train). Every
     rank runs under DDP alike: every rank raises."""
-    from torch.nn.parallel import DistributedDataParallel
-
     if getattr(DistributedDataParallel, "_active_ddp_module", None) is None:
         return
-    sums = GradientSums.of(comm, None)
-    held = {id(p) for ref in sums.params if (p := ref()) is not None and p.requires_grad}
+    held = GradientSums.trained(comm)
     whole = [n for n, p in model.named_parameters() if id(p) in held]
     if whole:
         raise ValueError(
             f"model: DDP runs a split model whose {few_names(whole)} hold entries every rank "
             "of its split keeps whole, their gradients summed over those ranks once the "
-            "backward ends; DDP "
-            "averages them over its replicas before that, and writes its average over the "
-            "sums. Average the replicas after the backward instead: hetcoll.allreduce of the "
-            "gradients over the replicas' group, or a plan (hetcoll.torch.parallelize) with "
-            "replicas of split stages"
+            "backward ends; DDP averages them over its replicas before that, and writes its "
+            "average over the sums. Average the replicas after the backward instead: "
+            "hetcoll.allreduce of the gradients over the replicas' group"
         )
 
 
