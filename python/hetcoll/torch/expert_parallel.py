@@ -675,9 +675,12 @@ def expert_parallel(
     except ValueError as e:  # raised here after the others learn of it, none waiting
         failure = e
     agree_placement(whole, placed, failure)
-    # The experts' exchanges run on a group of their own: data parallelism's gradient
-    # reductions (DDP's hook) run during the same backward, on the user's group, and two
-    # streams of collectives on one group would interleave differently on different ranks.
+    # The experts' exchanges run on a group of their own where every rank can make one (the
+    # default group's): data parallelism's gradient reductions (DDP's hook) run during the
+    # same backward, on the user's group. On a torch sub-group they share it (no group can be
+    # made there without moving torch's count of groups on its ranks alone); each rank's
+    # backward then issues both in one order, that of its autograd graph, the same on every
+    # rank.
     comm = wrap(transport(group).subgroup(range(whole.size)))
     for name, held in placed.items():
         module = model.get_submodule(name)

@@ -53,7 +53,8 @@ class Transport(ABC):
     def subgroup(self, ranks: Sequence[int]) -> Any:
         """A group of ``ranks`` (group ranks; the sub-group numbers them in increasing order,
         as torch's ``new_group`` does), or None on ranks outside it. Every rank of the group
-        calls it, for the same ``ranks``, in the same order."""
+        calls it, for the same ``ranks``, in the same order. On a torch sub-group, all of its
+        ranks give the sub-group itself."""
 
     @abstractmethod
     def allreduce(self, t: torch.Tensor, sub: Any) -> None:
@@ -92,16 +93,17 @@ class _TorchTransport(Transport):
         if key not in self._subs:
             dist = self._dist
             world = self._group is None or dist.get_world_size(self._group) == dist.get_world_size()
-            if key == tuple(range(self.size)):
-                # The whole group, numbered alike: no group to make (torch's split_group on a
-                # group of some ranks only moves its count of groups on those ranks alone, so
-                # that a group every rank makes later never connects).
-                sub = self._group
-            elif world:
+            if world:
                 # Every rank of the default group creates every group, in one order, numbered
                 # in the order of this group's ranks (a group of every rank in another order
-                # is no default group).
+                # is no default group). The whole group too: a group of its own keeps its
+                # collectives apart from those the caller runs on the group meanwhile (DDP's).
                 sub = dist.new_group([self._global[r] for r in key], sort_ranks=False)
+            elif key == tuple(range(self.size)):
+                # The whole sub-group, numbered alike: no group to make (torch's split_group
+                # on a group of some ranks only moves its count of groups on those ranks
+                # alone, so that a group every rank makes later never connects).
+                sub = self._group
             else:
                 sub = dist.split_group(self._group, [list(key)])
             self._subs[key] = sub if self.rank in key else None
