@@ -8,12 +8,14 @@ buffers after several optimizer steps. A failing check raises, which fails the l
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 import re
 import warnings
 
 import torch
+import torch.distributed
 from torch import nn
 from torch.nn import functional as F
 
@@ -313,7 +315,10 @@ def load_full_state(group) -> None:
     torch.manual_seed(3)
     src = awkward_cnn().double()
     torch.manual_seed(4)
-    split = filter_parallel(awkward_cnn().double(), [2.0, 1.0, 1.0][: wrap(group).size], group)
+    # The group second, as the README writes it, a real one (it was taken for the split).
+    real = group if group is not None else torch.distributed.group.WORLD
+    speeds = [2.0, 1.0, 1.0][: wrap(group).size]
+    split = filter_parallel(awkward_cnn().double(), real, speeds=speeds)
     split.load_state_dict(src.state_dict())
     back = gather_state_dict(split, dst=None)
     assert back is not None
@@ -571,6 +576,18 @@ def run_hostile(rank: int, world_size: int) -> list[str]:
     except CollectiveMismatchError as e:
         seen.append(str(e))
     assert conv_net(torch.zeros(2, 3, 6, 6)).shape == (2, 8, 4, 4)  # the group still works
+    # Rank 0 evaluating (eval(), then no_grad) while rank 1 trains: each raises, naming the
+    # mode (rank 0's exchanges paired with rank 1's, its output silently wrong).
+    for mode in ("eval", "no_grad"):
+        try:
+            if rank == 0 and mode == "eval":
+                conv_net.eval()
+            alone = rank == 0 and mode == "no_grad"
+            with torch.no_grad() if alone else contextlib.nullcontext():
+                conv_net(torch.zeros(2, 3, 6, 6))
+        except CollectiveMismatchError as e:
+            seen.append(str(e).split(" (")[0])
+        conv_net.train()
     emb = nn.Embedding(10, 6)
     head = nn.Linear(6, 10, bias=False)
     head.weight = emb.weight

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -31,6 +33,60 @@ def test_counts_training_forwards_since_the_last_take():
     assert counter.pending == 0
     model(torch.zeros(2, 4))
     assert counter.take() == 2
+
+
+def test_an_eval_mode_forward_counts_once_a_backward_reaches_it():
+    model = nn.Sequential(nn.Linear(4, 2), nn.Dropout(0.5))
+    counter = BatchCounter(model)
+    model.eval()
+    model(torch.ones(7, 4)).sum()  # a validation forward without no_grad: no backward
+    assert counter.pending == 0 and counter.forwards == 0
+    out = model(torch.ones(3, 4))  # a model trained in eval mode: counted at its backward
+    assert counter.pending == 0
+    (out.sum() + out.mean()).backward()  # two gradients reach the output: counted once
+    assert counter.take() == 3
+    model.train()
+    model(torch.ones(2, 4))
+    model.eval()
+    stale = model(torch.ones(5, 4))
+    assert counter.take() == 2  # the eval-mode forward no backward reached is dropped
+    stale.sum().backward()  # reaching it after the step counts nothing
+    assert counter.pending == 0
+    model(torch.ones(4, 4))
+    counter.claim_unreached()  # a loss weighed before its backward (state.weigh)
+    assert counter.take() == 4
+
+
+class _TokensLSTM(nn.Module):
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.rnn = nn.LSTM(4, 3, batch_first=batch_first)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rnn(self.emb(ids))[0]
+
+
+def test_sequence_first_layers_counted_along_their_sequence_are_named():
+    ids = torch.zeros(7, 2, dtype=torch.long)  # 7 steps of 2 sequences
+    for model, batch_dim, warned in [
+        (_TokensLSTM(batch_first=False), 0, "'rnn' (LSTM, batch_first=False)"),
+        (nn.TransformerEncoderLayer(4, 2), 0, "the model (TransformerEncoderLayer"),
+        (_TokensLSTM(batch_first=False), 1, None),
+        (_TokensLSTM(batch_first=True), 0, None),
+    ]:
+        counter = BatchCounter(model, batch_dim=batch_dim)
+        x = ids if isinstance(model, _TokensLSTM) else torch.zeros(7, 2, 4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(x)
+            model(x)  # looked at once
+        said = [str(w.message) for w in caught if "BatchCounter" in str(w.message)]
+        if warned is None:
+            assert not said, said
+        else:
+            assert len(said) == 1 and warned in said[0] and "batch_dim=1" in said[0], said
+        assert counter.take() == 2 * (7 if batch_dim == 0 else 2)
 
 
 def test_first_tensor_found_through_dicts_and_keywords_and_batch_dim():

@@ -113,6 +113,8 @@ def _epoch(rank, world, shares_before, shares_after, algorithm="auto", counted=F
     # Small buckets: several per step, so the direct exchange runs them back to back on its
     # thread while the backward goes on.
     ddp = DDP(make_model(), bucket_cap_mb=0.001)
+    if counted == "eval":  # trained in eval mode: each forward counts at its backward
+        ddp.eval()
     if counted:  # the hook counts each step's samples off ddp's forwards
         state = register_weighted_hook(ddp, algorithm=algorithm)
     else:
@@ -131,12 +133,19 @@ def _epoch(rank, world, shares_before, shares_after, algorithm="auto", counted=F
         if counted:
             with torch.no_grad():
                 ddp(x[:7])  # an evaluation forward: no gradients, not counted
+            # One in eval mode with gradients on: counted only if a backward reached it (it
+            # weighed the next step by 5 more samples).
+            training = ddp.training
+            ddp.eval()
+            nn.functional.cross_entropy(ddp(x[:5]), y[:5]).item()
+            ddp.train(training)
         sizes.append(state.local_batch)
     return sizes, [p.detach().clone() for p in ddp.parameters()]
 
 
 @pytest.mark.parametrize(
-    ("algorithm", "counted"), [("auto", False), ("allreduce", False), ("auto", True)]
+    ("algorithm", "counted"),
+    [("auto", False), ("allreduce", False), ("auto", True), ("auto", "eval")],
 )
 def test_full_epoch_with_ragged_last_step_and_share_change(algorithm, counted):
     before, after = [3, 5, 8], [6, 1, 2]

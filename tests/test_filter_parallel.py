@@ -286,11 +286,15 @@ def test_an_untraceable_forward_is_named_in_a_warning():
 @pytest.mark.timeout(120)
 def test_unbatched_input_and_tied_weights():
     """Issue 26: an unbatched input to a split conv raised nowhere and hung; filter_parallel
-    split a Linear tied to an embedding and silently untied it."""
+    split a Linear tied to an embedding and silently untied it. Survey 11: a rank evaluating
+    while another trained got a wrong output without a word."""
     results = launch.spawn(filter_cases.run_hostile, 2, timeout=90)
     assert results[0] == results[1]
-    unbatched, mismatch, warning = results[0]
+    unbatched, mismatch, mode, grad, warning = results[0]
     assert "the split model's inputs (shapes and dtypes)" in mismatch, mismatch
+    # Rank 0 evaluating while rank 1 trains (its output was silently wrong).
+    assert mode == "ranks disagree on the split model's mode", mode
+    assert grad == "ranks disagree on gradients", grad
     assert unbatched == (
         "input: a filter-parallel FilterParallelConv2d takes batched 4-D input (N, C, H, W), "
         "got shape (3, 6, 6)"

@@ -57,7 +57,8 @@ result["step_grad"] = max(rel_err(g, r) for g, r in zip(grads, ref_grads))
 result["step_param"] = max(rel_err(p.detach(), r) for p, r in zip(model.parameters(), ref_params))
 
 # A whole epoch: ragged last step, shares changed mid-run; each step's samples counted off the
-# model's forwards (model=), evaluation forwards without gradients not counted.
+# model's forwards (model=), evaluation forwards not counted (without gradients, or in eval
+# mode with no backward).
 before, after = [3, 5, 8][:world], [6, 1, 2][:world]
 steps = epoch_plan(before, after, world)
 x, y = make_data(N_EPOCH)
@@ -76,6 +77,10 @@ for step, idx in enumerate(sampler.batch_sampler()):
     opt.step()
     with torch.no_grad():
         model(x[:5])
+    # In eval mode with gradients on, no backward: not counted either (it was, 3 samples).
+    model.eval()
+    model(x[:3])
+    model.train()
 ref = reference_epoch(steps)
 result["epoch_param"] = max(rel_err(p.detach(), r) for p, r in zip(model.parameters(), ref))
 

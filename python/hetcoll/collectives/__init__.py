@@ -39,10 +39,9 @@ from typing import TYPE_CHECKING, Any
 from hetcoll.collectives import _tuning
 from hetcoll.collectives._common import ALGORITHMS
 from hetcoll.collectives.autograd import allgatherv_autograd
-from hetcoll.collectives.device import premul_sum_op as premul_sum_op
-from hetcoll.collectives.direct import direct_allreduce as direct_allreduce
-from hetcoll.collectives.dispatch import allreduce
-from hetcoll.collectives.dispatch import choose_algorithm as choose_algorithm
+from hetcoll.collectives.device import premul_sum_op
+from hetcoll.collectives.direct import direct_allreduce
+from hetcoll.collectives.dispatch import allreduce, choose_algorithm
 from hetcoll.collectives.gather import allgatherv
 
 if TYPE_CHECKING:  # at run time, properties that read the tuning table (``_Package``)
@@ -87,6 +86,9 @@ __all__ = [
     "allgatherv",
     "allgatherv_autograd",
     "allreduce",
+    "choose_algorithm",
+    "direct_allreduce",
+    "premul_sum_op",
 ]
 
 #: The tuning table's names, which this package reads and rebinds in :mod:`._tuning`.

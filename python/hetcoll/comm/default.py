@@ -122,6 +122,21 @@ def wrap(x: Any = None) -> Communicator:
     )
 
 
+def is_group(x: object) -> bool:
+    """Whether ``x`` is what :func:`wrap` takes as a group (None aside): a
+    :class:`Communicator`, an mpi4py communicator, a torch.distributed process group, or torch's
+    mark of a rank outside a group (``GroupMember.NON_GROUP_MEMBER``, which :func:`wrap`
+    refuses by name)."""
+    if isinstance(x, Communicator) or is_mpi_comm(x):
+        return True
+    torch_dist = sys.modules.get("torch.distributed")
+    if torch_dist is None or not torch_dist.is_available():
+        return False
+    if type(x) is int and x == torch_dist.GroupMember.NON_GROUP_MEMBER:
+        return True
+    return isinstance(x, torch_dist.ProcessGroup)
+
+
 def same_processes(a: Communicator, b: Communicator) -> bool:
     """Whether ``a`` and ``b`` hold the same processes in the same rank order (their engines'
     groups may be distinct objects: a group made twice over the same ranks). Local."""

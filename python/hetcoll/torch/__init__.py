@@ -34,6 +34,7 @@ from hetcoll.torch.filters import (
     FilterParallelMultiheadAttention,
     SplitOutput,
     filter_parallel,
+    filter_shares,
     gather_gradients,
     gather_optimizer_state_dict,
     gather_state_dict,
@@ -46,6 +47,7 @@ from hetcoll.torch.hooks import (
     register_weighted_hook,
     weighted_allreduce_hook,
 )
+from hetcoll.torch.layers import model_layers
 from hetcoll.torch.optimizer import DistributedOptimizer, broadcast_parameters
 from hetcoll.torch.parallel import Parallel, parallelize
 from hetcoll.torch.rebalance import Rebalancer
@@ -78,6 +80,7 @@ __all__ = [
     "expert_parallel",
     "expert_shares",
     "filter_parallel",
+    "filter_shares",
     "gather_gradients",
     "gather_optimizer_state_dict",
     "gather_speeds",
@@ -89,6 +92,7 @@ __all__ = [
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "measure_speed",
+    "model_layers",
     "parallelize",
     "place_experts",
     "placement_time",

@@ -3,8 +3,9 @@
 Sample-weighted averaging needs every rank's number of samples in the step. Setting it by hand
 (``state.local_batch = len(x)``) is easy to forget, and forgetting it gives wrong gradients
 without a word whenever shares are uneven or change. :class:`BatchCounter` instead counts the
-samples of every forward that records a graph (grad enabled) since the last gradient exchange —
-the samples whose gradients that exchange carries, gradient accumulation included. The DDP hook
+samples of every forward that records a graph (grad enabled; in ``eval()`` mode, once a backward
+reaches its output) since the last gradient exchange — the samples whose gradients that
+exchange carries, gradient accumulation included. The DDP hook
 (:func:`hetcoll.torch.register_weighted_hook`) and the MPI optimizer
 (``DistributedOptimizer(..., model=model)``) use it.
 
@@ -22,7 +23,9 @@ same error on every rank.
 from __future__ import annotations
 
 import contextlib
+import functools
 import numbers
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -108,7 +111,9 @@ class BatchCounter:
     dicts), the convention of PyTorch's DataLoader and DDP, or the length of a list of samples
     (torchvision's detection models: a list of images beside a list of their targets).
     Forwards run with gradients disabled (evaluation) are not counted: no gradient comes of
-    them.
+    them. A forward in ``eval()`` mode with gradients enabled counts once a backward reaches
+    its output: a model trained in eval mode counts its samples, a validation forward run
+    without ``torch.no_grad()`` does not (its samples would weigh the next step).
     """
 
     def __init__(self, module: nn.Module, *, batch_dim: int = 0) -> None:
@@ -119,20 +124,79 @@ class BatchCounter:
         self.batch_dim = batch_dim
         self._count = 0
         self._forwards = 0
-        self._handle = module.register_forward_pre_hook(self._see, with_kwargs=True)
+        self._evaluated: int | None = None  # an eval-mode forward's samples, until it returns
+        self._unreached: list[_Unreached] = []  # eval-mode forwards no backward reached yet
+        self._handles = (
+            module.register_forward_pre_hook(self._see, with_kwargs=True),
+            module.register_forward_hook(self._seen, with_kwargs=True),
+        )
+        # Until a forward is counted: torch's sequence-first layers (batch_first=False)
+        # watched, in case dimension 0 of the input is their sequence (a count of steps).
+        self._counted: int | None = None
+        self._orders = [
+            m.register_forward_pre_hook(functools.partial(self._check_order, name))
+            for name, m in module.named_modules()
+            if batch_dim == 0 and sequence_first(m)
+        ]
 
     def _see(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled():
             return
         n = batch_size(args, kwargs, self.batch_dim)
-        if n is not None:
-            self._count += n
-            self._forwards += 1
+        if n is None:
+            raise TypeError(
+                f"module: cannot count this forward's samples: no tensor argument has "
+                f"dimension {self.batch_dim} (batch_dim); set the local batch yourself instead"
+            )
+        if module.training:
+            self._add(n)
+        else:  # counted once a backward reaches the output (:meth:`_seen`)
+            self._evaluated = n
+        self._counted = n
+
+    def _check_order(self, name: str, module: nn.Module, args: tuple) -> None:
+        x = next(_tensors(args), None)
+        n = self._counted
+        if n is not None and x is not None and x.dim() >= 2 and x.shape[0] == n != x.shape[1]:
+            warnings.warn(
+                f"BatchCounter: {repr(name) if name else 'the model'} "
+                f"({type(module).__name__}, batch_first=False) reads "
+                f"dimension 0 of its input as the sequence, and this forward's samples were "
+                f"counted along dimension 0 ({n}): pass batch_dim=1 (register_weighted_hook, "
+                "DistributedOptimizer) for sequence-first inputs, or set the local batch",
+                stacklevel=2,
+            )
+            self._stop_checking()
+
+    def _stop_checking(self) -> None:
+        for handle in self._orders:
+            handle.remove()
+        self._orders = []
+
+    def _seen(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._counted is not None and self._orders:  # one counted forward was looked at
+            self._stop_checking()
+        n, self._evaluated = self._evaluated, None
+        if n is None:
             return
-        raise TypeError(
-            f"module: cannot count this forward's samples: no tensor argument has dimension "
-            f"{self.batch_dim} (batch_dim); set the local batch yourself instead"
-        )
+        outputs = [t for t in _tensors(output) if t.requires_grad]
+        if not outputs:
+            return  # nothing a backward could reach
+        forward = _Unreached(self, n)
+        self._unreached.append(forward)
+        for t in outputs:
+            t.register_hook(forward.reached)
+
+    def _add(self, n: int) -> None:
+        self._count += n
+        self._forwards += 1
+
+    def claim_unreached(self) -> None:
+        """Count the eval-mode forwards no backward has reached yet, as if one had: for a
+        caller weighing a loss before its backward (:meth:`WeightedAllreduceState.weigh`)."""
+        for forward in self._unreached:
+            forward.reached()
+        self._unreached.clear()
 
     @property
     def pending(self) -> int:
@@ -156,8 +220,7 @@ class BatchCounter:
                 "DistributedOptimizer), or set local_batch yourself"
             )
         n = self._count
-        self._count = 0
-        self._forwards = 0
+        self.discard()
         return n
 
     def discard(self) -> None:
@@ -165,10 +228,41 @@ class BatchCounter:
         set by hand)."""
         self._count = 0
         self._forwards = 0
+        for forward in self._unreached:  # a backward reaching them later counts nothing
+            forward.counter = None
+        self._unreached.clear()
 
     def remove(self) -> None:
-        """Stop counting (removes the forward pre-hook)."""
-        self._handle.remove()
+        """Stop counting (removes the forward hooks)."""
+        for handle in self._handles:
+            handle.remove()
+        self._stop_checking()
+
+
+def sequence_first(module: nn.Module) -> bool:
+    """Whether ``module`` is one of torch's layers reading its input sequence-first by its own
+    setting (``batch_first=False``, their default): RNNs and transformers."""
+    if isinstance(module, (nn.RNNBase, nn.Transformer)):
+        return not module.batch_first
+    if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return not module.self_attn.batch_first
+    return False
+
+
+class _Unreached:
+    """An eval-mode forward with gradients enabled: its ``n`` samples count when the first
+    gradient reaches one of its outputs (a hook on each), once."""
+
+    def __init__(self, counter: BatchCounter, n: int) -> None:
+        self.counter: BatchCounter | None = counter
+        self.n = n
+
+    def reached(self, grad: torch.Tensor | None = None) -> None:
+        counter, self.counter = self.counter, None
+        if counter is not None:
+            counter._add(self.n)
+            if self in counter._unreached:
+                counter._unreached.remove(self)
 
 
 def local_batch_value(n: object) -> int:

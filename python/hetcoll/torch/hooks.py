@@ -298,6 +298,8 @@ class WeightedAllreduceState:
             counts, self._latest = self._latest, None
             weight = float(item_weights(counts, "items")[comm.rank])
         else:
+            if self.counter is not None:  # an eval-mode forward: this loss's backward reaches it
+                self.counter.claim_unreached()
             mine = self._take_count()  # a failure is carried: every rank raises, none waits
             if mine.status == NOT_COUNTED and self._weighed:  # no forward since the last weigh
                 mine = called_twice("local_batch", "state.weigh(loss)")

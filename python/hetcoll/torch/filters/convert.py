@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
-from hetcoll.comm import Communicator, agree, deadline, wrap
+from hetcoll.comm import Communicator, agree, deadline, is_group, wrap
 from hetcoll.errors import CollectiveMismatchError
 from hetcoll.torch.filters.autograd import AgreedForward, GradientSums, sole_holder
 from hetcoll.torch.filters.chains import (
@@ -586,7 +586,8 @@ def _heads_or_groups(
 
 def filter_parallel(
     model: nn.Module,
-    shares_or_speeds: Sequence[float] | Sequence[int] | Mapping[str, Sequence[int]] | None = None,
+    # The older positional split, or the group (as expert_parallel takes it).
+    shares_or_speeds: Sequence[float] | Sequence[int] | Mapping[str, Sequence[int]] | Any = None,
     group: Any = None,
     *,
     speeds: Sequence[float] | None = None,
@@ -652,8 +653,13 @@ def filter_parallel(
     :func:`load_full_optimizer_state_dict` load them into any split of the model (another
     number of ranks, other speeds): a checkpoint that resumes elsewhere.
 
-    >>> model = filter_parallel(DemoNet(), [1.0, 0.25], None)  # doctest: +SKIP
+    ``group`` may also come second, as :func:`~hetcoll.torch.expert_parallel` takes it
+    (``filter_parallel(model, group, speeds=...)``).
+
+    >>> model = filter_parallel(DemoNet(), speeds=[1.0, 0.25], group=group)  # doctest: +SKIP
     """
+    if group is None and is_group(shares_or_speeds):
+        group, shares_or_speeds = shares_or_speeds, None  # (model, group, speeds=...)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     held = [n for n, m in model.named_modules() if isinstance(m, ChannelSplit)]
@@ -926,7 +932,8 @@ def _refuse_ddp_over_sums(model: nn.Module, comm: Communicator) -> None:
 
 class _AgreeOnInputs:
     """The split model's forward hooks: before each forward, one agreement that every rank
-    passes inputs of the same shapes and dtypes (a mismatch raises
+    passes inputs of the same shapes and dtypes, in the same mode (train or eval, gradients
+    enabled or not; a mismatch raises
     :class:`hetcoll.CollectiveMismatchError` on every rank); during it, the layers' reductions
     skip their own checks (:class:`AgreedForward`). An object rather than a closure, so that a
     deep copy of the model gets hooks that mark its own layers."""
@@ -956,14 +963,19 @@ class _AgreeOnInputs:
                 (tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else type(t).__name__
                 for t in pytree.tree_leaves((args, kwargs))
             ]
-            what = "the split model's inputs (shapes and dtypes)"
-            fields = {what: zlib.crc32(repr(shapes).encode())}
+            # Every rank runs each forward alike: a rank evaluating (eval(), no_grad) while the
+            # others train would pair its exchanges with theirs, its split BatchNorm's channels
+            # then normalised by the others' batch statistics, without a word.
+            fields = {
+                "the split model's inputs (shapes and dtypes)": zlib.crc32(repr(shapes).encode()),
+                "the split model's mode (1: train(), 0: eval())": int(module.training),
+                "gradients (1: enabled, 0: no_grad or inference_mode)": int(
+                    torch.is_grad_enabled()
+                ),
+            }
             # The generators' states where the model has dropout (every rank's model alike,
             # checked at filter_parallel): as many values on every rank.
-            states: list[int] = []
-            if self.draws:
-                fields["training"] = int(module.training)
-                states = generator_states(module)
+            states = generator_states(module) if self.draws else []
             got = agree(self.comm, fields, deadline(self.timeout), values=states)
             if self.draws and module.training:
                 # Dropout on whole tensors must draw the same masks on every rank, or the
