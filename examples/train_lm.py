@@ -229,7 +229,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         ("--save-expert-loads", bool(args.save_expert_loads)),
     ):
         if given and plan.experts is None:
-            raise SystemExit(f"{flag}: the plan places no experts (its experts)")
+            raise SystemExit(
+                f"{flag}: the plan places no experts (it has no \"experts\"): its experts are "
+                "replicated, and only placed experts count their tokens; plan for a cluster "
+                "where they do not fit every device, or write the plan's experts yourself"
+            )
     # Collective: every rank passes the same plan (rank 0's weights are used).
     par = parallelize(net, plan, loss_fn=lm_loss, items=valid_tokens, group=job.group)
     if args.emulate and par.stage is not None:

@@ -14,6 +14,7 @@ error on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from typing import Any
@@ -186,7 +187,34 @@ def equals_one_process(
             assert rel(got[k], v) <= tol, (k, rel(got[k], v))
         else:
             assert torch.equal(got[k], v), k
-    return par.traffic()
+    traffic = par.traffic()
+    # An evaluation step: the trained model's loss, every gradient left as it was (none). The
+    # replicas' sums ran under no_grad too, and gave every parameter zeros.
+    trained = make().double().eval()
+    trained.load_state_dict(want_state)
+    par.eval()
+    x, y = data[0]
+    with torch.no_grad():
+        want = float(nn.functional.cross_entropy(trained(x), y))
+        loss = par.step(x, y)
+    assert abs(loss - want) <= tol * abs(want), (loss, want)
+    assert all(p.grad is None for p in par.parameters())
+    return traffic
+
+
+def evaluating_alone(group: Any) -> str:
+    """A rank evaluating (no_grad) while the others train: every rank raises, naming it."""
+    torch.manual_seed(0)
+    par = parallelize(
+        cnn().double(), Plan.from_dict(PIPELINE_4), loss_fn=nn.CrossEntropyLoss(), group=group
+    )
+    x, y = batches((3, 8, 8), par.plan.batch, 1)[0]
+    try:
+        with torch.no_grad() if wrap(group).rank == 0 else contextlib.nullcontext():
+            par.step(x, y)
+    except CollectiveMismatchError as e:
+        return str(e).split(" (")[0]
+    return "no error"
 
 
 PIPELINE_4 = {
@@ -403,6 +431,7 @@ def run_all(group: Any) -> dict[str, Any]:
     inbound = {0: 0, 1: 8 * 8 * 8, 2: 12 * 4 * 4, 3: 160}[rank] * 14 * 8
     assert t == {"activations": boundary, "gradients": inbound, "outputs": 0, "allreduce": 0}, t
     out["pipeline_4"] = True
+    out["evaluating_alone"] = evaluating_alone(group)
     t = equals_one_process(group, cnn, Plan.from_dict(ASYMMETRIC), (3, 8, 8))
     out["asymmetric"] = t["allreduce"] > 0
     t = equals_one_process(group, cnn, Plan.from_dict(IDLE), (3, 8, 8))

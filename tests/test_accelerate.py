@@ -309,6 +309,31 @@ def test_bad_input_raises_on_every_rank_and_a_rank_without_tokens_weighs_zero(tm
         assert zero["max_grad_diff"] < 1e-12
 
 
+@pytest.mark.multiproc
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Accelerate takes the GPUs there")
+def test_torchrun_without_gpus_and_without_the_cpu_flag_is_named(tmp_path):
+    """Accelerate under torchrun on a host without GPUs runs as one process unless given
+    cpu=True (use_cpu=True), though torch.distributed has every rank: each rank took the whole
+    batch (prepare_balanced raised on the speeds' count, BalancedTrainer on its fits)."""
+    proc = subprocess.run(
+        [*TORCHRUN, str(ROOT / "tests" / "accelerate_workers" / "without_cpu_flag.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HETCOLL_TEST_OUT": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in (0, 1):
+        out = json.loads((tmp_path / f"{r}.json").read_text())
+        assert (out["processes"], out["world"]) == (1, 2), out
+        said = "accelerator: Accelerate runs 1 process(es) but torch.distributed has 2 ranks"
+        assert out["prepare_balanced"].startswith(said), out
+        assert out["prepare_balanced"].endswith("pass Accelerator(cpu=True)"), out
+        assert out["trainer"].startswith(said), out
+        assert out["trainer"].endswith("pass TrainingArguments(use_cpu=True)"), out
+
+
 # -- one process -------------------------------------------------------------------------------
 
 

@@ -30,6 +30,22 @@ import hetcoll
 from hetcoll.torch import BalancedSampler, SpeedFit, measure_speed
 
 
+def processes(accelerator: Accelerator, fix: str = "Accelerator(cpu=True)") -> tuple[int, int]:
+    """``accelerator``'s processes and this one's index, checked against torch.distributed's
+    group: under torchrun on a host without GPUs, Accelerate initialises torch.distributed on
+    every rank yet runs as one process unless told to use the CPU (``fix``, said in the
+    error), and every rank would then take the whole batch for its own."""
+    import torch.distributed as dist
+
+    ranks = accelerator.num_processes
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != ranks:
+        raise ValueError(
+            f"accelerator: Accelerate runs {ranks} process(es) but torch.distributed has "
+            f"{dist.get_world_size()} ranks (torchrun on a host without GPUs?): pass {fix}"
+        )
+    return ranks, accelerator.process_index
+
+
 def positive_numbers(values: Any, argument: str, kind: type) -> list[Any]:
     """``values`` checked: a non-empty sequence of numbers > 0 (integers when ``kind`` is
     int), as ``kind``; ``ValueError`` naming ``argument`` (and the entry) otherwise."""
@@ -248,7 +264,7 @@ def prepare_balanced(
     for name in ("sampler", "batch_sampler", "shuffle", "batch_size"):
         if name in loader_kwargs:
             raise TypeError(f"{name}: prepare_balanced makes the loader's sampler itself")
-    ranks, rank = accelerator.num_processes, accelerator.process_index
+    ranks, rank = processes(accelerator)
     chosen = balanced_shares(batch_size, ranks, shares=shares, speeds=speeds, fits=fits)
     sampler = BalancedSampler(
         dataset, chosen, rank, shuffle=shuffle, seed=seed, drop_last=drop_last

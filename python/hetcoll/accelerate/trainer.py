@@ -40,6 +40,7 @@ from hetcoll.accelerate.data import (
     measure_model_speed,
     positive_numbers,
     prepare_balanced,
+    processes,
 )
 from hetcoll.torch import (
     ExpertParallelExperts,
@@ -138,6 +139,7 @@ class BalancedTrainer(Trainer):
         self.balanced: BalancedLoader | None = None
         self._loss_checked = False  # whether the model's loss divides by num_items_in_batch
         super().__init__(*args, **kwargs)
+        processes(self.accelerator, "TrainingArguments(use_cpu=True)")
         ranks = self.args.world_size
         if ranks > 1 and not self.args.average_tokens_across_devices:
             raise ValueError(

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 
+from hetcoll.accelerate.data import processes
 from hetcoll.comm import agree, has_default, wrap
 from hetcoll.torch import item_total, item_weights
 from hetcoll.torch.batches import Items, LocalCount, count_items, counted, items_argument
@@ -147,5 +148,5 @@ def step_items(
     else:  # one process, no process group
         counts = np.array([mine.exchanged], np.int64)
     total = item_total(counts, "items", mine.failure)
-    scale = float(accelerator.num_processes * accelerator.gradient_accumulation_steps)
+    scale = float(processes(accelerator)[0] * accelerator.gradient_accumulation_steps)
     return StepItems(total, tuple(local), tuple(int(n) for n in counts[:, 1]), scale)

@@ -266,7 +266,14 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         a dict of the forward's keyword arguments (``{"input_ids": ids, "attention_mask":
         mask}``); ``targets`` a tensor or a dict of tensors. Both are cut into micro-batches
         along dim 0. Returns the batch's mean loss (over its items: :func:`parallelize`'s
-        ``items``) on every rank. Collective over the group."""
+        ``items``) on every rank. Collective over the group.
+
+        Evaluation: ``par.eval()``, then ``with torch.no_grad(): loss = par.step(x, y)`` on
+        every rank (a rank evaluating while others train raises
+        :class:`~hetcoll.CollectiveMismatchError` on every rank): the batch's loss, every
+        ``.grad`` left as it was. The batch is still ``plan.batch`` rows; each replica
+        normalises by its own BatchNorm running statistics (:meth:`full_state_dict` holds the
+        first replica's). Any other batch: :meth:`full_state_dict` into the unsplit model."""
         checked = self._check_batch(inputs, targets)
         try:
             weights = self._microbatch_weights(targets)
@@ -290,7 +297,8 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                 kept[p] = p.grad
                 p.grad = None
             local = self._run(inputs, targets, checked, weights)
-            self._combine()
+            if torch.is_grad_enabled():  # on every rank alike: the batch's check agreed on it
+                self._combine()
             for p, g in kept.items():
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad + g
@@ -330,6 +338,9 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             "the number of input rows": rows_in,
             "the number of target rows": rows_t,
             "the input's shape": zlib.crc32(repr(_signature(inputs, 1)).encode()),
+            # An evaluation step (eval(), no_grad) on every rank or on none.
+            "the plan's mode (1: train(), 0: eval())": int(self.training),
+            "gradients (1: enabled, 0: no_grad or inference_mode)": int(torch.is_grad_enabled()),
         }
         started = start_agreement(self._tr.comm, fields)
         done = False
@@ -607,6 +618,9 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             checked()
         ops = list(schedule_order(self._schedule(i), j, len(replica.stages), len(sizes)))
         probes: dict[int, tuple[Any, Flow, StageRoles]] = {}
+        # Under no_grad (an evaluation step, on every rank: the batch's check) no input
+        # carries a gradient (StageInput), so none travels back.
+        gradients = torch.is_grad_enabled()
 
         def probed(k: int) -> tuple[Any, Flow, StageRoles]:
             """Micro-batch ``k``'s inputs, probe and roles, looked up once for its forward,
@@ -627,7 +641,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                     for leaf in flow.tensors(b):
                         buf = torch.empty(leaf.shape, dtype=leaf.dtype, device=wire)
                         out.append((buf, source, _TAG_ACTIVATION))
-            elif not last:
+            elif not last and gradients:
                 for b, readers in roles.sends.items():
                     for leaf in flow.tensors(b):
                         if leaf.requires_grad:
@@ -692,7 +706,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                         outs, grads = [], []
                         for b, readers in roles.sends.items():
                             for leaf, t in zip(flow.tensors(b), tensors(y[b]), strict=True):
-                                if not leaf.requires_grad:
+                                if not (leaf.requires_grad and gradients):
                                     continue
                                 total = self._gradient_sum([next(got) for _ in readers])
                                 if t.requires_grad:
