@@ -269,19 +269,23 @@ def test_trainer_with_placed_experts_resumes_from_its_checkpoint_as_the_uninterr
 # -- checks across real ranks ------------------------------------------------------------------
 
 
-@pytest.mark.multiproc
-def test_bad_input_raises_on_every_rank_and_a_rank_without_tokens_weighs_zero(tmp_path):
+def _workers(tmp: Path, script: str) -> list[dict]:
+    """tests/accelerate_workers/``script`` under torchrun on two ranks: each rank's report."""
     proc = subprocess.run(
-        [*TORCHRUN, str(ROOT / "tests" / "accelerate_workers" / "cases.py")],
+        [*TORCHRUN, str(ROOT / "tests" / "accelerate_workers" / script)],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HETCOLL_TEST_OUT": str(tmp_path)},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HETCOLL_TEST_OUT": str(tmp)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
-    for o in out:
+    return [json.loads((tmp / f"{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.multiproc
+def test_bad_input_raises_on_every_rank_and_a_rank_without_tokens_weighs_zero(tmp_path):
+    for o in _workers(tmp_path, "cases.py"):
         assert o["world"] == 2
         assert o["bad_items"]["raised"] == "ValueError"
         assert o["bad_items"]["message"].startswith("items: rank 1 counted -3")
@@ -315,17 +319,7 @@ def test_torchrun_without_gpus_and_without_the_cpu_flag_is_named(tmp_path):
     """Accelerate under torchrun on a host without GPUs runs as one process unless given
     cpu=True (use_cpu=True), though torch.distributed has every rank: each rank took the whole
     batch (prepare_balanced raised on the speeds' count, BalancedTrainer on its fits)."""
-    proc = subprocess.run(
-        [*TORCHRUN, str(ROOT / "tests" / "accelerate_workers" / "without_cpu_flag.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HETCOLL_TEST_OUT": str(tmp_path)},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for r in (0, 1):
-        out = json.loads((tmp_path / f"{r}.json").read_text())
+    for out in _workers(tmp_path, "without_cpu_flag.py"):
         assert (out["processes"], out["world"]) == (1, 2), out
         said = "accelerator: Accelerate runs 1 process(es) but torch.distributed has 2 ranks"
         assert out["prepare_balanced"].startswith(said), out
