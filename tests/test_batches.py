@@ -89,6 +89,25 @@ def test_sequence_first_layers_counted_along_their_sequence_are_named():
         assert counter.take() == 2 * (7 if batch_dim == 0 else 2)
 
 
+def test_frozen_modules_are_not_counted_and_zeroed_forwards_are_dropped():
+    model = nn.Linear(4, 2)
+    counter = BatchCounter(model, reached=True)
+    model.requires_grad_(False)  # a GAN's discriminator in the generator's step
+    model(torch.ones(6, 4))
+    assert counter.forwards == 0
+    model.requires_grad_(True)
+    model(torch.ones(3, 4)).sum().backward()  # its gradients then zeroed: dropped
+    early = model(torch.ones(2, 4))  # zero_grad between a forward and its backward: kept
+    counter.discard_reached()
+    early.sum().backward()
+    assert counter.take() == 2
+    model.eval()  # trained in eval mode: counted at the backward, dropped alike
+    model(torch.ones(5, 4)).sum().backward()
+    assert counter.pending == 5
+    counter.discard_reached()
+    assert counter.pending == 0 and counter.forwards == 0
+
+
 def test_first_tensor_found_through_dicts_and_keywords_and_batch_dim():
     model = TwoInputs()
     counter = BatchCounter(model)
@@ -113,8 +132,12 @@ def test_no_forward_since_the_last_step_is_an_error_not_a_stale_count():
 
 def test_forward_without_a_batched_tensor_names_the_problem():
     class Scalar(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(()))
+
         def forward(self, x: float) -> torch.Tensor:
-            return torch.tensor(x)
+            return self.w + x
 
     model = Scalar()
     BatchCounter(model)

@@ -110,13 +110,16 @@ class BatchCounter:
     the first tensor among them (positional first, then keyword; through tuples, lists and
     dicts), the convention of PyTorch's DataLoader and DDP, or the length of a list of samples
     (torchvision's detection models: a list of images beside a list of their targets).
-    Forwards run with gradients disabled (evaluation) are not counted: no gradient comes of
-    them. A forward in ``eval()`` mode with gradients enabled counts once a backward reaches
-    its output: a model trained in eval mode counts its samples, a validation forward run
-    without ``torch.no_grad()`` does not (its samples would weigh the next step).
+    Forwards run with gradients disabled (evaluation), or of a module none of whose parameters
+    requires a gradient (a discriminator frozen for the generator's step), are not counted: no
+    gradient of theirs is exchanged. A forward in ``eval()`` mode with gradients enabled counts
+    once a backward reaches its output: a model trained in eval mode counts its samples, a
+    validation forward run without ``torch.no_grad()`` does not (its samples would weigh the
+    next step). With ``reached=True`` each training forward also notes when a backward has
+    reached its output, for :meth:`discard_reached`.
     """
 
-    def __init__(self, module: nn.Module, *, batch_dim: int = 0) -> None:
+    def __init__(self, module: nn.Module, *, batch_dim: int = 0, reached: bool = False) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module: must be a torch.nn.Module, got {type(module).__name__}")
         if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
@@ -124,8 +127,9 @@ class BatchCounter:
         self.batch_dim = batch_dim
         self._count = 0
         self._forwards = 0
-        self._evaluated: int | None = None  # an eval-mode forward's samples, until it returns
-        self._unreached: list[_Unreached] = []  # eval-mode forwards no backward reached yet
+        self._track = reached
+        self._pending: _Forward | None = None  # the running forward's record, until it returns
+        self._records: list[_Forward] = []  # the forwards since the last take that hooks watch
         self._handles = (
             module.register_forward_pre_hook(self._see, with_kwargs=True),
             module.register_forward_hook(self._seen, with_kwargs=True),
@@ -140,7 +144,7 @@ class BatchCounter:
         ]
 
     def _see(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not any(p.requires_grad for p in module.parameters()):
             return
         n = batch_size(args, kwargs, self.batch_dim)
         if n is None:
@@ -150,8 +154,10 @@ class BatchCounter:
             )
         if module.training:
             self._add(n)
+            if self._track:
+                self._pending = _Forward(self, n, counted=True)
         else:  # counted once a backward reaches the output (:meth:`_seen`)
-            self._evaluated = n
+            self._pending = _Forward(self, n, counted=False)
         self._counted = n
 
     def _check_order(self, name: str, module: nn.Module, args: tuple) -> None:
@@ -176,27 +182,37 @@ class BatchCounter:
     def _seen(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self._counted is not None and self._orders:  # one counted forward was looked at
             self._stop_checking()
-        n, self._evaluated = self._evaluated, None
-        if n is None:
+        forward, self._pending = self._pending, None
+        if forward is None:
             return
         outputs = [t for t in _tensors(output) if t.requires_grad]
         if not outputs:
             return  # nothing a backward could reach
-        forward = _Unreached(self, n)
-        self._unreached.append(forward)
+        self._records.append(forward)
         for t in outputs:
             t.register_hook(forward.reached)
 
-    def _add(self, n: int) -> None:
+    def _add(self, n: int, forwards: int = 1) -> None:
         self._count += n
-        self._forwards += 1
+        self._forwards += forwards
 
     def claim_unreached(self) -> None:
         """Count the eval-mode forwards no backward has reached yet, as if one had: for a
         caller weighing a loss before its backward (:meth:`WeightedAllreduceState.weigh`)."""
-        for forward in self._unreached:
-            forward.reached()
-        self._unreached.clear()
+        for forward in list(self._records):
+            if not forward.counted:
+                forward.reached()
+
+    def discard_reached(self) -> None:
+        """Drop the counted forwards a backward has reached (``reached=True``): their
+        gradients were zeroed (``zero_grad``) before any exchange took the count (a model's
+        forward in another model's step, as a GAN's discriminator's in the generator's). Those
+        whose backward is still to come (``zero_grad`` between a forward and its backward)
+        stay counted."""
+        for forward in [f for f in self._records if f.done and f.counted]:
+            self._add(-forward.n, -1)
+            forward.counter = None
+            self._records.remove(forward)
 
     @property
     def pending(self) -> int:
@@ -228,9 +244,9 @@ class BatchCounter:
         set by hand)."""
         self._count = 0
         self._forwards = 0
-        for forward in self._unreached:  # a backward reaching them later counts nothing
+        for forward in self._records:  # a backward reaching them later counts nothing
             forward.counter = None
-        self._unreached.clear()
+        self._records.clear()
 
     def remove(self) -> None:
         """Stop counting (removes the forward hooks)."""
@@ -249,20 +265,23 @@ def sequence_first(module: nn.Module) -> bool:
     return False
 
 
-class _Unreached:
-    """An eval-mode forward with gradients enabled: its ``n`` samples count when the first
-    gradient reaches one of its outputs (a hook on each), once."""
+class _Forward:
+    """One forward of ``n`` samples whose output hooks watch for a backward, marked ``done``
+    when the first one reaches it: one in eval mode is counted then."""
 
-    def __init__(self, counter: BatchCounter, n: int) -> None:
+    def __init__(self, counter: BatchCounter, n: int, *, counted: bool) -> None:
         self.counter: BatchCounter | None = counter
         self.n = n
+        self.counted = counted
+        self.done = False
 
     def reached(self, grad: torch.Tensor | None = None) -> None:
-        counter, self.counter = self.counter, None
-        if counter is not None:
-            counter._add(self.n)
-            if self in counter._unreached:
-                counter._unreached.remove(self)
+        if self.done or self.counter is None:  # once; or after its count was taken
+            return
+        self.done = True
+        if not self.counted:  # an eval-mode forward: counted now
+            self.counted = True
+            self.counter._add(self.n)
 
 
 def local_batch_value(n: object) -> int:

@@ -114,7 +114,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.group = group
         self._comm = wrap(group)
-        self.counter = None if model is None else BatchCounter(model, batch_dim=batch_dim)
+        self.counter = (
+            None if model is None else BatchCounter(model, batch_dim=batch_dim, reached=True)
+        )
         #: ``items(y)`` (None: samples are counted): see :meth:`count`.
         self.items = items
         #: The global batch's count (samples, or items) in the latest synchronised step.
@@ -402,6 +404,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._synchronized = False
+        if self.counter is not None:  # the forwards whose gradients are dropped here
+            self.counter.discard_reached()
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
