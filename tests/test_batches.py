@@ -108,6 +108,31 @@ def test_frozen_modules_are_not_counted_and_zeroed_forwards_are_dropped():
     assert counter.pending == 0 and counter.forwards == 0
 
 
+def test_the_forms_loaders_hand_out():
+    from collections import UserDict
+    from dataclasses import dataclass
+
+    from torch.nn.utils.rnn import pack_sequence
+
+    from hetcoll.torch.batches import batch_size, loader_batch_size
+
+    seqs = [torch.ones(n, 2) for n in (7, 5, 2)]
+    for sort in (True, False):  # its sequences, not its tokens nor its fields
+        assert batch_size((pack_sequence(seqs, enforce_sorted=sort),), {}) == 3
+    assert batch_size((UserDict(x=torch.ones(4, 3)),), {}) == 4  # as a BatchEncoding
+
+    @dataclass
+    class Batch:
+        mask: object
+        x: torch.Tensor
+
+    assert batch_size((Batch(None, torch.ones(6, 2)),), {}) == 6
+    same = [torch.ones(7, 2) for _ in range(3)]  # three sequences of one length
+    assert loader_batch_size((same, torch.zeros(3))) == 3  # beside their labels
+    with pytest.warns(UserWarning, match=r"a list of 3 tensors of one shape \(7, 2\)"):
+        assert batch_size((same,), {}) == 7  # alone: read as inputs, and said so
+
+
 def test_first_tensor_found_through_dicts_and_keywords_and_batch_dim():
     model = TwoInputs()
     counter = BatchCounter(model)
@@ -185,7 +210,8 @@ def test_a_list_of_samples_counts_its_entries():
     # Images of several sizes are samples, even alone.
     assert batch_size(([image, torch.zeros(3, 6, 6)],), {}) == 2
     # A list of batched tensors alone, or a tensor first, is read by its first tensor's rows.
-    assert batch_size(([torch.zeros(5, 2), torch.zeros(5, 2)],), {}) == 5
+    with pytest.warns(UserWarning, match="is read as inputs"):  # (ambiguous: said so)
+        assert batch_size(([torch.zeros(5, 2), torch.zeros(5, 2)],), {}) == 5
     assert batch_size((torch.zeros(7, 2), [image, image], targets), {}) == 7
     assert batch_size((torch.zeros(()),), {}) is None
     # A DataLoader's batch: its entries are the arguments (Lightning's strategy reads it so).

@@ -290,7 +290,8 @@ def test_unbatched_input_and_tied_weights():
     while another trained got a wrong output without a word."""
     results = launch.spawn(filter_cases.run_hostile, 2, timeout=90)
     assert results[0] == results[1]
-    unbatched, mismatch, mode, grad, warning = results[0]
+    unbatched, mismatch, mode, grad, copied, warning = results[0]
+    assert copied == "model: a model split by filter_parallel cannot be deep-copied", copied
     assert "the split model's inputs (shapes and dtypes)" in mismatch, mismatch
     # Rank 0 evaluating while rank 1 trains (its output was silently wrong).
     assert mode == "ranks disagree on the split model's mode", mode

@@ -84,6 +84,11 @@ def test_a_loader_batching_by_another_size_than_the_share_is_refused(workers):
         bad = DataLoader(data, sampler=sampler, batch_size=4, num_workers=workers)
         with pytest.raises(ValueError, match=f"^batch_size: .* by 4, .* is {share};"):
             next(iter(bad))
+        # Dropping a short last batch the sampler keeps: a rank whose piece of the epoch's
+        # last step is its share would run it, another not, and wait (ranks hung at 1 : 3).
+        dropping = DataLoader(data, sampler=sampler, batch_size=share, drop_last=True)
+        with pytest.raises(ValueError, match="^drop_last: the DataLoader drops a short last"):
+            next(iter(dropping))
         good = DataLoader(data, sampler=sampler, batch_size=sampler.batch_size)
         view = DataLoader(data, batch_sampler=sampler.batch_sampler(), num_workers=workers)
         want = [b.tolist() for b in DataLoader(data, batch_sampler=sampler.batch_sampler())]

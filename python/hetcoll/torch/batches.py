@@ -23,15 +23,17 @@ same error on every rank.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import numbers
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 #: ``items(y)``: how many items (valid tokens, rows...) ``loss_fn`` averages over for the
 #: targets ``y`` of one step.
@@ -39,30 +41,49 @@ Items = Callable[[Any], int]
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a forward's arguments, in order, through tuples, lists and dicts."""
+    """The tensors in a forward's arguments, in order, through tuples, lists, mappings (dicts,
+    Hugging Face's ``BatchEncoding``) and dataclasses."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
         for item in obj:
             yield from _tensors(item)
-    elif isinstance(obj, dict):
+    elif isinstance(obj, Mapping):
         for item in obj.values():
             yield from _tensors(item)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, field.name))
 
 
 def _sample_list(value: Any, others: list[Any]) -> bool:
     """Whether ``value`` is a list of samples: a list or tuple of tensors (or dicts of them)
     beside another argument of as many entries (torchvision's detection models: a list of
-    images and a list of their targets), or whose tensors differ in shape (images of several
-    sizes)."""
-    if not isinstance(value, (list, tuple)) or not value:
+    images and a list of their targets; a loader's batch of sequences and a tensor of their
+    labels), or whose tensors differ in shape (images of several sizes)."""
+    if not isinstance(value, (list, tuple)) or not value or isinstance(value, PackedSequence):
         return False
-    if not all(isinstance(x, (torch.Tensor, dict)) for x in value):
+    if not all(isinstance(x, (torch.Tensor, Mapping)) for x in value):
         return False
     partnered = any(
-        o is not value and isinstance(o, (list, tuple)) and len(o) == len(value) for o in others
+        o is not value
+        and (
+            (isinstance(o, (list, tuple)) and len(o) == len(value))
+            or (isinstance(o, torch.Tensor) and o.dim() > 0 and o.size(0) == len(value))
+        )
+        for o in others
     )
     shapes = {tuple(x.shape) for x in value if isinstance(x, torch.Tensor)}
+    if not partnered and len(shapes) == 1 and len(value) > 1:
+        first = next(x for x in value if isinstance(x, torch.Tensor))
+        if first.dim() > 0 and first.size(0) != len(value):
+            warnings.warn(
+                f"hetcoll: a list of {len(value)} tensors of one shape {tuple(first.shape)} is "
+                f"read as inputs, its samples counted along their dimension 0 "
+                f"({first.size(0)}); if the list holds the samples (sequences of one length), "
+                "weigh by items= (counting the step's targets) or set the local batch",
+                stacklevel=4,
+            )
     return partnered or len(shapes) > 1
 
 
@@ -70,9 +91,9 @@ def batch_size(args: tuple, kwargs: dict, batch_dim: int = 0) -> int | None:
     """The samples a forward's arguments hold (``args`` positional, ``kwargs`` keyword; None
     where none tells): the first argument that holds tensors decides, in order. A list of
     samples (:func:`_sample_list`: torchvision's detection models take a list of images and a
-    list of their targets) holds as many as it has entries; any other, dimension
-    ``batch_dim`` of its first tensor (through tuples, lists and dicts) that has it, the
-    convention of PyTorch's DataLoader and DDP.
+    list of their targets) holds as many as it has entries, a ``PackedSequence`` its
+    sequences; any other, dimension ``batch_dim`` of its first tensor (through tuples, lists,
+    mappings and dataclasses) that has it, the convention of PyTorch's DataLoader and DDP.
 
     >>> batch_size((torch.zeros(5, 3),), {})
     5
@@ -81,11 +102,13 @@ def batch_size(args: tuple, kwargs: dict, batch_dim: int = 0) -> int | None:
     """
     values = [*args, *kwargs.values()]
     for v in values:
+        if isinstance(v, PackedSequence):
+            return int(v.batch_sizes[0]) if v.batch_sizes.numel() else 0
         if _sample_list(v, values):
             return len(v)
         for t in _tensors(v):
             if t.dim() > batch_dim:
-                return int(t.shape[batch_dim])
+                return int(t.size(batch_dim))  # size(): nested tensors have no shape
     return None
 
 

@@ -145,12 +145,23 @@ def _counting_type(cls: type) -> type:
 
 def _batch_size_failure(loader: Any, sampler: BalancedSampler) -> ValueError | None:
     """A loader batching this sampler's samples itself (``DataLoader(sampler=..., batch_size=B)``)
-    must batch them by this rank's share: another size cuts this rank's steps elsewhere than
-    the other ranks', which then run other numbers of steps and wait for each other. The
-    error, or None."""
+    must batch them by this rank's share, and drop a short last batch only where the sampler
+    does: otherwise this rank's steps are cut elsewhere than the other ranks', which then run
+    other numbers of steps and wait for each other. The error, or None."""
     batches = getattr(loader, "_index_sampler", None)
     size = getattr(batches, "batch_size", None)
-    if not isinstance(batches, BatchSampler) or size == sampler.batch_size:
+    if not isinstance(batches, BatchSampler):
+        return None
+    if size == sampler.batch_size:
+        if batches.drop_last and not sampler.drop_last:
+            # The epoch's last, smaller step: dropped on the ranks whose piece of it is short
+            # of their share, run on the others (which then wait for them).
+            return ValueError(
+                "drop_last: the DataLoader drops a short last batch and the BalancedSampler "
+                "does not, so ranks would run different numbers of steps; pass "
+                "drop_last=True to BalancedSampler instead (or DataLoader(dataset, "
+                "batch_sampler=sampler.batch_sampler()))"
+            )
         return None
     return ValueError(
         f"batch_size: the DataLoader batches rank {sampler.rank}'s samples by {size}, but its "

@@ -935,8 +935,8 @@ class _AgreeOnInputs:
     passes inputs of the same shapes and dtypes, in the same mode (train or eval, gradients
     enabled or not; a mismatch raises
     :class:`hetcoll.CollectiveMismatchError` on every rank); during it, the layers' reductions
-    skip their own checks (:class:`AgreedForward`). An object rather than a closure, so that a
-    deep copy of the model gets hooks that mark its own layers."""
+    skip their own checks (:class:`AgreedForward`). A split model cannot be deep-copied: its
+    copy's hooks refuse, naming what to do instead."""
 
     def __init__(
         self,
@@ -951,6 +951,17 @@ class _AgreeOnInputs:
         self.draws = draws  # the model has dropout: the ranks' generators are checked
         self.stream = stream
         self._cpu_draws: CpuDraws | None = None  # entered for this forward: ranks of kinds
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _AgreeOnInputs:
+        # A copy would exchange on the original's communicator and lose the hooks that sum
+        # the gradients of the parameters held whole (a copy trained silently wrong: 0.8 off).
+        raise TypeError(
+            "model: a model split by filter_parallel cannot be deep-copied (copy.deepcopy, "
+            "torch.optim.swa_utils.AveragedModel): for an average or a target network keep "
+            "tensors beside the split parameters (torch._foreach_lerp_ of a list of "
+            "p.detach().clone()), or split a copy of the unsplit model (gather_state_dict "
+            "into it, then filter_parallel)"
+        )
 
     def before(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not self.agreed.active:  # the outermost call: a nested one is agreed already
