@@ -283,6 +283,35 @@ def test_a_loader_made_with_a_batch_sampler_is_named(tmp_path):
         trainer.fit(BatchSamplerLoader(False, tmp_path))
 
 
+class TwoLoaders(Regression):
+    def train_dataloader(self):
+        return {"a": DataLoader(data(), batch_size=BATCH), "b": DataLoader(data(), batch_size=4)}
+
+
+class HalvedOnReload(Regression):
+    def train_dataloader(self):
+        return DataLoader(data(), batch_size=BATCH if self.current_epoch == 0 else BATCH // 2)
+
+
+def test_several_loaders_raise_and_a_reloaded_loader_keeps_the_proportions(tmp_path):
+    """Two training loaders: the second was cut by the first's shares (6.9e-2 off); a loader
+    reloaded at another batch size kept shares summing to the old one (2 steps of 6 + 2 where
+    the epoch had 4 of 4)."""
+    trainer = quiet_trainer(BalancedStrategy(shares=[6, 2], start_method=START), 2, max_epochs=1)
+    with pytest.raises(Exception, match="BalancedStrategy balances one training loader"):
+        trainer.fit(TwoLoaders(False, tmp_path))
+    trainer = quiet_trainer(
+        BalancedStrategy(shares=[6, 2], start_method=START),
+        2,
+        max_epochs=2,
+        reload_dataloaders_every_n_epochs=1,
+    )
+    trainer.fit(HalvedOnReload(False, tmp_path))
+    # 29 samples: 3 steps of 8 (6 + 2) and 5 (4 + 1); then 7 steps of 4 (3 + 1) and one
+    # sample, padded to one each.
+    assert batch_sizes(tmp_path, 2) == [[6, 6, 6, 4] + [3] * 7 + [1], [2, 2, 2, 1] + [1] * 8]
+
+
 class OtherBatch(Regression):
     """The global batch 6 on every rank (``rank0``: on rank 0 only, the others keep 8)."""
 

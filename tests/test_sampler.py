@@ -87,7 +87,7 @@ def test_a_loader_batching_by_another_size_than_the_share_is_refused(workers):
         # Dropping a short last batch the sampler keeps: a rank whose piece of the epoch's
         # last step is its share would run it, another not, and wait (ranks hung at 1 : 3).
         dropping = DataLoader(data, sampler=sampler, batch_size=share, drop_last=True)
-        with pytest.raises(ValueError, match="^drop_last: the DataLoader drops a short last"):
+        with pytest.raises(ValueError, match=r"^drop_last: the DataLoader drops a short last"):
             next(iter(dropping))
         good = DataLoader(data, sampler=sampler, batch_size=sampler.batch_size)
         view = DataLoader(data, batch_sampler=sampler.batch_sampler(), num_workers=workers)

@@ -45,7 +45,13 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 import hetcoll
 from hetcoll.comm import Communicator, agree, wrap
@@ -334,6 +340,7 @@ class BalancedStrategy(DDPStrategy):
         self.measure_budget = float(measure_budget)
         #: The training loader's sampler, once the loader is set up.
         self.sampler: BalancedSampler | None = None
+        self._balanced: tuple[int, DataLoader] | None = None  # the epoch and loader it balanced
         #: Every rank's measured fit (``measure=True``), in rank order.
         self.fits: list[SpeedFit] | None = None
         self.rebalancer: Rebalancer | None = None
@@ -524,6 +531,22 @@ class BalancedStrategy(DDPStrategy):
         return self._balanced_loader(dataloader)
 
     def _balanced_loader(self, dl: DataLoader) -> DataLoader:
+        epoch = self.lightning_module.trainer.current_epoch if self.lightning_module else 0
+        if (
+            self._balanced is not None
+            and self._balanced[0] == epoch
+            and self._balanced[1] is not dl
+        ):
+            # A second training loader of the same loading (a dict or list of them): one
+            # sampler, one set of shares, one rebalancer and one checkpointed position each
+            # would be needed (the second was cut by the first's shares: 6.9e-2 off).
+            raise ValueError(
+                "train_dataloader: BalancedStrategy balances one training loader, and this "
+                "returns several (a dict, a list or a CombinedLoader of them); combine their "
+                "datasets into one loader (torch.utils.data.ConcatDataset, or a dataset of "
+                "pairs)"
+            )
+        self._balanced = (epoch, dl)
         if dl.batch_size is None:
             raise ValueError(
                 "train_dataloader: BalancedStrategy needs batch_size= (the global batch), "
@@ -537,10 +560,17 @@ class BalancedStrategy(DDPStrategy):
         elif isinstance(sampler, SequentialSampler):
             shuffle, seed = False, self.seed
         else:
+            iterable = isinstance(dl.dataset, IterableDataset)
             raise ValueError(
                 "train_dataloader: BalancedStrategy replaces the sampler with its own and can "
                 "take a DistributedSampler, RandomSampler or SequentialSampler, got "
-                f"{type(sampler).__name__}"
+                + (
+                    "an IterableDataset, which has no sampler: its samples cannot be dealt "
+                    "by share (give each rank its share of a stream in a loop of your own: "
+                    "docs/guides.md, 'Streams')"
+                    if iterable
+                    else type(sampler).__name__
+                )
             )
         shares = self._resolve_shares(dl)
         self.sampler = BalancedSampler(
@@ -579,8 +609,16 @@ class BalancedStrategy(DDPStrategy):
             if total == 1
             else ""
         )
-        if self.sampler is not None:  # a reloaded loader keeps the current shares
-            return list(self.sampler.shares)
+        if self.sampler is not None:  # a reloaded loader keeps the current shares,
+            current = list(self.sampler.shares)  # or their proportions at its batch size
+            if sum(current) == total:
+                return current
+            if total < ranks:
+                raise ValueError(
+                    f"train_dataloader: batch_size {total} (the global batch) is smaller than "
+                    f"the number of ranks ({ranks}){hint}"
+                )
+            return hetcoll.split(total, current, minimum=1)
         if self.shares is not None:
             if len(self.shares) != ranks:
                 raise ValueError(f"shares: has {len(self.shares)} entries for {ranks} ranks")

@@ -288,7 +288,10 @@ class Rebalancer:
         return hetcoll.split(total, speeds, latency=latency, capacity=caps, minimum=self.minimum)
 
     def observe(self, samples: int, seconds: float) -> bool:
-        """Record one step of this rank; every ``every`` steps decide (collectively)."""
+        """Record one step of this rank; every ``every`` steps decide (collectively). Every
+        rank calls it once for every step, as many times: a rank that skips a step decides
+        at another step than the others, whose exchange then waits for it (or meets another
+        collective of theirs)."""
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             raise ValueError(f"samples: must be an integer >= 0, got {samples!r}")
         if not (math.isfinite(seconds) and seconds >= 0.0):
