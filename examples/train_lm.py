@@ -230,7 +230,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     ):
         if given and plan.experts is None:
             raise SystemExit(
-                f"{flag}: the plan places no experts (it has no \"experts\"): its experts are "
+                f'{flag}: the plan places no experts (it has no "experts"): its experts are '
                 "replicated, and only placed experts count their tokens; plan for a cluster "
                 "where they do not fit every device, or write the plan's experts yourself"
             )
