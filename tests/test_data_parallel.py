@@ -193,6 +193,51 @@ def test_a_gan_whose_discriminator_is_frozen_for_the_generator_step():
         assert max(rel_err(p, r) for p, r in zip(params, ref, strict=True)) <= 1e-12
 
 
+# -- uneven inputs: DDP's join() -----------------------------------------------------------------
+
+#: Each rank's rows per step: rank 1 runs out of inputs after two steps.
+JOIN_ROWS = ([4, 4, 4], [2, 2])
+
+
+def _join_batches(rank):
+    x, y = make_data(sum(map(sum, JOIN_ROWS)))
+    start = sum(map(sum, JOIN_ROWS[:rank]))
+    out = []
+    for n in JOIN_ROWS[rank]:
+        out.append((x[start : start + n], y[start : start + n]))
+        start += n
+    return out
+
+
+def _joined(rank, world):
+    ddp = DDP(make_model())
+    register_weighted_hook(ddp)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    with ddp.join():
+        for x, y in _join_batches(rank):
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+    return [p.detach().clone() for p in ddp.parameters()]
+
+
+def test_ranks_out_of_inputs_under_join_weigh_nothing():
+    """A rank that has joined counts no samples (it raised "ran no forward", and the other
+    waited): each step is one process's over the rows of the ranks still training."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    per_rank = [_join_batches(r) for r in range(2)]
+    for step in range(3):
+        rows = [b[step] for b in per_rank if step < len(b)]
+        x, y = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    for params in spawn(_joined, 2):
+        for p, r in zip(params, model.parameters(), strict=True):
+            assert rel_err(p, r.detach()) <= 1e-12
+
+
 # -- rebalancing ---------------------------------------------------------------------------------
 
 

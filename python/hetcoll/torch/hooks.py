@@ -61,6 +61,8 @@ import queue
 import threading
 import time
 import warnings
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -182,6 +184,9 @@ class WeightedAllreduceState:
         # while one of them trains warns once.
         self._exchanging: list[tuple[str, torch.nn.Module]] = []
         self.ready_at = 0.0
+        # The DDP model (register_weighted_hook): under its join(), a rank out of inputs runs
+        # the hook without a forward, and counts none.
+        self._ddp: Callable[[], Any] = lambda: None
 
     def _agree(self) -> None:
         """Once: every rank must have chosen the same algorithm, or the ranks would wait on
@@ -319,7 +324,9 @@ class WeightedAllreduceState:
             try:
                 mine = counted(self.counter.take())
             except RuntimeError as e:  # no forward since the last take
-                return LocalCount(NOT_COUNTED, 0, e)
+                if not self._joined():
+                    return LocalCount(NOT_COUNTED, 0, e)
+                mine = counted(0)  # out of inputs under ddp.join(): it weighs nothing
         else:
             if self.counter is not None:
                 self.counter.discard()
@@ -328,6 +335,12 @@ class WeightedAllreduceState:
         self._by_hand = False
         self._local_batch = mine.value
         return mine
+
+    def _joined(self) -> bool:
+        """Whether this rank has joined under the DDP model's ``join()`` (it ran out of
+        inputs: DDP runs its hook for the others' backward without a forward here)."""
+        config = getattr(self._ddp(), "_join_config", None)
+        return bool(getattr(config, "enable", False))
 
     def _begin_step(self) -> tuple[float, bool]:
         """This step's factor for the buckets, fixed at the step's first bucket: this rank's
@@ -524,6 +537,7 @@ def register_weighted_hook(
     state._exchanging = [
         (name, m) for name, m in ddp.module.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)
     ]
+    state._ddp = weakref.ref(ddp)
     ddp.register_comm_hook(state, weighted_allreduce_hook)
     return state
 
