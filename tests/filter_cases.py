@@ -605,3 +605,45 @@ def run_hostile(rank: int, world_size: int) -> list[str]:
     out = tied(torch.tensor([[1, 2]]))
     assert out.shape == (1, 2, 10)
     return seen
+
+
+def optimizer_before(rank: int, world: int) -> list[str]:
+    """An optimizer created before the split (filter_parallel, expert_parallel, parallelize)
+    holds the replaced parameters: its step raised nothing and trained nothing of the model
+    (the split layers of an MLP stayed as they were, a Llama's projections, a Mixtral's
+    experts, a plan's every layer)."""
+    from tensor_parallel_cases import mixtral
+
+    from hetcoll import Plan
+    from hetcoll.torch import expert_parallel, parallelize
+
+    torch.manual_seed(0)
+    said = []
+    x = torch.randn(4, 8)
+    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    split = filter_parallel(model, speeds=[1.0, 0.25])
+    split(x).sum().backward()
+    try:
+        opt.step()
+    except ValueError as e:
+        said.append(str(e))
+    moe = mixtral()
+    opt = torch.optim.Adam(moe.parameters())
+    expert_parallel(moe, speeds=[1.0, 0.25])
+    try:
+        opt.step()
+    except ValueError as e:
+        said.append(str(e))
+    net = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    stages = [{"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 3]}]
+    plan = {"replicas": [{"samples": 4, "stages": stages}]}
+    par = parallelize(net, Plan.from_dict(plan), loss_fn=lambda out, y: out.sum())
+    par.step(x, torch.zeros(4))
+    try:
+        opt.step()
+    except ValueError as e:
+        said.append(str(e))
+    torch.optim.SGD(par.parameters(), lr=0.1).step()  # made after: steps
+    return said

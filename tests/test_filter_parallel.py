@@ -284,6 +284,14 @@ def test_an_untraceable_forward_is_named_in_a_warning():
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
+def test_an_optimizer_made_before_the_split_raises_at_its_step():
+    for said in launch.spawn(filter_cases.optimizer_before, 2, timeout=90):
+        assert [s.split(":")[0] for s in said] == ["optimizer"] * 3, said
+        for s, call in zip(said, ("filter_parallel", "expert_parallel", "parallelize")):
+            assert f"that {call} replaced" in s and f"Create the optimizer after {call}" in s
+
+
+@pytest.mark.timeout(120)
 def test_unbatched_input_and_tied_weights():
     """Issue 26: an unbatched input to a split conv raised nowhere and hung; filter_parallel
     split a Linear tied to an embedding and silently untied it. Survey 11: a rank evaluating

@@ -267,6 +267,25 @@ def _ddp_over_a_split(rank, world):
     return "no error"
 
 
+def _ddp_on_the_split_ranks(rank, world):
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    split = filter_parallel(
+        nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)), speeds=[1.0, 1.0]
+    )
+    try:  # Accelerate's prepare does it: DDP had copied rank 0's slices over rank 1's
+        DistributedDataParallel(split)(torch.ones(3, 4))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ddp_over_the_ranks_of_one_split_is_refused():
+    for said in spawn(_ddp_on_the_split_ranks, 2, timeout=60):
+        assert said.startswith("model: DDP runs over ranks [0, 1] of one filter_parallel"), said
+
+
 def test_ddp_over_a_split_holding_parameters_whole_is_refused():
     """DDP over the replicas of a split model averaged the gradients of what the split holds
     whole before their sums over the split were added, and wrote its average over them (a

@@ -39,6 +39,7 @@ from hetcoll.comm import Communicator, agree, deadline, wrap
 from hetcoll.plan import expert_indices, expert_runs
 from hetcoll.torch.filters.experts import LocalExperts, derived_class
 from hetcoll.torch.filters.layers import ChannelSplit
+from hetcoll.torch.replaced import record_replaced
 from hetcoll.torch.transport import CountingCommunicator, transport
 
 #: The flags Hugging Face's ``use_experts_implementation`` sets on an experts module.
@@ -682,12 +683,14 @@ def expert_parallel(
     # backward then issues both in one order, that of its autograd graph, the same on every
     # rank.
     comm = wrap(transport(group).subgroup(range(whole.size)))
+    unplaced = list(model.parameters())
     for name, held in placed.items():
         module = model.get_submodule(name)
         ExpertParallelExperts.convert(
             module, held, comm, weight=weight, combine=combine, timeout=timeout
         )
     leave_to_ranks(model)
+    record_replaced(unplaced, model.parameters(), "expert_parallel")
     return model
 
 

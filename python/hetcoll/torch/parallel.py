@@ -65,6 +65,7 @@ from hetcoll.torch.placement import (
     check_block_shapes,
     owners_blocks,
 )
+from hetcoll.torch.replaced import record_replaced
 from hetcoll.torch.replay import (
     Flow,
     StageRoles,
@@ -1159,6 +1160,7 @@ def parallelize(
         if cut.kind == "blocks":  # to probe micro-batches as the working ranks do
             par._skeleton = [_stage_copy(model, layers, par._meta_blocks, 0, 0)]
     _plan_reductions(par, plan, names, model, cut.kind)
+    record_replaced(model.parameters(), par.parameters(), "parallelize")
     return par
 
 

@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
-from hetcoll.comm import Communicator, agree, deadline, is_group, wrap
+from hetcoll.comm import Communicator, TorchCommunicator, agree, deadline, is_group, wrap
 from hetcoll.errors import CollectiveMismatchError
 from hetcoll.torch.filters.autograd import AgreedForward, GradientSums, sole_holder
 from hetcoll.torch.filters.chains import (
@@ -74,6 +75,7 @@ from hetcoll.torch.filters.streams import (
     unequal_generators,
 )
 from hetcoll.torch.filters.timing import replicated_latencies, sample_seconds
+from hetcoll.torch.replaced import record_replaced
 from hetcoll.torch.state_dicts import few_names
 from hetcoll.torch.transport import CountingCommunicator
 
@@ -728,7 +730,8 @@ def filter_parallel(
     _agree_on_plan(comm, chosen, modes, per_layer, shared, timeout)
 
     sums = GradientSums.of(comm, timeout)  # the whole parameters' gradients, summed per backward
-    before = {id(p): tuple(p.shape) for p in model.parameters()}
+    unsplit = list(model.parameters())
+    before = {id(p): tuple(p.shape) for p in unsplit}
     home = weakref.ref(model)
 
     def held_whole() -> tuple[dict[int, tuple[str, nn.Parameter]], Callable[..., None]]:
@@ -869,6 +872,7 @@ def filter_parallel(
         set_attribute(model, name, split)
     stream = install_rank_streams(model, comm.rank)
     _agree_per_forward(model, comm, timeout, owned, stream)
+    record_replaced(unsplit, model.parameters(), "filter_parallel")
     return model
 
 
@@ -910,14 +914,29 @@ _GENERATORS = (
 )
 
 
-def _refuse_ddp_over_sums(model: nn.Module, comm: Communicator) -> None:
-    """Raise where DDP runs this forward of a split model that holds parameters whole (their
-    gradients summed over the split's ranks after the backward, :class:`GradientSums`): DDP
-    would average those gradients before the sums are added, and write its average over
-    them (the key and value projections of multi-query attention would not train). Every
-    rank runs under DDP alike: every rank raises."""
-    if getattr(DistributedDataParallel, "_active_ddp_module", None) is None:
+def _refuse_ddp_over_split(model: nn.Module, comm: Communicator) -> None:
+    """Raise where DDP runs this forward of a split model over two ranks of its split (they
+    hold parts of one model: DDP copied rank 0's over the others' at its start), or of one that
+    holds parameters whole (their gradients summed over the split's ranks after the backward,
+    :class:`GradientSums`): DDP would average those gradients before the sums are added, and
+    write its average over them (the key and value projections of multi-query attention
+    would not train). Every rank runs under DDP alike: every rank raises."""
+    ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
+    if ddp is None:
         return
+    inner = CountingCommunicator.uncounted(comm)
+    if isinstance(inner, TorchCommunicator):
+        # DDP over ranks of one split (Accelerate's prepare does it): they hold parts of one
+        # model, not replicas; DDP's start broadcast rank 0's parts over the others' already.
+        split = set(dist.get_process_group_ranks(inner.native or dist.group.WORLD))
+        shared = sorted(split & set(dist.get_process_group_ranks(ddp.process_group)))
+        if len(shared) > 1:
+            raise ValueError(
+                f"model: DDP runs over ranks {shared} of one filter_parallel split, which hold "
+                "parts of one model, not replicas (DDP copied rank 0's parts over the others' "
+                "when it was made); train the split model without DDP (or Accelerate's "
+                "prepare), and give DDP replicas over one rank of each split"
+            )
     held = GradientSums.trained(comm)
     whole = [n for n, p in model.named_parameters() if id(p) in held]
     if whole:
@@ -966,7 +985,7 @@ class _AgreeOnInputs:
     def before(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not self.agreed.active:  # the outermost call: a nested one is agreed already
             if module.training and torch.is_grad_enabled():
-                _refuse_ddp_over_sums(module, self.comm)
+                _refuse_ddp_over_split(module, self.comm)
             if self.owned and isinstance(self.comm, CountingCommunicator):
                 self.comm.counts.clear()  # split_traffic: this forward and its backward
             CountingCommunicator.count_as(self.comm, "activations")

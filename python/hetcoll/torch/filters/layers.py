@@ -370,6 +370,9 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
     # wrong input raises on every rank instead of leaving the ranks' collectives mismatched.
     input_dims: int | None = None
 
+    # This rank's slice's shape, as split; a weight of another shape was replaced afterwards.
+    _weight_shape: tuple[int, ...] | None = None
+
     def _local_in(self) -> int:
         raise NotImplementedError
 
@@ -379,6 +382,15 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
             # network, as ELECTRA's embeddings_project): whole before the autograd functions
             # here, which take a tensor's own shape, the piece's, not the one it reports.
             x = x.whole()
+        if self._weight_shape is not None and self.weight.shape != self._weight_shape:
+            # Replaced after the split (weights tied afterwards: model.tie_weights(), head.weight
+            # = embedding.weight), with the ranks' collectives then of mismatched sizes.
+            raise ValueError(
+                f"weight: this rank's {type(self).__name__} holds a slice of shape "
+                f"{self._weight_shape}, and its weight was replaced by one of shape "
+                f"{tuple(self.weight.shape)} after filter_parallel; tie or replace weights "
+                "before splitting (filter_parallel keeps ties it finds)"
+            )
         if self.input_dims is not None and x.dim() != self.input_dims:
             raise ValueError(
                 f"input: a filter-parallel {type(self).__name__} takes batched {self.input_dims}-D "
@@ -466,6 +478,7 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
             self.bias = (
                 None if b is None or bias is None else nn.Parameter(b.clone(), bias.requires_grad)
             )
+        self._weight_shape = tuple(self.weight.shape)  # this rank's slice, checked at forwards
 
     def extra_repr(self) -> str:
         return f"mode={self.mode!r}, shares={self.shares}, rank={self.rank}"
