@@ -23,6 +23,7 @@ from hetcoll.comm.base import KINDS, Communicator, Request, SharedWindows, deadl
 from hetcoll.comm.default import (
     MPI_LAUNCHER_VARIABLES,
     NOT_GIVEN,
+    global_ranks,
     group_argument,
     has_default,
     is_group,
@@ -46,6 +47,7 @@ __all__ = [
     "TorchRequest",
     "agree",
     "deadline",
+    "global_ranks",
     "group_argument",
     "has_default",
     "is_group",

@@ -147,14 +147,16 @@ def same_processes(a: Communicator, b: Communicator) -> bool:
             return False
         mpi = sys.modules["mpi4py.MPI"]
         return bool(mpi.Comm.Compare(a.native, b.native) in (mpi.IDENT, mpi.CONGRUENT))
-    import torch.distributed as dist
+    return global_ranks(a) == global_ranks(b)
 
-    def ranks(group: Any) -> list[int]:
-        if group is None:
-            return list(range(dist.get_world_size()))
-        return list(dist.get_process_group_ranks(group))
 
-    return ranks(a.native) == ranks(b.native)
+def global_ranks(c: Communicator) -> list[int]:
+    """The default group's ranks of a torch.distributed communicator's processes, in its
+    rank order (``c`` may wrap one, as a counting communicator does)."""
+    torch_comm = wrap(c.native)
+    if not isinstance(torch_comm, TorchCommunicator):
+        raise TypeError(f"c: a torch.distributed communicator, got engine {c.engine!r}")
+    return torch_comm.global_ranks
 
 
 def group_argument(group: Any, where: str, **old: Any) -> Any:

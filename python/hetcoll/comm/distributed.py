@@ -87,7 +87,8 @@ class TorchCommunicator(Communicator):
         self.size = dist.get_world_size(group)
         self.engine = str(dist.get_backend(group))
         self._dist = dist
-        self._global = [
+        #: Each group rank's rank in the default group (the group's processes, in its order).
+        self.global_ranks = [
             r if group is None else dist.get_global_rank(group, r) for r in range(self.size)
         ]
 
@@ -96,7 +97,7 @@ class TorchCommunicator(Communicator):
     def isend(self, buf: np.ndarray, dest: int, tag: int) -> Request:
         t = _bytes(buf)
         try:
-            work = self._dist.isend(t, self._global[dest], group=self.native, tag=tag)
+            work = self._dist.isend(t, self.global_ranks[dest], group=self.native, tag=tag)
         except (RuntimeError, ConnectionError) as e:
             raise _lost(f"send to rank {dest}", e) from e
         return TorchRequest(work, ("send to rank", dest), t)
@@ -104,7 +105,7 @@ class TorchCommunicator(Communicator):
     def irecv(self, buf: np.ndarray, source: int, tag: int) -> Request:
         t = _bytes(buf)
         try:
-            work = self._dist.irecv(t, self._global[source], group=self.native, tag=tag)
+            work = self._dist.irecv(t, self.global_ranks[source], group=self.native, tag=tag)
         except (RuntimeError, ConnectionError) as e:
             raise _lost(f"receive from rank {source}", e) from e
         return TorchRequest(work, ("receive from rank", source), t)
@@ -123,7 +124,7 @@ class TorchCommunicator(Communicator):
 
         t = torch.from_numpy(buf.reshape(-1).view(np.uint8))
         with _lost_peer("broadcast"):
-            work = dist.broadcast(t, self._global[root], group=self.native, async_op=True)
+            work = dist.broadcast(t, self.global_ranks[root], group=self.native, async_op=True)
         return TorchRequest(work, "broadcast", t)
 
     def allreduce_sum(self, buf: np.ndarray, kind: str, deadline: float | None) -> None:

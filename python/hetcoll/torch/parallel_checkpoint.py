@@ -144,7 +144,7 @@ class PlanCheckpoints:
             at = 0
             host = buf.cpu()
             for (key, _, shape, _), dtype, n in zip(keys, dtypes, sizes, strict=True):
-                out[key] = from_bytes(host[at : at + n], dtype, shape).clone()
+                out[key] = from_bytes(host[at : at + n], dtype, shape, copy=True)
                 at += n
         if experts:  # every replica holds its own experts: each rank adds its slices
             parts = self._parts()

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hetcoll.comm import Communicator, Request, wrap
+from hetcoll.comm import Communicator, Request, TorchCommunicator, wrap
 
 __all__ = ["CountingCommunicator", "Inbox", "Transport", "transport"]
 
@@ -66,16 +66,14 @@ class Transport(ABC):
 
 
 class _TorchTransport(Transport):
-    def __init__(self, group: Any) -> None:
+    def __init__(self, comm: TorchCommunicator) -> None:
         import torch.distributed as dist
 
-        self.comm = wrap(group)
+        self.comm = comm
         self._dist = dist
-        self._group = group
-        self.rank, self.size, self.engine = self.comm.rank, self.comm.size, self.comm.engine
-        self._global = [
-            r if group is None else dist.get_global_rank(group, r) for r in range(self.size)
-        ]
+        self._group = comm.native
+        self.rank, self.size, self.engine = comm.rank, comm.size, comm.engine
+        self._global = comm.global_ranks
         self._subs: dict[tuple[int, ...], Any] = {}
 
     def isend(self, t: torch.Tensor, dst: int, tag: int) -> Any:
@@ -122,12 +120,14 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
-def from_bytes(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+def from_bytes(
+    raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int], *, copy: bool = False
+) -> torch.Tensor:
     """The ``dtype`` tensor of ``shape`` held in the uint8 tensor ``raw`` (a slice of a packed
     buffer, :func:`as_bytes`'s bytes of tensors of several dtypes one after the other): a view
     where its offset suits ``dtype``, else a copy (a float64 after 3 bytes of a bool mask
-    cannot be viewed in place)."""
-    if raw.storage_offset() % dtype.itemsize:
+    cannot be viewed in place); with ``copy``, a copy always (one, either way)."""
+    if copy or raw.storage_offset() % dtype.itemsize:
         raw = raw.clone()
     return raw.view(dtype).reshape(shape)
 
@@ -231,7 +231,9 @@ def transport(group: Any = None) -> Transport:
     c = wrap(group)  # the clear TypeError / ValueError for anything else
     if c.engine == "mpi":
         return _MpiTransport(c.native)
-    return _TorchTransport(c.native)
+    torch_comm = wrap(c.native)  # the group's own (c may count what it sends)
+    assert isinstance(torch_comm, TorchCommunicator)
+    return _TorchTransport(torch_comm)
 
 
 class CountingCommunicator(Communicator):

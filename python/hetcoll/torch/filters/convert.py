@@ -14,12 +14,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
-from hetcoll.comm import Communicator, TorchCommunicator, agree, deadline, is_group, wrap
+from hetcoll.comm import Communicator, agree, deadline, global_ranks, is_group, wrap
 from hetcoll.errors import CollectiveMismatchError
 from hetcoll.torch.filters.autograd import AgreedForward, GradientSums, sole_holder
 from hetcoll.torch.filters.chains import (
@@ -924,12 +923,11 @@ def _refuse_ddp_over_split(model: nn.Module, comm: Communicator) -> None:
     ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
     if ddp is None:
         return
-    inner = CountingCommunicator.uncounted(comm)
-    if isinstance(inner, TorchCommunicator):
+    if comm.engine != "mpi":
         # DDP over ranks of one split (Accelerate's prepare does it): they hold parts of one
         # model, not replicas; DDP's start broadcast rank 0's parts over the others' already.
-        split = set(dist.get_process_group_ranks(inner.native or dist.group.WORLD))
-        shared = sorted(split & set(dist.get_process_group_ranks(ddp.process_group)))
+        split = set(global_ranks(comm))
+        shared = sorted(split.intersection(global_ranks(wrap(ddp.process_group))))
         if len(shared) > 1:
             raise ValueError(
                 f"model: DDP runs over ranks {shared} of one filter_parallel split, which hold "
