@@ -39,6 +39,7 @@ from hetcoll.comm import Communicator, agree, deadline, wrap
 from hetcoll.plan import expert_indices, expert_runs
 from hetcoll.torch.filters.experts import LocalExperts, derived_class
 from hetcoll.torch.filters.layers import ChannelSplit
+from hetcoll.torch.filters.shards import track_optimizers
 from hetcoll.torch.replaced import record_replaced
 from hetcoll.torch.transport import CountingCommunicator, transport
 
@@ -691,6 +692,7 @@ def expert_parallel(
         )
     leave_to_ranks(model)
     record_replaced(unplaced, model.parameters(), "expert_parallel")
+    track_optimizers()
     return model
 
 

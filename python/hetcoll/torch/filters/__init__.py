@@ -43,7 +43,9 @@ units: one sum-reduction of its output forward, whatever the router picks.
 The package, each module importing only those named before it: :mod:`.checks` (argument
 checks, speeds into shares), :mod:`.autograd` (the layers' communication as autograd functions),
 :mod:`.split_output` (a gathering layer's output kept split until an op needs it whole, and
-the cross-entropy of logits split by vocabulary), :mod:`.layers` (the split modules),
+the cross-entropy of logits split by vocabulary), :mod:`.layers` (the split modules; their
+state dicts mark each slice where it sits in the unsplit tensor, as torch.distributed.checkpoint's
+shards), :mod:`.shards` (the optimizer state of split parameters marked alike),
 :mod:`.chains` (which layers split, and the chain pairing rule), :mod:`.heads` (the record
 of a block split by heads or hidden units, and how a rank's module holds its share),
 :mod:`.head_guards` (what a split attention runs with: per-head inputs cut, empty ranks, a

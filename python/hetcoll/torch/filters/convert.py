@@ -65,6 +65,7 @@ from hetcoll.torch.filters.layers import (
     whole_positions,
 )
 from hetcoll.torch.filters.pairing import SplitLayout, split_layout
+from hetcoll.torch.filters.shards import track_optimizers
 from hetcoll.torch.filters.streams import (
     CpuDraws,
     RankStream,
@@ -872,6 +873,7 @@ def filter_parallel(
     stream = install_rank_streams(model, comm.rank)
     _agree_per_forward(model, comm, timeout, owned, stream)
     record_replaced(unsplit, model.parameters(), "filter_parallel")
+    track_optimizers()
     return model
 
 

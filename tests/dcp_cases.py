@@ -1,0 +1,185 @@
+"""torch.distributed.checkpoint of split models, run inside every rank of real gloo jobs
+(tests/test_dcp.py): a first job splits a model one way, steps AdamW twice and saves
+``get_state_dict(model, optimizer)`` with ``dcp.save``, as a user of DCP would; a second job,
+on another number of ranks split for other speeds, builds the model afresh (other initial
+weights), and loads the checkpoint with ``dcp.load`` and ``set_state_dict``. Its gathered
+model and optimizer state must equal the first job's exactly, and its forward the unsplit
+model's with that state (float64, 1e-10).
+
+The gradients the optimizer steps are set elementwise from each parameter's values (the same
+function of the unsplit parameter's entries whatever the split), so the state is the unsplit
+model's without a forward: every layout a split holds (channel runs, packed query/key/value
+blocks, the multi-query key and value every rank holds whole, experts placed out of order)
+is checked on its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from transformer_cases import SEQ, VOCAB, falcon, gpt2, llama, mixtral
+
+from hetcoll.torch import (
+    expert_parallel,
+    filter_parallel,
+    gather_optimizer_state_dict,
+    gather_state_dict,
+)
+
+TOL = 1e-10
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 7), nn.ReLU(), nn.Linear(7, 3))
+
+
+def resnet18() -> nn.Module:
+    import torchvision
+
+    return torchvision.models.resnet18(num_classes=5)
+
+
+#: name: (the model, its input, how it splits: ("filter", speeds) or ("experts", shares)
+#: for each of the two jobs (2 ranks, then 3)).
+CASES: dict[str, tuple[Any, Any, tuple[str, Any], tuple[str, Any]]] = {
+    "mlp": (
+        mlp,
+        lambda: torch.randn(4, 6, dtype=torch.float64),
+        ("filter", [1.0, 3.0]),
+        ("filter", [2.0, 1.0, 1.0]),
+    ),
+    "resnet18": (
+        resnet18,
+        lambda: torch.randn(2, 3, 32, 32, dtype=torch.float64),
+        ("filter", [1.0, 2.0]),
+        ("filter", [1.0, 1.0, 3.0]),
+    ),
+    "llama": (
+        llama,
+        lambda: torch.randint(0, VOCAB, (2, SEQ)),
+        ("filter", [1.0, 1.0]),
+        ("filter", [1.0, 0.5, 0.5]),
+    ),
+    "gpt2": (
+        gpt2,
+        lambda: torch.randint(0, VOCAB, (2, SEQ)),
+        ("filter", [3.0, 1.0]),
+        ("filter", [1.0, 2.0, 1.0]),
+    ),
+    "falcon": (
+        falcon,
+        lambda: torch.randint(0, VOCAB, (2, SEQ)),
+        ("filter", [1.0, 1.0]),
+        ("filter", [2.0, 1.0, 1.0]),
+    ),
+    "mixtral": (
+        mixtral,
+        lambda: torch.randint(0, VOCAB, (2, SEQ)),
+        ("experts", [[0, 3], [1, 2]]),
+        ("experts", [[2], [0, 3], [1]]),
+    ),
+}
+
+
+def build(name: str, split: tuple[str, Any], group: Any, seed: int) -> nn.Module:
+    make = CASES[name][0]
+    torch.manual_seed(seed)
+    model = make().double()
+    kind, how = split
+    if kind == "filter":
+        return filter_parallel(model, group, speeds=how)
+    return expert_parallel(model, group, shares=how)
+
+
+def output(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def first_job(rank: int, world: int, name: str, path: str) -> None:
+    torch.set_num_threads(1)
+    model = build(name, CASES[name][2], None, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for _ in range(2):
+        for p in model.parameters():  # elementwise in the unsplit entries: any split alike
+            p.grad = torch.sin(3 * p.detach() + 1)
+        opt.step()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    full = gather_state_dict(model, dst=0)
+    optim = gather_optimizer_state_dict(model, opt, dst=0)
+    if rank == 0:
+        torch.save({"model": full, "optim": optim}, Path(path) / "full.pt")
+    dist.barrier()
+
+
+def second_job(rank: int, world: int, name: str, path: str) -> dict[str, float] | None:
+    torch.set_num_threads(1)
+    model = build(name, CASES[name][3], None, seed=1)  # other initial weights
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    full = gather_state_dict(model, dst=0)
+    optim = gather_optimizer_state_dict(model, opt, dst=0)
+    torch.manual_seed(2)
+    x = CASES[name][1]()
+    got = output(model, x)
+    if rank != 0:
+        return None
+    saved = torch.load(Path(path) / "full.pt")
+    assert full is not None and optim is not None
+    torch.manual_seed(3)
+    unsplit = CASES[name][0]().double()
+    unsplit.load_state_dict(saved["model"])
+    want = output(unsplit, x)
+    return {
+        "model": max((full[k] - v).abs().max().item() for k, v in saved["model"].items()),
+        "optim": max(
+            (optim["state"][n][f] - v).abs().max().item()
+            for n, fields in saved["optim"]["state"].items()
+            for f, v in fields.items()
+        ),
+        "keys": float(set(full) != set(saved["model"])),
+        "forward": ((got - want).abs().max() / want.abs().max()).item(),
+    }
+
+
+def slice_of_another_rank(rank: int, world: int, path: str) -> tuple[str, str, list[str]]:
+    """An even split (2 ranks, one speed): each rank saves its own ``state_dict()`` and its
+    optimizer's with ``torch.save``; each rank then loads its own, which must load, and the
+    other rank's, of the same shapes, which must raise naming the entry. Also the names of
+    the parameters ``state_dict(keep_vars=True)`` hands out marked (none must be)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = filter_parallel(mlp().double(), speeds=[1.0, 1.0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.sin(3 * p.detach() + 1)
+    opt.step()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f"{path}/rank{rank}.pt")
+    dist.barrier()
+    errors: list[str] = []
+    own = torch.load(f"{path}/rank{rank}.pt", weights_only=False)
+    model.load_state_dict(own["model"])
+    opt.load_state_dict(own["optim"])
+    other = torch.load(f"{path}/rank{1 - rank}.pt", weights_only=False)
+    try:
+        model.load_state_dict(other["model"])
+    except ValueError as e:
+        errors.append(str(e))
+    try:
+        opt.load_state_dict(other["optim"])
+    except ValueError as e:
+        errors.append(str(e))
+    marked = [k for k, t in model.state_dict(keep_vars=True).items() if hasattr(t, "global_shape")]
+    return errors[0], errors[1], marked

@@ -1,0 +1,100 @@
+"""torch.distributed.checkpoint saves a split model as the unsplit one and loads it into any
+other split (tests/dcp_cases.py): a split's ``state_dict()`` and its optimizer's mark each
+slice with where it sits in the unsplit tensor (DCP's ``CheckpointableTensor`` fields), and a
+slice saved by another rank is refused by ``load_state_dict``."""
+
+from __future__ import annotations
+
+import dcp_cases
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetcoll import launch
+from hetcoll.torch.filters.layers import ChannelSplit
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(dcp_cases.CASES))
+def test_saved_on_two_ranks_loads_on_three_other_speeds(name, tmp_path):
+    path = str(tmp_path / "ckpt")
+    launch.spawn(dcp_cases.first_job, 2, name, path, timeout=240)
+    r = launch.spawn(dcp_cases.second_job, 3, name, path, timeout=240)[0]
+    assert r["keys"] == 0, r
+    assert r["model"] == 0, r  # copied entries: exact
+    assert r["optim"] == 0, r
+    assert r["forward"] <= dcp_cases.TOL, r
+
+
+@pytest.mark.multiproc
+def test_a_slice_saved_by_another_rank_is_refused(tmp_path):
+    errors = launch.spawn(dcp_cases.slice_of_another_rank, 2, str(tmp_path), timeout=240)
+    for rank, (model, optim, marked) in enumerate(errors):
+        assert marked == [], marked  # state_dict(keep_vars=True): the parameters, unmarked
+        assert model.startswith("state_dict: '0.weight' is a slice"), model
+        assert f"({5 * (1 - rank)}, {5 * (2 - rank)})" in model, model  # the saved entries
+        assert f"({5 * rank}, {5 * (rank + 1)})" in model, model  # this rank's
+        assert optim.startswith("optimizer state_dict: state[0]['momentum_buffer']"), optim
+
+
+class _Split(ChannelSplit):
+    """A split module's bookkeeping alone: tensor ``w`` split along dim 0 in ``blocks`` (with
+    ``whole`` entries every rank holds after each block), or held in ``order``."""
+
+    def __init__(self, shares, rank, blocks, whole, order=None):
+        self.shares, self.rank, self.offset = shares, rank, sum(shares[:rank])
+        self.blocks, self.whole, self.order = tuple(blocks), tuple(whole), order
+
+    def split_spec(self):
+        return {"w": (0, self.blocks)}
+
+    def whole_spec(self):
+        return {"w": self.whole} if any(self.whole) else {}
+
+
+@st.composite
+def _layouts(draw):
+    ranks = draw(st.integers(1, 4))
+    shares = draw(st.lists(st.integers(0, 4), min_size=ranks, max_size=ranks))
+    if sum(shares) == 0:
+        shares[0] = 1
+    if draw(st.booleans()):  # whole experts held out of order: one block, none whole
+        drawn = draw(st.permutations(range(sum(shares))))
+        at = [sum(shares[:r]) for r in range(ranks + 1)]  # each rank's experts ascending
+        order = [e for r in range(ranks) for e in sorted(drawn[at[r] : at[r + 1]])]
+        return shares, (1,), (), tuple(order)
+    blocks = draw(st.lists(st.integers(0, 3), min_size=1, max_size=3))
+    if sum(blocks) == 0:
+        blocks[0] = 1
+    whole = draw(st.lists(st.integers(0, 2), min_size=len(blocks), max_size=len(blocks)))
+    return shares, tuple(blocks), tuple(whole), None
+
+
+@settings(max_examples=300, deadline=None)
+@given(_layouts(), st.integers(1, 3))
+def test_marks_tile_the_unsplit_tensor(layout, width):
+    """Every rank's marked runs hold the entries its slice (cut by ``load_state_dict`` from the
+    unsplit tensor) holds there, and all ranks' runs cover the unsplit tensor, each entry once
+    but those every rank holds, which are the same run on every rank (DCP writes it once)."""
+    shares, blocks, whole, order = layout
+    total = sum(shares) * sum(blocks) + sum(whole)
+    full = torch.arange(total * width, dtype=torch.float64).reshape(total, width)
+    seen: dict[tuple[int, int], int] = {}
+    for rank in range(len(shares)):
+        m = _Split(shares, rank, blocks, whole, order)
+        state = {"w": full}
+        m._slice_full(state, "")
+        local = state["w"].clone()
+        if not m.mark_shards("w", local):
+            assert local.shape[0] == 0 or len(shares) == 1, layout
+            continue
+        assert local.global_shape == (total, width)
+        for g, lo, size in zip(local.global_offsets, local.local_offsets, local.local_sizes):
+            n = size[0]
+            assert torch.equal(local[lo[0] : lo[0] + n], full[g[0] : g[0] + n]), layout
+            seen[(g[0], n)] = seen.get((g[0], n), 0) + 1
+    covered = sorted(a for (g, n) in seen for a in range(g, g + n))
+    assert covered == list(range(total)), (layout, seen)
+    for (g, n), times in seen.items():  # a run several ranks mark is one every rank holds
+        assert times == 1 or (times == len(shares) and sum(whole) > 0), (layout, g, n, times)
