@@ -30,6 +30,8 @@ from hetcoll.torch import (
     filter_parallel,
     gather_optimizer_state_dict,
     gather_state_dict,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
 )
 
 TOL = 1e-10
@@ -104,7 +106,10 @@ def output(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def first_job(rank: int, world: int, name: str, path: str) -> None:
+def first_job(rank: int, world: int, name: str, path: str, resumed: bool = False) -> None:
+    """Step, then save through DCP; ``resumed``: step, then resume on the other split of the
+    same ranks from the gathered state (``load_full_*``), and save that through DCP before
+    any step (its optimizer never stepped)."""
     torch.set_num_threads(1)
     model = build(name, CASES[name][2], None, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -112,6 +117,17 @@ def first_job(rank: int, world: int, name: str, path: str) -> None:
         for p in model.parameters():  # elementwise in the unsplit entries: any split alike
             p.grad = torch.sin(3 * p.detach() + 1)
         opt.step()
+    if resumed:
+        full, optim = (
+            gather_state_dict(model, dst=None),
+            gather_optimizer_state_dict(model, opt, dst=None),
+        )
+        kind, how = CASES[name][2]
+        model = build(name, (kind, how[::-1]), None, seed=1)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        assert full is not None and optim is not None
+        load_full_state_dict(model, full)
+        load_full_optimizer_state_dict(model, opt, optim)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     full = gather_state_dict(model, dst=0)

@@ -28,6 +28,16 @@ def test_saved_on_two_ranks_loads_on_three_other_speeds(name, tmp_path):
 
 
 @pytest.mark.multiproc
+def test_saved_right_after_a_resume_from_the_gathered_state(tmp_path):
+    # The optimizer was loaded (load_full_optimizer_state_dict) and never stepped.
+    path = str(tmp_path / "ckpt")
+    launch.spawn(dcp_cases.first_job, 2, "mlp", path, True, timeout=240)
+    r = launch.spawn(dcp_cases.second_job, 3, "mlp", path, timeout=240)[0]
+    assert r["model"] == 0 and r["optim"] == 0 and r["keys"] == 0, r
+    assert r["forward"] <= dcp_cases.TOL, r
+
+
+@pytest.mark.multiproc
 def test_a_slice_saved_by_another_rank_is_refused(tmp_path):
     errors = launch.spawn(dcp_cases.slice_of_another_rank, 2, str(tmp_path), timeout=240)
     for rank, (model, optim, marked) in enumerate(errors):

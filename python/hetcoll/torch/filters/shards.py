@@ -7,8 +7,9 @@ state, and ``dcp.load`` reads it into any other split; ``optimizer.load_state_di
 marked state cut for another rank or split.
 
 Optimizers are found at their first step (torch's global ``register_optimizer_step_pre_hook``,
-registered by :func:`track_optimizers`; ``get_state_dict`` steps a fresh optimizer first), and
-each given a state-dict post-hook and a load pre-hook once."""
+registered by :func:`track_optimizers`; ``get_state_dict`` steps a fresh optimizer first) or
+where hetcoll loads a full state into them (:func:`hook_optimizer`), and each given a
+state-dict post-hook and a load pre-hook once."""
 
 from __future__ import annotations
 
@@ -31,10 +32,16 @@ def track_optimizers() -> None:
     :func:`~hetcoll.torch.expert_parallel`)."""
     global _HOOK
     if _HOOK is None:
-        _HOOK = register_optimizer_step_pre_hook(_hook_optimizer)
+        _HOOK = register_optimizer_step_pre_hook(_on_step)
 
 
-def _hook_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    hook_optimizer(optimizer)
+
+
+def hook_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Give ``optimizer`` the hooks that mark its split state, once (at its first step, or
+    where hetcoll loads state into it before any step)."""
     if optimizer in _HOOKED:
         return
     _HOOKED.add(optimizer)

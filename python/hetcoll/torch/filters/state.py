@@ -16,6 +16,7 @@ from torch import nn
 from hetcoll.comm import Communicator, agree
 from hetcoll.torch.filters.checks import is_int
 from hetcoll.torch.filters.layers import ChannelSplit, split_comms, split_runs, whole_positions
+from hetcoll.torch.filters.shards import hook_optimizer
 from hetcoll.torch.state_dicts import (
     Part,
     check_full_optimizer_state_dict,
@@ -290,3 +291,4 @@ def load_full_optimizer_state_dict(
     check_full_optimizer_state_dict(state_dict, {n: parts[n].shape for n in params})
     held: dict[int, tuple[str, Part] | None] = {id(p): (n, parts[n]) for n, p in params.items()}
     optimizer.load_state_dict(local_optimizer_state_dict(optimizer, state_dict, held))
+    hook_optimizer(optimizer)  # saved next through DCP, before any step: marked
