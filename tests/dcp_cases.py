@@ -22,7 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from transformer_cases import SEQ, VOCAB, falcon, gpt2, llama, mixtral
 
 from hetcoll.torch import (
@@ -170,11 +174,12 @@ def second_job(rank: int, world: int, name: str, path: str) -> dict[str, float] 
     }
 
 
-def slice_of_another_rank(rank: int, world: int, path: str) -> tuple[str, str, list[str]]:
+def slice_of_another_rank(rank: int, world: int, path: str) -> tuple[str, str, str, list[str]]:
     """An even split (2 ranks, one speed): each rank saves its own ``state_dict()`` and its
     optimizer's with ``torch.save``; each rank then loads its own, which must load, and the
     other rank's, of the same shapes, which must raise naming the entry. Also the names of
-    the parameters ``state_dict(keep_vars=True)`` hands out marked (none must be)."""
+    the parameters ``state_dict(keep_vars=True)`` hands out marked (none must be), and the
+    error of a fresh optimizer's first step after loading the other rank's state."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = filter_parallel(mlp().double(), speeds=[1.0, 1.0])
@@ -197,5 +202,146 @@ def slice_of_another_rank(rank: int, world: int, path: str) -> tuple[str, str, l
         opt.load_state_dict(other["optim"])
     except ValueError as e:
         errors.append(str(e))
+    # A fresh optimizer (no hooks yet) takes the other rank's state without a word; its first
+    # step refuses it, before training with it.
+    fresh = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    fresh.load_state_dict(other["optim"])
+    try:
+        fresh.step()
+    except ValueError as e:
+        errors.append(str(e))
     marked = [k for k, t in model.state_dict(keep_vars=True).items() if hasattr(t, "global_shape")]
-    return errors[0], errors[1], marked
+    return errors[0], errors[1], errors[2], marked
+
+
+#: An owners stage on ranks 1 and 2 placing the channels otherwise than OWNERS_3.
+OWNERS_OTHER = {
+    "microbatches": 2,
+    "replicas": [
+        {
+            "samples": 8,
+            "stages": [
+                {"ranks": [0], "layers": [0, 5]},
+                {
+                    "ranks": [1, 2],
+                    "layers": [5, 11],
+                    "owners": {"5": [1, 0] * 5, "8": [0] * 12 + [1] * 8, "10": [0, 1, 0, 1, 1]},
+                },
+            ],
+        }
+    ],
+}
+
+#: name: (the plan that saves, on 3 ranks; the plan that loads, and its ranks)
+PLANS = {
+    "pipeline_split_to_split": ("PIPELINE_SPLIT_3", "SPLIT_2", 2),
+    "owners_to_other_owners": ("OWNERS_3", "OWNERS_OTHER", 3),
+}
+
+
+def _plan(name: str) -> dict[str, Any]:
+    import elastic_cases
+
+    return OWNERS_OTHER if name == "OWNERS_OTHER" else getattr(elastic_cases, name)
+
+
+def _parallel(plan: str, seed: int) -> Any:
+    from plan_cases import cnn
+
+    from hetcoll import Plan
+    from hetcoll.torch import parallelize
+
+    torch.manual_seed(seed)
+    return parallelize(cnn().double(), Plan.from_dict(_plan(plan)), loss_fn=nn.CrossEntropyLoss())
+
+
+#: Ranks of a plan hold different parameters (a pipeline's stages): torch's DCP then wants the
+#: optimizer's state dict flattened, param groups by parameter name (its MPMD option).
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def plan_first_job(rank: int, world: int, case: str, path: str) -> None:
+    """A plan trains 2 steps (SGD momentum) and saves through DCP: ``get_state_dict`` of the
+    ``Parallel`` and its optimizer, as for any model."""
+    from plan_cases import batches
+
+    torch.set_num_threads(1)
+    par = _parallel(PLANS[case][0], seed=0)
+    opt = torch.optim.SGD(par.parameters(), lr=0.05, momentum=0.9)
+    for x, y in batches((3, 8, 8), 8, 2):
+        par.step(x, y)
+        opt.step()
+        opt.zero_grad()
+    model_sd, optim_sd = get_state_dict(par, opt, options=FLAT)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    full, optim = par.full_state_dict(), par.full_optimizer_state_dict(opt)
+    if rank == 0:
+        torch.save({"model": full, "optim": optim}, Path(path) / "full.pt")
+    dist.barrier()
+
+
+def plan_second_job(rank: int, world: int, case: str, path: str) -> dict[str, float] | None:
+    """Another plan of the same stage kinds loads it (other initial weights): its full state
+    dicts must equal the first plan's."""
+    torch.set_num_threads(1)
+    par = _parallel(PLANS[case][1], seed=1)
+    opt = torch.optim.SGD(par.parameters(), lr=0.05, momentum=0.9)
+    model_sd, optim_sd = get_state_dict(par, opt, options=FLAT)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(
+        par, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=FLAT
+    )
+    full, optim = par.full_state_dict(), par.full_optimizer_state_dict(opt)
+    if rank != 0:
+        return None
+    saved = torch.load(Path(path) / "full.pt")
+    return {
+        "model": max((full[k] - v).abs().max().item() for k, v in saved["model"].items()),
+        "optim": max(
+            (optim["state"][n][f] - v).abs().max().item()
+            for n, fields in saved["optim"]["state"].items()
+            for f, v in fields.items()
+            if isinstance(v, torch.Tensor)
+        ),
+    }
+
+
+def full_into_split(rank: int, world: int) -> dict[str, float] | None:
+    """DCP's ``set_state_dict`` with ``full_state_dict=True``: the unsplit model's state and
+    its optimizer's (every rank the same), loaded into a split; its gathered state must equal
+    them (each rank took its slice)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    plain = mlp().double()
+    popt = torch.optim.AdamW(plain.parameters(), lr=0.01)
+    for p in plain.parameters():
+        p.grad = torch.sin(3 * p.detach() + 1)
+    popt.step()
+    model_sd, optim_sd = get_state_dict(plain, popt)
+    torch.manual_seed(1)
+    model = filter_parallel(mlp().double(), speeds=[1.0, 3.0, 2.0][:world])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    set_state_dict(
+        model,
+        opt,
+        model_state_dict=model_sd,
+        optim_state_dict=optim_sd,
+        options=StateDictOptions(full_state_dict=True),
+    )
+    full = gather_state_dict(model, dst=0)
+    optim = gather_optimizer_state_dict(model, opt, dst=0)
+    if rank != 0:
+        return None
+    assert full is not None and optim is not None
+    want = plain.state_dict()
+    names = [n for n, _ in plain.named_parameters()]
+    wanted = {names[i]: fields for i, fields in popt.state_dict()["state"].items()}
+    return {
+        "model": max((full[k] - v).abs().max().item() for k, v in want.items()),
+        "optim": max(
+            (optim["state"][n][f] - v).abs().max().item()
+            for n, fields in wanted.items()
+            for f, v in fields.items()
+        ),
+    }

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from hetcoll import launch
 from hetcoll.torch.filters.layers import ChannelSplit
@@ -20,11 +21,37 @@ from hetcoll.torch.filters.layers import ChannelSplit
 def test_saved_on_two_ranks_loads_on_three_other_speeds(name, tmp_path):
     path = str(tmp_path / "ckpt")
     launch.spawn(dcp_cases.first_job, 2, name, path, timeout=240)
+    # The checkpoint is the unsplit model's: torch's own converter gives its state dict.
+    dcp_to_torch_save(path, str(tmp_path / "unsplit.pt"))
+    converted = torch.load(tmp_path / "unsplit.pt")
+    saved = torch.load(tmp_path / "ckpt" / "full.pt")
+    assert converted["model"].keys() == saved["model"].keys()
+    for k, v in saved["model"].items():
+        assert torch.equal(converted["model"][k], v), k
     r = launch.spawn(dcp_cases.second_job, 3, name, path, timeout=240)[0]
     assert r["keys"] == 0, r
     assert r["model"] == 0, r  # copied entries: exact
     assert r["optim"] == 0, r
     assert r["forward"] <= dcp_cases.TOL, r
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("case", list(dcp_cases.PLANS))
+def test_plans_save_and_load_through_dcp(case, tmp_path):
+    # A pipeline with a split stage, loaded as one stage split over 2 ranks; an owners stage,
+    # loaded by an owners stage placing the channels otherwise.
+    path = str(tmp_path / "ckpt")
+    launch.spawn(dcp_cases.plan_first_job, 3, case, path, timeout=240)
+    world = dcp_cases.PLANS[case][2]
+    r = launch.spawn(dcp_cases.plan_second_job, world, case, path, timeout=240)[0]
+    assert r["model"] == 0 and r["optim"] == 0, r
+
+
+@pytest.mark.multiproc
+def test_the_unsplit_state_loads_into_a_split_through_set_state_dict():
+    # StateDictOptions(full_state_dict=True): each rank takes its slice, optimizer state too
+    r = launch.spawn(dcp_cases.full_into_split, 3, timeout=240)[0]
+    assert r["model"] == 0 and r["optim"] == 0, r
 
 
 @pytest.mark.multiproc
@@ -40,8 +67,9 @@ def test_saved_right_after_a_resume_from_the_gathered_state(tmp_path):
 @pytest.mark.multiproc
 def test_a_slice_saved_by_another_rank_is_refused(tmp_path):
     errors = launch.spawn(dcp_cases.slice_of_another_rank, 2, str(tmp_path), timeout=240)
-    for rank, (model, optim, marked) in enumerate(errors):
+    for rank, (model, optim, first_step, marked) in enumerate(errors):
         assert marked == [], marked  # state_dict(keep_vars=True): the parameters, unmarked
+        assert first_step.startswith("optimizer: state[0]['momentum_buffer']"), first_step
         assert model.startswith("state_dict: '0.weight' is a slice"), model
         assert f"({5 * (1 - rank)}, {5 * (2 - rank)})" in model, model  # the saved entries
         assert f"({5 * rank}, {5 * (rank + 1)})" in model, model  # this rank's

@@ -55,6 +55,7 @@ from hetcoll.torch.filters import (
     split_layout,
 )
 from hetcoll.torch.filters.chains import choose_layers
+from hetcoll.torch.filters.shards import track_optimizers
 from hetcoll.torch.layers import model_cut
 from hetcoll.torch.parallel_checkpoint import PlanCheckpoints
 from hetcoll.torch.parallel_experts import PlanExperts
@@ -1161,6 +1162,7 @@ def parallelize(
             par._skeleton = [_stage_copy(model, layers, par._meta_blocks, 0, 0)]
     _plan_reductions(par, plan, names, model, cut.kind)
     record_replaced(model.parameters(), par.parameters(), "parallelize")
+    track_optimizers()
     return par
 
 

@@ -49,6 +49,7 @@ from torch import nn
 
 from hetcoll.plan import Stage
 from hetcoll.torch.filters import ELEMENTWISE_MODULES, SPATIAL_MODULES
+from hetcoll.torch.filters.shards import Marks, register_marking
 from hetcoll.torch.stage_inputs import StageInput
 
 __all__ = ["CHANNELWISE", "Block", "OwnersStage", "StepIO", "check_block_shapes", "owners_blocks"]
@@ -254,6 +255,48 @@ class OwnersStage(nn.Module):
                     self.parts[self._names[t]] = kept
             for t in b.reader_tail:
                 self.parts[self._names[t]] = copy.deepcopy(layers[t][1])
+        # Its state dicts mark each tensor's channels where they sit in the unsplit tensor
+        # (torch.distributed.checkpoint's shards: :mod:`hetcoll.torch.filters.shards`).
+        register_marking(self)
+
+    def _owned(self) -> dict[str, tuple[torch.Tensor, Marks]]:
+        """This rank's tensors of owned channels by their names in this module, with where
+        their channels sit in the unsplit tensors."""
+        out: dict[str, tuple[torch.Tensor, Marks]] = {}
+        for b, index in zip(self.blocks, self.index, strict=True):
+            if not len(index):
+                continue
+            marks = Marks.of_index(0, index.tolist(), len(b.owners))
+            for layer in (b.layer, *b.owner_tail):
+                name = self._names[layer]
+                for key, t in self.parts[name].state_dict(keep_vars=True).items():
+                    if t.dim() >= 1:
+                        out[f"parts.{name}.{key}"] = (t, marks)
+        return out
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """``nn.Module.state_dict``, each tensor of owned channels marked (not the tensors
+        themselves, which ``keep_vars=True`` hands out)."""
+        out = super().state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", "")
+        for key, (t, marks) in self._owned().items():
+            saved = out.get(prefix + key)
+            if isinstance(saved, torch.Tensor) and saved is not t:
+                marks.mark(saved)
+        return out
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        """Refuse a marked tensor of owned channels cut for another rank or placement."""
+        for key, (_, marks) in self._owned().items():
+            t = state_dict.get(prefix + key)
+            marked = isinstance(t, torch.Tensor) and hasattr(t, "global_offsets")
+            if marked and not marks.holds(t):
+                raise marks.refuse("state_dict", repr(prefix + key), t)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def param_marks(self) -> list[tuple[torch.Tensor, Marks]]:
+        """Each tensor of owned channels, with its marks (:mod:`hetcoll.torch.filters.shards`)."""
+        return list(self._owned().values())
 
     def forward(self, *args: Any) -> Any:
         raise TypeError("an owners stage runs inside Parallel.step")

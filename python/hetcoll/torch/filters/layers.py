@@ -38,6 +38,7 @@ from hetcoll.torch.filters.checks import (
     is_int,
     resolve_shares,
 )
+from hetcoll.torch.filters.shards import Marks, register_marking
 from hetcoll.torch.filters.split_output import SplitOutput
 
 
@@ -88,11 +89,6 @@ def whole_positions(
     return out
 
 
-def _at(ndim: int, dim: int, value: int) -> tuple[int, ...]:
-    """A coordinate of ``ndim`` dimensions: ``value`` along ``dim``, 0 along the others."""
-    return tuple(value if d == dim else 0 for d in range(ndim))
-
-
 def set_attribute(module: nn.Module, name: str, value: Any) -> None:
     """``module``'s attribute ``name`` (dotted: a descendant's) set to ``value``: a split
     layer in place of the model's, a split parameter, a rank's count of hidden units."""
@@ -134,6 +130,7 @@ class ChannelSplit:
         self.shares = list(shares)
         self.offset = sum(shares[: comm.rank])
         _SPLIT_MODULES.add(self)
+        register_marking(self)
 
     def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         raise NotImplementedError
@@ -166,80 +163,50 @@ class ChannelSplit:
                 runs = split_runs(self.shares, self.rank, blocks, whole)
                 state_dict[prefix + name] = take_runs(t, dim, runs)
 
-    def shard_runs(self, name: str) -> list[tuple[int, int, int]]:
-        """Where split tensor ``name``'s entries along its split dimension sit: ``(start in
-        the unsplit tensor, start in this rank's, length)`` runs, in this rank's order; the
-        entries every rank holds (:meth:`whole_spec`) are runs of their own, alike on every
-        rank."""
-        blocks = self.split_spec()[name][1]
+    def shard_marks(self, name: str) -> Marks:
+        """Where this rank's slice of split tensor ``name`` sits in the unsplit tensor: its
+        runs of entries, in the rank's order; the entries every rank holds
+        (:meth:`whole_spec`) are runs of their own, alike on every rank (DCP writes them
+        once)."""
+        dim, blocks = self.split_spec()[name]
+        whole = self.whole_spec().get(name, ())
+        length = sum(self.shares) * sum(blocks) + sum(whole)
         if self.order is not None:
-            held = self.held_index().tolist()
-            runs: list[tuple[int, int]] = []
-            for i in held:
-                if runs and runs[-1][0] + runs[-1][1] == i:
-                    runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-                else:
-                    runs.append((i, 1))
-        else:
-            runs = split_runs(self.shares, self.rank, blocks, self.whole_spec().get(name, ()))
-        out, at = [], 0
-        for start, n in runs:
+            return Marks.of_index(dim, self.held_index().tolist(), length)
+        runs, at = [], 0
+        for start, n in split_runs(self.shares, self.rank, blocks, whole):
             if n:
-                out.append((start, at, n))
+                runs.append((start, at, n))
             at += n
+        return Marks(dim, tuple(runs), length)
+
+    def param_marks(self) -> list[tuple[torch.Tensor, Marks]]:
+        """Each split tensor this module holds, with its marks (:mod:`.shards`)."""
+        out = []
+        for name in self.split_spec():
+            t = getattr(self, name, None)
+            if isinstance(t, torch.Tensor):
+                out.append((t, self.shard_marks(name)))
         return out
 
     def mark_shards(self, name: str, t: torch.Tensor) -> bool:
-        """Say on ``t`` (this rank's slice of split tensor ``name``, or a tensor shaped as it:
-        its gradient, its optimizer state) where it sits in the unsplit tensor: the fields of
-        torch.distributed.checkpoint's ``CheckpointableTensor`` (``global_shape``, and per
-        run of :meth:`shard_runs` its ``global_offsets``, ``local_offsets`` and
-        ``local_sizes``). ``dcp.save`` then writes every rank's runs as shards of the one
-        unsplit tensor, and ``dcp.load`` reads into any split of it (other ranks, other
-        speeds) the entries its runs hold. False, marking nothing, where ``t`` is not shaped
-        as this rank's slice."""
-        dim, blocks = self.split_spec()[name]
-        runs = self.shard_runs(name)
-        if t.dim() <= dim or sum(n for _, _, n in runs) != t.shape[dim]:
-            return False
-        shape = list(t.shape)
-        shape[dim] = sum(self.shares) * sum(blocks) + sum(self.whole_spec().get(name, ()))
-        t.global_shape = tuple(shape)  # type: ignore[attr-defined]
-        t.global_offsets = tuple(_at(t.dim(), dim, a) for a, _, _ in runs)  # type: ignore[attr-defined]
-        t.local_offsets = tuple(_at(t.dim(), dim, b) for _, b, _ in runs)  # type: ignore[attr-defined]
-        t.local_sizes = tuple(  # type: ignore[attr-defined]
-            tuple(n if d == dim else s for d, s in enumerate(t.shape)) for _, _, n in runs
-        )
-        return True
+        """Mark ``t`` (this rank's slice of split tensor ``name``) with where it sits in the
+        unsplit tensor (:class:`~.shards.Marks`): ``dcp.save`` then writes every rank's
+        slices as shards of the one unsplit tensor, and ``dcp.load`` reads into any split of
+        it the entries each rank holds. False, marking nothing, where ``t`` is not shaped as
+        this rank's slice."""
+        return self.shard_marks(name).mark(t)
 
     def check_slice(
         self, key: str, name: str, t: torch.Tensor, argument: str = "state_dict"
     ) -> None:
-        """Refuse ``t``, a slice some split model saved (:meth:`mark_shards`' fields, kept by
-        ``torch.save``) as entry ``key`` of ``argument``, where it is not this rank's slice of
-        its split tensor ``name``: on an even split another rank's slice has this rank's shape
+        """Refuse ``t``, a slice some split model saved (marked, as ``torch.save`` keeps
+        the marks) as entry ``key`` of ``argument``, where it is not this rank's slice of its
+        split tensor ``name``: on an even split another rank's slice has this rank's shape
         and would load without a word."""
-        fields = ("global_shape", "global_offsets", "local_sizes")
-        if tuple(getattr(t, "global_shape", ())) == tuple(t.shape):
-            return  # a whole tensor (a rank holding all of it): sliced as any full one
-        mine = torch.empty(t.shape, device="meta")
-        if self.mark_shards(name, mine) and all(
-            getattr(t, f, None) == getattr(mine, f) for f in fields
-        ):
-            return
-        dim = self.split_spec()[name][0]
-        saved = [(o[dim], o[dim] + s[dim]) for o, s in zip(t.global_offsets, t.local_sizes)]  # type: ignore[attr-defined]
-        held = [(a, a + n) for a, _, n in self.shard_runs(name)]
-        raise ValueError(
-            f"{argument}: {key} is a slice a split model saved (entries {saved} along dim "
-            f"{dim} of {tuple(t.global_shape)}), and this rank holds {held} of "  # type: ignore[attr-defined]
-            "the unsplit tensor: it was cut for another rank or split. Save the unsplit "
-            "state (gather_state_dict, gather_optimizer_state_dict) and load it with "
-            "load_full_state_dict / load_full_optimizer_state_dict, or save and load "
-            "through torch.distributed.checkpoint (dcp.save and dcp.load of "
-            "get_state_dict(model, optimizer)), which reads each rank's entries whatever "
-            "split saved them"
-        )
+        marks = self.shard_marks(name)
+        if not marks.holds(t):
+            raise marks.refuse(argument, key, t)
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)  # type: ignore[misc]

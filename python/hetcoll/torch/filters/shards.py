@@ -1,35 +1,140 @@
-"""A split model's optimizer state as torch.distributed.checkpoint's shards of the unsplit
-model's: an optimizer holding split parameters marks, in its ``state_dict()``, each state
-tensor shaped as its parameter (SGD's momentum, Adam's moments) where the parameter's slice
-sits (:meth:`~.layers.ChannelSplit.mark_shards`, as the model's own ``state_dict()`` marks
-the slices). ``dcp.save`` of ``get_state_dict(model, optimizer)`` then writes the unsplit
-state, and ``dcp.load`` reads it into any other split; ``optimizer.load_state_dict`` refuses
-marked state cut for another rank or split.
+"""A rank's slices of a split model as torch.distributed.checkpoint's shards of the unsplit
+model's tensors.
 
-Optimizers are found at their first step (torch's global ``register_optimizer_step_pre_hook``,
-registered by :func:`track_optimizers`; ``get_state_dict`` steps a fresh optimizer first) or
-where hetcoll loads a full state into them (:func:`hook_optimizer`), and each given a
-state-dict post-hook and a load pre-hook once."""
+A tensor a rank holds part of (a split layer's weight, an owners stage's channels, the
+optimizer state shaped as either) is marked, in the state dicts that hold it, with where its
+entries sit in the unsplit tensor: the fields of DCP's ``CheckpointableTensor``
+(``global_shape``, and per run of entries its ``global_offsets``, ``local_offsets`` and
+``local_sizes``; :class:`Marks`). ``dcp.save`` then writes every rank's runs as shards of one
+unsplit tensor, and ``dcp.load`` reads into any other split (other ranks, other speeds) the
+entries each rank's runs hold. A marked slice loaded where it was not cut for (``torch.save``
+keeps the fields) is refused.
+
+Modules holding such slices register here (:func:`register_marking`) and say, for each of
+their tensors, its :class:`Marks` (``param_marks()``). Model state dicts are marked by those
+modules; an optimizer holding marked parameters is given a state-dict post-hook (marking its
+state) and a load pre-hook (checking it, and slicing the unsplit state DCP's
+``full_state_dict`` loads hand it) once, at its first step (torch's global
+``register_optimizer_step_pre_hook``, registered by :func:`track_optimizers`; DCP's
+``get_state_dict`` steps a fresh optimizer first) or where hetcoll loads state into it
+(:func:`hook_optimizer`).
+"""
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from hetcoll.torch.filters.layers import ChannelSplit, split_modules
 
+@dataclass(frozen=True)
+class Marks:
+    """Where a rank's tensor sits in the unsplit one along dimension ``dim`` (of ``length``
+    entries there): ``runs`` of ``(start in the unsplit tensor, start in the rank's,
+    count)``, in the rank's order."""
+
+    dim: int
+    runs: tuple[tuple[int, int, int], ...]
+    length: int
+
+    @staticmethod
+    def of_index(dim: int, index: list[int], length: int) -> Marks:
+        """The marks of a tensor holding the unsplit tensor's entries ``index`` (in that
+        order) along ``dim``: consecutive entries are one run."""
+        runs: list[list[int]] = []
+        for at, i in enumerate(index):
+            if runs and runs[-1][0] + runs[-1][2] == i:
+                runs[-1][2] += 1
+            else:
+                runs.append([i, at, 1])
+        return Marks(dim, tuple((a, b, n) for a, b, n in runs), length)
+
+    def fits(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is shaped as the rank's slice along :attr:`dim`."""
+        return t.dim() > self.dim and sum(n for _, _, n in self.runs) == t.shape[self.dim]
+
+    def fields(self, shape: tuple[int, ...]) -> dict[str, tuple[Any, ...]]:
+        """The ``CheckpointableTensor`` fields of a slice of ``shape``."""
+        d, nd = self.dim, len(shape)
+        full = tuple(self.length if k == d else s for k, s in enumerate(shape))
+        return {
+            "global_shape": full,
+            "global_offsets": tuple(_at(nd, d, a) for a, _, _ in self.runs),
+            "local_offsets": tuple(_at(nd, d, b) for _, b, _ in self.runs),
+            "local_sizes": tuple(
+                tuple(n if k == d else s for k, s in enumerate(shape)) for _, _, n in self.runs
+            ),
+        }
+
+    def mark(self, t: torch.Tensor) -> bool:
+        """Set the fields on ``t``; False, marking nothing, where ``t`` is not shaped as the
+        rank's slice."""
+        if not self.fits(t):
+            return False
+        for field, value in self.fields(tuple(t.shape)).items():
+            setattr(t, field, value)
+        return True
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether marked ``t`` is a slice cut as this one (or a whole tensor, whose marks
+        say it holds everything)."""
+        if tuple(getattr(t, "global_shape", ())) == tuple(t.shape):
+            return True
+        mine = self.fields(tuple(t.shape)) if self.fits(t) else None
+        return mine is not None and all(getattr(t, f, None) == v for f, v in mine.items())
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the unsplit ``full``."""
+        parts = [full.narrow(self.dim, a, n) for a, _, n in self.runs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, self.dim)
+
+    def refuse(self, argument: str, key: str, t: torch.Tensor) -> ValueError:
+        """The error for marked ``t``, entry ``key`` of ``argument``, cut elsewhere."""
+        d = self.dim
+        offsets, sizes = getattr(t, "global_offsets", ()), getattr(t, "local_sizes", ())
+        saved = [(o[d], o[d] + s[d]) for o, s in zip(offsets, sizes)]
+        held = [(a, a + n) for a, _, n in self.runs]
+        return ValueError(
+            f"{argument}: {key} is a slice a split model saved (entries {saved} along dim {d} "
+            f"of {tuple(getattr(t, 'global_shape', ()))}), and this rank holds {held} of the "
+            "unsplit tensor: it was cut for another rank or split. Save the unsplit state "
+            "(gather_state_dict, gather_optimizer_state_dict) and load it with "
+            "load_full_state_dict / load_full_optimizer_state_dict, or save and load through "
+            "torch.distributed.checkpoint (dcp.save and dcp.load of get_state_dict(model, "
+            "optimizer)), which reads each rank's entries whatever split saved them"
+        )
+
+
+def _at(ndim: int, dim: int, value: int) -> tuple[int, ...]:
+    """A coordinate of ``ndim`` dimensions: ``value`` along ``dim``, 0 along the others."""
+    return tuple(value if k == dim else 0 for k in range(ndim))
+
+
+class Marking(Protocol):
+    """A module holding slices: each of its sliced tensors with its marks."""
+
+    def param_marks(self) -> list[tuple[torch.Tensor, Marks]]: ...
+
+
+#: Every module alive holding marked slices (split modules, owners stages), weakly.
+_MARKING: weakref.WeakSet[Any] = weakref.WeakSet()
 #: Each optimizer already given its hooks.
 _HOOKED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _HOOK: Any = None
 
 
+def register_marking(module: Marking) -> None:
+    """Count ``module`` among those whose tensors are marked (its optimizer state too)."""
+    _MARKING.add(module)
+
+
 def track_optimizers() -> None:
-    """Give every optimizer, at its next step, the hooks that mark its split state (once;
-    called by the splits: :func:`~hetcoll.torch.filter_parallel`,
-    :func:`~hetcoll.torch.expert_parallel`)."""
+    """Give every optimizer, at its next step, the hooks that mark its state of marked
+    parameters (once; called by the splits: :func:`~hetcoll.torch.filter_parallel`,
+    :func:`~hetcoll.torch.expert_parallel`, :func:`~hetcoll.torch.parallelize`)."""
     global _HOOK
     if _HOOK is None:
         _HOOK = register_optimizer_step_pre_hook(_on_step)
@@ -40,64 +145,80 @@ def _on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 
 
 def hook_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Give ``optimizer`` the hooks that mark its split state, once (at its first step, or
-    where hetcoll loads state into it before any step)."""
+    """Give ``optimizer`` the hooks that mark its state, once (at its first step, or where
+    hetcoll loads state into it before any step). Its state then is checked: state another
+    rank saved, loaded by ``load_state_dict`` before the optimizer had its hooks, raises
+    here, before any step trains with it."""
     if optimizer in _HOOKED:
         return
+    held = _held(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, (_, marks) in held.items():
+        for field, v in optimizer.state.get(params[i], {}).items():
+            if isinstance(v, torch.Tensor) and hasattr(v, "global_offsets") and not marks.holds(v):
+                raise marks.refuse("optimizer", f"state[{i}][{field!r}]", v)
     _HOOKED.add(optimizer)
     optimizer.register_state_dict_post_hook(_mark_state)
     optimizer.register_load_state_dict_pre_hook(_check_state)
 
 
-def _split_params() -> dict[int, tuple[torch.Tensor, ChannelSplit, str]]:
-    """Every split parameter alive by ``id``: the tensor, its split module and its name there."""
-    out: dict[int, tuple[torch.Tensor, ChannelSplit, str]] = {}
-    for m in split_modules():
-        for name in m.split_spec():
-            p = getattr(m, name, None)
-            if isinstance(p, torch.Tensor):
-                out[id(p)] = (p, m, name)
-    return out
-
-
-def _held(optimizer: torch.optim.Optimizer) -> dict[int, tuple[ChannelSplit, str]]:
-    """The optimizer's split parameters by their index in its state dict."""
-    split = _split_params()
+def _held(optimizer: torch.optim.Optimizer) -> dict[int, tuple[torch.Tensor, Marks]]:
+    """The optimizer's marked parameters by their index in its state dict, with their marks."""
+    marked: dict[int, tuple[torch.Tensor, Marks]] = {}
+    for m in list(_MARKING):
+        for p, marks in m.param_marks():
+            marked[id(p)] = (p, marks)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     return {
-        i: (split[id(p)][1], split[id(p)][2])
-        for i, p in enumerate(params)
-        if id(p) in split and split[id(p)][0] is p
+        i: marked[id(p)] for i, p in enumerate(params) if id(p) in marked and marked[id(p)][0] is p
     }
 
 
+def _keys(state_dict: dict[str, Any]) -> list[Any]:
+    """The keys of ``state_dict``'s ``state`` by parameter position: its param groups' entries
+    in order (indices in an optimizer's own, names where DCP's ``set_optimizer_state_dict``
+    hands them by name)."""
+    groups = state_dict.get("param_groups", [])
+    return [k for g in groups if isinstance(g, dict) for k in g.get("params", [])]
+
+
 def _mark_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """The state dict with each split parameter's state tensors marked: fresh views of them
-    (the optimizer's own tensors keep no marks), written in place by ``dcp.load``."""
-    held = _held(optimizer)
-    state = state_dict.get("state", {})
-    for i, (m, name) in held.items():
-        entries = state.get(i)
+    """The state dict with each marked parameter's state shaped as it marked: fresh views of
+    the tensors (the optimizer's own keep no marks), which ``dcp.load`` writes in place.
+    State of other shapes (a step count, Adafactor's factored statistics) is left as it is."""
+    state, keys = state_dict.get("state", {}), _keys(state_dict)
+    for i, (p, marks) in _held(optimizer).items():
+        entries = state.get(keys[i]) if i < len(keys) else None
         if not isinstance(entries, dict):
             continue
         marked = dict(entries)  # the optimizer's own dict is in the state dict: not changed
         for field, v in entries.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
+            if isinstance(v, torch.Tensor) and v.shape == p.shape:
                 view = v.detach().view_as(v)
-                if m.mark_shards(name, view):
+                if marks.mark(view):
                     marked[field] = view
-        state[i] = marked
+        state[keys[i]] = marked
     return state_dict
 
 
-def _check_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    """Refuse marked state (saved from a split model's optimizer) that is not this rank's slice
-    of this split (another rank's has this rank's shape on an even split)."""
-    state = state_dict.get("state", {})
-    for i, (m, name) in _held(optimizer).items():
-        entries = state.get(i)
+def _check_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Refuse marked state that is not this rank's slice (another rank's has this rank's
+    shape on an even split), and take this rank's slice of unmarked state shaped as the
+    unsplit parameter (DCP's ``set_optimizer_state_dict`` with ``full_state_dict``)."""
+    state, keys = state_dict.get("state", {}), _keys(state_dict)
+    out = dict(state)
+    for i, (p, marks) in _held(optimizer).items():
+        entries = state.get(keys[i]) if i < len(keys) else None
         if not isinstance(entries, dict):
             continue
+        full_shape = marks.fields(tuple(p.shape))["global_shape"] if marks.fits(p) else None
+        sliced = dict(entries)
         for field, v in entries.items():
-            if isinstance(v, torch.Tensor) and hasattr(v, "global_offsets"):
-                m.check_slice(f"state[{i}][{field!r}]", name, v, "optimizer state_dict")
+            if not isinstance(v, torch.Tensor):
+                continue
+            if hasattr(v, "global_offsets") and not marks.holds(v):
+                raise marks.refuse("optimizer state_dict", f"state[{keys[i]!r}][{field!r}]", v)
+            if tuple(v.shape) == full_shape and v.shape != p.shape:
+                sliced[field] = marks.take(v)
+        out[keys[i]] = sliced
+    return {**state_dict, "state": out}
