@@ -15,6 +15,7 @@ is checked on its own.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -345,3 +346,38 @@ def full_into_split(rank: int, world: int) -> dict[str, float] | None:
             for f, v in fields.items()
         ),
     }
+
+
+def own_state_round_trips(rank: int, world: int) -> dict[str, Any]:
+    """A split model's and optimizer's own state loaded back on the same rank: optimizer state
+    of any shape is kept as it is (a preconditioner shaped as the unsplit weight is not taken
+    for the unsplit state), and what loads keeps no marks (``assign=True`` keeps the loaded
+    tensors themselves; an optimizer keeps the tensors it loads)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = filter_parallel(
+        nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).double(), speeds=[1, 3]
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.sin(3 * p.detach() + 1)
+    opt.step()
+    weight = model[0].weight
+    opt.state[weight]["preconditioner"] = torch.ones(8, 8, dtype=torch.float64)  # unsplit shape
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    out = {
+        "preconditioner": tuple(opt.state[weight]["preconditioner"].shape),
+        "momentum": tuple(opt.state[weight]["momentum_buffer"].shape),
+        "weight": tuple(weight.shape),
+        "marked": [
+            f"{i}.{f}"
+            for i, fields in enumerate(opt.state.values())
+            for f, v in fields.items()
+            if hasattr(v, "global_shape")
+        ],
+    }
+    model.load_state_dict(model.state_dict(), assign=True)  # the model's tensors are replaced
+    out["marked"] += [
+        k for k, t in model.state_dict(keep_vars=True).items() if hasattr(t, "global_shape")
+    ]
+    return out

@@ -65,6 +65,14 @@ def test_saved_right_after_a_resume_from_the_gathered_state(tmp_path):
 
 
 @pytest.mark.multiproc
+def test_a_ranks_own_state_loads_back_as_it_was():
+    for rank, r in enumerate(launch.spawn(dcp_cases.own_state_round_trips, 2, timeout=240)):
+        assert r["preconditioner"] == (8, 8), r  # optimizer state of the unsplit shape, kept
+        assert r["momentum"] == r["weight"] == ((2, 8) if rank == 0 else (6, 8)), r
+        assert r["marked"] == [], r
+
+
+@pytest.mark.multiproc
 def test_a_slice_saved_by_another_rank_is_refused(tmp_path):
     errors = launch.spawn(dcp_cases.slice_of_another_rank, 2, str(tmp_path), timeout=240)
     for rank, (model, optim, first_step, marked) in enumerate(errors):

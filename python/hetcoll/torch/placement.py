@@ -257,16 +257,20 @@ class OwnersStage(nn.Module):
                 self.parts[self._names[t]] = copy.deepcopy(layers[t][1])
         # Its state dicts mark each tensor's channels where they sit in the unsplit tensor
         # (torch.distributed.checkpoint's shards: :mod:`hetcoll.torch.filters.shards`).
+        self._block_marks = [
+            Marks.of_index(0, index.tolist(), len(b.owners))
+            for b, index in zip(blocks, self.index, strict=True)
+        ]
         register_marking(self)
 
     def _owned(self) -> dict[str, tuple[torch.Tensor, Marks]]:
         """This rank's tensors of owned channels by their names in this module, with where
         their channels sit in the unsplit tensors."""
         out: dict[str, tuple[torch.Tensor, Marks]] = {}
-        for b, index in zip(self.blocks, self.index, strict=True):
+        for k, (b, index) in enumerate(zip(self.blocks, self.index, strict=True)):
             if not len(index):
                 continue
-            marks = Marks.of_index(0, index.tolist(), len(b.owners))
+            marks = self._block_marks[k]
             for layer in (b.layer, *b.owner_tail):
                 name = self._names[layer]
                 for key, t in self.parts[name].state_dict(keep_vars=True).items():
@@ -292,6 +296,8 @@ class OwnersStage(nn.Module):
             marked = isinstance(t, torch.Tensor) and hasattr(t, "global_offsets")
             if marked and not marks.holds(t):
                 raise marks.refuse("state_dict", repr(prefix + key), t)
+            if marked:  # loaded as an unmarked tensor: load_state_dict(assign=True) keeps it
+                state_dict[prefix + key] = t.detach()
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def param_marks(self) -> list[tuple[torch.Tensor, Marks]]:

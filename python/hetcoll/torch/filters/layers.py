@@ -156,6 +156,8 @@ class ChannelSplit:
             alone = self.shares[self.rank] == total
             if isinstance(t, torch.Tensor) and hasattr(t, "global_offsets"):
                 self.check_slice(repr(prefix + name), name, t)
+                # Loaded as an unmarked tensor: load_state_dict(assign=True) keeps it.
+                t = state_dict[prefix + name] = t.detach()
             if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == full and not alone:
                 if self.order is not None:
                     state_dict[prefix + name] = t.index_select(dim, self.held_index().to(t.device))
@@ -170,15 +172,22 @@ class ChannelSplit:
         once)."""
         dim, blocks = self.split_spec()[name]
         whole = self.whole_spec().get(name, ())
+        key = (name, dim, blocks, whole, tuple(self.shares), self.rank, self.order)
+        cache: dict[str, tuple[Any, Marks]] = self.__dict__.setdefault("_shard_marks", {})
+        if name in cache and cache[name][0] == key:  # every state dict asks: kept per split
+            return cache[name][1]
         length = sum(self.shares) * sum(blocks) + sum(whole)
         if self.order is not None:
-            return Marks.of_index(dim, self.held_index().tolist(), length)
-        runs, at = [], 0
-        for start, n in split_runs(self.shares, self.rank, blocks, whole):
-            if n:
-                runs.append((start, at, n))
-            at += n
-        return Marks(dim, tuple(runs), length)
+            marks = Marks.of_index(dim, self.held_index().tolist(), length)
+        else:
+            runs, at = [], 0
+            for start, n in split_runs(self.shares, self.rank, blocks, whole):
+                if n:
+                    runs.append((start, at, n))
+                at += n
+            marks = Marks(dim, tuple(runs), length)
+        cache[name] = (key, marks)
+        return marks
 
     def param_marks(self) -> list[tuple[torch.Tensor, Marks]]:
         """Each split tensor this module holds, with its marks (:mod:`.shards`)."""

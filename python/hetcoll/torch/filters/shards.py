@@ -22,6 +22,7 @@ state) and a load pre-hook (checking it, and slicing the unsplit state DCP's
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -58,16 +59,7 @@ class Marks:
 
     def fields(self, shape: tuple[int, ...]) -> dict[str, tuple[Any, ...]]:
         """The ``CheckpointableTensor`` fields of a slice of ``shape``."""
-        d, nd = self.dim, len(shape)
-        full = tuple(self.length if k == d else s for k, s in enumerate(shape))
-        return {
-            "global_shape": full,
-            "global_offsets": tuple(_at(nd, d, a) for a, _, _ in self.runs),
-            "local_offsets": tuple(_at(nd, d, b) for _, b, _ in self.runs),
-            "local_sizes": tuple(
-                tuple(n if k == d else s for k, s in enumerate(shape)) for _, _, n in self.runs
-            ),
-        }
+        return dict(_fields(self, shape))
 
     def mark(self, t: torch.Tensor) -> bool:
         """Set the fields on ``t``; False, marking nothing, where ``t`` is not shaped as the
@@ -108,6 +100,22 @@ class Marks:
         )
 
 
+@functools.lru_cache(maxsize=4096)
+def _fields(marks: Marks, shape: tuple[int, ...]) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    """:meth:`Marks.fields`, kept: every state dict of a split asks again."""
+    d, nd = marks.dim, len(shape)
+    full = tuple(marks.length if k == d else s for k, s in enumerate(shape))
+    return (
+        ("global_shape", full),
+        ("global_offsets", tuple(_at(nd, d, a) for a, _, _ in marks.runs)),
+        ("local_offsets", tuple(_at(nd, d, b) for _, b, _ in marks.runs)),
+        (
+            "local_sizes",
+            tuple(tuple(n if k == d else s for k, s in enumerate(shape)) for _, _, n in marks.runs),
+        ),
+    )
+
+
 def _at(ndim: int, dim: int, value: int) -> tuple[int, ...]:
     """A coordinate of ``ndim`` dimensions: ``value`` along ``dim``, 0 along the others."""
     return tuple(value if k == dim else 0 for k in range(ndim))
@@ -126,9 +134,21 @@ _HOOKED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _HOOK: Any = None
 
 
+#: Counts the registrations (a split made or changed): what each optimizer's marked
+#: parameters were found under (:func:`_held`).
+_GENERATION = 0
+#: Each optimizer's marked parameters, with the generation and parameters they were found for.
+_HELD: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, dict[int, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def register_marking(module: Marking) -> None:
-    """Count ``module`` among those whose tensors are marked (its optimizer state too)."""
+    """Count ``module`` among those whose tensors are marked (its optimizer state too); a
+    split module registers again whenever its split changes."""
+    global _GENERATION
     _MARKING.add(module)
+    _GENERATION += 1
 
 
 def track_optimizers() -> None:
@@ -163,15 +183,23 @@ def hook_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _held(optimizer: torch.optim.Optimizer) -> dict[int, tuple[torch.Tensor, Marks]]:
-    """The optimizer's marked parameters by their index in its state dict, with their marks."""
+    """The optimizer's marked parameters by their index in its state dict, with their marks
+    (found again only when a split changed or the optimizer holds other parameters: every
+    state dict of every optimizer asks)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    key = (_GENERATION, tuple(id(p) for p in params))
+    cached = _HELD.get(optimizer)
+    if cached is not None and cached[0] == key:
+        return cached[1]
     marked: dict[int, tuple[torch.Tensor, Marks]] = {}
     for m in list(_MARKING):
         for p, marks in m.param_marks():
             marked[id(p)] = (p, marks)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    return {
+    held = {
         i: marked[id(p)] for i, p in enumerate(params) if id(p) in marked and marked[id(p)][0] is p
     }
+    _HELD[optimizer] = (key, held)
+    return held
 
 
 def _keys(state_dict: dict[str, Any]) -> list[Any]:
@@ -216,9 +244,13 @@ def _check_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -
         for field, v in entries.items():
             if not isinstance(v, torch.Tensor):
                 continue
-            if hasattr(v, "global_offsets") and not marks.holds(v):
-                raise marks.refuse("optimizer state_dict", f"state[{keys[i]!r}][{field!r}]", v)
-            if tuple(v.shape) == full_shape and v.shape != p.shape:
+            if hasattr(v, "global_offsets"):
+                if not marks.holds(v):
+                    raise marks.refuse("optimizer state_dict", f"state[{keys[i]!r}][{field!r}]", v)
+                sliced[field] = v = v.detach()  # the optimizer's state keeps no marks
+            # DCP's full state (keyed by names) is the unsplit model's: this rank's slice. An
+            # optimizer's own (keyed by index) is its rank's, whatever shapes it holds.
+            if isinstance(keys[i], str) and tuple(v.shape) == full_shape and v.shape != p.shape:
                 sliced[field] = marks.take(v)
         out[keys[i]] = sliced
     return {**state_dict, "state": out}
