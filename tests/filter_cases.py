@@ -523,6 +523,25 @@ def random_pairs(group, trials: int = 12) -> int:
     return checked
 
 
+def optimizer_over_the_split(group) -> None:
+    """hetcoll's DistributedOptimizer over the split's own ranks would average their slices'
+    gradients (on an even split of one shape): every rank raises, naming the split."""
+    from hetcoll.torch import DistributedOptimizer
+
+    p = wrap(group).size
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)).double()
+    split = filter_parallel(model, group, speeds=[1.0] * p)
+    opt = DistributedOptimizer(torch.optim.SGD(split.parameters(), lr=0.1), group, local_batch=3)
+    split(torch.ones(3, 4, dtype=torch.float64)).sum().backward()
+    try:
+        opt.step()
+    except ValueError as e:
+        assert str(e).startswith(f"optimizer: its group holds {p} ranks of one"), e
+        return
+    raise AssertionError("DistributedOptimizer averaged the slices of one split")
+
+
 def run_all(group) -> dict[str, object]:
     """Every case on this job's ranks; returns what rank 0 reports."""
     p = wrap(group).size
@@ -546,6 +565,7 @@ def run_all(group) -> dict[str, object]:
     load_full_state(group)
     memory_proportional(group)
     standalone_layers(group)
+    optimizer_over_the_split(group)
     return {
         "equal": 3,
         "random": random_pairs(group),

@@ -286,6 +286,39 @@ def test_ddp_over_the_ranks_of_one_split_is_refused():
         assert said.startswith("model: DDP runs over ranks [0, 1] of one filter_parallel"), said
 
 
+def _mpi_optimizer_over_a_split(rank, world):
+    from hetcoll.torch import DistributedOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)).double()
+    split = filter_parallel(model, speeds=[1.0, 1.0])  # even: the slices have one shape
+    said = []
+    # Over the split's own ranks: refused. Over a group of one rank of each split (replicas
+    # of it, here one each): trains.
+    for group in (None, [dist.new_group([r]) for r in range(world)][rank]):
+        opt = DistributedOptimizer(
+            torch.optim.SGD(split.parameters(), lr=0.1), group, local_batch=3
+        )
+        split(torch.ones(3, 4, dtype=torch.float64)).sum().backward()
+        try:
+            opt.step()
+            said.append("stepped")
+        except ValueError as e:
+            said.append(str(e))
+        opt.zero_grad()
+    return said
+
+
+def test_the_mpi_optimizer_over_the_ranks_of_one_split_is_refused():
+    """DistributedOptimizer over the ranks of one split averaged their slices' gradients (on
+    an even split they have one shape): every rank raises, naming the split."""
+    for refused, replicas in spawn(_mpi_optimizer_over_a_split, 2, timeout=60):
+        assert refused.startswith("optimizer: its group holds 2 ranks of one filter_parallel"), (
+            refused
+        )
+        assert replicas == "stepped", replicas
+
+
 def test_ddp_over_a_split_holding_parameters_whole_is_refused():
     """DDP over the replicas of a split model averaged the gradients of what the split holds
     whole before their sums over the split were added, and wrote its average over them (a

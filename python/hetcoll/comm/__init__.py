@@ -29,6 +29,7 @@ from hetcoll.comm.default import (
     is_group,
     is_mpi_comm,
     same_processes,
+    shared_processes,
     wrap,
 )
 from hetcoll.comm.distributed import TorchCommunicator, TorchRequest
@@ -54,6 +55,7 @@ __all__ = [
     "is_mpi_comm",
     "same_processes",
     "same_rows",
+    "shared_processes",
     "start_agreement",
     "wait_all",
     "wrap",

@@ -150,6 +150,23 @@ def same_processes(a: Communicator, b: Communicator) -> bool:
     return global_ranks(a) == global_ranks(b)
 
 
+def shared_processes(a: Communicator, b: Communicator) -> int | None:
+    """How many processes ``a`` and ``b`` both hold; None where one is MPI's and the other
+    torch.distributed's (no local way to tell). Local."""
+    if a.engine == "mpi" or b.engine == "mpi":
+        if a.engine != b.engine:
+            return None
+        mpi = sys.modules["mpi4py.MPI"]
+        ga, gb = a.native.Get_group(), b.native.Get_group()
+        try:
+            found = mpi.Group.Translate_ranks(ga, list(range(ga.Get_size())), gb)
+        finally:
+            ga.Free()
+            gb.Free()
+        return sum(r != mpi.UNDEFINED for r in found)
+    return len(set(global_ranks(a)).intersection(global_ranks(b)))
+
+
 def global_ranks(c: Communicator) -> list[int]:
     """The default group's ranks of a torch.distributed communicator's processes, in its
     rank order (``c`` may wrap one, as a counting communicator does)."""

@@ -24,7 +24,7 @@ import torch
 
 from hetcoll import fusion
 from hetcoll.collectives import allreduce
-from hetcoll.comm import NOT_GIVEN, agree, group_argument, wrap
+from hetcoll.comm import NOT_GIVEN, agree, group_argument, shared_processes, wrap
 from hetcoll.torch.batches import (
     NOT_COUNTED,
     BatchCounter,
@@ -40,6 +40,7 @@ from hetcoll.torch.batches import (
     not_counted,
 )
 from hetcoll.torch.expert_parallel import is_rank_local
+from hetcoll.torch.filters.layers import split_modules
 
 _SUPPORTED = (torch.float32, torch.float64)
 _NO_CLOSURE = object()  # _average's loss when no closure runs: gradients only
@@ -220,6 +221,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if p.requires_grad and not is_rank_local(p)
         ]
 
+    def _refuse_split_ranks(self, params: list[torch.Tensor]) -> None:
+        """Raise where two ranks of the group hold slices of one filter_parallel split: their
+        gradients are of different entries (on an even split, of one shape), and averaging
+        them would mix them. Replicas of a split average over one rank of each."""
+        ids = {id(p) for p in params}
+        for m in split_modules():
+            held = [getattr(m, n, None) for n in m.split_spec()]
+            if not any(id(t) in ids for t in held if isinstance(t, torch.Tensor)):
+                continue
+            shared = shared_processes(m.comm, self._comm)
+            if shared is not None and shared > 1:
+                raise ValueError(
+                    f"optimizer: its group holds {shared} ranks of one filter_parallel split "
+                    "whose slices it would average (parts of one model, not replicas); step "
+                    "a split model with its own optimizer alone, or average replicas of it "
+                    "over a group holding one rank of each split"
+                )
+
     def synchronize(self) -> None:
         """Replace every gradient by the mean over all ranks weighted by their counts, samples
         or items (collective; :func:`hetcoll.torch.item_weights`)."""
@@ -237,6 +256,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         rank found an inf nothing is exchanged and :attr:`skipped` is set on every rank."""
         params = self._params()
         try:
+            self._refuse_split_ranks(params)
             for i, p in enumerate(params):
                 if p.device.type != "cpu" or p.dtype not in _SUPPORTED:
                     raise TypeError(
@@ -249,7 +269,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         "nn.Embedding(sparse=True)'s); the MPI path averages dense gradients: "
                         "build the embedding with sparse=False"
                     )
-        except TypeError as e:  # the others raise too, at once (hetcoll.comm.agree)
+        except (TypeError, ValueError) as e:  # the others raise too (hetcoll.comm.agree)
             agree(self._comm, {}, failure=e, values=[0] * _STEP_VALUES)
             raise
         # Counting samples or items, a second average of one step has no count: every rank
