@@ -52,46 +52,22 @@ def resnet18() -> nn.Module:
     return torchvision.models.resnet18(num_classes=5)
 
 
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ))
+
+
 #: name: (the model, its input, how it splits: ("filter", speeds) or ("experts", shares)
 #: for each of the two jobs (2 ranks, then 3)).
 CASES: dict[str, tuple[Any, Any, tuple[str, Any], tuple[str, Any]]] = {
-    "mlp": (
-        mlp,
-        lambda: torch.randn(4, 6, dtype=torch.float64),
-        ("filter", [1.0, 3.0]),
-        ("filter", [2.0, 1.0, 1.0]),
-    ),
-    "resnet18": (
-        resnet18,
-        lambda: torch.randn(2, 3, 32, 32, dtype=torch.float64),
-        ("filter", [1.0, 2.0]),
-        ("filter", [1.0, 1.0, 3.0]),
-    ),
-    "llama": (
-        llama,
-        lambda: torch.randint(0, VOCAB, (2, SEQ)),
-        ("filter", [1.0, 1.0]),
-        ("filter", [1.0, 0.5, 0.5]),
-    ),
-    "gpt2": (
-        gpt2,
-        lambda: torch.randint(0, VOCAB, (2, SEQ)),
-        ("filter", [3.0, 1.0]),
-        ("filter", [1.0, 2.0, 1.0]),
-    ),
-    "falcon": (
-        falcon,
-        lambda: torch.randint(0, VOCAB, (2, SEQ)),
-        ("filter", [1.0, 1.0]),
-        ("filter", [2.0, 1.0, 1.0]),
-    ),
-    "mixtral": (
-        mixtral,
-        lambda: torch.randint(0, VOCAB, (2, SEQ)),
-        ("experts", [[0, 3], [1, 2]]),
-        ("experts", [[2], [0, 3], [1]]),
-    ),
-}
+    "mlp": (mlp, lambda: torch.randn(4, 6, dtype=torch.float64), ("filter", [1.0, 3.0]),
+            ("filter", [2.0, 1.0, 1.0])),
+    "resnet18": (resnet18, lambda: torch.randn(2, 3, 32, 32, dtype=torch.float64),
+                 ("filter", [1.0, 2.0]), ("filter", [1.0, 1.0, 3.0])),
+    "llama": (llama, tokens, ("filter", [1.0, 1.0]), ("filter", [1.0, 0.5, 0.5])),
+    "gpt2": (gpt2, tokens, ("filter", [3.0, 1.0]), ("filter", [1.0, 2.0, 1.0])),
+    "falcon": (falcon, tokens, ("filter", [1.0, 1.0]), ("filter", [2.0, 1.0, 1.0])),
+    "mixtral": (mixtral, tokens, ("experts", [[0, 3], [1, 2]]), ("experts", [[2], [0, 3], [1]])),
+}  # fmt: skip
 
 
 def build(name: str, split: tuple[str, Any], group: Any, seed: int) -> nn.Module:
