@@ -87,6 +87,21 @@ def output(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
+def differences(
+    full: dict[str, torch.Tensor], optim: dict[str, Any], saved: dict[str, Any]
+) -> dict[str, float]:
+    """The largest differences of a gathered model and optimizer state from the saved ones."""
+    return {
+        "model": max((full[k] - v).abs().max().item() for k, v in saved["model"].items()),
+        "optim": max(
+            (optim["state"][n][f] - v).abs().max().item()
+            for n, fields in saved["optim"]["state"].items()
+            for f, v in fields.items()
+            if isinstance(v, torch.Tensor)
+        ),
+    }
+
+
 def first_job(rank: int, world: int, name: str, path: str, resumed: bool = False) -> None:
     """Step, then save through DCP; ``resumed``: step, then resume on the other split of the
     same ranks from the gathered state (``load_full_*``), and save that through DCP before
@@ -140,12 +155,7 @@ def second_job(rank: int, world: int, name: str, path: str) -> dict[str, float] 
     unsplit.load_state_dict(saved["model"])
     want = output(unsplit, x)
     return {
-        "model": max((full[k] - v).abs().max().item() for k, v in saved["model"].items()),
-        "optim": max(
-            (optim["state"][n][f] - v).abs().max().item()
-            for n, fields in saved["optim"]["state"].items()
-            for f, v in fields.items()
-        ),
+        **differences(full, optim, saved),
         "keys": float(set(full) != set(saved["model"])),
         "forward": ((got - want).abs().max() / want.abs().max()).item(),
     }
@@ -272,16 +282,7 @@ def plan_second_job(rank: int, world: int, case: str, path: str) -> dict[str, fl
     full, optim = par.full_state_dict(), par.full_optimizer_state_dict(opt)
     if rank != 0:
         return None
-    saved = torch.load(Path(path) / "full.pt")
-    return {
-        "model": max((full[k] - v).abs().max().item() for k, v in saved["model"].items()),
-        "optim": max(
-            (optim["state"][n][f] - v).abs().max().item()
-            for n, fields in saved["optim"]["state"].items()
-            for f, v in fields.items()
-            if isinstance(v, torch.Tensor)
-        ),
-    }
+    return differences(full, optim, torch.load(Path(path) / "full.pt"))
 
 
 def full_into_split(rank: int, world: int) -> dict[str, float] | None:
