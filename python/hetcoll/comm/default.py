@@ -150,21 +150,25 @@ def same_processes(a: Communicator, b: Communicator) -> bool:
     return global_ranks(a) == global_ranks(b)
 
 
-def shared_processes(a: Communicator, b: Communicator) -> int | None:
-    """How many processes ``a`` and ``b`` both hold; None where one is MPI's and the other
+def shared_processes(a: Communicator, b: Communicator) -> list[int] | None:
+    """The processes ``a`` and ``b`` both hold, by their global ranks (torch.distributed's
+    default group, or MPI's ``COMM_WORLD``), ascending; None where one is MPI's and the other
     torch.distributed's (no local way to tell). Local."""
     if a.engine == "mpi" or b.engine == "mpi":
         if a.engine != b.engine:
             return None
         mpi = sys.modules["mpi4py.MPI"]
-        ga, gb = a.native.Get_group(), b.native.Get_group()
-        try:
-            found = mpi.Group.Translate_ranks(ga, list(range(ga.Get_size())), gb)
-        finally:
-            ga.Free()
-            gb.Free()
-        return sum(r != mpi.UNDEFINED for r in found)
-    return len(set(global_ranks(a)).intersection(global_ranks(b)))
+        world = mpi.COMM_WORLD.Get_group()
+        held = []
+        for c in (a, b):
+            group = c.native.Get_group()
+            try:
+                held.append(set(mpi.Group.Translate_ranks(group, range(group.Get_size()), world)))
+            finally:
+                group.Free()
+        world.Free()
+        return sorted(held[0] & held[1])
+    return sorted(set(global_ranks(a)).intersection(global_ranks(b)))
 
 
 def global_ranks(c: Communicator) -> list[int]:

@@ -230,10 +230,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             held = [getattr(m, n, None) for n in m.split_spec()]
             if not any(id(t) in ids for t in held if isinstance(t, torch.Tensor)):
                 continue
-            shared = shared_processes(m.comm, self._comm)
-            if shared is not None and shared > 1:
+            shared = shared_processes(m.comm, self._comm) or []
+            if len(shared) > 1:
                 raise ValueError(
-                    f"optimizer: its group holds {shared} ranks of one filter_parallel split "
+                    f"optimizer: its group holds {len(shared)} ranks of one filter_parallel split "
                     "whose slices it would average (parts of one model, not replicas); step "
                     "a split model with its own optimizer alone, or average replicas of it "
                     "over a group holding one rank of each split"

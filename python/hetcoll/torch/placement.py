@@ -293,11 +293,8 @@ class OwnersStage(nn.Module):
         """Refuse a marked tensor of owned channels cut for another rank or placement."""
         for key, (_, marks) in self._owned().items():
             t = state_dict.get(prefix + key)
-            marked = isinstance(t, torch.Tensor) and hasattr(t, "global_offsets")
-            if marked and not marks.holds(t):
-                raise marks.refuse("state_dict", repr(prefix + key), t)
-            if marked:  # loaded as an unmarked tensor: load_state_dict(assign=True) keeps it
-                state_dict[prefix + key] = t.detach()
+            if isinstance(t, torch.Tensor):
+                state_dict[prefix + key] = marks.loaded("state_dict", repr(prefix + key), t)
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def param_marks(self) -> list[tuple[torch.Tensor, Marks]]:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
-from hetcoll.comm import Communicator, agree, deadline, global_ranks, is_group, wrap
+from hetcoll.comm import Communicator, agree, deadline, is_group, shared_processes, wrap
 from hetcoll.errors import CollectiveMismatchError
 from hetcoll.torch.filters.autograd import AgreedForward, GradientSums, sole_holder
 from hetcoll.torch.filters.chains import (
@@ -925,18 +925,16 @@ def _refuse_ddp_over_split(model: nn.Module, comm: Communicator) -> None:
     ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
     if ddp is None:
         return
-    if comm.engine != "mpi":
-        # DDP over ranks of one split (Accelerate's prepare does it): they hold parts of one
-        # model, not replicas; DDP's start broadcast rank 0's parts over the others' already.
-        split = set(global_ranks(comm))
-        shared = sorted(split.intersection(global_ranks(wrap(ddp.process_group))))
-        if len(shared) > 1:
-            raise ValueError(
-                f"model: DDP runs over ranks {shared} of one filter_parallel split, which hold "
-                "parts of one model, not replicas (DDP copied rank 0's parts over the others' "
-                "when it was made); train the split model without DDP (or Accelerate's "
-                "prepare), and give DDP replicas over one rank of each split"
-            )
+    # DDP over ranks of one split (Accelerate's prepare does it): they hold parts of one
+    # model, not replicas; DDP's start broadcast rank 0's parts over the others' already.
+    shared = shared_processes(comm, wrap(ddp.process_group)) or []
+    if len(shared) > 1:
+        raise ValueError(
+            f"model: DDP runs over ranks {shared} of one filter_parallel split, which hold "
+            "parts of one model, not replicas (DDP copied rank 0's parts over the others' "
+            "when it was made); train the split model without DDP (or Accelerate's "
+            "prepare), and give DDP replicas over one rank of each split"
+        )
     held = GradientSums.trained(comm)
     whole = [n for n, p in model.named_parameters() if id(p) in held]
     if whole:

@@ -155,9 +155,8 @@ class ChannelSplit:
             full = total * sum(blocks) + sum(whole)
             alone = self.shares[self.rank] == total
             if isinstance(t, torch.Tensor) and hasattr(t, "global_offsets"):
-                self.check_slice(repr(prefix + name), name, t)
-                # Loaded as an unmarked tensor: load_state_dict(assign=True) keeps it.
-                t = state_dict[prefix + name] = t.detach()
+                marks = self.shard_marks(name)
+                t = state_dict[prefix + name] = marks.loaded("state_dict", repr(prefix + name), t)
             if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == full and not alone:
                 if self.order is not None:
                     state_dict[prefix + name] = t.index_select(dim, self.held_index().to(t.device))
@@ -205,17 +204,6 @@ class ChannelSplit:
         it the entries each rank holds. False, marking nothing, where ``t`` is not shaped as
         this rank's slice."""
         return self.shard_marks(name).mark(t)
-
-    def check_slice(
-        self, key: str, name: str, t: torch.Tensor, argument: str = "state_dict"
-    ) -> None:
-        """Refuse ``t``, a slice some split model saved (marked, as ``torch.save`` keeps
-        the marks) as entry ``key`` of ``argument``, where it is not this rank's slice of its
-        split tensor ``name``: on an even split another rank's slice has this rank's shape
-        and would load without a word."""
-        marks = self.shard_marks(name)
-        if not marks.holds(t):
-            raise marks.refuse(argument, key, t)
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)  # type: ignore[misc]

@@ -78,6 +78,16 @@ class Marks:
         mine = self.fields(tuple(t.shape)) if self.fits(t) else None
         return mine is not None and all(getattr(t, f, None) == v for f, v in mine.items())
 
+    def loaded(self, argument: str, key: str, t: torch.Tensor) -> torch.Tensor:
+        """``t``, entry ``key`` of ``argument`` being loaded, as the loader keeps it: refused
+        (:meth:`refuse`) where its marks say another rank's or split's slice, and unmarked (a
+        detached alias: ``load_state_dict(assign=True)`` and optimizers keep what they load)."""
+        if not hasattr(t, "global_offsets"):
+            return t
+        if not self.holds(t):
+            raise self.refuse(argument, key, t)
+        return t.detach()
+
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the unsplit ``full``."""
         parts = [full.narrow(self.dim, a, n) for a, _, n in self.runs]
@@ -175,8 +185,8 @@ def hook_optimizer(optimizer: torch.optim.Optimizer) -> None:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for i, (_, marks) in held.items():
         for field, v in optimizer.state.get(params[i], {}).items():
-            if isinstance(v, torch.Tensor) and hasattr(v, "global_offsets") and not marks.holds(v):
-                raise marks.refuse("optimizer", f"state[{i}][{field!r}]", v)
+            if isinstance(v, torch.Tensor):
+                marks.loaded("optimizer", f"state[{i}][{field!r}]", v)
     _HOOKED.add(optimizer)
     optimizer.register_state_dict_post_hook(_mark_state)
     optimizer.register_load_state_dict_pre_hook(_check_state)
@@ -244,10 +254,8 @@ def _check_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -
         for field, v in entries.items():
             if not isinstance(v, torch.Tensor):
                 continue
-            if hasattr(v, "global_offsets"):
-                if not marks.holds(v):
-                    raise marks.refuse("optimizer state_dict", f"state[{keys[i]!r}][{field!r}]", v)
-                sliced[field] = v = v.detach()  # the optimizer's state keeps no marks
+            key = f"state[{keys[i]!r}][{field!r}]"
+            sliced[field] = v = marks.loaded("optimizer state_dict", key, v)
             # DCP's full state (keyed by names) is the unsplit model's: this rank's slice. An
             # optimizer's own (keyed by index) is its rank's, whatever shapes it holds.
             if isinstance(keys[i], str) and tuple(v.shape) == full_shape and v.shape != p.shape:
