@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from transformer_cases import SEQ, VOCAB, falcon, gpt2, llama, mixtral
 
 from hetcoll.torch import (
+    ReplicaSavePlanner,
     expert_parallel,
     filter_parallel,
     gather_optimizer_state_dict,
@@ -219,27 +220,111 @@ OWNERS_OTHER = {
     ],
 }
 
-#: name: (the plan that saves, on 3 ranks; the plan that loads, and its ranks)
-PLANS = {
-    "pipeline_split_to_split": ("PIPELINE_SPLIT_3", "SPLIT_2", 2),
-    "owners_to_other_owners": ("OWNERS_3", "OWNERS_OTHER", 3),
+#: GPT-2 (9 layers: wte, wpe, drop, 4 blocks, ln_f, the head tied to wte) on 3 ranks: the
+#: embeddings on rank 0, the rest split over ranks 1 and 2.
+GPT2_PIPELINE_SPLIT = {
+    "microbatches": 2,
+    "replicas": [
+        {
+            "samples": 6,
+            "stages": [
+                {"ranks": [0], "layers": [0, 3]},
+                {"ranks": [1, 2], "speeds": [1.0, 0.5], "layers": [3, 9]},
+            ],
+        }
+    ],
+}
+
+#: GPT-2 as three pipeline stages (the tied head on another stage than the embedding).
+GPT2_PIPELINE_3 = {
+    "microbatches": 3,
+    "schedule": "1F1B",
+    "replicas": [
+        {
+            "samples": 6,
+            "stages": [
+                {"ranks": [2], "layers": [0, 4]},
+                {"ranks": [0], "layers": [4, 6]},
+                {"ranks": [1], "layers": [6, 9]},
+            ],
+        }
+    ],
+}
+
+#: name: (the model, the layout that saves and its ranks, the layout that loads and its ranks).
+#: A layout is a plan (its name, in this module or elastic_cases, plan_cases or
+#: plan_experts_cases; ranks in no stage idle) or ("filter", speeds): filter_parallel. Every
+#: checkpoint is the unsplit model's, so any layout loads any other's.
+PLANS: dict[str, tuple[str, Any, int, Any, int]] = {
+    "pipeline_split_to_split": ("cnn", "PIPELINE_SPLIT_3", 3, "SPLIT_2", 2),
+    "owners_to_other_owners": ("cnn", "OWNERS_3", 3, "OWNERS_OTHER", 3),
+    "owners_to_pipeline_split": ("cnn", "OWNERS_3", 3, "PIPELINE_SPLIT_3", 3),
+    "pipeline_split_to_filter_parallel": ("cnn", "PIPELINE_SPLIT_3", 3, ("filter", [1.0, 2.0]), 2),
+    "filter_parallel_to_owners": ("cnn", ("filter", [1.0, 1.0, 2.0]), 3, "OWNERS_OTHER", 3),
+    "idle_rank_to_another_idle_rank": ("cnn", "IDLE_3", 3, "SPLIT_2", 3),
+    "no_idle_rank_to_an_idle_rank": ("cnn", "PIPELINE_SPLIT_3", 3, "IDLE_3", 3),
+    "replicas_of_two_shapes_to_pipeline": ("cnn", "ASYMMETRIC", 4, "PIPELINE_2", 2),
+    "gpt2_split_stage_to_pipeline": ("gpt2", "GPT2_PIPELINE_SPLIT", 3, "GPT2_PIPELINE_3", 3),
+    "gpt2_pipeline_to_filter_parallel": ("gpt2", "GPT2_PIPELINE_3", 3, ("filter", [2.0, 1.0]), 2),
+    "gpt2_filter_parallel_to_pipeline": ("gpt2", ("filter", [1.0, 3.0]), 2, "GPT2_PIPELINE_3", 3),
+    "mixtral_experts_to_pipelines": ("mixtral", "BY_SPEED", 4, "PIPELINES", 4),
 }
 
 
 def _plan(name: str) -> dict[str, Any]:
     import elastic_cases
+    import plan_cases
+    import plan_experts_cases
 
-    return OWNERS_OTHER if name == "OWNERS_OTHER" else getattr(elastic_cases, name)
+    for where in (globals(), vars(elastic_cases), vars(plan_cases), vars(plan_experts_cases)):
+        if name in where:
+            return where[name]
+    raise KeyError(name)
 
 
-def _parallel(plan: str, seed: int) -> Any:
+def _layout(model: str, layout: Any, seed: int) -> nn.Module:
+    """``model`` (float64, weights from ``seed``) laid out on this job's ranks."""
     from plan_cases import cnn
+    from transformer_cases import lm_loss, valid_tokens
 
     from hetcoll import Plan
     from hetcoll.torch import parallelize
 
     torch.manual_seed(seed)
-    return parallelize(cnn().double(), Plan.from_dict(_plan(plan)), loss_fn=nn.CrossEntropyLoss())
+    net = {"cnn": cnn, "gpt2": gpt2, "mixtral": mixtral}[model]().double()
+    if isinstance(layout, tuple):
+        return filter_parallel(net, speeds=layout[1])
+    if model == "cnn":
+        return parallelize(net, Plan.from_dict(_plan(layout)), loss_fn=nn.CrossEntropyLoss())
+    return parallelize(net, Plan.from_dict(_plan(layout)), loss_fn=lm_loss, items=valid_tokens)
+
+
+def _train(model: str, net: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Two steps: a plan's (``Parallel.step``), or a split model's forward and backward."""
+    from plan_cases import batches
+    from transformer_cases import batches as token_batches
+    from transformer_cases import lm_loss
+
+    rows = net.plan.batch if hasattr(net, "plan") else 8 if model == "cnn" else 6
+    data = batches((3, 8, 8), rows, 2) if model == "cnn" else token_batches(rows, 2)
+    for x, y in data:
+        if hasattr(net, "step"):
+            net.step(x, y)
+        elif model == "cnn":
+            nn.functional.cross_entropy(net(x.double()), y).backward()
+        else:
+            lm_loss(net(**x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _gathered(net: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The unsplit model's state and its optimizer's, on every rank."""
+    if hasattr(net, "full_state_dict"):
+        return net.full_state_dict(), net.full_optimizer_state_dict(opt)
+    full, optim = gather_state_dict(net, dst=None), gather_optimizer_state_dict(net, opt, dst=None)
+    assert full is not None and optim is not None
+    return full, optim
 
 
 #: Ranks of a plan hold different parameters (a pipeline's stages): torch's DCP then wants the
@@ -248,38 +333,38 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def plan_first_job(rank: int, world: int, case: str, path: str) -> None:
-    """A plan trains 2 steps (SGD momentum) and saves through DCP: ``get_state_dict`` of the
-    ``Parallel`` and its optimizer, as for any model."""
-    from plan_cases import batches
-
+    """A plan or a split trains 2 steps (SGD momentum) and saves through DCP:
+    ``get_state_dict`` of the model and its optimizer, as for any model."""
     torch.set_num_threads(1)
-    par = _parallel(PLANS[case][0], seed=0)
-    opt = torch.optim.SGD(par.parameters(), lr=0.05, momentum=0.9)
-    for x, y in batches((3, 8, 8), 8, 2):
-        par.step(x, y)
-        opt.step()
-        opt.zero_grad()
-    model_sd, optim_sd = get_state_dict(par, opt, options=FLAT)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    full, optim = par.full_state_dict(), par.full_optimizer_state_dict(opt)
+    model, layout = PLANS[case][0], PLANS[case][1]
+    net = _layout(model, layout, seed=0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    _train(model, net, opt)
+    model_sd, optim_sd = get_state_dict(net, opt, options=FLAT)
+    # Replicas of different shapes cut tensors differently: the first one's are written.
+    dcp.save(
+        {"model": model_sd, "optim": optim_sd}, checkpoint_id=path, planner=ReplicaSavePlanner()
+    )
+    full, optim = _gathered(net, opt)
     if rank == 0:
         torch.save({"model": full, "optim": optim}, Path(path) / "full.pt")
     dist.barrier()
 
 
 def plan_second_job(rank: int, world: int, case: str, path: str) -> dict[str, float] | None:
-    """Another plan of the same stage kinds loads it (other initial weights): its full state
-    dicts must equal the first plan's."""
+    """Another layout loads it (other initial weights): its gathered state must equal the
+    first job's, and its forward the unsplit model's with that state."""
     torch.set_num_threads(1)
-    par = _parallel(PLANS[case][1], seed=1)
-    opt = torch.optim.SGD(par.parameters(), lr=0.05, momentum=0.9)
-    model_sd, optim_sd = get_state_dict(par, opt, options=FLAT)
+    model, layout = PLANS[case][0], PLANS[case][3]
+    net = _layout(model, layout, seed=1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    model_sd, optim_sd = get_state_dict(net, opt, options=FLAT)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(
-        par, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=FLAT
+        net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=FLAT
     )
-    full, optim = par.full_state_dict(), par.full_optimizer_state_dict(opt)
+    full, optim = _gathered(net, opt)
     if rank != 0:
         return None
     return differences(full, optim, torch.load(Path(path) / "full.pt"))
@@ -357,4 +442,34 @@ def own_state_round_trips(rank: int, world: int) -> dict[str, Any]:
     out["marked"] += [
         k for k, t in model.state_dict(keep_vars=True).items() if hasattr(t, "global_shape")
     ]
+    return out
+
+
+def own_state_dicts_of_plans(rank: int, world: int) -> dict[str, Any]:
+    """Each rank's own state dict of a plan, under the unsplit model's names (its parameters'
+    names too), loads back on the rank (strict) into the right tensors, as does one keyed as
+    earlier versions keyed it (``stage.``, an idle rank's ``idle``)."""
+    from plan_cases import cnn
+
+    torch.set_num_threads(1)
+    unsplit = set(cnn().state_dict())
+    out: dict[str, Any] = {}
+    for name in ("IDLE_3", "OWNERS_3", "PIPELINE_SPLIT_3"):
+        par = _layout("cnn", name, seed=0)
+        sd = par.state_dict()
+        names = {n for n, _ in par.named_parameters()} | {n for n, _ in par.named_buffers()}
+        changed = {k: v + 1 if v.is_floating_point() else v for k, v in sd.items()}
+        par.load_state_dict(changed)
+        now = par.state_dict()
+        earlier = (
+            {f"stage.{k}": v for k, v in par.stage.state_dict().items()}
+            if par.stage is not None and par.stage.state_dict()
+            else {"idle": torch.empty(0)}
+        )
+        par.load_state_dict(earlier)
+        out[name] = {
+            "names": set(sd) <= unsplit and names <= unsplit,
+            "loaded": now.keys() == sd.keys() and all(torch.equal(now[k], changed[k]) for k in sd),
+            "earlier": all(torch.equal(v, now[k]) for k, v in par.state_dict().items()),
+        }
     return out

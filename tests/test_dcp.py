@@ -37,13 +37,20 @@ def test_saved_on_two_ranks_loads_on_three_other_speeds(name, tmp_path):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("case", list(dcp_cases.PLANS))
-def test_plans_save_and_load_through_dcp(case, tmp_path):
-    # A pipeline with a split stage, loaded as one stage split over 2 ranks; an owners stage,
-    # loaded by an owners stage placing the channels otherwise.
+def test_plans_and_splits_load_each_others_checkpoints(case, tmp_path):
+    # A plan's checkpoint is the unsplit model's, as a split's is: it loads into any other
+    # plan (other stages, kinds, idle ranks) and into a filter-parallel split, and a split's
+    # loads into a plan; the CNN cut as a chain of layers, GPT-2 between blocks (its head tied
+    # to the embedding on another stage).
+    _, _, saving, _, loading = dcp_cases.PLANS[case]
     path = str(tmp_path / "ckpt")
-    launch.spawn(dcp_cases.plan_first_job, 3, case, path, timeout=240)
-    world = dcp_cases.PLANS[case][2]
-    r = launch.spawn(dcp_cases.plan_second_job, world, case, path, timeout=240)[0]
+    launch.spawn(dcp_cases.plan_first_job, saving, case, path, timeout=240)
+    dcp_to_torch_save(path, str(tmp_path / "unsplit.pt"))
+    converted = torch.load(tmp_path / "unsplit.pt")["model"]
+    saved = torch.load(tmp_path / "ckpt" / "full.pt")["model"]
+    assert converted.keys() == saved.keys()  # the unsplit model's names
+    assert all(torch.equal(converted[k], v) for k, v in saved.items())
+    r = launch.spawn(dcp_cases.plan_second_job, loading, case, path, timeout=240)[0]
     assert r["model"] == 0 and r["optim"] == 0, r
 
 
@@ -144,3 +151,12 @@ def test_marks_tile_the_unsplit_tensor(layout, width):
     assert covered == list(range(total)), (layout, seen)
     for (g, n), times in seen.items():  # a run several ranks mark is one every rank holds
         assert times == 1 or (times == len(shares) and sum(whole) > 0), (layout, g, n, times)
+
+
+@pytest.mark.multiproc
+def test_a_plans_own_state_dict_is_keyed_as_the_unsplit_model_and_loads_back():
+    # An idle rank, an owners stage and a pipeline with a split stage; and the keys earlier
+    # versions wrote (stage.<layer>, idle) still load.
+    for r in launch.spawn(dcp_cases.own_state_dicts_of_plans, 3, timeout=240):
+        for plan, checks in r.items():
+            assert all(checks.values()), (plan, checks)

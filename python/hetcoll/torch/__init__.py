@@ -7,6 +7,7 @@ Emulated heterogeneity, for trying these on one machine, is lab code: :mod:`hetc
 
 from hetcoll.torch.batches import BatchCounter, item_total, item_weights
 from hetcoll.torch.clipping import clip_grad_norm_
+from hetcoll.torch.dcp_planner import ReplicaSavePlanner
 from hetcoll.torch.expert_parallel import (
     ExpertParallelExperts,
     expert_assignment,
@@ -70,6 +71,7 @@ __all__ = [
     "FilterParallelMultiheadAttention",
     "Parallel",
     "Rebalancer",
+    "ReplicaSavePlanner",
     "SpeedFit",
     "SplitOutput",
     "WeightedAllreduceState",

@@ -31,7 +31,7 @@ import math
 import warnings
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,9 +55,13 @@ from hetcoll.torch.filters import (
     split_layout,
 )
 from hetcoll.torch.filters.chains import choose_layers
-from hetcoll.torch.filters.shards import track_optimizers
+from hetcoll.torch.filters.shards import register_marking, track_optimizers
 from hetcoll.torch.layers import model_cut
-from hetcoll.torch.parallel_checkpoint import PlanCheckpoints
+from hetcoll.torch.parallel_checkpoint import (
+    PlanCheckpoints,
+    keyed_as_the_model,
+    keyed_as_the_stage,
+)
 from hetcoll.torch.parallel_experts import PlanExperts
 from hetcoll.torch.placement import (
     Block,
@@ -216,8 +220,35 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         self._experts_names: frozenset[str] = frozenset()
         self._experts_here = False
         self._experts_layers: list[tuple[str, int, int]] = []
+        # Its state dicts are keyed by the unsplit model's names, whatever the plan.
+        self.register_state_dict_post_hook(keyed_as_the_model)
+        self.register_load_state_dict_pre_hook(keyed_as_the_stage)
 
     # -- public ----------------------------------------------------------------------------------
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """``nn.Module.named_parameters`` under the unsplit model's names, as its state dict
+        keys them: a head tied to its embedding by the model's one name for both (with
+        ``remove_duplicate``), an idle rank's placeholder by the name of the parameter it
+        holds none of (:meth:`hold_nothing`). Without ``recurse``, also this rank's tied
+        parameters whose stage holds them under another name only: torch.distributed.
+        checkpoint, which reads each module's own parameters, then knows them by both."""
+        lead = f"{prefix}." if prefix else ""
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield lead + self._model_name(name[len(lead) :], remove_duplicate), p
+        if not recurse:
+            for name, p in self._tied_elsewhere():
+                yield lead + name, p
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``nn.Module.named_buffers`` under the unsplit model's names."""
+        lead = f"{prefix}." if prefix else ""
+        for name, b in super().named_buffers(prefix, recurse, remove_duplicate):
+            yield lead + self._model_name(name[len(lead) :], False), b
 
     def forward(self, *args: Any) -> Any:
         raise TypeError(
@@ -1107,7 +1138,7 @@ def parallelize(
             loaded[lo:hi] = list(module.named_children())
             owned = OwnersStage(loaded, blocks[i, j], tr.rank, stage.ranks[0]).to(par._device)
             if next(owned.parameters(), None) is None:
-                par.idle = nn.Parameter(torch.empty(0))  # it owns no channel with weights
+                par.hold_nothing()  # it owns no channel with weights
             par.stage = owned
         elif (i, j) in split_args:
             counting = CountingCommunicator(wrap(subs[i, j]), par._traffic)
@@ -1155,12 +1186,13 @@ def parallelize(
         if par.stage is None:
             par.stage = module
             if next(module.parameters(), None) is None:  # a stage of parameter-free layers
-                par.idle = nn.Parameter(torch.empty(0))
+                par.hold_nothing()
     else:
-        par.idle = nn.Parameter(torch.empty(0))
+        par.hold_nothing()
         if cut.kind == "blocks":  # to probe micro-batches as the working ranks do
             par._skeleton = [_stage_copy(model, layers, par._meta_blocks, 0, 0)]
     _plan_reductions(par, plan, names, model, cut.kind)
+    register_marking(par)  # its placeholder's marks, its copies (PlanCheckpoints)
     record_replaced(model.parameters(), par.parameters(), "parallelize")
     track_optimizers()
     return par

@@ -13,6 +13,7 @@ import math
 import pickle
 import zlib
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from torch import nn
 from hetcoll.comm import agree
 from hetcoll.plan import Plan
 from hetcoll.torch.filters import gather_state_dict, split_tensors
+from hetcoll.torch.filters.shards import COPY, Marks, register_marking
 from hetcoll.torch.placement import Block, OwnersStage
 from hetcoll.torch.sampler import BalancedSampler
 from hetcoll.torch.state_dicts import (
@@ -57,6 +59,10 @@ class PlanCheckpoints:
     _experts_names: frozenset[str]
     #: A chain's state outside its layers (modules its forward never calls): on no stage.
     _unheld: dict[str, torch.Tensor]
+    #: A rank holding no parameter: its placeholder, and the model's parameter it holds none
+    #: of, with those marks (:meth:`hold_nothing`).
+    idle: nn.Parameter
+    _nothing_of: tuple[str, Marks] | None = None
 
     def sampler(
         self, dataset: Any, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True
@@ -392,6 +398,159 @@ class PlanCheckpoints:
         if idle is not None:
             names[id(idle)] = None
         return names
+
+    def hold_nothing(self) -> None:
+        """Make this rank one that holds no parameter of the model (idle, a stage of
+        parameter-free layers, an owners stage owning no channel with weights): it gets a
+        placeholder parameter, ``idle``, so the same training code runs on every rank, and in
+        DCP's names (its state dict, its optimizer's) it holds none of the model's first
+        parameter, an empty slice so marked (:class:`~hetcoll.torch.filters.shards.Marks`).
+        DCP wants a state dict on every rank, and reads and writes nothing of such a slice, so
+        checkpoints of plans with and without idle ranks load into each other."""
+        shapes = {k: (shape, dtype) for k, _, shape, dtype in self._state_layout}
+        first = next((n for n in self._param_names if shapes[n][0]), None)
+        if first is None:  # no parameter of one dimension or more: a placeholder of none
+            self.idle = nn.Parameter(torch.empty(0, device=self._device))
+            return
+        shape, dtype = shapes[first]
+        self.idle = nn.Parameter(torch.empty((0, *shape[1:]), dtype=dtype, device=self._device))
+        self._nothing_of = (first, Marks(0, (), shape[0]))
+        register_marking(self)
+
+    def _holds_nothing(self, name: str, t: Any) -> bool:
+        """Whether entry ``name``, ``t``, is an idle rank's placeholder: empty, under the name
+        of the parameter it holds none of (:meth:`hold_nothing`)."""
+        return (
+            self._nothing_of is not None
+            and name == self._nothing_of[0]
+            and isinstance(t, torch.Tensor)
+            and t.numel() == 0
+        )
+
+    def param_marks(self) -> list[tuple[torch.Tensor, Marks]]:
+        """An idle rank's placeholder with its marks (none of the model's first parameter:
+        :meth:`hold_nothing`), for the optimizer hooks of
+        :mod:`hetcoll.torch.filters.shards`."""
+        return [] if self._nothing_of is None else [(self.idle, self._nothing_of[1])]
+
+    def _model_name(self, name: str, canonical: bool) -> str:
+        """A parameter's or buffer's name in this module (``stage.``...) as the unsplit model
+        names it; ``canonical``: a tied alias by the model's first name for the tensor."""
+        if name == "idle" and self._nothing_of is not None:
+            return self._nothing_of[0]
+        name = name.removeprefix("stage.")
+        return self._alias.get(name, name) if canonical else name
+
+    def _tied_elsewhere(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's tied parameters by the model's first name for them, where its stage
+        holds them under another name only (a head tied to an embedding held by another
+        stage)."""
+        if self.stage is None:
+            return []
+        held = dict(self.stage.named_parameters(remove_duplicate=False))
+        return [
+            (name, held[alias])
+            for alias, name in self._alias.items()
+            if alias in held and name not in held
+        ]
+
+    def param_copies(self) -> list[torch.Tensor]:
+        """This rank's parameters held as copies of what another rank writes to a DCP
+        checkpoint: on a rank of a replica after the first, all but its experts (each replica
+        holds its own), for the optimizer hooks of :mod:`hetcoll.torch.filters.shards`."""
+        if not self._is_copy():
+            return []
+        return [
+            t
+            for n, (t, _) in self._parts().items()
+            if isinstance(t, nn.Parameter) and n not in self._experts_names
+        ]
+
+    def _is_copy(self) -> bool:
+        """Whether this rank's state copies replica 0's (:class:`~hetcoll.torch.ReplicaSavePlanner`
+        writes the first replica's)."""
+        return self.place is not None and self.place[0] > 0
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """torch.distributed.checkpoint's contract for a module whose state-dict keys leave out
+        a submodule's name (``torch.distributed.checkpoint.state_dict``): each first name of a
+        key reaches its tensor through ``stage``, so DCP names the parameters, and the
+        optimizer's state, as :func:`keyed_as_the_model` names the state dict."""
+        out = dict.fromkeys(self._stage_names(), "stage")
+        if self._nothing_of is not None:
+            out.setdefault(self._nothing_of[0].split(".", 1)[0], "_path_to_nothing")
+        return out
+
+    @property
+    def _path_to_nothing(self) -> Any:
+        """Attributes spelling the name of the tensor an idle rank holds none of, down to its
+        placeholder: DCP resolves each name it is given by attributes from the model."""
+        assert self._nothing_of is not None
+        path: Any = self.idle
+        atoms = self._nothing_of[0].split(".")
+        for atom in reversed(atoms[1:]):
+            path = SimpleNamespace(**{atom: path})
+        return SimpleNamespace(**{atoms[0]: path})
+
+    def _stage_names(self) -> set[str]:
+        """The first names of this rank's stage's state-dict keys: its layers' (the model's
+        child names) and its own tensors'."""
+        if self.stage is None:
+            return set()
+        own = (n for n, _ in self.stage.named_parameters(recurse=False))
+        buffers = (n for n, _ in self.stage.named_buffers(recurse=False))
+        return {n for n, _ in self.stage.named_children()} | set(own) | set(buffers)
+
+
+def keyed_as_the_model(module: nn.Module, state_dict: Any, prefix: str, metadata: Any) -> None:
+    """A :class:`~hetcoll.torch.parallel.Parallel`'s state-dict post-hook: this rank's
+    entries under the unsplit model's names (``stage.`` dropped), as a plain model, a
+    filter-parallel model and every other plan's ranks name them, so that
+    torch.distributed.checkpoint writes one unsplit model whatever the plan, and loads it into
+    any other. An idle rank's placeholder is the empty slice of the model's first parameter
+    it stands for (:meth:`PlanCheckpoints.hold_nothing`). A rank of a replica after the first
+    flags its tensors, but its experts, as copies (:mod:`hetcoll.torch.dcp_planner`)."""
+    assert isinstance(module, PlanCheckpoints)
+    idle = state_dict.pop(prefix + "idle", None)
+    head = prefix + "stage."
+    for key in [k for k in state_dict if k.startswith(head)]:
+        state_dict[prefix + key[len(head) :]] = state_dict.pop(key)
+    if idle is not None and module._nothing_of is not None:
+        name, marks = module._nothing_of
+        if not isinstance(idle, nn.Parameter):  # keep_vars hands out the parameter unmarked
+            marks.mark(idle)
+        state_dict[prefix + name] = idle
+    if module._is_copy():
+        live = {id(b) for b in module.buffers()}  # keep_vars hands out the buffers themselves
+        for key, t in state_dict.items():
+            if (
+                key.startswith(prefix)
+                and isinstance(t, torch.Tensor)
+                and not isinstance(t, nn.Parameter)
+                and id(t) not in live
+                and key[len(prefix) :] not in module._experts_names
+            ):
+                setattr(t, COPY, True)
+
+
+def keyed_as_the_stage(module: nn.Module, state_dict: Any, prefix: str, *args: Any) -> None:
+    """The load pre-hook undoing :func:`keyed_as_the_model`: the model's names back under
+    ``stage.`` (keys already under it, as state dicts saved before were, are kept), and an idle
+    rank's placeholder put back."""
+    assert isinstance(module, PlanCheckpoints)
+    names = module._stage_names()
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        rest = key[len(prefix) :]
+        first = rest.split(".", 1)[0]
+        if first in names:
+            state_dict[prefix + "stage." + rest] = state_dict.pop(key)
+        elif first == "idle" or module._holds_nothing(rest, state_dict[key]):
+            del state_dict[key]  # an idle rank's placeholders: this rank's is put back below
+        elif first != "stage":  # not this rank's: reported as the stage's unexpected key
+            state_dict[prefix + "stage." + rest] = state_dict.pop(key)
+    idle = getattr(module, "idle", None)
+    if isinstance(idle, nn.Parameter):
+        state_dict[prefix + "idle"] = idle.detach()
 
 
 def allgather_objects(comm: Any, obj: Any) -> list[Any]:

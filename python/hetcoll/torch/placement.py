@@ -240,26 +240,27 @@ class OwnersStage(nn.Module):
         lead: int,
     ) -> None:
         super().__init__()
-        self.blocks = blocks
-        self.rank = rank
-        self.lead = lead
-        self.index = [b.channels_of(rank) for b in blocks]
-        self.parts = nn.ModuleDict()
+        # Its layers are its children under the model's names (so its state-dict keys are the
+        # model's); its own attributes are private, out of the way of any layer's name.
+        self._blocks = blocks
+        self._rank = rank
+        self._lead = lead
+        self._index = [b.channels_of(rank) for b in blocks]
         self._names = {i: n for i, (n, _) in enumerate(layers)}
-        for b, index in zip(blocks, self.index, strict=True):
+        for b, index in zip(blocks, self._index, strict=True):
             if len(index):
-                self.parts[b.name] = _rows(layers[b.layer][1], index)
+                self.add_module(b.name, _rows(layers[b.layer][1], index))
                 for t in b.owner_tail:
                     m = layers[t][1]
                     kept = _rows(m, index) if not _state_free(m) else copy.deepcopy(m)
-                    self.parts[self._names[t]] = kept
+                    self.add_module(self._names[t], kept)
             for t in b.reader_tail:
-                self.parts[self._names[t]] = copy.deepcopy(layers[t][1])
+                self.add_module(self._names[t], copy.deepcopy(layers[t][1]))
         # Its state dicts mark each tensor's channels where they sit in the unsplit tensor
         # (torch.distributed.checkpoint's shards: :mod:`hetcoll.torch.filters.shards`).
         self._block_marks = [
             Marks.of_index(0, index.tolist(), len(b.owners))
-            for b, index in zip(blocks, self.index, strict=True)
+            for b, index in zip(blocks, self._index, strict=True)
         ]
         register_marking(self)
 
@@ -267,15 +268,15 @@ class OwnersStage(nn.Module):
         """This rank's tensors of owned channels by their names in this module, with where
         their channels sit in the unsplit tensors."""
         out: dict[str, tuple[torch.Tensor, Marks]] = {}
-        for k, (b, index) in enumerate(zip(self.blocks, self.index, strict=True)):
+        for k, (b, index) in enumerate(zip(self._blocks, self._index, strict=True)):
             if not len(index):
                 continue
             marks = self._block_marks[k]
             for layer in (b.layer, *b.owner_tail):
                 name = self._names[layer]
-                for key, t in self.parts[name].state_dict(keep_vars=True).items():
+                for key, t in self._layer(name).state_dict(keep_vars=True).items():
                     if t.dim() >= 1:
-                        out[f"parts.{name}.{key}"] = (t, marks)
+                        out[f"{name}.{key}"] = (t, marks)
         return out
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
@@ -308,35 +309,41 @@ class OwnersStage(nn.Module):
         """This rank's parameters and buffers by the model's state-dict names, each with the
         output channels it holds (None: a whole tensor, such as BatchNorm's step counter)."""
         out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        for b, index in zip(self.blocks, self.index, strict=True):
+        for b, index in zip(self._blocks, self._index, strict=True):
             if not len(index):
                 continue
             for layer in (b.layer, *b.owner_tail):
                 name = self._names[layer]
-                for key, t in self.parts[name].state_dict(keep_vars=True).items():
+                for key, t in self._layer(name).state_dict(keep_vars=True).items():
                     out[f"{name}.{key}"] = (t, index if t.dim() >= 1 else None)
         return out
 
     def whole_tensor_holder(self, layer: int) -> int:
         """The rank whose copy of a layer's whole (unsliced) tensors counts: the owner of the
         block's channel 0."""
-        for b in self.blocks:
+        for b in self._blocks:
             if layer == b.layer or layer in b.owner_tail:
                 return b.owners[0]
         raise KeyError(layer)
 
+    def _layer(self, name: str) -> nn.Module:
+        """The layer this stage keeps under the model's child name ``name``."""
+        m = self._modules[name]
+        assert m is not None
+        return m
+
     def _through(self, layers: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
         for t in layers:
-            x = self.parts[self._names[t]](x)
+            x = self._layer(self._names[t])(x)
         return x
 
     def _readers(self, k: int) -> list[int]:
-        return self.blocks[k + 1].owner_ranks if k + 1 < len(self.blocks) else [self.lead]
+        return self._blocks[k + 1].owner_ranks if k + 1 < len(self._blocks) else [self._lead]
 
     def run(self, io: StepIO) -> None:
         """This rank's forwards and backwards of every micro-batch (layer-major, see the
         module docs); the sends are started, not waited for."""
-        blocks, rank, M = self.blocks, self.rank, io.micro_batches
+        blocks, rank, M = self._blocks, self._rank, io.micro_batches
         K = len(blocks)
         own = [rank in b.owner_ranks for b in blocks]
         saved: dict[tuple[int, int], tuple[StageInput, torch.Tensor]] = {}
@@ -383,7 +390,7 @@ class OwnersStage(nn.Module):
                 else:
                     x_in = StageInput(assemble(k - 1, m))
                     z = self._through(blocks[k - 1].reader_tail, x_in.tensor)
-                y = self._through(b.owner_tail, self.parts[b.name](z))
+                y = self._through(b.owner_tail, self._layer(b.name)(z))
                 saved[k, m] = (x_in, y)
                 for r in self._readers(k):
                     if r == rank:
@@ -393,7 +400,7 @@ class OwnersStage(nn.Module):
                         io.send(y.detach(), r, _TAG_FORWARD + 2 * k, kind)
         # The lead gathers the output, computes the loss or sends it on, and sends back the
         # output's gradient.
-        if rank == self.lead:
+        if rank == self._lead:
             ends = []
             for m in range(M):
                 x_out = StageInput(assemble(K - 1, m))

@@ -115,15 +115,13 @@ def _fields(marks: Marks, shape: tuple[int, ...]) -> tuple[tuple[str, tuple[Any,
     """:meth:`Marks.fields`, kept: every state dict of a split asks again."""
     d, nd = marks.dim, len(shape)
     full = tuple(marks.length if k == d else s for k, s in enumerate(shape))
-    return (
-        ("global_shape", full),
-        ("global_offsets", tuple(_at(nd, d, a) for a, _, _ in marks.runs)),
-        ("local_offsets", tuple(_at(nd, d, b) for _, b, _ in marks.runs)),
-        (
-            "local_sizes",
-            tuple(tuple(n if k == d else s for k, s in enumerate(shape)) for _, _, n in marks.runs),
-        ),
+    values = (
+        full,
+        tuple(_at(nd, d, a) for a, _, _ in marks.runs),
+        tuple(_at(nd, d, b) for _, b, _ in marks.runs),
+        tuple(tuple(n if k == d else s for k, s in enumerate(shape)) for _, _, n in marks.runs),
     )
+    return tuple(zip(_FIELDS, values, strict=True))
 
 
 def _at(ndim: int, dim: int, value: int) -> tuple[int, ...]:
@@ -132,9 +130,19 @@ def _at(ndim: int, dim: int, value: int) -> tuple[int, ...]:
 
 
 class Marking(Protocol):
-    """A module holding slices: each of its sliced tensors with its marks."""
+    """A module holding slices: each of its sliced tensors with its marks. It may also say
+    which of its parameters it holds as copies of what another rank writes
+    (``param_copies() -> list[Tensor]``: a plan's replicas after the first)."""
 
     def param_marks(self) -> list[tuple[torch.Tensor, Marks]]: ...
+
+
+#: The attribute set (True) on the state-dict tensors a rank holds as a copy of tensors
+#: another rank writes whole (a plan's replicas after the first, which may cut them
+#: otherwise): :class:`~hetcoll.torch.ReplicaSavePlanner` writes them once, from the first.
+COPY = "hetcoll_copy"
+#: The ``CheckpointableTensor`` fields :meth:`Marks.mark` sets.
+_FIELDS = ("global_shape", "global_offsets", "local_offsets", "local_sizes")
 
 
 #: Every module alive holding marked slices (split modules, owners stages), weakly.
@@ -148,7 +156,7 @@ _HOOK: Any = None
 #: parameters were found under (:func:`_held`).
 _GENERATION = 0
 #: Each optimizer's marked parameters, with the generation and parameters they were found for.
-_HELD: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, dict[int, Any]]] = (
+_HELD: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, Any]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -196,20 +204,36 @@ def _held(optimizer: torch.optim.Optimizer) -> dict[int, tuple[torch.Tensor, Mar
     """The optimizer's marked parameters by their index in its state dict, with their marks
     (found again only when a split changed or the optimizer holds other parameters: every
     state dict of every optimizer asks)."""
+    return _scan(optimizer)[0]
+
+
+def _copies(optimizer: torch.optim.Optimizer) -> frozenset[int]:
+    """The indices of the optimizer's parameters this rank holds as copies of what another
+    rank writes (:data:`COPY`)."""
+    return _scan(optimizer)[1]
+
+
+def _scan(
+    optimizer: torch.optim.Optimizer,
+) -> tuple[dict[int, tuple[torch.Tensor, Marks]], frozenset[int]]:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     key = (_GENERATION, tuple(id(p) for p in params))
     cached = _HELD.get(optimizer)
     if cached is not None and cached[0] == key:
         return cached[1]
     marked: dict[int, tuple[torch.Tensor, Marks]] = {}
+    copies: dict[int, torch.Tensor] = {}
     for m in list(_MARKING):
         for p, marks in m.param_marks():
             marked[id(p)] = (p, marks)
+        for p in getattr(m, "param_copies", list)():
+            copies[id(p)] = p
     held = {
         i: marked[id(p)] for i, p in enumerate(params) if id(p) in marked and marked[id(p)][0] is p
     }
-    _HELD[optimizer] = (key, held)
-    return held
+    copied = frozenset(i for i, p in enumerate(params) if copies.get(id(p)) is p)
+    _HELD[optimizer] = (key, (held, copied))
+    return held, copied
 
 
 def _keys(state_dict: dict[str, Any]) -> list[Any]:
@@ -236,7 +260,24 @@ def _mark_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) ->
                 if marks.mark(view):
                     marked[field] = view
         state[keys[i]] = marked
+    for i in _copies(optimizer):
+        entries = state.get(keys[i]) if i < len(keys) else None
+        if isinstance(entries, dict):
+            state[keys[i]] = {f: copy_of(v) for f, v in entries.items()}
     return state_dict
+
+
+def copy_of(v: Any) -> Any:
+    """``v`` flagged as a copy (:data:`COPY`): a fresh view of a tensor (the fields of marked
+    ones kept), anything else as it is."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    view = v.detach().view_as(v)
+    for field in _FIELDS:
+        if hasattr(v, field):
+            setattr(view, field, getattr(v, field))
+    setattr(view, COPY, True)
+    return view
 
 
 def _check_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
