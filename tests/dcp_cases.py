@@ -16,6 +16,7 @@ is checked on its own.
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +252,21 @@ GPT2_PIPELINE_3 = {
     ],
 }
 
+#: GPT-2 as three pipeline stages, the second holding dropout alone (no parameter).
+GPT2_FREE_STAGE = {
+    "microbatches": 2,
+    "replicas": [
+        {
+            "samples": 6,
+            "stages": [
+                {"ranks": [0], "layers": [0, 2]},
+                {"ranks": [1], "layers": [2, 3]},
+                {"ranks": [2], "layers": [3, 9]},
+            ],
+        }
+    ],
+}
+
 #: name: (the model, the layout that saves and its ranks, the layout that loads and its ranks).
 #: A layout is a plan (its name, in this module or elastic_cases, plan_cases or
 #: plan_experts_cases; ranks in no stage idle) or ("filter", speeds): filter_parallel. Every
@@ -268,6 +284,7 @@ PLANS: dict[str, tuple[str, Any, int, Any, int]] = {
     "gpt2_pipeline_to_filter_parallel": ("gpt2", "GPT2_PIPELINE_3", 3, ("filter", [2.0, 1.0]), 2),
     "gpt2_filter_parallel_to_pipeline": ("gpt2", ("filter", [1.0, 3.0]), 2, "GPT2_PIPELINE_3", 3),
     "mixtral_experts_to_pipelines": ("mixtral", "BY_SPEED", 4, "PIPELINES", 4),
+    "gpt2_parameter_free_stage_to_split": ("gpt2", "GPT2_FREE_STAGE", 3, ("filter", [1.0, 2.0]), 2),
 }
 
 
@@ -294,8 +311,9 @@ def _layout(model: str, layout: Any, seed: int) -> nn.Module:
     net = {"cnn": cnn, "gpt2": gpt2, "mixtral": mixtral}[model]().double()
     if isinstance(layout, tuple):
         return filter_parallel(net, speeds=layout[1])
-    if model == "cnn":
-        return parallelize(net, Plan.from_dict(_plan(layout)), loss_fn=nn.CrossEntropyLoss())
+    if model == "cnn":  # a loss holding state of its own (class weights): not the model's
+        loss = nn.CrossEntropyLoss(weight=torch.linspace(0.5, 1.5, 5, dtype=torch.float64))
+        return parallelize(net, Plan.from_dict(_plan(layout)), loss_fn=loss)
     return parallelize(net, Plan.from_dict(_plan(layout)), loss_fn=lm_loss, items=valid_tokens)
 
 
@@ -332,23 +350,29 @@ def _gathered(net: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, Any
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def plan_first_job(rank: int, world: int, case: str, path: str) -> None:
-    """A plan or a split trains 2 steps (SGD momentum) and saves through DCP:
-    ``get_state_dict`` of the model and its optimizer, as for any model."""
+def plan_first_job(rank: int, world: int, case: str, path: str) -> list[str]:
+    """A plan or a split trains 2 steps (AdamW: its step count is state shaped as no
+    parameter) and saves through DCP: ``get_state_dict`` of the model and its optimizer, as
+    for any model. Returns the warnings the save gave."""
     torch.set_num_threads(1)
     model, layout = PLANS[case][0], PLANS[case][1]
     net = _layout(model, layout, seed=0)
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     _train(model, net, opt)
     model_sd, optim_sd = get_state_dict(net, opt, options=FLAT)
     # Replicas of different shapes cut tensors differently: the first one's are written.
-    dcp.save(
-        {"model": model_sd, "optim": optim_sd}, checkpoint_id=path, planner=ReplicaSavePlanner()
-    )
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        dcp.save(
+            {"model": model_sd, "optim": optim_sd},
+            checkpoint_id=path,
+            planner=ReplicaSavePlanner(),
+        )
     full, optim = _gathered(net, opt)
     if rank == 0:
         torch.save({"model": full, "optim": optim}, Path(path) / "full.pt")
     dist.barrier()
+    return [str(w.message) for w in said if "planner" in str(w.message).lower()]
 
 
 def plan_second_job(rank: int, world: int, case: str, path: str) -> dict[str, float] | None:
@@ -357,7 +381,7 @@ def plan_second_job(rank: int, world: int, case: str, path: str) -> dict[str, fl
     torch.set_num_threads(1)
     model, layout = PLANS[case][0], PLANS[case][3]
     net = _layout(model, layout, seed=1)
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     model_sd, optim_sd = get_state_dict(net, opt, options=FLAT)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
@@ -447,8 +471,11 @@ def own_state_round_trips(rank: int, world: int) -> dict[str, Any]:
 
 def own_state_dicts_of_plans(rank: int, world: int) -> dict[str, Any]:
     """Each rank's own state dict of a plan, under the unsplit model's names (its parameters'
-    names too), loads back on the rank (strict) into the right tensors, as does one keyed as
-    earlier versions keyed it (``stage.``, an idle rank's ``idle``)."""
+    and buffers' names too, which ``get_parameter`` takes; its loss function's buffers are
+    its own), loads back on the rank (strict) into the right
+    tensors, as does one keyed as earlier versions keyed it (``stage.``, an owners stage's
+    ``stage.parts.``, an idle rank's ``idle``, the loss function's class weights); a key of
+    no layer is reported under the model's names."""
     from plan_cases import cnn
 
     torch.set_num_threads(1)
@@ -461,15 +488,79 @@ def own_state_dicts_of_plans(rank: int, world: int) -> dict[str, Any]:
         changed = {k: v + 1 if v.is_floating_point() else v for k, v in sd.items()}
         par.load_state_dict(changed)
         now = par.state_dict()
+        stage = par.stage.state_dict() if par.stage is not None else {}
+        parts = "stage.parts." if type(par.stage).__name__ == "OwnersStage" else "stage."
         earlier = (
-            {f"stage.{k}": v for k, v in par.stage.state_dict().items()}
-            if par.stage is not None and par.stage.state_dict()
-            else {"idle": torch.empty(0)}
+            {f"{parts}{k}": v for k, v in stage.items()} if stage else {"idle": torch.empty(0)}
         )
+        earlier["_loss_fn.weight"] = par._loss_fn.weight.clone()
         par.load_state_dict(earlier)
+        wrong = par.load_state_dict({**now, "no_layer.weight": torch.zeros(1)}, strict=False)
         out[name] = {
-            "names": set(sd) <= unsplit and names <= unsplit,
+            "names": set(sd) <= unsplit and names <= unsplit | {"_loss_fn.weight"},
+            "get_parameter": all(par.get_parameter(n) is p for n, p in par.named_parameters()),
             "loaded": now.keys() == sd.keys() and all(torch.equal(now[k], changed[k]) for k in sd),
             "earlier": all(torch.equal(v, now[k]) for k, v in par.state_dict().items()),
+            "reported": wrong.unexpected_keys == ["no_layer.weight"],
         }
     return out
+
+
+def full_into_plans(rank: int, world: int) -> dict[str, dict[str, float]] | None:
+    """DCP's ``set_state_dict`` with ``full_state_dict=True`` (and ``strict=False``: a stage
+    holds some of the model) into plans, an idle rank's among them: each rank takes its part
+    of the unsplit model's state and its AdamW's."""
+    from plan_cases import cnn
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    plain = cnn().double()
+    popt = torch.optim.AdamW(plain.parameters(), lr=0.01)
+    for _ in range(2):
+        for p in plain.parameters():
+            p.grad = torch.sin(3 * p.detach() + 1)
+        popt.step()
+    model_sd, optim_sd = get_state_dict(plain, popt)
+    names = [n for n, _ in plain.named_parameters()]
+    wanted = {names[i]: fields for i, fields in popt.state_dict()["state"].items()}
+    out = {}
+    for plan in ("IDLE_3", "PIPELINE_SPLIT_3"):
+        par = _layout("cnn", plan, seed=1)
+        opt = torch.optim.AdamW(par.parameters(), lr=0.01)
+        set_state_dict(
+            par,
+            opt,
+            model_state_dict=model_sd,
+            optim_state_dict=optim_sd,
+            options=StateDictOptions(full_state_dict=True, strict=False),
+        )
+        full, optim = par.full_state_dict(), par.full_optimizer_state_dict(opt)
+        out[plan] = {
+            "model": max((full[k] - v).abs().max().item() for k, v in plain.state_dict().items()),
+            "optim": max(
+                (optim["state"][n][f] - v).abs().max().item()
+                for n, fields in wanted.items()
+                for f, v in fields.items()
+            ),
+        }
+    return out if rank == 0 else None
+
+
+def unflattened_pipeline(rank: int, world: int, path: str) -> str:
+    """A pipeline saved and loaded through DCP without ``flatten_optimizer_state_dict``: its
+    ranks' param groups come back without hyperparameters on all but one rank, which is
+    refused at the load (it failed at the first step, on those ranks alone). The message on
+    each rank, or "loaded"."""
+    torch.set_num_threads(1)
+    par = _layout("cnn", "PIPELINE_SPLIT_3", seed=0)
+    opt = torch.optim.AdamW(par.parameters(), lr=0.01)
+    _train("cnn", par, opt)
+    model_sd, optim_sd = get_state_dict(par, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    try:
+        set_state_dict(par, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    except ValueError as e:
+        return str(e)
+    return "loaded"

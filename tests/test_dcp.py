@@ -44,7 +44,8 @@ def test_plans_and_splits_load_each_others_checkpoints(case, tmp_path):
     # to the embedding on another stage).
     _, _, saving, _, loading = dcp_cases.PLANS[case]
     path = str(tmp_path / "ckpt")
-    launch.spawn(dcp_cases.plan_first_job, saving, case, path, timeout=240)
+    said = launch.spawn(dcp_cases.plan_first_job, saving, case, path, timeout=240)
+    assert said == [[]] * saving  # ReplicaSavePlanner is a planner as torch's API wants
     dcp_to_torch_save(path, str(tmp_path / "unsplit.pt"))
     converted = torch.load(tmp_path / "unsplit.pt")["model"]
     saved = torch.load(tmp_path / "ckpt" / "full.pt")["model"]
@@ -156,7 +157,24 @@ def test_marks_tile_the_unsplit_tensor(layout, width):
 @pytest.mark.multiproc
 def test_a_plans_own_state_dict_is_keyed_as_the_unsplit_model_and_loads_back():
     # An idle rank, an owners stage and a pipeline with a split stage; and the keys earlier
-    # versions wrote (stage.<layer>, idle) still load.
+    # versions wrote (stage.<layer>, stage.parts.<layer>, idle, the loss's) still load.
     for r in launch.spawn(dcp_cases.own_state_dicts_of_plans, 3, timeout=240):
         for plan, checks in r.items():
             assert all(checks.values()), (plan, checks)
+
+
+@pytest.mark.multiproc
+def test_the_unsplit_state_loads_into_plans_through_set_state_dict():
+    # full_state_dict=True into a plan with an idle rank (none of the first parameter) and a
+    # pipeline with a split stage: each rank takes its part, AdamW's state too
+    r = launch.spawn(dcp_cases.full_into_plans, 3, timeout=240)[0]
+    for plan, diffs in r.items():
+        assert diffs["model"] == 0 and diffs["optim"] == 0, (plan, diffs)
+
+
+@pytest.mark.multiproc
+def test_a_pipeline_loaded_without_flattened_optimizer_state_is_refused(tmp_path):
+    said = launch.spawn(dcp_cases.unflattened_pipeline, 3, str(tmp_path / "ckpt"), timeout=240)
+    refused = [m for m in said if m != "loaded"]
+    assert refused, said
+    assert all("flatten_optimizer_state_dict=True" in m for m in refused), said

@@ -31,6 +31,8 @@ class ReplicaSavePlanner(DefaultSavePlanner):
     ...          planner=ReplicaSavePlanner())  # doctest: +SKIP
     """
 
-    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
-        super().set_up_planner(state_dict, *args, **kwargs)
+    def set_up_planner(
+        self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
         self.state_dict = {k: v for k, v in self.state_dict.items() if not getattr(v, COPY, False)}

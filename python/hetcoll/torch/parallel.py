@@ -61,6 +61,7 @@ from hetcoll.torch.parallel_checkpoint import (
     PlanCheckpoints,
     keyed_as_the_model,
     keyed_as_the_stage,
+    named_as_the_model_in_errors,
 )
 from hetcoll.torch.parallel_experts import PlanExperts
 from hetcoll.torch.placement import (
@@ -223,6 +224,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         # Its state dicts are keyed by the unsplit model's names, whatever the plan.
         self.register_state_dict_post_hook(keyed_as_the_model)
         self.register_load_state_dict_pre_hook(keyed_as_the_stage)
+        self.register_load_state_dict_post_hook(named_as_the_model_in_errors)
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -241,6 +243,23 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         if not recurse:
             for name, p in self._tied_elsewhere():
                 yield lead + name, p
+
+    def get_submodule(self, target: str) -> nn.Module:
+        """``nn.Module.get_submodule``, by the unsplit model's names too (a layer of this
+        rank's stage, as :meth:`named_parameters` names its parameters)."""
+        try:
+            return super().get_submodule(target)
+        except AttributeError:
+            if self.stage is None or not target:
+                raise
+            return self.stage.get_submodule(target)
+
+    def get_parameter(self, target: str) -> nn.Parameter:
+        """``nn.Module.get_parameter``, by the names :meth:`named_parameters` gives too."""
+        for name, p in self.named_parameters():
+            if name == target:
+                return p
+        return super().get_parameter(target)
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -344,6 +363,12 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                     raise
             checked()
             local = 0.0
+        idle = self._parameters.get("idle")
+        if idle is not None and torch.is_grad_enabled():
+            # The placeholder steps with the model (a zero gradient every training step), so its
+            # optimizer state counts the steps the parameter it stands for took: an Adam
+            # placeholder's ``step`` is written beside that parameter's (hold_nothing).
+            idle.grad = torch.zeros_like(idle)
         total = torch.tensor([local], dtype=torch.float64, device=self._wire_device())
         self._tr.allreduce(total, None)
         return float(total.item())

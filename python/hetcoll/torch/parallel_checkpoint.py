@@ -513,21 +513,22 @@ def keyed_as_the_model(module: nn.Module, state_dict: Any, prefix: str, metadata
     assert isinstance(module, PlanCheckpoints)
     idle = state_dict.pop(prefix + "idle", None)
     head = prefix + "stage."
-    for key in [k for k in state_dict if k.startswith(head)]:
-        state_dict[prefix + key[len(head) :]] = state_dict.pop(key)
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        if key.startswith(head):
+            state_dict[prefix + key[len(head) :]] = state_dict.pop(key)
+        else:  # its own modules' (a loss function's class weights): not the model's
+            del state_dict[key]
     if idle is not None and module._nothing_of is not None:
         name, marks = module._nothing_of
         if not isinstance(idle, nn.Parameter):  # keep_vars hands out the parameter unmarked
             marks.mark(idle)
         state_dict[prefix + name] = idle
     if module._is_copy():
-        live = {id(b) for b in module.buffers()}  # keep_vars hands out the buffers themselves
         for key, t in state_dict.items():
             if (
                 key.startswith(prefix)
                 and isinstance(t, torch.Tensor)
-                and not isinstance(t, nn.Parameter)
-                and id(t) not in live
+                and not isinstance(t, nn.Parameter)  # keep_vars hands out the parameters
                 and key[len(prefix) :] not in module._experts_names
             ):
                 setattr(t, COPY, True)
@@ -537,20 +538,36 @@ def keyed_as_the_stage(module: nn.Module, state_dict: Any, prefix: str, *args: A
     """The load pre-hook undoing :func:`keyed_as_the_model`: the model's names back under
     ``stage.`` (keys already under it, as state dicts saved before were, are kept), and an idle
     rank's placeholder put back."""
-    assert isinstance(module, PlanCheckpoints)
+    assert isinstance(module, PlanCheckpoints) and isinstance(module, nn.Module)
     names = module._stage_names()
+    own = {n for n, _ in module.named_children()} - {"stage"}
     for key in [k for k in state_dict if k.startswith(prefix)]:
         rest = key[len(prefix) :]
         first = rest.split(".", 1)[0]
-        if first in names:
-            state_dict[prefix + "stage." + rest] = state_dict.pop(key)
-        elif first == "idle" or module._holds_nothing(rest, state_dict[key]):
+        if first == "idle" or module._holds_nothing(rest, state_dict[key]):
             del state_dict[key]  # an idle rank's placeholders: this rank's is put back below
-        elif first != "stage":  # not this rank's: reported as the stage's unexpected key
+        elif first in names:
             state_dict[prefix + "stage." + rest] = state_dict.pop(key)
+        elif first == "stage":  # as earlier versions keyed it (an owners stage's under parts.)
+            if isinstance(module.stage, OwnersStage) and rest.startswith("stage.parts."):
+                state_dict[prefix + "stage." + rest[len("stage.parts.") :]] = state_dict.pop(key)
+        elif first not in own:  # not this rank's: reported as the stage's unexpected key
+            state_dict[prefix + "stage." + rest] = state_dict.pop(key)
+    # Its own modules' state (a loss function's class weights) is not the model's: left out of
+    # its state dict, and kept as it is where a state dict (an earlier version's) lacks it.
+    for child in own:
+        for name, t in getattr(module, child).state_dict(keep_vars=True).items():
+            state_dict.setdefault(f"{prefix}{child}.{name}", t.detach())
     idle = getattr(module, "idle", None)
     if isinstance(idle, nn.Parameter):
         state_dict[prefix + "idle"] = idle.detach()
+
+
+def named_as_the_model_in_errors(module: nn.Module, incompatible: Any) -> None:
+    """The load post-hook naming the missing and unexpected keys :func:`keyed_as_the_stage`
+    put under ``stage.`` as the model names them (those of a root module's load)."""
+    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
+        keys[:] = [k.removeprefix("stage.") for k in keys]
 
 
 def allgather_objects(comm: Any, obj: Any) -> list[Any]:

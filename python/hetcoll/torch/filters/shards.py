@@ -89,8 +89,10 @@ class Marks:
         return t.detach()
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the unsplit ``full``."""
+        """This rank's slice of the unsplit ``full`` (empty where it holds none)."""
         parts = [full.narrow(self.dim, a, n) for a, _, n in self.runs]
+        if not parts:
+            return full.narrow(self.dim, 0, 0)
         return parts[0] if len(parts) == 1 else torch.cat(parts, self.dim)
 
     def refuse(self, argument: str, key: str, t: torch.Tensor) -> ValueError:
@@ -141,7 +143,7 @@ class Marking(Protocol):
 #: another rank writes whole (a plan's replicas after the first, which may cut them
 #: otherwise): :class:`~hetcoll.torch.ReplicaSavePlanner` writes them once, from the first.
 COPY = "hetcoll_copy"
-#: The ``CheckpointableTensor`` fields :meth:`Marks.mark` sets.
+#: The ``CheckpointableTensor`` fields :meth:`Marks.mark` sets, in :func:`_fields`' order.
 _FIELDS = ("global_shape", "global_offsets", "local_offsets", "local_sizes")
 
 
@@ -245,45 +247,50 @@ def _keys(state_dict: dict[str, Any]) -> list[Any]:
 
 
 def _mark_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """The state dict with each marked parameter's state shaped as it marked: fresh views of
-    the tensors (the optimizer's own keep no marks), which ``dcp.load`` writes in place.
-    State of other shapes (a step count, Adafactor's factored statistics) is left as it is."""
+    """The state dict with each marked parameter's state shaped as it marked, and the state
+    of parameters held as copies flagged (:data:`COPY`): fresh views of the tensors (the
+    optimizer's own keep no marks), which ``dcp.load`` writes in place. State of other shapes
+    (a step count, Adafactor's factored statistics) is left unmarked."""
     state, keys = state_dict.get("state", {}), _keys(state_dict)
-    for i, (p, marks) in _held(optimizer).items():
+    held, copies = _scan(optimizer)
+    for i in sorted(held.keys() | copies):
         entries = state.get(keys[i]) if i < len(keys) else None
         if not isinstance(entries, dict):
             continue
-        marked = dict(entries)  # the optimizer's own dict is in the state dict: not changed
+        out = dict(entries)  # the optimizer's own dict is in the state dict: not changed
         for field, v in entries.items():
-            if isinstance(v, torch.Tensor) and v.shape == p.shape:
-                view = v.detach().view_as(v)
-                if marks.mark(view):
-                    marked[field] = view
-        state[keys[i]] = marked
-    for i in _copies(optimizer):
-        entries = state.get(keys[i]) if i < len(keys) else None
-        if isinstance(entries, dict):
-            state[keys[i]] = {f: copy_of(v) for f, v in entries.items()}
+            if not isinstance(v, torch.Tensor):
+                continue
+            view = v.detach().view_as(v)
+            marked = i in held and v.shape == held[i][0].shape and held[i][1].mark(view)
+            if i in copies:
+                setattr(view, COPY, True)
+            if marked or i in copies:
+                out[field] = view
+        state[keys[i]] = out
     return state_dict
 
 
-def copy_of(v: Any) -> Any:
-    """``v`` flagged as a copy (:data:`COPY`): a fresh view of a tensor (the fields of marked
-    ones kept), anything else as it is."""
-    if not isinstance(v, torch.Tensor):
-        return v
-    view = v.detach().view_as(v)
-    for field in _FIELDS:
-        if hasattr(v, field):
-            setattr(view, field, getattr(v, field))
-    setattr(view, COPY, True)
-    return view
+def _check_groups(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Refuse param groups without a learning rate (every optimizer's groups hold one): DCP's
+    state dict of a model whose ranks hold different parameters (a plan's pipeline), saved
+    or loaded without ``flatten_optimizer_state_dict``, gives all but one rank's groups none,
+    and the optimizer would fail only at its first step, on those ranks alone."""
+    for k, group in enumerate(state_dict.get("param_groups", [])):
+        if isinstance(group, dict) and "lr" not in group and "lr" in optimizer.defaults:
+            raise ValueError(
+                f"optimizer state_dict: param_groups[{k}] holds no hyperparameters (no 'lr'): "
+                "torch.distributed.checkpoint of a model whose ranks hold different parameters "
+                "(a plan's pipeline stages) needs StateDictOptions("
+                "flatten_optimizer_state_dict=True) in get_state_dict and set_state_dict"
+            )
 
 
 def _check_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     """Refuse marked state that is not this rank's slice (another rank's has this rank's
     shape on an even split), and take this rank's slice of unmarked state shaped as the
     unsplit parameter (DCP's ``set_optimizer_state_dict`` with ``full_state_dict``)."""
+    _check_groups(optimizer, state_dict)
     state, keys = state_dict.get("state", {}), _keys(state_dict)
     out = dict(state)
     for i, (p, marks) in _held(optimizer).items():
