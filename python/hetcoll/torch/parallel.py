@@ -174,7 +174,9 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
     """This rank's part of a model run under a :class:`~hetcoll.plan.Plan` (made by
     :func:`parallelize`). ``parameters()`` are this rank's: any optimizer with an elementwise
     update (SGD, Adam, ...) steps them as the unsplit model's. An idle rank holds one empty
-    placeholder parameter, so the same training code runs on every rank.
+    placeholder parameter, so the same training code runs on every rank (a zero gradient
+    every training step: :meth:`~PlanCheckpoints.hold_nothing`). Its ``state_dict()``,
+    ``named_parameters()`` and ``named_buffers()`` name tensors as the unsplit model does.
 
     Checkpoints hold the unsplit model's state, so that training resumes under another plan
     (other ranks, other speeds): :meth:`full_state_dict` and :meth:`full_optimizer_state_dict`
