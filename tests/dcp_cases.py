@@ -564,3 +564,33 @@ def unflattened_pipeline(rank: int, world: int, path: str) -> str:
     except ValueError as e:
         return str(e)
     return "loaded"
+
+
+def save_pretrained_of_a_split(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Hugging Face's ``save_pretrained`` of a split GPT-2 refuses the model's own state dict
+    (this rank's slices, which safetensors would write as the unsplit tensors) and one passed
+    holding them; the gathered state dict saves the unsplit model, which ``from_pretrained``
+    reads."""
+    from transformers import GPT2LMHeadModel
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = filter_parallel(gpt2().double(), speeds=[1.0, 2.0])
+    said = []
+    for kwargs in ({}, {"state_dict": model.state_dict()}):
+        try:
+            model.save_pretrained(path, **kwargs)
+            said.append("saved")
+        except ValueError as e:
+            said.append(str(e))
+    full = gather_state_dict(model, dst=None)
+    assert full is not None
+    if rank == 0:
+        model.save_pretrained(path, state_dict=dict(full))  # it empties the dict it writes
+    dist.barrier()
+    loaded = GPT2LMHeadModel.from_pretrained(path, dtype=torch.float64).state_dict()
+    return {
+        "said": said,
+        "keys": loaded.keys() == full.keys(),
+        "diff": max((loaded[k] - v).abs().max().item() for k, v in full.items()),
+    }

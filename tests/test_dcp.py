@@ -178,3 +178,13 @@ def test_a_pipeline_loaded_without_flattened_optimizer_state_is_refused(tmp_path
     refused = [m for m in said if m != "loaded"]
     assert refused, said
     assert all("flatten_optimizer_state_dict=True" in m for m in refused), said
+
+
+@pytest.mark.multiproc
+def test_save_pretrained_of_a_split_model_refuses_its_slices(tmp_path):
+    # It wrote this rank's slices under the unsplit names, silently; the gathered state dict
+    # saves the unsplit model.
+    for r in launch.spawn(dcp_cases.save_pretrained_of_a_split, 2, str(tmp_path), timeout=240):
+        assert all(m.startswith("save_pretrained: the model is split") for m in r["said"]), r
+        assert all("gather_state_dict(model, dst=0)" in m for m in r["said"]), r
+        assert r["keys"] and r["diff"] == 0, r

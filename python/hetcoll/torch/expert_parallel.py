@@ -39,7 +39,7 @@ from hetcoll.comm import Communicator, agree, deadline, wrap
 from hetcoll.plan import expert_indices, expert_runs
 from hetcoll.torch.filters.experts import LocalExperts, derived_class
 from hetcoll.torch.filters.layers import ChannelSplit
-from hetcoll.torch.filters.shards import track_optimizers
+from hetcoll.torch.filters.shards import guard_save_pretrained, track_optimizers
 from hetcoll.torch.replaced import record_replaced
 from hetcoll.torch.transport import CountingCommunicator, transport
 
@@ -693,6 +693,7 @@ def expert_parallel(
     leave_to_ranks(model)
     record_replaced(unplaced, model.parameters(), "expert_parallel")
     track_optimizers()
+    guard_save_pretrained(model)
     return model
 
 

@@ -65,7 +65,7 @@ from hetcoll.torch.filters.layers import (
     whole_positions,
 )
 from hetcoll.torch.filters.pairing import SplitLayout, split_layout
-from hetcoll.torch.filters.shards import track_optimizers
+from hetcoll.torch.filters.shards import guard_save_pretrained, track_optimizers
 from hetcoll.torch.filters.streams import (
     CpuDraws,
     RankStream,
@@ -874,6 +874,7 @@ def filter_parallel(
     _agree_per_forward(model, comm, timeout, owned, stream)
     record_replaced(unsplit, model.parameters(), "filter_parallel")
     track_optimizers()
+    guard_save_pretrained(model)
     return model
 
 

@@ -23,6 +23,7 @@ state) and a load pre-hook (checking it, and slicing the unsplit state DCP's
 from __future__ import annotations
 
 import functools
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -110,6 +111,35 @@ class Marks:
             "torch.distributed.checkpoint (dcp.save and dcp.load of get_state_dict(model, "
             "optimizer)), which reads each rank's entries whatever split saved them"
         )
+
+
+def guard_save_pretrained(model: Any) -> None:
+    """Make a split Hugging Face model's ``save_pretrained`` refuse a state dict of slices
+    (its own, which it takes by default, or one passed holding marked slices): it would
+    write this rank's slices under the unsplit names, and safetensors keeps no marks. A
+    gathered state dict (``gather_state_dict``) saves as the unsplit model's."""
+    if callable(getattr(type(model), "save_pretrained", None)):
+        # Bound on the instance (deepcopy binds it to the copy), by a module-level function
+        # (pickle finds it); the class's own method is what it calls.
+        model.save_pretrained = types.MethodType(_save_pretrained_unsplit, model)
+
+
+def _save_pretrained_unsplit(model: Any, *args: Any, **kwargs: Any) -> Any:
+    state = kwargs.get("state_dict")
+    sliced = [
+        k
+        for k, t in (model.state_dict() if state is None else state).items()
+        if isinstance(t, torch.Tensor)
+        and tuple(getattr(t, "global_shape", t.shape)) != tuple(t.shape)
+    ]
+    if sliced:
+        raise ValueError(
+            f"save_pretrained: the model is split over ranks, and its state dict holds this "
+            f"rank's slices ({sliced[0]!r}, ...), which would be written as the unsplit "
+            "tensors; pass state_dict=gather_state_dict(model, dst=0) (collective: every rank "
+            "calls it) and save on rank 0, or save through torch.distributed.checkpoint"
+        )
+    return type(model).save_pretrained(model, *args, **kwargs)
 
 
 @functools.lru_cache(maxsize=4096)
