@@ -23,7 +23,7 @@ from torch import nn
 from hetcoll.comm import agree
 from hetcoll.plan import Plan
 from hetcoll.torch.filters import gather_state_dict, split_tensors
-from hetcoll.torch.filters.shards import COPY, Marks, register_marking
+from hetcoll.torch.filters.shards import COPY, Marks
 from hetcoll.torch.placement import Block, OwnersStage
 from hetcoll.torch.sampler import BalancedSampler
 from hetcoll.torch.state_dicts import (
@@ -414,8 +414,7 @@ class PlanCheckpoints:
             return
         shape, dtype = shapes[first]
         self.idle = nn.Parameter(torch.empty((0, *shape[1:]), dtype=dtype, device=self._device))
-        self._nothing_of = (first, Marks(0, (), shape[0]))
-        register_marking(self)
+        self._nothing_of = (first, Marks(0, (), shape[0]))  # parallelize registers the marks
 
     def _holds_nothing(self, name: str, t: Any) -> bool:
         """Whether entry ``name``, ``t``, is an idle rank's placeholder: empty, under the name

@@ -74,7 +74,7 @@ class Marks:
     def holds(self, t: torch.Tensor) -> bool:
         """Whether marked ``t`` is a slice cut as this one (or a whole tensor, whose marks
         say it holds everything)."""
-        if tuple(getattr(t, "global_shape", ())) == tuple(t.shape):
+        if hasattr(t, "global_shape") and not is_slice(t):
             return True
         mine = self.fields(tuple(t.shape)) if self.fits(t) else None
         return mine is not None and all(getattr(t, f, None) == v for f, v in mine.items())
@@ -113,6 +113,12 @@ class Marks:
         )
 
 
+def is_slice(t: torch.Tensor) -> bool:
+    """Whether ``t`` is marked as a slice: its marks name an unsplit tensor of another
+    shape (a whole tensor's marks name its own)."""
+    return hasattr(t, "global_shape") and tuple(t.global_shape) != tuple(t.shape)
+
+
 def guard_save_pretrained(model: Any) -> None:
     """Make a split Hugging Face model's ``save_pretrained`` refuse a state dict of slices
     (its own, which it takes by default, or one passed holding marked slices): it would
@@ -129,8 +135,7 @@ def _save_pretrained_unsplit(model: Any, *args: Any, **kwargs: Any) -> Any:
     sliced = [
         k
         for k, t in (model.state_dict() if state is None else state).items()
-        if isinstance(t, torch.Tensor)
-        and tuple(getattr(t, "global_shape", t.shape)) != tuple(t.shape)
+        if isinstance(t, torch.Tensor) and is_slice(t)
     ]
     if sliced:
         raise ValueError(
@@ -233,21 +238,16 @@ def hook_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _held(optimizer: torch.optim.Optimizer) -> dict[int, tuple[torch.Tensor, Marks]]:
-    """The optimizer's marked parameters by their index in its state dict, with their marks
-    (found again only when a split changed or the optimizer holds other parameters: every
-    state dict of every optimizer asks)."""
+    """The optimizer's marked parameters by their index in its state dict, with their marks."""
     return _scan(optimizer)[0]
-
-
-def _copies(optimizer: torch.optim.Optimizer) -> frozenset[int]:
-    """The indices of the optimizer's parameters this rank holds as copies of what another
-    rank writes (:data:`COPY`)."""
-    return _scan(optimizer)[1]
 
 
 def _scan(
     optimizer: torch.optim.Optimizer,
 ) -> tuple[dict[int, tuple[torch.Tensor, Marks]], frozenset[int]]:
+    """:func:`_held`, and the indices of the parameters this rank holds as copies of what
+    another rank writes (:data:`COPY`); found again only when a split changed or the
+    optimizer holds other parameters: every state dict of every optimizer asks."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     key = (_GENERATION, tuple(id(p) for p in params))
     cached = _HELD.get(optimizer)
@@ -289,14 +289,15 @@ def _mark_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) ->
             continue
         out = dict(entries)  # the optimizer's own dict is in the state dict: not changed
         for field, v in entries.items():
-            if not isinstance(v, torch.Tensor):
+            shaped = i in held and isinstance(v, torch.Tensor) and v.shape == held[i][0].shape
+            if not shaped and not (i in copies and isinstance(v, torch.Tensor)):
                 continue
             view = v.detach().view_as(v)
-            marked = i in held and v.shape == held[i][0].shape and held[i][1].mark(view)
+            if shaped and not held[i][1].mark(view) and i not in copies:
+                continue
             if i in copies:
                 setattr(view, COPY, True)
-            if marked or i in copies:
-                out[field] = view
+            out[field] = view
         state[keys[i]] = out
     return state_dict
 
