@@ -475,14 +475,24 @@ def own_state_dicts_of_plans(rank: int, world: int) -> dict[str, Any]:
     its own), loads back on the rank (strict) into the right
     tensors, as does one keyed as earlier versions keyed it (``stage.``, an owners stage's
     ``stage.parts.``, an idle rank's ``idle``, the loss function's class weights); a key of
-    no layer is reported under the model's names."""
+    no layer is reported under the model's names. ``named_modules()`` names this rank's layers
+    as the model does too: a forward hook registered by a layer's name there runs in a
+    training step, on the rank holding the layer."""
     from plan_cases import cnn
 
     torch.set_num_threads(1)
     unsplit = set(cnn().state_dict())
+    layers = {n for n, _ in cnn().named_modules() if n}
     out: dict[str, Any] = {}
     for name in ("IDLE_3", "OWNERS_3", "PIPELINE_SPLIT_3"):
         par = _layout("cnn", name, seed=0)
+        modules = dict(par.named_modules())
+        held = layers & set(modules)
+        ran: set[str] = set()
+        for n in held:
+            modules[n].register_forward_hook(lambda m, args, out, n=n, ran=ran: ran.add(n))
+        _train("cnn", par, torch.optim.SGD(par.parameters(), lr=0.0))
+        parts_of = {n.rsplit(".", 1)[0] for n, _ in par.named_parameters()}
         sd = par.state_dict()
         names = {n for n, _ in par.named_parameters()} | {n for n, _ in par.named_buffers()}
         changed = {k: v + 1 if v.is_floating_point() else v for k, v in sd.items()}
@@ -502,6 +512,10 @@ def own_state_dicts_of_plans(rank: int, world: int) -> dict[str, Any]:
             "loaded": now.keys() == sd.keys() and all(torch.equal(now[k], changed[k]) for k in sd),
             "earlier": all(torch.equal(v, now[k]) for k, v in par.state_dict().items()),
             "reported": wrong.unexpected_keys == ["no_layer.weight"],
+            "modules": set(modules) - held
+            <= {"", "stage", "_loss_fn"} | {f"{n}.local" for n in held},
+            "hooks by name": ran == held and (par.stage is None or parts_of <= held),
+            "get_submodule": all(par.get_submodule(n) is m for n, m in modules.items()),
         }
     return out
 

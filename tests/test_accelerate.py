@@ -311,6 +311,10 @@ def test_bad_input_raises_on_every_rank_and_a_rank_without_tokens_weighs_zero(tm
         zero = o["zero_rank"]
         assert zero["weights"] == [1.0, 0.0] and zero["counts"][0] > 0 and zero["finite"]
         assert zero["max_grad_diff"] < 1e-12
+        # GPT-2's loss averages over its shifted targets: Trainer counted its labels (a row's
+        # first too; its class names no loss_type) and trained 3e-2 away from one process.
+        gpt2 = o["gpt2_targets"]
+        assert gpt2["counted"] == [gpt2["targets"]] and gpt2["max_diff"] < 1e-12, gpt2
 
 
 @pytest.mark.multiproc

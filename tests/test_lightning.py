@@ -514,20 +514,33 @@ def test_checkpoints_with_loader_workers_resume_at_the_next_step_trained(tmp_pat
 
 class PaddedLM(LightningModule):
     """A language model whose loss is the mean over the batch's valid labels (-100: padding);
-    the loader yields the global batches of ``lm_common`` in order."""
+    the loader yields the global batches of ``lm_common`` in order. It logs its loss on every
+    step (``sync_dist=True``); with ``out``, each rank writes the values logged to
+    ``out/{rank}.json``."""
 
-    def __init__(self, name: str, world: int) -> None:
+    def __init__(self, name: str, world: int, out: Path | None = None) -> None:
         super().__init__()
         from lm_common import MODELS
 
         self.net = MODELS[name]()
         self.world = world
+        self.out = out
+        self.logged: list[float] = []
 
     def training_step(self, batch, batch_idx):
         from lm_common import lm_loss
 
         x, y = batch
-        return lm_loss(self.net(x), y)
+        loss = lm_loss(self.net(x), y)
+        self.log("loss", loss, sync_dist=True)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.logged.append(float(self.trainer.callback_metrics["loss"]))
+
+    def on_train_end(self):
+        if self.out is not None:
+            (self.out / f"{self.global_rank}.json").write_text(json.dumps(self.logged))
 
     def configure_optimizers(self):
         from lm_common import optimizer
@@ -546,11 +559,13 @@ class PaddedLM(LightningModule):
     ("name", "world", "weigh"),
     [("gpt2", 2, "items"), ("encoder", 3, "items"), ("gpt2", 2, "rows")],
 )
-def test_items_train_a_padded_lm_as_one_process(name, world, weigh):
+def test_items_train_a_padded_lm_as_one_process(name, world, weigh, tmp_path):
     """Uneven shares and uneven padding (in one step the last rank has no valid label):
     with items= the weights equal one process's on the same global batches (the mean over every
-    valid token) to 1e-10 in float64; weighed by rows (the default) they do not."""
-    from lm_common import SHARES, items, reference, rel_err
+    valid token) to 1e-10 in float64, and so does the loss logged with ``sync_dist`` at every
+    step, on every rank (it was the ranks' plain mean, NaN where a rank had no valid label);
+    weighed by rows (the default) they do not."""
+    from lm_common import MODELS, SHARES, global_batches, items, lm_loss, optimizer, rel_err
 
     count = {"items": lambda batch: items(batch[1]), "rows": None}[weigh]
     trainer = quiet_trainer(
@@ -559,21 +574,34 @@ def test_items_train_a_padded_lm_as_one_process(name, world, weigh):
         max_epochs=1,
         use_distributed_sampler=False,
     )
-    trainer.fit(PaddedLM(name, world))
+    trainer.fit(PaddedLM(name, world, tmp_path))
     got = [p.detach() for p in trainer.lightning_module.net.parameters()]
-    err = rel_err(got, reference(name, world))
+    model = MODELS[name]()
+    opt = optimizer(model)
+    losses = []
+    for x, y in global_batches(world):
+        opt.zero_grad()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    err = rel_err(got, [p.detach() for p in model.parameters()])
     if weigh == "items":
         assert err <= 1e-10
+        for r in range(world):
+            logged = json.loads((tmp_path / f"{r}.json").read_text())
+            assert logged == pytest.approx(losses, rel=1e-10, abs=0), (r, logged, losses)
     else:
         assert not err <= 1e-3
 
 
 @pytest.mark.parametrize(("name", "world", "accumulate"), [("encoder", 3, 2), ("gpt2", 2, 3)])
-def test_items_with_gradient_accumulation_train_as_one_process(name, world, accumulate):
+def test_items_with_gradient_accumulation_train_as_one_process(name, world, accumulate, tmp_path):
     """Gradient accumulation weighs each micro-batch's ranks by their valid labels in it, as one
     process under Lightning does (each micro-batch's mean over its valid labels, divided by the
     accumulation). The micro-batch where the last rank has no valid label (a NaN loss) is the
-    last of its step (encoder, 2 micro-batches a step) or inside it (GPT-2, 3)."""
+    last of its step (encoder, 2 micro-batches a step) or inside it (GPT-2, 3). Each
+    micro-batch's loss logged with ``sync_dist`` is one process's."""
     from lm_common import MODELS, SHARES, global_batches, items, lm_loss, optimizer, rel_err
 
     trainer = quiet_trainer(
@@ -585,17 +613,23 @@ def test_items_with_gradient_accumulation_train_as_one_process(name, world, accu
         use_distributed_sampler=False,
         accumulate_grad_batches=accumulate,
     )
-    trainer.fit(PaddedLM(name, world))
+    trainer.fit(PaddedLM(name, world, tmp_path))
     got = [p.detach() for p in trainer.lightning_module.net.parameters()]
     model = MODELS[name]()
     opt = optimizer(model)
     batches = global_batches(world)
+    losses = []
     for start in range(0, len(batches), accumulate):
         opt.zero_grad()
         for x, y in batches[start : start + accumulate]:
-            (lm_loss(model(x), y) / accumulate).backward()
+            loss = lm_loss(model(x), y)
+            (loss / accumulate).backward()
+            losses.append(loss.item())
         opt.step()
     assert rel_err(got, [p.detach() for p in model.parameters()]) <= 1e-10
+    for r in range(world):
+        logged = json.loads((tmp_path / f"{r}.json").read_text())
+        assert logged == pytest.approx(losses, rel=1e-10, abs=0), (r, logged, losses)
 
 
 def test_items_must_be_a_function():

@@ -75,6 +75,44 @@ class IgnoresItems(torch.nn.Module):
         return (self.lin(input_ids.double()).square().mean(),)
 
 
+def gpt2_targets(rows: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """GPT-2 (``GPT2LMHeadModel``, a causal LM whose class names no ``loss_type``) under
+    BalancedTrainer at shares 3 : 1, one optimizer step of two accumulated micro-batches with
+    a float64 loss summed over the shifted targets and divided by ``num_items_in_batch``: the
+    count Trainer hands over is the targets' (``labels[..., 1:]``: Trainer counted every label,
+    a row's first too), and the step is one process's on the mean over the global batch's
+    targets (SGD)."""
+    model, reference = gpt2(), gpt2()
+    seen: list[int] = []
+
+    def own_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any) -> torch.Tensor:
+        seen.append(int(num_items_in_batch))
+        logits = outputs.logits[:, :-1].flatten(0, 1)
+        summed = torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten(), reduction="sum")
+        return summed / num_items_in_batch
+
+    args = TrainingArguments(
+        output_dir=os.environ["HETCOLL_TEST_OUT"], use_cpu=True, report_to="none",
+        per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1,
+        optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", weight_decay=0.0,
+        max_grad_norm=0.0, train_sampling_strategy="sequential", save_strategy="no",
+    )  # fmt: skip
+    trainer = BalancedTrainer(
+        model=model, args=args, train_dataset=rows, shares=[3, 1], compute_loss_func=own_loss
+    )
+    trainer.train()
+    batch = torch.utils.data.default_collate(rows)
+    targets = int((batch["labels"][:, 1:] != -100).sum())
+    logits = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    own_loss(type("Out", (), {"logits": logits}), batch["labels"], targets).backward()
+    seen.pop()
+    diff = 0.0
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            diff = max(diff, float((p - (q - 0.5 * q.grad)).abs().max()))
+    return {"counted": sorted(set(seen)), "targets": targets, "max_diff": diff}
+
+
 def main() -> None:
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
@@ -141,6 +179,7 @@ def main() -> None:
             speeds=[1, 2, 3],
         )
     )
+    out["gpt2_targets"] = gpt2_targets(rows)
     out["world"] = accelerator.num_processes
     out["split"] = hetcoll.split(8, [5, 3])
     Path(os.environ["HETCOLL_TEST_OUT"], f"{rank}.json").write_text(json.dumps(out))

@@ -16,11 +16,14 @@ global step whatever each rank holds, the weighting ``n_r / N`` of hetcoll's rul
 (:func:`hetcoll.torch.item_weights`). That holds only when the model takes ``num_items_in_batch``
 (Hugging Face's models do; or a ``compute_loss_func``) and the tokens are averaged across
 devices, so :class:`BalancedTrainer` raises naming the argument otherwise: a per-rank mean
-averaged by DDP would weigh a rank of 3 rows as much as one of 5.
+averaged by DDP would weigh a rank of 3 rows as much as one of 5. A causal LM's tokens are its
+targets, ``labels[..., 1:]``, for GPT-2 too, whose class Trainer does not know as one
+(:func:`shifted_targets_uncounted`).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -68,6 +71,43 @@ class _WatchExperts(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer._experts_watch().step()
+
+
+def shifted_targets_uncounted(trainer: Trainer) -> bool:
+    """Whether ``trainer`` would count a causal language model's labels where its loss averages
+    over its shifted targets (``labels[..., 1:]``, every label but each row's first).
+
+    Trainer counts the shifted targets of a model whose ``loss_type`` names the causal-LM loss
+    (``*ForCausalLM`` classes); one registered as a causal LM under another class name has no
+    ``loss_type`` (GPT-2's ``GPT2LMHeadModel``), though its loss, Hugging Face's default, shifts
+    its labels alike: Trainer then counts a label per row too many, and scales every step's
+    loss by the targets over the labels. ``False`` where Trainer already counts them so (or no
+    longer decides it by ``_loss_shifts_labels``)."""
+    if getattr(trainer, "_loss_shifts_labels", True):
+        return False
+    from transformers.loss.loss_utils import LOSS_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    config = getattr(model, "config", None)
+    return (
+        isinstance(model, PreTrainedModel)
+        and type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+        and LOSS_MAPPING.get(getattr(model, "loss_type", None)) is None
+        and "_loss_function" not in vars(model)  # no loss of the user's own set on it
+        and not getattr(config, "is_encoder_decoder", False)
+        and _forward_calls_its_loss_function(type(model))
+    )
+
+
+def _forward_calls_its_loss_function(cls: type) -> bool:
+    """Whether ``cls.forward`` computes its loss by ``self.loss_function`` (Hugging Face's
+    default for its ``loss_type``: the causal-LM loss where it has none), read off its code
+    (XLNet's and XLM's heads compute their own, on labels aligned with the logits)."""
+    try:
+        return "self.loss_function(" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
 
 
 class BalancedTrainer(Trainer):
@@ -162,6 +202,8 @@ class BalancedTrainer(Trainer):
         for name, values in (("shares", self._shares), ("speeds", self._speeds)):
             if values is not None and len(values) != ranks:
                 raise ValueError(f"{name}: has {len(values)} entries for {ranks} processes")
+        if shifted_targets_uncounted(self):
+            self._loss_shifts_labels = True
         # Experts placed on the ranks (expert_parallel): Trainer scales each rank's loss by the
         # processes over all the step's tokens and DDP averages the ranks alike, so the rows
         # each expert receives weigh 1 / processes ("mean").

@@ -275,7 +275,9 @@ class BalancedStrategy(DDPStrategy):
     ``DistributedSampler`` its seed is used). ``items``: when ``training_step``'s loss is a mean
     over something else than the batch's rows, such as a language model's valid tokens, a
     function of the batch as the loader yields it that counts them (``items=lambda batch:
-    int((batch[1] != -100).sum())`` for ``(ids, labels)`` batches); each rank's gradient is then
+    int((batch[1] != -100).sum())`` for ``(ids, labels)`` batches whose labels line up with
+    the outputs; ``batch[1][:, 1:]`` where the loss shifts them, as a causal LM's does); each
+    rank's gradient is then
     weighed by its items and every step is the gradient of the mean over all valid items of the
     global batch (the shares, the probe and the rebalancer still count rows). A bad count raises
     ``ValueError`` naming ``items`` on every rank. Other keyword arguments go to ``DDPStrategy``
@@ -361,6 +363,8 @@ class BalancedStrategy(DDPStrategy):
         #: This micro-batch's gradients are dropped (:meth:`_drop_if_weightless`).
         self._drop_weightless = False
         self._comm: Communicator | None = None
+        #: Inside ``training_step``: this rank's weight for the means it logs (:meth:`reduce`).
+        self._log_weight: float | None = None
 
     @property
     def speeds(self) -> list[float] | None:
@@ -695,6 +699,39 @@ class BalancedStrategy(DDPStrategy):
             else:
                 self.hook_state.local_batch = self._local_batch
         self._step_start = time.perf_counter()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._log_weight = (
+            self._micro_scale if self._micro_scale is not None else float(self._local_batch)
+        )
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self._log_weight = None
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """DDPStrategy's, but a mean logged inside ``training_step`` (``self.log(...,
+        sync_dist=True)``, on each step) is the global batch's: each rank's value weighed by
+        its rows (or ``items``) in the batch, as its gradient is, where DDP's takes the ranks'
+        plain mean (a training loss then equals one process's on the same global batch); a
+        rank weighing 0 (no valid item: its mean, NaN) adds nothing. Means of a whole epoch
+        are Lightning's, weighed by each logged value's ``batch_size``."""
+        weight = self._log_weight
+        mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+        if (
+            weight is None
+            or not mean
+            or not isinstance(tensor, torch.Tensor)
+            or not tensor.is_floating_point()
+            or not torch.distributed.is_initialized()
+        ):
+            return super().reduce(tensor, group, reduce_op)
+        flat = tensor.detach().reshape(-1).double()
+        w = flat.new_tensor(weight)
+        weighed = torch.where(w > 0, flat * w, torch.zeros_like(flat))
+        packed = torch.cat([weighed, w.reshape(1)])
+        torch.distributed.all_reduce(packed, group=group)
+        return (packed[:-1] / packed[-1]).to(tensor.dtype).reshape(tensor.shape)
 
     def _by_micro_batch(self) -> dict[str, int] | None:
         """Whether this batch's ranks are weighed on its loss rather than in the hook (which

@@ -12,7 +12,8 @@ exchange carries, gradient accumulation included. The DDP hook
 Rows are the right weight only when each rank's loss is a mean over its rows. A language model's
 loss is a mean over its valid tokens (labels padded with -100), so there the weight of a rank is
 its number of valid tokens: ``items(y)``, a function of the step's targets that counts what
-``loss_fn`` averages over (e.g. ``lambda y: int((y != -100).sum())``), replaces the rows
+``loss_fn`` averages over (e.g. ``lambda y: int((y != -100).sum())``; ``y[:, 1:]`` for a loss
+that shifts its labels, as a causal LM's does), replaces the rows
 wherever hetcoll weights ranks (the DDP hook, :class:`~hetcoll.torch.DistributedOptimizer`,
 Lightning's ``BalancedStrategy``). :func:`count_items` counts this rank's items without raising
 (a bad count must reach the other ranks, or they would wait for this one forever), and

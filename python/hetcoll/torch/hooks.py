@@ -49,6 +49,9 @@ rule; a rank with no valid token is legal and contributes nothing)::
         state.count(y)                      # collective: every rank, every step, before backward
         loss_fn(ddp(x), y).backward()       # loss_fn: the mean over y's valid tokens
 
+(``items`` counts what the loss averages over: a loss that shifts its labels, as a causal
+LM's does, averages over ``y[:, 1:]``, so count those.)
+
 ``count(y)`` exchanges the ranks' counts at once (one small allgather), so a bad count (zero on
 every rank, a negative or non-integer ``items(y)``) raises a ``ValueError`` naming ``items`` on
 every rank there, before the backward; the hook then scales each bucket by this rank's weight
@@ -510,7 +513,8 @@ def register_weighted_hook(
     last batch and new shares from :meth:`BalancedSampler.set_shares` are all weighed right.
 
     ``items``: when the loss is a mean over something else than rows (a language model's
-    valid tokens: ``items=lambda y: int((y != -100).sum())``), each rank weighs ``items(y)``
+    valid tokens: ``items=lambda y: int((y != -100).sum())``, or ``y[:, 1:]`` where the loss
+    shifts its labels), each rank weighs ``items(y)``
     instead; call ``state.count(y)`` with each step's targets on every rank before the backward
     (:meth:`WeightedAllreduceState.count`). The gradient is then that of the mean over all valid
     items of the global batch.

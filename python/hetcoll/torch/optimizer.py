@@ -63,7 +63,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     through ``model``'s forwards since the previous step (a :class:`BatchCounter` counts them,
     along dimension ``batch_dim``); ``local_batch``, set ``opt.local_batch`` whenever it
     changes; or ``items``, a function ``items(y)`` counting what the loss averages over (a
-    language model's valid tokens: ``lambda y: int((y != -100).sum())``), given each step's
+    language model's valid tokens: ``lambda y: int((y != -100).sum())`` for targets aligned
+    with the outputs, ``y[:, 1:]`` where the loss shifts them), given each step's
     targets by :meth:`count` before :meth:`step`. A bad count on any rank (``items(y)``
     negative, not an integer, or raising; zero items on every rank) raises ``ValueError``
     naming ``items`` from :meth:`step` on every rank; a rank with zero items contributes nothing.

@@ -176,7 +176,8 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
     update (SGD, Adam, ...) steps them as the unsplit model's. An idle rank holds one empty
     placeholder parameter, so the same training code runs on every rank (a zero gradient
     every training step: :meth:`~PlanCheckpoints.hold_nothing`). Its ``state_dict()``,
-    ``named_parameters()`` and ``named_buffers()`` name tensors as the unsplit model does.
+    ``named_parameters()``, ``named_buffers()`` and ``named_modules()`` name tensors and
+    layers as the unsplit model does.
 
     Checkpoints hold the unsplit model's state, so that training resumes under another plan
     (other ranks, other speeds): :meth:`full_state_dict` and :meth:`full_optimizer_state_dict`
@@ -240,11 +241,25 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         parameters whose stage holds them under another name only: torch.distributed.
         checkpoint, which reads each module's own parameters, then knows them by both."""
         lead = f"{prefix}." if prefix else ""
-        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
-            yield lead + self._model_name(name[len(lead) :], remove_duplicate), p
+        params = self._own_members(lambda m: m._parameters.items(), recurse, remove_duplicate)
+        for name, p in params:
+            yield lead + self._model_name(name, remove_duplicate), p
         if not recurse:
             for name, p in self._tied_elsewhere():
                 yield lead + name, p
+
+    def named_modules(
+        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Module]]:
+        """``nn.Module.named_modules`` with this rank's layers under the unsplit model's names
+        (``transformer.h.0.attn``, as :meth:`named_parameters` names their parameters and
+        :meth:`get_submodule` finds them): hooks registered by a layer's name reach it on
+        whichever rank holds it. The plan's own modules keep theirs: ``stage`` (this rank's
+        stage, holding its layers) and the loss function's."""
+        lead = f"{prefix}." if prefix else ""
+        inner = f"{lead}stage."
+        for name, m in super().named_modules(memo, prefix, remove_duplicate):
+            yield (lead + name.removeprefix(inner) if name.startswith(inner) else name), m
 
     def get_submodule(self, target: str) -> nn.Module:
         """``nn.Module.get_submodule``, by the unsplit model's names too (a layer of this
@@ -268,8 +283,24 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``nn.Module.named_buffers`` under the unsplit model's names."""
         lead = f"{prefix}." if prefix else ""
-        for name, b in super().named_buffers(prefix, recurse, remove_duplicate):
-            yield lead + self._model_name(name[len(lead) :], False), b
+        for name, b in self._own_members(lambda m: m._buffers.items(), recurse, remove_duplicate):
+            yield lead + self._model_name(name, False), b
+
+    def _own_members(
+        self, members: Callable[[nn.Module], Any], recurse: bool, remove_duplicate: bool
+    ) -> Iterator[tuple[str, Any]]:
+        """``members`` of each module of this module's own tree (``stage.``...), as
+        ``nn.Module.named_parameters`` walks it (each tensor once with ``remove_duplicate``):
+        :meth:`_model_name` names them as the model does."""
+        seen: set[Any] = set()
+        walk = nn.Module.named_modules(self, remove_duplicate=remove_duplicate)
+        for path, module in walk if recurse else [("", self)]:
+            for key, t in members(module):
+                if t is None or t in seen:
+                    continue
+                if remove_duplicate:
+                    seen.add(t)
+                yield (f"{path}.{key}" if path else key), t
 
     def forward(self, *args: Any) -> Any:
         raise TypeError(
@@ -992,7 +1023,9 @@ def parallelize(
     targets)`` gets the model's output as the model returns it (a Hugging Face ``ModelOutput``
     included) and returns the mean loss over a micro-batch's items; ``items(targets)`` counts
     them (default: rows, as torch's losses average by default; a language model's loss
-    averages its valid tokens: ``items=lambda y: int((y != -100).sum())``). Micro-batches and
+    averages its valid tokens: ``items=lambda y: int((y != -100).sum())``, or ``y[:, 1:]`` where
+    it shifts its labels, as a causal LM's does). The loss must be that mean: a sum (or a mean
+    over anything but what ``items`` counts) trains silently wrong. Micro-batches and
     replicas are weighted by their items, so every step is the gradient of the mean over all
     items of the global batch.
 
