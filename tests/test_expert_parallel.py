@@ -237,6 +237,53 @@ def test_expert_assignment_parts_hot_experts():
         placement_time({"x": [[0, 1], [1, 3]]}, {"x": [1, 1, 1, 1]}, [1.0, 1.0])
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "text"),
+    [
+        # current: one entry per rank, each expert exactly once, in range (checked even
+        # without loads, where it was ignored).
+        ({"current": [[99], [-1]]}, r"current\[1\]\[0\]: must be an integer >= 0"),
+        ({"loads": [5, 5, 1, 1], "current": [[0, 9], [1, -3]]}, r"current\[1\]\[1\]"),
+        ({"loads": [5, 5, 1, 1], "current": [[0, 9], [1, 2, 3]]}, "current: .*names expert 9"),
+        (
+            {"loads": [5, 5, 1, 1], "current": [[0, 1, 2, 3], [0, 1, 2, 3]]},
+            "current: must name each of the 4 experts once; names expert 0 twice",
+        ),
+        ({"loads": [5, 5, 1, 1], "current": [[0, 1], [2]]}, "current: .*misses expert 3"),
+        ({"current": [[0, 1, 2, 3]]}, r"current: needs one entry per rank \(2\), got 1"),
+        ({"loads": [5, 5, 1, 1], "current": [None, None]}, r"current\[0\]: must be a list"),
+        # gap: finite and >= 0 (checked even without loads).
+        ({"gap": float("nan")}, "gap: must be finite and >= 0"),
+        ({"loads": [5, 5, 1, 1], "gap": -1.0}, "gap: must be finite and >= 0"),
+        ({"loads": [5, 5, 1, 1], "gap": "x"}, "gap: must be a number"),
+        ({"gap": 10**400}, "gap: must be finite and >= 0"),
+        ({"speeds": None}, "speeds: must be a list of numbers, got NoneType"),
+        ({"speeds": "ab"}, "speeds: must be a list of numbers, got str"),
+        ({"speeds": [1.0, "a"]}, r"speeds\[1\]: must be a number, got 'a'"),
+        ({"speeds": [1.0, 10**400]}, r"speeds\[1\]: must be a number"),
+        ({"speeds": [1.0, None]}, r"speeds\[1\]: must be a number, got None"),
+        ({"loads": None, "speeds": [1.0, 1.0], "capacity": 3}, "capacity: needs one int"),
+        ({"loads": "abcd"}, "loads: must be a list of numbers, got str"),
+        ({"loads": [5, 5, None, 1]}, r"loads\[2\]: must be a number, got None"),
+        ({"num_experts": 2**63}, r"num_experts: must be an int >= 1 and <= 16777216"),
+        ({"num_experts": 2**24 + 1}, "num_experts: .*MAX_EXPERTS"),
+        ({"num_experts": 4.0}, "num_experts: must be an int"),
+    ],
+)
+def test_expert_assignment_and_shares_name_bad_input(kwargs, text):
+    """Every argument is checked, whether or not it matters to the answer: a bad current
+    placement, gap, speeds or loads, or an absurd count of experts (which filled the memory
+    listing them), raise ValueError naming the argument; expert_shares checks its own alike."""
+    args = {"num_experts": 4, "speeds": [1.0, 1.0], **kwargs}
+    with pytest.raises(ValueError, match=text):
+        expert_assignment(**args)
+    if "current" not in kwargs and "gap" not in kwargs:
+        with pytest.raises(ValueError, match=text):
+            expert_shares(**args)
+    # The largest count allowed is placed.
+    assert expert_shares(2**24, [1.0, 3.0]) == [2**22, 3 * 2**22]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     loads=st.lists(st.integers(0, 20), min_size=1, max_size=9),

@@ -534,6 +534,23 @@ def test_devices_without_samples_sit_out(cnn_costs) -> None:  # type: ignore[no-
     assert three.memory_bytes[2] == 0.0
 
 
+def test_even_batch_shares_name_bad_input() -> None:
+    assert even_batch_shares(10, 4) == [3, 3, 2, 2]
+    assert even_batch_shares(0, 2) == [0, 0]
+    assert even_batch_shares(np.int64(5), np.int64(2)) == [3, 2]
+    for args, text in (
+        ((10, 0), "num_devices: must be an integer >= 1, got 0"),
+        ((-1, 2), "batch: must be an integer >= 0, got -1"),
+        ((10.5, 2), "batch: must be an integer >= 0, got 10.5"),
+        ((None, 2), "batch: must be an integer >= 0, got None"),
+        ((True, 2), "batch: must be an integer >= 0, got True"),
+        ((10, True), "num_devices: must be an integer >= 1, got True"),
+        ((10, "2"), "num_devices: must be an integer >= 1, got '2'"),
+    ):
+        with pytest.raises(ValueError, match=text):
+            even_batch_shares(*args)
+
+
 def test_balanced_shares_beat_even_shares_on_unequal_devices(cnn_costs) -> None:  # type: ignore[no-untyped-def]
     cluster = _cluster([(1e11, 2e10), (2.5e10, 5e9)])
     ranked = plan(cnn_costs, cluster, 128)

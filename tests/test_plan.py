@@ -5,6 +5,8 @@ rank); the Plan's own validation and JSON round trip in-process."""
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import plan_cases
@@ -14,6 +16,7 @@ import torchvision
 from torch import nn
 
 from hetcoll import Plan, launch
+from hetcoll.plan import Replica
 from hetcoll.torch.layers import model_cut, model_layers
 from hetcoll.torch.parallel import schedule_order
 from hetcoll.torch.replay import probe_first_that_runs
@@ -65,6 +68,66 @@ def test_plan_round_trips_through_json(tmp_path):
     assert plan.place(3) == (1, 1) and plan.place(7) is None
     assert Plan.from_dict(plan_cases.PIPELINE_4).microbatch_sizes(0) == [4, 4, 3, 3]
     assert Plan.from_dict(dict(plan_cases.IDLE, microbatches=9)).microbatch_sizes(0) == [1] * 5
+
+
+def test_plan_files_are_paths_and_bad_files_name_the_path(tmp_path):
+    """An int is no path (open() took it for a file descriptor, wrote there and closed the
+    caller's descriptor); a file that is not UTF-8 JSON Python reads raises naming it."""
+    plan = Plan.from_dict(plan_cases.PIPELINE_4)
+    r, w = os.pipe()
+    try:
+        for bad in (w, None, str(tmp_path / "p.json").encode()):
+            with pytest.raises(TypeError, match=r"path: must be a str or os\.PathLike"):
+                plan.save(bad)
+        with pytest.raises(TypeError, match=r"path: must be a str or os\.PathLike, got int"):
+            Plan.load(r)
+        os.fstat(r), os.fstat(w)  # both still open
+    finally:
+        os.close(r)
+        os.close(w)
+    path = tmp_path / "p.json"
+    plan.save(str(path))
+    assert Plan.load(str(path)) == plan
+    for content, text in (
+        (b'{"replicas": "\xff\xfe"}', "is not UTF-8 text"),
+        (b'{"microbatches": ' + b"9" * 5000 + b"}", "is not JSON a plan can hold"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b'{"a": ', "is not JSON"),
+    ):
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match=re.escape(f"path: '{path}' ") + ".*" + text):
+            Plan.load(path)
+
+
+def test_plan_methods_and_constructor_name_bad_arguments():
+    plan = Plan.from_dict(plan_cases.PIPELINE_4)
+    assert len(plan.replicas) == 1 and plan.microbatch_sizes(0) == [4, 4, 3, 3]
+    for bad in (-1, 1, 5):
+        with pytest.raises(ValueError, match=r"replica: must be an integer in \[0, 1\), got"):
+            plan.microbatch_sizes(bad)
+    for bad in (True, "a", 0.0, None):
+        with pytest.raises(ValueError, match="replica: must be an integer >= 0"):
+            plan.microbatch_sizes(bad)
+    # A rank beyond the plan's is idle (None), as documented; a negative or non-int one is
+    # no rank.
+    assert plan.place(0) == (0, 0) and plan.place(99) is None
+    for bad in (-1, "a", True, None, 1.0):
+        with pytest.raises(ValueError, match="rank: must be an integer >= 0"):
+            plan.place(bad)
+    assert Plan(list(plan.replicas), plan.microbatches, plan.schedule) == plan
+    d = plan_cases.PIPELINE_4
+    for replicas, text in (
+        (None, "replicas: must be a list of Replica, got NoneType"),
+        (d, r"replicas: must be a list of Replica, got dict \(.*Plan.from_dict"),
+        (d["replicas"], r"replicas\[0\]: must be a Replica, got dict \(.*Plan.from_dict"),
+        (
+            [Replica(8, list(d["replicas"][0]["stages"]))],
+            r"replicas\[0\].stages\[0\]: must be a Stage, got dict",
+        ),
+        ([Replica(8, None)], r"replicas\[0\].stages: must be a list of Stage"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(ValueError, match=text):
+            Plan(replicas=replicas)
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import math
 import random
 import statistics
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,7 +17,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import hetcoll
-from hetcoll.torch import SpeedFit, measure_speed
+from hetcoll import launch
+from hetcoll.torch import SpeedFit, gather_speeds, measure_speed
 from hetcoll.torch import speed as speed_module
 from hetcoll.torch.speed import fit_affine, fit_step_time, robust_quantile
 
@@ -102,6 +104,64 @@ def test_speed_fit_keeps_its_old_constructor():
     fit = SpeedFit(0.001, 1000.0)
     assert fit.predict(10) == pytest.approx(0.011) and fit.covariance == (0.0, 0.0, 0.0)
     assert fit.seconds_per_sample == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "text"),
+    [
+        ({"latency_s": float("nan")}, "latency_s: must be a finite number"),
+        ({"latency_s": -0.5}, "latency_s: must be a finite number of seconds >= 0"),
+        ({"latency_s": math.inf}, "latency_s: must be a finite number"),
+        ({"latency_s": "a"}, "latency_s: must be a finite number"),
+        ({"latency_s": 10**400}, "latency_s: must be a finite number"),
+        ({"latency_s": None}, "latency_s: must be a finite number"),
+        ({"samples_per_s": -5.0}, r"samples_per_s: must be a number > 0"),
+        ({"samples_per_s": 0.0}, r"samples_per_s: must be a number > 0"),
+        ({"samples_per_s": float("nan")}, r"samples_per_s: must be a number > 0"),
+        ({"samples_per_s": "1"}, r"samples_per_s: must be a number > 0"),
+        ({"capacity": -3}, "capacity: must be None or an integer >= 0"),
+        ({"capacity": 2.5}, "capacity: must be None or an integer >= 0"),
+        ({"capacity": True}, "capacity: must be None or an integer >= 0"),
+        ({"points": [8]}, "points: must be"),
+        ({"points": [(8, "a")]}, "points: must be pairs of numbers"),
+        ({"covariance": (1.0, 2.0)}, "covariance: must be three numbers"),
+        ({"covariance": (1.0, 2.0, float("nan"))}, "covariance: must be three numbers"),
+    ],
+)
+def test_speed_fit_names_a_bad_field(kwargs, text):
+    with pytest.raises(ValueError, match=text):
+        SpeedFit(**{"latency_s": 0.001, "samples_per_s": 1000.0, **kwargs})
+
+
+def test_speed_fit_takes_what_the_fits_give():
+    """An infinite speed (fit_step_time's, where time does not grow with the batch), a
+    capacity of 0 (measure_speed's, where not one sample fits), ints and numpy numbers."""
+    assert fit_step_time([(8, 0.01), (16, 0.01)]).samples_per_s == math.inf
+    assert SpeedFit(0.0, math.inf).seconds_per_sample == 0.0
+    assert SpeedFit(0, 1, capacity=0).capacity == 0
+    fit = SpeedFit(0.0, 1.0, capacity=np.int64(3), points=[(8, 0.5)], covariance=[0, 0, 0])
+    assert fit.capacity == 3 and type(fit.capacity) is int
+    assert fit.points == ((8, 0.5),) and fit.covariance == (0, 0, 0)
+
+
+def _gather_a_bad_fit(rank, world):
+    """Rank 1 passes no SpeedFit: every rank raises at once; then the ranks gather again."""
+    try:
+        gather_speeds(None if rank == 1 else SpeedFit(0.0, 1.0))
+        first = None
+    except Exception as e:
+        first = (type(e).__name__, str(e))
+    return first, [f.samples_per_s for f in gather_speeds(SpeedFit(0.0, 10.0 * (rank + 1)))]
+
+
+@pytest.mark.multiproc
+def test_gather_speeds_tells_every_rank_of_a_bad_fit():
+    """A collective: a bad argument on one rank reaches every rank (it hung the others)."""
+    (first0, again0), (first1, again1) = launch.spawn(_gather_a_bad_fit, 2, timeout=90)
+    assert first1 == ("TypeError", "fit: must be a SpeedFit, got NoneType")
+    assert first0[0] == "CollectiveMismatchError" and "rank 1" in first0[1], first0
+    assert "fit: must be a SpeedFit" in first0[1]
+    assert again0 == again1 == [10.0, 20.0]
 
 
 # -- measure_speed on a simulated clock ------------------------------------------------------------

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -487,7 +488,9 @@ class Plan:
     experts: ExpertsField | None = None
 
     def __post_init__(self) -> None:
-        # A plan built in code is checked (and normalised) as one read from JSON is.
+        # A plan built in code is checked (and normalised) as one read from JSON is; to_dict
+        # reads the replicas and stages as objects, so those are checked first.
+        _check_objects(self.replicas)
         parsed = Plan.from_dict(self.to_dict())
         for name in ("replicas", "microbatches", "schedule", "experts"):
             object.__setattr__(self, name, getattr(parsed, name))
@@ -558,16 +561,28 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
-        """Read a plan from a JSON file."""
+        """Read a plan from a JSON file. ``path``: a str or ``os.PathLike`` (``TypeError``
+        otherwise: an int would be read as a file descriptor, and closed); a file that is not
+        UTF-8 JSON (or JSON nested or numbers longer than Python reads) raises ``ValueError``
+        naming it, an invalid plan ``ValueError`` naming the field."""
+        name = _path(path)
         with open(path, encoding="utf-8") as f:
             try:
                 d = json.load(f)
             except json.JSONDecodeError as e:
-                raise ValueError(f"path: {os.fspath(path)!r} is not JSON: {e}") from None
+                raise ValueError(f"path: {name!r} is not JSON: {e}") from None
+            except UnicodeDecodeError as e:
+                raise ValueError(f"path: {name!r} is not UTF-8 text: {e}") from None
+            except ValueError as e:  # an integer longer than int() reads
+                raise ValueError(f"path: {name!r} is not JSON a plan can hold: {e}") from None
+            except RecursionError:
+                raise ValueError(f"path: {name!r} holds JSON nested too deeply to read") from None
         return cls.from_dict(d)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the plan as JSON."""
+        """Write the plan as JSON. ``path``: a str or ``os.PathLike`` (``TypeError``
+        otherwise: an int would be written as a file descriptor, and closed)."""
+        _path(path)
         with open(path, "w", encoding="utf-8") as f:
             json.dump(self.to_dict(), f, indent=1)
             f.write("\n")
@@ -593,15 +608,70 @@ class Plan:
                 yield i, j, s
 
     def place(self, rank: int) -> tuple[int, int] | None:
-        """``(replica index, stage index)`` of ``rank``, or None if it is idle."""
+        """``(replica index, stage index)`` of ``rank``, or None if it is idle (in no stage:
+        a rank beyond the plan's ranks is idle). ``rank``: an integer >= 0 (``ValueError``
+        naming it otherwise)."""
+        _index(rank, "rank")
         for i, j, s in self.stages():
             if rank in s.ranks:
                 return i, j
         return None
 
     def microbatch_sizes(self, replica: int) -> list[int]:
-        """The replica's micro-batch sizes (:func:`microbatch_sizes` of its samples)."""
-        return microbatch_sizes(self.replicas[replica].samples, self.microbatches)
+        """The replica's micro-batch sizes (:func:`microbatch_sizes` of its samples).
+        ``replica``: its index, an integer in ``[0, len(replicas))`` (``ValueError`` naming it
+        otherwise)."""
+        i = _index(replica, "replica", len(self.replicas))
+        return microbatch_sizes(self.replicas[i].samples, self.microbatches)
+
+
+def _path(path: object) -> str:
+    """``path`` as a str for messages; ``TypeError`` naming it unless it is a str or an
+    ``os.PathLike`` of one (``open`` reads an int as a file descriptor, and closes it)."""
+    name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(name, str):
+        raise TypeError(f"path: must be a str or os.PathLike, got {type(path).__name__}")
+    return name
+
+
+def _index(value: object, name: str, end: int | None = None) -> int:
+    """``value``, an integer (not a bool) >= 0 and below ``end`` where given; ``ValueError``
+    naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
+    i = int(value)
+    if i < 0 or (end is not None and i >= end):
+        within = ">= 0" if end is None else f"in [0, {end})"
+        raise ValueError(f"{name}: must be an integer {within}, got {i}")
+    return i
+
+
+def _check_objects(replicas: object) -> None:
+    """``Plan(replicas=...)``'s replicas: a list of :class:`Replica` whose stages are lists of
+    :class:`Stage` (what :meth:`Plan.to_dict` reads); ``ValueError`` naming ``replicas``
+    otherwise (dicts are what :meth:`Plan.from_dict` reads)."""
+    if isinstance(replicas, (str, bytes, Mapping)) or not isinstance(replicas, Sequence):
+        raise ValueError(
+            f"replicas: must be a list of Replica, got {type(replicas).__name__} (build a plan "
+            "from its dict form with Plan.from_dict)"
+        )
+    for i, r in enumerate(replicas):
+        if not isinstance(r, Replica):
+            raise ValueError(
+                f"replicas[{i}]: must be a Replica, got {type(r).__name__} (build a plan from "
+                "its dict form with Plan.from_dict)"
+            )
+        stages = r.stages
+        if isinstance(stages, (str, bytes, Mapping)) or not isinstance(stages, Sequence):
+            raise ValueError(
+                f"replicas[{i}].stages: must be a list of Stage, got {type(stages).__name__}"
+            )
+        for j, st in enumerate(stages):
+            if not isinstance(st, Stage):
+                raise ValueError(
+                    f"replicas[{i}].stages[{j}]: must be a Stage, got {type(st).__name__} "
+                    "(build a plan from its dict form with Plan.from_dict)"
+                )
 
 
 def experts_field(

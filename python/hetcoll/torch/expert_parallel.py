@@ -22,9 +22,10 @@ holding fewer experts, run with the module's own forward and kernel (``eager``,
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -100,6 +101,56 @@ def experts_module(m: nn.Module) -> str | None:
     return ""
 
 
+#: The most experts one layer may have here: far more than any mixture-of-experts layer holds
+#: (the largest published hold about a million); a larger count is a mistake, and the
+#: placements here list every expert's index.
+MAX_EXPERTS = 2**24
+
+
+def _check_experts(num_experts: object) -> int:
+    """``num_experts``, an int in ``[1, MAX_EXPERTS]``; ``ValueError`` naming it otherwise."""
+    if (
+        isinstance(num_experts, bool)
+        or not isinstance(num_experts, (int, np.integer))
+        or not 1 <= num_experts <= MAX_EXPERTS
+    ):
+        raise ValueError(
+            f"num_experts: must be an int >= 1 and <= {MAX_EXPERTS} (MAX_EXPERTS), "
+            f"got {num_experts!r}"
+        )
+    return int(num_experts)
+
+
+def _numbers(value: object, name: str) -> list[float]:
+    """``value`` as a list of floats (a sequence of numbers); ``ValueError`` naming ``name``
+    (and the entry) where it is none."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise ValueError(f"{name}: must be a list of numbers, got {type(value).__name__}")
+    out = []
+    for i, x in enumerate(value):
+        try:
+            if isinstance(x, (bool, np.bool_, str, bytes)):
+                raise TypeError
+            out.append(float(x))
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"{name}[{i}]: must be a number, got {x!r}") from None
+    return out
+
+
+def _check_gap(gap: object) -> float:
+    """``gap``, a finite number >= 0 (:func:`hetcoll.partition_items`'); ``ValueError`` naming
+    it otherwise."""
+    if isinstance(gap, bool) or not isinstance(gap, numbers.Real):
+        raise ValueError(f"gap: must be a number, got {gap!r}")
+    try:
+        g = float(gap)
+    except OverflowError:  # an int beyond floats
+        g = math.inf
+    if not (math.isfinite(g) and g >= 0):
+        raise ValueError(f"gap: must be finite and >= 0, got {gap!r}")
+    return g
+
+
 def expert_shares(
     num_experts: int,
     speeds: Sequence[float],
@@ -114,7 +165,8 @@ def expert_shares(
     it, :func:`expert_loads`) the experts are cut into contiguous runs whose load over the
     rank's speed is smallest at the slowest rank (:func:`hetcoll.partition_chain`, exact).
     ``capacity``: the most experts each rank may hold (what its memory fits); a request none
-    fits raises ``ValueError``.
+    fits raises ``ValueError``, as does bad input (naming the argument: ``num_experts`` is an
+    int from 1 to :data:`MAX_EXPERTS`, ``speeds`` and ``loads`` lists of numbers).
 
     >>> expert_shares(8, [3.0, 1.0])
     [6, 2]
@@ -123,10 +175,13 @@ def expert_shares(
     >>> expert_shares(4, [9.0, 1.0], capacity=[2, 4])
     [2, 2]
     """
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts: must be an int >= 1, got {num_experts!r}")
-    speeds = [float(s) for s in speeds]
+    num_experts = _check_experts(num_experts)
+    speeds = _numbers(speeds, "speeds")
     if capacity is not None:
+        if isinstance(capacity, (str, bytes, Mapping)) or not isinstance(capacity, Iterable):
+            raise ValueError(
+                f"capacity: needs one int >= 0 per rank ({len(speeds)}), got {capacity!r}"
+            )
         capacity = list(capacity)
         if len(capacity) != len(speeds) or any(
             isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0 for c in capacity
@@ -136,7 +191,7 @@ def expert_shares(
             )
     if loads is None:
         return [int(n) for n in hetcoll.split(num_experts, speeds, capacity=capacity)]
-    loads = [float(x) for x in loads]
+    loads = _numbers(loads, "loads")
     if len(loads) != num_experts:
         raise ValueError(f"loads: needs one entry per expert ({num_experts}), got {len(loads)}")
     if any(not math.isfinite(x) or x < 0 for x in loads):
@@ -174,27 +229,34 @@ def expert_assignment(
     expert indices); ranks of the same speed and capacity are interchangeable, so their
     sets are handed out to keep as many experts where they are as they can (fewer move).
     ``gap``: content with a placement within that fraction of the best (``partition_items``'
-    ``gap``: a search that would spend its budget proving the last fraction of a percent
-    ends at once).
+    ``gap``, finite and >= 0: a search that would spend its budget proving the last fraction
+    of a percent ends at once). Bad input raises ``ValueError`` naming the argument (as
+    :func:`expert_shares`; ``current`` must name each expert once, one entry per rank).
 
     >>> expert_assignment(4, [1.0, 1.0], loads=[5.0, 5.0, 1.0, 1.0])
     [[0, 2], [1, 3]]
     >>> expert_assignment(4, [3.0, 1.0])
     [[0, 1, 2], [3]]
     """
-    runs = expert_shares(num_experts, speeds, loads=loads, capacity=capacity)
+    num_experts = _check_experts(num_experts)
+    speeds = _numbers(speeds, "speeds")
+    gap = _check_gap(gap)
+    now = None
+    if current is not None:
+        now = expert_indices(current, len(speeds), "current", experts=num_experts, of="rank")
+    load = None if loads is None else _numbers(loads, "loads")
+    runs = expert_shares(num_experts, speeds, loads=load, capacity=capacity)
     contiguous = [list(held) for held in expert_indices(runs, len(runs), "shares")]
-    if loads is None:
+    if load is None:
         return contiguous
-    load = [float(x) for x in loads]
-    owner, _ = hetcoll.partition_items(load, [float(s) for s in speeds], capacity=capacity, gap=gap)
+    owner, _ = hetcoll.partition_items(load, speeds, capacity=capacity, gap=gap)
     anywhere = [[e for e in range(num_experts) if owner[e] == r] for r in range(len(runs))]
     best = anywhere
     if assignment_seconds(contiguous, load, speeds) <= assignment_seconds(anywhere, load, speeds):
         best = contiguous
-    if current is None:
+    if now is None:
         return best
-    return _least_moved(best, current, speeds, capacity)
+    return _least_moved(best, now, speeds, capacity)
 
 
 def _least_moved(

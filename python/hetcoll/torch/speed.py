@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import os
 import statistics
 import time
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetcoll.comm import wrap
+from hetcoll.comm import agree, wrap
 
 #: Timings further than this many robust standard deviations from their median are outliers.
 OUTLIER_SIGMAS = 3.0
@@ -63,6 +64,12 @@ class SpeedFit:
     ``capacity`` is the largest batch that fits in device memory when it was probed (else None).
     ``points`` are the measured ``(batch_size, median_seconds)`` pairs. ``covariance`` is that of
     ``(latency_s, seconds_per_sample)`` as ``(var_a, cov_ac, var_c)`` (zeros: unknown).
+
+    Checked when made: ``latency_s`` a finite number >= 0, ``samples_per_s`` a number > 0
+    (infinite where the step time does not grow with the batch, as :func:`fit_step_time`
+    gives), ``capacity`` None or an integer >= 0 (0: not even one sample fits), ``points``
+    pairs of numbers and ``covariance`` three numbers, not NaN; else ``ValueError`` naming
+    the field.
     """
 
     latency_s: float
@@ -70,6 +77,40 @@ class SpeedFit:
     capacity: int | None = None
     points: tuple[tuple[int, float], ...] = field(default=())
     covariance: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    def __post_init__(self) -> None:
+        a, s = self.latency_s, self.samples_per_s
+        if not _is_number(a) or not (_is_finite(a) and a >= 0):
+            raise ValueError(f"latency_s: must be a finite number of seconds >= 0, got {a!r}")
+        if not _is_number(s) or not s > 0:
+            raise ValueError(f"samples_per_s: must be a number > 0 (inf allowed), got {s!r}")
+        cap = self.capacity
+        if cap is not None and (
+            isinstance(cap, bool) or not isinstance(cap, numbers.Integral) or cap < 0
+        ):
+            raise ValueError(f"capacity: must be None or an integer >= 0, got {cap!r}")
+        try:
+            points = tuple((b, t) for b, t in self.points)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"points: must be (batch_size, seconds) pairs, got {self.points!r}"
+            ) from None
+        if not all(_is_number(b) and _is_number(t) for b, t in points):
+            raise ValueError(f"points: must be pairs of numbers, got {self.points!r}")
+        cov = self.covariance
+        if (
+            isinstance(cov, (str, bytes))
+            or not isinstance(cov, Sequence)
+            or len(cov) != 3
+            or not all(_is_number(v) for v in cov)
+        ):
+            raise ValueError(
+                f"covariance: must be three numbers (var_a, cov_ac, var_c), got {cov!r}"
+            )
+        if cap is not None:
+            object.__setattr__(self, "capacity", int(cap))
+        object.__setattr__(self, "points", points)
+        object.__setattr__(self, "covariance", tuple(cov))
 
     @property
     def seconds_per_sample(self) -> float:
@@ -96,6 +137,19 @@ class SpeedFit:
         va, cac, vc = self.covariance
         b = float(batch_size)
         return math.sqrt(max(va + 2 * b * cac + b * b * vc, 0.0))
+
+
+def _is_number(x: object) -> bool:
+    """Whether ``x`` is a real number (not a bool, nor NaN)."""
+    return not isinstance(x, bool) and isinstance(x, numbers.Real) and x == x  # NaN != NaN
+
+
+def _is_finite(x: float) -> bool:
+    """Whether the number ``x`` is finite (an int too large for a float is not)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def robust_quantile(values: Sequence[float], q: float = 0.5) -> tuple[float, float, int]:
@@ -456,11 +510,22 @@ def gather_speeds(fit: SpeedFit, group: Any = None) -> list[SpeedFit]:
     :func:`hetcoll.comm.wrap`'s default (torch's default group, else ``MPI.COMM_WORLD`` under
     mpiexec).
 
+    A rank whose ``fit`` is no :class:`SpeedFit` raises ``TypeError`` naming it, after telling
+    the others, which raise :class:`hetcoll.CollectiveMismatchError` naming that rank (none
+    waits for it).
+
     >>> fits = gather_speeds(measure_speed(model, make_batch, loss_fn))  # doctest: +SKIP
     """
+    failure = None
     if not isinstance(fit, SpeedFit):
-        raise TypeError(f"fit: must be a SpeedFit, got {type(fit).__name__}")
-    c = wrap(group)
+        failure = TypeError(f"fit: must be a SpeedFit, got {type(fit).__name__}")
+    try:
+        c = wrap(group)
+    except (TypeError, ValueError):
+        if failure is not None:  # no group to tell: this rank's own error first
+            raise failure from None
+        raise
+    agree(c, {}, failure=failure)
     if c.engine == "mpi":
         return list(c.native.allgather(fit))
     import torch.distributed as dist

@@ -322,7 +322,20 @@ def balanced_batch_shares(
 
 
 def even_batch_shares(batch: int, num_devices: int) -> list[int]:
-    """What a framework without balancing does: B // p each, the remainder to the first ranks."""
+    """What a framework without balancing does: B // p each, the remainder to the first ranks.
+
+    ``batch`` is an integer >= 0 and ``num_devices`` one >= 1 (bools are not integers): else
+    ``ValueError`` naming the argument.
+
+    >>> even_batch_shares(10, 4)
+    [3, 3, 2, 2]
+    """
+    for name, value, least in (("batch", batch, 0), ("num_devices", num_devices, 1)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"{name}: must be an integer >= {least}, got {value!r}")
+        if value < least:
+            raise ValueError(f"{name}: must be an integer >= {least}, got {value}")
+    batch, num_devices = int(batch), int(num_devices)
     return [
         batch // num_devices + (1 if r < batch % num_devices else 0) for r in range(num_devices)
     ]
