@@ -88,6 +88,29 @@ def findings(native: Any, engine: str) -> dict[str, str]:
     out["gather_out"] = outcome(
         lambda: hetcoll.allgatherv(np.ones((2, 3)), native, out=into, timeout=TIMEOUT)
     )
+    # A rank's bad algorithm, segment size or unsendable piece: told to the others.
+    one = np.ones((2, 3))
+    bad: dict[str, Any] = {
+        "gather_algorithm": {"algorithm": "bogus"},
+        "gather_segment": {"segment_bytes": 0},
+    }
+    for name, kwargs in bad.items():
+        given = {"timeout": TIMEOUT, **(kwargs if r == 1 else {})}
+        out[name] = outcome(lambda given=given: hetcoll.allgatherv(one, native, **given))
+    unsendable: dict[str, Any] = {
+        "gather_meta": torch.ones(2, 3, device="meta"),
+        "gather_sparse": torch.ones(2, 3).to_sparse(),
+        "gather_objects": np.array([[None] * 3] * 2, dtype=object),
+    }
+    for name, piece in unsendable.items():
+        mine = piece if r == 1 else torch.ones(2, 3)
+        out[name] = outcome(lambda mine=mine: hetcoll.allgatherv(mine, native, timeout=TIMEOUT))
+    check: Any = "yes" if r == 1 else True
+    out["allreduce_check"] = outcome(
+        lambda: hetcoll.allreduce(np.ones(8), native, check=check, timeout=TIMEOUT)
+    )
+    buf = torch.ones(8, device="meta") if r == 1 else torch.ones(8)
+    out["allreduce_meta"] = outcome(lambda: hetcoll.allreduce(buf, native, timeout=TIMEOUT))
     joined = hetcoll.allgatherv(np.full((1, 3), r), native, timeout=TIMEOUT)
     out["gather_after"] = "ok" if (joined == [[0] * 3, [1] * 3]).all() else f"wrong: {joined}"
     out.update(_optimizer_findings(native, r))
@@ -126,6 +149,12 @@ def _optimizer_findings(native: Any, r: int) -> dict[str, str]:
     opt.local_batch = 1 + 2 * r  # ranks 1 and 3 samples: (1 * 1 + 3 * 2) / 4
     opt.synchronize()
     out["optimizer_agree"] = "ok" if (p.grad == 1.75).all() else f"wrong: {p.grad}"
+    # A bad local_batch on one rank (set by hand): every rank raises from its step.
+    opt.local_batch = -3 if r == 1 else 2
+    out["optimizer_local_batch"] = outcome(opt.synchronize)
+    opt.local_batch = 1
+    p.grad = torch.ones_like(p)
+    out["optimizer_after"] = outcome(opt.synchronize)
     return out
 
 

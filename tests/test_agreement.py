@@ -46,6 +46,34 @@ EXPECTED = {
         MISMATCH + "rank 1 raised TypeError: out:",
         "TypeError: out:",
     ),
+    "gather_algorithm": (
+        MISMATCH + "rank 1 raised ValueError: algorithm: must be one of",
+        "ValueError: algorithm: must be one of",
+    ),
+    "gather_segment": (
+        MISMATCH + "rank 1 raised ValueError: segment_bytes: must be an integer >= 1",
+        "ValueError: segment_bytes: must be an integer >= 1",
+    ),
+    "gather_meta": (
+        MISMATCH + "rank 1 raised ValueError: local: a meta tensor holds no values",
+        "ValueError: local: a meta tensor holds no values",
+    ),
+    "gather_sparse": (
+        MISMATCH + "rank 1 raised ValueError: local: must be a dense (strided) tensor",
+        "ValueError: local: must be a dense (strided) tensor",
+    ),
+    "gather_objects": (
+        MISMATCH + "rank 1 raised ValueError: local: an array of Python objects",
+        "ValueError: local: an array of Python objects",
+    ),
+    "allreduce_check": (
+        MISMATCH + "rank 1 raised TypeError: check: must be True or False",
+        "TypeError: check: must be True or False",
+    ),
+    "allreduce_meta": (
+        MISMATCH + "rank 1 raised ValueError: buf: a meta tensor holds no values",
+        "ValueError: buf: a meta tensor holds no values",
+    ),
     "gather_after": ("ok", "ok"),
     "optimizer_order": (MISMATCH + "ranks disagree on the parameter shapes",) * 2,
     "optimizer_dtype": (MISMATCH + "ranks disagree on the parameter dtypes",) * 2,
@@ -54,6 +82,8 @@ EXPECTED = {
         "TypeError: optimizer: parameter 0 is torch.float16",
     ),
     "optimizer_agree": ("ok", "ok"),
+    "optimizer_local_batch": ("ValueError: local_batch: rank 1 counted -3 for this step",) * 2,
+    "optimizer_after": ("ok", "ok"),
     "set_shares": (MISMATCH + "ranks disagree on shares[0]",) * 2,
     "set_shares_kept": ("ok", "ok"),
     "set_shares_local": (

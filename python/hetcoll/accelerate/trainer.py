@@ -93,7 +93,7 @@ def shifted_targets_uncounted(trainer: Trainer) -> bool:
     return (
         isinstance(model, PreTrainedModel)
         and type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-        and LOSS_MAPPING.get(getattr(model, "loss_type", None)) is None
+        and LOSS_MAPPING.get(str(getattr(model, "loss_type", None))) is None
         and "_loss_function" not in vars(model)  # no loss of the user's own set on it
         and not getattr(config, "is_encoder_decoder", False)
         and _forward_calls_its_loss_function(type(model))
@@ -105,7 +105,7 @@ def _forward_calls_its_loss_function(cls: type) -> bool:
     default for its ``loss_type``: the causal-LM loss where it has none), read off its code
     (XLNet's and XLM's heads compute their own, on labels aligned with the logits)."""
     try:
-        return "self.loss_function(" in inspect.getsource(cls.forward)
+        return "self.loss_function(" in inspect.getsource(cls.forward)  # type: ignore[attr-defined]
     except (OSError, TypeError):
         return False
 

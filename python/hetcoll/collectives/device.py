@@ -26,7 +26,7 @@ def stage_on_host(x: Any, group: Any) -> Any:
     CUDA support would not mix with the CPU ranks' point-to-point algorithms. The copy keeps
     ``x``'s strides where they are dense, so the host path refuses a non-contiguous tensor with
     its own error; a ``group`` that is no group gives None (the caller's own check raises)."""
-    if not is_tensor(x) or x.device.type == "cpu":
+    if not is_tensor(x) or x.device.type in ("cpu", "meta"):  # meta: refused by the caller
         return None
     try:
         engine = wrap(group).engine

@@ -88,8 +88,10 @@ def allreduce(
         )
         buf.detach().copy_(host)  # type: ignore[attr-defined]
         return buf
-    if not isinstance(check, bool):
-        raise TypeError(f"check: must be True or False, got {check!r}")
+    bad_check = None
+    if not isinstance(check, bool):  # told to the others, which check (the default)
+        bad_check = TypeError(f"check: must be True or False, got {check!r}")
+        check = True
     # The group first: a rank whose other arguments are bad still tells the others. Without
     # one, those arguments' errors come first all the same (no one to tell).
     try:
@@ -99,8 +101,12 @@ def allreduce(
     deadline = None
     try:
         deadline = deadline_of(timeout)
+        if bad_check is not None:
+            raise bad_check
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
+        if is_tensor(buf) and buf.device.type == "meta":  # type: ignore[attr-defined]
+            raise ValueError("buf: a meta tensor holds no values to reduce")
         if is_tensor(buf) and buf.device.type != "cpu":  # type: ignore[attr-defined]
             if c is None:
                 raise no_group

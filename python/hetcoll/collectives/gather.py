@@ -63,13 +63,26 @@ def allgatherv(
     >>> allgatherv(np.arange(rank + 1.0), group)  # on 3 ranks  # doctest: +SKIP
     array([0., 0., 1., 0., 1., 2.])
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
-    if segment_bytes is not None and (not isinstance(segment_bytes, int) or segment_bytes < 1):
-        raise ValueError(f"segment_bytes: must be an integer >= 1 or None, got {segment_bytes!r}")
-    deadline = deadline_of(timeout)
     group = group_argument(group, "allgatherv", comm=comm)
-    result, _ = _gather(local, group, deadline, algorithm, segment_bytes, out)
+    # A bad timeout is raised here, alone: on MPI a rank without a deadline waits in blocking
+    # calls, which a rank polling nonblocking ones never matches. Other bad arguments are
+    # told to the others in the first round (they raise at once).
+    deadline = deadline_of(timeout)
+    failure = None
+    try:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
+        if segment_bytes is not None and (
+            isinstance(segment_bytes, bool)
+            or not isinstance(segment_bytes, int)
+            or segment_bytes < 1
+        ):
+            raise ValueError(
+                f"segment_bytes: must be an integer >= 1 or None, got {segment_bytes!r}"
+            )
+    except (TypeError, ValueError) as e:
+        failure, algorithm, segment_bytes = e, "auto", None
+    result, _ = _gather(local, group, deadline, algorithm, segment_bytes, out, failure)
     return result  # type: ignore[no-any-return]
 
 
@@ -80,15 +93,17 @@ def _gather(
     algorithm: str = "auto",
     segment_bytes: int | None = None,
     out: Any = None,
+    failure: BaseException | None = None,
 ) -> tuple[Any, list[int]]:
-    """:func:`allgatherv`, plus every rank's length along axis 0."""
-    host = stage_on_host(local, comm)
+    """:func:`allgatherv`, plus every rank's length along axis 0; ``failure``: this rank's
+    argument error, told to every rank in the first round."""
+    host = stage_on_host(local, comm) if failure is None else None
     if host is not None:  # gloo, MPI: gathered as a CPU tensor, like the group's CPU ranks
         if out is not None:
             raise ValueError("out: not supported for device tensors")
         gathered, lengths = _gather(host, comm, deadline, algorithm, segment_bytes)
         return gathered.to(local.device), lengths
-    if is_tensor(local) and local.device.type != "cpu":
+    if failure is None and is_tensor(local) and local.device.type not in ("cpu", "meta"):
         if out is not None:
             raise ValueError("out: not supported for device tensors")
         return _allgatherv_device(local, comm, deadline)
@@ -96,8 +111,9 @@ def _gather(
         c = wrap(comm)
     except (TypeError, ValueError):
         c = None  # no one to tell: the argument's own error first, as with a group
-    failure = None
     try:
+        if failure is not None:
+            raise failure
         view = _local_view(local)
         into = None if out is None else _out_view(out, local, view)
     except (TypeError, ValueError) as e:
@@ -157,8 +173,16 @@ def _gather(
 def _local_view(local: Any) -> np.ndarray:
     """``local`` as a C-contiguous numpy array (a tensor's memory as its bytes' type), checked."""
     if is_tensor(local):
+        import torch  # a tensor was given: torch is imported
+
+        if local.device.type == "meta":
+            raise ValueError("local: a meta tensor holds no values to gather")
+        if local.layout is not torch.strided:
+            raise ValueError(f"local: must be a dense (strided) tensor, got {local.layout}")
         view = _tensor_bytes_view(local.detach().contiguous())
     elif isinstance(local, np.ndarray):
+        if local.dtype.hasobject:
+            raise ValueError("local: an array of Python objects has no bytes to gather")
         view = np.ascontiguousarray(local)
     else:
         raise TypeError(

@@ -387,7 +387,14 @@ def count_items(items: Items, y: Any) -> LocalCount:
         value = items(y)
     except Exception as e:
         return LocalCount(RAISED, 0, e)
-    what = f"items: items(y) returned {value!r}; it must return an integer >= 0"
+    return checked_count(
+        value, f"items: items(y) returned {value!r}; it must return an integer >= 0"
+    )
+
+
+def checked_count(value: Any, what: str) -> LocalCount:
+    """``value`` as this rank's count, checked but never raised (:func:`count_items`); ``what``:
+    this rank's own error message where it is no integer >= 0 below 2**53."""
     if not isinstance(value, bool) and hasattr(value, "__index__"):
         try:
             n = int(value.__index__())

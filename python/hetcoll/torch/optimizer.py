@@ -26,17 +26,18 @@ from hetcoll import fusion
 from hetcoll.collectives import allreduce
 from hetcoll.comm import NOT_GIVEN, agree, group_argument, shared_processes, wrap
 from hetcoll.torch.batches import (
+    COUNTED,
     NOT_COUNTED,
     BatchCounter,
     Items,
     LocalCount,
     added_count,
     called_twice,
+    checked_count,
     count_items,
     counted,
     item_weights,
     items_argument,
-    local_batch_value,
     not_counted,
 )
 from hetcoll.torch.expert_parallel import is_rank_local
@@ -68,6 +69,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     targets by :meth:`count` before :meth:`step`. A bad count on any rank (``items(y)``
     negative, not an integer, or raising; zero items on every rank) raises ``ValueError``
     naming ``items`` from :meth:`step` on every rank; a rank with zero items contributes nothing.
+    So does a ``local_batch`` given or set that is no integer >= 0, naming ``local_batch``
+    (raised where it was set, the other ranks would wait in their step).
 
     >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
     ...                            model=model)  # doctest: +SKIP
@@ -125,6 +128,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.global_batch: int | None = None
         self._pending: LocalCount | None = None  # this step's count(y), taken by synchronize
         self._local_batch: int | None = None
+        self._bad_local_batch: LocalCount | None = None  # a bad local_batch, told at the step
         if local_batch is not None:
             self.local_batch = local_batch
         self.fusion_bytes = int(fusion_bytes)
@@ -145,7 +149,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def local_batch(self, n: int) -> None:
         if self.items is not None:
             raise TypeError("local_batch: this optimizer counts items; call opt.count(y) instead")
-        self._local_batch = local_batch_value(n)
+        # A bad one is raised from step(), on every rank: raised here, the others would wait.
+        mine = checked_count(n, f"local_batch: must be an integer >= 0, got {n!r}")
+        self._bad_local_batch = None if mine.status == COUNTED else mine
+        if self._bad_local_batch is None:
+            self._local_batch = mine.value
 
     def count(self, y: Any) -> None:
         """This step's targets ``y``: this rank's count is ``items(y)``, weighed at the next
@@ -166,6 +174,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 mine = not_counted("items", "no count for this step; call opt.count(y) first")
             self._pending = None
             return mine, "items"
+        if self._bad_local_batch is not None:
+            return self._bad_local_batch, "local_batch"
         if self.counter is not None:
             try:
                 self._local_batch = self.counter.take()
