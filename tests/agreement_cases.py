@@ -20,7 +20,13 @@ from hypothesis import strategies as st
 
 import hetcoll
 from hetcoll.comm import wrap
-from hetcoll.torch import BalancedSampler, DistributedOptimizer
+from hetcoll.torch import (
+    BalancedSampler,
+    DistributedOptimizer,
+    clip_grad_norm_,
+    filter_parallel,
+    parallelize,
+)
 
 TIMEOUT = 30.0  # seconds: a rank left waiting would raise CollectiveTimeout, which fails a case
 
@@ -111,6 +117,28 @@ def findings(native: Any, engine: str) -> dict[str, str]:
     )
     buf = torch.ones(8, device="meta") if r == 1 else torch.ones(8)
     out["allreduce_meta"] = outcome(lambda: hetcoll.allreduce(buf, native, timeout=TIMEOUT))
+    leaf = torch.ones(8, requires_grad=r == 1)  # written in place: autograd cannot follow
+    out["allreduce_requires_grad"] = outcome(
+        lambda: hetcoll.allreduce(leaf, native, timeout=TIMEOUT)
+    )
+    params: Any = None if r == 1 else [torch.nn.Parameter(torch.ones(3))]
+    out["clip_parameters"] = outcome(
+        lambda: clip_grad_norm_(params, 1.0, group=native, timeout=TIMEOUT)
+    )
+    # A split's or a plan's bad argument on one rank: told to the others in their agreement.
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    speeds = [1.0, 1.0, 1.0] if r == 1 else [1.0, 1.0]
+    out["filter_parallel_speeds"] = outcome(
+        lambda: filter_parallel(net, speeds=speeds, group=native, timeout=TIMEOUT)
+    )
+    pipeline = {
+        "microbatches": 1,
+        "replicas": [{"samples": 4, "stages": [{"ranks": [0], "layers": [0, 2]},
+                                                {"ranks": [1], "layers": [2, 3]}]}],
+    }  # fmt: skip
+    plan: Any = {"replicas": []} if r == 1 else pipeline
+    loss = torch.nn.MSELoss()
+    out["parallelize_plan"] = outcome(lambda: parallelize(net, plan, loss_fn=loss, group=native))
     joined = hetcoll.allgatherv(np.full((1, 3), r), native, timeout=TIMEOUT)
     out["gather_after"] = "ok" if (joined == [[0] * 3, [1] * 3]).all() else f"wrong: {joined}"
     out.update(_optimizer_findings(native, r))

@@ -74,6 +74,19 @@ EXPECTED = {
         MISMATCH + "rank 1 raised ValueError: buf: a meta tensor holds no values",
         "ValueError: buf: a meta tensor holds no values",
     ),
+    "filter_parallel_speeds": (
+        MISMATCH + "rank 1 raised ValueError: speeds: has 3 speeds but the group has 2 ranks",
+        "ValueError: speeds: has 3 speeds but the group has 2 ranks",
+    ),
+    "parallelize_plan": (MISMATCH + "rank 1 raised ValueError: plan", "ValueError: plan"),
+    "allreduce_requires_grad": (
+        MISMATCH + "rank 1 raised ValueError: buf: requires grad",
+        "ValueError: buf: requires grad",
+    ),
+    "clip_parameters": (
+        MISMATCH + "rank 1 raised TypeError: parameters: must be a tensor or tensors",
+        "TypeError: parameters: must be a tensor or tensors",
+    ),
     "gather_after": ("ok", "ok"),
     "optimizer_order": (MISMATCH + "ranks disagree on the parameter shapes",) * 2,
     "optimizer_dtype": (MISMATCH + "ranks disagree on the parameter dtypes",) * 2,

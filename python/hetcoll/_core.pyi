@@ -163,7 +163,10 @@ def refine_items(
     device receives an item only with room for it under ``capacity`` (the most items each holds),
     and swaps keep every device's count. Ties go to the lower item, then device, a move before
     a swap: deterministic. The local counterpart of :func:`partition_items`, which may move most
-    items for a small gain. Bad input raises ``ValueError`` naming the argument.
+    items for a small gain. It moves items off the slowest device only, so a device that starts
+    over its ``capacity`` may end over it, and one of speed 0 keeps loaded items where no single
+    step helps: :func:`partition_items` places them anew. Bad input raises ``ValueError`` naming
+    the argument.
 
     >>> refine_items([9.0, 9.0, 1.0, 1.0], [1.0, 1.0], [0, 0, 1, 1])
     [1, 0, 0, 1]

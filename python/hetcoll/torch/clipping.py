@@ -51,6 +51,11 @@ def clip_grad_norm_(
     failure: Exception | None = None
     try:
         limit = checked_max_norm(max_norm)
+        if not isinstance(parameters, (torch.Tensor, Iterable)):
+            raise TypeError(
+                "parameters: must be a tensor or tensors (a model's parameters()), got "
+                f"{type(parameters).__name__}"
+            )
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if not all(isinstance(p, torch.Tensor) for p in params):
             raise TypeError("parameters: must be tensors (a model's parameters())")

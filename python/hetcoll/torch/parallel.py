@@ -1046,16 +1046,29 @@ def parallelize(
     >>> opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)  # doctest: +SKIP
     >>> loss = par.step(x, y); opt.step(); opt.zero_grad()  # doctest: +SKIP
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(plan, Mapping):
-        plan = Plan.from_dict(plan)
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan: must be a hetcoll.Plan or its dict, got {type(plan).__name__}")
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn: must be callable, got {type(loss_fn).__name__}")
-    items = items_argument(items)
-    tr = transport(group)
+    # A rank's bad argument is told to the others in the agreement below (they raise at once).
+    failure: Exception | None = None
+    try:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(plan, Mapping):
+            plan = Plan.from_dict(plan)
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan: must be a hetcoll.Plan or its dict, got {type(plan).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn: must be callable, got {type(loss_fn).__name__}")
+        items = items_argument(items)
+    except (TypeError, ValueError) as e:
+        failure = e
+    try:
+        tr = transport(group)
+    except (TypeError, ValueError):
+        if failure is not None:  # no group to tell: this rank's own error first
+            raise failure from None
+        raise
+    if failure is not None:
+        agree(tr.comm, {}, failure=failure)  # raises here, a mismatch on the others
+    assert isinstance(plan, Plan)  # else failure: agree raised
     # Ranks that disagree on the plan or the model raise here, all of them, before any transfer.
     plan_print = zlib.crc32(repr(plan.to_dict()).encode())
     agree(

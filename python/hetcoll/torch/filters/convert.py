@@ -5,6 +5,7 @@ units, :mod:`.tensor_split`), after one agreement check on the plan;
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 import weakref
@@ -586,6 +587,20 @@ def _heads_or_groups(
     return ts
 
 
+def _tell_the_others(group: Any, timeout: float | None, failure: Exception) -> None:
+    """This rank's argument error, told to the other ranks in the exchange they enter next
+    (the plan's agreement: there they raise at once, a mismatch naming this rank); nothing
+    where ``group`` is no group (no one to tell)."""
+    try:
+        comm = wrap(group)
+    except (TypeError, ValueError):
+        return
+    if not isinstance(comm, CountingCommunicator):  # as filter_parallel's: the same gathers
+        comm = CountingCommunicator(comm, {})
+    with contextlib.suppress(TypeError, ValueError):  # agree raises failure here
+        agree(comm, {}, deadline(timeout), failure=failure)
+
+
 def filter_parallel(
     model: nn.Module,
     # The older positional split, or the group (as expert_parallel takes it).
@@ -682,8 +697,13 @@ def filter_parallel(
             "that would initialise it as the unsplit layer"
         )
     check_timeout(timeout)
-    _check_flag(loss_parallel, "loss_parallel")
-    value, argument = _split_argument(shares_or_speeds, speeds, shares)
+    try:
+        _check_flag(loss_parallel, "loss_parallel")
+        value, argument = _split_argument(shares_or_speeds, speeds, shares)
+    except (TypeError, ValueError) as e:
+        if sample is None:  # else the others may time their samples first: no one exchange
+            _tell_the_others(group, timeout, e)
+        raise
     timed = None
     if sample is not None:
 
@@ -702,18 +722,23 @@ def filter_parallel(
             )
             return [float(x) for x in np.ascontiguousarray(rows).view(np.float64).mean(axis=0)]
 
-    per_layer, splits, modes = _shares(
-        model,
-        value,
-        argument,
-        lambda: wrap(group).size,
-        layers,
-        multiple_of,
-        avoid_gathers,
-        empty_blocks,
-        timed,
-        loss_parallel,
-    )
+    try:
+        per_layer, splits, modes = _shares(
+            model,
+            value,
+            argument,
+            lambda: wrap(group).size,
+            layers,
+            multiple_of,
+            avoid_gathers,
+            empty_blocks,
+            timed,
+            loss_parallel,
+        )
+    except (TypeError, ValueError) as e:
+        if sample is None:  # else the ranks may have timed their samples: no one exchange
+            _tell_the_others(group, timeout, e)
+        raise
     comm: Communicator = wrap(group)
     # Its own count of the bytes it sends (split_traffic), unless the caller counts them (a
     # plan's split stage, into Parallel.traffic()).
