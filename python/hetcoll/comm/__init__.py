@@ -31,6 +31,7 @@ from hetcoll.comm.default import (
     same_processes,
     shared_processes,
     wrap,
+    wrap_or_raise,
 )
 from hetcoll.comm.distributed import TorchCommunicator, TorchRequest
 from hetcoll.comm.mpi import MpiCommunicator, NodeWindows
@@ -59,4 +60,5 @@ __all__ = [
     "start_agreement",
     "wait_all",
     "wrap",
+    "wrap_or_raise",
 ]

@@ -71,6 +71,19 @@ def has_default() -> bool:
     return _torch_default() or _under_mpi()
 
 
+def wrap_or_raise(group: Any, failure: BaseException | None) -> Communicator:
+    """:func:`wrap` of ``group`` for a collective that found ``failure`` (this rank's own
+    argument error) before it could communicate: the caller then tells the other ranks
+    (:func:`~hetcoll.comm.agree` with ``failure=``). Where ``group`` is no group there is no
+    one to tell, and ``failure``, if any, is raised first (else the group's own error)."""
+    try:
+        return wrap(group)
+    except (TypeError, ValueError):
+        if failure is not None:
+            raise failure from None
+        raise
+
+
 def wrap(x: Any = None) -> Communicator:
     """A :class:`Communicator` over ``x``: an mpi4py communicator, a torch.distributed process
     group, a Communicator (returned as is), or None, the default of every public function of

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hetcoll.comm import Communicator, agree, deadline, same_processes, wrap
+from hetcoll.comm import Communicator, agree, deadline, same_processes, wrap_or_raise
 from hetcoll.torch.expert_parallel import is_rank_local
 from hetcoll.torch.filters.layers import split_modules
 from hetcoll.torch.filters.state import split_parts
@@ -61,12 +61,7 @@ def clip_grad_norm_(
             raise TypeError("parameters: must be tensors (a model's parameters())")
     except (TypeError, ValueError) as e:  # raised on every rank, after the exchange
         failure, limit, params = e, 0.0, []
-    try:
-        comm = wrap(group)
-    except (TypeError, ValueError):
-        if failure is not None:  # no group to tell: this rank's own error first
-            raise failure from None
-        raise
+    comm = wrap_or_raise(group, failure)
     grads = [p.grad for p in params if p.grad is not None]
     pieces = _split_pieces(params, comm) if failure is None else {}
     shared = 0.0

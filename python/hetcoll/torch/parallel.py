@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from hetcoll.comm import agree, start_agreement, wrap
+from hetcoll.comm import agree, start_agreement, wrap, wrap_or_raise
 from hetcoll.plan import Plan, Stage
 from hetcoll.torch.batches import count_items, counted, item_weights, items_argument
 from hetcoll.torch.clipping import checked_max_norm, scale_to_norm, squares, summed_squares
@@ -1060,12 +1060,8 @@ def parallelize(
         items = items_argument(items)
     except (TypeError, ValueError) as e:
         failure = e
-    try:
-        tr = transport(group)
-    except (TypeError, ValueError):
-        if failure is not None:  # no group to tell: this rank's own error first
-            raise failure from None
-        raise
+    wrap_or_raise(group, failure)
+    tr = transport(group)
     if failure is not None:
         agree(tr.comm, {}, failure=failure)  # raises here, a mismatch on the others
     assert isinstance(plan, Plan)  # else failure: agree raised

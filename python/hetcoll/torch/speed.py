@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetcoll.comm import agree, wrap
+from hetcoll.comm import agree, wrap_or_raise
 
 #: Timings further than this many robust standard deviations from their median are outliers.
 OUTLIER_SIGMAS = 3.0
@@ -519,12 +519,7 @@ def gather_speeds(fit: SpeedFit, group: Any = None) -> list[SpeedFit]:
     failure = None
     if not isinstance(fit, SpeedFit):
         failure = TypeError(f"fit: must be a SpeedFit, got {type(fit).__name__}")
-    try:
-        c = wrap(group)
-    except (TypeError, ValueError):
-        if failure is not None:  # no group to tell: this rank's own error first
-            raise failure from None
-        raise
+    c = wrap_or_raise(group, failure)
     agree(c, {}, failure=failure)
     if c.engine == "mpi":
         return list(c.native.allgather(fit))
