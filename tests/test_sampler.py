@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import threading
 import warnings
 from collections import Counter
 
@@ -70,6 +72,16 @@ def test_epochs_reshuffle_and_last_step_is_proportional():
     assert [len(b[-1]) for b in b0] == [8, 2]
 
 
+def _workers_gone() -> None:
+    """A refused loader's worker processes shut down and its queues' feeder threads ended, so
+    that a later loader's fork does not meet them closing their pipes (a descriptor number
+    the fork has just reused: ``OSError: Bad file descriptor``, seen once in a full run)."""
+    gc.collect()
+    for t in threading.enumerate():
+        if t.name == "QueueFeederThread":
+            t.join(timeout=10)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_loader_batching_by_another_size_than_the_share_is_refused(workers):
     """DataLoader(sampler=..., batch_size=B), DistributedSampler's form, with one B on every
@@ -84,6 +96,7 @@ def test_a_loader_batching_by_another_size_than_the_share_is_refused(workers):
         bad = DataLoader(data, sampler=sampler, batch_size=4, num_workers=workers)
         with pytest.raises(ValueError, match=f"^batch_size: .* by 4, .* is {share};"):
             next(iter(bad))
+        _workers_gone()
         # Dropping a short last batch the sampler keeps: a rank whose piece of the epoch's
         # last step is its share would run it, another not, and wait (ranks hung at 1 : 3).
         dropping = DataLoader(data, sampler=sampler, batch_size=share, drop_last=True)
