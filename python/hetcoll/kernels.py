@@ -65,16 +65,20 @@ def check_dtype(view: np.ndarray, bf16: bool, argument: str) -> None:
         )
 
 
+def tracked_by_autograd(x: Any) -> bool:
+    """Whether writing ``x`` in place is what torch's in-place and ``out=`` ops refuse: in grad
+    mode, a tensor that requires grad (hetcoll's kernels are not differentiable)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.is_grad_enabled() and is_tensor(x) and x.requires_grad
+
+
 def check_writable(written: Sequence[tuple[Any, str]]) -> None:
     """Refuse to write what torch's in-place and ``out=`` ops refuse to write: in grad mode, a
     tensor that requires grad (a leaf, or a result autograd tracks; the kernels are not
     differentiable, so its gradient would be silently wrong). Each pair is ``(buffer, argument
     name)``. Inputs are only read, so they may require grad (the result then does not)."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.is_grad_enabled():
-        return
     for x, name in written:
-        if is_tensor(x) and x.requires_grad:
+        if tracked_by_autograd(x):
             raise RuntimeError(
                 f"{name}: requires grad; hetcoll's kernels write it in place and are not "
                 "differentiable (torch refuses the same for its out= and in-place ops; write "

@@ -49,7 +49,7 @@ import numbers
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 VERSION = 1
 SCHEDULES = ("GPipe", "1F1B")
@@ -88,8 +88,12 @@ def _int(value: object, where: str, *, minimum: int) -> int:
     return int(value)  # type: ignore[call-overload]
 
 
+def _is_list(value: object) -> TypeGuard[Sequence[Any]]:
+    return not isinstance(value, (str, bytes, Mapping)) and isinstance(value, Sequence)
+
+
 def _list(value: object, where: str) -> list[Any]:
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+    if not _is_list(value):
         raise ValueError(f"{where}: must be a list, got {type(value).__name__}")
     return list(value)
 
@@ -646,32 +650,27 @@ def _index(value: object, name: str, end: int | None = None) -> int:
     return i
 
 
-def _check_objects(replicas: object) -> None:
+def _check_objects(replicas: Sequence[Replica]) -> None:
     """``Plan(replicas=...)``'s replicas: a list of :class:`Replica` whose stages are lists of
     :class:`Stage` (what :meth:`Plan.to_dict` reads); ``ValueError`` naming ``replicas``
     otherwise (dicts are what :meth:`Plan.from_dict` reads)."""
-    if isinstance(replicas, (str, bytes, Mapping)) or not isinstance(replicas, Sequence):
-        raise ValueError(
-            f"replicas: must be a list of Replica, got {type(replicas).__name__} (build a plan "
-            "from its dict form with Plan.from_dict)"
-        )
+    _objects(replicas, Replica, "replicas")
     for i, r in enumerate(replicas):
-        if not isinstance(r, Replica):
+        _objects(r.stages, Stage, f"replicas[{i}].stages")
+
+
+def _objects(value: object, kind: type, where: str) -> None:
+    """``value`` a list of ``kind``; ``ValueError`` naming ``where`` (or its entry) otherwise."""
+    hint = " (build a plan from its dict form with Plan.from_dict)"
+    if not _is_list(value):
+        raise ValueError(
+            f"{where}: must be a list of {kind.__name__}, got {type(value).__name__}{hint}"
+        )
+    for i, x in enumerate(value):
+        if not isinstance(x, kind):
             raise ValueError(
-                f"replicas[{i}]: must be a Replica, got {type(r).__name__} (build a plan from "
-                "its dict form with Plan.from_dict)"
+                f"{where}[{i}]: must be a {kind.__name__}, got {type(x).__name__}{hint}"
             )
-        stages = r.stages
-        if isinstance(stages, (str, bytes, Mapping)) or not isinstance(stages, Sequence):
-            raise ValueError(
-                f"replicas[{i}].stages: must be a list of Stage, got {type(stages).__name__}"
-            )
-        for j, st in enumerate(stages):
-            if not isinstance(st, Stage):
-                raise ValueError(
-                    f"replicas[{i}].stages[{j}]: must be a Stage, got {type(st).__name__} "
-                    "(build a plan from its dict form with Plan.from_dict)"
-                )
 
 
 def experts_field(

@@ -31,7 +31,7 @@ from hetcoll.collectives.ring import _ring, _ring_blocking
 from hetcoll.collectives.shared import _shared
 from hetcoll.comm import NOT_GIVEN, Communicator, agree, group_argument, wrap
 from hetcoll.comm import deadline as deadline_of
-from hetcoll.kernels import is_tensor, numpy_view
+from hetcoll.kernels import is_tensor, numpy_view, tracked_by_autograd
 
 
 def allreduce(
@@ -178,15 +178,12 @@ def _local_arguments(
         isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1
     ):
         raise ValueError(f"segment_bytes: must be an integer >= 1 or None, got {segment_bytes!r}")
-    if is_tensor(buf) and buf.requires_grad:
-        import torch  # a tensor was given: torch is imported
-
-        if torch.is_grad_enabled():  # as kernels.check_writable, but told to the other ranks
-            raise ValueError(
-                "buf: requires grad; allreduce writes it in place and is not differentiable "
-                "(torch refuses the same for its in-place ops): reduce its .grad, or write "
-                "under torch.no_grad()"
-            )
+    if tracked_by_autograd(buf):  # kernels.check_writable's rule, as a ValueError told to all
+        raise ValueError(
+            "buf: requires grad; allreduce writes it in place and is not differentiable "
+            "(torch refuses the same for its in-place ops): reduce its .grad, or write "
+            "under torch.no_grad()"
+        )
     view, bf16 = numpy_view(buf, "buf")
     if not view.flags.c_contiguous:
         raise ValueError("buf: must be C-contiguous (allreduce works in place)")
