@@ -23,6 +23,7 @@ from hetcoll.comm import wrap
 from hetcoll.torch import (
     BalancedSampler,
     DistributedOptimizer,
+    broadcast_parameters,
     clip_grad_norm_,
     filter_parallel,
     parallelize,
@@ -125,6 +126,16 @@ def findings(native: Any, engine: str) -> dict[str, str]:
     out["clip_parameters"] = outcome(
         lambda: clip_grad_norm_(params, 1.0, group=native, timeout=TIMEOUT)
     )
+    # broadcast_parameters' root: no rank of the group (gloo's own error before), on one rank
+    # or on all; a good root copies its parameters.
+    lin = torch.nn.Linear(3, 2).double()
+    with torch.no_grad():
+        lin.weight.fill_(r + 1.0)
+    out["broadcast_root"] = outcome(lambda: broadcast_parameters(lin, native, root=7))
+    root: Any = "1" if r == 1 else 1
+    out["broadcast_root_local"] = outcome(lambda: broadcast_parameters(lin, native, root=root))
+    broadcast_parameters(lin, native, root=1)
+    out["broadcast_agree"] = "ok" if (lin.weight == 2.0).all() else f"wrong: {lin.weight}"
     # A split's or a plan's bad argument on one rank: told to the others in their agreement.
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     speeds = [1.0, 1.0, 1.0] if r == 1 else [1.0, 1.0]

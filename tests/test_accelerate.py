@@ -355,8 +355,13 @@ def test_balanced_shares_and_its_bad_input():
     ):
         with pytest.raises(ValueError, match=rf"^{argument}"):
             balanced_shares(8, 2, **kwargs)
-    with pytest.raises(ValueError, match=r"^batch_size"):
+    # Named as the caller knows them: balanced_shares' total, prepare_balanced's batch_size.
+    with pytest.raises(ValueError, match=r"^total: the global batch \(1\)"):
         balanced_shares(1, 2)
+    with pytest.raises(ValueError, match=r"^total: must be an integer"):
+        balanced_shares(0, 2)
+    with pytest.raises(ValueError, match=r"^ranks: must be an integer >= 1"):
+        balanced_shares(8, 0, speeds=[])
 
 
 def test_one_process_loader_steps_and_token_counts():
@@ -398,5 +403,9 @@ def test_one_process_loader_steps_and_token_counts():
     assert [len(g) for g in optimizer_steps(range(4), 2)] == [2, 2]
     with pytest.raises(ValueError, match=r"^accumulate"):
         list(optimizer_steps(data, 0))
+    with pytest.raises(TypeError, match=r"^batches: must be an iterable"):
+        optimizer_steps(None, 1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^batch_size: must be an integer"):
+        prepare_balanced(accelerator, rows, 0)
     with pytest.raises(TypeError, match=r"^sampler"):
         prepare_balanced(accelerator, rows, 4, sampler=None)

@@ -87,6 +87,12 @@ EXPECTED = {
         MISMATCH + "rank 1 raised TypeError: parameters: must be a tensor or tensors",
         "TypeError: parameters: must be a tensor or tensors",
     ),
+    "broadcast_root": ("ValueError: root: must be a rank of group, in [0, 2), got 7",) * 2,
+    "broadcast_root_local": (
+        MISMATCH + "rank 1 raised ValueError: root: must be a rank of group",
+        "ValueError: root: must be a rank of group, in [0, 2), got '1'",
+    ),
+    "broadcast_agree": ("ok", "ok"),
     "gather_after": ("ok", "ok"),
     "optimizer_order": (MISMATCH + "ranks disagree on the parameter shapes",) * 2,
     "optimizer_dtype": (MISMATCH + "ranks disagree on the parameter dtypes",) * 2,

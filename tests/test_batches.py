@@ -177,6 +177,16 @@ def test_bad_arguments_name_themselves():
         BatchCounter(nn.Linear(2, 2), batch_dim=-1)
 
 
+def test_item_weights_name_counts_of_another_form():
+    from hetcoll.torch import item_weights
+    from hetcoll.torch.batches import COUNTED
+
+    assert item_weights([[COUNTED, 3], [COUNTED, 1]]).tolist() == [0.75, 0.25]
+    for counts in (None, "ab", [[1, 2, 3]]):
+        with pytest.raises(TypeError, match=r"^counts: must be the \(ranks, 2\) integers"):
+            item_weights(counts)  # type: ignore[arg-type]
+
+
 def test_remove_stops_counting():
     model = nn.Linear(4, 2)
     counter = BatchCounter(model)

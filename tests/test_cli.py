@@ -61,6 +61,8 @@ PARSE_ERRORS = [
     (("split", str(2**64 - 1), "--speeds", "1,2"), "split", ("total", "at most")),
     (("split", "10", "--speeds", "1,2", "--multiple-of", "0"), "split", ("--multiple-of",)),
     (("split", "10", "--speeds", "1,x"), "split", ("--speeds", "numbers")),
+    # Finish times past float's range: JSON has no Infinity (it printed one).
+    (("split", "10", "--speeds", "5e-324,5e-324", "--json"), "split", ("speeds", "largest float")),
     ((*PLAN, "--batch", str(10**20)), "plan", ("--batch", "at most")),
     ((*PLAN, "--batch", "0"), "plan", ("--batch", ">= 1")),
     ((*PLAN, "--batch", "8", "--classes", "-1"), "plan", ("--classes", ">= 1")),

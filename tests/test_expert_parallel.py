@@ -334,6 +334,27 @@ def test_refined_placement_reaches_the_best_time_in_one_move():
     assert placement_time({"x": best}, {"x": loads}, speeds) == 9.0
 
 
+@pytest.mark.parametrize(
+    ("args", "error", "text"),
+    [
+        ((None, {}, [1.0]), TypeError, "^shares: must be a dict"),
+        (({"e": [1, 1]}, None, [1.0, 1.0]), TypeError, "^loads: must be a dict"),
+        (({"e": [1, 1]}, {"e": [1.0, 1.0]}, None), ValueError, "^speeds: must be numbers"),
+        (({"e": [1, 1]}, {"e": [1.0, 1.0]}, [1.0, -1.0]), ValueError, "^speeds: needs one finite"),
+        (
+            ({"e": [1, 1]}, {"f": [1.0, 1.0]}, [1.0, 1.0]),
+            ValueError,
+            "^loads: has no entry for 'e'",
+        ),
+        (({"e": [1, 1]}, {"e": [1.0, "x"]}, [1.0, 1.0]), ValueError, "^loads: 'e' must be numbers"),
+        (({"e": [1, 1]}, {"e": [1.0]}, [1.0, 1.0]), ValueError, "^loads: 'e' needs one entry"),
+    ],
+)
+def test_placement_time_names_bad_input(args, error, text):
+    with pytest.raises(error, match=text):
+        placement_time(*args)
+
+
 def test_experts_modules_are_found_in_hugging_face_models():
     """Every experts module of the Hugging Face families the tests train is placed by whole
     experts; a module holding experts in another layout is named with the reason."""

@@ -50,6 +50,15 @@ def test_bad_arguments_without_a_group():
         filter_parallel(model, [True], None)
     with pytest.raises(ValueError, match=r"layers: the model has no module named 'x'"):
         filter_parallel(model, [1.0], None, layers=["x"])
+    # A dict of shares names the layers itself: its errors name shares, not layers.
+    from hetcoll.torch.filters import filter_shares
+
+    with pytest.raises(ValueError, match=r"^shares: the model has no module named 'x'"):
+        filter_shares(model, size=1, shares={"x": [4]})
+    with pytest.raises(ValueError, match=r"^shares: '' is a Sequential"):
+        filter_shares(model, size=1, shares={"": [4]})
+    with pytest.raises(ValueError, match=r"^shares_or_speeds: the model has no module named 'x'"):
+        filter_shares(model, {"x": [4]}, 1)
     with pytest.raises(ValueError, match=r"multiple_of: must be an integer >= 1"):
         filter_parallel(model, [1.0], None, multiple_of=0)
     with pytest.raises(ValueError, match=r"mode: must be one of"):

@@ -258,6 +258,17 @@ def test_bad_cluster_files_name_file_and_field(
     assert str(path) in str(e.value) and field in str(e.value)
 
 
+def test_cluster_and_shape_arguments_of_another_type_are_named() -> None:
+    with pytest.raises(TypeError, match=r"^path: must be a str or os.PathLike, got NoneType"):
+        load_cluster(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^<dict>: must be a mapping"):
+        cluster_from_dict(None)  # type: ignore[arg-type]
+    from hetcoll.model.costs.records import parse_shape
+
+    with pytest.raises(TypeError, match=r"^input: must be a str"):
+        parse_shape(None)  # type: ignore[arg-type]
+
+
 def test_bad_cluster_files_syntax_missing_and_network(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text(_GOOD)

@@ -76,8 +76,22 @@ def balanced_shares(
     :class:`~hetcoll.torch.SpeedFit` (``gather_speeds(measure_speed(...))``), with their fixed
     costs and memory capacities (:func:`hetcoll.split`); none of them: equal shares. Every rank
     gets at least one sample. Bad input raises ``ValueError`` naming the argument."""
+    return _balanced_shares(total, ranks, shares, speeds, fits, "total")
+
+
+def _balanced_shares(
+    total: int,
+    ranks: int,
+    shares: Sequence[int] | None,
+    speeds: Sequence[float] | None,
+    fits: Sequence[SpeedFit] | None,
+    argument: str,
+) -> list[int]:
+    """:func:`balanced_shares`, naming ``total`` as its caller's ``argument``."""
     if isinstance(total, bool) or not isinstance(total, int) or total < 1:
-        raise ValueError(f"batch_size: must be an integer >= 1 (the global batch), got {total!r}")
+        raise ValueError(f"{argument}: must be an integer >= 1 (the global batch), got {total!r}")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks: must be an integer >= 1, got {ranks!r}")
     given = [
         n for n, v in (("shares", shares), ("speeds", speeds), ("fits", fits)) if v is not None
     ]
@@ -92,7 +106,7 @@ def balanced_shares(
         return out
     if total < ranks:
         raise ValueError(
-            f"batch_size: the global batch ({total}) is smaller than the number of ranks ({ranks})"
+            f"{argument}: the global batch ({total}) is smaller than the number of ranks ({ranks})"
         )
     if speeds is not None:
         relative = positive_numbers(speeds, "speeds", float)
@@ -265,7 +279,7 @@ def prepare_balanced(
         if name in loader_kwargs:
             raise TypeError(f"{name}: prepare_balanced makes the loader's sampler itself")
     ranks, rank = processes(accelerator)
-    chosen = balanced_shares(batch_size, ranks, shares=shares, speeds=speeds, fits=fits)
+    chosen = _balanced_shares(batch_size, ranks, shares, speeds, fits, "batch_size")
     sampler = BalancedSampler(
         dataset, chosen, rank, shuffle=shuffle, seed=seed, drop_last=drop_last
     )

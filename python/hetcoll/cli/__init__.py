@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -38,6 +39,12 @@ def _cmd_split(args: argparse.Namespace) -> int:
     p = len(args.speeds)
     even = [args.total // p + (1 if r < args.total % p else 0) for r in range(p)]
     even_finish = hetcoll.finish_times(even, args.speeds, latency=args.latency)
+    if not all(math.isfinite(t) for t in (*finish, *even_finish)):
+        # Units over a subnormal speed: seconds past float's range (and JSON has no Infinity).
+        raise ValueError(
+            "speeds: a finish time exceeds 1.8e308 s (the largest float); give speeds in "
+            "larger units (per millisecond, per batch)"
+        )
     if args.json:
         json.dump(
             {
@@ -56,9 +63,14 @@ def _cmd_split(args: argparse.Namespace) -> int:
         print(f"{r:>4} {s:>12.6g} {b:>10} {t:>12.6g}")
     print(
         f"makespan {max(finish):.6g} s; an even split would take {max(even_finish):.6g} s "
-        f"({max(even_finish) / max(finish):.2f}x longer)"
+        f"({_ratio(max(even_finish) / max(finish))} longer)"
     )
     return 0
+
+
+def _ratio(x: float) -> str:
+    """``1.50x``; ``5e+300x`` where fixed point would print hundreds of digits."""
+    return f"{x:.2f}x" if x < 1e6 else f"{x:.3g}x"
 
 
 def _add_split(sub: argparse._SubParsersAction) -> None:

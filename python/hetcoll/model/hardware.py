@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -518,6 +519,10 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
     ...     "memory_bytes": 8e9}}, "nodes": [{"name": "n", "device": "c", "count": 1}]}).num_devices
     1
     """
+    if not isinstance(doc, Mapping):
+        raise TypeError(
+            f"{source}: must be a mapping (a parsed TOML document), got {type(doc).__name__}"
+        )
     _unknown(doc, {"devices", "links", "nodes", "network"}, source)
     devices: dict[str, Device] = {}
     links: dict[str, Link] = {}
@@ -643,6 +648,8 @@ def load_cluster(path: str | Path) -> Cluster:
     >>> load_cluster("examples/clusters/a100_v100_cpu.toml").num_devices  # doctest: +SKIP
     18
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: must be a str or os.PathLike, got {type(path).__name__}")
     p = Path(path)
     data = read_small_file(
         p,

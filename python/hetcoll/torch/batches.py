@@ -445,7 +445,12 @@ def added_counts(
 def _checked(counts: Any, argument: str, failure: BaseException | None) -> np.ndarray:
     """``counts`` as ``(ranks, 2)`` int64, raising (the same on every rank) for the first rank
     whose count has a problem."""
-    counts = np.asarray(counts, np.int64).reshape(-1, 2)
+    try:
+        counts = np.asarray(counts, np.int64).reshape(-1, 2)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"counts: must be the (ranks, 2) integers of every rank's LocalCount, got {counts!r}"
+        ) from None
     for rank, (status, value) in enumerate(counts.tolist()):
         if status != COUNTED:
             raise _problem(argument, rank, status, value) from failure

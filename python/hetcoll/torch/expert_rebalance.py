@@ -74,6 +74,24 @@ class ExpertRebalanceEvent:
     seconds: float = 0.0
 
 
+def _speed_list(speeds: object, size: int | None = None) -> list[float]:
+    """``speeds`` as floats, each finite and >= 0, one per rank (``size`` of them where given);
+    ``ValueError`` naming ``speeds`` otherwise."""
+    try:
+        values = [float(s) for s in speeds]  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        raise ValueError(f"speeds: must be numbers, one per rank, got {speeds!r}") from None
+    per_rank = "per rank" if size is None else f"per rank ({size})"
+    if (
+        not values
+        or (size is not None and len(values) != size)
+        or not all(np.isfinite(values))
+        or min(values) < 0
+    ):
+        raise ValueError(f"speeds: needs one finite number >= 0 {per_rank}, got {values}")
+    return values
+
+
 def placement_time(
     shares: Mapping[str, Held],
     loads: Mapping[str, Sequence[float]],
@@ -84,9 +102,20 @@ def placement_time(
     speed`` of any rank, summed; ``loads``: each expert's tokens, by the same names. The
     objective :func:`expert_assignment` minimises per layer (a rank of speed 0 holding tokens
     takes forever)."""
+    for value, argument in ((shares, "shares"), (loads, "loads")):
+        if not isinstance(value, Mapping):
+            raise TypeError(
+                f"{argument}: must be a dict by experts module name, got {type(value).__name__}"
+            )
+    speeds = _speed_list(speeds)
     total = 0.0
     for name, held in shares.items():
-        load = [float(x) for x in loads[name]]
+        if name not in loads:
+            raise ValueError(f"loads: has no entry for {name!r}, which shares names")
+        try:
+            load = [float(x) for x in loads[name]]
+        except (TypeError, ValueError):
+            raise ValueError(f"loads: {name!r} must be numbers, one per expert") from None
         placed = expert_indices(held, len(speeds), f"shares[{name!r}]", of="speed")
         experts = sum(map(len, placed))
         if len(load) != experts:
@@ -208,7 +237,7 @@ class ExpertRebalancer:
         if not (isinstance(smoothing, (int, float)) and 0.0 < smoothing <= 1.0):
             raise ValueError(f"smoothing: must be in (0, 1], got {smoothing!r}")
         if not callable(speeds):
-            speeds = self._checked_speeds(speeds)
+            speeds = _speed_list(speeds, self.size)
         if capacity is not None and (
             isinstance(capacity, (str, bytes))
             or len(capacity) != self.size
@@ -227,17 +256,6 @@ class ExpertRebalancer:
         self.history: list[ExpertRebalanceEvent] = []
         self._step = 0
 
-    def _checked_speeds(self, speeds: object) -> list[float]:
-        try:
-            values = [float(s) for s in speeds]  # type: ignore[attr-defined]
-        except (TypeError, ValueError):
-            raise ValueError(f"speeds: must be numbers, one per rank, got {speeds!r}") from None
-        if len(values) != self.size or not all(np.isfinite(values)) or min(values) < 0:
-            raise ValueError(
-                f"speeds: needs one finite number >= 0 per rank ({self.size}), got {values}"
-            )
-        return values
-
     def step(self) -> bool:
         """Count one step; every ``every`` steps take the loads and decide (collective: every
         rank of the experts' group calls it as often). True when the experts moved."""
@@ -255,7 +273,7 @@ class ExpertRebalancer:
         given = self._speeds() if callable(self._speeds) else self._speeds
         if given is None:
             return False  # the speeds are not known yet: the loads are kept
-        speeds = self._checked_speeds(given)
+        speeds = _speed_list(given, self.size)
         old = self._placed_now()
         new = experts_placement(
             [(name, sum(map(len, held))) for name, held in old.items()],

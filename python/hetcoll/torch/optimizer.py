@@ -41,6 +41,7 @@ from hetcoll.torch.batches import (
     not_counted,
 )
 from hetcoll.torch.expert_parallel import is_rank_local
+from hetcoll.torch.filters.checks import is_int
 from hetcoll.torch.filters.layers import split_modules
 
 _SUPPORTED = (torch.float32, torch.float64)
@@ -478,9 +479,14 @@ def broadcast_parameters(
     group = group_argument(group, "broadcast_parameters", comm=comm)
     c = wrap(group)
     tensors = [*module.parameters(), *module.buffers()]
+    failure = None
+    if not is_int(root) or not 0 <= root < c.size:
+        failure = ValueError(f"root: must be a rank of group, in [0, {c.size}), got {root!r}")
     # Ranks whose models differ would broadcast into tensors of other sizes (MPI: "Message
-    # truncated" on some ranks, none on others): they raise on every rank instead.
-    agree(c, {**_layout(tensors, "module tensor"), "root": int(root)})
+    # truncated" on some ranks, none on others), and a rank whose root is no rank would raise
+    # alone: they raise on every rank instead.
+    fields = {**_layout(tensors, "module tensor"), "root": -1 if failure else int(root)}
+    agree(c, fields, failure=failure)
     if c.engine != "mpi":
         import torch.distributed as dist
 

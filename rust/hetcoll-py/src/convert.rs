@@ -35,7 +35,8 @@ pub fn floats(obj: &Bound<'_, PyAny>, argument: &str) -> PyResult<Vec<f64>> {
         .iter()
         .enumerate()
         .map(|(i, x)| {
-            if x.is_instance_of::<PyString>() {
+            // A bool is an int to Python, but `True` for a weight or a speed is a mistake.
+            if x.is_instance_of::<PyString>() || is_bool(x) {
                 return Err(invalid(
                     &format!("{argument}[{i}]"),
                     format!("must be a number, got {}", describe(x)),
@@ -49,6 +50,14 @@ pub fn floats(obj: &Bound<'_, PyAny>, argument: &str) -> PyResult<Vec<f64>> {
             })
         })
         .collect()
+}
+
+/// Python's `bool` or numpy's (`numpy.bool` / `numpy.bool_`), which converts to a float.
+fn is_bool(x: &Bound<'_, PyAny>) -> bool {
+    x.is_instance_of::<PyBool>()
+        || x.get_type()
+            .fully_qualified_name()
+            .is_ok_and(|n| n.to_string().starts_with("numpy.bool"))
 }
 
 /// A sequence of non-negative integers.

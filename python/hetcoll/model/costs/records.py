@@ -567,6 +567,8 @@ def parse_shape(text: str) -> tuple[int, ...]:
     >>> parse_shape("3x32x32")
     (3, 32, 32)
     """
+    if not isinstance(text, str):
+        raise TypeError(f"input: must be a str of sizes like 3x32x32, got {type(text).__name__}")
     try:
         shape = tuple(int(x) for x in text.lower().split("x"))
     except ValueError:

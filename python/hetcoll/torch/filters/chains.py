@@ -876,13 +876,15 @@ def choose_layers(
     warn: bool = True,
     vocabulary: bool = False,
     per_channel: Collection[str] = (),
+    argument: str = "layers",
 ) -> list[str]:
     """The names of the layers to split, in the model's order: ``layers`` checked against
     ``named`` (``model.named_modules()``), or by default every Linear and groups=1 Conv2d whose
     parameters no other module holds; with ``vocabulary``, also a head tied to its token
     embedding (:func:`vocabulary_ties`: both split by vocabulary); with ``warn``, a
     ``UserWarning`` names the layers with parameters that stay replicated (but the
-    ``per_channel`` ones, split with the layer they follow: depthwise convolutions)."""
+    ``per_channel`` ones, split with the layer they follow: depthwise convolutions). Errors name
+    ``argument``, where the names came from (``layers``, or the keys of a dict of shares)."""
     tied = _tied(model)
     ties = vocabulary_ties(model) if vocabulary else {}
     for head, emb in ties.items():
@@ -921,13 +923,15 @@ def choose_layers(
             )
         return chosen
     if isinstance(layers, str) or not isinstance(layers, Sequence):
-        raise TypeError(f"layers: must be a sequence of module names, got {type(layers).__name__}")
+        raise TypeError(
+            f"{argument}: must be a sequence of module names, got {type(layers).__name__}"
+        )
     for name in layers:
         if name not in named:
-            raise ValueError(f"layers: the model has no module named {name!r}")
+            raise ValueError(f"{argument}: the model has no module named {name!r}")
         if not isinstance(named[name], (nn.Conv2d, nn.Linear)) and not is_conv1d(named[name]):
             raise ValueError(
-                f"layers: {name!r} is a {type(named[name]).__name__}; only Conv2d, Linear and "
+                f"{argument}: {name!r} is a {type(named[name]).__name__}; only Conv2d, Linear and "
                 "Hugging Face Conv1D layers can be split"
             )
         layer = named[name]
@@ -937,17 +941,17 @@ def choose_layers(
         if changed is not None:
             kind = "Conv2d" if isinstance(layer, nn.Conv2d) else "Linear"
             raise ValueError(
-                f"layers: {name!r} cannot be split: it has {changed}, and a split layer computes "
-                f"a plain {kind} on its slice of the weights (leave it out of layers: it then "
-                "stays replicated)"
+                f"{argument}: {name!r} cannot be split: it has {changed}, and a split layer "
+                f"computes a plain {kind} on its slice of the weights (leave it out of layers: "
+                "it then stays replicated)"
             )
         if name in tied:
             raise ValueError(
-                f"layers: {name!r} cannot be split: {tied[name]}, and a split layer holds only "
+                f"{argument}: {name!r} cannot be split: {tied[name]}, and a split layer holds only "
                 "its slice, which would untie them (leave it out of layers: it then stays "
                 "replicated)"
             )
     if len(set(layers)) != len(layers):
-        raise ValueError("layers: names a module more than once")
+        raise ValueError(f"{argument}: names a module more than once")
     order = list(named)
     return sorted(layers, key=order.index)

@@ -218,10 +218,12 @@ def _shares(
     named = dict(model.named_modules())
     per_layer: Mapping[str, Any] | None = None
     mha: bool | set[str] = layers is None
+    named_by = "layers"
     if isinstance(shares_or_speeds, Mapping):
         per_layer = shares_or_speeds
         if layers is None:
             layers = list(per_layer)
+            named_by = argument
         missing = [k for k in per_layer if k not in layers]
         if missing:
             raise ValueError(f"{argument}: names layers not in layers: {missing}")
@@ -241,11 +243,13 @@ def _shares(
     if layers is not None and not isinstance(layers, str) and isinstance(layers, Sequence):
         experts = [n for n in layers if n in named and experts_layout(named[n]) is not None]
         layers = [n for n in layers if n not in experts]
-    chosen = choose_layers(model, layers, named, warn=False, vocabulary=vocabulary)
+    chosen = choose_layers(
+        model, layers, named, warn=False, vocabulary=vocabulary, argument=named_by
+    )
     for name in chosen:
         m = named[name]
         if isinstance(m, nn.Conv2d):
-            check_conv(m, f"layers: {name!r}")
+            check_conv(m, f"{named_by}: {name!r}")
     untraced: list[str] = []
     layout = split_layout(
         model, chosen, avoid_gathers=avoid_gathers, mha=mha, untraced=untraced, experts=experts
@@ -256,7 +260,8 @@ def _shares(
 
     # Chosen by default, a layer no split can follow stays whole (named in a warning); named
     # in ``layers``, it raises.
-    whole = _left_whole(layout, named, chosen, layers is not None, per_layer is None, need)
+    named_in = named_by if layers is not None else None
+    whole = _left_whole(layout, named, chosen, named_in, per_layer is None, need)
     if whole:
         chosen = [n for n in chosen if n not in whole]
         if any(n not in layout.read_directly for n in whole):  # the layout changes with them
@@ -446,14 +451,15 @@ def _left_whole(
     layout: SplitLayout,
     named: dict[str, nn.Module],
     chosen: list[str],
-    named_in_layers: bool,
+    named_in: str | None,
     by_speeds_or_list: bool,
     size_of: Callable[[], int],
 ) -> list[str]:
     """The chosen layers no split can follow, warned about: those whose parameters a traced
     forward reads itself (:attr:`SplitLayout.read_directly`), and, chosen by default with
     speeds or one list of shares, those of fewer output channels than the ranks need (a gate
-    or a router of one output, a regression head). Layers named in ``layers`` raise instead."""
+    or a router of one output, a regression head). Layers named in an argument (``named_in``:
+    ``layers``, or the dict of shares) raise instead, naming it."""
     whole: list[str] = []
     kept: list[str] = []
     if layout.read_directly:
@@ -462,11 +468,11 @@ def _left_whole(
             "a traced forward reads their parameters itself (functional code, such as "
             "F.linear(x, layer.weight)), which a split would hand a slice"
         )
-        if named_in_layers:
-            raise ValueError(f"layers: {direct}: {why}; leave them out")
+        if named_in is not None:
+            raise ValueError(f"{named_in}: {direct}: {why}; leave them out")
         whole += layout.read_directly
         kept.append(f"{direct} ({why})")
-    if not named_in_layers and by_speeds_or_list and chosen:
+    if named_in is None and by_speeds_or_list and chosen:
         need = size_of()
         in_splits = {n for ts in layout.splits for n in ts.layers()}
         for n in chosen:

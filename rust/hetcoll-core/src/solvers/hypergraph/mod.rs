@@ -142,7 +142,7 @@ impl Hypergraph {
                 if v as usize >= num_vertices {
                     return Err(CoreError::invalid(
                         format!("nets[{e}]"),
-                        format!("vertex id {v} out of range 0..{num_vertices}"),
+                        format!("vertex id {v} out of range 0..{num_vertices} (num_vertices is {num_vertices})"),
                     ));
                 }
                 if seen[v as usize] == e as u32 {
@@ -852,7 +852,10 @@ pub fn km1(
             let b = *parts.get(v as usize).ok_or_else(|| {
                 CoreError::invalid(
                     format!("nets[{e}]"),
-                    format!("vertex id {v} out of range 0..{}", parts.len()),
+                    format!(
+                        "vertex id {v} out of range 0..{n}: parts has {n} entries, one per vertex",
+                        n = parts.len()
+                    ),
                 )
             })?;
             blocks.push(b);
