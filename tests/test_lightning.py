@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 lightning = pytest.importorskip("lightning")
 from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
+from lightning.pytorch.loggers.logger import Logger  # noqa: E402
 
 from hetcoll.lightning import BalancedStrategy  # noqa: E402
 from hetcoll.torch import BalancedSampler  # noqa: E402
@@ -245,6 +246,75 @@ def test_measured_and_rebalanced_shares_stay_exact(tmp_path, accumulate):
     shares = [trainer.callback_metrics[f"share/{r}"] for r in range(2)]
     assert sum(shares) == BATCH and min(shares) >= 1
     assert all(trainer.callback_metrics[f"speed/{r}"] > 0 for r in range(2))
+
+
+#: The fake clock of the rebalancing steps below, and each rank's speed in samples/s on it,
+#: changing every two batches.
+CLOCK = [0.0]
+SPEEDS = [[100.0, 50.0, 25.0], [25.0, 100.0, 50.0], [50.0, 25.0, 100.0]]
+
+
+class TimedRegression(Regression):
+    """Regression whose batches take the fake clock's time at SPEEDS."""
+
+    def training_step(self, batch, batch_idx):
+        CLOCK[0] += 0.001 + len(batch[0]) / SPEEDS[(batch_idx // 2) % 3][self.global_rank]
+        return super().training_step(batch, batch_idx)
+
+
+class SharesLogged(Logger):
+    """Writes the ``share/r`` logged at each step into ``out/logged{rank}.json``."""
+
+    name, version = "shares", 0
+
+    def __init__(self, out: Path, ranks: int) -> None:
+        super().__init__()
+        self.out, self.ranks, self.rows = out, ranks, []
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if "share/0" in metrics:
+            self.rows.append([int(metrics[f"share/{r}"]) for r in range(self.ranks)])
+            rank = torch.distributed.get_rank()
+            (self.out / f"logged{rank}.json").write_text(json.dumps(self.rows))
+
+
+def test_logged_shares_are_those_each_step_ran_at(tmp_path, monkeypatch):
+    """rebalance_every=1 decides new shares in each batch's backward, for the next step: the
+    share/r logged at a step are the ones it ran at (they were the next step's: 7 of 8 rows
+    wrong over two epochs), and training stays one process's. Only the clock is faked, so
+    that the speeds change deterministically."""
+    import types
+
+    import hetcoll.lightning.strategy as strategy_module
+    import hetcoll.torch.hooks as hooks_module
+
+    fake = types.SimpleNamespace(perf_counter=lambda: CLOCK[0])
+    monkeypatch.setattr(strategy_module, "time", fake)
+    monkeypatch.setattr(hooks_module, "time", fake)
+    trainer = Trainer(
+        strategy=BalancedStrategy(rebalance_every=1, start_method=START),
+        accelerator="cpu",
+        devices=3,
+        logger=SharesLogged(tmp_path, 3),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        max_epochs=2,
+    )
+    trainer.fit(TimedRegression(True, tmp_path))
+    assert_exact(trainer, 2, shuffle=True)
+    ran = [list(step) for step in zip(*batch_sizes(tmp_path, 3), strict=True)]
+    for r in range(3):
+        logged = json.loads((tmp_path / f"logged{r}.json").read_text())
+        assert len(logged) == len(ran) == 8
+        for shares, sizes in zip(logged, ran, strict=True):
+            # A full step ran at its shares; an epoch's last (5 rows) was cut from them.
+            assert shares == sizes if sum(sizes) == BATCH else sum(shares) == BATCH
+    assert len({tuple(s) for s in ran if sum(s) == BATCH}) >= 3  # the shares did change
 
 
 def test_bad_arguments_name_the_argument():

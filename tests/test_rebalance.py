@@ -7,12 +7,16 @@ rank more than it can hold, and keeps the shares still under noise once balanced
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hetcoll
+from hetcoll.launch import spawn
 from hetcoll.torch import BalancedSampler, Rebalancer, SpeedFit
 from hetcoll.torch.rebalance import window_summary
 
@@ -171,6 +175,56 @@ def test_bad_arguments_are_named():
         reb.observe(8, float("nan"))
     with pytest.raises(ValueError, match="rows"):
         reb.update(np.zeros((3, 8)))
+
+
+def observe_bad_seconds(rank, world, bad, at):
+    """2 ranks of 100 samples/s at shares 8 : 8, deciding every 2 steps; rank 1 observes
+    ``bad`` seconds from step ``at``. Returns the shares, speeds and Rebalancer warnings, or the
+    error raised."""
+    torch.set_num_threads(1)
+    sampler = BalancedSampler(range(10_000), [8, 8], rank)
+    reb = Rebalancer(sampler, every=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for k in range(20):
+                b = sampler.shares[rank]
+                reb.observe(b, bad if rank == 1 and k >= at else 0.001 + b / 100.0)
+        except ValueError as e:
+            return f"{type(e).__name__}: {e}"
+    told = [str(w.message) for w in caught if "Rebalancer" in str(w.message)]
+    return sampler.shares, reb.speeds, told
+
+
+@pytest.mark.multiproc
+def test_steps_timed_at_zero_seconds_are_left_out_with_a_warning():
+    """0 seconds for a step's samples is no measurement: it made the rank 1e12 samples/s fast
+    and cut the other to the minimum share (1 : 15), or, from the first step, kept the models
+    from starting; silently. Now such steps are left out, and the rank says so once."""
+    zero = "Rebalancer.observe: 0 seconds for 8 samples; such steps are left out"
+    (shares0, speeds0, told0), (shares1, speeds1, told1) = spawn(
+        observe_bad_seconds, 2, 0.0, 6, timeout=120
+    )
+    assert shares0 == shares1 == [8, 8]
+    assert speeds0 == speeds1 and max(speeds0) < 200  # 100 samples/s each, as timed
+    assert told0 == [] and len(told1) == 1 and told1[0].startswith(zero)
+    (shares0, speeds0, told0), (shares1, speeds1, told1) = spawn(
+        observe_bad_seconds, 2, 0.0, 0, timeout=120
+    )
+    assert shares0 == shares1 == [8, 8] and speeds0 is speeds1 is None  # no start: warned
+    assert len(told1) == 1 and told1[0].startswith(zero)
+
+
+@pytest.mark.multiproc
+def test_bad_seconds_on_one_rank_raise_on_every_rank_at_the_exchange():
+    """NaN seconds on rank 1 at a deciding step: rank 1 raises its ValueError and rank 0,
+    told in the exchange, the mismatch (it failed on gloo's closed connection before)."""
+    got = spawn(observe_bad_seconds, 2, float("nan"), 5, timeout=120)
+    assert got == [
+        "CollectiveMismatchError: Rebalancer.observe: rank 1 was given bad samples or seconds "
+        "(it raised ValueError naming them)",
+        "ValueError: seconds: must be a finite number >= 0, got nan",
+    ]
 
 
 def test_deprecated_comm_still_works():

@@ -511,9 +511,9 @@ def test_a_plan_resumes_its_data_position_on_another_number_of_ranks():
 # -- new shares with loaders that fetch ahead by different numbers of steps ----------------------
 
 
-def steps_with_uneven_prefetch(rank, world):
-    """Rank 0's loader has 2 workers fetching 3 steps each, rank 1's none: after step 2 both set
-    new shares. Returns this rank's indices per step."""
+def steps_with_uneven_prefetch(rank, world, changes=((1, [2, 6]),)):
+    """Rank 0's loader has 2 workers fetching 3 steps each, rank 1's none: after each step
+    ``k`` of ``changes`` both set its new shares. Returns this rank's indices per step."""
     data = TensorDataset(torch.arange(2 * N))
     sampler = BalancedSampler(data, [5, 3], rank, seed=SEED)
     kw = {"num_workers": 2, "prefetch_factor": 3, "multiprocessing_context": "fork"}
@@ -521,8 +521,9 @@ def steps_with_uneven_prefetch(rank, world):
     steps = []
     for k, (idx,) in enumerate(loader):
         steps.append(idx.tolist())
-        if k == 1:
-            sampler.set_shares([2, 6])
+        for at, shares in changes:
+            if k == at:
+                sampler.set_shares(shares)
     return steps
 
 
@@ -536,3 +537,17 @@ def test_new_shares_apply_at_one_step_whatever_each_loader_fetched_ahead():
     assert [a + b for a, b in zip(rank0, rank1, strict=True)] == list(order)
     assert [len(s) for s in rank0] == [5] * 8 + [2] * 5 + [1]
     assert [len(s) for s in rank1] == [3] * 8 + [6] * 5 + [1]
+
+
+@pytest.mark.multiproc
+def test_shares_changed_twice_inside_a_loaders_prefetch_apply_in_order():
+    """Set after steps 2 and 4, both changes inside what rank 0's workers had cut ahead: [2, 6]
+    applies from step 9 and [6, 2] from step 11 on both ranks. (The sampler kept one pending
+    switch: the second overwrote the first, and rank 1 cut steps 3 to 10 at [2, 6] where rank 0
+    had cut them at [5, 3], training 9 samples twice and leaving others out, silently.)"""
+    changes = ((1, [2, 6]), (3, [6, 2]))
+    rank0, rank1 = spawn(steps_with_uneven_prefetch, 2, changes, timeout=120)
+    order = BalancedSampler(range(2 * N), [BATCH], 0, seed=SEED, verify=False).batch_sampler()
+    assert [a + b for a, b in zip(rank0, rank1, strict=True)] == list(order)
+    assert [len(s) for s in rank0] == [5] * 8 + [2] * 2 + [6] * 3 + [1]
+    assert [len(s) for s in rank1] == [3] * 8 + [6] * 2 + [2] * 3 + [1]

@@ -140,7 +140,8 @@ class _ShareLog(Callback):
         s = self.strategy
         if s.sampler is None:
             return
-        metrics = {f"share/{r}": float(v) for r, v in enumerate(s.sampler.shares)}
+        # The shares this batch ran at: a rebalance in its backward set the next step's.
+        metrics = {f"share/{r}": float(v) for r, v in enumerate(s.sampler.taken_shares)}
         speeds = s.speeds
         pl_module.log_dict(metrics, prog_bar=True, on_step=True, on_epoch=False)
         if speeds is not None:

@@ -29,6 +29,8 @@ decision, because it decides on the same gathered data.
 from __future__ import annotations
 
 import math
+import numbers
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +39,7 @@ import numpy as np
 
 import hetcoll
 from hetcoll.comm import NOT_GIVEN, Communicator, group_argument, wrap
+from hetcoll.errors import CollectiveMismatchError
 from hetcoll.torch.sampler import BalancedSampler
 from hetcoll.torch.speed import SpeedFit, robust_quantile
 
@@ -254,6 +257,7 @@ class Rebalancer:
         self.history: list[RebalanceEvent] = []
         self._step = 0
         self._window: list[tuple[int, float]] = []
+        self._zero_told = False  # warned once of a step timed at 0 seconds
         shares = list(sampler.shares)
         if any(not self._fits_in(i, b) for i, b in enumerate(shares)):
             # The shares the sampler came with are infeasible: keep their proportions, feasibly.
@@ -292,20 +296,56 @@ class Rebalancer:
         rank calls it once for every step, as many times: a rank that skips a step decides
         at another step than the others, whose exchange then waits for it (or meets another
         collective of theirs)."""
+        failure = None
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
-            raise ValueError(f"samples: must be an integer >= 0, got {samples!r}")
-        if not (math.isfinite(seconds) and seconds >= 0.0):
-            raise ValueError(f"seconds: must be a finite number >= 0, got {seconds!r}")
+            failure = ValueError(f"samples: must be an integer >= 0, got {samples!r}")
+        elif (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, numbers.Real)
+            or not (math.isfinite(seconds) and seconds >= 0.0)
+        ):
+            failure = ValueError(f"seconds: must be a finite number >= 0, got {seconds!r}")
+        if failure is not None:
+            if (self._step + 1) % self.every == 0:
+                # The others exchange their windows now: told, they raise at once instead of
+                # waiting for this rank.
+                self._exchange(np.full(_FIELDS, np.nan))
+            raise failure
         self._step += 1
-        self._window.append((samples, float(seconds)))
+        if samples > 0 and seconds == 0.0:
+            # No measurement (a clock too coarse for the step, or a timer read twice): as a
+            # time it would make this rank infinitely fast, or, from the first window, keep
+            # the models from ever starting.
+            if not self._zero_told:
+                self._zero_told = True
+                warnings.warn(
+                    f"Rebalancer.observe: 0 seconds for {samples} samples; such steps are left "
+                    "out of the speed estimate (time the step's compute with "
+                    "time.perf_counter())",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        else:
+            self._window.append((samples, float(seconds)))
         if self._step % self.every:
             return False
         mine = window_summary(self._window)
         self._window = []
+        rows = self._exchange(mine)
+        failed = [r for r in range(len(rows)) if np.isnan(rows[r]).all()]
+        if failed:
+            raise CollectiveMismatchError(
+                f"Rebalancer.observe: rank {failed[0]} was given bad samples or seconds "
+                "(it raised ValueError naming them)"
+            )
+        return self.update(rows)
+
+    def _exchange(self, mine: np.ndarray) -> np.ndarray:
+        """Every rank's window summary (one row per rank, in rank order)."""
         if self._comm is None:
             self._comm = wrap(self.group)
         rows = self._comm.allgather_fixed(mine.view(np.uint8), None)
-        return self.update(rows.view(np.float64).reshape(-1, _FIELDS))
+        return rows.view(np.float64).reshape(-1, _FIELDS)
 
     def update(self, rows: np.ndarray) -> bool:
         """Take in every rank's :func:`window_summary` (one row per rank, in rank order), update

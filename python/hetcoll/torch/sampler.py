@@ -179,6 +179,8 @@ class _Progress:
     def __init__(self, start: int) -> None:
         #: ``ends[j]``: the global position after this iteration's first ``j`` steps.
         self.ends = [start]
+        #: ``shares[j]``: the shares step ``j`` of this iteration was cut with.
+        self.shares: list[list[int]] = []
         #: Batches the DataLoader iterator pulling the steps has returned (None: no loader,
         #: every yielded step is taken).
         self.taken: int | None = None
@@ -364,7 +366,9 @@ class BalancedSampler(Sampler[int]):
         self._padding_told = False  # warned once that a last step is padded
         #: Shares still to cut steps with in an iteration, up to a global position, after
         #: :meth:`set_shares` (for ranks whose loaders fetched less far ahead).
-        self._earlier: tuple[_Progress, int, list[int]] | None = None
+        # The switches set_shares made ahead of this rank's loader in the current iteration:
+        # (global position it switched at, the shares before it), in order.
+        self._earlier: tuple[_Progress, list[tuple[int, list[int]]]] | None = None
         if self._checks():
             also = {
                 "seed": self.seed % (1 << 63),
@@ -451,6 +455,7 @@ class BalancedSampler(Sampler[int]):
             pos += sum(sizes)
             self.position = min(pos, n)  # a padded last step ends the epoch
             progress.ends.append(self.position)
+            progress.shares.append(list(shares))
             yield idx
 
     def __iter__(self) -> Iterator[int]:
@@ -488,6 +493,18 @@ class BalancedSampler(Sampler[int]):
         """Global steps in one whole epoch (the same on every rank; ``len(batch_sampler())``
         counts those of the next iteration, fewer after :meth:`load_state_dict` mid-epoch)."""
         return len(self._plan_sizes(0))
+
+    @property
+    def taken_shares(self) -> list[int]:
+        """The shares the step the training loop took last (the one its loader handed out last)
+        was cut with, for logging: :attr:`shares` may be newer, :meth:`set_shares` applying
+        from a later step. (An epoch's last, smaller step is cut from them into fewer samples.)
+        Before any step of the epoch is taken, :attr:`shares`."""
+        progress = self._progress
+        taken = 0 if progress is None else progress.steps_taken()
+        if progress is None or taken == 0:
+            return list(self.shares)
+        return list(progress.shares[taken - 1])
 
     @property
     def batch_size(self) -> int:
@@ -530,15 +547,22 @@ class BalancedSampler(Sampler[int]):
             cut = _verify(self.group, shares, whole=self.whole, values=[self.position])
             switch = int(cut[:, 0].max())
         if self._progress is not None and switch > self.position:
-            self._earlier = (self._progress, switch, list(self.shares))
+            # Every switch this loader has not reached is kept: a second change before the
+            # first one's switch (the loaders of other ranks fetching further ahead) must not
+            # move the steps before it to the middle shares.
+            earlier = self._earlier
+            kept = earlier[1] if earlier is not None and earlier[0] is self._progress else []
+            self._earlier = (self._progress, [*kept, (switch, list(self.shares))])
         self.shares = shares
 
     def _shares_at(self, pos: int) -> list[int]:
         """The shares of the step starting at global position ``pos`` of the current
         iteration: the old ones before the step :meth:`set_shares` switched at."""
         earlier = self._earlier
-        if earlier is not None and earlier[0] is self._progress and pos < earlier[1]:
-            return earlier[2]
+        if earlier is not None and earlier[0] is self._progress:
+            for switch, shares in earlier[1]:  # switches in order: the first one after pos
+                if pos < switch:
+                    return shares
         return list(self.shares)
 
     def state_dict(self, *, ahead: int = 0) -> dict[str, Any]:
