@@ -46,6 +46,10 @@ EXPECTED = {
         MISMATCH + "rank 1 raised TypeError: out:",
         "TypeError: out:",
     ),
+    "gather_out_rows": (
+        MISMATCH + "out: rank 1's has 3 rows along axis 0, the pieces hold 4",
+        "ValueError: out: has 3 rows along axis 0, the pieces hold 4",
+    ),
     "gather_algorithm": (
         MISMATCH + "rank 1 raised ValueError: algorithm: must be one of",
         "ValueError: algorithm: must be one of",

@@ -427,6 +427,50 @@ def test_spawn_reports_a_failing_rank_and_its_waiting_peer_without_waiting_for_t
     assert "rank 0: " in str(failed.value) and "still running" not in str(failed.value)
 
 
+def _wait_with_a_loader_worker(rank, world, directory):
+    """Writes this rank's pid and its loader worker's, then waits for ever (a hung rank)."""
+    from torch.utils.data import DataLoader
+
+    it = iter(DataLoader(range(8), num_workers=1, multiprocessing_context="fork"))
+    next(it)
+    worker = it._workers[0].pid  # the worker process, to check it is gone
+    Path(directory, f"{rank}.pids").write_text(f"{os.getpid()} {worker}")
+    time.sleep(3600)
+
+
+@pytest.mark.timeout(150)
+def test_an_interrupted_spawn_kills_its_ranks_and_their_workers(tmp_path):
+    """A wait interrupted (Ctrl-C, pytest-timeout's alarm) left the ranks running: the caller's
+    exit then joined them for ever (multiprocessing joins its children at exit), as a full
+    test run once did for 20 minutes. Now they, and their loader workers, are killed."""
+    import signal
+
+    def interrupt(signum, frame):
+        if len(list(tmp_path.glob("*.pids"))) < 2:
+            signal.setitimer(signal.ITIMER_REAL, 0.2)  # the ranks are not up yet
+            return
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            spawn(_wait_with_a_loader_worker, 2, str(tmp_path), timeout=600)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    pids = [int(pid) for f in tmp_path.glob("*.pids") for pid in f.read_text().split()]
+    assert len(pids) == 4
+    time.sleep(0.5)  # the workers' parent (the forkserver's child) is gone; init reaps them
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        assert state == "Z", f"process {pid} still running (state {state})"
+
+
 def test_spawned_ranks_are_processes_of_their_own_with_the_callers_environment(monkeypatch):
     # Ranks fork from a server that imported torch once: each is still a process of its own,
     # sees the caller's environment and working directory as they are at the call (set after

@@ -8,9 +8,11 @@ that hangs past ``timeout`` is killed and reported, never waited on forever.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -98,6 +100,27 @@ def _context(mp: Any) -> Any:
     return ctx
 
 
+def _kill(procs: list[Any]) -> None:
+    """Kill these rank processes (and their own children: loader workers, which a killed rank
+    leaves behind) and wait for them."""
+    for p in procs:
+        for child in _children(p.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, where the platform lists them (Linux's /proc)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
 def spawn(
     fn: Callable[..., Any],
     world_size: int,
@@ -147,17 +170,23 @@ def spawn(
             )
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
         # One shared deadline (plus start-up slack) for all ranks.
         deadline = time.monotonic() + timeout + 60.0
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        try:
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            # Interrupted (Ctrl-C, a test's own timeout): the ranks go too, else the caller's
+            # exit waits for them (multiprocessing joins its children at exit), for ever if
+            # they wait on one another.
+            _kill([p for p in procs if p.pid is not None])
+            raise
         failures = []
         for r, p in enumerate(procs):
             if p.is_alive():
-                p.kill()
-                p.join()
+                _kill([p])
                 failures.append(f"rank {r}: still running after {timeout:.0f} s, killed")
         results: list[Any] = []
         for r, (p, path) in enumerate(zip(procs, paths)):

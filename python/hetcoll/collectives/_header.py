@@ -1,6 +1,8 @@
 """allgatherv's first round, whatever carries it: every rank's header (its length along axis 0,
-codes of the trailing shape and dtype, the number of dimensions, the algorithm), and the check
-that all but the length agree, raising :class:`hetcoll.CollectiveMismatchError` on every rank.
+codes of the trailing shape and dtype, the number of dimensions, the algorithm, the rows of its
+``out``), and the check that all but the lengths agree and that every ``out`` holds the pieces,
+raising :class:`hetcoll.CollectiveMismatchError` on every rank (a rank's own ``out``: its
+``ValueError``).
 Also the size of allreduce's agreement message (:func:`_inline_words`)."""
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ def _shape_code(shape: Sequence[int]) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _header(trailing: tuple[int, ...], dtype: str, algorithm: str) -> np.ndarray:
-    """The fields of allgatherv's first round but the length (slot 0): codes of the trailing
-    shape and the dtype, the number of dimensions, the algorithm. Cached: read-only."""
+    """The fields of allgatherv's first round but the length (slot 0) and the rows of ``out``
+    (slot 5): codes of the trailing shape and the dtype, the number of dimensions, the
+    algorithm. Cached: read-only."""
     fields = np.array(
         [
             0,
@@ -32,6 +35,7 @@ def _header(trailing: tuple[int, ...], dtype: str, algorithm: str) -> np.ndarray
             zlib.crc32(dtype.encode()),
             len(trailing) + 1,
             ALGORITHMS.index(algorithm) if algorithm in ALGORITHMS else _FAILED,
+            NO_OUT,
         ],
         np.int64,
     )
@@ -50,35 +54,58 @@ class _PeerFailed(CollectiveMismatchError):
     """A rank's header says its own arguments failed (raised on every rank alike)."""
 
 
-#: allgatherv's first-round header words, in order (the length first).
-_FIELDS = ("length", "shape[1:]", "dtype", "number of dimensions", "algorithm")
+#: allgatherv's first-round header words, in order (the length first, the rows of ``out``
+#: last: the words between them must agree).
+_FIELDS = ("length", "shape[1:]", "dtype", "number of dimensions", "algorithm", "out's rows")
+_OUT = len(_FIELDS) - 1
+#: The out word of a rank that passed no ``out``.
+NO_OUT = -1
 
 
-def _fields(shape: Sequence[int], dtype: str, algorithm: str) -> np.ndarray:
-    """This rank's header: :func:`_header` with its length along axis 0 in word 0."""
+def _fields(shape: Sequence[int], dtype: str, algorithm: str, out_rows: int = NO_OUT) -> np.ndarray:
+    """This rank's header: :func:`_header` with its length along axis 0 in word 0 and the
+    rows of its ``out`` (``NO_OUT``: none) in the last."""
     fields = _header(tuple(shape[1:]), dtype, algorithm).copy()
     fields[0] = shape[0]
+    fields[_OUT] = out_rows
     return fields
 
 
-def _agreed_lengths(rows: np.ndarray) -> np.ndarray:
-    """Word 0 of every rank's header (``rows``, one per rank), once the other words agree;
-    else the :class:`CollectiveMismatchError` every rank raises, as all see the same rows
-    (:class:`_PeerFailed` first if a rank's own arguments failed)."""
+def _agreed_lengths(rows: np.ndarray, rank: int) -> np.ndarray:
+    """Word 0 of every rank's header (``rows``, one per rank), once the other words agree and
+    every rank's ``out`` holds all the pieces; else the error every rank raises, as all see
+    the same rows: a :class:`CollectiveMismatchError` (:class:`_PeerFailed` first if a rank's
+    own arguments failed), or, on the rank (``rank``: this one) whose ``out`` has other rows,
+    its ``ValueError``."""
     if (rows[:, 4] == _FAILED).any():
         raise _PeerFailed("a rank failed on its own arguments")
-    for j in range(1, len(_FIELDS)):
+    for j in range(1, _OUT):
         if (rows[:, j] != rows[0, j]).any():
             _disagree(j, rows[:, j])
+    total = int(rows[:, 0].sum())
+    wrong = [q for q, n in enumerate(rows[:, _OUT].tolist()) if n != NO_OUT and n != total]
+    if wrong:
+        q = wrong[0]
+        has = f"has {int(rows[q, _OUT])} rows along axis 0, the pieces hold {total}"
+        if q == rank:
+            raise ValueError(f"out: {has}")
+        raise CollectiveMismatchError(f"out: rank {q}'s {has}")
     return rows[:, 0]
 
 
 def _exchange_shapes(
-    c: Communicator, shape: Sequence[int], dtype: str, deadline: float | None, algorithm: str
+    c: Communicator,
+    shape: Sequence[int],
+    dtype: str,
+    deadline: float | None,
+    algorithm: str,
+    out_rows: int = NO_OUT,
 ) -> np.ndarray:
-    """Every rank's length along axis 0, after checking the rest of the shape, the dtype and the
-    algorithm."""
-    return _agreed_lengths(c.allgather_int64(_fields(shape, dtype, algorithm), deadline))
+    """Every rank's length along axis 0, after checking the rest of the shape, the dtype, the
+    algorithm and every rank's ``out_rows``."""
+    return _agreed_lengths(
+        c.allgather_int64(_fields(shape, dtype, algorithm, out_rows), deadline), c.rank
+    )
 
 
 def _disagree(field: int, per_rank: np.ndarray) -> None:

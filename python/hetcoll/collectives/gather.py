@@ -13,7 +13,7 @@ import numpy as np
 
 from hetcoll.collectives import _tuning
 from hetcoll.collectives._common import _NO_SHARED, ALGORITHMS, ArrayT
-from hetcoll.collectives._header import FAILED, _exchange_shapes, _PeerFailed
+from hetcoll.collectives._header import FAILED, NO_OUT, _exchange_shapes, _PeerFailed
 from hetcoll.collectives.device import _allgatherv_device, stage_on_host
 from hetcoll.collectives.direct import _direct_allgather
 from hetcoll.collectives.ring import _ring_allgather
@@ -125,8 +125,9 @@ def _gather(
     if c is None:
         c = wrap(comm)
     into_bytes = None if into is None else into.reshape(-1).view(np.uint8)
+    out_rows = NO_OUT if into is None else into.shape[0]
     try:
-        lengths, joined = _first_round(c, view, deadline, algorithm, into_bytes)
+        lengths, joined = _first_round(c, view, deadline, algorithm, into_bytes, out_rows)
     except _PeerFailed:
         agree(c, {}, deadline, failure=failure)  # the errors, told to every rank; raises
         raise
@@ -135,9 +136,7 @@ def _gather(
     send = view.reshape(-1).view(np.uint8)
     row_bytes = view.itemsize * math.prod(view.shape[1:])
     rows = sum(lengths)
-    # ``out`` if its row count is right; a wrong one is this rank's error alone, raised once the
-    # exchange is over so that the others are not left waiting.
-    dest = into if into is not None and into.shape[0] == rows else None
+    dest = into  # its rows checked on every rank in the first round
     if joined is not None:  # "auto": the pieces are in place after the speculative round
         out_view = joined.view(view.dtype).reshape(rows, *view.shape[1:])
         if dest is not None and joined is not into_bytes:
@@ -159,8 +158,6 @@ def _gather(
             segment = segment_bytes if segment_bytes is not None else max(1, *counts)
             _ring_allgather(c, send, recv, counts, segment, deadline)
     if into is not None:
-        if dest is None:
-            raise ValueError(f"out: has {into.shape[0]} rows along axis 0, the pieces hold {rows}")
         return out, lengths
     if is_tensor(local):
         import torch
@@ -199,24 +196,43 @@ def _first_round(
     deadline: float | None,
     algorithm: str,
     into_bytes: np.ndarray | None,
+    out_rows: int,
 ) -> tuple[list[int], np.ndarray | None]:
     """Every rank's length along axis 0, the headers checked, and for "auto" possibly the
     pieces joined already: speculative on gloo, through the node windows on one MPI node, else
-    an allgather of the headers. ``into_bytes``: ``out`` as bytes, where "auto" may join them."""
+    an allgather of the headers. ``into_bytes``: ``out`` as bytes, where "auto" may join them;
+    ``out_rows``: its rows (``NO_OUT``: none), checked on every rank."""
     send = view.reshape(-1).view(np.uint8)
     row_bytes = view.itemsize * math.prod(view.shape[1:])
     if c.size > 1 and c.engine in _tuning.SPECULATIVE_GATHER_ENGINES:
         return _speculative_round(
-            c, view.shape, view.dtype.str, send, row_bytes, deadline, algorithm, into_bytes
+            c,
+            view.shape,
+            view.dtype.str,
+            send,
+            row_bytes,
+            deadline,
+            algorithm,
+            into_bytes,
+            out_rows,
         )
     if (
         c.size > 1
         and (windows := c.node_windows(_tuning.SHARED_SEGMENT_BYTES, deadline)) is not None
     ):
         return _shared_round(
-            c, windows, view.shape, view.dtype.str, send, row_bytes, deadline, algorithm, into_bytes
+            c,
+            windows,
+            view.shape,
+            view.dtype.str,
+            send,
+            row_bytes,
+            deadline,
+            algorithm,
+            into_bytes,
+            out_rows,
         )
-    shapes = _exchange_shapes(c, view.shape, view.dtype.str, deadline, algorithm)
+    shapes = _exchange_shapes(c, view.shape, view.dtype.str, deadline, algorithm, out_rows)
     return [int(n) for n in shapes], None
 
 

@@ -96,6 +96,7 @@ def _shared_round(
     deadline: float | None,
     algorithm: str,
     into_bytes: np.ndarray | None,
+    out_rows: int,
 ) -> tuple[list[int], np.ndarray | None]:
     """allgatherv's first round on one node, through the node windows, whatever the
     algorithm: every rank writes its header (:func:`_fields`) and, for "auto" and "shared", the
@@ -109,11 +110,11 @@ def _shared_round(
     data = algorithm in ("auto", "shared")
     i = windows.take()
     heads = [h.view(np.int64)[: len(_FIELDS)] for h in windows.headers[i]]
-    heads[r][:] = _fields(shape, dtype, algorithm)
+    heads[r][:] = _fields(shape, dtype, algorithm, out_rows)
     first = send[: windows.capacity] if data else send[:0]
     windows.segments[i][r][: first.size] = first
     windows.fence(i, deadline)
-    lengths = [int(n) for n in _agreed_lengths(np.stack(heads))]
+    lengths = [int(n) for n in _agreed_lengths(np.stack(heads), r)]
     counts = [n * row_bytes for n in lengths]
     total = sum(counts)
     if not data or (

@@ -20,7 +20,7 @@ from hetcoll.collectives._common import (
     _TAG_GATHER_REST,
     _scratch,
 )
-from hetcoll.collectives._header import _agreed_lengths, _fields
+from hetcoll.collectives._header import NO_OUT, _agreed_lengths, _fields
 from hetcoll.comm import Communicator, wait_all
 
 
@@ -49,6 +49,7 @@ def _speculative_round(
     deadline: float | None,
     algorithm: str,
     into: np.ndarray | None = None,
+    out_rows: int = NO_OUT,
 ) -> tuple[list[int], np.ndarray | None]:
     """:func:`_exchange_shapes` with every rank's header travelling with as many bytes of its
     piece as predicted. Returns the lengths and, for "auto", the pieces joined (uint8), in
@@ -65,7 +66,7 @@ def _speculative_round(
         c.gather_history = deque(maxlen=2 * _tuning.GATHER_PERIODS)
     records = c.gather_history
     guess = _predict(records, p)
-    head = _fields(shape, dtype, algorithm)
+    head = _fields(shape, dtype, algorithm, out_rows)
     if not send.flags.writeable:
         send = send.copy()  # torch will not wrap a read-only array
     mine = send[: guess[r]]
@@ -74,7 +75,7 @@ def _speculative_round(
         heads, boxes = _batched_round(c, head, mine, guess, deadline)
     else:
         heads, boxes, joined = _direct_round(c, head, mine, guess, deadline, into)
-    lengths = _agreed_lengths(heads).tolist()
+    lengths = _agreed_lengths(heads, r).tolist()
     counts = tuple(n * row_bytes for n in lengths)
     records.append(counts)  # the same on every rank
     if algorithm != "auto":
