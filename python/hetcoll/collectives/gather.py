@@ -204,34 +204,15 @@ def _first_round(
     ``out_rows``: its rows (``NO_OUT``: none), checked on every rank."""
     send = view.reshape(-1).view(np.uint8)
     row_bytes = view.itemsize * math.prod(view.shape[1:])
+    # The arguments of either round that carries the pieces with the headers, in order.
+    piece = (view.shape, view.dtype.str, send, row_bytes, deadline, algorithm, into_bytes, out_rows)
     if c.size > 1 and c.engine in _tuning.SPECULATIVE_GATHER_ENGINES:
-        return _speculative_round(
-            c,
-            view.shape,
-            view.dtype.str,
-            send,
-            row_bytes,
-            deadline,
-            algorithm,
-            into_bytes,
-            out_rows,
-        )
+        return _speculative_round(c, *piece)
     if (
         c.size > 1
         and (windows := c.node_windows(_tuning.SHARED_SEGMENT_BYTES, deadline)) is not None
     ):
-        return _shared_round(
-            c,
-            windows,
-            view.shape,
-            view.dtype.str,
-            send,
-            row_bytes,
-            deadline,
-            algorithm,
-            into_bytes,
-            out_rows,
-        )
+        return _shared_round(c, windows, *piece)
     shapes = _exchange_shapes(c, view.shape, view.dtype.str, deadline, algorithm, out_rows)
     return [int(n) for n in shapes], None
 
