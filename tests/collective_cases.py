@@ -523,8 +523,9 @@ def _speculative_steps(comm: Communicator, native: Any, batched: bool) -> int:
 
 def check_allgatherv_out(comm: Communicator, native: Any) -> int:
     """``out=``: filled and returned for every algorithm, and when the prediction holds or
-    not; a wrong row count raises on its rank only, after the exchange; local checks raise
-    before it (here on every rank, as every rank passes the same bad argument)."""
+    not; a wrong row count raises on every rank in the first round (its rank a ValueError,
+    the others the mismatch); local checks raise before it (here on every rank, as every rank
+    passes the same bad argument)."""
     p, r = comm.size, comm.rank
     done = 0
     # The prediction held (the repeated shape) and not, with both ways of sending the round.

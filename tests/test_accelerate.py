@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -362,6 +363,7 @@ def test_balanced_shares_and_its_bad_input():
         balanced_shares(0, 2)
     with pytest.raises(ValueError, match=r"^ranks: must be an integer >= 1"):
         balanced_shares(8, 0, speeds=[])
+    assert balanced_shares(np.int64(8), np.int64(2)) == [4, 4]  # numpy integers are integers
 
 
 def test_one_process_loader_steps_and_token_counts():
@@ -405,6 +407,10 @@ def test_one_process_loader_steps_and_token_counts():
         list(optimizer_steps(data, 0))
     with pytest.raises(TypeError, match=r"^batches: must be an iterable"):
         optimizer_steps(None, 1)  # type: ignore[arg-type]
+    # Iterable through __getitem__ alone (a map-style dataset) is iterable.
+    from torch.utils.data import TensorDataset
+
+    assert [len(g) for g in optimizer_steps(TensorDataset(torch.arange(4)), 2)] == [2, 2]
     with pytest.raises(ValueError, match=r"^batch_size: must be an integer"):
         prepare_balanced(accelerator, rows, 0)
     with pytest.raises(TypeError, match=r"^sampler"):

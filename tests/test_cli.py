@@ -92,6 +92,13 @@ def test_bad_flags_are_one_line_and_status_2(
     assert_usage_error(hetcoll(*argv), command, *words)
 
 
+def test_split_prints_a_ratio_past_floats_range_in_words() -> None:
+    # The even split's 5e299 s over this split's 1e-10 s: the ratio itself overflows.
+    run = hetcoll("split", "10", "--speeds", "1e11,1e-299")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1].endswith("(more than 1.8e308x longer)"), run.stdout
+
+
 def test_flags_are_refused_and_split_runs_without_importing_torch() -> None:
     """A mistyped flag is answered in a tenth of a second, not after torch's import (a second
     and more): every parse error above, ``hetcoll split`` and ``--help``, in one process."""

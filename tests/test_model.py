@@ -261,7 +261,7 @@ def test_bad_cluster_files_name_file_and_field(
 def test_cluster_and_shape_arguments_of_another_type_are_named() -> None:
     with pytest.raises(TypeError, match=r"^path: must be a str or os.PathLike, got NoneType"):
         load_cluster(None)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"^<dict>: must be a mapping"):
+    with pytest.raises(TypeError, match=r"^doc: must be a mapping"):
         cluster_from_dict(None)  # type: ignore[arg-type]
     from hetcoll.model.costs.records import parse_shape
 

@@ -173,6 +173,16 @@ def test_bad_arguments_are_named():
     reb = Rebalancer(sampler)
     with pytest.raises(ValueError, match="seconds"):
         reb.observe(8, float("nan"))
+    for seconds in ("1.0", True, None, torch.tensor([1.0, 2.0])):
+        with pytest.raises(ValueError, match=r"^seconds: must be a finite number"):
+            reb.observe(8, seconds)
+    # A 0-d tensor or array is a number (a timer's result may be one).
+    assert reb.observe(8, torch.tensor(0.5)) is False and reb.observe(8, np.float64(0.5)) is False
+    # At a deciding step the exchange's own failure (here: no group to exchange on) does not
+    # hide the argument's error.
+    one = Rebalancer(sampler, every=1)
+    with pytest.raises(ValueError, match=r"^samples: must be an integer >= 0, got -1"):
+        one.observe(-1, 1.0)
     with pytest.raises(ValueError, match="rows"):
         reb.update(np.zeros((3, 8)))
 

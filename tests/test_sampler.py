@@ -305,3 +305,26 @@ def test_a_restored_position_holds_for_its_own_epoch_only():
     whole = BalancedSampler(range(20), [3, 1], 0, seed=2, verify=False)
     whole.set_epoch(2)
     assert list(fresh.batch_sampler()) == list(whole.batch_sampler())
+
+
+def test_taken_shares_are_those_of_the_step_taken_last():
+    """taken_shares (what a logger reports for the step that ran) against shares (what the
+    next steps are cut with): before any step, after set_shares inside an iteration, on the
+    epoch's short last step (cut from the shares in force), after set_epoch and after
+    load_state_dict."""
+    sampler = BalancedSampler(range(29), [5, 3], 0, shuffle=False, verify=False)
+    assert sampler.taken_shares == [5, 3]
+    steps = iter(sampler.batch_sampler())
+    next(steps)
+    sampler.set_shares([2, 6])  # no loader fetches ahead: from the next step
+    assert sampler.taken_shares == [5, 3] and sampler.shares == [2, 6]
+    assert len(next(steps)) == 2 and sampler.taken_shares == [2, 6]
+    rest = list(steps)  # steps 3 and 4: the last holds 29 - 24 = 5 samples, cut 1 : 4
+    assert [len(s) for s in rest] == [2, 1] and sampler.taken_shares == [2, 6]
+    state = sampler.state_dict()
+    sampler.set_epoch(1)  # a new epoch: nothing of it taken
+    assert sampler.taken_shares == [2, 6]
+    sampler.set_shares([4, 4])
+    assert sampler.taken_shares == [4, 4]
+    sampler.load_state_dict({**state, "position": 8})
+    assert sampler.taken_shares == [2, 6]  # the restored shares, nothing taken yet

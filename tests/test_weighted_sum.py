@@ -118,7 +118,8 @@ def test_sixteen_bit_types_accumulate_in_float32():
         ([np.ones(3)], [float("nan")], {}, ValueError, r"^weights\[0\]"),
         # A bool is an int to Python, not a weight (True read as 1.0 before).
         ([np.ones(3)], [True], {}, ValueError, r"^weights\[0\]: must be a number"),
-        ([np.ones(3)], np.array([True]), {}, ValueError, r"^weights\[0\]: must be a number"),
+        ([np.ones(3)], np.array([True]), {}, ValueError, r"^weights: must be numbers, got an"),
+        ([np.ones(3)], torch.tensor([True]), {}, ValueError, r"^weights: must be numbers, got an"),
         ([np.ones(3), np.ones(4)], [1.0, 1.0], {}, ValueError, r"^arrays\[1\]"),
         ([np.ones((2, 3)), np.ones((3, 2))], [1.0, 1.0], {}, ValueError, r"^arrays\[1\]"),
         ([np.ones(3), np.ones(3, np.float32)], [1.0, 1.0], {}, TypeError, r"^arrays\[1\]"),

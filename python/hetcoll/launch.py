@@ -104,11 +104,13 @@ def _kill(procs: list[Any]) -> None:
     """Kill these rank processes (and their own children: loader workers, which a killed rank
     leaves behind) and wait for them."""
     for p in procs:
+        if not p.is_alive():  # gone: its pid may be another process's by now
+            p.join()
+            continue
         for child in _children(p.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
-        if p.is_alive():
-            p.kill()
+        p.kill()
         p.join()
 
 

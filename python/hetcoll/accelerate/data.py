@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 
 import hetcoll
 from hetcoll.torch import BalancedSampler, SpeedFit, measure_speed
+from hetcoll.torch.filters.checks import is_int
 
 
 def processes(accelerator: Accelerator, fix: str = "Accelerator(cpu=True)") -> tuple[int, int]:
@@ -88,10 +89,11 @@ def _balanced_shares(
     argument: str,
 ) -> list[int]:
     """:func:`balanced_shares`, naming ``total`` as its caller's ``argument``."""
-    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+    if not is_int(total) or total < 1:
         raise ValueError(f"{argument}: must be an integer >= 1 (the global batch), got {total!r}")
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+    if not is_int(ranks) or ranks < 1:
         raise ValueError(f"ranks: must be an integer >= 1, got {ranks!r}")
+    total, ranks = int(total), int(ranks)
     given = [
         n for n, v in (("shares", shares), ("speeds", speeds), ("fits", fits)) if v is not None
     ]

@@ -102,12 +102,16 @@ def optimizer_steps(batches: Iterable[Any], accumulate: int = 1) -> Iterator[lis
     first micro-batch runs (every micro-batch of it would synchronise and step)."""
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"accumulate: must be an integer >= 1, got {accumulate!r}")
-    if not isinstance(batches, Iterable):
-        raise TypeError(f"batches: must be an iterable (a loader), got {type(batches).__name__}")
-    return _groups(batches, accumulate)
+    try:
+        it = iter(batches)
+    except TypeError:
+        raise TypeError(
+            f"batches: must be an iterable (a loader), got {type(batches).__name__}"
+        ) from None
+    return _groups(it, accumulate)
 
 
-def _groups(batches: Iterable[Any], accumulate: int) -> Iterator[list[Any]]:
+def _groups(batches: Iterator[Any], accumulate: int) -> Iterator[list[Any]]:
     """:func:`optimizer_steps`' groups, its arguments checked."""
     group: list[Any] = []
     for batch in batches:

@@ -42,8 +42,9 @@ def _cmd_split(args: argparse.Namespace) -> int:
     if not all(math.isfinite(t) for t in (*finish, *even_finish)):
         # Units over a subnormal speed: seconds past float's range (and JSON has no Infinity).
         raise ValueError(
-            "speeds: a finish time exceeds 1.8e308 s (the largest float); give speeds in "
-            "larger units (per millisecond, per batch)"
+            "speeds: a finish time (of this split or of the even one it is compared with) "
+            "exceeds 1.8e308 s, the largest float; give speeds in larger units (per "
+            "millisecond, per batch)"
         )
     if args.json:
         json.dump(
@@ -69,7 +70,10 @@ def _cmd_split(args: argparse.Namespace) -> int:
 
 
 def _ratio(x: float) -> str:
-    """``1.50x``; ``5e+300x`` where fixed point would print hundreds of digits."""
+    """``1.50x``; ``5e+300x`` where fixed point would print hundreds of digits; past float's
+    range, ``more than 1.8e308x``."""
+    if not math.isfinite(x):
+        return "more than 1.8e308x"
     return f"{x:.2f}x" if x < 1e6 else f"{x:.3g}x"
 
 

@@ -41,8 +41,9 @@ def allgatherv(
     dimension; the other dimensions and the dtype must match on every rank (else
     :class:`hetcoll.CollectiveMismatchError` on every rank). Returns a new array of the same
     kind, or ``out``: an array of that kind, dtype and trailing shape, C-contiguous, with as
-    many rows as all pieces together (checked once the lengths are known; a wrong count raises
-    a ValueError on that rank after the exchange, so the others do not wait for it), which
+    many rows as all pieces together (checked in the first round, where the lengths become
+    known: a wrong count raises a ValueError on that rank and a
+    :class:`hetcoll.CollectiveMismatchError` naming it on the others), which
     saves allocating (and, for large outputs, page-faulting) a new one every call. A device
     (CUDA) tensor is gathered by NCCL on NCCL (all_to_all_single, no ``out``); on gloo or MPI
     it is staged through host memory as :func:`hetcoll.allreduce` stages it, gathered as a CPU

@@ -521,7 +521,7 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
     """
     if not isinstance(doc, Mapping):
         raise TypeError(
-            f"{source}: must be a mapping (a parsed TOML document), got {type(doc).__name__}"
+            f"doc: must be a mapping (a parsed TOML document), got {type(doc).__name__}"
         )
     _unknown(doc, {"devices", "links", "nodes", "network"}, source)
     devices: dict[str, Device] = {}

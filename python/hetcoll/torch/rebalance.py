@@ -29,7 +29,6 @@ decision, because it decides on the same gathered data.
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -297,22 +296,29 @@ class Rebalancer:
         at another step than the others, whose exchange then waits for it (or meets another
         collective of theirs)."""
         failure = None
+        try:
+            # A 0-d tensor or array of seconds is a number too; a bool or a str is not.
+            if isinstance(seconds, (bool, str, bytes)):
+                raise TypeError
+            value = float(seconds)
+        except (TypeError, ValueError):
+            value = math.nan
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
             failure = ValueError(f"samples: must be an integer >= 0, got {samples!r}")
-        elif (
-            isinstance(seconds, bool)
-            or not isinstance(seconds, numbers.Real)
-            or not (math.isfinite(seconds) and seconds >= 0.0)
-        ):
+        elif not (math.isfinite(value) and value >= 0.0):
             failure = ValueError(f"seconds: must be a finite number >= 0, got {seconds!r}")
         if failure is not None:
             if (self._step + 1) % self.every == 0:
                 # The others exchange their windows now: told, they raise at once instead of
-                # waiting for this rank.
-                self._exchange(np.full(_FIELDS, np.nan))
+                # waiting for this rank (whose own error comes first, whatever the exchange
+                # met).
+                try:
+                    self._exchange(np.full(_FIELDS, np.nan))
+                except BaseException as e:
+                    raise failure from e
             raise failure
         self._step += 1
-        if samples > 0 and seconds == 0.0:
+        if samples > 0 and value == 0.0:
             # No measurement (a clock too coarse for the step, or a timer read twice): as a
             # time it would make this rank infinitely fast, or, from the first window, keep
             # the models from ever starting.
@@ -326,7 +332,7 @@ class Rebalancer:
                     stacklevel=2,
                 )
         else:
-            self._window.append((samples, float(seconds)))
+            self._window.append((samples, value))
         if self._step % self.every:
             return False
         mine = window_summary(self._window)

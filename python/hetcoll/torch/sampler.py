@@ -364,8 +364,6 @@ class BalancedSampler(Sampler[int]):
         self._resume_at = 0  # where the next iteration starts (set by load_state_dict)
         self._progress: _Progress | None = None  # the current iteration's steps
         self._padding_told = False  # warned once that a last step is padded
-        #: Shares still to cut steps with in an iteration, up to a global position, after
-        #: :meth:`set_shares` (for ranks whose loaders fetched less far ahead).
         # The switches set_shares made ahead of this rank's loader in the current iteration:
         # (global position it switched at, the shares before it), in order.
         self._earlier: tuple[_Progress, list[tuple[int, list[int]]]] | None = None
@@ -455,7 +453,8 @@ class BalancedSampler(Sampler[int]):
             pos += sum(sizes)
             self.position = min(pos, n)  # a padded last step ends the epoch
             progress.ends.append(self.position)
-            progress.shares.append(list(shares))
+            same = progress.shares and progress.shares[-1] == shares
+            progress.shares.append(progress.shares[-1] if same else list(shares))
             yield idx
 
     def __iter__(self) -> Iterator[int]:
@@ -560,9 +559,11 @@ class BalancedSampler(Sampler[int]):
         iteration: the old ones before the step :meth:`set_shares` switched at."""
         earlier = self._earlier
         if earlier is not None and earlier[0] is self._progress:
-            for switch, shares in earlier[1]:  # switches in order: the first one after pos
-                if pos < switch:
-                    return shares
+            switches = earlier[1]  # in order; pos only grows in an iteration: drop those passed
+            while switches and switches[0][0] <= pos:
+                switches.pop(0)
+            if switches:
+                return switches[0][1]
         return list(self.shares)
 
     def state_dict(self, *, ahead: int = 0) -> dict[str, Any]:

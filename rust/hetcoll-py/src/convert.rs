@@ -29,25 +29,29 @@ pub fn count(obj: &Bound<'_, PyAny>, argument: &str) -> PyResult<u64> {
     u64::try_from(value).map_err(|_| invalid(argument, format!("must be < 2**64, got {value}")))
 }
 
-/// A sequence of numbers (list, tuple, numpy array, ...), as `f64`.
+/// A sequence of numbers (list, tuple, numpy array, ...), as `f64`. Bools are refused: Python
+/// counts them as ints, but `True` for a weight or a speed is a mistake.
 pub fn floats(obj: &Bound<'_, PyAny>, argument: &str) -> PyResult<Vec<f64>> {
+    if has_bool_dtype(obj) {
+        return Err(invalid(argument, "must be numbers, got an array of bools"));
+    }
     items(obj, argument)?
         .iter()
         .enumerate()
         .map(|(i, x)| {
-            // A bool is an int to Python, but `True` for a weight or a speed is a mistake.
-            if x.is_instance_of::<PyString>() || is_bool(x) {
-                return Err(invalid(
-                    &format!("{argument}[{i}]"),
-                    format!("must be a number, got {}", describe(x)),
-                ));
+            if let Ok(f) = x.cast::<PyFloat>() {
+                return Ok(f.value()); // float, numpy.float64: no further checks
             }
-            x.extract::<f64>().map_err(|_| {
+            let bad = || {
                 invalid(
                     &format!("{argument}[{i}]"),
                     format!("must be a number, got {}", describe(x)),
                 )
-            })
+            };
+            if x.is_instance_of::<PyString>() || is_bool(x) {
+                return Err(bad());
+            }
+            x.extract::<f64>().map_err(|_| bad())
         })
         .collect()
 }
@@ -58,6 +62,13 @@ fn is_bool(x: &Bound<'_, PyAny>) -> bool {
         || x.get_type()
             .fully_qualified_name()
             .is_ok_and(|n| n.to_string().starts_with("numpy.bool"))
+}
+
+/// An array or tensor of bools (numpy's `bool`, torch's `torch.bool`), told by its `dtype`.
+fn has_bool_dtype(obj: &Bound<'_, PyAny>) -> bool {
+    obj.getattr("dtype")
+        .and_then(|d| d.str().map(|s| s.to_string()))
+        .is_ok_and(|d| d == "bool" || d == "torch.bool")
 }
 
 /// A sequence of non-negative integers.

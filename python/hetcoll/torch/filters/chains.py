@@ -942,8 +942,8 @@ def choose_layers(
             kind = "Conv2d" if isinstance(layer, nn.Conv2d) else "Linear"
             raise ValueError(
                 f"{argument}: {name!r} cannot be split: it has {changed}, and a split layer "
-                f"computes a plain {kind} on its slice of the weights (leave it out of layers: "
-                "it then stays replicated)"
+                f"computes a plain {kind} on its slice of the weights (leave it out of "
+                f"{argument}: it then stays replicated)"
             )
         if name in tied:
             raise ValueError(
