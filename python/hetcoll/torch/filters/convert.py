@@ -5,7 +5,6 @@ units, :mod:`.tensor_split`), after one agreement check on the plan;
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 import weakref
@@ -19,7 +18,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
-from hetcoll.comm import Communicator, agree, deadline, is_group, shared_processes, wrap
+from hetcoll.comm import (
+    Communicator,
+    agree,
+    deadline,
+    is_group,
+    shared_processes,
+    wrap,
+    wrap_or_raise,
+)
 from hetcoll.errors import CollectiveMismatchError
 from hetcoll.torch.filters.autograd import AgreedForward, GradientSums, sole_holder
 from hetcoll.torch.filters.chains import (
@@ -594,17 +601,13 @@ def _heads_or_groups(
 
 
 def _tell_the_others(group: Any, timeout: float | None, failure: Exception) -> None:
-    """This rank's argument error, told to the other ranks in the exchange they enter next
-    (the plan's agreement: there they raise at once, a mismatch naming this rank); nothing
-    where ``group`` is no group (no one to tell)."""
-    try:
-        comm = wrap(group)
-    except (TypeError, ValueError):
-        return
+    """Raise this rank's argument error once told to the other ranks in the exchange they
+    enter next (the plan's agreement: there they raise at once, a mismatch naming this rank);
+    at once where ``group`` is no group (no one to tell)."""
+    comm = wrap_or_raise(group, failure)
     if not isinstance(comm, CountingCommunicator):  # as filter_parallel's: the same gathers
         comm = CountingCommunicator(comm, {})
-    with contextlib.suppress(TypeError, ValueError):  # agree raises failure here
-        agree(comm, {}, deadline(timeout), failure=failure)
+    agree(comm, {}, deadline(timeout), failure=failure)  # raises failure
 
 
 def filter_parallel(
