@@ -29,6 +29,13 @@ process (to the router's float32 softmax).
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer_balanced.py \
         --arch mixtral --experts --shares 5,3                               # experts placed
 
+``--rebalance-every N`` re-solves the shares from every rank's own compute time every N
+optimizer steps (``BalancedTrainer(rebalance_every=N)``: an ``hetcoll.torch.Rebalancer``); the
+shares each step ran at are in the logs:
+
+    torchrun --standalone --nproc-per-node 2 examples/hf_trainer_balanced.py \
+        --emulate 1,0.5 --rebalance-every 1 --epochs 3                      # shares follow
+
 ``--rebalance-experts N`` places them again by their routed tokens every N optimizer steps
 (``BalancedTrainer(rebalance_experts_every=N)``: an ``hetcoll.torch.ExpertRebalancer``).
 """
@@ -100,6 +107,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             speeds=args.speeds,
             measure=args.measure,
             measure_budget=2.0,
+            rebalance_every=args.rebalance_every,
             rebalance_experts_every=args.rebalance_experts,
         )
         trainer.train()
@@ -111,6 +119,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             "shares": trainer.balanced.shares,
             "speeds": trainer.balanced.speeds,
             "logged": logged,
+            "rebalanced": [  # the rebalancer's decisions: after which batch, to which shares
+                {"batch": e.step, "shares": list(e.new_shares), "applied": e.applied}
+                for e in (trainer.rebalancer.history if trainer.rebalancer else [])
+            ],
             "experts_moves": [
                 # Counts where runs in expert order, else each rank's experts.
                 {"step": e.step, "experts": experts_field(e.new_placement), "moved": e.applied}
@@ -128,6 +140,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = arguments(__doc__)
+    p.add_argument(
+        "--rebalance-every",
+        type=int,
+        metavar="N",
+        help="re-solve the shares from the ranks' measured step times every N steps",
+    )
     p.add_argument(
         "--rebalance-experts",
         type=int,

@@ -267,6 +267,57 @@ def test_trainer_with_placed_experts_resumes_from_its_checkpoint_as_the_uninterr
     assert _max_diff({k: v.double() for k, v in loaded.state_dict().items()}, whole) < 1e-10
 
 
+def _rebalanced(out: Path, launcher: list[str], resume: str = "none") -> tuple[dict, list[dict]]:
+    """tests/accelerate_workers/trainer_rebalance.py (6 steps) under ``launcher``: the trained
+    weights and every rank's report."""
+    worker = ROOT / "tests" / "accelerate_workers" / "trainer_rebalance.py"
+    proc = subprocess.run(
+        [*launcher, str(worker), str(out), resume, "6"],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("[0-9].json"))]
+    return torch.load(out / "final.pt"), reports
+
+
+@pytest.mark.multiproc
+def test_trainer_rebalancing_follows_the_ranks_speeds_and_resumes_with_its_shares(tmp_path):
+    """BalancedTrainer(rebalance_every=1) on 2 ranks, rank 1 three times slower (only the
+    clock is faked): from equal shares it moves to 6 : 2, the best split, at its first
+    decision (after one optimizer step of two micro-batches), from the first batch no loader
+    had cut, and stays; its models are the ranks' real per-row costs. Every step's logged
+    shares are those its last micro-batch ran at; the weights are one process's on the same
+    global batches (GPT-2, float64, AdamW). Resumed from the checkpoint after step 2, it runs
+    at the saved 6 : 2 from its first batch (not the equal start) with the saved models, and
+    ends where the uninterrupted run does."""
+    one, _ = _rebalanced(tmp_path / "one", [sys.executable])
+    whole, reports = _rebalanced(tmp_path / "whole", TORCHRUN)
+    assert _max_diff(one, whole) < 1e-10
+    first, second = reports
+    steps = [s for s, _ in first["ran"]]
+    assert steps == [s for s, _ in second["ran"]] == [1, 1, 2, 2, 3, 4, 4, 5, 5, 6]
+    ran = [[a, b] for (_, a), (_, b) in zip(first["ran"], second["ran"], strict=True)]
+    assert ran == [[4, 4]] * 3 + [[6, 2]] * 7  # the fourth batch was the first not yet cut
+    last_of_step = {s: rows for s, rows in zip(steps, ran, strict=True)}
+    for r in reports:
+        assert r["logged"] == [last_of_step[s] for s in range(1, 7)]
+        assert [d[1:] for d in r["decisions"]] == [[[6, 2], True]] + [[[6, 2], False]] * 4
+        assert r["speeds"] == pytest.approx([1000.0, 1000.0 / 3], rel=1e-9)
+    saved = json.loads((tmp_path / "whole" / "checkpoint-2" / "rebalancer.json").read_text())
+    assert saved["shares"] == [6, 2] and saved["rebalancer"]["step"] == 4
+    resumed, again = _rebalanced(
+        tmp_path / "resumed", TORCHRUN, str(tmp_path / "whole" / "checkpoint-2")
+    )
+    assert _max_diff(resumed, whole) < 1e-10
+    for r in again:  # steps 3 to 6: from the saved shares on, deciding as before
+        assert [s for s, _ in r["ran"]] == [3, 4, 4, 5, 5, 6]
+        assert [d[0] for d in r["decisions"]] == [6, 8, 10]
+        assert r["speeds"] == pytest.approx([1000.0, 1000.0 / 3], rel=1e-9)
+    assert [rows for _, rows in again[0]["ran"]] == [6] * 6
+    assert [rows for _, rows in again[1]["ran"]] == [2] * 6
+
+
 # -- checks across real ranks ------------------------------------------------------------------
 
 
@@ -415,3 +466,52 @@ def test_one_process_loader_steps_and_token_counts():
         prepare_balanced(accelerator, rows, 0)
     with pytest.raises(TypeError, match=r"^sampler"):
         prepare_balanced(accelerator, rows, 4, sampler=None)
+
+
+@pytest.mark.parametrize("skip", [0, 3], ids=["from-the-start", "skip-first-3"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_logged_shares_are_those_of_the_step_the_loop_took(workers, skip):
+    """Accelerate's loader holds the batch after the one it hands out, and loader workers
+    fetch further ahead: new shares apply from a step already cut, and the shares logged for
+    a step (``log_entries``) are the ones it ran at, also through ``skip_first_batches`` (how
+    Trainer resumes mid-epoch), whose skipped steps are cut but never handed out. They were
+    the newest shares (logged 2 where 5 ran)."""
+    from accelerate import Accelerator, skip_first_batches
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+
+    from hetcoll.accelerate import BalancedLoader
+    from hetcoll.torch import BalancedSampler
+
+    Accelerator(cpu=True)
+    data = list(range(80))  # 10 steps of 8: rank 0 takes 5, then 2
+    sampler = BalancedSampler(data, [5, 3], 0, shuffle=False, verify=False)
+    plain = DataLoader(data, batch_sampler=sampler.batch_sampler(), num_workers=workers)
+    loader = prepare_data_loader(plain, num_processes=1, process_index=0)
+    balanced = BalancedLoader(loader, sampler, None, None)
+    ran, logged = [], []
+    for k, batch in enumerate(skip_first_batches(loader, skip) if skip else loader):
+        ran.append(len(batch))
+        logged.append(int(balanced.log_entries()["share/0"]))
+        assert balanced.taken_shares() == [5, 3] if len(batch) == 5 else [2, 6]
+        if k == 0:
+            sampler.set_shares([2, 6])  # from the first step no loader has cut
+    assert logged == ran and len(ran) == 10 - skip
+    assert ran[:2] == [5, 5] and ran[-1] == 2  # cut ahead at 5, then 2
+    assert sampler.state_dict(ahead=0)["position"] == 80  # the whole epoch, every step taken
+
+
+def test_trainer_rebalancing_arguments_are_checked(tmp_path):
+    from accelerate_balanced import make_model
+    from transformers import TrainingArguments
+
+    from hetcoll.accelerate import BalancedTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match=r"^rebalance_every: must be an integer >= 1"):
+            BalancedTrainer(model=make_model("gpt2"), args=args, rebalance_every=bad)
+    trainer = BalancedTrainer(
+        model=make_model("gpt2"), args=args, train_dataset=[{}] * 8, rebalance_every=3
+    )
+    assert trainer.rebalancer is None  # made with the training loader

@@ -313,18 +313,18 @@ def test_taken_shares_are_those_of_the_step_taken_last():
     epoch's short last step (cut from the shares in force), after set_epoch and after
     load_state_dict."""
     sampler = BalancedSampler(range(29), [5, 3], 0, shuffle=False, verify=False)
-    assert sampler.taken_shares == [5, 3]
+    assert sampler.taken_shares() == [5, 3]
     steps = iter(sampler.batch_sampler())
     next(steps)
     sampler.set_shares([2, 6])  # no loader fetches ahead: from the next step
-    assert sampler.taken_shares == [5, 3] and sampler.shares == [2, 6]
-    assert len(next(steps)) == 2 and sampler.taken_shares == [2, 6]
+    assert sampler.taken_shares() == [5, 3] and sampler.shares == [2, 6]
+    assert len(next(steps)) == 2 and sampler.taken_shares() == [2, 6]
     rest = list(steps)  # steps 3 and 4: the last holds 29 - 24 = 5 samples, cut 1 : 4
-    assert [len(s) for s in rest] == [2, 1] and sampler.taken_shares == [2, 6]
+    assert [len(s) for s in rest] == [2, 1] and sampler.taken_shares() == [2, 6]
     state = sampler.state_dict()
     sampler.set_epoch(1)  # a new epoch: nothing of it taken
-    assert sampler.taken_shares == [2, 6]
+    assert sampler.taken_shares() == [2, 6]
     sampler.set_shares([4, 4])
-    assert sampler.taken_shares == [4, 4]
+    assert sampler.taken_shares() == [4, 4]
     sampler.load_state_dict({**state, "position": 8})
-    assert sampler.taken_shares == [2, 6]  # the restored shares, nothing taken yet
+    assert sampler.taken_shares() == [2, 6]  # the restored shares, nothing taken yet

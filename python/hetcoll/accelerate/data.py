@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
+from accelerate.state import GradientState
 from accelerate.utils import tqdm as accelerate_tqdm
 from torch import nn
 from torch.utils.data import DataLoader
@@ -211,8 +212,21 @@ class BalancedLoader:
 
     @property
     def shares(self) -> list[int]:
-        """Every rank's samples per step, now."""
+        """Every rank's samples per step, now (from the next step the loader cuts; see
+        :meth:`taken_shares`)."""
         return list(self.sampler.shares)
+
+    def taken_shares(self) -> list[int]:
+        """Every rank's samples in the step the loop took last, for logging: the shares it was
+        cut with (:meth:`hetcoll.torch.BalancedSampler.taken_shares`; new shares set by a
+        rebalancer apply from a later step). Accelerate's loader holds the batch after the one
+        it hands out, until the epoch's last: that one is left out."""
+        state = GradientState()
+        ahead = int(state.active_dataloader is not None and not state.end_of_dataloader)
+        try:
+            return self.sampler.taken_shares(ahead=ahead)
+        except ValueError:  # no step held ahead yet (another loader is the active one)
+            return self.sampler.taken_shares()
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.loader)
@@ -226,7 +240,7 @@ class BalancedLoader:
 
     def log_entries(self) -> dict[str, float]:
         """``share/r`` for every rank and, when known, ``speed/r``: for a logger."""
-        out = {f"share/{r}": float(s) for r, s in enumerate(self.shares)}
+        out = {f"share/{r}": float(s) for r, s in enumerate(self.taken_shares())}
         if self.speeds is not None:
             out.update({f"speed/{r}": float(v) for r, v in enumerate(self.speeds)})
         return out
@@ -234,7 +248,7 @@ class BalancedLoader:
     def postfix(self) -> dict[str, str]:
         """The shares and speeds as a progress bar's postfix (``bar.set_postfix(...)``):
         ``{"shares": "5:3", "speeds": "120:40 samples/s"}``."""
-        out = {"shares": ":".join(str(s) for s in self.shares)}
+        out = {"shares": ":".join(str(s) for s in self.taken_shares())}
         if self.speeds is not None:
             unit = " samples/s" if self.fits is not None else " (relative)"
             out["speeds"] = ":".join(f"{v:.3g}" for v in self.speeds) + unit

@@ -48,6 +48,8 @@ from hetcoll.accelerate.data import (
 from hetcoll.torch import (
     ExpertParallelExperts,
     ExpertRebalancer,
+    Rebalancer,
+    StepTimer,
     clip_grad_norm_,
     gather_optimizer_state_dict,
     gather_speeds,
@@ -55,12 +57,16 @@ from hetcoll.torch import (
     load_full_optimizer_state_dict,
     load_full_state_dict,
 )
+from hetcoll.torch.batches import loader_batch_size
 from hetcoll.torch.filters.layers import split_comms
 from hetcoll.torch.speed import check_share_source
 
 #: The file of a checkpoint holding the trainer's :class:`~hetcoll.torch.ExpertRebalancer`
 #: state (JSON), beside the optimizer's.
 EXPERTS_STATE_NAME = "expert_rebalancer.json"
+#: The file of a checkpoint holding the trainer's batch :class:`~hetcoll.torch.Rebalancer`
+#: state and the shares it had set (JSON), beside the optimizer's.
+REBALANCER_STATE_NAME = "rebalancer.json"
 
 
 class _WatchExperts(TrainerCallback):
@@ -124,8 +130,19 @@ class BalancedTrainer(Trainer):
     (``train_sampling_strategy="sequential"``: the dataset's order; samplers of other strategies
     raise ``ValueError`` naming it). Other arguments are Trainer's.
 
-    Every ``logging_steps`` the logs carry ``share/r`` (every rank's samples per step) and, when
-    known, ``speed/r`` (samples/s measured; the relative speeds given), beside the loss.
+    ``rebalance_every``: re-solve the shares from every rank's own compute time every so many
+    optimizer steps (a :class:`~hetcoll.torch.Rebalancer` deciding every ``rebalance_every``
+    times ``gradient_accumulation_steps`` batches, :attr:`rebalancer`), timed from each step's
+    forward to its last gradient (:class:`~hetcoll.torch.StepTimer`: no rank's time holds its
+    wait for the others); it starts from the measured fits with ``measure=True``, else from
+    the first steps' times. The new shares apply from the first batch no rank's loader has
+    fetched; the gradient stays the global batch's whatever the shares. Its checkpoints hold
+    the rebalancer's state and shares (``rebalancer.json``), which a resumed run on as many
+    processes carries on from.
+
+    Every ``logging_steps`` the logs carry ``share/r`` (every rank's samples in the step just
+    taken) and, when known, ``speed/r`` (samples/s measured or, rebalancing, modelled; the
+    relative speeds given), beside the loss.
 
     A model whose experts :func:`hetcoll.torch.expert_parallel` placed on the ranks trains as
     one process too: its experts weigh every rank's rows as Trainer's loss scaling needs
@@ -138,7 +155,8 @@ class BalancedTrainer(Trainer):
     whatever placement it starts with; with ``rebalance_experts_every`` they hold the
     rebalancer's state too (``expert_rebalancer.json``), and the resumed run puts the experts
     back where they were and decides on as the saved run would have. ``measure=True`` is not
-    supported with it.
+    supported with it, nor is ``rebalance_every`` (the experts' exchanges make every rank
+    wait for the others inside its step).
 
     Raises ``ValueError`` naming ``average_tokens_across_devices`` when it is off on several
     processes and ``model`` when the model takes no ``num_items_in_batch`` and no
@@ -155,19 +173,19 @@ class BalancedTrainer(Trainer):
         measure: bool = False,
         measure_budget: float = 10.0,
         seed: int | None = None,
+        rebalance_every: int | None = None,
         rebalance_experts_every: int | None = None,
         **kwargs: Any,
     ) -> None:
         check_share_source(shares, speeds, measure, measure_budget)
-        if rebalance_experts_every is not None and (
-            isinstance(rebalance_experts_every, bool)
-            or not isinstance(rebalance_experts_every, int)
-            or rebalance_experts_every < 1
+        for name, every in (
+            ("rebalance_every", rebalance_every),
+            ("rebalance_experts_every", rebalance_experts_every),
         ):
-            raise ValueError(
-                "rebalance_experts_every: must be an integer >= 1 or None, got "
-                f"{rebalance_experts_every!r}"
-            )
+            if every is not None and (
+                isinstance(every, bool) or not isinstance(every, int) or every < 1
+            ):
+                raise ValueError(f"{name}: must be an integer >= 1 or None, got {every!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed: must be an integer or None, got {seed!r}")
         self._shares = None if shares is None else positive_numbers(shares, "shares", int)
@@ -177,6 +195,10 @@ class BalancedTrainer(Trainer):
         self._seed = seed
         #: The training loader once built (its sampler, shares, speeds and fits).
         self.balanced: BalancedLoader | None = None
+        self._rebalance_every = rebalance_every
+        #: Re-solves the shares from the step times (``rebalance_every``), once the loader is.
+        self.rebalancer: Rebalancer | None = None
+        self._timer: StepTimer | None = None  # this rank's compute per batch, for it
         self._loss_checked = False  # whether the model's loss divides by num_items_in_batch
         super().__init__(*args, **kwargs)
         processes(self.accelerator, "TrainingArguments(use_cpu=True)")
@@ -217,6 +239,12 @@ class BalancedTrainer(Trainer):
                 "measure: BalancedTrainer cannot time a model whose experts are placed on the "
                 "ranks (its probe steps would exchange tokens); give shares= or speeds="
             )
+        if placed and rebalance_every is not None:
+            raise ValueError(
+                "rebalance_every: BalancedTrainer cannot time a model whose experts are placed on "
+                "the ranks (its steps exchange tokens, each rank waiting for the others inside "
+                "it); give shares= or speeds=, and rebalance_experts_every= for the experts"
+            )
         #: Watches the placed experts' loads (``rebalance_experts_every``), once training starts.
         self.expert_rebalancer: ExpertRebalancer | None = None
         self._rebalance_experts_every = rebalance_experts_every
@@ -226,6 +254,31 @@ class BalancedTrainer(Trainer):
                     "rebalance_experts_every: the model holds no experts placed by expert_parallel"
                 )
             self.add_callback(_WatchExperts(self))
+
+    def training_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """Trainer's; with ``rebalance_every``, the batch's compute time on this rank goes to
+        the :attr:`rebalancer` (every rank calls it for every batch; it decides collectively)."""
+        rebalancer = self.rebalancer
+        if rebalancer is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        if self._timer is None:
+            self._timer = StepTimer(self.accelerator.unwrap_model(model))
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        rows = loader_batch_size(inputs)
+        if rows is None:
+            raise TypeError(
+                "inputs: cannot count this batch's samples: it holds no tensor with a batch "
+                "dimension"
+            )
+        rebalancer.observe(rows, self._timer.pop())
+        if self.balanced is not None and rebalancer.speeds is not None:
+            self.balanced.speeds, self.balanced.fits = rebalancer.speeds, rebalancer.fits
+        return loss
 
     def compute_loss(
         self,
@@ -409,10 +462,23 @@ class BalancedTrainer(Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Trainer's; with experts placed on the ranks, the unsplit model's optimizer state
         (:func:`hetcoll.torch.gather_optimizer_state_dict`, keyed by parameter name), not one
-        rank's, which holds its own experts' moments only."""
+        rank's, which holds its own experts' moments only. With ``rebalance_every``, the
+        rebalancer's state and the shares it set too (the same on every rank)."""
         model = self._experts_model()
         if model is None:
-            return super()._save_optimizer_and_scheduler(output_dir)
+            super()._save_optimizer_and_scheduler(output_dir)
+        else:
+            self._save_experts_optimizer(output_dir, model)
+        if self.rebalancer is not None and self.args.should_save:
+            state = {
+                "shares": list(self.rebalancer.sampler.shares),
+                "rebalancer": self.rebalancer.state_dict(),
+            }
+            with open(os.path.join(output_dir, REBALANCER_STATE_NAME), "w") as f:
+                json.dump(state, f)
+
+    def _save_experts_optimizer(self, output_dir: str, model: nn.Module) -> None:
+        """The optimizer and scheduler of a model whose experts are placed on the ranks."""
         assert self.lr_scheduler is not None  # made with the optimizer, before any step
         full = gather_optimizer_state_dict(
             model, self._inner_optimizer(), dst=self._gather_to(model)
@@ -433,7 +499,31 @@ class BalancedTrainer(Trainer):
         (:meth:`hetcoll.torch.ExpertRebalancer.load_state_dict`)."""
         model = self._experts_model()
         if checkpoint is None or model is None:
-            return super()._load_optimizer_and_scheduler(checkpoint)
+            super()._load_optimizer_and_scheduler(checkpoint)
+        else:
+            self._load_experts_optimizer(checkpoint, model)
+        rebalanced = None if checkpoint is None else os.path.join(checkpoint, REBALANCER_STATE_NAME)
+        if self.rebalancer is not None and rebalanced is not None and os.path.isfile(rebalanced):
+            self._load_rebalancer(rebalanced, self.rebalancer)
+
+    def _load_rebalancer(self, path: str, rebalancer: Rebalancer) -> None:
+        """The shares and the rebalancer's state a checkpoint holds (every rank reads the same
+        file; the shares are checked across the ranks as they are set). Saved on another
+        number of processes, the shares stay this run's, and so do the speed models."""
+        with open(path) as f:
+            state = json.load(f)
+        if not isinstance(state, dict) or "shares" not in state or "rebalancer" not in state:
+            raise ValueError(
+                f"resume_from_checkpoint: {path!r} holds no shares and rebalancer state"
+            )
+        shares = state["shares"]
+        if isinstance(shares, list) and len(shares) == len(rebalancer.sampler.shares):
+            rebalancer.sampler.set_shares(shares)
+        rebalancer.load_state_dict(state["rebalancer"])
+
+    def _load_experts_optimizer(self, checkpoint: str, model: nn.Module) -> None:
+        """The optimizer and scheduler of a model whose experts are placed on the ranks, and
+        their placement (see :meth:`_load_optimizer_and_scheduler`)."""
         assert self.lr_scheduler is not None  # made with the optimizer, before loading
         optimizer_file = os.path.join(checkpoint, OPTIMIZER_NAME)
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
@@ -514,6 +604,17 @@ class BalancedTrainer(Trainer):
         )
         if previous is not None:
             self.balanced.speeds, self.balanced.fits = previous.speeds, previous.fits
+        if self._rebalance_every is not None:
+            # Decides every rebalance_every optimizer steps' batches; a rebuilt loader's
+            # rebalancer carries on from the one before (its models and steps).
+            before = self.rebalancer
+            self.rebalancer = Rebalancer(
+                self.balanced.sampler,
+                every=self._rebalance_every * int(self.args.gradient_accumulation_steps),
+                fits=fits,
+            )
+            if before is not None:
+                self.rebalancer.load_state_dict(before.state_dict())
         return self.balanced.loader
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

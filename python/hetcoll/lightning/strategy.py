@@ -141,7 +141,7 @@ class _ShareLog(Callback):
         if s.sampler is None:
             return
         # The shares this batch ran at: a rebalance in its backward set the next step's.
-        metrics = {f"share/{r}": float(v) for r, v in enumerate(s.sampler.taken_shares)}
+        metrics = {f"share/{r}": float(v) for r, v in enumerate(s.sampler.taken_shares())}
         speeds = s.speeds
         pl_module.log_dict(metrics, prog_bar=True, on_step=True, on_epoch=False)
         if speeds is not None:

@@ -54,6 +54,7 @@ from hetcoll.torch.parallel import Parallel, parallelize
 from hetcoll.torch.rebalance import Rebalancer
 from hetcoll.torch.sampler import BalancedSampler
 from hetcoll.torch.speed import SpeedFit, gather_speeds, measure_speed
+from hetcoll.torch.step_timer import StepTimer
 
 __all__ = [
     "BalancedSampler",
@@ -74,6 +75,7 @@ __all__ = [
     "ReplicaSavePlanner",
     "SpeedFit",
     "SplitOutput",
+    "StepTimer",
     "WeightedAllreduceState",
     "broadcast_parameters",
     "clip_grad_norm_",

@@ -150,8 +150,8 @@ def _batch_size_failure(loader: Any, sampler: BalancedSampler) -> ValueError | N
     other numbers of steps and wait for each other. The error, or None."""
     batches = getattr(loader, "_index_sampler", None)
     size = getattr(batches, "batch_size", None)
-    if not isinstance(batches, BatchSampler):
-        return None
+    if not isinstance(batches, BatchSampler) or getattr(batches, "sampler", None) is not sampler:
+        return None  # batches of steps the sampler cut (its batch view, maybe wrapped)
     if size == sampler.batch_size:
         if batches.drop_last and not sampler.drop_last:
             # The epoch's last, smaller step: dropped on the ranks whose piece of it is short
@@ -172,6 +172,23 @@ def _batch_size_failure(loader: Any, sampler: BalancedSampler) -> ValueError | N
     )
 
 
+def _skipped_before(index_sampler: Any, sampler: BalancedSampler) -> int | None:
+    """Where a loader's index sampler pulls ``sampler``'s steps (its batch view, a batch
+    sampler over it, or batch samplers wrapping those: Accelerate's ``SkipBatchSampler``, which
+    ``skip_first_batches`` and a resumed Trainer put around it), the steps the wrappers skip
+    before the first they hand out (their ``skip_batches``); None where it does not."""
+    skipped = 0
+    for _ in range(4):
+        if index_sampler is None:
+            return None
+        if getattr(index_sampler, "sampler", None) is sampler:
+            return skipped
+        n = getattr(index_sampler, "skip_batches", 0)
+        skipped += n if isinstance(n, int) and not isinstance(n, bool) else 0
+        index_sampler = getattr(index_sampler, "batch_sampler", None)
+    return None
+
+
 class _Progress:
     """One iteration over the sampler: where each step it yielded ends in the epoch's
     permutation, and how many of them the training loop has taken."""
@@ -185,6 +202,9 @@ class _Progress:
         #: every yielded step is taken).
         self.taken: int | None = None
         self.loader: weakref.ref[Any] | None = None
+        #: Steps the loader's batch sampler skips before the first it hands out (see
+        #: :func:`_skipped_before`): yielded by this iteration, never taken.
+        self.skipped = 0
 
     def attach(self, frame: FrameType | None, sampler: BalancedSampler) -> Any:
         """Find the DataLoader iterator that pulls the first step (a caller a few frames up,
@@ -199,9 +219,10 @@ class _Progress:
                 break
             caller = frame.f_locals.get("self")
             if it is None:
-                index_sampler = getattr(caller, "_index_sampler", None)
-                if getattr(index_sampler, "sampler", None) is sampler:
+                skipped = _skipped_before(getattr(caller, "_index_sampler", None), sampler)
+                if skipped is not None:
                     it = caller
+                    self.skipped = skipped
             if it is not None and caller is it and frame.f_code.co_name == "__next__":
                 if frame.f_code is _COUNTING_CODE:
                     counting_next = True
@@ -227,7 +248,7 @@ class _Progress:
 
     def steps_taken(self) -> int:
         """Steps of this iteration the loader handed out (or yielded, without a loader)."""
-        steps = len(self.ends) - 1 if self.taken is None else self.taken
+        steps = len(self.ends) - 1 if self.taken is None else self.taken + self.skipped
         return min(steps, len(self.ends) - 1)
 
     def inside_loader(self) -> bool:
@@ -493,17 +514,24 @@ class BalancedSampler(Sampler[int]):
         counts those of the next iteration, fewer after :meth:`load_state_dict` mid-epoch)."""
         return len(self._plan_sizes(0))
 
-    @property
-    def taken_shares(self) -> list[int]:
+    def taken_shares(self, *, ahead: int = 0) -> list[int]:
         """The shares the step the training loop took last (the one its loader handed out last)
         was cut with, for logging: :attr:`shares` may be newer, :meth:`set_shares` applying
         from a later step. (An epoch's last, smaller step is cut from them into fewer samples.)
-        Before any step of the epoch is taken, :attr:`shares`."""
+        Before any step of the epoch is taken, :attr:`shares`.
+
+        ``ahead``: batches the loop holds but has not trained yet (Accelerate's
+        ``DataLoaderShard`` holds the next one until the epoch's last), as in
+        :meth:`state_dict`: the step before those."""
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+            raise ValueError(f"ahead: must be an integer >= 0, got {ahead!r}")
         progress = self._progress
         taken = 0 if progress is None else progress.steps_taken()
-        if progress is None or taken == 0:
+        if ahead > taken:
+            raise ValueError(f"ahead: {ahead}, but only {taken} steps of this epoch were taken")
+        if progress is None or taken - ahead == 0:
             return list(self.shares)
-        return list(progress.shares[taken - 1])
+        return list(progress.shares[taken - ahead - 1])
 
     @property
     def batch_size(self) -> int:
