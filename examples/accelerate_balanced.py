@@ -18,7 +18,9 @@ on the same global batches (``--float64``: to rounding, Llama and GPT-2 alike, o
 Hugging Face's loss computes in float32 inside, so on 3 ranks, whose loss scale 3 is not exact
 there, to float32's rounding, unless ``--own-loss`` sums the loss in float64 here).
 ``--plain-mean``, the loss as Accelerate's examples write it, does not. The progress bar
-(Accelerate's tqdm, rank 0) shows the shares and speeds.
+(Accelerate's tqdm, rank 0) shows the shares and speeds. ``--rebalance-every N`` re-solves the
+shares every N optimizer steps from each rank's own compute time (``hetcoll.torch.Rebalancer``
+fed by a ``hetcoll.torch.StepTimer``, which leaves out DDP's wait for the other ranks).
 
 The model is a small byte-level Llama (or ``--arch gpt2``, ``--arch mixtral``) built from a
 config (no download: ``examples/train_lm.py``'s ``make_model``, smaller); the text, the Python
@@ -52,7 +54,7 @@ from hetcoll.accelerate import (
     prepare_balanced,
     step_items,
 )
-from hetcoll.torch import gather_speeds
+from hetcoll.torch import Rebalancer, StepTimer, gather_speeds
 
 SEQ = 16
 #: Standard-library modules whose source is the text (they ship with every CPython).
@@ -161,6 +163,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     )
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     model, opt = accelerator.prepare(model, opt)
+    rebalancer, timer = None, None
+    if args.rebalance_every is not None and ranks > 1:
+        # Each rank's own compute per micro-batch (not its wait for the others in DDP's
+        # backward); new shares apply from the first batch no rank's loader has cut.
+        every = args.rebalance_every * args.accumulate
+        rebalancer = Rebalancer(data.sampler, every=every, fits=fits)
+        timer = StepTimer(model)
     tokens = 0
     for epoch in range(args.epochs):
         data.set_epoch(epoch)
@@ -181,6 +190,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                         loss = model(**batch, num_items_in_batch=step.num_items).loss
                         loss = loss * step.loss_scale
                     accelerator.backward(loss)
+                if rebalancer is not None and timer is not None:
+                    rebalancer.observe(len(batch["input_ids"]), timer.pop())
             opt.step()
             opt.zero_grad()
             tokens += sum(step.local)
@@ -191,6 +202,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "shares": data.shares,
         "speeds": data.speeds,
         "tokens": tokens,
+        "rebalanced": [  # the rebalancer's decisions: after which batch, to which shares
+            {"batch": e.step, "shares": list(e.new_shares), "applied": e.applied}
+            for e in (rebalancer.history if rebalancer else [])
+        ],
     }
     state = whole_state(accelerator.unwrap_model(model), args)
     if args.save and accelerator.is_main_process:
@@ -236,6 +251,12 @@ def arguments(description: str | None) -> argparse.ArgumentParser:
         metavar="E0,E1,...",
         help="--experts, each rank holding that many experts of every layer instead",
     )
+    p.add_argument(
+        "--rebalance-every",
+        type=int,
+        metavar="N",
+        help="re-solve the shares from the ranks' own compute times every N optimizer steps",
+    )
     p.add_argument("--float64", action="store_true", help="train in float64")
     p.add_argument("--save", help="write the trained state dict here (rank 0)")
     p.add_argument("--json", help="write each rank's report here ({rank} is replaced)")
@@ -251,6 +272,10 @@ def checked(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Name
         p.error("--experts: places a mixture of experts' experts; use --arch mixtral")
     if args.experts and args.measure:
         p.error("--experts: give --shares or --speeds (the probe cannot time placed experts)")
+    if args.experts and args.rebalance_every is not None:
+        p.error("--rebalance-every: not with --experts (their exchanges make ranks wait inside)")
+    if args.rebalance_every is not None and args.rebalance_every < 1:
+        p.error("--rebalance-every: must be >= 1")
     return args
 
 

@@ -141,12 +141,6 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = arguments(__doc__)
     p.add_argument(
-        "--rebalance-every",
-        type=int,
-        metavar="N",
-        help="re-solve the shares from the ranks' measured step times every N steps",
-    )
-    p.add_argument(
         "--rebalance-experts",
         type=int,
         metavar="N",

@@ -94,6 +94,24 @@ def test_accelerate_uneven_shares_with_accumulation_are_the_one_process_model(
         assert _max_diff(one, plain) > 1e-4
 
 
+@pytest.mark.multiproc
+def test_accelerate_loop_rebalanced_as_it_trains_is_the_one_process_model(tmp_path):
+    """The example's ``--rebalance-every 1`` (a Rebalancer over the loader's sampler, fed by a
+    StepTimer), rank 1 emulated at 0.3 of its speed (it sleeps): from 5 : 3 the shares move
+    towards rank 0 as the loop trains, deciding after every optimizer step of two
+    micro-batches, and the model is still one process's on the same global batches."""
+    one, _ = _run(tmp_path, "one", [sys.executable], "accelerate_balanced.py", "--arch", "gpt2",
+                  *ONE)  # fmt: skip
+    emulated = ["--rebalance-every", "1", "--emulate", "1,0.3"]
+    two, reports = _run(tmp_path, "two", TORCHRUN, "accelerate_balanced.py", "--arch", "gpt2",
+                        *TWO, *emulated)  # fmt: skip
+    assert _max_diff(one, two) < 1e-10
+    for r in reports:
+        assert r["rebalanced"] == reports[0]["rebalanced"]  # decided alike on every rank
+        assert [d["batch"] for d in r["rebalanced"]] == [2, 4, 6, 8, 10]
+        assert r["shares"][0] > 5 and sum(r["shares"]) == 8
+
+
 def _measured(tmp_path: Any, script: str, rows: int) -> tuple[Any, list[dict[str, Any]]]:
     """``script`` on two torchrun ranks with measured speeds (rank 1 emulated at half): the
     finished process and each rank's report."""
