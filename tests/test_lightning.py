@@ -282,18 +282,16 @@ class SharesLogged(Logger):
 
 
 def test_logged_shares_are_those_each_step_ran_at(tmp_path, monkeypatch):
-    """rebalance_every=1 decides new shares in each batch's backward, for the next step: the
+    """rebalance_every=1 decides new shares after each batch, for the next steps: the
     share/r logged at a step are the ones it ran at (they were the next step's: 7 of 8 rows
     wrong over two epochs), and training stays one process's. Only the clock is faked, so
     that the speeds change deterministically."""
     import types
 
-    import hetcoll.lightning.strategy as strategy_module
-    import hetcoll.torch.hooks as hooks_module
+    import hetcoll.torch.step_timer as step_timer
 
     fake = types.SimpleNamespace(perf_counter=lambda: CLOCK[0])
-    monkeypatch.setattr(strategy_module, "time", fake)
-    monkeypatch.setattr(hooks_module, "time", fake)
+    monkeypatch.setattr(step_timer, "time", fake)
     trainer = Trainer(
         strategy=BalancedStrategy(rebalance_every=1, start_method=START),
         accelerator="cpu",

@@ -17,8 +17,9 @@ Shares, in order of precedence: given (``shares``), split from relative ``speeds
 training step with :func:`~hetcoll.torch.measure_speed` on the first samples of the dataset, the
 fits are exchanged with :func:`~hetcoll.torch.gather_speeds` and split exactly, within each
 rank's memory capacity from the same probe), or equal. ``rebalance_every``
-adds a :class:`~hetcoll.torch.Rebalancer` fed with each rank's compute time per step (batch
-start to its last gradient bucket ready); new shares apply from the next batch the loader
+adds a :class:`~hetcoll.torch.Rebalancer` fed with each rank's compute time per batch (its
+forward to its last gradient, :class:`~hetcoll.torch.StepTimer`: no rank's time holds DDP's
+wait for the others; on a GPU, the kernels' time); new shares apply from the next batch the loader
 fetches, with Lightning's default fetching and ``num_workers=0`` the next step (worker processes
 fetch ahead, so there a few steps later, the same step on every rank: the first that no rank's
 loader had fetched). ``rebalance_experts_every`` adds an
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -61,6 +61,7 @@ from hetcoll.torch import (
     ExpertRebalancer,
     Rebalancer,
     SpeedFit,
+    StepTimer,
     WeightedAllreduceState,
     clip_grad_norm_,
     gather_optimizer_state_dict,
@@ -140,7 +141,7 @@ class _ShareLog(Callback):
         s = self.strategy
         if s.sampler is None:
             return
-        # The shares this batch ran at: a rebalance in its backward set the next step's.
+        # The shares this batch ran at: a rebalance after it set the next steps'.
         metrics = {f"share/{r}": float(v) for r, v in enumerate(s.sampler.taken_shares())}
         speeds = s.speeds
         pl_module.log_dict(metrics, prog_bar=True, on_step=True, on_epoch=False)
@@ -151,6 +152,18 @@ class _ShareLog(Callback):
                 on_step=True,
                 on_epoch=False,
             )
+
+
+class _ObserveBatches(Callback):
+    """After every training batch, its compute time to the strategy's rebalancer."""
+
+    def __init__(self, strategy: BalancedStrategy) -> None:
+        self.strategy = strategy
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        self.strategy._observe_batch()
 
 
 class _RebalancersState(Callback):
@@ -351,7 +364,7 @@ class BalancedStrategy(DDPStrategy):
         #: Watches the experts' loads (``rebalance_experts_every``), from the first step on.
         self.expert_rebalancer: ExpertRebalancer | None = None
         self.hook_state: WeightedAllreduceState | None = None
-        self._step_start = 0.0
+        self._timer: StepTimer | None = None  # this rank's compute per batch, for the rebalancer
         self._local_batch = 0
         #: Weighing by micro-batch (:meth:`_by_micro_batch`): the running micro-batch's loss
         #: factor (its weight times the ranks); None weighing in the hook.
@@ -522,9 +535,12 @@ class BalancedStrategy(DDPStrategy):
             return
         # The trainer's callback list (set by its callback connector, hence unseen by mypy).
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
-        for kind in (_ShareLog, _RebalancersState):
+        for kind in (_ObserveBatches, _ShareLog, _RebalancersState):
             if not any(isinstance(c, kind) and c.strategy is self for c in callbacks):
-                callbacks.append(kind(self))
+                # The batch's time is observed before any other callback sees the batch end
+                # (a checkpoint saved there holds the rebalancer with that batch counted).
+                at = 0 if kind is _ObserveBatches else len(callbacks)
+                callbacks.insert(at, kind(self))
 
     # -- the training loader --------------------------------------------------------------
 
@@ -699,7 +715,8 @@ class BalancedStrategy(DDPStrategy):
                 self.hook_state.local_batch = 1  # unused: backward weighs the loss
             else:
                 self.hook_state.local_batch = self._local_batch
-        self._step_start = time.perf_counter()
+        if self.rebalancer is not None and self._timer is None and self.model is not None:
+            self._timer = StepTimer(self.model)  # from this batch's forward on
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._log_weight = (
@@ -778,15 +795,16 @@ class BalancedStrategy(DDPStrategy):
             closure_loss = self.hook_state.weigh(closure_loss, weight=self._micro_scale)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        super().post_backward(closure_loss)
-        if self.rebalancer is not None and self.hook_state is not None:
-            # Accumulating micro-batches reach no hook: their backward's end is their own.
-            ready = self.hook_state.ready_at
-            end = ready if ready >= self._step_start else time.perf_counter()
-            self.rebalancer.observe(self._local_batch, end - self._step_start)
+    def _observe_batch(self) -> None:
+        """The batch's compute time on this rank, to the rebalancer: once per batch, after it
+        (collective every ``rebalance_every`` batches; however many backward calls it made)."""
+        if self.rebalancer is not None and self._timer is not None:
+            self.rebalancer.observe(self._local_batch, self._timer.pop())
 
     def teardown(self) -> None:
+        if self._timer is not None:
+            self._timer.remove()
+            self._timer = None
         for handle in self._weightless_hooks:
             handle.remove()
         self._weightless_hooks = []

@@ -123,8 +123,9 @@ class WeightedAllreduceState:
     ranks, not on NCCL; see the module docstring).
 
     ``ready_at``: ``time.perf_counter()`` when the latest step's last gradient bucket was
-    ready, before any waiting for the other ranks. With the time the step started it gives this
-    rank's own compute time, the signal :class:`hetcoll.torch.Rebalancer` needs.
+    ready, before any waiting for the other ranks (on a GPU: when its work was queued).
+    :class:`hetcoll.torch.StepTimer` gives the rank's own compute time per step, on a GPU
+    too, the signal :class:`hetcoll.torch.Rebalancer` needs.
     """
 
     def __init__(
@@ -526,8 +527,7 @@ def register_weighted_hook(
     trains, warns once.
 
     The hook runs on ``ddp``'s own process group; ``algorithm`` as in
-    :class:`WeightedAllreduceState`. Returns the state (its ``ready_at`` feeds the
-    :class:`hetcoll.torch.Rebalancer`).
+    :class:`WeightedAllreduceState`. Returns the state.
     """
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(

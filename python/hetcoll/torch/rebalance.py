@@ -179,8 +179,9 @@ class Rebalancer:
     """Re-solve the split every ``every`` steps from the step times the ranks observe.
 
     Call :meth:`observe` on every rank after every step with the samples it processed and the
-    seconds it spent computing them (not waiting for others: e.g. until DDP's last gradient
-    bucket was ready, :attr:`WeightedAllreduceState.ready_at`); it returns True on the steps
+    seconds it spent computing them, not waiting for others (:meth:`StepTimer.pop
+    <hetcoll.torch.StepTimer.pop>`: from the model's forward to its last gradient); it returns
+    True on the steps
     where the shares changed, from the sampler's next step on (iterate
     ``sampler.batch_sampler()``).
 
