@@ -19,7 +19,8 @@ Hugging Face's loss computes in float32 inside, so on 3 ranks, whose loss scale 
 there, to float32's rounding, unless ``--own-loss`` sums the loss in float64 here).
 ``--plain-mean``, the loss as Accelerate's examples write it, does not. The progress bar
 (Accelerate's tqdm, rank 0) shows the shares and speeds. ``--rebalance-every N`` re-solves the
-shares every N optimizer steps from each rank's own compute time (``hetcoll.torch.Rebalancer``
+shares every N optimizer steps' worth of micro-batches (N times ``--accumulate``) from each
+rank's own compute time (``hetcoll.torch.Rebalancer``
 fed by a ``hetcoll.torch.StepTimer``, which leaves out DDP's wait for the other ranks).
 
 The model is a small byte-level Llama (or ``--arch gpt2``, ``--arch mixtral``) built from a
@@ -194,6 +195,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                     rebalancer.observe(len(batch["input_ids"]), timer.pop())
             opt.step()
             opt.zero_grad()
+            if rebalancer is not None:
+                bar.set_postfix(data.postfix(), refresh=False)  # the shares as they move
             tokens += sum(step.local)
         bar.close()
     report = {
@@ -255,7 +258,8 @@ def arguments(description: str | None) -> argparse.ArgumentParser:
         "--rebalance-every",
         type=int,
         metavar="N",
-        help="re-solve the shares from the ranks' own compute times every N optimizer steps",
+        help="re-solve the shares from the ranks' own compute times every N x --accumulate "
+        "micro-batches",
     )
     p.add_argument("--float64", action="store_true", help="train in float64")
     p.add_argument("--save", help="write the trained state dict here (rank 0)")

@@ -30,8 +30,9 @@ process (to the router's float32 softmax).
         --arch mixtral --experts --shares 5,3                               # experts placed
 
 ``--rebalance-every N`` re-solves the shares from every rank's own compute time every N
-optimizer steps (``BalancedTrainer(rebalance_every=N)``: an ``hetcoll.torch.Rebalancer``); the
-shares each step ran at are in the logs:
+optimizer steps' worth of micro-batches, N times ``--accumulate``
+(``BalancedTrainer(rebalance_every=N)``: an ``hetcoll.torch.Rebalancer``); the shares each
+step ran at are in the logs:
 
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer_balanced.py \
         --emulate 1,0.5 --rebalance-every 1 --epochs 3                      # shares follow

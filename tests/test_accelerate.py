@@ -355,7 +355,12 @@ def _workers(tmp: Path, script: str) -> list[dict]:
 
 @pytest.mark.multiproc
 def test_bad_input_raises_on_every_rank_and_a_rank_without_tokens_weighs_zero(tmp_path):
-    for o in _workers(tmp_path, "cases.py"):
+    reports = _workers(tmp_path, "cases.py")
+    # The rank that read a bad rebalancer.json names it; the other is told.
+    assert reports[1]["rebalancer_bad"]["raised"] == "ValueError"
+    assert reports[1]["rebalancer_bad"]["message"].startswith("resume_from_checkpoint: ")
+    assert reports[0]["rebalancer_bad"]["raised"] == "CollectiveMismatchError"
+    for o in reports:
         assert o["world"] == 2
         assert o["bad_items"]["raised"] == "ValueError"
         assert o["bad_items"]["message"].startswith("items: rank 1 counted -3")
@@ -377,6 +382,11 @@ def test_bad_input_raises_on_every_rank_and_a_rank_without_tokens_weighs_zero(tm
             "model: its forward takes num_items_in_batch but its loss does not divide by it"
         )
         assert o["strategy"]["message"].startswith("train_sampling_strategy:")
+        assert o["rebalance_experts"]["raised"] == "ValueError"
+        assert o["rebalance_experts"]["message"].startswith("rebalance_every: BalancedTrainer")
+        assert o["rebalancer_missing"]["raised"] == "CollectiveMismatchError"
+        assert "rebalancer.json found" in o["rebalancer_missing"]["message"]
+        assert o["rebalancer_good"]["raised"] == "" and o["restored_shares"] == [6, 2]
         assert o["ranks"]["message"] == "speeds: has 3 entries for 2 processes"
         zero = o["zero_rank"]
         assert zero["weights"] == [1.0, 0.0] and zero["counts"][0] > 0 and zero["finite"]
@@ -511,7 +521,7 @@ def test_logged_shares_are_those_of_the_step_the_loop_took(workers, skip):
     for k, batch in enumerate(skip_first_batches(loader, skip) if skip else loader):
         ran.append(len(batch))
         logged.append(int(balanced.log_entries()["share/0"]))
-        assert balanced.taken_shares() == [5, 3] if len(batch) == 5 else [2, 6]
+        assert balanced.taken_shares() == ([5, 3] if len(batch) == 5 else [2, 6])
         if k == 0:
             sampler.set_shares([2, 6])  # from the first step no loader has cut
     assert logged == ran and len(ran) == 10 - skip

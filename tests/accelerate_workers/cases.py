@@ -17,9 +17,10 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
 import hetcoll
 from hetcoll.accelerate import BalancedTrainer, prepare_balanced, step_items
+from hetcoll.torch import expert_parallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from accelerate_balanced import SEQ, text_rows
+from accelerate_balanced import SEQ, make_model, text_rows
 
 
 def outcome(fn: Any) -> dict[str, str]:
@@ -113,6 +114,50 @@ def gpt2_targets(rows: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
     return {"counted": sorted(set(seen)), "targets": targets, "max_diff": diff}
 
 
+def rebalancing(rank: int, rows: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """BalancedTrainer(rebalance_every=1): refused with experts placed on the ranks; a
+    checkpoint's rebalancer state found on one rank only (no shared filesystem) or unreadable
+    on one raises on every rank (the shares are set collectively after: they would wait)."""
+    base = Path(os.environ["HETCOLL_TEST_OUT"])
+    args = TrainingArguments(
+        output_dir=str(base), use_cpu=True, report_to="none", per_device_train_batch_size=4
+    )
+
+    def placed() -> BalancedTrainer:
+        torch.manual_seed(0)
+        model = make_model("mixtral").double()
+        expert_parallel(model, shares=[2, 2])
+        return BalancedTrainer(
+            model=model, args=args, train_dataset=rows, shares=[5, 3], rebalance_every=1
+        )
+
+    def resumed(checkpoint: Path) -> list[int]:
+        trainer = BalancedTrainer(
+            model=gpt2(), args=args, train_dataset=rows, shares=[5, 3], rebalance_every=1
+        )
+        trainer.get_train_dataloader()
+        assert trainer.rebalancer is not None
+        trainer._load_rebalancer(str(checkpoint), trainer.rebalancer)
+        return trainer.rebalancer.sampler.shares
+
+    saved = json.dumps({"shares": [6, 2], "rebalancer": {"step": 4, "models": None}})
+    dirs = {}
+    for name, text in (("good", saved), ("none", None), ("bad", "{" if rank == 1 else saved)):
+        dirs[name] = base / f"{name}{rank}"  # each rank's own copy, as on another node
+        dirs[name].mkdir(exist_ok=True)
+        if text is not None:
+            (dirs[name] / "rebalancer.json").write_text(text)
+    shares: list[int] = []
+    out = {
+        "rebalance_experts": outcome(placed),
+        "rebalancer_missing": outcome(lambda: resumed(dirs["good" if rank == 0 else "none"])),
+        "rebalancer_bad": outcome(lambda: resumed(dirs["bad"])),
+        "rebalancer_good": outcome(lambda: shares.extend(resumed(dirs["good"]))),
+    }
+    out["restored_shares"] = shares
+    return out
+
+
 def main() -> None:
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
@@ -179,6 +224,7 @@ def main() -> None:
             speeds=[1, 2, 3],
         )
     )
+    out.update(rebalancing(rank, rows))
     out["gpt2_targets"] = gpt2_targets(rows)
     out["world"] = accelerator.num_processes
     out["split"] = hetcoll.split(8, [5, 3])

@@ -221,12 +221,16 @@ class BalancedLoader:
         cut with (:meth:`hetcoll.torch.BalancedSampler.taken_shares`; new shares set by a
         rebalancer apply from a later step). Accelerate's loader holds the batch after the one
         it hands out, until the epoch's last: that one is left out."""
-        state = GradientState()
-        ahead = int(state.active_dataloader is not None and not state.end_of_dataloader)
-        try:
-            return self.sampler.taken_shares(ahead=ahead)
-        except ValueError:  # no step held ahead yet (another loader is the active one)
-            return self.sampler.taken_shares()
+        return self.sampler.taken_shares(ahead=self._held())
+
+    def _held(self) -> int:
+        """Batches Accelerate's loader over this sampler holds beyond those it handed out: the
+        one after, while it iterates and before the epoch's last (0 where no such loader
+        iterates: another loader, an evaluation's, may be Accelerate's active one)."""
+        for shard in reversed(GradientState().dataloader_references):
+            if shard is not None and self.sampler.feeds(getattr(shard, "batch_sampler", None)):
+                return int(not shard.end_of_dataloader)
+        return 0
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.loader)

@@ -45,6 +45,7 @@ from hetcoll.accelerate.data import (
     prepare_balanced,
     processes,
 )
+from hetcoll.comm import agree, wrap
 from hetcoll.torch import (
     ExpertParallelExperts,
     ExpertRebalancer,
@@ -266,8 +267,10 @@ class BalancedTrainer(Trainer):
         rebalancer = self.rebalancer
         if rebalancer is None:
             return super().training_step(model, inputs, num_items_in_batch)
-        if self._timer is None:
-            self._timer = StepTimer(self.accelerator.unwrap_model(model))
+        inner = self.accelerator.unwrap_model(model)
+        if self._timer is None or self._timer.model is not inner:  # a new model (model_init)
+            self._remove_timer()
+            self._timer = StepTimer(inner)
         loss = super().training_step(model, inputs, num_items_in_batch)
         rows = loader_batch_size(inputs)
         if rows is None:
@@ -279,6 +282,18 @@ class BalancedTrainer(Trainer):
         if self.balanced is not None and rebalancer.speeds is not None:
             self.balanced.speeds, self.balanced.fits = rebalancer.speeds, rebalancer.fits
         return loss
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's; the step timer's hooks (``rebalance_every``) come off the model after."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._remove_timer()
+
+    def _remove_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.remove()
+            self._timer = None
 
     def compute_loss(
         self,
@@ -502,24 +517,32 @@ class BalancedTrainer(Trainer):
             super()._load_optimizer_and_scheduler(checkpoint)
         else:
             self._load_experts_optimizer(checkpoint, model)
-        rebalanced = None if checkpoint is None else os.path.join(checkpoint, REBALANCER_STATE_NAME)
-        if self.rebalancer is not None and rebalanced is not None and os.path.isfile(rebalanced):
-            self._load_rebalancer(rebalanced, self.rebalancer)
+        if self.rebalancer is not None and checkpoint is not None:
+            self._load_rebalancer(checkpoint, self.rebalancer)
 
-    def _load_rebalancer(self, path: str, rebalancer: Rebalancer) -> None:
-        """The shares and the rebalancer's state a checkpoint holds (every rank reads the same
-        file; the shares are checked across the ranks as they are set). Saved on another
+    def _load_rebalancer(self, checkpoint: str, rebalancer: Rebalancer) -> None:
+        """The shares and the rebalancer's state ``checkpoint`` holds, if any (a checkpoint of
+        a run without ``rebalance_every`` has none: this run starts afresh). Every rank reads
+        the file and the ranks agree that they all found it and could read it (collective:
+        one where the others did not, or a bad file, raises on every rank). Saved on another
         number of processes, the shares stay this run's, and so do the speed models."""
-        with open(path) as f:
-            state = json.load(f)
-        if not isinstance(state, dict) or "shares" not in state or "rebalancer" not in state:
-            raise ValueError(
-                f"resume_from_checkpoint: {path!r} holds no shares and rebalancer state"
-            )
-        shares = state["shares"]
-        if isinstance(shares, list) and len(shares) == len(rebalancer.sampler.shares):
+        path = os.path.join(checkpoint, REBALANCER_STATE_NAME)
+        found, shares, failure = os.path.isfile(path), None, None
+        if found:
+            try:
+                with open(path) as f:
+                    state = json.load(f)
+                if not isinstance(state, dict) or not {"shares", "rebalancer"} <= state.keys():
+                    raise ValueError("it holds no shares and rebalancer state")
+                shares = positive_numbers(state["shares"], "shares", int)
+                rebalancer.load_state_dict(state["rebalancer"])
+            except (OSError, ValueError, TypeError) as e:
+                failure = ValueError(f"resume_from_checkpoint: {path!r}: {e}")
+        agree(
+            wrap(rebalancer.group), {f"{REBALANCER_STATE_NAME} found": int(found)}, failure=failure
+        )
+        if shares is not None and len(shares) == len(rebalancer.sampler.shares):
             rebalancer.sampler.set_shares(shares)
-        rebalancer.load_state_dict(state["rebalancer"])
 
     def _load_experts_optimizer(self, checkpoint: str, model: nn.Module) -> None:
         """The optimizer and scheduler of a model whose experts are placed on the ranks, and
@@ -604,17 +627,20 @@ class BalancedTrainer(Trainer):
         )
         if previous is not None:
             self.balanced.speeds, self.balanced.fits = previous.speeds, previous.fits
-        if self._rebalance_every is not None:
+        if self._rebalance_every is not None and self.args.world_size > 1:
             # Decides every rebalance_every optimizer steps' batches; a rebuilt loader's
-            # rebalancer carries on from the one before (its models and steps).
+            # rebalancer carries on from the one before (its models, steps, capacities and
+            # decisions).
             before = self.rebalancer
             self.rebalancer = Rebalancer(
                 self.balanced.sampler,
                 every=self._rebalance_every * int(self.args.gradient_accumulation_steps),
                 fits=fits,
+                capacity=None if before is None else before.capacity,
             )
             if before is not None:
                 self.rebalancer.load_state_dict(before.state_dict())
+                self.rebalancer.history = before.history
         return self.balanced.loader
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

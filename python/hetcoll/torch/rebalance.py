@@ -179,11 +179,10 @@ class Rebalancer:
     """Re-solve the split every ``every`` steps from the step times the ranks observe.
 
     Call :meth:`observe` on every rank after every step with the samples it processed and the
-    seconds it spent computing them, not waiting for others (:meth:`StepTimer.pop
-    <hetcoll.torch.StepTimer.pop>`: from the model's forward to its last gradient); it returns
-    True on the steps
-    where the shares changed, from the sampler's next step on (iterate
-    ``sampler.batch_sampler()``).
+    seconds it spent computing them, not waiting for others (a
+    :class:`~hetcoll.torch.StepTimer`'s ``pop()``: from the model's forward to its last
+    gradient); it returns True on the steps where the shares changed, from the sampler's next
+    step on (iterate ``sampler.batch_sampler()``).
 
     ``fits``: every rank's probe (:func:`gather_speeds`), the model's start and, unless
     ``capacity`` is given, each rank's capacity. ``capacity``: the largest batch each rank can

@@ -143,15 +143,28 @@ def _counting_type(cls: type) -> type:
     return sub
 
 
+def _before_ahead(taken: int, ahead: Any) -> int:
+    """The steps the training loop has trained of the ``taken`` its loader handed out, when it
+    holds ``ahead`` of them untrained; ``ValueError`` naming ``ahead`` where it is no count of
+    those."""
+    if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+        raise ValueError(f"ahead: must be an integer >= 0, got {ahead!r}")
+    if ahead > taken:
+        raise ValueError(f"ahead: {ahead}, but only {taken} steps of this epoch were taken")
+    return taken - ahead
+
+
 def _batch_size_failure(loader: Any, sampler: BalancedSampler) -> ValueError | None:
-    """A loader batching this sampler's samples itself (``DataLoader(sampler=..., batch_size=B)``)
-    must batch them by this rank's share, and drop a short last batch only where the sampler
-    does: otherwise this rank's steps are cut elsewhere than the other ranks', which then run
-    other numbers of steps and wait for each other. The error, or None."""
-    batches = getattr(loader, "_index_sampler", None)
+    """A loader batching this sampler's samples itself (``DataLoader(sampler=..., batch_size=B)``,
+    maybe wrapped: :func:`_source`) must batch them by this rank's share, and drop a short last
+    batch only where the sampler does: otherwise this rank's steps are cut elsewhere than the
+    other ranks', which then run other numbers of steps and wait for each other. The error, or
+    None."""
+    source = _source(getattr(loader, "_index_sampler", None), sampler)
+    batches = None if source is None else source[1]
     size = getattr(batches, "batch_size", None)
-    if not isinstance(batches, BatchSampler) or getattr(batches, "sampler", None) is not sampler:
-        return None  # batches of steps the sampler cut (its batch view, maybe wrapped)
+    if not isinstance(batches, BatchSampler):
+        return None  # steps the sampler cut (its batch view)
     if size == sampler.batch_size:
         if batches.drop_last and not sampler.drop_last:
             # The epoch's last, smaller step: dropped on the ranks whose piece of it is short
@@ -172,17 +185,18 @@ def _batch_size_failure(loader: Any, sampler: BalancedSampler) -> ValueError | N
     )
 
 
-def _skipped_before(index_sampler: Any, sampler: BalancedSampler) -> int | None:
-    """Where a loader's index sampler pulls ``sampler``'s steps (its batch view, a batch
-    sampler over it, or batch samplers wrapping those: Accelerate's ``SkipBatchSampler``, which
-    ``skip_first_batches`` and a resumed Trainer put around it), the steps the wrappers skip
-    before the first they hand out (their ``skip_batches``); None where it does not."""
+def _source(index_sampler: Any, sampler: BalancedSampler) -> tuple[int, Any] | None:
+    """Where a loader's index sampler pulls ``sampler``'s steps or samples (its batch view, a
+    batch sampler over it, or batch samplers wrapping those: Accelerate's ``SkipBatchSampler``,
+    which ``skip_first_batches`` and a resumed Trainer put around it): the steps the wrappers
+    skip before the first they hand out (their ``skip_batches``), and the innermost one, which
+    pulls from ``sampler`` itself. None where it does not."""
     skipped = 0
     for _ in range(4):
         if index_sampler is None:
             return None
         if getattr(index_sampler, "sampler", None) is sampler:
-            return skipped
+            return skipped, index_sampler
         n = getattr(index_sampler, "skip_batches", 0)
         skipped += n if isinstance(n, int) and not isinstance(n, bool) else 0
         index_sampler = getattr(index_sampler, "batch_sampler", None)
@@ -203,7 +217,7 @@ class _Progress:
         self.taken: int | None = None
         self.loader: weakref.ref[Any] | None = None
         #: Steps the loader's batch sampler skips before the first it hands out (see
-        #: :func:`_skipped_before`): yielded by this iteration, never taken.
+        #: :func:`_source`): yielded by this iteration, never taken.
         self.skipped = 0
 
     def attach(self, frame: FrameType | None, sampler: BalancedSampler) -> Any:
@@ -219,10 +233,10 @@ class _Progress:
                 break
             caller = frame.f_locals.get("self")
             if it is None:
-                skipped = _skipped_before(getattr(caller, "_index_sampler", None), sampler)
-                if skipped is not None:
+                source = _source(getattr(caller, "_index_sampler", None), sampler)
+                if source is not None:
                     it = caller
-                    self.skipped = skipped
+                    self.skipped = source[0]
             if it is not None and caller is it and frame.f_code.co_name == "__next__":
                 if frame.f_code is _COUNTING_CODE:
                     counting_next = True
@@ -523,15 +537,17 @@ class BalancedSampler(Sampler[int]):
         ``ahead``: batches the loop holds but has not trained yet (Accelerate's
         ``DataLoaderShard`` holds the next one until the epoch's last), as in
         :meth:`state_dict`: the step before those."""
-        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
-            raise ValueError(f"ahead: must be an integer >= 0, got {ahead!r}")
         progress = self._progress
-        taken = 0 if progress is None else progress.steps_taken()
-        if ahead > taken:
-            raise ValueError(f"ahead: {ahead}, but only {taken} steps of this epoch were taken")
-        if progress is None or taken - ahead == 0:
+        taken = _before_ahead(0 if progress is None else progress.steps_taken(), ahead)
+        if progress is None or taken == 0:
             return list(self.shares)
-        return list(progress.shares[taken - ahead - 1])
+        return list(progress.shares[taken - 1])
+
+    def feeds(self, batch_sampler: Any) -> bool:
+        """Whether ``batch_sampler`` (a ``DataLoader``'s) yields this sampler's steps: its
+        :meth:`batch_sampler` view, a ``BatchSampler`` over it, or samplers wrapping those
+        (Accelerate's ``SkipBatchSampler``)."""
+        return _source(batch_sampler, self) is not None
 
     @property
     def batch_size(self) -> int:
@@ -604,17 +620,11 @@ class BalancedSampler(Sampler[int]):
         loop that fetches ahead of training (Accelerate's ``DataLoaderShard`` holds the next
         batch): the position leaves them out.
         """
-        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
-            raise ValueError(f"ahead: must be an integer >= 0, got {ahead!r}")
         progress = self._progress
         if progress is None or progress.inside_loader():
-            if ahead:
-                raise ValueError(f"ahead: {ahead}, but no step of this epoch was taken")
+            _before_ahead(0, ahead)
             return self._state(self.position)  # what left (a stateful loader counts the rest)
-        steps = progress.steps_taken()
-        if ahead > steps:
-            raise ValueError(f"ahead: {ahead}, but only {steps} steps of this epoch were taken")
-        return self._state(progress.ends[steps - ahead])
+        return self._state(progress.ends[_before_ahead(progress.steps_taken(), ahead)])
 
     def _state(self, position: int) -> dict[str, Any]:
         return {

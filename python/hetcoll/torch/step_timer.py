@@ -10,9 +10,11 @@ own forward starts.
 
 So the timer hooks the model, not the wrapper: a forward pre-hook marks the step's first
 forward, and every parameter's post-accumulate-grad hook the latest gradient accumulated.
-Whatever the communication hook, with or without DDP, and for micro-batches under
-``no_sync`` alike. On a GPU the marks are CUDA events recorded on the current stream (the
-hooks run as the work is queued, before it is done), read once the last one has completed.
+With or without DDP, and for micro-batches under ``no_sync`` alike; a communication hook that
+itself waits for the other ranks inside the backward (before the last gradient) is counted.
+On a GPU the marks are CUDA events recorded on the current stream (the hooks run as the work
+is queued, before it is done), read once the last one has completed: one host
+synchronisation per :meth:`StepTimer.pop`.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ class StepTimer:
     ...     rebalancer.observe(len(x), timer.pop())
     ...     optimizer.step(); optimizer.zero_grad()
 
-    A model on a CUDA device is timed by CUDA events (:meth:`pop` waits for the step's last
-    gradient to be computed). :meth:`remove` takes the hooks off.
+    A model on a CUDA device (where its parameters are when a step starts) is timed by CUDA
+    events (:meth:`pop` waits for the step's last gradient to be computed); its parameters
+    must be on one device. :meth:`remove` takes the hooks off.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -53,7 +56,16 @@ class StepTimer:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model: has no parameter that requires a gradient to time")
-        self._cuda = params[0].device.type == "cuda"
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(
+                f"model: its parameters are on {len(devices)} devices "
+                f"({', '.join(sorted(str(d) for d in devices))}); StepTimer times one device's work"
+            )
+        #: The module timed.
+        self.model = model
+        self._first = params[0]  # where the model is when a step starts
+        self._cuda = False
         self._started: float | None = None
         self._ended: float | None = None
         self._start_event: Any = None
@@ -79,6 +91,7 @@ class StepTimer:
         if self._started is not None or not torch.is_grad_enabled():
             return
         self._started = time.perf_counter()
+        self._cuda = self._first.device.type == "cuda"
         if self._cuda:
             self._start_event = torch.cuda.Event(enable_timing=True)
             self._start_event.record()
