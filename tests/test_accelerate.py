@@ -543,3 +543,35 @@ def test_trainer_rebalancing_arguments_are_checked(tmp_path):
         model=make_model("gpt2"), args=args, train_dataset=[{}] * 8, rebalance_every=3
     )
     assert trainer.rebalancer is None  # made with the training loader
+
+
+def test_logged_shares_read_the_balanced_loader_not_another_active_one():
+    """An evaluation loader left mid-way (a loop that breaks) stays Accelerate's active loader:
+    the balanced loader's own look-ahead decides, so the epoch's last step, cut at new
+    shares, logs them (read from the evaluation loader's, it logged the step before's)."""
+    from accelerate import Accelerator
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+
+    from hetcoll.accelerate import BalancedLoader
+    from hetcoll.torch import BalancedSampler
+
+    Accelerator(cpu=True)
+    data = list(range(80))
+    sampler = BalancedSampler(data, [5, 3], 0, shuffle=False, verify=False)
+    plain = DataLoader(data, batch_sampler=sampler.batch_sampler())
+    balanced = BalancedLoader(prepare_data_loader(plain, num_processes=1, process_index=0),
+                              sampler, None, None)  # fmt: skip
+    evaluation = prepare_data_loader(DataLoader(range(10), batch_size=2), num_processes=1,
+                                     process_index=0)  # fmt: skip
+    ran, logged, left = [], [], None
+    for k, batch in enumerate(balanced.loader):
+        if k == 2:
+            left = iter(evaluation)
+            next(left)  # an evaluation that stops after one batch
+        if k == 7:
+            sampler.set_shares([2, 6])  # the loader holds step 9: from step 10, the last
+        ran.append(len(batch))
+        logged.append(balanced.taken_shares()[0])
+    assert left is not None
+    assert ran == [5] * 9 + [2] and logged == ran

@@ -83,6 +83,10 @@ def test_remove_takes_the_hooks_off_and_bad_models_are_named(clock):
     frozen = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="model: has no parameter"):
         StepTimer(frozen)
+    # One device's work is timed (CUDA events of two devices cannot be compared).
+    spread = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    with pytest.raises(ValueError, match=r"model: its parameters are on 2 devices \(cpu, meta\)"):
+        StepTimer(spread)
 
 
 def _ddp_times(rank: int, world: int, slow_s: float) -> tuple[float, float]:
