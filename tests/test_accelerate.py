@@ -285,12 +285,14 @@ def test_trainer_with_placed_experts_resumes_from_its_checkpoint_as_the_uninterr
     assert _max_diff({k: v.double() for k, v in loaded.state_dict().items()}, whole) < 1e-10
 
 
-def _rebalanced(out: Path, launcher: list[str], resume: str = "none") -> tuple[dict, list[dict]]:
-    """tests/accelerate_workers/trainer_rebalance.py (6 steps) under ``launcher``: the trained
-    weights and every rank's report."""
+def _rebalanced(
+    out: Path, launcher: list[str], resume: str = "none", batch: int = 8
+) -> tuple[dict, list[dict]]:
+    """tests/accelerate_workers/trainer_rebalance.py (6 steps, global batches of ``batch``)
+    under ``launcher``: the trained weights and every rank's report."""
     worker = ROOT / "tests" / "accelerate_workers" / "trainer_rebalance.py"
     proc = subprocess.run(
-        [*launcher, str(worker), str(out), resume, "6"],
+        [*launcher, str(worker), str(out), resume, "6", str(batch)],
         capture_output=True, text=True, timeout=300, check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
@@ -308,8 +310,12 @@ def test_trainer_rebalancing_follows_the_ranks_speeds_and_resumes_with_its_share
     shares are those its last micro-batch ran at; the weights are one process's on the same
     global batches (GPT-2, float64, AdamW). Resumed from the checkpoint after step 2, it runs
     at the saved 6 : 2 from its first batch (not the equal start) with the saved models, and
-    ends where the uninterrupted run does."""
-    one, _ = _rebalanced(tmp_path / "one", [sys.executable])
+    ends where the uninterrupted run does; resumed at a global batch of 12, it starts at the
+    saved proportions, 9 : 3. One process takes rebalance_every too (nothing to balance: it
+    raised at the first decision, wanting a process group), and the step timer's hooks come
+    off the model when train() ends."""
+    one, (alone,) = _rebalanced(tmp_path / "one", [sys.executable])
+    assert alone["decisions"] == [] and alone["hooks_left"] == 0
     whole, reports = _rebalanced(tmp_path / "whole", TORCHRUN)
     assert _max_diff(one, whole) < 1e-10
     first, second = reports
@@ -319,6 +325,7 @@ def test_trainer_rebalancing_follows_the_ranks_speeds_and_resumes_with_its_share
     assert ran == [[4, 4]] * 3 + [[6, 2]] * 7  # the fourth batch was the first not yet cut
     last_of_step = {s: rows for s, rows in zip(steps, ran, strict=True)}
     for r in reports:
+        assert r["hooks_left"] == 0
         assert r["logged"] == [last_of_step[s] for s in range(1, 7)]
         assert [d[1:] for d in r["decisions"]] == [[[6, 2], True]] + [[[6, 2], False]] * 4
         assert r["speeds"] == pytest.approx([1000.0, 1000.0 / 3], rel=1e-9)
@@ -334,6 +341,10 @@ def test_trainer_rebalancing_follows_the_ranks_speeds_and_resumes_with_its_share
         assert r["speeds"] == pytest.approx([1000.0, 1000.0 / 3], rel=1e-9)
     assert [rows for _, rows in again[0]["ran"]] == [6] * 6
     assert [rows for _, rows in again[1]["ran"]] == [2] * 6
+    _, wider = _rebalanced(
+        tmp_path / "wider", TORCHRUN, str(tmp_path / "whole" / "checkpoint-2"), batch=12
+    )
+    assert [[r["ran"][0][1] for r in wider]] == [[9, 3]]  # the saved 6 : 2 of a batch of 12
 
 
 # -- checks across real ranks ------------------------------------------------------------------

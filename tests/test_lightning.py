@@ -380,6 +380,51 @@ def test_several_loaders_raise_and_a_reloaded_loader_keeps_the_proportions(tmp_p
     assert batch_sizes(tmp_path, 2) == [[6, 6, 6, 4] + [3] * 7 + [1], [2, 2, 2, 1] + [1] * 8]
 
 
+class RecordRebalancerAtEnd(Callback):
+    """Rank 0 writes its batch rebalancer's steps and decisions as training ends to
+    ``out/rebalancer_end.json``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        reb = trainer.strategy.rebalancer
+        if trainer.global_rank == 0:
+            state = {"step": reb.state_dict()["step"], "decided": [e.step for e in reb.history]}
+            (self.out / "rebalancer_end.json").write_text(json.dumps(state))
+
+
+def test_a_reloaded_loader_keeps_its_rebalancer(tmp_path):
+    """reload_dataloaders_every_n_epochs=1 with rebalance_every=2: the second epoch's loader
+    is rebalanced by the same rebalancer, its steps counted on and its decisions kept (it
+    started afresh each epoch: step 4 of 8 batches); the weights stay one process's."""
+    trainer = quiet_trainer(
+        BalancedStrategy(shares=[6, 2], rebalance_every=2, start_method=START),
+        2,
+        max_epochs=2,
+        reload_dataloaders_every_n_epochs=1,
+        callbacks=[RecordRebalancerAtEnd(tmp_path)],
+    )
+    trainer.fit(Regression(True, tmp_path))
+    assert json.loads((tmp_path / "rebalancer_end.json").read_text()) == {
+        "step": 8,
+        "decided": [2, 4, 6, 8],
+    }
+    assert_exact(trainer, 2, shuffle=True)
+
+
+def test_rebalancing_a_model_whose_experts_are_placed_is_refused(tmp_path):
+    """Its steps exchange tokens, each rank waiting for the others inside its timed span."""
+    trainer = quiet_trainer(
+        BalancedStrategy(shares=[4, 2, 1], rebalance_every=1, start_method=START),
+        3,
+        max_epochs=1,
+        use_distributed_sampler=False,
+    )
+    with pytest.raises(Exception, match="rebalance_every: BalancedStrategy cannot time a model"):
+        trainer.fit(ExpertsLM(tmp_path, 3))
+
+
 class OtherBatch(Regression):
     """The global batch 6 on every rank (``rank0``: on rank 0 only, the others keep 8)."""
 

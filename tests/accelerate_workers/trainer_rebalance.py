@@ -13,7 +13,9 @@ each micro-batch with the optimizer step it belonged to, the logged shares, the 
 decisions and, rank 0, the trained weights (``out/final.pt``). Run as one process (no
 torchrun, no rebalancer: one rank takes the whole batch) it writes the reference weights.
 
-    torchrun --nproc-per-node 2 trainer_rebalance.py OUT RESUME MAX_STEPS
+``GLOBAL`` (default 8): another global batch, for a run resumed from one of 8.
+
+    torchrun --nproc-per-node 2 trainer_rebalance.py OUT RESUME MAX_STEPS [GLOBAL]
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ CLOCK = [0.0]
 
 def main() -> None:
     out, resume, max_steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    batch = int(sys.argv[4]) if len(sys.argv) > 4 else 8
     step_timer.time = types.SimpleNamespace(perf_counter=lambda: CLOCK[0])  # type: ignore[attr-defined]
     args = TrainingArguments(
         output_dir=out,
@@ -60,7 +63,7 @@ def main() -> None:
         ddp_find_unused_parameters=False,
     )
     ranks, rank = args.world_size, args.process_index
-    args.per_device_train_batch_size = 8 // ranks
+    args.per_device_train_batch_size = batch // ranks
     model = gpt2()
     ran: list[list[int]] = []  # (optimizer step, rows) of every micro-batch trained
 
@@ -75,7 +78,7 @@ def main() -> None:
         model=model,
         args=args,
         train_dataset=text_rows(40),
-        rebalance_every=1 if ranks > 1 else None,
+        rebalance_every=1,  # one process: nothing to balance, no rebalancer
     )
     trainer.train(resume_from_checkpoint=None if resume == "none" else resume)
     if rank == 0:
@@ -92,6 +95,8 @@ def main() -> None:
             for e in (trainer.rebalancer.history if trainer.rebalancer else [])
         ],
         "speeds": trainer.rebalancer.speeds if trainer.rebalancer else None,
+        # The step timer's hooks came off the model with the end of train().
+        "hooks_left": len(model._forward_pre_hooks),
     }
     Path(out, f"{rank}.json").write_text(json.dumps(report))
     if torch.distributed.is_initialized():

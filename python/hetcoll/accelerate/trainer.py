@@ -38,6 +38,7 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
+import hetcoll
 from hetcoll.accelerate.data import (
     BalancedLoader,
     measure_model_speed,
@@ -60,7 +61,7 @@ from hetcoll.torch import (
 )
 from hetcoll.torch.batches import loader_batch_size
 from hetcoll.torch.filters.layers import split_comms
-from hetcoll.torch.speed import check_share_source
+from hetcoll.torch.speed import check_share_source, every_argument
 
 #: The file of a checkpoint holding the trainer's :class:`~hetcoll.torch.ExpertRebalancer`
 #: state (JSON), beside the optimizer's.
@@ -141,9 +142,9 @@ class BalancedTrainer(Trainer):
     the rebalancer's state and shares (``rebalancer.json``), which a resumed run on as many
     processes carries on from.
 
-    Every ``logging_steps`` the logs carry ``share/r`` (every rank's samples in the step just
-    taken) and, when known, ``speed/r`` (samples/s measured or, rebalancing, modelled; the
-    relative speeds given), beside the loss.
+    Every ``logging_steps`` the logs carry ``share/r`` (the shares the step's last micro-batch
+    was cut with: an epoch's short last one holds fewer rows) and, when known, ``speed/r``
+    (samples/s measured or, rebalancing, modelled; the relative speeds given), beside the loss.
 
     A model whose experts :func:`hetcoll.torch.expert_parallel` placed on the ranks trains as
     one process too: its experts weigh every rank's rows as Trainer's loss scaling needs
@@ -179,14 +180,8 @@ class BalancedTrainer(Trainer):
         **kwargs: Any,
     ) -> None:
         check_share_source(shares, speeds, measure, measure_budget)
-        for name, every in (
-            ("rebalance_every", rebalance_every),
-            ("rebalance_experts_every", rebalance_experts_every),
-        ):
-            if every is not None and (
-                isinstance(every, bool) or not isinstance(every, int) or every < 1
-            ):
-                raise ValueError(f"{name}: must be an integer >= 1 or None, got {every!r}")
+        rebalance_every = every_argument(rebalance_every, "rebalance_every")
+        rebalance_experts_every = every_argument(rebalance_experts_every, "rebalance_experts_every")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed: must be an integer or None, got {seed!r}")
         self._shares = None if shares is None else positive_numbers(shares, "shares", int)
@@ -525,7 +520,8 @@ class BalancedTrainer(Trainer):
         a run without ``rebalance_every`` has none: this run starts afresh). Every rank reads
         the file and the ranks agree that they all found it and could read it (collective:
         one where the others did not, or a bad file, raises on every rank). Saved on another
-        number of processes, the shares stay this run's, and so do the speed models."""
+        number of processes, the shares stay this run's, and so do the speed models; for another
+        global batch, the saved shares' proportions are split anew."""
         path = os.path.join(checkpoint, REBALANCER_STATE_NAME)
         found, shares, failure = os.path.isfile(path), None, None
         if found:
@@ -541,7 +537,10 @@ class BalancedTrainer(Trainer):
         agree(
             wrap(rebalancer.group), {f"{REBALANCER_STATE_NAME} found": int(found)}, failure=failure
         )
-        if shares is not None and len(shares) == len(rebalancer.sampler.shares):
+        now = rebalancer.sampler.shares
+        if shares is not None and len(shares) == len(now):
+            if sum(shares) != sum(now):  # another global batch now: the saved proportions
+                shares = hetcoll.split(sum(now), [float(s) for s in shares], minimum=1)
             rebalancer.sampler.set_shares(shares)
 
     def _load_experts_optimizer(self, checkpoint: str, model: nn.Module) -> None:
@@ -631,16 +630,12 @@ class BalancedTrainer(Trainer):
             # Decides every rebalance_every optimizer steps' batches; a rebuilt loader's
             # rebalancer carries on from the one before (its models, steps, capacities and
             # decisions).
-            before = self.rebalancer
-            self.rebalancer = Rebalancer(
-                self.balanced.sampler,
-                every=self._rebalance_every * int(self.args.gradient_accumulation_steps),
-                fits=fits,
-                capacity=None if before is None else before.capacity,
-            )
-            if before is not None:
-                self.rebalancer.load_state_dict(before.state_dict())
-                self.rebalancer.history = before.history
+            every = self._rebalance_every * int(self.args.gradient_accumulation_steps)
+            before, sampler = self.rebalancer, self.balanced.sampler
+            if before is None:
+                self.rebalancer = Rebalancer(sampler, every=every, fits=fits)
+            else:
+                self.rebalancer = before.over(sampler, every=every)
         return self.balanced.loader
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -76,7 +76,7 @@ from hetcoll.torch import (
 )
 from hetcoll.torch.batches import Items, count_items, counted, items_argument, loader_batch_size
 from hetcoll.torch.filters.layers import split_comms
-from hetcoll.torch.speed import check_share_source
+from hetcoll.torch.speed import check_share_source, every_argument
 
 _OWN_HOOK_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper")
 
@@ -279,10 +279,15 @@ class BalancedStrategy(DDPStrategy):
     ``batch_size``, the global batch). ``speeds``: relative per-rank speeds instead, split
     exactly (:func:`hetcoll.split`). ``measure``: time every rank's training step when training
     starts and split by the fits (``measure_budget`` seconds at most for the probe). None of
-    them: equal shares. ``rebalance_every``: re-solve the shares from the step times every so
-    many steps (:class:`hetcoll.torch.Rebalancer`). ``rebalance_experts_every``: for experts
-    placed in ``configure_model`` (:func:`hetcoll.torch.expert_parallel`), look at their routed
-    tokens every so many steps and place them again when that pays
+    them: equal shares. ``rebalance_every``: re-solve the shares from the batches' compute
+    times every so many batches (:class:`hetcoll.torch.Rebalancer`); under manual optimization
+    with several backward calls in a batch, run all but its last under
+    ``self.toggle_model(sync_grad=False)`` (or ``no_sync``): a synchronising backward waits
+    for the other ranks inside the batch's timed span, and the shares would not move. Not with
+    experts placed on the ranks (``ValueError``; their exchanges wait alike).
+    ``rebalance_experts_every``: for experts placed in ``configure_model``
+    (:func:`hetcoll.torch.expert_parallel`), look at their routed tokens every so many steps
+    and place them again when that pays
     (:class:`hetcoll.torch.ExpertRebalancer`, at the ranks' speeds as last known: measured, else
     ``speeds``, else the shares; :attr:`expert_rebalancer`). ``seed``: the shuffle's seed when
     the loader's sampler is a ``RandomSampler`` (with Lightning's injected
@@ -333,14 +338,8 @@ class BalancedStrategy(DDPStrategy):
         **ddp_kwargs: Any,
     ) -> None:
         check_share_source(shares, speeds, measure, measure_budget)
-        for name, every in (
-            ("rebalance_every", rebalance_every),
-            ("rebalance_experts_every", rebalance_experts_every),
-        ):
-            if every is not None and (
-                isinstance(every, bool) or not isinstance(every, int) or every < 1
-            ):
-                raise ValueError(f"{name}: must be an integer >= 1 or None, got {every!r}")
+        rebalance_every = every_argument(rebalance_every, "rebalance_every")
+        rebalance_experts_every = every_argument(rebalance_experts_every, "rebalance_experts_every")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed: must be an integer, got {seed!r}")
         self.items = items_argument(items)
@@ -517,6 +516,13 @@ class BalancedStrategy(DDPStrategy):
         if self.lightning_module is not None and any(
             isinstance(m, ExpertParallelExperts) for m in self.lightning_module.modules()
         ):
+            if self.rebalance_every is not None:  # every rank's model alike: all raise
+                raise ValueError(
+                    "rebalance_every: BalancedStrategy cannot time a model whose experts are "
+                    "placed on the ranks (its steps exchange tokens, each rank waiting for the "
+                    "others inside it); give shares= or speeds=, and rebalance_experts_every= "
+                    "for the experts"
+                )
             # Each rank holds experts of its own: clipping by norm (gradient_clip_val) takes
             # the whole model's norm, every rank's own parameters' squares summed.
             plugin = self.precision_plugin
@@ -597,7 +603,9 @@ class BalancedStrategy(DDPStrategy):
         self.sampler = BalancedSampler(
             dl.dataset, shares, self.global_rank, shuffle=shuffle, seed=seed, drop_last=dl.drop_last
         )
-        if self.rebalance_every is not None:
+        if self.rebalancer is not None:  # a reloaded loader: the rebalancer carries on
+            self.rebalancer = self.rebalancer.over(self.sampler)
+        elif self.rebalance_every is not None:
             self.rebalancer = Rebalancer(self.sampler, every=self.rebalance_every, fits=self.fits)
         workers: dict[str, Any] = {}
         if dl.num_workers > 0:
@@ -797,7 +805,8 @@ class BalancedStrategy(DDPStrategy):
 
     def _observe_batch(self) -> None:
         """The batch's compute time on this rank, to the rebalancer: once per batch, after it
-        (collective every ``rebalance_every`` batches; however many backward calls it made)."""
+        (collective every ``rebalance_every`` batches), from its first forward to its last
+        gradient (see the class docstring on manual optimization)."""
         if self.rebalancer is not None and self._timer is not None:
             self.rebalancer.observe(self._local_batch, self._timer.pop())
 

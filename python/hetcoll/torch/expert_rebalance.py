@@ -45,6 +45,7 @@ from hetcoll.torch.expert_parallel import (
     place_experts,
 )
 from hetcoll.torch.parallel_experts import PlanExperts
+from hetcoll.torch.speed import every_argument
 
 #: The ranks' speeds (any unit, one per rank), or a function of nothing giving them at each
 #: decision (None while they are not known yet: :attr:`hetcoll.torch.Rebalancer.speeds`).
@@ -230,8 +231,7 @@ class ExpertRebalancer:
                 "optimizer: must be a torch.optim.Optimizer or None, got "
                 f"{type(optimizer).__name__}"
             )
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every: must be an integer >= 1, got {every!r}")
+        every = every_argument(every, "every", optional=False)
         if not (isinstance(threshold, (int, float)) and threshold >= 0.0):
             raise ValueError(f"threshold: must be a number >= 0, got {threshold!r}")
         if not (isinstance(smoothing, (int, float)) and 0.0 < smoothing <= 1.0):

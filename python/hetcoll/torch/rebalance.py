@@ -40,7 +40,7 @@ import hetcoll
 from hetcoll.comm import NOT_GIVEN, Communicator, group_argument, wrap
 from hetcoll.errors import CollectiveMismatchError
 from hetcoll.torch.sampler import BalancedSampler
-from hetcoll.torch.speed import SpeedFit, robust_quantile
+from hetcoll.torch.speed import SpeedFit, every_argument, robust_quantile
 
 #: A window's median counts as no more precise than this relative error per step (steps vary
 #: more from window to window than within one).
@@ -217,8 +217,7 @@ class Rebalancer:
     ) -> None:
         if not isinstance(sampler, BalancedSampler):
             raise TypeError(f"sampler: must be a BalancedSampler, got {type(sampler).__name__}")
-        if not isinstance(every, int) or every < 1:
-            raise ValueError(f"every: must be an integer >= 1, got {every!r}")
+        every = every_argument(every, "every", optional=False)
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing: must be in (0, 1], got {smoothing!r}")
         if not threshold >= 0.0:
@@ -407,6 +406,24 @@ class Rebalancer:
         if applied:
             self.sampler.set_shares(new)
         return applied
+
+    def over(self, sampler: BalancedSampler, *, every: int | None = None) -> Rebalancer:
+        """This rebalancer carried over to ``sampler``, a rebuilt loader's (as many ranks):
+        the same settings and capacities (``every`` anew if given), and its models, steps and
+        :attr:`history`, so that it decides on as it would have."""
+        moved = Rebalancer(
+            sampler,
+            every=self.every if every is None else every,
+            capacity=self.capacity,
+            minimum=self.minimum,
+            smoothing=self.smoothing,
+            threshold=self.threshold,
+            drift=self.drift,
+            group=self.group,
+        )
+        moved.load_state_dict(self.state_dict())
+        moved.history = self.history
+        return moved
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to carry on learning where this one was: the steps counted

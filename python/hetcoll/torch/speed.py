@@ -37,7 +37,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
@@ -501,6 +501,21 @@ def check_share_source(
         isinstance(measure_budget, (int, float)) and measure_budget > 0
     ):
         raise ValueError(f"measure_budget: must be a number of seconds > 0, got {measure_budget!r}")
+
+
+@overload
+def every_argument(value: Any, name: str, *, optional: Literal[False]) -> int: ...
+@overload
+def every_argument(value: Any, name: str, *, optional: bool = True) -> int | None: ...
+def every_argument(value: Any, name: str, *, optional: bool = True) -> int | None:
+    """A rebalancing cadence (``rebalance_every``, a rebalancer's ``every``): an integer >= 1
+    (numpy's too), or None where ``optional``; ``ValueError`` naming ``name`` otherwise."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        also = " or None" if optional else ""
+        raise ValueError(f"{name}: must be an integer >= 1{also}, got {value!r}")
+    return int(value)
 
 
 def gather_speeds(fit: SpeedFit, group: Any = None) -> list[SpeedFit]:
