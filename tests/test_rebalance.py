@@ -156,6 +156,9 @@ def test_bad_arguments_are_named():
     sampler = BalancedSampler(range(100), [8, 8], 0, verify=False)
     for kwargs, name in [
         ({"every": 0}, "every"),
+        ({"every": True}, r"^every: must be an integer >= 1, got True"),
+        ({"every": 2.0}, "every"),
+        ({"every": None}, r"^every: must be an integer >= 1, got None"),
         ({"smoothing": 0}, "smoothing"),
         ({"threshold": -1}, "threshold"),
         ({"drift": 1.5}, "drift"),
@@ -170,6 +173,7 @@ def test_bad_arguments_are_named():
             Rebalancer(sampler, **kwargs)
     with pytest.raises(TypeError, match="sampler"):
         Rebalancer([8, 8])  # type: ignore[arg-type]
+    assert Rebalancer(sampler, every=np.int64(3)).every == 3  # numpy integers are integers
     reb = Rebalancer(sampler)
     with pytest.raises(ValueError, match="seconds"):
         reb.observe(8, float("nan"))
@@ -344,3 +348,18 @@ def test_a_bad_rebalancer_state_is_named(state, error, text):
     with pytest.raises(error, match=text):
         reb.load_state_dict(state)
     assert reb.state_dict() == {"step": 0, "models": None}  # unchanged
+
+
+def test_a_rebalancer_carried_over_to_a_rebuilt_loaders_sampler_decides_on():
+    """Rebalancer.over (a reloaded loader's sampler): the settings, capacities, models, steps
+    and decisions carry over, ``every`` anew if given."""
+    fits = [SpeedFit(0.0, 300.0, capacity=12), SpeedFit(0.0, 100.0)]
+    first = BalancedSampler(range(100), [8, 8], 0, verify=False)
+    reb = Rebalancer(first, every=2, fits=fits, threshold=0.1, minimum=2)
+    reb.update(np.stack([window_summary([(12, 0.04)] * 2), window_summary([(4, 0.04)] * 2)]))
+    again = BalancedSampler(range(100), list(first.shares), 0, verify=False)
+    moved = reb.over(again, every=4)
+    assert moved.sampler is again and moved.every == 4 and reb.over(again).every == 2
+    assert (moved.capacity, moved.minimum, moved.threshold) == ([12, None], 2, 0.1)
+    assert moved.state_dict() == reb.state_dict() and moved.history is reb.history
+    assert moved.speeds == reb.speeds
