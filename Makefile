@@ -100,7 +100,7 @@ PLACEMENT_RUN      := benches/bench_placement.py --launches 3 --json $(RESULTS)/
 .PHONY: bench-report bench-kernels bench-split bench-partition bench-partitioners bench-planner \
 	bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate bench-plans \
 	bench-microbatches bench-planspace bench-placement bench-lm-pipeline bench-tensor-parallel \
-	bench-tensor-parallel-moe bench-expert-parallel bench-fixed-costs
+	bench-tensor-parallel-moe bench-expert-parallel bench-fixed-costs bench-step-timer
 
 $(BENCHED): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet --group bench
@@ -109,7 +109,8 @@ $(BENCHED): $(STAMP) pyproject.toml
 bench: bench-kernels bench-split bench-partition bench-partitioners bench-planner \
 		bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate \
 		bench-microbatches bench-plans bench-planspace bench-placement bench-lm-pipeline \
-		bench-tensor-parallel bench-tensor-parallel-moe bench-expert-parallel bench-fixed-costs
+		bench-tensor-parallel bench-tensor-parallel-moe bench-expert-parallel bench-fixed-costs \
+		bench-step-timer
 	$(MAKE) bench-report
 
 bench-report:
@@ -118,6 +119,10 @@ bench-report:
 bench-kernels: $(BUILT) $(BENCHED)
 	$(PYBENCH) benches/bench_kernels.py --results-json $(RESULTS)/kernels.json \
 		--results-title "Core kernel: weighted sum of K buffers"
+
+bench-step-timer: $(BUILT) $(BENCHED)
+	$(PYBENCH) benches/bench_step_timer.py --results-json $(RESULTS)/step_timer.json \
+		--results-title "StepTimer: what timing a rank's own compute adds to a step"
 
 bench-split: $(BUILT) $(BENCHED)
 	$(PYBENCH) benches/bench_split.py --results-json $(RESULTS)/split.json \
