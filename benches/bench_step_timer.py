@@ -24,7 +24,7 @@ ROUNDS = 40
 
 
 def resnet() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
-    from torchvision.models import resnet18
+    from torchvision.models import resnet18  # type: ignore[import-untyped]
 
     torch.manual_seed(0)
     model = resnet18(num_classes=10)
