@@ -218,6 +218,53 @@ class ManualAccumulation(Regression):
             opt.zero_grad()
 
 
+class TwoBackwards(Regression):
+    """Manual optimization, two forward and backward calls a batch (each of half its loss),
+    the first backward synchronising the ranks' gradients or not
+    (``toggle_model(sync_grad=...)``); the strategy's warnings about it go to
+    ``out/warned{rank}.json``."""
+
+    def __init__(self, shuffle: bool, out: Path, first_synced: bool) -> None:
+        super().__init__(shuffle, out)
+        self.automatic_optimization = False
+        self.first_synced = first_synced
+        self.warned: list[str] = []
+
+    def training_step(self, batch, batch_idx):
+        import warnings
+
+        opt = self.optimizers()
+        x, y = batch
+        self.sizes.append(len(x))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with opt.toggle_model(sync_grad=self.first_synced):
+                self.manual_backward(nn.functional.mse_loss(self.net(x), y) / 2)
+            self.manual_backward(nn.functional.mse_loss(self.net(x), y) / 2)
+        self.warned += [str(w.message) for w in caught if "rebalance_every" in str(w.message)]
+        opt.step()
+        opt.zero_grad()
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        (self.out / f"warned{self.global_rank}.json").write_text(json.dumps(self.warned))
+
+
+@pytest.mark.parametrize("first_synced", [True, False], ids=["both-synced", "first-unsynced"])
+def test_a_second_synchronising_backward_in_a_batch_is_told_once(tmp_path, first_synced):
+    """Under manual optimization, rebalancing: a batch whose first of two backward calls
+    synchronises waits for the other ranks inside its timed span (the shares would not move):
+    told once, on every rank; with it under toggle_model(sync_grad=False), nothing."""
+    trainer = quiet_trainer(
+        BalancedStrategy(shares=[5, 3], rebalance_every=2, start_method=START), 2, max_epochs=1
+    )
+    trainer.fit(TwoBackwards(True, tmp_path, first_synced))
+    for rank in range(2):
+        warned = json.loads((tmp_path / f"warned{rank}.json").read_text())
+        assert len(warned) == int(first_synced)
+        assert all("toggle_model(sync_grad=False)" in w for w in warned)
+
+
 def test_accumulation_scheduled_or_by_hand_trains_as_one_process(tmp_path):
     """Lightning's GradientAccumulationScheduler (1 batch a step in epoch 0, 2 in epoch 1) and
     manual optimization accumulating by hand, on shares 5:3 whose epochs end on a batch split

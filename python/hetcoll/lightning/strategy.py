@@ -283,7 +283,8 @@ class BalancedStrategy(DDPStrategy):
     times every so many batches (:class:`hetcoll.torch.Rebalancer`); under manual optimization
     with several backward calls in a batch, run all but its last under
     ``self.toggle_model(sync_grad=False)`` (or ``no_sync``): a synchronising backward waits
-    for the other ranks inside the batch's timed span, and the shares would not move. Not with
+    for the other ranks inside the batch's timed span, and the shares would not move (a
+    ``RuntimeWarning`` says so, once, at a batch's second synchronising backward). Not with
     experts placed on the ranks (``ValueError``; their exchanges wait alike).
     ``rebalance_experts_every``: for experts placed in ``configure_model``
     (:func:`hetcoll.torch.expert_parallel`), look at their routed tokens every so many steps
@@ -364,6 +365,8 @@ class BalancedStrategy(DDPStrategy):
         self.expert_rebalancer: ExpertRebalancer | None = None
         self.hook_state: WeightedAllreduceState | None = None
         self._timer: StepTimer | None = None  # this rank's compute per batch, for the rebalancer
+        self._synced_backwards = 0  # the batch's backward calls that synchronised the ranks
+        self._told_synced = False  # warned once of a second such call in a batch
         self._local_batch = 0
         #: Weighing by micro-batch (:meth:`_by_micro_batch`): the running micro-batch's loss
         #: factor (its weight times the ranks); None weighing in the hook.
@@ -706,6 +709,7 @@ class BalancedStrategy(DDPStrategy):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        self._synced_backwards = 0
         n = loader_batch_size(batch)  # rows, or a list of samples' entries (detection)
         if n is None:
             raise TypeError(
@@ -802,6 +806,24 @@ class BalancedStrategy(DDPStrategy):
             # counts of its own.
             closure_loss = self.hook_state.weigh(closure_loss, weight=self._micro_scale)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self.rebalancer is None or not getattr(self.model, "require_backward_grad_sync", False):
+            return
+        # A backward that synchronises waits for the other ranks before the batch's last
+        # gradient of its next one: the batch's timed span then holds that wait.
+        self._synced_backwards += 1
+        if self._synced_backwards == 2 and not self._told_synced:
+            self._told_synced = True
+            warnings.warn(
+                "rebalance_every: a batch ran a second backward that synchronises the ranks' "
+                "gradients; the first waits for the other ranks inside the batch's timed span, "
+                "so the shares cannot follow the speeds. Run all but the batch's last backward "
+                "under self.toggle_model(sync_grad=False) (or no_sync)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _observe_batch(self) -> None:
         """The batch's compute time on this rank, to the rebalancer: once per batch, after it
