@@ -38,9 +38,9 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-import hetcoll
 from hetcoll.accelerate.data import (
     BalancedLoader,
+    balanced_shares,
     measure_model_speed,
     positive_numbers,
     prepare_balanced,
@@ -59,7 +59,7 @@ from hetcoll.torch import (
     load_full_optimizer_state_dict,
     load_full_state_dict,
 )
-from hetcoll.torch.batches import loader_batch_size
+from hetcoll.torch.batches import loader_rows
 from hetcoll.torch.filters.layers import split_comms
 from hetcoll.torch.speed import check_share_source, every_argument
 
@@ -267,14 +267,10 @@ class BalancedTrainer(Trainer):
             self._remove_timer()
             self._timer = StepTimer(inner)
         loss = super().training_step(model, inputs, num_items_in_batch)
-        rows = loader_batch_size(inputs)
-        if rows is None:
-            raise TypeError(
-                "inputs: cannot count this batch's samples: it holds no tensor with a batch "
-                "dimension"
-            )
-        rebalancer.observe(rows, self._timer.pop())
-        if self.balanced is not None and rebalancer.speeds is not None:
+        decided = len(rebalancer.history)
+        rebalancer.observe(loader_rows(inputs, "inputs"), self._timer.pop())
+        if self.balanced is not None and len(rebalancer.history) > decided:
+            # A decision: the speed models moved (what the logs and the bar show).
             self.balanced.speeds, self.balanced.fits = rebalancer.speeds, rebalancer.fits
         return loss
 
@@ -540,7 +536,7 @@ class BalancedTrainer(Trainer):
         now = rebalancer.sampler.shares
         if shares is not None and len(shares) == len(now):
             if sum(shares) != sum(now):  # another global batch now: the saved proportions
-                shares = hetcoll.split(sum(now), [float(s) for s in shares], minimum=1)
+                shares = balanced_shares(sum(now), len(now), speeds=shares)
             rebalancer.sampler.set_shares(shares)
 
     def _load_experts_optimizer(self, checkpoint: str, model: nn.Module) -> None:

@@ -74,7 +74,7 @@ from hetcoll.torch import (
     measure_speed,
     weighted_allreduce_hook,
 )
-from hetcoll.torch.batches import Items, count_items, counted, items_argument, loader_batch_size
+from hetcoll.torch.batches import Items, count_items, counted, items_argument, loader_rows
 from hetcoll.torch.filters.layers import split_comms
 from hetcoll.torch.speed import check_share_source, every_argument
 
@@ -710,18 +710,16 @@ class BalancedStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self._synced_backwards = 0
-        n = loader_batch_size(batch)  # rows, or a list of samples' entries (detection)
-        if n is None:
-            raise TypeError(
-                "batch: cannot count this step's samples: it holds no tensor with a batch dimension"
-            )
-        self._local_batch = n
+        # Rows, or a list of samples' entries (detection).
+        self._local_batch = loader_rows(batch, "batch")
         self._micro_scale = None
         self._drop_weightless = False
         if self.hook_state is not None:
             by_micro_batch = self._by_micro_batch()
             if by_micro_batch is not None:
-                self._micro_scale = self._micro_batch_scale(batch, n, by_micro_batch)
+                self._micro_scale = self._micro_batch_scale(
+                    batch, self._local_batch, by_micro_batch
+                )
                 synced = by_micro_batch["training SyncBatchNorm"]
                 self._drop_weightless = self._micro_scale == 0 and not synced
                 self.hook_state.local_batch = 1  # unused: backward weighs the loss

@@ -127,6 +127,18 @@ def loader_batch_size(batch: Any) -> int | None:
     return batch_size((batch,), {})
 
 
+def loader_rows(batch: Any, argument: str) -> int:
+    """:func:`loader_batch_size`, where a batch must be counted (a rebalancer's samples, the
+    hook's local batch): ``TypeError`` naming ``argument`` where it holds nothing to count."""
+    n = loader_batch_size(batch)
+    if n is None:
+        raise TypeError(
+            f"{argument}: cannot count this batch's samples: it holds no tensor with a batch "
+            "dimension"
+        )
+    return n
+
+
 class BatchCounter:
     """Counts the samples of ``module``'s forwards since the last :meth:`take`.
 
