@@ -55,6 +55,7 @@ from hetcoll.torch.rebalance import Rebalancer
 from hetcoll.torch.sampler import BalancedSampler
 from hetcoll.torch.speed import SpeedFit, gather_speeds, measure_speed
 from hetcoll.torch.step_timer import StepTimer
+from hetcoll.torch.weighing import weigh_loss
 
 __all__ = [
     "BalancedSampler",
@@ -104,6 +105,7 @@ __all__ = [
     "refined_placement",
     "register_weighted_hook",
     "split_traffic",
+    "weigh_loss",
     "weighted_allreduce_hook",
 ]
 

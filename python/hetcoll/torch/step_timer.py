@@ -28,6 +28,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 
+def _sharded(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a DTensor sharded over ranks (FSDP2, tensor parallelism); a
+    replicated one (``replicate``) is a whole copy, as under DDP."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch before 2.5 (and builds without distributed): no DTensor here
+        return False
+    return isinstance(param, DTensor) and any(p.is_shard() for p in param.placements)
+
+
 class StepTimer:
     """Times each step of ``model`` on this rank: from its first forward to its last gradient
     accumulated (see the module docstring), leaving out the waits for other ranks. Forwards
@@ -45,7 +55,8 @@ class StepTimer:
 
     A model on a CUDA device (where its parameters are when a step starts) is timed by CUDA
     events (:meth:`pop` waits for the step's last gradient to be computed); its parameters
-    must be on one device. :meth:`remove` takes the hooks off.
+    must be on one device. A model sharded over the ranks (FSDP's ``fully_shard``) is refused:
+    it waits for the other ranks inside every layer. :meth:`remove` takes the hooks off.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -56,6 +67,15 @@ class StepTimer:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model: has no parameter that requires a gradient to time")
+        if any(_sharded(p) for p in params):
+            raise ValueError(
+                "model: its parameters are sharded (DTensor: FSDP's fully_shard, tensor "
+                "parallelism), whose forward and backward wait for the other ranks at every "
+                "layer: each rank's time from forward to last gradient is the slowest rank's, "
+                "and shares fed with it never move. Measure each rank's speed on the model "
+                "before sharding it (hetcoll.torch.measure_speed) and give the shares to the "
+                "BalancedSampler"
+            )
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise ValueError(

@@ -1,0 +1,164 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) on uneven shares, inside every rank of real
+gloo jobs (tests/test_fsdp.py). FSDP averages the ranks' gradients by their number; each
+rank's loss, weighed by :func:`hetcoll.torch.weigh_loss`, makes that the gradient of the
+whole global batch's mean, which one process computes: the parameters after training must
+equal its (float64). Models: an MLP (the ragged last batch, a rank with no row), Hugging
+Face's GPT-2 from a config (sharded by its blocks, a ModuleList; the loss over valid tokens)
+and torchvision's VisionTransformer (sharded by its encoder layers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from hetcoll.errors import CollectiveMismatchError
+from hetcoll.torch import BalancedSampler, StepTimer, weigh_loss
+
+from lm_common import hf_gpt2
+
+ROWS, BATCH = 29, 8  # 29 = 3 * 8 + 5: each epoch ends on a smaller batch
+VOCAB, SEQ = 40, 10
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2)
+    ).double()
+
+
+def gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    return hf_gpt2(vocab=VOCAB, hidden=16, layers=3, heads=4, positions=16).double()
+
+
+def vit() -> nn.Module:
+    from torchvision.models import VisionTransformer
+
+    torch.manual_seed(0)
+    return VisionTransformer(
+        image_size=16, patch_size=4, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32,
+        num_classes=5,
+    ).double()  # fmt: skip
+
+
+def regression_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(ROWS, 5, generator=g, dtype=torch.float64)
+    return x, torch.randn(ROWS, 2, generator=g, dtype=torch.float64)
+
+
+def token_data() -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows and their labels, each row padded (-100) after a length of its own."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, VOCAB, (ROWS, SEQ), generator=g)
+    lengths = torch.randint(2, SEQ + 1, (ROWS,), generator=g)
+    labels = ids.masked_fill(torch.arange(SEQ) >= lengths[:, None], -100)
+    return ids, labels
+
+
+def image_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(ROWS, 3, 16, 16, generator=g, dtype=torch.float64)
+    return x, torch.randint(0, 5, (ROWS,), generator=g)
+
+
+def token_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean over the valid next-token targets (the labels shifted by one), in float64."""
+    logits = model(input_ids=ids).logits
+    return nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
+
+
+def token_count(labels: torch.Tensor) -> torch.Tensor:
+    return (labels[:, 1:] != -100).sum()
+
+
+#: Per model: the model, its data, its loss, what the loss averages over, its blocks to shard.
+CASES: dict[str, Any] = {
+    "mlp": (
+        mlp,
+        regression_data,
+        lambda m, x, y: nn.functional.mse_loss(m(x), y),
+        lambda x, y: len(x),
+        lambda m: [m[0], m[2], m[4]],
+    ),
+    "gpt2": (gpt2, token_data, token_loss, lambda x, y: token_count(y), lambda m: m.transformer.h),
+    "vit": (
+        vit,
+        image_data,
+        lambda m, x, y: nn.functional.cross_entropy(m(x), y),
+        lambda x, y: len(x),
+        lambda m: m.encoder.layers,
+    ),
+}
+
+
+def train(
+    case: str, shares: list[int], rank: int, epochs: int, weighed: bool = True
+) -> list[torch.Tensor]:
+    """Train ``case`` with SGD (momentum) for ``epochs`` over a BalancedSampler's ``shares``; this
+    rank's view of the parameters after (every rank's full tensors; one process: ``shares``
+    of one rank). ``weighed``: each loss through weigh_loss, else FSDP's plain mean."""
+    make, load, loss_fn, count, blocks = CASES[case]
+    model = make()
+    sharded = dist.is_initialized()
+    if sharded:
+        for block in blocks(model):
+            fully_shard(block)
+        fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = load()
+    sampler = BalancedSampler(range(ROWS), shares, rank, shuffle=True, seed=0, verify=False)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for idx in sampler.batch_sampler():
+            loss = loss_fn(model, x[idx], y[idx])
+            if weighed and sharded:
+                loss = weigh_loss(loss, count(x[idx], y[idx]))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    return [p.detach().clone() for p in full]
+
+
+def trained(rank: int, world: int, case: str, shares: list[int], epochs: int) -> dict[str, Any]:
+    """This rank's parameters trained with and without weighing."""
+    return {
+        "weighed": train(case, shares, rank, epochs),
+        "plain": train(case, shares, rank, epochs, weighed=False),
+    }
+
+
+def bad_inputs(rank: int, world: int) -> dict[str, str]:
+    """Each bad call on one rank: what every rank raised."""
+    loss = torch.tensor(1.0, dtype=torch.float64)
+    raised: dict[str, str] = {}
+    calls = {
+        "count -1 on rank 1": lambda: weigh_loss(loss, -1 if rank == 1 else 3),
+        "count 2.5 on rank 0": lambda: weigh_loss(loss, 2.5 if rank == 0 else 3),
+        "zero everywhere": lambda: weigh_loss(loss, 0),
+        "loss not a tensor on rank 0": lambda: weigh_loss(1.0 if rank == 0 else loss, 3),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+        except (TypeError, ValueError, CollectiveMismatchError) as e:
+            raised[name] = f"{type(e).__name__}: {e}"
+        else:
+            raised[name] = "nothing"
+    # Every rank is still in step after those: a good call weighs right.
+    raised["good"] = str(float(weigh_loss(loss, 1 + rank)))
+    model = mlp()
+    fully_shard(model)
+    try:
+        StepTimer(model)
+    except ValueError as e:
+        raised["timer"] = str(e)
+    return raised

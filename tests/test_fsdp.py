@@ -1,0 +1,58 @@
+"""FSDP2 (``fully_shard``) on uneven shares: each rank's loss weighed by
+:func:`hetcoll.torch.weigh_loss` trains the model one process trains on the same global batches
+(float64, relative 1e-10), where FSDP's own mean of the ranks' means does not; bad counts raise
+on every rank (real gloo ranks: tests/fsdp_cases.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetcoll.launch import spawn
+from hetcoll.torch import weigh_loss
+
+from fsdp_cases import bad_inputs, train, trained
+
+pytestmark = pytest.mark.multiproc
+
+
+def relative(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return max(float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("case", "shares", "epochs"),
+    [("mlp", [5, 2, 1], 2), ("gpt2", [5, 3], 1), ("vit", [6, 2], 1)],
+)
+def test_weighed_losses_train_the_one_process_model(case, shares, epochs):
+    want = train(case, [sum(shares)], 0, epochs)
+    ranks = spawn(trained, len(shares), case, shares, epochs, timeout=300)
+    for r in ranks:
+        assert relative(r["weighed"], want) < 1e-10
+        # FSDP's own mean of the ranks' means: the shares' gradient, not the global batch's.
+        assert relative(r["plain"], want) > 1e-4
+
+
+def test_bad_counts_raise_on_every_rank_and_a_sharded_model_refuses_a_step_timer():
+    ranks = spawn(bad_inputs, 2)
+    for rank, raised in enumerate(ranks):
+        assert raised["count -1 on rank 1"].startswith("ValueError: count: rank 1")
+        assert raised["count 2.5 on rank 0"].startswith("ValueError: count: rank 0")
+        assert "every rank counted 0 samples" in raised["zero everywhere"]
+        if rank == 0:
+            assert raised["loss not a tensor on rank 0"] == (
+                "TypeError: loss: must be a tensor, got float"
+            )
+        else:
+            assert raised["loss not a tensor on rank 0"].startswith(
+                "CollectiveMismatchError: rank 0 raised TypeError: loss: must be a tensor"
+            )
+        assert float(raised["good"]) == pytest.approx(2 * (1 + rank) / 3)
+        assert raised["timer"].startswith("model: its parameters are sharded (DTensor")
+
+
+def test_without_a_group_weigh_loss_names_it():
+    with pytest.raises(ValueError, match=r"^group: none given"):
+        weigh_loss(torch.tensor(1.0), 3)
+    with pytest.raises(TypeError, match=r"^loss: must be a tensor"):
+        weigh_loss([1.0], 3)
