@@ -2,14 +2,18 @@
 
     python examples/train_balanced.py                                     # one process
     torchrun --standalone --nproc-per-node 2 examples/train_balanced.py --emulate 1,0.25
+    torchrun --standalone --nproc-per-node 2 examples/train_balanced.py --emulate 1,0.25 --fsdp
     mpiexec -n 2 python examples/train_balanced.py --emulate 1,0.25       # MPI only
 
 Every rank measures how fast it trains; ``hetcoll.split`` turns the speeds into per-rank batch
 sizes that add up to the global batch; ``BalancedSampler`` gives each rank its share of every
 global step; and the gradients are averaged weighted by samples (a DDP comm hook under torchrun,
-``hetcoll.torch.DistributedOptimizer`` under mpiexec). Every step therefore applies the gradient
-of the whole global batch, and the model is the one a single process trains on the same batches,
-however the batch is split. A ``Rebalancer`` re-solves the split when the measured speeds drift.
+``hetcoll.torch.DistributedOptimizer`` under mpiexec; with ``--fsdp``, FSDP's ``fully_shard``
+with each loss weighed by ``hetcoll.torch.weigh_loss``). Every step therefore applies the
+gradient of the whole global batch, and the model is the one a single process trains on the same
+batches, however the batch is split. A ``Rebalancer`` re-solves the split when the measured
+speeds drift (not under FSDP, whose every layer waits for the other ranks: the shares measured
+before sharding stay).
 
 ``--emulate 1,0.25`` makes rank 1 run at a quarter of its real speed (it sleeps), to watch the
 balancing on one machine. The model and data are hetcoll's demo (a small CNN on scikit-learn's
@@ -41,6 +45,7 @@ from hetcoll.torch import (
     gather_speeds,
     measure_speed,
     register_weighted_hook,
+    weigh_loss,
 )
 
 
@@ -154,12 +159,21 @@ def plan_shares(
 
 
 def distribute(
-    job: Job, model: nn.Module, lr: float, plain_ddp: bool = False
+    job: Job, model: nn.Module, lr: float, plain_ddp: bool = False, fsdp: bool = False
 ) -> tuple[nn.Module, Any, Callable[[], float] | None]:
     """The model to call, its optimizer and (DDP) when this rank's gradients were ready, for the
     Rebalancer's compute time. Each step's samples are counted off the model's forward, so
     the gradients are weighed right whatever the sampler hands this rank. ``plain_ddp``: DDP
-    as PyTorch ships it, the baseline."""
+    as PyTorch ships it, the baseline. ``fsdp``: FSDP2, each layer with parameters sharded on
+    its own (the loss is weighed in the loop: ``weigh_loss``)."""
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.modules():
+            if layer is not model and any(True for _ in layer.parameters(recurse=False)):
+                fully_shard(layer)
+        fully_shard(model)
+        return model, make_optimizer(model.parameters(), lr), None
     if job.backend in ("gloo", "nccl"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -207,13 +221,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         model = EmulatedSpeed(net, speed, cost=probe(net, x_train, y_train, args))
     shares, fits = plan_shares(job, args, model, x_train, y_train)
     first_shares = list(shares)
-    if args.plain_ddp and job.backend not in ("gloo", "nccl"):
-        raise SystemExit("--plain-ddp: needs torchrun (torch.distributed's DDP)")
-    wrapped, opt, ready_at = distribute(job, model, args.lr, args.plain_ddp)
+    for flag, given in (("--plain-ddp", args.plain_ddp), ("--fsdp", args.fsdp)):
+        if given and job.backend not in ("gloo", "nccl"):
+            raise SystemExit(f"{flag}: needs torchrun (torch.distributed)")
+    wrapped, opt, ready_at = distribute(job, model, args.lr, args.plain_ddp, args.fsdp)
     sampler = BalancedSampler(range(len(y_train)), shares, job.rank, seed=args.seed)
     rebalancer = (
         Rebalancer(sampler, every=10, fits=fits, group=job.group)
-        if job.world > 1 and not (args.no_rebalance or args.plain_ddp)
+        if job.world > 1 and not (args.no_rebalance or args.plain_ddp or args.fsdp)
         else None
     )
     epochs = []
@@ -226,7 +241,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         for idx in steps:
             started = time.perf_counter()
             opt.zero_grad()
-            nn.functional.cross_entropy(wrapped(x_train[idx]), y_train[idx]).backward()
+            loss = nn.functional.cross_entropy(wrapped(x_train[idx]), y_train[idx])
+            if args.fsdp:  # FSDP divides the ranks' sum by their number: weigh by the samples
+                loss = weigh_loss(loss, len(idx))
+            loss.backward()
             compute = (ready_at() if ready_at else time.perf_counter()) - started
             opt.step()
             samples += len(idx)
@@ -237,14 +255,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         seconds = time.perf_counter() - t0
         if bar is not None:
             bar.close()
-        loss, accuracy = evaluate(net, x_test, y_test)
+        test_loss, accuracy = evaluate(net, x_test, y_test)
         epochs.append(
             {
                 "epoch": epoch + 1,
                 "seconds": seconds,
                 "samples_per_s": len(y_train) / seconds,  # every rank's samples, together
                 "rank_samples": samples,
-                "test_loss": loss,
+                "test_loss": test_loss,
                 "test_accuracy": accuracy,
                 "shares": list(sampler.shares),
             }
@@ -252,11 +270,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if job.rank == 0 and not args.quiet:
             print(
                 f"epoch {epoch + 1}: {seconds:.2f} s, {len(y_train) / seconds:.0f} samples/s, "
-                f"test loss {loss:.4f}, accuracy {accuracy:.2%}, shares {sampler.shares}",
+                f"test loss {test_loss:.4f}, accuracy {accuracy:.2%}, shares {sampler.shares}",
                 flush=True,
             )
+    state = full_state_dict(net)  # collective under FSDP: every rank
     if job.rank == 0 and args.save:
-        torch.save(net.state_dict(), args.save)
+        torch.save(state, args.save)
     report = {
         "rank": job.rank,
         "backend": job.backend,
@@ -269,6 +288,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     del wrapped, opt, rebalancer  # before the group goes (Job.close)
     job.close()
     return report
+
+
+def full_state_dict(net: nn.Module) -> dict[str, torch.Tensor]:
+    """``net``'s parameters and buffers whole (FSDP holds a shard of each on every rank)."""
+    return {
+        k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in net.state_dict().items()
+    }
 
 
 def progress(job: Job, epoch: int, epochs: int, steps: int, quiet: bool) -> Any:
@@ -319,6 +345,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="the baseline: PyTorch's DDP as it ships (equal batches, its own averaging, no "
         "rebalancing; torchrun only)",
+    )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="FSDP2 (fully_shard) instead of DDP, each loss weighed by hetcoll.torch.weigh_loss; "
+        "the shares measured first stay (torchrun only)",
     )
     p.add_argument("--float64", action="store_true", help="train in double precision")
     p.add_argument("--save", help="write the trained state dict here (rank 0)")

@@ -2,9 +2,9 @@
 
 examples/train_balanced.py: on two ranks of unequal (emulated) speed, whatever split the speeds
 give and however the Rebalancer moves it mid-training, the trained model is the one a single
-process trains on the same global batches (float64, to rounding). examples/train_plan.py: the
-planner's plan (``hetcoll plan --out``) under torchrun and a hand-written plan under mpiexec
-train the model one process trains (float64, to 1e-10).
+process trains on the same global batches (float64, to rounding), under DDP, MPI and FSDP.
+examples/train_plan.py: the planner's plan (``hetcoll plan --out``) under torchrun and a
+hand-written plan under mpiexec train the model one process trains (float64, to 1e-10).
 """
 
 import json
@@ -75,6 +75,18 @@ def test_torchrun_rebalanced_training_is_the_single_process_model(single, tmp_pa
     _same_model(single, state)
 
 
+def test_torchrun_fsdp_on_measured_shares_is_the_single_process_model(single, tmp_path):
+    # FSDP2 (fully_shard) on the shares measured before sharding, each loss weighed by
+    # weigh_loss: rank 1 at a quarter speed takes fewer samples, and the model is one process's.
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2"]
+    state, reports = _train(tmp_path, "fsdp", torchrun, "--emulate", "1,0.25", "--fsdp")
+    first = reports[0]["first_shares"]
+    assert sum(first) == 32 and first[0] > 2 * first[1]
+    assert reports[0]["rebalances"] == 0  # FSDP keeps the shares
+    assert reports[0]["epochs"][-1]["shares"] == first
+    _same_model(single, state)
+
+
 def test_mpiexec_measured_split_training_is_the_single_process_model(single, tmp_path):
     mpiexec = [launch.mpiexec_path(), "-n", "2", sys.executable]
     state, reports = _train(tmp_path, "mpi", mpiexec, "--emulate", "1,0.25")
@@ -98,6 +110,8 @@ def test_bad_arguments_are_named():
     assert "--shares: must add up to --batch (128)" in err
     err = _stderr_of_failed_run("--emulate", "1,0.5", "--epochs", "1")
     assert "--emulate: needs one value per rank (1)" in err
+    err = _stderr_of_failed_run("--fsdp", "--epochs", "1")
+    assert "--fsdp: needs torchrun (torch.distributed)" in err
 
 
 # ---------------------------------------------------------------- examples/train_plan.py
