@@ -493,3 +493,31 @@ def dropout_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, objec
     except CollectiveMismatchError:
         raised = True
     return {"raised": raised}
+
+
+def fsdp_nccl(rank: int, world: int) -> dict[str, bool]:
+    """FSDP2 (``fully_shard``) on NCCL, one GPU: ``weigh_loss`` with its count a CUDA tensor
+    (the valid labels) exchanged through NCCL; one rank weighs 1, and the sharded model's
+    gradients are the plain model's (float64, 1e-12)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from hetcoll.torch import weigh_loss
+
+    assert dist.get_backend() == "nccl"
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double().to(dev)
+    sharded = copy.deepcopy(plain)
+    fully_shard(sharded)
+    x = torch.randn(6, 5, dtype=torch.float64, device=dev)
+    y = torch.tensor([0, 1, -100, 2, -100, 1], device=dev)
+    loss = nn.functional.cross_entropy(sharded(x), y, ignore_index=-100)
+    weighed = weigh_loss(loss, (y != -100).sum())
+    weighed.backward()
+    nn.functional.cross_entropy(plain(x), y, ignore_index=-100).backward()
+    diff = max(
+        float((p.grad.full_tensor() - q.grad).abs().max())
+        for p, q in zip(sharded.parameters(), plain.parameters(), strict=True)
+    )
+    return {"weighs 1": weighed.item() == loss.item(), "plain gradients": diff < 1e-12}

@@ -136,6 +136,16 @@ def test_nccl_at_world_size_one():
 @pytest.mark.multiproc
 @pytest.mark.cuda
 @needs_cuda
+def test_fsdp_with_weighed_losses_on_nccl():
+    """FSDP2 on one GPU (NCCL): weigh_loss takes a CUDA count and exchanges it through NCCL;
+    the gradients are the plain model's."""
+    got = _spawn(cuda_cases.fsdp_nccl, 1, backend="nccl")
+    assert got == [{"weighs 1": True, "plain gradients": True}]
+
+
+@pytest.mark.multiproc
+@pytest.mark.cuda
+@needs_cuda
 def test_ddp_hook_on_gloo_with_a_gpu_rank():
     """DDP over gloo, rank 0's model on the GPU, shares 5:2:3: the weighted hook ("auto":
     the direct exchange, and "allreduce") gives the full-batch gradient to 1e-10."""
