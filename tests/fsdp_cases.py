@@ -100,11 +100,18 @@ CASES: dict[str, Any] = {
 
 
 def train(
-    case: str, shares: list[int], rank: int, epochs: int, weighed: bool = True
+    case: str,
+    shares: list[int],
+    rank: int,
+    epochs: int,
+    weighed: bool = True,
+    accumulate: int = 1,
 ) -> list[torch.Tensor]:
-    """Train ``case`` with SGD (momentum) for ``epochs`` over a BalancedSampler's ``shares``; this
-    rank's view of the parameters after (every rank's full tensors; one process: ``shares``
-    of one rank). ``weighed``: each loss through weigh_loss, else FSDP's plain mean."""
+    """Train ``case`` with SGD (momentum) for ``epochs`` over a BalancedSampler's ``shares``;
+    this rank's view of the parameters after (every rank's full tensors; one process:
+    ``shares`` of one rank). ``weighed``: each loss through weigh_loss, else FSDP's plain
+    mean. ``accumulate``: micro-batches per optimizer step (the mean of their means; FSDP
+    reduces the gradients at the last only, ``set_requires_gradient_sync``)."""
     make, load, loss_fn, count, blocks = CASES[case]
     model = make()
     sharded = dist.is_initialized()
@@ -117,22 +124,29 @@ def train(
     sampler = BalancedSampler(range(ROWS), shares, rank, shuffle=True, seed=0, verify=False)
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        for idx in sampler.batch_sampler():
-            loss = loss_fn(model, x[idx], y[idx])
-            if weighed and sharded:
-                loss = weigh_loss(loss, count(x[idx], y[idx]))
-            loss.backward()
+        batches = list(sampler.batch_sampler())
+        for start in range(0, len(batches), accumulate):
+            micro = batches[start : start + accumulate]
+            for i, idx in enumerate(micro):
+                if sharded:
+                    model.set_requires_gradient_sync(i == len(micro) - 1)
+                loss = loss_fn(model, x[idx], y[idx])
+                if weighed and sharded:
+                    loss = weigh_loss(loss, count(x[idx], y[idx]))
+                (loss / len(micro)).backward()
             opt.step()
             opt.zero_grad()
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
     return [p.detach().clone() for p in full]
 
 
-def trained(rank: int, world: int, case: str, shares: list[int], epochs: int) -> dict[str, Any]:
+def trained(
+    rank: int, world: int, case: str, shares: list[int], epochs: int, accumulate: int = 1
+) -> dict[str, Any]:
     """This rank's parameters trained with and without weighing."""
     return {
-        "weighed": train(case, shares, rank, epochs),
-        "plain": train(case, shares, rank, epochs, weighed=False),
+        "weighed": train(case, shares, rank, epochs, accumulate=accumulate),
+        "plain": train(case, shares, rank, epochs, weighed=False, accumulate=accumulate),
     }
 
 

@@ -21,12 +21,17 @@ def relative(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize(
-    ("case", "shares", "epochs"),
-    [("mlp", [5, 2, 1], 2), ("gpt2", [5, 3], 1), ("vit", [6, 2], 1)],
+    ("case", "shares", "epochs", "accumulate"),
+    [
+        ("mlp", [5, 2, 1], 2, 1),
+        ("gpt2", [5, 3], 1, 1),
+        ("vit", [6, 2], 1, 1),
+        ("gpt2", [3, 5], 1, 2),
+    ],
 )
-def test_weighed_losses_train_the_one_process_model(case, shares, epochs):
-    want = train(case, [sum(shares)], 0, epochs)
-    ranks = spawn(trained, len(shares), case, shares, epochs, timeout=300)
+def test_weighed_losses_train_the_one_process_model(case, shares, epochs, accumulate):
+    want = train(case, [sum(shares)], 0, epochs, accumulate=accumulate)
+    ranks = spawn(trained, len(shares), case, shares, epochs, accumulate, timeout=300)
     for r in ranks:
         assert relative(r["weighed"], want) < 1e-10
         # FSDP's own mean of the ranks' means: the shares' gradient, not the global batch's.
