@@ -67,6 +67,24 @@ def test_device_weighted_sum_equals_the_rust_kernel(device, dtype):
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda), "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_the_nccl_hooks_division_on_the_device_is_one_rounding(device, dtype):
+    """The weighted DDP hook on NCCL divides each bucket by the ranks' count summed on the
+    device (hooks._divide_), not read on the host: each element within one rounding of the
+    exact quotient, 16-bit buckets included (counts they cannot hold)."""
+    from hetcoll.torch.hooks import _divide_
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    for n in (3, 7, 1000, 4097, 100_003):
+        got = x.clone()
+        _divide_(got, torch.tensor(n, device=device))
+        exact = x.double().cpu() / n
+        error = (got.double().cpu() - exact).abs()
+        info = torch.finfo(dtype)  # spacing eps * |q|, and eps * tiny among subnormals
+        assert bool((error <= info.eps * (exact.abs() + info.tiny)).all()), n
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda), "cpu"])
 def test_device_weighted_sum_refuses_what_the_kernel_refuses(device):
     """The same argument errors as the Rust path: the weights' own (count, finiteness, from the
     kernel itself), dtype, shape, contiguity, overlap with out, out requiring grad."""

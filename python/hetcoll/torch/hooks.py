@@ -424,6 +424,16 @@ def _scale_(buf: torch.Tensor, factor: float) -> None:
         buf.mul_(factor)
 
 
+def _divide_(buf: torch.Tensor, total: torch.Tensor) -> None:
+    """``buf /= total`` (a count on the same device), the quotient rounded once, as dividing by
+    a Python number rounds it: in float32 for a 16-bit bucket, whose type cannot hold every
+    count."""
+    if buf.dtype in (torch.float16, torch.bfloat16):
+        buf.copy_(buf.float().div_(total))
+    else:
+        buf.div_(total.to(buf.dtype))
+
+
 def weighted_allreduce_hook(
     state: WeightedAllreduceState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
@@ -491,8 +501,15 @@ def weighted_allreduce_hook(
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         reduced = fut.value()[0]
-        counts = total_fut.wait().cpu().numpy()
-        reduced.div_(float(item_total(counted_rows(counts), "local_batch")))
+        counts = total_fut.wait()
+        if counts.device.type != "cpu":
+            # NCCL: its futures complete as the work is queued and this runs in the backward's
+            # thread; reading the counts on the host would hold the backward until every rank
+            # had reached its first bucket and that bucket's allreduce had ended. Divided on
+            # the device instead; a step where no rank counted a sample averages to zeros.
+            _divide_(reduced, counts.sum().clamp_min(1))
+            return reduced
+        reduced.div_(float(item_total(counted_rows(counts.numpy()), "local_batch")))
         return reduced
 
     return work.get_future().then(finish)
@@ -527,7 +544,10 @@ def register_weighted_hook(
     trains, warns once.
 
     The hook runs on ``ddp``'s own process group; ``algorithm`` as in
-    :class:`WeightedAllreduceState`. Returns the state.
+    :class:`WeightedAllreduceState`. On NCCL the ranks' sample counts are summed on the device,
+    so the backward never waits on the host for the other ranks (nor, then, does a
+    :class:`~hetcoll.torch.StepTimer`'s span): a step in which no rank counted a sample
+    averages to zeros there, where the other engines raise. Returns the state.
     """
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(
