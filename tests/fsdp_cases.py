@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+from torch.utils.data import DataLoader
 
 from hetcoll.errors import CollectiveMismatchError
 from hetcoll.torch import BalancedSampler, StepTimer, weigh_loss
@@ -157,8 +159,11 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
     calls = {
         "count -1 on rank 1": lambda: weigh_loss(loss, -1 if rank == 1 else 3),
         "count 2.5 on rank 0": lambda: weigh_loss(loss, 2.5 if rank == 0 else 3),
+        "a bool tensor on rank 0": lambda: weigh_loss(loss, torch.tensor(rank == 0)),
         "zero everywhere": lambda: weigh_loss(loss, 0),
         "loss not a tensor on rank 0": lambda: weigh_loss(1.0 if rank == 0 else loss, 3),
+        "per-row loss on rank 0": lambda: weigh_loss(loss.expand(3) if rank == 0 else loss, 3),
+        "integer loss on rank 1": lambda: weigh_loss(torch.tensor(2) if rank == 1 else loss, 3),
     }
     for name, call in calls.items():
         try:
@@ -167,12 +172,78 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
             raised[name] = f"{type(e).__name__}: {e}"
         else:
             raised[name] = "nothing"
-    # Every rank is still in step after those: a good call weighs right.
-    raised["good"] = str(float(weigh_loss(loss, 1 + rank)))
+    # Every rank is still in step after those: a good call weighs right (a one-element numpy
+    # array is a count).
+    raised["good"] = str(float(weigh_loss(loss, np.array([1 + rank]))))
     model = mlp()
     fully_shard(model)
     try:
         StepTimer(model)
     except ValueError as e:
         raised["timer"] = str(e)
+    fsdp1 = FullyShardedDataParallel(mlp(), device_id=torch.device("cpu"))
+    try:
+        StepTimer(fsdp1)
+    except ValueError as e:
+        raised["timer fsdp1"] = str(e)
+    # A timer made before sharding: its hooks are on the parameters fully_shard replaced.
+    model = mlp()
+    timer = StepTimer(model)
+    fully_shard(model)
+    model(torch.zeros(2, 5, dtype=torch.float64)).sum().backward()
+    try:
+        timer.pop()
+    except RuntimeError as e:
+        raised["timer before sharding"] = str(e)
     return raised
+
+
+def lightning_main(out: str, shares: list[int], epochs: int) -> None:
+    """Under ``torchrun``: Lightning's ``ModelParallelStrategy`` (FSDP2 applied in
+    ``configure_model`` over its data-parallel mesh) trains GPT-2 on a ``BalancedSampler``'s
+    ``shares`` (``use_distributed_sampler=False``: the loader is the user's), each step's loss
+    weighed in ``training_step``; each rank writes its full parameters to ``out/rank{r}.pt``."""
+    import os
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    rank = int(os.environ["RANK"])
+    _, load, loss_fn, count, blocks = CASES["gpt2"]
+
+    class LM(pl.LightningModule):
+        def configure_model(self) -> None:
+            self.model = gpt2()  # float64: Lightning's precision plugin leaves it so
+            mesh = self.device_mesh["data_parallel"]
+            for block in blocks(self.model):
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            ids, labels = batch
+            return weigh_loss(loss_fn(self.model, ids, labels), count(ids, labels))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    ids, labels = load()
+    sampler = BalancedSampler(range(ROWS), shares, rank, shuffle=True, seed=0, verify=False)
+    rows = [(ids[i], labels[i]) for i in range(ROWS)]
+    # Lightning sets the epoch of the batch sampler's sampler, this BalancedSampler.
+    loader = DataLoader(rows, batch_sampler=sampler.batch_sampler())
+    trainer = pl.Trainer(
+        strategy=ModelParallelStrategy(data_parallel_size=len(shares), tensor_parallel_size=1),
+        accelerator="cpu", devices=len(shares), max_epochs=epochs, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False,
+    )  # fmt: skip
+    lm = LM()
+    trainer.fit(lm, loader)
+    full = [p.full_tensor().detach().clone() for p in lm.model.parameters()]
+    torch.save(full, f"{out}/rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    import sys
+
+    lightning_main(sys.argv[1], [int(s) for s in sys.argv[2].split(",")], int(sys.argv[3]))

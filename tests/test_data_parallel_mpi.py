@@ -93,7 +93,7 @@ def test_mpi_optimizer_with_items_trains_a_padded_lm_as_one_process(world):
         assert bad["non_integer"] == [
             "ValueError",
             f"items: rank {world - 1} counted 1.5 for this step; items(y) must be an integer >= 0 "
-            "(what loss_fn averages over)",
+            "(what the loss averages over)",
         ]
         assert bad["all_zero"][0] == "ValueError"
         assert "items: every rank counted 0 items" in bad["all_zero"][1]

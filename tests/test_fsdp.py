@@ -5,6 +5,11 @@ on every rank (real gloo ranks: tests/fsdp_cases.py)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -38,11 +43,14 @@ def test_weighed_losses_train_the_one_process_model(case, shares, epochs, accumu
         assert relative(r["plain"], want) > 1e-4
 
 
-def test_bad_counts_raise_on_every_rank_and_a_sharded_model_refuses_a_step_timer():
+def test_bad_counts_and_losses_raise_on_every_rank_and_sharded_models_refuse_a_step_timer():
     ranks = spawn(bad_inputs, 2)
     for rank, raised in enumerate(ranks):
         assert raised["count -1 on rank 1"].startswith("ValueError: count: rank 1")
         assert raised["count 2.5 on rank 0"].startswith("ValueError: count: rank 0")
+        assert raised["a bool tensor on rank 0"].startswith(
+            "ValueError: count: rank 0 counted something that is not a number"
+        )
         assert "every rank counted 0 samples" in raised["zero everywhere"]
         if rank == 0:
             assert raised["loss not a tensor on rank 0"] == (
@@ -52,8 +60,27 @@ def test_bad_counts_raise_on_every_rank_and_a_sharded_model_refuses_a_step_timer
             assert raised["loss not a tensor on rank 0"].startswith(
                 "CollectiveMismatchError: rank 0 raised TypeError: loss: must be a tensor"
             )
+        if rank == 0:
+            assert raised["per-row loss on rank 0"] == (
+                "ValueError: loss: must be one number (the mean over count), got shape (3,); "
+                "reduce it first"
+            )
+            assert raised["integer loss on rank 1"].startswith(
+                "CollectiveMismatchError: rank 1 raised TypeError: loss: must be a floating-point"
+            )
+        else:
+            assert raised["per-row loss on rank 0"].startswith(
+                "CollectiveMismatchError: rank 0 raised ValueError: loss: must be one number"
+            )
+            assert raised["integer loss on rank 1"] == (
+                "TypeError: loss: must be a floating-point tensor, got torch.int64"
+            )
         assert float(raised["good"]) == pytest.approx(2 * (1 + rank) / 3)
-        assert raised["timer"].startswith("model: its parameters are sharded (DTensor")
+        for timer in ("timer", "timer fsdp1"):
+            assert raised[timer].startswith("model: its parameters are sharded (FSDP"), timer
+        assert raised["timer before sharding"].startswith(
+            "StepTimer.pop: the model's parameters were replaced since the timer was made"
+        )
 
 
 def test_without_a_group_weigh_loss_names_it():
@@ -61,3 +88,21 @@ def test_without_a_group_weigh_loss_names_it():
         weigh_loss(torch.tensor(1.0), 3)
     with pytest.raises(TypeError, match=r"^loss: must be a tensor"):
         weigh_loss([1.0], 3)
+
+
+def test_lightning_model_parallel_strategy_with_weighed_losses_is_the_one_process_model(tmp_path):
+    """Lightning's ModelParallelStrategy (FSDP2 in configure_model), a BalancedSampler loader
+    of the user's at 5:3 and weigh_loss in training_step, 2 epochs under torchrun."""
+    pytest.importorskip("lightning")
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cases = Path(__file__).parent / "fsdp_cases.py"
+    launch = [str(torchrun), "--standalone", "--nproc-per-node=2", str(cases)]
+    proc = subprocess.run(
+        [*launch, str(tmp_path), "5,3", "2"],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = train("gpt2", [8], 0, 2)
+    for rank in range(2):
+        assert relative(torch.load(tmp_path / f"rank{rank}.pt"), want) < 1e-10

@@ -406,8 +406,15 @@ def count_items(items: Items, y: Any) -> LocalCount:
 
 def checked_count(value: Any, what: str) -> LocalCount:
     """``value`` as this rank's count, checked but never raised (:func:`count_items`); ``what``:
-    this rank's own error message where it is no integer >= 0 below 2**53."""
-    if not isinstance(value, bool) and hasattr(value, "__index__"):
+    this rank's own error message where it is no integer >= 0 below 2**53. A bool (Python's,
+    numpy's or a bool tensor) is no count; a numpy array of one integer is one."""
+    if isinstance(value, (bool, np.bool_)) or (
+        isinstance(value, torch.Tensor) and value.dtype == torch.bool
+    ):
+        return LocalCount(NOT_A_NUMBER, 0, TypeError(what))
+    if isinstance(value, np.ndarray) and value.size == 1:
+        value = value.reshape(())  # a 0-d array: an integer one has __index__
+    if hasattr(value, "__index__"):
         try:
             n = int(value.__index__())
         except (TypeError, RuntimeError):  # a tensor of several elements, a float tensor
@@ -494,7 +501,7 @@ def _problem(argument: str, rank: int, status: int, value: int) -> BaseException
         got = "something that is not a number"
     return ValueError(
         f"{argument}: rank {rank} counted {got} for this step; {counted_by} must be an integer "
-        ">= 0 (what loss_fn averages over)"
+        ">= 0 (what the loss averages over)"
     )
 
 

@@ -38,6 +38,16 @@ def _sharded(param: torch.Tensor) -> bool:
     return isinstance(param, DTensor) and any(p.is_shard() for p in param.placements)
 
 
+def _under_fsdp1(model: nn.Module) -> bool:
+    """Whether ``model`` is or holds a ``FullyShardedDataParallel`` (FSDP1, whose parameters
+    are flat shards, no DTensors)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # builds without distributed
+        return False
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
 class StepTimer:
     """Times each step of ``model`` on this rank: from its first forward to its last gradient
     accumulated (see the module docstring), leaving out the waits for other ranks. Forwards
@@ -67,9 +77,9 @@ class StepTimer:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model: has no parameter that requires a gradient to time")
-        if any(_sharded(p) for p in params):
+        if any(_sharded(p) for p in params) or _under_fsdp1(model):
             raise ValueError(
-                "model: its parameters are sharded (DTensor: FSDP's fully_shard, tensor "
+                "model: its parameters are sharded (FSDP, fully_shard, tensor "
                 "parallelism), whose forward and backward wait for the other ranks at every "
                 "layer: each rank's time from forward to last gradient is the slowest rank's, "
                 "and shares fed with it never move. Measure each rank's speed on the model "
@@ -130,6 +140,12 @@ class StepTimer:
         forward to its last gradient accumulated (to now, where no gradient came: a forward
         alone). Then the next step starts. ``RuntimeError`` where the model ran no forward
         since the last call."""
+        if not any(p is self._first for p in self.model.parameters()):
+            raise RuntimeError(
+                "StepTimer.pop: the model's parameters were replaced since the timer was made "
+                "(sharded by FSDP, or loaded with assign=True): its hooks are on the old ones. "
+                "Make the timer from the model as it trains"
+            )
         started, ended = self._started, self._ended
         start_event, end_event = self._start_event, self._end_event
         self._started = self._ended = None
