@@ -100,7 +100,8 @@ PLACEMENT_RUN      := benches/bench_placement.py --launches 3 --json $(RESULTS)/
 .PHONY: bench-report bench-kernels bench-split bench-partition bench-partitioners bench-planner \
 	bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate bench-plans \
 	bench-microbatches bench-planspace bench-placement bench-lm-pipeline bench-tensor-parallel \
-	bench-tensor-parallel-moe bench-expert-parallel bench-fixed-costs bench-step-timer
+	bench-tensor-parallel-moe bench-expert-parallel bench-fixed-costs bench-step-timer \
+	bench-trainer-rebalance
 
 $(BENCHED): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet --group bench
@@ -110,7 +111,7 @@ bench: bench-kernels bench-split bench-partition bench-partitioners bench-planne
 		bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate \
 		bench-microbatches bench-plans bench-planspace bench-placement bench-lm-pipeline \
 		bench-tensor-parallel bench-tensor-parallel-moe bench-expert-parallel bench-fixed-costs \
-		bench-step-timer
+		bench-step-timer bench-trainer-rebalance
 	$(MAKE) bench-report
 
 bench-report:
@@ -123,6 +124,10 @@ bench-kernels: $(BUILT) $(BENCHED)
 bench-step-timer: $(BUILT) $(BENCHED)
 	$(PYBENCH) benches/bench_step_timer.py --results-json $(RESULTS)/step_timer.json \
 		--results-title "StepTimer: what timing a rank's own compute adds to a step"
+
+bench-trainer-rebalance: $(BUILT) $(BENCHED)
+	$(PYBENCH) benches/bench_trainer_rebalance.py --results-json $(RESULTS)/trainer_rebalance.json \
+		--results-title "Hugging Face Trainer: BalancedTrainer rebalancing at emulated speeds 1 and 0.5"
 
 bench-split: $(BUILT) $(BENCHED)
 	$(PYBENCH) benches/bench_split.py --results-json $(RESULTS)/split.json \

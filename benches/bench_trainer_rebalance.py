@@ -1,0 +1,533 @@
+"""Throughput of ``hetcoll.accelerate.BalancedTrainer`` under Hugging Face's ``Trainer`` on two
+ranks of unequal speed, rebalancing as it trains against plain ``transformers.Trainer``.
+
+Two gloo CPU ranks under torchrun, one thread each, rank 1 at an *emulated* half speed (its
+layers sleep as long again as their own forward and backward: `hetcoll.lab.emulate.slow_down`,
+what `examples/hf_trainer_balanced.py --emulate 1,0.5` does), train a GPT-2 built from a config
+(byte vocabulary, eager attention, SGD at a constant rate, the example's `TrainingArguments`)
+five ways, each on the same global batch (32 rows of 64 tokens) for the same 20 optimizer
+steps: plain `transformers.Trainer` (DDP's equal split; the peer), `BalancedTrainer` at equal
+shares (no rebalancing: it should match the peer), `BalancedTrainer(rebalance_every=2)` starting
+from equal shares, `BalancedTrainer(measure=True)` (the probe's shares, no rebalancing), and the
+fast rank alone (plain `Trainer`, one process, the whole batch). The four two-rank runs take
+turns in one launch (a fresh model each, their order rotated from launch to launch); the fast
+rank alone is a launch of its own beside each.
+
+The model is compute-bound: 4 blocks of width 256 (3.2M parameters) on rows of 64 tokens. Its
+forward, backward and SGD step on one thread take about 0.2 s for 16 rows and 0.4 s for 32, in
+proportion to the rows, against fixed costs per step of a few percent of that (Trainer's step,
+DDP's allreduce of the 13 MB of gradients: about 14 ms between two local gloo ranks). At the
+example's default size (2 blocks of width 32, rows of 16 bytes) a two-rank Trainer step takes
+10 to 20 ms of which the ranks' compute is a few, which a per-row speed model cannot tell apart
+from the fixed part: there the probe and the rebalancer shift rows off the slow rank past the
+speeds' 11 : 5 of 16 (to 15 : 1 in a dry run, ``HETCOLL_BENCH_QUICK=1``, which runs that size),
+and the shifted splits run no faster than the equal one there.
+
+Throughput: the steady state, the global batch over the median optimizer step of steps 7 to
+20 by rank 0's clock (a `TrainerCallback` at every step's end): start-up, the probe and the
+rebalancer's first decision are left out (the notes give the mean over the same steps too, and
+Trainer's own `train_samples_per_second`, the whole loop). The ideal is the sum of the two
+ranks' own speeds, measured in each two-rank launch: each rank's forward, backward and SGD step
+at its share of the batch split by speeds 1 : 0.5 (22 : 10), the two ranks at once as in
+training, no communication. Medians and spread over 3 launch pairs in which no rank waited for
+a core more than 5% of its timed steps (Linux's /proc/self/schedstat: on a shared host another
+job's burst slows the full-speed rank more than the sleeping one, and moves a run's best split);
+up to 6 pairs are tried, and if fewer than 3 are quiet all are kept, as the notes then say.
+Heterogeneity is emulated: no figure here comes from ranks of really different hardware.
+
+    make bench-trainer-rebalance      # writes benches/results/trainer_rebalance.json
+    HETCOLL_BENCH_QUICK=1 python -m pytest benches/bench_trainer_rebalance.py -s   # a dry run
+
+Lab code, like everything in benches/: it imports the library, the library never imports it.
+Run as a script, this file is the launches' worker (see ``worker_main``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+#: The emulated speed of each rank: rank 1 at half of its real speed.
+SPEEDS = (1.0, 0.5)
+#: ``HETCOLL_BENCH_QUICK=1``: a dry run (the example's tiny model, 1 launch, a few steps).
+QUICK = os.environ.get("HETCOLL_BENCH_QUICK") == "1"
+#: The model and the global batch: GPT-2 blocks, their width, heads, row length, rows per step.
+SIZE = (
+    {"layers": 2, "hidden": 32, "heads": 2, "seq": 16, "batch": 16}
+    if QUICK
+    else {"layers": 4, "hidden": 256, "heads": 4, "seq": 64, "batch": 32}
+)
+STEPS = 6 if QUICK else 20  # optimizer steps per run, one epoch
+WARMUP = 2 if QUICK else 6  # steps left out of the steady state
+#: Launch pairs (the two-rank launch and the fast rank alone) kept for the medians: quiet ones,
+#: where no rank waited for a core more than ``BUSY`` of the time it was timed; at most
+#: ``MAX_LAUNCHES`` tried, else every one tried is kept (and the notes say so).
+LAUNCHES = 1 if QUICK else 3
+MAX_LAUNCHES = 1 if QUICK else 6
+BUSY = 0.05
+REBALANCE_EVERY = 2
+#: The two-rank configurations (each launch runs them all, in a rotated order).
+CONFIGS = ("trainer", "equal", "rebalance", "measured")
+NAMES = {
+    "trainer": "plain transformers.Trainer (DDP's equal split)",
+    "equal": "BalancedTrainer, equal shares, no rebalancing",
+    "rebalance": f"BalancedTrainer(rebalance_every={REBALANCE_EVERY}), from equal shares",
+    "measured": "BalancedTrainer(measure=True), no rebalancing",
+    "alone": "plain Trainer, the fast rank alone (1 process, whole batch)",
+}
+SHORT = {
+    "trainer": "plain Trainer",
+    "equal": "equal shares",
+    "rebalance": "rebalancing",
+    "measured": "measured",
+    "alone": "fast rank alone",
+}
+#: Attention as plain ops, as examples/train_lm.py runs it.
+EAGER: dict[str, Any] = {"attn_implementation": "eager"}
+#: Standard-library modules whose source is the text (they ship with every CPython).
+CORPUS = ("textwrap.py", "string.py", "difflib.py", "argparse.py")
+
+
+# -- the worker: one launch, run under torchrun (two ranks) or alone -------------------------------
+
+
+def make_model() -> nn.Module:
+    """GPT-2 of ``SIZE`` from a config (no download), as examples/train_lm.py builds it: a byte
+    vocabulary, no dropout, eager attention; the same weights on every rank."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=256,
+        n_embd=SIZE["hidden"],
+        n_layer=SIZE["layers"],
+        n_head=SIZE["heads"],
+        n_positions=SIZE["seq"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        **EAGER,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def text_rows(rows: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """``rows`` rows of ``SIZE["seq"]`` bytes of the standard library's source from random
+    places, every token valid (the same compute on every row)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    data = b"".join((stdlib / name).read_bytes() for name in CORPUS)
+    text = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    seq = SIZE["seq"]
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(text) - seq, (rows,), generator=g).tolist()
+    out = []
+    for start in starts:
+        ids = text[start : start + seq].clone()
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    return out
+
+
+def training_arguments(output_dir: str) -> Any:
+    """examples/hf_trainer_balanced.py's arguments: SGD at a constant rate, every step logged
+    (``share/r`` in BalancedTrainer's logs), nothing saved; the global batch ``SIZE["batch"]``
+    split among the processes."""
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=output_dir,
+        use_cpu=True,
+        per_device_train_batch_size=1,  # set below, once the processes are known
+        num_train_epochs=1,
+        learning_rate=0.05,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        seed=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        ddp_find_unused_parameters=False,
+        disable_tqdm=True,
+    )
+    args.per_device_train_batch_size = SIZE["batch"] // args.world_size
+    return args
+
+
+def waited() -> float:
+    """Seconds this process's main thread has spent runnable but waiting for a core (Linux's
+    /proc/self/schedstat; 0 where there is none): the host's other work taking the CPU."""
+    try:
+        return int(Path("/proc/self/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def own_speed(
+    rank: int, share: int, data: list[dict[str, torch.Tensor]], steps: int
+) -> tuple[float, float]:
+    """This rank's own samples/s at ``share`` rows: forward, backward and SGD step of the model
+    (emulated speed included), no communication, timed after one warm-up step; every rank at
+    once (a barrier first), as in training. And the part of that time it waited for a core."""
+    import torch.distributed as dist
+    from torch.utils.data import default_collate
+
+    from hetcoll.lab.emulate import slow_down
+
+    model = make_model()
+    slowed = slow_down(model, SPEEDS[rank])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    batch = default_collate(data[:share])
+
+    def step() -> None:
+        opt.zero_grad()
+        model(**batch).loss.backward()
+        opt.step()
+
+    step()
+    dist.barrier()
+    t0, w0 = time.perf_counter(), waited()
+    for _ in range(steps):
+        step()
+    seconds = time.perf_counter() - t0
+    slowed.remove()
+    return share * steps / seconds, (waited() - w0) / seconds
+
+
+class StepClock(TrainerCallback):
+    """The time at every optimizer step's end, by this process's clock."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+        self.waited: list[float] = []  # :func:`waited` at each step's end
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.ends.append(time.perf_counter())
+        self.waited.append(waited())
+
+
+def run_config(
+    config: str, rank: int, ranks: int, data: list[dict[str, torch.Tensor]]
+) -> dict[str, Any]:
+    """One training run of ``config`` (a fresh model, rank ``rank`` slowed to its emulated
+    speed): its steady-state step time, Trainer's own throughput, the shares."""
+    from transformers import Trainer
+
+    from hetcoll.accelerate import BalancedTrainer
+    from hetcoll.lab.emulate import slow_down
+
+    model = make_model()
+    slowed = slow_down(model, SPEEDS[rank]) if ranks > 1 else None
+    clock = StepClock()
+    with tempfile.TemporaryDirectory() as out:
+        common: dict[str, Any] = {
+            "model": model,
+            "args": training_arguments(out),
+            "train_dataset": data,
+            "callbacks": [clock],
+        }
+        if config in ("trainer", "alone"):
+            trainer: Trainer = Trainer(**common)
+        else:
+            trainer = BalancedTrainer(
+                **common,
+                measure=config == "measured",
+                measure_budget=2.0,
+                rebalance_every=REBALANCE_EVERY if config == "rebalance" else None,
+            )
+        metrics = trainer.train().metrics
+    ends = clock.ends
+    if len(ends) != STEPS:
+        raise RuntimeError(f"{config}: {len(ends)} optimizer steps, expected {STEPS}")
+    durations = [b - a for a, b in pairwise(ends)]  # steps 2 to STEPS
+    report: dict[str, Any] = {
+        # The steady state: the median optimizer step after the first WARMUP (a burst of the
+        # shared host's other work moves a mean more than the run's own pace).
+        "step_s": statistics.median(durations[WARMUP - 1 :]),
+        "mean_step_s": (ends[-1] - ends[WARMUP - 1]) / (STEPS - WARMUP),
+        # Every rank's wait for a core over those steps, a part of their time (below).
+        "waited": (clock.waited[-1] - clock.waited[WARMUP - 1]) / (ends[-1] - ends[WARMUP - 1]),
+        "durations": durations,
+        "trainer_samples_per_s": metrics["train_samples_per_second"],
+        "shares": [SIZE["batch"] // ranks] * ranks,
+        "step_shares": None,
+        "speeds": None,
+        "decisions": [],
+    }
+    if isinstance(trainer, BalancedTrainer):
+        assert trainer.balanced is not None
+        report["speeds"] = trainer.balanced.speeds
+        logged = [e for e in trainer.state.log_history if "share/0" in e]
+        report["step_shares"] = [[int(e[f"share/{r}"]) for r in range(ranks)] for e in logged]
+        # The shares the last step ran at (not a decision after it, which no step used).
+        report["shares"] = report["step_shares"][-1]
+        if trainer.rebalancer is not None:
+            report["decisions"] = [
+                {"batch": e.step, "shares": list(e.new_shares), "applied": e.applied}
+                for e in trainer.rebalancer.history
+            ]
+    if ranks > 1:
+        import torch.distributed as dist
+
+        every: list[Any] = [None] * ranks
+        dist.all_gather_object(every, report["waited"])
+        report["waited"] = every
+    else:
+        report["waited"] = [report["waited"]]
+    if slowed is not None:
+        slowed.remove()
+    del trainer, model
+    gc.collect()  # DDP's reducer goes while the process group still exists
+    return report
+
+
+def worker_main(argv: list[str] | None = None) -> None:
+    """One launch: ``--configs`` in that order (two ranks under torchrun: first each rank's own
+    speed for the ideal), rank 0 writing the report as ``--json``."""
+    import torch.distributed as dist
+
+    import hetcoll
+
+    ap = argparse.ArgumentParser(description="one launch of bench_trainer_rebalance.py")
+    ap.add_argument("--configs", required=True, help="comma-separated, of " + ", ".join(NAMES))
+    ap.add_argument("--json", required=True, help="rank 0's report")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    data = text_rows(STEPS * SIZE["batch"])
+    with tempfile.TemporaryDirectory() as out:
+        ranks = training_arguments(out).world_size  # sets up the process group under torchrun
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    report: dict[str, Any] = {"size": SIZE, "steps": STEPS, "warmup": WARMUP, "runs": {}}
+    if ranks > 1:
+        shares = hetcoll.split(SIZE["batch"], list(SPEEDS))
+        mine = own_speed(rank, shares[rank], data, steps=2 if QUICK else 6)
+        speeds: list[Any] = [None] * ranks
+        dist.all_gather_object(speeds, mine)
+        report["own_speeds"] = {
+            "shares": shares,
+            "samples_per_s": [v for v, _ in speeds],
+            "waited": [w for _, w in speeds],
+        }
+    for config in args.configs.split(","):
+        report["runs"][config] = run_config(config, rank, ranks, data)
+    if rank == 0:
+        Path(args.json).write_text(json.dumps(report))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# -- the benchmark: the launches, their medians -------------------------------------------------
+
+
+def launch(configs: list[str], ranks: int, out: Path) -> dict[str, Any]:
+    """One launch of this file's worker (torchrun for two ranks, else one process)."""
+    if ranks > 1:
+        torchrun = Path(sys.executable).parent / "torchrun"
+        cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(ranks)]
+    else:
+        cmd = [sys.executable]
+    cmd += [__file__, "--configs", ",".join(configs), "--json", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {proc.returncode}\n{proc.stderr[-4000:]}")
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
+
+
+@dataclass(frozen=True)
+class _Stats:
+    median: float
+    iqr: float
+    rounds: int
+
+
+class _Launches:
+    """What benches/conftest.py's ``record`` reads off a pytest-benchmark fixture
+    (``.stats.stats``: median, IQR, rounds), here over launches: each launch's steady-state
+    seconds per optimizer step."""
+
+    def __init__(self, seconds: list[float]) -> None:
+        q1, _, q3 = (
+            statistics.quantiles(seconds, n=4, method="inclusive")
+            if len(seconds) > 1
+            else seconds * 3
+        )
+        stats = _Stats(statistics.median(seconds), q3 - q1, len(seconds))
+        self.stats = type("Metadata", (), {"stats": stats})()
+
+
+def _shares(shares: list[int]) -> str:
+    return ":".join(str(s) for s in shares)
+
+
+def _runs(values: list[float], fmt: str) -> str:
+    return ", ".join(fmt.format(v) for v in values)
+
+
+def _steps(step_shares: list[list[int]]) -> str:
+    """Shares step by step, runs of the same written once: ``16:16 x3, 21:11 x21``."""
+    out: list[list[Any]] = []
+    for shares in step_shares:
+        if out and out[-1][0] == shares:
+            out[-1][1] += 1
+        else:
+            out.append([shares, 1])
+    return ", ".join(f"{_shares(s)} x{n}" for s, n in out)
+
+
+def _busiest(pair: tuple[dict[str, Any], dict[str, Any]]) -> float:
+    """The most any rank of a launch pair waited for a core, a part of its timed time: the
+    steady steps of every run and the ranks' own speeds."""
+    waits = [w for report in pair for r in report["runs"].values() for w in r["waited"]]
+    return max(waits + pair[0]["own_speeds"]["waited"])
+
+
+@pytest.mark.timeout(1800)  # 3 to 6 launch pairs of about 70 s on 2 cores
+def test_trainer_rebalance(record: Callable[..., None], figure: Callable[..., None]) -> None:
+    tried: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (two ranks, the fast one alone)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(MAX_LAUNCHES):
+            order = list(CONFIGS[i % len(CONFIGS) :] + CONFIGS[: i % len(CONFIGS)])
+            two = Path(tmp, f"two{i}.json")
+            if i % 2 == 0:  # which of the pair runs first, alternately
+                pair = (launch(order, 2, two), launch(["alone"], 1, Path(tmp, f"one{i}.json")))
+            else:
+                one = launch(["alone"], 1, Path(tmp, f"one{i}.json"))
+                pair = (launch(order, 2, two), one)
+            tried.append(pair)
+            if sum(_busiest(p) <= BUSY for p in tried) >= LAUNCHES:
+                break
+    busy = [_busiest(p) for p in tried]
+    quiet = [i for i, b in enumerate(busy) if b <= BUSY]
+    kept = quiet if len(quiet) >= LAUNCHES else list(range(len(tried)))
+    launches, alone = [tried[i][0] for i in kept], [tried[i][1] for i in kept]
+    group = (
+        f"GPT-2 ({SIZE['layers']} blocks of width {SIZE['hidden']}), 2 gloo ranks at emulated "
+        f"speeds {SPEEDS[0]:g} and {SPEEDS[1]:g}, global batch {SIZE['batch']} x {SIZE['seq']} "
+        f"tokens, {STEPS} steps (median of {len(kept)} launches)"
+    )
+    batch = SIZE["batch"]
+    ideal = [sum(r["own_speeds"]["samples_per_s"]) for r in launches]
+    runs = {c: [r["runs"][c] for r in launches] for c in CONFIGS}
+    runs["alone"] = [r["runs"]["alone"] for r in alone]
+    peer = runs["trainer"]
+    for config, per_launch in runs.items():
+        seconds = [r["step_s"] for r in per_launch]
+        rates = [batch / s for s in seconds]
+        of_ideal = [rate / total for rate, total in zip(rates, ideal)]
+        shares = [_shares(r["shares"]) for r in per_launch]
+        note = (
+            f"{statistics.median(rates):.1f} samples/s (min {min(rates):.1f}, max "
+            f"{max(rates):.1f}); {statistics.median(of_ideal):.0%} of the speed sum; the last "
+            f"step's shares {shares[0] if len(set(shares)) == 1 else ', '.join(shares)}"
+        )
+        record(_Launches(seconds), group, NAMES[config], peer=config == "trainer", note=note)
+        if config != "trainer":
+            paired = [p["step_s"] / r["step_s"] for p, r in zip(peer, per_launch)]
+            figure(
+                group,
+                f"{NAMES[config]} / plain Trainer, throughput",
+                f"{statistics.median(paired):.2f}x (runs: {_runs(paired, '{:.2f}')})",
+                headline=config in ("rebalance", "measured"),
+            )
+    for config in ("rebalance", "measured"):
+        of_ideal = [batch / r["step_s"] / total for r, total in zip(runs[config], ideal)]
+        figure(
+            group,
+            f"{NAMES[config]}: throughput / the sum of the ranks' speeds",
+            f"{statistics.median(of_ideal):.0%} (runs: {_runs(of_ideal, '{:.0%}')})",
+            headline=config == "rebalance",
+        )
+    own = [r["own_speeds"] for r in launches]
+    figure(
+        group,
+        "the sum of the ranks' own speeds (the ideal), samples/s",
+        f"{statistics.median(ideal):.1f} (runs: {_runs(ideal, '{:.1f}')}; rank 0 + rank 1 at "
+        f"shares {_shares(own[0]['shares'])}: "
+        + "; ".join(" + ".join(f"{v:.1f}" for v in o["samples_per_s"]) for o in own)
+        + ")",
+    )
+    figure(
+        group,
+        f"samples/s by the mean step of steps {WARMUP + 1} to {STEPS} instead of the median",
+        "; ".join(
+            f"{SHORT[c]} {statistics.median(batch / r['mean_step_s'] for r in per_launch):.1f}"
+            for c, per_launch in runs.items()
+        ),
+    )
+    figure(
+        group,
+        "Trainer's own train_samples_per_second (the whole loop, its first steps included)",
+        "; ".join(
+            f"{SHORT[c]} {statistics.median(r['trainer_samples_per_s'] for r in per_launch):.1f}"
+            for c, per_launch in runs.items()
+        ),
+    )
+    for i, r in zip(kept, runs["rebalance"]):
+        applied = [d for d in r["decisions"] if d["applied"]]
+        figure(
+            group,
+            f"rebalancing, launch {i + 1}: the shares step by step; its decisions",
+            f"{_steps(r['step_shares'] or [])}; "
+            + ", ".join(f"after batch {d['batch']} to {_shares(d['shares'])}" for d in applied)
+            + f" ({len(r['decisions']) - len(applied)} more kept the shares)",
+        )
+    figure(
+        group,
+        "measure=True: the probe's speeds (samples/s), rank 0, rank 1, and shares, by launch",
+        "; ".join(
+            ", ".join(f"{v:.1f}" for v in r["speeds"] or []) + f" -> {_shares(r['shares'])}"
+            for r in runs["measured"]
+        ),
+    )
+    figure(
+        group,
+        "how measured",
+        "rounds: launches; a launch's time: the median of rank 0's optimizer steps "
+        f"{WARMUP + 1} to {STEPS} (the steady state); the two-rank runs take turns in each "
+        "launch, in an order rotated from launch to launch; ratios: the peer's time over the "
+        "entry's (> 1: faster), of the medians in the table, of each launch's pair in the "
+        "figures." + (" A dry run (HETCOLL_BENCH_QUICK=1): not a measurement." if QUICK else ""),
+    )
+    set_aside = [
+        f"launch {i + 1} (waited {busy[i]:.0%}; rebalancing / plain Trainer there "
+        f"{two['runs']['trainer']['step_s'] / two['runs']['rebalance']['step_s']:.2f}x)"
+        for i, (two, _) in enumerate(tried)
+        if i not in kept
+    ]
+    figure(
+        group,
+        "launches kept",
+        f"{len(kept)} of {len(tried)} tried; a launch pair is kept if no rank waited for a core "
+        f"(the host's other work: /proc/self/schedstat) more than {BUSY:.0%} of its timed "
+        f"steps, once {LAUNCHES} such are found, else all are; each launch's most: "
+        + ", ".join(f"{b:.1%}" for b in busy)
+        + (f"; set aside: {', '.join(set_aside)}" if set_aside else ""),
+    )
+    assert all(r["shares"] == [batch // 2] * 2 for r in runs["equal"])
+
+
+if __name__ == "__main__":
+    worker_main()
