@@ -221,6 +221,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         model = EmulatedSpeed(net, speed, cost=probe(net, x_train, y_train, args))
     shares, fits = plan_shares(job, args, model, x_train, y_train)
     first_shares = list(shares)
+    if args.plain_ddp and args.fsdp:
+        raise SystemExit("--fsdp: the baseline --plain-ddp is DDP; give one of the two")
     for flag, given in (("--plain-ddp", args.plain_ddp), ("--fsdp", args.fsdp)):
         if given and job.backend not in ("gloo", "nccl"):
             raise SystemExit(f"{flag}: needs torchrun (torch.distributed)")

@@ -496,9 +496,9 @@ def dropout_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, objec
 
 
 def fsdp_nccl(rank: int, world: int) -> dict[str, bool]:
-    """FSDP2 (``fully_shard``) on NCCL, one GPU: ``weigh_loss`` with its count a CUDA tensor
-    (the valid labels) exchanged through NCCL; one rank weighs 1, and the sharded model's
-    gradients are the plain model's (float64, 1e-12)."""
+    """FSDP2 (``fully_shard``) on NCCL, one GPU: ``weigh_loss`` takes its count as a CUDA
+    tensor (the valid labels; read on the host: at world size 1 nothing is exchanged) and
+    weighs 1, and the sharded model's gradients are the plain model's (float64, 1e-12)."""
     from torch.distributed.fsdp import fully_shard
 
     from hetcoll.torch import weigh_loss

@@ -159,7 +159,10 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
     calls = {
         "count -1 on rank 1": lambda: weigh_loss(loss, -1 if rank == 1 else 3),
         "count 2.5 on rank 0": lambda: weigh_loss(loss, 2.5 if rank == 0 else 3),
-        "a bool tensor on rank 0": lambda: weigh_loss(loss, torch.tensor(rank == 0)),
+        "a bool tensor on rank 0": lambda: weigh_loss(loss, torch.tensor(True) if rank == 0 else 3),
+        "complex loss on rank 1": lambda: weigh_loss(
+            loss.to(torch.complex128) if rank == 1 else loss, 3
+        ),
         "zero everywhere": lambda: weigh_loss(loss, 0),
         "loss not a tensor on rank 0": lambda: weigh_loss(1.0 if rank == 0 else loss, 3),
         "per-row loss on rank 0": lambda: weigh_loss(loss.expand(3) if rank == 0 else loss, 3),

@@ -155,8 +155,8 @@ def test_nccl_at_world_size_one():
 @pytest.mark.cuda
 @needs_cuda
 def test_fsdp_with_weighed_losses_on_nccl():
-    """FSDP2 on one GPU (NCCL): weigh_loss takes a CUDA count and exchanges it through NCCL;
-    the gradients are the plain model's."""
+    """FSDP2 on one GPU (NCCL): weigh_loss takes a CUDA count (at world size 1 nothing is
+    exchanged); the gradients are the plain model's."""
     got = _spawn(cuda_cases.fsdp_nccl, 1, backend="nccl")
     assert got == [{"weighs 1": True, "plain gradients": True}]
 

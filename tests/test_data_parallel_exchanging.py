@@ -186,3 +186,26 @@ def test_weighing_twice_for_one_forward_says_so_on_every_rank(items):
         assert f"rank {rank}: " in text
     assert text.count("state.weigh(loss) was called twice for one step") >= 2, text
     assert f"{argument}: " in text and "sum its terms first" in text
+
+
+def _weigh_a_row_loss(rank, world):
+    """Rank 0 weighs its loss per row (not reduced): what each rank raised."""
+    ddp = DistributedDataParallel(_net())
+    state = register_weighted_hook(ddp)
+    x, _ = _data(0, 4 * world)
+    rows = slice(4 * rank, 4 * rank + 4)
+    losses = ddp(x[rows]).square().mean(1)
+    try:
+        state.weigh(losses if rank == 0 else losses.mean())
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "nothing"
+
+
+def test_a_per_row_loss_weighed_on_one_rank_raises_on_every_rank():
+    """weigh() counting samples takes one reduced loss: a per-row one on one rank raised in
+    that rank's backward alone, while the others waited in DDP's allreduce; it is now told in
+    weigh's exchange of the counts."""
+    mine, other = spawn(_weigh_a_row_loss, 2, timeout=60)
+    assert mine == "ValueError: loss: must be one number (a mean), got shape (4,); reduce it first"
+    assert other.startswith("CollectiveMismatchError: rank 0 raised ValueError: loss: must be one")

@@ -265,7 +265,10 @@ class BalancedTrainer(Trainer):
         inner = self.accelerator.unwrap_model(model)
         if self._timer is None or self._timer.model is not inner:  # a new model (model_init)
             self._remove_timer()
-            self._timer = StepTimer(inner)
+            try:
+                self._timer = StepTimer(inner)
+            except ValueError as e:  # a model sharded over the ranks: its steps wait inside
+                raise ValueError(f"rebalance_every: cannot time this model's steps: {e}") from None
         loss = super().training_step(model, inputs, num_items_in_batch)
         decided = len(rebalancer.history)
         rebalancer.observe(loader_rows(inputs, "inputs"), self._timer.pop())

@@ -1,5 +1,6 @@
 """PyTorch integration: balanced data parallelism (speed probe, sampler, exact sample- or
-token-weighted gradient averaging for DDP and for MPI, rebalancing), filter (model)
+token-weighted gradient averaging for DDP, for MPI and, on the loss, for FSDP and other engines
+that average; rebalancing), filter (model)
 parallelism with uneven, speed-proportional channel splits (transformers: attention by heads,
 MLPs by hidden units), and expert parallelism (whole experts per rank, by speed and load).
 Emulated heterogeneity, for trying these on one machine, is lab code: :mod:`hetcoll.lab.emulate`.

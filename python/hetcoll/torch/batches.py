@@ -321,10 +321,12 @@ class _Forward:
 
 
 def local_batch_value(n: object) -> int:
-    """A rank's sample count for one step, checked: an integer >= 0."""
-    if isinstance(n, bool) or not hasattr(n, "__index__") or int(n.__index__()) < 0:
+    """A rank's sample count for one step, checked as every count is (:func:`checked_count`):
+    an integer >= 0."""
+    mine = checked_count(n, "")
+    if mine.status != COUNTED:
         raise ValueError(f"local_batch: must be an integer >= 0, got {n!r}")
-    return int(n.__index__())
+    return mine.value
 
 
 def items_argument(items: object) -> Items | None:
@@ -408,12 +410,12 @@ def checked_count(value: Any, what: str) -> LocalCount:
     """``value`` as this rank's count, checked but never raised (:func:`count_items`); ``what``:
     this rank's own error message where it is no integer >= 0 below 2**53. A bool (Python's,
     numpy's or a bool tensor) is no count; a numpy array of one integer is one."""
+    if isinstance(value, np.ndarray) and value.size == 1:
+        value = value.reshape(())[()]  # its one number, a numpy scalar
     if isinstance(value, (bool, np.bool_)) or (
         isinstance(value, torch.Tensor) and value.dtype == torch.bool
     ):
         return LocalCount(NOT_A_NUMBER, 0, TypeError(what))
-    if isinstance(value, np.ndarray) and value.size == 1:
-        value = value.reshape(())  # a 0-d array: an integer one has __index__
     if hasattr(value, "__index__"):
         try:
             n = int(value.__index__())
@@ -520,10 +522,10 @@ def item_total(
     counts = _checked(counts, argument, failure)
     total = int(counts[:, 1].sum())
     if total <= 0:
-        unit = "items" if argument == "items" else "samples"
+        unit = {"items": "items", "local_batch": "samples"}.get(argument, "")
         raise ValueError(
-            f"{argument}: every rank counted 0 {unit} for this step; the global batch has "
-            "nothing to average over"
+            f"{argument}: every rank counted 0{' ' + unit if unit else ''} for this step; the "
+            "global batch has nothing to average over"
         )
     return total
 

@@ -6,11 +6,12 @@ mean over its own batch (PyTorch's default), the full-batch gradient is
 ``sum_r n_r * g_r / sum_r n_r``. This hook computes exactly that: each bucket is pre-scaled by
 ``n_r`` (one fused pass; the Rust kernel for CPU tensors, torch for device tensors), summed with
 the process group's allreduce, and divided by ``N = sum_r n_r`` (:func:`hetcoll.torch.item_total`,
-the rule's denominator). The ``n_r`` are gathered once per step, by a one-element allgather
-issued with the step's first bucket, so a ragged
-last batch or a share change between steps needs nothing more: :func:`register_weighted_hook`
-counts each step's samples off the DDP model's forward (:class:`hetcoll.torch.BatchCounter`);
-a state built by hand takes ``state.local_batch = len(batch)`` instead.
+the rule's denominator; on NCCL summed on the device, where a step no rank counted a sample of
+averages to zeros instead of raising). The ``n_r`` are gathered once per step, by a
+one-element allgather issued with the step's first bucket, so a ragged last batch or a share
+change between steps needs nothing more: :func:`register_weighted_hook` counts each step's
+samples off the DDP model's forward (:class:`hetcoll.torch.BatchCounter`); a state built by
+hand takes ``state.local_batch = len(batch)`` instead.
 
 Small buckets on gloo take a shorter road (``algorithm="direct"``, the default choice for them):
 every rank sends its raw bucket and its ``n_r`` to every other rank in one round of point-to-point
@@ -74,7 +75,15 @@ import torch.distributed as dist
 
 import hetcoll
 from hetcoll.collectives import choose_algorithm, direct_allreduce, premul_sum_op
-from hetcoll.comm import NOT_GIVEN, Communicator, agree, group_argument, is_mpi_comm, wrap
+from hetcoll.comm import (
+    NOT_GIVEN,
+    Communicator,
+    agree,
+    group_argument,
+    is_mpi_comm,
+    wrap,
+    wrap_or_raise,
+)
 from hetcoll.kernels import numpy_view
 from hetcoll.torch.batches import (
     NOT_COUNTED,
@@ -93,6 +102,7 @@ from hetcoll.torch.batches import (
     not_counted,
 )
 from hetcoll.torch.state_dicts import few_names
+from hetcoll.torch.weighing import loss_failure, scaled, weighed
 
 ALGORITHMS = ("auto", "direct", "allreduce")
 #: "auto" sends a bucket on two ranks through the direct exchange below this size, per
@@ -283,18 +293,25 @@ class WeightedAllreduceState:
         ``weight``: this rank's weight ``n_r / N``, where the caller has agreed on the counts
         already (the weights summing to 1 over the ranks; :func:`hetcoll.torch.item_weights`):
         nothing is counted or exchanged."""
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"loss: must be a tensor, got {type(loss).__name__}")
         if weight is not None:
             if isinstance(weight, bool) or not isinstance(weight, (int, float)):
                 raise TypeError(f"weight: must be a number, got {type(weight).__name__}")
             if not 0.0 <= weight <= 1.0:
                 raise ValueError(f"weight: must be in [0, 1] (n_r / N), got {weight!r}")
-        comm = self._wrapped()
-        if weight is not None:
-            weight = float(weight)
-        elif self.items is not None:
-            if self._latest is None:
+        if self._comm is None:  # without a group, the loss's own error first
+            self._comm = wrap_or_raise(self.process_group, loss_failure(loss))
+        comm = self._comm
+        if weight is None and self.items is None:
+            if self.counter is not None:  # an eval-mode forward: this loss's backward reaches it
+                self.counter.claim_unreached()
+            mine = self._take_count()  # a failure is carried: every rank raises, none waits
+            if mine.status == NOT_COUNTED and self._weighed:  # no forward since the last weigh
+                mine = called_twice("local_batch", "state.weigh(loss)")
+            # One exchange of the counts, a bad loss told to every rank in it.
+            weighed_loss = weighed(loss, comm, mine, "local_batch", self._fields())
+            self._agreed = True
+        else:
+            if weight is None and self._latest is None:  # items, and no count for this forward
                 missing = (
                     called_twice("items", "state.weigh(loss)")
                     if self._weighed
@@ -303,22 +320,18 @@ class WeightedAllreduceState:
                     )
                 )
                 agree(comm, self._fields(), values=missing.exchanged, failure=missing.failure)
-            assert self._latest is not None  # agree raised otherwise
-            counts, self._latest = self._latest, None
-            weight = float(item_weights(counts, "items")[comm.rank])
-        else:
-            if self.counter is not None:  # an eval-mode forward: this loss's backward reaches it
-                self.counter.claim_unreached()
-            mine = self._take_count()  # a failure is carried: every rank raises, none waits
-            if mine.status == NOT_COUNTED and self._weighed:  # no forward since the last weigh
-                mine = called_twice("local_batch", "state.weigh(loss)")
-            counts = agree(comm, self._fields(), values=mine.exchanged)
-            self._agreed = True
-            weight = float(item_weights(counts, "local_batch", mine.failure)[comm.rank])
+            bad_loss = loss_failure(loss)  # no exchange here (count()'s had the counts)
+            if bad_loss is not None:
+                raise bad_loss
+            if weight is None:
+                assert self._latest is not None  # agree raised otherwise
+                counts, self._latest = self._latest, None
+                weight = float(item_weights(counts, "items")[comm.rank])
+            weighed_loss = scaled(loss, comm.size, float(weight))
         # A rank weighing 0 still sends its gradients: they hold what the other ranks' losses
         # gave its parameters through the exchange in the forward (its own loss adds none).
         self._weighed = True
-        return loss * (comm.size * weight)
+        return weighed_loss
 
     def _take_count(self) -> LocalCount:
         """This step's samples: those the counter counted since it was last taken, or the
@@ -391,13 +404,14 @@ class WeightedAllreduceState:
         self._latest = None
         self._weighed = False
 
-    def _global_batch(self, local_batch: float) -> torch.futures.Future:
+    def _global_batch(self, local_batch: float, device: torch.device) -> torch.futures.Future:
         """Future of every rank's ``n_r`` for the current step (their sum is ``N``, see
-        :func:`hetcoll.torch.item_total`); launched once per step."""
+        :func:`hetcoll.torch.item_total`); launched once per step, on NCCL from ``device``
+        (the bucket's)."""
         if self._step_total is None:
             count = torch.tensor([int(local_batch)], dtype=torch.int64)
             if _backend(self.process_group) == "nccl":
-                count = count.cuda()
+                count = count.to(device)
             counts = count.new_empty(dist.get_world_size(self.process_group))
             work = dist.all_gather_into_tensor(
                 counts, count, group=self.process_group, async_op=True
@@ -425,9 +439,9 @@ def _scale_(buf: torch.Tensor, factor: float) -> None:
 
 
 def _divide_(buf: torch.Tensor, total: torch.Tensor) -> None:
-    """``buf /= total`` (a count on the same device), the quotient rounded once, as dividing by
-    a Python number rounds it: in float32 for a 16-bit bucket, whose type cannot hold every
-    count."""
+    """``buf /= total`` (a count on the same device), each element within one unit of the
+    exact quotient in ``buf``'s type: a 16-bit bucket, whose type cannot hold every count, is
+    divided in float32."""
     if buf.dtype in (torch.float16, torch.bfloat16):
         buf.copy_(buf.float().div_(total))
     else:
@@ -480,7 +494,7 @@ def weighted_allreduce_hook(
         # n_r times a gradient overflows float16 (65504) from gradients of 65504 / n_r: the
         # step's counts are awaited first (the allgather the step's first bucket launched) and
         # the bucket scaled by the weight n_r / N.
-        counts = state._global_batch(factor).wait().cpu().numpy()
+        counts = state._global_batch(factor, buf.device).wait().cpu().numpy()
         if last:
             state._step_total = None
         factor /= float(item_total(counted_rows(counts), "local_batch"))
@@ -494,7 +508,7 @@ def weighted_allreduce_hook(
     if weighted:  # the weights sum to 1 already: the sum is the result
         work = dist.all_reduce(buf, op=op, group=state.process_group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
-    total_fut = state._global_batch(factor)
+    total_fut = state._global_batch(factor, buf.device)
     if last:
         state._step_total = None  # the next step sums its own batch sizes
     work = dist.all_reduce(buf, op=op, group=state.process_group, async_op=True)
@@ -545,9 +559,11 @@ def register_weighted_hook(
 
     The hook runs on ``ddp``'s own process group; ``algorithm`` as in
     :class:`WeightedAllreduceState`. On NCCL the ranks' sample counts are summed on the device,
-    so the backward never waits on the host for the other ranks (nor, then, does a
-    :class:`~hetcoll.torch.StepTimer`'s span): a step in which no rank counted a sample
-    averages to zeros there, where the other engines raise. Returns the state.
+    so the backward does not wait on the host for the other ranks (nor, then, does a
+    :class:`~hetcoll.torch.StepTimer`'s span), but for float16 buckets, which are scaled by
+    ``n_r / N`` before the reduction (``n_r`` times a gradient could overflow): a step in which
+    no rank counted a sample averages to zeros there, where the other engines raise. Returns
+    the state.
     """
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(

@@ -29,8 +29,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 
 def _sharded(param: torch.Tensor) -> bool:
-    """Whether ``param`` is a DTensor sharded over ranks (FSDP2, tensor parallelism); a
-    replicated one (``replicate``) is a whole copy, as under DDP."""
+    """Whether ``param`` is sharded over ranks: a DTensor with a sharded placement (FSDP2,
+    tensor parallelism; a replicated one, ``replicate``, is a whole copy, as under DDP), or a
+    DeepSpeed ZeRO-3 parameter (its ``ds_id``)."""
+    if hasattr(param, "ds_id"):
+        return True
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch before 2.5 (and builds without distributed): no DTensor here
@@ -79,8 +82,8 @@ class StepTimer:
             raise ValueError("model: has no parameter that requires a gradient to time")
         if any(_sharded(p) for p in params) or _under_fsdp1(model):
             raise ValueError(
-                "model: its parameters are sharded (FSDP, fully_shard, tensor "
-                "parallelism), whose forward and backward wait for the other ranks at every "
+                "model: its parameters are sharded (FSDP, fully_shard, DeepSpeed ZeRO-3, "
+                "tensor parallelism), whose forward and backward wait for the other ranks at every "
                 "layer: each rank's time from forward to last gradient is the slowest rank's, "
                 "and shares fed with it never move. Measure each rank's speed on the model "
                 "before sharding it (hetcoll.torch.measure_speed) and give the shares to the "
@@ -139,7 +142,8 @@ class StepTimer:
         """Seconds of this rank's compute in the step since the last call: from its first
         forward to its last gradient accumulated (to now, where no gradient came: a forward
         alone). Then the next step starts. ``RuntimeError`` where the model ran no forward
-        since the last call."""
+        since the last call, or where its parameters were replaced since the timer was
+        made (sharded, or loaded with ``assign=True``: the hooks are on the old ones)."""
         if not any(p is self._first for p in self.model.parameters()):
             raise RuntimeError(
                 "StepTimer.pop: the model's parameters were replaced since the timer was made "

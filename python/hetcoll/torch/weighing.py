@@ -13,12 +13,13 @@ The weighting then rides on the loss: rank ``r``'s loss, a mean over its ``n_r``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from hetcoll.comm import agree, wrap_or_raise
-from hetcoll.torch.batches import checked_count, item_weights
+from hetcoll.comm import Communicator, agree, wrap_or_raise
+from hetcoll.torch.batches import LocalCount, checked_count, item_weights
 
 
 def weigh_loss(loss: torch.Tensor, count: Any, group: Any = None) -> torch.Tensor:
@@ -52,26 +53,46 @@ def weigh_loss(loss: torch.Tensor, count: Any, group: Any = None) -> torch.Tenso
     ...     loss = weigh_loss(loss_fn(model(x), y), len(x))  # doctest: +SKIP
     ...     loss.backward(); opt.step(); opt.zero_grad()  # doctest: +SKIP
     """
-    bad_loss = _loss_failure(loss)
     # Checked but not raised: a bad count rides in the exchange and every rank raises it.
-    mine = checked_count(count, f"count: must be an integer >= 0, got {count!r}")
-    comm = wrap_or_raise(group, bad_loss or mine.failure)
-    counts = agree(comm, {}, values=mine.exchanged, failure=bad_loss)
-    weight = float(item_weights(counts, "count", mine.failure)[comm.rank])
-    return loss * (comm.size * weight)
+    mine = checked_count(count, "count: must be an integer >= 0 (what the loss averages over)")
+    comm = wrap_or_raise(group, loss_failure(loss) or mine.failure)
+    return weighed(loss, comm, mine, "count")
 
 
-def _loss_failure(loss: object) -> BaseException | None:
-    """What is wrong with ``loss`` (told to every rank), or None: a floating-point tensor of
-    one element, the mean its backward starts from (a per-row loss would raise in that
-    backward on this rank alone, and the other ranks wait in the engine's exchange)."""
+def weighed(
+    loss: torch.Tensor,
+    comm: Communicator,
+    mine: LocalCount,
+    argument: str,
+    fields: Mapping[str, int] | None = None,
+) -> torch.Tensor:
+    """``loss * R * n_r / N`` after one exchange of the ranks' counts (``mine``: this rank's,
+    checked but not raised; ``fields``: what the ranks must agree on besides, as
+    :func:`hetcoll.comm.agree` takes them): every rank raises the first rank's bad count,
+    naming ``argument`` (:func:`item_weights`, the rule); a bad ``loss`` (:func:`loss_failure`)
+    raises on its rank and :class:`~hetcoll.CollectiveMismatchError` on the others."""
+    counts = agree(comm, fields or {}, values=mine.exchanged, failure=loss_failure(loss))
+    return scaled(loss, comm.size, float(item_weights(counts, argument, mine.failure)[comm.rank]))
+
+
+def scaled(loss: torch.Tensor, ranks: int, weight: float) -> torch.Tensor:
+    """``loss`` times ``R n_r / N`` (``weight``: ``n_r / N``, of ``ranks`` ranks): what an engine
+    that divides the ranks' summed gradients by their number needs to give their weighted
+    mean."""
+    return loss * (ranks * weight)
+
+
+def loss_failure(loss: object) -> BaseException | None:
+    """What is wrong with ``loss`` to be weighed, or None: it must be a real floating-point
+    tensor of one element, the mean its backward starts from (a per-row or a complex loss
+    would raise in that backward on its rank alone, while the other ranks waited in the
+    engine's exchange)."""
     if not isinstance(loss, torch.Tensor):
         return TypeError(f"loss: must be a tensor, got {type(loss).__name__}")
     if loss.numel() != 1:
         return ValueError(
-            f"loss: must be one number (the mean over count), got shape {tuple(loss.shape)}; "
-            "reduce it first"
+            f"loss: must be one number (a mean), got shape {tuple(loss.shape)}; reduce it first"
         )
-    if not (loss.is_floating_point() or loss.is_complex()):
-        return TypeError(f"loss: must be a floating-point tensor, got {loss.dtype}")
+    if not loss.is_floating_point():
+        return TypeError(f"loss: must be a real floating-point tensor, got {loss.dtype}")
     return None
