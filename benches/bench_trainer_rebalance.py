@@ -100,8 +100,6 @@ SHORT = {
     "measured": "measured",
     "alone": "fast rank alone",
 }
-#: Attention as plain ops, as examples/train_lm.py runs it.
-EAGER: dict[str, Any] = {"attn_implementation": "eager"}
 #: Standard-library modules whose source is the text (they ship with every CPython).
 CORPUS = ("textwrap.py", "string.py", "difflib.py", "argparse.py")
 
@@ -110,26 +108,18 @@ CORPUS = ("textwrap.py", "string.py", "difflib.py", "argparse.py")
 
 
 def make_model() -> nn.Module:
-    """GPT-2 of ``SIZE`` from a config (no download), as examples/train_lm.py builds it: a byte
-    vocabulary, no dropout, eager attention; the same weights on every rank."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """GPT-2 of ``SIZE`` as examples/train_lm.py builds it (a byte vocabulary, no dropout,
+    eager attention); the same weights on every rank."""
+    from bench_tensor_parallel import lm_example
 
     torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=256,
-        n_embd=SIZE["hidden"],
-        n_layer=SIZE["layers"],
-        n_head=SIZE["heads"],
-        n_positions=SIZE["seq"],
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        **EAGER,
+    return lm_example().make_model(  # type: ignore[no-any-return]
+        "gpt2",
+        hidden=SIZE["hidden"],
+        layers=SIZE["layers"],
+        heads=SIZE["heads"],
+        positions=SIZE["seq"],
     )
-    return GPT2LMHeadModel(config)
 
 
 def text_rows(rows: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:

@@ -275,7 +275,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 f"test loss {test_loss:.4f}, accuracy {accuracy:.2%}, shares {sampler.shares}",
                 flush=True,
             )
-    state = full_state_dict(net)  # collective under FSDP: every rank
+    state = net.state_dict()
+    if args.fsdp:  # torch's gather of FSDP's shards (collective: every rank)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True))
     if job.rank == 0 and args.save:
         torch.save(state, args.save)
     report = {
@@ -290,13 +294,6 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     del wrapped, opt, rebalancer  # before the group goes (Job.close)
     job.close()
     return report
-
-
-def full_state_dict(net: nn.Module) -> dict[str, torch.Tensor]:
-    """``net``'s parameters and buffers whole (FSDP holds a shard of each on every rank)."""
-    return {
-        k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in net.state_dict().items()
-    }
 
 
 def progress(job: Job, epoch: int, epochs: int, steps: int, quiet: bool) -> Any:

@@ -267,7 +267,7 @@ class BalancedTrainer(Trainer):
             self._remove_timer()
             try:
                 self._timer = StepTimer(inner)
-            except ValueError as e:  # a model sharded over the ranks: its steps wait inside
+            except ValueError as e:  # a model it cannot time (sharded over the ranks, ...)
                 raise ValueError(f"rebalance_every: cannot time this model's steps: {e}") from None
         loss = super().training_step(model, inputs, num_items_in_batch)
         decided = len(rebalancer.history)

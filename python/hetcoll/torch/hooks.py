@@ -212,10 +212,11 @@ class WeightedAllreduceState:
         agree(self._wrapped(), self._fields())
         self._agreed = True
 
-    def _wrapped(self) -> Communicator:
-        """The group as hetcoll's communicator, wrapped once."""
+    def _wrapped(self, failure: BaseException | None = None) -> Communicator:
+        """The group as hetcoll's communicator, wrapped once; where there is no group, the
+        caller's own argument error ``failure``, if any, is raised before the group's."""
         if self._comm is None:
-            self._comm = wrap(self.process_group)
+            self._comm = wrap_or_raise(self.process_group, failure)
         return self._comm
 
     def _fields(self) -> dict[str, int]:
@@ -298,9 +299,7 @@ class WeightedAllreduceState:
                 raise TypeError(f"weight: must be a number, got {type(weight).__name__}")
             if not 0.0 <= weight <= 1.0:
                 raise ValueError(f"weight: must be in [0, 1] (n_r / N), got {weight!r}")
-        if self._comm is None:  # without a group, the loss's own error first
-            self._comm = wrap_or_raise(self.process_group, loss_failure(loss))
-        comm = self._comm
+        comm = self._wrapped(loss_failure(loss))
         if weight is None and self.items is None:
             if self.counter is not None:  # an eval-mode forward: this loss's backward reaches it
                 self.counter.claim_unreached()
