@@ -12,8 +12,9 @@ global step; and the gradients are averaged weighted by samples (a DDP comm hook
 with each loss weighed by ``hetcoll.torch.weigh_loss``). Every step therefore applies the
 gradient of the whole global batch, and the model is the one a single process trains on the same
 batches, however the batch is split. A ``Rebalancer`` re-solves the split when the measured
-speeds drift (not under FSDP, whose every layer waits for the other ranks: the shares measured
-before sharding stay).
+speeds drift: each rank's compute per step, without its waits for the others (DDP's hook marks
+when this rank's gradients were ready; under FSDP, whose every layer waits for the other ranks,
+a ``hetcoll.torch.StepTimer`` leaves FSDP's gathers and reduce-scatters out).
 
 ``--emulate 1,0.25`` makes rank 1 run at a quarter of its real speed (it sleeps), to watch the
 balancing on one machine. The model and data are hetcoll's demo (a small CNN on scikit-learn's
@@ -41,6 +42,7 @@ from hetcoll.torch import (
     DistributedOptimizer,
     Rebalancer,
     SpeedFit,
+    StepTimer,
     broadcast_parameters,
     gather_speeds,
     measure_speed,
@@ -227,10 +229,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if given and job.backend not in ("gloo", "nccl"):
             raise SystemExit(f"{flag}: needs torchrun (torch.distributed)")
     wrapped, opt, ready_at = distribute(job, model, args.lr, args.plain_ddp, args.fsdp)
+    timer = StepTimer(wrapped) if args.fsdp else None  # after fully_shard: on its parameters
     sampler = BalancedSampler(range(len(y_train)), shares, job.rank, seed=args.seed)
     rebalancer = (
         Rebalancer(sampler, every=10, fits=fits, group=job.group)
-        if job.world > 1 and not (args.no_rebalance or args.plain_ddp or args.fsdp)
+        if job.world > 1 and not (args.no_rebalance or args.plain_ddp)
         else None
     )
     epochs = []
@@ -247,7 +250,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             if args.fsdp:  # FSDP divides the ranks' sum by their number: weigh by the samples
                 loss = weigh_loss(loss, len(idx))
             loss.backward()
-            compute = (ready_at() if ready_at else time.perf_counter()) - started
+            if timer is not None:
+                compute = timer.pop()
+            else:
+                compute = (ready_at() if ready_at else time.perf_counter()) - started
             opt.step()
             samples += len(idx)
             if rebalancer is not None:
@@ -291,7 +297,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "rebalances": sum(e.applied for e in rebalancer.history) if rebalancer else 0,
         "epochs": epochs,
     }
-    del wrapped, opt, rebalancer  # before the group goes (Job.close)
+    del wrapped, opt, rebalancer, timer  # before the group goes (Job.close)
     job.close()
     return report
 
@@ -348,8 +354,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--fsdp",
         action="store_true",
-        help="FSDP2 (fully_shard) instead of DDP, each loss weighed by hetcoll.torch.weigh_loss; "
-        "the shares measured first stay (torchrun only)",
+        help="FSDP2 (fully_shard) instead of DDP, each loss weighed by hetcoll.torch.weigh_loss, "
+        "rebalanced on each rank's compute timed by hetcoll.torch.StepTimer (torchrun only)",
     )
     p.add_argument("--float64", action="store_true", help="train in double precision")
     p.add_argument("--save", help="write the trained state dict here (rank 0)")

@@ -521,3 +521,33 @@ def fsdp_nccl(rank: int, world: int) -> dict[str, bool]:
         for p, q in zip(sharded.parameters(), plain.parameters(), strict=True)
     )
     return {"weighs 1": weighed.item() == loss.item(), "plain gradients": diff < 1e-12}
+
+
+def fsdp_nccl_timer(rank: int, world: int) -> dict[str, bool]:
+    """A StepTimer on a model sharded by FSDP2 on NCCL, one GPU: its marks are CUDA events
+    (FSDP's spans among them), so a step of long kernels reads at least half of what torch's
+    own events around the step give, and not more."""
+    from torch.distributed.fsdp import fully_shard
+
+    from hetcoll.torch import StepTimer
+
+    assert dist.get_backend() == "nccl"
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 1)).to(dev)
+    fully_shard(model[0])
+    fully_shard(model[2])
+    fully_shard(model)
+    timer = StepTimer(model)
+    x = torch.randn(8192, 4096, device=dev)
+    model(x).sum().backward()  # warm-up (cuBLAS handles, the allocator, FSDP's set-up)
+    timer.pop()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    model(x).sum().backward()
+    end.record()
+    timed = timer.pop()
+    end.synchronize()
+    whole = start.elapsed_time(end) / 1000.0
+    return {"within the step": 0.5 * whole <= timed <= whole * 1.01 + 1e-4}

@@ -178,17 +178,22 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
     # Every rank is still in step after those: a good call weighs right (a one-element numpy
     # array is a count).
     raised["good"] = str(float(weigh_loss(loss, np.array([1 + rank]))))
-    model = mlp()
-    fully_shard(model)
-    try:
-        StepTimer(model)
-    except ValueError as e:
-        raised["timer"] = str(e)
     fsdp1 = FullyShardedDataParallel(mlp(), device_id=torch.device("cpu"))
     try:
         StepTimer(fsdp1)
     except ValueError as e:
         raised["timer fsdp1"] = str(e)
+    # Tensor parallelism (a column-wise split of each linear layer over the ranks): its
+    # collectives inside the layers are not FSDP's, which the timer leaves out.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    tp = parallelize_module(mlp(), mesh, {"0": ColwiseParallel(), "2": ColwiseParallel()})
+    try:
+        StepTimer(tp)
+    except ValueError as e:
+        raised["timer tensor parallel"] = str(e)
     # A timer made before sharding: its hooks are on the parameters fully_shard replaced.
     model = mlp()
     timer = StepTimer(model)
@@ -250,3 +255,48 @@ if __name__ == "__main__":
     import sys
 
     lightning_main(sys.argv[1], [int(s) for s in sys.argv[2].split(",")], int(sys.argv[3]))
+
+
+def timed_steps(rank: int, world: int, slow_s: float) -> dict[str, Any]:
+    """GPT-2 sharded by its blocks, rank 1 sleeping ``slow_s`` in each block's forward: each
+    rank's StepTimer seconds and wall seconds for a step, for a step of two micro-batches
+    (gradients reduced at the second only), and whether removing the timer restored FSDP's
+    own methods."""
+    import time
+
+    _, load, loss_fn, count, blocks = CASES["gpt2"]
+    model = gpt2()
+    for block in blocks(model):
+        if rank == 1:
+            block.mlp.register_forward_hook(lambda *_: time.sleep(slow_s))
+        fully_shard(block)
+    fully_shard(model)
+    timer = StepTimer(model)  # after fully_shard: on the sharded parameters
+    ids, labels = load()
+    ids, labels = ids[:4], labels[:4]
+    out: dict[str, Any] = {}
+
+    def step(micro: int) -> None:
+        for i in range(micro):
+            model.set_requires_gradient_sync(i == micro - 1)
+            weigh_loss(loss_fn(model, ids, labels), count(ids, labels)).backward()
+
+    step(1)  # FSDP's lazy set-up
+    timer.pop()
+    for name, micro in (("step", 1), ("two micro-batches", 2)):
+        dist.barrier()
+        started = time.perf_counter()
+        step(micro)
+        out[name] = (timer.pop(), time.perf_counter() - started)
+    with torch.no_grad():
+        model(input_ids=ids)  # an evaluation: no step
+    try:
+        timer.pop()
+    except RuntimeError as e:
+        out["evaluation"] = str(e)
+    timer.remove()
+    state = model._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+    out["restored"] = not any(name in vars(g) for g in groups for name in ("pre_forward",))
+    step(1)  # FSDP's own methods still train
+    return out

@@ -164,6 +164,15 @@ def test_fsdp_with_weighed_losses_on_nccl():
 @pytest.mark.multiproc
 @pytest.mark.cuda
 @needs_cuda
+def test_step_timer_under_fsdp_on_nccl_reads_cuda_events():
+    """FSDP2 on one GPU (NCCL): the timer's marks and FSDP's spans are CUDA events; a step of
+    long kernels reads between half and all of torch's own events around it."""
+    assert _spawn(cuda_cases.fsdp_nccl_timer, 1, backend="nccl") == [{"within the step": True}]
+
+
+@pytest.mark.multiproc
+@pytest.mark.cuda
+@needs_cuda
 def test_ddp_hook_on_gloo_with_a_gpu_rank():
     """DDP over gloo, rank 0's model on the GPU, shares 5:2:3: the weighted hook ("auto":
     the direct exchange, and "allreduce") gives the full-batch gradient to 1e-10."""

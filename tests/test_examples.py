@@ -75,15 +75,21 @@ def test_torchrun_rebalanced_training_is_the_single_process_model(single, tmp_pa
     _same_model(single, state)
 
 
-def test_torchrun_fsdp_on_measured_shares_is_the_single_process_model(single, tmp_path):
-    # FSDP2 (fully_shard) on the shares measured before sharding, each loss weighed by
-    # weigh_loss: rank 1 at a quarter speed takes fewer samples, and the model is one process's.
+def test_torchrun_fsdp_rebalanced_training_is_the_single_process_model(single, tmp_path):
+    # FSDP2 (fully_shard) from equal shares on ranks of speed 1 and 0.25, each loss weighed by
+    # weigh_loss: timed by a StepTimer without FSDP's waits, rank 1 reads slow and the
+    # Rebalancer moves samples to rank 0 mid-epoch (timed with FSDP's waits, both ranks would
+    # read alike and the shares stay); the model is one process's whatever the split.
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2"]
-    state, reports = _train(tmp_path, "fsdp", torchrun, "--emulate", "1,0.25", "--fsdp")
-    first = reports[0]["first_shares"]
-    assert sum(first) == 32 and first[0] > 2 * first[1]
-    assert reports[0]["rebalances"] == 0  # FSDP keeps the shares
-    assert reports[0]["epochs"][-1]["shares"] == first
+    state, reports = _train(
+        tmp_path, "fsdp", torchrun, "--emulate", "1,0.25", "--shares", "16,16", "--fsdp"
+    )
+    assert reports[0]["first_shares"] == [16, 16]
+    assert reports[0]["rebalances"] >= 1
+    final = reports[0]["epochs"][-1]["shares"]
+    assert sum(final) == 32 and final[0] > 2 * final[1]
+    for e0, e1 in zip(reports[0]["epochs"], reports[1]["epochs"]):
+        assert e0["rank_samples"] + e1["rank_samples"] == TRAIN_SAMPLES
     _same_model(single, state)
 
 

@@ -16,7 +16,7 @@ import torch
 from hetcoll.launch import spawn
 from hetcoll.torch import weigh_loss
 
-from fsdp_cases import bad_inputs, train, trained
+from fsdp_cases import bad_inputs, timed_steps, train, trained
 
 pytestmark = pytest.mark.multiproc
 
@@ -43,7 +43,7 @@ def test_weighed_losses_train_the_one_process_model(case, shares, epochs, accumu
         assert relative(r["plain"], want) > 1e-4
 
 
-def test_bad_counts_and_losses_raise_on_every_rank_and_sharded_models_refuse_a_step_timer():
+def test_bad_counts_and_losses_raise_on_every_rank_and_fsdp1_or_tp_refuse_a_step_timer():
     ranks = spawn(bad_inputs, 2)
     for rank, raised in enumerate(ranks):
         assert raised["count -1 on rank 1"].startswith("ValueError: count: rank 1")
@@ -80,11 +80,29 @@ def test_bad_counts_and_losses_raise_on_every_rank_and_sharded_models_refuse_a_s
                 "TypeError: loss: must be a real floating-point tensor, got torch.complex128"
             )
         assert float(raised["good"]) == pytest.approx(2 * (1 + rank) / 3)
-        for timer in ("timer", "timer fsdp1"):
-            assert raised[timer].startswith("model: its parameters are sharded (FSDP"), timer
+        assert raised["timer fsdp1"].startswith("model: it is sharded by FSDP1")
+        assert raised["timer tensor parallel"].startswith(
+            "model: its parameters are sharded by tensor parallelism"
+        )
         assert raised["timer before sharding"].startswith(
             "StepTimer.pop: the model's parameters were replaced since the timer was made"
         )
+
+
+def test_a_step_timer_leaves_fsdps_waits_for_the_slow_rank_out():
+    """The real clock, on 2 gloo ranks: GPT-2 sharded by its blocks, rank 1 sleeping 0.4 s in
+    each of its 3 blocks' forwards. Every layer of rank 0 waits for rank 1's gathers, so its
+    step lasts as long as rank 1's; its timer reads its own compute without those waits."""
+    fast, slow = spawn(timed_steps, 2, 0.4, timeout=180)
+    for name in ("step", "two micro-batches"):
+        micro = 2 if name == "two micro-batches" else 1
+        (fast_s, fast_wall), (slow_s, _) = fast[name], slow[name]
+        assert fast_wall > micro * 1.1, name  # FSDP made it wait
+        assert fast_s < 0.5 * micro, name  # the timer did not count the wait
+        assert slow_s > micro * 1.1, name  # the slow rank's own time is its own
+    for r in (fast, slow):
+        assert r["evaluation"].startswith("StepTimer.pop: the model ran no forward")
+        assert r["restored"]
 
 
 def test_without_a_group_weigh_loss_names_it():

@@ -83,6 +83,12 @@ def test_remove_takes_the_hooks_off_and_bad_models_are_named(clock):
     frozen = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="model: has no parameter"):
         StepTimer(frozen)
+    # DeepSpeed ZeRO-3 marks its partitioned parameters with a ds_id: their gathers wait for
+    # the other ranks inside every layer, where the timer cannot leave them out.
+    zero3 = nn.Linear(2, 2)
+    zero3.weight.ds_id = 0  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="model: its parameters are sharded by DeepSpeed ZeRO-3"):
+        StepTimer(zero3)
     # One device's work is timed (CUDA events of two devices cannot be compared).
     spread = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
     with pytest.raises(ValueError, match=r"model: its parameters are on 2 devices \(cpu, meta\)"):

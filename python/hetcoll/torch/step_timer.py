@@ -15,17 +15,35 @@ itself waits for the other ranks inside the backward (before the last gradient) 
 On a GPU the marks are CUDA events recorded on the current stream (the hooks run as the work
 is queued, before it is done), read once the last one has completed: one host
 synchronisation per :meth:`StepTimer.pop`.
+
+FSDP2 (``fully_shard``) waits for the other ranks inside the step, at every layer: each
+layer's forward and backward start by gathering its parameters from every rank, and its
+gradients leave by a reduce-scatter. There the step runs from the first forward to the end of
+FSDP's last backward callback, and every span of FSDP's own work in it is taken off: each
+parameter group's ``pre_forward``, ``pre_backward`` and ``post_backward`` (the gathers, their
+waits and the reduce-scatters) and the root's final backward callback (its wait for the last
+reductions). These are FSDP's parameter-group methods, wrapped on the instances (not the
+classes) while the timer lives; a torch whose FSDP lacks them is refused. What is left is the
+rank's own compute, its layers' forward and backward, as under DDP.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+#: FSDP2's methods whose spans are its own work, not the rank's compute: per parameter group
+#: (the gathers of each layer's parameters and their waits, its gradients' reduce-scatter;
+#: ``unshard`` / ``wait_for_unshard`` also run alone, from a prefetch), and per state (the
+#: root's callback at the end of the backward, which waits for the last reductions).
+_GROUP_WAITS = ("pre_forward", "pre_backward", "post_backward", "unshard", "wait_for_unshard")
+_FINAL_CALLBACK = "_root_post_backward_final_callback"
 
 
 def _sharded(param: torch.Tensor) -> bool:
@@ -34,11 +52,16 @@ def _sharded(param: torch.Tensor) -> bool:
     DeepSpeed ZeRO-3 parameter (its ``ds_id``)."""
     if hasattr(param, "ds_id"):
         return True
+    return sum(p.is_shard() for p in _placements(param)) > 0
+
+
+def _placements(param: torch.Tensor) -> tuple[Any, ...]:
+    """A DTensor's placements (one per mesh dimension); () for a plain tensor."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch before 2.5 (and builds without distributed): no DTensor here
-        return False
-    return isinstance(param, DTensor) and any(p.is_shard() for p in param.placements)
+        return ()
+    return tuple(param.placements) if isinstance(param, DTensor) else ()
 
 
 def _under_fsdp1(model: nn.Module) -> bool:
@@ -49,6 +72,38 @@ def _under_fsdp1(model: nn.Module) -> bool:
     except ImportError:  # builds without distributed
         return False
     return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+def _fsdp2_states(model: nn.Module) -> list[Any]:
+    """The FSDP2 states (``fully_shard``) of ``model``'s modules, each once, in module order."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch before 2.6, or without distributed
+        return []
+    states: dict[int, Any] = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            states.setdefault(id(state), state)
+    return list(states.values())
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: a list in torch 2.10 on, one (or None) before."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
+
+
+def _refusal(why: str) -> ValueError:
+    return ValueError(
+        f"model: {why}, whose forward and backward wait for the other ranks at every layer: "
+        "each rank's time from forward to last gradient is the slowest rank's, and shares fed "
+        "with it never move. Measure each rank's speed on the model before sharding it "
+        "(hetcoll.torch.measure_speed) and give the shares to the BalancedSampler"
+    )
 
 
 class StepTimer:
@@ -68,8 +123,12 @@ class StepTimer:
 
     A model on a CUDA device (where its parameters are when a step starts) is timed by CUDA
     events (:meth:`pop` waits for the step's last gradient to be computed); its parameters
-    must be on one device. A model sharded over the ranks (FSDP's ``fully_shard``) is refused:
-    it waits for the other ranks inside every layer. :meth:`remove` takes the hooks off.
+    must be on one device. A model sharded by FSDP2 (``fully_shard``, applied before the timer
+    is made) is timed to the end of FSDP's backward with FSDP's own gathers, reduce-scatters
+    and their waits left out (the module docstring). Refused, as each waits for the other
+    ranks in ways the timer cannot separate: FSDP1 (``FullyShardedDataParallel``), DeepSpeed
+    ZeRO-3, and tensor parallelism (parameters sharded outside FSDP, or over two mesh
+    dimensions). :meth:`remove` takes the hooks off.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -80,15 +139,17 @@ class StepTimer:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model: has no parameter that requires a gradient to time")
-        if any(_sharded(p) for p in params) or _under_fsdp1(model):
-            raise ValueError(
-                "model: its parameters are sharded (FSDP, fully_shard, DeepSpeed ZeRO-3, "
-                "tensor parallelism), whose forward and backward wait for the other ranks at every "
-                "layer: each rank's time from forward to last gradient is the slowest rank's, "
-                "and shares fed with it never move. Measure each rank's speed on the model "
-                "before sharding it (hetcoll.torch.measure_speed) and give the shares to the "
-                "BalancedSampler"
-            )
+        states = _fsdp2_states(model)
+        groups = [g for s in states for g in _param_groups(s)]
+        by_fsdp = {id(fp.sharded_param) for g in groups for fp in getattr(g, "fsdp_params", ())}
+        if _under_fsdp1(model):
+            raise _refusal("it is sharded by FSDP1 (FullyShardedDataParallel)")
+        if any(hasattr(p, "ds_id") for p in params):
+            raise _refusal("its parameters are sharded by DeepSpeed ZeRO-3")
+        if any(sum(q.is_shard() for q in _placements(p)) > 1 for p in params) or any(
+            _sharded(p) and id(p) not in by_fsdp for p in params
+        ):
+            raise _refusal("its parameters are sharded by tensor parallelism")
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise ValueError(
@@ -98,11 +159,13 @@ class StepTimer:
         #: The module timed.
         self.model = model
         self._first = params[0]  # where the model is when a step starts
+        self._groups = groups  # FSDP2's parameter groups in the model (none: no FSDP)
         self._cuda = False
-        self._started: float | None = None
-        self._ended: float | None = None
-        self._start_event: Any = None
-        self._end_event: Any = None
+        self._started: Any = None  # the step's first mark: a perf_counter time or a CUDA event
+        self._ended: Any = None  # its latest end mark, of the same kind
+        self._waits: list[tuple[Any, Any]] = []  # FSDP's spans in the step (start, end marks)
+        self._depth = 0  # FSDP's methods call one another: the outermost span counts
+        self._wait_from: Any = None
         me = weakref.ref(self)  # the hooks do not keep the timer alive
 
         def forward(module: nn.Module, args: Any) -> None:
@@ -115,60 +178,129 @@ class StepTimer:
             if timer is not None:
                 timer._mark_end()
 
-        self._handles = [model.register_forward_pre_hook(forward)]
+        # After FSDP's pre-forward of the root (its first gather and wait), which FSDP puts
+        # first among the module's pre-hooks.
+        self._handles: list[Any] = [model.register_forward_pre_hook(forward)]
         self._handles += [p.register_post_accumulate_grad_hook(accumulated) for p in params]
+        self._wrapped: list[tuple[Any, str, Callable[..., Any]]] = []
+        self._removed = False
+        for group in groups:
+            for name in _GROUP_WAITS:
+                self._wrap(group, name, final=False)
+        for state in states:
+            self._wrap(state, _FINAL_CALLBACK, final=True)
+
+    def _wrap(self, owner: Any, name: str, *, final: bool) -> None:
+        """Replace ``owner.name`` (a bound method of FSDP's) on the instance by one that marks
+        its span as FSDP's work; ``final``: its end also ends the step's compute."""
+        inner = getattr(owner, name, None)
+        if not callable(inner):
+            self.remove()
+            raise ValueError(
+                f"model: this torch's FSDP ({torch.__version__}) has no {type(owner).__name__}."
+                f"{name}, so StepTimer cannot leave FSDP's waits for the other ranks out of its "
+                "steps. Measure each rank's speed on the model before sharding it "
+                "(hetcoll.torch.measure_speed) and give the shares to the BalancedSampler"
+            )
+        me = weakref.ref(self)
+
+        def spanned(*args: Any, **kwargs: Any) -> Any:
+            timer = me()
+            if timer is None or timer._removed:  # the timer is gone: FSDP's own method alone
+                return inner(*args, **kwargs)
+            timer._wait_begin()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                timer._wait_end(final)
+
+        setattr(owner, name, spanned)
+        self._wrapped.append((owner, name, spanned))
+
+    def _mark(self) -> Any:
+        """Now: a perf_counter time, or on a GPU a CUDA event recorded on the current stream."""
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _mark_start(self) -> None:
         # The step's first forward (a second one is its own); one without gradients is no
         # training step's (an evaluation, a check of the loss).
         if self._started is not None or not torch.is_grad_enabled():
             return
-        self._started = time.perf_counter()
         self._cuda = self._first.device.type == "cuda"
-        if self._cuda:
-            self._start_event = torch.cuda.Event(enable_timing=True)
-            self._start_event.record()
+        self._started = self._mark()
 
     def _mark_end(self) -> None:
         if self._started is None:  # a gradient outside a timed step (before the first forward)
             return
-        self._ended = time.perf_counter()
+        self._ended = self._mark()  # marked again at each gradient: the last one counts
+
+    def _wait_begin(self) -> None:
+        self._depth += 1
+        if self._depth == 1 and self._started is not None:
+            self._wait_from = self._mark()
+
+    def _wait_end(self, final: bool) -> None:
+        self._depth -= 1
+        if self._depth > 0 or self._wait_from is None:
+            return
+        end = self._mark()
+        self._waits.append((self._wait_from, end))
+        self._wait_from = None
+        if final:
+            self._ended = end
+
+    def _seconds(self, start: Any, end: Any) -> float:
         if self._cuda:
-            if self._end_event is None:
-                self._end_event = torch.cuda.Event(enable_timing=True)
-            self._end_event.record()  # recorded again at each gradient: the last one counts
+            return float(start.elapsed_time(end)) / 1000.0
+        return float(end - start)
+
+    def _parameters(self) -> Any:
+        """The model's parameters as they train: under FSDP2 its sharded ones (between a
+        forward and its backward, and after a forward without gradients, the module holds the
+        gathered ones instead)."""
+        if self._groups:
+            return (fp.sharded_param for g in self._groups for fp in g.fsdp_params)
+        return self.model.parameters()
 
     def pop(self) -> float:
         """Seconds of this rank's compute in the step since the last call: from its first
-        forward to its last gradient accumulated (to now, where no gradient came: a forward
-        alone). Then the next step starts. ``RuntimeError`` where the model ran no forward
-        since the last call, or where its parameters were replaced since the timer was
-        made (sharded, or loaded with ``assign=True``: the hooks are on the old ones)."""
-        if not any(p is self._first for p in self.model.parameters()):
+        forward to its last gradient accumulated (under FSDP2: to the end of its backward,
+        FSDP's own spans left out; to now, where no gradient came: a forward alone). Then the
+        next step starts. ``RuntimeError`` where the model ran no forward since the last call,
+        or where its parameters were replaced since the timer was made (sharded, or loaded
+        with ``assign=True``: the hooks are on the old ones)."""
+        if not any(p is self._first for p in self._parameters()):
             raise RuntimeError(
                 "StepTimer.pop: the model's parameters were replaced since the timer was made "
                 "(sharded by FSDP, or loaded with assign=True): its hooks are on the old ones. "
                 "Make the timer from the model as it trains"
             )
-        started, ended = self._started, self._ended
-        start_event, end_event = self._start_event, self._end_event
-        self._started = self._ended = None
-        self._start_event = self._end_event = None
+        started, ended, waits = self._started, self._ended, self._waits
+        self._started = self._ended = self._wait_from = None
+        self._waits = []
         if started is None:
             raise RuntimeError(
                 "StepTimer.pop: the model ran no forward since the last pop (call it once per "
                 "step, after the step's backward)"
             )
-        if self._cuda and start_event is not None:
-            if end_event is None:
-                end_event = torch.cuda.Event(enable_timing=True)
-                end_event.record()
-            end_event.synchronize()
-            return float(start_event.elapsed_time(end_event)) / 1000.0
-        return (time.perf_counter() if ended is None else ended) - started
+        if ended is None:
+            ended = self._mark()
+        if self._cuda:
+            ended.synchronize()
+        waited = sum(self._seconds(a, b) for a, b in waits)
+        return max(self._seconds(started, ended) - waited, 0.0)
 
     def remove(self) -> None:
-        """Take the timer's hooks off the model."""
+        """Take the timer's hooks off the model (and its spans off FSDP's methods)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._removed = True
+        for owner, name, spanned in self._wrapped:
+            if vars(owner).get(name) is spanned:  # not wrapped again since (another timer)
+                delattr(owner, name)
+        self._wrapped = []
