@@ -342,21 +342,9 @@ def test_step_timer_times_the_gpu_work_not_its_queueing():
     """On a GPU the hooks run as the work is queued: the timer reads CUDA events, so a step
     whose kernels take long is timed at their length (at least the length torch's own events
     give the same work), not at the microseconds of queueing it."""
-    from hetcoll.torch import StepTimer
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 1)).cuda()
-    timer = StepTimer(model)
-    x = torch.randn(8192, 4096, device="cuda")
-    model(x).sum().backward()  # warm-up (cuBLAS handles, the allocator)
-    timer.pop()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    model(x).sum().backward()
-    end.record()
-    timed = timer.pop()
-    end.synchronize()
-    whole = start.elapsed_time(end) / 1000.0
+    timed, whole = cuda_cases.timed_gpu_step(model, torch.randn(8192, 4096, device="cuda"))
     assert 0.5 * whole <= timed <= whole * 1.01 + 1e-4
 
 
