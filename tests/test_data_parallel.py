@@ -401,6 +401,66 @@ def test_bad_input_raises_on_every_rank():
             assert pattern in per_rank[case], case
 
 
+#: register_weighted_hook's arguments per case, as (rank 0's, rank 1's), and what each rank
+#: raises: before, the bad rank raised alone and rank 0 waited in its first backward.
+HOOK_ONE_RANK = {
+    "algorithm": (
+        ({}, {"algorithm": "fast"}),
+        "CollectiveMismatchError: rank 1 raised ValueError: algorithm: must be one of",
+        "ValueError: algorithm: must be one of ('auto', 'direct', 'allreduce'), got 'fast'",
+    ),
+    "batch_dim": (
+        ({}, {"batch_dim": -1}),
+        "CollectiveMismatchError: rank 1 raised ValueError: batch_dim: must be an integer >= 0",
+        "ValueError: batch_dim: must be an integer >= 0, got -1",
+    ),
+    "items_not_callable": (
+        ({}, {"items": 3}),
+        "CollectiveMismatchError: rank 1 raised TypeError: items: must be a function",
+        "TypeError: items: must be a function",
+    ),
+    "items_on_one_rank": (
+        ({"items": lambda y: len(y)}, {}),
+        "CollectiveMismatchError: ranks disagree on items (0: rows counted off the forwards, "
+        "1: items(y) given) (rank 0: 1, rank 1: 0)",
+        "CollectiveMismatchError: ranks disagree on items",
+    ),
+}
+
+
+def _hook_one_rank(rank, world):
+    out = {}
+    for case, (per_rank, *_) in HOOK_ONE_RANK.items():
+        ddp = DDP(make_model())
+        try:
+            state = register_weighted_hook(ddp, **per_rank[rank])
+            x, y = make_data(2 + rank)
+            if state.items is not None:
+                state.count(y)
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            out[case] = "no error"
+        except (ValueError, TypeError, RuntimeError) as e:
+            out[case] = f"{type(e).__name__}: {e}"
+    # The group still works, and a good registration after them trains.
+    ddp = DDP(make_model())
+    register_weighted_hook(ddp)
+    x, y = make_data(2 + rank)
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    out["after"] = "ok"
+    return out
+
+
+def test_a_bad_hook_argument_on_one_rank_raises_on_every_rank_at_registration():
+    """register_weighted_hook is collective: one rank's bad algorithm / batch_dim / items
+    raises there and a CollectiveMismatchError naming it on the other, at once (the group's
+    timeout is short: a rank left waiting fails the test)."""
+    per_rank = spawn(_hook_one_rank, 2, timeout=20)
+    for case, (_, *said) in HOOK_ONE_RANK.items():
+        for r in range(2):
+            assert per_rank[r][case].startswith(said[r]), (case, r, per_rank[r][case])
+    assert [o["after"] for o in per_rank] == ["ok", "ok"]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [

@@ -113,6 +113,8 @@ ALGORITHMS = ("auto", "direct", "allreduce")
 #: host's late wake-ups, 1.49x and 1.50x at 1 and 4 MiB). The data-parallel benchmark runs with
 #: it.
 TWO_RANK_DIRECT_BELOW_BYTES: dict[str, float] = {"gloo": 1 << 20}
+#: register_weighted_hook's agreement: whether the ranks count items(y) or rows.
+_ITEMS_FIELD = "items (0: rows counted off the forwards, 1: items(y) given)"
 _TAG_BASE = 42_000  # bucket i: its weight on _TAG_BASE + 2i, its data on _TAG_BASE + 2i + 1
 
 
@@ -136,6 +138,11 @@ class WeightedAllreduceState:
     ready, before any waiting for the other ranks (on a GPU: when its work was queued).
     :class:`hetcoll.torch.StepTimer` gives the rank's own compute time per step, on a GPU
     too, the signal :class:`hetcoll.torch.Rebalancer` needs.
+
+    Local, as torch's own hook states are: nothing is exchanged here, so a bad argument raises
+    on this rank alone, and another rank that goes on waits in its first backward (the
+    ranks' algorithms are agreed at the first bucket). :func:`register_weighted_hook`, which
+    is collective, tells every rank instead.
     """
 
     def __init__(
@@ -563,16 +570,50 @@ def register_weighted_hook(
     ``n_r / N`` before the reduction (``n_r`` times a gradient could overflow): a step in which
     no rank counted a sample averages to zeros there, where the other engines raise. Returns
     the state.
+
+    Collective: every rank of ``ddp``'s group calls it, after building ``ddp`` (whose
+    constructor is collective too) and before its first forward; the ranks' ``algorithm`` and
+    whether they count ``items`` are agreed in one small allgather. A bad ``items``,
+    ``algorithm`` or ``batch_dim`` on one rank raises there (``TypeError`` / ``ValueError``
+    naming it) and :class:`hetcoll.CollectiveMismatchError` naming that rank and its error on
+    the others, at once; ranks that chose differently raise
+    :class:`~hetcoll.CollectiveMismatchError` on every rank.
     """
-    if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+    if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):  # no group to tell
         raise TypeError(
             f"ddp: must be a torch.nn.parallel.DistributedDataParallel, got {type(ddp).__name__}"
         )
-    if items_argument(items) is not None:
-        state = WeightedAllreduceState(ddp.process_group, algorithm=algorithm, items=items)
-    else:
-        counter = BatchCounter(ddp, batch_dim=batch_dim)
-        state = WeightedAllreduceState(ddp.process_group, algorithm=algorithm, counter=counter)
+    state: WeightedAllreduceState | None = None
+    failure: BaseException | None = None
+    try:
+        if items_argument(items) is not None:
+            state = WeightedAllreduceState(ddp.process_group, algorithm=algorithm, items=items)
+        else:
+            counter = BatchCounter(ddp, batch_dim=batch_dim)
+            try:
+                state = WeightedAllreduceState(
+                    ddp.process_group, algorithm=algorithm, counter=counter
+                )
+            except (TypeError, ValueError):
+                counter.remove()
+                raise
+    except (TypeError, ValueError) as e:
+        failure = e
+    # One small allgather, right after DDP's own collective constructor: a rank whose
+    # arguments are bad tells the others here (they raise at once, instead of waiting in their
+    # first backward's exchange), and ranks that chose another algorithm, or items on some
+    # ranks only, raise here on every rank rather than wait on exchanges of different kinds.
+    comm = wrap_or_raise(ddp.process_group, failure)
+    fields = {} if state is None else {**state._fields(), _ITEMS_FIELD: int(items is not None)}
+    try:
+        agree(comm, fields, failure=failure)
+    except BaseException:
+        if state is not None and state.counter is not None:  # its hooks off ddp again
+            state.counter.remove()
+        raise
+    assert state is not None  # agree raised otherwise
+    state._comm = comm
+    state._agreed = True
     state._exchanging = [
         (name, m) for name, m in ddp.module.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)
     ]
