@@ -100,3 +100,61 @@ def test_mpi_optimizer_with_items_trains_a_padded_lm_as_one_process(world):
         assert bad["raises"] == ["ValueError", "items: items(y) raised an exception on rank 0"]
         assert bad["not_counted"][0] == "RuntimeError"
         assert "items: rank 1 counted nothing for this step" in bad["not_counted"][1]
+
+
+#: DistributedOptimizer's arguments given on rank 1 only, and what each rank raises at the
+#: first step: before, rank 1's constructor raised alone and rank 0 waited in its step.
+OPTIMIZER_ONE_RANK = {
+    "fusion_bytes": (
+        {"fusion_bytes": 0},
+        "CollectiveMismatchError: rank 1 raised ValueError: fusion_bytes: must be >= 1, got 0",
+        "ValueError: fusion_bytes: must be >= 1, got 0",
+    ),
+    "batch_dim": (
+        {"batch_dim": -1},
+        "CollectiveMismatchError: rank 1 raised ValueError: batch_dim: must be an integer >= 0",
+        "ValueError: batch_dim: must be an integer >= 0, got -1",
+    ),
+}
+
+
+def _optimizer_one_rank(rank, world):
+    import torch
+    from torch import nn
+
+    from hetcoll.torch import DistributedOptimizer
+
+    out = {}
+    for case, (bad, *_) in OPTIMIZER_ONE_RANK.items():
+        model = nn.Linear(3, 2).double()
+        try:
+            opt = DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                model=model,
+                **(bad if rank == 1 else {}),
+            )
+            model(torch.ones(2 + rank, 3, dtype=torch.float64)).sum().backward()
+            opt.step()
+            out[case] = "no error"
+        except (ValueError, TypeError, RuntimeError) as e:
+            out[case] = f"{type(e).__name__}: {e}"
+    # The group still works: a good optimizer averages exactly, (1 * 1 + 3 * 2) / 4.
+    p = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    p.grad = torch.full((4,), rank + 1.0, dtype=torch.float64)
+    opt = DistributedOptimizer(torch.optim.SGD([p], lr=1.0), local_batch=1 + 2 * rank)
+    opt.step()
+    out["after"] = p.detach().tolist()
+    return out
+
+
+def test_a_bad_optimizer_argument_on_one_rank_raises_on_every_rank_at_the_step():
+    """On a gloo group (the optimizer's torch.distributed path): the constructor exchanges
+    nothing, so rank 1's bad fusion_bytes / batch_dim is raised from the first step, where
+    every rank communicates; rank 0 raises there too instead of waiting (short timeout)."""
+    from hetcoll.launch import spawn
+
+    per_rank = spawn(_optimizer_one_rank, 2, timeout=20)
+    for case, (_, *said) in OPTIMIZER_ONE_RANK.items():
+        for r in range(2):
+            assert per_rank[r][case].startswith(said[r]), (case, r, per_rank[r][case])
+    assert [o["after"] for o in per_rank] == [[-1.75] * 4] * 2

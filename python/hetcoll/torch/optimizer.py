@@ -71,7 +71,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     negative, not an integer, or raising; zero items on every rank) raises ``ValueError``
     naming ``items`` from :meth:`step` on every rank; a rank with zero items contributes nothing.
     So does a ``local_batch`` given or set that is no integer >= 0, naming ``local_batch``
-    (raised where it was set, the other ranks would wait in their step).
+    (raised where it was set, the other ranks would wait in their step), and so do a bad
+    ``fusion_bytes``, ``model`` or ``batch_dim``: on the rank given it, its ``ValueError`` /
+    ``TypeError`` naming it, on the others a :class:`hetcoll.CollectiveMismatchError` naming
+    that rank and its error. The constructor is local (it exchanges nothing); the first
+    :meth:`step` (or :meth:`synchronize`) is where every rank communicates.
 
     >>> opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
     ...                            model=model)  # doctest: +SKIP
@@ -102,8 +106,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer: must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
-        if fusion_bytes < 1:
-            raise ValueError(f"fusion_bytes: must be >= 1, got {fusion_bytes}")
+        # A bad fusion_bytes, model or batch_dim is raised from the first step, on every rank
+        # (the step's agreement tells the others): raised here, alone, the others would wait
+        # in their step. The constructor exchanges nothing.
+        self._bad_argument: BaseException | None = None
+        if (
+            isinstance(fusion_bytes, bool)
+            or not isinstance(fusion_bytes, (int, float, np.integer, np.floating))
+            or not fusion_bytes >= 1
+        ):
+            self._bad_argument = ValueError(f"fusion_bytes: must be >= 1, got {fusion_bytes!r}")
         items = items_argument(items)
         if items is not None and (local_batch is not None or model is not None):
             raise TypeError(
@@ -120,9 +132,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.group = group
         self._comm = wrap(group)
-        self.counter = (
-            None if model is None else BatchCounter(model, batch_dim=batch_dim, reached=True)
-        )
+        self.counter: BatchCounter | None = None
+        if model is not None:
+            try:
+                self.counter = BatchCounter(model, batch_dim=batch_dim, reached=True)
+            except (TypeError, ValueError) as e:
+                self._bad_argument = self._bad_argument or e
         #: ``items(y)`` (None: samples are counted): see :meth:`count`.
         self.items = items
         #: The global batch's count (samples, or items) in the latest synchronised step.
@@ -132,7 +147,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._bad_local_batch: LocalCount | None = None  # a bad local_batch, told at the step
         if local_batch is not None:
             self.local_batch = local_batch
-        self.fusion_bytes = int(fusion_bytes)
+        self.fusion_bytes = fusion_bytes if self._bad_argument else int(fusion_bytes)
         # synchronize() ran since the last step() / zero_grad(): step() does not average again.
         self._synchronized = False
         #: Whether the latest :meth:`step` under a ``torch.amp.GradScaler`` was skipped on
@@ -268,6 +283,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         rank found an inf nothing is exchanged and :attr:`skipped` is set on every rank."""
         params = self._params()
         try:
+            if self._bad_argument is not None:  # the constructor's, told to every rank here
+                raise self._bad_argument
             self._refuse_split_ranks(params)
             for i, p in enumerate(params):
                 if p.device.type != "cpu" or p.dtype not in _SUPPORTED:
