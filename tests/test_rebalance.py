@@ -363,3 +363,28 @@ def test_a_rebalancer_carried_over_to_a_rebuilt_loaders_sampler_decides_on():
     assert (moved.capacity, moved.minimum, moved.threshold) == ([12, None], 2, 0.1)
     assert moved.state_dict() == reb.state_dict() and moved.history is reb.history
     assert moved.speeds == reb.speeds
+
+
+def observe_bad_samples_once(rank, world):
+    """Rank 1 observes -1 samples at step 3 (deciding every 2), catches the error and goes
+    on: it decided one step after rank 0 from then on, and rank 0's last exchange waited for
+    it (before)."""
+    sampler = BalancedSampler(range(10_000), [8, 8], rank)
+    reb = Rebalancer(sampler, every=2)
+    said = None
+    for k in range(12):
+        b = sampler.shares[rank]
+        try:
+            reb.observe(-1 if rank == 1 and k == 2 else b, 0.001 + b / (100.0 * (1 + rank)))
+        except ValueError as e:
+            said = f"{type(e).__name__}: {e}"
+    return said, sampler.shares, reb.speeds
+
+
+@pytest.mark.multiproc
+def test_a_bad_observation_at_a_step_that_does_not_decide_keeps_the_rank_in_step():
+    (said0, shares0, speeds0), (said1, shares1, speeds1) = spawn(
+        observe_bad_samples_once, 2, timeout=20
+    )
+    assert said0 is None and said1 == "ValueError: samples: must be an integer >= 0, got -1"
+    assert shares0 == shares1 and speeds0 == speeds1 and speeds0 is not None

@@ -293,7 +293,13 @@ class Rebalancer:
         """Record one step of this rank; every ``every`` steps decide (collectively). Every
         rank calls it once for every step, as many times: a rank that skips a step decides
         at another step than the others, whose exchange then waits for it (or meets another
-        collective of theirs)."""
+        collective of theirs).
+
+        Bad ``samples`` or ``seconds`` raise ``ValueError`` naming them, and the step still
+        counts (the rank stays in step if the caller goes on). At a deciding step the others
+        are told in its exchange and raise :class:`hetcoll.CollectiveMismatchError`; at any
+        other step nothing is exchanged, so only this rank raises (no rank waits on it), and
+        its window leaves the step out."""
         failure = None
         try:
             # A 0-d tensor or array of seconds is a number too; a bool or a str is not.
@@ -307,14 +313,22 @@ class Rebalancer:
         elif not (math.isfinite(value) and value >= 0.0):
             failure = ValueError(f"seconds: must be a finite number >= 0, got {seconds!r}")
         if failure is not None:
-            if (self._step + 1) % self.every == 0:
+            # Counted all the same: a caller that catches the error and goes on stays in step
+            # with the others (it decided one step after them, and their exchanges met its
+            # other collectives, or none, before).
+            self._step += 1
+            if self._step % self.every == 0:
                 # The others exchange their windows now: told, they raise at once instead of
                 # waiting for this rank (whose own error comes first, whatever the exchange
                 # met).
+                self._window = []
                 try:
                     self._exchange(np.full(_FIELDS, np.nan))
                 except BaseException as e:
                     raise failure from e
+            # At a step that does not decide nothing is exchanged, and no rank waits: the
+            # others are not told (that would take an exchange every step), and this rank's
+            # window goes on without the step.
             raise failure
         self._step += 1
         if samples > 0 and value == 0.0:
