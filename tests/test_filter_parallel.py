@@ -21,7 +21,7 @@ from torch.nn import functional as F
 from hetcoll import launch
 from hetcoll.lab.demo import DemoConfig, DemoNet, format_table, run, summary_rows
 from hetcoll.lab.emulate import slow_down_filter_parallel
-from hetcoll.torch import FilterParallelLinear, filter_parallel
+from hetcoll.torch import FilterParallelLinear, filter_parallel, filter_shares
 
 HERE = Path(__file__).resolve().parent
 EXPECTED = {"equal": 3, "random": 24, "errors": 8, "real_models": 6}
@@ -430,3 +430,73 @@ def test_a_split_model_is_not_split_again():
     numpy's "could not broadcast input array from shape (3,) into shape (32,)"."""
     for said in launch.spawn(_split_twice, 2, timeout=60):
         assert said.startswith("model: '0' is split across the ranks already"), said
+
+
+def _encoder() -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0)
+    return nn.Sequential(layer).double()
+
+
+#: filter_parallel's arguments per case, as (rank 0's, rank 1's), and what each rank raises:
+#: before, rank 1 raised alone where it had a sample or a bad timeout, and rank 0 waited.
+_SAMPLE = torch.zeros(2, 3, 8, dtype=torch.float64)
+FILTER_ONE_RANK = {
+    "sample_with_shares": (
+        ({"shares": "by speeds"}, {"shares": "by speeds", "sample": _SAMPLE}),
+        "CollectiveMismatchError: rank 1 raised ValueError: sample: balances a split by speeds",
+        "ValueError: sample: balances a split by speeds; give speeds=, not shares",
+    ),
+    "bad_speeds_with_sample": (
+        ({"speeds": [1.0, 0.5], "sample": _SAMPLE}, {"speeds": [1.0, -1.0], "sample": _SAMPLE}),
+        "CollectiveMismatchError: rank 1 raised ValueError: speeds",
+        "ValueError: speeds",
+    ),
+    "sample_fails": (
+        ({"speeds": [1.0, 0.5], "sample": _SAMPLE}, {"speeds": [1.0, 0.5], "sample": "ids"}),
+        "CollectiveMismatchError: rank 1 raised ValueError: sample: the model's forward on it",
+        "ValueError: sample: the model's forward on it failed",
+    ),
+    "sample_on_one_rank": (
+        ({"speeds": [1.0, 0.5], "sample": _SAMPLE}, {"speeds": [1.0, 0.5]}),
+        "CollectiveMismatchError: ranks disagree on sample timings (rank 0: 3, rank 1: (not",
+        "CollectiveMismatchError: ranks disagree on sample timings (rank 0: 3, rank 1: (not",
+    ),
+    "timeout": (
+        ({"speeds": [1.0, 0.5]}, {"speeds": [1.0, 0.5], "timeout": -1.0}),
+        "CollectiveMismatchError: rank 1 raised ValueError: timeout: must be a number",
+        "ValueError: timeout: must be a number of seconds > 0 or None, got -1.0",
+    ),
+}
+
+
+def _filter_one_rank(rank, world):
+    import warnings
+
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        by_speeds = filter_shares(_encoder(), size=2, speeds=[1.0, 0.5])
+        for case, (per_rank, *_) in FILTER_ONE_RANK.items():
+            given = {k: by_speeds if k == "shares" else v for k, v in per_rank[rank].items()}
+            try:
+                filter_parallel(_encoder(), **given)
+                out[case] = "no error"
+            except (ValueError, TypeError, RuntimeError) as e:
+                out[case] = f"{type(e).__name__}: {e}"
+        # The group still works: the same split on both ranks, timed by the sample.
+        split = filter_parallel(_encoder(), speeds=[1.0, 0.5], sample=_SAMPLE)
+    out["after"] = [m.shares for m in split.modules() if isinstance(m, FilterParallelLinear)]
+    return out
+
+
+@pytest.mark.multiproc
+def test_a_bad_sample_or_timeout_on_one_rank_raises_on_every_rank():
+    """One rank's bad argument beside its sample (or a sample on one rank only, or a bad
+    timeout) raises on every rank at once (the group's timeout is short: a rank left waiting
+    fails the test)."""
+    per_rank = launch.spawn(_filter_one_rank, 2, timeout=20)
+    for case, (_, *said) in FILTER_ONE_RANK.items():
+        for r in range(2):
+            assert per_rank[r][case].startswith(said[r]), (case, r, per_rank[r][case])
+    assert per_rank[0]["after"] == per_rank[1]["after"] and per_rank[0]["after"]

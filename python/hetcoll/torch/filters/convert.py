@@ -605,9 +605,22 @@ def _tell_the_others(group: Any, timeout: float | None, failure: Exception) -> N
     enter next (the plan's agreement: there they raise at once, a mismatch naming this rank);
     at once where ``group`` is no group (no one to tell)."""
     comm = wrap_or_raise(group, failure)
-    if not isinstance(comm, CountingCommunicator):  # as filter_parallel's: the same gathers
-        comm = CountingCommunicator(comm, {})
-    agree(comm, {}, deadline(timeout), failure=failure)  # raises failure
+    try:
+        limit = deadline(timeout)
+    except ValueError:  # the bad timeout is the error told
+        if comm.engine == "mpi":
+            # MPI matches no blocking collective (this rank's, without a deadline) with the
+            # others' polled ones: raised alone, as hetcoll.allgatherv does.
+            raise failure from None
+        limit = None
+    agree(_counting(comm), {}, limit, failure=failure)  # raises failure
+
+
+def _counting(comm: Communicator) -> Communicator:
+    """``comm`` as filter_parallel's agreements use it, counting its bytes (a
+    :class:`CountingCommunicator`, whose gathers are not the plain communicator's: every
+    agreement one rank may meet another's in must go through one)."""
+    return comm if isinstance(comm, CountingCommunicator) else CountingCommunicator(comm, {})
 
 
 def filter_parallel(
@@ -670,7 +683,12 @@ def filter_parallel(
     embedding (:class:`~.layers.FilterParallelEmbedding`), and they stay tied. Every rank
     must pass the same arguments and the same model; all checks run before the one
     collective (an agreement check on the plan, which raises
-    :class:`hetcoll.CollectiveMismatchError` on every rank if ranks disagree).
+    :class:`hetcoll.CollectiveMismatchError` on every rank if ranks disagree; with ``sample``,
+    the timings are agreed before it). A rank whose own arguments are bad (``sample`` and
+    ``timeout`` included) tells the others in the exchange they are in: it raises its own
+    ``ValueError`` / ``TypeError`` naming the argument, they a
+    :class:`~hetcoll.CollectiveMismatchError` naming that rank and its error (a bad
+    ``timeout`` on MPI alone is raised on its rank only: see :func:`hetcoll.allgatherv`).
 
     The result trains with any optimizer whose update is elementwise (SGD, Adam, AdamW,
     RMSprop, ...) exactly as the unsplit model would; global-norm clipping would see only the
@@ -705,30 +723,34 @@ def filter_parallel(
             "the model holds when it is split, and a split layer has no reset_parameters "
             "that would initialise it as the unsplit layer"
         )
-    check_timeout(timeout)
     try:
+        check_timeout(timeout)
         _check_flag(loss_parallel, "loss_parallel")
         value, argument = _split_argument(shares_or_speeds, speeds, shares)
     except (TypeError, ValueError) as e:
-        if sample is None:  # else the others may time their samples first: no one exchange
-            _tell_the_others(group, timeout, e)
+        _tell_the_others(group, timeout, e)
         raise
     timed = None
+    told = False  # an error out of the timings' exchange: every rank raised there already
     if sample is not None:
 
         def timed(splits: list[TensorSplit], others: list[str]) -> list[float]:
             # Every rank times its own forward, as fractions of it (ranks on different devices
             # compare alike); all use the ranks' mean, so that they split alike (a rank whose
-            # forward fails raises here, the others a mismatch).
+            # forward fails raises here, the others a mismatch). The agreement carries no
+            # values, so that its first round is the size of every other agreement's here: a
+            # rank that failed before it, or was given no sample, meets it in its own (the
+            # plan's, or the one telling its error), and every rank raises.
+            nonlocal told
             seconds, failure = sample_seconds(model, sample, splits, others)
             fractions = np.array(seconds, np.float64) / (seconds[0] or 1.0)
-            rows = agree(
-                wrap(group),
-                {"sample timings": len(seconds)},
-                deadline(timeout),
-                failure=failure,
-                values=fractions.view(np.int64),
-            )
+            comm = _counting(wrap(group))  # the gathers of the plan's agreement
+            try:
+                agree(comm, {"sample timings": len(seconds)}, deadline(timeout), failure=failure)
+                rows = comm.allgather_int64(fractions.view(np.int64), deadline(timeout))
+            except BaseException:
+                told = True
+                raise
             return [float(x) for x in np.ascontiguousarray(rows).view(np.float64).mean(axis=0)]
 
     try:
@@ -745,7 +767,7 @@ def filter_parallel(
             loss_parallel,
         )
     except (TypeError, ValueError) as e:
-        if sample is None:  # else the ranks may have timed their samples: no one exchange
+        if not told:  # a local error (before the timings, or after them on this rank alone)
             _tell_the_others(group, timeout, e)
         raise
     comm: Communicator = wrap(group)
