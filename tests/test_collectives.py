@@ -310,3 +310,39 @@ def test_prediction_is_a_past_gather_or_nothing(records):
     history.extend(records)
     guess = speculative._predict(history, 2)
     assert guess in history or (guess == (0, 0) and not history)
+
+
+def _one_rank_bad_timeout(rank, world):
+    """Rank 1 alone passes a bad timeout: allgatherv and allgatherv_autograd raised it alone
+    and rank 0 waited in the gather (allreduce told it already)."""
+    from hetcoll.collectives import allgatherv_autograd
+
+    bad = -1.0 if rank == 1 else 10.0
+    calls = {
+        "allgatherv": lambda: hetcoll.allgatherv(np.arange(rank + 1.0), timeout=bad),
+        "allgatherv_autograd": lambda: allgatherv_autograd(torch.ones(rank + 1), timeout=bad),
+        "allreduce": lambda: hetcoll.allreduce(np.ones(3), timeout=bad),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "no error"
+        except (ValueError, TypeError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    buf = np.full(2, rank + 1.0)
+    hetcoll.allreduce(buf)  # the group still works
+    out["after"] = buf.tolist()
+    return out
+
+
+@pytest.mark.multiproc
+def test_a_bad_timeout_on_one_rank_raises_on_every_rank():
+    per_rank = launch.spawn(_one_rank_bad_timeout, 2, timeout=20)
+    own = "ValueError: timeout: must be a number of seconds > 0 or None, got -1.0"
+    for name in ("allgatherv", "allgatherv_autograd", "allreduce"):
+        assert per_rank[0][name] == f"CollectiveMismatchError: rank 1 raised {own} (the call " + (
+            "was abandoned on every rank)"
+        ), (name, per_rank[0][name])
+        assert per_rank[1][name] == own, (name, per_rank[1][name])
+    assert [o["after"] for o in per_rank] == [[3.0, 3.0]] * 2

@@ -65,12 +65,14 @@ def allgatherv(
     array([0., 0., 1., 0., 1., 2.])
     """
     group = group_argument(group, "allgatherv", comm=comm)
-    # A bad timeout is raised here, alone: on MPI a rank without a deadline waits in blocking
-    # calls, which a rank polling nonblocking ones never matches. Other bad arguments are
-    # told to the others in the first round (they raise at once).
-    deadline = deadline_of(timeout)
-    failure = None
+    # Bad arguments are told to the others in the first round (they raise at once). A bad
+    # timeout too, but on MPI: there it is raised here, alone, since a rank without a deadline
+    # waits in blocking calls, which a rank polling nonblocking ones never matches.
+    deadline, bad_timeout = timeout_or_failure(timeout, group)
+    failure: BaseException | None = None
     try:
+        if bad_timeout is not None:
+            raise bad_timeout
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
         if segment_bytes is not None and (
@@ -85,6 +87,22 @@ def allgatherv(
         failure, algorithm, segment_bytes = e, "auto", None
     result, _ = _gather(local, group, deadline, algorithm, segment_bytes, out, failure)
     return result  # type: ignore[no-any-return]
+
+
+def timeout_or_failure(timeout: Any, group: Any) -> tuple[float | None, ValueError | None]:
+    """The deadline of ``timeout`` and None, or (bad ``timeout``) None and its error, to be
+    told to the others in the call's first exchange (which then waits without a deadline).
+    On MPI, or where ``group`` is no group, the error is raised here: see :func:`allgatherv`."""
+    try:
+        return deadline_of(timeout), None
+    except ValueError as e:
+        try:
+            engine = wrap(group).engine
+        except (TypeError, ValueError):
+            raise e from None
+        if engine == "mpi":
+            raise
+        return None, e
 
 
 def _gather(
