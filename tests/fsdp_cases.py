@@ -206,15 +206,23 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
     return raised
 
 
-def lightning_main(out: str, shares: list[int], epochs: int) -> None:
+def lightning_main(out: str, shares: list[int], epochs: int, slow_s: float = 0.0) -> None:
     """Under ``torchrun``: Lightning's ``ModelParallelStrategy`` (FSDP2 applied in
     ``configure_model`` over its data-parallel mesh) trains GPT-2 on a ``BalancedSampler``'s
     ``shares`` (``use_distributed_sampler=False``: the loader is the user's), each step's loss
-    weighed in ``training_step``; each rank writes its full parameters to ``out/rank{r}.pt``."""
+    weighed in ``training_step``; each rank writes its full parameters to ``out/rank{r}.pt``.
+    ``slow_s``: rank 1 sleeps that long in each block's forward, and a ``Rebalancing`` callback
+    moves the shares every 2 batches. Each rank's final shares and the number of decisions
+    that moved them go to ``out/rank{r}.json``."""
+    import json
     import os
+    import time
 
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from hetcoll.lightning import Rebalancing
+    from hetcoll.torch import Rebalancer
 
     rank = int(os.environ["RANK"])
     _, load, loss_fn, count, blocks = CASES["gpt2"]
@@ -224,6 +232,8 @@ def lightning_main(out: str, shares: list[int], epochs: int) -> None:
             self.model = gpt2()  # float64: Lightning's precision plugin leaves it so
             mesh = self.device_mesh["data_parallel"]
             for block in blocks(self.model):
+                if slow_s and rank == 1:
+                    block.mlp.register_forward_hook(lambda *_: time.sleep(slow_s))
                 fully_shard(block, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
 
@@ -239,7 +249,9 @@ def lightning_main(out: str, shares: list[int], epochs: int) -> None:
     rows = [(ids[i], labels[i]) for i in range(ROWS)]
     # Lightning sets the epoch of the batch sampler's sampler, this BalancedSampler.
     loader = DataLoader(rows, batch_sampler=sampler.batch_sampler())
+    rebalancer = Rebalancer(sampler, every=2) if slow_s else None
     trainer = pl.Trainer(
+        callbacks=[Rebalancing(rebalancer)] if rebalancer is not None else [],
         strategy=ModelParallelStrategy(data_parallel_size=len(shares), tensor_parallel_size=1),
         accelerator="cpu", devices=len(shares), max_epochs=epochs, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -249,12 +261,9 @@ def lightning_main(out: str, shares: list[int], epochs: int) -> None:
     trainer.fit(lm, loader)
     full = [p.full_tensor().detach().clone() for p in lm.model.parameters()]
     torch.save(full, f"{out}/rank{rank}.pt")
-
-
-if __name__ == "__main__":
-    import sys
-
-    lightning_main(sys.argv[1], [int(s) for s in sys.argv[2].split(",")], int(sys.argv[3]))
+    moved = sum(e.applied for e in rebalancer.history) if rebalancer is not None else 0
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump({"shares": list(sampler.shares), "moved": moved}, f)
 
 
 def timed_steps(rank: int, world: int, slow_s: float) -> dict[str, Any]:
@@ -300,3 +309,14 @@ def timed_steps(rank: int, world: int, slow_s: float) -> dict[str, Any]:
     out["restored"] = not any(name in vars(g) for g in groups for name in ("pre_forward",))
     step(1)  # FSDP's own methods still train
     return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    lightning_main(
+        sys.argv[1],
+        [int(s) for s in sys.argv[2].split(",")],
+        int(sys.argv[3]),
+        float(sys.argv[4]) if len(sys.argv) > 4 else 0.0,
+    )

@@ -5,6 +5,7 @@ on every rank (real gloo ranks: tests/fsdp_cases.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -112,19 +113,40 @@ def test_without_a_group_weigh_loss_names_it():
         weigh_loss([1.0], 3)
 
 
-def test_lightning_model_parallel_strategy_with_weighed_losses_is_the_one_process_model(tmp_path):
-    """Lightning's ModelParallelStrategy (FSDP2 in configure_model), a BalancedSampler loader
-    of the user's at 5:3 and weigh_loss in training_step, 2 epochs under torchrun."""
+def _lightning_fit(tmp_path: Path, *args: str) -> list[dict]:
+    """``fsdp_cases.lightning_main`` on 2 ranks under torchrun: each rank's report."""
     pytest.importorskip("lightning")
     torchrun = Path(sys.executable).parent / "torchrun"
     cases = Path(__file__).parent / "fsdp_cases.py"
     launch = [str(torchrun), "--standalone", "--nproc-per-node=2", str(cases)]
     proc = subprocess.run(
-        [*launch, str(tmp_path), "5,3", "2"],
+        [*launch, str(tmp_path), *args],
         capture_output=True, text=True, timeout=300, check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_lightning_model_parallel_strategy_with_weighed_losses_is_the_one_process_model(tmp_path):
+    """Lightning's ModelParallelStrategy (FSDP2 in configure_model), a BalancedSampler loader
+    of the user's at 5:3 and weigh_loss in training_step, 2 epochs under torchrun."""
+    reports = _lightning_fit(tmp_path, "5,3", "2")
+    assert [r["shares"] for r in reports] == [[5, 3]] * 2
     want = train("gpt2", [8], 0, 2)
+    for rank in range(2):
+        assert relative(torch.load(tmp_path / f"rank{rank}.pt"), want) < 1e-10
+
+
+def test_lightning_rebalancing_under_model_parallel_strategy_follows_the_slow_rank(tmp_path):
+    """The same from 4:4, rank 1 sleeping 0.05 s in each of its 3 blocks' forwards, with a
+    Rebalancing callback deciding every 2 batches: its StepTimer leaves FSDP's waits out, so
+    rank 1 reads slow and the shares move to rank 0 (timed with the waits, both ranks would
+    read alike); the model is still one process's."""
+    reports = _lightning_fit(tmp_path, "4,4", "3", "0.05")
+    assert reports[0] == reports[1]
+    final = reports[0]["shares"]
+    assert reports[0]["moved"] >= 1 and sum(final) == 8 and final[0] > final[1]
+    want = train("gpt2", [8], 0, 3)
     for rank in range(2):
         assert relative(torch.load(tmp_path / f"rank{rank}.pt"), want) < 1e-10

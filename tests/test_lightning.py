@@ -17,8 +17,8 @@ lightning = pytest.importorskip("lightning")
 from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
 from lightning.pytorch.loggers.logger import Logger  # noqa: E402
 
-from hetcoll.lightning import BalancedStrategy  # noqa: E402
-from hetcoll.torch import BalancedSampler  # noqa: E402
+from hetcoll.lightning import BalancedStrategy, Rebalancing  # noqa: E402
+from hetcoll.torch import BalancedSampler, Rebalancer  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
 
@@ -930,3 +930,44 @@ def test_experts_placed_on_the_ranks_train_as_one_process(tmp_path):
     again = torch.load(resumed_dir / "full.pt")
     assert max(float((again[k] - full[k]).abs().max()) for k in full) < 1e-10
     assert json.loads((resumed_dir / "moves.json").read_text()) == [[2, first, first, False]]
+
+
+def test_rebalancing_names_bad_arguments_and_refuses_balanced_strategy():
+    with pytest.raises(TypeError, match=r"^rebalancer: must be a hetcoll\.torch\.Rebalancer"):
+        Rebalancing("every 10")  # type: ignore[arg-type]
+    rebalancer = Rebalancer(BalancedSampler(range(8), [8], 0, verify=False), every=2)
+    with pytest.raises(TypeError, match=r"^rows: must be a function of the batch, got int"):
+        Rebalancing(rebalancer, rows=3)  # type: ignore[arg-type]
+    # BalancedStrategy rebalances its own loader: the callback would observe every batch twice.
+    callback = Rebalancing(rebalancer)
+    trainer = Trainer(strategy=BalancedStrategy(), accelerator="cpu", devices=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[callback], max_steps=1)  # fmt: skip
+    with pytest.raises(ValueError, match=r"^rebalancer: BalancedStrategy rebalances its own"):
+        callback.on_train_start(trainer, LightningModule())
+
+
+def test_rebalancing_carries_its_rebalancers_state_through_a_checkpoint():
+    """Lightning restores a callback's state before training starts; the callback hands it to
+    its rebalancer there (the steps counted and the speed models), and times the module."""
+    rebalancer = Rebalancer(BalancedSampler(range(8), [8], 0, verify=False), every=2)
+    for _ in range(3):
+        rebalancer.observe(8, 0.1)
+    saved = Rebalancing(rebalancer).state_dict()
+    fresh = Rebalancer(BalancedSampler(range(8), [8], 0, verify=False), every=2)
+    resumed = Rebalancing(fresh)
+    resumed.load_state_dict(saved)
+    module = LightningModule()
+    module.layer = nn.Linear(2, 2)
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    resumed.on_train_start(trainer, module)
+    assert (
+        fresh.state_dict()
+        == rebalancer.state_dict()
+        != Rebalancer(BalancedSampler(range(8), [8], 0, verify=False), every=2).state_dict()
+    )
+    module.layer(torch.randn(3, 2)).sum().backward()  # a child's forward starts the step
+    resumed.on_train_batch_end(trainer, module, None, [torch.zeros(3, 2)], 0)
+    assert fresh.state_dict()["step"] == rebalancer.state_dict()["step"] + 1
+    resumed.on_train_end(trainer, module)

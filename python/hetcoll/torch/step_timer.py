@@ -107,9 +107,10 @@ def _refusal(why: str) -> ValueError:
 
 
 class StepTimer:
-    """Times each step of ``model`` on this rank: from its first forward to its last gradient
-    accumulated (see the module docstring), leaving out the waits for other ranks. Forwards
-    without gradients (``torch.no_grad()``: an evaluation) start no step.
+    """Times each step of ``model`` on this rank: from its first forward (or the first of a
+    module directly inside it) to its last gradient accumulated (see the module docstring),
+    leaving out the waits for other ranks. Forwards without gradients (``torch.no_grad()``:
+    an evaluation) start no step.
 
     ``model``: the module (a ``DistributedDataParallel`` is timed through its ``module``).
     Call :meth:`pop` once per step (or micro-batch), after its backward; feed the seconds to
@@ -178,9 +179,13 @@ class StepTimer:
             if timer is not None:
                 timer._mark_end()
 
-        # After FSDP's pre-forward of the root (its first gather and wait), which FSDP puts
-        # first among the module's pre-hooks.
-        self._handles: list[Any] = [model.register_forward_pre_hook(forward)]
+        # The step starts at the first forward of the model or of a module directly inside it
+        # (a LightningModule's training_step calls its inner model, not its own forward); on
+        # a module FSDP shards, after FSDP's pre-forward (its gather and wait), which FSDP
+        # puts first among the module's pre-hooks.
+        self._handles: list[Any] = [
+            m.register_forward_pre_hook(forward) for m in (model, *model.children())
+        ]
         self._handles += [p.register_post_accumulate_grad_hook(accumulated) for p in params]
         self._wrapped: list[tuple[Any, str, Callable[..., Any]]] = []
         self._removed = False
