@@ -194,6 +194,16 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
         StepTimer(tp)
     except ValueError as e:
         raised["timer tensor parallel"] = str(e)
+    # A torch whose FSDP lacks a method the timer wraps: refused, nothing left wrapped.
+    model = mlp()
+    fully_shard(model)
+    group = model._get_fsdp_state()._fsdp_param_group
+    group.post_backward = None
+    try:
+        StepTimer(model)
+    except ValueError as e:
+        raised["timer without post_backward"] = str(e)
+    raised["left wrapped"] = str(sorted(n for n in ("pre_forward", "unshard") if n in vars(group)))
     # A timer made before sharding: its hooks are on the parameters fully_shard replaced.
     model = mlp()
     timer = StepTimer(model)
@@ -269,45 +279,77 @@ def lightning_main(out: str, shares: list[int], epochs: int, slow_s: float = 0.0
 def timed_steps(rank: int, world: int, slow_s: float) -> dict[str, Any]:
     """GPT-2 sharded by its blocks, rank 1 sleeping ``slow_s`` in each block's forward: each
     rank's StepTimer seconds and wall seconds for a step, for a step of two micro-batches
-    (gradients reduced at the second only), and whether removing the timer restored FSDP's
-    own methods."""
+    (gradients reduced at the second only), for a step followed by an evaluation before the
+    timer is read, with a second timer made and removed, and with only the blocks sharded (the
+    embeddings whole); whether removing the timer, or dropping it, restored FSDP's methods."""
+    import gc
     import time
 
     _, load, loss_fn, count, blocks = CASES["gpt2"]
-    model = gpt2()
-    for block in blocks(model):
-        if rank == 1:
-            block.mlp.register_forward_hook(lambda *_: time.sleep(slow_s))
-        fully_shard(block)
-    fully_shard(model)
-    timer = StepTimer(model)  # after fully_shard: on the sharded parameters
     ids, labels = load()
     ids, labels = ids[:4], labels[:4]
-    out: dict[str, Any] = {}
 
-    def step(micro: int) -> None:
+    def sharded(root: bool) -> nn.Module:
+        model = gpt2()
+        for block in blocks(model):
+            if rank == 1:
+                block.mlp.register_forward_hook(lambda *_: time.sleep(slow_s))
+            fully_shard(block)
+        if root:
+            fully_shard(model)
+        return model
+
+    def step(model: nn.Module, micro: int = 1) -> None:
         for i in range(micro):
-            model.set_requires_gradient_sync(i == micro - 1)
+            for block in blocks(model):
+                block.set_requires_gradient_sync(i == micro - 1)
+            # weigh_loss's exchange waits for the slow rank inside the step: left out too.
             weigh_loss(loss_fn(model, ids, labels), count(ids, labels)).backward()
 
-    step(1)  # FSDP's lazy set-up
-    timer.pop()
-    for name, micro in (("step", 1), ("two micro-batches", 2)):
+    def timed(model: nn.Module, timer: StepTimer, micro: int = 1, evaluate: bool = False):
         dist.barrier()
         started = time.perf_counter()
-        step(micro)
-        out[name] = (timer.pop(), time.perf_counter() - started)
+        step(model, micro)
+        wall = time.perf_counter() - started
+        if evaluate:  # FSDP's spans after the step's end are not in it
+            with torch.no_grad():
+                model(input_ids=ids)
+        return timer.pop(), wall
+
+    def wrapped(model: nn.Module) -> bool:
+        groups = [g for b in blocks(model) for g in [b._get_fsdp_state()._fsdp_param_group]]
+        return any(name in vars(g) for g in groups for name in ("pre_forward", "post_backward"))
+
+    model = sharded(root=True)
+    timer = StepTimer(model)  # after fully_shard: on the sharded parameters
+    step(model)  # FSDP's lazy set-up
+    timer.pop()
+    out: dict[str, Any] = {
+        "step": timed(model, timer),
+        "two micro-batches": timed(model, timer, micro=2),
+        "evaluated before pop": timed(model, timer, evaluate=True),
+    }
     with torch.no_grad():
         model(input_ids=ids)  # an evaluation: no step
     try:
         timer.pop()
     except RuntimeError as e:
         out["evaluation"] = str(e)
+    second = StepTimer(model)
+    second.remove()  # the first timer's spans stay
+    out["beside a removed timer"] = timed(model, timer)
     timer.remove()
-    state = model._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
-    out["restored"] = not any(name in vars(g) for g in groups for name in ("pre_forward",))
-    step(1)  # FSDP's own methods still train
+    out["restored"] = not wrapped(model)
+    dropped = StepTimer(model)
+    del dropped
+    gc.collect()
+    out["restored when dropped"] = not wrapped(model)
+    step(model)  # FSDP's own methods still train
+    blocks_only = sharded(root=False)
+    timer = StepTimer(blocks_only)
+    step(blocks_only)
+    timer.pop()
+    out["blocks only"] = timed(blocks_only, timer)
     return out
 
 

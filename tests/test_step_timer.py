@@ -122,3 +122,22 @@ def test_under_ddp_the_fast_rank_is_timed_without_its_wait_for_the_slow_one():
     assert fast_wall > 0.9  # DDP made it wait
     assert fast < 0.5  # the timer did not count the wait
     assert slow > 0.9  # the slow rank's own time is its own
+
+
+def test_waits_marked_inside_a_step_are_left_out_and_reset_drops_a_step(clock):
+    model = Ticking(clock, per_row=1.0, backward=2.0)
+    timer = StepTimer(model)
+    out = model(torch.randn(2, 3))  # 2 s
+    with StepTimer.waiting():  # a collective of the user's: 10 s waiting for the others
+        clock[0] += 10.0
+    out.sum().backward()  # 2 s
+    with StepTimer.waiting():  # after the step's last gradient: not in it either way
+        clock[0] += 7.0
+    assert timer.pop() == pytest.approx(4.0)
+    model(torch.randn(3, 3))  # a step an exception cut short
+    timer.reset()
+    with pytest.raises(RuntimeError, match="no forward since the last pop"):
+        timer.pop()
+    timer.remove()
+    with StepTimer.waiting():  # a removed timer marks nothing (and raises nothing)
+        clock[0] += 1.0

@@ -39,10 +39,14 @@ class Rebalancing(Callback):
     >>> trainer = Trainer(strategy=ModelParallelStrategy(), use_distributed_sampler=False,
     ...                   callbacks=[Rebalancing(Rebalancer(sampler, every=10))])  # doctest: +SKIP
 
-    Not with :class:`~hetcoll.lightning.BalancedStrategy`, which rebalances its own loader
+    The timer starts a batch at the first forward of the LightningModule or of a module
+    directly inside it (``self.model``): a ``training_step`` that calls only modules deeper
+    down raises ``RuntimeError`` naming this. Not with
+    :class:`~hetcoll.lightning.BalancedStrategy`, which rebalances its own loader
     (``rebalance_every``): ``ValueError`` when training starts. A model whose steps the timer
     cannot separate from the other ranks' (FSDP1, DeepSpeed ZeRO-3, tensor parallelism)
-    raises the timer's ``ValueError`` then.
+    raises the timer's ``ValueError`` then. A ``self.log(..., sync_dist=True)`` in
+    ``training_step`` waits for the other ranks inside the batch and counts as compute.
     """
 
     def __init__(self, rebalancer: Rebalancer, *, rows: Callable[[Any], int] | None = None) -> None:
@@ -77,12 +81,25 @@ class Rebalancing(Callback):
         if self._timer is None:
             return
         rows = loader_rows(batch, "batch") if self.rows is None else self.rows(batch)
-        self.rebalancer.observe(rows, self._timer.pop())
+        try:
+            seconds = self._timer.pop()
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"Rebalancing: {e}. The timer starts a batch at the first forward of the "
+                "LightningModule or of a module directly inside it: training_step must call "
+                "one of them"
+            ) from e
+        self.rebalancer.observe(rows, seconds)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._timer is not None:
             self._timer.remove()
             self._timer = None
+
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        self.on_train_end(trainer, pl_module)  # the timer's hooks off the model
 
     def state_dict(self) -> dict[str, Any]:
         return {"rebalancer": self.rebalancer.state_dict()}

@@ -102,6 +102,7 @@ from hetcoll.torch.batches import (
     not_counted,
 )
 from hetcoll.torch.state_dicts import few_names
+from hetcoll.torch.step_timer import StepTimer
 from hetcoll.torch.weighing import loss_failure, scaled, weighed
 
 ALGORITHMS = ("auto", "direct", "allreduce")
@@ -265,7 +266,8 @@ class WeightedAllreduceState:
         mine = count_items(self.items, y)
         # The algorithm rides in the same exchange: ranks that chose differently would wait on
         # messages of different kinds in the hook.
-        counts = agree(comm, self._fields(), values=mine.exchanged)
+        with StepTimer.waiting():  # a wait for the other ranks inside the step, not compute
+            counts = agree(comm, self._fields(), values=mine.exchanged)
         self._agreed = True
         # Micro-batches whose gradients accumulate (DDP's no_sync) each count theirs: the step
         # weighs their sum.

@@ -29,9 +29,10 @@ rank's own compute, its layers' forward and backward, as under DDP.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -106,6 +107,27 @@ def _refusal(why: str) -> ValueError:
     )
 
 
+#: Every StepTimer not yet removed: :meth:`StepTimer.waiting` marks its span on each.
+_LIVE: weakref.WeakSet[StepTimer] = weakref.WeakSet()
+
+
+def _restore(wrapped: list[tuple[Any, str, Callable[..., Any], Any]], handles: list[Any]) -> None:
+    """Take a timer's hooks off and put FSDP's methods back as they were before it wrapped
+    them (another timer's wrapper, or the class's own method), unless a later timer has
+    wrapped them since (its own removal puts this one's back, which then passes through).
+    Called once, by :meth:`StepTimer.remove` or when the timer is collected."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+    for owner, name, spanned, previous in reversed(wrapped):
+        if vars(owner).get(name) is spanned:
+            if previous is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, previous)
+    wrapped.clear()
+
+
 class StepTimer:
     """Times each step of ``model`` on this rank: from its first forward (or the first of a
     module directly inside it) to its last gradient accumulated (see the module docstring),
@@ -122,14 +144,21 @@ class StepTimer:
     ...     rebalancer.observe(len(x), timer.pop())
     ...     optimizer.step(); optimizer.zero_grad()
 
-    A model on a CUDA device (where its parameters are when a step starts) is timed by CUDA
-    events (:meth:`pop` waits for the step's last gradient to be computed); its parameters
-    must be on one device. A model sharded by FSDP2 (``fully_shard``, applied before the timer
-    is made) is timed to the end of FSDP's backward with FSDP's own gathers, reduce-scatters
-    and their waits left out (the module docstring). Refused, as each waits for the other
-    ranks in ways the timer cannot separate: FSDP1 (``FullyShardedDataParallel``), DeepSpeed
-    ZeRO-3, and tensor parallelism (parameters sharded outside FSDP, or over two mesh
-    dimensions). :meth:`remove` takes the hooks off.
+    A model on a CUDA device (where its parameters are when a step starts; under FSDP2, the
+    device FSDP computes on) is timed by CUDA events (:meth:`pop` waits for the step's last
+    gradient to be computed); its parameters must be on one device. A model sharded by FSDP2
+    (``fully_shard``, applied before the timer is made) is timed to the end of FSDP's
+    backward with FSDP's own gathers, reduce-scatters and their waits left out (the module
+    docstring). Refused, as each waits for the other ranks in ways the timer cannot
+    separate: FSDP1 (``FullyShardedDataParallel``), DeepSpeed ZeRO-3, and tensor parallelism
+    (parameters sharded outside FSDP, or over two mesh dimensions).
+
+    A collective of your own inside the step (a loss averaged over the ranks for a log line
+    before the backward) waits for the other ranks too: run it under
+    :meth:`StepTimer.waiting` to leave that wait out. hetcoll's own exchanges inside a step
+    (:func:`~hetcoll.torch.weigh_loss`, the DDP hook state's ``count`` and ``weigh``) do.
+    :meth:`reset` drops a step an exception cut short; :meth:`remove` takes the hooks off.
+    The marks are the timer's own: one step at a time, not backwards run concurrently.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -161,10 +190,15 @@ class StepTimer:
         self.model = model
         self._first = params[0]  # where the model is when a step starts
         self._groups = groups  # FSDP2's parameter groups in the model (none: no FSDP)
+        # FSDP computes on its own device: with its CPU offload the shards sit on the host.
+        self._fsdp_device: torch.device | None = next(
+            (d for d in (getattr(st, "_device", None) for st in states) if d is not None), None
+        )
         self._cuda = False
         self._started: Any = None  # the step's first mark: a perf_counter time or a CUDA event
         self._ended: Any = None  # its latest end mark, of the same kind
-        self._waits: list[tuple[Any, Any]] = []  # FSDP's spans in the step (start, end marks)
+        self._waits: list[tuple[Any, Any]] = []  # the waits' spans in the step (start, end)
+        self._waits_at_end = 0  # of them, those before the end mark (later ones are outside)
         self._depth = 0  # FSDP's methods call one another: the outermost span counts
         self._wait_from: Any = None
         me = weakref.ref(self)  # the hooks do not keep the timer alive
@@ -187,13 +221,33 @@ class StepTimer:
             m.register_forward_pre_hook(forward) for m in (model, *model.children())
         ]
         self._handles += [p.register_post_accumulate_grad_hook(accumulated) for p in params]
-        self._wrapped: list[tuple[Any, str, Callable[..., Any]]] = []
+        self._wrapped: list[tuple[Any, str, Callable[..., Any], Any]] = []
         self._removed = False
+        self._finalizer = weakref.finalize(self, _restore, self._wrapped, self._handles)
         for group in groups:
             for name in _GROUP_WAITS:
                 self._wrap(group, name, final=False)
         for state in states:
             self._wrap(state, _FINAL_CALLBACK, final=True)
+        _LIVE.add(self)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def waiting() -> Iterator[None]:
+        """Time inside is a wait for the other ranks, not compute: left out of the current
+        step of every live timer. For a collective of your own inside a step::
+
+            with StepTimer.waiting():
+                torch.distributed.all_reduce(loss_sum)
+        """
+        timers = list(_LIVE)
+        for timer in timers:
+            timer._wait_begin()
+        try:
+            yield
+        finally:
+            for timer in timers:
+                timer._wait_end(False)
 
     def _wrap(self, owner: Any, name: str, *, final: bool) -> None:
         """Replace ``owner.name`` (a bound method of FSDP's) on the instance by one that marks
@@ -211,7 +265,7 @@ class StepTimer:
 
         def spanned(*args: Any, **kwargs: Any) -> Any:
             timer = me()
-            if timer is None or timer._removed:  # the timer is gone: FSDP's own method alone
+            if timer is None or timer._removed:  # the timer is gone: the method it wrapped
                 return inner(*args, **kwargs)
             timer._wait_begin()
             try:
@@ -219,8 +273,9 @@ class StepTimer:
             finally:
                 timer._wait_end(final)
 
+        previous = vars(owner).get(name)  # another timer's wrapper, or None: the class's
         setattr(owner, name, spanned)
-        self._wrapped.append((owner, name, spanned))
+        self._wrapped.append((owner, name, spanned, previous))
 
     def _mark(self) -> Any:
         """Now: a perf_counter time, or on a GPU a CUDA event recorded on the current stream."""
@@ -235,13 +290,15 @@ class StepTimer:
         # training step's (an evaluation, a check of the loss).
         if self._started is not None or not torch.is_grad_enabled():
             return
-        self._cuda = self._first.device.type == "cuda"
+        device = self._fsdp_device or self._first.device
+        self._cuda = device.type == "cuda"
         self._started = self._mark()
 
     def _mark_end(self) -> None:
         if self._started is None:  # a gradient outside a timed step (before the first forward)
             return
         self._ended = self._mark()  # marked again at each gradient: the last one counts
+        self._waits_at_end = len(self._waits)
 
     def _wait_begin(self) -> None:
         self._depth += 1
@@ -257,36 +314,46 @@ class StepTimer:
         self._wait_from = None
         if final:
             self._ended = end
+            self._waits_at_end = len(self._waits)
 
     def _seconds(self, start: Any, end: Any) -> float:
         if self._cuda:
             return float(start.elapsed_time(end)) / 1000.0
         return float(end - start)
 
-    def _parameters(self) -> Any:
-        """The model's parameters as they train: under FSDP2 its sharded ones (between a
-        forward and its backward, and after a forward without gradients, the module holds the
-        gathered ones instead)."""
-        if self._groups:
-            return (fp.sharded_param for g in self._groups for fp in g.fsdp_params)
-        return self.model.parameters()
+    def _holds_first(self) -> bool:
+        """Whether the parameter the timer started from is still the model's: one of its
+        parameters, or (FSDP2) one of FSDP's shards, which the module does not hold between a
+        forward and its backward, nor after a forward without gradients (the gathered ones
+        are there)."""
+        return any(p is self._first for p in self.model.parameters()) or any(
+            fp.sharded_param is self._first for g in self._groups for fp in g.fsdp_params
+        )
+
+    def reset(self) -> None:
+        """Drop the step in progress (one an exception cut short): the next forward starts a
+        new one."""
+        self._started = self._ended = self._wait_from = None
+        self._waits = []
+        self._waits_at_end = 0
+        self._depth = 0
 
     def pop(self) -> float:
         """Seconds of this rank's compute in the step since the last call: from its first
         forward to its last gradient accumulated (under FSDP2: to the end of its backward,
-        FSDP's own spans left out; to now, where no gradient came: a forward alone). Then the
-        next step starts. ``RuntimeError`` where the model ran no forward since the last call,
-        or where its parameters were replaced since the timer was made (sharded, or loaded
-        with ``assign=True``: the hooks are on the old ones)."""
-        if not any(p is self._first for p in self._parameters()):
+        FSDP's own spans left out; to now, where no gradient came: a forward alone), less the
+        waits in it (:meth:`waiting`). Then the next step starts. ``RuntimeError`` where the
+        model ran no forward since the last call, or where its parameters were replaced since
+        the timer was made (sharded, or loaded with ``assign=True``: the hooks are on the old
+        ones)."""
+        if not self._holds_first():
             raise RuntimeError(
                 "StepTimer.pop: the model's parameters were replaced since the timer was made "
                 "(sharded by FSDP, or loaded with assign=True): its hooks are on the old ones. "
                 "Make the timer from the model as it trains"
             )
-        started, ended, waits = self._started, self._ended, self._waits
-        self._started = self._ended = self._wait_from = None
-        self._waits = []
+        started, ended, waits, at_end = self._started, self._ended, self._waits, self._waits_at_end
+        self.reset()
         if started is None:
             raise RuntimeError(
                 "StepTimer.pop: the model ran no forward since the last pop (call it once per "
@@ -294,6 +361,8 @@ class StepTimer:
             )
         if ended is None:
             ended = self._mark()
+        else:
+            waits = waits[:at_end]  # spans after the step's end (an evaluation) are not in it
         if self._cuda:
             ended.synchronize()
         waited = sum(self._seconds(a, b) for a, b in waits)
@@ -301,11 +370,6 @@ class StepTimer:
 
     def remove(self) -> None:
         """Take the timer's hooks off the model (and its spans off FSDP's methods)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
         self._removed = True
-        for owner, name, spanned in self._wrapped:
-            if vars(owner).get(name) is spanned:  # not wrapped again since (another timer)
-                delattr(owner, name)
-        self._wrapped = []
+        _LIVE.discard(self)
+        self._finalizer()

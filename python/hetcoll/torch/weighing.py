@@ -20,6 +20,7 @@ import torch
 
 from hetcoll.comm import Communicator, agree, wrap_or_raise
 from hetcoll.torch.batches import LocalCount, checked_count, item_weights
+from hetcoll.torch.step_timer import StepTimer
 
 
 def weigh_loss(loss: torch.Tensor, count: Any, group: Any = None) -> torch.Tensor:
@@ -71,7 +72,8 @@ def weighed(
     :func:`hetcoll.comm.agree` takes them): every rank raises the first rank's bad count,
     naming ``argument`` (:func:`item_weights`, the rule); a bad ``loss`` (:func:`loss_failure`)
     raises on its rank and :class:`~hetcoll.CollectiveMismatchError` on the others."""
-    counts = agree(comm, fields or {}, values=mine.exchanged, failure=loss_failure(loss))
+    with StepTimer.waiting():  # a wait for the other ranks inside the step, not its compute
+        counts = agree(comm, fields or {}, values=mine.exchanged, failure=loss_failure(loss))
     return scaled(loss, comm.size, float(item_weights(counts, argument, mine.failure)[comm.rank]))
 
 
