@@ -101,7 +101,7 @@ PLACEMENT_RUN      := benches/bench_placement.py --launches 3 --json $(RESULTS)/
 	bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate bench-plans \
 	bench-microbatches bench-planspace bench-placement bench-lm-pipeline bench-tensor-parallel \
 	bench-tensor-parallel-moe bench-expert-parallel bench-fixed-costs bench-step-timer \
-	bench-trainer-rebalance
+	bench-trainer-rebalance bench-fsdp-rebalance
 
 $(BENCHED): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet --group bench
@@ -111,7 +111,7 @@ bench: bench-kernels bench-split bench-partition bench-partitioners bench-planne
 		bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate \
 		bench-microbatches bench-plans bench-planspace bench-placement bench-lm-pipeline \
 		bench-tensor-parallel bench-tensor-parallel-moe bench-expert-parallel bench-fixed-costs \
-		bench-step-timer bench-trainer-rebalance
+		bench-step-timer bench-trainer-rebalance bench-fsdp-rebalance
 	$(MAKE) bench-report
 
 bench-report:
@@ -128,6 +128,10 @@ bench-step-timer: $(BUILT) $(BENCHED)
 bench-trainer-rebalance: $(BUILT) $(BENCHED)
 	$(PYBENCH) benches/bench_trainer_rebalance.py --results-json $(RESULTS)/trainer_rebalance.json \
 		--results-title "Hugging Face Trainer: BalancedTrainer rebalancing at emulated speeds 1 and 0.5"
+
+bench-fsdp-rebalance: $(BUILT) $(BENCHED)
+	$(PYBENCH) benches/bench_fsdp_rebalance.py --results-json $(RESULTS)/fsdp_rebalance.json \
+		--results-title "FSDP2: weigh_loss, StepTimer and Rebalancer at emulated speeds 1 and 0.5"
 
 bench-split: $(BUILT) $(BENCHED)
 	$(PYBENCH) benches/bench_split.py --results-json $(RESULTS)/split.json \
