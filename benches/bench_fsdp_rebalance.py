@@ -47,9 +47,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from itertools import pairwise
@@ -59,25 +56,20 @@ from typing import Any
 import pytest
 import torch
 
-# The trainer benchmark's model, data, sizes, quiet-launch filter and ideal, shared (its
-# _Launches, _busiest, _runs, _shares and _steps are private there: imported, not copied).
+# The trainer benchmark's model, data, sizes, launches, quiet-launch filter, ideal and records.
 from bench_trainer_rebalance import (
-    BUSY,
-    LAUNCHES,
-    MAX_LAUNCHES,
-    QUICK,
     REBALANCE_EVERY,
     SIZE,
     SPEEDS,
     STEPS,
     WARMUP,
-    _busiest,
-    _Launches,
-    _runs,
-    _shares,
-    _steps,
     make_model,
-    own_speed,
+    measure_pairs,
+    own_speeds,
+    record_arms,
+    record_decisions,
+    record_method,
+    shares_text,
     text_rows,
     waited,
 )
@@ -266,8 +258,6 @@ def worker_main(argv: list[str] | None = None) -> None:
     speed for the ideal), rank 0 writing the report as ``--json``."""
     import torch.distributed as dist
 
-    import hetcoll
-
     ap = argparse.ArgumentParser(description="one launch of bench_fsdp_rebalance.py")
     ap.add_argument("--configs", required=True, help="comma-separated, of " + ", ".join(NAMES))
     ap.add_argument("--json", required=True, help="rank 0's report")
@@ -281,14 +271,7 @@ def worker_main(argv: list[str] | None = None) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     report: dict[str, Any] = {"size": SIZE, "steps": STEPS, "warmup": WARMUP, "runs": {}}
     if ranks > 1:
-        shares = hetcoll.split(SIZE["batch"], list(SPEEDS))
-        mine = own_speed(rank, shares[rank], data, steps=2 if QUICK else 6)
-        speeds = gathered(mine, ranks)
-        report["own_speeds"] = {
-            "shares": shares,
-            "samples_per_s": [v for v, _ in speeds],
-            "waited": [w for _, w in speeds],
-        }
+        report["own_speeds"] = own_speeds(rank, ranks, data)
     for config in args.configs.split(","):
         report["runs"][config] = run_config(config, rank, ranks, ids)
     if rank == 0:
@@ -301,104 +284,17 @@ def worker_main(argv: list[str] | None = None) -> None:
 # -- the benchmark: the launches, their medians -------------------------------------------------
 
 
-def launch(configs: list[str], ranks: int, out: Path) -> dict[str, Any]:
-    """One launch of this file's worker (torchrun for two ranks, else one process)."""
-    if ranks > 1:
-        torchrun = Path(sys.executable).parent / "torchrun"
-        cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(ranks)]
-    else:
-        cmd = [sys.executable]
-    cmd += [__file__, "--configs", ",".join(configs), "--json", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: exit {proc.returncode}\n{proc.stderr[-4000:]}")
-    report: dict[str, Any] = json.loads(out.read_text())
-    return report
-
-
-@pytest.mark.timeout(1800)  # 3 to 6 launch pairs of about a minute on 2 cores
+@pytest.mark.timeout(1800)  # 3 to 6 launch pairs of about 2 minutes on 2 cores
 def test_fsdp_rebalance(record: Callable[..., None], figure: Callable[..., None]) -> None:
-    tried: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (two ranks, the fast one alone)
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(MAX_LAUNCHES):
-            order = list(CONFIGS[i % len(CONFIGS) :] + CONFIGS[: i % len(CONFIGS)])
-            two = Path(tmp, f"two{i}.json")
-            if i % 2 == 0:  # which of the pair runs first, alternately
-                pair = (launch(order, 2, two), launch(["alone"], 1, Path(tmp, f"one{i}.json")))
-            else:
-                one = launch(["alone"], 1, Path(tmp, f"one{i}.json"))
-                pair = (launch(order, 2, two), one)
-            tried.append(pair)
-            if sum(_busiest(p) <= BUSY for p in tried) >= LAUNCHES:
-                break
-    busy = [_busiest(p) for p in tried]
-    quiet = [i for i, b in enumerate(busy) if b <= BUSY]
-    kept = quiet if len(quiet) >= LAUNCHES else list(range(len(tried)))
-    launches, alone = [tried[i][0] for i in kept], [tried[i][1] for i in kept]
+    m = measure_pairs(CONFIGS, __file__)
     group = (
         f"GPT-2 ({SIZE['layers']} blocks of width {SIZE['hidden']}) under FSDP2, 2 gloo ranks at "
         f"emulated speeds {SPEEDS[0]:g} and {SPEEDS[1]:g}, global batch {SIZE['batch']} x "
-        f"{SIZE['seq']} tokens, {STEPS} steps (median of {len(kept)} launches)"
+        f"{SIZE['seq']} tokens, {STEPS} steps (median of {len(m.kept)} launches)"
     )
-    batch = SIZE["batch"]
-    ideal = [sum(r["own_speeds"]["samples_per_s"]) for r in launches]
-    runs = {c: [r["runs"][c] for r in launches] for c in CONFIGS}
-    runs["alone"] = [r["runs"]["alone"] for r in alone]
-    peer = runs["plain"]
-    for config, per_launch in runs.items():
-        seconds = [r["step_s"] for r in per_launch]
-        rates = [batch / s for s in seconds]
-        of_ideal = [rate / total for rate, total in zip(rates, ideal)]
-        shares = [_shares(r["shares"]) for r in per_launch]
-        note = (
-            f"{statistics.median(rates):.1f} samples/s (min {min(rates):.1f}, max "
-            f"{max(rates):.1f}); {statistics.median(of_ideal):.0%} of the speed sum; the last "
-            f"step's shares {shares[0] if len(set(shares)) == 1 else ', '.join(shares)}"
-        )
-        record(_Launches(seconds), group, NAMES[config], peer=config == "plain", note=note)
-        if config != "plain":
-            paired = [p["step_s"] / r["step_s"] for p, r in zip(peer, per_launch)]
-            figure(
-                group,
-                f"{NAMES[config]} / plain FSDP2, throughput",
-                f"{statistics.median(paired):.2f}x (runs: {_runs(paired, '{:.2f}')})",
-                headline=config in ("rebalance", "measured"),
-            )
-    for config in ("rebalance", "measured"):
-        of_ideal = [batch / r["step_s"] / total for r, total in zip(runs[config], ideal)]
-        figure(
-            group,
-            f"{NAMES[config]}: throughput / the sum of the ranks' speeds",
-            f"{statistics.median(of_ideal):.0%} (runs: {_runs(of_ideal, '{:.0%}')})",
-            headline=config == "rebalance",
-        )
-    own = [r["own_speeds"] for r in launches]
-    figure(
-        group,
-        "the sum of the ranks' own speeds (the ideal), samples/s",
-        f"{statistics.median(ideal):.1f} (runs: {_runs(ideal, '{:.1f}')}; rank 0 + rank 1 at "
-        f"shares {_shares(own[0]['shares'])}: "
-        + "; ".join(" + ".join(f"{v:.1f}" for v in o["samples_per_s"]) for o in own)
-        + ")",
-    )
-    figure(
-        group,
-        f"samples/s by the mean step of steps {WARMUP + 1} to {STEPS} instead of the median",
-        "; ".join(
-            f"{SHORT[c]} {statistics.median(batch / r['mean_step_s'] for r in per_launch):.1f}"
-            for c, per_launch in runs.items()
-        ),
-    )
-    for i, r in zip(kept, runs["rebalance"]):
-        applied = [d for d in r["decisions"] if d["applied"]]
-        figure(
-            group,
-            f"rebalancing, launch {i + 1}: the shares step by step; its decisions",
-            f"{_steps(r['step_shares'])}; "
-            + ", ".join(f"after batch {d['batch']} to {_shares(d['shares'])}" for d in applied)
-            + f" ({len(r['decisions']) - len(applied)} more kept the shares)",
-        )
+    record_arms(record, figure, group, m, "plain", NAMES, SHORT)
+    runs = m.runs
+    record_decisions(figure, group, m)
     figure(
         group,
         "StepTimer in the rebalancing run: each rank's own samples/s by its timer (its last "
@@ -425,36 +321,12 @@ def test_fsdp_rebalance(record: Callable[..., None], figure: Callable[..., None]
         "the probe's speeds (samples/s) and latencies (ms), rank 0, rank 1, and shares, by launch",
         "; ".join(
             ", ".join(f"{v:.1f} ({a * 1e3:.0f} ms)" for v, a in r["probe"] or [])
-            + f" -> {_shares(r['shares'])} in {r['probe_s']:.1f} s"
+            + f" -> {shares_text(r['shares'])} in {r['probe_s']:.1f} s"
             for r in runs["measured"]
         ),
     )
-    figure(
-        group,
-        "how measured",
-        "rounds: launches; a launch's time: the median of rank 0's optimizer steps "
-        f"{WARMUP + 1} to {STEPS} (the steady state); the two-rank runs take turns in each "
-        "launch, in an order rotated from launch to launch; ratios: the peer's time over the "
-        "entry's (> 1: faster), of the medians in the table, of each launch's pair in the "
-        "figures; the probe's time is outside the timed steps."
-        + (" A dry run (HETCOLL_BENCH_QUICK=1): not a measurement." if QUICK else ""),
-    )
-    set_aside = [
-        f"launch {i + 1} (waited {busy[i]:.0%}; rebalancing / plain FSDP2 there "
-        f"{two['runs']['plain']['step_s'] / two['runs']['rebalance']['step_s']:.2f}x)"
-        for i, (two, _) in enumerate(tried)
-        if i not in kept
-    ]
-    figure(
-        group,
-        "launches kept",
-        f"{len(kept)} of {len(tried)} tried; a launch pair is kept if no rank waited for a core "
-        f"(the host's other work: /proc/self/schedstat) more than {BUSY:.0%} of its timed "
-        f"steps, once {LAUNCHES} such are found, else all are; each launch's most: "
-        + ", ".join(f"{b:.1%}" for b in busy)
-        + (f"; set aside: {', '.join(set_aside)}" if set_aside else ""),
-    )
-    assert all(r["shares"] == [batch // 2] * 2 for r in runs["equal"])
+    record_method(figure, group, m, "plain", SHORT, "; the probe's time is outside the timed steps")
+    assert all(r["shares"] == [SIZE["batch"] // 2] * 2 for r in runs["equal"])
 
 
 if __name__ == "__main__":

@@ -291,12 +291,29 @@ def run_config(
     return report
 
 
+def own_speeds(rank: int, ranks: int, data: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Every rank's own speed (:func:`own_speed`) at its share of the batch split by
+    ``SPEEDS``, the ranks at once: the shares, each rank's samples/s and how much it waited
+    for a core. Collective (torch.distributed)."""
+    import torch.distributed as dist
+
+    import hetcoll
+
+    shares = hetcoll.split(SIZE["batch"], list(SPEEDS))
+    mine = own_speed(rank, shares[rank], data, steps=2 if QUICK else 6)
+    speeds: list[Any] = [None] * ranks
+    dist.all_gather_object(speeds, mine)
+    return {
+        "shares": shares,
+        "samples_per_s": [v for v, _ in speeds],
+        "waited": [w for _, w in speeds],
+    }
+
+
 def worker_main(argv: list[str] | None = None) -> None:
     """One launch: ``--configs`` in that order (two ranks under torchrun: first each rank's own
     speed for the ideal), rank 0 writing the report as ``--json``."""
     import torch.distributed as dist
-
-    import hetcoll
 
     ap = argparse.ArgumentParser(description="one launch of bench_trainer_rebalance.py")
     ap.add_argument("--configs", required=True, help="comma-separated, of " + ", ".join(NAMES))
@@ -309,15 +326,7 @@ def worker_main(argv: list[str] | None = None) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     report: dict[str, Any] = {"size": SIZE, "steps": STEPS, "warmup": WARMUP, "runs": {}}
     if ranks > 1:
-        shares = hetcoll.split(SIZE["batch"], list(SPEEDS))
-        mine = own_speed(rank, shares[rank], data, steps=2 if QUICK else 6)
-        speeds: list[Any] = [None] * ranks
-        dist.all_gather_object(speeds, mine)
-        report["own_speeds"] = {
-            "shares": shares,
-            "samples_per_s": [v for v, _ in speeds],
-            "waited": [w for _, w in speeds],
-        }
+        report["own_speeds"] = own_speeds(rank, ranks, data)
     for config in args.configs.split(","):
         report["runs"][config] = run_config(config, rank, ranks, data)
     if rank == 0:
@@ -330,14 +339,15 @@ def worker_main(argv: list[str] | None = None) -> None:
 # -- the benchmark: the launches, their medians -------------------------------------------------
 
 
-def launch(configs: list[str], ranks: int, out: Path) -> dict[str, Any]:
-    """One launch of this file's worker (torchrun for two ranks, else one process)."""
+def launch(configs: list[str], ranks: int, out: Path, script: str = __file__) -> dict[str, Any]:
+    """One launch of ``script``'s worker (this file's; torchrun for two ranks, else one
+    process): its report."""
     if ranks > 1:
         torchrun = Path(sys.executable).parent / "torchrun"
         cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(ranks)]
     else:
         cmd = [sys.executable]
-    cmd += [__file__, "--configs", ",".join(configs), "--json", str(out)]
+    cmd += [script, "--configs", ",".join(configs), "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False, env=env)
     if proc.returncode != 0:
@@ -353,7 +363,7 @@ class _Stats:
     rounds: int
 
 
-class _Launches:
+class Launches:
     """What benches/conftest.py's ``record`` reads off a pytest-benchmark fixture
     (``.stats.stats``: median, IQR, rounds), here over launches: each launch's steady-state
     seconds per optimizer step."""
@@ -368,15 +378,15 @@ class _Launches:
         self.stats = type("Metadata", (), {"stats": stats})()
 
 
-def _shares(shares: list[int]) -> str:
+def shares_text(shares: list[int]) -> str:
     return ":".join(str(s) for s in shares)
 
 
-def _runs(values: list[float], fmt: str) -> str:
+def runs_text(values: list[float], fmt: str) -> str:
     return ", ".join(fmt.format(v) for v in values)
 
 
-def _steps(step_shares: list[list[int]]) -> str:
+def steps_text(step_shares: list[list[int]]) -> str:
     """Shares step by step, runs of the same written once: ``16:16 x3, 21:11 x21``."""
     out: list[list[Any]] = []
     for shares in step_shares:
@@ -384,89 +394,176 @@ def _steps(step_shares: list[list[int]]) -> str:
             out[-1][1] += 1
         else:
             out.append([shares, 1])
-    return ", ".join(f"{_shares(s)} x{n}" for s, n in out)
+    return ", ".join(f"{shares_text(s)} x{n}" for s, n in out)
 
 
-def _busiest(pair: tuple[dict[str, Any], dict[str, Any]]) -> float:
+def busiest(pair: tuple[dict[str, Any], dict[str, Any]]) -> float:
     """The most any rank of a launch pair waited for a core, a part of its timed time: the
     steady steps of every run and the ranks' own speeds."""
     waits = [w for report in pair for r in report["runs"].values() for w in r["waited"]]
     return max(waits + pair[0]["own_speeds"]["waited"])
 
 
-@pytest.mark.timeout(1800)  # 3 to 6 launch pairs of about 70 s on 2 cores
-def test_trainer_rebalance(record: Callable[..., None], figure: Callable[..., None]) -> None:
+@dataclass
+class Measured:
+    """The launch pairs of a benchmark (two ranks taking turns at ``configs``, and the fast
+    rank alone), those kept, and their runs by configuration ("alone" the lone rank's)."""
+
+    tried: list[tuple[dict[str, Any], dict[str, Any]]]
+    busy: list[float]  # per pair, the most any rank waited for a core
+    kept: list[int]
+    runs: dict[str, list[dict[str, Any]]]
+    ideal: list[float]  # per kept pair, the sum of the ranks' own speeds (samples/s)
+    own: list[dict[str, Any]]  # per kept pair, the ranks' own speeds as measured
+
+
+def measure_pairs(configs: tuple[str, ...], script: str = __file__) -> Measured:
+    """Launch pairs until ``LAUNCHES`` are quiet (no rank waited for a core more than
+    ``BUSY`` of its timed steps) or ``MAX_LAUNCHES`` were tried; keep the quiet ones, else
+    all. The two-rank launch runs ``configs`` in an order rotated from pair to pair, and which
+    of a pair runs first alternates."""
     tried: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (two ranks, the fast one alone)
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(MAX_LAUNCHES):
-            order = list(CONFIGS[i % len(CONFIGS) :] + CONFIGS[: i % len(CONFIGS)])
-            two = Path(tmp, f"two{i}.json")
-            if i % 2 == 0:  # which of the pair runs first, alternately
-                pair = (launch(order, 2, two), launch(["alone"], 1, Path(tmp, f"one{i}.json")))
+            order = list(configs[i % len(configs) :] + configs[: i % len(configs)])
+            two, one = Path(tmp, f"two{i}.json"), Path(tmp, f"one{i}.json")
+            if i % 2 == 0:
+                pair = (launch(order, 2, two, script), launch(["alone"], 1, one, script))
             else:
-                one = launch(["alone"], 1, Path(tmp, f"one{i}.json"))
-                pair = (launch(order, 2, two), one)
+                alone = launch(["alone"], 1, one, script)
+                pair = (launch(order, 2, two, script), alone)
             tried.append(pair)
-            if sum(_busiest(p) <= BUSY for p in tried) >= LAUNCHES:
+            if sum(busiest(p) <= BUSY for p in tried) >= LAUNCHES:
                 break
-    busy = [_busiest(p) for p in tried]
+    busy = [busiest(p) for p in tried]
     quiet = [i for i, b in enumerate(busy) if b <= BUSY]
     kept = quiet if len(quiet) >= LAUNCHES else list(range(len(tried)))
-    launches, alone = [tried[i][0] for i in kept], [tried[i][1] for i in kept]
-    group = (
-        f"GPT-2 ({SIZE['layers']} blocks of width {SIZE['hidden']}), 2 gloo ranks at emulated "
-        f"speeds {SPEEDS[0]:g} and {SPEEDS[1]:g}, global batch {SIZE['batch']} x {SIZE['seq']} "
-        f"tokens, {STEPS} steps (median of {len(kept)} launches)"
-    )
+    launches = [tried[i][0] for i in kept]
+    runs = {c: [r["runs"][c] for r in launches] for c in configs}
+    runs["alone"] = [tried[i][1]["runs"]["alone"] for i in kept]
+    own = [r["own_speeds"] for r in launches]
+    ideal = [sum(o["samples_per_s"]) for o in own]
+    return Measured(tried, busy, kept, runs, ideal, own)
+
+
+def record_arms(
+    record: Callable[..., None],
+    figure: Callable[..., None],
+    group: str,
+    m: Measured,
+    peer: str,
+    names: dict[str, str],
+    short: dict[str, str],
+) -> None:
+    """Each configuration's steady step over the kept launches against ``peer``'s (per
+    launch), the rebalancing and measured ones against the sum of the ranks' own speeds, that
+    sum, and the same by the mean step."""
     batch = SIZE["batch"]
-    ideal = [sum(r["own_speeds"]["samples_per_s"]) for r in launches]
-    runs = {c: [r["runs"][c] for r in launches] for c in CONFIGS}
-    runs["alone"] = [r["runs"]["alone"] for r in alone]
-    peer = runs["trainer"]
-    for config, per_launch in runs.items():
+    for config, per_launch in m.runs.items():
         seconds = [r["step_s"] for r in per_launch]
         rates = [batch / s for s in seconds]
-        of_ideal = [rate / total for rate, total in zip(rates, ideal)]
-        shares = [_shares(r["shares"]) for r in per_launch]
+        of_ideal = [rate / total for rate, total in zip(rates, m.ideal)]
+        shares = [shares_text(r["shares"]) for r in per_launch]
         note = (
             f"{statistics.median(rates):.1f} samples/s (min {min(rates):.1f}, max "
             f"{max(rates):.1f}); {statistics.median(of_ideal):.0%} of the speed sum; the last "
             f"step's shares {shares[0] if len(set(shares)) == 1 else ', '.join(shares)}"
         )
-        record(_Launches(seconds), group, NAMES[config], peer=config == "trainer", note=note)
-        if config != "trainer":
-            paired = [p["step_s"] / r["step_s"] for p, r in zip(peer, per_launch)]
+        record(Launches(seconds), group, names[config], peer=config == peer, note=note)
+        if config != peer:
+            paired = [p["step_s"] / r["step_s"] for p, r in zip(m.runs[peer], per_launch)]
             figure(
                 group,
-                f"{NAMES[config]} / plain Trainer, throughput",
-                f"{statistics.median(paired):.2f}x (runs: {_runs(paired, '{:.2f}')})",
+                f"{names[config]} / {short[peer]}, throughput",
+                f"{statistics.median(paired):.2f}x (runs: {runs_text(paired, '{:.2f}')})",
                 headline=config in ("rebalance", "measured"),
             )
     for config in ("rebalance", "measured"):
-        of_ideal = [batch / r["step_s"] / total for r, total in zip(runs[config], ideal)]
+        of_ideal = [batch / r["step_s"] / total for r, total in zip(m.runs[config], m.ideal)]
         figure(
             group,
-            f"{NAMES[config]}: throughput / the sum of the ranks' speeds",
-            f"{statistics.median(of_ideal):.0%} (runs: {_runs(of_ideal, '{:.0%}')})",
+            f"{names[config]}: throughput / the sum of the ranks' speeds",
+            f"{statistics.median(of_ideal):.0%} (runs: {runs_text(of_ideal, '{:.0%}')})",
             headline=config == "rebalance",
         )
-    own = [r["own_speeds"] for r in launches]
     figure(
         group,
         "the sum of the ranks' own speeds (the ideal), samples/s",
-        f"{statistics.median(ideal):.1f} (runs: {_runs(ideal, '{:.1f}')}; rank 0 + rank 1 at "
-        f"shares {_shares(own[0]['shares'])}: "
-        + "; ".join(" + ".join(f"{v:.1f}" for v in o["samples_per_s"]) for o in own)
+        f"{statistics.median(m.ideal):.1f} (runs: {runs_text(m.ideal, '{:.1f}')}; rank 0 + "
+        f"rank 1 at shares {shares_text(m.own[0]['shares'])}: "
+        + "; ".join(" + ".join(f"{v:.1f}" for v in o["samples_per_s"]) for o in m.own)
         + ")",
     )
     figure(
         group,
         f"samples/s by the mean step of steps {WARMUP + 1} to {STEPS} instead of the median",
         "; ".join(
-            f"{SHORT[c]} {statistics.median(batch / r['mean_step_s'] for r in per_launch):.1f}"
-            for c, per_launch in runs.items()
+            f"{short[c]} {statistics.median(batch / r['mean_step_s'] for r in per_launch):.1f}"
+            for c, per_launch in m.runs.items()
         ),
     )
+
+
+def record_decisions(figure: Callable[..., None], group: str, m: Measured) -> None:
+    """The rebalancing run's shares step by step and its decisions, per kept launch."""
+    for i, r in zip(m.kept, m.runs["rebalance"]):
+        applied = [d for d in r["decisions"] if d["applied"]]
+        figure(
+            group,
+            f"rebalancing, launch {i + 1}: the shares step by step; its decisions",
+            f"{steps_text(r['step_shares'] or [])}; "
+            + ", ".join(f"after batch {d['batch']} to {shares_text(d['shares'])}" for d in applied)
+            + f" ({len(r['decisions']) - len(applied)} more kept the shares)",
+        )
+
+
+def record_method(
+    figure: Callable[..., None],
+    group: str,
+    m: Measured,
+    peer: str,
+    short: dict[str, str],
+    also: str,
+) -> None:
+    """How the figures were measured (``also``: what this benchmark adds), and which launches
+    were kept, the others' rebalancing against ``peer`` given."""
+    figure(
+        group,
+        "how measured",
+        "rounds: launches; a launch's time: the median of rank 0's optimizer steps "
+        f"{WARMUP + 1} to {STEPS} (the steady state); the two-rank runs take turns in each "
+        "launch, in an order rotated from launch to launch; ratios: the peer's time over the "
+        "entry's (> 1: faster), of the medians in the table, of each launch's pair in the "
+        f"figures{also}."
+        + (" A dry run (HETCOLL_BENCH_QUICK=1): not a measurement." if QUICK else ""),
+    )
+    set_aside = [
+        f"launch {i + 1} (waited {m.busy[i]:.0%}; rebalancing / {short[peer]} there "
+        f"{two['runs'][peer]['step_s'] / two['runs']['rebalance']['step_s']:.2f}x)"
+        for i, (two, _) in enumerate(m.tried)
+        if i not in m.kept
+    ]
+    figure(
+        group,
+        "launches kept",
+        f"{len(m.kept)} of {len(m.tried)} tried; a launch pair is kept if no rank waited for a "
+        f"core (the host's other work: /proc/self/schedstat) more than {BUSY:.0%} of its timed "
+        f"steps, once {LAUNCHES} such are found, else all are; each launch's most: "
+        + ", ".join(f"{b:.1%}" for b in m.busy)
+        + (f"; set aside: {', '.join(set_aside)}" if set_aside else ""),
+    )
+
+
+@pytest.mark.timeout(1800)  # 3 to 6 launch pairs of about 70 s on 2 cores
+def test_trainer_rebalance(record: Callable[..., None], figure: Callable[..., None]) -> None:
+    m = measure_pairs(CONFIGS)
+    group = (
+        f"GPT-2 ({SIZE['layers']} blocks of width {SIZE['hidden']}), 2 gloo ranks at emulated "
+        f"speeds {SPEEDS[0]:g} and {SPEEDS[1]:g}, global batch {SIZE['batch']} x {SIZE['seq']} "
+        f"tokens, {STEPS} steps (median of {len(m.kept)} launches)"
+    )
+    record_arms(record, figure, group, m, "trainer", NAMES, SHORT)
+    runs = m.runs
     figure(
         group,
         "Trainer's own train_samples_per_second (the whole loop, its first steps included)",
@@ -475,48 +572,17 @@ def test_trainer_rebalance(record: Callable[..., None], figure: Callable[..., No
             for c, per_launch in runs.items()
         ),
     )
-    for i, r in zip(kept, runs["rebalance"]):
-        applied = [d for d in r["decisions"] if d["applied"]]
-        figure(
-            group,
-            f"rebalancing, launch {i + 1}: the shares step by step; its decisions",
-            f"{_steps(r['step_shares'] or [])}; "
-            + ", ".join(f"after batch {d['batch']} to {_shares(d['shares'])}" for d in applied)
-            + f" ({len(r['decisions']) - len(applied)} more kept the shares)",
-        )
+    record_decisions(figure, group, m)
     figure(
         group,
         "measure=True: the probe's speeds (samples/s), rank 0, rank 1, and shares, by launch",
         "; ".join(
-            ", ".join(f"{v:.1f}" for v in r["speeds"] or []) + f" -> {_shares(r['shares'])}"
+            ", ".join(f"{v:.1f}" for v in r["speeds"] or []) + f" -> {shares_text(r['shares'])}"
             for r in runs["measured"]
         ),
     )
-    figure(
-        group,
-        "how measured",
-        "rounds: launches; a launch's time: the median of rank 0's optimizer steps "
-        f"{WARMUP + 1} to {STEPS} (the steady state); the two-rank runs take turns in each "
-        "launch, in an order rotated from launch to launch; ratios: the peer's time over the "
-        "entry's (> 1: faster), of the medians in the table, of each launch's pair in the "
-        "figures." + (" A dry run (HETCOLL_BENCH_QUICK=1): not a measurement." if QUICK else ""),
-    )
-    set_aside = [
-        f"launch {i + 1} (waited {busy[i]:.0%}; rebalancing / plain Trainer there "
-        f"{two['runs']['trainer']['step_s'] / two['runs']['rebalance']['step_s']:.2f}x)"
-        for i, (two, _) in enumerate(tried)
-        if i not in kept
-    ]
-    figure(
-        group,
-        "launches kept",
-        f"{len(kept)} of {len(tried)} tried; a launch pair is kept if no rank waited for a core "
-        f"(the host's other work: /proc/self/schedstat) more than {BUSY:.0%} of its timed "
-        f"steps, once {LAUNCHES} such are found, else all are; each launch's most: "
-        + ", ".join(f"{b:.1%}" for b in busy)
-        + (f"; set aside: {', '.join(set_aside)}" if set_aside else ""),
-    )
-    assert all(r["shares"] == [batch // 2] * 2 for r in runs["equal"])
+    record_method(figure, group, m, "trainer", SHORT, "")
+    assert all(r["shares"] == [SIZE["batch"] // 2] * 2 for r in runs["equal"])
 
 
 if __name__ == "__main__":
