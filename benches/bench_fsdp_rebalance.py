@@ -42,15 +42,12 @@ Run as a script, this file is the launches' worker (see ``worker_main``).
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
 import statistics
 import time
 from collections.abc import Callable, Iterable
 from itertools import pairwise
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,13 +62,14 @@ from bench_trainer_rebalance import (
     WARMUP,
     make_model,
     measure_pairs,
-    own_speeds,
     record_arms,
     record_decisions,
     record_method,
+    run_launch,
     shares_text,
     text_rows,
     waited,
+    worker_arguments,
 )
 from torch import nn
 
@@ -258,10 +256,7 @@ def worker_main(argv: list[str] | None = None) -> None:
     speed for the ideal), rank 0 writing the report as ``--json``."""
     import torch.distributed as dist
 
-    ap = argparse.ArgumentParser(description="one launch of bench_fsdp_rebalance.py")
-    ap.add_argument("--configs", required=True, help="comma-separated, of " + ", ".join(NAMES))
-    ap.add_argument("--json", required=True, help="rank 0's report")
-    args = ap.parse_args(argv)
+    args = worker_arguments(argv, __file__, NAMES)
     torch.set_num_threads(1)
     data = text_rows(STEPS * SIZE["batch"])
     ids = torch.stack([row["input_ids"] for row in data])
@@ -269,16 +264,7 @@ def worker_main(argv: list[str] | None = None) -> None:
         dist.init_process_group("gloo")
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    report: dict[str, Any] = {"size": SIZE, "steps": STEPS, "warmup": WARMUP, "runs": {}}
-    if ranks > 1:
-        report["own_speeds"] = own_speeds(rank, ranks, data)
-    for config in args.configs.split(","):
-        report["runs"][config] = run_config(config, rank, ranks, ids)
-    if rank == 0:
-        Path(args.json).write_text(json.dumps(report))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    run_launch(args, rank, ranks, data, lambda config: run_config(config, rank, ranks, ids))
 
 
 # -- the benchmark: the launches, their medians -------------------------------------------------

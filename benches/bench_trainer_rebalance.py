@@ -291,6 +291,41 @@ def run_config(
     return report
 
 
+def worker_arguments(
+    argv: list[str] | None, script: str, names: dict[str, str]
+) -> argparse.Namespace:
+    """A launch's worker's arguments, as :func:`launch` passes them: ``--configs`` (of
+    ``names``) and ``--json`` (rank 0's report)."""
+    ap = argparse.ArgumentParser(description=f"one launch of {Path(script).name}")
+    ap.add_argument("--configs", required=True, help="comma-separated, of " + ", ".join(names))
+    ap.add_argument("--json", required=True, help="rank 0's report")
+    return ap.parse_args(argv)
+
+
+def run_launch(
+    args: argparse.Namespace,
+    rank: int,
+    ranks: int,
+    data: list[dict[str, torch.Tensor]],
+    run: Callable[[str], dict[str, Any]],
+) -> None:
+    """A launch's worker once its process group is up: every rank's own speed (two ranks),
+    then ``run`` of each of ``args.configs`` in order; rank 0 writes the report as
+    ``args.json``; the group goes."""
+    import torch.distributed as dist
+
+    report: dict[str, Any] = {"size": SIZE, "steps": STEPS, "warmup": WARMUP, "runs": {}}
+    if ranks > 1:
+        report["own_speeds"] = own_speeds(rank, ranks, data)
+    for config in args.configs.split(","):
+        report["runs"][config] = run(config)
+    if rank == 0:
+        Path(args.json).write_text(json.dumps(report))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def own_speeds(rank: int, ranks: int, data: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
     """Every rank's own speed (:func:`own_speed`) at its share of the batch split by
     ``SPEEDS``, the ranks at once: the shares, each rank's samples/s and how much it waited
@@ -315,25 +350,13 @@ def worker_main(argv: list[str] | None = None) -> None:
     speed for the ideal), rank 0 writing the report as ``--json``."""
     import torch.distributed as dist
 
-    ap = argparse.ArgumentParser(description="one launch of bench_trainer_rebalance.py")
-    ap.add_argument("--configs", required=True, help="comma-separated, of " + ", ".join(NAMES))
-    ap.add_argument("--json", required=True, help="rank 0's report")
-    args = ap.parse_args(argv)
+    args = worker_arguments(argv, __file__, NAMES)
     torch.set_num_threads(1)
     data = text_rows(STEPS * SIZE["batch"])
     with tempfile.TemporaryDirectory() as out:
         ranks = training_arguments(out).world_size  # sets up the process group under torchrun
     rank = dist.get_rank() if dist.is_initialized() else 0
-    report: dict[str, Any] = {"size": SIZE, "steps": STEPS, "warmup": WARMUP, "runs": {}}
-    if ranks > 1:
-        report["own_speeds"] = own_speeds(rank, ranks, data)
-    for config in args.configs.split(","):
-        report["runs"][config] = run_config(config, rank, ranks, data)
-    if rank == 0:
-        Path(args.json).write_text(json.dumps(report))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    run_launch(args, rank, ranks, data, lambda config: run_config(config, rank, ranks, data))
 
 
 # -- the benchmark: the launches, their medians -------------------------------------------------

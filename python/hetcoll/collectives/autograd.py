@@ -7,8 +7,8 @@ import math
 from typing import Any
 
 from hetcoll.collectives._common import _kind
-from hetcoll.collectives.gather import _gather, timeout_or_failure
-from hetcoll.comm import NOT_GIVEN, Communicator, group_argument, wrap
+from hetcoll.collectives.gather import _gather
+from hetcoll.comm import NOT_GIVEN, Communicator, deadline_or_failure, group_argument, wrap
 from hetcoll.comm import deadline as deadline_of
 from hetcoll.kernels import numpy_view
 
@@ -53,7 +53,7 @@ def _make_function() -> Any:
         @staticmethod
         def forward(ctx: Any, tensor: Any, comm: Communicator, timeout: float | None) -> Any:
             # A bad timeout is told to the others in the gather's first round (not on MPI).
-            deadline, failure = timeout_or_failure(timeout, comm)
+            deadline, failure = deadline_or_failure(timeout, comm)
             out, ctx.counts = _gather(tensor.detach(), comm, deadline, failure=failure)
             ctx.comm, ctx.timeout = comm, timeout
             ctx.local_shape = tuple(tensor.shape)

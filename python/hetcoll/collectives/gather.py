@@ -19,8 +19,14 @@ from hetcoll.collectives.direct import _direct_allgather
 from hetcoll.collectives.ring import _ring_allgather
 from hetcoll.collectives.shared import _shared_round
 from hetcoll.collectives.speculative import _speculative_round
-from hetcoll.comm import NOT_GIVEN, Communicator, agree, group_argument, wrap
-from hetcoll.comm import deadline as deadline_of
+from hetcoll.comm import (
+    NOT_GIVEN,
+    Communicator,
+    agree,
+    deadline_or_failure,
+    group_argument,
+    wrap,
+)
 from hetcoll.kernels import is_tensor
 
 
@@ -68,7 +74,7 @@ def allgatherv(
     # Bad arguments are told to the others in the first round (they raise at once). A bad
     # timeout too, but on MPI: there it is raised here, alone, since a rank without a deadline
     # waits in blocking calls, which a rank polling nonblocking ones never matches.
-    deadline, bad_timeout = timeout_or_failure(timeout, group)
+    deadline, bad_timeout = deadline_or_failure(timeout, group)
     failure: BaseException | None = None
     try:
         if bad_timeout is not None:
@@ -87,22 +93,6 @@ def allgatherv(
         failure, algorithm, segment_bytes = e, "auto", None
     result, _ = _gather(local, group, deadline, algorithm, segment_bytes, out, failure)
     return result  # type: ignore[no-any-return]
-
-
-def timeout_or_failure(timeout: Any, group: Any) -> tuple[float | None, ValueError | None]:
-    """The deadline of ``timeout`` and None, or (bad ``timeout``) None and its error, to be
-    told to the others in the call's first exchange (which then waits without a deadline).
-    On MPI, or where ``group`` is no group, the error is raised here: see :func:`allgatherv`."""
-    try:
-        return deadline_of(timeout), None
-    except ValueError as e:
-        try:
-            engine = wrap(group).engine
-        except (TypeError, ValueError):
-            raise e from None
-        if engine == "mpi":
-            raise
-        return None, e
 
 
 def _gather(

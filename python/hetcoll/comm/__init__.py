@@ -23,6 +23,7 @@ from hetcoll.comm.base import KINDS, Communicator, Request, SharedWindows, deadl
 from hetcoll.comm.default import (
     MPI_LAUNCHER_VARIABLES,
     NOT_GIVEN,
+    deadline_or_failure,
     global_ranks,
     group_argument,
     has_default,
@@ -49,6 +50,7 @@ __all__ = [
     "TorchRequest",
     "agree",
     "deadline",
+    "deadline_or_failure",
     "global_ranks",
     "group_argument",
     "has_default",

@@ -11,7 +11,7 @@ import warnings
 import weakref
 from typing import Any
 
-from hetcoll.comm.base import Communicator
+from hetcoll.comm.base import Communicator, deadline
 from hetcoll.comm.distributed import TorchCommunicator
 from hetcoll.comm.mpi import MpiCommunicator
 
@@ -82,6 +82,24 @@ def wrap_or_raise(group: Any, failure: BaseException | None) -> Communicator:
         if failure is not None:
             raise failure from None
         raise
+
+
+def deadline_or_failure(timeout: Any, group: Any) -> tuple[float | None, ValueError | None]:
+    """The :func:`~hetcoll.comm.deadline` of ``timeout`` and None, or, for a bad ``timeout``,
+    None and its error, for the caller to tell the other ranks in its first exchange (which
+    then waits without a deadline). On MPI, or where ``group`` is no group, the error is raised
+    here, alone: a rank without a deadline waits in MPI's blocking calls, which ranks polling
+    nonblocking ones never match."""
+    try:
+        return deadline(timeout), None
+    except ValueError as e:
+        try:
+            engine = wrap(group).engine
+        except (TypeError, ValueError):
+            raise e from None
+        if engine == "mpi":
+            raise
+        return None, e
 
 
 def wrap(x: Any = None) -> Communicator:

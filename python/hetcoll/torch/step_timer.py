@@ -47,13 +47,11 @@ _GROUP_WAITS = ("pre_forward", "pre_backward", "post_backward", "unshard", "wait
 _FINAL_CALLBACK = "_root_post_backward_final_callback"
 
 
-def _sharded(param: torch.Tensor) -> bool:
-    """Whether ``param`` is sharded over ranks: a DTensor with a sharded placement (FSDP2,
-    tensor parallelism; a replicated one, ``replicate``, is a whole copy, as under DDP), or a
-    DeepSpeed ZeRO-3 parameter (its ``ds_id``)."""
-    if hasattr(param, "ds_id"):
-        return True
-    return sum(p.is_shard() for p in _placements(param)) > 0
+def _shards(param: torch.Tensor) -> int:
+    """Over how many mesh dimensions ``param`` is sharded: a DTensor's sharded placements
+    (FSDP2, tensor parallelism; a replicated one, ``replicate``, is a whole copy, as under DDP);
+    0 for a plain tensor."""
+    return sum(p.is_shard() for p in _placements(param))
 
 
 def _placements(param: torch.Tensor) -> tuple[Any, ...]:
@@ -176,9 +174,7 @@ class StepTimer:
             raise _refusal("it is sharded by FSDP1 (FullyShardedDataParallel)")
         if any(hasattr(p, "ds_id") for p in params):
             raise _refusal("its parameters are sharded by DeepSpeed ZeRO-3")
-        if any(sum(q.is_shard() for q in _placements(p)) > 1 for p in params) or any(
-            _sharded(p) and id(p) not in by_fsdp for p in params
-        ):
+        if any(_shards(p) > 1 or (_shards(p) and id(p) not in by_fsdp) for p in params):
             raise _refusal("its parameters are sharded by tensor parallelism")
         devices = {p.device for p in params}
         if len(devices) > 1:

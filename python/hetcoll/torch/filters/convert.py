@@ -22,6 +22,7 @@ from hetcoll.comm import (
     Communicator,
     agree,
     deadline,
+    deadline_or_failure,
     is_group,
     shared_processes,
     wrap,
@@ -605,14 +606,10 @@ def _tell_the_others(group: Any, timeout: float | None, failure: Exception) -> N
     enter next (the plan's agreement: there they raise at once, a mismatch naming this rank);
     at once where ``group`` is no group (no one to tell)."""
     comm = wrap_or_raise(group, failure)
-    try:
-        limit = deadline(timeout)
-    except ValueError:  # the bad timeout is the error told
-        if comm.engine == "mpi":
-            # MPI matches no blocking collective (this rank's, without a deadline) with the
-            # others' polled ones: raised alone, as hetcoll.allgatherv does.
-            raise failure from None
-        limit = None
+    try:  # a bad timeout is the error told, waited for without a deadline (on MPI: alone)
+        limit, _ = deadline_or_failure(timeout, comm)
+    except ValueError:
+        raise failure from None
     agree(_counting(comm), {}, limit, failure=failure)  # raises failure
 
 
