@@ -96,7 +96,13 @@ class _TorchTransport(Transport):
                 # in the order of this group's ranks (a group of every rank in another order
                 # is no default group). The whole group too: a group of its own keeps its
                 # collectives apart from those the caller runs on the group meanwhile (DDP's).
-                sub = dist.new_group([self._global[r] for r in key], sort_ranks=False)
+                # `sort_ranks` is newer than torch 2.11, whose groups are all numbered in the
+                # default group's order: this group's ranks are then ascending already.
+                members = [self._global[r] for r in key]
+                if members == sorted(members):
+                    sub = dist.new_group(members)
+                else:
+                    sub = dist.new_group(members, sort_ranks=False)
             elif key == tuple(range(self.size)):
                 # The whole sub-group, numbered alike: no group to make (torch's split_group
                 # on a group of some ranks only moves its count of groups on those ranks
