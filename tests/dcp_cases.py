@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -607,4 +609,55 @@ def save_pretrained_of_a_split(rank: int, world: int, path: str) -> dict[str, An
         "said": said,
         "keys": loaded.keys() == full.keys(),
         "diff": max((loaded[k] - v).abs().max().item() for k, v in full.items()),
+    }
+
+
+def older_dcp(rank: int, world: int, path: str, taught: bool) -> dict[str, Any]:
+    """DCP as a torch older than 2.14 would run it, with hetcoll's wrappers of its shard
+    functions (hetcoll.torch.filters.dcp_fields) installed as there, whatever this torch: a
+    tensor holding the unsplit one's rows out of order (two runs) saves as the unsplit tensor,
+    and loads into a slice of three rows held out of order. Without them (``taught`` False)
+    the checkpoint holds the rows as the tensor held them: the test fails there."""
+    from torch.distributed.checkpoint import default_planner, planner_helpers
+    from torch.distributed.checkpoint import utils as dcp_utils
+
+    from hetcoll.torch.filters import dcp_fields
+
+    # This process only (a job of its own): a torch >= 2.14's DCP made blind to the fields,
+    # as an older one is, and hetcoll's wrappers installed as there.
+    for module in (planner_helpers, default_planner, dcp_utils):
+        if hasattr(module, "_is_checkpointable_tensor"):
+            module._is_checkpointable_tensor = lambda obj: False
+    dcp_fields.needed = lambda: True
+    if not taught:
+        return {"blind": _round_trip(path)}
+    dcp_fields.install()
+    return {
+        "wrapped": hasattr(planner_helpers._create_chunk_list, "__wrapped__"),
+        **_round_trip(path),
+    }
+
+
+def _round_trip(path: str) -> dict[str, Any]:
+    from hetcoll.torch.filters.shards import Marks
+
+    full = torch.arange(24, dtype=torch.float64).reshape(6, 4)
+    held = full[[4, 5, 0, 1, 2, 3]].clone()
+    Marks.of_index(0, [4, 5, 0, 1, 2, 3], 6).mark(held)
+    bias = torch.arange(3, dtype=torch.float64)
+    dcp.save({"w": held, "b": bias}, checkpoint_id=f"{path}/ckpt", no_dist=True)
+    dcp_to_torch_save(f"{path}/ckpt", f"{path}/unsplit.pt")
+    unsplit = torch.load(f"{path}/unsplit.pt")
+    part = torch.zeros(3, 4, dtype=torch.float64)
+    Marks.of_index(0, [1, 5, 3], 6).mark(part)
+    into = {"w": part, "b": torch.zeros(3, dtype=torch.float64)}
+    try:
+        dcp.load(into, checkpoint_id=f"{path}/ckpt", no_dist=True)
+    except CheckpointException as e:  # a blind DCP's size check: not the saved tensor's size
+        return {"saved": (unsplit["w"] - full).abs().max().item(), "loaded": repr(e)}
+    return {
+        "saved": (unsplit["w"] - full).abs().max().item(),
+        "bias": (unsplit["b"] - bias).abs().max().item(),
+        "loaded": (part - full[[1, 5, 3]]).abs().max().item(),
+        "loaded_bias": (into["b"] - bias).abs().max().item(),
     }

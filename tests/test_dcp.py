@@ -92,6 +92,17 @@ def test_a_slice_saved_by_another_rank_is_refused(tmp_path):
         assert optim.startswith("optimizer state_dict: state[0]['momentum_buffer']"), optim
 
 
+@pytest.mark.multiproc
+def test_an_older_torchs_dcp_is_taught_the_marks(tmp_path):
+    # On torch < 2.14 hetcoll wraps DCP's shard functions (filters/dcp_fields.py). Here this
+    # torch's DCP is made blind to the marks, as an older one is, in a process of its own:
+    # the wrappers must give the unsplit tensor, and without them the test's check fails.
+    (r,) = launch.spawn(dcp_cases.older_dcp, 1, str(tmp_path / "taught"), True, timeout=120)
+    assert r == {"wrapped": True, "saved": 0.0, "bias": 0.0, "loaded": 0.0, "loaded_bias": 0.0}
+    (blind,) = launch.spawn(dcp_cases.older_dcp, 1, str(tmp_path / "blind"), False, timeout=120)
+    assert blind["blind"]["saved"] > 0, blind  # the rows as the tensor held them
+
+
 class _Split(ChannelSplit):
     """A split module's bookkeeping alone: tensor ``w`` split along dim 0 in ``blocks`` (with
     ``whole`` entries every rank holds after each block), or held in ``order``."""

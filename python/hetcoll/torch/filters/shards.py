@@ -31,6 +31,8 @@ from typing import Any, Protocol
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from hetcoll.torch.filters import dcp_fields
+
 
 @dataclass(frozen=True)
 class Marks:
@@ -158,7 +160,7 @@ def _fields(marks: Marks, shape: tuple[int, ...]) -> tuple[tuple[str, tuple[Any,
         tuple(_at(nd, d, b) for _, b, _ in marks.runs),
         tuple(tuple(n if k == d else s for k, s in enumerate(shape)) for _, _, n in marks.runs),
     )
-    return tuple(zip(_FIELDS, values, strict=True))
+    return tuple(zip(dcp_fields.FIELDS, values, strict=True))
 
 
 def _at(ndim: int, dim: int, value: int) -> tuple[int, ...]:
@@ -178,8 +180,6 @@ class Marking(Protocol):
 #: another rank writes whole (a plan's replicas after the first, which may cut them
 #: otherwise): :class:`~hetcoll.torch.ReplicaSavePlanner` writes them once, from the first.
 COPY = "hetcoll_copy"
-#: The ``CheckpointableTensor`` fields :meth:`Marks.mark` sets, in :func:`_fields`' order.
-_FIELDS = ("global_shape", "global_offsets", "local_offsets", "local_sizes")
 
 
 #: Every module alive holding marked slices (split modules, owners stages), weakly.
@@ -202,6 +202,7 @@ def register_marking(module: Marking) -> None:
     """Count ``module`` among those whose tensors are marked (its optimizer state too); a
     split module registers again whenever its split changes."""
     global _GENERATION
+    dcp_fields.install()  # a torch older than 2.14: DCP is taught the marks
     _MARKING.add(module)
     _GENERATION += 1
 
