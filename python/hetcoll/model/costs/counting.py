@@ -180,12 +180,22 @@ _META_OUTPUTS: dict[Any, Any] = {
 def _run(func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
     """``func(*args, **kwargs)``, or the outputs :data:`_META_OUTPUTS` gives for it: the same
     shapes, strides and dtypes, so the same counts."""
+    if func is torch.ops.aten.embedding.default and not _integral(args[1]):
+        # The CPU and CUDA kernels refuse such indices; torch 2.11's meta kernel does not.
+        raise RuntimeError(
+            "Expected tensor for argument #1 'indices' to have one of the following scalar "
+            f"types: Long, Int; but got {args[1].dtype} instead (embedding)"
+        )
     made = _META_OUTPUTS.get(func)
     if made is not None:
         out = made(*args, **kwargs)
         if out is not None:
             return out
     return func(*args, **kwargs)
+
+
+def _integral(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
 class _MetaOutputs(TorchDispatchMode):

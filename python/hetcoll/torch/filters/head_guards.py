@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from hetcoll.torch.filters.heads import TensorSplit
@@ -70,6 +71,22 @@ def fill_empty_reshape(shape: Sequence[int], target: Sequence[int]) -> list[int]
     return resolved
 
 
+#: Scaled dot-product attention's tensor arguments, by name.
+_QKV = ("query", "key", "value")
+
+
+def attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(query, key, value, *args, **kwargs)``, and over no
+    heads (a rank holding none) the product of the empty tensors instead: the output's shape
+    and the inputs' graph without the kernel, which ends the process on some torch versions
+    (2.11's CPU kernel divides by the heads: a SIGFPE)."""
+    if query.numel() == 0 or key.numel() == 0:
+        return torch.matmul(torch.matmul(query, key.transpose(-2, -1)), value)
+    return F.scaled_dot_product_attention(query, key, value, *args, **kwargs)
+
+
 class EmptyHeads(TorchFunctionMode):
     """The forward of an attention on a rank that holds none of its heads: it runs on empty
     tensors, where two kinds of op need help that torch cannot give an empty dimension.
@@ -79,6 +96,8 @@ class EmptyHeads(TorchFunctionMode):
     - A reshape with ``-1`` (OPT's ``view(batch, -1, heads, head_dim)``, BLOOM's
       ``reshape(batch * heads, -1, head_dim)``) is ambiguous on an empty tensor: here ``-1``
       takes the size it has where the heads are not 0 (:func:`fill_empty_reshape`).
+    - Scaled dot-product attention over no heads ends the process on some torch versions:
+      here it is :func:`attention`.
     Every other op runs as torch runs it. Entered by a forward pre-hook of the attention
     module, left by its forward hook."""
 
@@ -93,6 +112,9 @@ class EmptyHeads(TorchFunctionMode):
             dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
             if isinstance(size, int) and size == 0 and t.shape[dim] == 0:
                 return tuple(t.narrow(dim, 0, 0) for _ in range(self.parts))
+        if func is F.scaled_dot_product_attention:
+            q, k, v = (args[i] if len(args) > i else kwargs.pop(n) for i, n in enumerate(_QKV))
+            return attention(q, k, v, *args[3:], **kwargs)
         if func in RESHAPES and args and isinstance(args[0], torch.Tensor):
             t = args[0]
             shape = target_shape(args[1:], kwargs)
@@ -390,13 +412,16 @@ def per_head_tables(
     the encoder for every layer; BEiT's table of a column per head). None otherwise (a bias
     computed from the hidden states, a parameter without a dimension per head)."""
     found: dict[int, tuple[str, nn.Parameter]] = {}
-    seen: set[int] = set()
+    # The nodes seen, held: torch may wrap a node in a new Python object at each
+    # `next_functions`, and a dropped wrapper's id is free for the next (torch 2.11 then
+    # stopped the walk after two nodes).
+    seen: dict[int, Any] = {}
     stack = [t.grad_fn]
     while stack:
         fn = stack.pop()
         if fn is None or id(fn) in seen:
             continue
-        seen.add(id(fn))
+        seen[id(fn)] = fn
         if len(seen) > 10_000:  # a graph this deep is not a table's lookup
             return None
         leaf = getattr(fn, "variable", None)  # AccumulateGrad: a tensor that needs a gradient

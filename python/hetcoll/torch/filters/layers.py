@@ -38,6 +38,7 @@ from hetcoll.torch.filters.checks import (
     is_int,
     resolve_shares,
 )
+from hetcoll.torch.filters.head_guards import attention
 from hetcoll.torch.filters.shards import Marks, register_marking
 from hetcoll.torch.filters.split_output import SplitOutput
 
@@ -1257,7 +1258,7 @@ class FilterParallelMultiheadAttention(ChannelSplit, nn.Module):
             if not batched:
                 weights = weights.squeeze(0)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            out = attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         out = out.permute(2, 0, 1, 3).reshape(tgt, n, h * hd)
         y = self.out_proj(out)
         if not batched:
