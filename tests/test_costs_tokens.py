@@ -28,7 +28,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from hetcoll import Plan
 from hetcoll.cli import main
@@ -91,6 +91,15 @@ class EncoderLM(nn.Module):
         return self.head(self.enc(self.emb(ids), mask=mask, is_causal=True))
 
 
+#: Whether this torch's FlopCounterMode counts the fused attention ``nn.MultiheadAttention``
+#: runs on the CPU (torch 2.11's has no formula for it, so it counts no attention there).
+COUNTS_CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu in flop_registry
+needs_counted_cpu_attention = pytest.mark.skipif(
+    not COUNTS_CPU_ATTENTION,
+    reason="this torch's FlopCounterMode has no formula for the CPU's fused attention",
+)
+
+
 def flop_counter(model: nn.Module, batch: int, seq: int = SEQ) -> tuple[int, int]:
     """FlopCounterMode's forward and backward FLOPs of a real run on ``batch`` sequences."""
     ids = torch.randint(0, 100, (batch, seq))
@@ -106,7 +115,11 @@ def close(a: float, b: float, tol: float = 0.05) -> bool:
     return abs(a - b) <= tol * max(abs(a), abs(b))
 
 
-@pytest.mark.parametrize("make", [llama, gpt2, EncoderLM], ids=["llama", "gpt2", "encoder"])
+@pytest.mark.parametrize(
+    "make",
+    [llama, gpt2, pytest.param(EncoderLM, marks=needs_counted_cpu_attention)],
+    ids=["llama", "gpt2", "encoder"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_matmul_flops_of_token_models_agree_with_flop_counter(
     make: Any, dtype: torch.dtype
@@ -147,6 +160,7 @@ class SequenceFirst(nn.Module):
         return self.head(self.enc(self.emb(ids).transpose(0, 1)).transpose(0, 1))
 
 
+@needs_counted_cpu_attention
 def test_a_sequence_first_model_counts_its_rows_per_sample() -> None:
     # One sample's rows are its sequence, wherever the batch dimension is: a linear layer of a
     # sequence-first encoder costs what FlopCounterMode counts, as a batch-first one does.
@@ -176,6 +190,35 @@ def mixture_of_experts(family: str, implementation: str) -> nn.Module:
         attn_implementation="eager", experts_implementation=implementation,
     )  # fmt: skip
     return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("a", "b", "groups"),
+    [((10, 16), (3, 16, 8), 3), ((3, 10, 16), (16, 24), 3), ((10, 24), (24, 8), 3),
+     ((3, 10, 16), (3, 16, 8), None)],
+    ids=["2d-3d", "3d-2d", "2d-2d", "3d-3d"],
+)  # fmt: skip
+def test_grouped_mm_outputs_on_the_meta_device_are_torchs(
+    monkeypatch: pytest.MonkeyPatch, a: tuple, b: tuple, groups: int | None, dtype: torch.dtype
+) -> None:
+    # Where this torch's meta kernel refuses a dtype its real kernels take (torch 2.11's takes
+    # bfloat16 only), the costs make its outputs themselves: as a newer torch's meta kernel
+    # does, which is compared here on every layout (this torch's, where it takes the dtype).
+    from hetcoll.model.costs import counting
+
+    op = torch.ops.aten._grouped_mm.default
+    mat_a = torch.empty(a, dtype=dtype, device="meta")
+    mat_b = torch.empty(b, dtype=dtype, device="meta")
+    offs = None if groups is None else torch.empty((groups,), dtype=torch.int32, device="meta")
+    if not counting._meta_grouped_mm_takes(dtype):
+        pytest.skip(f"this torch's meta kernel of _grouped_mm refuses {dtype}")
+    assert counting._grouped_mm_outputs(mat_a, mat_b, offs) is None  # torch's own kernel runs
+    want = op(mat_a, mat_b, offs)
+    monkeypatch.setattr(counting, "_meta_grouped_mm_takes", lambda dtype: False)
+    made = counting._run(op, (mat_a, mat_b, offs), {})
+    assert (made.shape, made.stride(), made.dtype) == (want.shape, want.stride(), want.dtype)
+    assert made.device.type == "meta"
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])

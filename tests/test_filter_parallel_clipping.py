@@ -140,12 +140,16 @@ def _other_group(rank, world):
 
     from hetcoll.torch import clip_grad_norm_, filter_parallel
 
+    # A hybrid of two replicas, each split over two ranks: the split groups [0, 1] and
+    # [2, 3], and the replicas' data-parallel groups [0, 2] and [1, 3].
+    splits = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     torch.manual_seed(0)
-    split = filter_parallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), [1.0, 0.5])
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    split = filter_parallel(model, [1.0, 0.5], splits[rank // 2])
     split(torch.ones(3, 4)).sum().backward()
-    reordered = dist.new_group([1, 0], sort_ranks=False)  # as many ranks, another group
-    try:
-        clip_grad_norm_(split.parameters(), 1.0, group=reordered)
+    try:  # as many ranks, another group
+        clip_grad_norm_(split.parameters(), 1.0, group=replicas[rank % 2])
     except ValueError as e:
         return str(e)
     return "no error"
@@ -154,5 +158,5 @@ def _other_group(rank, world):
 def test_clipping_on_another_group_of_as_many_ranks_raises():
     """Only the number of ranks was checked: a hybrid's data-parallel group in place of the
     split's took other ranks' slices for the norm (0.915 and 0.468 where it is 0.727)."""
-    for got in spawn(_other_group, 2):
+    for got in spawn(_other_group, 4):
         assert got.startswith("group: its ranks (2) are not those a split layer among"), got
