@@ -173,6 +173,43 @@ def filter_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, object
     return {"modes": sorted(set(modes.values()))}
 
 
+def dcp_offloaded(rank: int, world: int, path: str, first: str = "cuda") -> dict[str, object]:
+    """torch.distributed.checkpoint of a split MLP whose GPU rank's slices
+    ``get_state_dict(..., cpu_offload=True)`` copies into host memory (the copies keep the
+    slices' marks): the checkpoint torch's converter reads is the unsplit model, exactly."""
+    import math
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from hetcoll.torch import filter_parallel, gather_state_dict
+
+    dev = device_of(rank, first)
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 7), nn.ReLU(), nn.Linear(7, 3))
+    split = filter_parallel(mlp.double(), [3.0, 1.0, 1.0][:world]).to(dev)
+    opt = torch.optim.AdamW(split.parameters(), lr=0.01)
+    for _ in range(2):
+        for p in split.parameters():
+            p.grad = torch.sin(3 * p.detach() + 1)
+        opt.step()
+    model_sd, optim_sd = get_state_dict(split, opt, options=StateDictOptions(cpu_offload=True))
+    on_host = all(t.device.type == "cpu" for t in model_sd.values())
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    full = gather_state_dict(split, dst=0)
+    if rank != 0:
+        return {"on_host": on_host}
+    assert full is not None
+    dcp_to_torch_save(path, f"{path}.pt")
+    converted = torch.load(f"{path}.pt")["model"]
+    off = max(
+        (converted[k] - v.cpu()).abs().max().item() if converted[k].shape == v.shape else math.inf
+        for k, v in full.items()
+    )
+    return {"on_host": on_host, "off": off}
+
+
 #: A pipeline whose first stage is the GPU rank and whose second stage is split over two CPU
 #: ranks, beside nothing; and a whole-model replica on the GPU beside a 2-stage CPU pipeline.
 MIXED_PLANS = [

@@ -106,11 +106,35 @@ def differences(
     }
 
 
-def first_job(rank: int, world: int, name: str, path: str, resumed: bool = False) -> None:
+def offloaded_to_host(marked: bool) -> None:
+    """In this process: ``get_state_dict``'s ``cpu_offload`` copies every tensor, as it copies
+    a GPU's into host memory (a CPU tensor's ``.to("cpu")`` is the tensor itself, so here it
+    would copy nothing); ``marked`` False: without hetcoll's wrapper carrying the marks of
+    the slices onto the copies (``hetcoll.torch.filters.dcp_fields``)."""
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+    from torch.utils._pytree import tree_map
+
+    from hetcoll.torch.filters import dcp_fields
+
+    def to_host(state: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
+
+    dcp_state_dict._offload_state_dict_to_cpu = to_host
+    if not marked:
+        dcp_fields._copies_marked = True  # as if installed: nothing is wrapped
+
+
+def first_job(
+    rank: int, world: int, name: str, path: str, resumed: bool = False, offloaded: Any = None
+) -> None:
     """Step, then save through DCP; ``resumed``: step, then resume on the other split of the
     same ranks from the gathered state (``load_full_*``), and save that through DCP before
-    any step (its optimizer never stepped)."""
+    any step (its optimizer never stepped); ``offloaded`` (True or False, for
+    :func:`offloaded_to_host`): the state dicts DCP saves copied to the host, as
+    ``cpu_offload=True`` copies a GPU's."""
     torch.set_num_threads(1)
+    if offloaded is not None:
+        offloaded_to_host(marked=offloaded)
     model = build(name, CASES[name][2], None, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     for _ in range(2):
@@ -128,7 +152,8 @@ def first_job(rank: int, world: int, name: str, path: str, resumed: bool = False
         assert full is not None and optim is not None
         load_full_state_dict(model, full)
         load_full_optimizer_state_dict(model, opt, optim)
-    model_sd, optim_sd = get_state_dict(model, opt)
+    options = StateDictOptions(cpu_offload=offloaded is not None)
+    model_sd, optim_sd = get_state_dict(model, opt, options=options)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     full = gather_state_dict(model, dst=0)
     optim = gather_optimizer_state_dict(model, opt, dst=0)

@@ -192,6 +192,17 @@ def test_filter_parallel_with_a_gpu_rank():
 @pytest.mark.multiproc
 @pytest.mark.cuda
 @needs_cuda
+def test_dcp_of_a_split_offloaded_from_the_gpu(tmp_path):
+    """get_state_dict's cpu_offload copies the GPU rank's slices into host memory; dcp.save of
+    the copies is the unsplit model (the CPU suite's copy stands in for it:
+    tests/test_dcp.py)."""
+    got = _spawn(cuda_cases.dcp_offloaded, 2, str(tmp_path / "ckpt"))
+    assert got == [{"on_host": True, "off": 0.0}, {"on_host": True}]
+
+
+@pytest.mark.multiproc
+@pytest.mark.cuda
+@needs_cuda
 def test_parallelize_with_a_gpu_rank():
     """Three plans with the GPU rank as a pipeline stage, a whole-model replica and one rank
     of a split stage, beside CPU ranks over gloo: equal one process, float64 1e-10."""

@@ -5,6 +5,9 @@ slice saved by another rank is refused by ``load_state_dict``."""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import dcp_cases
 import pytest
 import torch
@@ -33,6 +36,43 @@ def test_saved_on_two_ranks_loads_on_three_other_speeds(name, tmp_path):
     assert r["model"] == 0, r  # copied entries: exact
     assert r["optim"] == 0, r
     assert r["forward"] <= dcp_cases.TOL, r
+
+
+def _converted_differs(path: Path) -> float:
+    """How far the unsplit state dict torch's converter reads from checkpoint ``path`` is
+    from the gathered one saved beside it (the model's, largest entry difference; infinite
+    where a tensor's shape differs: a rank's slice written as the whole tensor)."""
+    dcp_to_torch_save(str(path), str(path.parent / "unsplit.pt"))
+    converted = torch.load(path.parent / "unsplit.pt")["model"]
+    saved = torch.load(path / "full.pt")["model"]
+    assert converted.keys() == saved.keys()
+    return max(
+        (converted[k] - v).abs().max().item() if converted[k].shape == v.shape else math.inf
+        for k, v in saved.items()
+    )
+
+
+@pytest.mark.multiproc
+def test_state_dicts_copied_to_the_host_keep_their_marks(tmp_path):
+    """``get_state_dict(..., options=StateDictOptions(cpu_offload=True))`` copies a GPU rank's
+    tensors into host memory, dropping the marks of its slices, and DCP wrote one rank's slice
+    under each name (silently, where the slices have the same shape). Here the copy a GPU
+    makes is made of CPU tensors (tests/dcp_cases.py: offloaded_to_host); the model and
+    optimizer state must load on 3 ranks of other speeds exactly, and without hetcoll's
+    wrapper of the copy the checkpoint must be wrong."""
+    path = tmp_path / "marked" / "ckpt"
+    launch.spawn(dcp_cases.first_job, 2, "mlp", str(path), False, True, timeout=240)
+    assert _converted_differs(path) == 0.0
+    r = launch.spawn(dcp_cases.second_job, 3, "mlp", str(path), timeout=240)[0]
+    assert (r["keys"], r["model"], r["optim"]) == (0, 0, 0), r
+    assert r["forward"] <= dcp_cases.TOL, r
+    blind = tmp_path / "blind" / "ckpt"
+    try:
+        launch.spawn(dcp_cases.first_job, 2, "mlp", str(blind), False, False, timeout=240)
+    except Exception as e:  # the wrong save may fail as well as write
+        print(f"unmarked copies: the save failed: {e}")
+    else:
+        assert _converted_differs(blind) > 0
 
 
 @pytest.mark.multiproc

@@ -16,7 +16,7 @@
 #   lm         1 GPU rank + 3 CPU ranks: examples/train_lm.py's Llama, balanced vs equal vs the
 #              GPU alone (tokens/s), a pipeline and a hybrid, each measured and predicted
 # and writes OUTDIR/summary.json (every step's status, seconds and results) and OUTDIR/log.txt.
-# The step limits add up to 470 s, so a run ends within 8 minutes whatever hangs. Without CUDA
+# The step limits add up to 480 s, so a run ends within 8 minutes whatever hangs. Without CUDA
 # it is the dry run: every CUDA figure is "skipped: no CUDA", with small step counts.
 set -u
 OUT=${1:?usage: bash benches/device/run.sh OUTDIR}
@@ -75,7 +75,7 @@ fi
 
 step env 20 "$PY" benches/device/environment.py --json "$OUT/environment.json"
 step kernels 35 "$PY" benches/device/kernels.py --json "$OUT/kernels.json"
-step pytest 120 "$PY" -m pytest -m cuda -v -p no:cacheprovider -o addopts="" \
+step pytest 130 "$PY" -m pytest -m cuda -v -p no:cacheprovider -o addopts="" \
     --junitxml "$OUT/pytest-cuda.xml" tests/test_cuda.py
 step calibrate 40 "$PY" -m hetcoll.cli model calibrate --links gloo --ranks "$CPU_RANKS" \
     --output "$OUT/cluster.toml"

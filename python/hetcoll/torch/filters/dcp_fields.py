@@ -1,5 +1,5 @@
-"""torch.distributed.checkpoint reading a rank's slices by their marks on a torch older than
-2.14.
+"""torch.distributed.checkpoint reading a rank's slices by their marks: on a torch older than
+2.14, and through the copies its state-dict functions make.
 
 :class:`~hetcoll.torch.filters.shards.Marks` sets DCP's ``CheckpointableTensor`` fields
 (``global_shape``, ``global_offsets``, ``local_offsets``, ``local_sizes``) on the state-dict
@@ -14,6 +14,14 @@ of a tensor, its chunks, the shard an index names, and the local load plan's siz
 wrapper hands every tensor without the fields to torch's own function unchanged. Where one of
 those functions is missing (a torch this was not written against), nothing is wrapped and
 :func:`install` says so with a warning: saving a split model through DCP is then wrong there.
+
+On every torch, the fields live on the tensors' Python objects, so a copy drops them:
+``get_state_dict(..., options=StateDictOptions(cpu_offload=True))`` copies a GPU rank's
+tensors into host memory, and DCP then took its slices for whole tensors (one rank's slice
+written under each name, silently). :func:`install` wraps the one function of
+``torch.distributed.checkpoint.state_dict`` that makes those copies, of the model's state
+dict and of the optimizer's (``_maybe_full_or_cpu_state_dict``), to set each copy's fields
+from the tensor it copied.
 """
 
 from __future__ import annotations
@@ -48,9 +56,77 @@ def needed() -> bool:
     return False
 
 
+#: The function of ``torch.distributed.checkpoint.state_dict`` that copies state dicts (into
+#: host memory, or gathered), model's and optimizer's alike.
+_COPYING = "_maybe_full_or_cpu_state_dict"
+_copies_marked = False
+
+
 def install() -> None:
-    """Wrap DCP's shard functions to read the fields, once, where this torch's DCP does not
-    (:func:`needed`); a no-op elsewhere and when called again."""
+    """Keep the fields through DCP's copies of state dicts, and, where this torch's DCP does
+    not read the fields (:func:`needed`), wrap its shard functions to read them; once (a no-op
+    when called again)."""
+    _keep_through_copies()
+    _teach_older_dcp()
+
+
+def _keep_through_copies() -> None:
+    global _copies_marked
+    if _copies_marked:
+        return
+    _copies_marked = True
+    try:
+        module = importlib.import_module("torch.distributed.checkpoint.state_dict")
+    except ImportError:  # a torch built without distributed: no DCP
+        return
+    original = getattr(module, _COPYING, None)
+    if original is None:
+        warnings.warn(
+            f"torch {torch.__version__}: torch.distributed.checkpoint.state_dict has no "
+            f"{_COPYING}, so a split model's state dict copied by get_state_dict "
+            "(cpu_offload=True on a GPU) loses the marks of its slices, and dcp.save would "
+            "write one rank's slice for each tensor: save without cpu_offload there",
+            stacklevel=3,
+        )
+        return
+    setattr(module, _COPYING, functools.wraps(original)(_bind(_copy_marked, original)))
+
+
+def _copy_marked(original: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+    copied = original(state_dict, *args, **kwargs)
+    if copied is not state_dict:
+        _carry_fields(state_dict, copied)
+    return copied
+
+
+def _carry_fields(source: Any, copy: Any) -> None:
+    """Set the fields of each tensor of ``source`` (a state dict: dicts, lists and tuples of
+    tensors) that has them on the tensor in the same place of its copy ``copy``, where that
+    is another tensor of the same shape (a rank left out of the copy gets nothing)."""
+    if isinstance(source, torch.Tensor):
+        if (
+            isinstance(copy, torch.Tensor)
+            and copy is not source
+            and copy.shape == source.shape
+            and hasattr(source, FIELDS[0])
+        ):
+            for field in FIELDS:
+                if hasattr(source, field):
+                    setattr(copy, field, getattr(source, field))
+    elif isinstance(source, dict) and isinstance(copy, dict):
+        for key, value in source.items():
+            if key in copy:
+                _carry_fields(value, copy[key])
+    elif (
+        isinstance(source, (list, tuple))
+        and isinstance(copy, (list, tuple))
+        and len(source) == len(copy)
+    ):
+        for a, b in zip(source, copy, strict=True):
+            _carry_fields(a, b)
+
+
+def _teach_older_dcp() -> None:
     global _installed
     if _installed or not needed():
         return
@@ -61,7 +137,7 @@ def install() -> None:
             for name in _WRAPPED
         }
     except ImportError as e:  # a torch built without distributed: no DCP to teach
-        warnings.warn(f"torch.distributed.checkpoint cannot be imported ({e})", stacklevel=2)
+        warnings.warn(f"torch.distributed.checkpoint cannot be imported ({e})", stacklevel=3)
         return
     missing = [
         f"{name}.{f}" for name, fs in _WRAPPED.items() for f in fs if not hasattr(modules[name], f)
@@ -72,7 +148,7 @@ def install() -> None:
             "hetcoll cannot teach it a split model's slices: dcp.save of such a model would "
             "write one rank's slice for each tensor. Save gather_state_dict(model) instead, "
             "or use torch >= 2.14",
-            stacklevel=2,
+            stacklevel=3,
         )
         return
     wrappers = {

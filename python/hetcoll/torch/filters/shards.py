@@ -202,7 +202,7 @@ def register_marking(module: Marking) -> None:
     """Count ``module`` among those whose tensors are marked (its optimizer state too); a
     split module registers again whenever its split changes."""
     global _GENERATION
-    dcp_fields.install()  # a torch older than 2.14: DCP is taught the marks
+    dcp_fields.install()  # the marks kept through DCP's copies (and taught to an older DCP)
     _MARKING.add(module)
     _GENERATION += 1
 
