@@ -23,7 +23,7 @@ from torch import nn
 from hetcoll.comm import agree
 from hetcoll.plan import Plan
 from hetcoll.torch.filters import gather_state_dict, split_tensors
-from hetcoll.torch.filters.shards import COPY, Marks
+from hetcoll.torch.filters.shards import Marks, flag_copy
 from hetcoll.torch.placement import Block, OwnersStage
 from hetcoll.torch.sampler import BalancedSampler
 from hetcoll.torch.state_dicts import (
@@ -530,7 +530,7 @@ def keyed_as_the_model(module: nn.Module, state_dict: Any, prefix: str, metadata
                 and not isinstance(t, nn.Parameter)  # keep_vars hands out the parameters
                 and key[len(prefix) :] not in module._experts_names
             ):
-                setattr(t, COPY, True)
+                flag_copy(t)
 
 
 def keyed_as_the_stage(module: nn.Module, state_dict: Any, prefix: str, *args: Any) -> None:

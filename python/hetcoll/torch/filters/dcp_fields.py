@@ -18,16 +18,20 @@ those functions is missing (a torch this was not written against), nothing is wr
 On every torch, the fields live on the tensors' Python objects, so a copy drops them:
 ``get_state_dict(..., options=StateDictOptions(cpu_offload=True))`` copies a GPU rank's
 tensors into host memory, and DCP then took its slices for whole tensors (one rank's slice
-written under each name, silently). :func:`install` wraps the one function of
-``torch.distributed.checkpoint.state_dict`` that makes those copies, of the model's state
-dict and of the optimizer's (``_maybe_full_or_cpu_state_dict``), to set each copy's fields
-from the tensor it copied.
+written under each name, silently). :func:`keep_through_copies`, called as tensors are
+marked, wraps the one function of ``torch.distributed.checkpoint.state_dict`` that makes
+those copies, of the model's state dict and of the optimizer's
+(``_maybe_full_or_cpu_state_dict``), to set each copy's fields (and :data:`COPY`) from the
+tensor it copied. Marking runs inside ``get_state_dict``, before it copies, and that module
+is imported by then: it is wrapped there, not imported where no one checkpoints (its import
+takes most of a second).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import sys
 import warnings
 from typing import Any
 
@@ -45,6 +49,10 @@ _installed = False
 #: DCP's ``CheckpointableTensor`` fields, in the order
 #: :class:`~hetcoll.torch.filters.shards.Marks` gives them.
 FIELDS = ("global_shape", "global_offsets", "local_offsets", "local_sizes")
+#: The attribute set (True) on the state-dict tensors a rank holds as a copy of tensors
+#: another rank writes whole (a plan's replicas after the first, which may cut them
+#: otherwise): :class:`~hetcoll.torch.ReplicaSavePlanner` writes them once, from the first.
+COPY = "hetcoll_copy"
 
 
 def needed() -> bool:
@@ -56,29 +64,23 @@ def needed() -> bool:
     return False
 
 
-#: The function of ``torch.distributed.checkpoint.state_dict`` that copies state dicts (into
-#: host memory, or gathered), model's and optimizer's alike.
+#: The module, and its function, that copies state dicts (into host memory, or gathered),
+#: model's and optimizer's alike.
+_STATE_DICT = "torch.distributed.checkpoint.state_dict"
 _COPYING = "_maybe_full_or_cpu_state_dict"
 _copies_marked = False
 
 
-def install() -> None:
-    """Keep the fields through DCP's copies of state dicts, and, where this torch's DCP does
-    not read the fields (:func:`needed`), wrap its shard functions to read them; once (a no-op
-    when called again)."""
-    _keep_through_copies()
-    _teach_older_dcp()
-
-
-def _keep_through_copies() -> None:
+def keep_through_copies() -> None:
+    """Wrap DCP's copying of state dicts to keep the marks, once, where its module is
+    imported (a no-op otherwise, and when called again): called on every marking."""
     global _copies_marked
     if _copies_marked:
         return
-    _copies_marked = True
-    try:
-        module = importlib.import_module("torch.distributed.checkpoint.state_dict")
-    except ImportError:  # a torch built without distributed: no DCP
+    module = sys.modules.get(_STATE_DICT)
+    if module is None:
         return
+    _copies_marked = True
     original = getattr(module, _COPYING, None)
     if original is None:
         warnings.warn(
@@ -86,7 +88,7 @@ def _keep_through_copies() -> None:
             f"{_COPYING}, so a split model's state dict copied by get_state_dict "
             "(cpu_offload=True on a GPU) loses the marks of its slices, and dcp.save would "
             "write one rank's slice for each tensor: save without cpu_offload there",
-            stacklevel=3,
+            stacklevel=2,
         )
         return
     setattr(module, _COPYING, functools.wraps(original)(_bind(_copy_marked, original)))
@@ -100,17 +102,13 @@ def _copy_marked(original: Any, state_dict: Any, *args: Any, **kwargs: Any) -> A
 
 
 def _carry_fields(source: Any, copy: Any) -> None:
-    """Set the fields of each tensor of ``source`` (a state dict: dicts, lists and tuples of
-    tensors) that has them on the tensor in the same place of its copy ``copy``, where that
-    is another tensor of the same shape (a rank left out of the copy gets nothing)."""
+    """Set the fields (and :data:`COPY`) of each tensor of ``source`` (a state dict: dicts,
+    lists and tuples of tensors) that has them on the tensor in the same place of its copy
+    ``copy``, where that is another tensor of the same shape (a rank left out of the copy
+    gets nothing)."""
     if isinstance(source, torch.Tensor):
-        if (
-            isinstance(copy, torch.Tensor)
-            and copy is not source
-            and copy.shape == source.shape
-            and hasattr(source, FIELDS[0])
-        ):
-            for field in FIELDS:
+        if isinstance(copy, torch.Tensor) and copy is not source and copy.shape == source.shape:
+            for field in (*FIELDS, COPY):
                 if hasattr(source, field):
                     setattr(copy, field, getattr(source, field))
     elif isinstance(source, dict) and isinstance(copy, dict):
@@ -126,7 +124,9 @@ def _carry_fields(source: Any, copy: Any) -> None:
             _carry_fields(a, b)
 
 
-def _teach_older_dcp() -> None:
+def install() -> None:
+    """Wrap DCP's shard functions to read the fields, once, where this torch's DCP does not
+    (:func:`needed`); a no-op elsewhere and when called again."""
     global _installed
     if _installed or not needed():
         return
@@ -137,7 +137,7 @@ def _teach_older_dcp() -> None:
             for name in _WRAPPED
         }
     except ImportError as e:  # a torch built without distributed: no DCP to teach
-        warnings.warn(f"torch.distributed.checkpoint cannot be imported ({e})", stacklevel=3)
+        warnings.warn(f"torch.distributed.checkpoint cannot be imported ({e})", stacklevel=2)
         return
     missing = [
         f"{name}.{f}" for name, fs in _WRAPPED.items() for f in fs if not hasattr(modules[name], f)
@@ -148,7 +148,7 @@ def _teach_older_dcp() -> None:
             "hetcoll cannot teach it a split model's slices: dcp.save of such a model would "
             "write one rank's slice for each tensor. Save gather_state_dict(model) instead, "
             "or use torch >= 2.14",
-            stacklevel=3,
+            stacklevel=2,
         )
         return
     wrappers = {

@@ -69,6 +69,7 @@ class Marks:
         rank's slice."""
         if not self.fits(t):
             return False
+        dcp_fields.keep_through_copies()
         for field, value in self.fields(tuple(t.shape)).items():
             setattr(t, field, value)
         return True
@@ -176,10 +177,13 @@ class Marking(Protocol):
     def param_marks(self) -> list[tuple[torch.Tensor, Marks]]: ...
 
 
-#: The attribute set (True) on the state-dict tensors a rank holds as a copy of tensors
-#: another rank writes whole (a plan's replicas after the first, which may cut them
-#: otherwise): :class:`~hetcoll.torch.ReplicaSavePlanner` writes them once, from the first.
-COPY = "hetcoll_copy"
+COPY = dcp_fields.COPY
+
+
+def flag_copy(t: torch.Tensor) -> None:
+    """Flag state-dict tensor ``t`` as a copy of a tensor another rank writes (:data:`COPY`)."""
+    dcp_fields.keep_through_copies()
+    setattr(t, COPY, True)
 
 
 #: Every module alive holding marked slices (split modules, owners stages), weakly.
@@ -202,7 +206,7 @@ def register_marking(module: Marking) -> None:
     """Count ``module`` among those whose tensors are marked (its optimizer state too); a
     split module registers again whenever its split changes."""
     global _GENERATION
-    dcp_fields.install()  # the marks kept through DCP's copies (and taught to an older DCP)
+    dcp_fields.install()  # a torch older than 2.14: DCP is taught the marks
     _MARKING.add(module)
     _GENERATION += 1
 
@@ -297,7 +301,7 @@ def _mark_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) ->
             if shaped and not held[i][1].mark(view) and i not in copies:
                 continue
             if i in copies:
-                setattr(view, COPY, True)
+                flag_copy(view)
             out[field] = view
         state[keys[i]] = out
     return state_dict
