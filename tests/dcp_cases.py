@@ -124,8 +124,22 @@ def offloaded_to_host(marked: bool) -> None:
         dcp_fields._copies_marked = True  # as if installed: nothing is wrapped
 
 
+#: The optimizers the jobs step, by name: AdamW's state starts at its first step, Adagrad's
+#: when it is made (its sums, shaped as the parameters).
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.01),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.01),
+}
+
+
 def first_job(
-    rank: int, world: int, name: str, path: str, resumed: bool = False, offloaded: Any = None
+    rank: int,
+    world: int,
+    name: str,
+    path: str,
+    resumed: bool = False,
+    offloaded: Any = None,
+    optimizer: str = "adamw",
 ) -> None:
     """Step, then save through DCP; ``resumed``: step, then resume on the other split of the
     same ranks from the gathered state (``load_full_*``), and save that through DCP before
@@ -136,7 +150,7 @@ def first_job(
     if offloaded is not None:
         offloaded_to_host(marked=offloaded)
     model = build(name, CASES[name][2], None, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    opt = OPTIMIZERS[optimizer](model.parameters())
     for _ in range(2):
         for p in model.parameters():  # elementwise in the unsplit entries: any split alike
             p.grad = torch.sin(3 * p.detach() + 1)
@@ -148,7 +162,7 @@ def first_job(
         )
         kind, how = CASES[name][2]
         model = build(name, (kind, how[::-1]), None, seed=1)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        opt = OPTIMIZERS[optimizer](model.parameters())
         assert full is not None and optim is not None
         load_full_state_dict(model, full)
         load_full_optimizer_state_dict(model, opt, optim)
@@ -162,10 +176,12 @@ def first_job(
     dist.barrier()
 
 
-def second_job(rank: int, world: int, name: str, path: str) -> dict[str, float] | None:
+def second_job(
+    rank: int, world: int, name: str, path: str, optimizer: str = "adamw"
+) -> dict[str, float] | None:
     torch.set_num_threads(1)
     model = build(name, CASES[name][3], None, seed=1)  # other initial weights
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    opt = OPTIMIZERS[optimizer](model.parameters())
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)

@@ -38,6 +38,19 @@ def test_saved_on_two_ranks_loads_on_three_other_speeds(name, tmp_path):
     assert r["forward"] <= dcp_cases.TOL, r
 
 
+@pytest.mark.multiproc
+def test_an_optimizer_whose_state_exists_before_any_step_loads_on_other_speeds(tmp_path):
+    """Adagrad makes its state (its sums) with the optimizer: DCP's get_state_dict does not
+    step such a fresh one, so it was never hooked and its state went unmarked, and dcp.load
+    refused the unsplit state's size ("Size mismatch between saved [10, 6] and current
+    [6, 6]"). Saved on 2 ranks at 3:1 after 2 steps, loaded on 3 at 2:1:1, exactly."""
+    path = str(tmp_path / "ckpt")
+    launch.spawn(dcp_cases.first_job, 2, "mlp", path, False, None, "adagrad", timeout=240)
+    r = launch.spawn(dcp_cases.second_job, 3, "mlp", path, "adagrad", timeout=240)[0]
+    assert (r["keys"], r["model"], r["optim"]) == (0, 0, 0), r
+    assert r["forward"] <= dcp_cases.TOL, r
+
+
 def _converted_differs(path: Path) -> float:
     """How far the unsplit state dict torch's converter reads from checkpoint ``path`` is
     from the gathered one saved beside it (the model's, largest entry difference; infinite

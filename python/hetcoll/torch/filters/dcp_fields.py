@@ -66,7 +66,7 @@ def needed() -> bool:
 
 #: The module, and its function, that copies state dicts (into host memory, or gathered),
 #: model's and optimizer's alike.
-_STATE_DICT = "torch.distributed.checkpoint.state_dict"
+STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
 _COPYING = "_maybe_full_or_cpu_state_dict"
 _copies_marked = False
 
@@ -77,7 +77,7 @@ def keep_through_copies() -> None:
     global _copies_marked
     if _copies_marked:
         return
-    module = sys.modules.get(_STATE_DICT)
+    module = sys.modules.get(STATE_DICT_MODULE)
     if module is None:
         return
     _copies_marked = True

@@ -16,13 +16,15 @@ modules; an optimizer holding marked parameters is given a state-dict post-hook 
 state) and a load pre-hook (checking it, and slicing the unsplit state DCP's
 ``full_state_dict`` loads hand it) once, at its first step (torch's global
 ``register_optimizer_step_pre_hook``, registered by :func:`track_optimizers`; DCP's
-``get_state_dict`` steps a fresh optimizer first) or where hetcoll loads state into it
-(:func:`hook_optimizer`).
+``get_state_dict`` steps a fresh optimizer first), where DCP's state-dict functions first
+meet it (one whose state exists before any step, Adagrad's, is not stepped there), or where
+hetcoll loads state into it (:func:`hook_optimizer`).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import types
 import weakref
 from dataclasses import dataclass
@@ -69,7 +71,7 @@ class Marks:
         rank's slice."""
         if not self.fits(t):
             return False
-        dcp_fields.keep_through_copies()
+        _on_marking()
         for field, value in self.fields(tuple(t.shape)).items():
             setattr(t, field, value)
         return True
@@ -182,8 +184,44 @@ COPY = dcp_fields.COPY
 
 def flag_copy(t: torch.Tensor) -> None:
     """Flag state-dict tensor ``t`` as a copy of a tensor another rank writes (:data:`COPY`)."""
-    dcp_fields.keep_through_copies()
+    _on_marking()
     setattr(t, COPY, True)
+
+
+def _on_marking() -> None:
+    """What marking a state dict's tensor does first, once DCP's ``state_dict`` module is
+    imported (``get_state_dict`` marks the model's before it copies anything or meets an
+    optimizer): the marks kept through its copies, and its optimizers hooked as it meets them."""
+    dcp_fields.keep_through_copies()
+    _hook_where_dcp_meets_optimizers()
+
+
+#: The function of DCP's ``state_dict`` module that meets each optimizer first, in
+#: ``get_state_dict`` and ``set_state_dict`` alike (stepping a fresh one whose state is empty).
+_MEETS = "_init_optim_state"
+_meeting_hooked = False
+
+
+def _hook_where_dcp_meets_optimizers() -> None:
+    """Hook each optimizer DCP meets (:func:`hook_optimizer`) before it reads the state: one
+    whose state exists before any step (Adagrad's sums) is never stepped there, so its state
+    went unmarked, and ``dcp.load`` refused the unsplit state's size. Once, where the module
+    is imported."""
+    global _meeting_hooked
+    module = sys.modules.get(dcp_fields.STATE_DICT_MODULE)
+    if _meeting_hooked or module is None:
+        return
+    _meeting_hooked = True
+    original = getattr(module, _MEETS, None)
+    if original is None:  # optimizers are hooked at their first step still
+        return
+
+    @functools.wraps(original)
+    def meet(optim: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        hook_optimizer(optim)
+        return original(optim, *args, **kwargs)
+
+    setattr(module, _MEETS, meet)
 
 
 #: Every module alive holding marked slices (split modules, owners stages), weakly.
