@@ -203,22 +203,28 @@ def test_grouped_mm_outputs_on_the_meta_device_are_torchs(
     monkeypatch: pytest.MonkeyPatch, a: tuple, b: tuple, groups: int | None, dtype: torch.dtype
 ) -> None:
     # Where this torch's meta kernel refuses a dtype its real kernels take (torch 2.11's takes
-    # bfloat16 only), the costs make its outputs themselves: as a newer torch's meta kernel
-    # does, which is compared here on every layout (this torch's, where it takes the dtype).
+    # bfloat16 only), hetcoll's meta runs make its outputs themselves: as a newer torch's meta
+    # kernel does, which is compared here on every layout (this torch's, where it takes the
+    # dtype), through the costs' runner and hetcoll.torch.meta_ops' mode.
     from hetcoll.model.costs import counting
+    from hetcoll.torch import meta_ops
 
     op = torch.ops.aten._grouped_mm.default
     mat_a = torch.empty(a, dtype=dtype, device="meta")
     mat_b = torch.empty(b, dtype=dtype, device="meta")
     offs = None if groups is None else torch.empty((groups,), dtype=torch.int32, device="meta")
-    if not counting._meta_grouped_mm_takes(dtype):
+    if not meta_ops._meta_grouped_mm_takes(dtype):
         pytest.skip(f"this torch's meta kernel of _grouped_mm refuses {dtype}")
-    assert counting._grouped_mm_outputs(mat_a, mat_b, offs) is None  # torch's own kernel runs
+    assert meta_ops.made_outputs(op, (mat_a, mat_b, offs), {}) is None  # torch's kernel runs
     want = op(mat_a, mat_b, offs)
-    monkeypatch.setattr(counting, "_meta_grouped_mm_takes", lambda dtype: False)
+    monkeypatch.setattr(meta_ops, "_meta_grouped_mm_takes", lambda dtype: False)
+    assert meta_ops.needed()
     made = counting._run(op, (mat_a, mat_b, offs), {})
-    assert (made.shape, made.stride(), made.dtype) == (want.shape, want.stride(), want.dtype)
-    assert made.device.type == "meta"
+    with meta_ops.meta_ops():
+        also = torch.ops.aten._grouped_mm(mat_a, mat_b, offs)
+    for out in (made, also):
+        assert (out.shape, out.stride(), out.dtype) == (want.shape, want.stride(), want.dtype)
+        assert out.device.type == "meta"
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])

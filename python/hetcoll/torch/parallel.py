@@ -57,6 +57,7 @@ from hetcoll.torch.filters import (
 from hetcoll.torch.filters.chains import choose_layers
 from hetcoll.torch.filters.shards import register_marking, track_optimizers
 from hetcoll.torch.layers import model_cut
+from hetcoll.torch.meta_ops import meta_ops
 from hetcoll.torch.parallel_checkpoint import (
     PlanCheckpoints,
     keyed_as_the_model,
@@ -462,7 +463,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         if key not in self._shapes:
             x = torch.empty((rows, *inputs.shape[1:]), dtype=inputs.dtype, device="meta")
             out: list[tuple[torch.Size, torch.dtype]] = []
-            with torch.no_grad():
+            with torch.no_grad(), meta_ops():
                 for layer in self._layers_meta:
                     x = layer(x)
                     if not isinstance(x, torch.Tensor):

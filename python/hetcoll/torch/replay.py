@@ -44,6 +44,7 @@ from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from hetcoll.torch.meta_ops import meta_ops
 from hetcoll.torch.stage_inputs import StageInput
 
 __all__ = [
@@ -671,7 +672,8 @@ def _output_of(
     Only the output's structure, shapes, dtypes and ``requires_grad`` are read off it."""
     meta_args, meta_kwargs = pytree.tree_map(_on_meta, (args, kwargs))
     try:
-        return meta_block(*meta_args, **meta_kwargs)
+        with meta_ops():
+            return meta_block(*meta_args, **meta_kwargs)
     except Exception as e:
         if not wants_values(e):
             raise

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import functools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hetcoll.model.costs.records import _COUNT_BATCH, LOSS_LAYER, Kernel, ModelInput
+from hetcoll.torch import meta_ops
 from hetcoll.torch.replay import tensor_attributes_kept, tensors_replaced, wants_values
 
 # Ops that allocate or alias without moving data, and ops that only write their output.
@@ -170,70 +170,18 @@ def _batch_norm_backward_outputs(
     return torch.empty_like(input), per_channel[0], per_channel[1]
 
 
-@functools.cache
-def _meta_grouped_mm_takes(dtype: torch.dtype) -> bool:
-    """Whether this torch's meta kernel of ``aten._grouped_mm`` runs on ``dtype``: torch
-    2.11's takes bfloat16 only (its CUDA kernel's rule then), where its CPU kernel, and the
-    meta kernel of a newer torch, take float32 and float16 as well."""
-    a = torch.empty((8, 16), dtype=dtype, device="meta")
-    b = torch.empty((2, 16, 8), dtype=dtype, device="meta")
-    offs = torch.empty((2,), dtype=torch.int32, device="meta")
-    try:
-        torch.ops.aten._grouped_mm.default(a, b, offs)
-    except RuntimeError:
-        return False
-    return True
-
-
-def _grouped_mm_outputs(
-    mat_a: torch.Tensor,
-    mat_b: torch.Tensor,
-    offs: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor | None:
-    """The output of ``aten._grouped_mm`` on meta operands of a dtype this torch's meta
-    kernel refuses and its real kernels take, made as a newer torch's meta kernel makes it
-    (its last dimension padded to 16 bytes on builds with CUDA); None where the meta kernel
-    runs, or where the operands are not a layout the op takes (the op then says why)."""
-    takes = (torch.float32, torch.float16, torch.bfloat16)
-    if mat_a.device.type != "meta" or mat_a.dtype not in takes or mat_b.dtype != mat_a.dtype:
-        return None
-    if _meta_grouped_mm_takes(mat_a.dtype) or {mat_a.dim(), mat_b.dim()} - {2, 3}:
-        return None
-    if (mat_a.dim() == 2 or mat_b.dim() == 2) and offs is None:
-        return None
-    if mat_a.dim() == 2 and mat_b.dim() == 2:
-        size = [offs.shape[0], mat_a.shape[0], mat_b.shape[1]]  # type: ignore[union-attr]
-    elif mat_a.dim() == 2:
-        size = [mat_a.shape[0], mat_b.shape[-1]]
-    elif mat_b.dim() == 2:
-        size = [mat_a.shape[1], mat_b.shape[1]]
-    else:
-        size = [mat_a.shape[0], mat_a.shape[1], mat_b.shape[-1]]
-    if mat_a.shape[-1] != mat_b.shape[-2] and not (mat_a.dim() == 2 and mat_b.dim() == 2):
-        return None
-    dtype = out_dtype or mat_a.dtype
-    if torch.version.cuda is None:
-        return torch.empty(size, dtype=dtype, device="meta")
-    align = 16 // dtype.itemsize
-    padded = -(-size[-1] // align) * align
-    stride = [size[1] * padded, padded, 1] if len(size) == 3 else [padded, 1]
-    return torch.empty_strided(size, stride, dtype=dtype, device="meta")
-
-
 #: Ops whose outputs on the meta device are made here rather than by running them (each
 #: function returns None where it does not know them).
 _META_OUTPUTS: dict[Any, Any] = {
     torch.ops.aten.native_batch_norm.default: _batch_norm_outputs,
     torch.ops.aten.native_batch_norm_backward.default: _batch_norm_backward_outputs,
-    torch.ops.aten._grouped_mm.default: _grouped_mm_outputs,
 }
 
 
 def _run(func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
-    """``func(*args, **kwargs)``, or the outputs :data:`_META_OUTPUTS` gives for it: the same
-    shapes, strides and dtypes, so the same counts."""
+    """``func(*args, **kwargs)``, or the outputs :data:`_META_OUTPUTS` gives for it, or those
+    :func:`hetcoll.torch.meta_ops.made_outputs` makes where this torch's meta kernel refuses
+    the op: the same shapes, strides and dtypes, so the same counts."""
     if func is torch.ops.aten.embedding.default and not _integral(args[1]):
         # The CPU and CUDA kernels refuse such indices; torch 2.11's meta kernel does not.
         raise RuntimeError(
@@ -241,11 +189,10 @@ def _run(func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
             f"types: Long, Int; but got {args[1].dtype} instead (embedding)"
         )
     made = _META_OUTPUTS.get(func)
-    if made is not None:
-        out = made(*args, **kwargs)
-        if out is not None:
-            return out
-    return func(*args, **kwargs)
+    out = None if made is None else made(*args, **kwargs)
+    if out is None:
+        out = meta_ops.made_outputs(func, args, kwargs)
+    return func(*args, **kwargs) if out is None else out
 
 
 def _integral(t: torch.Tensor) -> bool:
