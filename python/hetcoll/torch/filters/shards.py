@@ -179,6 +179,8 @@ class Marking(Protocol):
     def param_marks(self) -> list[tuple[torch.Tensor, Marks]]: ...
 
 
+#: The flag of a replica's copies (:data:`~hetcoll.torch.filters.dcp_fields.COPY`, defined
+#: beside DCP's fields, whose copies keep it too).
 COPY = dcp_fields.COPY
 
 
