@@ -16,6 +16,7 @@ is checked on its own.
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -110,18 +111,18 @@ def offloaded_to_host(marked: bool) -> None:
     """In this process: ``get_state_dict``'s ``cpu_offload`` copies every tensor, as it copies
     a GPU's into host memory (a CPU tensor's ``.to("cpu")`` is the tensor itself, so here it
     would copy nothing); ``marked`` False: without hetcoll's wrapper carrying the marks of
-    the slices onto the copies (``hetcoll.torch.filters.dcp_fields``)."""
+    the slices onto the copies (``hetcoll.torch.filters.dcp_copies``)."""
     from torch.distributed.checkpoint import state_dict as dcp_state_dict
     from torch.utils._pytree import tree_map
 
-    from hetcoll.torch.filters import dcp_fields
+    from hetcoll.torch.filters import dcp_copies
 
     def to_host(state: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
         return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
 
     dcp_state_dict._offload_state_dict_to_cpu = to_host
     if not marked:
-        dcp_fields._copies_marked = True  # as if installed: nothing is wrapped
+        dcp_copies._copies_marked = True  # as if installed: nothing is wrapped
 
 
 #: The optimizers the jobs step, by name: AdamW's state starts at its first step, Adagrad's
@@ -702,3 +703,98 @@ def _round_trip(path: str) -> dict[str, Any]:
         "loaded": (part - full[[1, 5, 3]]).abs().max().item(),
         "loaded_bias": (into["b"] - bias).abs().max().item(),
     }
+
+
+#: The layouts whose full state dicts (``StateDictOptions(full_state_dict=True)``) are checked,
+#: by the number of ranks: a model of :data:`CASES` split ("filter", speeds) or its experts
+#: placed ("experts", shares), or a model of :func:`_layout` and its plan.
+FULL: dict[int, list[tuple[str, Any]]] = {
+    2: [
+        ("mlp", ("filter", [1.0, 3.0])),
+        ("gpt2", ("filter", [3.0, 1.0])),
+        ("falcon", ("filter", [1.0, 1.0])),
+        ("mixtral", ("experts", [[0, 3], [1, 2]])),
+    ],
+    3: [
+        ("cnn", "PIPELINE_SPLIT_3"),
+        ("cnn", "IDLE_3"),
+        ("cnn", "OWNERS_3"),
+        ("gpt2", "GPT2_PIPELINE_SPLIT"),
+    ],
+    4: [("cnn", "ASYMMETRIC"), ("mixtral", "BY_SPEED")],
+}
+
+
+#: The ranks of :data:`FULL`'s layouts that hold no parameter, and the name of the empty
+#: slice each holds (the model's first parameter, whole on another rank: no rank's part).
+PLACEHOLDERS = {
+    ("cnn IDLE_3", 1): ["0.weight"],
+    ("mixtral BY_SPEED", 3): ["model.embed_tokens.weight"],
+}
+
+
+def _off(a: Any, b: Any) -> float:
+    """The largest difference of tensors ``a`` and ``b``; infinite where their shapes differ."""
+    if not isinstance(a, torch.Tensor) or a.shape != b.shape:
+        return math.inf
+    return (a - b).abs().max().item() if a.numel() else 0.0
+
+
+def full_state_dicts(rank: int, world: int, blind: bool = False) -> dict[str, dict[str, Any]]:
+    """Each layout of :data:`FULL` trains 2 steps (AdamW), then DCP's ``get_state_dict`` with
+    ``full_state_dict=True`` (flattened optimizer state: a plan's ranks hold different
+    parameters), without and with ``cpu_offload``: each rank's tensors must be the unsplit
+    model's (hetcoll's gathers), under the names the rank holds. ``blind``: without hetcoll's
+    wrapper of DCP's copies, as torch alone makes them."""
+    from hetcoll.torch.filters import dcp_copies
+
+    torch.set_num_threads(1)
+    if blind:
+        dcp_copies._copies_marked = True  # as if installed: nothing is wrapped
+    out = {}
+    for model, layout in FULL[world]:
+        if isinstance(layout, tuple):
+            net = build(model, layout, None, seed=0)
+            opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+            for _ in range(2):
+                for p in net.parameters():
+                    p.grad = torch.sin(3 * p.detach() + 1)
+                opt.step()
+        else:
+            net = _layout(model, layout, seed=0)
+            opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+            _train(model, net, opt)
+        full, optim = _gathered(net, opt)
+        own = net.state_dict()
+        got: dict[str, Any] = {"own": sorted(own)}
+        for offload in (False, True):
+            options = StateDictOptions(
+                full_state_dict=True, cpu_offload=offload, flatten_optimizer_state_dict=True
+            )
+            model_sd, optim_sd = get_state_dict(net, opt, options=options)
+            # A rank holding no parameter holds an empty slice of the model's first.
+            empty = [k for k, v in model_sd.items() if v.numel() == 0 and full[k].numel()]
+            state = {
+                tuple(k.removeprefix("state.").rsplit(".", 1)): v
+                for k, v in optim_sd.items()
+                if k.startswith("state.")
+            }
+            got["offloaded" if offload else "full"] = {
+                "keys": sorted(model_sd),
+                "empty": empty,
+                "model": max(
+                    (_off(v, full[k]) for k, v in model_sd.items() if k not in empty),
+                    default=0.0,
+                ),
+                "optim": max(
+                    (
+                        _off(v, optim["state"][name][field])
+                        for (name, field), v in state.items()
+                        if name not in empty
+                    ),
+                    default=0.0,
+                ),
+                "on_host": all(v.device.type == "cpu" for v in model_sd.values()),
+            }
+        out[f"{model} {layout}"] = got
+    return out

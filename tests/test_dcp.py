@@ -116,6 +116,34 @@ def test_the_unsplit_state_loads_into_a_split_through_set_state_dict():
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("world", sorted(dcp_cases.FULL))
+def test_full_state_dicts_hold_the_unsplit_tensors(world):
+    """get_state_dict(..., full_state_dict=True) of splits (channels, packed and multi-query
+    attention, experts placed out of order) and plans (a pipeline with a split stage, an idle
+    rank, owners stages, replicas of two shapes, experts placed 3:1:0): each rank's tensors
+    are the unsplit model's under the names it holds, the optimizer's state too, exactly;
+    with cpu_offload torch keeps them on rank 0 alone, as for any model."""
+    runs = launch.spawn(dcp_cases.full_state_dicts, world, timeout=300)
+    for rank, r in enumerate(runs):
+        for case, got in r.items():
+            full, offloaded = got["full"], got["offloaded"]
+            assert full["keys"] == got["own"], (rank, case)
+            assert (full["model"], full["optim"], full["on_host"]) == (0, 0, True), (rank, case)
+            assert full["empty"] == dcp_cases.PLACEHOLDERS.get((case, rank), []), (rank, case)
+            kept = full if rank == 0 else {**full, "keys": [], "empty": []}
+            assert offloaded == kept, (rank, case)
+
+
+@pytest.mark.multiproc
+def test_full_state_dicts_without_hetcoll_hold_the_ranks_slices():
+    # The same check fails where DCP's copies are torch's own: its full state dicts gathered
+    # only its sharded types, and gave each rank its slices.
+    runs = launch.spawn(dcp_cases.full_state_dicts, 2, True, timeout=300)
+    for case in runs[0]:
+        assert all(r[case]["full"]["model"] == math.inf for r in runs), case
+
+
+@pytest.mark.multiproc
 def test_saved_right_after_a_resume_from_the_gathered_state(tmp_path):
     # The optimizer was loaded (load_full_optimizer_state_dict) and never stepped.
     path = str(tmp_path / "ckpt")

@@ -1,11 +1,12 @@
 """ "Ranks agree on these arguments": :func:`agree` and :func:`start_agreement` (one allgather of
-a 16-byte fingerprint; on a mismatch or a rank's local failure every rank raises) and
-:func:`same_rows`."""
+a 16-byte fingerprint; on a mismatch or a rank's local failure every rank raises),
+:func:`same_rows`, and :func:`allgather_objects` (what each rank holds, told to all)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -141,3 +142,14 @@ def same_rows(names: Sequence[str], rows: np.ndarray) -> None:
         if (column != column[0]).any():
             per_rank = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(column))
             raise CollectiveMismatchError(f"ranks disagree on {name} ({per_rank})")
+
+
+def allgather_objects(comm: Communicator, obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (pickled: the peers are this job's own ranks), in rank order: the
+    lengths, then the bytes padded to the longest (two fixed-size allgathers)."""
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = comm.allgather_int64(np.array([data.size], np.int64), None)[:, 0]
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: data.size] = data
+    rows = comm.allgather_fixed(padded, None)
+    return [pickle.loads(rows[q, : int(n)].tobytes()) for q, n in enumerate(sizes)]

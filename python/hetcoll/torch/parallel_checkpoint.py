@@ -10,17 +10,15 @@ epoch at the next step untrained, under any other plan. :class:`PlanCheckpoints`
 from __future__ import annotations
 
 import math
-import pickle
 import zlib
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from hetcoll.comm import agree
+from hetcoll.comm import agree, allgather_objects
 from hetcoll.plan import Plan
 from hetcoll.torch.filters import gather_state_dict, split_tensors
 from hetcoll.torch.filters.shards import Marks, flag_copy
@@ -567,14 +565,3 @@ def named_as_the_model_in_errors(module: nn.Module, incompatible: Any) -> None:
     put under ``stage.`` as the model names them (those of a root module's load)."""
     for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
         keys[:] = [k.removeprefix("stage.") for k in keys]
-
-
-def allgather_objects(comm: Any, obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (pickled: the peers are this job's own ranks), in rank order: the
-    lengths, then the bytes padded to the longest (two fixed-size allgathers)."""
-    data = np.frombuffer(pickle.dumps(obj), np.uint8)
-    sizes = comm.allgather_int64(np.array([data.size], np.int64), None)[:, 0]
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[: data.size] = data
-    rows = comm.allgather_fixed(padded, None)
-    return [pickle.loads(rows[q, : int(n)].tobytes()) for q, n in enumerate(sizes)]

@@ -1,5 +1,5 @@
-"""torch.distributed.checkpoint reading a rank's slices by their marks: on a torch older than
-2.14, and through the copies its state-dict functions make.
+"""torch.distributed.checkpoint reading a rank's slices by their marks, taught to a torch older
+than 2.14.
 
 :class:`~hetcoll.torch.filters.shards.Marks` sets DCP's ``CheckpointableTensor`` fields
 (``global_shape``, ``global_offsets``, ``local_offsets``, ``local_sizes``) on the state-dict
@@ -15,23 +15,14 @@ wrapper hands every tensor without the fields to torch's own function unchanged.
 those functions is missing (a torch this was not written against), nothing is wrapped and
 :func:`install` says so with a warning: saving a split model through DCP is then wrong there.
 
-On every torch, the fields live on the tensors' Python objects, so a copy drops them:
-``get_state_dict(..., options=StateDictOptions(cpu_offload=True))`` copies a GPU rank's
-tensors into host memory, and DCP then took its slices for whole tensors (one rank's slice
-written under each name, silently). :func:`keep_through_copies`, called as tensors are
-marked, wraps the one function of ``torch.distributed.checkpoint.state_dict`` that makes
-those copies, of the model's state dict and of the optimizer's
-(``_maybe_full_or_cpu_state_dict``), to set each copy's fields (and :data:`COPY`) from the
-tensor it copied. Marking runs inside ``get_state_dict``, before it copies, and that module
-is imported by then: it is wrapped there, not imported where no one checkpoints (its import
-takes most of a second).
+On every torch, the fields live on the tensors' Python objects, so a copy drops them: the
+copies DCP's state-dict functions make keep them (:mod:`.dcp_copies`).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import sys
 import warnings
 from typing import Any
 
@@ -62,66 +53,6 @@ def needed() -> bool:
     except ImportError:
         return True
     return False
-
-
-#: The module, and its function, that copies state dicts (into host memory, or gathered),
-#: model's and optimizer's alike.
-STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
-_COPYING = "_maybe_full_or_cpu_state_dict"
-_copies_marked = False
-
-
-def keep_through_copies() -> None:
-    """Wrap DCP's copying of state dicts to keep the marks, once, where its module is
-    imported (a no-op otherwise, and when called again): called on every marking."""
-    global _copies_marked
-    if _copies_marked:
-        return
-    module = sys.modules.get(STATE_DICT_MODULE)
-    if module is None:
-        return
-    _copies_marked = True
-    original = getattr(module, _COPYING, None)
-    if original is None:
-        warnings.warn(
-            f"torch {torch.__version__}: torch.distributed.checkpoint.state_dict has no "
-            f"{_COPYING}, so a split model's state dict copied by get_state_dict "
-            "(cpu_offload=True on a GPU) loses the marks of its slices, and dcp.save would "
-            "write one rank's slice for each tensor: save without cpu_offload there",
-            stacklevel=2,
-        )
-        return
-    setattr(module, _COPYING, functools.wraps(original)(_bind(_copy_marked, original)))
-
-
-def _copy_marked(original: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
-    copied = original(state_dict, *args, **kwargs)
-    if copied is not state_dict:
-        _carry_fields(state_dict, copied)
-    return copied
-
-
-def _carry_fields(source: Any, copy: Any) -> None:
-    """Set the fields (and :data:`COPY`) of each tensor of ``source`` (a state dict: dicts,
-    lists and tuples of tensors) that has them on the tensor in the same place of its copy
-    ``copy``, where that is another tensor of the same shape (a rank left out of the copy
-    gets nothing)."""
-    if isinstance(source, torch.Tensor):
-        if isinstance(copy, torch.Tensor) and copy is not source and copy.shape == source.shape:
-            for field in (*FIELDS, COPY):
-                if hasattr(source, field):
-                    setattr(copy, field, getattr(source, field))
-    elif isinstance(source, dict) and isinstance(copy, dict):
-        for key, value in source.items():
-            if key in copy:
-                _carry_fields(value, copy[key])
-    elif (
-        isinstance(source, (list, tuple))
-        and isinstance(copy, (list, tuple))
-        and len(source) == len(copy)
-    ):
-        for a, b in zip(source, copy, strict=True):
-            _carry_fields(a, b)
 
 
 def install() -> None:

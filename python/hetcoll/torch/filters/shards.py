@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from hetcoll.torch.filters import dcp_fields
+from hetcoll.torch.filters import dcp_copies, dcp_fields
 
 
 @dataclass(frozen=True)
@@ -190,12 +191,19 @@ def flag_copy(t: torch.Tensor) -> None:
     setattr(t, COPY, True)
 
 
-def _on_marking() -> None:
-    """What marking a state dict's tensor does first, once DCP's ``state_dict`` module is
-    imported (``get_state_dict`` marks the model's before it copies anything or meets an
-    optimizer): the marks kept through its copies, and its optimizers hooked as it meets them."""
-    dcp_fields.keep_through_copies()
+def _on_marking(*_: Any) -> None:
+    """What a state dict of a split module (the model's or its optimizer's) and marking its
+    tensors do first, once DCP's ``state_dict`` module is imported (``get_state_dict`` makes
+    them before it copies anything or meets an optimizer): DCP's copies keep the marks, its
+    full copies are made whole (:mod:`.dcp_copies`), and its optimizers are hooked as it meets
+    them. On every rank of a split, those that mark nothing too (a plan's rank holding whole
+    tensors): the full copies are made whole together."""
+    dcp_copies.keep_through_copies(_marking_modules)
     _hook_where_dcp_meets_optimizers()
+
+
+def _marking_modules() -> list[Any]:
+    return list(_MARKING)
 
 
 #: The function of DCP's ``state_dict`` module that meets each optimizer first, in
@@ -210,7 +218,7 @@ def _hook_where_dcp_meets_optimizers() -> None:
     went unmarked, and ``dcp.load`` refused the unsplit state's size. Once, where the module
     is imported."""
     global _meeting_hooked
-    module = sys.modules.get(dcp_fields.STATE_DICT_MODULE)
+    module = sys.modules.get(dcp_copies.STATE_DICT_MODULE)
     if _meeting_hooked or module is None:
         return
     _meeting_hooked = True
@@ -247,8 +255,11 @@ def register_marking(module: Marking) -> None:
     split module registers again whenever its split changes."""
     global _GENERATION
     dcp_fields.install()  # a torch older than 2.14: DCP is taught the marks
+    if module not in _MARKING and isinstance(module, nn.Module):
+        module.register_state_dict_pre_hook(_on_marking)
     _MARKING.add(module)
     _GENERATION += 1
+    _on_marking()
 
 
 def track_optimizers() -> None:
@@ -326,6 +337,7 @@ def _mark_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) ->
     of parameters held as copies flagged (:data:`COPY`): fresh views of the tensors (the
     optimizer's own keep no marks), which ``dcp.load`` writes in place. State of other shapes
     (a step count, Adafactor's factored statistics) is left unmarked."""
+    _on_marking()
     state, keys = state_dict.get("state", {}), _keys(state_dict)
     held, copies = _scan(optimizer)
     for i in sorted(held.keys() | copies):
