@@ -176,7 +176,8 @@ def filter_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, object
 def dcp_offloaded(rank: int, world: int, path: str, first: str = "cuda") -> dict[str, object]:
     """torch.distributed.checkpoint of a split MLP whose GPU rank's slices
     ``get_state_dict(..., cpu_offload=True)`` copies into host memory (the copies keep the
-    slices' marks): the checkpoint torch's converter reads is the unsplit model, exactly."""
+    slices' marks): the checkpoint torch's converter reads is the unsplit model, exactly; and
+    its full state dict (``full_state_dict=True``): the unsplit tensors on each rank's device."""
     import math
 
     import torch.distributed.checkpoint as dcp
@@ -197,17 +198,27 @@ def dcp_offloaded(rank: int, world: int, path: str, first: str = "cuda") -> dict
     model_sd, optim_sd = get_state_dict(split, opt, options=StateDictOptions(cpu_offload=True))
     on_host = all(t.device.type == "cpu" for t in model_sd.values())
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    full = gather_state_dict(split, dst=0)
-    if rank != 0:
-        return {"on_host": on_host}
+    full = gather_state_dict(split, dst=None)
     assert full is not None
+    # The full state dict: the unsplit tensors on every rank, on the rank's device.
+    whole, _ = get_state_dict(split, opt, options=StateDictOptions(full_state_dict=True))
+    got: dict[str, object] = {
+        "on_host": on_host,
+        "full": max(
+            (whole[k].cpu() - v).abs().max().item() if whole[k].shape == v.shape else math.inf
+            for k, v in full.items()
+        ),
+        "on_device": all(t.device.type == torch.device(dev).type for t in whole.values()),
+    }
+    if rank != 0:
+        return got
     dcp_to_torch_save(path, f"{path}.pt")
     converted = torch.load(f"{path}.pt")["model"]
     off = max(
         (converted[k] - v.cpu()).abs().max().item() if converted[k].shape == v.shape else math.inf
         for k, v in full.items()
     )
-    return {"on_host": on_host, "off": off}
+    return {**got, "off": off}
 
 
 #: A pipeline whose first stage is the GPU rank and whose second stage is split over two CPU

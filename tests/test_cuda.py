@@ -195,9 +195,10 @@ def test_filter_parallel_with_a_gpu_rank():
 def test_dcp_of_a_split_offloaded_from_the_gpu(tmp_path):
     """get_state_dict's cpu_offload copies the GPU rank's slices into host memory; dcp.save of
     the copies is the unsplit model (the CPU suite's copy stands in for it:
-    tests/test_dcp.py)."""
+    tests/test_dcp.py). Its full_state_dict gives the unsplit tensors, on the GPU there."""
     got = _spawn(cuda_cases.dcp_offloaded, 2, str(tmp_path / "ckpt"))
-    assert got == [{"on_host": True, "off": 0.0}, {"on_host": True}]
+    each = {"on_host": True, "full": 0.0, "on_device": True}
+    assert got == [{**each, "off": 0.0}, each]
 
 
 @pytest.mark.multiproc
