@@ -145,11 +145,5 @@ def same_rows(names: Sequence[str], rows: np.ndarray) -> None:
 
 
 def allgather_objects(comm: Communicator, obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (pickled: the peers are this job's own ranks), in rank order: the
-    lengths, then the bytes padded to the longest (two fixed-size allgathers)."""
-    data = np.frombuffer(pickle.dumps(obj), np.uint8)
-    sizes = comm.allgather_int64(np.array([data.size], np.int64), None)[:, 0]
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[: data.size] = data
-    rows = comm.allgather_fixed(padded, None)
-    return [pickle.loads(rows[q, : int(n)].tobytes()) for q, n in enumerate(sizes)]
+    """Every rank's ``obj`` (pickled: the peers are this job's own ranks), in rank order."""
+    return [pickle.loads(b) for b in _allgather_bytes(comm, pickle.dumps(obj), None)]
