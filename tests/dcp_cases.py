@@ -798,3 +798,33 @@ def full_state_dicts(rank: int, world: int, blind: bool = False) -> dict[str, di
             }
         out[f"{model} {layout}"] = got
     return out
+
+
+def run_all(comm: Any) -> dict[str, Any]:
+    """On MPI, with no torch.distributed (tests/mpi_workers/cases.py): a split MLP's full
+    state dict through DCP's ``get_state_dict``, gathered over ``MPI.COMM_WORLD`` (the default
+    group there), without and with ``cpu_offload`` (every rank keeps it: torch keeps rank 0's
+    alone only where torch.distributed runs)."""
+    torch.manual_seed(0)
+    model = filter_parallel(mlp().double(), comm, speeds=[1.0, 3.0, 2.0][: comm.Get_size()])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for p in model.parameters():
+        p.grad = torch.sin(3 * p.detach() + 1)
+    opt.step()
+    full = gather_state_dict(model, dst=None)
+    optim = gather_optimizer_state_dict(model, opt, dst=None)
+    assert full is not None and optim is not None
+    out = {}
+    for offload in (False, True):
+        options = StateDictOptions(full_state_dict=True, cpu_offload=offload)
+        model_sd, optim_sd = get_state_dict(model, opt, options=options)
+        out["offloaded" if offload else "full"] = {
+            "keys": sorted(model_sd) == sorted(full),
+            "model": max(_off(v, full[k]) for k, v in model_sd.items()),
+            "optim": max(
+                _off(v, optim["state"][name][field])
+                for name, fields in optim_sd["state"].items()
+                for field, v in fields.items()
+            ),
+        }
+    return out

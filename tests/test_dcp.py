@@ -5,6 +5,7 @@ slice saved by another rank is refused by ``load_state_dict``."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -141,6 +142,19 @@ def test_full_state_dicts_without_hetcoll_hold_the_ranks_slices():
     runs = launch.spawn(dcp_cases.full_state_dicts, 2, True, timeout=300)
     for case in runs[0]:
         assert all(r[case]["full"]["model"] == math.inf for r in runs), case
+
+
+@pytest.mark.multiproc
+def test_full_state_dicts_on_mpi():
+    # No torch.distributed: the slices are gathered over MPI's COMM_WORLD, and torch keeps
+    # the offloaded full state dict on every rank.
+    worker = str(Path(__file__).resolve().parent / "mpi_workers" / "cases.py")
+    proc = launch.mpiexec(3, [worker, "dcp_cases"], timeout=240)
+    exact = {"keys": True, "model": 0.0, "optim": 0.0}
+    assert (
+        json.loads(proc.stdout.strip().splitlines()[-1])
+        == [{"full": exact, "offloaded": exact}] * 3
+    )
 
 
 @pytest.mark.multiproc

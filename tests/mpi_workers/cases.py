@@ -1,7 +1,8 @@
 """MPI worker of the multi-rank cases: ``cases.py MODULE [ARG ...]``: every rank runs
 ``MODULE.run_all(MPI.COMM_WORLD, *ARGS)`` (tests/plan_cases.py for tests/test_plan.py,
 tests/owners_cases.py for tests/test_placement.py, tests/elastic_cases.py for
-tests/test_elastic_split.py), with no torch.distributed at all. Rank 0 prints every rank's
+tests/test_elastic_split.py, tests/dcp_cases.py for tests/test_dcp.py), with no
+torch.distributed at all. Rank 0 prints every rank's
 results as one JSON line."""
 
 import importlib

@@ -78,7 +78,11 @@ def keep_through_copies(split_modules: Callable[[], Iterable[nn.Module]]) -> Non
     def copy(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
         info = args[0] if args else kwargs.get("info")
         if getattr(info, "full_state_dict", False) and _of_split_model(info):
-            return original(assembled(state_dict), *args, **kwargs)
+            # torch keeps the full state of an offload on rank 0 alone ("to prevent CPU OOM"):
+            # the unsplit tensors are made there only, in host memory.
+            offload = bool(getattr(info, "cpu_offload", False))
+            dst = 0 if offload and torch.distributed.is_initialized() else None
+            return original(assembled(state_dict, dst, offload), *args, **kwargs)
         copied = original(state_dict, *args, **kwargs)
         if copied is not state_dict:
             _carry_fields(state_dict, copied)
@@ -159,12 +163,14 @@ def _at(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(a, a + n) for a, n in zip(offsets, sizes, strict=True))
 
 
-def assembled(state_dict: Any) -> Any:
+def assembled(state_dict: Any, dst: int | None = None, on_host: bool = False) -> Any:
     """``state_dict`` (a model's or an optimizer's, as DCP's ``get_state_dict`` gives them)
     with each marked slice this rank holds replaced by the unsplit tensor (on the slice's
-    device); an empty slice of a tensor no rank holds part of (the placeholder of a plan's
-    rank that holds no parameter, named as the model's first) stays. Collective over the
-    default group: every rank calls it, those holding no slice too.
+    device, or ``on_host``); an empty slice of a tensor no rank holds part of (the placeholder
+    of a plan's rank that holds no parameter, named as the model's first) stays. Collective
+    over the default group: every rank calls it, those holding no slice too. ``dst``: the
+    rank of that group that alone needs the result (the others send their slices and get
+    ``state_dict`` back), or None: every rank.
 
     Entries several ranks hold (replicas, the key and value of multi-query attention every
     rank of its split holds) are taken from the lowest rank, a replica's copy
@@ -194,9 +200,21 @@ def assembled(state_dict: Any) -> Any:
                 )
     local = [as_bytes(t[_at(lo, n)]) for _, t in parts for _, lo, n in _marks(t)[1]]
     send = torch.cat(local) if local else torch.empty(0, dtype=torch.uint8)
-    if comm.engine == "nccl":
-        send = send.cuda()
-    received = allgatherv(send, comm).cpu()
+    if comm.engine == "nccl":  # device memory only: every rank gets every slice
+        received = allgatherv(send.cuda(), comm).cpu()
+    elif dst is None:
+        received = allgatherv(send, comm)
+    else:
+        counts = [sum(_numel(n) * d.itemsize for _, _, r, d, _ in h for *_, n in r) for h in told]
+        received = torch.empty(sum(counts) if comm.rank == dst else 0, dtype=torch.uint8)
+        comm.ialltoallv(
+            send.numpy(),
+            [send.numel() if q == dst else 0 for q in range(comm.size)],
+            received.numpy(),
+            counts if comm.rank == dst else [0] * comm.size,
+        ).wait(None)
+        if comm.rank != dst:
+            return state_dict
     # Every rank's runs, by name, in the order they are written (the last write wins: a
     # replica's copies first, then from the highest rank to the lowest).
     writes: dict[tuple[Any, ...], list[tuple[bool, int, Run, torch.Tensor]]] = {}
@@ -216,7 +234,7 @@ def assembled(state_dict: Any) -> Any:
             out[_at(g, n)] = from_bytes(raw, t.dtype, n)
             written[_at(g, n)] = True
         if bool(written.all()):
-            full[path] = out.to(t.device)
+            full[path] = out if on_host else out.to(t.device)
         elif t.numel() == 0:  # a placeholder: this rank holds none of that tensor
             full[path] = t
         else:
