@@ -711,6 +711,8 @@ def _round_trip(path: str) -> dict[str, Any]:
 FULL: dict[int, list[tuple[str, Any]]] = {
     2: [
         ("mlp", ("filter", [1.0, 3.0])),
+        ("resnet18", ("filter", [1.0, 2.0])),
+        ("llama", ("filter", [1.0, 1.0])),
         ("gpt2", ("filter", [3.0, 1.0])),
         ("falcon", ("filter", [1.0, 1.0])),
         ("mixtral", ("experts", [[0, 3], [1, 2]])),

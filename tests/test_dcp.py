@@ -119,9 +119,10 @@ def test_the_unsplit_state_loads_into_a_split_through_set_state_dict():
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", sorted(dcp_cases.FULL))
 def test_full_state_dicts_hold_the_unsplit_tensors(world):
-    """get_state_dict(..., full_state_dict=True) of splits (channels, packed and multi-query
-    attention, experts placed out of order) and plans (a pipeline with a split stage, an idle
-    rank, owners stages, replicas of two shapes, experts placed 3:1:0): each rank's tensors
+    """get_state_dict(..., full_state_dict=True) of splits (channels with BatchNorm's
+    statistics, grouped-query, packed and multi-query attention, experts placed out of
+    order) and plans (a pipeline with a split stage, an idle rank, owners stages, replicas
+    of two shapes, experts placed 3:1:0): each rank's tensors
     are the unsplit model's under the names it holds, the optimizer's state too, exactly;
     with cpu_offload torch keeps them on rank 0 alone, as for any model."""
     runs = launch.spawn(dcp_cases.full_state_dicts, world, timeout=300)
