@@ -101,7 +101,7 @@ PLACEMENT_RUN      := benches/bench_placement.py --launches 3 --json $(RESULTS)/
 	bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate bench-plans \
 	bench-microbatches bench-planspace bench-placement bench-lm-pipeline bench-tensor-parallel \
 	bench-tensor-parallel-moe bench-expert-parallel bench-fixed-costs bench-step-timer \
-	bench-trainer-rebalance bench-fsdp-rebalance
+	bench-trainer-rebalance bench-fsdp-rebalance bench-full-state
 
 $(BENCHED): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet --group bench
@@ -111,7 +111,7 @@ bench: bench-kernels bench-split bench-partition bench-partitioners bench-planne
 		bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate \
 		bench-microbatches bench-plans bench-planspace bench-placement bench-lm-pipeline \
 		bench-tensor-parallel bench-tensor-parallel-moe bench-expert-parallel bench-fixed-costs \
-		bench-step-timer bench-trainer-rebalance bench-fsdp-rebalance
+		bench-step-timer bench-trainer-rebalance bench-fsdp-rebalance bench-full-state
 	$(MAKE) bench-report
 
 bench-report:
@@ -132,6 +132,10 @@ bench-trainer-rebalance: $(BUILT) $(BENCHED)
 bench-fsdp-rebalance: $(BUILT) $(BENCHED)
 	$(PYBENCH) benches/bench_fsdp_rebalance.py --results-json $(RESULTS)/fsdp_rebalance.json \
 		--results-title "FSDP2: weigh_loss, StepTimer and Rebalancer at emulated speeds 1 and 0.5"
+
+bench-full-state: $(BUILT) $(BENCHED)
+	$(PYBENCH) benches/bench_full_state.py --results-json $(RESULTS)/full_state.json \
+		--results-title "Full state dicts of a split model through DCP, against FSDP2's"
 
 bench-split: $(BUILT) $(BENCHED)
 	$(PYBENCH) benches/bench_split.py --results-json $(RESULTS)/split.json \

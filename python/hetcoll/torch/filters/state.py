@@ -1,6 +1,7 @@
 """The state of a split model: its state dict, gradients and optimizer state gathered into the
-unsplit model's (one allgatherv of every slice), and the unsplit model's loaded back into any
-split of it (a checkpoint that resumes on other ranks or speeds)."""
+unsplit model's (one exchange of every slice, to every rank or to the one that keeps it), and
+the unsplit model's loaded back into any split of it (a checkpoint that resumes on other ranks
+or speeds)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ def _gather(
 ) -> dict[str, torch.Tensor] | None:
     """Full tensors from ``values`` (keys as in ``model.state_dict()``), split ones gathered.
 
-    Every rank's slices travel in one allgatherv of bytes: the shares say how long each rank's
-    piece of each tensor is, so no sizes need exchanging first.
+    Every rank's slices travel in one allgatherv of bytes (to rank ``dst`` alone where given:
+    an all-to-all whose only receiver is ``dst``): the shares say how long each rank's piece of
+    each tensor is, so no sizes need exchanging first.
     """
     split: dict[str, tuple[ChannelSplit, int, tuple[int, ...], tuple[int, ...]]] = {}
     for mname, m in model.named_modules():
@@ -73,8 +75,13 @@ def _gather(
     full: dict[str, torch.Tensor] = {}
     if comm is not None and pieces:
         per_rank = [sum(rows[r] * rb for _, _, rows, _, _, _, rb, _ in pieces) for r in range(size)]
-        out = torch.empty(sum(per_rank), dtype=torch.uint8)
-        comm.iallgatherv(torch.cat(local).numpy(), out.numpy(), per_rank).wait(None)
+        send = torch.cat(local).numpy()
+        out = torch.empty(sum(per_rank) if keep else 0, dtype=torch.uint8)
+        if dst is None:
+            comm.iallgatherv(send, out.numpy(), per_rank).wait(None)
+        else:  # to rank dst alone: the others neither receive nor hold the whole model
+            to_dst = [send.size if q == dst else 0 for q in range(size)]
+            comm.ialltoallv(send, to_dst, out.numpy(), per_rank if keep else [0] * size).wait(None)
         if keep:
             start = [sum(per_rank[:r]) for r in range(size)]
             for key, dim, rows, per_block, row, dtype, rb, out_of_order in pieces:
@@ -121,7 +128,7 @@ def gather_state_dict(model: nn.Module, *, dst: int | None = 0) -> dict[str, tor
     """The state dict of the unsplit model: split parameters and buffers gathered from every
     rank; keys as in the original model. Returned on rank ``dst`` (None elsewhere; a rank of
     the split's group, as torch's ``group_dst``), or on every rank with ``dst=None``. Every
-    rank must call it (one allgatherv of all the slices; gathered
+    rank must call it (one exchange of all the slices; gathered
     tensors are on the CPU).
 
     >>> full = gather_state_dict(model)  # doctest: +SKIP
