@@ -11,7 +11,7 @@ head), split 1 : 1 by ``filter_parallel`` (its attention by heads, its MLPs by h
 embeddings and norms whole on both ranks) and sharded by FSDP2 by its blocks, then its root
 (each parameter's rows evenly). Both are stepped once by AdamW, so the state dict holds the
 model's weights and the optimizer's two moments: ~150 MB in float32. Each way is timed by rank
-0's clock from a barrier to its result, over 5 calls after one warm-up, in each of 3 launches
+0's clock from a barrier to its result, over 5 calls after one warm-up, in each of 5 launches
 (the three ways take turns in a launch, their order rotated from launch to launch).
 
     make bench-full-state      # writes benches/results/full_state.json
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from hetcoll import launch
 
-LAUNCHES = 3
+LAUNCHES = 5
 CALLS = 5
 #: The three ways, as each launch runs them (rotated by the launch's index).
 WAYS = ("fsdp2", "split", "gather")
