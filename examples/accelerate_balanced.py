@@ -31,6 +31,10 @@ length (the rest padding, labels -100), so ranks hold different numbers of token
 heterogeneity, ``hetcoll.lab.emulate``). ``--arch mixtral --experts`` places Mixtral's experts
 on the ranks, whole, by the same shares or speeds (``hetcoll.torch.expert_parallel`` with
 ``combine="mean"``, as this loss is scaled for DDP's mean): it still trains as one process.
+``--save-state DIR`` calls ``accelerator.save_state(DIR)`` after every epoch and ``--resume
+DIR`` its ``load_state`` first: the unsplit model and optimizer state
+(``hetcoll.accelerate.whole_checkpoints``), so a run saved with its experts placed one way
+resumes placed another way, or on another number of processes, and trains on as one process.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from hetcoll.accelerate import (
     optimizer_steps,
     prepare_balanced,
     step_items,
+    whole_checkpoints,
 )
 from hetcoll.torch import Rebalancer, StepTimer, gather_speeds
 
@@ -101,6 +106,19 @@ def whole_state(model: nn.Module, args: argparse.Namespace) -> dict[str, torch.T
     from hetcoll.torch import gather_state_dict
 
     return gather_state_dict(model, dst=0) or {}
+
+
+class EpochsDone:
+    """The epochs trained, saved with Accelerate's state (``register_for_checkpointing``)."""
+
+    def __init__(self) -> None:
+        self.epochs = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epochs": self.epochs}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epochs = int(state["epochs"])
 
 
 def text_rows(rows: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -164,6 +182,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     )
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     model, opt = accelerator.prepare(model, opt)
+    # Checkpoints (--save-state, --resume) of the unsplit model and optimizer, whatever the
+    # placement of the experts: every process saves and loads; the epochs done ride along.
+    whole_checkpoints(accelerator, model, opt)
+    done = EpochsDone()
+    accelerator.register_for_checkpointing(done)
+    if args.resume:
+        accelerator.load_state(args.resume)
     rebalancer, timer = None, None
     if args.rebalance_every is not None and ranks > 1:
         # Each rank's own compute per micro-batch (not its wait for the others in DDP's
@@ -172,7 +197,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         rebalancer = Rebalancer(data.sampler, every=every, fits=fits)
         timer = StepTimer(model)
     tokens = 0
-    for epoch in range(args.epochs):
+    for epoch in range(done.epochs, args.epochs):
         data.set_epoch(epoch)
         bar = data.progress(f"epoch {epoch + 1}/{args.epochs}", disable=args.quiet)
         for micro in optimizer_steps(bar, args.accumulate):
@@ -199,6 +224,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 bar.set_postfix(data.postfix(), refresh=False)  # the shares as they move
             tokens += sum(step.local)
         bar.close()
+        done.epochs = epoch + 1
+        if args.save_state:
+            accelerator.save_state(args.save_state)
     report = {
         "rank": rank,
         "world": ranks,
@@ -296,6 +324,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="the loss summed by this script in the model's precision and divided by the "
         "step's tokens, instead of Hugging Face's (float32 inside)",
+    )
+    p.add_argument(
+        "--save-state",
+        metavar="DIR",
+        help="accelerator.save_state here after every epoch: the unsplit model and optimizer "
+        "(hetcoll.accelerate.whole_checkpoints), the epochs done",
+    )
+    p.add_argument(
+        "--resume", metavar="DIR", help="accelerator.load_state from here first, and go on"
     )
     args = checked(p, argv)
     if args.accumulate < 1:

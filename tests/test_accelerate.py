@@ -191,6 +191,87 @@ def test_experts_placed_on_the_ranks_train_as_the_one_process_model(tmp_path, sc
 
 
 @pytest.mark.multiproc
+def test_accelerate_save_state_of_placed_experts_resumes_into_any_placement(tmp_path):
+    """The Accelerate loop with Mixtral's experts placed 1 : 3 on two ranks saves
+    ``accelerator.save_state`` after its first epoch through ``whole_checkpoints``: the file
+    Accelerate writes holds the unsplit model (every expert, not the main process's one) and
+    the unsplit optimizer state keyed by name. Resumed by ``load_state`` into another
+    placement (by the shares 5 : 3: three experts and one) and into one process without placed
+    experts, the second epoch ends where one process's uninterrupted run does, to 1e-10.
+    (Without it, the file held rank 0's expert alone under the unsplit name.)"""
+    from safetensors.torch import load_file
+
+    mixtral = ["--arch", "mixtral"]
+    one, _ = _run(tmp_path, "one", [sys.executable], "accelerate_balanced.py", *mixtral, *ONE)
+    ckpt = str(tmp_path / "ckpt")
+    save = ["--experts", "--expert-shares", "1,3", "--epochs", "1", "--save-state", ckpt]
+    first, _ = _run(tmp_path, "first", TORCHRUN, "accelerate_balanced.py", *mixtral, *TWO, *save)
+    weights = load_file(Path(ckpt) / "model.safetensors")
+    assert weights.keys() == one.keys() and _max_diff(weights, first) == 0.0
+    optimizer = torch.load(Path(ckpt) / "optimizer.bin", weights_only=True)
+    experts = "model.layers.0.mlp.experts.down_proj"
+    assert optimizer["state"][experts]["momentum_buffer"].shape == one[experts].shape == (4, 32, 88)
+    assert set(optimizer["param_groups"][0]["params"]) == optimizer["state"].keys() == one.keys()
+    resume = ["--resume", ckpt]
+    two, reports = _run(
+        tmp_path, "two", TORCHRUN, "accelerate_balanced.py", *mixtral, *TWO, "--experts", *resume
+    )
+    assert _max_diff(one, two) < 1e-10
+    assert all(r["tokens"] > 0 for r in reports)  # the second epoch alone trained
+    alone, _ = _run(
+        tmp_path, "alone", [sys.executable], "accelerate_balanced.py", *mixtral, *ONE, *resume
+    )
+    assert _max_diff(one, alone) < 1e-10
+    assert _max_diff(one, first) > 1e-4  # the second epoch trained something
+
+
+def test_whole_checkpoints_in_one_process_and_its_bad_input(tmp_path):
+    """One process: ``save_state`` through ``whole_checkpoints`` writes the optimizer's state
+    keyed by parameter name, ``load_state`` reads it back into a fresh model and optimizer
+    exactly, and the handle's ``remove`` leaves Accelerate's own files. Bad arguments are
+    named."""
+    from accelerate import Accelerator
+
+    from hetcoll.accelerate import whole_checkpoints
+
+    def built(seed: int) -> tuple[Any, Any]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        return model.double(), torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    accelerator = Accelerator(cpu=True)
+    model, opt = accelerator.prepare(*built(0))
+    model(torch.ones(3, 4, dtype=torch.float64)).sum().backward()
+    opt.step()
+    handle = whole_checkpoints(accelerator, model, opt)
+    accelerator.save_state(str(tmp_path / "whole"))
+    saved = torch.load(tmp_path / "whole" / "optimizer.bin", weights_only=True)
+    assert saved["param_groups"][0]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert opt.state_dict()["param_groups"][0]["params"] == [0, 1, 2, 3]  # its own, after
+    resumed = Accelerator(cpu=True)  # as a new run's
+    fresh, fresh_opt = resumed.prepare(*built(1))
+    whole_checkpoints(resumed, fresh, fresh_opt)
+    resumed.load_state(str(tmp_path / "whole"))
+    assert _max_diff(fresh.state_dict(), model.state_dict()) == 0.0
+    for a, b in zip(fresh_opt.state_dict()["state"].values(), opt.state_dict()["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    handle.remove()
+    accelerator.save_state(str(tmp_path / "own"))
+    own = torch.load(tmp_path / "own" / "optimizer.bin", weights_only=True)
+    assert own["param_groups"][0]["params"] == [0, 1, 2, 3]
+    with pytest.raises(TypeError, match=r"^accelerator: must be an accelerate\.Accelerator"):
+        whole_checkpoints(None, model, opt)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^model: must be a torch\.nn\.Module"):
+        whole_checkpoints(accelerator, "model", opt)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^optimizer: must be a torch\.optim\.Optimizer"):
+        whole_checkpoints(accelerator, model, "opt")
+    with pytest.raises(ValueError, match=r"^optimizer: holds tensors that are not the model's"):
+        whole_checkpoints(accelerator, model, fresh_opt)
+    accelerator.free_memory()
+    resumed.free_memory()
+
+
+@pytest.mark.multiproc
 def test_trainer_measured_speeds_show_in_its_logs(tmp_path):
     proc, reports = _measured(tmp_path, "hf_trainer_balanced.py", 16)
     shares, speeds = reports[0]["shares"], reports[0]["speeds"]

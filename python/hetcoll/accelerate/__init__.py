@@ -10,12 +10,16 @@ gradients.
   :func:`step_items` counts one optimizer step's items (valid tokens) counted on every rank and
   exchanged, so that the step's loss weighs each micro-batch by its tokens over all the ranks'
   (hetcoll's rule, :func:`hetcoll.torch.item_weights`), gradient accumulation included.
+- :func:`whole_checkpoints`: ``accelerator.save_state`` / ``load_state`` of a model split over
+  the ranks (placed experts, split layers) write and read the unsplit model and optimizer
+  state, which resume into any placement.
 - :class:`BalancedTrainer`: ``transformers.Trainer`` with the balanced loader (Trainer's own
   token averaging across devices weighs the gradients) and the shares and speeds in its logs.
 """
 
 from typing import TYPE_CHECKING, Any
 
+from hetcoll.accelerate.checkpoints import WholeCheckpoints, whole_checkpoints
 from hetcoll.accelerate.data import (
     BalancedLoader,
     balanced_shares,
@@ -37,6 +41,7 @@ __all__ = [
     "BalancedLoader",
     "BalancedTrainer",
     "StepItems",
+    "WholeCheckpoints",
     "balanced_shares",
     "causal_lm_items",
     "label_items",
@@ -44,6 +49,7 @@ __all__ = [
     "optimizer_steps",
     "prepare_balanced",
     "step_items",
+    "whole_checkpoints",
 ]
 
 

@@ -38,6 +38,7 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
+from hetcoll.accelerate.checkpoints import gather_destination
 from hetcoll.accelerate.data import (
     BalancedLoader,
     balanced_shares,
@@ -60,7 +61,6 @@ from hetcoll.torch import (
     load_full_state_dict,
 )
 from hetcoll.torch.batches import loader_rows
-from hetcoll.torch.filters.layers import split_comms
 from hetcoll.torch.speed import check_share_source, every_argument
 
 #: The file of a checkpoint holding the trainer's :class:`~hetcoll.torch.ExpertRebalancer`
@@ -382,8 +382,7 @@ class BalancedTrainer(Trainer):
     def _gather_to(self, model: nn.Module) -> int | None:
         """Where gathering the experts' state goes: rank 0 of their group when that is
         Trainer's one writer (the group is every process), else every rank."""
-        whole = all(c.size == self.args.world_size for c in split_comms(model))
-        return 0 if whole and not self.args.save_on_each_node else None
+        return gather_destination(model, self.args.world_size, self.args.save_on_each_node)
 
     def _inner_optimizer(self) -> torch.optim.Optimizer:
         inner = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's wrapper

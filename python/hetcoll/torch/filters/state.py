@@ -290,6 +290,17 @@ def load_full_optimizer_state_dict(
 
     >>> load_full_optimizer_state_dict(model, opt, ckpt["optimizer"])  # doctest: +SKIP
     """
+    optimizer.load_state_dict(local_optimizer_state(model, optimizer, state_dict))
+    hook_optimizer(optimizer)  # saved next through DCP, before any step: marked
+
+
+def local_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
+) -> dict[str, Any]:
+    """What ``optimizer.load_state_dict`` takes on this rank from a full optimizer state dict
+    (:func:`load_full_optimizer_state_dict` loads it): this rank's slice of every split
+    parameter's state, indexed as the optimizer's own, with the saved hyperparameters. Local;
+    names and shapes are checked first, against the unsplit model."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     check_optimizer(optimizer)
@@ -297,5 +308,4 @@ def load_full_optimizer_state_dict(
     params = dict(model.named_parameters())
     check_full_optimizer_state_dict(state_dict, {n: parts[n].shape for n in params})
     held: dict[int, tuple[str, Part] | None] = {id(p): (n, parts[n]) for n, p in params.items()}
-    optimizer.load_state_dict(local_optimizer_state_dict(optimizer, state_dict, held))
-    hook_optimizer(optimizer)  # saved next through DCP, before any step: marked
+    return local_optimizer_state_dict(optimizer, state_dict, held)
