@@ -304,8 +304,6 @@ def checked(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Name
         p.error("--experts: places a mixture of experts' experts; use --arch mixtral")
     if args.experts and args.measure:
         p.error("--experts: give --shares or --speeds (the probe cannot time placed experts)")
-    if args.experts and args.rebalance_every is not None:
-        p.error("--rebalance-every: not with --experts (their exchanges make ranks wait inside)")
     if args.rebalance_every is not None and args.rebalance_every < 1:
         p.error("--rebalance-every: must be >= 1")
     return args

@@ -438,6 +438,7 @@ class RecordRebalancerAtEnd(Callback):
         reb = trainer.strategy.rebalancer
         if trainer.global_rank == 0:
             state = {"step": reb.state_dict()["step"], "decided": [e.step for e in reb.history]}
+            state["shares"] = list(reb.sampler.shares)
             (self.out / "rebalancer_end.json").write_text(json.dumps(state))
 
 
@@ -453,23 +454,45 @@ def test_a_reloaded_loader_keeps_its_rebalancer(tmp_path):
         callbacks=[RecordRebalancerAtEnd(tmp_path)],
     )
     trainer.fit(Regression(True, tmp_path))
-    assert json.loads((tmp_path / "rebalancer_end.json").read_text()) == {
-        "step": 8,
-        "decided": [2, 4, 6, 8],
-    }
+    end = json.loads((tmp_path / "rebalancer_end.json").read_text())
+    assert (end["step"], end["decided"]) == (8, [2, 4, 6, 8])
     assert_exact(trainer, 2, shuffle=True)
 
 
-def test_rebalancing_a_model_whose_experts_are_placed_is_refused(tmp_path):
-    """Its steps exchange tokens, each rank waiting for the others inside its timed span."""
+def test_rebalancing_rows_and_experts_together_trains_as_one_process(tmp_path):
+    """Mixtral's experts placed 2 : 1 : 1 on 3 ranks with rows 4 : 2 : 1, both followed as it
+    trains: ``rebalance_every=1`` re-solves the rows from each rank's own compute (its timer
+    leaving the experts' exchanges, where a rank waits for the others, out) and
+    ``rebalance_experts_every=1`` places the experts by their loads at the speeds the row
+    rebalancer models. Both decide after every step, and the model after 2 steps is one
+    process's on the same global batches (1e-6: the router's softmax in float32)."""
+    import tensor_parallel_cases as tp
+    from expert_parallel_cases import lm_loss, tokens
+
     trainer = quiet_trainer(
-        BalancedStrategy(shares=[4, 2, 1], rebalance_every=1, start_method=START),
+        BalancedStrategy(
+            shares=[4, 2, 1], rebalance_every=1, rebalance_experts_every=1, start_method=START
+        ),
         3,
         max_epochs=1,
         use_distributed_sampler=False,
+        callbacks=[RecordRebalancerAtEnd(tmp_path)],
     )
-    with pytest.raises(Exception, match="rebalance_every: BalancedStrategy cannot time a model"):
-        trainer.fit(ExpertsLM(tmp_path, 3))
+    trainer.fit(ExpertsLM(tmp_path, 3))
+    end = json.loads((tmp_path / "rebalancer_end.json").read_text())
+    assert (end["step"], end["decided"]) == (2, [1, 2]) and sum(end["shares"]) == 7
+    assert [m[0] for m in json.loads((tmp_path / "moves.json").read_text())] == [1, 2]
+    torch.manual_seed(0)
+    ref = tp.mixtral().double()
+    opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
+    for step in range(2):
+        opt.zero_grad()
+        lm_loss(ref, *tokens(step)).backward()
+        opt.step()
+    full = torch.load(tmp_path / "full.pt")
+    with tp.tolerance(1e-6):
+        for name, t in ref.state_dict().items():
+            tp.close(full[name], t, name)
 
 
 class OtherBatch(Regression):

@@ -124,6 +124,44 @@ def test_under_ddp_the_fast_rank_is_timed_without_its_wait_for_the_slow_one():
     assert slow > 0.9  # the slow rank's own time is its own
 
 
+def _experts_times(rank: int, world: int, slow_s: float) -> tuple[float, float]:
+    """One step of Hugging Face Mixtral (2 layers) whose experts are placed 2 : 2 on the ranks,
+    each rank its half of the rows, rank 1 sleeping ``slow_s`` in each of its experts
+    layers' local computation: (the timer's seconds, the step's wall seconds)."""
+    import tensor_parallel_cases as tp
+    from expert_parallel_cases import lm_loss, tokens
+
+    from hetcoll.torch import ExpertParallelExperts, expert_parallel
+
+    torch.manual_seed(0)
+    model = tp.mixtral()
+    expert_parallel(model, shares=[2, 2])
+    if rank == 1:
+        for m in model.modules():
+            if isinstance(m, ExpertParallelExperts):
+                m.local.register_forward_hook(lambda *_: time.sleep(slow_s))
+    timer = StepTimer(model)
+    ids, labels = (t[rank::world] for t in tokens(0))
+    lm_loss(model, ids, labels).backward()  # warm-up
+    timer.pop()
+    torch.distributed.barrier()
+    started = time.perf_counter()
+    lm_loss(model, ids, labels).backward()
+    wall = time.perf_counter() - started
+    return timer.pop(), wall
+
+
+@pytest.mark.multiproc
+def test_with_experts_placed_the_fast_rank_is_timed_without_its_waits_in_their_exchanges():
+    """The real clock, on 2 gloo ranks: every experts layer sends rank 1 tokens and waits for
+    them back, so rank 0's step lasts as long as rank 1's, whose experts sleep 0.3 s in each
+    of 2 layers; its timer leaves the exchanges (all-to-alls, waits included) out."""
+    (fast, fast_wall), (slow, _) = spawn(_experts_times, 2, 0.3, timeout=180)
+    assert fast_wall > 0.55  # the exchanges made it wait for rank 1's experts
+    assert fast < 0.25  # the timer did not count those waits
+    assert slow > 0.55  # the slow rank's own time is its own
+
+
 def test_waits_marked_inside_a_step_are_left_out_and_reset_drops_a_step(clock):
     model = Ticking(clock, per_row=1.0, backward=2.0)
     timer = StepTimer(model)

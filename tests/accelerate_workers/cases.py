@@ -17,10 +17,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
 import hetcoll
 from hetcoll.accelerate import BalancedTrainer, prepare_balanced, step_items
-from hetcoll.torch import expert_parallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from accelerate_balanced import SEQ, make_model, text_rows
+from accelerate_balanced import SEQ, text_rows
 
 
 def outcome(fn: Any) -> dict[str, str]:
@@ -115,21 +114,13 @@ def gpt2_targets(rows: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
 
 
 def rebalancing(rank: int, rows: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-    """BalancedTrainer(rebalance_every=1): refused with experts placed on the ranks; a
-    checkpoint's rebalancer state found on one rank only (no shared filesystem) or unreadable
-    on one raises on every rank (the shares are set collectively after: they would wait)."""
+    """BalancedTrainer(rebalance_every=1): a checkpoint's rebalancer state found on one rank
+    only (no shared filesystem) or unreadable on one raises on every rank (the shares are set
+    collectively after: they would wait)."""
     base = Path(os.environ["HETCOLL_TEST_OUT"])
     args = TrainingArguments(
         output_dir=str(base), use_cpu=True, report_to="none", per_device_train_batch_size=4
     )
-
-    def placed() -> BalancedTrainer:
-        torch.manual_seed(0)
-        model = make_model("mixtral").double()
-        expert_parallel(model, shares=[2, 2])
-        return BalancedTrainer(
-            model=model, args=args, train_dataset=rows, shares=[5, 3], rebalance_every=1
-        )
 
     def resumed(checkpoint: Path) -> list[int]:
         trainer = BalancedTrainer(
@@ -149,7 +140,6 @@ def rebalancing(rank: int, rows: list[dict[str, torch.Tensor]]) -> dict[str, Any
             (dirs[name] / "rebalancer.json").write_text(text)
     shares: list[int] = []
     out = {
-        "rebalance_experts": outcome(placed),
         "rebalancer_missing": outcome(lambda: resumed(dirs["good" if rank == 0 else "none"])),
         "rebalancer_bad": outcome(lambda: resumed(dirs["bad"])),
         "rebalancer_good": outcome(lambda: shares.extend(resumed(dirs["good"]))),

@@ -157,8 +157,9 @@ class BalancedTrainer(Trainer):
     whatever placement it starts with; with ``rebalance_experts_every`` they hold the
     rebalancer's state too (``expert_rebalancer.json``), and the resumed run puts the experts
     back where they were and decides on as the saved run would have. ``measure=True`` is not
-    supported with it, nor is ``rebalance_every`` (the experts' exchanges make every rank
-    wait for the others inside its step).
+    supported with it (the probe's steps would exchange tokens); ``rebalance_every`` is: the
+    step timer leaves the experts' exchanges, where a rank waits for the others, out of its
+    compute, and the experts are then placed at the speeds the rebalancer models.
 
     Raises ``ValueError`` naming ``average_tokens_across_devices`` when it is off on several
     processes and ``model`` when the model takes no ``num_items_in_batch`` and no
@@ -234,12 +235,6 @@ class BalancedTrainer(Trainer):
             raise ValueError(
                 "measure: BalancedTrainer cannot time a model whose experts are placed on the "
                 "ranks (its probe steps would exchange tokens); give shares= or speeds="
-            )
-        if placed and rebalance_every is not None:
-            raise ValueError(
-                "rebalance_every: BalancedTrainer cannot time a model whose experts are placed on "
-                "the ranks (its steps exchange tokens, each rank waiting for the others inside "
-                "it); give shares= or speeds=, and rebalance_experts_every= for the experts"
             )
         #: Watches the placed experts' loads (``rebalance_experts_every``), once training starts.
         self.expert_rebalancer: ExpertRebalancer | None = None

@@ -284,8 +284,10 @@ class BalancedStrategy(DDPStrategy):
     with several backward calls in a batch, run all but its last under
     ``self.toggle_model(sync_grad=False)`` (or ``no_sync``): a synchronising backward waits
     for the other ranks inside the batch's timed span, and the shares would not move (a
-    ``RuntimeWarning`` says so, once, at a batch's second synchronising backward). Not with
-    experts placed on the ranks (``ValueError``; their exchanges wait alike).
+    ``RuntimeWarning`` says so, once, at a batch's second synchronising backward). With
+    experts placed on the ranks, their token exchanges (where a rank waits for the others)
+    are left out of the timed span, and ``rebalance_experts_every`` places them at the speeds
+    the rebalancer models.
     ``rebalance_experts_every``: for experts placed in ``configure_model``
     (:func:`hetcoll.torch.expert_parallel`), look at their routed tokens every so many steps
     and place them again when that pays
@@ -519,13 +521,6 @@ class BalancedStrategy(DDPStrategy):
         if self.lightning_module is not None and any(
             isinstance(m, ExpertParallelExperts) for m in self.lightning_module.modules()
         ):
-            if self.rebalance_every is not None:  # every rank's model alike: all raise
-                raise ValueError(
-                    "rebalance_every: BalancedStrategy cannot time a model whose experts are "
-                    "placed on the ranks (its steps exchange tokens, each rank waiting for the "
-                    "others inside it); give shares= or speeds=, and rebalance_experts_every= "
-                    "for the experts"
-                )
             # Each rank holds experts of its own: clipping by norm (gradient_clip_val) takes
             # the whole model's norm, every rank's own parameters' squares summed.
             plugin = self.precision_plugin

@@ -42,6 +42,7 @@ from hetcoll.torch.filters.experts import LocalExperts, derived_class
 from hetcoll.torch.filters.layers import ChannelSplit
 from hetcoll.torch.filters.shards import guard_save_pretrained, track_optimizers
 from hetcoll.torch.replaced import record_replaced
+from hetcoll.torch.step_timer import StepTimer
 from hetcoll.torch.transport import CountingCommunicator, transport
 
 #: The flags Hugging Face's ``use_experts_implementation`` sets on an experts module.
@@ -359,8 +360,17 @@ def _exchange(
 ) -> torch.Tensor:
     """``x``'s rows all-to-all (``send[q]`` rows to rank q, ``recv[q]`` from it), on ``x``'s
     device: NCCL's own all-to-all on its device tensors; gloo's and MPI's on host memory,
-    device tensors staged there and back."""
+    device tensors staged there and back. A wait for the other ranks, not compute: a
+    :class:`~hetcoll.torch.StepTimer` leaves it out of the step (a fast rank waits here for
+    a slow one's experts)."""
     CountingCommunicator.count_as(comm, kind)
+    with StepTimer.waiting():
+        return _all_to_all(x, comm, send, recv, timeout)
+
+
+def _all_to_all(
+    x: torch.Tensor, comm: Communicator, send: list[int], recv: list[int], timeout: float | None
+) -> torch.Tensor:
     if comm.engine == "nccl":
         import torch.distributed as dist
 
