@@ -467,7 +467,6 @@ def test_rebalancing_rows_and_experts_together_trains_as_one_process(tmp_path):
     rebalancer models. Both decide after every step, and the model after 2 steps is one
     process's on the same global batches (1e-6: the router's softmax in float32)."""
     import tensor_parallel_cases as tp
-    from expert_parallel_cases import lm_loss, tokens
 
     trainer = quiet_trainer(
         BalancedStrategy(
@@ -482,13 +481,7 @@ def test_rebalancing_rows_and_experts_together_trains_as_one_process(tmp_path):
     end = json.loads((tmp_path / "rebalancer_end.json").read_text())
     assert (end["step"], end["decided"]) == (2, [1, 2]) and sum(end["shares"]) == 7
     assert [m[0] for m in json.loads((tmp_path / "moves.json").read_text())] == [1, 2]
-    torch.manual_seed(0)
-    ref = tp.mixtral().double()
-    opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
-    for step in range(2):
-        opt.zero_grad()
-        lm_loss(ref, *tokens(step)).backward()
-        opt.step()
+    ref = one_process_mixtral()
     full = torch.load(tmp_path / "full.pt")
     with tp.tolerance(1e-6):
         for name, t in ref.state_dict().items():
@@ -841,6 +834,24 @@ CLIP = 0.05
 MOMENTUM = 0.9
 
 
+def one_process_mixtral(clip: float | None = None) -> nn.Module:
+    """:class:`ExpertsLM`'s model trained by one process on the same 2 global batches (SGD
+    with momentum; ``clip``: gradients clipped by norm, which they exceed)."""
+    import tensor_parallel_cases as tp
+    from expert_parallel_cases import lm_loss, tokens
+
+    torch.manual_seed(0)
+    ref = tp.mixtral().double()
+    opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
+    for step in range(2):
+        opt.zero_grad()
+        lm_loss(ref, *tokens(step)).backward()
+        if clip is not None:
+            assert torch.nn.utils.clip_grad_norm_(ref.parameters(), clip) > clip  # it clips
+        opt.step()
+    return ref
+
+
 class ExpertsLM(LightningModule):
     """Hugging Face Mixtral whose experts ``configure_model`` places on the ranks
     (:func:`hetcoll.torch.expert_parallel`: 2 : 1 : 1, not by speed); at the end every rank
@@ -896,7 +907,6 @@ def test_experts_placed_on_the_ranks_train_as_one_process(tmp_path):
     same batches (1e-6: the router's softmax in float32), in the ranks and, sent back whole, in
     the main process."""
     import tensor_parallel_cases as tp
-    from expert_parallel_cases import lm_loss, tokens
 
     def experts_trainer(**kw: Any) -> Trainer:
         return quiet_trainer(
@@ -921,14 +931,7 @@ def test_experts_placed_on_the_ranks_train_as_one_process(tmp_path):
         [1, {layer0: even, layer1: even}, first, True],
         [2, first, first, False],
     ]
-    torch.manual_seed(0)
-    ref = tp.mixtral().double()
-    opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
-    for step in range(2):
-        opt.zero_grad()
-        lm_loss(ref, *tokens(step)).backward()
-        assert torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP) > CLIP  # it clips
-        opt.step()
+    ref = one_process_mixtral(clip=CLIP)
     full = torch.load(tmp_path / "full.pt")
     # The main process's module gets the whole model back too, every expert in place.
     back = trainer.lightning_module.net.state_dict()
