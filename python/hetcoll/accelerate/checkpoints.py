@@ -13,8 +13,9 @@ of a split model, that rank's slices only (its own experts), under the unsplit n
   keyed by parameter name); the optimizer's next ``state_dict()`` (``save_state``'s own
   call, right after) gives that, once. A step taken in between drops it.
 - ``load_state`` reads the unsplit weights back through ``load_state_dict``, which a split
-  model slices as it loads; an optimizer state dict keyed by names is sliced to this rank's
-  part by an optimizer load pre-hook (:func:`hetcoll.torch.filters.state.local_optimizer_state`).
+  model slices as it loads; Accelerate's load-state pre-hook makes the optimizer's next
+  ``load_state_dict`` (``load_state``'s own) take this rank's part of an optimizer state
+  dict keyed by names (:func:`hetcoll.torch.filters.state.local_optimizer_state`).
 
 Both gathers are collective: every process calls ``save_state``, as Accelerate's examples do.
 """
@@ -55,12 +56,11 @@ class WholeCheckpoints:
         #: The model as prepared (a DDP wrapper, say) and as the user built it.
         self.prepared, self.model = model, accelerator.unwrap_model(model)
         self.optimizer = optimizer
-        self._handles: list[Any] = [accelerator.register_save_state_pre_hook(self._on_save)]
-        if optimizer is not None:
-            self._handles.append(
-                optimizer.register_load_state_dict_pre_hook(self._on_load, prepend=True)
-            )
-        self._armed: list[Any] = []
+        self._handles: list[Any] = [
+            accelerator.register_save_state_pre_hook(self._on_save),
+            accelerator.register_load_state_pre_hook(self._on_load_state),
+        ]
+        self._armed: list[Any] = []  # the optimizer's one-shot hooks for the save or load going on
 
     def remove(self) -> None:
         """Take the hooks off: ``save_state`` writes what it would without them."""
@@ -121,12 +121,25 @@ class WholeCheckpoints:
             self._disarm()
             return state
 
-        def stepped(*_: Any) -> None:
-            self._disarm()
-
         self._armed = [
             self.optimizer.register_state_dict_post_hook(give),
-            self.optimizer.register_step_pre_hook(stepped),
+            self.optimizer.register_step_pre_hook(self._stepped),
+        ]
+
+    def _stepped(self, *_: Any) -> None:
+        self._disarm()
+
+    def _on_load_state(self, models: list[nn.Module], input_dir: str) -> None:
+        """Accelerate's load-state pre-hook: the optimizer's next ``load_state_dict``
+        (``load_state``'s own, right after) takes this rank's part of the unsplit state the
+        checkpoint holds. Only that load: DCP's ``set_optimizer_state_dict`` also hands the
+        optimizer state dicts keyed by names, of this rank's slices."""
+        if self.optimizer is None:
+            return
+        self._disarm()
+        self._armed = [
+            self.optimizer.register_load_state_dict_pre_hook(self._on_load, prepend=True),
+            self.optimizer.register_step_pre_hook(self._stepped),
         ]
 
     def _disarm(self) -> None:
@@ -137,8 +150,9 @@ class WholeCheckpoints:
     def _on_load(
         self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
     ) -> dict[str, Any] | None:
-        """Optimizer load pre-hook: a state dict keyed by parameter names (the unsplit one this
-        module's checkpoints hold) becomes this rank's part; one of its own stays."""
+        """Optimizer load pre-hook, once (:meth:`_on_load_state`): a state dict keyed by
+        parameter names (the unsplit one this module's checkpoints hold) becomes this rank's
+        part; one keyed as the optimizer's own (a checkpoint saved without these hooks) stays."""
         self._disarm()
         groups = state_dict.get("param_groups", [])
         named = any(isinstance(k, str) for g in groups for k in g.get("params", []))
