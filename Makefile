@@ -62,7 +62,7 @@ rust-test:
 
 py-test: $(BUILT)
 	$(PY) -m mypy.stubtest hetcoll._core
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25  # the slowest, for keeping the suite short
 
 test: $(BUILT) lint rust-test py-test
 

@@ -98,16 +98,6 @@ def place_experts_on_ranks(
         expert_parallel(model, speeds=[float(v) for v in by], combine=combine)
 
 
-def whole_state(model: nn.Module, args: argparse.Namespace) -> dict[str, torch.Tensor]:
-    """The model's state dict, with ``--experts`` every rank's experts gathered (collective;
-    rank 0's holds them)."""
-    if not args.experts:
-        return model.state_dict()
-    from hetcoll.torch import gather_state_dict
-
-    return gather_state_dict(model, dst=0) or {}
-
-
 class EpochsDone:
     """The epochs trained, saved with Accelerate's state (``register_for_checkpointing``)."""
 
@@ -238,9 +228,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             for e in (rebalancer.history if rebalancer else [])
         ],
     }
-    state = whole_state(accelerator.unwrap_model(model), args)
+    # The unsplit model (whole_checkpoints: with --experts, every rank's experts gathered to
+    # the main process; collective).
+    state = accelerator.get_state_dict(model)
     if args.save and accelerator.is_main_process:
         torch.save(state, args.save)
+    if args.save_model:
+        accelerator.save_model(model, args.save_model)  # Accelerate's safetensors, unsplit
     accelerator.end_training()
     # Accelerate keeps the DDP-wrapped model and the optimizer: released here, so that they go
     # while the process group still exists (main collects them before destroying it).
@@ -328,6 +322,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="DIR",
         help="accelerator.save_state here after every epoch: the unsplit model and optimizer "
         "(hetcoll.accelerate.whole_checkpoints), the epochs done",
+    )
+    p.add_argument(
+        "--save-model",
+        metavar="DIR",
+        help="accelerator.save_model here at the end: the unsplit model's safetensors",
     )
     p.add_argument(
         "--resume", metavar="DIR", help="accelerator.load_state from here first, and go on"

@@ -57,12 +57,12 @@ from accelerate_balanced import (
     make_model,
     place_experts_on_ranks,
     text_rows,
-    whole_state,
 )
 from transformers import TrainingArguments
 
 from hetcoll.accelerate import BalancedTrainer
 from hetcoll.plan import experts_field
+from hetcoll.torch import gather_state_dict
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -130,7 +130,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 for e in (trainer.expert_rebalancer.history if trainer.expert_rebalancer else [])
             ],
         }
-        state = whole_state(model, args)  # collective with placed experts
+        # With placed experts, every rank's gathered to rank 0 (collective).
+        state = gather_state_dict(model, dst=0) if args.experts else model.state_dict()
         if args.save and training.process_index == 0:
             torch.save(state, args.save)
         if dist.is_initialized():

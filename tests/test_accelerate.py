@@ -210,10 +210,14 @@ def test_accelerate_save_state_of_placed_experts_resumes_into_any_placement(tmp_
     mixtral = ["--arch", "mixtral"]
     one, _ = _run(tmp_path, "one", [sys.executable], "accelerate_balanced.py", *mixtral, *ONE)
     ckpt = str(tmp_path / "ckpt")
+    final = tmp_path / "final"
     save = ["--experts", "--expert-shares", "1,3", "--epochs", "1", "--save-state", ckpt]
+    save += ["--save-model", str(final)]
     first, _ = _run(tmp_path, "first", TORCHRUN, "accelerate_balanced.py", *mixtral, *TWO, *save)
     weights = load_file(Path(ckpt) / "model.safetensors")
     assert weights.keys() == one.keys() and _max_diff(weights, first) == 0.0
+    # accelerator.save_model at the end (and get_state_dict, which --save wrote): unsplit too.
+    assert _max_diff(load_file(final / "model.safetensors"), first) == 0.0
     optimizer = torch.load(Path(ckpt) / "optimizer.bin", weights_only=True)
     experts = "model.layers.0.mlp.experts.down_proj"
     assert optimizer["state"][experts]["momentum_buffer"].shape == one[experts].shape == (4, 32, 88)
@@ -234,9 +238,10 @@ def test_accelerate_save_state_of_placed_experts_resumes_into_any_placement(tmp_
 def test_whole_checkpoints_in_one_process_and_its_bad_input(tmp_path):
     """One process: ``save_state`` through ``whole_checkpoints`` writes the optimizer's state
     keyed by parameter name, ``load_state`` reads it back into a fresh model and optimizer
-    exactly, and the handle's ``remove`` leaves Accelerate's own files. Bad arguments are
-    named."""
+    exactly, and the handle's ``remove`` leaves Accelerate's own files. ``get_state_dict`` and
+    ``save_model`` give the model's state under its keys. Bad arguments are named."""
     from accelerate import Accelerator
+    from safetensors.torch import load_file
 
     from hetcoll.accelerate import whole_checkpoints
 
@@ -262,9 +267,19 @@ def test_whole_checkpoints_in_one_process_and_its_bad_input(tmp_path):
     for a, b in zip(fresh_opt.state_dict()["state"].values(), opt.state_dict()["state"].values()):
         assert all(torch.equal(a[k], b[k]) for k in a)
     handle.remove()
+    assert vars(accelerator).get("get_state_dict") is None
     accelerator.save_state(str(tmp_path / "own"))
     own = torch.load(tmp_path / "own" / "optimizer.bin", weights_only=True)
     assert own["param_groups"][0]["params"] == [0, 1, 2, 3]
+    # get_state_dict and save_model: the model's own keys (a plain model's state is whole),
+    # the wrapper's with unwrap=False; another model's, Accelerate's own; none after remove.
+    whole_checkpoints(accelerator, model, opt)
+    assert list(accelerator.get_state_dict(model)) == list(model.state_dict())
+    assert _max_diff(accelerator.get_state_dict(model, unwrap=False), model.state_dict()) == 0.0
+    accelerator.save_model(model, tmp_path / "model")
+    assert _max_diff(load_file(tmp_path / "model" / "model.safetensors"), model.state_dict()) == 0.0
+    other = torch.nn.Linear(2, 2)
+    assert accelerator.get_state_dict(other).keys() == {"weight", "bias"}
     with pytest.raises(TypeError, match=r"^accelerator: must be an accelerate\.Accelerator"):
         whole_checkpoints(None, model, opt)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^model: must be a torch\.nn\.Module"):

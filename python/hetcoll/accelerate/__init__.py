@@ -12,7 +12,8 @@ gradients.
   (hetcoll's rule, :func:`hetcoll.torch.item_weights`), gradient accumulation included.
 - :func:`whole_checkpoints`: ``accelerator.save_state`` / ``load_state`` of a model split over
   the ranks (placed experts, split layers) write and read the unsplit model and optimizer
-  state, which resume into any placement.
+  state, which resume into any placement; ``get_state_dict`` and ``save_model`` give the
+  unsplit model.
 - :class:`BalancedTrainer`: ``transformers.Trainer`` with the balanced loader (Trainer's own
   token averaging across devices weighs the gradients) and the shares and speeds in its logs.
 """

@@ -1,27 +1,33 @@
-"""Accelerate's own checkpoints (``accelerator.save_state`` / ``load_state``) of a model split
-over the ranks (experts placed by ``expert_parallel``; any model
-:func:`hetcoll.torch.gather_state_dict` gathers): the unsplit model and optimizer state, which
-resume into any placement.
+"""Accelerate's own checkpoints (``accelerator.save_state`` / ``load_state``, and
+``accelerator.get_state_dict`` / ``save_model``) of a model split over the ranks (experts
+placed by ``expert_parallel``; any model :func:`hetcoll.torch.gather_state_dict` gathers): the
+unsplit model and optimizer state, which resume into any placement.
 
-``save_state`` writes the main process's ``model.state_dict()`` and ``optimizer.state_dict()``:
-of a split model, that rank's slices only (its own experts), under the unsplit names, silently.
-:func:`whole_checkpoints` hooks both, through the hooks Accelerate and torch give:
+``save_state`` and ``save_model`` write the main process's ``model.state_dict()`` and
+``optimizer.state_dict()``: of a split model, that rank's slices only (its own experts), under
+the unsplit names, silently. :func:`whole_checkpoints` hooks them, through the hooks
+Accelerate and torch give:
 
-- Accelerate's save-state pre-hook replaces the model's weights by the unsplit ones
-  (:func:`hetcoll.torch.gather_state_dict`, under the keys Accelerate writes: the wrapper's
-  ``module.`` too), and gathers the optimizer's (:func:`hetcoll.torch.gather_optimizer_state_dict`,
-  keyed by parameter name); the optimizer's next ``state_dict()`` (``save_state``'s own
-  call, right after) gives that, once. A step taken in between drops it.
+- ``accelerator.get_state_dict(model)`` (what ``save_model`` and ``save_state`` call) gives the
+  unsplit weights (:func:`hetcoll.torch.gather_state_dict`), under the keys the model it is
+  handed has (a wrapper's ``module.`` too), to the processes that write (FSDP's convention: an
+  empty dict on the others);
+- Accelerate's save-state pre-hook gathers the optimizer's state
+  (:func:`hetcoll.torch.gather_optimizer_state_dict`, keyed by parameter name); the
+  optimizer's next ``state_dict()`` (``save_state``'s own call, right after) gives that, once.
+  A step taken in between drops it.
 - ``load_state`` reads the unsplit weights back through ``load_state_dict``, which a split
   model slices as it loads; Accelerate's load-state pre-hook makes the optimizer's next
   ``load_state_dict`` (``load_state``'s own) take this rank's part of an optimizer state
   dict keyed by names (:func:`hetcoll.torch.filters.state.local_optimizer_state`).
 
-Both gathers are collective: every process calls ``save_state``, as Accelerate's examples do.
+The gathers are collective: every process calls ``save_state``, ``save_model`` and
+``get_state_dict``, as Accelerate's examples do.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -61,6 +67,12 @@ class WholeCheckpoints:
             accelerator.register_load_state_pre_hook(self._on_load_state),
         ]
         self._armed: list[Any] = []  # the optimizer's one-shot hooks for the save or load going on
+        # accelerator.get_state_dict, replaced on the instance (Accelerate has no hook there);
+        # what it was, for the models that are not this one and for remove().
+        self._own_get_state_dict = accelerator.get_state_dict
+        self._replaced = vars(accelerator).get("get_state_dict")  # None: the class's own
+        accelerator.get_state_dict = self.get_state_dict  # type: ignore[method-assign]
+        self._given: weakref.ref[OrderedDict[str, Any]] | None = None  # the last one given
 
     def remove(self) -> None:
         """Take the hooks off: ``save_state`` writes what it would without them."""
@@ -68,48 +80,63 @@ class WholeCheckpoints:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if vars(self.accelerator).get("get_state_dict") == self.get_state_dict:
+            if self._replaced is None:
+                del self.accelerator.get_state_dict
+            else:
+                self.accelerator.get_state_dict = self._replaced  # type: ignore[method-assign]
+        self._given = None
+
+    def _destination(self) -> int | None:
+        config = self.accelerator.project_configuration
+        processes, on_each_node = self.accelerator.num_processes, bool(config.save_on_each_node)
+        return gather_destination(self.model, processes, on_each_node)
+
+    def _is_ours(self, model: nn.Module) -> bool:
+        return model is self.prepared or self.accelerator.unwrap_model(model) is self.model
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """``accelerator.get_state_dict`` while the hooks are on: of this model (as prepared,
+        unwrapped or as the user built it), the unsplit state dict under ``model``'s keys (its
+        inner model's with ``unwrap``), on the processes that write checkpoints, and an empty
+        one on the others; of any other model, what Accelerate gives. Collective."""
+        if not self._handles or not self._is_ours(model):
+            return self._own_get_state_dict(model, unwrap=unwrap)
+        own = list(self.model.state_dict().keys())
+        prefix = "" if unwrap else _prefix(model, self.model)
+        if not unwrap:
+            # The keys Accelerate saves are the handed model's: checked on every process
+            # before the collective gathers.
+            keys = model.state_dict().keys()
+            if keys != {prefix + k for k in own}:
+                other = sorted(keys ^ {prefix + k for k in own})[:3]
+                raise ValueError(
+                    "whole_checkpoints: Accelerate saves other keys than the model's state "
+                    f"dict holds (such as {other}): the model was wrapped after "
+                    "accelerator.prepare"
+                )
+        full = gather_state_dict(self.model, dst=self._destination()) or {}
+        given = OrderedDict((prefix + k, v) for k, v in full.items())
+        self._given = weakref.ref(given)
+        return given
 
     def _on_save(self, models: list[nn.Module], weights: list[Any], output_dir: str) -> None:
         """Accelerate's save-state pre-hook (every process): the unsplit weights in place of
-        the model's, and the optimizer's unsplit state armed for its next ``state_dict()``."""
-        index = next(
-            (
-                i
-                for i, m in enumerate(models)
-                if m is self.prepared or self.accelerator.unwrap_model(m) is self.model
-            ),
-            None,
-        )
+        the model's (given already where ``save_state`` asked :meth:`get_state_dict`), and the
+        optimizer's unsplit state armed for its next ``state_dict()``."""
+        index = next((i for i, m in enumerate(models) if self._is_ours(m)), None)
         if index is None or len(weights) != len(models):
             raise ValueError(
                 "whole_checkpoints: the model is not one the accelerator saves (pass the model "
                 "accelerator.prepare returned)"
             )
-        # The keys Accelerate saves: the model's own, or under its wrapper's (checked on every
-        # process before the collective gathers).
-        prefix = _prefix(self.prepared, self.model)
-        own = list(self.model.state_dict().keys())
-        saved = weights[index].keys()
-        if saved != set(own):
-            if saved != {prefix + k for k in own}:
-                missing = sorted(saved ^ set(own))[:3]
-                raise ValueError(
-                    "whole_checkpoints: Accelerate saves other keys than the model's state "
-                    f"dict holds (such as {missing}): the model was wrapped after "
-                    "accelerator.prepare"
-                )
-        else:
-            prefix = ""
-        config = self.accelerator.project_configuration
-        dst = gather_destination(
-            self.model, self.accelerator.num_processes, bool(config.save_on_each_node)
-        )
-        full = gather_state_dict(self.model, dst=dst)
-        if full is not None:
-            weights[index] = OrderedDict((prefix + k, v) for k, v in full.items())
+        given = self._given() if self._given is not None else None
+        if weights[index] is not given:
+            weights[index] = self.get_state_dict(models[index], unwrap=False)
+        self._given = None
         if self.optimizer is not None:
             self._disarm()
-            state = gather_optimizer_state_dict(self.model, self.optimizer, dst=dst)
+            state = gather_optimizer_state_dict(self.model, self.optimizer, dst=self._destination())
             if state is not None:
                 self._arm(state)
 
@@ -178,12 +205,15 @@ def whole_checkpoints(
     in the run that loads (before ``load_state``); every process then calls ``save_state``
     (the gathers are collective). The model's file is the one Accelerate writes, under its
     keys, holding the unsplit tensors; the optimizer's, a full optimizer state dict
-    (:func:`hetcoll.torch.gather_optimizer_state_dict`'s). Returns the hooks' handle
-    (``.remove()``).
+    (:func:`hetcoll.torch.gather_optimizer_state_dict`'s). ``accelerator.get_state_dict(model)``
+    and so ``accelerator.save_model(model, dir)`` give the unsplit weights too (every process
+    calls them; the processes that do not write get an empty dict, as under FSDP). Returns the
+    hooks' handle (``.remove()``).
 
     >>> model, opt = accelerator.prepare(model, opt)  # doctest: +SKIP
     >>> whole_checkpoints(accelerator, model, opt)  # doctest: +SKIP
     >>> accelerator.save_state("ckpt")  # doctest: +SKIP
+    >>> accelerator.save_model(model, "final")  # doctest: +SKIP
     """
     if not isinstance(accelerator, Accelerator):
         raise TypeError(
