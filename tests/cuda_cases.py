@@ -221,6 +221,40 @@ def dcp_offloaded(rank: int, world: int, path: str, first: str = "cuda") -> dict
     return {**got, "off": off}
 
 
+def nccl_host_buffers(rank: int, world: int, path: str) -> dict[str, object]:
+    """NCCL at world size 1, what moves host bytes (through the GPU: NCCL moves device memory
+    only): a CPU tensor's allgatherv, and the state of a split MLP on the GPU: its gathers to
+    rank 0 and to every rank, its optimizer's, DCP's checkpoint and full state dict
+    (:func:`dcp_offloaded`), each the unsplit model's exactly."""
+    from hetcoll.torch import filter_parallel, gather_optimizer_state_dict, gather_state_dict
+
+    assert dist.get_backend() == "nccl"
+    rows = torch.arange(6.0, dtype=torch.float64).view(2, 3)
+    out = hetcoll.allgatherv(rows)
+    assert out.device.type == "cpu" and torch.equal(out, rows)
+    got = dcp_offloaded(rank, world, path)
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 3)).double()
+    split = filter_parallel(copy.deepcopy(mlp), [1.0]).cuda()
+    opt = torch.optim.SGD(split.parameters(), lr=0.1, momentum=0.9)
+    split(torch.ones(2, 6, dtype=torch.float64, device="cuda")).sum().backward()
+    opt.step()
+    whole = gather_state_dict(split, dst=0)
+    state = gather_optimizer_state_dict(split, opt, dst=0)
+    assert whole is not None and state is not None
+    own = split.state_dict()  # one rank holds every channel
+    off = max((whole[k].cpu() - own[k].cpu()).abs().max().item() for k in mlp.state_dict())
+    named = dict(split.named_parameters())
+    momentum = max(
+        (state["state"][k]["momentum_buffer"].cpu() - opt.state[p]["momentum_buffer"].cpu())
+        .abs()
+        .max()
+        .item()
+        for k, p in named.items()
+    )
+    return {**got, "gathered": [len(whole), len(state["state"])], "gathers_off": off + momentum}
+
+
 #: A pipeline whose first stage is the GPU rank and whose second stage is split over two CPU
 #: ranks, beside nothing; and a whole-model replica on the GPU beside a 2-stage CPU pipeline.
 MIXED_PLANS = [

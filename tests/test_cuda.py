@@ -204,6 +204,18 @@ def test_dcp_of_a_split_offloaded_from_the_gpu(tmp_path):
 @pytest.mark.multiproc
 @pytest.mark.cuda
 @needs_cuda
+def test_host_bytes_on_nccl(tmp_path):
+    """On NCCL (one GPU), whose transfers move device memory only, what moves host bytes goes
+    through the GPU: a CPU tensor's allgatherv, the gathers of a split model's state and its
+    optimizer's, DCP's checkpoint and full state dict of a split, each exact."""
+    got = _spawn(cuda_cases.nccl_host_buffers, 1, str(tmp_path / "ckpt"), backend="nccl")
+    each = {"on_host": True, "full": 0.0, "on_device": True, "off": 0.0}
+    assert got == [{**each, "gathered": [4, 4], "gathers_off": 0.0}]
+
+
+@pytest.mark.multiproc
+@pytest.mark.cuda
+@needs_cuda
 def test_parallelize_with_a_gpu_rank():
     """Three plans with the GPU rank as a pipeline stage, a whole-model replica and one rank
     of a split stage, beside CPU ranks over gloo: equal one process, float64 1e-10."""

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -20,10 +20,17 @@ class TorchRequest(Request):
 
     # ``what`` names the transfer in errors only; point-to-point calls pass (verb, rank) and it
     # is formatted then, not on every one of the many segment messages.
-    def __init__(self, work: Any, what: str | tuple[str, int], keep: Any = None) -> None:
+    def __init__(
+        self,
+        work: Any,
+        what: str | tuple[str, int],
+        keep: Any = None,
+        then: Callable[[], Any] | None = None,
+    ) -> None:
         self._work = work
         self._what = what
         self._keep = keep  # tensors the engine still reads or writes
+        self._then = then  # once done: a device result copied back into the host buffer
 
     def wait(self, deadline: float | None) -> None:
         try:
@@ -39,6 +46,9 @@ class TorchRequest(Request):
             raise CollectiveTimeout(
                 f"{what}: no completion before the timeout, or a peer was lost: {e}"
             ) from e
+        if self._then is not None:
+            self._then()  # after NCCL's wait, ordered on the current stream: synchronous
+            self._then = None
         self._keep = None
 
 
@@ -75,7 +85,12 @@ def _bytes(buf: np.ndarray) -> Any:
 
 
 class TorchCommunicator(Communicator):
-    """A :class:`Communicator` over a torch.distributed process group (None: the default one)."""
+    """A :class:`Communicator` over a torch.distributed process group (None: the default one).
+
+    Its transfers take host buffers (numpy arrays) on every engine. NCCL moves device memory
+    only, so there each goes through the current CUDA device: the buffers are copied there,
+    and a result back into its host buffer once the transfer is done (its request's wait).
+    The collectives send device tensors through NCCL directly, without these copies."""
 
     def __init__(self, group: Any = None) -> None:
         import torch.distributed as dist
@@ -92,10 +107,26 @@ class TorchCommunicator(Communicator):
             r if group is None else dist.get_global_rank(group, r) for r in range(self.size)
         ]
 
+    def _wire(self, t: Any) -> Any:
+        """Host tensor ``t`` as the engine moves it: on NCCL, a copy on the current CUDA
+        device; elsewhere ``t`` itself."""
+        return t.cuda() if self.engine == "nccl" else t
+
+    def _staged(self, out: Any, inplace: bool = False) -> tuple[Any, Callable[[], Any] | None]:
+        """Host result buffer ``out`` as the engine fills it (holding ``out``'s values where
+        the transfer reads them too, ``inplace``), and what copies it back once the transfer
+        is done (None where the engine fills ``out`` itself)."""
+        if self.engine != "nccl":
+            return out, None
+        import torch
+
+        wire = out.cuda() if inplace else torch.empty_like(out, device="cuda")
+        return wire, lambda: out.copy_(wire)
+
     # The point-to-point calls run once per ring segment and per direct-exchange peer: kept to
     # the engine call and a try (no context manager, no message built unless it fails).
     def isend(self, buf: np.ndarray, dest: int, tag: int) -> Request:
-        t = _bytes(buf)
+        t = self._wire(_bytes(buf))
         try:
             work = self._dist.isend(t, self.global_ranks[dest], group=self.native, tag=tag)
         except (RuntimeError, ConnectionError) as e:
@@ -103,32 +134,32 @@ class TorchCommunicator(Communicator):
         return TorchRequest(work, ("send to rank", dest), t)
 
     def irecv(self, buf: np.ndarray, source: int, tag: int) -> Request:
-        t = _bytes(buf)
+        t, then = self._staged(_bytes(buf))
         try:
             work = self._dist.irecv(t, self.global_ranks[source], group=self.native, tag=tag)
         except (RuntimeError, ConnectionError) as e:
             raise _lost(f"receive from rank {source}", e) from e
-        return TorchRequest(work, ("receive from rank", source), t)
+        return TorchRequest(work, ("receive from rank", source), t, then)
 
     def iallreduce_sum(self, buf: np.ndarray, kind: str) -> Request:
         import torch.distributed as dist
 
-        t = _tensor(buf, kind)
+        t, then = self._staged(_tensor(buf, kind), inplace=True)
         with _lost_peer("all_reduce"):
             work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.native, async_op=True)
-        return TorchRequest(work, "all_reduce", t)
+        return TorchRequest(work, "all_reduce", t, then)
 
     def ibroadcast(self, buf: np.ndarray, root: int) -> Request:
         import torch
         import torch.distributed as dist
 
-        t = torch.from_numpy(buf.reshape(-1).view(np.uint8))
+        t, then = self._staged(torch.from_numpy(buf.reshape(-1).view(np.uint8)), inplace=True)
         with _lost_peer("broadcast"):
             work = dist.broadcast(t, self.global_ranks[root], group=self.native, async_op=True)
-        return TorchRequest(work, "broadcast", t)
+        return TorchRequest(work, "broadcast", t, then)
 
     def allreduce_sum(self, buf: np.ndarray, kind: str, deadline: float | None) -> None:
-        if deadline is not None:  # a timed wait needs the request
+        if deadline is not None or self.engine == "nccl":  # a timed wait, a copy back
             return super().allreduce_sum(buf, kind, deadline)
         import torch.distributed as dist
 
@@ -142,13 +173,8 @@ class TorchCommunicator(Communicator):
         import torch
         import torch.distributed as dist
 
-        inp = torch.from_numpy(send if send.flags.writeable else send.copy())
-        if self.engine == "nccl":
-            # NCCL moves device memory only: the few bytes go through the current CUDA device.
-            out = torch.empty(self.size * send.size, dtype=torch.uint8, device="cuda")
-            inp = inp.cuda()
-        else:
-            out = torch.empty(self.size * send.size, dtype=torch.uint8)
+        inp = self._wire(torch.from_numpy(send if send.flags.writeable else send.copy()))
+        out = torch.empty(self.size * send.size, dtype=torch.uint8, device=inp.device)
         # Small and on every call's path (allgatherv's first round): without a deadline the
         # blocking call, with no request to wrap.
         try:
@@ -167,10 +193,10 @@ class TorchCommunicator(Communicator):
 
         # gloo's all_gather rejects pieces of different sizes; all_to_all_single with uneven
         # splits moves the same bytes: every rank sends its piece to each rank.
-        out = torch.from_numpy(recv)
+        out, then = self._staged(torch.from_numpy(recv))
         # repeat() copies, so a read-only send buffer is safe; torch warns on those, though.
         send = send if send.flags.writeable else send.copy()
-        inp = torch.from_numpy(send).repeat(self.size)
+        inp = self._wire(torch.from_numpy(send)).repeat(self.size)
         with _lost_peer("all_to_all_single (allgatherv)"):
             work = dist.all_to_all_single(
                 out,
@@ -180,7 +206,7 @@ class TorchCommunicator(Communicator):
                 group=self.native,
                 async_op=True,
             )
-        return TorchRequest(work, "all_to_all_single (allgatherv)", (out, inp))
+        return TorchRequest(work, "all_to_all_single (allgatherv)", (out, inp), then)
 
     def ialltoallv(
         self,
@@ -192,8 +218,8 @@ class TorchCommunicator(Communicator):
         import torch
         import torch.distributed as dist
 
-        out = torch.from_numpy(recv)
-        inp = torch.from_numpy(send if send.flags.writeable else send.copy())
+        out, then = self._staged(torch.from_numpy(recv))
+        inp = self._wire(torch.from_numpy(send if send.flags.writeable else send.copy()))
         with _lost_peer("all_to_all_single"):
             work = dist.all_to_all_single(
                 out,
@@ -203,18 +229,18 @@ class TorchCommunicator(Communicator):
                 group=self.native,
                 async_op=True,
             )
-        return TorchRequest(work, "all_to_all_single", (out, inp))
+        return TorchRequest(work, "all_to_all_single", (out, inp), then)
 
     def ireduce_scatterv(
         self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], kind: str
     ) -> Request:
         import torch.distributed as dist
 
-        src = _tensor(send, kind)
-        out = _tensor(recv, kind)
+        src = self._wire(_tensor(send, kind))
+        out, then = self._staged(_tensor(recv, kind))
         pieces = list(src.split(list(counts)))
         with _lost_peer("reduce_scatter"):
             work = dist.reduce_scatter(
                 out, pieces, op=dist.ReduceOp.SUM, group=self.native, async_op=True
             )
-        return TorchRequest(work, "reduce_scatter", (out, pieces))
+        return TorchRequest(work, "reduce_scatter", (out, pieces), then)

@@ -200,9 +200,7 @@ def assembled(state_dict: Any, dst: int | None = None, on_host: bool = False) ->
                 )
     local = [as_bytes(t[_at(lo, n)]) for _, t in parts for _, lo, n in _marks(t)[1]]
     send = torch.cat(local) if local else torch.empty(0, dtype=torch.uint8)
-    if comm.engine == "nccl":  # device memory only: every rank gets every slice
-        received = allgatherv(send.cuda(), comm).cpu()
-    elif dst is None:
+    if dst is None:
         received = allgatherv(send, comm)
     else:
         counts = [sum(_numel(n) * d.itemsize for _, _, r, d, _ in h for *_, n in r) for h in told]
