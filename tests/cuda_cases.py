@@ -88,9 +88,10 @@ def collectives(rank: int, world: int, first: str = "cuda") -> dict[str, int]:
     return {"checked": checked}
 
 
-def nccl_one_rank(rank: int, world: int) -> dict[str, int]:
+def nccl_one_rank(rank: int, world: int, path: str) -> dict[str, object]:
     """World size 1 on NCCL: allreduce and allgatherv on the device (NCCL's own, the weight in
-    PREMUL_SUM), and the weighted DDP hook training as one process does."""
+    PREMUL_SUM), the weighted DDP hook training as one process does, and what moves host
+    bytes (:func:`nccl_host_buffers`, checkpoints at ``path``)."""
     assert dist.get_backend() == "nccl"
     dev = torch.device("cuda", 0)
     buf = _data(0, 1000, torch.float64).to(dev)
@@ -99,7 +100,11 @@ def nccl_one_rank(rank: int, world: int) -> dict[str, int]:
     assert buf.device == dev and rel_err(buf.cpu(), want) <= TOL
     out = hetcoll.allgatherv(torch.arange(6.0, device=dev).view(2, 3))
     assert out.device == dev and torch.equal(out.cpu(), torch.arange(6.0).view(2, 3))
-    return {"steps": ddp_steps(dev, [10], 0), "sync_bn_told": sync_bn_told(dev)}
+    return {
+        "steps": ddp_steps(dev, [10], 0),
+        "sync_bn_told": sync_bn_told(dev),
+        **nccl_host_buffers(rank, world, path),
+    }
 
 
 def sync_bn_told(dev: torch.device) -> list[int]:
@@ -235,9 +240,10 @@ def nccl_host_buffers(rank: int, world: int, path: str) -> dict[str, object]:
     got = dcp_offloaded(rank, world, path)
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 3)).double()
-    split = filter_parallel(copy.deepcopy(mlp), [1.0]).cuda()
+    dev = device_of(rank, "cuda")
+    split = filter_parallel(copy.deepcopy(mlp), [1.0]).to(dev)
     opt = torch.optim.SGD(split.parameters(), lr=0.1, momentum=0.9)
-    split(torch.ones(2, 6, dtype=torch.float64, device="cuda")).sum().backward()
+    split(torch.ones(2, 6, dtype=torch.float64, device=dev)).sum().backward()
     opt.step()
     whole = gather_state_dict(split, dst=0)
     state = gather_optimizer_state_dict(split, opt, dst=0)
