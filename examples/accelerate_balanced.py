@@ -235,6 +235,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         torch.save(state, args.save)
     if args.save_model:
         accelerator.save_model(model, args.save_model)  # Accelerate's safetensors, unsplit
+    if args.save_pretrained:  # Accelerate's idiom for a Hugging Face model
+        accelerator.unwrap_model(model).save_pretrained(
+            args.save_pretrained,
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+            state_dict=accelerator.get_state_dict(model),
+        )
     accelerator.end_training()
     # Accelerate keeps the DDP-wrapped model and the optimizer: released here, so that they go
     # while the process group still exists (main collects them before destroying it).
@@ -327,6 +334,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--save-model",
         metavar="DIR",
         help="accelerator.save_model here at the end: the unsplit model's safetensors",
+    )
+    p.add_argument(
+        "--save-pretrained",
+        metavar="DIR",
+        help="the model's save_pretrained here at the end, of accelerator.get_state_dict: the "
+        "unsplit model, which from_pretrained reads",
     )
     p.add_argument(
         "--resume", metavar="DIR", help="accelerator.load_state from here first, and go on"

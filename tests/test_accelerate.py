@@ -204,20 +204,27 @@ def test_accelerate_save_state_of_placed_experts_resumes_into_any_placement(tmp_
     the unsplit optimizer state keyed by name. Resumed by ``load_state`` into another
     placement (by the shares 5 : 3: three experts and one) and into one process without placed
     experts, the second epoch ends where one process's uninterrupted run does, to 1e-10.
-    (Without it, the file held rank 0's expert alone under the unsplit name.)"""
+    (Without it, the file held rank 0's expert alone under the unsplit name.)
+    ``accelerator.save_model`` writes the unsplit model too, and so does the model's
+    ``save_pretrained`` of ``accelerator.get_state_dict`` (Accelerate's idiom), which
+    ``from_pretrained`` reads."""
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     mixtral = ["--arch", "mixtral"]
     one, _ = _run(tmp_path, "one", [sys.executable], "accelerate_balanced.py", *mixtral, *ONE)
     ckpt = str(tmp_path / "ckpt")
     final = tmp_path / "final"
     save = ["--experts", "--expert-shares", "1,3", "--epochs", "1", "--save-state", ckpt]
-    save += ["--save-model", str(final)]
+    save += ["--save-model", str(final), "--save-pretrained", str(tmp_path / "pretrained")]
     first, _ = _run(tmp_path, "first", TORCHRUN, "accelerate_balanced.py", *mixtral, *TWO, *save)
     weights = load_file(Path(ckpt) / "model.safetensors")
     assert weights.keys() == one.keys() and _max_diff(weights, first) == 0.0
-    # accelerator.save_model at the end (and get_state_dict, which --save wrote): unsplit too.
+    # accelerator.save_model at the end (and get_state_dict, which --save wrote): unsplit too;
+    # so is save_pretrained of get_state_dict (Accelerate's idiom), read by from_pretrained.
     assert _max_diff(load_file(final / "model.safetensors"), first) == 0.0
+    pretrained = AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained", dtype=torch.float64)
+    assert _max_diff(pretrained.state_dict(), first) == 0.0
     optimizer = torch.load(Path(ckpt) / "optimizer.bin", weights_only=True)
     experts = "model.layers.0.mlp.experts.down_proj"
     assert optimizer["state"][experts]["momentum_buffer"].shape == one[experts].shape == (4, 32, 88)
