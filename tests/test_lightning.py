@@ -465,7 +465,8 @@ def test_rebalancing_rows_and_experts_together_trains_as_one_process(tmp_path):
     leaving the experts' exchanges, where a rank waits for the others, out) and
     ``rebalance_experts_every=1`` places the experts by their loads at the speeds the row
     rebalancer models. Both decide after every step, and the model after 2 steps is one
-    process's on the same global batches (1e-6: the router's softmax in float32)."""
+    process's on the same global batches (1e-6: the router's softmax in float32). Rank 0's
+    attention is emulated at 0.05 of its speed (it sleeps): its rows move to the others."""
     import tensor_parallel_cases as tp
 
     trainer = quiet_trainer(
@@ -477,9 +478,10 @@ def test_rebalancing_rows_and_experts_together_trains_as_one_process(tmp_path):
         use_distributed_sampler=False,
         callbacks=[RecordRebalancerAtEnd(tmp_path)],
     )
-    trainer.fit(ExpertsLM(tmp_path, 3))
+    trainer.fit(ExpertsLM(tmp_path, 3, slow=0.05))
     end = json.loads((tmp_path / "rebalancer_end.json").read_text())
     assert (end["step"], end["decided"]) == (2, [1, 2]) and sum(end["shares"]) == 7
+    assert end["shares"][0] < 4, end["shares"]
     assert [m[0] for m in json.loads((tmp_path / "moves.json").read_text())] == [1, 2]
     ref = one_process_mixtral()
     full = torch.load(tmp_path / "full.pt")
@@ -858,18 +860,23 @@ class ExpertsLM(LightningModule):
     gathers the whole model and rank 0 saves it in ``out/full.pt``, with the strategy's
     expert rebalancer's decisions in ``out/moves.json``."""
 
-    def __init__(self, out: Path, world: int) -> None:
+    def __init__(self, out: Path, world: int, slow: float | None = None) -> None:
         super().__init__()
         import tensor_parallel_cases as tp
 
         torch.manual_seed(0)
         self.net = tp.mixtral().double()
-        self.out, self.world = out, world
+        self.out, self.world, self.slow = out, world, slow
 
     def configure_model(self) -> None:
+        from hetcoll.lab.emulate import slow_down
         from hetcoll.torch import expert_parallel
 
         expert_parallel(self.net, shares=[2, 1, 1])
+        if self.slow is not None and self.global_rank == 0:
+            # Emulated: rank 0's attention at ``slow`` of its speed (it sleeps), outside
+            # the experts' exchanges, which the timer leaves out as waits.
+            slow_down([layer.self_attn for layer in self.net.model.layers], self.slow)
 
     def training_step(self, batch, batch_idx):
         from expert_parallel_cases import lm_loss
