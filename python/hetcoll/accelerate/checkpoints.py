@@ -10,8 +10,8 @@ Accelerate and torch give:
 
 - ``accelerator.get_state_dict(model)`` (what ``save_model`` and ``save_state`` call) gives the
   unsplit weights (:func:`hetcoll.torch.gather_state_dict`), under the keys the model it is
-  handed has (a wrapper's ``module.`` too), to the processes that write (FSDP's convention: an
-  empty dict on the others);
+  handed has (a wrapper's ``module.`` too), to the processes that write (FSDP's convention: a
+  split model's is an empty dict on the others; a model split nowhere is whole everywhere);
 - Accelerate's save-state pre-hook gathers the optimizer's state
   (:func:`hetcoll.torch.gather_optimizer_state_dict`, keyed by parameter name); the
   optimizer's next ``state_dict()`` (``save_state``'s own call, right after) gives that, once.
@@ -98,8 +98,9 @@ class WholeCheckpoints:
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """``accelerator.get_state_dict`` while the hooks are on: of this model (as prepared,
         unwrapped or as the user built it), the unsplit state dict under ``model``'s keys (its
-        inner model's with ``unwrap``), on the processes that write checkpoints, and an empty
-        one on the others; of any other model, what Accelerate gives. Collective."""
+        inner model's with ``unwrap``), on the processes that write checkpoints, and (of a
+        split model) an empty one on the others; of any other model, what Accelerate gives.
+        Collective."""
         if not self._handles or not self._is_ours(model):
             return self._own_get_state_dict(model, unwrap=unwrap)
         own = list(self.model.state_dict().keys())
@@ -207,8 +208,8 @@ def whole_checkpoints(
     keys, holding the unsplit tensors; the optimizer's, a full optimizer state dict
     (:func:`hetcoll.torch.gather_optimizer_state_dict`'s). ``accelerator.get_state_dict(model)``
     and so ``accelerator.save_model(model, dir)`` give the unsplit weights too (every process
-    calls them; the processes that do not write get an empty dict, as under FSDP). Returns the
-    hooks' handle (``.remove()``).
+    calls them; of a split model, the processes that do not write get an empty dict, as under
+    FSDP). Returns the hooks' handle (``.remove()``).
 
     >>> model, opt = accelerator.prepare(model, opt)  # doctest: +SKIP
     >>> whole_checkpoints(accelerator, model, opt)  # doctest: +SKIP
