@@ -228,20 +228,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             for e in (rebalancer.history if rebalancer else [])
         ],
     }
-    # The unsplit model (whole_checkpoints: with --experts, every rank's experts gathered to
-    # the main process; collective).
-    state = accelerator.get_state_dict(model)
-    if args.save and accelerator.is_main_process:
-        torch.save(state, args.save)
+    if args.save or args.save_pretrained:
+        # The unsplit model (whole_checkpoints: with --experts, every rank's experts gathered
+        # to the main process; collective, and every rank has the same arguments).
+        state = accelerator.get_state_dict(model)
+        if args.save and accelerator.is_main_process:
+            torch.save(state, args.save)
+        if args.save_pretrained:  # Accelerate's idiom for a Hugging Face model
+            accelerator.unwrap_model(model).save_pretrained(
+                args.save_pretrained,
+                is_main_process=accelerator.is_main_process,
+                save_function=accelerator.save,
+                state_dict=state,
+            )
     if args.save_model:
         accelerator.save_model(model, args.save_model)  # Accelerate's safetensors, unsplit
-    if args.save_pretrained:  # Accelerate's idiom for a Hugging Face model
-        accelerator.unwrap_model(model).save_pretrained(
-            args.save_pretrained,
-            is_main_process=accelerator.is_main_process,
-            save_function=accelerator.save,
-            state_dict=accelerator.get_state_dict(model),
-        )
     accelerator.end_training()
     # Accelerate keeps the DDP-wrapped model and the optimizer: released here, so that they go
     # while the process group still exists (main collects them before destroying it).

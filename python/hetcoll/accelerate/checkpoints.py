@@ -103,14 +103,14 @@ class WholeCheckpoints:
         Collective."""
         if not self._handles or not self._is_ours(model):
             return self._own_get_state_dict(model, unwrap=unwrap)
-        own = list(self.model.state_dict().keys())
         prefix = "" if unwrap else _prefix(model, self.model)
         if not unwrap:
             # The keys Accelerate saves are the handed model's: checked on every process
             # before the collective gathers.
             keys = model.state_dict().keys()
-            if keys != {prefix + k for k in own}:
-                other = sorted(keys ^ {prefix + k for k in own})[:3]
+            expected = {prefix + k for k in self.model.state_dict()}
+            if keys != expected:
+                other = sorted(keys ^ expected)[:3]
                 raise ValueError(
                     "whole_checkpoints: Accelerate saves other keys than the model's state "
                     f"dict holds (such as {other}): the model was wrapped after "
