@@ -86,6 +86,13 @@ def _worker(
         pickle.dump(outcome, f)
 
 
+#: What the rank server imports once, so that no rank pays it: torch, and what a training rank
+#: loads on first use: torch.compile's tracer (torch.optim loads it at the first optimizer
+#: made, about a second on a 2-core host) and hetcoll's torch integration. None of them
+#: starts a thread or initialises MPI, so forking after them is safe.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "hetcoll.torch")
+
+
 def _context(mp: Any) -> Any:
     """Where ranks start: forked from a server that imported torch once (``forkserver``, where
     the platform has it: importing torch takes seconds, a fork milliseconds), else fresh
@@ -96,7 +103,7 @@ def _context(mp: Any) -> Any:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 

@@ -3,7 +3,9 @@ slice of the output gradient summed over ranks (a reduce-scatter with uneven cou
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 from typing import Any
 
 from hetcoll.collectives._common import _kind
@@ -38,11 +40,29 @@ def exchanging(cls: Any) -> Any:
     them). They move bytes through numpy views and the communicator, which a trace cannot
     see: a traced gather took its output for an alias of its input (torchvision's ViT split
     by ``filter_parallel``, then compiled: "setStorage ... out of bounds")."""
-    import torch
-
     for name in ("forward", "backward"):
-        setattr(cls, name, staticmethod(torch.compiler.disable(getattr(cls, name))))
+        setattr(cls, name, staticmethod(_never_traced(getattr(cls, name))))
     return cls
+
+
+def _never_traced(fn: Any) -> Any:
+    """``torch.compiler.disable(fn)``, made once torch.compile's tracer (torch._dynamo) is
+    loaded: nothing traces before, and disabling imports it (a second on a 2-core host),
+    which neither importing hetcoll.torch nor an uncompiled run should pay."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        nonlocal disabled
+        if disabled is None:
+            if "torch._dynamo" not in sys.modules:
+                return fn(*args, **kwargs)
+            import torch
+
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    return run
 
 
 def _make_function() -> Any:

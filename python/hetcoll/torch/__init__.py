@@ -6,9 +6,10 @@ MLPs by hidden units), and expert parallelism (whole experts per rank, by speed 
 Emulated heterogeneity, for trying these on one machine, is lab code: :mod:`hetcoll.lab.emulate`.
 """
 
+from typing import TYPE_CHECKING
+
 from hetcoll.torch.batches import BatchCounter, item_total, item_weights
 from hetcoll.torch.clipping import clip_grad_norm_
-from hetcoll.torch.dcp_planner import ReplicaSavePlanner
 from hetcoll.torch.expert_parallel import (
     ExpertParallelExperts,
     expert_assignment,
@@ -57,6 +58,9 @@ from hetcoll.torch.sampler import BalancedSampler
 from hetcoll.torch.speed import SpeedFit, gather_speeds, measure_speed
 from hetcoll.torch.step_timer import StepTimer
 from hetcoll.torch.weighing import weigh_loss
+
+if TYPE_CHECKING:  # loaded on use (below): it imports torch.distributed.checkpoint (~0.5 s)
+    from hetcoll.torch.dcp_planner import ReplicaSavePlanner
 
 __all__ = [
     "BalancedSampler",
@@ -120,6 +124,10 @@ _MOVED_TO_THE_LAB = {
 
 
 def __getattr__(name: str) -> object:
+    if name == "ReplicaSavePlanner":
+        from hetcoll.torch.dcp_planner import ReplicaSavePlanner
+
+        return ReplicaSavePlanner
     if name in _MOVED_TO_THE_LAB:
         import importlib
         import warnings
