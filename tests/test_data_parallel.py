@@ -545,6 +545,21 @@ def test_spawned_ranks_are_processes_of_their_own_with_the_callers_environment(m
         assert f["threads"] == 2 and f["omp"] == "2" and f["fresh"]
 
 
+def test_mpiexec_ranks_beyond_the_cores_yield_their_core_unless_told_otherwise(monkeypatch):
+    """More ranks than cores: MPICH's waiting ranks sleep between polls (they spin by default,
+    taking the core of the rank they wait for); the caller's environment decides first."""
+    from hetcoll import launch
+
+    for name in launch.OVERSUBSCRIBED_MPICH:
+        monkeypatch.delenv(name, raising=False)
+    over = (os.cpu_count() or 1) + 1
+    show = ["-c", "import os; print(os.environ.get('MPIR_CVAR_ENABLE_HEAVY_YIELD'))"]
+    assert launch.mpiexec(over, show, timeout=120).stdout.split() == ["1"] * over
+    assert launch.mpiexec(1, show, timeout=120).stdout.split() == ["None"]
+    monkeypatch.setenv("MPIR_CVAR_ENABLE_HEAVY_YIELD", "0")
+    assert launch.mpiexec(over, show, timeout=120).stdout.split() == ["0"] * over
+
+
 _STATE: list[int] = []
 
 

@@ -63,19 +63,12 @@ def test_gloo_transformer_plans_equal_one_process():
         assert r == EXPECTED, (rank, r)
 
 
-#: MPICH busy-waits in a blocking call: 4 ranks on fewer cores then take the cores from the
-#: ranks they wait for. A waiting rank sleeps between polls instead (the job ~12% shorter on 2
-#: cores).
-YIELDING_MPICH = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", "MPIR_CVAR_POLLS_BEFORE_YIELD": "10"}
-
-
 @pytest.mark.multiproc
 def test_mpi_transformer_plans_equal_one_process():
     proc = launch.mpiexec(
         4,
         [str(HERE / "mpi_workers" / "cases.py"), "transformer_cases", "backend"],
         timeout=400,
-        env=YIELDING_MPICH,
     )
     expected = {name: EXPECTED[name] for name in transformer_cases.BACKEND}
     for rank, r in enumerate(json.loads(proc.stdout.strip().splitlines()[-1])):

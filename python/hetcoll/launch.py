@@ -227,6 +227,12 @@ def mpiexec_path() -> str:
     return found
 
 
+#: MPICH's settings for more ranks than cores: a rank waiting in a blocking call sleeps
+#: between polls (it busy-waits by default). Other MPIs ignore them (Open MPI yields by itself
+#: when it sees more ranks than cores).
+OVERSUBSCRIBED_MPICH = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", "MPIR_CVAR_POLLS_BEFORE_YIELD": "10"}
+
+
 def mpiexec(
     nprocs: int,
     argv: Sequence[str],
@@ -236,11 +242,18 @@ def mpiexec(
     capture: bool = True,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``mpiexec -n nprocs <this python> argv...``; raise :class:`RankFailed` on a non-zero
-    exit or after ``timeout`` seconds (the job is killed)."""
+    exit or after ``timeout`` seconds (the job is killed).
+
+    With more ranks than this machine's cores, MPICH's waiting ranks yield their core instead
+    of spinning on it (:data:`OVERSUBSCRIBED_MPICH`, unless the environment or ``env`` sets
+    those variables): a spinning rank takes the core of the rank it waits for."""
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs: must be an integer >= 1, got {nprocs!r}")
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", "1")
+    if nprocs > (os.cpu_count() or 1):
+        for name, value in OVERSUBSCRIBED_MPICH.items():
+            full_env.setdefault(name, value)
     full_env.update(env or {})
     cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, *argv]
     try:
