@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import re
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -216,25 +217,7 @@ def _source_reads(module: nn.Module, prefix: str) -> list[str]:
     None where the source cannot be read (an empty list), and none for torch's own modules,
     whose weights their fast paths read (``nn.MultiheadAttention``'s ``out_proj``,
     ``nn.TransformerEncoderLayer``'s MLP), which rules of their own split."""
-    if type(module).__module__.split(".")[0] == "torch":
-        return []
-    try:
-        source = inspect.getsource(type(module))
-    except (OSError, TypeError):
-        return []
-    return _reads_in([source], module, prefix)
-
-
-def _reads_in(sources: list[str], module: nn.Module, prefix: str) -> list[str]:
-    """The children of ``module`` whose weights ``sources`` (code of its class) use whole
-    (:data:`_SOURCE_READ`), by name under ``prefix``."""
-    children = dict(module.named_children())
-    found = {
-        a or b or c
-        for source in sources
-        for a, b, c in _SOURCE_READ.findall(_TYPE_TEST.sub("", source))
-    }
-    return [f"{prefix}.{n}" if prefix else n for n in sorted(found) if n in children]
+    return _present(_names_read(type(module), methods=False), module, prefix)
 
 
 def _method_reads(module: nn.Module, prefix: str) -> list[str]:
@@ -242,17 +225,54 @@ def _method_reads(module: nn.Module, prefix: str) -> list[str]:
     ``__init__``, for a module whose forward torch.fx traced: its parent may call them
     instead (Gemma 3n's AltUp: ``altup.correct(...)``, which reads
     ``self.correction_coefs.weight`` in training), and no trace saw them."""
-    if type(module).__module__.split(".")[0] == "torch":
-        return []
+    return _present(_names_read(type(module), methods=True), module, prefix)
+
+
+#: What :func:`_names_read` found, by class: reading a class's source parses its whole file
+#: (Python before 3.13), and a split meets each class of a model once per block, in every
+#: probe of its plan (a third of a Hugging Face model's split time, before).
+_READ: dict[bool, weakref.WeakKeyDictionary[type, frozenset[str]]] = {
+    False: weakref.WeakKeyDictionary(),
+    True: weakref.WeakKeyDictionary(),
+}
+
+
+def _names_read(cls: type, methods: bool) -> frozenset[str]:
+    """The attribute names whose weights the code of class ``cls`` uses whole
+    (:data:`_SOURCE_READ`): in the whole class, or (``methods``) in its methods other than
+    ``forward`` and ``__init__``; none for torch's own classes or unreadable source."""
+    cache = _READ[methods]
+    if cls in cache:
+        return cache[cls]
     sources = []
-    for name, f in vars(type(module)).items():
-        if name in ("forward", "__init__") or not inspect.isfunction(f):
-            continue
-        try:
-            sources.append(inspect.getsource(f))
-        except (OSError, TypeError):
-            continue
-    return _reads_in(sources, module, prefix)
+    if cls.__module__.split(".")[0] != "torch":
+        functions: list[Any]
+        if methods:
+            functions = [
+                f
+                for name, f in vars(cls).items()
+                if name not in ("forward", "__init__") and inspect.isfunction(f)
+            ]
+        else:
+            functions = [cls]
+        for f in functions:
+            try:
+                sources.append(inspect.getsource(f))
+            except (OSError, TypeError):
+                continue
+    found = frozenset(
+        a or b or c
+        for source in sources
+        for a, b, c in _SOURCE_READ.findall(_TYPE_TEST.sub("", source))
+    )
+    cache[cls] = found
+    return found
+
+
+def _present(found: frozenset[str], module: nn.Module, prefix: str) -> list[str]:
+    """The names of ``found`` that are children of ``module``, under ``prefix``."""
+    children = dict(module.named_children())
+    return [f"{prefix}.{n}" if prefix else n for n in sorted(found) if n in children]
 
 
 def _traced_chains(module: nn.Module, prefix: str) -> Traced | str:
