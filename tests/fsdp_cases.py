@@ -224,6 +224,7 @@ def lightning_main(out: str, shares: list[int], epochs: int, slow_s: float = 0.0
     ``slow_s``: rank 1 sleeps that long in each block's forward, and a ``Rebalancing`` callback
     moves the shares every 2 batches. Each rank's final shares and the number of decisions
     that moved them go to ``out/rank{r}.json``."""
+    import gc
     import json
     import os
     import time
@@ -274,6 +275,13 @@ def lightning_main(out: str, shares: list[int], epochs: int, slow_s: float = 0.0
     moved = sum(e.applied for e in rebalancer.history) if rebalancer is not None else 0
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump({"shares": list(sampler.shares), "moved": moved}, f)
+    # An orderly end: FSDP's mesh holds process groups, which, freed at exit after a peer left,
+    # aborted a rank once in gloo's teardown ("terminate called without an active
+    # exception"); they go first, then the ranks leave the group together.
+    del trainer, lm, full
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def timed_steps(rank: int, world: int, slow_s: float) -> dict[str, Any]:
