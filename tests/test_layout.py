@@ -132,8 +132,9 @@ def test_import_contracts_hold():
 )
 def test_importing_the_library_imports_no_lab_module(package):
     """Nor torch's subsystems that only some calls need, loaded on use: torch.compile's tracer
-    (a second to import on a 2-core host; an autograd function disabled for it made its
-    import hetcoll.torch's) and torch.distributed.checkpoint (half a second)."""
+    (a second to import on a 2-core host; disabling it for hetcoll's exchanging autograd
+    functions at their definition used to import it) and torch.distributed.checkpoint (half
+    a second)."""
     code = (
         f"import json, sys, {package}\n"
         "lab = ('hetcoll.lab', 'demo', 'emulat', 'calibrat', 'validat')\n"
