@@ -50,6 +50,22 @@ def _run(tmp: Path, name: str, launcher: list[str], script: str, *extra: str) ->
     return torch.load(tmp / f"{name}.pt"), reports
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``one_process(script, *extra)``: the example in one process (the reference the ranks'
+    runs must equal), run once for the module for each ``extra``: its state dict and report.
+    Callers only read them."""
+    done: dict[tuple[str, ...], tuple[dict, list]] = {}
+
+    def run(script: str, *extra: str) -> tuple[dict, list]:
+        if (script, *extra) not in done:
+            tmp = tmp_path_factory.mktemp("one")
+            done[(script, *extra)] = _run(tmp, "one", [sys.executable], script, *extra, *ONE)
+        return done[(script, *extra)]
+
+    return run
+
+
 def _max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
@@ -69,10 +85,9 @@ def _max_diff(a: dict, b: dict) -> float:
     ids=["gpt2-5:3", "llama-5:3", "gpt2-4:3:1-float64-loss"],
 )
 def test_accelerate_uneven_shares_with_accumulation_are_the_one_process_model(
-    arch, shares, loss, tmp_path
+    arch, shares, loss, tmp_path, one_process
 ):
-    one, (report,) = _run(tmp_path, "one", [sys.executable], "accelerate_balanced.py",
-                          "--arch", arch, *ONE, *loss)  # fmt: skip
+    one, (report,) = one_process("accelerate_balanced.py", "--arch", arch, *loss)
     assert report["world"] == 1 and report["shares"] == [16]
     ranks = len(shares.split(","))
     launcher = [*TORCHRUN[:-1], f"--nproc-per-node={ranks}"]
@@ -98,7 +113,9 @@ def test_accelerate_uneven_shares_with_accumulation_are_the_one_process_model(
 @pytest.mark.parametrize(
     ("arch", "experts"), [("gpt2", []), ("mixtral", ["--experts"])], ids=["gpt2", "mixtral-experts"]
 )
-def test_accelerate_loop_rebalanced_as_it_trains_is_the_one_process_model(tmp_path, arch, experts):
+def test_accelerate_loop_rebalanced_as_it_trains_is_the_one_process_model(
+    tmp_path, arch, experts, one_process
+):
     """The example's ``--rebalance-every 1`` (a Rebalancer over the loader's sampler, fed by a
     StepTimer), rank 1 emulated at 0.3 of its speed (it sleeps): from 5 : 3 the shares move
     towards rank 0 as the loop trains, deciding after every optimizer step of two
@@ -106,8 +123,7 @@ def test_accelerate_loop_rebalanced_as_it_trains_is_the_one_process_model(tmp_pa
     Mixtral's experts placed on the ranks too (3 : 1), whose exchanges make rank 0 wait for
     rank 1 inside every step: the timer leaves those waits out (measured: 5 : 3 to 6 : 2 to
     7 : 1)."""
-    one, _ = _run(tmp_path, "one", [sys.executable], "accelerate_balanced.py", "--arch", arch,
-                  *ONE)  # fmt: skip
+    one, _ = one_process("accelerate_balanced.py", "--arch", arch)
     emulated = ["--rebalance-every", "1", "--emulate", "1,0.3", *experts]
     two, reports = _run(tmp_path, "two", TORCHRUN, "accelerate_balanced.py", "--arch", arch,
                         *TWO, *emulated)  # fmt: skip
@@ -149,9 +165,8 @@ def test_accelerate_measured_speeds_show_in_the_progress_bar(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_trainer_at_shares_5_3_with_accumulation_is_the_one_process_model(tmp_path):
-    one, (report,) = _run(tmp_path, "one", [sys.executable], "hf_trainer_balanced.py",
-                          "--arch", "gpt2", *ONE)  # fmt: skip
+def test_trainer_at_shares_5_3_with_accumulation_is_the_one_process_model(tmp_path, one_process):
+    one, (report,) = one_process("hf_trainer_balanced.py", "--arch", "gpt2")
     two, reports = _run(tmp_path, "two", TORCHRUN, "hf_trainer_balanced.py", "--arch", "gpt2", *TWO)
     assert _max_diff(one, two) < 1e-10
     # 6 optimizer steps, each logged with every rank's share.
@@ -166,7 +181,7 @@ def test_trainer_at_shares_5_3_with_accumulation_is_the_one_process_model(tmp_pa
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("script", ["hf_trainer_balanced.py", "accelerate_balanced.py"])
-def test_experts_placed_on_the_ranks_train_as_the_one_process_model(tmp_path, script):
+def test_experts_placed_on_the_ranks_train_as_the_one_process_model(tmp_path, script, one_process):
     """Mixtral at shares 5:3 with two accumulated micro-batches a step, its experts placed on
     the ranks by the same shares (3 and 1 of 4: ``expert_parallel``), under Trainer and under
     the Accelerate loop. Each scales every rank's loss for DDP's mean, so the experts weigh
@@ -181,7 +196,7 @@ def test_experts_placed_on_the_ranks_train_as_the_one_process_model(tmp_path, sc
     trainer = script.startswith("hf_trainer")
     # Under Trainer, placed 1 : 3 (against the rows' 5 : 3) and watched after every step.
     watch = ["--expert-shares", "1,3", "--rebalance-experts", "1"] if trainer else []
-    one, _ = _run(tmp_path, "one", [sys.executable], script, *mixtral, *ONE)
+    one, _ = one_process(script, *mixtral)
     two, reports = _run(tmp_path, "two", TORCHRUN, script, *mixtral, *TWO, "--experts", *watch)
     assert _max_diff(one, two) < 1e-10
     assert [r["shares"] for r in reports] == [[5, 3], [5, 3]]
@@ -197,7 +212,7 @@ def test_experts_placed_on_the_ranks_train_as_the_one_process_model(tmp_path, sc
 
 
 @pytest.mark.multiproc
-def test_accelerate_save_state_of_placed_experts_resumes_into_any_placement(tmp_path):
+def test_accelerate_save_state_of_placed_experts_resumes_into_any_placement(tmp_path, one_process):
     """The Accelerate loop with Mixtral's experts placed 1 : 3 on two ranks saves
     ``accelerator.save_state`` after its first epoch through ``whole_checkpoints``: the file
     Accelerate writes holds the unsplit model (every expert, not the main process's one) and
@@ -212,7 +227,7 @@ def test_accelerate_save_state_of_placed_experts_resumes_into_any_placement(tmp_
     from transformers import AutoModelForCausalLM
 
     mixtral = ["--arch", "mixtral"]
-    one, _ = _run(tmp_path, "one", [sys.executable], "accelerate_balanced.py", *mixtral, *ONE)
+    one, _ = one_process("accelerate_balanced.py", *mixtral)
     ckpt = str(tmp_path / "ckpt")
     final = tmp_path / "final"
     save = ["--experts", "--expert-shares", "1,3", "--epochs", "1", "--save-state", ckpt]
@@ -300,13 +315,15 @@ def test_whole_checkpoints_in_one_process_and_its_bad_input(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_trainer_rebalancing_rows_with_experts_placed_is_the_one_process_model(tmp_path):
+def test_trainer_rebalancing_rows_with_experts_placed_is_the_one_process_model(
+    tmp_path, one_process
+):
     """BalancedTrainer(rebalance_every=1) with Mixtral's experts placed on the two ranks, rank
     1 emulated at 0.3 of its speed: the rows move towards rank 0 (5 : 3 to 7 : 1 or 6 : 2,
     measured), decided alike on both ranks, and the model is one process's to 1e-10."""
     mixtral = ["--arch", "mixtral"]
     script = "hf_trainer_balanced.py"
-    one, _ = _run(tmp_path, "one", [sys.executable], script, *mixtral, *ONE)
+    one, _ = one_process(script, *mixtral)
     emulated = ["--experts", "--rebalance-every", "1", "--emulate", "1,0.3"]
     two, reports = _run(tmp_path, "two", TORCHRUN, script, *mixtral, *TWO, *emulated)
     assert _max_diff(one, two) < 1e-10

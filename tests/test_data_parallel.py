@@ -3,7 +3,10 @@ single-process full-batch update; the sampler and the rebalancer behave as docum
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -543,6 +546,38 @@ def test_spawned_ranks_are_processes_of_their_own_with_the_callers_environment(m
     for f in facts:
         assert f["mark"] == "after the server started" and f["cwd"] == os.getcwd()
         assert f["threads"] == 2 and f["omp"] == "2" and f["fresh"]
+
+
+_PRELOAD_PROBE = """
+import json, sys
+from hetcoll import launch
+if sys.argv[1] == "transformers":
+    import transformers
+from ranks import loaded
+if __name__ == "__main__":
+    print(json.dumps(launch.spawn(loaded, 2)))
+"""
+_PRELOAD_RANKS = """
+import sys
+def loaded(rank, world):
+    return "transformers.modeling_utils" in sys.modules
+"""
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("caller", ["transformers", "nothing"])
+def test_the_rank_server_preloads_the_model_libraries_the_caller_imported(tmp_path, caller):
+    # Fresh callers, each starting its own rank server: the ranks start with Hugging Face's
+    # modeling base loaded where the caller imported transformers, and without it otherwise.
+    (tmp_path / "probe.py").write_text(_PRELOAD_PROBE)
+    (tmp_path / "ranks.py").write_text(_PRELOAD_RANKS)
+    path = os.pathsep.join([str(tmp_path), str(Path(__file__).resolve().parents[1] / "python")])
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "probe.py"), caller], capture_output=True, text=True,
+        timeout=240, env={**os.environ, "PYTHONPATH": path}, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == [caller == "transformers"] * 2
 
 
 def test_mpiexec_ranks_beyond_the_cores_yield_their_core_unless_told_otherwise(monkeypatch):

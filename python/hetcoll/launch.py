@@ -92,6 +92,24 @@ def _worker(
 #: starts a thread or initialises MPI, so forking after them is safe.
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "hetcoll.torch")
 
+#: What the rank server also imports for each of these model libraries the caller has already
+#: imported when the server starts (at the first :func:`spawn`): the library and its model base,
+#: whose import costs a rank seconds (Hugging Face's transformers about 1.5 s on a 2-core host,
+#: on top of the above), and which a caller that loaded the library likely builds its ranks'
+#: models from. A caller that never imported them does not pay for them. None of them starts
+#: a thread at import.
+PRELOAD_IF_LOADED = {
+    "torchvision": ("torchvision", "torchvision.models"),
+    "transformers": ("transformers", "transformers.modeling_utils"),
+}
+
+
+def preloaded() -> list[str]:
+    """The modules the rank server imports once, were it to start now: :data:`PRELOAD`, and
+    :data:`PRELOAD_IF_LOADED`'s for the libraries this process has imported."""
+    extra = [m for lib, mods in PRELOAD_IF_LOADED.items() if lib in sys.modules for m in mods]
+    return [*PRELOAD, *extra]
+
 
 def _context(mp: Any) -> Any:
     """Where ranks start: forked from a server that imported torch once (``forkserver``, where
@@ -103,7 +121,7 @@ def _context(mp: Any) -> Any:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
+    ctx.set_forkserver_preload(preloaded())
     return ctx
 
 
