@@ -62,7 +62,11 @@ rust-test:
 
 py-test: $(BUILT)
 	$(PY) -m mypy.stubtest hetcoll._core
-	$(PY) -m pytest -q --durations=25  # the slowest, for keeping the suite short
+	# Tests of one process each run one per core (pytest-xdist); those launching several ranks
+	# (marked multiproc) run one at a time after them, so their ranks have the cores. Each
+	# prints its slowest, for keeping the suite short.
+	$(PY) -m pytest -q -m "not multiproc" -n auto --durations=10
+	$(PY) -m pytest -q -m multiproc --durations=25
 
 test: $(BUILT) lint rust-test py-test
 

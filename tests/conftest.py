@@ -1,10 +1,29 @@
-"""Shared test set-up: one thread per process, so several ranks share 2 cores fairly; and the
-reaper, which kills the processes a failed (timed-out) test left running."""
+"""Shared test set-up: one thread per process, so several ranks share 2 cores fairly; the
+reaper, which kills the processes a failed (timed-out) test left running; and the rule that
+only tests marked ``multiproc`` launch ranks."""
 
 import os
+
+import pytest
+
+from hetcoll import launch
 
 from reaper import pytest_runtest_makereport, pytest_sessionfinish
 
 __all__ = ["pytest_runtest_makereport", "pytest_sessionfinish"]
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def ranks_only_where_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """`make test` runs the tests not marked ``multiproc`` one per core, at the same time: one
+    launching ranks there (``launch.spawn``, ``launch.mpiexec``, or a port for a rendezvous)
+    would share its cores with another test. Such a launch raises, naming the mark."""
+    if request.node.get_closest_marker("multiproc") is None:
+
+        def refuse(*_: object, **__: object) -> None:
+            raise RuntimeError(f"{request.node.nodeid} launches ranks: mark it multiproc")
+
+        monkeypatch.setattr(launch, "free_port", refuse)
+        monkeypatch.setattr(launch, "mpiexec_path", refuse)

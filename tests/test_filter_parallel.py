@@ -300,6 +300,7 @@ def test_an_optimizer_made_before_the_split_raises_at_its_step():
             assert f"that {call} replaced" in s and f"Create the optimizer after {call}" in s
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_unbatched_input_and_tied_weights():
     """Issue 26: an unbatched input to a split conv raised nowhere and hung; filter_parallel

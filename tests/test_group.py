@@ -240,6 +240,7 @@ REORDERS = "sort_ranks" in inspect.signature(dist.new_group).parameters
 reorders = pytest.mark.skipif(not REORDERS, reason="this torch's groups keep the world's order")
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize(
     ("world", "members", "reordered"),
     [
@@ -298,6 +299,7 @@ def _ddp_on_the_split_ranks(rank, world):
     return "no error"
 
 
+@pytest.mark.multiproc
 def test_ddp_over_the_ranks_of_one_split_is_refused():
     for said in spawn(_ddp_on_the_split_ranks, 2, timeout=60):
         assert said.startswith("model: DDP runs over ranks [0, 1] of one filter_parallel"), said
@@ -326,6 +328,7 @@ def _mpi_optimizer_over_a_split(rank, world):
     return said
 
 
+@pytest.mark.multiproc
 def test_the_mpi_optimizer_over_the_ranks_of_one_split_is_refused():
     """DistributedOptimizer over the ranks of one split averaged their slices' gradients (on
     an even split they have one shape): every rank raises, naming the split."""
@@ -336,6 +339,7 @@ def test_the_mpi_optimizer_over_the_ranks_of_one_split_is_refused():
         assert replicas == "stepped", replicas
 
 
+@pytest.mark.multiproc
 def test_ddp_over_a_split_holding_parameters_whole_is_refused():
     """DDP over the replicas of a split model averaged the gradients of what the split holds
     whole before their sums over the split were added, and wrote its average over them (a

@@ -953,6 +953,7 @@ def test_convolutions_run_at_the_convolution_rate() -> None:
     assert cluster_from_dict(doc).devices[0].conv_rate == 1e9
 
 
+@pytest.mark.multiproc
 def test_calibrate_measures_gloo_and_mpi_links(tmp_path: Path) -> None:
     from hetcoll.lab.calibrate import calibrate
 

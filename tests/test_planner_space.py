@@ -180,6 +180,7 @@ def _runs(rank: int, world: int, docs: list[dict]) -> list[bool]:  # type: ignor
     return [True] * len(docs)
 
 
+@pytest.mark.multiproc
 def test_candidates_of_the_new_families_run_equal_to_one_process(ranked) -> None:  # type: ignore[no-untyped-def]
     _, out, _ = ranked
     picked = {}
