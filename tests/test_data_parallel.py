@@ -564,7 +564,6 @@ def loaded(rank, world):
 """
 
 
-@pytest.mark.multiproc
 @pytest.mark.parametrize("caller", ["transformers", "nothing"])
 def test_the_rank_server_preloads_the_model_libraries_the_caller_imported(tmp_path, caller):
     # Fresh callers, each starting its own rank server: the ranks start with Hugging Face's

@@ -93,22 +93,18 @@ def _worker(
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "hetcoll.torch")
 
 #: What the rank server also imports for each of these model libraries the caller has already
-#: imported when the server starts (at the first :func:`spawn`): the library and its model base,
-#: whose import costs a rank seconds (Hugging Face's transformers about 1.5 s on a 2-core host,
-#: on top of the above), and which a caller that loaded the library likely builds its ranks'
-#: models from. A caller that never imported them does not pay for them. None of them starts
-#: a thread at import.
-PRELOAD_IF_LOADED = {
-    "torchvision": ("torchvision", "torchvision.models"),
-    "transformers": ("transformers", "transformers.modeling_utils"),
-}
+#: imported when the server starts (at the first :func:`spawn`): the module that loads the
+#: library's models (torchvision's package does; Hugging Face's transformers loads them lazily,
+#: and its modeling base costs a rank about 1.5 s on a 2-core host, on top of the above), which
+#: a caller that loaded the library likely builds its ranks' models from. A caller that never
+#: imported them does not pay for them. None of them starts a thread at import.
+PRELOAD_IF_LOADED = {"torchvision": "torchvision", "transformers": "transformers.modeling_utils"}
 
 
 def preloaded() -> list[str]:
     """The modules the rank server imports once, were it to start now: :data:`PRELOAD`, and
     :data:`PRELOAD_IF_LOADED`'s for the libraries this process has imported."""
-    extra = [m for lib, mods in PRELOAD_IF_LOADED.items() if lib in sys.modules for m in mods]
-    return [*PRELOAD, *extra]
+    return [*PRELOAD, *(m for lib, m in PRELOAD_IF_LOADED.items() if lib in sys.modules)]
 
 
 def _context(mp: Any) -> Any:
