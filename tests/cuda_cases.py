@@ -611,7 +611,7 @@ def fsdp_nccl(rank: int, world: int) -> dict[str, bool]:
     return {"weighs 1": weighed.item() == loss.item(), "plain gradients": diff < 1e-12}
 
 
-def fsdp_nccl_timer(rank: int, world: int) -> dict[str, bool]:
+def fsdp_nccl_timer(rank: int, world: int) -> dict[str, float]:
     """A StepTimer on a model sharded by FSDP2 on NCCL, one GPU: its marks are CUDA events
     (FSDP's spans among them), so a step of long kernels reads at least half of what torch's
     own events around the step give, and not more."""
@@ -626,7 +626,7 @@ def fsdp_nccl_timer(rank: int, world: int) -> dict[str, bool]:
     fully_shard(model[2])
     fully_shard(model)
     timed, whole = timed_gpu_step(model, torch.randn(8192, 4096, device=dev))
-    return {"within the step": 0.5 * whole <= timed <= whole * 1.01 + 1e-4}
+    return {"timed": timed, "whole": whole}
 
 
 def timed_gpu_step(model: nn.Module, x: torch.Tensor) -> tuple[float, float]:

@@ -107,8 +107,9 @@ def test_device_weighted_sum_refuses_what_the_kernel_refuses(device):
     z = torch.zeros(24, dtype=torch.float64, device=device)
     with pytest.raises(ValueError, match=re.escape("arrays[0]: overlaps out in memory")):
         run([z[:16], y], [1.0, 1.0], out=z[8:])
+    out = torch.zeros(16, dtype=torch.float64, device=device, requires_grad=True)
     with pytest.raises(RuntimeError, match="out: requires grad"):
-        run([x, y], [1.0, 1.0], out=torch.zeros(16, dtype=torch.float64, requires_grad=True))
+        run([x, y], [1.0, 1.0], out=out)
 
 
 @pytest.mark.cuda
@@ -173,7 +174,8 @@ def test_fsdp_with_weighed_losses_on_nccl():
 def test_step_timer_under_fsdp_on_nccl_reads_cuda_events():
     """FSDP2 on one GPU (NCCL): the timer's marks and FSDP's spans are CUDA events; a step of
     long kernels reads between half and all of torch's own events around it."""
-    assert _spawn(cuda_cases.fsdp_nccl_timer, 1, backend="nccl") == [{"within the step": True}]
+    (got,) = _spawn(cuda_cases.fsdp_nccl_timer, 1, backend="nccl")
+    assert 0.5 * got["whole"] <= got["timed"] <= got["whole"] * 1.01 + 1e-4, got
 
 
 @pytest.mark.multiproc
@@ -268,9 +270,13 @@ def test_cpu_draws_give_a_gpu_tensor_the_cpus_masks():
     for g, w in zip(got, want, strict=True):
         assert g.device.type == "cuda"
         assert torch.equal(g.cpu(), w)
-    (got[0].sum() + got[1].pow(2).sum() + got[4].sum()).backward()
-    (want[0].sum() + want[1].pow(2).sum() + want[4].sum()).backward()
-    assert torch.equal(gx.grad.cpu(), cx.grad)
+    # Each draw's gradient on its own: the sum of the three is the order in which autograd
+    # accumulates them, which differs between the devices' engine threads (in the last bit).
+    for i, loss in ((0, torch.sum), (1, lambda t: t.pow(2).sum()), (4, torch.sum)):
+        (g,) = torch.autograd.grad(loss(got[i]), gx, retain_graph=True)
+        (w,) = torch.autograd.grad(loss(want[i]), cx, retain_graph=True)
+        assert g.device.type == "cuda"
+        assert torch.equal(g.cpu(), w), f"gradient of draw {i}"
     assert torch.equal(torch.cuda.get_rng_state(), cuda_state)
 
 
@@ -314,6 +320,7 @@ def test_expert_parallel_on_nccl():
 # -- Lightning ------------------------------------------------------------------------------
 
 
+@pytest.mark.multiproc  # Lightning's process group takes a rendezvous port
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetcoll
+from hetcoll import launch
 from hetcoll.launch import RankFailed, spawn
 from hetcoll.torch import (
     BalancedSampler,
@@ -490,6 +492,32 @@ def test_spawn_reports_a_failing_rank_and_its_waiting_peer_without_waiting_for_t
     assert "rank 0: " in str(failed.value) and "still running" not in str(failed.value)
 
 
+def _hang_on_rank_one(rank, world):
+    if rank == 1:
+        _waits_for_ever()
+    return rank  # then waits for rank 1 in spawn's closing barrier
+
+
+def _waits_for_ever():
+    time.sleep(3600)
+
+
+def test_spawn_kills_a_hung_rank_at_its_timeout_and_says_where_each_rank_was(monkeypatch):
+    """Past ``timeout`` the ranks still running are killed, and the error gives each one's
+    Python stack at that moment: rank 1 in the function that hung, rank 0 waiting for it."""
+    monkeypatch.setattr(launch, "_START_SLACK_S", 1.0)
+    with pytest.raises(RankFailed) as failed:
+        spawn(_hang_on_rank_one, 2, timeout=8)
+    message = str(failed.value)
+    parts = dict(re.findall(r"(?ms)^rank (\d): (.*?)(?=^rank \d: |\Z)", message))
+    assert set(parts) == {"0", "1"}, message
+    assert parts["1"].startswith("still running after 8 s, killed; it was at:"), message
+    assert "in _waits_for_ever" in parts["1"] and "in _hang_on_rank_one" in parts["1"], message
+    # Rank 0 waited for it in spawn's closing barrier: still there, or its group's own
+    # timeout (spawn's) came first.
+    assert "barrier" in parts["0"] and "_waits_for_ever" not in parts["0"], message
+
+
 def _wait_with_a_loader_worker(rank, world, directory):
     """Writes this rank's pid and its loader worker's, then waits for ever (a hung rank)."""
     from torch.utils.data import DataLoader
@@ -501,10 +529,11 @@ def _wait_with_a_loader_worker(rank, world, directory):
     time.sleep(3600)
 
 
-def test_an_interrupted_spawn_kills_its_ranks_and_their_workers(tmp_path):
+def test_an_interrupted_spawn_kills_its_ranks_and_their_workers(tmp_path, capsys):
     """A wait interrupted (Ctrl-C, pytest-timeout's alarm) left the ranks running: the caller's
     exit then joined them for ever (multiprocessing joins its children at exit), as a full
-    test run once did for 20 minutes. Now they, and their loader workers, are killed."""
+    test run once did for 20 minutes. Now they, and their loader workers, are killed, after
+    each has written where it was to stderr."""
     import signal
 
     def interrupt(signum, frame):
@@ -522,6 +551,10 @@ def test_an_interrupted_spawn_kills_its_ranks_and_their_workers(tmp_path):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+    err = capsys.readouterr().err
+    for r in range(2):
+        where = err[err.index(f"spawn interrupted; rank {r} was at:") :]
+        assert "_wait_with_a_loader_worker" in where.split("spawn interrupted")[1]
     pids = [int(pid) for f in tmp_path.glob("*.pids") for pid in f.read_text().split()]
     assert len(pids) == 4
     time.sleep(0.5)  # the workers' parent (the forkserver's child) is gone; init reaps them

@@ -16,7 +16,7 @@
 #   lm         1 GPU rank + 3 CPU ranks: examples/train_lm.py's Llama, balanced vs equal vs the
 #              GPU alone (tokens/s), a pipeline and a hybrid, each measured and predicted
 # and writes OUTDIR/summary.json (every step's status, seconds and results) and OUTDIR/log.txt.
-# The step limits add up to 480 s, so a run ends within 8 minutes whatever hangs. Without CUDA
+# The step limits add up to 470 s, so a run ends within 8 minutes whatever hangs. Without CUDA
 # it is the dry run: every CUDA figure is "skipped: no CUDA", with small step counts.
 set -u
 OUT=${1:?usage: bash benches/device/run.sh OUTDIR}
@@ -61,29 +61,37 @@ export PYTHONUNBUFFERED=1
 
 # Each job's own limit (--timeout) is under its step's, so a hung job still leaves its
 # script the seconds to write what it measured.
-HETERO=(--steps 12 --probe-s 2 --timeout 32)
-PLANS=(--timeout 75)
-LM=(--timeout 65)
+HETERO=(--steps 12 --probe-s 2 --timeout 25)
+PLANS=(--timeout 55)
+LM=(--timeout 50)
 CPU_RANKS=8
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>>"$LOG"; then
     echo "no CUDA: the dry run (small step counts)" | tee -a "$LOG"
-    HETERO=(--cpu-ranks 1 --batch 64 --warmup 1 --steps 3 --probe-s 1 --timeout 60)
-    PLANS=(--cpu-ranks 2 --batch 32 --warmup 1 --steps 3 --probe-s 1 --timeout 75)
-    LM=(--cpu-ranks 2 --batch 8 --warmup 1 --steps 2 --probe-s 1 --timeout 65)
+    HETERO=(--cpu-ranks 1 --batch 64 --warmup 1 --steps 3 --probe-s 1 --timeout 40)
+    PLANS=(--cpu-ranks 2 --batch 32 --warmup 1 --steps 3 --probe-s 1 --timeout 55)
+    LM=(--cpu-ranks 2 --batch 8 --warmup 1 --steps 2 --probe-s 1 --timeout 50)
     CPU_RANKS=2
 fi
 
 step env 20 "$PY" benches/device/environment.py --json "$OUT/environment.json"
 step kernels 35 "$PY" benches/device/kernels.py --json "$OUT/kernels.json"
-step pytest 130 "$PY" -m pytest -m cuda -v -p no:cacheprovider -o addopts="" \
+# Each test limited too (pytest-timeout): a hung one fails with its ranks' stacks in the log
+# (launch.spawn prints them as it kills them) and the tests after it still run.
+step pytest 170 "$PY" -m pytest -m cuda -v -p no:cacheprovider -o addopts="" --timeout 55 \
     --junitxml "$OUT/pytest-cuda.xml" tests/test_cuda.py
-step calibrate 40 "$PY" -m hetcoll.cli model calibrate --links gloo --ranks "$CPU_RANKS" \
+step calibrate 35 "$PY" -m hetcoll.cli model calibrate --links gloo --ranks "$CPU_RANKS" \
     --output "$OUT/cluster.toml"
-step hetero 75 "$PY" benches/device/hetero.py --cluster "$OUT/cluster.toml" \
+step hetero 55 "$PY" benches/device/hetero.py --cluster "$OUT/cluster.toml" \
     --json "$OUT/hetero.json" "${HETERO[@]}"
-step plans 80 "$PY" benches/device/plans.py --cluster "$OUT/cluster.toml" \
+step plans 65 "$PY" benches/device/plans.py --cluster "$OUT/cluster.toml" \
     --json "$OUT/plans.json" "${PLANS[@]}"
-step lm 70 "$PY" benches/device/lm.py --cluster "$OUT/cluster.toml" \
+step lm 60 "$PY" benches/device/lm.py --cluster "$OUT/cluster.toml" \
     --json "$OUT/lm.json" "${LM[@]}"
 
 "$PY" benches/device/summarize.py "$OUT" 2>>"$LOG" | tee -a "$LOG"
+# The device tool brings back 8 files at most: the steps' own files go into one archive
+# (summary.json holds what they say; log.txt, everything printed).
+STEP_FILES=(environment.json kernels.json pytest-cuda.xml cluster.toml hetero.json plans.json
+    lm.json steps.jsonl)
+(cd "$OUT" && tar czf steps.tar.gz --ignore-failed-read "${STEP_FILES[@]}" 2>/dev/null &&
+    rm -f "${STEP_FILES[@]}")
