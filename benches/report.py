@@ -2060,6 +2060,9 @@ def adapt_device(raw: Sequence[Path], command: str) -> dict[str, Any]:
     lm_rows, lm_notes, lm_heads = _device_lm(data.get("lm"), cuda, where)
     headlines.extend(lm_heads)
     lm = data.get("lm") if isinstance(data.get("lm"), dict) else {}
+    if cuda:
+        headlines.extend(_planner_headline(plans, "demo CNN"))
+        headlines.extend(_planner_headline(lm, "LM example"))
     sections.append(
         {
             "title": "The LM example (examples/train_lm.py's Llama)"
@@ -2221,6 +2224,21 @@ def _device_plans(
     if not rows:
         rows.append([None, status, None, None, None, None])
     return rows, errors, notes
+
+
+def _planner_headline(part: dict[str, Any], model: str) -> list[tuple[str, str]]:
+    """plans.py's or lm.py's ``planner_over`` (the plan hetcoll's planner picks, measured
+    beside the others) as a headline, where the run has it."""
+    over = part.get("planner_over") or {}
+    if "the GPU alone" not in over or "the best other run" not in over:
+        return []
+    return [
+        (
+            f"{model}, 1 GPU + {part.get('cpu_ranks')} CPU ranks: the planner's pick's "
+            "throughput / the GPU alone's, / the best other plan's",
+            f"{ratio(over['the GPU alone'])} / {ratio(over['the best other run'])}",
+        )
+    ]
 
 
 def _device_lm(

@@ -559,6 +559,8 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
         runs[name]["tokens_per_s"] = rate
         runs[name]["prediction"] = {"status": "failed: ValueError: no"}
     lm["balanced_over"] = {"equal split": 5.0, "the GPU alone": 1.3}
+    plans["planner_over"] = {"the GPU alone": 1.0, "the best other run": 0.97}
+    lm["planner_over"] = {"the GPU alone": 1.3, "the best other run": 1.0}
     raw = tmp_path / "raw" / "summary.json"
     raw.parent.mkdir()
     raw.write_text(json.dumps(data))
@@ -581,6 +583,9 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
     assert heads[
         "LM example, 1 GPU + 2 CPU ranks: balanced tokens/s / equal split, / GPU alone"
     ] == ("5.00x / 1.30x")
+    planned = "the planner's pick's throughput / the GPU alone's, / the best other plan's"
+    assert heads[f"demo CNN, 1 GPU + {plans['cpu_ranks']} CPU ranks: {planned}"] == "1.00x / 0.97x"
+    assert heads[f"LM example, 1 GPU + 2 CPU ranks: {planned}"] == "1.30x / 1.00x"
     # Every prediction: the CNN runs' 3 (0.125, 0.1, 0), the plans' and the LM's runs the
     # model predicted (all but the three whose prediction failed above: their dry-run errors).
     lm_errors = [

@@ -1,6 +1,7 @@
-"""What plans.py and lm.py share: their command line; running a list of plans on every rank of
-one job, each measured and (on rank 0) predicted, the results file rewritten after each plan so
-that a timeout keeps what was measured; and launching that job from the parent.
+"""What plans.py and lm.py share: their command line; hetcoll's planner's pick for the machine;
+running a list of plans on every rank of one job, each measured and (on rank 0) predicted, the
+results file rewritten after each plan so that a timeout keeps what was measured; and launching
+that job from the parent.
 
 Lab code, like everything in benches/: it imports the library, the library never imports it.
 """
@@ -21,7 +22,10 @@ import torch.distributed as dist
 import hetcoll
 from hetcoll import launch
 
-from hetero import measure_gpu
+from hetero import measure_gpu, real_cluster
+
+#: The run of the plan hetcoll's planner picks for the machine (:func:`planner_pick`).
+PICK = "the planner's pick"
 
 
 def parse(
@@ -102,6 +106,40 @@ def _line(r: dict[str, Any]) -> str:
         f"predicted {p.get('step_s', float('nan')) * 1e3:9.2f} ms  "
         f"error {p.get('error', float('nan')):+.1%}"
     )
+
+
+def planner_pick(
+    cfg: dict[str, Any], world: int, costs: Callable[[], Any]
+) -> tuple[str, dict[str, Any]] | None:
+    """The plan :func:`hetcoll.model.plan` ranks first for this machine's ranks (the calibrated
+    CPU ranks and gloo link, rank 0 the GPU as measured) and ``cfg["batch"]``, as
+    ``(kind, plan dict)``: what a user who asks the planner would run. Rank 0 searches
+    (``costs()``: the model's layer costs) and every rank gets its answer. None without a
+    calibration file."""
+    from hetcoll.model import plan
+
+    pick: list[Any] = [None]
+    if dist.get_rank() == 0:
+        cluster, _, why_not = real_cluster(cfg["cluster"], cfg["gpu"], world)
+        if why_not is None:
+            best = plan(costs(), cluster, cfg["batch"])[0]
+            pick[0] = (f"planned: {best.strategy}", best.to_plan().to_dict())
+    dist.broadcast_object_list(pick, src=0)
+    return pick[0]
+
+
+def planner_over(result: dict[str, Any], rate: str) -> None:
+    """The planner's pick's throughput (``rate``: a row's samples or tokens per second) over
+    the GPU alone's and over the best of the other runs, from the runs measured so far."""
+    rows = {r["name"]: r for r in result["configurations"] if r["status"] == "ok"}
+    if PICK not in rows:
+        return
+    got = rows[PICK][rate]
+    others = [r[rate] for name, r in rows.items() if name != PICK]
+    over = {"the GPU alone": got / rows["the GPU alone"][rate]} if "the GPU alone" in rows else {}
+    if others:
+        over["the best other run"] = got / max(others)
+    result["planner_over"] = over
 
 
 def write_results(path: str, result: dict[str, Any]) -> None:

@@ -19,7 +19,8 @@ forward, backward and AdamW), then the ranks run, on the same global batches of 
 - **equal split**: the same replicas with equal rows (what DDP does);
 - **pipeline**: the GPU's stage (embedding, rotary, every decoder layer) feeding CPU rank 1's
   (the final norm and the head), 1F1B over ``--microbatches``;
-- **hybrid**: that pipeline beside whole-model replicas on CPU ranks 2.., rows split by speed.
+- **hybrid**: that pipeline beside whole-model replicas on CPU ranks 2.., rows split by speed;
+- **the planner's pick**: the plan :func:`hetcoll.model.plan` ranks first for these ranks.
 
 A step's time is the slowest rank's (barriers around, the GPU synchronized); throughput is the
 timed steps' valid tokens over their seconds. Rank 0 predicts each step with
@@ -41,10 +42,11 @@ import torch
 from torch import nn
 
 import hetcoll
+from hetcoll.model import layer_costs, predict_plan
 
 import jobs
 from hetero import real_cluster, strict_fp32, sync_gpu
-from jobs import run_configurations
+from jobs import PICK, planner_over, planner_pick, run_configurations
 
 # examples/train_lm.py (and its train_plan.py) as modules, here and in the ranks.
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -209,22 +211,26 @@ def _balanced_over(result: dict[str, Any]) -> None:
             )
 
 
-#: The LM's layer costs, computed by the first prediction (rank 0).
+#: The LM's layer costs, computed at first use (rank 0).
 _COSTS: dict[str, Any] = {}
 
 
-def _predict(cfg: dict[str, Any], world: int, plan: dict[str, Any], measured: float) -> Any:
-    from hetcoll.model import layer_costs, predict_plan
-
-    cluster, _, why_not = real_cluster(cfg["cluster"], cfg["gpu"], world)
-    if why_not is not None:
-        return {"status": why_not}
-    if "costs" not in _COSTS:  # the model's costs once: ~1 s each time
+def _costs() -> Any:
+    """The LM's layer costs, computed once (about a second)."""
+    if "costs" not in _COSTS:
         shape = {"input_ids": (train_lm.SEQ,), "attention_mask": (train_lm.SEQ,)}
         _COSTS["costs"] = layer_costs(
             lm_model(torch.device("cpu")), shape, dtype=torch.int64, loss=train_lm.costed_loss
         )
-    pred = predict_plan(_COSTS["costs"], cluster, hetcoll.Plan.from_dict(plan))
+    return _COSTS["costs"]
+
+
+def _predict(cfg: dict[str, Any], world: int, plan: dict[str, Any], measured: float) -> Any:
+
+    cluster, _, why_not = real_cluster(cfg["cluster"], cfg["gpu"], world)
+    if why_not is not None:
+        return {"status": why_not}
+    pred = predict_plan(_costs(), cluster, hetcoll.Plan.from_dict(plan))
     return {"status": "ok", "step_s": pred.step_s, "error": pred.step_s / measured - 1}
 
 
@@ -268,6 +274,14 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
             "rows_per_s": batch * len(times) / sum(times),
         }
 
+    pick = planner_pick(cfg, world, _costs)
+    if pick is not None:
+        runs[PICK] = pick
+
+    def summarize(result: dict[str, Any]) -> None:
+        _balanced_over(result)
+        planner_over(result, "tokens_per_s")
+
     return run_configurations(
         rank,
         result,
@@ -275,7 +289,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
         measure,
         lambda plan, step: _predict(cfg, world, plan, step),
         cfg["json"],
-        _balanced_over,
+        summarize,
     )
 
 

@@ -19,7 +19,10 @@ from these speeds), then the ranks run each plan in turn (global batch ``--batch
   (the head, layers 5-8), 1F1B over ``--microbatches``; the head cut into one stage per CPU rank
   (GPipe); the head as one stage filter-split over the CPU ranks;
 - **hybrid**: that 2-stage pipeline beside whole-model replicas on CPU ranks 2..C, the batch
-  split between the replicas by their speeds (the pipeline's: the GPU's).
+  split between the replicas by their speeds (the pipeline's: the GPU's);
+- **the planner's pick**: the plan :func:`hetcoll.model.plan` ranks first for these ranks (the
+  calibration's CPU ranks and link, the GPU as measured), what a user asking the planner would
+  run; ``planner_over`` gives its throughput over the GPU alone's and the best other plan's.
 
 A step is ``par.step`` + the optimizer's step, between barriers, the GPU synchronized; its time is
 the slowest rank's; the figure is the median over ``--steps`` steps after ``--warmup``. Rank 0
@@ -44,6 +47,7 @@ import torch
 from torch import nn
 
 import hetcoll
+from hetcoll.model import layer_costs, predict_plan
 
 import jobs
 from hetero import (
@@ -55,7 +59,7 @@ from hetero import (
     strict_fp32,
     sync_gpu,
 )
-from jobs import run_configurations
+from jobs import PICK, planner_over, planner_pick, run_configurations
 
 LR = 0.05
 #: DemoNet's plan layers: the convolutions and the pool (the compute), then the head.
@@ -182,8 +186,6 @@ def _step_times(
 
 
 def _predict(cfg: dict[str, Any], world: int, plan: dict[str, Any], measured: float) -> Any:
-    from hetcoll.model import layer_costs, predict_plan
-
     cluster, _, why_not = real_cluster(cfg["cluster"], cfg["gpu"], world)
     if why_not is not None:
         return {"status": why_not}
@@ -220,13 +222,18 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
             "samples_per_s": batch / step,
         }
 
+    runs = plans(speeds, latency, batch, cfg["microbatches"])
+    pick = planner_pick(cfg, world, lambda: layer_costs(demo_model(), SHAPE))
+    if pick is not None:
+        runs[PICK] = pick
     return run_configurations(
         rank,
         result,
-        plans(speeds, latency, batch, cfg["microbatches"]),
+        runs,
         measure,
         lambda plan, step: _predict(cfg, world, plan, step),
         cfg["json"],
+        lambda result: planner_over(result, "samples_per_s"),
     )
 
 

@@ -107,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     # The model's error and the LM's ratios at a glance (the files hold the rows).
     for part in ("hetero", "plans", "lm"):
         got = summary[part] if isinstance(summary[part], dict) else {}
-        short[part] = {k: got.get(k) for k in ("status", "prediction_error", "balanced_over")}
+        short[part] = {
+            k: got.get(k) for k in ("status", "prediction_error", "balanced_over", "planner_over")
+        }
     print(json.dumps(short, indent=1))
     return 0
 

@@ -107,8 +107,7 @@ def _gather(
                 full[key] = joined_rows.movedim(0, dim).contiguous()
     if not keep:
         return None
-    # Every tensor on the CPU, as documented: the unsplit ones copied off the rank's device too.
-    return {k: full[k] if k in full else t.detach().to("cpu", copy=True) for k, t in values.items()}
+    return {k: full[k] if k in full else t.detach().clone() for k, t in values.items()}
 
 
 def split_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, Part]]:
