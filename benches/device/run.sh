@@ -28,7 +28,6 @@ LOG=$OUT/log.txt
 STEPS=$OUT/steps.jsonl
 : >"$LOG"
 : >"$STEPS"
-SITE=${HETCOLL_DEVICE_SITE:-${TMPDIR:-/tmp}/hetcoll-device-site}
 cd "$ROOT"
 
 # step NAME TIMEOUT_S COMMAND...: run it with its limit, log its output, record its outcome.
@@ -47,11 +46,20 @@ step() {
 }
 
 WHEEL=$(ls dist/hetcoll-*-abi3-*.whl 2>/dev/null | head -n 1)
-if [ -z "$WHEEL" ]; then
+if [ -n "${HETCOLL_DEVICE_SITE:-}" ]; then
+    # A folder that holds a hetcoll already (the checkout's python/, for a dry run without a
+    # wheel): used as it is. Nothing is installed into it, nor removed from it.
+    SITE=$HETCOLL_DEVICE_SITE
+    echo "HETCOLL_DEVICE_SITE: the hetcoll in $SITE, no wheel installed" | tee -a "$LOG"
+    printf '{"step": "install", "rc": 2, "seconds": 0, "limit_s": 0}\n' >>"$STEPS"
+elif [ -z "$WHEEL" ]; then
     echo "no dist/hetcoll-*-abi3-*.whl: run make wheel first (and carry dist)" | tee -a "$LOG"
     printf '{"step": "install", "rc": 2, "seconds": 0, "limit_s": 0}\n' >>"$STEPS"
+    exit 2
 else
-    rm -rf "$SITE"
+    # A folder of the script's own, emptied each run.
+    SITE=$(mktemp -d "${TMPDIR:-/tmp}/hetcoll-device-site.XXXXXX")
+    trap 'rm -rf "$SITE"' EXIT
     step install 30 "$PY" -m pip install --no-index --no-deps --target "$SITE" "$WHEEL"
 fi
 # The wheel's hetcoll, never the checkout's python/ folder; tests/ for the cases modules.

@@ -3,12 +3,13 @@
 Used by ``hetcoll demo``, the benchmarks and the multi-process tests; handy for users who want to
 try a distributed job on one machine before they book a cluster. Results and errors come back to
 the caller: a rank that raises makes :func:`spawn` raise with that rank's traceback, and a rank
-that hangs past ``timeout`` is killed and reported, never waited on forever.
+that hangs past ``timeout`` is killed and reported with where it was, never waited on forever.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import pickle
 import shutil
@@ -61,6 +62,12 @@ def _worker(
         LOCAL_WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS=str(threads),
     )
+    # Where this rank is, written when spawn is about to kill it (a timeout, an interrupted
+    # caller): faulthandler writes every thread's Python stack from its signal handler, so a
+    # rank blocked in a collective or a kernel still says where. The file stays open for it.
+    if _STACK_SIGNAL is not None:
+        stacks = open(result_path + ".stack", "w")  # noqa: SIM115
+        faulthandler.register(_STACK_SIGNAL, file=stacks, all_threads=True)
     outcome: tuple[str, Any]
     try:
         import torch
@@ -121,6 +128,40 @@ def _context(mp: Any) -> Any:
     return ctx
 
 
+#: Seconds :func:`spawn` allows its ranks to start (the rank server's imports at its first
+#: call, fresh interpreters where there is no fork server) on top of ``timeout``.
+_START_SLACK_S = 60.0
+
+#: The signal on which a rank of :func:`spawn` writes its Python stacks before it is killed
+#: (None where the platform has no SIGUSR1).
+_STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
+
+
+def _stacks(procs: list[Any], paths: list[str]) -> list[str]:
+    """Each living rank's Python stacks, by position ("" for one gone, or that wrote none):
+    asked of all at once, before any is killed, so that each is where the hang left it."""
+    alive = [i for i, p in enumerate(procs) if p.is_alive()]
+    if _STACK_SIGNAL is None or not alive:
+        return [""] * len(procs)
+    for i in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(procs[i].pid, _STACK_SIGNAL)
+    found = [""] * len(procs)
+    deadline = time.monotonic() + 2.0  # the handlers write at once; a rank in C code, soon
+    while time.monotonic() < deadline:
+        for i in alive:
+            with contextlib.suppress(OSError):
+                found[i] = Path(paths[i] + ".stack").read_text()
+        if all(found[i] for i in alive):
+            time.sleep(0.1)  # the rest of a long stack
+            break
+        time.sleep(0.05)
+    for i in alive:
+        with contextlib.suppress(OSError):
+            found[i] = Path(paths[i] + ".stack").read_text()
+    return found
+
+
 def _kill(procs: list[Any]) -> None:
     """Kill these rank processes (and their own children: loader workers, which a killed rank
     leaves behind) and wait for them."""
@@ -160,7 +201,8 @@ def spawn(
     is a fresh interpreter).
 
     ``fn`` must be importable (defined at module level). A rank that raises or dies makes this
-    raise :class:`RankFailed` naming it; ranks still running after ``timeout`` seconds are killed.
+    raise :class:`RankFailed` naming it; ranks still running after ``timeout`` seconds are killed,
+    the error giving each one's Python stacks at that moment (where it hung).
 
     >>> spawn(my_fn, 2)  # doctest: +SKIP
     """
@@ -194,7 +236,7 @@ def spawn(
             for r in range(world_size)
         ]
         # One shared deadline (plus start-up slack) for all ranks.
-        deadline = time.monotonic() + timeout + 60.0
+        deadline = time.monotonic() + timeout + _START_SLACK_S
         try:
             for p in procs:
                 p.start()
@@ -203,14 +245,22 @@ def spawn(
         except BaseException:
             # Interrupted (Ctrl-C, a test's own timeout): the ranks go too, else the caller's
             # exit waits for them (multiprocessing joins its children at exit), for ever if
-            # they wait on one another.
+            # they wait on one another. Where each was goes to stderr first.
+            for r, where in enumerate(_stacks(procs, paths)):
+                if where:
+                    print(
+                        f"hetcoll.launch.spawn interrupted; rank {r} was at:\n{where}",
+                        file=sys.stderr,
+                    )
             _kill([p for p in procs if p.pid is not None])
             raise
         failures = []
+        stacks = _stacks(procs, paths)
         for r, p in enumerate(procs):
             if p.is_alive():
                 _kill([p])
-                failures.append(f"rank {r}: still running after {timeout:.0f} s, killed")
+                where = f"; it was at:\n{stacks[r].rstrip()}" if stacks[r] else ""
+                failures.append(f"rank {r}: still running after {timeout:.0f} s, killed{where}")
         results: list[Any] = []
         for r, (p, path) in enumerate(zip(procs, paths)):
             if not os.path.exists(path):

@@ -107,7 +107,8 @@ def _gather(
                 full[key] = joined_rows.movedim(0, dim).contiguous()
     if not keep:
         return None
-    return {k: full[k] if k in full else t.detach().clone() for k, t in values.items()}
+    # Every tensor on the CPU, as documented: the unsplit ones copied off the rank's device too.
+    return {k: full[k] if k in full else t.detach().to("cpu", copy=True) for k, t in values.items()}
 
 
 def split_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, Part]]:
