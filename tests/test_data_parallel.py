@@ -502,9 +502,14 @@ def _waits_for_ever():
     time.sleep(3600)
 
 
+def _nothing(rank, world):
+    return None
+
+
 def test_spawn_kills_a_hung_rank_at_its_timeout_and_says_where_each_rank_was(monkeypatch):
     """Past ``timeout`` the ranks still running are killed, and the error gives each one's
     Python stack at that moment: rank 1 in the function that hung, rank 0 waiting for it."""
+    spawn(_nothing, 1)  # the rank server up (its imports), so the ranks below start at once
     monkeypatch.setattr(launch, "_START_SLACK_S", 1.0)
     with pytest.raises(RankFailed) as failed:
         spawn(_hang_on_rank_one, 2, timeout=8)
