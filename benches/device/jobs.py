@@ -109,20 +109,22 @@ def _line(r: dict[str, Any]) -> str:
 
 
 def planner_pick(
-    cfg: dict[str, Any], world: int, costs: Callable[[], Any]
+    cfg: dict[str, Any], world: int, costs: Callable[[], Any], optimizer_state_copies: int = 1
 ) -> tuple[str, dict[str, Any]] | None:
     """The plan :func:`hetcoll.model.plan` ranks first for this machine's ranks (the calibrated
     CPU ranks and gloo link, rank 0 the GPU as measured) and ``cfg["batch"]``, as
     ``(kind, plan dict)``: what a user who asks the planner would run. Rank 0 searches
-    (``costs()``: the model's layer costs) and every rank gets its answer. None without a
-    calibration file."""
+    (``costs()``: the model's layer costs; ``optimizer_state_copies``: the optimizer's, as
+    the planner takes them) and every rank gets its answer. None without a calibration file."""
     from hetcoll.model import plan
 
     pick: list[Any] = [None]
     if dist.get_rank() == 0:
         cluster, _, why_not = real_cluster(cfg["cluster"], cfg["gpu"], world)
         if why_not is None:
-            best = plan(costs(), cluster, cfg["batch"])[0]
+            best = plan(
+                costs(), cluster, cfg["batch"], optimizer_state_copies=optimizer_state_copies
+            )[0]
             pick[0] = (f"planned: {best.strategy}", best.to_plan().to_dict())
     dist.broadcast_object_list(pick, src=0)
     return pick[0]

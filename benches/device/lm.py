@@ -211,6 +211,9 @@ def _balanced_over(result: dict[str, Any]) -> None:
             )
 
 
+#: AdamW's state: two tensors per parameter (the moments), as the model prices its update.
+STATE_COPIES = 2
+
 #: The LM's layer costs, computed at first use (rank 0).
 _COSTS: dict[str, Any] = {}
 
@@ -230,7 +233,9 @@ def _predict(cfg: dict[str, Any], world: int, plan: dict[str, Any], measured: fl
     cluster, _, why_not = real_cluster(cfg["cluster"], cfg["gpu"], world)
     if why_not is not None:
         return {"status": why_not}
-    pred = predict_plan(_costs(), cluster, hetcoll.Plan.from_dict(plan))
+    pred = predict_plan(
+        _costs(), cluster, hetcoll.Plan.from_dict(plan), optimizer_state_copies=STATE_COPIES
+    )
     return {"status": "ok", "step_s": pred.step_s, "error": pred.step_s / measured - 1}
 
 
@@ -274,7 +279,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
             "rows_per_s": batch * len(times) / sum(times),
         }
 
-    pick = planner_pick(cfg, world, _costs)
+    pick = planner_pick(cfg, world, _costs, STATE_COPIES)
     if pick is not None:
         runs[PICK] = pick
 
