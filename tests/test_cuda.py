@@ -270,8 +270,9 @@ def test_cpu_draws_give_a_gpu_tensor_the_cpus_masks():
     for g, w in zip(got, want, strict=True):
         assert g.device.type == "cuda"
         assert torch.equal(g.cpu(), w)
-    # Each draw's gradient on its own: the sum of the three is the order in which autograd
-    # accumulates them, which differs between the devices' engine threads (in the last bit).
+    # Each draw's gradient on its own: their sum also depends on the order in which autograd
+    # accumulates the three into the leaf, which the graph across devices (its copies to and
+    # from the host) may change. The first GPU run's sums differed in the last bits.
     for i, loss in ((0, torch.sum), (1, lambda t: t.pow(2).sum()), (4, torch.sum)):
         (g,) = torch.autograd.grad(loss(got[i]), gx, retain_graph=True)
         (w,) = torch.autograd.grad(loss(want[i]), cx, retain_graph=True)
