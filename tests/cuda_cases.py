@@ -486,6 +486,46 @@ def lm_plans_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, int]
     return {"plans": done + 3}
 
 
+def sole_holder_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, object]:
+    """GPT-2 split over the GPU rank and a CPU rank too slow for any head (``empty_blocks``,
+    speeds 1 : 0.05): each attention's partial sum is then the GPU rank's alone, and a
+    broadcast from it stands in for the reduction. Every rank must take that broadcast: the
+    GPU rank once took the reduction while the CPU rank broadcast, and the two waited on each
+    other for ever (the first GPU run's hang). Losses and gradients over two steps equal the
+    unsplit model's on the CPU; returns the worst difference and each split attention's
+    heads by rank."""
+    import tensor_parallel_cases as tp
+
+    from hetcoll.torch import gather_gradients
+    from hetcoll.torch.filters import FilterParallelLayer
+
+    dev = device_of(rank, first)
+    torch.manual_seed(0)
+    ref = tp.gpt2().double()
+    split = tp.split_copy(ref, None, [1.0, 0.05][:world], empty_blocks=True).to(dev)
+    worst = 0.0
+    for step in range(2):
+        ids = tp.batch(step)
+        _, want = tp.loss_of(ref, ids)
+        _, got = tp.loss_of(split, ids.to(dev))
+        ref.zero_grad()
+        split.zero_grad()
+        want.backward()
+        got.backward()
+        grads = gather_gradients(split, dst=None)
+        assert grads is not None
+        worst = max(worst, abs(got.item() - want.item()))
+        for n, p in ref.named_parameters():
+            assert p.grad is not None
+            worst = max(worst, float((grads[n] - p.grad).abs().max()))
+    heads = [
+        list(m.shares)
+        for n, m in split.named_modules()
+        if isinstance(m, FilterParallelLayer) and n.endswith("attn.c_attn")
+    ]
+    return {"worst": worst, "heads": heads}
+
+
 def experts_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, object]:
     """Expert parallelism with the GPU rank beside CPU ranks (3 ranks, gloo): Mixtral and
     GPT-OSS in float64, experts placed by speed (the GPU rank, first, holds most), DDP with

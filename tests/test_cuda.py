@@ -293,6 +293,19 @@ def test_dropout_in_a_split_with_a_gpu_rank(first):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("first", [pytest.param("cuda", marks=cuda), "cpu"])
+def test_a_gpu_rank_holding_every_head_broadcasts_as_its_cpu_peer_does(first):
+    """A split stage's sole holder (the CPU rank too slow for any head) makes the partial
+    sums a broadcast on every rank, the GPU rank's too: GPT-2 then trains as unsplit, float64
+    to 1e-10. With ``first="cpu"`` both ranks are CPU ranks."""
+    got = _spawn(cuda_cases.sole_holder_mixed, 2, first)
+    for one in got:
+        assert one["worst"] <= 1e-10, got
+        # Each split attention's heads: all on rank 0 (the sole holder), none on rank 1.
+        assert one["heads"] and all(h[1] == 0 < h[0] for h in one["heads"]), got
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("first", [pytest.param("cuda", marks=cuda), "cpu"])
 def test_expert_parallel_with_a_gpu_rank(first):
     """Mixtral's and GPT-OSS's experts placed on a GPU rank and two CPU ranks by speed, DDP
     with the weighted hook over gloo: equal one process on the CPU; an ExpertRebalancer moves

@@ -56,11 +56,17 @@ def _sum_over_ranks(
     t: torch.Tensor, comm: Communicator, timeout: float | None, check: bool, root: int | None
 ) -> None:
     """``t <- sum over ranks of t`` in place: a broadcast from ``root`` when only it holds a
-    nonzero part (in an agreed forward, on the CPU), else :func:`hetcoll.allreduce`."""
-    if root is not None and not check and t.device.type == "cpu" and comm.size > 1:
-        comm.ibroadcast(_bytes(t), root).wait(deadline(timeout))
-    else:
+    nonzero part (in an agreed forward, on an engine that moves host memory: a GPU rank's
+    tensor goes through the host), else :func:`hetcoll.allreduce`. The choice rests on what
+    every rank of the group shares (the split, the engine), never on this rank's device: a GPU
+    rank beside CPU ranks that took the reduction while they broadcast would wait for ever."""
+    if root is None or check or comm.size == 1 or comm.engine == "nccl":
         allreduce(t, comm, timeout=timeout, check=check)
+        return
+    host = t if t.device.type == "cpu" else t.cpu()
+    comm.ibroadcast(_bytes(host), root).wait(deadline(timeout))
+    if host is not t:
+        t.copy_(host)
 
 
 def _summed(
