@@ -32,6 +32,7 @@ measured. Without CUDA (the dry run) rank 0 is a CPU rank (the model sees it thr
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
@@ -214,18 +215,14 @@ def _balanced_over(result: dict[str, Any]) -> None:
 #: AdamW's state: two tensors per parameter (the moments), as the model prices its update.
 STATE_COPIES = 2
 
-#: The LM's layer costs, computed at first use (rank 0).
-_COSTS: dict[str, Any] = {}
 
-
+@functools.cache
 def _costs() -> Any:
-    """The LM's layer costs, computed once (about a second)."""
-    if "costs" not in _COSTS:
-        shape = {"input_ids": (train_lm.SEQ,), "attention_mask": (train_lm.SEQ,)}
-        _COSTS["costs"] = layer_costs(
-            lm_model(torch.device("cpu")), shape, dtype=torch.int64, loss=train_lm.costed_loss
-        )
-    return _COSTS["costs"]
+    """The LM's layer costs, computed once (about a second; rank 0)."""
+    shape = {"input_ids": (train_lm.SEQ,), "attention_mask": (train_lm.SEQ,)}
+    return layer_costs(
+        lm_model(torch.device("cpu")), shape, dtype=torch.int64, loss=train_lm.costed_loss
+    )
 
 
 def _predict(cfg: dict[str, Any], world: int, plan: dict[str, Any], measured: float) -> Any:

@@ -38,6 +38,7 @@ Without CUDA (the dry run) rank 0 is a CPU rank like the others (the model sees 
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
@@ -185,11 +186,18 @@ def _step_times(
     return times
 
 
+@functools.cache
+def _costs() -> Any:
+    """The demo CNN's layer costs, computed once (rank 0: the planner's pick and every
+    prediction read them)."""
+    return layer_costs(demo_model(), SHAPE)
+
+
 def _predict(cfg: dict[str, Any], world: int, plan: dict[str, Any], measured: float) -> Any:
     cluster, _, why_not = real_cluster(cfg["cluster"], cfg["gpu"], world)
     if why_not is not None:
         return {"status": why_not}
-    pred = predict_plan(layer_costs(demo_model(), SHAPE), cluster, hetcoll.Plan.from_dict(plan))
+    pred = predict_plan(_costs(), cluster, hetcoll.Plan.from_dict(plan))
     return {"status": "ok", "step_s": pred.step_s, "error": pred.step_s / measured - 1}
 
 
@@ -223,7 +231,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
         }
 
     runs = plans(speeds, latency, batch, cfg["microbatches"])
-    pick = planner_pick(cfg, world, lambda: layer_costs(demo_model(), SHAPE))
+    pick = planner_pick(cfg, world, _costs)
     if pick is not None:
         runs[PICK] = pick
     return run_configurations(

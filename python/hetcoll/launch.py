@@ -146,19 +146,22 @@ def _stacks(procs: list[Any], paths: list[str]) -> list[str]:
     for i in alive:
         with contextlib.suppress(ProcessLookupError):
             os.kill(procs[i].pid, _STACK_SIGNAL)
-    found = [""] * len(procs)
+    files = {i: paths[i] + ".stack" for i in alive}
+
+    def started(path: str) -> bool:
+        try:
+            return os.path.getsize(path) > 0
+        except OSError:
+            return False
+
     deadline = time.monotonic() + 2.0  # the handlers write at once; a rank in C code, soon
-    while time.monotonic() < deadline:
-        for i in alive:
-            with contextlib.suppress(OSError):
-                found[i] = Path(paths[i] + ".stack").read_text()
-        if all(found[i] for i in alive):
-            time.sleep(0.1)  # the rest of a long stack
-            break
+    while time.monotonic() < deadline and not all(map(started, files.values())):
         time.sleep(0.05)
-    for i in alive:
+    time.sleep(0.1)  # the rest of a long stack
+    found = [""] * len(procs)
+    for i, path in files.items():
         with contextlib.suppress(OSError):
-            found[i] = Path(paths[i] + ".stack").read_text()
+            found[i] = Path(path).read_text()
     return found
 
 
