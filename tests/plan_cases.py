@@ -491,6 +491,36 @@ class ReadsABlock(nn.Module):
         return self.head(h)[:, : input_ids.shape[1]]
 
 
+def alone(rank: int, world: int) -> dict[str, int]:
+    """A rank alone (world 1): the one process's numbers, a wrong batch still refused, and no
+    agreement exchanged - there is no one to agree with."""
+    from hetcoll.comm.distributed import TorchCommunicator
+
+    sent = {"iallgatherv": 0}
+    real = TorchCommunicator.iallgatherv
+
+    def counted(self: Any, *args: Any) -> Any:
+        sent["iallgatherv"] += 1
+        return real(self, *args)
+
+    TorchCommunicator.iallgatherv = counted  # type: ignore[method-assign]
+    try:
+        stage = {"ranks": [0], "layers": [0, 11]}
+        whole = Plan.from_dict({"replicas": [{"samples": 6, "stages": [stage]}]})
+        equals_one_process(None, cnn, whole, (3, 8, 8))
+        par = parallelize(cnn().double(), whole, loss_fn=nn.CrossEntropyLoss())
+        x, y = batches((3, 8, 8), 5, 1)[0]
+        try:
+            par.step(x, y)
+        except ValueError as e:
+            assert "the plan's replicas take 6 samples a step" in str(e), str(e)
+        else:
+            raise AssertionError("a batch of 5 rows passed a plan of 6")
+    finally:
+        TorchCommunicator.iallgatherv = real  # type: ignore[method-assign]
+    return sent
+
+
 def reads_a_block(rank: int, world: int, example: bool) -> float:
     """Two stages of :class:`ReadsABlock` (cut before its second layer): its loss, equal to
     one process's."""

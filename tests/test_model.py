@@ -502,6 +502,81 @@ def test_convolution_kernels_pay_their_own_fixed_cost() -> None:
     assert cluster_from_dict(doc).devices[0].conv_call_s == 2e-4
 
 
+def test_a_steps_fixed_cost_ends_every_ranks_step(cnn_costs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Device.step_overhead_s: every rank that trains pays it once a step, whatever the
+    strategy - each of the planner's candidates (data, filter, pipelines, subsets, replicated
+    pipelines, asymmetric replicas) is exactly that much slower, and nothing else moves."""
+    from dataclasses import replace
+
+    from hetcoll.model.hardware import dumps_cluster
+
+    def cluster(fixed: float) -> Cluster:
+        fast = Device("fast", 4e10, 2e10, 1e10, 1e-6, step_overhead_s=fixed)
+        slow = Device("slow", 1e10, 1e10, 1e10, 1e-6, step_overhead_s=fixed)
+        return Cluster(
+            [Node("n0", fast, 2, Link("l", 1e-5, 1e9)), Node("n1", slow, 1)],
+            Link("net", 1e-5, 1e9),
+        )
+
+    def candidates(fixed: float) -> dict[tuple[str, tuple[int, ...]], Any]:
+        preds = plan(cnn_costs, cluster(fixed), 64, prune=False)
+        return {(x.strategy, tuple(x.shares)): x for x in preds}
+
+    without, with_it = candidates(0.0), candidates(1e-3)
+    assert len(without) > 20 and set(without) == set(with_it)
+    for key, x in without.items():
+        y = with_it[key]
+        assert y.step_s - x.step_s == pytest.approx(1e-3, abs=1e-12), key
+        assert y.memory_bytes == x.memory_bytes
+    # A device without samples sits the step out: it pays nothing.
+    c = cluster(1e-3)
+    idle = data_parallel(cnn_costs, c, [32, 32, 0])
+    assert idle.step_s - data_parallel(cnn_costs, cluster(0.0), [32, 32, 0]).step_s == (
+        pytest.approx(1e-3, abs=1e-12)
+    )
+    # Negative is refused, naming the field; the cluster file carries it both ways.
+    with pytest.raises(ValueError, match="step_overhead_s"):
+        replace(c.devices[0], step_overhead_s=-1e-3)
+    text = dumps_cluster(c)
+    assert "step_overhead_s = 0.001" in text
+    (tmp_path / "c.toml").write_text(text)
+    assert load_cluster(tmp_path / "c.toml").devices[2].step_overhead_s == 1e-3
+    assert "step_overhead_s" not in dumps_cluster(cluster(0.0))
+    bad = {
+        "devices": {"c": {"flops_per_s": 1e9, "mem_bytes_per_s": 1e9, "memory_bytes": 1e9,
+                          "step_overhead_s": -1}},
+        "nodes": [{"name": "n", "device": "c", "count": 1}],
+    }  # fmt: skip
+    with pytest.raises(ValueError, match=r"devices\.c\.step_overhead_s"):
+        cluster_from_dict(bad)
+
+
+def test_the_step_probes_fixed_cost_closes_the_model_on_it() -> None:
+    """calibrate.step_overhead_from: with what it returns as the device's step_overhead_s,
+    predict_plan predicts the step probe as measured; a probe faster than the model leaves 0."""
+    from dataclasses import replace
+
+    from hetcoll.lab import calibrate
+    from hetcoll.model import predict_plan
+    from hetcoll.plan import Plan
+
+    device = Device("d", 1e10, 1e10, 1e10, kernel_overhead_s=5e-6)
+    costs = layer_costs(
+        calibrate.tiny_chain(calibrate.STEP_PROBE_DEPTH), (4,), loss=calibrate.step_probe_loss
+    )
+    probe = Plan.from_dict(calibrate.step_probe_plan(calibrate.STEP_PROBE_DEPTH))
+    for measured in (3e-3, 7.5e-4):
+        fixed = calibrate.step_overhead_from(measured, device)
+        assert fixed > 0
+        alone = Cluster([Node("n", replace(device, step_overhead_s=fixed), 1)])
+        assert predict_plan(costs, alone, probe).step_s == pytest.approx(measured, rel=1e-12)
+    assert calibrate.step_overhead_from(1e-7, device) == 0.0
+    with pytest.raises(TypeError, match="device"):
+        calibrate.measure_step_overhead_s("cpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="steps"):
+        calibrate.measure_step_overhead_s(device, steps=0)
+
+
 def test_shared_cores_timeline_by_hand() -> None:
     f = terms.shared_cores_finish_seconds
     # Two computing ranks on one core run at half speed until the shorter one ends.
@@ -970,6 +1045,9 @@ def test_calibrate_measures_gloo_and_mpi_links(tmp_path: Path) -> None:
     # A fresh 64 MiB tensor's first touch (new pages on Linux; 0 where memory is reused).
     touch = dev.first_touch_bytes_per_s
     assert touch == 0 or ("first_touch_bytes_per_s" in out.read_text() and 1e8 < touch < 1e12)
+    # A training step's own fixed cost (a tiny model under parallelize, one rank).
+    fixed = dev.step_overhead_s
+    assert fixed == 0 or ("step_overhead_s" in out.read_text() and fixed < 0.05)
     names = {link.name for link in cal.links}
     assert names == {"gloo-local", "mpi-local"}
     for link in cal.links:

@@ -207,13 +207,6 @@ def strict_fp32() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
-def _tiny_chain(depth: int) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(4, 4), nn.ReLU()]
-    return nn.Sequential(*layers)
-
-
 def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
     """The GPU's figures for :class:`hetcoll.model.Device`, float32 (:func:`strict_fp32`):
     GEMM 4096^3 and a copy of 256 MiB; the convolutions' rate and ``kernel_overhead_s`` and
@@ -222,13 +215,15 @@ def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
     linear + ReLU layers per kernel the cost model counts (launch, dispatch and autograd: what
     an eager step pays per kernel); the intercept of a 3x3 64-channel convolution's forward +
     weight gradient at 1, 2 and 4 samples of 8x8 per counted kernel; its FLOPs (as the model
-    counts them) on 256 samples of 16x16 over its time less those fixed costs. ``launch_s``:
+    counts them) on 256 samples of 16x16 over its time less those fixed costs; and
+    ``step_overhead_s``, a step's own fixed cost, by
+    :func:`hetcoll.lab.calibrate.measure_step_overhead_s` on this device. ``launch_s``:
     one tiny kernel's time in a chain of 200 (launch alone; not a field of the model's Device).
     ``dev``: the GPU (default ``cuda:0``; another device runs the same probes, for tests)."""
     import numpy as np
 
-    from hetcoll.lab.calibrate import conv_probe_counts
-    from hetcoll.model import layer_costs
+    from hetcoll.lab.calibrate import conv_probe_counts, measure_step_overhead_s, tiny_chain
+    from hetcoll.model import Device, layer_costs
 
     dev = dev or torch.device("cuda", 0)
     cuda = dev.type == "cuda"
@@ -248,9 +243,9 @@ def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
 
     launch_s = _gpu_seconds(launches, 3, dev) / chain
     depth = 24
-    costs = layer_costs(_tiny_chain(depth), (4,))
+    costs = layer_costs(tiny_chain(depth), (4,))
     kernels = sum(k.launches for x in costs.layers for k in (*x.forward, *x.backward))
-    model = _tiny_chain(depth).to(dev)
+    model = tiny_chain(depth).to(dev)
     x1 = torch.randn(1, 4, device=dev)
 
     def step() -> None:
@@ -280,14 +275,29 @@ def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
     conv_s = _gpu_seconds(conv_step(maps, 16), 5, dev)
     flops, conv_kernels = conv_probe_counts(maps, 16)
     conv_rate = flops / max(conv_s - conv_kernels * conv_overhead_s, 0.5 * conv_s)
-    return {
-        "name": torch.cuda.get_device_name(dev) if cuda else str(dev),
+    figures = {
         "flops_per_s": 2 * n**3 / gemm,
         "conv_flops_per_s": conv_rate,
         "mem_bytes_per_s": 2 * big.numel() * 4 / copy_s,
         "memory_bytes": float(torch.cuda.get_device_properties(dev).total_memory if cuda else 8e9),
         "kernel_overhead_s": kernel_s,
         "conv_overhead_s": conv_overhead_s,
+    }
+    # The step's fixed cost as calibrate measures the CPU's: a rank of its own on this device.
+    gpu = Device(
+        "gpu",
+        flops_per_s=figures["flops_per_s"],
+        conv_flops_per_s=figures["conv_flops_per_s"],
+        mem_bytes_per_s=figures["mem_bytes_per_s"],
+        memory_bytes=figures["memory_bytes"],
+        kernel_overhead_s=figures["kernel_overhead_s"],
+        conv_overhead_s=figures["conv_overhead_s"],
+    )
+    step_overhead_s = measure_step_overhead_s(gpu, where=str(dev))
+    return {
+        "name": torch.cuda.get_device_name(dev) if cuda else str(dev),
+        **figures,
+        "step_overhead_s": step_overhead_s,
         "launch_s": launch_s,
     }
 
@@ -323,6 +333,18 @@ def real_cluster(
     )
 
 
+def _without_step_overhead(cluster: Any) -> Any:
+    from hetcoll.model import Cluster
+
+    return Cluster(
+        [
+            dataclasses.replace(n, device=dataclasses.replace(n.device, step_overhead_s=0.0))
+            for n in cluster.nodes
+        ],
+        cluster.network,
+    )
+
+
 def predict(
     cluster_path: str | None, gpu: dict[str, Any] | None, row: dict[str, Any], batch: int
 ) -> dict[str, Any]:
@@ -333,6 +355,9 @@ def predict(
     cluster, alone, why_not = real_cluster(cluster_path, gpu, len(row["devices"]))
     if why_not is not None:
         return {"status": why_not}
+    # DDP's loop and the plain one are not hetcoll's runtime, whose step's fixed cost
+    # Device.step_overhead_s is: their predictions leave it out.
+    cluster, alone = _without_step_overhead(cluster), _without_step_overhead(alone)
     costs = layer_costs(demo_model(), SHAPE)
     predicted = {
         name: data_parallel(costs, cluster, row["shares"][name]).step_s

@@ -81,13 +81,13 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     CPU_RANKS=2
 fi
 
-step env 20 "$PY" benches/device/environment.py --json "$OUT/environment.json"
-step kernels 35 "$PY" benches/device/kernels.py --json "$OUT/kernels.json"
+step env 15 "$PY" benches/device/environment.py --json "$OUT/environment.json"
+step kernels 30 "$PY" benches/device/kernels.py --json "$OUT/kernels.json"
 # Each test limited too (pytest-timeout): a hung one fails with its ranks' stacks in the log
 # (launch.spawn prints them as it kills them) and the tests after it still run.
 step pytest 170 "$PY" -m pytest -m cuda -v -p no:cacheprovider -o addopts="" --timeout 55 \
     --junitxml "$OUT/pytest-cuda.xml" tests/test_cuda.py
-step calibrate 35 "$PY" -m hetcoll.cli model calibrate --links gloo --ranks "$CPU_RANKS" \
+step calibrate 45 "$PY" -m hetcoll.cli model calibrate --links gloo --ranks "$CPU_RANKS" \
     --output "$OUT/cluster.toml"
 step hetero 55 "$PY" benches/device/hetero.py --cluster "$OUT/cluster.toml" \
     --json "$OUT/hetero.json" "${HETERO[@]}"

@@ -74,7 +74,10 @@ def start_agreement(comm: Communicator, fields: Mapping[str, int]) -> Callable[[
     """:func:`agree` without waiting: starts the allgather and returns the function that waits
     for it and raises as :func:`agree` does (on every rank alike). A caller may compute, but not
     communicate on ``comm``, until it has called it. On NCCL, whose gathers move device memory,
-    the check runs at once and the function has nothing left to do."""
+    the check runs at once and the function has nothing left to do; a rank alone has no one to
+    agree with (as in :func:`agree`): nothing is sent."""
+    if comm.size == 1:
+        return lambda: None
     if comm.engine == "nccl":
         agree(comm, fields)
         return lambda: None

@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -187,17 +187,26 @@ def measure_first_touch_bytes_per_s(nbytes: int = 64 * 1024 * 1024, repeats: int
     return nbytes / extra if extra > 0.1 * reused else 0.0
 
 
-def measure_kernel_overhead_s(depth: int = 24, repeats: int = 20) -> float:
-    """Seconds per kernel of a training step with next to no arithmetic: forward + backward of a
-    chain of ``depth`` tiny linear + ReLU layers on one sample, divided by the number of kernels
-    the cost model counts for it (dispatch, autograd and allocation, per kernel)."""
-    import torch
+def tiny_chain(depth: int) -> Any:
+    """``depth`` linear + ReLU layers of 4 features: a model whose training step is next to
+    all fixed costs (the probes of :func:`measure_kernel_overhead_s` and
+    :func:`measure_step_overhead_s`)."""
     from torch import nn
 
     layers: list[nn.Module] = []
     for _ in range(depth):
         layers += [nn.Linear(4, 4), nn.ReLU()]
-    model = nn.Sequential(*layers)
+    return nn.Sequential(*layers)
+
+
+def measure_kernel_overhead_s(depth: int = 24, repeats: int = 20) -> float:
+    """Seconds per kernel of a training step with next to no arithmetic: forward + backward of a
+    chain of ``depth`` tiny linear + ReLU layers on one sample (:func:`tiny_chain`), divided by
+    the number of kernels the cost model counts for it (dispatch, autograd and allocation, per
+    kernel)."""
+    import torch
+
+    model = tiny_chain(depth)
     x = torch.randn(1, 4)
 
     def step() -> None:
@@ -210,15 +219,95 @@ def measure_kernel_overhead_s(depth: int = 24, repeats: int = 20) -> float:
 
 @functools.lru_cache(maxsize=4)
 def _kernel_count(depth: int) -> int:
-    from torch import nn
-
     from hetcoll.model.costs import layer_costs
 
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(4, 4), nn.ReLU()]
-    costs = layer_costs(nn.Sequential(*layers), (4,))
+    costs = layer_costs(tiny_chain(depth), (4,))
     return sum(k.launches for x in costs.layers for k in (*x.forward, *x.backward))
+
+
+#: The step probe's depth (:func:`measure_step_overhead_s`): linear + ReLU layers.
+STEP_PROBE_DEPTH = 8
+
+
+def step_probe_plan(depth: int) -> dict[str, Any]:
+    """The step probe's plan: the whole chain on rank 0, one sample, one micro-batch."""
+    stage = {"ranks": [0], "layers": [0, 2 * depth]}
+    return {"microbatches": 1, "schedule": "GPipe", "replicas": [{"samples": 1, "stages": [stage]}]}
+
+
+def step_probe_loss(out: Any) -> Any:
+    """The probe's loss as the cost model takes it (its target made inside)."""
+    from torch import nn
+
+    return nn.functional.mse_loss(out, out.new_zeros(out.shape))
+
+
+def _step_probe_rank(rank: int, world: int, depth: int, steps: int, device: str) -> list[float]:
+    """One rank alone (:func:`hetcoll.launch.spawn`): each timed step's seconds of the probe
+    under :func:`hetcoll.torch.parallelize` - ``par.step``, the SGD step, ``zero_grad``, the
+    device synchronized - after a tenth as many untimed."""
+    import torch
+    from torch import nn
+
+    from hetcoll.torch import parallelize
+
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    model = tiny_chain(depth).to(dev)
+    par = parallelize(model, step_probe_plan(depth), loss_fn=nn.functional.mse_loss)
+    opt = torch.optim.SGD(par.parameters(), lr=1e-3)
+    x, target = torch.randn(1, 4, device=dev), torch.zeros(1, 4, device=dev)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    warmup = max(2, steps // 10)
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        par.step(x, target)
+        opt.step()
+        opt.zero_grad()
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def measure_step_overhead_s(device: Device, *, where: str = "cpu", steps: int = 200) -> float:
+    """The fixed host seconds of a training step that ``device``'s other figures leave out
+    (:attr:`hetcoll.model.Device.step_overhead_s`): a rank alone (its own process, one thread)
+    trains a chain of :data:`STEP_PROBE_DEPTH` tiny linear + ReLU layers on one sample under
+    :func:`hetcoll.torch.parallelize`, with SGD, on ``where`` (``"cpu"``, ``"cuda:0"``); its
+    step, the current statistic of ``steps`` (:func:`set_statistic`), goes to
+    :func:`step_overhead_from`. A step of that probe is next to all fixed costs: those of its
+    kernels, which ``kernel_overhead_s`` prices, and those of the step itself - the runtime's
+    batch agreement and bookkeeping, the loss's host sync, the optimizer's call."""
+    from hetcoll import launch
+
+    if not isinstance(device, Device):
+        raise TypeError(f"device: must be a hetcoll.model.Device, got {type(device).__name__}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps: must be an integer >= 1, got {steps!r}")
+    depth = STEP_PROBE_DEPTH
+    times = launch.spawn(_step_probe_rank, 1, depth, steps, where, timeout=120.0 + steps)[0]
+    return step_overhead_from(float(_STATISTIC[_statistic](times)), device)
+
+
+def step_overhead_from(step_s: float, device: Device) -> float:
+    """The step probe's (:func:`measure_step_overhead_s`) measured ``step_s`` less what
+    :func:`hetcoll.model.predict_plan` predicts for it on ``device`` without a step overhead,
+    at least 0: with it as ``device``'s ``step_overhead_s``, the model predicts the probe's
+    step as measured.
+
+    >>> step_overhead_from(0.0, Device("d", 1e9, 1e9, 1e9))
+    0.0
+    """
+    from hetcoll.model import layer_costs, predict_plan
+    from hetcoll.plan import Plan
+
+    depth = STEP_PROBE_DEPTH
+    costs = layer_costs(tiny_chain(depth), (4,), loss=step_probe_loss)
+    alone = Cluster([Node("probe", replace(device, step_overhead_s=0.0), 1)])
+    predicted = predict_plan(costs, alone, Plan.from_dict(step_probe_plan(depth))).step_s
+    return max(0.0, step_s - predicted)
 
 
 def measure_elementwise_bytes_per_s(batch: int = 16, repeats: int = 5) -> float:
@@ -817,12 +906,16 @@ def calibrate(
         f"{device.conv_channel_block}, first touch of a fresh 64 MiB tensor "
         f"{device.first_touch_bytes_per_s / 1e9:.2f} GB/s"
     )
+    say("a training step's fixed cost (a tiny model under parallelize, one rank) ...")
+    device = replace(device, step_overhead_s=measure_step_overhead_s(device))
+    say(f"  {device.step_overhead_s * 1e6:.0f} us a step")
     comments = {
         device.name: "measured by `hetcoll model calibrate`, one thread: torch.mm 384^3 float32; "
         "3x3 64-channel convolution forward/backward (its fixed cost per call: the intercept "
         "over 1, 2 and 4 samples of 8x8 maps); channel block of torch's instruction set; "
         "copy of 64 MiB; per-kernel overhead of a tiny training step; batch norm, and max "
-        "pooling, forward/backward; a fresh 64 MiB tensor's fill against a written one's",
+        "pooling, forward/backward; a fresh 64 MiB tensor's fill against a written one's; a "
+        "training step of 8 tiny layers under parallelize against the model's prediction",
     }
     measured: dict[str, Link] = {}
     for name in links:

@@ -19,6 +19,10 @@ A cluster file is a small TOML document (see ``examples/clusters/``)::
     first_touch_bytes_per_s = 2e9  # optional: CPUs: bytes/s at which a tensor above 32 MiB,
                                    # given new pages at each allocation, is first written
                                    # (page faults, the kernel zeroing them); default 0: none
+    step_overhead_s = 4e-4         # optional: fixed host seconds of each training step beyond
+                                   # its layers' kernels and its optimizer's memory traffic
+                                   # (the runtime's per-step work, the optimizer's call);
+                                   # default 0
     tf32_flops_per_s = 156e12      # optional: dense peaks of matmul-class ops at each training
     bf16_flops_per_s = 312e12      #   precision (tensor cores where the datasheet gives them);
     fp16_flops_per_s = 312e12      #   a precision without one is costed at fp32 (a warning)
@@ -131,6 +135,14 @@ class Device:
     oneDNN spends 100-250 us a call setting up and reordering weights, 10-30 times a small
     element-wise kernel's overhead: what makes micro-batches of a few samples cost more than
     their FLOPs.
+    ``step_overhead_s``: fixed seconds each training step costs the device's rank beyond its
+    layers' kernels and its optimizer's memory traffic (0: none): the host's work once a step,
+    whatever the model - :meth:`hetcoll.torch.Parallel.step`'s batch agreement and
+    bookkeeping, the loss's host sync, the optimizer's call. The predictors add it to every
+    rank's step beside its optimizer update (their breakdowns' ``"optimizer"``,
+    :func:`hetcoll.model.terms.step_update_seconds`). On a GPU, whose kernels are quick, it
+    weighs most at small batches. ``hetcoll model calibrate`` measures it
+    (:func:`hetcoll.lab.calibrate.measure_step_overhead_s`).
 
     >>> Device("v100", flops_per_s=15.7e12, mem_bytes_per_s=900e9, memory_bytes=32e9).name
     'v100'
@@ -150,6 +162,7 @@ class Device:
     pool_bytes_per_s: float = 0.0
     conv_overhead_s: float = 0.0
     first_touch_bytes_per_s: float = 0.0
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for attr in ("flops_per_s", "mem_bytes_per_s", "memory_bytes"):
@@ -164,6 +177,7 @@ class Device:
         _check_nonnegative(
             self.first_touch_bytes_per_s, f"Device {self.name!r}: first_touch_bytes_per_s"
         )
+        _check_nonnegative(self.step_overhead_s, f"Device {self.name!r}: step_overhead_s")
         for attr in _PEAK_FIELDS:
             _check_nonnegative(getattr(self, attr), f"Device {self.name!r}: {attr}")
         block = self.conv_channel_block
@@ -489,6 +503,7 @@ _DEVICE_FIELDS = {
     "conv_channel_block",
     "conv_overhead_s",
     "first_touch_bytes_per_s",
+    "step_overhead_s",
     *_PEAK_FIELDS,
 }
 _LINK_FIELDS = {"latency_s", "bytes_per_s", "call_s", "calls_s"}
@@ -548,6 +563,7 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
                 "conv_flops_per_s",
                 "conv_overhead_s",
                 "first_touch_bytes_per_s",
+                "step_overhead_s",
                 *_PEAK_FIELDS,
             )
         }
@@ -706,6 +722,7 @@ def dumps_cluster(
                 if d.first_touch_bytes_per_s > 0
                 else []
             ),
+            *([f"step_overhead_s = {d.step_overhead_s:.6g}"] if d.step_overhead_s > 0 else []),
             *(f"{k} = {getattr(d, k):.6g}" for k in _PEAK_FIELDS if getattr(d, k) > 0),
             "",
         ]

@@ -198,6 +198,21 @@ def optimizer_update_seconds(param_bytes: Num, mem_bytes_per_s: Num, state_copie
     return (3.0 + 2.0 * state_copies) * param_bytes / mem_bytes_per_s
 
 
+def step_update_seconds(
+    param_bytes: Num, mem_bytes_per_s: Num, state_copies: int, step_overhead_s: Num
+) -> Num:
+    """What a rank's step costs beyond its layers and its communication, as the predictors
+    add it after its last backward: the optimizer's update of the ``param_bytes`` it trains
+    (:func:`optimizer_update_seconds`) and the step's fixed host seconds
+    (:attr:`hetcoll.model.Device.step_overhead_s`: the runtime's work once a step, the
+    optimizer's call).
+
+    >>> step_update_seconds(1e9, 5e9, 1, 0.25)
+    1.25
+    """
+    return optimizer_update_seconds(param_bytes, mem_bytes_per_s, state_copies) + step_overhead_s
+
+
 def pipeline_seconds(slowest_stage_s: Num, num_stages: int, micro_batches: int) -> Num:
     """Seconds of one GPipe step (all forwards, then all backwards) whose slowest stage takes
     ``slowest_stage_s`` per micro-batch (forward + backward + hand-off):

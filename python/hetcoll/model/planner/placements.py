@@ -198,8 +198,11 @@ def node_wise_candidates(
             owned += rest * frac
             trained += rest_trained * frac
             update = np.asarray(
-                terms.optimizer_update_seconds(
-                    trained, np.array([d.mem_bytes_per_s for d in sub.devices]), s
+                terms.step_update_seconds(
+                    trained,
+                    np.array([d.mem_bytes_per_s for d in sub.devices]),
+                    s,
+                    np.array([d.step_overhead_s for d in sub.devices]),
                 )
             )
             mem = terms.training_state_bytes(owned, trained, s) + (

@@ -184,7 +184,7 @@ def _asymmetric(
     guess = max(1, batch // max(1, len(fast) + 1))
     a, c = linear_fit(costs, dev, guess)
     update = np.asarray(
-        terms.optimizer_update_seconds(costs.gradient_bytes, dev.mem_bytes_per_s, s)
+        terms.step_update_seconds(costs.gradient_bytes, dev.mem_bytes_per_s, s, dev.step_overhead_s)
     )
     whole = [(float(a[i] + update[i]), 1.0 / float(c[i])) for i in range(len(fast))]
     sub = cluster.subset(slow)

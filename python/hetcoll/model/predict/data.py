@@ -208,8 +208,11 @@ def data_parallel_schedule(
     lt = _layer_times(costs, dev, b)
     opt = np.where(
         b > 0,
-        terms.optimizer_update_seconds(
-            costs.gradient_bytes, dev.mem_bytes_per_s, optimizer_state_copies
+        terms.step_update_seconds(
+            costs.gradient_bytes,
+            dev.mem_bytes_per_s,
+            optimizer_state_copies,
+            dev.step_overhead_s,
         ),
         0.0,
     )

@@ -284,7 +284,9 @@ def expert_parallel_schedule(
     )
     buckets = timed_buckets(replicated, cluster, b, first_bucket_bytes, bucket_bytes)
     own = replicated.gradient_bytes + expert_trained
-    update = terms.optimizer_update_seconds(own, dev.mem_bytes_per_s, optimizer_state_copies)
+    update = terms.step_update_seconds(
+        own, dev.mem_bytes_per_s, optimizer_state_copies, dev.step_overhead_s
+    )
     memory = (
         _memory_common(replicated, optimizer_state_copies)
         + replicated.gradient_bytes  # DDP's bucket copy of the replicated gradients

@@ -333,7 +333,9 @@ def filter_parallel_schedule(
     owned = (np.array([x.param_bytes for x in costs.layers])[:, None] * phi).sum(axis=0)
     trained = (np.array([x.gradient_bytes for x in costs.layers])[:, None] * phi).sum(axis=0)
     opt = np.asarray(
-        terms.optimizer_update_seconds(trained, dev.mem_bytes_per_s, optimizer_state_copies)
+        terms.step_update_seconds(
+            trained, dev.mem_bytes_per_s, optimizer_state_copies, dev.step_overhead_s
+        )
     )
     mem = np.asarray(terms.training_state_bytes(owned, trained, optimizer_state_copies))
     mem = mem + batch * costs.saved_bytes_per_sample()

@@ -284,8 +284,11 @@ def layout_schedule(
                     trained = sum(x.gradient_bytes for x in layers) + less_trained
                     state[d] = float(terms.training_state_bytes(owned, trained, state_copies))
                     update[d] = float(
-                        terms.optimizer_update_seconds(
-                            trained, dev.mem_bytes_per_s[d], state_copies
+                        terms.step_update_seconds(
+                            trained,
+                            dev.mem_bytes_per_s[d],
+                            state_copies,
+                            dev.step_overhead_s[d],
                         )
                     )
                 activations[d] = any_work.saved_per_sample * kept

@@ -160,6 +160,8 @@ class _DeviceArrays:
     kind: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     #: Bytes/s of a fresh large tensor's first write (Device.first_touch_bytes_per_s; 0: none).
     first_touch_bytes_per_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    #: Fixed host seconds of each training step (Device.step_overhead_s; 0: none).
+    step_overhead_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     def matmul_speedup(self, precision: str) -> np.ndarray:
         """Each device's :meth:`Device.matmul_speedup` at ``precision``; a ``UserWarning`` names
@@ -254,6 +256,7 @@ def _new_device_arrays(devices: Sequence[Device]) -> _DeviceArrays:
         },
         kind,
         per_device([d.first_touch_bytes_per_s for d in unique]),
+        per_device([d.step_overhead_s for d in unique]),
     )
 
 

@@ -83,7 +83,7 @@ def stage_work(
         c = column[d]
         owned = float(sum(x.param_bytes for x in costs.layers[lo:hi]))
         trained = float(sum(x.gradient_bytes for x in costs.layers[lo:hi]))
-        mem_bw = cluster.devices[d].mem_bytes_per_s
+        device = cluster.devices[d]
         fwd_s, bwd_s = lt.forward_s[lo:hi, c], lt.backward_s[lo:hi, c]
         fwd_parts = tuple((lo + i, float(t), "F") for i, t in enumerate(fwd_s))
         bwd_parts = tuple((hi - 1 - i, float(t), "B") for i, t in enumerate(bwd_s[::-1]))
@@ -99,7 +99,15 @@ def stage_work(
             ),
             np.array([float(terms.training_state_bytes(owned, trained, state_copies))]),
             float(sum(x.saved_bytes_per_sample for x in costs.layers[lo:hi])),
-            np.array([float(terms.optimizer_update_seconds(trained, mem_bw, state_copies))]),
+            np.array(
+                [
+                    float(
+                        terms.step_update_seconds(
+                            trained, device.mem_bytes_per_s, state_copies, device.step_overhead_s
+                        )
+                    )
+                ]
+            ),
         )
     assert stage.modes is not None
     sub = replace(
