@@ -216,6 +216,103 @@ def passes(costs: Any, device: Any, link: Any, steps: int) -> list[dict[str, Any
     return out
 
 
+#: One rank's whole-model steps (``steps``): the demo CNN at these batches, the LM example's
+#: Llama at these rows, each under parallelize with plain SGD.
+STEP_BATCHES = {"demo CNN": (1, 8, 32), "Llama": (2, 8)}
+
+
+def _step_model(name: str) -> tuple[Any, Any, Any, Any]:
+    """(model, its inputs of a number of rows, their targets, the loss function) for one of
+    STEP_BATCHES."""
+    from bench_tensor_parallel import lm_example, make_model
+
+    from hetcoll.lab.demo_ranks import DemoNet
+
+    torch.manual_seed(0)
+    if name == "demo CNN":
+        return (
+            DemoNet(),
+            lambda rows: torch.randn(rows, 1, 8, 8, generator=torch.Generator().manual_seed(1)),
+            lambda rows: torch.arange(rows) % 10,
+            torch.nn.functional.cross_entropy,
+        )
+    ex = lm_example()
+
+    def ids(rows: int) -> Any:
+        return torch.randint(0, 256, (rows, ex.SEQ), generator=torch.Generator().manual_seed(1))
+
+    return make_model("llama", 256), lambda rows: {"input_ids": ids(rows)}, ids, ex.lm_loss
+
+
+def _whole(rows: int, layers: int) -> dict[str, Any]:
+    return {"replicas": [{"samples": rows, "stages": [{"ranks": [0], "layers": [0, layers]}]}]}
+
+
+def _steps_rank(rank: int, world: int, steps: int) -> dict[str, dict[int, float]]:
+    """A rank alone: the median of ``steps`` steps (zero_grad, ``par.step``, SGD) of each model
+    of STEP_BATCHES at each batch, after two untimed."""
+    from hetcoll.torch import parallelize
+    from hetcoll.torch.layers import model_layers
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    out: dict[str, dict[int, float]] = {}
+    for name, batches in STEP_BATCHES.items():
+        model, inputs, targets, loss = _step_model(name)
+        out[name] = {}
+        for rows in batches:
+            plan = _whole(rows, len(model_layers(model)))
+            par = parallelize(copy.deepcopy(model), plan, loss_fn=loss)
+            opt = torch.optim.SGD(par.parameters(), lr=1e-3)
+            x, y = inputs(rows), targets(rows)
+            times = []
+            for _ in range(steps + 2):
+                start = time.perf_counter()
+                opt.zero_grad()
+                par.step(x, y)
+                opt.step()
+                times.append(time.perf_counter() - start)
+            out[name][rows] = statistics.median(times[2:])
+    return out
+
+
+def whole_steps(device: Any, steps: int) -> list[dict[str, Any]]:
+    """Each model of STEP_BATCHES, a rank alone, measured and predicted with the device's
+    step overhead (``Device.step_overhead_s``, calibrated on the step probe) and without."""
+    from bench_tensor_parallel import lm_example
+
+    import hetcoll.model as hm
+    from hetcoll.plan import Plan
+
+    measured = launch.spawn(_steps_rank, 1, steps, timeout=1800)[0]
+    with_it = hm.Cluster([hm.Node("rank", device, 1)])
+    without = hm.Cluster([hm.Node("rank", replace(device, step_overhead_s=0.0), 1)])
+    ex = lm_example()
+    out = []
+    for name, batches in STEP_BATCHES.items():
+        model, _, _, _ = _step_model(name)
+        if name == "demo CNN":
+            costs = hm.layer_costs(model, (1, 8, 8), loss="cross-entropy")
+        else:
+            costs = hm.layer_costs(model, (ex.SEQ,), dtype=torch.int64, loss=ex.costed_loss)
+        for rows in batches:
+            plan = Plan.from_dict(_whole(rows, len(costs.plan_layers)))
+            out.append(
+                {
+                    "model": name,
+                    "batch": rows,
+                    "measured_s": measured[name][rows],
+                    "predicted_s": hm.predict_plan(
+                        costs, with_it, plan, optimizer_state_copies=0
+                    ).step_s,
+                    "predicted_without_s": hm.predict_plan(
+                        costs, without, plan, optimizer_state_copies=0
+                    ).step_s,
+                }
+            )
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=8, help="timed steps per number of passes")
@@ -229,6 +326,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     device = calibrate.measure_device("rank", 4e9, quick=True)
+    device = replace(device, step_overhead_s=calibrate.measure_step_overhead_s(device))
     fit = calibrate.measure_gloo_link()
     ex = lm_example()
     costs = hm.layer_costs(
@@ -238,10 +336,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "launches": launches(device),
         "calls": calls(fit),
         "passes": passes(costs, device, fit.link("gloo-local"), args.steps),
+        "steps": whole_steps(device, args.steps * 4),
     }
     result: dict[str, Any] = {
         **rows,
         "kernel_overhead_s": device.kernel_overhead_s,
+        "step_overhead_s": device.step_overhead_s,
         "link": {
             "latency_s": fit.latency_s,
             "bytes_per_s": fit.bytes_per_s,
@@ -270,6 +370,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{row['microbatches']} micro-batches: {row['measured_s'] * 1e3:.1f} ms, predicted "
             f"{row['predicted_s'] * 1e3:.1f} ms ({row['predicted_without_s'] * 1e3:.1f} ms "
             "without the fixed costs)"
+        )
+    for row in rows["steps"]:
+        print(
+            f"{row['model']}, {row['batch']} a step alone: {row['measured_s'] * 1e3:.2f} ms, "
+            f"predicted {row['predicted_s'] * 1e3:.2f} ms "
+            f"({row['predicted_without_s'] * 1e3:.2f} ms without the step's fixed cost)"
         )
     if args.json:
         with open(args.json, "w") as fh:

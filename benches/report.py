@@ -1761,6 +1761,22 @@ def adapt_fixed_costs(raw: Sequence[Path], command: str) -> dict[str, Any]:
         )
     (m0, *first), (m1, *last) = steps[0], steps[-1]
     extra = [(b - a) / (m1 - m0) * 1e3 for a, b in zip(first, last, strict=True)]
+    whole_rows = []
+    for i, row in enumerate(data.get("steps", [])):
+        at = f"{where}: steps[{i}]"
+        measured = _need(row, "measured_s", at)
+        new, old = _need(row, "predicted_s", at), _need(row, "predicted_without_s", at)
+        whole_rows.append(
+            [
+                _need(row, "model", at),
+                _need(row, "batch", at),
+                measured * 1e3,
+                new * 1e3,
+                err(new, measured),
+                old * 1e3,
+                err(old, measured),
+            ]
+        )
     link = _need(data, "link", where)
     overhead = _need(data, "kernel_overhead_s", where)
     speeds = " : ".join(f"{x:g}" for x in _need(data, "speeds", where))
@@ -1843,11 +1859,43 @@ def adapt_fixed_costs(raw: Sequence[Path], command: str) -> dict[str, Any]:
                     per_pass,
                 ],
             },
+            *(
+                [
+                    {
+                        "title": "Steps: a rank alone, its step's own fixed cost",
+                        "peer": "the model with the device's step overhead "
+                        "(Device.step_overhead_s) and without it, from the same device figures",
+                        "columns": [
+                            _col("model"),
+                            _col("batch"),
+                            _col("measured (ms)", "{:.2f}"),
+                            _col("predicted (ms)", "{:.2f}"),
+                            _col("error", "{:+.0%}"),
+                            _col("without the step's fixed cost (ms)", "{:.2f}"),
+                            _col("error without", "{:+.0%}"),
+                        ],
+                        "rows": whole_rows,
+                        "notes": [
+                            "Each model whole on one rank under hetcoll.torch.parallelize, plain "
+                            "SGD: the median step (zero_grad, par.step, the optimizer's step); the "
+                            "demo CNN (hetcoll.lab.demo_ranks.DemoNet) in samples, the LM "
+                            "example's Llama (vocabulary 256) in rows. The step overhead, "
+                            f"{_need(data, 'step_overhead_s', where) * 1e6:.0f} us, measured "
+                            "by hetcoll.lab.calibrate.measure_step_overhead_s just before: a "
+                            "step of 8 tiny linear + ReLU layers less the model's prediction of "
+                            "it (neither model here).",
+                        ],
+                    }
+                ]
+                if whole_rows
+                else []
+            ),
         ],
         description=(
             "What a step costs whatever its size, against the performance model with and "
-            "without its two fixed-cost terms: a kernel launch for every op a layer runs "
-            "(`Kernel.launches`) and a fixed cost per collective call (`Link.call_s`). "
+            "without its fixed-cost terms: a kernel launch for every op a layer runs "
+            "(`Kernel.launches`), a fixed cost per collective call (`Link.call_s`) and a "
+            "step's own (`Device.step_overhead_s`). "
             "Details: [docs/model.md](model.md#fixed-costs-kernel-launches-and-collective-calls)."
         ),
         notes=[per_pass],

@@ -777,6 +777,16 @@ def test_fixed_costs_adapter_reads_the_scripts_json(tmp_path: Path) -> None:
         ],
         "speeds": [1.0, 0.25],
         "batch": 32,
+        "step_overhead_s": 4.2e-4,
+        "steps": [
+            {
+                "model": "demo CNN",
+                "batch": 8,
+                "measured_s": 0.004,
+                "predicted_s": 0.0042,
+                "predicted_without_s": 0.0038,
+            }
+        ],
     }
     raw.write_text(json.dumps(data))
     result = report.adapt_fixed_costs([raw], "python benches/bench_fixed_costs.py")
@@ -788,6 +798,13 @@ def test_fixed_costs_adapter_reads_the_scripts_json(tmp_path: Path) -> None:
     # (190 - 100) / 3 measured, (150 - 90) / 3 and (86 - 80) / 3 predicted.
     assert "Each extra micro-batch: measured 30.0 ms, predicted 20.0 ms with the fixed" in text
     assert "by speeds 1 : 0.25" in text and "200 us a call" in text
+    assert "| demo CNN | 8 | 4.00 | 4.20 | +5% | 3.80 | -5% |" in text
+    assert "The step overhead, 420 us, measured" in text
+    del data["steps"]  # a file from before the steps: no such table
+    raw.write_text(json.dumps(data))
+    result = report.adapt_fixed_costs([raw], "python benches/bench_fixed_costs.py")
+    report.write_result(tmp_path / "fixed_costs.json", result)
+    assert "a rank alone, its step's own fixed cost" not in report.generate(tmp_path)
     del data["calls"]
     raw.write_text(json.dumps(data))
     with pytest.raises(report.ResultError, match="field 'calls' is missing"):
