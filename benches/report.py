@@ -1713,6 +1713,13 @@ def adapt_fixed_costs(raw: Sequence[Path], command: str) -> dict[str, Any]:
     def err(predicted: float, measured: float) -> float:
         return predicted / measured - 1
 
+    def against(measured: float, *predicted: float, scale: float = 1e3) -> list[float]:
+        """The measured figure, then each prediction and its error, scaled (seconds to ms)."""
+        out = [measured * scale]
+        for p in predicted:
+            out += [p * scale, err(p, measured)]
+        return out
+
     launch_rows = []
     for i, row in enumerate(_need(data, "launches", where)):
         at = f"{where}: launches[{i}]"
@@ -1724,11 +1731,7 @@ def adapt_fixed_costs(raw: Sequence[Path], command: str) -> dict[str, Any]:
                 _need(row, "kernels", at),
                 _need(row, "launches", at),
                 _need(row, "real_ops", at),
-                fixed * 1e3,
-                new * 1e3,
-                err(new, fixed),
-                old * 1e3,
-                err(old, fixed),
+                *against(fixed, new, old),
             ]
         )
     call_rows = []
@@ -1738,16 +1741,7 @@ def adapt_fixed_costs(raw: Sequence[Path], command: str) -> dict[str, Any]:
         new, old = _need(row, "predicted_s", at), _need(row, "predicted_without_s", at)
         one = _need(row, "predicted_one_cost_s", at)
         call_rows.append(
-            [
-                _need(row, "collective", at),
-                measured * 1e6,
-                new * 1e6,
-                err(new, measured),
-                one * 1e6,
-                err(one, measured),
-                old * 1e6,
-                err(old, measured),
-            ]
+            [_need(row, "collective", at), *against(measured, new, one, old, scale=1e6)]
         )
     pass_rows, steps = [], []
     for i, row in enumerate(_need(data, "passes", where)):
@@ -1756,9 +1750,7 @@ def adapt_fixed_costs(raw: Sequence[Path], command: str) -> dict[str, Any]:
         measured = _need(row, "measured_s", at)
         new, old = _need(row, "predicted_s", at), _need(row, "predicted_without_s", at)
         steps.append((m, measured, new, old))
-        pass_rows.append(
-            [m, measured * 1e3, new * 1e3, err(new, measured), old * 1e3, err(old, measured)]
-        )
+        pass_rows.append([m, *against(measured, new, old)])
     (m0, *first), (m1, *last) = steps[0], steps[-1]
     extra = [(b - a) / (m1 - m0) * 1e3 for a, b in zip(first, last, strict=True)]
     whole_rows = []
@@ -1767,15 +1759,7 @@ def adapt_fixed_costs(raw: Sequence[Path], command: str) -> dict[str, Any]:
         measured = _need(row, "measured_s", at)
         new, old = _need(row, "predicted_s", at), _need(row, "predicted_without_s", at)
         whole_rows.append(
-            [
-                _need(row, "model", at),
-                _need(row, "batch", at),
-                measured * 1e3,
-                new * 1e3,
-                err(new, measured),
-                old * 1e3,
-                err(old, measured),
-            ]
+            [_need(row, "model", at), _need(row, "batch", at), *against(measured, new, old)]
         )
     link = _need(data, "link", where)
     overhead = _need(data, "kernel_overhead_s", where)
