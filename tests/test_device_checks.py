@@ -89,12 +89,17 @@ def test_cnn_plans_are_valid_and_predicted() -> None:
     assert [r["samples"] for r in built["data-parallel, equal split"][1]["replicas"]] == [64] * 4
 
 
+@pytest.mark.multiproc  # the step's fixed cost: a rank of its own
 def test_gpu_probes_make_the_models_device() -> None:
     """hetero.measure_gpu's probes (run here on the CPU, as the dry run does): positive finite
-    figures, the Device fields among them."""
+    figures, the Device fields among them; a view op costs the host something, less than a
+    step of the probe."""
+    import dataclasses
+
     import torch
 
     import hetero
+    from hetcoll.model import Device
 
     figures = hetero.measure_gpu(torch.device("cpu"))
     for key in (
@@ -103,10 +108,15 @@ def test_gpu_probes_make_the_models_device() -> None:
         "mem_bytes_per_s",
         "kernel_overhead_s",
         "conv_overhead_s",
+        "step_overhead_s",
         "launch_s",
+        "view_s",
     ):
         assert math.isfinite(figures[key]) and figures[key] >= 0, key
     assert figures["flops_per_s"] > 0 and figures["kernel_overhead_s"] > 0
+    assert 0 < figures["view_s"] < 1e-3
+    fields = {f.name for f in dataclasses.fields(Device)}
+    assert "step_overhead_s" in fields and "view_s" not in fields
 
 
 def test_real_cluster_puts_the_gpu_first(tmp_path: Path) -> None:

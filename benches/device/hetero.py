@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hetcoll
 from hetcoll import launch
@@ -207,6 +208,58 @@ def strict_fp32() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
+class _Views(nn.Module):
+    """Eight rounds of views (view, transpose, unsqueeze, squeeze) of a [1, 4] tensor: ops
+    that launch no kernel, which the cost model does not count."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(8):
+            x = x.view(1, 2, 2).transpose(1, 2).unsqueeze(0).squeeze(0).transpose(1, 2)
+            x = x.reshape(1, 4)
+        return x
+
+
+class _CountViews(TorchDispatchMode):
+    """Counts the view ops a run dispatches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.views = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.views += bool(func.is_view)
+        return func(*args, **(kwargs or {}))
+
+
+def _view_seconds(depth: int, dev: torch.device) -> float:
+    """Host seconds of one view op in a training step on ``dev`` (synchronized): a chain of
+    ``depth`` tiny linear + ReLU layers with :class:`_Views` after each, against the chain
+    alone, over the views the second adds (forward and backward). Not a field of the model's
+    Device: what the first GPU run's plans suggested the model misses (the LM ran 879 view ops
+    a step beside 765 kernels)."""
+    from hetcoll.lab.calibrate import tiny_chain
+
+    x = torch.randn(1, 4, device=dev)
+    runs = []
+    for with_views in (False, True):
+        layers = list(tiny_chain(depth))
+        if with_views:
+            layers = [m for layer in layers for m in (layer, _Views())]
+        model = nn.Sequential(*layers).to(dev)
+
+        def step(model: nn.Module = model) -> None:
+            model.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+
+        step()
+        count = _CountViews()
+        with count:
+            step()
+        runs.append((_gpu_seconds(step, 20, dev), count.views))
+    (plain_s, plain_views), (views_s, views) = runs
+    return max(0.0, views_s - plain_s) / max(1, views - plain_views)
+
+
 def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
     """The GPU's figures for :class:`hetcoll.model.Device`, float32 (:func:`strict_fp32`):
     GEMM 4096^3 and a copy of 256 MiB; the convolutions' rate and ``kernel_overhead_s`` and
@@ -218,7 +271,8 @@ def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
     counts them) on 256 samples of 16x16 over its time less those fixed costs; and
     ``step_overhead_s``, a step's own fixed cost, by
     :func:`hetcoll.lab.calibrate.measure_step_overhead_s` on this device. ``launch_s``:
-    one tiny kernel's time in a chain of 200 (launch alone; not a field of the model's Device).
+    one tiny kernel's time in a chain of 200 (launch alone; not a field of the model's Device);
+    ``view_s``: a view op's host seconds in a training step (:func:`_view_seconds`).
     ``dev``: the GPU (default ``cuda:0``; another device runs the same probes, for tests)."""
     import numpy as np
 
@@ -253,6 +307,7 @@ def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
         model(x1).sum().backward()
 
     kernel_s = _gpu_seconds(step, 20, dev) / kernels
+    view_s = _view_seconds(depth, dev)
     probe = nn.Conv2d(64, 64, 3, padding=1, bias=False).to(dev)
 
     def conv_step(b: int, size: int) -> Any:
@@ -299,6 +354,7 @@ def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
         **figures,
         "step_overhead_s": step_overhead_s,
         "launch_s": launch_s,
+        "view_s": view_s,
     }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 import traceback
@@ -26,6 +27,9 @@ from hetero import measure_gpu, real_cluster
 
 #: The run of the plan hetcoll's planner picks for the machine (:func:`planner_pick`).
 PICK = "the planner's pick"
+#: The run of the GPU rank alone, the CPU ranks idle (the peer of the ratios; the run
+#: :func:`runtime_breakdown` takes apart).
+ALONE = "the GPU alone"
 
 
 def parse(
@@ -138,10 +142,102 @@ def planner_over(result: dict[str, Any], rate: str) -> None:
         return
     got = rows[PICK][rate]
     others = [r[rate] for name, r in rows.items() if name != PICK]
-    over = {"the GPU alone": got / rows["the GPU alone"][rate]} if "the GPU alone" in rows else {}
+    over = {ALONE: got / rows[ALONE][rate]} if ALONE in rows else {}
     if others:
         over["the best other run"] = got / max(others)
     result["planner_over"] = over
+
+
+def runtime_breakdown(
+    rank: int,
+    plan: dict[str, Any],
+    model: Callable[[], Any],
+    call: Callable[[Any, Any], Any],
+    loss_fn: Callable[[Any, Any], Any],
+    optimizer: Callable[[Any], Any],
+    data: tuple[Any, Any],
+    dev: torch.device,
+    rounds: int,
+    **parallelize_kw: Any,
+) -> dict[str, Any] | None:
+    """Where the GPU alone's step goes (issue 40: the first GPU run measured it about twice
+    what the model predicted). Rank 0's bare step (zero_grad, ``call(model, x)``, the loss,
+    backward, the optimizer, the device synchronized; the other ranks wait) and ``plan``'s
+    step under parallelize (timed as the configurations are: between barriers, the slowest
+    rank's), interleaved for ``rounds`` rounds, medians; then rank 0's plan steps profiled
+    (cProfile): the functions that took longest of their own and the runtime's own
+    (``hetcoll/torch/parallel.py``) by their cumulative time. Rank 0 gets the figures."""
+    import cProfile
+    import pstats
+
+    from hetcoll.torch import parallelize
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    torch.manual_seed(0)
+    par = parallelize(model().to(dev), plan, loss_fn=loss_fn, **parallelize_kw)
+    popt = optimizer(par.parameters())
+    bare = model().to(dev)
+    bopt = optimizer(bare.parameters())
+    x, y = data
+
+    def bare_step() -> None:
+        if rank == 0:
+            bopt.zero_grad()
+            loss_fn(call(bare, x), y).backward()
+            bopt.step()
+
+    def plan_step() -> None:
+        par.step(x, y)
+        popt.step()
+        popt.zero_grad()
+
+    timed: dict[str, list[float]] = {"bare": [], "plan": []}
+    for i in range(rounds + 2):  # two rounds to warm up
+        for name, fn in (("bare", bare_step), ("plan", plan_step)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if i >= 2:
+                timed[name].append(float(t))
+    profile = cProfile.Profile()
+    for _ in range(rounds):
+        dist.barrier()
+        if rank == 0:
+            profile.enable()
+        plan_step()
+        sync()
+        if rank == 0:
+            profile.disable()
+    if rank != 0:
+        return None
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+
+    def rows(key: Callable[[Any], float], keep: Callable[[str], bool]) -> list[dict[str, Any]]:
+        top = sorted(((k, v) for k, v in stats.items() if keep(k[0])), key=lambda kv: -key(kv[1]))
+        return [
+            {
+                "function": f"{os.path.basename(f)}:{line}({name})",
+                "calls": v[1],
+                "own_s": v[2] / rounds,
+                "cumulative_s": v[3] / rounds,
+            }
+            for (f, line, name), v in top[:20]
+        ]
+
+    return {
+        "plan": ALONE,
+        "rounds": rounds,
+        "bare_step_s": statistics.median(timed["bare"]),
+        "plan_step_s": statistics.median(timed["plan"]),
+        "profile_own": rows(lambda v: v[2], lambda f: True),
+        "profile_runtime": rows(lambda v: v[3], lambda f: f.endswith("hetcoll/torch/parallel.py")),
+    }
 
 
 def write_results(path: str, result: dict[str, Any]) -> None:

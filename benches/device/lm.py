@@ -47,7 +47,7 @@ from hetcoll.model import layer_costs, predict_plan
 
 import jobs
 from hetero import real_cluster, strict_fp32, sync_gpu
-from jobs import PICK, planner_over, planner_pick, run_configurations
+from jobs import ALONE, PICK, planner_over, planner_pick, run_configurations, runtime_breakdown
 
 # examples/train_lm.py (and its train_plan.py) as modules, here and in the ranks.
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -141,7 +141,7 @@ def plans(
     balanced = hetcoll.split(batch, speeds, latency=latency)
     every = hetcoll.split(batch, speeds, latency=latency, minimum=1)
     out = {
-        "the GPU alone": ("data-parallel", plan(replicas([0], [batch]))),
+        ALONE: ("data-parallel", plan(replicas([0], [batch]))),
         "balanced": ("data-parallel", plan(replicas([0, *cpus], balanced))),
         "equal split": (
             "data-parallel",
@@ -154,7 +154,7 @@ def plans(
     }
     if every != balanced:  # the split left a rank idle: also with every rank at work
         out["balanced, every rank"] = ("data-parallel", plan(replicas([0, *cpus], every)))
-        out = {k: out[k] for k in ("the GPU alone", "balanced", "balanced, every rank", *out)}
+        out = {k: out[k] for k in (ALONE, "balanced", "balanced, every rank", *out)}
     if len(cpus) >= 2:  # the pipeline's rate is about the GPU's: the head is little compute
         shares = hetcoll.split(
             batch, [speeds[0], *speeds[2:]], latency=[latency[0], *latency[2:]], minimum=1
@@ -203,7 +203,7 @@ def _balanced_over(result: dict[str, Any]) -> None:
         rate = rows["balanced"]["tokens_per_s"]
         result["balanced_over"] = {
             name: rate / rows[name]["tokens_per_s"]
-            for name in ("equal split", "the GPU alone")
+            for name in ("equal split", ALONE)
             if name in rows
         }
         if "speeds" in result:
@@ -276,6 +276,20 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
             "rows_per_s": batch * len(times) / sum(times),
         }
 
+    breakdown = runtime_breakdown(
+        rank,
+        runs[ALONE][1],
+        lambda: lm_model(torch.device("cpu")),
+        lambda model, inputs: model(**inputs),
+        train_lm.lm_loss,
+        lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0),
+        data[0],
+        dev,
+        cfg["steps"],
+        items=train_lm.valid_tokens,
+    )
+    if breakdown is not None:
+        result["runtime"] = breakdown
     pick = planner_pick(cfg, world, _costs, STATE_COPIES)
     if pick is not None:
         runs[PICK] = pick

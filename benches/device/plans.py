@@ -60,7 +60,7 @@ from hetero import (
     strict_fp32,
     sync_gpu,
 )
-from jobs import PICK, planner_over, planner_pick, run_configurations
+from jobs import ALONE, PICK, planner_over, planner_pick, run_configurations, runtime_breakdown
 
 LR = 0.05
 #: DemoNet's plan layers: the convolutions and the pool (the compute), then the head.
@@ -121,7 +121,7 @@ def plans(
             plan(replicas([0, *cpus], every)),
         ),
         "data-parallel, equal split": ("data-parallel", plan(replicas([0, *cpus], equal))),
-        "the GPU alone": ("data-parallel", plan(replicas([0], [batch]))),
+        ALONE: ("data-parallel", plan(replicas([0], [batch]))),
         "device subset: GPU + CPU 1": ("data-parallel", plan(replicas([0, 1], pair))),
         "filter split over every rank": (
             "filter split",
@@ -231,6 +231,19 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
         }
 
     runs = plans(speeds, latency, batch, cfg["microbatches"])
+    breakdown = runtime_breakdown(
+        rank,
+        runs[ALONE][1],
+        demo_model,
+        lambda model, inputs: model(inputs),
+        nn.functional.cross_entropy,
+        lambda params: torch.optim.SGD(params, lr=LR),
+        (x, y),
+        dev,
+        cfg["steps"],
+    )
+    if breakdown is not None:
+        result["runtime"] = breakdown
     pick = planner_pick(cfg, world, _costs)
     if pick is not None:
         runs[PICK] = pick
