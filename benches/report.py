@@ -2118,6 +2118,10 @@ def adapt_device(raw: Sequence[Path], command: str) -> dict[str, Any]:
             "notes": lm_notes,
         }
     )
+    if cuda:
+        runtime = _device_runtime({"demo CNN": plans, "LM example": lm})
+        if runtime is not None:
+            sections.append(runtime)
     every = errors + plan_errors + [abs(r[6]) for r in lm_rows if isinstance(r[6], float)]
     if cuda and every:
         headlines.append(
@@ -2256,6 +2260,56 @@ def _device_plans(
     if not rows:
         rows.append([None, status, None, None, None, None])
     return rows, errors, notes
+
+
+def _device_runtime(parts: dict[str, Any]) -> dict[str, Any] | None:
+    """Where the GPU alone's step goes (plans.py's and lm.py's ``runtime``, with the GPU's
+    ``step_overhead_s`` and ``view_s``) as a section; None where no part has it."""
+    rows, notes = [], []
+    for model, part in parts.items():
+        got = part.get("runtime") if isinstance(part, dict) else None
+        if not isinstance(got, dict):
+            continue
+        gpu = part.get("gpu") or {}
+        bare, planned = got["bare_step_s"], got["plan_step_s"]
+        rows.append(
+            [
+                model,
+                _ms(bare),
+                _ms(planned),
+                planned / bare,
+                _ms(gpu.get("step_overhead_s")),
+                None if gpu.get("view_s") is None else gpu["view_s"] * 1e6,
+            ]
+        )
+        top = ", ".join(
+            f"{r['function']} {r['cumulative_s'] * 1e3:.2f} ms" for r in got["profile_runtime"][:6]
+        )
+        notes.append(f"{model}: the runtime's functions by their time a step (cProfile): {top}.")
+    if not rows:
+        return None
+    return {
+        "title": "Where the GPU alone's step goes",
+        "peer": "rank 0's bare step (zero_grad, forward, loss, backward, the optimizer; "
+        "synchronized), interleaved with the same step under parallelize in the same job",
+        "columns": [
+            _col("model"),
+            _col("bare step (ms)", "{:.2f}"),
+            _col("under parallelize (ms)", "{:.2f}"),
+            _col("parallelize / bare", RATIO),
+            _col("the model's step overhead (ms)", "{:.2f}"),
+            _col("a view op (us)", "{:.1f}"),
+        ],
+        "rows": rows,
+        "notes": [
+            "The GPU alone's plan (the CPU ranks idle, in the job); each figure the median of the "
+            "rounds, a step the slowest rank's. The model's step overhead: "
+            "Device.step_overhead_s as the GPU check measured it (a one-rank parallelize step of "
+            "a tiny model less the model's prediction of it); a view op: its host seconds in a "
+            "training step (benches/device/hetero.py's view_s; the cost model counts no views).",
+            *notes,
+        ],
+    }
 
 
 def _planner_headline(part: dict[str, Any], model: str) -> list[tuple[str, str]]:

@@ -561,6 +561,19 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
     lm["balanced_over"] = {"equal split": 5.0, "the GPU alone": 1.3}
     plans["planner_over"] = {"the GPU alone": 1.0, "the best other run": 0.97}
     lm["planner_over"] = {"the GPU alone": 1.3, "the best other run": 1.0}
+    # Where the GPU alone's step goes: the CNN's run has the breakdown, the LM's does not.
+    plans["gpu"] = dict(plans.get("gpu") or {}, step_overhead_s=1.1e-3, view_s=9.5e-6)
+    plans["runtime"] = {
+        "plan": "the GPU alone",
+        "rounds": 15,
+        "bare_step_s": 0.0016,
+        "plan_step_s": 0.0032,
+        "profile_own": [],
+        "profile_runtime": [
+            {"function": "parallel.py:361(step)", "calls": 15, "own_s": 1e-4, "cumulative_s": 3e-3}
+        ],
+    }
+    lm.pop("runtime", None)
     raw = tmp_path / "raw" / "summary.json"
     raw.parent.mkdir()
     raw.write_text(json.dumps(data))
@@ -612,6 +625,9 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
     assert f"Median |error| 10.0%, worst 30.0% over {n} plans" in text
     # balanced / the GPU alone = 26,000 / 20,000; the model's refusal leaves its cells empty.
     assert "| 26,000 | 1.00x | – | – |" in text and "| 20,000 | 1.30x | – | – |" in text
+    assert "| demo CNN | 1.60 | 3.20 | 2.00x | 1.10 | 9.5 |" in text
+    assert "demo CNN: the runtime's functions by their time a step (cProfile): " in text
+    assert "parallel.py:361(step) 3.00 ms" in text and "| LM example | " not in text
 
 
 def test_device_adapter_reads_a_summary_without_plans_or_lm(tmp_path: Path) -> None:

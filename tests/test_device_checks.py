@@ -98,8 +98,9 @@ def test_gpu_probes_make_the_models_device() -> None:
 
     import torch
 
-    import hetero
     from hetcoll.model import Device
+
+    import hetero
 
     figures = hetero.measure_gpu(torch.device("cpu"))
     for key in (
