@@ -2270,6 +2270,9 @@ def _device_runtime(parts: dict[str, Any]) -> dict[str, Any] | None:
         got = part.get("runtime") if isinstance(part, dict) else None
         if not isinstance(got, dict):
             continue
+        if got.get("status", "ok") != "ok":
+            notes.append(f"{model}: {got['status']}.")
+            continue
         gpu = part.get("gpu") or {}
         bare, planned = got["bare_step_s"], got["plan_step_s"]
         rows.append(
@@ -2286,7 +2289,7 @@ def _device_runtime(parts: dict[str, Any]) -> dict[str, Any] | None:
             f"{r['function']} {r['cumulative_s'] * 1e3:.2f} ms" for r in got["profile_runtime"][:6]
         )
         notes.append(f"{model}: the runtime's functions by their time a step (cProfile): {top}.")
-    if not rows:
+    if not rows and not notes:
         return None
     return {
         "title": "Where the GPU alone's step goes",
@@ -2300,7 +2303,7 @@ def _device_runtime(parts: dict[str, Any]) -> dict[str, Any] | None:
             _col("the model's step overhead (ms)", "{:.2f}"),
             _col("a view op (us)", "{:.1f}"),
         ],
-        "rows": rows,
+        "rows": rows or [[None, None, None, None, None, None]],
         "notes": [
             "The GPU alone's plan (the CPU ranks idle, in the job); each figure the median of the "
             "rounds, a step the slowest rank's. The model's step overhead: "

@@ -561,9 +561,10 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
     lm["balanced_over"] = {"equal split": 5.0, "the GPU alone": 1.3}
     plans["planner_over"] = {"the GPU alone": 1.0, "the best other run": 0.97}
     lm["planner_over"] = {"the GPU alone": 1.3, "the best other run": 1.0}
-    # Where the GPU alone's step goes: the CNN's run has the breakdown, the LM's does not.
+    # Where the GPU alone's step goes: the CNN's run has the breakdown, the LM's failed.
     plans["gpu"] = dict(plans.get("gpu") or {}, step_overhead_s=1.1e-3, view_s=9.5e-6)
     plans["runtime"] = {
+        "status": "ok",
         "plan": "the GPU alone",
         "rounds": 15,
         "bare_step_s": 0.0016,
@@ -573,7 +574,7 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
             {"function": "parallel.py:361(step)", "calls": 15, "own_s": 1e-4, "cumulative_s": 3e-3}
         ],
     }
-    lm.pop("runtime", None)
+    lm["runtime"] = {"status": "failed: RuntimeError: no room"}
     raw = tmp_path / "raw" / "summary.json"
     raw.parent.mkdir()
     raw.write_text(json.dumps(data))
@@ -628,6 +629,7 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
     assert "| demo CNN | 1.60 | 3.20 | 2.00x | 1.10 | 9.5 |" in text
     assert "demo CNN: the runtime's functions by their time a step (cProfile): " in text
     assert "parallel.py:361(step) 3.00 ms" in text and "| LM example | " not in text
+    assert "LM example: failed: RuntimeError: no room." in text
 
 
 def test_device_adapter_reads_a_summary_without_plans_or_lm(tmp_path: Path) -> None:

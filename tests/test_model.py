@@ -575,6 +575,11 @@ def test_the_step_probes_fixed_cost_closes_the_model_on_it() -> None:
         calibrate.measure_step_overhead_s("cpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="steps"):
         calibrate.measure_step_overhead_s(device, steps=0)
+    for where in ("gpu0", "meta"):
+        with pytest.raises(ValueError, match="where"):
+            calibrate.measure_step_overhead_s(device, where=where)
+    with pytest.raises(TypeError, match="where"):
+        calibrate.measure_step_overhead_s(device, where=0)  # type: ignore[arg-type]
 
 
 def test_shared_cores_timeline_by_hand() -> None:

@@ -166,7 +166,30 @@ def runtime_breakdown(
     step under parallelize (timed as the configurations are: between barriers, the slowest
     rank's), interleaved for ``rounds`` rounds, medians; then rank 0's plan steps profiled
     (cProfile): the functions that took longest of their own and the runtime's own
-    (``hetcoll/torch/parallel.py``) by their cumulative time. Rank 0 gets the figures."""
+    (``hetcoll/torch/parallel.py``) by their cumulative time. Rank 0 gets the figures, or
+    ``{"status": "failed: ..."}`` where the breakdown raised (on every rank alike; one that
+    raises on some ranks only leaves the others waiting, to the job's timeout)."""
+    try:
+        return _runtime_breakdown(
+            rank, plan, model, call, loss_fn, optimizer, data, dev, rounds, **parallelize_kw
+        )
+    except Exception as e:
+        failed = {"status": f"failed: {type(e).__name__}: {e}"[:2000]}
+        return failed if rank == 0 else None
+
+
+def _runtime_breakdown(
+    rank: int,
+    plan: dict[str, Any],
+    model: Callable[[], Any],
+    call: Callable[[Any, Any], Any],
+    loss_fn: Callable[[Any, Any], Any],
+    optimizer: Callable[[Any], Any],
+    data: tuple[Any, Any],
+    dev: torch.device,
+    rounds: int,
+    **parallelize_kw: Any,
+) -> dict[str, Any] | None:
     import cProfile
     import pstats
 
@@ -231,6 +254,7 @@ def runtime_breakdown(
         ]
 
     return {
+        "status": "ok",
         "plan": ALONE,
         "rounds": rounds,
         "bare_step_s": statistics.median(timed["bare"]),

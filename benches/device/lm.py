@@ -47,7 +47,15 @@ from hetcoll.model import layer_costs, predict_plan
 
 import jobs
 from hetero import real_cluster, strict_fp32, sync_gpu
-from jobs import ALONE, PICK, planner_over, planner_pick, run_configurations, runtime_breakdown
+from jobs import (
+    ALONE,
+    PICK,
+    planner_over,
+    planner_pick,
+    run_configurations,
+    runtime_breakdown,
+    write_results,
+)
 
 # examples/train_lm.py (and its train_plan.py) as modules, here and in the ranks.
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -276,6 +284,24 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
             "rows_per_s": batch * len(times) / sum(times),
         }
 
+    pick = planner_pick(cfg, world, _costs, STATE_COPIES)
+    if pick is not None:
+        runs[PICK] = pick
+
+    def summarize(result: dict[str, Any]) -> None:
+        _balanced_over(result)
+        planner_over(result, "tokens_per_s")
+
+    out = run_configurations(
+        rank,
+        result,
+        runs,
+        measure,
+        lambda plan, step: _predict(cfg, world, plan, step),
+        cfg["json"],
+        summarize,
+    )
+    # Last: a hang here (the job's timeout) keeps every plan's figures already written.
     breakdown = runtime_breakdown(
         rank,
         runs[ALONE][1],
@@ -288,25 +314,10 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
         cfg["steps"],
         items=train_lm.valid_tokens,
     )
-    if breakdown is not None:
-        result["runtime"] = breakdown
-    pick = planner_pick(cfg, world, _costs, STATE_COPIES)
-    if pick is not None:
-        runs[PICK] = pick
-
-    def summarize(result: dict[str, Any]) -> None:
-        _balanced_over(result)
-        planner_over(result, "tokens_per_s")
-
-    return run_configurations(
-        rank,
-        result,
-        runs,
-        measure,
-        lambda plan, step: _predict(cfg, world, plan, step),
-        cfg["json"],
-        summarize,
-    )
+    if out is not None and breakdown is not None:
+        out["runtime"] = breakdown
+        write_results(cfg["json"], out)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

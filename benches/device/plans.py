@@ -60,7 +60,15 @@ from hetero import (
     strict_fp32,
     sync_gpu,
 )
-from jobs import ALONE, PICK, planner_over, planner_pick, run_configurations, runtime_breakdown
+from jobs import (
+    ALONE,
+    PICK,
+    planner_over,
+    planner_pick,
+    run_configurations,
+    runtime_breakdown,
+    write_results,
+)
 
 LR = 0.05
 #: DemoNet's plan layers: the convolutions and the pool (the compute), then the head.
@@ -231,6 +239,19 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
         }
 
     runs = plans(speeds, latency, batch, cfg["microbatches"])
+    pick = planner_pick(cfg, world, _costs)
+    if pick is not None:
+        runs[PICK] = pick
+    out = run_configurations(
+        rank,
+        result,
+        runs,
+        measure,
+        lambda plan, step: _predict(cfg, world, plan, step),
+        cfg["json"],
+        lambda result: planner_over(result, "samples_per_s"),
+    )
+    # Last: a hang here (the job's timeout) keeps every plan's figures already written.
     breakdown = runtime_breakdown(
         rank,
         runs[ALONE][1],
@@ -242,20 +263,10 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
         dev,
         cfg["steps"],
     )
-    if breakdown is not None:
-        result["runtime"] = breakdown
-    pick = planner_pick(cfg, world, _costs)
-    if pick is not None:
-        runs[PICK] = pick
-    return run_configurations(
-        rank,
-        result,
-        runs,
-        measure,
-        lambda plan, step: _predict(cfg, world, plan, step),
-        cfg["json"],
-        lambda result: planner_over(result, "samples_per_s"),
-    )
+    if out is not None and breakdown is not None:
+        out["runtime"] = breakdown
+        write_results(cfg["json"], out)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -280,12 +280,22 @@ def measure_step_overhead_s(device: Device, *, where: str = "cpu", steps: int = 
     :func:`step_overhead_from`. A step of that probe is next to all fixed costs: those of its
     kernels, which ``kernel_overhead_s`` prices, and those of the step itself - the runtime's
     batch agreement and bookkeeping, the loss's host sync, the optimizer's call."""
+    import torch
+
     from hetcoll import launch
 
     if not isinstance(device, Device):
         raise TypeError(f"device: must be a hetcoll.model.Device, got {type(device).__name__}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps: must be an integer >= 1, got {steps!r}")
+    if not isinstance(where, str):
+        raise TypeError(f'where: must be a device name ("cpu", "cuda:0"), got {where!r}')
+    try:
+        kind = torch.device(where).type
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"where: not a torch device, {where!r} ({e})") from None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"where: a CPU or a CUDA device, got {where!r}")
     depth = STEP_PROBE_DEPTH
     times = launch.spawn(_step_probe_rank, 1, depth, steps, where, timeout=120.0 + steps)[0]
     return step_overhead_from(float(_STATISTIC[_statistic](times)), device)
