@@ -2257,9 +2257,30 @@ def _device_plans(
             f"Median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} over "
             f"{len(errors)} plans (targets, issue 40: median <= 12%, worst <= 30%)."
         )
+    notes += _without_step_overhead(plans.get("configurations", []))
     if not rows:
         rows.append([None, status, None, None, None, None])
     return rows, errors, notes
+
+
+def _without_step_overhead(configurations: Sequence[Any]) -> list[str]:
+    """A note on the predictions without the devices' step overhead
+    (``error_without_step_overhead``, from runs since it is in the model), where they have it."""
+    pairs = [
+        (abs(p["error"]), abs(p["error_without_step_overhead"]))
+        for c in configurations
+        if isinstance(c, dict)
+        for p in [c.get("prediction") or {}]
+        if p.get("status") == "ok" and "error_without_step_overhead" in p
+    ]
+    if not pairs:
+        return []
+    with_it, without = zip(*pairs, strict=True)
+    return [
+        f"Without the step's fixed cost (Device.step_overhead_s): median |error| "
+        f"{statistics.median(without):.1%}, worst {max(without):.1%}; with it "
+        f"{statistics.median(with_it):.1%}, {max(with_it):.1%} ({len(pairs)} runs)."
+    ]
 
 
 def _device_runtime(parts: dict[str, Any]) -> dict[str, Any] | None:
@@ -2371,6 +2392,7 @@ def _device_lm(
         "rank's measured rows/s; tokens/s: the timed steps' valid tokens over their seconds. "
         f"Data: {lm.get('corpus')}."
     ]
+    notes += _without_step_overhead(lm.get("configurations", []))
     if status != "ok":
         notes.append(f"Status: {status}.")
     speeds = lm.get("speeds", [])

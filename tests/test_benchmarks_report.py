@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import statistics
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -548,6 +549,8 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
     plan_errors = [0.05, -0.1, 0.2, 0.08, -0.3, 0.12, 0.02, -0.04, 0.15, 0.1, 0.1][:n]
     for c, e in zip(plans["configurations"], plan_errors):
         c["prediction"] = {"status": "ok", "step_s": c["step_s"] * (1 + e), "error": e}
+        # Without the step overhead every plan predicted 20 points shorter.
+        c["prediction"]["error_without_step_overhead"] = e - 0.2
     lm = data["lm"]
     lm["status"] = "ok"
     runs = {c["name"]: c for c in lm["configurations"]}
@@ -624,6 +627,12 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
         f"{first['prediction']['step_s'] * 1e3:.2f} | +5.0% |"
     ) in text
     assert f"Median |error| 10.0%, worst 30.0% over {n} plans" in text
+    without = sorted(abs(e - 0.2) for e in plan_errors)
+    assert (
+        f"Without the step's fixed cost (Device.step_overhead_s): median |error| "
+        f"{statistics.median(without):.1%}, worst {without[-1]:.1%}; with it 10.0%, 30.0% "
+        f"({n} runs)."
+    ) in text
     # balanced / the GPU alone = 26,000 / 20,000; the model's refusal leaves its cells empty.
     assert "| 26,000 | 1.00x | – | – |" in text and "| 20,000 | 1.30x | – | – |" in text
     assert "| demo CNN | 1.60 | 3.20 | 2.00x | 1.10 | 9.5 |" in text

@@ -208,6 +208,12 @@ def test_plans_script_runs_every_plan(tmp_path: Path) -> None:
         assert r["prediction"]["error"] == pytest.approx(
             r["prediction"]["step_s"] / r["step_s"] - 1
         )
+        # And without the devices' step overhead: shorter, never longer (the term only adds).
+        without = r["prediction"]["without_step_overhead_s"]
+        assert 0 < without <= r["prediction"]["step_s"]
+        assert r["prediction"]["error_without_step_overhead"] == pytest.approx(
+            without / r["step_s"] - 1
+        )
     assert got["prediction_error"]["count"] == len(names)
 
 

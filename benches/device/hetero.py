@@ -392,7 +392,9 @@ def real_cluster(
     )
 
 
-def _without_step_overhead(cluster: Any) -> Any:
+def without_step_overhead(cluster: Any) -> Any:
+    """``cluster`` with every device's ``step_overhead_s`` 0: what the model predicted before
+    it had the term (and what it predicts for loops other than hetcoll's runtime)."""
     from hetcoll.model import Cluster
 
     return Cluster(
@@ -416,7 +418,7 @@ def predict(
         return {"status": why_not}
     # DDP's loop and the plain one are not hetcoll's runtime, whose step's fixed cost
     # Device.step_overhead_s is: their predictions leave it out.
-    cluster, alone = _without_step_overhead(cluster), _without_step_overhead(alone)
+    cluster, alone = without_step_overhead(cluster), without_step_overhead(alone)
     costs = layer_costs(demo_model(), SHAPE)
     predicted = {
         name: data_parallel(costs, cluster, row["shares"][name]).step_s

@@ -46,12 +46,13 @@ import hetcoll
 from hetcoll.model import layer_costs, predict_plan
 
 import jobs
-from hetero import real_cluster, strict_fp32, sync_gpu
+from hetero import real_cluster, strict_fp32, sync_gpu, without_step_overhead
 from jobs import (
     ALONE,
     PICK,
     planner_over,
     planner_pick,
+    prediction,
     run_configurations,
     runtime_breakdown,
     write_results,
@@ -238,10 +239,13 @@ def _predict(cfg: dict[str, Any], world: int, plan: dict[str, Any], measured: fl
     cluster, _, why_not = real_cluster(cfg["cluster"], cfg["gpu"], world)
     if why_not is not None:
         return {"status": why_not}
-    pred = predict_plan(
-        _costs(), cluster, hetcoll.Plan.from_dict(plan), optimizer_state_copies=STATE_COPIES
+    step, without = (
+        predict_plan(
+            _costs(), c, hetcoll.Plan.from_dict(plan), optimizer_state_copies=STATE_COPIES
+        ).step_s
+        for c in (cluster, without_step_overhead(cluster))
     )
-    return {"status": "ok", "step_s": pred.step_s, "error": pred.step_s / measured - 1}
+    return prediction(step, without, measured)
 
 
 def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:

@@ -59,12 +59,14 @@ from hetero import (
     speeds_here,
     strict_fp32,
     sync_gpu,
+    without_step_overhead,
 )
 from jobs import (
     ALONE,
     PICK,
     planner_over,
     planner_pick,
+    prediction,
     run_configurations,
     runtime_breakdown,
     write_results,
@@ -205,8 +207,11 @@ def _predict(cfg: dict[str, Any], world: int, plan: dict[str, Any], measured: fl
     cluster, _, why_not = real_cluster(cfg["cluster"], cfg["gpu"], world)
     if why_not is not None:
         return {"status": why_not}
-    pred = predict_plan(_costs(), cluster, hetcoll.Plan.from_dict(plan))
-    return {"status": "ok", "step_s": pred.step_s, "error": pred.step_s / measured - 1}
+    step, without = (
+        predict_plan(_costs(), c, hetcoll.Plan.from_dict(plan)).step_s
+        for c in (cluster, without_step_overhead(cluster))
+    )
+    return prediction(step, without, measured)
 
 
 def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
