@@ -330,7 +330,7 @@ def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
     conv_s = _gpu_seconds(conv_step(maps, 16), 5, dev)
     flops, conv_kernels = conv_probe_counts(maps, 16)
     conv_rate = flops / max(conv_s - conv_kernels * conv_overhead_s, 0.5 * conv_s)
-    figures = {
+    figures: dict[str, Any] = {
         "flops_per_s": 2 * n**3 / gemm,
         "conv_flops_per_s": conv_rate,
         "mem_bytes_per_s": 2 * big.numel() * 4 / copy_s,
@@ -339,15 +339,7 @@ def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
         "conv_overhead_s": conv_overhead_s,
     }
     # The step's fixed cost as calibrate measures the CPU's: a rank of its own on this device.
-    gpu = Device(
-        "gpu",
-        flops_per_s=figures["flops_per_s"],
-        conv_flops_per_s=figures["conv_flops_per_s"],
-        mem_bytes_per_s=figures["mem_bytes_per_s"],
-        memory_bytes=figures["memory_bytes"],
-        kernel_overhead_s=figures["kernel_overhead_s"],
-        conv_overhead_s=figures["conv_overhead_s"],
-    )
+    gpu = Device("gpu", **figures)
     out = {
         "name": torch.cuda.get_device_name(dev) if cuda else str(dev),
         **figures,

@@ -9,8 +9,10 @@ Lab code, like everything in benches/: it imports the library, the library never
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import time
 import traceback
@@ -23,7 +25,7 @@ import torch.distributed as dist
 import hetcoll
 from hetcoll import launch
 
-from hetero import measure_gpu, real_cluster
+from hetero import measure_gpu, real_cluster, sync_gpu
 
 #: The run of the plan hetcoll's planner picks for the machine (:func:`planner_pick`).
 PICK = "the planner's pick"
@@ -148,6 +150,18 @@ def planner_over(result: dict[str, Any], rate: str) -> None:
     result["planner_over"] = over
 
 
+def slowest_rank_seconds(step: Callable[[], None], dev: torch.device) -> float:
+    """Seconds of ``step()`` run by every rank at once: started after a barrier, ended with the
+    device synchronized, the slowest rank's (what every timed step of these scripts is)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    step()
+    sync_gpu(dev)
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
 def runtime_breakdown(
     rank: int,
     plan: dict[str, Any],
@@ -169,99 +183,74 @@ def runtime_breakdown(
     (``hetcoll/torch/parallel.py``) by their cumulative time. Rank 0 gets the figures, or
     ``{"status": "failed: ..."}`` where the breakdown raised (on every rank alike; one that
     raises on some ranks only leaves the others waiting, to the job's timeout)."""
+    from hetcoll.torch import parallelize
+
     try:
-        return _runtime_breakdown(
-            rank, plan, model, call, loss_fn, optimizer, data, dev, rounds, **parallelize_kw
-        )
+        torch.manual_seed(0)
+        par = parallelize(model().to(dev), plan, loss_fn=loss_fn, **parallelize_kw)
+        popt = optimizer(par.parameters())
+        bare = model().to(dev)
+        bopt = optimizer(bare.parameters())
+        x, y = data
+
+        def bare_step() -> None:
+            if rank == 0:
+                bopt.zero_grad()
+                loss_fn(call(bare, x), y).backward()
+                bopt.step()
+
+        def plan_step() -> None:
+            par.step(x, y)
+            popt.step()
+            popt.zero_grad()
+
+        timed: dict[str, list[float]] = {"bare": [], "plan": []}
+        for i in range(rounds + 2):  # two rounds to warm up
+            for name, fn in (("bare", bare_step), ("plan", plan_step)):
+                t = slowest_rank_seconds(fn, dev)
+                if i >= 2:
+                    timed[name].append(t)
+        profile = cProfile.Profile()
+        for _ in range(rounds):
+            dist.barrier()
+            if rank == 0:
+                profile.enable()
+            plan_step()
+            sync_gpu(dev)
+            if rank == 0:
+                profile.disable()
+        if rank != 0:
+            return None
+        stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+
+        def rows(key: Callable[[Any], float], keep: Callable[[str], bool]) -> list[dict[str, Any]]:
+            top = sorted(
+                ((k, v) for k, v in stats.items() if keep(k[0])), key=lambda kv: -key(kv[1])
+            )
+            return [
+                {
+                    "function": f"{os.path.basename(f)}:{line}({name})",
+                    "calls": v[1],
+                    "own_s": v[2] / rounds,
+                    "cumulative_s": v[3] / rounds,
+                }
+                for (f, line, name), v in top[:20]
+            ]
+
+        return {
+            "status": "ok",
+            "plan": ALONE,
+            "rounds": rounds,
+            "bare_step_s": statistics.median(timed["bare"]),
+            "plan_step_s": statistics.median(timed["plan"]),
+            "profile_own": rows(lambda v: v[2], lambda f: True),
+            "profile_runtime": rows(
+                lambda v: v[3], lambda f: f.endswith("hetcoll/torch/parallel.py")
+            ),
+        }
     except Exception as e:
         failed = {"status": f"failed: {type(e).__name__}: {e}"[:2000]}
         return failed if rank == 0 else None
-
-
-def _runtime_breakdown(
-    rank: int,
-    plan: dict[str, Any],
-    model: Callable[[], Any],
-    call: Callable[[Any, Any], Any],
-    loss_fn: Callable[[Any, Any], Any],
-    optimizer: Callable[[Any], Any],
-    data: tuple[Any, Any],
-    dev: torch.device,
-    rounds: int,
-    **parallelize_kw: Any,
-) -> dict[str, Any] | None:
-    import cProfile
-    import pstats
-
-    from hetcoll.torch import parallelize
-
-    def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
-    torch.manual_seed(0)
-    par = parallelize(model().to(dev), plan, loss_fn=loss_fn, **parallelize_kw)
-    popt = optimizer(par.parameters())
-    bare = model().to(dev)
-    bopt = optimizer(bare.parameters())
-    x, y = data
-
-    def bare_step() -> None:
-        if rank == 0:
-            bopt.zero_grad()
-            loss_fn(call(bare, x), y).backward()
-            bopt.step()
-
-    def plan_step() -> None:
-        par.step(x, y)
-        popt.step()
-        popt.zero_grad()
-
-    timed: dict[str, list[float]] = {"bare": [], "plan": []}
-    for i in range(rounds + 2):  # two rounds to warm up
-        for name, fn in (("bare", bare_step), ("plan", plan_step)):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            if i >= 2:
-                timed[name].append(float(t))
-    profile = cProfile.Profile()
-    for _ in range(rounds):
-        dist.barrier()
-        if rank == 0:
-            profile.enable()
-        plan_step()
-        sync()
-        if rank == 0:
-            profile.disable()
-    if rank != 0:
-        return None
-    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
-
-    def rows(key: Callable[[Any], float], keep: Callable[[str], bool]) -> list[dict[str, Any]]:
-        top = sorted(((k, v) for k, v in stats.items() if keep(k[0])), key=lambda kv: -key(kv[1]))
-        return [
-            {
-                "function": f"{os.path.basename(f)}:{line}({name})",
-                "calls": v[1],
-                "own_s": v[2] / rounds,
-                "cumulative_s": v[3] / rounds,
-            }
-            for (f, line, name), v in top[:20]
-        ]
-
-    return {
-        "status": "ok",
-        "plan": ALONE,
-        "rounds": rounds,
-        "bare_step_s": statistics.median(timed["bare"]),
-        "plan_step_s": statistics.median(timed["plan"]),
-        "profile_own": rows(lambda v: v[2], lambda f: True),
-        "profile_runtime": rows(lambda v: v[3], lambda f: f.endswith("hetcoll/torch/parallel.py")),
-    }
 
 
 def prediction(step_s: float, without_s: float, measured_s: float) -> dict[str, Any]:

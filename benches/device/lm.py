@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,7 @@ import hetcoll
 from hetcoll.model import layer_costs, predict_plan
 
 import jobs
-from hetero import real_cluster, strict_fp32, sync_gpu, without_step_overhead
+from hetero import real_cluster, strict_fp32, without_step_overhead
 from jobs import (
     ALONE,
     PICK,
@@ -55,6 +54,7 @@ from jobs import (
     prediction,
     run_configurations,
     runtime_breakdown,
+    slowest_rank_seconds,
     write_results,
 )
 
@@ -182,24 +182,21 @@ def _run(
     plan: dict[str, Any], dev: torch.device, data: list[Any], warmup: int
 ) -> tuple[list[float], int]:
     """Each timed step's seconds (the slowest rank's) and the timed steps' valid tokens."""
-    import torch.distributed as dist
-
     from hetcoll.torch import parallelize
 
     par = parallelize(lm_model(dev), plan, loss_fn=train_lm.lm_loss, items=train_lm.valid_tokens)
     opt = torch.optim.AdamW(par.parameters(), lr=LR, weight_decay=0.0)
     times, tokens = [], 0
     for i, (x, y) in enumerate(data):
-        dist.barrier()
-        t0 = time.perf_counter()
-        par.step(x, y)
-        opt.step()
-        opt.zero_grad()
-        sync_gpu(dev)
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+
+        def step(x: Any = x, y: Any = y) -> None:
+            par.step(x, y)
+            opt.step()
+            opt.zero_grad()
+
+        t = slowest_rank_seconds(step, dev)
         if i >= warmup:
-            times.append(float(t))
+            times.append(t)
             tokens += train_lm.valid_tokens(y)
     return times, tokens
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 import functools
 import statistics
 import sys
-import time
 from typing import Any
 
 import torch
@@ -58,7 +57,6 @@ from hetero import (
     real_cluster,
     speeds_here,
     strict_fp32,
-    sync_gpu,
     without_step_overhead,
 )
 from jobs import (
@@ -69,6 +67,7 @@ from jobs import (
     prediction,
     run_configurations,
     runtime_breakdown,
+    slowest_rank_seconds,
     write_results,
 )
 
@@ -174,26 +173,19 @@ def _step_times(
     plan: dict[str, Any], dev: torch.device, x: Any, y: Any, warmup: int, steps: int
 ) -> list[float]:
     """Each timed step's seconds (the slowest rank's) of ``plan`` under parallelize."""
-    import torch.distributed as dist
-
     from hetcoll.torch import parallelize
 
     torch.manual_seed(0)
     par = parallelize(demo_model().to(dev), plan, loss_fn=nn.functional.cross_entropy)
     opt = torch.optim.SGD(par.parameters(), lr=LR)
-    times = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        t0 = time.perf_counter()
+
+    def step() -> None:
         par.step(x, y)
         opt.step()
         opt.zero_grad()
-        sync_gpu(dev)
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if i >= warmup:
-            times.append(float(t))
-    return times
+
+    times = [slowest_rank_seconds(step, dev) for _ in range(warmup + steps)]
+    return times[warmup:]
 
 
 @functools.cache
