@@ -13,6 +13,7 @@ weighted sum against the Rust kernel, and the autocast plan cases on CPU ranks (
 from __future__ import annotations
 
 import re
+import warnings
 
 import cuda_cases
 import numpy as np
@@ -22,7 +23,12 @@ from torch import nn
 
 import hetcoll
 from hetcoll import launch
-from hetcoll.kernels import weighted_sum_device
+from hetcoll.kernels import (
+    FUSED_MAX_ARRAYS,
+    fused_device_kernel,
+    fused_source,
+    weighted_sum_device,
+)
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
@@ -64,6 +70,55 @@ def test_device_weighted_sum_equals_the_rust_kernel(device, dtype):
         out = weighted_sum_device(on, w, out=into)
     assert out is into
     assert _rel(out, want) <= KERNEL_TOL[dtype]
+
+
+def test_the_fused_device_kernels_source_is_what_jiterator_takes():
+    """Where no GPU is at hand: each fused kernel's source parses as torch's jiterator reads it
+    (its kernel named, one weight argument per array, in order), and more arrays than
+    jiterator takes have no fused kernel (the add_ chain sums them)."""
+    from torch.cuda.jiterator import _CodeParser
+
+    for k in range(1, FUSED_MAX_ARRAYS + 1):
+        for acc in ("float", "double"):
+            parsed = _CodeParser(fused_source(k, acc))
+            assert parsed.function_name == f"hetcoll_weighted_sum_{k}_{acc}"
+            kernel = fused_device_kernel(k, acc)
+            assert kernel is not None and list(kernel.kwargs_dict) == [f"w{i}" for i in range(k)]
+    assert fused_device_kernel(FUSED_MAX_ARRAYS + 1, "float") is None
+    assert fused_device_kernel(0, "float") is None
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_weighted_sum_is_one_fused_pass(dtype):
+    """On CUDA, 1 to 8 arrays are summed by one fused kernel (jiterator): it compiles (no
+    warning that it fell back to the add_ chain), equals the Rust kernel, and a new output
+    is the only memory it takes (the chain's float32 accumulator for 16-bit types is gone);
+    into out, in place or not, and 9 arrays (the chain), it equals the kernel too."""
+    n = 10_001
+    rounded = -(-n * torch.tensor([], dtype=dtype).element_size() // 512) * 512  # allocator
+    for k in (1, 2, 3, 8, 9):
+        xs = _inputs(dtype, k, n)
+        w = [0.25 + 0.5 * i * (-1) ** i for i in range(k)]
+        want = hetcoll.weighted_sum(xs, w)  # the Rust kernel, CPU
+        on = [x.cuda() for x in xs]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            got = hetcoll.weighted_sum(on, w)
+            torch.cuda.synchronize()
+            taken = torch.cuda.max_memory_allocated() - base
+            assert _rel(got, want) <= KERNEL_TOL[dtype], k
+            if k <= FUSED_MAX_ARRAYS:
+                assert taken == rounded, (k, taken, rounded)
+            into = torch.empty_like(on[0])
+            assert hetcoll.weighted_sum(on, w, out=into) is into
+            assert _rel(into, want) <= KERNEL_TOL[dtype], k
+            assert hetcoll.weighted_sum(on, w, out=on[-1]) is on[-1]
+            assert _rel(on[-1], want) <= KERNEL_TOL[dtype], k
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda), "cpu"])

@@ -5,8 +5,10 @@ against the device's memory bandwidth (a copy), all measured in the same run.
     python benches/device/kernels.py --json OUT/kernels.json
 
 Peers: the ``add_`` chain (``out = w0 a0; out.add_(ai, alpha=wi)``), ``torch._foreach_mul`` then
-a sum, and, where torch's jiterator compiles it, one fused element-wise kernel (a candidate for
-a fused device path, not the library's). Every entry's result is checked against float64.
+a sum, and, where torch's jiterator compiles it, one fused element-wise kernel written here (the
+library's own fused path, ``hetcoll.kernels.fused_device_kernel``, is one such kernel: measured
+into ``out``, which adds a copy, and as a new output). Every entry's result is checked against
+float64.
 Bandwidth: the copy of one tensor moves 2 N s bytes; a weighted sum at least (K + 1) N s
 (``s``: bytes per element), so ``ideal = (K + 1) / 2 * copy time`` and the ratios below are
 ``time / ideal`` (1.0 = at the memory's speed) and ``time / peer's time``.
@@ -88,6 +90,8 @@ def row(dtype: torch.dtype, n: int, repeats: int, fused: Any) -> dict[str, Any]:
 
     entries: dict[str, Callable[[], Any]] = {
         "hetcoll.weighted_sum": lambda: hetcoll.weighted_sum(xs, WEIGHTS, out=out),
+        # Without out: the fused kernel's own output, no copy into out.
+        "hetcoll.weighted_sum, new output": lambda: hetcoll.weighted_sum(xs, WEIGHTS),
         "add_ chain": chain,
         "_foreach_mul + sum": foreach,
     }
@@ -120,7 +124,7 @@ def row(dtype: torch.dtype, n: int, repeats: int, fused: Any) -> dict[str, Any]:
         "hetcoll_over_peer": {
             k: ours / t
             for k, t in times.items()
-            if ours is not None and k != "hetcoll.weighted_sum"
+            if ours is not None and not k.startswith("hetcoll.")
         },
         "errors": errors,
     }

@@ -1,16 +1,18 @@
-"""Fused kernels on numpy arrays and CPU torch tensors, without copies; torch's own ops on
-device (CUDA) tensors.
+"""Fused kernels on numpy arrays and CPU torch tensors, without copies; on CUDA tensors, one
+fused kernel compiled at first use by torch's jiterator, else torch's own ops.
 
 The Rust kernels take numpy buffers; this module hands them zero-copy numpy views of torch
 tensors (bfloat16 as its raw 16-bit patterns, which numpy has no type for) and gives back the
-caller's own object. Tensors on another device (CUDA) stay there: :func:`weighted_sum` runs
-torch ops on that device, under the same argument rules.
+caller's own object. Tensors on another device (CUDA) stay there: :func:`weighted_sum` sums
+them on that device, under the same argument rules.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -147,15 +149,81 @@ def weighted_sum(
     return out
 
 
+#: The most arrays one fused device kernel sums (torch's jiterator takes up to 8 inputs).
+FUSED_MAX_ARRAYS = 8
+
+
+def fused_source(k: int, accumulator: str) -> str:
+    """The CUDA source (a jiterator functor) of one element of a weighted sum of ``k`` arrays
+    of one type ``T``: ``s = w0 a0``, then ``s += wi ai`` in order, in ``accumulator`` (``float``
+    or ``double``), rounded once into ``T``."""
+    params = [f"T a{i}" for i in range(k)] + [f"{accumulator} w{i}" for i in range(k)]
+    body = [f"{accumulator} s = w0 * {accumulator}(a0);"]
+    body += [f"s += w{i} * {accumulator}(a{i});" for i in range(1, k)]
+    return (
+        f"template <typename T> T hetcoll_weighted_sum_{k}_{accumulator}({', '.join(params)}) "
+        f"{{ {' '.join(body)} return T(s); }}"
+    )
+
+
+@functools.cache
+def fused_device_kernel(k: int, accumulator: str) -> Callable[..., Any] | None:
+    """The jiterator function summing ``k`` CUDA tensors with weights ``w0=..., w1=...``
+    (:func:`fused_source`; NVRTC compiles it at its first call for each dtype, and torch caches
+    it), or None where this torch has no jiterator (a private, beta API) or ``k`` is more than
+    it takes."""
+    if not 1 <= k <= FUSED_MAX_ARRAYS:
+        return None
+    try:
+        from torch.cuda.jiterator import _create_jit_fn
+    except ImportError:
+        return None
+    weights = {f"w{i}": 0.0 for i in range(k)}  # their defaults; each call passes its own
+    return cast(Callable[..., Any], _create_jit_fn(fused_source(k, accumulator), **weights))
+
+
+#: (k, dtype) pairs whose fused kernel failed to compile here: summed by the add_ chain.
+_FUSED_FAILED: set[tuple[int, Any]] = set()
+
+
+def _fused_device_sum(arrays: Sequence[Any], weights: Sequence[float]) -> Any:
+    """``sum_i weights[i] * arrays[i]`` in one pass over CUDA tensors (a new tensor), or None
+    where no fused kernel serves them (too many arrays, no jiterator, or a kernel that did not
+    compile here: said once, in a warning)."""
+    import torch
+
+    dtype = arrays[0].dtype
+    k = len(arrays)
+    kernel = fused_device_kernel(k, "double" if dtype == torch.float64 else "float")
+    if kernel is None or (k, dtype) in _FUSED_FAILED:
+        return None
+    try:
+        return kernel(*arrays, **{f"w{i}": w for i, w in enumerate(weights)})
+    except RuntimeError as e:  # NVRTC missing or refusing the source: the chain still sums
+        _FUSED_FAILED.add((k, dtype))
+        warnings.warn(
+            f"hetcoll.weighted_sum: the fused CUDA kernel for {k} {dtype} arrays did not compile "
+            f"({str(e)[:300]}); summing them with torch's add_ chain instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
 def weighted_sum_device(arrays: Sequence[Any], weights: Sequence[float], *, out: Any = None) -> Any:
-    """:func:`weighted_sum` of torch tensors on one non-CPU device (CUDA), with torch's ops on
-    that device: ``out = w_j a_j`` (``j``: the array ``out`` is, when it is one of them, else
-    0), then ``out += w_i a_i`` for the others in order (``add_`` with ``alpha``), in float32
-    for 16-bit types (a float32 accumulator, rounded once into ``out``) and in the tensors' own
-    type otherwise. One pass per array, not one fused pass: it is torch's ``add_`` chain, with
-    weighted_sum's argument rules (the weights checked by the Rust kernel's own rules; one
-    shape and dtype; C-contiguous; ``out`` one of ``arrays`` or disjoint from them; not
-    differentiable, as :func:`weighted_sum` says)."""
+    """:func:`weighted_sum` of torch tensors on one non-CPU device, with weighted_sum's argument
+    rules (the weights checked by the Rust kernel's own rules; one shape and dtype;
+    C-contiguous; ``out`` one of ``arrays`` or disjoint from them; not differentiable, as
+    :func:`weighted_sum` says). The sum starts at ``w_j a_j`` (``j``: the array ``out`` is,
+    when it is one of them, else 0) and adds ``w_i a_i`` for the others in order, in float32
+    for 16-bit types (rounded once into ``out``) and in the tensors' own type otherwise.
+
+    On CUDA, up to :data:`FUSED_MAX_ARRAYS` arrays are summed in one pass by a kernel torch's
+    jiterator compiles at its first use (:func:`fused_device_kernel`), copied into ``out`` when
+    one is given; otherwise, and where that would move more memory than the chain (one or two
+    arrays of 32 or 64 bits summed into ``out``), by torch's ``add_`` chain: ``out = w_j a_j``,
+    then ``out += w_i a_i`` (``add_`` with ``alpha``), one pass per array, into a float32
+    accumulator for 16-bit types."""
     import torch
 
     first = arrays[0]
@@ -188,10 +256,8 @@ def weighted_sum_device(arrays: Sequence[Any], weights: Sequence[float], *, out:
             "tensors on one device"
         )
     check_writable([] if out is None else [(out, "out")])
-    target = (
-        out if out is not None else torch.empty_like(first, memory_format=torch.contiguous_format)
-    )
-    named = [(a, f"arrays[{i}]") for i, a in enumerate(arrays)] + [(target, "out")]
+    named = [(a, f"arrays[{i}]") for i, a in enumerate(arrays)]
+    named += [] if out is None else [(out, "out")]
     for a, name in named:
         if a.dtype != first.dtype:
             raise TypeError(f"{name}: dtype {a.dtype} does not match arrays[0]'s {first.dtype}")
@@ -201,20 +267,35 @@ def weighted_sum_device(arrays: Sequence[Any], weights: Sequence[float], *, out:
             )
         if not a.is_contiguous():
             raise ValueError(f"{name}: must be C-contiguous")
-    start, end = target.data_ptr(), target.data_ptr() + target.numel() * target.element_size()
     same = -1
-    for i, a in enumerate(arrays):
-        lo = a.data_ptr()
-        hi = lo + a.numel() * a.element_size()
-        if lo == start and hi == end and same < 0:
-            same = i  # in-place accumulation: out is this array
-        elif a.numel() and target.numel() and lo < end and start < hi:
-            raise ValueError(f"arrays[{i}]: overlaps out in memory")
+    if out is not None:
+        start, end = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
+        for i, a in enumerate(arrays):
+            lo = a.data_ptr()
+            hi = lo + a.numel() * a.element_size()
+            if lo == start and hi == end and same < 0:
+                same = i  # in-place accumulation: out is this array
+            elif a.numel() and out.numel() and lo < end and start < hi:
+                raise ValueError(f"arrays[{i}]: overlaps out in memory")
     j = max(same, 0)
     order = [j] + [i for i in range(len(arrays)) if i != j]
+    wide = first.dtype in (torch.float16, torch.bfloat16)
     with torch.no_grad():
+        # One pass reads k arrays and writes one; into out it is one more pass (a copy), which
+        # for one or two arrays of 32 or 64 bits moves as much as the chain or more.
+        if first.device.type == "cuda" and (wide or out is None or len(arrays) > 2):
+            summed = _fused_device_sum([arrays[i].detach() for i in order], [w[i] for i in order])
+            if summed is not None:
+                if out is None:
+                    return summed
+                out.detach().copy_(summed)
+                return out
+        target = (
+            out
+            if out is not None
+            else torch.empty_like(first, memory_format=torch.contiguous_format)
+        )
         t = target.detach()
-        wide = t.dtype in (torch.float16, torch.bfloat16)
         acc = torch.empty_like(t, dtype=torch.float32) if wide else t
         torch.mul(arrays[j].detach(), w[j], out=acc)
         for i in order[1:]:

@@ -671,6 +671,8 @@ def _mlp(name: str, m: nn.Module) -> TensorSplit | None:
     whole in it): a layer (the row) whose input is computed from the outputs of other linear
     layers (the columns, each called once, of as many outputs as the row's inputs) through
     elementwise operations alone, those outputs read by nothing else."""
+    if not _holds_linear_layers(m, 2):  # a row and a column at least: nothing to trace
+        return None
     traced = block_graph(m)
     if traced is None:  # no MLP is seen here
         return None
@@ -752,6 +754,17 @@ def _mlp(name: str, m: nn.Module) -> TensorSplit | None:
                 prefix + row.target,
             )
     return None
+
+
+def _holds_linear_layers(m: nn.Module, at_least: int) -> bool:
+    """Whether ``m``'s submodules (not ``m`` itself) hold ``at_least`` linear layers."""
+    found = 0
+    for sub in m.modules():
+        if sub is not m and linear_features(sub) is not None:
+            found += 1
+            if found >= at_least:
+                return True
+    return False
 
 
 def _piece_of_packed(node: Any, width: int) -> tuple[Any, Any, int | None] | None:
