@@ -492,18 +492,26 @@ class ReadsABlock(nn.Module):
 
 
 def alone(rank: int, world: int) -> dict[str, int]:
-    """A rank alone (world 1): the one process's numbers, a wrong batch still refused, and no
-    agreement exchanged - there is no one to agree with."""
+    """A rank alone (world 1): the one process's numbers, a wrong batch still refused, and
+    nothing exchanged: no agreement (there is no one to agree with), no sum of the losses."""
+    import torch.distributed as dist
+
     from hetcoll.comm.distributed import TorchCommunicator
 
-    sent = {"iallgatherv": 0}
+    sent = {"iallgatherv": 0, "all_reduce": 0}
     real = TorchCommunicator.iallgatherv
+    real_all_reduce = dist.all_reduce
 
     def counted(self: Any, *args: Any) -> Any:
         sent["iallgatherv"] += 1
         return real(self, *args)
 
+    def counted_all_reduce(*args: Any, **kwargs: Any) -> Any:
+        sent["all_reduce"] += 1
+        return real_all_reduce(*args, **kwargs)
+
     TorchCommunicator.iallgatherv = counted  # type: ignore[method-assign]
+    dist.all_reduce = counted_all_reduce
     try:
         stage = {"ranks": [0], "layers": [0, 11]}
         whole = Plan.from_dict({"replicas": [{"samples": 6, "stages": [stage]}]})
@@ -518,6 +526,7 @@ def alone(rank: int, world: int) -> dict[str, int]:
             raise AssertionError("a batch of 5 rows passed a plan of 6")
     finally:
         TorchCommunicator.iallgatherv = real  # type: ignore[method-assign]
+        dist.all_reduce = real_all_reduce
     return sent
 
 

@@ -50,9 +50,10 @@ def _check(results: list[dict]) -> None:
 @pytest.mark.multiproc
 def test_a_rank_alone_trains_as_one_process_and_agrees_with_no_one() -> None:
     """A plan on one rank computes the one process's numbers and refuses a wrong batch, and
-    its steps exchange no batch agreement (Parallel.step's check has no one to agree with)."""
+    its steps exchange nothing: no batch agreement (Parallel.step's check has no one to agree
+    with), no sum of the step's loss over the group (a sum over one rank is its own)."""
     (sent,) = launch.spawn(plan_cases.alone, 1, timeout=120)
-    assert sent == {"iallgatherv": 0}
+    assert sent == {"iallgatherv": 0, "all_reduce": 0}
 
 
 @pytest.mark.multiproc

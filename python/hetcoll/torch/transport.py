@@ -56,9 +56,16 @@ class Transport(ABC):
         calls it, for the same ``ranks``, in the same order. On a torch sub-group, all of its
         ranks give the sub-group itself."""
 
-    @abstractmethod
     def allreduce(self, t: torch.Tensor, sub: Any) -> None:
-        """``t <- sum of t`` over sub-group ``sub`` (from :meth:`subgroup`; None: the group)."""
+        """``t <- sum of t`` over sub-group ``sub`` (from :meth:`subgroup`; None: the group).
+        A group of one rank sends nothing: its sum is its own tensor."""
+        if sub is None and self.size == 1:
+            return
+        self._allreduce(t, sub)
+
+    @abstractmethod
+    def _allreduce(self, t: torch.Tensor, sub: Any) -> None:
+        """:meth:`allreduce` on the engine."""
 
     @abstractmethod
     def broadcast(self, t: torch.Tensor, src: int, sub: Any = None) -> None:
@@ -113,7 +120,7 @@ class _TorchTransport(Transport):
             self._subs[key] = sub if self.rank in key else None
         return self._subs[key]
 
-    def allreduce(self, t: torch.Tensor, sub: Any) -> None:
+    def _allreduce(self, t: torch.Tensor, sub: Any) -> None:
         self._dist.all_reduce(t, group=self._group if sub is None else sub)
 
     def broadcast(self, t: torch.Tensor, src: int, sub: Any = None) -> None:
@@ -186,7 +193,7 @@ class _MpiTransport(Transport):
         if host is not t:
             t.copy_(host)
 
-    def allreduce(self, t: torch.Tensor, sub: Any) -> None:
+    def _allreduce(self, t: torch.Tensor, sub: Any) -> None:
         c = self._c if sub is None else sub
         self._inplace(t, lambda a: c.Allreduce(self._mpi.IN_PLACE, a, op=self._mpi.SUM))
 
