@@ -2310,6 +2310,17 @@ def _device_runtime(parts: dict[str, Any]) -> dict[str, Any] | None:
             f"{r['function']} {r['cumulative_s'] * 1e3:.2f} ms" for r in got["profile_runtime"][:6]
         )
         notes.append(f"{model}: the runtime's functions by their time a step (cProfile): {top}.")
+        probes = gpu.get("step_probes") or []
+        if len(probes) == 2:
+            (a, b) = sorted(probes, key=lambda p: p["depth"])
+            per_layer = (b["residual_s"] - a["residual_s"]) / (b["depth"] - a["depth"])
+            notes.append(
+                f"{model}: the step probe on the GPU, {a['depth']} layers "
+                f"{a['step_s'] * 1e3:.2f} ms ({a['residual_s'] * 1e3:.2f} ms beyond the model), "
+                f"{b['depth']} layers {b['step_s'] * 1e3:.2f} ms "
+                f"({b['residual_s'] * 1e3:.2f} ms beyond): {per_layer * 1e6:.1f} us a layer "
+                "that the model does not price and the fixed term spreads over the probe."
+            )
     if not rows and not notes:
         return None
     return {

@@ -565,7 +565,13 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
     plans["planner_over"] = {"the GPU alone": 1.0, "the best other run": 0.97}
     lm["planner_over"] = {"the GPU alone": 1.3, "the best other run": 1.0}
     # Where the GPU alone's step goes: the CNN's run has the breakdown, the LM's failed.
-    plans["gpu"] = dict(plans.get("gpu") or {}, step_overhead_s=1.1e-3, view_s=9.5e-6)
+    probes = [
+        {"depth": 32, "step_s": 4.0e-3, "residual_s": 1.9e-3},
+        {"depth": 8, "step_s": 2.0e-3, "residual_s": 1.1e-3},
+    ]
+    plans["gpu"] = dict(
+        plans.get("gpu") or {}, step_overhead_s=1.1e-3, view_s=9.5e-6, step_probes=probes
+    )
     plans["runtime"] = {
         "status": "ok",
         "plan": "the GPU alone",
@@ -638,6 +644,11 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
     assert "| demo CNN | 1.60 | 3.20 | 2.00x | 1.10 | 9.5 |" in text
     assert "demo CNN: the runtime's functions by their time a step (cProfile): " in text
     assert "parallel.py:361(step) 3.00 ms" in text and "| LM example | " not in text
+    # The two step probes: (1.9 - 1.1) ms over 24 more layers.
+    assert (
+        "demo CNN: the step probe on the GPU, 8 layers 2.00 ms (1.10 ms beyond the model), 32 "
+        "layers 4.00 ms (1.90 ms beyond): 33.3 us a layer"
+    ) in text
     assert "LM example: failed: RuntimeError: no room." in text
 
 

@@ -116,6 +116,12 @@ def test_gpu_probes_make_the_models_device() -> None:
         assert math.isfinite(figures[key]) and figures[key] >= 0, key
     assert figures["flops_per_s"] > 0 and figures["kernel_overhead_s"] > 0
     assert 0 < figures["view_s"] < 1e-3
+    # The step probe at two depths; the first is the device's step overhead.
+    probes = figures["step_probes"]
+    assert [p["depth"] for p in probes] == [8, 32]
+    assert all(p["step_s"] > 0 and p["residual_s"] >= 0 for p in probes)
+    assert probes[1]["step_s"] > probes[0]["step_s"]
+    assert figures["step_overhead_s"] == probes[0]["residual_s"]
     fields = {f.name for f in dataclasses.fields(Device)}
     assert "step_overhead_s" in fields and "view_s" not in fields
 

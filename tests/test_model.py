@@ -571,6 +571,17 @@ def test_the_step_probes_fixed_cost_closes_the_model_on_it() -> None:
         alone = Cluster([Node("n", replace(device, step_overhead_s=fixed), 1)])
         assert predict_plan(costs, alone, probe).step_s == pytest.approx(measured, rel=1e-12)
     assert calibrate.step_overhead_from(1e-7, device) == 0.0
+    # At another depth (the GPU check's second probe), against that probe's own prediction.
+    deep = 4 * calibrate.STEP_PROBE_DEPTH
+    deep_costs = layer_costs(calibrate.tiny_chain(deep), (4,), loss=calibrate.step_probe_loss)
+    fixed = calibrate.step_overhead_from(3e-3, device, deep)
+    assert 0 < fixed < calibrate.step_overhead_from(3e-3, device)
+    alone = Cluster([Node("n", replace(device, step_overhead_s=fixed), 1)])
+    deep_probe = Plan.from_dict(calibrate.step_probe_plan(deep))
+    assert predict_plan(deep_costs, alone, deep_probe).step_s == pytest.approx(3e-3, rel=1e-12)
+    for depth in (0, 2.5, True):
+        with pytest.raises(ValueError, match="depth"):
+            calibrate.step_probe_seconds(depth)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="device"):
         calibrate.measure_step_overhead_s("cpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="steps"):

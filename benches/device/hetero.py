@@ -269,14 +269,22 @@ def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
     an eager step pays per kernel); the intercept of a 3x3 64-channel convolution's forward +
     weight gradient at 1, 2 and 4 samples of 8x8 per counted kernel; its FLOPs (as the model
     counts them) on 256 samples of 16x16 over its time less those fixed costs; and
-    ``step_overhead_s``, a step's own fixed cost, by
-    :func:`hetcoll.lab.calibrate.measure_step_overhead_s` on this device. ``launch_s``:
+    ``step_overhead_s``, a step's own fixed cost, as
+    :func:`hetcoll.lab.calibrate.measure_step_overhead_s` measures it, on this device
+    (``step_probes``: the probe at its depth and at four times it, each step and residual).
+    ``launch_s``:
     one tiny kernel's time in a chain of 200 (launch alone; not a field of the model's Device);
     ``view_s``: a view op's host seconds in a training step (:func:`_view_seconds`).
     ``dev``: the GPU (default ``cuda:0``; another device runs the same probes, for tests)."""
     import numpy as np
 
-    from hetcoll.lab.calibrate import conv_probe_counts, measure_step_overhead_s, tiny_chain
+    from hetcoll.lab.calibrate import (
+        STEP_PROBE_DEPTH,
+        conv_probe_counts,
+        step_overhead_from,
+        step_probe_seconds,
+        tiny_chain,
+    )
     from hetcoll.model import Device, layer_costs
 
     dev = dev or torch.device("cuda", 0)
@@ -347,7 +355,16 @@ def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
         "view_s": view_s,
     }
     try:  # the scripts' figures do not depend on it: a failure is noted, not raised
-        out["step_overhead_s"] = measure_step_overhead_s(gpu, where=str(dev))
+        # The probe at the model's depth and at four times it: the residuals' difference is
+        # what each layer adds beyond the model's kernels (the runtime's per-layer work, the
+        # optimizer's per-tensor calls), which the fixed term spreads over the probe's layers.
+        probes = []
+        for depth in (STEP_PROBE_DEPTH, 4 * STEP_PROBE_DEPTH):
+            step_s = step_probe_seconds(depth, where=str(dev))
+            residual = step_overhead_from(step_s, gpu, depth)
+            probes.append({"depth": depth, "step_s": step_s, "residual_s": residual})
+        out["step_probes"] = probes
+        out["step_overhead_s"] = probes[0]["residual_s"]
     except Exception as e:
         out["step_overhead_error"] = f"{type(e).__name__}: {e}"[:2000]
     return out

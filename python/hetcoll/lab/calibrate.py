@@ -280,12 +280,24 @@ def measure_step_overhead_s(device: Device, *, where: str = "cpu", steps: int = 
     :func:`step_overhead_from`. A step of that probe is next to all fixed costs: those of its
     kernels, which ``kernel_overhead_s`` prices, and those of the step itself - the runtime's
     batch agreement and bookkeeping, the loss's host sync, the optimizer's call."""
+    if not isinstance(device, Device):
+        raise TypeError(f"device: must be a hetcoll.model.Device, got {type(device).__name__}")
+    return step_overhead_from(step_probe_seconds(where=where, steps=steps), device)
+
+
+def step_probe_seconds(
+    depth: int = STEP_PROBE_DEPTH, *, where: str = "cpu", steps: int = 200
+) -> float:
+    """The step probe's step (:func:`measure_step_overhead_s`) with ``depth`` layers, measured:
+    the current statistic (:func:`set_statistic`) of ``steps`` steps of a rank alone, in its
+    own process, on ``where``. At two depths, the residuals (:func:`step_overhead_from`) tell
+    a step's fixed cost from what each layer adds that the model does not price."""
     import torch
 
     from hetcoll import launch
 
-    if not isinstance(device, Device):
-        raise TypeError(f"device: must be a hetcoll.model.Device, got {type(device).__name__}")
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"depth: must be an integer >= 1, got {depth!r}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps: must be an integer >= 1, got {steps!r}")
     if not isinstance(where, str):
@@ -296,16 +308,15 @@ def measure_step_overhead_s(device: Device, *, where: str = "cpu", steps: int = 
         raise ValueError(f"where: not a torch device, {where!r} ({e})") from None
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"where: a CPU or a CUDA device, got {where!r}")
-    depth = STEP_PROBE_DEPTH
     times = launch.spawn(_step_probe_rank, 1, depth, steps, where, timeout=120.0 + steps)[0]
-    return step_overhead_from(float(_STATISTIC[_statistic](times)), device)
+    return float(_STATISTIC[_statistic](times))
 
 
-def step_overhead_from(step_s: float, device: Device) -> float:
-    """The step probe's (:func:`measure_step_overhead_s`) measured ``step_s`` less what
-    :func:`hetcoll.model.predict_plan` predicts for it on ``device`` without a step overhead,
-    at least 0: with it as ``device``'s ``step_overhead_s``, the model predicts the probe's
-    step as measured.
+def step_overhead_from(step_s: float, device: Device, depth: int = STEP_PROBE_DEPTH) -> float:
+    """The step probe's (:func:`measure_step_overhead_s`, of ``depth`` layers) measured
+    ``step_s`` less what :func:`hetcoll.model.predict_plan` predicts for it on ``device``
+    without a step overhead, at least 0: with it as ``device``'s ``step_overhead_s``, the
+    model predicts the probe's step as measured.
 
     >>> step_overhead_from(0.0, Device("d", 1e9, 1e9, 1e9))
     0.0
@@ -313,7 +324,6 @@ def step_overhead_from(step_s: float, device: Device) -> float:
     from hetcoll.model import layer_costs, predict_plan
     from hetcoll.plan import Plan
 
-    depth = STEP_PROBE_DEPTH
     costs = layer_costs(tiny_chain(depth), (4,), loss=step_probe_loss)
     alone = Cluster([Node("probe", replace(device, step_overhead_s=0.0), 1)])
     predicted = predict_plan(costs, alone, Plan.from_dict(step_probe_plan(depth))).step_s
