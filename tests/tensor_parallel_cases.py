@@ -1457,7 +1457,39 @@ def run_all(group: Any) -> dict[str, Any]:
     out["errors"] = bad_input(group)
     out["loss_parallel"] = loss_parallel(group)
     out["dropout"] = dropout(group)
+    out["traces"] = traces(group)
     return out
+
+
+def traces(group: Any) -> dict[str, int]:
+    """The most times :func:`filter_parallel` traces (torch.fx, for the runs of its modules)
+    any one module of each model: the plan's traces are made once and read again."""
+    from torch import fx
+
+    trace = fx.Tracer.trace
+    ours: set[int] = set()  # the ids of the modules of the model being split
+    counts: dict[int, int] = {}
+
+    def counted(self: Any, root: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(self) is fx.Tracer and id(root) in ours:  # the runs' tracer
+            counts[id(root)] = counts.get(id(root), 0) + 1
+        return trace(self, root, *args, **kwargs)
+
+    most: dict[str, int] = {}
+    fx.Tracer.trace = counted  # type: ignore[method-assign]
+    try:
+        for name, make in (("llama", llama), ("t5", T5LM), ("swin", swin)):
+            model = make()
+            ours.clear()
+            ours.update(id(m) for m in model.modules())
+            counts.clear()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                filter_parallel(model, group=group, speeds=SPEEDS[: wrap(group).size])
+            most[name] = max(counts.values())
+    finally:
+        fx.Tracer.trace = trace  # type: ignore[method-assign]
+    return most
 
 
 def _same_on_every_rank(group: Any, t: torch.Tensor) -> bool:

@@ -20,6 +20,8 @@ from torch.nn import functional as F
 from hetcoll import launch
 from hetcoll.torch.filters import filter_shares
 
+from lm_common import hf_llama
+
 pytest.importorskip("transformers")
 
 #: What the gloo job of each rank count runs (tests/tensor_parallel_cases.py's run_parts): one
@@ -69,6 +71,8 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     }, r["dropout"]
     # Every block layer is split and paired; only Llama's untied head gathers (its logits).
     assert r["llama_gathers"] == ["lm_head"] and r["gpt2_gathers"] == []
+    # The runs' torch.fx traces of a split's plan: each module's once, read again after.
+    assert r["traces"] == {"llama": 1, "t5": 1, "swin": 1}, r["traces"]
     assert r["llama_split"] == 2 * 7 and r["gpt2_split"] == 2 * 4
     assert r["encoder_gathers"] == ["head"] and r["encoder_split"] == 2 * 3
     # Query, key and value packed under grouped-query attention: Phi-3's three blocks (its
@@ -554,6 +558,107 @@ def test_weights_an_untraceable_forward_reads_itself_stay_whole():
     assert layout.modes == {f"{m}.in_proj": "gather" for m in mixers}
     for make in (cases.bloom, cases.T5LM):
         assert split_layout(make()).read_directly == []
+
+
+def _hidden(method: Any) -> Any:
+    """A decorator without ``functools.wraps``: its wrapper's code is not the method's."""
+
+    def wrapper(self: Any, x: torch.Tensor) -> torch.Tensor:
+        return method(self, x)
+
+    return wrapper
+
+
+class _ReadsInItsFunctions(nn.Module):
+    """A forward torch.fx cannot trace (data-dependent), its class's code reading a child's
+    weight whole in a property and in a decorated method."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.d, self.e = (nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent: no trace
+            x = self.scaled(x)
+        return self.e(self.cube(self.p(x)) + self.d(x))
+
+    @property
+    def p(self) -> Any:
+        return lambda x: x @ self.a.weight
+
+    @staticmethod
+    def cube(x: torch.Tensor) -> torch.Tensor:
+        return x**3
+
+    @classmethod
+    def make(cls) -> _ReadsInItsFunctions:
+        return cls()
+
+    @torch.no_grad()  # functools.wraps: its own code is found
+    def scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.b.weight)
+
+
+class _HidesAMethod(nn.Module):
+    """An untraceable forward calling a method whose decorator hides its code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.e = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            x = x + 1
+        return self.e(self.mixed(x))
+
+    @_hidden
+    def mixed(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.c.weight
+
+
+def test_an_untraceable_forwards_class_is_read_function_by_function():
+    """The reads of :func:`test_weights_an_untraceable_forward_reads_itself_stay_whole` are
+    found in each function of the class read on its own (a property's, a decorated
+    method's), as in the class's whole text (whose source is found by parsing its whole
+    file); where a decorator hides a method's code, the class's whole text is read: every
+    layer read whole stays whole, the others split."""
+    from hetcoll.torch.filters import split_layout
+
+    model = nn.Sequential(_ReadsInItsFunctions.make(), _HidesAMethod(), nn.Linear(4, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its forward is untraceable
+        layout = split_layout(model)
+    assert layout.read_directly == ["0.a", "0.b", "1.c"]
+    assert {"0.d", "0.e", "1.e"} <= set(layout.modes)
+
+
+def test_a_models_repeated_attentions_are_probed_once(monkeypatch):
+    """Whether an attention runs on a rank holding none of its heads is probed once per
+    class and layout (forwards of copies on the meta device), not once per block: Llama's
+    probes are as many at 4 layers as at 2."""
+    from transformers.models.llama import modeling_llama
+
+    from hetcoll.torch.filters import split_layout
+
+    forward = modeling_llama.LlamaAttention.forward
+    probes = [0]
+
+    def counted(self: Any, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(hidden_states, torch.Tensor) and hidden_states.is_meta:
+            probes[0] += 1
+        return forward(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", counted)
+    seen = []
+    for layers in (2, 4):
+        model = hf_llama(
+            vocab=40, hidden=24, intermediate=40, layers=layers, heads=6, kv_heads=3, positions=32
+        )
+        probes[0] = 0
+        layout = split_layout(model)
+        assert len([ts for ts in layout.splits if ts.kind == "attention"]) == layers
+        seen.append(probes[0])
+    assert seen[0] == seen[1] > 0, seen
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 6])

@@ -228,13 +228,39 @@ def _method_reads(module: nn.Module, prefix: str) -> list[str]:
     return _present(_names_read(type(module), methods=True), module, prefix)
 
 
-#: What :func:`_names_read` found, by class: reading a class's source parses its whole file
-#: (Python before 3.13), and a split meets each class of a model once per block, in every
-#: probe of its plan (a third of a Hugging Face model's split time, before).
+#: What :func:`_names_read` found, by class: a split meets each class of a model once per
+#: block, in every probe of its plan (a third of a Hugging Face model's split time, before).
 _READ: dict[bool, weakref.WeakKeyDictionary[type, frozenset[str]]] = {
     False: weakref.WeakKeyDictionary(),
     True: weakref.WeakKeyDictionary(),
 }
+
+
+def _code_of(cls: type, methods: bool) -> list[Any]:
+    """What :func:`_names_read` reads the source of: the functions of ``cls``'s own body
+    (methods, static and class methods, properties' accessors), each unwrapped from its
+    decorators, or with ``methods`` those but ``forward`` and ``__init__``. A function's
+    source is found from its first line, where the whole class's is found by parsing its
+    file (Python before 3.13: tens of milliseconds for a Hugging Face modeling file, each
+    class). Without ``methods``, ``[cls]`` where one is no code of the class's own (a
+    decorator without ``functools.wraps``): the class's text still holds it."""
+    found: list[Any] = []
+    for name, value in vars(cls).items():
+        if methods and name in ("forward", "__init__"):
+            continue
+        if isinstance(value, property):
+            parts = [value.fget, value.fset, value.fdel]
+        else:
+            parts = [getattr(value, "__func__", value)]  # a static or class method's function
+        for f in parts:
+            if not inspect.isfunction(f):
+                continue
+            f = inspect.unwrap(f)
+            own = getattr(f, "__qualname__", "").startswith(cls.__qualname__ + ".")
+            if not own and not methods:
+                return [cls]
+            found.append(f)
+    return found
 
 
 def _names_read(cls: type, methods: bool) -> frozenset[str]:
@@ -246,16 +272,7 @@ def _names_read(cls: type, methods: bool) -> frozenset[str]:
         return cache[cls]
     sources = []
     if cls.__module__.split(".")[0] != "torch":
-        functions: list[Any]
-        if methods:
-            functions = [
-                f
-                for name, f in vars(cls).items()
-                if name not in ("forward", "__init__") and inspect.isfunction(f)
-            ]
-        else:
-            functions = [cls]
-        for f in functions:
+        for f in _code_of(cls, methods):
             try:
                 sources.append(inspect.getsource(f))
             except (OSError, TypeError):

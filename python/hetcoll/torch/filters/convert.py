@@ -31,6 +31,7 @@ from hetcoll.comm import (
 from hetcoll.errors import CollectiveMismatchError
 from hetcoll.torch.filters.autograd import AgreedForward, GradientSums, sole_holder
 from hetcoll.torch.filters.chains import (
+    Traced,
     choose_layers,
     layer_channels,
     layer_in_channels,
@@ -209,6 +210,7 @@ def _shares(
     empty_blocks: bool = False,
     timed: Callable[[list[TensorSplit], list[str]], list[float]] | None = None,
     vocabulary: bool = False,
+    traced: dict[tuple[int, str], Traced | str] | None = None,
 ) -> tuple[dict[str, list[int]], list[tuple[TensorSplit, list[int]]], dict[str, str]]:
     """:func:`filter_shares`, asking for the group size only once the arguments are checked;
     with the attentions and MLPs split by heads and hidden units (each with its units per
@@ -216,7 +218,9 @@ def _shares(
     split too (:func:`~.chains.vocabulary_ties`). ``timed(splits, others)``: the seconds of a
     forward of the unsplit model outside the other split layers, and of each split's own work in it
     (:func:`~.timing.sample_seconds`), to balance the work every rank repeats around the
-    splits too."""
+    splits too. ``traced``: the torch.fx traces of the model's modules
+    (:func:`~.chains.plan_modes`'s ``traced_cache``), kept for a caller that reads the
+    unchanged model's modes again."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     if not is_int(multiple_of) or multiple_of < 1:
@@ -258,10 +262,22 @@ def _shares(
         m = named[name]
         if isinstance(m, nn.Conv2d):
             check_conv(m, f"{named_by}: {name!r}")
+    cache: dict[tuple[int, str], Traced | str] = {} if traced is None else traced
     untraced: list[str] = []
-    layout = split_layout(
-        model, chosen, avoid_gathers=avoid_gathers, mha=mha, untraced=untraced, experts=experts
-    )
+
+    def laid_out(chosen: list[str]) -> SplitLayout:  # the modules it cannot trace to untraced
+        untraced.clear()
+        return split_layout(
+            model,
+            chosen,
+            avoid_gathers=avoid_gathers,
+            mha=mha,
+            untraced=untraced,
+            traced_cache=cache,
+            experts=experts,
+        )
+
+    layout = laid_out(chosen)
 
     def need() -> int:  # the channels a layer needs for the ranks (the group asked only then)
         return size_of() * int(multiple_of)
@@ -273,15 +289,7 @@ def _shares(
     if whole:
         chosen = [n for n in chosen if n not in whole]
         if any(n not in layout.read_directly for n in whole):  # the layout changes with them
-            untraced = []
-            layout = split_layout(
-                model,
-                chosen,
-                avoid_gathers=avoid_gathers,
-                mha=mha,
-                untraced=untraced,
-                experts=experts,
-            )
+            layout = laid_out(chosen)
     if layers is None:  # the layers left replicated, but those split per channel
         choose_layers(model, None, named, vocabulary=vocabulary, per_channel=layout.batchnorms)
     modes, feeds = layout.modes, layout.feeds
@@ -750,6 +758,7 @@ def filter_parallel(
                 raise
             return [float(x) for x in np.ascontiguousarray(rows).view(np.float64).mean(axis=0)]
 
+    traced: dict[tuple[int, str], Traced | str] = {}  # read again for the modes below
     try:
         per_layer, splits, modes = _shares(
             model,
@@ -762,6 +771,7 @@ def filter_parallel(
             empty_blocks,
             timed,
             loss_parallel,
+            traced,
         )
     except (TypeError, ValueError) as e:
         if not told:  # a local error (before the timings, or after them on this rank alone)
@@ -776,7 +786,8 @@ def filter_parallel(
     named = dict(model.named_modules())
     in_splits = {n for ts, _ in splits for n in ts.layers()}
     chosen = list(per_layer)
-    _, feeds, bns = plan_modes(model, [n for n in chosen if n not in in_splits], avoid_gathers)
+    chained = [n for n in chosen if n not in in_splits]
+    _, feeds, bns = plan_modes(model, chained, avoid_gathers, traced_cache=traced)
     ties = vocabulary_ties(model) if loss_parallel else {}
 
     shared = [(n, tuple(model.get_parameter(n).shape)) for ts, _ in splits for n in ts.shared]

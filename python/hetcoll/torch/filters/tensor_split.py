@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -671,7 +672,7 @@ def _mlp(name: str, m: nn.Module) -> TensorSplit | None:
     whole in it): a layer (the row) whose input is computed from the outputs of other linear
     layers (the columns, each called once, of as many outputs as the row's inputs) through
     elementwise operations alone, those outputs read by nothing else."""
-    if not _holds_linear_layers(m, 2):  # a row and a column at least: nothing to trace
+    if not _linear_layers_apart(m):  # no row and column found here
         return None
     traced = block_graph(m)
     if traced is None:  # no MLP is seen here
@@ -756,13 +757,16 @@ def _mlp(name: str, m: nn.Module) -> TensorSplit | None:
     return None
 
 
-def _holds_linear_layers(m: nn.Module, at_least: int) -> bool:
-    """Whether ``m``'s submodules (not ``m`` itself) hold ``at_least`` linear layers."""
-    found = 0
-    for sub in m.modules():
-        if sub is not m and linear_features(sub) is not None:
-            found += 1
-            if found >= at_least:
+def _linear_layers_apart(m: nn.Module) -> bool:
+    """Whether ``m``'s linear layers (not ``m`` itself) lie in two of its children at least,
+    each child counted with everything inside it. An MLP needs a row and a column; one whose
+    layers all lie inside one child is that child's own, which :func:`_mlp` finds and names
+    there: in ``m``, nothing to trace for."""
+    found: set[str] = set()
+    for name, sub in m.named_modules():
+        if name and linear_features(sub) is not None:
+            found.add(name.split(".")[0])
+            if len(found) >= 2:
                 return True
     return False
 
@@ -921,8 +925,20 @@ def plan_tensor_splits(
         first = leader.get(type(named[ts.module])) if ts.kind == "attention" else None
         if first is not None and first != ts.module:
             ts.heads_with = first
+    # One probe per class and layout, as the probe per class above: a model's blocks repeat.
+    probed: dict[tuple[type, str], str] = {}
     for ts in splits:
         for variant in (ts, ts.by_head) if ts.kind == "attention" else ():
             if variant is not None:
-                variant.empty_fails = runs_without_heads(named[ts.module], variant) or ""
+                key = (type(named[ts.module]), _relative_layout(variant))
+                if key not in probed:
+                    probed[key] = runs_without_heads(named[ts.module], variant) or ""
+                variant.empty_fails = probed[key]
     return splits, kept
+
+
+def _relative_layout(ts: TensorSplit) -> str:
+    """``ts`` as text, the names inside its module relative to it (those outside as they are):
+    two attentions laid out alike read the same."""
+    text = repr(replace(ts, module="", by_head=None, empty_fails=""))
+    return text.replace(f"'{ts.module}.", "'") if ts.module else text
