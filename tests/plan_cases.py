@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hetcoll import CollectiveMismatchError, Plan
 from hetcoll.comm import wrap
@@ -491,9 +492,23 @@ class ReadsABlock(nn.Module):
         return self.head(h)[:, : input_ids.shape[1]]
 
 
+class _ScalarReads(TorchDispatchMode):
+    """Counts the tensors read back to the host as numbers (``item()``, ``float()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def alone(rank: int, world: int) -> dict[str, int]:
     """A rank alone (world 1): the one process's numbers, a wrong batch still refused, and
-    nothing exchanged: no agreement (there is no one to agree with), no sum of the losses."""
+    nothing exchanged: no agreement (there is no one to agree with), no sum of the losses.
+    A step of 3 micro-batches reads its loss to the host once, at its end (``reads``)."""
     import torch.distributed as dist
 
     from hetcoll.comm.distributed import TorchCommunicator
@@ -524,6 +539,13 @@ def alone(rank: int, world: int) -> dict[str, int]:
             assert "the plan's replicas take 6 samples a step" in str(e), str(e)
         else:
             raise AssertionError("a batch of 5 rows passed a plan of 6")
+        micro = Plan.from_dict({"microbatches": 3, "replicas": [{"samples": 6, "stages": [stage]}]})
+        par = parallelize(cnn().double(), micro, loss_fn=nn.CrossEntropyLoss())
+        x, y = batches((3, 8, 8), 6, 1)[0]
+        with _ScalarReads() as reads:
+            loss = par.step(x, y)
+        assert isinstance(loss, float) and loss > 0, loss
+        sent["reads"] = reads.count
     finally:
         TorchCommunicator.iallgatherv = real  # type: ignore[method-assign]
         dist.all_reduce = real_all_reduce

@@ -51,9 +51,11 @@ def _check(results: list[dict]) -> None:
 def test_a_rank_alone_trains_as_one_process_and_agrees_with_no_one() -> None:
     """A plan on one rank computes the one process's numbers and refuses a wrong batch, and
     its steps exchange nothing: no batch agreement (Parallel.step's check has no one to agree
-    with), no sum of the step's loss over the group (a sum over one rank is its own)."""
+    with), no sum of the step's loss over the group (a sum over one rank is its own). A step
+    reads its loss back once, at its end, however many micro-batches it runs: a CUDA rank's
+    host then queues its backward while the forward runs."""
     (sent,) = launch.spawn(plan_cases.alone, 1, timeout=120)
-    assert sent == {"iallgatherv": 0, "all_reduce": 0}
+    assert sent == {"iallgatherv": 0, "all_reduce": 0, "reads": 1}
 
 
 @pytest.mark.multiproc

@@ -410,14 +410,18 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                     checked()
                     raise
             checked()
-            local = 0.0
+            local = None
         idle = self._parameters.get("idle")
         if idle is not None and torch.is_grad_enabled():
             # The placeholder steps with the model (a zero gradient every training step), so its
             # optimizer state counts the steps the parameter it stands for took: an Adam
             # placeholder's ``step`` is written beside that parameter's (hold_nothing).
             idle.grad = torch.zeros_like(idle)
-        total = torch.tensor([local], dtype=torch.float64, device=self._wire_device())
+        wire = self._wire_device()
+        if local is None:
+            total = torch.zeros(1, dtype=torch.float64, device=wire)
+        else:  # the step's one read of a loss on its device (a CUDA rank's sync)
+            total = local.to(wire).reshape(1)
         self._tr.allreduce(total, None)
         return float(total.item())
 
@@ -491,9 +495,11 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
 
     def _run(
         self, inputs: Any, targets: Any, checked: Callable[[], None], weights: list[list[float]]
-    ) -> float:
+    ) -> torch.Tensor | None:
         """This rank's forwards and backwards of the step; ``checked`` waits for the batch
-        check (:meth:`_check_batch`) and is called before anything is sent or received."""
+        check (:meth:`_check_batch`) and is called before anything is sent or received.
+        Returns its micro-batches' losses summed (:func:`_summed_loss`) where it computes them
+        (a replica's last stage's lead), else None."""
         assert self.place is not None and self.stage is not None
         i, j = self.place
         plan, tr = self.plan, self._tr
@@ -510,7 +516,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         wire = self._wire_device()
         sends: list[Any] = []
         saved: dict[int, tuple[StageInput | None, torch.Tensor]] = {}
-        loss_sum = 0.0
+        loss_sum: torch.Tensor | None = None
 
         def send(t: torch.Tensor, to: list[int], tag: int, kind: str, dtype: Any = None) -> None:
             checked()
@@ -573,7 +579,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                     y = self.stage(x)
                     if last:
                         loss = self._loss(y, _rows(targets, rows), weights[i][k])
-                        loss_sum += float(loss.detach())
+                        loss_sum = _summed_loss(loss_sum, loss)
                         saved[k] = (x_in, loss)
                     else:
                         if lead:
@@ -600,7 +606,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             raise
         checked()
         tr.wait(sends)
-        return loss_sum if last and lead else 0.0
+        return loss_sum if last and lead else None
 
     def _loss(self, output: Any, targets: Any, weight: float) -> torch.Tensor:
         """A micro-batch's loss scaled by its share of the batch's items; a micro-batch without
@@ -690,7 +696,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         offsets: list[int],
         sizes: list[int],
         weights: list[float],
-    ) -> float:
+    ) -> torch.Tensor | None:
         """:meth:`_run` for a blocks model: each micro-batch's forward replays the model around
         the stage's blocks (:func:`hetcoll.torch.replay.replay`); the outputs of blocks a later
         stage reads go to that stage's ranks, their gradients come back."""
@@ -704,7 +710,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         tr, wire, comm = self._tr, self._wire_device(), self._stage_comm
         sends: list[Any] = []
         saved: dict[int, tuple[dict[int, list[StageInput]], Any, StageRoles, Flow]] = {}
-        loss_sum = 0.0
+        loss_sum: torch.Tensor | None = None
 
         def send(t: torch.Tensor, to: list[int], tag: int, kind: str) -> None:
             checked()
@@ -785,7 +791,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                     )
                     if last:
                         loss = self._loss(output, _rows(targets, rows), weights[k])
-                        loss_sum += float(loss.detach())
+                        loss_sum = _summed_loss(loss_sum, loss)
                         saved[k] = (received, loss, roles, flow)
                     else:
                         if lead:  # in the probe's dtypes, whatever autocast computed them in
@@ -831,7 +837,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             checked()
             raise
         tr.wait(sends)
-        return loss_sum if last and lead else 0.0
+        return loss_sum if last and lead else None
 
     def _schedule(self, replica: int) -> str:
         """The plan's schedule, or GPipe for a replica holding an owners stage (whose ranks
@@ -886,7 +892,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         readers: list[int],
         grad_sources: list[int],
         weights: list[float],
-    ) -> float:
+    ) -> torch.Tensor | None:
         """:meth:`_run` for an owners stage (:class:`hetcoll.torch.placement.OwnersStage`)."""
         assert self.place is not None and isinstance(self.stage, OwnersStage)
         i, j = self.place
@@ -896,7 +902,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         tr, wire = self._tr, self._wire_device()
         prev = replica.stages[j - 1] if not first else None
         sends: list[Any] = []
-        losses: list[float] = []
+        losses: list[torch.Tensor] = []
 
         def rows(m: int) -> slice:
             return slice(offsets[m], offsets[m] + sizes[m])
@@ -925,7 +931,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                     send(out, r, _TAG_ACTIVATION, "activations")
                 return out
             loss = self._loss(out, _rows(targets, rows(m)), weights[m])
-            losses.append(float(loss.detach()))
+            losses.append(loss.detach())
             return loss
 
         def output_grad(m: int, end: torch.Tensor) -> torch.Tensor | None:
@@ -947,7 +953,9 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         checked()
         self.stage.run(io)
         tr.wait(sends)
-        return sum(losses) if last and self.rank == stage.ranks[0] else 0.0
+        if not (last and self.rank == stage.ranks[0]):
+            return None
+        return functools.reduce(_summed_loss, losses, None)
 
     def _combine(self) -> None:
         """Sum the replicas' gradients: one flat buffer per set of holders and dtype."""
@@ -968,6 +976,15 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             )
             for piece in r.pieces:
                 piece.param.grad = piece.take(buf)
+
+
+def _summed_loss(total: torch.Tensor | None, loss: torch.Tensor) -> torch.Tensor:
+    """``total`` plus a micro-batch's loss, in float64 where the loss is: a step sums its
+    micro-batches' losses without reading them (on a CUDA rank a read makes the host wait for
+    the forward before it queues the backward) and reads the sum once, at its end. The same
+    float64 sum, in the same order, as adding the losses read one by one."""
+    x = loss.detach().reshape(()).to(torch.float64)
+    return x if total is None else total + x
 
 
 def _layer_of(name: str, layer_names: list[str]) -> int | None:
