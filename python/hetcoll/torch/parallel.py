@@ -902,7 +902,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         tr, wire = self._tr, self._wire_device()
         prev = replica.stages[j - 1] if not first else None
         sends: list[Any] = []
-        losses: list[torch.Tensor] = []
+        loss_sum: torch.Tensor | None = None
 
         def rows(m: int) -> slice:
             return slice(offsets[m], offsets[m] + sizes[m])
@@ -930,8 +930,9 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                 for r in readers:
                     send(out, r, _TAG_ACTIVATION, "activations")
                 return out
+            nonlocal loss_sum
             loss = self._loss(out, _rows(targets, rows(m)), weights[m])
-            losses.append(loss.detach())
+            loss_sum = _summed_loss(loss_sum, loss)
             return loss
 
         def output_grad(m: int, end: torch.Tensor) -> torch.Tensor | None:
@@ -953,9 +954,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         checked()
         self.stage.run(io)
         tr.wait(sends)
-        if not (last and self.rank == stage.ranks[0]):
-            return None
-        return functools.reduce(_summed_loss, losses, None)
+        return loss_sum if last and self.rank == stage.ranks[0] else None
 
     def _combine(self) -> None:
         """Sum the replicas' gradients: one flat buffer per set of holders and dtype."""
