@@ -2310,6 +2310,10 @@ def _device_runtime(parts: dict[str, Any]) -> dict[str, Any] | None:
             f"{r['function']} {r['cumulative_s'] * 1e3:.2f} ms" for r in got["profile_runtime"][:6]
         )
         notes.append(f"{model}: the runtime's functions by their time a step (cProfile): {top}.")
+        syncs = got.get("host_syncs")
+        if syncs is not None:
+            where = "; ".join(f"{s['where']} ({s['syncs']})" for s in syncs[:6]) or "none"
+            notes.append(f"{model}: where a plan step made the host wait for the GPU: {where}.")
         probes = gpu.get("step_probes") or []
         if len(probes) == 2:
             (a, b) = sorted(probes, key=lambda p: p["depth"])

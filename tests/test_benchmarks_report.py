@@ -582,6 +582,7 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
         "profile_runtime": [
             {"function": "parallel.py:361(step)", "calls": 15, "own_s": 1e-4, "cumulative_s": 3e-3}
         ],
+        "host_syncs": [{"where": "parallel.py:426(step) < jobs.py:205(plan_step)", "syncs": 1}],
     }
     lm["runtime"] = {"status": "failed: RuntimeError: no room"}
     raw = tmp_path / "raw" / "summary.json"
@@ -644,6 +645,10 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
     assert "| demo CNN | 1.60 | 3.20 | 2.00x | 1.10 | 9.5 |" in text
     assert "demo CNN: the runtime's functions by their time a step (cProfile): " in text
     assert "parallel.py:361(step) 3.00 ms" in text and "| LM example | " not in text
+    assert (
+        "demo CNN: where a plan step made the host wait for the GPU: "
+        "parallel.py:426(step) < jobs.py:205(plan_step) (1)."
+    ) in text
     # The two step probes: (1.9 - 1.1) ms over 24 more layers.
     assert (
         "demo CNN: the step probe on the GPU, 8 layers 2.00 ms (1.10 ms beyond the model), 32 "

@@ -65,6 +65,16 @@ def sync_gpu(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def probe_sizes(batch: int) -> list[int]:
+    """The batch sizes a rank's speed probe times: from one row, where a CPU rank beside a GPU
+    works (a few rows a step, mostly its step's fixed cost), up to the global batch, where the
+    GPU works; :func:`hetcoll.torch.measure_speed`'s fit ``a + c b`` interpolates over them.
+    The first GPU run probed from ``batch // 8`` up: there a CPU rank's fixed cost was below
+    the fit's noise and read 0 on most CPU ranks, and the split gave them a few rows each,
+    whose fixed cost outlasted the GPU's whole step."""
+    return sorted({1, 2, 4, max(1, batch // 8), max(1, batch // 2), batch})
+
+
 def speeds_here(
     dev: torch.device, xd: torch.Tensor, yd: torch.Tensor, batch: int, probe_s: float
 ) -> list[Any]:
@@ -74,7 +84,6 @@ def speeds_here(
     from hetcoll.torch import gather_speeds, measure_speed
 
     n = len(xd)
-    sizes = sorted({max(1, batch // 8), max(2, batch // 4), max(3, batch // 2), batch})
 
     def make_batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = (torch.arange(b) % n).to(dev)
@@ -84,7 +93,7 @@ def speeds_here(
         demo_model().to(dev),
         make_batch,
         nn.functional.cross_entropy,
-        batch_sizes=sizes,
+        batch_sizes=probe_sizes(batch),
         warmup=2,
         time_budget=probe_s,
         optimizer=lambda ps: torch.optim.SGD(ps, lr=LR),

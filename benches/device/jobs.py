@@ -16,6 +16,8 @@ import pstats
 import statistics
 import time
 import traceback
+import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -219,6 +221,7 @@ def runtime_breakdown(
             sync_gpu(dev)
             if rank == 0:
                 profile.disable()
+        syncs = host_syncs(plan_step, dev if rank == 0 else torch.device("cpu"))
         if rank != 0:
             return None
         stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
@@ -247,10 +250,51 @@ def runtime_breakdown(
             "profile_runtime": rows(
                 lambda v: v[3], lambda f: f.endswith("hetcoll/torch/parallel.py")
             ),
+            "host_syncs": syncs,
         }
     except Exception as e:
         failed = {"status": f"failed: {type(e).__name__}: {e}"[:2000]}
         return failed if rank == 0 else None
+
+
+def host_syncs(fn: Callable[[], None], dev: torch.device) -> list[dict[str, Any]] | None:
+    """Where one call of ``fn`` makes the host wait for ``dev`` (CUDA's sync debug mode: a
+    ``.item()``, a copy to the host, a ``nonzero``...), each place by its call stack's last
+    frames in hetcoll, the benches or the examples, with how often it synced there; a sync
+    stops the host queueing work ahead of the GPU. None where ``dev`` is no CUDA device (the
+    mode needs one). ``fn`` runs once either way: a collective runs on every rank."""
+    if dev.type != "cuda":
+        fn()
+        return None
+    found: Counter[str] = Counter()
+
+    def record(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
+        if "synchroniz" not in str(message):
+            return
+        ours = [
+            f"{os.path.basename(f.filename)}:{f.lineno}({f.name})"
+            for f in traceback.extract_stack()[:-1]
+            if any(k in f.filename for k in ("hetcoll", "benches", "examples"))
+        ]
+        found[" < ".join(reversed(ours[-3:])) or f"{filename}:{lineno}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync_gpu(dev)
+    return [{"where": k, "syncs": n} for k, n in found.most_common(20)]
 
 
 def prediction(step_s: float, without_s: float, measured_s: float) -> dict[str, Any]:

@@ -45,7 +45,7 @@ import hetcoll
 from hetcoll.model import layer_costs, predict_plan
 
 import jobs
-from hetero import real_cluster, strict_fp32, without_step_overhead
+from hetero import probe_sizes, real_cluster, strict_fp32, without_step_overhead
 from jobs import (
     ALONE,
     PICK,
@@ -106,7 +106,6 @@ def _speed(dev: torch.device, pool: Any, batch: int, probe_s: float) -> Any:
     from hetcoll.torch import gather_speeds, measure_speed
 
     xd, yd = pool
-    sizes = sorted({max(1, batch // 8), max(2, batch // 4), max(3, batch // 2), batch})
 
     def make_batch(b: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         return _rows((xd, yd), (torch.arange(b) % len(yd)).to(dev))
@@ -115,7 +114,7 @@ def _speed(dev: torch.device, pool: Any, batch: int, probe_s: float) -> Any:
         Keyword(lm_model(dev)),
         make_batch,
         train_lm.lm_loss,
-        batch_sizes=sizes,
+        batch_sizes=probe_sizes(batch),
         warmup=2,
         time_budget=probe_s,
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.0),
