@@ -304,7 +304,9 @@ def measure_speed(
     at most ``rtol``. ``time_budget`` (seconds, None: no
     limit) bounds the whole probe: no round starts that would end past it, except the first.
     Use sizes that span the batches the rank will run (e.g. up to the global batch): the fit is
-    an interpolation there.
+    an interpolation there. A rank far slower than its peers (a CPU rank beside a GPU) may be
+    given a few rows a step, where its fixed cost is most of the step: include 1 and a few small
+    sizes, or that cost, small beside a large batch's time, may read 0.
 
     ``optimizer``, a factory such as ``lambda ps: torch.optim.SGD(ps, lr=0.1)``, adds the
     optimizer step to each timed step (on the copy's parameters), so the fit is the whole training
