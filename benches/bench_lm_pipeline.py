@@ -263,7 +263,7 @@ def _torch_step(
     module = TorchStage(_model(), lo, hi, first, last)
     handle = _slow(module.blocks(), speed)
     x, y = _batch()
-    tokens = train_lm.valid_tokens(y)
+    tokens = int(train_lm.valid_tokens(y))
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # The micro-batch's share of the global token mean (see the module's docs).

@@ -183,9 +183,10 @@ def costed_loss(output: Any) -> torch.Tensor:
     return lm_loss(output, torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device))
 
 
-def valid_tokens(labels: torch.Tensor) -> int:
-    """What lm_loss averages over: a batch's weight in the global mean."""
-    return int((labels[:, 1:] != -100).sum())
+def valid_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """What lm_loss averages over: a batch's weight in the global mean. The count stays a
+    tensor where the labels are (parallelize reads a GPU's counts of a step at once)."""
+    return (labels[:, 1:] != -100).sum()
 
 
 def default_plan(model: nn.Module, world: int, batch: int, microbatches: int) -> Plan:
@@ -272,7 +273,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             with open(args.save_expert_loads, "w", encoding="utf-8") as f:
                 json.dump(loads, f, indent=1)
     if job.rank == 0 and not args.quiet:
-        tokens = sum(valid_tokens(y) for _, y in data)
+        tokens = sum(int(valid_tokens(y)) for _, y in data)
         print(
             f"{len(data)} steps in {seconds:.2f} s ({tokens / seconds:.0f} tokens/s), "
             f"loss {losses[0]:.3f} -> {losses[-1]:.3f}",

@@ -1,13 +1,18 @@
 """hetcoll.accelerate: Hugging Face Accelerate loops and Trainer on uneven per-rank batches.
 
-The examples (examples/accelerate_balanced.py, examples/hf_trainer_balanced.py) launched as users
-launch them, ``torchrun`` on CPU ranks (gloo) with two accumulated micro-batches per optimizer
-step, train GPT-2 and Llama (two ranks at shares 5:3; GPT-2 also on three at 4:3:1 with a
-float64 loss, see below), from configs, eager attention, float64, to the weights one process
-trains on the same global batches (one micro-batch of 16 rows a step), to 1e-10; the loss as
-Accelerate's own examples write it (each rank's mean, DDP averaging the ranks alike) does not.
-tests/accelerate_workers/cases.py runs the collective checks and a rank without any valid token
-on two real ranks."""
+The examples (examples/accelerate_balanced.py, examples/hf_trainer_balanced.py) on CPU ranks
+(gloo) with two accumulated micro-batches per optimizer step train GPT-2 and Llama (two ranks
+at shares 5:3; GPT-2 also on three at 4:3:1 with a float64 loss, see below), from configs,
+eager attention, float64, to the weights one process trains on the same global batches (one
+micro-batch of 16 rows a step), to 1e-10; the loss as Accelerate's own examples write it (each
+rank's mean, DDP averaging the ranks alike) does not. tests/accelerate_workers/cases.py runs
+the collective checks and a rank without any valid token on two real ranks.
+
+Each script runs as ``torchrun`` runs it: launched by torchrun itself, as users launch it, in
+the tests that read what it prints, in the Trainer's and the loop's first cases and in the one
+about torchrun; elsewhere on ranks forked by :func:`hetcoll.launch.run_script` (the same
+``__main__``, arguments and environment, without an interpreter and torch's import a rank:
+0.5 s a launch instead of 7)."""
 
 from __future__ import annotations
 
@@ -18,13 +23,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import accelerate  # noqa: F401 (preloaded: see below)
 import numpy as np
 import pytest
 import torch
+import transformers.trainer  # noqa: F401 (preloaded: see below)
+
+from hetcoll import launch
+
+# accelerate and transformers.trainer are imported before the first launch so that launch's
+# rank server preloads them (launch.PRELOAD_IF_LOADED): each forked rank starts with them.
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2"]
+#: Two ranks forked by launch.run_script (:func:`_launch`).
+FORKED = 2
 # 40 rows: 5 micro-steps of 8 rows an epoch, i.e. optimizer steps of 2, 2 and 1 micro-batches
 # (the epoch's last step accumulates fewer); one process: steps of 16, 16 and 8 rows.
 COMMON = ["--rows", "40", "--epochs", "2", "--float64", "--quiet"]
@@ -34,11 +48,16 @@ TWO = ["--batch", "8", "--accumulate", "2", "--shares", "5,3"]
 sys.path.insert(0, str(EXAMPLES))
 
 
-def _run(tmp: Path, name: str, launcher: list[str], script: str, *extra: str) -> tuple[dict, list]:
-    """The example under ``launcher``: the trained state dict and every rank's report."""
-    out = ["--save", str(tmp / f"{name}.pt"), "--json", str(tmp / f"{name}{{rank}}.json")]
+def _launch(launcher: list[str] | int, script: Path, *argv: str) -> None:
+    """``script argv...`` under ``launcher``: a command (torchrun, as users launch it; this
+    Python, one process), or a number of ranks forked by :func:`hetcoll.launch.run_script`,
+    which runs the script as torchrun does (its ranks' environment, ``__main__``) without
+    starting an interpreter a rank (7 s a launch here)."""
+    if isinstance(launcher, int):
+        launch.run_script(script, launcher, list(argv), timeout=300)
+        return
     proc = subprocess.run(
-        [*launcher, str(EXAMPLES / script), *COMMON, *out, *extra],
+        [*launcher, str(script), *argv],
         capture_output=True,
         text=True,
         timeout=300,
@@ -46,6 +65,15 @@ def _run(tmp: Path, name: str, launcher: list[str], script: str, *extra: str) ->
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, f"{launcher}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+
+
+def _run(
+    tmp: Path, name: str, launcher: list[str] | int, script: str, *extra: str
+) -> tuple[dict, list]:
+    """The example under ``launcher`` (:func:`_launch`): the trained state dict and every
+    rank's report."""
+    out = ["--save", str(tmp / f"{name}.pt"), "--json", str(tmp / f"{name}{{rank}}.json")]
+    _launch(launcher, EXAMPLES / script, *COMMON, *out, *extra)
     reports = [json.loads(p.read_text()) for p in sorted(tmp.glob(f"{name}[0-9].json"))]
     return torch.load(tmp / f"{name}.pt"), reports
 
@@ -90,7 +118,9 @@ def test_accelerate_uneven_shares_with_accumulation_are_the_one_process_model(
     one, (report,) = one_process("accelerate_balanced.py", "--arch", arch, *loss)
     assert report["world"] == 1 and report["shares"] == [16]
     ranks = len(shares.split(","))
-    launcher = [*TORCHRUN[:-1], f"--nproc-per-node={ranks}"]
+    launcher: list[str] | int = ranks  # forked (_launch); the first case as users launch it
+    if (arch, shares, loss) == ("gpt2", "5,3", []):
+        launcher = [*TORCHRUN[:-1], f"--nproc-per-node={ranks}"]
     two = ["--batch", "8", "--accumulate", "2", "--shares", shares, *loss]
     many, reports = _run(tmp_path, "many", launcher, "accelerate_balanced.py", "--arch", arch, *two)
     assert [r["rank"] for r in reports] == list(range(ranks))
@@ -103,7 +133,7 @@ def test_accelerate_uneven_shares_with_accumulation_are_the_one_process_model(
     if arch == "gpt2" and not loss:
         # The baseline (each rank's own mean, DDP averaging the ranks alike) is measurably off.
         plain, _ = _run(
-            tmp_path, "plain", launcher, "accelerate_balanced.py", "--arch", arch, *two,
+            tmp_path, "plain", ranks, "accelerate_balanced.py", "--arch", arch, *two,
             "--plain-mean",
         )  # fmt: skip
         assert _max_diff(one, plain) > 1e-4
@@ -125,7 +155,7 @@ def test_accelerate_loop_rebalanced_as_it_trains_is_the_one_process_model(
     7 : 1)."""
     one, _ = one_process("accelerate_balanced.py", "--arch", arch)
     emulated = ["--rebalance-every", "1", "--emulate", "1,0.3", *experts]
-    two, reports = _run(tmp_path, "two", TORCHRUN, "accelerate_balanced.py", "--arch", arch,
+    two, reports = _run(tmp_path, "two", FORKED, "accelerate_balanced.py", "--arch", arch,
                         *TWO, *emulated)  # fmt: skip
     assert _max_diff(one, two) < 1e-10
     for r in reports:
@@ -197,7 +227,7 @@ def test_experts_placed_on_the_ranks_train_as_the_one_process_model(tmp_path, sc
     # Under Trainer, placed 1 : 3 (against the rows' 5 : 3) and watched after every step.
     watch = ["--expert-shares", "1,3", "--rebalance-experts", "1"] if trainer else []
     one, _ = one_process(script, *mixtral)
-    two, reports = _run(tmp_path, "two", TORCHRUN, script, *mixtral, *TWO, "--experts", *watch)
+    two, reports = _run(tmp_path, "two", FORKED, script, *mixtral, *TWO, "--experts", *watch)
     assert _max_diff(one, two) < 1e-10
     assert [r["shares"] for r in reports] == [[5, 3], [5, 3]]
     if trainer:  # moved after the first and third steps (gains past 5%), left there after
@@ -232,7 +262,7 @@ def test_accelerate_save_state_of_placed_experts_resumes_into_any_placement(tmp_
     final = tmp_path / "final"
     save = ["--experts", "--expert-shares", "1,3", "--epochs", "1", "--save-state", ckpt]
     save += ["--save-model", str(final), "--save-pretrained", str(tmp_path / "pretrained")]
-    first, _ = _run(tmp_path, "first", TORCHRUN, "accelerate_balanced.py", *mixtral, *TWO, *save)
+    first, _ = _run(tmp_path, "first", FORKED, "accelerate_balanced.py", *mixtral, *TWO, *save)
     weights = load_file(Path(ckpt) / "model.safetensors")
     assert weights.keys() == one.keys() and _max_diff(weights, first) == 0.0
     # accelerator.save_model at the end (and get_state_dict, which --save wrote): unsplit too;
@@ -246,7 +276,7 @@ def test_accelerate_save_state_of_placed_experts_resumes_into_any_placement(tmp_
     assert set(optimizer["param_groups"][0]["params"]) == optimizer["state"].keys() == one.keys()
     resume = ["--resume", ckpt]
     two, reports = _run(
-        tmp_path, "two", TORCHRUN, "accelerate_balanced.py", *mixtral, *TWO, "--experts", *resume
+        tmp_path, "two", FORKED, "accelerate_balanced.py", *mixtral, *TWO, "--experts", *resume
     )
     assert _max_diff(one, two) < 1e-10
     assert all(r["tokens"] > 0 for r in reports)  # the second epoch alone trained
@@ -325,7 +355,7 @@ def test_trainer_rebalancing_rows_with_experts_placed_is_the_one_process_model(
     script = "hf_trainer_balanced.py"
     one, _ = one_process(script, *mixtral)
     emulated = ["--experts", "--rebalance-every", "1", "--emulate", "1,0.3"]
-    two, reports = _run(tmp_path, "two", TORCHRUN, script, *mixtral, *TWO, *emulated)
+    two, reports = _run(tmp_path, "two", FORKED, script, *mixtral, *TWO, *emulated)
     assert _max_diff(one, two) < 1e-10
     for r in reports:
         assert r["rebalanced"] == reports[0]["rebalanced"]
@@ -348,14 +378,9 @@ def test_trainer_measured_speeds_show_in_its_logs(tmp_path):
 
 
 def _resume_run(out: Path, resume: str, steps: int, *extra: str) -> None:
-    """tests/accelerate_workers/trainer_resume.py on two torchrun ranks."""
+    """tests/accelerate_workers/trainer_resume.py on two ranks (:func:`_launch`)."""
     worker = ROOT / "tests" / "accelerate_workers" / "trainer_resume.py"
-    proc = subprocess.run(
-        [*TORCHRUN, str(worker), str(out), resume, str(steps), *extra],
-        capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _launch(FORKED, worker, str(out), resume, str(steps), *extra)
 
 
 @pytest.mark.multiproc
@@ -428,17 +453,12 @@ def test_trainer_with_placed_experts_resumes_from_its_checkpoint_as_the_uninterr
 
 
 def _rebalanced(
-    out: Path, launcher: list[str], resume: str = "none", batch: int = 8
+    out: Path, launcher: list[str] | int, resume: str = "none", batch: int = 8
 ) -> tuple[dict, list[dict]]:
     """tests/accelerate_workers/trainer_rebalance.py (6 steps, global batches of ``batch``)
-    under ``launcher``: the trained weights and every rank's report."""
+    under ``launcher`` (:func:`_launch`): the trained weights and every rank's report."""
     worker = ROOT / "tests" / "accelerate_workers" / "trainer_rebalance.py"
-    proc = subprocess.run(
-        [*launcher, str(worker), str(out), resume, "6", str(batch)],
-        capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _launch(launcher, worker, str(out), resume, "6", str(batch))
     reports = [json.loads(p.read_text()) for p in sorted(out.glob("[0-9].json"))]
     return torch.load(out / "final.pt"), reports
 
@@ -458,7 +478,7 @@ def test_trainer_rebalancing_follows_the_ranks_speeds_and_resumes_with_its_share
     off the model when train() ends."""
     one, (alone,) = _rebalanced(tmp_path / "one", [sys.executable])
     assert alone["decisions"] == [] and alone["hooks_left"] == 0
-    whole, reports = _rebalanced(tmp_path / "whole", TORCHRUN)
+    whole, reports = _rebalanced(tmp_path / "whole", FORKED)
     assert _max_diff(one, whole) < 1e-10
     first, second = reports
     steps = [s for s, _ in first["ran"]]
@@ -474,7 +494,7 @@ def test_trainer_rebalancing_follows_the_ranks_speeds_and_resumes_with_its_share
     saved = json.loads((tmp_path / "whole" / "checkpoint-2" / "rebalancer.json").read_text())
     assert saved["shares"] == [6, 2] and saved["rebalancer"]["step"] == 4
     resumed, again = _rebalanced(
-        tmp_path / "resumed", TORCHRUN, str(tmp_path / "whole" / "checkpoint-2")
+        tmp_path / "resumed", FORKED, str(tmp_path / "whole" / "checkpoint-2")
     )
     assert _max_diff(resumed, whole) < 1e-10
     for r in again:  # steps 3 to 6: from the saved shares on, deciding as before
@@ -484,7 +504,7 @@ def test_trainer_rebalancing_follows_the_ranks_speeds_and_resumes_with_its_share
     assert [rows for _, rows in again[0]["ran"]] == [6] * 6
     assert [rows for _, rows in again[1]["ran"]] == [2] * 6
     _, wider = _rebalanced(
-        tmp_path / "wider", TORCHRUN, str(tmp_path / "whole" / "checkpoint-2"), batch=12
+        tmp_path / "wider", FORKED, str(tmp_path / "whole" / "checkpoint-2"), batch=12
     )
     assert [[r["ran"][0][1] for r in wider]] == [[9, 3]]  # the saved 6 : 2 of a batch of 12
 
@@ -492,23 +512,21 @@ def test_trainer_rebalancing_follows_the_ranks_speeds_and_resumes_with_its_share
 # -- checks across real ranks ------------------------------------------------------------------
 
 
-def _workers(tmp: Path, script: str) -> list[dict]:
-    """tests/accelerate_workers/``script`` under torchrun on two ranks: each rank's report."""
-    proc = subprocess.run(
-        [*TORCHRUN, str(ROOT / "tests" / "accelerate_workers" / script)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HETCOLL_TEST_OUT": str(tmp)},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def _workers(
+    tmp: Path, script: str, launcher: list[str] | int, monkeypatch: pytest.MonkeyPatch
+) -> list[dict]:
+    """tests/accelerate_workers/``script`` on two ranks under ``launcher`` (:func:`_launch`):
+    each rank's report."""
+    monkeypatch.setenv("HETCOLL_TEST_OUT", str(tmp))
+    _launch(launcher, ROOT / "tests" / "accelerate_workers" / script)
     return [json.loads((tmp / f"{r}.json").read_text()) for r in (0, 1)]
 
 
 @pytest.mark.multiproc
-def test_bad_input_raises_on_every_rank_and_a_rank_without_tokens_weighs_zero(tmp_path):
-    reports = _workers(tmp_path, "cases.py")
+def test_bad_input_raises_on_every_rank_and_a_rank_without_tokens_weighs_zero(
+    tmp_path, monkeypatch
+):
+    reports = _workers(tmp_path, "cases.py", FORKED, monkeypatch)
     # The rank that read a bad rebalancer.json names it; the other is told.
     assert reports[1]["rebalancer_bad"]["raised"] == "ValueError"
     assert reports[1]["rebalancer_bad"]["message"].startswith("resume_from_checkpoint: ")
@@ -550,11 +568,11 @@ def test_bad_input_raises_on_every_rank_and_a_rank_without_tokens_weighs_zero(tm
 
 @pytest.mark.multiproc
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Accelerate takes the GPUs there")
-def test_torchrun_without_gpus_and_without_the_cpu_flag_is_named(tmp_path):
+def test_torchrun_without_gpus_and_without_the_cpu_flag_is_named(tmp_path, monkeypatch):
     """Accelerate under torchrun on a host without GPUs runs as one process unless given
     cpu=True (use_cpu=True), though torch.distributed has every rank: each rank took the whole
     batch (prepare_balanced raised on the speeds' count, BalancedTrainer on its fits)."""
-    for out in _workers(tmp_path, "without_cpu_flag.py"):
+    for out in _workers(tmp_path, "without_cpu_flag.py", TORCHRUN, monkeypatch):
         assert (out["processes"], out["world"]) == (1, 2), out
         said = "accelerator: Accelerate runs 1 process(es) but torch.distributed has 2 ranks"
         assert out["prepare_balanced"].startswith(said), out

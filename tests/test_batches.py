@@ -227,3 +227,49 @@ def test_a_list_of_samples_counts_its_entries():
     # A DataLoader's batch: its entries are the arguments (Lightning's strategy reads it so).
     assert loader_batch_size(([image] * 4, targets * 2)) == 4
     assert loader_batch_size({"x": torch.zeros(6, 2), "y": torch.zeros(6)}) == 6
+
+
+def _count_values():
+    """What an ``items`` function may return, good and bad: ints, numpy integers, tensors of
+    every kind on the CPU, None (standing for a raise)."""
+    import numpy as np
+    from hypothesis import strategies as st
+
+    ints = st.integers(-(2**60), 2**60)
+    return st.one_of(
+        ints,
+        ints.map(np.int64),
+        st.integers(-(2**31), 2**31 - 1).map(lambda n: torch.tensor(n, dtype=torch.int32)),
+        ints.map(lambda n: torch.tensor([n])),
+        st.one_of(st.floats(-10, 10), st.just(float("nan"))).map(torch.tensor),
+        st.booleans().map(torch.tensor),
+        st.just(torch.tensor([1, 2])),
+        st.booleans(),
+        st.just("3"),
+        st.none(),
+    )
+
+
+def test_counting_several_micro_batches_is_counting_each():
+    """count_items_of (a step's micro-batches, a GPU's counts read at once) gives each count
+    count_items gives it alone: the same status, value and error, whatever ``items`` returns
+    or raises (on the CPU; tests/test_cuda.py reads a GPU's)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from hetcoll.torch.batches import count_items, count_items_of
+
+    def items(v):
+        if v is None:
+            raise KeyError("labels")
+        return v
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(_count_values(), max_size=6))
+    def check(values):
+        got = count_items_of(items, values)
+        want = [count_items(items, v) for v in values]
+        assert [(c.status, c.value) for c in got] == [(c.status, c.value) for c in want]
+        assert [repr(c.failure) for c in got] == [repr(c.failure) for c in want]
+
+    check()

@@ -181,6 +181,33 @@ def test_weighted_sum_refuses_a_mix_of_devices():
         hetcoll.weighted_sum([x, x], [1.0, 1.0], out=np.zeros(4, np.float32))
 
 
+@pytest.mark.cuda
+@needs_cuda
+def test_a_gpus_item_counts_are_read_at_once():
+    """``items`` counts a step's micro-batches as tensors on the GPU: count_items_of reads
+    them in one transfer (one sync of the host, not one a micro-batch), each the count
+    count_items gives for it on the CPU, a bad one (negative) as bad there."""
+    from hetcoll.torch.batches import count_items, count_items_of
+
+    values = [torch.tensor(5), torch.tensor(7, dtype=torch.int32), torch.tensor([2]), 4]
+    values += [torch.tensor(-3), torch.tensor(2**40)]
+    on = [v.cuda() if isinstance(v, torch.Tensor) else v for v in values]
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            got = count_items_of(lambda v: v, on)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1
+    want = [count_items(lambda v: v, v) for v in values]
+    assert [(c.status, c.value) for c in got] == [(c.status, c.value) for c in want]
+    assert got[4].failure is not None and "returned tensor(-3, device='cuda:0')" in str(
+        got[4].failure
+    )
+
+
 # -- collectives, DDP, filter_parallel, plans: real ranks ------------------------------------
 
 

@@ -586,11 +586,58 @@ def test_spawned_ranks_are_processes_of_their_own_with_the_callers_environment(m
         assert f["threads"] == 2 and f["omp"] == "2" and f["fresh"]
 
 
+_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+from beside import WORD  # a module beside the script: its folder is on sys.path, as python's
+
+dist.init_process_group("gloo")  # from the environment, as under torchrun
+rank = dist.get_rank()
+total = torch.tensor([float(rank + 1)])
+dist.all_reduce(total)
+if sys.argv[2] == "fail" and rank == 1:
+    sys.exit(3)
+with open(sys.argv[1].format(rank=rank), "w") as f:
+    json.dump({"name": __name__, "argv": sys.argv[1:], "world": dist.get_world_size(),
+               "local": int(__import__("os").environ["LOCAL_RANK"]), "sum": total.item(),
+               "word": WORD}, f)
+dist.destroy_process_group()
+sys.exit(0)  # a success
+"""
+
+
+def test_run_script_runs_a_script_on_forked_ranks_as_torchrun_does(tmp_path):
+    """``launch.run_script``: each rank runs the script as ``__main__`` with its arguments,
+    the script's folder first on ``sys.path`` and torchrun's variables in its environment,
+    from which the script makes its own group. A rank's ``sys.exit(3)`` fails the launch,
+    named; its ``sys.exit(0)`` is a success. Bad arguments are named."""
+    (tmp_path / "train.py").write_text(_SCRIPT)
+    (tmp_path / "beside.py").write_text("WORD = 'found'\n")
+    out = str(tmp_path / "r{rank}.json")
+    launch.run_script(tmp_path / "train.py", 3, [out, "ok"], timeout=120)
+    reports = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(3)]
+    for r, got in enumerate(reports):
+        assert got == {"name": "__main__", "argv": [out, "ok"], "world": 3, "local": r,
+                       "sum": 6.0, "word": "found"}  # fmt: skip
+    with pytest.raises(RankFailed, match=r"(?s)rank 1: SystemExit: 3") as failed:
+        launch.run_script(tmp_path / "train.py", 2, [str(tmp_path / "f{rank}.json"), "fail"])
+    assert "rank 0:" not in str(failed.value)  # rank 0 finished its script
+    with pytest.raises(FileNotFoundError, match=r"^path: no such script"):
+        launch.run_script(tmp_path / "missing.py", 2)
+    with pytest.raises(TypeError, match=r"^argv: must be a sequence of strings"):
+        launch.run_script(tmp_path / "train.py", 2, "--epochs 1")
+    with pytest.raises(ValueError, match=r"^world_size: must be an integer >= 1"):
+        launch.run_script(tmp_path / "train.py", 0)
+
+
 _PRELOAD_PROBE = """
 import json, sys
 from hetcoll import launch
 if sys.argv[1] == "transformers":
     import transformers
+if sys.argv[1] == "trainer":
+    import accelerate, transformers.trainer
 from ranks import loaded
 if __name__ == "__main__":
     print(json.dumps(launch.spawn(loaded, 2)))
@@ -598,14 +645,16 @@ if __name__ == "__main__":
 _PRELOAD_RANKS = """
 import sys
 def loaded(rank, world):
-    return "transformers.modeling_utils" in sys.modules
+    # (transformers' modeling base imports Accelerate itself where it is installed)
+    return [m for m in ("transformers.modeling_utils", "transformers.trainer") if m in sys.modules]
 """
 
 
-@pytest.mark.parametrize("caller", ["transformers", "nothing"])
+@pytest.mark.parametrize("caller", ["transformers", "trainer", "nothing"])
 def test_the_rank_server_preloads_the_model_libraries_the_caller_imported(tmp_path, caller):
     # Fresh callers, each starting its own rank server: the ranks start with Hugging Face's
-    # modeling base loaded where the caller imported transformers, and without it otherwise.
+    # modeling base loaded where the caller imported transformers, with Trainer and
+    # Accelerate too where it imported those, and with none of them otherwise.
     (tmp_path / "probe.py").write_text(_PRELOAD_PROBE)
     (tmp_path / "ranks.py").write_text(_PRELOAD_RANKS)
     path = os.pathsep.join([str(tmp_path), str(Path(__file__).resolve().parents[1] / "python")])
@@ -614,7 +663,12 @@ def test_the_rank_server_preloads_the_model_libraries_the_caller_imported(tmp_pa
         timeout=240, env={**os.environ, "PYTHONPATH": path}, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.splitlines()[-1]) == [caller == "transformers"] * 2
+    expected = {
+        "transformers": ["transformers.modeling_utils"],
+        "trainer": ["transformers.modeling_utils", "transformers.trainer"],
+        "nothing": [],
+    }[caller]
+    assert json.loads(proc.stdout.splitlines()[-1]) == [expected] * 2
 
 
 def test_mpiexec_ranks_beyond_the_cores_yield_their_core_unless_told_otherwise(monkeypatch):
@@ -625,7 +679,10 @@ def test_mpiexec_ranks_beyond_the_cores_yield_their_core_unless_told_otherwise(m
     for name in launch.OVERSUBSCRIBED_MPICH:
         monkeypatch.delenv(name, raising=False)
     over = (os.cpu_count() or 1) + 1
-    show = ["-c", "import os; print(os.environ.get('MPIR_CVAR_ENABLE_HEAVY_YIELD'))"]
+    # One write a rank (print writes the value and its newline apart: unbuffered, as under
+    # PYTHONUNBUFFERED=1, the ranks' writes interleave, "111\n\n\n").
+    value = "str(os.environ.get('MPIR_CVAR_ENABLE_HEAVY_YIELD'))"
+    show = ["-c", f"import os, sys; sys.stdout.write({value} + '\\n')"]
     assert launch.mpiexec(over, show, timeout=120).stdout.split() == ["1"] * over
     assert launch.mpiexec(1, show, timeout=120).stdout.split() == ["None"]
     monkeypatch.setenv("MPIR_CVAR_ENABLE_HEAVY_YIELD", "0")

@@ -196,7 +196,7 @@ def _run(
         t = slowest_rank_seconds(step, dev)
         if i >= warmup:
             times.append(t)
-            tokens += train_lm.valid_tokens(y)
+            tokens += int(train_lm.valid_tokens(y))
     return times, tokens
 
 
@@ -264,7 +264,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
     fits = _speed(dev, data[0], batch, cfg["probe_s"])
     speeds = [f.samples_per_s for f in fits]
     latency = [f.latency_s for f in fits]
-    rows_tokens = sum(train_lm.valid_tokens(y) for _, y in data) / (batch * len(data))
+    rows_tokens = sum(int(train_lm.valid_tokens(y)) for _, y in data) / (batch * len(data))
     result: dict[str, Any] = cfg["result"]
     result["corpus"] = what
     result["devices"] = ["cuda" if (r == 0 and cfg["cuda"]) else "cpu" for r in range(world)]

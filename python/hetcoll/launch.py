@@ -42,7 +42,7 @@ def _worker(
     rank: int,
     world_size: int,
     port: int,
-    backend: str,
+    backend: str | None,
     timeout_s: float,
     threads: int,
     args: tuple[Any, ...],
@@ -74,19 +74,22 @@ def _worker(
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
-        dist.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
-        try:
+        if backend is None:  # fn makes its own group from the environment, and leaves it
             outcome = ("ok", fn(rank, world_size, *args))
-            dist.barrier()  # no rank leaves while a peer may still talk to it
-        finally:
-            # A rank that raised leaves at once: its peers, waiting on it, see the connection
-            # close and fail now rather than at the group's timeout.
-            dist.destroy_process_group()
+        else:
+            dist.init_process_group(
+                backend,
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )
+            try:
+                outcome = ("ok", fn(rank, world_size, *args))
+                dist.barrier()  # no rank leaves while a peer may still talk to it
+            finally:
+                # A rank that raised leaves at once: its peers, waiting on it, see the
+                # connection close and fail now rather than at the group's timeout.
+                dist.destroy_process_group()
     except BaseException as e:  # every failure goes back to the parent
         outcome = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     with open(result_path, "wb") as f:
@@ -99,19 +102,26 @@ def _worker(
 #: starts a thread or initialises MPI, so forking after them is safe.
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "hetcoll.torch")
 
-#: What the rank server also imports for each of these model libraries the caller has already
-#: imported when the server starts (at the first :func:`spawn`): the module that loads the
+#: What the rank server also imports for each of these modules the caller has already
+#: imported when the server starts (at the first :func:`spawn`): the module that loads a model
 #: library's models (torchvision's package does; Hugging Face's transformers loads them lazily,
 #: and its modeling base costs a rank about 1.5 s on a 2-core host, on top of the above), which
-#: a caller that loaded the library likely builds its ranks' models from. A caller that never
-#: imported them does not pay for them. None of them starts a thread at import.
-PRELOAD_IF_LOADED = {"torchvision": "torchvision", "transformers": "transformers.modeling_utils"}
+#: a caller that loaded the library likely builds its ranks' models from; and the training
+#: loops a caller that loaded them likely runs in its ranks: Accelerate, and transformers'
+#: Trainer (about 2 s more a rank). A caller that never imported them does not pay for them.
+#: None of them starts a thread at import.
+PRELOAD_IF_LOADED = {
+    "torchvision": "torchvision",
+    "transformers": "transformers.modeling_utils",
+    "transformers.trainer": "transformers.trainer",
+    "accelerate": "accelerate",
+}
 
 
 def preloaded() -> list[str]:
     """The modules the rank server imports once, were it to start now: :data:`PRELOAD`, and
-    :data:`PRELOAD_IF_LOADED`'s for the libraries this process has imported."""
-    return [*PRELOAD, *(m for lib, m in PRELOAD_IF_LOADED.items() if lib in sys.modules)]
+    :data:`PRELOAD_IF_LOADED`'s for the modules this process has imported."""
+    return [*PRELOAD, *(m for mod, m in PRELOAD_IF_LOADED.items() if mod in sys.modules)]
 
 
 def _context(mp: Any) -> Any:
@@ -192,16 +202,22 @@ def spawn(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    backend: str = "gloo",
+    backend: str | None = "gloo",
     timeout: float = 120.0,
     threads_per_rank: int = 1,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes of their own joined in
     one torch.distributed process group; return each rank's result, in rank order. Each rank
-    sees the caller's environment and working directory as they are at the call. On Linux
-    and macOS the ranks fork from a server process that imported torch at the first call, so
-    later calls start their ranks in milliseconds rather than seconds (elsewhere each rank
-    is a fresh interpreter).
+    sees the caller's environment and working directory as they are at the call, and the
+    variables torchrun sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT``...). On Linux and macOS the ranks fork from a server process that imported
+    torch at the first call, so later calls start their ranks in milliseconds rather than
+    seconds (elsewhere each rank is a fresh interpreter).
+
+    ``backend``: the group's (``"gloo"``, ``"nccl"``, ...), or None for no group made here:
+    ``fn`` makes its own from those variables, as a script launched by torchrun does
+    (``dist.init_process_group()``, or Accelerate's and Trainer's own), and leaves it
+    (:func:`run_script`).
 
     ``fn`` must be importable (defined at module level). A rank that raises or dies makes this
     raise :class:`RankFailed` naming it; ranks still running after ``timeout`` seconds are killed,
@@ -279,6 +295,56 @@ def spawn(
         if failures:
             raise RankFailed("\n".join(failures))
         return results
+
+
+def _script(rank: int, world_size: int, path: str, argv: list[str]) -> None:
+    """A rank of :func:`run_script`: ``path`` run as ``__main__`` with ``argv``."""
+    import runpy
+
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # as `python path` puts it
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:  # sys.exit(0) or sys.exit() is a script's success
+        if e.code not in (0, None):
+            raise
+
+
+def run_script(
+    path: str | os.PathLike[str],
+    world_size: int,
+    argv: Sequence[str] = (),
+    *,
+    timeout: float = 300.0,
+    threads_per_rank: int = 1,
+) -> None:
+    """Run the training script ``path`` with arguments ``argv`` on ``world_size`` local ranks,
+    as ``torchrun --standalone --nproc-per-node=world_size path argv...`` does: each rank runs
+    it as ``__main__``, ``sys.argv`` set and torchrun's variables in its environment (the
+    script makes its process group from them), with its ranks forked from :func:`spawn`'s
+    server instead of fresh interpreters: no interpreter start and no import of torch a rank,
+    for a quick try of a script on one machine. A rank that raises, exits with a non-zero
+    code or outlasts ``timeout`` seconds makes it raise :class:`RankFailed`, as :func:`spawn`
+    does. The ranks write to the standard output and error this process had when the server
+    started (its first :func:`spawn`): a caller that reads what a script prints launches it
+    with torchrun instead.
+
+    >>> run_script("train.py", 2, ["--epochs", "1"])  # doctest: +SKIP
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"path: no such script: {path!r}")
+    if isinstance(argv, str) or not all(isinstance(a, str) for a in argv):
+        raise TypeError(f"argv: must be a sequence of strings, got {argv!r}")
+    spawn(
+        _script,
+        world_size,
+        path,
+        list(argv),
+        backend=None,
+        timeout=timeout,
+        threads_per_rank=threads_per_rank,
+    )
 
 
 def mpiexec_path() -> str:

@@ -16,7 +16,8 @@ its number of valid tokens: ``items(y)``, a function of the step's targets that 
 that shifts its labels, as a causal LM's does), replaces the rows
 wherever hetcoll weights ranks (the DDP hook, :class:`~hetcoll.torch.DistributedOptimizer`,
 Lightning's ``BalancedStrategy``). :func:`count_items` counts this rank's items without raising
-(a bad count must reach the other ranks, or they would wait for this one forever), and
+(a bad count must reach the other ranks, or they would wait for this one forever;
+:func:`count_items_of` counts several micro-batches', reading a GPU's counts at once), and
 :func:`item_weights` is the one rule that turns every rank's count into its weight, raising the
 same error on every rank.
 """
@@ -28,7 +29,7 @@ import dataclasses
 import functools
 import numbers
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -37,8 +38,8 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 #: ``items(y)``: how many items (valid tokens, rows...) ``loss_fn`` averages over for the
-#: targets ``y`` of one step.
-Items = Callable[[Any], int]
+#: targets ``y`` of one step: an int, or an integer tensor of one element.
+Items = Callable[[Any], "int | torch.Tensor"]
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -397,13 +398,43 @@ def count_items(items: Items, y: Any) -> LocalCount:
     """``items(y)`` for this rank's targets, checked but never raised: a bad count is carried to
     the exchange, where every rank raises (:func:`item_weights`). An integer >= 0 (an ``int``,
     a numpy integer or an integer tensor of one element); bool is refused."""
-    try:
-        value = items(y)
-    except Exception as e:
-        return LocalCount(RAISED, 0, e)
-    return checked_count(
-        value, f"items: items(y) returned {value!r}; it must return an integer >= 0"
-    )
+    return count_items_of(items, [y])[0]
+
+
+def count_items_of(items: Items, ys: Sequence[Any]) -> list[LocalCount]:
+    """:func:`count_items` of each of ``ys`` (the targets of a step's micro-batches), with the
+    counts ``items`` returns as integer tensors on a device (a GPU's) read from it together,
+    in one transfer a device: each read makes the host wait for the device, and read one by
+    one they would wait once a micro-batch."""
+    values: list[Any] = []
+    failures: dict[int, Exception] = {}
+    for k, y in enumerate(ys):
+        try:
+            values.append(items(y))
+        except Exception as e:
+            values.append(None)
+            failures[k] = e
+    read = list(values)
+    on_device: dict[torch.device, list[int]] = {}
+    for k, v in enumerate(values):
+        if (
+            isinstance(v, torch.Tensor)
+            and v.device.type != "cpu"
+            and v.numel() == 1
+            and not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool)
+        ):
+            on_device.setdefault(v.device, []).append(k)
+    for ks in on_device.values():
+        # Integers of any width as int64, exactly; the checks below then see Python ints.
+        both = torch.stack([values[k].reshape(()).to(torch.int64) for k in ks]).tolist()
+        for k, n in zip(ks, both):
+            read[k] = n
+    return [
+        LocalCount(RAISED, 0, failures[k])
+        if k in failures
+        else checked_count(n, f"items: items(y) returned {v!r}; it must return an integer >= 0")
+        for k, (v, n) in enumerate(zip(values, read))
+    ]
 
 
 def checked_count(value: Any, what: str) -> LocalCount:

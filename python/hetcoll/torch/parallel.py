@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import math
 import warnings
 import zlib
@@ -42,7 +43,13 @@ from torch.utils import _pytree as pytree
 
 from hetcoll.comm import agree, start_agreement, wrap, wrap_or_raise
 from hetcoll.plan import Plan, Stage
-from hetcoll.torch.batches import count_items, counted, item_weights, items_argument
+from hetcoll.torch.batches import (
+    Items,
+    count_items_of,
+    counted,
+    item_weights,
+    items_argument,
+)
 from hetcoll.torch.clipping import checked_max_norm, scale_to_norm, squares, summed_squares
 from hetcoll.torch.expert_parallel import (
     ExpertParallelExperts,
@@ -203,7 +210,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         self._reductions: list[_Reduction] = []
         self._traffic: dict[str, int] = dict.fromkeys(TRAFFIC_KINDS, 0)
         self._shapes: dict[tuple[Any, ...], list[tuple[torch.Size, torch.dtype]]] = {}
-        self._items: Callable[[Any], int] | None = None
+        self._items: Items | None = None
         # A blocks model (hetcoll.torch.replay): its block names, each replica's stage of every
         # block, which blocks hold no parameters, the probes by micro-batch shape, the model
         # copy a probe runs (this rank's stage, or an idle rank's copy without blocks) and the
@@ -637,16 +644,15 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         if self._items is None:
             counts = [counted(n) for row in sizes for n in row]
         else:
-            counts, at = [], 0
-            for row in sizes:
-                for n in row:
-                    c = count_items(self._items, _rows(targets, slice(at, at + n)))
-                    if c.failure is not None:
-                        raise ValueError(
-                            f"items: for rows {at}:{at + n} of the batch: {c.failure}"
-                        ) from c.failure
-                    counts.append(c)
-                    at += n
+            # Every micro-batch's count at once: a GPU's counts are read in one transfer.
+            starts = list(itertools.accumulate((n for row in sizes for n in row), initial=0))
+            spans = list(itertools.pairwise(starts))
+            counts = count_items_of(self._items, [_rows(targets, slice(*s)) for s in spans])
+            for (a, b), c in zip(spans, counts):
+                if c.failure is not None:
+                    raise ValueError(
+                        f"items: for rows {a}:{b} of the batch: {c.failure}"
+                    ) from c.failure
             if sum(c.value for c in counts) == 0:
                 raise ValueError("items: the batch has no items (items(targets) is 0)")
         flat = item_weights(np.array([c.exchanged for c in counts], np.int64)).tolist()
@@ -1044,7 +1050,7 @@ def parallelize(
     plan: Plan | Mapping[str, Any],
     *,
     loss_fn: Callable[[Any, Any], torch.Tensor],
-    items: Callable[[Any], int] | None = None,
+    items: Items | None = None,
     group: Any = None,
 ) -> Parallel:
     """Run ``model`` under ``plan`` on the ranks of ``group`` (an mpi4py communicator, a
@@ -1054,8 +1060,11 @@ def parallelize(
     targets)`` gets the model's output as the model returns it (a Hugging Face ``ModelOutput``
     included) and returns the mean loss over a micro-batch's items; ``items(targets)`` counts
     them (default: rows, as torch's losses average by default; a language model's loss
-    averages its valid tokens: ``items=lambda y: int((y != -100).sum())``, or ``y[:, 1:]`` where
-    it shifts its labels, as a causal LM's does). The loss must be that mean: a sum (or a mean
+    averages its valid tokens: ``items=lambda y: (y != -100).sum()``, or ``y[:, 1:]`` where it
+    shifts its labels, as a causal LM's does; on a GPU, return the count as that tensor, not
+    ``int()`` of it: a step counts every micro-batch of every replica, and reads the GPU's
+    counts at once, where ``int()`` makes the host wait for the GPU at each). The loss must be
+    that mean: a sum (or a mean
     over anything but what ``items`` counts) trains silently wrong. Micro-batches and
     replicas are weighted by their items, so every step is the gradient of the mean over all
     items of the global batch.
