@@ -629,6 +629,12 @@ def test_run_script_runs_a_script_on_forked_ranks_as_torchrun_does(tmp_path):
         launch.run_script(tmp_path / "train.py", 2, "--epochs 1")
     with pytest.raises(ValueError, match=r"^world_size: must be an integer >= 1"):
         launch.run_script(tmp_path / "train.py", 0)
+    with pytest.raises(ValueError, match=r"^threads_per_rank: must be an integer >= 1"):
+        launch.run_script(tmp_path / "train.py", 2, threads_per_rank=0)
+    with pytest.raises(TypeError, match=r"^threads_per_rank: must be an integer >= 1"):
+        spawn(_nothing, 2, threads_per_rank=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^backend: must be a torch.distributed backend's name"):
+        spawn(_nothing, 2, backend=3)  # type: ignore[arg-type]
 
 
 _PRELOAD_PROBE = """

@@ -231,6 +231,14 @@ def spawn(
         raise ValueError(f"world_size: must be an integer >= 1, got {world_size!r}")
     if timeout <= 0:
         raise ValueError(f"timeout: must be > 0 seconds, got {timeout!r}")
+    if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int):
+        raise TypeError(f"threads_per_rank: must be an integer >= 1, got {threads_per_rank!r}")
+    if threads_per_rank < 1:
+        raise ValueError(f"threads_per_rank: must be an integer >= 1, got {threads_per_rank!r}")
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(
+            f"backend: must be a torch.distributed backend's name or None, got {backend!r}"
+        )
     ctx = _context(mp)
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="hetcoll-spawn-") as tmp:
