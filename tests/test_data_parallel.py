@@ -587,7 +587,7 @@ def test_spawned_ranks_are_processes_of_their_own_with_the_callers_environment(m
 
 
 _SCRIPT = """
-import json, sys
+import json, os, sys
 import torch
 import torch.distributed as dist
 from beside import WORD  # a module beside the script: its folder is on sys.path, as python's
@@ -600,7 +600,7 @@ if sys.argv[2] == "fail" and rank == 1:
     sys.exit(3)
 with open(sys.argv[1].format(rank=rank), "w") as f:
     json.dump({"name": __name__, "argv": sys.argv[1:], "world": dist.get_world_size(),
-               "local": int(__import__("os").environ["LOCAL_RANK"]), "sum": total.item(),
+               "local": int(os.environ["LOCAL_RANK"]), "sum": total.item(),
                "word": WORD}, f)
 dist.destroy_process_group()
 sys.exit(0)  # a success

@@ -425,8 +425,13 @@ def count_items_of(items: Items, ys: Sequence[Any]) -> list[LocalCount]:
         ):
             on_device.setdefault(v.device, []).append(k)
     for ks in on_device.values():
-        # Integers of any width as int64, exactly; the checks below then see Python ints.
-        both = torch.stack([values[k].reshape(()).to(torch.int64) for k in ks]).tolist()
+        # Integers of any width as int64, exactly; the checks below then see Python ints. One
+        # count (a data-parallel rank's step) is read as it is: stacking it would copy it.
+        both = (
+            [int(values[ks[0]])]
+            if len(ks) == 1
+            else torch.stack([values[k].reshape(()).to(torch.int64) for k in ks]).tolist()
+        )
         for k, n in zip(ks, both):
             read[k] = n
     return [

@@ -1064,10 +1064,9 @@ def parallelize(
     shifts its labels, as a causal LM's does; on a GPU, return the count as that tensor, not
     ``int()`` of it: a step counts every micro-batch of every replica, and reads the GPU's
     counts at once, where ``int()`` makes the host wait for the GPU at each). The loss must be
-    that mean: a sum (or a mean
-    over anything but what ``items`` counts) trains silently wrong. Micro-batches and
-    replicas are weighted by their items, so every step is the gradient of the mean over all
-    items of the global batch.
+    that mean: a sum (or a mean over anything but what ``items`` counts) trains silently
+    wrong. Micro-batches and replicas are weighted by their items, so every step is the
+    gradient of the mean over all items of the global batch.
 
     The model is cut into layers by :func:`hetcoll.torch.layers.model_layers`; each rank keeps
     a copy of its stage's layers only (``model`` itself is not changed). A chain's stage runs
