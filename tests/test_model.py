@@ -9,6 +9,7 @@ import json
 import math
 import os
 import statistics
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -1053,6 +1054,9 @@ def test_calibrate_measures_gloo_and_mpi_links(tmp_path: Path) -> None:
     out.write_text(cal.to_toml())
     cluster = load_cluster(out)
     assert cluster.num_devices == 2
+    # Both ranks measured the device at once where they have a core each.
+    side_by_side = "2 one-thread ranks at once" in out.read_text()
+    assert side_by_side == (len(os.sched_getaffinity(0)) >= 2)
     dev = cluster.devices[0]
     assert 1e8 < dev.flops_per_s < 1e13 and 1e8 < dev.mem_bytes_per_s < 1e12
     assert 1e8 < dev.conv_rate < 1e13 and "conv_flops_per_s" in out.read_text()
@@ -1119,6 +1123,112 @@ def test_a_device_is_measured_on_one_thread_as_a_rank_runs(
         assert seen == [1] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_measure_device_calls_before_ahead_of_every_probe() -> None:
+    """Ranks measuring side by side keep their probes in step by a barrier before each
+    (``before``): one call per timed probe, the first before any probe ran."""
+    from hetcoll.lab import calibrate
+
+    calls: list[int] = []
+    device = calibrate.measure_device("rank", 1e9, quick=True, before=lambda: calls.append(1))
+    assert len(calls) == 8 and device.flops_per_s > 0
+
+
+_RATES = st.floats(1e6, 1e13)
+_COSTS = st.floats(0, 1e-2)
+
+
+@st.composite
+def _devices(draw: Any) -> Device:
+    return Device(
+        draw(st.sampled_from(["a", "b", "c"])),
+        flops_per_s=draw(_RATES),
+        mem_bytes_per_s=draw(_RATES),
+        memory_bytes=draw(st.floats(1e6, 1e12)),
+        kernel_overhead_s=draw(_COSTS),
+        elementwise_bytes_per_s=draw(st.one_of(st.just(0.0), _RATES)),
+        conv_flops_per_s=draw(st.one_of(st.just(0.0), _RATES)),
+        pool_bytes_per_s=draw(st.one_of(st.just(0.0), _RATES)),
+        first_touch_bytes_per_s=draw(st.one_of(st.just(0.0), _RATES)),
+        bf16_flops_per_s=draw(st.one_of(st.just(0.0), _RATES)),
+        conv_overhead_s=draw(_COSTS),
+        step_overhead_s=draw(_COSTS),
+        conv_channel_block=draw(st.sampled_from([1, 8, 16])),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_devices(), min_size=1, max_size=6))
+def test_the_slowest_device_is_as_slow_as_the_slowest_in_every_figure(devices: list) -> None:
+    from hetcoll.lab.calibrate import slowest_device
+
+    d = slowest_device(devices, "node")
+    assert d.name == "node" and d.memory_bytes == devices[0].memory_bytes
+    assert d.conv_channel_block == devices[0].conv_channel_block
+    for attr, read in (
+        ("flops_per_s", "flops_per_s"),
+        ("mem_bytes_per_s", "mem_bytes_per_s"),
+        ("elementwise_bytes_per_s", "elementwise_rate"),
+        ("pool_bytes_per_s", "pool_rate"),
+        ("conv_flops_per_s", "conv_rate"),
+    ):
+        assert getattr(d, attr) == min(getattr(x, read) for x in devices), attr
+    for attr, read in (
+        ("kernel_overhead_s", "kernel_overhead_s"),
+        ("conv_overhead_s", "conv_call_s"),
+        ("step_overhead_s", "step_overhead_s"),
+    ):
+        assert getattr(d, attr) == max(getattr(x, read) for x in devices), attr
+    # Every prediction from it is at least as slow as from any of them.
+    costs = layer_costs(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten()), (3, 8, 8))
+    slowest = data_parallel(costs, Cluster([Node("n", d, 1)]), [4]).step_s
+    for x in devices:
+        one = replace(x, conv_channel_block=d.conv_channel_block, memory_bytes=d.memory_bytes)
+        assert slowest >= data_parallel(costs, Cluster([Node("n", one, 1)]), [4]).step_s * (
+            1 - 1e-12
+        )
+    touches = [x.first_touch_bytes_per_s for x in devices if x.first_touch_bytes_per_s > 0]
+    assert d.first_touch_bytes_per_s == min(touches, default=0.0)
+    assert d.bf16_flops_per_s == min(x.bf16_flops_per_s for x in devices)
+    # One device is its own slowest, as the model reads it.
+    alone = slowest_device(devices[:1])
+    for attr in ("elementwise_rate", "pool_rate", "conv_rate", "conv_call_s", "flops_per_s"):
+        assert getattr(alone, attr) == getattr(devices[0], attr)
+
+
+def test_slowest_device_reads_every_figure_of_a_device() -> None:
+    """A figure added to Device must be given a rule in slowest_device (this list with it)."""
+    assert {f.name for f in fields(Device)} == {
+        "name", "flops_per_s", "mem_bytes_per_s", "memory_bytes", "kernel_overhead_s",
+        "elementwise_bytes_per_s", "conv_flops_per_s", "conv_channel_block",
+        "tf32_flops_per_s", "bf16_flops_per_s", "fp16_flops_per_s", "pool_bytes_per_s",
+        "conv_overhead_s", "first_touch_bytes_per_s", "step_overhead_s",
+    }  # fmt: skip
+
+
+def test_slowest_device_and_measure_node_device_name_bad_arguments() -> None:
+    from hetcoll.lab.calibrate import measure_node_device, slowest_device
+
+    with pytest.raises(ValueError, match="devices: need a non-empty sequence"):
+        slowest_device([])
+    with pytest.raises(TypeError, match=r"devices\[1\]: must be a Device"):
+        slowest_device([Device("a", 1e9, 1e9, 1e9), "b"])  # type: ignore[list-item]
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="ranks: must be an integer >= 1"):
+            measure_node_device("n", 1e9, bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.multiproc
+def test_a_nodes_device_is_its_slowest_rank_measured_side_by_side() -> None:
+    """Every rank of the node measures at once (as many as there are cores); the node's device
+    is the slowest rank's in every figure."""
+    from hetcoll.lab.calibrate import measure_node_device, slowest_device
+
+    device, own = measure_node_device("node", 1e9, 3, quick=True)
+    assert len(own) == min(3, len(os.sched_getaffinity(0)))
+    assert device == slowest_device(own, "node")
+    assert all(d.flops_per_s > 1e8 and d.conv_call_s > 0 for d in own)
 
 
 @pytest.mark.multiproc

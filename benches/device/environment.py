@@ -1,6 +1,6 @@
 """The machine a device check ran on, as the host record of benches/report.py (CPU, cores,
-Python, numpy, torch) plus the GPU (name, memory, CUDA version, driver), glibc, and which
-hetcoll was imported (the wheel's, abi3).
+Python, numpy, torch) plus the GPU (name, memory, CUDA version, driver), glibc, hardware
+threads per core, and which hetcoll was imported (the wheel's, abi3).
 
     python benches/device/environment.py --json OUT/environment.json
 """
@@ -20,6 +20,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benches/: rep
 from report import host_info
 
 
+def threads_per_core() -> int | None:
+    """Hardware threads per core (2 with SMT), from cpu0's siblings in sysfs; None where the
+    file is absent. One-thread CPU ranks on two threads of one core share its units: one
+    reason ranks side by side run at unequal speeds."""
+    path = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list")
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    count = 0
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        count += int(hi or lo) - int(lo) + 1
+    return count
+
+
 def environment() -> dict[str, Any]:
     import torch
 
@@ -27,6 +43,7 @@ def environment() -> dict[str, Any]:
 
     host = host_info()
     host["glibc"] = "-".join(platform.libc_ver())
+    host["threads_per_core"] = threads_per_core()
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         host["gpu"] = f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"

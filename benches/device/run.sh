@@ -72,7 +72,9 @@ export PYTHONUNBUFFERED=1
 HETERO=(--steps 12 --probe-s 2 --timeout 25)
 PLANS=(--timeout 55)
 LM=(--timeout 50)
-CPU_RANKS=8
+# calibrate measures the CPU device on this many ranks side by side, as the jobs run: plans,
+# lm and hetero's first configuration run 4 processes (3 CPU ranks and the GPU's).
+CPU_RANKS=4
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>>"$LOG"; then
     echo "no CUDA: the dry run (small step counts)" | tee -a "$LOG"
     HETERO=(--cpu-ranks 1 --batch 64 --warmup 1 --steps 3 --probe-s 1 --timeout 40)

@@ -420,7 +420,10 @@ def add_model(sub: argparse._SubParsersAction) -> None:
         help="the file to write (default: print it)",
     )
     k.add_argument(
-        "--ranks", type=integer(1), help="how many ranks the node runs (default: one per core)"
+        "--ranks",
+        type=integer(1),
+        help="how many ranks the node runs (default: one per core); that many measure the "
+        "device side by side (at most one per core) and the file keeps the slowest's figures",
     )
     k.add_argument(
         "--links", default="gloo,mpi", help="which links to measure: gloo, mpi or both (gloo,mpi)"

@@ -1,6 +1,7 @@
 """Measure this machine for the performance model: GEMM FLOP/s, memory bandwidth and per-kernel
-overhead of one rank (one thread), and the latency and bandwidth of the link between two local
-ranks through gloo (:func:`hetcoll.launch.spawn`) and MPI (:func:`hetcoll.launch.mpiexec`).
+overhead of a rank (one thread) while the node's other ranks measure too, and the latency and
+bandwidth of the link between two local ranks through gloo (:func:`hetcoll.launch.spawn`) and
+MPI (:func:`hetcoll.launch.mpiexec`).
 
 The result is a cluster file (one node of as many one-thread ranks as there are cores) that
 ``hetcoll plan`` and ``hetcoll model validate`` read like any hand-written one.
@@ -385,40 +386,146 @@ def _layer_bytes(kind: str, batch: int) -> float:
     )
 
 
-def measure_device(name: str, memory_bytes: float, *, quick: bool = False) -> Device:
+def measure_device(
+    name: str,
+    memory_bytes: float,
+    *,
+    quick: bool = False,
+    before: Callable[[], object] = lambda: None,
+) -> Device:
     """Every per-rank figure of this machine as a :class:`Device`, measured on one thread (as
     each rank runs: the caller's thread count is restored after). Measured at torch's default
     of every core instead, a GEMM here runs 1.6-1.9x and an element-wise kernel 1.5-2x faster
     than on the one thread a rank has, and every prediction from it comes out as much too
-    fast."""
+    fast. ``before``: called before each probe (a barrier, where ranks measure in step:
+    :func:`measure_node_device`)."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _measure_device(name, memory_bytes, quick)
+        return _measure_device(name, memory_bytes, quick, before)
     finally:
         torch.set_num_threads(threads)
 
 
-def _measure_device(name: str, memory_bytes: float, quick: bool) -> Device:
+def _measure_device(
+    name: str, memory_bytes: float, quick: bool, before: Callable[[], object] = lambda: None
+) -> Device:
+    """The probes of :func:`measure_device`, each after ``before()`` (a barrier, where several
+    ranks measure in step: :func:`measure_node_device`)."""
     r = 3 if quick else 7
-    conv_overhead_s = measure_conv_overhead_s(repeats=r)
+
+    def probe(measure: Callable[..., Any], **kwargs: Any) -> Any:
+        before()
+        return measure(**kwargs)
+
+    conv_overhead_s = probe(measure_conv_overhead_s, repeats=r)
     return Device(
         name,
-        flops_per_s=measure_gemm_flops_per_s(repeats=r),
-        conv_flops_per_s=measure_conv_flops_per_s(repeats=r, overhead_s=conv_overhead_s),
+        flops_per_s=probe(measure_gemm_flops_per_s, repeats=r),
+        conv_flops_per_s=probe(measure_conv_flops_per_s, repeats=r, overhead_s=conv_overhead_s),
         conv_overhead_s=conv_overhead_s,
-        mem_bytes_per_s=measure_mem_bytes_per_s(
-            nbytes=(16 if quick else 64) * 1024 * 1024, repeats=r
+        mem_bytes_per_s=probe(
+            measure_mem_bytes_per_s, nbytes=(16 if quick else 64) * 1024 * 1024, repeats=r
         ),
         memory_bytes=memory_bytes,
-        kernel_overhead_s=measure_kernel_overhead_s(repeats=10 if quick else 20),
-        elementwise_bytes_per_s=measure_elementwise_bytes_per_s(repeats=r),
-        pool_bytes_per_s=measure_pool_bytes_per_s(repeats=r),
+        kernel_overhead_s=probe(measure_kernel_overhead_s, repeats=10 if quick else 20),
+        elementwise_bytes_per_s=probe(measure_elementwise_bytes_per_s, repeats=r),
+        pool_bytes_per_s=probe(measure_pool_bytes_per_s, repeats=r),
         conv_channel_block=conv_channel_block(),
-        first_touch_bytes_per_s=measure_first_touch_bytes_per_s(repeats=r),
+        first_touch_bytes_per_s=probe(measure_first_touch_bytes_per_s, repeats=r),
     )
+
+
+def slowest_device(devices: Sequence[Device], name: str | None = None) -> Device:
+    """One device as slow as the slowest of ``devices`` in every figure the model uses: each
+    rate their least and each fixed cost their greatest, an optional figure read as the model
+    reads it (``elementwise_bytes_per_s`` 0: the memory bandwidth; a first touch's rate 0: no
+    cost; a precision's peak 0: fp32, so 0 unless every device has one), the memory and the
+    channel block the first's. What a node of ranks that each measured their own figures is,
+    for a step that waits for its slowest rank. ``name``: the result's (default: the first's).
+
+    >>> a = Device("a", flops_per_s=2e9, mem_bytes_per_s=1e9, memory_bytes=1e9)
+    >>> b = Device("b", flops_per_s=1e9, mem_bytes_per_s=3e9, memory_bytes=1e9)
+    >>> d = slowest_device([a, b])
+    >>> (d.name, d.flops_per_s, d.mem_bytes_per_s)
+    ('a', 1000000000.0, 1000000000.0)
+    """
+    if isinstance(devices, Device) or not isinstance(devices, Sequence) or not devices:
+        raise ValueError(f"devices: need a non-empty sequence of Device, got {devices!r}")
+    for i, d in enumerate(devices):
+        if not isinstance(d, Device):
+            raise TypeError(f"devices[{i}]: must be a Device, got {type(d).__name__}")
+
+    touches = [d.first_touch_bytes_per_s for d in devices if d.first_touch_bytes_per_s > 0]
+    peaks = {
+        attr: min(getattr(d, attr) for d in devices)
+        for attr in ("tf32_flops_per_s", "bf16_flops_per_s", "fp16_flops_per_s")
+    }
+    first = devices[0]
+    return replace(
+        first,
+        name=first.name if name is None else name,
+        flops_per_s=min(d.flops_per_s for d in devices),
+        mem_bytes_per_s=min(d.mem_bytes_per_s for d in devices),
+        elementwise_bytes_per_s=min(d.elementwise_rate for d in devices),
+        pool_bytes_per_s=min(d.pool_rate for d in devices),
+        conv_flops_per_s=min(d.conv_rate for d in devices),
+        first_touch_bytes_per_s=min(touches, default=0.0),
+        kernel_overhead_s=max(d.kernel_overhead_s for d in devices),
+        conv_overhead_s=max(d.conv_call_s for d in devices),
+        step_overhead_s=max(d.step_overhead_s for d in devices),
+        **peaks,
+    )
+
+
+def _spread(devices: Sequence[Device]) -> str:
+    """The ranks' GEMM, convolution and copy rates, least to greatest, for a comment."""
+
+    def rates(attr: str) -> str:
+        values = sorted(getattr(d, attr) / 1e9 for d in devices)
+        return f"{values[0]:.3g}-{values[-1]:.3g}"
+
+    return (
+        f"GEMM {rates('flops_per_s')} GFLOP/s, convolutions {rates('conv_rate')} GFLOP/s, "
+        f"copy {rates('mem_bytes_per_s')} GB/s over the ranks"
+    )
+
+
+def _device_rank(rank: int, world: int, name: str, memory_bytes: float, quick: bool) -> Device:
+    """One rank of :func:`measure_node_device`: its own figures, every probe in step with the
+    other ranks' (a barrier before each)."""
+    import torch.distributed as dist
+
+    return measure_device(name, memory_bytes, quick=quick, before=dist.barrier)
+
+
+def measure_node_device(
+    name: str, memory_bytes: float, ranks: int, *, quick: bool = False
+) -> tuple[Device, list[Device]]:
+    """The device of a node whose ``ranks`` one-thread ranks train side by side: each rank
+    measures :func:`measure_device`'s figures at the same time as the others (every probe in
+    step), and the node's device is the slowest rank's in every figure
+    (:func:`slowest_device`), since a step waits for its slowest rank. Returns that device and
+    each rank's own. At most as many ranks as there are cores measure (beyond them the ranks
+    share cores, which the model's shared-cores timeline prices itself); one measures in this
+    process.
+
+    A rank alone measures what no rank has once its node is busy: on the GPU machine's 16
+    cores, three one-thread CPU ranks training side by side ran the demo CNN at 2,410 to 3,362
+    samples/s where a lone rank's figures predicted 3,073 for all of them, and the slowest set
+    the step (docs/model.md)."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks: must be an integer >= 1, got {ranks!r}")
+    n = min(ranks, len(os.sched_getaffinity(0)))
+    if n == 1:
+        own = [measure_device(name, memory_bytes, quick=quick)]
+    else:
+        from hetcoll.launch import spawn
+
+        own = spawn(_device_rank, n, name, memory_bytes, quick, timeout=300.0)
+    return slowest_device(own, name), own
 
 
 @dataclass(frozen=True)
@@ -914,8 +1021,11 @@ def calibrate(
         raise ValueError(
             f"transport: must be one of the measured links {list(links)}, got {transport!r}"
         )
-    say("device (GEMM, convolution, copy, kernel overhead, element-wise layers) ...")
-    device = measure_device("this-machine-1-thread", _memory_per_rank_bytes(ranks))
+    say(
+        "device (GEMM, convolution, copy, kernel overhead, element-wise layers), "
+        f"on {min(ranks, len(os.sched_getaffinity(0)))} ranks at once ..."
+    )
+    device, own = measure_node_device("this-machine-1-thread", _memory_per_rank_bytes(ranks), ranks)
     say(
         f"  {device.flops_per_s / 1e9:.2f} GFLOP/s (convolutions "
         f"{device.conv_rate / 1e9:.2f}), {device.mem_bytes_per_s / 1e9:.2f} GB/s, "
@@ -926,11 +1036,19 @@ def calibrate(
         f"{device.conv_channel_block}, first touch of a fresh 64 MiB tensor "
         f"{device.first_touch_bytes_per_s / 1e9:.2f} GB/s"
     )
+    if len(own) > 1:
+        say(f"  (the slowest rank's; {_spread(own)})")
     say("a training step's fixed cost (a tiny model under parallelize, one rank) ...")
     device = replace(device, step_overhead_s=measure_step_overhead_s(device))
     say(f"  {device.step_overhead_s * 1e6:.0f} us a step")
     comments = {
-        device.name: "measured by `hetcoll model calibrate`, one thread: torch.mm 384^3 float32; "
+        device.name: "measured by `hetcoll model calibrate`, "
+        + (
+            f"{len(own)} one-thread ranks at once, each figure the slowest rank's ({_spread(own)})"
+            if len(own) > 1
+            else "one thread"
+        )
+        + ": torch.mm 384^3 float32; "
         "3x3 64-channel convolution forward/backward (its fixed cost per call: the intercept "
         "over 1, 2 and 4 samples of 8x8 maps); channel block of torch's instruction set; "
         "copy of 64 MiB; per-kernel overhead of a tiny training step; batch norm, and max "
