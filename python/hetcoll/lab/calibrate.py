@@ -1023,7 +1023,7 @@ def calibrate(
         )
     say(
         "device (GEMM, convolution, copy, kernel overhead, element-wise layers), "
-        f"on {min(ranks, len(os.sched_getaffinity(0)))} ranks at once ..."
+        "on the node's ranks at once (at most one per core) ..."
     )
     device, own = measure_node_device("this-machine-1-thread", _memory_per_rank_bytes(ranks), ranks)
     say(
@@ -1037,7 +1037,7 @@ def calibrate(
         f"{device.first_touch_bytes_per_s / 1e9:.2f} GB/s"
     )
     if len(own) > 1:
-        say(f"  (the slowest rank's; {_spread(own)})")
+        say(f"  (the slowest of {len(own)} ranks; {_spread(own)})")
     say("a training step's fixed cost (a tiny model under parallelize, one rank) ...")
     device = replace(device, step_overhead_s=measure_step_overhead_s(device))
     say(f"  {device.step_overhead_s * 1e6:.0f} us a step")
