@@ -1125,14 +1125,26 @@ def test_a_device_is_measured_on_one_thread_as_a_rank_runs(
         torch.set_num_threads(before)
 
 
-def test_measure_device_calls_before_ahead_of_every_probe() -> None:
+def test_measure_device_calls_before_ahead_of_every_probe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Ranks measuring side by side keep their probes in step by a barrier before each
-    (``before``): one call per timed probe, the first before any probe ran."""
+    (``before``): one call per timed probe, each ahead of its probe."""
     from hetcoll.lab import calibrate
 
-    calls: list[int] = []
-    device = calibrate.measure_device("rank", 1e9, quick=True, before=lambda: calls.append(1))
-    assert len(calls) == 8 and device.flops_per_s > 0
+    events: list[str] = []
+    real = calibrate.measure_gemm_flops_per_s
+
+    def gemm(**kw: object) -> float:
+        events.append("gemm")
+        return real(size=64, repeats=1)
+
+    monkeypatch.setattr(calibrate, "measure_gemm_flops_per_s", gemm)
+    device = calibrate.measure_device(
+        "rank", 1e9, quick=True, before=lambda: events.append("before")
+    )
+    assert events.count("before") == 8 and device.flops_per_s > 0
+    assert events[events.index("gemm") - 1] == "before"
 
 
 _RATES = st.floats(1e6, 1e13)
