@@ -512,11 +512,11 @@ def test_spawn_kills_a_hung_rank_at_its_timeout_and_says_where_each_rank_was(mon
     spawn(_nothing, 1)  # the rank server up (its imports), so the ranks below start at once
     monkeypatch.setattr(launch, "_START_SLACK_S", 1.0)
     with pytest.raises(RankFailed) as failed:
-        spawn(_hang_on_rank_one, 2, timeout=8)
+        spawn(_hang_on_rank_one, 2, timeout=4)
     message = str(failed.value)
     parts = dict(re.findall(r"(?ms)^rank (\d): (.*?)(?=^rank \d: |\Z)", message))
     assert set(parts) == {"0", "1"}, message
-    assert parts["1"].startswith("still running after 8 s, killed; it was at:"), message
+    assert parts["1"].startswith("still running after 4 s, killed; it was at:"), message
     assert "in _waits_for_ever" in parts["1"] and "in _hang_on_rank_one" in parts["1"], message
     # Rank 0 waited for it in spawn's closing barrier: still there, or its group's own
     # timeout (spawn's) came first.

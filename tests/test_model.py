@@ -259,6 +259,27 @@ def test_bad_cluster_files_name_file_and_field(
     assert str(path) in str(e.value) and field in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"bytes_per_s": -5.0}, r"^Link 'x': bytes_per_s: must be a number > 0, got -5.0"),
+        ({"bytes_per_s": 0}, r"^Link 'x': bytes_per_s: must be a number > 0, got 0"),
+        ({"bytes_per_s": float("nan")}, r"^Link 'x': bytes_per_s: must be a number > 0"),
+        ({"bytes_per_s": "5e9"}, r"^Link 'x': bytes_per_s: must be a number > 0"),
+        ({"bytes_per_s": True}, r"^Link 'x': bytes_per_s: must be a number > 0"),
+        ({"latency_s": -1e-6}, r"^Link 'x': latency_s: must be a number >= 0"),
+        ({"call_s": float("inf")}, r"^Link 'x': call_s: must be finite"),
+    ],
+)
+def test_a_link_made_in_code_names_its_bad_field(kwargs: dict[str, Any], message: str) -> None:
+    """The constructor checks what a cluster file's loader checks (it once checked its
+    bandwidth in unreachable code, so a negative one predicted negative seconds)."""
+    with pytest.raises(ValueError, match=message):
+        Link(**{"name": "x", "latency_s": 1e-6, "bytes_per_s": 5e9, **kwargs})
+    # A device talking to itself: an infinite bandwidth, in code only.
+    assert Link("local", 0.0, math.inf).bytes_per_s == math.inf
+
+
 def test_cluster_and_shape_arguments_of_another_type_are_named() -> None:
     with pytest.raises(TypeError, match=r"^path: must be a str or os.PathLike, got NoneType"):
         load_cluster(None)  # type: ignore[arg-type]

@@ -66,7 +66,7 @@ def test_hung_multiprocess_tests_fail_at_their_timeout_and_the_run_ends(tmp_path
     }
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "reaper",
-         "--timeout", "5", "--rootdir", str(tmp_path), str(tmp_path / "test_hung.py")],
+         "--timeout", "3", "--rootdir", str(tmp_path), str(tmp_path / "test_hung.py")],
         env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False,
     )  # fmt: skip
     assert "2 failed, 1 passed" in run.stdout, run.stdout + run.stderr

@@ -274,6 +274,16 @@ class Link:
 
     def __post_init__(self) -> None:
         _check_nonnegative(self.latency_s, f"Link {self.name!r}: latency_s")
+        # inf is allowed here (a device talking to itself), never in a file.
+        bandwidth = self.bytes_per_s
+        if (
+            isinstance(bandwidth, bool)
+            or not isinstance(bandwidth, (int, float))
+            or not bandwidth > 0
+        ):
+            raise ValueError(
+                f"Link {self.name!r}: bytes_per_s: must be a number > 0, got {bandwidth!r}"
+            )
         _check_nonnegative(self.call_s, f"Link {self.name!r}: call_s")
         kinds = [kind for kind, _ in self.calls_s]
         for kind, seconds in self.calls_s:
@@ -293,9 +303,6 @@ class Link:
         if kind not in COLLECTIVE_KINDS:
             raise ValueError(f"kind: must be one of {COLLECTIVE_KINDS}, got {kind!r}")
         return self._calls.get(kind, self.call_s)
-        # inf is allowed here (a device talking to itself), never in a file.
-        if not (isinstance(self.bytes_per_s, (int, float)) and self.bytes_per_s > 0):
-            raise ValueError(f"Link {self.name!r}: bytes_per_s: must be a number > 0")
 
 
 @dataclass(frozen=True)
