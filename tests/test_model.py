@@ -1384,3 +1384,68 @@ def test_validation_subset_runs_real_filter_parallel_steps(cnn_costs) -> None:  
     assert r.detail["params_per_rank"] == want
     full = sum(p.numel() for p in networks.cnn().parameters())
     assert sum(want) == full + 298  # the replicated ones, twice
+
+
+_HOSTILE_NUMBER = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from([0, 0.0, -0.0, 5e-324, True, None, "1", b"1"]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_devices_and_links_made_in_code_hold_valid_figures_or_name_the_bad_one(data) -> None:  # type: ignore[no-untyped-def]
+    """Any value in any numeric field of a Device or a Link: the constructor raises a
+    ValueError naming that field, or holds a figure the model can price with (finite; > 0
+    where it divides, >= 0 elsewhere; a whole channel block)."""
+    positive = {"flops_per_s", "mem_bytes_per_s", "memory_bytes"}
+    good = {f.name: getattr(Device("d", 1e12, 1e11, 1e9), f.name) for f in fields(Device)}
+    numeric = [n for n in good if n != "name"]
+    name = data.draw(st.sampled_from(numeric), label="field")
+    value = data.draw(_HOSTILE_NUMBER, label="value")
+    try:
+        device = Device(**{**good, name: value})
+    except ValueError as e:
+        assert f": {name}: must be" in str(e), str(e)
+    else:
+        got = getattr(device, name)
+        assert not isinstance(got, bool) and isinstance(got, (int, float)) and math.isfinite(got)
+        if name == "conv_channel_block":
+            assert isinstance(got, int) and got >= 1
+        else:
+            assert got > 0 if name in positive else got >= 0
+
+    good_link = {"name": "l", "latency_s": 1e-6, "bytes_per_s": 5e9, "call_s": 0.0}
+    name = data.draw(st.sampled_from(["latency_s", "bytes_per_s", "call_s"]), label="link field")
+    try:
+        link = Link(**{**good_link, name: value})
+    except ValueError as e:
+        assert f": {name}: must be" in str(e), str(e)
+    else:
+        got = getattr(link, name)
+        assert not isinstance(got, bool) and isinstance(got, (int, float))
+        # An infinite bandwidth is a device talking to itself (code only, never a file).
+        assert got > 0 if name == "bytes_per_s" else (got >= 0 and math.isfinite(got))
+
+
+def test_nodes_and_clusters_made_in_code_name_an_argument_of_another_type() -> None:
+    d = Device("d", 1e12, 1e11, 1e9)
+    eth = Link("eth", 1e-5, 1e9)
+    a, b = Node("a", d, 1), Node("b", d, 1)
+    text: Any = "eth"  # a name where an object belongs
+    number: Any = 3
+    cases = [
+        (lambda: Node("n", text, 1), r"^Node 'n': device: must be a hetcoll.model.Device, got"),
+        (lambda: Node("n", d, 2, text), r"^Node 'n': link: must be a hetcoll.model.Link or None"),
+        (lambda: Node(number, d, 1), r"^Node: name: must be a str, got int"),
+        (lambda: Device(number, 1e12, 1e11, 1e9), r"^Device: name: must be a str, got int"),
+        (lambda: Link(number, 0.0, 1e9), r"^Link: name: must be a str, got int"),
+        (lambda: Cluster(text), r"^<memory>: nodes: must be a list of hetcoll.model.Node, got"),
+        (lambda: Cluster([a, text]), r"^<memory>: nodes\[1\]: must be a hetcoll.model.Node, got"),
+        (lambda: Cluster([a, b], text), r"^<memory>: network: must be a hetcoll.model.Link or"),
+    ]
+    for make, message in cases:
+        with pytest.raises(TypeError, match=message):
+            make()
+    assert Cluster((a, b), eth).num_devices == 2

@@ -165,6 +165,7 @@ class Device:
     step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
+        _check_name(self.name, "Device")
         for attr in ("flops_per_s", "mem_bytes_per_s", "memory_bytes"):
             _check_positive(getattr(self, attr), f"Device {self.name!r}: {attr}")
         _check_nonnegative(self.kernel_overhead_s, f"Device {self.name!r}: kernel_overhead_s")
@@ -273,6 +274,7 @@ class Link:
     calls_s: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
+        _check_name(self.name, "Link")
         _check_nonnegative(self.latency_s, f"Link {self.name!r}: latency_s")
         # inf is allowed here (a device talking to itself), never in a file.
         bandwidth = self.bytes_per_s
@@ -315,6 +317,17 @@ class Node:
     link: Link | None = None
 
     def __post_init__(self) -> None:
+        _check_name(self.name, "Node")
+        if not isinstance(self.device, Device):
+            raise TypeError(
+                f"Node {self.name!r}: device: must be a hetcoll.model.Device, got "
+                f"{type(self.device).__name__}"
+            )
+        if self.link is not None and not isinstance(self.link, Link):
+            raise TypeError(
+                f"Node {self.name!r}: link: must be a hetcoll.model.Link or None, got "
+                f"{type(self.link).__name__}"
+            )
         if (
             not isinstance(self.count, int)
             or isinstance(self.count, bool)
@@ -342,6 +355,22 @@ class Cluster:
     source: str = field(default="<memory>", compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.nodes, (list, tuple)):
+            raise TypeError(
+                f"{self.source}: nodes: must be a list of hetcoll.model.Node, got "
+                f"{type(self.nodes).__name__}"
+            )
+        for i, node in enumerate(self.nodes):
+            if not isinstance(node, Node):
+                raise TypeError(
+                    f"{self.source}: nodes[{i}]: must be a hetcoll.model.Node, got "
+                    f"{type(node).__name__}"
+                )
+        if self.network is not None and not isinstance(self.network, Link):
+            raise TypeError(
+                f"{self.source}: network: must be a hetcoll.model.Link or None, got "
+                f"{type(self.network).__name__}"
+            )
         if not self.nodes:
             raise ValueError(f"{self.source}: nodes: a cluster needs at least one node")
         if len(self.nodes) > 1 and self.network is None:
@@ -483,6 +512,11 @@ def _slowest(links: Sequence[Link | None]) -> Link:
 
 
 _PEAK_FIELDS = ("tf32_flops_per_s", "bf16_flops_per_s", "fp16_flops_per_s")
+
+
+def _check_name(name: object, kind: str) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"{kind}: name: must be a str, got {type(name).__name__}")
 
 
 def _check_positive(value: object, what: str) -> None:
