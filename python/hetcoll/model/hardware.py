@@ -318,16 +318,8 @@ class Node:
 
     def __post_init__(self) -> None:
         _check_name(self.name, "Node")
-        if not isinstance(self.device, Device):
-            raise TypeError(
-                f"Node {self.name!r}: device: must be a hetcoll.model.Device, got "
-                f"{type(self.device).__name__}"
-            )
-        if self.link is not None and not isinstance(self.link, Link):
-            raise TypeError(
-                f"Node {self.name!r}: link: must be a hetcoll.model.Link or None, got "
-                f"{type(self.link).__name__}"
-            )
+        _check_type(self.device, Device, f"Node {self.name!r}: device")
+        _check_type(self.link, Link, f"Node {self.name!r}: link", optional=True)
         if (
             not isinstance(self.count, int)
             or isinstance(self.count, bool)
@@ -361,16 +353,8 @@ class Cluster:
                 f"{type(self.nodes).__name__}"
             )
         for i, node in enumerate(self.nodes):
-            if not isinstance(node, Node):
-                raise TypeError(
-                    f"{self.source}: nodes[{i}]: must be a hetcoll.model.Node, got "
-                    f"{type(node).__name__}"
-                )
-        if self.network is not None and not isinstance(self.network, Link):
-            raise TypeError(
-                f"{self.source}: network: must be a hetcoll.model.Link or None, got "
-                f"{type(self.network).__name__}"
-            )
+            _check_type(node, Node, f"{self.source}: nodes[{i}]")
+        _check_type(self.network, Link, f"{self.source}: network", optional=True)
         if not self.nodes:
             raise ValueError(f"{self.source}: nodes: a cluster needs at least one node")
         if len(self.nodes) > 1 and self.network is None:
@@ -512,6 +496,12 @@ def _slowest(links: Sequence[Link | None]) -> Link:
 
 
 _PEAK_FIELDS = ("tf32_flops_per_s", "bf16_flops_per_s", "fp16_flops_per_s")
+
+
+def _check_type(value: object, kind: type, what: str, *, optional: bool = False) -> None:
+    if not isinstance(value, kind) and not (optional and value is None):
+        allowed = f"hetcoll.model.{kind.__name__}" + (" or None" if optional else "")
+        raise TypeError(f"{what}: must be a {allowed}, got {type(value).__name__}")
 
 
 def _check_name(name: object, kind: str) -> None:
