@@ -187,6 +187,25 @@ def test_item_weights_name_counts_of_another_form():
             item_weights(counts)  # type: ignore[arg-type]
 
 
+def test_item_weights_refuse_counts_no_local_count_makes():
+    """A caller's own array of counts is checked as a LocalCount checks one: a negative
+    count once weighed its rank negatively, and counts whose int64 sum wraps around weighed
+    them by 9e17."""
+    from hetcoll.torch import item_total, item_weights
+    from hetcoll.torch.batches import COUNTED
+
+    for counts, message in (
+        ([[COUNTED, -1], [COUNTED, 3]], r"^items: rank 0 counted -1 for this step"),
+        ([[COUNTED, 1], [COUNTED, -3]], r"^items: rank 1 counted -3 for this step"),
+        ([[COUNTED, 2**62]] * 4 + [[COUNTED, 5]], r"^items: rank 0 counted 2\*\*53 or more"),
+        ([[COUNTED, 2**52]] * 3, r"^items: the ranks counted \d+ items for this step together"),
+    ):
+        for weigh in (item_weights, item_total):
+            with pytest.raises(ValueError, match=message):
+                weigh(counts)
+    assert item_weights([[COUNTED, 0], [COUNTED, 2**52]]).tolist() == [0.0, 1.0]
+
+
 def test_remove_stops_counting():
     model = nn.Linear(4, 2)
     counter = BatchCounter(model)

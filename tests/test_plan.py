@@ -8,6 +8,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import plan_cases
 import pytest
@@ -16,7 +17,7 @@ import torchvision
 from torch import nn
 
 from hetcoll import Plan, launch
-from hetcoll.plan import Replica
+from hetcoll.plan import Replica, Stage
 from hetcoll.torch.layers import model_cut, model_layers
 from hetcoll.torch.parallel import schedule_order
 from hetcoll.torch.replay import probe_first_that_runs
@@ -141,6 +142,32 @@ def test_plan_methods_and_constructor_name_bad_arguments():
             Plan(replicas=replicas)
 
 
+def test_stages_built_in_code_name_their_bad_fields():
+    """A Stage or Replica made in code is checked as its dict form is (its fields of another
+    type raised AttributeError and TypeError inside to_dict, or were dropped silently)."""
+    whole = Stage((0, 1), (0, 3))
+    bad: Any = [1, 2]  # what the type hints refuse
+    for stage, text in (
+        (Stage((0, 1), (0, 3), shares=bad), r"stages\[0\].shares: must be a non-empty dict"),
+        (Stage((0, 1), (0, 3), owners=5), r"stages\[0\].owners: must be a non-empty dict"),  # type: ignore[arg-type]
+        (Stage((0,), bad[0]), r"stages\[0\].layers: must be a list, got int"),
+        (Stage("ab", (0, 3)), r"stages\[0\].ranks: must be a list, got str"),  # type: ignore[arg-type]
+        (Stage((0, 1), (0, 3), speeds=(1.0, 2**2000)), r"stages\[0\].speeds\[1\]: must be"),  # type: ignore[arg-type]
+        (
+            Stage((0, 1), (0, 3), shares={0: (1, 2)}, named_shares={"a": (1, 1)}),
+            r"^replicas\[0\].stages\[0\]: give shares \(by layer index\) or named_shares",
+        ),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=text):
+            Plan((Replica(4, (stage,)),))
+    with pytest.raises(ValueError, match=r"plan.replicas\[0\].samples: must be an integer >= 1"):
+        Plan((Replica(-3, (whole,)),))
+    with pytest.raises(ValueError, match=r"^plan.experts: must be a list, got int"):
+        Plan((Replica(4, (Stage((0,), (0, 3)),)),), experts=5)  # type: ignore[arg-type]
+    split = Plan((Replica(4, (Stage((0, 1), (0, 3), shares={0: (1, 2)}),)),))
+    assert split.to_dict()["replicas"][0]["stages"][0]["shares"] == {"0": [1, 2]}
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -260,6 +287,23 @@ def test_plan_methods_and_constructor_name_bad_arguments():
         (
             {"replicas": [{"samples": 2, "stages": [{"ranks": [-1], "layers": [0, 2]}]}]},
             r"ranks\[0\]",
+        ),
+        (
+            {
+                "replicas": [
+                    {
+                        "samples": 2,
+                        "stages": [
+                            {
+                                "ranks": [0, 1],
+                                "layers": [0, 2],
+                                "shares": {"0": [1, 2], " 0": [2, 1]},
+                            }
+                        ],
+                    }
+                ]
+            },
+            r"shares\[' 0'\]: names layer 0 twice",
         ),
     ],
 )
@@ -417,3 +461,25 @@ def test_a_forward_reading_a_block_it_does_not_call_says_what_to_do():
     # With example inputs that module is no block: every stage holds its weight.
     losses = launch.spawn(plan_cases.reads_a_block, 2, True, timeout=120)
     assert losses[0] == losses[1]
+
+
+def test_launchers_name_bad_arguments_before_starting_anything():
+    def nothing(rank: int, world: int) -> None:
+        return None
+
+    odd: Any = None  # what the type hints refuse
+    for timeout in (float("nan"), float("inf"), -1, 0, True, odd, "5"):
+        with pytest.raises(ValueError, match=r"^timeout: must be a finite number of seconds > 0"):
+            launch.spawn(nothing, 1, timeout=timeout)
+        with pytest.raises(ValueError, match=r"^timeout: must be a finite number of seconds > 0"):
+            launch.mpiexec(1, ["x.py"], timeout=timeout)
+    with pytest.raises(ValueError, match=r"^world_size: must be an integer >= 1, got True"):
+        launch.spawn(nothing, True)
+    with pytest.raises(ValueError, match=r"^nprocs: must be an integer >= 1, got True"):
+        launch.mpiexec(True, ["x.py"])
+    with pytest.raises(TypeError, match=r"^argv: must be a list of str .*got 'x.py'"):
+        launch.mpiexec(2, "x.py")  # once split into "x", ".", "p", "y"
+    with pytest.raises(TypeError, match=r"^argv\[1\]: must be a str or a path, got int"):
+        launch.mpiexec(2, ["x.py", 3])
+    with pytest.raises(TypeError, match=r"^env: must be a dict of str to str"):
+        launch.mpiexec(2, ["x.py"], env={"A": 1})

@@ -134,6 +134,8 @@ def _other_cut() -> dict:
         ({**cases.BY_SPEED, "experts": [[0], ["a"], []]}, r"plan.experts\[1\]\[0\]: must be an"),
         ({**cases.BY_SPEED, "experts": [0, 0, 0]}, "plan.experts: places no expert"),
         ({**cases.BY_SPEED, "experts": [3, -1, 2]}, r"plan.experts\[1\]: must be an integer >= 0"),
+        # Counts are listed expert by expert: a file of a few bytes once filled the memory.
+        ({**cases.BY_SPEED, "experts": [10**12, 0, 0]}, r"more than 16777216 \(MAX_EXPERTS\)"),
         ({**cases.BY_SPEED, "experts": {}}, "plan.experts: must name at least one"),
         ({**cases.BY_SPEED, "experts": {" x": [1, 1, 1]}}, "must be an experts module's path"),
         ({**cases.BY_SPEED, "experts": {"x": [1, 1]}}, r"plan.experts\['x'\]: needs one entry"),

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -198,6 +198,16 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def _check_timeout(timeout: object) -> None:
+    """``timeout``: a finite number of seconds > 0; ``ValueError`` naming it otherwise."""
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 < timeout <= sys.float_info.max
+    ):
+        raise ValueError(f"timeout: must be a finite number of seconds > 0, got {timeout!r}")
+
+
 def spawn(
     fn: Callable[..., Any],
     world_size: int,
@@ -227,10 +237,9 @@ def spawn(
     """
     import torch.multiprocessing as mp
 
-    if not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: must be an integer >= 1, got {world_size!r}")
-    if timeout <= 0:
-        raise ValueError(f"timeout: must be > 0 seconds, got {timeout!r}")
+    _check_timeout(timeout)
     if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int):
         raise TypeError(f"threads_per_rank: must be an integer >= 1, got {threads_per_rank!r}")
     if threads_per_rank < 1:
@@ -388,15 +397,26 @@ def mpiexec(
     With more ranks than this machine's cores, MPICH's waiting ranks yield their core instead
     of spinning on it (:data:`OVERSUBSCRIBED_MPICH`, unless the environment or ``env`` sets
     those variables): a spinning rank takes the core of the rank it waits for."""
-    if not isinstance(nprocs, int) or nprocs < 1:
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs: must be an integer >= 1, got {nprocs!r}")
+    if isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence):
+        raise TypeError(f"argv: must be a list of str (the script and its arguments), got {argv!r}")
+    for i, a in enumerate(argv):
+        if not isinstance(a, (str, os.PathLike)):
+            raise TypeError(f"argv[{i}]: must be a str or a path, got {type(a).__name__}")
+    _check_timeout(timeout)
+    if env is not None and (
+        not isinstance(env, Mapping)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    ):
+        raise TypeError(f"env: must be a dict of str to str, got {env!r}")
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", "1")
     if nprocs > (os.cpu_count() or 1):
         for name, value in OVERSUBSCRIBED_MPICH.items():
             full_env.setdefault(name, value)
     full_env.update(env or {})
-    cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, *argv]
+    cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, *map(os.fspath, argv)]
     try:
         proc = subprocess.run(
             cmd,

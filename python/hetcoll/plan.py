@@ -44,9 +44,9 @@ A plan is plain data, versioned and JSON-serialisable. Its dictionary form::
 from __future__ import annotations
 
 import json
-import math
 import numbers
 import os
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -55,6 +55,7 @@ VERSION = 1
 SCHEDULES = ("GPipe", "1F1B")
 
 __all__ = [
+    "MAX_EXPERTS",
     "SCHEDULES",
     "VERSION",
     "ExpertsHeld",
@@ -164,7 +165,7 @@ class Stage:
                 if (
                     isinstance(s, bool)
                     or not isinstance(s, (int, float))
-                    or not math.isfinite(s)
+                    or not s <= sys.float_info.max  # inf, NaN, and an int past it (2**2000)
                     or s <= 0
                 ):
                     raise ValueError(f"{where}.speeds[{i}]: must be a finite number > 0, got {s!r}")
@@ -194,6 +195,8 @@ class Stage:
                     layer: Any = key
                 else:
                     layer = _layer_key(key, w, lo, hi)
+                if layer in table:  # "0" and " 0" both read as layer 0
+                    raise ValueError(f"{w}: names layer {layer} twice")
                 values = _list(per_rank, w)
                 if len(values) != len(ranks):
                     raise ValueError(f"{w}: needs one share per rank ({len(ranks)})")
@@ -224,20 +227,37 @@ class Stage:
         return cls(tuple(ranks), (lo, hi), speeds, shares, owners, empty, named, split_loss)
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"ranks": list(self.ranks), "layers": list(self.layers)}
+        d: dict[str, Any] = {"ranks": _listed(self.ranks), "layers": _listed(self.layers)}
         if self.speeds is not None:
-            d["speeds"] = list(self.speeds)
+            d["speeds"] = _listed(self.speeds)
         if self.shares is not None:
-            d["shares"] = {str(k): list(v) for k, v in sorted(self.shares.items())}
+            d["shares"] = _by_layer(self.shares)
         if self.named_shares is not None:
-            d["shares"] = {k: list(v) for k, v in self.named_shares.items()}
+            d["shares"] = _by_layer(self.named_shares)
         if self.owners is not None:
-            d["owners"] = {str(k): list(v) for k, v in sorted(self.owners.items())}
+            d["owners"] = _by_layer(self.owners)
         if self.empty_blocks:
             d["empty_blocks"] = True
         if self.loss_parallel:
             d["loss_parallel"] = True
         return d
+
+
+def _listed(value: Any) -> Any:
+    """A list of ``value``'s entries where it is a sequence, else ``value`` as it is: a
+    :class:`Stage` built in code writes what it holds, for :meth:`Stage.from_dict` to name
+    what is wrong with it."""
+    return list(value) if _is_list(value) else value
+
+
+def _by_layer(table: Any) -> Any:
+    """A per-layer dict as JSON writes it (layer-index keys as strings, in order), or
+    ``table`` as it is where it is no dict (:func:`_listed`)."""
+    if not isinstance(table, Mapping):
+        return table
+    if all(isinstance(k, int) for k in table):
+        return {str(k): _listed(v) for k, v in sorted(table.items())}
+    return {k: _listed(v) for k, v in table.items()}
 
 
 def _is_index(key: object) -> bool:
@@ -302,6 +322,12 @@ def _owner(value: object, where: str, num_ranks: int) -> int:
 ExpertsHeld = Sequence[int] | Sequence[Sequence[int]]
 
 
+#: The most experts one layer may have: far more than any mixture-of-experts layer holds (the
+#: largest published hold about a million); a larger count is a mistake, and placements list
+#: every expert's index (a count of 10**12 in a plan file would fill the host's memory).
+MAX_EXPERTS = 2**24
+
+
 def expert_indices(
     held: object,
     ranks: int,
@@ -327,6 +353,10 @@ def expert_indices(
     if all(_is_int(v) for v in listed):
         counts = [_int(v, f"{where}[{i}]", minimum=0) for i, v in enumerate(listed)]
         total = sum(counts)
+        if total > MAX_EXPERTS:  # before the indices are listed: a count of 10**12 in a file
+            raise ValueError(
+                f"{where}: places {total} experts, more than {MAX_EXPERTS} (MAX_EXPERTS)"
+            )
         if experts is not None and total != experts:
             raise ValueError(
                 f"{where}: must be {ranks} ints >= 0 summing to the {experts} experts, got "
@@ -657,6 +687,12 @@ def _check_objects(replicas: Sequence[Replica]) -> None:
     _objects(replicas, Replica, "replicas")
     for i, r in enumerate(replicas):
         _objects(r.stages, Stage, f"replicas[{i}].stages")
+        for j, stage in enumerate(r.stages):
+            if stage.shares is not None and stage.named_shares is not None:
+                raise ValueError(
+                    f"replicas[{i}].stages[{j}]: give shares (by layer index) or named_shares "
+                    "(by module path), not both"
+                )
 
 
 def _objects(value: object, kind: type, where: str) -> None:
@@ -708,8 +744,10 @@ def expert_form(held: Sequence[int] | Sequence[Sequence[int]]) -> list[Any]:
     return runs if runs is not None else [sorted(int(e) for e in h) for h in listed]
 
 
-def _plain(held: tuple[int, ...] | tuple[tuple[int, ...], ...]) -> list[Any]:
-    return [v if _is_int(v) else list(v) for v in held]  # type: ignore[arg-type]
+def _plain(held: tuple[int, ...] | tuple[tuple[int, ...], ...]) -> Any:
+    if not _is_list(held):  # a plan built in code: from_dict names what it is
+        return held
+    return [v if _is_int(v) else _listed(v) for v in held]
 
 
 def microbatch_sizes(samples: int, microbatches: int) -> list[int]:

@@ -508,9 +508,21 @@ def _checked(counts: Any, argument: str, failure: BaseException | None) -> np.nd
         raise TypeError(
             f"counts: must be the (ranks, 2) integers of every rank's LocalCount, got {counts!r}"
         ) from None
+    total = 0
     for rank, (status, value) in enumerate(counts.tolist()):
+        # A count given as counted is checked as LocalCount checks one: a caller's own array
+        # may hold a negative count, or counts whose int64 sum wraps around.
+        if status == COUNTED and value < 0:
+            status = NEGATIVE
+        elif status == COUNTED and value >= MAX_ITEMS:
+            status = TOO_LARGE
         if status != COUNTED:
             raise _problem(argument, rank, status, value) from failure
+        total += value
+    if total >= MAX_ITEMS:
+        raise ValueError(
+            f"{argument}: the ranks counted {total} items for this step together, 2**53 or more"
+        )
     return counts
 
 

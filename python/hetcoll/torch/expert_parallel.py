@@ -37,7 +37,7 @@ from torch import nn
 import hetcoll
 from hetcoll.collectives.autograd import exchanging
 from hetcoll.comm import Communicator, agree, deadline, wrap
-from hetcoll.plan import expert_indices, expert_runs
+from hetcoll.plan import MAX_EXPERTS, expert_indices, expert_runs
 from hetcoll.torch.filters.experts import LocalExperts, derived_class
 from hetcoll.torch.filters.layers import ChannelSplit
 from hetcoll.torch.filters.shards import guard_save_pretrained, track_optimizers
@@ -100,12 +100,6 @@ def experts_module(m: nn.Module) -> str | None:
     if list(m.buffers()):
         return "it holds buffers, which no rule here places by expert"
     return ""
-
-
-#: The most experts one layer may have here: far more than any mixture-of-experts layer holds
-#: (the largest published hold about a million); a larger count is a mistake, and the
-#: placements here list every expert's index.
-MAX_EXPERTS = 2**24
 
 
 def _check_experts(num_experts: object) -> int:
