@@ -290,6 +290,25 @@ def test_load_state_dict_rejects_bad_state():
         s.load_state_dict({**good, "shares": [3, 0]})
 
 
+def test_epochs_and_seeds_a_sampler_cannot_restore_or_seed_are_named():
+    """An epoch or seed the sampler could not read back from its own state, or seed a
+    torch.Generator with, is refused where it is given (a negative epoch once made
+    load_state_dict(state_dict()) raise, and 1.5 ran as epoch 1)."""
+    s = BalancedSampler(range(20), [3, 1], 0, verify=False)
+    for epoch in (-1, 1.5, "2", None, True, 2**62):
+        with pytest.raises(ValueError, match=r"^epoch: must be an integer in \[0, 2\*\*62\)"):
+            s.set_epoch(epoch)  # type: ignore[arg-type]
+    assert s.epoch == 0
+    s.set_epoch(2**62 - 1)
+    s.load_state_dict(s.state_dict())
+    assert s.epoch == 2**62 - 1 and len(list(s)) == 15  # 5 steps of its 3 samples
+    with pytest.raises(ValueError, match=r"^state\['epoch'\]: must be an integer in \[0, 2"):
+        s.load_state_dict({**s.state_dict(), "epoch": 2**62})
+    for seed in (2**63, -(2**63) - 1, 1.0):
+        with pytest.raises(ValueError, match=r"^seed: must be an integer in \[-2\*\*63, 2\*\*63\)"):
+            BalancedSampler(range(20), [3, 1], 0, seed=seed, verify=False)  # type: ignore[arg-type]
+
+
 def test_a_restored_position_holds_for_its_own_epoch_only():
     s = BalancedSampler(range(20), [3, 1], 0, seed=2, verify=False)
     s.set_epoch(1)

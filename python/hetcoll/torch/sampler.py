@@ -102,6 +102,10 @@ def _verify(
 
 #: The attribute of a DataLoader iterator that holds the :class:`_Progress` it counts into.
 _PROGRESS = "_hetcoll_sampler_progress"
+
+#: Epochs run from 0 below this (an epoch seeds its shuffle with ``seed + epoch``, which a
+#: torch.Generator takes below 2**64).
+MAX_EPOCH = 2**62
 #: Per DataLoader iterator type, its subclass whose ``__next__`` counts the batches it returns.
 _COUNTING: dict[type, type] = {}
 
@@ -378,8 +382,12 @@ class BalancedSampler(Sampler[int]):
                     f"rank: must be an integer in [0, {len(self.shares)}) (one share per rank), "
                     f"got {rank!r}"
                 )
-            if isinstance(seed, bool) or not hasattr(seed, "__index__"):
-                raise ValueError(f"seed: must be an integer, got {seed!r}")
+            if (
+                isinstance(seed, bool)
+                or not hasattr(seed, "__index__")
+                or not -(2**63) <= seed.__index__() < 2**63
+            ):  # each epoch seeds a torch.Generator with seed + epoch
+                raise ValueError(f"seed: must be an integer in [-2**63, 2**63), got {seed!r}")
             try:
                 self.num_samples_total = len(dataset)
             except TypeError as e:
@@ -558,11 +566,18 @@ class BalancedSampler(Sampler[int]):
         """Reseed the shuffle, as ``DistributedSampler.set_epoch``: call it on every rank. A
         position restored by :meth:`load_state_dict` holds for its own epoch only: setting
         another epoch starts that one from its beginning."""
-        if int(epoch) != self.epoch:
+        if (
+            isinstance(epoch, bool)
+            or not hasattr(epoch, "__index__")
+            or not 0 <= epoch.__index__() < MAX_EPOCH
+        ):  # what load_state_dict reads back, and a seed + epoch torch.Generator takes
+            raise ValueError(f"epoch: must be an integer in [0, 2**62), got {epoch!r}")
+        epoch = epoch.__index__()
+        if epoch != self.epoch:
             self._resume_at = 0
             self.position = 0
             self._progress = None
-        self.epoch = int(epoch)
+        self.epoch = epoch
 
     def set_shares(self, shares: Sequence[int]) -> None:
         """New per-rank batch sizes (call on every rank with the same values, e.g. from a
@@ -693,8 +708,8 @@ class BalancedSampler(Sampler[int]):
                 )
         shares = _validate_shares(state["shares"], "state['shares']")
         position, epoch = state["position"], state["epoch"]
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"state['epoch']: must be an integer >= 0, got {epoch!r}")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < MAX_EPOCH:
+            raise ValueError(f"state['epoch']: must be an integer in [0, 2**62), got {epoch!r}")
         if (
             isinstance(position, bool)
             or not isinstance(position, int)
