@@ -287,9 +287,22 @@ def test_the_callers_model_is_untouched_and_bad_arguments_are_named():
         ({"time_budget": 0}, "time_budget"),
         ({"warmup": -1}, "warmup"),
         ({"rtol": -1}, "rtol"),
+        # Sizes and counts of another type once ran truncated (2.5 as 2, True as 1).
+        ({"batch_sizes": (2.5, 4)}, r"^batch_sizes\[0\]: must be an integer >= 1, got 2.5"),
+        ({"batch_sizes": (True, 4)}, r"^batch_sizes\[0\]: must be an integer >= 1, got True"),
+        ({"batch_sizes": "24"}, r"^batch_sizes: must be positive integers, got '24'"),
+        ({"batch_sizes": ()}, r"^batch_sizes: must be positive integers, got none"),
+        ({"warmup": 1.5}, r"^warmup: must be an integer >= 0, got 1.5"),
+        ({"repeats": None}, r"^repeats: must be an integer >= 1, got None"),
+        ({"max_repeats": "9"}, r"^max_repeats: must be an integer >= 1"),
+        ({"rtol": "0.1"}, r"^rtol: must be a number >= 0"),
+        ({"time_budget": float("nan")}, r"^time_budget: must be a number of seconds > 0"),
+        ({"quantile": 1.0}, r"^quantile: must be in \(0, 1\), got 1.0"),
     ]:
         with pytest.raises(ValueError, match=name):
             measure_speed(*args, **kwargs)
+    with pytest.raises(TypeError, match=r"^model: must be a torch.nn.Module, got NoneType"):
+        measure_speed(None, *args[1:])  # type: ignore[arg-type]
 
 
 def test_cpu_memory_probe_counts_what_a_step_holds():

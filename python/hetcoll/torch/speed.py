@@ -329,19 +329,28 @@ def measure_speed(
     >>> fit = measure_speed(net, lambda b: (torch.randn(b, 4), torch.randn(b, 2)),
     ...                     nn.functional.mse_loss)  # doctest: +SKIP
     """
-    sizes = [int(b) for b in batch_sizes]
-    if len(sizes) < 1 or any(b < 1 for b in sizes):
-        raise ValueError(f"batch_sizes: must be positive integers, got {list(batch_sizes)}")
-    if warmup < 0:
-        raise ValueError(f"warmup: must be >= 0, got {warmup!r}")
-    if repeats < 1:
-        raise ValueError(f"repeats: must be >= 1, got {repeats!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence):
+        raise ValueError(f"batch_sizes: must be positive integers, got {batch_sizes!r}")
+    sizes = [_whole(b, f"batch_sizes[{i}]", 1) for i, b in enumerate(batch_sizes)]  # 2.5 ran as 2
+    if not sizes:
+        raise ValueError("batch_sizes: must be positive integers, got none")
+    _whole(warmup, "warmup", 0)
+    _whole(repeats, "repeats", 1)
+    _whole(max_repeats, "max_repeats", 1)
     if max_repeats < repeats:
         raise ValueError(f"max_repeats: must be >= repeats ({repeats}), got {max_repeats!r}")
-    if not rtol >= 0:
-        raise ValueError(f"rtol: must be >= 0, got {rtol!r}")
-    if time_budget is not None and not time_budget > 0:
+    if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not rtol >= 0:
+        raise ValueError(f"rtol: must be a number >= 0, got {rtol!r}")
+    if time_budget is not None and (
+        isinstance(time_budget, bool)
+        or not isinstance(time_budget, (int, float))
+        or not time_budget > 0
+    ):
         raise ValueError(f"time_budget: must be a number of seconds > 0 or None, got {time_budget}")
+    if isinstance(quantile, bool) or not isinstance(quantile, (int, float)) or not 0 < quantile < 1:
+        raise ValueError(f"quantile: must be in (0, 1), got {quantile!r}")
     if optimizer is not None and not callable(optimizer):
         raise TypeError(f"optimizer: must be a callable taking parameters, got {optimizer!r}")
     start = time.perf_counter()
@@ -471,6 +480,14 @@ def host_memory_per_rank() -> int:
             local = int(value)
             break
     return available // local
+
+
+def _whole(value: object, name: str, minimum: int) -> int:
+    """``value``, an integer >= ``minimum`` (a bool or a float is none); ``ValueError`` naming
+    ``name`` otherwise."""
+    if isinstance(value, bool) or not hasattr(value, "__index__") or value.__index__() < minimum:
+        raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
+    return int(value.__index__())
 
 
 def _precise(timings: Sequence[tuple[int, float]], rtol: float, quantile: float) -> bool:
