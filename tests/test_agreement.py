@@ -55,8 +55,8 @@ EXPECTED = {
         "ValueError: algorithm: must be one of",
     ),
     "gather_segment": (
-        MISMATCH + "rank 1 raised ValueError: segment_bytes: must be an integer >= 1",
-        "ValueError: segment_bytes: must be an integer >= 1",
+        MISMATCH + "rank 1 raised ValueError: segment_bytes: must be an integer in [1, 2**62) or None",
+        "ValueError: segment_bytes: must be an integer in [1, 2**62) or None",
     ),
     "gather_meta": (
         MISMATCH + "rank 1 raised ValueError: local: a meta tensor holds no values",

@@ -346,3 +346,44 @@ def test_a_bad_timeout_on_one_rank_raises_on_every_rank():
         ), (name, per_rank[0][name])
         assert per_rank[1][name] == own, (name, per_rank[1][name])
     assert [o["after"] for o in per_rank] == [[3.0, 3.0]] * 2
+
+
+def _numbers_past_int64_and_float(rank: int, world: int) -> dict[str, str]:
+    """Each call's outcome on a one-rank gloo group: its error, or "ok"."""
+    from hetcoll.comm import agree, wrap
+
+    x = np.ones(4)
+    calls = {
+        "weight": lambda: hetcoll.allreduce(x, None, weight=2**1100),
+        "segment_bytes": lambda: hetcoll.allreduce(x, None, segment_bytes=2**70),
+        "timeout": lambda: hetcoll.allreduce(x, None, timeout=2**2000),
+        "agree": lambda: agree(wrap(None), {"length": 2**70}),
+        "agree_type": lambda: agree(wrap(None), {"length": "4"}),  # type: ignore[dict-item]
+        "scale": lambda: hetcoll.fusion.pack([x], scale=2**1100),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "ok"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {str(e)[:60]}"
+    return out
+
+
+@pytest.mark.multiproc
+def test_numbers_past_int64_and_float_are_named_not_overflowed():
+    """Integers too large for an int64 or a float once raised OverflowError from numpy or
+    float() inside the collectives; a timeout past float's range is no limit, as inf is."""
+    (got,) = launch.spawn(_numbers_past_int64_and_float, 1, timeout=60)
+    expected = {
+        "weight": "ValueError: weight: must be finite, got 13582985",
+        "segment_bytes": "ValueError: segment_bytes: must be an integer in [1, 2**62) or None",
+        "timeout": "ok",
+        "agree": "ValueError: fields['length']: must fit in 64 bits, got 11805916",
+        "agree_type": "TypeError: fields['length']: must be an integer, got '4'",
+        "scale": "ValueError: scale: must be finite, got 13582985",
+    }
+    assert got.keys() == expected.keys()
+    for name, want in expected.items():
+        assert got[name].startswith(want), (name, got[name])

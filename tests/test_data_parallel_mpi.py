@@ -107,8 +107,9 @@ def test_mpi_optimizer_with_items_trains_a_padded_lm_as_one_process(world):
 OPTIMIZER_ONE_RANK = {
     "fusion_bytes": (
         {"fusion_bytes": 0},
-        "CollectiveMismatchError: rank 1 raised ValueError: fusion_bytes: must be >= 1, got 0",
-        "ValueError: fusion_bytes: must be >= 1, got 0",
+        "CollectiveMismatchError: rank 1 raised ValueError: fusion_bytes: must be a number in "
+        "[1, 2**62), got 0",
+        "ValueError: fusion_bytes: must be a number in [1, 2**62), got 0",
     ),
     "batch_dim": (
         {"batch_dim": -1},

@@ -42,9 +42,12 @@ Array = TypeVar("Array")
 def _scale(scale: object) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
         raise TypeError(f"scale: must be a number, got {type(scale).__name__}")
-    value = float(scale)
+    try:
+        value = float(scale)
+    except OverflowError:  # an int past float's range (2**1100)
+        value = math.inf
     if not math.isfinite(value):
-        raise ValueError(f"scale: must be finite, got {value}")
+        raise ValueError(f"scale: must be finite, got {scale!r}")
     return value
 
 

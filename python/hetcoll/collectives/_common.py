@@ -46,12 +46,28 @@ def _kind(view: np.ndarray, bf16: bool) -> str:
     return name
 
 
+def _segment_bytes(segment_bytes: object) -> None:
+    """The collectives' ``segment_bytes``: an integer that an agreement's int64 carries, or
+    None; ``ValueError`` naming it otherwise."""
+    if segment_bytes is not None and (
+        isinstance(segment_bytes, bool)
+        or not isinstance(segment_bytes, int)
+        or not 1 <= segment_bytes < 2**62
+    ):
+        raise ValueError(
+            f"segment_bytes: must be an integer in [1, 2**62) or None, got {segment_bytes!r}"
+        )
+
+
 def _weight(weight: object) -> float:
     if isinstance(weight, bool) or not isinstance(weight, (int, float, np.floating, np.integer)):
         raise TypeError(f"weight: must be a number, got {type(weight).__name__}")
-    w = float(weight)
+    try:
+        w = float(weight)
+    except OverflowError:  # an int past float's range (2**1100)
+        w = math.inf
     if not math.isfinite(w):
-        raise ValueError(f"weight: must be finite, got {w}")
+        raise ValueError(f"weight: must be finite, got {weight!r}")
     return w
 
 

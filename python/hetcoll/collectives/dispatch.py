@@ -21,6 +21,7 @@ from hetcoll.collectives._common import (
     ArrayT,
     _counts,
     _kind,
+    _segment_bytes,
     _weight,
 )
 from hetcoll.collectives._header import _inline_words
@@ -174,10 +175,7 @@ def _local_arguments(
     """allreduce's checks that need no other rank: ``buf`` as a flat view, whether it is
     bfloat16, its kind, and the weight; raises the argument's error."""
     w = _weight(weight)
-    if segment_bytes is not None and (
-        isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1
-    ):
-        raise ValueError(f"segment_bytes: must be an integer >= 1 or None, got {segment_bytes!r}")
+    _segment_bytes(segment_bytes)
     if tracked_by_autograd(buf):  # kernels.check_writable's rule, as a ValueError told to all
         raise ValueError(
             "buf: requires grad; allreduce writes it in place and is not differentiable "

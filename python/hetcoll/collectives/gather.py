@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from hetcoll.collectives import _tuning
-from hetcoll.collectives._common import _NO_SHARED, ALGORITHMS, ArrayT
+from hetcoll.collectives._common import _NO_SHARED, ALGORITHMS, ArrayT, _segment_bytes
 from hetcoll.collectives._header import FAILED, NO_OUT, _exchange_shapes, _PeerFailed
 from hetcoll.collectives.device import _allgatherv_device, stage_on_host
 from hetcoll.collectives.direct import _direct_allgather
@@ -81,14 +81,7 @@ def allgatherv(
             raise bad_timeout
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
-        if segment_bytes is not None and (
-            isinstance(segment_bytes, bool)
-            or not isinstance(segment_bytes, int)
-            or segment_bytes < 1
-        ):
-            raise ValueError(
-                f"segment_bytes: must be an integer >= 1 or None, got {segment_bytes!r}"
-            )
+        _segment_bytes(segment_bytes)
     except (TypeError, ValueError) as e:
         failure, algorithm, segment_bytes = e, "auto", None
     result, _ = _gather(local, group, deadline, algorithm, segment_bytes, out, failure)

@@ -21,7 +21,19 @@ _OK, _FAILED = 0, 1
 
 def _digest(fields: Mapping[str, int]) -> int:
     """A 63-bit fingerprint of the field names and values, in order (blake2b, one pass)."""
-    key = "\0".join(fields).encode() + np.array(list(fields.values()), np.int64).tobytes()
+    try:
+        raw = np.asarray(list(fields.values()))
+        if raw.size and raw.dtype.kind not in "biuf":  # strings, or ints past 64 bits (objects)
+            raise TypeError(raw.dtype)
+        values = raw.astype(np.int64)
+    except (OverflowError, TypeError, ValueError):
+        for name, value in fields.items():
+            if not isinstance(value, (int, float, np.number)):
+                raise TypeError(f"fields[{name!r}]: must be an integer, got {value!r}") from None
+            if isinstance(value, int) and not -(2**63) <= value < 2**63:
+                raise ValueError(f"fields[{name!r}]: must fit in 64 bits, got {value!r}") from None
+        raise
+    key = "\0".join(fields).encode() + values.tobytes()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 

@@ -4,7 +4,7 @@ point-to-point, allreduce SUM, allgathers, reduce-scatter), :class:`Request`, th
 
 from __future__ import annotations
 
-import math
+import sys
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -153,6 +153,6 @@ def deadline(timeout: float | None) -> float | None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout: must be a number of seconds > 0 or None, got {timeout!r}")
-    if math.isinf(timeout):  # no limit; an infinite wait is what torch cannot represent
+    if timeout > sys.float_info.max:  # no limit (inf, or an int past float's range, 2**2000)
         return None
     return time.monotonic() + float(timeout)

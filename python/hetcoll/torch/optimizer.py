@@ -113,9 +113,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if (
             isinstance(fusion_bytes, bool)
             or not isinstance(fusion_bytes, (int, float, np.integer, np.floating))
-            or not fusion_bytes >= 1
+            or not 1 <= fusion_bytes < 2**62  # inf, NaN and 2**70 are no bucket size
         ):
-            self._bad_argument = ValueError(f"fusion_bytes: must be >= 1, got {fusion_bytes!r}")
+            self._bad_argument = ValueError(
+                f"fusion_bytes: must be a number in [1, 2**62), got {fusion_bytes!r}"
+            )
         items = items_argument(items)
         if items is not None and (local_batch is not None or model is not None):
             raise TypeError(
