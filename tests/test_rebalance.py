@@ -168,6 +168,13 @@ def test_bad_arguments_are_named():
         ({"capacity": [0, 20]}, r"capacity\[0\]"),
         ({"capacity": [20, 1], "minimum": 2}, r"capacity\[1\]"),
         ({"fits": [SpeedFit(0, 1.0)]}, "fits"),
+        # Of another type: they once raised TypeErrors from a comparison, naming nothing.
+        ({"smoothing": None}, r"^smoothing: must be in \(0, 1\], got None"),
+        ({"smoothing": "0.5"}, r"^smoothing: must be in \(0, 1\], got '0.5'"),
+        ({"threshold": "0"}, r"^threshold: must be a finite number >= 0"),
+        ({"threshold": float("inf")}, r"^threshold: must be a finite number >= 0"),
+        ({"drift": None}, r"^drift: must be in \[0, 1\), got None"),
+        ({"fits": 5}, r"^fits: needs one SpeedFit per rank \(2\), got 5"),
     ]:
         with pytest.raises(ValueError, match=name):
             Rebalancer(sampler, **kwargs)
@@ -177,6 +184,14 @@ def test_bad_arguments_are_named():
     reb = Rebalancer(sampler)
     with pytest.raises(ValueError, match="seconds"):
         reb.observe(8, float("nan"))
+    good = np.zeros((2, 8))
+    good[:, :4] = [8, 0.1, 0.001, 10]
+    for bad in (float("nan"), float("inf"), -1.0):
+        rows = good.copy()
+        rows[1, 1] = bad  # NaN reached int(), inf overflowed, a negative time was taken in
+        with pytest.raises(ValueError, match=r"^rows: must be finite numbers >= 0"):
+            reb.update(rows)
+    assert reb.update(good) is False  # equal speeds: the shares stay
     for seconds in ("1.0", True, None, torch.tensor([1.0, 2.0])):
         with pytest.raises(ValueError, match=r"^seconds: must be a finite number"):
             reb.observe(8, seconds)

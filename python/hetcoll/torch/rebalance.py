@@ -29,6 +29,7 @@ decision, because it decides on the same gathered data.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -175,6 +176,11 @@ def _capacities(
     return caps
 
 
+def _number(value: object) -> bool:
+    """Whether ``value`` is a real number a comparison can check (a bool is none)."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
+
+
 class Rebalancer:
     """Re-solve the split every ``every`` steps from the step times the ranks observe.
 
@@ -218,11 +224,11 @@ class Rebalancer:
         if not isinstance(sampler, BalancedSampler):
             raise TypeError(f"sampler: must be a BalancedSampler, got {type(sampler).__name__}")
         every = every_argument(every, "every", optional=False)
-        if not 0.0 < smoothing <= 1.0:
+        if not _number(smoothing) or not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing: must be in (0, 1], got {smoothing!r}")
-        if not threshold >= 0.0:
-            raise ValueError(f"threshold: must be >= 0, got {threshold!r}")
-        if not 0.0 <= drift < 1.0:
+        if not _number(threshold) or not 0.0 <= threshold < math.inf:
+            raise ValueError(f"threshold: must be a finite number >= 0, got {threshold!r}")
+        if not _number(drift) or not 0.0 <= drift < 1.0:
             raise ValueError(f"drift: must be in [0, 1), got {drift!r}")
         if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 1:
             raise ValueError(f"minimum: must be an integer >= 1, got {minimum!r}")
@@ -231,6 +237,8 @@ class Rebalancer:
             group = sampler.group
         size = len(sampler.shares)
         if fits is not None:
+            if not isinstance(fits, Sequence) or isinstance(fits, (str, bytes)):
+                raise ValueError(f"fits: needs one SpeedFit per rank ({size}), got {fits!r}")
             fits = list(fits)
             if len(fits) != size or not all(isinstance(f, SpeedFit) for f in fits):
                 raise ValueError(f"fits: needs one SpeedFit per rank ({size})")
@@ -374,6 +382,9 @@ class Rebalancer:
         old = list(self.sampler.shares)
         if rows.shape != (len(old), _FIELDS):
             raise ValueError(f"rows: must have shape ({len(old)}, {_FIELDS}), got {rows.shape}")
+        if not np.isfinite(rows).all() or (rows < 0).any():
+            # window_summary's sizes, seconds and counts: NaN once reached int(), inf overflowed
+            raise ValueError(f"rows: must be finite numbers >= 0, got {rows.tolist()}")
         if self._models is None:
             if any(rows[i, 0] <= 0 or rows[i, 1] <= 0 for i in range(len(old))):
                 return False  # a rank ran no timed step yet: nothing to start from
