@@ -55,7 +55,7 @@ EXPECTED = {
         "ValueError: algorithm: must be one of",
     ),
     "gather_segment": (
-        MISMATCH + "rank 1 raised ValueError: segment_bytes: must be an integer in [1, 2**62) or None",
+        MISMATCH + "rank 1 raised ValueError: segment_bytes: must be an integer in [1, 2**62)",
         "ValueError: segment_bytes: must be an integer in [1, 2**62) or None",
     ),
     "gather_meta": (

@@ -509,3 +509,26 @@ def test_the_model_names_bad_placements(kwargs, text):
         predict(_costs(), _cluster(1e10, 1e10), **kwargs)
     with pytest.raises(ValueError, match="costs: the model holds no experts layer"):
         predict(_costs(tp.qwen2), _cluster(1e10, 1e10), [16, 16], [2, 2])
+
+
+@pytest.mark.parametrize(
+    ("name", "argument", "extra"),
+    [
+        ("broadcast_parameters", "module", ()),
+        ("gather_state_dict", "model", ()),
+        ("gather_gradients", "model", ()),
+        ("load_full_optimizer_state_dict", "model", (None, {})),
+        ("place_experts", "model", ()),
+        ("rank_local_parameters", "model", ()),
+        ("leave_to_ranks", "model", ()),
+        ("expert_loads", "model", ()),
+    ],
+)
+def test_model_helpers_given_no_module_name_it(name, argument, extra):
+    """None or another object where the model belongs once raised AttributeError from inside
+    (``.named_modules()`` of None)."""
+    import hetcoll.torch
+
+    for bad in (None, "model", [nn.Linear(2, 2)]):
+        with pytest.raises(TypeError, match=rf"^{argument}: must be a torch.nn.Module, got"):
+            getattr(hetcoll.torch, name)(bad, *extra)

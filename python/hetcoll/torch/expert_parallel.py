@@ -38,6 +38,7 @@ import hetcoll
 from hetcoll.collectives.autograd import exchanging
 from hetcoll.comm import Communicator, agree, deadline, wrap
 from hetcoll.plan import MAX_EXPERTS, expert_indices, expert_runs
+from hetcoll.torch.filters.checks import check_module
 from hetcoll.torch.filters.experts import LocalExperts, derived_class
 from hetcoll.torch.filters.layers import ChannelSplit
 from hetcoll.torch.filters.shards import guard_save_pretrained, track_optimizers
@@ -767,6 +768,7 @@ def leave_to_ranks(model: nn.Module) -> None:
     """Name ``model``'s rank-local parameters (:func:`rank_local_parameters`, relative to
     ``model``) among those a ``DistributedDataParallel`` wrapping ``model`` leaves alone
     (DDP's own ``_ddp_params_and_buffers_to_ignore``, kept with any already there)."""
+    check_module(model)
     own = rank_local_parameters(model)
     if own:
         ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
@@ -851,6 +853,7 @@ def expert_loads(model: nn.Module, *, timeout: float | None = None) -> dict[str,
     call (or the placement), by experts module name: ``expert_parallel(..., loads=...)``'s
     (or :func:`expert_shares`') argument for a placement by load. Collective over the
     experts' group (every rank calls it); the counts start again from zero."""
+    check_module(model)
     layers = _placed_layers(model)
     comm = layers[0][1].comm
     mine = np.concatenate([m.routed.numpy() for _, m in layers]).astype(np.int64)
@@ -891,6 +894,7 @@ def place_experts(
 
     >>> place_experts(model, opt, speeds=new_speeds, loads=expert_loads(model))  # doctest: +SKIP
     """
+    check_module(model)
     layers = _placed_layers(model)
     comm = layers[0][1].comm
     placed = agreed_placement(
@@ -1059,6 +1063,7 @@ def _move_experts(
 def rank_local_parameters(model: nn.Module) -> list[str]:
     """The names of ``model``'s parameters each rank holds its own part of (its experts): the
     data-parallel average must leave them alone."""
+    check_module(model)
     return [
         f"{name}.{n}" if name else n
         for name, m in model.named_modules()

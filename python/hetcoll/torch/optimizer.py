@@ -41,7 +41,7 @@ from hetcoll.torch.batches import (
     not_counted,
 )
 from hetcoll.torch.expert_parallel import is_rank_local
-from hetcoll.torch.filters.checks import is_int
+from hetcoll.torch.filters.checks import check_module, is_int
 from hetcoll.torch.filters.layers import split_modules
 
 _SUPPORTED = (torch.float32, torch.float64)
@@ -495,6 +495,7 @@ def broadcast_parameters(
     """Copy ``root``'s parameters and buffers to every rank of ``group`` (``root`` a rank of
     ``group``, as torch's ``group_src``; call before training;
     ``group`` as :class:`DistributedOptimizer` takes it, ``comm=`` its deprecated name)."""
+    check_module(module, "module")
     group = group_argument(group, "broadcast_parameters", comm=comm)
     c = wrap(group)
     tensors = [*module.parameters(), *module.buffers()]

@@ -21,6 +21,13 @@ def is_int(x: object) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
+def check_module(value: object, argument: str = "model") -> None:
+    """``value`` a torch module; ``TypeError`` naming ``argument`` otherwise (None once
+    reached ``.named_modules()`` inside, an AttributeError naming nothing)."""
+    if not isinstance(value, nn.Module):
+        raise TypeError(f"{argument}: must be a torch.nn.Module, got {type(value).__name__}")
+
+
 def check_shares(
     shares: object, total: int, size: int, argument: str, what: str, *, empty: bool = False
 ) -> list[int]:

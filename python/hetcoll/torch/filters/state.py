@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hetcoll.comm import Communicator, agree
-from hetcoll.torch.filters.checks import is_int
+from hetcoll.torch.filters.checks import check_module, is_int
 from hetcoll.torch.filters.layers import ChannelSplit, split_comms, split_runs, whole_positions
 from hetcoll.torch.filters.shards import hook_optimizer
 from hetcoll.torch.state_dicts import (
@@ -135,6 +135,7 @@ def gather_state_dict(model: nn.Module, *, dst: int | None = 0) -> dict[str, tor
     >>> full = gather_state_dict(model)  # doctest: +SKIP
     >>> unsplit.load_state_dict(full)  # on rank 0  # doctest: +SKIP
     """
+    check_module(model)
     return _gather(model, model.state_dict(), dst, "model")
 
 
@@ -144,6 +145,7 @@ def gather_gradients(model: nn.Module, *, dst: int | None = 0) -> dict[str, torc
 
     >>> grads = gather_gradients(model, dst=None)  # doctest: +SKIP
     """
+    check_module(model)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return _gather(model, grads, dst, "model")
 
@@ -291,6 +293,7 @@ def load_full_optimizer_state_dict(
 
     >>> load_full_optimizer_state_dict(model, opt, ckpt["optimizer"])  # doctest: +SKIP
     """
+    check_module(model)
     optimizer.load_state_dict(local_optimizer_state(model, optimizer, state_dict))
     hook_optimizer(optimizer)  # saved next through DCP, before any step: marked
 
