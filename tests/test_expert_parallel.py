@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 
 import numpy as np
@@ -346,13 +347,32 @@ def test_refined_placement_reaches_the_best_time_in_one_move():
             ValueError,
             "^loads: has no entry for 'e'",
         ),
-        (({"e": [1, 1]}, {"e": [1.0, "x"]}, [1.0, 1.0]), ValueError, "^loads: 'e' must be numbers"),
+        (({"e": [1, 1]}, {"e": [1.0, "x"]}, [1.0, 1.0]), ValueError, r"^loads\['e'\]: must be num"),
         (({"e": [1, 1]}, {"e": [1.0]}, [1.0, 1.0]), ValueError, "^loads: 'e' needs one entry"),
+        # NaN loads once priced the placement at 2 s, negative ones at 0; a str of speeds read
+        # each character as a rank's speed.
+        (({"e": [1, 1]}, {"e": [math.nan, 1]}, [1.0, 1.0]), ValueError, r"^loads\['e'\]: must be f"),
+        (({"e": [1, 1]}, {"e": [-1.0, 1.0]}, [1.0, 1.0]), ValueError, r"^loads\['e'\]: must be f"),
+        (({"e": [1, 1]}, {"e": [1.0, 1.0]}, "11"), ValueError, "^speeds: must be numbers"),
     ],
-)
+)  # fmt: skip
 def test_placement_time_names_bad_input(args, error, text):
     with pytest.raises(error, match=text):
         placement_time(*args)
+
+
+@pytest.mark.parametrize(
+    ("args", "text"),
+    [
+        (([[0], [1]], [1.0, 2.0], "11"), "^speeds: must be numbers, one per rank"),
+        (([[0], [1]], None, [1.0, 1.0]), "^loads: must be numbers, one per expert, got None"),
+        (([[0], [1]], [math.nan, 1.0], [1.0, 1.0]), "^loads: must be finite numbers >= 0"),
+        (([[0], [1]], [1.0], [1.0, 1.0]), r"^loads: needs one entry per expert \(2\)"),
+    ],
+)
+def test_refined_placement_names_bad_input(args, text):
+    with pytest.raises(ValueError, match=text):
+        refined_placement(*args)
 
 
 def test_experts_modules_are_found_in_hugging_face_models():

@@ -75,12 +75,28 @@ class ExpertRebalanceEvent:
     seconds: float = 0.0
 
 
+def _load_list(loads: object, argument: str) -> list[float]:
+    """``loads`` as floats, each finite and >= 0 (tokens routed to each expert); ``ValueError``
+    naming ``argument`` otherwise (NaN once priced a placement at 2 s, a negative load at 0)."""
+    try:
+        if isinstance(loads, (str, bytes, Mapping)):
+            raise TypeError(loads)
+        values = [float(x) for x in loads]  # type: ignore[attr-defined]
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{argument}: must be numbers, one per expert, got {loads!r}") from None
+    if not all(np.isfinite(values)) or (values and min(values) < 0):
+        raise ValueError(f"{argument}: must be finite numbers >= 0, one per expert, got {values}")
+    return values
+
+
 def _speed_list(speeds: object, size: int | None = None) -> list[float]:
     """``speeds`` as floats, each finite and >= 0, one per rank (``size`` of them where given);
     ``ValueError`` naming ``speeds`` otherwise."""
     try:
+        if isinstance(speeds, (str, bytes, Mapping)):  # "11" once read as two ranks' speeds
+            raise TypeError(speeds)
         values = [float(s) for s in speeds]  # type: ignore[attr-defined]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"speeds: must be numbers, one per rank, got {speeds!r}") from None
     per_rank = "per rank" if size is None else f"per rank ({size})"
     if (
@@ -113,10 +129,7 @@ def placement_time(
     for name, held in shares.items():
         if name not in loads:
             raise ValueError(f"loads: has no entry for {name!r}, which shares names")
-        try:
-            load = [float(x) for x in loads[name]]
-        except (TypeError, ValueError):
-            raise ValueError(f"loads: {name!r} must be numbers, one per expert") from None
+        load = _load_list(loads[name], f"loads[{name!r}]")
         placed = expert_indices(held, len(speeds), f"shares[{name!r}]", of="speed")
         experts = sum(map(len, placed))
         if len(load) != experts:
@@ -140,8 +153,10 @@ def refined_placement(
     ties to the lower expert and rank), until no step does (at most twice as many steps as
     experts): :func:`hetcoll.refine_items` (Rust). Few experts move, and the slowest rank's
     time never rises. ``capacity``: the most experts each rank may hold."""
+    speeds = _speed_list(speeds)
     placed = expert_indices(current, len(speeds), "current", of="speed")
     experts = sum(map(len, placed))
+    loads = _load_list(loads, "loads")
     if len(loads) != experts:
         raise ValueError(f"loads: needs one entry per expert ({experts}), got {len(loads)}")
     owner = [0] * experts
