@@ -351,7 +351,7 @@ def test_refined_placement_reaches_the_best_time_in_one_move():
         (({"e": [1, 1]}, {"e": [1.0]}, [1.0, 1.0]), ValueError, "^loads: 'e' needs one entry"),
         # NaN loads once priced the placement at 2 s, negative ones at 0; a str of speeds read
         # each character as a rank's speed.
-        (({"e": [1, 1]}, {"e": [math.nan, 1]}, [1.0, 1.0]), ValueError, r"^loads\['e'\]: must be f"),
+        (({"e": [1, 1]}, {"e": [math.nan, 1]}, [1, 1.0]), ValueError, r"^loads\['e'\]: must be f"),
         (({"e": [1, 1]}, {"e": [-1.0, 1.0]}, [1.0, 1.0]), ValueError, r"^loads\['e'\]: must be f"),
         (({"e": [1, 1]}, {"e": [1.0, 1.0]}, "11"), ValueError, "^speeds: must be numbers"),
     ],
