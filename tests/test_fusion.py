@@ -129,5 +129,11 @@ def test_bad_input_names_the_argument():
         fusion.unpack([1.0, 2.0, 3.0], [a])
     with pytest.raises(ValueError, match=r"arrays\[0\]: overlaps"):
         fusion.pack([a[:2]], out=a[1:])
+    frozen = np.zeros(3, np.float32)
+    frozen.flags.writeable = False  # once reported as overlapping flat
+    with pytest.raises(ValueError, match=r"^arrays\[1\]: is read-only; unpack writes into it"):
+        fusion.unpack(np.ones(6, np.float32), [np.zeros(3, np.float32), frozen])
+    with pytest.raises(ValueError, match=r"^scale: must be finite, got 1358"):
+        fusion.pack([a], scale=2**1100)
     with pytest.raises(TypeError, match=r"arrays\[1\]"):
         fusion.pack([torch.ones(2), torch.ones(2, dtype=torch.bfloat16)])

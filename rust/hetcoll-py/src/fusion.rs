@@ -1,7 +1,7 @@
 //! Bindings of `hetcoll_core::kernels::{pack, unpack}`: numpy buffers in, no copies, GIL released.
 
 use hetcoll_core::kernels::{self, Element};
-use numpy::{PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn};
+use numpy::{BorrowError, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn};
 use pyo3::prelude::*;
 
 use crate::buffers::{check_disjoint, kind, typed, with_kind, Span};
@@ -113,9 +113,10 @@ where
     let mut guards: Vec<PyReadwriteArrayDyn<'_, N>> = Vec::with_capacity(arrays.len());
     for (i, a) in typed_arrays.into_iter().enumerate() {
         let name = format!("arrays[{i}]");
-        let rw = a
-            .try_readwrite()
-            .map_err(|_| invalid(&name, "overlaps flat or another of arrays"))?;
+        let rw = a.try_readwrite().map_err(|e| match e {
+            BorrowError::NotWriteable => invalid(&name, "is read-only; unpack writes into it"),
+            _ => invalid(&name, "overlaps flat or another of arrays"),
+        })?;
         guards.push(rw);
     }
     let src = view(flat_ro.as_slice().map_err(|e| invalid("flat", e))?);
