@@ -483,3 +483,15 @@ def test_launchers_name_bad_arguments_before_starting_anything():
         launch.mpiexec(2, ["x.py", 3])
     with pytest.raises(TypeError, match=r"^env: must be a dict of str to str"):
         launch.mpiexec(2, ["x.py"], env={"A": 1})
+
+
+def test_experts_field_names_a_placement_that_is_none():
+    from hetcoll.plan import experts_field
+
+    assert experts_field({"a": [3, 1], "b": [[0, 1, 2], [3]]}) == [3, 1]
+    with pytest.raises(TypeError, match=r"^placed: must be a dict from experts module path"):
+        experts_field(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^placed\['a'\]\[0\]: must be an integer >= 0, got -1"):
+        experts_field({"a": [-1, 3]})
+    with pytest.raises(ValueError, match=r"^placed\['a'\]: must be a list, got int"):
+        experts_field({"a": 5})  # type: ignore[dict-item]

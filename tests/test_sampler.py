@@ -347,3 +347,8 @@ def test_taken_shares_are_those_of_the_step_taken_last():
     assert sampler.taken_shares() == [4, 4]
     sampler.load_state_dict({**state, "position": 8})
     assert sampler.taken_shares() == [2, 6]  # the restored shares, nothing taken yet
+
+
+def test_shares_as_a_dict_are_refused_not_read_by_their_keys():
+    with pytest.raises(ValueError, match=r"^shares: must be a sequence of positive integers"):
+        BalancedSampler(range(10), {0: 5, 1: 5}, 0, verify=False)  # type: ignore[arg-type]

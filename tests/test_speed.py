@@ -353,3 +353,12 @@ def test_host_memory_is_shared_among_the_nodes_ranks(monkeypatch):
     alone = host_memory_per_rank()
     monkeypatch.setenv("MPI_LOCALNRANKS", "4")
     assert 0 < host_memory_per_rank() <= alone // 4 * 1.5  # available memory moves a little
+
+
+def test_a_fit_predicts_only_at_a_batch_it_can_run():
+    fit = SpeedFit(0.001, 100.0)
+    assert fit.predict(4) == pytest.approx(0.041) and fit.predict(np.int64(4)) == fit.predict(4)
+    for bad in (-5, float("nan"), float("inf"), "3", None, True):
+        for predict in (fit.predict, fit.predict_se):
+            with pytest.raises(ValueError, match=r"^batch_size: must be a finite number >= 0"):
+                predict(bad)  # type: ignore[arg-type]

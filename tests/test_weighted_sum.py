@@ -186,3 +186,9 @@ def test_ranks_on_one_node_share_its_cores(var):
         assert _threads_in_fresh_process(**{var: str(ranks)}) == max(1, alone // ranks)
     assert _threads_in_fresh_process(**{var: "2", "HETCOLL_NUM_THREADS": "3"}) == 3
     assert _threads_in_fresh_process(**{var: "not a number"}) == alone
+
+
+def test_no_sequence_of_arrays_is_named():
+    for bad in (None, 3, 2.5):
+        with pytest.raises(TypeError, match=r"^arrays: must be a sequence of arrays, got"):
+            hetcoll.weighted_sum(bad, [1.0])  # type: ignore[arg-type]

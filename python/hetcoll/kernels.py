@@ -121,6 +121,8 @@ def weighted_sum(
     """
     if isinstance(arrays, (np.ndarray, str, bytes)) or is_tensor(arrays):
         raise TypeError("arrays: must be a sequence of arrays, not a single array")
+    if not hasattr(arrays, "__iter__"):
+        raise TypeError(f"arrays: must be a sequence of arrays, got {type(arrays).__name__}")
     arrays = list(arrays)
     if not arrays:
         raise ValueError("arrays: must hold at least one array")

@@ -722,7 +722,13 @@ def experts_field(
     >>> experts_field({"a": [[0, 2], [1]]})
     [[0, 2], [1]]
     """
-
+    if not isinstance(placed, Mapping):
+        raise TypeError(
+            f"placed: must be a dict from experts module path to its placement, got "
+            f"{type(placed).__name__}"
+        )
+    for path, held in placed.items():  # counts >= 0 placing some expert, or indices
+        expert_indices(held, len(_list(held, f"placed[{path!r}]")), f"placed[{path!r}]")
     forms = {path: expert_form(held) for path, held in placed.items()}
     alike = {repr(f) for f in forms.values()}
     if len(alike) == 1:

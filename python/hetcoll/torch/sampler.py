@@ -46,7 +46,7 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import FrameType
 from typing import Any
 
@@ -65,7 +65,8 @@ def _positive_int(value: Any, argument: str) -> int:
 
 
 def _validate_shares(shares: Sequence[int], argument: str = "shares") -> list[int]:
-    if isinstance(shares, (str, bytes)) or not hasattr(shares, "__iter__"):
+    if isinstance(shares, (str, bytes, Mapping)) or not hasattr(shares, "__iter__"):
+        # a dict's keys once read as the shares
         raise ValueError(f"{argument}: must be a sequence of positive integers, got {shares!r}")
     out = [_positive_int(s, f"{argument}[{i}]") for i, s in enumerate(shares)]
     if not out:

@@ -130,13 +130,21 @@ class SpeedFit:
 
     def predict(self, batch_size: int) -> float:
         """Predicted seconds per step at ``batch_size``."""
-        return self.latency_s + batch_size / self.samples_per_s
+        return self.latency_s + _batch(batch_size) / self.samples_per_s
 
     def predict_se(self, batch_size: int) -> float:
         """Standard error of :meth:`predict` at ``batch_size``."""
         va, cac, vc = self.covariance
-        b = float(batch_size)
+        b = float(_batch(batch_size))
         return math.sqrt(max(va + 2 * b * cac + b * b * vc, 0.0))
+
+
+def _batch(batch_size: object) -> float:
+    """``batch_size``, a finite number >= 0 (a prediction at -5 samples was a negative time);
+    ``ValueError`` naming it otherwise."""
+    if not _is_number(batch_size) or not 0 <= batch_size < math.inf:  # type: ignore[operator]
+        raise ValueError(f"batch_size: must be a finite number >= 0, got {batch_size!r}")
+    return batch_size  # type: ignore[return-value]
 
 
 def _is_number(x: object) -> bool:
