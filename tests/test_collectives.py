@@ -387,3 +387,13 @@ def test_numbers_past_int64_and_float_are_named_not_overflowed():
     assert got.keys() == expected.keys()
     for name, want in expected.items():
         assert got[name].startswith(want), (name, got[name])
+
+
+def test_speeds_that_are_no_list_are_named():
+    """A dict's keys were read as the speeds; an int raised "has no len()"."""
+    from hetcoll.collectives._common import _counts
+
+    assert _counts(10, 2, [1.0, 2.0]) == _counts(10, 2, np.array([1.0, 2.0])) == [3, 7]
+    for bad in (5, {0: 1.0, 1: 2.0}, "12"):
+        with pytest.raises(ValueError, match=r"^speeds: must be a sequence of numbers, one per"):
+            _counts(10, 2, bad)  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -74,6 +74,9 @@ def _weight(weight: object) -> float:
 def _counts(n: int, p: int, speeds: Sequence[float] | None) -> list[int]:
     if speeds is None:
         return _core.split(n, [1.0] * p)
+    if isinstance(speeds, (str, bytes, Mapping)) or not hasattr(speeds, "__len__"):
+        # a dict's keys were read as the speeds; 5 raised "has no len()"
+        raise ValueError(f"speeds: must be a sequence of numbers, one per rank, got {speeds!r}")
     if len(speeds) != p:
         raise ValueError(f"speeds: has {len(speeds)} entries but the communicator has {p} ranks")
     return _core.split(n, speeds)
