@@ -176,3 +176,21 @@ def test_timeout_inf_is_no_limit_and_bad_timeouts_name_the_argument():
     for bad in (0, -1.0, float("nan"), "5", True):
         with pytest.raises(ValueError, match="timeout"):
             deadline(bad)
+
+
+def test_agreement_helpers_name_what_is_no_communicator():
+    """None where a Communicator belongs once raised AttributeError ('.size', '.native',
+    '.Get_rank'); rows of the wrong shape an IndexError."""
+    from hetcoll import comm
+
+    for call, text in (
+        (lambda: comm.agree(None, {}), r"^comm: must be a hetcoll.comm.Communicator"),
+        (lambda: comm.start_agreement(3, {}), r"^comm: must be a hetcoll.comm.Communicator"),
+        (lambda: comm.same_processes(None, None), r"^a: must be a hetcoll.comm.Communicator"),
+        (lambda: comm.MpiCommunicator(None), r"^comm: must be an mpi4py communicator"),
+    ):
+        with pytest.raises(TypeError, match=text):
+            call()
+    with pytest.raises(ValueError, match=r"^rows: must be one row per rank of 2 values"):
+        comm.same_rows(["a", "b"], [[1], [1]])
+    comm.same_rows(["a"], [[1], [1]])  # the same on every rank: no error

@@ -37,6 +37,14 @@ def _digest(fields: Mapping[str, int]) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
+def _check_comm(comm: object) -> None:
+    if not isinstance(comm, Communicator):
+        raise TypeError(
+            "comm: must be a hetcoll.comm.Communicator (hetcoll.comm.wrap(group) makes one), "
+            f"got {type(comm).__name__}"
+        )
+
+
 def _first_round(
     fields: Mapping[str, int], failure: BaseException | None, values: Sequence[int] | np.ndarray
 ) -> np.ndarray:
@@ -72,6 +80,7 @@ def agree(
 
     ``deadline``: a :func:`time.monotonic` value (see :func:`deadline`), or None.
     """
+    _check_comm(comm)
     mine = _first_round(fields, failure, values)
     if comm.size == 1:
         if failure is not None:
@@ -88,6 +97,7 @@ def start_agreement(comm: Communicator, fields: Mapping[str, int]) -> Callable[[
     communicate on ``comm``, until it has called it. On NCCL, whose gathers move device memory,
     the check runs at once and the function has nothing left to do; a rank alone has no one to
     agree with (as in :func:`agree`): nothing is sent."""
+    _check_comm(comm)
     if comm.size == 1:
         return lambda: None
     if comm.engine == "nccl":
@@ -152,6 +162,12 @@ def _allgather_bytes(comm: Communicator, data: bytes, deadline: float | None) ->
 def same_rows(names: Sequence[str], rows: np.ndarray) -> None:
     """Raise :class:`~hetcoll.CollectiveMismatchError` unless column ``j`` of ``rows`` (one row
     per rank), field ``names[j]``, is the same on every rank."""
+    rows = np.asarray(rows)
+    if rows.ndim != 2 or rows.shape[1] != len(names):
+        raise ValueError(
+            f"rows: must be one row per rank of {len(names)} values (one per name), got shape "
+            f"{rows.shape}"
+        )
     for j, name in enumerate(names):
         column = rows[:, j]
         if (column != column[0]).any():

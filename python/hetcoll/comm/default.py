@@ -171,6 +171,9 @@ def is_group(x: object) -> bool:
 def same_processes(a: Communicator, b: Communicator) -> bool:
     """Whether ``a`` and ``b`` hold the same processes in the same rank order (their engines'
     groups may be distinct objects: a group made twice over the same ranks). Local."""
+    for name, c in (("a", a), ("b", b)):
+        if not isinstance(c, Communicator):
+            raise TypeError(f"{name}: must be a hetcoll.comm.Communicator, got {type(c).__name__}")
     if a.native is b.native:
         return True
     if a.engine == "mpi" or b.engine == "mpi":

@@ -135,6 +135,8 @@ class MpiCommunicator(Communicator):
     """A :class:`Communicator` over an mpi4py ``Comm`` (intracommunicator)."""
 
     def __init__(self, comm: Any) -> None:
+        if not all(hasattr(comm, m) for m in ("Get_rank", "Get_size", "Allgather")):
+            raise TypeError(f"comm: must be an mpi4py communicator, got {type(comm).__name__}")
         self.native = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
