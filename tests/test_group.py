@@ -357,3 +357,15 @@ def test_a_rank_outside_the_group_is_told_so(no_engine):
         hetcoll.allreduce(np.ones(2), group=dist.GroupMember.NON_GROUP_MEMBER)
     with pytest.raises(ValueError, match=r"^group: this rank is not a member of the group"):
         BalancedSampler(range(4), [2, 2], 0, group=dist.GroupMember.NON_GROUP_MEMBER)
+
+
+def test_what_is_no_group_is_named_where_it_is_given():
+    """A str group was held by a sampler that never verifies, and by a hook state that wraps
+    its group at the first step only."""
+    from hetcoll.torch import BalancedSampler
+
+    text = r"^group: must be an mpi4py communicator, a torch.distributed ProcessGroup, None or"
+    with pytest.raises(TypeError, match=text):
+        BalancedSampler(range(10), [5, 5], 0, verify=False, group="abc")
+    with pytest.raises(TypeError, match=text):
+        WeightedAllreduceState("abc", 1)

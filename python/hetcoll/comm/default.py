@@ -147,7 +147,11 @@ def wrap(x: Any = None) -> Communicator:
         if not torch_dist.is_initialized():
             raise ValueError("group: torch.distributed is not initialised (init_process_group)")
         return _torch_communicator(x)
-    raise TypeError(
+    raise _not_a_group(x)
+
+
+def _not_a_group(x: object) -> TypeError:
+    return TypeError(
         "group: must be an mpi4py communicator, a torch.distributed ProcessGroup, None or a "
         f"hetcoll Communicator, got {type(x).__name__}"
     )
@@ -224,6 +228,10 @@ def group_argument(group: Any, where: str, **old: Any) -> Any:
     """
     given = {k: v for k, v in old.items() if v is not NOT_GIVEN}
     if not given:
+        # Checked here too: a caller that wraps the group only later (a hook's first step, a
+        # sampler that never verifies) once held a str as its group.
+        if group is not None and not is_group(group):
+            raise _not_a_group(group)
         return group
     name, value = next(iter(given.items()))
     warnings.warn(

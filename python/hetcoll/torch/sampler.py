@@ -55,7 +55,7 @@ import torch
 from torch.utils.data import BatchSampler, Sampler
 
 import hetcoll
-from hetcoll.comm import agree, has_default, wrap
+from hetcoll.comm import agree, group_argument, has_default, wrap
 
 
 def _positive_int(value: Any, argument: str) -> int:
@@ -365,7 +365,7 @@ class BalancedSampler(Sampler[int]):
         *,
         whole: bool,
     ) -> None:
-        self.group = group
+        self.group = group_argument(group, "BalancedSampler")  # a str once stood as a group
         self.verify = bool(verify)
         #: Every rank takes the whole global batch (:meth:`whole_batches`).
         self.whole = whole
