@@ -1449,3 +1449,25 @@ def test_nodes_and_clusters_made_in_code_name_an_argument_of_another_type() -> N
         with pytest.raises(TypeError, match=message):
             make()
     assert Cluster((a, b), eth).num_devices == 2
+
+
+def test_planner_arguments_that_priced_nonsense_are_named(cnn_costs) -> None:  # type: ignore[no-untyped-def]
+    """NaN state copies once gave every plan NaN seconds (ranked first), -100 negative memory
+    (marked feasible); a micro-batch count of 0 divided by zero deep in a candidate; a list of
+    2**40 even shares filled the memory."""
+    from hetcoll.model import even_batch_shares
+
+    dev = Device("d", 1e12, 1e11, 1e9)
+    two = Cluster([Node("n", dev, 2, Link("l", 1e-5, 1e9))])
+    for copies in (float("nan"), -100, "2", True, 65):
+        with pytest.raises(ValueError, match=r"^optimizer_state_copies: must be an integer"):
+            plan(cnn_costs, two, 8, optimizer_state_copies=copies)
+        with pytest.raises(ValueError, match=r"^optimizer_state_copies: must be an integer"):
+            data_parallel(cnn_costs, two, [4, 4], optimizer_state_copies=copies)
+    for micro, text in (([0], r"micro_batches\[0\]"), ([2, -2], r"micro_batches\[1\]"),
+                        (4, "micro_batches"), (["a"], r"micro_batches\[0\]")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^{text}: must be"):
+            plan(cnn_costs, two, 8, micro_batches=micro)
+    with pytest.raises(ValueError, match=r"^num_devices: must be at most 65536"):
+        even_batch_shares(10, 2**40)
+    assert plan(cnn_costs, two, 8, optimizer_state_copies=2)[0].step_s > 0

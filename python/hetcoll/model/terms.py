@@ -174,6 +174,19 @@ def broadcast_seconds(
     return call_s + rounds * (latency_s + message_bytes / link_bytes_per_s)
 
 
+def state_copies_argument(state_copies: object) -> int:
+    """``optimizer_state_copies`` (state tensors per trained weight: SGD 0, momentum 1,
+    Adam 2), an integer in [0, 64]; ``ValueError`` naming it otherwise (NaN once priced
+    every plan at NaN seconds, ranked first, and -100 held negative memory, marked
+    feasible)."""
+    whole = not isinstance(state_copies, bool) and isinstance(state_copies, (int, np.integer))
+    if not whole or not 0 <= state_copies <= 64:  # type: ignore[operator]
+        raise ValueError(
+            f"optimizer_state_copies: must be an integer in [0, 64], got {state_copies!r}"
+        )
+    return int(state_copies)  # type: ignore[call-overload]
+
+
 def training_state_bytes(param_bytes: Num, gradient_bytes: Num, state_copies: int = 1) -> Num:
     """Bytes a device holds for its parameters between steps: the weights
     (``param_bytes``), and the gradients and ``state_copies`` optimizer state tensors of
@@ -182,7 +195,7 @@ def training_state_bytes(param_bytes: Num, gradient_bytes: Num, state_copies: in
     >>> training_state_bytes(100.0, 40.0, state_copies=2)
     220.0
     """
-    return param_bytes + gradient_bytes * (1 + state_copies)
+    return param_bytes + gradient_bytes * (1 + state_copies_argument(state_copies))
 
 
 def optimizer_update_seconds(param_bytes: Num, mem_bytes_per_s: Num, state_copies: int = 1) -> Num:
@@ -195,7 +208,7 @@ def optimizer_update_seconds(param_bytes: Num, mem_bytes_per_s: Num, state_copie
     >>> optimizer_update_seconds(1e9, 5e9, state_copies=1)
     1.0
     """
-    return (3.0 + 2.0 * state_copies) * param_bytes / mem_bytes_per_s
+    return (3.0 + 2.0 * state_copies_argument(state_copies)) * param_bytes / mem_bytes_per_s
 
 
 def step_update_seconds(

@@ -459,7 +459,12 @@ def plan(
     report = report if report is not None else SearchReport()
     p = cluster.num_devices
     out: list[Prediction] = []
-    s = optimizer_state_copies
+    s = terms.state_copies_argument(optimizer_state_copies)  # else every candidate fails alike
+    if isinstance(micro_batches, (str, bytes)) or not isinstance(micro_batches, Sequence):
+        raise ValueError(f"micro_batches: must be integers >= 1, got {micro_batches!r}")
+    for i, m in enumerate(micro_batches):  # 0 once divided by zero, deep in a candidate
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+            raise ValueError(f"micro_batches[{i}]: must be an integer >= 1, got {m!r}")
     n = len(costs.plan_layers)
     modes = costs.stage_filter_modes(0, n) if n else None
     # Filter parallelism only where filter_parallel splits something (not an LSTM, say).

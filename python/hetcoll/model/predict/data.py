@@ -13,7 +13,7 @@ import numpy as np
 import hetcoll
 from hetcoll.model import terms
 from hetcoll.model.costs import ModelCosts
-from hetcoll.model.hardware import Cluster
+from hetcoll.model.hardware import MAX_DEVICES, Cluster
 from hetcoll.model.predict.prediction import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, Prediction
 from hetcoll.model.predict.timing import (
     LayerSeconds,
@@ -338,6 +338,8 @@ def even_batch_shares(batch: int, num_devices: int) -> list[int]:
             raise ValueError(f"{name}: must be an integer >= {least}, got {value!r}")
         if value < least:
             raise ValueError(f"{name}: must be an integer >= {least}, got {value}")
+    if num_devices > MAX_DEVICES:  # the list is built: 2**40 of them filled the memory
+        raise ValueError(f"num_devices: must be at most {MAX_DEVICES}, got {num_devices}")
     batch, num_devices = int(batch), int(num_devices)
     return [
         batch // num_devices + (1 if r < batch % num_devices else 0) for r in range(num_devices)
