@@ -37,7 +37,7 @@ from hetcoll.model import (
 from hetcoll.model import predict_data_parallel as data_parallel
 from hetcoll.model import predict_filter_parallel as filter_parallel
 from hetcoll.model import predict_pipeline as pipeline
-from hetcoll.model.hardware import COLLECTIVE_KINDS
+from hetcoll.model.hardware import COLLECTIVE_KINDS, MAX_CHANNEL_BLOCK
 from hetcoll.model.predict import ddp_buckets, even_batch_shares
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1389,7 +1389,7 @@ def test_validation_subset_runs_real_filter_parallel_steps(cnn_costs) -> None:  
 _HOSTILE_NUMBER = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.integers(min_value=-(2**70), max_value=2**70),
-    st.sampled_from([0, 0.0, -0.0, 5e-324, True, None, "1", b"1"]),
+    st.sampled_from([0, 0.0, -0.0, 5e-324, True, None, "1", b"1", 2**2000, -(10**5000)]),
 )
 
 
@@ -1412,7 +1412,7 @@ def test_devices_and_links_made_in_code_hold_valid_figures_or_name_the_bad_one(d
         got = getattr(device, name)
         assert not isinstance(got, bool) and isinstance(got, (int, float)) and math.isfinite(got)
         if name == "conv_channel_block":
-            assert isinstance(got, int) and got >= 1
+            assert isinstance(got, int) and 1 <= got <= MAX_CHANNEL_BLOCK
         else:
             assert got > 0 if name in positive else got >= 0
 
@@ -1471,3 +1471,138 @@ def test_planner_arguments_that_priced_nonsense_are_named(cnn_costs) -> None:  #
     with pytest.raises(ValueError, match=r"^num_devices: must be at most 65536"):
         even_batch_shares(10, 2**40)
     assert plan(cnn_costs, two, 8, optimizer_state_copies=2)[0].step_s > 0
+
+
+def test_clusters_name_indices_factors_and_calls_they_cannot_use() -> None:
+    """link_between(-1, 0) once wrapped round to the last device; a dict of calls_s unpacked
+    its keys' letters; scaled(flops=0) made a device of 0 FLOP/s named nowhere."""
+    d = Device("d", 1e12, 1e11, 1e9)
+    two = Cluster(
+        [Node("a", d, 2, Link("shm", 1e-6, 5e9)), Node("b", d, 1)], Link("eth", 1e-5, 1e9)
+    )
+    assert two.link_between(0, 1).name == "shm"
+    assert "eth" in two.link_between(np.int64(1), 2).name  # numpy indices are indices
+    for a, b, name, got in ((-1, 0, "a", "-1"), (0, 3, "b", "3"), (1.0, 0, "a", "1.0"),
+                            (True, 0, "a", "True"), (0, "1", "b", "'1'")):  # fmt: skip
+        with pytest.raises(
+            ValueError, match=rf"^{name}: must be a device index in 0..2, got {got}$"
+        ):
+            two.link_between(a, b)
+    for factor in ("flops", "mem_bw", "link_bw"):
+        for bad in (0, -2.0, math.nan, math.inf, "2", None):
+            with pytest.raises(ValueError, match=rf"^{factor}: must be"):
+                two.scaled(**{factor: bad})
+    assert two.scaled(flops=2.0).devices[0].flops_per_s == 2e12
+    for calls in ({"allreduce": 1e-3}, "allreduce", (("allreduce",),), (("allreduce", 1, 2),)):
+        with pytest.raises(
+            ValueError, match=r"^Link 'l': calls_s: must be \(kind, seconds\) pairs"
+        ):
+            Link("l", 1e-5, 1e9, calls_s=calls)  # type: ignore[arg-type]
+    assert Link("l", 1e-5, 1e9, calls_s=[("allreduce", 1e-3)]).call_of("allreduce") == 1e-3
+    with pytest.raises(ValueError, match=r"conv_channel_block: must be an integer in 1\.\.1024"):
+        Device("d", 1e12, 1e11, 1e9, conv_channel_block=2**70)
+    with pytest.raises(
+        ValueError, match=r"^Device 'd': memory_bytes: must be finite, got an integer of 2001 bits$"
+    ):
+        Device("d", 1e12, 1e11, 2**2000)
+
+
+def test_predictors_name_what_they_cannot_price(cnn_costs) -> None:  # type: ignore[no-untyped-def]
+    """A model or cluster of another type once raised AttributeError deep inside; shares of
+    nothing were a feasible step, shares past int64 overflowed; a NaN bucket cap was one
+    bucket; balanced_batch_shares(-1) said "at most -2" samples fit; forward_flops(-1)
+    counted negative FLOPs."""
+    from hetcoll.model import balanced_batch_shares, predict_plan, sweep
+
+    d = Device("d", 1e12, 1e11, 1e9)
+    two = Cluster([Node("n", d, 2, Link("l", 1e-5, 1e9))])
+    even_plan = data_parallel(cnn_costs, two, [4, 4]).to_plan()
+    calls = {
+        "data_parallel": lambda costs, cluster: data_parallel(costs, cluster, [4, 4]),
+        "pipeline": lambda costs, cluster: pipeline(costs, cluster, 8, 2),
+        "filter_parallel": lambda costs, cluster: filter_parallel(costs, cluster, 8, [1, 1]),
+        "predict_plan": lambda costs, cluster: predict_plan(costs, cluster, even_plan),
+        "plan": lambda costs, cluster: plan(costs, cluster, 8),
+        "sweep": lambda costs, cluster: sweep(costs, cluster, 8, "batch", [8]),
+        "balanced_batch_shares": lambda costs, cluster: balanced_batch_shares(costs, cluster, 8),
+    }  # fmt: skip
+    for call in calls.values():
+        for bad in (None, "cnn", cnn_costs.layers):
+            with pytest.raises(TypeError, match=r"^costs: must be a hetcoll.model.ModelCosts"):
+                call(bad, two)
+            with pytest.raises(TypeError, match=r"^cluster: must be a hetcoll.model.Cluster"):
+                call(cnn_costs, bad)
+        call(cnn_costs, two)  # the good arguments price
+    total = "expected a total of at most"
+    for shares, text in (([0, 0], "no device has samples"), ([2**70, 1], total),
+                         ([2**53, 1], total), (None, "expected a sequence"),
+                         ("44", "expected a sequence")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^shares: {text}"):
+            data_parallel(cnn_costs, two, shares)
+    assert data_parallel(cnn_costs, two, [2**52, 2**52]).shares == [2**52, 2**52]
+    for cap in (math.nan, 0, -1.0, "1", True):
+        with pytest.raises(ValueError, match=r"^first_bucket_bytes: must be a number of bytes > 0"):
+            data_parallel(cnn_costs, two, [4, 4], first_bucket_bytes=cap)
+        with pytest.raises(ValueError, match=r"^bucket_bytes: must be a number of bytes > 0"):
+            data_parallel(cnn_costs, two, [4, 4], bucket_bytes=cap)
+    one_bucket = data_parallel(cnn_costs, two, [4, 4], first_bucket_bytes=math.inf)
+    assert one_bucket.step_s > 0
+    for batch in (-1, 0, 2.0, True, 2**53 + 1):
+        with pytest.raises(ValueError, match=r"^batch: must be an integer in \[1, 2\*\*53\]"):
+            balanced_batch_shares(cnn_costs, two, batch)
+        with pytest.raises(ValueError, match=r"^batch: must be an integer in \[1, 2\*\*53\]"):
+            plan(cnn_costs, two, batch)
+    with pytest.raises(ValueError, match=r"^batch: must be an integer in \[2 \(micro_batches\)"):
+        pipeline(cnn_costs, two, 1, 2)
+    assert sum(balanced_batch_shares(cnn_costs, two, 9)) == 9
+    for batch in (-1, math.nan, math.inf, "2", None, 2**2000):
+        with pytest.raises(ValueError, match=r"^batch: must be a number of samples >= 0"):
+            cnn_costs.forward_flops(batch)
+        with pytest.raises(ValueError, match=r"^batch: must be a number of samples >= 0"):
+            cnn_costs.backward_flops(batch)
+    assert cnn_costs.forward_flops(np.int64(2)) == 2 * cnn_costs.forward_flops(1) > 0
+
+
+def test_a_sweep_plans_every_point_it_labels(cnn_costs) -> None:  # type: ignore[no-untyped-def]
+    """Each point's value is its label: 5 nodes of a 2-node cluster once planned the 2, batch
+    1.9 planned 1, and -1 planned nothing, each labelled as asked."""
+    from hetcoll.model import sweep
+
+    d = Device("d", 1e12, 1e11, 1e9)
+    nodes = Cluster([Node("a", d, 1), Node("b", d, 1)], Link("eth", 1e-5, 1e9))
+    for axis, values, text in (("nodes", [5], r"values\[0\]: must be a count of nodes in 1..2"),
+                               ("nodes", [1, 0], r"values\[1\]: must be a count of nodes"),
+                               ("nodes", [1.0], r"values\[0\]: must be a count of nodes"),
+                               ("batch", [1.9], r"values\[0\]: must be an integer batch >= 1"),
+                               ("batch", [-1], r"values\[0\]: must be an integer batch"),
+                               ("link_bw", [2, math.nan], r"values\[1\]: must be a factor > 0"),
+                               ("flops", [0], r"values\[0\]: must be a factor > 0"),
+                               ("mem_bw", "12", r"values: must be a non-empty sequence"),
+                               ("mem_bw", [], r"values: must be a non-empty")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^{text}"):
+            sweep(cnn_costs, nodes, 8, axis, values)
+    points = sweep(cnn_costs, nodes, 8, "nodes", [1, np.int64(2)])
+    assert [p.value for p in points] == [1.0, 2.0]
+    assert [p.best["data parallel, even"].shares for p in points] == [[8], [4, 4]]
+
+
+def test_the_shape_of_one_sample_is_checked_once_for_every_reader() -> None:
+    """A size of 0, True or 32.5 once built a model of nothing (networks.build) or weighted a
+    hypergraph by it; a NaN bytes_per_element weighted every net NaN."""
+    from hetcoll.model.hypergraph import network_hypergraph
+
+    for shape in ((3, 0, 32), (0,), (3, 32.5, 32), (3, True, 32), (), "3x0x32", None):
+        with pytest.raises(ValueError, match=r"^input_shape: expected the shape of one sample"):
+            networks.build("cnn" if shape != (0,) else "mlp", shape, device="meta")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"^input_shape: expected the shape of one sample"):
+            layer_costs(nn.Linear(4, 2), shape)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^input_shape: expected channels x height x width"):
+        networks.build("cnn", (3, 32), device="meta")
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    for shape in ((3, 0, 8), (3, True, 8)):
+        with pytest.raises(ValueError, match=r"^input_shape: expected the shape of one sample"):
+            network_hypergraph(net, shape)
+    for bpe in (math.nan, 0, 2.5, True, 65):
+        with pytest.raises(ValueError, match=r"^bytes_per_element: must be an integer in 1..64"):
+            network_hypergraph(net, (3, 8, 8), bytes_per_element=bpe)  # type: ignore[arg-type]
+    assert network_hypergraph(net, "3x8x8", bytes_per_element=2).num_vertices == 6

@@ -116,7 +116,7 @@ def test_predicted_traffic_and_balance() -> None:
     "change, message",
     [
         ({"model": "net"}, "model: must be a torch.nn.Module"),
-        ({"input_shape": (1, 0, 8)}, "input_shape: must be positive ints"),
+        ({"input_shape": (1, 0, 8)}, "input_shape: expected the shape of one sample"),
         ({"speeds": [1.0]}, "speeds: needs two or more"),
         ({"speeds": [1.0, -1.0]}, "speeds: needs two or more"),
         ({"speeds": "fast"}, "speeds: must be a sequence"),

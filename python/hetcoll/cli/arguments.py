@@ -15,9 +15,10 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-# The largest batch or split the command accepts: sample counts stay exact in the float64
-# arithmetic of the performance model, far above any real batch.
-MAX_UNITS = 2**53
+from hetcoll.model.terms import MAX_SAMPLES
+
+# The largest batch or split the command accepts: the performance model's.
+MAX_UNITS = MAX_SAMPLES
 
 
 class Parser(argparse.ArgumentParser):

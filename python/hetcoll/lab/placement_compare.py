@@ -37,6 +37,7 @@ from torch import nn
 import hetcoll
 from hetcoll.model import terms
 from hetcoll.model.costs import layer_costs
+from hetcoll.model.costs.inputs import sample_shape
 from hetcoll.model.hardware import Cluster
 from hetcoll.model.hypergraph import NetworkHypergraph, network_hypergraph
 from hetcoll.model.placement import hypergraph_plan, placement_traffic, predict_placement
@@ -71,13 +72,7 @@ def _check(
 ) -> tuple[tuple[int, ...], list[float]]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(input_shape, (str, bytes)) or not isinstance(input_shape, Sequence):
-        raise TypeError(f"input_shape: must be a sequence of ints, got {input_shape!r}")
-    shape = tuple(input_shape)
-    if not shape or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape
-    ):
-        raise ValueError(f"input_shape: must be positive ints (one sample), got {input_shape!r}")
+    shape = sample_shape(input_shape)
     if isinstance(speeds, (str, bytes)) or not isinstance(speeds, Sequence):
         raise TypeError(f"speeds: must be a sequence of numbers, got {speeds!r}")
     try:

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -181,11 +182,7 @@ class Device:
         _check_nonnegative(self.step_overhead_s, f"Device {self.name!r}: step_overhead_s")
         for attr in _PEAK_FIELDS:
             _check_nonnegative(getattr(self, attr), f"Device {self.name!r}: {attr}")
-        block = self.conv_channel_block
-        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-            raise ValueError(
-                f"Device {self.name!r}: conv_channel_block: must be an integer >= 1, got {block!r}"
-            )
+        _check_channel_block(self.conv_channel_block, f"Device {self.name!r}: conv_channel_block")
 
     @property
     def elementwise_rate(self) -> float:
@@ -284,9 +281,16 @@ class Link:
             or not bandwidth > 0
         ):
             raise ValueError(
-                f"Link {self.name!r}: bytes_per_s: must be a number > 0, got {bandwidth!r}"
+                f"Link {self.name!r}: bytes_per_s: must be a number > 0, got {_shown(bandwidth)}"
             )
         _check_nonnegative(self.call_s, f"Link {self.name!r}: call_s")
+        if not isinstance(self.calls_s, (tuple, list)) or not all(
+            isinstance(pair, (tuple, list)) and len(pair) == 2 for pair in self.calls_s
+        ):  # a dict once unpacked its keys' letters
+            raise ValueError(
+                f"Link {self.name!r}: calls_s: must be (kind, seconds) pairs, such as "
+                f"(('allreduce', 2e-5),), got {self.calls_s!r}"
+            )
         kinds = [kind for kind, _ in self.calls_s]
         for kind, seconds in self.calls_s:
             if kind not in COLLECTIVE_KINDS or kinds.count(kind) > 1:
@@ -327,7 +331,7 @@ class Node:
         ):
             raise ValueError(
                 f"Node {self.name!r}: count must be an integer in 1..{MAX_DEVICES}, "
-                f"got {self.count!r}"
+                f"got {_shown(self.count)}"
             )
         if self.count > 1 and self.link is None:
             raise ValueError(f"Node {self.name!r}: link is required when count > 1")
@@ -383,6 +387,9 @@ class Cluster:
     def link_between(self, a: int, b: int) -> Link:
         """The link a message from device ``a`` to device ``b`` crosses (its slowest hop)."""
         nodes = self.node_of_device
+        for name, d in (("a", a), ("b", b)):  # -1 once wrapped round to the last device
+            if type(d) is not int or not 0 <= d < len(nodes):  # the check of every message
+                _check_device_index(d, name, len(nodes))
         if nodes[a] == nodes[b]:
             link = self.nodes[nodes[a]].link
             if link is None:  # a == b on a one-device node: no transfer at all
@@ -410,6 +417,8 @@ class Cluster:
     ) -> Cluster:
         """The same cluster with every device's FLOP/s, memory bandwidth and every link's
         bandwidth multiplied by the given factors (for the scaling sweeps)."""
+        for name, factor in (("flops", flops), ("mem_bw", mem_bw), ("link_bw", link_bw)):
+            _check_positive(factor, name)
 
         def dev(d: Device) -> Device:
             return replace(
@@ -468,7 +477,9 @@ class Cluster:
     def first_devices(self, num_devices: int) -> Cluster:
         """The first ``num_devices`` devices of this cluster, node by node (the ``nodes`` sweep)."""
         if num_devices < 1 or num_devices > self.num_devices:
-            raise ValueError(f"num_devices: must be in 1..{self.num_devices}, got {num_devices!r}")
+            raise ValueError(
+                f"num_devices: must be in 1..{self.num_devices}, got {_shown(num_devices)}"
+            )
         nodes, left = [], num_devices
         for n in self.nodes:
             if left == 0:
@@ -509,18 +520,53 @@ def _check_name(name: object, kind: str) -> None:
         raise TypeError(f"{kind}: name: must be a str, got {type(name).__name__}")
 
 
+def _finite(value: float) -> bool:
+    """Whether ``value`` is a float the model can compute with: an int past float's range
+    (``2**1100``) is not, and ``math.isfinite`` raises OverflowError on it."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _shown(value: object) -> str:
+    """``value`` for a message: an int past float's range by its size (its digits could be
+    thousands, and past 4,300 ``repr`` itself raises)."""
+    if isinstance(value, int) and not _finite(value):
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)
+
+
 def _check_positive(value: object, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{what}: must be a number > 0, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{what}: must be finite, got {value!r}")
+        raise ValueError(f"{what}: must be a number > 0, got {_shown(value)}")
+    if not _finite(value):
+        raise ValueError(f"{what}: must be finite, got {_shown(value)}")
 
 
 def _check_nonnegative(value: object, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"{what}: must be a number >= 0, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{what}: must be finite, got {value!r}")
+        raise ValueError(f"{what}: must be a number >= 0, got {_shown(value)}")
+    if not _finite(value):
+        raise ValueError(f"{what}: must be finite, got {_shown(value)}")
+
+
+def _check_device_index(index: object, what: str, num_devices: int) -> None:
+    try:
+        whole = operator.index(index)  # type: ignore[arg-type]
+    except TypeError:
+        whole = -1
+    if isinstance(index, bool) or not 0 <= whole < num_devices:
+        raise ValueError(
+            f"{what}: must be a device index in 0..{num_devices - 1}, got {_shown(index)}"
+        )
+
+
+def _check_channel_block(block: object, what: str) -> None:
+    if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= MAX_CHANNEL_BLOCK:
+        raise ValueError(
+            f"{what}: must be an integer in 1..{MAX_CHANNEL_BLOCK}, got {_shown(block)}"
+        )
 
 
 _DEVICE_FIELDS = {
@@ -601,15 +647,7 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
         for k, v in optional.items():
             _check_nonnegative(v, f"{where}.{k}")
         block = t.get("conv_channel_block", 1)
-        if (
-            isinstance(block, bool)
-            or not isinstance(block, int)
-            or not 1 <= block <= MAX_CHANNEL_BLOCK
-        ):
-            raise ValueError(
-                f"{where}.conv_channel_block: must be an integer in 1..{MAX_CHANNEL_BLOCK}, "
-                f"got {block!r}"
-            )
+        _check_channel_block(block, f"{where}.conv_channel_block")
         devices[name] = Device(name, **values, **optional, conv_channel_block=block)
     raw_links = doc.get("links", {})
     if not isinstance(raw_links, Mapping):

@@ -124,11 +124,17 @@ def network_hypergraph(
     """
     import torch
 
-    shape = tuple(input_shape)
-    if not shape or not all(isinstance(d, int) and d > 0 for d in shape):
-        raise ValueError(f"input_shape: must be positive ints (one sample), got {input_shape!r}")
-    if bytes_per_element <= 0:
-        raise ValueError(f"bytes_per_element: must be > 0, got {bytes_per_element}")
+    from hetcoll.model.costs.inputs import sample_shape  # imports torch
+
+    shape = sample_shape(input_shape)
+    if (
+        isinstance(bytes_per_element, bool)
+        or not isinstance(bytes_per_element, int)
+        or not 1 <= bytes_per_element <= 64
+    ):  # NaN once weighted every net NaN
+        raise ValueError(
+            f"bytes_per_element: must be an integer in 1..64, got {bytes_per_element!r}"
+        )
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
 

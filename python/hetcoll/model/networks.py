@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from hetcoll.model.costs.inputs import sample_shape
 from hetcoll.model.files import read_small_file
 from hetcoll.torch.replay import wants_values
 
@@ -117,7 +118,7 @@ def resnet(input_shape: Sequence[int] = (3, 32, 32), classes: int = 10) -> nn.Mo
 
 def mlp(input_shape: Sequence[int] = (784,), classes: int = 10) -> nn.Module:
     """Three dense layers (1024, 1024, classes) on the flattened sample."""
-    n = math.prod(input_shape)
+    n = math.prod(sample_shape(input_shape))
     return nn.Sequential(
         nn.Flatten(),
         nn.Linear(n, 1024),
@@ -137,9 +138,10 @@ BUILTIN: dict[str, Callable[..., nn.Module]] = {
 
 
 def _image(shape: Sequence[int]) -> tuple[int, int, int]:
-    if len(shape) != 3:
-        raise ValueError(f"input_shape: expected channels x height x width, got {tuple(shape)!r}")
-    c, h, w = (int(s) for s in shape)
+    dims = sample_shape(shape)
+    if len(dims) != 3:
+        raise ValueError(f"input_shape: expected channels x height x width, got {shape!r}")
+    c, h, w = dims
     return c, h, w
 
 

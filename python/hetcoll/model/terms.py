@@ -16,6 +16,10 @@ from typing import Any
 
 import numpy as np
 
+#: The largest batch, or share of one, the model prices: sample counts stay exact in its
+#: float64 arithmetic (and their int64 sums cannot wrap), far above any real batch.
+MAX_SAMPLES = 2**53
+
 # A float, or a numpy array of them (one per device); results follow numpy broadcasting.
 Num = float | np.ndarray
 
@@ -172,6 +176,15 @@ def broadcast_seconds(
         return 0.0 * message_bytes
     rounds = math.ceil(math.log2(num_ranks))
     return call_s + rounds * (latency_s + message_bytes / link_bytes_per_s)
+
+
+def batch_argument(batch: object, least: int = 1, rule: str = "") -> int:
+    """``batch``, an integer in [``least``, :data:`MAX_SAMPLES`]; ``ValueError`` naming it
+    otherwise (``rule`` says where ``least`` comes from: ``" (micro_batches)"``)."""
+    whole = not isinstance(batch, bool) and isinstance(batch, (int, np.integer))
+    if not whole or not least <= batch <= MAX_SAMPLES:  # type: ignore[operator]
+        raise ValueError(f"batch: must be an integer in [{least}{rule}, 2**53], got {batch!r}")
+    return int(batch)  # type: ignore[call-overload]
 
 
 def state_copies_argument(state_copies: object) -> int:

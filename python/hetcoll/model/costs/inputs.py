@@ -40,8 +40,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _shape(value: Any, where: str) -> tuple[int, ...]:
-    shape = parse_shape(value) if isinstance(value, str) else value
+def sample_shape(value: Any, where: str = "input_shape") -> tuple[int, ...]:
+    """The shape of one sample: integer sizes >= 1, no batch dimension, given as a sequence
+    or as ``"3x32x32"``; ``ValueError`` naming ``where`` otherwise (every reader of a sample's
+    shape checks it here: a size of 0, True or 32.5 once built a model of nothing)."""
+    try:
+        shape = parse_shape(value) if isinstance(value, str) else value
+    except ValueError:
+        shape = None  # named below, as ``where``
     if (
         not isinstance(shape, Sequence)
         or not shape
@@ -69,8 +75,8 @@ def _one(value: Any, dtype: torch.dtype, name: str, where: str) -> ModelInput:
         and isinstance(value[1], torch.dtype)
         and not isinstance(value[0], int)
     ):
-        return ModelInput(name, _shape(value[0], where), dtype_name(value[1]))
-    return ModelInput(name, _shape(value, where), dtype_name(dtype))
+        return ModelInput(name, sample_shape(value[0], where), dtype_name(value[1]))
+    return ModelInput(name, sample_shape(value, where), dtype_name(dtype))
 
 
 def model_inputs(inputs: Any, dtype: torch.dtype | None = None) -> tuple[ModelInput, ...]:

@@ -9,6 +9,7 @@ import bisect
 import functools
 import itertools
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -497,12 +498,14 @@ class ModelCosts:
     def forward_flops(self, batch: float) -> float:
         key = (True, type(batch), batch)
         if key not in self._flops:
+            _check_samples(batch)
             self._flops[key] = sum(x.forward_flops(batch) for x in self.layers)
         return self._flops[key]
 
     def backward_flops(self, batch: float) -> float:
         key = (False, type(batch), batch)
         if key not in self._flops:
+            _check_samples(batch)
             self._flops[key] = sum(x.backward_flops(batch) for x in self.layers)
         return self._flops[key]
 
@@ -580,3 +583,15 @@ def parse_shape(text: str) -> tuple[int, ...]:
 
 def _numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
+
+
+def _check_samples(batch: object) -> None:
+    """``batch`` of :meth:`ModelCosts.forward_flops` and kin: a number of samples >= 0
+    (fractions are a share's mean; -1 once counted negative FLOPs)."""
+    try:
+        ok = not isinstance(batch, bool) and isinstance(batch, numbers.Real)
+        ok = ok and 0 <= float(batch) < math.inf  # type: ignore[arg-type]
+    except OverflowError:  # an int past float's range
+        ok = False
+    if not ok:
+        raise ValueError(f"batch: must be a number of samples >= 0, got {batch!r}")

@@ -447,8 +447,8 @@ def plan(
     >>> best = plan(costs, cluster, 256, precision="bf16")[0]  # doctest: +SKIP
     >>> best.strategy, best.shares, best.step_s  # doctest: +SKIP
     """
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch: must be an integer >= 1, got {batch!r}")
+    predict.check_costs_and_cluster(costs, cluster)
+    terms.batch_argument(batch)
     if report is not None and not isinstance(report, SearchReport):
         raise TypeError(f"report: must be a SearchReport, got {type(report).__name__}")
     if model is not None and not hasattr(model, "named_children"):

@@ -4,8 +4,11 @@ family's best plan; :func:`plot_sweep` draws them."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from hetcoll.model import predict
 from hetcoll.model.costs import ModelCosts
@@ -43,6 +46,7 @@ def sweep(
     devices of a single-node cluster). Default values: powers of two around the given point.
     ``precision`` and ``expert_loads`` as in :func:`plan`.
     """
+    predict.check_costs_and_cluster(costs, cluster)
     if precision is not None:
         costs = costs.at_precision(precision)
     if axis not in SWEEP_AXES:
@@ -54,6 +58,7 @@ def sweep(
             values = node_counts(cluster)
         else:
             values = list(_FACTORS)
+    values = _axis_values(cluster, axis, values)
     points = []
     for v in values:
         c, b = cluster, batch
@@ -76,6 +81,35 @@ def sweep(
                 best[fam] = pred
         points.append(SweepPoint(float(v), best))
     return points
+
+
+def _axis_values(cluster: Cluster, axis: str, values: object) -> list[float]:
+    """``values`` checked against ``axis``: each is the label of the point planned there, so
+    one the axis cannot reach is refused (1.9 samples once planned batch 1, labelled 1.9; 5
+    nodes of 2 planned the 2)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+        raise ValueError(f"values: must be a non-empty sequence of numbers, got {values!r}")
+    most = len(cluster.nodes) if len(cluster.nodes) > 1 else cluster.num_devices
+    out: list[float] = []
+    for i, v in enumerate(values):
+        if axis in ("batch", "nodes"):
+            whole = not isinstance(v, bool) and isinstance(v, (int, np.integer))
+            if not whole or v < 1 or (axis == "nodes" and v > most):
+                what = "nodes" if len(cluster.nodes) > 1 else "devices"
+                rule = (
+                    f"a count of {what} in 1..{most}"
+                    if axis == "nodes"
+                    else "an integer batch >= 1"
+                )
+                raise ValueError(f"values[{i}]: must be {rule}, got {v!r}")
+        elif (
+            isinstance(v, bool)
+            or not isinstance(v, (int, float, np.integer, np.floating))
+            or not 0 < v < math.inf
+        ):
+            raise ValueError(f"values[{i}]: must be a factor > 0, got {v!r}")
+        out.append(v)  # type: ignore[arg-type]
+    return out
 
 
 def plot_sweep(points: Sequence[SweepPoint], axis: str, path: str, title: str = "") -> None:

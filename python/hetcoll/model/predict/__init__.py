@@ -105,6 +105,7 @@ from hetcoll.model.predict.timing import (
 )
 from hetcoll.model.predict.timing import (
     LayerSeconds,
+    check_costs_and_cluster,
     compute_seconds,
 )
 from hetcoll.model.predict.timing import (
@@ -148,6 +149,7 @@ __all__ = [
     "balanced_batch_shares",
     "blocks_need_empty",
     "chain_stages",
+    "check_costs_and_cluster",
     "checked_loads",
     "compute_seconds",
     "data_parallel",

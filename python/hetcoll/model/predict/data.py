@@ -20,6 +20,7 @@ from hetcoll.model.predict.timing import (
     _check_shares,
     _layer_times,
     _memory_common,
+    check_costs_and_cluster,
     device_arrays,
     linear_fit,
     memory_shortfall,
@@ -36,6 +37,11 @@ def ddp_buckets(
     reverse order (the order backward produces gradients), a bucket closed once it reaches its
     cap (1 MiB for the first, then 25 MiB). A bucket is ready when its earliest layer's backward
     is done."""
+    for name, cap in (("first_bucket_bytes", first_bucket_bytes), ("bucket_bytes", bucket_bytes)):
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+            raise ValueError(
+                f"{name}: must be a number of bytes > 0 (inf: one bucket), got {cap!r}"
+            )  # NaN once made one bucket
     buckets: list[tuple[int, float]] = []
     size, cap, last = 0.0, first_bucket_bytes, -1
     for i in range(len(costs.layers) - 1, -1, -1):
@@ -202,8 +208,11 @@ def data_parallel_schedule(
 
     >>> data_parallel_schedule(costs, cluster, [48, 16]).prediction().step_s  # doctest: +SKIP
     """
+    check_costs_and_cluster(costs, cluster)
     devices = cluster.devices
     b = _check_shares(shares, len(devices))
+    if not b.any():  # once a feasible step of nothing
+        raise ValueError(f"shares: no device has samples, got {list(shares)!r}")
     dev = device_arrays(devices)
     lt = _layer_times(costs, dev, b)
     opt = np.where(
@@ -284,8 +293,6 @@ def data_parallel(
     ).prediction()
     try:
         costs.whole_model_plan_layers()  # whole-model replicas: no cut to know
-        if not any(pred.shares):
-            raise ValueError("shares: no device has samples")
         shares = list(pred.shares)
         pred.plan_factory = functools.partial(_data_parallel_plan, costs, shares)
     except ValueError as e:
@@ -307,6 +314,10 @@ def balanced_batch_shares(
 
     Raises ValueError (naming ``batch``) when the batch cannot fit in the cluster's memory.
     """
+    check_costs_and_cluster(costs, cluster)
+    terms.batch_argument(batch)  # -1 once said "at most -2" samples fit
+    if not isinstance(respect_memory, bool):
+        raise TypeError(f"respect_memory: must be a bool, got {type(respect_memory).__name__}")
     devices = cluster.devices
     dev = device_arrays(devices)
     a, c = linear_fit(costs, dev, max(1, batch // max(1, len(devices))))

@@ -20,6 +20,7 @@ from hetcoll.model.predict.timing import (
     _check_shares,
     _layer_times,
     _memory_common,
+    check_costs_and_cluster,
     device_arrays,
     memory_shortfall,
 )
@@ -233,6 +234,7 @@ def expert_parallel_schedule(
     strategy: str = "expert parallel",
 ) -> ExpertParallelSchedule:
     """The step :func:`expert_parallel` predicts, laid out (arguments as there)."""
+    check_costs_and_cluster(costs, cluster)
     if not costs.experts:
         raise ValueError("costs: the model holds no experts layer expert parallelism places")
     checked = checked_loads(costs, loads)

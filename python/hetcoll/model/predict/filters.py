@@ -26,6 +26,7 @@ from hetcoll.model.predict.splits import (
 from hetcoll.model.predict.timing import (
     LayerSeconds,
     _layer_times,
+    check_costs_and_cluster,
     device_arrays,
     memory_shortfall,
 )
@@ -170,12 +171,12 @@ def filter_parallel_schedule(
 
     >>> filter_parallel_schedule(costs, cluster, 64, [1.0, 0.5]).split  # doctest: +SKIP
     """
+    check_costs_and_cluster(costs, cluster)
     devices = cluster.devices
     n_dev = len(devices)
     if len(parts) != n_dev or any(not (float(x) > 0) for x in parts):
         raise ValueError(f"parts: expected {n_dev} positive numbers (one per device)")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch: must be an integer >= 1, got {batch!r}")
+    terms.batch_argument(batch)
     layer_modes = filter_modes(costs) if modes is None else _check_modes(costs, modes)
     names = {x.name: i for i, x in enumerate(costs.layers)}
     # With loss_parallel a head tied to its token embedding splits by vocabulary like an
@@ -522,6 +523,7 @@ def filter_parallel(
 
     >>> filter_parallel(costs, cluster, 64, [1.0, 0.5]).step_s  # doctest: +SKIP
     """
+    check_costs_and_cluster(costs, cluster)
     if balance not in ("speed", "time"):
         raise ValueError(f"balance: must be 'speed' or 'time', got {balance!r}")
     used = filter_modes(costs) if modes is None else _check_modes(costs, modes)

@@ -10,12 +10,18 @@ from collections.abc import Sequence
 import numpy as np
 
 import hetcoll
+from hetcoll.model import terms
 from hetcoll.model.costs import ModelCosts
 from hetcoll.model.hardware import Cluster
 from hetcoll.model.predict.layout import ReplicaLayout, StageLayout
 from hetcoll.model.predict.prediction import Prediction
 from hetcoll.model.predict.schedule import layout_schedule
-from hetcoll.model.predict.timing import _check_shares, _layer_times, device_arrays
+from hetcoll.model.predict.timing import (
+    _check_shares,
+    _layer_times,
+    check_costs_and_cluster,
+    device_arrays,
+)
 from hetcoll.plan import Plan
 
 
@@ -143,14 +149,12 @@ def pipeline(
     stages and micro-batches on free links, ``(m + S - 1)`` times a stage's forward and
     backward (:func:`terms.pipeline_seconds`). ``shares`` are layers per device.
     """
+    check_costs_and_cluster(costs, cluster)
     devices = cluster.devices
     n_dev, n_layers = len(devices), len(costs.layers)
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches: must be an integer >= 1, got {micro_batches!r}")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < micro_batches:
-        raise ValueError(
-            f"batch: must be an integer >= micro_batches ({micro_batches}), got {batch!r}"
-        )
+    terms.batch_argument(batch, micro_batches, " (micro_batches)")
     if schedule not in ("GPipe", "1F1B"):
         raise ValueError(f"schedule: must be 'GPipe' or '1F1B', got {schedule!r}")
     if layers_per_device is None:

@@ -27,7 +27,7 @@ from hetcoll.model.predict.prediction import Prediction
 from hetcoll.model.predict.schedule import layout_schedule
 from hetcoll.model.predict.splits import blocks_need_empty, splits_loss
 from hetcoll.model.predict.staged_experts import StagedExperts
-from hetcoll.model.predict.timing import LayerSeconds, device_arrays
+from hetcoll.model.predict.timing import LayerSeconds, check_costs_and_cluster, device_arrays
 from hetcoll.plan import ExpertsHeld, Plan, microbatch_sizes
 
 #: Replicas as the planner lays them out before building their plan: samples, and per stage
@@ -312,6 +312,7 @@ def predict_plan(
 
     >>> predict_plan(costs, cluster, Plan.load("plan.json")).step_s  # doctest: +SKIP
     """
+    check_costs_and_cluster(costs, cluster)
     # Replicas that run alike are simulated once (the same step: :func:`layout_schedule`).
     layout = plan_layout(costs, cluster, plan)
     staged = (

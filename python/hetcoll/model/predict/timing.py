@@ -14,7 +14,7 @@ import numpy as np
 
 from hetcoll.model import terms
 from hetcoll.model.costs import ModelCosts
-from hetcoll.model.hardware import FRESH_PAGES_BYTES, PRECISIONS, Device
+from hetcoll.model.hardware import FRESH_PAGES_BYTES, PRECISIONS, Cluster, Device
 
 
 @dataclass(frozen=True)
@@ -480,14 +480,30 @@ def _first_touch_seconds(
 
 
 def _check_shares(shares: Sequence[int], num_devices: int, argument: str = "shares") -> np.ndarray:
+    if isinstance(shares, (str, bytes)) or not isinstance(shares, (Sequence, np.ndarray)):
+        raise ValueError(f"{argument}: expected a sequence of integers >= 0, got {shares!r}")
     if len(shares) != num_devices:
         raise ValueError(
             f"{argument}: expected {num_devices} values (one per device), got {len(shares)}"
         )
-    for s in shares:
+    for s in shares:  # 2**70 once overflowed int64
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0:
             raise ValueError(f"{argument}: expected integers >= 0, got {s!r}")
+    if sum(int(s) for s in shares) > terms.MAX_SAMPLES:
+        raise ValueError(f"{argument}: expected a total of at most 2**53, got {sum(shares)}")
     return np.asarray(shares, dtype=np.int64)
+
+
+def check_costs_and_cluster(costs: object, cluster: object) -> None:
+    """``TypeError`` naming ``costs`` or ``cluster`` when either is of another type: the
+    predictors' first two arguments (None once raised AttributeError deep inside)."""
+    if not isinstance(costs, ModelCosts):
+        raise TypeError(
+            f"costs: must be a hetcoll.model.ModelCosts (from layer_costs), got "
+            f"{type(costs).__name__}"
+        )
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster: must be a hetcoll.model.Cluster, got {type(cluster).__name__}")
 
 
 def _memory_common(costs: ModelCosts, state_copies: int) -> float:
