@@ -4,6 +4,7 @@ point-to-point, allreduce SUM, allgathers, reduce-scatter), :class:`Request`, th
 
 from __future__ import annotations
 
+import numbers
 import sys
 import time
 from abc import ABC, abstractmethod
@@ -151,7 +152,8 @@ def deadline(timeout: float | None) -> float | None:
     ``math.inf``: no limit); a bad ``timeout`` raises ``ValueError`` naming it."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+    # numpy's numbers are numbers (np.int64(5) once was refused); NaN and bools are not.
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
         raise ValueError(f"timeout: must be a number of seconds > 0 or None, got {timeout!r}")
     if timeout > sys.float_info.max:  # no limit (inf, or an int past float's range, 2**2000)
         return None

@@ -14,6 +14,10 @@ import numpy as np
 from hetcoll.comm.base import Communicator, Request
 from hetcoll.errors import CollectiveTimeout
 
+#: The longest timed wait torch's work handles take: their timeout is in milliseconds, a C int.
+#: A deadline further off (24.8 days) is waited for without a limit.
+_LONGEST_WAIT_S = (2**31 - 1) / 1000
+
 
 class TorchRequest(Request):
     """A request over a torch.distributed work handle (what the collectives wait on)."""
@@ -40,7 +44,10 @@ class TorchRequest(Request):
                 # gloo closes the connection when a timed wait expires: the group is then
                 # broken on every rank, which is what a dead peer means anyway.
                 left = max(deadline - time.monotonic(), 1e-3)
-                self._work.wait(timedelta(seconds=left))
+                if left < _LONGEST_WAIT_S:
+                    self._work.wait(timedelta(seconds=left))
+                else:  # past what the engine can time (1e15 s once overflowed, a "lost peer")
+                    self._work.wait()
         except Exception as e:
             what = self._what if isinstance(self._what, str) else f"{self._what[0]} {self._what[1]}"
             raise CollectiveTimeout(

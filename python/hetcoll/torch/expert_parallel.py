@@ -741,6 +741,7 @@ def expert_parallel(
         )
         if combine not in COMBINE:
             raise ValueError(f"combine: must be one of {COMBINE}, got {combine!r}")
+        deadline(timeout)  # checked here, not at the first forward
     except ValueError as e:  # raised here after the others learn of it, none waiting
         failure = e
     agree_placement(whole, placed, failure)

@@ -11,6 +11,7 @@ import numpy as np
 from torch import nn
 
 import hetcoll
+from hetcoll.comm import deadline
 
 #: The modes a split layer runs in (:mod:`hetcoll.torch.filters` says what each does).
 MODES = ("gather", "split-output", "split-input")
@@ -138,7 +139,6 @@ def check_linear(linear: nn.Linear, argument: str) -> None:
 
 
 def check_timeout(timeout: float | None) -> None:
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
-    ):
-        raise ValueError(f"timeout: must be a number of seconds > 0 or None, got {timeout!r}")
+    """``timeout`` as every collective takes it (:func:`hetcoll.comm.deadline`'s rule), checked
+    where it is given rather than at the first collective."""
+    deadline(timeout)
