@@ -4,8 +4,8 @@ point-to-point, allreduce SUM, allgathers, reduce-scatter), :class:`Request`, th
 
 from __future__ import annotations
 
+import math
 import numbers
-import sys
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -155,6 +155,8 @@ def deadline(timeout: float | None) -> float | None:
     # numpy's numbers are numbers (np.int64(5) once was refused); NaN and bools are not.
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
         raise ValueError(f"timeout: must be a number of seconds > 0 or None, got {timeout!r}")
-    if timeout > sys.float_info.max:  # no limit (inf, or an int past float's range, 2**2000)
+    try:
+        seconds = float(timeout)
+    except OverflowError:  # an int past float's range (2**2000): no limit
         return None
-    return time.monotonic() + float(timeout)
+    return None if seconds == math.inf else time.monotonic() + seconds

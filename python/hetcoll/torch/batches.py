@@ -161,6 +161,8 @@ class BatchCounter:
             raise TypeError(f"module: must be a torch.nn.Module, got {type(module).__name__}")
         if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
             raise ValueError(f"batch_dim: must be an integer >= 0, got {batch_dim!r}")
+        if not isinstance(reached, bool):
+            raise TypeError(f"reached: must be True or False, got {reached!r}")
         self.batch_dim = batch_dim
         self._count = 0
         self._forwards = 0

@@ -12,6 +12,7 @@ replicated ones' once, so every rank scales by the factor one process would.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -103,9 +104,16 @@ def _split_pieces(params: list[torch.Tensor], comm: Communicator) -> dict[int, P
 
 def checked_max_norm(max_norm: object) -> float:
     """``max_norm`` as a float; ``ValueError`` naming it unless a number >= 0 (inf too)."""
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
+    if (
+        isinstance(max_norm, bool)
+        or not isinstance(max_norm, numbers.Real)  # numpy's floats too
+        or not max_norm >= 0  # type: ignore[operator]
+    ):
         raise ValueError(f"max_norm: must be a number >= 0, got {max_norm!r}")
-    return float(max_norm)
+    try:
+        return float(max_norm)
+    except OverflowError:  # an int past float's range: no limit, as inf
+        return math.inf
 
 
 def summed_squares(

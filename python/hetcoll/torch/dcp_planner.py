@@ -12,6 +12,7 @@ replica its experts. Loading needs nothing of it: ``dcp.load`` reads into any la
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch.distributed.checkpoint import DefaultSavePlanner
@@ -30,6 +31,16 @@ class ReplicaSavePlanner(DefaultSavePlanner):
     >>> dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path,
     ...          planner=ReplicaSavePlanner())  # doctest: +SKIP
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # DCP's flags, checked: any value once passed, read by its truth ('no' flattened).
+        bound = inspect.signature(DefaultSavePlanner.__init__).bind(self, *args, **kwargs)
+        for name, value in list(bound.arguments.items())[1:]:
+            if not isinstance(value, bool) and not (
+                value is None and name == "dedup_replicated_tensors"
+            ):
+                raise TypeError(f"{name}: must be True or False, got {value!r}")
+        super().__init__(*args, **kwargs)
 
     def set_up_planner(
         self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False

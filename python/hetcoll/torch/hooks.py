@@ -466,6 +466,11 @@ def weighted_allreduce_hook(
             "state: weighted_allreduce_hook needs a WeightedAllreduceState, got "
             f"{type(state).__name__} (register with ddp.register_comm_hook(state, hook))"
         )
+    if not isinstance(bucket, dist.GradBucket):
+        raise TypeError(
+            f"bucket: must be a torch.distributed.GradBucket (DDP calls the hook with one), got "
+            f"{type(bucket).__name__}"
+        )
     last = bucket.is_last()
     if last:
         state.ready_at = time.perf_counter()

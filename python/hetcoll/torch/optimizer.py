@@ -228,6 +228,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer.defaults = defaults
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            raise ValueError(  # torch's own message is a KeyError: 'params'
+                "param_group: must be a dict with 'params' (and any hyperparameters), got "
+                f"{param_group!r}"
+            )
         self.optimizer.add_param_group(param_group)
 
     def __repr__(self) -> str:

@@ -302,7 +302,11 @@ class PlanCheckpoints:
         >>> par = parallelize(make_model(), new_plan, loss_fn=loss)  # doctest: +SKIP
         >>> par.load_full_state_dict(ckpt["model"])  # doctest: +SKIP
         """
-        check_full_state_dict(state_dict, {k: shape for k, _, shape, _ in self._state_layout})
+        check_full_state_dict(
+            state_dict,
+            {k: shape for k, _, shape, _ in self._state_layout},
+            dtypes={k: dtype for k, _, _, dtype in self._state_layout},
+        )
         with torch.no_grad():
             for n, (t, part) in self._parts().items():
                 t.copy_(part.take(state_dict[n]).to(t.device, t.dtype))

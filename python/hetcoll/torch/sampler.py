@@ -366,10 +366,21 @@ class BalancedSampler(Sampler[int]):
         whole: bool,
     ) -> None:
         self.group = group_argument(group, "BalancedSampler")  # a str once stood as a group
-        self.verify = bool(verify)
+        # A flag of another type is told to the others, as with verify=True, then raised.
+        self.verify = verify if isinstance(verify, bool) else True
         #: Every rank takes the whole global batch (:meth:`whole_batches`).
         self.whole = whole
         try:
+            for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("verify", verify)):
+                if not isinstance(flag, bool):  # 'no' once shuffled, None dropped nothing
+                    raise TypeError(f"{name}: must be True or False, got {flag!r}")
+            if isinstance(dataset, (str, bytes)) or (
+                isinstance(dataset, Mapping) and not all(i in dataset for i in range(len(dataset)))
+            ):  # its characters, or keys it does not have, once drawn as samples
+                raise TypeError(
+                    "dataset: must be a map-style dataset (indexed 0..len-1), got a "
+                    f"{type(dataset).__name__}"
+                )
             if whole:
                 self.shares = [_positive_int(shares[0], "batch")]
             else:
@@ -398,9 +409,9 @@ class BalancedSampler(Sampler[int]):
                 _verify(group, [], failure=e, whole=whole, values=[0])
             raise
         self.rank = rank
-        self.shuffle = bool(shuffle)
+        self.shuffle = shuffle
         self.seed = int(seed.__index__())
-        self.drop_last = bool(drop_last)
+        self.drop_last = drop_last
         self.epoch = 0
         #: Global samples of this epoch's permutation in the steps that have left the sampler
         #: (a DataLoader fetches ahead: :meth:`state_dict` counts the steps it handed out).

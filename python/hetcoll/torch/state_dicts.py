@@ -163,10 +163,15 @@ def named_optimizer_state(
 
 
 def check_full_state_dict(
-    state_dict: object, shapes: Mapping[str, Sequence[int]], argument: str = "state_dict"
+    state_dict: object,
+    shapes: Mapping[str, Sequence[int]],
+    argument: str = "state_dict",
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> None:
     """``state_dict`` holds exactly the keys of ``shapes`` (the unsplit model's state-dict
-    names), each a tensor of that shape."""
+    names), each a tensor of that shape, and of the kind of the model's ``dtypes`` (floating,
+    complex, or integer and bool: a float64 checkpoint loads into float32 as torch's
+    ``load_state_dict`` loads it, but a complex one lost its imaginary part)."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(
             f"{argument}: must be a state dict (a mapping), got {type(state_dict).__name__}"
@@ -189,6 +194,17 @@ def check_full_state_dict(
                 f"{argument}: {k!r} has shape {tuple(v.shape)}, the unsplit model's is "
                 f"{tuple(want)} (give the full state dict, not one rank's slice)"
             )
+        if dtypes is not None and _kind(v.dtype) != _kind(dtypes[k]):
+            raise ValueError(
+                f"{argument}: {k!r} is {v.dtype}, the model's is {dtypes[k]} (a "
+                f"{_kind(v.dtype)} tensor cannot load into a {_kind(dtypes[k])} one)"
+            )
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype.is_complex:
+        return "complex"
+    return "floating" if dtype.is_floating_point else "integer or bool"
 
 
 def few_names(keys: Sequence[str]) -> str:

@@ -73,6 +73,12 @@ def speeds_to_shares(
         raise ValueError(
             f"{argument}: has {len(speeds)} speeds but the group has {size} ranks (one per rank)"
         )
+    if any(isinstance(s, (bool, np.bool_)) for s in speeds):
+        raise TypeError(f"{argument}: booleans are not speeds, got {list(speeds)!r}")
+    try:
+        rates = [float(s) for s in speeds]
+    except (TypeError, ValueError, OverflowError):  # None, "x", an int past float's range
+        raise ValueError(f"{argument}: must be finite numbers, got {list(speeds)!r}") from None
     minimum = 0 if empty else multiple_of
     if total < max(size * minimum, multiple_of):
         raise ValueError(
@@ -82,7 +88,7 @@ def speeds_to_shares(
     try:
         return hetcoll.split(
             total,
-            [float(s) for s in speeds],
+            rates,
             multiple_of=multiple_of,
             minimum=minimum,
             latency=None if latency is None else list(latency),

@@ -168,8 +168,8 @@ def _split_argument(shares_or_speeds: Any, speeds: Any, shares: Any) -> tuple[An
             raise TypeError("speeds: booleans are not speeds")
         try:
             return [float(v) for v in speeds], "speeds"
-        except (TypeError, ValueError):
-            raise TypeError(f"speeds: must be numbers, got {list(speeds)!r}") from None
+        except (TypeError, ValueError, OverflowError):  # OverflowError: past float's range
+            raise TypeError(f"speeds: must be finite numbers, got {list(speeds)!r}") from None
     if shares is not None:
         if isinstance(shares, Mapping):
             return shares, "shares"
@@ -227,12 +227,25 @@ def _shares(
         raise ValueError(f"multiple_of: must be an integer >= 1, got {multiple_of!r}")
     if not isinstance(empty_blocks, bool):
         raise TypeError(f"empty_blocks: must be True or False, got {empty_blocks!r}")
+    _check_flag(avoid_gathers, "avoid_gathers")  # None once turned every layer to gathering
+    if timed is not None and argument != "speeds":  # once ignored where nothing was timed
+        raise ValueError("sample: balances a split by speeds; give speeds=, not shares")
     named = dict(model.named_modules())
     per_layer: Mapping[str, Any] | None = None
     mha: bool | set[str] = layers is None
     named_by = "layers"
     if isinstance(shares_or_speeds, Mapping):
         per_layer = shares_or_speeds
+        for key, value in per_layer.items():  # floats were once read as speeds, None raised
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+                raise TypeError(
+                    f"{argument}[{key!r}]: must be a sequence of integers (channels per rank), "
+                    f"got {value!r}"
+                )
+            if not all(is_int(v) for v in value):
+                raise TypeError(
+                    f"{argument}[{key!r}]: must be integers (channels per rank), got {value!r}"
+                )
         if layers is None:
             layers = list(per_layer)
             named_by = argument
@@ -370,9 +383,14 @@ def _shares(
     size = size_of() if chosen or splits else 1
 
     latencies: list[list[float] | None] = [None] * len(splits)
+    if timed is not None and not splits:  # once ignored in silence, whatever it was
+        warnings.warn(
+            "filter_parallel: sample times the work every rank repeats around attentions and "
+            "MLPs split by heads or hidden units, and this split has none: it is not run",
+            UserWarning,
+            stacklevel=4,
+        )
     if timed is not None and splits:
-        if argument != "speeds":
-            raise ValueError("sample: balances a split by speeds; give speeds=, not shares")
         others = [n for n in chosen if n not in in_splits]
         latencies = replicated_latencies(splits, timed(splits, others), shares_or_speeds)
     # A rank holding none of an attention's heads runs its forward on empty tensors. One whose
@@ -386,7 +404,7 @@ def _shares(
             return _split_units(
                 ts,
                 shares_or_speeds if per_layer is None else _row_shares(ts, per_layer),
-                argument if per_layer is None else f"{argument}[{ts.row!r}]",
+                argument if per_layer is None else f"{argument}[{_row_key(ts, per_layer)!r}]",
                 size,
                 int(multiple_of),
                 empty_blocks and ts.module not in no_empty,
@@ -509,16 +527,23 @@ def _left_whole(
     return whole
 
 
+def _row_key(ts: TensorSplit, per_layer: Mapping[str, Any]) -> str:
+    """The key of a per-layer dict that gives an attention or MLP its shares: its row layer,
+    else (torch's attention named alone) its packed projection."""
+    return ts.row if ts.row in per_layer else ts.columns[0][0]
+
+
 def _row_shares(ts: TensorSplit, per_layer: Mapping[str, Any]) -> list[Any]:
     """The row layer's input features per rank a per-layer dict gives an attention or MLP:
     the row's own shares, else (torch's attention named alone) its packed projection's,
     converted."""
-    if ts.row in per_layer:
+    key = _row_key(ts, per_layer)
+    if key == ts.row:
         return list(per_layer[ts.row])
     per_unit = ts.features_per_unit()[0]
     return [
         int(v) // per_unit * ts.width if is_int(v) and int(v) % per_unit == 0 else v
-        for v in per_layer[ts.columns[0][0]]
+        for v in per_layer[key]
     ]
 
 

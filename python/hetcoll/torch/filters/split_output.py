@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import inspect
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 from torch.utils import _pytree as pytree
@@ -70,8 +72,30 @@ class SplitOutput(torch.Tensor):
         """``local``, this rank's ``shares[comm.rank]`` features of the last dimension, as
         a :class:`SplitOutput` (``agreed``: the split model's agreed forward, in which its
         exchanges skip their own agreement check)."""
+        if not isinstance(local, torch.Tensor) or local.dim() < 1:
+            raise TypeError(f"local: must be a tensor of at least one dimension, got {local!r}")
+        if not isinstance(comm, Communicator):
+            raise TypeError(f"comm: must be a hetcoll.comm.Communicator, got {type(comm).__name__}")
+        if isinstance(shares, (str, bytes)) or not isinstance(shares, Sequence):
+            raise TypeError(f"shares: must be a list of integers, one per rank, got {shares!r}")
+        if len(shares) != comm.size or any(
+            isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 0 for x in shares
+        ):
+            raise ValueError(
+                f"shares: must be {comm.size} integers >= 0 (one per rank), got {shares!r}"
+            )
+        if shares[comm.rank] != local.shape[-1]:  # once a gloo failure, or a negative shape
+            raise ValueError(
+                f"shares: this rank's share, {shares[comm.rank]}, must be local's last "
+                f"dimension, {local.shape[-1]}"
+            )
+        deadline(timeout)  # checked here, not at the first exchange
+        shares = [int(x) for x in shares]
         offset = sum(shares[: comm.rank])
-        return SplitOutput._wrap(local, _Split(comm, list(shares), offset, timeout, agreed))
+        return SplitOutput._wrap(local, _Split(comm, shares, offset, timeout, agreed))
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> SplitOutput:
+        raise TypeError("SplitOutput: build one with SplitOutput.of(local, comm, shares)")
 
     @staticmethod
     def _wrap(local: torch.Tensor, split: _Split) -> SplitOutput:
@@ -106,6 +130,7 @@ class SplitOutput(torch.Tensor):
         return torch.Size(shape)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        _check_made(self)
         shape = tuple(self._whole_shape())
         return f"SplitOutput(shape={shape}, piece={tuple(self.local().shape)})"
 
@@ -121,6 +146,7 @@ class SplitOutput(torch.Tensor):
         if first is None:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        _check_made(first)
         handled = _split_op(first, func, args, kwargs)
         if handled is not _WHOLE:
             return handled
@@ -131,6 +157,13 @@ class SplitOutput(torch.Tensor):
         args, kwargs = pytree.tree_map(whole, (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+def _check_made(t: SplitOutput) -> None:
+    """A tensor made a SplitOutput some other way than :meth:`SplitOutput.of` (``as_subclass``)
+    knows no split: named, not an AttributeError from every op."""
+    if getattr(t, "_split", None) is None:
+        raise TypeError("SplitOutput: build one with SplitOutput.of(local, comm, shares)")
 
 
 _WHOLE = object()  # the op needs the whole tensor

@@ -278,7 +278,8 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
-    check_full_state_dict(state_dict, {k: p.shape for k, p in _parts(model).items()})
+    dtypes = {k: t.dtype for k, t in model.state_dict(keep_vars=True).items()}
+    check_full_state_dict(state_dict, {k: p.shape for k, p in _parts(model).items()}, dtypes=dtypes)
     model.load_state_dict(state_dict)  # split modules slice full tensors (ChannelSplit)
 
 
