@@ -3,6 +3,7 @@ reaper, which kills the processes a failed (timed-out) test left running; and th
 only tests marked ``multiproc`` launch ranks."""
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -27,3 +28,16 @@ def ranks_only_where_marked(request: pytest.FixtureRequest, monkeypatch: pytest.
 
         monkeypatch.setattr(launch, "free_port", refuse)
         monkeypatch.setattr(launch, "mpiexec_path", refuse)
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Iterator[None]:
+    """torch.distributed's default group of this process alone, over gloo and an in-memory
+    store (no port), for one module's tests."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

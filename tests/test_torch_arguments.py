@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import hetcoll
@@ -31,14 +29,6 @@ from hetcoll.torch import (
     load_full_state_dict,
     weighted_allreduce_hook,
 )
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    store = tmp_path_factory.mktemp("store") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def mlp() -> nn.Module:
@@ -168,3 +158,18 @@ def test_checkpoints_and_hooks_name_what_torch_left_unchecked(one_rank: None) ->
         warnings.simplefilter("error")
         with pytest.raises(ValueError, match=r"^max_norm: must be a number >= 0"):
             clip_grad_norm_(net.parameters(), -1.0)
+
+
+def test_expert_and_rebalancer_helpers_name_values_they_cannot_use() -> None:
+    """is_rank_local(None) once answered False; a threshold past float's range raised
+    OverflowError."""
+    from hetcoll.torch import Rebalancer, is_rank_local
+
+    with pytest.raises(TypeError, match=r"^p: must be a tensor"):
+        is_rank_local(None)  # type: ignore[arg-type]
+    assert not is_rank_local(nn.Parameter(torch.zeros(1)))
+    sampler = BalancedSampler(range(64), [4, 4], 0, verify=False)
+    for threshold in (10**400, math.inf, -0.1, True):
+        with pytest.raises(ValueError, match=r"^threshold: must be a finite number >= 0"):
+            Rebalancer(sampler, threshold=threshold, group=None)
+    assert Rebalancer(sampler, threshold=np.float32(0.1)).threshold == pytest.approx(0.1)

@@ -37,6 +37,8 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from hetcoll.torch.filters.checks import check_flag
+
 #: ``items(y)``: how many items (valid tokens, rows...) ``loss_fn`` averages over for the
 #: targets ``y`` of one step: an int, or an integer tensor of one element.
 Items = Callable[[Any], "int | torch.Tensor"]
@@ -161,8 +163,7 @@ class BatchCounter:
             raise TypeError(f"module: must be a torch.nn.Module, got {type(module).__name__}")
         if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
             raise ValueError(f"batch_dim: must be an integer >= 0, got {batch_dim!r}")
-        if not isinstance(reached, bool):
-            raise TypeError(f"reached: must be True or False, got {reached!r}")
+        check_flag(reached, "reached")
         self.batch_dim = batch_dim
         self._count = 0
         self._forwards = 0

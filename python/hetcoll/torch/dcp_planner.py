@@ -17,6 +17,7 @@ from typing import Any
 
 from torch.distributed.checkpoint import DefaultSavePlanner
 
+from hetcoll.torch.filters.checks import check_flag
 from hetcoll.torch.filters.shards import COPY
 
 
@@ -36,10 +37,8 @@ class ReplicaSavePlanner(DefaultSavePlanner):
         # DCP's flags, checked: any value once passed, read by its truth ('no' flattened).
         bound = inspect.signature(DefaultSavePlanner.__init__).bind(self, *args, **kwargs)
         for name, value in list(bound.arguments.items())[1:]:
-            if not isinstance(value, bool) and not (
-                value is None and name == "dedup_replicated_tensors"
-            ):
-                raise TypeError(f"{name}: must be True or False, got {value!r}")
+            if not (value is None and name == "dedup_replicated_tensors"):
+                check_flag(value, name)
         super().__init__(*args, **kwargs)
 
     def set_up_planner(

@@ -133,6 +133,26 @@ def _numbers(value: object, name: str) -> list[float]:
     return out
 
 
+def _check_capacity(capacity: object, ranks: int, of: str = "rank") -> list[int] | None:
+    """``capacity`` (None, or the most experts each of ``ranks`` ranks may hold: one int >= 0
+    and < 2**64 each, numpy's too) as a list, read once (a generator is not used up by a
+    first pass); ``ValueError`` naming it otherwise (a dict's keys were once read as the
+    list, and 2**70 passed where the loads went and failed where they did not)."""
+    if capacity is None:
+        return None
+    if isinstance(capacity, (str, bytes, Mapping)) or not isinstance(capacity, Iterable):
+        raise ValueError(f"capacity: needs one int >= 0 per {of} ({ranks}), got {capacity!r}")
+    values = list(capacity)
+    if len(values) != ranks or any(
+        isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0 for c in values
+    ):
+        raise ValueError(f"capacity: needs one int >= 0 per {of} ({ranks}), got {values}")
+    for i, c in enumerate(values):
+        if c >= 2**64:  # the Rust layer's counts, as hetcoll.split says it
+            raise ValueError(f"capacity[{i}]: must be < 2**64, got {c}")
+    return [int(c) for c in values]
+
+
 def _check_gap(gap: object) -> float:
     """``gap``, a finite number >= 0 (:func:`hetcoll.partition_items`'); ``ValueError`` naming
     it otherwise."""
@@ -162,7 +182,8 @@ def expert_shares(
     rank's speed is smallest at the slowest rank (:func:`hetcoll.partition_chain`, exact).
     ``capacity``: the most experts each rank may hold (what its memory fits); a request none
     fits raises ``ValueError``, as does bad input (naming the argument: ``num_experts`` is an
-    int from 1 to :data:`MAX_EXPERTS`, ``speeds`` and ``loads`` lists of numbers).
+    int from 1 to :data:`MAX_EXPERTS`, ``speeds`` and ``loads`` lists of numbers, the loads'
+    sum a double, ``capacity`` one int >= 0 and < 2**64 per rank).
 
     >>> expert_shares(8, [3.0, 1.0])
     [6, 2]
@@ -173,18 +194,7 @@ def expert_shares(
     """
     num_experts = _check_experts(num_experts)
     speeds = _numbers(speeds, "speeds")
-    if capacity is not None:
-        if isinstance(capacity, (str, bytes, Mapping)) or not isinstance(capacity, Iterable):
-            raise ValueError(
-                f"capacity: needs one int >= 0 per rank ({len(speeds)}), got {capacity!r}"
-            )
-        capacity = list(capacity)
-        if len(capacity) != len(speeds) or any(
-            isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0 for c in capacity
-        ):
-            raise ValueError(
-                f"capacity: needs one int >= 0 per rank ({len(speeds)}), got {capacity}"
-            )
+    capacity = _check_capacity(capacity, len(speeds))
     if loads is None:
         return [int(n) for n in hetcoll.split(num_experts, speeds, capacity=capacity)]
     loads = _numbers(loads, "loads")
@@ -192,6 +202,8 @@ def expert_shares(
         raise ValueError(f"loads: needs one entry per expert ({num_experts}), got {len(loads)}")
     if any(not math.isfinite(x) or x < 0 for x in loads):
         raise ValueError(f"loads: must be finite and >= 0, got {loads}")
+    if not math.isfinite(_running_sum(loads)):  # the Rust layer's check, under its own name
+        raise ValueError("loads: their sum overflows a double")
     if capacity is None:
         return [int(n) for n in hetcoll.partition_chain(loads, speeds)]
     # partition_chain bounds bytes: each expert weighs one, each rank holds its capacity.
@@ -201,6 +213,15 @@ def expert_shares(
             loads, speeds, memory=[1.0] * num_experts, capacity=[float(c) for c in capacity]
         )
     ]
+
+
+def _running_sum(values: Sequence[float]) -> float:
+    """``values`` added one after another, as the Rust layer adds them (Python's ``sum`` of
+    floats compensates, and could differ from it at the edge of a double's range)."""
+    total = 0.0
+    for x in values:
+        total += x
+    return total
 
 
 def expert_assignment(
@@ -241,6 +262,7 @@ def expert_assignment(
     if current is not None:
         now = expert_indices(current, len(speeds), "current", experts=num_experts, of="rank")
     load = None if loads is None else _numbers(loads, "loads")
+    capacity = _check_capacity(capacity, len(speeds))  # once: partition_items reads it again
     runs = expert_shares(num_experts, speeds, loads=load, capacity=capacity)
     contiguous = [list(held) for held in expert_indices(runs, len(runs), "shares")]
     if load is None:
@@ -312,6 +334,8 @@ _rank_local: dict[int, weakref.ReferenceType[torch.Tensor]] = {}
 def is_rank_local(p: torch.Tensor) -> bool:
     """Whether ``p`` holds this rank's own experts (:func:`expert_parallel`): data-parallel
     averaging must leave its gradient alone."""
+    if not isinstance(p, torch.Tensor):  # None once answered False
+        raise TypeError(f"p: must be a tensor (a parameter), got {type(p).__name__}")
     ref = _rank_local.get(id(p))
     return ref is not None and ref() is p
 
@@ -729,7 +753,7 @@ def expert_parallel(
         raise TypeError("speeds: give exactly one of speeds= or shares=")
     whole = wrap(group)
     placed: Placement = {}
-    failure: ValueError | None = None
+    failure: Exception | None = None
     try:
         placed = experts_placement(
             find_experts(model),
@@ -742,7 +766,7 @@ def expert_parallel(
         if combine not in COMBINE:
             raise ValueError(f"combine: must be one of {COMBINE}, got {combine!r}")
         deadline(timeout)  # checked here, not at the first forward
-    except ValueError as e:  # raised here after the others learn of it, none waiting
+    except (TypeError, ValueError) as e:  # raised here after the others learn of it, none waiting
         failure = e
     agree_placement(whole, placed, failure)
     # The experts' exchanges run on a group of their own where every rank can make one (the
@@ -794,7 +818,7 @@ def find_experts(model: nn.Module) -> list[tuple[str, int]]:
     return found
 
 
-def agree_placement(comm: Communicator, placed: Placement, failure: ValueError | None) -> None:
+def agree_placement(comm: Communicator, placed: Placement, failure: Exception | None) -> None:
     """One agreement before any other collective: every layer's placement the same on every
     rank, or every rank raises (:class:`hetcoll.CollectiveMismatchError` naming the layer, or
     a rank whose own arguments failed: it raises ``failure``, the others name it)."""
@@ -823,8 +847,14 @@ def experts_placement(
     ``current``: each layer's placement now, which placing by speed disturbs least, and
     ``gap``: :func:`expert_assignment`'s). ``ValueError`` naming the argument where they do
     not make a placement."""
-    if speeds is not None and len(speeds) != ranks:
-        raise ValueError(f"speeds: needs one per {of} ({ranks}), got {len(speeds)}")
+    if speeds is not None:
+        speeds = _numbers(speeds, "speeds")  # True or 0 once raised "has no len()"
+        if len(speeds) != ranks:
+            raise ValueError(f"speeds: needs one per {of} ({ranks}), got {len(speeds)}")
+    # Read once, not once per layer (a generator gave the second layer nothing).
+    if loads is not None and not isinstance(loads, Mapping):
+        loads = _numbers(loads, "loads")
+    capacity = _check_capacity(capacity, ranks, of)
     for arg, given in (("loads", loads), (where, shares)):
         if isinstance(given, Mapping):
             missing = [n for n, _ in experts if n not in given]
@@ -906,6 +936,7 @@ def place_experts(
         shares=shares,
         loads=loads,
         capacity=capacity,
+        optimizer=optimizer,
     )
     move_experts([(name, m, placed[name]) for name, m in layers], optimizer)
     return placed
@@ -921,15 +952,24 @@ def agreed_placement(
     loads: Loads | None,
     capacity: Sequence[int] | None,
     of: str = "rank",
+    optimizer: object = None,
 ) -> Placement:
     """:func:`experts_placement` of exactly one of ``speeds=`` or ``shares=`` (``TypeError``
     otherwise), agreed over ``comm`` before anything moves (:func:`agree_placement`: a
-    rank's bad argument, or placements that differ, raise on every rank)."""
+    rank's bad argument, or placements that differ, raise on every rank). ``optimizer``, the
+    one whose state moves with the experts, is checked with them: a torch optimizer or
+    None."""
     if (speeds is None) == (shares is None):
         raise TypeError("speeds: give exactly one of speeds= or shares=")
     placed: Placement = {}
-    failure: ValueError | None = None
+    failure: Exception | None = None
     try:
+        # A str was once taken, to break only once experts moved (its .state read then).
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "optimizer: must be a torch.optim.Optimizer or None, got "
+                f"{type(optimizer).__name__}"
+            )
         placed = experts_placement(
             experts,
             ranks,
@@ -939,7 +979,7 @@ def agreed_placement(
             capacity=capacity,
             of=of,
         )
-    except ValueError as e:  # raised after the others learn of it, none waiting
+    except (TypeError, ValueError) as e:  # raised after the others learn of it, none waiting
         failure = e
     agree_placement(comm, placed, failure)
     return placed

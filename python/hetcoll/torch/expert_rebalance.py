@@ -22,6 +22,8 @@ that rank's speed: the quantity :func:`expert_assignment` minimises.
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +41,8 @@ from hetcoll.torch.expert_parallel import (
     ExpertParallelExperts,
     Held,
     Placement,
+    _check_capacity,
+    _running_sum,
     assignment_seconds,
     expert_loads,
     experts_placement,
@@ -75,38 +79,64 @@ class ExpertRebalanceEvent:
     seconds: float = 0.0
 
 
+def _floats(values: object) -> list[float]:
+    """``values`` as floats: ``TypeError``/``ValueError``/``OverflowError`` where it is no
+    list of numbers (a str, a dict, whose keys a loop reads, or a bool among them)."""
+    if isinstance(values, (str, bytes, Mapping)):
+        raise TypeError(values)
+    out = []
+    for x in values:  # type: ignore[attr-defined]
+        if isinstance(x, (bool, np.bool_)):  # True once counted as 1
+            raise TypeError(x)
+        out.append(float(x))
+    return out
+
+
 def _load_list(loads: object, argument: str) -> list[float]:
-    """``loads`` as floats, each finite and >= 0 (tokens routed to each expert); ``ValueError``
-    naming ``argument`` otherwise (NaN once priced a placement at 2 s, a negative load at 0)."""
+    """``loads`` as floats, each finite and >= 0 (tokens routed to each expert), their sum a
+    double; ``ValueError`` naming ``argument`` otherwise (NaN once priced a placement at 2 s,
+    a negative load at 0, and 4 loads of 1e308 at infinity)."""
     try:
-        if isinstance(loads, (str, bytes, Mapping)):
-            raise TypeError(loads)
-        values = [float(x) for x in loads]  # type: ignore[attr-defined]
+        values = _floats(loads)
     except (TypeError, ValueError, OverflowError):
         raise ValueError(f"{argument}: must be numbers, one per expert, got {loads!r}") from None
     if not all(np.isfinite(values)) or (values and min(values) < 0):
         raise ValueError(f"{argument}: must be finite numbers >= 0, one per expert, got {values}")
+    if not math.isfinite(_running_sum(values)):
+        raise ValueError(f"{argument}: their sum overflows a double")
     return values
 
 
-def _speed_list(speeds: object, size: int | None = None) -> list[float]:
-    """``speeds`` as floats, each finite and >= 0, one per rank (``size`` of them where given);
-    ``ValueError`` naming ``speeds`` otherwise."""
+def _speed_list(speeds: object, size: int | None = None, *, positive: bool = False) -> list[float]:
+    """``speeds`` as floats, each finite and >= 0 (> 0 where ``positive``: a placement by load
+    needs every rank's), one per rank (``size`` of them where given); ``ValueError`` naming
+    ``speeds`` otherwise."""
     try:
-        if isinstance(speeds, (str, bytes, Mapping)):  # "11" once read as two ranks' speeds
-            raise TypeError(speeds)
-        values = [float(s) for s in speeds]  # type: ignore[attr-defined]
+        values = _floats(speeds)  # "11" once read as two ranks' speeds, [True] as one of 1
     except (TypeError, ValueError, OverflowError):
         raise ValueError(f"speeds: must be numbers, one per rank, got {speeds!r}") from None
     per_rank = "per rank" if size is None else f"per rank ({size})"
+    bound = "> 0" if positive else ">= 0"
     if (
         not values
         or (size is not None and len(values) != size)
         or not all(np.isfinite(values))
         or min(values) < 0
+        or (positive and min(values) == 0)
     ):
-        raise ValueError(f"speeds: needs one finite number >= 0 {per_rank}, got {values}")
+        raise ValueError(f"speeds: needs one finite number {bound} {per_rank}, got {values}")
     return values
+
+
+def _real(value: object) -> float | None:
+    """``value`` as a float where it is a real number within a double's range (numpy's too;
+    a bool is none: True once counted as 1), else None."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an int past floats (10**400 once raised OverflowError)
+        return None
 
 
 def placement_time(
@@ -159,13 +189,13 @@ def refined_placement(
     loads = _load_list(loads, "loads")
     if len(loads) != experts:
         raise ValueError(f"loads: needs one entry per expert ({experts}), got {len(loads)}")
+    # Checked here: the Rust layer read a dict's keys as the list.
+    capacity = _check_capacity(capacity, len(speeds))
     owner = [0] * experts
     for rank, held in enumerate(placed):
         for e in held:
             owner[e] = rank
-    refined = refine_items(
-        [float(x) for x in loads], [float(s) for s in speeds], owner, capacity=capacity
-    )
+    refined = refine_items(loads, speeds, owner, capacity=capacity)
     return [[e for e, r in enumerate(refined) if r == rank] for rank in range(len(speeds))]
 
 
@@ -181,9 +211,9 @@ class ExpertRebalancer:
 
     Call :meth:`step` on every rank after every optimizer step; every ``every`` steps it
     decides (collectively, on the experts' group; a ``Parallel``'s whole group) and returns
-    True when the experts moved. ``speeds``: the ranks' speeds, one per rank (a ``Parallel``:
-    one per replica, in its plan's order), or a function of nothing that gives them (or
-    None while unknown) at each decision, e.g. ``lambda: rebalancer.speeds`` of the
+    True when the experts moved. ``speeds``: the ranks' speeds, each > 0, one per rank (a
+    ``Parallel``: one per replica, in its plan's order), or a function of nothing that gives
+    them (or None while unknown) at each decision, e.g. ``lambda: rebalancer.speeds`` of the
     :class:`~hetcoll.torch.Rebalancer` that splits the batch. ``optimizer`` (built over
     ``model.parameters()``): its state moves with the experts. ``threshold``: the least
     relative gain in the predicted experts' time that moves them (moving costs one exchange
@@ -247,25 +277,29 @@ class ExpertRebalancer:
                 f"{type(optimizer).__name__}"
             )
         every = every_argument(every, "every", optional=False)
-        if not (isinstance(threshold, (int, float)) and threshold >= 0.0):
-            raise ValueError(f"threshold: must be a number >= 0, got {threshold!r}")
-        if not (isinstance(smoothing, (int, float)) and 0.0 < smoothing <= 1.0):
+        # A bool is no number here (True once meant 1); infinity reached step() as its gap.
+        thresh, smooth = _real(threshold), _real(smoothing)
+        if thresh is None or not 0.0 <= thresh < math.inf:
+            raise ValueError(f"threshold: must be a finite number >= 0, got {threshold!r}")
+        if smooth is None or not 0.0 < smooth <= 1.0:
             raise ValueError(f"smoothing: must be in (0, 1], got {smoothing!r}")
         if not callable(speeds):
-            speeds = _speed_list(speeds, self.size)
-        if capacity is not None and (
-            isinstance(capacity, (str, bytes))
-            or len(capacity) != self.size
-            or any(isinstance(c, bool) or not isinstance(c, (int, np.integer)) for c in capacity)
-            or min(capacity) < 0
-        ):
-            raise ValueError(
-                f"capacity: needs one int >= 0 per rank ({self.size}), got {capacity!r}"
-            )
+            # Every decision places by load, which needs each speed > 0: checked here, not
+            # at the first decision.
+            speeds = _speed_list(speeds, self.size, positive=True)
+        held = _check_capacity(capacity, self.size)
+        if held is not None:
+            for name, placed in self._placed_now().items():
+                experts = sum(map(len, placed))
+                if sum(held) < experts:
+                    raise ValueError(
+                        f"capacity: holds {sum(held)} experts in all, fewer than the "
+                        f"{experts} of {name!r}"
+                    )
         self.model, self.optimizer = model, optimizer
         self._speeds = speeds
-        self.every, self.threshold, self.smoothing = every, float(threshold), float(smoothing)
-        self.capacity = None if capacity is None else list(capacity)
+        self.every, self.threshold, self.smoothing = every, thresh, smooth
+        self.capacity = held
         #: Each layer's estimated tokens per expert per window (by experts module name).
         self.loads: dict[str, list[float]] | None = None
         self.history: list[ExpertRebalanceEvent] = []
@@ -288,7 +322,7 @@ class ExpertRebalancer:
         given = self._speeds() if callable(self._speeds) else self._speeds
         if given is None:
             return False  # the speeds are not known yet: the loads are kept
-        speeds = _speed_list(given, self.size)
+        speeds = _speed_list(given, self.size, positive=True)
         old = self._placed_now()
         new = experts_placement(
             [(name, sum(map(len, held))) for name, held in old.items()],
@@ -394,8 +428,15 @@ class ExpertRebalancer:
         if missing:
             raise ValueError(f"state: missing {missing} (not an ExpertRebalancer state_dict)")
         step = state["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"state['step']: must be an integer >= 0, got {step!r}")
+        # Below 2**63: the ranks agree on it as a 64-bit int (2**70 was refused there, under
+        # that agreement's own name for it).
+        if (
+            isinstance(step, bool)
+            or not isinstance(step, (int, np.integer))
+            or not 0 <= step < 2**63
+        ):
+            raise ValueError(f"state['step']: must be an integer >= 0 and < 2**63, got {step!r}")
+        step = int(step)
         layers = {name: sum(map(len, held)) for name, held in self._placed_now().items()}
         saved = state["placement"]
         if not isinstance(saved, Mapping) or set(saved) != set(layers):
@@ -421,9 +462,9 @@ class ExpertRebalancer:
                 )
             checked: dict[str, list[float]] = {}
             for name, values in loads.items():
-                try:
-                    checked[name] = [float(x) for x in values]
-                except (TypeError, ValueError):
+                try:  # not a bool, nor a dict's keys
+                    checked[name] = _floats(values)
+                except (TypeError, ValueError, OverflowError):
                     raise ValueError(f"state['loads'][{name!r}]: must be numbers") from None
                 if len(checked[name]) != layers[name] or not all(
                     np.isfinite(x) and x >= 0 for x in checked[name]
@@ -432,5 +473,7 @@ class ExpertRebalancer:
                         f"state['loads'][{name!r}]: needs one finite number >= 0 per expert "
                         f"({layers[name]})"
                     )
+                if not math.isfinite(_running_sum(checked[name])):  # step() would place by it
+                    raise ValueError(f"state['loads'][{name!r}]: their sum overflows a double")
             loads = checked
         return step, loads, placement

@@ -123,6 +123,7 @@ class PlanExperts:
             loads=loads,
             capacity=capacity,
             of="replica",
+            optimizer=optimizer,
         )
         here = self._held_experts()
         moves = []

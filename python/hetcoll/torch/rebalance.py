@@ -226,7 +226,11 @@ class Rebalancer:
         every = every_argument(every, "every", optional=False)
         if not _number(smoothing) or not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing: must be in (0, 1], got {smoothing!r}")
-        if not _number(threshold) or not 0.0 <= threshold < math.inf:
+        try:
+            limit = float(threshold) if _number(threshold) else math.nan  # type: ignore[arg-type]
+        except OverflowError:  # 10**400
+            limit = math.inf
+        if not 0.0 <= limit < math.inf:
             raise ValueError(f"threshold: must be a finite number >= 0, got {threshold!r}")
         if not _number(drift) or not 0.0 <= drift < 1.0:
             raise ValueError(f"drift: must be in [0, 1), got {drift!r}")
@@ -245,7 +249,7 @@ class Rebalancer:
         self.sampler = sampler
         self.every = every
         self.smoothing = float(smoothing)
-        self.threshold = float(threshold)
+        self.threshold = limit
         self.drift = float(drift)
         self.group = group
         self._comm: Communicator | None = None

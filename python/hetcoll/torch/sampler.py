@@ -56,6 +56,7 @@ from torch.utils.data import BatchSampler, Sampler
 
 import hetcoll
 from hetcoll.comm import agree, group_argument, has_default, wrap
+from hetcoll.torch.filters.checks import check_flag
 
 
 def _positive_int(value: Any, argument: str) -> int:
@@ -371,9 +372,9 @@ class BalancedSampler(Sampler[int]):
         #: Every rank takes the whole global batch (:meth:`whole_batches`).
         self.whole = whole
         try:
-            for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("verify", verify)):
-                if not isinstance(flag, bool):  # 'no' once shuffled, None dropped nothing
-                    raise TypeError(f"{name}: must be True or False, got {flag!r}")
+            # 'no' once shuffled, None dropped nothing
+            shuffle, drop_last = check_flag(shuffle, "shuffle"), check_flag(drop_last, "drop_last")
+            check_flag(verify, "verify")
             if isinstance(dataset, (str, bytes)) or (
                 isinstance(dataset, Mapping) and not all(i in dataset for i in range(len(dataset)))
             ):  # its characters, or keys it does not have, once drawn as samples

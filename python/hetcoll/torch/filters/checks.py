@@ -144,6 +144,14 @@ def check_linear(linear: nn.Linear, argument: str) -> None:
         raise TypeError(f"{argument}: must be a torch.nn.Linear, got {type(linear).__name__}")
 
 
+def check_flag(value: object, argument: str) -> bool:
+    """``value`` a bool (numpy's too), as a bool: any other value was once read by its truth
+    (``'no'`` as true, ``None`` as false)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{argument}: must be True or False, got {value!r}")
+    return bool(value)
+
+
 def check_timeout(timeout: float | None) -> None:
     """``timeout`` as every collective takes it (:func:`hetcoll.comm.deadline`'s rule), checked
     where it is given rather than at the first collective."""

@@ -40,6 +40,7 @@ from hetcoll.torch.filters.chains import (
 )
 from hetcoll.torch.filters.checks import (
     check_conv,
+    check_flag,
     check_shares,
     check_timeout,
     is_int,
@@ -118,7 +119,7 @@ def filter_shares(
         raise TypeError("size: required (the number of ranks)")
     if not is_int(size) or size < 1:
         raise ValueError(f"size: must be an integer >= 1, got {size!r}")
-    _check_flag(loss_parallel, "loss_parallel")
+    check_flag(loss_parallel, "loss_parallel")
     value, argument = _split_argument(shares_or_speeds, speeds, shares)
     timed = None
     if sample is not None:
@@ -225,9 +226,8 @@ def _shares(
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
     if not is_int(multiple_of) or multiple_of < 1:
         raise ValueError(f"multiple_of: must be an integer >= 1, got {multiple_of!r}")
-    if not isinstance(empty_blocks, bool):
-        raise TypeError(f"empty_blocks: must be True or False, got {empty_blocks!r}")
-    _check_flag(avoid_gathers, "avoid_gathers")  # None once turned every layer to gathering
+    check_flag(empty_blocks, "empty_blocks")
+    check_flag(avoid_gathers, "avoid_gathers")  # None once turned every layer to gathering
     if timed is not None and argument != "speeds":  # once ignored where nothing was timed
         raise ValueError("sample: balances a split by speeds; give speeds=, not shares")
     named = dict(model.named_modules())
@@ -755,7 +755,7 @@ def filter_parallel(
         )
     try:
         check_timeout(timeout)
-        _check_flag(loss_parallel, "loss_parallel")
+        check_flag(loss_parallel, "loss_parallel")
         value, argument = _split_argument(shares_or_speeds, speeds, shares)
     except (TypeError, ValueError) as e:
         _tell_the_others(group, timeout, e)
@@ -1158,11 +1158,6 @@ def _agree_on_plan(
     fingerprint = zlib.crc32(repr((plan, shared) if shared else plan).encode())
     what = "filter_parallel's layers, modes and shares (same model and arguments needed)"
     agree(comm, {what: fingerprint}, deadline(timeout))
-
-
-def _check_flag(value: Any, name: str) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: must be True or False, got {value!r}")
 
 
 def _linear_class(m: nn.Module) -> Any:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import weakref
 from collections.abc import Sequence
 from typing import Any, Self
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -31,6 +33,7 @@ from hetcoll.torch.filters.autograd import (
 from hetcoll.torch.filters.checks import (
     check_choice,
     check_conv,
+    check_flag,
     check_linear,
     check_mode,
     check_shares,
@@ -306,6 +309,10 @@ class FilterParallelRMSNorm(ChannelSplit, nn.Module):
     timeout: float | None = None
     blocks: tuple[int, ...] = (1,)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # nn.Module's constructor built a norm of no split (an AttributeError at its first use).
+        raise TypeError("FilterParallelRMSNorm: build one with FilterParallelRMSNorm.from_module")
+
     def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         return {"weight": (0, self.blocks)}
 
@@ -325,16 +332,36 @@ class FilterParallelRMSNorm(ChannelSplit, nn.Module):
         weight = getattr(norm, "weight", None)
         if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
             raise TypeError("norm: must hold a 1-D weight parameter")
+        try:  # a bool, a string, None or an int past float's range is no epsilon
+            e = math.nan if isinstance(eps, (bool, np.bool_, str)) else float(eps)
+        except (TypeError, ValueError, OverflowError):
+            e = math.nan
+        if not (math.isfinite(e) and e >= 0):
+            raise ValueError(f"eps: must be a finite number >= 0, got {eps!r}")
+        if (
+            isinstance(blocks, (str, bytes))
+            or not isinstance(blocks, Sequence)
+            or not blocks
+            or not all(is_int(b) and b >= 0 for b in blocks)
+            or not sum(blocks)
+        ):
+            raise ValueError(f"blocks: must be integers >= 0, not all 0, got {blocks!r}")
+        check_timeout(timeout)
+        if isinstance(shares, (str, bytes)) or not isinstance(shares, Sequence):
+            raise TypeError(f"shares: must be a sequence of integers, got {type(shares).__name__}")
+        if not all(is_int(u) and u >= 0 for u in shares):
+            raise ValueError(f"shares: must be integers >= 0, got {list(shares)!r}")
         comm = wrap(group)
-        units = list(shares)
+        units = [int(u) for u in shares]
         if sum(units) * sum(blocks) != weight.shape[0] or len(units) != comm.size:
             raise ValueError(
                 f"shares: {units} units of {tuple(blocks)} features do not split the norm's "
                 f"{weight.shape[0]} features over {comm.size} ranks"
             )
-        self = cls()
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
         self._set_split(comm, units)
-        self.eps, self.features, self.timeout = float(eps), int(weight.shape[0]), timeout
+        self.eps, self.features, self.timeout = e, int(weight.shape[0]), timeout
         self.blocks = tuple(int(b) for b in blocks)
         with torch.no_grad():
             local = take_runs(weight, 0, split_runs(units, comm.rank, self.blocks)).clone()
@@ -580,13 +607,25 @@ class FilterParallelConv2d(FilterParallelLayer):
         device: Any = None,
         dtype: Any = None,
     ) -> None:
+        # Each argument named here, before torch builds the layer: torch took True as 1 and
+        # [] as a kernel (failing at the forward), and named none of them.
+        in_channels = _check_size(in_channels, "in_channels")
+        out_channels = _check_size(out_channels, "out_channels")
+        kernel = _check_pair(kernel_size, "kernel_size")
+        strides = _check_pair(stride, "stride")
+        pad = _check_padding(padding, strides)
+        dilations = _check_pair(dilation, "dilation")
+        if not is_int(groups) or groups != 1:
+            raise ValueError(
+                f"groups: is {groups!r}; filter parallelism splits groups=1 convolutions only"
+            )
+        bias = check_flag(bias, "bias")
+        if not isinstance(padding_mode, str) or padding_mode not in _PADDING_MODES:
+            raise ValueError(f"padding_mode: must be one of {_PADDING_MODES}, got {padding_mode!r}")
         check_mode(mode)
         check_timeout(timeout)
-        if groups != 1:
-            raise ValueError(
-                f"groups: is {groups}; filter parallelism splits groups=1 convolutions only"
-            )
         check_choice(shares, speeds, multiple_of)
+        _check_speeds(speeds)
         comm = wrap(group)
         split_total = in_channels if mode == "split-input" else out_channels
         counts = resolve_shares(shares, speeds, multiple_of, split_total, comm.size, "the layer")
@@ -594,10 +633,10 @@ class FilterParallelConv2d(FilterParallelLayer):
         full = nn.Conv2d(
             in_channels,
             out_channels,
-            kernel_size,
-            stride,
-            padding,
-            dilation,
+            kernel,
+            strides,
+            pad,
+            dilations,
             1,
             bias,
             padding_mode,  # type: ignore[arg-type]
@@ -626,6 +665,7 @@ class FilterParallelConv2d(FilterParallelLayer):
         check_mode(mode)
         check_timeout(timeout)
         check_choice(shares, speeds, multiple_of)
+        _check_speeds(speeds)
         comm = wrap(group)
         total = conv.in_channels if mode == "split-input" else conv.out_channels
         counts = resolve_shares(shares, speeds, multiple_of, total, comm.size, "conv")
@@ -693,10 +733,16 @@ class FilterParallelLinear(FilterParallelLayer):
         device: Any = None,
         dtype: Any = None,
     ) -> None:
+        # Named here, before torch builds the layer (True was a layer of 1 feature, any bias
+        # was read as true or false, and 2.5 out_features reached the shares' check).
+        in_features = _check_size(in_features, "in_features")
+        out_features = _check_size(out_features, "out_features")
+        bias = check_flag(bias, "bias")
         check_mode(mode)
         check_timeout(timeout)
         unit = _check_unit(in_features, in_features_per_channel)
         check_choice(shares, speeds, multiple_of)
+        _check_speeds(speeds)
         comm = wrap(group)
         total = in_features // unit if mode == "split-input" else out_features
         counts = resolve_shares(shares, speeds, multiple_of, total, comm.size, "the layer")
@@ -749,7 +795,17 @@ class FilterParallelLinear(FilterParallelLayer):
             )
         if mode != "split-output" and (widths != (1,) or kept):
             raise ValueError("blocks: only split-output layers split whole units")
+        # Only a split-output layer reads a shared copy of its input: another mode dropped it.
+        if shared_input is not None and not isinstance(shared_input, SharedCopy):
+            raise TypeError(
+                f"shared_input: must be a SharedCopy or None, got {type(shared_input).__name__}"
+            )
+        if shared_input is not None and mode != "split-output":
+            raise ValueError(
+                f"shared_input: only split-output layers read a shared copy, got mode {mode!r}"
+            )
         check_choice(shares, speeds, multiple_of)
+        _check_speeds(speeds)
         comm = wrap(group)
         split_in = mode == "split-input"
         total = in_features // unit if split_in else (out_features - sum(kept)) // per_unit
@@ -894,6 +950,79 @@ def _check_unit(in_features: int, unit: object) -> int:
     return int(unit)  # type: ignore[call-overload]
 
 
+#: The largest size, kernel, stride, padding or dilation a layer takes: torch holds them in C
+#: ints (2**70 overflowed inside ``torch.empty``).
+_MAX_SIZE = 2**31 - 1
+
+#: The padding modes ``nn.Conv2d`` takes.
+_PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+
+
+def _check_size(value: object, argument: str, least: int = 1, what: str = "an integer") -> int:
+    """``value`` an integer in ``[least, 2**31 - 1]`` (a numpy integer too, a bool not: True
+    was once a layer of 1 feature), as an int; ``what`` it must be, for the message."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{argument}: must be {what} >= {least}, got {value!r}")
+    if not least <= value <= _MAX_SIZE:
+        shown = repr(value) if abs(int(value)) < 2**64 else "an integer past 2**64"  # 10**5000
+        raise ValueError(f"{argument}: must be {what} >= {least} and <= 2**31 - 1, got {shown}")
+    return int(value)
+
+
+def _check_pair(value: object, argument: str, least: int = 1) -> tuple[int, int]:
+    """A convolution's ``kernel_size``, ``stride``, ``padding`` or ``dilation``: an integer
+    ``>= least`` or two of them (height, width), as torch takes them, as a pair of ints (``[]``
+    and 0 once built a layer whose forward failed inside torch)."""
+    what = "an integer or a pair of integers"
+    if not isinstance(value, (tuple, list)):
+        n = _check_size(value, argument, least, what)
+        return n, n
+    if len(value) != 2:
+        raise ValueError(f"{argument}: must be {what} >= {least}, got {value!r}")
+    h, w = (_check_size(v, argument, least, what) for v in value)
+    return h, w
+
+
+def _check_padding(padding: object, stride: tuple[int, int]) -> str | tuple[int, int]:
+    """``padding`` as ``nn.Conv2d`` takes it: ``'same'`` (stride 1 only), ``'valid'``, or
+    an integer >= 0 or two."""
+    if isinstance(padding, str):
+        if padding not in ("same", "valid"):
+            raise ValueError(
+                "padding: must be 'same', 'valid', an integer >= 0 or a pair of them, "
+                f"got {padding!r}"
+            )
+        if padding == "same" and stride != (1, 1):
+            raise ValueError(f"padding: 'same' needs stride 1, got stride {stride}")
+        return padding
+    return _check_pair(padding, "padding", 0)
+
+
+def _check_speeds(speeds: object) -> None:
+    """``speeds``, where given, a sequence (or 1-D array) of finite numbers: a dict's keys or
+    a string's characters were once read as speeds, and ``5`` failed at ``len``. Their
+    count and values are :func:`~.checks.speeds_to_shares`' to check."""
+    if speeds is None:
+        return
+    if isinstance(speeds, np.ndarray) and speeds.ndim != 1:
+        raise TypeError(f"speeds: must be a sequence of numbers, got a {speeds.ndim}-D array")
+    if isinstance(speeds, (str, bytes)) or not isinstance(speeds, (Sequence, np.ndarray)):
+        raise TypeError(f"speeds: must be a sequence of numbers, got {type(speeds).__name__}")
+    for i, s in enumerate(speeds):  # each entry named alone: a list's repr can be 10**5000's
+        if isinstance(s, (bool, np.bool_)):
+            raise TypeError(f"speeds: booleans are not speeds, got {s!r} (entry {i})")
+        if not isinstance(s, numbers.Real):
+            raise TypeError(f"speeds: must be a sequence of numbers, got {s!r} (entry {i})")
+        try:
+            finite = math.isfinite(s)
+        except OverflowError:  # an int past float's range (10**400)
+            raise ValueError(
+                f"speeds: must be finite numbers, got an integer past float's range (entry {i})"
+            ) from None
+        if not finite:
+            raise ValueError(f"speeds: must be finite numbers, got {s!r} (entry {i})")
+
+
 class FilterParallelEmbedding(ChannelSplit, nn.Module):
     """An ``nn.Embedding`` split by vocabulary: this rank holds rows ``[offset, offset +
     share)`` of the table. Every rank looks up the tokens it holds (zeros for the others), and
@@ -910,6 +1039,12 @@ class FilterParallelEmbedding(ChannelSplit, nn.Module):
     num_embeddings: int
     embedding_dim: int
     padding_idx: int | None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # nn.Module's constructor built a table of no split (an AttributeError at its first use).
+        raise TypeError(
+            "FilterParallelEmbedding: build one with FilterParallelEmbedding.from_module"
+        )
 
     def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         return {"weight": (0, (1,))}
@@ -939,7 +1074,8 @@ class FilterParallelEmbedding(ChannelSplit, nn.Module):
         counts = check_shares(
             shares, embedding.num_embeddings, comm.size, "shares", "the embedding"
         )
-        self = cls()
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
         self._set_split(comm, counts)
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.padding_idx = embedding.padding_idx
@@ -988,7 +1124,17 @@ class FilterParallelEmbedding(ChannelSplit, nn.Module):
 
 class _SplitBatchNorm(ChannelSplit):
     """Channels ``[offset, offset + share)`` of a BatchNorm: its statistics and affine map are
-    per channel, so the split is exact and needs no communication."""
+    per channel, so the split is exact and needs no communication. Only :meth:`from_module`
+    builds one."""
+
+    #: The BatchNorm it splits (a BatchNorm1d's split once took a BatchNorm2d).
+    _kind: type[_BatchNorm]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # The BatchNorm's own constructor built a layer of no split (no shares: an
+        # AttributeError at its first state dict).
+        name = type(self).__name__
+        raise TypeError(f"{name}: build one with {name}.from_module")
 
     def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         names = ("weight", "bias", "running_mean", "running_var")
@@ -1001,11 +1147,15 @@ class _SplitBatchNorm(ChannelSplit):
 
         >>> FilterParallelBatchNorm2d.from_module(nn.BatchNorm2d(37), [29, 7, 1])  # doctest: +SKIP
         """
+        if not isinstance(bn, cls._kind):
+            raise TypeError(f"bn: must be a torch.nn.{cls._kind.__name__}, got {type(bn).__name__}")
         comm = wrap(group)
         counts = check_shares(shares, bn.num_features, comm.size, "shares", "the BatchNorm")
         off, n = sum(counts[: comm.rank]), counts[comm.rank]
         w = bn.weight
-        new: Any = cls(  # type: ignore[call-arg]
+        new: Any = cls.__new__(cls)
+        cls._kind.__init__(  # the BatchNorm's own constructor: this class's refuses
+            new,
             n,
             bn.eps,
             bn.momentum,
@@ -1032,17 +1182,30 @@ class _SplitBatchNorm(ChannelSplit):
 class FilterParallelBatchNorm2d(_SplitBatchNorm, nn.BatchNorm2d):
     """This rank's channels of a ``BatchNorm2d`` that follows a split conv layer."""
 
+    _kind = nn.BatchNorm2d
+
 
 class FilterParallelBatchNorm1d(_SplitBatchNorm, nn.BatchNorm1d):
     """This rank's features of a ``BatchNorm1d`` that follows a split linear layer (2-D
     input)."""
+
+    _kind = nn.BatchNorm1d
 
 
 class FilterParallelDepthwiseConv2d(ChannelSplit, nn.Conv2d):
     """Channels ``[offset, offset + share)`` of a depthwise ``Conv2d`` (``groups`` = in = out
     channels) that follows a split conv layer: each output channel reads its own input
     channel alone, so the split is exact and needs no communication (MobileNet's 3x3
-    convolution between its 1x1 expansion and projection)."""
+    convolution between its 1x1 expansion and projection). Only :meth:`from_module` builds
+    one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # nn.Conv2d's constructor built a layer of no split (an AttributeError at its first
+        # state dict).
+        raise TypeError(
+            "FilterParallelDepthwiseConv2d: build one with "
+            "FilterParallelDepthwiseConv2d.from_module"
+        )
 
     def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         return {n: (0, (1,)) for n in ("weight", "bias") if getattr(self, n, None) is not None}
@@ -1057,6 +1220,8 @@ class FilterParallelDepthwiseConv2d(ChannelSplit, nn.Conv2d):
         >>> FilterParallelDepthwiseConv2d.from_module(  # doctest: +SKIP
         ...     nn.Conv2d(37, 37, 3, groups=37), [29, 7, 1])
         """
+        if not isinstance(conv, nn.Conv2d):
+            raise TypeError(f"conv: must be a torch.nn.Conv2d, got {type(conv).__name__}")
         comm = wrap(group)
         channels = conv.out_channels
         if not conv.groups == conv.in_channels == channels:
@@ -1132,6 +1297,8 @@ class FilterParallelMultiheadAttention(ChannelSplit, nn.Module):
     @staticmethod
     def why_not(mha: nn.MultiheadAttention) -> str | None:
         """Why ``mha`` cannot be split by heads (None: it can)."""
+        if not isinstance(mha, nn.MultiheadAttention):
+            raise TypeError(f"mha: must be a torch.nn.MultiheadAttention, got {type(mha).__name__}")
         if not mha._qkv_same_embed_dim:
             return "its keys or values have their own sizes (kdim, vdim)"
         if mha.bias_k is not None or mha.add_zero_attn:
@@ -1154,9 +1321,7 @@ class FilterParallelMultiheadAttention(ChannelSplit, nn.Module):
 
         >>> FilterParallelMultiheadAttention.from_module(layer.self_attn, [3, 1])  # doctest: +SKIP
         """
-        if not isinstance(mha, nn.MultiheadAttention):
-            raise TypeError(f"mha: must be a torch.nn.MultiheadAttention, got {type(mha).__name__}")
-        why = cls.why_not(mha)
+        why = cls.why_not(mha)  # checks it is one
         if why is not None:
             raise ValueError(f"mha: cannot be split by heads: {why}")
         check_timeout(timeout)
