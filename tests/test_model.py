@@ -1606,3 +1606,97 @@ def test_the_shape_of_one_sample_is_checked_once_for_every_reader() -> None:
         with pytest.raises(ValueError, match=r"^bytes_per_element: must be an integer in 1..64"):
             network_hypergraph(net, (3, 8, 8), bytes_per_element=bpe)  # type: ignore[arg-type]
     assert network_hypergraph(net, "3x8x8", bytes_per_element=2).num_vertices == 6
+
+
+def test_figures_that_overflow_a_step_are_refused_in_code_and_in_files(tmp_path: Path) -> None:
+    """5e-324 FLOP/s or bytes/s once priced every plan at inf (a plan's JSON held Infinity
+    and NaN breakdowns); a latency of 1.7e308 s likewise."""
+    figures = {"flops_per_s": 1e12, "mem_bytes_per_s": 1e11, "memory_bytes": 1e9}
+    for field, value, text in (("flops_per_s", 5e-324, "at least 1 a second"),
+                               ("elementwise_bytes_per_s", 0.5, "0 or at least 1 a second"),
+                               ("kernel_overhead_s", 1.7e308, "at most 1e\\+06 seconds"),
+                               ("step_overhead_s", 1e7, "at most 1e\\+06 seconds")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^Device 'd': {field}: must be {text}"):
+            Device("d", **{**figures, field: value})  # type: ignore[arg-type]
+    for field, value in (("bytes_per_s", 5e-324), ("latency_s", 1.7e308), ("call_s", 2e6)):
+        with pytest.raises(ValueError, match=rf"^Link 'l': {field}: must be"):
+            Link("l", **{"latency_s": 1e-5, "bytes_per_s": 1e9, field: value})  # type: ignore[arg-type]
+    assert Link("self", 0.0, math.inf).bytes_per_s == math.inf  # a device talking to itself
+    good = "flops_per_s = 1e12\nmem_bytes_per_s = 1e11\nmemory_bytes = 1e9\n"
+    for table, line, text in (("devices.d", "flops_per_s = 5e-324", "devices.d.flops_per_s"),
+                              ("links.l", "bytes_per_s = 5e-324", "links.l.bytes_per_s"),
+                              ("links.l", "latency_s = 1.7e308", "links.l.latency_s")):  # fmt: skip
+        device = good if table != "devices.d" else good.replace("flops_per_s = 1e12\n", "")
+        link = "latency_s = 1e-5\nbytes_per_s = 1e9\n"
+        link = "\n".join(x for x in link.splitlines() if x.split()[0] != line.split()[0])
+        device_extra = line if table == "devices.d" else ""
+        link_extra = line if table == "links.l" else ""
+        path = tmp_path / "c.toml"
+        path.write_text(
+            f"[devices.d]\n{device}{device_extra}\n[links.l]\n{link}\n{link_extra}\n"
+            '[[nodes]]\nname = "n"\ndevice = "d"\ncount = 2\nlink = "l"\n'
+        )
+        with pytest.raises(ValueError, match=rf"{text}: must be"):
+            load_cluster(path)
+
+
+def test_models_that_cannot_be_built_are_named_not_raised_from_inside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module whose import raised anything but ImportError (a SyntaxError), a builder that
+    raised, ':' (said "Empty module name"); a config of a billion layers (ran for ever), a
+    vocabulary of 0 or 0 experts (failed later, blaming the input), more experts a token than
+    experts; transformers' reason cut to its first line (the field without why)."""
+    (tmp_path / "broken_syntax.py").write_text("def f(:\n")
+    (tmp_path / "raising_import.py").write_text("raise RuntimeError('at import')\n")
+    (tmp_path / "raising_builder.py").write_text(
+        "from torch import nn\n\ndef make() -> nn.Module:\n    raise RuntimeError('no')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name, text in (("broken_syntax:x", "cannot load 'broken_syntax:x': SyntaxError"),
+                       ("raising_import:x", "cannot load 'raising_import:x': RuntimeError"),
+                       ("raising_builder:make", "'raising_builder:make' failed to build: "
+                                                "RuntimeError: no"),
+                       (":", "':' must be MODULE:ATTR"),
+                       ("os:", "'os:' must be MODULE:ATTR")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^model: {text}"):
+            networks.build(name, (3, 8, 8))
+    base = {"model_type": "mixtral", "vocab_size": 64, "hidden_size": 16,
+            "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+            "max_position_embeddings": 32}  # fmt: skip
+    for change, text in (({"num_hidden_layers": 10**9}, "num_hidden_layers: at most 10,000"),
+                         ({"vocab_size": 0}, "vocab_size: must be >= 1, got 0"),
+                         ({"num_local_experts": 0}, "num_local_experts: must be >= 1"),
+                         ({"num_experts_per_tok": 9}, "num_experts_per_tok: 9 is more than"),
+                         ({"num_local_experts": 10**6}, "1,000,000 experts in each of 2"),
+                         ({"hidden_size": "abc"}, "Validation error for field 'hidden_size': "
+                                                  ".*expected int")):  # fmt: skip
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps({**base, **change}))
+        with pytest.raises(ValueError, match=rf"^model: hf:{path}: {text}"):
+            networks.build(f"hf:{path}", (16,), device="meta")
+    path.write_text(json.dumps(base))
+    assert networks.build(f"hf:{path}", (16,), device="meta") is not None
+
+
+def test_the_hypergraph_refuses_more_vertices_than_asked_before_listing_them() -> None:
+    """10**11 input features once filled the memory listing their producers, and 10**12
+    classes listing the last layer's neurons; the planner skips node-wise placement there."""
+    from hetcoll.model.hypergraph import network_hypergraph
+    from hetcoll.model.planner.search import SearchReport
+
+    wide = networks.build("mlp", (99_999_999_999,), device="meta")
+    with pytest.raises(ValueError, match=r"^max_vertices: the model has 2,058 filters"):
+        network_hypergraph(wide, (99_999_999_999,), max_vertices=1500)
+    many = networks.build("cnn", (1, 8, 8), 10**12, device="meta")
+    with pytest.raises(ValueError, match=r"^max_vertices: the model has 1,000,000,00"):
+        network_hypergraph(many, (1, 8, 8), max_vertices=1500)
+    for bad in (0, True, 2.5):
+        with pytest.raises(ValueError, match=r"^max_vertices: must be an integer >= 1"):
+            network_hypergraph(many, (1, 8, 8), max_vertices=bad)  # type: ignore[arg-type]
+    d = Device("d", 1e12, 1e11, 1e12)
+    two = Cluster([Node("n", d, 2, Link("l", 1e-5, 1e9))])
+    report = SearchReport()
+    plan(layer_costs(wide, (99_999_999_999,)), two, 8, model=wide, report=report)
+    assert "99,999,999,999 channels" in report.skipped["node-wise placement"]

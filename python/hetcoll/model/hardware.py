@@ -167,21 +167,8 @@ class Device:
 
     def __post_init__(self) -> None:
         _check_name(self.name, "Device")
-        for attr in ("flops_per_s", "mem_bytes_per_s", "memory_bytes"):
-            _check_positive(getattr(self, attr), f"Device {self.name!r}: {attr}")
-        _check_nonnegative(self.kernel_overhead_s, f"Device {self.name!r}: kernel_overhead_s")
-        _check_nonnegative(
-            self.elementwise_bytes_per_s, f"Device {self.name!r}: elementwise_bytes_per_s"
-        )
-        _check_nonnegative(self.conv_flops_per_s, f"Device {self.name!r}: conv_flops_per_s")
-        _check_nonnegative(self.pool_bytes_per_s, f"Device {self.name!r}: pool_bytes_per_s")
-        _check_nonnegative(self.conv_overhead_s, f"Device {self.name!r}: conv_overhead_s")
-        _check_nonnegative(
-            self.first_touch_bytes_per_s, f"Device {self.name!r}: first_touch_bytes_per_s"
-        )
-        _check_nonnegative(self.step_overhead_s, f"Device {self.name!r}: step_overhead_s")
-        for attr in _PEAK_FIELDS:
-            _check_nonnegative(getattr(self, attr), f"Device {self.name!r}: {attr}")
+        for attr in _DEVICE_FIGURES:
+            _check_figure(getattr(self, attr), f"Device {self.name!r}: {attr}", attr)
         _check_channel_block(self.conv_channel_block, f"Device {self.name!r}: conv_channel_block")
 
     @property
@@ -272,18 +259,11 @@ class Link:
 
     def __post_init__(self) -> None:
         _check_name(self.name, "Link")
-        _check_nonnegative(self.latency_s, f"Link {self.name!r}: latency_s")
+        _check_figure(self.latency_s, f"Link {self.name!r}: latency_s", "latency_s")
         # inf is allowed here (a device talking to itself), never in a file.
-        bandwidth = self.bytes_per_s
-        if (
-            isinstance(bandwidth, bool)
-            or not isinstance(bandwidth, (int, float))
-            or not bandwidth > 0
-        ):
-            raise ValueError(
-                f"Link {self.name!r}: bytes_per_s: must be a number > 0, got {_shown(bandwidth)}"
-            )
-        _check_nonnegative(self.call_s, f"Link {self.name!r}: call_s")
+        if self.bytes_per_s != math.inf:
+            _check_figure(self.bytes_per_s, f"Link {self.name!r}: bytes_per_s", "bytes_per_s")
+        _check_figure(self.call_s, f"Link {self.name!r}: call_s", "call_s")
         if not isinstance(self.calls_s, (tuple, list)) or not all(
             isinstance(pair, (tuple, list)) and len(pair) == 2 for pair in self.calls_s
         ):  # a dict once unpacked its keys' letters
@@ -298,7 +278,7 @@ class Link:
                     f"Link {self.name!r}: calls_s: {kind!r} must be one of {COLLECTIVE_KINDS}, "
                     "each once"
                 )
-            _check_nonnegative(seconds, f"Link {self.name!r}: calls_s.{kind}")
+            _check_figure(seconds, f"Link {self.name!r}: calls_s.{kind}", "call_s")
 
     @functools.cached_property
     def _calls(self) -> dict[str, float]:
@@ -562,6 +542,39 @@ def _check_device_index(index: object, what: str, num_devices: int) -> None:
         )
 
 
+#: The least rate a device's or link's figure may give (per second: FLOP/s, bytes/s): below
+#: it, one step's seconds overflow a double (5e-324 FLOP/s once priced every plan at inf).
+MIN_RATE = 1.0
+#: The most seconds a fixed cost may be (a latency, a kernel's or a call's overhead): 11.6
+#: days a call, far past any engine's, and steps of millions of them still finite.
+MAX_FIXED_SECONDS = 1e6
+# The figures of a Device, each checked by its rule (:func:`_check_figure`).
+_DEVICE_FIGURES = (
+    "flops_per_s", "mem_bytes_per_s", "memory_bytes", "kernel_overhead_s",
+    "elementwise_bytes_per_s", "conv_flops_per_s", "pool_bytes_per_s", "conv_overhead_s",
+    "first_touch_bytes_per_s", "step_overhead_s", *_PEAK_FIELDS,
+)  # fmt: skip
+_REQUIRED_FIGURES = {"flops_per_s", "mem_bytes_per_s", "memory_bytes", "bytes_per_s"}
+
+
+def _check_figure(value: object, what: str, field: str) -> None:
+    """One figure of a device or link, by its ``field``'s rule, in code and in files alike:
+    a finite number; > 0 where required (the rates every prediction divides by, the memory),
+    else >= 0 (0: none); a rate (``*_per_s``) given is at least :data:`MIN_RATE`, a fixed
+    cost (``*_s``) at most :data:`MAX_FIXED_SECONDS`."""
+    if field in _REQUIRED_FIGURES:
+        _check_positive(value, what)
+    else:
+        _check_nonnegative(value, what)
+    if field.endswith("_per_s") and 0 < value < MIN_RATE:  # type: ignore[operator]
+        least = "" if field in _REQUIRED_FIGURES else "0 or "
+        raise ValueError(f"{what}: must be {least}at least {MIN_RATE:g} a second, got {value!r}")
+    if not field.endswith("_per_s") and field.endswith("_s") and value > MAX_FIXED_SECONDS:  # type: ignore[operator]
+        raise ValueError(
+            f"{what}: must be at most {MAX_FIXED_SECONDS:g} seconds, got {_shown(value)}"
+        )
+
+
 def _check_channel_block(block: object, what: str) -> None:
     if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= MAX_CHANNEL_BLOCK:
         raise ValueError(
@@ -630,7 +643,7 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
             k: _number(t, k, where) for k in ("flops_per_s", "mem_bytes_per_s", "memory_bytes")
         }
         for k, v in values.items():
-            _check_positive(v, f"{where}.{k}")
+            _check_figure(v, f"{where}.{k}", k)
         optional = {
             k: _number(t, k, where, required=False) or 0.0
             for k in (
@@ -645,7 +658,7 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
             )
         }
         for k, v in optional.items():
-            _check_nonnegative(v, f"{where}.{k}")
+            _check_figure(v, f"{where}.{k}", k)
         block = t.get("conv_channel_block", 1)
         _check_channel_block(block, f"{where}.conv_channel_block")
         devices[name] = Device(name, **values, **optional, conv_channel_block=block)
@@ -658,17 +671,18 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
             raise ValueError(f"{where}: must be a table")
         _unknown(t, _LINK_FIELDS, where)
         latency, bandwidth = _number(t, "latency_s", where), _number(t, "bytes_per_s", where)
-        _check_nonnegative(latency, f"{where}.latency_s")
-        _check_positive(bandwidth, f"{where}.bytes_per_s")
+        _check_figure(latency, f"{where}.latency_s", "latency_s")
+        _check_figure(bandwidth, f"{where}.bytes_per_s", "bytes_per_s")
         call = _number(t, "call_s", where, required=False)
         if call is not None:
-            _check_nonnegative(call, f"{where}.call_s")
+            _check_figure(call, f"{where}.call_s", "call_s")
         kinds = t.get("calls_s", {})
         if not isinstance(kinds, Mapping):
             raise ValueError(f"{where}.calls_s: must be a table of seconds by kind of collective")
         _unknown(kinds, set(COLLECTIVE_KINDS), f"{where}.calls_s")
         for kind in kinds:
-            _check_nonnegative(_number(kinds, kind, f"{where}.calls_s"), f"{where}.calls_s.{kind}")
+            seconds = _number(kinds, kind, f"{where}.calls_s")
+            _check_figure(seconds, f"{where}.calls_s.{kind}", "call_s")
         links[name] = Link(
             name, latency, bandwidth, call or 0.0, tuple((k, kinds[k]) for k in sorted(kinds))
         )

@@ -107,13 +107,19 @@ def _trace(model: torch.nn.Module, shape: tuple[int, ...], calls: list[Any]) -> 
 
 
 def network_hypergraph(
-    model: torch.nn.Module, input_shape: tuple[int, ...], *, bytes_per_element: int = 4
+    model: torch.nn.Module,
+    input_shape: tuple[int, ...],
+    *,
+    bytes_per_element: int = 4,
+    max_vertices: int | None = None,
 ) -> NetworkHypergraph:
     """The seed-002 hypergraph of ``model`` for inputs of ``input_shape`` (one sample, no batch).
 
     Runs one forward pass in the model's dtype, on the meta device where the model allows it, to
     read every layer's shapes. Raises ``ValueError`` naming ``model`` for a model it cannot read
-    as a chain of layers (or whose parameters mix dtypes), ``input_shape`` for a bad shape.
+    as a chain of layers (or whose parameters mix dtypes), ``input_shape`` for a bad shape, and
+    ``max_vertices`` where the input's channels or the filters and neurons outnumber it
+    (checked before any list of them is built: 10**11 input features once filled the memory).
 
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(),
@@ -137,6 +143,10 @@ def network_hypergraph(
         )
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    if max_vertices is not None and (
+        isinstance(max_vertices, bool) or not isinstance(max_vertices, int) or max_vertices < 1
+    ):
+        raise ValueError(f"max_vertices: must be an integer >= 1 or None, got {max_vertices!r}")
 
     calls: list[tuple[str, torch.nn.Module, tuple[int, ...], tuple[int, ...]]] = []
     handles = []
@@ -155,6 +165,17 @@ def network_hypergraph(
         for h in handles:
             h.remove()
 
+    if max_vertices is not None:
+        filters = sum(
+            mod.out_channels if isinstance(mod, torch.nn.Conv2d) else mod.out_features
+            for _, mod, _, _ in calls
+            if isinstance(mod, torch.nn.Conv2d | torch.nn.Linear)
+        )
+        if max(filters, shape[0]) > max_vertices:
+            raise ValueError(
+                f"max_vertices: the model has {filters:,} filters and neurons on an input of "
+                f"{shape[0]:,} channels, more than {max_vertices:,}"
+            )
     vertex_weights: list[float] = []
     nets: list[np.ndarray] = []
     net_weights: list[float] = []
@@ -177,7 +198,9 @@ def network_hypergraph(
         if isinstance(mod, torch.nn.Conv2d):
             channels = in_shape[1]
             if channels != len(producers):
-                producers, per_channel = _regroup(producers, per_channel, channels, name)
+                producers, per_channel = _regroup(
+                    producers, per_channel, channels, name, max_vertices
+                )
             first = len(vertex_weights)
             g = mod.groups
             out_c, in_c = mod.out_channels, mod.in_channels
@@ -216,7 +239,9 @@ def network_hypergraph(
             elif out_numel % len(producers) == 0:
                 per_channel = out_numel // len(producers)
             else:
-                producers, per_channel = _regroup(producers, per_channel, out_numel, name)
+                producers, per_channel = _regroup(
+                    producers, per_channel, out_numel, name, max_vertices
+                )
         previous_numel = out_numel
 
     if not layers:
@@ -241,9 +266,14 @@ def _add_net(nets: list, weights: list, producer: int | None, readers: np.ndarra
     weights.append(float(nbytes))
 
 
-def _regroup(producers: list, per_channel: int, channels: int, name: str) -> tuple[list, int]:
+def _regroup(
+    producers: list, per_channel: int, channels: int, name: str, most: int | None = None
+) -> tuple[list, int]:
     """The same values seen as ``channels`` maps (e.g. a reshape): each new map's producer is the
-    producer of its first value; only exact refinements of the old grouping are supported."""
+    producer of its first value; only exact refinements of the old grouping are supported (and
+    at most ``most`` maps, checked before their list is built)."""
+    if most is not None and channels > most:
+        raise ValueError(f"max_vertices: layer {name} reads {channels:,} maps, more than {most:,}")
     total = len(producers) * per_channel
     if total % channels or ((total // channels) and per_channel % (total // channels)):
         raise ValueError(f"model: cannot follow the channels into layer {name}")

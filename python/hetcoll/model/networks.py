@@ -195,24 +195,29 @@ def build(
             "or hf:CONFIG)"
         )
     mod_name, attr = name.split(":", 1)
+    if not mod_name or not attr:  # ":" once said only "Empty module name"
+        raise ValueError(f"model: {name!r} must be MODULE:ATTR (both named)")
     try:
         obj = getattr(importlib.import_module(mod_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"model: cannot load {name!r}: {e}") from None
+    except Exception as e:  # its top-level code may raise anything (a SyntaxError too)
+        raise ValueError(f"model: cannot load {name!r}: {type(e).__name__}: {e}") from None
     if isinstance(obj, nn.Module):
         return obj
     make = _constructor(obj, name)
     try:
-        with _on(device):
-            made = make()
-    except Exception as e:
-        if device is None or torch.device(device).type != "meta" or not wants_values(e):
-            raise
-        # A constructor that computes with tensors (torchvision's RegNet reads its widths off
-        # them) cannot run with every tensor on the meta device: only its parameters and
-        # buffers go there.
-        with _parameters_on(torch.device(device)):
-            made = make()
+        try:
+            with _on(device):
+                made = make()
+        except Exception as e:
+            if device is None or torch.device(device).type != "meta" or not wants_values(e):
+                raise
+            # A constructor that computes with tensors (torchvision's RegNet reads its widths
+            # off them) cannot run with every tensor on the meta device: only its parameters
+            # and buffers go there.
+            with _parameters_on(torch.device(device)):
+                made = make()
+    except Exception as e:  # the user's constructor failed: named, the cause chained
+        raise ValueError(f"model: {name!r} failed to build: {type(e).__name__}: {e}") from e
     if not isinstance(made, nn.Module):
         raise ValueError(f"model: {name!r} returned a {type(made).__name__}, not an nn.Module")
     return made
@@ -259,6 +264,7 @@ def hugging_face(path: str | Path, *, device: torch.device | str | None = None) 
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except ImportError:
         raise ValueError(f"model: {where} needs transformers (pip install transformers)") from None
+    _check_depths(values, where)  # before transformers builds per-layer lists of them
     values = dict(values)
     model_type = values.pop("model_type")
     named = values.get("architectures")
@@ -280,12 +286,78 @@ def hugging_face(path: str | Path, *, device: torch.device | str | None = None) 
         make = transformers.AutoModel.from_config
     try:
         config = transformers.AutoConfig.for_model(model_type, **values)
+    except Exception as e:  # a field transformers refuses (its own exception types vary)
+        raise ValueError(f"model: {where}: {_why(e)}") from None
+    _check_sizes(config, where)
+    try:
         with _on(device):
             return typing.cast(nn.Module, make(config))
-    except Exception as e:  # a field transformers refuses (its own exception types vary)
-        # transformers lists every model type it knows after ". Should contain": hundreds.
-        why = (str(e).splitlines() or [type(e).__name__])[0].split(". Should contain", 1)[0]
-        raise ValueError(f"model: {where}: {why}") from None
+    except Exception as e:
+        raise ValueError(f"model: {where}: {_why(e)}") from None
+
+
+#: The most layers a Hugging Face config may build (a billion once ran for ever on the meta
+#: device), and the most experts over all its layers: the largest published models have a
+#: few hundred layers and a few ten thousand experts in all.
+MAX_CONFIG_LAYERS = 10_000
+MAX_CONFIG_EXPERTS = 2**17
+_DEPTH_FIELDS = (
+    "num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers",
+    "encoder_layers", "decoder_layers",
+)  # fmt: skip
+# Counts a model is built of: each at least one where the config sets it.
+_SIZE_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "intermediate_size", "max_position_embeddings",
+    "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+)  # fmt: skip
+_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _why(e: BaseException) -> str:
+    """transformers' reason, on one line: its validation errors give the field on their
+    first line and the reason on the next; its unknown model type lists every type it knows
+    after ". Should contain" (hundreds)."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()] or [type(e).__name__]
+    return " ".join(lines[:2]).split(". Should contain", 1)[0]
+
+
+def _check_depths(values: object, where: str) -> None:
+    """Layer counts of the config (and of its nested configs: a vision tower's, a text
+    model's) at most :data:`MAX_CONFIG_LAYERS`, read before transformers builds anything."""
+    if not isinstance(values, dict):
+        return
+    for key, value in values.items():
+        if key in _DEPTH_FIELDS and isinstance(value, int) and value > MAX_CONFIG_LAYERS:
+            raise ValueError(
+                f"model: {where}: {key}: at most {MAX_CONFIG_LAYERS:,} layers, got {value:,}"
+            )
+        _check_depths(value, where)
+
+
+def _check_sizes(config: typing.Any, where: str) -> None:
+    """The counts a model is built of, as transformers reads them (its aliases resolved):
+    each >= 1 (a vocabulary of 0 and 0 experts once built, failing later under
+    ``input_shape``), the experts a token picks at most the experts, and the experts of all
+    layers at most :data:`MAX_CONFIG_EXPERTS`."""
+    for name in _SIZE_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ValueError(f"model: {where}: {name}: must be >= 1, got {value}")
+    experts = next(
+        (v for f in _EXPERT_FIELDS if isinstance(v := getattr(config, f, None), int)), None
+    )
+    chosen = getattr(config, "num_experts_per_tok", None)
+    if experts is not None and isinstance(chosen, int) and chosen > experts:
+        raise ValueError(
+            f"model: {where}: num_experts_per_tok: {chosen} is more than the {experts} experts"
+        )
+    layers = getattr(config, "num_hidden_layers", None)
+    if experts is not None and isinstance(layers, int) and experts * layers > MAX_CONFIG_EXPERTS:
+        raise ValueError(
+            f"model: {where}: {experts:,} experts in each of {layers:,} layers, more than "
+            f"{MAX_CONFIG_EXPERTS:,} in all"
+        )
 
 
 def _on(device: torch.device | str | None) -> typing.ContextManager[object]:

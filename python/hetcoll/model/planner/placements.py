@@ -68,16 +68,17 @@ def node_wise_candidates(
     sub = cluster.subset(keep)
     suffix = f", {k} of {p} devices" if k < p else ""
     try:
-        h = network_hypergraph(model, shape, bytes_per_element=costs.itemsize)
+        h = network_hypergraph(
+            model, shape, bytes_per_element=costs.itemsize, max_vertices=OWNERS_MAX_VERTICES
+        )
         index = layer_index(model, h)
         layers = model_layers(model)
-    except ValueError as e:
-        report.skipped["node-wise placement"] = str(e)
-        return []
-    if h.num_vertices > OWNERS_MAX_VERTICES:
-        report.skipped["node-wise placement"] = (
-            f"the model has {h.num_vertices:,} filters and neurons; the planner partitions up "
-            f"to {OWNERS_MAX_VERTICES:,} (call hypergraph_plan and predict_placement directly)"
+    except ValueError as e:  # past OWNERS_MAX_VERTICES: checked before any list is built
+        report.skipped["node-wise placement"] = str(e).replace("max_vertices: ", "", 1) + (
+            " (the planner partitions up to that many; call hypergraph_plan and predict_placement "
+            "directly)"
+            if str(e).startswith("max_vertices:")
+            else ""
         )
         return []
     if k < 2 or k > h.num_vertices:
