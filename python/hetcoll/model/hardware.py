@@ -50,7 +50,10 @@ A cluster file is a small TOML document (see ``examples/clusters/``)::
 Devices are listed in file order (node by node), which is also the order of pipeline stages and
 of the ring. Every error raised while reading a file names the file and the field. A file is at
 most ``MAX_FILE_BYTES`` long and a regular file (not a device or a pipe); a cluster has at most
-``MAX_DEVICES`` devices, so ``count`` and ``repeat`` are bounded too.
+``MAX_DEVICES`` devices, so ``count`` and ``repeat`` are bounded too. Every figure is a finite
+number; a rate (``*_per_s``) given is at least ``MIN_RATE`` (1 a second) and a fixed cost
+(``*_s``) at most ``MAX_FIXED_SECONDS`` (1e6), so that no step's seconds overflow; a Device
+or Link made in code holds the same figures.
 """
 
 from __future__ import annotations
