@@ -8,20 +8,27 @@ nothing here computes anything the library does not expose.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 import hetcoll
 from hetcoll.cli.arguments import (
     MAX_UNITS,
+    CommandFailed,
+    GuardedStdout,
     Parser,
+    StdoutFailed,
     end_quietly_on_broken_pipe,
     floats,
     integer,
     ints,
+    shown,
+    strict_json,
+    write_failed,
 )
 
 
@@ -47,17 +54,17 @@ def _cmd_split(args: argparse.Namespace) -> int:
             "millisecond, per batch)"
         )
     if args.json:
-        json.dump(
-            {
-                "shares": shares,
-                "finish_seconds": finish,
-                "makespan_seconds": max(finish),
-                "even_shares": even,
-                "even_makespan_seconds": max(even_finish),
-            },
-            sys.stdout,
+        print(
+            strict_json(
+                {
+                    "shares": shares,
+                    "finish_seconds": finish,
+                    "makespan_seconds": max(finish),
+                    "even_shares": even,
+                    "even_makespan_seconds": max(even_finish),
+                }
+            )
         )
-        print()
         return 0
     print(f"{'rank':>4} {'speed':>12} {'share':>10} {'finish (s)':>12}")
     for r, (s, b, t) in enumerate(zip(args.speeds, shares, finish)):
@@ -103,12 +110,56 @@ def _add_split(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_split)
 
 
+#: The slowest emulated speed ``demo --speeds`` takes: a rank of speed s sleeps (1/s - 1) times
+#: its compute, so 1e-3 makes a step of 10 ms one of 10 s (1e-9 slept for years, 1e-300
+#: overflowed the sleep's deadline).
+MIN_DEMO_SPEED = 1e-3
+#: The most epochs ``demo --epochs`` runs (a bound on a mistyped count, far past any demo).
+MAX_DEMO_EPOCHS = 10**6
+#: ``demo --seed``'s range: torch generators and the sampler take seeds below 2**63.
+MAX_DEMO_SEED = 2**63 - 1
+
+
+def _demo_speeds(text: str) -> str:
+    """An argparse ``type``: ``demo --speeds``, comma-separated speeds in
+    ``[MIN_DEMO_SPEED, 1]``, kept as text (the demo's config reads it)."""
+    try:
+        speeds = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        speeds = []
+    if not speeds:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {shown(text)}")
+    for s in speeds:
+        if not MIN_DEMO_SPEED <= s <= 1:  # also NaN
+            raise argparse.ArgumentTypeError(
+                f"each must be in [{MIN_DEMO_SPEED:g}, 1] (a rank of speed s sleeps (1/s - 1) "
+                f"times its compute), got {s:g} in {shown(text)}"
+            )
+    return text
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     # The demo's options are torch-free; its training (the lab's hetcoll.lab.demo) is imported
     # when the command runs.
     from hetcoll.lab.demo_config import add_parser
 
-    add_parser(sub).set_defaults(func=_cmd_demo)
+    p = add_parser(sub)
+    # Bounds the lab's parser leaves to the run (which starts ranks first): checked while the
+    # command line is parsed, so a bad value fails before any rank starts.
+    bounds = {
+        "speeds": (
+            _demo_speeds,
+            "emulated speed of each rank as a fraction of real speed, each in "
+            f"[{MIN_DEMO_SPEED:g}, 1]: a rank of speed s sleeps (1/s - 1) times its compute "
+            "(default 1,0.25)",
+        ),
+        "epochs": (integer(1, MAX_DEMO_EPOCHS), f"epochs to train (1 to {MAX_DEMO_EPOCHS:,})"),
+        "seed": (integer(0, MAX_DEMO_SEED), "the seed of the model and the shuffle (0 to 2**63-1)"),
+    }
+    for action in p._actions:
+        if action.dest in bounds:
+            action.type, action.help = bounds[action.dest]
+    p.set_defaults(func=_cmd_demo)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -120,20 +171,33 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     try:  # before the training, so that a bad --out costs no minutes
         os.makedirs(args.out, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"out: cannot create the directory {args.out!r}: {e.strerror}") from None
+        raise ValueError(
+            f"out: cannot create the directory {shown(args.out)}: {e.strerror}"
+        ) from None
     if not os.access(args.out, os.W_OK):
-        raise ValueError(f"out: cannot write in {args.out!r}: permission denied")
+        raise ValueError(f"out: cannot write in {shown(args.out)}: permission denied")
     report = run(config)
     png = os.path.join(args.out, "demo.png")
-    plot(report, png)
-    with open(os.path.join(args.out, "demo.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    written = os.path.join(args.out, "demo.json")
+    failed = None  # a write that failed: the report still prints, the training is not lost
+    try:
+        plot(report, png)
+    except OSError as e:
+        failed = write_failed("--out", png, e)
+    if failed is None:
+        try:
+            with open(written, "w") as f:
+                f.write(strict_json(report, indent=1, measured=True))
+        except OSError as e:
+            failed = write_failed("--out", written, e)
     if args.json:
-        json.dump(report, sys.stdout)
-        print()
+        print(strict_json(report, measured=True))
     else:
         print(format_table(report))
-        print(f"plot: {png}")
+        if failed is None:
+            print(f"plot: {png}")
+    if failed is not None:
+        raise failed
     return 0
 
 
@@ -152,10 +216,47 @@ def _add_model_commands(sub: argparse._SubParsersAction) -> None:
 _SUBCOMMANDS.append(_add_model_commands)
 
 
+#: The longest error line printed: a library message echoing a value of megabytes is cut in
+#: its middle (its head says what is wrong, its tail often why).
+MAX_LINE = 1000
+
+
+def _one_line(message: str) -> str:
+    """The first line of ``message`` (torch's own messages add a C++ stack after it), cut to
+    :data:`MAX_LINE` characters."""
+    first = message.splitlines()[0] if message.strip() else ""
+    if len(first) > MAX_LINE:
+        first = f"{first[: MAX_LINE * 2 // 3]} ... {first[-(MAX_LINE // 3) :]}"
+    return first
+
+
+def _warn_again(caught: list[warnings.WarningMessage], command: str) -> None:
+    """Each distinct warning of ``caught`` issued again, shown on one line (``hetcoll plan:
+    warning: ... (UserWarning)``) where nothing records it."""
+
+    def one_line(message: Any, category: type[Warning], *_: Any, **__: Any) -> str:
+        return f"hetcoll {command}: warning: {_one_line(str(message))} ({category.__name__})\n"
+
+    seen = set()
+    formatwarning = warnings.formatwarning
+    warnings.formatwarning = one_line
+    try:
+        for w in caught:
+            key = (w.category, _one_line(str(w.message)))
+            if key not in seen:
+                seen.add(key)
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    finally:
+        warnings.formatwarning = formatwarning
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``hetcoll`` command. Bad input (a flag argparse or the library refuses with a
     ``ValueError``) ends in one line on stderr, ``hetcoll CMD: error: ...``, and exit status
-    2; any other exception is a bug and keeps its traceback."""
+    2; a failure the command explains (a write that failed) in one line and exit status 1;
+    any other exception is a bug and keeps its traceback. Warnings the library raised are
+    dropped where the command fails (its error says what matters) and shown one line each
+    where it succeeds."""
     parser = Parser(
         prog="hetcoll",
         description="Balanced collective training on workers of unequal speed.",
@@ -165,20 +266,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     for add in _SUBCOMMANDS:
         add(sub)
     args = parser.parse_args(argv)
+    # The command as typed: `hetcoll model costs`, as argparse names it for a bad flag.
+    command = " ".join(filter(None, (args.command, getattr(args, f"{args.command}_command", None))))
+
+    def fail(status: int, message: str) -> NoReturn:
+        parser.exit(status, f"hetcoll {command}: error: {_one_line(message)}\n")
+
+    if sys.stdout is None:  # started with stdout closed (`>&-`): nowhere to print the result
+        fail(1, "stdout is closed")
+    stdout = sys.stdout
+    sys.stdout = GuardedStdout(stdout)  # type: ignore[assignment]
     try:
-        status = int(args.func(args))
-        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        with warnings.catch_warnings(record=True) as caught:
+            status = int(args.func(args))
+            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        _warn_again(caught, command)
         return status
     except BrokenPipeError:
         return end_quietly_on_broken_pipe()
+    except StdoutFailed as e:
+        end_quietly_on_broken_pipe()  # the unwritten rest must not fail the final flush too
+        fail(1, f"cannot write to stdout: {e}")
+    except CommandFailed as e:
+        fail(1, str(e))
     except (ValueError, OverflowError) as e:
-        # One line: the first of the message (torch's own messages add a C++ stack after it).
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        # The command as typed: `hetcoll model costs`, as argparse names it for a bad flag.
-        command = " ".join(
-            filter(None, (args.command, getattr(args, f"{args.command}_command", None)))
-        )
-        parser.exit(2, f"hetcoll {command}: error: {first}\n")
+        fail(2, str(e) or type(e).__name__)
+    finally:
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":

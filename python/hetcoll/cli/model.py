@@ -7,17 +7,30 @@ seconds and shares print."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
 
-from hetcoll.cli.arguments import integer, writable_file
+from hetcoll.cli.arguments import (
+    CommandFailed,
+    integer,
+    nonempty_path,
+    shown,
+    strict_json,
+    writable_file,
+    write_failed,
+)
+
+#: The most classes ``--classes`` takes: a built-in model's last layer, sized by torch's int64
+#: but costed per class, so a bound far past any dataset's.
+MAX_CLASSES = 2**31 - 1
 
 
 def fmt_s(x: float) -> str:
     if x != x or x == float("inf"):
         return "inf"
+    if x >= 1e6:  # fixed point would print up to 300 digits
+        return f"{x:.3g} s"
     if x >= 1:
         return f"{x:.3f} s"
     if x >= 1e-3:
@@ -70,7 +83,7 @@ def input_spec(args: argparse.Namespace) -> Any:
             raise ValueError(
                 "--input: keyword inputs are NAME=SHAPE (or NAME=SHAPE:DTYPE) pairs, "
                 "comma-separated, each name once (input_ids=512,attention_mask=512, "
-                f"input_features=80x3000:float32,decoder_input_ids=8:int64), got {text!r}"
+                f"input_features=80x3000:float32,decoder_input_ids=8:int64), got {shown(text)}"
             )
         shape, colon, dtype = spec.partition(":")
         try:
@@ -148,7 +161,7 @@ def input_loss(args: argparse.Namespace) -> str | None:
     return None if args.loss == "none" else str(args.loss)
 
 
-CLASSES_HELP = "number of classes of the built-in models (default 10)"
+CLASSES_HELP = f"number of classes of the built-in models (default 10, at most {MAX_CLASSES:,})"
 
 
 def add_precision(p: argparse.ArgumentParser) -> None:
@@ -166,37 +179,37 @@ def add_precision(p: argparse.ArgumentParser) -> None:
 def _cmd_costs(args: argparse.Namespace) -> int:
     costs = _costs(args, precision=args.precision)
     if args.json:
-        json.dump(
-            {
-                "model": args.model,
-                "input": list(costs.input_shape),
-                "dtype": args.dtype,
-                "inputs": [x.to_json() for x in costs.inputs],
-                "precision": costs.precision,
-                "loss": costs.loss or None,
-                "params": costs.params,
-                "forward_flops": costs.forward_flops(1),
-                "backward_flops": costs.backward_flops(1),
-                "elementwise_forward_flops": costs.elementwise_flops(1)[0],
-                "elementwise_backward_flops": costs.elementwise_flops(1)[1],
-                "layers": [
-                    {
-                        "name": x.name,
-                        "kind": x.kind,
-                        "params": x.params,
-                        "forward_flops_per_sample": x.forward_flops(1),
-                        "backward_flops_per_sample": x.backward_flops(1),
-                        "elementwise_flops_per_sample": list(x.elementwise_flops_per_sample),
-                        "activation_bytes_per_sample": x.out_bytes_per_sample,
-                        "gradient_bytes": x.gradient_bytes,
-                    }
-                    for x in costs.layers
-                ],
-                "notes": list(costs.notes),
-            },
-            sys.stdout,
+        print(
+            strict_json(
+                {
+                    "model": args.model,
+                    "input": list(costs.input_shape),
+                    "dtype": args.dtype,
+                    "inputs": [x.to_json() for x in costs.inputs],
+                    "precision": costs.precision,
+                    "loss": costs.loss or None,
+                    "params": costs.params,
+                    "forward_flops": costs.forward_flops(1),
+                    "backward_flops": costs.backward_flops(1),
+                    "elementwise_forward_flops": costs.elementwise_flops(1)[0],
+                    "elementwise_backward_flops": costs.elementwise_flops(1)[1],
+                    "layers": [
+                        {
+                            "name": x.name,
+                            "kind": x.kind,
+                            "params": x.params,
+                            "forward_flops_per_sample": x.forward_flops(1),
+                            "backward_flops_per_sample": x.backward_flops(1),
+                            "elementwise_flops_per_sample": list(x.elementwise_flops_per_sample),
+                            "activation_bytes_per_sample": x.out_bytes_per_sample,
+                            "gradient_bytes": x.gradient_bytes,
+                        }
+                        for x in costs.layers
+                    ],
+                    "notes": list(costs.notes),
+                }
+            )
         )
-        print()
     else:
         print(costs.table())
         for note in costs.notes:
@@ -220,10 +233,17 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     text = cal.to_toml()
     if args.output == "-":
         sys.stdout.write(text)
-    else:
+        return 0
+    try:
         with open(args.output, "w") as f:
             f.write(text)
-        print(f"wrote {args.output}", file=sys.stderr)
+    except OSError as e:
+        # The measurement took minutes: print it rather than lose it, then fail.
+        sys.stdout.write(text)
+        raise CommandFailed(
+            f"{write_failed('--output', args.output, e)} (the file is printed instead)"
+        ) from None
+    print(f"wrote {args.output}", file=sys.stderr)
     return 0
 
 
@@ -336,22 +356,25 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     errors = {s: summary(results, s) for s in strategies}
     signal = [r for r in results if not r.noise]
     if args.json:
-        json.dump(
-            {
-                "results": [row_of(r) for r in results],
-                "repeat": args.repeat,
-                "median_abs_error": summary(results)[0],
-                "worst_abs_error": summary(results)[1],
-                "noise_rows": len(results) - len(signal),
-                "worst_abs_error_beyond_noise": max((abs(r.error) for r in signal), default=0.0),
-                "by_strategy": {
-                    s: {"median_abs_error": med, "worst_abs_error": worst}
-                    for s, (med, worst) in errors.items()
+        print(
+            strict_json(
+                {
+                    "results": [row_of(r) for r in results],
+                    "repeat": args.repeat,
+                    "median_abs_error": summary(results)[0],
+                    "worst_abs_error": summary(results)[1],
+                    "noise_rows": len(results) - len(signal),
+                    "worst_abs_error_beyond_noise": max(
+                        (abs(r.error) for r in signal), default=0.0
+                    ),
+                    "by_strategy": {
+                        s: {"median_abs_error": med, "worst_abs_error": worst}
+                        for s, (med, worst) in errors.items()
+                    },
                 },
-            },
-            sys.stdout,
+                measured=True,  # a NaN is a measurement's (an error over a 0 s step)
+            )
         )
-        print()
     else:
         if args.repeat > 1:
             print(
@@ -385,6 +408,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def add_model(sub: argparse._SubParsersAction) -> None:
+    from hetcoll.model.hardware import MAX_DEVICES
+
     p = sub.add_parser(
         "model",
         help="the performance model: a model's costs, this machine's speeds, the check",
@@ -401,7 +426,7 @@ def add_model(sub: argparse._SubParsersAction) -> None:
     )
     c.add_argument("--model", required=True, help=MODEL_HELP)
     add_input(c)
-    c.add_argument("--classes", type=integer(1), default=10, help=CLASSES_HELP)
+    c.add_argument("--classes", type=integer(1, MAX_CLASSES), default=10, help=CLASSES_HELP)
     add_precision(c)
     c.add_argument("--json", action="store_true", help="print JSON instead of a table")
     c.set_defaults(func=_cmd_costs)
@@ -417,13 +442,14 @@ def add_model(sub: argparse._SubParsersAction) -> None:
         "-o",
         default="-",
         type=lambda x: x if x == "-" else writable_file(x),
-        help="the file to write (default: print it)",
+        help="the file to write (default -: print it); if the write fails, the file is printed",
     )
     k.add_argument(
         "--ranks",
-        type=integer(1),
+        type=integer(1, MAX_DEVICES),
         help="how many ranks the node runs (default: one per core); that many measure the "
-        "device side by side (at most one per core) and the file keeps the slowest's figures",
+        "device side by side (at most one per core) and the file keeps the slowest's figures "
+        f"(at most {MAX_DEVICES:,}, a node's most devices)",
     )
     k.add_argument(
         "--links", default="gloo,mpi", help="which links to measure: gloo, mpi or both (gloo,mpi)"
@@ -447,7 +473,9 @@ def add_model(sub: argparse._SubParsersAction) -> None:
         "--model", default="cnn", choices=("cnn", "vgg", "resnet", "mlp"), help="built-in model"
     )
     v.add_argument(
-        "--cluster", help="a calibration file to predict with (default: measure this machine now)"
+        "--cluster",
+        type=nonempty_path,
+        help="a calibration file to predict with (default: measure this machine now)",
     )
     v.add_argument(
         "--steps", type=integer(1), default=9, help="timed steps per configuration (default 9)"

@@ -7,14 +7,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from hetcoll.cli.arguments import MAX_UNITS, integer, writable_file
+from hetcoll.cli.arguments import (
+    MAX_UNITS,
+    integer,
+    nonempty_path,
+    plot_file,
+    shown,
+    strict_json,
+    writable_file,
+    write_failed,
+)
 from hetcoll.cli.model import (
     CLASSES_HELP,
+    MAX_CLASSES,
     MODEL_HELP,
     add_input,
     add_precision,
@@ -227,10 +236,10 @@ def _comparison_lines(table: dict[str, Any]) -> list[str]:
 MAX_LOADS_BYTES = 16 * 2**20
 
 
-def _expert_loads(path: str | None, costs: Any) -> dict[str, Any] | None:
+def _read_expert_loads(path: str | None) -> dict[str, Any] | None:
     """The ``--expert-loads`` file (a JSON object: each experts module's routed tokens per
-    expert), checked against the model's experts layers."""
-    from hetcoll.model import predict
+    expert), read and checked for what needs no model (before the model is costed, so that a
+    bad file fails at once)."""
     from hetcoll.model.files import read_small_file
 
     if path is None:
@@ -239,33 +248,94 @@ def _expert_loads(path: str | None, costs: Any) -> dict[str, Any] | None:
     try:
         loads = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise ValueError(f"--expert-loads: cannot read {path!r} as JSON ({e})") from None
+        raise ValueError(f"--expert-loads: cannot read {shown(path)} as JSON ({e})") from None
+    # What the library's check lets through from a file: null (no loads, as None means in
+    # code), and booleans (Python's ints) as counts.
+    if not isinstance(loads, dict):
+        raise ValueError(
+            f"--expert-loads: {shown(path)} must hold a JSON object mapping experts module "
+            f"paths to token counts, got {_json_type(loads)}"
+        )
+    for module, counts in loads.items():
+        for count in counts if isinstance(counts, list) else [counts]:
+            if isinstance(count, bool) or not isinstance(count, (int, float)):
+                raise ValueError(
+                    f"--expert-loads: {shown(path)}: {shown(module)}: token counts must be "
+                    f"numbers, got {_json_type(count)} {_json_shown(count)}"
+                )
+    return loads
+
+
+def _expert_loads(loads: dict[str, Any] | None, costs: Any) -> dict[str, Any] | None:
+    """``--expert-loads`` (as :func:`_read_expert_loads` read it) checked against the model's
+    experts layers."""
+    from hetcoll.model import predict
+
     return predict.checked_loads(costs, loads, "--expert-loads")
+
+
+def _json_type(value: Any) -> str:
+    """What JSON calls ``value``'s type."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
+
+
+def _json_shown(value: Any) -> str:
+    """``value`` as its JSON text (``true``, ``null``), cut to a message's length."""
+    return shown(value) if isinstance(value, (str, list, dict)) else json.dumps(value)
+
+
+def _ratio(x: float) -> str:
+    """``1.50x``; compact where fixed point would print hundreds of digits."""
+    return f"{x:.2f}x" if x < 1e6 else f"{x:.3g}x"
+
+
+def _plot(option: str, png: str, draw: Any) -> None:
+    """``draw(png)``, a write that fails one line naming ``option``."""
+    try:
+        draw(png)
+    except OSError as e:
+        raise write_failed(option, png, e) from None
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from hetcoll.model import plan, sweep
     from hetcoll.model.planner import SearchReport, explain, plot_plans, plot_sweep
 
-    if args.sweep and args.out:
+    if args.sweep and args.out is not None:
         raise ValueError("--out: writes the best plan of one planning run, not of a sweep")
+    # --sweep's default plot goes to the working directory: checked before any work.
+    png: str = args.plot or f"hetcoll-sweep-{args.sweep}.png"
+    if args.sweep and args.plot is None:
+        try:
+            writable_file(png)
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"--plot: {e} (the default with --sweep)") from None
+    loads_read = _read_expert_loads(args.expert_loads)
     costs, cluster, model = _load(args)
-    loads = _expert_loads(args.expert_loads, costs)
+    loads = _expert_loads(loads_read, costs)
     if args.sweep:
         points = sweep(costs, cluster, args.batch, args.sweep, expert_loads=loads)
         families = sorted({f for pt in points for f in pt.best})
         if args.json:
-            json.dump(
-                {
-                    "axis": args.sweep,
-                    "points": [
-                        {"value": pt.value, **{f: p.to_json() for f, p in pt.best.items()}}
-                        for pt in points
-                    ],
-                },
-                sys.stdout,
+            print(
+                strict_json(
+                    {
+                        "axis": args.sweep,
+                        "points": [
+                            {"value": pt.value, **{f: p.to_json() for f, p in pt.best.items()}}
+                            for pt in points
+                        ],
+                    }
+                )
             )
-            print()
         else:
             print(f"predicted samples/s, best plan of each strategy, along {args.sweep}")
             print(f"{args.sweep:>10} " + " ".join(f"{f[:26]:>26}" for f in families))
@@ -275,8 +345,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                     for f in families
                 ]
                 print(f"{pt.value:>10g} " + " ".join(cells))
-        png = args.plot or f"hetcoll-sweep-{args.sweep}.png"
-        plot_sweep(points, args.sweep, png, f"{args.model} on {cluster.source}, batch {args.batch}")
+        title = f"{args.model} on {cluster.source}, batch {args.batch}"
+        _plot("--plot", png, lambda to: plot_sweep(points, args.sweep, to, title))
         if not args.json:
             print(f"plot: {png}")
         return 0
@@ -287,50 +357,53 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     # The plan to write: the best's, or, where the runtime cannot run the best (a model whose
     # blocks it cannot order, say), the best one it can run.
     written = next((p for p in ranked if p.feasible and _plan_of(p) is not None), ranked[0])
-    if args.out:
+    if args.out is not None:
         if not written.feasible:
             raise ValueError(f"--out: no feasible plan ({written.reason})")
-        written.to_plan().save(args.out)  # ValueError (exit 2) saying why there is none
-    if args.plot:
-        plot_plans(
-            ranked,
-            args.plot,
+        to_write = written.to_plan()  # ValueError (exit 2) saying why there is none
+        try:
+            to_write.save(args.out)
+        except OSError as e:
+            raise write_failed("--out", args.out, e) from None
+    if args.plot is not None:
+        title = (
             f"{args.model} on {cluster.num_devices} devices, batch {args.batch}: "
-            "predicted step by plan",
+            "predicted step by plan"
         )
+        _plot("--plot", args.plot, lambda to: plot_plans(ranked, to, title))
     why = explain(ranked[0], cluster)
     if args.json:
         # Every candidate with its figures; the plans themselves, and on clusters of more than
         # 64 devices the figures of every device, for the shown ones (the best and the
         # runners-up --top lists): a plan of 10,240 replicas is large.
-        json.dump(
-            {
-                "model": args.model,
-                "inputs": [x.to_json() for x in costs.inputs],
-                "batch": args.batch,
-                "devices": cluster.num_devices,
-                "nodes": _nodes_json(cluster),
-                "precision": costs.precision,
-                "planning_s": planning_s,
-                "best_bottleneck": why,
-                "search": report.to_json(),
-                "plans": [
-                    {
-                        **p.to_json(
-                            with_plan=i <= args.top,
-                            per_device=i <= args.top or cluster.num_devices <= 64,
-                        ),
-                        "bottleneck": explain(p, cluster),
-                    }
-                    for i, p in enumerate(ranked)
-                ],
-                "notes": list(costs.notes),
-                **({"expert_loads": args.expert_loads} if args.expert_loads else {}),
-                **({"plot": args.plot} if args.plot else {}),
-            },
-            sys.stdout,
+        print(
+            strict_json(
+                {
+                    "model": args.model,
+                    "inputs": [x.to_json() for x in costs.inputs],
+                    "batch": args.batch,
+                    "devices": cluster.num_devices,
+                    "nodes": _nodes_json(cluster),
+                    "precision": costs.precision,
+                    "planning_s": planning_s,
+                    "best_bottleneck": why,
+                    "search": report.to_json(),
+                    "plans": [
+                        {
+                            **p.to_json(
+                                with_plan=i <= args.top,
+                                per_device=i <= args.top or cluster.num_devices <= 64,
+                            ),
+                            "bottleneck": explain(p, cluster),
+                        }
+                        for i, p in enumerate(ranked)
+                    ],
+                    "notes": list(costs.notes),
+                    **({"expert_loads": args.expert_loads} if args.expert_loads else {}),
+                    **({"plot": args.plot} if args.plot else {}),
+                }
+            )
         )
-        print()
         return 0
     best = ranked[0]
     print(
@@ -358,7 +431,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if best.feasible and not all(best.shares):
         everyone = next((p for p in ranked if p.feasible and all(p.shares)), None)
         versus = (
-            f": {everyone.step_s / best.step_s:.2f}x faster than the best plan on all "
+            f": {_ratio(everyone.step_s / best.step_s)} faster than the best plan on all "
             f"{cluster.num_devices} ({everyone.strategy}, {fmt_s(everyone.step_s)})"
             if everyone is not None
             else ""
@@ -375,7 +448,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     for p in shown:
         mark = f"  [{explain(p, cluster)['term']}]" if p.feasible else f"  INFEASIBLE: {p.reason}"
         ratio = p.step_s / best.step_s if best.step_s > 0 else float("inf")
-        print(f"  {p.strategy:<{width}} {fmt_s(p.step_s):>12}  ({ratio:.2f}x){mark}")
+        print(f"  {p.strategy:<{width}} {fmt_s(p.step_s):>12}  ({_ratio(ratio)}){mark}")
     if report.placement_comparison is not None:
         for line in _comparison_lines(report.placement_comparison):
             print(line)
@@ -387,7 +460,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(
             f"the runtime cannot run the best ({best.plan_note}); the best it can run: "
             f"{written.strategy}: {fmt_s(written.step_s)} per step "
-            f"({written.step_s / best.step_s:.2f}x the best's)"
+            f"({_ratio(written.step_s / best.step_s)} the best's)"
         )
         print(f"  plan: {_plan_text(written.plan)}")
     if written.feasible and written.plan is not None:
@@ -429,6 +502,7 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
     add_input(p)
     p.add_argument(
         "--cluster",
+        type=nonempty_path,
         required=True,
         help="the cluster's TOML file: devices, links, nodes (see examples/clusters/, or write "
         "this machine's with hetcoll model calibrate)",
@@ -439,10 +513,11 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
         required=True,
         help="global batch size: samples per training step over all devices",
     )
-    p.add_argument("--classes", type=integer(1), default=10, help=CLASSES_HELP)
+    p.add_argument("--classes", type=integer(1, MAX_CLASSES), default=10, help=CLASSES_HELP)
     p.add_argument(
         "--expert-loads",
         metavar="LOADS.json",
+        type=nonempty_path,
         help="a mixture of experts' measured loads: a JSON object of each experts module's "
         "routed tokens per expert (hetcoll.torch.expert_loads, examples/train_lm.py "
         "--save-expert-loads); expert-parallel plans place the experts by them",
@@ -464,14 +539,20 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--plot",
-        type=writable_file,
-        help="write a plot to this PNG: predicted step time of the best plans, one bar each "
-        "(with --sweep: the sweep's plot; default hetcoll-sweep-AXIS.png)",
+        type=plot_file,
+        help="write a plot to this file, in the format its extension names (.png, .svg, .pdf, "
+        "...): predicted step time of the best plans, one bar each (with --sweep: the sweep's "
+        "plot; default hetcoll-sweep-AXIS.png)",
     )
     p.add_argument(
         "--top", type=integer(0), default=5, help="how many runners-up to list (default 5)"
     )
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON instead of text (strict JSON: an infeasible plan's infinite step "
+        "time is null)",
+    )
     p.add_argument(
         "--out",
         metavar="PLAN.json",
