@@ -486,12 +486,18 @@ def _check_shares(shares: Sequence[int], num_devices: int, argument: str = "shar
         raise ValueError(
             f"{argument}: expected {num_devices} values (one per device), got {len(shares)}"
         )
+    huge = False
     for s in shares:  # 2**70 once overflowed int64
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0:
             raise ValueError(f"{argument}: expected integers >= 0, got {s!r}")
-    if sum(int(s) for s in shares) > terms.MAX_SAMPLES:
+        huge = huge or s > terms.MAX_SAMPLES
+    # Each share fits int64 unless huge: the total is the array's, not a second pass in Python
+    # over up to 65,536 devices for every candidate the planner prices (summed in int64, exact,
+    # where float64's sum shows it cannot wrap).
+    out = None if huge else np.asarray(shares, dtype=np.int64)
+    if out is None or out.sum(dtype=np.float64) > 2.0**62 or int(out.sum()) > terms.MAX_SAMPLES:
         raise ValueError(f"{argument}: expected a total of at most 2**53, got {sum(shares)}")
-    return np.asarray(shares, dtype=np.int64)
+    return out
 
 
 def check_costs_and_cluster(costs: object, cluster: object) -> None:
