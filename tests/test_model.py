@@ -303,6 +303,17 @@ def test_bad_cluster_files_syntax_missing_and_network(tmp_path: Path) -> None:
         load_cluster(path)
     with pytest.raises(ValueError, match=r"nothere\.toml"):
         load_cluster(tmp_path / "nothere.toml")
+    # Values of a large file, echoed in part: a device's name, a count, 3,000 devices.
+    many = "".join(
+        f"[devices.d{i}]\nflops_per_s = 1e12\nmem_bytes_per_s = 1e11\n"
+        f"memory_bytes = 1e9\nkernel_overhead_s = 1e-6\n"
+        for i in range(3_000)
+    )
+    for nodes in (f'device = "{"x" * 300_000}"', f"device = 'd0'\ncount = {[1] * 50_000}"):
+        path.write_text(f"{many}\n[[nodes]]\n{nodes}\n")
+        with pytest.raises(ValueError, match=r"c\.toml: nodes\[0\]\.") as caught:
+            load_cluster(path)
+        assert len(str(caught.value)) < 1000, len(str(caught.value))
 
 
 # ---------------------------------------------------------------- predictions
@@ -1643,17 +1654,26 @@ def test_figures_that_overflow_a_step_are_refused_in_code_and_in_files(tmp_path:
 def test_models_that_cannot_be_built_are_named_not_raised_from_inside(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A module whose import raised anything but ImportError (a SyntaxError), a builder that
-    raised, ':' (said "Empty module name"); a config of a billion layers (ran for ever), a
-    vocabulary of 0 or 0 experts (failed later, blaming the input), more experts a token than
-    experts; transformers' reason cut to its first line (the field without why)."""
+    """A module whose import raised anything but ImportError (a SyntaxError) or called
+    sys.exit (the CLI ended with its status and no word), a builder that raised, ':' (said
+    "Empty module name"); a config of a billion layers (ran for ever), a vocabulary of 0 or 0
+    experts (failed later, blaming the input), more experts a token than experts;
+    transformers' reason cut to its first line (the field without why)."""
     (tmp_path / "broken_syntax.py").write_text("def f(:\n")
     (tmp_path / "raising_import.py").write_text("raise RuntimeError('at import')\n")
     (tmp_path / "raising_builder.py").write_text(
         "from torch import nn\n\ndef make() -> nn.Module:\n    raise RuntimeError('no')\n"
     )
+    (tmp_path / "exiting_import.py").write_text("import sys\n\nsys.exit(3)\n")
+    (tmp_path / "exiting_builder.py").write_text(
+        "import sys\nfrom torch import nn\n\ndef make() -> nn.Module:\n    sys.exit()\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     for name, text in (("broken_syntax:x", "cannot load 'broken_syntax:x': SyntaxError"),
+                       ("exiting_import:x", r"cannot load 'exiting_import:x': its import "
+                                            r"called sys.exit\(3\)"),
+                       ("exiting_builder:make", r"'exiting_builder:make' failed to build: it "
+                                                r"called sys.exit\(None\)"),
                        ("raising_import:x", "cannot load 'raising_import:x': RuntimeError"),
                        ("raising_builder:make", "'raising_builder:make' failed to build: "
                                                 "RuntimeError: no"),
@@ -1670,6 +1690,7 @@ def test_models_that_cannot_be_built_are_named_not_raised_from_inside(
                          ({"num_local_experts": 0}, "num_local_experts: must be >= 1"),
                          ({"num_experts_per_tok": 9}, "num_experts_per_tok: 9 is more than"),
                          ({"num_local_experts": 10**6}, "1,000,000 experts in each of 2"),
+                         ({"rope_scaling": {"type": "bogus"}}, "KeyError: 'bogus'"),
                          ({"hidden_size": "abc"}, "Validation error for field 'hidden_size': "
                                                   ".*expected int")):  # fmt: skip
         path = tmp_path / "config.json"

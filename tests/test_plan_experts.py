@@ -471,3 +471,14 @@ def test_mpi_plans_with_experts_train_as_one_process():
     assert [sorted(r["pipelines"]["held"].values()) for r in results] == [
         [1, 4], [2, 4], [0, 2], [0, 3]
     ]  # fmt: skip
+
+
+def test_expert_loads_of_megabytes_are_named_in_a_line() -> None:
+    """A million counts, or a path of a million characters, were echoed in full."""
+    from hetcoll.model.predict import expert_parallel
+
+    costs, cluster = _costs(), _cluster(4e10, 1e10)
+    for loads in ({LAYER(0): list(range(10**6))}, {"x" * 10**6: [1, 1, 1, 1]}):
+        with pytest.raises(ValueError, match=r"^loads: ") as caught:
+            expert_parallel(costs, cluster, [4, 4], [2, 2], loads=loads)
+        assert len(str(caught.value)) < 600, len(str(caught.value))

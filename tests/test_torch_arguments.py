@@ -103,9 +103,14 @@ def test_filter_shares_per_layer_are_shares_and_flags_are_flags() -> None:
             "0": [4, 4],
             "2": [4, 4],
         }
-    for speeds in ([10**400, 1], [1, None]):
-        with pytest.raises((TypeError, ValueError), match=r"^speeds: must be finite numbers"):
-            filter_shares(mlp(), size=2, speeds=speeds)
+    with pytest.raises(ValueError, match=r"^speeds: must be finite numbers, got an integer"):
+        filter_shares(mlp(), size=2, speeds=[10**400, 1])
+    with pytest.raises(TypeError, match=r"^speeds: must be a sequence of numbers, got None \("):
+        filter_shares(mlp(), size=2, speeds=[1, None])
+    # One check of speeds for the layers and the converter: an array, and a dict's keys.
+    assert filter_shares(mlp(), size=2, speeds=np.array([1.0, 3.0])) == {"0": [2, 6], "2": [2, 6]}
+    with pytest.raises(TypeError, match=r"^speeds: must be a sequence of numbers, got dict"):
+        filter_shares(mlp(), size=2, speeds={1.0: 1, 3.0: 1})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^shares_or_speeds: must be finite numbers"):
         filter_shares(mlp(), [10**400, 1.0], size=2)
 

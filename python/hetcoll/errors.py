@@ -1,6 +1,27 @@
-"""Exceptions of the collectives: raised on every rank, so no rank corrupts data or hangs."""
+"""Exceptions of the collectives: raised on every rank, so no rank corrupts data or hangs; and
+how any of hetcoll's messages echoes a value it refuses (:func:`shown`)."""
 
 from __future__ import annotations
+
+import reprlib
+from typing import Any
+
+#: The most characters of a value a message echoes: a value or file of megabytes makes no
+#: readable error otherwise.
+MAX_SHOWN = 200
+
+
+def shown(value: Any, limit: int = MAX_SHOWN) -> str:
+    """``repr(value)`` cut to ``limit`` characters (``'xxx...'``), for a message to echo.
+
+    >>> shown(list(range(100)), 30)
+    '[0, 1, 2, 3, 4, 5, 6, 7, 8,...'
+    """
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = r.maxlong = limit
+    r.maxlist = r.maxtuple = r.maxdict = 16
+    text = r.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class CollectiveMismatchError(ValueError):

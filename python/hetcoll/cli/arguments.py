@@ -13,20 +13,16 @@ import argparse
 import json
 import math
 import os
-import reprlib
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from hetcoll.errors import shown
 from hetcoll.model.terms import MAX_SAMPLES
 
 # The largest batch or split the command accepts: the performance model's.
 MAX_UNITS = MAX_SAMPLES
 
-
-#: The most characters of a value a message echoes: a flag or file of megabytes makes no
-#: one-line error otherwise.
-MAX_SHOWN = 200
 
 #: The formats a plot is written in (``--plot``'s extension; matplotlib with Pillow writes each).
 PLOT_FORMATS = ("png", "svg", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff")
@@ -35,15 +31,6 @@ PLOT_FORMATS = ("png", "svg", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff")
 class CommandFailed(Exception):
     """A command that could not finish for a reason it states (a write that failed): one line
     on stderr and exit status 1, not 2 (the command line was good)."""
-
-
-def shown(value: Any, limit: int = MAX_SHOWN) -> str:
-    """``repr(value)`` cut to ``limit`` characters (``'xxx...'``), for a message to echo."""
-    r = reprlib.Repr()
-    r.maxstring = r.maxother = r.maxlong = limit
-    r.maxlist = r.maxtuple = r.maxdict = 16
-    text = r.repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class Parser(argparse.ArgumentParser):

@@ -68,6 +68,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hetcoll.errors import shown
 from hetcoll.model.files import read_small_file
 
 #: Training precisions, as ``torch.autocast`` runs them (docs/model.md, "Precision"): ``fp32``;
@@ -446,7 +447,7 @@ class Cluster:
             or any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < n for d in picked)
         ):
             raise ValueError(
-                f"devices: expected distinct device indices in 0..{n - 1}, got {devices!r}"
+                f"devices: expected distinct device indices in 0..{n - 1}, got {shown(devices)}"
             )
         runs: list[list[int]] = []
         for d in picked:
@@ -610,14 +611,14 @@ def _number(table: Mapping[str, Any], key: str, where: str, *, required: bool = 
         return None
     value = table[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{where}.{key}: must be a number, got {value!r}")
+        raise ValueError(f"{where}.{key}: must be a number, got {shown(value)}")
     return value
 
 
 def _unknown(table: Mapping[str, Any], allowed: set[str], where: str) -> None:
     extra = sorted(set(table) - allowed)
     if extra:
-        raise ValueError(f"{where}: unknown field {extra[0]!r} (allowed: {sorted(allowed)})")
+        raise ValueError(f"{where}: unknown field {shown(extra[0])} (allowed: {sorted(allowed)})")
 
 
 def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster:
@@ -692,7 +693,9 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
 
     def link_named(value: Any, where: str) -> Link:
         if not isinstance(value, str) or value not in links:
-            raise ValueError(f"{where}: unknown link {value!r} (defined: {sorted(links)})")
+            raise ValueError(
+                f"{where}: unknown link {shown(value)} (defined: {shown(sorted(links))})"
+            )
         return links[value]
 
     raw_nodes = doc.get("nodes")
@@ -707,11 +710,13 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
         _unknown(t, _NODE_FIELDS, where)
         dev = t.get("device")
         if not isinstance(dev, str) or dev not in devices:
-            raise ValueError(f"{where}.device: unknown device {dev!r} (defined: {sorted(devices)})")
+            raise ValueError(
+                f"{where}.device: unknown device {shown(dev)} (defined: {shown(sorted(devices))})"
+            )
         count, repeat = t.get("count", 1), t.get("repeat", 1)
         for key, value in (("count", count), ("repeat", repeat)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{where}.{key}: must be an integer >= 1, got {value!r}")
+                raise ValueError(f"{where}.{key}: must be an integer >= 1, got {shown(value)}")
             if value > MAX_DEVICES:
                 raise ValueError(f"{where}.{key}: must be at most {MAX_DEVICES:,}, got {value:,}")
         total += count * repeat  # checked before the repeats are unrolled
@@ -725,7 +730,7 @@ def cluster_from_dict(doc: Mapping[str, Any], source: str = "<dict>") -> Cluster
             raise ValueError(f"{where}.link: missing (required when count > 1)")
         name = t.get("name", f"node{i}")
         if not isinstance(name, str):
-            raise ValueError(f"{where}.name: must be a string, got {name!r}")
+            raise ValueError(f"{where}.name: must be a string, got {shown(name)}")
         nodes.extend(
             Node(name if repeat == 1 else f"{name}[{j}]", devices[dev], count, link)
             for j in range(repeat)

@@ -199,6 +199,10 @@ def build(
         raise ValueError(f"model: {name!r} must be MODULE:ATTR (both named)")
     try:
         obj = getattr(importlib.import_module(mod_name), attr)
+    except SystemExit as e:  # a script's top-level sys.exit() must not end the caller
+        raise ValueError(
+            f"model: cannot load {name!r}: its import called sys.exit({e.code!r})"
+        ) from None
     except Exception as e:  # its top-level code may raise anything (a SyntaxError too)
         raise ValueError(f"model: cannot load {name!r}: {type(e).__name__}: {e}") from None
     if isinstance(obj, nn.Module):
@@ -216,6 +220,10 @@ def build(
             # and buffers go there.
             with _parameters_on(torch.device(device)):
                 made = make()
+    except SystemExit as e:
+        raise ValueError(
+            f"model: {name!r} failed to build: it called sys.exit({e.code!r})"
+        ) from None
     except Exception as e:  # the user's constructor failed: named, the cause chained
         raise ValueError(f"model: {name!r} failed to build: {type(e).__name__}: {e}") from e
     if not isinstance(made, nn.Module):
@@ -317,9 +325,11 @@ _EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 def _why(e: BaseException) -> str:
     """transformers' reason, on one line: its validation errors give the field on their
     first line and the reason on the next; its unknown model type lists every type it knows
-    after ". Should contain" (hundreds)."""
+    after ". Should contain" (hundreds). A lookup's error is only the key it missed
+    (``'bogus'``, an unknown ``rope_scaling`` type's), so its type comes first."""
     lines = [x.strip() for x in str(e).splitlines() if x.strip()] or [type(e).__name__]
-    return " ".join(lines[:2]).split(". Should contain", 1)[0]
+    why = " ".join(lines[:2]).split(". Should contain", 1)[0]
+    return f"{type(e).__name__}: {why}" if isinstance(e, LookupError) else why
 
 
 def _check_depths(values: object, where: str) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from hetcoll.errors import shown
 from hetcoll.model import terms
 from hetcoll.model.costs import ExpertsBlock, ModelCosts
 from hetcoll.model.hardware import Cluster, Link
@@ -171,9 +172,10 @@ def checked_loads(
     out: dict[str, np.ndarray] = {}
     for path, counts in loads.items():
         if path not in sizes:
-            known = ", ".join(repr(m) for m in sizes) or "none"
+            known = ", ".join(repr(m) for m in list(sizes)[:16]) or "none"
+            known += f", ... ({len(sizes)} in all)" if len(sizes) > 16 else ""
             raise ValueError(
-                f"{where}: {path!r} is no experts layer of the model (they are: {known})"
+                f"{where}: {shown(path)} is no experts layer of the model (they are: {known})"
             )
         try:
             load = np.asarray(counts, dtype=np.float64)
@@ -182,7 +184,7 @@ def checked_loads(
         if load.shape != (sizes[path],) or not np.isfinite(load).all() or (load < 0).any():
             raise ValueError(
                 f"{where}: {path!r} needs {sizes[path]} finite numbers >= 0 (one per expert), "
-                f"got {counts!r}"
+                f"got {shown(counts)}"
             )
         if load.sum() > 0:
             out[path] = load

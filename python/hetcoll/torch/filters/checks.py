@@ -4,6 +4,8 @@ input raises on every rank instead of leaving the ranks' collectives mismatched.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +22,34 @@ MODES = ("gather", "split-output", "split-input")
 def is_int(x: object) -> bool:
     """An int or numpy integer, booleans excluded."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def speeds_argument(speeds: object, argument: str = "speeds") -> list[float]:
+    """``speeds`` as floats: a sequence (or 1-D array) of finite real numbers, each entry
+    named alone where it is not one (a list's repr can be 10**5000's); the one check of speeds
+    for the filter-parallel layers and converter. A dict's keys or a string's characters were
+    once read as speeds, and ``5`` failed at ``len``. Their count and signs are
+    :func:`speeds_to_shares`' to check (:func:`hetcoll.split`'s rule)."""
+    if isinstance(speeds, np.ndarray) and speeds.ndim != 1:
+        raise TypeError(f"{argument}: must be a sequence of numbers, got a {speeds.ndim}-D array")
+    if isinstance(speeds, (str, bytes)) or not isinstance(speeds, (Sequence, np.ndarray)):
+        raise TypeError(f"{argument}: must be a sequence of numbers, got {type(speeds).__name__}")
+    rates = []
+    for i, s in enumerate(speeds):
+        if isinstance(s, (bool, np.bool_)):
+            raise TypeError(f"{argument}: booleans are not speeds, got {s!r} (entry {i})")
+        if not isinstance(s, numbers.Real):
+            raise TypeError(f"{argument}: must be a sequence of numbers, got {s!r} (entry {i})")
+        try:
+            rate = float(s)
+        except OverflowError:  # an int past float's range (10**400)
+            raise ValueError(
+                f"{argument}: must be finite numbers, got an integer past float's range (entry {i})"
+            ) from None
+        if not math.isfinite(rate):
+            raise ValueError(f"{argument}: must be finite numbers, got {s!r} (entry {i})")
+        rates.append(rate)
+    return rates
 
 
 def check_module(value: object, argument: str = "model") -> None:
@@ -69,16 +99,11 @@ def speeds_to_shares(
     (:func:`hetcoll.split`, in multiples of ``multiple_of``, at least one multiple each unless
     ``empty``; ``latency``: each rank's work beside its channels, as :func:`hetcoll.split`
     takes it)."""
-    if len(speeds) != size:
+    rates = speeds_argument(speeds, argument)
+    if len(rates) != size:
         raise ValueError(
-            f"{argument}: has {len(speeds)} speeds but the group has {size} ranks (one per rank)"
+            f"{argument}: has {len(rates)} speeds but the group has {size} ranks (one per rank)"
         )
-    if any(isinstance(s, (bool, np.bool_)) for s in speeds):
-        raise TypeError(f"{argument}: booleans are not speeds, got {list(speeds)!r}")
-    try:
-        rates = [float(s) for s in speeds]
-    except (TypeError, ValueError, OverflowError):  # None, "x", an int past float's range
-        raise ValueError(f"{argument}: must be finite numbers, got {list(speeds)!r}") from None
     minimum = 0 if empty else multiple_of
     if total < max(size * minimum, multiple_of):
         raise ValueError(

@@ -44,6 +44,7 @@ from hetcoll.torch.filters.checks import (
     check_shares,
     check_timeout,
     is_int,
+    speeds_argument,
     speeds_to_shares,
 )
 from hetcoll.torch.filters.experts import FilterParallelExperts, experts_layout
@@ -161,16 +162,7 @@ def _split_argument(shares_or_speeds: Any, speeds: Any, shares: Any) -> tuple[An
             "per layer)" + (f"; got {', '.join(given)}" if given else "")
         )
     if speeds is not None:
-        if isinstance(speeds, (str, bytes, Mapping)) or not isinstance(speeds, Sequence):
-            raise TypeError(
-                f"speeds: must be a sequence of numbers, one per rank, got {type(speeds).__name__}"
-            )
-        if any(isinstance(v, (bool, np.bool_)) for v in speeds):
-            raise TypeError("speeds: booleans are not speeds")
-        try:
-            return [float(v) for v in speeds], "speeds"
-        except (TypeError, ValueError, OverflowError):  # OverflowError: past float's range
-            raise TypeError(f"speeds: must be finite numbers, got {list(speeds)!r}") from None
+        return speeds_argument(speeds), "speeds"
     if shares is not None:
         if isinstance(shares, Mapping):
             return shares, "shares"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import math
-import numbers
 import weakref
 from collections.abc import Sequence
 from typing import Any, Self
@@ -40,6 +39,7 @@ from hetcoll.torch.filters.checks import (
     check_timeout,
     is_int,
     resolve_shares,
+    speeds_argument,
 )
 from hetcoll.torch.filters.head_guards import attention
 from hetcoll.torch.filters.shards import Marks, register_marking
@@ -625,7 +625,8 @@ class FilterParallelConv2d(FilterParallelLayer):
         check_mode(mode)
         check_timeout(timeout)
         check_choice(shares, speeds, multiple_of)
-        _check_speeds(speeds)
+        if speeds is not None:
+            speeds_argument(speeds)
         comm = wrap(group)
         split_total = in_channels if mode == "split-input" else out_channels
         counts = resolve_shares(shares, speeds, multiple_of, split_total, comm.size, "the layer")
@@ -665,7 +666,8 @@ class FilterParallelConv2d(FilterParallelLayer):
         check_mode(mode)
         check_timeout(timeout)
         check_choice(shares, speeds, multiple_of)
-        _check_speeds(speeds)
+        if speeds is not None:
+            speeds_argument(speeds)
         comm = wrap(group)
         total = conv.in_channels if mode == "split-input" else conv.out_channels
         counts = resolve_shares(shares, speeds, multiple_of, total, comm.size, "conv")
@@ -742,7 +744,8 @@ class FilterParallelLinear(FilterParallelLayer):
         check_timeout(timeout)
         unit = _check_unit(in_features, in_features_per_channel)
         check_choice(shares, speeds, multiple_of)
-        _check_speeds(speeds)
+        if speeds is not None:
+            speeds_argument(speeds)
         comm = wrap(group)
         total = in_features // unit if mode == "split-input" else out_features
         counts = resolve_shares(shares, speeds, multiple_of, total, comm.size, "the layer")
@@ -805,7 +808,8 @@ class FilterParallelLinear(FilterParallelLayer):
                 f"shared_input: only split-output layers read a shared copy, got mode {mode!r}"
             )
         check_choice(shares, speeds, multiple_of)
-        _check_speeds(speeds)
+        if speeds is not None:
+            speeds_argument(speeds)
         comm = wrap(group)
         split_in = mode == "split-input"
         total = in_features // unit if split_in else (out_features - sum(kept)) // per_unit
@@ -996,31 +1000,6 @@ def _check_padding(padding: object, stride: tuple[int, int]) -> str | tuple[int,
             raise ValueError(f"padding: 'same' needs stride 1, got stride {stride}")
         return padding
     return _check_pair(padding, "padding", 0)
-
-
-def _check_speeds(speeds: object) -> None:
-    """``speeds``, where given, a sequence (or 1-D array) of finite numbers: a dict's keys or
-    a string's characters were once read as speeds, and ``5`` failed at ``len``. Their
-    count and values are :func:`~.checks.speeds_to_shares`' to check."""
-    if speeds is None:
-        return
-    if isinstance(speeds, np.ndarray) and speeds.ndim != 1:
-        raise TypeError(f"speeds: must be a sequence of numbers, got a {speeds.ndim}-D array")
-    if isinstance(speeds, (str, bytes)) or not isinstance(speeds, (Sequence, np.ndarray)):
-        raise TypeError(f"speeds: must be a sequence of numbers, got {type(speeds).__name__}")
-    for i, s in enumerate(speeds):  # each entry named alone: a list's repr can be 10**5000's
-        if isinstance(s, (bool, np.bool_)):
-            raise TypeError(f"speeds: booleans are not speeds, got {s!r} (entry {i})")
-        if not isinstance(s, numbers.Real):
-            raise TypeError(f"speeds: must be a sequence of numbers, got {s!r} (entry {i})")
-        try:
-            finite = math.isfinite(s)
-        except OverflowError:  # an int past float's range (10**400)
-            raise ValueError(
-                f"speeds: must be finite numbers, got an integer past float's range (entry {i})"
-            ) from None
-        if not finite:
-            raise ValueError(f"speeds: must be finite numbers, got {s!r} (entry {i})")
 
 
 class FilterParallelEmbedding(ChannelSplit, nn.Module):
