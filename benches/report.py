@@ -2283,6 +2283,30 @@ def _without_step_overhead(configurations: Sequence[Any]) -> list[str]:
     ]
 
 
+def _staging_note(grad_bytes: Any, rates: Any) -> str | None:
+    """What copying a step's gradients from the GPU to the host and back costs at the rates
+    hetero.measure_gpu's ``host_copy`` measured (gloo's allreduce of a GPU rank's buckets goes
+    through host memory; the performance model does not price it); None without figures."""
+    if not grad_bytes or not isinstance(rates, dict):
+        return None
+    ways = []
+    for kind in ("pageable", "pinned"):
+        to_host = rates.get(f"{kind}_to_host_bytes_per_s")
+        from_host = rates.get(f"{kind}_from_host_bytes_per_s")
+        if to_host and from_host:
+            seconds = grad_bytes / to_host + grad_bytes / from_host
+            ways.append(
+                f"{kind} {seconds * 1e3:.3f} ms ({to_host / 1e9:.1f} GB/s to the host, "
+                f"{from_host / 1e9:.1f} GB/s back)"
+            )
+    if not ways:
+        return None
+    return (
+        f"its gradients ({grad_bytes / 1e6:.2f} MB) copied to the host and back, as gloo's "
+        f"allreduce takes a GPU rank's, a step: {'; '.join(ways)} (not in the model)."
+    )
+
+
 def _device_runtime(parts: dict[str, Any]) -> dict[str, Any] | None:
     """Where the GPU alone's step goes (plans.py's and lm.py's ``runtime``, with the GPU's
     ``step_overhead_s`` and ``view_s``) as a section; None where no part has it."""
@@ -2314,6 +2338,9 @@ def _device_runtime(parts: dict[str, Any]) -> dict[str, Any] | None:
         if syncs is not None:
             where = "; ".join(f"{s['where']} ({s['syncs']})" for s in syncs[:6]) or "none"
             notes.append(f"{model}: where a plan step made the host wait for the GPU: {where}.")
+        staging = _staging_note(part.get("gradient_bytes"), gpu.get("host_copy"))
+        if staging:
+            notes.append(f"{model}: {staging}")
         probes = gpu.get("step_probes") or []
         if len(probes) == 2:
             (a, b) = sorted(probes, key=lambda p: p["depth"])

@@ -569,9 +569,20 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
         {"depth": 32, "step_s": 4.0e-3, "residual_s": 1.9e-3},
         {"depth": 8, "step_s": 2.0e-3, "residual_s": 1.1e-3},
     ]
+    host_copy = {
+        "pageable_to_host_bytes_per_s": 1e10,
+        "pageable_from_host_bytes_per_s": 2e10,
+        "pinned_to_host_bytes_per_s": 5e10,
+        "pinned_from_host_bytes_per_s": 5e10,
+    }
     plans["gpu"] = dict(
-        plans.get("gpu") or {}, step_overhead_s=1.1e-3, view_s=9.5e-6, step_probes=probes
+        plans.get("gpu") or {},
+        step_overhead_s=1.1e-3,
+        view_s=9.5e-6,
+        step_probes=probes,
+        host_copy=host_copy,
     )
+    plans["gradient_bytes"] = 4e6
     plans["runtime"] = {
         "status": "ok",
         "plan": "the GPU alone",
@@ -655,6 +666,12 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
         "layers 4.00 ms (1.90 ms beyond): 33.3 us a layer"
     ) in text
     assert "LM example: failed: RuntimeError: no room." in text
+    # 4 MB to the host at 10 GB/s and back at 20: 0.6 ms; pinned, both ways at 50: 0.16 ms.
+    assert (
+        "demo CNN: its gradients (4.00 MB) copied to the host and back, as gloo's allreduce "
+        "takes a GPU rank's, a step: pageable 0.600 ms (10.0 GB/s to the host, 20.0 GB/s "
+        "back); pinned 0.160 ms (50.0 GB/s to the host, 50.0 GB/s back) (not in the model)."
+    ) in text
 
 
 def test_device_adapter_reads_a_summary_without_plans_or_lm(tmp_path: Path) -> None:

@@ -124,6 +124,10 @@ def test_gpu_probes_make_the_models_device() -> None:
     assert figures["step_overhead_s"] == probes[0]["residual_s"]
     fields = {f.name for f in dataclasses.fields(Device)}
     assert "step_overhead_s" in fields and "view_s" not in fields
+    # Copies to and from the host: pageable both ways; pinned on a GPU only.
+    rates = figures["host_copy"]
+    assert rates["pageable_to_host_bytes_per_s"] > 0 < rates["pageable_from_host_bytes_per_s"]
+    assert rates["pinned_to_host_bytes_per_s"] is rates["pinned_from_host_bytes_per_s"] is None
 
 
 def test_real_cluster_puts_the_gpu_first(tmp_path: Path) -> None:
@@ -221,6 +225,10 @@ def test_plans_script_runs_every_plan(tmp_path: Path) -> None:
             without / r["step_s"] - 1
         )
     assert got["prediction_error"]["count"] == len(names)
+    # The demo CNN's gradients, for the report's staging note: its parameters in float32.
+    assert got["gradient_bytes"] == 4 * sum(
+        p.numel() for p in device_plans.demo_model().parameters()
+    )
 
 
 def test_cnn_plans_idle_a_rank_the_split_leaves_out() -> None:

@@ -269,6 +269,29 @@ def _view_seconds(depth: int, dev: torch.device) -> float:
     return max(0.0, views_s - plain_s) / max(1, views - plain_views)
 
 
+def host_copy_rates(dev: torch.device) -> dict[str, float | None]:
+    """Bytes a second of copies between ``dev``'s memory and the host's, each way: from and
+    into pageable host memory (a CUDA tensor's ``.cpu()``, and a host tensor's ``.to(dev)``),
+    and pinned (page-locked, where ``dev`` is a GPU; None otherwise). A GPU rank's tensors take
+    these copies around every collective gloo or MPI runs for it (its gradients, its stage's
+    activations), which the performance model does not price: the figures say what they cost.
+    64 MiB each way on a GPU (4 MiB on the CPU, the dry run's)."""
+    n = (16 if dev.type == "cuda" else 1) << 20  # float32 elements
+    on_dev = torch.ones(n, device=dev)
+    rates: dict[str, float | None] = {}
+    for pinned in (False, True):
+        kind = "pinned" if pinned else "pageable"
+        if pinned and dev.type != "cuda":
+            rates[f"{kind}_to_host_bytes_per_s"] = rates[f"{kind}_from_host_bytes_per_s"] = None
+            continue
+        host = torch.empty(n, pin_memory=pinned)
+        to_host = _gpu_seconds(lambda host=host: host.copy_(on_dev), 5, dev)
+        from_host = _gpu_seconds(lambda host=host: on_dev.copy_(host), 5, dev)
+        rates[f"{kind}_to_host_bytes_per_s"] = 4 * n / to_host
+        rates[f"{kind}_from_host_bytes_per_s"] = 4 * n / from_host
+    return rates
+
+
 def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
     """The GPU's figures for :class:`hetcoll.model.Device`, float32 (:func:`strict_fp32`):
     GEMM 4096^3 and a copy of 256 MiB; the convolutions' rate and ``kernel_overhead_s`` and
@@ -283,8 +306,9 @@ def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
     (``step_probes``: the probe at its depth and at four times it, each step and residual).
     ``launch_s``:
     one tiny kernel's time in a chain of 200 (launch alone; not a field of the model's Device);
-    ``view_s``: a view op's host seconds in a training step (:func:`_view_seconds`).
-    ``dev``: the GPU (default ``cuda:0``; another device runs the same probes, for tests)."""
+    ``view_s``: a view op's host seconds in a training step (:func:`_view_seconds`);
+    ``host_copy``: copies to and from the host (:func:`host_copy_rates`). ``dev``: the GPU
+    (default ``cuda:0``; another device runs the same probes, for tests)."""
     import numpy as np
 
     from hetcoll.lab.calibrate import (
@@ -362,6 +386,7 @@ def measure_gpu(dev: torch.device | None = None) -> dict[str, Any]:
         **figures,
         "launch_s": launch_s,
         "view_s": view_s,
+        "host_copy": host_copy_rates(dev),
     }
     try:  # the scripts' figures do not depend on it: a failure is noted, not raised
         # The probe at the model's depth and at four times it: the residuals' difference is

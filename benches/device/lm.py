@@ -49,6 +49,7 @@ from hetero import probe_sizes, real_cluster, strict_fp32, without_step_overhead
 from jobs import (
     ALONE,
     PICK,
+    gradient_bytes,
     planner_over,
     planner_pick,
     prediction,
@@ -269,6 +270,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
     result["corpus"] = what
     result["devices"] = ["cuda" if (r == 0 and cfg["cuda"]) else "cpu" for r in range(world)]
     result["valid_tokens_per_row"] = rows_tokens
+    result["gradient_bytes"] = gradient_bytes(lm_model(torch.device("cpu")))
     result["speeds"] = [
         {"rank": r, "rows_per_s": s, "tokens_per_s": s * rows_tokens, "latency_s": a}
         for r, (s, a) in enumerate(zip(speeds, latency))

@@ -62,6 +62,7 @@ from hetero import (
 from jobs import (
     ALONE,
     PICK,
+    gradient_bytes,
     planner_over,
     planner_pick,
     prediction,
@@ -221,6 +222,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
     latency = [f.latency_s for f in fits]
     result: dict[str, Any] = cfg["result"]
     result["devices"] = ["cuda" if (r == 0 and cfg["cuda"]) else "cpu" for r in range(world)]
+    result["gradient_bytes"] = gradient_bytes(demo_model())
     result["speeds"] = [
         {"rank": r, "samples_per_s": s, "latency_s": a}
         for r, (s, a) in enumerate(zip(speeds, latency))
