@@ -501,3 +501,25 @@ def test_a_bad_sample_or_timeout_on_one_rank_raises_on_every_rank():
         for r in range(2):
             assert per_rank[r][case].startswith(said[r]), (case, r, per_rank[r][case])
     assert per_rank[0]["after"] == per_rank[1]["after"] and per_rank[0]["after"]
+
+
+def test_an_in_place_op_after_a_gathered_layer_takes_one_sample(one_rank: None) -> None:
+    """A gathered layer's output at batch 1 was a view autograd forbids modifying in place (the
+    channels moved back to their dimension needed no copy): torchvision's
+    ``ReLU(inplace=True)`` after it raised, a SqueezeNet split given one sample. Equal to the
+    unsplit model, at batch 1 and 2."""
+    for make, shape in (
+        (lambda: nn.Sequential(nn.Linear(8, 6), nn.ReLU(inplace=True)), (8,)),
+        (lambda: nn.Sequential(nn.Conv2d(3, 5, 3), nn.ReLU(inplace=True)), (3, 6, 6)),
+    ):
+        for batch in (1, 2):
+            torch.manual_seed(0)
+            whole = make().double()
+            split = filter_parallel(make().double(), speeds=[1.0])
+            split.load_state_dict(whole.state_dict())
+            x = torch.randn(batch, *shape, dtype=torch.float64)
+            assert torch.equal(split(x), whole(x))
+            split(x).square().sum().backward()
+            whole(x).square().sum().backward()
+            for (name, a), b in zip(split.named_parameters(), whole.parameters()):
+                assert torch.equal(a.grad, b.grad), name

@@ -382,7 +382,10 @@ class GatherChannels(torch.autograd.Function):
                 deadline(timeout)
             )
             out = out.to(y.device)
-        return out.movedim(0, dim).contiguous()
+        # Where the channels' move back is no move (one sample; dim 0), contiguous() returns
+        # the view itself, which autograd forbids an in-place op after the layer to modify
+        # (ReLU(inplace=True)); detached, it is a tensor of its own (no copy: out is ours).
+        return out.movedim(0, dim).contiguous().detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
