@@ -633,7 +633,7 @@ def plan(
         if model is not None and n and costs.plan_cut == "blocks":
             report.skipped["node-wise placement"] = (
                 "places the filters and neurons of a chain of layers; this model is cut into "
-                "blocks (a transformer)"
+                "blocks (its forward is no chain: a transformer's, a DenseNet's)"
             )
         elif model is not None and n:
             if p <= OWNERS_MAX_DEVICES:

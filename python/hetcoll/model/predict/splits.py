@@ -148,8 +148,9 @@ def blocks_stage_split(
     with ``named_shares`` the layers they name, checked as the runtime checks them."""
     if shares is not None:
         raise ValueError(
-            f"{where}.shares: a stage of a model cut into blocks (a transformer) names its "
-            "layers by module path (filter_shares' dict), not by layer index"
+            f"{where}.shares: a stage of a model cut into blocks (its forward no chain of "
+            "layers: a transformer's) names its layers by module path (filter_shares' dict), "
+            "not by layer index"
         )
     modes = costs.stage_filter_modes(first, end)
     if named_shares is not None:
