@@ -108,6 +108,16 @@ class Unused(nn.Module):
         return self.head(torch.relu(self.fc1(x)))
 
 
+class Frozen(Unused):
+    """:class:`Unused` with its first layer's weight frozen (a fine-tuning run's, a
+    transformer's sinusoidal position table): held by both replicas of a plan, it was given a
+    zero gradient where one process gives none, and weight decay moved it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1.weight.requires_grad_(False)
+
+
 class CastsItsLayer(nn.Module):
     """A layer whose forward converts its own weights (Switch Transformers' router casts its
     classifier to float32 at every call)."""
@@ -141,10 +151,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / max(float(b.abs().max()), 1e-30))
 
 
-def reference(model: nn.Module, data: list[Any], lr: float) -> tuple[list[float], dict[str, Any]]:
+def reference(
+    model: nn.Module, data: list[Any], lr: float, weight_decay: float = 0.0
+) -> tuple[list[float], dict[str, Any]]:
     """One process, whole batch."""
     model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=weight_decay)
     losses = []
     for x, y in data:
         loss = nn.functional.cross_entropy(model(x), y)
@@ -164,17 +176,18 @@ def equals_one_process(
     steps: int = 3,
     eval_mode=False,
     tol: float = TOL,
+    weight_decay: float = 0.0,
 ) -> dict[str, int]:
     torch.manual_seed(0)
     model = make().double()
     if eval_mode:
         model.eval()
     data = batches(shape, plan.batch, steps)
-    want_losses, want_state = reference(model, data, 0.05)
+    want_losses, want_state = reference(model, data, 0.05, weight_decay)
     par = parallelize(model, plan, loss_fn=nn.CrossEntropyLoss(), group=group)
     if eval_mode:
         par.eval()
-    opt = torch.optim.SGD(par.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(par.parameters(), lr=0.05, momentum=0.9, weight_decay=weight_decay)
     for (x, y), want in zip(data, want_losses, strict=True):
         loss = par.step(x, y)
         assert abs(loss - want) <= tol * abs(want), (loss, want)
@@ -453,6 +466,8 @@ def run_all(group: Any) -> dict[str, Any]:
     out["tied"] = True
     equals_one_process(group, Unused, Plan.from_dict(TIED), (8,))  # fc1, relu | head
     out["unused"] = True
+    equals_one_process(group, Frozen, Plan.from_dict(TIED), (8,), weight_decay=0.01)
+    out["frozen"] = True
     # Its full state dict crashed (the stage's lead sent float32 bytes its peers read as the
     # float64 the layer held when the plan was made); float32 sums in the replicas' average.
     equals_one_process(group, casts, Plan.from_dict(CASTS), (8,), tol=1e-5)

@@ -34,6 +34,7 @@ EXPECTED = {
     "owners_after_split": True,
     "tied": True,
     "unused": True,
+    "frozen": True,
     "casts": True,
     "swin": True,
     "errors": 5,

@@ -963,7 +963,10 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         return loss_sum if last and self.rank == stage.ranks[0] else None
 
     def _combine(self) -> None:
-        """Sum the replicas' gradients: one flat buffer per set of holders and dtype."""
+        """Sum the replicas' gradients: one flat buffer per set of holders and dtype. A frozen
+        parameter (``requires_grad`` False now, whenever it was frozen; every rank freezes
+        alike, as DDP needs) adds nothing and is given no gradient, as one process gives it
+        none: a zero gradient would have an optimizer's weight decay move it."""
         for r in self._reductions:
             # A forward may convert its own weights (Switch Transformers' router casts its
             # classifier to float32 at each call): the sum runs in a dtype exact for every
@@ -973,14 +976,15 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                 r.buffer = torch.empty(r.buffer.numel(), dtype=dtype, device=r.buffer.device)
             buf = r.buffer.zero_()
             for piece in r.pieces:
-                if piece.contributes and piece.param.grad is not None:
+                if piece.contributes and piece.param.requires_grad and piece.param.grad is not None:
                     piece.put(buf, piece.param.grad)
             self._tr.allreduce(buf, r.sub)
             self._traffic["allreduce"] += round(
                 2 * (r.size - 1) / r.size * buf.numel() * buf.element_size()
             )
             for piece in r.pieces:
-                piece.param.grad = piece.take(buf)
+                if piece.param.requires_grad:
+                    piece.param.grad = piece.take(buf)
 
 
 def _summed_loss(total: torch.Tensor | None, loss: torch.Tensor) -> torch.Tensor:
