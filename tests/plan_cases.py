@@ -118,6 +118,35 @@ class Frozen(Unused):
         self.fc1.weight.requires_grad_(False)
 
 
+class Unhit(nn.Module):
+    """Experts of which the forward calls one only (an expert given no tokens in a step): the
+    other's gradient is None in one process, and the replicas' sum gave it zeros, which
+    weight decay followed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.experts = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.experts[0](self.fc1(x))))
+
+
+#: Three replicas, one a pipeline, each holding both experts.
+UNHIT = {
+    "microbatches": 2,
+    "replicas": [
+        {"samples": 4, "stages": [{"ranks": [0], "layers": [0, 4]}]},
+        {
+            "samples": 4,
+            "stages": [{"ranks": [1], "layers": [0, 2]}, {"ranks": [2], "layers": [2, 4]}],
+        },
+        {"samples": 2, "stages": [{"ranks": [3], "layers": [0, 4]}]},
+    ],
+}
+
+
 class CastsItsLayer(nn.Module):
     """A layer whose forward converts its own weights (Switch Transformers' router casts its
     classifier to float32 at every call)."""
@@ -468,6 +497,8 @@ def run_all(group: Any) -> dict[str, Any]:
     out["unused"] = True
     equals_one_process(group, Frozen, Plan.from_dict(TIED), (8,), weight_decay=0.01)
     out["frozen"] = True
+    equals_one_process(group, Unhit, Plan.from_dict(UNHIT), (8,), weight_decay=0.01)
+    out["unhit"] = True
     # Its full state dict crashed (the stage's lead sent float32 bytes its peers read as the
     # float64 the layer held when the plan was made); float32 sums in the replicas' average.
     equals_one_process(group, casts, Plan.from_dict(CASTS), (8,), tol=1e-5)

@@ -35,6 +35,7 @@ EXPECTED = {
     "tied": True,
     "unused": True,
     "frozen": True,
+    "unhit": True,
     "casts": True,
     "swin": True,
     "errors": 5,

@@ -156,6 +156,12 @@ class _Piece:
         """This rank's part of the buffer (a copy on the parameter's device, in its dtype)."""
         return self.part.take(self._full(buffer)).to(self.param.device, self.param.dtype, copy=True)
 
+    def summed_any(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Whether the whole parameter's sum holds a non-zero entry (a 0-d bool tensor, read
+        later: one read for a reduction's pieces). The whole parameter's, not this rank's part:
+        every holder decides alike."""
+        return self._full(buffer).any()
+
 
 @dataclass
 class _Reduction:
@@ -966,7 +972,11 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         """Sum the replicas' gradients: one flat buffer per set of holders and dtype. A frozen
         parameter (``requires_grad`` False now, whenever it was frozen; every rank freezes
         alike, as DDP needs) adds nothing and is given no gradient, as one process gives it
-        none: a zero gradient would have an optimizer's weight decay move it."""
+        none: a zero gradient would have an optimizer's weight decay move it. So is one whose
+        sum is all zeros and that had none (no replica's backward reached it: an expert given
+        no tokens in any replica, whose gradient one process leaves None, as DDP leaves a
+        parameter unused on every rank); one that had a gradient (zeros, after
+        ``zero_grad(set_to_none=False)``) gets the sum."""
         for r in self._reductions:
             # A forward may convert its own weights (Switch Transformers' router casts its
             # classifier to float32 at each call): the sum runs in a dtype exact for every
@@ -982,8 +992,10 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             self._traffic["allreduce"] += round(
                 2 * (r.size - 1) / r.size * buf.numel() * buf.element_size()
             )
-            for piece in r.pieces:
-                if piece.param.requires_grad:
+            trained = [piece for piece in r.pieces if piece.param.requires_grad]
+            reached = torch.stack([p.summed_any(buf) for p in trained]).tolist() if trained else []
+            for piece, any_sum in zip(trained, reached, strict=True):
+                if any_sum or piece.param.grad is not None:  # zeros kept where they were
                     piece.param.grad = piece.take(buf)
 
 
