@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import hetcoll
 from hetcoll import launch
@@ -296,12 +295,6 @@ def host_syncs(fn: Callable[[], None], dev: torch.device) -> list[dict[str, Any]
             torch.cuda.set_sync_debug_mode("default")
     sync_gpu(dev)
     return [{"where": k, "syncs": n} for k, n in found.most_common(20)]
-
-
-def gradient_bytes(model: nn.Module) -> int:
-    """The bytes of ``model``'s gradients: what a data-parallel step exchanges, and what a GPU
-    rank's step copies to the host and back around gloo's allreduce."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def prediction(step_s: float, without_s: float, measured_s: float) -> dict[str, Any]:
