@@ -169,12 +169,17 @@ def ddp_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, int]:
 
 def filter_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, object]:
     """filter_parallel with the GPU rank's channels beside CPU ranks': outputs, gradients and
-    parameters after 3 steps equal the unsplit model (float64 1e-10, float32 1e-5)."""
+    parameters after 3 steps equal the unsplit model (float64 1e-10, float32 1e-5 with cuDNN's
+    TF32 off)."""
     dev = device_of(rank, first)
     speeds = [29.0, 7.0, 1.0][:world]
     modes = filter_cases.equals_unsplit(None, speeds, torch.float64, device=dev)
     shares = {"0": [29, 7, 1], "3": [40, 20, 1], "6": [3, 1, 1], "8": [10, 2, 1], "10": [5, 1, 1]}
-    filter_cases.equals_unsplit(None, shares, torch.float32, avoid_gathers=False, device=dev)
+    # cuDNN convolves float32 in TF32 unless told not to (torch's default): a 10-bit mantissa
+    # whose error (1e-4 relative on the H100) is the GPU's, not the split's. In IEEE float32 the
+    # split is checked against the CPU's unsplit model at float32's tolerance.
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        filter_cases.equals_unsplit(None, shares, torch.float32, avoid_gathers=False, device=dev)
     return {"modes": sorted(set(modes.values()))}
 
 

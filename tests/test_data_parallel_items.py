@@ -19,7 +19,15 @@ from hetcoll.torch import (
     register_weighted_hook,
     weighted_allreduce_hook,
 )
-from hetcoll.torch.batches import COUNTED, NEGATIVE, NOT_A_NUMBER, NOT_INTEGER, RAISED, count_items
+from hetcoll.torch.batches import (
+    COUNTED,
+    NEGATIVE,
+    NOT_A_NUMBER,
+    NOT_INTEGER,
+    RAISED,
+    count_items,
+    count_items_of,
+)
 
 from lm_common import (
     MODELS,
@@ -148,6 +156,36 @@ def test_bad_counts_raise_the_same_error_for_every_rank(returned, status, messag
     with pytest.raises(ValueError, match="items: rank 1") as raised:
         item_weights(counts, failure=bad.failure)  # the failing rank: its own error chained
     assert raised.value.__cause__ is bad.failure
+
+
+class Loud:
+    """A count that records each repr of it (a GPU tensor's repr reads the device)."""
+
+    reprs = 0
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __index__(self) -> int:
+        return self.n
+
+    def __repr__(self) -> str:
+        Loud.reprs += 1
+        return f"Loud({self.n})"
+
+
+def test_a_good_count_is_never_shown_and_a_bad_one_is():
+    """The message echoing a count is made only for a bad one: made for every count, it cost a
+    repr a micro-batch (a GPU's count: 12 reads of the device for 5 counts, the H100 run)."""
+    Loud.reprs = 0
+    assert count_items(lambda y: Loud(5), None) == (COUNTED, 5, None)
+    assert count_items_of(lambda y: y, [Loud(1), Loud(2), 3]) == [
+        (COUNTED, n, None) for n in (1, 2, 3)
+    ]
+    assert Loud.reprs == 0
+    bad = count_items(lambda y: Loud(-2), None)
+    assert bad.status == NEGATIVE and "items(y) returned Loud(-2)" in str(bad.failure)
+    assert Loud.reprs == 1
 
 
 def test_zero_items_on_every_rank_and_a_raising_items_name_items():

@@ -363,6 +363,48 @@ def test_experts_split_where_parts_of_their_hidden_units_add_up():
     )
 
 
+def test_experts_of_earlier_transformers_releases_split_as_their_flags_meant():
+    """Releases before transformers 5.20 set no ``has_post_expert_norm``, before 5.7 no
+    ``is_concatenated``, before 5.3 no ``has_gate`` (the H100 run's release lacked one, and
+    Mixtral's experts stayed whole there). Without them Mixtral's experts lay out, split and
+    place as with them; GPT-OSS's interleaved rows (its own ``_apply_gate``) without
+    ``is_concatenated`` are refused, not read as halves; without the flags every release sets,
+    no layout is guessed."""
+    import copy
+
+    from hetcoll.torch.expert_parallel import experts_module
+    from hetcoll.torch.filters import experts_layout
+    from hetcoll.torch.filters.experts import ExpertsLayout, experts_split
+
+    mixtral = cases.mixtral().get_submodule("model.layers.0.mlp.experts")
+    want = experts_layout(mixtral)
+    assert isinstance(want, ExpertsLayout) and want.params["gate_up_proj"] == (1, (1, 1))
+    later = ("has_post_expert_norm", "is_concatenated", "has_gate")
+    for k in range(1, len(later) + 1):
+        earlier = copy.deepcopy(mixtral)
+        for flag in later[:k]:
+            delattr(earlier, flag)
+        assert experts_layout(earlier) == want, later[:k]
+        split = experts_split("e", earlier)  # its probe forward agrees
+        assert split is not None and not isinstance(split, str)
+        assert (split.units, split.width) == (5, 8)  # 40 hidden units in steps of 8
+        assert experts_module(earlier) == ""
+    oss = cases.gpt_oss().get_submodule("model.layers.0.mlp.experts")
+    layout = experts_layout(oss)
+    assert isinstance(layout, ExpertsLayout) and layout.params["gate_up_proj"] == (2, (2,))
+    del oss.is_concatenated
+    why = (
+        "its class splits gate_up_proj by an _apply_gate of its own, and it has no "
+        "is_concatenated flag to say how (transformers before 5.7)"
+    )
+    assert experts_layout(oss) == why and experts_module(oss) == why
+    del mixtral.is_transposed
+    assert experts_layout(mixtral) == (
+        "its parameters are not laid out as Hugging Face's use_experts_implementation "
+        "describes them"
+    )
+
+
 class _Weights(nn.Module):
     """A module holding weights its parent reads."""
 

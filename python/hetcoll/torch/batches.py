@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from hetcoll.errors import shown
 from hetcoll.torch.filters.checks import check_flag
 
 #: ``items(y)``: how many items (valid tokens, rows...) ``loss_fn`` averages over for the
@@ -418,7 +419,7 @@ def count_items_of(items: Items, ys: Sequence[Any]) -> list[LocalCount]:
             values.append(None)
             failures[k] = e
     read = list(values)
-    on_device: dict[torch.device, list[int]] = {}
+    on_device: dict[torch.device, list[int]] = {}  # each device's counts, by micro-batch
     for k, v in enumerate(values):
         if (
             isinstance(v, torch.Tensor)
@@ -437,24 +438,43 @@ def count_items_of(items: Items, ys: Sequence[Any]) -> list[LocalCount]:
         )
         for k, n in zip(ks, both):
             read[k] = n
+    read_from = {k for ks in on_device.values() for k in ks}
     return [
         LocalCount(RAISED, 0, failures[k])
         if k in failures
-        else checked_count(n, f"items: items(y) returned {v!r}; it must return an integer >= 0")
+        else checked_count(n, functools.partial(_returned, v, n, k in read_from))
         for k, (v, n) in enumerate(zip(values, read))
     ]
 
 
-def checked_count(value: Any, what: str) -> LocalCount:
+def _returned(value: Any, n: int, read: bool) -> str:
+    """The error of a bad count ``items(y)`` returned: ``value``, or where it is a device's
+    tensor ``read`` as ``n``, its repr made from that number (torch's repr would read the device
+    again)."""
+    if read:
+        dtype = "" if value.dtype == torch.int64 else f", dtype={value.dtype}"
+        number = "[" * value.dim() + str(n) + "]" * value.dim()
+        said = f"tensor({number}, device='{value.device}'{dtype})"
+    else:
+        said = shown(value)
+    return f"items: items(y) returned {said}; it must return an integer >= 0"
+
+
+def checked_count(value: Any, what: str | Callable[[], str]) -> LocalCount:
     """``value`` as this rank's count, checked but never raised (:func:`count_items`); ``what``:
-    this rank's own error message where it is no integer >= 0 below 2**53. A bool (Python's,
-    numpy's or a bool tensor) is no count; a numpy array of one integer is one."""
+    this rank's own error message where it is no integer >= 0 below 2**53, or a function making
+    it (called only then: a message echoing a value costs its repr on every good count). A bool
+    (Python's, numpy's or a bool tensor) is no count; a numpy array of one integer is one."""
+
+    def said() -> str:
+        return what() if callable(what) else what
+
     if isinstance(value, np.ndarray) and value.size == 1:
         value = value.reshape(())[()]  # its one number, a numpy scalar
     if isinstance(value, (bool, np.bool_)) or (
         isinstance(value, torch.Tensor) and value.dtype == torch.bool
     ):
-        return LocalCount(NOT_A_NUMBER, 0, TypeError(what))
+        return LocalCount(NOT_A_NUMBER, 0, TypeError(said()))
     if hasattr(value, "__index__"):
         try:
             n = int(value.__index__())
@@ -462,18 +482,18 @@ def checked_count(value: Any, what: str) -> LocalCount:
             n = None
         if n is not None:
             if n < 0:
-                return LocalCount(NEGATIVE, max(n, -(1 << 63)), ValueError(what))
+                return LocalCount(NEGATIVE, max(n, -(1 << 63)), ValueError(said()))
             if n >= MAX_ITEMS:
-                return LocalCount(TOO_LARGE, 0, ValueError(f"{what} below 2**53"))
+                return LocalCount(TOO_LARGE, 0, ValueError(f"{said()} below 2**53"))
             return LocalCount(COUNTED, n)
     f = None
     if isinstance(value, (numbers.Real, np.generic, torch.Tensor)) and not isinstance(value, bool):
         with contextlib.suppress(TypeError, ValueError, RuntimeError):  # several elements
             f = float(value)
     if f is None:  # a str, a bool, a list...
-        return LocalCount(NOT_A_NUMBER, 0, TypeError(what))
+        return LocalCount(NOT_A_NUMBER, 0, TypeError(said()))
     bits = int(np.array(f, np.float64).view(np.int64))
-    return LocalCount(NOT_INTEGER, bits, ValueError(what))
+    return LocalCount(NOT_INTEGER, bits, ValueError(said()))
 
 
 def added_count(earlier: LocalCount | None, count: LocalCount) -> LocalCount:

@@ -39,15 +39,12 @@ from hetcoll.collectives.autograd import exchanging
 from hetcoll.comm import Communicator, agree, deadline, wrap
 from hetcoll.plan import MAX_EXPERTS, expert_indices, expert_runs
 from hetcoll.torch.filters.checks import check_module
-from hetcoll.torch.filters.experts import LocalExperts, derived_class
+from hetcoll.torch.filters.experts import LocalExperts, derived_class, experts_flags
 from hetcoll.torch.filters.layers import ChannelSplit
 from hetcoll.torch.filters.shards import guard_save_pretrained, track_optimizers
 from hetcoll.torch.replaced import record_replaced
 from hetcoll.torch.step_timer import StepTimer
 from hetcoll.torch.transport import CountingCommunicator, transport
-
-#: The flags Hugging Face's ``use_experts_implementation`` sets on an experts module.
-_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
 
 #: A rank's weight in the step's gradient average: a function of nothing, called at each
 #: forward of an expert-parallel layer (None: the rows of that layer's input, its tokens).
@@ -90,11 +87,9 @@ def experts_module(m: nn.Module) -> str | None:
         return None
     if isinstance(m, ExpertParallelExperts):
         return None
-    if not all(isinstance(getattr(m, f, None), bool) for f in _FLAGS):
-        return (
-            "its parameters are not laid out as Hugging Face's use_experts_implementation "
-            "describes them"
-        )
+    flags = experts_flags(m)
+    if isinstance(flags, str):
+        return flags
     odd = [n for n, p in m.named_parameters() if p.dim() < 1 or p.shape[0] != experts]
     if odd:
         return f"it holds parameters not stacked by expert (dimension 0 of {experts}): {odd}"

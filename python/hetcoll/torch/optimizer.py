@@ -25,6 +25,7 @@ import torch
 from hetcoll import fusion
 from hetcoll.collectives import allreduce
 from hetcoll.comm import NOT_GIVEN, agree, group_argument, shared_processes, wrap
+from hetcoll.errors import shown
 from hetcoll.torch.batches import (
     COUNTED,
     NOT_COUNTED,
@@ -168,7 +169,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.items is not None:
             raise TypeError("local_batch: this optimizer counts items; call opt.count(y) instead")
         # A bad one is raised from step(), on every rank: raised here, the others would wait.
-        mine = checked_count(n, f"local_batch: must be an integer >= 0, got {n!r}")
+        mine = checked_count(n, lambda: f"local_batch: must be an integer >= 0, got {shown(n)}")
         self._bad_local_batch = None if mine.status == COUNTED else mine
         if self._bad_local_batch is None:
             self._local_batch = mine.value

@@ -26,8 +26,13 @@ from hetcoll.torch.filters.autograd import CopyToRanks, ReduceSum, needs_check
 from hetcoll.torch.filters.heads import TensorSplit
 from hetcoll.torch.filters.layers import ChannelSplit, set_attribute, split_runs, take_runs
 
-#: The flags Hugging Face's ``use_experts_implementation`` sets on an experts module.
+#: The flags Hugging Face's ``use_experts_implementation`` sets on an experts module. Every
+#: transformers 5 release sets ``has_bias`` and ``is_transposed``; the others came later
+#: (``has_gate`` in 5.3, ``is_concatenated`` in 5.7, ``has_post_expert_norm`` in 5.20), and
+#: before each the layout was what its default says (:func:`experts_flags`).
 _FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+_FIRST_FLAGS = ("has_bias", "is_transposed")
+_LATER_DEFAULTS = {"has_gate": True, "has_post_expert_norm": False}
 
 #: Attributes an experts module counts each expert's hidden units with.
 _COUNTS = ("intermediate_dim", "intermediate_size", "expert_dim", "ffn_hidden_size")
@@ -64,31 +69,30 @@ def experts_layout(m: nn.Module) -> ExpertsLayout | str | None:
         return None  # split already (no unsplit experts to split), or no experts
     if not any(p.dim() == 3 for p in m.parameters(False)):
         return _stacked_layout(m, experts)
-    if not all(isinstance(getattr(m, f, None), bool) for f in _FLAGS):
-        return (
-            "its parameters are not laid out as Hugging Face's use_experts_implementation "
-            "describes them"
-        )
-    if m.has_post_expert_norm:
+    flags = experts_flags(m)
+    if isinstance(flags, str):
+        return flags
+    if flags["has_post_expert_norm"]:
         return "a norm of each expert's whole output follows it (has_post_expert_norm)"
-    first = "gate_up_proj" if m.has_gate else "up_proj"
+    has_gate, is_transposed = flags["has_gate"], flags["is_transposed"]
+    first = "gate_up_proj" if has_gate else "up_proj"
     up, down = getattr(m, first, None), getattr(m, "down_proj", None)
     if not (isinstance(up, nn.Parameter) and isinstance(down, nn.Parameter)):
         return f"it has no {first} and down_proj parameters"
-    up_dim, down_dim = (2, 1) if m.is_transposed else (1, 2)
-    per = 2 if m.has_gate else 1
+    up_dim, down_dim = (2, 1) if is_transposed else (1, 2)
+    per = 2 if has_gate else 1
     if up.dim() != 3 or down.dim() != 3 or up.shape[up_dim] % per:
         return f"{first} {tuple(up.shape)} and down_proj {tuple(down.shape)} are not its layout"
     units = up.shape[up_dim] // per
     if down.shape[down_dim] != units or up.shape[0] != down.shape[0]:
         return f"{first} {tuple(up.shape)} and down_proj {tuple(down.shape)} are not its layout"
-    blocks: tuple[int, ...] = ((1, 1) if m.is_concatenated else (2,)) if m.has_gate else (1,)
+    blocks: tuple[int, ...] = ((1, 1) if flags["is_concatenated"] else (2,)) if has_gate else (1,)
     params: dict[str, tuple[int, tuple[int, ...]]] = {
         first: (up_dim, blocks),
         "down_proj": (down_dim, (1,)),
     }
     bias = ""
-    if m.has_bias:
+    if flags["has_bias"]:
         up_bias, out_bias = getattr(m, f"{first}_bias", None), getattr(m, "down_proj_bias", None)
         if not (isinstance(up_bias, nn.Parameter) and isinstance(out_bias, nn.Parameter)):
             return f"it has no {first}_bias and down_proj_bias parameters"
@@ -102,6 +106,37 @@ def experts_layout(m: nn.Module) -> ExpertsLayout | str | None:
     counts = tuple(a for a in _COUNTS if getattr(m, a, None) == units)
     features = int(up.shape[3 - up_dim])  # the expert dimension is 0, the split one up_dim
     return ExpertsLayout(units, params, counts, bias, features)
+
+
+def experts_flags(m: nn.Module) -> dict[str, bool] | str:
+    """The layout flags of ``m``, an experts module with 3-D parameters: its own, and those a
+    transformers release before the flag did not set at the value that meant (a gate, no
+    norm after each expert; the ``[gate; up]`` halves of ``gate_up_proj`` where its class
+    splits them by the default ``_apply_gate``: GptOss's own interleaves them, in the releases
+    before ``is_concatenated`` said so). Why not where it is no class of that decorator."""
+    flags = {f: getattr(m, f, None) for f in _FLAGS}
+    if not all(isinstance(flags[f], bool) for f in _FIRST_FLAGS) or not all(
+        v is None or isinstance(v, bool) for v in flags.values()
+    ):
+        return (
+            "its parameters are not laid out as Hugging Face's use_experts_implementation "
+            "describes them"
+        )
+    for f, before in _LATER_DEFAULTS.items():
+        if flags[f] is None:
+            flags[f] = before
+    if flags["is_concatenated"] is None:
+        gate = getattr(type(m), "_apply_gate", None)
+        if (getattr(gate, "__module__", None), getattr(gate, "__name__", None)) != (
+            "transformers.integrations.moe",
+            "_default_apply_gate",
+        ):
+            return (
+                "its class splits gate_up_proj by an _apply_gate of its own, and it has no "
+                "is_concatenated flag to say how (transformers before 5.7)"
+            )
+        flags["is_concatenated"] = True
+    return {f: bool(v) for f, v in flags.items()}
 
 
 def _stacked_layout(m: nn.Module, experts: int) -> ExpertsLayout | str | None:
