@@ -397,6 +397,9 @@ def host_line(result: Result) -> str:
         value = h.pop(key, None)
         if value is not None:
             parts.append(f"{label} {value}")
+    packages = h.pop("packages", None)  # a device run's: name -> version (None: not installed)
+    if isinstance(packages, dict):
+        parts += [f"{k} {packages[k]}" for k in sorted(packages) if packages[k] is not None]
     commit = h.pop("commit", None)
     if commit:
         parts.append(f"commit {commit}")
@@ -2058,6 +2061,8 @@ def adapt_device(raw: Sequence[Path], command: str) -> dict[str, Any]:
             "notes": model_notes,
         }
     )
+    sections.append(_device_balanced_parts(measured, status))
+    sections.append(_device_hops(measured, status))
     plan_rows, plan_errors, plan_notes = _device_plans(data.get("plans"), cuda, where)
     plans = data.get("plans") if isinstance(data.get("plans"), dict) else {}
     sections.append(
@@ -2202,6 +2207,110 @@ def _samples(plan: Any) -> str:
     """A plan's samples per replica, ``"239+6+6+5"``."""
     reps = plan.get("replicas", []) if isinstance(plan, dict) else []
     return "+".join(str(r.get("samples")) for r in reps)
+
+
+def _device_balanced_parts(measured: list[dict[str, Any]], status: str) -> dict[str, Any]:
+    """The section taking the balanced data-parallel step of each configuration ``measured``
+    apart (benches/device/hetero.py's ``step_parts``) beside the model's parts of it."""
+    rows: list[list[Any]] = []
+    for c in measured:
+        parts = c.get("balanced_parts")
+        if c.get("status") != "ok" or not isinstance(parts, dict):
+            continue
+        local = parts["local_s"]
+        slowest = max(range(len(local)), key=local.__getitem__)
+        step = c["step_s"]["balanced"]
+        model = (c.get("prediction") or {}).get("balanced_parts") or {}
+        computed = model.get("compute_s")
+        rows.append(
+            [
+                c["cpu_ranks"],
+                _ms(step),
+                _ms(local[slowest]),
+                slowest,
+                _ms(parts["allreduce_s"]),
+                _ms(parts["allreduce_host_s"]),
+                _ms(step - local[slowest]),
+                _ms(max(computed)) if computed else None,
+                _ms(model["allreduce_s"]) if "allreduce_s" in model else None,
+            ]
+        )
+    if not rows:
+        why = status if not measured else "not in this summary (an older run.sh)"
+        rows = [[None, why, None, None, None, None, None, None, None]]
+    return {
+        "title": "Where the balanced step goes",
+        "peer": "the balanced step measured in the same job, and the model's parts of it",
+        "columns": [
+            _col("CPU ranks"),
+            _col("balanced step (ms)", "{:.2f}"),
+            _col("slowest own step (ms)", "{:.2f}"),
+            _col("its rank"),
+            _col("allreduce, GPU buffer (ms)", "{:.2f}"),
+            _col("allreduce, host buffers (ms)", "{:.2f}"),
+            _col("step beyond it (ms)", "{:.2f}"),
+            _col("model: slowest compute (ms)", "{:.2f}"),
+            _col("model: allreduce (ms)", "{:.2f}"),
+        ],
+        "rows": rows,
+        "notes": [
+            "Own step: each rank's forward, backward and SGD step under DDP's no_sync (no "
+            "allreduce), started together, each timing itself; the slowest rank's. Allreduce: "
+            "gloo's of a float32 buffer of the gradients' size alone, between barriers, with "
+            "the GPU rank's buffer on the GPU (staged through host memory, as DDP's bucket "
+            "is) and with every rank's in host memory. Step beyond it: the balanced step less "
+            "the slowest own step, what the exchange and the waits added.",
+            "The model's parts: the slowest device's forward and backward "
+            "(hetcoll.model.predict_data_parallel's compute_s_per_device) and its allreduce.",
+        ],
+    }
+
+
+def _device_hops(measured: list[dict[str, Any]], status: str) -> dict[str, Any]:
+    """The section of one message's seconds between the GPU rank and a CPU rank, from the GPU
+    and from host memory (benches/device/hetero.py's ``hop_seconds``), beside the model's gloo
+    link, for each configuration ``measured``."""
+    rows: list[list[Any]] = []
+    for c in measured:
+        if c.get("status") != "ok" or not c.get("hops"):
+            continue
+        model = {h["bytes"]: h["link_s"] for h in (c.get("prediction") or {}).get("hops") or []}
+        for h in c["hops"]:
+            link = model.get(h["bytes"])
+            device = h.get("device_s")
+            rows.append(
+                [
+                    c["cpu_ranks"],
+                    h["bytes"],
+                    _ms(device),
+                    _ms(h.get("host_s")),
+                    _ms(link),
+                    device / link if device is not None and link else None,
+                ]
+            )
+    if not rows:
+        why = status if not measured else "not in this summary (an older run.sh)"
+        rows = [[None, why, None, None, None, None]]
+    return {
+        "title": "A message between the GPU rank and a CPU rank",
+        "peer": "the same message from host memory, and the model's gloo link, in the same job",
+        "columns": [
+            _col("CPU ranks"),
+            _col("bytes", "{:,}"),
+            _col("from the GPU (ms)", "{:.3f}"),
+            _col("from host memory (ms)", "{:.3f}"),
+            _col("model's link (ms)", "{:.3f}"),
+            _col("from the GPU / model", RATIO),
+        ],
+        "rows": rows,
+        "notes": [
+            "Half a ping-pong's round trip between rank 0 and rank 1 over gloo, the median: from "
+            "the GPU as the runtime sends a pipeline's boundary (copied to host memory and "
+            "sent; received into host memory and copied back to the GPU), and from host "
+            "memory. The model's link: the calibrated gloo link's latency plus bytes over its "
+            "bandwidth, what the model prices a boundary's message at."
+        ],
+    }
 
 
 def _device_plans(

@@ -503,6 +503,9 @@ def test_device_adapter_reads_a_dry_run(tmp_path: Path) -> None:
     text = report.generate(tmp_path)
     assert "| skipped: no CUDA | 0 | 0 | 14 |" in text
     assert "| – | skipped: no CUDA | – | – | – |" in text
+    assert "| – | skipped: no CUDA (dry run, rank 0 on the CPU) | – | – | – | – | – | – | – |" in (
+        text
+    )
     assert "skipped: no CUDA (dry run, rank 0 on the CPU)" in text
     # The plans and the LM example ran on the CPU (their steps are in the table) but show no
     # figure: rank 0 was no GPU.
@@ -517,6 +520,7 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
     data = json.loads(DEVICE_DRY_RUN.read_text())
     data["cuda"] = True
     data["host"]["gpu"] = "NVIDIA H100 80GB HBM3 (79 GiB)"
+    data["host"]["packages"] = {"transformers": "5.23.0", "lightning": None}
     config = data["hetero"]["configurations"][0]
     config["devices"][0] = "cuda"
     config["step_s"] = {"gpu_alone": 0.004, "balanced": 0.0032, "equal": 0.05}
@@ -526,6 +530,15 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
         "status": "ok",
         "step_s": {"balanced": 0.0036, "equal": 0.045, "gpu_alone": 0.004},
         "error": {"balanced": 0.125, "equal": -0.1, "gpu_alone": 0.0},
+        "balanced_parts": {"compute_s": [0.001, 0.0017], "allreduce_s": 0.0006},
+        "hops": [{"bytes": 4096, "link_s": 4e-5}],
+    }
+    config["hops"] = [{"bytes": 4096, "device_s": 1e-4, "host_s": 5e-5}]
+    config["balanced_parts"] = {
+        "local_s": [0.0015, 0.002],
+        "gradient_bytes": 431912,
+        "allreduce_s": 0.0009,
+        "allreduce_host_s": 0.0007,
     }
     data["kernels"] = {
         "status": "ok",
@@ -638,6 +651,10 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
     assert "| 1 | 0 | cuda |" in text
     assert "| 1 | balanced | 3.60 | 3.20 | +12.5% |" in text
     assert "gpu NVIDIA H100 80GB HBM3 (79 GiB)" in text
+    assert " · transformers 5.23.0 · " in text and "lightning" not in text.lower()
+    # The balanced step (3.20 ms) taken apart: rank 1's own step 2.00 ms, 1.20 ms beyond it.
+    assert "| 1 | 3.20 | 2.00 | 1 | 0.90 | 0.70 | 1.20 | 1.70 | 0.60 |" in text
+    assert "| 1 | 4,096 | 0.100 | 0.050 | 0.040 | 2.50x |" in text
     first = plans["configurations"][0]
     shares = "+".join(str(r["samples"]) for r in first["plan"]["replicas"])
     assert (
@@ -675,7 +692,8 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
 
 
 def test_device_adapter_reads_a_summary_without_plans_or_lm(tmp_path: Path) -> None:
-    """A summary of the run.sh before the plans and LM steps imports, saying they are absent."""
+    """A summary of the run.sh before the plans and LM steps imports, saying they are absent;
+    and before the balanced step's parts (the dry run's configurations have none)."""
     data = json.loads(DEVICE_DRY_RUN.read_text())
     data["cuda"] = True
     del data["plans"], data["lm"]
@@ -688,6 +706,10 @@ def test_device_adapter_reads_a_summary_without_plans_or_lm(tmp_path: Path) -> N
     assert "### Plans on the real devices\n" in text
     assert "| – | not in this summary (an older run.sh) | – | – | – | – |" in text
     assert "| not in this summary (an older run.sh) | – | – | – | – | – | – |" in text
+    older = "| – | not in this summary (an older run.sh) | – | – | – | – | – | – | – |"
+    assert older in text.split("### Where the balanced step goes")[1]
+    older = "| – | not in this summary (an older run.sh) | – | – | – | – |"
+    assert older in text.split("### A message between the GPU rank and a CPU rank")[1]
 
 
 def _load_summarize() -> ModuleType:

@@ -240,3 +240,33 @@ def test_cnn_plans_idle_a_rank_the_split_leaves_out() -> None:
     assert [r["samples"] for r in built["data-parallel, balanced"][1]["replicas"]] == [256]
     every = built["data-parallel, balanced, every rank"][1]["replicas"]
     assert [r["samples"] for r in every] == [253, 1, 1, 1]
+
+
+@pytest.mark.multiproc
+def test_hetero_script_takes_the_balanced_step_apart(tmp_path: Path) -> None:
+    """hetero.py as the dry run runs it (1 + 1 ranks, rank 0 on the CPU): the balanced step's
+    parts, every rank's own step without the allreduce and the allreduce alone (on each rank's
+    device and in host memory), and the model's parts of it beside them; and a message's hop
+    between the ranks, beside the model's link."""
+    import hetero
+
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text(CALIBRATION)
+    out = tmp_path / "hetero.json"
+    args = ["--cluster", str(cluster), "--json", str(out), "--cpu-ranks", "1", "--batch", "32"]
+    args += ["--warmup", "1", "--steps", "2", "--probe-s", "0.2", "--timeout", "200"]
+    assert hetero.main(args) == 0
+    (row,) = json.loads(out.read_text())["configurations"]
+    parts = row["balanced_parts"]
+    assert len(parts["local_s"]) == 2 and all(t > 0 for t in parts["local_s"])
+    assert parts["allreduce_s"] > 0 and parts["allreduce_host_s"] > 0
+    assert parts["gradient_bytes"] == 4 * sum(p.numel() for p in hetero.demo_model().parameters())
+    model = row["prediction"]["balanced_parts"]
+    assert len(model["compute_s"]) == 2 and model["critical_device"] in (0, 1)
+    assert 0 < model["allreduce_s"] < row["prediction"]["step_s"]["balanced"]
+    assert model["breakdown"]["communication"] >= 0
+    # A message's hop between rank 0 and rank 1, measured and as the model's link prices it.
+    assert [h["bytes"] for h in row["hops"]] == list(hetero.HOP_BYTES)
+    assert all(h["device_s"] > 0 and h["host_s"] > 0 for h in row["hops"])
+    link = [h["link_s"] for h in row["prediction"]["hops"]]
+    assert len(link) == len(hetero.HOP_BYTES) and link == sorted(link) and link[0] > 0

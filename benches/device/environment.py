@@ -1,6 +1,8 @@
 """The machine a device check ran on, as the host record of benches/report.py (CPU, cores,
 Python, numpy, torch) plus the GPU (name, memory, CUDA version, driver), glibc, hardware
-threads per core, and which hetcoll was imported (the wheel's, abi3).
+threads per core, the versions of the packages the CUDA tests drive (transformers, Lightning,
+mpi4py: a model class's layout differs between transformers releases), and which hetcoll was
+imported (the wheel's, abi3).
 
     python benches/device/environment.py --json OUT/environment.json
 """
@@ -36,6 +38,23 @@ def threads_per_core() -> int | None:
     return count
 
 
+#: Packages whose versions a device run records (None where one is not installed).
+PACKAGES = ("transformers", "lightning", "mpi4py", "pytest")
+
+
+def package_versions() -> dict[str, str | None]:
+    """Each of :data:`PACKAGES`' installed version, read from its metadata (not imported)."""
+    from importlib import metadata
+
+    versions: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
 def environment() -> dict[str, Any]:
     import torch
 
@@ -44,6 +63,7 @@ def environment() -> dict[str, Any]:
     host = host_info()
     host["glibc"] = "-".join(platform.libc_ver())
     host["threads_per_core"] = threads_per_core()
+    host["packages"] = package_versions()
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         host["gpu"] = f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"

@@ -14,6 +14,11 @@ For each configuration (1 GPU rank + C CPU ranks, C in ``--cpu-ranks``), in one 
 4. equal: the global batch split evenly, plain DDP (its mean averaging), what DDP users do;
 
 each timed over ``--steps`` steps after ``--warmup`` (barriers around, the GPU synchronized).
+The balanced step is then taken apart (:func:`step_parts`): each rank's own step without the
+allreduce (DDP's ``no_sync``), and the allreduce of a gradient-sized buffer alone, with the GPU
+rank's on the GPU (as DDP gives gloo its bucket) and with every rank's in host memory. Last,
+a message's hop between the GPU rank and a CPU rank (:func:`hop_seconds`), as a pipeline's
+boundary crosses it, beside the same hop from host memory.
 The parent then predicts each of the three steps with the performance model: the CPU ranks'
 device and the gloo link from ``hetcoll model calibrate`` on this machine (``--cluster``), the
 GPU's from a measurement here (:func:`measure_gpu`: float32 GEMM and convolution FLOP/s, copy
@@ -101,8 +106,12 @@ def speeds_here(
     return list(gather_speeds(fit))
 
 
-def _timed(dev: torch.device, step: Any, batches: list[Any], warmup: int) -> float:
-    """Seconds per step of ``step(batch)`` over ``batches[warmup:]``, between barriers."""
+def _timed(
+    dev: torch.device, step: Any, batches: list[Any], warmup: int, own: bool = False
+) -> float:
+    """Seconds per step of ``step(batch)`` over ``batches[warmup:]``, between barriers (the
+    slowest rank's); with ``own``, this rank's own: started together, each rank timing itself
+    without waiting for the others."""
     import torch.distributed as dist
 
     for b in batches[:warmup]:
@@ -113,8 +122,78 @@ def _timed(dev: torch.device, step: Any, batches: list[Any], warmup: int) -> flo
     for b in batches[warmup:]:
         step(b)
     sync_gpu(dev)
-    dist.barrier()
-    return (time.perf_counter() - t0) / max(1, len(batches) - warmup)
+    if not own:
+        dist.barrier()
+    seconds = (time.perf_counter() - t0) / max(1, len(batches) - warmup)
+    if own:
+        dist.barrier()
+    return seconds
+
+
+def step_parts(
+    dev: torch.device, ddp: Any, local_step: Any, batches: list[Any], warmup: int
+) -> dict[str, Any]:
+    """Where a data-parallel step's time goes: every rank's own step without the gradients'
+    allreduce (``local_step`` under ``ddp.no_sync()``), and the allreduce alone of a float32
+    buffer of the gradients' size, timed between barriers: with this rank's buffer on its
+    device (the GPU rank's on the GPU, staged through host memory by gloo, as DDP's bucket
+    is) and with every rank's in host memory. Every rank calls it; each gets every rank's
+    figures."""
+    import torch.distributed as dist
+
+    with ddp.no_sync():
+        own = _timed(dev, local_step, batches, warmup, own=True)
+    local = [0.0] * dist.get_world_size()
+    dist.all_gather_object(local, own)
+    numel = sum(p.numel() for p in ddp.module.parameters())
+    rounds = list(range(len(batches)))
+    reduced = {}
+    for where, on in (("allreduce_s", dev), ("allreduce_host_s", torch.device("cpu"))):
+        buf = torch.zeros(numel, device=on)
+        reduced[where] = _timed(dev, lambda _, buf=buf: dist.all_reduce(buf), rounds, warmup)
+    return {"local_s": local, "gradient_bytes": 4 * numel, **reduced}
+
+
+#: The messages :func:`hop_seconds` times (bytes): a few floats, a micro-batch's boundary
+#: activations, a whole batch's.
+HOP_BYTES = (4096, 262144, 4194304)
+
+
+def hop_seconds(dev: torch.device, rounds: int, warmup: int) -> list[dict[str, Any]] | None:
+    """One message's seconds between rank 0 and rank 1 (half a ping-pong round trip, the median
+    of ``rounds``), for each of :data:`HOP_BYTES`: from rank 0's device as the runtime sends a
+    boundary (copied to host memory, sent; received into host memory, copied to the device:
+    ``device_s``) and from host memory (``host_s``). Rank 0 gets the figures; every rank
+    calls it (the others wait at its barriers)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    cpu = torch.device("cpu")
+    rows = []
+    for nbytes in HOP_BYTES:
+        row: dict[str, Any] = {"bytes": nbytes}
+        for name, on in (("device_s", dev), ("host_s", cpu)):
+            times: list[float] = []
+            if rank in (0, 1):
+                t = torch.zeros(nbytes // 4, device=on if rank == 0 else cpu)
+                host = torch.empty(nbytes // 4)
+                for i in range(warmup + rounds):
+                    sync_gpu(dev)
+                    t0 = time.perf_counter()
+                    if rank == 0:
+                        dist.send(t.to(cpu), 1)
+                        dist.recv(host, 1)
+                        t.copy_(host)
+                        sync_gpu(dev)
+                    else:
+                        dist.recv(host, 0)
+                        dist.send(host, 0)
+                    if i >= warmup:
+                        times.append((time.perf_counter() - t0) / 2)
+            row[name] = statistics.median(times) if times else None
+            dist.barrier()
+        rows.append(row)
+    return rows if rank == 0 else None
 
 
 def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
@@ -186,10 +265,14 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
             opt.step()
 
         step_s[name] = _timed(dev, train, batches, warmup)
+        if name == "balanced":
+            out["balanced_parts"] = step_parts(dev, ddp, train, batches, warmup)
         del ddp
     dist.barrier()
+    hops = hop_seconds(dev, steps, warmup) if world > 1 else None
     if rank != 0:
         return None
+    out["hops"] = hops
     out["shares"] = shares
     out["step_s"] = step_s
     out["samples_per_s"] = {k: batch / v for k, v in step_s.items()}
@@ -463,15 +546,31 @@ def predict(
     # Device.step_overhead_s is: their predictions leave it out.
     cluster, alone = without_step_overhead(cluster), without_step_overhead(alone)
     costs = layer_costs(demo_model(), SHAPE)
-    predicted = {
-        name: data_parallel(costs, cluster, row["shares"][name]).step_s
-        for name in ("balanced", "equal")
+    runs = {
+        name: data_parallel(costs, cluster, row["shares"][name]) for name in ("balanced", "equal")
     }
+    predicted = {name: p.step_s for name, p in runs.items()}
     predicted["gpu_alone"] = data_parallel(costs, alone, [batch]).step_s
+    balanced = runs["balanced"]
+    link = cluster.network or cluster.nodes[-1].link  # the dry run's: its one node's
+    hops = [
+        {"bytes": h["bytes"], "link_s": link.latency_s + h["bytes"] / link.bytes_per_s}
+        for h in row.get("hops") or []
+        if link is not None
+    ]
     return {
         "status": "ok",
         "step_s": predicted,
         "error": {k: predicted[k] / row["step_s"][k] - 1 for k in predicted},
+        # The model's balanced step by part, beside step_parts' measured ones.
+        "balanced_parts": {
+            "breakdown": balanced.breakdown,
+            "compute_s": list(balanced.detail["compute_s_per_device"]),
+            "allreduce_s": balanced.detail["allreduce_s"],
+            "critical_device": balanced.detail["critical_device"],
+        },
+        # The model's seconds for each of row's hops: the gloo link's latency and bandwidth.
+        "hops": hops,
     }
 
 
