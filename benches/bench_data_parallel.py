@@ -10,7 +10,10 @@ balanced >= 90% of the ideal (sum of each rank's measured speed), >= 2.0x the un
 
 Both engines: gloo (DDP and the weighted comm hook) and MPI (the MPI DistributedOptimizer).
 ``test_user_job`` measures the same with a user's own job, ``examples/train_balanced.py`` under
-torchrun and mpiexec, against plain DDP.
+torchrun and mpiexec, against plain DDP. ``test_weighted_hook_against_ddps_own`` measures what
+exact weighting costs a DDP step: the weighted hook against DDP's own hook at equal shares, on
+models whose gradients fill a bucket of a few KiB to a few MiB (no emulation: both ranks at
+their own speed).
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -116,4 +121,90 @@ def test_user_job(figure, launcher):
         f"balanced / {what}, throughput",
         f"{statistics.median(ratios):.2f}x (runs: {', '.join(f'{x:.2f}' for x in ratios)})",
         headline=True,
+    )
+
+
+# -- the weighted hook's own cost, against DDP's own hook ------------------------------------------
+
+HOOK_GROUP = (
+    "the weighted hook against DDP's own allreduce hook, 2 gloo ranks, equal shares (medians of "
+    "{rounds} interleaved rounds of 10 steps)"
+)
+HOOK_ROUNDS = 15
+#: The models timed: a step's gradients in one bucket from a few KiB to a few MiB.
+HOOK_MODELS = {
+    "tiny MLP (4.8 KiB of gradients)": "tiny",
+    "demo CNN (0.41 MiB)": "demo",
+    "1024-wide Linear (4.3 MiB)": "wide",
+}
+
+
+def _hook_model(kind: str) -> Any:
+    from torch import nn
+
+    from hetcoll.lab.demo_ranks import DemoNet
+
+    if kind == "demo":
+        return DemoNet()
+    if kind == "tiny":
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(64, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 10)
+    )
+
+
+def _hook_steps(rank: int, world: int, kind: str, rounds: int) -> dict[str, float]:
+    """Rank 0's median seconds per step (forward, backward, SGD) of one model under DDP's own
+    hook and under the weighted hook with each algorithm, interleaved round by round."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hetcoll.torch import register_weighted_hook
+
+    x = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(rank))
+    y = torch.randint(0, 10, (4,), generator=torch.Generator().manual_seed(rank))
+    steps: dict[str, Any] = {}
+    for name in ("DDP's own hook", "auto", "allreduce", "direct"):
+        torch.manual_seed(0)
+        ddp = DDP(_hook_model(kind))
+        if name != "DDP's own hook":
+            register_weighted_hook(ddp, algorithm=name)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+
+        def step(ddp: Any = ddp, opt: Any = opt) -> None:
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+
+        steps[name] = step
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(rounds + 3):  # three rounds to warm up (DDP rebuilds its buckets)
+        for name, step in steps.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                step()
+            dist.barrier()
+            if r >= 3:
+                times[name].append((time.perf_counter() - t0) / 10)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+@pytest.mark.parametrize("model", list(HOOK_MODELS))
+def test_weighted_hook_against_ddps_own(figure, model):
+    """The price of exact weighting in a DDP step: the weighted hook ("auto", and each of its
+    roads) against DDP's own allreduce hook on the same model and batches."""
+    got = launch.spawn(
+        _hook_steps, 2, HOOK_MODELS[model], HOOK_ROUNDS, threads_per_rank=1, timeout=600
+    )[0]
+    ddp = got["DDP's own hook"]
+    roads = ", ".join(f"{name} {got[name] / ddp:.2f}x" for name in ("allreduce", "direct"))
+    figure(
+        HOOK_GROUP.format(rounds=HOOK_ROUNDS),
+        f"{model}: step time, weighted hook (auto) / DDP's own",
+        f"{got['auto'] / ddp:.2f}x ({got['auto'] * 1e3:.2f} ms against {ddp * 1e3:.2f} ms; "
+        f"each road: {roads})",
+        headline=model.startswith("demo"),
     )

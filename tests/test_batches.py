@@ -6,6 +6,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import hetcoll
@@ -292,3 +294,36 @@ def test_counting_several_micro_batches_is_counting_each():
         assert [repr(c.failure) for c in got] == [repr(c.failure) for c in want]
 
     check()
+
+
+# -- the counts that ride in a bucket's allreduce (the weighted hook on gloo) -------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 2**53 - 1), min_size=1, max_size=64),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    order=st.randoms(use_true_random=False),
+)
+def test_counts_in_a_bucket_sum_exactly_in_any_order(counts, dtype, order):
+    """Each rank's count (below 2**53) as pieces of count_bits bits: their sum over the ranks,
+    in the bucket's own type and in any order of the reduction (a ring's chunks are summed in
+    different orders), gives back the exact total."""
+    from hetcoll.torch.hooks import count_bits, count_pieces, joined_count
+
+    bits = count_bits(dtype, len(counts))
+    pieces = [torch.tensor(count_pieces(n, bits), dtype=dtype) for n in counts]
+    order.shuffle(pieces)
+    total = torch.zeros_like(pieces[0])
+    for p in pieces:
+        total += p
+    assert joined_count(total.tolist(), bits) == sum(counts)
+
+
+def test_count_bits_leave_the_sum_within_the_significand_or_refuse():
+    from hetcoll.torch.hooks import count_bits
+
+    assert count_bits(torch.float32, 2) == 23 and count_bits(torch.float64, 2) == 52
+    assert count_bits(torch.float32, 10_240) == 10  # 10,240 x 2**10 <= 2**24
+    assert count_bits(torch.float32, 1 << 17) == 0  # too few bits left: gathered apart
+    assert count_bits(torch.bfloat16, 2) == count_bits(torch.float16, 2) == 0

@@ -4,24 +4,27 @@ DDP averages gradients by dividing the sum by the world size, which is the full-
 only when every rank has the same batch size. With local batches ``n_r`` and each rank's loss the
 mean over its own batch (PyTorch's default), the full-batch gradient is
 ``sum_r n_r * g_r / sum_r n_r``. This hook computes exactly that: each bucket is pre-scaled by
-``n_r`` (one fused pass; the Rust kernel for CPU tensors, torch for device tensors), summed with
-the process group's allreduce, and divided by ``N = sum_r n_r`` (:func:`hetcoll.torch.item_total`,
-the rule's denominator; on NCCL summed on the device, where a step no rank counted a sample of
-averages to zeros instead of raising). The ``n_r`` are gathered once per step, by a
-one-element allgather issued with the step's first bucket, so a ragged last batch or a share
-change between steps needs nothing more: :func:`register_weighted_hook` counts each step's
+``n_r`` (one pass, into a buffer one count longer), summed with the process group's allreduce,
+and divided by ``N = sum_r n_r`` (:func:`hetcoll.torch.item_total`, the rule's denominator). On
+gloo the ``n_r`` ride in the bucket's own allreduce, appended to it in pieces small enough that
+their sums stay exact integers in the bucket's type (float32 and float64 buckets: one collective
+a step, as DDP's own hook makes); a 16-bit bucket's are gathered by a one-element allgather
+issued with the step's first bucket, and on NCCL too (summed on the device, where a step no rank
+counted a sample of averages to zeros instead of raising). Either way a ragged last batch or a
+share change between steps needs nothing more: :func:`register_weighted_hook` counts each step's
 samples off the DDP model's forward (:class:`hetcoll.torch.BatchCounter`); a state built by
 hand takes ``state.local_batch = len(batch)`` instead.
 
-Small buckets on gloo take a shorter road (``algorithm="direct"``, the default choice for them):
-every rank sends its raw bucket and its ``n_r`` to every other rank in one round of point-to-point
-messages, and each rank forms ``sum_r (n_r / N) * g_r`` in rank order with one Rust pass, the
-weights fused into the reduction. It is one message latency instead of the several rounds of a
-ring allreduce plus the count's allgather; every rank computes bitwise the same sum. It is the
-exchange of ``hetcoll.allreduce(..., algorithm="direct")``. "auto" takes it on two ranks below
-:data:`TWO_RANK_DIRECT_BELOW_BYTES` and on more while ``(p - 1)`` buckets are a few MiB (where
-:func:`hetcoll.allreduce` would, :data:`hetcoll.collectives.DIRECT_BYTES`). A worker thread runs
-it, so the hook returns at once and DDP keeps overlapping communication with the backward.
+Buckets on gloo may take another road (``algorithm="direct"``): every rank sends its raw bucket
+and its ``n_r`` to every other rank in one round of point-to-point messages, and each rank forms
+``sum_r (n_r / N) * g_r`` in rank order with one Rust pass, the weights fused into the
+reduction; every rank computes bitwise the same sum. It is the exchange of
+``hetcoll.allreduce(..., algorithm="direct")``, and "auto" takes it where
+:func:`hetcoll.allreduce` would: on more than two ranks while ``(p - 1)`` buckets are a few MiB
+(:data:`hetcoll.collectives.DIRECT_BYTES`), on two from a few MiB
+(:data:`hetcoll.collectives.DIRECT_TWO_RANKS_FROM_BYTES`). Inside DDP's step the same
+crossovers hold (benches/bench_data_parallel.py's hook benchmark). A worker thread runs it, so
+the hook returns at once and DDP keeps overlapping communication with the backward.
 A CUDA rank's buckets on gloo take the same road as the CPU ranks' (staged through host
 memory), so one GPU rank trains beside CPU ranks in one DDP group; on NCCL every bucket takes
 the allreduce, each rank's weight fused into NCCL's reduction (``PREMUL_SUM``).
@@ -106,14 +109,6 @@ from hetcoll.torch.step_timer import StepTimer
 from hetcoll.torch.weighing import loss_failure, scaled, weighed
 
 ALGORITHMS = ("auto", "direct", "allreduce")
-#: "auto" sends a bucket on two ranks through the direct exchange below this size, per
-#: backend. One round carries the bucket and the sample count, where the allreduce path adds the
-#: count's allgather; and a step's buckets come one at a time as the backward frees them, the
-#: way single calls are timed (there, on two gloo ranks, the direct exchange took 0.3-1.1x the
-#: time of dist.all_reduce up to 256 KiB; from 1 MiB its send/recv pairs were hit harder by the
-#: host's late wake-ups, 1.49x and 1.50x at 1 and 4 MiB). The data-parallel benchmark runs with
-#: it.
-TWO_RANK_DIRECT_BELOW_BYTES: dict[str, float] = {"gloo": 1 << 20}
 #: register_weighted_hook's agreement: whether the ranks count items(y) or rows.
 _ITEMS_FIELD = "items (0: rows counted off the forwards, 1: items(y) given)"
 _TAG_BASE = 42_000  # bucket i: its weight on _TAG_BASE + 2i, its data on _TAG_BASE + 2i + 1
@@ -197,6 +192,8 @@ class WeightedAllreduceState:
         self._in_step = False
         self._step_total: torch.futures.Future | None = None
         self._direct_exchange: _DirectExchange | None = None
+        # Each bucket's buffer for its allreduce with the count appended, by bucket index.
+        self._extended: dict[int, torch.Tensor] = {}
         self._agreed = False
         self._latest: np.ndarray | None = None  # every rank's count in the latest count(y)
         # This step's losses are weighed by weigh(): the hook takes the plain mean.
@@ -499,10 +496,11 @@ def weighted_allreduce_hook(
             state._direct_exchange = _DirectExchange(state.process_group)
         direct = state._direct_exchange
         nbytes = buf.numel() * buf.element_size()
-        c = direct.comm
-        two = c.size == 2 and nbytes < TWO_RANK_DIRECT_BELOW_BYTES.get(c.engine, 0)
-        if state.algorithm == "direct" or two or choose_algorithm(c, nbytes, False) == "direct":
+        if state.algorithm == "direct" or choose_algorithm(direct.comm, nbytes, False) == "direct":
             return direct.submit(buf, factor, not weighted, bucket.index(), last)
+    bits = count_bits(buf.dtype, dist.get_world_size(state.process_group))
+    if not weighted and host_wire and bits:
+        return _allreduce_counted(state, buf, factor, bits, bucket.index())
     if not weighted and buf.dtype == torch.float16:
         # n_r times a gradient overflows float16 (65504) from gradients of 65504 / n_r: the
         # step's counts are awaited first (the allgather the step's first bucket launched) and
@@ -538,6 +536,57 @@ def weighted_allreduce_hook(
             return reduced
         reduced.div_(float(item_total(counted_rows(counts.numpy()), "local_batch")))
         return reduced
+
+    return work.get_future().then(finish)
+
+
+def count_bits(dtype: torch.dtype, world: int) -> int:
+    """Bits of each piece of a count that rides in a bucket of ``dtype`` summed over ``world``
+    ranks (:func:`_allreduce_counted`): every sum of ``world`` pieces is an integer within the
+    type's significand, exact in any order of the reduction; 0 where the type has too few bits
+    (16-bit buckets: their counts are gathered apart)."""
+    significand = {torch.float32: 24, torch.float64: 53}.get(dtype, 0)
+    bits = significand - (world - 1).bit_length()
+    return bits if bits >= 8 else 0
+
+
+def count_pieces(n: int, bits: int) -> list[float]:
+    """``n`` (below 2**53, as every count is) as pieces of ``bits`` bits, lowest first."""
+    mask = (1 << bits) - 1
+    return [float((n >> (bits * i)) & mask) for i in range(-(-53 // bits))]
+
+
+def joined_count(pieces: list[float], bits: int) -> int:
+    """The count whose :func:`count_pieces` (or a sum of several counts' pieces) ``pieces``
+    are."""
+    return sum(int(p) << (bits * i) for i, p in enumerate(pieces))
+
+
+def _allreduce_counted(
+    state: WeightedAllreduceState, buf: torch.Tensor, count: float, bits: int, index: int
+) -> torch.futures.Future[torch.Tensor]:
+    """``buf`` scaled by this rank's ``count`` ``n_r``, allreduced with the count itself after
+    it in pieces of ``bits`` bits, then divided by their sum ``N``: one collective a step, where
+    a separate gather of the counts made two (each a call's fixed cost). Every rank of the
+    group takes this road alike (the choice reads the bucket's type, the ranks and the
+    engine), so the buffers they reduce match."""
+    n = buf.numel()
+    pieces = count_pieces(int(count), bits)
+    key = (n + len(pieces), buf.dtype, buf.device)
+    held = state._extended.get(index)
+    if held is None or (held.numel(), held.dtype, held.device) != key:
+        held = state._extended[index] = torch.empty(key[0], dtype=buf.dtype, device=buf.device)
+    torch.mul(buf, count, out=held[:n])  # one rounding, as the scaling in place was
+    held[n:].copy_(torch.tensor(pieces, dtype=buf.dtype))
+    work = dist.all_reduce(held, group=state.process_group, async_op=True)
+    assert work is not None  # async_op=True
+
+    def finish(fut: torch.futures.Future) -> torch.Tensor:
+        reduced = fut.value()[0]
+        total = joined_count(reduced[n:].tolist(), bits)
+        total = item_total(counted_rows([total]), "local_batch")
+        torch.div(reduced[:n], float(total), out=buf)
+        return buf
 
     return work.get_future().then(finish)
 
