@@ -114,6 +114,50 @@ def test_float16_buckets_do_not_overflow(width, algorithm):
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=1e-2)
 
 
+def _mixed_buckets(rank, world, steps):
+    """Two steps of a model whose first bucket (its 2.6 MB output layer) is past
+    COUNT_IN_BUCKET_BYTES and whose last (its 0.3 KB input layer) is within it: the counts of
+    the first gathered apart, of the last in its allreduce; the step's gradients."""
+    torch.manual_seed(0)
+    ddp = DDP(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 40_000)).double())
+    state = WeightedAllreduceState(None, steps[0][rank])
+    ddp.register_comm_hook(state, weighted_allreduce_hook)
+    x = torch.randn(20, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    got = []
+    for shares in steps:
+        lo = sum(shares[:rank])
+        state.local_batch = shares[rank]
+        ddp.zero_grad()
+        ddp(x[lo : lo + shares[rank]]).pow(2).mean(1).mean().backward()
+        got.append([p.grad.clone() for p in ddp.parameters()])
+    return got
+
+
+@pytest.mark.parametrize(
+    "steps", [[[3, 5], [7, 2], [4, 6]], [[3, 5, 1], [7, 2, 2], [4, 6, 3]]], ids=["2", "3"]
+)
+def test_a_steps_small_last_bucket_ends_its_gathered_count(steps):
+    """Totals changing every step: each step's large bucket (its counts gathered apart) is
+    divided by its own total, not by the step's before, whose small last bucket carried its
+    counts in its own exchange: in its allreduce on two ranks, in the direct exchange on three
+    (before, that step's gathered total was taken again: 1/9 off on two ranks). DDP's first
+    step has one bucket and rebuilds them after it: the third is the first step after one of
+    two buckets."""
+    from hetcoll.torch.hooks import COUNT_IN_BUCKET_BYTES
+
+    assert 8 * 40_000 * 8 > COUNT_IN_BUCKET_BYTES >= (4 * 8 + 8) * 8
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 40_000)).double()
+    x = torch.randn(20, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    results = spawn(_mixed_buckets, len(steps[0]), steps)
+    for k, shares in enumerate(steps):
+        model.zero_grad()
+        model(x[: sum(shares)]).pow(2).mean(1).mean().backward()
+        for grads in results:
+            for got, p in zip(grads[k], model.parameters(), strict=True):
+                assert rel_err(got, p.grad) <= 1e-10, k
+
+
 # -- a whole epoch: ragged last step and a share change mid-run ----------------------------------
 
 

@@ -4,12 +4,13 @@ DDP averages gradients by dividing the sum by the world size, which is the full-
 only when every rank has the same batch size. With local batches ``n_r`` and each rank's loss the
 mean over its own batch (PyTorch's default), the full-batch gradient is
 ``sum_r n_r * g_r / sum_r n_r``. This hook computes exactly that: each bucket is pre-scaled by
-``n_r`` (one pass, into a buffer one count longer), summed with the process group's allreduce,
+``n_r`` (one pass), summed with the process group's allreduce,
 and divided by ``N = sum_r n_r`` (:func:`hetcoll.torch.item_total`, the rule's denominator). On
-gloo the ``n_r`` ride in the bucket's own allreduce, appended to it in pieces small enough that
-their sums stay exact integers in the bucket's type (float32 and float64 buckets: one collective
-a step, as DDP's own hook makes); a 16-bit bucket's are gathered by a one-element allgather
-issued with the step's first bucket, and on NCCL too (summed on the device, where a step no rank
+gloo the ``n_r`` ride in a small bucket's own allreduce, appended to it in pieces small enough
+that their sums stay exact integers in the bucket's type (float32 and float64 buckets up to
+:data:`COUNT_IN_BUCKET_BYTES`: one collective a step for a small model, as DDP's own hook
+makes); for larger and 16-bit buckets they are gathered by a one-element allgather issued with
+the step's first such bucket, and on NCCL too (summed on the device, where a step no rank
 counted a sample of averages to zeros instead of raising). Either way a ragged last batch or a
 share change between steps needs nothing more: :func:`register_weighted_hook` counts each step's
 samples off the DDP model's forward (:class:`hetcoll.torch.BatchCounter`); a state built by
@@ -109,6 +110,11 @@ from hetcoll.torch.step_timer import StepTimer
 from hetcoll.torch.weighing import loss_failure, scaled, weighed
 
 ALGORITHMS = ("auto", "direct", "allreduce")
+#: On gloo the ranks' counts ride in the allreduce of a float32 or float64 bucket of up to this
+#: many bytes (the buffer one count longer is kept, one per such bucket), where a separate
+#: collective's fixed cost is a large part of the bucket's own; a larger bucket's count is
+#: gathered apart, once a step, beside its allreduce. DDP's first bucket is 1 MiB.
+COUNT_IN_BUCKET_BYTES = 1 << 20
 #: register_weighted_hook's agreement: whether the ranks count items(y) or rows.
 _ITEMS_FIELD = "items (0: rows counted off the forwards, 1: items(y) given)"
 _TAG_BASE = 42_000  # bucket i: its weight on _TAG_BASE + 2i, its data on _TAG_BASE + 2i + 1
@@ -487,27 +493,42 @@ def weighted_allreduce_hook(
         # Nothing to average on this rank: it sends zeros, not 0 * its gradient (NaN where its
         # loss was a mean over nothing).
         buf.zero_()
+    try:
+        return _reduced(state, buf, factor, weighted, bucket.index(), last)
+    finally:
+        if last:  # the next step gathers its own counts, whichever road this bucket took
+            state._step_total = None
+
+
+def _reduced(
+    state: WeightedAllreduceState,
+    buf: torch.Tensor,
+    factor: float,
+    weighted: bool,
+    index: int,
+    last: bool,
+) -> torch.futures.Future[torch.Tensor]:
+    """:func:`weighted_allreduce_hook`'s exchange of bucket ``index``'s ``buf``, scaled by
+    ``factor`` (this rank's weight where ``weighted``, else its count), by the road it takes."""
     # The choice reads only what every rank has alike (sizes, the rank count, the engine), not
     # the bucket's device: a CUDA rank beside CPU ranks on gloo takes the direct exchange too,
     # its bucket staged through host memory (on NCCL every bucket is on a GPU: the allreduce).
     host_wire = buf.device.type == "cpu" or _backend(state.process_group) != "nccl"
+    nbytes = buf.numel() * buf.element_size()
     if state.algorithm != "allreduce" and host_wire and buf.dtype in _KERNEL:
         if state._direct_exchange is None:
             state._direct_exchange = _DirectExchange(state.process_group)
         direct = state._direct_exchange
-        nbytes = buf.numel() * buf.element_size()
         if state.algorithm == "direct" or choose_algorithm(direct.comm, nbytes, False) == "direct":
-            return direct.submit(buf, factor, not weighted, bucket.index(), last)
+            return direct.submit(buf, factor, not weighted, index, last)
     bits = count_bits(buf.dtype, dist.get_world_size(state.process_group))
-    if not weighted and host_wire and bits:
-        return _allreduce_counted(state, buf, factor, bits, bucket.index())
+    if not weighted and host_wire and bits and nbytes <= COUNT_IN_BUCKET_BYTES:
+        return _allreduce_counted(state, buf, factor, bits, index)
     if not weighted and buf.dtype == torch.float16:
         # n_r times a gradient overflows float16 (65504) from gradients of 65504 / n_r: the
         # step's counts are awaited first (the allgather the step's first bucket launched) and
         # the bucket scaled by the weight n_r / N.
         counts = state._global_batch(factor, buf.device).wait().cpu().numpy()
-        if last:
-            state._step_total = None
         factor /= float(item_total(counted_rows(counts), "local_batch"))
         weighted = True
     # On NCCL each rank's factor is applied inside the reduction kernel (PREMUL_SUM).
@@ -520,8 +541,6 @@ def weighted_allreduce_hook(
         work = dist.all_reduce(buf, op=op, group=state.process_group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
     total_fut = state._global_batch(factor, buf.device)
-    if last:
-        state._step_total = None  # the next step sums its own batch sizes
     work = dist.all_reduce(buf, op=op, group=state.process_group, async_op=True)
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
