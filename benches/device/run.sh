@@ -10,7 +10,7 @@
 #   pytest     pytest -m cuda tests/test_cuda.py (junit XML)
 #   calibrate  hetcoll model calibrate (the CPU ranks' device and the gloo link)
 #   hetero     1 GPU rank + 3 and 7 CPU ranks: speeds, balanced vs equal vs the GPU alone,
-#              the model's predictions
+#              the model's predictions, the balanced step's parts, a GPU-CPU message's hop
 #   plans      1 GPU rank + 3 CPU ranks: 10-11 plans of the demo CNN under parallelize
 #              (data-parallel, filter split, pipelines, hybrid), each measured and predicted
 #   lm         1 GPU rank + 3 CPU ranks: examples/train_lm.py's Llama, balanced vs equal vs the
