@@ -321,3 +321,68 @@ def test_rows_weighting_goes_through_the_same_rule():
     for per_rank in spawn(_no_samples, 2, timeout=60):
         for algorithm, message in per_rank.items():
             assert "local_batch: every rank counted 0 samples for this step" in message, algorithm
+
+
+def _padding_first(rank, world, order):
+    """Two micro-batches under no_sync, one of them nothing but padding on every rank, in
+    ``order``; the step's gradient."""
+    from hetcoll.torch import register_weighted_hook
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2, dtype=torch.float64)
+    ddp = DDP(model)
+    state = register_weighted_hook(ddp, items=lambda t: int(t[1].sum()))
+    x, y, valid = _padded(rank)
+    mine = int(valid.sum())
+    for k, rows in enumerate([slice(0, 2), slice(2, 4)][::order]):
+        ctx = ddp.no_sync() if k == 0 else torch.enable_grad()
+        with ctx:
+            state.count((y[rows], valid[rows]))
+            err = ((ddp(x[rows]) - y[rows]) ** 2).sum(1)
+            (err * valid[rows]).sum().div(mine).backward()
+    return model.weight.grad.clone()
+
+
+def _padded(rank):
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    y = torch.randn(4, 2, generator=g, dtype=torch.float64)
+    valid = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 0]][rank], dtype=torch.bool)
+    return x, y, valid
+
+
+@pytest.mark.parametrize("order", [1, -1], ids=["padding first", "padding last"])
+def test_a_micro_batch_of_padding_under_no_sync_counts_nothing(order):
+    """A step's first micro-batch all padding on every rank: the step weighs its later ones'
+    items (before, its count raised "every rank counted 0 items" although the step had 3)."""
+    torch.manual_seed(0)
+    ref = nn.Linear(3, 2, dtype=torch.float64)
+    x, y, v = (torch.cat(t) for t in zip(*(_padded(r) for r in range(2))))
+    (((ref(x) - y) ** 2).sum(1) * v).sum().div(v.sum()).backward()
+    for got in spawn(_padding_first, 2, order):
+        assert rel_err(got, ref.weight.grad) <= 1e-12
+
+
+def _items_under_join(rank, world):
+    from hetcoll.torch import register_weighted_hook
+
+    torch.manual_seed(0)
+    ddp = DDP(nn.Linear(3, 2))
+    state = register_weighted_hook(ddp, items=len)
+    try:
+        with ddp.join():
+            for _ in range(2 + rank):  # rank 1 has one more step
+                y = torch.zeros(2)
+                state.count(y)
+                ddp(torch.ones(2, 3)).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_items_under_join_raise_at_once_on_every_rank():
+    """count(y) under ddp.join() raises on every rank at its first call: a rank out of inputs
+    takes no part in the counts' exchange (before, the others waited in it until the
+    process group's timeout)."""
+    for got in spawn(_items_under_join, 2, timeout=60):
+        assert got.startswith("items: count(y) cannot run under ddp.join()"), got

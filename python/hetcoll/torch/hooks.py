@@ -117,7 +117,16 @@ ALGORITHMS = ("auto", "direct", "allreduce")
 COUNT_IN_BUCKET_BYTES = 1 << 20
 #: register_weighted_hook's agreement: whether the ranks count items(y) or rows.
 _ITEMS_FIELD = "items (0: rows counted off the forwards, 1: items(y) given)"
-_TAG_BASE = 42_000  # bucket i: its weight on _TAG_BASE + 2i, its data on _TAG_BASE + 2i + 1
+_TAG_BASE = 42_000
+#: Each state's direct exchanges have tags of their own: state k's bucket i its weight on
+#: ``_TAG_BASE + k * _TAGS_PER_STATE + 2i``, its data on the next, so that two DDP models in one
+#: backward (a GAN's generator step through its discriminator) never take each other's
+#: messages. ``k``: the ranks' agreed number for the state (:func:`_agreed_number`), modulo
+#: ``_STATES``: the tags stay below 2**31.
+_TAGS_PER_STATE = 1 << 17
+_STATES = 1 << 14
+#: The least number this process may give the next state's direct exchanges.
+_next_number = 0
 
 
 class WeightedAllreduceState:
@@ -140,6 +149,11 @@ class WeightedAllreduceState:
     ready, before any waiting for the other ranks (on a GPU: when its work was queued).
     :class:`hetcoll.torch.StepTimer` gives the rank's own compute time per step, on a GPU
     too, the signal :class:`hetcoll.torch.Rebalancer` needs.
+
+    Under ``ddp.join()`` a rank out of inputs runs the hook for the others' steps without a
+    forward of its own: :func:`register_weighted_hook`'s counter counts it 0, but a state
+    counting by hand keeps its last ``local_batch``, which would weigh gradients it no longer
+    has. Set ``state.local_batch = 0`` once its inputs end, inside the ``join()``.
 
     Local, as torch's own hook states are: nothing is exchanged here, so a bad argument raises
     on this rank alone, and another rank that goes on waits in its first backward (the
@@ -265,6 +279,14 @@ class WeightedAllreduceState:
             raise TypeError(
                 "items: count(y) needs a state built with items= (this one counts samples)"
             )
+        if self._joined():
+            raise RuntimeError(
+                "items: count(y) cannot run under ddp.join(): a rank out of inputs takes no part "
+                "in the counts' exchange, and the others would wait for it; give every rank the "
+                "same number of steps (BalancedSampler does), or weigh by rows "
+                "(register_weighted_hook without items=). DDP keeps join's setting after its "
+                "context, so a model joined once stays so"
+            )
         comm = self._wrapped()
         mine = count_items(self.items, y)
         # The algorithm rides in the same exchange: ranks that chose differently would wait on
@@ -276,9 +298,14 @@ class WeightedAllreduceState:
         # weighs their sum.
         self._step_items = added_counts(self._step_items, counts, mine.failure)
         self._latest = counts
-        weights = item_weights(self._step_items, "items")
         self._local_batch = int(self._step_items[comm.rank, 1])
         self.global_items = int(self._step_items[:, 1].sum())
+        if not self.global_items and not self._syncs():
+            # Micro-batches of nothing so far under no_sync: the step's later ones count (a
+            # step of nothing raises at its last count, whose backward exchanges).
+            self._weight = None
+            return
+        weights = item_weights(self._step_items, "items")
         self._weight = float(weights[comm.rank])
 
     def weigh(self, loss: torch.Tensor, *, weight: float | None = None) -> torch.Tensor:
@@ -363,6 +390,13 @@ class WeightedAllreduceState:
         self._by_hand = False
         self._local_batch = mine.value
         return mine
+
+    def _syncs(self) -> bool:
+        """Whether the next backward exchanges the gradients: False under the DDP model's
+        ``no_sync()`` (known with :func:`register_weighted_hook`; a state built by hand is
+        taken to exchange)."""
+        ddp = self._ddp()
+        return ddp is None or bool(getattr(ddp, "require_backward_grad_sync", True))
 
     def _joined(self) -> bool:
         """Whether this rank has joined under the DDP model's ``join()`` (it ran out of
@@ -517,7 +551,8 @@ def _reduced(
     nbytes = buf.numel() * buf.element_size()
     if state.algorithm != "allreduce" and host_wire and buf.dtype in _KERNEL:
         if state._direct_exchange is None:
-            state._direct_exchange = _DirectExchange(state.process_group)
+            tags = _TAG_BASE + _agreed_number(state._wrapped()) * _TAGS_PER_STATE
+            state._direct_exchange = _DirectExchange(state.process_group, tags)
         direct = state._direct_exchange
         if state.algorithm == "direct" or choose_algorithm(direct.comm, nbytes, False) == "direct":
             return direct.submit(buf, factor, not weighted, index, last)
@@ -529,7 +564,10 @@ def _reduced(
         # step's counts are awaited first (the allgather the step's first bucket launched) and
         # the bucket scaled by the weight n_r / N.
         counts = state._global_batch(factor, buf.device).wait().cpu().numpy()
-        factor /= float(item_total(counted_rows(counts), "local_batch"))
+        try:
+            factor /= float(item_total(counted_rows(counts), "local_batch"))
+        except ValueError as e:  # raised through the future, as every other road's: raised
+            return _failed(e)  # in the hook, it would leave DDP's reducer mid-step
         weighted = True
     # On NCCL each rank's factor is applied inside the reduction kernel (PREMUL_SUM).
     op = premul_sum_op(_backend(state.process_group), factor)
@@ -705,8 +743,9 @@ class _DirectExchange:
     bucket of a step, which the backward only waits for, is exchanged right in the hook (no
     hand-over to the thread and back), beside the thread's."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, tags: int) -> None:
         self.comm = wrap(group)
+        self.tags = tags  # bucket i's weight on tags + 2i, its data on tags + 2i + 1
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._serve, name="hetcoll-direct", daemon=True).start()
 
@@ -742,7 +781,7 @@ class _DirectExchange:
         # collectives stage it (hetcoll.collectives.device.stage_on_host).
         host = buf if buf.device.type == "cpu" else buf.cpu()
         view, bf16 = numpy_view(host, "bucket")
-        tag = _TAG_BASE + 2 * index
+        tag = self.tags + 2 * index
         weigh = _weigh_samples if normalize else None
         direct_allreduce(self.comm, view.reshape(-1), bf16, w, None, weigh=weigh, tag=tag)
         if host is not buf:
@@ -750,8 +789,29 @@ class _DirectExchange:
         return buf
 
 
+def _agreed_number(comm: Communicator) -> int:
+    """A state's number for its direct exchanges' tags, the same on every rank of ``comm``: the
+    largest of the ranks' next free numbers (one small allgather, once per state, at its first
+    direct bucket, which every rank reaches alike); each rank's next free number then past it.
+    Ranks that made states apart (one raised at its registration, the others went on) agree
+    again here."""
+    global _next_number
+    proposed = agree(comm, {"the weighted hook's direct exchange": 0}, values=[_next_number])
+    number = int(proposed[:, 0].max())
+    _next_number = number + 1
+    return number % _STATES
+
+
 def _value(fut: torch.futures.Future) -> torch.Tensor:
     return fut.wait()
+
+
+def _failed(error: BaseException) -> torch.futures.Future[torch.Tensor]:
+    """A hook's future that fails with ``error``: the backward raises it, and DDP's next step
+    starts afresh (see :meth:`_DirectExchange.submit`)."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_exception(error)
+    return fut.then(_value)
 
 
 def _weigh_samples(sent: np.ndarray) -> np.ndarray:
