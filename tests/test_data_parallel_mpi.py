@@ -159,3 +159,61 @@ def test_a_bad_optimizer_argument_on_one_rank_raises_on_every_rank_at_the_step()
         for r in range(2):
             assert per_rank[r][case].startswith(said[r]), (case, r, per_rank[r][case])
     assert [o["after"] for o in per_rank] == [[-1.75] * 4] * 2
+
+
+def _dropped_micro_batch(rank, world, loop):
+    """One step on shares 3:2:1 after a micro-batch whose gradients zero_grad dropped
+    (``loop="dropped"``: count, backward, zero_grad), or with the step's count made before
+    its zero_grad (``"count first"``: count, zero_grad, backward): the parameters after it."""
+    import torch
+    from torch import nn
+
+    from hetcoll.torch import DistributedOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).double()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), items=len)
+    x, y = _rows(0, 6)
+    if loop == "dropped":
+        lo, hi = [(0, 1), (1, 2), (2, 6)][rank]
+        opt.count(y[lo:hi])
+        nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi]).backward()
+    x, y = _rows(1, 6)
+    lo, hi = [(0, 3), (3, 5), (5, 6)][rank]
+    opt.count(y[lo:hi])
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi]).backward()
+    opt.step()
+    return [p.detach().clone() for p in model.parameters()], opt.global_batch
+
+
+def _rows(seed, n):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(n, 4, generator=g, dtype=torch.float64),
+        torch.randn(n, 2, generator=g, dtype=torch.float64),
+    )
+
+
+@pytest.mark.parametrize("loop", ["dropped", "count first"])
+def test_zero_grad_drops_the_counts_of_the_gradients_it_drops(loop):
+    """With items=, zero_grad drops a count whose backward ran since (a micro-batch skipped
+    after its backward, as the forwards counted by model=), and keeps one made before it whose
+    backward comes after: both steps weigh 6 items. Before, the dropped micro-batch's count
+    stayed in the step (global batch 12, 9e-2 off)."""
+    import torch
+    from torch import nn
+
+    from hetcoll.launch import spawn
+
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 2).double()
+    x, y = _rows(1, 6)
+    nn.functional.mse_loss(ref(x), y).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    for params, total in spawn(_dropped_micro_batch, 3, loop):
+        assert total == 6
+        for got, want in zip(params, ref.parameters(), strict=True):
+            assert float((got - want.detach()).abs().max() / want.detach().abs().max()) <= 1e-12

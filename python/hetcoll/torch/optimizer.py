@@ -146,6 +146,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         #: The global batch's count (samples, or items) in the latest synchronised step.
         self.global_batch: int | None = None
         self._pending: LocalCount | None = None  # this step's count(y), taken by synchronize
+        # Each count(y) of the step, with the gradients as they stood at it (_grad_marks): a
+        # count whose backward ran since (its gradients changed) is dropped by zero_grad.
+        self._counts: list[tuple[LocalCount, list[Any]]] = []
         self._local_batch: int | None = None
         self._bad_local_batch: LocalCount | None = None  # a bad local_batch, told at the step
         if local_batch is not None:
@@ -178,12 +181,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """This step's targets ``y``: this rank's count is ``items(y)``, weighed at the next
         :meth:`step` (or :meth:`synchronize`). Local: nothing is exchanged here, and a bad count
         raises from :meth:`step`, on every rank. Called again before the step (once per
-        micro-batch, the gradients accumulating), the step's count is the sum."""
+        micro-batch, the gradients accumulating), the step's count is the sum. :meth:`zero_grad`
+        drops the counts whose backward it drops (a micro-batch skipped after its backward), as
+        it drops the forwards counted with ``model=``; a count made before ``zero_grad`` and
+        its backward after stays."""
         if self.items is None:
             raise TypeError(
                 "items: count(y) needs an optimizer built with items= (this one counts samples)"
             )
-        self._pending = added_count(self._pending, count_items(self.items, y))
+        mine = count_items(self.items, y)
+        self._counts.append((mine, self._grad_marks()))
+        self._pending = added_count(self._pending, mine)
+
+    def _grad_marks(self) -> list[Any]:
+        """Each parameter's gradient as it stands (None, or the tensor's identity and version):
+        a backward since changes a mark (it sets a new gradient, or adds into it in place)."""
+        return [
+            None if p.grad is None else (id(p.grad), p.grad._version)
+            for group in self.optimizer.param_groups
+            for p in group["params"]
+        ]
 
     def _local_count(self) -> tuple[LocalCount, str]:
         """This step's count as exchanged, and the argument its errors name."""
@@ -192,6 +209,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if mine is None:
                 mine = not_counted("items", "no count for this step; call opt.count(y) first")
             self._pending = None
+            self._counts = []
             return mine, "items"
         if self._bad_local_batch is not None:
             return self._bad_local_batch, "local_batch"
@@ -463,6 +481,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         if self.counter is not None:  # the forwards whose gradients are dropped here
             self.counter.discard_reached()
+        if self._counts:  # and the counts: those whose backward ran since
+            now = self._grad_marks()
+            self._counts = [(c, marks) for c, marks in self._counts if marks == now]
+            self._pending = None
+            for c, _ in self._counts:
+                self._pending = added_count(self._pending, c)
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
