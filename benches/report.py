@@ -1889,6 +1889,10 @@ def adapt_fixed_costs(raw: Sequence[Path], command: str) -> dict[str, Any]:
     )
 
 
+#: What a device summary's table says of figures its run.sh did not yet measure.
+OLDER_RUN = "not in this summary (an older run.sh)"
+
+
 def _ms(seconds: Any) -> float | None:
     return None if seconds is None else float(seconds) * 1e3
 
@@ -2236,7 +2240,7 @@ def _device_balanced_parts(measured: list[dict[str, Any]], status: str) -> dict[
             ]
         )
     if not rows:
-        why = status if not measured else "not in this summary (an older run.sh)"
+        why = status if not measured else OLDER_RUN
         rows = [[None, why, None, None, None, None, None, None, None]]
     return {
         "title": "Where the balanced step goes",
@@ -2289,7 +2293,7 @@ def _device_hops(measured: list[dict[str, Any]], status: str) -> dict[str, Any]:
                 ]
             )
     if not rows:
-        why = status if not measured else "not in this summary (an older run.sh)"
+        why = status if not measured else OLDER_RUN
         rows = [[None, why, None, None, None, None]]
     return {
         "title": "A message between the GPU rank and a CPU rank",
@@ -2317,7 +2321,7 @@ def _device_plans(
     plans: Any, cuda: bool, where: str
 ) -> tuple[list[list[Any]], list[float], list[str]]:
     """benches/device/plans.py's results: a row per plan, the |errors|, the notes."""
-    status = "not in this summary (an older run.sh)"
+    status = OLDER_RUN
     if isinstance(plans, dict):
         status = plans.get("status", status)
     if not cuda or not isinstance(plans, dict):
@@ -2506,7 +2510,7 @@ def _device_lm(
     lm: Any, cuda: bool, where: str
 ) -> tuple[list[list[Any]], list[str], list[tuple[str, str]]]:
     """benches/device/lm.py's results: a row per run, the notes, the headlines."""
-    status = "not in this summary (an older run.sh)"
+    status = OLDER_RUN
     if isinstance(lm, dict):
         status = lm.get("status", status)
     if not cuda or not isinstance(lm, dict):

@@ -193,18 +193,26 @@ def test_lm_plans_are_valid_and_predicted() -> None:
             assert math.isfinite(step) and step > 0, (name, step)
 
 
+def _dry_run(
+    main: Any, tmp_path: Path, *, cpu_ranks: int, batch: int, warmup: int
+) -> dict[str, Any]:
+    """A device script's ``main`` as the dry run runs it (rank 0 on the CPU, 2 timed steps,
+    the calibration of :data:`CALIBRATION`): its JSON, once it returned 0."""
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text(CALIBRATION)
+    out = tmp_path / "out.json"
+    args = ["--cluster", str(cluster), "--json", str(out), "--cpu-ranks", str(cpu_ranks)]
+    args += ["--batch", str(batch), "--warmup", str(warmup), "--steps", "2", "--probe-s", "0.2"]
+    assert main([*args, "--timeout", "200"]) == 0
+    return json.loads(out.read_text())
+
+
 @pytest.mark.multiproc
 def test_plans_script_runs_every_plan(tmp_path: Path) -> None:
     """plans.py as the dry run runs it (1 + 2 ranks, rank 0 on the CPU, a calibration of the
     CPU ranks written here): every plan runs under parallelize and is predicted, and the JSON
     holds each one's measured and predicted step."""
-    cluster = tmp_path / "cluster.toml"
-    cluster.write_text(CALIBRATION)
-    out = tmp_path / "plans.json"
-    args = ["--cluster", str(cluster), "--json", str(out), "--cpu-ranks", "2", "--batch", "16"]
-    args += ["--warmup", "0", "--steps", "2", "--probe-s", "0.2", "--timeout", "200"]
-    assert device_plans.main(args) == 0
-    got = json.loads(out.read_text())
+    got = _dry_run(device_plans.main, tmp_path, cpu_ranks=2, batch=16, warmup=0)
     assert got["status"].startswith("skipped: no CUDA")
     rows = got["configurations"]
     names = [r["name"] for r in rows]
@@ -250,13 +258,7 @@ def test_hetero_script_takes_the_balanced_step_apart(tmp_path: Path) -> None:
     between the ranks, beside the model's link."""
     import hetero
 
-    cluster = tmp_path / "cluster.toml"
-    cluster.write_text(CALIBRATION)
-    out = tmp_path / "hetero.json"
-    args = ["--cluster", str(cluster), "--json", str(out), "--cpu-ranks", "1", "--batch", "32"]
-    args += ["--warmup", "1", "--steps", "2", "--probe-s", "0.2", "--timeout", "200"]
-    assert hetero.main(args) == 0
-    (row,) = json.loads(out.read_text())["configurations"]
+    (row,) = _dry_run(hetero.main, tmp_path, cpu_ranks=1, batch=32, warmup=1)["configurations"]
     parts = row["balanced_parts"]
     assert len(parts["local_s"]) == 2 and all(t > 0 for t in parts["local_s"])
     assert parts["allreduce_s"] > 0 and parts["allreduce_host_s"] > 0

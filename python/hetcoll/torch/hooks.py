@@ -90,6 +90,7 @@ from hetcoll.comm import (
 )
 from hetcoll.kernels import numpy_view
 from hetcoll.torch.batches import (
+    MAX_ITEMS,
     NOT_COUNTED,
     BatchCounter,
     Items,
@@ -608,9 +609,12 @@ def count_bits(dtype: torch.dtype, world: int) -> int:
 
 
 def count_pieces(n: int, bits: int) -> list[float]:
-    """``n`` (below 2**53, as every count is) as pieces of ``bits`` bits, lowest first."""
+    """``n`` (below :data:`~hetcoll.torch.batches.MAX_ITEMS`, as every count is) as pieces of
+    ``bits`` bits, lowest first."""
     mask = (1 << bits) - 1
-    return [float((n >> (bits * i)) & mask) for i in range(-(-53 // bits))]
+    return [
+        float((n >> (bits * i)) & mask) for i in range(-(-(MAX_ITEMS - 1).bit_length() // bits))
+    ]
 
 
 def joined_count(pieces: list[float], bits: int) -> int:

@@ -145,9 +145,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.items = items
         #: The global batch's count (samples, or items) in the latest synchronised step.
         self.global_batch: int | None = None
-        self._pending: LocalCount | None = None  # this step's count(y), taken by synchronize
-        # Each count(y) of the step, with the gradients as they stood at it (_grad_marks): a
-        # count whose backward ran since (its gradients changed) is dropped by zero_grad.
+        # This step's count(y)s, taken by synchronize (their sum is the step's count), each
+        # with the gradients as they stood at it (_grad_marks): a count whose backward ran
+        # since (its gradients changed) is dropped by zero_grad.
         self._counts: list[tuple[LocalCount, list[Any]]] = []
         self._local_batch: int | None = None
         self._bad_local_batch: LocalCount | None = None  # a bad local_batch, told at the step
@@ -191,7 +191,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         mine = count_items(self.items, y)
         self._counts.append((mine, self._grad_marks()))
-        self._pending = added_count(self._pending, mine)
 
     def _grad_marks(self) -> list[Any]:
         """Each parameter's gradient as it stands (None, or the tensor's identity and version):
@@ -205,10 +204,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _local_count(self) -> tuple[LocalCount, str]:
         """This step's count as exchanged, and the argument its errors name."""
         if self.items is not None:
-            mine = self._pending
+            mine = None
+            for c, _ in self._counts:
+                mine = added_count(mine, c)
             if mine is None:
                 mine = not_counted("items", "no count for this step; call opt.count(y) first")
-            self._pending = None
             self._counts = []
             return mine, "items"
         if self._bad_local_batch is not None:
@@ -464,7 +464,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self._synchronized:
             return False
         if self.items is not None:
-            return self._pending is None
+            return not self._counts
         return self.counter is None or self.counter.forwards == 0  # by hand: until zero_grad
 
     def _amp_scaling(self) -> tuple[float, bool] | None:
@@ -484,9 +484,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._counts:  # and the counts: those whose backward ran since
             now = self._grad_marks()
             self._counts = [(c, marks) for c, marks in self._counts if marks == now]
-            self._pending = None
-            for c, _ in self._counts:
-                self._pending = added_count(self._pending, c)
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
