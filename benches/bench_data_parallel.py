@@ -13,7 +13,8 @@ Both engines: gloo (DDP and the weighted comm hook) and MPI (the MPI Distributed
 torchrun and mpiexec, against plain DDP. ``test_weighted_hook_against_ddps_own`` measures what
 exact weighting costs a DDP step: the weighted hook against DDP's own hook at equal shares, on
 models whose gradients fill a bucket of a few KiB to a few MiB (no emulation: both ranks at
-their own speed).
+their own speed), and what hetcoll's runtime costs one: :func:`hetcoll.torch.parallelize` running a
+data-parallel plan of the same shares, against the same DDP step.
 """
 
 from __future__ import annotations
@@ -127,8 +128,8 @@ def test_user_job(figure, launcher):
 # -- the weighted hook's own cost, against DDP's own hook ------------------------------------------
 
 HOOK_GROUP = (
-    "the weighted hook against DDP's own allreduce hook, 2 gloo ranks, equal shares (medians of "
-    "{rounds} interleaved rounds of 10 steps)"
+    "the weighted hook and parallelize's data-parallel plan against DDP's own allreduce hook, "
+    "2 gloo ranks, equal shares (medians of {rounds} interleaved rounds of 10 steps)"
 )
 HOOK_ROUNDS = 15
 #: The models timed: a step's gradients in one bucket from a few KiB to a few MiB.
@@ -153,19 +154,48 @@ def _hook_model(kind: str) -> Any:
     )
 
 
+#: The runtime's entry in the table: parallelize running a data-parallel plan.
+RUNTIME = "parallelize"
+
+
 def _hook_steps(rank: int, world: int, kind: str, rounds: int) -> dict[str, float]:
     """Rank 0's median seconds per step (forward, backward, SGD) of one model under DDP's own
-    hook and under the weighted hook with each algorithm, interleaved round by round."""
+    hook, under the weighted hook with each algorithm, and under :func:`hetcoll.torch.parallelize`
+    running a data-parallel plan of the same shares (its step also sums the batch's loss),
+    interleaved round by round."""
     import torch
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from hetcoll.torch import register_weighted_hook
+    from hetcoll.torch import model_layers, parallelize, register_weighted_hook
 
-    x = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(rank))
-    y = torch.randint(0, 10, (4,), generator=torch.Generator().manual_seed(rank))
+    def batch(r: int) -> tuple[Any, Any]:
+        g = torch.Generator().manual_seed(r)
+        return torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
+
+    x, y = batch(rank)
     steps: dict[str, Any] = {}
+    torch.manual_seed(0)
+    model = _hook_model(kind)
+    whole = [0, len(model_layers(model))]
+    plan = {
+        "microbatches": 1,
+        "schedule": "GPipe",
+        "replicas": [
+            {"samples": 4, "stages": [{"ranks": [r], "layers": whole}]} for r in range(world)
+        ],
+    }
+    par = parallelize(model, plan, loss_fn=nn.functional.cross_entropy)
+    par_opt = torch.optim.SGD(par.parameters(), lr=0.01)
+    every = [batch(r) for r in range(world)]  # the global batch, each replica's rows in turn
+    gx, gy = torch.cat([b[0] for b in every]), torch.cat([b[1] for b in every])
+
+    def runtime_step() -> None:
+        par.step(gx, gy)
+        par_opt.step()
+        par_opt.zero_grad()
+
     for name in ("DDP's own hook", "auto", "allreduce", "direct"):
         torch.manual_seed(0)
         ddp = DDP(_hook_model(kind))
@@ -179,6 +209,7 @@ def _hook_steps(rank: int, world: int, kind: str, rounds: int) -> dict[str, floa
             opt.step()
 
         steps[name] = step
+    steps[RUNTIME] = runtime_step
     times: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(rounds + 3):  # three rounds to warm up (DDP rebuilds its buckets)
         for name, step in steps.items():
@@ -207,4 +238,9 @@ def test_weighted_hook_against_ddps_own(figure, model):
         f"{got['auto'] / ddp:.2f}x ({got['auto'] * 1e3:.2f} ms against {ddp * 1e3:.2f} ms; "
         f"each road: {roads})",
         headline=model.startswith("demo"),
+    )
+    figure(
+        HOOK_GROUP.format(rounds=HOOK_ROUNDS),
+        f"{model}: step time, parallelize's data-parallel plan / DDP's own",
+        f"{got[RUNTIME] / ddp:.2f}x ({got[RUNTIME] * 1e3:.2f} ms against {ddp * 1e3:.2f} ms)",
     )

@@ -147,6 +147,46 @@ UNHIT = {
 }
 
 
+class RoutedByFirstFeature(nn.Module):
+    """Rows routed by their first feature to one of two experts (a mixture of experts'
+    router, per row): a replica none of whose rows takes an expert gives it no gradient while
+    the others give it one, so the holders combine their gradients by different roads (the
+    concatenation of every gradient, and the general road's zeros where one is missing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_meta:  # the runtime's shape probes read no values: every expert's shape
+            return self.experts[0](x) + self.experts[1](x)
+        up = x[:, 0] > 0.5
+        out = x.new_zeros(x.shape)
+        for expert, rows in zip(self.experts, (~up, up), strict=True):
+            if bool(rows.any()):
+                out = out.index_put((rows,), expert(x[rows]))
+        return out
+
+
+def routed() -> nn.Module:
+    return nn.Sequential(RoutedByFirstFeature(), nn.ReLU(), nn.Linear(8, 5))
+
+
+#: Three replicas, one a pipeline; with :func:`batches`' data, every step has a replica whose
+#: rows leave the second expert untouched beside replicas whose rows reach it.
+ROUTED = {
+    "microbatches": 2,
+    "replicas": [
+        {"samples": 4, "stages": [{"ranks": [0], "layers": [0, 3]}]},
+        {
+            "samples": 4,
+            "stages": [{"ranks": [1], "layers": [0, 1]}, {"ranks": [2], "layers": [1, 3]}],
+        },
+        {"samples": 2, "stages": [{"ranks": [3], "layers": [0, 3]}]},
+    ],
+}
+
+
 class CastsItsLayer(nn.Module):
     """A layer whose forward converts its own weights (Switch Transformers' router casts its
     classifier to float32 at every call)."""
@@ -499,6 +539,13 @@ def run_all(group: Any) -> dict[str, Any]:
     out["frozen"] = True
     equals_one_process(group, Unhit, Plan.from_dict(UNHIT), (8,), weight_decay=0.01)
     out["unhit"] = True
+    steps = batches((8,), Plan.from_dict(ROUTED).batch, 3)
+    reached = [
+        [bool((x[a:b, 0] > 0.5).any()) for a, b in ((0, 4), (4, 8), (8, 10))] for x, _ in steps
+    ]
+    assert all(True in r and False in r for r in reached), reached  # a mixed step each time
+    equals_one_process(group, routed, Plan.from_dict(ROUTED), (8,), weight_decay=0.01)
+    out["routed"] = True
     # Its full state dict crashed (the stage's lead sent float32 bytes its peers read as the
     # float64 the layer held when the plan was made); float32 sums in the replicas' average.
     equals_one_process(group, casts, Plan.from_dict(CASTS), (8,), tol=1e-5)

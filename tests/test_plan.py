@@ -36,6 +36,7 @@ EXPECTED = {
     "unused": True,
     "frozen": True,
     "unhit": True,
+    "routed": True,
     "casts": True,
     "swin": True,
     "errors": 5,

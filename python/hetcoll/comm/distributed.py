@@ -198,11 +198,18 @@ class TorchCommunicator(Communicator):
         import torch
         import torch.distributed as dist
 
-        # gloo's all_gather rejects pieces of different sizes; all_to_all_single with uneven
-        # splits moves the same bytes: every rank sends its piece to each rank.
         out, then = self._staged(torch.from_numpy(recv))
         # repeat() copies, so a read-only send buffer is safe; torch warns on those, though.
         send = send if send.flags.writeable else send.copy()
+        if all(int(c) == send.size for c in counts):
+            # Equal pieces (an agreement's fingerprints): one all_gather_into_tensor, which
+            # took 0.55x all_to_all_single's time with its repeated copy, on 2 gloo ranks.
+            inp = self._wire(torch.from_numpy(send))
+            with _lost_peer("all_gather_into_tensor (allgatherv)"):
+                work = dist.all_gather_into_tensor(out, inp, group=self.native, async_op=True)
+            return TorchRequest(work, "all_gather_into_tensor (allgatherv)", (out, inp), then)
+        # gloo's all_gather rejects pieces of different sizes; all_to_all_single with uneven
+        # splits moves the same bytes: every rank sends its piece to each rank.
         inp = self._wire(torch.from_numpy(send)).repeat(self.size)
         with _lost_peer("all_to_all_single (allgatherv)"):
             work = dist.all_to_all_single(

@@ -33,7 +33,7 @@ import warnings
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -171,6 +171,38 @@ class _Reduction:
     pieces: list[_Piece]
     buffer: torch.Tensor  # full-size, reused every step
     size: int  # number of holders
+    dense: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Whole parameters, each counted, filling the buffer end to end in order (a
+        # data-parallel replica's): their gradients are the buffer's concatenation.
+        at = 0
+        dense = True
+        for piece in self.pieces:
+            dense = dense and piece.part.whole and piece.contributes and piece.offset == at
+            at = piece.offset + piece.param.numel()
+        self.dense = dense and at == self.buffer.numel()
+
+    def gradients(self) -> list[torch.Tensor] | None:
+        """The pieces' gradients where they are the buffer's concatenation: dense (above), every
+        parameter trained and given a gradient by this rank's backward, contiguous, in the
+        buffer's dtype and all on one device. None otherwise: the general road places each
+        piece (and zeros where one is missing) and decides on missing ones from the sum."""
+        if not self.dense:
+            return None
+        grads = [piece.param.grad for piece in self.pieces]
+        first = grads[0] if grads else None
+        for piece, g in zip(self.pieces, grads, strict=True):
+            if (
+                g is None
+                or not piece.param.requires_grad
+                or g.dtype != self.buffer.dtype
+                or g.device != first.device  # type: ignore[union-attr]
+                or g.layout != torch.strided
+                or not g.is_contiguous()
+            ):
+                return None
+        return grads  # type: ignore[return-value]
 
 
 def _fingerprint(model: nn.Module) -> int:
@@ -984,18 +1016,43 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             dtype = functools.reduce(torch.promote_types, (q.param.dtype for q in r.pieces))
             if dtype != r.buffer.dtype:
                 r.buffer = torch.empty(r.buffer.numel(), dtype=dtype, device=r.buffer.device)
-            buf = r.buffer.zero_()
-            for piece in r.pieces:
-                if piece.contributes and piece.param.requires_grad and piece.param.grad is not None:
-                    piece.put(buf, piece.param.grad)
+            buf = r.buffer
+            grads = r.gradients()
+            if grads is not None:
+                # One concatenation into the buffer and one copy back into the gradients, not
+                # a copy, a check and a fresh tensor per parameter (a GPU rank on gloo: one
+                # transfer each way, not one per parameter).
+                views = [g.view(-1) for g in grads]
+                if grads[0].device == buf.device:
+                    flat = torch.cat(views, out=buf)
+                else:
+                    flat = torch.cat(views)
+                    buf.copy_(flat)
+            else:
+                buf.zero_()
+                for piece in r.pieces:
+                    g = piece.param.grad
+                    if piece.contributes and piece.param.requires_grad and g is not None:
+                        piece.put(buf, g)
             self._tr.allreduce(buf, r.sub)
             self._traffic["allreduce"] += round(
                 2 * (r.size - 1) / r.size * buf.numel() * buf.element_size()
             )
+            if grads is not None:
+                if flat is not buf:
+                    flat.copy_(buf)
+                parts = flat.split([g.numel() for g in grads])
+                sums = [t.view_as(g) for t, g in zip(parts, grads, strict=True)]
+                torch._foreach_copy_(grads, sums)
+                continue
             trained = [piece for piece in r.pieces if piece.param.requires_grad]
-            reached = torch.stack([p.summed_any(buf) for p in trained]).tolist() if trained else []
-            for piece, any_sum in zip(trained, reached, strict=True):
-                if any_sum or piece.param.grad is not None:  # zeros kept where they were
+            # A parameter this rank gave a gradient takes the sum; one it gave none takes it
+            # only if the sum holds a non-zero entry (read once for the reduction).
+            unsure = [piece for piece in trained if piece.param.grad is None]
+            found = torch.stack([p.summed_any(buf) for p in unsure]).tolist() if unsure else []
+            reached = {id(p) for p, any_sum in zip(unsure, found, strict=True) if any_sum}
+            for piece in trained:
+                if piece.param.grad is not None or id(piece) in reached:
                     piece.param.grad = piece.take(buf)
 
 
