@@ -2371,9 +2371,30 @@ def _device_plans(
             f"{len(errors)} plans (targets, issue 40: median <= 12%, worst <= 30%)."
         )
     notes += _without_step_overhead(plans.get("configurations", []))
+    notes += _started_note(plans.get("configurations", []))
     if not rows:
         rows.append([None, status, None, None, None, None])
     return rows, errors, notes
+
+
+def _started_note(configurations: Sequence[Any]) -> list[str]:
+    """Which ranks ran each plan: those a user starts for it (rows with ``started_ranks``),
+    or, in an older run.sh, every rank of the one job."""
+    rows = [c for c in configurations if isinstance(c, dict) and c.get("status") == "ok"]
+    if not rows:
+        return []
+    if all("started_ranks" in c for c in rows):
+        most = max(c["started_ranks"] for c in rows)
+        fewer = [f"{c['name']}: {c['started_ranks']}" for c in rows if c["started_ranks"] < most]
+        return [
+            "Each plan ran on the ranks a user starts for it: 0 up to the last it names, as "
+            "`hetcoll plan` prints the commands; ranks after it were not started"
+            + (f" (ranks started, where fewer than {most}: {'; '.join(fewer)})." if fewer else ".")
+        ]
+    return [
+        "Every plan ran in the one job (an older run.sh): ranks it leaves idle joined its "
+        "steps' batch agreement and loss sum."
+    ]
 
 
 def _without_step_overhead(configurations: Sequence[Any]) -> list[str]:
@@ -2467,6 +2488,18 @@ def _device_runtime(parts: dict[str, Any]) -> dict[str, Any] | None:
             )
     if not rows and not notes:
         return None
+    started = {
+        got.get("started_ranks")
+        for part in parts.values()
+        if isinstance(part, dict)
+        and isinstance(got := part.get("runtime"), dict)
+        and got.get("status", "ok") == "ok"
+    }
+    ran = (
+        "on the ranks a user starts for it, as hetcoll plan prints: rank 0 alone"
+        if started == {1}
+        else "the CPU ranks idle, in the job"
+    )
     return {
         "title": "Where the GPU alone's step goes",
         "peer": "rank 0's bare step (zero_grad, forward, loss, backward, the optimizer; "
@@ -2481,7 +2514,7 @@ def _device_runtime(parts: dict[str, Any]) -> dict[str, Any] | None:
         ],
         "rows": rows or [[None, None, None, None, None, None]],
         "notes": [
-            "The GPU alone's plan (the CPU ranks idle, in the job); each figure the median of the "
+            f"The GPU alone's plan ({ran}); each figure the median of the "
             "rounds, a step the slowest rank's. The model's step overhead: "
             "Device.step_overhead_s as the GPU check measured it (a one-rank parallelize step of "
             "a tiny model less the model's prediction of it); a view op: its host seconds in a "
@@ -2548,6 +2581,7 @@ def _device_lm(
         f"Data: {lm.get('corpus')}."
     ]
     notes += _without_step_overhead(lm.get("configurations", []))
+    notes += _started_note(lm.get("configurations", []))
     if status != "ok":
         notes.append(f"Status: {status}.")
     speeds = lm.get("speeds", [])

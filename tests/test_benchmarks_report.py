@@ -609,6 +609,12 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
         "host_syncs": [{"where": "parallel.py:426(step) < jobs.py:205(plan_step)", "syncs": 1}],
     }
     lm["runtime"] = {"status": "failed: RuntimeError: no room"}
+    # The CNN's plans ran on the ranks a user starts for each; the LM's in the one job (older).
+    for c in plans["configurations"]:
+        c["started_ranks"] = 1 + max(
+            r for rep in c["plan"]["replicas"] for st in rep["stages"] for r in st["ranks"]
+        )
+    plans["runtime"]["started_ranks"] = 1
     raw = tmp_path / "raw" / "summary.json"
     raw.parent.mkdir()
     raw.write_text(json.dumps(data))
@@ -683,6 +689,23 @@ def test_device_adapter_reads_a_gpu_run(tmp_path: Path) -> None:
         "layers 4.00 ms (1.90 ms beyond): 33.3 us a layer"
     ) in text
     assert "LM example: failed: RuntimeError: no room." in text
+    assert (
+        "The GPU alone's plan (on the ranks a user starts for it, as hetcoll plan prints: "
+        "rank 0 alone)" in text
+    )
+    world = 1 + plans["cpu_ranks"]
+    fewer = "; ".join(
+        f"{c['name']}: {c['started_ranks']}"
+        for c in plans["configurations"]
+        if c["started_ranks"] < world
+    )
+    assert "the GPU alone: 1; device subset: GPU + CPU 1: 2" in fewer
+    assert (
+        "Each plan ran on the ranks a user starts for it: 0 up to the last it names, as "
+        "`hetcoll plan` prints the commands; ranks after it were not started (ranks started, "
+        f"where fewer than {world}: {fewer})."
+    ) in text
+    assert "Every plan ran in the one job (an older run.sh)" in text  # the LM's
     # 4 MB to the host at 10 GB/s and back at 20: 0.6 ms; pinned, both ways at 50: 0.16 ms.
     assert (
         "demo CNN: its gradients (4.00 MB) copied to the host and back, as gloo's allreduce "

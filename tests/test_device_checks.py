@@ -233,6 +233,14 @@ def test_plans_script_runs_every_plan(tmp_path: Path) -> None:
             without / r["step_s"] - 1
         )
     assert got["prediction_error"]["count"] == len(names)
+    # Each plan ran on the ranks a user starts for it (0 up to the last it names), as
+    # `hetcoll plan` prints the commands: the GPU alone on rank 0 alone, the subset on two.
+    started = {r["name"]: r["started_ranks"] for r in rows}
+    for r in rows:
+        assert started[r["name"]] == 1 + max(hetcoll.Plan.from_dict(r["plan"]).ranks)
+    assert started[device_plans.ALONE] == 1 and started["device subset: GPU + CPU 1"] == 2
+    assert max(started.values()) == 3
+    assert got["runtime"]["status"] == "ok" and got["runtime"]["started_ranks"] == 1
     # The demo CNN's gradients, for the report's staging note: its parameters in float32.
     assert got["gradient_bytes"] == 4 * sum(
         p.numel() for p in device_plans.demo_model().parameters()

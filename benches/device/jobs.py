@@ -34,6 +34,31 @@ PICK = "the planner's pick"
 #: The run of the GPU rank alone, the CPU ranks idle (the peer of the ratios; the run
 #: :func:`runtime_breakdown` takes apart).
 ALONE = "the GPU alone"
+#: :func:`plan_group`'s answer on a rank a plan's run does not start.
+NOT_STARTED = object()
+
+
+def started_ranks(plan: Mapping[str, Any]) -> int:
+    """The ranks ``hetcoll plan`` tells a user to start for ``plan``: 0 up to the last one it
+    names (``torchrun --nproc-per-node N``, ``mpiexec -n N``); ranks after it are not started.
+
+    >>> started_ranks({"replicas": [{"samples": 4, "stages": [{"ranks": [0], "layers": [0, 9]}]}]})
+    1
+    """
+    return max(hetcoll.Plan.from_dict(plan).ranks) + 1
+
+
+def plan_group(plan: Mapping[str, Any]) -> Any:
+    """The group ``plan`` runs on, as a user starts it (:func:`started_ranks`): None (the job's)
+    where it names the job's last rank, else a new group of ranks 0 .. N-1, and
+    :data:`NOT_STARTED` on the ranks after them, which sit the plan out: idle ranks a plan
+    leaves at the end cost its steps nothing (in one job they would join every step's batch
+    agreement and loss sum). Every rank calls it, plan by plan, in one order."""
+    n = started_ranks(plan)
+    if n >= dist.get_world_size():
+        return None
+    group = dist.new_group(list(range(n)))
+    return group if dist.get_rank() < n else NOT_STARTED
 
 
 def parse(
@@ -179,8 +204,9 @@ def runtime_breakdown(
     """Where the GPU alone's step goes (issue 40: the first GPU run measured it about twice
     what the model predicted). Rank 0's bare step (zero_grad, ``call(model, x)``, the loss,
     backward, the optimizer, the device synchronized; the other ranks wait) and ``plan``'s
-    step under parallelize (timed as the configurations are: between barriers, the slowest
-    rank's), interleaved for ``rounds`` rounds, medians; then rank 0's plan steps profiled
+    step under parallelize on the ranks a user starts for it (:func:`plan_group`; timed as the
+    configurations are: between barriers, the slowest rank's), interleaved for ``rounds``
+    rounds, medians; then rank 0's plan steps profiled
     (cProfile): the functions that took longest of their own and the runtime's own
     (``hetcoll/torch/parallel.py``) by their cumulative time. Rank 0 gets the figures, or
     ``{"status": "failed: ..."}`` where the breakdown raised (on every rank alike; one that
@@ -189,8 +215,10 @@ def runtime_breakdown(
 
     try:
         torch.manual_seed(0)
-        par = parallelize(model().to(dev), plan, loss_fn=loss_fn, **parallelize_kw)
-        popt = optimizer(par.parameters())
+        group = plan_group(plan)
+        if group is not NOT_STARTED:
+            par = parallelize(model().to(dev), plan, loss_fn=loss_fn, group=group, **parallelize_kw)
+            popt = optimizer(par.parameters())
         bare = model().to(dev)
         bopt = optimizer(bare.parameters())
         x, y = data
@@ -202,6 +230,8 @@ def runtime_breakdown(
                 bopt.step()
 
         def plan_step() -> None:
+            if group is NOT_STARTED:
+                return
             par.step(x, y)
             popt.step()
             popt.zero_grad()
@@ -243,6 +273,7 @@ def runtime_breakdown(
         return {
             "status": "ok",
             "plan": ALONE,
+            "started_ranks": started_ranks(plan),
             "rounds": rounds,
             "bare_step_s": statistics.median(timed["bare"]),
             "plan_step_s": statistics.median(timed["plan"]),
@@ -344,7 +375,13 @@ def run_configurations(
     ``summarize(result)`` and rewrites ``path``. Returns ``result`` on rank 0, else None."""
     for name, (kind, plan) in runs.items():
         t0 = time.perf_counter()
-        row: dict[str, Any] = {"name": name, "kind": kind, "plan": plan}
+        # Run on the ranks a user starts for it (plan_group): the model predicts those.
+        row: dict[str, Any] = {
+            "name": name,
+            "kind": kind,
+            "plan": plan,
+            "started_ranks": started_ranks(plan),
+        }
         try:
             row.update(measure(plan))
             row["status"] = "ok"

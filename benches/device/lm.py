@@ -12,7 +12,8 @@ lengths padded and masked; where that source is missing (a Python installed with
 Every rank measures its own training step in rows/s (:func:`hetcoll.torch.measure_speed`,
 forward, backward and AdamW), then the ranks run, on the same global batches of ``--batch`` rows:
 
-- **the GPU alone** (the CPU ranks idle);
+- **the GPU alone** (the CPU ranks not started: every plan runs on the ranks a user starts for
+  it, :func:`jobs.plan_group`);
 - **balanced**: whole-model replicas, rows from :func:`hetcoll.split` of the measured fits (a
   rank whose fixed cost alone outlasts the step gets no row and idles); **balanced, every
   rank**: the same with at least one row each (run when it differs);
@@ -48,13 +49,16 @@ import jobs
 from hetero import probe_sizes, real_cluster, strict_fp32, without_step_overhead
 from jobs import (
     ALONE,
+    NOT_STARTED,
     PICK,
+    plan_group,
     planner_over,
     planner_pick,
     prediction,
     run_configurations,
     runtime_breakdown,
     slowest_rank_seconds,
+    started_ranks,
     write_results,
 )
 
@@ -180,15 +184,22 @@ def plans(
 def _run(
     plan: dict[str, Any], dev: torch.device, data: list[Any], warmup: int
 ) -> tuple[list[float], int]:
-    """Each timed step's seconds (the slowest rank's) and the timed steps' valid tokens."""
+    """Each timed step's seconds (the slowest rank's) and the timed steps' valid tokens, on
+    the ranks a user starts for ``plan`` (:func:`jobs.plan_group`)."""
     from hetcoll.torch import parallelize
 
-    par = parallelize(lm_model(dev), plan, loss_fn=train_lm.lm_loss, items=train_lm.valid_tokens)
-    opt = torch.optim.AdamW(par.parameters(), lr=LR, weight_decay=0.0)
+    group = plan_group(plan)
     times, tokens = [], 0
+    if group is not NOT_STARTED:
+        par = parallelize(
+            lm_model(dev), plan, loss_fn=train_lm.lm_loss, items=train_lm.valid_tokens, group=group
+        )
+        opt = torch.optim.AdamW(par.parameters(), lr=LR, weight_decay=0.0)
     for i, (x, y) in enumerate(data):
 
         def step(x: Any = x, y: Any = y) -> None:
+            if group is NOT_STARTED:
+                return
             par.step(x, y)
             opt.step()
             opt.zero_grad()
@@ -299,7 +310,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
         result,
         runs,
         measure,
-        lambda plan, step: _predict(cfg, world, plan, step),
+        lambda plan, step: _predict(cfg, started_ranks(plan), plan, step),
         cfg["json"],
         summarize,
     )

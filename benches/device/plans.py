@@ -24,6 +24,9 @@ from these speeds), then the ranks run each plan in turn (global batch ``--batch
   calibration's CPU ranks and link, the GPU as measured), what a user asking the planner would
   run; ``planner_over`` gives its throughput over the GPU alone's and the best other plan's.
 
+Each plan runs on the ranks a user starts for it (:func:`jobs.plan_group`): 0 up to the last rank
+it names, as ``hetcoll plan`` prints the commands; a plan leaving the last ranks idle (the GPU
+alone, the device subset, often the planner's pick) runs without them, in a group of its own.
 A step is ``par.step`` + the optimizer's step, between barriers, the GPU synchronized; its time is
 the slowest rank's; the figure is the median over ``--steps`` steps after ``--warmup``. Rank 0
 predicts each plan's step with :func:`hetcoll.model.predict_plan` on this machine's ranks
@@ -61,13 +64,16 @@ from hetero import (
 )
 from jobs import (
     ALONE,
+    NOT_STARTED,
     PICK,
+    plan_group,
     planner_over,
     planner_pick,
     prediction,
     run_configurations,
     runtime_breakdown,
     slowest_rank_seconds,
+    started_ranks,
     write_results,
 )
 
@@ -172,11 +178,16 @@ def plans(
 def _step_times(
     plan: dict[str, Any], dev: torch.device, x: Any, y: Any, warmup: int, steps: int
 ) -> list[float]:
-    """Each timed step's seconds (the slowest rank's) of ``plan`` under parallelize."""
+    """Each timed step's seconds (the slowest rank's) of ``plan`` under parallelize, on the
+    ranks a user starts for it (:func:`jobs.plan_group`)."""
     from hetcoll.torch import parallelize
 
+    group = plan_group(plan)
+    if group is NOT_STARTED:
+        return [slowest_rank_seconds(lambda: None, dev) for _ in range(warmup + steps)][warmup:]
     torch.manual_seed(0)
-    par = parallelize(demo_model().to(dev), plan, loss_fn=nn.functional.cross_entropy)
+    model = demo_model().to(dev)
+    par = parallelize(model, plan, loss_fn=nn.functional.cross_entropy, group=group)
     opt = torch.optim.SGD(par.parameters(), lr=LR)
 
     def step() -> None:
@@ -246,7 +257,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | No
         result,
         runs,
         measure,
-        lambda plan, step: _predict(cfg, world, plan, step),
+        lambda plan, step: _predict(cfg, started_ranks(plan), plan, step),
         cfg["json"],
         lambda result: planner_over(result, "samples_per_s"),
     )
