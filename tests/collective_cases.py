@@ -385,7 +385,8 @@ def check_shared(comm: Communicator, native: Any) -> int:
 def check_allgatherv(comm: Communicator, native: Any) -> int:
     p, r = comm.size, comm.rank
     done = 0
-    row_sets = [lambda q: q + 1, lambda q: 0 if q == 1 else 2 * q + 1, lambda q: 0]
+    # Uneven pieces, a rank with none, none at all, and equal pieces (the engine's allgather).
+    row_sets = [lambda q: q + 1, lambda q: 0 if q == 1 else 2 * q + 1, lambda q: 0, lambda q: 2]
     for k, rows_of in enumerate(row_sets):
         for i, dtype in enumerate(("float32", "float64", "int64", "float16")):
             pieces = [

@@ -39,7 +39,7 @@ EXPECTED = {
     "aliasing": 3,
     "mismatch": 6,
     "shared": 2,
-    "allgatherv": 15,
+    "allgatherv": 20,
     "speculative": 24,
     "allgatherv_out": 17,
     "alltoallv": 1,

@@ -201,10 +201,10 @@ class TorchCommunicator(Communicator):
         out, then = self._staged(torch.from_numpy(recv))
         # repeat() copies, so a read-only send buffer is safe; torch warns on those, though.
         send = send if send.flags.writeable else send.copy()
-        if all(int(c) == send.size for c in counts):
+        if send.size and all(int(c) == send.size for c in counts):
             # Equal pieces (an agreement's fingerprints): one all_gather_into_tensor with no
             # repeated copy, as allgather_fixed does (all_to_all_single took 1.3x its time).
-            inp = self._wire(torch.from_numpy(send))
+            inp = self._wire(torch.from_numpy(send).contiguous())
             with _lost_peer("all_gather_into_tensor (allgatherv)"):
                 work = dist.all_gather_into_tensor(out, inp, group=self.native, async_op=True)
             return TorchRequest(work, "all_gather_into_tensor (allgatherv)", (out, inp), then)
