@@ -133,18 +133,27 @@ class Unhit(nn.Module):
         return self.head(torch.relu(self.experts[0](self.fc1(x))))
 
 
+def three_replicas(layers: int, cut: int) -> dict[str, Any]:
+    """Three replicas of a ``layers``-layer chain on 4 ranks: rank 0 whole (4 samples), ranks 1
+    and 2 a pipeline cut at ``cut`` (4 samples), rank 3 whole (2 samples); 2 micro-batches."""
+    return {
+        "microbatches": 2,
+        "replicas": [
+            {"samples": 4, "stages": [{"ranks": [0], "layers": [0, layers]}]},
+            {
+                "samples": 4,
+                "stages": [
+                    {"ranks": [1], "layers": [0, cut]},
+                    {"ranks": [2], "layers": [cut, layers]},
+                ],
+            },
+            {"samples": 2, "stages": [{"ranks": [3], "layers": [0, layers]}]},
+        ],
+    }
+
+
 #: Three replicas, one a pipeline, each holding both experts.
-UNHIT = {
-    "microbatches": 2,
-    "replicas": [
-        {"samples": 4, "stages": [{"ranks": [0], "layers": [0, 4]}]},
-        {
-            "samples": 4,
-            "stages": [{"ranks": [1], "layers": [0, 2]}, {"ranks": [2], "layers": [2, 4]}],
-        },
-        {"samples": 2, "stages": [{"ranks": [3], "layers": [0, 4]}]},
-    ],
-}
+UNHIT = three_replicas(4, 2)
 
 
 class RoutedByFirstFeature(nn.Module):
@@ -174,17 +183,7 @@ def routed() -> nn.Module:
 
 #: Three replicas, one a pipeline; with :func:`batches`' data, every step has a replica whose
 #: rows leave the second expert untouched beside replicas whose rows reach it.
-ROUTED = {
-    "microbatches": 2,
-    "replicas": [
-        {"samples": 4, "stages": [{"ranks": [0], "layers": [0, 3]}]},
-        {
-            "samples": 4,
-            "stages": [{"ranks": [1], "layers": [0, 1]}, {"ranks": [2], "layers": [1, 3]}],
-        },
-        {"samples": 2, "stages": [{"ranks": [3], "layers": [0, 3]}]},
-    ],
-}
+ROUTED = three_replicas(3, 1)
 
 
 class CastsItsLayer(nn.Module):

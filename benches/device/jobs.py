@@ -61,6 +61,28 @@ def plan_group(plan: Mapping[str, Any]) -> Any:
     return group if dist.get_rank() < n else NOT_STARTED
 
 
+def plan_stepper(
+    plan: Mapping[str, Any], make: Callable[[Any], Any], optimizer: Callable[[Any], Any]
+) -> Callable[[Any, Any], None]:
+    """A training step ``step(x, y)`` of ``plan`` on the ranks a user starts for it
+    (:func:`plan_group`): ``make(group)`` parallelizes the model on ``group``, ``optimizer``
+    makes its optimizer from its parameters; a step is ``par.step(x, y)``, the optimizer's step
+    and ``zero_grad()``. On the ranks not started, a step that does nothing (they still join
+    the barriers that time it). Every rank calls it, plan by plan, in one order."""
+    group = plan_group(plan)
+    if group is NOT_STARTED:
+        return lambda x, y: None
+    par = make(group)
+    opt = optimizer(par.parameters())
+
+    def step(x: Any, y: Any) -> None:
+        par.step(x, y)
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
 def parse(
     doc: str,
     argv: list[str] | None,
@@ -215,10 +237,13 @@ def runtime_breakdown(
 
     try:
         torch.manual_seed(0)
-        group = plan_group(plan)
-        if group is not NOT_STARTED:
-            par = parallelize(model().to(dev), plan, loss_fn=loss_fn, group=group, **parallelize_kw)
-            popt = optimizer(par.parameters())
+        planned = plan_stepper(
+            plan,
+            lambda group: parallelize(
+                model().to(dev), plan, loss_fn=loss_fn, group=group, **parallelize_kw
+            ),
+            optimizer,
+        )
         bare = model().to(dev)
         bopt = optimizer(bare.parameters())
         x, y = data
@@ -230,11 +255,7 @@ def runtime_breakdown(
                 bopt.step()
 
         def plan_step() -> None:
-            if group is NOT_STARTED:
-                return
-            par.step(x, y)
-            popt.step()
-            popt.zero_grad()
+            planned(x, y)
 
         timed: dict[str, list[float]] = {"bare": [], "plan": []}
         for i in range(rounds + 2):  # two rounds to warm up

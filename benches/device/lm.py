@@ -49,9 +49,8 @@ import jobs
 from hetero import probe_sizes, real_cluster, strict_fp32, without_step_overhead
 from jobs import (
     ALONE,
-    NOT_STARTED,
     PICK,
-    plan_group,
+    plan_stepper,
     planner_over,
     planner_pick,
     prediction,
@@ -188,23 +187,16 @@ def _run(
     the ranks a user starts for ``plan`` (:func:`jobs.plan_group`)."""
     from hetcoll.torch import parallelize
 
-    group = plan_group(plan)
-    times, tokens = [], 0
-    if group is not NOT_STARTED:
-        par = parallelize(
+    planned = plan_stepper(
+        plan,
+        lambda group: parallelize(
             lm_model(dev), plan, loss_fn=train_lm.lm_loss, items=train_lm.valid_tokens, group=group
-        )
-        opt = torch.optim.AdamW(par.parameters(), lr=LR, weight_decay=0.0)
+        ),
+        lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0),
+    )
+    times, tokens = [], 0
     for i, (x, y) in enumerate(data):
-
-        def step(x: Any = x, y: Any = y) -> None:
-            if group is NOT_STARTED:
-                return
-            par.step(x, y)
-            opt.step()
-            opt.zero_grad()
-
-        t = slowest_rank_seconds(step, dev)
+        t = slowest_rank_seconds(functools.partial(planned, x, y), dev)
         if i >= warmup:
             times.append(t)
             tokens += int(train_lm.valid_tokens(y))

@@ -64,9 +64,8 @@ from hetero import (
 )
 from jobs import (
     ALONE,
-    NOT_STARTED,
     PICK,
-    plan_group,
+    plan_stepper,
     planner_over,
     planner_pick,
     prediction,
@@ -182,19 +181,15 @@ def _step_times(
     ranks a user starts for it (:func:`jobs.plan_group`)."""
     from hetcoll.torch import parallelize
 
-    group = plan_group(plan)
-    if group is NOT_STARTED:
-        return [slowest_rank_seconds(lambda: None, dev) for _ in range(warmup + steps)][warmup:]
     torch.manual_seed(0)
-    model = demo_model().to(dev)
-    par = parallelize(model, plan, loss_fn=nn.functional.cross_entropy, group=group)
-    opt = torch.optim.SGD(par.parameters(), lr=LR)
-
-    def step() -> None:
-        par.step(x, y)
-        opt.step()
-        opt.zero_grad()
-
+    planned = plan_stepper(
+        plan,
+        lambda group: parallelize(
+            demo_model().to(dev), plan, loss_fn=nn.functional.cross_entropy, group=group
+        ),
+        lambda params: torch.optim.SGD(params, lr=LR),
+    )
+    step = functools.partial(planned, x, y)
     times = [slowest_rank_seconds(step, dev) for _ in range(warmup + steps)]
     return times[warmup:]
 

@@ -190,19 +190,20 @@ class _Reduction:
         piece (and zeros where one is missing) and decides on missing ones from the sum."""
         if not self.dense:
             return None
-        grads = [piece.param.grad for piece in self.pieces]
-        first = grads[0] if grads else None
-        for piece, g in zip(self.pieces, grads, strict=True):
+        grads: list[torch.Tensor] = []
+        for piece in self.pieces:
+            g = piece.param.grad
             if (
                 g is None
                 or not piece.param.requires_grad
                 or g.dtype != self.buffer.dtype
-                or g.device != first.device  # type: ignore[union-attr]
+                or (grads and g.device != grads[0].device)
                 or g.layout != torch.strided
                 or not g.is_contiguous()
             ):
                 return None
-        return grads  # type: ignore[return-value]
+            grads.append(g)
+        return grads
 
 
 def _fingerprint(model: nn.Module) -> int:
