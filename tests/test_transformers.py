@@ -53,6 +53,7 @@ EXPECTED = {
     "rows_wrong": True,
     "resumes": True,
     "autocast": True,
+    "checkpointed": True,
     "errors": 11,
 }
 

@@ -849,6 +849,28 @@ def under_autocast(group: Any) -> bool:
     )
 
 
+def checkpointed(group: Any) -> bool:
+    """GPT-2 under Hugging Face's gradient checkpointing (``gradient_checkpointing_enable``,
+    reentrant, its default, and not) through a pipeline beside a split stage equals one
+    process. Each block's forward runs again in the backward, and on the split stage's ranks
+    its reductions with it (more bytes than without); a pipeline's sends do not repeat."""
+    plan = Plan.from_dict(hybrid(_layers(gpt2)))
+    plain = equals_one_process(group, gpt2, plan, traffic=False)
+    runs = []
+    for reentrant in (True, False):
+
+        def make(reentrant: bool = reentrant) -> nn.Module:
+            model = gpt2()
+            model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+            return model
+
+        runs.append(equals_one_process(group, make, plan, traffic=False))
+    if wrap(group).rank in plan.replicas[1].stages[0].ranks:
+        sent = [t["activations"] + t["gradients"] for t in (plain, *runs)]
+        return all(s > sent[0] for s in sent[1:])
+    return all(t == plain for t in runs)
+
+
 class SharedActivation(nn.Module):
     """One activation module called between every pair of blocks (a common way to write a
     model): it is code between blocks, run by every stage."""
@@ -1004,6 +1026,7 @@ CASES.update(
         "rows_wrong": rows_are_the_wrong_weight,
         "resumes": resumes_on_another_plan,
         "autocast": under_autocast,
+        "checkpointed": checkpointed,
         "errors": bad_input,
     }
 )
