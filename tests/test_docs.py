@@ -26,6 +26,7 @@ def test_readme_examples():
     "module",
     [
         hetcoll.kernels,
+        hetcoll.errors,
         hetcoll.fusion,
         hetcoll.collectives.speculative,
         hetcoll.torch.sampler,

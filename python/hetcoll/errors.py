@@ -1,10 +1,14 @@
 """Exceptions of the collectives: raised on every rank, so no rank corrupts data or hangs; and
-how any of hetcoll's messages echoes a value it refuses (:func:`shown`)."""
+how any of hetcoll's messages echoes a value it refuses (:func:`shown`), and the rule for an
+argument that must be a finite number (:func:`finite_number`)."""
 
 from __future__ import annotations
 
+import math
 import reprlib
 from typing import Any
+
+import numpy as np
 
 #: The most characters of a value a message echoes: a value or file of megabytes makes no
 #: readable error otherwise.
@@ -22,6 +26,24 @@ def shown(value: Any, limit: int = MAX_SHOWN) -> str:
     r.maxlist = r.maxtuple = r.maxdict = 16
     text = r.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def finite_number(value: object, name: str) -> float:
+    """``value`` as a float where it is a finite real number (an int, a float or a NumPy
+    scalar; not a bool); else a TypeError or ValueError naming the argument ``name``.
+
+    >>> finite_number(2, "weight")
+    2.0
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name}: must be a number, got {type(value).__name__}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range (2**1100)
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{name}: must be finite, got {shown(value)}")
+    return number
 
 
 class CollectiveMismatchError(ValueError):

@@ -19,13 +19,13 @@ array([0., 1., 2.], dtype=float32)
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
 from hetcoll import _core
+from hetcoll.errors import finite_number
 from hetcoll.kernels import (
     check_dtype,
     check_writable,
@@ -37,18 +37,6 @@ from hetcoll.kernels import (
 __all__ = ["pack", "unpack"]
 
 Array = TypeVar("Array")
-
-
-def _scale(scale: object) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
-        raise TypeError(f"scale: must be a number, got {type(scale).__name__}")
-    try:
-        value = float(scale)
-    except OverflowError:  # an int past float's range (2**1100)
-        value = math.inf
-    if not math.isfinite(value):
-        raise ValueError(f"scale: must be finite, got {scale!r}")
-    return value
 
 
 def _views(arrays: Any) -> tuple[list[Any], list[np.ndarray], bool | None]:
@@ -85,7 +73,7 @@ def pack(arrays: Sequence[Array], *, scale: float = 1.0, out: Array | None = Non
     >>> pack([np.array([1.0, 2.0]), np.array([[3.0]])], scale=2.0)
     array([2., 4., 6.])
     """
-    value = _scale(scale)
+    value = finite_number(scale, "scale")
     arrays, views, bf16 = _views(arrays)
     check_writable([] if out is None else [(out, "out")])
     result: Any = out
@@ -122,7 +110,7 @@ def unpack(flat: Array, arrays: Sequence[Array], *, scale: float = 1.0) -> None:
     >>> b
     array([-2., -3.])
     """
-    value = _scale(scale)
+    value = finite_number(scale, "scale")
     flat_view, flat_bf16 = numpy_view(flat, "flat")
     arrays, views, bf16 = _views(arrays)
     if bf16 is not None and flat_bf16 != bf16:

@@ -3,7 +3,6 @@ tags (one table, so that no two exchanges share a tag), argument checks, and reu
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
@@ -57,18 +56,6 @@ def _segment_bytes(segment_bytes: object) -> None:
         raise ValueError(
             f"segment_bytes: must be an integer in [1, 2**62) or None, got {segment_bytes!r}"
         )
-
-
-def _weight(weight: object) -> float:
-    if isinstance(weight, bool) or not isinstance(weight, (int, float, np.floating, np.integer)):
-        raise TypeError(f"weight: must be a number, got {type(weight).__name__}")
-    try:
-        w = float(weight)
-    except OverflowError:  # an int past float's range (2**1100)
-        w = math.inf
-    if not math.isfinite(w):
-        raise ValueError(f"weight: must be finite, got {weight!r}")
-    return w
 
 
 def _counts(n: int, p: int, speeds: Sequence[float] | None) -> list[int]:

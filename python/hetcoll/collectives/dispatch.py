@@ -22,7 +22,6 @@ from hetcoll.collectives._common import (
     _counts,
     _kind,
     _segment_bytes,
-    _weight,
 )
 from hetcoll.collectives._header import _inline_words
 from hetcoll.collectives.device import _allreduce_device, stage_on_host
@@ -32,6 +31,7 @@ from hetcoll.collectives.ring import _ring, _ring_blocking
 from hetcoll.collectives.shared import _shared
 from hetcoll.comm import NOT_GIVEN, Communicator, agree, group_argument, wrap
 from hetcoll.comm import deadline as deadline_of
+from hetcoll.errors import finite_number
 from hetcoll.kernels import is_tensor, numpy_view, tracked_by_autograd
 
 
@@ -111,7 +111,9 @@ def allreduce(
         if is_tensor(buf) and buf.device.type != "cpu":  # type: ignore[attr-defined]
             if c is None:
                 raise no_group
-            return _allreduce_device(buf, c, _weight(weight), algorithm, check, deadline)
+            return _allreduce_device(
+                buf, c, finite_number(weight, "weight"), algorithm, check, deadline
+            )
         flat, bf16, kind, w = _local_arguments(buf, weight, speeds, segment_bytes, c)
         if c is None:
             raise no_group
@@ -174,7 +176,7 @@ def _local_arguments(
 ) -> tuple[np.ndarray, bool, str, float]:
     """allreduce's checks that need no other rank: ``buf`` as a flat view, whether it is
     bfloat16, its kind, and the weight; raises the argument's error."""
-    w = _weight(weight)
+    w = finite_number(weight, "weight")
     _segment_bytes(segment_bytes)
     if tracked_by_autograd(buf):  # kernels.check_writable's rule, as a ValueError told to all
         raise ValueError(

@@ -380,13 +380,7 @@ class PlanCheckpoints:
             lo, hi = self.plan.replicas[self.place[0]].stages[self.place[1]].layers
             if not lo <= self._home[name] < hi:
                 return False
-        if not part.whole:
-            return True
-        if isinstance(self.stage, OwnersStage):
-            layer = next(layer for k, layer, *_ in self._state_layout if k == name)
-            return self.stage.whole_tensor_holder(layer) == self.rank
-        assert self.place is not None
-        return self.rank == self.plan.replicas[self.place[0]].stages[self.place[1]].ranks[0]
+        return self._contributes(name, part)
 
     def _names_of_params(
         self, parts: dict[str, tuple[torch.Tensor, Part]]
