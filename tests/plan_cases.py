@@ -585,11 +585,27 @@ class ReadsABlock(nn.Module):
 
 
 class _ScalarReads(TorchDispatchMode):
-    """Counts the tensors read back to the host as numbers (``item()``, ``float()``)."""
+    """Counts the tensors read back to the host as numbers (``item()``, ``float()``, and
+    ``tolist()``, which reads without dispatching an op)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self._tolist = torch.Tensor.tolist
+
+    def __enter__(self) -> _ScalarReads:
+        real = self._tolist
+
+        def tolist(t: torch.Tensor) -> Any:
+            self.count += 1
+            return real(t)
+
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign,assignment]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default:

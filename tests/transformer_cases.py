@@ -871,6 +871,52 @@ def checkpointed(group: Any) -> bool:
     return all(t == plain for t in runs)
 
 
+def gpt2_lora() -> nn.Module:
+    """GPT-2 with PEFT's LoRA adapters (rank 4) on its attentions' and MLPs' projections: the
+    base weights frozen, as a LoRA fine-tuning freezes them."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
+    return get_peft_model(gpt2(), config)
+
+
+def lora(group: Any) -> dict[str, Any]:
+    """A LoRA fine-tuning (:func:`gpt2_lora`) through a pipeline beside two whole-model
+    replicas equals one process, and the replicas sum the adapters' gradients alone: the
+    frozen base weights cost the step no bytes (DDP's rule). A base weight unfrozen after
+    parallelize raises on every rank, naming it where it is held (its gradient would be summed
+    nowhere)."""
+    n = _layers(gpt2_lora)
+    whole = [{"samples": 2, "stages": [{"ranks": [r], "layers": [0, n]}]} for r in (2, 3)]
+    pipeline = [{"ranks": [1], "layers": [0, 3]}, {"ranks": [0], "layers": [3, n]}]
+    plan = Plan.from_dict(
+        {"microbatches": 2, "replicas": [{"samples": 3, "stages": pipeline}, *whole]}
+    )
+    traffic = equals_one_process(group, gpt2_lora, plan, traffic=False)
+    model = gpt2_lora()
+    adapters = 8 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # float64
+    # Every adapter is in a block, after the pipeline's cut: summed over ranks 0, 2 and 3 (a
+    # ring's 2 (k - 1) / k of the buffer each).
+    held = wrap(group).rank != 1
+    summed = traffic["allreduce"] == (round(2 * 2 / 3 * adapters) if held else 0)
+    par = parallelize(model.double(), plan, loss_fn=lm_loss, items=valid_tokens, group=group)
+    name = "base_model.model.transformer.h.3.mlp.c_fc.weight"  # frozen, untargeted
+    for n, p in par.named_parameters():
+        if n == name:
+            p.requires_grad_(True)
+    ((x, y),) = batches(plan.batch, 1)
+    said = ""
+    try:
+        par.step(x, y)
+    except ValueError as e:
+        said = str(e)
+    return {
+        "summed adapters alone": summed,
+        "thawed": "frozen (requires_grad False) when parallelize built the plan" in said,
+        "named where held": (name in said) == held,
+    }
+
+
 class SharedActivation(nn.Module):
     """One activation module called between every pair of blocks (a common way to write a
     model): it is code between blocks, run by every stage."""
@@ -1027,6 +1073,7 @@ CASES.update(
         "resumes": resumes_on_another_plan,
         "autocast": under_autocast,
         "checkpointed": checkpointed,
+        "lora": lora,
         "errors": bad_input,
     }
 )

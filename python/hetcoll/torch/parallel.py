@@ -207,8 +207,11 @@ class _Reduction:
 
 
 def _fingerprint(model: nn.Module) -> int:
+    """The model's state names, shapes and dtypes, and which parameters are frozen (they are in
+    no gradient sum: :func:`_plan_reductions`), as a number every rank compares."""
     rows = [(k, tuple(v.shape), str(v.dtype)) for k, v in model.state_dict().items()]
-    return zlib.crc32(repr(rows).encode())
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    return zlib.crc32(repr((rows, frozen)).encode())
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -247,6 +250,9 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         self._stage_comm: CountingCommunicator | None = None  # a split stage's sub-group
         self._blocks: dict[tuple[int, int], list[Block]] = {}  # owners stages' blocks
         self._reductions: list[_Reduction] = []
+        # This rank's copies of the parameters several stages hold that were frozen when the plan
+        # was built: in no sum (_plan_reductions), so none may train.
+        self._frozen_summed: list[tuple[str, torch.Tensor]] = []
         self._traffic: dict[str, int] = dict.fromkeys(TRAFFIC_KINDS, 0)
         self._shapes: dict[tuple[Any, ...], list[tuple[torch.Size, torch.dtype]]] = {}
         self._items: Items | None = None
@@ -464,12 +470,23 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             # placeholder's ``step`` is written beside that parameter's (hold_nothing).
             idle.grad = torch.zeros_like(idle)
         wire = self._wire_device()
-        if local is None:
-            total = torch.zeros(1, dtype=torch.float64, device=wire)
-        else:  # the step's one read of a loss on its device (a CUDA rank's sync)
-            total = local.to(wire).reshape(1)
+        # Beside the loss, how many parameters left out of the sums as frozen now train: every
+        # rank learns it in the step's last collective, and raises.
+        thawed = [n for n, p in self._frozen_summed if p.requires_grad]
+        total = torch.zeros(2, dtype=torch.float64, device=wire)
+        if local is not None:  # the step's one read of a loss on its device (a CUDA rank's sync)
+            total[0] = local.to(wire)
+        total[1] = len(thawed)
         self._tr.allreduce(total, None)
-        return float(total.item())
+        loss, thawed_anywhere = total.tolist()
+        if thawed_anywhere:
+            raise ValueError(
+                "parameters held by several stages were frozen (requires_grad False) when "
+                "parallelize built the plan, so their gradients are summed over no replica or "
+                f"stage, and now they require gradients ({', '.join(thawed) or 'on other ranks'}"
+                "): unfreeze them before parallelize, or parallelize again"
+            )
+        return loss
 
     def extra_repr(self) -> str:
         if self.place is None:
@@ -1002,10 +1019,11 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         return loss_sum if last and self.rank == stage.ranks[0] else None
 
     def _combine(self) -> None:
-        """Sum the replicas' gradients: one flat buffer per set of holders and dtype. A frozen
-        parameter (``requires_grad`` False now, whenever it was frozen; every rank freezes
-        alike, as DDP needs) adds nothing and is given no gradient, as one process gives it
-        none: a zero gradient would have an optimizer's weight decay move it. So is one whose
+        """Sum the replicas' gradients: one flat buffer per set of holders and dtype. A
+        parameter frozen when the plan was built is in no buffer (as DDP's buckets leave it
+        out). One frozen since (``requires_grad`` False now; every rank freezes alike, as DDP
+        needs) adds nothing and is given no gradient, as one process gives it none: a zero
+        gradient would have an optimizer's weight decay move it. So is one whose
         sum is all zeros and that had none (no replica's backward reached it: an expert given
         no tokens in any replica, whose gradient one process leaves None, as DDP leaves a
         parameter unused on every rank); one that had a gradient (zeros, after
@@ -1184,7 +1202,9 @@ def parallelize(
         tr.comm,
         {
             "the plan": plan_print,
-            "the model's parameter names, shapes and dtypes": _fingerprint(model),
+            "the model's parameter names, shapes and dtypes, and which are frozen": _fingerprint(
+                model
+            ),
         },
     )
     # Checks that depend on the plan and the model only: the same verdict on every rank.
@@ -1524,6 +1544,12 @@ def _plan_reductions(
         ]
         if len(holding) < 2:
             continue  # held by one stage: nothing to sum
+        if not p.requires_grad:
+            # Frozen now, as DDP leaves it out of its buckets: in no sum (a LoRA fine-tuning's
+            # frozen base weights cost a step no bytes). Should it train later, the step says so.
+            if n in local:
+                par._frozen_summed.append((n, local[n][0]))
+            continue
         holders = tuple(sorted({r for i, j in holding for r in plan.replicas[i].stages[j].ranks}))
         groups.setdefault((holders, p.dtype), []).append(n)
     for (ranks, dtype), members in groups.items():
