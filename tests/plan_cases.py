@@ -483,6 +483,14 @@ def bad_input(group: Any) -> int:
         "the plan",
         lambda: parallelize(model, other, loss_fn=nn.CrossEntropyLoss(), group=group),
     )
+    # Ranks disagree on which parameters are frozen (their sums would differ).
+    frozen = cnn().double()
+    frozen[0].weight.requires_grad_(rank != 2)
+    raises(
+        CollectiveMismatchError,
+        "which are frozen",
+        lambda: parallelize(frozen, plan, loss_fn=nn.CrossEntropyLoss(), group=group),
+    )
     # More ranks in a stage than a layer has channels.
     thin = {"replicas": [{"samples": 4, "stages": [{"ranks": [0, 1, 2, 3], "layers": [0, 11]}]}]}
     tiny = nn.Sequential(*cnn()[:10], nn.Linear(20, 3)).double()

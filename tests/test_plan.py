@@ -39,7 +39,7 @@ EXPECTED = {
     "routed": True,
     "casts": True,
     "swin": True,
-    "errors": 5,
+    "errors": 6,
 }
 
 
