@@ -1158,7 +1158,10 @@ def parallelize(
     counts at once, where ``int()`` makes the host wait for the GPU at each). The loss must be
     that mean: a sum (or a mean over anything but what ``items`` counts) trains silently
     wrong. Micro-batches and replicas are weighted by their items, so every step is the
-    gradient of the mean over all items of the global batch.
+    gradient of the mean over all items of the global batch. Parameters frozen
+    (``requires_grad`` False) when it is called are in no gradient sum across stages, as DDP
+    leaves them out of its buckets (a LoRA fine-tuning sums its adapters alone): make one
+    trainable later and the next step raises on every rank; call it again instead.
 
     The model is cut into layers by :func:`hetcoll.torch.layers.model_layers`; each rank keeps
     a copy of its stage's layers only (``model`` itself is not changed). A chain's stage runs
