@@ -252,7 +252,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         self._reductions: list[_Reduction] = []
         # This rank's copies of the parameters several stages hold that were frozen when the plan
         # was built: in no sum (_plan_reductions), so none may train.
-        self._frozen_summed: list[tuple[str, torch.Tensor]] = []
+        self._unsummed_frozen: list[tuple[str, torch.Tensor]] = []
         self._traffic: dict[str, int] = dict.fromkeys(TRAFFIC_KINDS, 0)
         self._shapes: dict[tuple[Any, ...], list[tuple[torch.Size, torch.dtype]]] = {}
         self._items: Items | None = None
@@ -472,7 +472,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         wire = self._wire_device()
         # Beside the loss, how many parameters left out of the sums as frozen now train: every
         # rank learns it in the step's last collective, and raises.
-        thawed = [n for n, p in self._frozen_summed if p.requires_grad]
+        thawed = [n for n, p in self._unsummed_frozen if p.requires_grad]
         total = torch.zeros(2, dtype=torch.float64, device=wire)
         if local is not None:  # the step's one read of a loss on its device (a CUDA rank's sync)
             total[0] = local.to(wire)
@@ -1551,7 +1551,7 @@ def _plan_reductions(
             # Frozen now, as DDP leaves it out of its buckets: in no sum (a LoRA fine-tuning's
             # frozen base weights cost a step no bytes). Should it train later, the step says so.
             if n in local:
-                par._frozen_summed.append((n, local[n][0]))
+                par._unsummed_frozen.append((n, local[n][0]))
             continue
         holders = tuple(sorted({r for i, j in holding for r in plan.replicas[i].stages[j].ranks}))
         groups.setdefault((holders, p.dtype), []).append(n)
