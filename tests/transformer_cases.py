@@ -22,6 +22,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from plan_cases import three_replicas
 from torch import nn
 
 from hetcoll import Plan
@@ -882,27 +883,22 @@ def gpt2_lora() -> nn.Module:
 
 def lora(group: Any) -> dict[str, Any]:
     """A LoRA fine-tuning (:func:`gpt2_lora`) through a pipeline beside two whole-model
-    replicas equals one process, and the replicas sum the adapters' gradients alone: the
-    frozen base weights cost the step no bytes (DDP's rule). A base weight unfrozen after
-    parallelize raises on every rank, naming it where it is held (its gradient would be summed
-    nowhere)."""
-    n = _layers(gpt2_lora)
-    whole = [{"samples": 2, "stages": [{"ranks": [r], "layers": [0, n]}]} for r in (2, 3)]
-    pipeline = [{"ranks": [1], "layers": [0, 3]}, {"ranks": [0], "layers": [3, n]}]
-    plan = Plan.from_dict(
-        {"microbatches": 2, "replicas": [{"samples": 3, "stages": pipeline}, *whole]}
-    )
+    replicas (:func:`plan_cases.three_replicas`, cut after the embeddings) equals one process,
+    and the replicas sum the adapters' gradients alone: the frozen base weights cost the step
+    no bytes (DDP's rule). A base weight unfrozen after parallelize raises on every rank,
+    naming it where it is held (its gradient would be summed nowhere)."""
+    plan = Plan.from_dict(three_replicas(_layers(gpt2_lora), 3))
     traffic = equals_one_process(group, gpt2_lora, plan, traffic=False)
     model = gpt2_lora()
     adapters = 8 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # float64
     # Every adapter is in a block, after the pipeline's cut: summed over ranks 0, 2 and 3 (a
-    # ring's 2 (k - 1) / k of the buffer each).
+    # ring's 2 (k - 1) / k of the buffer each); rank 1 holds the frozen embeddings alone.
     held = wrap(group).rank != 1
     summed = traffic["allreduce"] == (round(2 * 2 / 3 * adapters) if held else 0)
     par = parallelize(model.double(), plan, loss_fn=lm_loss, items=valid_tokens, group=group)
     name = "base_model.model.transformer.h.3.mlp.c_fc.weight"  # frozen, untargeted
-    for n, p in par.named_parameters():
-        if n == name:
+    for held_name, p in par.named_parameters():
+        if held_name == name:
             p.requires_grad_(True)
     ((x, y),) = batches(plan.batch, 1)
     said = ""

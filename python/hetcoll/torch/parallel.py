@@ -1201,13 +1201,12 @@ def parallelize(
     assert isinstance(plan, Plan)  # else failure: agree raised
     # Ranks that disagree on the plan or the model raise here, all of them, before any transfer.
     plan_print = zlib.crc32(repr(plan.to_dict()).encode())
+    model_print = _fingerprint(model)
     agree(
         tr.comm,
         {
             "the plan": plan_print,
-            "the model's parameter names, shapes and dtypes, and which are frozen": _fingerprint(
-                model
-            ),
+            "the model's parameter names, shapes and dtypes, and which are frozen": model_print,
         },
     )
     # Checks that depend on the plan and the model only: the same verdict on every rank.
