@@ -442,6 +442,80 @@ def autocast_plan(rank: int, world: int, first: str = "cuda") -> dict[str, objec
     return {"dtypes": sorted(str(d) for d in set(seen))}
 
 
+#: The GPU rank's stage feeding a CPU rank's, and an idle CPU rank.
+SCALED = {
+    "microbatches": 2,
+    "replicas": [
+        {
+            "samples": 10,
+            "stages": [{"ranks": [0], "layers": [0, 5]}, {"ranks": [1], "layers": [5, 11]}],
+        }
+    ],
+}
+#: The plan against one process under the same float16 autocast, after 3 steps at a large
+#: rate: 2.5e-4 apart on the CPU (float16 sums in other orders); a step taken where the other
+#: skipped it moves the weights 0.28 apart.
+FP16_TOL = 1e-2
+
+
+def fp16_scaled_plan(rank: int, world: int, first: str = "cuda") -> dict[str, object]:
+    """float16 autocast through a plan with a ShardedGradScaler: the GPU rank's stage feeding
+    a CPU rank's, an idle CPU rank beside. Each rank computes under autocast on its device in
+    float16 (checked). In step 1 only the CPU stage finds an overflow (put there by hand):
+    every rank skips it (its parameters unchanged) and halves its scale, alike. The trained
+    model equals one process on the CPU under float16 autocast with a GradScaler and the same
+    overflow, to FP16_TOL."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    dev = device_of(rank, first)
+    plan = Plan.from_dict(SCALED)
+    torch.manual_seed(0)
+    model = plan_cases.cnn().float()
+    data = [(x.float(), y) for x, y in plan_cases.batches((3, 8, 8), plan.batch, 3)]
+    # One process on the CPU under the same autocast, with a GradScaler, the overflow put
+    # into the same step.
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=100)
+    for n, (x, y) in enumerate(data):
+        with torch.autocast(device_type="cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(ref(x), y)
+        ref_scaler.scale(loss).backward()
+        if n == 1:
+            next(ref.parameters()).grad.view(-1)[0] = float("inf")
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+    par = parallelize(copy.deepcopy(model).to(dev), plan, loss_fn=nn.CrossEntropyLoss())
+    seen: list[torch.dtype] = []
+    if par.stage is not None:
+        par.stage.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    opt = torch.optim.SGD(par.parameters(), lr=0.5)
+    scaler = ShardedGradScaler(device=dev.type, init_scale=2.0**12, growth_interval=100)
+    scales, kept = [], []
+    held = [p for p in par.parameters() if p.numel()]  # none on the idle rank
+    for n, (x, y) in enumerate(data):
+        before = [p.detach().clone() for p in held]
+        with torch.autocast(device_type=dev.type, dtype=torch.float16):
+            loss = par.step(x, y, scaler=scaler)
+        assert loss == loss and abs(loss) < 1e3, loss  # unscaled
+        if rank == 1 and n == 1:
+            next(p for p in par.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+        kept.append(all(torch.equal(a, b) for a, b in zip(before, held, strict=True)))
+    got = par.full_state_dict()
+    for k, v in ref.state_dict().items():
+        assert plan_cases.rel(got[k].cpu().float(), v) <= FP16_TOL, (k, plan_cases.rel(got[k], v))
+    return {
+        "dtypes": sorted(str(d) for d in set(seen)),
+        "scales": scales,
+        "skipped": [n for n, same in enumerate(kept) if same] if held else None,
+    }
+
+
 def lm_plans_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, int]:
     """Language models through plans with the GPU rank beside CPU ranks (4 ranks, gloo):
     Hugging Face GPT-2 (its head tied to the embedding across stages) and Llama (grouped-query

@@ -562,12 +562,95 @@ def run_all(group: Any) -> dict[str, Any]:
         equals_one_process(group, swin, Plan.from_dict(SWIN), (3, 16, 16), steps=2)
     out["swin"] = True
     out["errors"] = bad_input(group)
+    out["scaler_mistakes"] = scaler_mistakes(group)
     return out
+
+
+def loss_scaled(group: Any) -> list[float]:
+    """Loss scaling under IDLE (a whole replica, a 2-stage pipeline, an idle rank) with a
+    ShardedGradScaler: 4 steps equal one process training unscaled (scales are powers of two,
+    exact in float64), except step 1, in which only rank 3 (the pipeline's first stage) finds
+    an overflow in its gradients: every rank skips it, the idle rank too, and one process skips
+    it alike. The losses the step returns are unscaled. Returns the scale after each step."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    rank = wrap(group).rank
+    plan = Plan.from_dict(IDLE)
+    torch.manual_seed(0)
+    model = cnn().double()
+    data = batches((3, 8, 8), plan.batch, 4)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    want_losses = []
+    for n, (x, y) in enumerate(data):
+        loss = nn.functional.cross_entropy(ref(x), y)
+        loss.backward()
+        if n != 1:
+            ref_opt.step()
+        ref_opt.zero_grad()
+        want_losses.append(float(loss.detach()))
+    par = parallelize(model, plan, loss_fn=nn.CrossEntropyLoss(), group=group)
+    opt = torch.optim.SGD(par.parameters(), lr=0.05, momentum=0.9)
+    scaler = ShardedGradScaler(device="cpu", init_scale=2.0**10, growth_interval=2)
+    scales = []
+    for n, ((x, y), want) in enumerate(zip(data, want_losses, strict=True)):
+        loss = par.step(x, y, scaler=scaler)
+        assert abs(loss - want) <= TOL * abs(want), (n, loss, want)
+        if rank == 3 and n == 1:
+            next(p for p in par.parameters() if p.grad is not None).grad[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    for k, v in ref.state_dict().items():
+        got = par.full_state_dict()[k]
+        assert rel(got, v) <= TOL if v.is_floating_point() else torch.equal(got, v), k
+    return scales
+
+
+def scaler_mistakes(group: Any) -> int:
+    """A scaler that cannot run raises the same error on every rank; returns how many did."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    rank = wrap(group).rank
+    par = parallelize(
+        cnn().double(), Plan.from_dict(PIPELINE_4), loss_fn=nn.CrossEntropyLoss(), group=group
+    )
+    x, y = batches((3, 8, 8), par.plan.batch, 1)[0]
+    mistakes: list[tuple[type[BaseException], str, Any]] = [
+        (TypeError, "decides from its own rank's", torch.amp.GradScaler("cpu")),
+        (TypeError, "or None, got float", 2.0),
+    ]
+    if wrap(group).engine == "mpi":
+        mistakes.append((TypeError, "MPI communicator", ShardedGradScaler(device="cpu")))
+    else:
+        import torch.distributed as dist
+
+        three = dist.new_group([0, 1, 2])
+        mistakes.append(
+            (TypeError, "process_group", ShardedGradScaler(device="cpu", process_group=three))
+        )
+        # Scales that differ: every rank raises at the step's end.
+        init = 2.0**4 if rank == 2 else 2.0**5
+        scaler = ShardedGradScaler(device="cpu", init_scale=init)
+        mistakes.append((ValueError, "loss scales differ", scaler))
+    checked = 0
+    for kind, text, scaler in mistakes:
+        try:
+            par.step(x, y, scaler=scaler)
+        except kind as e:
+            assert text in str(e), (text, str(e))
+            checked += 1
+            continue
+        raise AssertionError(f"no {kind.__name__} ({text})")
+    return checked
 
 
 def run_torch(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    return run_all(None)
+    out = run_all(None)
+    out["loss_scaled"] = loss_scaled(None)
+    return out
 
 
 class ReadsABlock(nn.Module):

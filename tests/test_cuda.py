@@ -328,6 +328,23 @@ def test_bf16_autocast_through_a_plan(first):
     assert _spawn(cuda_cases.autocast_plan, 2, first) == [{"dtypes": ["torch.bfloat16"]}] * 2
 
 
+@pytest.mark.multiproc
+@pytest.mark.parametrize("first", [pytest.param("cuda", marks=cuda), "cpu"])
+def test_fp16_loss_scaling_through_a_plan(first):
+    """float16 autocast, a ShardedGradScaler: a stage on the GPU rank, one on a CPU rank, an
+    idle CPU rank. An overflow only the CPU stage finds makes every rank skip the step and
+    halve its scale; the model trains as one process under the same autocast with a
+    GradScaler, to 1e-2. With ``first="cpu"`` every rank is a CPU rank (CPU autocast)."""
+    got = _spawn(cuda_cases.fp16_scaled_plan, 3, first)
+    for rank, r in enumerate(got):
+        computes = rank < 2  # rank 2 is idle
+        assert r == {
+            "dtypes": ["torch.float16"] if computes else [],
+            "scales": [4096.0, 2048.0, 2048.0],
+            "skipped": [1] if computes else None,
+        }, (rank, r)
+
+
 @pytest.mark.cuda
 @needs_cuda
 def test_cpu_draws_give_a_gpu_tensor_the_cpus_masks():

@@ -41,11 +41,21 @@ EXPECTED = {
     "swin": True,
     "errors": 6,
 }
+#: A scaler that cannot run, on every rank: a GradScaler, a float, a ShardedGradScaler over
+#: MPI (no torch.distributed) or, on gloo, over a group of 3 of the 4 ranks, and scales
+#: that differ between ranks.
+SCALER_MISTAKES = {"mpi": 3, "gloo": 4}
+#: loss_scaled's scale after each of its 4 steps, on every rank: 2**10, grown every 2 steps
+#: without an overflow, halved by step 1's (found by rank 3 alone).
+SCALES = [1024.0, 512.0, 512.0, 1024.0]
 
 
-def _check(results: list[dict]) -> None:
+def _check(results: list[dict], engine: str) -> None:
     for rank, r in enumerate(results):
         idle = r.pop("idle")
+        assert r.pop("scaler_mistakes") == SCALER_MISTAKES[engine], (rank, r)
+        if engine == "gloo":  # a ShardedGradScaler needs torch.distributed
+            assert r.pop("loss_scaled") == SCALES, (rank, r)
         assert r == EXPECTED, (rank, r)
         if rank == 1:  # the idle rank sent nothing
             assert idle == dict.fromkeys(("activations", "gradients", "outputs", "allreduce"), 0)
@@ -64,13 +74,13 @@ def test_a_rank_alone_trains_as_one_process_and_agrees_with_no_one() -> None:
 
 @pytest.mark.multiproc
 def test_gloo_plans_equal_one_process():
-    _check(launch.spawn(plan_cases.run_torch, 4, timeout=300))
+    _check(launch.spawn(plan_cases.run_torch, 4, timeout=300), "gloo")
 
 
 @pytest.mark.multiproc
 def test_mpi_plans_equal_one_process():
     proc = launch.mpiexec(4, [str(HERE / "mpi_workers" / "cases.py"), "plan_cases"], timeout=300)
-    _check(json.loads(proc.stdout.strip().splitlines()[-1]))
+    _check(json.loads(proc.stdout.strip().splitlines()[-1]), "mpi")
 
 
 def test_plan_round_trips_through_json(tmp_path):

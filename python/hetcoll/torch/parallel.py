@@ -64,6 +64,13 @@ from hetcoll.torch.filters import (
 from hetcoll.torch.filters.chains import choose_layers
 from hetcoll.torch.filters.shards import register_marking, track_optimizers
 from hetcoll.torch.layers import model_cut
+from hetcoll.torch.loss_scaling import (
+    SCALE_FIELDS,
+    SHARDED,
+    scale_fields,
+    scaler_status,
+    scales_agree,
+)
 from hetcoll.torch.meta_ops import meta_ops
 from hetcoll.torch.parallel_checkpoint import (
     PlanCheckpoints,
@@ -256,6 +263,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         self._traffic: dict[str, int] = dict.fromkeys(TRAFFIC_KINDS, 0)
         self._shapes: dict[tuple[Any, ...], list[tuple[torch.Size, torch.dtype]]] = {}
         self._items: Items | None = None
+        self._scaler: Any = None  # during a step that scales its losses: the step's scaler
         # A blocks model (hetcoll.torch.replay): its block names, each replica's stage of every
         # block, which blocks hold no parameters, the probes by micro-batch shape, the model
         # copy a probe runs (this rank's stage, or an idle rank's copy without blocks) and the
@@ -410,7 +418,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         scale_to_norm([q.grad for q in self.parameters() if q.grad is not None], norm, limit)
         return torch.tensor(norm, dtype=torch.float64)
 
-    def step(self, inputs: Any, targets: Any) -> float:
+    def step(self, inputs: Any, targets: Any, *, scaler: Any = None) -> float:
         """Forward and backward of the global batch (the same ``inputs`` and ``targets`` on
         every rank, ``plan.batch`` rows each), gradients combined across replicas into this
         rank's parameters' ``.grad`` (accumulated onto what is there, as ``backward`` does).
@@ -425,8 +433,21 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         :class:`~hetcoll.CollectiveMismatchError` on every rank): the batch's loss, every
         ``.grad`` left as it was. The batch is still ``plan.batch`` rows; each replica
         normalises by its own BatchNorm running statistics (:meth:`full_state_dict` holds the
-        first replica's). Any other batch: :meth:`full_state_dict` into the unsplit model."""
-        checked = self._check_batch(inputs, targets)
+        first replica's). Any other batch: :meth:`full_state_dict` into the unsplit model.
+
+        Loss scaling (float16 autocast): ``scaler`` a
+        :class:`~torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler` over the plan's
+        group, alike on every rank (``device`` this rank's device type). The step scales each
+        micro-batch's loss before its backward and leaves the gradients scaled; then, as with
+        any GradScaler, ``scaler.step(optimizer)`` and ``scaler.update()`` on every rank (and
+        ``scaler.unscale_(optimizer)`` before :meth:`clip_grad_norm_`). Its ``unscale_`` sums
+        the ranks' overflow flags, so every rank skips the steps any rank's gradients
+        overflowed in. The returned loss is unscaled. A plain GradScaler raises: it decides from
+        its own rank's gradients, and a plan's stages hold different ones. Ranks whose scales
+        differ (a pipeline's stages would unscale what another scaled) raise ``ValueError`` on
+        every rank at the step's end."""
+        scaling, why_not = scaler_status(scaler, self._tr.comm)
+        checked = self._check_batch(inputs, targets, scaling, why_not)
         try:
             weights = self._microbatch_weights(targets)
         except BaseException:
@@ -443,6 +464,31 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                     self._boundaries(inputs, 1),
                     f"plan.replicas[{i}].stages[{j}]",
                 )
+        scale = None
+        if scaling == SHARDED and torch.is_grad_enabled():
+            # On every rank, one that computes no loss too: the scale starts on this rank's
+            # device (where unscale_ looks for it) and joins the step's sum.
+            try:
+                scale = scaler.scale(torch.ones((), dtype=torch.float32, device=self._device))
+            except BaseException:
+                checked()
+                raise
+            self._scaler = scaler
+        try:
+            return self._step(inputs, targets, checked, weights, scale)
+        finally:
+            self._scaler = None
+
+    def _step(
+        self,
+        inputs: Any,
+        targets: Any,
+        checked: Callable[[], None],
+        weights: list[list[float]],
+        scale: torch.Tensor | None,
+    ) -> float:
+        """:meth:`step` after its batch check started: ``scale`` the loss scale (a tensor, not
+        read) where the step scales its losses."""
         if self.place is not None:
             kept = {}
             for p in self._held_parameters():
@@ -470,15 +516,26 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             # placeholder's ``step`` is written beside that parameter's (hold_nothing).
             idle.grad = torch.zeros_like(idle)
         wire = self._wire_device()
-        # Beside the loss, how many parameters left out of the sums as frozen now train: every
-        # rank learns it in the step's last collective, and raises.
+        # Beside the loss, how many parameters left out of the sums as frozen now train, and
+        # where losses are scaled, whether every rank scaled by the same factor: every rank
+        # learns both in the step's last collective, and raises.
         thawed = [n for n, p in self._unsummed_frozen if p.requires_grad]
-        total = torch.zeros(2, dtype=torch.float64, device=wire)
+        size = 2 + (SCALE_FIELDS if scale is not None else 0)
+        total = torch.zeros(size, dtype=torch.float64, device=wire)
         if local is not None:  # the step's one read of a loss on its device (a CUDA rank's sync)
             total[0] = local.to(wire)
         total[1] = len(thawed)
+        if scale is not None:
+            total[2:] = scale_fields(scale).to(wire)
         self._tr.allreduce(total, None)
-        loss, thawed_anywhere = total.tolist()
+        loss, thawed_anywhere, *scales = total.tolist()
+        if scales and not scales_agree(scales, self._tr.size):
+            raise ValueError(
+                "scaler: the ranks' loss scales differ, so a stage would unscale gradients "
+                "another scaled by another factor: give every rank the same scaler settings "
+                "(init_scale, growth and backoff) and call scaler.step and scaler.update on "
+                "every rank each step"
+            )
         if thawed_anywhere:
             raise ValueError(
                 "parameters held by several stages were frozen (requires_grad False) when "
@@ -497,7 +554,9 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
 
     # -- a step -----------------------------------------------------------------------------------
 
-    def _check_batch(self, inputs: Any, targets: Any) -> Callable[[], None]:
+    def _check_batch(
+        self, inputs: Any, targets: Any, scaling: int, why_not: str | None
+    ) -> Callable[[], None]:
         """Start checking with every rank that the batch is the plan's and the same shape
         everywhere: one small allgather, not waited for. The returned function waits for it
         (once) and raises the same error on every rank. Until it has returned a rank may
@@ -514,6 +573,9 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             # An evaluation step (eval(), no_grad) on every rank or on none.
             "the plan's mode (1: train(), 0: eval())": int(self.training),
             "gradients (1: enabled, 0: no_grad or inference_mode)": int(torch.is_grad_enabled()),
+            "loss scaling (0: no scaler, 1: a ShardedGradScaler, 2: a scaler that cannot run)": (
+                scaling
+            ),
         }
         started = start_agreement(self._tr.comm, fields)
         done = False
@@ -524,6 +586,8 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                 return
             done = True
             started()
+            if why_not is not None:
+                raise TypeError(why_not)
             for why in (why_in, why_t):
                 if why is not None:
                     raise why
@@ -643,7 +707,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                     if last:
                         loss = self._loss(y, _rows(targets, rows), weights[i][k])
                         loss_sum = _summed_loss(loss_sum, loss)
-                        saved[k] = (x_in, loss)
+                        saved[k] = (x_in, self._scaled(loss))
                     else:
                         if lead:
                             # On the wire in the boundary's own dtype (the receiver's
@@ -687,6 +751,11 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                 "loss_fn: must return a one-element tensor (the micro-batch's mean loss)"
             )
         return loss * weight
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """What a micro-batch's backward starts from: its loss, times the step's loss scale
+        where it has a scaler."""
+        return loss if self._scaler is None else self._scaler.scale(loss)
 
     def _on_device(self, t: Any) -> Any:
         return t.to(self._device) if isinstance(t, torch.Tensor) else t
@@ -854,7 +923,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                     if last:
                         loss = self._loss(output, _rows(targets, rows), weights[k])
                         loss_sum = _summed_loss(loss_sum, loss)
-                        saved[k] = (received, loss, roles, flow)
+                        saved[k] = (received, self._scaled(loss), roles, flow)
                     else:
                         if lead:  # in the probe's dtypes, whatever autocast computed them in
                             for b, readers in roles.sends.items():
@@ -995,7 +1064,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             nonlocal loss_sum
             loss = self._loss(out, _rows(targets, rows(m)), weights[m])
             loss_sum = _summed_loss(loss_sum, loss)
-            return loss
+            return self._scaled(loss)
 
         def output_grad(m: int, end: torch.Tensor) -> torch.Tensor | None:
             return None if last else self._recv_sum(end, grad_sources, _TAG_GRADIENT)
