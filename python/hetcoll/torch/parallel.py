@@ -489,17 +489,12 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
     ) -> float:
         """:meth:`step` after its batch check started: ``scale`` the loss scale (a tensor, not
         read) where the step scales its losses."""
+        kept: dict[nn.Parameter, torch.Tensor | None] = {}
         if self.place is not None:
-            kept = {}
             for p in self._held_parameters():
                 kept[p] = p.grad
                 p.grad = None
             local = self._run(inputs, targets, checked, weights)
-            if torch.is_grad_enabled():  # on every rank alike: the batch's check agreed on it
-                self._combine()
-            for p, g in kept.items():
-                if g is not None:
-                    p.grad = g if p.grad is None else p.grad + g
         else:
             if self._kind == "blocks":  # the same probe as the working ranks: the same errors
                 try:
@@ -509,16 +504,11 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                     raise
             checked()
             local = None
-        idle = self._parameters.get("idle")
-        if idle is not None and torch.is_grad_enabled():
-            # The placeholder steps with the model (a zero gradient every training step), so its
-            # optimizer state counts the steps the parameter it stands for took: an Adam
-            # placeholder's ``step`` is written beside that parameter's (hold_nothing).
-            idle.grad = torch.zeros_like(idle)
-        wire = self._wire_device()
-        # Beside the loss, how many parameters left out of the sums as frozen now train, and
+        # The step's loss, how many parameters left out of the sums as frozen now train, and
         # where losses are scaled, whether every rank scaled by the same factor: every rank
-        # learns both in the step's last collective, and raises.
+        # learns them in one sum over the group, started before the gradients' sums so that
+        # it runs beside them (on their own sub-groups), and raises.
+        wire = self._wire_device()
         thawed = [n for n, p in self._unsummed_frozen if p.requires_grad]
         size = 2 + (SCALE_FIELDS if scale is not None else 0)
         total = torch.zeros(size, dtype=torch.float64, device=wire)
@@ -527,7 +517,20 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         total[1] = len(thawed)
         if scale is not None:
             total[2:] = scale_fields(scale).to(wire)
-        self._tr.allreduce(total, None)
+        summing = self._tr.iallreduce(total)
+        if self.place is not None:
+            if torch.is_grad_enabled():  # on every rank alike: the batch's check agreed on it
+                self._combine()
+            for p, g in kept.items():
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad + g
+        idle = self._parameters.get("idle")
+        if idle is not None and torch.is_grad_enabled():
+            # The placeholder steps with the model (a zero gradient every training step), so its
+            # optimizer state counts the steps the parameter it stands for took: an Adam
+            # placeholder's ``step`` is written beside that parameter's (hold_nothing).
+            idle.grad = torch.zeros_like(idle)
+        self._tr.wait([summing])
         loss, thawed_anywhere, *scales = total.tolist()
         if scales and not scales_agree(scales, self._tr.size):
             raise ValueError(

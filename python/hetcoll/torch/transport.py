@@ -67,6 +67,18 @@ class Transport(ABC):
     def _allreduce(self, t: torch.Tensor, sub: Any) -> None:
         """:meth:`allreduce` on the engine."""
 
+    def iallreduce(self, t: torch.Tensor) -> Any:
+        """Start ``t <- sum of t`` over the group; ``t`` holds the sum once :meth:`wait` has
+        returned for the handle. Every rank starts it at the same point of its collectives
+        on the group. A group of one rank sends nothing."""
+        if self.size == 1:
+            return None
+        return self._iallreduce(t)
+
+    @abstractmethod
+    def _iallreduce(self, t: torch.Tensor) -> Any:
+        """:meth:`iallreduce` on the engine."""
+
     @abstractmethod
     def broadcast(self, t: torch.Tensor, src: int, sub: Any = None) -> None:
         """``t <- t of rank src`` (a rank of ``sub``, None: of the group) on every rank of it."""
@@ -91,7 +103,8 @@ class _TorchTransport(Transport):
 
     def wait(self, handles: Sequence[Any]) -> None:
         for h in handles:
-            h.wait()
+            if h is not None:
+                h.wait()
 
     def subgroup(self, ranks: Sequence[int]) -> Any:
         key = tuple(sorted(ranks))
@@ -122,6 +135,9 @@ class _TorchTransport(Transport):
 
     def _allreduce(self, t: torch.Tensor, sub: Any) -> None:
         self._dist.all_reduce(t, group=self._group if sub is None else sub)
+
+    def _iallreduce(self, t: torch.Tensor) -> Any:
+        return self._dist.all_reduce(t, group=self._group, async_op=True)
 
     def broadcast(self, t: torch.Tensor, src: int, sub: Any = None) -> None:
         group = self._group if sub is None else sub
@@ -170,6 +186,7 @@ class _MpiTransport(Transport):
         return (self._c.Irecv([_host_bytes(host), self._mpi.BYTE], src, tag), host, t)
 
     def wait(self, handles: Sequence[Any]) -> None:
+        handles = [h for h in handles if h is not None]
         self._mpi.Request.Waitall([h[0] for h in handles])
         for _, host, t in handles:
             if t is not None and host is not t:
@@ -196,6 +213,11 @@ class _MpiTransport(Transport):
     def _allreduce(self, t: torch.Tensor, sub: Any) -> None:
         c = self._c if sub is None else sub
         self._inplace(t, lambda a: c.Allreduce(self._mpi.IN_PLACE, a, op=self._mpi.SUM))
+
+    def _iallreduce(self, t: torch.Tensor) -> Any:
+        host = t if t.device.type == "cpu" else t.cpu()
+        request = self._c.Iallreduce(self._mpi.IN_PLACE, host.numpy(), op=self._mpi.SUM)
+        return (request, host, t)
 
     def broadcast(self, t: torch.Tensor, src: int, sub: Any = None) -> None:
         c = self._c if sub is None else sub
