@@ -90,8 +90,9 @@ def scale_fields(scale: torch.Tensor) -> torch.Tensor:
     """What a rank adds to a float64 sum so that every rank learns whether all scaled by
     ``scale`` (a one-element float32 tensor, on any device; not read). Its bit pattern,
     halved into two 16-bit integers ``h``, each with its square: over ``n`` ranks
-    ``n * sum(h**2) == sum(h)**2`` holds exactly (sums of integers below 2**53) when and
-    only when every rank's ``h`` is the same (Cauchy-Schwarz)."""
+    ``n * sum(h**2) == sum(h)**2`` holds when and only when every rank's ``h`` is the same
+    (Cauchy-Schwarz). The sums are of integers below 2**32 each, exact in float64 for up to
+    2**21 ranks, and :func:`scales_agree` compares them as integers."""
     bits = scale.detach().reshape(1).to(torch.float32).view(torch.int32).to(torch.int64)
     bits = bits & 0xFFFFFFFF
     halves = torch.cat([bits >> 16, bits & 0xFFFF])
@@ -100,5 +101,5 @@ def scale_fields(scale: torch.Tensor) -> torch.Tensor:
 
 def scales_agree(summed: list[float], ranks: int) -> bool:
     """Whether :func:`scale_fields`, summed over ``ranks`` ranks, came from one scale."""
-    hi, hi2, lo, lo2 = summed
+    hi, hi2, lo, lo2 = (int(x) for x in summed)
     return ranks * hi2 == hi * hi and ranks * lo2 == lo * lo

@@ -1,0 +1,60 @@
+"""The check that a plan's ranks scale their losses by one factor (hetcoll.torch.loss_scaling),
+against a brute-force oracle: the fields each rank adds to the step's sum, summed, say "one
+scale" exactly when every rank's float32 scale is the same. The runtime's use of it, and
+the scalers a step refuses, run in tests/plan_cases.py on 4 gloo and MPI ranks."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetcoll.torch.loss_scaling import SCALE_FIELDS, scale_fields, scales_agree
+
+#: Scales a GradScaler holds: powers of two from its defaults, and any positive float32.
+_SCALES = st.one_of(
+    st.integers(-30, 40).map(lambda e: 2.0**e),
+    st.floats(2.0**-100, 2.0**100, width=32, allow_subnormal=False),
+)
+
+
+def _summed(scales: list[float]) -> list[float]:
+    total = torch.zeros(SCALE_FIELDS, dtype=torch.float64)
+    for s in scales:
+        total += scale_fields(torch.tensor([s], dtype=torch.float32))
+    return total.tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_SCALES, min_size=1, max_size=9))
+def test_the_summed_fields_agree_exactly_when_every_scale_is_the_same(scales):
+    bits = {torch.tensor(s, dtype=torch.float32).view(torch.int32).item() for s in scales}
+    assert scales_agree(_summed(scales), len(scales)) == (len(bits) == 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_SCALES, st.one_of(st.none(), st.integers(0, 22)), st.integers(1, 2000))
+def test_one_rank_apart_among_many_is_seen(common, flip, ranks):
+    """Up to 2000 ranks at one scale and one more at it too, or at it with one bit of its
+    mantissa flipped (the low 16 bits included)."""
+    bits = torch.tensor([common], dtype=torch.float32).view(torch.int32)
+    odd = bits if flip is None else bits ^ (1 << flip)
+    total = [
+        a * ranks + b
+        for a, b in zip(_summed([common]), _summed([float(odd.view(torch.float32))]), strict=True)
+    ]
+    assert scales_agree(total, ranks + 1) == (flip is None)
+
+
+def test_neighbouring_scales_differ():
+    s = torch.tensor(1024.0, dtype=torch.float32)
+    near = torch.nextafter(s, torch.tensor(2048.0))
+    assert not scales_agree(_summed([float(s), float(near)]), 2)
+    assert scales_agree(_summed([float(s)] * 5), 5)
+
+
+def test_the_fields_are_the_scale_s_bit_halves_and_their_squares():
+    out = scale_fields(torch.tensor([2.0**16 + 1], dtype=torch.float32))
+    assert out.dtype == torch.float64 and out.shape == (SCALE_FIELDS,)
+    hi, lo = 0x4780, 0x0080  # 65537.0 in float32: 0x47800080
+    assert out.tolist() == [hi, hi * hi, lo, lo * lo]
