@@ -140,7 +140,7 @@ HOOK_MODELS = {
 }
 
 
-def _hook_model(kind: str) -> Any:
+def hook_model(kind: str) -> Any:
     from torch import nn
 
     from hetcoll.lab.demo_ranks import DemoNet
@@ -177,7 +177,7 @@ def _hook_steps(rank: int, world: int, kind: str, rounds: int) -> dict[str, floa
     x, y = batch(rank)
     steps: dict[str, Any] = {}
     torch.manual_seed(0)
-    model = _hook_model(kind)
+    model = hook_model(kind)
     whole = [0, len(model_layers(model))]
     plan = {
         "microbatches": 1,
@@ -198,7 +198,7 @@ def _hook_steps(rank: int, world: int, kind: str, rounds: int) -> dict[str, floa
 
     for name in ("DDP's own hook", "auto", "allreduce", "direct"):
         torch.manual_seed(0)
-        ddp = DDP(_hook_model(kind))
+        ddp = DDP(hook_model(kind))
         if name != "DDP's own hook":
             register_weighted_hook(ddp, algorithm=name)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)

@@ -54,6 +54,7 @@ EXPECTED = {
     "resumes": True,
     "autocast": True,
     "checkpointed": True,
+    "scaled": True,
     "lora": {"summed adapters alone": True, "thawed": True, "named where held": True},
     "errors": 11,
 }

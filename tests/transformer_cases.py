@@ -310,12 +310,14 @@ def equals_one_process(
     dtype: torch.dtype = torch.float64,
     clip: float | None = None,
     traffic: bool = True,
+    scaler: Any = None,
 ) -> dict[str, int]:
     """``plan`` trains ``make()`` (in ``dtype``) like one process on the CPU; with ``device``
     this rank's part of the model lives there (a GPU rank beside CPU ranks); with ``clip``,
     both clip each step's gradients to that norm (:meth:`Parallel.clip_grad_norm_`); with
     ``traffic``, a split stage's bytes are checked (:func:`split_stage`: each split layer
-    called once per forward)."""
+    called once per forward); with ``scaler``, the plan scales its losses by it (unscaled
+    before the clip; a power of two: the same numbers in float64)."""
     torch.manual_seed(0)
     model = make().to(dtype)
     data = batches(plan.batch, steps)
@@ -325,11 +327,17 @@ def equals_one_process(
     par = parallelize(model, plan, loss_fn=lm_loss, items=valid_tokens, group=group)
     opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)
     for (x, y), want in zip(data, want_losses, strict=True):
-        loss = par.step(x, y)
+        loss = par.step(x, y, scaler=scaler)
         assert abs(loss - want) <= tol * abs(want), (loss, want)
+        if scaler is not None:
+            scaler.unscale_(opt)
         if clip is not None:
             assert par.clip_grad_norm_(clip) > clip
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         opt.zero_grad()
     split_stage(par, traffic)
     if device is not None:
@@ -913,6 +921,19 @@ def lora(group: Any) -> dict[str, Any]:
     }
 
 
+def scaled(group: Any) -> bool:
+    """GPT-2 through a pipeline beside a stage split by heads, its losses scaled by a
+    ShardedGradScaler (float16 training's loss scaling; the split attentions' reductions carry
+    scaled gradients), unscaled before a clip by the whole model's norm: equals one process,
+    unscaled, in float64. Each rank's scale grew alike (every 2 steps without an overflow)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    scaler = ShardedGradScaler(device="cpu", init_scale=2.0**8, growth_interval=2)
+    plan = Plan.from_dict(hybrid(_layers(gpt2)))
+    equals_one_process(group, gpt2, plan, clip=0.05, scaler=scaler)
+    return scaler.get_scale() == 2.0**9
+
+
 class SharedActivation(nn.Module):
     """One activation module called between every pair of blocks (a common way to write a
     model): it is code between blocks, run by every stage."""
@@ -1069,6 +1090,7 @@ CASES.update(
         "resumes": resumes_on_another_plan,
         "autocast": under_autocast,
         "checkpointed": checkpointed,
+        "scaled": scaled,
         "lora": lora,
         "errors": bad_input,
     }
