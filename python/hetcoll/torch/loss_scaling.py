@@ -68,7 +68,9 @@ def scaler_status(scaler: Any, comm: Any) -> tuple[int, str | None]:
 
     group = scaler.process_group
     try:
-        ranks = list(range(dist.get_world_size())) if group is None else _group_ranks(group)
+        ranks = list(
+            range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
+        )
     except (ValueError, RuntimeError):  # a group this rank is not in
         return UNUSABLE, "scaler: its process_group does not hold this rank, one of the plan's"
     if ranks != list(comm.global_ranks):
@@ -78,12 +80,6 @@ def scaler_status(scaler: Any, comm: Any) -> tuple[int, str | None]:
             "overflow flags"
         )
     return SHARDED, None
-
-
-def _group_ranks(group: Any) -> list[int]:
-    import torch.distributed as dist
-
-    return list(dist.get_process_group_ranks(group))
 
 
 def scale_fields(scale: torch.Tensor) -> torch.Tensor:

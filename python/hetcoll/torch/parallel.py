@@ -418,7 +418,9 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         scale_to_norm([q.grad for q in self.parameters() if q.grad is not None], norm, limit)
         return torch.tensor(norm, dtype=torch.float64)
 
-    def step(self, inputs: Any, targets: Any, *, scaler: Any = None) -> float:
+    def step(
+        self, inputs: Any, targets: Any, *, scaler: torch.amp.GradScaler | None = None
+    ) -> float:
         """Forward and backward of the global batch (the same ``inputs`` and ``targets`` on
         every rank, ``plan.batch`` rows each), gradients combined across replicas into this
         rank's parameters' ``.grad`` (accumulated onto what is there, as ``backward`` does).
@@ -465,7 +467,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                     f"plan.replicas[{i}].stages[{j}]",
                 )
         scale = None
-        if scaling == SHARDED and torch.is_grad_enabled():
+        if scaler is not None and scaling == SHARDED and torch.is_grad_enabled():
             # On every rank, one that computes no loss too: the scale starts on this rank's
             # device (where unscale_ looks for it) and joins the step's sum.
             try:
