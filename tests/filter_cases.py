@@ -574,9 +574,49 @@ def run_all(group) -> dict[str, object]:
     }
 
 
+def scaled_split(group) -> list[float]:
+    """float16 training's loss scaling on a split model, with torch's ShardedGradScaler over
+    the group: the ranks hold different slices, so an overflow one rank finds must make every
+    rank skip the step (a GradScaler decides from its own rank's gradients: the ranks' copies
+    of the whole layers part). Only the last rank finds one, in step 1: every rank skips it
+    and halves its scale, and the model equals the unsplit one trained with a GradScaler
+    skipping the same step, in float64 (scales are powers of two). Returns the scales."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    p, rank = wrap(group).size, wrap(group).rank
+    torch.manual_seed(0)
+    ref = awkward_cnn(True).double()
+    split = filter_parallel(copy.deepcopy(ref), group, speeds=[2.0] + [1.0] * (p - 1))
+    runs = [
+        (m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), scaler)
+        for m, scaler in (
+            (ref, torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)),
+            (split, ShardedGradScaler("cpu", init_scale=2.0**8, growth_interval=2)),
+        )
+    ]
+    scales = []
+    for step, (x, y) in enumerate(_batches(torch.float64, 4)):
+        for m, opt, scaler in runs:
+            scaler.scale(nn.functional.cross_entropy(m(x), y)).backward()
+            if step == 1 and (m is ref or rank == p - 1):
+                next(q for q in m.parameters() if q.numel()).grad.view(-1)[0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        scales.append(runs[1][2].get_scale())
+        assert runs[0][2].get_scale() == scales[-1], (step, scales)
+    full = gather_state_dict(split, dst=None)
+    ref_state = ref.state_dict()
+    floor = 1e-2 * max(float(t.abs().max()) for t in ref_state.values() if t.is_floating_point())
+    for k, v in ref_state.items():
+        if v.is_floating_point():
+            assert_close(full[k], v, TOL[torch.float64], f"scaled: {k}", floor)
+    return scales
+
+
 def run_torch(rank: int, world: int) -> dict[str, object]:
     torch.set_num_threads(1)
-    return run_all(None)
+    return {**run_all(None), "scaled": scaled_split(None)}
 
 
 def run_hostile(rank: int, world_size: int) -> list[str]:
