@@ -9,7 +9,8 @@ torchvision's ResNet-18 (traced: its forward calls torch.flatten) as an uneven 2
 beside a whole-model replica, a filter-split stage feeding an owners (node-wise) stage, a
 model whose two layers tie a weight (pipelined, and split), and torchvision's Swin with its
 features split (its attentions' functionally read layers whole). Bad input must raise the same
-error on every rank.
+error on every rank, scalers a step cannot run with too; on gloo, a plan with an idle rank
+scales its losses with a ShardedGradScaler (:func:`loss_scaled`).
 """
 
 from __future__ import annotations
@@ -602,9 +603,9 @@ def loss_scaled(group: Any) -> list[float]:
         scaler.update()
         opt.zero_grad()
         scales.append(scaler.get_scale())
+    got = par.full_state_dict()  # collective
     for k, v in ref.state_dict().items():
-        got = par.full_state_dict()[k]
-        assert rel(got, v) <= TOL if v.is_floating_point() else torch.equal(got, v), k
+        assert rel(got[k], v) <= TOL if v.is_floating_point() else torch.equal(got[k], v), k
     return scales
 
 
