@@ -65,7 +65,6 @@ from hetcoll.torch.filters.chains import choose_layers
 from hetcoll.torch.filters.shards import register_marking, track_optimizers
 from hetcoll.torch.layers import model_cut
 from hetcoll.torch.loss_scaling import (
-    SCALE_FIELDS,
     SHARDED,
     scale_fields,
     scaler_status,
@@ -510,15 +509,18 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         # where losses are scaled, whether every rank scaled by the same factor: every rank
         # learns them in one sum over the group, started before the gradients' sums so that
         # it runs beside them (on their own sub-groups), and raises.
-        wire = self._wire_device()
+        # Gathered on this rank's device, then moved once: the step's one read of a loss on its
+        # device (a CUDA rank's sync on gloo).
         thawed = [n for n, p in self._unsummed_frozen if p.requires_grad]
-        size = 2 + (SCALE_FIELDS if scale is not None else 0)
-        total = torch.zeros(size, dtype=torch.float64, device=wire)
-        if local is not None:  # the step's one read of a loss on its device (a CUDA rank's sync)
-            total[0] = local.to(wire)
-        total[1] = len(thawed)
+        parts = [
+            torch.zeros(1, dtype=torch.float64, device=self._device)
+            if local is None
+            else local.reshape(1).to(self._device, torch.float64),
+            torch.tensor([len(thawed)], dtype=torch.float64).to(self._device),
+        ]
         if scale is not None:
-            total[2:] = scale_fields(scale).to(wire)
+            parts.append(scale_fields(scale).to(self._device))
+        total = torch.cat(parts).to(self._wire_device())
         summing = self._tr.iallreduce(total)
         if self.place is not None:
             if torch.is_grad_enabled():  # on every rank alike: the batch's check agreed on it
