@@ -20,7 +20,7 @@ from torch import nn
 import hetcoll
 from hetcoll import CollectiveMismatchError, Plan
 from hetcoll.collectives import allgatherv_autograd
-from hetcoll.torch import parallelize, register_weighted_hook
+from hetcoll.torch import GroupGradScaler, parallelize, register_weighted_hook
 
 from dp_common import make_data, make_model, reference_step, rel_err
 
@@ -448,8 +448,11 @@ def autocast_plan(rank: int, world: int, first: str = "cuda") -> dict[str, objec
 FP16_TOL = 1e-2
 
 
-def fp16_scaled_plan(rank: int, world: int, first: str = "cuda") -> dict[str, object]:
-    """float16 autocast through a plan with a ShardedGradScaler: the GPU rank's stage feeding
+def fp16_scaled_plan(
+    rank: int, world: int, first: str = "cuda", kind: str = "group"
+) -> dict[str, object]:
+    """float16 autocast through a plan with a scaler (``kind``: "group", hetcoll's
+    GroupGradScaler; "sharded", torch's ShardedGradScaler): the GPU rank's stage feeding
     a CPU rank's, an idle CPU rank beside. Each rank computes under autocast on its device in
     float16 (checked). In step 1 only the CPU stage finds an overflow (put there by hand):
     every rank skips it (its parameters unchanged) and halves its scale, alike. The trained
@@ -481,7 +484,8 @@ def fp16_scaled_plan(rank: int, world: int, first: str = "cuda") -> dict[str, ob
     if par.stage is not None:
         par.stage.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     opt = torch.optim.SGD(par.parameters(), lr=0.5)
-    scaler = ShardedGradScaler(device=dev.type, init_scale=2.0**12, growth_interval=100)
+    make = {"group": GroupGradScaler, "sharded": ShardedGradScaler}[kind]
+    scaler = make(device=dev.type, init_scale=2.0**12, growth_interval=100)
     scales, kept = [], []
     held = [p for p in par.parameters() if p.numel()]  # none on the idle rank
     for n, (x, y) in enumerate(data):

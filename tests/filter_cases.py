@@ -13,6 +13,7 @@ import copy
 import random
 import re
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed
@@ -574,15 +575,14 @@ def run_all(group) -> dict[str, object]:
     }
 
 
-def scaled_split(group) -> list[float]:
-    """float16 training's loss scaling on a split model, with torch's ShardedGradScaler over
-    the group: the ranks hold different slices, so an overflow one rank finds must make every
+def scaled_split(group: Any, make: Any) -> list[float]:
+    """float16 training's loss scaling on a split model, with the scaler ``make("cpu", ...)``
+    over the group (torch's ShardedGradScaler on gloo, hetcoll's GroupGradScaler on
+    MPI): the ranks hold different slices, so an overflow one rank finds must make every
     rank skip the step (a GradScaler decides from its own rank's gradients: the ranks' copies
     of the whole layers part). Only the last rank finds one, in step 1: every rank skips it
     and halves its scale, and the model equals the unsplit one trained with a GradScaler
     skipping the same step, in float64 (scales are powers of two). Returns the scales."""
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
     p, rank = wrap(group).size, wrap(group).rank
     torch.manual_seed(0)
     ref = awkward_cnn(True).double()
@@ -591,7 +591,7 @@ def scaled_split(group) -> list[float]:
         (m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), scaler)
         for m, scaler in (
             (ref, torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)),
-            (split, ShardedGradScaler("cpu", init_scale=2.0**8, growth_interval=2)),
+            (split, make("cpu", init_scale=2.0**8, growth_interval=2)),
         )
     ]
     scales = []
@@ -615,8 +615,10 @@ def scaled_split(group) -> list[float]:
 
 
 def run_torch(rank: int, world: int) -> dict[str, object]:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
     torch.set_num_threads(1)
-    return {**run_all(None), "scaled": scaled_split(None)}
+    return {**run_all(None), "scaled": scaled_split(None, ShardedGradScaler)}
 
 
 def run_hostile(rank: int, world_size: int) -> list[str]:

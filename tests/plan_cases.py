@@ -9,14 +9,16 @@ torchvision's ResNet-18 (traced: its forward calls torch.flatten) as an uneven 2
 beside a whole-model replica, a filter-split stage feeding an owners (node-wise) stage, a
 model whose two layers tie a weight (pipelined, and split), and torchvision's Swin with its
 features split (its attentions' functionally read layers whole). Bad input must raise the same
-error on every rank, scalers a step cannot run with too; on gloo, a plan with an idle rank
-scales its losses with a ShardedGradScaler (:func:`loss_scaled`).
+error on every rank, scalers a step cannot run with too; a plan with an idle rank scales its
+losses with hetcoll's GroupGradScaler (both engines) and on gloo with torch's
+ShardedGradScaler too (:func:`loss_scaled`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import warnings
 from typing import Any
 
@@ -26,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hetcoll import CollectiveMismatchError, Plan
 from hetcoll.comm import wrap
-from hetcoll.torch import parallelize
+from hetcoll.torch import GroupGradScaler, parallelize
 
 TOL = 1e-10
 
@@ -570,17 +572,18 @@ def run_all(group: Any) -> dict[str, Any]:
     out["swin"] = True
     out["errors"] = bad_input(group)
     out["scaler_mistakes"] = scaler_mistakes(group)
+    # hetcoll's scaler sums the overflow flags through the plan's own communicator: MPI too.
+    out["loss_scaled"] = loss_scaled(group, functools.partial(GroupGradScaler, group=group))
     return out
 
 
-def loss_scaled(group: Any) -> list[float]:
-    """Loss scaling under IDLE (a whole replica, a 2-stage pipeline, an idle rank) with a
-    ShardedGradScaler: 4 steps equal one process training unscaled (scales are powers of two,
-    exact in float64), except step 1, in which only rank 3 (the pipeline's first stage) finds
-    an overflow in its gradients: every rank skips it, the idle rank too, and one process skips
-    it alike. The losses the step returns are unscaled. Returns the scale after each step."""
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
+def loss_scaled(group: Any, make: Any) -> list[float]:
+    """Loss scaling under IDLE (a whole replica, a 2-stage pipeline, an idle rank) with the
+    scaler ``make(device="cpu", ...)`` (a ShardedGradScaler or a GroupGradScaler): 4
+    steps equal one process training unscaled (scales are powers of two, exact in float64),
+    except step 1, in which only rank 3 (the pipeline's first stage) finds an overflow in its
+    gradients: every rank skips it, the idle rank too, and one process skips it alike. The
+    losses the step returns are unscaled. Returns the scale after each step."""
     rank = wrap(group).rank
     plan = Plan.from_dict(IDLE)
     torch.manual_seed(0)
@@ -589,7 +592,7 @@ def loss_scaled(group: Any) -> list[float]:
     want_losses, want_state = reference(model, data, 0.05, skip=(1,))
     par = parallelize(model, plan, loss_fn=nn.CrossEntropyLoss(), group=group)
     opt = torch.optim.SGD(par.parameters(), lr=0.05, momentum=0.9)
-    scaler = ShardedGradScaler(device="cpu", init_scale=2.0**10, growth_interval=2)
+    scaler = make(device="cpu", init_scale=2.0**10, growth_interval=2)
     scales = []
     for n, ((x, y), want) in enumerate(zip(data, want_losses, strict=True)):
         loss = par.step(x, y, scaler=scaler)
@@ -621,6 +624,9 @@ def scaler_mistakes(group: Any) -> int:
     ]
     if wrap(group).engine == "mpi":
         mistakes.append((TypeError, "MPI communicator", ShardedGradScaler(device="cpu")))
+        # Over two halves of the plan's ranks: every rank's group is another than the plan's.
+        halves = group.Split(rank // 2, rank)
+        mistakes.append((TypeError, "is not the plan's", GroupGradScaler("cpu", group=halves)))
     else:
         import torch.distributed as dist
 
@@ -628,10 +634,12 @@ def scaler_mistakes(group: Any) -> int:
         mistakes.append(
             (TypeError, "process_group", ShardedGradScaler(device="cpu", process_group=three))
         )
-        # Scales that differ: every rank raises at the step's end.
-        init = 2.0**4 if rank == 2 else 2.0**5
-        scaler = ShardedGradScaler(device="cpu", init_scale=init)
-        mistakes.append((ValueError, "loss scales differ", scaler))
+        # Two kinds of scaler would sum their flags in different collectives.
+        mixed = GroupGradScaler("cpu") if rank == 0 else ShardedGradScaler(device="cpu")
+        mistakes.append((CollectiveMismatchError, "loss scaling", mixed))
+    # Scales that differ: every rank raises at the step's end.
+    init = 2.0**4 if rank == 2 else 2.0**5
+    mistakes.append((ValueError, "loss scales differ", GroupGradScaler("cpu", init, group=group)))
     checked = 0
     for kind, text, scaler in mistakes:
         try:
@@ -646,8 +654,10 @@ def scaler_mistakes(group: Any) -> int:
 
 def run_torch(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
     out = run_all(None)
-    out["loss_scaled"] = loss_scaled(None)
+    out["loss_scaled_sharded"] = loss_scaled(None, ShardedGradScaler)
     return out
 
 

@@ -329,13 +329,21 @@ def test_bf16_autocast_through_a_plan(first):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("first", [pytest.param("cuda", marks=cuda), "cpu"])
-def test_fp16_loss_scaling_through_a_plan(first):
-    """float16 autocast, a ShardedGradScaler: a stage on the GPU rank, one on a CPU rank, an
-    idle CPU rank. An overflow only the CPU stage finds makes every rank skip the step and
-    halve its scale; the model trains as one process under the same autocast with a
-    GradScaler, to 1e-2. With ``first="cpu"`` every rank is a CPU rank (CPU autocast)."""
-    got = _spawn(cuda_cases.fp16_scaled_plan, 3, first)
+@pytest.mark.parametrize(
+    ("first", "scaler"),
+    [
+        pytest.param("cuda", "group", marks=cuda),
+        pytest.param("cuda", "sharded", marks=cuda),
+        ("cpu", "group"),
+    ],
+)
+def test_fp16_loss_scaling_through_a_plan(first, scaler):
+    """float16 autocast, hetcoll's GroupGradScaler (its flag read back from the GPU) or torch's
+    ShardedGradScaler: a stage on the GPU rank, one on a CPU rank, an idle CPU rank. An
+    overflow only the CPU stage finds makes every rank skip the step and halve its scale; the
+    model trains as one process under the same autocast with a GradScaler, to 1e-2. With
+    ``first="cpu"`` every rank is a CPU rank (CPU autocast)."""
+    got = _spawn(cuda_cases.fp16_scaled_plan, 3, first, scaler)
     for rank, r in enumerate(got):
         computes = rank < 2  # rank 2 is idle
         assert r == {

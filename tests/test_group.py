@@ -23,6 +23,7 @@ from hetcoll.launch import spawn
 from hetcoll.torch import (
     BalancedSampler,
     DistributedOptimizer,
+    GroupGradScaler,
     Rebalancer,
     SpeedFit,
     WeightedAllreduceState,
@@ -55,6 +56,7 @@ def test_without_an_engine_every_function_names_group(no_engine):
             torch.optim.SGD(model.parameters(), lr=0.1), local_batch=1
         ),
         "filter_parallel": lambda: filter_parallel(model, [1.0]),
+        "GroupGradScaler": lambda: GroupGradScaler("cpu"),
     }
     for name, call in calls.items():
         with pytest.raises(ValueError, match=NO_DEFAULT):

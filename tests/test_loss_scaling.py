@@ -1,14 +1,17 @@
 """The check that a plan's ranks scale their losses by one factor (hetcoll.torch.loss_scaling),
 against a brute-force oracle: the fields each rank adds to the step's sum, summed, say "one
 scale" exactly when every rank's float32 scale is the same. The runtime's use of it, and
-the scalers a step refuses, run in tests/plan_cases.py on 4 gloo and MPI ranks."""
+the scalers a step refuses, run in tests/plan_cases.py on 4 gloo and MPI ranks; here,
+hetcoll's GroupGradScaler on a group of one rank against torch's GradScaler."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hetcoll.torch import GroupGradScaler
 from hetcoll.torch.loss_scaling import SCALE_FIELDS, scale_fields, scales_agree
 
 #: Scales a GradScaler holds: powers of two from its defaults, and any positive float32.
@@ -58,3 +61,54 @@ def test_the_fields_are_the_scale_s_bit_halves_and_their_squares():
     assert out.dtype == torch.float64 and out.shape == (SCALE_FIELDS,)
     hi, lo = 0x4780, 0x0080  # 65537.0 in float32: 0x47800080
     assert out.tolist() == [hi, hi * hi, lo, lo * lo]
+
+
+def _train(scaler: torch.amp.GradScaler, overflow_at: int) -> tuple[list[float], torch.Tensor]:
+    """Four float64 steps of a linear model under ``scaler``, one gradient made inf at step
+    ``overflow_at``; the scale after each step and the final weight."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    scales = []
+    for step in range(4):
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if step == overflow_at:
+            model.weight.grad[0, 0] = float("inf")
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales, model.weight.detach().clone()
+
+
+def test_a_group_scaler_on_one_rank_is_a_grad_scaler(one_rank):
+    """On a group of one rank, the sum of the flags is this rank's own: the same skips, scales
+    and weights as torch's GradScaler, bit for bit."""
+    settings_ = {"device": "cpu", "init_scale": 2.0**8, "growth_interval": 2}
+    want = _train(torch.amp.GradScaler(**settings_), overflow_at=1)
+    got = _train(GroupGradScaler(**settings_), overflow_at=1)
+    assert got[0] == want[0] == [256.0, 128.0, 128.0, 256.0]
+    assert torch.equal(got[1], want[1])
+
+
+def test_a_group_scaler_steps_a_rank_that_holds_no_gradient(one_rank):
+    """A rank whose parameters got no gradient (a plan's idle rank) still takes part in the
+    sum, and its step is no error: torch's GradScaler asserts that it recorded a flag."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = GroupGradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 4.0 and torch.equal(p, torch.zeros(3))
+
+
+def test_a_group_scaler_names_its_bad_arguments(one_rank):
+    with pytest.raises(TypeError, match="group"):
+        GroupGradScaler("cpu", group=3)
+    with pytest.raises(ValueError, match="timeout"):
+        GroupGradScaler("cpu", timeout=0)
+    with pytest.raises(ValueError, match="timeout"):
+        GroupGradScaler("cpu", timeout=float("nan"))

@@ -51,6 +51,7 @@ from hetcoll.torch.hooks import (
     weighted_allreduce_hook,
 )
 from hetcoll.torch.layers import model_layers
+from hetcoll.torch.loss_scaling import GroupGradScaler
 from hetcoll.torch.optimizer import DistributedOptimizer, broadcast_parameters
 from hetcoll.torch.parallel import Parallel, parallelize
 from hetcoll.torch.rebalance import Rebalancer
@@ -76,6 +77,7 @@ __all__ = [
     "FilterParallelDepthwiseConv2d",
     "FilterParallelLinear",
     "FilterParallelMultiheadAttention",
+    "GroupGradScaler",
     "Parallel",
     "Rebalancer",
     "ReplicaSavePlanner",

@@ -65,6 +65,7 @@ from hetcoll.torch.filters.chains import choose_layers
 from hetcoll.torch.filters.shards import register_marking, track_optimizers
 from hetcoll.torch.layers import model_cut
 from hetcoll.torch.loss_scaling import (
+    GROUP,
     SHARDED,
     scale_fields,
     scaler_status,
@@ -437,8 +438,10 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         first replica's). Any other batch: :meth:`full_state_dict` into the unsplit model.
 
         Loss scaling (float16 autocast): ``scaler`` a
-        :class:`~torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler` over the plan's
-        group, alike on every rank (``device`` this rank's device type). The step scales each
+        :class:`~hetcoll.torch.GroupGradScaler` over the plan's group (either engine), or
+        on torch.distributed torch's
+        :class:`~torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler` over it, alike
+        on every rank (``device`` this rank's device type). The step scales each
         micro-batch's loss before its backward and leaves the gradients scaled; then, as with
         any GradScaler, ``scaler.step(optimizer)`` and ``scaler.update()`` on every rank (and
         ``scaler.unscale_(optimizer)`` before :meth:`clip_grad_norm_`). Its ``unscale_`` sums
@@ -466,7 +469,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                     f"plan.replicas[{i}].stages[{j}]",
                 )
         scale = None
-        if scaler is not None and scaling == SHARDED and torch.is_grad_enabled():
+        if scaler is not None and scaling in (SHARDED, GROUP) and torch.is_grad_enabled():
             # On every rank, one that computes no loss too: the scale starts on this rank's
             # device (where unscale_ looks for it) and joins the step's sum.
             try:
@@ -580,9 +583,8 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             # An evaluation step (eval(), no_grad) on every rank or on none.
             "the plan's mode (1: train(), 0: eval())": int(self.training),
             "gradients (1: enabled, 0: no_grad or inference_mode)": int(torch.is_grad_enabled()),
-            "loss scaling (0: no scaler, 1: a ShardedGradScaler, 2: a scaler that cannot run)": (
-                scaling
-            ),
+            "loss scaling (0: no scaler, 1: a ShardedGradScaler, 2: a scaler that cannot run, "
+            "3: a GroupGradScaler)": scaling,
         }
         started = start_agreement(self._tr.comm, fields)
         done = False
