@@ -63,10 +63,12 @@ rust-test:
 py-test: $(BUILT)
 	$(PY) -m mypy.stubtest hetcoll._core
 	# Tests of one process each run one per core (pytest-xdist); those launching several ranks
-	# (marked multiproc) run one at a time after them, so their ranks have the cores. Each
-	# prints its slowest, for keeping the suite short.
+	# (marked multiproc) run after them, two at a time, each file's tests on one worker (the
+	# jobs and fixtures a file's tests share run once): one test alone leaves the cores idle
+	# about a quarter of the time (launchers' imports, a rank's serial set-up, waits), which
+	# the other fills. Each part prints its slowest, for keeping the suite short.
 	$(PY) -m pytest -q -m "not multiproc" -n auto --durations=10
-	$(PY) -m pytest -q -m multiproc --durations=25
+	$(PY) -m pytest -q -m multiproc -n 2 --dist loadfile --durations=25
 
 test: $(BUILT) lint rust-test py-test
 

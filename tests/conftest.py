@@ -18,9 +18,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(autouse=True)
 def ranks_only_where_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    """`make test` runs the tests not marked ``multiproc`` one per core, at the same time: one
-    launching ranks there (``launch.spawn``, ``launch.mpiexec``, or a port for a rendezvous)
-    would share its cores with another test. Such a launch raises, naming the mark."""
+    """`make test` runs the tests not marked ``multiproc`` one per core, at the same time, and
+    the multiproc tests after them, two at a time: one launching ranks in the first part
+    (``launch.spawn``, ``launch.mpiexec``, or a port for a rendezvous) would crowd its ranks
+    onto a core another test holds. Such a launch raises, naming the mark."""
     if request.node.get_closest_marker("multiproc") is None:
 
         def refuse(*_: object, **__: object) -> None:
