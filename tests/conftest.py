@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hetcoll import launch
+from hetcoll import comm, launch
 
 from reaper import pytest_runtest_makereport, pytest_sessionfinish
 
@@ -29,6 +29,17 @@ def ranks_only_where_marked(request: pytest.FixtureRequest, monkeypatch: pytest.
 
         monkeypatch.setattr(launch, "free_port", refuse)
         monkeypatch.setattr(launch, "mpiexec_path", refuse)
+
+
+@pytest.fixture(autouse=True)
+def no_default_group_left() -> Iterator[None]:
+    """A test that leaves this process in a group (torch.distributed's default group
+    initialised, or MPI) changes what ``group=None`` means for every later test on its pytest
+    worker: it fails, named here, rather than a later test that expects no group."""
+    before = comm.has_default()
+    yield
+    if not before and comm.has_default():
+        pytest.fail("the test left this process in a group (torch.distributed or MPI)")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from hetcoll.launch import spawn
-from hetcoll.torch import weigh_loss
 
 from fsdp_cases import bad_inputs, timed_steps, train, trained
 
@@ -123,13 +122,6 @@ def test_a_step_timer_leaves_fsdps_waits_for_the_slow_rank_out():
     for r in (fast, slow):
         assert r["evaluation"].startswith("StepTimer.pop: the model ran no forward")
         assert r["restored"] and r["restored when dropped"]
-
-
-def test_without_a_group_weigh_loss_names_it():
-    with pytest.raises(ValueError, match=r"^group: none given"):
-        weigh_loss(torch.tensor(1.0), 3)
-    with pytest.raises(TypeError, match=r"^loss: must be a tensor"):
-        weigh_loss([1.0], 3)
 
 
 def _lightning_fit(tmp_path: Path, *args: str) -> list[dict]:

@@ -30,6 +30,7 @@ from hetcoll.torch import (
     broadcast_parameters,
     filter_parallel,
     gather_speeds,
+    weigh_loss,
 )
 
 from dp_common import make_data, make_model, reference_step, rel_err
@@ -57,6 +58,7 @@ def test_without_an_engine_every_function_names_group(no_engine):
         ),
         "filter_parallel": lambda: filter_parallel(model, [1.0]),
         "GroupGradScaler": lambda: GroupGradScaler("cpu"),
+        "weigh_loss": lambda: weigh_loss(torch.tensor(1.0), 3),
     }
     for name, call in calls.items():
         with pytest.raises(ValueError, match=NO_DEFAULT):
@@ -70,6 +72,8 @@ def test_without_an_engine_every_function_names_group(no_engine):
     assert BalancedSampler(range(8), [2, 2], 0).shares == [2, 2]
     with pytest.raises(TypeError, match="group"):
         gather_speeds(SpeedFit(0.0, 1.0), "world")
+    with pytest.raises(TypeError, match=r"^loss: must be a tensor"):
+        weigh_loss([1.0], 3)  # its own error first, with no one to tell
 
 
 def test_mpi_is_detected_from_the_launcher(no_engine, monkeypatch):
