@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hetcoll import comm, launch
+from hetcoll import launch
 
 from reaper import pytest_runtest_makereport, pytest_sessionfinish
 
@@ -33,13 +33,17 @@ def ranks_only_where_marked(request: pytest.FixtureRequest, monkeypatch: pytest.
 
 @pytest.fixture(autouse=True)
 def no_default_group_left() -> Iterator[None]:
-    """A test that leaves this process in a group (torch.distributed's default group
-    initialised, or MPI) changes what ``group=None`` means for every later test on its pytest
-    worker: it fails, named here, rather than a later test that expects no group."""
-    before = comm.has_default()
+    """A test that leaves torch.distributed's default group initialised in this process
+    changes what ``group=None`` means for every later test on its pytest worker: it fails,
+    named here, rather than a later test that expects no group. (MPI, once initialised, stays
+    so: Lightning's environment detection initialises it when it imports mpi4py, which the
+    modules running Lightning in this process turn off.)"""
+    import torch.distributed as dist
+
+    before = dist.is_initialized()
     yield
-    if not before and comm.has_default():
-        pytest.fail("the test left this process in a group (torch.distributed or MPI)")
+    if not before and dist.is_initialized():
+        pytest.fail("the test left torch.distributed's default group initialised")
 
 
 @pytest.fixture(scope="module")

@@ -460,10 +460,14 @@ def test_balanced_strategy_on_the_gpu(tmp_path, monkeypatch, backend):
     backend gets a group of its own."""
     pytest.importorskip("lightning")
     import torch.distributed as dist
+    from lightning.fabric.plugins.environments import MPIEnvironment
     from lightning.pytorch import Trainer
     from test_lightning import BATCH, Regression, reference
 
     from hetcoll.lightning import BalancedStrategy
+
+    # As in test_lightning: no MPI initialised in this process by Lightning's detection.
+    monkeypatch.setattr(MPIEnvironment, "detect", staticmethod(lambda: False))
 
     class OnDevices(Regression):
         """Records where its parameters are at the end of training, before the teardown."""
