@@ -112,3 +112,11 @@ def test_a_group_scaler_names_its_bad_arguments(one_rank):
         GroupGradScaler("cpu", timeout=0)
     with pytest.raises(ValueError, match="timeout"):
         GroupGradScaler("cpu", timeout=float("nan"))
+
+
+def test_a_disabled_group_scaler_needs_no_group():
+    """``enabled=False`` (float32 runs of a float16 script) is a no-op, as torch's: one
+    process with no group may construct it, and it scales nothing."""
+    scaler = GroupGradScaler("cpu", enabled=False)
+    assert scaler.comm is None and not scaler.is_enabled()
+    assert scaler.scale(torch.tensor(3.0)).item() == 3.0

@@ -78,8 +78,6 @@ class GroupGradScaler(torch.amp.GradScaler):
         timeout: float | None = None,
     ) -> None:
         deadline(timeout)  # a bad timeout raises here, naming it
-        self._comm: Communicator = wrap(group)
-        self._timeout = timeout
         super().__init__(
             device,
             init_scale=init_scale,
@@ -88,10 +86,14 @@ class GroupGradScaler(torch.amp.GradScaler):
             growth_interval=growth_interval,
             enabled=enabled,
         )
+        # A disabled scaler (enabled=False, or CUDA asked for where there is none) does
+        # nothing, as torch's does, and needs no group: one process may construct it.
+        self._comm: Communicator | None = wrap(group) if self.is_enabled() else None
+        self._timeout = timeout
 
     @property
-    def comm(self) -> Communicator:
-        """The communicator the overflow flags are summed over."""
+    def comm(self) -> Communicator | None:
+        """The communicator the overflow flags are summed over (None while disabled)."""
         return self._comm
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -107,6 +109,7 @@ class GroupGradScaler(torch.amp.GradScaler):
                 1, dtype=torch.float32, device=self._scale.device
             )
         summed = np.array([sum(float(f.item()) for f in found.values())], dtype=np.float64)
+        assert self._comm is not None  # enabled
         self._comm.allreduce_sum(summed, "float64", deadline(self._timeout))
         for f in found.values():
             f.fill_(float(summed[0]))
@@ -128,6 +131,7 @@ def scaler_status(scaler: Any, comm: Any) -> tuple[int, str | None]:
     if not scaler.is_enabled():
         return NO_SCALER, None
     if isinstance(scaler, GroupGradScaler):
+        assert scaler.comm is not None  # enabled
         if not same_processes(scaler.comm, comm):
             return UNUSABLE, (
                 f"scaler: its group ({scaler.comm.size} ranks) is not the plan's ({comm.size} "
