@@ -46,10 +46,9 @@ def no_default_group_left() -> Iterator[None]:
         pytest.fail("the test left torch.distributed's default group initialised")
 
 
-@pytest.fixture(scope="module")
-def one_rank() -> Iterator[None]:
+def _group_of_one() -> Iterator[None]:
     """torch.distributed's default group of this process alone, over gloo and an in-memory
-    store (no port), for one module's tests."""
+    store (no port), until the generator ends."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -57,3 +56,21 @@ def one_rank() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+#: The group of one for one module's tests.
+one_rank = pytest.fixture(scope="module", name="one_rank")(_group_of_one)
+#: The group of one for one test, where the module's other tests must run outside any group
+#: (tests forking ranks, which would inherit it).
+one_rank_for_a_test = pytest.fixture(name="one_rank_for_a_test")(_group_of_one)
+
+
+@pytest.fixture
+def lightning_without_mpi(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's Trainer detects its cluster environment, and MPI's detection imports
+    mpi4py, which initialises MPI in this process: every later test there would find an MPI
+    world of one as hetcoll's default group. For Trainers that run in this process (forking
+    their ranks, never under mpiexec), that detection is off."""
+    from lightning.fabric.plugins.environments import MPIEnvironment
+
+    monkeypatch.setattr(MPIEnvironment, "detect", staticmethod(lambda: False))

@@ -453,6 +453,7 @@ def test_expert_parallel_on_nccl():
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
+@pytest.mark.usefixtures("lightning_without_mpi")  # as test_lightning's Trainers
 def test_balanced_strategy_on_the_gpu(tmp_path, monkeypatch, backend):
     """BalancedStrategy with accelerator="gpu" (one device, NCCL or gloo): the weights after
     two epochs equal one process on the CPU, float64 to 1e-10. Lightning runs one device in
@@ -460,14 +461,10 @@ def test_balanced_strategy_on_the_gpu(tmp_path, monkeypatch, backend):
     backend gets a group of its own."""
     pytest.importorskip("lightning")
     import torch.distributed as dist
-    from lightning.fabric.plugins.environments import MPIEnvironment
     from lightning.pytorch import Trainer
     from test_lightning import BATCH, Regression, reference
 
     from hetcoll.lightning import BalancedStrategy
-
-    # As in test_lightning: no MPI initialised in this process by Lightning's detection.
-    monkeypatch.setattr(MPIEnvironment, "detect", staticmethod(lambda: False))
 
     class OnDevices(Regression):
         """Records where its parameters are at the end of training, before the teardown."""

@@ -20,19 +20,8 @@ from lightning.pytorch.loggers.logger import Logger  # noqa: E402
 from hetcoll.lightning import BalancedStrategy, Rebalancing  # noqa: E402
 from hetcoll.torch import BalancedSampler, Rebalancer  # noqa: E402
 
-pytestmark = pytest.mark.multiproc
-
-
-@pytest.fixture(autouse=True)
-def no_mpi_detection(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Lightning's Trainer detects its cluster environment, and MPI's detection imports
-    mpi4py, which initialises MPI in this process: every later test there would find an MPI
-    world of one as hetcoll's default group. These Trainers run in this process and fork
-    their ranks, never under mpiexec, so that detection is off."""
-    from lightning.fabric.plugins.environments import MPIEnvironment
-
-    monkeypatch.setattr(MPIEnvironment, "detect", staticmethod(lambda: False))
-
+# The Trainers here run in this process: no MPI initialised there by their detection.
+pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("lightning_without_mpi")]
 
 N, BATCH, LR = 29, 8, 0.1  # 29 = 3 * 8 + 5: every epoch ends on a smaller batch
 #: Forked ranks start at once (spawned ones would import torch and lightning again).
@@ -992,20 +981,11 @@ def test_rebalancing_names_bad_arguments_and_refuses_balanced_strategy():
         callback.on_train_start(trainer, LightningModule())
 
 
+@pytest.mark.usefixtures("one_rank_for_a_test")
 def test_rebalancing_carries_its_rebalancers_state_through_a_checkpoint():
     """Lightning restores a callback's state before training starts; the callback hands it to
     its rebalancer there (the steps counted and the speed models), and times the module. The
     rebalancer decides over torch.distributed's default group, of this process alone."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        _carried_through_a_checkpoint()
-    finally:
-        dist.destroy_process_group()
-
-
-def _carried_through_a_checkpoint() -> None:
     rebalancer = Rebalancer(BalancedSampler(range(8), [8], 0, verify=False), every=2)
     for _ in range(3):
         rebalancer.observe(8, 0.1)

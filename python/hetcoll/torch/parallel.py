@@ -519,7 +519,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             torch.zeros(1, dtype=torch.float64, device=self._device)
             if local is None
             else local.reshape(1).to(self._device, torch.float64),
-            torch.tensor([len(thawed)], dtype=torch.float64).to(self._device),
+            torch.full((1,), len(thawed), dtype=torch.float64, device=self._device),
         ]
         if scale is not None:
             parts.append(scale_fields(scale).to(self._device))
