@@ -83,7 +83,7 @@ def _train(scaler: torch.amp.GradScaler, overflow_at: int) -> tuple[list[float],
     return scales, model.weight.detach().clone()
 
 
-def test_a_group_scaler_on_one_rank_is_a_grad_scaler(one_rank):
+def test_a_group_scaler_on_one_rank_is_a_grad_scaler(one_rank_for_a_test):
     """On a group of one rank, the sum of the flags is this rank's own: the same skips, scales
     and weights as torch's GradScaler, bit for bit."""
     settings_ = {"device": "cpu", "init_scale": 2.0**8, "growth_interval": 2}
@@ -93,7 +93,7 @@ def test_a_group_scaler_on_one_rank_is_a_grad_scaler(one_rank):
     assert torch.equal(got[1], want[1])
 
 
-def test_a_group_scaler_steps_a_rank_that_holds_no_gradient(one_rank):
+def test_a_group_scaler_steps_a_rank_that_holds_no_gradient(one_rank_for_a_test):
     """A rank whose parameters got no gradient (a plan's idle rank) still takes part in the
     sum, and its step is no error: torch's GradScaler asserts that it recorded a flag."""
     p = torch.nn.Parameter(torch.zeros(3))
@@ -105,7 +105,7 @@ def test_a_group_scaler_steps_a_rank_that_holds_no_gradient(one_rank):
     assert scaler.get_scale() == 4.0 and torch.equal(p, torch.zeros(3))
 
 
-def test_a_group_scaler_names_its_bad_arguments(one_rank):
+def test_a_group_scaler_names_its_bad_arguments(one_rank_for_a_test):
     with pytest.raises(TypeError, match="group"):
         GroupGradScaler("cpu", group=3)
     with pytest.raises(ValueError, match="timeout"):
@@ -120,3 +120,41 @@ def test_a_disabled_group_scaler_needs_no_group():
     scaler = GroupGradScaler("cpu", enabled=False)
     assert scaler.comm is None and not scaler.is_enabled()
     assert scaler.scale(torch.tensor(3.0)).item() == 3.0
+
+
+def test_a_group_scaler_over_the_default_group_pickles_as_ddp_does(one_rank_for_a_test):
+    """Over the default group (``group=None``) it pickles mid-training, its scale and growth
+    carried, and unpickles over the loading process's default group; over a group given
+    explicitly it raises naming state_dict, as a communicator cannot be pickled."""
+    import pickle
+
+    import torch.distributed as dist
+
+    scaler = GroupGradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    _train(scaler, overflow_at=1)
+    again = pickle.loads(pickle.dumps(scaler))
+    assert again.get_scale() == scaler.get_scale() == 256.0
+    assert again.state_dict() == scaler.state_dict()
+    assert again.comm is not None and again.comm.size == 1
+    assert _train(again, overflow_at=-1)[0] == _train(scaler, overflow_at=-1)[0]
+    explicit = GroupGradScaler("cpu", group=dist.group.WORLD)
+    with pytest.raises(TypeError, match=r"state_dict\(\)"):
+        pickle.dumps(explicit)
+
+
+def test_an_unpickled_group_scaler_where_there_is_no_group_says_so():
+    """Unpickled where there is no default group, an enabled scaler raises naming the group
+    (a disabled one needs none)."""
+    import pickle
+
+    disabled = pickle.loads(pickle.dumps(GroupGradScaler("cpu", enabled=False)))
+    assert disabled.comm is None and not disabled.is_enabled()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        raw = pickle.dumps(GroupGradScaler("cpu"))
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(ValueError, match="group"):
+        pickle.loads(raw)

@@ -62,6 +62,12 @@ class GroupGradScaler(torch.amp.GradScaler):
     seconds each sum may wait for the other ranks (None: no limit), past which it raises
     :class:`~hetcoll.CollectiveTimeout`.
 
+    Pickling follows DDP's rule: a scaler over the default group (``group=None``) pickles, and
+    unpickles over the default group of the process that loads it; one over a group given
+    explicitly raises ``TypeError`` (a communicator cannot be pickled), as does unpickling an
+    enabled scaler where there is no default group. Either way ``state_dict()`` and
+    ``load_state_dict()`` carry the scale, as GradScaler's do.
+
     >>> scaler = GroupGradScaler("cuda", group=MPI.COMM_WORLD)  # doctest: +SKIP
     """
 
@@ -90,6 +96,25 @@ class GroupGradScaler(torch.amp.GradScaler):
         # nothing, as torch's does, and needs no group: one process may construct it.
         self._comm: Communicator | None = wrap(group) if self.is_enabled() else None
         self._timeout = timeout
+        self._default_group = group is None
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._comm is not None and not self._default_group:
+            raise TypeError(
+                "GroupGradScaler: a scaler over a group given explicitly cannot be pickled (its "
+                "communicator cannot): save scaler.state_dict() and load it into a "
+                "GroupGradScaler built over the group, or build it with group=None (the "
+                "default group, which unpickling takes again)"
+            )
+        state = super().__getstate__()
+        state["_comm"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if self._enabled:
+            # The default group of the process that loads it, as DDP's unpickling takes it.
+            self._comm = wrap(None)
 
     @property
     def comm(self) -> Communicator | None:
