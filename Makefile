@@ -107,7 +107,7 @@ PLACEMENT_RUN      := benches/bench_placement.py --launches 3 --json $(RESULTS)/
 	bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate bench-plans \
 	bench-microbatches bench-planspace bench-placement bench-lm-pipeline bench-tensor-parallel \
 	bench-tensor-parallel-moe bench-expert-parallel bench-fixed-costs bench-step-timer \
-	bench-trainer-rebalance bench-fsdp-rebalance bench-full-state
+	bench-step-overhead bench-trainer-rebalance bench-fsdp-rebalance bench-full-state
 
 $(BENCHED): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet --group bench
@@ -117,7 +117,8 @@ bench: bench-kernels bench-split bench-partition bench-partitioners bench-planne
 		bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate \
 		bench-microbatches bench-plans bench-planspace bench-placement bench-lm-pipeline \
 		bench-tensor-parallel bench-tensor-parallel-moe bench-expert-parallel bench-fixed-costs \
-		bench-step-timer bench-trainer-rebalance bench-fsdp-rebalance bench-full-state
+		bench-step-timer bench-step-overhead bench-trainer-rebalance bench-fsdp-rebalance \
+		bench-full-state
 	$(MAKE) bench-report
 
 bench-report:
@@ -130,6 +131,10 @@ bench-kernels: $(BUILT) $(BENCHED)
 bench-step-timer: $(BUILT) $(BENCHED)
 	$(PYBENCH) benches/bench_step_timer.py --results-json $(RESULTS)/step_timer.json \
 		--results-title "StepTimer: what timing a rank's own compute adds to a step"
+
+bench-step-overhead: $(BUILT) $(BENCHED)
+	$(PYBENCH) benches/bench_step_overhead.py --results-json $(RESULTS)/step_overhead.json \
+		--results-title "parallelize's own work a step: one rank against the bare step"
 
 bench-trainer-rebalance: $(BUILT) $(BENCHED)
 	$(PYBENCH) benches/bench_trainer_rebalance.py --results-json $(RESULTS)/trainer_rebalance.json \

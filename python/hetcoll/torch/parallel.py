@@ -263,6 +263,9 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         self._traffic: dict[str, int] = dict.fromkeys(TRAFFIC_KINDS, 0)
         self._shapes: dict[tuple[Any, ...], list[tuple[torch.Size, torch.dtype]]] = {}
         self._items: Items | None = None
+        # Without ``items`` a step's weights depend on its plan alone: made once per plan
+        # (a plan is replaced, never changed, where its experts move).
+        self._row_weights: tuple[Plan, list[list[float]]] | None = None
         self._scaler: Any = None  # during a step that scales its losses: the step's scaler
         # A blocks model (hetcoll.torch.replay): its block names, each replica's stage of every
         # block, which blocks hold no parameters, the probes by micro-batch shape, the model
@@ -754,7 +757,12 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                 leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
                 return sum((t.sum() * 0.0 for t in leaves if t.requires_grad), torch.zeros(()))
             return torch.zeros((), dtype=torch.float64)
-        loss = self._loss_fn(output, pytree.tree_map(self._on_device, targets))
+        on_device = (
+            targets.to(self._device)
+            if isinstance(targets, torch.Tensor)
+            else pytree.tree_map(self._on_device, targets)
+        )
+        loss = self._loss_fn(output, on_device)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(
                 "loss_fn: must return a one-element tensor (the micro-batch's mean loss)"
@@ -774,6 +782,10 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         rule (:func:`hetcoll.torch.batches.item_weights`): ``items(targets)`` of the
         micro-batch over the batch's (rows when ``items`` is None). The same on every rank
         (every rank holds the batch), so a bad count raises on every rank."""
+        if self._items is None and self._row_weights is not None:
+            plan, weights = self._row_weights
+            if plan is self.plan:
+                return weights
         sizes = [self.plan.microbatch_sizes(i) for i in range(len(self.plan.replicas))]
         if self._items is None:
             counts = [counted(n) for row in sizes for n in row]
@@ -794,6 +806,8 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         for row in sizes:
             out.append(flat[at : at + len(row)])
             at += len(row)
+        if self._items is None:
+            self._row_weights = (self.plan, out)
         return out
 
     def _flow(self, inputs: Any) -> Flow:
@@ -1174,6 +1188,8 @@ def _layer_of(name: str, layer_names: list[str]) -> int | None:
 
 def _rows(value: Any, rows: slice) -> Any:
     """The rows of a tensor, or of every tensor of a dict (other values kept)."""
+    if isinstance(value, torch.Tensor):  # the common case, without a tree's walk
+        return value[rows]
     return pytree.tree_map(lambda t: t[rows] if isinstance(t, torch.Tensor) else t, value)
 
 
