@@ -757,8 +757,8 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                 leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
                 return sum((t.sum() * 0.0 for t in leaves if t.requires_grad), torch.zeros(()))
             return torch.zeros((), dtype=torch.float64)
-        on_device = (
-            targets.to(self._device)
+        on_device = (  # a tensor, the common case, without a tree's walk
+            self._on_device(targets)
             if isinstance(targets, torch.Tensor)
             else pytree.tree_map(self._on_device, targets)
         )
