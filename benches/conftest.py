@@ -188,8 +188,15 @@ def results(config: pytest.Config) -> dict[str, Any]:
         "host": host_info(),
         "description": "\n\n".join(d for d in _DOCS.values() if d),
         "notes": [
-            "Times: pytest-benchmark's median over rounds; ratios: the peer's median over the "
-            "entry's, both from this run (> 1: faster than the peer).",
+            # Only where entries were timed: a file of figures alone states its own ratios.
+            *(
+                [
+                    "Times: pytest-benchmark's median over rounds; ratios: the peer's median over "
+                    "the entry's, both from this run (> 1: faster than the peer)."
+                ]
+                if _RESULTS
+                else []
+            ),
             *_NOT_MEASURED,
         ],
         "headlines": headlines,
