@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import copy
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +28,8 @@ import torch
 from torch import nn
 
 from hetcoll.torch import model_layers, parallelize
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 #: Interleaved rounds (the first three warm up), each timing a model's steps (``MODELS``) of
 #: either.
@@ -49,15 +53,13 @@ def _resnet() -> tuple[nn.Module, Any, torch.Tensor, Callable[..., Any], Any]:
     return resnet18(num_classes=10), x, y, nn.functional.cross_entropy, None
 
 
-def _lm_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
-    logits = output.logits[:, :-1]
-    return nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
-    )
-
-
 def _gpt2() -> tuple[nn.Module, Any, torch.Tensor, Callable[..., Any], Any]:
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    # The LM example's loss and its count of valid tokens (examples/train_lm.py).
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    from train_lm import lm_loss, valid_tokens
 
     config = GPT2Config(
         vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=32,
@@ -65,8 +67,7 @@ def _gpt2() -> tuple[nn.Module, Any, torch.Tensor, Callable[..., Any], Any]:
     )  # fmt: skip
     ids = torch.randint(0, 256, (8, 32))
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    items = lambda y: (y[:, 1:] != -100).sum()  # noqa: E731 (the loss's valid tokens)
-    return GPT2LMHeadModel(config), inputs, ids, _lm_loss, items
+    return GPT2LMHeadModel(config), inputs, ids, lm_loss, valid_tokens
 
 
 #: Each model and the steps a round times of it.

@@ -2,8 +2,10 @@
 reaper, which kills the processes a failed (timed-out) test left running; and the rule that
 only tests marked ``multiproc`` launch ranks."""
 
+import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import pytest
 
@@ -63,6 +65,12 @@ one_rank = pytest.fixture(scope="module", name="one_rank")(_group_of_one)
 #: The group of one for one test, where the module's other tests must run outside any group
 #: (tests forking ranks, which would inherit it).
 one_rank_for_a_test = pytest.fixture(name="one_rank_for_a_test")(_group_of_one)
+
+
+@pytest.fixture
+def group_of_one() -> Callable[[], AbstractContextManager[None]]:
+    """The group of one for a ``with`` block, where a test also runs outside any group."""
+    return contextlib.contextmanager(_group_of_one)
 
 
 @pytest.fixture

@@ -142,19 +142,14 @@ def test_a_group_scaler_over_the_default_group_pickles_as_ddp_does(one_rank_for_
         pickle.dumps(explicit)
 
 
-def test_an_unpickled_group_scaler_where_there_is_no_group_says_so():
+def test_an_unpickled_group_scaler_where_there_is_no_group_says_so(group_of_one):
     """Unpickled where there is no default group, an enabled scaler raises naming the group
     (a disabled one needs none)."""
     import pickle
 
     disabled = pickle.loads(pickle.dumps(GroupGradScaler("cpu", enabled=False)))
     assert disabled.comm is None and not disabled.is_enabled()
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with group_of_one():
         raw = pickle.dumps(GroupGradScaler("cpu"))
-    finally:
-        dist.destroy_process_group()
     with pytest.raises(ValueError, match="group"):
         pickle.loads(raw)
