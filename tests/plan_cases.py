@@ -457,21 +457,115 @@ OWNERS_AFTER_SPLIT = {
 }
 
 
-def bad_input(group: Any) -> int:
-    """Each mistake raises the same error on every rank; returns how many were checked."""
-    rank = wrap(group).rank
-    plan = Plan.from_dict(PIPELINE_4)
-    checked = 0
+class Raises:
+    """``raises(kind, text, fn)``: ``fn()`` must raise ``kind`` with ``text`` in its message;
+    ``count`` says how many did."""
 
-    def raises(kind: type[BaseException], text: str, fn: Any) -> None:
-        nonlocal checked
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, kind: type[BaseException], text: str, fn: Any) -> None:
         try:
             fn()
         except kind as e:
             assert text in str(e), (text, str(e))
-            checked += 1
+            self.count += 1
             return
         raise AssertionError(f"no {kind.__name__} ({text})")
+
+
+#: Data parallelism, uneven shares: no rank sends anything before the gradients' sum, so
+#: Parallel.step checks the batch and sums the loss in one allgather after the backward.
+DATA_PARALLEL = {
+    "microbatches": 2,
+    "replicas": [
+        {"samples": s, "stages": [{"ranks": [r], "layers": [0, 11]}]}
+        for r, s in enumerate((5, 3, 4, 2))
+    ],
+}
+
+
+def data_parallel_errors(group: Any) -> int:
+    """Under DATA_PARALLEL, whose step checks its batch after the backward: each mistake
+    raises on every rank (none hangs), and the next good step trains. Returns how many
+    raised."""
+    rank = wrap(group).rank
+    torch.manual_seed(0)
+    model = cnn().double()
+    raises = Raises()
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if rank == 2 and failing:
+            raise RuntimeError("rank 2's loss failed")
+        return nn.functional.cross_entropy(out, y)
+
+    failing = False
+    par = parallelize(model, DATA_PARALLEL, loss_fn=loss_fn, group=group)
+    (x, y), (x13, y13) = batches((3, 8, 8), 14, 1)[0], batches((3, 8, 8), 13, 1)[0]
+    raises(ValueError, "the plan's replicas take 14 samples a step", lambda: par.step(x13, y13))
+    raises(
+        CollectiveMismatchError,
+        "the number of input rows",
+        lambda: par.step(*((x, y) if rank else (x13, y13))),
+    )
+    with torch.no_grad() if rank == 0 else contextlib.nullcontext():
+        raises(CollectiveMismatchError, "ranks disagree on gradients", lambda: par.step(x, y))
+    failing = True
+    if rank == 2:
+        raises(RuntimeError, "rank 2's loss failed", lambda: par.step(x, y))
+    else:
+        raises(CollectiveMismatchError, "rank 2 raised RuntimeError", lambda: par.step(x, y))
+    failing = False
+    init = 2.0**4 if rank == 2 else 2.0**5
+    scaler = GroupGradScaler("cpu", init, group=group)
+    raises(ValueError, "loss scales differ", lambda: par.step(x, y, scaler=scaler))
+    # The next step trains: the one process's loss.
+    for p in par.parameters():
+        p.grad = None
+    want = float(nn.functional.cross_entropy(model(x), y))
+    loss = par.step(x, y)
+    assert abs(loss - want) <= TOL * abs(want), (loss, want)
+    return raises.count
+
+
+def data_parallel_collectives() -> dict[str, list[int]]:
+    """The torch.distributed collectives of DATA_PARALLEL's steps (allgathers, allreduces),
+    counted on the default group: a training step's check with its loss, and its gradients'
+    sum; an evaluation step's check with its loss alone."""
+    import torch.distributed as dist
+
+    par = parallelize(cnn().double(), DATA_PARALLEL, loss_fn=nn.CrossEntropyLoss())
+    x, y = batches((3, 8, 8), 14, 1)[0]
+    par.step(x, y)  # a first step, uncounted
+    count = {"allgather": 0, "allreduce": 0}
+    real_gather, real_reduce = dist.all_gather_into_tensor, dist.all_reduce
+
+    def gather(*args: Any, **kwargs: Any) -> Any:
+        count["allgather"] += 1
+        return real_gather(*args, **kwargs)
+
+    def reduce(*args: Any, **kwargs: Any) -> Any:
+        count["allreduce"] += 1
+        return real_reduce(*args, **kwargs)
+
+    dist.all_gather_into_tensor, dist.all_reduce = gather, reduce
+    out = {}
+    try:
+        for mode in ("train", "eval"):
+            count.update(allgather=0, allreduce=0)
+            with torch.no_grad() if mode == "eval" else contextlib.nullcontext():
+                par.step(x, y)
+            out[mode] = [count["allgather"], count["allreduce"]]
+    finally:
+        dist.all_gather_into_tensor, dist.all_reduce = real_gather, real_reduce
+    return out
+
+
+def bad_input(group: Any) -> int:
+    """Each mistake raises the same error on every rank; returns how many were checked."""
+    rank = wrap(group).rank
+    plan = Plan.from_dict(PIPELINE_4)
+    raises = Raises()
 
     torch.manual_seed(0)
     model = cnn().double()
@@ -515,7 +609,7 @@ def bad_input(group: Any) -> int:
     # Ranks that pass different batches.
     x, y = batches((3, 8, 8), 14 if rank else 13, 1)[0]
     raises(CollectiveMismatchError, "the number of input rows", lambda: par.step(x, y))
-    return checked
+    return raises.count
 
 
 def run_all(group: Any) -> dict[str, Any]:
@@ -570,22 +664,28 @@ def run_all(group: Any) -> dict[str, Any]:
         warnings.simplefilter("ignore")  # its attentions are left unsplit
         equals_one_process(group, swin, Plan.from_dict(SWIN), (3, 16, 16), steps=2)
     out["swin"] = True
+    equals_one_process(group, cnn, Plan.from_dict(DATA_PARALLEL), (3, 8, 8))
+    out["data_parallel"] = True
+    out["data_parallel_errors"] = data_parallel_errors(group)
     out["errors"] = bad_input(group)
     out["scaler_mistakes"] = scaler_mistakes(group)
     # hetcoll's scaler sums the overflow flags through the plan's own communicator: MPI too.
-    out["loss_scaled"] = loss_scaled(group, functools.partial(GroupGradScaler, group=group))
+    scaler = functools.partial(GroupGradScaler, group=group)
+    out["loss_scaled"] = loss_scaled(group, scaler)
+    out["loss_scaled_data_parallel"] = loss_scaled(group, scaler, DATA_PARALLEL)
     return out
 
 
-def loss_scaled(group: Any, make: Any) -> list[float]:
-    """Loss scaling under IDLE (a whole replica, a 2-stage pipeline, an idle rank) with the
-    scaler ``make(device="cpu", ...)`` (a ShardedGradScaler or a GroupGradScaler): 4
-    steps equal one process training unscaled (scales are powers of two, exact in float64),
-    except step 1, in which only rank 3 (the pipeline's first stage) finds an overflow in its
-    gradients: every rank skips it, the idle rank too, and one process skips it alike. The
-    losses the step returns are unscaled. Returns the scale after each step."""
+def loss_scaled(group: Any, make: Any, plan_dict: dict[str, Any] = IDLE) -> list[float]:
+    """Loss scaling under IDLE (a whole replica, a 2-stage pipeline, an idle rank), or
+    ``plan_dict``, with the scaler ``make(device="cpu", ...)`` (a ShardedGradScaler or a
+    GroupGradScaler): 4 steps equal one process training unscaled (scales are powers of two,
+    exact in float64), except step 1, in which only rank 3 (IDLE's pipeline's first stage)
+    finds an overflow in its gradients: every rank skips it, the idle rank too, and one
+    process skips it alike. The losses the step returns are unscaled. Returns the scale after
+    each step."""
     rank = wrap(group).rank
-    plan = Plan.from_dict(IDLE)
+    plan = Plan.from_dict(plan_dict)
     torch.manual_seed(0)
     model = cnn().double()
     data = batches((3, 8, 8), plan.batch, 4)
@@ -658,6 +758,7 @@ def run_torch(rank: int, world: int) -> dict[str, Any]:
 
     out = run_all(None)
     out["loss_scaled_sharded"] = loss_scaled(None, ShardedGradScaler)
+    out["data_parallel_collectives"] = data_parallel_collectives()
     return out
 
 

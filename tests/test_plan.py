@@ -39,6 +39,10 @@ EXPECTED = {
     "routed": True,
     "casts": True,
     "swin": True,
+    "data_parallel": True,
+    # Wrong rows; rows that differ; a rank evaluating alone; a rank's loss raising; scales
+    # that differ.
+    "data_parallel_errors": 5,
     "errors": 6,
 }
 #: A scaler that cannot run, on every rank: a GradScaler, a float, scales that differ between
@@ -57,8 +61,12 @@ def _check(results: list[dict], engine: str) -> None:
         idle = r.pop("idle")
         assert r.pop("scaler_mistakes") == SCALER_MISTAKES[engine], (rank, r)
         assert r.pop("loss_scaled") == SCALES, (rank, r)
+        assert r.pop("loss_scaled_data_parallel") == SCALES, (rank, r)
         if engine == "gloo":  # a ShardedGradScaler needs torch.distributed
             assert r.pop("loss_scaled_sharded") == SCALES, (rank, r)
+            # A data-parallel step: its batch's check and loss in one allgather after the
+            # backward, then the gradients' one sum; evaluating, the allgather alone.
+            assert r.pop("data_parallel_collectives") == {"train": [1, 1], "eval": [1, 0]}
         assert r == EXPECTED, (rank, r)
         if rank == 1:  # the idle rank sent nothing
             assert idle == dict.fromkeys(("activations", "gradients", "outputs", "allreduce"), 0)

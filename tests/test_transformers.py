@@ -56,7 +56,7 @@ EXPECTED = {
     "checkpointed": True,
     "scaled": True,
     "lora": {"summed adapters alone": True, "thawed": True, "named where held": True},
-    "errors": 11,
+    "errors": 13,
 }
 
 

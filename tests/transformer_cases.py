@@ -737,8 +737,21 @@ def bad_input(group: Any) -> int:
         "heads (of 8 features each), too few for 3 ranks",
         lambda: parallelize(EncoderLM().double(), three, loss_fn=lm_loss, group=group),
     )
-    par = parallelize(model, plan, loss_fn=lm_loss, items=valid_tokens, group=group)
     ((inputs, labels),) = batches(7, 1)
+    # A batch of other rows than the plan's, where a rank sends nothing a step: data
+    # parallelism (its check after the backward), and a rank's own replica beside a pipeline
+    # (its check before the step's end; rank 3 idle).
+    layers = len(model_layers(model))
+    alone = [{"samples": 2, "stages": [{"ranks": [r], "layers": [0, layers]}]} for r in range(4)]
+    pipeline = [{"ranks": [1], "layers": [0, 4]}, {"ranks": [2], "layers": [4, layers]}]
+    for replicas in (alone, [alone[0], {"samples": 6, "stages": pipeline}]):
+        par = parallelize(model, {"replicas": replicas}, loss_fn=lm_loss, group=group)
+        raises(
+            ValueError,
+            "the plan's replicas take 8 samples a step",
+            lambda par=par: par.step(inputs, labels),
+        )
+    par = parallelize(model, plan, loss_fn=lm_loss, items=valid_tokens, group=group)
     ragged = dict(inputs, attention_mask=inputs["attention_mask"][:6])
     raises(ValueError, "its tensors must agree on dim 0", lambda: par.step(ragged, labels))
     raises(

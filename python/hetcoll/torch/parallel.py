@@ -66,6 +66,7 @@ from hetcoll.torch.filters.shards import register_marking, track_optimizers
 from hetcoll.torch.layers import model_cut
 from hetcoll.torch.loss_scaling import (
     GROUP,
+    SCALE_FIELDS,
     SHARDED,
     scale_fields,
     scaler_status,
@@ -454,6 +455,8 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         differ (a pipeline's stages would unscale what another scaled) raise ``ValueError`` on
         every rank at the step's end."""
         scaling, why_not = scaler_status(scaler, self._tr.comm)
+        if _sends_nothing(self.plan):
+            return self._step_alone(inputs, targets, scaler, scaling, why_not)
         checked = self._check_batch(inputs, targets, scaling, why_not)
         try:
             weights = self._microbatch_weights(targets)
@@ -528,6 +531,82 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             parts.append(scale_fields(scale).to(self._device))
         total = torch.cat(parts).to(self._wire_device())
         summing = self._tr.iallreduce(total)
+        self._gradients_summed(kept)
+        self._tr.wait([summing])
+        loss, thawed_anywhere, *scales = total.tolist()
+        self._raise_flags(thawed, thawed_anywhere, scales)
+        return loss
+
+    def _step_alone(
+        self,
+        inputs: Any,
+        targets: Any,
+        scaler: torch.amp.GradScaler | None,
+        scaling: int,
+        why_not: str | None,
+    ) -> float:
+        """:meth:`step` for a plan whose ranks send nothing before the gradients' sums (every
+        replica one rank, no experts: data parallelism). The batch's check, the loss's sum and
+        the step's flags go in one allgather after this rank's forwards and backwards
+        (:func:`~hetcoll.comm.agree`), not in an allgather before them and a sum after: one
+        collective a step fewer, the gradients' sum the only other (a gloo collective costs
+        about a millisecond between two local ranks, whatever its size). A rank whose own
+        work raised joins it with its error, so that every rank raises; a batch the ranks
+        agree on but the plan does not take computes nothing and raises on every rank."""
+        fields, bad_batch = self._batch_fields(inputs, targets, scaling, why_not)
+        self._traffic.update(dict.fromkeys(TRAFFIC_KINDS, 0))
+        kept: dict[nn.Parameter, torch.Tensor | None] = {}
+        local = scale = None
+        failure: Exception | None = None
+        values = np.zeros(2 + SCALE_FIELDS, dtype=np.int64)
+        if bad_batch is None:
+            try:
+                weights = self._microbatch_weights(targets)
+                if scaler is not None and scaling in (SHARDED, GROUP) and torch.is_grad_enabled():
+                    scale = scaler.scale(torch.ones((), dtype=torch.float32, device=self._device))
+                    self._scaler = scaler
+                if self.place is not None:
+                    for p in self._held_parameters():
+                        kept[p] = p.grad
+                        p.grad = None
+                    local = self._run(inputs, targets, _nothing_to_wait_for, weights)
+                elif self._kind == "blocks":  # the working ranks' probe: the same errors
+                    self._flow(_rows(inputs, slice(0, self.plan.microbatch_sizes(0)[0])))
+                # This rank's loss (its float64 bits), thawed parameters and scale: read from
+                # its device once (a CUDA rank's one sync of the step).
+                thawed = sum(p.requires_grad for _, p in self._unsummed_frozen)
+                read = torch.cat(
+                    [
+                        torch.zeros(1, dtype=torch.float64, device=self._device)
+                        if local is None
+                        else local.reshape(1).to(self._device, torch.float64),
+                        torch.zeros(SCALE_FIELDS, dtype=torch.float64, device=self._device)
+                        if scale is None
+                        else scale_fields(scale).to(self._device),
+                    ]
+                ).tolist()
+                values[0] = np.float64(read[0]).view(np.int64)
+                values[1] = thawed
+                values[2:] = read[1:]
+            except Exception as e:  # told to every rank by the agreement
+                failure = e
+            finally:
+                self._scaler = None
+        rows = agree(self._tr.comm, fields, failure=failure, values=values)
+        if bad_batch is not None:
+            raise bad_batch  # the same on every rank: the fields it follows from agree
+        self._gradients_summed(kept)
+        loss = float(np.ascontiguousarray(rows[:, 0]).view(np.float64).sum())
+        scales = rows[:, 2:].sum(axis=0).tolist() if scale is not None else []
+        self._raise_flags(
+            [n for n, p in self._unsummed_frozen if p.requires_grad], int(rows[:, 1].sum()), scales
+        )
+        return loss
+
+    def _gradients_summed(self, kept: dict[nn.Parameter, torch.Tensor | None]) -> None:
+        """After a step's forwards and backwards: the replicas' gradients summed
+        (:meth:`_combine`), added to what each held parameter had before the step (``kept``);
+        an idle rank's placeholder given its zero gradient."""
         if self.place is not None:
             if torch.is_grad_enabled():  # on every rank alike: the batch's check agreed on it
                 self._combine()
@@ -540,8 +619,10 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             # optimizer state counts the steps the parameter it stands for took: an Adam
             # placeholder's ``step`` is written beside that parameter's (hold_nothing).
             idle.grad = torch.zeros_like(idle)
-        self._tr.wait([summing])
-        loss, thawed_anywhere, *scales = total.tolist()
+
+    def _raise_flags(self, thawed: list[str], thawed_anywhere: float, scales: list[float]) -> None:
+        """Raise, on every rank alike, where the step's summed flags say the ranks scaled by
+        different factors or a parameter left out of every sum trains now."""
         if scales and not scales_agree(scales, self._tr.size):
             raise ValueError(
                 "scaler: the ranks' loss scales differ, so a stage would unscale gradients "
@@ -556,7 +637,6 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                 f"stage, and now they require gradients ({', '.join(thawed) or 'on other ranks'}"
                 "): unfreeze them before parallelize, or parallelize again"
             )
-        return loss
 
     def extra_repr(self) -> str:
         if self.place is None:
@@ -567,15 +647,12 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
 
     # -- a step -----------------------------------------------------------------------------------
 
-    def _check_batch(
+    def _batch_fields(
         self, inputs: Any, targets: Any, scaling: int, why_not: str | None
-    ) -> Callable[[], None]:
-        """Start checking with every rank that the batch is the plan's and the same shape
-        everywhere: one small allgather, not waited for. The returned function waits for it
-        (once) and raises the same error on every rank. Until it has returned a rank may
-        compute but must not communicate: a replica's first stage runs its first forwards
-        meanwhile, so the check costs the step nothing when the ranks reach it at different
-        moments."""
+    ) -> tuple[dict[str, int], BaseException | None]:
+        """What every rank must agree on about a step's batch, and what is wrong with it on this
+        rank, if anything: an error that follows from those fields, so the same on every rank
+        once they agree."""
         keyed = self._kind == "blocks"
         rows_in, why_in = _batch_rows(inputs, "inputs", keyed)
         rows_t, why_t = _batch_rows(targets, "targets", True)
@@ -589,6 +666,30 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             "loss scaling (0: no scaler, 1: a ShardedGradScaler, 2: a scaler that cannot run, "
             "3: a GroupGradScaler)": scaling,
         }
+        if why_not is not None:
+            return fields, TypeError(why_not)
+        for why in (why_in, why_t):
+            if why is not None:
+                return fields, why
+        for name, rows in (("inputs", rows_in), ("targets", rows_t)):
+            if rows != self.plan.batch:
+                return fields, ValueError(
+                    f"{name}: the plan's replicas take {self.plan.batch} samples a step "
+                    f"({' + '.join(str(r.samples) for r in self.plan.replicas)}), got "
+                    f"{rows} rows"
+                )
+        return fields, None
+
+    def _check_batch(
+        self, inputs: Any, targets: Any, scaling: int, why_not: str | None
+    ) -> Callable[[], None]:
+        """Start checking with every rank that the batch is the plan's and the same shape
+        everywhere (:meth:`_batch_fields`): one small allgather, not waited for. The returned
+        function waits for it (once) and raises the same error on every rank. Until it has
+        returned a rank may compute but must not communicate: a replica's first stage runs its
+        first forwards meanwhile, so the check costs the step nothing when the ranks reach it
+        at different moments."""
+        fields, bad_batch = self._batch_fields(inputs, targets, scaling, why_not)
         started = start_agreement(self._tr.comm, fields)
         done = False
 
@@ -598,18 +699,8 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                 return
             done = True
             started()
-            if why_not is not None:
-                raise TypeError(why_not)
-            for why in (why_in, why_t):
-                if why is not None:
-                    raise why
-            for name, rows in (("inputs", rows_in), ("targets", rows_t)):
-                if rows != self.plan.batch:
-                    raise ValueError(
-                        f"{name}: the plan's replicas take {self.plan.batch} samples a step "
-                        f"({' + '.join(str(r.samples) for r in self.plan.replicas)}), got "
-                        f"{rows} rows"
-                    )
+            if bad_batch is not None:
+                raise bad_batch
 
         return wait
 
@@ -990,6 +1081,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         except BaseException:
             checked()
             raise
+        checked()  # a stage that sent and received nothing has not waited for it yet
         tr.wait(sends)
         return loss_sum if last and lead else None
 
@@ -1165,6 +1257,19 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             for piece in trained:
                 if piece.param.grad is not None or id(piece) in reached:
                     piece.param.grad = piece.take(buf)
+
+
+def _sends_nothing(plan: Plan) -> bool:
+    """Whether no rank sends anything during a step of ``plan`` before the gradients' sums:
+    every replica one stage of one rank, and no experts (whose forwards exchange tokens)."""
+    return plan.experts is None and all(
+        len(r.stages) == 1 and len(r.stages[0].ranks) == 1 for r in plan.replicas
+    )
+
+
+def _nothing_to_wait_for() -> None:
+    """The batch check's wait where the check comes after the step's own work
+    (:meth:`Parallel._step_alone`)."""
 
 
 def _summed_loss(total: torch.Tensor | None, loss: torch.Tensor) -> torch.Tensor:
