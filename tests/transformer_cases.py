@@ -311,13 +311,16 @@ def equals_one_process(
     clip: float | None = None,
     traffic: bool = True,
     scaler: Any = None,
+    layer_by_layer: bool = False,
 ) -> dict[str, int]:
     """``plan`` trains ``make()`` (in ``dtype``) like one process on the CPU; with ``device``
     this rank's part of the model lives there (a GPU rank beside CPU ranks); with ``clip``,
     both clip each step's gradients to that norm (:meth:`Parallel.clip_grad_norm_`); with
     ``traffic``, a split stage's bytes are checked (:func:`split_stage`: each split layer
     called once per forward); with ``scaler``, the plan scales its losses by it (unscaled
-    before the clip; a power of two: the same numbers in float64)."""
+    before the clip; a power of two: the same numbers in float64); with ``layer_by_layer``, a
+    split stage's layers each gather their outputs instead of pairing by heads
+    (:func:`split_stage`)."""
     torch.manual_seed(0)
     model = make().to(dtype)
     data = batches(plan.batch, steps)
@@ -339,7 +342,7 @@ def equals_one_process(
         else:
             opt.step()
         opt.zero_grad()
-    split_stage(par, traffic)
+    split_stage(par, traffic, layer_by_layer)
     if device is not None:
         assert all(p.device == device for p in par.parameters())
     got = par.full_state_dict()
@@ -359,17 +362,21 @@ def equals_one_process(
     return par.traffic()
 
 
-def split_stage(par: Any, traffic: bool = True) -> None:
+def split_stage(par: Any, traffic: bool = True, layer_by_layer: bool = False) -> None:
     """On a rank of a stage split over several ranks, every attention is split by heads and
     every MLP by hidden units, paired (no layer of a block gathers its output; only the head,
     outside the blocks, may); with ``traffic``, the last step's bytes are those of a
-    reduction per split block and micro-batch each way."""
+    reduction per split block and micro-batch each way. With ``layer_by_layer`` instead
+    (PEFT's wrapped projections), each split layer gathers its output."""
     if par.place is None:
         return
     i, j = par.place
     if len(par.plan.replicas[i].stages[j].ranks) < 2:
         return
     modes = {n: m.mode for n, m in par.stage.named_modules() if isinstance(m, FilterParallelLayer)}
+    if layer_by_layer:
+        assert modes and set(modes.values()) == {"gather"}, modes
+        return
     attentions = (".attn", ".self_attn", ".self_attention", ".SelfAttention", ".EncDecAttention")
     heads = [
         n
@@ -902,12 +909,26 @@ def gpt2_lora() -> nn.Module:
     return get_peft_model(gpt2(), config)
 
 
+def llama_lora() -> nn.Module:
+    """Llama with PEFT's LoRA adapters (rank 4) on its attentions' four projections and its
+    MLPs' gate and down projections (the up projections frozen, without adapters)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+    return get_peft_model(llama(), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+
+
 def lora(group: Any) -> dict[str, Any]:
     """A LoRA fine-tuning (:func:`gpt2_lora`) through a pipeline beside two whole-model
     replicas (:func:`plan_cases.three_replicas`, cut after the embeddings) equals one process,
     and the replicas sum the adapters' gradients alone: the frozen base weights cost the step
     no bytes (DDP's rule). A base weight unfrozen after parallelize raises on every rank,
-    naming it where it is held (its gradient would be summed nowhere)."""
+    naming it where it is held (its gradient would be summed nowhere). Through a stage split
+    over two ranks (:func:`hybrid`), PEFT's wrapped projections of a Llama split layer by
+    layer, each gathering its output (docs/guides.md): the one process's numbers too."""
+    equals_one_process(
+        group, llama_lora, Plan.from_dict(hybrid(_layers(llama_lora))), layer_by_layer=True
+    )
     plan = Plan.from_dict(three_replicas(_layers(gpt2_lora), 3))
     traffic = equals_one_process(group, gpt2_lora, plan, traffic=False)
     model = gpt2_lora()
