@@ -516,15 +516,21 @@ def data_parallel_errors(group: Any) -> int:
     else:
         raises(CollectiveMismatchError, "rank 2 raised RuntimeError", lambda: par.step(x, y))
     failing = False
+    # No failed step left a gradient (each rank's own work put back).
+    assert all(p.grad is None for p in par.parameters())
     init = 2.0**4 if rank == 2 else 2.0**5
     scaler = GroupGradScaler("cpu", init, group=group)
     raises(ValueError, "loss scales differ", lambda: par.step(x, y, scaler=scaler))
-    # The next step trains: the one process's loss.
+    # Scales that differ are found at the step's end, its gradients summed: set aside. The
+    # next step trains: the one process's loss and gradients.
     for p in par.parameters():
         p.grad = None
-    want = float(nn.functional.cross_entropy(model(x), y))
     loss = par.step(x, y)
-    assert abs(loss - want) <= TOL * abs(want), (loss, want)
+    out = nn.functional.cross_entropy(model(x), y)
+    out.backward()
+    assert abs(loss - float(out)) <= TOL * abs(float(out)), (loss, float(out))
+    got = dict(par.named_parameters())
+    assert all(rel(got[n].grad, p.grad) <= TOL for n, p in model.named_parameters())
     return raises.count
 
 

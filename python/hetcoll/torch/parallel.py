@@ -432,7 +432,9 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         a dict of the forward's keyword arguments (``{"input_ids": ids, "attention_mask":
         mask}``); ``targets`` a tensor or a dict of tensors. Both are cut into micro-batches
         along dim 0. Returns the batch's mean loss (over its items: :func:`parallelize`'s
-        ``items``) on every rank. Collective over the group.
+        ``items``) on every rank. Collective over the group. A step that raises before its
+        gradients' sums (a batch the ranks disagree on, a rank whose loss raises) leaves every
+        ``.grad`` as it was before it.
 
         Evaluation: ``par.eval()``, then ``with torch.no_grad(): loss = par.step(x, y)`` on
         every rank (a rank evaluating while others train raises
@@ -504,7 +506,11 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             for p in self._held_parameters():
                 kept[p] = p.grad
                 p.grad = None
-            local = self._run(inputs, targets, checked, weights)
+            try:
+                local = self._run(inputs, targets, checked, weights)
+            except BaseException:
+                _put_back(kept)
+                raise
         else:
             if self._kind == "blocks":  # the same probe as the working ranks: the same errors
                 try:
@@ -592,7 +598,11 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                 failure = e
             finally:
                 self._scaler = None
-        rows = agree(self._tr.comm, fields, failure=failure, values=values)
+        try:
+            rows = agree(self._tr.comm, fields, failure=failure, values=values)
+        except BaseException:
+            _put_back(kept)
+            raise
         if bad_batch is not None:
             raise bad_batch  # the same on every rank: the fields it follows from agree
         self._gradients_summed(kept)
@@ -1265,6 +1275,14 @@ def _sends_nothing(plan: Plan) -> bool:
     return plan.experts is None and all(
         len(r.stages) == 1 and len(r.stages[0].ranks) == 1 for r in plan.replicas
     )
+
+
+def _put_back(kept: dict[nn.Parameter, torch.Tensor | None]) -> None:
+    """A step that raised before its gradients' sums leaves each held parameter the gradient
+    it had before the step (``kept``), not the step's partial one: a caller that catches the
+    error and steps on accumulates no part of the failed step."""
+    for p, g in kept.items():
+        p.grad = g
 
 
 def _nothing_to_wait_for() -> None:
