@@ -476,20 +476,56 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                     self._boundaries(inputs, 1),
                     f"plan.replicas[{i}].stages[{j}]",
                 )
-        scale = None
-        if scaler is not None and scaling in (SHARDED, GROUP) and torch.is_grad_enabled():
-            # On every rank, one that computes no loss too: the scale starts on this rank's
-            # device (where unscale_ looks for it) and joins the step's sum.
-            try:
-                scale = scaler.scale(torch.ones((), dtype=torch.float32, device=self._device))
-            except BaseException:
-                checked()
-                raise
-            self._scaler = scaler
+        try:
+            scale = self._start_scaling(scaler, scaling)
+        except BaseException:
+            checked()
+            raise
         try:
             return self._step(inputs, targets, checked, weights, scale)
         finally:
             self._scaler = None
+
+    def _start_scaling(
+        self, scaler: torch.amp.GradScaler | None, scaling: int
+    ) -> torch.Tensor | None:
+        """The step's loss scale (a tensor, not read), where it scales its losses: on every
+        rank, one that computes no loss too, on this rank's device (where ``unscale_`` looks
+        for it); the step's micro-batches then scale by ``scaler`` (:meth:`_scaled`)."""
+        if scaler is None or scaling not in (SHARDED, GROUP) or not torch.is_grad_enabled():
+            return None
+        scale = scaler.scale(torch.ones((), dtype=torch.float32, device=self._device))
+        self._scaler = scaler
+        return scale
+
+    def _set_aside(self) -> dict[nn.Parameter, torch.Tensor | None]:
+        """This rank's held parameters' gradients before the step, each ``.grad`` cleared: the
+        step's own gradients are summed alone, then added to these (:meth:`_gradients_summed`)
+        or, where it raises first, dropped for these (:func:`_put_back`)."""
+        kept: dict[nn.Parameter, torch.Tensor | None] = {}
+        for p in self._held_parameters():
+            kept[p] = p.grad
+            p.grad = None
+        return kept
+
+    def _step_fields(self, local: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor:
+        """What every rank learns at a step's end, as a float64 tensor on this rank's device
+        (gathered there, then moved or read once: a CUDA rank's one sync of the step): its
+        loss, how many parameters left out of the sums as frozen now train, and its scale's
+        fields (:func:`scale_fields`; zeros where the step does not scale), whose sum tells
+        whether every rank scaled by the same factor."""
+        thawed = sum(p.requires_grad for _, p in self._unsummed_frozen)
+        return torch.cat(
+            [
+                torch.zeros(1, dtype=torch.float64, device=self._device)
+                if local is None
+                else local.reshape(1).to(self._device, torch.float64),
+                torch.full((1,), thawed, dtype=torch.float64, device=self._device),
+                torch.zeros(SCALE_FIELDS, dtype=torch.float64, device=self._device)
+                if scale is None
+                else scale_fields(scale).to(self._device),
+            ]
+        )
 
     def _step(
         self,
@@ -503,9 +539,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         read) where the step scales its losses."""
         kept: dict[nn.Parameter, torch.Tensor | None] = {}
         if self.place is not None:
-            for p in self._held_parameters():
-                kept[p] = p.grad
-                p.grad = None
+            kept = self._set_aside()
             try:
                 local = self._run(inputs, targets, checked, weights)
             except BaseException:
@@ -520,27 +554,15 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                     raise
             checked()
             local = None
-        # The step's loss, how many parameters left out of the sums as frozen now train, and
-        # where losses are scaled, whether every rank scaled by the same factor: every rank
-        # learns them in one sum over the group, started before the gradients' sums so that
-        # it runs beside them (on their own sub-groups), and raises.
-        # Gathered on this rank's device, then moved once: the step's one read of a loss on its
-        # device (a CUDA rank's sync on gloo).
-        thawed = [n for n, p in self._unsummed_frozen if p.requires_grad]
-        parts = [
-            torch.zeros(1, dtype=torch.float64, device=self._device)
-            if local is None
-            else local.reshape(1).to(self._device, torch.float64),
-            torch.full((1,), len(thawed), dtype=torch.float64, device=self._device),
-        ]
-        if scale is not None:
-            parts.append(scale_fields(scale).to(self._device))
-        total = torch.cat(parts).to(self._wire_device())
+        # The step's fields: every rank learns them in one sum over the group, started before
+        # the gradients' sums so that it runs beside them (on their own sub-groups), and
+        # raises.
+        total = self._step_fields(local, scale).to(self._wire_device())
         summing = self._tr.iallreduce(total)
         self._gradients_summed(kept)
         self._tr.wait([summing])
         loss, thawed_anywhere, *scales = total.tolist()
-        self._raise_flags(thawed, thawed_anywhere, scales)
+        self._raise_flags(thawed_anywhere, scales)
         return loss
 
     def _step_alone(
@@ -568,32 +590,16 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         if bad_batch is None:
             try:
                 weights = self._microbatch_weights(targets)
-                if scaler is not None and scaling in (SHARDED, GROUP) and torch.is_grad_enabled():
-                    scale = scaler.scale(torch.ones((), dtype=torch.float32, device=self._device))
-                    self._scaler = scaler
+                scale = self._start_scaling(scaler, scaling)
                 if self.place is not None:
-                    for p in self._held_parameters():
-                        kept[p] = p.grad
-                        p.grad = None
+                    kept = self._set_aside()
                     local = self._run(inputs, targets, _nothing_to_wait_for, weights)
                 elif self._kind == "blocks":  # the working ranks' probe: the same errors
                     self._flow(_rows(inputs, slice(0, self.plan.microbatch_sizes(0)[0])))
-                # This rank's loss (its float64 bits), thawed parameters and scale: read from
-                # its device once (a CUDA rank's one sync of the step).
-                thawed = sum(p.requires_grad for _, p in self._unsummed_frozen)
-                read = torch.cat(
-                    [
-                        torch.zeros(1, dtype=torch.float64, device=self._device)
-                        if local is None
-                        else local.reshape(1).to(self._device, torch.float64),
-                        torch.zeros(SCALE_FIELDS, dtype=torch.float64, device=self._device)
-                        if scale is None
-                        else scale_fields(scale).to(self._device),
-                    ]
-                ).tolist()
+                # The loss as its float64 bits, the counts as integers.
+                read = self._step_fields(local, scale).tolist()
                 values[0] = np.float64(read[0]).view(np.int64)
-                values[1] = thawed
-                values[2:] = read[1:]
+                values[1:] = read[1:]
             except Exception as e:  # told to every rank by the agreement
                 failure = e
             finally:
@@ -607,10 +613,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             raise bad_batch  # the same on every rank: the fields it follows from agree
         self._gradients_summed(kept)
         loss = float(np.ascontiguousarray(rows[:, 0]).view(np.float64).sum())
-        scales = rows[:, 2:].sum(axis=0).tolist() if scale is not None else []
-        self._raise_flags(
-            [n for n, p in self._unsummed_frozen if p.requires_grad], int(rows[:, 1].sum()), scales
-        )
+        self._raise_flags(int(rows[:, 1].sum()), rows[:, 2:].sum(axis=0).tolist())
         return loss
 
     def _gradients_summed(self, kept: dict[nn.Parameter, torch.Tensor | None]) -> None:
@@ -630,10 +633,11 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             # placeholder's ``step`` is written beside that parameter's (hold_nothing).
             idle.grad = torch.zeros_like(idle)
 
-    def _raise_flags(self, thawed: list[str], thawed_anywhere: float, scales: list[float]) -> None:
-        """Raise, on every rank alike, where the step's summed flags say the ranks scaled by
-        different factors or a parameter left out of every sum trains now."""
-        if scales and not scales_agree(scales, self._tr.size):
+    def _raise_flags(self, thawed_anywhere: float, scales: list[float]) -> None:
+        """Raise, on every rank alike, where the step's summed fields (:meth:`_step_fields`)
+        say the ranks scaled by different factors or a parameter left out of every sum trains
+        now."""
+        if not scales_agree(scales, self._tr.size):
             raise ValueError(
                 "scaler: the ranks' loss scales differ, so a stage would unscale gradients "
                 "another scaled by another factor: give every rank the same scaler settings "
@@ -641,6 +645,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                 "every rank each step"
             )
         if thawed_anywhere:
+            thawed = [n for n, p in self._unsummed_frozen if p.requires_grad]
             raise ValueError(
                 "parameters held by several stages were frozen (requires_grad False) when "
                 "parallelize built the plan, so their gradients are summed over no replica or "
