@@ -141,7 +141,9 @@ def plan_schedule(
 
 def loss_allreduce_seconds(cluster: Cluster) -> float:
     """The step's loss summed over every rank of the group, as :meth:`Parallel.step
-    <hetcoll.torch.parallel.Parallel.step>` sums it (one float64 ring allreduce)."""
+    <hetcoll.torch.parallel.Parallel.step>` sums it (one float64 ring allreduce; a
+    data-parallel plan's step gathers it with its batch's check instead, a few words a rank
+    in one allgather before the gradients' sums: as latency-bound, costed alike)."""
     link = cluster_facts(cluster).ring_link
     slowest = float(device_arrays(cluster.devices).mem_bytes_per_s.min())
     return float(
