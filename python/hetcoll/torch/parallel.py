@@ -457,7 +457,9 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         differ (a pipeline's stages would unscale what another scaled) raise ``ValueError`` on
         every rank at the step's end."""
         scaling, why_not = scaler_status(scaler, self._tr.comm)
-        if _sends_nothing(self.plan):
+        if self._tr.size > 1 and _sends_nothing(self.plan):
+            # (A group of one rank sends nothing either way: the step below skips its check
+            # and its sum there, with less host work than an agreement's.)
             return self._step_alone(inputs, targets, scaler, scaling, why_not)
         checked = self._check_batch(inputs, targets, scaling, why_not)
         try:
@@ -574,11 +576,12 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         why_not: str | None,
     ) -> float:
         """:meth:`step` for a plan whose ranks send nothing before the gradients' sums (every
-        replica one rank, no experts: data parallelism). The batch's check, the loss's sum and
-        the step's flags go in one allgather after this rank's forwards and backwards
-        (:func:`~hetcoll.comm.agree`), not in an allgather before them and a sum after: one
-        collective a step fewer, the gradients' sum the only other (a gloo collective costs
-        about a millisecond between two local ranks, whatever its size). A rank whose own
+        replica one rank, no experts: data parallelism), over several ranks. The batch's
+        check, the loss's sum and the step's flags go in one allgather after this rank's
+        forwards and backwards (:func:`~hetcoll.comm.agree`), not in an allgather before them
+        and a sum after: one collective a step fewer, the gradients' sum the only other (a
+        gloo collective costs about a millisecond between two local ranks, whatever its
+        size). A rank whose own
         work raised joins it with its error, so that every rank raises; a batch the ranks
         agree on but the plan does not take computes nothing and raises on every rank."""
         fields, bad_batch = self._batch_fields(inputs, targets, scaling, why_not)
