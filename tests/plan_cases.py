@@ -20,6 +20,7 @@ import contextlib
 import copy
 import functools
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -534,6 +535,28 @@ def data_parallel_errors(group: Any) -> int:
     return raises.count
 
 
+@contextlib.contextmanager
+def counting(calls: dict[str, int], *where: tuple[Any, str]) -> Iterator[None]:
+    """Inside it, each call of ``owner.name`` (each ``(owner, name)`` of ``where``: a module's
+    function or a class's method) adds one to ``calls[name]`` and runs the real one."""
+    real = {(owner, name): getattr(owner, name) for owner, name in where}
+
+    def counted(fn: Any, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    for (owner, name), fn in real.items():
+        setattr(owner, name, counted(fn, name))
+    try:
+        yield
+    finally:
+        for (owner, name), fn in real.items():
+            setattr(owner, name, fn)
+
+
 def data_parallel_collectives() -> dict[str, list[int]]:
     """The torch.distributed collectives of DATA_PARALLEL's steps (allgathers, allreduces),
     counted on the default group: a training step's check with its loss, and its gradients'
@@ -543,27 +566,13 @@ def data_parallel_collectives() -> dict[str, list[int]]:
     par = parallelize(cnn().double(), DATA_PARALLEL, loss_fn=nn.CrossEntropyLoss())
     x, y = batches((3, 8, 8), 14, 1)[0]
     par.step(x, y)  # a first step, uncounted
-    count = {"allgather": 0, "allreduce": 0}
-    real_gather, real_reduce = dist.all_gather_into_tensor, dist.all_reduce
-
-    def gather(*args: Any, **kwargs: Any) -> Any:
-        count["allgather"] += 1
-        return real_gather(*args, **kwargs)
-
-    def reduce(*args: Any, **kwargs: Any) -> Any:
-        count["allreduce"] += 1
-        return real_reduce(*args, **kwargs)
-
-    dist.all_gather_into_tensor, dist.all_reduce = gather, reduce
     out = {}
-    try:
-        for mode in ("train", "eval"):
-            count.update(allgather=0, allreduce=0)
-            with torch.no_grad() if mode == "eval" else contextlib.nullcontext():
-                par.step(x, y)
-            out[mode] = [count["allgather"], count["allreduce"]]
-    finally:
-        dist.all_gather_into_tensor, dist.all_reduce = real_gather, real_reduce
+    for mode in ("train", "eval"):
+        calls = {"all_gather_into_tensor": 0, "all_reduce": 0}
+        evaluating = torch.no_grad() if mode == "eval" else contextlib.nullcontext()
+        with counting(calls, (dist, "all_gather_into_tensor"), (dist, "all_reduce")), evaluating:
+            par.step(x, y)
+        out[mode] = [calls["all_gather_into_tensor"], calls["all_reduce"]]
     return out
 
 
@@ -828,20 +837,7 @@ def alone(rank: int, world: int) -> dict[str, int]:
     from hetcoll.comm.distributed import TorchCommunicator
 
     sent = {"iallgatherv": 0, "all_reduce": 0}
-    real = TorchCommunicator.iallgatherv
-    real_all_reduce = dist.all_reduce
-
-    def counted(self: Any, *args: Any) -> Any:
-        sent["iallgatherv"] += 1
-        return real(self, *args)
-
-    def counted_all_reduce(*args: Any, **kwargs: Any) -> Any:
-        sent["all_reduce"] += 1
-        return real_all_reduce(*args, **kwargs)
-
-    TorchCommunicator.iallgatherv = counted  # type: ignore[method-assign]
-    dist.all_reduce = counted_all_reduce
-    try:
+    with counting(sent, (TorchCommunicator, "iallgatherv"), (dist, "all_reduce")):
         stage = {"ranks": [0], "layers": [0, 11]}
         whole = Plan.from_dict({"replicas": [{"samples": 6, "stages": [stage]}]})
         equals_one_process(None, cnn, whole, (3, 8, 8))
@@ -860,9 +856,6 @@ def alone(rank: int, world: int) -> dict[str, int]:
             loss = par.step(x, y)
         assert isinstance(loss, float) and loss > 0, loss
         sent["reads"] = reads.count
-    finally:
-        TorchCommunicator.iallgatherv = real  # type: ignore[method-assign]
-        dist.all_reduce = real_all_reduce
     return sent
 
 

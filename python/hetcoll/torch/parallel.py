@@ -457,6 +457,8 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         differ (a pipeline's stages would unscale what another scaled) raise ``ValueError`` on
         every rank at the step's end."""
         scaling, why_not = scaler_status(scaler, self._tr.comm)
+        # Reset in place: a split stage's CountingCommunicator holds this dict and counts into it.
+        self._traffic.update(dict.fromkeys(TRAFFIC_KINDS, 0))
         if self._tr.size > 1 and _sends_nothing(self.plan):
             # (A group of one rank sends nothing either way: the step below skips its check
             # and its sum there, with less host work than an agreement's.)
@@ -467,8 +469,6 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         except BaseException:
             checked()
             raise
-        # Reset in place: a split stage's CountingCommunicator holds this dict and counts into it.
-        self._traffic.update(dict.fromkeys(TRAFFIC_KINDS, 0))
         if self._blocks:  # owners stages' shape rules, checked on every rank alike
             checked()
             for (i, j), blocks in self._blocks.items():
@@ -548,9 +548,9 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                 _put_back(kept)
                 raise
         else:
-            if self._kind == "blocks":  # the same probe as the working ranks: the same errors
+            if self._kind == "blocks":
                 try:
-                    self._flow(_rows(inputs, slice(0, self.plan.microbatch_sizes(0)[0])))
+                    self._probe_idle(inputs)
                 except BaseException:
                     checked()
                     raise
@@ -581,11 +581,10 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         forwards and backwards (:func:`~hetcoll.comm.agree`), not in an allgather before them
         and a sum after: one collective a step fewer, the gradients' sum the only other (a
         gloo collective costs about a millisecond between two local ranks, whatever its
-        size). A rank whose own
-        work raised joins it with its error, so that every rank raises; a batch the ranks
-        agree on but the plan does not take computes nothing and raises on every rank."""
+        size). A rank whose own work raised joins it with its error, so that every rank
+        raises; a batch the ranks agree on but the plan does not take computes nothing and
+        raises on every rank."""
         fields, bad_batch = self._batch_fields(inputs, targets, scaling, why_not)
-        self._traffic.update(dict.fromkeys(TRAFFIC_KINDS, 0))
         kept: dict[nn.Parameter, torch.Tensor | None] = {}
         local = scale = None
         failure: Exception | None = None
@@ -597,8 +596,8 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                 if self.place is not None:
                     kept = self._set_aside()
                     local = self._run(inputs, targets, _nothing_to_wait_for, weights)
-                elif self._kind == "blocks":  # the working ranks' probe: the same errors
-                    self._flow(_rows(inputs, slice(0, self.plan.microbatch_sizes(0)[0])))
+                elif self._kind == "blocks":
+                    self._probe_idle(inputs)
                 # The loss as its float64 bits, the counts as integers.
                 read = self._step_fields(local, scale).tolist()
                 values[0] = np.float64(read[0]).view(np.int64)
@@ -618,6 +617,11 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         loss = float(np.ascontiguousarray(rows[:, 0]).view(np.float64).sum())
         self._raise_flags(int(rows[:, 1].sum()), rows[:, 2:].sum(axis=0).tolist())
         return loss
+
+    def _probe_idle(self, inputs: Any) -> None:
+        """On an idle rank of a blocks model: the probe the working ranks run on the step's
+        first micro-batch, so that it raises the same errors they do."""
+        self._flow(_rows(inputs, slice(0, self.plan.microbatch_sizes(0)[0])))
 
     def _gradients_summed(self, kept: dict[nn.Parameter, torch.Tensor | None]) -> None:
         """After a step's forwards and backwards: the replicas' gradients summed
