@@ -789,7 +789,7 @@ def equals_unsplit(
         loss_ref.backward()
         loss.backward()
         grads = gather_gradients(split, dst=None)
-        want = {n: q.grad for n, q in ref.named_parameters()}
+        want = {n: q.grad for n, q in ref.named_parameters() if q.grad is not None}
         assert grads is not None and set(grads) == set(want), sorted(set(grads) ^ set(want))
         for n, g in want.items():
             close(grads[n], g, f"step {step}: gradient of {n}")
@@ -1458,6 +1458,7 @@ def run_all(group: Any) -> dict[str, Any]:
     out["loss_parallel"] = loss_parallel(group)
     out["dropout"] = dropout(group)
     out["traces"] = traces(group)
+    out["lora"] = lora_heads(group)
     return out
 
 
@@ -1490,6 +1491,83 @@ def traces(group: Any) -> dict[str, int]:
     finally:
         fx.Tracer.trace = trace  # type: ignore[method-assign]
     return most
+
+
+def _with_lora(model: nn.Module, targets: list[str], dropout: float = 0.0, **kw: Any) -> nn.Module:
+    """``model`` with PEFT's LoRA adapters (rank 4) on ``targets``, their B matrices drawn (PEFT
+    starts them at zero, which would hide a wrong split of the adapters' path)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=dropout, **kw)
+    lora = get_peft_model(model, config)
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0.0, 0.2)
+    return lora
+
+
+def _trained_whole(model: nn.Module) -> nn.Module:
+    """``model`` with every parameter trainable: the base layers' gradients checked too."""
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+def llama_lora() -> nn.Module:
+    """:func:`llama` with adapters on its seven projections, every weight trainable."""
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return _trained_whole(_with_lora(llama(), targets))
+
+
+def gpt2_lora() -> nn.Module:
+    """:func:`gpt2` with adapters on its packed query/key/value projection and both output
+    projections (Conv1D base layers, ``fan_in_fan_out``), its MLP's first layer bare; every
+    weight trainable."""
+    return _trained_whole(_with_lora(gpt2(), ["c_attn", "c_proj"], fan_in_fan_out=True))
+
+
+def lora_heads(group: Any) -> dict[str, Any]:
+    """PEFT's LoRA wrappers split with their attentions by heads and MLPs by hidden units:
+    Llama (every projection wrapped) and GPT-2 (its packed projection's adapter split in the
+    same three blocks; an MLP of a bare column and a wrapped row) train as the unsplit model,
+    every gradient (base weights trainable too) and Adam/SGD state equal in float64, and
+    resume on another split (Llama's by per-layer shares, a slow rank allowed none of a
+    block's heads); only the language model's head gathers. A LoRA fine-tuning
+    (base frozen) with dropout on the adapters' inputs: the whole tensors stay the same on
+    every rank step after step (a column's dropout draws every rank's mask; a row's, on the
+    rank's slice, the rank's own, the common stream left in step), as do the adapters every
+    rank holds whole."""
+    out: dict[str, Any] = {}
+    # Llama with empty_blocks (a slow rank may hold none of a block's heads) and resumed on
+    # the split filter_shares names by module path, its wrappers' paths.
+    for name, make, optimizer in (("llama", llama_lora, "adam"), ("gpt2", gpt2_lora, "sgd")):
+        split = equals_unsplit(group, make, optimizer, steps=2, empty=name == "llama")
+        out[f"{name}_gathers"] = sorted(n for n, m in modes(split).items() if m == "gather")
+    torch.manual_seed(0)
+    tuned = _with_lora(llama(), ["q_proj", "v_proj", "o_proj", "down_proj"], dropout=0.3)
+    tuned = filter_parallel(tuned.double(), SPEEDS[: wrap(group).size], group)
+    seen: dict[str, torch.Tensor] = {}
+    block = tuned.get_submodule("base_model.model.model.layers.0")
+    block.register_forward_hook(
+        lambda m, i, o: seen.__setitem__("hidden", o[0] if isinstance(o, tuple) else o)
+    )
+    whole = [
+        p for n, p in tuned.named_parameters()
+        if p.requires_grad and (".q_proj.lora_A." in n or ".o_proj.lora_B." in n)
+    ]  # fmt: skip
+    opt = torch.optim.Adam([p for p in tuned.parameters() if p.requires_grad], lr=1e-2)
+    torch.manual_seed(5)  # the same seed on every rank
+    same = []
+    for step in range(3):
+        _, loss = loss_of(tuned, batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        same += [_same_on_every_rank(group, seen["hidden"])]
+        same += [_same_on_every_rank(group, torch.cat([p.detach().flatten() for p in whole]))]
+    out["dropout_same"] = all(same) and len(whole) == 4
+    return out
 
 
 def _same_on_every_rank(group: Any, t: torch.Tensor) -> bool:

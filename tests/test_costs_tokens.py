@@ -608,11 +608,23 @@ def test_a_chain_of_token_layers_still_filter_splits() -> None:
     assert math.isclose(c.forward_flops(1), 2 * 8 * (16 * 32 + 32 * 50))
 
 
-@pytest.mark.parametrize("make", [llama, gpt2, EncoderLM], ids=["llama", "gpt2", "encoder"])
+def llama_lora() -> nn.Module:
+    """:func:`llama` with PEFT's LoRA adapters on its seven projections, split with them."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return get_peft_model(llama(), LoraConfig(r=8, target_modules=targets))
+
+
+@pytest.mark.parametrize(
+    "make", [llama, gpt2, EncoderLM, llama_lora], ids=["llama", "gpt2", "encoder", "lora"]
+)
 def test_time_balanced_shares_run_as_shares_by_module_path(make: Any) -> None:
     """The model's split by predicted time names every layer the runtime splits, in whole
     heads and units the runtime accepts; a device much slower than the others' repeated work
-    gets nothing of a block; its plan, by module path, predicts what the shares say."""
+    gets nothing of a block; its plan, by module path, predicts what the shares say. PEFT's
+    LoRA wrappers are named as the runtime splits them (the wrapper's path), priced as their
+    base layers."""
     from hetcoll.model.predict import filter_parallel, time_balanced_shares
 
     model = make()

@@ -116,6 +116,11 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     # speed 1, 0.5, 0.25: each slower rank carries the repeated work at its speed).
     timed, by_speed = r["time_balanced"]["timed"], r["time_balanced"]["by speed"]
     assert sum(timed) == sum(by_speed) == 40 and timed[0] >= by_speed[0], r["time_balanced"]
+    # PEFT's LoRA wrappers split with their blocks (base layer and adapters), exact; with
+    # dropout on the adapters' inputs, the ranks' whole tensors and adapters stay the same.
+    assert r["lora"] == {
+        "llama_gathers": ["base_model.model.lm_head"], "gpt2_gathers": [], "dropout_same": True,
+    }  # fmt: skip
 
 
 @pytest.mark.multiproc
@@ -238,6 +243,24 @@ def test_shares_follow_heads_and_speeds():
     # GPT-2's packed c_attn: 4 of 6 heads of 4 each of q, k and v to the fast rank.
     assert g["transformer.h.0.attn.c_attn"] == [48, 24]
     assert g["transformer.h.0.attn.c_proj"] == [16, 8]
+
+
+def test_lora_wrappers_split_as_their_blocks_projections():
+    """PEFT's LoRA wrappers of a block's projections take the block's shares under their own
+    paths; one named alone (its block's other projections not) raises ValueError naming it and
+    its base layer, which can be named instead (split alone, its adapters replicated)."""
+    torch.manual_seed(0)
+    model = cases.llama_lora()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shares = filter_shares(model, size=2, speeds=[1.0, 0.5])
+    attn = "base_model.model.model.layers.0.self_attn."
+    assert shares[attn + "q_proj"] == [16, 8] and shares[attn + "o_proj"] == [16, 8]
+    assert not [n for n in shares if ".lora_" in n or n.endswith(".base_layer")], list(shares)
+    with pytest.raises(ValueError, match=r"shares: '.*q_proj' is PEFT's LoRA wrapper.*base_layer"):
+        filter_shares(model, size=2, shares={attn + "q_proj": [16, 8]})
+    alone = filter_shares(model, size=2, shares={attn + "q_proj.base_layer": [16, 8]})
+    assert alone == {attn + "q_proj.base_layer": [16, 8]}
 
 
 class _Unknown(nn.Module):

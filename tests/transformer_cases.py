@@ -311,16 +311,13 @@ def equals_one_process(
     clip: float | None = None,
     traffic: bool = True,
     scaler: Any = None,
-    layer_by_layer: bool = False,
 ) -> dict[str, int]:
     """``plan`` trains ``make()`` (in ``dtype``) like one process on the CPU; with ``device``
     this rank's part of the model lives there (a GPU rank beside CPU ranks); with ``clip``,
     both clip each step's gradients to that norm (:meth:`Parallel.clip_grad_norm_`); with
     ``traffic``, a split stage's bytes are checked (:func:`split_stage`: each split layer
     called once per forward); with ``scaler``, the plan scales its losses by it (unscaled
-    before the clip; a power of two: the same numbers in float64); with ``layer_by_layer``, a
-    split stage's layers each gather their outputs instead of pairing by heads
-    (:func:`split_stage`)."""
+    before the clip; a power of two: the same numbers in float64)."""
     torch.manual_seed(0)
     model = make().to(dtype)
     data = batches(plan.batch, steps)
@@ -342,7 +339,7 @@ def equals_one_process(
         else:
             opt.step()
         opt.zero_grad()
-    split_stage(par, traffic, layer_by_layer)
+    split_stage(par, traffic)
     if device is not None:
         assert all(p.device == device for p in par.parameters())
     got = par.full_state_dict()
@@ -362,21 +359,17 @@ def equals_one_process(
     return par.traffic()
 
 
-def split_stage(par: Any, traffic: bool = True, layer_by_layer: bool = False) -> None:
+def split_stage(par: Any, traffic: bool = True) -> None:
     """On a rank of a stage split over several ranks, every attention is split by heads and
     every MLP by hidden units, paired (no layer of a block gathers its output; only the head,
     outside the blocks, may); with ``traffic``, the last step's bytes are those of a
-    reduction per split block and micro-batch each way. With ``layer_by_layer`` instead
-    (PEFT's wrapped projections), each split layer gathers its output."""
+    reduction per split block and micro-batch each way."""
     if par.place is None:
         return
     i, j = par.place
     if len(par.plan.replicas[i].stages[j].ranks) < 2:
         return
     modes = {n: m.mode for n, m in par.stage.named_modules() if isinstance(m, FilterParallelLayer)}
-    if layer_by_layer:
-        assert modes and set(modes.values()) == {"gather"}, modes
-        return
     attentions = (".attn", ".self_attn", ".self_attention", ".SelfAttention", ".EncDecAttention")
     heads = [
         n
@@ -396,7 +389,9 @@ def split_stage(par: Any, traffic: bool = True, layer_by_layer: bool = False) ->
     # A decoder's cross-attention (T5's) shares its block's MLP: one pair more, not two.
     cross = [n for n in heads if n.endswith(".EncDecAttention")]
     rows = 2 * len(heads) - len(experts) + len(shared) - len(cross)
-    assert sum(m == "split-input" for m in modes.values()) == rows, modes
+    # (A LoRA row's adapter splits along its input beside its base layer: counted once.)
+    split_rows = [n for n, m in modes.items() if m == "split-input" and ".lora_A." not in n]
+    assert len(split_rows) == rows, modes
     if par.plan.replicas[i].stages[j].empty_blocks:  # a slow rank holds none of some block
         rows = [m for m in par.stage.modules() if getattr(m, "mode", "") == "split-input"]
         assert rows and any(0 in m.shares for m in rows), modes
@@ -924,10 +919,11 @@ def lora(group: Any) -> dict[str, Any]:
     and the replicas sum the adapters' gradients alone: the frozen base weights cost the step
     no bytes (DDP's rule). A base weight unfrozen after parallelize raises on every rank,
     naming it where it is held (its gradient would be summed nowhere). Through a stage split
-    over two ranks (:func:`hybrid`), PEFT's wrapped projections of a Llama split layer by
-    layer, each gathering its output (docs/guides.md): the one process's numbers too."""
+    over two ranks (:func:`hybrid`), a Llama's attentions split by heads and MLPs by hidden
+    units with PEFT's wrapped projections (base layers and adapters; an MLP of wrapped and bare
+    projections): the one process's numbers too."""
     equals_one_process(
-        group, llama_lora, Plan.from_dict(hybrid(_layers(llama_lora))), layer_by_layer=True
+        group, llama_lora, Plan.from_dict(hybrid(_layers(llama_lora))), traffic=False
     )
     plan = Plan.from_dict(three_replicas(_layers(gpt2_lora), 3))
     traffic = equals_one_process(group, gpt2_lora, plan, traffic=False)

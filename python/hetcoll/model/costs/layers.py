@@ -499,7 +499,11 @@ def _split_block(
     model: nn.Module, ts: TensorSplit, layers: Sequence[LayerCost], item: int
 ) -> SplitBlock:
     """``ts`` as the performance model prices it (and its split by query head, where it has
-    one), with the block's other sums (:func:`_other_sums`)."""
+    one), with the block's other sums (:func:`_other_sums`). A LoRA wrapper among its layers
+    is priced as its base layer (split as it is), its adapters as whole on every device (an
+    adapter rank's worth of features)."""
+    costed = {n: f"{n}.base_layer" if n in ts.adapted else n for n in ts.layers()}
+    adapters = [n for n in ts.inner(x.name for x in layers) if n not in costed.values()]
     return SplitBlock(
         ts.module,
         ts.kind,
@@ -510,10 +514,11 @@ def _split_block(
         tuple(model.get_parameter(n).numel() for n in ts.shared) + tuple(_whole_rows(model, ts)),
         not ts.empty_fails,
         ts.heads_with,
-        tuple(ts.held_whole(x.name for x in layers)),
+        tuple(ts.held_whole(x.name for x in layers)) + tuple(adapters),
         tuple(sum(ts.whole_features.get(n, ())) for n in ts.layers()) if ts.whole_features else (),
         None if ts.by_head is None else _split_block(model, ts.by_head, layers, item),
         _other_sums(model, ts, layers, item),
+        tuple(costed[n] for n in ts.layers()) if ts.adapted else (),
     )
 
 
@@ -553,19 +558,25 @@ def _other_sums(
     gradient's, ``(bytes per sample, forward)``, as the runtime makes them: each split RMS
     norm's sum of squares (float32, a number per token, forward and backward); an experts
     module's routing weights' gradient (float32, ``top_k`` per token, backward); a latent
-    attention's latents after the first's (their gradients, backward). Tokens per sample:
-    the block's output rows (its last layer's output bytes over its features)."""
-    from hetcoll.torch.filters import ExpertsLayout, experts_layout, linear_features
+    attention's latents after the first's (their gradients, backward); a LoRA row's adapters'
+    ``lora_A`` outputs (an adapter rank's numbers per token, forward). Tokens per sample: the
+    block's output rows (its last layer's output bytes over its features)."""
+    from hetcoll.torch.filters import (
+        ExpertsLayout,
+        experts_layout,
+        linear_features,
+        projection_features,
+    )
 
     by_name = {x.name: x for x in layers}
-    row = by_name.get(ts.row)
+    row = by_name.get(f"{ts.row}.base_layer" if ts.row in ts.adapted else ts.row)
     module = model.get_submodule(ts.row)
     features = 0
     if ts.kind == "experts":
         layout = experts_layout(module)
         features = layout.features if isinstance(layout, ExpertsLayout) else 0
     else:
-        f = linear_features(module)
+        f = projection_features(module)
         features = 0 if f is None else f[1]
     if row is None or features <= 0:
         return ()
@@ -581,6 +592,10 @@ def _other_sums(
         f = linear_features(model.get_submodule(upstream))
         if column != ts.columns[0][0] and f is not None:
             sums.append((tokens * f[1] * item, False))
+    if ts.row in ts.adapted:
+        for lora_a in module.get_submodule("lora_A").children():
+            rank = projection_features(lora_a)  # (in, adapter rank)
+            sums.append((tokens * (rank[1] if rank else 0) * item, True))
     return tuple(sums)
 
 

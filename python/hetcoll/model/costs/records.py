@@ -204,6 +204,18 @@ class SplitBlock:
     #: norm's sum of squares (one number per token, each way), an experts module's routing
     #: weights' gradient (``top_k`` per token), a latent attention's second latent's gradient.
     sums: tuple[tuple[float, bool], ...] = ()
+    #: Each layer's costed layer where it is no leaf of its own (PEFT's LoRA wrapper: its base
+    #: layer, split as it is; its adapters, small, are priced among ``whole``); () where every
+    #: layer is costed under its own name.
+    costed: tuple[str, ...] = ()
+
+    def layer_at(self, costed: str) -> int | None:
+        """The index among :attr:`layers` of the layer that costed layer ``costed`` prices
+        (the layer itself, or its base layer), or None."""
+        for names in (self.costed, self.layers):
+            if costed in names:
+                return names.index(costed)
+        return None
 
     def resolved(
         self,

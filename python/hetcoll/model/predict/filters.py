@@ -195,6 +195,7 @@ def filter_parallel_schedule(
     phi = np.ones((n_layers, n_dev))  # each device's fraction of the layer's kernels' filters
     chan = np.ones((n_layers, n_dev))  # fraction of the channels a replicated layer runs on
     filters_of: dict[int, list[int]] = {}
+    split_as: dict[int, str] = {}  # the layer the runtime splits, where not the costed one
     source: tuple[int, np.ndarray] | None = None  # the open split-output layer, its fractions
     speeds = [float(x) for x in parts]
     splits: dict[int, list[int]] = {}  # layers of equal filters split alike
@@ -211,10 +212,11 @@ def filter_parallel_schedule(
         if i in block_of:
             block, units = blocks[block_of[i]], unit_shares[block_of[i]]
             fraction = np.asarray(units, dtype=np.float64) / block.units
-            if layer.filters > 0 and layer.name in block.layers:
-                filters_of[i] = block.layer_shares(units)[layer.name]
+            k = block.layer_at(layer.name)
+            if layer.filters > 0 and k is not None:
+                split_as[i] = block.layers[k]  # a LoRA wrapper's, for its base layer
+                filters_of[i] = block.layer_shares(units)[block.layers[k]]
                 phi[i, :] = fraction
-                k = block.layers.index(layer.name)
                 if block.whole_features and block.whole_features[k]:
                     # The features every device computes beside its units' (Falcon-7B's key
                     # and value rows packed with its query heads).
@@ -345,6 +347,10 @@ def filter_parallel_schedule(
     else:
         reason = memory_shortfall(mem, devices)
     widest = max(filters_of, key=lambda i: costs.layers[i].filters) if filters_of else None
+
+    def name(i: int) -> str:
+        return split_as.get(i, costs.layers[i].name)
+
     return FilterParallelSchedule(
         strategy,
         batch,
@@ -354,14 +360,14 @@ def filter_parallel_schedule(
         bwd_comm,
         opt,
         filters_of[widest] if widest is not None else [0] * n_dev,
-        f"filters of {costs.layers[widest].name}" if widest is not None else "filters",
+        f"filters of {name(widest)}" if widest is not None else "filters",
         mem,
         reason,
         {
             "split_layers": len(filters_of),
-            "modes": {costs.layers[i].name: layer_modes[costs.layers[i].name] for i in filters_of},
+            "modes": {name(i): layer_modes[name(i)] for i in filters_of},
             "collectives": int((fwd_comm > 0).sum() + (bwd_comm > 0).sum()),
-            "shares_per_layer": {costs.layers[i].name: filters_of[i] for i in filters_of},
+            "shares_per_layer": {name(i): filters_of[i] for i in filters_of},
             "units_per_block": {b.module: u for b, u in zip(blocks, unit_shares, strict=True)},
         },
     )

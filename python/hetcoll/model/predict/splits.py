@@ -100,7 +100,7 @@ def block_spans(costs: ModelCosts, blocks: Sequence[SplitBlock]) -> dict[int, in
     the layer, which holds its attention too)."""
     block_of: dict[int, int] = {}
     for k, b in enumerate(blocks):
-        at = [i for i, x in enumerate(costs.layers) if x.name in b.layers]
+        at = [i for i, x in enumerate(costs.layers) if b.layer_at(x.name) is not None]
         for i in range(min(at), max(at) + 1) if at else ():
             if b.contains(costs.layers[i].name):
                 block_of.setdefault(i, k)

@@ -67,6 +67,7 @@ from hetcoll.torch.filters.chains import (
     ELEMENTWISE_MODULES,
     SPATIAL_MODULES,
     linear_features,
+    projection_features,
     vocabulary_ties,
 )
 from hetcoll.torch.filters.chains import (
@@ -145,6 +146,7 @@ __all__ = [
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "plan_tensor_splits",
+    "projection_features",
     "split_layout",
     "split_tensors",
     "split_traffic",

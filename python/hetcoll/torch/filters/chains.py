@@ -600,6 +600,47 @@ def linear_features(m: nn.Module) -> tuple[int, int] | None:
     return None
 
 
+def lora_base(m: nn.Module) -> nn.Module | None:
+    """The base layer of ``m`` where ``m`` is PEFT's LoRA wrapper of a linear layer
+    (``peft.tuners.lora.layer.Linear``: ``base_layer(x) + lora_B(lora_A(dropout(x))) *
+    scaling`` per adapter) that an attention or MLP split by heads or hidden units splits with
+    its adapters: a base layer filter parallelism splits (:func:`linear_features`), every
+    adapter plain LoRA (``nn.Linear`` A and B; no DoRA or other variant), none merged into the
+    base, adapters enabled, no hooks of the user's; else None. PEFT is not imported: a model
+    holding such a wrapper imported it."""
+    cls = type(m)
+    if cls.__name__ != "Linear" or cls.__module__ != "peft.tuners.lora.layer":
+        return None
+    base = getattr(m, "base_layer", None)
+    lora_a, lora_b = getattr(m, "lora_A", None), getattr(m, "lora_B", None)
+    if not isinstance(base, nn.Module) or linear_features(base) is None:
+        return None
+    if not isinstance(lora_a, nn.ModuleDict) or not isinstance(lora_b, nn.ModuleDict):
+        return None
+    if set(lora_a) != set(lora_b) or not len(lora_a):
+        return None
+    adapters = [*lora_a.values(), *lora_b.values()]
+    if any(type(x) is not nn.Linear or forward_changed(x) is not None for x in adapters):
+        return None
+    if getattr(m, "merged", True) or getattr(m, "disable_adapters", True):
+        return None
+    variants = getattr(m, "lora_variant", None) or {}
+    dora = getattr(m, "use_dora", None) or {}
+    if any(variants.get(a) is not None or dora.get(a) for a in lora_a):
+        return None
+    return base if forward_changed(m) is None else None
+
+
+def projection_features(m: nn.Module) -> tuple[int, int] | None:
+    """``(in, out)`` features of a projection an attention or MLP split by heads or hidden
+    units splits: a linear layer (:func:`linear_features`), or PEFT's LoRA wrapper of one
+    (:func:`lora_base`), split with its adapters."""
+    features = linear_features(m)
+    if features is None and (base := lora_base(m)) is not None:
+        return linear_features(base)
+    return features
+
+
 # (class, has a bias) -> whether such a layer's traced forward is nn.Linear's computation.
 _LINEAR_FORWARDS: dict[tuple[type, bool], bool] = {}
 
@@ -966,10 +1007,13 @@ def choose_layers(
     for name in layers:
         if name not in named:
             raise ValueError(f"{argument}: the model has no module named {name!r}")
+        if lora_base(named[name]) is not None:
+            continue  # a projection of a block split by heads or units (else _shares raises)
         if not isinstance(named[name], (nn.Conv2d, nn.Linear)) and not is_conv1d(named[name]):
             raise ValueError(
                 f"{argument}: {name!r} is a {type(named[name]).__name__}; only Conv2d, Linear and "
-                "Hugging Face Conv1D layers can be split"
+                "Hugging Face Conv1D layers can be split (and PEFT's LoRA wrappers of linear "
+                "layers, as projections of an attention or MLP split by heads or hidden units)"
             )
         layer = named[name]
         changed = forward_changed(layer)

@@ -35,6 +35,7 @@ from hetcoll.torch.filters.chains import (
     choose_layers,
     layer_channels,
     layer_in_channels,
+    lora_base,
     plan_modes,
     vocabulary_ties,
 )
@@ -69,6 +70,7 @@ from hetcoll.torch.filters.layers import (
     FilterParallelLinear,
     FilterParallelMultiheadAttention,
     FilterParallelRMSNorm,
+    ReadAsIs,
     SharedCopy,
     UpstreamCopy,
     is_conv1d,
@@ -318,7 +320,9 @@ def _shares(
             f"projections of attention {held_whole[named_whole[0]]!r}, split by heads, which "
             "every rank holds whole (its heads split); leave them out"
         )
-    chosen = [n for n in chosen if n not in held_whole]
+    # The layers inside a LoRA wrapper split as one projection: split with it.
+    inner = {n for ts in splits for n in ts.inner(chosen)}
+    chosen = [n for n in chosen if n not in held_whole and n not in inner]
     if layout.kept:
         warnings.warn(
             "filter_parallel: attention left unsplit by heads (its layers gather their "
@@ -345,6 +349,14 @@ def _shares(
     # units' splits, and not paired already) reads as many channels as one writes. A language
     # model's head, which nothing reads, gathers whatever a trace would show: no warning for it.
     in_splits = {n for ts in splits for n in ts.layers()}
+    alone = [n for n in chosen if n not in in_splits and lora_base(named[n]) is not None]
+    if alone:
+        raise ValueError(
+            f"{named_by}: {alone[0]!r} is PEFT's LoRA wrapper of a linear layer, which splits "
+            "with its adapters only as a projection of an attention or MLP split by heads or "
+            "hidden units (name every projection of its block); name its base layer "
+            f"({alone[0] + '.base_layer'!r}) to split that alone, its adapters replicated"
+        )
 
     def pairable(g: str) -> bool:
         out = layer_channels(named[g])
@@ -824,6 +836,7 @@ def filter_parallel(
         }
         return whole, sums.add_once
 
+    lora_rows: list[nn.Module] = []  # LoRA wrappers split as rows: their dropouts on slices
     for ts, counts in splits:
         if ts.kind == "experts":  # in place: the module keeps its class's forward and kernels
             FilterParallelExperts.convert(
@@ -849,22 +862,23 @@ def filter_parallel(
         for u, output_copy in upstream.items():  # its output copied, read by the columns as is
             named[u].register_forward_hook(output_copy.output)
         for name, blocks in ts.columns:
-            column = _linear_class(named[name]).from_module(
-                named[name],
-                counts,
-                comm,
-                mode="split-output",
-                blocks=blocks,
-                whole=ts.whole_features.get(name, ()),
-                shared_input=upstream[ts.fed_by[name]] if name in ts.fed_by else copy,
-                timeout=timeout,
+            source = upstream[ts.fed_by[name]] if name in ts.fed_by else copy
+            whole = ts.whole_features.get(name, ())
+            if name not in ts.adapted:
+                _split_column(model, name, counts, comm, blocks, whole, source, sums, timeout)
+                continue
+            # PEFT's LoRA wrapper: its base layer and each lora_B split along their outputs; each
+            # lora_A whole (in ts.shared), reading the copy of the input the base layer reads.
+            wrapper = named[name]
+            _split_column(
+                model, f"{name}.base_layer", counts, comm, blocks, whole, source, sums, timeout
             )
-            set_attribute(model, name, column)
-            if column.whole:  # the rows every rank holds: each rank's gradient its heads' part
-                at = whole_positions(counts, comm.rank, column.blocks, column.whole)
-                sums.add(column.weight, (column.weight_out_dim, at))
-                if column.bias is not None:
-                    sums.add(column.bias, (0, at))
+            as_is = ReadAsIs(comm, timeout, sole_holder(counts))
+            for a, _ in wrapper.get_submodule("lora_B").named_children():
+                _split_column(
+                    model, f"{name}.lora_B.{a}", counts, comm, blocks, whole, as_is, sums, timeout
+                )
+                wrapper.get_submodule(f"lora_A.{a}").register_forward_pre_hook(source.read_copy)
         for name in ts.whole:  # whole on every rank, reading the columns' copy of the input
             named[name].register_forward_pre_hook(copy.read_copy)
         blocks_of = dict(ts.columns)
@@ -875,19 +889,27 @@ def filter_parallel(
                 named[norm], eps, counts, comm, blocks=blocks_of[column], timeout=timeout
             )
             set_attribute(model, norm, split_norm)
-        row = named[ts.row]
-        set_attribute(
-            model,
-            ts.row,
-            _linear_class(row).from_module(
-                row,
-                counts,
-                comm,
-                mode="split-input",
-                in_features_per_channel=ts.width,
-                timeout=timeout,
-            ),
-        )
+        # A LoRA wrapper's base layer and each lora_A split along their inputs; its lora_B
+        # whole on every rank, reading lora_A's output summed over the ranks.
+        rows = [ts.row]
+        if ts.row in ts.adapted:
+            adapters = named[ts.row].get_submodule("lora_A").named_children()
+            rows = [f"{ts.row}.base_layer", *(f"{ts.row}.lora_A.{a}" for a, _ in adapters)]
+            lora_rows.append(named[ts.row])
+        for name in rows:
+            row = model.get_submodule(name)
+            set_attribute(
+                model,
+                name,
+                _linear_class(row).from_module(
+                    row,
+                    counts,
+                    comm,
+                    mode="split-input",
+                    in_features_per_channel=ts.width,
+                    timeout=timeout,
+                ),
+            )
         module = named[ts.module]
         ts.hold(module, counts[comm.rank])  # the rank's module runs with its own head counts
         for pn in ts.shared:
@@ -952,11 +974,50 @@ def filter_parallel(
             split = FilterParallelBatchNorm1d.from_module(m, per_layer[src], comm)  # type: ignore[arg-type]
         set_attribute(model, name, split)
     stream = install_rank_streams(model, comm.rank)
+    for wrapper in lora_rows:
+        for dropout in wrapper.get_submodule("lora_dropout").children():  # on the rank's slice
+            if stream is not None:
+                dropout.register_forward_pre_hook(stream.enter_alone)
+                dropout.register_forward_hook(stream.leave_alone, always_call=True)
     _agree_per_forward(model, comm, timeout, owned, stream)
     record_replaced(unsplit, model.parameters(), "filter_parallel")
     track_optimizers()
     guard_save_pretrained(model)
     return model
+
+
+def _split_column(
+    model: nn.Module,
+    name: str,
+    counts: list[int],
+    comm: Communicator,
+    blocks: tuple[int, ...],
+    whole: tuple[int, ...],
+    shared_input: SharedCopy,
+    sums: GradientSums,
+    timeout: float | None,
+) -> None:
+    """Layer ``name`` of ``model`` split along its outputs (a column of an attention or MLP
+    split by heads or hidden units, ``counts`` units per rank), reading ``shared_input``; the
+    rows every rank holds whole (``whole``) have their gradients summed (each rank's its
+    heads' part)."""
+    layer = model.get_submodule(name)
+    column = _linear_class(layer).from_module(
+        layer,
+        counts,
+        comm,
+        mode="split-output",
+        blocks=blocks,
+        whole=whole,
+        shared_input=shared_input,
+        timeout=timeout,
+    )
+    set_attribute(model, name, column)
+    if column.whole:
+        at = whole_positions(counts, comm.rank, column.blocks, column.whole)
+        sums.add(column.weight, (column.weight_out_dim, at))
+        if column.bias is not None:
+            sums.add(column.bias, (0, at))
 
 
 def split_traffic(model: nn.Module) -> dict[str, int]:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from hetcoll.torch.filters.chains import linear_features
+from hetcoll.torch.filters.chains import projection_features
 from hetcoll.torch.filters.head_guards import (
     EmptyHeads,
     HeadColumns,
@@ -239,10 +239,10 @@ def _probe_run(
     torch ops it ran, and the exception if not."""
     prefix = f"{ts.module}." if ts.module else ""
     first = attention.get_submodule(ts.columns[0][0].removeprefix(prefix))
-    hidden = linear_features(first)
+    hidden = projection_features(first)
     size = None if hidden is None else hidden[0]
     if ts.fed_by and ts.row.startswith(prefix):  # a column reads a latent: the row's width
-        out = linear_features(attention.get_submodule(ts.row.removeprefix(prefix)))
+        out = projection_features(attention.get_submodule(ts.row.removeprefix(prefix)))
         size = None if out is None else out[1]
     token = None if size is None else probe_inputs(attention, first, size)
     if token is None:

@@ -70,6 +70,13 @@ class TensorSplit:
     its gradient, each rank's its heads' part, summed) and which the column reads as is.
     ``norms``: RMS norms over a column's whole output (OLMo 2's ``q_norm``), by name, with the
     column each follows: split as its output is (:class:`~.layers.FilterParallelRMSNorm`).
+    ``adapted``: its layers that are PEFT's LoRA wrappers of a linear layer
+    (:func:`~.chains.lora_base`), each split with its adapters: a column's base layer and
+    ``lora_B`` split along their outputs, its ``lora_A`` whole on every rank reading the
+    columns' copy of the input (its parameters in ``shared``: each rank's gradient its units'
+    part, summed); the row's base layer and ``lora_A`` split along their inputs (``lora_A``'s
+    output summed over the ranks too, a number per token and adapter rank), its ``lora_B`` whole
+    on every rank, reading that sum (its gradient the same on every rank).
     """
 
     kind: str
@@ -96,6 +103,7 @@ class TensorSplit:
     upstream: list[str] = field(default_factory=list)
     fed_by: dict[str, str] = field(default_factory=dict)
     norms: dict[str, str] = field(default_factory=dict)
+    adapted: list[str] = field(default_factory=list)
 
     def by_query_head(self) -> bool:
         """Whether its units are query heads beside a key/value head every rank holds whole
@@ -115,6 +123,13 @@ class TensorSplit:
         MLP making a table per head: Swin v2's)."""
         inside = [n for n in names if any(n.startswith(f"{t}.") for t in self.tables)]
         return [*self.whole, *self.upstream, *inside]
+
+    def inner(self, names: Iterable[str]) -> list[str]:
+        """Those of ``names`` inside its :attr:`adapted` layers (a LoRA wrapper's base layer,
+        adapters and dropout: split with their wrapper) or inside the layers it holds whole
+        (a LoRA wrapper's, whole with it): no layers of their own."""
+        outer = [*self.adapted, *self.whole, *self.upstream]
+        return [n for n in names if any(n.startswith(f"{a}.") for a in outer)]
 
     def features_per_unit(self) -> list[int]:
         """The channels each of :meth:`layers` splits per unit a rank holds: a column's output

@@ -279,15 +279,23 @@ class SharedCopy:
         return c
 
 
-class UpstreamCopy(SharedCopy):
+class ReadAsIs(SharedCopy):
+    """The ``shared_input`` of a split-output layer whose input needs no copy of its own: it
+    is copied already, or computed whole on every rank from a copy (a LoRA column's
+    ``lora_B`` reading its ``lora_A``'s output: each rank's part of its gradient flows back
+    into that copy, summed there, and into ``lora_A``'s weight, summed with the whole
+    parameters). Read as is (:meth:`__call__`)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class UpstreamCopy(ReadAsIs):
     """The copy to the ranks of the output of a layer every rank runs whole ahead of split
     layers (:attr:`~.heads.TensorSplit.upstream`: a latent attention's latent projection),
     made by a forward hook on that layer (:meth:`output`), its gradient summed over the ranks
     in the backward; the split layers it feeds (through a norm, say) take it as their
-    ``shared_input`` and read their input as is (:meth:`__call__`): it is copied already."""
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+    ``shared_input`` and read their input as is: it is copied already."""
 
     def output(self, module: nn.Module, args: Any, output: Any) -> Any:
         if isinstance(output, torch.Tensor) and output.requires_grad:

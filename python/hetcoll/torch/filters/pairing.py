@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from hetcoll.torch.filters.chains import Traced, choose_layers, plan_modes
+from hetcoll.torch.filters.chains import Traced, choose_layers, lora_base, plan_modes
 from hetcoll.torch.filters.experts import experts_split
 from hetcoll.torch.filters.heads import TensorSplit
 from hetcoll.torch.filters.tensor_split import plan_tensor_splits
@@ -81,13 +81,16 @@ def split_layout(
     kept: dict[str, str] = {}
     if avoid_gathers and tensor_splits:
         gathered = [n for n in chosen if modes[n] == "gather"]
-        splits, kept = plan_tensor_splits(model, gathered, mha=bool(mha))
+        splits, kept = plan_tensor_splits(
+            model, gathered + _adapted_layers(model, chosen, gathered), mha=bool(mha)
+        )
         if not isinstance(mha, bool):
             splits = [ts for ts in splits if ts.kind != "mha" or ts.module in mha]
         for ts in splits:
             modes.update({c: "split-output" for c, _ in ts.columns})
             modes[ts.row] = "split-input"
-            for n in ts.held_whole(list(modes)):  # held whole on every rank
+            # Held whole on every rank, or inside a LoRA wrapper (split with it).
+            for n in ts.held_whole(list(modes)) + ts.inner(list(modes)):
                 modes.pop(n, None)
                 feeds.pop(n, None)
     whole_experts: dict[str, str] = {}
@@ -100,6 +103,22 @@ def split_layout(
         elif split is not None:
             whole_experts[name] = split if isinstance(split, str) else "avoid_gathers=False"
     return SplitLayout(modes, feeds, bns, splits, kept, read_directly, whole_experts)
+
+
+def _adapted_layers(model: nn.Module, chosen: Sequence[str], gathered: Sequence[str]) -> list[str]:
+    """PEFT's LoRA wrappers (:func:`~.chains.lora_base`) among the modules of ``model`` whose
+    base layer gathers and whose adapters are all chosen (as by default: every linear
+    layer), which an attention or MLP split by heads or hidden units may split as one
+    projection, its adapters with it."""
+    picked, gathers = set(chosen), set(gathered)
+    out = []
+    for name, m in model.named_modules():
+        if lora_base(m) is None or f"{name}.base_layer" not in gathers:
+            continue
+        adapters = [f"{name}.{n}" for n, x in m.named_modules() if type(x) is nn.Linear]
+        if all(a in picked for a in adapters) and name not in gathers:
+            out.append(name)
+    return out
 
 
 def filter_modes(

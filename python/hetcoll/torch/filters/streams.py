@@ -56,6 +56,7 @@ class RankStream:
         #: The tensors (by id) that modules holding split layers were given: whole tensors.
         self.whole: set[int] = set()
         self._paused = 0  # dropout calls on whole tensors inside a split part, running
+        self._alone = False  # inside for one dropout on a slice alone (enter_alone)
 
     @property
     def inside(self) -> bool:
@@ -82,6 +83,21 @@ class RankStream:
         torch.set_rng_state(cpu)
         if cuda is not None and device is not None:
             torch.cuda.set_rng_state(cuda, device)
+
+    # A dropout module on a rank's slice outside any split part (a LoRA row's, on the slice
+    # its split-input layers read, after its base layer left the stream): run in the stream,
+    # entered and left around it alone, so the common stream's draws stay the same in number
+    # on every rank.
+
+    def enter_alone(self, module: nn.Module, *_: Any) -> None:
+        if not self.inside:
+            self.enter(module)
+            self._alone = self.inside
+
+    def leave_alone(self, *_: Any) -> None:
+        if self._alone:
+            self._alone = False
+            self.leave()
 
     # A dropout module inside a split part given a whole tensor the part was given (DeBERTa's
     # relative-position table, inside its attention): its mask must be every rank's, so it

@@ -20,6 +20,8 @@ from hetcoll.torch.filters.chains import (
     ELEMENTWISE_METHODS,
     ELEMENTWISE_MODULES,
     linear_features,
+    lora_base,
+    projection_features,
 )
 from hetcoll.torch.filters.head_probes import (
     applied_after,
@@ -180,7 +182,7 @@ def _whole_output_norms(m: nn.Module, columns: list[tuple[str, tuple[int, ...]]]
     widths = {}
     for c, blocks in columns:
         layer = m.get_submodule(c)
-        f = linear_features(layer)
+        f = projection_features(layer)
         if f is not None and len(blocks) == 1:
             widths[c] = f[1]
     out = {}
@@ -204,7 +206,7 @@ def _attention(name: str, m: nn.Module) -> TensorSplit | str | None:
     # what it lacks from its config, and holds its projections.
     if _first_int([m], (*_QUERY_HEADS, *_HEAD_DIM)) is None:
         return None
-    projs = [(n, f) for n, c in m.named_children() if (f := linear_features(c)) is not None]
+    projs = [(n, f) for n, c in m.named_children() if (f := projection_features(c)) is not None]
     if len(projs) < 2:
         return None
     config = getattr(m, "config", None)
@@ -597,7 +599,7 @@ def block_graph(m: nn.Module, whole: Any = None) -> tuple[Any, dict[str, nn.Modu
         def is_leaf_module(self, mod: nn.Module, qualname: str) -> bool:
             return (
                 qualname in self.opaque
-                or linear_features(mod) is not None
+                or projection_features(mod) is not None
                 or (whole is not None and whole(mod))
                 or super().is_leaf_module(mod, qualname)
             )
@@ -686,7 +688,7 @@ def _mlp(name: str, m: nn.Module) -> TensorSplit | None:
     def linear(node: Any) -> tuple[int, int] | None:
         if node.op != "call_module" or calls[node.target] != 1:
             return None
-        return linear_features(named[node.target])
+        return projection_features(named[node.target])
 
     def elementwise(node: Any) -> bool:
         others = [a for a in list(node.args) + list(node.kwargs.values()) if not _is_node(a)]
@@ -828,7 +830,7 @@ def _row_after(
         if user.all_input_nodes != [node]:
             break
         layer = named[user.target] if user.op == "call_module" else None
-        f = linear_features(layer) if layer is not None else None
+        f = projection_features(layer) if layer is not None else None
         if f is not None and f[0] == width:
             ts.row = (f"{parent_name}." if parent_name else "") + user.target
             return ts
@@ -893,6 +895,9 @@ def plan_tensor_splits(
             if found.kind == "attention":
                 kept[name] = f"its layers {missing} are not split or already paired"
             continue
+        for variant in (found, found.by_head):
+            if variant is not None:
+                _with_adapters(variant, model)
         splits.append(found)
         claimed.update(found.layers() + found.held_whole(pool))
     # Attentions of one class run one code: where one stays whole for its layout (T5's first,
@@ -935,6 +940,25 @@ def plan_tensor_splits(
                     probed[key] = runs_without_heads(named[ts.module], variant) or ""
                 variant.empty_fails = probed[key]
     return splits, kept
+
+
+def _with_adapters(ts: TensorSplit, model: nn.Module) -> None:
+    """Record the layers of ``ts`` (a split of a module of ``model``) that are PEFT's LoRA
+    wrappers (:attr:`~.heads.TensorSplit.adapted`), and the parameters of each column's
+    ``lora_A`` among its shared ones: held whole on every rank, each rank's gradient its
+    units' part."""
+    held = set(ts.shared)
+    for layer in ts.layers():
+        wrapper = model.get_submodule(layer)
+        if lora_base(wrapper) is None:
+            continue
+        ts.adapted.append(layer)
+        if layer == ts.row:
+            continue
+        for pn, _ in wrapper.get_submodule("lora_A").named_parameters():
+            full = f"{layer}.lora_A.{pn}"
+            if full not in held:
+                ts.shared.append(full)
 
 
 def _relative_layout(ts: TensorSplit) -> str:
