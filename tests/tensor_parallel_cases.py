@@ -1386,9 +1386,15 @@ def layouts(group: Any, models: Any) -> dict[str, Any]:
 
 def architectures(group: Any) -> dict[str, Any]:
     """The other architectures' layouts (:func:`layouts`): each splits on any ranks as the
-    models of :func:`run_all` do (the 3-rank job runs them, uneven)."""
+    models of :func:`run_all` do (the 3-rank job runs them, uneven); OLMo 2 to float32's
+    rounding."""
     packed = lambda: old_style_lm(packed=True)  # noqa: E731 - head by head, as BLOOM's
-    return layouts(
+    # OLMo 2's norms over all query (and all key) heads compute in float32 whatever the
+    # model's dtype, as Hugging Face's RMS norms do: the ranks' sums of squares, summed in
+    # another order than one rank's, agree to about 1e-7 (Adam's steps to about 1e-6).
+    with tolerance(1e-5):
+        out = layouts(group, (("olmo2", olmo2),))
+    return out | layouts(
         group,
         (
             ("qwen3", qwen3),
@@ -1493,7 +1499,9 @@ def traces(group: Any) -> dict[str, int]:
     return most
 
 
-def _with_lora(model: nn.Module, targets: list[str], dropout: float = 0.0, **kw: Any) -> nn.Module:
+def _with_lora(
+    model: nn.Module, targets: list[str] | str, dropout: float = 0.0, **kw: Any
+) -> nn.Module:
     """``model`` with PEFT's LoRA adapters (rank 4) on ``targets``, their B matrices drawn (PEFT
     starts them at zero, which would hide a wrong split of the adapters' path)."""
     from peft import LoraConfig, get_peft_model
@@ -1522,15 +1530,18 @@ def llama_lora() -> nn.Module:
 
 def gpt2_lora() -> nn.Module:
     """:func:`gpt2` with adapters on its packed query/key/value projection and both output
-    projections (Conv1D base layers, ``fan_in_fan_out``), its MLP's first layer bare; every
-    weight trainable."""
-    return _trained_whole(_with_lora(gpt2(), ["c_attn", "c_proj"], fan_in_fan_out=True))
+    projections (Conv1D base layers, ``fan_in_fan_out``; a bias on each ``lora_B``), its
+    MLP's first layer bare; every weight trainable."""
+    return _trained_whole(
+        _with_lora(gpt2(), ["c_attn", "c_proj"], fan_in_fan_out=True, lora_bias=True)
+    )
 
 
 def lora_heads(group: Any) -> dict[str, Any]:
     """PEFT's LoRA wrappers split with their attentions by heads and MLPs by hidden units:
     Llama (every projection wrapped) and GPT-2 (its packed projection's adapter split in the
-    same three blocks; an MLP of a bare column and a wrapped row) train as the unsplit model,
+    same three blocks; an MLP of a bare column and a wrapped row) and, with every linear layer
+    wrapped, Phi-3, Falcon-7B, GPT-NeoX and Qwen3 train as the unsplit model,
     every gradient (base weights trainable too) and Adam/SGD state equal in float64, and
     resume on another split (Llama's by per-layer shares, a slow rank allowed none of a
     block's heads); only the language model's head gathers. A LoRA fine-tuning
@@ -1544,6 +1555,17 @@ def lora_heads(group: Any) -> dict[str, Any]:
     for name, make, optimizer in (("llama", llama_lora, "adam"), ("gpt2", gpt2_lora, "sgd")):
         split = equals_unsplit(group, make, optimizer, steps=2, empty=name == "llama")
         out[f"{name}_gathers"] = sorted(n for n, m in modes(split).items() if m == "gather")
+    # PEFT's "all-linear" (every linear layer but the head) on other layouts: Phi-3's packed
+    # query/key/value and gate/up, Falcon-7B's multi-query attention packed with its queries
+    # (the key and value rows whole on every rank), GPT-NeoX's head-by-head packing, Qwen3's
+    # per-head query/key norms.
+    for name, base in (("phi3", phi3), ("falcon", falcon), ("neox", neox), ("qwen3", qwen3)):
+
+        def wrapped(base: Any = base) -> nn.Module:
+            return _trained_whole(_with_lora(base(), "all-linear"))
+
+        split = equals_unsplit(group, wrapped, "sgd", steps=1)
+        out[f"{name}_gathers"] = [n for n, m in modes(split).items() if m == "gather"]
     torch.manual_seed(0)
     tuned = _with_lora(llama(), ["q_proj", "v_proj", "o_proj", "down_proj"], dropout=0.3)
     tuned = filter_parallel(tuned.double(), SPEEDS[: wrap(group).size], group)

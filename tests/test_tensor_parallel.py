@@ -118,8 +118,10 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     assert sum(timed) == sum(by_speed) == 40 and timed[0] >= by_speed[0], r["time_balanced"]
     # PEFT's LoRA wrappers split with their blocks (base layer and adapters), exact; with
     # dropout on the adapters' inputs, the ranks' whole tensors and adapters stay the same.
+    head = ["base_model.model.lm_head"]
     assert r["lora"] == {
-        "llama_gathers": ["base_model.model.lm_head"], "gpt2_gathers": [], "dropout_same": True,
+        "llama_gathers": head, "gpt2_gathers": [], "phi3_gathers": head, "falcon_gathers": [],
+        "neox_gathers": head, "qwen3_gathers": head, "dropout_same": True,
     }  # fmt: skip
 
 
@@ -134,6 +136,9 @@ def test_gloo_architectures_split_by_heads_equal_unsplit():
     # tanh-approximated GELU MLP split like Llama's blocks.
     assert r["qwen3_gathers"] == ["lm_head"] and r["qwen3_split"] == 2 * 7
     assert r["gemma_gathers"] == [] and r["gemma_split"] == 2 * 7
+    # OLMo 2's RMS norms over all query (key) heads split with their projections, each rank's
+    # sum of squares summed with the others' (to float32's rounding, as its norms compute).
+    assert r["olmo2_gathers"] == ["lm_head"] and r["olmo2_split"] == 2 * 7
     # A packed gate/up projection (Phi-3's gate_up_proj, chunked in two) splits by units.
     assert r["gate_up_gathers"] == ["head"] and r["gate_up_split"] == 2 * 2
     # Query, key and value packed head by head (GPT-NeoX's query_key_value; BLOOM's layout
