@@ -1548,7 +1548,8 @@ def lora_heads(group: Any) -> dict[str, Any]:
     (base frozen) with dropout on the adapters' inputs: the whole tensors stay the same on
     every rank step after step (a column's dropout draws every rank's mask; a row's, on the
     rank's slice, the rank's own, the common stream left in step), as do the adapters every
-    rank holds whole."""
+    rank holds whole; its adapters, gathered and saved as PEFT saves them, load into the
+    unsplit model (:func:`_saved_adapters_load_unsplit`)."""
     out: dict[str, Any] = {}
     # Llama with empty_blocks (a slow rank may hold none of a block's heads) and resumed on
     # the split filter_shares names by module path, its wrappers' paths.
@@ -1589,7 +1590,44 @@ def lora_heads(group: Any) -> dict[str, Any]:
         same += [_same_on_every_rank(group, seen["hidden"])]
         same += [_same_on_every_rank(group, torch.cat([p.detach().flatten() for p in whole]))]
     out["dropout_same"] = all(same) and len(whole) == 4
+    out["saved"] = _saved_adapters_load_unsplit(group, tuned)
     return out
+
+
+def _saved_adapters_load_unsplit(group: Any, tuned: nn.Module) -> str:
+    """A split LoRA model's adapters, saved as PEFT saves them: ``save_pretrained`` of the split
+    model refuses its slices; given the gathered state dict on rank 0 it writes the adapters,
+    which load into the unsplit base model in one process (``PeftModel.from_pretrained``) and
+    compute the split model's loss. Returns what went wrong, or "loads unsplit"."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    from peft import PeftModel
+
+    rank = wrap(group).rank
+    where = [tempfile.mkdtemp() if rank == 0 else ""]
+    dist.broadcast_object_list(where, src=0)
+    try:
+        tuned.save_pretrained(where[0])
+        return "saved this rank's slices"
+    except ValueError as e:
+        if "holds this rank's slices" not in str(e):
+            return str(e)
+    full = gather_state_dict(tuned, dst=0)
+    if rank == 0:
+        tuned.save_pretrained(where[0], state_dict=full)
+    dist.barrier()
+    torch.manual_seed(0)  # the base model's weights, as lora_heads made them
+    loaded = PeftModel.from_pretrained(llama().double(), where[0]).eval()
+    ids = batch(7)
+    with torch.no_grad():  # no dropout in evaluation
+        want, got = loss_of(loaded, ids)[1].item(), loss_of(tuned.eval(), ids)[1].item()
+    same = abs(got - want) <= 1e-10 * abs(want)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(where[0])
+    return "loads unsplit" if same else "another loss"
 
 
 def _same_on_every_rank(group: Any, t: torch.Tensor) -> bool:
