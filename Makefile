@@ -98,6 +98,8 @@ TENSOR_PARALLEL_RUN := benches/bench_tensor_parallel.py --batch 32 --steps 20 \
 	--json $(RAW)/tensor_parallel.json
 TENSOR_PARALLEL_MOE_RUN := benches/bench_tensor_parallel.py --arch mixtral --batch 32 \
 	--steps 20 --json $(RAW)/tensor_parallel_moe.json
+TENSOR_PARALLEL_LORA_RUN := benches/bench_tensor_parallel.py --arch llama-lora --batch 32 \
+	--steps 20 --json $(RAW)/tensor_parallel_lora.json
 EXPERT_PARALLEL_RUN := benches/bench_expert_parallel.py --batch 32 --steps 20 \
 	--json $(RAW)/expert_parallel.json
 PLACEMENT_RUN      := benches/bench_placement.py --launches 3 --json $(RESULTS)/placement.json \
@@ -106,8 +108,8 @@ PLACEMENT_RUN      := benches/bench_placement.py --launches 3 --json $(RESULTS)/
 .PHONY: bench-report bench-kernels bench-split bench-partition bench-partitioners bench-planner \
 	bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate bench-plans \
 	bench-microbatches bench-planspace bench-placement bench-lm-pipeline bench-tensor-parallel \
-	bench-tensor-parallel-moe bench-expert-parallel bench-fixed-costs bench-step-timer \
-	bench-step-overhead bench-trainer-rebalance bench-fsdp-rebalance bench-full-state
+	bench-tensor-parallel-moe bench-tensor-parallel-lora bench-expert-parallel bench-fixed-costs \
+	bench-step-timer bench-step-overhead bench-trainer-rebalance bench-fsdp-rebalance bench-full-state
 
 $(BENCHED): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet --group bench
@@ -116,9 +118,9 @@ $(BENCHED): $(STAMP) pyproject.toml
 bench: bench-kernels bench-split bench-partition bench-partitioners bench-planner \
 		bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate \
 		bench-microbatches bench-plans bench-planspace bench-placement bench-lm-pipeline \
-		bench-tensor-parallel bench-tensor-parallel-moe bench-expert-parallel bench-fixed-costs \
-		bench-step-timer bench-step-overhead bench-trainer-rebalance bench-fsdp-rebalance \
-		bench-full-state
+		bench-tensor-parallel bench-tensor-parallel-moe bench-tensor-parallel-lora \
+		bench-expert-parallel bench-fixed-costs bench-step-timer bench-step-overhead \
+		bench-trainer-rebalance bench-fsdp-rebalance bench-full-state
 	$(MAKE) bench-report
 
 bench-report:
@@ -225,6 +227,12 @@ bench-tensor-parallel-moe: $(BUILT) $(BENCHED)
 	$(PY) $(TENSOR_PARALLEL_MOE_RUN)
 	$(PY) benches/report.py import tensor-parallel $(RAW)/tensor_parallel_moe.json \
 		--command "python $(TENSOR_PARALLEL_MOE_RUN)"
+
+bench-tensor-parallel-lora: $(BUILT) $(BENCHED)
+	mkdir -p $(RAW)
+	$(PY) $(TENSOR_PARALLEL_LORA_RUN)
+	$(PY) benches/report.py import tensor-parallel $(RAW)/tensor_parallel_lora.json \
+		--command "python $(TENSOR_PARALLEL_LORA_RUN)"
 
 bench-expert-parallel: $(BUILT) $(BENCHED)
 	mkdir -p $(RAW)

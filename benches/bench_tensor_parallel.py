@@ -1,14 +1,16 @@
 """Tensor parallelism of a decoder on two ranks of emulated speeds 1 and 0.25, one run:
 
-    python benches/bench_tensor_parallel.py [--batch 32] [--steps 20] [--arch llama] [--vocab N]
-        [--json F]
+    python benches/bench_tensor_parallel.py [--batch 32] [--steps 20] [--arch llama]
+        [--vocab N] [--json F]
 
 The decoder is the LM example's (``examples/train_lm.py``'s ``make_model``: a byte-level
 Llama of 6 blocks, hidden 64, 4 query heads in 2 key/value groups, MLP 176; or GPT-2; with
 ``--vocab`` a vocabulary of that many tokens instead of 256 bytes, random ids), float32,
 sequences of the example's length; or (``--arch mixtral``) a mixture of experts in the same
 shape: Hugging Face Mixtral, each block's MLP 8 experts of 176 hidden units, 2 per token, run
-by Hugging Face's default kernel (``grouped_mm``), its experts split by hidden units. Each
+by Hugging Face's default kernel (``grouped_mm``), its experts split by hidden units; or
+(``--arch llama-lora``) the Llama as a LoRA fine-tuning (PEFT's adapters of rank 8 on its
+seven projections, the base frozen), the wrapped projections split with their blocks. Each
 strategy is :func:`hetcoll.torch.filter_parallel` on a
 copy of the same model, trained with SGD on the same global batch:
 
@@ -87,8 +89,20 @@ def lm_example() -> Any:
     return module
 
 
+#: The projections ``--arch llama-lora`` wraps with PEFT's LoRA adapters (all seven).
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
 def make_model(arch: str, vocab: int) -> nn.Module:
-    """The example's decoder (``arch`` llama, gpt2 or mixtral: its mixture of experts)."""
+    """The example's decoder (``arch`` llama, gpt2 or mixtral: its mixture of experts), or
+    (``llama-lora``) its Llama as a LoRA fine-tuning: PEFT's adapters of rank 8 on every
+    projection, the base weights frozen."""
+    if arch == "llama-lora":
+        from peft import LoraConfig, get_peft_model
+
+        base = lm_example().make_model("llama", vocab=vocab)
+        config = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS)
+        return get_peft_model(base, config)  # type: ignore[no-any-return]
     return lm_example().make_model(arch, vocab=vocab)  # type: ignore[no-any-return]
 
 
@@ -281,7 +295,7 @@ def predicted(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", default="llama", choices=["llama", "gpt2", "mixtral"])
+    ap.add_argument("--arch", default="llama", choices=["llama", "gpt2", "mixtral", "llama-lora"])
     ap.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
     ap.add_argument(
         "--vocab", type=int, default=256, help="vocabulary size (the example's: 256 bytes)"

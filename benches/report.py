@@ -988,6 +988,23 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
     ]
     if other_vocab:
         headlines = [h for h in headlines if "loss split" in h[0]]
+    # A LoRA fine-tuning (--arch llama-lora) is a results file of its own: its wrapped
+    # projections split with their blocks against gather mode (each base layer and adapter a
+    # layer of its own, as they split before the wrappers were known).
+    lora = arch == "llama-lora"
+    if lora:
+        headlines = [
+            (
+                "LoRA fine-tuning (PEFT adapters on every projection) at emulated speeds "
+                "1:0.25, split by heads vs layer by layer (gather mode): bytes per step",
+                f"{gb / max(pb, 1):.2f}x fewer",
+            ),
+            (
+                "LoRA fine-tuning at emulated speeds 1:0.25, split by heads vs layer by layer "
+                "(gather mode): step time",
+                f"{gather['step_s'] / prop['step_s']:.2f}x faster",
+            ),
+        ]
     if moe:
         headlines = [
             (
@@ -1006,8 +1023,17 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
             ],
         ]
     return _result(
-        "tensor_parallel" + (f"_vocab{vocab}" if other_vocab else "") + ("_moe" if moe else ""),
-        ("Tensor parallelism of a mixture of experts" if moe else "Tensor parallelism of a decoder")
+        "tensor_parallel"
+        + (f"_vocab{vocab}" if other_vocab else "")
+        + ("_moe" if moe else "")
+        + ("_lora" if lora else ""),
+        (
+            "Tensor parallelism of a mixture of experts"
+            if moe
+            else "Tensor parallelism of a LoRA fine-tuning"
+            if lora
+            else "Tensor parallelism of a decoder"
+        )
         + (f", vocabulary {vocab}" if other_vocab else ""),
         command,
         raw,
@@ -1048,7 +1074,14 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
         description=(
             "Attention split by heads and MLPs by hidden units (`filter_parallel`) on two gloo "
             "ranks of emulated speeds (`SPEEDS` in `benches/bench_tensor_parallel.py`), the LM "
-            "example's decoder; heterogeneity is emulated the same way for every strategy."
+            "example's decoder"
+            + (
+                " as a LoRA fine-tuning (PEFT's adapters of rank 8 on its seven projections, "
+                "the base frozen: each wrapper split with its block, its adapters with it)"
+                if lora
+                else ""
+            )
+            + "; heterogeneity is emulated the same way for every strategy."
             if not moe
             else "Attention split by heads and each expert's hidden units (`filter_parallel`: "
             "`FilterParallelExperts`) on two gloo ranks of emulated speeds (`SPEEDS` in "

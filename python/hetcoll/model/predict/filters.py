@@ -53,7 +53,14 @@ def filter_modes(costs: ModelCosts, *, avoid_gathers: bool = True) -> dict[str, 
     if avoid_gathers:
         return modes
     experts = {b.module for b in costs.split_blocks if b.kind == "experts"}
-    return {n: "gather" for n in modes if n not in experts}
+    # A LoRA wrapper (SplitBlock.costed) gathers as the runtime splits it then: its base layer
+    # and each adapter, every one a layer of its own.
+    splits = {x.name for x in costs.layers if x.filters > 0}
+    inside: dict[str, list[str]] = {}
+    for b in costs.split_blocks:
+        for n, c in zip(b.layers, b.costed, strict=False):
+            inside[n] = [c, *(w for w in b.whole if w.startswith(f"{n}.") and w in splits)]
+    return {c: "gather" for n in modes if n not in experts for c in inside.get(n, [n])}
 
 
 def _check_modes(costs: ModelCosts, modes: Mapping[str, str]) -> dict[str, str]:
