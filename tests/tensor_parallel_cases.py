@@ -1549,7 +1549,8 @@ def lora_heads(group: Any) -> dict[str, Any]:
     every rank step after step (a column's dropout draws every rank's mask; a row's, on the
     rank's slice, the rank's own, the common stream left in step), as do the adapters every
     rank holds whole; its adapters, gathered and saved as PEFT saves them, load into the
-    unsplit model (:func:`_saved_adapters_load_unsplit`)."""
+    unsplit model (:func:`_saved_adapters_load_unsplit`); disabled, merged and unmerged, the
+    split model computes what the unsplit one does (:func:`_disabled_and_merged`)."""
     out: dict[str, Any] = {}
     # Llama with empty_blocks (a slow rank may hold none of a block's heads) and resumed on
     # the split filter_shares names by module path, its wrappers' paths.
@@ -1591,7 +1592,35 @@ def lora_heads(group: Any) -> dict[str, Any]:
         same += [_same_on_every_rank(group, torch.cat([p.detach().flatten() for p in whole]))]
     out["dropout_same"] = all(same) and len(whole) == 4
     out["saved"] = _saved_adapters_load_unsplit(group, tuned)
+    out["disabled and merged"] = _disabled_and_merged(group)
     return out
+
+
+def _disabled_and_merged(group: Any) -> list[str]:
+    """PEFT's own switches on a split LoRA model compute what they compute unsplit: the base
+    model alone under ``disable_adapter()`` (a DPO reference model's forward), the adapters
+    merged into the split base layers (``merge_adapter``: each rank's slice of ``B @ A``) and
+    unmerged again. Returns the cases that differ."""
+    wrong = []
+    for make in (llama_lora, gpt2_lora):
+        torch.manual_seed(0)
+        ref = make().double().eval()
+        split = filter_parallel(copy.deepcopy(ref), SPEEDS[: wrap(group).size], group).eval()
+        ids = batch(3)
+        with torch.no_grad():
+            with ref.disable_adapter():
+                base = loss_of(ref, ids)[0]  # the logits
+            want = loss_of(ref, ids)[0]
+            with split.disable_adapter():
+                got = {"disabled": (loss_of(split, ids)[0], base)}
+            split.merge_adapter()
+            got["merged"] = (loss_of(split, ids)[0], want)
+            split.unmerge_adapter()
+            got["unmerged"] = (loss_of(split, ids)[0], want)
+        name = make.__name__
+        wrong += [f"{name} {k}" for k, (a, b) in got.items() if rel(a, b) > 1e-10]
+        wrong += [f"{name}: the adapters change nothing"] * bool(rel(base, want) < 1e-2)
+    return wrong
 
 
 def _saved_adapters_load_unsplit(group: Any, tuned: nn.Module) -> str:

@@ -122,7 +122,7 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     assert r["lora"] == {
         "llama_gathers": head, "gpt2_gathers": [], "phi3_gathers": head, "falcon_gathers": [],
         "neox_gathers": head, "qwen3_gathers": head, "dropout_same": True,
-        "saved": "loads unsplit",
+        "saved": "loads unsplit", "disabled and merged": [],
     }  # fmt: skip
 
 
