@@ -1144,6 +1144,7 @@ BACKEND = (
     "rows_wrong",
     "autocast",
     "errors",
+    "lora",  # PEFT's wrapped projections split by heads on MPI too
 )
 
 
