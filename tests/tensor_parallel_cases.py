@@ -1568,6 +1568,14 @@ def lora_heads(group: Any) -> dict[str, Any]:
 
         split = equals_unsplit(group, wrapped, "sgd", steps=1)
         out[f"{name}_gathers"] = [n for n, m in modes(split).items() if m == "gather"]
+    # DoRA, which the split does not know: its wrapped layers stay whole on every rank (its
+    # weight norm reads the base layer's whole weight; split, it failed), the rest splits.
+
+    def dora() -> nn.Module:
+        return _with_lora(llama(), ["q_proj", "v_proj", "o_proj", "down_proj"], use_dora=True)
+
+    split = equals_unsplit(group, dora, "sgd", steps=1)
+    out["dora_split"] = sorted({n.rsplit(".", 1)[-1] for n in modes(split)})
     torch.manual_seed(0)
     tuned = _with_lora(llama(), ["q_proj", "v_proj", "o_proj", "down_proj"], dropout=0.3)
     tuned = filter_parallel(tuned.double(), SPEEDS[: wrap(group).size], group)

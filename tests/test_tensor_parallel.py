@@ -123,6 +123,8 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
         "llama_gathers": head, "gpt2_gathers": [], "phi3_gathers": head, "falcon_gathers": [],
         "neox_gathers": head, "qwen3_gathers": head, "dropout_same": True,
         "saved": "loads unsplit", "disabled and merged": [],
+        # DoRA's wrapped projections stay whole; the bare ones and the head split.
+        "dora_split": ["gate_proj", "k_proj", "lm_head", "up_proj"],
     }  # fmt: skip
 
 
@@ -254,7 +256,8 @@ def test_shares_follow_heads_and_speeds():
 def test_lora_wrappers_split_as_their_blocks_projections():
     """PEFT's LoRA wrappers of a block's projections take the block's shares under their own
     paths; one named alone (its block's other projections not) raises ValueError naming it and
-    its base layer, which can be named instead (split alone, its adapters replicated)."""
+    its base layer, which can be named instead (split alone, its adapters replicated). A
+    wrapper it does not know keeps its layers whole."""
     torch.manual_seed(0)
     model = cases.llama_lora()
     with warnings.catch_warnings():
@@ -267,6 +270,14 @@ def test_lora_wrappers_split_as_their_blocks_projections():
         filter_shares(model, size=2, shares={attn + "q_proj": [16, 8]})
     alone = filter_shares(model, size=2, shares={attn + "q_proj.base_layer": [16, 8]})
     assert alone == {attn + "q_proj.base_layer": [16, 8]}
+    # A wrapper the split does not know (DoRA: its weight norm reads the base layer's whole
+    # weight) keeps its layers whole, named in the warning; named, they raise.
+    dora = cases._with_lora(cases.llama(), ["q_proj"], use_dora=True)
+    with pytest.warns(UserWarning, match=r"q_proj.base_layer' \('.*q_proj': DoRA"):
+        shares = filter_shares(dora, size=2, speeds=[1.0, 0.5])
+    assert not [n for n in shares if ".q_proj." in n], list(shares)
+    with pytest.raises(ValueError, match=r"'.*q_proj.base_layer' cannot be split: .* DoRA"):
+        filter_shares(dora, size=2, shares={attn + "q_proj.base_layer": [16, 8]})
 
 
 class _Unknown(nn.Module):

@@ -529,6 +529,18 @@ def _metadata_only(node: Any) -> bool:
     )
 
 
+def _inside_unknown_adapters(named: dict[str, nn.Module]) -> dict[str, str]:
+    """The modules of ``named`` inside a PEFT wrapper :func:`unknown_adapter` keeps whole, by
+    name, with the wrapper and why."""
+    wrappers = {n: why for n, m in named.items() if (why := unknown_adapter(m)) is not None}
+    out = {}
+    for n in named:
+        outer = next((w for w in wrappers if n.startswith(f"{w}.")), None)
+        if outer is not None:
+            out[n] = f"{outer!r}: {wrappers[outer]}"
+    return out
+
+
 def _traced_in(node: Any) -> str | None:
     """The path of the module whose forward ``node`` was traced in (the innermost), if any."""
     stack = node.meta.get("nn_module_stack") or {}
@@ -629,6 +641,27 @@ def lora_base(m: nn.Module) -> nn.Module | None:
     if any(variants.get(a) is not None or dora.get(a) for a in lora_a):
         return None
     return base if forward_changed(m) is None else None
+
+
+def unknown_adapter(m: nn.Module) -> str | None:
+    """Why the layers inside ``m`` stay whole, where ``m`` is a PEFT tuner's wrapper of a layer
+    (a ``base_layer`` beside its adapters) that :func:`lora_base` does not split with its
+    block: DoRA (its weight norm reads the base layer's whole weight), another variant, adapters
+    merged into the base or disabled (a split layer would unmerge and re-enable against a
+    slice). Else None."""
+    if not type(m).__module__.startswith("peft.tuners.") or not isinstance(
+        getattr(m, "base_layer", None), nn.Module
+    ):
+        return None
+    if lora_base(m) is not None:
+        return None
+    if any((getattr(m, "use_dora", None) or {}).values()):
+        return "DoRA, whose weight norm reads the base layer's whole weight"
+    if getattr(m, "merged", False):
+        return "its adapters merged into the base layer"
+    if getattr(m, "disable_adapters", False):
+        return "its adapters disabled"
+    return f"{type(m).__name__}, a PEFT wrapper the split does not know"
 
 
 def projection_features(m: nn.Module) -> tuple[int, int] | None:
@@ -969,11 +1002,16 @@ def choose_layers(
         tied.pop(head, None)
         tied.pop(emb, None)
     embeddings = set(ties.values())
+    wrapped = _inside_unknown_adapters(named)
     if layers is None:
         chosen, kept = [], []
         for n, m in named.items():
             if n in embeddings:
                 continue  # split with its head
+            if n in wrapped:
+                if any(True for _ in m.parameters(recurse=False)):
+                    kept.append(f"{n!r} ({wrapped[n]})")
+                continue
             if n in tied and (isinstance(m, (nn.Linear, nn.Conv2d)) or is_conv1d(m)):
                 kept.append(f"{n!r} ({type(m).__name__}, {tied[n]}: a split would untie them)")
             elif splittable(m):
@@ -1009,6 +1047,11 @@ def choose_layers(
             raise ValueError(f"{argument}: the model has no module named {name!r}")
         if lora_base(named[name]) is not None:
             continue  # a projection of a block split by heads or units (else _shares raises)
+        if name in wrapped:
+            raise ValueError(
+                f"{argument}: {name!r} cannot be split: it is inside PEFT's wrapper of "
+                f"{wrapped[name]} (leave it out of {argument}: it then stays replicated)"
+            )
         if not isinstance(named[name], (nn.Conv2d, nn.Linear)) and not is_conv1d(named[name]):
             raise ValueError(
                 f"{argument}: {name!r} is a {type(named[name]).__name__}; only Conv2d, Linear and "
