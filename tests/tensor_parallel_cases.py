@@ -1540,23 +1540,32 @@ def gpt2_lora() -> nn.Module:
 def lora_heads(group: Any) -> dict[str, Any]:
     """PEFT's LoRA wrappers split with their attentions by heads and MLPs by hidden units:
     Llama (every projection wrapped) and GPT-2 (its packed projection's adapter split in the
-    same three blocks; an MLP of a bare column and a wrapped row) and, with every linear layer
-    wrapped, Phi-3, Falcon-7B, GPT-NeoX and Qwen3 train as the unsplit model,
+    same three blocks; an MLP of a bare column and a wrapped row) train as the unsplit model,
     every gradient (base weights trainable too) and Adam/SGD state equal in float64, and
     resume on another split (Llama's by per-layer shares, a slow rank allowed none of a
-    block's heads); only the language model's head gathers. A LoRA fine-tuning
-    (base frozen) with dropout on the adapters' inputs: the whole tensors stay the same on
-    every rank step after step (a column's dropout draws every rank's mask; a row's, on the
-    rank's slice, the rank's own, the common stream left in step), as do the adapters every
-    rank holds whole; its adapters, gathered and saved as PEFT saves them, load into the
-    unsplit model (:func:`_saved_adapters_load_unsplit`); disabled, merged and unmerged, the
-    split model computes what the unsplit one does (:func:`_disabled_and_merged`)."""
+    block's heads); only the language model's head gathers. (More layouts and PEFT's own
+    switches: :func:`lora_more`, on 2 ranks.)"""
     out: dict[str, Any] = {}
     # Llama with empty_blocks (a slow rank may hold none of a block's heads) and resumed on
     # the split filter_shares names by module path, its wrappers' paths.
     for name, make, optimizer in (("llama", llama_lora, "adam"), ("gpt2", gpt2_lora, "sgd")):
         split = equals_unsplit(group, make, optimizer, steps=2, empty=name == "llama")
         out[f"{name}_gathers"] = sorted(n for n, m in modes(split).items() if m == "gather")
+    return out
+
+
+def lora_more(group: Any) -> dict[str, Any]:
+    """More of PEFT's LoRA under a split by heads (the 2-rank job's), each as the unsplit
+    model: with every linear layer wrapped, Phi-3, Falcon-7B, GPT-NeoX and Qwen3 (their
+    gathering layers, by name); DoRA, which the split does not know, its wrapped layers whole
+    on every rank (the split layers' names). A LoRA fine-tuning (base frozen) with dropout on
+    the adapters' inputs: the whole tensors stay the same on every rank step after step (a
+    column's dropout draws every rank's mask; a row's, on the rank's slice, the rank's own,
+    the common stream left in step), as do the adapters every rank holds whole; its adapters,
+    gathered and saved as PEFT saves them, load into the unsplit model
+    (:func:`_saved_adapters_load_unsplit`); disabled, merged and unmerged, the split model
+    computes what the unsplit one does (:func:`_disabled_and_merged`)."""
+    out: dict[str, Any] = {}
     # PEFT's "all-linear" (every linear layer but the head) on other layouts: Phi-3's packed
     # query/key/value and gate/up, Falcon-7B's multi-query attention packed with its queries
     # (the key and value rows whole on every rank), GPT-NeoX's head-by-head packing, Qwen3's
@@ -1793,7 +1802,8 @@ def run_parts(rank: int, world: int, parts: tuple[str, ...]) -> dict[str, Any]:
     """Several parts in one gloo job, each rank's result of each by name: ``"all"``
     (:func:`run_all`), ``"architectures"`` (:func:`architectures`), ``"experts"``
     (:func:`experts`), ``"empty"`` (:func:`empty_blocks`
-    alone: on 4 ranks, where Llama's 3 key/value groups need a rank that holds none). One job
+    alone: on 4 ranks, where Llama's 3 key/value groups need a rank that holds none),
+    ``"lora"`` (:func:`lora_more`). One job
     for the parts of one rank count, as each rank's imports (torch, transformers) take
     seconds."""
     torch.set_num_threads(1)
@@ -1803,5 +1813,6 @@ def run_parts(rank: int, world: int, parts: tuple[str, ...]) -> dict[str, Any]:
         "architectures": architectures,
         "experts": experts,
         "empty": empty_blocks,
+        "lora": lora_more,
     }
     return {part: run[part](None) for part in parts}

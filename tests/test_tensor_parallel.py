@@ -27,7 +27,7 @@ pytest.importorskip("transformers")
 #: What the gloo job of each rank count runs (tests/tensor_parallel_cases.py's run_parts): one
 #: job per rank count, as each rank's imports (torch, transformers) take seconds; the 3-rank
 #: job runs the mixtures of experts and the other architectures beside the rest.
-PARTS = {2: ("all",), 3: ("all", "architectures", "experts"), 4: ("empty",)}
+PARTS = {2: ("all", "lora"), 3: ("all", "architectures", "experts"), 4: ("empty",)}
 _jobs: dict[int, list[dict[str, Any]] | launch.RankFailed] = {}
 
 
@@ -118,13 +118,23 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     assert sum(timed) == sum(by_speed) == 40 and timed[0] >= by_speed[0], r["time_balanced"]
     # PEFT's LoRA wrappers split with their blocks (base layer and adapters), exact; with
     # dropout on the adapters' inputs, the ranks' whole tensors and adapters stay the same.
+    assert r["lora"] == {"llama_gathers": ["base_model.model.lm_head"], "gpt2_gathers": []}
+
+
+@pytest.mark.multiproc
+def test_gloo_lora_layouts_dropout_saving_and_peft_switches():
+    """More of PEFT's LoRA split by heads, on the 2-rank job (tensor_parallel_cases.lora_more):
+    every linear layer wrapped on four more layouts; DoRA whole; dropout on the adapters'
+    inputs keeps every rank's whole tensors alike; adapters saved load unsplit; PEFT's
+    disable_adapter, merge_adapter and unmerge_adapter compute as unsplit."""
+    results = _gloo(2, "lora")
+    assert all(r == results[0] for r in results)
     head = ["base_model.model.lm_head"]
-    assert r["lora"] == {
-        "llama_gathers": head, "gpt2_gathers": [], "phi3_gathers": head, "falcon_gathers": [],
-        "neox_gathers": head, "qwen3_gathers": head, "dropout_same": True,
-        "saved": "loads unsplit", "disabled and merged": [],
+    assert results[0] == {
+        "phi3_gathers": head, "falcon_gathers": [], "neox_gathers": head, "qwen3_gathers": head,
         # DoRA's wrapped projections stay whole; the bare ones and the head split.
         "dora_split": ["gate_proj", "k_proj", "lm_head", "up_proj"],
+        "dropout_same": True, "saved": "loads unsplit", "disabled and merged": [],
     }  # fmt: skip
 
 
