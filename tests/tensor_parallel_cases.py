@@ -1556,21 +1556,26 @@ def lora_heads(group: Any) -> dict[str, Any]:
 
 def lora_more(group: Any) -> dict[str, Any]:
     """More of PEFT's LoRA under a split by heads (the 2-rank job's), each as the unsplit
-    model: with every linear layer wrapped, Phi-3, Falcon-7B, GPT-NeoX and Qwen3 (their
-    gathering layers, by name); DoRA, which the split does not know, its wrapped layers whole
-    on every rank (the split layers' names). A LoRA fine-tuning (base frozen) with dropout on
-    the adapters' inputs: the whole tensors stay the same on every rank step after step (a
-    column's dropout draws every rank's mask; a row's, on the rank's slice, the rank's own,
-    the common stream left in step), as do the adapters every rank holds whole; its adapters,
-    gathered and saved as PEFT saves them, load into the unsplit model
-    (:func:`_saved_adapters_load_unsplit`); disabled, merged and unmerged, the split model
-    computes what the unsplit one does (:func:`_disabled_and_merged`)."""
+    model: with every linear layer wrapped, Phi-3, Falcon-7B, GPT-NeoX, Qwen3 and a
+    multi-query Llama (their gathering layers, by name); DoRA, which the split does not
+    know, its wrapped layers whole on every rank (the split layers' names). A LoRA
+    fine-tuning (base frozen) with dropout on the adapters' inputs: the whole tensors stay the
+    same on every rank step after step (a column's dropout draws every rank's mask; a row's,
+    on the rank's slice, the rank's own, the common stream left in step), as do the adapters
+    every rank holds whole; its adapters, gathered and saved as PEFT saves them, load into
+    the unsplit model (:func:`_saved_adapters_load_unsplit`); disabled, merged and unmerged,
+    the split model computes what the unsplit one does (:func:`_disabled_and_merged`)."""
     out: dict[str, Any] = {}
     # PEFT's "all-linear" (every linear layer but the head) on other layouts: Phi-3's packed
     # query/key/value and gate/up, Falcon-7B's multi-query attention packed with its queries
     # (the key and value rows whole on every rank), GPT-NeoX's head-by-head packing, Qwen3's
-    # per-head query/key norms.
-    for name, base in (("phi3", phi3), ("falcon", falcon), ("neox", neox), ("qwen3", qwen3)):
+    # per-head query/key norms; Llama under multi-query attention, split by query head, its
+    # wrapped key and value projections whole on every rank (their adapters summed too).
+    layouts = (
+        ("phi3", phi3), ("falcon", falcon), ("neox", neox), ("qwen3", qwen3),
+        ("mqa", llama_mqa),
+    )  # fmt: skip
+    for name, base in layouts:
 
         def wrapped(base: Any = base) -> nn.Module:
             return _trained_whole(_with_lora(base(), "all-linear"))

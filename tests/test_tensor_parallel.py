@@ -132,6 +132,7 @@ def test_gloo_lora_layouts_dropout_saving_and_peft_switches():
     head = ["base_model.model.lm_head"]
     assert results[0] == {
         "phi3_gathers": head, "falcon_gathers": [], "neox_gathers": head, "qwen3_gathers": head,
+        "mqa_gathers": head,
         # DoRA's wrapped projections stay whole; the bare ones and the head split.
         "dora_split": ["gate_proj", "k_proj", "lm_head", "up_proj"],
         "dropout_same": True, "saved": "loads unsplit", "disabled and merged": [],
