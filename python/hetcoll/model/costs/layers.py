@@ -502,8 +502,8 @@ def _split_block(
     one), with the block's other sums (:func:`_other_sums`). A LoRA wrapper among its layers
     is priced as its base layer (split as it is), its adapters as whole on every device (an
     adapter rank's worth of features)."""
-    costed = {n: f"{n}.base_layer" if n in ts.adapted else n for n in ts.layers()}
-    adapters = [n for n in ts.inner(x.name for x in layers) if n not in costed.values()]
+    costed = [ts.base(n) for n in ts.layers()]
+    adapters = [n for n in ts.inner(x.name for x in layers) if n not in costed]
     return SplitBlock(
         ts.module,
         ts.kind,
@@ -518,7 +518,7 @@ def _split_block(
         tuple(sum(ts.whole_features.get(n, ())) for n in ts.layers()) if ts.whole_features else (),
         None if ts.by_head is None else _split_block(model, ts.by_head, layers, item),
         _other_sums(model, ts, layers, item),
-        tuple(costed[n] for n in ts.layers()) if ts.adapted else (),
+        tuple(costed) if ts.adapted else (),
     )
 
 
@@ -569,7 +569,7 @@ def _other_sums(
     )
 
     by_name = {x.name: x for x in layers}
-    row = by_name.get(f"{ts.row}.base_layer" if ts.row in ts.adapted else ts.row)
+    row = by_name.get(ts.base(ts.row))
     module = model.get_submodule(ts.row)
     features = 0
     if ts.kind == "experts":

@@ -533,9 +533,15 @@ def _inside_unknown_adapters(named: dict[str, nn.Module]) -> dict[str, str]:
     """The modules of ``named`` inside a PEFT wrapper :func:`unknown_adapter` keeps whole, by
     name, with the wrapper and why."""
     wrappers = {n: why for n, m in named.items() if (why := unknown_adapter(m)) is not None}
-    out = {}
+    out: dict[str, str] = {}
+    if not wrappers:
+        return out
     for n in named:
-        outer = next((w for w in wrappers if n.startswith(f"{w}.")), None)
+        parts = n.split(".")
+        # Its ancestors, outermost first: a wrapper inside a wrapper is named by the outer one.
+        outer = next(
+            (a for k in range(1, len(parts)) if (a := ".".join(parts[:k])) in wrappers), None
+        )
         if outer is not None:
             out[n] = f"{outer!r}: {wrappers[outer]}"
     return out

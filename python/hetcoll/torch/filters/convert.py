@@ -870,9 +870,7 @@ def filter_parallel(
             # PEFT's LoRA wrapper: its base layer and each lora_B split along their outputs; each
             # lora_A whole (in ts.shared), reading the copy of the input the base layer reads.
             wrapper = named[name]
-            _split_column(
-                model, f"{name}.base_layer", counts, comm, blocks, whole, source, sums, timeout
-            )
+            _split_column(model, ts.base(name), counts, comm, blocks, whole, source, sums, timeout)
             as_is = ReadAsIs(comm, timeout, sole_holder(counts))
             for a, _ in wrapper.get_submodule("lora_B").named_children():
                 _split_column(
@@ -894,7 +892,7 @@ def filter_parallel(
         rows = [ts.row]
         if ts.row in ts.adapted:
             adapters = named[ts.row].get_submodule("lora_A").named_children()
-            rows = [f"{ts.row}.base_layer", *(f"{ts.row}.lora_A.{a}" for a, _ in adapters)]
+            rows = [ts.base(ts.row), *(f"{ts.row}.lora_A.{a}" for a, _ in adapters)]
             lora_rows.append(named[ts.row])
         for name in rows:
             row = model.get_submodule(name)

@@ -124,6 +124,11 @@ class TensorSplit:
         inside = [n for n in names if any(n.startswith(f"{t}.") for t in self.tables)]
         return [*self.whole, *self.upstream, *inside]
 
+    def base(self, layer: str) -> str:
+        """The module that computes ``layer``'s projection: its ``base_layer`` where it is one of
+        the :attr:`adapted` LoRA wrappers, else ``layer`` itself."""
+        return f"{layer}.base_layer" if layer in self.adapted else layer
+
     def inner(self, names: Iterable[str]) -> list[str]:
         """Those of ``names`` inside its :attr:`adapted` layers (a LoRA wrapper's base layer,
         adapters and dropout: split with their wrapper) or inside the layers it holds whole
