@@ -43,6 +43,8 @@ EXPECTED = {
     # Wrong rows; rows that differ; a rank evaluating alone; a rank's loss raising; scales
     # that differ.
     "data_parallel_errors": 5,
+    # A training step's loss and flags beside its bfloat16 / float16 gradients, bit for bit.
+    "data_parallel_low_precision": {"torch.bfloat16": True, "torch.float16": True},
     "errors": 6,
 }
 #: A scaler that cannot run, on every rank: a GradScaler, a float, scales that differ between
@@ -64,9 +66,13 @@ def _check(results: list[dict], engine: str) -> None:
         assert r.pop("loss_scaled_data_parallel") == SCALES, (rank, r)
         if engine == "gloo":  # a ShardedGradScaler needs torch.distributed
             assert r.pop("loss_scaled_sharded") == SCALES, (rank, r)
-            # A data-parallel step: its batch's check and loss in one allgather after the
-            # backward, then the gradients' one sum; evaluating, the allgather alone.
-            assert r.pop("data_parallel_collectives") == {"train": [1, 1], "eval": [1, 0]}
+            # A data-parallel training step: its batch's check started before its forwards,
+            # its loss and flags in the gradients' one sum; evaluating, the check with its loss
+            # after the forwards.
+            assert r.pop("data_parallel_collectives") == {
+                "train": ["all_gather_into_tensor", "forward", "forward", "all_reduce"],
+                "eval": ["forward", "forward", "all_gather_into_tensor"],
+            }
         assert r == EXPECTED, (rank, r)
         if rank == 1:  # the idle rank sent nothing
             assert idle == dict.fromkeys(("activations", "gradients", "outputs", "allreduce"), 0)

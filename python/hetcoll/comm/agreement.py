@@ -91,27 +91,45 @@ def agree(
     return rows[:, 2:]
 
 
-def start_agreement(comm: Communicator, fields: Mapping[str, int]) -> Callable[[], None]:
+def start_agreement(
+    comm: Communicator,
+    fields: Mapping[str, int],
+    *,
+    failure: BaseException | None = None,
+    values: Sequence[int] | np.ndarray = (),
+) -> Callable[[], np.ndarray]:
     """:func:`agree` without waiting: starts the allgather and returns the function that waits
-    for it and raises as :func:`agree` does (on every rank alike). A caller may compute, but not
-    communicate on ``comm``, until it has called it. On NCCL, whose gathers move device memory,
-    the check runs at once and the function has nothing left to do; a rank alone has no one to
-    agree with (as in :func:`agree`): nothing is sent."""
+    for it, raises as :func:`agree` does (on every rank alike) and returns what it returns (the
+    ranks' ``values``, one row each). A caller may compute, but not communicate on ``comm``,
+    until it has called it. On NCCL, whose gathers move device memory, the check runs at once
+    and the function has nothing left to do; a rank alone has no one to agree with (as in
+    :func:`agree`): nothing is sent.
+
+    Ranks may start it at different points of their work (one before computing, with zeros for
+    its ``values``; another after, with its own): what is sent depends on the number of
+    ``values`` alone, so the two still meet, and disagree where their fields do."""
     _check_comm(comm)
-    if comm.size == 1:
-        return lambda: None
-    if comm.engine == "nccl":
-        agree(comm, fields)
-        return lambda: None
-    mine = _first_round(fields, None, ())
+    if comm.size == 1 or comm.engine == "nccl":
+        try:
+            rows = agree(comm, fields, failure=failure, values=values)
+        except BaseException as e:
+            error = e
+
+            def raise_it() -> np.ndarray:
+                raise error
+
+            return raise_it
+        return lambda: rows
+    mine = _first_round(fields, failure, values)
     rows = np.empty((comm.size, mine.size), dtype=np.int64)
     request = comm.iallgatherv(
         mine.view(np.uint8), rows.reshape(-1).view(np.uint8), [mine.nbytes] * comm.size
     )
 
-    def wait() -> None:
+    def wait() -> np.ndarray:
         request.wait(None)
-        _settle(comm, rows, fields, None, None)
+        _settle(comm, rows, fields, failure, None)
+        return rows[:, 2:]
 
     return wait
 

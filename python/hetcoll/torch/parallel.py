@@ -177,9 +177,13 @@ class _Reduction:
 
     sub: Any  # the holders' sub-group
     pieces: list[_Piece]
-    buffer: torch.Tensor  # full-size, reused every step
+    buffer: torch.Tensor  # full-size, reused every step (with room for ``tail`` after)
     size: int  # number of holders
+    #: Elements after the gradients: where a data-parallel step's sum carries each rank's step
+    #: fields (:meth:`Parallel._step_summed`); 0 elsewhere.
+    tail: int = 0
     dense: bool = field(init=False)
+    numel: int = field(init=False)  # the gradients' elements
 
     def __post_init__(self) -> None:
         # Whole parameters, each counted, filling the buffer end to end in order (a
@@ -189,7 +193,8 @@ class _Reduction:
         for piece in self.pieces:
             dense = dense and piece.part.whole and piece.contributes and piece.offset == at
             at = piece.offset + piece.param.numel()
-        self.dense = dense and at == self.buffer.numel()
+        self.numel = self.buffer.numel() - self.tail
+        self.dense = dense and at == self.numel
 
     def gradients(self) -> list[torch.Tensor] | None:
         """The pieces' gradients where they are the buffer's concatenation: dense (above), every
@@ -212,6 +217,55 @@ class _Reduction:
                 return None
             grads.append(g)
         return grads
+
+    def fill(self) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """This rank's gradients into the buffer, before the sum: returns the flat tensor that
+        holds them (the buffer's front, or a copy beside it on another device) and the
+        gradients where they are its concatenation (:meth:`gradients`), else None."""
+        # A forward may convert its own weights (Switch Transformers' router casts its
+        # classifier to float32 at each call): the sum runs in a dtype exact for every
+        # piece, as the holders see them alike.
+        dtype = functools.reduce(torch.promote_types, (q.param.dtype for q in self.pieces))
+        if dtype != self.buffer.dtype:
+            self.buffer = torch.empty(self.buffer.numel(), dtype=dtype, device=self.buffer.device)
+        front = self.buffer[: self.numel]
+        grads = self.gradients()
+        if grads is None:
+            front.zero_()
+            for piece in self.pieces:
+                g = piece.param.grad
+                if piece.contributes and piece.param.requires_grad and g is not None:
+                    piece.put(self.buffer, g)
+            return front, None
+        # One concatenation into the buffer and one copy back into the gradients, not a copy,
+        # a check and a fresh tensor per parameter (a GPU rank on gloo: one transfer each way,
+        # not one per parameter).
+        views = [g.view(-1) for g in grads]
+        if grads[0].device == front.device:
+            return torch.cat(views, out=front), grads
+        flat = torch.cat(views)
+        front.copy_(flat)
+        return flat, grads
+
+    def unpack(self, flat: torch.Tensor, grads: list[torch.Tensor] | None) -> None:
+        """After the sum: each held parameter's ``.grad`` takes its part (``flat`` and
+        ``grads`` from :meth:`fill`). A parameter this rank gave a gradient takes the sum; one
+        it gave none takes it only if the sum holds a non-zero entry (read once for the
+        reduction)."""
+        if grads is not None:
+            if flat.data_ptr() != self.buffer.data_ptr():
+                flat.copy_(self.buffer[: self.numel])
+            parts = flat.split([g.numel() for g in grads])
+            sums = [t.view_as(g) for t, g in zip(parts, grads, strict=True)]
+            torch._foreach_copy_(grads, sums)
+            return
+        trained = [piece for piece in self.pieces if piece.param.requires_grad]
+        unsure = [piece for piece in trained if piece.param.grad is None]
+        found = torch.stack([p.summed_any(self.buffer) for p in unsure]).tolist() if unsure else []
+        reached = {id(p) for p, any_sum in zip(unsure, found, strict=True) if any_sum}
+        for piece in trained:
+            if piece.param.grad is not None or id(piece) in reached:
+                piece.param.grad = piece.take(self.buffer)
 
 
 def _fingerprint(model: nn.Module) -> int:
@@ -576,47 +630,125 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         why_not: str | None,
     ) -> float:
         """:meth:`step` for a plan whose ranks send nothing before the gradients' sums (every
-        replica one rank, no experts: data parallelism), over several ranks. The batch's
-        check, the loss's sum and the step's flags go in one allgather after this rank's
-        forwards and backwards (:func:`~hetcoll.comm.agree`), not in an allgather before them
-        and a sum after: one collective a step fewer, the gradients' sum the only other (a
-        gloo collective costs about a millisecond between two local ranks, whatever its
-        size). A rank whose own work raised joins it with its error, so that every rank
-        raises; a batch the ranks agree on but the plan does not take computes nothing and
-        raises on every rank."""
+        replica one rank, no experts: data parallelism), over several ranks. Training where
+        one sum covers every rank's gradients (:meth:`_step_summed`): the batch's check before
+        the forwards, the step's fields in the gradients' sum. Otherwise the batch's check,
+        the loss's sum and the step's flags go in one allgather after this rank's forwards and
+        backwards (:func:`~hetcoll.comm.agree`), then the gradients' sums. Either way a rank
+        whose own work raised joins them with its error, so that every rank raises; a batch
+        the ranks agree on but the plan does not take computes nothing and raises on every
+        rank."""
         fields, bad_batch = self._batch_fields(inputs, targets, scaling, why_not)
+        if bad_batch is None and torch.is_grad_enabled() and self._summed_with_fields():
+            return self._step_summed(inputs, targets, scaler, scaling, fields)
         kept: dict[nn.Parameter, torch.Tensor | None] = {}
-        local = scale = None
         failure: Exception | None = None
-        values = np.zeros(2 + SCALE_FIELDS, dtype=np.int64)
+        values = np.zeros(_STEP_VALUES, dtype=np.int64)
         if bad_batch is None:
             try:
-                weights = self._microbatch_weights(targets)
-                scale = self._start_scaling(scaler, scaling)
-                if self.place is not None:
-                    kept = self._set_aside()
-                    local = self._run(inputs, targets, _nothing_to_wait_for, weights)
-                elif self._kind == "blocks":
-                    self._probe_idle(inputs)
-                # The loss as its float64 bits, the counts as integers.
-                read = self._step_fields(local, scale).tolist()
-                values[0] = np.float64(read[0]).view(np.int64)
-                values[1:] = read[1:]
+                kept, words = self._step_work(inputs, targets, scaler, scaling)
+                values = words.cpu().numpy()  # the step's one read
             except Exception as e:  # told to every rank by the agreement
                 failure = e
-            finally:
-                self._scaler = None
         try:
-            rows = agree(self._tr.comm, fields, failure=failure, values=values)
+            # The same collective as the other road's check (start_agreement, as many values):
+            # ranks that took different roads (one in no_grad) meet in it and raise.
+            rows = start_agreement(self._tr.comm, fields, failure=failure, values=values)()
         except BaseException:
             _put_back(kept)
             raise
         if bad_batch is not None:
             raise bad_batch  # the same on every rank: the fields it follows from agree
         self._gradients_summed(kept)
+        return self._step_result(rows)
+
+    def _summed_with_fields(self) -> bool:
+        """Whether this plan's gradients are one sum over every rank, with room for the step's
+        fields after them (:func:`_plan_reductions`): the same on every rank."""
+        return len(self._reductions) == 1 and self._reductions[0].tail > 0
+
+    def _step_work(
+        self, inputs: Any, targets: Any, scaler: torch.amp.GradScaler | None, scaling: int
+    ) -> tuple[dict[nn.Parameter, torch.Tensor | None], torch.Tensor]:
+        """This rank's forwards and backwards of a data-parallel step: the gradients it set
+        aside (:meth:`_set_aside`; on an error, put back before it raises) and its step fields
+        (:meth:`_step_fields`) as int64 words on its device, not read: the loss as its float64
+        bits, the rest as they are (integers)."""
+        kept: dict[nn.Parameter, torch.Tensor | None] = {}
+        local = scale = None
+        try:
+            weights = self._microbatch_weights(targets)
+            scale = self._start_scaling(scaler, scaling)
+            if self.place is not None:
+                kept = self._set_aside()
+                local = self._run(inputs, targets, _nothing_to_wait_for, weights)
+            elif self._kind == "blocks":
+                self._probe_idle(inputs)
+            fields = self._step_fields(local, scale)
+        except BaseException:
+            _put_back(kept)
+            raise
+        finally:
+            self._scaler = None
+        return kept, torch.cat([fields[:1].view(torch.int64), fields[1:].to(torch.int64)])
+
+    def _step_result(self, rows: np.ndarray) -> float:
+        """The batch's loss from every rank's step fields (:meth:`_step_work`, one row per
+        rank, summed in rank order), after raising where their flags say so."""
         loss = float(np.ascontiguousarray(rows[:, 0]).view(np.float64).sum())
         self._raise_flags(int(rows[:, 1].sum()), rows[:, 2:].sum(axis=0).tolist())
         return loss
+
+    def _step_summed(
+        self,
+        inputs: Any,
+        targets: Any,
+        scaler: torch.amp.GradScaler | None,
+        scaling: int,
+        fields: dict[str, int],
+    ) -> float:
+        """A data-parallel training step in one collective the step waits for, as DDP's: the
+        batch's check starts before this rank's forwards and runs beside them; the gradients'
+        sum then carries, after the gradients, each rank's step fields in a slot of its own
+        (:func:`_write_slot`), so that every rank learns every rank's loss, flags and
+        whether its work raised. A rank whose work raised joins the sum with zeros and its
+        flag; every rank then puts its gradients back and raises (the errors told by one
+        agreement, the others' named)."""
+        r = self._reductions[0]
+        check = start_agreement(
+            self._tr.comm, fields, values=np.zeros(_STEP_VALUES, dtype=np.int64)
+        )
+        kept: dict[nn.Parameter, torch.Tensor | None] = {}
+        failure: Exception | None = None
+        words = torch.zeros(_STEP_VALUES, dtype=torch.int64, device=self._device)
+        try:
+            kept, words = self._step_work(inputs, targets, scaler, scaling)
+        except Exception as e:  # told to every rank after the sum
+            failure = e
+        flat, grads = r.buffer, None
+        try:
+            check()
+            if failure is None:
+                flat, grads = r.fill()
+            else:
+                r.buffer.zero_()
+            slots = r.buffer[r.numel :]
+            _write_slot(slots, self._tr.rank, failure is not None, words)
+            self._tr.allreduce(r.buffer, r.sub)
+            failed, rows = _read_slots(slots, self._tr.size)
+        except BaseException:
+            _put_back(kept)
+            raise
+        if failed.any():
+            _put_back(kept)
+            agree(self._tr.comm, {}, failure=failure)  # raises on every rank
+            raise AssertionError("a rank's failure was told but not raised")  # pragma: no cover
+        self._count_sum(r)
+        r.unpack(flat, grads)
+        for p, g in kept.items():
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+        return self._step_result(rows)
 
     def _probe_idle(self, inputs: Any) -> None:
         """On an idle rank of a blocks model: the probe the working ranks run on the step's
@@ -1235,50 +1367,17 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         parameter unused on every rank); one that had a gradient (zeros, after
         ``zero_grad(set_to_none=False)``) gets the sum."""
         for r in self._reductions:
-            # A forward may convert its own weights (Switch Transformers' router casts its
-            # classifier to float32 at each call): the sum runs in a dtype exact for every
-            # piece, as the holders see them alike.
-            dtype = functools.reduce(torch.promote_types, (q.param.dtype for q in r.pieces))
-            if dtype != r.buffer.dtype:
-                r.buffer = torch.empty(r.buffer.numel(), dtype=dtype, device=r.buffer.device)
-            buf = r.buffer
-            grads = r.gradients()
-            if grads is not None:
-                # One concatenation into the buffer and one copy back into the gradients, not
-                # a copy, a check and a fresh tensor per parameter (a GPU rank on gloo: one
-                # transfer each way, not one per parameter).
-                views = [g.view(-1) for g in grads]
-                if grads[0].device == buf.device:
-                    flat = torch.cat(views, out=buf)
-                else:
-                    flat = torch.cat(views)
-                    buf.copy_(flat)
-            else:
-                buf.zero_()
-                for piece in r.pieces:
-                    g = piece.param.grad
-                    if piece.contributes and piece.param.requires_grad and g is not None:
-                        piece.put(buf, g)
-            self._tr.allreduce(buf, r.sub)
-            self._traffic["allreduce"] += round(
-                2 * (r.size - 1) / r.size * buf.numel() * buf.element_size()
-            )
-            if grads is not None:
-                if flat is not buf:
-                    flat.copy_(buf)
-                parts = flat.split([g.numel() for g in grads])
-                sums = [t.view_as(g) for t, g in zip(parts, grads, strict=True)]
-                torch._foreach_copy_(grads, sums)
-                continue
-            trained = [piece for piece in r.pieces if piece.param.requires_grad]
-            # A parameter this rank gave a gradient takes the sum; one it gave none takes it
-            # only if the sum holds a non-zero entry (read once for the reduction).
-            unsure = [piece for piece in trained if piece.param.grad is None]
-            found = torch.stack([p.summed_any(buf) for p in unsure]).tolist() if unsure else []
-            reached = {id(p) for p, any_sum in zip(unsure, found, strict=True) if any_sum}
-            for piece in trained:
-                if piece.param.grad is not None or id(piece) in reached:
-                    piece.param.grad = piece.take(buf)
+            flat, grads = r.fill()
+            self._tr.allreduce(r.buffer, r.sub)
+            self._count_sum(r)
+            r.unpack(flat, grads)
+
+    def _count_sum(self, r: _Reduction) -> None:
+        """The bytes a ring allreduce of ``r``'s gradients moves per rank (not a step's fields
+        beside them: an agreement's bytes are not counted either)."""
+        self._traffic["allreduce"] += round(
+            2 * (r.size - 1) / r.size * r.numel * r.buffer.element_size()
+        )
 
 
 def _sends_nothing(plan: Plan) -> bool:
@@ -1300,6 +1399,36 @@ def _put_back(kept: dict[nn.Parameter, torch.Tensor | None]) -> None:
 def _nothing_to_wait_for() -> None:
     """The batch check's wait where the check comes after the step's own work
     (:meth:`Parallel._step_alone`)."""
+
+
+#: A data-parallel step's fields per rank (:meth:`Parallel._step_work`): the loss's float64
+#: bits, the count of thawed parameters summed over no replica, the loss scale's fields.
+_STEP_VALUES = 2 + SCALE_FIELDS
+#: A rank's slot after the gradients in a data-parallel step's sum: its failure flag and its
+#: fields, 8 bytes each, one byte per element.
+_SLOT = 8 * (1 + _STEP_VALUES)
+#: Dtypes in which a byte (0 to 255) is exact, and exact plus zeros: the sum of the slots,
+#: each written by one rank, is every rank's bytes.
+_SLOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _write_slot(slots: torch.Tensor, rank: int, failed: bool, words: torch.Tensor) -> None:
+    """This rank's slot of ``slots`` (the sum's tail: :data:`_SLOT` elements per rank) holds
+    its failure flag and its step fields (``words``, int64) as bytes, every other slot zeros:
+    written where ``words`` are, without reading them (a CUDA rank's step reads once, after
+    the sum)."""
+    flag = torch.full((1,), int(failed), dtype=torch.int64, device=words.device)
+    mine = torch.cat([flag, words]).view(torch.uint8)
+    slots.zero_()
+    at = rank * _SLOT
+    slots[at : at + _SLOT].copy_(mine)
+
+
+def _read_slots(slots: torch.Tensor, ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's failure flag and fields from the summed ``slots`` (one read)."""
+    raw = slots.to("cpu", torch.uint8).numpy().reshape(ranks, _SLOT // 8, 8)
+    words = np.ascontiguousarray(raw).view(np.int64).reshape(ranks, 1 + _STEP_VALUES)
+    return words[:, 0], words[:, 1:]
 
 
 def _summed_loss(total: torch.Tensor | None, loss: torch.Tensor) -> torch.Tensor:
@@ -1783,6 +1912,11 @@ def _plan_reductions(
             continue
         holders = tuple(sorted({r for i, j in holding for r in plan.replicas[i].stages[j].ranks}))
         groups.setdefault((holders, p.dtype), []).append(n)
+    # Data parallelism whose gradients are one sum over every rank: the step's fields ride in
+    # it (Parallel._step_summed), in slots after the gradients.
+    fields_beside = (
+        len(groups) == 1 and _sends_nothing(plan) and par._tr.size > 1 and par.place is not None
+    )
     for (ranks, dtype), members in groups.items():
         sub = par._tr.subgroup(list(ranks))
         if par.rank not in ranks:
@@ -1794,5 +1928,8 @@ def _plan_reductions(
                 t, part = local[n]
                 pieces.append(_Piece(t, at, part, par._contributes(n, part)))
             at += math.prod(shape)
-        buffer = torch.zeros(at, dtype=dtype, device=par._wire_device())
-        par._reductions.append(_Reduction(sub, pieces, buffer, len(ranks)))
+        tail = 0
+        if fields_beside and len(ranks) == par._tr.size and dtype in _SLOT_DTYPES:
+            tail = _SLOT * par._tr.size
+        buffer = torch.zeros(at + tail, dtype=dtype, device=par._wire_device())
+        par._reductions.append(_Reduction(sub, pieces, buffer, len(ranks), tail))

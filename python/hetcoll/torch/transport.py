@@ -205,7 +205,7 @@ class _MpiTransport(Transport):
         return self._subs[key]
 
     def _inplace(self, t: torch.Tensor, op: Any) -> None:
-        host = t if t.device.type == "cpu" else t.cpu()
+        host = _summable(t)
         op(host.numpy())
         if host is not t:
             t.copy_(host)
@@ -215,13 +215,24 @@ class _MpiTransport(Transport):
         self._inplace(t, lambda a: c.Allreduce(self._mpi.IN_PLACE, a, op=self._mpi.SUM))
 
     def _iallreduce(self, t: torch.Tensor) -> Any:
-        host = t if t.device.type == "cpu" else t.cpu()
+        host = _summable(t)
         request = self._c.Iallreduce(self._mpi.IN_PLACE, host.numpy(), op=self._mpi.SUM)
         return (request, host, t)
 
     def broadcast(self, t: torch.Tensor, src: int, sub: Any = None) -> None:
         c = self._c if sub is None else sub
-        self._inplace(t, lambda a: c.Bcast(a.reshape(-1).view(np.uint8), root=src))
+        host = t if t.device.type == "cpu" else t.cpu()
+        c.Bcast(_host_bytes(host), root=src)
+        if host is not t:
+            t.copy_(host)
+
+
+def _summable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory in a dtype MPI sums: bfloat16 (which NumPy lacks) and float16
+    (which MPI lacks) as float32, the sum rounded back once into ``t``; others as they are."""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.to("cpu", torch.float32)
+    return t if t.device.type == "cpu" else t.cpu()
 
 
 class Inbox:
