@@ -267,7 +267,8 @@ def nccl_host_buffers(rank: int, world: int, path: str) -> dict[str, object]:
 
 
 #: A pipeline whose first stage is the GPU rank and whose second stage is split over two CPU
-#: ranks, beside nothing; and a whole-model replica on the GPU beside a 2-stage CPU pipeline.
+#: ranks, beside nothing; a whole-model replica on the GPU beside a 2-stage CPU pipeline; the
+#: GPU rank's replica beside two CPU ranks' (data parallelism); the GPU rank in a split stage.
 MIXED_PLANS = [
     {
         "microbatches": 3,
@@ -291,6 +292,13 @@ MIXED_PLANS = [
                 "samples": 5,
                 "stages": [{"ranks": [1], "layers": [0, 6]}, {"ranks": [2], "layers": [6, 11]}],
             },
+        ],
+    },
+    {  # data parallelism: the step's loss and flags in the gradients' sum, staged to the host
+        "microbatches": 2,
+        "replicas": [
+            {"samples": s, "stages": [{"ranks": [r], "layers": [0, 11]}]}
+            for r, s in enumerate((8, 3, 3))
         ],
     },
     {  # the GPU rank inside a split stage, after a CPU stage

@@ -303,9 +303,11 @@ def test_dcp_of_a_split_offloaded_from_the_gpu(tmp_path):
 @pytest.mark.cuda
 @needs_cuda
 def test_parallelize_with_a_gpu_rank():
-    """Three plans with the GPU rank as a pipeline stage, a whole-model replica and one rank
-    of a split stage, beside CPU ranks over gloo: equal one process, float64 1e-10."""
-    assert _spawn(cuda_cases.plans_mixed, 3) == [{"plans": 3}] * 3
+    """Four plans with the GPU rank as a pipeline stage, a whole-model replica (beside a CPU
+    pipeline, and beside CPU replicas: data parallelism, its step's fields in the gradients'
+    sum) and one rank of a split stage, beside CPU ranks over gloo: equal one process,
+    float64 1e-10."""
+    assert _spawn(cuda_cases.plans_mixed, 3) == [{"plans": 4}] * 3
 
 
 @pytest.mark.multiproc
