@@ -218,16 +218,19 @@ class _Reduction:
             grads.append(g)
         return grads
 
+    def match_dtype(self) -> None:
+        """A forward may convert its own weights (Switch Transformers' router casts its
+        classifier to float32 at each call): the sum runs in a dtype exact for every piece,
+        as the holders see them alike."""
+        dtype = functools.reduce(torch.promote_types, (q.param.dtype for q in self.pieces))
+        if dtype != self.buffer.dtype:
+            self.buffer = torch.empty(self.buffer.numel(), dtype=dtype, device=self.buffer.device)
+
     def fill(self) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """This rank's gradients into the buffer, before the sum: returns the flat tensor that
         holds them (the buffer's front, or a copy beside it on another device) and the
         gradients where they are its concatenation (:meth:`gradients`), else None."""
-        # A forward may convert its own weights (Switch Transformers' router casts its
-        # classifier to float32 at each call): the sum runs in a dtype exact for every
-        # piece, as the holders see them alike.
-        dtype = functools.reduce(torch.promote_types, (q.param.dtype for q in self.pieces))
-        if dtype != self.buffer.dtype:
-            self.buffer = torch.empty(self.buffer.numel(), dtype=dtype, device=self.buffer.device)
+        self.match_dtype()
         front = self.buffer[: self.numel]
         grads = self.gradients()
         if grads is None:
@@ -730,7 +733,8 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             check()
             if failure is None:
                 flat, grads = r.fill()
-            else:
+            else:  # zeros, in the dtype the others sum in
+                r.match_dtype()
                 r.buffer.zero_()
             slots = r.buffer[r.numel :]
             _write_slot(slots, self._tr.rank, failure is not None, words)
