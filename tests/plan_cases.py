@@ -53,6 +53,15 @@ def cnn() -> nn.Sequential:
     )
 
 
+def wide_cnn() -> nn.Sequential:
+    """:func:`cnn` with a 1024-wide hidden layer: 1.3 MB of float64 gradients, past
+    ``ONE_COLLECTIVE_BYTES``, so a data-parallel training step checks its batch beside its
+    forwards and sums its gradients after (the small one does both in its sum)."""
+    layers = list(cnn())
+    layers[8], layers[10] = nn.Linear(10 * 4 * 4, 1024), nn.Linear(1024, 5)
+    return nn.Sequential(*layers)
+
+
 def resnet18() -> nn.Module:
     import torchvision
 
@@ -486,13 +495,13 @@ DATA_PARALLEL = {
 }
 
 
-def data_parallel_errors(group: Any) -> int:
-    """Under DATA_PARALLEL, whose training step sums its loss and flags with its gradients:
-    each mistake raises on every rank (none hangs), and the next good step trains. Returns how
-    many raised."""
+def data_parallel_errors(group: Any, make: Any) -> int:
+    """Under DATA_PARALLEL, whose steps sum their loss and flags with their gradients (and a
+    large model's training step checks its batch beside its forwards): each mistake raises on
+    every rank (none hangs), and the next good step trains. Returns how many raised."""
     rank = wrap(group).rank
     torch.manual_seed(0)
-    model = cnn().double()
+    model = make().double()
     raises = Raises()
 
     def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -557,14 +566,12 @@ def counting(calls: list[str], *where: tuple[Any, str]) -> Iterator[None]:
             setattr(owner, name, fn)
 
 
-def data_parallel_collectives() -> dict[str, list[str]]:
+def data_parallel_collectives(make: Any) -> dict[str, list[str]]:
     """The torch.distributed collectives of DATA_PARALLEL's steps (allgathers, allreduces) on
-    the default group, in order among the step's forwards: a training step's batch check
-    started before its forwards, then its gradients' sum (which carries its loss and flags);
-    an evaluation step's check with its loss, after its forwards."""
+    the default group, in order among the step's forwards."""
     import torch.distributed as dist
 
-    par = parallelize(cnn().double(), DATA_PARALLEL, loss_fn=nn.CrossEntropyLoss())
+    par = parallelize(make().double(), DATA_PARALLEL, loss_fn=nn.CrossEntropyLoss())
     x, y = batches((3, 8, 8), 14, 1)[0]
     par.step(x, y)  # a first step, unrecorded
     out = {}
@@ -714,8 +721,9 @@ def run_all(group: Any) -> dict[str, Any]:
         equals_one_process(group, swin, Plan.from_dict(SWIN), (3, 16, 16), steps=2)
     out["swin"] = True
     equals_one_process(group, cnn, Plan.from_dict(DATA_PARALLEL), (3, 8, 8))
+    equals_one_process(group, wide_cnn, Plan.from_dict(DATA_PARALLEL), (3, 8, 8))
     out["data_parallel"] = True
-    out["data_parallel_errors"] = data_parallel_errors(group)
+    out["data_parallel_errors"] = [data_parallel_errors(group, m) for m in (cnn, wide_cnn)]
     out["data_parallel_low_precision"] = data_parallel_low_precision(group)
     out["errors"] = bad_input(group)
     out["scaler_mistakes"] = scaler_mistakes(group)
@@ -808,7 +816,10 @@ def run_torch(rank: int, world: int) -> dict[str, Any]:
 
     out = run_all(None)
     out["loss_scaled_sharded"] = loss_scaled(None, ShardedGradScaler)
-    out["data_parallel_collectives"] = data_parallel_collectives()
+    out["data_parallel_collectives"] = {
+        "small": data_parallel_collectives(cnn),
+        "large": data_parallel_collectives(wide_cnn),
+    }
     return out
 
 

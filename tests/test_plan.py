@@ -42,7 +42,7 @@ EXPECTED = {
     "data_parallel": True,
     # Wrong rows; rows that differ; a rank evaluating alone; a rank's loss raising; scales
     # that differ.
-    "data_parallel_errors": 5,
+    "data_parallel_errors": [5, 5],  # the small model's, the large one's
     # A training step's loss and flags beside its bfloat16 / float16 gradients, bit for bit.
     "data_parallel_low_precision": {"torch.bfloat16": True, "torch.float16": True},
     "errors": 6,
@@ -66,12 +66,19 @@ def _check(results: list[dict], engine: str) -> None:
         assert r.pop("loss_scaled_data_parallel") == SCALES, (rank, r)
         if engine == "gloo":  # a ShardedGradScaler needs torch.distributed
             assert r.pop("loss_scaled_sharded") == SCALES, (rank, r)
-            # A data-parallel training step: its batch's check started before its forwards,
-            # its loss and flags in the gradients' one sum; evaluating, the check with its loss
-            # after the forwards.
+            # A data-parallel step of a small model (0.2 MB of gradients) is one collective:
+            # its batch's check, loss and flags in its gradients' sum (zeros, evaluating). A
+            # large model's (1.3 MB) training step checks its batch beside its forwards, then
+            # sums; evaluating, the check with its loss after the forwards.
             assert r.pop("data_parallel_collectives") == {
-                "train": ["all_gather_into_tensor", "forward", "forward", "all_reduce"],
-                "eval": ["forward", "forward", "all_gather_into_tensor"],
+                "small": {
+                    "train": ["forward", "forward", "all_reduce"],
+                    "eval": ["forward", "forward", "all_reduce"],
+                },
+                "large": {
+                    "train": ["all_gather_into_tensor", "forward", "forward", "all_reduce"],
+                    "eval": ["forward", "forward", "all_gather_into_tensor"],
+                },
             }
         assert r == EXPECTED, (rank, r)
         if rank == 1:  # the idle rank sent nothing

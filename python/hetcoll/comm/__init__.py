@@ -18,7 +18,13 @@ peer that does not answer in time, or that the engine reports lost, raises
 (0, 4)
 """
 
-from hetcoll.comm.agreement import agree, allgather_objects, same_rows, start_agreement
+from hetcoll.comm.agreement import (
+    agree,
+    allgather_objects,
+    fingerprint,
+    same_rows,
+    start_agreement,
+)
 from hetcoll.comm.base import KINDS, Communicator, Request, SharedWindows, deadline, wait_all
 from hetcoll.comm.default import (
     MPI_LAUNCHER_VARIABLES,
@@ -52,6 +58,7 @@ __all__ = [
     "allgather_objects",
     "deadline",
     "deadline_or_failure",
+    "fingerprint",
     "global_ranks",
     "group_argument",
     "has_default",

@@ -1,5 +1,6 @@
 """ "Ranks agree on these arguments": :func:`agree` and :func:`start_agreement` (one allgather of
 a 16-byte fingerprint; on a mismatch or a rank's local failure every rank raises),
+:func:`fingerprint` (the fields' digest they compare),
 :func:`same_rows`, and :func:`allgather_objects` (what each rank holds, told to all)."""
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from hetcoll.errors import CollectiveMismatchError
 _OK, _FAILED = 0, 1
 
 
-def _digest(fields: Mapping[str, int]) -> int:
-    """A 63-bit fingerprint of the field names and values, in order (blake2b, one pass)."""
+def fingerprint(fields: Mapping[str, int]) -> int:
+    """A 63-bit fingerprint of the field names and values, in order (blake2b, one pass): what
+    :func:`agree` compares; a caller that carries it in a collective of its own compares it
+    there, and on a mismatch calls :func:`agree` with the same fields to raise, naming them."""
     try:
         raw = np.asarray(list(fields.values()))
         if raw.size and raw.dtype.kind not in "biuf":  # strings, or ints past 64 bits (objects)
@@ -50,7 +53,7 @@ def _first_round(
 ) -> np.ndarray:
     out = np.empty(2 + len(values), dtype=np.int64)
     out[0] = _FAILED if failure is not None else _OK
-    out[1] = 0 if failure is not None else _digest(fields)
+    out[1] = 0 if failure is not None else fingerprint(fields)
     out[2:] = values
     return out
 

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from hetcoll.comm import agree, start_agreement, wrap, wrap_or_raise
+from hetcoll.comm import agree, fingerprint, start_agreement, wrap, wrap_or_raise
 from hetcoll.plan import Plan, Stage
 from hetcoll.torch.batches import (
     Items,
@@ -633,17 +633,24 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         why_not: str | None,
     ) -> float:
         """:meth:`step` for a plan whose ranks send nothing before the gradients' sums (every
-        replica one rank, no experts: data parallelism), over several ranks. Training where
-        one sum covers every rank's gradients (:meth:`_step_summed`): the batch's check before
-        the forwards, the step's fields in the gradients' sum. Otherwise the batch's check,
-        the loss's sum and the step's flags go in one allgather after this rank's forwards and
-        backwards (:func:`~hetcoll.comm.agree`), then the gradients' sums. Either way a rank
-        whose own work raised joins them with its error, so that every rank raises; a batch
-        the ranks agree on but the plan does not take computes nothing and raises on every
-        rank."""
+        replica one rank, no experts: data parallelism), over several ranks. Where one sum
+        covers every rank's gradients, the step's fields ride in it (:meth:`_step_summed`):
+        every step of a small model is that one collective; a larger model's training step
+        checks its batch beside its forwards first. Otherwise the batch's check, the loss's
+        sum and the step's flags go in one allgather after this rank's forwards and
+        backwards, then the gradients' sums. Either way a rank whose own work raised joins
+        them with its error, so that every rank raises; a batch the ranks agree on but the
+        plan does not take computes nothing and raises on every rank."""
         fields, bad_batch = self._batch_fields(inputs, targets, scaling, why_not)
-        if bad_batch is None and torch.is_grad_enabled() and self._summed_with_fields():
-            return self._step_summed(inputs, targets, scaler, scaling, fields)
+        summed = self._reductions[0] if len(self._reductions) == 1 else None
+        if summed is not None and summed.tail:
+            if summed.numel * summed.buffer.element_size() <= ONE_COLLECTIVE_BYTES:
+                return self._step_summed(inputs, targets, scaler, scaling, fields, bad_batch)
+            if bad_batch is None and torch.is_grad_enabled():
+                check = start_agreement(
+                    self._tr.comm, fields, values=np.zeros(_STEP_VALUES, dtype=np.int64)
+                )
+                return self._step_summed(inputs, targets, scaler, scaling, fields, None, check)
         kept: dict[nn.Parameter, torch.Tensor | None] = {}
         failure: Exception | None = None
         values = np.zeros(_STEP_VALUES, dtype=np.int64)
@@ -664,11 +671,6 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             raise bad_batch  # the same on every rank: the fields it follows from agree
         self._gradients_summed(kept)
         return self._step_result(rows)
-
-    def _summed_with_fields(self) -> bool:
-        """Whether this plan's gradients are one sum over every rank, with room for the step's
-        fields after them (:func:`_plan_reductions`): the same on every rank."""
-        return len(self._reductions) == 1 and self._reductions[0].tail > 0
 
     def _step_work(
         self, inputs: Any, targets: Any, scaler: torch.amp.GradScaler | None, scaling: int
@@ -709,46 +711,55 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         scaler: torch.amp.GradScaler | None,
         scaling: int,
         fields: dict[str, int],
+        bad_batch: BaseException | None,
+        check: Callable[[], np.ndarray] | None = None,
     ) -> float:
-        """A data-parallel training step in one collective the step waits for, as DDP's: the
-        batch's check starts before this rank's forwards and runs beside them; the gradients'
-        sum then carries, after the gradients, each rank's step fields in a slot of its own
-        (:func:`_write_slot`), so that every rank learns every rank's loss, flags and
-        whether its work raised. A rank whose work raised joins the sum with zeros and its
-        flag; every rank then puts its gradients back and raises (the errors told by one
-        agreement, the others' named)."""
+        """A data-parallel step whose gradients' sum carries, after the gradients, each rank's
+        step fields in a slot of its own (:func:`_write_slot`): every rank learns every rank's
+        loss, flags, whether its work raised and, without ``check``, the fingerprint of its
+        batch's fields (:func:`~hetcoll.comm.fingerprint`): the step is that one collective,
+        as DDP's; an evaluation step sums zeros for the gradients, so that a rank evaluating
+        beside training ones meets them there. With ``check`` (a larger model's training
+        step) the batch's check was started before the forwards and runs beside them, and an
+        evaluation step takes the allgather road instead (the same collective as the check).
+        A rank whose work raised joins the sum with zeros and its flag; on a failure or a
+        mismatch every rank puts its gradients back and raises (told by one agreement)."""
         r = self._reductions[0]
-        check = start_agreement(
-            self._tr.comm, fields, values=np.zeros(_STEP_VALUES, dtype=np.int64)
-        )
         kept: dict[nn.Parameter, torch.Tensor | None] = {}
         failure: Exception | None = None
         words = torch.zeros(_STEP_VALUES, dtype=torch.int64, device=self._device)
-        try:
-            kept, words = self._step_work(inputs, targets, scaler, scaling)
-        except Exception as e:  # told to every rank after the sum
-            failure = e
+        if bad_batch is None:
+            try:
+                kept, words = self._step_work(inputs, targets, scaler, scaling)
+            except Exception as e:  # told to every rank after the sum
+                failure = e
+        training = torch.is_grad_enabled()
         flat, grads = r.buffer, None
         try:
-            check()
-            if failure is None:
+            if check is not None:
+                check()
+            if training and failure is None and bad_batch is None:
                 flat, grads = r.fill()
             else:  # zeros, in the dtype the others sum in
                 r.match_dtype()
                 r.buffer.zero_()
             slots = r.buffer[r.numel :]
-            _write_slot(slots, self._tr.rank, failure is not None, words)
+            digest = 0 if check is not None else fingerprint(fields)
+            _write_slot(slots, self._tr.rank, failure is not None, digest, words)
             self._tr.allreduce(r.buffer, r.sub)
-            failed, rows = _read_slots(slots, self._tr.size)
+            failed, digests, rows = _read_slots(slots, self._tr.size)
         except BaseException:
             _put_back(kept)
             raise
-        if failed.any():
+        if failed.any() or (digests != digests[0]).any():
             _put_back(kept)
-            agree(self._tr.comm, {}, failure=failure)  # raises on every rank
+            agree(self._tr.comm, fields, failure=failure)  # raises on every rank
             raise AssertionError("a rank's failure was told but not raised")  # pragma: no cover
-        self._count_sum(r)
-        r.unpack(flat, grads)
+        if bad_batch is not None:
+            raise bad_batch  # the same on every rank: the fields it follows from agree
+        if training:
+            self._count_sum(r)
+            r.unpack(flat, grads)
         for p, g in kept.items():
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
@@ -1408,31 +1419,40 @@ def _nothing_to_wait_for() -> None:
 #: A data-parallel step's fields per rank (:meth:`Parallel._step_work`): the loss's float64
 #: bits, the count of thawed parameters summed over no replica, the loss scale's fields.
 _STEP_VALUES = 2 + SCALE_FIELDS
-#: A rank's slot after the gradients in a data-parallel step's sum: its failure flag and its
-#: fields, 8 bytes each, one byte per element.
-_SLOT = 8 * (1 + _STEP_VALUES)
+#: A rank's slot after the gradients in a data-parallel step's sum: its failure flag, its
+#: batch's fingerprint and its fields, 8 bytes each, one byte per element.
+_SLOT = 8 * (2 + _STEP_VALUES)
 #: Dtypes in which a byte (0 to 255) is exact, and exact plus zeros: the sum of the slots,
 #: each written by one rank, is every rank's bytes.
 _SLOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Gradients up to this size (1 MiB, DDP's first bucket) are summed in every data-parallel
+#: step, an evaluation's zeros too, with the step's fields beside them: one collective a
+#: step, where a gloo sum of that size costs about a collective's latency (a millisecond
+#: between two local ranks) and a check of its own would cost another. Larger ones check
+#: their batch beside the forwards and sum only when training.
+ONE_COLLECTIVE_BYTES = 1 << 20
 
 
-def _write_slot(slots: torch.Tensor, rank: int, failed: bool, words: torch.Tensor) -> None:
+def _write_slot(
+    slots: torch.Tensor, rank: int, failed: bool, digest: int, words: torch.Tensor
+) -> None:
     """This rank's slot of ``slots`` (the sum's tail: :data:`_SLOT` elements per rank) holds
-    its failure flag and its step fields (``words``, int64) as bytes, every other slot zeros:
-    written where ``words`` are, without reading them (a CUDA rank's step reads once, after
-    the sum)."""
-    flag = torch.full((1,), int(failed), dtype=torch.int64, device=words.device)
-    mine = torch.cat([flag, words]).view(torch.uint8)
+    its failure flag, its batch's fingerprint and its step fields (``words``, int64) as bytes,
+    every other slot zeros: written where ``words`` are, without reading them (a CUDA rank's
+    step reads once, after the sum)."""
+    head = torch.tensor([int(failed), digest], dtype=torch.int64).to(words.device)
+    mine = torch.cat([head, words]).view(torch.uint8)
     slots.zero_()
     at = rank * _SLOT
     slots[at : at + _SLOT].copy_(mine)
 
 
-def _read_slots(slots: torch.Tensor, ranks: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every rank's failure flag and fields from the summed ``slots`` (one read)."""
+def _read_slots(slots: torch.Tensor, ranks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every rank's failure flag, fingerprint and fields from the summed ``slots`` (one
+    read)."""
     raw = slots.to("cpu", torch.uint8).numpy().reshape(ranks, _SLOT // 8, 8)
-    words = np.ascontiguousarray(raw).view(np.int64).reshape(ranks, 1 + _STEP_VALUES)
-    return words[:, 0], words[:, 1:]
+    words = np.ascontiguousarray(raw).view(np.int64).reshape(ranks, 2 + _STEP_VALUES)
+    return words[:, 0], words[:, 1], words[:, 2:]
 
 
 def _summed_loss(total: torch.Tensor | None, loss: torch.Tensor) -> torch.Tensor:
