@@ -194,3 +194,23 @@ def test_agreement_helpers_name_what_is_no_communicator():
     with pytest.raises(ValueError, match=r"^rows: must be one row per rank of 2 values"):
         comm.same_rows(["a", "b"], [[1], [1]])
     comm.same_rows(["a"], [[1], [1]])  # the same on every rank: no error
+
+
+def test_fingerprint_is_what_agree_compares() -> None:
+    """The fields' digest that agree's first round carries (and a data-parallel step's sum
+    carries in each rank's slot): 63 bits, the same for the same names and values in the same
+    order, another for another value, name or order; a bad value is refused by name."""
+    from hetcoll.comm import fingerprint
+
+    fields = {"rows": 14, "mode": 1, "scale": -3}
+    got = fingerprint(fields)
+    assert 0 <= got < 2**63 and got == fingerprint(dict(fields))
+    others = [
+        {"rows": 13, "mode": 1, "scale": -3},
+        {"rowz": 14, "mode": 1, "scale": -3},
+        {"mode": 1, "rows": 14, "scale": -3},
+        {"rows": 14, "mode": 1},
+    ]
+    assert len({got, *(fingerprint(f) for f in others)}) == 1 + len(others)
+    with pytest.raises(TypeError, match=r"fields\['mode'\]: must be an integer"):
+        fingerprint({"rows": 14, "mode": "train"})
