@@ -141,9 +141,9 @@ def plan_schedule(
 
 def loss_allreduce_seconds(cluster: Cluster) -> float:
     """The step's loss summed over every rank of the group, as :meth:`Parallel.step
-    <hetcoll.torch.parallel.Parallel.step>` sums it (one float64 ring allreduce; a
-    data-parallel plan's step gathers it with its batch's check instead, a few words a rank
-    in one allgather before the gradients' sums: as latency-bound, costed alike)."""
+    <hetcoll.torch.parallel.Parallel.step>` sums it (one float64 ring allreduce). A
+    data-parallel plan whose one gradient sum covers every rank pays none: its step carries
+    the loss in that sum (:func:`layout_schedule`)."""
     link = cluster_facts(cluster).ring_link
     slowest = float(device_arrays(cluster.devices).mem_bytes_per_s.min())
     return float(
@@ -408,11 +408,21 @@ def layout_schedule(
         for x in taking_part:
             programs[x].append(("collective", ("sum", g)))
         state[held] += nbytes  # the full-size buffer the gradients are summed in
-    # The loss, summed over every rank of the group; idle ranks join it at once.
-    loss_s = loss_allreduce_seconds(cluster)
-    collectives["loss"] = (len(programs), loss_s)
-    for prog in programs:
-        prog.append(("collective", "loss"))
+    # The loss, summed over every rank of the group; idle ranks join it at once. Data
+    # parallelism whose one gradient sum covers every device carries it in that sum instead
+    # (Parallel.step: each rank's step fields in a slot after the gradients; a larger model's
+    # batch check runs beside its forwards): no collective of its own.
+    one_sum = (
+        experts is None
+        and len(groups) == 1
+        and len(next(iter(groups))) == n_dev
+        and all(len(rep.stages) == 1 and len(rep.stages[0].ranks) == 1 for rep, _ in classes)
+    )
+    loss_s = 0.0 if one_sum else loss_allreduce_seconds(cluster)
+    if not one_sum:
+        collectives["loss"] = (len(programs), loss_s)
+        for prog in programs:
+            prog.append(("collective", "loss"))
     return PlanSchedule(
         programs,
         collectives,
