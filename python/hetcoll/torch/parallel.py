@@ -177,24 +177,24 @@ class _Reduction:
 
     sub: Any  # the holders' sub-group
     pieces: list[_Piece]
-    buffer: torch.Tensor  # full-size, reused every step (with room for ``tail`` after)
+    buffer: torch.Tensor  # full-size, reused every step (with room for ``head`` before)
     size: int  # number of holders
-    #: Elements after the gradients: where a data-parallel step's sum carries each rank's step
-    #: fields (:meth:`Parallel._step_summed`); 0 elsewhere.
-    tail: int = 0
+    #: Elements before the gradients: where a data-parallel step's sum carries each rank's step
+    #: fields (:meth:`Parallel._step_summed`), in the part it sums last; 0 elsewhere.
+    head: int = 0
     dense: bool = field(init=False)
     numel: int = field(init=False)  # the gradients' elements
 
     def __post_init__(self) -> None:
         # Whole parameters, each counted, filling the buffer end to end in order (a
         # data-parallel replica's): their gradients are the buffer's concatenation.
-        at = 0
+        at = self.head
         dense = True
         for piece in self.pieces:
             dense = dense and piece.part.whole and piece.contributes and piece.offset == at
             at = piece.offset + piece.param.numel()
-        self.numel = self.buffer.numel() - self.tail
-        self.dense = dense and at == self.numel
+        self.numel = self.buffer.numel() - self.head
+        self.dense = dense and at == self.buffer.numel()
 
     def gradients(self) -> list[torch.Tensor] | None:
         """The pieces' gradients where they are the buffer's concatenation: dense (above), every
@@ -226,12 +226,16 @@ class _Reduction:
         if dtype != self.buffer.dtype:
             self.buffer = torch.empty(self.buffer.numel(), dtype=dtype, device=self.buffer.device)
 
+    def front(self) -> torch.Tensor:
+        """The buffer's gradients (after its ``head``)."""
+        return self.buffer[self.head :]
+
     def fill(self) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """This rank's gradients into the buffer, before the sum: returns the flat tensor that
-        holds them (the buffer's front, or a copy beside it on another device) and the
-        gradients where they are its concatenation (:meth:`gradients`), else None."""
+        holds them (:meth:`front`, or a copy beside it on another device) and the gradients
+        where they are its concatenation (:meth:`gradients`), else None."""
         self.match_dtype()
-        front = self.buffer[: self.numel]
+        front = self.front()
         grads = self.gradients()
         if grads is None:
             front.zero_()
@@ -256,8 +260,9 @@ class _Reduction:
         it gave none takes it only if the sum holds a non-zero entry (read once for the
         reduction)."""
         if grads is not None:
-            if flat.data_ptr() != self.buffer.data_ptr():
-                flat.copy_(self.buffer[: self.numel])
+            front = self.front()
+            if flat.data_ptr() != front.data_ptr():
+                flat.copy_(front)
             parts = flat.split([g.numel() for g in grads])
             sums = [t.view_as(g) for t, g in zip(parts, grads, strict=True)]
             torch._foreach_copy_(grads, sums)
@@ -643,7 +648,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         plan does not take computes nothing and raises on every rank."""
         fields, bad_batch = self._batch_fields(inputs, targets, scaling, why_not)
         summed = self._reductions[0] if len(self._reductions) == 1 else None
-        if summed is not None and summed.tail:
+        if summed is not None and summed.head:
             if summed.numel * summed.buffer.element_size() <= ONE_COLLECTIVE_BYTES:
                 return self._step_summed(inputs, targets, scaler, scaling, fields, bad_batch)
             if bad_batch is None and torch.is_grad_enabled():
@@ -714,7 +719,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         bad_batch: BaseException | None,
         check: Callable[[], np.ndarray] | None = None,
     ) -> float:
-        """A data-parallel step whose gradients' sum carries, after the gradients, each rank's
+        """A data-parallel step whose gradients' sum carries, before the gradients, each rank's
         step fields in a slot of its own (:func:`_write_slot`): every rank learns every rank's
         loss, flags, whether its work raised and, without ``check``, the fingerprint of its
         batch's fields (:func:`~hetcoll.comm.fingerprint`): the step is that one collective,
@@ -743,7 +748,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             else:  # zeros, in the dtype the others sum in
                 r.match_dtype()
                 r.buffer.zero_()
-            slots = r.buffer[r.numel :]
+            slots = r.buffer[: r.head]
             digest = 0 if check is not None else fingerprint(fields)
             _write_slot(slots, self._tr.rank, failure is not None, digest, words)
             self._tr.allreduce(r.buffer, r.sub)
@@ -1419,7 +1424,7 @@ def _nothing_to_wait_for() -> None:
 #: A data-parallel step's fields per rank (:meth:`Parallel._step_work`): the loss's float64
 #: bits, the count of thawed parameters summed over no replica, the loss scale's fields.
 _STEP_VALUES = 2 + SCALE_FIELDS
-#: A rank's slot after the gradients in a data-parallel step's sum: its failure flag, its
+#: A rank's slot before the gradients in a data-parallel step's sum: its failure flag, its
 #: batch's fingerprint and its fields, 8 bytes each, one byte per element.
 _SLOT = 8 * (2 + _STEP_VALUES)
 #: Dtypes in which a byte (0 to 255) is exact, and exact plus zeros: the sum of the slots,
@@ -1436,7 +1441,7 @@ ONE_COLLECTIVE_BYTES = 1 << 20
 def _write_slot(
     slots: torch.Tensor, rank: int, failed: bool, digest: int, words: torch.Tensor
 ) -> None:
-    """This rank's slot of ``slots`` (the sum's tail: :data:`_SLOT` elements per rank) holds
+    """This rank's slot of ``slots`` (the sum's head: :data:`_SLOT` elements per rank) holds
     its failure flag, its batch's fingerprint and its step fields (``words``, int64) as bytes,
     every other slot zeros: written where ``words`` are, without reading them (a CUDA rank's
     step reads once, after the sum)."""
@@ -1937,7 +1942,7 @@ def _plan_reductions(
         holders = tuple(sorted({r for i, j in holding for r in plan.replicas[i].stages[j].ranks}))
         groups.setdefault((holders, p.dtype), []).append(n)
     # Data parallelism whose gradients are one sum over every rank: the step's fields ride in
-    # it (Parallel._step_summed), in slots after the gradients.
+    # it (Parallel._step_summed), in slots before the gradients.
     fields_beside = (
         len(groups) == 1 and _sends_nothing(plan) and par._tr.size > 1 and par.place is not None
     )
@@ -1945,15 +1950,15 @@ def _plan_reductions(
         sub = par._tr.subgroup(list(ranks))
         if par.rank not in ranks:
             continue
-        pieces, at = [], 0
+        head = 0
+        if fields_beside and len(ranks) == par._tr.size and dtype in _SLOT_DTYPES:
+            head = _SLOT * par._tr.size
+        pieces, at = [], head
         for n in members:
             shape = tuple(model.get_parameter(n).shape)
             if n in local:  # in an owners stage, a rank may own none of a layer's channels
                 t, part = local[n]
                 pieces.append(_Piece(t, at, part, par._contributes(n, part)))
             at += math.prod(shape)
-        tail = 0
-        if fields_beside and len(ranks) == par._tr.size and dtype in _SLOT_DTYPES:
-            tail = _SLOT * par._tr.size
-        buffer = torch.zeros(at + tail, dtype=dtype, device=par._wire_device())
-        par._reductions.append(_Reduction(sub, pieces, buffer, len(ranks), tail))
+        buffer = torch.zeros(at, dtype=dtype, device=par._wire_device())
+        par._reductions.append(_Reduction(sub, pieces, buffer, len(ranks), head))
