@@ -526,6 +526,22 @@ def data_parallel_errors(group: Any, make: Any) -> int:
     else:
         raises(CollectiveMismatchError, "rank 2 raised RuntimeError", lambda: par.step(x, y))
     failing = False
+    # Rank 2's last backward raising at the first layer's gradient, the last it computes (the
+    # large model's first bucket of sums started by then): the others raise naming it.
+    backwards = [0]
+
+    def backward_fails(_: torch.Tensor) -> None:
+        backwards[0] += 1
+        if rank == 2 and backwards[0] == DATA_PARALLEL["microbatches"]:
+            raise RuntimeError("rank 2's backward failed")
+
+    assert par.stage is not None
+    hook = par.stage[0].weight.register_post_accumulate_grad_hook(backward_fails)
+    if rank == 2:
+        raises(RuntimeError, "rank 2's backward failed", lambda: par.step(x, y))
+    else:
+        raises(CollectiveMismatchError, "rank 2 raised RuntimeError", lambda: par.step(x, y))
+    hook.remove()
     # No failed step left a gradient (each rank's own work put back).
     assert all(p.grad is None for p in par.parameters())
     init = 2.0**4 if rank == 2 else 2.0**5
@@ -568,7 +584,8 @@ def counting(calls: list[str], *where: tuple[Any, str]) -> Iterator[None]:
 
 def data_parallel_collectives(make: Any) -> dict[str, list[str]]:
     """The torch.distributed collectives of DATA_PARALLEL's steps (allgathers, allreduces) on
-    the default group, in order among the step's forwards."""
+    the default group, in order among the step's forwards and its first layer's gradients
+    (the last each backward gives)."""
     import torch.distributed as dist
 
     par = parallelize(make().double(), DATA_PARALLEL, loss_fn=nn.CrossEntropyLoss())
@@ -579,10 +596,16 @@ def data_parallel_collectives(make: Any) -> dict[str, list[str]]:
         calls: list[str] = []
         evaluating = torch.no_grad() if mode == "eval" else contextlib.nullcontext()
         assert par.stage is not None
-        hook = par.stage.register_forward_pre_hook(lambda *_, c=calls: c.append("forward"))
+        hooks = [
+            par.stage.register_forward_pre_hook(lambda *_, c=calls: c.append("forward")),
+            par.stage[0].weight.register_post_accumulate_grad_hook(
+                lambda _, c=calls: c.append("first layer's gradient")
+            ),
+        ]
         with counting(calls, (dist, "all_gather_into_tensor"), (dist, "all_reduce")), evaluating:
             par.step(x, y)
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
         out[mode] = calls
     return out
 

@@ -40,9 +40,9 @@ EXPECTED = {
     "casts": True,
     "swin": True,
     "data_parallel": True,
-    # Wrong rows; rows that differ; a rank evaluating alone; a rank's loss raising; scales
-    # that differ.
-    "data_parallel_errors": [5, 5],  # the small model's, the large one's
+    # Wrong rows; rows that differ; a rank evaluating alone; a rank's loss raising; a rank's
+    # backward raising; scales that differ.
+    "data_parallel_errors": [6, 6],  # the small model's, the large one's
     # A training step's loss and flags beside its bfloat16 / float16 gradients, bit for bit.
     "data_parallel_low_precision": {"torch.bfloat16": True, "torch.float16": True},
     "errors": 6,
@@ -68,15 +68,21 @@ def _check(results: list[dict], engine: str) -> None:
             assert r.pop("loss_scaled_sharded") == SCALES, (rank, r)
             # A data-parallel step of a small model (0.2 MB of gradients) is one collective:
             # its batch's check, loss and flags in its gradients' sum (zeros, evaluating). A
-            # large model's (1.3 MB) training step checks its batch beside its forwards, then
-            # sums; evaluating, the check with its loss after the forwards.
+            # large model's (1.3 MB) training step checks its batch beside its forwards, and
+            # sums in two buckets: the last layers' during the last backward (before the first
+            # layer's gradient), the rest with its fields after; evaluating, the check with its
+            # loss after the forwards.
+            grad = "first layer's gradient"
             assert r.pop("data_parallel_collectives") == {
                 "small": {
-                    "train": ["forward", "forward", "all_reduce"],
+                    "train": ["forward", "forward", grad, grad, "all_reduce"],
                     "eval": ["forward", "forward", "all_reduce"],
                 },
                 "large": {
-                    "train": ["all_gather_into_tensor", "forward", "forward", "all_reduce"],
+                    "train": [
+                        *("all_gather_into_tensor", "forward", "forward", grad),
+                        *("all_reduce", grad, "all_reduce"),
+                    ],
                     "eval": ["forward", "forward", "all_gather_into_tensor"],
                 },
             }

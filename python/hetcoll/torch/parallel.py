@@ -276,6 +276,130 @@ class _Reduction:
                 piece.param.grad = piece.take(self.buffer)
 
 
+class _Buckets:
+    """A larger data-parallel step's gradients' sum (:class:`_Reduction` ``r``, its fields'
+    slots in its head) in buckets started during the last backward, as DDP's buckets are: from
+    the buffer's end (the last layers, whose gradients come first) to its start, the first
+    bucket about ``FIRST_BUCKET_BYTES``, the others ``BUCKET_BYTES``. A hook on each parameter
+    (``register_post_accumulate_grad_hook``) copies its gradient into its place once the
+    backward has given it; a bucket whose parameters are all in starts its sum, in order. The
+    last bucket (the head's, with the first layers) starts after the backward, once the
+    rank's fields are known (:meth:`finish`), so a rank whose backward raised still starts
+    every bucket, with zeros where it has no gradient, and its flag."""
+
+    def __init__(self, r: _Reduction, tr: Transport) -> None:
+        self.r, self.tr = r, tr
+        order = sorted(range(len(r.pieces)), key=lambda i: r.pieces[i].offset, reverse=True)
+        self.buckets: list[list[int]] = [[]]
+        size, limit = 0, FIRST_BUCKET_BYTES
+        itemsize = r.buffer.element_size()
+        for i in order:
+            if size >= limit:
+                self.buckets.append([])
+                size, limit = 0, BUCKET_BYTES
+            self.buckets[-1].append(i)
+            size += r.pieces[i].param.numel() * itemsize
+        # Each bucket's span of the buffer: from its lowest piece to the next bucket's start
+        # (the last one from the head on).
+        starts = [min(r.pieces[i].offset for i in b) for b in self.buckets]
+        starts[-1] = 0
+        ends = [r.buffer.numel(), *starts[:-1]]
+        self.spans = list(zip(starts, ends, strict=True))
+        self.bucket_of = {
+            id(r.pieces[i].param): (b, i) for b, ids in enumerate(self.buckets) for i in ids
+        }
+        self.armed = self.was_armed = False
+        self.check: Callable[[], Any] | None = None
+        self.error: BaseException | None = None
+        self.ready: set[int] = set()
+        self.waiting: list[int] = []
+        self.started = 0
+        self.handles: list[Any] = []
+        for piece in r.pieces:
+            piece.param.register_post_accumulate_grad_hook(self._given)
+
+    def reset(self, check: Callable[[], Any]) -> None:
+        """At a step's start: ``check`` waits for its batch's check (:func:`start_agreement`),
+        before its first sum."""
+        self.armed, self.was_armed, self.check, self.error = False, False, check, None
+        self.ready = set()
+        self.waiting = [len(b) for b in self.buckets]
+        self.started, self.handles = 0, []
+
+    def arm(self) -> None:
+        """Before the step's last backward (after its last forward, which may convert weights:
+        the sum's dtype matched here): its gradients' sums start as they come."""
+        self.r.match_dtype()
+        self.armed = self.was_armed = True
+
+    def _given(self, param: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        b, i = self.bucket_of[id(param)]
+        if i in self.ready:
+            return
+        piece = self.r.pieces[i]
+        if param.grad is not None and piece.param.requires_grad:
+            piece.put(self.r.buffer, param.grad)
+        else:
+            self._zero(i)
+        self.ready.add(i)
+        self.waiting[b] -= 1
+        while self.started < len(self.buckets) - 1 and self.waiting[self.started] == 0:
+            if not self._checked():
+                return
+            self._start(self.started)
+
+    def _zero(self, i: int) -> None:
+        piece = self.r.pieces[i]
+        self.r.buffer[piece.offset : piece.offset + piece.param.numel()].zero_()
+
+    def _checked(self) -> bool:
+        """The batch's check, waited for before the first sum starts (the same moment in
+        every rank's sequence of collectives: before any bucket); its error kept for
+        :meth:`finish` (raised there on every rank alike), not raised inside the backward."""
+        if self.check is not None:
+            check, self.check = self.check, None
+            try:
+                check()
+            except BaseException as e:
+                self.error = e
+                self.armed = False
+        return self.error is None
+
+    def _start(self, b: int) -> None:
+        lo, hi = self.spans[b]
+        self.handles.append(self.tr.iallreduce(self.r.buffer[lo:hi]))
+        self.started += 1
+
+    def finish(self, failed: bool, write_head: Callable[[torch.Tensor], None]) -> None:
+        """After the rank's work (``failed``: it raised): the buckets not started yet start,
+        in order, each parameter not given by the backward placed as it is (zeros where it
+        has no gradient, or where the work failed), the head written by ``write_head`` before
+        the last; then every sum is waited for. Raises the batch check's error (every rank
+        alike, before any sum started) instead."""
+        self.armed = False
+        self._checked()
+        if self.error is not None:
+            raise self.error
+        if not self.was_armed:
+            self.r.match_dtype()  # no backward armed the step: its sum's dtype matched here
+        for b in range(self.started, len(self.buckets)):
+            for i in self.buckets[b]:
+                if i in self.ready:
+                    continue
+                g = self.r.pieces[i].param.grad
+                if failed or g is None or not self.r.pieces[i].param.requires_grad:
+                    self._zero(i)
+                else:
+                    self.r.pieces[i].put(self.r.buffer, g)
+            if b == len(self.buckets) - 1:
+                write_head(self.r.buffer[: self.r.head])
+            self._start(b)
+        self.tr.wait(self.handles)
+        self.handles = []
+
+
 def _fingerprint(model: nn.Module) -> int:
     """The model's state names, shapes and dtypes, and which parameters are frozen (they are in
     no gradient sum: :func:`_plan_reductions`), as a number every rank compares."""
@@ -320,6 +444,10 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         self._stage_comm: CountingCommunicator | None = None  # a split stage's sub-group
         self._blocks: dict[tuple[int, int], list[Block]] = {}  # owners stages' blocks
         self._reductions: list[_Reduction] = []
+        # A larger data-parallel step's bucketed sum (made at its first step), and during a
+        # step what its last backward calls first (that sum's arming).
+        self._buckets: _Buckets | None = None
+        self._last_backward: Callable[[], None] | None = None
         # This rank's copies of the parameters several stages hold that were frozen when the plan
         # was built: in no sum (_plan_reductions), so none may train.
         self._unsummed_frozen: list[tuple[str, torch.Tensor]] = []
@@ -655,7 +783,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                 check = start_agreement(
                     self._tr.comm, fields, values=np.zeros(_STEP_VALUES, dtype=np.int64)
                 )
-                return self._step_summed(inputs, targets, scaler, scaling, fields, None, check)
+                return self._step_bucketed(inputs, targets, scaler, scaling, fields, check)
         kept: dict[nn.Parameter, torch.Tensor | None] = {}
         failure: Exception | None = None
         values = np.zeros(_STEP_VALUES, dtype=np.int64)
@@ -717,18 +845,15 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         scaling: int,
         fields: dict[str, int],
         bad_batch: BaseException | None,
-        check: Callable[[], np.ndarray] | None = None,
     ) -> float:
-        """A data-parallel step whose gradients' sum carries, before the gradients, each rank's
-        step fields in a slot of its own (:func:`_write_slot`): every rank learns every rank's
-        loss, flags, whether its work raised and, without ``check``, the fingerprint of its
-        batch's fields (:func:`~hetcoll.comm.fingerprint`): the step is that one collective,
-        as DDP's; an evaluation step sums zeros for the gradients, so that a rank evaluating
-        beside training ones meets them there. With ``check`` (a larger model's training
-        step) the batch's check was started before the forwards and runs beside them, and an
-        evaluation step takes the allgather road instead (the same collective as the check).
-        A rank whose work raised joins the sum with zeros and its flag; on a failure or a
-        mismatch every rank puts its gradients back and raises (told by one agreement)."""
+        """A small model's data-parallel step: one collective, as DDP's. Its gradients' sum
+        carries, before the gradients, each rank's step fields in a slot of its own
+        (:func:`_write_slot`): every rank learns every rank's loss, flags, whether its work
+        raised and the fingerprint of its batch's fields (:func:`~hetcoll.comm.fingerprint`).
+        An evaluation step sums zeros for the gradients, so that a rank evaluating beside
+        training ones meets them there. A rank whose work raised joins the sum with zeros and
+        its flag; on a failure or a mismatch every rank puts its gradients back and raises
+        (told by one agreement)."""
         r = self._reductions[0]
         kept: dict[nn.Parameter, torch.Tensor | None] = {}
         failure: Exception | None = None
@@ -741,16 +866,13 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         training = torch.is_grad_enabled()
         flat, grads = r.buffer, None
         try:
-            if check is not None:
-                check()
             if training and failure is None and bad_batch is None:
                 flat, grads = r.fill()
             else:  # zeros, in the dtype the others sum in
                 r.match_dtype()
                 r.buffer.zero_()
             slots = r.buffer[: r.head]
-            digest = 0 if check is not None else fingerprint(fields)
-            _write_slot(slots, self._tr.rank, failure is not None, digest, words)
+            _write_slot(slots, self._tr.rank, failure is not None, fingerprint(fields), words)
             self._tr.allreduce(r.buffer, r.sub)
             failed, digests, rows = _read_slots(slots, self._tr.size)
         except BaseException:
@@ -765,6 +887,61 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         if training:
             self._count_sum(r)
             r.unpack(flat, grads)
+        for p, g in kept.items():
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+        return self._step_result(rows)
+
+    def _step_bucketed(
+        self,
+        inputs: Any,
+        targets: Any,
+        scaler: torch.amp.GradScaler | None,
+        scaling: int,
+        fields: dict[str, int],
+        check: Callable[[], np.ndarray],
+    ) -> float:
+        """A larger model's data-parallel training step: its batch's check (``check``, started
+        before its forwards, :func:`start_agreement`) runs beside its forwards, and its
+        gradients' sum in buckets started during its last backward (:class:`_Buckets`), the
+        step's fields in the slots of the last (as :meth:`_step_summed`'s, less the
+        fingerprint: the check compared it). Its evaluation steps take the allgather road
+        (the same collective as the check), so that a rank evaluating beside training ones
+        meets them there."""
+        r = self._reductions[0]
+        if self._buckets is None:
+            self._buckets = _Buckets(r, self._tr)
+        buckets = self._buckets
+        buckets.reset(check)
+        kept: dict[nn.Parameter, torch.Tensor | None] = {}
+        failure: Exception | None = None
+        words = torch.zeros(_STEP_VALUES, dtype=torch.int64, device=self._device)
+        self._last_backward = buckets.arm
+        try:
+            kept, words = self._step_work(inputs, targets, scaler, scaling)
+        except Exception as e:  # told to every rank after the sum
+            failure = e
+        finally:
+            self._last_backward = None
+
+        def write_head(slots: torch.Tensor) -> None:
+            _write_slot(slots, self._tr.rank, failure is not None, 0, words)
+
+        try:
+            buckets.finish(failure is not None, write_head)
+            failed, _, rows = _read_slots(r.buffer[: r.head], self._tr.size)
+        except BaseException:
+            _put_back(kept)
+            raise
+        if failed.any():
+            _put_back(kept)
+            agree(self._tr.comm, fields, failure=failure)  # raises on every rank
+            raise AssertionError("a rank's failure was told but not raised")  # pragma: no cover
+        self._count_sum(r)
+        grads, front = r.gradients(), r.front()
+        if grads is not None and grads[0].device != front.device:
+            front = torch.empty_like(front, device=grads[0].device)  # filled by unpack
+        r.unpack(front, grads)
         for p, g in kept.items():
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
@@ -951,6 +1128,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         if not (first and comm is None and not self._experts_here):
             checked()
         ops = list(schedule_order(schedule, j, len(replica.stages), len(sizes)))
+        last_backward = _last_of(ops, "B")
 
         def messages(n: int) -> list[tuple[torch.Tensor, int, int]]:
             op, k = ops[n]
@@ -996,6 +1174,8 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                     set_kind("gradients")
                     x_in, y = saved.pop(k)
                     if last:
+                        if n == last_backward and self._last_backward is not None:
+                            self._last_backward()
                         if y.requires_grad:
                             y.backward()
                     else:
@@ -1148,6 +1328,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         if not (j == 0 and comm is None and not self._experts_here):  # as in _run
             checked()
         ops = list(schedule_order(self._schedule(i), j, len(replica.stages), len(sizes)))
+        last_backward = _last_of(ops, "B")
         probes: dict[int, tuple[Any, Flow, StageRoles]] = {}
         # Under no_grad (an evaluation step, on every rank: the batch's check) no input
         # carries a gradient (StageInput), so none travels back.
@@ -1231,6 +1412,8 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                     set_kind("gradients")
                     received, y, roles, flow = saved.pop(k)
                     if last:
+                        if n == last_backward and self._last_backward is not None:
+                            self._last_backward()
                         if y.requires_grad:
                             y.backward()
                     else:
@@ -1416,6 +1599,11 @@ def _put_back(kept: dict[nn.Parameter, torch.Tensor | None]) -> None:
         p.grad = g
 
 
+def _last_of(ops: list[tuple[str, int]], op: str) -> int:
+    """The index of a schedule's last ``op`` (-1 if none)."""
+    return max((n for n, (o, _) in enumerate(ops) if o == op), default=-1)
+
+
 def _nothing_to_wait_for() -> None:
     """The batch check's wait where the check comes after the step's own work
     (:meth:`Parallel._step_alone`)."""
@@ -1436,6 +1624,10 @@ _SLOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: between two local ranks) and a check of its own would cost another. Larger ones check
 #: their batch beside the forwards and sum only when training.
 ONE_COLLECTIVE_BYTES = 1 << 20
+#: A larger one's sum in buckets started during the backward (:class:`_Buckets`), of DDP's
+#: sizes: the first (the last layers') about 1 MiB, then 25 MiB.
+FIRST_BUCKET_BYTES = 1 << 20
+BUCKET_BYTES = 25 << 20
 
 
 def _write_slot(

@@ -274,8 +274,10 @@ def data_parallel(
     buffers from rank 0. (:func:`data_parallel_schedule` gives the step before it is timed.)
 
     Its plan (:meth:`Prediction.to_plan`) is one whole-model replica per device with samples.
-    :func:`hetcoll.torch.parallelize` sums its gradients in one allreduce after the backward
-    (no buckets, no overlap, no buffer broadcast): :func:`predict_plan` predicts that run.
+    :func:`hetcoll.torch.parallelize` sums up to 1 MiB of gradients in one allreduce after the
+    backward (no buffer broadcast), and more in DDP-sized buckets started during the last
+    backward: :func:`predict_plan` predicts the first, and the second as the first (no
+    overlap: an overestimate by up to the sum's time).
 
     >>> from hetcoll.model import layer_costs, networks, hardware  # doctest: +SKIP
     >>> data_parallel(costs, cluster, [48, 16]).step_s  # doctest: +SKIP
