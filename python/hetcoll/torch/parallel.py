@@ -224,7 +224,7 @@ class _Reduction:
         as the holders see them alike."""
         dtype = functools.reduce(torch.promote_types, (q.param.dtype for q in self.pieces))
         if dtype != self.buffer.dtype:
-            self.buffer = torch.empty(self.buffer.numel(), dtype=dtype, device=self.buffer.device)
+            self.buffer = torch.zeros(self.buffer.numel(), dtype=dtype, device=self.buffer.device)
 
     def front(self) -> torch.Tensor:
         """The buffer's gradients (after its ``head``)."""
