@@ -445,8 +445,14 @@ def plan_job(group, plan, stop, path, resume):
         par.load_full_optimizer_state_dict(opt, ckpt["optimizer"])
         sampler.load_state_dict(ckpt["data"])
         step = ckpt["step"]
+    # Workers from a fork server, not forked from the rank: a rank holds gloo's threads, and a
+    # child forked beside them can deadlock (a CI run's worker hung so, its rank waiting on it
+    # for the test's 300 s).
     loader = DataLoader(
-        data, batch_sampler=sampler.batch_sampler(), num_workers=2, multiprocessing_context="fork"
+        data,
+        batch_sampler=sampler.batch_sampler(),
+        num_workers=2,
+        multiprocessing_context="forkserver",
     )
     start = 0 if resume is None else ckpt["data"]["epoch"]
     for epoch in range(start, 2):
