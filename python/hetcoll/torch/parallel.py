@@ -34,7 +34,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -879,18 +879,28 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             _put_back(kept)
             raise
         if failed.any() or (digests != digests[0]).any():
-            _put_back(kept)
-            agree(self._tr.comm, fields, failure=failure)  # raises on every rank
-            raise AssertionError("a rank's failure was told but not raised")  # pragma: no cover
+            self._raise_told(kept, fields, failure)
         if bad_batch is not None:
             raise bad_batch  # the same on every rank: the fields it follows from agree
         if training:
             self._count_sum(r)
             r.unpack(flat, grads)
-        for p, g in kept.items():
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
+        _add_back(kept)
         return self._step_result(rows)
+
+    def _raise_told(
+        self,
+        kept: dict[nn.Parameter, torch.Tensor | None],
+        fields: dict[str, int],
+        failure: BaseException | None,
+    ) -> NoReturn:
+        """After a step's sum told that a rank's work raised, or that the ranks' batches
+        differ: every held parameter's gradient put back (``kept``), then one agreement on
+        ``fields`` with this rank's ``failure`` raises on every rank (the failing one its
+        own error, the others one naming it; or the fields the ranks disagree on)."""
+        _put_back(kept)
+        agree(self._tr.comm, fields, failure=failure)
+        raise AssertionError("a rank's failure was told but not raised")  # pragma: no cover
 
     def _step_bucketed(
         self,
@@ -934,17 +944,13 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             _put_back(kept)
             raise
         if failed.any():
-            _put_back(kept)
-            agree(self._tr.comm, fields, failure=failure)  # raises on every rank
-            raise AssertionError("a rank's failure was told but not raised")  # pragma: no cover
+            self._raise_told(kept, fields, failure)
         self._count_sum(r)
         grads, front = r.gradients(), r.front()
         if grads is not None and grads[0].device != front.device:
             front = torch.empty_like(front, device=grads[0].device)  # filled by unpack
         r.unpack(front, grads)
-        for p, g in kept.items():
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
+        _add_back(kept)
         return self._step_result(rows)
 
     def _probe_idle(self, inputs: Any) -> None:
@@ -959,9 +965,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         if self.place is not None:
             if torch.is_grad_enabled():  # on every rank alike: the batch's check agreed on it
                 self._combine()
-            for p, g in kept.items():
-                if g is not None:
-                    p.grad = g if p.grad is None else p.grad + g
+            _add_back(kept)
         idle = self._parameters.get("idle")
         if idle is not None and torch.is_grad_enabled():
             # The placeholder steps with the model (a zero gradient every training step), so its
@@ -1597,6 +1601,14 @@ def _put_back(kept: dict[nn.Parameter, torch.Tensor | None]) -> None:
     error and steps on accumulates no part of the failed step."""
     for p, g in kept.items():
         p.grad = g
+
+
+def _add_back(kept: dict[nn.Parameter, torch.Tensor | None]) -> None:
+    """After a step's gradients' sums: each held parameter's gradient from before the step
+    (``kept``, :meth:`Parallel._set_aside`) added to the step's, as ``backward`` accumulates."""
+    for p, g in kept.items():
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad + g
 
 
 def _last_of(ops: list[tuple[str, int]], op: str) -> int:
