@@ -24,6 +24,7 @@ from hetcoll.model import (
     Device,
     Link,
     Node,
+    Prediction,
     layer_costs,
     load_cluster,
     networks,
@@ -303,19 +304,24 @@ def test_data_parallel_plan_is_the_data_parallel_step_without_ddp_s_overlap(cnn_
     # with one bucket, no overlap and no buffer broadcast, plus (with an idle rank, outside the
     # sum) the loss's one-float allreduce.
     cluster = _cluster([(1e11, 2e10), (5e10, 1e10), (2e10, 5e9), (2e10, 5e9)])
+
+    def like(shares: list[int]) -> Prediction:
+        return data_parallel(
+            cnn_costs,
+            cluster,
+            shares,
+            overlap=False,
+            broadcast_buffers=False,
+            first_bucket_bytes=math.inf,
+            bucket_bytes=math.inf,
+        )
+
     shares = [40, 20, 4, 0]  # the last device sits out: idle in the plan
     dp = data_parallel(cnn_costs, cluster, shares)
     got = predict_plan(cnn_costs, cluster, dp.to_plan())
-    like = data_parallel(
-        cnn_costs,
-        cluster,
-        shares,
-        overlap=False,
-        broadcast_buffers=False,
-        first_bucket_bytes=math.inf,
-        bucket_bytes=math.inf,
+    assert got.step_s == pytest.approx(
+        like(shares).step_s + got.detail["loss_allreduce_s"], rel=1e-12
     )
-    assert got.step_s == pytest.approx(like.step_s + got.detail["loss_allreduce_s"], rel=1e-12)
     assert got.detail["loss_allreduce_s"] > 0  # the idle rank's step: the loss's sum alone
     assert got.memory_bytes == pytest.approx(dp.memory_bytes)
     assert got.shares == shares and got.detail["idle_devices"] == [3]
@@ -324,17 +330,8 @@ def test_data_parallel_plan_is_the_data_parallel_step_without_ddp_s_overlap(cnn_
     # and check (Parallel.step), so no collective of their own.
     busy = [40, 20, 4, 2]
     got = predict_plan(cnn_costs, cluster, data_parallel(cnn_costs, cluster, busy).to_plan())
-    like = data_parallel(
-        cnn_costs,
-        cluster,
-        busy,
-        overlap=False,
-        broadcast_buffers=False,
-        first_bucket_bytes=math.inf,
-        bucket_bytes=math.inf,
-    )
     assert got.detail["loss_allreduce_s"] == 0.0
-    assert got.step_s == pytest.approx(like.step_s, rel=1e-12)
+    assert got.step_s == pytest.approx(like(busy).step_s, rel=1e-12)
 
 
 def test_filter_parallel_plan_is_the_filter_parallel_step(cnn_costs) -> None:  # type: ignore[no-untyped-def]

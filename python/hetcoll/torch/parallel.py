@@ -784,15 +784,8 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                     self._tr.comm, fields, values=np.zeros(_STEP_VALUES, dtype=np.int64)
                 )
                 return self._step_bucketed(inputs, targets, scaler, scaling, fields, check)
-        kept: dict[nn.Parameter, torch.Tensor | None] = {}
-        failure: Exception | None = None
-        values = np.zeros(_STEP_VALUES, dtype=np.int64)
-        if bad_batch is None:
-            try:
-                kept, words = self._step_work(inputs, targets, scaler, scaling)
-                values = words.cpu().numpy()  # the step's one read
-            except Exception as e:  # told to every rank by the agreement
-                failure = e
+        kept, words, failure = self._try_work(inputs, targets, scaler, scaling, bad_batch)
+        values = words.cpu().numpy()  # the step's one read
         try:
             # The same collective as the other road's check (start_agreement, as many values):
             # ranks that took different roads (one in no_grad) meet in it and raise.
@@ -830,6 +823,26 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             self._scaler = None
         return kept, torch.cat([fields[:1].view(torch.int64), fields[1:].to(torch.int64)])
 
+    def _try_work(
+        self,
+        inputs: Any,
+        targets: Any,
+        scaler: torch.amp.GradScaler | None,
+        scaling: int,
+        bad_batch: BaseException | None,
+    ) -> tuple[dict[nn.Parameter, torch.Tensor | None], torch.Tensor, Exception | None]:
+        """:meth:`_step_work`, or nothing for a batch the plan does not take (``bad_batch``):
+        its set-aside gradients, its fields (zeros where it did no work) and its error, kept to
+        be told to every rank by the step's collective rather than raised here."""
+        failure: Exception | None = None
+        if bad_batch is None:
+            try:
+                kept, words = self._step_work(inputs, targets, scaler, scaling)
+                return kept, words, None
+            except Exception as e:
+                failure = e
+        return {}, torch.zeros(_STEP_VALUES, dtype=torch.int64, device=self._device), failure
+
     def _step_result(self, rows: np.ndarray) -> float:
         """The batch's loss from every rank's step fields (:meth:`_step_work`, one row per
         rank, summed in rank order), after raising where their flags say so."""
@@ -855,14 +868,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         its flag; on a failure or a mismatch every rank puts its gradients back and raises
         (told by one agreement)."""
         r = self._reductions[0]
-        kept: dict[nn.Parameter, torch.Tensor | None] = {}
-        failure: Exception | None = None
-        words = torch.zeros(_STEP_VALUES, dtype=torch.int64, device=self._device)
-        if bad_batch is None:
-            try:
-                kept, words = self._step_work(inputs, targets, scaler, scaling)
-            except Exception as e:  # told to every rank after the sum
-                failure = e
+        kept, words, failure = self._try_work(inputs, targets, scaler, scaling, bad_batch)
         training = torch.is_grad_enabled()
         flat, grads = r.buffer, None
         try:
@@ -923,14 +929,9 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             self._buckets = _Buckets(r, self._tr)
         buckets = self._buckets
         buckets.reset(check)
-        kept: dict[nn.Parameter, torch.Tensor | None] = {}
-        failure: Exception | None = None
-        words = torch.zeros(_STEP_VALUES, dtype=torch.int64, device=self._device)
         self._last_backward = buckets.arm
         try:
-            kept, words = self._step_work(inputs, targets, scaler, scaling)
-        except Exception as e:  # told to every rank after the sum
-            failure = e
+            kept, words, failure = self._try_work(inputs, targets, scaler, scaling, None)
         finally:
             self._last_backward = None
 
