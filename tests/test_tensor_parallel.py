@@ -754,6 +754,31 @@ def test_a_models_repeated_attentions_are_probed_once(monkeypatch):
     assert seen[0] == seen[1] > 0, seen
 
 
+def test_containers_without_a_forward_are_not_traced(monkeypatch):
+    """A model's nn.ModuleList and nn.ModuleDict have no forward to trace (their parents call
+    their children): the layout is read without tracing them, as torch.fx's patching costs
+    milliseconds a trace, and the layout is the one with them traced."""
+    from torch import fx
+
+    from hetcoll.torch.filters import split_layout
+
+    model = hf_llama(
+        vocab=40, hidden=24, intermediate=40, layers=2, heads=6, kv_heads=3, positions=32
+    )
+    model.model.extra = nn.ModuleDict({"a": nn.Linear(4, 4)})  # called by no one
+    trace = fx.Tracer.trace
+    roots: list[type] = []
+
+    def counted(self: Any, root: Any, *args: Any, **kwargs: Any) -> Any:
+        roots.append(type(root))
+        return trace(self, root, *args, **kwargs)
+
+    monkeypatch.setattr(fx.Tracer, "trace", counted)
+    layout = split_layout(model)
+    assert roots and not {nn.ModuleList, nn.ModuleDict} & set(roots), roots
+    assert [ts.kind for ts in layout.splits].count("attention") == 2
+
+
 @pytest.mark.parametrize("kv_heads", [1, 2, 6])
 def test_norm_weights_of_a_row_per_head_are_read_at_the_ranks_heads(kv_heads):
     """Cohere's query and key norms (``use_qk_norm``: a weight row per query head, one per

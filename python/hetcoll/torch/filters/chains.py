@@ -292,6 +292,13 @@ def _present(found: frozenset[str], module: nn.Module, prefix: str) -> list[str]
     return [f"{prefix}.{n}" if prefix else n for n in sorted(found) if n in children]
 
 
+def has_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s class defines a forward (containers such as nn.ModuleList and
+    nn.ModuleDict do not: their parents call their children). Tracing one would only raise,
+    after torch.fx's patching of every module class, milliseconds each time."""
+    return type(module).forward is not nn.Module.forward
+
+
 def _traced_chains(module: nn.Module, prefix: str) -> Traced | str:
     """The runs of :func:`_chains` in ``module``'s forward, read off its torch.fx graph: a run
     continues from one operation to the next while the next is the only user of the first's
@@ -301,6 +308,8 @@ def _traced_chains(module: nn.Module, prefix: str) -> Traced | str:
     Returns why when the forward cannot be traced (data-dependent control flow, say)."""
     from torch import fx
 
+    if not has_forward(module):
+        return "it has no forward of its own"
     try:
         with tensor_attributes_kept(module):  # a forward storing what it computed
             graph = fx.Tracer().trace(module)

@@ -19,6 +19,7 @@ from hetcoll.torch.filters.chains import (
     ELEMENTWISE_FUNCTIONS,
     ELEMENTWISE_METHODS,
     ELEMENTWISE_MODULES,
+    has_forward,
     linear_features,
     lora_base,
     projection_features,
@@ -622,6 +623,8 @@ def block_graph(m: nn.Module, whole: Any = None) -> tuple[Any, dict[str, nn.Modu
             decided = _dtype_test(obj.node, self.root, dtype)
             return super().to_bool(obj) if decided is None else decided
 
+    if not has_forward(m):
+        return None
     dtype = next((p.dtype for p in m.parameters() if p.is_floating_point()), None)
     roots: list[tuple[nn.Module, str]]
     if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
