@@ -340,17 +340,17 @@ def gpt_oss() -> nn.Module:
     )  # fmt: skip
 
 
-def deepseek_v3(q_lora: int | None = 8) -> nn.Module:
+def deepseek_v3(q_lora: int | None = 8, dense: int = 1) -> nn.Module:
     """Hugging Face DeepSeek-V3: multi-head latent attention (keys and values expanded per
     head from a latent of 8, queries from their own latent of ``q_lora``, or from ``q_proj``
-    with None, as DeepSeek-V2-Lite's), a dense first block, then routed experts of 32 hidden
-    units beside a shared expert."""
+    with None, as DeepSeek-V2-Lite's), ``dense`` dense first blocks (of 2), then routed
+    experts of 32 hidden units beside a shared expert."""
     return _hf(
         "DeepseekV3ForCausalLM", "DeepseekV3Config", num_attention_heads=4,
         num_key_value_heads=4, q_lora_rank=q_lora, kv_lora_rank=8, qk_nope_head_dim=4,
         qk_rope_head_dim=4, v_head_dim=4, moe_intermediate_size=32, n_routed_experts=4,
         num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-        first_k_dense_replace=1, experts_implementation="eager",
+        first_k_dense_replace=dense, experts_implementation="eager",
     )  # fmt: skip
 
 
@@ -1582,6 +1582,7 @@ def lora_more(group: Any) -> dict[str, Any]:
 
         split = equals_unsplit(group, wrapped, "sgd", steps=1)
         out[f"{name}_gathers"] = [n for n, m in modes(split).items() if m == "gather"]
+    out["latent"] = _lora_latent_attention(group)
     # DoRA, which the split does not know: its wrapped layers stay whole on every rank (its
     # weight norm reads the base layer's whole weight; split, it failed), the rest splits.
 
@@ -1615,6 +1616,58 @@ def lora_more(group: Any) -> dict[str, Any]:
     out["dropout_same"] = all(same) and len(whole) == 4
     out["saved"] = _saved_adapters_load_unsplit(group, tuned)
     out["disabled and merged"] = _disabled_and_merged(group)
+    return out
+
+
+@contextlib.contextmanager
+def _norms_in_model_dtype(norm: type[nn.Module]) -> Iterator[None]:
+    """``norm`` (Hugging Face's RMS norm of one model) computing in its input's dtype: it
+    computes in float32 whatever the model's, and a latent attention's norms run whole on
+    every rank on their heads' part of the gradient, each part rounded to float32 before the
+    sum (1e-7 apart in the first step's gradients). In the model's dtype the split is exact."""
+    forward = norm.forward
+
+    def in_dtype(self: Any, h: torch.Tensor) -> torch.Tensor:
+        return self.weight * (
+            h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        )
+
+    norm.forward = in_dtype  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        norm.forward = forward  # type: ignore[method-assign]
+
+
+def _lora_latent_attention(group: Any) -> dict[str, Any]:
+    """PEFT's ``"all-linear"`` on DeepSeek-V3: its latent attention split by heads with its
+    adapters (the wrapped q_b_proj, kv_b_proj and o_proj split, the wrapped latent
+    projections whole on every rank ahead of them), queries from their own latent and from
+    q_proj (V2-Lite's), a rank allowed none of the heads (empty_blocks). Equal to the unsplit
+    model in float64 with the norms in float64 (:func:`_norms_in_model_dtype`); as Hugging
+    Face computes them (float32), to 1e-6 beside its experts, which PEFT wraps with LoRA on
+    their parameters (``ParamWrapper``): unknown to the split, they stay whole (split, their
+    adapters met a slice and the forward raised)."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+
+    out: dict[str, Any] = {}
+    for name, q_lora in (("q_b_proj", 8), ("q_proj", None)):
+
+        def dense(q_lora: int | None = q_lora) -> nn.Module:
+            model = deepseek_v3(q_lora=q_lora, dense=2)
+            return _trained_whole(_with_lora(model, "all-linear"))
+
+        with _norms_in_model_dtype(modeling_deepseek_v3.DeepseekV3RMSNorm):
+            split = equals_unsplit(group, dense, "adam", steps=2, empty=True)
+        heads = split.get_submodule(f"base_model.model.model.layers.0.self_attn.{name}")
+        out[name] = list(heads.get_submodule("base_layer").shares)
+
+    def experts() -> nn.Module:
+        return _trained_whole(_with_lora(deepseek_v3(), "all-linear"))
+
+    with tolerance(1e-6):
+        split = equals_unsplit(group, experts, "sgd", steps=1)
+    out["experts_split"] = any(isinstance(m, FilterParallelExperts) for m in split.modules())
     return out
 
 

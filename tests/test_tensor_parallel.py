@@ -124,7 +124,8 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
 @pytest.mark.multiproc
 def test_gloo_lora_layouts_dropout_saving_and_peft_switches():
     """More of PEFT's LoRA split by heads, on the 2-rank job (tensor_parallel_cases.lora_more):
-    every linear layer wrapped on four more layouts; DoRA whole; dropout on the adapters'
+    every linear layer wrapped on five more layouts, DeepSeek's latent attention among them;
+    DoRA whole; dropout on the adapters'
     inputs keeps every rank's whole tensors alike; adapters saved load unsplit; PEFT's
     disable_adapter, merge_adapter and unmerge_adapter compute as unsplit."""
     results = _gloo(2, "lora")
@@ -133,6 +134,9 @@ def test_gloo_lora_layouts_dropout_saving_and_peft_switches():
     assert results[0] == {
         "phi3_gathers": head, "falcon_gathers": [], "neox_gathers": head, "qwen3_gathers": head,
         "mqa_gathers": head,
+        # DeepSeek-V3's latent attention by heads with its adapters, a rank allowed none of the
+        # 4 heads (1 : 0.5 of them: 3 and 1); its experts under PEFT's ParamWrapper whole.
+        "latent": {"q_b_proj": [3, 1], "q_proj": [3, 1], "experts_split": False},
         # DoRA's wrapped projections stay whole; the bare ones and the head split.
         "dora_split": ["gate_proj", "k_proj", "lm_head", "up_proj"],
         "dropout_same": True, "saved": "loads unsplit", "disabled and merged": [],
@@ -1613,3 +1617,37 @@ def test_swin_attentions_read_their_scales_and_bias_tables_at_the_ranks_heads():
     for ts in attentions:
         assert ts.tables == [f"{ts.module}.relative_position_bias"]
         assert ts.table_dims == {ts.tables[0]: 1}
+
+
+def test_latent_attention_with_lora_splits_with_its_adapters():
+    """PEFT's "all-linear" on DeepSeek-V3: the latent attention splits by heads with its
+    wrapped projections (q_b_proj, kv_b_proj and o_proj split with their adapters, the wrapped
+    latent projections whole on every rank ahead of them), as the performance model prices
+    it; its experts, which PEFT wraps with LoRA on their parameters (``ParamWrapper``, unknown
+    to the split: a slice would meet its adapters), stay whole, named by the wrapper."""
+    from hetcoll.model import layer_costs
+    from hetcoll.torch.filters import split_layout
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # YaRN's settings in a tiny config
+        model = cases._with_lora(cases.deepseek_v3(), "all-linear")
+        layout = split_layout(model)
+        costs = layer_costs(model, (7,), dtype=torch.int64)
+        shares = filter_shares(model, size=3, speeds=[1.0, 0.5, 0.25])
+    attn = "base_model.model.model.layers.1.self_attn."
+    ts = next(ts for ts in layout.splits if ts.module == attn[:-1])
+    assert ts.adapted == [attn + n for n in ("q_b_proj", "kv_b_proj", "o_proj")]
+    assert ts.upstream == [
+        attn + n for n in ("kv_a_proj_with_mqa", "q_a_proj", "q_a_layernorm", "kv_a_layernorm")
+    ]
+    # Named by the wrappers' paths, as the runtime names them.
+    assert shares[attn + "o_proj"] == [8, 4, 4] and shares[attn + "q_b_proj"] == [16, 8, 8]
+    experts = "base_model.model.model.layers.1.mlp.experts"
+    assert layout.whole_experts == {
+        f"{experts}.base_layer.base_layer": f"{experts!r}: ParamWrapper, a PEFT wrapper the "
+        "split does not know"
+    }
+    assert not any(ts.kind == "experts" for ts in layout.splits)
+    block = next(b for b in costs.split_blocks if b.module == attn[:-1])
+    assert block.units == 4 and block.layers == tuple(ts.adapted), block
+    assert attn + "kv_a_proj_with_mqa" in block.whole, block

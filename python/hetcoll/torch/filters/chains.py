@@ -538,7 +538,7 @@ def _metadata_only(node: Any) -> bool:
     )
 
 
-def _inside_unknown_adapters(named: dict[str, nn.Module]) -> dict[str, str]:
+def inside_unknown_adapters(named: dict[str, nn.Module]) -> dict[str, str]:
     """The modules of ``named`` inside a PEFT wrapper :func:`unknown_adapter` keeps whole, by
     name, with the wrapper and why."""
     wrappers = {n: why for n, m in named.items() if (why := unknown_adapter(m)) is not None}
@@ -1017,7 +1017,7 @@ def choose_layers(
         tied.pop(head, None)
         tied.pop(emb, None)
     embeddings = set(ties.values())
-    wrapped = _inside_unknown_adapters(named)
+    wrapped = inside_unknown_adapters(named)
     if layers is None:
         chosen, kept = [], []
         for n, m in named.items():

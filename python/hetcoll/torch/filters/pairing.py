@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from hetcoll.torch.filters.chains import Traced, choose_layers, lora_base, plan_modes
+from hetcoll.torch.filters.chains import (
+    Traced,
+    choose_layers,
+    inside_unknown_adapters,
+    lora_base,
+    plan_modes,
+)
 from hetcoll.torch.filters.experts import experts_split
 from hetcoll.torch.filters.heads import TensorSplit
 from hetcoll.torch.filters.tensor_split import plan_tensor_splits
@@ -95,9 +101,14 @@ def split_layout(
                 feeds.pop(n, None)
     whole_experts: dict[str, str] = {}
     named = dict(model.named_modules())
+    # Experts inside a PEFT wrapper the split does not know (LoRA on their parameters,
+    # ParamWrapper) stay whole with it: a split would hand its adapters a slice.
+    wrapped = inside_unknown_adapters(named)
     for name in named if experts is None else experts:
         split = experts_split(name, named[name])
-        if isinstance(split, TensorSplit) and avoid_gathers and tensor_splits:
+        if split is not None and name in wrapped:
+            whole_experts[name] = wrapped[name]
+        elif isinstance(split, TensorSplit) and avoid_gathers and tensor_splits:
             splits.append(split)
             modes[name] = "split-input"  # its partial outputs summed over the ranks
         elif split is not None:

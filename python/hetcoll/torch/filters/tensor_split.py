@@ -441,7 +441,7 @@ def _latent_attention(name: str, m: nn.Module) -> TensorSplit | str | None:
     nq = _first_int(sources, _QUERY_HEADS)
     if nq is None:
         return "it has latent sizes but no head count"
-    feats = {n: f for n, c in m.named_children() if (f := linear_features(c)) is not None}
+    feats = {n: f for n, c in m.named_children() if (f := projection_features(c)) is not None}
     names = dict(m.named_children())
     if not all(n in feats for n in ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")):
         return "its latent projections are not kv_a_proj_with_mqa, kv_b_proj and o_proj"
