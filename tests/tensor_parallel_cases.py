@@ -1302,6 +1302,25 @@ def loss_parallel(group: Any) -> dict[str, Any]:
             continue  # unsplit without the option, its tied head gathers nothing
         assert sent[True] < sent[False], sent
         out[name] = "fewer bytes"  # the same on every rank (what each sends differs)
+
+    # GPT-2 with PEFT's LoRA on its token embedding (lora.Embedding reads the whole one): the
+    # embedding and its tied head stay whole, the rest splits, as the unsplit model trains.
+    def lora_embedding() -> nn.Module:
+        return _trained_whole(_with_lora(gpt2(), ["c_attn", "wte"], fan_in_fan_out=True))
+
+    torch.manual_seed(0)
+    ref = lora_embedding().double()
+    split = filter_parallel(copy.deepcopy(ref), group=group, speeds=SPEEDS[:p], loss_parallel=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, split)]
+    for step in range(2):
+        one_step_equal(split, ref, batch(step), f"LoRA embedding step {step}: ")
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    whole = ("base_model.model.lm_head", "base_model.model.transformer.wte.base_layer")
+    out["lora_embedding"] = [type(split.get_submodule(n)).__name__ for n in whole] + [
+        sum(isinstance(m, FilterParallelLayer) for m in split.modules())
+    ]
     # Hugging Face's loss from labels (float32 inside, whatever the logits' dtype).
     torch.manual_seed(0)
     ref = llama().double()

@@ -112,6 +112,9 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     # loss_parallel: the untied heads' logits stay split by vocabulary through the loss.
     assert r["loss_parallel"]["llama"] == r["loss_parallel"]["encoder"] == "fewer bytes"
     assert r["loss_parallel"]["oracle"] >= 10
+    # LoRA on GPT-2's token embedding: it and its tied head whole, GPT-2's blocks split (in
+    # each of the 2: c_attn's base layer and lora_B, c_fc, and both c_proj).
+    assert r["loss_parallel"]["lora_embedding"] == ["Linear", "Embedding", 10]
     # Timed, the slow ranks hold no more of an MLP than by speed alone (ranks in order of
     # speed 1, 0.5, 0.25: each slower rank carries the repeated work at its speed).
     timed, by_speed = r["time_balanced"]["timed"], r["time_balanced"]["by speed"]

@@ -971,12 +971,14 @@ def vocabulary_ties(model: nn.Module) -> dict[str, str]:
     language model's head tied to its token embedding), each with that embedding's name: both
     can be split by vocabulary alike, the head by its output features, the embedding by its
     rows, so that they stay tied. An embedding with ``max_norm`` (it renormalises its rows in
-    place), ``scale_grad_by_freq`` or sparse gradients is not split."""
+    place), ``scale_grad_by_freq`` or sparse gradients is not split, nor one (or a head) inside
+    a PEFT wrapper the split does not know (LoRA on the embedding reads the whole one)."""
     modules = dict(model.named_modules(remove_duplicate=False))
     owners = {k: [n for n, _ in v] for k, v in _holders(model).items()}
+    wrapped = inside_unknown_adapters(modules)
     ties: dict[str, str] = {}
     for n, m in modules.items():
-        if type(m) is not nn.Linear:
+        if type(m) is not nn.Linear or n in wrapped:
             continue
         holders = owners.get(id(m.weight), [])
         if len(holders) != 2 or len(set(holders)) != 2 or len(owners.get(id(m.bias), [])) > 1:
@@ -985,6 +987,7 @@ def vocabulary_ties(model: nn.Module) -> dict[str, str]:
         emb = modules[other]
         if (
             type(emb) is nn.Embedding
+            and other not in wrapped
             and emb.weight is m.weight
             and emb.max_norm is None
             and not emb.scale_grad_by_freq
