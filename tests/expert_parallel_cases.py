@@ -15,6 +15,7 @@ import torch
 from tensor_parallel_cases import (
     SEQ,
     VOCAB,
+    _with_lora,
     close,
     deepseek_v3,
     gpt_oss,
@@ -483,7 +484,8 @@ def disagreements(group: Any) -> list[str]:
     ``weight`` function raises. Placing experts raises on every rank too, before any other
     exchange: a rank whose model holds no experts (it raises its own error, the others
     :class:`hetcoll.CollectiveMismatchError`), ranks whose speeds differ (placing or placing
-    again), experts in a layout of no known role. Returns what each call raised (the
+    again), experts in a layout of no known role, experts under PEFT's LoRA on their
+    parameters. Returns what each call raised (the
     message's first word, or the error's class)."""
     rank = wrap(group).rank
     torch.manual_seed(0)
@@ -525,6 +527,10 @@ def disagreements(group: Any) -> list[str]:
             seen.append("CollectiveMismatchError")
         except ValueError as e:
             seen.append(str(e).split(":")[0])
+    try:  # PEFT's LoRA on the experts' parameters (ParamWrapper) holds every expert's adapter
+        expert_parallel(_with_lora(mixtral(), "all-linear"), group, speeds=SPEEDS[:p])
+    except ValueError as e:
+        seen.append("adapters" if "adapters hold every expert" in str(e) else str(e))
     placed = expert_parallel(mixtral(), group, speeds=SPEEDS[:p])
     try:  # placed again at speeds that differ between the ranks: nothing moves
         place_experts(placed, speeds=[1.0] * p if rank == 0 else SPEEDS[:p])

@@ -38,6 +38,7 @@ import hetcoll
 from hetcoll.collectives.autograd import exchanging
 from hetcoll.comm import Communicator, agree, deadline, wrap
 from hetcoll.plan import MAX_EXPERTS, expert_indices, expert_runs
+from hetcoll.torch.filters.chains import inside_unknown_adapters
 from hetcoll.torch.filters.checks import check_module
 from hetcoll.torch.filters.experts import LocalExperts, derived_class, experts_flags
 from hetcoll.torch.filters.layers import ChannelSplit
@@ -802,8 +803,15 @@ def find_experts(model: nn.Module) -> list[tuple[str, int]]:
     ``ValueError`` naming ``model`` where it holds none, or experts in a layout no rule here
     knows."""
     found = []
-    for name, m in model.named_modules():
+    named = dict(model.named_modules())
+    wrapped = inside_unknown_adapters(named)
+    for name, m in named.items():
         why = experts_module(m)
+        if why is not None and name in wrapped:  # PEFT's LoRA on their parameters, say
+            why = (
+                f"they are inside {wrapped[name]}, whose adapters hold every expert: leave "
+                "the experts out of the adapters' targets (target_parameters)"
+            )
         if why:
             raise ValueError(f"model: cannot place the experts of {name!r}: {why}")
         if why == "":
