@@ -476,6 +476,25 @@ def test_the_model_places_the_experts_the_runtime_places():
         assert {(b.experts, b.top_k, b.tokens_per_sample) for b in costs.experts} == {(4, 2, 7.0)}
 
 
+def test_experts_under_lora_on_their_parameters_are_costed_not_placed():
+    """PEFT's LoRA on the experts' parameters (``ParamWrapper``, which ``"all-linear"`` puts on
+    Mixtral's experts and router), whose adapters hold every expert: expert parallelism
+    refuses them (expert_parallel_cases.disagreements), so the costs place none. Costing runs
+    the model, whose LoRA parametrizes its weights for each forward: the model is left as it
+    was (no stand-in of the costing's left beside its weights) and trains as before."""
+    from hetcoll.model import layer_costs
+
+    torch.manual_seed(0)
+    model = tp._with_lora(tp.mixtral(), "all-linear")
+    before = {n: t for n, t in model.named_buffers()}
+    ids = torch.randint(0, tp.VOCAB, (2, 7))
+    want = model(input_ids=ids).logits
+    costs = layer_costs(model, {"input_ids": (7,), "attention_mask": (7,)}, dtype=torch.int64)
+    assert costs.layers and not costs.experts
+    assert {n: t for n, t in model.named_buffers()} == before
+    assert torch.equal(model(input_ids=ids).logits, want)
+
+
 def test_one_device_of_expert_parallelism_is_data_parallelism():
     """Holding every expert, one device exchanges nothing: the step is data parallelism's."""
     from hetcoll.model.predict import data_parallel

@@ -798,24 +798,33 @@ def leave_to_ranks(model: nn.Module) -> None:
         )
 
 
-def find_experts(model: nn.Module) -> list[tuple[str, int]]:
-    """``model``'s experts modules (:func:`experts_module`), by path, with their experts;
-    ``ValueError`` naming ``model`` where it holds none, or experts in a layout no rule here
-    knows."""
-    found = []
+def experts_modules(model: nn.Module) -> dict[str, str]:
+    """``model``'s experts modules by path, each with why it cannot be placed by whole experts
+    ("" where it can): :func:`experts_module`'s reason, or the PEFT wrapper around it whose
+    adapters hold every expert (LoRA on the experts' parameters, PEFT's ``ParamWrapper``)."""
     named = dict(model.named_modules())
     wrapped = inside_unknown_adapters(named)
+    out = {}
     for name, m in named.items():
         why = experts_module(m)
-        if why is not None and name in wrapped:  # PEFT's LoRA on their parameters, say
+        if why is not None and name in wrapped:
             why = (
                 f"they are inside {wrapped[name]}, whose adapters hold every expert: leave "
                 "the experts out of the adapters' targets (target_parameters)"
             )
+        if why is not None:
+            out[name] = why
+    return out
+
+
+def find_experts(model: nn.Module) -> list[tuple[str, int]]:
+    """``model``'s experts modules (:func:`experts_modules`), by path, with their experts;
+    ``ValueError`` naming ``model`` where it holds none, or experts no rule here places."""
+    found = []
+    for name, why in experts_modules(model).items():
         if why:
             raise ValueError(f"model: cannot place the experts of {name!r}: {why}")
-        if why == "":
-            found.append((name, int(m.num_experts)))  # type: ignore[arg-type]
+        found.append((name, int(model.get_submodule(name).num_experts)))  # type: ignore[arg-type]
     if not found:
         raise ValueError("model: holds no experts module (Hugging Face's experts layout)")
     return found

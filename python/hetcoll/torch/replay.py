@@ -434,21 +434,27 @@ def tensors_replaced(
     """Every parameter and buffer of ``model``'s modules for which ``stand_in(tensor,
     is_parameter)`` gives a tensor held as that tensor while the context lasts (each module
     holding a tensor registered twice gets what ``stand_in`` gives for it), the model's own
-    back after."""
-    swapped: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
+    back after. A stand-in the forward moved to the module's other store is taken out of it
+    (torch's parametrize, which PEFT's LoRA on parameters applies for each forward, registers
+    a parametrized tensor back as a buffer unless it is an ``nn.Parameter``): the module holds
+    its own tensor, where it held it, and nothing more."""
+    swapped: list[tuple[nn.Module, dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
     for module in model.modules():
         stores: tuple[dict[str, Any], dict[str, Any]] = (module._parameters, module._buffers)
         for store in stores:
             for name, t in store.items():
                 new = None if t is None else stand_in(t, store is module._parameters)
                 if new is not None:
-                    swapped.append((store, name, t, new))
-    for store, name, _, new in swapped:
+                    swapped.append((module, store, name, t, new))
+    for _, store, name, _, new in swapped:
         store[name] = new
     try:
         yield
     finally:
-        for store, name, t, _ in swapped:
+        for module, store, name, t, new in swapped:
+            for other in (module._parameters, module._buffers):
+                if other is not store and other.get(name) is new:
+                    del other[name]
             store[name] = t
 
 
@@ -653,7 +659,16 @@ def _on_meta(t: Any) -> Any:
 #: What torch's errors say where a run on the meta device wants values: a tensor read into
 #: Python, an output whose shape depends on values (``nonzero``, as in a mixture of experts'
 #: routing), or a tensor made on the CPU meeting meta ones.
-_WANTS_VALUES = ("meta tensor", "data-independent", "on the expected device", "same device")
+#: What a run on the meta device raises where it needs a real one: an op reading values, a
+#: tensor made on another device beside the meta ones, and torch.autocast on the meta device
+#: ("unsupported scalarType": PEFT's LoRA on parameters folds its factors under autocast).
+_WANTS_VALUES = (
+    "meta tensor",
+    "data-independent",
+    "on the expected device",
+    "same device",
+    "unsupported scalarType",
+)
 
 
 def wants_values(e: BaseException) -> bool:

@@ -526,16 +526,17 @@ def _experts_blocks(
     model: nn.Module, layers: Sequence[LayerCost], item: int
 ) -> tuple[ExpertsBlock, ...]:
     """The experts modules expert parallelism places (:func:`hetcoll.torch.expert_parallel.
-    experts_module`), with their tokens per sample: the module's output rows (its last costed
+    experts_modules`), with their tokens per sample: the module's output rows (its last costed
     layer's output bytes over its features)."""
-    from hetcoll.torch.expert_parallel import experts_module
+    from hetcoll.torch.expert_parallel import experts_modules
     from hetcoll.torch.filters import ExpertsLayout, experts_layout
 
     last = {x.name: x for x in layers}
+    placeable = experts_modules(model)
     out = []
     for name, m in model.named_modules():
         row = last.get(name)
-        if row is None or experts_module(m) != "":
+        if row is None or placeable.get(name) != "":
             continue
         layout = experts_layout(m)
         features = layout.features if isinstance(layout, ExpertsLayout) else 0
