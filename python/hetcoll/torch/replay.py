@@ -658,9 +658,7 @@ def _on_meta(t: Any) -> Any:
 
 #: What torch's errors say where a run on the meta device wants values: a tensor read into
 #: Python, an output whose shape depends on values (``nonzero``, as in a mixture of experts'
-#: routing), or a tensor made on the CPU meeting meta ones.
-#: What a run on the meta device raises where it needs a real one: an op reading values, a
-#: tensor made on another device beside the meta ones, and torch.autocast on the meta device
+#: routing), a tensor made on the CPU meeting meta ones, or torch.autocast on the meta device
 #: ("unsupported scalarType": PEFT's LoRA on parameters folds its factors under autocast).
 _WANTS_VALUES = (
     "meta tensor",

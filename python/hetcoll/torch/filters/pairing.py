@@ -22,7 +22,7 @@ from hetcoll.torch.filters.chains import (
     lora_base,
     plan_modes,
 )
-from hetcoll.torch.filters.experts import experts_split
+from hetcoll.torch.filters.experts import experts_layout, experts_split
 from hetcoll.torch.filters.heads import TensorSplit
 from hetcoll.torch.filters.tensor_split import plan_tensor_splits
 
@@ -105,10 +105,11 @@ def split_layout(
     # ParamWrapper) stay whole with it: a split would hand its adapters a slice.
     wrapped = inside_unknown_adapters(named)
     for name in named if experts is None else experts:
-        split = experts_split(name, named[name])
-        if split is not None and name in wrapped:
+        if name in wrapped and experts_layout(named[name]) is not None:  # no probe for it
             whole_experts[name] = wrapped[name]
-        elif isinstance(split, TensorSplit) and avoid_gathers and tensor_splits:
+            continue
+        split = experts_split(name, named[name])
+        if isinstance(split, TensorSplit) and avoid_gathers and tensor_splits:
             splits.append(split)
             modes[name] = "split-input"  # its partial outputs summed over the ranks
         elif split is not None:
