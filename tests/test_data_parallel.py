@@ -811,6 +811,38 @@ def test_mpiexec_ranks_beyond_the_cores_yield_their_core_unless_told_otherwise(m
     assert launch.mpiexec(over, show, timeout=120).stdout.split() == ["0"] * over
 
 
+_HUNG_MPI_JOB = """
+import time
+from mpi4py import MPI
+
+def wait_for_rank_one():
+    MPI.COMM_WORLD.recv(source=1)
+
+def never_sends():
+    time.sleep(3600)
+
+wait_for_rank_one() if MPI.COMM_WORLD.Get_rank() == 0 else never_sends()
+"""
+
+
+def test_mpiexec_past_its_timeout_says_where_each_rank_was_and_leaves_no_process():
+    """A hung MPI job was killed with nothing said of where it hung, and its ranks were left
+    running (mpiexec alone was killed). Now each rank writes its Python stack, every rank's,
+    and the whole job goes."""
+    from hetcoll import launch
+
+    started = time.monotonic()
+    with pytest.raises(launch.RankFailed) as failed:
+        launch.mpiexec(2, ["-c", _HUNG_MPI_JOB], timeout=8)
+    message = str(failed.value)
+    assert "still running after 8 s, killed; 2 rank(s) stopped" in message, message
+    # Rank 0 blocked in MPI's receive (C code), rank 1 in Python's sleep: both said where.
+    assert "in wait_for_rank_one" in message and "in never_sends" in message, message
+    assert time.monotonic() - started < 60
+    left = subprocess.run(["pgrep", "-f", "wait_for_rank_one"], capture_output=True, text=True)
+    assert left.stdout.split() == [], left.stdout
+
+
 _STATE: list[int] = []
 
 

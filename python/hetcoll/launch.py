@@ -364,6 +364,70 @@ def run_script(
     )
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first), where the platform lists them."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        kids = _children(todo.pop())
+        found.extend(kids)
+        todo.extend(kids)
+    return found
+
+
+def _stop_python_ranks(pid: int) -> int:
+    """Abort the Python processes below ``pid`` (an MPI job's ranks, this interpreter's kind),
+    each writing its Python stacks to its stderr as it goes (``PYTHONFAULTHANDLER``), and
+    leaving no core file; returns how many. The job's other processes (mpiexec, its proxies)
+    are paused meanwhile: the first rank to die would make them kill the others before those
+    had written where they were."""
+    python = os.path.realpath(sys.executable)
+    ranks: list[int] = []
+    others = [pid]
+    for child in _descendants(pid):
+        try:
+            (ranks if os.path.realpath(f"/proc/{child}/exe") == python else others).append(child)
+        except OSError:  # gone meanwhile
+            continue
+    _signal_all(others, signal.SIGSTOP)
+    try:
+        for rank in ranks:
+            with contextlib.suppress(ImportError, AttributeError, OSError):  # Linux has it
+                import resource
+
+                resource.prlimit(rank, resource.RLIMIT_CORE, (0, 0))
+        _signal_all(ranks, signal.SIGABRT)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(map(_running, ranks)):
+            time.sleep(0.05)
+    finally:
+        _signal_all(others, signal.SIGCONT)
+    return len(ranks)
+
+
+def _signal_all(pids: Sequence[int], sig: int) -> None:
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, sig)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs (neither gone nor a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _kill_session(job: subprocess.Popen[str]) -> None:
+    """Kill a job started in a session of its own (every process in it) and reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(job.pid, signal.SIGKILL)
+    job.kill()
+    job.communicate()
+
+
 def mpiexec_path() -> str:
     """The ``mpiexec`` next to this Python (a venv with the ``mpich`` wheel), else on PATH."""
     here = Path(sys.executable).parent / "mpiexec"
@@ -392,7 +456,8 @@ def mpiexec(
     capture: bool = True,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``mpiexec -n nprocs <this python> argv...``; raise :class:`RankFailed` on a non-zero
-    exit or after ``timeout`` seconds (the job is killed).
+    exit or after ``timeout`` seconds: then each rank is stopped with its Python stacks written
+    to stderr (where it hung), and the job is killed, every process of it.
 
     With more ranks than this machine's cores, MPICH's waiting ranks yield their core instead
     of spinning on it (:data:`OVERSUBSCRIBED_MPICH`, unless the environment or ``env`` sets
@@ -412,22 +477,36 @@ def mpiexec(
         raise TypeError(f"env: must be a dict of str to str, got {env!r}")
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", "1")
+    # A rank that crashes, or that is stopped at the timeout, writes its Python stack first.
+    full_env.setdefault("PYTHONFAULTHANDLER", "1")
     if nprocs > (os.cpu_count() or 1):
         for name, value in OVERSUBSCRIBED_MPICH.items():
             full_env.setdefault(name, value)
     full_env.update(env or {})
     cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, *map(os.fspath, argv)]
+    pipe = subprocess.PIPE if capture else None
+    # A session of its own: the whole job (mpiexec, its proxies, the ranks) is killed at once.
+    job = subprocess.Popen(
+        cmd, env=full_env, stdout=pipe, stderr=pipe, text=True, start_new_session=True
+    )
     try:
-        proc = subprocess.run(
-            cmd,
-            env=full_env,
-            capture_output=capture,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as e:
-        raise RankFailed(f"{' '.join(cmd)}: still running after {timeout:.0f} s, killed") from e
+        stdout, stderr = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stopped = _stop_python_ranks(job.pid)
+        try:  # the stopped ranks' stacks, through mpiexec's stderr
+            stdout, stderr = job.communicate(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            stdout, stderr = "", ""
+        _kill_session(job)
+        where = f"; {stopped} rank(s) stopped with their Python stacks (stderr)" if stopped else ""
+        raise RankFailed(
+            f"{' '.join(cmd)}: still running after {timeout:.0f} s, killed{where}\n"
+            f"--- stdout ---\n{stdout or ''}\n--- stderr ---\n{stderr or ''}"
+        ) from None
+    except BaseException:  # interrupted: the job goes too
+        _kill_session(job)
+        raise
+    proc = subprocess.CompletedProcess(cmd, job.returncode, stdout, stderr)
     if proc.returncode != 0:
         raise RankFailed(
             f"{' '.join(cmd)} exited with code {proc.returncode}\n"
