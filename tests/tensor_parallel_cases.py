@@ -29,6 +29,7 @@ from hetcoll.torch import (
     split_traffic,
 )
 from hetcoll.torch.filters import (
+    FilterParallelDoRA,
     FilterParallelEmbedding,
     FilterParallelExperts,
     FilterParallelLayer,
@@ -1556,10 +1557,38 @@ def gpt2_lora() -> nn.Module:
     )
 
 
+def llama_dora() -> nn.Module:
+    """:func:`llama` with DoRA on its query, value and both output projections (base frozen),
+    the adapters' dropout a ``nn.Dropout`` of p = 0: PEFT's DoRA then recomputes the base
+    output on the dropped input, as with any p, and the unsplit model draws the same masks."""
+    model = _with_lora(llama(), ["q_proj", "v_proj", "o_proj", "down_proj"], use_dora=True)
+    for wrapper in model.modules():
+        drops = getattr(wrapper, "lora_dropout", None)
+        if isinstance(drops, nn.ModuleDict) and isinstance(wrapper, nn.Module):
+            for a in list(drops):
+                drops[a] = nn.Dropout(0.0)
+    return model
+
+
+def gpt2_dora() -> nn.Module:
+    """:func:`gpt2` with DoRA on its packed query/key/value projection and both output
+    projections (Conv1D base layers, ``fan_in_fan_out``), every weight trainable."""
+    return _trained_whole(
+        _with_lora(gpt2(), ["c_attn", "c_proj"], fan_in_fan_out=True, use_dora=True)
+    )
+
+
+def falcon_dora() -> nn.Module:
+    """:func:`falcon` under PEFT's ``"all-linear"`` DoRA: multi-query attention packed with
+    its queries, the key and value rows (and their magnitudes) whole on every rank."""
+    return _trained_whole(_with_lora(falcon(), "all-linear", use_dora=True))
+
+
 def lora_heads(group: Any) -> dict[str, Any]:
     """PEFT's LoRA wrappers split with their attentions by heads and MLPs by hidden units:
-    Llama (every projection wrapped) and GPT-2 (its packed projection's adapter split in the
-    same three blocks; an MLP of a bare column and a wrapped row) train as the unsplit model,
+    Llama (every projection wrapped), GPT-2 (its packed projection's adapter split in the
+    same three blocks; an MLP of a bare column and a wrapped row) and Falcon under DoRA (its
+    whole key and value rows' magnitudes summed) train as the unsplit model,
     every gradient (base weights trainable too) and Adam/SGD state equal in float64, and
     resume on another split (Llama's by per-layer shares, a slow rank allowed none of a
     block's heads); only the language model's head gathers. (More layouts and PEFT's own
@@ -1567,8 +1596,12 @@ def lora_heads(group: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # Llama with empty_blocks (a slow rank may hold none of a block's heads) and resumed on
     # the split filter_shares names by module path, its wrappers' paths.
-    for name, make, optimizer in (("llama", llama_lora, "adam"), ("gpt2", gpt2_lora, "sgd")):
-        split = equals_unsplit(group, make, optimizer, steps=2, empty=name == "llama")
+    models = (
+        ("llama", llama_lora, "adam"), ("gpt2", gpt2_lora, "sgd"),
+        ("falcon_dora", falcon_dora, "sgd"),
+    )  # fmt: skip
+    for name, make, optimizer in models:
+        split = equals_unsplit(group, make, optimizer, steps=2, empty=name != "gpt2")
         out[f"{name}_gathers"] = sorted(n for n, m in modes(split).items() if m == "gather")
     return out
 
@@ -1576,8 +1609,8 @@ def lora_heads(group: Any) -> dict[str, Any]:
 def lora_more(group: Any) -> dict[str, Any]:
     """More of PEFT's LoRA under a split by heads (the 2-rank job's), each as the unsplit
     model: with every linear layer wrapped, Phi-3, Falcon-7B, GPT-NeoX, Qwen3 and a
-    multi-query Llama (their gathering layers, by name); DoRA, which the split does not
-    know, its wrapped layers whole on every rank (the split layers' names). A LoRA
+    multi-query Llama (their gathering layers, by name); DoRA on Llama (its dropout active)
+    and GPT-2, split with its layers (each DoRA layer's mode, by model and projection). A LoRA
     fine-tuning (base frozen) with dropout on the adapters' inputs: the whole tensors stay the
     same on every rank step after step (a column's dropout draws every rank's mask; a row's,
     on the rank's slice, the rank's own, the common stream left in step), as do the adapters
@@ -1602,14 +1635,21 @@ def lora_more(group: Any) -> dict[str, Any]:
         split = equals_unsplit(group, wrapped, "sgd", steps=1)
         out[f"{name}_gathers"] = [n for n, m in modes(split).items() if m == "gather"]
     out["latent"] = _lora_latent_attention(group)
-    # DoRA, which the split does not know: its wrapped layers stay whole on every rank (its
-    # weight norm reads the base layer's whole weight; split, it failed), the rest splits.
-
-    def dora() -> nn.Module:
-        return _with_lora(llama(), ["q_proj", "v_proj", "o_proj", "down_proj"], use_dora=True)
-
-    split = equals_unsplit(group, dora, "sgd", steps=1)
-    out["dora_split"] = sorted({n.rsplit(".", 1)[-1] for n in modes(split)})
+    # DoRA splits with its layers (it stayed whole: its weight norm reads each output's whole
+    # row): Llama's, its adapters' dropout active (the base output recomputed on the dropped
+    # input, as PEFT does: dropout of p = 0 here, so the unsplit model draws alike), and GPT-2's
+    # (Conv1D base layers, the packed projection's magnitudes in three blocks).
+    dora = {}
+    for make in (llama_dora, gpt2_dora):
+        split = equals_unsplit(group, make, "adam", steps=2)
+        dora.update(
+            {
+                f"{make.__name__} {n.split('.')[-3]}": m.mode
+                for n, m in split.named_modules()
+                if isinstance(m, FilterParallelDoRA)
+            }
+        )
+    out["dora"] = dora
     torch.manual_seed(0)
     tuned = _with_lora(llama(), ["q_proj", "v_proj", "o_proj", "down_proj"], dropout=0.3)
     tuned = filter_parallel(tuned.double(), SPEEDS[: wrap(group).size], group)
@@ -1696,7 +1736,7 @@ def _disabled_and_merged(group: Any) -> list[str]:
     merged into the split base layers (``merge_adapter``: each rank's slice of ``B @ A``) and
     unmerged again. Returns the cases that differ."""
     wrong = []
-    for make in (llama_lora, gpt2_lora):
+    for make in (llama_lora, gpt2_lora, llama_dora):
         torch.manual_seed(0)
         ref = make().double().eval()
         split = filter_parallel(copy.deepcopy(ref), SPEEDS[: wrap(group).size], group).eval()

@@ -121,16 +121,18 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     assert sum(timed) == sum(by_speed) == 40 and timed[0] >= by_speed[0], r["time_balanced"]
     # PEFT's LoRA wrappers split with their blocks (base layer and adapters), exact; with
     # dropout on the adapters' inputs, the ranks' whole tensors and adapters stay the same.
-    assert r["lora"] == {"llama_gathers": ["base_model.model.lm_head"], "gpt2_gathers": []}
+    assert r["lora"] == {
+        "llama_gathers": ["base_model.model.lm_head"], "gpt2_gathers": [], "falcon_dora_gathers": []
+    }  # fmt: skip
 
 
 @pytest.mark.multiproc
 def test_gloo_lora_layouts_dropout_saving_and_peft_switches():
     """More of PEFT's LoRA split by heads, on the 2-rank job (tensor_parallel_cases.lora_more):
     every linear layer wrapped on five more layouts, DeepSeek's latent attention among them;
-    DoRA whole; dropout on the adapters'
-    inputs keeps every rank's whole tensors alike; adapters saved load unsplit; PEFT's
-    disable_adapter, merge_adapter and unmerge_adapter compute as unsplit."""
+    DoRA split with its layers; dropout on the adapters' inputs keeps every rank's whole
+    tensors alike; adapters saved load unsplit; PEFT's disable_adapter, merge_adapter and
+    unmerge_adapter compute as unsplit (DoRA's too)."""
     results = _gloo(2, "lora")
     assert all(r == results[0] for r in results)
     head = ["base_model.model.lm_head"]
@@ -140,8 +142,13 @@ def test_gloo_lora_layouts_dropout_saving_and_peft_switches():
         # DeepSeek-V3's latent attention by heads with its adapters, a rank allowed none of the
         # 4 heads (1 : 0.5 of them: 3 and 1); its experts under PEFT's ParamWrapper whole.
         "latent": {"q_b_proj": [3, 1], "q_proj": [3, 1], "experts_split": False},
-        # DoRA's wrapped projections stay whole; the bare ones and the head split.
-        "dora_split": ["gate_proj", "k_proj", "lm_head", "up_proj"],
+        # DoRA's magnitudes split with their columns, whole beside their rows (a weight norm
+        # summed over the ranks).
+        "dora": {
+            "llama_dora q_proj": "split-output", "llama_dora v_proj": "split-output",
+            "llama_dora o_proj": "split-input", "llama_dora down_proj": "split-input",
+            "gpt2_dora c_attn": "split-output", "gpt2_dora c_proj": "split-input",
+        },
         "dropout_same": True, "saved": "loads unsplit", "disabled and merged": [],
     }  # fmt: skip
 
@@ -288,14 +295,21 @@ def test_lora_wrappers_split_as_their_blocks_projections():
         filter_shares(model, size=2, shares={attn + "q_proj": [16, 8]})
     alone = filter_shares(model, size=2, shares={attn + "q_proj.base_layer": [16, 8]})
     assert alone == {attn + "q_proj.base_layer": [16, 8]}
-    # A wrapper the split does not know (DoRA: its weight norm reads the base layer's whole
-    # weight) keeps its layers whole, named in the warning; named, they raise.
+    # DoRA splits with its block as plain LoRA does.
     dora = cases._with_lora(cases.llama(), ["q_proj"], use_dora=True)
-    with pytest.warns(UserWarning, match=r"q_proj.base_layer' \('.*q_proj': DoRA"):
-        shares = filter_shares(dora, size=2, speeds=[1.0, 0.5])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert filter_shares(dora, size=2, speeds=[1.0, 0.5])[attn + "q_proj"] == [16, 8]
+    # A wrapper the split does not know (adapters merged into the base layer: a split layer
+    # would unmerge against a slice) keeps its layers whole, named in the warning; named,
+    # they raise.
+    merged = cases._with_lora(cases.llama(), ["q_proj"])
+    merged.merge_adapter()
+    with pytest.warns(UserWarning, match=r"q_proj.base_layer' \('.*q_proj': its adapters merged"):
+        shares = filter_shares(merged, size=2, speeds=[1.0, 0.5])
     assert not [n for n in shares if ".q_proj." in n], list(shares)
-    with pytest.raises(ValueError, match=r"'.*q_proj.base_layer' cannot be split: .* DoRA"):
-        filter_shares(dora, size=2, shares={attn + "q_proj.base_layer": [16, 8]})
+    with pytest.raises(ValueError, match=r"'.*q_proj.base_layer' cannot be split: .* merged"):
+        filter_shares(merged, size=2, shares={attn + "q_proj.base_layer": [16, 8]})
 
 
 class _Unknown(nn.Module):

@@ -46,8 +46,10 @@ checks, speeds into shares), :mod:`.autograd` (the layers' communication as auto
 the cross-entropy of logits split by vocabulary), :mod:`.layers` (the split modules; their
 state dicts mark each slice where it sits in the unsplit tensor, as torch.distributed.checkpoint's
 shards), :mod:`.shards` (the optimizer state of split parameters marked alike),
-:mod:`.chains` (which layers split, and the chain pairing rule), :mod:`.heads` (the record
-of a block split by heads or hidden units, and how a rank's module holds its share),
+:mod:`.dora` (PEFT's DoRA magnitudes and weight norm split with their layer:
+:class:`FilterParallelDoRA`), :mod:`.chains` (which layers split, and the chain pairing
+rule), :mod:`.heads` (the record of a block split by heads or hidden units, and how a rank's
+module holds its share),
 :mod:`.head_guards` (what a split attention runs with: per-head inputs cut, empty ranks, a
 packed layout checked), :mod:`.head_probes` (probe forwards on meta copies: how a packed
 projection is read, whether a rank without heads runs), :mod:`.tensor_split` (which
@@ -75,6 +77,7 @@ from hetcoll.torch.filters.chains import (
 )
 from hetcoll.torch.filters.checks import MODES
 from hetcoll.torch.filters.convert import filter_parallel, filter_shares, split_traffic
+from hetcoll.torch.filters.dora import FilterParallelDoRA
 from hetcoll.torch.filters.experts import ExpertsLayout, FilterParallelExperts, experts_layout
 from hetcoll.torch.filters.head_probes import check_empty_heads
 from hetcoll.torch.filters.heads import ConfigView, TensorSplit
@@ -120,6 +123,7 @@ __all__ = [
     "FilterParallelConv1D",
     "FilterParallelConv2d",
     "FilterParallelDepthwiseConv2d",
+    "FilterParallelDoRA",
     "FilterParallelEmbedding",
     "FilterParallelExperts",
     "FilterParallelLinear",

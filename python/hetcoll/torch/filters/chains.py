@@ -21,6 +21,7 @@ from torch.nn import functional as F
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
+from hetcoll.torch.filters.dora import is_dora_layer
 from hetcoll.torch.filters.experts import experts_layout
 from hetcoll.torch.filters.layers import is_conv1d
 from hetcoll.torch.replay import tensor_attributes_kept
@@ -632,7 +633,7 @@ def lora_base(m: nn.Module) -> nn.Module | None:
     (``peft.tuners.lora.layer.Linear``: ``base_layer(x) + lora_B(lora_A(dropout(x))) *
     scaling`` per adapter) that an attention or MLP split by heads or hidden units splits with
     its adapters: a base layer filter parallelism splits (:func:`linear_features`), every
-    adapter plain LoRA (``nn.Linear`` A and B; no DoRA or other variant), none merged into the
+    adapter plain LoRA or DoRA (``nn.Linear`` A and B; no other variant), none merged into the
     base, adapters enabled, no hooks of the user's; else None. PEFT is not imported: a model
     holding such a wrapper imported it."""
     cls = type(m)
@@ -653,25 +654,42 @@ def lora_base(m: nn.Module) -> nn.Module | None:
         return None
     variants = getattr(m, "lora_variant", None) or {}
     dora = getattr(m, "use_dora", None) or {}
-    if any(variants.get(a) is not None or dora.get(a) for a in lora_a):
+    if not all(_plain_or_dora(m, a, variants.get(a), dora.get(a)) for a in lora_a):
         return None
     return base if forward_changed(m) is None else None
+
+
+def _plain_or_dora(m: nn.Module, adapter: str, variant: object, dora: object) -> bool:
+    """Whether adapter ``adapter`` of LoRA wrapper ``m`` is plain LoRA or PEFT's own DoRA
+    (its variant and its layer PEFT's, no bias on ``lora_B``: the split's
+    :class:`~.dora.FilterParallelDoRA` computes its weight norm)."""
+    if variant is None and not dora:
+        return True
+    if not dora or type(variant).__name__ != "DoraLinearVariant":
+        return False
+    if type(variant).__module__ != "peft.tuners.lora.variants":
+        return False
+    layers = getattr(m, "lora_magnitude_vector", None)
+    layer = layers[adapter] if isinstance(layers, nn.ModuleDict) and adapter in layers else None
+    return (
+        layer is not None
+        and is_dora_layer(layer)
+        and forward_changed(layer) is None
+        and m.get_submodule(f"lora_B.{adapter}").bias is None
+    )
 
 
 def unknown_adapter(m: nn.Module) -> str | None:
     """Why the layers inside ``m`` stay whole, where ``m`` is a PEFT tuner's wrapper of a layer
     (a ``base_layer`` beside its adapters) that :func:`lora_base` does not split with its
-    block: DoRA (its weight norm reads the base layer's whole weight), another variant, adapters
-    merged into the base or disabled (a split layer would unmerge and re-enable against a
-    slice). Else None."""
+    block: a variant other than DoRA, adapters merged into the base or disabled (a split layer
+    would unmerge and re-enable against a slice). Else None."""
     if not type(m).__module__.startswith("peft.tuners.") or not isinstance(
         getattr(m, "base_layer", None), nn.Module
     ):
         return None
     if lora_base(m) is not None:
         return None
-    if any((getattr(m, "use_dora", None) or {}).values()):
-        return "DoRA, whose weight norm reads the base layer's whole weight"
     if getattr(m, "merged", False):
         return "its adapters merged into the base layer"
     if getattr(m, "disable_adapters", False):

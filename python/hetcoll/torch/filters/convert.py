@@ -48,6 +48,7 @@ from hetcoll.torch.filters.checks import (
     speeds_argument,
     speeds_to_shares,
 )
+from hetcoll.torch.filters.dora import FilterParallelDoRA
 from hetcoll.torch.filters.experts import FilterParallelExperts, experts_layout
 from hetcoll.torch.filters.head_guards import (
     EmptyHeads,
@@ -67,6 +68,7 @@ from hetcoll.torch.filters.layers import (
     FilterParallelConv2d,
     FilterParallelDepthwiseConv2d,
     FilterParallelEmbedding,
+    FilterParallelLayer,
     FilterParallelLinear,
     FilterParallelMultiheadAttention,
     FilterParallelRMSNorm,
@@ -877,6 +879,7 @@ def filter_parallel(
                     model, f"{name}.lora_B.{a}", counts, comm, blocks, whole, as_is, sums, timeout
                 )
                 wrapper.get_submodule(f"lora_A.{a}").register_forward_pre_hook(source.read_copy)
+            _split_dora(wrapper, model.get_submodule(ts.base(name)), comm, sums)
         for name in ts.whole:  # whole on every rank, reading the columns' copy of the input
             named[name].register_forward_pre_hook(copy.read_copy)
         blocks_of = dict(ts.columns)
@@ -908,6 +911,8 @@ def filter_parallel(
                     timeout=timeout,
                 ),
             )
+        if ts.row in ts.adapted:
+            _split_dora(named[ts.row], model.get_submodule(ts.base(ts.row)), comm, sums)
         module = named[ts.module]
         ts.hold(module, counts[comm.rank])  # the rank's module runs with its own head counts
         for pn in ts.shared:
@@ -982,6 +987,24 @@ def filter_parallel(
     track_optimizers()
     guard_save_pretrained(model)
     return model
+
+
+def _split_dora(
+    wrapper: nn.Module, base: nn.Module, comm: Communicator, sums: GradientSums
+) -> None:
+    """The DoRA layers of LoRA wrapper ``wrapper``, its base layer split (``base``), split with
+    it (:class:`~.dora.FilterParallelDoRA`): a column's magnitudes every rank holds whole (key
+    and value rows packed with split query heads) have their gradients summed, as the base
+    layer's rows."""
+    layers = getattr(wrapper, "lora_magnitude_vector", None)
+    if not isinstance(layers, nn.ModuleDict) or not isinstance(base, FilterParallelLayer):
+        return
+    for a, layer in list(layers.items()):
+        split = FilterParallelDoRA.from_module(layer, base, comm)
+        layers[a] = split
+        if split.mode == "split-output" and split.whole:
+            at = whole_positions(split.shares, comm.rank, split.blocks, split.whole)
+            sums.add(split.weight, (0, at))
 
 
 def _split_column(

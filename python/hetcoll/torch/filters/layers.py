@@ -508,24 +508,24 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
                 shape[self.dim] = -1
                 y = y + self.bias.view(shape)
             return y
-        if x.requires_grad:
-            if self.shared_input is not None:
-                x = self.shared_input(x)
-            else:
-                x = CopyToRanks.apply(
-                    x,
-                    self.comm,
-                    self.timeout,
-                    None,
-                    needs_check(self.agreed),
-                    sole_holder(self.shares),
-                )
-        y = self.local(x, self.weight, self.bias)
+        y = self.local(self.copied_input(x), self.weight, self.bias)
         if self.mode == "split-output":
             return y
         if self.split_output and self.dim == -1:
             return SplitOutput.of(y, self.comm, self.shares, self.timeout, self.agreed)
         return GatherChannels.apply(y, self.comm, self.shares, self.offset, self.dim, self.timeout)
+
+    def copied_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as this split-output or gathering layer reads it: where it needs a gradient,
+        its copy to the ranks (shared with the layers reading the same input), whose
+        gradient is summed over the ranks in the backward."""
+        if not x.requires_grad:
+            return x
+        if self.shared_input is not None:
+            return self.shared_input(x)
+        return CopyToRanks.apply(  # type: ignore[no-any-return]
+            x, self.comm, self.timeout, None, needs_check(self.agreed), sole_holder(self.shares)
+        )
 
     def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         if self.mode == "split-input":
