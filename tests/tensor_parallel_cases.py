@@ -1673,9 +1673,38 @@ def lora_more(group: Any) -> dict[str, Any]:
         same += [_same_on_every_rank(group, seen["hidden"])]
         same += [_same_on_every_rank(group, torch.cat([p.detach().flatten() for p in whole]))]
     out["dropout_same"] = all(same) and len(whole) == 4
+    out["input copies"] = _input_copies(group)
     out["saved"] = _saved_adapters_load_unsplit(group, tuned)
     out["disabled and merged"] = _disabled_and_merged(group)
     return out
+
+
+def _input_copies(group: Any) -> int:
+    """How many inputs one forward of a split Llama copies to the ranks (each copy's gradient
+    summed over the ranks backward), LoRA's dropout on its query, value and both output
+    projections, every weight trainable: each input once, though each wrapped projection reads
+    its own dropped input between the reads of the one its base layer and the bare key
+    projection read."""
+    from hetcoll.torch.filters.autograd import CopyToRanks
+
+    torch.manual_seed(0)
+    targets = ["q_proj", "v_proj", "o_proj", "down_proj"]
+    model = _trained_whole(_with_lora(llama(), targets, dropout=0.3)).double()
+    split = filter_parallel(model, SPEEDS[: wrap(group).size], group)
+    copies = []
+    forward = CopyToRanks.forward
+
+    def counted(ctx: Any, x: torch.Tensor, *args: Any) -> Any:
+        copies.append(x)
+        return forward(ctx, x, *args)
+
+    CopyToRanks.forward = staticmethod(counted)  # type: ignore[method-assign]
+    try:
+        _, loss = loss_of(split, batch(0))
+    finally:
+        CopyToRanks.forward = staticmethod(forward)  # type: ignore[method-assign]
+    loss.backward()
+    return len(copies)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ import re
 import sys
 import textwrap
 import warnings
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -614,6 +615,32 @@ def llama_lora() -> nn.Module:
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     return get_peft_model(llama(), LoraConfig(r=8, target_modules=targets))
+
+
+def test_lora_dropout_and_dora_rows_cost_the_sums_the_runtime_makes() -> None:
+    """With LoRA's dropout active, each wrapped column's adapter reads a dropped input of its
+    own: one more copy to the ranks, its gradient summed backward (hidden features per
+    token); a DoRA row recomputes its base output on its dropped input, summed forward (its
+    output features per token). Without dropout, neither."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+    def sums(dropout: float, dora: bool) -> dict[str, list[tuple[float, bool]]]:
+        config = LoraConfig(r=4, target_modules=targets, lora_dropout=dropout, use_dora=dora)
+        costs = layer_costs(get_peft_model(llama(), config), (SEQ,), dtype=torch.int64)
+        first = costs.split_blocks[:2]  # the first layer's attention and MLP
+        return {b.kind: sorted(b.sums) for b in first}
+
+    hidden = SEQ * HIDDEN * 4  # bytes per sample of a block's input and output (float32)
+    for dora in (False, True):
+        bare, dropped = sums(0.0, dora), sums(0.1, dora)
+        extra = {k: sorted((Counter(dropped[k]) - Counter(bare[k])).elements()) for k in bare}
+        # The attention's q, k and v adapters, the MLP's gate and up adapters: a copy each.
+        want = {"attention": [(hidden, False)] * 3, "mlp": [(hidden, False)] * 2}
+        if dora:  # and the row's base output (o_proj's, down_proj's: HIDDEN features)
+            want = {k: sorted([*v, (hidden, True)]) for k, v in want.items()}
+        assert extra == want, (dora, bare, dropped)
 
 
 @pytest.mark.parametrize(

@@ -150,6 +150,10 @@ def test_gloo_lora_layouts_dropout_saving_and_peft_switches():
             "gpt2_dora c_attn": "split-output", "gpt2_dora c_proj": "split-input",
         },
         "dropout_same": True, "saved": "loads unsplit", "disabled and merged": [],
+        # Per layer: the attention's input, its query and value adapters' dropped inputs, the
+        # MLP's input; and the head's input. The attention's input was copied again after each
+        # dropped one (11).
+        "input copies": 2 * 4 + 1,
     }  # fmt: skip
 
 

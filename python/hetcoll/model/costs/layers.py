@@ -560,7 +560,11 @@ def _other_sums(
     norm's sum of squares (float32, a number per token, forward and backward); an experts
     module's routing weights' gradient (float32, ``top_k`` per token, backward); a latent
     attention's latents after the first's (their gradients, backward); a LoRA row's adapters'
-    ``lora_A`` outputs (an adapter rank's numbers per token, forward). Tokens per sample: the
+    ``lora_A`` outputs (an adapter rank's numbers per token, forward); with the adapters'
+    dropout active, a LoRA column's dropped input (its own copy to the ranks, its gradient
+    summed backward) and a DoRA row's base output recomputed on its dropped input (forward).
+    DoRA's weight norm over a row (a number per output feature each forward, whatever the
+    batch) is left out. Tokens per sample: the
     block's output rows (its last layer's output bytes over its features)."""
     from hetcoll.torch.filters import (
         ExpertsLayout,
@@ -593,11 +597,30 @@ def _other_sums(
         f = linear_features(model.get_submodule(upstream))
         if column != ts.columns[0][0] and f is not None:
             sums.append((tokens * f[1] * item, False))
+    for name, _ in ts.columns:
+        if name in ts.adapted:  # each adapter's dropped input: a copy of its own
+            wrapper = model.get_submodule(name)
+            f = projection_features(wrapper)
+            for _ in _dropped(wrapper):
+                sums.append((tokens * (f[0] if f else 0) * item, False))
     if ts.row in ts.adapted:
         for lora_a in module.get_submodule("lora_A").children():
             rank = projection_features(lora_a)  # (in, adapter rank)
             sums.append((tokens * (rank[1] if rank else 0) * item, True))
+        dora = getattr(module, "use_dora", None) or {}
+        for a in _dropped(module):  # DoRA's base output recomputed on the dropped input
+            if dora.get(a):
+                sums.append((tokens * features * item, True))
     return tuple(sums)
+
+
+def _dropped(wrapper: nn.Module) -> list[str]:
+    """The adapters of LoRA wrapper ``wrapper`` whose dropout is active in training (any
+    ``lora_dropout`` but PEFT's ``nn.Identity`` for none)."""
+    drops = getattr(wrapper, "lora_dropout", None)
+    if not isinstance(drops, nn.ModuleDict):
+        return []
+    return [a for a, d in drops.items() if type(d) is not nn.Identity]
 
 
 def _whole_rows(model: nn.Module, ts: TensorSplit) -> list[int]:

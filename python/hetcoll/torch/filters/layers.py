@@ -242,24 +242,30 @@ class SharedCopy:
     """The copy of one replicated input to the ranks (:class:`CopyToRanks`: its gradient
     summed over the ranks) shared by the split layers that read it, so a tensor read by an
     attention's query, key and value projections (a gated MLP's gate and up) costs one
-    reduction backward, not one per layer. It remembers the last tensor it copied (by
-    identity, weakly) and its copy until that copy's backward has run."""
+    reduction backward, not one per layer. It remembers the last few tensors it copied (by
+    identity) and their copies until a copy's backward has run: LoRA wrappers with dropout
+    read the input and each its own dropped input in turn, and the input read again after a
+    dropped one is still the one copy."""
+
+    #: How many of the latest inputs it remembers (an attention's input and its three
+    #: projections' dropped inputs).
+    REMEMBERED = 4
 
     def __init__(self, comm: Communicator, timeout: float | None, root: int | None = None) -> None:
         self.comm, self.timeout = comm, timeout
         #: The one rank whose layers read the input (:func:`~.autograd.sole_holder`), if one.
         self.root = root
         self.agreed: AgreedForward | None = None
-        self._input: Any = None
-        self._copy: torch.Tensor | None = None
+        self._copies: list[tuple[weakref.ref[torch.Tensor], torch.Tensor]] = []
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, SplitOutput):  # as FilterParallelLayer.forward
             x = x.whole()
-        if self._copy is not None and self._input is not None and self._input() is x:
-            return self._copy
+        for seen, y in self._copies:
+            if seen() is x:
+                return y
         y = CopyToRanks.apply(x, self.comm, self.timeout, self, needs_check(self.agreed), self.root)
-        self._input, self._copy = weakref.ref(x), y
+        self._copies = [*self._copies, (weakref.ref(x), y)][-self.REMEMBERED :]
         return y  # type: ignore[no-any-return]
 
     def read_copy(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -271,7 +277,7 @@ class SharedCopy:
         return None
 
     def clear(self) -> None:
-        self._input, self._copy = None, None
+        self._copies = []
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SharedCopy:
         c = type(self)(self.comm, self.timeout, self.root)
