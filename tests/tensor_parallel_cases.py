@@ -935,6 +935,11 @@ def experts(group: Any) -> dict[str, Any]:
         "qwen2_moe": (qwen2_moe, "adam", 1e-6),
         "deepseek_v3": (deepseek_v3, "sgd", 1e-6),
         "olmoe": (olmoe, "sgd", 1e-5),
+        # PEFT's LoRA on the experts' parameters (ParamWrapper): its factors split with
+        # them. Mixtral under "all-linear" (its router wrapped too: SGD, as DeepSeek's);
+        # GPT-OSS's transposed, interleaved layout by target_parameters.
+        "mixtral_lora": (mixtral_lora, "sgd", 1e-5),
+        "gpt_oss_lora": (gpt_oss_lora, "sgd", 1e-6),
     }
     for name, (make, optimizer, tol) in models.items():
         with tolerance(tol):  # the router's softmax runs in float32
@@ -1557,6 +1562,19 @@ def gpt2_lora() -> nn.Module:
     )
 
 
+def mixtral_lora() -> nn.Module:
+    """:func:`mixtral` under PEFT's ``"all-linear"``: LoRA on its attentions' projections and
+    on its experts' and router's parameters (``ParamWrapper``), every weight trainable."""
+    return _trained_whole(_with_lora(mixtral(), "all-linear"))
+
+
+def gpt_oss_lora() -> nn.Module:
+    """:func:`gpt_oss` with LoRA on its query projections and its experts' parameters
+    (``target_parameters``: stored transposed, gate and up rows interleaved)."""
+    parameters = ["experts.gate_up_proj", "experts.down_proj"]
+    return _trained_whole(_with_lora(gpt_oss(), ["q_proj"], target_parameters=parameters))
+
+
 def llama_dora() -> nn.Module:
     """:func:`llama` with DoRA on its query, value and both output projections (base frozen),
     the adapters' dropout a ``nn.Dropout`` of p = 0: PEFT's DoRA then recomputes the base
@@ -1734,8 +1752,7 @@ def _lora_latent_attention(group: Any) -> dict[str, Any]:
     q_proj (V2-Lite's), a rank allowed none of the heads (empty_blocks). Equal to the unsplit
     model in float64 with the norms in float64 (:func:`_norms_in_model_dtype`); as Hugging
     Face computes them (float32), to 1e-6 beside its experts, which PEFT wraps with LoRA on
-    their parameters (``ParamWrapper``): unknown to the split, they stay whole (split, their
-    adapters met a slice and the forward raised)."""
+    their parameters (``ParamWrapper``): they split by hidden units with their adapters."""
     from transformers.models.deepseek_v3 import modeling_deepseek_v3
 
     out: dict[str, Any] = {}

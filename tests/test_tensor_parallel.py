@@ -140,8 +140,9 @@ def test_gloo_lora_layouts_dropout_saving_and_peft_switches():
         "phi3_gathers": head, "falcon_gathers": [], "neox_gathers": head, "qwen3_gathers": head,
         "mqa_gathers": head,
         # DeepSeek-V3's latent attention by heads with its adapters, a rank allowed none of the
-        # 4 heads (1 : 0.5 of them: 3 and 1); its experts under PEFT's ParamWrapper whole.
-        "latent": {"q_b_proj": [3, 1], "q_proj": [3, 1], "experts_split": False},
+        # 4 heads (1 : 0.5 of them: 3 and 1); its experts under PEFT's ParamWrapper split by
+        # hidden units with their adapters.
+        "latent": {"q_b_proj": [3, 1], "q_proj": [3, 1], "experts_split": True},
         # DoRA's magnitudes split with their columns, whole beside their rows (a weight norm
         # summed over the ranks).
         "dora": {
@@ -348,7 +349,7 @@ def test_gloo_mixtures_of_experts_split_by_hidden_units_equal_unsplit():
     assert results[0] == {
         "mixtral": mixtral, "batched_mm": mixtral, "grouped_mm": mixtral,
         "gpt_oss": [(16, 8, 8)], "qwen2_moe": [(16, 8, 8)], "deepseek_v3": [(16, 8, 8)],
-        "olmoe": [(16, 8, 8)], "errors": 4,
+        "olmoe": [(16, 8, 8)], "errors": 4, "mixtral_lora": mixtral, "gpt_oss_lora": [(16, 8, 8)],
         "latent_heads": [3, 1, 0],  # its 4 heads at speeds 1 : 0.5 : 0.05
     }  # fmt: skip
 
@@ -1644,8 +1645,9 @@ def test_latent_attention_with_lora_splits_with_its_adapters():
     """PEFT's "all-linear" on DeepSeek-V3: the latent attention splits by heads with its
     wrapped projections (q_b_proj, kv_b_proj and o_proj split with their adapters, the wrapped
     latent projections whole on every rank ahead of them), as the performance model prices
-    it; its experts, which PEFT wraps with LoRA on their parameters (``ParamWrapper``, unknown
-    to the split: a slice would meet its adapters), stay whole, named by the wrapper."""
+    it; its experts, which PEFT wraps with LoRA on their parameters (``ParamWrapper``, one
+    per parameter), split by hidden units with their adapters (they stayed whole: a slice met
+    their adapters), and the cost model prices that split."""
     from hetcoll.model import layer_costs
     from hetcoll.torch.filters import split_layout
 
@@ -1664,11 +1666,16 @@ def test_latent_attention_with_lora_splits_with_its_adapters():
     # Named by the wrappers' paths, as the runtime names them.
     assert shares[attn + "o_proj"] == [8, 4, 4] and shares[attn + "q_b_proj"] == [16, 8, 8]
     experts = "base_model.model.model.layers.1.mlp.experts"
-    assert layout.whole_experts == {
-        f"{experts}.base_layer.base_layer": f"{experts!r}: ParamWrapper, a PEFT wrapper the "
-        "split does not know"
-    }
-    assert not any(ts.kind == "experts" for ts in layout.splits)
+    assert layout.whole_experts == {}
+    split = next(ts for ts in layout.splits if ts.kind == "experts")
+    assert split.module == f"{experts}.base_layer.base_layer"
+    # down_proj's A holds its hidden units (columns), gate_up_proj's B (rows); the other
+    # factors whole on every rank, their gradients summed.
+    assert split.param_adapters == {experts: "lora_A", f"{experts}.base_layer": "lora_B"}
+    assert split.shared == [
+        f"{experts}.lora_B.default.weight", f"{experts}.base_layer.lora_A.default.weight"
+    ]  # fmt: skip
+    assert any(b.kind == "experts" for b in costs.split_blocks)
     block = next(b for b in costs.split_blocks if b.module == attn[:-1])
     assert block.units == 4 and block.layers == tuple(ts.adapted), block
     assert attn + "kv_a_proj_with_mqa" in block.whole, block

@@ -22,7 +22,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from hetcoll.torch.filters.dora import is_dora_layer
-from hetcoll.torch.filters.experts import experts_layout
+from hetcoll.torch.filters.experts import ExpertsLayout, experts_layout
 from hetcoll.torch.filters.layers import is_conv1d
 from hetcoll.torch.replay import tensor_attributes_kept
 
@@ -539,6 +539,79 @@ def _metadata_only(node: Any) -> bool:
     )
 
 
+def experts_adapters(named: dict[str, nn.Module], name: str) -> dict[str, str] | None:
+    """The PEFT wrappers around experts module ``name`` of ``named`` (outermost first), each
+    with its factor that the split slices, where each is LoRA on one of the parameters the
+    experts' split by hidden units slices (:func:`lora_on_experts`): they split with it. None
+    where another wrapper is around it."""
+    experts = named[name]
+    layout = experts_layout(experts)
+    if not isinstance(layout, ExpertsLayout):
+        return None
+    parts = name.split(".")
+    chain = {}
+    for k in range(1, len(parts)):
+        outer = ".".join(parts[:k])
+        m = named.get(outer)
+        if m is None or not _peft_wrapper(m):
+            continue
+        factor = lora_on_experts(m, experts, layout)
+        if factor is None:
+            return None
+        chain[outer] = factor
+    return chain
+
+
+def lora_on_experts(m: nn.Module, experts: nn.Module, layout: ExpertsLayout) -> str | None:
+    """Where ``m`` is PEFT's LoRA on a 3-D parameter of ``experts`` (``ParamWrapper``: the
+    parameter made ``W + scaling * B A`` per expert during each forward) that the experts'
+    split by hidden units (``layout``) slices, plain (no variant), enabled and not merged, no
+    hooks of the user's: which factor holds the parameter's split dimension, ``"lora_B"``
+    (its output features: B's rows) or ``"lora_A"`` (its input features: A's columns, in one
+    block). Else None."""
+    cls = type(m)
+    if cls.__name__ != "ParamWrapper" or cls.__module__ != "peft.tuners.lora.layer":
+        return None
+    get_base = getattr(m, "get_base_layer", None)
+    if not callable(get_base) or get_base() is not experts or forward_changed(m) is not None:
+        return None
+    spec = layout.params.get(str(getattr(m, "parameter_name", "")))
+    param = getattr(experts, str(getattr(m, "parameter_name", "")), None)
+    if spec is None or not isinstance(param, torch.Tensor) or param.dim() != 3:
+        return None
+    if getattr(m, "num_experts", None) != param.shape[0]:
+        return None
+    if getattr(m, "merged", True) or getattr(m, "disable_adapters", True):
+        return None
+    if any(v is not None for v in (getattr(m, "lora_variant", None) or {}).values()):
+        return None
+    lora_a, lora_b = getattr(m, "lora_A", None), getattr(m, "lora_B", None)
+    if not isinstance(lora_a, nn.ModuleDict) or not isinstance(lora_b, nn.ModuleDict):
+        return None
+    if set(lora_a) != set(lora_b) or not len(lora_a):
+        return None
+    adapters = [*lora_a.values(), *lora_b.values()]
+    if any(type(x) is not nn.Linear or x.bias is not None for x in adapters):
+        return None
+    if any(forward_changed(x) is not None for x in adapters):
+        return None
+    # PEFT's delta per expert is (out, in) where the parameter is stored (experts, out, in)
+    # (Hugging Face's layout, unless the module says is_transposed), else (experts, in, out).
+    dim, blocks = spec
+    transposed = bool(getattr(experts, "is_transposed", False))
+    if (dim == 1) != transposed:
+        return "lora_B"
+    return "lora_A" if tuple(blocks) == (1,) else None
+
+
+def _peft_wrapper(m: nn.Module) -> bool:
+    """Whether ``m`` is a PEFT tuner's wrapper of a layer (a ``base_layer`` beside its
+    adapters)."""
+    return type(m).__module__.startswith("peft.tuners.") and isinstance(
+        getattr(m, "base_layer", None), nn.Module
+    )
+
+
 def inside_unknown_adapters(named: dict[str, nn.Module]) -> dict[str, str]:
     """The modules of ``named`` inside a PEFT wrapper :func:`unknown_adapter` keeps whole, by
     name, with the wrapper and why."""
@@ -684,9 +757,7 @@ def unknown_adapter(m: nn.Module) -> str | None:
     (a ``base_layer`` beside its adapters) that :func:`lora_base` does not split with its
     block: a variant other than DoRA, adapters merged into the base or disabled (a split layer
     would unmerge and re-enable against a slice). Else None."""
-    if not type(m).__module__.startswith("peft.tuners.") or not isinstance(
-        getattr(m, "base_layer", None), nn.Module
-    ):
+    if not _peft_wrapper(m):
         return None
     if lora_base(m) is not None:
         return None

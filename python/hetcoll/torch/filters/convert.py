@@ -49,7 +49,7 @@ from hetcoll.torch.filters.checks import (
     speeds_to_shares,
 )
 from hetcoll.torch.filters.dora import FilterParallelDoRA
-from hetcoll.torch.filters.experts import FilterParallelExperts, experts_layout
+from hetcoll.torch.filters.experts import ExpertsLayout, FilterParallelExperts, experts_layout
 from hetcoll.torch.filters.head_guards import (
     EmptyHeads,
     HeadColumns,
@@ -841,11 +841,14 @@ def filter_parallel(
     lora_rows: list[nn.Module] = []  # LoRA wrappers split as rows: their dropouts on slices
     for ts, counts in splits:
         if ts.kind == "experts":  # in place: the module keeps its class's forward and kernels
-            FilterParallelExperts.convert(
-                named[ts.module], [u * ts.width for u in counts], comm, timeout=timeout
-            )
+            units = [u * ts.width for u in counts]
+            layout = experts_layout(named[ts.module])
+            FilterParallelExperts.convert(named[ts.module], units, comm, timeout=timeout)
             for pn in ts.shared:  # the output bias the first rank adds
                 sums.add(model.get_parameter(pn))
+            for path, factor in ts.param_adapters.items():
+                assert isinstance(layout, ExpertsLayout)  # the split found it so
+                _split_param_adapters(named[path], factor, layout, units, comm, timeout)
             continue
         if ts.kind == "mha":
             mha = FilterParallelMultiheadAttention.from_module(
@@ -987,6 +990,33 @@ def filter_parallel(
     track_optimizers()
     guard_save_pretrained(model)
     return model
+
+
+def _split_param_adapters(
+    wrapper: nn.Module,
+    factor: str,
+    layout: ExpertsLayout,
+    units: list[int],
+    comm: Communicator,
+    timeout: float | None,
+) -> None:
+    """PEFT's LoRA on a parameter of an experts module split by hidden units (``units`` per
+    rank, as ``layout`` splits it): its ``factor`` holding the split dimension
+    (:func:`~.chains.lora_on_experts`) holds this rank's rows of B or columns of A, as the
+    parameter's slice, in a split layer whose weight PEFT reads. The other factor stays whole
+    on every rank (among the split's shared parameters: its gradient summed)."""
+    _, blocks = layout.params[str(getattr(wrapper, "parameter_name", ""))]
+    held = wrapper.get_submodule(factor)
+    assert isinstance(held, nn.ModuleDict)
+    for a, layer in list(held.items()):
+        if factor == "lora_B":
+            held[a] = FilterParallelLinear.from_module(
+                layer, units, comm, mode="split-output", blocks=blocks, timeout=timeout
+            )
+        else:
+            held[a] = FilterParallelLinear.from_module(
+                layer, units, comm, mode="split-input", timeout=timeout
+            )
 
 
 def _split_dora(

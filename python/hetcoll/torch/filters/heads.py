@@ -104,6 +104,11 @@ class TensorSplit:
     fed_by: dict[str, str] = field(default_factory=dict)
     norms: dict[str, str] = field(default_factory=dict)
     adapted: list[str] = field(default_factory=list)
+    #: PEFT's LoRA on an experts module's parameters around it (``ParamWrapper``, outermost
+    #: first: :func:`~.chains.experts_adapters`), each with its factor holding the split
+    #: dimension (``"lora_A"`` or ``"lora_B"``), sliced with it; the other factor is whole on
+    #: every rank, among ``shared`` (its gradient each rank's units' part, summed).
+    param_adapters: dict[str, str] = field(default_factory=dict)
 
     def by_query_head(self) -> bool:
         """Whether its units are query heads beside a key/value head every rank holds whole

@@ -18,6 +18,7 @@ from torch import nn
 from hetcoll.torch.filters.chains import (
     Traced,
     choose_layers,
+    experts_adapters,
     inside_unknown_adapters,
     lora_base,
     plan_modes,
@@ -101,15 +102,23 @@ def split_layout(
                 feeds.pop(n, None)
     whole_experts: dict[str, str] = {}
     named = dict(model.named_modules())
-    # Experts inside a PEFT wrapper the split does not know (LoRA on their parameters,
-    # ParamWrapper) stay whole with it: a split would hand its adapters a slice.
+    # Experts inside a PEFT wrapper stay whole with it, unless each wrapper is LoRA on one of
+    # the parameters the split slices (ParamWrapper): its adapters split with them.
     wrapped = inside_unknown_adapters(named)
     for name in named if experts is None else experts:
+        adapters: dict[str, str] | None = {}
         if name in wrapped and experts_layout(named[name]) is not None:  # no probe for it
-            whole_experts[name] = wrapped[name]
-            continue
+            adapters = experts_adapters(named, name)
+            if adapters is None:
+                whole_experts[name] = wrapped[name]
+                continue
         split = experts_split(name, named[name])
         if isinstance(split, TensorSplit) and avoid_gathers and tensor_splits:
+            split.param_adapters = adapters or {}
+            for wrapper, factor in split.param_adapters.items():  # the other factor: whole
+                whole = "lora_A" if factor == "lora_B" else "lora_B"
+                held = named[f"{wrapper}.{whole}"]
+                split.shared += [f"{wrapper}.{whole}.{a}.weight" for a, _ in held.named_children()]
             splits.append(split)
             modes[name] = "split-input"  # its partial outputs summed over the ranks
         elif split is not None:
