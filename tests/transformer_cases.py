@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 import warnings
 from functools import partial
 from typing import Any
@@ -383,7 +384,12 @@ def split_stage(par: Any, traffic: bool = True) -> None:
     # A mixture of experts' experts split by each expert's hidden units on the stage's ranks:
     # its block has one pair of layers for its attention, one more only beside a shared
     # expert (DeepSeek's), and the experts module.
-    experts = [m for n, m in par.stage.named_modules() if n.endswith(".mlp.experts")]
+    # (The innermost module, where PEFT's LoRA on their parameters wraps them.)
+    experts = [
+        m
+        for n, m in par.stage.named_modules()
+        if re.search(r"\.mlp\.experts(\.base_layer)*$", n) and not hasattr(m, "base_layer")
+    ]
     assert all(isinstance(e, FilterParallelExperts) for e in experts), experts
     shared = [n for n in modes if ".shared_expert" in n and modes[n] == "split-input"]
     # A decoder's cross-attention (T5's) shares its block's MLP: one pair more, not two.
@@ -913,6 +919,14 @@ def llama_lora() -> nn.Module:
     return get_peft_model(llama(), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
 
 
+def mixtral_lora() -> nn.Module:
+    """Mixtral under PEFT's ``"all-linear"``: LoRA on its projections and on its experts' and
+    router's parameters (``ParamWrapper``), the base weights frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(mixtral(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+
+
 def lora(group: Any) -> dict[str, Any]:
     """A LoRA fine-tuning (:func:`gpt2_lora`) through a pipeline beside two whole-model
     replicas (:func:`plan_cases.three_replicas`, cut after the embeddings) equals one process,
@@ -921,10 +935,13 @@ def lora(group: Any) -> dict[str, Any]:
     naming it where it is held (its gradient would be summed nowhere). Through a stage split
     over two ranks (:func:`hybrid`), a Llama's attentions split by heads and MLPs by hidden
     units with PEFT's wrapped projections (base layers and adapters; an MLP of wrapped and bare
-    projections): the one process's numbers too."""
+    projections): the one process's numbers too; so is a Mixtral's, its experts split by
+    hidden units with PEFT's LoRA on their parameters (to the router's float32)."""
     equals_one_process(
         group, llama_lora, Plan.from_dict(hybrid(_layers(llama_lora))), traffic=False
     )
+    mixtral_plan = Plan.from_dict(hybrid(_layers(mixtral_lora)))
+    equals_one_process(group, mixtral_lora, mixtral_plan, traffic=False, tol=1e-5)
     plan = Plan.from_dict(three_replicas(_layers(gpt2_lora), 3))
     traffic = equals_one_process(group, gpt2_lora, plan, traffic=False)
     model = gpt2_lora()
