@@ -809,8 +809,9 @@ def experts_modules(model: nn.Module) -> dict[str, str]:
         why = experts_module(m)
         if why is not None and name in wrapped:
             why = (
-                f"they are inside {wrapped[name]}, whose adapters hold every expert: leave "
-                "the experts out of the adapters' targets (target_parameters)"
+                f"they are inside {wrapped[name]}, whose adapters hold every expert: split "
+                "them by hidden units instead (filter_parallel, or a plan's stage over several "
+                "ranks), or leave the experts out of the adapters' targets (target_parameters)"
             )
         if why is not None:
             out[name] = why
