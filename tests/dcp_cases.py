@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from transformer_cases import SEQ, VOCAB, falcon, gpt2, llama, mixtral
+from transformer_cases import SEQ, VOCAB, falcon, gpt2, llama, mixtral, mixtral_lora
 
 from hetcoll.torch import (
     ReplicaSavePlanner,
@@ -57,6 +57,23 @@ def resnet18() -> nn.Module:
     return torchvision.models.resnet18(num_classes=5)
 
 
+def dora(model: nn.Module) -> nn.Module:
+    """``model`` with PEFT's DoRA on its attentions' projections and its MLPs' down
+    projections."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "v_proj", "o_proj", "down_proj"]
+    return get_peft_model(model, LoraConfig(r=4, target_modules=targets, use_dora=True))
+
+
+def trainable(model: nn.Module) -> nn.Module:
+    """``model`` with every parameter trainable (the jobs step every parameter: a frozen one's
+    optimizer state would go unsaved)."""
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
 def tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ))
 
@@ -72,6 +89,12 @@ CASES: dict[str, tuple[Any, Any, tuple[str, Any], tuple[str, Any]]] = {
     "gpt2": (gpt2, tokens, ("filter", [3.0, 1.0]), ("filter", [1.0, 2.0, 1.0])),
     "falcon": (falcon, tokens, ("filter", [1.0, 1.0]), ("filter", [2.0, 1.0, 1.0])),
     "mixtral": (mixtral, tokens, ("experts", [[0, 3], [1, 2]]), ("experts", [[2], [0, 3], [1]])),
+    # PEFT: DoRA's magnitudes (a column's sliced, a row's whole); LoRA on the experts'
+    # parameters (ParamWrapper), a factor of each sliced with the experts' hidden units.
+    "dora": (lambda: trainable(dora(llama())), tokens, ("filter", [1.0, 1.0]),
+             ("filter", [1.0, 0.5, 0.5])),
+    "mixtral_lora": (lambda: trainable(mixtral_lora()), tokens, ("filter", [1.0, 3.0]),
+                     ("filter", [1.0, 1.0, 2.0])),
 }  # fmt: skip
 
 
