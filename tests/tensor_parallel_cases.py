@@ -1668,6 +1668,7 @@ def lora_more(group: Any) -> dict[str, Any]:
             }
         )
     out["dora"] = dora
+    out["dora alone"] = _dora_alone(group)
     torch.manual_seed(0)
     tuned = _with_lora(llama(), ["q_proj", "v_proj", "o_proj", "down_proj"], dropout=0.3)
     tuned = filter_parallel(tuned.double(), SPEEDS[: wrap(group).size], group)
@@ -1694,6 +1695,68 @@ def lora_more(group: Any) -> dict[str, Any]:
     out["input copies"] = _input_copies(group)
     out["saved"] = _saved_adapters_load_unsplit(group, tuned)
     out["disabled and merged"] = _disabled_and_merged(group)
+    return out
+
+
+def _dora_alone(group: Any) -> dict[str, Any]:
+    """DoRA on the two layers of a small MLP with biases, the adapters' dropout active: split
+    as a chain pair (a column, then a row), and its last layer alone, gathering its output,
+    with its adapters split alone too or whole. Each split's output and every gradient are the
+    unsplit model's (float64), in training and in evaluation; by split, the modes of its DoRA
+    layers where all agree, else what differed."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12)).double()
+    ref = get_peft_model(mlp, LoraConfig(r=4, target_modules=["0", "2"], use_dora=True))
+    for wrapper in ref.modules():
+        drops = getattr(wrapper, "lora_dropout", None)
+        if isinstance(drops, nn.ModuleDict):
+            for a in list(drops):
+                drops[a] = nn.Dropout(0.0)  # DoRA's dropped-input path, drawing alike
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0.0, 0.3)
+    ref = _trained_whole(ref)
+    last = "base_model.model.2."
+    splits = {
+        "pair": None,
+        "gathering": [last + "base_layer", last + "lora_A.default", last + "lora_B.default"],
+        "gathering, adapters whole": [last + "base_layer"],
+    }
+    x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out: dict[str, Any] = {}
+    for name, layers in splits.items():
+        split = filter_parallel(copy.deepcopy(ref), SPEEDS[:2], group, layers=layers)
+        wrong = []
+        for mode in ("train", "eval"):
+            for m in (ref, split):
+                m.train(mode == "train")
+            ref.zero_grad()
+            split.zero_grad()
+            want, got = ref(x), split(x)
+            want.pow(2).sum().backward()
+            got.pow(2).sum().backward()
+            grads = gather_gradients(split, dst=None)
+            assert grads is not None
+            wrong += [f"{mode} output"] * (rel(got, want) > TOL)
+            wrong += [
+                f"{mode} {n}" for n, p in ref.named_parameters() if rel(grads[n], p.grad) > TOL
+            ]
+        # Merged: a chain pair's slices of B A into its slices of W (its norms as split);
+        # a layer split alone, gathering, refuses by name (its slices would not match).
+        split.eval()
+        try:
+            split.merge_adapter()
+            ref.merge_adapter()
+            wrong += ["merged"] * (rel(split(x), ref(x)) > TOL)
+            ref.unmerge_adapter()
+        except ValueError as e:
+            wrong += [] if "'base_model.model.2' is split alone" in str(e) else [str(e)]
+            wrong += [] if name != "pair" else ["merge refused"]
+        modes = sorted({m.mode for m in split.modules() if isinstance(m, FilterParallelDoRA)})
+        out[name] = wrong or modes
     return out
 
 

@@ -150,6 +150,12 @@ def test_gloo_lora_layouts_dropout_saving_and_peft_switches():
             "llama_dora o_proj": "split-input", "llama_dora down_proj": "split-input",
             "gpt2_dora c_attn": "split-output", "gpt2_dora c_proj": "split-input",
         },
+        # Outside attentions and MLPs: a chain pair, and a layer alone gathering its output
+        # (its norms gathered), its adapters split alone or whole.
+        "dora alone": {
+            "pair": ["split-input", "split-output"], "gathering": ["gather"],
+            "gathering, adapters whole": ["gather"],
+        },
         "dropout_same": True, "saved": "loads unsplit", "disabled and merged": [],
         # Per layer: the attention's input, its query and value adapters' dropped inputs, the
         # MLP's input; and the head's input. The attention's input was copied again after each

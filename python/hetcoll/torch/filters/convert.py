@@ -5,7 +5,9 @@ units, :mod:`.tensor_split`), after one agreement check on the plan;
 
 from __future__ import annotations
 
+import functools
 import math
+import types
 import warnings
 import weakref
 import zlib
@@ -48,7 +50,7 @@ from hetcoll.torch.filters.checks import (
     speeds_argument,
     speeds_to_shares,
 )
-from hetcoll.torch.filters.dora import FilterParallelDoRA
+from hetcoll.torch.filters.dora import FilterParallelDoRA, is_dora_layer
 from hetcoll.torch.filters.experts import ExpertsLayout, FilterParallelExperts, experts_layout
 from hetcoll.torch.filters.head_guards import (
     EmptyHeads,
@@ -882,7 +884,6 @@ def filter_parallel(
                     model, f"{name}.lora_B.{a}", counts, comm, blocks, whole, as_is, sums, timeout
                 )
                 wrapper.get_submodule(f"lora_A.{a}").register_forward_pre_hook(source.read_copy)
-            _split_dora(wrapper, model.get_submodule(ts.base(name)), comm, sums)
         for name in ts.whole:  # whole on every rank, reading the columns' copy of the input
             named[name].register_forward_pre_hook(copy.read_copy)
         blocks_of = dict(ts.columns)
@@ -914,8 +915,6 @@ def filter_parallel(
                     timeout=timeout,
                 ),
             )
-        if ts.row in ts.adapted:
-            _split_dora(named[ts.row], model.get_submodule(ts.base(ts.row)), comm, sums)
         module = named[ts.module]
         ts.hold(module, counts[comm.rank])  # the rank's module runs with its own head counts
         for pn in ts.shared:
@@ -979,6 +978,9 @@ def filter_parallel(
         else:
             split = FilterParallelBatchNorm1d.from_module(m, per_layer[src], comm)  # type: ignore[arg-type]
         set_attribute(model, name, split)
+    for path, wrapper in model.named_modules():  # DoRA beside each split base layer
+        _split_dora(wrapper, comm, sums)
+        _refuse_merging_apart(wrapper, path)
     stream = install_rank_streams(model, comm.rank)
     for wrapper in lora_rows:
         for dropout in wrapper.get_submodule("lora_dropout").children():  # on the rank's slice
@@ -1019,17 +1021,44 @@ def _split_param_adapters(
             )
 
 
-def _split_dora(
-    wrapper: nn.Module, base: nn.Module, comm: Communicator, sums: GradientSums
-) -> None:
-    """The DoRA layers of LoRA wrapper ``wrapper``, its base layer split (``base``), split with
-    it (:class:`~.dora.FilterParallelDoRA`): a column's magnitudes every rank holds whole (key
-    and value rows packed with split query heads) have their gradients summed, as the base
-    layer's rows."""
+def _refuse_merging_apart(wrapper: nn.Module, path: str) -> None:
+    """Make PEFT's ``merge`` of LoRA wrapper ``wrapper`` raise ``ValueError`` naming it where
+    its layers are split alone, gathering (a head's): this rank's slice of ``B @ A`` then
+    matches no slice of the base weight (PEFT met mismatched shapes). A wrapper split with its
+    attention or MLP merges each rank's slices."""
+    parts = [getattr(wrapper, "base_layer", None)]
+    for name in ("lora_A", "lora_B"):
+        held = getattr(wrapper, name, None)
+        parts += list(held.values()) if isinstance(held, nn.ModuleDict) else []
+    if not any(isinstance(p, FilterParallelLayer) and p.mode == "gather" for p in parts):
+        return
+    if not callable(getattr(type(wrapper), "merge", None)):
+        return
+    refused = functools.partial(_merge_refused, path=path)
+    wrapper.merge = types.MethodType(refused, wrapper)  # type: ignore[assignment]
+
+
+def _merge_refused(wrapper: nn.Module, *args: Any, path: str, **kwargs: Any) -> None:
+    raise ValueError(
+        f"merge: PEFT's LoRA wrapper {path!r} is split alone, its layers gathering their "
+        "outputs each (filter_parallel), so this rank's slice of B @ A is no slice of its "
+        "base weight; merge the adapters before splitting, or leave the wrapper's layers out "
+        "of the split (layers=)"
+    )
+
+
+def _split_dora(wrapper: nn.Module, comm: Communicator, sums: GradientSums) -> None:
+    """PEFT's DoRA layers of ``wrapper`` (a LoRA wrapper) where its base layer is split, split
+    with it (:class:`~.dora.FilterParallelDoRA`): a column's magnitudes every rank holds whole
+    (key and value rows packed with split query heads) have their gradients summed, as the
+    base layer's rows."""
     layers = getattr(wrapper, "lora_magnitude_vector", None)
+    base = getattr(wrapper, "base_layer", None)
     if not isinstance(layers, nn.ModuleDict) or not isinstance(base, FilterParallelLayer):
         return
     for a, layer in list(layers.items()):
+        if not is_dora_layer(layer):
+            continue
         split = FilterParallelDoRA.from_module(layer, base, comm)
         layers[a] = split
         if split.mode == "split-output" and split.whole:
