@@ -667,7 +667,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 #: Separate key projections' biases (BERT's, OPT's, MPNet's): see :func:`close`.
-KEY_BIASES = ("key.bias", "k_proj.bias", "attn.k.bias")
+KEY_BIASES = ("key.bias", "k_proj.bias", "attn.k.bias", "key.base_layer.bias", "k_proj.base_layer.bias")
 
 
 #: The tolerance :func:`close` holds to (:func:`tolerance` widens it for a model computing
