@@ -666,8 +666,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / max(float(b.abs().max()), 1e-30))
 
 
-#: Separate key projections' biases (BERT's, OPT's, MPNet's): see :func:`close`.
-KEY_BIASES = ("key.bias", "k_proj.bias", "attn.k.bias", "key.base_layer.bias", "k_proj.base_layer.bias")
+#: Separate key projections' biases (BERT's, OPT's, MPNet's; in PEFT's wrapper too): see
+#: :func:`close`.
+KEY_BIASES = (
+    "key.bias", "k_proj.bias", "attn.k.bias", "key.base_layer.bias", "k_proj.base_layer.bias"
+)  # fmt: skip
 
 
 #: The tolerance :func:`close` holds to (:func:`tolerance` widens it for a model computing
