@@ -1607,9 +1607,8 @@ def falcon_dora() -> nn.Module:
 
 def lora_heads(group: Any) -> dict[str, Any]:
     """PEFT's LoRA wrappers split with their attentions by heads and MLPs by hidden units:
-    Llama (every projection wrapped), GPT-2 (its packed projection's adapter split in the
-    same three blocks; an MLP of a bare column and a wrapped row) and Falcon under DoRA (its
-    whole key and value rows' magnitudes summed) train as the unsplit model,
+    Llama (every projection wrapped) and GPT-2 (its packed projection's adapter split in the
+    same three blocks; an MLP of a bare column and a wrapped row) train as the unsplit model,
     every gradient (base weights trainable too) and Adam/SGD state equal in float64, and
     resume on another split (Llama's by per-layer shares, a slow rank allowed none of a
     block's heads); only the language model's head gathers. (More layouts and PEFT's own
@@ -1617,12 +1616,8 @@ def lora_heads(group: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # Llama with empty_blocks (a slow rank may hold none of a block's heads) and resumed on
     # the split filter_shares names by module path, its wrappers' paths.
-    models = (
-        ("llama", llama_lora, "adam"), ("gpt2", gpt2_lora, "sgd"),
-        ("falcon_dora", falcon_dora, "sgd"),
-    )  # fmt: skip
-    for name, make, optimizer in models:
-        split = equals_unsplit(group, make, optimizer, steps=2, empty=name != "gpt2")
+    for name, make, optimizer in (("llama", llama_lora, "adam"), ("gpt2", gpt2_lora, "sgd")):
+        split = equals_unsplit(group, make, optimizer, steps=2, empty=name == "llama")
         out[f"{name}_gathers"] = sorted(n for n, m in modes(split).items() if m == "gather")
     return out
 
@@ -1630,8 +1625,9 @@ def lora_heads(group: Any) -> dict[str, Any]:
 def lora_more(group: Any) -> dict[str, Any]:
     """More of PEFT's LoRA under a split by heads (the 2-rank job's), each as the unsplit
     model: with every linear layer wrapped, Phi-3, Falcon-7B, GPT-NeoX, Qwen3 and a
-    multi-query Llama (their gathering layers, by name); DoRA on Llama (its dropout active)
-    and GPT-2, split with its layers (each DoRA layer's mode, by model and projection). A LoRA
+    multi-query Llama (their gathering layers, by name); DoRA on Llama (its dropout active),
+    GPT-2 and Falcon-7B, split with its layers (each DoRA layer's mode, by model and
+    projection; Falcon's gathering layers). A LoRA
     fine-tuning (base frozen) with dropout on the adapters' inputs: the whole tensors stay the
     same on every rank step after step (a column's dropout draws every rank's mask; a row's,
     on the rank's slice, the rank's own, the common stream left in step), as do the adapters
@@ -1670,6 +1666,10 @@ def lora_more(group: Any) -> dict[str, Any]:
                 if isinstance(m, FilterParallelDoRA)
             }
         )
+    # Falcon-7B's multi-query attention under "all-linear" DoRA: the key and value rows'
+    # magnitudes whole on every rank, their gradients summed.
+    split = equals_unsplit(group, falcon_dora, "sgd", steps=2)
+    out["falcon_dora_gathers"] = [n for n, m in modes(split).items() if m == "gather"]
     out["dora"] = dora
     out["dora alone"] = _dora_alone(group)
     torch.manual_seed(0)

@@ -121,9 +121,7 @@ def test_gloo_transformers_split_by_heads_equal_unsplit(p):
     assert sum(timed) == sum(by_speed) == 40 and timed[0] >= by_speed[0], r["time_balanced"]
     # PEFT's LoRA wrappers split with their blocks (base layer and adapters), exact; with
     # dropout on the adapters' inputs, the ranks' whole tensors and adapters stay the same.
-    assert r["lora"] == {
-        "llama_gathers": ["base_model.model.lm_head"], "gpt2_gathers": [], "falcon_dora_gathers": []
-    }  # fmt: skip
+    assert r["lora"] == {"llama_gathers": ["base_model.model.lm_head"], "gpt2_gathers": []}
 
 
 @pytest.mark.multiproc
@@ -138,7 +136,7 @@ def test_gloo_lora_layouts_dropout_saving_and_peft_switches():
     head = ["base_model.model.lm_head"]
     assert results[0] == {
         "phi3_gathers": head, "falcon_gathers": [], "neox_gathers": head, "qwen3_gathers": head,
-        "mqa_gathers": head,
+        "mqa_gathers": head, "falcon_dora_gathers": [],
         # DeepSeek-V3's latent attention by heads with its adapters, a rank allowed none of the
         # 4 heads (1 : 0.5 of them: 3 and 1); its experts under PEFT's ParamWrapper split by
         # hidden units with their adapters.
