@@ -581,19 +581,10 @@ def lora_on_experts(m: nn.Module, experts: nn.Module, layout: ExpertsLayout) -> 
         return None
     if getattr(m, "num_experts", None) != param.shape[0]:
         return None
-    if getattr(m, "merged", True) or getattr(m, "disable_adapters", True):
-        return None
     if any(v is not None for v in (getattr(m, "lora_variant", None) or {}).values()):
         return None
-    lora_a, lora_b = getattr(m, "lora_A", None), getattr(m, "lora_B", None)
-    if not isinstance(lora_a, nn.ModuleDict) or not isinstance(lora_b, nn.ModuleDict):
-        return None
-    if set(lora_a) != set(lora_b) or not len(lora_a):
-        return None
-    adapters = [*lora_a.values(), *lora_b.values()]
-    if any(type(x) is not nn.Linear or x.bias is not None for x in adapters):
-        return None
-    if any(forward_changed(x) is not None for x in adapters):
+    adapters = _enabled_adapters(m)
+    if adapters is None or any(x.bias is not None for x in adapters):
         return None
     # PEFT's delta per expert is (out, in) where the parameter is stored (experts, out, in)
     # (Hugging Face's layout, unless the module says is_transposed), else (experts, in, out).
@@ -713,9 +704,23 @@ def lora_base(m: nn.Module) -> nn.Module | None:
     if cls.__name__ != "Linear" or cls.__module__ != "peft.tuners.lora.layer":
         return None
     base = getattr(m, "base_layer", None)
-    lora_a, lora_b = getattr(m, "lora_A", None), getattr(m, "lora_B", None)
     if not isinstance(base, nn.Module) or linear_features(base) is None:
         return None
+    if _enabled_adapters(m) is None:
+        return None
+    variants = getattr(m, "lora_variant", None) or {}
+    dora = getattr(m, "use_dora", None) or {}
+    names = [a for a, _ in m.get_submodule("lora_A").named_children()]
+    if not all(_plain_or_dora(m, a, variants.get(a), dora.get(a)) for a in names):
+        return None
+    return base if forward_changed(m) is None else None
+
+
+def _enabled_adapters(m: nn.Module) -> list[nn.Module] | None:
+    """The A and B adapters of PEFT's LoRA wrapper ``m`` where each is a plain ``nn.Linear``
+    without hooks of the user's, every adapter has both, and they are enabled and not merged
+    into the base layer; else None."""
+    lora_a, lora_b = getattr(m, "lora_A", None), getattr(m, "lora_B", None)
     if not isinstance(lora_a, nn.ModuleDict) or not isinstance(lora_b, nn.ModuleDict):
         return None
     if set(lora_a) != set(lora_b) or not len(lora_a):
@@ -725,11 +730,7 @@ def lora_base(m: nn.Module) -> nn.Module | None:
         return None
     if getattr(m, "merged", True) or getattr(m, "disable_adapters", True):
         return None
-    variants = getattr(m, "lora_variant", None) or {}
-    dora = getattr(m, "use_dora", None) or {}
-    if not all(_plain_or_dora(m, a, variants.get(a), dora.get(a)) for a in lora_a):
-        return None
-    return base if forward_changed(m) is None else None
+    return adapters
 
 
 def _plain_or_dora(m: nn.Module, adapter: str, variant: object, dora: object) -> bool:

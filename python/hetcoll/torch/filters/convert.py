@@ -1010,15 +1010,11 @@ def _split_param_adapters(
     _, blocks = layout.params[str(getattr(wrapper, "parameter_name", ""))]
     held = wrapper.get_submodule(factor)
     assert isinstance(held, nn.ModuleDict)
+    mode, blocks = ("split-output", blocks) if factor == "lora_B" else ("split-input", (1,))
     for a, layer in list(held.items()):
-        if factor == "lora_B":
-            held[a] = FilterParallelLinear.from_module(
-                layer, units, comm, mode="split-output", blocks=blocks, timeout=timeout
-            )
-        else:
-            held[a] = FilterParallelLinear.from_module(
-                layer, units, comm, mode="split-input", timeout=timeout
-            )
+        held[a] = FilterParallelLinear.from_module(
+            layer, units, comm, mode=mode, blocks=blocks, timeout=timeout
+        )
 
 
 def _refuse_merging_apart(wrapper: nn.Module, path: str) -> None:
