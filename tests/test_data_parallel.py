@@ -432,8 +432,10 @@ def test_rebalancer_corrects_a_skewed_split_on_emulated_ranks():
     assert seen[0] == [60, 4]
     # Corrected, towards 15 (less its fixed cost). Only the direction is asserted: how far it
     # gets in 60 steps depends on the host's load (real emulated timings; tests/test_rebalance.py
-    # checks convergence itself on simulated ones).
-    assert 4 < seen[-1][1] <= 24, seen[-1]
+    # checks convergence itself on simulated ones). Rank 0's own compute slows with the host's
+    # load while rank 1's emulated sleep does not, so a loaded host moves the split further
+    # (CI saw 37 / 27): the slower rank keeps the smaller share.
+    assert 4 < seen[-1][1] < 32, seen[-1]
     assert all(s[1] >= 4 and sum(s) == 64 for s in seen)  # never starved
 
 
