@@ -1672,6 +1672,7 @@ def lora_more(group: Any) -> dict[str, Any]:
     out["falcon_dora_gathers"] = [n for n, m in modes(split).items() if m == "gather"]
     out["dora"] = dora
     out["dora alone"] = _dora_alone(group)
+    out["dora norm sums"] = _dora_norm_sums(group)
     torch.manual_seed(0)
     tuned = _with_lora(llama(), ["q_proj", "v_proj", "o_proj", "down_proj"], dropout=0.3)
     tuned = filter_parallel(tuned.double(), SPEEDS[: wrap(group).size], group)
@@ -1763,6 +1764,23 @@ def _dora_alone(group: Any) -> dict[str, Any]:
     return out
 
 
+@contextlib.contextmanager
+def _inputs_of(fn: type[torch.autograd.Function]) -> Iterator[list[torch.Tensor]]:
+    """The first input of each forward of autograd function ``fn`` run inside the block."""
+    seen: list[torch.Tensor] = []
+    forward = fn.forward
+
+    def counted(ctx: Any, x: torch.Tensor, *args: Any) -> Any:
+        seen.append(x)
+        return forward(ctx, x, *args)
+
+    fn.forward = staticmethod(counted)  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        fn.forward = staticmethod(forward)  # type: ignore[method-assign]
+
+
 def _input_copies(group: Any) -> int:
     """How many inputs one forward of a split Llama copies to the ranks (each copy's gradient
     summed over the ranks backward), LoRA's dropout on its query, value and both output
@@ -1775,20 +1793,23 @@ def _input_copies(group: Any) -> int:
     targets = ["q_proj", "v_proj", "o_proj", "down_proj"]
     model = _trained_whole(_with_lora(llama(), targets, dropout=0.3)).double()
     split = filter_parallel(model, SPEEDS[: wrap(group).size], group)
-    copies = []
-    forward = CopyToRanks.forward
-
-    def counted(ctx: Any, x: torch.Tensor, *args: Any) -> Any:
-        copies.append(x)
-        return forward(ctx, x, *args)
-
-    CopyToRanks.forward = staticmethod(counted)  # type: ignore[method-assign]
-    try:
+    with _inputs_of(CopyToRanks) as copies:
         _, loss = loss_of(split, batch(0))
-    finally:
-        CopyToRanks.forward = staticmethod(forward)  # type: ignore[method-assign]
     loss.backward()
     return len(copies)
+
+
+def _dora_norm_sums(group: Any) -> list[list[int]]:
+    """The shapes of the sums over the ranks that one forward of the split
+    :func:`llama_dora` makes whatever its batch (the cost model's ``SplitBlock.fixed_sums``):
+    each DoRA row's sums of squares of its weight's rows, a number per output feature."""
+    from hetcoll.torch.filters.autograd import ReduceSum
+
+    torch.manual_seed(0)
+    split = filter_parallel(llama_dora(), SPEEDS[: wrap(group).size], group)
+    with _inputs_of(ReduceSum) as summed:
+        loss_of(split, batch(0))
+    return [list(x.shape) for x in summed if x.dim() == 1]
 
 
 @contextlib.contextmanager

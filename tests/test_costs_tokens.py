@@ -643,6 +643,45 @@ def test_lora_dropout_and_dora_rows_cost_the_sums_the_runtime_makes() -> None:
         assert extra == want, (dora, bare, dropped)
 
 
+def test_dora_rows_cost_their_weight_norms_sums_each_forward() -> None:
+    """A DoRA row sums its weight's rows' squares over the devices each forward: a number per
+    output feature whatever the batch, none backward (the runtime's: "dora norm sums" in
+    tensor_parallel_cases.lora_more); a column's norms are its own rows'. The schedule prices
+    one allreduce of that more per DoRA row, forward."""
+    from peft import LoraConfig, get_peft_model
+
+    from hetcoll.model.predict.splits import SplitCollectives
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    for dora in (False, True):
+        config = LoraConfig(r=4, target_modules=targets, use_dora=dora)
+        costs = layer_costs(get_peft_model(llama(), config), (SEQ,), dtype=torch.int64)
+        want = ((HIDDEN * 4.0, True),) if dora else ()  # o_proj's, down_proj's outputs
+        assert [b.fixed_sums for b in costs.split_blocks] == [want] * 4
+        assert all(b.by_head is None or b.by_head.fixed_sums == want for b in costs.split_blocks)
+    # Priced as the block's sums: an allreduce on a copy, forward, whatever the batch.
+    cluster = _cluster(1e12).subset([0, 2])
+    sums = SplitCollectives(costs, cluster)
+    block = costs.split_blocks[0]
+    bare = replace(block, fixed_sums=())
+    rows = [i for i, x in enumerate(costs.layers) if block.layer_at(x.name) is not None]
+    norm = sums.allreduce_s(HIDDEN * 4.0) + sums.copy_s(HIDDEN * 4.0)
+    for batch in (8, 64):
+        (fwd, bwd), (fwd0, bwd0) = (sums.block_sums_s(batch, rows, False, b) for b in (block, bare))
+        assert fwd - fwd0 == pytest.approx(norm, rel=1e-12) and bwd == bwd0
+    stripped = replace(
+        costs,
+        split_blocks=tuple(
+            replace(b, fixed_sums=(), by_head=b.by_head and replace(b.by_head, fixed_sums=()))
+            for b in costs.split_blocks
+        ),
+    )
+    got, without = (filter_parallel_schedule(c, cluster, 8, [1.0, 0.5]) for c in (costs, stripped))
+    extra = got.forward_collective_s.sum() - without.forward_collective_s.sum()
+    assert extra == pytest.approx(4 * norm, rel=1e-9)
+    assert (got.backward_collective_s == without.backward_collective_s).all()
+
+
 @pytest.mark.parametrize(
     "make", [llama, gpt2, EncoderLM, llama_lora], ids=["llama", "gpt2", "encoder", "lora"]
 )

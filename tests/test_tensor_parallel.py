@@ -154,6 +154,10 @@ def test_gloo_lora_layouts_dropout_saving_and_peft_switches():
             "pair": ["split-input", "split-output"], "gathering": ["gather"],
             "gathering, adapters whole": ["gather"],
         },
+        # Each forward, whatever the batch: each DoRA row's (o_proj's, down_proj's) sums of
+        # squares, a number per output feature (24), as the cost model prices them
+        # (test_costs_tokens: fixed_sums).
+        "dora norm sums": [[24]] * (2 * 2),
         "dropout_same": True, "saved": "loads unsplit", "disabled and merged": [],
         # Per layer: the attention's input, its query and value adapters' dropped inputs, the
         # MLP's input; and the head's input. The attention's input was copied again after each

@@ -519,6 +519,7 @@ def _split_block(
         None if ts.by_head is None else _split_block(model, ts.by_head, layers, item),
         _other_sums(model, ts, layers, item),
         tuple(costed) if ts.adapted else (),
+        _dora_norm_sums(model, ts, item),
     )
 
 
@@ -563,9 +564,9 @@ def _other_sums(
     ``lora_A`` outputs (an adapter rank's numbers per token, forward); with the adapters'
     dropout active, a LoRA column's dropped input (its own copy to the ranks, its gradient
     summed backward) and a DoRA row's base output recomputed on its dropped input (forward).
-    DoRA's weight norm over a row (a number per output feature each forward, whatever the
-    batch) is left out. Tokens per sample: the
-    block's output rows (its last layer's output bytes over its features)."""
+    Tokens per sample: the block's output rows (its last layer's output bytes over its
+    features). DoRA's weight norm over a row, whatever the batch, is
+    :func:`_dora_norm_sums`'s."""
     from hetcoll.torch.filters import (
         ExpertsLayout,
         experts_layout,
@@ -612,6 +613,24 @@ def _other_sums(
             if dora.get(a):
                 sums.append((tokens * features * item, True))
     return tuple(sums)
+
+
+def _dora_norm_sums(model: nn.Module, ts: TensorSplit, item: int) -> tuple[tuple[float, bool], ...]:
+    """The sums a split of ``ts`` makes each forward whatever the batch, ``(bytes, forward)``:
+    a DoRA row's sums of squares of each output's row of ``W + s B A`` (a number per output
+    feature and enabled DoRA adapter, in the weight's dtype; the norm is detached: none
+    backward). A column's norms are its own rows'."""
+    from hetcoll.torch.filters import projection_features
+
+    if ts.row not in ts.adapted:
+        return ()
+    wrapper = model.get_submodule(ts.row)
+    f = projection_features(wrapper)
+    dora = getattr(wrapper, "use_dora", None) or {}
+    # The adapters PEFT's forward runs (``ts.adapted``: enabled, not merged).
+    adapters = wrapper.get_submodule("lora_A")
+    active = [a for a in getattr(wrapper, "active_adapters", ()) if a in adapters._modules]
+    return tuple((float(f[1] * item), True) for a in active if f is not None and dora.get(a))
 
 
 def _dropped(wrapper: nn.Module) -> list[str]:

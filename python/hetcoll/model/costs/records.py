@@ -208,6 +208,9 @@ class SplitBlock:
     #: layer, split as it is; its adapters, small, are priced among ``whole``); () where every
     #: layer is costed under its own name.
     costed: tuple[str, ...] = ()
+    #: Its sums over the devices whatever the batch, ``(bytes per forward, forward)``: a DoRA
+    #: row's sums of squares of its weight's rows (a number per output feature).
+    fixed_sums: tuple[tuple[float, bool], ...] = ()
 
     def layer_at(self, costed: str) -> int | None:
         """The index among :attr:`layers` of the layer that costed layer ``costed`` prices

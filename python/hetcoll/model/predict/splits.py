@@ -61,7 +61,8 @@ class SplitCollectives:
         each an allreduce on a copy; broadcast from its one holder instead when ``alone`` (the
         other devices' partial sums are zero). The backward adds an allreduce of each
         parameter the block's heads share (``block.shared``), on every split; each way adds
-        the block's other sums (``block.sums``), each an allreduce on a copy."""
+        the block's other sums (``block.sums``, per sample; ``block.fixed_sums``, per
+        forward), each an allreduce on a copy."""
         first, last = self.costs.layers[min(rows)], self.costs.layers[max(rows)]
         total = self.broadcast_s if alone else self.allreduce_s
         out = last.out_bytes_per_sample * batch
@@ -71,6 +72,11 @@ class SplitCollectives:
             sum(
                 self.allreduce_s(b * batch) + self.copy_s(b * batch)
                 for b, forward in block.sums
+                if forward == way
+            )
+            + sum(
+                self.allreduce_s(b) + self.copy_s(b)
+                for b, forward in block.fixed_sums
                 if forward == way
             )
             for way in (True, False)
