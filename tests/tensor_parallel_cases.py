@@ -1384,6 +1384,26 @@ def loss_parallel(group: Any) -> dict[str, Any]:
     assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want)), (float(got), float(want))
     checked += 1
     out["oracle"] = checked
+    # Sums of two split outputs: split alike, piece by piece (still split); split otherwise,
+    # of their whole tensors. Either way the whole sum and its gradients.
+    a, b = (torch.randn(3, 10, dtype=torch.float64, generator=g) for _ in range(2))
+    alike = [10 - 2 * (p - 1)] + [2] * (p - 1)
+    for other in (alike, alike[::-1]):
+        pieces = []
+        for whole, shares in ((a, alike), (b, other)):
+            at = sum(shares[: comm.rank])
+            pieces.append(whole[:, at : at + shares[comm.rank]].clone().requires_grad_())
+        x, y = SplitOutput.of(pieces[0], comm, alike), SplitOutput.of(pieces[1], comm, other)
+        total = x + y * 0.5
+        assert isinstance(total, SplitOutput) == (other == alike), (other, type(total))
+        got = total.whole() if isinstance(total, SplitOutput) else total
+        close(got, a + b * 0.5, f"sum split as {alike} and {other}")
+        got.pow(2).sum().backward()
+        for piece, shares, scale in ((pieces[0], alike, 1.0), (pieces[1], other, 0.5)):
+            at = sum(shares[: comm.rank])
+            want = 2 * (a + b * 0.5)[:, at : at + shares[comm.rank]] * scale
+            close(piece.grad, want, f"gradient of a piece split as {shares}")
+        out["oracle"] += 1
     # A target outside the classes: the same error on every rank, before any exchange.
     try:
         nn.functional.cross_entropy(
@@ -1673,6 +1693,7 @@ def lora_more(group: Any) -> dict[str, Any]:
     out["dora"] = dora
     out["dora alone"] = _dora_alone(group)
     out["dora norm sums"] = _dora_norm_sums(group)
+    out["lora head"] = _lora_head(group)
     torch.manual_seed(0)
     tuned = _with_lora(llama(), ["q_proj", "v_proj", "o_proj", "down_proj"], dropout=0.3)
     tuned = filter_parallel(tuned.double(), SPEEDS[: wrap(group).size], group)
@@ -1765,14 +1786,14 @@ def _dora_alone(group: Any) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _inputs_of(fn: type[torch.autograd.Function]) -> Iterator[list[torch.Tensor]]:
-    """The first input of each forward of autograd function ``fn`` run inside the block."""
-    seen: list[torch.Tensor] = []
+def _inputs_of(fn: type[torch.autograd.Function]) -> Iterator[list[tuple[Any, ...]]]:
+    """The inputs of each forward of autograd function ``fn`` run inside the block."""
+    seen: list[tuple[Any, ...]] = []
     forward = fn.forward
 
-    def counted(ctx: Any, x: torch.Tensor, *args: Any) -> Any:
-        seen.append(x)
-        return forward(ctx, x, *args)
+    def counted(ctx: Any, *args: Any) -> Any:
+        seen.append(args)
+        return forward(ctx, *args)
 
     fn.forward = staticmethod(counted)  # type: ignore[method-assign]
     try:
@@ -1799,6 +1820,44 @@ def _input_copies(group: Any) -> int:
     return len(copies)
 
 
+def llama_lora_head() -> nn.Module:
+    """:func:`llama` with LoRA on its query and value projections and on its head, every weight
+    trainable: the head's wrapper splits alone, outside attentions and MLPs."""
+    return _trained_whole(_with_lora(llama(), ["q_proj", "v_proj", "lm_head"]))
+
+
+def _lora_head(group: Any) -> dict[str, Any]:
+    """A LoRA head split alone: trained and resumed on another split as the unsplit model
+    (float64); the widths of what one forward gathers (its base layer's and its ``lora_B``'s
+    outputs added split, the sum gathered once; ``lora_A``'s adapter rank gathered), and with
+    ``loss_parallel`` (the sum kept split through the loss, whose value and gradients are the
+    unsplit model's)."""
+    from hetcoll.torch.filters.autograd import GatherChannels
+
+    equals_unsplit(group, llama_lora_head, "adam", steps=2)
+    out: dict[str, Any] = {}
+    speeds = SPEEDS[: wrap(group).size]
+    ids = batch(0)
+    torch.manual_seed(0)
+    ref = llama_lora_head().double()
+    _, loss_ref = loss_of(ref, ids)
+    loss_ref.backward()
+    for kept in (False, True):
+        torch.manual_seed(0)
+        split = filter_parallel(llama_lora_head().double(), speeds, group, loss_parallel=kept)
+        with _inputs_of(GatherChannels) as gathered:
+            _, loss = loss_of(split, ids)
+        close(loss, loss_ref, f"loss_parallel={kept}: loss")
+        loss.backward()
+        grads = gather_gradients(split, dst=None)
+        assert grads is not None
+        for n, q in ref.named_parameters():
+            close(grads[n], q.grad, f"loss_parallel={kept}: gradient of {n}")
+        # GatherChannels(piece, comm, shares, ...): the whole width, every rank's shares.
+        out["loss_parallel" if kept else "gathered"] = [sum(a[2]) for a in gathered]
+    return out
+
+
 def _dora_norm_sums(group: Any) -> list[list[int]]:
     """The shapes of the sums over the ranks that one forward of the split
     :func:`llama_dora` makes whatever its batch (the cost model's ``SplitBlock.fixed_sums``):
@@ -1809,7 +1868,7 @@ def _dora_norm_sums(group: Any) -> list[list[int]]:
     split = filter_parallel(llama_dora(), SPEEDS[: wrap(group).size], group)
     with _inputs_of(ReduceSum) as summed:
         loss_of(split, batch(0))
-    return [list(x.shape) for x in summed if x.dim() == 1]
+    return [list(x.shape) for x, *_ in summed if x.dim() == 1]
 
 
 @contextlib.contextmanager

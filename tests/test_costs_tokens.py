@@ -1257,3 +1257,32 @@ def test_a_model_on_the_meta_device_is_probed_on_the_cpu_where_its_forward_wants
     # The blocks a plan counts are the runtime's, the model built for real: in call order
     # (BART's layernorm_embedding, registered after its layers, runs before them).
     assert costs.plan_layers == tuple(n for n, _ in model_layers(make()))
+
+
+def test_a_lora_heads_outputs_are_priced_as_one_gather() -> None:
+    """A LoRA head split alone adds its base layer's and its ``lora_B``'s outputs split and
+    gathers the sum once (the runtime's: "lora head" in tensor_parallel_cases.lora_more):
+    priced as the bare head's one gather, and, kept split through the loss, as its split
+    loss alone. Each layer's input gradient is summed backward, as before."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"])
+    wrapped = layer_costs(get_peft_model(llama(), config), (SEQ,), dtype=torch.int64)
+    bare = layer_costs(llama(), (SEQ,), dtype=torch.int64)
+    cluster = _cluster(1e12).subset([0, 2])
+
+    def at(costs: Any, name: str) -> int:
+        return next(i for i, x in enumerate(costs.layers) if x.name.endswith(name))
+
+    base, lora_b = at(wrapped, "lm_head.base_layer"), at(wrapped, "lm_head.lora_B.default")
+    head = at(bare, "lm_head")
+    for kept in (False, True):
+        got, want = (
+            filter_parallel_schedule(c, cluster, 8, [1.0, 0.5], loss_parallel=kept)
+            for c in (wrapped, bare)
+        )
+        one, other = (lora_b, base) if kept else (base, lora_b)
+        assert got.forward_collective_s[one] == want.forward_collective_s[head] > 0
+        assert got.forward_collective_s[other] == 0.0
+        assert got.backward_collective_s[base] == want.backward_collective_s[head] > 0
+        assert got.backward_collective_s[lora_b] > 0

@@ -158,6 +158,11 @@ def test_gloo_lora_layouts_dropout_saving_and_peft_switches():
         # squares, a number per output feature (24), as the cost model prices them
         # (test_costs_tokens: fixed_sums).
         "dora norm sums": [[24]] * (2 * 2),
+        # A LoRA head split alone: lora_A's output (the adapter rank, 4) gathered, and the
+        # vocabulary (40) once, its base and lora_B outputs added split (each was gathered:
+        # [40, 4, 40]); with loss_parallel none (before: [4, 40, 40]), the split loss's
+        # exchange of one number per rank (2) instead.
+        "lora head": {"gathered": [4, 40], "loss_parallel": [4, 2]},
         "dropout_same": True, "saved": "loads unsplit", "disabled and merged": [],
         # Per layer: the attention's input, its query and value adapters' dropped inputs, the
         # MLP's input; and the head's input. The attention's input was copied again after each

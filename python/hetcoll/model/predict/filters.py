@@ -31,6 +31,7 @@ from hetcoll.model.predict.timing import (
     memory_shortfall,
 )
 from hetcoll.plan import Plan
+from hetcoll.torch.filters import summed_before_gathering
 
 FILTER_MODES = ("gather", "split-output", "split-input")
 
@@ -292,6 +293,16 @@ def filter_parallel_schedule(
             fwd_comm[max(rows)], bwd_comm[min(rows)] = sums.block_sums_s(
                 batch, rows, alone, blocks[k]
             )
+    # A LoRA head's lora_B added to its base layer's output split, the sum gathered once (or
+    # kept split through the loss: then neither gathers).
+    index = {x.name: i for i, x in enumerate(costs.layers)}
+    pairs = summed_before_gathering(layer_modes, list(index)).items()
+    summed = {
+        index[b]: index[a]
+        for b, a in pairs
+        if index[b] in filters_of and filters_of[index[b]] == filters_of.get(index[a])
+    }
+    ungathered = set(summed) | {summed[output]} if split_loss and output in summed else set(summed)
     for i in filters_of:
         if i in block_of:
             continue
@@ -315,7 +326,7 @@ def filter_parallel_schedule(
                     )
                 )
             )
-        elif mode == "gather":
+        elif mode == "gather" and i not in ungathered:
             # The channel dimension moves to the front of the local piece and back in the full
             # output (two copies), and the engine's allgatherv takes a contiguous send buffer
             # (on gloo, all_to_all_single: the piece once per rank).

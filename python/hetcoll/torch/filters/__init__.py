@@ -70,6 +70,7 @@ from hetcoll.torch.filters.chains import (
     SPATIAL_MODULES,
     linear_features,
     projection_features,
+    summed_before_gathering,
     vocabulary_ties,
 )
 from hetcoll.torch.filters.chains import (
@@ -154,5 +155,6 @@ __all__ = [
     "split_layout",
     "split_tensors",
     "split_traffic",
+    "summed_before_gathering",
     "vocabulary_ties",
 ]

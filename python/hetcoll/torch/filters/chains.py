@@ -11,7 +11,7 @@ import re
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -714,6 +714,33 @@ def lora_base(m: nn.Module) -> nn.Module | None:
     if not all(_plain_or_dora(m, a, variants.get(a), dora.get(a)) for a in names):
         return None
     return base if forward_changed(m) is None else None
+
+
+#: An adapter's B layer inside PEFT's LoRA wrapper: ``<wrapper>.lora_B.<adapter>``.
+_LORA_B = re.compile(r"^(?P<wrapper>.+)\.lora_B\.[^.]+$")
+
+
+def summed_before_gathering(modes: Mapping[str, str], names: Collection[str]) -> dict[str, str]:
+    """The gathering layers whose outputs are added to another's before a single gather, by
+    name -> the other's: each ``lora_B`` of PEFT's LoRA wrapper whose base layer
+    (``<wrapper>.base_layer``) gathers too (a head split alone, outside attentions and MLPs).
+    Split alike, the wrapper adds their pieces and gathers the sum once
+    (:class:`~.split_output.SplitOutput`), not each output. A DoRA wrapper (a
+    ``<wrapper>.lora_magnitude_vector.<adapter>`` among ``names``, the model's module names)
+    scales the base output and the adapters' apart: each is gathered. The runtime's rule and
+    the performance model's (which also need the two split alike)."""
+    out = {}
+    dora = {
+        n.rsplit(".lora_magnitude_vector.", 1)[0] for n in names if ".lora_magnitude_vector." in n
+    }
+    for name, mode in modes.items():
+        found = _LORA_B.match(name)
+        if mode != "gather" or found is None or found["wrapper"] in dora:
+            continue
+        base = f"{found['wrapper']}.base_layer"
+        if modes.get(base) == "gather":
+            out[name] = base
+    return out
 
 
 def _enabled_adapters(m: nn.Module) -> list[nn.Module] | None:

@@ -39,6 +39,7 @@ from hetcoll.torch.filters.chains import (
     layer_in_channels,
     lora_base,
     plan_modes,
+    summed_before_gathering,
     vocabulary_ties,
 )
 from hetcoll.torch.filters.checks import (
@@ -84,6 +85,7 @@ from hetcoll.torch.filters.layers import (
 )
 from hetcoll.torch.filters.pairing import SplitLayout, split_layout
 from hetcoll.torch.filters.shards import guard_save_pretrained, track_optimizers
+from hetcoll.torch.filters.split_output import SplitOutput
 from hetcoll.torch.filters.streams import (
     CpuDraws,
     RankStream,
@@ -978,6 +980,14 @@ def filter_parallel(
         else:
             split = FilterParallelBatchNorm1d.from_module(m, per_layer[src], comm)  # type: ignore[arg-type]
         set_attribute(model, name, split)
+    # A LoRA head's base layer and adapters: their outputs summed split, gathered once after
+    # the wrapper (or kept split through the loss).
+    gathering = {n: modes[n] for n in chosen if n not in in_splits}
+    pairs = summed_before_gathering(gathering, named).items()
+    summed = [base for lora_b, base in pairs if _keep_split(model, lora_b, base)]
+    for path in dict.fromkeys(base.rsplit(".", 1)[0] for base in summed):
+        if not loss_parallel:
+            model.get_submodule(path).register_forward_hook(_gather_whole)
     for path, wrapper in model.named_modules():  # DoRA beside each split base layer
         _split_dora(wrapper, comm, sums)
         _refuse_merging_apart(wrapper, path)
@@ -1015,6 +1025,25 @@ def _split_param_adapters(
         held[a] = FilterParallelLinear.from_module(
             layer, units, comm, mode=mode, blocks=blocks, timeout=timeout
         )
+
+
+def _keep_split(model: nn.Module, lora_b: str, base: str) -> bool:
+    """Whether LoRA head layers ``lora_b`` and ``base`` (:func:`~.chains.summed_before_gathering`),
+    each gathering along its last dimension, are split alike (the same shares): then both keep
+    their outputs split (:class:`~.split_output.SplitOutput`), which the wrapper adds piece by
+    piece. Split apart (shares given apart), each gathers its own."""
+    b, a = (model.get_submodule(n) for n in (lora_b, base))
+    if not isinstance(a, FilterParallelLinear) or not isinstance(b, FilterParallelLinear):
+        return False
+    if a.dim != -1 or b.dim != -1 or list(a.shares) != list(b.shares):
+        return False
+    a.split_output = b.split_output = True
+    return True
+
+
+def _gather_whole(module: nn.Module, args: Any, out: Any) -> Any:
+    """A forward hook: ``out`` whole where it is a :class:`~.split_output.SplitOutput`."""
+    return out.whole() if isinstance(out, SplitOutput) else out
 
 
 def _refuse_merging_apart(wrapper: nn.Module, path: str) -> None:

@@ -51,7 +51,8 @@ class SplitOutput(torch.Tensor):
     It reports the whole tensor's ``shape`` and ``size()``, and passes through, still split,
     what leaves the last dimension alone: ``view`` / ``reshape`` keeping it last (asked for at
     its whole size), indexing the other dimensions, ``float()`` / ``to(dtype)`` /
-    ``contiguous()`` / ``detach()``, and arithmetic with numbers (a logit soft-cap).
+    ``contiguous()`` / ``detach()``, arithmetic with numbers (a logit soft-cap), and sums with
+    another split output of its shape split alike (a LoRA head's base and adapter outputs).
     ``F.cross_entropy`` of it (class dimension last, no class weights or label smoothing)
     runs split (:class:`SplitCrossEntropy`): per row, one exchange of three numbers per rank
     instead of the rows' logits. Any other op first gathers it whole (an allgather, its
@@ -187,6 +188,12 @@ _WITH_NUMBERS = {
 }  # fmt: skip
 #: The reshapes :func:`target_shape` reads (a split output keeps its split through them).
 RESHAPES = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape}
+#: Sums of two split outputs split alike (a LoRA head's base output and its adapters'), piece
+#: by piece.
+_PIECEWISE = {
+    torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.add, torch.add,
+    torch.Tensor.__sub__, torch.Tensor.__rsub__, torch.Tensor.sub, torch.sub,
+}  # fmt: skip
 
 
 def _split_op(t: SplitOutput, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -234,9 +241,26 @@ def _split_op(t: SplitOutput, func: Any, args: Any, kwargs: dict[str, Any]) -> A
         ):
             with torch._C.DisableTorchFunctionSubclass():
                 return SplitOutput._wrap(func(piece, *rest, **kwargs), s)
+        if func in _PIECEWISE and not kwargs and len(rest) == 1 and _split_alike(t, rest[0]):
+            with torch._C.DisableTorchFunctionSubclass():
+                return SplitOutput._wrap(func(piece, rest[0].local()), s)
     if func is F.cross_entropy:
         return _cross_entropy(t, args, kwargs)
     return _WHOLE
+
+
+def _split_alike(t: SplitOutput, other: Any) -> bool:
+    """Whether ``other`` is a split output of ``t``'s shape split as ``t`` is (the same group,
+    every rank's piece at the same place): their sum, piece by piece, is their whole sum's."""
+    if not isinstance(other, SplitOutput) or getattr(other, "_split", None) is None:
+        return False
+    a, b = t._split, other._split
+    return (
+        a.comm is b.comm
+        and list(a.shares) == list(b.shares)
+        and a.offset == b.offset
+        and t._whole_shape() == other._whole_shape()
+    )
 
 
 def target_shape(rest: Any, kwargs: dict[str, Any]) -> list[int] | None:
