@@ -95,6 +95,9 @@ CASES: dict[str, tuple[Any, Any, tuple[str, Any], tuple[str, Any]]] = {
              ("filter", [1.0, 0.5, 0.5])),
     "mixtral_lora": (lambda: trainable(mixtral_lora()), tokens, ("filter", [1.0, 3.0]),
                      ("filter", [1.0, 1.0, 2.0])),
+    # ... and placed by whole experts, each factor's blocks with their experts.
+    "mixtral_lora_experts": (lambda: trainable(mixtral_lora()), tokens,
+                             ("experts", [[0, 3], [1, 2]]), ("experts", [[2], [0, 3], [1]])),
 }  # fmt: skip
 
 

@@ -15,10 +15,12 @@ import torch
 from tensor_parallel_cases import (
     SEQ,
     VOCAB,
+    _trained_whole,
     _with_lora,
     close,
     deepseek_v3,
     gpt_oss,
+    gpt_oss_lora,
     mixtral,
     olmoe,
     qwen2_moe,
@@ -42,6 +44,7 @@ from hetcoll.torch import (
 )
 from hetcoll.torch.expert_parallel import (
     ExpertParallelExperts,
+    Placement,
     expert_loads,
     expert_parallel,
     expert_shares,
@@ -527,10 +530,22 @@ def disagreements(group: Any) -> list[str]:
             seen.append("CollectiveMismatchError")
         except ValueError as e:
             seen.append(str(e).split(":")[0])
-    try:  # PEFT's LoRA on the experts' parameters (ParamWrapper) holds every expert's adapter
-        expert_parallel(_with_lora(mixtral(), "all-linear"), group, speeds=SPEEDS[:p])
+    # PEFT's LoRA on the experts' parameters, its adapters disabled: a wrapper no rule places.
+    disabled = _with_lora(mixtral(), ["q_proj"], target_parameters=EXPERTS_PARAMETERS)
+    disabled.base_model.disable_adapter_layers()
+    try:
+        expert_parallel(disabled, group, speeds=SPEEDS[:p])
     except ValueError as e:
-        seen.append("adapters" if "adapters hold every expert" in str(e) else str(e))
+        seen.append("adapters" if "no rule here places by expert" in str(e) else str(e))
+    # Under "all-linear" the router's weight trains under LoRA too (ParamWrapper), a new
+    # gradient accumulator each forward, which DDP's hook never sees: refused by name.
+    routed = expert_parallel(
+        _trained_whole(_with_lora(mixtral(), "all-linear")), group, speeds=SPEEDS[:p]
+    )
+    try:
+        register_weighted_hook(DistributedDataParallel(routed, process_group=group))
+    except (ValueError, CollectiveMismatchError) as e:
+        seen.append("router" if "mlp.gate.base_layer.weight' trains under" in str(e) else str(e))
     placed = expert_parallel(mixtral(), group, speeds=SPEEDS[:p])
     try:  # placed again at speeds that differ between the ranks: nothing moves
         place_experts(placed, speeds=[1.0] * p if rank == 0 else SPEEDS[:p])
@@ -538,6 +553,46 @@ def disagreements(group: Any) -> list[str]:
         seen.append("CollectiveMismatchError")
     assert placed_shares(placed) == expert_shares(4, SPEEDS[:p])
     return seen
+
+
+#: The experts' parameters of :func:`mixtral` (and :func:`gpt_oss`).
+EXPERTS_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
+
+
+def mixtral_lora() -> nn.Module:
+    """:func:`mixtral` with PEFT's LoRA on its query projections and on its experts'
+    parameters (``ParamWrapper``, each adapter a block per expert), every weight trainable."""
+    return _trained_whole(_with_lora(mixtral(), ["q_proj"], target_parameters=EXPERTS_PARAMETERS))
+
+
+def lora_experts(group: Any) -> dict[str, Any]:
+    """Experts under PEFT's LoRA on their parameters placed with their adapters' blocks, each
+    training as one process (gradients, state, resumed on another placement): Mixtral's and
+    GPT-OSS's (transposed, biased); ranks holding one expert and none (PEFT's own delta takes
+    one expert for a 2-D parameter, and cannot infer the adapter's rank of none); placed
+    again after the first step (the factors' blocks moving with their experts, with their
+    momentum). Returns the experts per rank of each."""
+    p = wrap(group).size
+    out: dict[str, Any] = {}
+    with tolerance(1e-6):  # the routers' float32 softmax (momentum SGD, not Adam)
+        out["mixtral"] = trains_as_one_process(group, mixtral_lora, SPEEDS[:p], "momentum")
+        out["gpt_oss"] = trains_as_one_process(group, gpt_oss_lora, SPEEDS[:p])
+        held = [[0, 3], [2], [1], []][:p] if p > 2 else [[1, 2, 3], [0]]
+        out["one_or_none"] = trains_as_one_process(
+            group, mixtral_lora, SPEEDS[:p], "momentum", shares=held
+        )
+        moves: list[Placement] = []
+
+        def watch(model: nn.Module, opt: torch.optim.Optimizer) -> Any:
+            def after_step() -> None:
+                if not moves:  # the slowest rank's experts now the fastest's
+                    moves.append(place_experts(model, opt, speeds=SPEEDS[:p][::-1]))
+
+            return after_step
+
+        trains_as_one_process(group, mixtral_lora, SPEEDS[:p], "momentum", steps=3, watch=watch)
+        out["moved"] = [sorted(len(h) for h in held) for held in moves[0].values()]
+    return out
 
 
 def run_torch(rank: int, world: int) -> dict[str, Any]:
@@ -548,6 +603,7 @@ def run_torch(rank: int, world: int) -> dict[str, Any]:
         rebalanced = rebalanced_while_training(None)
     return {
         **experts_placed(None),
+        "lora": lora_experts(None),
         "errors": disagreements(None),
         "again": again,
         "rebalanced": rebalanced,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import tensor_parallel_cases as tp
 import torch
 import transformer_cases as tc
 
@@ -70,14 +71,16 @@ def trains_as_one_process(
     between: Any = None,
     after: Any = None,
     clip: float | None = None,
+    make: Any = tc.mixtral,
 ) -> dict[str, Any]:
-    """``plan`` trains Mixtral (float64, SGD with momentum) as one process on the whole batch
-    does: each step's loss and the gathered state to 1e-10. ``between(step, par, opt)`` runs
-    between each step's backward and its optimizer step, ``after(step, par, opt)`` after it;
-    ``clip``: both clip each step's gradients to that norm (every replica's own experts in
-    the plan's). Returns this rank's experts per layer and the traffic of its last step."""
+    """``plan`` trains Mixtral (``make()``'s, float64, SGD with momentum) as one process on
+    the whole batch does: each step's loss and the gathered state to 1e-10.
+    ``between(step, par, opt)`` runs between each step's backward and its optimizer step,
+    ``after(step, par, opt)`` after it; ``clip``: both clip each step's gradients to that
+    norm (every replica's own experts in the plan's). Returns this rank's experts per layer
+    and the traffic of its last step."""
     torch.manual_seed(0)
-    model = tc.mixtral().double()
+    model = make().double()
     want_losses, want_state = tc.reference(model, data, 0.1, clip)
     par = parallelize(model, plan, loss_fn=tc.lm_loss, items=tc.valid_tokens, group=group)
     opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)
@@ -230,11 +233,22 @@ def bad_plans(group: Any) -> list[str]:
     return seen
 
 
+def mixtral_lora() -> torch.nn.Module:
+    """:func:`transformer_cases.mixtral` with PEFT's LoRA on its query projections and its
+    experts' parameters (``ParamWrapper``), every weight trainable: a plan places each
+    replica's experts with their adapters' blocks."""
+    parameters = ["experts.gate_up_proj", "experts.down_proj"]
+    return tp._trained_whole(tp._with_lora(tc.mixtral(), ["q_proj"], target_parameters=parameters))
+
+
 def run_all(group: Any, *parts: str) -> dict[str, Any]:
     """The cases named in ``parts`` (every case without), on ``group``."""
     cases = {
         "by_speed": lambda: trains_as_one_process(
             group, Plan.from_dict(BY_SPEED), prompt_rows(Plan.from_dict(BY_SPEED))
+        ),
+        "lora": lambda: trains_as_one_process(
+            group, Plan.from_dict(BY_SPEED), tc.batches(7, 2), make=mixtral_lora
         ),
         "pipelines": lambda: trains_as_one_process(
             group, Plan.from_dict(PIPELINES), tc.batches(Plan.from_dict(PIPELINES).batch, 2)

@@ -66,7 +66,8 @@ def test_gloo_experts_placed_by_speed_train_as_one_process():
             "model" if rank == 1 else "CollectiveMismatchError",  # rank 1's model has none
             "CollectiveMismatchError",  # the ranks' speeds differ
             "model",  # experts in a layout of no known role, on every rank
-            "adapters",  # under PEFT's LoRA on their parameters, on every rank
+            "adapters",  # under PEFT's LoRA on their parameters, disabled, on every rank
+            "router",  # DDP over a router's weight trained under PEFT's LoRA, on every rank
             "CollectiveMismatchError",  # placed again at speeds that differ
         ], (rank, errors)  # fmt: skip
     assert all(r == results[0] for r in results)
@@ -89,6 +90,12 @@ def test_gloo_experts_placed_by_speed_train_as_one_process():
         "every_rank": [2, 1, 1],
         "again": again,
         "rebalanced": REBALANCED,
+        # Under PEFT's LoRA on their parameters, placed with their adapters' blocks; placed
+        # again at the speeds reversed.
+        "lora": {
+            "mixtral": PLACED, "gpt_oss": PLACED, "one_or_none": [2, 1, 1],
+            "moved": [[0, 1, 3], [0, 1, 3]],
+        },
     }  # fmt: skip
 
 
@@ -476,12 +483,14 @@ def test_the_model_places_the_experts_the_runtime_places():
         assert {(b.experts, b.top_k, b.tokens_per_sample) for b in costs.experts} == {(4, 2, 7.0)}
 
 
-def test_experts_under_lora_on_their_parameters_are_costed_not_placed():
+def test_experts_under_lora_on_their_parameters_are_costed_and_placed():
     """PEFT's LoRA on the experts' parameters (``ParamWrapper``, which ``"all-linear"`` puts on
-    Mixtral's experts and router), whose adapters hold every expert: expert parallelism
-    refuses them (expert_parallel_cases.disagreements), so the costs place none. Costing runs
-    the model, whose LoRA parametrizes its weights for each forward: the model is left as it
-    was (no stand-in of the costing's left beside its weights) and trains as before."""
+    Mixtral's experts and router), whose factors hold a block per expert: expert parallelism
+    places them with their experts (expert_parallel_cases.lora_experts), so the costs place
+    the experts modules inside the wrappers; with the adapters disabled, a wrapper no rule
+    places, none. Costing runs the model, whose LoRA parametrizes its weights for each
+    forward: the model is left as it was (no stand-in of the costing's left beside its
+    weights) and trains as before."""
     from hetcoll.model import layer_costs
 
     torch.manual_seed(0)
@@ -489,8 +498,14 @@ def test_experts_under_lora_on_their_parameters_are_costed_not_placed():
     before = {n: t for n, t in model.named_buffers()}
     ids = torch.randint(0, tp.VOCAB, (2, 7))
     want = model(input_ids=ids).logits
-    costs = layer_costs(model, {"input_ids": (7,), "attention_mask": (7,)}, dtype=torch.int64)
-    assert costs.layers and not costs.experts
+    inputs = {"input_ids": (7,), "attention_mask": (7,)}
+    costs = layer_costs(model, inputs, dtype=torch.int64)
+    inner = [f"base_model.model.model.layers.{i}.mlp.experts.base_layer.base_layer" for i in (0, 1)]
+    assert costs.layers and [b.module for b in costs.experts] == inner
+    assert {(b.experts, b.top_k, b.tokens_per_sample) for b in costs.experts} == {(4, 2, 7.0)}
+    model.base_model.disable_adapter_layers()
+    assert not layer_costs(model, inputs, dtype=torch.int64).experts
+    model.base_model.enable_adapter_layers()
     assert {n: t for n, t in model.named_buffers()} == before
     assert torch.equal(model(input_ids=ids).logits, want)
 

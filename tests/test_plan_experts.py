@@ -27,8 +27,9 @@ def test_gloo_plans_with_experts_train_as_one_process():
     stages under 1F1B, each layer placed its own way; a checkpoint (weights and Adam's state)
     taken under the first and resumed under the second; the planner's plans (replicas of one
     stage, and its pipelines of expert-parallel replicas); the second's
-    experts placed again by hand and by an ExpertRebalancer as it trains. Plans that do not
-    fit the model raise the same error on every rank."""
+    experts placed again by hand and by an ExpertRebalancer as it trains; experts under
+    PEFT's LoRA on their parameters. Plans that do not fit the model raise the same error on
+    every rank."""
     results = launch.spawn(cases.run_torch, 4, timeout=400)
     by_speed = [r["by_speed"]["held"] for r in results]
     assert by_speed == [{LAYER(k): n for k in range(4)} for n in (3, 1, 0)] + [{}]
@@ -43,6 +44,9 @@ def test_gloo_plans_with_experts_train_as_one_process():
         {LAYER(0): 0, LAYER(1): 3},
     ]
     assert all(r["resumed"] for r in results)
+    # Under PEFT's LoRA on the experts' parameters, each replica's experts (3 : 1 : 0 of every
+    # layer) hold their adapters' blocks, and train as one process.
+    assert [sorted(set(r["lora"]["held"].values())) for r in results] == [[3], [1], [0], []]
     _placed_again(results)
     planned = results[0]["planned"]["plan"]
     assert "experts" in planned and all(r["planned"]["plan"] == planned for r in results)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import types
 import weakref
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -38,7 +39,7 @@ import hetcoll
 from hetcoll.collectives.autograd import exchanging
 from hetcoll.comm import Communicator, agree, deadline, wrap
 from hetcoll.plan import MAX_EXPERTS, expert_indices, expert_runs
-from hetcoll.torch.filters.chains import inside_unknown_adapters
+from hetcoll.torch.filters.chains import inside_unknown_adapters, stacked_adapters
 from hetcoll.torch.filters.checks import check_module
 from hetcoll.torch.filters.experts import LocalExperts, derived_class, experts_flags
 from hetcoll.torch.filters.layers import ChannelSplit
@@ -420,6 +421,97 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * scale.to(grad.dtype).view(-1, *([1] * (grad.dim() - 1))), None
 
 
+class ExpertFactor(ChannelSplit):
+    """A factor of PEFT's LoRA on a parameter of experts placed by whole experts
+    (``ParamWrapper``'s ``lora_A`` or ``lora_B`` layer), holding this rank's experts' blocks
+    of its weight. PEFT keeps expert e's adapter in A's rows ``e r .. e r + r - 1`` and in
+    B's columns ``j E + e`` (``j < r``, E experts, adapter rank r); a rank holds its own
+    experts' blocks laid out the same way for its ``E'`` experts, so PEFT computes each of
+    its experts' ``B A`` from them, and the state dicts gather them into the unsplit layout
+    (:attr:`~hetcoll.torch.filters.layers.ChannelSplit.order`). Made by
+    :func:`_place_adapters`, in place."""
+
+    weight: nn.Parameter
+    #: The weight's dimension holding the experts' blocks: 0 (A's rows) or 1 (B's columns).
+    dim: int
+    #: Entries per expert (the adapter's rank) and every rank's experts together.
+    per_expert: int
+    all_experts: int
+
+    def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        return {"weight": (self.dim, (1,))}
+
+    def place(self, comm: Communicator, placement: Sequence[Sequence[int]]) -> None:
+        """Hold ``placement``'s blocks (each rank's expert indices): each rank's experts'
+        entries, in the order it holds them."""
+        e, r = self.all_experts, self.per_expert
+
+        def entries(held: Sequence[int]) -> list[int]:
+            if self.dim == 0:
+                return [x * r + i for x in held for i in range(r)]
+            return [j * e + x for j in range(r) for x in held]
+
+        self._set_split(comm, [len(held) * r for held in placement])
+        self.order = tuple(i for held in placement for i in entries(held))
+
+    def stacked(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, shaped as this rank's weight, stacked by expert along dimension 0 (a view
+        for A; B's columns gathered per expert)."""
+        experts = self.shares[self.rank] // self.per_expert
+        if self.dim == 0:
+            return t.view(experts, self.per_expert, *t.shape[1:])
+        return t.view(t.shape[0], self.per_expert, experts).permute(2, 0, 1)
+
+    def unstacked(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows stacked by expert (:meth:`stacked`) laid out as the weight holds them."""
+        if self.dim == 0:
+            return rows.reshape(-1, *rows.shape[2:])
+        return rows.permute(1, 2, 0).reshape(rows.shape[1], -1).contiguous()
+
+    def extra_repr(self) -> str:
+        held = self.shares[self.rank] // self.per_expert
+        return f"{super().extra_repr()}, experts {held} of {self.all_experts}, rank={self.rank}"  # type: ignore[misc]
+
+
+def _place_adapters(
+    wrapper: Any, experts: int, placement: Sequence[Sequence[int]], comm: Communicator
+) -> None:
+    """PEFT's LoRA ``wrapper`` on a parameter of an experts module whose ``experts`` are
+    placed by ``placement``: each factor holds this rank's experts' blocks
+    (:class:`ExpertFactor`), and the wrapper counts this rank's experts."""
+    for dim, held in ((0, wrapper.lora_A), (1, wrapper.lora_B)):
+        for a, layer in held.items():
+            r = int(wrapper.r[a])
+            layer.__class__ = derived_class(ExpertFactor, type(layer), "ExpertParallel")
+            factor: Any = layer
+            factor.dim, factor.per_expert, factor.all_experts = dim, r, experts
+            factor.place(comm, placement)
+            w = layer.weight
+            with torch.no_grad():
+                index = factor.held_index().to(w.device)
+                local = nn.Parameter(w.index_select(dim, index), requires_grad=w.requires_grad)
+            layer.weight = local
+            _mark_rank_local(local)
+    wrapper.num_experts = len(placement[comm.rank])
+    wrapper.get_delta_weight = types.MethodType(_delta_weight, wrapper)
+
+
+def _delta_weight(wrapper: Any, adapter_name: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """PEFT's per-expert ``scaling * B A`` of a ``ParamWrapper`` on stacked experts
+    (``get_delta_weight``, its 3-D branch), the adapter's rank given rather than inferred: a
+    rank holding one expert or none has it too (PEFT takes one expert for a 2-D parameter,
+    and cannot infer the rank of none)."""
+    a = wrapper.lora_A[adapter_name].weight
+    b = wrapper.lora_B[adapter_name].weight
+    experts, r = int(wrapper.num_experts), int(wrapper.r[adapter_name])
+    a = a.reshape(experts, r, a.shape[-1])
+    b = b.reshape(b.shape[0], r, experts)
+    spec = "o r e, e r i -> e o i" if wrapper._did_swap_in_out_features else "o r e, e r i -> e i o"
+    delta = torch.einsum(spec, b, a) * wrapper.scaling[adapter_name]
+    param = wrapper.get_param()
+    return delta.to(param.device, param.dtype)
+
+
 class ExpertParallelExperts(ChannelSplit):
     """An experts module holding this rank's whole experts (``shares[rank]`` of them, from
     ``offset``): its own class and forward on its slices, between an all-to-all of the routed
@@ -447,6 +539,9 @@ class ExpertParallelExperts(ChannelSplit):
     #: The tokens this rank's router sent to each expert (all of them, by global index) since
     #: :func:`expert_loads` last took them: what a placement by load reads.
     routed: torch.Tensor
+    #: Its own parameters' names; PEFT's LoRA wrappers around it (outermost first).
+    _names: tuple[str, ...]
+    _wrappers: tuple[Any, ...]
 
     def _own(self) -> dict[str, nn.Parameter]:
         """The module's own parameters (its experts' slices)."""
@@ -477,11 +572,14 @@ class ExpertParallelExperts(ChannelSplit):
         weight: Weight | None = None,
         combine: str = "average",
         timeout: float | None = None,
+        wrappers: Sequence[nn.Module] = (),
     ) -> nn.Module:
         """``module`` (an experts module :func:`experts_module` accepts) made to hold this
         rank's experts of ``shares`` (:data:`Held`: counts, or each rank's expert indices),
         in place; returned. ``weight`` and ``combine`` as :func:`expert_parallel` takes
-        them."""
+        them. ``wrappers``: PEFT's LoRA on its parameters around it
+        (:func:`~hetcoll.torch.filters.chains.stacked_adapters`), whose factors' blocks of
+        the rank's experts it holds (:class:`ExpertFactor`)."""
         why = experts_module(module)
         if why is None or why:
             raise ValueError(f"module: cannot place its experts on ranks ({why or 'no experts'})")
@@ -499,6 +597,9 @@ class ExpertParallelExperts(ChannelSplit):
                 )
                 setattr(module, n, local)
                 _mark_rank_local(local)
+        names = tuple(n for n, _ in module.named_parameters(recurse=False))
+        for wrapper in wrappers:
+            _place_adapters(wrapper, experts, placement, comm)
         module.local = LocalExperts()
         module.__class__ = derived_class(ExpertParallelExperts, type(module), "ExpertParallel")
         ep: Any = module
@@ -506,7 +607,18 @@ class ExpertParallelExperts(ChannelSplit):
         ep._set_placement(comm, placement)
         ep.timeout, ep.weight, ep.combine = timeout, weight, combine
         ep.routed = torch.zeros(experts, dtype=torch.int64)
+        ep._names, ep._wrappers = names, tuple(wrappers)
         return module
+
+    def factors(self) -> list[ExpertFactor]:
+        """The factors of PEFT's LoRA around it, each holding this rank's experts' blocks."""
+        return [
+            f
+            for w in self._wrappers
+            for held in (w.lora_A, w.lora_B)
+            for f in held.values()
+            if isinstance(f, ExpertFactor)
+        ]
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         x, index, weights = _routed(args, kwargs)
@@ -586,7 +698,8 @@ class ExpertParallelExperts(ChannelSplit):
     def _experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts on the rows it received (``ids``: each row's expert, counted
         from this rank's first), each row weighted 1."""
-        params = list(self._own().values())
+        # Read as the forward reads them: through PEFT's LoRA on them, where it adapts them.
+        params = [getattr(self, n) for n in self._names]
         if not len(x):
             # No rows: the experts' gradients are zeros, as one process has them, and the
             # backward still reaches the exchange that brought the rows (every rank joins it).
@@ -776,7 +889,13 @@ def expert_parallel(
     for name, held in placed.items():
         module = model.get_submodule(name)
         ExpertParallelExperts.convert(
-            module, held, comm, weight=weight, combine=combine, timeout=timeout
+            module,
+            held,
+            comm,
+            weight=weight,
+            combine=combine,
+            timeout=timeout,
+            wrappers=experts_wrappers(model, name),
         )
     leave_to_ranks(model)
     record_replaced(unplaced, model.parameters(), "expert_parallel")
@@ -807,15 +926,37 @@ def experts_modules(model: nn.Module) -> dict[str, str]:
     out = {}
     for name, m in named.items():
         why = experts_module(m)
-        if why is not None and name in wrapped:
+        if why is not None and name in wrapped and stacked_adapters(named, name) is None:
             why = (
-                f"they are inside {wrapped[name]}, whose adapters hold every expert: split "
-                "them by hidden units instead (filter_parallel, or a plan's stage over several "
-                "ranks), or leave the experts out of the adapters' targets (target_parameters)"
+                f"they are inside {wrapped[name]}, which no rule here places by expert (PEFT's "
+                "plain LoRA on their parameters, enabled, is placed with them): split them by "
+                "hidden units instead (filter_parallel, or a plan's stage over several ranks), "
+                "or leave the experts out of the adapters' targets"
             )
         if why is not None:
             out[name] = why
     return out
+
+
+def experts_wrappers(model: nn.Module, name: str) -> list[nn.Module]:
+    """PEFT's LoRA wrappers on the parameters of ``model``'s experts module ``name``
+    (:func:`~hetcoll.torch.filters.chains.stacked_adapters`), placed with its experts."""
+    named = dict(model.named_modules())
+    return [named[w] for w in stacked_adapters(named, name) or ()]
+
+
+def placed_parameters(model: nn.Module, name: str) -> list[str]:
+    """The names (``model``'s) of the parameters placed with the experts of its experts
+    module ``name``: its own, then its LoRA wrappers' factors (:func:`experts_wrappers`)."""
+    named = dict(model.named_modules())
+    own = [f"{name}.{n}" for n, _ in named[name].named_parameters(recurse=False)]
+    factors = [
+        f"{w}.{kind}.{a}.weight"
+        for w in stacked_adapters(named, name) or ()
+        for kind in ("lora_A", "lora_B")
+        for a in named[w].get_submodule(kind)._modules
+    ]
+    return own + factors
 
 
 def find_experts(model: nn.Module) -> list[tuple[str, int]]:
@@ -1066,6 +1207,23 @@ def _carried(m: ExpertParallelExperts, optimizer: torch.optim.Optimizer | None) 
             t = state[key]
             if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == p.shape[0]:
                 out.append(_Carried(f"{n}.state[{key!r}]", t, partial(state.__setitem__, key)))
+    # The LoRA factors' blocks, stacked by expert to move (and laid out again once moved).
+    for k, f in enumerate(m.factors()):
+        w = f.weight
+
+        def put(install: Callable[[torch.Tensor], None], f: ExpertFactor = f) -> Any:
+            return lambda rows: install(f.unstacked(rows))
+
+        out.append(_Carried(f"factor {k}", f.stacked(w.data), put(partial(setattr, w, "data"))))
+        if w.grad is not None:
+            grad = f.stacked(w.grad)
+            out.append(_Carried(f"factor {k}.grad", grad, put(partial(setattr, w, "grad"))))
+        state = optimizer.state.get(w, {}) if optimizer is not None else {}
+        for key in sorted(state, key=str):
+            t = state[key]
+            if isinstance(t, torch.Tensor) and t.shape == w.shape:
+                what = f"factor {k}.state[{key!r}]"
+                out.append(_Carried(what, f.stacked(t), put(partial(state.__setitem__, key))))
     return out
 
 
@@ -1112,15 +1270,20 @@ def _move_experts(
                 c.install(rows.reshape(len(new[rank]), *c.tensor.shape[1:]))
     m._set_placement(comm, new)
     m.num_experts = len(new[rank])
+    for factor in m.factors():
+        factor.place(comm, new)
+    for wrapper in m._wrappers:
+        wrapper.num_experts = len(new[rank])
 
 
 def rank_local_parameters(model: nn.Module) -> list[str]:
     """The names of ``model``'s parameters each rank holds its own part of (its experts): the
     data-parallel average must leave them alone."""
     check_module(model)
-    return [
-        f"{name}.{n}" if name else n
-        for name, m in model.named_modules()
-        if isinstance(m, ExpertParallelExperts)
-        for n in m._own()
-    ]
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, ExpertParallelExperts):
+            out += [f"{name}.{n}" if name else n for n in m._own()]
+        elif isinstance(m, ExpertFactor):  # its LoRA factors' blocks of the rank's experts
+            out.append(f"{name}.weight" if name else "weight")
+    return out

@@ -703,6 +703,7 @@ def register_weighted_hook(
     state: WeightedAllreduceState | None = None
     failure: BaseException | None = None
     try:
+        _refuse_regrafted(ddp)
         if items_argument(items) is not None:
             state = WeightedAllreduceState(ddp.process_group, algorithm=algorithm, items=items)
         else:
@@ -737,6 +738,35 @@ def register_weighted_hook(
     state._ddp = weakref.ref(ddp)
     ddp.register_comm_hook(state, weighted_allreduce_hook)
     return state
+
+
+def _refuse_regrafted(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Raise ``ValueError`` naming it where a parameter DDP averages is trained under PEFT's
+    ``ParamWrapper`` (LoRA on a parameter, as ``"all-linear"`` puts on a Mixtral's router):
+    the wrapper registers a parametrization on it at each forward, which gives the parameter a
+    new gradient accumulator, so DDP's hook on the old one never runs and the gradients of its
+    bucket are never averaged (each rank would step on its own). The same model under
+    :class:`~hetcoll.torch.DistributedOptimizer`, which averages after the backward, is
+    right."""
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()))
+    path_of = {id(m): n for n, m in ddp.module.named_modules()}
+    for name, m in ddp.module.named_modules():
+        cls = type(m)
+        if cls.__name__ != "ParamWrapper" or not cls.__module__.startswith("peft."):
+            continue
+        base = m.get_base_layer()  # type: ignore[operator]
+        pname = str(getattr(m, "parameter_name", ""))
+        param = getattr(base, pname, None)
+        at = path_of.get(id(base), "")
+        path = f"{at}.{pname}" if at else pname
+        if isinstance(param, torch.Tensor) and param.requires_grad and path not in ignored:
+            raise ValueError(
+                f"ddp: parameter {path!r} trains under PEFT's LoRA wrapper {name!r} "
+                "(ParamWrapper), which registers a parametrization on it at each forward and "
+                "so gives it a new gradient accumulator: DDP's hook on it never runs, and its "
+                "bucket's gradients are never averaged. Freeze it (a LoRA fine-tuning trains "
+                "the adapters alone), or average with hetcoll.torch.DistributedOptimizer"
+            )
 
 
 class _DirectExchange:

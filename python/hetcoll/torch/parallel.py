@@ -54,7 +54,9 @@ from hetcoll.torch.clipping import checked_max_norm, scale_to_norm, squares, sum
 from hetcoll.torch.expert_parallel import (
     ExpertParallelExperts,
     experts_placement,
+    experts_wrappers,
     find_experts,
+    placed_parameters,
 )
 from hetcoll.torch.filters import (
     filter_parallel,
@@ -1910,11 +1912,7 @@ def parallelize(
         j: tr.subgroup(sorted(r.stages[j].ranks[0] for r in plan.replicas))
         for j in sorted({j for j, _ in experts.values()})
     }
-    par._experts_names = frozenset(
-        f"{path}.{n}"
-        for path in experts
-        for n, _ in model.get_submodule(path).named_parameters(recurse=False)
-    )
+    par._experts_names = frozenset(n for path in experts for n in placed_parameters(model, path))
     par._experts_layers = [(path, sum(map(len, held)), j) for path, (j, held) in experts.items()]
     if par.place is not None:
         i, j = par.place
@@ -1977,6 +1975,7 @@ def parallelize(
                         [held[r] for r in by_rank],
                         counting,
                         combine="sum",
+                        wrappers=experts_wrappers(module, path),
                     )
             par._experts_here = True
         if par.stage is None:

@@ -569,22 +569,9 @@ def lora_on_experts(m: nn.Module, experts: nn.Module, layout: ExpertsLayout) -> 
     hooks of the user's: which factor holds the parameter's split dimension, ``"lora_B"``
     (its output features: B's rows) or ``"lora_A"`` (its input features: A's columns, in one
     block). Else None."""
-    cls = type(m)
-    if cls.__name__ != "ParamWrapper" or cls.__module__ != "peft.tuners.lora.layer":
-        return None
-    get_base = getattr(m, "get_base_layer", None)
-    if not callable(get_base) or get_base() is not experts or forward_changed(m) is not None:
-        return None
-    spec = layout.params.get(str(getattr(m, "parameter_name", "")))
-    param = getattr(experts, str(getattr(m, "parameter_name", "")), None)
-    if spec is None or not isinstance(param, torch.Tensor) or param.dim() != 3:
-        return None
-    if getattr(m, "num_experts", None) != param.shape[0]:
-        return None
-    if any(v is not None for v in (getattr(m, "lora_variant", None) or {}).values()):
-        return None
-    adapters = _enabled_adapters(m)
-    if adapters is None or any(x.bias is not None for x in adapters):
+    name = lora_on_stacked(m, experts)
+    spec = None if name is None else layout.params.get(name)
+    if spec is None:
         return None
     # PEFT's delta per expert is (out, in) where the parameter is stored (experts, out, in)
     # (Hugging Face's layout, unless the module says is_transposed), else (experts, in, out).
@@ -593,6 +580,51 @@ def lora_on_experts(m: nn.Module, experts: nn.Module, layout: ExpertsLayout) -> 
     if (dim == 1) != transposed:
         return "lora_B"
     return "lora_A" if tuple(blocks) == (1,) else None
+
+
+def lora_on_stacked(m: nn.Module, experts: nn.Module) -> str | None:
+    """The name of the parameter of ``experts`` that ``m`` adapts, where ``m`` is PEFT's plain
+    LoRA on a 3-D parameter stacked by expert (``ParamWrapper``: the parameter made
+    ``W + scaling * B A`` per expert during each forward, A's rows and B's columns a block of
+    the adapter rank per expert), enabled and not merged, no bias on its factors, no hooks of
+    the user's; else None."""
+    cls = type(m)
+    if cls.__name__ != "ParamWrapper" or cls.__module__ != "peft.tuners.lora.layer":
+        return None
+    get_base = getattr(m, "get_base_layer", None)
+    if not callable(get_base) or get_base() is not experts or forward_changed(m) is not None:
+        return None
+    name = str(getattr(m, "parameter_name", ""))
+    param = getattr(experts, name, None)
+    if not isinstance(param, torch.Tensor) or param.dim() != 3:
+        return None
+    if getattr(m, "num_experts", None) != param.shape[0]:
+        return None
+    if any(v is not None for v in (getattr(m, "lora_variant", None) or {}).values()):
+        return None
+    adapters = _enabled_adapters(m)
+    if adapters is None or any(x.bias is not None for x in adapters):
+        return None
+    return name
+
+
+def stacked_adapters(named: dict[str, nn.Module], name: str) -> list[str] | None:
+    """The PEFT wrappers around experts module ``name`` of ``named`` (outermost first), where
+    each is LoRA on one of its parameters stacked by expert (:func:`lora_on_stacked`): their
+    factors hold a block per expert, which expert parallelism places with the experts. None
+    where another wrapper is around it."""
+    experts = named[name]
+    parts = name.split(".")
+    chain = []
+    for k in range(1, len(parts)):
+        outer = ".".join(parts[:k])
+        m = named.get(outer)
+        if m is None or not _peft_wrapper(m):
+            continue
+        if lora_on_stacked(m, experts) is None:
+            return None
+        chain.append(outer)
+    return chain
 
 
 def _peft_wrapper(m: nn.Module) -> bool:
