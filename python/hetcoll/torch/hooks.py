@@ -703,7 +703,7 @@ def register_weighted_hook(
     state: WeightedAllreduceState | None = None
     failure: BaseException | None = None
     try:
-        _refuse_regrafted(ddp)
+        _refuse_reparametrized(ddp)
         if items_argument(items) is not None:
             state = WeightedAllreduceState(ddp.process_group, algorithm=algorithm, items=items)
         else:
@@ -740,7 +740,7 @@ def register_weighted_hook(
     return state
 
 
-def _refuse_regrafted(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+def _refuse_reparametrized(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
     """Raise ``ValueError`` naming it where a parameter DDP averages is trained under PEFT's
     ``ParamWrapper`` (LoRA on a parameter, as ``"all-linear"`` puts on a Mixtral's router):
     the wrapper registers a parametrization on it at each forward, which gives the parameter a
