@@ -568,17 +568,18 @@ def mixtral_lora() -> nn.Module:
 def lora_experts(group: Any) -> dict[str, Any]:
     """Experts under PEFT's LoRA on their parameters placed with their adapters' blocks, each
     training as one process (gradients, state, resumed on another placement): Mixtral's and
-    GPT-OSS's (transposed, biased); ranks holding one expert and none (PEFT's own delta takes
-    one expert for a 2-D parameter, and cannot infer the adapter's rank of none); placed
-    again after the first step (the factors' blocks moving with their experts, with their
-    momentum). Returns the experts per rank of each."""
+    GPT-OSS's (transposed, biased), by speed (a rank holding one expert and one none: PEFT's
+    own delta takes one expert for a 2-D parameter, and cannot infer the adapter's rank of
+    none); any experts given as shares; placed again after the first step (the factors'
+    blocks moving with their experts, with their momentum). Returns the experts per rank of
+    each."""
     p = wrap(group).size
     out: dict[str, Any] = {}
     with tolerance(1e-6):  # the routers' float32 softmax (momentum SGD, not Adam)
         out["mixtral"] = trains_as_one_process(group, mixtral_lora, SPEEDS[:p], "momentum")
         out["gpt_oss"] = trains_as_one_process(group, gpt_oss_lora, SPEEDS[:p])
         held = [[0, 3], [2], [1], []][:p] if p > 2 else [[1, 2, 3], [0]]
-        out["one_or_none"] = trains_as_one_process(
+        out["every_rank"] = trains_as_one_process(
             group, mixtral_lora, SPEEDS[:p], "momentum", shares=held
         )
         moves: list[Placement] = []

@@ -21,6 +21,7 @@ from hetcoll.torch.expert_parallel import (
     expert_parallel,
     expert_shares,
     experts_module,
+    placed_parameters,
 )
 from hetcoll.torch.expert_rebalance import placement_time, refined_placement
 
@@ -93,7 +94,7 @@ def test_gloo_experts_placed_by_speed_train_as_one_process():
         # Under PEFT's LoRA on their parameters, placed with their adapters' blocks; placed
         # again at the speeds reversed.
         "lora": {
-            "mixtral": PLACED, "gpt_oss": PLACED, "one_or_none": [2, 1, 1],
+            "mixtral": PLACED, "gpt_oss": PLACED, "every_rank": [2, 1, 1],
             "moved": [[0, 1, 3], [0, 1, 3]],
         },
     }  # fmt: skip
@@ -503,6 +504,17 @@ def test_experts_under_lora_on_their_parameters_are_costed_and_placed():
     inner = [f"base_model.model.model.layers.{i}.mlp.experts.base_layer.base_layer" for i in (0, 1)]
     assert costs.layers and [b.module for b in costs.experts] == inner
     assert {(b.experts, b.top_k, b.tokens_per_sample) for b in costs.experts} == {(4, 2, 7.0)}
+    # Every parameter counted once (PEFT's parametrization sets each wrapped weight to itself
+    # at each forward: an op taking it twice, once counted twice). The layers the experts
+    # hold (the module's and its wrappers', which read its weights) hold exactly what the
+    # runtime places with them: its weights and its adapters' factors.
+    assert costs.params == sum(p.numel() for p in model.parameters())
+    params = dict(model.named_parameters())
+    for block in costs.experts:
+        outer = block.module.rsplit(".base_layer", 2)[0]
+        assert block.wrappers == (outer, f"{outer}.base_layer")
+        held = sum(x.params for x in costs.layers if block.holds(x.name))
+        assert held == sum(params[n].numel() for n in placed_parameters(model, block.module))
     model.base_model.disable_adapter_layers()
     assert not layer_costs(model, inputs, dtype=torch.int64).experts
     model.base_model.enable_adapter_layers()

@@ -387,9 +387,15 @@ class _OpCounter(TorchDispatchMode):
             at = bisect.bisect_right(self._node_seq, seq) - 1
             index = self._node_call[at] if seq != _NO_SEQUENCE and at >= 0 else None
         else:
-            fresh = [
-                t for t in inputs if id(t) in self.param_names and id(t) not in self.param_seen
-            ]
+            # Once each, though an op may take a tensor twice (PEFT's parametrization sets a
+            # parameter to itself, ``set_(w, w)``, at each forward).
+            fresh = list(
+                {
+                    id(t): t
+                    for t in inputs
+                    if id(t) in self.param_names and id(t) not in self.param_seen
+                }.values()
+            )
             name = packet.__name__
             costly = not (func.is_view or name in _NO_BYTES)
             index = self._forward_call() if costly or fresh else None

@@ -530,10 +530,11 @@ def _experts_blocks(
     experts_modules`), with their tokens per sample: the module's output rows (its last costed
     layer's output bytes over its features)."""
     from hetcoll.torch.expert_parallel import experts_modules
-    from hetcoll.torch.filters import ExpertsLayout, experts_layout
+    from hetcoll.torch.filters import ExpertsLayout, experts_layout, stacked_adapters
 
     last = {x.name: x for x in layers}
     placeable = experts_modules(model)
+    named = dict(model.named_modules())
     out = []
     for name, m in model.named_modules():
         row = last.get(name)
@@ -549,7 +550,9 @@ def _experts_blocks(
         if features <= 0 or not isinstance(top_k, int):
             continue
         tokens = row.out_bytes_per_sample / (features * item)
-        out.append(ExpertsBlock(name, int(m.num_experts), top_k, tokens, features))  # type: ignore[arg-type]
+        wrappers = tuple(stacked_adapters(named, name) or ())
+        experts = int(m.num_experts)  # type: ignore[arg-type]
+        out.append(ExpertsBlock(name, experts, top_k, tokens, features, wrappers))
     return tuple(out)
 
 

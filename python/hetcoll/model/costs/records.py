@@ -147,13 +147,20 @@ class ExpertsBlock:
     (:func:`hetcoll.torch.expert_parallel`: whole experts per rank, each token's ``top_k``
     rows sent to their experts' ranks and back): the experts module's path (its costed
     layers carry that name), its ``experts``, ``top_k`` experts per token, the tokens of one
-    sample (``tokens_per_sample``) and each token's ``features``."""
+    sample (``tokens_per_sample``) and each token's ``features``. ``wrappers``: the paths of
+    PEFT's LoRA wrappers on its parameters (``ParamWrapper``), placed with it: their layers
+    read the experts' weights (PEFT's parametrization) and hold the adapters' blocks."""
 
     module: str
     experts: int
     top_k: int
     tokens_per_sample: float
     features: int
+    wrappers: tuple[str, ...] = ()
+
+    def holds(self, layer: str) -> bool:
+        """Whether costed layer ``layer`` is the experts' (the module's, or a wrapper's)."""
+        return layer == self.module or layer in self.wrappers
 
     def routed_bytes_per_sample(self, itemsize: int) -> float:
         """Bytes of one sample's routed rows (one way), at ``itemsize`` bytes an element."""

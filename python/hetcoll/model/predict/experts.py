@@ -259,7 +259,7 @@ def expert_parallel_schedule(
         held = placement(block, experts, p)
         placed[block.module] = expert_form(held)
         frac = fractions(block, held, checked)
-        rows = [i for i, name in enumerate(names) if name == block.module]
+        rows = [i for i, name in enumerate(names) if block.holds(name)]
         # The experts' work: the tokens routed to them, from every device, as samples (timed
         # once per distinct share: layers placed and loaded alike share it).
         key = tuple(frac.tolist())
@@ -278,7 +278,7 @@ def expert_parallel_schedule(
         expert_bytes += sum(costs.layers[i].param_bytes for i in rows) * share
         expert_trained += sum(costs.layers[i].gradient_bytes for i in rows) * share
     layers = LayerSeconds(*arrays)
-    held_names = set(placed)
+    held_names = {n for n in names if any(b.holds(n) for b in costs.experts)}
     replicated = replace(
         costs,
         layers=tuple(

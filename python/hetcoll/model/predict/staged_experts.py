@@ -68,7 +68,7 @@ class StagedExperts:
         names = [x.name for x in costs.layers]
         self.placed: list[_Placed] = []
         for block in costs.experts:
-            rows = tuple(i for i, name in enumerate(names) if name == block.module)
+            rows = tuple(i for i, name in enumerate(names) if block.holds(name))
             stage = next(
                 (s for s, st in enumerate(first.stages) if st.lo <= rows[0] and rows[-1] < st.hi),
                 None,

@@ -70,6 +70,7 @@ from hetcoll.torch.filters.chains import (
     SPATIAL_MODULES,
     linear_features,
     projection_features,
+    stacked_adapters,
     summed_before_gathering,
     vocabulary_ties,
 )
@@ -155,6 +156,7 @@ __all__ = [
     "split_layout",
     "split_tensors",
     "split_traffic",
+    "stacked_adapters",
     "summed_before_gathering",
     "vocabulary_ties",
 ]
