@@ -1855,6 +1855,19 @@ def _lora_head(group: Any) -> dict[str, Any]:
             close(grads[n], q.grad, f"loss_parallel={kept}: gradient of {n}")
         # GatherChannels(piece, comm, shares, ...): the whole width, every rank's shares.
         out["loss_parallel" if kept else "gathered"] = [sum(a[2]) for a in gathered]
+    # A DoRA head, its dropout active: what one forward gathers, the cost model's too
+    # (test_costs_tokens: a DoRA head's gathers).
+    torch.manual_seed(0)
+    dora = _with_lora(llama(), ["lm_head"], use_dora=True)
+    for wrapper in dora.modules():
+        drops = getattr(wrapper, "lora_dropout", None)
+        if isinstance(drops, nn.ModuleDict) and isinstance(wrapper, nn.Module):
+            for a in list(drops):
+                drops[a] = nn.Dropout(0.0)
+    split = filter_parallel(dora.double(), speeds, group)
+    with _inputs_of(GatherChannels) as gathered:
+        loss_of(split, ids)
+    out["dora"] = [list(g) for g in sorted((sum(a[2]), a[0].dim()) for a in gathered)]
     return out
 
 

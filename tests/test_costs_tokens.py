@@ -1286,3 +1286,34 @@ def test_a_lora_heads_outputs_are_priced_as_one_gather() -> None:
         assert got.forward_collective_s[other] == 0.0
         assert got.backward_collective_s[base] == want.backward_collective_s[head] > 0
         assert got.backward_collective_s[lora_b] > 0
+
+
+def test_a_dora_heads_gathers_are_priced_as_the_runtime_gathers() -> None:
+    """A DoRA head (its base layer split alone, gathering) gathers each forward its norms (a
+    number per output feature) and its gathering lora_A's weight (to compute B A), whatever
+    the batch, and, its dropout active, the base output it recomputes on the dropped input:
+    one more gather of the head's output (the runtime's: "lora head" in
+    tensor_parallel_cases.lora_more). Priced at the base layer, beside its own gather."""
+    from peft import LoraConfig, get_peft_model
+
+    bare = layer_costs(llama(), (SEQ,), dtype=torch.int64)
+    cluster = _cluster(1e12).subset([0, 2])
+    head = next(i for i, x in enumerate(bare.layers) if x.name == "lm_head")
+
+    def forward_at_base(dropout: float, batch: int) -> tuple[float, float]:
+        config = LoraConfig(r=4, target_modules=["lm_head"], use_dora=True, lora_dropout=dropout)
+        costs = layer_costs(get_peft_model(llama(), config), (SEQ,), dtype=torch.int64)
+        base = next(i for i, x in enumerate(costs.layers) if x.name.endswith("head.base_layer"))
+        got = filter_parallel_schedule(costs, cluster, batch, [1.0, 0.5])
+        want = filter_parallel_schedule(bare, cluster, batch, [1.0, 0.5])
+        # PEFT's calls of the adapters on an identity matrix (B A), outputs of no features of
+        # their own, stay whole (they were split into NaN shares, the whole step NaN).
+        assert all(math.isfinite(t) for t in got.forward_collective_s), got.forward_collective_s
+        return got.forward_collective_s[base], want.forward_collective_s[head]
+
+    norms = []
+    for batch in (8, 16):
+        (kept, gather), (dropped, _) = (forward_at_base(d, batch) for d in (0.0, 0.1))
+        norms.append(kept - gather)  # the norms' and lora_A's weight's gathers
+        assert norms[-1] > 0 and dropped == pytest.approx(kept + gather, rel=1e-12)
+    assert norms[0] == pytest.approx(norms[1], rel=1e-12)  # whatever the batch

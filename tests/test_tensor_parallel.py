@@ -162,7 +162,13 @@ def test_gloo_lora_layouts_dropout_saving_and_peft_switches():
         # vocabulary (40) once, its base and lora_B outputs added split (each was gathered:
         # [40, 4, 40]); with loss_parallel none (before: [4, 40, 40]), the split loss's
         # exchange of one number per rank (2) instead.
-        "lora head": {"gathered": [4, 40], "loss_parallel": [4, 2]},
+        # A DoRA head, its dropout active: (whole width, dimensions) of each gather: lora_A's
+        # weight (to compute B A) and its output, the norms, the base and lora_B outputs,
+        # and the base output recomputed on the dropped input.
+        "lora head": {
+            "gathered": [4, 40], "loss_parallel": [4, 2],
+            "dora": [[4, 2], [4, 3], [40, 1], [40, 3], [40, 3], [40, 3]],
+        },
         "dropout_same": True, "saved": "loads unsplit", "disabled and merged": [],
         # Per layer: the attention's input, its query and value adapters' dropped inputs, the
         # MLP's input; and the head's input. The attention's input was copied again after each

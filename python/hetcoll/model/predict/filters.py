@@ -64,6 +64,36 @@ def filter_modes(costs: ModelCosts, *, avoid_gathers: bool = True) -> dict[str, 
     return {c: "gather" for n in modes if n not in experts for c in inside.get(n, [n])}
 
 
+def _dora_gathers(
+    costs: ModelCosts, modes: Mapping[str, str]
+) -> dict[int, tuple[int, list[list[int]], int]]:
+    """Each gathering base layer of PEFT's DoRA wrapper (by index): its DoRA adapters (a
+    ``<wrapper>.lora_magnitude_vector.<adapter>`` layer each), the records of each of their
+    ``lora_A`` that gathers too (by index: PEFT calls it twice), and how many of them drop
+    their input in training (a ``<wrapper>.lora_dropout.<adapter>`` layer of its own, not
+    PEFT's ``Identity``)."""
+    kinds = {x.name: x.kind for x in costs.layers}
+    out = {}
+    for i, x in enumerate(costs.layers):
+        if modes.get(x.name) != "gather" or not x.name.endswith(".base_layer"):
+            continue
+        wrapper = x.name[: -len(".base_layer")]
+        prefix = f"{wrapper}.lora_magnitude_vector."
+        adapters = [n[len(prefix) :] for n in kinds if n.startswith(prefix)]
+        if not adapters:
+            continue
+        weights = [
+            [k for k, y in enumerate(costs.layers) if y.name == f"{wrapper}.lora_A.{a}"]
+            for a in adapters
+            if modes.get(f"{wrapper}.lora_A.{a}") == "gather"
+        ]
+        dropped = sum(
+            kinds.get(f"{wrapper}.lora_dropout.{a}") not in (None, "Identity") for a in adapters
+        )
+        out[i] = (len(adapters), weights, dropped)
+    return out
+
+
 def _check_modes(costs: ModelCosts, modes: Mapping[str, str]) -> dict[str, str]:
     if not isinstance(modes, Mapping):
         raise TypeError(f"modes: must be a dict of layer name -> mode, got {type(modes).__name__}")
@@ -246,7 +276,10 @@ def filter_parallel_schedule(
             filters_of[i] = filters_of[source[0]]
             phi[i, :] = source[1]
             source = None
-        elif mode is not None:
+        elif mode is not None and layer.filters > 0:
+            # (A call of the layer without outputs of its own, as PEFT's DoRA runs its
+            # adapters on an identity matrix for B A, which the split computes from the
+            # weights instead, stays as it is.)
             if layer_shares is not None and layer.name in layer_shares:
                 f = [int(x) for x in layer_shares[layer.name]]
                 if len(f) != n_dev or sum(f) != layer.filters or min(f) < 0:
@@ -303,6 +336,18 @@ def filter_parallel_schedule(
         if index[b] in filters_of and filters_of[index[b]] == filters_of.get(index[a])
     }
     ungathered = set(summed) | {summed[output]} if split_loss and output in summed else set(summed)
+
+    def gather_s(out: float, largest_fraction: float) -> float:
+        # The channel dimension moves to the front of the local piece and back in the full
+        # output (two copies), and the engine's allgatherv takes a contiguous send buffer
+        # (on gloo, all_to_all_single: the piece once per rank).
+        largest = largest_fraction * out
+        return float(
+            terms.ring_allgatherv_seconds(
+                largest, n_dev, link.latency_s, link.bytes_per_s, link.call_of("hetcoll_allgatherv")
+            )
+        ) + copy_s((1 + n_dev) * largest + out)
+
     for i in filters_of:
         if i in block_of:
             continue
@@ -327,23 +372,24 @@ def filter_parallel_schedule(
                 )
             )
         elif mode == "gather" and i not in ungathered:
-            # The channel dimension moves to the front of the local piece and back in the full
-            # output (two copies), and the engine's allgatherv takes a contiguous send buffer
-            # (on gloo, all_to_all_single: the piece once per rank).
-            out = layer.out_bytes_per_sample * batch
-            largest = float(phi[i].max()) * out
-            fwd_comm[i] = float(
-                terms.ring_allgatherv_seconds(
-                    largest,
-                    n_dev,
-                    link.latency_s,
-                    link.bytes_per_s,
-                    link.call_of("hetcoll_allgatherv"),
-                )
-            ) + copy_s((1 + n_dev) * largest + out)
+            fwd_comm[i] = gather_s(layer.out_bytes_per_sample * batch, float(phi[i].max()))
         if any(k.name == "gemm-dX" for k in layer.backward):
             grad = layer.in_bytes_per_sample * batch
             bwd_comm[i] = allreduce_s(grad) + copy_s(grad)
+    # A DoRA layer beside a gathering base layer (a head's) gathers its norms each forward (a
+    # number per output feature) and its lora_A's weight where that gathers too (to compute
+    # B A), whatever the batch; its dropout active, the base output it recomputes on the
+    # dropped input.
+    for i, (norms, weights, dropped) in _dora_gathers(costs, layer_modes).items():
+        if i in filters_of and i not in block_of:
+            layer, most = costs.layers[i], float(phi[i].max())
+            fwd_comm[i] += norms * gather_s(layer.filters * costs.itemsize, most)
+            for records in weights:  # a lora_A's records: its weight's, its split's
+                split = [k for k in records if k in filters_of]
+                if split:
+                    nbytes = sum(costs.layers[k].param_bytes for k in records)
+                    fwd_comm[i] += gather_s(nbytes, float(phi[split[0]].max()))
+            fwd_comm[i] += dropped * gather_s(layer.out_bytes_per_sample * batch, most)
     for emb, head in tied.items():
         # Each device looks up the tokens of its rows (zeros for the others), one sum gives
         # every device the whole lookup; it owns its rows of the tied weight.
