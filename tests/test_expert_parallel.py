@@ -504,8 +504,8 @@ def test_experts_under_lora_on_their_parameters_are_costed_and_placed():
     inner = [f"base_model.model.model.layers.{i}.mlp.experts.base_layer.base_layer" for i in (0, 1)]
     assert costs.layers and [b.module for b in costs.experts] == inner
     assert {(b.experts, b.top_k, b.tokens_per_sample) for b in costs.experts} == {(4, 2, 7.0)}
-    # Every parameter counted once (PEFT's parametrization sets each wrapped weight to itself
-    # at each forward: an op taking it twice, once counted twice). The layers the experts
+    # Every parameter counted once (registering PEFT's parametrization at each forward passes
+    # the wrapped weight twice to one op: it was counted twice). The layers the experts
     # hold (the module's and its wrappers', which read its weights) hold exactly what the
     # runtime places with them: its weights and its adapters' factors.
     assert costs.params == sum(p.numel() for p in model.parameters())

@@ -694,7 +694,10 @@ def register_weighted_hook(
     ``algorithm`` or ``batch_dim`` on one rank raises there (``TypeError`` / ``ValueError``
     naming it) and :class:`hetcoll.CollectiveMismatchError` naming that rank and its error on
     the others, at once; ranks that chose differently raise
-    :class:`~hetcoll.CollectiveMismatchError` on every rank.
+    :class:`~hetcoll.CollectiveMismatchError` on every rank. A parameter ``ddp`` averages that
+    trains under PEFT's ``ParamWrapper`` (LoRA on a parameter: a Mixtral's router under
+    ``"all-linear"``, its base weights trainable) raises ``ValueError`` naming it: PEFT's
+    parametrization at each forward hides its gradient from DDP's hooks.
     """
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):  # no group to tell
         raise TypeError(

@@ -387,8 +387,8 @@ class _OpCounter(TorchDispatchMode):
             at = bisect.bisect_right(self._node_seq, seq) - 1
             index = self._node_call[at] if seq != _NO_SEQUENCE and at >= 0 else None
         else:
-            # Once each, though an op may take a tensor twice (PEFT's parametrization sets a
-            # parameter to itself, ``set_(w, w)``, at each forward).
+            # Once each, though an op may take a tensor twice (registering PEFT's
+            # parametrization at each forward passes the wrapped weight twice to one op).
             fresh = list(
                 {
                     id(t): t

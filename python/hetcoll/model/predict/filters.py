@@ -335,7 +335,9 @@ def filter_parallel_schedule(
         for b, a in pairs
         if index[b] in filters_of and filters_of[index[b]] == filters_of.get(index[a])
     }
-    ungathered = set(summed) | {summed[output]} if split_loss and output in summed else set(summed)
+    ungathered = set(summed)  # the lora_B layers; their base layers too where kept split
+    if split_loss and output in summed:
+        ungathered.add(summed[output])
 
     def gather_s(out: float, largest_fraction: float) -> float:
         # The channel dimension moves to the front of the local piece and back in the full

@@ -985,8 +985,8 @@ def filter_parallel(
     gathering = {n: modes[n] for n in chosen if n not in in_splits}
     pairs = summed_before_gathering(gathering, named).items()
     summed = [base for lora_b, base in pairs if _keep_split(model, lora_b, base)]
-    for path in dict.fromkeys(base.rsplit(".", 1)[0] for base in summed):
-        if not loss_parallel:
+    if not loss_parallel:
+        for path in dict.fromkeys(base.rsplit(".", 1)[0] for base in summed):
             model.get_submodule(path).register_forward_hook(_gather_whole)
     for path, wrapper in model.named_modules():  # DoRA beside each split base layer
         _split_dora(wrapper, comm, sums)
