@@ -462,6 +462,10 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
     # A gathering layer whose output stays split along its last dimension until an op needs it
     # whole (filter_parallel's loss_parallel: a language model's head, its loss split too).
     split_output: bool = False
+    # Kept split only to be added to another split alike (a LoRA head's base layer and lora_B,
+    # gathered once after their wrapper): under torch.compile, which cannot trace the split
+    # output, it gathers its own instead.
+    split_for_sum: bool = False
 
     # Dimensions the input must have (None: any); checked locally, before any collective, so a
     # wrong input raises on every rank instead of leaving the ranks' collectives mismatched.
@@ -517,7 +521,8 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
         y = self.local(self.copied_input(x), self.weight, self.bias)
         if self.mode == "split-output":
             return y
-        if self.split_output and self.dim == -1:
+        compiled = self.split_for_sum and torch.compiler.is_compiling()
+        if self.split_output and self.dim == -1 and not compiled:
             return SplitOutput.of(y, self.comm, self.shares, self.timeout, self.agreed)
         return GatherChannels.apply(y, self.comm, self.shares, self.offset, self.dim, self.timeout)
 
