@@ -2,9 +2,10 @@
 ranks run as they are, the graph breaking around them, and the compiled split model trains as
 the unsplit one. torchvision's ViT compiled with aot_eager failed in its first forward: the
 traced gather of its head took its output for an alias of its input ("setStorage ... out of
-bounds"). A Llama's LoRA head, whose base and adapter outputs the split adds still split, failed
-in dynamo's guards on the split output: compiled, each gathers its own. Real gloo jobs against
-the unsplit model, float64."""
+bounds"). A Llama's LoRA head, whose base and adapter outputs the split adds still split, and
+a head whose logits stay split through the loss (loss_parallel) failed in dynamo's guards on
+the split output: compiled, those outputs are gathered. Real gloo jobs against the unsplit
+model, float64."""
 
 from __future__ import annotations
 
@@ -61,14 +62,14 @@ def test_a_compiled_split_vit_trains_as_the_unsplit_model():
         assert off <= 1e-10
 
 
-def _compiled_lora_head(rank, world):
+def _compiled_lora_head(rank, world, loss_parallel):
     import tensor_parallel_cases as cases
 
     from hetcoll.torch import filter_parallel, gather_state_dict
 
     torch.manual_seed(0)
     model = cases.llama_lora_head().double()
-    split = filter_parallel(copy.deepcopy(model), speeds=[1.0, 0.5])
+    split = filter_parallel(copy.deepcopy(model), speeds=[1.0, 0.5], loss_parallel=loss_parallel)
     compiled = torch.compile(split, backend="aot_eager")
     losses = []
     for m in (model, compiled):
@@ -87,7 +88,10 @@ def _compiled_lora_head(rank, world):
     return losses, off
 
 
-def test_a_compiled_split_lora_head_trains_as_the_unsplit_model():
-    for losses, off in spawn(_compiled_lora_head, 2, timeout=300):
+@pytest.mark.parametrize("loss_parallel", [False, True])
+def test_a_compiled_split_lora_head_trains_as_the_unsplit_model(loss_parallel):
+    """Compiled, the split outputs a LoRA head adds (and, with loss_parallel, the logits its
+    loss reads split) are gathered instead: their reported shape failed dynamo's guards."""
+    for losses, off in spawn(_compiled_lora_head, 2, loss_parallel, timeout=300):
         assert losses[:2] == pytest.approx(losses[2:], rel=1e-12, abs=0)
         assert off <= 1e-10

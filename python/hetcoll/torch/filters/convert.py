@@ -984,7 +984,7 @@ def filter_parallel(
     # the wrapper (or kept split through the loss).
     gathering = {n: modes[n] for n in chosen if n not in in_splits}
     pairs = summed_before_gathering(gathering, named).items()
-    summed = [base for lora_b, base in pairs if _keep_split(model, lora_b, base, loss_parallel)]
+    summed = [base for lora_b, base in pairs if _keep_split(model, lora_b, base)]
     if not loss_parallel:
         for path in dict.fromkeys(base.rsplit(".", 1)[0] for base in summed):
             model.get_submodule(path).register_forward_hook(_gather_whole)
@@ -1027,19 +1027,18 @@ def _split_param_adapters(
         )
 
 
-def _keep_split(model: nn.Module, lora_b: str, base: str, loss_parallel: bool) -> bool:
+def _keep_split(model: nn.Module, lora_b: str, base: str) -> bool:
     """Whether LoRA head layers ``lora_b`` and ``base`` (:func:`~.chains.summed_before_gathering`),
     each gathering along its last dimension, are split alike (the same shares): then both keep
     their outputs split (:class:`~.split_output.SplitOutput`), which the wrapper adds piece by
-    piece (without ``loss_parallel``, only for that sum: under torch.compile each gathers its
-    own). Split apart (shares given apart), each gathers its own."""
+    piece (compiled, each gathers its own). Split apart (shares given apart), each gathers its
+    own."""
     b, a = (model.get_submodule(n) for n in (lora_b, base))
     if not isinstance(a, FilterParallelLinear) or not isinstance(b, FilterParallelLinear):
         return False
     if a.dim != -1 or b.dim != -1 or list(a.shares) != list(b.shares):
         return False
     a.split_output = b.split_output = True
-    a.split_for_sum = b.split_for_sum = not loss_parallel
     return True
 
 

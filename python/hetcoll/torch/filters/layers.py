@@ -460,12 +460,10 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
     weight_in_dim: int = 1
 
     # A gathering layer whose output stays split along its last dimension until an op needs it
-    # whole (filter_parallel's loss_parallel: a language model's head, its loss split too).
+    # whole (filter_parallel's loss_parallel: a language model's head, its loss split too; a
+    # LoRA head's base layer and lora_B, added split). Under torch.compile, whose guards fail
+    # on the split output's reported shape, it gathers its output instead.
     split_output: bool = False
-    # Kept split only to be added to another split alike (a LoRA head's base layer and lora_B,
-    # gathered once after their wrapper): under torch.compile, which cannot trace the split
-    # output, it gathers its own instead.
-    split_for_sum: bool = False
 
     # Dimensions the input must have (None: any); checked locally, before any collective, so a
     # wrong input raises on every rank instead of leaving the ranks' collectives mismatched.
@@ -521,8 +519,7 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
         y = self.local(self.copied_input(x), self.weight, self.bias)
         if self.mode == "split-output":
             return y
-        compiled = self.split_for_sum and torch.compiler.is_compiling()
-        if self.split_output and self.dim == -1 and not compiled:
+        if self.split_output and self.dim == -1 and not torch.compiler.is_compiling():
             return SplitOutput.of(y, self.comm, self.shares, self.timeout, self.agreed)
         return GatherChannels.apply(y, self.comm, self.shares, self.offset, self.dim, self.timeout)
 
