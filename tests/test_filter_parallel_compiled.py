@@ -19,10 +19,34 @@ from hetcoll.launch import spawn
 pytestmark = pytest.mark.multiproc
 
 
+def _trained_alike(model, split, loss_of) -> tuple[list[float], float]:
+    """``model`` and ``split`` (a filter_parallel copy of it) compiled, each trained 2 SGD
+    steps (``loss_of(m, step)``: step's loss): the losses, unsplit's then compiled's, and the
+    largest relative difference of the gathered state from the unsplit model's."""
+    from hetcoll.torch import gather_state_dict
+
+    compiled = torch.compile(split, backend="aot_eager")
+    losses = []
+    for m in (model, compiled):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        for step in range(2):
+            opt.zero_grad()
+            loss = loss_of(m, step)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+    full = gather_state_dict(split, dst=None)
+    off = max(
+        float((full[k] - w).abs().max() / max(w.abs().max(), 1e-12))
+        for k, w in model.state_dict().items()
+    )
+    return losses, off
+
+
 def _compiled_vit(rank, world):
     import torchvision
 
-    from hetcoll.torch import filter_parallel, gather_state_dict
+    from hetcoll.torch import filter_parallel
 
     torch.manual_seed(0)
     model = torchvision.models.VisionTransformer(
@@ -35,25 +59,14 @@ def _compiled_vit(rank, world):
         num_classes=5,
     ).double()
     split = filter_parallel(copy.deepcopy(model), speeds=[1.0, 1 / 3])
-    compiled = torch.compile(split, backend="aot_eager")
-    losses = []
-    for m in (model, compiled):
-        opt = torch.optim.SGD(m.parameters(), lr=0.05)
-        for step in range(2):
-            g = torch.Generator().manual_seed(step)
-            x = torch.randn(4, 3, 32, 32, generator=g, dtype=torch.float64)
-            y = torch.randint(0, 5, (4,), generator=g)
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(m(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(float(loss))
-    full = gather_state_dict(split, dst=None)
-    off = max(
-        float((full[k] - w).abs().max() / max(w.abs().max(), 1e-12))
-        for k, w in model.state_dict().items()
-    )
-    return losses, off
+
+    def loss_of(m, step):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4, 3, 32, 32, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 5, (4,), generator=g)
+        return torch.nn.functional.cross_entropy(m(x), y)
+
+    return _trained_alike(model, split, loss_of)
 
 
 def test_a_compiled_split_vit_trains_as_the_unsplit_model():
@@ -65,27 +78,12 @@ def test_a_compiled_split_vit_trains_as_the_unsplit_model():
 def _compiled_lora_head(rank, world, loss_parallel):
     import tensor_parallel_cases as cases
 
-    from hetcoll.torch import filter_parallel, gather_state_dict
+    from hetcoll.torch import filter_parallel
 
     torch.manual_seed(0)
     model = cases.llama_lora_head().double()
     split = filter_parallel(copy.deepcopy(model), speeds=[1.0, 0.5], loss_parallel=loss_parallel)
-    compiled = torch.compile(split, backend="aot_eager")
-    losses = []
-    for m in (model, compiled):
-        opt = torch.optim.SGD(m.parameters(), lr=0.05)
-        for step in range(2):
-            opt.zero_grad()
-            _, loss = cases.loss_of(m, cases.batch(step))
-            loss.backward()
-            opt.step()
-            losses.append(float(loss))
-    full = gather_state_dict(split, dst=None)
-    off = max(
-        float((full[k] - w).abs().max() / max(w.abs().max(), 1e-12))
-        for k, w in model.state_dict().items()
-    )
-    return losses, off
+    return _trained_alike(model, split, lambda m, step: cases.loss_of(m, cases.batch(step))[1])
 
 
 @pytest.mark.parametrize("loss_parallel", [False, True])

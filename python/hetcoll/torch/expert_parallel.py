@@ -698,11 +698,11 @@ class ExpertParallelExperts(ChannelSplit):
     def _experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts on the rows it received (``ids``: each row's expert, counted
         from this rank's first), each row weighted 1."""
-        # Read as the forward reads them: through PEFT's LoRA on them, where it adapts them.
-        params = [getattr(self, n) for n in self._names]
         if not len(x):
             # No rows: the experts' gradients are zeros, as one process has them, and the
             # backward still reaches the exchange that brought the rows (every rank joins it).
+            # Read as the forward reads them: through PEFT's LoRA on them, where it adapts them.
+            params = [getattr(self, n) for n in self._names]
             touch = sum((q.sum() * 0 for q in params), x.new_zeros(()))
             return x * 0 + touch.to(x.dtype)
         ones = x.new_ones((len(x), 1))
@@ -1194,36 +1194,33 @@ class _Carried:
 
 
 def _carried(m: ExpertParallelExperts, optimizer: torch.optim.Optimizer | None) -> list[_Carried]:
-    """The tensors that move with ``m``'s experts: its parameters, their gradients, and every
-    optimizer state tensor stacked by expert as its parameter is (more than zero dimensions,
-    the first of the parameter's length)."""
+    """The tensors that move with ``m``'s experts: its parameters and its LoRA factors' blocks
+    (:meth:`ExpertFactor.stacked` by expert to move, laid out again once moved), their
+    gradients, and every optimizer state tensor stacked by expert as its parameter is (more
+    than zero dimensions, the first of the parameter's length; a factor's shaped as it)."""
+    held: list[tuple[str, torch.Tensor, ExpertFactor | None]] = [
+        (n, p, None) for n, p in m._own().items()
+    ]
+    held += [(f"factor {k}", f.weight, f) for k, f in enumerate(m.factors())]
     out: list[_Carried] = []
-    for n, p in m._own().items():
-        out.append(_Carried(n, p.data, partial(setattr, p, "data")))
+    for n, p, f in held:
+
+        def carry(what: str, t: torch.Tensor, install: Any, f: ExpertFactor | None = f) -> None:
+            if f is None:
+                out.append(_Carried(what, t, install))
+            else:
+                out.append(_Carried(what, f.stacked(t), lambda rows: install(f.unstacked(rows))))
+
+        carry(n, p.data, partial(setattr, p, "data"))
         if p.grad is not None:
-            out.append(_Carried(f"{n}.grad", p.grad, partial(setattr, p, "grad")))
+            carry(f"{n}.grad", p.grad, partial(setattr, p, "grad"))
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
         for key in sorted(state, key=str):
             t = state[key]
-            if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == p.shape[0]:
-                out.append(_Carried(f"{n}.state[{key!r}]", t, partial(state.__setitem__, key)))
-    # The LoRA factors' blocks, stacked by expert to move (and laid out again once moved).
-    for k, f in enumerate(m.factors()):
-        w = f.weight
-
-        def put(install: Callable[[torch.Tensor], None], f: ExpertFactor = f) -> Any:
-            return lambda rows: install(f.unstacked(rows))
-
-        out.append(_Carried(f"factor {k}", f.stacked(w.data), put(partial(setattr, w, "data"))))
-        if w.grad is not None:
-            grad = f.stacked(w.grad)
-            out.append(_Carried(f"factor {k}.grad", grad, put(partial(setattr, w, "grad"))))
-        state = optimizer.state.get(w, {}) if optimizer is not None else {}
-        for key in sorted(state, key=str):
-            t = state[key]
-            if isinstance(t, torch.Tensor) and t.shape == w.shape:
-                what = f"factor {k}.state[{key!r}]"
-                out.append(_Carried(what, f.stacked(t), put(partial(state.__setitem__, key))))
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t.shape == p.shape if f is not None else t.dim() >= 1 and t.shape[0] == p.shape[0]:
+                carry(f"{n}.state[{key!r}]", t, partial(state.__setitem__, key))
     return out
 
 
