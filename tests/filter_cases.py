@@ -24,6 +24,7 @@ from hetcoll.comm import wrap
 from hetcoll.errors import CollectiveMismatchError
 from hetcoll.torch import (
     FilterParallelConv2d,
+    FilterParallelGroupedConv2d,
     FilterParallelLinear,
     filter_parallel,
     gather_gradients,
@@ -259,7 +260,55 @@ def real_models(group, speeds) -> int:
             assert [modes[n] for n in names] == [
                 "split-output", "split-input", "split-output", "split-input"
             ], (block, modes)  # fmt: skip
-    return 6
+    # torchvision's ResNeXt and RegNet: the grouped 3x3 convolution between each bottleneck's
+    # 1x1 convolutions runs on whole groups of the pair's channels (their shares multiples of
+    # a group's), as MobileNet's depthwise one runs per channel. It broke the pairing: every
+    # layer gathered. RegNet's first stage has 2 groups, too few for 3 ranks: it stays whole
+    # there, named, and its pair gathers.
+    p = wrap(group).size
+    modes = equals_unsplit(
+        group, speeds, torch.float64, build=resnext, batches=_small_images, steps=2
+    )
+    for k in range(1, 5):
+        assert modes[f"layer{k}.0.conv1"] == "split-output", modes
+        assert modes[f"layer{k}.0.conv3"] == "split-input", modes
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        modes = equals_unsplit(
+            group, speeds, torch.float64, build=regnet, batches=_small_images, steps=2
+        )
+    paired = [n.rsplit(".f.", 1)[0] for n, m in modes.items() if m == "split-output"]
+    replicated = [str(w.message) for w in seen if "left replicated" in str(w.message)]
+    if p == 3:
+        assert replicated == [
+            "filter_parallel: left replicated (every rank computes them whole): "
+            "'trunk_output.block1.block1-0.f.b.0' (Conv2d, groups=2)"
+        ], replicated
+        assert paired == [f"trunk_output.block2.block2-{k}" for k in range(3)], modes
+    else:
+        assert not replicated, replicated
+        assert paired == [
+            "trunk_output.block1.block1-0",
+            *(f"trunk_output.block2.block2-{k}" for k in range(3)),
+        ], modes
+    return 8
+
+
+def resnext() -> nn.Module:
+    """torchvision's ResNeXt: bottlenecks of 4 groups of 4 channels (16 wide) to 4 groups of
+    32, one per stage."""
+    from torchvision.models.resnet import Bottleneck, ResNet
+
+    return ResNet(Bottleneck, [1, 1, 1, 1], num_classes=5, groups=4, width_per_group=4)
+
+
+def regnet() -> nn.Module:
+    """torchvision's RegNet (X: no squeeze-and-excitation), two stages: one block of 2 groups
+    of 8 channels, then three of 4 groups."""
+    from torchvision.models.regnet import BlockParams, RegNet
+
+    params = BlockParams.from_init_params(depth=4, w_0=16, w_a=8.0, w_m=2.0, group_width=8)
+    return RegNet(params, num_classes=5)
 
 
 def efficientnet() -> nn.Module:
@@ -414,6 +463,28 @@ def bad_input(group) -> int:
             build()
         except ValueError:
             raised += 1
+    # A grouped convolution between a pair takes whole groups: shares of a part of one raise,
+    # for the pair's first layer (named by the shares) and for the convolution alone.
+    pair = nn.Sequential(
+        nn.Conv2d(3, 4 * p, 1), nn.Conv2d(4 * p, 4 * p, 3, groups=p), nn.Conv2d(4 * p, 5, 1)
+    )
+    uneven = [4 * p - 2 * (p - 1)] + [2] * (p - 1)
+    try:
+        filter_parallel(pair, {"0": uneven, "2": uneven}, group)
+    except ValueError as e:
+        assert str(e) == (
+            f"shares_or_speeds['0']: layer '0' feeds grouped convolution '1', which each rank "
+            f"runs on whole groups, so its shares must be multiples of 4 channels, got {uneven}"
+        ), str(e)
+        raised += 1
+    try:
+        FilterParallelGroupedConv2d.from_module(pair[1], uneven, group)
+    except ValueError as e:
+        assert str(e) == (
+            "shares: must be multiples of the 4 channels of each of the grouped Conv2d's "
+            f"{p} groups (each rank runs whole groups), got {uneven}"
+        ), str(e)
+        raised += 1
     c.allgather_int64(torch.zeros(1, dtype=torch.int64).numpy(), None)
     return raised
 

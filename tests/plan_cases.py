@@ -375,6 +375,36 @@ SHARES = {
     ],
 }
 
+#: A split stage with a grouped convolution between its pair (ResNeXt's bottleneck, small):
+#: the pair's shares in whole groups (4 groups of 2 channels), named by layer index on ranks
+#: 0 and 2, by speeds on ranks 1 and 3 (3 groups and 1).
+GROUPED = {
+    "microbatches": 2,
+    "replicas": [
+        {
+            "samples": 5,
+            "stages": [
+                {"ranks": [0, 2], "shares": {"0": [2, 6], "5": [2, 6]}, "layers": [0, 6]},
+                {"ranks": [1, 3], "speeds": [1.0, 0.3], "layers": [6, 8]},
+            ],
+        },
+    ],
+}
+
+
+def grouped_cnn() -> nn.Sequential:
+    """8 layers: a 1x1 convolution, a grouped 3x3 one of 4 groups between it and another 1x1
+    (BatchNorm and ReLU between), then a second such block in layers 6-7's Sequential."""
+
+    def block(c: int) -> nn.Sequential:
+        return nn.Sequential(
+            nn.Conv2d(c, 8, 1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, groups=4),
+            nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 6, 1),
+        )  # fmt: skip
+
+    return nn.Sequential(*block(3), block(6), nn.Sequential(nn.Flatten(), nn.Linear(6 * 16, 5)))
+
+
 RESNET = {
     "microbatches": 2,
     "schedule": "1F1B",
@@ -710,6 +740,10 @@ def run_all(group: Any) -> dict[str, Any]:
     out["idle"] = t if wrap(group).rank == 1 else None
     equals_one_process(group, cnn, Plan.from_dict(SHARES), (3, 8, 8))
     out["shares"] = True
+    # (in evaluation mode, as the ResNet's: a micro-batch's BatchNorm statistics are not the
+    # batch's)
+    equals_one_process(group, grouped_cnn, Plan.from_dict(GROUPED), (3, 4, 4), eval_mode=True)
+    out["grouped"] = True
     equals_one_process(
         group, resnet18, Plan.from_dict(RESNET), (3, 32, 32), steps=2, eval_mode=True
     )

@@ -20,6 +20,7 @@ from hetcoll.torch import (
     FilterParallelBatchNorm2d,
     FilterParallelConv2d,
     FilterParallelDepthwiseConv2d,
+    FilterParallelGroupedConv2d,
     FilterParallelLinear,
     FilterParallelMultiheadAttention,
     gather_state_dict,
@@ -173,6 +174,11 @@ ONLY_FROM_MODULE = [
         id="DepthwiseConv2d",
     ),
     pytest.param(
+        lambda: FilterParallelGroupedConv2d(8, 8, 3, groups=2),
+        "FilterParallelGroupedConv2d",
+        id="GroupedConv2d",
+    ),
+    pytest.param(
         lambda: gather_state_dict(nn.Sequential(BN1(8))),
         "FilterParallelBatchNorm1d",
         id="gather_state_dict",
@@ -218,6 +224,28 @@ WRONG_MODULES = [
         TypeError,
         "conv: must be a torch.nn.Conv2d, got NoneType",
         lambda: FilterParallelDepthwiseConv2d.from_module(None, [8]),
+    ),
+    case(
+        TypeError,
+        "conv: must be a torch.nn.Conv2d, got Linear",
+        lambda: FilterParallelGroupedConv2d.from_module(nn.Linear(4, 4), [8]),
+    ),
+    case(
+        ValueError,
+        "conv: a grouped convolution of whole groups per rank has groups > 1 and as many "
+        "channels in as out, got groups 1, 8 in, 8 out",
+        lambda: FilterParallelGroupedConv2d.from_module(nn.Conv2d(8, 8, 3), [8]),
+    ),
+    case(
+        ValueError,
+        "conv: a grouped convolution of whole groups per rank has groups > 1 and as many "
+        "channels in as out, got groups 2, 8 in, 16 out",
+        lambda: FilterParallelGroupedConv2d.from_module(nn.Conv2d(8, 16, 3, groups=2), [16]),
+    ),
+    case(
+        ValueError,
+        "conv: a depthwise convolution has groups = in = out channels, got groups 2, 8 in, 8 out",
+        lambda: FilterParallelDepthwiseConv2d.from_module(nn.Conv2d(8, 8, 3, groups=2), [8]),
     ),
     case(
         TypeError,
@@ -316,6 +344,8 @@ def test_good_calls_build_and_compute_as_the_unsplit_layers(one_rank: None) -> N
     torch.manual_seed(3)
     bn1, bn2 = nn.BatchNorm1d(4).double(), nn.BatchNorm2d(3).double()
     dw = nn.Conv2d(3, 3, 3, groups=3, dtype=torch.float64)
+    grouped = nn.Conv2d(6, 6, 3, groups=2, padding=1, padding_mode="reflect", dtype=torch.float64)
+    x6 = torch.randn(2, 6, 7, 6, dtype=torch.float64)
     mha = nn.MultiheadAttention(8, 2, dtype=torch.float64)
     norm, emb = nn.RMSNorm(8, eps=1e-6, dtype=torch.float64), nn.Embedding(10, 4)
     copy = SharedCopy(wrap(None), None)
@@ -329,6 +359,7 @@ def test_good_calls_build_and_compute_as_the_unsplit_layers(one_rank: None) -> N
         (BN1.from_module(bn1, [np.int64(4)]), bn1, x2, 1e-12),
         (BN2.from_module(bn2, [3]), bn2, x4, 1e-12),
         (FilterParallelDepthwiseConv2d.from_module(dw, [3]), dw, x4, 1e-12),
+        (FilterParallelGroupedConv2d.from_module(grouped, [6]), grouped, x6, 1e-12),
         (RMS.from_module(norm, np.float64(1e-6), [8]), norm, h, 1e-6),  # in float32, as HF's
         (FilterParallelEmbedding.from_module(emb, [10]), emb, ids, 0.0),
     ):

@@ -766,6 +766,47 @@ def test_predictor_takes_its_filter_modes_from_the_runtime(name, shape) -> None:
         assert modes["encoder.layers.encoder_layer_0.mlp.3"] == "split-input"
 
 
+def test_a_grouped_convolution_between_a_pair_splits_by_whole_groups_in_the_model() -> None:
+    """ResNeXt's grouped 3x3 convolution runs on whole groups of the 1x1 pair around it, as
+    the runtime runs it: the model pairs across it and splits the pair's channels in whole
+    groups, as filter_shares does (here 4 groups of 4 channels at 3 : 1 : 1); its compute is
+    priced on each device's groups. Explicit shares of a part of a group are refused, named."""
+    torchvision = pytest.importorskip("torchvision")
+    from hetcoll.model import predict_plan
+    from hetcoll.model.predict import filter_modes
+    from hetcoll.plan import Plan
+    from hetcoll.torch.filters import filter_modes as runtime_modes
+    from hetcoll.torch.filters import filter_shares
+
+    resnet = torchvision.models.resnet
+    model = resnet.ResNet(resnet.Bottleneck, [1, 1, 1, 1], groups=4, width_per_group=4)
+    costs = layer_costs(model, (3, 32, 32))
+    assert dict(costs.filter_units) == {f"layer{k}.0.conv1": 4 * 2 ** (k - 1) for k in (1, 2, 3, 4)}
+    assert filter_modes(costs) == runtime_modes(model)
+    assert filter_modes(costs)["layer1.0.conv1"] == "split-output"
+    speeds = [3.0, 1.0, 1.0]
+    cluster = _cluster([(1e11, 2e10)] * 3)
+    got = filter_parallel(costs, cluster, 16, speeds).detail["shares_per_layer"]
+    want = filter_shares(model, size=3, speeds=speeds)
+    for k in (1, 2, 3, 4):
+        assert got[f"layer{k}.0.conv1"] == want[f"layer{k}.0.conv1"], (k, got, want)
+    assert want["layer1.0.conv1"] == [8, 4, 4]
+    # (Channel by channel they would be 10 : 3 : 3, which no rank's groups hold.)
+    loose = filter_parallel(replace(costs, filter_units=()), cluster, 16, speeds)
+    assert loose.detail["shares_per_layer"]["layer1.0.conv1"] == [10, 3, 3]
+    # A plan's stage of a chain names its layers' shares by index: a part of a group refused.
+    chain = nn.Sequential(
+        nn.Conv2d(3, 8, 1), nn.ReLU(), nn.Conv2d(8, 8, 3, groups=2), nn.Conv2d(8, 5, 1)
+    )
+    chain_costs = layer_costs(chain, (3, 8, 8))
+    stage = {"ranks": [0, 1], "layers": [0, 4], "shares": {"0": [4, 4], "3": [4, 4]}}
+    doc = {"replicas": [{"samples": 8, "stages": [stage]}]}
+    assert predict_plan(chain_costs, cluster, Plan.from_dict(doc)).feasible
+    stage["shares"] = {"0": [6, 2], "3": [6, 2]}
+    with pytest.raises(ValueError, match=r"stages\[0\]\.shares\[0\]: layer '0' feeds a grouped "):
+        predict_plan(chain_costs, cluster, Plan.from_dict(doc))
+
+
 def test_filter_parallel_communication_by_hand(cnn_costs) -> None:  # type: ignore[no-untyped-def]
     # Free compute and memory: the step is the collectives alone. Paired: the split-input
     # layers allreduce their partial outputs (forward); conv7 and fc15 allreduce their input

@@ -29,6 +29,7 @@ EXPECTED = {
     "evaluating_alone": "ranks disagree on gradients",
     "asymmetric": True,
     "shares": True,
+    "grouped": True,
     "resnet18": True,
     "densenet": True,
     "owners_after_split": True,

@@ -241,6 +241,7 @@ def layer_costs(
         tuple(notes),
         buffer_bytes,
         modes,
+        filter_units=tuple(layout.units.items()),
         inputs=inputs,
         split_blocks=blocks,
         experts=_experts_blocks(model, layers, item),

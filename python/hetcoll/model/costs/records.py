@@ -313,6 +313,10 @@ class ModelCosts:
     #: The mode :func:`hetcoll.torch.filter_parallel` would give each layer it splits (name,
     #: mode), read off the model by the runtime's own pairing rule; layers absent stay replicated.
     filter_modes: tuple[tuple[str, str], ...] = ()
+    #: The channels a split-output layer's shares must be multiples of (name, channels), where
+    #: a grouped convolution between it and its split-input partner runs on whole groups
+    #: (:attr:`hetcoll.torch.filters.SplitLayout.units`); absent: 1.
+    filter_units: tuple[tuple[str, int], ...] = ()
     #: The model's layers as a :class:`hetcoll.Plan` counts them
     #: (:func:`hetcoll.torch.layers.model_layers`: an ``nn.Sequential``'s children, or the
     #: top-level calls of a traced forward), by name; empty when the model is not such a chain

@@ -236,7 +236,8 @@ def filter_parallel_schedule(
     split_as: dict[int, str] = {}  # the layer the runtime splits, where not the costed one
     source: tuple[int, np.ndarray] | None = None  # the open split-output layer, its fractions
     speeds = [float(x) for x in parts]
-    splits: dict[int, list[int]] = {}  # layers of equal filters split alike
+    splits: dict[tuple[int, int], list[int]] = {}  # layers of equal filters split alike
+    grouped = dict(costs.filter_units)
     # The attentions and MLPs split by heads and hidden units (every layer of theirs in the
     # modes): each costed layer inside runs on a device's fraction of the units.
     blocks = [
@@ -288,9 +289,10 @@ def filter_parallel_schedule(
                         f"{layer.filters}, got {f}"
                     )
             else:
-                if layer.filters not in splits:
-                    splits[layer.filters] = _by_speed(layer.filters, speeds)
-                f = list(splits[layer.filters])
+                unit = grouped.get(layer.name, 1)  # whole groups of a grouped convolution
+                if (layer.filters, unit) not in splits:
+                    splits[layer.filters, unit] = _by_speed(layer.filters, speeds, unit)
+                f = list(splits[layer.filters, unit])
             filters_of[i] = f
             phi[i, :] = np.asarray(f, dtype=np.float64) / layer.filters
             source = (i, phi[i].copy()) if mode == "split-output" else None
@@ -531,7 +533,8 @@ def time_balanced_shares(
     partners = split_input_partners(layer_modes)
     for name, mode in layer_modes.items():
         if name not in in_blocks and name not in whole and mode != "split-input":
-            out[name] = _by_speed(by_name[name].filters, [float(x) for x in parts])
+            unit = dict(costs.filter_units).get(name, 1)
+            out[name] = _by_speed(by_name[name].filters, [float(x) for x in parts], unit)
             # Its split-input partner (the pairing rule's: T5's MLP) reads those channels:
             # named with the same shares, as the runtime pairs them only when both are named.
             if name in partners:
@@ -539,10 +542,14 @@ def time_balanced_shares(
     return out
 
 
-def _by_speed(filters: int, speeds: list[float]) -> list[int]:
-    """A layer's channels split in proportion to ``speeds`` (:func:`hetcoll.split`), at
-    least one each where there are enough, as the runtime splits it."""
-    return hetcoll.split(filters, speeds, minimum=1 if filters >= len(speeds) else 0)
+def _by_speed(filters: int, speeds: list[float], unit: int = 1) -> list[int]:
+    """A layer's channels split in proportion to ``speeds`` (:func:`hetcoll.split`), in
+    multiples of ``unit`` channels (a grouped convolution's groups it feeds), at least one
+    unit each where there are enough, as the runtime splits it."""
+    units = filters // unit
+    return [
+        u * unit for u in hetcoll.split(units, speeds, minimum=1 if units >= len(speeds) else 0)
+    ]
 
 
 def filter_parallel(
@@ -719,23 +726,28 @@ def stage_split(
                     f"{ranks} ranks with at least 1 each"
                 )
         return modes, None
-    named: dict[str, list[int]] = {}
-    for index, per_rank in shares.items():
+    index_of: dict[str, int] = {}
+    for index in shares:
         kind = costs.plan_layer_kinds[index] if 0 <= index < len(costs.plan_layers) else ""
         if not first <= index < end or kind not in ("Conv2d", "Linear"):
             raise ValueError(
                 f"{where}.shares: layer {index} is not a Conv2d or Linear layer of the stage"
             )
-        name = costs.plan_layers[index]
-        values = [int(v) for v in per_rank]
-        if len(values) != ranks or min(values) < 1 or sum(values) != by_name[name].filters:
-            raise ValueError(
-                f"{where}.shares[{index!r}]: needs {ranks} shares >= 1 summing to layer "
-                f"{name!r}'s {by_name[name].filters} channels, got {values}"
-            )
-        named[name] = values
+        index_of[costs.plan_layers[index]] = index
     pairs = costs.stage_filter_pairs(first, end)
     source = {b: a for a, b in pairs.items()}
+    named: dict[str, list[int]] = {}
+    for name, index in index_of.items():
+        values = [int(v) for v in shares[index]]
+        # A split-input layer named with its partner reads the partner's channels (as the
+        # runtime takes its shares: the partner's).
+        reads = source[name] if source.get(name) in index_of else name
+        if len(values) != ranks or min(values) < 1 or sum(values) != by_name[reads].filters:
+            raise ValueError(
+                f"{where}.shares[{index!r}]: needs {ranks} shares >= 1 summing to layer "
+                f"{reads!r}'s {by_name[reads].filters} channels, got {values}"
+            )
+        named[name] = values
     out: dict[str, str] = {}
     for name in named:
         if name in pairs and pairs[name] in named:
@@ -749,4 +761,13 @@ def stage_split(
             out[name] = "split-input"
         else:
             out[name] = "gather"
+    units = dict(costs.filter_units)
+    for name, mode in out.items():
+        unit = units.get(name, 1)
+        if mode == "split-output" and any(v % unit for v in named[name]):
+            raise ValueError(
+                f"{where}.shares[{index_of[name]!r}]: layer "
+                f"{name!r} feeds a grouped convolution, which each rank runs on whole groups, "
+                f"so its shares must be multiples of {unit} channels, got {named[name]}"
+            )
     return out, {n: v for n, v in named.items() if out[n] != "split-input"}

@@ -7,6 +7,7 @@ types and sizes only, so a model on the meta device works."""
 from __future__ import annotations
 
 import inspect
+import math
 import re
 import warnings
 import weakref
@@ -959,12 +960,14 @@ def plan_modes(
     untraced: list[str] | None = None,
     traced_cache: dict[tuple[int, str], Traced | str] | None = None,
     reads: list[str] | None = None,
+    ranks: int = 1,
 ) -> tuple[dict[str, str], dict[str, tuple[str, int]], dict[str, str]]:
     """Modes of the chosen layers; for each split-input layer the layer whose shares it takes
     and its in_features_per_channel (and for the expanding layer of a squeeze-and-excitation
     on a split run, split-output, the layer whose shares it takes and 1: :class:`Excitation`);
-    for each per-channel layer to split (a BatchNorm, a depthwise convolution), the layer it
-    follows. The
+    for each per-channel layer to split (a BatchNorm, a depthwise or grouped convolution), the
+    layer it follows. A grouped convolution of fewer groups than ``ranks`` needs the full
+    tensor (each rank holds whole groups). The
     modules whose forwards could not be traced go to ``untraced`` (:func:`_chains`, as does
     ``traced_cache``), and the layers a traced forward reads the parameters of to ``reads``."""
     modes = {name: "gather" for name in chosen}
@@ -1029,8 +1032,12 @@ def plan_modes(
             if type(m) is bn_type and not flattened and m.num_features == layer_channels(prev[1]):
                 pending.append(name)
                 continue
-            if conv and not flattened and is_depthwise(m, layer_channels(prev[1])):
-                pending.append(name)  # per channel too (MobileNet's, between its 1x1 convs)
+            channels = layer_channels(prev[1])
+            width = channels_per_group(m, channels) if conv and not flattened else None
+            if width is not None and channels // width >= ranks:  # a group for every rank
+                # Per channel too, or per group of channels (MobileNet's depthwise convolution
+                # between its 1x1 convolutions, ResNeXt's and RegNet's grouped one).
+                pending.append(name)
                 continue
             flat = isinstance(m, nn.Flatten) and m.start_dim == 1 and m.end_dim == -1
             if conv and not flattened and flat:
@@ -1042,15 +1049,27 @@ def plan_modes(
     return modes, feeds, bns
 
 
-def is_depthwise(m: nn.Module, channels: int) -> bool:
-    """Whether ``m`` is a depthwise convolution of ``channels`` channels, each output channel
-    its own input channel's (``groups`` = in = out channels, zero or no padding mode of its
-    own across channels): it runs on a slice of the channels as it runs on all."""
-    return (
-        type(m) is nn.Conv2d
-        and m.groups == m.in_channels == m.out_channels == channels
-        and channels > 1
-    )
+def channels_per_group(m: nn.Module, channels: int) -> int | None:
+    """The channels of each group of ``m`` if it is a depthwise or grouped convolution of
+    ``channels`` channels in and out (``groups`` > 1; its padding, of any mode, is per
+    channel), each group's output channels its own input channels' alone: it runs on
+    a slice of whole groups as it runs on all (1 for a depthwise convolution); else None."""
+    if not (type(m) is nn.Conv2d and m.in_channels == m.out_channels == channels and m.groups > 1):
+        return None
+    return channels // m.groups
+
+
+def channel_units(bns: Mapping[str, str], named: Mapping[str, nn.Module]) -> dict[str, int]:
+    """The channels a pair's shares must be multiples of, by the pair's split-output layer,
+    where more than 1: the channels of each group of a grouped convolution between them
+    (``bns``: :func:`plan_modes`' per-channel layers, each with the layer it follows), the
+    least common multiple of several."""
+    units: dict[str, int] = {}
+    for name, src in bns.items():
+        m = named[name]
+        if isinstance(m, nn.Conv2d) and m.groups > 1:
+            units[src] = math.lcm(units.get(src, 1), m.in_channels // m.groups)
+    return {src: u for src, u in units.items() if u > 1}
 
 
 def _pairs(prev: tuple[str, nn.Module], m: nn.Module, flattened: bool) -> int | None:

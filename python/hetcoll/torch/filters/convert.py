@@ -71,6 +71,7 @@ from hetcoll.torch.filters.layers import (
     FilterParallelConv2d,
     FilterParallelDepthwiseConv2d,
     FilterParallelEmbedding,
+    FilterParallelGroupedConv2d,
     FilterParallelLayer,
     FilterParallelLinear,
     FilterParallelMultiheadAttention,
@@ -278,6 +279,8 @@ def _shares(
     cache: dict[tuple[int, str], Traced | str] = {} if traced is None else traced
     untraced: list[str] = []
 
+    ranks = 1  # a grouped convolution of fewer groups breaks a pair (asked only where one is)
+
     def laid_out(chosen: list[str]) -> SplitLayout:  # the modules it cannot trace to untraced
         untraced.clear()
         return split_layout(
@@ -288,9 +291,17 @@ def _shares(
             untraced=untraced,
             traced_cache=cache,
             experts=experts,
+            ranks=ranks,
         )
 
     layout = laid_out(chosen)
+    # A grouped convolution between a pair gives each rank whole groups: with fewer groups
+    # than ranks it needs the full tensor, and the layout is made again for the ranks.
+    grouped = [named[b].groups for b in layout.batchnorms if isinstance(named[b], nn.Conv2d)]
+    if grouped:
+        ranks = size_of()
+        if min(grouped) < ranks:
+            layout = laid_out(chosen)
 
     def need() -> int:  # the channels a layer needs for the ranks (the group asked only then)
         return size_of() * int(multiple_of)
@@ -455,6 +466,11 @@ def _shares(
                     f"split by whole units alike, so its shares must be {shares[c]} (for "
                     f"{ts.row!r}'s {shares[ts.row]}), got {list(given)!r}"
                 )
+    grouped_by = {
+        src: b
+        for b, src in layout.batchnorms.items()
+        if isinstance(named[b], nn.Conv2d) and named[b].groups > 1
+    }
     for name in chosen:
         if name in in_splits:
             continue
@@ -462,20 +478,36 @@ def _shares(
         total = layer_channels(named[name])
         if name in feeds:
             continue  # it takes the shares of the layer whose channels it reads: checked below
+        unit = layout.units.get(name, 1)  # whole groups of a grouped convolution it feeds
         if per_layer is not None:
             if name not in per_layer:
                 raise ValueError(f"{argument}: gives no shares for {what}")
             shares[name] = check_shares(per_layer[name], total, size, argument, what)
+            where = f"{argument}[{name!r}]"
         elif argument != "speeds" and all(is_int(s) for s in shares_or_speeds):  # type: ignore[union-attr]
             shares[name] = check_shares(shares_or_speeds, total, size, argument, what)
+            where = argument
         else:
-            shares[name] = speeds_to_shares(
+            # A unit of whole groups: also a multiple of multiple_of channels where such
+            # units still divide the channels among the ranks.
+            step = math.lcm(unit, int(multiple_of)) if unit > 1 else 1
+            if total % step or total // step < size:
+                step = unit
+            counts = speeds_to_shares(
                 shares_or_speeds,  # type: ignore[arg-type]
-                total,
+                total // step,
                 size,
-                int(multiple_of),
+                int(multiple_of) if step == 1 else 1,
                 argument,
                 what,
+            )
+            shares[name] = [c * step for c in counts]
+            continue
+        if any(s % unit for s in shares[name]):
+            raise ValueError(
+                f"{where}: {what} feeds grouped convolution {grouped_by[name]!r}, which each "
+                f"rank runs on whole groups, so its shares must be multiples of {unit} "
+                f"channels, got {list(shares[name])}"
             )
     for name, (src, _) in feeds.items():
         shares[name] = shares[src]
@@ -822,7 +854,7 @@ def filter_parallel(
     in_splits = {n for ts, _ in splits for n in ts.layers()}
     chosen = list(per_layer)
     chained = [n for n in chosen if n not in in_splits]
-    _, feeds, bns = plan_modes(model, chained, avoid_gathers, traced_cache=traced)
+    _, feeds, bns = plan_modes(model, chained, avoid_gathers, traced_cache=traced, ranks=comm.size)
     ties = vocabulary_ties(model) if loss_parallel else {}
 
     shared = [(n, tuple(model.get_parameter(n).shape)) for ts, _ in splits for n in ts.shared]
@@ -973,8 +1005,10 @@ def filter_parallel(
     for name, src in bns.items():  # per channel: a BatchNorm, a depthwise convolution
         m = named[name]
         split: nn.Module
-        if isinstance(m, nn.Conv2d):
+        if isinstance(m, nn.Conv2d) and m.groups == m.in_channels:
             split = FilterParallelDepthwiseConv2d.from_module(m, per_layer[src], comm)
+        elif isinstance(m, nn.Conv2d):  # per group of channels
+            split = FilterParallelGroupedConv2d.from_module(m, per_layer[src], comm)
         elif isinstance(m, nn.BatchNorm2d):
             split = FilterParallelBatchNorm2d.from_module(m, per_layer[src], comm)
         else:

@@ -1187,44 +1187,52 @@ class FilterParallelBatchNorm1d(_SplitBatchNorm, nn.BatchNorm1d):
     _kind = nn.BatchNorm1d
 
 
-class FilterParallelDepthwiseConv2d(ChannelSplit, nn.Conv2d):
-    """Channels ``[offset, offset + share)`` of a depthwise ``Conv2d`` (``groups`` = in = out
-    channels) that follows a split conv layer: each output channel reads its own input
-    channel alone, so the split is exact and needs no communication (MobileNet's 3x3
-    convolution between its 1x1 expansion and projection). Only :meth:`from_module` builds
-    one."""
+class FilterParallelGroupedConv2d(ChannelSplit, nn.Conv2d):
+    """Channels ``[offset, offset + share)`` of a grouped ``Conv2d`` (``groups`` > 1, as many
+    channels in as out) that follows a split conv layer, ``share`` a multiple of each group's
+    channels: each group's output channels read its own input channels alone, so a slice of
+    whole groups is exact and needs no communication (ResNeXt's and RegNet's 3x3 convolution
+    between their 1x1 convolutions). Only :meth:`from_module` builds one."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # nn.Conv2d's constructor built a layer of no split (an AttributeError at its first
         # state dict).
-        raise TypeError(
-            "FilterParallelDepthwiseConv2d: build one with "
-            "FilterParallelDepthwiseConv2d.from_module"
-        )
+        name = type(self).__name__
+        raise TypeError(f"{name}: build one with {name}.from_module")
 
     def split_spec(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         return {n: (0, (1,)) for n in ("weight", "bias") if getattr(self, n, None) is not None}
 
     @classmethod
-    def from_module(
-        cls, conv: nn.Conv2d, shares: Sequence[int], group: Any = None
-    ) -> FilterParallelDepthwiseConv2d:
-        """This rank's channels of ``conv``, a depthwise convolution of ``sum(shares)``
-        channels.
+    def _check(cls, conv: nn.Conv2d) -> None:
+        if not (conv.groups > 1 and conv.in_channels == conv.out_channels):
+            raise ValueError(
+                f"conv: a grouped convolution of whole groups per rank has groups > 1 and as "
+                f"many channels in as out, got groups {conv.groups}, {conv.in_channels} in, "
+                f"{conv.out_channels} out"
+            )
 
-        >>> FilterParallelDepthwiseConv2d.from_module(  # doctest: +SKIP
-        ...     nn.Conv2d(37, 37, 3, groups=37), [29, 7, 1])
+    @classmethod
+    def from_module(cls, conv: nn.Conv2d, shares: Sequence[int], group: Any = None) -> Any:
+        """This rank's channels of ``conv``, a grouped convolution of ``sum(shares)``
+        channels in and out, each share a multiple of its groups' channels.
+
+        >>> FilterParallelGroupedConv2d.from_module(  # doctest: +SKIP
+        ...     nn.Conv2d(32, 32, 3, groups=8), [24, 8])
         """
         if not isinstance(conv, nn.Conv2d):
             raise TypeError(f"conv: must be a torch.nn.Conv2d, got {type(conv).__name__}")
+        cls._check(conv)
         comm = wrap(group)
         channels = conv.out_channels
-        if not conv.groups == conv.in_channels == channels:
+        what = f"the {'depthwise' if conv.groups == channels else 'grouped'} Conv2d"
+        counts = check_shares(shares, channels, comm.size, "shares", what)
+        width = channels // conv.groups
+        if any(c % width for c in counts):
             raise ValueError(
-                f"conv: a depthwise convolution has groups = in = out channels, got groups "
-                f"{conv.groups}, {conv.in_channels} in, {channels} out"
+                f"shares: must be multiples of the {width} channels of each of {what}'s "
+                f"{conv.groups} groups (each rank runs whole groups), got {counts}"
             )
-        counts = check_shares(shares, channels, comm.size, "shares", "the depthwise Conv2d")
         off, n = sum(counts[: comm.rank]), counts[comm.rank]
         new = cls.__new__(cls)
         nn.Conv2d.__init__(
@@ -1235,7 +1243,7 @@ class FilterParallelDepthwiseConv2d(ChannelSplit, nn.Conv2d):
             conv.stride,  # type: ignore[arg-type]
             conv.padding,  # type: ignore[arg-type]
             conv.dilation,  # type: ignore[arg-type]
-            groups=max(n, 1),
+            groups=max(n // width, 1),
             bias=conv.bias is not None,
             padding_mode=conv.padding_mode,
             device=conv.weight.device,
@@ -1252,6 +1260,22 @@ class FilterParallelDepthwiseConv2d(ChannelSplit, nn.Conv2d):
                 )
         new.train(conv.training)
         return new
+
+
+class FilterParallelDepthwiseConv2d(FilterParallelGroupedConv2d):
+    """Channels ``[offset, offset + share)`` of a depthwise ``Conv2d`` (``groups`` = in = out
+    channels) that follows a split conv layer: each output channel reads its own input
+    channel alone, so the split is exact and needs no communication (MobileNet's 3x3
+    convolution between its 1x1 expansion and projection). Only :meth:`from_module` builds
+    one."""
+
+    @classmethod
+    def _check(cls, conv: nn.Conv2d) -> None:
+        if not conv.groups == conv.in_channels == conv.out_channels:
+            raise ValueError(
+                f"conv: a depthwise convolution has groups = in = out channels, got groups "
+                f"{conv.groups}, {conv.in_channels} in, {conv.out_channels} out"
+            )
 
 
 class FilterParallelMultiheadAttention(ChannelSplit, nn.Module):

@@ -17,6 +17,7 @@ from torch import nn
 
 from hetcoll.torch.filters.chains import (
     Traced,
+    channel_units,
     choose_layers,
     experts_adapters,
     inside_unknown_adapters,
@@ -41,7 +42,9 @@ class SplitLayout:
     experts module its own row, split-input); ``kept``: the attentions left whole, by name,
     with why; ``read_directly``: the chosen layers left whole because a traced forward reads
     their parameters itself (functional code, as torchvision Swin's attention: a split would
-    hand it a slice); ``whole_experts``: the experts modules left whole, by name, with why."""
+    hand it a slice); ``whole_experts``: the experts modules left whole, by name, with why;
+    ``units``: the channels a pair's shares must be multiples of, by its split-output layer,
+    where a grouped convolution between them (among the ``batchnorms``) takes whole groups."""
 
     modes: dict[str, str]
     feeds: dict[str, tuple[str, int]]
@@ -50,6 +53,7 @@ class SplitLayout:
     kept: dict[str, str]
     read_directly: list[str]
     whole_experts: dict[str, str] = field(default_factory=dict)
+    units: dict[str, int] = field(default_factory=dict)
 
 
 def split_layout(
@@ -62,6 +66,7 @@ def split_layout(
     untraced: list[str] | None = None,
     traced_cache: dict[tuple[int, str], Traced | str] | None = None,
     experts: Sequence[str] | None = None,
+    ranks: int = 1,
 ) -> SplitLayout:
     """The layout of a split of ``chosen`` (default: the layers :func:`~.chains.choose_layers`
     picks, without its warnings): chain pairs first,
@@ -69,19 +74,21 @@ def split_layout(
     ``nn.MultiheadAttention`` too: all, or those a collection names) and MLPs among the layers
     left gathering, and the mixtures of experts ``experts`` names (default: all of the
     model's) by hidden units; a layer whose parameters a traced forward reads itself stays
-    whole (``read_directly``). ``untraced`` and ``traced_cache`` as for
-    :func:`~.chains.plan_modes`."""
+    whole (``read_directly``). ``untraced``, ``traced_cache`` and ``ranks`` (a grouped
+    convolution of fewer groups breaks a pair) as for :func:`~.chains.plan_modes`."""
     if chosen is None:
         chosen = choose_layers(model, None, dict(model.named_modules()), warn=False)
     cache: dict[tuple[int, str], Traced | str] = {} if traced_cache is None else traced_cache
     found: list[str] = []
     seen: list[str] = []  # untraced modules, reported once the modes are final
-    modes, feeds, bns = plan_modes(model, list(chosen), avoid_gathers, seen, cache, found)
+    modes, feeds, bns = plan_modes(
+        model, list(chosen), avoid_gathers, seen, cache, found, ranks=ranks
+    )
     read_directly = [n for n in chosen if n in found]
     if read_directly:  # the modes again without them (the traces cached)
         chosen = [n for n in chosen if n not in read_directly]
         seen = []
-        modes, feeds, bns = plan_modes(model, chosen, avoid_gathers, seen, cache)
+        modes, feeds, bns = plan_modes(model, chosen, avoid_gathers, seen, cache, ranks=ranks)
     if untraced is not None:
         untraced.extend(seen)
     splits: list[TensorSplit] = []
@@ -123,7 +130,8 @@ def split_layout(
             modes[name] = "split-input"  # its partial outputs summed over the ranks
         elif split is not None:
             whole_experts[name] = split if isinstance(split, str) else "avoid_gathers=False"
-    return SplitLayout(modes, feeds, bns, splits, kept, read_directly, whole_experts)
+    units = channel_units(bns, named)
+    return SplitLayout(modes, feeds, bns, splits, kept, read_directly, whole_experts, units)
 
 
 def _adapted_layers(model: nn.Module, chosen: Sequence[str], gathered: Sequence[str]) -> list[str]:
