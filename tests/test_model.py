@@ -776,7 +776,7 @@ def test_a_grouped_convolution_between_a_pair_splits_by_whole_groups_in_the_mode
     from hetcoll.model.predict import filter_modes
     from hetcoll.plan import Plan
     from hetcoll.torch.filters import filter_modes as runtime_modes
-    from hetcoll.torch.filters import filter_shares
+    from hetcoll.torch.filters import filter_shares, split_layout
 
     resnet = torchvision.models.resnet
     model = resnet.ResNet(resnet.Bottleneck, [1, 1, 1, 1], groups=4, width_per_group=4)
@@ -805,6 +805,12 @@ def test_a_grouped_convolution_between_a_pair_splits_by_whole_groups_in_the_mode
     stage["shares"] = {"0": [6, 2], "3": [6, 2]}
     with pytest.raises(ValueError, match=r"stages\[0\]\.shares\[0\]: layer '0' feeds a grouped "):
         predict_plan(chain_costs, cluster, Plan.from_dict(doc))
+    # Its 2 groups are too few for 3 devices: kept whole, and the pair gathers, as at run time.
+    assert filter_parallel(chain_costs, _cluster([(1e11, 2e10)] * 2), 8, [1.0, 1.0]).detail[
+        "modes"
+    ] == {"0": "split-output", "3": "split-input"}
+    three = filter_parallel(chain_costs, cluster, 8, [1.0, 1.0, 1.0]).detail["modes"]
+    assert three == split_layout(chain, ranks=3).modes == {"0": "gather", "3": "gather"}
 
 
 def test_filter_parallel_communication_by_hand(cnn_costs) -> None:  # type: ignore[no-untyped-def]

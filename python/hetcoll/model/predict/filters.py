@@ -237,7 +237,14 @@ def filter_parallel_schedule(
     source: tuple[int, np.ndarray] | None = None  # the open split-output layer, its fractions
     speeds = [float(x) for x in parts]
     splits: dict[tuple[int, int], list[int]] = {}  # layers of equal filters split alike
+    # Pairs around a grouped convolution split in whole groups; one of fewer groups than the
+    # devices needs the full tensor, as the runtime keeps it: the pair around it gathers.
     grouped = dict(costs.filter_units)
+    partners = split_input_partners(layer_modes)
+    for src, unit in list(grouped.items()):
+        if src in partners and costs.layers[names[src]].filters // unit < n_dev:
+            layer_modes[src] = layer_modes[partners[src]] = "gather"
+            del grouped[src]
     # The attentions and MLPs split by heads and hidden units (every layer of theirs in the
     # modes): each costed layer inside runs on a device's fraction of the units.
     blocks = [
