@@ -109,7 +109,8 @@ PLACEMENT_RUN      := benches/bench_placement.py --launches 3 --json $(RESULTS)/
 	bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate bench-plans \
 	bench-microbatches bench-planspace bench-placement bench-lm-pipeline bench-tensor-parallel \
 	bench-tensor-parallel-moe bench-tensor-parallel-lora bench-expert-parallel bench-fixed-costs \
-	bench-step-timer bench-step-overhead bench-trainer-rebalance bench-fsdp-rebalance bench-full-state
+	bench-step-timer bench-step-overhead bench-trainer-rebalance bench-fsdp-rebalance bench-full-state \
+	bench-grouped-convs
 
 $(BENCHED): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet --group bench
@@ -120,7 +121,7 @@ bench: bench-kernels bench-split bench-partition bench-partitioners bench-planne
 		bench-microbatches bench-plans bench-planspace bench-placement bench-lm-pipeline \
 		bench-tensor-parallel bench-tensor-parallel-moe bench-tensor-parallel-lora \
 		bench-expert-parallel bench-fixed-costs bench-step-timer bench-step-overhead \
-		bench-trainer-rebalance bench-fsdp-rebalance bench-full-state
+		bench-trainer-rebalance bench-fsdp-rebalance bench-full-state bench-grouped-convs
 	$(MAKE) bench-report
 
 bench-report:
@@ -133,6 +134,10 @@ bench-kernels: $(BUILT) $(BENCHED)
 bench-step-timer: $(BUILT) $(BENCHED)
 	$(PYBENCH) benches/bench_step_timer.py --results-json $(RESULTS)/step_timer.json \
 		--results-title "StepTimer: what timing a rank's own compute adds to a step"
+
+bench-grouped-convs: $(BUILT) $(BENCHED)
+	$(PYBENCH) benches/bench_grouped_convs.py --results-json $(RESULTS)/grouped_convs.json \
+		--results-title "Filter parallelism across grouped convolutions: ResNeXt and RegNet"
 
 bench-step-overhead: $(BUILT) $(BENCHED)
 	$(PYBENCH) benches/bench_step_overhead.py --results-json $(RESULTS)/step_overhead.json \
