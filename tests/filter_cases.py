@@ -595,6 +595,50 @@ def random_pairs(group, trials: int = 12) -> int:
     return checked
 
 
+def random_grouped(group, trials: int = 8) -> int:
+    """Random grouped convolutions between a pair (groups, channels per group, kernel, stride,
+    padding, padding mode, bias and shares in whole groups drawn from one seed, the same on
+    every rank), each rank running its groups: output, input gradient and every weight and bias
+    gradient against the unsplit layers."""
+    c = wrap(group)
+    rng = random.Random(11)
+    checked = 0
+    for _ in range(trials):
+        groups, width = rng.randint(c.size, 6), rng.randint(1, 3)
+        mid = groups * width
+        k, stride, pad = rng.randint(1, 3), rng.randint(1, 2), rng.randint(0, 1)
+        mode = rng.choice(["zeros", "reflect", "circular"]) if pad else "zeros"
+        bias = rng.random() < 0.5
+        torch.manual_seed(rng.randint(0, 1000))
+        a = nn.Conv2d(3, mid, 1, bias=bias).double()
+        g = nn.Conv2d(
+            mid, mid, k, stride=stride, padding=pad, groups=groups, bias=not bias, padding_mode=mode
+        ).double()
+        b = nn.Conv2d(mid, 5, 1).double()
+        shares = [n * width for n in random_shares(rng, groups, c.size)]
+        x = torch.randn(2, 3, 6, 6, dtype=torch.float64, requires_grad=True)
+        ref = b(g(torch.relu(a(x))))
+        (ref * ref).sum().backward()
+        fa = FilterParallelConv2d.from_module(a, shares, group, mode="split-output")
+        fg = FilterParallelGroupedConv2d.from_module(g, shares, group)
+        fb = FilterParallelConv2d.from_module(b, shares, group, mode="split-input")
+        want_x = x.grad
+        x.grad = None
+        out = fb(fg(torch.relu(fa(x))))
+        assert_close(out, ref, 1e-12, f"grouped {groups}x{width}: output")
+        (out * out).sum().backward()
+        assert_close(x.grad, want_x, 1e-12, f"grouped {groups}x{width}: input gradient")
+        lo, n = sum(shares[: c.rank]), shares[c.rank]
+        for name, m, full, dim in (("a", fa, a, 0), ("g", fg, g, 0), ("b", fb, b, 1)):
+            expect = full.weight.grad.narrow(dim, lo, n)
+            assert_close(m.weight.grad, expect, 1e-12, f"grouped: {name} weight grad")
+            if m.bias is not None:
+                want_b = full.bias.grad if name == "b" else full.bias.grad.narrow(0, lo, n)
+                assert_close(m.bias.grad, want_b, 1e-12, f"grouped: {name} bias grad")
+        checked += 1
+    return checked
+
+
 def optimizer_over_the_split(group) -> None:
     """hetcoll's DistributedOptimizer over the split's own ranks would average their slices'
     gradients (on an even split of one shape): every rank raises, naming the split."""
@@ -641,6 +685,7 @@ def run_all(group) -> dict[str, object]:
     return {
         "equal": 3,
         "random": random_pairs(group),
+        "random_grouped": random_grouped(group),
         "errors": bad_input(group),
         "real_models": real_models(group, speeds),
     }

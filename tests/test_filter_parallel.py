@@ -24,7 +24,7 @@ from hetcoll.lab.emulate import slow_down_filter_parallel
 from hetcoll.torch import FilterParallelLinear, filter_parallel, filter_shares
 
 HERE = Path(__file__).resolve().parent
-EXPECTED = {"equal": 3, "random": 24, "errors": 10, "real_models": 8}
+EXPECTED = {"equal": 3, "random": 24, "random_grouped": 8, "errors": 10, "real_models": 8}
 #: filter_cases.scaled_split's scale after each of its 4 steps, on every rank: 2**8, grown
 #: every 2 steps without an overflow, halved by step 1's (found by the last rank alone).
 SCALES = [256.0, 128.0, 128.0, 256.0]
