@@ -57,6 +57,13 @@ def resnet18() -> nn.Module:
     return torchvision.models.resnet18(num_classes=5)
 
 
+def resnext() -> nn.Module:
+    """torchvision's ResNeXt, small: its grouped 3x3 convolutions split by whole groups."""
+    from torchvision.models.resnet import Bottleneck, ResNet
+
+    return ResNet(Bottleneck, [1, 1, 1, 1], num_classes=5, groups=4, width_per_group=4)
+
+
 def dora(model: nn.Module) -> nn.Module:
     """``model`` with PEFT's DoRA on its attentions' projections and its MLPs' down
     projections."""
@@ -85,6 +92,9 @@ CASES: dict[str, tuple[Any, Any, tuple[str, Any], tuple[str, Any]]] = {
             ("filter", [2.0, 1.0, 1.0])),
     "resnet18": (resnet18, lambda: torch.randn(2, 3, 32, 32, dtype=torch.float64),
                  ("filter", [1.0, 2.0]), ("filter", [1.0, 1.0, 3.0])),
+    # Its groups split 3 : 1, then 1 : 1 : 2 (layer1's 4 groups of 4: [12, 4], [4, 4, 8]).
+    "resnext": (resnext, lambda: torch.randn(2, 3, 32, 32, dtype=torch.float64),
+                ("filter", [3.0, 1.0]), ("filter", [1.0, 1.0, 2.0])),
     "llama": (llama, tokens, ("filter", [1.0, 1.0]), ("filter", [1.0, 0.5, 0.5])),
     "gpt2": (gpt2, tokens, ("filter", [3.0, 1.0]), ("filter", [1.0, 2.0, 1.0])),
     "falcon": (falcon, tokens, ("filter", [1.0, 1.0]), ("filter", [2.0, 1.0, 1.0])),
