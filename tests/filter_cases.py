@@ -262,9 +262,10 @@ def real_models(group, speeds) -> int:
             ], (block, modes)  # fmt: skip
     # torchvision's ResNeXt and RegNet: the grouped 3x3 convolution between each bottleneck's
     # 1x1 convolutions runs on whole groups of the pair's channels (their shares multiples of
-    # a group's), as MobileNet's depthwise one runs per channel. It broke the pairing: every
-    # layer gathered. RegNet's first stage has 2 groups, too few for 3 ranks: it stays whole
-    # there, named, and its pair gathers.
+    # a group's), as MobileNet's depthwise one runs per channel, RegNet's squeeze-and-excitation
+    # after it split with them. It broke the pairing: every layer gathered. RegNet's first
+    # stage has 2 groups, too few for 3 ranks: it stays whole there, named, and its pair
+    # gathers.
     p = wrap(group).size
     modes = equals_unsplit(
         group, speeds, torch.float64, build=resnext, batches=_small_images, steps=2
@@ -277,7 +278,12 @@ def real_models(group, speeds) -> int:
         modes = equals_unsplit(
             group, speeds, torch.float64, build=regnet, batches=_small_images, steps=2
         )
-    paired = [n.rsplit(".f.", 1)[0] for n, m in modes.items() if m == "split-output"]
+    paired = [n[: -len(".f.a.0")] for n, m in modes.items() if m == "split-output" and ".f.a" in n]
+    # (its excitation split with the pair: the reducing layer sums the rank's channels; where
+    # the pair gathers, the excitation's two layers pair with each other)
+    for block in paired:
+        assert modes[f"{block}.f.se.fc1"] == "split-input", modes
+        assert modes[f"{block}.f.c.0"] == "split-input", modes
     replicated = [str(w.message) for w in seen if "left replicated" in str(w.message)]
     if p == 3:
         assert replicated == [
@@ -303,11 +309,13 @@ def resnext() -> nn.Module:
 
 
 def regnet() -> nn.Module:
-    """torchvision's RegNet (X: no squeeze-and-excitation), two stages: one block of 2 groups
-    of 8 channels, then three of 4 groups."""
+    """torchvision's RegNet (Y: a squeeze-and-excitation after each grouped convolution), two
+    stages: one block of 2 groups of 8 channels, then three of 4 groups."""
     from torchvision.models.regnet import BlockParams, RegNet
 
-    params = BlockParams.from_init_params(depth=4, w_0=16, w_a=8.0, w_m=2.0, group_width=8)
+    params = BlockParams.from_init_params(
+        depth=4, w_0=16, w_a=8.0, w_m=2.0, group_width=8, se_ratio=0.25
+    )
     return RegNet(params, num_classes=5)
 
 
