@@ -1002,7 +1002,7 @@ def filter_parallel(
                     ),
                 )
         set_attribute(model, name, new)
-    for name, src in bns.items():  # per channel: a BatchNorm, a depthwise convolution
+    for name, src in bns.items():  # per channel: a BatchNorm; a depthwise or grouped conv
         m = named[name]
         split: nn.Module
         if isinstance(m, nn.Conv2d) and m.groups == m.in_channels:
