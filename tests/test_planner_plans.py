@@ -410,6 +410,12 @@ def test_asymmetric_plan_with_a_filter_split_stage(cnn_costs) -> None:  # type: 
     # Explicit shares of the split stage's first conv (plan layer 7) and their pair.
     doc["replicas"][1]["stages"][1] = {"ranks": [2, 3], "shares": {"7": [40, 24]}, "layers": [7, n]}
     predict_plan(cnn_costs, cluster, Plan.from_dict(doc))
+    # A pair both named: the split-input layer's shares are of its partner's channels, as the
+    # runtime reads them (layer 2's are conv 0's 8, not its own 12: they were refused).
+    shares = predict_plan(
+        layer_costs(plan_cases.cnn(), (3, 8, 8)), cluster, Plan.from_dict(plan_cases.SHARES)
+    )
+    assert shares.feasible
 
 
 def test_bad_plans_are_named(cnn_costs) -> None:  # type: ignore[no-untyped-def]
