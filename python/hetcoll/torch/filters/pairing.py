@@ -155,7 +155,9 @@ def filter_modes(
 ) -> dict[str, str]:
     """The mode :func:`filter_parallel` gives each layer it splits when split by speeds, by
     module name: ``"gather"``, ``"split-output"`` or ``"split-input"`` (the layers of an
-    attention split by heads or an MLP by hidden units included: :func:`split_layout`).
+    attention split by heads or an MLP by hidden units included: :func:`split_layout`). A
+    grouped convolution between a pair counts as split by whole groups; on more ranks than
+    its groups it stays whole and the pair gathers (:func:`split_layout` with ``ranks``).
     :func:`hetcoll.model.predict.filter_modes` reads it off the costs.
 
     >>> filter_modes(nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2)))
