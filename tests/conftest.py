@@ -1,6 +1,7 @@
-"""Shared test set-up: one thread per process, so several ranks share 2 cores fairly; the
-reaper, which kills the processes a failed (timed-out) test left running; and the rule that
-only tests marked ``multiproc`` launch ranks."""
+"""Shared test set-up: one thread per process, and MPI ranks that yield their core while they
+wait, so several ranks share 2 cores fairly; the reaper, which kills the processes a failed
+(timed-out) test left running; and the rule that only tests marked ``multiproc`` launch
+ranks."""
 
 import contextlib
 import os
@@ -16,6 +17,12 @@ from reaper import pytest_runtest_makereport, pytest_sessionfinish
 __all__ = ["pytest_runtest_makereport", "pytest_sessionfinish"]
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# `make test` runs the multi-rank tests two at a time on the cores, so each MPI job of the suite
+# shares them with another: MPICH's waiting ranks yield their core between polls, as
+# launch.mpiexec has them do where one job alone has more ranks than cores (by default they
+# spin, taking the core that the rank they wait for, or the other job, needs).
+for _name, _value in launch.OVERSUBSCRIBED_MPICH.items():
+    os.environ.setdefault(_name, _value)
 
 
 @pytest.fixture(autouse=True)
