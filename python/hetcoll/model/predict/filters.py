@@ -31,7 +31,7 @@ from hetcoll.model.predict.timing import (
     memory_shortfall,
 )
 from hetcoll.plan import Plan
-from hetcoll.torch.filters import summed_before_gathering
+from hetcoll.torch.filters import groups_for_every_rank, summed_before_gathering
 
 FILTER_MODES = ("gather", "split-output", "split-input")
 
@@ -242,7 +242,8 @@ def filter_parallel_schedule(
     grouped = dict(costs.filter_units)
     partners = split_input_partners(layer_modes)
     for src, unit in list(grouped.items()):
-        if src in partners and costs.layers[names[src]].filters // unit < n_dev:
+        fits = groups_for_every_rank(costs.layers[names[src]].filters, unit, n_dev)
+        if src in partners and not fits:
             layer_modes[src] = layer_modes[partners[src]] = "gather"
             del grouped[src]
     # The attentions and MLPs split by heads and hidden units (every layer of theirs in the
@@ -538,9 +539,10 @@ def time_balanced_shares(
         units_of[b.module] = units
         out.update(b.layer_shares(units))
     partners = split_input_partners(layer_modes)
+    unit_of = dict(costs.filter_units)
     for name, mode in layer_modes.items():
         if name not in in_blocks and name not in whole and mode != "split-input":
-            unit = dict(costs.filter_units).get(name, 1)
+            unit = unit_of.get(name, 1)
             out[name] = _by_speed(by_name[name].filters, [float(x) for x in parts], unit)
             # Its split-input partner (the pairing rule's: T5's MLP) reads those channels:
             # named with the same shares, as the runtime pairs them only when both are named.

@@ -68,6 +68,7 @@ from __future__ import annotations
 from hetcoll.torch.filters.chains import (
     ELEMENTWISE_MODULES,
     SPATIAL_MODULES,
+    groups_for_every_rank,
     linear_features,
     projection_features,
     stacked_adapters,
@@ -150,6 +151,7 @@ __all__ = [
     "gather_gradients",
     "gather_optimizer_state_dict",
     "gather_state_dict",
+    "groups_for_every_rank",
     "linear_features",
     "load_full_optimizer_state_dict",
     "load_full_state_dict",

@@ -1029,12 +1029,12 @@ def plan_modes(
             ):
                 continue
             bn_type = nn.BatchNorm2d if conv else nn.BatchNorm1d
-            if type(m) is bn_type and not flattened and m.num_features == layer_channels(prev[1]):
+            channels = layer_channels(prev[1])
+            if type(m) is bn_type and not flattened and m.num_features == channels:
                 pending.append(name)
                 continue
-            channels = layer_channels(prev[1])
             width = channels_per_group(m, channels) if conv and not flattened else None
-            if width is not None and channels // width >= ranks:  # a group for every rank
+            if width is not None and groups_for_every_rank(channels, width, ranks):
                 # Per channel too, or per group of channels (MobileNet's depthwise convolution
                 # between its 1x1 convolutions, ResNeXt's and RegNet's grouped one).
                 pending.append(name)
@@ -1057,6 +1057,13 @@ def channels_per_group(m: nn.Module, channels: int) -> int | None:
     if not (type(m) is nn.Conv2d and m.in_channels == m.out_channels == channels and m.groups > 1):
         return None
     return channels // m.groups
+
+
+def groups_for_every_rank(channels: int, width: int, ranks: int) -> bool:
+    """Whether a grouped convolution of ``channels`` in groups of ``width`` channels has a
+    whole group for each of ``ranks`` ranks: else it needs the full tensor, and the pair
+    around it gathers (the runtime's rule, which the performance model follows)."""
+    return channels // width >= ranks
 
 
 def channel_units(bns: Mapping[str, str], named: Mapping[str, nn.Module]) -> dict[str, int]:

@@ -466,11 +466,6 @@ def _shares(
                     f"split by whole units alike, so its shares must be {shares[c]} (for "
                     f"{ts.row!r}'s {shares[ts.row]}), got {list(given)!r}"
                 )
-    grouped_by = {
-        src: b
-        for b, src in layout.batchnorms.items()
-        if isinstance(named[b], nn.Conv2d) and named[b].groups > 1
-    }
     for name in chosen:
         if name in in_splits:
             continue
@@ -504,8 +499,13 @@ def _shares(
             shares[name] = [c * step for c in counts]
             continue
         if any(s % unit for s in shares[name]):
+            conv = next(
+                b
+                for b, src in layout.batchnorms.items()
+                if src == name and isinstance(named[b], nn.Conv2d) and named[b].groups > 1
+            )
             raise ValueError(
-                f"{where}: {what} feeds grouped convolution {grouped_by[name]!r}, which each "
+                f"{where}: {what} feeds grouped convolution {conv!r}, which each "
                 f"rank runs on whole groups, so its shares must be multiples of {unit} "
                 f"channels, got {list(shares[name])}"
             )

@@ -1243,7 +1243,7 @@ class FilterParallelGroupedConv2d(ChannelSplit, nn.Conv2d):
             conv.stride,  # type: ignore[arg-type]
             conv.padding,  # type: ignore[arg-type]
             conv.dilation,  # type: ignore[arg-type]
-            groups=max(n // width, 1),
+            groups=n // width,  # whole groups, at least one (check_shares: no share of 0)
             bias=conv.bias is not None,
             padding_mode=conv.padding_mode,
             device=conv.weight.device,
