@@ -682,6 +682,64 @@ def test_dora_rows_cost_their_weight_norms_sums_each_forward() -> None:
     assert (got.backward_collective_s == without.backward_collective_s).all()
 
 
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_adapters_split_with_their_layer_are_priced_on_each_device_s_share(dora: bool) -> None:
+    """The runtime splits a column's ``lora_B`` along its rows and a row's ``lora_A`` along its
+    columns (tensor_parallel_cases: "dora"), and a DoRA layer's work on its weight (``B A``,
+    ``W + s B A``, its norm: PEFT's calls of the adapters on an identity matrix and the
+    magnitude's layer) on its share of the layer. The model prices each on a device's
+    fraction of the block's units: its compute that fraction of the whole layer's; a column's
+    ``lora_A`` stays whole."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = LoraConfig(r=4, target_modules=targets, use_dora=dora)
+    costs = layer_costs(get_peft_model(llama(), config), (SEQ,), dtype=torch.int64)
+    mlp = costs.split_blocks[1]
+    at = "base_model.model.model.layers.0.mlp."
+    assert mlp.split_adapters == (
+        (f"{at}gate_proj.lora_B.default", 0),
+        (f"{at}up_proj.lora_B.default", 1),
+        (f"{at}down_proj.lora_A.default", 2),
+    )
+    parts = ("lora_magnitude_vector", "lora_A", "lora_B")
+    assert mlp.dora_work == tuple(
+        (f"{at}{p}.{part}.default", k)
+        for k, p in enumerate(("gate_proj", "up_proj", "down_proj"))
+        for part in parts
+        if dora
+    )
+    cluster = _cluster(1e12).subset([0, 2])
+    speeds = [1.0, 0.25]
+    split = filter_parallel_schedule(costs, cluster, 8, speeds).layers
+    fraction = [u / mlp.units for u in mlp.shares(speeds)]
+    assert 0 < fraction[1] < fraction[0] < 1
+    split_names = {n for n, _ in mlp.split_adapters}
+    work_names = {n for n, _ in mlp.dora_work}
+    checked = {"split": 0, "work": 0, "whole": 0}
+    for d in range(2):
+        whole = filter_parallel_schedule(costs, cluster.subset([d]), 8, [1.0]).layers
+        for i, x in enumerate(costs.layers):
+            adapter = re.search(r"\.lora_(A|B|magnitude_vector)\.", x.name)
+            if not x.name.startswith(at) or adapter is None:
+                continue
+            got = (split.compute_s[i, d], split.memory_s[i, d])
+            if x.filters == 0:  # DoRA's work on its weight, whatever the batch
+                assert x.name in work_names
+                assert got[0] == pytest.approx(fraction[d] * whole.compute_s[i, 0], rel=1e-12)
+                # (Its backward's element-wise work on the output, per sample, not shared.)
+                least = fraction[d] * whole.memory_s[i, 0] * (1 - 1e-12)
+                assert least <= got[1] < whole.memory_s[i, 0], x.name
+                checked["work"] += 1
+            elif x.name in split_names:  # its flops on the share (its input read whole)
+                assert got[0] == pytest.approx(fraction[d] * whole.compute_s[i, 0], rel=1e-12)
+                checked["split"] += 1
+            else:  # a column's lora_A, a row's lora_B: whole on every device
+                assert got == (whole.compute_s[i, 0], whole.memory_s[i, 0]), x.name
+                checked["whole"] += 1
+    assert checked == {"split": 2 * 3, "work": 2 * 3 * 3 if dora else 0, "whole": 2 * 3}
+
+
 @pytest.mark.parametrize(
     "make", [llama, gpt2, EncoderLM, llama_lora], ids=["llama", "gpt2", "encoder", "lora"]
 )

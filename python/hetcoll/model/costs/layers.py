@@ -521,7 +521,31 @@ def _split_block(
         _other_sums(model, ts, layers, item),
         tuple(costed) if ts.adapted else (),
         _dora_norm_sums(model, ts, item),
+        *_adapters(model, ts),
     )
+
+
+def _adapters(
+    model: nn.Module, ts: TensorSplit
+) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]:
+    """The adapters a split of ``ts`` splits with their LoRA wrapper (a column's ``lora_B``,
+    the row's ``lora_A``: the runtime's), and the costed layers of each DoRA layer's work
+    whatever the batch (its magnitude's layer, and its adapters' calls on an identity
+    matrix), each with the wrapper's index among the block's layers."""
+    layers = list(ts.layers())
+    split: list[tuple[str, int]] = []
+    dora: list[tuple[str, int]] = []
+    for name in ts.adapted:
+        k = layers.index(name)
+        wrapper = model.get_submodule(name)
+        factor = "lora_A" if name == ts.row else "lora_B"
+        uses = getattr(wrapper, "use_dora", None) or {}
+        for a, _ in wrapper.get_submodule(factor).named_children():
+            split.append((f"{name}.{factor}.{a}", k))
+            if uses.get(a):
+                parts = ("lora_magnitude_vector", "lora_A", "lora_B")
+                dora += [(f"{name}.{part}.{a}", k) for part in parts]
+    return tuple(split), tuple(dora)
 
 
 def _experts_blocks(

@@ -232,6 +232,7 @@ def filter_parallel_schedule(
     n_layers = len(costs.layers)
     phi = np.ones((n_layers, n_dev))  # each device's fraction of the layer's kernels' filters
     chan = np.ones((n_layers, n_dev))  # fraction of the channels a replicated layer runs on
+    unbatched = np.ones((n_layers, n_dev))  # fraction of a layer's work whatever the batch
     filters_of: dict[int, list[int]] = {}
     split_as: dict[int, str] = {}  # the layer the runtime splits, where not the costed one
     source: tuple[int, np.ndarray] | None = None  # the open split-output layer, its fractions
@@ -271,7 +272,13 @@ def filter_parallel_schedule(
                     per = np.asarray(units, dtype=np.float64) * block.per_unit[k]
                     phi[i, :] = (per + fixed) / (block.units * block.per_unit[k] + fixed)
             elif layer.name in block.whole:
-                pass  # whole on every device (multi-query key and value)
+                # Whole on every device (multi-query key and value, a column's lora_A), but
+                # the adapters split with their layer, and DoRA's work on its weight: on the
+                # device's share.
+                if any(layer.name == n for n, _ in block.split_adapters):
+                    phi[i, :] = fraction
+                if any(layer.name == n for n, _ in block.dora_work):
+                    unbatched[i, :] = fraction
             else:
                 chan[i, :] = fraction  # the module's own ops, its activations: per unit
                 if block.kind == "experts" and layer.name == block.module:
@@ -320,7 +327,7 @@ def filter_parallel_schedule(
     # A replicated layer between a pair runs on the channel slice: as many fewer samples' worth
     # of element-wise work (these kernels are linear in the batch and own no filters).
     by_input = np.array([layer_modes.get(x.name) == "split-input" for x in costs.layers])
-    lt = _layer_times(costs, dev, np.full(n_dev, batch), phi, chan, by_input)
+    lt = _layer_times(costs, dev, np.full(n_dev, batch), phi, chan, by_input, unbatched)
     split_rows = np.zeros(n_layers, dtype=bool)
     split_rows[list(filters_of)] = True
     split_rows[list(block_of)] = True

@@ -355,18 +355,18 @@ def _layer_times(
     filter_fraction: np.ndarray | None = None,
     channel_fraction: np.ndarray | None = None,
     split_input: np.ndarray | None = None,
+    fixed_fraction: np.ndarray | None = None,
 ) -> LayerSeconds:
     """Roofline time of every layer on every device for per-device batches ``batch`` (and, for
     filter parallelism, per-layer-and-device filter fractions ``filter_fraction``, fractions
-    ``channel_fraction`` of the channels a layer's per-sample work covers, and the layers
-    ``split_input`` whose fraction is of their input channels)."""
+    ``channel_fraction`` of the channels a layer's per-sample work covers, the layers
+    ``split_input`` whose fraction is of their input channels, and fractions
+    ``fixed_fraction`` of a layer's work whatever the batch and its filters: a DoRA layer's
+    on its weight)."""
     # Devices of one kind with the same work time alike: time each distinct column once.
     batch = np.asarray(batch)
-    if (
-        len(batch) > 8
-        and len(dev.kind) == len(batch)
-        and filter_fraction is None is channel_fraction
-    ):
+    fractions = (filter_fraction, channel_fraction, fixed_fraction)
+    if len(batch) > 8 and len(dev.kind) == len(batch) and all(f is None for f in fractions):
         # The common case, one number per column: kind and batch as one integer.
         code = dev.kind * (int(batch.max()) + 1) + batch.astype(np.int64)
         _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
@@ -375,10 +375,9 @@ def _layer_times(
             return lt.columns(inverse.reshape(-1))
     elif len(batch) > 8 and len(dev.kind) == len(batch):
         rows = [dev.kind, batch]
-        if filter_fraction is not None:
-            rows += list(filter_fraction)
-        if channel_fraction is not None:
-            rows += list(channel_fraction)
+        for f in fractions:
+            if f is not None:
+                rows += list(f)
         _, first, inverse = np.unique(
             np.stack([np.asarray(r, dtype=np.float64) for r in rows]),
             axis=1,
@@ -393,6 +392,7 @@ def _layer_times(
                 None if filter_fraction is None else filter_fraction[:, first],
                 None if channel_fraction is None else channel_fraction[:, first],
                 split_input,
+                None if fixed_fraction is None else fixed_fraction[:, first],
             )
             return lt.columns(inverse.reshape(-1))
     t = _kernel_table(costs)
@@ -401,15 +401,17 @@ def _layer_times(
     if channel_fraction is not None:
         b = b * channel_fraction[t.layer, :]
     phi = np.ones((len(t.layer), n_dev)) if filter_fraction is None else filter_fraction[t.layer, :]
-    flops = (t.flops_ps[:, None] * b + t.flops_fixed[:, None] * (b > 0)) * np.where(
-        t.scales[:, None], phi, 1.0
-    )
+    fixed = np.ones((len(t.layer), n_dev)) if fixed_fraction is None else fixed_fraction[t.layer, :]
+    scales = t.scales[:, None]
+    flops = (
+        t.flops_ps[:, None] * b + t.flops_fixed[:, None] * (b > 0) * np.where(scales, 1.0, fixed)
+    ) * np.where(scales, phi, 1.0)
     moved = (t.bytes_ps[:, None] + phi * t.fbytes_ps[:, None]) * b + (
-        t.bytes_fixed[:, None] + phi * t.fbytes_fixed[:, None]
+        fixed * t.bytes_fixed[:, None] + phi * t.fbytes_fixed[:, None]
     )
     # A kernel runs on a device only if the device has work for it (samples and, for split
-    # kernels, filters).
-    runs = (b > 0) & np.where(t.scales[:, None], phi > 0, True)
+    # kernels, filters; for a share of work whatever the batch, some of it).
+    runs = (b > 0) & np.where(scales, phi > 0, True) & (fixed > 0)
     bandwidth = np.where(
         t.gemm[:, None],
         dev.mem_bytes_per_s[None, :],
