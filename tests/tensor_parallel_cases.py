@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 import warnings
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -1432,6 +1433,71 @@ def layouts(group: Any, models: Any) -> dict[str, Any]:
     return out
 
 
+def diffllama() -> nn.Module:
+    """Hugging Face DiffLlama (the Differential Transformer): each attention cuts its 4
+    key/value heads in two halves (``torch.chunk(value_states, 2, dim=1)``) and subtracts one
+    half's outputs from the other's, head ``h`` paired with head ``h + 2``."""
+    return _hf(
+        "DiffLlamaForCausalLM", "DiffLlamaConfig", hidden_size=32, num_attention_heads=8,
+        num_key_value_heads=4,
+    )  # fmt: skip
+
+
+class _KeptDifferential(_OldStyleAttention):
+    """A differential attention of separate q/k/v/o (6 heads of 4) that scales its input by a
+    second input it requires, so that no probe forward at the split runs it: its heads' outputs
+    cut in two halves (dim 1), each half less half the other's."""
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        b, n, _ = x.shape
+        x = x * keep
+        q, k, v = (
+            f(x).view(b, n, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v)
+        )
+        att = torch.softmax(q @ k.transpose(-1, -2) / 2.0, dim=-1) @ v
+        one, two = att.chunk(2, dim=1)
+        att = torch.cat([one - 0.5 * two, two - 0.5 * one], dim=1)
+        return self.o(att.transpose(1, 2).reshape(b, n, -1))
+
+
+def kept_differential_lm() -> nn.Module:
+    """:class:`ResidualLM` of :class:`_KeptDifferential` blocks."""
+    return ResidualLM(_KeptDifferential, keep=True)
+
+
+def differential(group: Any) -> dict[str, Any]:
+    """:func:`diffllama` split: split by heads, a rank's heads would pair among themselves
+    (at equal speeds on 2 ranks, heads 0 and 1 where the unsplit model pairs 0 with 2: other
+    logits). Its attentions stay whole, named in the warning, their layers gathering; its
+    MLPs split; one step equals the unsplit model's. Returns the layers by mode, the
+    attentions the warning names, and what the first forward of
+    :func:`kept_differential_lm`'s split raises."""
+    torch.manual_seed(0)
+    ref = diffllama().double()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        split = filter_parallel(copy.deepcopy(ref), group=group, speeds=SPEEDS[: wrap(group).size])
+    one_step_equal(split, ref, batch(0), "diffllama: ")
+    named = [str(w.message) for w in seen if "cuts its heads into parts" in str(w.message)]
+    got = modes(split)
+    # Where the probe at the split cannot run the attention, its first forward looks again,
+    # on its own inputs: every rank raises there, before the block runs.
+    kept = filter_parallel(
+        kept_differential_lm().double(), group=group, speeds=SPEEDS[: wrap(group).size]
+    )
+    try:
+        loss_of(kept, batch(0))
+        raised = ""
+    except ValueError as e:
+        raised = str(e)
+    return {
+        "gathers": sum(m == "gather" for m in got.values()),
+        "split": sum(m != "gather" for m in got.values()),
+        "named": re.findall(r"'(model\.layers\.\d\.self_attn)' \(its forward cuts", "".join(named)),
+        "first forward": raised,
+    }
+
+
 def architectures(group: Any) -> dict[str, Any]:
     """The other architectures' layouts (:func:`layouts`): each splits on any ranks as the
     models of :func:`run_all` do (the 3-rank job runs them, uneven); OLMo 2 to float32's
@@ -1442,31 +1508,35 @@ def architectures(group: Any) -> dict[str, Any]:
     # another order than one rank's, agree to about 1e-7 (Adam's steps to about 1e-6).
     with tolerance(1e-5):
         out = layouts(group, (("olmo2", olmo2),))
-    return out | layouts(
-        group,
-        (
-            ("qwen3", qwen3),
-            ("gemma", gemma),
-            ("gate_up", gate_up_lm),
-            ("neox", neox),
-            ("packed", packed),
-            ("falcon", falcon),
-            ("opt", opt),
-            ("bert", bert),
-            ("bloom", bloom),
-            ("t5", T5LM),
-            ("bigcode", bigcode),
-            ("mpt", mpt),
-            ("cohere_mqa", lambda: cohere(kv_heads=1)),
-            ("mamba", mamba),
-            ("dbrx", dbrx),
-            ("albert", albert),
-            ("stablelm_gqa", lambda: stablelm_head_norms(kv_heads=2)),
-            ("mpnet", mpnet),
-            ("beit", beit),
-            ("swinv2", swinv2),
-            ("swin", swin),
-        ),
+    return (
+        out
+        | layouts(
+            group,
+            (
+                ("qwen3", qwen3),
+                ("gemma", gemma),
+                ("gate_up", gate_up_lm),
+                ("neox", neox),
+                ("packed", packed),
+                ("falcon", falcon),
+                ("opt", opt),
+                ("bert", bert),
+                ("bloom", bloom),
+                ("t5", T5LM),
+                ("bigcode", bigcode),
+                ("mpt", mpt),
+                ("cohere_mqa", lambda: cohere(kv_heads=1)),
+                ("mamba", mamba),
+                ("dbrx", dbrx),
+                ("albert", albert),
+                ("stablelm_gqa", lambda: stablelm_head_norms(kv_heads=2)),
+                ("mpnet", mpnet),
+                ("beit", beit),
+                ("swinv2", swinv2),
+                ("swin", swin),
+            ),
+        )
+        | {"diffllama": differential(group)}
     )
 
 

@@ -264,6 +264,20 @@ def test_gloo_architectures_split_by_heads_equal_unsplit():
         "classifier.swin.encoder.layers.0.downsample.reduction",
     ]
     assert r["swin_split"] == 2 * 6
+    # DiffLlama's attentions pair head h with head h + 2 across the halves they cut their
+    # heads into: split by heads, a rank's heads paired among themselves (other logits, by
+    # 0.96 relative at 1 : 1). They stay whole, named, their 4 layers and the head gathering;
+    # its MLPs split.
+    # Where a probe at the split cannot run such an attention (an input it requires), its
+    # first forward looks again, on its own inputs, and every rank raises.
+    assert r["diffllama"] == {
+        "gathers": 2 * 4 + 1, "split": 2 * 3,
+        "named": ["model.layers.0.self_attn", "model.layers.1.self_attn"],
+        "first forward": "filter_parallel: attention 'blocks.0' cuts its heads into parts "
+        "(chunk of its 6 heads into 2 (dim 1)), which its forward may combine: split by heads, "
+        "a rank's heads are not the unsplit attention's parts; leave its layers out "
+        "(layers=...)",
+    }  # fmt: skip
 
 
 @pytest.mark.multiproc
@@ -647,6 +661,33 @@ def test_an_attention_that_cannot_run_on_part_of_its_heads_stays_whole():
     layout = split_layout(transformers.ProphetNetForConditionalGeneration(config))
     attention = "prophetnet.encoder.layers.0.self_attn"
     assert "fails on a rank holding some of its heads" in layout.kept[attention]
+
+
+def test_an_attention_that_cuts_its_heads_into_parts_stays_whole():
+    """Hugging Face DiffLlama's attention cuts its key/value heads in two halves and pairs
+    head h of one with head h of the other: split by heads, a rank's heads paired among
+    themselves and the split computed other numbers, with no error. A probe forward (Hugging
+    Face's rotary inputs given as zeros) sees the cut; the attention stays whole, named in
+    the warning, and its MLPs still split. Llama's attention, with the same inputs and
+    rotary embedding, cuts nothing of its heads."""
+    from hetcoll.torch.filters import split_layout
+
+    layout = split_layout(cases.diffllama())
+    attentions = [f"model.layers.{k}.self_attn" for k in range(2)]
+    assert sorted(layout.kept) == attentions
+    for n in attentions:
+        assert layout.kept[n].startswith(
+            "its forward cuts its heads into parts (chunk of its 4 heads into 2 (dim 1))"
+        ), layout.kept[n]
+    assert sorted(ts.module for ts in layout.splits) == [f"model.layers.{k}.mlp" for k in range(2)]
+    llama = split_layout(cases.llama())
+    assert not llama.kept and len(llama.splits) == 4
+    assert not any(ts.cut_unseen for ts in llama.splits)
+    # An attention no probe at the split can run (an input it requires) is split, and looked
+    # at again at its first forward (tensor_parallel_cases.differential).
+    kept = split_layout(cases.kept_differential_lm())
+    assert not kept.kept
+    assert [ts.module for ts in kept.splits if ts.cut_unseen] == ["blocks.0", "blocks.1"]
 
 
 class _NormAcrossHeads(nn.Module):

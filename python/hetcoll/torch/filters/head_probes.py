@@ -2,7 +2,8 @@
 attributes alone cannot say how it runs split: how its packed query/key/value projection's
 output is read (:func:`probe_packing`), and whether it runs on a rank holding none of its heads
 (:func:`runs_without_heads`, at the split; :class:`EmptyRankCheck`, at its first forward on the
-forward's own inputs)."""
+forward's own inputs), and whether it cuts its heads into parts it may combine
+(:func:`cuts_heads`; :class:`HeadCutCheck`)."""
 
 from __future__ import annotations
 
@@ -229,14 +230,15 @@ def _probe_run(
     ts: TensorSplit,
     held: int | None,
     inputs: tuple[Any, Any] | None = None,
+    watch: TorchFunctionMode | None = None,
 ) -> tuple[bool, int, str]:
     """One probe forward of (a copy of) ``attention``: on ``inputs`` (args, kwargs), or its
     first input one token of zeros and ``None`` for every other input it requires; no
     gradient, stopped when its output projection is called or its forward returns; with
     ``held`` units (None: unsplit), as on a rank holding that many of its heads, the first
     (its columns' outputs cut to them, its head counts theirs, inputs per head cut to them;
-    none under :class:`~.head_guards.EmptyHeads`). Returns whether it got there, how many
-    torch ops it ran, and the exception if not."""
+    none under :class:`~.head_guards.EmptyHeads`); under ``watch`` too, where given. Returns
+    whether it got there, how many torch ops it ran, and the exception if not."""
     prefix = f"{ts.module}." if ts.module else ""
     first = attention.get_submodule(ts.columns[0][0].removeprefix(prefix))
     hidden = projection_features(first)
@@ -273,7 +275,9 @@ def _probe_run(
         if held is not None:
             inputs = PerHeadInputs(ts, 0, held).cut(attention, *inputs) or inputs
     count = _Count()
-    modes = [count, EmptyHeads(ts.packed())] if held == 0 else [count]
+    modes: list[TorchFunctionMode] = [count, EmptyHeads(ts.packed())] if held == 0 else [count]
+    if watch is not None:
+        modes.append(watch)
     # The forward is called, not the module (its own hooks would stop the probe): the rank's
     # rows of its per-head parameters are put in place around it here.
     rows = HeadParameters(ts, 0, held) if held is not None else None
@@ -354,6 +358,94 @@ def runs_with_some_heads(attention: nn.Module, ts: TensorSplit) -> str | None:
     return _fails_held(attention, ts, 1, None)
 
 
+#: The torch functions that cut a tensor into pieces along one dimension, each with the
+#: position of its ``dim`` argument.
+_CUTS = {
+    torch.chunk: 2, torch.Tensor.chunk: 2, torch.split: 2, torch.Tensor.split: 2,
+    torch.tensor_split: 2, torch.Tensor.tensor_split: 2, torch.unbind: 1, torch.Tensor.unbind: 1,
+}  # fmt: skip
+
+
+class _HeadCuts(TorchFunctionMode):
+    """Notes the first op of a forward that cuts a tensor of heads into parts of several
+    heads along its heads: a dimension of one of ``counts`` (the attention's query and
+    key/value head counts) before the last, which holds whole heads of ``head_dim``, no other
+    of them as large. DiffLlama's ``torch.chunk(value_states, 2, dim=1)`` combines the heads
+    of one half with the other's. A cut into single heads (StableLM's norm per head) keeps
+    each head to itself."""
+
+    def __init__(self, counts: set[int], head_dim: int) -> None:
+        super().__init__()
+        self.counts, self.head_dim = counts, head_dim
+        self.found: str | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        at = _CUTS.get(func)
+        if self.found is not None or at is None or not args:
+            return out
+        t = args[0]
+        dim = args[at] if len(args) > at else kwargs.get("dim", 0)
+        if not isinstance(t, torch.Tensor) or not isinstance(dim, int) or t.dim() < 2:
+            return out
+        if not -t.dim() <= dim < t.dim():
+            return out
+        dim %= t.dim()
+        size, leading = t.shape[dim], list(t.shape[:-1])
+        pieces = len(out) if isinstance(out, (tuple, list)) else 1
+        if (
+            dim < t.dim() - 1
+            and t.shape[-1] % self.head_dim == 0
+            and size in self.counts
+            and leading.count(size) == 1
+            and 1 < pieces < size
+        ):
+            name = getattr(func, "__name__", str(func))
+            self.found = f"{name} of its {size} heads into {pieces} (dim {dim})"
+        return out
+
+
+def cuts_heads(
+    attention: nn.Module, ts: TensorSplit, inputs: tuple[Any, Any] | None = None
+) -> tuple[str | None, bool]:
+    """What cuts ``attention``'s heads into parts along its heads in a probe forward of a copy
+    of it on the meta device (:class:`_HeadCuts`), or None; and whether the probe ran its
+    forward as far as its output projection (else an input it lacks stopped it first). A
+    forward that combines the parts (DiffLlama's differential attention, head ``h`` with head
+    ``h + heads / 2``) computes other numbers on a rank's heads than on all of them. On
+    ``inputs`` (args, kwargs), or one token of zeros, ``None`` for its other required inputs
+    but Hugging Face's rotary ``position_embeddings``, given as zeros of one ``head_dim``."""
+    import inspect
+
+    kv = 1 if ts.by_query_head() else ts.units  # (units: key/value groups, or heads)
+    counts = {ts.heads(), kv} - {0, 1}
+    if not counts:
+        return None, True
+    if inputs is None:
+        prefix = f"{ts.module}." if ts.module else ""
+        first = attention.get_submodule(ts.columns[0][0].removeprefix(prefix))
+        features = projection_features(first)
+        token = None if features is None else probe_inputs(attention, first, features[0])
+        try:
+            names = list(inspect.signature(attention.forward).parameters)
+        except (TypeError, ValueError):
+            return None, False
+        if token is None:
+            return None, False
+        args, kwargs = list(token), {}
+        if "position_embeddings" in names:
+            row = torch.zeros(1, 1, ts.head_dim, device=token[0].device, dtype=token[0].dtype)
+            if names.index("position_embeddings") < len(args):
+                args[names.index("position_embeddings")] = (row, row)
+            else:
+                kwargs["position_embeddings"] = (row, row)
+        inputs = (tuple(args), kwargs)
+    watch = _HeadCuts(counts, ts.head_dim)
+    ran = _probe_run(meta_copy(attention), ts, None, inputs=inputs, watch=watch)[0]
+    return watch.found, ran
+
+
 def _fails_held(
     attention: nn.Module, ts: TensorSplit, held: int, inputs: tuple[Any, Any] | None
 ) -> str | None:
@@ -427,6 +519,47 @@ def check_empty_heads(
                     other.empty_fails = why
 
 
+def _on_meta(args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """A forward's inputs ``(args, kwargs)`` with each tensor an empty one on the meta device."""
+    from torch.utils import _pytree as pytree
+
+    def meta(v: Any) -> Any:
+        return torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
+
+    return pytree.tree_map(meta, (tuple(args), dict(kwargs)))  # type: ignore[no-any-return]
+
+
+class HeadCutCheck:
+    """At an attention's first forward, where the probe at the split could not run its forward
+    as far as its output projection (an input it lacks): whether it cuts its heads into parts
+    (:func:`cuts_heads`), on the forward's own inputs this time. Every rank checks alike, on
+    a copy of the unsplit module on the meta device, before the block runs; where it does,
+    all raise ``ValueError`` (split so, a rank's heads would be combined as other heads are
+    in the unsplit forward)."""
+
+    def __init__(self, ts: TensorSplit, attention: nn.Module) -> None:
+        self.ts = ts
+        # Before the split replaces its layers.
+        self.meta: nn.Module | None = meta_copy(attention)
+        self.handle: Any = None
+
+    def install(self, attention: nn.Module) -> None:
+        self.handle = attention.register_forward_pre_hook(
+            self.check, with_kwargs=True, prepend=True
+        )
+
+    def check(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self.handle.remove()
+        unsplit, self.meta = self.meta, None
+        why = None if unsplit is None else cuts_heads(unsplit, self.ts, _on_meta(args, kwargs))[0]
+        if why is not None:
+            raise ValueError(
+                f"filter_parallel: attention {self.ts.module!r} cuts its heads into parts "
+                f"({why}), which its forward may combine: split by heads, a rank's heads are "
+                "not the unsplit attention's parts; leave its layers out (layers=...)"
+            )
+
+
 class EmptyRankCheck:
     """At an attention's first forward, where a rank holds none of its heads: whether its
     forward runs so (:func:`runs_without_heads`), on the forward's own inputs this time, where
@@ -447,14 +580,8 @@ class EmptyRankCheck:
         )
 
     def check(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        from torch.utils import _pytree as pytree
-
         self.handle.remove()
-
-        def meta(v: Any) -> Any:
-            return torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
-
-        inputs = pytree.tree_map(meta, (tuple(args), dict(kwargs)))
+        inputs = _on_meta(args, kwargs)
         unsplit, self.meta = self.meta, None
         why = None if unsplit is None else runs_without_heads(unsplit, self.ts, inputs)
         if why is not None:

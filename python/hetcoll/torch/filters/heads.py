@@ -109,6 +109,10 @@ class TensorSplit:
     #: dimension (``"lora_A"`` or ``"lora_B"``), sliced with it; the other factor is whole on
     #: every rank, among ``shared`` (its gradient each rank's units' part, summed).
     param_adapters: dict[str, str] = field(default_factory=dict)
+    #: Whether the probe forward at the split could not see whether an attention cuts its
+    #: heads into parts (an input it lacks stopped it): its first forward looks again
+    #: (:class:`~.head_probes.HeadCutCheck`).
+    cut_unseen: bool = False
 
     def by_query_head(self) -> bool:
         """Whether its units are query heads beside a key/value head every rank holds whole

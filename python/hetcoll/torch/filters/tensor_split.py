@@ -26,6 +26,7 @@ from hetcoll.torch.filters.chains import (
 )
 from hetcoll.torch.filters.head_probes import (
     applied_after,
+    cuts_heads,
     probe_packing,
     required_inputs,
     rms_norm_eps,
@@ -861,6 +862,8 @@ def plan_tensor_splits(
     claimed: set[str] = set()
     by_layout: list[str] = []  # kept whole for their layout (not for the layers chosen)
     partial: dict[type, str | None] = {}  # why each attention class cannot run on some heads
+    # How each attention class cuts its heads into parts, and whether the probe saw it all.
+    cut: dict[type, tuple[str | None, bool]] = {}
     for name, m in model.named_modules():
         if name in claimed or any(name.startswith(c + ".") for c in claimed):
             continue
@@ -884,11 +887,23 @@ def plan_tensor_splits(
             # part of its heads (LED's decoder reshapes them to its input's width) stays whole.
             if type(m) not in partial:
                 partial[type(m)] = runs_with_some_heads(m, found)
+                cut[type(m)] = cuts_heads(m, found)
             why = partial[type(m)]
             if why:
                 kept[name] = f"its forward fails on a rank holding some of its heads ({why})"
                 by_layout.append(name)
                 continue
+            where, seen = cut[type(m)]
+            if where:
+                kept[name] = (
+                    f"its forward cuts its heads into parts ({where}), which it may "
+                    "combine: a rank's heads are not the unsplit attention's parts"
+                )
+                by_layout.append(name)
+                continue
+            for variant in (found, found.by_head):
+                if variant is not None:
+                    variant.cut_unseen = not seen
         missing = [n for n in found.layers() if n not in pool and found.kind != "mha"]
         if missing and found.by_head and all(n in pool for n in found.by_head.layers()):
             # Its key and value left out (shares naming only its query and output
