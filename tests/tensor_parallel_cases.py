@@ -1433,6 +1433,13 @@ def layouts(group: Any, models: Any) -> dict[str, Any]:
     return out
 
 
+def apertus() -> nn.Module:
+    """Hugging Face Apertus: an MLP of up and down projections around xIELU, an activation
+    of two learnt numbers (``alpha_p``, ``alpha_n``: one-element parameters) and two
+    one-element buffers, applied to every hidden unit alike."""
+    return _hf("ApertusForCausalLM", "ApertusConfig")
+
+
 def diffllama() -> nn.Module:
     """Hugging Face DiffLlama (the Differential Transformer): each attention cuts its 4
     key/value heads in two halves (``torch.chunk(value_states, 2, dim=1)``) and subtracts one
@@ -1534,6 +1541,7 @@ def architectures(group: Any) -> dict[str, Any]:
                 ("beit", beit),
                 ("swinv2", swinv2),
                 ("swin", swin),
+                ("apertus", apertus),
             ),
         )
         | {"diffllama": differential(group)}

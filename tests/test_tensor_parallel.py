@@ -264,6 +264,9 @@ def test_gloo_architectures_split_by_heads_equal_unsplit():
         "classifier.swin.encoder.layers.0.downsample.reduction",
     ]
     assert r["swin_split"] == 2 * 6
+    # Apertus's MLPs split around xIELU, whose two learnt numbers every rank holds whole
+    # (their gradients, each rank's units' part, summed over the ranks). They gathered before.
+    assert r["apertus_gathers"] == ["lm_head"] and r["apertus_split"] == 2 * 6
     # DiffLlama's attentions pair head h with head h + 2 across the halves they cut their
     # heads into: split by heads, a rank's heads paired among themselves (other logits, by
     # 0.96 relative at 1 : 1). They stay whole, named, their 4 layers and the head gathering;
@@ -688,6 +691,41 @@ def test_an_attention_that_cuts_its_heads_into_parts_stays_whole():
     kept = split_layout(cases.kept_differential_lm())
     assert not kept.kept
     assert [ts.module for ts in kept.splits if ts.cut_unseen] == ["blocks.0", "blocks.1"]
+
+
+def test_an_mlp_whose_activation_holds_learnt_numbers_splits_by_units():
+    """Apertus's xIELU reads two one-element parameters and two one-element buffers: the same
+    numbers for every hidden unit, so its MLP splits by units, the parameters among the
+    block's shared ones (held whole, their gradients summed). An activation holding a number
+    per unit, or reducing along a dimension (``torch.min(x, -1)``), keeps the MLP whole."""
+    from hetcoll.torch.filters import split_layout
+
+    layout = split_layout(cases.apertus())
+    mlps = {ts.module: ts.shared for ts in layout.splits if ts.kind == "mlp"}
+    assert mlps == {
+        f"model.layers.{k}.mlp": [f"model.layers.{k}.mlp.act_fn.alpha_{s}" for s in "np"]
+        for k in range(2)
+    }
+
+    class PerUnit(nn.Module):
+        def __init__(self, numbers: int, reduce: bool = False) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+            self.scale = nn.Parameter(torch.ones(numbers))
+            self.reduce = reduce
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.up(x) * self.scale
+            if self.reduce:
+                h = h - torch.min(h, -1).values.unsqueeze(-1)
+            return self.down(h)
+
+    def split_mlps(model: nn.Module) -> list[list[str]]:
+        return [ts.shared for ts in split_layout(model).splits if ts.kind == "mlp"]
+
+    assert split_mlps(PerUnit(1)) == [["scale"]]
+    assert split_mlps(PerUnit(16)) == []
+    assert split_mlps(PerUnit(1, reduce=True)) == []
 
 
 class _NormAcrossHeads(nn.Module):

@@ -510,13 +510,18 @@ def _latent_attention(name: str, m: nn.Module) -> TensorSplit | str | None:
 # split.
 _BINARY = {
     operator.mul, operator.add, operator.sub, operator.truediv, operator.pow, torch.mul,
-    torch.add, torch.sub, torch.div, torch.pow,
+    torch.add, torch.sub, torch.div, torch.pow, operator.gt, operator.ge, operator.lt,
+    operator.le, torch.where,  # (a choice, element by element, between two)
 }  # fmt: skip
 
 
 _UNARY = ELEMENTWISE_FUNCTIONS | {
-    operator.neg, torch.neg, torch.exp, torch.erf, torch.square, F.sigmoid, F.tanh,
+    operator.neg, torch.neg, torch.exp, torch.expm1, torch.erf, torch.square, F.sigmoid, F.tanh,
 }  # fmt: skip
+
+#: Element-wise where every argument is a tensor (with a number, ``torch.min(x, 1)``, they
+#: reduce along a dimension).
+_TENSORS_ONLY = {torch.min, torch.max, torch.minimum, torch.maximum}
 
 
 _ELEMENTWISE_TENSOR_METHODS = ELEMENTWISE_METHODS | {
@@ -695,17 +700,35 @@ def _mlp(name: str, m: nn.Module) -> TensorSplit | None:
         return projection_features(named[node.target])
 
     def elementwise(node: Any) -> bool:
-        others = [a for a in list(node.args) + list(node.kwargs.values()) if not _is_node(a)]
+        args = list(node.args) + list(node.kwargs.values())
+        others = [a for a in args if not _is_node(a)]
         # Numbers, dtypes and an option's name (``F.gelu(x, approximate="tanh")``, Gemma's).
         if not all(isinstance(a, (int, float, str, torch.dtype)) for a in others):
             return False
         if node.op == "call_module":
             return isinstance(named[node.target], ELEMENTWISE_MODULES)
         if node.op == "call_function":
+            if node.target in _TENSORS_ONLY:  # (torch.min(x, 1) reduces; min(x, y) does not)
+                return not others
             return node.target in _BINARY or node.target in _UNARY
         if node.op == "call_method":
             return node.target in _ELEMENTWISE_TENSOR_METHODS
         return False
+
+    def scalar(node: Any) -> str | None:
+        """The module path of a one-element parameter or buffer ``node`` reads (an
+        activation's learnt numbers: Apertus's xIELU), applied to every unit alike."""
+        if node.op != "get_attr":
+            return None
+        t: torch.Tensor
+        try:
+            t = m.get_parameter(node.target)
+        except AttributeError:
+            try:
+                t = m.get_buffer(node.target)
+            except AttributeError:
+                return None
+        return node.target if t.numel() == 1 else None
 
     for row in graph.nodes:
         f = linear(row)
@@ -713,12 +736,16 @@ def _mlp(name: str, m: nn.Module) -> TensorSplit | None:
             continue
         inner: set[Any] = set()
         columns: dict[Any, int] = {}  # column node -> the blocks its output packs
+        numbers: list[str] = []  # the one-element parameters and buffers read
         todo, ok = [row.all_input_nodes[0]], True
         while todo and ok:
             node = todo.pop()
             if node in inner:
                 continue
             inner.add(node)
+            if scalar(node) is not None:
+                numbers.append(node.target)
+                continue
             g = linear(node)
             packed = _piece_of_packed(node, f[0])
             if g is not None:
@@ -752,6 +779,9 @@ def _mlp(name: str, m: nn.Module) -> TensorSplit | None:
         if ok:
             prefix = f"{name}." if name else ""
             ordered = [n for n in graph.nodes if n in columns]
+            # A learnt number applies to every rank's units: each rank's gradient its units'
+            # part, summed over the ranks.
+            learnt = {n for n, p in m.named_parameters() if p.requires_grad}
             return TensorSplit(
                 "mlp",
                 name,
@@ -759,6 +789,7 @@ def _mlp(name: str, m: nn.Module) -> TensorSplit | None:
                 1,
                 [(prefix + c.target, (1,) * columns[c]) for c in ordered],
                 prefix + row.target,
+                shared=sorted({prefix + n for n in numbers if n in learnt}),
             )
     return None
 
