@@ -1472,6 +1472,22 @@ def kept_differential_lm() -> nn.Module:
     return ResidualLM(_KeptDifferential, keep=True)
 
 
+class _KeptWidth(_OldStyleAttention):
+    """:class:`_OldStyleAttention` of separate q/k/v/o that scales its input by a second input
+    it requires (no probe forward at the split runs it) and reshapes its heads' output to its
+    input's width, as Hugging Face LED's decoder attention does: it cannot run on a rank
+    holding part of its heads."""
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        b, n, width = x.shape
+        x = x * keep
+        q, k, v = (
+            f(x).view(b, n, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v)
+        )
+        att = torch.softmax(q @ k.transpose(-1, -2) / 2.0, dim=-1) @ v
+        return self.o(att.transpose(1, 2).reshape(b, n, width))
+
+
 def differential(group: Any) -> dict[str, Any]:
     """:func:`diffllama` split: split by heads, a rank's heads would pair among themselves
     (at equal speeds on 2 ranks, heads 0 and 1 where the unsplit model pairs 0 with 2: other
@@ -1489,14 +1505,16 @@ def differential(group: Any) -> dict[str, Any]:
     got = modes(split)
     # Where the probe at the split cannot run the attention, its first forward looks again,
     # on its own inputs: every rank raises there, before the block runs.
-    kept = filter_parallel(
-        kept_differential_lm().double(), group=group, speeds=SPEEDS[: wrap(group).size]
-    )
-    try:
-        loss_of(kept, batch(0))
-        raised = ""
-    except ValueError as e:
-        raised = str(e)
+    kept = kept_differential_lm()
+    raised = []
+    for lm in (kept, ResidualLM(_KeptWidth, keep=True)):
+        # (Even heads on every rank: the differential one runs on them, pairing them wrongly.)
+        split = filter_parallel(lm.double(), group=group, speeds=[1.0] * wrap(group).size)
+        try:
+            loss_of(split, batch(0))
+            raised.append("")
+        except ValueError as e:
+            raised.append(str(e))
     return {
         "gathers": sum(m == "gather" for m in got.values()),
         "split": sum(m != "gather" for m in got.values()),

@@ -61,7 +61,7 @@ from hetcoll.torch.filters.head_guards import (
     PackedLayoutGuard,
     PerHeadInputs,
 )
-from hetcoll.torch.filters.head_probes import EmptyRankCheck, HeadCutCheck, rms_norm_eps
+from hetcoll.torch.filters.head_probes import EmptyRankCheck, FirstForwardCheck, rms_norm_eps
 from hetcoll.torch.filters.heads import TensorSplit
 from hetcoll.torch.filters.layers import (
     ChannelSplit,
@@ -898,9 +898,9 @@ def filter_parallel(
         empty_check = None
         if ts.kind == "attention" and 0 in counts:  # a copy of it, before its split
             empty_check = EmptyRankCheck(ts, named[ts.module], counts.index(0))
-        cut_check = None
-        if ts.kind == "attention" and ts.cut_unseen:
-            cut_check = HeadCutCheck(ts, named[ts.module])
+        first_check = None
+        if ts.kind == "attention" and (ts.cut_unseen or ts.parts_unseen):
+            first_check = FirstForwardCheck(ts, named[ts.module], counts)
         copy = SharedCopy(comm, timeout, sole_holder(counts))
         upstream = {u: UpstreamCopy(comm, timeout, sole_holder(counts)) for u in ts.fed_by.values()}
         for u, output_copy in upstream.items():  # its output copied, read by the columns as is
@@ -967,8 +967,8 @@ def filter_parallel(
                 KeyValueOfHeads(ts, first, counts[comm.rank]).install(named[name])
         if empty_check is not None:
             empty_check.install(module)
-        if cut_check is not None:
-            cut_check.install(module)
+        if first_check is not None:
+            first_check.install(module)
         if ts.kind == "attention" and ts.packed() > 1:
             PackedLayoutGuard(ts, counts[comm.rank]).install(
                 module, model.get_submodule(ts.columns[0][0])

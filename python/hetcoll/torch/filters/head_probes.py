@@ -3,7 +3,8 @@ attributes alone cannot say how it runs split: how its packed query/key/value pr
 output is read (:func:`probe_packing`), and whether it runs on a rank holding none of its heads
 (:func:`runs_without_heads`, at the split; :class:`EmptyRankCheck`, at its first forward on the
 forward's own inputs), and whether it cuts its heads into parts it may combine
-(:func:`cuts_heads`; :class:`HeadCutCheck`)."""
+(:func:`cuts_heads`); :class:`FirstForwardCheck` looks again at the first forward where those
+probes could not tell."""
 
 from __future__ import annotations
 
@@ -347,15 +348,18 @@ def runs_without_heads(
     return _fails_held(attention, ts, 0, inputs)
 
 
-def runs_with_some_heads(attention: nn.Module, ts: TensorSplit) -> str | None:
+def runs_with_some_heads(
+    attention: nn.Module, ts: TensorSplit, held: int = 1, inputs: tuple[Any, Any] | None = None
+) -> tuple[str | None, bool]:
     """Why ``attention`` (split as ``ts``) cannot run its forward on a rank holding some of
-    its heads (one unit of them), or None: as :func:`runs_without_heads`, with one unit.
-    Hugging Face's LED decoder attention reshapes its heads' output to its input's width
-    (``embed_dim`` read off the hidden states), which no rank holding part of its heads
-    has."""
+    its heads (``held`` units of them), or None, as :func:`runs_without_heads`; and whether
+    the probes could tell (else both failed alike, on an input they lack: the first forward
+    looks again, :class:`FirstForwardCheck`). Hugging Face's LED decoder attention reshapes
+    its heads' output to its input's width (``embed_dim`` read off the hidden states), which
+    no rank holding part of its heads has."""
     if ts.units < 2 or ts.norms:  # (the probe does not split a norm over all heads)
-        return None
-    return _fails_held(attention, ts, 1, None)
+        return None, True
+    return _held_probe(attention, ts, held, inputs)
 
 
 #: The torch functions that cut a tensor into pieces along one dimension, each with the
@@ -446,17 +450,27 @@ def cuts_heads(
     return watch.found, ran
 
 
+def _held_probe(
+    attention: nn.Module, ts: TensorSplit, held: int, inputs: tuple[Any, Any] | None
+) -> tuple[str | None, bool]:
+    """Why a probe forward of ``attention`` holding ``held`` units fails before the unsplit
+    one gets as far, or None; and whether that could be told: not where both fail alike (an
+    input the probe lacks, where the ops before it may be fewer on fewer heads)."""
+    whole = _probe_run(meta_copy(attention), ts, None, inputs=inputs)
+    part = _probe_run(meta_copy(attention), ts, held, inputs=inputs)
+    if part[0]:
+        return None, True
+    if not whole[0] and (whole[1] <= part[1] or whole[2] == part[2]):
+        return None, False
+    return part[2], True
+
+
 def _fails_held(
     attention: nn.Module, ts: TensorSplit, held: int, inputs: tuple[Any, Any] | None
 ) -> str | None:
     """Why a probe forward of ``attention`` holding ``held`` units fails before the unsplit
-    one gets as far, or None (it runs, or both fail alike: an input the probe lacks, where
-    the ops before it may be fewer on fewer heads)."""
-    whole = _probe_run(meta_copy(attention), ts, None, inputs=inputs)
-    part = _probe_run(meta_copy(attention), ts, held, inputs=inputs)
-    if part[0] or (not whole[0] and (whole[1] <= part[1] or whole[2] == part[2])):
-        return None
-    return part[2]
+    one gets as far, or None (it runs, or both fail alike: :func:`_held_probe`)."""
+    return _held_probe(attention, ts, held, inputs)[0]
 
 
 def check_empty_heads(
@@ -529,16 +543,18 @@ def _on_meta(args: Any, kwargs: Any) -> tuple[Any, Any]:
     return pytree.tree_map(meta, (tuple(args), dict(kwargs)))  # type: ignore[no-any-return]
 
 
-class HeadCutCheck:
-    """At an attention's first forward, where the probe at the split could not run its forward
-    as far as its output projection (an input it lacks): whether it cuts its heads into parts
-    (:func:`cuts_heads`), on the forward's own inputs this time. Every rank checks alike, on
-    a copy of the unsplit module on the meta device, before the block runs; where it does,
-    all raise ``ValueError`` (split so, a rank's heads would be combined as other heads are
-    in the unsplit forward)."""
+class FirstForwardCheck:
+    """At an attention's first forward, what the probes at the split could not tell (an input
+    they lack stopped them), on the forward's own inputs this time: whether it runs on a rank
+    holding some of its heads, as each rank holding ``counts`` of its units does
+    (:func:`runs_with_some_heads`: Hugging Face BigBird's full attention, chosen for a short
+    sequence, reshapes its heads' output to every head's width), and whether it cuts its heads
+    into parts (:func:`cuts_heads`). Every rank checks alike, on a copy of the unsplit module
+    on the meta device, before the block runs; where either holds, all raise ``ValueError``
+    (split so, a rank's forward would fail, or compute other numbers)."""
 
-    def __init__(self, ts: TensorSplit, attention: nn.Module) -> None:
-        self.ts = ts
+    def __init__(self, ts: TensorSplit, attention: nn.Module, counts: Sequence[int]) -> None:
+        self.ts, self.counts = ts, list(counts)
         # Before the split replaces its layers.
         self.meta: nn.Module | None = meta_copy(attention)
         self.handle: Any = None
@@ -551,12 +567,26 @@ class HeadCutCheck:
     def check(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self.handle.remove()
         unsplit, self.meta = self.meta, None
-        why = None if unsplit is None else cuts_heads(unsplit, self.ts, _on_meta(args, kwargs))[0]
+        if unsplit is None:
+            return
+        ts, inputs = self.ts, _on_meta(args, kwargs)
+        name = repr(ts.module)
+        if ts.parts_unseen:
+            for held in sorted(set(self.counts) - {0, ts.units}):
+                why = runs_with_some_heads(unsplit, ts, held, inputs)[0]
+                if why is not None:
+                    raise ValueError(
+                        f"filter_parallel: attention {name} cannot run on a rank holding "
+                        f"{held} of its {ts.units} units of heads, as rank "
+                        f"{self.counts.index(held)} does ({why}); leave its layers out "
+                        "(layers=...)"
+                    )
+        why = cuts_heads(unsplit, ts, inputs)[0] if ts.cut_unseen else None
         if why is not None:
             raise ValueError(
-                f"filter_parallel: attention {self.ts.module!r} cuts its heads into parts "
-                f"({why}), which its forward may combine: split by heads, a rank's heads are "
-                "not the unsplit attention's parts; leave its layers out (layers=...)"
+                f"filter_parallel: attention {name} cuts its heads into parts ({why}), which "
+                "its forward may combine: split by heads, a rank's heads are not the unsplit "
+                "attention's parts; leave its layers out (layers=...)"
             )
 
 

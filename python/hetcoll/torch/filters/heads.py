@@ -111,8 +111,12 @@ class TensorSplit:
     param_adapters: dict[str, str] = field(default_factory=dict)
     #: Whether the probe forward at the split could not see whether an attention cuts its
     #: heads into parts (an input it lacks stopped it): its first forward looks again
-    #: (:class:`~.head_probes.HeadCutCheck`).
+    #: (:class:`~.head_probes.FirstForwardCheck`).
     cut_unseen: bool = False
+    #: Whether the probe forwards at the split could not tell whether an attention runs on a
+    #: rank holding some of its heads (both failed alike, on an input they lack): its first
+    #: forward looks again too.
+    parts_unseen: bool = False
 
     def by_query_head(self) -> bool:
         """Whether its units are query heads beside a key/value head every rank holds whole

@@ -892,7 +892,8 @@ def plan_tensor_splits(
     kept: dict[str, str] = {}
     claimed: set[str] = set()
     by_layout: list[str] = []  # kept whole for their layout (not for the layers chosen)
-    partial: dict[type, str | None] = {}  # why each attention class cannot run on some heads
+    # Why each attention class cannot run on some heads, and whether the probe could tell.
+    partial: dict[type, tuple[str | None, bool]] = {}
     # How each attention class cuts its heads into parts, and whether the probe saw it all.
     cut: dict[type, tuple[str | None, bool]] = {}
     for name, m in model.named_modules():
@@ -919,7 +920,7 @@ def plan_tensor_splits(
             if type(m) not in partial:
                 partial[type(m)] = runs_with_some_heads(m, found)
                 cut[type(m)] = cuts_heads(m, found)
-            why = partial[type(m)]
+            why, told = partial[type(m)]
             if why:
                 kept[name] = f"its forward fails on a rank holding some of its heads ({why})"
                 by_layout.append(name)
@@ -934,7 +935,7 @@ def plan_tensor_splits(
                 continue
             for variant in (found, found.by_head):
                 if variant is not None:
-                    variant.cut_unseen = not seen
+                    variant.cut_unseen, variant.parts_unseen = not seen, not told
         missing = [n for n in found.layers() if n not in pool and found.kind != "mha"]
         if missing and found.by_head and all(n in pool for n in found.by_head.layers()):
             # Its key and value left out (shares naming only its query and output
