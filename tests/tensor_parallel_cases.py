@@ -1450,21 +1450,28 @@ def diffllama() -> nn.Module:
     )  # fmt: skip
 
 
-class _KeptDifferential(_OldStyleAttention):
-    """A differential attention of separate q/k/v/o (6 heads of 4) that scales its input by a
-    second input it requires, so that no probe forward at the split runs it: its heads' outputs
-    cut in two halves (dim 1), each half less half the other's."""
+class _KeptHeads(_OldStyleAttention):
+    """:class:`_OldStyleAttention` of separate q/k/v/o (6 heads of 4) that scales its input
+    by a second input it requires, so that no probe forward at the split runs it."""
 
-    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def heads(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Each head's output, ``(batch, heads, seq, head_dim)``."""
         b, n, _ = x.shape
         x = x * keep
         q, k, v = (
             f(x).view(b, n, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v)
         )
-        att = torch.softmax(q @ k.transpose(-1, -2) / 2.0, dim=-1) @ v
-        one, two = att.chunk(2, dim=1)
+        return torch.softmax(q @ k.transpose(-1, -2) / 2.0, dim=-1) @ v
+
+
+class _KeptDifferential(_KeptHeads):
+    """A differential attention: its heads' outputs cut in two halves (dim 1), each half less
+    half the other's."""
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        one, two = self.heads(x, keep).chunk(2, dim=1)
         att = torch.cat([one - 0.5 * two, two - 0.5 * one], dim=1)
-        return self.o(att.transpose(1, 2).reshape(b, n, -1))
+        return self.o(att.transpose(1, 2).reshape(*x.shape[:2], -1))
 
 
 def kept_differential_lm() -> nn.Module:
@@ -1472,20 +1479,12 @@ def kept_differential_lm() -> nn.Module:
     return ResidualLM(_KeptDifferential, keep=True)
 
 
-class _KeptWidth(_OldStyleAttention):
-    """:class:`_OldStyleAttention` of separate q/k/v/o that scales its input by a second input
-    it requires (no probe forward at the split runs it) and reshapes its heads' output to its
-    input's width, as Hugging Face LED's decoder attention does: it cannot run on a rank
-    holding part of its heads."""
+class _KeptWidth(_KeptHeads):
+    """An attention that reshapes its heads' output to its input's width, as Hugging Face
+    LED's decoder attention does: it cannot run on a rank holding part of its heads."""
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        b, n, width = x.shape
-        x = x * keep
-        q, k, v = (
-            f(x).view(b, n, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v)
-        )
-        att = torch.softmax(q @ k.transpose(-1, -2) / 2.0, dim=-1) @ v
-        return self.o(att.transpose(1, 2).reshape(b, n, width))
+        return self.o(self.heads(x, keep).transpose(1, 2).reshape(x.shape))
 
 
 def differential(group: Any) -> dict[str, Any]:
