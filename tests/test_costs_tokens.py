@@ -698,14 +698,14 @@ def test_adapters_split_with_their_layer_are_priced_on_each_device_s_share(dora:
     mlp = costs.split_blocks[1]
     at = "base_model.model.model.layers.0.mlp."
     assert mlp.split_adapters == (
-        (f"{at}gate_proj.lora_B.default", 0),
-        (f"{at}up_proj.lora_B.default", 1),
-        (f"{at}down_proj.lora_A.default", 2),
+        f"{at}gate_proj.lora_B.default",
+        f"{at}up_proj.lora_B.default",
+        f"{at}down_proj.lora_A.default",
     )
     parts = ("lora_magnitude_vector", "lora_A", "lora_B")
     assert mlp.dora_work == tuple(
-        (f"{at}{p}.{part}.default", k)
-        for k, p in enumerate(("gate_proj", "up_proj", "down_proj"))
+        f"{at}{p}.{part}.default"
+        for p in ("gate_proj", "up_proj", "down_proj")
         for part in parts
         if dora
     )
@@ -714,8 +714,7 @@ def test_adapters_split_with_their_layer_are_priced_on_each_device_s_share(dora:
     split = filter_parallel_schedule(costs, cluster, 8, speeds).layers
     fraction = [u / mlp.units for u in mlp.shares(speeds)]
     assert 0 < fraction[1] < fraction[0] < 1
-    split_names = {n for n, _ in mlp.split_adapters}
-    work_names = {n for n, _ in mlp.dora_work}
+    split_names, work_names = set(mlp.split_adapters), set(mlp.dora_work)
     checked = {"split": 0, "work": 0, "whole": 0}
     for d in range(2):
         whole = filter_parallel_schedule(costs, cluster.subset([d]), 8, [1.0]).layers

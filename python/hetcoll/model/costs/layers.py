@@ -525,27 +525,26 @@ def _split_block(
     )
 
 
-def _adapters(
-    model: nn.Module, ts: TensorSplit
-) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]:
+def _adapters(model: nn.Module, ts: TensorSplit) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The adapters a split of ``ts`` splits with their LoRA wrapper (a column's ``lora_B``,
     the row's ``lora_A``: the runtime's), and the costed layers of each DoRA layer's work
     whatever the batch (its magnitude's layer, and its adapters' calls on an identity
-    matrix), each with the wrapper's index among the block's layers."""
-    layers = list(ts.layers())
-    split: list[tuple[str, int]] = []
-    dora: list[tuple[str, int]] = []
+    matrix)."""
+    split: list[str] = []
+    dora: list[str] = []
     for name in ts.adapted:
-        k = layers.index(name)
         wrapper = model.get_submodule(name)
         factor = "lora_A" if name == ts.row else "lora_B"
         uses = getattr(wrapper, "use_dora", None) or {}
         for a, _ in wrapper.get_submodule(factor).named_children():
-            split.append((f"{name}.{factor}.{a}", k))
+            split.append(f"{name}.{factor}.{a}")
             if uses.get(a):
-                parts = ("lora_magnitude_vector", "lora_A", "lora_B")
-                dora += [(f"{name}.{part}.{a}", k) for part in parts]
+                dora += [f"{name}.{part}.{a}" for part in ("lora_magnitude_vector", *_LORA)]
     return tuple(split), tuple(dora)
+
+
+#: PEFT's LoRA factors, as a wrapper names them.
+_LORA = ("lora_A", "lora_B")
 
 
 def _experts_blocks(

@@ -218,15 +218,15 @@ class SplitBlock:
     #: Its sums over the devices whatever the batch, ``(bytes per forward, forward)``: a DoRA
     #: row's sums of squares of its weight's rows (a number per output feature).
     fixed_sums: tuple[tuple[float, bool], ...] = ()
-    #: The adapters split with their layer, each with that layer's index among :attr:`layers`:
-    #: PEFT's ``lora_B`` of a column (its rows), ``lora_A`` of a row (its columns). Each runs
-    #: on a device's share of the units, which holds their share of its parameters; the
-    #: block's other adapters are among :attr:`whole`.
-    split_adapters: tuple[tuple[str, int], ...] = ()
-    #: The costed layers of each DoRA layer's work whatever the batch, with its layer's index:
-    #: ``B A`` (PEFT's adapters called on an identity matrix), ``W + s B A`` and its norm. A
-    #: device computes them on its share of the layer (a column's rows, a row's slice of each).
-    dora_work: tuple[tuple[str, int], ...] = ()
+    #: The adapters split with their layer: PEFT's ``lora_B`` of a column (its rows),
+    #: ``lora_A`` of a row (its columns). Each runs on a device's share of the units, which
+    #: holds their share of its parameters; the block's other adapters are among
+    #: :attr:`whole`.
+    split_adapters: tuple[str, ...] = ()
+    #: The costed layers of each DoRA layer's work whatever the batch: ``B A`` (PEFT's
+    #: adapters called on an identity matrix), ``W + s B A`` and its norm. A device computes
+    #: them on its share of the layer (a column's rows, a row's slice of each).
+    dora_work: tuple[str, ...] = ()
 
     def layer_at(self, costed: str) -> int | None:
         """The index among :attr:`layers` of the layer that costed layer ``costed`` prices

@@ -275,9 +275,9 @@ def filter_parallel_schedule(
                 # Whole on every device (multi-query key and value, a column's lora_A), but
                 # the adapters split with their layer, and DoRA's work on its weight: on the
                 # device's share.
-                if any(layer.name == n for n, _ in block.split_adapters):
+                if layer.name in block.split_adapters:
                     phi[i, :] = fraction
-                if any(layer.name == n for n, _ in block.dora_work):
+                if layer.name in block.dora_work:
                     unbatched[i, :] = fraction
             else:
                 chan[i, :] = fraction  # the module's own ops, its activations: per unit
