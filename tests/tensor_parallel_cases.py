@@ -2212,7 +2212,36 @@ def dropout(group: Any) -> dict[str, Any]:
         "deberta": _same_on_every_rank(group, table),
         "apart": apart,
         "kinds": {"same": kinds_same, "cpu draws": mixed == [True], "apart": kinds_apart},
+        "jitter": _jitter(group),
     }
+
+
+def _jitter(group: Any) -> dict[str, Any]:
+    """Mixtral's router jitter (uniform noise on each block's hidden states in training, a
+    draw on a whole tensor): seeded alike, the ranks' blocks see the same noise, their whole
+    tensors the same after two steps; seeded apart, every rank raises at the forward, naming
+    the generators. Before, it was no draw the check saw: seeded apart, each rank's experts
+    ran on other noise, and their sum agreed on every rank, wrong."""
+    torch.manual_seed(0)
+    model = mixtral()
+    for m in model.modules():
+        if hasattr(m, "jitter_noise"):
+            m.jitter_noise = 0.2
+    split = filter_parallel(model.double(), speeds=SPEEDS[: wrap(group).size], group=group)
+    torch.manual_seed(5)  # the same seed on every rank
+    opt = torch.optim.SGD(split.parameters(), lr=0.1)
+    for step in range(2):
+        loss_of(split, batch(step))[1].backward()
+        opt.step()
+        opt.zero_grad()
+    norms = torch.cat([p.detach().flatten() for n, p in split.named_parameters() if "norm" in n])
+    torch.manual_seed(wrap(group).rank)  # seeded apart
+    try:
+        loss_of(split, batch(0))
+        apart = "no error"
+    except CollectiveMismatchError as e:
+        apart = str(e).split(" (rank 0")[0]
+    return {"same": _same_on_every_rank(group, norms), "apart": apart}
 
 
 def run_parts(rank: int, world: int, parts: tuple[str, ...]) -> dict[str, Any]:

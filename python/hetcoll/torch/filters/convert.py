@@ -1197,9 +1197,9 @@ def split_traffic(model: nn.Module) -> dict[str, int]:
 
 #: Why the ranks' generators must agree (:func:`~.streams.unequal_generators`).
 _GENERATORS = (
-    "state in training, the model having dropout (seed every rank alike, torch.manual_seed(s) "
-    "with one s, or set the dropout to 0: dropout on whole tensors must draw the same masks "
-    "on every rank)"
+    "state in training, the model having dropout or a router's jitter (seed every rank alike, "
+    "torch.manual_seed(s) with one s, or set them to 0: random draws on whole tensors must be "
+    "the same on every rank)"
 )
 
 

@@ -163,14 +163,17 @@ def install_rank_streams(model: nn.Module, rank: int) -> RankStream | None:
     return stream
 
 
-_DROPOUT_NAME = re.compile(r"drop(out|_?path|_prob|_rate)|pdrop|stochastic_depth", re.IGNORECASE)
+_DROPOUT_NAME = re.compile(
+    r"drop(out|_?path|_prob|_rate)|pdrop|stochastic_depth|jitter", re.IGNORECASE
+)
 
 
 def draws_random(model: nn.Module) -> bool:
     """Whether ``model`` may draw random numbers in training: a dropout module (torch's, or any
     class named for dropout, drop path or stochastic depth) of nonzero probability, or a
     nonzero number under such a name on a module (Hugging Face's ``self.attention_dropout =
-    config.attention_dropout``, read by ``F.dropout``)."""
+    config.attention_dropout``, read by ``F.dropout``), or named for jitter (a mixture of
+    experts' noise on its input in training: Mixtral's and PhiMoE's ``jitter_noise``)."""
     for m in model.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
             return True
