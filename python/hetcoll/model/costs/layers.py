@@ -539,12 +539,9 @@ def _adapters(model: nn.Module, ts: TensorSplit) -> tuple[tuple[str, ...], tuple
         for a, _ in wrapper.get_submodule(factor).named_children():
             split.append(f"{name}.{factor}.{a}")
             if uses.get(a):
-                dora += [f"{name}.{part}.{a}" for part in ("lora_magnitude_vector", *_LORA)]
+                parts = ("lora_magnitude_vector", "lora_A", "lora_B")
+                dora += [f"{name}.{part}.{a}" for part in parts]
     return tuple(split), tuple(dora)
-
-
-#: PEFT's LoRA factors, as a wrapper names them.
-_LORA = ("lora_A", "lora_B")
 
 
 def _experts_blocks(

@@ -61,7 +61,7 @@ from hetcoll.torch.filters.head_guards import (
     PackedLayoutGuard,
     PerHeadInputs,
 )
-from hetcoll.torch.filters.head_probes import EmptyRankCheck, FirstForwardCheck, rms_norm_eps
+from hetcoll.torch.filters.head_probes import FirstForwardCheck, rms_norm_eps
 from hetcoll.torch.filters.heads import TensorSplit
 from hetcoll.torch.filters.layers import (
     ChannelSplit,
@@ -895,11 +895,8 @@ def filter_parallel(
             )
             set_attribute(model, ts.module, mha)
             continue
-        empty_check = None
-        if ts.kind == "attention" and 0 in counts:  # a copy of it, before its split
-            empty_check = EmptyRankCheck(ts, named[ts.module], counts.index(0))
         first_check = None
-        if ts.kind == "attention" and (ts.cut_unseen or ts.parts_unseen):
+        if FirstForwardCheck.needed(ts, counts):  # a copy of it, before its split
             first_check = FirstForwardCheck(ts, named[ts.module], counts)
         copy = SharedCopy(comm, timeout, sole_holder(counts))
         upstream = {u: UpstreamCopy(comm, timeout, sole_holder(counts)) for u in ts.fed_by.values()}
@@ -965,8 +962,6 @@ def filter_parallel(
                 HeadParameters(ts, first, counts[comm.rank]).install(module)
             for name in ts.whole if ts.kv_groups else ():
                 KeyValueOfHeads(ts, first, counts[comm.rank]).install(named[name])
-        if empty_check is not None:
-            empty_check.install(module)
         if first_check is not None:
             first_check.install(module)
         if ts.kind == "attention" and ts.packed() > 1:

@@ -1,10 +1,9 @@
 """Probe forwards of an attention, on copies of it on the meta device, where the module's
 attributes alone cannot say how it runs split: how its packed query/key/value projection's
 output is read (:func:`probe_packing`), and whether it runs on a rank holding none of its heads
-(:func:`runs_without_heads`, at the split; :class:`EmptyRankCheck`, at its first forward on the
-forward's own inputs), and whether it cuts its heads into parts it may combine
-(:func:`cuts_heads`); :class:`FirstForwardCheck` looks again at the first forward where those
-probes could not tell."""
+(:func:`runs_without_heads`), or some (:func:`runs_with_some_heads`), and whether it cuts its
+heads into parts it may combine (:func:`cuts_heads`); :class:`FirstForwardCheck` looks again
+at the first forward, on the forward's own inputs."""
 
 from __future__ import annotations
 
@@ -226,6 +225,20 @@ class _Count(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _token(attention: nn.Module, ts: TensorSplit) -> tuple[Any, ...] | None:
+    """A probe forward's arguments for ``attention`` (split as ``ts``): :func:`probe_inputs`
+    at the width its first column reads (the block's input, or where a column reads a latent,
+    the row's output width); None where they cannot be made."""
+    prefix = f"{ts.module}." if ts.module else ""
+    first = attention.get_submodule(ts.columns[0][0].removeprefix(prefix))
+    hidden = projection_features(first)
+    size = None if hidden is None else hidden[0]
+    if ts.fed_by and ts.row.startswith(prefix):  # a column reads a latent: the row's width
+        out = projection_features(attention.get_submodule(ts.row.removeprefix(prefix)))
+        size = None if out is None else out[1]
+    return None if size is None else probe_inputs(attention, first, size)
+
+
 def _probe_run(
     attention: nn.Module,
     ts: TensorSplit,
@@ -241,13 +254,7 @@ def _probe_run(
     none under :class:`~.head_guards.EmptyHeads`); under ``watch`` too, where given. Returns
     whether it got there, how many torch ops it ran, and the exception if not."""
     prefix = f"{ts.module}." if ts.module else ""
-    first = attention.get_submodule(ts.columns[0][0].removeprefix(prefix))
-    hidden = projection_features(first)
-    size = None if hidden is None else hidden[0]
-    if ts.fed_by and ts.row.startswith(prefix):  # a column reads a latent: the row's width
-        out = projection_features(attention.get_submodule(ts.row.removeprefix(prefix)))
-        size = None if out is None else out[1]
-    token = None if size is None else probe_inputs(attention, first, size)
+    token = _token(attention, ts)
     if token is None:
         return True, 0, ""
     handles = []
@@ -345,7 +352,7 @@ def runs_without_heads(
     num_kv_heads`` divides by zero). Where both fail alike (an input the probe lacks), it
     cannot tell: None. Both run on copies on the meta device
     (:func:`~hetcoll.torch.replay.meta_copy`)."""
-    return _fails_held(attention, ts, 0, inputs)
+    return _held_probe(attention, ts, 0, inputs)[0]
 
 
 def runs_with_some_heads(
@@ -427,10 +434,7 @@ def cuts_heads(
     if not counts:
         return None, True
     if inputs is None:
-        prefix = f"{ts.module}." if ts.module else ""
-        first = attention.get_submodule(ts.columns[0][0].removeprefix(prefix))
-        features = projection_features(first)
-        token = None if features is None else probe_inputs(attention, first, features[0])
+        token = _token(attention, ts)
         try:
             names = list(inspect.signature(attention.forward).parameters)
         except (TypeError, ValueError):
@@ -463,14 +467,6 @@ def _held_probe(
     if not whole[0] and (whole[1] <= part[1] or whole[2] == part[2]):
         return None, False
     return part[2], True
-
-
-def _fails_held(
-    attention: nn.Module, ts: TensorSplit, held: int, inputs: tuple[Any, Any] | None
-) -> str | None:
-    """Why a probe forward of ``attention`` holding ``held`` units fails before the unsplit
-    one gets as far, or None (it runs, or both fail alike: :func:`_held_probe`)."""
-    return _held_probe(attention, ts, held, inputs)[0]
 
 
 def check_empty_heads(
@@ -545,19 +541,26 @@ def _on_meta(args: Any, kwargs: Any) -> tuple[Any, Any]:
 
 class FirstForwardCheck:
     """At an attention's first forward, what the probes at the split could not tell (an input
-    they lack stopped them), on the forward's own inputs this time: whether it runs on a rank
+    they lack stopped them), on the forward's own inputs this time. Whether it runs on a rank
     holding some of its heads, as each rank holding ``counts`` of its units does
     (:func:`runs_with_some_heads`: Hugging Face BigBird's full attention, chosen for a short
-    sequence, reshapes its heads' output to every head's width), and whether it cuts its heads
-    into parts (:func:`cuts_heads`). Every rank checks alike, on a copy of the unsplit module
-    on the meta device, before the block runs; where either holds, all raise ``ValueError``
-    (split so, a rank's forward would fail, or compute other numbers)."""
+    sequence, reshapes its heads' output to every head's width); whether it cuts its heads
+    into parts (:func:`cuts_heads`); and, where a rank holds none of its heads, whether it
+    runs so (:func:`runs_without_heads`: BLOOM's, given no ``alibi`` at the split). Every rank
+    checks alike (their inputs to a split attention are the same), on a copy of the unsplit
+    module on the meta device, before the block runs: a forward failing on one rank alone
+    would leave the others waiting in the block's reduction; here all raise ``ValueError``."""
 
     def __init__(self, ts: TensorSplit, attention: nn.Module, counts: Sequence[int]) -> None:
         self.ts, self.counts = ts, list(counts)
         # Before the split replaces its layers.
         self.meta: nn.Module | None = meta_copy(attention)
         self.handle: Any = None
+
+    @staticmethod
+    def needed(ts: TensorSplit, counts: Sequence[int]) -> bool:
+        """Whether an attention split as ``ts`` at ``counts`` has anything to check."""
+        return ts.kind == "attention" and (0 in counts or ts.cut_unseen or ts.parts_unseen)
 
     def install(self, attention: nn.Module) -> None:
         self.handle = attention.register_forward_pre_hook(
@@ -588,36 +591,11 @@ class FirstForwardCheck:
                 "its forward may combine: split by heads, a rank's heads are not the unsplit "
                 "attention's parts; leave its layers out (layers=...)"
             )
-
-
-class EmptyRankCheck:
-    """At an attention's first forward, where a rank holds none of its heads: whether its
-    forward runs so (:func:`runs_without_heads`), on the forward's own inputs this time, where
-    the probe at the split could not tell (BLOOM's, given no ``alibi``). Every rank checks,
-    alike (their inputs to a split attention are the same), on a copy of the unsplit module
-    on the meta device, before the block runs: a forward failing on that rank alone would
-    leave the others waiting in the block's reduction; here all raise ``ValueError``."""
-
-    def __init__(self, ts: TensorSplit, attention: nn.Module, rank: int) -> None:
-        self.ts, self.rank = ts, rank
-        # Before the split replaces its layers.
-        self.meta: nn.Module | None = meta_copy(attention)
-        self.handle: Any = None
-
-    def install(self, attention: nn.Module) -> None:
-        self.handle = attention.register_forward_pre_hook(
-            self.check, with_kwargs=True, prepend=True
-        )
-
-    def check(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        self.handle.remove()
-        inputs = _on_meta(args, kwargs)
-        unsplit, self.meta = self.meta, None
-        why = None if unsplit is None else runs_without_heads(unsplit, self.ts, inputs)
+        why = runs_without_heads(unsplit, ts, inputs) if 0 in self.counts else None
         if why is not None:
             raise ValueError(
-                f"filter_parallel: attention {self.ts.module!r} cannot run on a rank holding "
-                f"none of its heads, as rank {self.rank} does ({why}); give every rank at least "
-                "one key/value group (empty_blocks=False, or shares), or leave its layers out "
-                "(layers=...)"
+                f"filter_parallel: attention {name} cannot run on a rank holding "
+                f"none of its heads, as rank {self.counts.index(0)} does ({why}); give every "
+                "rank at least one key/value group (empty_blocks=False, or shares), or leave "
+                "its layers out (layers=...)"
             )
