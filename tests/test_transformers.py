@@ -1,9 +1,9 @@
 """Transformers through plans: tests/transformer_cases.py inside every rank of a 4-process gloo
-job (Hugging Face GPT-2, Llama, Mixtral, DeepSeek and Falcon, a user's TransformerEncoder LM,
-each equal to one process averaging over valid tokens, and torchvision's ViT; bad input raises
-on every rank) and of a 4-process MPI job (the cases making every kind of exchange between
-ranks: ``transformer_cases.BACKEND``), and the blocks ``model_layers`` lists for them,
-in-process."""
+job (Hugging Face GPT-2, Llama, Mixtral, DeepSeek, Falcon, Mamba and Jamba, a user's
+TransformerEncoder LM, each equal to one process averaging over valid tokens, and torchvision's
+ViT; bad input raises on every rank) and of a 4-process MPI job (the cases making every kind
+of exchange between ranks: ``transformer_cases.BACKEND``), and the blocks ``model_layers``
+lists for them, in-process."""
 
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ EXPECTED = {
     "deepseek_pipeline": True,
     "deepseek_three_ranks": True,
     "falcon_hybrid": True,
+    "mamba_pipeline": True,
+    "jamba_hybrid": True,
     "deberta_pipeline": True,
     "albert_hybrid": True,
     "llava_after_projector": True,

@@ -88,6 +88,35 @@ def deepseek() -> nn.Module:
     return transformers.DeepseekV3ForCausalLM(config)
 
 
+def mamba() -> nn.Module:
+    """Hugging Face Mamba: a state-space model, no attention (its selective scan in torch's
+    ops); its head casts the logits to float32."""
+    import transformers
+
+    config = transformers.MambaConfig(
+        vocab_size=VOCAB, hidden_size=16, state_size=8, num_hidden_layers=4, expand=2,
+        conv_kernel=4, use_mamba_kernels=False,
+        **{k: v for k, v in PLAIN.items() if k != "attn_implementation"},
+    )  # fmt: skip
+    return transformers.MambaForCausalLM(config)
+
+
+def jamba() -> nn.Module:
+    """Hugging Face Jamba: Mamba mixers and attentions in turn (grouped-query, 2 key/value
+    groups), each attention's block with experts (2 of 4 per token), each mixer's with a
+    dense MLP; its router and norms compute in float32."""
+    import transformers
+
+    config = transformers.JambaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+        use_mamba_kernels=False, experts_implementation="eager", **PLAIN,
+    )  # fmt: skip
+    return transformers.JambaForCausalLM(config)
+
+
 def deberta() -> nn.Module:
     """Hugging Face DeBERTa-v2: disentangled attention reading a relative position table
     (``deberta.encoder.rel_embeddings``) that no forward calls, its weight read by the
@@ -378,8 +407,12 @@ def split_stage(par: Any, traffic: bool = True) -> None:
         if n.endswith(attentions) or (n.endswith(".attention") and hasattr(m, "query"))
     ]
     # Outside the blocks' attentions and MLPs: the head, ALBERT's projection of its
-    # embeddings and its masked-LM head's dense layer.
+    # embeddings and its masked-LM head's dense layer; a Mamba mixer's projections, whose
+    # weights its forward reads itself (they gather).
     outside = ("lm_head", "head", "embedding_hidden_mapping_in", "predictions.dense")
+    outside += tuple(f".mamba.{p}" for p in ("in_proj", "x_proj", "out_proj"))
+    # A mixer's block (Jamba's) has an MLP or experts beside it, as an attention's has.
+    mixers = [n for n, _ in par.stage.named_modules() if n.endswith(".mamba")]
     assert heads and all(m != "gather" for n, m in modes.items() if not n.endswith(outside)), modes
     # A mixture of experts' experts split by each expert's hidden units on the stage's ranks:
     # its block has one pair of layers for its attention, one more only beside a shared
@@ -388,13 +421,14 @@ def split_stage(par: Any, traffic: bool = True) -> None:
     experts = [
         m
         for n, m in par.stage.named_modules()
-        if re.search(r"\.mlp\.experts(\.base_layer)*$", n) and not hasattr(m, "base_layer")
+        if re.search(r"\.(mlp|feed_forward)\.experts(\.base_layer)*$", n)
+        and not hasattr(m, "base_layer")
     ]
     assert all(isinstance(e, FilterParallelExperts) for e in experts), experts
     shared = [n for n in modes if ".shared_expert" in n and modes[n] == "split-input"]
     # A decoder's cross-attention (T5's) shares its block's MLP: one pair more, not two.
     cross = [n for n in heads if n.endswith(".EncDecAttention")]
-    rows = 2 * len(heads) - len(experts) + len(shared) - len(cross)
+    rows = 2 * len(heads) + len(mixers) - len(experts) + len(shared) - len(cross)
     # (A LoRA row's adapter splits along its input beside its base layer: counted once.)
     split_rows = [n for n, m in modes.items() if m == "split-input" and ".lora_A." not in n]
     assert len(split_rows) == rows, modes
@@ -515,7 +549,13 @@ def split_stage(par: Any, traffic: bool = True) -> None:
             elif holders == [key.rank]:
                 backward += (p - 1) * rows * SEQ * hidden * item
         forward += sum((p - 1) * rows * SEQ * m.shares[m.rank] * item for m in gathers)
-        backward += blocks + len(gathers) * reduction
+        backward += blocks
+        # Each gathering layer sums its input's gradient: the hidden states, or a mixer's
+        # wider inner ones (Mamba's x_proj and out_proj read its expanded width).
+        for m in gathers:
+            comm.kind = "probe"
+            allreduce(torch.zeros(rows * SEQ * m.in_features, dtype=dtype), comm, check=False)
+            backward += comm.counts.pop("probe")
     assert traffic["activations"] == forward, (traffic, forward)
     assert traffic["gradients"] == backward, (traffic, backward)
 
@@ -1090,6 +1130,12 @@ CASES.update(
         # run in another order).
         "mixtral_grouped_mm": _equal(mixtral_grouped_mm, split_three, 1e-5, dtype=torch.float32),
         "falcon_hybrid": _equal(falcon, hybrid),
+        # A state-space model through a pipeline: the scan's state stays inside each block.
+        "mamba_pipeline": _equal(mamba, pipeline_4, 1e-6, sent=True),
+        # Mixers, attentions and experts in turn, beside a split stage: its attentions split
+        # by heads, its experts and MLPs by hidden units, its mixers' projections gathering.
+        # (Its bytes are not counted: split_stage's count knows no mixer's whole parameters.)
+        "jamba_hybrid": _equal(jamba, hybrid, 1e-6, traffic=False),
         # A module no forward calls whose weight the code between blocks reads, through a
         # pipeline (it failed: the table was a block of the last stage).
         "deberta_pipeline": _equal(deberta, pipeline_4, sent=True),
