@@ -30,10 +30,12 @@ pytest.importorskip("transformers")
 PARTS = {2: ("all", "lora"), 3: ("all", "architectures", "experts"), 4: ("empty",)}
 _jobs: dict[int, list[dict[str, Any]] | launch.RankFailed] = {}
 
+#: Each gloo job's limit: past it, launch says where each rank was.
+JOB_S = 400
 #: The first test reading a job waits for all of it: the 3-rank job took 78 s alone, 172 s
-#: beside another test (CI) and over 300 s on a busier host. The job's own limit (400 s, and
-#: launch's start-up slack), which says where each rank was, comes first.
-job_timeout = pytest.mark.timeout(480)
+#: beside another test (CI) and 299 s on a busier host. The job's own limit (and launch's
+#: start-up slack) comes before pytest's.
+job_timeout = pytest.mark.timeout(JOB_S + 80)
 
 
 def _gloo(p: int, part: str) -> list[Any]:
@@ -41,7 +43,7 @@ def _gloo(p: int, part: str) -> list[Any]:
     that reads it (a failed job fails each test that reads it, with its ranks' errors)."""
     if p not in _jobs:
         try:
-            _jobs[p] = launch.spawn(cases.run_parts, p, PARTS[p], timeout=400)
+            _jobs[p] = launch.spawn(cases.run_parts, p, PARTS[p], timeout=JOB_S)
         except launch.RankFailed as e:
             _jobs[p] = e
     job = _jobs[p]

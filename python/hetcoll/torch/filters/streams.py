@@ -163,7 +163,9 @@ def install_rank_streams(model: nn.Module, rank: int) -> RankStream | None:
     return stream
 
 
-_DROPOUT_NAME = re.compile(
+#: Names of what draws random numbers in training: dropout, drop path, stochastic depth, and a
+#: mixture of experts' jitter.
+_RANDOM_NAME = re.compile(
     r"drop(out|_?path|_prob|_rate)|pdrop|stochastic_depth|jitter", re.IGNORECASE
 )
 
@@ -177,14 +179,14 @@ def draws_random(model: nn.Module) -> bool:
     for m in model.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
             return True
-        if _DROPOUT_NAME.search(type(m).__name__) and not isinstance(
+        if _RANDOM_NAME.search(type(m).__name__) and not isinstance(
             m, nn.modules.dropout._DropoutNd
         ):
             p = getattr(m, "p", getattr(m, "drop_prob", None))
             if not isinstance(p, (int, float)) or p > 0:
                 return True
         for name, value in vars(m).items():
-            if _DROPOUT_NAME.search(name) and isinstance(value, float) and value > 0:
+            if _RANDOM_NAME.search(name) and isinstance(value, float) and value > 0:
                 return True
     return False
 
