@@ -41,14 +41,28 @@ def exchanging(cls: Any) -> Any:
     see: a traced gather took its output for an alias of its input (torchvision's ViT split
     by ``filter_parallel``, then compiled: "setStorage ... out of bounds")."""
     for name in ("forward", "backward"):
-        setattr(cls, name, staticmethod(_never_traced(getattr(cls, name))))
+
+        def install(disabled: Any, name: str = name) -> None:
+            setattr(cls, name, staticmethod(disabled))
+
+        setattr(cls, name, staticmethod(never_traced(getattr(cls, name), install)))
     return cls
 
 
-def _never_traced(fn: Any) -> Any:
-    """``torch.compiler.disable(fn)``, made once torch.compile's tracer (torch._dynamo) is
-    loaded: nothing traces before, and disabling imports it (a second on a 2-core host),
-    which neither importing hetcoll.torch nor an uncompiled run should pay."""
+def never_traced(fn: Any, install: Any = None) -> Any:
+    """``torch.compiler.disable(fn)``: ``fn`` runs as it is under ``torch.compile``, the graph
+    breaking around it (an exchange between the ranks, a check that runs probes or agrees with
+    the other ranks: nothing a compiled graph could hold, and tracing them costs a compile
+    seconds). Disabling imports torch.compile's tracer (torch._dynamo, a second on a 2-core
+    host), which neither importing hetcoll.torch nor an uncompiled run should pay: where it
+    is not loaded yet, the function returned runs ``fn`` as it is until it is, then the
+    disabled ``fn``. ``install(disabled)``, if given, is called with that disabled ``fn`` once it
+    is made outside a trace, to put it where the function returned was (so that a trace meets
+    the disabled function itself, not a wrapper it traces anew for every type of argument)."""
+    if "torch._dynamo" in sys.modules:
+        import torch
+
+        return torch.compiler.disable(fn)
     disabled = None
 
     @functools.wraps(fn)
@@ -60,6 +74,8 @@ def _never_traced(fn: Any) -> Any:
             import torch
 
             disabled = torch.compiler.disable(fn)
+            if install is not None and not torch.compiler.is_compiling():
+                install(disabled)
         return disabled(*args, **kwargs)
 
     return run

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
+from hetcoll.collectives.autograd import never_traced
 from hetcoll.comm import (
     Communicator,
     agree,
@@ -1333,8 +1334,9 @@ def _agree_per_forward(
     if not found or comm.size == 1:
         return
     hooks = _AgreeOnInputs(comm, agreed, timeout, owned, draws_random(model), stream)
-    model.register_forward_pre_hook(hooks.before, with_kwargs=True)
-    model.register_forward_hook(hooks.after, with_kwargs=True, always_call=True)
+    # Run as they are under torch.compile: an agreement between the ranks, no graph.
+    model.register_forward_pre_hook(never_traced(hooks.before), with_kwargs=True)
+    model.register_forward_hook(never_traced(hooks.after), with_kwargs=True, always_call=True)
 
 
 def _agree_on_plan(
