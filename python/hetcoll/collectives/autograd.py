@@ -40,13 +40,28 @@ def exchanging(cls: Any) -> Any:
     them). They move bytes through numpy views and the communicator, which a trace cannot
     see: a traced gather took its output for an alias of its input (torchvision's ViT split
     by ``filter_parallel``, then compiled: "setStorage ... out of bounds")."""
-    for name in ("forward", "backward"):
+    return never_traced_methods("forward", "backward")(cls)
 
-        def install(disabled: Any, name: str = name) -> None:
-            setattr(cls, name, staticmethod(disabled))
 
-        setattr(cls, name, staticmethod(never_traced(getattr(cls, name), install)))
-    return cls
+def never_traced_methods(*names: str) -> Any:
+    """A class decorator: the methods ``names`` (plain or static) run as they are under
+    ``torch.compile``, never traced (:func:`never_traced`): a class's hooks that exchange or
+    check, say. Bound to their objects as before, so a deep copy of a module holding one as
+    a hook copies (or refuses to copy) its object."""
+
+    def decorate(cls: Any) -> Any:
+        for name in names:
+            raw = cls.__dict__[name]
+            static = isinstance(raw, staticmethod)
+
+            def install(disabled: Any, name: str = name, static: bool = static) -> None:
+                setattr(cls, name, staticmethod(disabled) if static else disabled)
+
+            wrapped = never_traced(raw.__func__ if static else raw, install)
+            setattr(cls, name, staticmethod(wrapped) if static else wrapped)
+        return cls
+
+    return decorate
 
 
 def never_traced(fn: Any, install: Any = None) -> Any:

@@ -33,15 +33,30 @@ class AgreedForward:
 
     def __init__(self) -> None:
         self.depth = 0
+        #: Whether the model's latest forward ran inside a call torch.compile made.
+        self.compiled = False
 
     @property
     def active(self) -> bool:
         return self.depth > 0
 
+    def note_compiled(self, *_: Any) -> None:
+        """A forward pre-hook of the split model, traced by torch.compile like the model's own
+        code: notes whether this forward runs inside a compiled call. A layer's forward that
+        torch.compile gave up on (past its recompile limit) runs as it is, where
+        ``torch.compiler.is_compiling()`` is False, with compiled code around it."""
+        self.compiled = torch.compiler.is_compiling()
+
 
 def needs_check(agreed: AgreedForward | None) -> bool:
     """Whether a reduction must run its own agreement check (no agreed forward is running)."""
     return agreed is None or not agreed.active
+
+
+def in_compiled_forward(agreed: AgreedForward | None) -> bool:
+    """Whether a split layer runs inside a call torch.compile made: traced now, or run as it
+    is within one (:meth:`AgreedForward.note_compiled`)."""
+    return torch.compiler.is_compiling() or (agreed is not None and agreed.compiled)
 
 
 def sole_holder(shares: list[int]) -> int | None:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
-from hetcoll.collectives.autograd import never_traced
+from hetcoll.collectives.autograd import never_traced_methods
 from hetcoll.comm import (
     Communicator,
     agree,
@@ -1231,6 +1231,8 @@ def _refuse_ddp_over_split(model: nn.Module, comm: Communicator) -> None:
         )
 
 
+# Under torch.compile its hooks run as they are: an agreement between the ranks, no graph.
+@never_traced_methods("before", "after")
 class _AgreeOnInputs:
     """The split model's forward hooks: before each forward, one agreement that every rank
     passes inputs of the same shapes and dtypes, in the same mode (train or eval, gradients
@@ -1334,9 +1336,9 @@ def _agree_per_forward(
     if not found or comm.size == 1:
         return
     hooks = _AgreeOnInputs(comm, agreed, timeout, owned, draws_random(model), stream)
-    # Run as they are under torch.compile: an agreement between the ranks, no graph.
-    model.register_forward_pre_hook(never_traced(hooks.before), with_kwargs=True)
-    model.register_forward_hook(never_traced(hooks.after), with_kwargs=True, always_call=True)
+    model.register_forward_pre_hook(agreed.note_compiled)
+    model.register_forward_pre_hook(hooks.before, with_kwargs=True)
+    model.register_forward_hook(hooks.after, with_kwargs=True, always_call=True)
 
 
 def _agree_on_plan(

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from hetcoll.collectives.autograd import never_traced
+from hetcoll.collectives.autograd import never_traced_methods
 from hetcoll.torch.filters.chains import projection_features
 from hetcoll.torch.filters.head_guards import (
     EmptyHeads,
@@ -540,6 +540,9 @@ def _on_meta(args: Any, kwargs: Any) -> tuple[Any, Any]:
     return pytree.tree_map(meta, (tuple(args), dict(kwargs)))  # type: ignore[no-any-return]
 
 
+# Probes on the meta device, once: nothing torch.compile should trace (a small Llama's took it
+# 18 s of a 47 s compiled step).
+@never_traced_methods("check")
 class FirstForwardCheck:
     """At an attention's first forward, what the probes at the split could not tell (an input
     they lack stopped them), on the forward's own inputs this time. Whether it runs on a rank
@@ -564,10 +567,8 @@ class FirstForwardCheck:
         return ts.kind == "attention" and (0 in counts or ts.cut_unseen or ts.parts_unseen)
 
     def install(self, attention: nn.Module) -> None:
-        # Probes on the meta device, once: nothing torch.compile should trace (a small
-        # Llama's took it 18 s of a 47 s compiled step).
         self.handle = attention.register_forward_pre_hook(
-            never_traced(self.check), with_kwargs=True, prepend=True
+            self.check, with_kwargs=True, prepend=True
         )
 
     def check(self, module: nn.Module, args: Any, kwargs: Any) -> None:

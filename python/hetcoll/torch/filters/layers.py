@@ -26,6 +26,7 @@ from hetcoll.torch.filters.autograd import (
     GatherChannels,
     ReduceSum,
     SumEachWay,
+    in_compiled_forward,
     needs_check,
     sole_holder,
 )
@@ -519,7 +520,10 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
         y = self.local(self.copied_input(x), self.weight, self.bias)
         if self.mode == "split-output":
             return y
-        if self.split_output and self.dim == -1 and not torch.compiler.is_compiling():
+        # Under torch.compile the output is gathered, this forward traced or not (one past
+        # torch.compile's recompile limit runs as it is, and a split output it returned would
+        # reach the compiled code around it).
+        if self.split_output and self.dim == -1 and not in_compiled_forward(self.agreed):
             return SplitOutput.of(y, self.comm, self.shares, self.timeout, self.agreed)
         return GatherChannels.apply(y, self.comm, self.shares, self.offset, self.dim, self.timeout)
 

@@ -33,6 +33,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from hetcoll.collectives.autograd import never_traced_methods
+
 #: Mixes the rank into the seed drawn from the common stream (the 64-bit golden ratio).
 _MIX = 0x9E3779B97F4A7C15
 
@@ -44,6 +46,11 @@ def _cuda_device() -> int | None:
     return None
 
 
+# Under torch.compile its hooks run as they are, never traced: they swap the generators' states
+# and note which tensors they were given, nothing a graph holds.
+@never_traced_methods(
+    "enter", "leave", "enter_alone", "leave_alone", "given", "done", "drop_whole", "dropped"
+)
 class RankStream:
     """This rank's random stream for its split parts (module docs). :meth:`enter` and
     :meth:`leave` alternate; an :meth:`enter` while inside (a split part within another)
@@ -133,21 +140,22 @@ def install_rank_streams(model: nn.Module, rank: int) -> RankStream | None:
     from hetcoll.torch.filters.layers import FilterParallelLayer, FilterParallelMultiheadAttention
 
     stream = RankStream(rank)
+    enter, leave = stream.enter, stream.leave
     found = False
     for m in model.modules():
         if isinstance(m, FilterParallelExperts | FilterParallelMultiheadAttention):
-            m.register_forward_pre_hook(stream.enter)
-            m.register_forward_hook(stream.leave, always_call=True)
+            m.register_forward_pre_hook(enter)
+            m.register_forward_hook(leave, always_call=True)
         elif isinstance(m, FilterParallelLayer) and m.mode == "split-output":
-            m.register_forward_hook(stream.enter)
+            m.register_forward_hook(enter)
         elif isinstance(m, FilterParallelLayer) and m.mode == "split-input":
-            m.register_forward_pre_hook(stream.leave)
+            m.register_forward_pre_hook(leave)
         else:
             continue
         found = True
     if not found:
         return None
-    model.register_forward_hook(stream.leave, always_call=True)
+    model.register_forward_hook(leave, always_call=True)
     for parent in model.modules():
         if isinstance(parent, FilterParallelLayer) or not any(
             isinstance(c, FilterParallelLayer) and c.mode == "split-output"
