@@ -128,3 +128,51 @@ def test_a_compiled_split_lora_head_trains_as_the_unsplit_model(loss_parallel):
         assert "FilterParallelLayer.forward" in compiled, compiled
         checks = {"FirstForwardCheck.check", "_AgreeOnInputs.before", "_AgreeOnInputs.after"}
         assert not checks & compiled, compiled
+
+
+_BEFORE_THE_TRACER = """
+import sys, torch
+from hetcoll.collectives.autograd import disable_pending, never_traced_methods
+from torch import nn
+
+assert "torch._dynamo" not in sys.modules
+seen = []
+
+@never_traced_methods("hook")
+class Hook:
+    def hook(self, module, args):
+        seen.append(torch.compiler.is_compiling())
+
+lazy = Hook.__dict__["hook"]
+if sys.argv[1] == "disable":
+    disable_pending()
+layers = [nn.Linear(3, 3) for _ in range(10)]
+for layer in layers:
+    layer.register_forward_pre_hook(Hook().hook)
+model = torch.compile(nn.Sequential(*layers), backend="eager")
+model(torch.randn(2, 3))
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+print(len(seen), any(seen), len(_debug_get_cache_entry_list(lazy.__code__)))
+"""
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_hooks_defined_before_torch_compile_s_tracer_are_never_traced(disable):
+    """A class's never-traced methods defined before torch.compile's tracer is loaded (hetcoll
+    imported first, as any script does) run as they are; filter_parallel, expert_parallel and
+    parallelize put the disabled methods in place first (``disable_pending``), so torch.compile
+    compiles no wrapper of them: without that, the wrapper is compiled for each module it is
+    hooked on (past 8, torch warns of its recompile limit)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _BEFORE_THE_TRACER, "disable" if disable else "lazy"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    calls, traced, compiled = out.stdout.split()
+    assert (calls, traced) == ("10", "False")
+    assert (int(compiled) == 0) == disable, out.stdout

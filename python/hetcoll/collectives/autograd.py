@@ -64,20 +64,27 @@ def never_traced_methods(*names: str) -> Any:
     return decorate
 
 
+#: The never-traced functions made before torch.compile's tracer was loaded, each with where
+#: it goes once disabled (:func:`disable_pending`).
+_PENDING: list[tuple[Any, Any]] = []
+
+
 def never_traced(fn: Any, install: Any = None) -> Any:
     """``torch.compiler.disable(fn)``: ``fn`` runs as it is under ``torch.compile``, the graph
     breaking around it (an exchange between the ranks, a check that runs probes or agrees with
     the other ranks: nothing a compiled graph could hold, and tracing them costs a compile
     seconds). Disabling imports torch.compile's tracer (torch._dynamo, a second on a 2-core
-    host), which neither importing hetcoll.torch nor an uncompiled run should pay: where it
-    is not loaded yet, the function returned runs ``fn`` as it is until it is, then the
-    disabled ``fn``. ``install(disabled)``, if given, is called with that disabled ``fn`` once it
-    is made outside a trace, to put it where the function returned was (so that a trace meets
-    the disabled function itself, not a wrapper it traces anew for every type of argument)."""
+    host), which importing hetcoll.torch should not pay: where it is not loaded yet, the
+    function returned runs ``fn`` as it is until it is, then the disabled ``fn``; and with
+    ``install``, that disabled ``fn`` is passed to ``install`` to put in the returned function's
+    place (:func:`disable_pending`), so that a trace meets the disabled function itself, not a
+    wrapper it would compile anew for every type of argument."""
     if "torch._dynamo" in sys.modules:
         import torch
 
         return torch.compiler.disable(fn)
+    if install is not None:
+        _PENDING.append((fn, install))
     disabled = None
 
     @functools.wraps(fn)
@@ -89,11 +96,23 @@ def never_traced(fn: Any, install: Any = None) -> Any:
             import torch
 
             disabled = torch.compiler.disable(fn)
-            if install is not None and not torch.compiler.is_compiling():
-                install(disabled)
+            if not torch.compiler.is_compiling():
+                disable_pending()
         return disabled(*args, **kwargs)
 
     return run
+
+
+def disable_pending() -> None:
+    """Load torch.compile's tracer, and put every never-traced function made before it was
+    loaded in its place, disabled (:func:`never_traced`). Called where hetcoll builds what a
+    compiled model may run (``filter_parallel``, ``expert_parallel``, ``parallelize``): any
+    training run loads the tracer anyway (torch.optim does, at the first optimizer made)."""
+    import torch
+
+    while _PENDING:
+        fn, install = _PENDING.pop()
+        install(torch.compiler.disable(fn))
 
 
 def _make_function() -> Any:

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 import hetcoll
-from hetcoll.collectives.autograd import exchanging
+from hetcoll.collectives.autograd import disable_pending, exchanging
 from hetcoll.comm import Communicator, agree, deadline, wrap
 from hetcoll.plan import MAX_EXPERTS, expert_indices, expert_runs
 from hetcoll.torch.filters.chains import inside_unknown_adapters, stacked_adapters
@@ -858,6 +858,7 @@ def expert_parallel(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    disable_pending()  # what a compiled model runs of the split, never traced
     if (speeds is None) == (shares is None):
         raise TypeError("speeds: give exactly one of speeds= or shares=")
     whole = wrap(group)

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from hetcoll.collectives.autograd import disable_pending
 from hetcoll.comm import agree, fingerprint, start_agreement, wrap, wrap_or_raise
 from hetcoll.plan import Plan, Stage
 from hetcoll.torch.batches import (
@@ -1774,6 +1775,7 @@ def parallelize(
     >>> opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)  # doctest: +SKIP
     >>> loss = par.step(x, y); opt.step(); opt.zero_grad()  # doctest: +SKIP
     """
+    disable_pending()  # what a compiled model runs of the plan's exchanges, never traced
     # A rank's bad argument is told to the others in the agreement below (they raise at once).
     failure: Exception | None = None
     try:

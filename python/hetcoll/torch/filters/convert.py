@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
-from hetcoll.collectives.autograd import never_traced_methods
+from hetcoll.collectives.autograd import disable_pending, never_traced_methods
 from hetcoll.comm import (
     Communicator,
     agree,
@@ -779,6 +779,7 @@ def filter_parallel(
         group, shares_or_speeds = shares_or_speeds, None  # (model, group, speeds=...)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: must be a torch.nn.Module, got {type(model).__name__}")
+    disable_pending()  # what a compiled model runs of the split, never traced
     held = [n for n, m in model.named_modules() if isinstance(m, ChannelSplit)]
     if held:  # the same model on every rank: every rank raises here
         raise ValueError(
