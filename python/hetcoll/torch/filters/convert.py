@@ -1334,10 +1334,12 @@ def _agree_per_forward(
             shared = getattr(m, "shared_input", None)
             if isinstance(shared, SharedCopy):
                 shared.agreed = agreed
-    if not found or comm.size == 1:
+    if not found:
+        return
+    model.register_forward_pre_hook(agreed.note_compiled)
+    if comm.size == 1:
         return
     hooks = _AgreeOnInputs(comm, agreed, timeout, owned, draws_random(model), stream)
-    model.register_forward_pre_hook(agreed.note_compiled)
     model.register_forward_pre_hook(hooks.before, with_kwargs=True)
     model.register_forward_hook(hooks.after, with_kwargs=True, always_call=True)
 

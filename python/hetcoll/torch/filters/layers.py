@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from hetcoll.collectives.autograd import never_traced_methods
 from hetcoll.comm import Communicator, wrap
 from hetcoll.torch.filters.autograd import (
     AgreedForward,
@@ -432,6 +433,10 @@ class LocalLinear(nn.Module):
         return F.linear(x, weight, bias)
 
 
+# Under torch.compile its forward runs as it is, never traced: each exchanges with the other
+# ranks around one local layer, so the graph breaks there anyway, and traced it would be
+# compiled once per weight shape (past torch.compile's recompile limit of 8, run as it is).
+@never_traced_methods("forward")
 class FilterParallelLayer(ChannelSplit, nn.Module):
     """Shared forward of the split Conv2d and Linear (``dim`` is their channel dimension).
 
@@ -520,9 +525,8 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
         y = self.local(self.copied_input(x), self.weight, self.bias)
         if self.mode == "split-output":
             return y
-        # Under torch.compile the output is gathered, this forward traced or not (one past
-        # torch.compile's recompile limit runs as it is, and a split output it returned would
-        # reach the compiled code around it).
+        # Under torch.compile the output is gathered (this forward runs as it is, never
+        # traced: a split output it returned would reach the compiled code around it).
         if self.split_output and self.dim == -1 and not in_compiled_forward(self.agreed):
             return SplitOutput.of(y, self.comm, self.shares, self.timeout, self.agreed)
         return GatherChannels.apply(y, self.comm, self.shares, self.offset, self.dim, self.timeout)
