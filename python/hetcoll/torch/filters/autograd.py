@@ -42,9 +42,9 @@ class AgreedForward:
 
     def note_compiled(self, *_: Any) -> None:
         """A forward pre-hook of the split model, traced by torch.compile like the model's own
-        code: notes whether this forward runs inside a compiled call. A layer's forward that
-        torch.compile gave up on (past its recompile limit) runs as it is, where
-        ``torch.compiler.is_compiling()`` is False, with compiled code around it."""
+        code: notes whether this forward runs inside a compiled call. The split layers' forward
+        runs as it is, never traced, where ``torch.compiler.is_compiling()`` is False with
+        compiled code around it."""
         self.compiled = torch.compiler.is_compiling()
 
 
@@ -55,7 +55,7 @@ def needs_check(agreed: AgreedForward | None) -> bool:
 
 def in_compiled_forward(agreed: AgreedForward | None) -> bool:
     """Whether a split layer runs inside a call torch.compile made: traced now, or run as it
-    is within one (:meth:`AgreedForward.note_compiled`)."""
+    is within one, as its forward is (:meth:`AgreedForward.note_compiled`)."""
     return torch.compiler.is_compiling() or (agreed is not None and agreed.compiled)
 
 

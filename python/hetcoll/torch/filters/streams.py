@@ -140,22 +140,21 @@ def install_rank_streams(model: nn.Module, rank: int) -> RankStream | None:
     from hetcoll.torch.filters.layers import FilterParallelLayer, FilterParallelMultiheadAttention
 
     stream = RankStream(rank)
-    enter, leave = stream.enter, stream.leave
     found = False
     for m in model.modules():
         if isinstance(m, FilterParallelExperts | FilterParallelMultiheadAttention):
-            m.register_forward_pre_hook(enter)
-            m.register_forward_hook(leave, always_call=True)
+            m.register_forward_pre_hook(stream.enter)
+            m.register_forward_hook(stream.leave, always_call=True)
         elif isinstance(m, FilterParallelLayer) and m.mode == "split-output":
-            m.register_forward_hook(enter)
+            m.register_forward_hook(stream.enter)
         elif isinstance(m, FilterParallelLayer) and m.mode == "split-input":
-            m.register_forward_pre_hook(leave)
+            m.register_forward_pre_hook(stream.leave)
         else:
             continue
         found = True
     if not found:
         return None
-    model.register_forward_hook(leave, always_call=True)
+    model.register_forward_hook(stream.leave, always_call=True)
     for parent in model.modules():
         if isinstance(parent, FilterParallelLayer) or not any(
             isinstance(c, FilterParallelLayer) and c.mode == "split-output"
