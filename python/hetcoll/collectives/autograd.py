@@ -45,46 +45,48 @@ def exchanging(cls: Any) -> Any:
 
 def never_traced_methods(*names: str) -> Any:
     """A class decorator: the methods ``names`` (plain or static) run as they are under
-    ``torch.compile``, never traced (:func:`never_traced`): a class's hooks that exchange or
-    check, say. Bound to their objects as before, so a deep copy of a module holding one as
-    a hook copies (or refuses to copy) its object."""
+    ``torch.compile``, each ``torch.compiler.disable``-d, the graph breaking around it (an
+    exchange between the ranks, a hook that runs probes or agrees with the other ranks:
+    nothing a compiled graph holds, and tracing them costs a compile seconds). Bound to their
+    objects as before, so a deep copy of a module holding one as a hook copies (or refuses to
+    copy) its object.
+
+    Disabling imports torch.compile's tracer (torch._dynamo, a second on a 2-core host), which
+    importing hetcoll.torch should not pay: a class made before it is loaded holds a stand-in
+    that runs the method as it is, until :func:`disable_pending` puts the disabled method in
+    its place (so that a trace meets the disabled method itself, not a stand-in it would
+    compile anew for every type of argument)."""
 
     def decorate(cls: Any) -> Any:
         for name in names:
             raw = cls.__dict__[name]
             static = isinstance(raw, staticmethod)
+            fn = raw.__func__ if static else raw
 
-            def install(disabled: Any, name: str = name, static: bool = static) -> None:
-                setattr(cls, name, staticmethod(disabled) if static else disabled)
+            def install(method: Any, name: str = name, static: bool = static) -> None:
+                setattr(cls, name, staticmethod(method) if static else method)
 
-            wrapped = never_traced(raw.__func__ if static else raw, install)
-            setattr(cls, name, staticmethod(wrapped) if static else wrapped)
+            if "torch._dynamo" in sys.modules:
+                import torch
+
+                install(torch.compiler.disable(fn))
+            else:
+                _PENDING.append((fn, install))
+                install(_until_disabled(fn))
         return cls
 
     return decorate
 
 
-#: The never-traced functions made before torch.compile's tracer was loaded, each with where
-#: it goes once disabled (:func:`disable_pending`).
+#: The methods of :func:`never_traced_methods` made before torch.compile's tracer was loaded,
+#: each with what puts it in place once disabled (:func:`disable_pending`).
 _PENDING: list[tuple[Any, Any]] = []
 
 
-def never_traced(fn: Any, install: Any = None) -> Any:
-    """``torch.compiler.disable(fn)``: ``fn`` runs as it is under ``torch.compile``, the graph
-    breaking around it (an exchange between the ranks, a check that runs probes or agrees with
-    the other ranks: nothing a compiled graph could hold, and tracing them costs a compile
-    seconds). Disabling imports torch.compile's tracer (torch._dynamo, a second on a 2-core
-    host), which importing hetcoll.torch should not pay: where it is not loaded yet, the
-    function returned runs ``fn`` as it is until it is, then the disabled ``fn``; and with
-    ``install``, that disabled ``fn`` is passed to ``install`` to put in the returned function's
-    place (:func:`disable_pending`), so that a trace meets the disabled function itself, not a
-    wrapper it would compile anew for every type of argument."""
-    if "torch._dynamo" in sys.modules:
-        import torch
-
-        return torch.compiler.disable(fn)
-    if install is not None:
-        _PENDING.append((fn, install))
+def _until_disabled(fn: Any) -> Any:
+    """The stand-in for ``fn`` until :func:`disable_pending` runs: ``fn`` as it is while the
+    tracer is not loaded; once it is, the disabled ``fn`` (and, outside a trace, every pending
+    method put in place)."""
     disabled = None
 
     @functools.wraps(fn)
@@ -104,8 +106,8 @@ def never_traced(fn: Any, install: Any = None) -> Any:
 
 
 def disable_pending() -> None:
-    """Load torch.compile's tracer, and put every never-traced function made before it was
-    loaded in its place, disabled (:func:`never_traced`). Called where hetcoll builds what a
+    """Load torch.compile's tracer, and put every never-traced method made before it was
+    loaded in its place, disabled (:func:`never_traced_methods`). Called where hetcoll builds what a
     compiled model may run (``filter_parallel``, ``expert_parallel``, ``parallelize``): any
     training run loads the tracer anyway (torch.optim does, at the first optimizer made)."""
     import torch
