@@ -4,12 +4,13 @@ the unsplit one. torchvision's ViT compiled with aot_eager failed in its first f
 traced gather of its head took its output for an alias of its input ("setStorage ... out of
 bounds"). A Llama's LoRA head, whose base and adapter outputs the split adds still split, and
 a head whose logits stay split through the loss (loss_parallel) failed in dynamo's guards on
-the split output: compiled, those outputs are gathered. Real gloo jobs against the unsplit
-model, float64."""
+the split output: compiled whole, those outputs are gathered (with a warning); compiled block
+by block, they stay split. Real gloo jobs against the unsplit model, float64."""
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -19,13 +20,15 @@ from hetcoll.launch import spawn
 pytestmark = pytest.mark.multiproc
 
 
-def _trained_alike(model, split, loss_of) -> tuple[list[float], float]:
-    """``model`` and ``split`` (a filter_parallel copy of it) compiled, each trained 2 SGD
-    steps (``loss_of(m, step)``: step's loss): the losses, unsplit's then compiled's, and the
-    largest relative difference of the gathered state from the unsplit model's."""
+def _trained_alike(model, split, loss_of, compiled=None) -> tuple[list[float], float]:
+    """``model`` and ``split`` (a filter_parallel copy of it) compiled (``compiled``: default
+    the whole of it), each trained 2 SGD steps (``loss_of(m, step)``: step's loss): the
+    losses, unsplit's then compiled's, and the largest relative difference of the gathered
+    state from the unsplit model's."""
     from hetcoll.torch import gather_state_dict
 
-    compiled = torch.compile(split, backend="aot_eager")
+    if compiled is None:
+        compiled = torch.compile(split, backend="aot_eager")
     losses = []
     for m in (model, compiled):
         opt = torch.optim.SGD(m.parameters(), lr=0.05)
@@ -76,9 +79,14 @@ def test_a_compiled_split_vit_trains_as_the_unsplit_model():
 
 
 def _compiled_lora_head(rank, world, loss_parallel):
+    """The LoRA-head Llama split, compiled whole and block by block (each decoder layer's
+    ``compile()``, torch's regional compilation), each trained beside the unsplit model; and
+    split eagerly. Returns, compiled whole then block by block: what :func:`_trained_alike`
+    returns, the last step's traffic (``split_traffic``), the type of its logits and the
+    warnings on gathering; the eager split's traffic; the hetcoll functions compiled."""
     import tensor_parallel_cases as cases
 
-    from hetcoll.torch import filter_parallel
+    from hetcoll.torch import filter_parallel, split_traffic
 
     # Past torch.compile's recompile limit (per function, 8 by default) a function runs as it
     # is: at 2, most of what compiles once per shape here would. The outputs kept split (the
@@ -88,9 +96,32 @@ def _compiled_lora_head(rank, world, loss_parallel):
     torch._dynamo.config.recompile_limit = 2
     torch.manual_seed(0)
     model = cases.llama_lora_head().double()
-    split = filter_parallel(copy.deepcopy(model), speeds=[1.0, 0.5], loss_parallel=loss_parallel)
-    trained = _trained_alike(model, split, lambda m, step: cases.loss_of(m, cases.batch(step))[1])
-    return trained, _compiled_hetcoll_functions()
+    runs = []
+    for way in ("whole", "blocks"):
+        split = filter_parallel(
+            copy.deepcopy(model), speeds=[1.0, 0.5], loss_parallel=loss_parallel
+        )
+        compiled = None
+        if way == "blocks":
+            for block in split.modules():
+                if type(block).__name__ == "LlamaDecoderLayer":
+                    block.compile(backend="aot_eager")
+            compiled = split
+        logits = []  # the unsplit model's steps, then the split's
+
+        def loss_of(m, step, logits=logits):
+            out, loss = cases.loss_of(m, cases.batch(step))
+            logits.append(type(out).__name__)
+            return loss
+
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trained = _trained_alike(copy.deepcopy(model), split, loss_of, compiled)
+        warned = sum("compiled whole" in str(w.message) for w in seen)
+        runs.append((trained, split_traffic(split), logits[2:], warned))
+    eager = filter_parallel(copy.deepcopy(model), speeds=[1.0, 0.5], loss_parallel=loss_parallel)
+    cases.loss_of(eager, cases.batch(1))[1].backward()
+    return runs, split_traffic(eager), _compiled_hetcoll_functions()
 
 
 def _compiled_hetcoll_functions() -> set[str]:
@@ -117,11 +148,20 @@ def _compiled_hetcoll_functions() -> set[str]:
 
 @pytest.mark.parametrize("loss_parallel", [False, True])
 def test_a_compiled_split_lora_head_trains_as_the_unsplit_model(loss_parallel):
-    """Compiled, the split outputs a LoRA head adds (and, with loss_parallel, the logits its
-    loss reads split) are gathered instead: their reported shape failed dynamo's guards."""
-    for (losses, off), compiled in spawn(_compiled_lora_head, 2, loss_parallel, timeout=300):
-        assert losses[:2] == pytest.approx(losses[2:], rel=1e-12, abs=0)
-        assert off <= 1e-10
+    """Compiled whole, the split outputs a LoRA head adds (and, with loss_parallel, the logits
+    its loss reads split) are gathered instead, with a warning: their reported shape failed
+    dynamo's guards. Compiled block by block, the head runs eagerly and keeps them split: a
+    step sends what the eager split's sends."""
+    for runs, eager, compiled in spawn(_compiled_lora_head, 2, loss_parallel, timeout=300):
+        for (losses, off), _, _, _ in runs:
+            assert losses[:2] == pytest.approx(losses[2:], rel=1e-12, abs=0)
+            assert off <= 1e-10
+        (_, whole, whole_logits, whole_warned), (_, blocks, logits, warned) = runs
+        assert blocks == eager and whole["activations"] > eager["activations"], (blocks, whole)
+        assert whole_warned == 1 and warned == 0  # once a model
+        # The logits: the LoRA head's sum gathered once, or with loss_parallel kept split.
+        assert whole_logits == ["Tensor"] * 2
+        assert logits == [("SplitOutput" if loss_parallel else "Tensor")] * 2
         # hetcoll's checks and exchanges run outside the compiled graph, never traced: the
         # first forward's probes of the split attention (tracing them took a compile 18 s of
         # a 47 s job), the ranks' agreement on each forward's inputs, and the split layers'

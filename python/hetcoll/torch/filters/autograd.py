@@ -35,6 +35,8 @@ class AgreedForward:
         self.depth = 0
         #: Whether the model's latest forward ran inside a call torch.compile made.
         self.compiled = False
+        #: Whether a layer has warned that compiled, it gathers an output it keeps split.
+        self.warned_compiled = False
 
     @property
     def active(self) -> bool:

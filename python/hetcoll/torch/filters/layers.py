@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any, Self
@@ -468,8 +469,9 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
     # A gathering layer whose output stays split along its last dimension until an op needs it
     # whole (filter_parallel's loss_parallel: a language model's head, its loss split too; a
     # LoRA head's base layer and lora_B, added split). Under torch.compile, whose guards fail
-    # on the split output's reported shape, it gathers its output instead.
+    # on the split output's reported shape, it gathers its output instead, and says so once.
     split_output: bool = False
+    warned_compiled: bool = False
 
     # Dimensions the input must have (None: any); checked locally, before any collective, so a
     # wrong input raises on every rank instead of leaving the ranks' collectives mismatched.
@@ -525,10 +527,22 @@ class FilterParallelLayer(ChannelSplit, nn.Module):
         y = self.local(self.copied_input(x), self.weight, self.bias)
         if self.mode == "split-output":
             return y
-        # Under torch.compile the output is gathered (this forward runs as it is, never
-        # traced: a split output it returned would reach the compiled code around it).
-        if self.split_output and self.dim == -1 and not in_compiled_forward(self.agreed):
-            return SplitOutput.of(y, self.comm, self.shares, self.timeout, self.agreed)
+        if self.split_output and self.dim == -1:
+            # Under torch.compile of the whole model the output is gathered (this forward runs
+            # as it is, never traced: a split output it returned would reach the compiled code
+            # around it). Compiled block by block, the head runs eagerly and keeps it split.
+            if not in_compiled_forward(self.agreed):
+                return SplitOutput.of(y, self.comm, self.shares, self.timeout, self.agreed)
+            said = self.agreed if self.agreed is not None else self  # once a split model
+            if not said.warned_compiled:
+                said.warned_compiled = True
+                warnings.warn(
+                    "filter_parallel: the model is compiled whole (torch.compile), so an output "
+                    "it keeps split (loss_parallel's logits, a LoRA head's base and adapter "
+                    "outputs) is gathered; compile its blocks instead (block.compile() for each "
+                    "decoder layer) to keep it split",
+                    stacklevel=2,
+                )
         return GatherChannels.apply(y, self.comm, self.shares, self.offset, self.dim, self.timeout)
 
     def copied_input(self, x: torch.Tensor) -> torch.Tensor:
