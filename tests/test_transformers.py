@@ -56,6 +56,12 @@ EXPECTED = {
     "resumes": True,
     "autocast": True,
     "checkpointed": True,
+    # Compiled block by block after parallelize: graphs on every rank (each holds a block);
+    # compiled before, named in a warning.
+    "compiled_blocks": {
+        "graphs": True,
+        "warned": ["parallelize: 'model.layers.0' compiled in place (module.comp"],
+    },
     "scaled": True,
     "lora": {"summed adapters alone": True, "thawed": True, "named where held": True},
     "errors": 13,

@@ -341,13 +341,16 @@ def equals_one_process(
     clip: float | None = None,
     traffic: bool = True,
     scaler: Any = None,
+    compiled: type[nn.Module] | None = None,
 ) -> dict[str, int]:
     """``plan`` trains ``make()`` (in ``dtype``) like one process on the CPU; with ``device``
     this rank's part of the model lives there (a GPU rank beside CPU ranks); with ``clip``,
     both clip each step's gradients to that norm (:meth:`Parallel.clip_grad_norm_`); with
     ``traffic``, a split stage's bytes are checked (:func:`split_stage`: each split layer
     called once per forward); with ``scaler``, the plan scales its losses by it (unscaled
-    before the clip; a power of two: the same numbers in float64)."""
+    before the clip; a power of two: the same numbers in float64); with ``compiled``, the
+    modules of that class among the plan's are each compiled after parallelize (their
+    ``compile()``, torch's regional compilation)."""
     torch.manual_seed(0)
     model = make().to(dtype)
     data = batches(plan.batch, steps)
@@ -355,6 +358,9 @@ def equals_one_process(
     if device is not None:
         model = copy.deepcopy(model).to(device)
     par = parallelize(model, plan, loss_fn=lm_loss, items=valid_tokens, group=group)
+    for m in par.modules() if compiled is not None else ():
+        if isinstance(m, compiled):
+            m.compile(backend="aot_eager")
     opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)
     for (x, y), want in zip(data, want_losses, strict=True):
         loss = par.step(x, y, scaler=scaler)
@@ -935,6 +941,28 @@ def checkpointed(group: Any) -> bool:
     return all(t == plain for t in runs)
 
 
+def compiled_blocks(group: Any) -> dict[str, Any]:
+    """Llama's decoder layers compiled after parallelize (each one's ``compile()``) under the
+    hybrid plan (a pipeline beside a split stage) train like one process, torch.compile's
+    graphs made on every rank holding one (a plan routes each block's call around its compiled
+    one); compiled before, ``parallelize`` warns that the stage's copies of them run
+    uncompiled. Returns whether graphs were made, and the warning's start."""
+    from torch._dynamo.utils import counters
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    plan = Plan.from_dict(hybrid(_layers(llama)))
+    counters.clear()
+    equals_one_process(group, llama, plan, compiled=LlamaDecoderLayer)
+    graphs = counters["stats"]["unique_graphs"] > 0
+    model = llama()
+    model.model.layers[0].compile(backend="aot_eager")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        parallelize(model, plan, loss_fn=lm_loss, group=group)
+    said = [str(w.message)[:60] for w in seen if "compile" in str(w.message)]
+    return {"graphs": graphs, "warned": said}
+
+
 def gpt2_lora() -> nn.Module:
     """GPT-2 with PEFT's LoRA adapters (rank 4) on its attentions' and MLPs' projections: the
     base weights frozen, as a LoRA fine-tuning freezes them."""
@@ -1178,6 +1206,7 @@ CASES.update(
         "resumes": resumes_on_another_plan,
         "autocast": under_autocast,
         "checkpointed": checkpointed,
+        "compiled_blocks": compiled_blocks,
         "scaled": scaled,
         "lora": lora,
         "errors": bad_input,

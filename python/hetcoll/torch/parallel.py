@@ -106,6 +106,7 @@ from hetcoll.torch.replay import (
 from hetcoll.torch.stage_inputs import StageInput
 from hetcoll.torch.state_dicts import (
     Part,
+    few_names,
 )
 from hetcoll.torch.transport import (
     CountingCommunicator,
@@ -1805,6 +1806,15 @@ def parallelize(
             "the model's parameter names, shapes and dtypes, and which are frozen": model_print,
         },
     )
+    compiled = [n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None)]
+    if compiled:
+        warnings.warn(
+            f"parallelize: {few_names(compiled)} compiled in place (module.compile()) run "
+            "uncompiled under the plan: its stages hold copies, which torch does not compile; "
+            "compile them after parallelize instead (each decoder layer among the returned "
+            "model's modules(), say)",
+            stacklevel=2,
+        )
     # Checks that depend on the plan and the model only: the same verdict on every rank.
     cut = model_cut(model)
     layers = cut.layers

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -381,22 +381,32 @@ class _DecidesOnData(Exception):
 @contextmanager
 def routed(model: nn.Module, blocks: Sequence[str], route: Callable[..., Any]) -> Iterator[None]:
     """Within the block, every call of block ``k`` of ``model`` (by module path) becomes
-    ``route(k, module, forward, *args, **kwargs)``, ``forward`` being the block's own."""
-    patched = []
+    ``route(k, module, forward, *args, **kwargs)``, ``forward`` being the block's own. A block
+    compiled in place (``block.compile()``, torch's regional compilation) is routed around its
+    compiled call instead (``forward`` then runs its hooks and forward, compiled): routing
+    inside it would have torch.compile trace the route."""
+    patched: list[tuple[nn.Module, Any]] = []
     try:
         for k, name in enumerate(blocks):
             m = model.get_submodule(name)
-            own = m.forward
+            compiled = getattr(m, "_compiled_call_impl", None)
+            own = m.forward if compiled is None else compiled
 
             def call(*args: Any, _k: int = k, _m: nn.Module = m, _f: Any = own, **kw: Any) -> Any:
                 return route(_k, _m, _f, *args, **kw)
 
-            m.forward = call  # type: ignore[method-assign]
-            patched.append(m)
+            if compiled is None:
+                m.forward = call  # type: ignore[method-assign]
+            else:
+                m._compiled_call_impl = call
+            patched.append((m, compiled))
         yield
     finally:
-        for m in patched:
-            del m.forward
+        for m, compiled in patched:
+            if compiled is None:
+                del m.forward
+            else:
+                m._compiled_call_impl = compiled
 
 
 @contextmanager
@@ -469,11 +479,15 @@ def probe(
     more than once (one dropout or activation module used at several places) is code between
     blocks too: every stage runs each of its calls (``Flow.glue``)."""
     glue: set[int] = set()
-    while True:
-        try:
-            return _probe(model, blocks, meta_blocks, inputs, frozenset(glue))
-        except _CalledAgain as e:
-            glue.add(e.block)
+    # Modules compiled in place (block.compile()) run as they are here: a probe reads shapes
+    # off tensors of its own, which torch.compile would trace.
+    compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+    with torch.compiler.set_stance("force_eager") if compiled else nullcontext():
+        while True:
+            try:
+                return _probe(model, blocks, meta_blocks, inputs, frozenset(glue))
+            except _CalledAgain as e:
+                glue.add(e.block)
 
 
 class BlockCalledAgain(ValueError):
