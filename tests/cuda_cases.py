@@ -531,7 +531,8 @@ def lm_plans_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, int]
     computes in float32). Mixtral (a mixture of experts, eager) on that 3-rank stage too:
     each rank learns its experts' output shape from a copy of them run on its own device; and
     with its experts placed whole on the replicas' ranks (plans with ``experts``: 3 replicas,
-    then 2 pipelines of 2 stages), float64 to 1e-10."""
+    then 2 pipelines of 2 stages), float64 to 1e-10. Llama again with its decoder layers
+    compiled after parallelize (each one's ``compile()``)."""
     import transformer_cases as lm
 
     from hetcoll.torch.layers import model_layers
@@ -556,6 +557,12 @@ def lm_plans_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, int]
         for spec in specs:
             lm.equals_one_process(None, make, Plan.from_dict(spec), tol=tol, device=dev)
             done += 1
+    # Llama's decoder layers compiled block by block after parallelize (aot_eager: no code
+    # generated), the GPU rank's run compiled on its own device, beside the split stage's.
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    plan = Plan.from_dict(beside)
+    lm.equals_one_process(None, lm.llama, plan, tol=1e-6, device=dev, compiled=LlamaDecoderLayer)
     n = len(model_layers(lm.mixtral()))
     lm.equals_one_process(None, lm.mixtral, Plan.from_dict(lm.split_three(n)), tol=1e-6, device=dev)
     # Its experts placed whole on the replicas' ranks (the plan's experts): the GPU rank holds
@@ -564,7 +571,7 @@ def lm_plans_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, int]
 
     for spec in (experts.BY_SPEED, experts.PIPELINES):
         lm.equals_one_process(None, lm.mixtral, Plan.from_dict(spec), device=dev)
-    return {"plans": done + 3}
+    return {"plans": done + 4}
 
 
 def sole_holder_mixed(rank: int, world: int, first: str = "cuda") -> dict[str, object]:

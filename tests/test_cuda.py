@@ -316,9 +316,10 @@ def test_language_models_through_plans_with_a_gpu_rank(first):
     """GPT-2 and Llama, token-weighted, in two plans each with the GPU rank as a pipeline
     stage and as the fast rank of a split stage whose slow CPU rank holds no heads (Llama in a
     third, a 3-rank split stage by query head; Mixtral there too, and in two plans placing
-    its experts whole on the replicas' ranks): equal one process on the CPU. With
-    ``first="cpu"`` every rank is a CPU rank."""
-    assert _spawn(cuda_cases.lm_plans_mixed, 4, first) == [{"plans": 8}] * 4
+    its experts whole on the replicas' ranks; Llama's decoder layers compiled after
+    parallelize in the second): equal one process on the CPU. With ``first="cpu"`` every
+    rank is a CPU rank."""
+    assert _spawn(cuda_cases.lm_plans_mixed, 4, first) == [{"plans": 9}] * 4
 
 
 @pytest.mark.multiproc
