@@ -95,6 +95,7 @@ from hetcoll.torch.replay import (
     Flow,
     StageRoles,
     StandIn,
+    compiled_call,
     install_output_recorders,
     meta_copy,
     output_recorders,
@@ -1806,7 +1807,7 @@ def parallelize(
             "the model's parameter names, shapes and dtypes, and which are frozen": model_print,
         },
     )
-    compiled = [n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None)]
+    compiled = [n for n, m in model.named_modules() if compiled_call(m) is not None]
     if compiled:
         warnings.warn(
             f"parallelize: {few_names(compiled)} compiled in place (module.compile()) run "

@@ -378,6 +378,12 @@ class _DecidesOnData(Exception):
         self.blocks = blocks
 
 
+def compiled_call(module: nn.Module) -> Callable[..., Any] | None:
+    """torch.compile's call of ``module`` where it was compiled in place (``module.compile()``,
+    torch's regional compilation, which keeps it in a private attribute), else None."""
+    return getattr(module, "_compiled_call_impl", None)
+
+
 @contextmanager
 def routed(model: nn.Module, blocks: Sequence[str], route: Callable[..., Any]) -> Iterator[None]:
     """Within the block, every call of block ``k`` of ``model`` (by module path) becomes
@@ -389,7 +395,7 @@ def routed(model: nn.Module, blocks: Sequence[str], route: Callable[..., Any]) -
     try:
         for k, name in enumerate(blocks):
             m = model.get_submodule(name)
-            compiled = getattr(m, "_compiled_call_impl", None)
+            compiled = compiled_call(m)
             own = m.forward if compiled is None else compiled
 
             def call(*args: Any, _k: int = k, _m: nn.Module = m, _f: Any = own, **kw: Any) -> Any:
@@ -481,7 +487,7 @@ def probe(
     glue: set[int] = set()
     # Modules compiled in place (block.compile()) run as they are here: a probe reads shapes
     # off tensors of its own, which torch.compile would trace.
-    compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+    compiled = any(compiled_call(m) is not None for m in model.modules())
     with torch.compiler.set_stance("force_eager") if compiled else nullcontext():
         while True:
             try:
