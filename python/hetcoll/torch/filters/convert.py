@@ -753,7 +753,9 @@ def filter_parallel(
     numbers per row forward, none backward; Megatron-LM's vocabulary-parallel loss) and any
     other op gathers first: every rank must then use the model's output alike; a head tied to
     its token embedding (an ``nn.Embedding``) is then split too, by vocabulary with its
-    embedding (:class:`~.layers.FilterParallelEmbedding`), and they stay tied. Every rank
+    embedding (:class:`~.layers.FilterParallelEmbedding`), and they stay tied. Under
+    ``torch.compile``, compile the result's blocks (``block.compile()`` for each decoder
+    layer) to keep such outputs split: compiled whole, it gathers them (and warns). Every rank
     must pass the same arguments and the same model; all checks run before the one
     collective (an agreement check on the plan, which raises
     :class:`hetcoll.CollectiveMismatchError` on every rank if ranks disagree; with ``sample``,
