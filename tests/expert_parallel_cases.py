@@ -96,6 +96,7 @@ def trains_as_one_process(
     device: torch.device | None = None,
     watch: Any = None,
     clip: float | None = None,
+    compiled: type[nn.Module] | None = None,
 ) -> list[int]:
     """``make()``'s experts placed on the ranks by ``speeds``, each rank training on its
     share of each step's rows (DDP with the weighted hook; with ``pad``, weighing valid
@@ -103,8 +104,9 @@ def trains_as_one_process(
     ``shares`` places the experts instead of ``speeds``; ``device``: this rank's (the
     reference runs on the CPU); ``watch(model, optimizer)``: a function called after every
     optimizer step; ``clip``: each step's gradients clipped to that norm
-    (:func:`hetcoll.torch.clip_grad_norm_`, the reference by torch's, the same norm).
-    Returns the experts per rank."""
+    (:func:`hetcoll.torch.clip_grad_norm_`, the reference by torch's, the same norm);
+    ``compiled``: the modules of that class compiled in place after the placement (their
+    ``compile()``). Returns the experts per rank."""
     comm = wrap(group)
     torch.manual_seed(0)
     ref = make().to(dtype)
@@ -114,6 +116,9 @@ def trains_as_one_process(
         placed["weight"] = lambda: valid(step_labels[-1])
     dev = device or torch.device("cpu")
     model = expert_parallel(copy.deepcopy(ref).to(dev), group, **placed)
+    for m in model.modules() if compiled is not None else ():
+        if isinstance(m, compiled):
+            m.compile(backend="aot_eager")
     make_opt = {
         "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
         "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
@@ -303,8 +308,8 @@ def experts_placed(group: Any) -> dict[str, Any]:
     and batched_mm, GPT-OSS's biased, transposed experts, Qwen2-MoE beside its shared expert,
     DeepSeek-V3 beside its latent attention, OLMoE; a rank too slow for an expert holding none;
     a batch whose valid tokens are not its rows' share; Mixtral under gradient checkpointing
-    (every rank's recomputed forward exchanging again in the backward); grouped_mm in
-    float32."""
+    (every rank's recomputed forward exchanging again in the backward), and with its
+    decoder layers compiled; grouped_mm in float32."""
     p = wrap(group).size
     out: dict[str, Any] = {}
     # Hugging Face's routers take their softmax, and its norms their mean square, in float32
@@ -328,6 +333,13 @@ def experts_placed(group: Any) -> dict[str, Any]:
         out["every_rank"] = trains_as_one_process(group, mixtral, SPEEDS[:p], shares=held)
         out["padded"] = trains_as_one_process(group, mixtral, SPEEDS[:p], pad=True)
         out["checkpointed"] = trains_as_one_process(group, checkpointed, SPEEDS[:p])
+        # Its decoder layers compiled in place (torch's regional compilation), the experts'
+        # exchanges between the ranks running as they are between the compiled graphs.
+        from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+
+        out["compiled"] = trains_as_one_process(
+            group, mixtral, SPEEDS[:p], compiled=MixtralDecoderLayer
+        )
     with tolerance(1e-5):  # Hugging Face's default kernel, which has no float64
         grouped = lambda: mixtral("grouped_mm")  # noqa: E731
         out["grouped_mm"] = trains_as_one_process(group, grouped, SPEEDS[:p], dtype=torch.float32)

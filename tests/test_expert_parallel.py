@@ -87,7 +87,7 @@ def test_gloo_experts_placed_by_speed_train_as_one_process():
     }
     assert results[0] == {
         **{m: PLACED for m in models}, "padded": PLACED, "grouped_mm": PLACED,
-        "checkpointed": PLACED,
+        "checkpointed": PLACED, "compiled": PLACED,
         "every_rank": [2, 1, 1],
         "again": again,
         "rebalanced": REBALANCED,
