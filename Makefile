@@ -110,7 +110,7 @@ PLACEMENT_RUN      := benches/bench_placement.py --launches 3 --json $(RESULTS)/
 	bench-microbatches bench-planspace bench-placement bench-lm-pipeline bench-tensor-parallel \
 	bench-tensor-parallel-moe bench-tensor-parallel-lora bench-expert-parallel bench-fixed-costs \
 	bench-step-timer bench-step-overhead bench-trainer-rebalance bench-fsdp-rebalance bench-full-state \
-	bench-grouped-convs
+	bench-grouped-convs bench-compiled
 
 $(BENCHED): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet --group bench
@@ -121,7 +121,8 @@ bench: bench-kernels bench-split bench-partition bench-partitioners bench-planne
 		bench-microbatches bench-plans bench-planspace bench-placement bench-lm-pipeline \
 		bench-tensor-parallel bench-tensor-parallel-moe bench-tensor-parallel-lora \
 		bench-expert-parallel bench-fixed-costs bench-step-timer bench-step-overhead \
-		bench-trainer-rebalance bench-fsdp-rebalance bench-full-state bench-grouped-convs
+		bench-trainer-rebalance bench-fsdp-rebalance bench-full-state bench-grouped-convs \
+		bench-compiled
 	$(MAKE) bench-report
 
 bench-report:
@@ -142,6 +143,10 @@ bench-grouped-convs: $(BUILT) $(BENCHED)
 bench-step-overhead: $(BUILT) $(BENCHED)
 	$(PYBENCH) benches/bench_step_overhead.py --results-json $(RESULTS)/step_overhead.json \
 		--results-title "parallelize's own work a step: one rank against the bare step"
+
+bench-compiled: $(BUILT) $(BENCHED)
+	$(PYBENCH) benches/bench_compiled.py --results-json $(RESULTS)/compiled.json \
+		--results-title "torch.compile of a plan block by block: compiled blocks against eager"
 
 bench-trainer-rebalance: $(BUILT) $(BENCHED)
 	$(PYBENCH) benches/bench_trainer_rebalance.py --results-json $(RESULTS)/trainer_rebalance.json \
