@@ -15,7 +15,6 @@ Lab code, like everything in benches/: it imports the library, the library never
 from __future__ import annotations
 
 import copy
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -82,7 +81,7 @@ def one_rank():
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_compiled_blocks_against_the_eager_plan(
-    figure: Callable[..., None], one_rank: None, name: str
+    figure: Callable[..., None], interleaved: Callable[..., Any], one_rank: None, name: str
 ) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -118,18 +117,9 @@ def test_compiled_blocks_against_the_eager_plan(
         assert steps["compiled"]() == pytest.approx(first, rel=1e-4)
         steps["compiled"]()
     compile_s = time.perf_counter() - t0
-    times: dict[str, list[float]] = {"eager": [], "compiled": []}
-    order = list(steps.items())
-    for r in range(ROUNDS):
-        for key, run in order if r % 2 else order[::-1]:  # either first, in turn
-            t0 = time.perf_counter()
-            for _ in range(STEPS):
-                run()
-            if r >= 2:
-                times[key].append((time.perf_counter() - t0) / STEPS)
-    e, c = statistics.median(times["eager"]), statistics.median(times["compiled"])
-    ratios = sorted(ee / cc for ee, cc in zip(times["eager"], times["compiled"], strict=True))
-    spread = f"rounds' ratios {ratios[len(ratios) // 4]:.2f}-{ratios[3 * len(ratios) // 4]:.2f}"
+    timed = interleaved(list(steps.items()), rounds=ROUNDS, steps=STEPS, warmup=2)
+    e, c = timed.median("eager"), timed.median("compiled")
+    spread = timed.spread("eager", "compiled")
     figure(
         GROUP,
         f"{name}: step throughput, {len(compiled)} blocks compiled / eager",

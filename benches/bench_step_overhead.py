@@ -16,9 +16,7 @@ Lab code, like everything in benches/: it imports the library, the library never
 from __future__ import annotations
 
 import copy
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -88,7 +86,7 @@ def one_rank():
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_parallelize_step_against_the_bare_step(figure, one_rank, name):
+def test_parallelize_step_against_the_bare_step(figure, interleaved, one_rank, name):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     make, steps = MODELS[name]
@@ -118,18 +116,10 @@ def test_parallelize_step_against_the_bare_step(figure, one_rank, name):
     # The same model, batch and optimizer: the first losses agree (a check that both time the
     # same work), before the timed rounds move the two copies apart.
     assert par_step() == pytest.approx(bare_step(), rel=1e-5)
-    times: dict[str, list[float]] = {"bare": [], "par": []}
-    order = [("bare", bare_step), ("par", par_step)]
-    for r in range(ROUNDS):
-        for key, step in order if r % 2 else order[::-1]:  # either first, in turn
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            if r >= 3:
-                times[key].append((time.perf_counter() - t0) / steps)
-    b, p = statistics.median(times["bare"]), statistics.median(times["par"])
-    ratios = sorted(pp / bb for pp, bb in zip(times["par"], times["bare"], strict=True))
-    spread = f"rounds' ratios {ratios[len(ratios) // 4]:.2f}-{ratios[3 * len(ratios) // 4]:.2f}"
+    runs = [("bare", bare_step), ("par", par_step)]
+    timed = interleaved(runs, rounds=ROUNDS, steps=steps, warmup=3)
+    b, p = timed.median("bare"), timed.median("par")
+    spread = timed.spread("par", "bare")
     figure(
         GROUP,
         f"{name}: step time, parallelize / bare",

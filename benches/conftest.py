@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import shlex
+import statistics
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +55,44 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--results-title", metavar="TEXT", help="the benchmark's heading in docs/benchmarks.md"
     )
+
+
+@dataclass
+class Rounds:
+    """Seconds a call of each run took, a figure per timed round (``interleaved()``)."""
+
+    times: dict[str, list[float]]
+
+    def median(self, key: str) -> float:
+        return statistics.median(self.times[key])
+
+    def spread(self, num: str, den: str) -> str:
+        """The quartiles of the rounds' ratios ``num / den``."""
+        ratios = sorted(a / b for a, b in zip(self.times[num], self.times[den], strict=True))
+        return f"rounds' ratios {ratios[len(ratios) // 4]:.2f}-{ratios[3 * len(ratios) // 4]:.2f}"
+
+
+@pytest.fixture
+def interleaved() -> Callable[..., Rounds]:
+    """interleaved(runs, *, rounds, steps, warmup): each of ``runs`` (``(name, callable)``
+    pairs) timed ``steps`` calls at a time, round by round in the same process, their order
+    reversed every other round (either first, in turn); the first ``warmup`` rounds are
+    dropped."""
+
+    def _interleaved(
+        runs: list[tuple[str, Callable[[], Any]]], *, rounds: int, steps: int, warmup: int
+    ) -> Rounds:
+        times: dict[str, list[float]] = {key: [] for key, _ in runs}
+        for r in range(rounds):
+            for key, run in runs if r % 2 else runs[::-1]:
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    run()
+                if r >= warmup:
+                    times[key].append((time.perf_counter() - t0) / steps)
+        return Rounds(times)
+
+    return _interleaved
 
 
 @pytest.fixture
