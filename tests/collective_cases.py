@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -300,12 +301,62 @@ def check_mismatch(comm: Communicator, native: Any) -> int:
                 hetcoll.allgatherv(np.full((1, 3), r), native, timeout=30),
                 np.repeat(np.arange(comm.size), 3).reshape(-1, 3),
             )
+    odd_ones = _odd_arguments(comm, native)
     try:
         hetcoll.allgatherv(np.ones(5), native, algorithm="ring" if r == 0 else "auto", timeout=30)
     except hetcoll.CollectiveMismatchError as e:
         assert "algorithm: ranks disagree" in str(e), e
-        return len(cases) + 3 + shared
+        return len(cases) + 3 + shared + odd_ones
     raise AssertionError(f"rank {r}: allgatherv ran with ranks choosing different algorithms")
+
+
+def _odd_arguments(comm: Communicator, native: Any) -> int:
+    """Arguments of rank 0 that its own checks once let through or that failed outside them:
+    each raises on every rank (rank 0 naming its argument), and the group stays in step."""
+    p, r = comm.size, comm.rank
+    lazy = torch.arange(3.0).to(torch.complex64) * (1j + r)
+    cases = [
+        # bfloat16 travels as int16 patterns: the pieces were read as the other type.
+        (
+            lambda: hetcoll.allgatherv(
+                torch.ones(2, dtype=torch.bfloat16 if r == 0 else torch.int16), native, timeout=30
+            ),
+            hetcoll.CollectiveMismatchError,
+            "dtype",
+        ),
+        # np.ascontiguousarray made a 0-d piece 1-d: gathered as one row, no error.
+        (
+            lambda: hetcoll.allgatherv(np.array(1.0) if r == 0 else np.ones(1), native, timeout=30),
+            ValueError,
+            "^local: must have at least one dimension",
+        ),
+        # A lazily negated tensor (x.conj().imag): numpy's RuntimeError left rank 0 alone.
+        (
+            lambda: hetcoll.allreduce(
+                lazy.conj().imag if r == 0 else torch.ones(3), native, timeout=30
+            ),
+            ValueError,
+            "^buf: has its negative bit set",
+        ),
+    ]
+    for call, error, pattern in cases:
+        try:
+            call()
+        except hetcoll.CollectiveMismatchError as e:
+            assert r != 0 or error is hetcoll.CollectiveMismatchError, e
+            assert r == 0 or "rank 0 raised" in str(e) or re.search(pattern, str(e)), e
+        except error as e:
+            assert r == 0 and re.search(pattern, str(e)), e
+        else:
+            raise AssertionError(f"rank {r}: no error for {pattern}")
+        np.testing.assert_array_equal(  # the group still works
+            hetcoll.allgatherv(np.full(1, r), native, timeout=30), np.arange(p)
+        )
+    # A lazily conjugated piece (x.conj()) gathers its values (a RuntimeError on that rank).
+    got = hetcoll.allgatherv(lazy.conj(), native, timeout=30)
+    want = torch.cat([torch.arange(3.0).to(torch.complex64) * (q - 1j) for q in range(p)])
+    assert torch.equal(got, want), (got, want)
+    return len(cases) + 1
 
 
 def check_shared(comm: Communicator, native: Any) -> int:

@@ -37,7 +37,7 @@ EXPECTED = {
     "auto": 1,
     "sweep": 12,
     "aliasing": 3,
-    "mismatch": 6,
+    "mismatch": 10,
     "shared": 2,
     "allgatherv": 20,
     "speculative": 24,
@@ -50,7 +50,7 @@ EXPECTED = {
 #: MPI adds "shared": 7 lengths x 4 dtypes in check_allreduce, the headers' own mismatch
 #: check (3: length, dtype, speeds), and in check_shared 2 x 4 x 5 allreduces, 4 allgathervs
 #: through small windows and 2 "auto" allgathervs on either side of SHARED_GATHER_BELOW_BYTES.
-EXPECTED_MPI = {**EXPECTED, "allreduce": 134, "mismatch": 9, "shared": 46}
+EXPECTED_MPI = {**EXPECTED, "allreduce": 134, "mismatch": 13, "shared": 46}
 
 
 def _expected_per_rank(expected: dict[str, int]) -> list[dict[int, dict[str, int]]]:
@@ -240,6 +240,20 @@ def test_single_process_argument_errors():
         hetcoll.allreduce(np.ones(3, np.int32), None)
     with pytest.raises(TypeError, match="local"):
         hetcoll.allgatherv([1, 2], None)
+    # Refused by name, before the group's own error: each escaped as numpy's or torch's own
+    # (a RuntimeError, which a rank did not tell its peers) or, for a 0-d numpy array, was
+    # gathered as one row (np.ascontiguousarray makes it 1-d).
+    with pytest.raises(ValueError, match=r"^local: must have at least one dimension"):
+        hetcoll.allgatherv(np.array(1.0), None)
+    with pytest.raises(TypeError, match=r"^local: dtype torch.float8_e4m3fn"):
+        hetcoll.allgatherv(torch.ones(3).to(torch.float8_e4m3fn), None)
+    with pytest.raises(ValueError, match=r"^local: must be a dense .* nested"):
+        hetcoll.allgatherv(torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), None)
+    lazy = torch.ones(2, dtype=torch.complex64)
+    with pytest.raises(ValueError, match=r"^out: has its conjugate or negative bit"):
+        hetcoll.allgatherv(lazy, None, out=torch.zeros(2, dtype=torch.complex64).conj())
+    with pytest.raises(ValueError, match=r"^buf: has its negative bit set"):
+        hetcoll.allreduce(lazy.conj().imag, None)
 
 
 class _FourGlooRanks:

@@ -140,6 +140,23 @@ def test_sixteen_bit_types_accumulate_in_float32():
             TypeError,
             r"^arrays\[1\]",
         ),
+        # Named before torch's .numpy() refuses them (its errors named no argument; a lazily
+        # negated tensor's was a RuntimeError, which allreduce's ranks did not tell each other).
+        ([torch.ones(3).to_sparse()], [1.0], {}, ValueError, r"^arrays\[0\]: must be a dense"),
+        (
+            [torch.ones(3, dtype=torch.complex64).conj().imag],
+            [1.0],
+            {},
+            ValueError,
+            r"^arrays\[0\]: has its negative bit set",
+        ),
+        (
+            [torch.ones(3)],
+            [1.0],
+            {"out": torch.ones(3, dtype=torch.complex64).conj().imag},
+            ValueError,
+            r"^out: has its negative bit set",
+        ),
     ],
 )
 def test_bad_input_names_the_argument(arrays, weights, kwargs, exc, pattern):

@@ -41,6 +41,15 @@ def numpy_view(x: Any, argument: str) -> tuple[np.ndarray, bool]:
                 f"{argument}: is on {x.device}; the Rust kernels read host memory (pass a CPU "
                 "tensor, or device tensors only: hetcoll.weighted_sum runs those on their device)"
             )
+        # Refused by name before .numpy(), whose own errors name no argument; a RuntimeError
+        # (a nested tensor's, a lazily negated one's) also escaped the collectives' argument
+        # checks, so the rank left without telling its peers, which then hung.
+        check_dense(x, argument)
+        if x.is_neg():
+            raise ValueError(
+                f"{argument}: has its negative bit set (a lazy negation, as x.conj().imag "
+                "gives), which numpy cannot view; pass x.resolve_neg()"
+            )
         t = x.detach()
         if t.dtype == torch.bfloat16:
             return t.view(torch.int16).numpy().view(np.uint16), True
@@ -53,6 +62,16 @@ def numpy_view(x: Any, argument: str) -> tuple[np.ndarray, bool]:
     raise TypeError(
         f"{argument}: must be a numpy array or a CPU torch tensor, got {type(x).__name__}"
     )
+
+
+def check_dense(t: Any, argument: str) -> None:
+    """Refuse a tensor whose memory is not one plain strided array (sparse, mkldnn, nested),
+    naming ``argument``: numpy cannot view it."""
+    import torch
+
+    if t.layout is not torch.strided or t.is_nested:
+        what = "a nested tensor" if t.is_nested else t.layout
+        raise ValueError(f"{argument}: must be a dense (strided) tensor, got {what}")
 
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16))

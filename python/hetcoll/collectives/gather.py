@@ -27,7 +27,7 @@ from hetcoll.comm import (
     group_argument,
     wrap,
 )
-from hetcoll.kernels import is_tensor
+from hetcoll.kernels import check_dense, is_tensor
 
 
 def allgatherv(
@@ -117,6 +117,7 @@ def _gather(
         if failure is not None:
             raise failure
         view = _local_view(local)
+        dtype = _dtype_code(local, view)
         into = None if out is None else _out_view(out, local, view)
     except (TypeError, ValueError) as e:
         if c is None:
@@ -124,12 +125,13 @@ def _gather(
         # Still join the first round, with nothing to gather and a header that says so: the
         # others raise at once (a CollectiveMismatchError naming this rank and its error).
         failure, view, into, algorithm = e, np.empty(0, np.uint8), None, FAILED
+        dtype = view.dtype.str
     if c is None:
         c = wrap(comm)
     into_bytes = None if into is None else into.reshape(-1).view(np.uint8)
     out_rows = NO_OUT if into is None else into.shape[0]
     try:
-        lengths, joined = _first_round(c, view, deadline, algorithm, into_bytes, out_rows)
+        lengths, joined = _first_round(c, view, dtype, deadline, algorithm, into_bytes, out_rows)
     except _PeerFailed:
         agree(c, {}, deadline, failure=failure)  # the errors, told to every rank; raises
         raise
@@ -172,17 +174,18 @@ def _gather(
 def _local_view(local: Any) -> np.ndarray:
     """``local`` as a C-contiguous numpy array (a tensor's memory as its bytes' type), checked."""
     if is_tensor(local):
-        import torch  # a tensor was given: torch is imported
-
         if local.device.type == "meta":
             raise ValueError("local: a meta tensor holds no values to gather")
-        if local.layout is not torch.strided:
-            raise ValueError(f"local: must be a dense (strided) tensor, got {local.layout}")
-        view = _tensor_bytes_view(local.detach().contiguous())
+        check_dense(local, "local")
+        # A lazily conjugated or negated tensor (x.conj(), x.conj().imag) gathers its values:
+        # numpy cannot view the lazy form (a RuntimeError the peers were never told of).
+        plain = local.detach().resolve_conj().resolve_neg()
+        view = _tensor_bytes_view(plain.contiguous(), "local")
     elif isinstance(local, np.ndarray):
         if local.dtype.hasobject:
             raise ValueError("local: an array of Python objects has no bytes to gather")
-        view = np.ascontiguousarray(local)
+        # np.ascontiguousarray makes a 0-d array 1-d, which the check below would never see.
+        view = np.ascontiguousarray(local) if local.ndim else local
     else:
         raise TypeError(
             f"local: must be a numpy array or a torch tensor, got {type(local).__name__}"
@@ -195,6 +198,7 @@ def _local_view(local: Any) -> np.ndarray:
 def _first_round(
     c: Communicator,
     view: np.ndarray,
+    dtype: str,
     deadline: float | None,
     algorithm: str,
     into_bytes: np.ndarray | None,
@@ -202,12 +206,13 @@ def _first_round(
 ) -> tuple[list[int], np.ndarray | None]:
     """Every rank's length along axis 0, the headers checked, and for "auto" possibly the
     pieces joined already: speculative on gloo, through the node windows on one MPI node, else
-    an allgather of the headers. ``into_bytes``: ``out`` as bytes, where "auto" may join them;
-    ``out_rows``: its rows (``NO_OUT``: none), checked on every rank."""
+    an allgather of the headers. ``dtype``: the piece's (:func:`_dtype_code`); ``into_bytes``:
+    ``out`` as bytes, where "auto" may join them; ``out_rows``: its rows (``NO_OUT``: none),
+    checked on every rank."""
     send = view.reshape(-1).view(np.uint8)
     row_bytes = view.itemsize * math.prod(view.shape[1:])
     # The arguments of either round that carries the pieces with the headers, in order.
-    piece = (view.shape, view.dtype.str, send, row_bytes, deadline, algorithm, into_bytes, out_rows)
+    piece = (view.shape, dtype, send, row_bytes, deadline, algorithm, into_bytes, out_rows)
     if c.size > 1 and c.engine in _tuning.SPECULATIVE_GATHER_ENGINES:
         return _speculative_round(c, *piece)
     if (
@@ -215,16 +220,31 @@ def _first_round(
         and (windows := c.node_windows(_tuning.SHARED_SEGMENT_BYTES, deadline)) is not None
     ):
         return _shared_round(c, windows, *piece)
-    shapes = _exchange_shapes(c, view.shape, view.dtype.str, deadline, algorithm, out_rows)
+    shapes = _exchange_shapes(c, view.shape, dtype, deadline, algorithm, out_rows)
     return [int(n) for n in shapes], None
 
 
-def _tensor_bytes_view(t: Any) -> np.ndarray:
-    """A CPU tensor's memory as numpy: any dtype as itself, bfloat16 (unknown to numpy) as its
-    16-bit patterns, so that it travels as bytes."""
+def _tensor_bytes_view(t: Any, argument: str) -> np.ndarray:
+    """A CPU tensor's memory as numpy: any dtype numpy has as itself, bfloat16 (unknown to
+    numpy) as its 16-bit patterns, so that it travels as bytes; other dtypes numpy lacks
+    (float8, complex32, quantized) raise ``TypeError`` naming ``argument``."""
     import torch
 
-    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy()
+    try:
+        return t.numpy()
+    except TypeError:  # "Got unsupported ScalarType ...", which names no argument
+        raise TypeError(f"{argument}: dtype {t.dtype} has no numpy counterpart") from None
+
+
+def _dtype_code(local: Any, view: np.ndarray) -> str:
+    """The dtype ranks compare in the first round: numpy's, but bfloat16 by its own name, as
+    its view (int16 patterns) would match an int16 piece and the bytes be read as the other
+    type."""
+    if is_tensor(local) and str(local.dtype) == "torch.bfloat16":
+        return "bfloat16"
+    return view.dtype.str
 
 
 def _out_view(out: Any, local: Any, view: np.ndarray) -> np.ndarray:
@@ -237,7 +257,10 @@ def _out_view(out: Any, local: Any, view: np.ndarray) -> np.ndarray:
             raise TypeError(f"out: dtype {out.dtype} differs from local's {local.dtype}")
         if out.requires_grad:
             raise ValueError("out: must not require grad")
-        array = _tensor_bytes_view(out)
+        check_dense(out, "out")
+        if out.is_conj() or out.is_neg():  # written in place: numpy cannot view its lazy form
+            raise ValueError("out: has its conjugate or negative bit set; pass a plain tensor")
+        array = _tensor_bytes_view(out, "out")
     elif isinstance(out, np.ndarray):
         array = out
     else:
