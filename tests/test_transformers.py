@@ -56,6 +56,7 @@ EXPECTED = {
     "resumes": True,
     "autocast": True,
     "checkpointed": True,
+    "thawed": {"beside a block": True, "raised": True},
     # Compiled block by block after parallelize: graphs on every rank (each holds a block);
     # compiled before, named in a warning.
     "compiled_blocks": {

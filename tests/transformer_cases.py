@@ -342,6 +342,7 @@ def equals_one_process(
     traffic: bool = True,
     scaler: Any = None,
     compiled: type[nn.Module] | None = None,
+    evaluated: bool = False,
 ) -> dict[str, int]:
     """``plan`` trains ``make()`` (in ``dtype``) like one process on the CPU; with ``device``
     this rank's part of the model lives there (a GPU rank beside CPU ranks); with ``clip``,
@@ -350,7 +351,8 @@ def equals_one_process(
     called once per forward); with ``scaler``, the plan scales its losses by it (unscaled
     before the clip; a power of two: the same numbers in float64); with ``compiled``, the
     modules of that class among the plan's are each compiled after parallelize (their
-    ``compile()``, torch's regional compilation)."""
+    ``compile()``, torch's regional compilation); with ``evaluated``, the plan first evaluates
+    the first batch under ``torch.inference_mode()`` (its loss one process's)."""
     torch.manual_seed(0)
     model = make().to(dtype)
     data = batches(plan.batch, steps)
@@ -361,6 +363,12 @@ def equals_one_process(
     for m in par.modules() if compiled is not None else ():
         if isinstance(m, compiled):
             m.compile(backend="aot_eager")
+    if evaluated:  # the untrained model's loss (no dropout: eval() changes nothing)
+        par.eval()
+        with torch.inference_mode():
+            loss = par.step(*data[0])
+        assert abs(loss - want_losses[0]) <= tol * abs(want_losses[0]), (loss, want_losses[0])
+        par.train()
     opt = torch.optim.SGD(par.parameters(), lr=0.1, momentum=0.9)
     for (x, y), want in zip(data, want_losses, strict=True):
         loss = par.step(x, y, scaler=scaler)
@@ -919,6 +927,59 @@ def under_autocast(group: Any) -> bool:
     )
 
 
+def thawed(group: Any) -> dict[str, bool]:
+    """Llama's embeddings frozen when parallelize built the plan, thawed after its first step
+    (a warm-up's end). Beside a trainable block on their stage (pipeline cut after
+    ``model.layers.0``) they train as one process trains them. Alone on the first stage of a
+    pipeline, whose output then required no gradient, no gradient crosses the cut back to
+    them: the step after the thaw raises on every rank, naming the block whose output needs
+    one now (it trained silently wrong: the embeddings were given no gradient)."""
+    torch.manual_seed(0)
+    model = llama().double()
+    n = _layers(llama)
+    data = batches(7, 2)
+
+    def thaw(m: nn.Module, trains: bool) -> None:
+        for name, p in m.named_parameters():
+            if name == "model.embed_tokens.weight":
+                p.requires_grad_(trains)
+
+    one = copy.deepcopy(model)
+    thaw(one, False)
+    opt = torch.optim.SGD(one.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(data):
+        thaw(one, step > 0)
+        lm_loss(one(**x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    out = {}
+    for name, cuts in (("beside a block", [3, 5, 6]), ("raised", None)):
+        frozen = copy.deepcopy(model)
+        thaw(frozen, False)
+        plan = Plan.from_dict(pipeline_4(n, cuts))
+        par = parallelize(frozen, plan, loss_fn=lm_loss, items=valid_tokens, group=group)
+        opt = torch.optim.SGD(par.parameters(), lr=0.1)
+        said = ""
+        try:
+            for step, (x, y) in enumerate(data):
+                thaw(par, step > 0)
+                par.step(x, y)
+                opt.step()
+                opt.zero_grad()
+        except ValueError as e:
+            said = str(e)
+        if cuts is not None:
+            got = par.full_state_dict()
+            out[name] = not said and all(
+                rel(got[k], v) <= 1e-6 for k, v in one.state_dict().items()
+            )
+        else:
+            out[name] = "block 'model.embed_tokens'" in said or (
+                wrap(group).rank != 0 and "on other ranks" in said
+            )
+    return out
+
+
 def checkpointed(group: Any) -> bool:
     """GPT-2 under Hugging Face's gradient checkpointing (``gradient_checkpointing_enable``,
     reentrant, its default, and not) through a pipeline beside a split stage equals one
@@ -1107,10 +1168,14 @@ def _images(make: Any, plan: dict[str, Any]) -> Any:
 CASES: dict[str, Any] = {}
 for _name, _make in (("gpt2", gpt2), ("llama", llama), ("encoder", EncoderLM)):
     _tol = 1e-6 if _name == "llama" else TOL
-    CASES[f"{_name}_pipeline"] = _equal(_make, pipeline_4, _tol, sent=True)
+    # Evaluated under inference_mode before it trains, through a pipeline and beside a split
+    # stage: its training steps' micro-batches, of the evaluation's shapes, carried no
+    # gradient back across the cuts (the probe made under inference_mode, where no output
+    # requires one, was kept for them).
+    CASES[f"{_name}_pipeline"] = _equal(_make, pipeline_4, _tol, sent=True, evaluated=True)
     # Clipped by the whole model's norm: a pipeline replica (GPT-2's head tied to its
     # embedding across its stages) beside a split stage.
-    CASES[f"{_name}_hybrid"] = _equal(_make, hybrid, _tol, clip=0.05)
+    CASES[f"{_name}_hybrid"] = _equal(_make, hybrid, _tol, clip=0.05, evaluated=True)
     if _name != "encoder":
         CASES[f"{_name}_empty_blocks"] = _equal(_make, partial(hybrid, empty_blocks=True), _tol)
         CASES[f"{_name}_by_shares"] = _equal(_make, partial(hybrid_by_shares, _make), _tol)
@@ -1206,6 +1271,7 @@ CASES.update(
         "resumes": resumes_on_another_plan,
         "autocast": under_autocast,
         "checkpointed": checkpointed,
+        "thawed": thawed,
         "compiled_blocks": compiled_blocks,
         "scaled": scaled,
         "lora": lora,

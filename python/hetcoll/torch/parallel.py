@@ -456,6 +456,10 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         # This rank's copies of the parameters several stages hold that were frozen when the plan
         # was built: in no sum (_plan_reductions), so none may train.
         self._unsummed_frozen: list[tuple[str, torch.Tensor]] = []
+        # A blocks model's step: this rank's blocks whose output a later stage reads and that
+        # requires a gradient now where the probe's did not (parameters frozen when the plan
+        # was built train now): no gradient comes back to it across the cut.
+        self._thawed_cuts: list[str] = []
         self._traffic: dict[str, int] = dict.fromkeys(TRAFFIC_KINDS, 0)
         self._shapes: dict[tuple[Any, ...], list[tuple[torch.Size, torch.dtype]]] = {}
         self._items: Items | None = None
@@ -708,10 +712,11 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
     def _step_fields(self, local: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor:
         """What every rank learns at a step's end, as a float64 tensor on this rank's device
         (gathered there, then moved or read once: a CUDA rank's one sync of the step): its
-        loss, how many parameters left out of the sums as frozen now train, and its scale's
+        loss, how many parameters left out of the sums as frozen now train (and blocks whose
+        outputs need a gradient no later stage sends back: :attr:`_thawed_cuts`), its scale's
         fields (:func:`scale_fields`; zeros where the step does not scale), whose sum tells
         whether every rank scaled by the same factor."""
-        thawed = sum(p.requires_grad for _, p in self._unsummed_frozen)
+        thawed = sum(p.requires_grad for _, p in self._unsummed_frozen) + len(self._thawed_cuts)
         return torch.cat(
             [
                 torch.zeros(1, dtype=torch.float64, device=self._device)
@@ -992,11 +997,27 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
             )
         if thawed_anywhere:
             thawed = [n for n, p in self._unsummed_frozen if p.requires_grad]
+            if thawed:
+                raise ValueError(
+                    "parameters held by several stages were frozen (requires_grad False) when "
+                    "parallelize built the plan, so their gradients are summed over no replica "
+                    f"or stage, and now they require gradients ({', '.join(thawed)}): unfreeze "
+                    "them before parallelize, or parallelize again"
+                )
+            if not self._thawed_cuts:
+                raise ValueError(
+                    "parameters frozen (requires_grad False) when parallelize built the plan "
+                    "require gradients now, on other ranks, and the plan carries none to them "
+                    "(summed over no replica or stage, or sent back across no cut): unfreeze "
+                    "them before parallelize, or parallelize again"
+                )
+            assert self.place is not None  # only a stage's blocks find _thawed_cuts
+            blocks = ", ".join(f"block {b!r}" for b in self._thawed_cuts)
             raise ValueError(
-                "parameters held by several stages were frozen (requires_grad False) when "
-                "parallelize built the plan, so their gradients are summed over no replica or "
-                f"stage, and now they require gradients ({', '.join(thawed) or 'on other ranks'}"
-                "): unfreeze them before parallelize, or parallelize again"
+                "parameters were frozen (requires_grad False) when parallelize built the plan, "
+                f"so the output of {blocks} ({self._where(self.place[0])(self.place[1])}) "
+                "required no gradient and the later stages reading it send none back; it "
+                "requires one now: unfreeze them before parallelize, or parallelize again"
             )
 
     def extra_repr(self) -> str:
@@ -1267,8 +1288,11 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
 
     def _flow(self, inputs: Any) -> Flow:
         """The probe (:func:`hetcoll.torch.replay.probe`) of a micro-batch of this shape, and
-        every stage's roles checked, the same on every rank."""
-        key = _signature(inputs, 0)
+        every stage's roles checked, the same on every rank. Kept per shape, and apart for
+        steps under ``torch.inference_mode()``: there nothing requires a gradient, its probe's
+        ``enable_grad`` notwithstanding, so its outputs' ``requires_grad`` (what a training
+        step sends back across a cut) would all be False for the training steps after it."""
+        key = (_signature(inputs, 0), torch.is_inference_mode_enabled())
         if key not in self._flows:
             model = self.stage if self.stage is not None else self._skeleton[0]
             with torch.no_grad(), tensor_attributes_kept(model):  # the step runs it, once
@@ -1343,6 +1367,7 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
         # Under no_grad (an evaluation step, on every rank: the batch's check) no input
         # carries a gradient (StageInput), so none travels back.
         gradients = torch.is_grad_enabled()
+        self._thawed_cuts = []
 
         def probed(k: int) -> tuple[Any, Flow, StageRoles]:
             """Micro-batch ``k``'s inputs, probe and roles, looked up once for its forward,
@@ -1404,6 +1429,16 @@ class Parallel(PlanCheckpoints, PlanExperts, nn.Module):
                         loss_sum = _summed_loss(loss_sum, loss)
                         saved[k] = (received, self._scaled(loss), roles, flow)
                     else:
+                        for b in roles.sends if gradients else ():
+                            # Gradients cross a cut where the probe's output required one
+                            # (what the meta blocks' parameters required when the plan was
+                            # built): an output that requires one only now gets none; the
+                            # step's end raises, on every rank (_raise_flags).
+                            stale = zip(flow.tensors(b), tensors(captured[b]), strict=True)
+                            if self._names[b] not in self._thawed_cuts and any(
+                                t.requires_grad and not leaf.requires_grad for leaf, t in stale
+                            ):
+                                self._thawed_cuts.append(self._names[b])
                         if lead:  # in the probe's dtypes, whatever autocast computed them in
                             for b, readers in roles.sends.items():
                                 for leaf, t in zip(
