@@ -100,6 +100,8 @@ TENSOR_PARALLEL_MOE_RUN := benches/bench_tensor_parallel.py --arch mixtral --bat
 	--steps 20 --json $(RAW)/tensor_parallel_moe.json
 TENSOR_PARALLEL_LORA_RUN := benches/bench_tensor_parallel.py --arch llama-lora --batch 32 \
 	--steps 20 --json $(RAW)/tensor_parallel_lora.json
+TENSOR_PARALLEL_DORA_RUN := benches/bench_tensor_parallel.py --arch llama-dora --batch 32 \
+	--steps 20 --json $(RAW)/tensor_parallel_dora.json
 EXPERT_PARALLEL_RUN := benches/bench_expert_parallel.py --batch 32 --steps 20 \
 	--json $(RAW)/expert_parallel.json
 PLACEMENT_RUN      := benches/bench_placement.py --launches 3 --json $(RESULTS)/placement.json \
@@ -108,9 +110,9 @@ PLACEMENT_RUN      := benches/bench_placement.py --launches 3 --json $(RESULTS)/
 .PHONY: bench-report bench-kernels bench-split bench-partition bench-partitioners bench-planner \
 	bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate bench-plans \
 	bench-microbatches bench-planspace bench-placement bench-lm-pipeline bench-tensor-parallel \
-	bench-tensor-parallel-moe bench-tensor-parallel-lora bench-expert-parallel bench-fixed-costs \
-	bench-step-timer bench-step-overhead bench-trainer-rebalance bench-fsdp-rebalance bench-full-state \
-	bench-grouped-convs bench-compiled
+	bench-tensor-parallel-moe bench-tensor-parallel-lora bench-tensor-parallel-dora \
+	bench-expert-parallel bench-fixed-costs bench-step-timer bench-step-overhead \
+	bench-trainer-rebalance bench-fsdp-rebalance bench-full-state bench-grouped-convs bench-compiled
 
 $(BENCHED): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet --group bench
@@ -120,9 +122,9 @@ bench: bench-kernels bench-split bench-partition bench-partitioners bench-planne
 		bench-data-parallel bench-collectives bench-filter-parallel bench-model-validate \
 		bench-microbatches bench-plans bench-planspace bench-placement bench-lm-pipeline \
 		bench-tensor-parallel bench-tensor-parallel-moe bench-tensor-parallel-lora \
-		bench-expert-parallel bench-fixed-costs bench-step-timer bench-step-overhead \
-		bench-trainer-rebalance bench-fsdp-rebalance bench-full-state bench-grouped-convs \
-		bench-compiled
+		bench-tensor-parallel-dora bench-expert-parallel bench-fixed-costs bench-step-timer \
+		bench-step-overhead bench-trainer-rebalance bench-fsdp-rebalance bench-full-state \
+		bench-grouped-convs bench-compiled
 	$(MAKE) bench-report
 
 bench-report:
@@ -243,6 +245,12 @@ bench-tensor-parallel-lora: $(BUILT) $(BENCHED)
 	$(PY) $(TENSOR_PARALLEL_LORA_RUN)
 	$(PY) benches/report.py import tensor-parallel $(RAW)/tensor_parallel_lora.json \
 		--command "python $(TENSOR_PARALLEL_LORA_RUN)"
+
+bench-tensor-parallel-dora: $(BUILT) $(BENCHED)
+	mkdir -p $(RAW)
+	$(PY) $(TENSOR_PARALLEL_DORA_RUN)
+	$(PY) benches/report.py import tensor-parallel $(RAW)/tensor_parallel_dora.json \
+		--command "python $(TENSOR_PARALLEL_DORA_RUN)"
 
 bench-expert-parallel: $(BUILT) $(BENCHED)
 	mkdir -p $(RAW)

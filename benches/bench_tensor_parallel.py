@@ -10,7 +10,9 @@ sequences of the example's length; or (``--arch mixtral``) a mixture of experts 
 shape: Hugging Face Mixtral, each block's MLP 8 experts of 176 hidden units, 2 per token, run
 by Hugging Face's default kernel (``grouped_mm``), its experts split by hidden units; or
 (``--arch llama-lora``) the Llama as a LoRA fine-tuning (PEFT's adapters of rank 8 on its
-seven projections, the base frozen), the wrapped projections split with their blocks. Each
+seven projections, the base frozen), the wrapped projections split with their blocks; or
+(``--arch llama-dora``) the same with DoRA's adapters (PEFT's ``use_dora``: each adapted
+weight's norm too, the magnitude vector learnt). Each
 strategy is :func:`hetcoll.torch.filter_parallel` on a
 copy of the same model, trained with SGD on the same global batch:
 
@@ -96,12 +98,14 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def make_model(arch: str, vocab: int) -> nn.Module:
     """The example's decoder (``arch`` llama, gpt2 or mixtral: its mixture of experts), or
     (``llama-lora``) its Llama as a LoRA fine-tuning: PEFT's adapters of rank 8 on every
-    projection, the base weights frozen."""
-    if arch == "llama-lora":
+    projection, the base weights frozen; (``llama-dora``) the same adapters as DoRA's."""
+    if arch in ("llama-lora", "llama-dora"):
         from peft import LoraConfig, get_peft_model
 
         base = lm_example().make_model("llama", vocab=vocab)
-        config = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS)
+        config = LoraConfig(
+            r=8, lora_alpha=16, target_modules=LORA_TARGETS, use_dora=arch == "llama-dora"
+        )
         return get_peft_model(base, config)  # type: ignore[no-any-return]
     return lm_example().make_model(arch, vocab=vocab)  # type: ignore[no-any-return]
 
@@ -295,7 +299,9 @@ def predicted(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", default="llama", choices=["llama", "gpt2", "mixtral", "llama-lora"])
+    ap.add_argument(
+        "--arch", default="llama", choices=["llama", "gpt2", "mixtral", "llama-lora", "llama-dora"]
+    )
     ap.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
     ap.add_argument(
         "--vocab", type=int, default=256, help="vocabulary size (the example's: 256 bytes)"

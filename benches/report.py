@@ -988,20 +988,20 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
     ]
     if other_vocab:
         headlines = [h for h in headlines if "loss split" in h[0]]
-    # A LoRA fine-tuning (--arch llama-lora) is a results file of its own: its wrapped
-    # projections split with their blocks against gather mode (each base layer and adapter a
-    # layer of its own, as they split before the wrappers were known).
-    lora = arch == "llama-lora"
-    if lora:
+    # A LoRA or DoRA fine-tuning (--arch llama-lora, llama-dora) is a results file of its
+    # own: its wrapped projections split with their blocks against gather mode (each base
+    # layer and adapter a layer of its own, as they split before the wrappers were known).
+    adapters = {"llama-lora": "LoRA", "llama-dora": "DoRA"}.get(arch)
+    if adapters:
         headlines = [
             (
-                "LoRA fine-tuning (PEFT adapters on every projection) at emulated speeds "
-                "1:0.25, split by heads vs layer by layer (gather mode): bytes per step",
+                f"{adapters} fine-tuning (PEFT adapters on every projection) at emulated "
+                "speeds 1:0.25, split by heads vs layer by layer (gather mode): bytes per step",
                 f"{gb / max(pb, 1):.2f}x fewer",
             ),
             (
-                "LoRA fine-tuning at emulated speeds 1:0.25, split by heads vs layer by layer "
-                "(gather mode): step time",
+                f"{adapters} fine-tuning at emulated speeds 1:0.25, split by heads vs layer by "
+                "layer (gather mode): step time",
                 f"{gather['step_s'] / prop['step_s']:.2f}x faster",
             ),
         ]
@@ -1026,12 +1026,12 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
         "tensor_parallel"
         + (f"_vocab{vocab}" if other_vocab else "")
         + ("_moe" if moe else "")
-        + ("_lora" if lora else ""),
+        + (f"_{adapters.lower()}" if adapters else ""),
         (
             "Tensor parallelism of a mixture of experts"
             if moe
-            else "Tensor parallelism of a LoRA fine-tuning"
-            if lora
+            else f"Tensor parallelism of a {adapters} fine-tuning"
+            if adapters
             else "Tensor parallelism of a decoder"
         )
         + (f", vocabulary {vocab}" if other_vocab else ""),
@@ -1076,9 +1076,12 @@ def adapt_tensor_parallel(raw: Sequence[Path], command: str) -> dict[str, Any]:
             "ranks of emulated speeds (`SPEEDS` in `benches/bench_tensor_parallel.py`), the LM "
             "example's decoder"
             + (
-                " as a LoRA fine-tuning (PEFT's adapters of rank 8 on its seven projections, "
-                "the base frozen: each wrapper split with its block, its adapters with it)"
-                if lora
+                f" as a {adapters} fine-tuning (PEFT's adapters of rank 8 on its seven "
+                "projections, the base frozen: each wrapper split with its block, its adapters "
+                "with it"
+                + ("; DoRA's magnitudes and weight norms too" if adapters == "DoRA" else "")
+                + ")"
+                if adapters
                 else ""
             )
             + "; heterogeneity is emulated the same way for every strategy."

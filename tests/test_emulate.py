@@ -20,7 +20,7 @@ from hetcoll.lab.emulate import (
     slow_down_filter_parallel,
 )
 from hetcoll.torch import SpeedFit, filter_parallel
-from hetcoll.torch.filters import FilterParallelLayer, LocalLinear
+from hetcoll.torch.filters import FilterParallelDoRA, FilterParallelLayer, LocalLinear
 
 
 def _net() -> nn.Module:
@@ -183,13 +183,40 @@ def _filter_rank(rank: int, world: int) -> dict[str, object]:
         "hooked_local": handle.layers == [m.local for m in split],
         "forward": log[:2] == [3 * s for s in handle.forward_seconds],
         "sleeps": len(log),
+        "dora": _dora_delay_points(),
     }
+
+
+def _dora_delay_points() -> list[str]:
+    """The delay points of a split DoRA model (PEFT's adapters on an MLP): its split layers'
+    local computations, not its magnitudes' DoRA layers (whose forward sums a weight norm
+    over the ranks: timed, a slow rank slept its wait for the others)."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    class Mlp(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(torch.relu(self.up(x)))
+
+    config = LoraConfig(r=2, target_modules=["up", "down"], use_dora=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the layers PEFT's wrappers hold, named
+        model = filter_parallel(get_peft_model(Mlp(), config), [1.0, 1.0], None)
+    assert any(isinstance(m, FilterParallelDoRA) for m in model.modules())
+    return sorted({type(m).__name__ for m in delay_points(model)})
 
 
 @pytest.mark.multiproc
 def test_slow_down_filter_parallel_hooks_the_split_layers_local_computation_only():
-    # Not the split BatchNorm, not the collectives: two sleeps per split layer.
-    expected = {"hooked_local": True, "forward": True, "sleeps": 4}
+    # Not the split BatchNorm, not the collectives: two sleeps per split layer. A DoRA model's
+    # split layers and whole adapters, not its DoRA layers.
+    dora = ["Linear", "LocalLinear"]
+    expected = {"hooked_local": True, "forward": True, "sleeps": 4, "dora": dora}
     assert launch.spawn(_filter_rank, 2, timeout=120) == [expected] * 2
 
 

@@ -52,7 +52,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hetcoll.model.hardware import Device
 from hetcoll.torch.expert_parallel import ExpertParallelExperts
-from hetcoll.torch.filters import FilterParallelExperts, FilterParallelLayer
+from hetcoll.torch.filters import FilterParallelDoRA, FilterParallelExperts, FilterParallelLayer
 from hetcoll.torch.speed import SpeedFit
 
 
@@ -67,14 +67,18 @@ def delay_points(module: nn.Module) -> list[nn.Module]:
     """The layers that carry the delay: leaves with parameters, and modules holding parameters
     of their own above parameter-free children (Hugging Face's experts: stacked weights and an
     activation); a split layer (a filter-parallel layer, split experts, experts placed on
-    ranks) counts through its local computation, so that its collectives run at full speed;
-    else all leaves, else the root."""
+    ranks) counts through its local computation, so that its collectives run at full speed,
+    and a split DoRA layer's magnitudes not at all (its forward sums its weight norm over the
+    ranks: timed, a slow rank would sleep its wait for the others); else all leaves, else the
+    root."""
     split = (FilterParallelLayer, FilterParallelExperts, ExpertParallelExperts)
     local = {id(m.local) for m in module.modules() if isinstance(m, split)}
     leaves = [m for m in module.modules() if not list(m.children())]
 
     def owns(m: nn.Module) -> bool:
-        if isinstance(m, split) or not any(True for _ in m.parameters(recurse=False)):
+        if isinstance(m, (*split, FilterParallelDoRA)):
+            return False
+        if not any(True for _ in m.parameters(recurse=False)):
             return False
         return not any(True for c in m.children() for _ in c.parameters())
 
