@@ -128,12 +128,9 @@ class SlowDown:
         self._backward_start: list[float | None] = [None] * n
         self._oversleep = 0.0
         self._handles: list[RemovableHandle] = []
-        # Hooked at full speed too (sleeping nothing): a full backward hook adds nodes to the
-        # autograd graph, and ranks whose graphs differ may run independent branches' backward
-        # collectives in different orders (a split DoRA model, only its slow rank hooked,
-        # waited for ever: one rank's broadcast against the other's gather).
-        for i, layer in enumerate(self.layers):
-            self._attach(i, layer)
+        if self.speed < 1.0:
+            for i, layer in enumerate(self.layers):
+                self._attach(i, layer)
 
     # Hooks are partials of bound methods, so a deepcopy (measure_speed copies its model) gets
     # hooks bound to the copy, not to this object.
