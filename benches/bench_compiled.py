@@ -70,15 +70,6 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, type[nn.Module]]]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_compiled_blocks_against_the_eager_plan(
     figure: Callable[..., None], interleaved: Callable[..., Any], one_rank: None, name: str

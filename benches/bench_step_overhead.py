@@ -76,15 +76,6 @@ MODELS = {
 }
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_parallelize_step_against_the_bare_step(figure, interleaved, one_rank, name):
     torch.set_num_threads(1)

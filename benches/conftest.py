@@ -72,6 +72,17 @@ class Rounds:
         return f"rounds' ratios {ratios[len(ratios) // 4]:.2f}-{ratios[3 * len(ratios) // 4]:.2f}"
 
 
+@pytest.fixture(scope="module")
+def one_rank() -> Any:
+    """A torch.distributed group of this process alone (gloo, an in-memory store), for a
+    module's benchmarks of a one-rank plan."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture
 def interleaved() -> Callable[..., Rounds]:
     """interleaved(runs, *, rounds, steps, warmup): each of ``runs`` (``(name, callable)``
